@@ -1,0 +1,65 @@
+// pybind11 module dtmt_kernels._C: thin wrappers that check devices and dispatch to the CPU (and, when
+// built with CUDA, the GPU) implementations. Shapes and dtypes are validated in Python
+// (dtmt_kernels/functional.py); the TORCH_CHECKs here only guard against misuse of the raw op.
+#include <torch/extension.h>
+
+#include "cell_math.h"
+#include "transition.h"
+
+namespace {
+
+using at::Tensor;
+
+dtmt::TransitionWeights make_weights(int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                                     const Tensor& b_hh, const Tensor& ln_w, const Tensor& ln_b, const Tensor& t_w,
+                                     const Tensor& t_b, const Tensor& t_ln_w, const Tensor& t_ln_b) {
+  return dtmt::TransitionWeights{kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b};
+}
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(!t.defined() || t.numel() == 0 || (t.device().is_cpu() && t.is_contiguous()), "dtmt._C: ", name,
+              " must be a contiguous CPU tensor");
+}
+
+std::vector<Tensor> transition_forward(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
+                                       int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                                       const Tensor& b_hh, const Tensor& ln_w, const Tensor& ln_b,
+                                       const Tensor& t_w, const Tensor& t_b, const Tensor& t_ln_w,
+                                       const Tensor& t_ln_b, bool reverse, double eps) {
+  for (auto& p : {std::make_pair(&x, "x"), {&h0, "h0"}, {&mask, "mask"}, {&drop, "drop"}, {&w_ih, "w_ih"},
+                  {&b_ih, "b_ih"}, {&w_hh, "w_hh"}, {&b_hh, "b_hh"}, {&ln_w, "ln_w"}, {&ln_b, "ln_b"},
+                  {&t_w, "t_w"}, {&t_b, "t_b"}, {&t_ln_w, "t_ln_w"}, {&t_ln_b, "t_ln_b"}})
+    check_cpu(*p.first, p.second);
+  auto w = make_weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
+  return dtmt::transition_forward_cpu(x, h0, mask, drop, w, reverse, eps);
+}
+
+std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                        const Tensor& mask, const Tensor& drop, int64_t kind, const Tensor& w_ih,
+                                        const Tensor& b_ih, const Tensor& w_hh, const Tensor& b_hh,
+                                        const Tensor& ln_w, const Tensor& ln_b, const Tensor& t_w,
+                                        const Tensor& t_b, const Tensor& t_ln_w, const Tensor& t_ln_b,
+                                        const Tensor& xp, const Tensor& hs, const Tensor& hp, const Tensor& hpt,
+                                        bool reverse, double eps) {
+  for (auto& p : {std::make_pair(&grad_out, "grad_out"), {&grad_hn, "grad_hn"}, {&xp, "xp"}, {&hs, "hs"},
+                  {&hp, "hp"}, {&hpt, "hpt"}})
+    check_cpu(*p.first, p.second);
+  auto w = make_weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
+  return dtmt::transition_backward_cpu(grad_out, grad_hn, x, mask, drop, w, xp, hs, hp, hpt, reverse, eps);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "dtmt fused recurrent kernels (deep transition block, ATR)";
+  m.attr("KIND_GRU") = static_cast<int>(dtmt::kGRU);
+  m.attr("KIND_LGRU") = static_cast<int>(dtmt::kLGRU);
+  m.attr("KIND_LAU") = static_cast<int>(dtmt::kLAU);
+  m.attr("KIND_ATR") = static_cast<int>(dtmt::kATR);
+  m.def("transition_forward", &transition_forward,
+        "Deep transition / ATR forward over a sequence; returns [out, h_n, xp, hs, hp, hpt]");
+  m.def("transition_backward", &transition_backward,
+        "Deep transition / ATR backward; returns gradients [dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, "
+        "dt_w, dt_b, dt_ln_w, dt_ln_b]");
+  m.attr("has_cuda") = false;
+}

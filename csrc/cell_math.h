@@ -1,0 +1,417 @@
+// Per-element and per-row math of the recurrent cells (SPEC §2), free of any framework.
+//
+// Everything here is `DTMT_HD` (host + device inline), so the C++ CPU kernels (transition_cpu.cpp) and the
+// CUDA kernels share one definition of each gate, candidate, state update and layer norm, forward and
+// backward. The row functions loop over one batch row of H features; the element functions are what a
+// CUDA kernel with one thread per feature calls directly.
+//
+// Row layouts (pre-activations, one batch row; "x" rows come from the input GEMM W x + b_ih, "h" rows from
+// the recurrent GEMM U h + b_hh):
+//   GRU   x: [r z c]        h: [r z c]      gates r z      c = tanh(xc + r*hc)
+//   LGRU  x: [r z l c lin]  h: [r z l c]    gates r z l    c = tanh(xc + r*hc) + l*lin
+//   LAU   x: [r z g c lin]  h: [r z g c]    gates r z g    c = tanh((1-r)*xc + r*hc); h' = ((1-z)h + z c)(1-g) + g lin
+//   TGRU  x: none           h: [r z c]      gates r z      c = tanh(r*hc)
+//   ATR   x: [p]            h: [q]          i = σ(p+q), f = σ(p-q), h' = i p + f h
+// With layer norm on, gate k's pre-activation a_k = x_k + h_k is replaced by LN(a_k)*w_k + b_k before the
+// sigmoid (ATR: p and q are normalised separately). Candidate dropout multiplies the candidate c.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define DTMT_HD __host__ __device__ __forceinline__
+#define DTMT_RESTRICT __restrict__
+#else
+#define DTMT_HD inline
+#define DTMT_RESTRICT __restrict__
+#endif
+
+namespace dtmt {
+
+enum CellKind : int { kGRU = 0, kLGRU = 1, kLAU = 2, kATR = 3, kTGRU = 4 };
+
+// Rows of the input projection (W x), of the recurrent projection (U h) and number of normalised gates.
+DTMT_HD int cell_input_rows(int kind) {
+  return kind == kGRU ? 3 : (kind == kLGRU || kind == kLAU) ? 5 : kind == kATR ? 1 : 0;
+}
+DTMT_HD int cell_hidden_rows(int kind) {
+  return (kind == kGRU || kind == kTGRU) ? 3 : (kind == kLGRU || kind == kLAU) ? 4 : 1;
+}
+DTMT_HD int cell_ln_groups(int kind) { return (kind == kLGRU || kind == kLAU) ? 3 : 2; }
+
+// ---------------------------------------------------------------------------------------------------------
+// Scalar functions. On the host, float uses a branch-free exp (Cody-Waite reduction + degree-6 polynomial,
+// ~2 ulp) so the feature loops vectorise; double uses libm so float64 gradchecks see exact math.
+// ---------------------------------------------------------------------------------------------------------
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+DTMT_HD float dt_exp(float x) { return expf(x); }
+DTMT_HD double dt_exp(double x) { return exp(x); }
+#else
+inline float dt_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // n = round(x / ln 2) with the 1.5 * 2^23 trick (exact for |n| < 2^22, no rounding instruction needed).
+  const float shifter = 12582912.0f;
+  float t = x * 1.44269504088896341f + shifter;
+  float n = t - shifter;
+  float r = x - n * 0.693145751953125f;       // ln2 high part (exact product)
+  r = r - n * 1.428606765330187045e-06f;       // ln2 low part
+  // e^r on [-ln2/2, ln2/2]
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t ti;
+  std::memcpy(&ti, &t, sizeof(ti));
+  int32_t bits = (ti - 0x4B400000 + 127) << 23;  // 2^n: low bits of t hold n + 2^22 + 2^23
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+inline double dt_exp(double x) { return std::exp(x); }
+#endif
+
+template <typename A> DTMT_HD A dt_sigmoid(A x) { return A(1) / (A(1) + dt_exp(-x)); }
+
+// tanh(x) = 1 - 2 / (e^{2x} + 1): one exp, saturates cleanly at both ends.
+DTMT_HD float dt_tanh(float x) { return 1.0f - 2.0f / (dt_exp(2.0f * x) + 1.0f); }
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+DTMT_HD double dt_tanh(double x) { return tanh(x); }
+#else
+inline double dt_tanh(double x) { return std::tanh(x); }
+#endif
+
+template <typename A> DTMT_HD A dt_rsqrt(A x) { return A(1) / sqrt(x); }
+
+// ---------------------------------------------------------------------------------------------------------
+// Element functions: one feature of one cell, given the gate values (already through the sigmoid).
+// Forward returns the new state; backward takes dh' and returns the gradients of the pre-sigmoid gates
+// (d*_pre), of the candidate's input / recurrent parts, of the linear input and the direct path to h.
+// ---------------------------------------------------------------------------------------------------------
+
+// GRU and T-GRU (xc = 0): c = m * tanh(xc + r*hc); h' = (1-z) h + z c
+template <typename A> DTMT_HD A gru_elem_forward(A r, A z, A xc, A hc, A h, A m) {
+  A c = m * dt_tanh(xc + r * hc);
+  return h + z * (c - h);
+}
+template <typename A>
+DTMT_HD void gru_elem_backward(A r, A z, A xc, A hc, A h, A m, A dhn, A& dr_pre, A& dz_pre, A& dxc, A& dhc,
+                               A& dh) {
+  A tc = dt_tanh(xc + r * hc);
+  A c = m * tc;
+  A du = dhn * z * m * (A(1) - tc * tc);
+  dxc = du;
+  dhc = du * r;
+  dr_pre = du * hc * r * (A(1) - r);
+  dz_pre = dhn * (c - h) * z * (A(1) - z);
+  dh = dhn * (A(1) - z);
+}
+
+// L-GRU: c = m * (tanh(xc + r*hc) + l*lin); h' = (1-z) h + z c
+template <typename A> DTMT_HD A lgru_elem_forward(A r, A z, A l, A xc, A lin, A hc, A h, A m) {
+  A c = m * (dt_tanh(xc + r * hc) + l * lin);
+  return h + z * (c - h);
+}
+template <typename A>
+DTMT_HD void lgru_elem_backward(A r, A z, A l, A xc, A lin, A hc, A h, A m, A dhn, A& dr_pre, A& dz_pre,
+                                A& dl_pre, A& dxc, A& dlin, A& dhc, A& dh) {
+  A tc = dt_tanh(xc + r * hc);
+  A c = m * (tc + l * lin);
+  A dc = dhn * z * m;  // gradient w.r.t. the undropped candidate
+  A du = dc * (A(1) - tc * tc);
+  dxc = du;
+  dhc = du * r;
+  dlin = dc * l;
+  dl_pre = dc * lin * l * (A(1) - l);
+  dr_pre = du * hc * r * (A(1) - r);
+  dz_pre = dhn * (c - h) * z * (A(1) - z);
+  dh = dhn * (A(1) - z);
+}
+
+// LAU: c = m * tanh((1-r) xc + r hc); s = (1-z) h + z c; h' = s (1-g) + g lin
+template <typename A> DTMT_HD A lau_elem_forward(A r, A z, A g, A xc, A lin, A hc, A h, A m) {
+  A c = m * dt_tanh((A(1) - r) * xc + r * hc);
+  A s = h + z * (c - h);
+  return s + g * (lin - s);
+}
+template <typename A>
+DTMT_HD void lau_elem_backward(A r, A z, A g, A xc, A lin, A hc, A h, A m, A dhn, A& dr_pre, A& dz_pre,
+                               A& dg_pre, A& dxc, A& dlin, A& dhc, A& dh) {
+  A tc = dt_tanh((A(1) - r) * xc + r * hc);
+  A c = m * tc;
+  A s = h + z * (c - h);
+  A ds = dhn * (A(1) - g);
+  dg_pre = dhn * (lin - s) * g * (A(1) - g);
+  dlin = dhn * g;
+  A du = ds * z * m * (A(1) - tc * tc);
+  dxc = du * (A(1) - r);
+  dhc = du * r;
+  dr_pre = du * (hc - xc) * r * (A(1) - r);
+  dz_pre = ds * (c - h) * z * (A(1) - z);
+  dh = ds * (A(1) - z);
+}
+
+// ATR: i = σ(p+q), f = σ(p-q), h' = i p + f h  (p, q after their optional layer norms)
+template <typename A> DTMT_HD A atr_elem_forward(A p, A q, A h) {
+  return dt_sigmoid(p + q) * p + dt_sigmoid(p - q) * h;
+}
+template <typename A> DTMT_HD void atr_elem_backward(A p, A q, A h, A dhn, A& dp, A& dq, A& dh) {
+  A i = dt_sigmoid(p + q);
+  A f = dt_sigmoid(p - q);
+  A da = dhn * p * i * (A(1) - i);  // through i = σ(p + q)
+  A db = dhn * h * f * (A(1) - f);  // through f = σ(p - q)
+  dp = dhn * i + da + db;
+  dq = da - db;
+  dh = dhn * f;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Layer norm over one row of H values (biased variance, as torch.nn.functional.layer_norm).
+// ---------------------------------------------------------------------------------------------------------
+
+// In place: a[0..H) -> (a - mean) * rstd; returns rstd.
+template <typename A> DTMT_HD A layer_norm_row_normalise(int H, A* DTMT_RESTRICT a, A eps) {
+  A mean = 0;
+  for (int j = 0; j < H; ++j) mean += a[j];
+  mean /= A(H);
+  A var = 0;
+  for (int j = 0; j < H; ++j) {
+    A d = a[j] - mean;
+    var += d * d;
+  }
+  var /= A(H);
+  A rstd = dt_rsqrt(var + eps);
+  for (int j = 0; j < H; ++j) a[j] = (a[j] - mean) * rstd;
+  return rstd;
+}
+
+// Given n (normalised values), rstd, and dn = d(loss)/d(n), returns da in dn's place:
+// da = rstd * (dn - mean(dn) - n * mean(dn * n)).
+template <typename A>
+DTMT_HD void layer_norm_row_backward(int H, const A* DTMT_RESTRICT n, A rstd, A* DTMT_RESTRICT dn) {
+  A s1 = 0, s2 = 0;
+  for (int j = 0; j < H; ++j) {
+    s1 += dn[j];
+    s2 += dn[j] * n[j];
+  }
+  s1 /= A(H);
+  s2 /= A(H);
+  for (int j = 0; j < H; ++j) dn[j] = rstd * (dn[j] - s1 - n[j] * s2);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Row functions: one batch row of one sub-cell. T = storage type, A = accumulation type.
+// scratch must hold 3 * cell_ln_groups(KIND) * H values of A.
+// ---------------------------------------------------------------------------------------------------------
+
+// Gates (r, z [, l|g]) for one row: g[k*H + j] = σ(pre), with pre = a or LN(a)*w + b, a = x_k + h_k.
+// n (optional) receives the normalised values and rstd the per-gate 1/std, for the backward pass.
+template <typename T, typename A>
+DTMT_HD void gates_forward_row(int ngates, int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
+                               const T* DTMT_RESTRICT lnw, const T* DTMT_RESTRICT lnb, A eps,
+                               A* DTMT_RESTRICT g, A* DTMT_RESTRICT n, A* DTMT_RESTRICT rstd) {
+  for (int k = 0; k < ngates; ++k) {
+    A* gk = g + k * H;
+    const T* hk = hp + k * H;
+    if (xp) {
+      const T* xk = xp + k * H;
+      for (int j = 0; j < H; ++j) gk[j] = A(xk[j]) + A(hk[j]);
+    } else {
+      for (int j = 0; j < H; ++j) gk[j] = A(hk[j]);
+    }
+    if (lnw) {
+      A rs = layer_norm_row_normalise(H, gk, eps);
+      if (rstd) rstd[k] = rs;
+      const T* wk = lnw + k * H;
+      const T* bk = lnb + k * H;
+      if (n) {
+        A* nk = n + k * H;
+        for (int j = 0; j < H; ++j) nk[j] = gk[j];
+      }
+      for (int j = 0; j < H; ++j) gk[j] = dt_sigmoid(gk[j] * A(wk[j]) + A(bk[j]));
+    } else {
+      for (int j = 0; j < H; ++j) gk[j] = dt_sigmoid(gk[j]);
+    }
+  }
+}
+
+// Backward of the gates: dpre[k*H + j] holds d/d(pre-sigmoid). Writes da to dxp (if any) and dhp gate
+// rows, accumulates the layer-norm gain/offset gradients of this row into dlnw/dlnb.
+template <typename T, typename A>
+DTMT_HD void gates_backward_row(int ngates, int H, const T* DTMT_RESTRICT lnw, const A* DTMT_RESTRICT n,
+                                const A* DTMT_RESTRICT rstd, A* DTMT_RESTRICT dpre, T* DTMT_RESTRICT dxp,
+                                T* DTMT_RESTRICT dhp, T* DTMT_RESTRICT dlnw, T* DTMT_RESTRICT dlnb) {
+  for (int k = 0; k < ngates; ++k) {
+    A* dk = dpre + k * H;
+    if (lnw) {
+      const A* nk = n + k * H;
+      const T* wk = lnw + k * H;
+      T* dwk = dlnw + k * H;
+      T* dbk = dlnb + k * H;
+      for (int j = 0; j < H; ++j) {
+        dwk[j] += T(dk[j] * nk[j]);
+        dbk[j] += T(dk[j]);
+        dk[j] *= A(wk[j]);
+      }
+      layer_norm_row_backward(H, nk, rstd[k], dk);
+    }
+    T* dhk = dhp + k * H;
+    for (int j = 0; j < H; ++j) dhk[j] = T(dk[j]);
+    if (dxp) {
+      T* dxk = dxp + k * H;
+      for (int j = 0; j < H; ++j) dxk[j] = T(dk[j]);
+    }
+  }
+}
+
+// Forward of one row of a gated cell (GRU, L-GRU, LAU, T-GRU). drop may be null (no candidate dropout).
+template <int KIND, typename T, typename A>
+DTMT_HD void gated_forward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
+                               const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw,
+                               const T* DTMT_RESTRICT lnb, const T* DTMT_RESTRICT drop, A eps,
+                               A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT out) {
+  constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
+  A* g = scratch;
+  gates_forward_row<T, A>(NG, H, KIND == kTGRU ? nullptr : xp, hp, lnw, lnb, eps, g, nullptr, nullptr);
+  const A* r = g;
+  const A* z = g + H;
+  const A* l = g + 2 * H;  // l (L-GRU) or g (LAU)
+  const T* hc = hp + (NG)*H;
+  for (int j = 0; j < H; ++j) {
+    A m = drop ? A(drop[j]) : A(1);
+    A hn;
+    if (KIND == kGRU) {
+      hn = gru_elem_forward<A>(r[j], z[j], A(xp[2 * H + j]), A(hc[j]), A(h[j]), m);
+    } else if (KIND == kTGRU) {
+      hn = gru_elem_forward<A>(r[j], z[j], A(0), A(hc[j]), A(h[j]), m);
+    } else if (KIND == kLGRU) {
+      hn = lgru_elem_forward<A>(r[j], z[j], l[j], A(xp[3 * H + j]), A(xp[4 * H + j]), A(hc[j]), A(h[j]), m);
+    } else {
+      hn = lau_elem_forward<A>(r[j], z[j], l[j], A(xp[3 * H + j]), A(xp[4 * H + j]), A(hc[j]), A(h[j]), m);
+    }
+    out[j] = T(hn);
+  }
+}
+
+// Backward of one row of a gated cell: recomputes the forward from (xp, hp, h), takes dout = dL/dh', and
+// writes dxp (input rows; not for T-GRU), dhp (recurrent rows) and dh (direct path only: the path through
+// U h is added by the caller's GEMM). Layer-norm parameter gradients are accumulated into dlnw/dlnb.
+template <int KIND, typename T, typename A>
+DTMT_HD void gated_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
+                                const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw,
+                                const T* DTMT_RESTRICT lnb, const T* DTMT_RESTRICT drop, A eps,
+                                const T* DTMT_RESTRICT dout, A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT dxp,
+                                T* DTMT_RESTRICT dhp, T* DTMT_RESTRICT dh, T* DTMT_RESTRICT dlnw,
+                                T* DTMT_RESTRICT dlnb) {
+  constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
+  A* g = scratch;
+  A* n = scratch + NG * H;
+  A* dpre = scratch + 2 * NG * H;
+  A rstd[3];
+  const T* xin = KIND == kTGRU ? nullptr : xp;
+  gates_forward_row<T, A>(NG, H, xin, hp, lnw, lnb, eps, g, n, rstd);
+  const A* r = g;
+  const A* z = g + H;
+  const A* l = g + 2 * H;
+  const T* hc = hp + NG * H;
+  T* dhc = dhp + NG * H;
+  for (int j = 0; j < H; ++j) {
+    A m = drop ? A(drop[j]) : A(1);
+    A dhn = A(dout[j]);
+    A dr, dz, dl = 0, dxc, dlin = 0, dhcj, dhj;
+    if (KIND == kGRU) {
+      gru_elem_backward<A>(r[j], z[j], A(xp[2 * H + j]), A(hc[j]), A(h[j]), m, dhn, dr, dz, dxc, dhcj, dhj);
+      dxp[2 * H + j] = T(dxc);
+    } else if (KIND == kTGRU) {
+      gru_elem_backward<A>(r[j], z[j], A(0), A(hc[j]), A(h[j]), m, dhn, dr, dz, dxc, dhcj, dhj);
+    } else if (KIND == kLGRU) {
+      lgru_elem_backward<A>(r[j], z[j], l[j], A(xp[3 * H + j]), A(xp[4 * H + j]), A(hc[j]), A(h[j]), m, dhn,
+                            dr, dz, dl, dxc, dlin, dhcj, dhj);
+      dxp[3 * H + j] = T(dxc);
+      dxp[4 * H + j] = T(dlin);
+    } else {
+      lau_elem_backward<A>(r[j], z[j], l[j], A(xp[3 * H + j]), A(xp[4 * H + j]), A(hc[j]), A(h[j]), m, dhn,
+                           dr, dz, dl, dxc, dlin, dhcj, dhj);
+      dxp[3 * H + j] = T(dxc);
+      dxp[4 * H + j] = T(dlin);
+    }
+    dpre[j] = dr;
+    dpre[H + j] = dz;
+    if (NG == 3) dpre[2 * H + j] = dl;
+    dhc[j] = T(dhcj);
+    dh[j] = T(dhj);
+  }
+  gates_backward_row<T, A>(NG, H, lnw, n, rstd, dpre, KIND == kTGRU ? nullptr : dxp, dhp, dlnw, dlnb);
+}
+
+// ATR row forward. With layer norm, lnw/lnb hold [p | q] gains and offsets.
+template <typename T, typename A>
+DTMT_HD void atr_forward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
+                             const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw, const T* DTMT_RESTRICT lnb,
+                             A eps, A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT out) {
+  A* p = scratch;
+  A* q = scratch + H;
+  for (int j = 0; j < H; ++j) {
+    p[j] = A(xp[j]);
+    q[j] = A(hp[j]);
+  }
+  if (lnw) {
+    layer_norm_row_normalise(H, p, eps);
+    layer_norm_row_normalise(H, q, eps);
+    for (int j = 0; j < H; ++j) {
+      p[j] = p[j] * A(lnw[j]) + A(lnb[j]);
+      q[j] = q[j] * A(lnw[H + j]) + A(lnb[H + j]);
+    }
+  }
+  for (int j = 0; j < H; ++j) out[j] = T(atr_elem_forward<A>(p[j], q[j], A(h[j])));
+}
+
+template <typename T, typename A>
+DTMT_HD void atr_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
+                              const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw, const T* DTMT_RESTRICT lnb,
+                              A eps, const T* DTMT_RESTRICT dout, A* DTMT_RESTRICT scratch,
+                              T* DTMT_RESTRICT dxp, T* DTMT_RESTRICT dhp, T* DTMT_RESTRICT dh,
+                              T* DTMT_RESTRICT dlnw, T* DTMT_RESTRICT dlnb) {
+  A* np = scratch;      // normalised p (or raw p)
+  A* nq = scratch + H;  // normalised q (or raw q)
+  A* dp = scratch + 2 * H;
+  A* dq = scratch + 3 * H;
+  A rp = 0, rq = 0;
+  for (int j = 0; j < H; ++j) {
+    np[j] = A(xp[j]);
+    nq[j] = A(hp[j]);
+  }
+  if (lnw) {
+    rp = layer_norm_row_normalise(H, np, eps);
+    rq = layer_norm_row_normalise(H, nq, eps);
+  }
+  for (int j = 0; j < H; ++j) {
+    A p = lnw ? np[j] * A(lnw[j]) + A(lnb[j]) : np[j];
+    A q = lnw ? nq[j] * A(lnw[H + j]) + A(lnb[H + j]) : nq[j];
+    A dhj;
+    atr_elem_backward<A>(p, q, A(h[j]), A(dout[j]), dp[j], dq[j], dhj);
+    dh[j] = T(dhj);
+  }
+  if (lnw) {
+    for (int j = 0; j < H; ++j) {
+      dlnw[j] += T(dp[j] * np[j]);
+      dlnb[j] += T(dp[j]);
+      dlnw[H + j] += T(dq[j] * nq[j]);
+      dlnb[H + j] += T(dq[j]);
+      dp[j] *= A(lnw[j]);
+      dq[j] *= A(lnw[H + j]);
+    }
+    layer_norm_row_backward(H, np, rp, dp);
+    layer_norm_row_backward(H, nq, rq, dq);
+  }
+  for (int j = 0; j < H; ++j) {
+    dxp[j] = T(dp[j]);
+    dhp[j] = T(dq[j]);
+  }
+}
+
+}  // namespace dtmt

@@ -1,0 +1,36 @@
+// Declarations of the fused recurrent ops (deep transition block and ATR), shared by the pybind module and
+// the device-specific implementations. See transition_cpu.cpp for the algorithm and the saved tensors.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace dtmt {
+
+// Parameters of one direction of a deep transition block: the base cell (GRU / L-GRU / LAU / ATR) and
+// `depth` stacked T-GRUs. Biases are full width (one entry per row of the weight); with layer norm the
+// gate rows of the biases are zero and ln_w / ln_b hold the per-gate gains and offsets. Empty tensors
+// stand for "absent" (no layer norm, depth 0, no candidate dropout, no mask).
+struct TransitionWeights {
+  int64_t kind;
+  at::Tensor w_ih, b_ih, w_hh, b_hh, ln_w, ln_b;  // base cell
+  at::Tensor t_w, t_b, t_ln_w, t_ln_b;            // T-GRUs: [D,3H,H], [D,3H], [D,2H], [D,2H]
+};
+
+// Forward over a whole sequence. x [T,B,I], h0 [B,H], mask [T,B] (1 valid, 0 padded) or empty,
+// drop [D+1,B,H] candidate-dropout multipliers or empty.
+// Returns {out [T,B,H], h_n [B,H], xp, hs, hp, hpt}: the last four are saved for backward.
+std::vector<at::Tensor> transition_forward_cpu(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
+                                               const at::Tensor& drop, const TransitionWeights& w, bool reverse,
+                                               double eps);
+
+// Backward. Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
+// gradients of absent tensors are empty.
+std::vector<at::Tensor> transition_backward_cpu(const at::Tensor& grad_out, const at::Tensor& grad_hn,
+                                                const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
+                                                const TransitionWeights& w, const at::Tensor& xp,
+                                                const at::Tensor& hs, const at::Tensor& hp, const at::Tensor& hpt,
+                                                bool reverse, double eps);
+
+}  // namespace dtmt

@@ -1,0 +1,14 @@
+"""dtmt_kernels: fused deep-transition (L-GRU / GRU / LAU + T-GRU) and ATR recurrent kernels.
+
+    import dtmt_kernels as dk
+    rnn = dk.nn.DeepTransitionGRU(256, 512, depth=4, cell="lgru", layer_norm=True, bidirectional=True)
+    out, h_n = rnn(x, lengths=lengths)
+
+See SPEC.md §2-3 for the equations and the API; `reference.py` is their executable form.
+"""
+from . import functional, nn, reference
+from .backends import available_backends, resolve_backend
+from .reference import TransitionWeights
+
+__all__ = ["available_backends", "resolve_backend", "functional", "nn", "reference", "TransitionWeights"]
+__version__ = "0.1.0"

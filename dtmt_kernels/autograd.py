@@ -1,0 +1,69 @@
+"""`torch.autograd.Function`s around the fused C++ kernels (dtmt_kernels._C).
+
+The Functions take the flat tensors of one direction (see reference.TransitionWeights for the layout,
+T-GRU parameters stacked to [depth, ...]) and return (out [T, B, H], h_n [B, H]). Absent optional tensors
+(mask, candidate-dropout masks, layer norm, T-GRUs) are passed to the kernels as empty tensors.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .reference import TransitionWeights
+
+try:  # the extension is built by setup.py; its absence is reported by backends.available_backends()
+    from . import _C  # type: ignore[attr-defined]
+    _IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as exc:  # pragma: no cover - exercised only on broken installs
+    _C = None
+    _IMPORT_ERROR = exc
+
+KINDS = {"gru": 0, "lgru": 1, "lau": 2, "atr": 3}
+
+
+def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t.contiguous()
+
+
+class CppTransitionFunction(torch.autograd.Function):
+    """Deep transition block (or ATR) over a whole sequence with the C++ CPU kernels."""
+
+    @staticmethod
+    def forward(ctx, x, h0, mask, drop, kind: int, reverse: bool, eps: float,
+                w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b):
+        params = [t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)]
+        x, h0, mask, drop = (t.contiguous() for t in (x, h0, mask, drop))
+        out, h_n, xp, hs, hp, hpt = _C.transition_forward(x, h0, mask, drop, kind, *params, reverse, eps)
+        ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
+        ctx.save_for_backward(x, mask, drop, *params, xp, hs, hp, hpt)
+        return out, h_n
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_hn):
+        x, mask, drop, *rest = ctx.saved_tensors
+        params, (xp, hs, hp, hpt) = rest[:10], rest[10:]
+        grads = _C.transition_backward(grad_out.contiguous(), grad_hn.contiguous(), x, mask, drop, ctx.kind,
+                                       *params, xp, hs, hp, hpt, ctx.reverse, ctx.eps)
+        dx, dh0, *dparams = grads
+        dparams = [g if g is not None and g.numel() else None for g in dparams]
+        return (dx, dh0, None, None, None, None, None, *dparams)
+
+
+def cpp_transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optional[Tensor] = None,
+                            drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
+    """Same contract as reference.transition_sequence, computed by the C++ kernels."""
+    if w.depth:
+        t_w, t_b = torch.stack(w.t_w), torch.stack(w.t_b)
+        has_ln = w.t_ln_w[0] is not None
+        t_ln_w = torch.stack(w.t_ln_w) if has_ln else None
+        t_ln_b = torch.stack(w.t_ln_b) if has_ln else None
+    else:
+        t_w = t_b = t_ln_w = t_ln_b = None
+    return CppTransitionFunction.apply(
+        x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse, eps,
+        w.w_ih, w.b_ih, w.w_hh, w.b_hh, _or_empty(w.ln_w, x), _or_empty(w.ln_b, x),
+        _or_empty(t_w, x), _or_empty(t_b, x), _or_empty(t_ln_w, x), _or_empty(t_ln_b, x))

@@ -1,0 +1,64 @@
+"""Functional API: run a deep transition block / ATR over a sequence or one step on a chosen backend,
+plus the checks that every public entry point applies to its inputs (validate at the boundary)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .backends import resolve_backend
+from .reference import TransitionWeights
+
+LengthsLike = Union[Tensor, Sequence[int]]
+
+
+def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask: Optional[Tensor] = None,
+                        drop: Optional[Tensor] = None, reverse: bool = False, backend: str = "auto",
+                        eps: float = 1e-5):
+    """Deep transition block (or ATR, `weights.cell == "atr"`) over x [T, B, I] from h0 [B, H].
+
+    mask [T, B]: 1 for real tokens, 0 for padding (state carried, output 0). drop [depth+1, B, H]:
+    candidate-dropout multipliers, already scaled. Returns (out [T, B, H], h_n [B, H])."""
+    b = resolve_backend(backend, x.device)
+    check_dtype_for_backend(b, x.dtype, "x")
+    return b.run(x, h0, weights, mask, drop, reverse, eps)
+
+
+def transition_step(x: Tensor, h: Tensor, weights: TransitionWeights, drop: Optional[Tensor] = None,
+                    backend: str = "auto", eps: float = 1e-5) -> Tensor:
+    """One step (decoder use): x [B, I], h [B, H] -> h' [B, H]."""
+    _, h1 = transition_sequence(x.unsqueeze(0), h, weights, None, drop, False, backend, eps)
+    return h1
+
+
+def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:
+    if dtype not in backend.dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in backend.dtypes)
+        raise ValueError(f"backend {backend.name!r} supports {names} inputs; {name} has dtype "
+                         f"{str(dtype).replace('torch.', '')}")
+
+
+def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, device: torch.device,
+                    owner: str = "lengths") -> Tensor:
+    """Validates `lengths` (B integers in [1, T]) and returns the mask [T, B] of real (1) vs padded (0) steps."""
+    if isinstance(lengths, Tensor):
+        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+            raise ValueError(f"{owner}: lengths must hold integers, got dtype {lengths.dtype}")
+        if lengths.dim() != 1:
+            raise ValueError(f"{owner}: lengths must be 1-D [B={B}], got shape {tuple(lengths.shape)}")
+        lengths_cpu = lengths.detach().to("cpu", torch.long)
+    else:
+        try:
+            lengths_cpu = torch.as_tensor(list(lengths), dtype=torch.long)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{owner}: lengths must be a 1-D tensor or sequence of ints ({exc})") from None
+        if any(not float(v).is_integer() for v in lengths):
+            raise ValueError(f"{owner}: lengths must hold integers, got {list(lengths)}")
+    if lengths_cpu.numel() != B:
+        raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths_cpu.numel()}")
+    if B and (int(lengths_cpu.min()) < 1 or int(lengths_cpu.max()) > T):
+        raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {int(lengths_cpu.min())}, "
+                         f"max {int(lengths_cpu.max())}")
+    steps = torch.arange(T).unsqueeze(1)
+    return (steps < lengths_cpu.unsqueeze(0)).to(device=device, dtype=dtype)

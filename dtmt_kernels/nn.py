@@ -1,0 +1,331 @@
+"""Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`.
+
+They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first`, `h0` of shape
+[num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches.
+The parameters are the same for every backend; `layer.backend = "reference"` switches a live module.
+
+Parameter names (one direction; the reverse direction repeats them with the suffix `_reverse`):
+
+    weight_ih [n_in*H, I], weight_hh [n_h*H, H]     base cell, rows stacked as in reference.py
+    bias_ih, bias_hh                                 all rows without layer norm; with layer norm only the
+                                                     non-gate rows (candidate, linear path): the LN offsets
+                                                     replace the gate biases
+    ln_weight, ln_bias [n_gates*H]                   per-gate layer-norm gains and offsets (layer_norm=True)
+    tgru{k}_weight_hh [3H, H], tgru{k}_bias_hh,      T-GRU k = 1..depth, same bias rule
+    tgru{k}_ln_weight, tgru{k}_ln_bias [2H]
+
+ATR has weight_ih [H, I], weight_hh [H, H] and bias_hh [H] (the b of q = U h + b), or, with layer norm,
+ln_weight / ln_bias [2H] for p and q (the q offset plays the role of b).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .backends import check_backend_name, resolve_backend
+from .functional import check_dtype_for_backend, lengths_to_mask
+from .reference import CELL_KINDS, TransitionWeights
+
+# cell -> (input rows, recurrent rows, layer-normalised gates); the gates are the first rows.
+CELL_ROWS = {"gru": (3, 3, 2), "lgru": (5, 4, 3), "lau": (5, 4, 3), "atr": (1, 1, 2)}
+TGRU_ROWS = (3, 2)
+
+
+class _TransitionBase(nn.Module):
+    """Parameters, backend switch and input checks shared by the layers and cells of this module."""
+
+    def __init__(self, input_size: int, hidden_size: int, cell: str, depth: int, layer_norm: bool,
+                 num_directions: int, candidate_dropout: float, backend: str, eps: float = 1e-5):
+        super().__init__()
+        name = type(self).__name__
+        for arg, value, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1), ("depth", depth, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
+        if cell not in CELL_KINDS:
+            raise ValueError(f"{name}: cell must be one of {CELL_KINDS}, got {cell!r}")
+        if not 0.0 <= float(candidate_dropout) < 1.0:
+            raise ValueError(f"{name}: candidate_dropout must be in [0, 1), got {candidate_dropout!r}")
+        self.input_size, self.hidden_size, self.cell, self.depth = input_size, hidden_size, cell, depth
+        self.layer_norm, self.num_directions = bool(layer_norm), num_directions
+        self.candidate_dropout, self.eps = float(candidate_dropout), eps
+        self.backend = backend
+        H, I = hidden_size, input_size
+        n_in, n_h, n_g = CELL_ROWS[cell]
+        for sfx in self._suffixes():
+            self._param(f"weight_ih{sfx}", n_in * H, I)
+            self._param(f"weight_hh{sfx}", n_h * H, H)
+            if cell == "atr":
+                if not self.layer_norm:
+                    self._param(f"bias_hh{sfx}", H)
+            else:
+                skip = n_g if self.layer_norm else 0
+                self._param(f"bias_ih{sfx}", (n_in - skip) * H)
+                self._param(f"bias_hh{sfx}", (n_h - skip) * H)
+            if self.layer_norm:
+                self._param(f"ln_weight{sfx}", n_g * H)
+                self._param(f"ln_bias{sfx}", n_g * H)
+            for k in range(1, depth + 1):
+                self._param(f"tgru{k}_weight_hh{sfx}", 3 * H, H)
+                self._param(f"tgru{k}_bias_hh{sfx}", (3 - (2 if self.layer_norm else 0)) * H)
+                if self.layer_norm:
+                    self._param(f"tgru{k}_ln_weight{sfx}", 2 * H)
+                    self._param(f"tgru{k}_ln_bias{sfx}", 2 * H)
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------------------------------------- setup
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._backend = check_backend_name(value)
+
+    def _suffixes(self) -> List[str]:
+        return ["", "_reverse"][: self.num_directions]
+
+    def _param(self, name: str, *shape: int) -> None:
+        self.register_parameter(name, nn.Parameter(torch.empty(*shape)))
+
+    def reset_parameters(self) -> None:
+        """Weights and biases ~ U(-1/√H, 1/√H) as torch.nn.GRU; layer-norm gains 1, offsets 0."""
+        bound = 1.0 / math.sqrt(self.hidden_size)
+        for name, p in self.named_parameters():
+            if "ln_weight" in name:
+                nn.init.ones_(p)
+            elif "ln_bias" in name:
+                nn.init.zeros_(p)
+            else:
+                nn.init.uniform_(p, -bound, bound)
+
+    def extra_repr(self) -> str:
+        s = f"{self.input_size}, {self.hidden_size}"
+        if self.cell != "atr":
+            s += f", cell={self.cell!r}, depth={self.depth}"
+        s += f", layer_norm={self.layer_norm}"
+        if self.num_directions == 2:
+            s += ", bidirectional=True"
+        if getattr(self, "batch_first", False):
+            s += ", batch_first=True"
+        if self.candidate_dropout:
+            s += f", candidate_dropout={self.candidate_dropout}"
+        return s + f", backend={self.backend!r}"
+
+    # ------------------------------------------------------------------------------------------ weights
+    def direction_weights(self, direction: int = 0) -> TransitionWeights:
+        """The flat, full-width parameters of one direction, as every backend takes them."""
+        sfx = self._suffixes()[direction]
+        p = dict(self.named_parameters())
+        H = self.hidden_size
+        w_ih, w_hh = p[f"weight_ih{sfx}"], p[f"weight_hh{sfx}"]
+        ln_w, ln_b = p.get(f"ln_weight{sfx}"), p.get(f"ln_bias{sfx}")
+        if self.cell == "atr":
+            b_ih = w_ih.new_zeros(H)  # p = W x has no bias
+            b_hh = p.get(f"bias_hh{sfx}", None)
+            b_hh = w_hh.new_zeros(H) if b_hh is None else b_hh
+        else:
+            n_g = CELL_ROWS[self.cell][2]
+            b_ih = self._full_bias(p[f"bias_ih{sfx}"], n_g)
+            b_hh = self._full_bias(p[f"bias_hh{sfx}"], n_g)
+        t_w, t_b, t_ln_w, t_ln_b = [], [], [], []
+        for k in range(1, self.depth + 1):
+            t_w.append(p[f"tgru{k}_weight_hh{sfx}"])
+            t_b.append(self._full_bias(p[f"tgru{k}_bias_hh{sfx}"], TGRU_ROWS[1]))
+            t_ln_w.append(p.get(f"tgru{k}_ln_weight{sfx}"))
+            t_ln_b.append(p.get(f"tgru{k}_ln_bias{sfx}"))
+        return TransitionWeights(self.cell, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
+
+    def _full_bias(self, bias: Tensor, n_gates: int) -> Tensor:
+        if not self.layer_norm:
+            return bias
+        return torch.cat([bias.new_zeros(n_gates * self.hidden_size), bias])
+
+    def sample_dropout_masks(self, batch_size: int, like: Optional[Tensor] = None) -> Optional[Tensor]:
+        """Candidate-dropout multipliers [depth+1, B, H] for one direction (None when dropout is off or in
+        eval mode). Pass the result to a cell's every step to keep the mask fixed over time."""
+        if not (self.training and self.candidate_dropout > 0):
+            return None
+        ref = like if like is not None else self.weight_hh
+        keep = 1.0 - self.candidate_dropout
+        shape = (self.depth + 1, batch_size, self.hidden_size)
+        return torch.empty(shape, dtype=ref.dtype, device=ref.device).bernoulli_(keep).div_(keep)
+
+    # ------------------------------------------------------------------------------------------- checks
+    def _check_tensor(self, t, arg: str, expected: str) -> None:
+        name = type(self).__name__
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name}: {arg} must be a Tensor {expected}, got {type(t).__name__}")
+        ref = self.weight_hh
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: {arg} must be a floating-point Tensor {expected}, got dtype {t.dtype}")
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{name}: {arg} has dtype {t.dtype} but the parameters are {ref.dtype}; "
+                             f"convert one of them (e.g. layer.to({t.dtype}))")
+        if t.device != ref.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but the parameters are on {ref.device}")
+
+    def _check_h(self, h: Optional[Tensor], expected_shape: Tuple[int, ...], label: str) -> None:
+        if h is None:
+            return
+        self._check_tensor(h, "h0", label)
+        if tuple(h.shape) != expected_shape:
+            raise ValueError(f"{type(self).__name__}: h0 must have shape {label} = {list(expected_shape)}, "
+                             f"got {list(h.shape)}")
+
+    def _run(self, x: Tensor, h0: Tensor, mask: Optional[Tensor], drops: List[Optional[Tensor]]):
+        """x [T, B, I] time-major, h0 [D, B, H] -> (out [T, B, D*H], h_n [D, B, H])."""
+        backend = resolve_backend(self.backend, x.device)
+        check_dtype_for_backend(backend, x.dtype, "x")
+        outs, states = [], []
+        for d in range(self.num_directions):
+            out, h_n = backend.run(x, h0[d], self.direction_weights(d), mask, drops[d], d == 1, self.eps)
+            outs.append(out)
+            states.append(h_n)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)
+
+
+class _TransitionLayer(_TransitionBase):
+    """Sequence layer: (x, h0=None, lengths=None) -> (out, h_n), like torch.nn.GRU."""
+
+    def __init__(self, input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
+                 candidate_dropout, backend):
+        super().__init__(input_size, hidden_size, cell, depth, layer_norm, 2 if bidirectional else 1,
+                         candidate_dropout, backend)
+        self.bidirectional, self.batch_first = bool(bidirectional), bool(batch_first)
+
+    def forward(self, x: Tensor, h0: Optional[Tensor] = None, lengths=None) -> Tuple[Tensor, Tensor]:
+        """x [T, B, I] ([B, T, I] if batch_first, [T, I] unbatched); h0 [D, B, H]; lengths: B ints in [1, T]
+        (padding at the end of each sequence). Returns out [T, B, D*H] (zeros at padded steps), h_n [D, B, H]
+        (the state after each sequence's last real token, in each direction)."""
+        name, I, H, D = type(self).__name__, self.input_size, self.hidden_size, self.num_directions
+        layout = "[B, T, input_size]" if self.batch_first else "[T, B, input_size]"
+        self._check_tensor(x, "x", layout)
+        if x.dim() not in (2, 3) or x.shape[-1] != I:
+            raise ValueError(f"{name}: x must have shape {layout} (or [T, input_size] unbatched) with "
+                             f"input_size={I}, got {list(x.shape)}")
+        unbatched = x.dim() == 2
+        if unbatched:
+            x = x.unsqueeze(1)
+            if h0 is not None:
+                self._check_h(h0, (D, H), "[num_directions, hidden_size] (unbatched)")
+                h0 = h0.unsqueeze(1)
+            if lengths is not None:
+                raise ValueError(f"{name}: lengths is for batched input; an unbatched x has no padding")
+        elif self.batch_first:
+            x = x.transpose(0, 1)
+        T, B = x.shape[0], x.shape[1]
+        if T == 0 or B == 0:
+            raise ValueError(f"{name}: x must have at least one step and one sequence, got shape {list(x.shape)}")
+        if not unbatched:
+            self._check_h(h0, (D, B, H), "[num_directions, B, hidden_size]")
+        if h0 is None:
+            h0 = x.new_zeros(D, B, H)
+        mask = None if lengths is None else lengths_to_mask(lengths, T, B, x.dtype, x.device, name)
+        drops = [self.sample_dropout_masks(B, x) for _ in range(D)]
+        out, h_n = self._run(x, h0, mask, drops)
+        if unbatched:
+            return out.squeeze(1), h_n.squeeze(1)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        return out, h_n
+
+
+class _TransitionCell(_TransitionBase):
+    """One step (decoder use): (x [B, I], h [B, H] = None, drop=None) -> h' [B, H]."""
+
+    def __init__(self, input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend):
+        super().__init__(input_size, hidden_size, cell, depth, layer_norm, 1, candidate_dropout, backend)
+
+    def forward(self, x: Tensor, h: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
+        """In training with candidate_dropout > 0 and no `drop`, a fresh mask is drawn for this step; to
+        keep one mask over a whole sequence, draw it once with `sample_dropout_masks(B)` and pass it."""
+        name, I, H = type(self).__name__, self.input_size, self.hidden_size
+        self._check_tensor(x, "x", "[B, input_size]")
+        if x.dim() not in (1, 2) or x.shape[-1] != I:
+            raise ValueError(f"{name}: x must have shape [B, input_size] (or [input_size]) with "
+                             f"input_size={I}, got {list(x.shape)}")
+        unbatched = x.dim() == 1
+        x2 = x.unsqueeze(0) if unbatched else x
+        B = x2.shape[0]
+        if B == 0:
+            raise ValueError(f"{name}: x must hold at least one row, got shape {list(x.shape)}")
+        if h is not None:
+            self._check_h(h, (H,) if unbatched else (B, H), "[hidden_size]" if unbatched else "[B, hidden_size]")
+            h = h.unsqueeze(0) if unbatched else h
+        else:
+            h = x2.new_zeros(B, H)
+        if drop is None:
+            drop = self.sample_dropout_masks(B, x2)
+        elif tuple(drop.shape) != (self.depth + 1, B, H):
+            raise ValueError(f"{name}: drop must have shape [depth+1, B, hidden_size] = "
+                             f"{[self.depth + 1, B, H]}, got {list(drop.shape)}")
+        _, h_n = self._run(x2.unsqueeze(0), h.unsqueeze(0), None, [drop])
+        return h_n[0, 0] if unbatched else h_n[0]
+
+
+class DeepTransitionGRU(_TransitionLayer):
+    """Deep transition RNN layer (DTMT / Nematus transition depth): a base cell (L-GRU, GRU or LAU) followed
+    by `depth` T-GRUs at every step; the last T-GRU's output is the step's output and next state.
+
+    With cell="gru", depth=0, layer_norm=False it is a GRU (see `from_torch`)."""
+
+    def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
+                 layer_norm: bool = True, bidirectional: bool = False, batch_first: bool = False,
+                 candidate_dropout: float = 0.0, backend: str = "auto"):
+        if cell == "atr":
+            raise ValueError("DeepTransitionGRU: cell must be 'gru', 'lgru' or 'lau'; use dtmt_kernels.nn.ATR")
+        super().__init__(input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
+                         candidate_dropout, backend)
+
+    @classmethod
+    def from_torch(cls, gru: nn.GRU, backend: str = "auto") -> "DeepTransitionGRU":
+        """A GRU layer (cell="gru", depth=0, no layer norm) holding a copy of a one-layer torch.nn.GRU's
+        weights; it reproduces the torch module's outputs."""
+        if not isinstance(gru, nn.GRU):
+            raise ValueError(f"DeepTransitionGRU.from_torch: expected a torch.nn.GRU, got {type(gru).__name__}")
+        if gru.num_layers != 1:
+            raise ValueError(f"DeepTransitionGRU.from_torch: the GRU has num_layers={gru.num_layers}; "
+                             "import each layer into its own DeepTransitionGRU")
+        if getattr(gru, "proj_size", 0):
+            raise ValueError("DeepTransitionGRU.from_torch: GRUs with proj_size are not supported")
+        ref = gru.weight_hh_l0
+        layer = cls(gru.input_size, gru.hidden_size, depth=0, cell="gru", layer_norm=False,
+                    bidirectional=gru.bidirectional, batch_first=gru.batch_first, backend=backend)
+        layer = layer.to(device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            for sfx in layer._suffixes():
+                for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                    src = getattr(gru, f"{kind}_l0{sfx}", None)
+                    dst = getattr(layer, f"{kind}{sfx}")
+                    dst.copy_(src) if src is not None else dst.zero_()
+        return layer
+
+
+class DeepTransitionGRUCell(_TransitionCell):
+    """One step of a deep transition block, for decoders: h1 = cell(x, h0). Same parameters as one
+    direction of DeepTransitionGRU (so a layer's forward-direction state_dict loads into it)."""
+
+    def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
+                 layer_norm: bool = True, candidate_dropout: float = 0.0, backend: str = "auto"):
+        if cell == "atr":
+            raise ValueError("DeepTransitionGRUCell: cell must be 'gru', 'lgru' or 'lau'; use dtmt_kernels.nn.ATRCell")
+        super().__init__(input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend)
+
+
+class ATR(_TransitionLayer):
+    """Addition-subtraction twin-gated recurrent layer (paper 004): p = W x, q = U h + b,
+    h' = σ(p+q) p + σ(p−q) h."""
+
+    def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, bidirectional: bool = False,
+                 batch_first: bool = False, backend: str = "auto"):
+        super().__init__(input_size, hidden_size, "atr", 0, layer_norm, bidirectional, batch_first, 0.0, backend)
+
+
+class ATRCell(_TransitionCell):
+    """One ATR step, for decoders: h1 = cell(x, h0)."""
+
+    def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, backend: str = "auto"):
+        super().__init__(input_size, hidden_size, "atr", 0, layer_norm, 0.0, backend)

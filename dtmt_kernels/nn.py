@@ -115,10 +115,11 @@ class _TransitionBase(nn.Module):
         return s + f", backend={self.backend!r}"
 
     # ------------------------------------------------------------------------------------------ weights
-    def direction_weights(self, direction: int = 0) -> TransitionWeights:
-        """The flat, full-width parameters of one direction, as every backend takes them."""
+    def direction_weights(self, direction: int = 0, params: Optional[dict] = None) -> TransitionWeights:
+        """The flat, full-width parameters of one direction, as every backend takes them. `params` (name ->
+        tensor, as `named_parameters()`) replaces the module's own, for functional use."""
         sfx = self._suffixes()[direction]
-        p = dict(self.named_parameters())
+        p = dict(self.named_parameters()) if params is None else params
         H = self.hidden_size
         w_ih, w_hh = p[f"weight_ih{sfx}"], p[f"weight_hh{sfx}"]
         ln_w, ln_b = p.get(f"ln_weight{sfx}"), p.get(f"ln_bias{sfx}")
@@ -292,7 +293,8 @@ class DeepTransitionGRU(_TransitionLayer):
         if getattr(gru, "proj_size", 0):
             raise ValueError("DeepTransitionGRU.from_torch: GRUs with proj_size are not supported")
         ref = gru.weight_hh_l0
-        layer = cls(gru.input_size, gru.hidden_size, depth=0, cell="gru", layer_norm=False,
+        H = gru.hidden_size
+        layer = cls(gru.input_size, H, depth=0, cell="gru", layer_norm=False,
                     bidirectional=gru.bidirectional, batch_first=gru.batch_first, backend=backend)
         layer = layer.to(device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
@@ -300,7 +302,13 @@ class DeepTransitionGRU(_TransitionLayer):
                 for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
                     src = getattr(gru, f"{kind}_l0{sfx}", None)
                     dst = getattr(layer, f"{kind}{sfx}")
-                    dst.copy_(src) if src is not None else dst.zero_()
+                    if src is None:  # torch.nn.GRU(bias=False)
+                        dst.zero_()
+                        continue
+                    dst.copy_(src)
+                    # torch updates h' = (1-z) c + z h where SPEC has h' = (1-z) h + z c: since
+                    # 1 - σ(a) = σ(-a), negating the update-gate rows maps one onto the other exactly.
+                    dst[H:2 * H].neg_()
         return layer
 
 

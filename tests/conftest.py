@@ -1,0 +1,38 @@
+import pytest
+import torch
+
+import dtmt_kernels as dk
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_empty_tensors():
+    """Deterministic mode makes torch.empty (and the kernels' at::empty) return NaN-filled memory, so any
+    output or buffer a kernel forgets to write shows up as NaN in the comparisons."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def make_layer(cell, input_size, hidden_size, depth=0, layer_norm=False, bidirectional=False,
+               dtype=torch.float64, seed=0, **kwargs):
+    """A layer with every parameter (layer-norm gains and offsets too) drawn at random, so no term of the
+    equations hides behind an initial 1 or 0."""
+    torch.manual_seed(seed)
+    if cell == "atr":
+        layer = dk.nn.ATR(input_size, hidden_size, layer_norm=layer_norm, bidirectional=bidirectional, **kwargs)
+    else:
+        layer = dk.nn.DeepTransitionGRU(input_size, hidden_size, depth=depth, cell=cell, layer_norm=layer_norm,
+                                        bidirectional=bidirectional, **kwargs)
+    layer = layer.to(dtype)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "ln_weight" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.5 * torch.randn_like(p))
+    return layer
+
+
+def padding_mask(lengths, T, dtype=torch.float64):
+    return (torch.arange(T).unsqueeze(1) < torch.as_tensor(lengths).unsqueeze(0)).to(dtype)

@@ -1,0 +1,191 @@
+"""The public layers: torch.nn.GRU-like behaviour, from_torch, backend switching, input validation."""
+import pytest
+import torch
+
+import dtmt_kernels as dk
+
+from conftest import make_layer
+
+BACKENDS = [b for b in ("reference", "cpp") if b in dk.available_backends()]
+
+
+def test_available_backends_tell_the_truth():
+    names = dk.available_backends()
+    assert "reference" in names and "cpp" in names
+    assert "triton" not in names or torch.cuda.is_available()
+    assert dk.resolve_backend("auto", torch.device("cpu")).name == "cpp"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_from_torch_reproduces_torch_gru(backend, bidirectional, batch_first):
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(6, 10, bidirectional=bidirectional, batch_first=batch_first)
+    layer = dk.nn.DeepTransitionGRU.from_torch(gru, backend=backend)
+    assert (layer.cell, layer.depth, layer.layer_norm) == ("gru", 0, False)
+    D = 2 if bidirectional else 1
+    x = torch.randn((4, 7, 6) if batch_first else (7, 4, 6), requires_grad=True)
+    h0 = torch.randn(D, 4, 10)
+    out, h_n = layer(x, h0)
+    out_t, h_t = gru(x, h0)
+    torch.testing.assert_close(out, out_t, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h_n, h_t, atol=1e-5, rtol=1e-5)
+    # gradients w.r.t. the input agree too
+    gx = torch.autograd.grad(out.sum(), x)[0]
+    gx_t = torch.autograd.grad(out_t.sum(), x)[0]
+    torch.testing.assert_close(gx, gx_t, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_from_torch_with_lengths_matches_packed_sequence(backend):
+    torch.manual_seed(1)
+    gru = torch.nn.GRU(5, 8, bidirectional=True).double()
+    layer = dk.nn.DeepTransitionGRU.from_torch(gru, backend=backend)
+    lengths = torch.tensor([6, 2, 4])
+    x = torch.randn(6, 3, 5, dtype=torch.double)
+    out, h_n = layer(x, lengths=lengths)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+    out_p, h_p = gru(packed)
+    out_t, _ = torch.nn.utils.rnn.pad_packed_sequence(out_p, total_length=6)
+    torch.testing.assert_close(out, out_t)
+    torch.testing.assert_close(h_n, h_p)
+
+
+def test_from_torch_without_bias_and_bad_inputs():
+    gru = torch.nn.GRU(3, 4, bias=False)
+    layer = dk.nn.DeepTransitionGRU.from_torch(gru)
+    x = torch.randn(5, 2, 3)
+    torch.testing.assert_close(layer(x)[0], gru(x)[0], atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="num_layers=2"):
+        dk.nn.DeepTransitionGRU.from_torch(torch.nn.GRU(3, 4, num_layers=2))
+    with pytest.raises(ValueError, match="torch.nn.GRU"):
+        dk.nn.DeepTransitionGRU.from_torch(torch.nn.LSTM(3, 4))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: make_layer("lgru", 5, 6, depth=2, layer_norm=True, bidirectional=True, dtype=torch.float32),
+    lambda: make_layer("lau", 5, 6, depth=1, layer_norm=False, dtype=torch.float32),
+    lambda: make_layer("atr", 5, 6, layer_norm=True, bidirectional=True, dtype=torch.float32),
+], ids=["lgru", "lau", "atr"])
+def test_backend_switch_on_live_module(make):
+    layer = make()
+    keys = list(layer.state_dict())
+    x = torch.randn(7, 3, 5)
+    h0 = torch.randn(layer.num_directions, 3, 6, requires_grad=True)
+    results = []
+    for backend in BACKENDS:
+        layer.backend = backend
+        assert list(layer.state_dict()) == keys
+        layer.zero_grad()
+        h0.grad = None
+        out, h_n = layer(x, h0, lengths=[7, 3, 5])
+        (out.sum() + h_n.pow(2).sum()).backward()
+        results.append([out, h_n, h0.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_state_dict_is_shared_across_backends():
+    a = make_layer("lgru", 4, 5, depth=2, layer_norm=True, bidirectional=True, backend="cpp")
+    b = dk.nn.DeepTransitionGRU(4, 5, depth=2, cell="lgru", layer_norm=True, bidirectional=True,
+                                backend="reference").double()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 2, 4, dtype=torch.double)
+    torch.testing.assert_close(a(x)[0], b(x)[0])
+
+
+def test_parameter_names_and_shapes():
+    layer = dk.nn.DeepTransitionGRU(4, 6, depth=2, cell="lgru", layer_norm=True, bidirectional=True)
+    shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    assert shapes["weight_ih"] == (30, 4) and shapes["weight_hh"] == (24, 6)
+    assert shapes["bias_ih"] == (12,) and shapes["bias_hh"] == (6,)          # candidate (+ linear) rows only
+    assert shapes["ln_weight"] == (18,) and shapes["tgru2_ln_bias_reverse"] == (12,)
+    assert shapes["tgru1_weight_hh"] == (18, 6) and shapes["tgru1_bias_hh"] == (6,)
+    gru = dk.nn.DeepTransitionGRU(4, 6, depth=0, cell="gru", layer_norm=False)
+    assert {n: tuple(p.shape) for n, p in gru.named_parameters()} == {
+        "weight_ih": (18, 4), "weight_hh": (18, 6), "bias_ih": (18,), "bias_hh": (18,)}
+    atr = dk.nn.ATR(4, 6)
+    assert {n: tuple(p.shape) for n, p in atr.named_parameters()} == {
+        "weight_ih": (6, 4), "weight_hh": (6, 6), "bias_hh": (6,)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shapes_unbatched_and_h0_gradient(backend):
+    layer = make_layer("gru", 3, 4, depth=1, bidirectional=True, backend=backend, batch_first=True)
+    x = torch.randn(2, 5, 3, dtype=torch.double)
+    h0 = torch.randn(2, 2, 4, dtype=torch.double, requires_grad=True)
+    out, h_n = layer(x, h0)
+    assert out.shape == (2, 5, 8) and h_n.shape == (2, 2, 4)
+    # the last forward output and the first backward output are the final states
+    torch.testing.assert_close(out[:, -1, :4], h_n[0])
+    torch.testing.assert_close(out[:, 0, 4:], h_n[1])
+    h_n.sum().backward()
+    assert h0.grad is not None and h0.grad.abs().sum() > 0
+    out_u, h_u = layer(x[0], h0[:, 0].detach())
+    torch.testing.assert_close(out_u, out[0])
+    torch.testing.assert_close(h_u, h_n[:, 0])
+
+
+def test_candidate_dropout_is_fixed_over_time_and_off_in_eval():
+    layer = make_layer("lgru", 3, 4, depth=1, candidate_dropout=0.5, dtype=torch.float64)
+    x = torch.randn(5, 2, 3, dtype=torch.double)
+    layer.eval()
+    eval_out = layer(x)[0]
+    layer.train()
+    outs = {}
+    for backend in BACKENDS:
+        layer.backend = backend
+        torch.manual_seed(11)
+        outs[backend] = layer(x)[0]
+    torch.testing.assert_close(outs["reference"], outs["cpp"])
+    assert not torch.allclose(outs["cpp"], eval_out)
+    masks = layer.sample_dropout_masks(2)
+    assert masks.shape == (2, 2, 4)
+    assert set(masks.unique().tolist()) <= {0.0, 2.0}
+
+
+def _err(fn, match):
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def test_bad_inputs_raise_value_errors():
+    layer = dk.nn.DeepTransitionGRU(3, 4, depth=1, bidirectional=True)
+    x = torch.randn(5, 2, 3)
+    _err(lambda: layer(torch.randn(5, 2, 7)), r"input_size=3")
+    _err(lambda: layer(torch.randn(5, 2, 3, 1)), r"\[T, B, input_size\]")
+    _err(lambda: layer(x.double()), "dtype")
+    _err(lambda: layer(torch.ones(5, 2, 3, dtype=torch.long)), "floating-point")
+    _err(lambda: layer(x.to("meta")), "meta")
+    _err(lambda: layer([[1.0]]), "must be a Tensor")
+    _err(lambda: layer(torch.randn(0, 2, 3)), "at least one step")
+    _err(lambda: layer(x, torch.randn(1, 2, 4)), r"h0 must have shape \[num_directions, B, hidden_size\]")
+    _err(lambda: layer(x, lengths=[5, 0]), r"in \[1, T=5\]")
+    _err(lambda: layer(x, lengths=[5, 6]), r"in \[1, T=5\]")
+    _err(lambda: layer(x, lengths=[5]), "one entry per sequence")
+    _err(lambda: layer(x, lengths=torch.tensor([5.0, 2.0])), "integers")
+    _err(lambda: layer(x, lengths=torch.tensor([[5, 2]])), "1-D")
+    _err(lambda: layer(torch.randn(5, 3), lengths=[5]), "unbatched")
+    _err(lambda: dk.nn.DeepTransitionGRU(3, 4, cell="lstm"), "cell must be one of")
+    _err(lambda: dk.nn.DeepTransitionGRU(3, 0), "hidden_size")
+    _err(lambda: dk.nn.DeepTransitionGRU(3, 4, depth=-1), "depth")
+    _err(lambda: dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=1.0), "candidate_dropout")
+    _err(lambda: dk.nn.DeepTransitionGRU(3, 4, backend="fast"), "backend must be one of")
+    _err(lambda: setattr(layer, "backend", "nope"), "backend must be one of")
+    cell = dk.nn.DeepTransitionGRUCell(3, 4, depth=1)
+    _err(lambda: cell(torch.randn(2, 5)), "input_size=3")
+    _err(lambda: cell(torch.randn(2, 3), torch.randn(3, 4)), r"\[B, hidden_size\]")
+    _err(lambda: cell(torch.randn(2, 3), drop=torch.ones(1, 2, 4)), "depth\\+1")
+
+
+def test_unavailable_backend_is_an_error_not_a_fallback():
+    layer = dk.nn.ATR(3, 4)
+    x = torch.randn(2, 1, 3)
+    for name in ("triton", "cuda"):
+        if name in dk.available_backends():
+            continue
+        layer.backend = name
+        _err(lambda: layer(x), f"backend '{name}' is not available")
+    layer.backend = "cpp"
+    _err(lambda: layer.half()(x.half()), "supports float32, float64")

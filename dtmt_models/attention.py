@@ -1,0 +1,71 @@
+"""Attention over the source annotations.
+
+- `AdditiveAttention` (Bahdanau; Nematus with `layer_norm=True`): e_j = vᵀ tanh(W_q s + W_k h_j + b),
+  with layer norm on each projection when asked (Nematus applies it to both before the sum).
+- `MultiHeadAdditiveAttention` (DTMT, SPEC §4): q = W_q s and k_j = W_k h_j are split into heads;
+  e_{h,j} = v_hᵀ tanh(q_h + k_{h,j}); the values are the annotations split into heads; the per-head
+  contexts are concatenated and projected.
+
+Keys depend only on the source, so `precompute(annotations)` runs once per batch and its result is kept
+in the decoder state; `forward(query, keys, annotations, src_mask)` is one decoder step.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+
+def masked_softmax(scores: Tensor, src_mask: Tensor) -> Tensor:
+    """softmax over the last dim, padded source positions (src_mask 0) get exactly zero weight."""
+    return torch.softmax(scores.masked_fill(~src_mask, float("-inf")), dim=-1)
+
+
+class AdditiveAttention(nn.Module):
+    def __init__(self, query_dim: int, key_dim: int, attn_dim: int, layer_norm: bool = False):
+        super().__init__()
+        self.query = nn.Linear(query_dim, attn_dim, bias=False)
+        self.key = nn.Linear(key_dim, attn_dim, bias=True)
+        self.v = nn.Linear(attn_dim, 1, bias=False)
+        self.ln_q = nn.LayerNorm(attn_dim) if layer_norm else nn.Identity()
+        self.ln_k = nn.LayerNorm(attn_dim) if layer_norm else nn.Identity()
+
+    def precompute(self, annotations: Tensor) -> Tensor:
+        return self.ln_k(self.key(annotations))  # [B, S, A]
+
+    def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
+        """query [B, Q], keys [B, S, A], annotations [B, S, C], src_mask [B, S] bool ->
+        (context [B, C], weights [B, S])."""
+        scores = self.v(torch.tanh(keys + self.ln_q(self.query(query)).unsqueeze(1))).squeeze(-1)
+        alpha = masked_softmax(scores, src_mask)
+        return torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1), alpha
+
+
+class MultiHeadAdditiveAttention(nn.Module):
+    def __init__(self, query_dim: int, key_dim: int, attn_dim: int, heads: int = 4):
+        super().__init__()
+        if attn_dim % heads or key_dim % heads:
+            raise ValueError(f"MultiHeadAdditiveAttention: attn_dim={attn_dim} and key_dim={key_dim} must be "
+                             f"divisible by heads={heads}")
+        self.heads = heads
+        self.query = nn.Linear(query_dim, attn_dim, bias=False)
+        self.key = nn.Linear(key_dim, attn_dim, bias=True)
+        self.v = nn.Parameter(torch.empty(heads, attn_dim // heads))
+        nn.init.normal_(self.v, std=(attn_dim // heads) ** -0.5)
+        self.out = nn.Linear(key_dim, key_dim)
+
+    def precompute(self, annotations: Tensor) -> Tensor:
+        B, S, _ = annotations.shape
+        return self.key(annotations).view(B, S, self.heads, -1)  # [B, S, heads, A/heads]
+
+    def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
+        """Returns (context [B, C], weights [B, heads, S])."""
+        B, S, C = annotations.shape
+        q = self.query(query).view(B, 1, self.heads, -1)
+        scores = (torch.tanh(keys + q) * self.v).sum(-1).transpose(1, 2)     # [B, heads, S]
+        alpha = masked_softmax(scores, src_mask.unsqueeze(1))
+        values = annotations.view(B, S, self.heads, C // self.heads).transpose(1, 2)  # [B, heads, S, C/h]
+        context = torch.matmul(alpha.unsqueeze(2), values).squeeze(2).reshape(B, C)
+        return self.out(context), alpha

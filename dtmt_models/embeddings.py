@@ -1,0 +1,49 @@
+"""Token embeddings with optional scaled sinusoidal positional encoding (DTMT: x + PE / sqrt(d))."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+
+def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
+    """The Transformer's PE table [length, dim]: sin on even, cos on odd features."""
+    pos = torch.arange(length, device=device, dtype=torch.float32).unsqueeze(1)
+    i = torch.arange(0, dim, 2, device=device, dtype=torch.float32)
+    angle = pos / torch.pow(10000.0, i / dim)
+    pe = torch.zeros(length, dim, device=device, dtype=torch.float32)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle[:, : dim // 2])
+    return pe.to(dtype)
+
+
+class TokenEmbedding(nn.Module):
+    """Embedding lookup (padding row kept at zero), plus PE / sqrt(dim) when `positional` (paper 000 scales
+    the encoding down so it does not swamp the word embedding of a recurrent model)."""
+
+    def __init__(self, vocab_size: int, dim: int, pad_id: int = 0, positional: bool = False, dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
+        nn.init.normal_(self.embed.weight, std=dim ** -0.5)
+        with torch.no_grad():
+            self.embed.weight[pad_id].zero_()
+        self.dim, self.positional = dim, positional
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def weight(self) -> Tensor:
+        return self.embed.weight
+
+    def forward(self, tokens: Tensor, positions: Tensor = None) -> Tensor:
+        """tokens [B, T] (positions 0..T-1) or [B] with `positions` [B] (one decoder step)."""
+        x = self.embed(tokens)
+        if self.positional:
+            if positions is None:
+                pe = sinusoidal_positions(tokens.shape[-1], self.dim, x.device, x.dtype)
+                x = x + pe / math.sqrt(self.dim)
+            else:
+                table = sinusoidal_positions(int(positions.max()) + 1, self.dim, x.device, x.dtype)
+                x = x + table[positions] / math.sqrt(self.dim)
+        return self.dropout(x)

@@ -1,0 +1,130 @@
+"""What every NMT system shares: the batch-first interface of SPEC §4, the readout, the loss, backend
+switching and the incremental-decoding state.
+
+    log_probs = model(src, src_lengths, prev_tokens)      # [B, T_tgt, V], teacher forcing
+    state = model.encode(src, src_lengths)                # once per batch
+    log_probs_t, state = model.step(state, prev_token_t)  # [B, V]
+    state = model.reorder(state, index)                   # beam search bookkeeping
+
+The decoder state is a flat dict of tensors whose first dimension is the batch, so `reorder` is one
+`index_select` per entry. Teacher forcing runs the same `decoder_step` as incremental decoding (one code
+path, so the two give the same log-probabilities) and applies the vocabulary projection once to all steps.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .loss import label_smoothed_nll
+
+State = Dict[str, Tensor]
+
+
+class Readout(nn.Module):
+    """o = dropout(tanh(W_y y + W_s s + W_c c)); log_probs = log_softmax(W_o o) (W_o tied to the target
+    embedding when `tied_embedding` is given, which needs readout_dim == embed_dim)."""
+
+    def __init__(self, embed_dim: int, state_dim: int, context_dim: int, readout_dim: int, vocab_size: int,
+                 dropout: float = 0.0, tied_embedding: Optional[nn.Parameter] = None):
+        super().__init__()
+        self.from_y = nn.Linear(embed_dim, readout_dim, bias=False)
+        self.from_s = nn.Linear(state_dim, readout_dim, bias=True)
+        self.from_c = nn.Linear(context_dim, readout_dim, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.proj = nn.Linear(readout_dim, vocab_size)
+        if tied_embedding is not None:
+            if tied_embedding.shape[1] != readout_dim:
+                raise ValueError(f"tied embeddings need readout_dim == embed_dim, got {readout_dim} and "
+                                 f"{tied_embedding.shape[1]}")
+            self.proj.weight = tied_embedding
+
+    def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
+        return torch.tanh(self.from_y(y) + self.from_s(s) + self.from_c(c))
+
+    def forward(self, features: Tensor) -> Tensor:
+        return torch.log_softmax(self.proj(self.dropout(features)).float(), dim=-1)
+
+
+def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:
+    """[B, max_len] bool, True at real tokens."""
+    return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+class Seq2Seq(nn.Module):
+    """Base of the systems. Subclasses build `self.readout` and implement `encode` and `decoder_step`."""
+
+    model_name = "seq2seq"
+
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, pad_id: int = 0):
+        super().__init__()
+        self.src_vocab_size, self.tgt_vocab_size, self.pad_id = src_vocab_size, tgt_vocab_size, pad_id
+
+    # ---------------------------------------------------------------------------------------- interface
+    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+        raise NotImplementedError
+
+    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        """One step: prev_tokens [B] -> (readout features [B, F], new state)."""
+        raise NotImplementedError
+
+    def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        features, state = self.decoder_step(state, prev_tokens)
+        return self.readout(features), state
+
+    def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor) -> Tensor:
+        self.check_batch(src, src_lengths, prev_tokens)
+        state = self.encode(src, src_lengths)
+        feats = []
+        for t in range(prev_tokens.shape[1]):
+            f, state = self.decoder_step(state, prev_tokens[:, t])
+            feats.append(f)
+        return self.readout(torch.stack(feats, 1))
+
+    @staticmethod
+    def reorder(state: State, index: Tensor) -> State:
+        return {k: v.index_select(0, index) for k, v in state.items()}
+
+    def loss(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Tensor,
+             smoothing: float = 0.0) -> Tuple[Tensor, Tensor, int]:
+        """(label-smoothed loss sum, NLL sum, number of target tokens), padding ignored."""
+        return label_smoothed_nll(self(src, src_lengths, prev_tokens), target, smoothing, self.pad_id)
+
+    # -------------------------------------------------------------------------------------- utilities
+    def set_backend(self, backend: str) -> "Seq2Seq":
+        """Switches every fused recurrent layer of the model (e.g. "cpp" <-> "reference")."""
+        for m in self.modules():
+            if hasattr(m, "backend") and m is not self and hasattr(m, "direction_weights"):
+                m.backend = backend
+        return self
+
+    def check_batch(self, src: Tensor, src_lengths: Tensor, prev_tokens: Optional[Tensor] = None) -> None:
+        name = type(self).__name__
+        if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
+            raise ValueError(f"{name}: src must be a LongTensor [B, S], got "
+                             f"{getattr(src, 'dtype', type(src).__name__)} {list(getattr(src, 'shape', []))}")
+        B, S = src.shape
+        if not isinstance(src_lengths, Tensor) or tuple(src_lengths.shape) != (B,):
+            raise ValueError(f"{name}: src_lengths must be a tensor [B={B}], got {list(getattr(src_lengths, 'shape', []))}")
+        if int(src_lengths.min()) < 1 or int(src_lengths.max()) > S:
+            raise ValueError(f"{name}: src_lengths must be in [1, S={S}]")
+        if prev_tokens is not None and (prev_tokens.dim() != 2 or prev_tokens.shape[0] != B
+                                        or prev_tokens.dtype != torch.long):
+            raise ValueError(f"{name}: prev_tokens must be a LongTensor [B={B}, T], got {list(prev_tokens.shape)}")
+
+
+def summary(model: nn.Module) -> str:
+    """Parameter counts by top-level submodule and in total, as a printable table (also printed)."""
+    lines = [f"{type(model).__name__} ({getattr(model, 'model_name', '')})"]
+    total = 0
+    for name, child in model.named_children():
+        n = sum(p.numel() for p in child.parameters())
+        total_child = n
+        lines.append(f"  {name:<24s} {total_child:>12,d}")
+    total = sum(p.numel() for p in model.parameters())  # tied parameters counted once
+    lines.append(f"  {'total':<24s} {total:>12,d}")
+    text = "\n".join(lines)
+    print(text)
+    return text

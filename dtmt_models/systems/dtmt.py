@@ -1,0 +1,98 @@
+"""`dtmt` and `shallow-rnmt` (paper 000, SPEC §4).
+
+Encoder: bidirectional deep transition (base cell + L_s T-GRUs), annotations h_j = [→h_j, ←h_j].
+Decoder, per target step t:
+    query transition    s_{t,0..Lq}   = base(y_{t-1}, s_{t-1}) then L_q T-GRUs          (eq. before 18)
+    attention           c_t           = MultiHeadAdditiveAttention(C, s_{t,Lq})
+    decoder transition  s_t           = base(c_t, s_{t,Lq}) then L_d T-GRUs
+    readout             p(y_t)        = softmax(W_o dropout(tanh(W_1 y_{t-1} + W_2 s_t + W_3 c_t)))   (eq. 1)
+Initial state s_0 = tanh(W · mean_j h_j) over the real source tokens (SPEC §4).
+Dropout (paper 000 "Advanced techniques"): on the embeddings, on the readout before the prediction, and on
+the candidate activations of every (L-/T-)GRU (`candidate_dropout`, one mask per sequence, fixed over time).
+Per-gate layer norm in every cell; positional encoding x + PE/√d at the bottom of encoder and decoder.
+
+`shallow-rnmt` is the paper's SHALLOWRNMT baseline: the same system with transition depth 0 everywhere and
+GRU cells (Table 3 also runs it with LAU / L-GRU: pass `cell`). The ablation of Table 4 ("replace a
+transition module by the shallow RNMT's") is `deep_encoder/deep_query/deep_decoder=False`: that module keeps
+its base cell with depth 0 (our reading; the paper does not say whether the replaced module's cell changes).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+import dtmt_kernels as dk
+
+from ..attention import MultiHeadAdditiveAttention
+from ..embeddings import TokenEmbedding
+from ..registry import register_model
+from ..seq2seq import Readout, Seq2Seq, State, lengths_mask
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """x [B, S, D], mask [B, S] bool -> mean over the real positions [B, D]."""
+    m = mask.unsqueeze(-1).to(x.dtype)
+    return (x * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+@register_model("dtmt")
+class DTMT(Seq2Seq):
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
+                 depth: int = 1, cell: str = "lgru", encoder_depth: Optional[int] = None,
+                 query_depth: Optional[int] = None, decoder_depth: Optional[int] = None,
+                 deep_encoder: bool = True, deep_query: bool = True, deep_decoder: bool = True,
+                 heads: int = 4, attention_dim: Optional[int] = None, layer_norm: bool = True,
+                 positional_encoding: bool = True, dropout: float = 0.1, candidate_dropout: float = 0.1,
+                 tie_embeddings: bool = False, pad_id: int = 0, backend: str = "auto"):
+        super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
+        H = hidden_size
+        depths = [depth if d is None else d for d in (encoder_depth, query_depth, decoder_depth)]
+        depths = [d if deep else 0 for d, deep in zip(depths, (deep_encoder, deep_query, deep_decoder))]
+        self.depths = tuple(depths)
+        common = dict(cell=cell, layer_norm=layer_norm, candidate_dropout=candidate_dropout, backend=backend)
+        self.src_embed = TokenEmbedding(src_vocab_size, embed_dim, pad_id, positional_encoding, dropout)
+        self.tgt_embed = TokenEmbedding(tgt_vocab_size, embed_dim, pad_id, positional_encoding, dropout)
+        self.encoder = dk.nn.DeepTransitionGRU(embed_dim, H, depth=depths[0], bidirectional=True, batch_first=True,
+                                               **common)
+        self.init_state = nn.Linear(2 * H, H)
+        self.query_transition = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=depths[1], **common)
+        self.attention = MultiHeadAdditiveAttention(H, 2 * H, attention_dim or H, heads)
+        self.decoder_transition = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=depths[2], **common)
+        self.readout = Readout(embed_dim, H, 2 * H, embed_dim, tgt_vocab_size, dropout,
+                               self.tgt_embed.weight if tie_embeddings else None)
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+        self.check_batch(src, src_lengths)
+        annotations, _ = self.encoder(self.src_embed(src), lengths=src_lengths)
+        src_mask = lengths_mask(src_lengths, src.shape[1])
+        B = src.shape[0]
+        state = {"annotations": annotations, "keys": self.attention.precompute(annotations), "src_mask": src_mask,
+                 "s": torch.tanh(self.init_state(masked_mean(annotations, src_mask))),
+                 "pos": torch.zeros(B, dtype=torch.long, device=src.device)}
+        for name, cell in (("drop_q", self.query_transition), ("drop_d", self.decoder_transition)):
+            drop = cell.sample_dropout_masks(B, annotations)
+            if drop is not None:
+                state[name] = drop.transpose(0, 1)  # batch first, for reorder
+        return state
+
+    @staticmethod
+    def _drop(state: State, key: str) -> Optional[Tensor]:
+        d = state.get(key)
+        return None if d is None else d.transpose(0, 1).contiguous()
+
+    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        y = self.tgt_embed(prev_tokens, positions=state["pos"])
+        s_q = self.query_transition(y, state["s"], self._drop(state, "drop_q"))
+        c, alpha = self.attention(s_q, state["keys"], state["annotations"], state["src_mask"])
+        s = self.decoder_transition(c, s_q, self._drop(state, "drop_d"))
+        features = self.readout.features(y, s, c)
+        return features, {**state, "s": s, "pos": state["pos"] + 1, "attn": alpha.mean(1)}
+
+
+@register_model("shallow-rnmt")
+class ShallowRNMT(DTMT):
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, cell: str = "gru", depth: int = 0, **options):
+        super().__init__(src_vocab_size, tgt_vocab_size, cell=cell, depth=depth, **options)

@@ -1,7 +1,9 @@
 """Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`.
 
 They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first`, `h0` of shape
-[num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches.
+[num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and
+`reverse=True` for a unidirectional layer that reads each sequence right to left (stacks with alternating
+directions).
 The parameters are the same for every backend; `layer.backend = "reference"` switches a live module.
 
 Parameter names (one direction; the reverse direction repeats them with the suffix `_reverse`):
@@ -110,6 +112,8 @@ class _TransitionBase(nn.Module):
             s += ", bidirectional=True"
         if getattr(self, "batch_first", False):
             s += ", batch_first=True"
+        if getattr(self, "reverse", False):
+            s += ", reverse=True"
         if self.candidate_dropout:
             s += f", candidate_dropout={self.candidate_dropout}"
         return s + f", backend={self.backend!r}"
@@ -182,7 +186,8 @@ class _TransitionBase(nn.Module):
         check_dtype_for_backend(backend, x.dtype, "x")
         outs, states = [], []
         for d in range(self.num_directions):
-            out, h_n = backend.run(x, h0[d], self.direction_weights(d), mask, drops[d], d == 1, self.eps)
+            reverse = d == 1 or getattr(self, "reverse", False)
+            out, h_n = backend.run(x, h0[d], self.direction_weights(d), mask, drops[d], reverse, self.eps)
             outs.append(out)
             states.append(h_n)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)
@@ -192,10 +197,13 @@ class _TransitionLayer(_TransitionBase):
     """Sequence layer: (x, h0=None, lengths=None) -> (out, h_n), like torch.nn.GRU."""
 
     def __init__(self, input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
-                 candidate_dropout, backend):
+                 candidate_dropout, backend, reverse=False):
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, 2 if bidirectional else 1,
                          candidate_dropout, backend)
-        self.bidirectional, self.batch_first = bool(bidirectional), bool(batch_first)
+        if reverse and bidirectional:
+            raise ValueError(f"{type(self).__name__}: reverse=True is for a unidirectional layer (it reads each "
+                             "sequence right to left); a bidirectional layer already has both directions")
+        self.bidirectional, self.batch_first, self.reverse = bool(bidirectional), bool(batch_first), bool(reverse)
 
     def forward(self, x: Tensor, h0: Optional[Tensor] = None, lengths=None) -> Tuple[Tensor, Tensor]:
         """x [T, B, I] ([B, T, I] if batch_first, [T, I] unbatched); h0 [D, B, H]; lengths: B ints in [1, T]
@@ -275,11 +283,11 @@ class DeepTransitionGRU(_TransitionLayer):
 
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, bidirectional: bool = False, batch_first: bool = False,
-                 candidate_dropout: float = 0.0, backend: str = "auto"):
+                 candidate_dropout: float = 0.0, backend: str = "auto", reverse: bool = False):
         if cell == "atr":
             raise ValueError("DeepTransitionGRU: cell must be 'gru', 'lgru' or 'lau'; use dtmt_kernels.nn.ATR")
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
-                         candidate_dropout, backend)
+                         candidate_dropout, backend, reverse)
 
     @classmethod
     def from_torch(cls, gru: nn.GRU, backend: str = "auto") -> "DeepTransitionGRU":
@@ -328,8 +336,9 @@ class ATR(_TransitionLayer):
     h' = σ(p+q) p + σ(p−q) h."""
 
     def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, bidirectional: bool = False,
-                 batch_first: bool = False, backend: str = "auto"):
-        super().__init__(input_size, hidden_size, "atr", 0, layer_norm, bidirectional, batch_first, 0.0, backend)
+                 batch_first: bool = False, backend: str = "auto", reverse: bool = False):
+        super().__init__(input_size, hidden_size, "atr", 0, layer_norm, bidirectional, batch_first, 0.0, backend,
+                         reverse)
 
 
 class ATRCell(_TransitionCell):

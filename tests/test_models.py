@@ -17,6 +17,10 @@ CONFIGS = [
     ("dtmt", dict(encoder_depth=3, query_depth=0, decoder_depth=2, heads=2)),
     ("shallow-rnmt", {}),
     ("shallow-rnmt", dict(cell="lgru")),
+    ("rnnsearch-atr", {}),
+    ("rnnsearch-atr", dict(encoder="ca", layer_norm=True)),
+    ("gnmt-atr", {}),
+    ("gnmt-atr", dict(encoder_layers=2, decoder_layers=2, layer_norm=True, tie_embeddings=True)),
     ("transformer", dict(heads=2, encoder_layers=1, decoder_layers=1, hidden_size=32)),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'default'}" for n, o in CONFIGS]

@@ -189,3 +189,19 @@ def test_unavailable_backend_is_an_error_not_a_fallback():
         _err(lambda: layer(x), f"backend '{name}' is not available")
     layer.backend = "cpp"
     _err(lambda: layer.half()(x.half()), "supports float32, float64")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reverse_unidirectional_layer_is_the_backward_half(backend):
+    bi = make_layer("lau", 3, 4, depth=1, layer_norm=True, bidirectional=True, backend=backend, batch_first=True)
+    rev = dk.nn.DeepTransitionGRU(3, 4, depth=1, cell="lau", layer_norm=True, batch_first=True, reverse=True,
+                                  backend=backend).double()
+    rev.load_state_dict({k.replace("_reverse", ""): v for k, v in bi.state_dict().items() if "_reverse" in k})
+    x = torch.randn(3, 6, 3, dtype=torch.double)
+    lengths = [6, 2, 4]
+    out_bi, h_bi = bi(x, lengths=lengths)
+    out_rev, h_rev = rev(x, lengths=lengths)
+    torch.testing.assert_close(out_rev, out_bi[..., 4:])
+    torch.testing.assert_close(h_rev[0], h_bi[1])
+    with pytest.raises(ValueError, match="unidirectional"):
+        dk.nn.ATR(3, 4, bidirectional=True, reverse=True)

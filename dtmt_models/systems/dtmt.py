@@ -18,28 +18,21 @@ its base cell with depth 0 (our reading; the paper does not say whether the repl
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
-import torch
 import torch.nn as nn
-from torch import Tensor
 
 import dtmt_kernels as dk
 
 from ..attention import MultiHeadAdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
-from ..seq2seq import Readout, Seq2Seq, State, lengths_mask
-
-
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """x [B, S, D], mask [B, S] bool -> mean over the real positions [B, D]."""
-    m = mask.unsqueeze(-1).to(x.dtype)
-    return (x * m).sum(1) / m.sum(1).clamp_min(1.0)
+from ..rnmt import AttentionalRNMT
+from ..seq2seq import Readout
 
 
 @register_model("dtmt")
-class DTMT(Seq2Seq):
+class DTMT(AttentionalRNMT):
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
                  depth: int = 1, cell: str = "lgru", encoder_depth: Optional[int] = None,
                  query_depth: Optional[int] = None, decoder_depth: Optional[int] = None,
@@ -58,38 +51,11 @@ class DTMT(Seq2Seq):
         self.encoder = dk.nn.DeepTransitionGRU(embed_dim, H, depth=depths[0], bidirectional=True, batch_first=True,
                                                **common)
         self.init_state = nn.Linear(2 * H, H)
-        self.query_transition = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=depths[1], **common)
+        self.query_cell = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=depths[1], **common)
         self.attention = MultiHeadAdditiveAttention(H, 2 * H, attention_dim or H, heads)
-        self.decoder_transition = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=depths[2], **common)
+        self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=depths[2], **common)
         self.readout = Readout(embed_dim, H, 2 * H, embed_dim, tgt_vocab_size, dropout,
                                self.tgt_embed.weight if tie_embeddings else None)
-
-    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
-        self.check_batch(src, src_lengths)
-        annotations, _ = self.encoder(self.src_embed(src), lengths=src_lengths)
-        src_mask = lengths_mask(src_lengths, src.shape[1])
-        B = src.shape[0]
-        state = {"annotations": annotations, "keys": self.attention.precompute(annotations), "src_mask": src_mask,
-                 "s": torch.tanh(self.init_state(masked_mean(annotations, src_mask))),
-                 "pos": torch.zeros(B, dtype=torch.long, device=src.device)}
-        for name, cell in (("drop_q", self.query_transition), ("drop_d", self.decoder_transition)):
-            drop = cell.sample_dropout_masks(B, annotations)
-            if drop is not None:
-                state[name] = drop.transpose(0, 1)  # batch first, for reorder
-        return state
-
-    @staticmethod
-    def _drop(state: State, key: str) -> Optional[Tensor]:
-        d = state.get(key)
-        return None if d is None else d.transpose(0, 1).contiguous()
-
-    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        y = self.tgt_embed(prev_tokens, positions=state["pos"])
-        s_q = self.query_transition(y, state["s"], self._drop(state, "drop_q"))
-        c, alpha = self.attention(s_q, state["keys"], state["annotations"], state["src_mask"])
-        s = self.decoder_transition(c, s_q, self._drop(state, "drop_d"))
-        features = self.readout.features(y, s, c)
-        return features, {**state, "s": s, "pos": state["pos"] + 1, "attn": alpha.mean(1)}
 
 
 @register_model("shallow-rnmt")

@@ -1,0 +1,60 @@
+"""The attentional RNMT skeleton that DTMT, SHALLOWRNMT, RNNSearch-ATR and Nematus' cGRU share:
+
+    annotations C = encoder(embeddings of x)                         (subclass: `encode_source`)
+    s_0          = tanh(W_init · mean of C over the real tokens)
+    per step t:  s̃_t = query_cell(y_{t-1}, s_{t-1})                  (DTMT query transition, cGRU's GRU1)
+                 c_t, α_t = attention(s̃_t, C)
+                 s_t = decoder_cell(c_t, s̃_t)                       (DTMT decoder transition, cGRU's GRU2)
+                 features = tanh(W_1 y_{t-1} + W_2 s_t + W_3 c_t)    (the Readout)
+
+Subclasses create src_embed, tgt_embed, init_state, query_cell, attention, decoder_cell and readout. Cells
+with candidate dropout get one mask per sentence, drawn at `encode` and kept (batch first) in the state.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .seq2seq import Seq2Seq, State, lengths_mask
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """x [B, S, D], mask [B, S] bool -> mean over the real positions [B, D]."""
+    m = mask.unsqueeze(-1).to(x.dtype)
+    return (x * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+class AttentionalRNMT(Seq2Seq):
+    def encode_source(self, src: Tensor, src_lengths: Tensor) -> Tensor:
+        """Annotations [B, S, C] (zeros at padding)."""
+        return self.encoder(self.src_embed(src), lengths=src_lengths)[0]
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+        self.check_batch(src, src_lengths)
+        annotations = self.encode_source(src, src_lengths)
+        src_mask = lengths_mask(src_lengths, src.shape[1])
+        B = src.shape[0]
+        state = {"annotations": annotations, "keys": self.attention.precompute(annotations), "src_mask": src_mask,
+                 "s": torch.tanh(self.init_state(masked_mean(annotations, src_mask))),
+                 "pos": torch.zeros(B, dtype=torch.long, device=src.device)}
+        for name, cell in (("drop_q", self.query_cell), ("drop_d", self.decoder_cell)):
+            drop = cell.sample_dropout_masks(B, annotations)
+            if drop is not None:
+                state[name] = drop.transpose(0, 1)  # [B, depth+1, H]: batch first, for reorder
+        return state
+
+    @staticmethod
+    def _drop(state: State, key: str) -> Optional[Tensor]:
+        d = state.get(key)
+        return None if d is None else d.transpose(0, 1).contiguous()
+
+    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        y = self.tgt_embed(prev_tokens, positions=state["pos"])
+        s_q = self.query_cell(y, state["s"], self._drop(state, "drop_q"))
+        c, alpha = self.attention(s_q, state["keys"], state["annotations"], state["src_mask"])
+        s = self.decoder_cell(c, s_q, self._drop(state, "drop_d"))
+        if alpha.dim() == 3:  # multi-head: keep the head average for inspection
+            alpha = alpha.mean(1)
+        return self.readout.features(y, s, c), {**state, "s": s, "pos": state["pos"] + 1, "attn": alpha}

@@ -25,14 +25,22 @@ State = Dict[str, Tensor]
 
 class Readout(nn.Module):
     """o = dropout(tanh(W_y y + W_s s + W_c c)); log_probs = log_softmax(W_o o) (W_o tied to the target
-    embedding when `tied_embedding` is given, which needs readout_dim == embed_dim)."""
+    embedding when `tied_embedding` is given, which needs readout_dim == embed_dim).
+
+    Nematus options (paper 002): `layer_norm` normalises each of the three projections before the sum, and
+    `extra_layers` adds tanh(LN(W o)) layers of the same width before the softmax ("deep output")."""
 
     def __init__(self, embed_dim: int, state_dim: int, context_dim: int, readout_dim: int, vocab_size: int,
-                 dropout: float = 0.0, tied_embedding: Optional[nn.Parameter] = None):
+                 dropout: float = 0.0, tied_embedding: Optional[nn.Parameter] = None, layer_norm: bool = False,
+                 extra_layers: int = 0):
         super().__init__()
         self.from_y = nn.Linear(embed_dim, readout_dim, bias=False)
         self.from_s = nn.Linear(state_dim, readout_dim, bias=True)
         self.from_c = nn.Linear(context_dim, readout_dim, bias=False)
+        norm = (lambda: nn.LayerNorm(readout_dim)) if layer_norm else nn.Identity
+        self.norms = nn.ModuleList([norm(), norm(), norm()])
+        self.deep = nn.ModuleList(nn.Sequential(nn.Linear(readout_dim, readout_dim), norm(), nn.Tanh())
+                                  for _ in range(extra_layers))
         self.dropout = nn.Dropout(dropout)
         self.proj = nn.Linear(readout_dim, vocab_size)
         if tied_embedding is not None:
@@ -42,9 +50,12 @@ class Readout(nn.Module):
             self.proj.weight = tied_embedding
 
     def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
-        return torch.tanh(self.from_y(y) + self.from_s(s) + self.from_c(c))
+        ny, ns, nc = self.norms
+        return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
 
     def forward(self, features: Tensor) -> Tensor:
+        for layer in self.deep:
+            features = layer(features)
         return torch.log_softmax(self.proj(self.dropout(features)).float(), dim=-1)
 
 

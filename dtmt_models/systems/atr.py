@@ -2,8 +2,10 @@
 
 `rnnsearch-atr`: RNNSearch with every recurrent unit an ATR. Encoder: bidirectional ATR (`encoder="bi"`) or
 the context-aware encoder (`encoder="ca"`, Zhang et al. 2017b as used in paper 004: a backward ATR reads
-the sentence first, then a forward ATR reads [x_j; ←h_j], and the annotation is [→h_j; ←h_j] — our reading,
-the appendix with its equations is not in the paper text we have). Decoder: the two-level hierarchical
+the sentence first, then a forward ATR reads [x_j; ←h_j], and the annotation is [→h_j; ←h_j] — our reading:
+the appendix with its equations is not in the paper text we have; the authors' later code instead runs a
+two-level backward cell over the forward states, which needs a per-step Python loop here). Output layer tied
+to the target embedding by default (the paper's parameter counts imply it). Decoder: the two-level hierarchical
 decoder of paper 004 §4.1 (as Nematus' cGRU): s̃_t = ATR(y_{t-1}, s_{t-1}), c_t = additive attention(s̃_t),
 s_t = ATR(c_t, s̃_t); readout tanh(W y + W s + W c) with dropout 0.2 on the output layer (§4.2).
 
@@ -35,7 +37,7 @@ from ..seq2seq import Readout, Seq2Seq, State, lengths_mask
 @register_model("rnnsearch-atr")
 class RNNSearchATR(AttentionalRNMT):
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
-                 encoder: str = "bi", layer_norm: bool = False, dropout: float = 0.2, tie_embeddings: bool = False,
+                 encoder: str = "bi", layer_norm: bool = False, dropout: float = 0.2, tie_embeddings: bool = True,
                  pad_id: int = 0, backend: str = "auto"):
         super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
         if encoder not in ("bi", "ca"):

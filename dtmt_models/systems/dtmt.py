@@ -13,8 +13,11 @@ Per-gate layer norm in every cell; positional encoding x + PE/√d at the bottom
 
 `shallow-rnmt` is the paper's SHALLOWRNMT baseline: the same system with transition depth 0 everywhere and
 GRU cells (Table 3 also runs it with LAU / L-GRU: pass `cell`). The ablation of Table 4 ("replace a
-transition module by the shallow RNMT's") is `deep_encoder/deep_query/deep_decoder=False`: that module keeps
-its base cell with depth 0 (our reading; the paper does not say whether the replaced module's cell changes).
+transition module by the shallow RNMT's") is `deep_encoder/deep_query/deep_decoder=False`: that module becomes
+a single `shallow_cell` (default "gru", the conventional shallow RNMT's cell) with depth 0.
+Choices where the paper is silent, following the authors' code where it speaks: heads default 4 here (the
+code uses 16 at d=1024; scale with the model), the multi-head context is projected back to 2H (SPEC: "projected"),
+one v per head.
 """
 from __future__ import annotations
 
@@ -37,23 +40,25 @@ class DTMT(AttentionalRNMT):
                  depth: int = 1, cell: str = "lgru", encoder_depth: Optional[int] = None,
                  query_depth: Optional[int] = None, decoder_depth: Optional[int] = None,
                  deep_encoder: bool = True, deep_query: bool = True, deep_decoder: bool = True,
-                 heads: int = 4, attention_dim: Optional[int] = None, layer_norm: bool = True,
+                 shallow_cell: str = "gru", heads: int = 4, attention_dim: Optional[int] = None, layer_norm: bool = True,
                  positional_encoding: bool = True, dropout: float = 0.1, candidate_dropout: float = 0.1,
                  tie_embeddings: bool = False, pad_id: int = 0, backend: str = "auto"):
         super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
         H = hidden_size
         depths = [depth if d is None else d for d in (encoder_depth, query_depth, decoder_depth)]
-        depths = [d if deep else 0 for d, deep in zip(depths, (deep_encoder, deep_query, deep_decoder))]
-        self.depths = tuple(depths)
-        common = dict(cell=cell, layer_norm=layer_norm, candidate_dropout=candidate_dropout, backend=backend)
+        deep = (deep_encoder, deep_query, deep_decoder)
+        depths = [d if is_deep else 0 for d, is_deep in zip(depths, deep)]
+        cells = [cell if is_deep else shallow_cell for is_deep in deep]
+        self.depths, self.cells = tuple(depths), tuple(cells)
+        common = dict(layer_norm=layer_norm, candidate_dropout=candidate_dropout, backend=backend)
         self.src_embed = TokenEmbedding(src_vocab_size, embed_dim, pad_id, positional_encoding, dropout)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, embed_dim, pad_id, positional_encoding, dropout)
-        self.encoder = dk.nn.DeepTransitionGRU(embed_dim, H, depth=depths[0], bidirectional=True, batch_first=True,
-                                               **common)
+        self.encoder = dk.nn.DeepTransitionGRU(embed_dim, H, depth=depths[0], cell=cells[0], bidirectional=True,
+                                               batch_first=True, **common)
         self.init_state = nn.Linear(2 * H, H)
-        self.query_cell = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=depths[1], **common)
+        self.query_cell = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=depths[1], cell=cells[1], **common)
         self.attention = MultiHeadAdditiveAttention(H, 2 * H, attention_dim or H, heads)
-        self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=depths[2], **common)
+        self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=depths[2], cell=cells[2], **common)
         self.readout = Readout(embed_dim, H, 2 * H, embed_dim, tgt_vocab_size, dropout,
                                self.tgt_embed.weight if tie_embeddings else None)
 

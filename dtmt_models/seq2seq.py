@@ -59,6 +59,24 @@ class Readout(nn.Module):
         return torch.log_softmax(self.proj(self.dropout(features)).float(), dim=-1)
 
 
+class Projection(nn.Module):
+    """log_softmax(W dropout(features) + b), W optionally tied to an embedding matrix [V, in_dim]."""
+
+    def __init__(self, in_dim: int, vocab_size: int, dropout: float = 0.0,
+                 tied_embedding: Optional[nn.Parameter] = None):
+        super().__init__()
+        self.proj = nn.Linear(in_dim, vocab_size)
+        if tied_embedding is not None:
+            if tied_embedding.shape[1] != in_dim:
+                raise ValueError(f"tied embeddings need the projection input ({in_dim}) to equal embed_dim "
+                                 f"({tied_embedding.shape[1]})")
+            self.proj.weight = tied_embedding
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return torch.log_softmax(self.proj(self.dropout(features)).float(), dim=-1)
+
+
 def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:
     """[B, max_len] bool, True at real tokens."""
     return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)

@@ -18,6 +18,8 @@ CONFIGS = [
     ("dtmt", dict(encoder_depth=3, query_depth=0, decoder_depth=2, heads=2)),
     ("shallow-rnmt", {}),
     ("shallow-rnmt", dict(cell="lgru")),
+    ("deeplau", {}),
+    ("deeplau", dict(encoder_layers=3, decoder_layers=1, layer_norm=True)),
     ("nematus", {}),
     ("nematus", dict(encoder="deep-transition", decoder="deep-transition", enc_transition_depth=3)),
     ("nematus", dict(encoder="alternating", decoder="gru", enc_depth=3, output_depth=2)),

@@ -15,18 +15,7 @@ from torch import Tensor
 
 from ..embeddings import sinusoidal_positions
 from ..registry import register_model
-from ..seq2seq import Seq2Seq, State, lengths_mask
-
-
-class TiedProjection(nn.Module):
-    def __init__(self, weight: nn.Parameter, dropout: float):
-        super().__init__()
-        self.weight = weight
-        self.bias = nn.Parameter(torch.zeros(weight.shape[0]))
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, features: Tensor) -> Tensor:
-        return torch.log_softmax(nn.functional.linear(self.dropout(features), self.weight, self.bias).float(), -1)
+from ..seq2seq import Projection, Seq2Seq, State, lengths_mask
 
 
 @register_model("transformer")
@@ -53,7 +42,7 @@ class TransformerNMT(Seq2Seq):
         self.transformer.encoder = nn.TransformerEncoder(enc_layer, encoder_layers, nn.LayerNorm(embed_dim),
                                                          enable_nested_tensor=False)
         self.transformer.decoder = nn.TransformerDecoder(dec_layer, decoder_layers, nn.LayerNorm(embed_dim))
-        self.readout = TiedProjection(self.tgt_embed.weight, 0.0)
+        self.readout = Projection(embed_dim, tgt_vocab_size, 0.0, self.tgt_embed.weight)
 
     def _embed(self, emb: nn.Embedding, tokens: Tensor, offset: int = 0) -> Tensor:
         T = tokens.shape[1]

@@ -147,11 +147,8 @@ class Seq2Seq(nn.Module):
 def summary(model: nn.Module) -> str:
     """Parameter counts by top-level submodule and in total, as a printable table (also printed)."""
     lines = [f"{type(model).__name__} ({getattr(model, 'model_name', '')})"]
-    total = 0
     for name, child in model.named_children():
-        n = sum(p.numel() for p in child.parameters())
-        total_child = n
-        lines.append(f"  {name:<24s} {total_child:>12,d}")
+        lines.append(f"  {name:<24s} {sum(p.numel() for p in child.parameters()):>12,d}")
     total = sum(p.numel() for p in model.parameters())  # tied parameters counted once
     lines.append(f"  {'total':<24s} {total:>12,d}")
     text = "\n".join(lines)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Tuple
 
-import torch
 from torch import Tensor
 
 

@@ -26,6 +26,14 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
+def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor) -> State:
+    """What every attentional decoder starts from: the annotations, the attention keys (computed once per
+    batch), the source mask, and s = tanh(init_state(mean annotation over the real tokens))."""
+    src_mask = lengths_mask(src_lengths, annotations.shape[1])
+    return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask,
+            "s": torch.tanh(init_state(masked_mean(annotations, src_mask)))}
+
+
 class AttentionalRNMT(Seq2Seq):
     def encode_source(self, src: Tensor, src_lengths: Tensor) -> Tensor:
         """Annotations [B, S, C] (zeros at padding)."""
@@ -34,11 +42,9 @@ class AttentionalRNMT(Seq2Seq):
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         self.check_batch(src, src_lengths)
         annotations = self.encode_source(src, src_lengths)
-        src_mask = lengths_mask(src_lengths, src.shape[1])
         B = src.shape[0]
-        state = {"annotations": annotations, "keys": self.attention.precompute(annotations), "src_mask": src_mask,
-                 "s": torch.tanh(self.init_state(masked_mean(annotations, src_mask))),
-                 "pos": torch.zeros(B, dtype=torch.long, device=src.device)}
+        state = start_state(self.attention, self.init_state, annotations, src_lengths)
+        state["pos"] = torch.zeros(B, dtype=torch.long, device=src.device)
         for name, cell in (("drop_q", self.query_cell), ("drop_d", self.decoder_cell)):
             drop = cell.sample_dropout_masks(B, annotations)
             if drop is not None:

@@ -23,42 +23,6 @@ from .loss import label_smoothed_nll
 State = Dict[str, Tensor]
 
 
-class Readout(nn.Module):
-    """o = dropout(tanh(W_y y + W_s s + W_c c)); log_probs = log_softmax(W_o o) (W_o tied to the target
-    embedding when `tied_embedding` is given, which needs readout_dim == embed_dim).
-
-    Nematus options (paper 002): `layer_norm` normalises each of the three projections before the sum, and
-    `extra_layers` adds tanh(LN(W o)) layers of the same width before the softmax ("deep output")."""
-
-    def __init__(self, embed_dim: int, state_dim: int, context_dim: int, readout_dim: int, vocab_size: int,
-                 dropout: float = 0.0, tied_embedding: Optional[nn.Parameter] = None, layer_norm: bool = False,
-                 extra_layers: int = 0):
-        super().__init__()
-        self.from_y = nn.Linear(embed_dim, readout_dim, bias=False)
-        self.from_s = nn.Linear(state_dim, readout_dim, bias=True)
-        self.from_c = nn.Linear(context_dim, readout_dim, bias=False)
-        norm = (lambda: nn.LayerNorm(readout_dim)) if layer_norm else nn.Identity
-        self.norms = nn.ModuleList([norm(), norm(), norm()])
-        self.deep = nn.ModuleList(nn.Sequential(nn.Linear(readout_dim, readout_dim), norm(), nn.Tanh())
-                                  for _ in range(extra_layers))
-        self.dropout = nn.Dropout(dropout)
-        self.proj = nn.Linear(readout_dim, vocab_size)
-        if tied_embedding is not None:
-            if tied_embedding.shape[1] != readout_dim:
-                raise ValueError(f"tied embeddings need readout_dim == embed_dim, got {readout_dim} and "
-                                 f"{tied_embedding.shape[1]}")
-            self.proj.weight = tied_embedding
-
-    def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
-        ny, ns, nc = self.norms
-        return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
-
-    def forward(self, features: Tensor) -> Tensor:
-        for layer in self.deep:
-            features = layer(features)
-        return torch.log_softmax(self.proj(self.dropout(features)).float(), dim=-1)
-
-
 class Projection(nn.Module):
     """log_softmax(W dropout(features) + b), W optionally tied to an embedding matrix [V, in_dim]."""
 
@@ -75,6 +39,36 @@ class Projection(nn.Module):
 
     def forward(self, features: Tensor) -> Tensor:
         return torch.log_softmax(self.proj(self.dropout(features)).float(), dim=-1)
+
+
+class Readout(nn.Module):
+    """o = tanh(W_y y + W_s s + W_c c); log_probs = Projection(o) (dropout, then W_o tied to the target
+    embedding when `tied_embedding` is given, which needs readout_dim == embed_dim).
+
+    Nematus options (paper 002): `layer_norm` normalises each of the three projections before the sum, and
+    `extra_layers` adds tanh(LN(W o)) layers of the same width before the softmax ("deep output")."""
+
+    def __init__(self, embed_dim: int, state_dim: int, context_dim: int, readout_dim: int, vocab_size: int,
+                 dropout: float = 0.0, tied_embedding: Optional[nn.Parameter] = None, layer_norm: bool = False,
+                 extra_layers: int = 0):
+        super().__init__()
+        self.from_y = nn.Linear(embed_dim, readout_dim, bias=False)
+        self.from_s = nn.Linear(state_dim, readout_dim, bias=True)
+        self.from_c = nn.Linear(context_dim, readout_dim, bias=False)
+        norm = (lambda: nn.LayerNorm(readout_dim)) if layer_norm else nn.Identity
+        self.norms = nn.ModuleList([norm(), norm(), norm()])
+        self.deep = nn.ModuleList(nn.Sequential(nn.Linear(readout_dim, readout_dim), norm(), nn.Tanh())
+                                  for _ in range(extra_layers))
+        self.output = Projection(readout_dim, vocab_size, dropout, tied_embedding)
+
+    def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
+        ny, ns, nc = self.norms
+        return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
+
+    def forward(self, features: Tensor) -> Tensor:
+        for layer in self.deep:
+            features = layer(features)
+        return self.output(features)
 
 
 def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:

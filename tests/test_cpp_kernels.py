@@ -1,6 +1,5 @@
 """The fused C++ CPU kernels against the reference: float64 gradcheck over every cell x layer norm x mask
 x direction (and T-GRU depth, candidate dropout), float32 agreement on awkward shapes, determinism."""
-import itertools
 
 import pytest
 import torch
@@ -23,10 +22,6 @@ def _sequence_fn(layer, mask, drop, reverse, backend):
         w = layer.direction_weights(0, dict(zip(names, params)))
         return Fn.transition_sequence(x, h0, w, mask, drop, reverse, backend)
     return f
-
-
-def _case_id(v):
-    return str(v)
 
 
 @pytest.mark.parametrize("cell,depth", CASES, ids=[f"{c}-d{d}" for c, d in CASES])

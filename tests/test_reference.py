@@ -1,10 +1,8 @@
 """The reference cells against independent formulations: torch.nn.GRU, and SPEC §2 written out by hand."""
-import math
 
 import pytest
 import torch
 
-import dtmt_kernels as dk
 from dtmt_kernels import reference as R
 
 from conftest import make_layer

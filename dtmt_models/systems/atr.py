@@ -30,8 +30,8 @@ import dtmt_kernels as dk
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
-from ..rnmt import AttentionalRNMT, masked_mean
-from ..seq2seq import Readout, Seq2Seq, State, lengths_mask
+from ..rnmt import AttentionalRNMT, start_state
+from ..seq2seq import Readout, Seq2Seq, State
 
 
 @register_model("rnnsearch-atr")
@@ -97,10 +97,9 @@ class GNMTATR(Seq2Seq):
         for l, layer in enumerate(self.encoder):
             out, _ = layer(h, lengths=src_lengths)
             h = out + h if l >= 2 else out       # residual connections from the third layer on
-        src_mask = lengths_mask(src_lengths, src.shape[1])
-        B, L = src.shape[0], len(self.decoder)
-        s0 = torch.tanh(self.init_state(masked_mean(h, src_mask))).view(B, L, -1)
-        return {"annotations": h, "keys": self.attention.precompute(h), "src_mask": src_mask, "s": s0}
+        state = start_state(self.attention, self.init_state, h, src_lengths)
+        state["s"] = state["s"].view(src.shape[0], len(self.decoder), -1)  # one initial state per layer
+        return state
 
     def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         y = self.tgt_embed(prev_tokens)

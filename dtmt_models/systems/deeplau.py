@@ -22,8 +22,8 @@ import dtmt_kernels as dk
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
-from ..rnmt import masked_mean
-from ..seq2seq import Projection, Seq2Seq, State, lengths_mask
+from ..rnmt import start_state
+from ..seq2seq import Projection, Seq2Seq, State
 
 
 @register_model("deeplau")
@@ -53,10 +53,9 @@ class DeepLAU(Seq2Seq):
         h = self.src_embed(src)
         for layer in self.encoder:
             h = layer(h, lengths=src_lengths)[0]
-        src_mask = lengths_mask(src_lengths, src.shape[1])
-        B, L = src.shape[0], len(self.decoder)
-        s0 = torch.tanh(self.init_state(masked_mean(h, src_mask))).view(B, L, -1)
-        return {"annotations": h, "keys": self.attention.precompute(h), "src_mask": src_mask, "s": s0}
+        state = start_state(self.attention, self.init_state, h, src_lengths)
+        state["s"] = state["s"].view(src.shape[0], len(self.decoder), -1)  # one initial state per layer
+        return state
 
     def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         y = self.tgt_embed(prev_tokens)

@@ -38,8 +38,8 @@ import dtmt_kernels as dk
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
-from ..rnmt import masked_mean
-from ..seq2seq import Readout, Seq2Seq, State, lengths_mask
+from ..rnmt import start_state
+from ..seq2seq import Readout, Seq2Seq, State
 
 ENCODERS = ("shallow", "deep-transition", "alternating", "biunidirectional", "bideep")
 DECODERS = ("shallow", "deep-transition", "gru", "rgru", "cgru", "crgru", "bideep")
@@ -149,11 +149,9 @@ class Nematus(Seq2Seq):
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         self.check_batch(src, src_lengths)
-        annotations = self.encode_source(src, src_lengths)
-        src_mask = lengths_mask(src_lengths, src.shape[1])
-        s0 = torch.tanh(self.init_state(masked_mean(annotations, src_mask)))
-        return {"annotations": annotations, "keys": self.attention.precompute(annotations), "src_mask": src_mask,
-                "s": s0.unsqueeze(1).repeat(1, 1 + len(self.levels), 1)}
+        state = start_state(self.attention, self.init_state, self.encode_source(src, src_lengths), src_lengths)
+        state["s"] = state["s"].unsqueeze(1).repeat(1, 1 + len(self.levels), 1)  # every level starts from s_0
+        return state
 
     def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         y = self.tgt_embed(prev_tokens)

@@ -1,0 +1,145 @@
+"""`mce`: the multi-channel encoder of paper 003 (Xiong et al.), on an RNNsearch decoder.
+
+Encoder, per direction (forward, and backward from each sentence's own last token), with GRU state s and an
+external memory M ∈ R^{S×H} per sentence initialised with the source embeddings (eq. 13-17):
+    w_t  = softmax_i vᵀ tanh(U_a s_{t-1} + W_a M_{t-1}[i])      read/write weights over the memory cells
+                                                                  (eq. 5-6; shared for reading and writing)
+    R_t  = σ(W_r s_{t-1})                                         read gate (eq. 14)
+    M̃_t[i] = R_t ⊙ M_{t-1}[i]                                    read memory (eq. 13)
+    c_t  = Σ_i w_t[i] M̃_t[i]                                      read content (eq. 15)
+    s_t  = GRU(e_t, c_t)                                          the read content is the GRU's state input (eq. 16)
+    M_t[i] = M̃_t[i] + w_t[i] U_t,  U_t = σ(W_u s_t)              write (eq. 17)
+Our reading of eq. 13, where "M_{t-1}(w ⊙ R)" mixes an [S]-vector and an [H]-vector: the gate R_t applies to
+every cell and the weights w_t to the sum of eq. 15 (applying w in both would weight it twice). Padded steps
+leave s and M unchanged.
+
+Channels: rnn = [→s_j; ←s_j], ntm = [→M_S[j]; ←M_S[j]] (the memories after the whole pass), emb = W_e e_j
+(a projection to 2H: the paper combines e_j with 2H-wide channels without saying how). `annotation` picks
+one channel or a gated combination (eq. 18-25):
+    ntm-rnn      g0 ⊙ M + (1−g0) ⊙ h,            g0 = σ(W M + U h)
+    rnn-emb      g1 ⊙ E + (1−g1) ⊙ h,            g1 = σ(W E + U h)
+    ntm-emb      g2 ⊙ E + (1−g2) ⊙ M,            g2 = σ(W E + U M)
+    ntm-rnn-emb  g3 ⊙ E + (1−g3) ⊙ h_ntm_rnn,    g3 = σ(W E + U h_ntm_rnn)
+Decoder: RNNsearch as in eq. 1-6 (s'_j = GRU(y_{j-1}, s_{j-1}), attention queried by s'_j, s_j = GRU(c_j, s'_j),
+t_j = tanh(s W + e_y W + c W)), dropout 0.5 on the output layer (paper §Experiments). Memory cells when
+embed_dim != hidden_size: the embeddings are projected to H before initialising the memory.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+import dtmt_kernels as dk
+
+from ..attention import AdditiveAttention, masked_softmax
+from ..embeddings import TokenEmbedding
+from ..registry import register_model
+from ..rnmt import AttentionalRNMT
+from ..seq2seq import Readout, lengths_mask
+
+ANNOTATIONS = ("rnn", "ntm", "emb", "ntm-emb", "ntm-rnn", "rnn-emb", "ntm-rnn-emb")
+
+
+class MemoryGRUEncoderDirection(nn.Module):
+    """One direction of the read-write-memory GRU encoder."""
+
+    def __init__(self, embed_dim: int, hidden_size: int, backend: str):
+        super().__init__()
+        H = hidden_size
+        self.cell = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=0, cell="gru", layer_norm=False,
+                                                backend=backend)
+        self.address_state = nn.Linear(H, H, bias=False)
+        self.address_memory = nn.Linear(H, H, bias=True)
+        self.address_v = nn.Linear(H, 1, bias=False)
+        self.read_gate = nn.Linear(H, H)
+        self.write_gate = nn.Linear(H, H)
+
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool) -> Tuple[Tensor, Tensor]:
+        """x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] -> (states [B, S, H], final memory)."""
+        B, S, _ = x.shape
+        s = x.new_zeros(B, memory.shape[-1])
+        states = [None] * S
+        for t in (range(S - 1, -1, -1) if reverse else range(S)):
+            keys = self.address_memory(memory)
+            w = masked_softmax(self.address_v(torch.tanh(keys + self.address_state(s).unsqueeze(1))).squeeze(-1),
+                               src_mask)                                            # [B, S]
+            read = memory * torch.sigmoid(self.read_gate(s)).unsqueeze(1)            # M̃_t
+            c = torch.bmm(w.unsqueeze(1), read).squeeze(1)
+            s_new = self.cell(x[:, t], c)
+            written = read + w.unsqueeze(-1) * torch.sigmoid(self.write_gate(s_new)).unsqueeze(1)
+            valid = src_mask[:, t].view(B, 1)
+            s = torch.where(valid, s_new, s)
+            memory = torch.where(valid.unsqueeze(-1), written, memory)
+            states[t] = torch.where(valid, s_new, torch.zeros_like(s_new))
+        return torch.stack(states, 1), memory
+
+
+class Gate(nn.Module):
+    """g ⊙ a + (1 − g) ⊙ b with g = σ(W a + U b)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w = nn.Linear(dim, dim, bias=True)
+        self.u = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        g = torch.sigmoid(self.w(a) + self.u(b))
+        return g * a + (1 - g) * b
+
+
+@register_model("mce")
+class MultiChannelEncoderNMT(AttentionalRNMT):
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
+                 annotation: str = "ntm-rnn-emb", dropout: float = 0.5, tie_embeddings: bool = False,
+                 pad_id: int = 0, backend: str = "auto"):
+        super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
+        if annotation not in ANNOTATIONS:
+            raise ValueError(f"mce: annotation must be one of {ANNOTATIONS}, got {annotation!r}")
+        E, H = embed_dim, hidden_size
+        self.annotation = annotation
+        self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id)
+        self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id)
+        self.memory_init = nn.Identity() if E == H else nn.Linear(E, H, bias=False)
+        self.encoder_fwd = MemoryGRUEncoderDirection(E, H, backend)
+        self.encoder_bwd = MemoryGRUEncoderDirection(E, H, backend)
+        if "emb" in annotation:
+            self.emb_channel = nn.Linear(E, 2 * H, bias=False)
+        if annotation in ("ntm-rnn", "ntm-rnn-emb"):
+            self.gate_ntm_rnn = Gate(2 * H)
+        if annotation in ("rnn-emb", "ntm-emb", "ntm-rnn-emb"):
+            self.gate_emb = Gate(2 * H)
+        gru = dict(depth=0, cell="gru", layer_norm=False, backend=backend)
+        self.init_state = nn.Linear(2 * H, H)
+        self.query_cell = dk.nn.DeepTransitionGRUCell(E, H, **gru)
+        self.attention = AdditiveAttention(H, 2 * H, H)
+        self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, **gru)
+        self.readout = Readout(E, H, 2 * H, E, tgt_vocab_size, dropout,
+                               self.tgt_embed.weight if tie_embeddings else None)
+
+    def encode_source(self, src: Tensor, src_lengths: Tensor) -> Tensor:
+        x = self.src_embed(src)
+        src_mask = lengths_mask(src_lengths, src.shape[1])
+        memory0 = self.memory_init(x)
+        h_f, m_f = self.encoder_fwd(x, memory0, src_mask, reverse=False)
+        h_b, m_b = self.encoder_bwd(x, memory0, src_mask, reverse=True)
+        pad = src_mask.unsqueeze(-1)
+        rnn = torch.cat([h_f, h_b], -1)
+        ntm = torch.cat([m_f, m_b], -1) * pad
+        a = self.annotation
+        if a == "rnn":
+            return rnn
+        if a == "ntm":
+            return ntm
+        emb = self.emb_channel(x) * pad if "emb" in a else None
+        if a == "emb":
+            return emb
+        if a == "ntm-rnn":
+            return self.gate_ntm_rnn(ntm, rnn)
+        if a == "rnn-emb":
+            return self.gate_emb(emb, rnn)
+        if a == "ntm-emb":
+            return self.gate_emb(emb, ntm)
+        return self.gate_emb(emb, self.gate_ntm_rnn(ntm, rnn))   # ntm-rnn-emb

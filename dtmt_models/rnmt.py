@@ -17,6 +17,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+import dtmt_kernels as dk
+
 from .seq2seq import Seq2Seq, State, lengths_mask
 
 
@@ -24,6 +26,27 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """x [B, S, D], mask [B, S] bool -> mean over the real positions [B, D]."""
     m = mask.unsqueeze(-1).to(x.dtype)
     return (x * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+SWAPPABLE_CELLS = ("atr", "gru", "lgru", "lau")
+
+
+def recurrent_layer(cell: str, input_size: int, hidden_size: int, **options):
+    """A one-cell recurrent layer of the given type (SPEC §4: systems swap GRU / LAU / L-GRU / ATR)."""
+    if cell not in SWAPPABLE_CELLS:
+        raise ValueError(f"cell must be one of {SWAPPABLE_CELLS}, got {cell!r}")
+    if cell == "atr":
+        return dk.nn.ATR(input_size, hidden_size, **options)
+    return dk.nn.DeepTransitionGRU(input_size, hidden_size, depth=0, cell=cell, **options)
+
+
+def recurrent_cell(cell: str, input_size: int, hidden_size: int, **options):
+    """The single-step counterpart of `recurrent_layer`, for decoders."""
+    if cell not in SWAPPABLE_CELLS:
+        raise ValueError(f"cell must be one of {SWAPPABLE_CELLS}, got {cell!r}")
+    if cell == "atr":
+        return dk.nn.ATRCell(input_size, hidden_size, **options)
+    return dk.nn.DeepTransitionGRUCell(input_size, hidden_size, depth=0, cell=cell, **options)
 
 
 def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor) -> State:

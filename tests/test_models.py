@@ -20,6 +20,7 @@ CONFIGS = [
     ("shallow-rnmt", dict(cell="lgru")),
     ("deeplau", {}),
     ("deeplau", dict(encoder_layers=3, decoder_layers=1, layer_norm=True)),
+    ("deeplau", dict(encoder_layers=2, decoder_layers=2, cell="gru")),
     ("nematus", {}),
     ("nematus", dict(encoder="deep-transition", decoder="deep-transition", enc_transition_depth=3)),
     ("nematus", dict(encoder="alternating", decoder="gru", enc_depth=3, output_depth=2)),
@@ -36,7 +37,9 @@ CONFIGS = [
     ("mce", dict(annotation="rnn-emb", tie_embeddings=True)),
     ("rnnsearch-atr", {}),
     ("rnnsearch-atr", dict(encoder="ca", layer_norm=True)),
+    ("rnnsearch-atr", dict(cell="lgru")),
     ("gnmt-atr", {}),
+    ("gnmt-atr", dict(encoder_layers=3, decoder_layers=3, cell="gru")),
     ("gnmt-atr", dict(encoder_layers=2, decoder_layers=2, layer_norm=True, tie_embeddings=True)),
     ("transformer", dict(heads=2, encoder_layers=1, decoder_layers=1, hidden_size=32)),
 ]

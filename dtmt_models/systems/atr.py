@@ -16,6 +16,9 @@ stacked ATRs; the bottom layer reads y_{t-1}, its output queries the attention, 
 the attention with the bottom layer's *previous* output to parallelise; we use the current one (as
 RNNSearch), which the sequential CPU decoder does not mind. Each decoder layer starts from
 tanh(W_l · mean annotation).
+
+Both take `cell` ("atr" default; "gru", "lgru", "lau"): paper 004 Table 2 compares the same skeleton with
+other units.
 """
 from __future__ import annotations
 
@@ -25,20 +28,18 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-import dtmt_kernels as dk
-
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
-from ..rnmt import AttentionalRNMT, start_state
+from ..rnmt import AttentionalRNMT, recurrent_cell, recurrent_layer, start_state
 from ..seq2seq import Readout, Seq2Seq, State
 
 
 @register_model("rnnsearch-atr")
 class RNNSearchATR(AttentionalRNMT):
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
-                 encoder: str = "bi", layer_norm: bool = False, dropout: float = 0.2, tie_embeddings: bool = True,
-                 pad_id: int = 0, backend: str = "auto"):
+                 encoder: str = "bi", cell: str = "atr", layer_norm: bool = False, dropout: float = 0.2,
+                 tie_embeddings: bool = True, pad_id: int = 0, backend: str = "auto"):
         super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
         if encoder not in ("bi", "ca"):
             raise ValueError(f"rnnsearch-atr: encoder must be 'bi' or 'ca', got {encoder!r}")
@@ -48,14 +49,14 @@ class RNNSearchATR(AttentionalRNMT):
         self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id)
         if encoder == "bi":
-            self.encoder = dk.nn.ATR(E, H, bidirectional=True, batch_first=True, **opts)
+            self.encoder = recurrent_layer(cell, E, H, bidirectional=True, batch_first=True, **opts)
         else:
-            self.encoder_backward = dk.nn.ATR(E, H, batch_first=True, reverse=True, **opts)
-            self.encoder_forward = dk.nn.ATR(E + H, H, batch_first=True, **opts)
+            self.encoder_backward = recurrent_layer(cell, E, H, batch_first=True, reverse=True, **opts)
+            self.encoder_forward = recurrent_layer(cell, E + H, H, batch_first=True, **opts)
         self.init_state = nn.Linear(2 * H, H)
-        self.query_cell = dk.nn.ATRCell(E, H, **opts)
+        self.query_cell = recurrent_cell(cell, E, H, **opts)
         self.attention = AdditiveAttention(H, 2 * H, H)
-        self.decoder_cell = dk.nn.ATRCell(2 * H, H, **opts)
+        self.decoder_cell = recurrent_cell(cell, 2 * H, H, **opts)
         self.readout = Readout(E, H, 2 * H, E, tgt_vocab_size, dropout,
                                self.tgt_embed.weight if tie_embeddings else None)
 
@@ -71,8 +72,8 @@ class RNNSearchATR(AttentionalRNMT):
 @register_model("gnmt-atr")
 class GNMTATR(Seq2Seq):
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
-                 encoder_layers: int = 4, decoder_layers: int = 4, layer_norm: bool = False, dropout: float = 0.2,
-                 tie_embeddings: bool = False, pad_id: int = 0, backend: str = "auto"):
+                 encoder_layers: int = 4, decoder_layers: int = 4, cell: str = "atr", layer_norm: bool = False,
+                 dropout: float = 0.2, tie_embeddings: bool = False, pad_id: int = 0, backend: str = "auto"):
         super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
         if encoder_layers < 2 or decoder_layers < 1:
             raise ValueError("gnmt-atr: needs encoder_layers >= 2 (bidirectional bottom + one more) and "
@@ -81,13 +82,13 @@ class GNMTATR(Seq2Seq):
         opts = dict(layer_norm=layer_norm, backend=backend)
         self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id)
-        self.encoder = nn.ModuleList([dk.nn.ATR(E, H, bidirectional=True, batch_first=True, **opts),
-                                      dk.nn.ATR(2 * H, H, batch_first=True, **opts)])
-        self.encoder.extend(dk.nn.ATR(H, H, batch_first=True, **opts) for _ in range(encoder_layers - 2))
+        self.encoder = nn.ModuleList([recurrent_layer(cell, E, H, bidirectional=True, batch_first=True, **opts),
+                                      recurrent_layer(cell, 2 * H, H, batch_first=True, **opts)])
+        self.encoder.extend(recurrent_layer(cell, H, H, batch_first=True, **opts) for _ in range(encoder_layers - 2))
         self.init_state = nn.Linear(H, decoder_layers * H)
         self.attention = AdditiveAttention(H, H, H)
-        self.decoder = nn.ModuleList([dk.nn.ATRCell(E, H, **opts)])
-        self.decoder.extend(dk.nn.ATRCell(2 * H, H, **opts) for _ in range(decoder_layers - 1))
+        self.decoder = nn.ModuleList([recurrent_cell(cell, E, H, **opts)])
+        self.decoder.extend(recurrent_cell(cell, 2 * H, H, **opts) for _ in range(decoder_layers - 1))
         self.readout = Readout(E, H, H, E, tgt_vocab_size, dropout,
                                self.tgt_embed.weight if tie_embeddings else None)
 

@@ -8,6 +8,7 @@ Decoder: `decoder_layers` stacked left→right LAUs; layer 1 reads [c_t; y_{t-1}
 output of layer ℓ-1. Output (eq. 12): softmax(W_o s^{L_dec}_t) with dropout before the projection.
 Where the paper is silent: every decoder layer starts from tanh(W_ℓ · mean annotation); no residual
 connections; the LAU is SPEC §2's (GRU-style reset inside the candidate), layer norm optional (off).
+`cell` swaps the unit ("gru" gives the paper's DEEPGRU baseline; also "lgru", "atr").
 """
 from __future__ import annotations
 
@@ -17,34 +18,32 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-import dtmt_kernels as dk
-
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
-from ..rnmt import start_state
+from ..rnmt import recurrent_cell, recurrent_layer, start_state
 from ..seq2seq import Projection, Seq2Seq, State
 
 
 @register_model("deeplau")
 class DeepLAU(Seq2Seq):
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
-                 encoder_layers: int = 4, decoder_layers: int = 4, layer_norm: bool = False, dropout: float = 0.1,
-                 pad_id: int = 0, backend: str = "auto"):
+                 encoder_layers: int = 4, decoder_layers: int = 4, cell: str = "lau", layer_norm: bool = False,
+                 dropout: float = 0.1, pad_id: int = 0, backend: str = "auto"):
         super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
         if encoder_layers < 1 or decoder_layers < 1:
             raise ValueError(f"deeplau: needs at least one encoder and one decoder layer, got {encoder_layers}, "
                              f"{decoder_layers}")
         E, H = embed_dim, hidden_size
-        lau = dict(cell="lau", depth=0, layer_norm=layer_norm, backend=backend)
+        opts = dict(layer_norm=layer_norm, backend=backend)
         self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id, dropout=dropout)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id, dropout=dropout)
-        self.encoder = nn.ModuleList(dk.nn.DeepTransitionGRU(E if l == 0 else H, H, batch_first=True,
-                                                             reverse=bool(l % 2), **lau)
+        self.encoder = nn.ModuleList(recurrent_layer(cell, E if l == 0 else H, H, batch_first=True,
+                                                     reverse=bool(l % 2), **opts)
                                      for l in range(encoder_layers))
         self.init_state = nn.Linear(H, decoder_layers * H)
         self.attention = AdditiveAttention(H + E, H, H)
-        self.decoder = nn.ModuleList(dk.nn.DeepTransitionGRUCell(H + E if l == 0 else H, H, **lau)
+        self.decoder = nn.ModuleList(recurrent_cell(cell, H + E if l == 0 else H, H, **opts)
                                      for l in range(decoder_layers))
         self.readout = Projection(H, tgt_vocab_size, dropout)
 

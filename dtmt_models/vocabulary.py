@@ -1,0 +1,52 @@
+"""Subword vocabularies: SentencePiece (BPE or unigram), trained on the training side only and saved with
+the model (the serialized model travels inside checkpoints). Ids: pad 0, unk 1, bos 2, eos 3."""
+from __future__ import annotations
+
+import io
+from typing import Iterable, List
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+
+
+class Vocabulary:
+    def __init__(self, model_proto: bytes):
+        import sentencepiece as spm
+
+        self.proto = model_proto
+        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
+            raise ValueError("Vocabulary: the SentencePiece model must use pad=0, unk=1, bos=2, eos=3")
+
+    @classmethod
+    def train(cls, sentences: Iterable[str], vocab_size: int = 8000, model_type: str = "bpe",
+              character_coverage: float = 1.0) -> "Vocabulary":
+        """Trains on `sentences` (the training side only). vocab_size is capped by what the text supports.
+        One training thread, so the same sentences always give the same model."""
+        import sentencepiece as spm
+
+        if model_type not in ("bpe", "unigram"):
+            raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(list(sentences)), model_writer=buf, vocab_size=vocab_size,
+            model_type=model_type, character_coverage=character_coverage, pad_id=PAD, unk_id=UNK, bos_id=BOS,
+            eos_id=EOS, hard_vocab_limit=False, num_threads=1, minloglevel=2)
+        return cls(buf.getvalue())
+
+    @classmethod
+    def load(cls, path: str) -> "Vocabulary":
+        with open(path, "rb") as f:
+            return cls(f.read())
+
+    def save(self, path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(self.proto)
+
+    def __len__(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str) -> List[int]:
+        return self.sp.encode(text, out_type=int)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([i for i in ids if i > EOS])

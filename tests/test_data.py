@@ -1,0 +1,69 @@
+"""Corpus reading and validation, vocabularies, batching."""
+import pytest
+import torch
+
+from dtmt_models import batching, data
+from dtmt_models.vocabulary import BOS, EOS, PAD, Vocabulary
+
+
+def _write(path, content: bytes):
+    path.write_bytes(content)
+    return str(path)
+
+
+def test_read_parallel_ok(tmp_path):
+    src = _write(tmp_path / "a.es", "hola mundo\r\nadiós\n".encode())
+    tgt = _write(tmp_path / "a.en", "hello world\ngoodbye".encode())
+    assert data.read_parallel(src, tgt) == [("hola mundo", "hello world"), ("adiós", "goodbye")]
+
+
+def test_bad_inputs_are_reported_with_file_and_line(tmp_path):
+    good = _write(tmp_path / "g.en", b"one\ntwo\nthree\n")
+    bad_utf8 = _write(tmp_path / "b.es", b"uno\ndos \xff\xfe\ntres\n")
+    with pytest.raises(data.CorpusError, match=r"b\.es:2: invalid UTF-8"):
+        data.read_parallel(bad_utf8, good)
+    empty = _write(tmp_path / "e.es", b"uno\n  \ntres\n")
+    with pytest.raises(data.CorpusError, match=r"e\.es:2: empty line"):
+        data.read_parallel(empty, good)
+    short = _write(tmp_path / "s.es", b"uno\ndos\n")
+    with pytest.raises(data.CorpusError, match=r"s\.es has 2 lines, .*g\.en has 3"):
+        data.read_parallel(short, good)
+    with pytest.raises(data.CorpusError, match="no such file"):
+        data.read_parallel(str(tmp_path / "missing"), good)
+
+
+def test_write_parallel_round_trip_and_length_filter(tmp_path):
+    pairs = [("a b", "c"), ("d", "e f g")]
+    data.write_parallel(pairs, str(tmp_path / "x.src"), str(tmp_path / "x.tgt"))
+    assert data.read_parallel(str(tmp_path / "x.src"), str(tmp_path / "x.tgt")) == pairs
+    kept, dropped = data.filter_by_length([([1] * 3, [2] * 2), ([1] * 5, [2])], max_len=4)
+    assert len(kept) == 1 and dropped == 1
+
+
+def test_vocabulary_train_round_trip(tmp_path):
+    text = ["el perro come la manzana", "la casa es grande", "el gato duerme en la casa"] * 20
+    vocab = Vocabulary.train(text, vocab_size=40)
+    ids = vocab.encode("el gato come")
+    assert all(i > EOS for i in ids)
+    assert vocab.decode(ids + [EOS, PAD]) == "el gato come"
+    path = str(tmp_path / "v.model")
+    vocab.save(path)
+    assert Vocabulary.load(path).encode("la casa") == vocab.encode("la casa")
+    assert Vocabulary.train(text, vocab_size=40).proto == vocab.proto   # deterministic
+
+
+def test_token_batches_respect_budget_and_seed():
+    lengths = [(n % 17 + 1, n % 13 + 1) for n in range(200)]
+    batches = batching.token_batches(lengths, max_tokens=64, seed=3, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(200))
+    for b in batches:
+        assert len(b) == 1 or max(max(lengths[i]) + 1 for i in b) * len(b) <= 64
+    assert batches == batching.token_batches(lengths, max_tokens=64, seed=3, epoch=0)
+    assert batches != batching.token_batches(lengths, max_tokens=64, seed=3, epoch=1)
+
+
+def test_collate():
+    src, lengths, prev, target = batching.collate([([5, 6, 7], [8]), ([9], [10, 11])])
+    assert src.tolist() == [[5, 6, 7], [9, PAD, PAD]] and lengths.tolist() == [3, 1]
+    assert prev.tolist() == [[BOS, 8, PAD], [BOS, 10, 11]]
+    assert target.tolist() == [[8, EOS, PAD], [10, 11, EOS]]

@@ -1,0 +1,98 @@
+"""Batched beam search over the Seq2Seq interface (encode / step / reorder), greedy as beam 1.
+
+Hypotheses are ranked by log P(y|x) / lp(y) with the GNMT length penalty of paper 000's decoding,
+lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability). A sentence is finished when it has
+`beam` complete hypotheses and no open one can still beat the worst of them, or at max length (source
+length * max_len_a + max_len_b steps, EOS included), where only EOS may follow the open hypotheses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+from torch import Tensor
+
+from .vocabulary import BOS, EOS
+
+
+@dataclass
+class Hypothesis:
+    tokens: List[int]      # without BOS / EOS
+    score: float           # length-normalised
+    log_prob: float
+
+
+def length_penalty(length: Tensor, alpha: float) -> Tensor:
+    return ((5.0 + length.float()) / 6.0) ** alpha
+
+
+@torch.no_grad()
+def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                max_len_a: float = 2.0, max_len_b: int = 10) -> List[List[Hypothesis]]:
+    """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first."""
+    if beam < 1 or not 1 <= nbest <= beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    B, device = src.shape[0], src.device
+    state = model.encode(src, src_lengths)
+    state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
+    scores = torch.full((B, beam), float("-inf"), device=device)
+    scores[:, 0] = 0.0                                   # all beams start identical: keep one
+    tokens = torch.full((B * beam, 1), BOS, dtype=torch.long, device=device)
+    max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
+    finished: List[List[Hypothesis]] = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    for t in range(int(max_len.max())):
+        log_probs, state = model.step(state, tokens[:, -1])
+        V = log_probs.shape[-1]
+        log_probs = log_probs.view(B, beam, V).float()
+        at_limit = t + 1 >= max_len
+        if bool(at_limit.any()):   # the last step allowed: only EOS may follow
+            eos_only = torch.full_like(log_probs, float("-inf"))
+            eos_only[..., EOS] = log_probs[..., EOS]
+            log_probs = torch.where(at_limit.view(B, 1, 1), eos_only, log_probs)
+        cand = (scores.unsqueeze(-1) + log_probs).view(B, -1)
+        top_scores, top_idx = cand.topk(min(2 * beam, cand.shape[1]), dim=1)
+        origin, word = top_idx // V, top_idx % V
+        new_scores = torch.full((B, beam), float("-inf"), device=device)
+        new_origin = torch.zeros(B, beam, dtype=torch.long, device=device)
+        new_word = torch.full((B, beam), EOS, dtype=torch.long, device=device)
+        for b in range(B):
+            if done[b]:
+                continue
+            k = 0
+            for j in range(top_scores.shape[1]):
+                s = top_scores[b, j].item()
+                if s == float("-inf"):
+                    break
+                o, w = origin[b, j].item(), word[b, j].item()
+                if w == EOS:
+                    hyp = tokens[b * beam + o, 1:].tolist()
+                    n = torch.tensor(len(hyp) + 1)
+                    finished[b].append(Hypothesis(hyp, s / length_penalty(n, alpha).item(), s))
+                elif k < beam:
+                    new_scores[b, k], new_origin[b, k], new_word[b, k] = s, o, w
+                    k += 1
+                if k == beam and len(finished[b]) >= beam:
+                    break
+            finished[b].sort(key=lambda h: -h.score)
+            del finished[b][beam:]
+            # finished when full and no open hypothesis can still win (log-probs only decrease; the length
+            # penalty is at most that of the max length)
+            best_open = new_scores[b].max().item()
+            bound = best_open / length_penalty(max_len[b], alpha).item() if alpha > 0 else best_open
+            if at_limit[b] or best_open == float("-inf") or (len(finished[b]) >= beam and
+                                                                 bound <= finished[b][-1].score):
+                done[b] = True
+        if bool(done.all()):
+            break
+        select = (torch.arange(B, device=device).unsqueeze(1) * beam + new_origin).view(-1)
+        state = model.reorder(state, select)
+        tokens = torch.cat([tokens[select], new_word.view(-1, 1)], 1)
+        scores = new_scores.masked_fill(done.unsqueeze(1), float("-inf"))
+    return [hyps[:nbest] for hyps in finished]
+
+
+def greedy(model, src: Tensor, src_lengths: Tensor, **kwargs) -> List[List[int]]:
+    """Beam 1; returns the token lists."""
+    return [h[0].tokens for h in beam_search(model, src, src_lengths, beam=1, alpha=0.0, **kwargs)]

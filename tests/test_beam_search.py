@@ -1,0 +1,86 @@
+"""Beam search against exhaustive search on a toy model whose step distribution is a fixed table."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import dtmt_models as dm
+from dtmt_models.beam_search import beam_search, greedy, length_penalty
+from dtmt_models.vocabulary import BOS, EOS
+
+
+class TableModel:
+    """p(next | previous token) from a fixed random table (a bigram LM that ignores the source)."""
+
+    def __init__(self, V=7, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.log_softmax(2.5 * torch.randn(V, V, generator=g), -1)
+        self.table[:, 0] = -1e9    # never PAD
+        self.table[:, BOS] = -1e9  # never BOS
+
+    def encode(self, src, src_lengths):
+        return {"dummy": torch.zeros(src.shape[0], 1)}
+
+    def step(self, state, prev):
+        return self.table[prev], state
+
+    @staticmethod
+    def reorder(state, index):
+        return {k: v.index_select(0, index) for k, v in state.items()}
+
+    def sequence_logprob(self, seq):
+        prev, total = BOS, 0.0
+        for w in seq + [EOS]:
+            total += self.table[prev, w].item()
+            prev = w
+        return total
+
+
+def exhaustive_best(model, max_tokens, alpha):
+    best = None
+    words = [w for w in range(model.table.shape[0]) if w not in (0, BOS, EOS)]
+    for n in range(max_tokens + 1):
+        for seq in itertools.product(words, repeat=n):
+            lp = model.sequence_logprob(list(seq))
+            s = lp / length_penalty(torch.tensor(n + 1), alpha).item()
+            if best is None or s > best[0]:
+                best = (s, list(seq))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_wide_beam_finds_the_exhaustive_best(seed):
+    model = TableModel(seed=seed)
+    src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
+    hyps = beam_search(model, src, lengths, beam=12, alpha=0.6, nbest=3, max_len_a=0, max_len_b=4)[0]
+    score, seq = exhaustive_best(model, 3, 0.6)    # max_len 4 steps = up to 3 words + EOS
+    assert hyps[0].tokens == seq and math.isclose(hyps[0].score, score, rel_tol=1e-5)
+    assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    for h in hyps:
+        assert math.isclose(h.log_prob, model.sequence_logprob(h.tokens), rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_greedy_is_argmax_chain():
+    model = TableModel(seed=5)
+    out = greedy(model, torch.ones(2, 3, dtype=torch.long), torch.tensor([3, 1]), max_len_a=0, max_len_b=6)
+    prev, expect = BOS, []
+    for _ in range(6):
+        w = int(model.table[prev].argmax())
+        if w == EOS:
+            break
+        expect.append(w)
+        prev = w
+    assert out[0] == expect and out[1] == expect
+
+
+def test_beam_search_on_a_real_system_is_batch_independent():
+    torch.manual_seed(0)
+    model = dm.build_model("dtmt", 20, 20, embed_dim=16, hidden_size=16).eval()
+    src = torch.randint(4, 20, (3, 5))
+    lengths = torch.tensor([5, 3, 4])
+    batched = beam_search(model, src, lengths, beam=3, nbest=2)
+    for b in range(3):
+        alone = beam_search(model, src[b:b + 1, :int(lengths[b])], lengths[b:b + 1], beam=3, nbest=2)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in batched[b]]
+        assert all(math.isclose(a.score, c.score, rel_tol=1e-4) for a, c in zip(alone, batched[b]))

@@ -5,7 +5,7 @@ left→right, layer 2 reads the layer-1 outputs right→left, and so on; the ann
 Attention (eq. 10-11): e_{t,j} = v_aᵀ tanh(W_a s¹_{t-1} + U_a h_j + W_y y_{t-1}), i.e. additive attention
 queried by [s¹_{t-1}; y_{t-1}] — the first decoder layer's previous state and the previous target word.
 Decoder: `decoder_layers` stacked left→right LAUs; layer 1 reads [c_t; y_{t-1}], layer ℓ > 1 reads the
-output of layer ℓ-1. Output (eq. 12): softmax(W_o s^{L_dec}_t) with dropout before the projection.
+output of layer ℓ-1. Output (eq. 12): softmax(W_o s^{L_dec}_t), dropout (paper: 0.5) on that layer only.
 Where the paper is silent: every decoder layer starts from tanh(W_ℓ · mean annotation); no residual
 connections; the LAU is SPEC §2's (GRU-style reset inside the candidate), layer norm optional (off).
 `cell` swaps the unit ("gru" gives the paper's DEEPGRU baseline; also "lgru", "atr").
@@ -29,15 +29,15 @@ from ..seq2seq import Projection, Seq2Seq, State
 class DeepLAU(Seq2Seq):
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
                  encoder_layers: int = 4, decoder_layers: int = 4, cell: str = "lau", layer_norm: bool = False,
-                 dropout: float = 0.1, pad_id: int = 0, backend: str = "auto"):
+                 dropout: float = 0.5, pad_id: int = 0, backend: str = "auto"):
         super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
         if encoder_layers < 1 or decoder_layers < 1:
             raise ValueError(f"deeplau: needs at least one encoder and one decoder layer, got {encoder_layers}, "
                              f"{decoder_layers}")
         E, H = embed_dim, hidden_size
         opts = dict(layer_norm=layer_norm, backend=backend)
-        self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id, dropout=dropout)
-        self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id, dropout=dropout)
+        self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id)
+        self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id)
         self.encoder = nn.ModuleList(recurrent_layer(cell, E if l == 0 else H, H, batch_first=True,
                                                      reverse=bool(l % 2), **opts)
                                      for l in range(encoder_layers))

@@ -7,11 +7,12 @@ external memory M ∈ R^{S×H} per sentence initialised with the source embeddin
     R_t  = σ(W_r s_{t-1})                                         read gate (eq. 14)
     M̃_t[i] = R_t ⊙ M_{t-1}[i]                                    read memory (eq. 13)
     c_t  = Σ_i w_t[i] M̃_t[i]                                      read content (eq. 15)
-    s_t  = GRU(e_t, c_t)                                          the read content is the GRU's state input (eq. 16)
+    s_t  = GRU([e_t; c_t], s_{t-1})                               eq. 16, with the read content joining the input
     M_t[i] = M̃_t[i] + w_t[i] U_t,  U_t = σ(W_u s_t)              write (eq. 17)
 Our reading of eq. 13, where "M_{t-1}(w ⊙ R)" mixes an [S]-vector and an [H]-vector: the gate R_t applies to
-every cell and the weights w_t to the sum of eq. 15 (applying w in both would weight it twice). Padded steps
-leave s and M unchanged.
+every cell and the weights w_t to the sum of eq. 15 (applying w in both would weight it twice). Eq. 16 writes
+GRU(c_t, e_t); the parameter counts of the paper's Table 1 fit a GRU whose input is [e_t; c_t] and whose state is
+the usual s_{t-1}, which is what we build. Padded steps leave s and M unchanged.
 
 Channels: rnn = [→s_j; ←s_j], ntm = [→M_S[j]; ←M_S[j]] (the memories after the whole pass), emb = W_e e_j
 (a projection to 2H: the paper combines e_j with 2H-wide channels without saying how). `annotation` picks
@@ -49,7 +50,7 @@ class MemoryGRUEncoderDirection(nn.Module):
     def __init__(self, embed_dim: int, hidden_size: int, backend: str):
         super().__init__()
         H = hidden_size
-        self.cell = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=0, cell="gru", layer_norm=False,
+        self.cell = dk.nn.DeepTransitionGRUCell(embed_dim + H, H, depth=0, cell="gru", layer_norm=False,
                                                 backend=backend)
         self.address_state = nn.Linear(H, H, bias=False)
         self.address_memory = nn.Linear(H, H, bias=True)
@@ -68,7 +69,7 @@ class MemoryGRUEncoderDirection(nn.Module):
                                src_mask)                                            # [B, S]
             read = memory * torch.sigmoid(self.read_gate(s)).unsqueeze(1)            # M̃_t
             c = torch.bmm(w.unsqueeze(1), read).squeeze(1)
-            s_new = self.cell(x[:, t], c)
+            s_new = self.cell(torch.cat([x[:, t], c], -1), s)
             written = read + w.unsqueeze(-1) * torch.sigmoid(self.write_gate(s_new)).unsqueeze(1)
             valid = src_mask[:, t].view(B, 1)
             s = torch.where(valid, s_new, s)

@@ -1,0 +1,29 @@
+import math
+
+import pytest
+
+from dtmt_models.schedules import InverseSqrtSchedule, RNMTPlusSchedule
+
+
+def test_rnmt_plus_shape():
+    f = RNMTPlusSchedule(warmup=500, decay_start=8000, decay_end=64000, n=2)
+    assert f(0) == pytest.approx(1.0)
+    assert f(250) == pytest.approx(1.25)            # halfway through the warm-up from 1 to n
+    assert f(500) == pytest.approx(1.5) and f(1000) == pytest.approx(2.0)   # reaches n at t = n·p
+    assert f(3000) == pytest.approx(2.0)
+    assert f(4000) == pytest.approx(2.0)            # n·t = s: decay starts
+    assert f(32000) == pytest.approx(0.5)           # n·t = e: lr0 / 2
+    assert f(40000) < f(32000)
+    assert RNMTPlusSchedule(n=1)(100) == pytest.approx(1.0)   # one replica: no warm-up
+    assert RNMTPlusSchedule(n=1, floor=0.3)(10 ** 7) == pytest.approx(0.3)
+    with pytest.raises(ValueError):
+        RNMTPlusSchedule(decay_start=10, decay_end=5)
+
+
+def test_inverse_sqrt_peak_at_warmup():
+    f = InverseSqrtSchedule(model_dim=512, warmup=6000)
+    peak = 512 ** -0.5 * 6000 ** -0.5
+    assert f(5999) == pytest.approx(peak)
+    assert f(2999) == pytest.approx(peak / 2)
+    assert f(4 * 6000 - 1) == pytest.approx(peak / 2)
+    assert InverseSqrtSchedule(512, 6000, num_gpu=2)(11999) == pytest.approx(peak)

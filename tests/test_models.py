@@ -29,7 +29,7 @@ CONFIGS = [
     ("nematus", dict(encoder="bideep", decoder="crgru")),
     ("nematus", dict(encoder="bideep", decoder="bideep", dec_high_cell="cgru", dec_base_transition_depth=3)),
     ("mce", {}),
-    ("mce", dict(annotation="rnn")),
+    ("mce", dict(annotation="rnn", backward_input="embeddings")),
     ("mce", dict(annotation="ntm")),
     ("mce", dict(annotation="emb", embed_dim=12)),
     ("mce", dict(annotation="ntm-emb")),

@@ -14,6 +14,10 @@ every cell and the weights w_t to the sum of eq. 15 (applying w in both would we
 GRU(c_t, e_t); the parameter counts of the paper's Table 1 fit a GRU whose input is [e_t; c_t] and whose state is
 the usual s_{t-1}, which is what we build. Padded steps leave s and M unchanged.
 
+As the paper's baseline ("using the output of forward RNN as the input of the backward RNN"), the backward
+direction reads the forward states by default (`backward_input="forward_states"`; "embeddings" for the
+classic biRNN).
+
 Channels: rnn = [→s_j; ←s_j], ntm = [→M_S[j]; ←M_S[j]] (the memories after the whole pass), emb = W_e e_j
 (a projection to 2H: the paper combines e_j with 2H-wide channels without saying how). `annotation` picks
 one channel or a gated combination (eq. 18-25):
@@ -94,18 +98,20 @@ class Gate(nn.Module):
 @register_model("mce")
 class MultiChannelEncoderNMT(AttentionalRNMT):
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
-                 annotation: str = "ntm-rnn-emb", dropout: float = 0.5, tie_embeddings: bool = False,
-                 pad_id: int = 0, backend: str = "auto"):
+                 annotation: str = "ntm-rnn-emb", backward_input: str = "forward_states", dropout: float = 0.5,
+                 tie_embeddings: bool = False, pad_id: int = 0, backend: str = "auto"):
         super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
         if annotation not in ANNOTATIONS:
             raise ValueError(f"mce: annotation must be one of {ANNOTATIONS}, got {annotation!r}")
+        if backward_input not in ("forward_states", "embeddings"):
+            raise ValueError(f"mce: backward_input must be 'forward_states' or 'embeddings', got {backward_input!r}")
         E, H = embed_dim, hidden_size
-        self.annotation = annotation
+        self.annotation, self.backward_input = annotation, backward_input
         self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id)
         self.memory_init = nn.Identity() if E == H else nn.Linear(E, H, bias=False)
         self.encoder_fwd = MemoryGRUEncoderDirection(E, H, backend)
-        self.encoder_bwd = MemoryGRUEncoderDirection(E, H, backend)
+        self.encoder_bwd = MemoryGRUEncoderDirection(H if backward_input == "forward_states" else E, H, backend)
         if "emb" in annotation:
             self.emb_channel = nn.Linear(E, 2 * H, bias=False)
         if annotation in ("ntm-rnn", "ntm-rnn-emb"):
@@ -125,7 +131,8 @@ class MultiChannelEncoderNMT(AttentionalRNMT):
         src_mask = lengths_mask(src_lengths, src.shape[1])
         memory0 = self.memory_init(x)
         h_f, m_f = self.encoder_fwd(x, memory0, src_mask, reverse=False)
-        h_b, m_b = self.encoder_bwd(x, memory0, src_mask, reverse=True)
+        h_b, m_b = self.encoder_bwd(h_f if self.backward_input == "forward_states" else x, memory0, src_mask,
+                                    reverse=True)
         pad = src_mask.unsqueeze(-1)
         rnn = torch.cat([h_f, h_b], -1)
         ntm = torch.cat([m_f, m_b], -1) * pad

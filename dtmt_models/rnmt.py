@@ -31,10 +31,14 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 SWAPPABLE_CELLS = ("atr", "gru", "lgru", "lau")
 
 
-def recurrent_layer(cell: str, input_size: int, hidden_size: int, **options):
-    """A one-cell recurrent layer of the given type (SPEC §4: systems swap GRU / LAU / L-GRU / ATR)."""
+def _check_swappable(cell: str) -> None:
     if cell not in SWAPPABLE_CELLS:
         raise ValueError(f"cell must be one of {SWAPPABLE_CELLS}, got {cell!r}")
+
+
+def recurrent_layer(cell: str, input_size: int, hidden_size: int, **options):
+    """A one-cell recurrent layer of the given type (SPEC §4: systems swap GRU / LAU / L-GRU / ATR)."""
+    _check_swappable(cell)
     if cell == "atr":
         return dk.nn.ATR(input_size, hidden_size, **options)
     return dk.nn.DeepTransitionGRU(input_size, hidden_size, depth=0, cell=cell, **options)
@@ -42,19 +46,22 @@ def recurrent_layer(cell: str, input_size: int, hidden_size: int, **options):
 
 def recurrent_cell(cell: str, input_size: int, hidden_size: int, **options):
     """The single-step counterpart of `recurrent_layer`, for decoders."""
-    if cell not in SWAPPABLE_CELLS:
-        raise ValueError(f"cell must be one of {SWAPPABLE_CELLS}, got {cell!r}")
+    _check_swappable(cell)
     if cell == "atr":
         return dk.nn.ATRCell(input_size, hidden_size, **options)
     return dk.nn.DeepTransitionGRUCell(input_size, hidden_size, depth=0, cell=cell, **options)
 
 
-def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor) -> State:
+def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
+                layers: Optional[int] = None) -> State:
     """What every attentional decoder starts from: the annotations, the attention keys (computed once per
-    batch), the source mask, and s = tanh(init_state(mean annotation over the real tokens))."""
+    batch), the source mask, and s = tanh(init_state(mean annotation over the real tokens)); with `layers`,
+    init_state produces one state per decoder layer and s is [B, layers, H]."""
     src_mask = lengths_mask(src_lengths, annotations.shape[1])
-    return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask,
-            "s": torch.tanh(init_state(masked_mean(annotations, src_mask)))}
+    s = torch.tanh(init_state(masked_mean(annotations, src_mask)))
+    if layers is not None:
+        s = s.view(s.shape[0], layers, -1)
+    return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask, "s": s}
 
 
 class AttentionalRNMT(Seq2Seq):

@@ -98,9 +98,7 @@ class GNMTATR(Seq2Seq):
         for l, layer in enumerate(self.encoder):
             out, _ = layer(h, lengths=src_lengths)
             h = out + h if l >= 2 else out       # residual connections from the third layer on
-        state = start_state(self.attention, self.init_state, h, src_lengths)
-        state["s"] = state["s"].view(src.shape[0], len(self.decoder), -1)  # one initial state per layer
-        return state
+        return start_state(self.attention, self.init_state, h, src_lengths, layers=len(self.decoder))
 
     def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         y = self.tgt_embed(prev_tokens)

@@ -52,9 +52,7 @@ class DeepLAU(Seq2Seq):
         h = self.src_embed(src)
         for layer in self.encoder:
             h = layer(h, lengths=src_lengths)[0]
-        state = start_state(self.attention, self.init_state, h, src_lengths)
-        state["s"] = state["s"].view(src.shape[0], len(self.decoder), -1)  # one initial state per layer
-        return state
+        return start_state(self.attention, self.init_state, h, src_lengths, layers=len(self.decoder))
 
     def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         y = self.tgt_embed(prev_tokens)

@@ -82,3 +82,43 @@ def filter_by_length(pairs: Sequence[Tuple[List[int], List[int]]], max_len: int)
     """Keeps the pairs whose two sides have at most max_len tokens; returns (kept, number dropped)."""
     kept = [p for p in pairs if len(p[0]) <= max_len and len(p[1]) <= max_len]
     return kept, len(pairs) - len(kept)
+
+
+# ------------------------------------------------------------------------------------ prepared corpora
+# A prepared corpus is a directory with {split}.{src_lang} / {split}.{tgt_lang} files (split: train, dev,
+# test) and a manifest, corpus.json, naming the two languages, the line counts and where the text came from.
+MANIFEST = "corpus.json"
+
+
+def write_manifest(directory: str, src_lang: str, tgt_lang: str, counts: dict, origin: str, **extra) -> str:
+    import json
+
+    path = os.path.join(directory, MANIFEST)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"src_lang": src_lang, "tgt_lang": tgt_lang, "counts": counts, "origin": origin, **extra},
+                  f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(directory: str) -> dict:
+    """The manifest of a prepared corpus; a clear error when `directory` was not made by `dtmt prepare`."""
+    import json
+
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise CorpusError(f"{directory}: no {MANIFEST}; make the corpus with `dtmt prepare bible --out {directory}` "
+                          f"or `dtmt prepare files --src F --tgt G --out {directory}`")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def corpus_paths(directory: str, split: str) -> Tuple[str, str]:
+    """(source file, target file) of a split of a prepared corpus."""
+    m = read_manifest(directory)
+    src, tgt = (os.path.join(directory, f"{split}.{m[k]}") for k in ("src_lang", "tgt_lang"))
+    if not os.path.isfile(src):
+        raise CorpusError(f"{directory}: no split {split!r} ({src} is missing); splits: {sorted(m.get('counts', {}))}")
+    return src, tgt

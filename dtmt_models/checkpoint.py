@@ -1,0 +1,59 @@
+"""Checkpoints: one file holds everything needed to translate (system name and options, both SentencePiece
+models, weights) and, for training checkpoints, everything needed to resume exactly (optimizer, scheduler,
+position in the epoch, random states, early-stopping record).
+
+Files are written atomically: to `path.tmp`, flushed and fsynced, then renamed over `path`, so a crash or a
+kill never leaves a half-written checkpoint under the real name.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from .registry import build_model
+from .vocabulary import Vocabulary
+
+FORMAT = "dtmt-checkpoint-1"
+
+
+def save_checkpoint(path: str, payload: Dict[str, Any]) -> None:
+    """Writes `payload` (a dict with at least model_name, model_options, src_vocab, tgt_vocab, model)
+    atomically to `path`."""
+    missing = [k for k in ("model_name", "model_options", "src_vocab", "tgt_vocab", "model") if k not in payload]
+    if missing:
+        raise ValueError(f"save_checkpoint: payload lacks {missing}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save({"format": FORMAT, **payload}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """The raw checkpoint dict; a clear error for a missing or foreign file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # truncated or not a torch file
+        raise ValueError(f"{path}: not a readable dtmt checkpoint ({exc})") from exc
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a dtmt checkpoint (expected format {FORMAT!r})")
+    return ckpt
+
+
+def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
+               ) -> Tuple[torch.nn.Module, Vocabulary, Vocabulary, Dict[str, Any]]:
+    """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict).
+    `backend` switches the fused recurrent layers (None keeps "auto")."""
+    ckpt = read_checkpoint(path)
+    src_vocab, tgt_vocab = Vocabulary(ckpt["src_vocab"]), Vocabulary(ckpt["tgt_vocab"])
+    model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **ckpt["model_options"])
+    model.load_state_dict(ckpt["model"])
+    if backend is not None and hasattr(model, "set_backend"):
+        model.set_backend(backend)
+    return model.to(device).eval(), src_vocab, tgt_vocab, ckpt

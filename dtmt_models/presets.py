@@ -1,0 +1,89 @@
+"""Training presets per system: model options plus the training settings of its paper.
+
+`small` (the default) is sized for a 2-core CPU on the embedded Bible corpus: a run of tens of minutes
+learns visibly. `paper` follows the paper's sizes and settings (meant for a GPU). Anything here can be
+overridden on the command line (`--opt key=value` for model options, the flags for training settings).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict
+
+# Training settings shared by every preset unless a preset overrides them.
+TRAIN_DEFAULTS = dict(lr=1e-3, schedule="rnmt", warmup=200, decay_start=4000, decay_end=16000,
+                      smoothing=0.1, clip=1.0, max_tokens=2000, vocab_size=4000, max_len=100)
+
+_SMALL = dict(embed_dim=128, hidden_size=256)
+
+PRESETS: Dict[str, Dict[str, dict]] = {
+    # paper 000: d = 1024; dropouts 0.3 / 0.3 / 0.1 on embeddings / output / candidates; label smoothing 0.1;
+    # Adam with the RNMT+ schedule (eq. 17), beam 4.
+    "dtmt": {
+        "small": dict(model=dict(_SMALL, depth=1, cell="lgru", heads=4, dropout=0.2, candidate_dropout=0.1),
+                      train=dict()),
+        "paper": dict(model=dict(embed_dim=1024, hidden_size=1024, encoder_depth=4, query_depth=2,
+                                 decoder_depth=2, heads=16, dropout=0.3, candidate_dropout=0.1),
+                      train=dict(lr=1e-4, warmup=50, decay_start=200000, decay_end=1200000, max_tokens=8000,
+                                 vocab_size=32000)),
+    },
+    "shallow-rnmt": {
+        "small": dict(model=dict(_SMALL, heads=4, dropout=0.2, candidate_dropout=0.1), train=dict()),
+        "paper": dict(model=dict(embed_dim=1024, hidden_size=1024, heads=16, dropout=0.3, candidate_dropout=0.1),
+                      train=dict(lr=1e-4, warmup=50, decay_start=200000, decay_end=1200000, max_tokens=8000,
+                                 vocab_size=32000)),
+    },
+    # paper 001: 512-d embeddings and states (1000 in the paper's largest runs), 4+4 layers; SGD in the paper,
+    # Adam here.
+    "deeplau": {
+        "small": dict(model=dict(_SMALL, encoder_layers=2, decoder_layers=2, dropout=0.3), train=dict()),
+        "paper": dict(model=dict(embed_dim=512, hidden_size=512, encoder_layers=4, decoder_layers=4, dropout=0.5),
+                      train=dict(lr=5e-4, schedule="constant", clip=1.0, max_tokens=6000, vocab_size=30000)),
+    },
+    # paper 002: BiDeep GRU (encoder 2 × transition 2, decoder 2 with base transition 4, high 2), LN, tied.
+    "nematus": {
+        "small": dict(model=dict(_SMALL, encoder="deep-transition", decoder="deep-transition", enc_transition_depth=2,
+                                 dec_base_transition_depth=2, dropout=0.2), train=dict()),
+        "paper": dict(model=dict(embed_dim=512, hidden_size=1024, encoder="bideep", decoder="bideep", dropout=0.1),
+                      train=dict(lr=1e-4, schedule="constant", clip=1.0, max_tokens=8000, vocab_size=90000)),
+    },
+    # paper 003: 512-d embeddings and states, inverse-sqrt schedule (eq. 26-27) with β = 6000.
+    "mce": {
+        "small": dict(model=dict(_SMALL, annotation="ntm-rnn-emb", dropout=0.3), train=dict()),
+        "paper": dict(model=dict(embed_dim=512, hidden_size=512, annotation="ntm-rnn-emb", dropout=0.5),
+                      train=dict(lr=1.0, schedule="inverse-sqrt", warmup=6000, max_tokens=6000, vocab_size=30000)),
+    },
+    # paper 004: Adam lr 5e-4, clipping 5.0, dropout 0.2, tied target embeddings.
+    "rnnsearch-atr": {
+        "small": dict(model=dict(_SMALL, dropout=0.2), train=dict()),
+        "paper": dict(model=dict(embed_dim=512, hidden_size=1024, dropout=0.2),
+                      train=dict(lr=5e-4, schedule="constant", clip=5.0, max_tokens=4000, vocab_size=30000)),
+    },
+    "gnmt-atr": {
+        "small": dict(model=dict(_SMALL, encoder_layers=2, decoder_layers=2, dropout=0.2), train=dict()),
+        "paper": dict(model=dict(embed_dim=1024, hidden_size=1024, encoder_layers=8, decoder_layers=8, dropout=0.2),
+                      train=dict(lr=5e-4, schedule="constant", clip=5.0, max_tokens=8000, vocab_size=32000)),
+    },
+    # the baseline of issue 6: about the size of the small recurrent systems.
+    "transformer": {
+        "small": dict(model=dict(embed_dim=128, hidden_size=512, heads=4, encoder_layers=3, decoder_layers=3,
+                                 dropout=0.1),
+                      train=dict(lr=1.0, schedule="inverse-sqrt", warmup=1000)),
+        "paper": dict(model=dict(embed_dim=512, hidden_size=2048, heads=8, encoder_layers=6, decoder_layers=6,
+                                 dropout=0.1),
+                      train=dict(lr=2.0, schedule="inverse-sqrt", warmup=4000, max_tokens=8000, vocab_size=32000)),
+    },
+}
+
+
+def get_preset(model: str, preset: str = "small") -> dict:
+    """{"model": options for build_model, "train": training settings} for a system and a preset name."""
+    from .registry import list_models
+
+    if model not in list_models():
+        raise ValueError(f"unknown model {model!r}; choose one of {list_models()}")
+    if model not in PRESETS:
+        return {"model": {}, "train": dict(TRAIN_DEFAULTS)}
+    if preset not in PRESETS[model]:
+        raise ValueError(f"model {model!r} has presets {sorted(PRESETS[model])}, not {preset!r}")
+    p = copy.deepcopy(PRESETS[model][preset])
+    return {"model": p["model"], "train": {**TRAIN_DEFAULTS, **p["train"]}}

@@ -53,9 +53,8 @@ class CppTransitionFunction(torch.autograd.Function):
         return (dx, dh0, None, None, None, None, None, *dparams)
 
 
-def cpp_transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optional[Tensor] = None,
-                            drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
-    """Same contract as reference.transition_sequence, computed by the C++ kernels."""
+def cpp_flat_params(w: TransitionWeights, like: Tensor):
+    """The ten parameter tensors in the kernels' order (T-GRU parameters stacked, absent ones empty)."""
     if w.depth:
         t_w, t_b = torch.stack(w.t_w), torch.stack(w.t_b)
         has_ln = w.t_ln_w[0] is not None
@@ -63,7 +62,21 @@ def cpp_transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: O
         t_ln_b = torch.stack(w.t_ln_b) if has_ln else None
     else:
         t_w = t_b = t_ln_w = t_ln_b = None
-    return CppTransitionFunction.apply(
-        x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse, eps,
-        w.w_ih, w.b_ih, w.w_hh, w.b_hh, _or_empty(w.ln_w, x), _or_empty(w.ln_b, x),
-        _or_empty(t_w, x), _or_empty(t_b, x), _or_empty(t_ln_w, x), _or_empty(t_ln_b, x))
+    return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, _or_empty(w.ln_w, like), _or_empty(w.ln_b, like),
+            _or_empty(t_w, like), _or_empty(t_b, like), _or_empty(t_ln_w, like), _or_empty(t_ln_b, like)]
+
+
+def cpp_transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optional[Tensor] = None,
+                            drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
+    """Same contract as reference.transition_sequence, computed by the C++ kernels."""
+    return CppTransitionFunction.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse, eps,
+                                       *cpp_flat_params(w, x))
+
+
+def cpp_transition_inference(x: Tensor, h0: Tensor, cell: str, flat_params, mask: Optional[Tensor] = None,
+                             drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
+    """Forward only, without autograd bookkeeping (for use under torch.no_grad, e.g. in beam search):
+    `flat_params` as returned by cpp_flat_params, contiguous."""
+    out, h_n, *_ = _C.transition_forward(x.contiguous(), h0.contiguous(), _or_empty(mask, x), _or_empty(drop, x),
+                                         KINDS[cell], *flat_params, reverse, eps)
+    return out, h_n

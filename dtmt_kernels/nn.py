@@ -27,6 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .autograd import cpp_flat_params, cpp_transition_inference
 from .backends import check_backend_name, resolve_backend
 from .functional import check_dtype_for_backend, lengths_to_mask
 from .reference import CELL_KINDS, TransitionWeights
@@ -143,6 +144,20 @@ class _TransitionBase(nn.Module):
             t_ln_b.append(p.get(f"tgru{k}_ln_bias{sfx}"))
         return TransitionWeights(self.cell, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
 
+    def _inference_params(self, direction: int) -> list:
+        """The kernels' flat parameters of one direction, assembled once and reused until a parameter changes
+        (in place, as an optimizer step does, or by being moved): for decoding, where the same cell runs
+        once per target step."""
+        params = tuple(self._parameters.values())
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cache = self.__dict__.setdefault("_inference_cache", {})
+        hit = cache.get(direction)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                flat = [t.contiguous() for t in cpp_flat_params(self.direction_weights(direction), self.weight_hh)]
+            cache[direction] = hit = (key, flat)
+        return hit[1]
+
     def _full_bias(self, bias: Tensor, n_gates: int) -> Tensor:
         if not self.layer_norm:
             return bias
@@ -185,9 +200,14 @@ class _TransitionBase(nn.Module):
         backend = resolve_backend(self.backend, x.device)
         check_dtype_for_backend(backend, x.dtype, "x")
         outs, states = [], []
+        fast = backend.name == "cpp" and not torch.is_grad_enabled()
         for d in range(self.num_directions):
             reverse = d == 1 or getattr(self, "reverse", False)
-            out, h_n = backend.run(x, h0[d], self.direction_weights(d), mask, drops[d], reverse, self.eps)
+            if fast:   # inference: cached flat weights, no autograd bookkeeping
+                out, h_n = cpp_transition_inference(x, h0[d], self.cell, self._inference_params(d), mask, drops[d],
+                                                    reverse, self.eps)
+            else:
+                out, h_n = backend.run(x, h0[d], self.direction_weights(d), mask, drops[d], reverse, self.eps)
             outs.append(out)
             states.append(h_n)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)

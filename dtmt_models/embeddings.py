@@ -31,6 +31,15 @@ class TokenEmbedding(nn.Module):
             self.embed.weight[pad_id].zero_()
         self.dim, self.positional = dim, positional
         self.dropout = nn.Dropout(dropout)
+        self._table = torch.empty(0, dim)   # PE / sqrt(dim), grown on demand (not a parameter, not saved)
+
+    def scaled_positions(self, length: int, like: Tensor) -> Tensor:
+        """[length, dim] rows of PE / sqrt(dim), cached on the module."""
+        t = self._table
+        if t.shape[0] < length or t.device != like.device or t.dtype != like.dtype:
+            n = max(length, 2 * t.shape[0], 64)
+            t = self._table = sinusoidal_positions(n, self.dim, like.device, like.dtype) / math.sqrt(self.dim)
+        return t[:length]
 
     @property
     def weight(self) -> Tensor:
@@ -41,9 +50,7 @@ class TokenEmbedding(nn.Module):
         x = self.embed(tokens)
         if self.positional:
             if positions is None:
-                pe = sinusoidal_positions(tokens.shape[-1], self.dim, x.device, x.dtype)
-                x = x + pe / math.sqrt(self.dim)
+                x = x + self.scaled_positions(tokens.shape[-1], x)
             else:
-                table = sinusoidal_positions(int(positions.max()) + 1, self.dim, x.device, x.dtype)
-                x = x + table[positions] / math.sqrt(self.dim)
+                x = x + self.scaled_positions(int(positions.max()) + 1, x)[positions]
         return self.dropout(x)

@@ -205,3 +205,30 @@ def test_reverse_unidirectional_layer_is_the_backward_half(backend):
     torch.testing.assert_close(h_rev[0], h_bi[1])
     with pytest.raises(ValueError, match="unidirectional"):
         dk.nn.ATR(3, 4, bidirectional=True, reverse=True)
+
+
+def test_inference_path_matches_autograd_path_and_sees_weight_updates():
+    """Under no_grad the cpp backend skips autograd and caches its flat weights; it must give the same
+    numbers, and notice in-place updates (optimizer steps, load_state_dict) and moves."""
+    torch.manual_seed(3)
+    for layer in (dk.nn.DeepTransitionGRU(5, 7, depth=2, cell="lgru", layer_norm=True, bidirectional=True),
+                  dk.nn.DeepTransitionGRUCell(5, 7, depth=1, cell="lau", layer_norm=False),
+                  dk.nn.ATR(5, 7, layer_norm=True)):
+        x = torch.randn(4, 3, 5) if not isinstance(layer, dk.nn.DeepTransitionGRUCell) else torch.randn(3, 5)
+        for _ in range(2):
+            with_grad = layer(x)
+            with torch.no_grad():
+                without = layer(x)
+            for a, b in zip(with_grad if isinstance(with_grad, tuple) else (with_grad,),
+                            without if isinstance(without, tuple) else (without,)):
+                assert torch.equal(a.detach(), b)
+            with torch.no_grad():                       # an in-place update, as optimizer.step() does
+                for p in layer.parameters():
+                    p.add_(0.1 * torch.randn_like(p))
+        with torch.no_grad():
+            before = layer(x)
+            layer.load_state_dict({k: v + 1 for k, v in layer.state_dict().items()})
+            after = layer(x)
+        first = lambda r: r[0] if isinstance(r, tuple) else r  # noqa: E731
+        assert not torch.equal(first(before), first(after))
+        assert torch.equal(first(after), first(layer(x)).detach())

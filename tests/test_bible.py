@@ -1,0 +1,431 @@
+"""The embedded Bible corpus (dtmt_models.bible) and `dtmt prepare` (dtmt_models.prepare), SPEC §5-6.
+
+Crafted OSIS strings and mod2imp dumps cover every cleaning rule, the pairing, the versification rule and the
+book split; a fake `mod2imp` (a small Python script) drives prepare_bible end to end. One integration test reads
+the real Debian modules and is skipped when they are not installed.
+"""
+import json
+import os
+import re
+import runpy
+import shutil
+import sys
+import textwrap
+
+import pytest
+
+from dtmt_models import bible, cli, data, prepare
+
+INSTALL = "apt-get install sword-text-sparv sword-text-web libsword-utils"
+
+
+# ---------------------------------------------------------------------------------------------- cleaning
+@pytest.mark.parametrize("raw, expected", [
+    # a footnote between two words leaves a space, not a glued word
+    ('<w lemma="strong:H0430">God</w><note placement="foot"><reference type="annotateRef">1:1 </reference>The '
+     'Hebrew word rendered “God” is “אֱלֹהִ֑ים” (Elohim).</note><w lemma="strong:H1254">created</w> the earth.',
+     "God created the earth."),
+    ('<w>only</w> born</q><note placement="foot"><reference type="annotateRef">3:16 </reference>The phrase '
+     '<catchWord>only born</catchWord> …</note><q marker="" who="Jesus"><w>Son</w>, that whoever',
+     "only born Son, that whoever"),
+    # a cross-reference before a space; a note before punctuation leaves no space
+    ('is evaluated,<note type="crossReference"><reference subType="x-origin" type="annotateRef">12:4 </reference>'
+     '<reference>Exodus 30:12</reference></note> <w>and</w> <w>money</w><note placement="foot">x</note>.',
+     "is evaluated, and money."),
+    # punctuation spacing around removed tags
+    ('<w>Y dijo</w> <w>Dios</w>: <w>Sea</w> <w>la luz</w>: <w>y fué</w> <w>la luz</w>.',
+     "Y dijo Dios: Sea la luz: y fué la luz."),
+    ('<w>God</w> <w>said</w>, <q>“<w>Let</w> <w>there</w> <w>be</w> <w>light</w>,”</q><w>and</w> there was.',
+     "God said, “Let there be light,” and there was."),
+    ('¿<w>Tienes</w> <w>aquí</w> <w>alguno</w>?<w>Yernos</w>; ¡<w>OH</w> <w>Jehová</w>!',
+     "¿Tienes aquí alguno? Yernos; ¡OH Jehová!"),
+    ('(<w>a</w>)<w>b</w> [<w>c</w>] «<w>d</w>»<w>e</w> ‘<w>f</w>’<w>g</w>—<w>h</w>—<w>i</w>',
+     "(a) b [c] «d» e ‘f’ g—h—i"),
+    ("<w>God</w>’s <w>Spirit</w>", "God’s Spirit"),
+    # canonical titles (psalm superscriptions) are text, other titles are not
+    ('<div type="x-milestone" subType="x-preverse" sID="pv4877"/><title canonical="true" type="psalm">A Psalm by '
+     'David, when he fled from Absalom his son.</title> <lg sID="gen7860"/> <l level="1" sID="gen7861"/>'
+     '<div type="x-milestone" subType="x-preverse" eID="pv4877"/>Yahweh, how <w>my</w> adversaries',
+     "A Psalm by David, when he fled from Absalom his son. Yahweh, how my adversaries"),
+    ('<title level="1" type="main">Génesis</title><div sID="gen3" type="x-p"/><w>EN el principio</w>',
+     "EN el principio"),
+    ("<title>Heading</title>Text", "Text"),
+    # speaker labels go
+    ('<div type="x-p"/><speaker>Beloved</speaker> <lg sID="gen15617"/> <l level="1" sID="a"/>Let <w>him</w> '
+     'kiss me<l eID="a"/><lb type="x-p"/>', "Let him kiss me"),
+    # the glossary after the book's end is cut; other end markers are not the book's
+    ('<w>Amen</w>.<div eID="gen2" type="x-p"/><chapter eID="Rev.22"/><div canonical="true" eID="gen1234" '
+     'osisID="Rev" type="book"/> <div sID="g1" type="glossary"/><title>Glossary</title>Abaddon is the angel',
+     "Amen."),
+    ('<w>end</w>.<div type="book" eID="b9"/>after', "end."),
+    # entities are decoded after the tags are gone, so an escaped "<" stays text
+    ("<w>salt</w> &amp; <w>light</w> &lt;x&gt; &quot;q&quot; &#8212;", 'salt & light <x> "q" —'),
+    # whitespace, line breaks and empty verses
+    ("  <w>a</w>\n   <w>b</w>  ", "a b"),
+    ('<chapter eID="Acts.19"/><div eID="gen5" type="x-p"/>', ""),
+    ("", ""),
+])
+def test_clean_osis(raw, expected):
+    assert bible.clean_osis(raw) == expected
+
+
+@pytest.mark.parametrize("raw, joined, plain", [
+    ('<w>sáca</w><transChange type="added">lo</transChange> <w>de</w>', "sácalo de", "sáca lo de"),
+    ('<w>dió</w><transChange type="added">les</transChange>.', "dióles.", "dió les."),
+    ('<w>dí</w><transChange type="added">me</transChange>', "díme", "dí me"),
+    # the exception: a name, not a verb ("Josué los circuncidó", Joshua 5:4)
+    ('<w>Josué</w><transChange type="added">los</transChange> <w>circuncidó</w>', "Josué los circuncidó",
+     "Josué los circuncidó"),
+    # not a clitic, or glued on the right too, or not glued on the left: no join
+    ('<w>hay allí</w><transChange type="added">también</transChange><w>bdelio</w>', "hay allí también bdelio",
+     "hay allí también bdelio"),
+    ('<w>a</w><transChange type="added">lo</transChange><w>x</w>', "a lo x", "a lo x"),
+    ('<w>y</w> <transChange type="added">lo</transChange> <w>dijo</w>', "y lo dijo", "y lo dijo"),
+    ('<w>Y</w> <w>dijo</w>,<transChange type="added">se</transChange> <w>fué</w>', "Y dijo, se fué", "Y dijo, se fué"),
+])
+def test_spanish_clitics_rejoined(raw, joined, plain):
+    assert bible.clean_osis(raw, join_clitics=True) == joined
+    assert bible.clean_osis(raw) == plain
+
+
+# ------------------------------------------------------------------------------------------- imp dumps
+def imp(records):
+    """A mod2imp dump from (key, text) records."""
+    return "".join(f"$$${key}\n{text}\n" for key, text in records) + "\n"
+
+
+def test_parse_imp():
+    dump = imp([("[ Module Heading ]", ""), ("[ Testament 1 Heading ]", '<milestone type="x-importer"/>'),
+                ("Genesis 0:0", "<title>Génesis</title>"), ("Genesis 1:0", '<chapter sID="Gen.1"/>'),
+                ("Genesis 1:1", "<w>EN el principio</w>"), ("Genesis 1:2", ""), ("Genesis 1:10", "a\nb"),
+                ("Song of Solomon 1:2", "<speaker>Beloved</speaker>Let"), ("I Samuel 2:0", "intro")])
+    assert bible.parse_imp(dump) == {("Genesis", 1, 1): "<w>EN el principio</w>", ("Genesis", 1, 2): "",
+                                     ("Genesis", 1, 10): "a\nb",
+                                     ("Song of Solomon", 1, 2): "<speaker>Beloved</speaker>Let"}
+    assert bible.parse_imp("") == {}
+    with pytest.raises(bible.BibleFormatError, match="Genesis 1:1 twice"):
+        bible.parse_imp(imp([("Genesis 1:1", "a"), ("Genesis 1:1", "b")]))
+    with pytest.raises(bible.BibleFormatError, match="not a mod2imp dump"):
+        bible.parse_imp("hello\n" + imp([("Genesis 1:1", "a")]))
+
+
+def test_invalid_utf8_in_a_dump_is_reported_not_replaced():
+    raw = imp([("Genesis 1:1", "ok"), ("Genesis 1:2", "x")]).encode().replace(b"x", b"bad \xff byte")
+    with pytest.raises(bible.BibleFormatError, match=r"mod2imp engWEB2015eb.*not valid UTF-8.*'Genesis 1:2'"):
+        bible.decode_dump(raw, "engWEB2015eb")
+    assert bible.decode_dump("$$$Génesis 1:1\nñ\n".encode(), "m") == "$$$Génesis 1:1\nñ\n"
+
+
+# --------------------------------------------------------------------------- pairing, versification, split
+def mini_bible():
+    """A crafted Spanish / English pair of modules: 5 shared books, deuterocanon in English only."""
+    es = {
+        ("Genesis", 1, 1): "g1.1", ("Genesis", 1, 2): "", ("Genesis", 1, 3): "g1.3",  # an empty es side
+        ("Genesis", 2, 1): "g2.1", ("Genesis", 2, 2): "g2.2",  # chapter 2 ends at 2 (en: 3) ...
+        ("Genesis", 3, 1): "g3.1",  # ... so chapters 2 and 3 go
+        ("Genesis", 4, 1): "g4.1", ("Genesis", 4, 2): "g4.2",
+        ("Ruth", 1, 1): "r1.1", ("Ruth", 1, 2): "r1.2",
+        ("Ruth", 4, 1): "r4.1", ("Ruth", 4, 2): "r4.2",  # the last chapter differs (en 4:3): no chapter 5 to drop
+        ("Nehemiah", 1, 1): "n1.1", ("Nehemiah", 1, 2): "",  # both empty: not a drop
+        ("Nehemiah", 1, 3): "n1.3",
+        ("Acts", 8, 36): "a8.36", ("Acts", 8, 37): "a8.37", ("Acts", 8, 38): "a8.38",  # en 8:37 empty
+        ("Jonah", 1, 1): "j1.1",  # Jonah chapter 2 only in en: a mismatch (0 vs 1), drops Jonah 2 and 3
+        ("Jonah", 3, 1): "j3.1", ("Jonah", 4, 1): "j4.1",
+        ("Malachi", 1, 1): "",  # a book without text in es
+    }
+    en = {
+        ("Genesis", 1, 1): "G1.1", ("Genesis", 1, 2): "G1.2", ("Genesis", 1, 3): "G1.3",
+        ("Genesis", 2, 1): "G2.1", ("Genesis", 2, 2): "G2.2", ("Genesis", 2, 3): "G2.3",
+        ("Genesis", 3, 1): "G3.1",
+        ("Genesis", 4, 1): "G4.1", ("Genesis", 4, 2): "G4.2",
+        ("Ruth", 1, 1): "R1.1", ("Ruth", 1, 2): "R1.2",
+        ("Ruth", 4, 1): "R4.1", ("Ruth", 4, 2): "R4.2", ("Ruth", 4, 3): "R4.3",
+        ("Nehemiah", 1, 1): "N1.1", ("Nehemiah", 1, 2): "", ("Nehemiah", 1, 3): "N1.3",
+        ("Tobit", 1, 1): "T1.1",  # deuterocanon: one module only
+        ("Acts", 8, 36): "A8.36", ("Acts", 8, 37): "", ("Acts", 8, 38): "A8.38",
+        ("Jonah", 1, 1): "J1.1", ("Jonah", 2, 1): "J2.1", ("Jonah", 3, 1): "J3.1", ("Jonah", 4, 1): "J4.1",
+        ("Malachi", 1, 1): "M1.1",
+    }
+    return es, en
+
+
+def test_align_and_split_mini_bible():
+    es, en = mini_bible()
+    al = bible.align(es, en)
+    assert al.shared_books == ["Genesis", "Ruth", "Nehemiah", "Jonah", "Acts"]  # canonical order
+    assert al.only_src_books == [] and al.only_tgt_books == ["Malachi", "Tobit"]
+    # text on one side only: Genesis 1:2, 2:3, Ruth 4:3, Jonah 2:1 (en); Acts 8:37 (es)
+    assert (al.empty_src, al.empty_tgt) == (4, 1)
+    assert al.mismatches == [("Genesis", 2, 2, 3), ("Ruth", 4, 2, 3), ("Jonah", 2, 0, 1)]
+    assert al.excluded_chapters == [("Genesis", 2), ("Genesis", 3), ("Ruth", 4), ("Jonah", 2), ("Jonah", 3)]
+    assert al.dropped_by_versification == 2 + 1 + 2 + 1  # Genesis 2:1-2, 3:1, Ruth 4:1-2, Jonah 3:1
+    assert al.paired == len(al.pairs) + 6
+    splits = bible.split_by_book(al.pairs)
+    assert {k: [(bible.format_ref(r), s, t) for r, s, t in v] for k, v in splits.items()} == {
+        "train": [("Genesis 1:1", "g1.1", "G1.1"), ("Genesis 1:3", "g1.3", "G1.3"),
+                  ("Genesis 4:1", "g4.1", "G4.1"), ("Genesis 4:2", "g4.2", "G4.2")],
+        "dev": [("Ruth 1:1", "r1.1", "R1.1"), ("Ruth 1:2", "r1.2", "R1.2"),
+                ("Jonah 1:1", "j1.1", "J1.1"), ("Jonah 4:1", "j4.1", "J4.1")],
+        "test": [("Nehemiah 1:1", "n1.1", "N1.1"), ("Nehemiah 1:3", "n1.3", "N1.3"),
+                 ("Acts 8:36", "a8.36", "A8.36"), ("Acts 8:38", "a8.38", "A8.38")],
+    }
+
+
+def test_pairs_follow_canonical_order_not_dump_order():
+    es = {("Acts", 1, 1): "a", ("Nehemiah", 1, 1): "n", ("Genesis", 1, 10): "g10", ("Genesis", 1, 9): "g9"}
+    en = {("Genesis", 1, 9): "G9", ("Nehemiah", 1, 1): "N", ("Acts", 1, 1): "A", ("Genesis", 1, 10): "G10"}
+    refs = [bible.format_ref(r) for r, _, _ in bible.align(es, en).pairs]
+    assert refs == ["Genesis 1:9", "Genesis 1:10", "Nehemiah 1:1", "Acts 1:1"]
+    assert bible.split_of("Esther") == "dev" and bible.split_of("Esther (Greek)") == "train"
+
+
+# ------------------------------------------------------------------------ prepare_bible with a fake mod2imp
+def fake_mod2imp(tmp_path, dumps, name="mod2imp"):
+    """An executable that prints dumps[module] (bytes) like mod2imp, or fails like it on an unknown module."""
+    store = tmp_path / "dumps"
+    store.mkdir(exist_ok=True)
+    for module, raw in dumps.items():
+        (store / module).write_bytes(raw)
+    exe = tmp_path / "bin" / name
+    exe.parent.mkdir(exist_ok=True)
+    exe.write_text(f"#!{sys.executable}\n" + textwrap.dedent(f"""\
+        import os, sys
+        path = os.path.join({str(store)!r}, sys.argv[1])
+        if not os.path.exists(path):
+            sys.stderr.write("mod2imp: Couldn't find module: " + sys.argv[1] + "\\n")
+            sys.exit(255)
+        sys.stdout.buffer.write(open(path, "rb").read())
+        """))
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def osis_dumps():
+    """imp dumps of the mini Bible, the verse texts wrapped in markup that cleaning must remove."""
+    es, en = mini_bible()
+
+    def dump(verses, wrap):
+        return imp([("[ Module Heading ]", ""), ("Genesis 0:0", "<title>intro</title>")]
+                   + [(bible.format_ref(r), wrap(t) if t else "") for r, t in verses.items()]).encode()
+
+    return {"spaRV1909eb": dump(es, lambda t: f'<w lemma="strong:H1">{t}</w><transChange type="added">lo</transChange>.'),
+            "engWEB2015eb": dump(en, lambda t: f'<w>{t}</w><note placement="foot">a note</note> <q>“end.”</q>')}
+
+
+def test_prepare_bible_writes_aligned_files_refs_and_manifest(tmp_path):
+    exe = fake_mod2imp(tmp_path, osis_dumps())
+    out, logs = tmp_path / "corpus", []
+    counts = bible.prepare_bible(str(out), log=logs.append, mod2imp=exe)
+    assert counts == {"train": 4, "dev": 4, "test": 4}
+    assert (out / "test.es").read_text(encoding="utf-8").splitlines() == [
+        "n1.1lo.", "n1.3lo.", "a8.36lo.", "a8.38lo."]
+    assert (out / "test.en").read_text(encoding="utf-8").splitlines() == [
+        "N1.1 “end.”", "N1.3 “end.”", "A8.36 “end.”", "A8.38 “end.”"]
+    assert (out / "test.ref").read_text(encoding="utf-8").splitlines() == [
+        "Nehemiah 1:1", "Nehemiah 1:3", "Acts 8:36", "Acts 8:38"]
+    assert (out / "dev.ref").read_text(encoding="utf-8").splitlines() == ["Ruth 1:1", "Ruth 1:2", "Jonah 1:1",
+                                                                          "Jonah 4:1"]
+    assert data.read_parallel(str(out / "train.es"), str(out / "train.en"))[0] == ("g1.1lo.", "G1.1 “end.”")
+    manifest = data.read_manifest(str(out))
+    assert manifest["origin"] == "bible" and (manifest["src_lang"], manifest["tgt_lang"]) == ("es", "en")
+    assert manifest["counts"] == counts
+    assert manifest["dropped"] == {"empty_es": 4, "empty_en": 1, "versification": 6}
+    assert manifest["excluded_chapters"] == ["Genesis 2", "Genesis 3", "Ruth 4", "Jonah 2", "Jonah 3"]
+    assert data.corpus_paths(str(out), "dev") == (str(out / "dev.es"), str(out / "dev.en"))
+    log = "\n".join(logs)
+    assert "dropped 4 with an empty es side and 1 with an empty en side" in log
+    assert "3 chapters end on a different verse" in log and "Genesis 2 (2/3)" in log
+    assert "5 chapters, 6 pairs" in log and "train 4, dev 4, test 4" in log
+    assert "SPEC §5 expects" in log  # the mini Bible is not the real one
+    assert not list(out.glob("*.tmp"))
+
+
+def test_prepare_bible_missing_module_or_bad_output(tmp_path):
+    dumps = osis_dumps()
+    exe = fake_mod2imp(tmp_path, {"spaRV1909eb": dumps["spaRV1909eb"]})
+    with pytest.raises(bible.BibleUnavailable, match=r"engWEB2015eb.*Couldn't find module.*" + INSTALL):
+        bible.prepare_bible(str(tmp_path / "out"), log=lambda m: None, mod2imp=exe)
+    assert not (tmp_path / "out" / "corpus.json").exists()
+    exe = fake_mod2imp(tmp_path, {"spaRV1909eb": dumps["spaRV1909eb"].replace(b"n1.3", b"n1\xe9"),
+                                  "engWEB2015eb": dumps["engWEB2015eb"]})
+    with pytest.raises(bible.BibleFormatError, match=r"spaRV1909eb.*not valid UTF-8.*'Nehemiah 1:3'"):
+        bible.prepare_bible(str(tmp_path / "out"), log=lambda m: None, mod2imp=exe)
+
+
+def test_prepare_bible_without_mod2imp(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no mod2imp there
+    with pytest.raises(bible.BibleUnavailable) as info:
+        bible.prepare_bible(str(tmp_path / "out"), log=lambda m: None)
+    assert isinstance(info.value, RuntimeError)
+    assert "`mod2imp` was not found" in str(info.value) and INSTALL in str(info.value)
+    assert prepare.main(["bible", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "dtmt prepare bible: error:" in err and INSTALL in err and "setup.sh" in err and "Traceback" not in err
+
+
+def test_prepare_bible_command_with_fake_mod2imp_on_path(tmp_path, monkeypatch, capsys):
+    fake_mod2imp(tmp_path, osis_dumps())
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert cli.main(["prepare", "bible", "--out", str(tmp_path / "c")]) == 0
+    assert "wrote " in capsys.readouterr().err
+    assert json.loads((tmp_path / "c" / "corpus.json").read_text())["counts"] == {"train": 4, "dev": 4, "test": 4}
+
+
+# ------------------------------------------------------------------------------------------ prepare files
+def write(path, content):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+    return str(path)
+
+
+def numbered(tmp_path, n, stem="c"):
+    src = write(tmp_path / f"{stem}.es", "".join(f"frase {i}\n" for i in range(n)))
+    tgt = write(tmp_path / f"{stem}.en", "".join(f"sentence {i}\n" for i in range(n)))
+    return src, tgt
+
+
+def test_prepare_files_copies_and_writes_manifest(tmp_path, capsys):
+    src = write(tmp_path / "a.es", "hola mundo\r\nadiós\n")
+    tgt = write(tmp_path / "a.en", "hello world\ngoodbye")
+    dsrc, dtgt = write(tmp_path / "d.es", "uno\n"), write(tmp_path / "d.en", "one\n")
+    out = tmp_path / "out"
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--dev-src", dsrc, "--dev-tgt", dtgt,
+                         "--out", str(out)]) == 0
+    assert (out / "train.es").read_bytes() == "hola mundo\nadiós\n".encode()
+    assert (out / "train.en").read_text() == "hello world\ngoodbye\n"
+    assert data.read_parallel(*data.corpus_paths(str(out), "dev")) == [("uno", "one")]
+    manifest = data.read_manifest(str(out))
+    assert manifest["origin"] == "files" and manifest["counts"] == {"train": 2, "dev": 1}
+    assert (manifest["src_lang"], manifest["tgt_lang"]) == ("es", "en")
+    assert not (out / "test.es").exists()
+    assert "train 2, dev 1" in capsys.readouterr().err
+    # other languages name the files
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--src-lang", "ca", "--tgt-lang", "en-GB",
+                         "--out", str(tmp_path / "o2")]) == 0
+    assert (tmp_path / "o2" / "train.ca").exists() and (tmp_path / "o2" / "train.en-GB").exists()
+
+
+@pytest.mark.parametrize("src, tgt, message", [
+    (b"uno\ndos \xff\xfe\ntres\n", b"one\ntwo\nthree\n", r"bad\.es:2: invalid UTF-8"),
+    (b"uno\n  \ntres\n", b"one\ntwo\nthree\n", r"bad\.es:2: empty line"),
+    (b"uno\ndos\ntres\n", b"one\n\nthree\n", r"bad\.en:2: empty line"),
+    (b"uno\ndos\n", b"one\ntwo\nthree\n", r"bad\.es has 2 lines, .*bad\.en has 3"),
+])
+def test_prepare_files_rejects_bad_input(tmp_path, capsys, src, tgt, message):
+    args = ["files", "--src", write(tmp_path / "bad.es", src), "--tgt", write(tmp_path / "bad.en", tgt),
+            "--out", str(tmp_path / "out")]
+    assert prepare.main(args) == 1
+    err = capsys.readouterr().err
+    assert "dtmt prepare files: error:" in err and "Traceback" not in err
+    assert re.search(message, err), err
+    assert not (tmp_path / "out" / "corpus.json").exists()
+
+
+def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
+    src, tgt = numbered(tmp_path, 10)
+    dsrc, dtgt = write(tmp_path / "dev.es", b"a\nb\n"), write(tmp_path / "dev.en", b"a\n\xc3\n")
+    base = ["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "out")]
+    assert prepare.main(base + ["--dev-src", dsrc, "--dev-tgt", dtgt]) == 1
+    assert "dev.en:2: invalid UTF-8" in capsys.readouterr().err
+    assert prepare.main(base + ["--dev-src", dsrc]) == 1
+    assert "--dev-src and --dev-tgt go together" in capsys.readouterr().err
+    assert prepare.main(base + ["--holdout", "5"]) == 1  # 2 x 5 leaves no training pair
+    assert "--holdout 5 asks for 10 held-out pairs" in capsys.readouterr().err
+    assert prepare.main(base + ["--src-lang", "en"]) == 1
+    assert "must differ" in capsys.readouterr().err
+    assert prepare.main(base + ["--holdout", "x"]) == 2  # argparse usage error
+    assert prepare.main([]) == 2
+    capsys.readouterr()
+    assert prepare.main(["files", "--help"]) == 0
+    assert "--holdout" in capsys.readouterr().out
+
+
+def test_prepare_files_holdout_is_deterministic_and_disjoint(tmp_path):
+    src, tgt = numbered(tmp_path, 50)
+
+    def run(out, seed):
+        assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / out), "--holdout", "5",
+                             "--seed", str(seed)]) == 0
+        return {split: data.read_parallel(*data.corpus_paths(str(tmp_path / out), split))
+                for split in ("train", "dev", "test")}
+
+    a, b, c = run("a", 7), run("b", 7), run("c", 8)
+    assert a == b and a != c
+    assert {k: len(v) for k, v in a.items()} == {"train": 40, "dev": 5, "test": 5}
+    everything = a["train"] + a["dev"] + a["test"]
+    assert sorted(everything) == sorted(data.read_parallel(src, tgt))  # disjoint, nothing lost
+    for part in a.values():  # each split keeps the file order
+        assert part == sorted(part, key=lambda p: int(p[0].split()[1]))
+    assert data.read_manifest(str(tmp_path / "a"))["counts"] == {"train": 40, "dev": 5, "test": 5}
+    # given dev files: only test is held out
+    dsrc, dtgt = write(tmp_path / "d.es", "x\n"), write(tmp_path / "d.en", "y\n")
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "a"), "--holdout", "3",
+                         "--dev-src", dsrc, "--dev-tgt", dtgt]) == 0
+    assert data.read_manifest(str(tmp_path / "a"))["counts"] == {"train": 47, "dev": 1, "test": 3}
+    # no holdout: the stale dev/test files of the earlier corpus in the directory are removed
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "a")]) == 0
+    assert sorted(os.listdir(tmp_path / "a")) == ["corpus.json", "train.en", "train.es"]
+    # ... but never an input file: training files named dev.* in the output directory stay
+    dsrc, dtgt = write(tmp_path / "a" / "dev.es", "x\n"), write(tmp_path / "a" / "dev.en", "y\n")
+    assert prepare.main(["files", "--src", dsrc, "--tgt", dtgt, "--out", str(tmp_path / "a")]) == 0
+    assert data.read_manifest(str(tmp_path / "a"))["counts"] == {"train": 1}
+    assert (tmp_path / "a" / "dev.es").read_text() == "x\n"
+
+
+def test_python_m_prepare_reports_errors_without_traceback(tmp_path, monkeypatch, capsys):
+    bad = write(tmp_path / "x.es", b"ok\n\xff\n")
+    good = write(tmp_path / "x.en", b"ok\nfine\n")
+    # what `python -m dtmt_models.prepare files ...` runs, in this process (a fresh interpreter costs seconds)
+    monkeypatch.setattr(sys, "argv", ["prepare.py", "files", "--src", bad, "--tgt", good, "--out", str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "dtmt_models.prepare")  # as in a fresh `python -m` (and no runpy warning)
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("dtmt_models.prepare", run_name="__main__")
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "x.es:2: invalid UTF-8" in err and "Traceback" not in err
+
+
+# -------------------------------------------------------------------------------- the real Debian modules
+@pytest.fixture(scope="module")
+def real_bible(tmp_path_factory):
+    if shutil.which("mod2imp") is None:
+        pytest.skip(f"mod2imp is not installed (Debian libsword-utils); {INSTALL}")
+    out = tmp_path_factory.mktemp("bible")
+    logs = []
+    try:
+        counts = bible.prepare_bible(str(out), log=logs.append)
+    except bible.BibleUnavailable as exc:
+        pytest.skip(f"the SWORD modules are not installed: {exc}")
+    return out, counts, logs
+
+
+def test_real_bible_counts_and_spot_checks(real_bible):
+    out, counts, logs = real_bible
+    assert counts == {"train": 28777, "dev": 377, "test": 1331}  # SPEC §5
+    lines = {}
+    for split in bible.SPLITS:
+        for ext in ("es", "en", "ref"):
+            lines[split, ext] = (out / f"{split}.{ext}").read_text(encoding="utf-8").split("\n")[:-1]
+            assert len(lines[split, ext]) == counts[split]
+            assert all(line.strip() == line and line for line in lines[split, ext])
+    train = dict(zip(lines["train", "ref"], zip(lines["train", "es"], lines["train", "en"])))
+    assert lines["train", "ref"][0] == "Genesis 1:1"
+    assert train["Genesis 1:1"] == ("EN el principio crió Dios los cielos y la tierra.",
+                                    "In the beginning, God created the heavens and the earth.")
+    assert train["John 3:16"][1] == ("For God so loved the world, that he gave his only born Son, that whoever "
+                                     "believes in him should not perish, but have eternal life.")
+    assert train["Genesis 2:12"][0].startswith("Y el oro de aquella tierra es bueno: hay allí también bdelio")
+    assert "sácalo de este lugar" in train["Genesis 19:12"][0]
+    assert train["Psalms 3:1"][1].startswith("A Psalm by David, when he fled from Absalom his son. Yahweh, how")
+    assert train["Revelation of John 22:21"][1] == "The grace of the Lord Jesus Christ be with all the saints. Amen."
+    assert "Numbers 12:1" not in train and "Numbers 13:1" not in train and "Numbers 14:1" in train
+    assert lines["test", "ref"][0] == "Nehemiah 1:1" and lines["test", "ref"][-1].startswith("Acts 28:")
+    assert lines["test", "en"][0].startswith("The words of Nehemiah the son of Hacaliah.")
+    assert lines["dev", "ref"][0] == "Ruth 1:1" and lines["dev", "ref"][-1] == "Philippians 4:23"
+    books = {ref.rsplit(" ", 1)[0] for ref in lines["dev", "ref"]}
+    assert books == {"Ruth", "Esther", "Jonah", "Philippians"}
+    everything = [line for (split, ext), ls in lines.items() if ext != "ref" for line in ls]
+    assert not [line for line in everything if "<" in line and ">" in line or "  " in line or " ," in line]
+    manifest = data.read_manifest(str(out))
+    assert manifest["dropped"] == {"empty_es": 18, "empty_en": 7, "versification": 592}
+    assert len(manifest["versification_mismatches"]) == 13
+    assert any("13 chapters end on a different verse" in m for m in logs)

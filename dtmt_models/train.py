@@ -45,15 +45,25 @@ LAST, BEST, LOG, CURVE, CONFIG = "last.pt", "best.pt", "train_log.csv", "learnin
 LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", "tokens", "tokens_per_s",
               "dev_loss", "dev_ppl", "dev_bleu", "dev_chrf", "best_bleu"]
 # training settings that may be changed when resuming (how long to go on, how often to report)
-RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "log_every", "progress", "threads",
-             "bleu_sentences")
+RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
+             "threads", "bleu_sentences")
+# their defaults (None on the command line means "not given", so that --resume keeps the checkpoint's values)
+REPORTING_DEFAULTS = dict(patience=5, valid_every=500, valid_beam=1, bleu_sentences=0, log_every=50, progress="auto",
+                          threads=0)
 
 
 # ------------------------------------------------------------------------------------------- arguments
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ("not given": the preset's value, or the checkpoint's on --resume)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dtmt train", description="Train an NMT system on a corpus prepared by `dtmt prepare`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--data", required=True, help="prepared corpus directory (with corpus.json)")
     p.add_argument("--model", default="dtmt", help=f"system: one of {', '.join(list_models())}")
     p.add_argument("--preset", default="small", help="size/settings preset: small (CPU) or paper")
@@ -79,18 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-epochs", type=int, default=None, help="stop after this many epochs")
     s.add_argument("--max-steps", type=int, default=None, help="stop after this many updates")
     s.add_argument("--max-time", default=None, help="stop after this much training time, e.g. 90s, 30m, 2h")
-    s.add_argument("--patience", type=int, default=5, help="stop after this many validations without a better "
-                                                           "dev score (0: never)")
-    s.add_argument("--valid-every", type=int, default=500, help="validate every N updates (and at the end)")
-    s.add_argument("--valid-beam", type=int, default=1, help="beam for dev BLEU (1: greedy)")
-    s.add_argument("--bleu-sentences", type=int, default=0, help="dev sentences translated for BLEU (0: all)")
-    s.add_argument("--log-every", type=int, default=50, help="write a training row every N updates")
-    s.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
-                   help="progress display: a live bar on a terminal, else lines every --log-every updates")
+    s.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better "
+                                                              "dev score (0: never; default 5)")
+    s.add_argument("--valid-every", type=int, default=None, help="validate every N updates (and at the end; default 500)")
+    s.add_argument("--valid-beam", type=int, default=None, help="beam for dev BLEU (default 1: greedy)")
+    s.add_argument("--bleu-sentences", type=int, default=None, help="dev sentences translated for BLEU (default 0: all)")
+    s.add_argument("--log-every", type=int, default=None, help="write a training row every N updates (default 50)")
+    s.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default=None,
+                   help="progress display (default auto: a live bar on a terminal, else lines every --log-every updates)")
     d = p.add_argument_group("device")
     d.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     d.add_argument("--backend", default="auto", help="recurrent kernels: auto, cpp, reference, triton, cuda")
-    d.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    d.add_argument("--threads", type=int, default=None, help="CPU threads (default 0: torch's default)")
     return p
 
 
@@ -132,6 +142,9 @@ def resolve_config(args: argparse.Namespace) -> dict:
     model_options.pop("backend", None)
     cfg = dict(vars(args))
     cfg.pop("opt")
+    for k, v in REPORTING_DEFAULTS.items():
+        if cfg[k] is None:
+            cfg[k] = v
     cfg.update(train)
     cfg["model_options"] = model_options
     cfg["max_time_s"] = parse_duration(args.max_time)
@@ -603,9 +616,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ValueError(f"{last} has no training state")
             cfg = dict(ckpt["config"])
             given = resolve_config(args)
-            for k in RESUMABLE + ("max_time_s",):   # how long to go on may change; the rest is the checkpoint's
-                if k in given and (getattr(args, k, None) is not None or k == "max_time_s" and args.max_time):
+            for k in RESUMABLE:   # how long to go on and how to report may change; the rest is the checkpoint's
+                if getattr(args, k) is not None:
                     cfg[k] = given[k]
+            if args.max_time is not None:
+                cfg["max_time_s"] = given["max_time_s"]
         else:
             if os.path.isfile(last) and not args.overwrite:
                 raise ValueError(f"{args.out} already holds a checkpoint; pass --resume to continue it or "

@@ -1,0 +1,173 @@
+"""dtmt train: resume exactness, signals, two-process DDP, presets, errors (issue 5)."""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dtmt_models.data import write_manifest, write_parallel
+from dtmt_models.presets import PRESETS, get_preset
+from dtmt_models.registry import build_model, list_models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LEXICON = {"el": "the", "perro": "dog", "gato": "cat", "come": "eats", "ve": "sees", "casa": "house",
+           "grande": "big", "rojo": "red", "hombre": "man", "mujer": "woman", "agua": "water", "pan": "bread",
+           "bebe": "drinks", "y": "and", "niño": "child"}
+
+
+def make_toy_corpus(directory, n_train=600, n_dev=30, n_test=30, seed=0):
+    """A word-for-word toy translation task: learnable in a few hundred updates of a tiny model."""
+    import random
+
+    rng = random.Random(seed)
+    words = sorted(LEXICON)
+    counts = {}
+    for split, n in (("train", n_train), ("dev", n_dev), ("test", n_test)):
+        pairs = []
+        for _ in range(n):
+            ws = [rng.choice(words) for _ in range(rng.randint(2, 8))]
+            pairs.append((" ".join(ws), " ".join(LEXICON[w] for w in ws)))
+        if n:
+            write_parallel(pairs, os.path.join(directory, f"{split}.es"), os.path.join(directory, f"{split}.en"))
+            counts[split] = n
+    write_manifest(str(directory), "es", "en", counts, origin="toy")
+    return str(directory)
+
+
+TINY = ["--model", "dtmt", "--vocab-size", "60", "--opt", "embed_dim=32", "--opt", "hidden_size=32",
+        "--max-tokens", "400", "--progress", "lines", "--threads", "1"]
+
+
+def run_train(args, timeout=300, env=None):
+    cmd = [sys.executable, "-m", "dtmt_models.train", *args]
+    e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def losses(out_dir):
+    with open(os.path.join(out_dir, "train_log.csv"), newline="") as f:
+        return [(int(r["step"]), r["loss"], r["nll"]) for r in csv.DictReader(f) if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return make_toy_corpus(tmp_path_factory.mktemp("toy"))
+
+
+@pytest.fixture(scope="module")
+def toy_nodev(tmp_path_factory):
+    return make_toy_corpus(tmp_path_factory.mktemp("toy_nodev"), n_dev=0, n_test=0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(toy, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("run_a"))
+    r = run_train(["--data", toy, "--out", out, "--max-steps", "24", "--log-every", "1", "--valid-every", "10",
+                   *TINY])
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_resume_gives_the_same_losses(toy, uninterrupted, tmp_path):
+    """Stopping at step 13 (mid-epoch, after a validation) and resuming reproduces every later loss exactly."""
+    out = str(tmp_path / "run_b")
+    r = run_train(["--data", toy, "--out", out, "--max-steps", "13", "--log-every", "1", "--valid-every", "10",
+                   *TINY])
+    assert r.returncode == 0, r.stderr
+    assert len(losses(out)) == 13
+    r = run_train(["--data", toy, "--out", out, "--resume", "--max-steps", "24", "--log-every", "1",
+                   "--progress", "lines"])
+    assert r.returncode == 0, r.stderr
+    assert "resumed from step 13" in r.stdout
+    a, b = losses(uninterrupted), losses(out)
+    assert [s for s, *_ in a] == list(range(1, 25))
+    assert a == b                       # the strings of the float reprs: bitwise equal
+    assert len({x[1] for x in a}) > 20  # and they do change from step to step
+
+
+def test_sigint_saves_a_checkpoint_that_resumes_exactly(toy, uninterrupted, tmp_path):
+    out = str(tmp_path / "run_c")
+    cmd = [sys.executable, "-m", "dtmt_models.train", "--data", toy, "--out", out, "--max-steps", "24",
+           "--log-every", "1", "--valid-every", "10", *TINY]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log = os.path.join(out, "train_log.csv")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if os.path.isfile(log) and len(losses(out)) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "SIGINT" in stdout and "--resume" in stdout
+    from dtmt_models.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(os.path.join(out, "last.pt"))
+    stopped = ckpt["training"]["step"]
+    assert 3 <= stopped < 24 and len(losses(out)) == stopped
+    r = run_train(["--data", toy, "--out", out, "--resume", "--max-steps", "24", "--progress", "lines"])
+    assert r.returncode == 0, r.stderr
+    assert losses(out) == losses(uninterrupted)
+
+
+def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
+    out = str(tmp_path / "ddp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           "-m", "dtmt_models.train", "--data", toy_nodev, "--out", out, "--max-steps", "30", "--log-every", "5",
+           *TINY]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 process(es)" in r.stdout
+    assert "2 processes in sync at step 30" in r.stdout
+    rows = losses(out)
+    assert len(rows) == 6 and float(rows[-1][2]) < float(rows[0][2])   # it learns
+    from dtmt_models.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(os.path.join(out, "last.pt"))
+    assert len(ckpt["training"]["rng"]) == 2      # both processes' random states, for an exact resume
+
+
+def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path):
+    out = str(tmp_path / "run")
+    assert run_train(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY]).returncode == 0
+    r = run_train(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY])
+    assert r.returncode == 2 and "--resume" in r.stderr and "--overwrite" in r.stderr
+    r = run_train(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), *TINY])
+    assert r.returncode == 2 and "dtmt prepare" in r.stderr
+    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "y"), "--max-time", "soon", *TINY])
+    assert r.returncode == 2 and "--max-time" in r.stderr
+    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "z"), "--model", "nope"])
+    assert r.returncode == 2 and "unknown model" in r.stderr
+
+
+def test_max_len_filter_is_reported(toy_nodev, tmp_path):
+    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "r"), "--max-steps", "1", "--max-len", "5", *TINY])
+    assert r.returncode == 0, r.stderr
+    import re
+
+    m = re.search(r"data: ([\d,]+) training pairs \(([\d,]+) longer than 5 subwords dropped", r.stdout)
+    kept, dropped = (int(g.replace(",", "")) for g in m.groups())
+    assert kept + dropped == 600 and dropped > 0
+
+
+@pytest.mark.parametrize("model", sorted(PRESETS))
+def test_presets_build(model):
+    assert model in list_models()
+    small = get_preset(model, "small")
+    m = build_model(model, 100, 120, **small["model"])
+    assert sum(p.numel() for p in m.parameters()) > 0
+    with torch.device("meta"):                      # the paper sizes, without allocating them
+        build_model(model, 30000, 30000, **get_preset(model, "paper")["model"])
+    assert {"lr", "schedule", "smoothing", "clip", "max_tokens"} <= set(small["train"])
+
+
+def test_every_system_has_a_preset():
+    assert set(PRESETS) == set(list_models())
+    with pytest.raises(ValueError, match="presets"):
+        get_preset("dtmt", "huge")

@@ -1,0 +1,366 @@
+"""Translation (library and `dtmt translate`) and scoring (library and `dtmt evaluate`) on a tiny checkpoint.
+
+The model is a randomly initialised 16-wide `dtmt` (weights spread out and EOS made less likely so that the
+translations are long and differ between sentences); the tests check bookkeeping (order, empty lines,
+batching, n-best, files, exit codes) and that every score equals sacrebleu called directly.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+
+import pytest
+import torch
+from sacrebleu.metrics import BLEU, CHRF
+
+from dtmt_models import cli
+from dtmt_models.checkpoint import load_model, save_checkpoint
+from dtmt_models.data import write_manifest
+from dtmt_models.evaluate import (LengthBucket, bleu_by_length, bucket_labels, corpus_scores,
+                                  plot_bleu_by_length)
+from dtmt_models.registry import build_model
+from dtmt_models.translate import TruncationWarning, length_batches, translate, translate_best
+from dtmt_models.vocabulary import EOS, Vocabulary
+
+SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
+       "ella lee el libro", "nosotros vamos a la playa", "el sol brilla", "la luna es blanca",
+       "mi hermano bebe agua", "el niño juega con el perro", "la mujer canta una canción", "el hombre camina",
+       "los pájaros vuelan alto", "tu madre cocina arroz", "el tren llega tarde", "hace frío hoy",
+       "la puerta está abierta", "el coche es nuevo", "me gusta el café", "ellos trabajan mucho",
+       "la ciudad es bonita", "el río es largo", "compramos pan y leche", "la flor es roja",
+       "el maestro escribe", "los niños duermen", "abro la ventana", "el perro ladra", "la casa es vieja",
+       "tengo un gato negro"]
+TGT = ["the dog eats bread", "the house is big", "the cat sleeps in the house", "i have a red book",
+       "she reads the book", "we go to the beach", "the sun shines", "the moon is white",
+       "my brother drinks water", "the boy plays with the dog", "the woman sings a song", "the man walks",
+       "the birds fly high", "your mother cooks rice", "the train arrives late", "it is cold today",
+       "the door is open", "the car is new", "i like coffee", "they work a lot", "the city is pretty",
+       "the river is long", "we buy bread and milk", "the flower is red", "the teacher writes",
+       "the children sleep", "i open the window", "the dog barks", "the house is old", "i have a black cat"]
+
+# translated in most tests: varied lengths, an empty and a blank line, a repeated sentence
+INPUTS = ["el perro come pan", "", "la casa es grande y el gato duerme en la casa con el perro", "   ",
+          "hace frío", "el perro come pan", "yo tengo un libro rojo y ella lee el libro", "sol"]
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    """(model, src vocab, tgt vocab, checkpoint path)."""
+    src_vocab = Vocabulary.train(SRC, vocab_size=60)
+    tgt_vocab = Vocabulary.train(TGT, vocab_size=60)
+    options = dict(embed_dim=16, hidden_size=16, depth=1, heads=2, dropout=0.0, candidate_dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model("dtmt", len(src_vocab), len(tgt_vocab), **options)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+        model.readout.output.proj.bias[EOS] -= 1.0
+    model.eval()
+    path = str(tmp_path_factory.mktemp("ckpt") / "tiny.pt")
+    save_checkpoint(path, dict(model_name="dtmt", model_options=options, src_vocab=src_vocab.proto,
+                               tgt_vocab=tgt_vocab.proto, model=model.state_dict()))
+    return model, src_vocab, tgt_vocab, path
+
+
+@pytest.fixture(scope="module")
+def reference(system):
+    """Each input translated on its own (batch of one): what any batching must reproduce."""
+    model, sv, tv, _ = system
+    return [translate(model, sv, tv, [s], beam=3, nbest=2)[0] for s in INPUTS]
+
+
+def write(path, text):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return str(path)
+
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+# ------------------------------------------------------------------------------------------- translate
+def test_length_batches_respect_budget():
+    lengths = [3, 9, 1, 4, 4, 12, 2]
+    batches = length_batches(lengths, max_tokens=10)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 10
+    assert batches[0] == [5]                                # longest first, alone (12 > 10)
+    assert [len(b) for b in length_batches(lengths, 1)] == [1] * len(lengths)
+    assert length_batches(lengths, 100) == [[5, 1, 3, 4, 0, 6, 2]]
+
+
+def test_translate_order_empty_lines_and_batching(system, reference):
+    model, sv, tv, _ = system
+    batched = translate(model, sv, tv, INPUTS, beam=3, nbest=2)
+    tiny = translate(model, sv, tv, INPUTS, beam=3, nbest=2, max_tokens=1)
+    assert len(batched) == len(tiny) == len(INPUTS)
+    for got_all, got_tiny, want in zip(batched, tiny, reference):
+        for got in (got_all, got_tiny):
+            assert [t for t, _ in got] == [t for t, _ in want]
+            assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-4)
+    assert batched[1] == [("", 0.0)] and batched[3] == [("", 0.0)]
+    assert batched[0] == batched[5]
+    nonempty = [batched[i][0][0] for i in (0, 2, 4, 6, 7)]
+    assert all(nonempty) and len(set(nonempty)) >= 3        # real, varied translations
+
+
+def test_translate_best_nbest_and_model_mode(system):
+    model, sv, tv, _ = system
+    three = translate(model, sv, tv, INPUTS, beam=4, nbest=3)
+    for text, hyps in zip(INPUTS, three):
+        if text.strip():
+            assert len(hyps) == 3
+            scores = [s for _, s in hyps]
+            assert scores == sorted(scores, reverse=True) and all(s < 0 for s in scores)
+    model.train()                                            # the trainer validates a model in training mode
+    try:
+        best = translate_best(model, sv, tv, INPUTS, beam=4)
+        assert model.training
+    finally:
+        model.eval()
+    assert best == [h[0][0] for h in three]
+    with pytest.raises(ValueError):
+        translate(model, sv, tv, INPUTS, beam=2, nbest=3)
+
+
+def test_empty_inputs_never_reach_the_model(system):
+    _, sv, tv, _ = system
+
+    class Exploding(torch.nn.Module):
+        def encode(self, *args):
+            raise AssertionError("the model was called")
+
+    assert translate(Exploding(), sv, tv, ["", "  ", "\t"]) == [[("", 0.0)]] * 3
+    assert translate(Exploding(), sv, tv, []) == []
+
+
+def test_long_source_is_truncated_with_a_warning(system):
+    model, sv, tv, _ = system
+    long = " ".join(SRC)
+    assert len(sv.encode(long)) > 20
+    with pytest.warns(TruncationWarning, match="1 of 2"):
+        out = translate_best(model, sv, tv, [long, "el sol"], beam=2, max_src_len=20)
+    assert len(out) == 2 and out[0]
+    with pytest.warns(TruncationWarning):
+        again = translate_best(model, sv, tv, [long], beam=2, max_src_len=20, max_tokens=5)
+    assert again == out[:1]
+
+
+def test_progress_callback(system):
+    model, sv, tv, _ = system
+    calls = []
+    translate(model, sv, tv, INPUTS, beam=2, max_tokens=8, progress=lambda d, t: calls.append((d, t)))
+    assert calls[0] == (2, len(INPUTS))                      # the two empty lines are done at once
+    assert calls[-1] == (len(INPUTS), len(INPUTS))
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls) and len(calls) > 2
+
+
+def test_cli_translate_files_and_output_dir(system, reference, tmp_path):
+    _, _, _, ckpt = system
+    a = write(tmp_path / "a.es", "\n".join(INPUTS[:4]) + "\n")
+    b = write(tmp_path / "b.es", "\r\n".join(INPUTS[4:]) + "\r\n")       # CRLF line ends
+    out = tmp_path / "sub" / "out.en"
+    assert cli.main(["translate", "--checkpoint", ckpt, "--beam", "3", "--quiet", a, b, "--output", str(out)]) == 0
+    assert read(out) == "".join(r[0][0] + "\n" for r in reference)
+    assert not [n for n in os.listdir(out.parent) if ".tmp" in n]
+    d = tmp_path / "outs"
+    assert cli.main(["translate", "-c", ckpt, "--beam", "3", "--quiet", a, b, "--output-dir", str(d)]) == 0
+    assert read(d / "a.es.out") == "".join(r[0][0] + "\n" for r in reference[:4])
+    assert read(d / "b.es.out") == "".join(r[0][0] + "\n" for r in reference[4:])
+
+
+def test_cli_translate_stdin_and_nbest(system, reference, tmp_path, monkeypatch, capsys):
+    _, _, _, ckpt = system
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(INPUTS) + "\n"))
+    assert cli.main(["translate", "--checkpoint", ckpt, "--beam", "3", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "".join(r[0][0] + "\n" for r in reference)
+    assert captured.err == ""
+
+    a = write(tmp_path / "a.es", "\n".join(INPUTS[:3]) + "\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(INPUTS[3:]) + "\n"))
+    assert cli.main(["translate", "-c", ckpt, "--beam", "3", "--nbest", "2", a, "-"]) == 0
+    captured = capsys.readouterr()
+    lines = [line.split(" ||| ") for line in captured.out.splitlines()]
+    assert all(len(parts) == 3 for parts in lines)
+    expected = []
+    for offset, chunk in ((0, reference[:3]), (3, reference[3:])):     # index counted per input from 0
+        for i, hyps in enumerate(chunk):
+            wanted = hyps if INPUTS[offset + i].strip() else [("", 0.0)]
+            expected += [(str(i), text) for text, _ in wanted]
+    assert [(p[0], p[1]) for p in lines] == expected
+    flat = [h for i, hyps in enumerate(reference) for h in (hyps if INPUTS[i].strip() else [("", 0.0)])]
+    assert [float(p[2]) for p in lines] == pytest.approx([s for _, s in flat], abs=1e-4)
+    assert "translated 8 sentences" in captured.err                     # summary unless --quiet
+
+
+def test_cli_translate_errors(system, tmp_path, capsys):
+    _, _, _, ckpt = system
+    good = write(tmp_path / "good.es", "el sol\n")
+    bad = tmp_path / "bad.es"
+    bad.write_bytes(b"el sol\nla \xff luna\n")
+    foreign = write(tmp_path / "foreign.pt", "not a checkpoint\n")
+    cases = [
+        (["--checkpoint", str(tmp_path / "missing.pt"), good], "does not exist"),
+        (["--checkpoint", foreign, good], "foreign.pt"),
+        (["--checkpoint", ckpt, str(bad)], "bad.es:2: invalid UTF-8"),
+        (["--checkpoint", ckpt, str(tmp_path / "nope.es")], "nope.es"),
+        (["--checkpoint", ckpt, "--beam", "2", "--nbest", "3", good], "--nbest"),
+        (["--checkpoint", ckpt, "--max-tokens", "0", good], "--max-tokens"),
+        (["--checkpoint", ckpt, good, good, "--output-dir", str(tmp_path / "o")], "good.es.out"),
+    ]
+    for args, message in cases:
+        assert cli.main(["translate", "--quiet"] + args) == 1, args
+        err = capsys.readouterr().err
+        assert err.startswith("dtmt translate: ") and message in err, (args, err)
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit) as exc:                              # argparse: usage error, status 2
+        cli.main(["translate", good])
+    assert exc.value.code == 2
+
+
+# -------------------------------------------------------------------------------------------- scores
+HYPS = ["the dog eats the bread", "a house is big", "the cat sleeps in a house", "i have one red book",
+        "she reads the book", "we went to the beach today"]
+REFS = ["the dog eats bread", "the house is big", "the cat sleeps in the house", "i have a red book",
+        "she reads the book", "we go to the beach"]
+
+
+def test_corpus_scores_match_sacrebleu():
+    scores = corpus_scores(HYPS, REFS)
+    bleu, chrf = BLEU(), CHRF()
+    assert scores["bleu"] == pytest.approx(bleu.corpus_score(HYPS, [REFS]).score)
+    assert scores["chrf"] == pytest.approx(chrf.corpus_score(HYPS, [REFS]).score)
+    assert 0 < scores["bleu"] < 100 and 0 < scores["chrf"] < 100
+    assert scores["bleu_signature"] == str(bleu.get_signature()) and "tok:13a" in scores["bleu_signature"]
+    assert scores["chrf_signature"] == str(chrf.get_signature())
+    assert scores["sentences"] == 6 and scores["bleu_detail"]["ref_len"] == sum(len(r.split()) for r in REFS)
+    same = corpus_scores(REFS, REFS)
+    assert same["bleu"] == pytest.approx(100.0) and same["chrf"] == pytest.approx(100.0)
+    assert corpus_scores(["x y z"], ["a b c"])["bleu"] == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        corpus_scores(HYPS, REFS[:-1])
+    with pytest.raises(ValueError):
+        corpus_scores([], [])
+
+
+def test_bleu_by_length_buckets():
+    words = lambda n: " ".join(f"w{i}" for i in range(n))         # noqa: E731
+    lengths = [3, 10, 11, 20, 25, 60, 1]
+    sources = [words(n) for n in lengths]
+    refs = ["the dog eats bread", "the house is big", "the cat sleeps in the house", "i have a red book",
+            "she reads the book", "we go to the beach", "it is cold today"]
+    hyps = ["the dog eats bread", "a house is big", "the cat sleeps in a house", "i have one red book",
+            "she reads a book", "we go to the beach now", "it is cold"]
+    rows = bleu_by_length(sources, hyps, refs)
+    assert [r.label for r in rows] == ["1-10", "11-20", "21-30", "31-40", "41-50", "51+"]
+    assert [r.sentences for r in rows] == [3, 2, 1, 0, 0, 1]
+    members = [[0, 1, 6], [2, 3], [4], [], [], [5]]
+    for row, idx in zip(rows, members):
+        if idx:
+            want = BLEU().corpus_score([hyps[i] for i in idx], [[refs[i] for i in idx]]).score
+            assert row.bleu == pytest.approx(want)
+        else:
+            assert row.bleu is None
+    assert rows[-1].bleu == pytest.approx(BLEU().corpus_score([hyps[5]], [[refs[5]]]).score)
+    # explicit lengths (e.g. subwords) override the word counts
+    by_tokens = bleu_by_length(sources, hyps, refs, bounds=(5, 15), src_tokens=[1, 6, 6, 16, 16, 16, 5])
+    assert [(r.label, r.sentences) for r in by_tokens] == [("1-5", 2), ("6-15", 2), ("16+", 3)]
+    assert bucket_labels((1, 2, 10)) == ["1", "2", "3-10", "11+"]
+    with pytest.raises(ValueError):
+        bleu_by_length(sources, hyps, refs, bounds=(10, 10))
+
+
+def test_plot_bleu_by_length(tmp_path):
+    rows = [LengthBucket("1-10", 3, 25.0), LengthBucket("11-20", 0, None), LengthBucket("21+", 2, 12.5)]
+    path = plot_bleu_by_length(rows, str(tmp_path / "plot.png"), "tiny")
+    assert path == str(tmp_path / "plot.png")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path) == ["plot.png"]
+
+
+# ------------------------------------------------------------------------------------------ evaluate
+@pytest.fixture()
+def corpus(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    src, ref = SRC[:10], TGT[:10]
+    write(d / "test.es", "\n".join(src) + "\n")
+    write(d / "test.en", "\n".join(ref) + "\n")
+    write_manifest(str(d), "es", "en", {"test": len(src)}, origin="test")
+    return str(d), src, ref
+
+
+def test_cli_evaluate_writes_everything(system, corpus, tmp_path, capsys):
+    model, sv, tv, ckpt = system
+    data, src, ref = corpus
+    assert cli.main(["evaluate", "--checkpoint", ckpt, "--data", data, "--beam", "2", "--quiet"]) == 0
+    out_dir = os.path.join(os.path.dirname(ckpt), "tiny.test")          # default: <ckpt stem>.<split>
+    assert sorted(os.listdir(out_dir)) == ["bleu_by_length.csv", "bleu_by_length.png", "hyp.txt", "scores.json"]
+    hyps = read(os.path.join(out_dir, "hyp.txt")).split("\n")[:-1]
+    assert hyps == translate_best(model, sv, tv, src, beam=2)
+    report = json.loads(read(os.path.join(out_dir, "scores.json")))
+    expected = corpus_scores(hyps, ref)
+    for key in ("bleu", "chrf", "bleu_signature", "chrf_signature", "sentences"):
+        assert report[key] == pytest.approx(expected[key]) if isinstance(expected[key], float) else \
+            report[key] == expected[key]
+    rows = bleu_by_length(src, hyps, ref)
+    assert report["by_length"] == [r._asdict() for r in rows]
+    assert report["settings"]["beam"] == 2 and report["settings"]["split"] == "test"
+    assert report["decode"]["seconds"] >= 0 and report["decode"]["sentences_per_s"] > 0
+    csv_lines = read(os.path.join(out_dir, "bleu_by_length.csv")).splitlines()
+    assert csv_lines[0] == "bucket,sentences,bleu" and csv_lines[1].startswith("1-10,10,")
+    assert csv_lines[2] == "11-20,0,"
+    stdout = capsys.readouterr().out
+    assert f"BLEU {expected['bleu']:.2f}" in stdout and "1-10" in stdout
+
+
+def test_cli_evaluate_hyp_mode(corpus, tmp_path, capsys):
+    data, src, ref = corpus
+    hyps = list(ref)
+    hyps[0], hyps[3] = "the dog eats", ""
+    hyp_file = write(tmp_path / "system.out", "\n".join(hyps) + "\n")
+    s, r = write(tmp_path / "x.es", "\n".join(src) + "\n"), write(tmp_path / "x.en", "\n".join(ref) + "\n")
+    out_dir = tmp_path / "scored"
+    assert cli.main(["evaluate", "--hyp", hyp_file, "--src", s, "--ref", r, "--out-dir", str(out_dir)]) == 0
+    assert sorted(os.listdir(out_dir)) == ["bleu_by_length.csv", "bleu_by_length.png", "scores.json"]
+    report = json.loads(read(out_dir / "scores.json"))
+    assert report["bleu"] == pytest.approx(corpus_scores(hyps, ref)["bleu"]) and report["bleu"] < 100
+    assert report["decode"] is None and report["settings"]["hyp"] == hyp_file
+    # default directory next to the hypothesis file, named after the split
+    assert cli.main(["evaluate", "--hyp", hyp_file, "--data", data]) == 0
+    assert os.path.isfile(tmp_path / "system.test" / "scores.json")
+    capsys.readouterr()
+
+
+def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
+    _, _, _, ckpt = system
+    data, src, ref = corpus
+    short = write(tmp_path / "short.out", "one line\n")
+    cases = [
+        (["--data", data], "--checkpoint"),
+        (["--checkpoint", ckpt], "--data"),
+        (["--hyp", short, "--data", data], "short.out has 1 lines"),
+        (["--checkpoint", ckpt, "--data", data, "--split", "dev"], "dev"),
+        (["--checkpoint", ckpt, "--data", str(tmp_path)], "corpus.json"),
+        (["--checkpoint", str(tmp_path / "none.pt"), "--data", data], "does not exist"),
+        (["--hyp", short, "--src", short, "--ref", str(tmp_path / "nope.en")], "nope.en"),
+    ]
+    for args, message in cases:
+        assert cli.main(["evaluate", "--quiet"] + args) == 1, args
+        err = capsys.readouterr().err
+        assert err.startswith("dtmt evaluate: ") and message in err, (args, err)
+        assert err.count("\n") == 1
+
+
+def test_checkpoint_roundtrip_gives_same_translations(system):
+    model, sv, tv, ckpt = system
+    loaded, lsv, ltv, _ = load_model(ckpt)
+    assert translate_best(loaded, lsv, ltv, INPUTS, beam=2) == translate_best(model, sv, tv, INPUTS, beam=2)

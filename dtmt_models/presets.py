@@ -10,8 +10,9 @@ import copy
 from typing import Dict
 
 # Training settings shared by every preset unless a preset overrides them.
-TRAIN_DEFAULTS = dict(lr=1e-3, schedule="rnmt", warmup=200, decay_start=4000, decay_end=16000,
-                      smoothing=0.1, clip=1.0, max_tokens=2000, vocab_size=4000, max_len=100)
+# max_epochs bounds a run started without --max-epochs / --max-steps / --max-time (None: until early stopping).
+TRAIN_DEFAULTS = dict(lr=1e-3, schedule="rnmt", warmup=200, decay_start=1500, decay_end=6000,
+                      smoothing=0.1, clip=1.0, max_tokens=2000, vocab_size=4000, max_len=100, max_epochs=6)
 
 _SMALL = dict(embed_dim=128, hidden_size=256)
 
@@ -86,4 +87,5 @@ def get_preset(model: str, preset: str = "small") -> dict:
     if preset not in PRESETS[model]:
         raise ValueError(f"model {model!r} has presets {sorted(PRESETS[model])}, not {preset!r}")
     p = copy.deepcopy(PRESETS[model][preset])
-    return {"model": p["model"], "train": {**TRAIN_DEFAULTS, **p["train"]}}
+    train = {**TRAIN_DEFAULTS, **({"max_epochs": None} if preset == "paper" else {}), **p["train"]}
+    return {"model": p["model"], "train": train}

@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=int, default=None, help="drop training pairs longer than this (subwords)")
     g.add_argument("--seed", type=int, default=1)
     s = p.add_argument_group("stopping and reporting")
-    s.add_argument("--max-epochs", type=int, default=None, help="stop after this many epochs")
+    s.add_argument("--max-epochs", type=int, default=None,
+                   help="stop after this many epochs (default: the preset's, 6 for small, unless --max-steps or "
+                        "--max-time is given)")
     s.add_argument("--max-steps", type=int, default=None, help="stop after this many updates")
     s.add_argument("--max-time", default=None, help="stop after this much training time, e.g. 90s, 30m, 2h")
     s.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better "
@@ -138,6 +140,10 @@ def resolve_config(args: argparse.Namespace) -> dict:
         v = getattr(args, k)
         if v is not None:
             train[k] = v
+    if args.max_epochs is None and (args.max_steps is not None or args.max_time is not None):
+        train["max_epochs"] = None      # an explicit step or time budget replaces the preset's epoch bound
+    elif args.max_epochs is not None:
+        train["max_epochs"] = args.max_epochs
     model_options = {**preset["model"], **parse_options(args.opt)}
     model_options.pop("backend", None)
     cfg = dict(vars(args))

@@ -1,0 +1,178 @@
+"""Decoding speed: words/s and ms per sentence, beam 1 and beam 4, batch 1 and batched, every system.
+
+    python benchmarks/bench_decode.py                       # untrained models, fixed output length
+    python benchmarks/bench_decode.py --checkpoints runs/dtmt/best.pt runs/transformer/best.pt \
+        --input data/bible/test.es --sentences 100          # trained models on real sentences
+
+Two modes:
+  synthetic (default)  every system of --systems built from its `small` preset with random weights; sources of
+                       --src-len tokens; the end-of-sentence token is suppressed (log-prob −1e4) so that every
+                       system decodes exactly --tgt-len steps per hypothesis: a like-for-like cost per word.
+  checkpoints          trained models translate the first --sentences lines of --input (real lengths and
+                       early stopping); words are the whitespace words of the detokenised output.
+For each model and setting the sentences are translated --repeat times after a warm-up; the median is kept.
+`batched` uses batches of --batch-size sentences. The transformer decodes incrementally with a cache (see
+dtmt_models/systems/transformer.py).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from dtmt_models.beam_search import beam_search  # noqa: E402
+from dtmt_models.vocabulary import EOS  # noqa: E402
+
+
+class NoEOS(torch.nn.Module):
+    """Wraps a model so that EOS is (almost) never chosen before the length limit."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def encode(self, src, lengths):
+        return self.model.encode(src, lengths)
+
+    def step(self, state, prev):
+        log_probs, state = self.model.step(state, prev)
+        log_probs = log_probs.clone()
+        log_probs[:, EOS] = -1e4
+        return log_probs, state
+
+    def reorder(self, state, index):
+        return self.model.reorder(state, index)
+
+
+def time_decode(model, batches, beam, repeat, max_len_a, max_len_b):
+    """(median seconds over `repeat` passes, output tokens per pass)."""
+    def one_pass():
+        n = 0
+        for src, lengths in batches:
+            for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6, max_len_a=max_len_a,
+                                    max_len_b=max_len_b):
+                n += len(hyps[0].tokens)
+        return n
+
+    one_pass()
+    times, n = [], 0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        n = one_pass()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), n
+
+
+def make_batches(sentences, batch_size):
+    """sentences: lists of ids -> [(src [B, S], lengths [B])] in the given order."""
+    from dtmt_models.vocabulary import PAD
+
+    out = []
+    for i in range(0, len(sentences), batch_size):
+        chunk = sentences[i:i + batch_size]
+        S = max(len(s) for s in chunk)
+        src = torch.full((len(chunk), S), PAD, dtype=torch.long)
+        for b, s in enumerate(chunk):
+            src[b, :len(s)] = torch.tensor(s)
+        out.append((src, torch.tensor([len(s) for s in chunk])))
+    return out
+
+
+def main(argv=None):
+    from bench_cells import machine_name
+
+    from dtmt_models.presets import PRESETS, get_preset
+    from dtmt_models.registry import build_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
+    p.add_argument("--checkpoints", nargs="*", default=None)
+    p.add_argument("--input", default=None, help="source sentences (checkpoint mode)")
+    p.add_argument("--sentences", type=int, default=16)
+    p.add_argument("--src-len", type=int, default=25)
+    p.add_argument("--tgt-len", type=int, default=25)
+    p.add_argument("--vocab", type=int, default=4000)
+    p.add_argument("--beams", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.path.join(HERE, "out"))
+    a = p.parse_args(argv)
+    if a.quick:
+        a.sentences, a.src_len, a.tgt_len, a.vocab, a.repeat, a.batch_size = 2, 5, 4, 100, 1, 2
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    models = []   # (name, model, sentences as id lists, words counter, max_len_a, max_len_b)
+    if a.checkpoints:
+        from dtmt_models.checkpoint import load_model
+        from dtmt_models.data import read_lines
+
+        if not a.input:
+            p.error("--checkpoints needs --input")
+        lines = read_lines(a.input)[:a.sentences]
+        for path in a.checkpoints:
+            model, sv, tv, ckpt = load_model(path)
+            sents = [sv.encode(line)[:250] for line in lines]
+            models.append((f"{ckpt['model_name']} ({os.path.basename(os.path.dirname(path))})", model, sents,
+                           tv, 2.0, 10))
+        mode = f"trained checkpoints on {a.sentences} sentences of {a.input}"
+    else:
+        g = torch.Generator().manual_seed(0)
+        sents = [torch.randint(4, a.vocab, (a.src_len,), generator=g).tolist() for _ in range(a.sentences)]
+        for name in a.systems:
+            torch.manual_seed(0)
+            model = build_model(name, a.vocab, a.vocab, **get_preset(name, "small")["model"]).eval()
+            models.append((name, NoEOS(model), sents, None, 0.0, a.tgt_len + 1))
+        mode = (f"random weights, {a.sentences} sentences of {a.src_len} tokens, exactly {a.tgt_len} output tokens "
+                f"(EOS suppressed)")
+    rows = []
+    for name, model, sents, tv, la, lb in models:
+        params = sum(q.numel() for q in model.parameters())
+        for beam in a.beams:
+            for label, bs in (("1", 1), (f"{a.batch_size}", a.batch_size)):
+                batches = make_batches(sents, bs)
+                seconds, ntok = time_decode(model, batches, beam, a.repeat, la, lb)
+                words = ntok
+                if tv is not None:   # real words of the detokenised output
+                    words = 0
+                    for src, lengths in batches:
+                        for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6):
+                            words += len(tv.decode(hyps[0].tokens).split())
+                row = {"model": name, "params": params, "beam": beam, "batch": label, "sentences": len(sents),
+                       "words": words, "seconds": seconds, "words_per_s": words / seconds,
+                       "ms_per_sentence": 1000 * seconds / len(sents)}
+                rows.append(row)
+                print(f"  {name:<22s} beam {beam} batch {label:>3s}: {row['words_per_s']:8,.0f} words/s "
+                      f"{row['ms_per_sentence']:8.1f} ms/sentence", flush=True)
+    tr = {(r["beam"], r["batch"]): r for r in rows if r["model"].startswith("transformer")}
+    for r in rows:
+        base = tr.get((r["beam"], r["batch"]))
+        r["vs_transformer"] = r["words_per_s"] / base["words_per_s"] if base else None
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench_decode.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\nDecoding speed ({machine_name()}; {mode})\n")
+    print("| model | params | beam | batch | words/s | ms/sentence | × transformer |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        vs = f"{r['vs_transformer']:.2f}×" if r["vs_transformer"] else ""
+        print(f"| {r['model']} | {r['params']:,} | {r['beam']} | {r['batch']} | {r['words_per_s']:,.0f} | "
+              f"{r['ms_per_sentence']:.1f} | {vs} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

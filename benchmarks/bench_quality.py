@@ -1,0 +1,143 @@
+"""Quality per wall-clock: every system trained on the same corpus for the same training-time budget.
+
+    python benchmarks/bench_quality.py                                   # all systems, 10 min each, Bible
+    python benchmarks/bench_quality.py --systems dtmt transformer --budget 30m
+    python benchmarks/bench_quality.py --quick                           # tiny, for the tests
+
+For each system (its `small` preset) this runs `dtmt train --max-time BUDGET` on --data (default data/bible,
+prepared with `dtmt prepare bible` if missing), then `dtmt evaluate` of best.pt on dev and test with beam 4,
+and reports parameters, training target tokens/s, decoding words/s (test, beam 4, batched), dev and test BLEU
+and chrF. Output in --out: bench_quality.md (the Markdown table, with machine and settings), bench_quality.csv,
+and bench_quality.png (dev BLEU against training time, from each run's validations). Training time excludes
+validation, so the budget buys the same number of training seconds for every system.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+
+def dtmt(args, log):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "dtmt_models.cli", *args]
+    with open(log, "a") as f:
+        f.write("$ dtmt " + " ".join(args) + "\n")
+        f.flush()
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"dtmt {' '.join(args)} failed (exit {r.returncode}); see {log}")
+
+
+def read_log(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def main(argv=None):
+    from bench_cells import machine_name
+
+    from dtmt_models.presets import PRESETS
+    from dtmt_models.train import parse_duration
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
+    p.add_argument("--budget", default="10m", help="training time per system (e.g. 90s, 10m, 1h)")
+    p.add_argument("--valid-every", type=int, default=200)
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="toy settings for the tests (use with a toy --data)")
+    p.add_argument("--train-args", default="", help="extra `dtmt train` arguments, e.g. \"--vocab-size 2000\"")
+    p.add_argument("--out", default=os.path.join(HERE, "out", "quality"))
+    a = p.parse_args(argv)
+    parse_duration(a.budget)
+    os.makedirs(a.out, exist_ok=True)
+    log = os.path.join(a.out, "bench_quality.log")
+    if not os.path.isfile(os.path.join(a.data, "corpus.json")):
+        dtmt(["prepare", "bible", "--out", a.data], log)
+    extra = a.train_args.split()
+    if a.quick:
+        extra += ["--vocab-size", "60", "--opt", "embed_dim=16", "--opt", "hidden_size=16", "--max-tokens", "300"]
+    rows = []
+    for system in a.systems:
+        run = os.path.join(a.out, system)
+        print(f"== {system}: training for {a.budget}", flush=True)
+        dtmt(["train", "--data", a.data, "--model", system, "--out", run, "--overwrite", "--max-time", a.budget,
+              "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines", "--log-every", "50",
+              *(["--threads", str(a.threads)] if a.threads else []), *extra], log)
+        train_rows = read_log(os.path.join(run, "train_log.csv"))
+        tr = [r for r in train_rows if r["kind"] == "train"]
+        valid = [r for r in train_rows if r["kind"] == "valid"]
+        tokens = sum(int(r["tokens"]) for r in tr)
+        elapsed = float(tr[-1]["elapsed_s"]) if tr else float("nan")
+        row = {"system": system, "steps": int(train_rows[-1]["step"]), "train_s": elapsed,
+               "train_tok_s": tokens / elapsed if tr else float("nan"),
+               "curve": [(float(r["elapsed_s"]), float(r["dev_bleu"])) for r in valid]}
+        for split in ("dev", "test"):
+            out = os.path.join(run, f"eval_{split}")
+            dtmt(["evaluate", "--checkpoint", os.path.join(run, "best.pt"), "--data", a.data, "--split", split,
+                  "--beam", str(a.beam), "--out-dir", out, "--quiet"], log)
+            with open(os.path.join(out, "scores.json")) as f:
+                s = json.load(f)
+            row[f"{split}_bleu"], row[f"{split}_chrf"] = s["bleu"], s["chrf"]
+            if split == "test":
+                row["decode_words_s"] = s["decode"]["hyp_words_per_s"]
+        import torch
+
+        ckpt = torch.load(os.path.join(run, "best.pt"), map_location="cpu", weights_only=False)
+        row["params"] = sum(v.numel() for k, v in ckpt["model"].items())
+        rows.append(row)
+        print(f"   {row['steps']} updates, {row['train_tok_s']:,.0f} tok/s; dev BLEU {row['dev_bleu']:.2f}, "
+              f"test BLEU {row['test_bleu']:.2f}", flush=True)
+    fields = ["system", "params", "steps", "train_s", "train_tok_s", "decode_words_s", "dev_bleu", "dev_chrf",
+              "test_bleu", "test_chrf"]
+    with open(os.path.join(a.out, "bench_quality.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    lines = [f"Quality at equal training time ({machine_name()}); budget {a.budget} of training per system, "
+             f"small presets, data {a.data}, beam {a.beam}; command: `python benchmarks/bench_quality.py "
+             f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+             "| system | params | updates | train tok/s | decode words/s | dev BLEU | dev chrF | test BLEU | test chrF |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {r['params']:,} | {r['steps']:,} | {r['train_tok_s']:,.0f} | "
+                     f"{r['decode_words_s']:,.0f} | {r['dev_bleu']:.2f} | {r['dev_chrf']:.2f} | {r['test_bleu']:.2f} | "
+                     f"{r['test_chrf']:.2f} |")
+    text = "\n".join(lines)
+    with open(os.path.join(a.out, "bench_quality.md"), "w") as f:
+        f.write(text + "\n")
+    print("\n" + text)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in rows:
+            if r["curve"]:
+                xs, ys = zip(*r["curve"])
+                ax.plot([x / 60 for x in xs], ys, "o-", ms=3, label=r["system"])
+        ax.set_xlabel("training time (min)")
+        ax.set_ylabel("dev BLEU (greedy)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"dev BLEU against training time ({a.budget} each)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "bench_quality.png"), dpi=110)
+    except ImportError:
+        pass
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Training throughput and memory of every system, fused backend against the reference backend, in one run.
+
+    python benchmarks/bench_train.py                  # every system, small preset sizes, table + CSV + PNG
+    python benchmarks/bench_train.py --systems dtmt transformer --steps 5 --quick
+
+Each (system, backend) pair is measured in a fresh subprocess (so the peak resident memory belongs to that
+pair alone) on the same synthetic batches: a token budget of --max-tokens target tokens, source and target
+lengths drawn from the length distribution of Bible verses (mean ~30 subwords), vocabularies of --vocab.
+A training update is forward + backward + clipping + Adam step, as in `dtmt train`. Reported:
+  tok/s        target tokens per second over --steps updates after --warmup updates (median of the per-update
+               rates is not used: total tokens over total time)
+  saved_MB     bytes autograd keeps for backward in one update (tensors sharing storage counted once)
+  peak_rss_MB  the subprocess's peak resident memory (model, optimizer, activations, the Python runtime)
+  speedup      fused tok/s over reference tok/s of the same system
+All systems are built from their `small` preset (`dtmt_models.presets`), so sizes are comparable to what
+`dtmt train` trains by default. The transformer has no recurrent layers: it is listed once ("-" backend).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+def synthetic_batches(n: int, max_tokens: int, vocab: int, seed: int = 0):
+    """n batches of (src ids, tgt ids) pairs under a token budget; lengths ~ Bible verses (5-80, mean ~30)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = max(5, min(80, int(rng.gauss(30, 12))))
+        pairs = []
+        while (len(pairs) + 1) * (length + 1) <= max_tokens:
+            s = max(3, length + rng.randint(-3, 3))
+            t = max(3, length + rng.randint(-3, 3))
+            pairs.append(([rng.randrange(4, vocab) for _ in range(s)], [rng.randrange(4, vocab) for _ in range(t)]))
+        out.append(pairs)
+    return out
+
+
+def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: int, vocab: int, threads: int):
+    import torch
+
+    from dtmt_models.batching import collate
+    from dtmt_models.loss import label_smoothed_nll
+    from dtmt_models.presets import get_preset
+    from dtmt_models.registry import build_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build_model(system, vocab, vocab, **get_preset(system, "small")["model"])
+    if backend != "-":
+        model.set_backend(backend)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batches = [collate(b) for b in synthetic_batches(warmup + steps, max_tokens, vocab)]
+
+    def update(batch, saved=None):
+        src, lengths, prev, target = batch
+        if saved is None:
+            log_probs = model(src, lengths, prev)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda x: x):
+                log_probs = model(src, lengths, prev)
+        loss, _, n = label_smoothed_nll(log_probs, target, 0.1)
+        opt.zero_grad(set_to_none=True)
+        (loss / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return n
+
+    class Saved:
+        def __init__(self):
+            self.seen, self.bytes = set(), 0
+
+        def pack(self, t):
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in self.seen and not isinstance(t, torch.nn.Parameter):
+                self.seen.add(key)
+                self.bytes += key[1]
+            return t
+
+    saved = Saved()
+    update(batches[0], saved)
+    for b in batches[1:warmup]:
+        update(b)
+    tokens, t0 = 0, time.perf_counter()
+    for b in batches[warmup:]:
+        tokens += update(b)
+    elapsed = time.perf_counter() - t0
+    return {"system": system, "backend": backend, "params": sum(p.numel() for p in model.parameters()),
+            "tok_s": tokens / elapsed, "ms_per_update": 1000 * elapsed / steps, "saved_MB": saved.bytes / 2 ** 20,
+            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run(argv=None):
+    from bench_cells import machine_name  # noqa: E402  (same directory)
+
+    from dtmt_models.presets import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
+    p.add_argument("--fused", default="auto", help="the fused backend to compare (auto: cpp on CPU)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=2000)
+    p.add_argument("--vocab", type=int, default=4000)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny run (for the tests)")
+    p.add_argument("--out", default=os.path.join(HERE, "out"))
+    p.add_argument("--one", nargs=2, metavar=("SYSTEM", "BACKEND"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.warmup, a.max_tokens, a.vocab = 2, 1, 300, 200
+    if a.one:
+        print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads)))
+        return []
+    rows = []
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for system in a.systems:
+        for backend in (("-",) if system == "transformer" else (a.fused, "reference")):
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
+                   "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
+                   "--threads", str(a.threads)]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if r.returncode != 0:
+                raise RuntimeError(f"{system}/{backend} failed:\n{r.stderr}")
+            row = json.loads(r.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(f"  {system:<14s} {backend:<9s} {row['tok_s']:9,.0f} tok/s  {row['saved_MB']:8.1f} MB saved  "
+                  f"{row['peak_rss_MB']:7.0f} MB peak", flush=True)
+    by = {(r["system"], r["backend"]): r for r in rows}
+    for r in rows:
+        ref = by.get((r["system"], "reference"))
+        r["speedup"] = r["tok_s"] / ref["tok_s"] if ref and r["backend"] not in ("reference", "-") else None
+    os.makedirs(a.out, exist_ok=True)
+    fields = ["system", "backend", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB", "speedup"]
+    with open(os.path.join(a.out, "bench_train.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fields)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\nTraining throughput ({machine_name()}; max_tokens {a.max_tokens}, vocab {a.vocab}, "
+          f"{a.steps} updates after {a.warmup} warm-up)\n")
+    print("| system | backend | params | target tok/s | ms/update | saved MB | peak RSS MB | fused/ref |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        sp = f"{r['speedup']:.2f}×" if r["speedup"] else ""
+        print(f"| {r['system']} | {r['backend']} | {r['params']:,} | {r['tok_s']:,.0f} | {r['ms_per_update']:.0f} | "
+              f"{r['saved_MB']:.1f} | {r['peak_rss_MB']:.0f} | {sp} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for i, backend in enumerate(dict.fromkeys(r["backend"] for r in rows)):
+            xs = [j + 0.4 * i for j, s in enumerate(systems) if (s, backend) in by]
+            ys = [by[(s, backend)]["tok_s"] for s in systems if (s, backend) in by]
+            ax.bar(xs, ys, width=0.4, label=backend if backend != "-" else "(no recurrent layers)")
+        ax.set_xticks([j + 0.2 for j in range(len(systems))], systems, rotation=20, fontsize=8)
+        ax.set_ylabel("target tokens / s")
+        ax.legend(fontsize=8)
+        ax.set_title("training throughput", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "bench_train.png"), dpi=110)
+    except ImportError:
+        pass
+    return rows
+
+
+def main(argv=None):
+    sys.path.insert(0, HERE)
+    return run(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -648,6 +648,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CorpusError as exc:
         print(f"dtmt train: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started
+        print(f"\ndtmt train: aborted ({exc or 'SIGINT'}); the last checkpoint written is "
+              f"{os.path.join(cfg['out'], LAST)} if it exists", file=sys.stderr)
+        return 130
     finally:
         dist.close()
 

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cells.py                 # default grid, prints a table, writes CSV + PNG
     python benchmarks/bench_cells.py --quick         # a small grid (seconds), as the tests run it
+    python benchmarks/bench_cells.py --device cuda   # GPU: triton, cuda, reference (eager), cuDNN GRU
 
 For every (T, B, H) of the grid it times, in one run:
   - the deep transition block (L-GRU + `depth` T-GRUs, per-gate layer norm) on the reference and cpp backends
@@ -12,6 +13,12 @@ GEMMs the fused kernel performs for that configuration, timed alone ("shape-matc
 fused run's GEMM FLOPs per second over the shape-matched rate: the share of the time that is GEMM work.
 `saved_B` is the bytes autograd keeps for backward per step and sequence (parameters and the input not
 counted; tensors sharing storage counted once).
+
+With `--device cuda` the implementations are the GPU backends that are available (triton, cuda) against the
+eager reference and cuDNN's torch.nn.GRU, each timed forward+backward and forward only (under no_grad),
+with CUDA synchronisation around every timed call; `peak_MB` is the peak CUDA memory allocated during one
+forward+backward beyond what was allocated before it, `x_gru` compares with cuDNN (`vs_cudnn_gru`), and
+`--dtype` selects float32 / bfloat16 / float16. Default GPU grid: T=50, B x H in {8x512, 64x512}.
 """
 from __future__ import annotations
 
@@ -32,7 +39,16 @@ import dtmt_kernels as dk  # noqa: E402
 from dtmt_kernels.nn import CELL_ROWS  # noqa: E402
 
 
-def machine_name() -> str:
+def machine_name(device: str = "cpu") -> str:
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        try:
+            import triton
+            tri = f", triton {triton.__version__}"
+        except ImportError:
+            tri = ""
+        return (f"{props.name} ({props.total_memory / 2 ** 30:.0f} GiB), CUDA {torch.version.cuda}, "
+                f"torch {torch.__version__}{tri}")
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -45,14 +61,38 @@ def machine_name() -> str:
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
-def time_fn(fn, repeat: int) -> float:
+def _sync(device: str = "cpu"):
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def time_fn(fn, repeat: int, device: str = "cpu") -> float:
+    sync = _sync(device)
     fn()  # warm-up
+    sync()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def fwd_only(layer, x):
+    def run():
+        with torch.no_grad():
+            layer(x)
+    return run
+
+
+def peak_memory_mb(fn) -> float:
+    """Peak CUDA memory allocated by one call beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def fwd_bwd(layer, x):
@@ -88,18 +128,20 @@ def gemm_flops(cell: str, depth: int, T: int, B: int, I: int, H: int) -> float:
     return 3.0 * forward
 
 
-def shape_matched_gemm_time(cell: str, depth: int, T: int, B: int, I: int, H: int, repeat: int) -> float:
+def shape_matched_gemm_time(cell: str, depth: int, T: int, B: int, I: int, H: int, repeat: int,
+                            device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
     """Time of exactly the GEMMs the fused kernel runs, alone, with the same calls it makes."""
     n_in, n_h, _ = CELL_ROWS[cell]
-    x = torch.randn(T * B, I)
-    w_ih, b_ih = torch.randn(n_in * H, I), torch.randn(n_in * H)
-    w_hh, b_hh = torch.randn(n_h * H, H) * 0.01, torch.randn(n_h * H)
-    t_w = [torch.randn(3 * H, H) * 0.01 for _ in range(depth)]
-    t_b = torch.randn(3 * H)
-    h = torch.randn(B, H)
-    hp = torch.empty(T, B, n_h * H)
-    hpt = torch.empty(max(depth, 1), T, B, 3 * H)
-    dh = torch.empty(B, H)
+    kw = dict(device=device, dtype=dtype)
+    x = torch.randn(T * B, I, **kw)
+    w_ih, b_ih = torch.randn(n_in * H, I, **kw), torch.randn(n_in * H, **kw)
+    w_hh, b_hh = torch.randn(n_h * H, H, **kw) * 0.01, torch.randn(n_h * H, **kw)
+    t_w = [torch.randn(3 * H, H, **kw) * 0.01 for _ in range(depth)]
+    t_b = torch.randn(3 * H, **kw)
+    h = torch.randn(B, H, **kw)
+    hp = torch.empty(T, B, n_h * H, **kw)
+    hpt = torch.empty(max(depth, 1), T, B, 3 * H, **kw)
+    dh = torch.empty(B, H, **kw)
     h_all = h.repeat(T, 1)
 
     def run():
@@ -117,12 +159,12 @@ def shape_matched_gemm_time(cell: str, depth: int, T: int, B: int, I: int, H: in
         hp.view(T * B, -1).t().mm(h_all)
         for k in range(depth):
             hpt[k].view(T * B, -1).t().mm(h_all)
-    return time_fn(run, repeat)
+    return time_fn(run, repeat, device)
 
 
-def peak_gemm_rate(repeat: int, n: int = 1024) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n ** 3 / time_fn(lambda: a.mm(b), repeat)
+def peak_gemm_rate(repeat: int, n: int = 1024, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n ** 3 / time_fn(lambda: a.mm(b), repeat, device)
 
 
 def build(kind: str, I: int, H: int, depth: int, backend: str):
@@ -133,6 +175,41 @@ def build(kind: str, I: int, H: int, depth: int, backend: str):
     if kind == "atr":
         return dk.nn.ATR(I, H, backend=backend)
     raise ValueError(kind)
+
+
+def gpu_impls():
+    """The GPU backends this process can run, in the order they are reported."""
+    return [b for b in ("triton", "cuda") if b in dk.available_backends()]
+
+
+def run_grid_cuda(grid, depths, repeat: int, dtype: torch.dtype = torch.float32, with_reference: bool = True):
+    """--device cuda: every available GPU backend, the eager reference and cuDNN, fwd+bwd and fwd only."""
+    rows = []
+    peak = peak_gemm_rate(repeat, 4096, "cuda", dtype)
+    impls = (["reference"] if with_reference else []) + gpu_impls()
+    for T, B, H in grid:
+        I = H
+        x = torch.randn(T, B, I, device="cuda", dtype=dtype, requires_grad=True)
+        configs = [("deep-transition", d) for d in depths] + [("gru", 0), ("atr", 0)]
+        for kind, depth in configs:
+            cell = {"deep-transition": "lgru", "gru": "gru", "atr": "atr"}[kind]
+            flops = gemm_flops(cell, depth, T, B, I, H)
+            gemm_t = shape_matched_gemm_time(cell, depth, T, B, I, H, repeat, "cuda", dtype)
+            layers = [(impl, build(kind, I, H, depth, impl).to("cuda", dtype)) for impl in impls]
+            if kind == "gru":
+                layers.append(("torch.nn.GRU", torch.nn.GRU(I, H).to("cuda", dtype)))
+            for impl, layer in layers:
+                for mode in ("fwd+bwd", "fwd"):
+                    fn = fwd_bwd(layer, x) if mode == "fwd+bwd" else fwd_only(layer, x)
+                    t = time_fn(fn, repeat, "cuda")
+                    work = flops if mode == "fwd+bwd" else flops / 3
+                    rows.append(dict(kind=kind, depth=depth, T=T, B=B, H=H, impl=impl, mode=mode, ms=1e3 * t,
+                                     gflops=work / t / 1e9,
+                                     gemm_eff=gemm_t / t if mode == "fwd+bwd" else float("nan"),
+                                     saved_B=saved_bytes(layer, x) / (T * B) if mode == "fwd+bwd" else float("nan"),
+                                     peak_MB=peak_memory_mb(fn), gemm_ms=1e3 * gemm_t, peak_gflops=peak / 1e9,
+                                     dtype=str(dtype).replace("torch.", "")))
+    return rows
 
 
 def run_grid(grid, depths, repeat: int, with_reference: bool = True):
@@ -164,24 +241,47 @@ def run_grid(grid, depths, repeat: int, with_reference: bool = True):
     return rows
 
 
-def add_ratios(rows):
-    """speedup = reference time / this time, at the same config; vs_gru = cpp GRU time / this time."""
-    ref = {(r["kind"], r["depth"], r["T"], r["B"], r["H"]): r["ms"] for r in rows if r["impl"] == "reference"}
-    gru = {(r["T"], r["B"], r["H"]): r["ms"] for r in rows if r["impl"] == "cpp" and r["kind"] == "gru"}
+def add_ratios(rows, device: str = "cpu"):
+    """speedup = reference time / this time, at the same config (and mode); vs_cpp_gru = cpp GRU time / this
+    time (CPU) or vs_cudnn_gru = torch.nn.GRU (cuDNN) time / this time (CUDA)."""
+    gru_impl, gru_key = ("cpp", "vs_cpp_gru") if device == "cpu" else ("torch.nn.GRU", "vs_cudnn_gru")
+    ref = {(r["kind"], r["depth"], r["T"], r["B"], r["H"], r.get("mode")): r["ms"] for r in rows
+           if r["impl"] == "reference"}
+    gru = {(r["T"], r["B"], r["H"], r.get("mode")): r["ms"] for r in rows
+           if r["impl"] == gru_impl and r["kind"] == "gru"}
     for r in rows:
-        base = ref.get((r["kind"], r["depth"], r["T"], r["B"], r["H"]))
+        base = ref.get((r["kind"], r["depth"], r["T"], r["B"], r["H"], r.get("mode")))
         r["speedup_vs_ref"] = base / r["ms"] if base else float("nan")
-        g = gru.get((r["T"], r["B"], r["H"]))
-        r["vs_cpp_gru"] = g / r["ms"] if g else float("nan")
+        g = gru.get((r["T"], r["B"], r["H"], r.get("mode")))
+        r[gru_key] = g / r["ms"] if g else float("nan")
     return rows
 
 
 COLUMNS = ["kind", "depth", "T", "B", "H", "impl", "ms", "speedup_vs_ref", "vs_cpp_gru", "gflops", "gemm_eff",
            "saved_B", "gemm_ms", "peak_gflops"]
+COLUMNS_CUDA = ["kind", "depth", "T", "B", "H", "impl", "mode", "dtype", "ms", "speedup_vs_ref", "vs_cudnn_gru",
+                "gflops", "gemm_eff", "saved_B", "peak_MB", "gemm_ms", "peak_gflops"]
 
 
-def print_table(rows, machine):
+def _fmt(v: float, spec: str) -> str:
+    return "-" if v != v else format(v, spec)  # NaN: not measured in this mode
+
+
+def print_table(rows, machine, device: str = "cpu"):
     print(f"# machine: {machine}")
+    if device == "cuda":
+        header = ["kind", "depth", "T", "B", "H", "impl", "mode", "ms", "x_ref", "x_cudnn_gru", "GFLOP/s",
+                  "gemm_eff", "saved B/step/seq", "peak MB"]
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for r in rows:
+            print(f"| {r['kind']} | {r['depth']} | {r['T']} | {r['B']} | {r['H']} | {r['impl']} | {r['mode']} | "
+                  f"{r['ms']:.2f} | {r['speedup_vs_ref']:.2f} | {r['vs_cudnn_gru']:.2f} | {r['gflops']:.0f} | "
+                  f"{_fmt(r['gemm_eff'], '.0%')} | {_fmt(r['saved_B'], '.0f')} | {r['peak_MB']:.1f} |")
+        peak = rows[0]["peak_gflops"] if rows else float("nan")
+        print(f"# dtype {rows[0]['dtype'] if rows else '-'}; peak GEMM rate (4096^3 in that dtype, same run): "
+              f"{peak:.0f} GFLOP/s")
+        return
     header = ["kind", "depth", "T", "B", "H", "impl", "ms", "x_ref", "x_gru", "GFLOP/s", "gemm_eff", "saved B/step/seq"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -193,12 +293,12 @@ def print_table(rows, machine):
     print(f"# peak GEMM rate (1024^3 sgemm, same run): {peak:.1f} GFLOP/s")
 
 
-def write_csv(rows, path):
+def write_csv(rows, path, columns=COLUMNS):
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
-            w.writerow({k: r[k] for k in COLUMNS})
+            w.writerow({k: r[k] for k in columns})
 
 
 def plot(rows, path, machine):
@@ -214,6 +314,8 @@ def plot(rows, path, machine):
         label = f"{r['kind']}{'-d' + str(r['depth']) if r['kind'] == 'deep-transition' else ''}\nT{r['T']} B{r['B']} H{r['H']}"
         if label not in labels:
             labels.append(label)
+        if r.get("mode", "fwd+bwd") != "fwd+bwd":
+            continue
         series.setdefault(r["impl"], {})[label] = r["ms"]
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(labels)), 4.5))
     width = 0.8 / len(series)
@@ -232,24 +334,42 @@ def plot(rows, path, machine):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", choices=["cpu"], help="cpu (GPU backends: a later issue)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: reference, cpp, torch.nn.GRU; cuda: reference, triton, cuda, cuDNN torch.nn.GRU")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="input / parameter dtype (--device cuda only)")
     p.add_argument("--T", type=int, nargs="+", default=[50], help="sequence lengths")
-    p.add_argument("--BH", nargs="+", default=["16x128", "64x256"], help="batch x hidden sizes, e.g. 64x256")
+    p.add_argument("--BH", nargs="+", default=None,
+                   help="batch x hidden sizes, e.g. 64x256 (default 16x128 64x256 on cpu, 8x512 64x512 on cuda)")
     p.add_argument("--depths", type=int, nargs="+", default=[1, 4], help="T-GRU depths of the deep transition")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--quick", action="store_true", help="tiny grid, one repetition (smoke test)")
     p.add_argument("--out", default=os.path.join(HERE, "out"), help="directory for bench_cells.csv/.png")
     args = p.parse_args(argv)
+    if args.BH is None:
+        args.BH = ["8x512", "64x512"] if args.device == "cuda" else ["16x128", "64x256"]
     if args.quick:
         args.T, args.BH, args.depths, args.repeat = [5], ["2x16"], [1], 1
     grid = [(T, int(bh.split("x")[0]), int(bh.split("x")[1])) for T in args.T for bh in args.BH]
-    machine = machine_name()
-    rows = add_ratios(run_grid(grid, args.depths, args.repeat))
-    print_table(rows, machine)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA device is available")
+        if not gpu_impls():
+            print(f"# no GPU backend is available ({dk.available_backends()}): timing the reference and cuDNN only")
+        machine = machine_name("cuda")
+        rows = add_ratios(run_grid_cuda(grid, args.depths, args.repeat, getattr(torch, args.dtype)), "cuda")
+        columns, name = COLUMNS_CUDA, "bench_cells_cuda"
+    else:
+        if args.dtype != "float32":
+            p.error("--dtype applies to --device cuda (the cpu kernels take float32 / float64)")
+        machine = machine_name()
+        rows = add_ratios(run_grid(grid, args.depths, args.repeat))
+        columns, name = COLUMNS, "bench_cells"
+    print_table(rows, machine, args.device)
     os.makedirs(args.out, exist_ok=True)
-    write_csv(rows, os.path.join(args.out, "bench_cells.csv"))
-    plot(rows, os.path.join(args.out, "bench_cells.png"), machine)
-    print(f"# wrote {os.path.join(args.out, 'bench_cells.csv')} and bench_cells.png")
+    write_csv(rows, os.path.join(args.out, f"{name}.csv"), columns)
+    plot(rows, os.path.join(args.out, f"{name}.png"), machine)
+    print(f"# wrote {os.path.join(args.out, name + '.csv')} and {name}.png")
     return rows
 
 

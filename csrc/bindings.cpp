@@ -6,6 +6,19 @@
 #include "cell_math.h"
 #include "transition.h"
 
+#ifdef DTMT_WITH_CUDA
+namespace dtmt {  // csrc/transition_cuda.cu
+std::vector<at::Tensor> transition_forward_cuda(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
+                                                const at::Tensor& drop, const TransitionWeights& w, bool reverse,
+                                                double eps);
+std::vector<at::Tensor> transition_backward_cuda(const at::Tensor& grad_out, const at::Tensor& grad_hn,
+                                                 const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
+                                                 const TransitionWeights& w, const at::Tensor& xp,
+                                                 const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
+                                                 const at::Tensor& hpt, bool reverse, double eps);
+}  // namespace dtmt
+#endif
+
 namespace {
 
 using at::Tensor;
@@ -48,6 +61,42 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
   return dtmt::transition_backward_cpu(grad_out, grad_hn, x, mask, drop, w, xp, hs, hp, hpt, reverse, eps);
 }
 
+#ifdef DTMT_WITH_CUDA
+void check_cuda(const Tensor& t, const Tensor& x, const char* name) {
+  TORCH_CHECK(!t.defined() || t.numel() == 0 || (t.device() == x.device() && t.is_contiguous()), "dtmt._C: ", name,
+              " must be a contiguous tensor on ", x.device());
+}
+
+std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
+                                            int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                                            const Tensor& b_hh, const Tensor& ln_w, const Tensor& ln_b,
+                                            const Tensor& t_w, const Tensor& t_b, const Tensor& t_ln_w,
+                                            const Tensor& t_ln_b, bool reverse, double eps) {
+  TORCH_CHECK(x.is_cuda(), "dtmt._C: transition_forward_cuda takes CUDA tensors");
+  for (auto& p : {std::make_pair(&x, "x"), {&h0, "h0"}, {&mask, "mask"}, {&drop, "drop"}, {&w_ih, "w_ih"},
+                  {&b_ih, "b_ih"}, {&w_hh, "w_hh"}, {&b_hh, "b_hh"}, {&ln_w, "ln_w"}, {&ln_b, "ln_b"},
+                  {&t_w, "t_w"}, {&t_b, "t_b"}, {&t_ln_w, "t_ln_w"}, {&t_ln_b, "t_ln_b"}})
+    check_cuda(*p.first, x, p.second);
+  auto w = make_weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
+  return dtmt::transition_forward_cuda(x, h0, mask, drop, w, reverse, eps);
+}
+
+std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                             const Tensor& mask, const Tensor& drop, int64_t kind,
+                                             const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                                             const Tensor& b_hh, const Tensor& ln_w, const Tensor& ln_b,
+                                             const Tensor& t_w, const Tensor& t_b, const Tensor& t_ln_w,
+                                             const Tensor& t_ln_b, const Tensor& xp, const Tensor& hs,
+                                             const Tensor& hs_lp, const Tensor& hp, const Tensor& hpt, bool reverse,
+                                             double eps) {
+  for (auto& p : {std::make_pair(&grad_out, "grad_out"), {&grad_hn, "grad_hn"}, {&xp, "xp"}, {&hs, "hs"},
+                  {&hs_lp, "hs_lp"}, {&hp, "hp"}, {&hpt, "hpt"}})
+    check_cuda(*p.first, x, p.second);
+  auto w = make_weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
+  return dtmt::transition_backward_cuda(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps);
+}
+#endif  // DTMT_WITH_CUDA
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -61,5 +110,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("transition_backward", &transition_backward,
         "Deep transition / ATR backward; returns gradients [dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, "
         "dt_w, dt_b, dt_ln_w, dt_ln_b]");
+#ifdef DTMT_WITH_CUDA
+  m.def("transition_forward_cuda", &transition_forward_cuda,
+        "CUDA deep transition / ATR forward; returns [out, h_n, xp, hs, hs_lp, hp, hpt] (hs_lp empty for "
+        "float32/float64)");
+  m.def("transition_backward_cuda", &transition_backward_cuda,
+        "CUDA deep transition / ATR backward; same gradients as transition_backward");
+  m.attr("has_cuda") = true;
+#else
   m.attr("has_cuda") = false;
+#endif
 }

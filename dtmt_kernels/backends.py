@@ -3,6 +3,20 @@
 Every backend computes the same function, `transition_sequence(x, h0, weights, mask, drop, reverse, eps)
 -> (out, h_n)` (see reference.py). An unavailable backend is an error that says why, never a silent
 fallback to another one.
+
+Backends and where they run:
+
+    reference   pure PyTorch (reference.py): CPU and CUDA, any floating dtype; the executable spec
+    cpp         C++ CPU kernels (dtmt_kernels._C): CPU, float32 / float64
+    triton      Triton kernels (dtmt_kernels/triton/): CUDA tensors, float16 / bfloat16 / float32 / float64.
+                Available when triton imports and a CUDA device is present. With the environment variable
+                TRITON_INTERPRET=1 (triton's CPU interpreter) it is available without a GPU and then also
+                accepts CPU tensors: that is how its kernels are tested on machines without a GPU. The
+                interpreter is slow (tiny sizes only) and `auto` never picks it for CPU tensors.
+    cuda        CUDA C++ kernels (csrc/transition_cuda*.cu): CUDA tensors; present only when the extension
+                was built against a CUDA torch (then `_C.transition_forward_cuda` exists)
+
+`auto` picks cpp for CPU tensors and cuda, then triton, for CUDA tensors.
 """
 from __future__ import annotations
 
@@ -10,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 BACKEND_NAMES = ("auto", "reference", "cpp", "triton", "cuda")
 
@@ -21,6 +36,11 @@ class Backend:
     dtypes: Tuple[torch.dtype, ...]          # input dtypes it accepts
     run: Callable                            # transition_sequence-compatible callable
     unavailable: Callable[[], Optional[str]]  # None when usable, else the reason it is not
+    # where its tensors may live right now, when that depends on the environment (overrides device_types)
+    device_types_now: Optional[Callable[[], Tuple[str, ...]]] = None
+
+    def devices(self) -> Tuple[str, ...]:
+        return self.device_types if self.device_types_now is None else self.device_types_now()
 
 
 _REGISTRY: Dict[str, Backend] = {}
@@ -48,7 +68,7 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device.type, ()):
             b = _REGISTRY.get(candidate)
-            if b is not None and b.unavailable() is None:
+            if b is not None and b.unavailable() is None and device.type in b.devices():
                 return b
         raise ValueError(
             f"backend='auto' found no fused backend for {device.type} tensors "
@@ -57,13 +77,66 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     reason = "it is not implemented in this build" if b is None else b.unavailable()
     if reason is not None:
         raise ValueError(f"backend {name!r} is not available: {reason}")
-    if device.type not in b.device_types:
-        raise ValueError(f"backend {name!r} runs on {'/'.join(b.device_types)} tensors, got tensors on {device}")
+    if device.type not in b.devices():
+        raise ValueError(f"backend {name!r} runs on {'/'.join(b.devices())} tensors, got tensors on {device}")
     return b
+
+
+class CudaTransitionFunction(torch.autograd.Function):
+    """The CUDA C++ kernels (`_C.transition_forward_cuda` / `_backward_cuda`, built only against a CUDA
+    torch): same arguments and saved tensors as autograd.CppTransitionFunction, plus the low-precision
+    copy of the states (`hs_lp`, empty for float32 / float64)."""
+
+    @staticmethod
+    def forward(ctx, x, h0, mask, drop, kind: int, reverse: bool, eps: float,
+                w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b):
+        from .autograd import _C
+
+        params = [t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)]
+        x, h0, mask, drop = (t.contiguous() for t in (x, h0, mask, drop))
+        out, h_n, *saved = _C.transition_forward_cuda(x, h0, mask, drop, kind, *params, reverse, eps)
+        ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
+        ctx.save_for_backward(x, mask, drop, *params, *saved)
+        return out, h_n
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_hn):
+        from .autograd import _C
+
+        x, mask, drop, *rest = ctx.saved_tensors
+        params, saved = rest[:10], rest[10:]
+        grads = _C.transition_backward_cuda(grad_out.contiguous(), grad_hn.contiguous(), x, mask, drop, ctx.kind,
+                                            *params, *saved, ctx.reverse, ctx.eps)
+        dx, dh0, *dparams = grads
+        dparams = [g if g is not None and g.numel() else None for g in dparams]
+        return (dx, dh0, None, None, None, None, None, *dparams)
+
+
+def cuda_transition_sequence(x, h0, w, mask=None, drop=None, reverse=False, eps=1e-5):
+    """Same contract as reference.transition_sequence, computed by the CUDA C++ kernels."""
+    from .autograd import KINDS, _or_empty, cpp_flat_params
+
+    return CudaTransitionFunction.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse,
+                                        float(eps), *cpp_flat_params(w, x))
+
+
+def _cuda_unavailable() -> Optional[str]:
+    from . import autograd
+
+    if autograd._C is None:
+        return f"the extension dtmt_kernels._C did not import ({autograd._IMPORT_ERROR})"
+    if not hasattr(autograd._C, "transition_forward_cuda"):
+        return ("dtmt_kernels._C was built without CUDA kernels (they are built when the installed torch has "
+                "CUDA and nvcc is found; rebuild with `pip install --no-build-isolation -e .`)")
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    return None
 
 
 def _register_builtin() -> None:
     from . import autograd, reference
+    from . import triton as triton_backend
 
     register_backend(Backend(
         name="reference", device_types=("cpu", "cuda"),
@@ -75,6 +148,15 @@ def _register_builtin() -> None:
         unavailable=lambda: None if autograd._C is not None else
         f"the C++ extension dtmt_kernels._C did not import ({autograd._IMPORT_ERROR}); "
         "build it with `pip install --no-build-isolation -e .`"))
+    register_backend(Backend(
+        name="triton", device_types=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        run=triton_backend.transition_sequence, unavailable=triton_backend.unavailable_reason,
+        device_types_now=triton_backend.device_types))
+    register_backend(Backend(
+        name="cuda", device_types=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        run=cuda_transition_sequence, unavailable=_cuda_unavailable))
 
 
 _register_builtin()

@@ -17,3 +17,34 @@ def test_bench_cells_quick(tmp_path):
         table = list(csv.DictReader(f))
     assert len(table) == len(rows)
     assert all(float(r["ms"]) > 0 and float(r["saved_B"]) > 0 for r in table)
+
+
+def test_bench_train_quick(tmp_path):
+    from benchmarks import bench_train
+    rows = bench_train.main(["--quick", "--systems", "dtmt", "transformer", "--out", str(tmp_path)])
+    assert [(r["system"], r["backend"]) for r in rows] == [("dtmt", "auto"), ("dtmt", "reference"),
+                                                            ("transformer", "-")]
+    assert all(r["tok_s"] > 0 and r["saved_MB"] > 0 and r["peak_rss_MB"] > 0 for r in rows)
+    assert rows[0]["speedup"] == rows[0]["tok_s"] / rows[1]["tok_s"]
+    assert os.path.isfile(os.path.join(tmp_path, "bench_train.csv"))
+
+
+def test_bench_decode_quick(tmp_path):
+    from benchmarks import bench_decode
+    rows = bench_decode.main(["--quick", "--systems", "rnnsearch-atr", "transformer", "--out", str(tmp_path)])
+    assert len(rows) == 2 * 2 * 2                   # systems x beams x (batch 1, batched)
+    # EOS is suppressed: every sentence decodes exactly tgt_len tokens
+    assert all(r["words"] == 4 * 2 for r in rows)
+    assert all(r["vs_transformer"] == 1.0 for r in rows if r["model"] == "transformer")
+
+
+def test_bench_quality_quick(tmp_path):
+    from test_train import make_toy_corpus
+
+    from benchmarks import bench_quality
+    data = make_toy_corpus(tmp_path / "toy", n_train=200, n_dev=10, n_test=10)
+    rows = bench_quality.main(["--quick", "--systems", "dtmt", "--data", data, "--budget", "3s",
+                               "--valid-every", "20", "--out", str(tmp_path / "q")])
+    assert len(rows) == 1 and rows[0]["steps"] > 0 and 0 <= rows[0]["test_bleu"] <= 100
+    with open(os.path.join(tmp_path, "q", "bench_quality.md")) as f:
+        assert "| dtmt |" in f.read()

@@ -1,0 +1,309 @@
+// CUDA implementation of the deep transition block and ATR (built only when torch has CUDA: setup.py adds
+// csrc/*.cu and defines DTMT_WITH_CUDA; bindings.cpp then exposes _C.transition_forward_cuda /
+// transition_backward_cuda).
+//
+// The algorithm is that of the Triton backend (dtmt_kernels/triton/ops.py), with cuBLAS GEMMs through ATen
+// and the fused kernels of transition_cuda_kernels.cuh:
+//   forward:  xp = x W_ih^T + b_ih (one GEMM over T*B rows); per step and sub-cell: hp = h U^T (GEMM) and
+//             one fused kernel (bias, per-gate layer norm, gates, candidate, dropout, state update; the last
+//             sub-cell masks, writes out[t] and the next step's state into the saved-state buffer)
+//   backward: per step and sub-cell (reverse order): one fused kernel recomputing the forward from the saved
+//             pre-activations, then one GEMM d(hp) U for the path to the input state; weight gradients as
+//             GEMMs after the loop, bias and layer-norm gradients as column sums (deterministic)
+// Storage in the input dtype (float, double, half, bfloat16); states, carried gradients and all kernel
+// arithmetic in float (double for double inputs). Nothing synchronises with the host inside the loops.
+#include <ATen/ATen.h>
+#if !defined(DTMT_CUDA_EMULATION)
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <type_traits>
+#include <vector>
+
+#include "transition.h"
+#include "transition_cuda_kernels.cuh"
+
+#if defined(DTMT_CUDA_EMULATION)  // tests only: host tensors, kernels on host threads (see the .cuh)
+namespace c10 {
+namespace cuda {
+inline cudaStream_t getCurrentCUDAStream() { return nullptr; }
+struct CUDAGuard {
+  explicit CUDAGuard(const at::Device&) {}
+};
+}  // namespace cuda
+}  // namespace c10
+#define C10_CUDA_CHECK(err) TORCH_CHECK((err) == cudaSuccess, "dtmt: emulated launch failed")
+#define DTMT_DISPATCH_TYPES AT_DISPATCH_FLOATING_TYPES
+#else
+#define DTMT_DISPATCH_TYPES(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+#endif
+
+namespace dtmt {
+namespace {
+
+using at::Tensor;
+
+template <typename S> struct DeviceType { using type = S; };
+#if !defined(DTMT_CUDA_EMULATION)
+template <> struct DeviceType<at::Half> { using type = __half; };
+template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
+#endif
+
+bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
+
+template <typename T, typename S> const T* cptr(const Tensor& t, int64_t offset = 0) {
+  return present(t) ? reinterpret_cast<const T*>(t.data_ptr<S>()) + offset : nullptr;
+}
+template <typename T, typename S> T* mptr(const Tensor& t, int64_t offset = 0) {
+  return reinterpret_cast<T*>(t.data_ptr<S>()) + offset;
+}
+
+struct Dims {
+  int64_t T, B, I, H, D, n_in, n_h, n_g;
+};
+
+Dims dims_of(const Tensor& x, const TransitionWeights& w) {
+  Dims d;
+  const int kind = static_cast<int>(w.kind);
+  d.T = x.size(0);
+  d.B = x.size(1);
+  d.I = x.size(2);
+  d.n_in = cell_input_rows(kind);
+  d.n_h = cell_hidden_rows(kind);
+  d.n_g = cell_ln_groups(kind);
+  d.H = w.w_hh.size(0) / d.n_h;
+  d.D = present(w.t_w) ? w.t_w.size(0) : 0;
+  return d;
+}
+
+std::vector<int64_t> step_order(int64_t T, bool reverse) {
+  std::vector<int64_t> order(T);
+  for (int64_t s = 0; s < T; ++s) order[s] = reverse ? T - 1 - s : s;
+  return order;
+}
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+template <typename S>
+std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
+                                 const TransitionWeights& w, bool reverse, double eps) {
+  using T = typename DeviceType<S>::type;
+  using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
+  const Dims d = dims_of(x, w);
+  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S_ = D + 1, BH = B * H;
+  const auto opts = x.options();
+  const auto acc_opts = opts.dtype(acc_type(x.scalar_type()));
+  const bool lp = acc_type(x.scalar_type()) != x.scalar_type();
+
+  Tensor xp = at::addmm(w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih.t()).view({T_, B, d.n_in * H});
+  Tensor hs = at::empty({S_, T_, B, H}, acc_opts);
+  Tensor hs_lp = lp ? at::empty({S_, T_, B, H}, opts) : hs;
+  Tensor hp = at::empty({T_, B, d.n_h * H}, opts);
+  Tensor hpt = at::empty({D, T_, B, 3 * H}, opts);
+  Tensor out = at::empty({T_, B, H}, opts);
+  Tensor h_last = at::empty({B, H}, acc_opts);
+  const auto order = step_order(T_, reverse);
+  hs[0][order[0]].copy_(h0);
+  if (lp) hs_lp[0][order[0]].copy_(h0);
+
+  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const Tensor w_hh_t = w.w_hh.t();
+  std::vector<Tensor> t_w_t;
+  for (int64_t k = 0; k < D; ++k) t_w_t.push_back(w.t_w[k].t());
+
+  for (int64_t step = 0; step < T_; ++step) {
+    const int64_t t = order[step];
+    for (int64_t k = 0; k <= D; ++k) {
+      cuda::StepForwardArgs<T, A> a{};
+      int kind;
+      if (k == 0) {
+        Tensor hp_t = hp[t];
+        at::mm_out(hp_t, hs_lp[0][t], w_hh_t);
+        kind = static_cast<int>(w.kind);
+        a.xp = cptr<T, S>(xp, t * B * d.n_in * H);
+        a.hp = cptr<T, S>(hp, t * B * d.n_h * H);
+        a.bh = cptr<T, S>(w.b_hh);
+        a.lnw = ln ? cptr<T, S>(w.ln_w) : nullptr;
+        a.lnb = ln ? cptr<T, S>(w.ln_b) : nullptr;
+      } else {
+        Tensor hpt_k = hpt[k - 1][t];
+        at::mm_out(hpt_k, hs_lp[k][t], t_w_t[k - 1]);
+        kind = kTGRU;
+        a.xp = nullptr;
+        a.hp = cptr<T, S>(hpt, ((k - 1) * T_ + t) * B * 3 * H);
+        a.bh = cptr<T, S>(w.t_b, (k - 1) * 3 * H);
+        a.lnw = tln ? cptr<T, S>(w.t_ln_w, (k - 1) * 2 * H) : nullptr;
+        a.lnb = tln ? cptr<T, S>(w.t_ln_b, (k - 1) * 2 * H) : nullptr;
+      }
+      a.hin = cptr<A, A>(hs, (k * T_ + t) * BH);
+      a.drop = kind != kATR ? cptr<T, S>(drop, k * BH) : nullptr;
+      const bool last = k == D;
+      if (!last) {
+        a.hout = mptr<A, A>(hs, ((k + 1) * T_ + t) * BH);
+        a.hlp = lp ? mptr<T, S>(hs_lp, ((k + 1) * T_ + t) * BH) : nullptr;
+        a.out = nullptr;
+      } else {
+        a.mask = cptr<T, S>(mask, t * B);
+        a.hblk = cptr<A, A>(hs, t * BH);
+        a.out = mptr<T, S>(out, t * BH);
+        if (step + 1 < T_) {
+          a.hout = mptr<A, A>(hs, order[step + 1] * BH);
+          a.hlp = lp ? mptr<T, S>(hs_lp, order[step + 1] * BH) : nullptr;
+        } else {
+          a.hout = mptr<A, A>(h_last);
+          a.hlp = nullptr;
+        }
+      }
+      a.H = static_cast<int>(H);
+      a.eps = static_cast<A>(eps);
+      const cudaError_t err = cuda::launch_step_forward<T, A>(kind, a, static_cast<int>(B), stream);
+      C10_CUDA_CHECK(err);
+    }
+  }
+  return {out, h_last.to(x.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
+}
+
+template <typename S>
+std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                  const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
+                                  const Tensor& xp, const Tensor& hs, const Tensor& hs_lp_saved, const Tensor& hp,
+                                  const Tensor& hpt, bool reverse, double eps) {
+  using T = typename DeviceType<S>::type;
+  using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
+  const Dims d = dims_of(x, w);
+  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, BH = B * H, N = T_ * B;
+  const auto opts = x.options();
+  const at::ScalarType acc = acc_type(x.scalar_type());
+  const auto acc_opts = opts.dtype(acc);
+  const Tensor hs_lp = present(hs_lp_saved) ? hs_lp_saved : hs;
+  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
+
+  Tensor dxp = at::empty_like(xp);
+  Tensor dhp = at::empty_like(hp);
+  Tensor dhpt = at::empty_like(hpt);
+  Tensor dln_rows = at::zeros({ln ? B : 0, d.n_g * H}, acc_opts);
+  Tensor dlnb_rows = at::zeros({ln ? B : 0, d.n_g * H}, acc_opts);
+  Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
+  Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
+  Tensor carry[2] = {grad_hn.to(acc, /*non_blocking=*/false, /*copy=*/true).contiguous(),
+                     at::empty({B, H}, acc_opts)};
+  Tensor carry_g = at::empty({B, H}, opts);
+  Tensor inner[2] = {at::empty({B, H}, acc_opts), at::empty({B, H}, acc_opts)};
+  Tensor inner_g = at::empty({B, H}, opts);
+  int c = 0;
+  bool has_cg = false;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto order = step_order(T_, reverse);
+
+  for (int64_t step = T_ - 1; step >= 0; --step) {
+    const int64_t t = order[step];
+    int i = 0;
+    for (int64_t k = D; k >= 0; --k) {
+      cuda::StepBackwardArgs<T, A> a{};
+      const bool base = k == 0;
+      int kind;
+      if (base) {
+        kind = static_cast<int>(w.kind);
+        a.xp = cptr<T, S>(xp, t * B * d.n_in * H);
+        a.hp = cptr<T, S>(hp, t * B * d.n_h * H);
+        a.bh = cptr<T, S>(w.b_hh);
+        a.lnw = ln ? cptr<T, S>(w.ln_w) : nullptr;
+        a.lnb = ln ? cptr<T, S>(w.ln_b) : nullptr;
+        a.dxp = mptr<T, S>(dxp, t * B * d.n_in * H);
+        a.dhp = mptr<T, S>(dhp, t * B * d.n_h * H);
+        a.dlnw = ln ? mptr<A, A>(dln_rows) : nullptr;
+        a.dlnb = ln ? mptr<A, A>(dlnb_rows) : nullptr;
+        a.dh = mptr<A, A>(carry[1 - c]);
+      } else {
+        kind = kTGRU;
+        const int64_t off = ((k - 1) * T_ + t) * B * 3 * H;
+        a.xp = nullptr;
+        a.hp = cptr<T, S>(hpt, off);
+        a.bh = cptr<T, S>(w.t_b, (k - 1) * 3 * H);
+        a.lnw = tln ? cptr<T, S>(w.t_ln_w, (k - 1) * 2 * H) : nullptr;
+        a.lnb = tln ? cptr<T, S>(w.t_ln_b, (k - 1) * 2 * H) : nullptr;
+        a.dxp = nullptr;
+        a.dhp = mptr<T, S>(dhpt, off);
+        a.dlnw = tln ? mptr<A, A>(dtln_rows, (k - 1) * BH * 2) : nullptr;
+        a.dlnb = tln ? mptr<A, A>(dtlnb_rows, (k - 1) * BH * 2) : nullptr;
+        a.dh = mptr<A, A>(inner[1 - i]);
+      }
+      a.hin = cptr<A, A>(hs, (k * T_ + t) * BH);
+      a.drop = kind != kATR ? cptr<T, S>(drop, k * BH) : nullptr;
+      a.din = cptr<A, A>(inner[i]);
+      a.gin = cptr<T, S>(inner_g);
+      a.cd = cptr<A, A>(carry[c]);
+      a.cg = has_cg ? cptr<T, S>(carry_g) : nullptr;
+      a.go = cptr<T, S>(grad_out, t * BH);
+      a.mask = cptr<T, S>(mask, t * B);
+      a.H = static_cast<int>(H);
+      a.eps = static_cast<A>(eps);
+      a.top = k == D;
+      a.base = base;
+      const cudaError_t err = cuda::launch_step_backward<T, A>(kind, a, static_cast<int>(B), stream);
+      C10_CUDA_CHECK(err);
+      if (base) {
+        at::mm_out(carry_g, dhp[t], w.w_hh);
+        c = 1 - c;
+        has_cg = true;
+      } else {
+        at::mm_out(inner_g, dhpt[k - 1][t], w.t_w[k - 1]);
+        i = 1 - i;
+      }
+    }
+  }
+  Tensor dh0 = (carry[c] + carry_g.to(acc)).to(x.scalar_type());
+
+  Tensor dxp2 = dxp.view({N, d.n_in * H});
+  Tensor dhp2 = dhp.view({N, d.n_h * H});
+  Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
+  Tensor dw_ih = dxp2.t().mm(x.reshape({N, d.I}));
+  Tensor db_ih = dxp2.sum(at::IntArrayRef{0}, false, acc).to(x.scalar_type());
+  Tensor dw_hh = dhp2.t().mm(hs_lp[0].view({N, H}));
+  Tensor db_hh = dhp2.sum(at::IntArrayRef{0}, false, acc).to(x.scalar_type());
+  Tensor dt_w = at::empty({D, 3 * H, H}, opts);
+  Tensor dt_b = at::empty({D, 3 * H}, opts);
+  for (int64_t k = 0; k < D; ++k) {
+    Tensor g = dhpt[k].view({N, 3 * H});
+    Tensor dtw_k = dt_w[k];
+    at::mm_out(dtw_k, g.t(), hs_lp[k + 1].view({N, H}));
+    dt_b[k].copy_(g.sum(at::IntArrayRef{0}, false, acc));
+  }
+  Tensor dln_w = ln ? dln_rows.sum(0).to(x.scalar_type()) : Tensor();
+  Tensor dln_b = ln ? dlnb_rows.sum(0).to(x.scalar_type()) : Tensor();
+  Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(x.scalar_type()) : Tensor();
+  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(x.scalar_type()) : Tensor();
+  return {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
+}
+
+}  // namespace
+
+// Returns {out, h_n, xp, hs, hs_lp (empty for float / double), hp, hpt}.
+std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
+                                            const TransitionWeights& w, bool reverse, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<Tensor> result;
+  DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
+    result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
+  });
+  return result;
+}
+
+// Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b}.
+std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                             const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
+                                             const Tensor& xp, const Tensor& hs, const Tensor& hs_lp,
+                                             const Tensor& hp, const Tensor& hpt, bool reverse, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<Tensor> result;
+  DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
+    result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps);
+  });
+  return result;
+}
+
+}  // namespace dtmt

@@ -1,0 +1,413 @@
+// CUDA kernels of the deep transition block (GRU / L-GRU / LAU base cell + T-GRUs) and of ATR: one fused
+// kernel per sub-cell and step, forward and backward, over raw pointers.
+//
+// Self-contained on purpose: it depends only on the CUDA runtime headers and cell_math.h (the per-element
+// math shared with the CPU kernels), never on torch, so it compiles standalone with `nvcc -c` (see
+// tests/test_cuda_sources.py). transition_cuda.cu drives it from ATen (GEMMs, buffers, the time loop); the
+// algorithm and the saved tensors are those of dtmt_kernels/triton/ops.py.
+//
+// Launch: one block per batch row (grid = B), block_threads(H) threads looping over the row's H features,
+// dynamic shared memory for the row's gate pre-activations (forward) or normalised values and gradients
+// (backward), so any H works (above ~4k features the shared memory limit is raised per kernel).
+// Layer-norm statistics are block reductions in the accumulation type A (float, or double for double
+// storage); every thread sums the warp partials in the same order, so results are deterministic.
+// Storage type T: float, double, __half, __nv_bfloat16; states (hin / hout / carried gradients) are A.
+//
+// DTMT_CUDA_EMULATION (tests only, see tests/cuda_emulation.h): the same kernels compiled by a host C++
+// compiler, each block's threads run as host threads (barriers for __syncthreads, an exchange buffer for the
+// warp shuffles), float / double storage only. It lets the kernels and the ATen driver be checked against
+// the reference on a machine without a GPU.
+#pragma once
+
+#if defined(DTMT_CUDA_EMULATION)
+#include "cuda_emulation.h"
+#define DTMT_LAUNCH(kernel, grid, block, smem, stream, arg) ::dtmt_emu::launch(kernel, grid, block, smem, arg)
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#define DTMT_LAUNCH(kernel, grid, block, smem, stream, arg) kernel<<<grid, block, smem, stream>>>(arg)
+#endif
+
+#include "cell_math.h"
+
+namespace dtmt {
+namespace cuda {
+
+// ------------------------------------------------------------------------------------------ conversions
+template <typename A, typename T> struct Cvt {
+  static __device__ __forceinline__ A load(T v) { return static_cast<A>(v); }
+  static __device__ __forceinline__ T store(A v) { return static_cast<T>(v); }
+};
+#if !defined(DTMT_CUDA_EMULATION)
+template <typename A> struct Cvt<A, __half> {
+  static __device__ __forceinline__ A load(__half v) { return static_cast<A>(__half2float(v)); }
+  static __device__ __forceinline__ __half store(A v) { return __float2half_rn(static_cast<float>(v)); }
+};
+template <typename A> struct Cvt<A, __nv_bfloat16> {
+  static __device__ __forceinline__ A load(__nv_bfloat16 v) { return static_cast<A>(__bfloat162float(v)); }
+  static __device__ __forceinline__ __nv_bfloat16 store(A v) { return __float2bfloat16_rn(static_cast<float>(v)); }
+};
+#endif
+template <typename A, typename T> __device__ __forceinline__ A ld(const T* p, int i) {
+  return Cvt<A, T>::load(p[i]);
+}
+template <typename A, typename T> __device__ __forceinline__ void st(T* p, int i, A v) { p[i] = Cvt<A, T>::store(v); }
+
+// ------------------------------------------------------------------------------------- row layouts
+template <int KIND> struct Rows {
+  static constexpr int in = KIND == kGRU ? 3 : (KIND == kLGRU || KIND == kLAU) ? 5 : KIND == kATR ? 1 : 0;
+  static constexpr int hid = (KIND == kGRU || KIND == kTGRU) ? 3 : (KIND == kLGRU || KIND == kLAU) ? 4 : 1;
+  static constexpr int groups = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;  // normalised gates (ATR: p, q)
+};
+
+// Threads per block: H rounded up to a warp, at most DTMT_CUDA_MAX_THREADS (each thread then loops over
+// several features of the row). The emulation tests lower the cap to exercise that loop at small H.
+#ifndef DTMT_CUDA_MAX_THREADS
+#define DTMT_CUDA_MAX_THREADS 512
+#endif
+inline int block_threads(int H) {
+  int t = ((H + 31) / 32) * 32;
+  return t < 32 ? 32 : (t > DTMT_CUDA_MAX_THREADS ? DTMT_CUDA_MAX_THREADS : t);
+}
+constexpr int kRed = 64;  // shared slots for the block reductions (2 x 32 warps)
+
+// ------------------------------------------------------------------------------------------ reductions
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sums a and b over the block; every thread gets both totals (blockDim.x a multiple of 32).
+template <typename A> __device__ __forceinline__ void block_sum2(A& a, A& b, A* red) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();  // the previous reduction's readers are done with `red`
+  if (lane == 0) {
+    red[warp] = a;
+    red[32 + warp] = b;
+  }
+  __syncthreads();
+  a = A(0);
+  b = A(0);
+  for (int i = 0; i < nw; ++i) {
+    a += red[i];
+    b += red[32 + i];
+  }
+}
+
+// In place over the row's own entries v[j] (j = threadIdx.x + k * blockDim.x): v -> (v - mean) * rstd.
+template <typename A> __device__ A row_normalise(A* v, int H, A eps, A* red) {
+  A s = 0, unused = 0;
+  for (int j = threadIdx.x; j < H; j += blockDim.x) s += v[j];
+  block_sum2(s, unused, red);
+  const A mean = s / A(H);
+  A var = 0;
+  unused = 0;
+  for (int j = threadIdx.x; j < H; j += blockDim.x) {
+    A d = v[j] - mean;
+    var += d * d;
+  }
+  block_sum2(var, unused, red);
+  const A rstd = dt_rsqrt(var / A(H) + eps);
+  for (int j = threadIdx.x; j < H; j += blockDim.x) v[j] = (v[j] - mean) * rstd;
+  return rstd;
+}
+
+// dn -> rstd * (dn - mean(dn) - n * mean(dn * n)), in place over the row's own entries.
+template <typename A> __device__ void row_normalise_backward(const A* n, A* dn, int H, A rstd, A* red) {
+  A s1 = 0, s2 = 0;
+  for (int j = threadIdx.x; j < H; j += blockDim.x) {
+    s1 += dn[j];
+    s2 += dn[j] * n[j];
+  }
+  block_sum2(s1, s2, red);
+  s1 /= A(H);
+  s2 /= A(H);
+  for (int j = threadIdx.x; j < H; j += blockDim.x) dn[j] = rstd * (dn[j] - s1 - n[j] * s2);
+}
+
+// ------------------------------------------------------------------------------------------- arguments
+// Pointers are already offset to the [B, ...] slab of this step / sub-cell; rows are contiguous.
+template <typename T, typename A> struct StepForwardArgs {
+  const T* xp;    // [B, in*H] input pre-activations W x + b_ih (unused by T-GRUs)
+  const T* hp;    // [B, hid*H] recurrent pre-activations U h (bias added here)
+  const T* bh;    // [hid*H] b_hh
+  const A* hin;   // [B, H] the sub-cell's input state
+  const T* lnw;   // [groups*H] layer-norm gains, or nullptr (no layer norm)
+  const T* lnb;   // [groups*H] offsets
+  const T* drop;  // [B, H] candidate-dropout multipliers, or nullptr
+  const T* mask;  // [B] 1 valid / 0 padded, or nullptr (last sub-cell only)
+  const A* hblk;  // [B, H] the block's input state (a padded row keeps it; last sub-cell only)
+  A* hout;        // [B, H] new state
+  T* hlp;         // [B, H] copy of the new state in the GEMM dtype, or nullptr
+  T* out;         // [B, H] the step's output (last sub-cell), or nullptr (not last)
+  int H;
+  A eps;
+};
+
+template <typename T, typename A> struct StepBackwardArgs {
+  const T* xp;
+  const T* hp;
+  const T* bh;
+  const A* hin;
+  const T* lnw;
+  const T* lnb;
+  const T* drop;
+  const A* din;   // [B, H] gradient of the output, direct part (not top)
+  const T* gin;   // [B, H] its U-path part, from the caller's GEMM (not top)
+  const A* cd;    // [B, H] gradient carried from the later step (direct part)
+  const T* cg;    // [B, H] its U-path part, or nullptr (none yet)
+  const T* go;    // [B, H] output gradient of this step (top)
+  const T* mask;  // [B] or nullptr
+  T* dxp;         // [B, in*H] d(input pre-activations) (not written for T-GRUs)
+  T* dhp;         // [B, hid*H] d(recurrent pre-activations)
+  A* dh;          // [B, H] direct gradient to the input state (base: the new carried gradient)
+  A* dlnw;        // [B, groups*H] per-row layer-norm gain gradient accumulators, or nullptr
+  A* dlnb;        // [B, groups*H]
+  int H;
+  A eps;
+  bool top;   // last sub-cell of the block: incoming gradient = valid ? cd + cg + go : 0
+  bool base;  // first sub-cell: a padded row passes cd + cg through
+};
+
+// ---------------------------------------------------------------------------------------------- forward
+template <int KIND, typename T, typename A> __global__ void step_forward_kernel(StepForwardArgs<T, A> p) {
+  constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
+  extern __shared__ unsigned char smem_raw[];
+  A* red = reinterpret_cast<A*>(smem_raw);
+  A* g = red + kRed;  // [NG*H] pre-activations, then gate values (ATR: p and q)
+  const int row = blockIdx.x, H = p.H;
+  const T* xr = KIND == kTGRU ? nullptr : p.xp + static_cast<size_t>(row) * NIN * H;
+  const T* hr = p.hp + static_cast<size_t>(row) * NH * H;
+  const A* h = p.hin + static_cast<size_t>(row) * H;
+
+  if constexpr (KIND == kATR) {
+    for (int j = threadIdx.x; j < H; j += blockDim.x) {
+      g[j] = ld<A>(xr, j);
+      g[H + j] = ld<A>(hr, j) + ld<A>(p.bh, j);
+    }
+    if (p.lnw) {
+      row_normalise(g, H, p.eps, red);
+      row_normalise(g + H, H, p.eps, red);
+      for (int j = threadIdx.x; j < H; j += blockDim.x) {
+        g[j] = g[j] * ld<A>(p.lnw, j) + ld<A>(p.lnb, j);
+        g[H + j] = g[H + j] * ld<A>(p.lnw, H + j) + ld<A>(p.lnb, H + j);
+      }
+    }
+  } else {
+    for (int k = 0; k < NG; ++k) {
+      for (int j = threadIdx.x; j < H; j += blockDim.x) {
+        A a = ld<A>(hr, k * H + j) + ld<A>(p.bh, k * H + j);
+        if (KIND != kTGRU) a += ld<A>(xr, k * H + j);
+        g[k * H + j] = a;
+      }
+      if (p.lnw) {
+        row_normalise(g + k * H, H, p.eps, red);
+        for (int j = threadIdx.x; j < H; j += blockDim.x)
+          g[k * H + j] = dt_sigmoid(g[k * H + j] * ld<A>(p.lnw, k * H + j) + ld<A>(p.lnb, k * H + j));
+      } else {
+        for (int j = threadIdx.x; j < H; j += blockDim.x) g[k * H + j] = dt_sigmoid(g[k * H + j]);
+      }
+    }
+  }
+
+  bool valid = true;
+  if (p.out && p.mask) valid = ld<float>(p.mask, row) > 0.5f;
+  const size_t o = static_cast<size_t>(row) * H;
+  for (int j = threadIdx.x; j < H; j += blockDim.x) {
+    A hn;
+    if constexpr (KIND == kATR) {
+      hn = atr_elem_forward<A>(g[j], g[H + j], h[j]);
+    } else {
+      const A hc = ld<A>(hr, NG * H + j) + ld<A>(p.bh, NG * H + j);
+      const A m = p.drop ? ld<A>(p.drop + o, j) : A(1);
+      if constexpr (KIND == kGRU) {
+        hn = gru_elem_forward<A>(g[j], g[H + j], ld<A>(xr, 2 * H + j), hc, h[j], m);
+      } else if constexpr (KIND == kTGRU) {
+        hn = gru_elem_forward<A>(g[j], g[H + j], A(0), hc, h[j], m);
+      } else if constexpr (KIND == kLGRU) {
+        hn = lgru_elem_forward<A>(g[j], g[H + j], g[2 * H + j], ld<A>(xr, 3 * H + j), ld<A>(xr, 4 * H + j), hc,
+                                  h[j], m);
+      } else {
+        hn = lau_elem_forward<A>(g[j], g[H + j], g[2 * H + j], ld<A>(xr, 3 * H + j), ld<A>(xr, 4 * H + j), hc,
+                                 h[j], m);
+      }
+    }
+    A state = hn;
+    if (p.out) {
+      if (!valid) state = p.hblk[o + j];
+      st<A>(p.out + o, j, valid ? hn : A(0));
+    }
+    p.hout[o + j] = state;
+    if (p.hlp) st<A>(p.hlp + o, j, state);
+  }
+}
+
+// --------------------------------------------------------------------------------------------- backward
+template <int KIND, typename T, typename A> __global__ void step_backward_kernel(StepBackwardArgs<T, A> p) {
+  constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
+  extern __shared__ unsigned char smem_raw[];
+  A* red = reinterpret_cast<A*>(smem_raw);
+  const int row = blockIdx.x, H = p.H;
+  A* n = red + kRed;  // [NG*H] normalised (or raw) pre-activations
+  A* d = n + NG * H;  // [NG*H] their gradients
+  const size_t o = static_cast<size_t>(row) * H;
+  const T* xr = KIND == kTGRU ? nullptr : p.xp + static_cast<size_t>(row) * NIN * H;
+  const T* hr = p.hp + static_cast<size_t>(row) * NH * H;
+  T* dxr = KIND == kTGRU ? nullptr : p.dxp + static_cast<size_t>(row) * NIN * H;
+  T* dhr = p.dhp + static_cast<size_t>(row) * NH * H;
+  const A* h = p.hin + o;
+  const bool ln = p.lnw != nullptr;
+  const bool valid = !p.mask || ld<float>(p.mask, row) > 0.5f;
+
+  // Recompute the (normalised) pre-activations.
+  A rstd[NG];
+  for (int k = 0; k < NG; ++k) {
+    for (int j = threadIdx.x; j < H; j += blockDim.x) {
+      A a;
+      if constexpr (KIND == kATR) {
+        a = k == 0 ? ld<A>(xr, j) : ld<A>(hr, j) + ld<A>(p.bh, j);
+      } else {
+        a = ld<A>(hr, k * H + j) + ld<A>(p.bh, k * H + j);
+        if (KIND != kTGRU) a += ld<A>(xr, k * H + j);
+      }
+      n[k * H + j] = a;
+    }
+    rstd[k] = ln ? row_normalise(n + k * H, H, p.eps, red) : A(1);
+  }
+  auto post = [&](int k, int j) -> A {  // LN(a) * w + b (or a): the sigmoid's argument / ATR's p, q
+    return ln ? n[k * H + j] * ld<A>(p.lnw, k * H + j) + ld<A>(p.lnb, k * H + j) : n[k * H + j];
+  };
+
+  for (int j = threadIdx.x; j < H; j += blockDim.x) {
+    A carry = A(0);
+    if (p.top || p.base) carry = p.cd[o + j] + (p.cg ? ld<A>(p.cg + o, j) : A(0));
+    A dout;
+    if (p.top) {
+      dout = valid ? carry + ld<A>(p.go + o, j) : A(0);
+    } else {
+      dout = p.din[o + j] + ld<A>(p.gin + o, j);
+    }
+    A dh;
+    if constexpr (KIND == kATR) {
+      A dp, dq;
+      atr_elem_backward<A>(post(0, j), post(1, j), h[j], dout, dp, dq, dh);
+      d[j] = dp;
+      d[H + j] = dq;
+    } else {
+      const A r = dt_sigmoid(post(0, j)), z = dt_sigmoid(post(1, j));
+      const A hc = ld<A>(hr, NG * H + j) + ld<A>(p.bh, NG * H + j);
+      const A m = p.drop ? ld<A>(p.drop + o, j) : A(1);
+      A dr, dz, dxc, dhc;
+      if constexpr (KIND == kGRU || KIND == kTGRU) {
+        const A xc = KIND == kGRU ? ld<A>(xr, 2 * H + j) : A(0);
+        gru_elem_backward<A>(r, z, xc, hc, h[j], m, dout, dr, dz, dxc, dhc, dh);
+        if constexpr (KIND == kGRU) st<A>(dxr, 2 * H + j, dxc);
+      } else {
+        const A l = dt_sigmoid(post(2, j));
+        const A xc = ld<A>(xr, 3 * H + j), lin = ld<A>(xr, 4 * H + j);
+        A dl, dlin;
+        if constexpr (KIND == kLGRU) {
+          lgru_elem_backward<A>(r, z, l, xc, lin, hc, h[j], m, dout, dr, dz, dl, dxc, dlin, dhc, dh);
+        } else {
+          lau_elem_backward<A>(r, z, l, xc, lin, hc, h[j], m, dout, dr, dz, dl, dxc, dlin, dhc, dh);
+        }
+        d[2 * H + j] = dl;
+        st<A>(dxr, 3 * H + j, dxc);
+        st<A>(dxr, 4 * H + j, dlin);
+      }
+      d[j] = dr;
+      d[H + j] = dz;
+      st<A>(dhr, NG * H + j, dhc);
+    }
+    if (p.base && !valid) dh = carry;
+    p.dh[o + j] = dh;
+  }
+
+  // Through the layer norms (row-owned gain / offset accumulators: deterministic), then store.
+  for (int k = 0; k < NG; ++k) {
+    if (ln) {
+      A* dw = p.dlnw + static_cast<size_t>(row) * NG * H + k * H;
+      A* db = p.dlnb + static_cast<size_t>(row) * NG * H + k * H;
+      for (int j = threadIdx.x; j < H; j += blockDim.x) {
+        dw[j] += d[k * H + j] * n[k * H + j];
+        db[j] += d[k * H + j];
+        d[k * H + j] *= ld<A>(p.lnw, k * H + j);
+      }
+      row_normalise_backward(n + k * H, d + k * H, H, rstd[k], red);
+    }
+    for (int j = threadIdx.x; j < H; j += blockDim.x) {
+      const A v = d[k * H + j];
+      if constexpr (KIND == kATR) {
+        if (k == 0) st<A>(dxr, j, v);
+        else st<A>(dhr, j, v);
+      } else {
+        st<A>(dhr, k * H + j, v);
+        if (KIND != kTGRU) st<A>(dxr, k * H + j, v);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- launch
+template <int KIND, typename A> inline size_t forward_smem(int H) {
+  return sizeof(A) * (kRed + static_cast<size_t>(Rows<KIND>::groups) * H);
+}
+template <int KIND, typename A> inline size_t backward_smem(int H) {
+  return sizeof(A) * (kRed + 2 * static_cast<size_t>(Rows<KIND>::groups) * H);
+}
+
+template <typename F> inline cudaError_t allow_smem(F* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+template <int KIND, typename T, typename A>
+inline cudaError_t launch_forward_kind(const StepForwardArgs<T, A>& a, int B, cudaStream_t stream) {
+  const size_t smem = forward_smem<KIND, A>(a.H);
+  auto* kernel = &step_forward_kernel<KIND, T, A>;
+  cudaError_t err = allow_smem(kernel, smem);
+  if (err != cudaSuccess) return err;
+  DTMT_LAUNCH(kernel, B, block_threads(a.H), smem, stream, a);
+  return cudaGetLastError();
+}
+
+template <int KIND, typename T, typename A>
+inline cudaError_t launch_backward_kind(const StepBackwardArgs<T, A>& a, int B, cudaStream_t stream) {
+  const size_t smem = backward_smem<KIND, A>(a.H);
+  auto* kernel = &step_backward_kernel<KIND, T, A>;
+  cudaError_t err = allow_smem(kernel, smem);
+  if (err != cudaSuccess) return err;
+  DTMT_LAUNCH(kernel, B, block_threads(a.H), smem, stream, a);
+  return cudaGetLastError();
+}
+
+// kind: kGRU, kLGRU, kLAU, kATR (base cells) or kTGRU.
+template <typename T, typename A>
+cudaError_t launch_step_forward(int kind, const StepForwardArgs<T, A>& a, int B, cudaStream_t stream) {
+  switch (kind) {
+    case kGRU: return launch_forward_kind<kGRU, T, A>(a, B, stream);
+    case kLGRU: return launch_forward_kind<kLGRU, T, A>(a, B, stream);
+    case kLAU: return launch_forward_kind<kLAU, T, A>(a, B, stream);
+    case kATR: return launch_forward_kind<kATR, T, A>(a, B, stream);
+    case kTGRU: return launch_forward_kind<kTGRU, T, A>(a, B, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T, typename A>
+cudaError_t launch_step_backward(int kind, const StepBackwardArgs<T, A>& a, int B, cudaStream_t stream) {
+  switch (kind) {
+    case kGRU: return launch_backward_kind<kGRU, T, A>(a, B, stream);
+    case kLGRU: return launch_backward_kind<kLGRU, T, A>(a, B, stream);
+    case kLAU: return launch_backward_kind<kLAU, T, A>(a, B, stream);
+    case kATR: return launch_backward_kind<kATR, T, A>(a, B, stream);
+    case kTGRU: return launch_backward_kind<kTGRU, T, A>(a, B, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda
+}  // namespace dtmt

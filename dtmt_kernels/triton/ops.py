@@ -1,0 +1,285 @@
+"""Host side of the Triton backend: the autograd Function, its forward / backward drivers and launches.
+
+Algorithm (mirrors csrc/transition_cpu.cpp; see reference.py for the layouts):
+
+forward, one direction, T steps (walked backwards when `reverse`):
+    xp = x W_ih^T + b_ih                                one GEMM over T*B rows, before the loop
+    per step t, per sub-cell k = 0..D (base cell, then D T-GRUs):
+        hp_k = h_k U_k^T                                 one GEMM (torch.mm: cuBLAS on a GPU)
+        step_forward_kernel                              one fused Triton launch: bias, per-gate LN,
+                                                         gates, candidate, dropout, state update; the last
+                                                         sub-cell also masks and writes out[t] and the state
+                                                         of step t+1, straight into the saved-state buffer
+backward, steps in the opposite order, per sub-cell k = D..0:
+        step_backward_kernel                             recomputes gates / LN statistics from xp, hp and the
+                                                         saved input state; writes d(xp), d(hp), the direct
+                                                         gradient to the input state, and accumulates this
+                                                         row's LN gain / offset gradients (row-owned: no atomics)
+        G = d(hp_k) U_k                                  one GEMM; the next launch adds it to the direct part
+    then weight gradients as GEMMs over all T*B rows, bias gradients as column sums and LN gradients as sums
+    of the per-row accumulators: deterministic.
+
+Precision: inputs may be float32, bfloat16 or float16 (float64 too: exact enough for tight tests). GEMMs run
+in the input dtype (tensor cores on a GPU, float32 accumulation inside cuBLAS); every kernel computes in
+float32 (float64 for float64 inputs), layer-norm statistics included, and the recurrent state is kept in
+float32: the kernels write a float32 state for the next sub-cell / step plus, for 16-bit inputs, a copy in
+the input dtype that feeds the next GEMM. There is no host synchronisation inside the time loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ..reference import TransitionWeights
+from . import interpreting
+
+KINDS = {"gru": 0, "lgru": 1, "lau": 2, "atr": 3}
+# kind -> (input rows, recurrent rows, normalised gates)
+ROWS = {0: (3, 3, 2), 1: (5, 4, 3), 2: (5, 4, 3), 3: (1, 1, 2), 4: (0, 3, 2)}
+KIND_TGRU = 4
+
+_KERNELS = None
+
+
+def _kernels():
+    """The kernels module, (re)imported so that its `triton.jit` decorations match the current
+    TRITON_INTERPRET setting (triton decides between compiling and interpreting at decoration time)."""
+    global _KERNELS
+    mode = interpreting()
+    if _KERNELS is None or _KERNELS[0] != mode:
+        name = __package__ + ".kernels"
+        module = sys.modules.get(name)
+        module = importlib.import_module(name) if module is None else importlib.reload(module)
+        _KERNELS = (mode, module)
+    return _KERNELS[1]
+
+
+def _block(H: int) -> int:
+    return max(16, 1 << (int(H) - 1).bit_length())
+
+
+def _num_warps(block: int) -> int:
+    # sm_90 builds: the backward kernel needs ~170 registers a thread at BLOCK 1024-2048 and spills from
+    # BLOCK 4096 with 8 warps; 16 warps there keep every value in registers.
+    return 1 if block <= 64 else 2 if block <= 256 else 4 if block <= 1024 else 8 if block <= 2048 else 16
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _on_device(x: Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _present(t: Optional[Tensor]) -> bool:
+    return t is not None and t.numel() > 0
+
+
+def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
+                    t_ln_b):
+    """Returns out [T,B,H], h_n [B,H] (input dtype) and the tensors saved for backward:
+    xp [T,B,n_in*H], hs [S,T,B,H] (accumulation dtype: the state entering each sub-cell at each step),
+    hs_lp (hs in the GEMM dtype; hs itself for float32/float64), hp [T,B,n_h*H], hpt [D,T,B,3H]."""
+    K = _kernels()
+    T, B, I = x.shape
+    n_in, n_h, n_g = ROWS[kind]
+    H = w_hh.shape[0] // n_h
+    D = t_w.shape[0] if _present(t_w) else 0
+    S = D + 1
+    dtype, acc = x.dtype, _acc_dtype(x.dtype)
+    lp = acc != dtype
+    dev = x.device
+    xp = torch.addmm(b_ih, x.reshape(T * B, I), w_ih.t()).view(T, B, n_in * H)
+    hs = torch.empty(S, T, B, H, dtype=acc, device=dev)
+    hs_lp = torch.empty(S, T, B, H, dtype=dtype, device=dev) if lp else hs
+    hp = torch.empty(T, B, n_h * H, dtype=dtype, device=dev)
+    hpt = torch.empty(D, T, B, 3 * H, dtype=dtype, device=dev)
+    out = torch.empty(T, B, H, dtype=dtype, device=dev)
+    h_last = torch.empty(B, H, dtype=acc, device=dev)
+    lp_scratch = torch.empty(B, H, dtype=dtype, device=dev) if lp else h_last
+    order = list(range(T - 1, -1, -1)) if reverse else list(range(T))
+    hs[0, order[0]].copy_(h0)
+    if lp:
+        hs_lp[0, order[0]].copy_(h0)
+
+    ln, tln = _present(ln_w), _present(t_ln_w)
+    has_mask, has_drop = _present(mask), _present(drop)
+    dummy = x
+    BLOCK = _block(H)
+    warps = _num_warps(BLOCK)
+    w_hh_t = w_hh.t()
+    t_w_t = [t_w[k].t() for k in range(D)]
+    fwd = K.step_forward_kernel
+    for step, t in enumerate(order):
+        t_next = order[step + 1] if step + 1 < T else None
+        for k in range(S):
+            if k == 0:
+                torch.mm(hs_lp[0, t], w_hh_t, out=hp[t])
+                kk, hp_buf, hp_slab, bias = kind, hp, t, b_hh
+                lnw, lnb = (ln_w, ln_b) if ln else (dummy, dummy)
+                k_ln = ln
+            else:
+                torch.mm(hs_lp[k, t], t_w_t[k - 1], out=hpt[k - 1, t])
+                kk, hp_buf, hp_slab, bias = KIND_TGRU, hpt, (k - 1) * T + t, t_b[k - 1]
+                lnw, lnb = (t_ln_w[k - 1], t_ln_b[k - 1]) if tln else (dummy, dummy)
+                k_ln = tln
+            last = k == D
+            if not last:      # the next sub-cell's input state
+                hout, hlp, out_slab, write_lp = hs, hs_lp, (k + 1) * T + t, lp
+            elif t_next is not None:  # the next step's block input state
+                hout, hlp, out_slab, write_lp = hs, hs_lp, t_next, lp
+            else:             # the final state (its low-precision copy goes to a scratch row: one variant)
+                hout, hlp, out_slab, write_lp = h_last, lp_scratch, 0, lp
+            kin, khh, kg = ROWS[kk]
+            fwd[(B,)](
+                xp, hp_buf, bias, hs, lnw, lnb, drop if has_drop else dummy, mask if has_mask else dummy, hs,
+                hout, hlp, out, t, hp_slab, k * T + t, out_slab, k, B, H, eps,
+                KIND=kk, NIN=max(kin, 1), NH=khh, NG=kg, LN=k_ln, HAS_DROP=has_drop and kk != 3, LAST=last,
+                HAS_MASK=has_mask, WRITE_LP=write_lp, BLOCK=BLOCK, num_warps=warps)
+    return out, h_last.to(dtype), xp, hs, hs_lp, hp, hpt
+
+
+def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w,
+                     t_b, t_ln_w, t_ln_b, xp, hs, hs_lp, hp, hpt, needs):
+    K = _kernels()
+    T, B, I = x.shape
+    n_in, n_h, n_g = ROWS[kind]
+    H = w_hh.shape[0] // n_h
+    D = t_w.shape[0] if _present(t_w) else 0
+    dtype, acc = x.dtype, hs.dtype
+    dev = x.device
+    ln, tln = _present(ln_w), _present(t_ln_w)
+    has_mask, has_drop = _present(mask), _present(drop)
+    dummy = x
+    BLOCK = _block(H)
+    warps = _num_warps(BLOCK)
+
+    dxp = torch.empty_like(xp)
+    dhp = torch.empty_like(hp)
+    dhpt = torch.empty_like(hpt)
+    dln_rows = torch.zeros(B, n_g * H, dtype=acc, device=dev) if ln else None
+    dlnb_rows = torch.zeros(B, n_g * H, dtype=acc, device=dev) if ln else None
+    dtln_rows = torch.zeros(D, B, 2 * H, dtype=acc, device=dev) if tln else None
+    dtlnb_rows = torch.zeros(D, B, 2 * H, dtype=acc, device=dev) if tln else None
+    go = grad_out.contiguous()
+    carry = [grad_hn.to(dtype=acc, copy=True).contiguous(),    # direct part, ping-pong (never the caller's)
+             torch.empty(B, H, dtype=acc, device=dev)]
+    carry_g = torch.empty(B, H, dtype=dtype, device=dev)                               # U-path part
+    inner = [torch.empty(B, H, dtype=acc, device=dev), torch.empty(B, H, dtype=acc, device=dev)]
+    inner_g = torch.empty(B, H, dtype=dtype, device=dev)
+    c, has_cg = 0, False
+    bwd = K.step_backward_kernel
+    order = list(range(T - 1, -1, -1)) if reverse else list(range(T))
+    for t in reversed(order):
+        i = 0
+        for k in range(D, -1, -1):
+            top, base = k == D, k == 0
+            if base:
+                kk, hp_buf, hp_slab, dhp_buf, bias = kind, hp, t, dhp, b_hh
+                lnw, lnb = (ln_w, ln_b) if ln else (dummy, dummy)
+                dlw, dlb, k_ln = (dln_rows, dlnb_rows, True) if ln else (dummy, dummy, False)
+                dst = carry[1 - c]
+            else:
+                kk, hp_buf, hp_slab, dhp_buf, bias = KIND_TGRU, hpt, (k - 1) * T + t, dhpt, t_b[k - 1]
+                lnw, lnb = (t_ln_w[k - 1], t_ln_b[k - 1]) if tln else (dummy, dummy)
+                dlw, dlb, k_ln = (dtln_rows, dtlnb_rows, True) if tln else (dummy, dummy, False)
+                dst = inner[1 - i]
+            kin, khh, kg = ROWS[kk]
+            bwd[(B,)](
+                xp, hp_buf, bias, hs, lnw, lnb, drop if has_drop else dummy, inner[i], inner_g, carry[c], carry_g,
+                go, mask if has_mask else dummy, dxp, dhp_buf, dst, dlw, dlb,
+                t, hp_slab, k * T + t, k, max(k - 1, 0), B, H, eps,
+                KIND=kk, NIN=max(kin, 1), NH=khh, NG=kg, LN=k_ln, HAS_DROP=has_drop and kk != 3, TOP=top,
+                BASE=base, HAS_MASK=has_mask, HAS_CG=has_cg, BLOCK=BLOCK, num_warps=warps)
+            if base:
+                torch.mm(dhp[t], w_hh, out=carry_g)
+                c, has_cg = 1 - c, True
+            else:
+                torch.mm(dhpt[k - 1, t], t_w[k - 1], out=inner_g)
+                i = 1 - i
+    dh0 = (carry[c] + carry_g.to(acc)).to(dtype) if needs[1] else None
+
+    N = T * B
+    dxp2 = dxp.view(N, n_in * H)
+    dhp2 = dhp.view(N, n_h * H)
+    dx = dxp2.mm(w_ih).view(T, B, I) if needs[0] else None
+    dw_ih = dxp2.t().mm(x.reshape(N, I)) if needs[2] else None
+    db_ih = dxp2.sum(0, dtype=acc).to(dtype) if needs[3] else None
+    dw_hh = dhp2.t().mm(hs_lp[0].view(N, H)) if needs[4] else None
+    db_hh = dhp2.sum(0, dtype=acc).to(dtype) if needs[5] else None
+    dln_w = dln_rows.sum(0).to(dtype) if ln and needs[6] else None
+    dln_b = dlnb_rows.sum(0).to(dtype) if ln and needs[7] else None
+    dt_w = dt_b = dt_ln_w = dt_ln_b = None
+    if D and needs[8]:
+        dt_w = torch.stack([dhpt[k].view(N, 3 * H).t().mm(hs_lp[k + 1].view(N, H)) for k in range(D)])
+    if D and needs[9]:
+        dt_b = dhpt.view(D, N, 3 * H).sum(1, dtype=acc).to(dtype)
+    if tln and needs[10]:
+        dt_ln_w = dtln_rows.sum(1).to(dtype)
+    if tln and needs[11]:
+        dt_ln_b = dtlnb_rows.sum(1).to(dtype)
+    return dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b
+
+
+class TritonTransitionFunction(torch.autograd.Function):
+    """Deep transition block (or ATR) over a whole sequence with the Triton kernels. Same argument order
+    as autograd.CppTransitionFunction (absent optional tensors are empty)."""
+
+    @staticmethod
+    def forward(ctx, x, h0, mask, drop, kind: int, reverse: bool, eps: float,
+                w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b):
+        params = [t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)]
+        x, h0, mask, drop = (t.contiguous() for t in (x, h0, mask, drop))
+        with _on_device(x):
+            out, h_n, xp, hs, hs_lp, hp, hpt = _triton_forward(x, h0, mask, drop, kind, reverse, eps, *params)
+        ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
+        ctx.lp = hs_lp is not hs
+        ctx.save_for_backward(x, mask, drop, *params, xp, hs, hs_lp if ctx.lp else hs.new_empty(0), hp, hpt)
+        return out, h_n
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_hn):
+        x, mask, drop, *rest = ctx.saved_tensors
+        params, (xp, hs, hs_lp, hp, hpt) = rest[:10], rest[10:]
+        if not ctx.lp:
+            hs_lp = hs
+        n = ctx.needs_input_grad
+        needs = (n[0], n[1]) + tuple(n[7:17])
+        with _on_device(x):
+            grads = _triton_backward(grad_out, grad_hn, x, mask, drop, ctx.kind, ctx.reverse, ctx.eps, *params,
+                                     xp, hs, hs_lp, hp, hpt, needs)
+        dx, dh0, *dparams = grads
+        return (dx, dh0, None, None, None, None, None, *dparams)
+
+
+def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def flat_params(w: TransitionWeights, like: Tensor):
+    """The ten parameter tensors in the kernels' order (T-GRU parameters stacked, absent ones empty)."""
+    if w.depth:
+        t_w, t_b = torch.stack(w.t_w), torch.stack(w.t_b)
+        has_ln = w.t_ln_w[0] is not None
+        t_ln_w = torch.stack(w.t_ln_w) if has_ln else None
+        t_ln_b = torch.stack(w.t_ln_b) if has_ln else None
+    else:
+        t_w = t_b = t_ln_w = t_ln_b = None
+    return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, _or_empty(w.ln_w, like), _or_empty(w.ln_b, like),
+            _or_empty(t_w, like), _or_empty(t_b, like), _or_empty(t_ln_w, like), _or_empty(t_ln_b, like)]
+
+
+def triton_transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optional[Tensor] = None,
+                               drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
+    """Same contract as reference.transition_sequence, computed by the Triton kernels."""
+    return TritonTransitionFunction.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse,
+                                          float(eps), *flat_params(w, x))

@@ -1,0 +1,388 @@
+"""The Triton backend against the reference.
+
+Without a GPU the kernels run in triton's CPU interpreter (TRITON_INTERPRET=1, set for this module only by
+the `interpreter` fixture and restored afterwards, so the rest of the suite sees the environment it started
+with). triton.jit decides between compiling and interpreting when a kernel is decorated; the backend
+re-imports its kernels module whenever the setting changes (dtmt_kernels/triton/ops.py:_kernels), so it does
+not matter what imported triton or the kernels earlier in the process. The interpreter is slow: sizes here
+are tiny (T <= 4, B <= 3, H <= 17).
+
+Tests marked `gpu` run the compiled kernels on a CUDA device and skip without one.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import dtmt_kernels as dk
+from dtmt_kernels import functional as Fn
+from dtmt_kernels import reference as R
+
+from conftest import make_layer, padding_mask
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+needs_gpu = [pytest.mark.gpu, needs_triton,
+             pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CASES = [(cell, depth) for cell in ("gru", "lgru", "lau") for depth in (0, 2)] + [("atr", 0)]
+CASE_IDS = [f"{c}-d{d}" for c, d in CASES]
+
+
+def _triton_library_compiled() -> bool:
+    """Whether triton's own @jit library functions were decorated for compilation (they are decorated once,
+    when triton is first imported, by whatever TRITON_INTERPRET said then)."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(getattr(tl.standard, "_sum_combine", None), JITFunction)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    old = os.environ.get("TRITON_INTERPRET")
+    if HAS_TRITON and old in (None, "", "0"):
+        # Import triton and its compiler front end now, in compiled mode, before switching the interpreter on
+        # (torch itself may import triton at any moment, e.g. from torch._dynamo): its library then stays
+        # usable by compiled kernels (the GPU tests below), and the backend's interpreted kernels do not use
+        # triton's @jit library functions (see dtmt_kernels/triton/kernels.py).
+        import triton.compiler.code_generator  # noqa: F401
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """For the tests of compiled kernels: compile them instead of interpreting them."""
+    if not _triton_library_compiled():
+        pytest.skip("triton was first imported with TRITON_INTERPRET=1 in this process: its library functions "
+                    "are interpreted, so nothing can be compiled here (run this test without the variable)")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _run(layer, x, h0, mask, drop, reverse, backend, g_out=None, g_h=None):
+    """Output, final state and the gradients of x, h0 and every parameter of one direction of `layer` for
+    the loss <out, g_out> + <h_n, g_h>."""
+    names = [n for n, _ in layer.named_parameters()]
+    xi = x.detach().clone().requires_grad_()
+    hi = h0.detach().clone().requires_grad_()
+    params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    w = layer.direction_weights(0, dict(zip(names, params)))
+    out, h_n = Fn.transition_sequence(xi, hi, w, mask, drop, reverse, backend)
+    if g_out is None:
+        gen = torch.Generator().manual_seed(11)
+        g_out = torch.randn(out.shape, generator=gen).to(out)
+        g_h = torch.randn(h_n.shape, generator=gen).to(h_n)
+    ((out.float() * g_out.float()).sum() + (h_n.float() * g_h.float()).sum()).backward()
+    names = ["out", "h_n", "dx", "dh0"] + [f"d{n}" for n in names]
+    return dict(zip(names, [out, h_n, xi.grad, hi.grad] + [p.grad for p in params])), (g_out, g_h)
+
+
+def _assert_matches(got, ref, atol, rtol):
+    assert got.keys() == ref.keys()
+    for name in ref:
+        g, r = got[name], ref[name]
+        assert g is not None and torch.isfinite(g).all(), name
+        scale = max(1.0, r.abs().max().item())
+        torch.testing.assert_close(g.to(r.dtype), r, atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+@needs_triton
+@pytest.mark.parametrize("cell,depth", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["noln", "ln"])
+@pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+def test_matches_reference_float64(cell, depth, layer_norm, masked, reverse):
+    """Outputs, h_n and all gradients (x, h0, every parameter) in float64 (the interpreter computes in
+    float64 for float64 inputs, so agreement is to rounding)."""
+    T, B, I, H = 3, 3, 3, 5
+    layer = make_layer(cell, I, H, depth=depth, layer_norm=layer_norm)
+    torch.manual_seed(1)
+    x = torch.randn(T, B, I, dtype=torch.double)
+    h0 = torch.randn(B, H, dtype=torch.double)
+    mask = padding_mask([3, 2, 1], T) if masked else None
+    ref, g = _run(layer, x, h0, mask, None, reverse, "reference")
+    got, _ = _run(layer, x, h0, mask, None, reverse, "triton", *g)
+    _assert_matches(got, ref, atol=1e-12, rtol=1e-10)
+
+
+@needs_triton
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cell_depth=st.sampled_from(CASES), layer_norm=st.booleans(), T=st.integers(1, 4), B=st.integers(1, 3),
+       I=st.integers(1, 5), H=st.integers(1, 12), reverse=st.booleans(), data=st.data())
+def test_random_configurations(cell_depth, layer_norm, T, B, I, H, reverse, data):
+    cell, depth = cell_depth
+    lengths = data.draw(st.one_of(st.none(), st.lists(st.integers(1, T), min_size=B, max_size=B)))
+    layer = make_layer(cell, I, H, depth=depth, layer_norm=layer_norm)
+    x = torch.randn(T, B, I, dtype=torch.double)
+    h0 = torch.randn(B, H, dtype=torch.double)
+    mask = None if lengths is None else padding_mask(lengths, T)
+    ref, g = _run(layer, x, h0, mask, None, reverse, "reference")
+    got, _ = _run(layer, x, h0, mask, None, reverse, "triton", *g)
+    _assert_matches(got, ref, atol=1e-12, rtol=1e-10)
+
+
+@needs_triton
+@pytest.mark.parametrize("cell,depth", [("gru", 1), ("lgru", 2), ("lau", 1)])
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["noln", "ln"])
+def test_candidate_dropout(cell, depth, layer_norm):
+    T, B, I, H = 3, 2, 3, 4
+    layer = make_layer(cell, I, H, depth=depth, layer_norm=layer_norm)
+    torch.manual_seed(2)
+    drop = (torch.rand(depth + 1, B, H, dtype=torch.double) > 0.3).double() / 0.7
+    x = torch.randn(T, B, I, dtype=torch.double)
+    h0 = torch.randn(B, H, dtype=torch.double)
+    mask = padding_mask([3, 2], T)
+    ref, g = _run(layer, x, h0, mask, drop, True, "reference")
+    got, _ = _run(layer, x, h0, mask, drop, True, "triton", *g)
+    _assert_matches(got, ref, atol=1e-12, rtol=1e-10)
+
+
+@needs_triton
+@pytest.mark.parametrize("cell,depth,layer_norm", [("lgru", 1, True), ("gru", 0, False), ("atr", 0, True)])
+@pytest.mark.parametrize("H", [1, 17])
+def test_float32_odd_hidden_sizes(cell, depth, layer_norm, H):
+    """H that is not a power of two (masked lanes in the row reductions) and H=1."""
+    T, B, I = 4, 3, 5
+    layer = make_layer(cell, I, H, depth=depth, layer_norm=layer_norm, dtype=torch.float32)
+    torch.manual_seed(3)
+    x, h0 = torch.randn(T, B, I), torch.randn(B, H)
+    mask = padding_mask([4, 1, 3], T, torch.float32)
+    ref, g = _run(layer, x, h0, mask, None, False, "reference")
+    got, _ = _run(layer, x, h0, mask, None, False, "triton", *g)
+    _assert_matches(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cell,depth,layer_norm", [("lgru", 2, True), ("gru", 0, False), ("atr", 0, True)],
+                         ids=["lgru-d2-ln", "gru-d0", "atr-ln"])
+def test_low_precision_inputs(dtype, cell, depth, layer_norm):
+    """16-bit inputs and parameters against the float32 reference: the error (relative to each tensor's
+    largest entry) is within the format's precision and no worse than the eager reference run in the same
+    16-bit dtype (float32 state and statistics should make the kernels at least as accurate)."""
+    T, B, I, H = 4, 3, 4, 8
+    layer = make_layer(cell, I, H, depth=depth, layer_norm=layer_norm, dtype=torch.float32)
+    torch.manual_seed(4)
+    x, h0 = torch.randn(T, B, I), torch.randn(B, H)
+    mask = padding_mask([4, 2, 3], T, torch.float32)
+    ref, g = _run(layer, x, h0, mask, None, True, "reference")
+    low = layer.to(dtype)
+    got, _ = _run(low, x.to(dtype), h0.to(dtype), mask.to(dtype), None, True, "triton", *g)
+    eager, _ = _run(low, x.to(dtype), h0.to(dtype), mask.to(dtype), None, True, "reference", *g)
+    tol = 4e-2 if dtype == torch.bfloat16 else 5e-3
+    for name in ref:
+        assert got[name].dtype == dtype, name
+        scale = ref[name].abs().max().item() + 1e-3
+        err = (got[name].float() - ref[name]).abs().max().item() / scale
+        err_eager = (eager[name].float() - ref[name]).abs().max().item() / scale
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol}"
+        assert err <= 2 * err_eager + tol / 4, f"{name}: {err:.2e} vs eager {dtype} reference {err_eager:.2e}"
+
+
+@needs_triton
+@pytest.mark.parametrize("cell,depth", [("lgru", 2), ("lau", 0), ("atr", 0)])
+def test_single_step_cell(cell, depth):
+    """The single-step op (decoder use, T=1) through the public cell, with its gradients."""
+    torch.manual_seed(5)
+    if cell == "atr":
+        step = dk.nn.ATRCell(4, 6, layer_norm=True, backend="triton").double()
+    else:
+        step = dk.nn.DeepTransitionGRUCell(4, 6, depth=depth, cell=cell, layer_norm=True, backend="triton").double()
+    with torch.no_grad():
+        for p in step.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+    h = torch.randn(3, 6, dtype=torch.double, requires_grad=True)
+    results = {}
+    for backend in ("reference", "triton"):
+        step.backend = backend
+        h1 = step(x, h)
+        results[backend] = [h1, *torch.autograd.grad(h1.pow(2).sum(), [x, h, *step.parameters()])]
+    for a, b in zip(results["reference"], results["triton"]):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-10)
+
+
+@needs_triton
+def test_gradients_are_deterministic():
+    """Bias and layer-norm gradients are column sums of per-row values (no atomics): two runs agree bitwise."""
+    layer = make_layer("lgru", 3, 8, depth=1, layer_norm=True, dtype=torch.float32)
+    torch.manual_seed(6)
+    x, h0 = torch.randn(3, 3, 3), torch.randn(3, 8)
+    mask = padding_mask([3, 1, 2], 3, torch.float32)
+    first, g = _run(layer, x, h0, mask, None, False, "triton")
+    second, _ = _run(layer, x, h0, mask, None, False, "triton", *g)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@needs_triton
+def test_layers_end_to_end():
+    """The public layers with backend="triton" on CPU tensors (interpreter): bidirectional, batch_first,
+    lengths; same outputs and gradients as the reference backend; and the registry tells the truth."""
+    assert "triton" in dk.available_backends()
+    assert dk.resolve_backend("triton", torch.device("cpu")).name == "triton"
+    assert dk.resolve_backend("auto", torch.device("cpu")).name == "cpp"  # never the slow interpreter
+    torch.manual_seed(7)
+    lengths = [3, 1]
+    for layer in (dk.nn.DeepTransitionGRU(3, 4, depth=1, cell="lau", layer_norm=True, bidirectional=True,
+                                          batch_first=True, backend="triton"),
+                  dk.nn.ATR(3, 4, bidirectional=True, backend="triton")):
+        x = torch.randn(2, 3, 3) if layer.batch_first else torch.randn(3, 2, 3)
+        results = {}
+        for backend in ("triton", "reference"):
+            layer.backend = backend
+            layer.zero_grad()
+            out, h_n = layer(x, lengths=lengths)
+            (out.pow(2).sum() + h_n.sum()).backward()
+            results[backend] = [out, h_n] + [p.grad.clone() for p in layer.parameters()]
+        for a, b in zip(results["reference"], results["triton"]):
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+
+
+@needs_triton
+def test_unavailable_without_gpu_or_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device makes the backend available")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "triton" not in dk.available_backends()
+    layer = dk.nn.ATR(3, 4, backend="triton")
+    with pytest.raises(ValueError, match="backend 'triton' is not available: it needs a CUDA device"):
+        layer(torch.randn(2, 1, 3))
+
+
+def test_package_imports_without_triton():
+    """`import dtmt_kernels` never needs triton; without it the backend is reported unavailable, with why."""
+    code = (
+        "import sys, os\n"
+        "sys.modules['triton'] = None  # as if not installed: import fails, find_spec gives None\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "import dtmt_kernels as dk\n"
+        "from dtmt_kernels import backends\n"
+        "assert 'triton' not in dk.available_backends(), dk.available_backends()\n"
+        "print(backends._REGISTRY['triton'].unavailable())\n"
+    )
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "triton" in res.stdout and ("not installed" in res.stdout or "did not import" in res.stdout)
+
+
+# ---------------------------------------------------------- compiled for a GPU (no GPU needed to compile)
+def _compile_for_gpu(kernel, dtype, acc, arch, num_warps, **constexprs):
+    """Ahead-of-time compilation of one kernel specialisation to a cubin (triton's own front end, LLVM and
+    ptxas; no device needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    acc_args = {"HIN", "HBLK", "HOUT", "DIN", "CD", "DH", "DLNW", "DLNB"}
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name == "eps":
+            sig[name] = "fp32"
+        elif name in ("t", "hp_slab", "in_slab", "out_slab", "k", "dln_slab", "B", "H"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "*" + (acc if name in acc_args else dtype)
+    try:
+        src = ASTSource(kernel, sig, constexprs)
+    except TypeError as exc:  # pragma: no cover - other triton versions
+        pytest.skip(f"this triton's ASTSource API differs ({exc})")
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+GPU_COMPILE_CASES = [  # (kind, storage, accumulation, layer norm, other flags on)
+    (0, "fp32", "fp32", False, True), (0, "fp64", "fp64", True, True), (1, "fp32", "fp32", True, True),
+    (1, "bf16", "fp32", True, True), (2, "fp16", "fp32", True, False), (3, "fp32", "fp32", True, True),
+    (3, "bf16", "fp32", False, False), (4, "fp32", "fp32", True, True), (4, "bf16", "fp32", False, False),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", GPU_COMPILE_CASES, ids=lambda c: f"k{c[0]}-{c[1]}-{'ln' if c[3] else 'noln'}-"
+                                                                    f"{'flags' if c[4] else 'plain'}")
+def test_kernels_compile_for_gpu(compiled, case):
+    """The compiled (not interpreted) kernels go through triton's whole GPU pipeline for sm_90 (and sm_80
+    for 16-bit storage), forward and backward: what the interpreter cannot check (constexpr branches, types
+    of the lowered IR, register allocation) is checked here without a GPU."""
+    from dtmt_kernels.triton import ops
+
+    kind, dtype, acc, ln, flags = case
+    K = ops._kernels()
+    n_in, n_h, n_g = ops.ROWS[kind]
+    rows = dict(KIND=kind, NIN=max(n_in, 1), NH=n_h, NG=n_g, LN=ln, HAS_DROP=flags and kind != 3,
+                HAS_MASK=flags, BLOCK=512)
+    archs = (90, 80) if dtype in ("bf16", "fp16") else (90,)
+    for arch in archs:
+        fwd = _compile_for_gpu(K.step_forward_kernel, dtype, acc, arch, ops._num_warps(512), LAST=flags,
+                               WRITE_LP=dtype != acc, **rows)
+        bwd = _compile_for_gpu(K.step_backward_kernel, dtype, acc, arch, ops._num_warps(512), TOP=flags,
+                               BASE=flags or kind != 4, HAS_CG=flags, **rows)
+        for k in (fwd, bwd):
+            assert len(k.asm["cubin"]) > 0 and ".entry step_" in k.asm["ptx"]
+
+
+# ---------------------------------------------------------------------------------------------- GPU only
+def _gpu_check(cell, depth, dtype, T, B, I, H, drop_p=0.0, device="cuda"):
+    """triton (and cuda, when built) on the GPU against the float64 reference on the GPU: outputs and all
+    gradients, relative to each tensor's largest entry; also forward under no_grad."""
+    import copy
+
+    layer = make_layer(cell, I, H, depth=depth, layer_norm=True, dtype=torch.float32).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(0.3)
+    gen = torch.Generator().manual_seed(8)
+    x, h0 = torch.randn(T, B, I, generator=gen), torch.randn(B, H, generator=gen)
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).double()
+    drop = None
+    if drop_p and cell != "atr":
+        drop = (torch.rand(depth + 1, B, H, generator=gen) > drop_p).double() / (1 - drop_p)
+    cuda = dict(device=device)
+    ref, g = _run(copy.deepcopy(layer).double(), x.double().to(device), h0.double().to(device), mask.to(device),
+                  None if drop is None else drop.to(device), True, "reference")
+    low = layer.to(dtype)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
+    for backend in ["triton"] + (["cuda"] if "cuda" in dk.available_backends() else []):
+        args = (x.to(dtype=dtype, **cuda), h0.to(dtype=dtype, **cuda), mask.to(dtype=dtype, **cuda),
+                None if drop is None else drop.to(dtype=dtype, **cuda))
+        got, _ = _run(low, *args, True, backend, g[0].to(dtype), g[1].to(dtype))
+        for name in ref:
+            scale = ref[name].abs().max().item() + 1e-3
+            err = (got[name].double() - ref[name]).abs().max().item() / scale
+            assert err <= tol, f"{backend} {name}: relative error {err:.2e} > {tol}"
+        with torch.no_grad():
+            w = low.direction_weights(0)
+            out, h_n = Fn.transition_sequence(*args[:2], w, args[2], args[3], True, backend)
+        torch.testing.assert_close(out, got["out"].detach(), atol=0, rtol=0)
+        torch.testing.assert_close(h_n, got["h_n"].detach(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("cell,depth", CASES, ids=CASE_IDS)
+def test_gpu_compiled_matches_reference(compiled, cell, depth, dtype):
+    _gpu_check(cell, depth, dtype, T=12, B=16, I=40, H=200, drop_p=0.2)
+
+
+@pytest.mark.parametrize("H", [1, 1000, 2500])
+def test_gpu_compiled_hidden_sizes(compiled, H):
+    """One row per program at BLOCK 1..4096 (several warps; 16 warps at 4096)."""
+    _gpu_check("lgru", 1, torch.float32, T=5, B=3, I=8, H=H)
+
+
+for _mark in needs_gpu:
+    test_gpu_compiled_matches_reference = _mark(test_gpu_compiled_matches_reference)
+    test_gpu_compiled_hidden_sizes = _mark(test_gpu_compiled_hidden_sizes)

@@ -53,7 +53,7 @@ class CppTransitionFunction(torch.autograd.Function):
         return (dx, dh0, None, None, None, None, None, *dparams)
 
 
-def cpp_flat_params(w: TransitionWeights, like: Tensor):
+def flat_params(w: TransitionWeights, like: Tensor):
     """The ten parameter tensors in the kernels' order (T-GRU parameters stacked, absent ones empty)."""
     if w.depth:
         t_w, t_b = torch.stack(w.t_w), torch.stack(w.t_b)
@@ -70,13 +70,46 @@ def cpp_transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: O
                             drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
     """Same contract as reference.transition_sequence, computed by the C++ kernels."""
     return CppTransitionFunction.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse, eps,
-                                       *cpp_flat_params(w, x))
+                                       *flat_params(w, x))
 
 
-def cpp_transition_inference(x: Tensor, h0: Tensor, cell: str, flat_params, mask: Optional[Tensor] = None,
+class CudaTransitionFunction(torch.autograd.Function):
+    """The CUDA C++ kernels (`_C.transition_forward_cuda` / `_backward_cuda`, built only against a CUDA
+    torch): same arguments and saved tensors as autograd.CppTransitionFunction, plus the low-precision
+    copy of the states (`hs_lp`, empty for float32 / float64)."""
+
+    @staticmethod
+    def forward(ctx, x, h0, mask, drop, kind: int, reverse: bool, eps: float,
+                w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b):
+        params = [t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)]
+        x, h0, mask, drop = (t.contiguous() for t in (x, h0, mask, drop))
+        out, h_n, *saved = _C.transition_forward_cuda(x, h0, mask, drop, kind, *params, reverse, eps)
+        ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
+        ctx.save_for_backward(x, mask, drop, *params, *saved)
+        return out, h_n
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_hn):
+        x, mask, drop, *rest = ctx.saved_tensors
+        params, saved = rest[:10], rest[10:]
+        grads = _C.transition_backward_cuda(grad_out.contiguous(), grad_hn.contiguous(), x, mask, drop, ctx.kind,
+                                            *params, *saved, ctx.reverse, ctx.eps)
+        dx, dh0, *dparams = grads
+        dparams = [g if g is not None and g.numel() else None for g in dparams]
+        return (dx, dh0, None, None, None, None, None, *dparams)
+
+
+def cuda_transition_sequence(x, h0, w, mask=None, drop=None, reverse=False, eps=1e-5):
+    """Same contract as reference.transition_sequence, computed by the CUDA C++ kernels."""
+    return CudaTransitionFunction.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse,
+                                        float(eps), *flat_params(w, x))
+
+
+def cpp_transition_inference(x: Tensor, h0: Tensor, cell: str, params, mask: Optional[Tensor] = None,
                              drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
     """Forward only, without autograd bookkeeping (for use under torch.no_grad, e.g. in beam search):
-    `flat_params` as returned by cpp_flat_params, contiguous."""
+    `params` as returned by flat_params, contiguous."""
     out, h_n, *_ = _C.transition_forward(x.contiguous(), h0.contiguous(), _or_empty(mask, x), _or_empty(drop, x),
-                                         KINDS[cell], *flat_params, reverse, eps)
+                                         KINDS[cell], *params, reverse, eps)
     return out, h_n

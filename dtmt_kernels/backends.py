@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 BACKEND_NAMES = ("auto", "reference", "cpp", "triton", "cuda")
 
@@ -82,45 +81,6 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     return b
 
 
-class CudaTransitionFunction(torch.autograd.Function):
-    """The CUDA C++ kernels (`_C.transition_forward_cuda` / `_backward_cuda`, built only against a CUDA
-    torch): same arguments and saved tensors as autograd.CppTransitionFunction, plus the low-precision
-    copy of the states (`hs_lp`, empty for float32 / float64)."""
-
-    @staticmethod
-    def forward(ctx, x, h0, mask, drop, kind: int, reverse: bool, eps: float,
-                w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b):
-        from .autograd import _C
-
-        params = [t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)]
-        x, h0, mask, drop = (t.contiguous() for t in (x, h0, mask, drop))
-        out, h_n, *saved = _C.transition_forward_cuda(x, h0, mask, drop, kind, *params, reverse, eps)
-        ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
-        ctx.save_for_backward(x, mask, drop, *params, *saved)
-        return out, h_n
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_hn):
-        from .autograd import _C
-
-        x, mask, drop, *rest = ctx.saved_tensors
-        params, saved = rest[:10], rest[10:]
-        grads = _C.transition_backward_cuda(grad_out.contiguous(), grad_hn.contiguous(), x, mask, drop, ctx.kind,
-                                            *params, *saved, ctx.reverse, ctx.eps)
-        dx, dh0, *dparams = grads
-        dparams = [g if g is not None and g.numel() else None for g in dparams]
-        return (dx, dh0, None, None, None, None, None, *dparams)
-
-
-def cuda_transition_sequence(x, h0, w, mask=None, drop=None, reverse=False, eps=1e-5):
-    """Same contract as reference.transition_sequence, computed by the CUDA C++ kernels."""
-    from .autograd import KINDS, _or_empty, cpp_flat_params
-
-    return CudaTransitionFunction.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse,
-                                        float(eps), *cpp_flat_params(w, x))
-
-
 def _cuda_unavailable() -> Optional[str]:
     from . import autograd
 
@@ -156,7 +116,7 @@ def _register_builtin() -> None:
     register_backend(Backend(
         name="cuda", device_types=("cuda",),
         dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-        run=cuda_transition_sequence, unavailable=_cuda_unavailable))
+        run=autograd.cuda_transition_sequence, unavailable=_cuda_unavailable))
 
 
 _register_builtin()

@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .autograd import cpp_flat_params, cpp_transition_inference
+from .autograd import flat_params, cpp_transition_inference
 from .backends import check_backend_name, resolve_backend
 from .functional import check_dtype_for_backend, lengths_to_mask
 from .reference import CELL_KINDS, TransitionWeights
@@ -154,7 +154,7 @@ class _TransitionBase(nn.Module):
         hit = cache.get(direction)
         if hit is None or hit[0] != key:
             with torch.no_grad():
-                flat = [t.contiguous() for t in cpp_flat_params(self.direction_weights(direction), self.weight_hh)]
+                flat = [t.contiguous() for t in flat_params(self.direction_weights(direction), self.weight_hh)]
             cache[direction] = hit = (key, flat)
         return hit[1]
 

@@ -183,7 +183,7 @@ def emulated_cuda_ext(tmp_path_factory):
 
 
 def _emulated_sequence(ext):
-    from dtmt_kernels.autograd import KINDS, _or_empty, cpp_flat_params
+    from dtmt_kernels.autograd import KINDS, _or_empty, flat_params
 
     class Emulated(torch.autograd.Function):
         @staticmethod
@@ -204,7 +204,7 @@ def _emulated_sequence(ext):
 
     def run(x, h0, w, mask=None, drop=None, reverse=False, eps=1e-5):
         return Emulated.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse, eps,
-                              *cpp_flat_params(w, x))
+                              *flat_params(w, x))
     return run
 
 

@@ -36,10 +36,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ..autograd import KINDS, _or_empty, flat_params
 from ..reference import TransitionWeights
 from . import interpreting
 
-KINDS = {"gru": 0, "lgru": 1, "lau": 2, "atr": 3}
 # kind -> (input rows, recurrent rows, normalised gates)
 ROWS = {0: (3, 3, 2), 1: (5, 4, 3), 2: (5, 4, 3), 3: (1, 1, 2), 4: (0, 3, 2)}
 KIND_TGRU = 4
@@ -259,23 +259,6 @@ class TritonTransitionFunction(torch.autograd.Function):
                                      xp, hs, hs_lp, hp, hpt, needs)
         dx, dh0, *dparams = grads
         return (dx, dh0, None, None, None, None, None, *dparams)
-
-
-def _or_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
-    return like.new_empty(0) if t is None else t
-
-
-def flat_params(w: TransitionWeights, like: Tensor):
-    """The ten parameter tensors in the kernels' order (T-GRU parameters stacked, absent ones empty)."""
-    if w.depth:
-        t_w, t_b = torch.stack(w.t_w), torch.stack(w.t_b)
-        has_ln = w.t_ln_w[0] is not None
-        t_ln_w = torch.stack(w.t_ln_w) if has_ln else None
-        t_ln_b = torch.stack(w.t_ln_b) if has_ln else None
-    else:
-        t_w = t_b = t_ln_w = t_ln_b = None
-    return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, _or_empty(w.ln_w, like), _or_empty(w.ln_b, like),
-            _or_empty(t_w, like), _or_empty(t_b, like), _or_empty(t_ln_w, like), _or_empty(t_ln_b, like)]
 
 
 def triton_transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optional[Tensor] = None,

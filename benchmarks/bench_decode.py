@@ -55,22 +55,19 @@ class NoEOS(torch.nn.Module):
 
 
 def time_decode(model, batches, beam, repeat, max_len_a, max_len_b):
-    """(median seconds over `repeat` passes, output tokens per pass)."""
+    """(median seconds over `repeat` passes, the best hypothesis' tokens of each sentence)."""
     def one_pass():
-        n = 0
-        for src, lengths in batches:
-            for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6, max_len_a=max_len_a,
-                                    max_len_b=max_len_b):
-                n += len(hyps[0].tokens)
-        return n
+        return [hyps[0].tokens for src, lengths in batches
+                for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6, max_len_a=max_len_a,
+                                        max_len_b=max_len_b)]
 
-    one_pass()
-    times, n = [], 0
+    best = one_pass()
+    times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        n = one_pass()
+        best = one_pass()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), n
+    return statistics.median(times), best
 
 
 def make_batches(sentences, batch_size):
@@ -142,13 +139,11 @@ def main(argv=None):
         for beam in a.beams:
             for label, bs in (("1", 1), (f"{a.batch_size}", a.batch_size)):
                 batches = make_batches(sents, bs)
-                seconds, ntok = time_decode(model, batches, beam, a.repeat, la, lb)
-                words = ntok
-                if tv is not None:   # real words of the detokenised output
-                    words = 0
-                    for src, lengths in batches:
-                        for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6):
-                            words += len(tv.decode(hyps[0].tokens).split())
+                seconds, best = time_decode(model, batches, beam, a.repeat, la, lb)
+                if tv is None:   # synthetic: output tokens
+                    words = sum(len(tokens) for tokens in best)
+                else:            # real words of the detokenised output
+                    words = sum(len(tv.decode(tokens).split()) for tokens in best)
                 row = {"model": name, "params": params, "beam": beam, "batch": label, "sentences": len(sents),
                        "words": words, "seconds": seconds, "words_per_s": words / seconds,
                        "ms_per_sentence": 1000 * seconds / len(sents)}

@@ -166,3 +166,45 @@ def test_overfits_sixteen_pairs(name):
         if value <= 0.1 * first:
             break
     assert value <= 0.1 * first, f"{name}: loss {first:.3f} -> {value:.3f} after {step + 1} steps"
+
+
+def zipf_pairs(n_pairs=16, vocab=1000, min_len=20, max_len=30, seed=1):
+    """Pairs with a realistic shape: Zipf-distributed tokens (a few very frequent, like "the" and ","),
+    20-30 tokens a sentence, the target a word-for-word relabelling of the source."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, vocab - 3, dtype=torch.float) ** 1.1
+    pairs = []
+    for _ in range(n_pairs):
+        n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        s = (torch.multinomial(weights, n, True, generator=g) + 4).tolist()
+        pairs.append((s, [(x * 7) % (vocab - 4) + 4 for x in s]))
+    return pairs
+
+
+@pytest.mark.parametrize("name", ["dtmt", "shallow-rnmt"])
+def test_leaves_the_unigram_plateau_at_realistic_sizes(name):
+    """Regression test for the readout saturation: at vocab 1000, embed 64, hidden 128 and Adam 1e-3 the plain
+    readout tanh(W1 y + W2 s + W3 c) of these systems saturates within ~30 steps and the NLL stays at the
+    unigram entropy of the targets (4.25 nats here, 4.3 after 100 steps); with the layer-normalised readout it
+    keeps falling (about 2.3 after 100 steps)."""
+    import math
+    from collections import Counter
+
+    from dtmt_models.batching import collate
+    from dtmt_models.loss import label_smoothed_nll
+
+    src, src_lengths, prev, tgt = collate(zipf_pairs())
+    counts = Counter(tgt[tgt != 0].tolist())
+    total = sum(counts.values())
+    unigram_entropy = -sum(c / total * math.log(c / total) for c in counts.values())
+    torch.manual_seed(0)
+    model = dm.build_model(name, 1000, 1000, embed_dim=64, hidden_size=128)
+    opt = torch.optim.Adam(model.parameters(), 1e-3, betas=(0.9, 0.998), eps=1e-9)
+    for _ in range(100):
+        _, nll, ntok = label_smoothed_nll(model(src, src_lengths, prev), tgt, 0.0)
+        opt.zero_grad()
+        (nll / ntok).backward()
+        opt.step()
+    value = float(nll) / ntok
+    assert value < 0.75 * unigram_entropy, (
+        f"{name}: NLL {value:.2f} after 100 steps, unigram entropy {unigram_entropy:.2f} (stuck at the plateau)")

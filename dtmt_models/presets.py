@@ -64,9 +64,9 @@ PRESETS: Dict[str, Dict[str, dict]] = {
         "paper": dict(model=dict(embed_dim=1024, hidden_size=1024, encoder_layers=8, decoder_layers=8, dropout=0.2),
                       train=dict(lr=5e-4, schedule="constant", clip=5.0, max_tokens=8000, vocab_size=32000)),
     },
-    # the baseline of issue 6: about the size of the small recurrent systems.
+    # the baseline of issue 6, sized like the small dtmt (5.1 M against 5.2 M parameters at vocabularies 4,000).
     "transformer": {
-        "small": dict(model=dict(embed_dim=128, hidden_size=512, heads=4, encoder_layers=3, decoder_layers=3,
+        "small": dict(model=dict(embed_dim=192, hidden_size=768, heads=4, encoder_layers=4, decoder_layers=3,
                                  dropout=0.1),
                       train=dict(lr=1.0, schedule="inverse-sqrt", warmup=1000)),
         "paper": dict(model=dict(embed_dim=512, hidden_size=2048, heads=8, encoder_layers=6, decoder_layers=6,

@@ -3,6 +3,7 @@
 // (dtmt_kernels/functional.py); the TORCH_CHECKs here only guard against misuse of the raw op.
 #include <torch/extension.h>
 
+#include "attention.h"
 #include "cell_math.h"
 #include "transition.h"
 
@@ -100,7 +101,7 @@ std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tenso
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "dtmt fused recurrent kernels (deep transition block, ATR)";
+  m.doc() = "dtmt fused kernels (deep transition block, ATR, additive attention scores)";
   m.attr("KIND_GRU") = static_cast<int>(dtmt::kGRU);
   m.attr("KIND_LGRU") = static_cast<int>(dtmt::kLGRU);
   m.attr("KIND_LAU") = static_cast<int>(dtmt::kLAU);
@@ -110,6 +111,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("transition_backward", &transition_backward,
         "Deep transition / ATR backward; returns gradients [dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, "
         "dt_w, dt_b, dt_ln_w, dt_ln_b]");
+  m.def("additive_scores_forward", &dtmt::additive_scores_forward_cpu,
+        "Additive attention scores sum_d v[h,d] tanh(keys[b,s,h,d] + q[b,h,d]) -> [B, NH, S]");
+  m.def("additive_scores_backward", &dtmt::additive_scores_backward_cpu,
+        "Additive attention scores backward; returns [dkeys, dq, dv]");
 #ifdef DTMT_WITH_CUDA
   m.def("transition_forward_cuda", &transition_forward_cuda,
         "CUDA deep transition / ATR forward; returns [out, h_n, xp, hs, hs_lp, hp, hpt] (hs_lp empty for "

@@ -106,6 +106,30 @@ def cuda_transition_sequence(x, h0, w, mask=None, drop=None, reverse=False, eps=
                                         float(eps), *flat_params(w, x))
 
 
+class CppAdditiveScoresFunction(torch.autograd.Function):
+    """reference.additive_scores with the C++ kernel: one pass forward that keeps nothing but its inputs
+    (which the caller holds anyway), tanh recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, keys, query, v):
+        keys, query, v = keys.contiguous(), query.contiguous(), v.contiguous()
+        ctx.save_for_backward(keys, query, v)
+        return _C.additive_scores_forward(keys, query, v)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        dkeys, dquery, dv = _C.additive_scores_backward(grad.contiguous(), *ctx.saved_tensors)
+        return dkeys, dquery, dv
+
+
+def cpp_additive_scores(keys: Tensor, query: Tensor, v: Tensor) -> Tensor:
+    """Same contract as reference.additive_scores, computed by the C++ kernel."""
+    if not torch.is_grad_enabled():
+        return _C.additive_scores_forward(keys.contiguous(), query.contiguous(), v.contiguous())
+    return CppAdditiveScoresFunction.apply(keys, query, v)
+
+
 def cpp_transition_inference(x: Tensor, h0: Tensor, cell: str, params, mask: Optional[Tensor] = None,
                              drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
     """Forward only, without autograd bookkeeping (for use under torch.no_grad, e.g. in beam search):

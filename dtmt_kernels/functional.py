@@ -7,6 +7,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from . import reference
+from .autograd import cpp_additive_scores
 from .backends import resolve_backend
 from .reference import TransitionWeights
 
@@ -30,6 +32,29 @@ def transition_step(x: Tensor, h: Tensor, weights: TransitionWeights, drop: Opti
     """One step (decoder use): x [B, I], h [B, H] -> h' [B, H]."""
     _, h1 = transition_sequence(x.unsqueeze(0), h, weights, None, drop, False, backend, eps)
     return h1
+
+
+def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto") -> Tensor:
+    """Additive-attention scores of one decoder step, scores[b, h, s] = v[h] · tanh(keys[b, s, h] + query[b, h])
+    (see reference.additive_scores): keys [B, S, NH, D], query [B, NH, D], v [NH, D] -> [B, NH, S].
+
+    The backend is resolved as for the recurrent layers; `cpp` has a fused kernel for it (one pass, nothing
+    kept for backward). The GPU backends have none: with them the scores are computed by the same PyTorch
+    ops as the reference, on the GPU."""
+    if keys.dim() != 4 or query.dim() != 3 or v.dim() != 2:
+        raise ValueError(f"additive_scores: keys must be [B, S, NH, D], query [B, NH, D] and v [NH, D]; got "
+                         f"{list(keys.shape)}, {list(query.shape)}, {list(v.shape)}")
+    B, _, NH, D = keys.shape
+    if tuple(query.shape) != (B, NH, D) or tuple(v.shape) != (NH, D):
+        raise ValueError(f"additive_scores: with keys {list(keys.shape)}, query must be [{B}, {NH}, {D}] and "
+                         f"v [{NH}, {D}]; got {list(query.shape)} and {list(v.shape)}")
+    if query.dtype != keys.dtype or v.dtype != keys.dtype or query.device != keys.device or v.device != keys.device:
+        raise ValueError("additive_scores: keys, query and v must share dtype and device")
+    b = resolve_backend(backend, keys.device)
+    check_dtype_for_backend(b, keys.dtype, "keys")
+    if b.name == "cpp":
+        return cpp_additive_scores(keys, query, v)
+    return reference.additive_scores(keys, query, v)
 
 
 def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:

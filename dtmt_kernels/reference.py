@@ -156,3 +156,12 @@ def transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optio
             out[t] = torch.where(valid, h_new, torch.zeros_like(h_new))
             h = torch.where(valid, h_new, h)
     return torch.stack(out), h
+
+
+def additive_scores(keys: Tensor, query: Tensor, v: Tensor) -> Tensor:
+    """Additive-attention scores (Bahdanau; DTMT's multi-head form, SPEC §4), one decoder step:
+    scores[b, h, s] = v[h] · tanh(keys[b, s, h] + query[b, h]).
+
+    keys [B, S, NH, D] (the projected annotations, once per batch), query [B, NH, D] (the projected decoder
+    state), v [NH, D] -> scores [B, NH, S]. A single-head attention is NH = 1."""
+    return (torch.tanh(keys + query.unsqueeze(1)) * v).sum(-1).transpose(1, 2)

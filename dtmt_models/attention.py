@@ -8,6 +8,10 @@
 
 Keys depend only on the source, so `precompute(annotations)` runs once per batch and its result is kept
 in the decoder state; `forward(query, keys, annotations, src_mask)` is one decoder step.
+
+The scores v·tanh(q + k_j) are `dtmt_kernels.functional.additive_scores`, run on the module's `backend`
+(switched with the model's recurrent layers by `Seq2Seq.set_backend`): the C++ kernel for CPU tensors under
+"auto"/"cpp", PyTorch ops under "reference" (and on the GPU).
 """
 from __future__ import annotations
 
@@ -17,15 +21,32 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import dtmt_kernels as dk
+from dtmt_kernels.backends import check_backend_name
+
 
 def masked_softmax(scores: Tensor, src_mask: Tensor) -> Tensor:
     """softmax over the last dim, padded source positions (src_mask 0) get exactly zero weight."""
     return torch.softmax(scores.masked_fill(~src_mask, float("-inf")), dim=-1)
 
 
-class AdditiveAttention(nn.Module):
-    def __init__(self, query_dim: int, key_dim: int, attn_dim: int, layer_norm: bool = False):
+class _ScoresBackend:
+    """The `backend` attribute of the attention modules (validated like the recurrent layers')."""
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._backend = check_backend_name(value)
+
+
+class AdditiveAttention(_ScoresBackend, nn.Module):
+    def __init__(self, query_dim: int, key_dim: int, attn_dim: int, layer_norm: bool = False,
+                 backend: str = "auto"):
         super().__init__()
+        self.backend = backend
         self.query = nn.Linear(query_dim, attn_dim, bias=False)
         self.key = nn.Linear(key_dim, attn_dim, bias=True)
         self.v = nn.Linear(attn_dim, 1, bias=False)
@@ -38,14 +59,16 @@ class AdditiveAttention(nn.Module):
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """query [B, Q], keys [B, S, A], annotations [B, S, C], src_mask [B, S] bool ->
         (context [B, C], weights [B, S])."""
-        scores = self.v(torch.tanh(keys + self.ln_q(self.query(query)).unsqueeze(1))).squeeze(-1)
+        q = self.ln_q(self.query(query)).unsqueeze(1)                           # [B, 1, A]: one head
+        scores = dk.functional.additive_scores(keys.unsqueeze(2), q, self.v.weight, self.backend).squeeze(1)
         alpha = masked_softmax(scores, src_mask)
         return torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1), alpha
 
 
-class MultiHeadAdditiveAttention(nn.Module):
-    def __init__(self, query_dim: int, key_dim: int, attn_dim: int, heads: int = 4):
+class MultiHeadAdditiveAttention(_ScoresBackend, nn.Module):
+    def __init__(self, query_dim: int, key_dim: int, attn_dim: int, heads: int = 4, backend: str = "auto"):
         super().__init__()
+        self.backend = backend
         if attn_dim % heads or key_dim % heads:
             raise ValueError(f"MultiHeadAdditiveAttention: attn_dim={attn_dim} and key_dim={key_dim} must be "
                              f"divisible by heads={heads}")
@@ -63,9 +86,12 @@ class MultiHeadAdditiveAttention(nn.Module):
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """Returns (context [B, C], weights [B, heads, S])."""
         B, S, C = annotations.shape
-        q = self.query(query).view(B, 1, self.heads, -1)
-        scores = (torch.tanh(keys + q) * self.v).sum(-1).transpose(1, 2)     # [B, heads, S]
+        heads = self.heads
+        q = self.query(query).view(B, heads, -1)
+        scores = dk.functional.additive_scores(keys, q, self.v, self.backend)  # [B, heads, S]
         alpha = masked_softmax(scores, src_mask.unsqueeze(1))
-        values = annotations.view(B, S, self.heads, C // self.heads).transpose(1, 2)  # [B, heads, S, C/h]
-        context = torch.matmul(alpha.unsqueeze(2), values).squeeze(2).reshape(B, C)
+        # Head h reads its own slice of the annotations. Weighting all of C with every head's alpha and keeping
+        # the diagonal blocks avoids a per-step copy of the annotations into [B, heads, S, C/heads].
+        every = torch.bmm(alpha, annotations).view(B, heads, heads, C // heads)  # [B, heads(alpha), heads(C)]
+        context = every.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(B, C)
         return self.out(context), alpha

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from .attention import _ScoresBackend
 from .loss import label_smoothed_nll
 
 State = Dict[str, Tensor]
@@ -117,9 +118,9 @@ class Seq2Seq(nn.Module):
 
     # -------------------------------------------------------------------------------------- utilities
     def set_backend(self, backend: str) -> "Seq2Seq":
-        """Switches every fused recurrent layer of the model (e.g. "cpp" <-> "reference")."""
+        """Switches every fused recurrent layer and attention of the model (e.g. "cpp" <-> "reference")."""
         for m in self.modules():
-            if hasattr(m, "backend") and m is not self and hasattr(m, "direction_weights"):
+            if m is not self and (hasattr(m, "direction_weights") or isinstance(m, _ScoresBackend)):
                 m.backend = backend
         return self
 

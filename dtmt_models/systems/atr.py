@@ -55,7 +55,7 @@ class RNNSearchATR(AttentionalRNMT):
             self.encoder_forward = recurrent_layer(cell, E + H, H, batch_first=True, **opts)
         self.init_state = nn.Linear(2 * H, H)
         self.query_cell = recurrent_cell(cell, E, H, **opts)
-        self.attention = AdditiveAttention(H, 2 * H, H)
+        self.attention = AdditiveAttention(H, 2 * H, H, backend=backend)
         self.decoder_cell = recurrent_cell(cell, 2 * H, H, **opts)
         self.readout = Readout(E, H, 2 * H, E, tgt_vocab_size, dropout,
                                self.tgt_embed.weight if tie_embeddings else None)
@@ -86,7 +86,7 @@ class GNMTATR(Seq2Seq):
                                       recurrent_layer(cell, 2 * H, H, batch_first=True, **opts)])
         self.encoder.extend(recurrent_layer(cell, H, H, batch_first=True, **opts) for _ in range(encoder_layers - 2))
         self.init_state = nn.Linear(H, decoder_layers * H)
-        self.attention = AdditiveAttention(H, H, H)
+        self.attention = AdditiveAttention(H, H, H, backend=backend)
         self.decoder = nn.ModuleList([recurrent_cell(cell, E, H, **opts)])
         self.decoder.extend(recurrent_cell(cell, 2 * H, H, **opts) for _ in range(decoder_layers - 1))
         self.readout = Readout(E, H, H, E, tgt_vocab_size, dropout,

@@ -42,7 +42,7 @@ class DeepLAU(Seq2Seq):
                                                      reverse=bool(l % 2), **opts)
                                      for l in range(encoder_layers))
         self.init_state = nn.Linear(H, decoder_layers * H)
-        self.attention = AdditiveAttention(H + E, H, H)
+        self.attention = AdditiveAttention(H + E, H, H, backend=backend)
         self.decoder = nn.ModuleList(recurrent_cell(cell, H + E if l == 0 else H, H, **opts)
                                      for l in range(decoder_layers))
         self.readout = Projection(H, tgt_vocab_size, dropout)

@@ -67,7 +67,7 @@ class DTMT(AttentionalRNMT):
                                                batch_first=True, **common)
         self.init_state = nn.Linear(2 * H, H)
         self.query_cell = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=depths[1], cell=cells[1], **common)
-        self.attention = MultiHeadAdditiveAttention(H, 2 * H, attention_dim or H, heads)
+        self.attention = MultiHeadAdditiveAttention(H, 2 * H, attention_dim or H, heads, backend)
         self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=depths[2], cell=cells[2], **common)
         if readout_layer_norm is None:
             readout_layer_norm = layer_norm

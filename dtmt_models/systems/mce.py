@@ -121,7 +121,7 @@ class MultiChannelEncoderNMT(AttentionalRNMT):
         gru = dict(depth=0, cell="gru", layer_norm=False, backend=backend)
         self.init_state = nn.Linear(2 * H, H)
         self.query_cell = dk.nn.DeepTransitionGRUCell(E, H, **gru)
-        self.attention = AdditiveAttention(H, 2 * H, H)
+        self.attention = AdditiveAttention(H, 2 * H, H, backend=backend)
         self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, **gru)
         self.readout = Readout(E, H, 2 * H, E, tgt_vocab_size, dropout,
                                self.tgt_embed.weight if tie_embeddings else None)

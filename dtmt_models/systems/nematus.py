@@ -61,7 +61,7 @@ class _Level(nn.Module):
             self.first = dk.nn.DeepTransitionGRUCell(H, H, depth=0, **gru)
             self.second = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=transition_depth - 2, **gru)
             if kind == "cgru":
-                self.attention = AdditiveAttention(H, 2 * H, 2 * H, layer_norm)
+                self.attention = AdditiveAttention(H, 2 * H, 2 * H, layer_norm, backend)
 
     def forward(self, below: Tensor, state: Tensor, c1: Tensor, annotations: Tensor, keys: Tensor,
                 src_mask: Tensor) -> Tensor:
@@ -125,7 +125,7 @@ class Nematus(Seq2Seq):
         self.init_state = nn.Linear(2 * H, H)
         cell = dict(cell="gru", layer_norm=layer_norm, backend=backend)
         self.query_cell = dk.nn.DeepTransitionGRUCell(E, H, depth=0, **cell)
-        self.attention = AdditiveAttention(H, 2 * H, 2 * H, layer_norm)
+        self.attention = AdditiveAttention(H, 2 * H, 2 * H, layer_norm, backend)
         self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=base_depth - 2, **cell)
         self.levels = nn.ModuleList(_Level(high, H, high_depth, layer_norm, backend) for _ in range(dec_levels - 1))
         self.readout = Readout(E, H, 2 * H, E, tgt_vocab_size, dropout,

@@ -1,0 +1,18 @@
+// Declarations of the fused additive-attention score op (see attention_cpu.cpp for the algorithm).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace dtmt {
+
+// scores[b, h, s] = sum_d v[h, d] * tanh(keys[b, s, h, d] + q[b, h, d]).
+// keys [B, S, NH, D], q [B, NH, D], v [NH, D] (contiguous, one dtype) -> scores [B, NH, S].
+at::Tensor additive_scores_forward_cpu(const at::Tensor& keys, const at::Tensor& q, const at::Tensor& v);
+
+// grad [B, NH, S] -> {dkeys [B, S, NH, D], dq [B, NH, D], dv [NH, D]}; tanh is recomputed, nothing is saved.
+std::vector<at::Tensor> additive_scores_backward_cpu(const at::Tensor& grad, const at::Tensor& keys,
+                                                     const at::Tensor& q, const at::Tensor& v);
+
+}  // namespace dtmt

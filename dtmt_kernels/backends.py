@@ -61,6 +61,19 @@ def check_backend_name(name: str) -> str:
     return name
 
 
+class BackendSwitch:
+    """Mixin of the modules that run on a chosen backend (the recurrent layers of nn.py, the attention
+    modules of dtmt_models): a `backend` attribute checked against BACKEND_NAMES when set."""
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._backend = check_backend_name(value)
+
+
 def resolve_backend(name: str, device: torch.device) -> Backend:
     """The backend that runs `name` for tensors on `device`, or a ValueError saying why none can."""
     check_backend_name(name)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .autograd import flat_params, cpp_transition_inference
-from .backends import check_backend_name, resolve_backend
+from .backends import BackendSwitch, resolve_backend
 from .functional import check_dtype_for_backend, lengths_to_mask
 from .reference import CELL_KINDS, TransitionWeights
 
@@ -37,7 +37,7 @@ CELL_ROWS = {"gru": (3, 3, 2), "lgru": (5, 4, 3), "lau": (5, 4, 3), "atr": (1, 1
 TGRU_ROWS = (3, 2)
 
 
-class _TransitionBase(nn.Module):
+class _TransitionBase(BackendSwitch, nn.Module):
     """Parameters, backend switch and input checks shared by the layers and cells of this module."""
 
     def __init__(self, input_size: int, hidden_size: int, cell: str, depth: int, layer_norm: bool,
@@ -79,14 +79,6 @@ class _TransitionBase(nn.Module):
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------------- setup
-    @property
-    def backend(self) -> str:
-        return self._backend
-
-    @backend.setter
-    def backend(self, value: str) -> None:
-        self._backend = check_backend_name(value)
-
     def _suffixes(self) -> List[str]:
         return ["", "_reverse"][: self.num_directions]
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch import Tensor
 
 import dtmt_kernels as dk
-from dtmt_kernels.backends import check_backend_name
+from dtmt_kernels.backends import BackendSwitch
 
 
 def masked_softmax(scores: Tensor, src_mask: Tensor) -> Tensor:
@@ -30,19 +30,7 @@ def masked_softmax(scores: Tensor, src_mask: Tensor) -> Tensor:
     return torch.softmax(scores.masked_fill(~src_mask, float("-inf")), dim=-1)
 
 
-class _ScoresBackend:
-    """The `backend` attribute of the attention modules (validated like the recurrent layers')."""
-
-    @property
-    def backend(self) -> str:
-        return self._backend
-
-    @backend.setter
-    def backend(self, value: str) -> None:
-        self._backend = check_backend_name(value)
-
-
-class AdditiveAttention(_ScoresBackend, nn.Module):
+class AdditiveAttention(BackendSwitch, nn.Module):
     def __init__(self, query_dim: int, key_dim: int, attn_dim: int, layer_norm: bool = False,
                  backend: str = "auto"):
         super().__init__()
@@ -65,7 +53,7 @@ class AdditiveAttention(_ScoresBackend, nn.Module):
         return torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1), alpha
 
 
-class MultiHeadAdditiveAttention(_ScoresBackend, nn.Module):
+class MultiHeadAdditiveAttention(BackendSwitch, nn.Module):
     def __init__(self, query_dim: int, key_dim: int, attn_dim: int, heads: int = 4, backend: str = "auto"):
         super().__init__()
         self.backend = backend

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .attention import _ScoresBackend
+from dtmt_kernels.backends import BackendSwitch
+
 from .loss import label_smoothed_nll
 
 State = Dict[str, Tensor]
@@ -120,7 +121,7 @@ class Seq2Seq(nn.Module):
     def set_backend(self, backend: str) -> "Seq2Seq":
         """Switches every fused recurrent layer and attention of the model (e.g. "cpp" <-> "reference")."""
         for m in self.modules():
-            if m is not self and (hasattr(m, "direction_weights") or isinstance(m, _ScoresBackend)):
+            if isinstance(m, BackendSwitch):
                 m.backend = backend
         return self
 

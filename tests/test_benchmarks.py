@@ -48,3 +48,15 @@ def test_bench_quality_quick(tmp_path):
     assert len(rows) == 1 and rows[0]["steps"] > 0 and 0 <= rows[0]["test_bleu"] <= 100
     with open(os.path.join(tmp_path, "q", "bench_quality.md")) as f:
         assert "| dtmt |" in f.read()
+
+
+@pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
+def test_bench_attention_quick(tmp_path):
+    from benchmarks import bench_attention
+    rows = bench_attention.main(["--quick", "--out", str(tmp_path)])
+    assert [r["backend"] for r in rows] == ["reference", "cpp"]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["saved_KB"] > 0 for r in rows)
+    assert rows[0]["x_fwd"] == 1.0
+    # the fused scores keep nothing beyond their inputs: the reference keeps the tanh output [B, S, A] too
+    assert rows[1]["saved_KB"] < rows[0]["saved_KB"]
+    assert os.path.isfile(os.path.join(tmp_path, "bench_attention.csv"))

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py                  # every system, small preset sizes, table + CSV + PNG
     python benchmarks/bench_train.py --systems dtmt transformer --steps 5 --quick
+    python benchmarks/bench_train.py --one dtmt cpp --profile 25   # one pair, where its time goes
 
 Each (system, backend) pair is measured in a fresh subprocess (so the peak resident memory belongs to that
 pair alone) on the same synthetic batches: a token budget of --max-tokens target tokens, source and target
@@ -47,7 +48,12 @@ def synthetic_batches(n: int, max_tokens: int, vocab: int, seed: int = 0):
     return out
 
 
-def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: int, vocab: int, threads: int):
+def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: int, vocab: int, threads: int,
+                profile: int = 0):
+    """One (system, backend) pair in this process. With profile > 0, the timed updates run under
+    torch.profiler and the `profile` ops with the most self CPU time are printed to stderr."""
+    import contextlib
+
     import torch
 
     from dtmt_models.batching import collate
@@ -94,10 +100,14 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     update(batches[0], saved)
     for b in batches[1:warmup]:
         update(b)
-    tokens, t0 = 0, time.perf_counter()
-    for b in batches[warmup:]:
-        tokens += update(b)
-    elapsed = time.perf_counter() - t0
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    with prof if prof is not None else contextlib.nullcontext():
+        tokens, t0 = 0, time.perf_counter()
+        for b in batches[warmup:]:
+            tokens += update(b)
+        elapsed = time.perf_counter() - t0
+    if prof is not None:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile), file=sys.stderr)
     return {"system": system, "backend": backend, "params": sum(p.numel() for p in model.parameters()),
             "tok_s": tokens / elapsed, "ms_per_update": 1000 * elapsed / steps, "saved_MB": saved.bytes / 2 ** 20,
             "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -118,12 +128,15 @@ def run(argv=None):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny run (for the tests)")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
-    p.add_argument("--one", nargs=2, metavar=("SYSTEM", "BACKEND"), help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=2, metavar=("SYSTEM", "BACKEND"),
+                   help="measure one pair in this process (e.g. --one dtmt cpp), printing a JSON row")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="with --one: profile the timed updates and print the N ops with most self CPU time")
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.warmup, a.max_tokens, a.vocab = 2, 1, 300, 200
     if a.one:
-        print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads)))
+        print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads, a.profile)))
         return []
     rows = []
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -1,4 +1,4 @@
-// Declarations of the fused additive-attention score op (see attention_cpu.cpp for the algorithm).
+// Declarations of the fused additive-attention ops: scores and context (see attention_cpu.cpp for the algorithm).
 #pragma once
 
 #include <torch/extension.h>
@@ -14,5 +14,13 @@ at::Tensor additive_scores_forward_cpu(const at::Tensor& keys, const at::Tensor&
 // grad [B, NH, S] -> {dkeys [B, S, NH, D], dq [B, NH, D], dv [NH, D]}; tanh is recomputed, nothing is saved.
 std::vector<at::Tensor> additive_scores_backward_cpu(const at::Tensor& grad, const at::Tensor& keys,
                                                      const at::Tensor& q, const at::Tensor& v);
+
+// context[b, h*Dc + d] = sum_s alpha[b, h, s] * values[b, s, h*Dc + d], Dc = C / NH.
+// alpha [B, NH, S] contiguous, values [B, S, C] with a contiguous last dimension -> context [B, C].
+at::Tensor attention_context_forward_cpu(const at::Tensor& alpha, const at::Tensor& values);
+
+// grad [B, C] -> {dalpha [B, NH, S], dvalues [B, S, C] (laid out like values)}.
+std::vector<at::Tensor> attention_context_backward_cpu(const at::Tensor& grad, const at::Tensor& alpha,
+                                                       const at::Tensor& values);
 
 }  // namespace dtmt

@@ -101,7 +101,7 @@ std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tenso
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "dtmt fused kernels (deep transition block, ATR, additive attention scores)";
+  m.doc() = "dtmt fused kernels (deep transition block, ATR, additive attention scores and context)";
   m.attr("KIND_GRU") = static_cast<int>(dtmt::kGRU);
   m.attr("KIND_LGRU") = static_cast<int>(dtmt::kLGRU);
   m.attr("KIND_LAU") = static_cast<int>(dtmt::kLAU);
@@ -115,6 +115,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Additive attention scores sum_d v[h,d] tanh(keys[b,s,h,d] + q[b,h,d]) -> [B, NH, S]");
   m.def("additive_scores_backward", &dtmt::additive_scores_backward_cpu,
         "Additive attention scores backward; returns [dkeys, dq, dv]");
+  m.def("attention_context_forward", &dtmt::attention_context_forward_cpu,
+        "Attention context sum_s alpha[b,h,s] values[b,s,h*Dc:(h+1)*Dc] -> [B, C]");
+  m.def("attention_context_backward", &dtmt::attention_context_backward_cpu,
+        "Attention context backward; returns [dalpha, dvalues]");
 #ifdef DTMT_WITH_CUDA
   m.def("transition_forward_cuda", &transition_forward_cuda,
         "CUDA deep transition / ATR forward; returns [out, h_n, xp, hs, hs_lp, hp, hpt] (hs_lp empty for "

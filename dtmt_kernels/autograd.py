@@ -119,15 +119,37 @@ class CppAdditiveScoresFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        dkeys, dquery, dv = _C.additive_scores_backward(grad.contiguous(), *ctx.saved_tensors)
-        return dkeys, dquery, dv
+        return tuple(_C.additive_scores_backward(grad.contiguous(), *ctx.saved_tensors))
 
 
 def cpp_additive_scores(keys: Tensor, query: Tensor, v: Tensor) -> Tensor:
     """Same contract as reference.additive_scores, computed by the C++ kernel."""
-    if not torch.is_grad_enabled():
-        return _C.additive_scores_forward(keys.contiguous(), query.contiguous(), v.contiguous())
     return CppAdditiveScoresFunction.apply(keys, query, v)
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+class CppAttentionContextFunction(torch.autograd.Function):
+    """reference.attention_context with the C++ kernel: one pass each way over the values, which may be a
+    strided view (only the last dimension must be contiguous); nothing is saved beyond the inputs."""
+
+    @staticmethod
+    def forward(ctx, alpha, values):
+        alpha, values = alpha.contiguous(), _last_dim_contiguous(values)
+        ctx.save_for_backward(alpha, values)
+        return _C.attention_context_forward(alpha, values)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return tuple(_C.attention_context_backward(grad.contiguous(), *ctx.saved_tensors))
+
+
+def cpp_attention_context(alpha: Tensor, values: Tensor) -> Tensor:
+    """Same contract as reference.attention_context, computed by the C++ kernel."""
+    return CppAttentionContextFunction.apply(alpha, values)
 
 
 def cpp_transition_inference(x: Tensor, h0: Tensor, cell: str, params, mask: Optional[Tensor] = None,

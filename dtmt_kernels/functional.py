@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .autograd import cpp_additive_scores
+from .autograd import cpp_additive_scores, cpp_attention_context
 from .backends import resolve_backend
 from .reference import TransitionWeights
 
@@ -55,6 +55,28 @@ def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto
     if b.name == "cpp":
         return cpp_additive_scores(keys, query, v)
     return reference.additive_scores(keys, query, v)
+
+
+def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> Tensor:
+    """The context of one decoder step, head h weighting its own C/NH columns of the values
+    (see reference.attention_context): alpha [B, NH, S], values [B, S, C] -> [B, C].
+
+    Backends as for additive_scores: `cpp` has a fused kernel (values may be any view whose last dimension is
+    contiguous, e.g. the transposed encoder output); the others run the reference's PyTorch ops."""
+    if alpha.dim() != 3 or values.dim() != 3:
+        raise ValueError(f"attention_context: alpha must be [B, NH, S] and values [B, S, C]; got "
+                         f"{list(alpha.shape)} and {list(values.shape)}")
+    B, NH, S = alpha.shape
+    if values.shape[0] != B or values.shape[1] != S or NH == 0 or values.shape[2] % NH:
+        raise ValueError(f"attention_context: with alpha {list(alpha.shape)}, values must be [{B}, {S}, C] with C "
+                         f"divisible by {NH}; got {list(values.shape)}")
+    if alpha.dtype != values.dtype or alpha.device != values.device:
+        raise ValueError("attention_context: alpha and values must share dtype and device")
+    b = resolve_backend(backend, values.device)
+    check_dtype_for_backend(b, values.dtype, "values")
+    if b.name == "cpp":
+        return cpp_attention_context(alpha, values)
+    return reference.attention_context(alpha, values)
 
 
 def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:

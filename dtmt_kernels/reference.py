@@ -165,3 +165,18 @@ def additive_scores(keys: Tensor, query: Tensor, v: Tensor) -> Tensor:
     keys [B, S, NH, D] (the projected annotations, once per batch), query [B, NH, D] (the projected decoder
     state), v [NH, D] -> scores [B, NH, S]. A single-head attention is NH = 1."""
     return (torch.tanh(keys + query.unsqueeze(1)) * v).sum(-1).transpose(1, 2)
+
+
+def attention_context(alpha: Tensor, values: Tensor) -> Tensor:
+    """The attention context of one decoder step: head h weights its own C/NH columns of the values,
+    context[b, h·Dc + d] = Σ_s alpha[b, h, s] · values[b, s, h·Dc + d] (Dc = C / NH).
+
+    alpha [B, NH, S], values [B, S, C] (the annotations) -> [B, C]. A single head (NH = 1) reads all of C.
+    Computed as one batched GEMM of every head's alpha against all of C, keeping the diagonal blocks: the
+    fastest eager form measured (no per-step copy of the values into heads, at NH times the multiply-adds)."""
+    B, NH, _ = alpha.shape
+    C = values.shape[-1]
+    if NH == 1:
+        return torch.bmm(alpha, values).squeeze(1)
+    every = torch.bmm(alpha, values).view(B, NH, NH, C // NH)  # [B, heads (alpha), heads (columns), Dc]
+    return every.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(B, C)

@@ -9,9 +9,10 @@
 Keys depend only on the source, so `precompute(annotations)` runs once per batch and its result is kept
 in the decoder state; `forward(query, keys, annotations, src_mask)` is one decoder step.
 
-The scores v·tanh(q + k_j) are `dtmt_kernels.functional.additive_scores`, run on the module's `backend`
-(switched with the model's recurrent layers by `Seq2Seq.set_backend`): the C++ kernel for CPU tensors under
-"auto"/"cpp", PyTorch ops under "reference" (and on the GPU).
+The scores v·tanh(q + k_j) and the context Σ_j α_j h_j are `dtmt_kernels.functional.additive_scores` and
+`attention_context`, run on the module's `backend` (switched with the model's recurrent layers by
+`Seq2Seq.set_backend`): the C++ kernels for CPU tensors under "auto"/"cpp", PyTorch ops under "reference"
+(and on the GPU).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class AdditiveAttention(BackendSwitch, nn.Module):
         q = self.ln_q(self.query(query)).unsqueeze(1)                           # [B, 1, A]: one head
         scores = dk.functional.additive_scores(keys.unsqueeze(2), q, self.v.weight, self.backend).squeeze(1)
         alpha = masked_softmax(scores, src_mask)
-        return torch.bmm(alpha.unsqueeze(1), annotations).squeeze(1), alpha
+        return dk.functional.attention_context(alpha.unsqueeze(1), annotations, self.backend), alpha
 
 
 class MultiHeadAdditiveAttention(BackendSwitch, nn.Module):
@@ -73,13 +74,8 @@ class MultiHeadAdditiveAttention(BackendSwitch, nn.Module):
 
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """Returns (context [B, C], weights [B, heads, S])."""
-        B, S, C = annotations.shape
-        heads = self.heads
-        q = self.query(query).view(B, heads, -1)
+        q = self.query(query).view(query.shape[0], self.heads, -1)
         scores = dk.functional.additive_scores(keys, q, self.v, self.backend)  # [B, heads, S]
         alpha = masked_softmax(scores, src_mask.unsqueeze(1))
-        # Head h reads its own slice of the annotations. Weighting all of C with every head's alpha and keeping
-        # the diagonal blocks avoids a per-step copy of the annotations into [B, heads, S, C/heads].
-        every = torch.bmm(alpha, annotations).view(B, heads, heads, C // heads)  # [B, heads(alpha), heads(C)]
-        context = every.diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(B, C)
+        context = dk.functional.attention_context(alpha, annotations, self.backend)  # head h: its own C/heads
         return self.out(context), alpha

@@ -1,6 +1,7 @@
-"""The fused additive-attention score kernel (csrc/attention_cpu.cpp) against reference.additive_scores:
-float64 gradcheck, float32 agreement on random shapes, the no-grad path, input checks, and the attention
-modules switching with the model's backend."""
+"""The fused additive-attention kernels (csrc/attention_cpu.cpp): the scores against
+reference.additive_scores and the context against an einsum per head (and reference.attention_context):
+float64 gradcheck, float32 agreement on random shapes, strided inputs, the no-grad path, determinism, input
+checks, and the attention modules switching with the model's backend."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -8,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 import dtmt_kernels as dk
 import dtmt_models as dm
 from dtmt_kernels import reference
+from dtmt_kernels.autograd import cpp_attention_context
 from dtmt_models.attention import AdditiveAttention, MultiHeadAdditiveAttention
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
@@ -53,18 +55,108 @@ def test_no_grad_path_and_non_contiguous_inputs():
     torch.testing.assert_close(out, reference.additive_scores(k, q, v).detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_are_deterministic():
-    k, q, v = _inputs(16, 30, 4, 32, torch.float32)
+@pytest.fixture
+def restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _grads_over_threads(f, inputs):
     grads = []
     for threads in (1, 2, 1):
         torch.set_num_threads(threads)
-        for t in (k, q, v):
+        for t in inputs:
             t.grad = None
-        dk.functional.additive_scores(k, q, v, "cpp").sum().backward()
-        grads.append([t.grad.clone() for t in (k, q, v)])
+        f(*inputs).sin().sum().backward()
+        grads.append([t.grad.clone() for t in inputs])
     for g in grads[1:]:
         for a, b in zip(grads[0], g):
             assert torch.equal(a, b)
+
+
+def test_gradients_are_deterministic(restore_threads):
+    _grads_over_threads(lambda k, q, v: dk.functional.additive_scores(k, q, v, "cpp"),
+                        _inputs(16, 30, 4, 32, torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------ context
+def _context_inputs(B, S, NH, C, dtype, seed=0, transposed=False):
+    """alpha [B, NH, S] (softmax rows) and values [B, S, C]; transposed: values a [S, B, C] tensor viewed
+    batch first, as the encoder output is."""
+    g = torch.Generator().manual_seed(seed)
+    alpha = torch.softmax(torch.randn(B, NH, S, generator=g, dtype=dtype) * 2, -1).requires_grad_()
+    if transposed:
+        values = torch.randn(S, B, C, generator=g, dtype=dtype).requires_grad_()
+        return alpha, values, values.transpose(0, 1)
+    values = torch.randn(B, S, C, generator=g, dtype=dtype).requires_grad_()
+    return alpha, values, values
+
+
+def _context_per_head(alpha, values):
+    """The definition, head by head: context[b, h-th slice] = sum_s alpha[b, h, s] * values[b, s, h-th slice]."""
+    NH, C = alpha.shape[1], values.shape[2]
+    Dc = C // NH
+    return torch.cat([torch.einsum("bs,bsd->bd", alpha[:, h], values[:, :, h * Dc:(h + 1) * Dc])
+                      for h in range(NH)], 1)
+
+
+@pytest.mark.parametrize("B,S,NH,C,transposed", [(3, 5, 4, 8, False), (1, 1, 1, 3, False), (2, 7, 1, 16, True),
+                                                 (4, 2, 3, 6, True), (2, 3, 2, 2, False)])
+def test_context_gradcheck_float64(B, S, NH, C, transposed):
+    alpha, leaf, values = _context_inputs(B, S, NH, C, torch.double, transposed=transposed)
+    f = lambda a, v: dk.functional.attention_context(a, v.transpose(0, 1) if transposed else v, "cpp")
+    assert torch.autograd.gradcheck(f, (alpha, leaf), eps=1e-6, atol=1e-7, rtol=1e-5)
+    out = f(alpha, leaf)
+    torch.testing.assert_close(out, _context_per_head(alpha, values), rtol=0, atol=1e-14)
+    torch.testing.assert_close(out, reference.attention_context(alpha, values), rtol=0, atol=1e-14)
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 9), S=st.integers(1, 40), NH=st.integers(1, 6), Dc=st.integers(1, 40),
+       transposed=st.booleans(), seed=st.integers(0, 2**16))
+def test_context_float32_matches_definition(B, S, NH, Dc, transposed, seed):
+    alpha, leaf, values = _context_inputs(B, S, NH, NH * Dc, torch.float32, seed, transposed)
+    alpha_r, leaf_r = (t.detach().clone().requires_grad_() for t in (alpha, leaf))
+    values_r = leaf_r.transpose(0, 1) if transposed else leaf_r
+    out = dk.functional.attention_context(alpha, values, "cpp")
+    expected = _context_per_head(alpha_r, values_r)
+    assert out.shape == (B, NH * Dc)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(alpha.grad, alpha_r.grad, rtol=1e-4, atol=1e-4 * Dc ** 0.5)
+    torch.testing.assert_close(leaf.grad, leaf_r.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_context_gradient_of_a_strided_view_is_laid_out_like_it():
+    alpha, _, values = _context_inputs(3, 4, 2, 6, torch.float32, transposed=True)
+    (grad_values,) = torch.autograd.grad(cpp_attention_context(alpha, values).sum(), values)
+    assert grad_values.stride() == values.stride()
+    torch.testing.assert_close(grad_values, alpha.detach().repeat_interleave(3, 1).transpose(1, 2))
+
+
+def test_context_gradients_are_deterministic(restore_threads):
+    alpha, values, _ = _context_inputs(16, 30, 4, 64, torch.float32)
+    _grads_over_threads(lambda a, v: dk.functional.attention_context(a, v, "cpp"), [alpha, values])
+
+
+@pytest.mark.parametrize("bad", ["rank", "batch", "length", "heads", "dtype"])
+def test_context_bad_inputs_are_value_errors(bad):
+    alpha, values, _ = (t.detach() for t in _context_inputs(2, 3, 2, 4, torch.float32))
+    if bad == "rank":
+        values = values.reshape(6, 4)
+    elif bad == "batch":
+        values = values[:1]
+    elif bad == "length":
+        values = values[:, :2]
+    elif bad == "heads":
+        alpha = torch.softmax(torch.randn(2, 3, 3), -1)
+    else:
+        alpha = alpha.double()
+    with pytest.raises(ValueError, match="attention_context"):
+        dk.functional.attention_context(alpha, values, "cpp")
 
 
 @pytest.mark.parametrize("bad", ["rank", "query", "v", "dtype"])

@@ -56,7 +56,6 @@ def test_bench_attention_quick(tmp_path):
     rows = bench_attention.main(["--quick", "--out", str(tmp_path)])
     assert [r["backend"] for r in rows] == ["reference", "cpp"]
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["saved_KB"] > 0 for r in rows)
-    assert rows[0]["x_fwd"] == 1.0
     # the fused scores keep nothing beyond their inputs: the reference keeps the tanh output [B, S, A] too
     assert rows[1]["saved_KB"] < rows[0]["saved_KB"]
     assert os.path.isfile(os.path.join(tmp_path, "bench_attention.csv"))

@@ -1,8 +1,11 @@
 """`transformer`: a torch.nn.Transformer baseline of comparable size, for side-by-side comparisons.
 
 Embeddings scaled by sqrt(d) plus sinusoidal positions (unscaled, as in Vaswani et al.), pre-norm
-torch.nn.TransformerEncoder/Decoder layers, output projection tied to the target embedding. Incremental decoding
-keeps the target prefix in the state and re-runs the decoder on it (simple and exact; O(T²) per sentence).
+torch.nn.TransformerEncoder/Decoder layers, output projection tied to the target embedding. Teacher forcing runs
+torch's decoder over the whole target; incremental decoding (beam search) runs the same layers one position at a
+time with a key/value cache: per layer the self-attention keys and values of the positions so far, and the
+cross-attention keys and values of the source, projected once at `encode`. So a step costs O(t), not a re-run of
+the prefix, and the speed comparisons against the recurrent systems are fair.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..embeddings import sinusoidal_positions
@@ -50,11 +54,36 @@ class TransformerNMT(Seq2Seq):
             raise ValueError(f"transformer: sequence longer than max_len={self.pe.shape[0]}")
         return self.dropout(emb(tokens) * math.sqrt(self.embed_dim) + self.pe[offset:offset + T])
 
-    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+    def _encode(self, src: Tensor, src_lengths: Tensor) -> State:
         self.check_batch(src, src_lengths)
         pad = ~lengths_mask(src_lengths, src.shape[1])
         memory = self.transformer.encoder(self._embed(self.src_embed, src), src_key_padding_mask=pad)
         return {"memory": memory, "src_pad": pad, "prefix": src.new_zeros(src.shape[0], 0)}
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+        """The encoder's state plus the empty key/value cache of incremental decoding."""
+        state = self._encode(src, src_lengths)
+        E = self.embed_dim
+        for i, layer in enumerate(self.transformer.decoder.layers):
+            att = layer.multihead_attn
+            w, b = att.in_proj_weight, att.in_proj_bias
+            state[f"mem_k{i}"] = self._heads(F.linear(state["memory"], w[E:2 * E], b[E:2 * E]), att.num_heads)
+            state[f"mem_v{i}"] = self._heads(F.linear(state["memory"], w[2 * E:], b[2 * E:]), att.num_heads)
+            empty = state[f"mem_k{i}"][:, :, :0]
+            state[f"self_k{i}"], state[f"self_v{i}"] = empty, empty
+        return state
+
+    @staticmethod
+    def _heads(x: Tensor, heads: int) -> Tensor:
+        """[B, T, E] -> [B, heads, T, E/heads]."""
+        B, T, E = x.shape
+        return x.view(B, T, heads, E // heads).transpose(1, 2)
+
+    @staticmethod
+    def _merge(x: Tensor) -> Tensor:
+        """[B, heads, T, d] -> [B, T, heads*d]."""
+        B, h, T, d = x.shape
+        return x.transpose(1, 2).reshape(B, T, h * d)
 
     def _decode(self, state: State, prefix: Tensor) -> Tensor:
         T = prefix.shape[1]
@@ -63,11 +92,32 @@ class TransformerNMT(Seq2Seq):
                                         memory_key_padding_mask=state["src_pad"])
 
     def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        prefix = torch.cat([state["prefix"], prev_tokens.unsqueeze(1)], 1)
-        out = self._decode(state, prefix)[:, -1]
-        return out, {**state, "prefix": prefix}
+        """One position through every pre-norm decoder layer, as torch.nn.TransformerDecoderLayer computes it
+        (norm_first=True), with the keys and values of the earlier positions and of the source from the cache."""
+        t = state["prefix"].shape[1]
+        x = self._embed(self.tgt_embed, prev_tokens.unsqueeze(1), offset=t)  # [B, 1, E]
+        new = {**state, "prefix": torch.cat([state["prefix"], prev_tokens.unsqueeze(1)], 1)}
+        src_visible = ~state["src_pad"][:, None, None, :]                    # [B, 1, 1, S]
+        E = self.embed_dim
+        for i, layer in enumerate(self.transformer.decoder.layers):
+            sa, ca = layer.self_attn, layer.multihead_attn
+            q, k, v = (self._heads(z, sa.num_heads)
+                       for z in F.linear(layer.norm1(x), sa.in_proj_weight, sa.in_proj_bias).chunk(3, -1))
+            k = new[f"self_k{i}"] = torch.cat([state[f"self_k{i}"], k], 2)
+            v = new[f"self_v{i}"] = torch.cat([state[f"self_v{i}"], v], 2)
+            p = sa.dropout if self.training else 0.0
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=p)            # every earlier position visible
+            x = x + layer.dropout1(sa.out_proj(self._merge(a)))
+            q = self._heads(F.linear(layer.norm2(x), ca.in_proj_weight[:E], ca.in_proj_bias[:E]), ca.num_heads)
+            p = ca.dropout if self.training else 0.0
+            a = F.scaled_dot_product_attention(q, state[f"mem_k{i}"], state[f"mem_v{i}"], attn_mask=src_visible,
+                                               dropout_p=p)
+            x = x + layer.dropout2(ca.out_proj(self._merge(a)))
+            h = layer.linear2(layer.dropout(layer.activation(layer.linear1(layer.norm3(x)))))
+            x = x + layer.dropout3(h)
+        return self.transformer.decoder.norm(x)[:, 0], new
 
     def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor) -> Tensor:
         self.check_batch(src, src_lengths, prev_tokens)
-        state = self.encode(src, src_lengths)
+        state = self._encode(src, src_lengths)
         return self.readout(self._decode(state, prev_tokens))

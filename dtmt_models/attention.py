@@ -45,6 +45,9 @@ class AdditiveAttention(BackendSwitch, nn.Module):
     def precompute(self, annotations: Tensor) -> Tensor:
         return self.ln_k(self.key(annotations))  # [B, S, A]
 
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}"
+
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """query [B, Q], keys [B, S, A], annotations [B, S, C], src_mask [B, S] bool ->
         (context [B, C], weights [B, S])."""
@@ -71,6 +74,9 @@ class MultiHeadAdditiveAttention(BackendSwitch, nn.Module):
     def precompute(self, annotations: Tensor) -> Tensor:
         B, S, _ = annotations.shape
         return self.key(annotations).view(B, S, self.heads, -1)  # [B, S, heads, A/heads]
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, backend={self.backend!r}"
 
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """Returns (context [B, C], weights [B, heads, S])."""

@@ -55,6 +55,28 @@ def test_no_grad_path_and_non_contiguous_inputs():
     torch.testing.assert_close(out, reference.additive_scores(k, q, v).detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_gradients_through_non_contiguous_keys_and_query():
+    """Keys and query as strided views (as a transposed or sliced projection gives them): the gradients
+    reaching the leaves equal the reference's."""
+    g = torch.Generator().manual_seed(3)
+    k_base = torch.randn(6, 3, 2, 5, generator=g, requires_grad=True)   # [S, B, NH, D]: keys are its transpose
+    q_base = torch.randn(3, 2, 9, generator=g, requires_grad=True)      # query: a slice of the last dim
+    v = torch.randn(2, 5, generator=g, requires_grad=True)
+    grad = torch.randn(3, 2, 6, generator=g)
+    grads = []
+    for backend in ("cpp", "reference"):
+        for t in (k_base, q_base, v):
+            t.grad = None
+        k, q = k_base.transpose(0, 1), q_base[..., 2:7]
+        assert not k.is_contiguous() and not q.is_contiguous()
+        out = dk.functional.additive_scores(k, q, v, backend)
+        out.backward(grad)
+        grads.append((out.detach(), k_base.grad.clone(), q_base.grad.clone(), v.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert grads[0][2][..., :2].abs().sum() == 0 and grads[0][2][..., 7:].abs().sum() == 0
+
+
 @pytest.fixture
 def restore_threads():
     n = torch.get_num_threads()
@@ -219,5 +241,6 @@ def test_set_backend_switches_attention():
     assert model.attention.backend == "auto"
     model.set_backend("reference")
     assert model.attention.backend == "reference" and model.encoder.backend == "reference"
+    assert "backend='reference'" in repr(model.attention) and "heads=2" in repr(model.attention)
     with pytest.raises(ValueError, match="backend"):
         model.attention.backend = "fast"

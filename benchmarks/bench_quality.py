@@ -91,10 +91,10 @@ def main(argv=None):
             row[f"{split}_bleu"], row[f"{split}_chrf"] = s["bleu"], s["chrf"]
             if split == "test":
                 row["decode_words_s"] = s["decode"]["hyp_words_per_s"]
-        import torch
+        from dtmt_models.checkpoint import load_model
 
-        ckpt = torch.load(os.path.join(run, "best.pt"), map_location="cpu", weights_only=False)
-        row["params"] = sum(v.numel() for k, v in ckpt["model"].items())
+        model = load_model(os.path.join(run, "best.pt"))[0]
+        row["params"] = sum(p.numel() for p in model.parameters())  # a tied embedding counted once
         rows.append(row)
         print(f"   {row['steps']} updates, {row['train_tok_s']:,.0f} tok/s; dev BLEU {row['dev_bleu']:.2f}, "
               f"test BLEU {row['test_bleu']:.2f}", flush=True)

@@ -3,6 +3,7 @@ import csv
 import os
 
 import pytest
+import torch
 
 import dtmt_kernels as dk
 
@@ -43,11 +44,19 @@ def test_bench_quality_quick(tmp_path):
 
     from benchmarks import bench_quality
     data = make_toy_corpus(tmp_path / "toy", n_train=200, n_dev=10, n_test=10)
-    rows = bench_quality.main(["--quick", "--systems", "dtmt", "--data", data, "--budget", "3s",
+    rows = bench_quality.main(["--quick", "--systems", "dtmt", "rnnsearch-atr", "--data", data, "--budget", "3s",
                                "--valid-every", "20", "--out", str(tmp_path / "q")])
-    assert len(rows) == 1 and rows[0]["steps"] > 0 and 0 <= rows[0]["test_bleu"] <= 100
+    assert len(rows) == 2 and all(r["steps"] > 0 and 0 <= r["test_bleu"] <= 100 for r in rows)
     with open(os.path.join(tmp_path, "q", "bench_quality.md")) as f:
-        assert "| dtmt |" in f.read()
+        table = f.read()
+    assert "| dtmt |" in table and "| rnnsearch-atr |" in table
+    # parameters: each tensor once, however many state-dict entries share it (rnnsearch-atr ties its output
+    # layer to the target embedding)
+    for row in rows:
+        state = torch.load(os.path.join(tmp_path, "q", row["system"], "best.pt"), weights_only=False)["model"]
+        unique = {v.untyped_storage().data_ptr(): v.numel() for v in state.values() if v.is_floating_point()}
+        assert row["params"] == sum(unique.values())
+    assert rows[1]["params"] < sum(v.numel() for v in state.values())
 
 
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
@@ -59,3 +68,9 @@ def test_bench_attention_quick(tmp_path):
     # the fused scores keep nothing beyond their inputs: the reference keeps the tanh output [B, S, A] too
     assert rows[1]["saved_KB"] < rows[0]["saved_KB"]
     assert os.path.isfile(os.path.join(tmp_path, "bench_attention.csv"))
+
+
+def test_bench_gemm_runs():
+    from benchmarks import bench_gemm
+    rows = bench_gemm.main(["--shapes", "4x8x16", "--threads", "1", "--inner", "2", "--repeat", "1"])
+    assert [r["shape"] for r in rows] == ["4x8x16"] and rows[0]["gflops"] > 0 and rows[0]["wgrad_gflops"] > 0

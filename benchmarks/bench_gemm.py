@@ -1,0 +1,58 @@
+"""The machine's float32 GEMM rate at the shapes the decoders use, on 1 and 2 threads.
+
+    python benchmarks/bench_gemm.py                       # the dtmt small preset's per-step shapes and a big one
+    python benchmarks/bench_gemm.py --shapes 64x256x768
+
+Each M x K x N shape is timed as x [M, K] @ W^T (W [N, K], as nn.Linear / the kernels' input projections) and
+as the weight gradient g^T [N, M] @ x [M, K]; median of --repeat timings of --inner calls. This is the
+ceiling the fused kernels work under: at the per-step shapes (M = batch rows) the GEMMs are slower per FLOP
+than at M = T·B and gain little from a second thread (benchmarks/NOTES.md, log item 7).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def rate(f, flops: float, inner: int, repeat: int) -> float:
+    for _ in range(3):
+        f()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(inner):
+            f()
+        times.append((time.perf_counter() - t) / inner)
+    return flops / statistics.median(times) / 1e9
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["50x128x1024", "50x256x768", "50x512x1024", "2050x512x1024"],
+                   help="M x K x N")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--inner", type=int, default=50)
+    p.add_argument("--repeat", type=int, default=5)
+    a = p.parse_args(argv)
+    print(f"torch {torch.__version__}; GFLOP/s (x W^T | weight gradient)")
+    rows, before = [], torch.get_num_threads()
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        for shape in a.shapes:
+            M, K, N = (int(v) for v in shape.split("x"))
+            x, w, g = torch.randn(M, K), torch.randn(N, K), torch.randn(M, N)
+            flops = 2.0 * M * K * N
+            inner = max(1, a.inner * 50 // max(M, 50))
+            fwd = rate(lambda: x @ w.t(), flops, inner, a.repeat)
+            wgrad = rate(lambda: g.t() @ x, flops, inner, a.repeat)
+            print(f"threads {threads}  {M:>5} x {K:>4} x {N:>5}: {fwd:6.1f} | {wgrad:6.1f}")
+            rows.append({"threads": threads, "shape": shape, "gflops": fwd, "wgrad_gflops": wgrad})
+    torch.set_num_threads(before)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

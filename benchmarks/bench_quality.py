@@ -2,6 +2,7 @@
 
     python benchmarks/bench_quality.py                                   # all systems, 10 min each, Bible
     python benchmarks/bench_quality.py --systems dtmt transformer --budget 30m
+    python benchmarks/bench_quality.py --systems dtmt transformer --budget 1h --parallel   # side by side
     python benchmarks/bench_quality.py --quick                           # tiny, for the tests
 
 For each system (its `small` preset) this runs `dtmt train --max-time BUDGET` on --data (default data/bible,
@@ -9,7 +10,9 @@ prepared with `dtmt prepare bible` if missing), then `dtmt evaluate` of best.pt 
 and reports parameters, training target tokens/s, decoding words/s (test, beam 4, batched), dev and test BLEU
 and chrF. Output in --out: bench_quality.md (the Markdown table, with machine and settings), bench_quality.csv,
 and bench_quality.png (dev BLEU against training time, from each run's validations). Training time excludes
-validation, so the budget buys the same number of training seconds for every system.
+validation, so the budget buys the same number of training seconds for every system. With --parallel the
+systems train at the same time, each on cores / systems threads (its log in train_SYSTEM.log): half the wall
+time for two systems, and anything else the machine does slows them alike.
 """
 from __future__ import annotations
 
@@ -26,15 +29,24 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 
-def dtmt(args, log):
+def start(args, log):
+    """Starts `dtmt ARGS` with its output appended to `log`; returns (process, args, log)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "dtmt_models.cli", *args]
     with open(log, "a") as f:
         f.write("$ dtmt " + " ".join(args) + "\n")
         f.flush()
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if r.returncode != 0:
-        raise RuntimeError(f"dtmt {' '.join(args)} failed (exit {r.returncode}); see {log}")
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), args, log
+
+
+def wait(job):
+    proc, args, log = job
+    if proc.wait() != 0:
+        raise RuntimeError(f"dtmt {' '.join(args)} failed (exit {proc.returncode}); see {log}")
+
+
+def dtmt(args, log):
+    wait(start(args, log))
 
 
 def read_log(path):
@@ -54,7 +66,11 @@ def main(argv=None):
     p.add_argument("--budget", default="10m", help="training time per system (e.g. 90s, 10m, 1h)")
     p.add_argument("--valid-every", type=int, default=200)
     p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads per training (default: torch's; with --parallel: the cores shared out)")
+    p.add_argument("--parallel", action="store_true",
+                   help="train all systems at once, each on its share of the cores, so that whatever else "
+                        "runs on the machine slows them alike (then evaluate one after another)")
     p.add_argument("--quick", action="store_true", help="toy settings for the tests (use with a toy --data)")
     p.add_argument("--train-args", default="", help="extra `dtmt train` arguments, e.g. \"--vocab-size 2000\"")
     p.add_argument("--out", default=os.path.join(HERE, "out", "quality"))
@@ -67,13 +83,24 @@ def main(argv=None):
     extra = a.train_args.split()
     if a.quick:
         extra += ["--vocab-size", "60", "--opt", "embed_dim=16", "--opt", "hidden_size=16", "--max-tokens", "300"]
+    threads = a.threads or (max(1, (os.cpu_count() or 1) // len(a.systems)) if a.parallel else 0)
+
+    def train(system):
+        print(f"== {system}: training for {a.budget}" + (f" on {threads} thread(s)" if threads else ""), flush=True)
+        run = os.path.join(a.out, system)
+        return start(["train", "--data", a.data, "--model", system, "--out", run, "--overwrite", "--max-time",
+                      a.budget, "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines",
+                      "--log-every", "50", *(["--threads", str(threads)] if threads else []), *extra],
+                     os.path.join(a.out, f"train_{system}.log") if a.parallel else log)
+
+    if a.parallel:
+        for job in [train(system) for system in a.systems]:
+            wait(job)
     rows = []
     for system in a.systems:
         run = os.path.join(a.out, system)
-        print(f"== {system}: training for {a.budget}", flush=True)
-        dtmt(["train", "--data", a.data, "--model", system, "--out", run, "--overwrite", "--max-time", a.budget,
-              "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines", "--log-every", "50",
-              *(["--threads", str(a.threads)] if a.threads else []), *extra], log)
+        if not a.parallel:
+            wait(train(system))
         train_rows = read_log(os.path.join(run, "train_log.csv"))
         tr = [r for r in train_rows if r["kind"] == "train"]
         valid = [r for r in train_rows if r["kind"] == "valid"]
@@ -104,7 +131,8 @@ def main(argv=None):
         w = csv.DictWriter(f, fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    lines = [f"Quality at equal training time ({machine_name()}); budget {a.budget} of training per system, "
+    lines = [f"Quality at equal training time ({machine_name()}); budget {a.budget} of training per system"
+             + (f", all trained at once on {threads} thread(s) each" if a.parallel else "") + ", "
              f"small presets, data {a.data}, beam {a.beam}; command: `python benchmarks/bench_quality.py "
              f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              "| system | params | updates | train tok/s | decode words/s | dev BLEU | dev chrF | test BLEU | test chrF |",

@@ -45,11 +45,13 @@ def test_bench_quality_quick(tmp_path):
     from benchmarks import bench_quality
     data = make_toy_corpus(tmp_path / "toy", n_train=200, n_dev=10, n_test=10)
     rows = bench_quality.main(["--quick", "--systems", "dtmt", "rnnsearch-atr", "--data", data, "--budget", "3s",
-                               "--valid-every", "20", "--out", str(tmp_path / "q")])
+                               "--valid-every", "20", "--out", str(tmp_path / "q"), "--parallel"])
     assert len(rows) == 2 and all(r["steps"] > 0 and 0 <= r["test_bleu"] <= 100 for r in rows)
     with open(os.path.join(tmp_path, "q", "bench_quality.md")) as f:
         table = f.read()
-    assert "| dtmt |" in table and "| rnnsearch-atr |" in table
+    assert "| dtmt |" in table and "| rnnsearch-atr |" in table and \
+        f"all trained at once on {max(1, (os.cpu_count() or 1) // 2)} thread(s) each" in table
+    assert all(os.path.getsize(tmp_path / "q" / f"train_{s}.log") > 0 for s in ("dtmt", "rnnsearch-atr"))
     # parameters: each tensor once, however many state-dict entries share it (rnnsearch-atr ties its output
     # layer to the target embedding)
     for row in rows:

@@ -86,35 +86,15 @@ class AttentionalRNMT(Seq2Seq):
         d = state.get(key)
         return None if d is None else d.transpose(0, 1).contiguous()
 
-    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        y = self.tgt_embed(prev_tokens, positions=state["pos"])
-        s, c, state = self.transition(state, y)
-        return self.readout.features(y, s, c), state
+    def embed_step(self, state: State, prev_tokens: Tensor) -> Tensor:
+        return self.tgt_embed(prev_tokens, positions=state["pos"])
 
-    def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tensor, Tensor, State]:
-        """Query transition, attention and decoder transition for one step with the embedded previous token
-        y [B, E]: (s_t, c_t, the new state). The readout is left to the caller."""
+    def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
+        """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""
         s_q = self.query_cell(y, state["s"], self._drop(state, "drop_q"))
         c, alpha = self.attention(s_q, state["keys"], state["annotations"], state["src_mask"])
         s = self.decoder_cell(c, s_q, self._drop(state, "drop_d"))
         new = {**state, "s": s, "pos": state["pos"] + 1}
         if keep_attention:
             new["attn"] = alpha.mean(1) if alpha.dim() == 3 else alpha  # multi-head: the head average
-        return s, c, new
-
-    def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor) -> Tensor:
-        """Teacher forcing, as Seq2Seq.forward, with the parts that do not feed the recurrence batched over
-        time: the target embeddings are looked up once (one embedding gradient instead of one per step) and
-        the readout's projections, layer norms and tanh run once over [B, T, ...] after the loop. A subclass
-        with its own decoder_step gets the step-by-step Seq2Seq.forward."""
-        if type(self).decoder_step is not AttentionalRNMT.decoder_step:
-            return super().forward(src, src_lengths, prev_tokens)
-        self.check_batch(src, src_lengths, prev_tokens)
-        state = self.encode(src, src_lengths)
-        ys = self.tgt_embed(prev_tokens)  # positions 0..T-1, as the steps' state["pos"]
-        states, contexts = [], []
-        for t in range(prev_tokens.shape[1]):
-            s, c, state = self.transition(state, ys[:, t], keep_attention=False)
-            states.append(s)
-            contexts.append(c)
-        return self.readout(self.readout.features(ys, torch.stack(states, 1), torch.stack(contexts, 1)))
+        return (s, c), new

@@ -7,8 +7,9 @@ switching and the incremental-decoding state.
     state = model.reorder(state, index)                   # beam search bookkeeping
 
 The decoder state is a flat dict of tensors whose first dimension is the batch, so `reorder` is one
-`index_select` per entry. Teacher forcing runs the same `decoder_step` as incremental decoding (one code
-path, so the two give the same log-probabilities) and applies the vocabulary projection once to all steps.
+`index_select` per entry. A step is embed_step -> transition -> features -> readout; teacher forcing runs the
+same `transition` as incremental decoding (one code path, so the two give the same log-probabilities) with the
+embedding lookup, the readout features and the vocabulary projection applied once to all steps.
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:
 
 
 class Seq2Seq(nn.Module):
-    """Base of the systems. Subclasses build `self.readout` and implement `encode` and `decoder_step`."""
+    """Base of the systems. Subclasses build `self.tgt_embed` and `self.readout` and implement `encode` and
+    `transition` (or `decoder_step` as a whole)."""
 
     model_name = "seq2seq"
 
@@ -91,22 +93,52 @@ class Seq2Seq(nn.Module):
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         raise NotImplementedError
 
-    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        """One step: prev_tokens [B] -> (readout features [B, F], new state)."""
+    def embed_step(self, state: State, prev_tokens: Tensor) -> Tensor:
+        """The embedded previous tokens of one step, prev_tokens [B] -> [B, E]."""
+        return self.tgt_embed(prev_tokens)
+
+    def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
+        """The recurrent part of one step, from the embedded previous token y [B, E]: (the tensors the readout
+        features are made of, besides y; the new state). `keep_attention` puts the step's attention weights in
+        the state as "attn" (teacher forcing does not need them)."""
         raise NotImplementedError
+
+    def features(self, y: Tensor, *parts: Tensor) -> Tensor:
+        """Readout features from y and the transition's parts, for one step ([B, ...]) or all steps at once
+        ([B, T, ...])."""
+        return self.readout.features(y, *parts)
+
+    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        """One step: prev_tokens [B] -> (readout features [B, F], new state). A system either implements
+        `transition` (and, where needed, `embed_step` / `features`) or overrides this."""
+        y = self.embed_step(state, prev_tokens)
+        parts, state = self.transition(state, y)
+        return self.features(y, *parts), state
 
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         features, state = self.decoder_step(state, prev_tokens)
         return self.readout(features), state
 
     def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor) -> Tensor:
+        """Teacher forcing: the steps' transitions in a loop, with what does not feed the recurrence batched over
+        time: the target embeddings are looked up once (one embedding gradient instead of one per step) and the
+        readout features and vocabulary projection run once over [B, T, ...] after the loop. A system that
+        overrides `decoder_step` gets the same loop over its `decoder_step` instead."""
         self.check_batch(src, src_lengths, prev_tokens)
         state = self.encode(src, src_lengths)
-        feats = []
-        for t in range(prev_tokens.shape[1]):
-            f, state = self.decoder_step(state, prev_tokens[:, t])
-            feats.append(f)
-        return self.readout(torch.stack(feats, 1))
+        T = prev_tokens.shape[1]
+        if type(self).decoder_step is not Seq2Seq.decoder_step:
+            feats = []
+            for t in range(T):
+                f, state = self.decoder_step(state, prev_tokens[:, t])
+                feats.append(f)
+            return self.readout(torch.stack(feats, 1))
+        ys = self.tgt_embed(prev_tokens)  # positions 0..T-1 where the embedding has them, as embed_step's
+        steps = []
+        for t in range(T):
+            parts, state = self.transition(state, ys[:, t], keep_attention=False)
+            steps.append(parts)
+        return self.readout(self.features(ys, *(torch.stack(p, 1) for p in zip(*steps))))
 
     @staticmethod
     def reorder(state: State, index: Tensor) -> State:

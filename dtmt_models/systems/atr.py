@@ -100,12 +100,14 @@ class GNMTATR(Seq2Seq):
             h = out + h if l >= 2 else out       # residual connections from the third layer on
         return start_state(self.attention, self.init_state, h, src_lengths, layers=len(self.decoder))
 
-    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        y = self.tgt_embed(prev_tokens)
+    def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         prev = state["s"]
         s = [self.decoder[0](y, prev[:, 0])]
         c, alpha = self.attention(s[0], state["keys"], state["annotations"], state["src_mask"])
         for l in range(1, len(self.decoder)):
             out = self.decoder[l](torch.cat([s[-1], c], -1), prev[:, l])
             s.append(out + s[-1] if l >= 2 else out)
-        return self.readout.features(y, s[-1], c), {**state, "s": torch.stack(s, 1), "attn": alpha}
+        new = {**state, "s": torch.stack(s, 1)}
+        if keep_attention:
+            new["attn"] = alpha
+        return (s[-1], c), new

@@ -54,8 +54,7 @@ class DeepLAU(Seq2Seq):
             h = layer(h, lengths=src_lengths)[0]
         return start_state(self.attention, self.init_state, h, src_lengths, layers=len(self.decoder))
 
-    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        y = self.tgt_embed(prev_tokens)
+    def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         prev = state["s"]
         c, alpha = self.attention(torch.cat([prev[:, 0], y], -1), state["keys"], state["annotations"],
                                   state["src_mask"])
@@ -64,4 +63,11 @@ class DeepLAU(Seq2Seq):
         for l, cell in enumerate(self.decoder):
             x = cell(x, prev[:, l])
             states.append(x)
-        return x, {**state, "s": torch.stack(states, 1), "attn": alpha}
+        new = {**state, "s": torch.stack(states, 1)}
+        if keep_attention:
+            new["attn"] = alpha
+        return (x,), new
+
+    def features(self, y: Tensor, top: Tensor) -> Tensor:
+        """The top decoder layer's output goes straight to the output projection."""
+        return top

@@ -153,8 +153,7 @@ class Nematus(Seq2Seq):
         state["s"] = state["s"].unsqueeze(1).repeat(1, 1 + len(self.levels), 1)  # every level starts from s_0
         return state
 
-    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        y = self.tgt_embed(prev_tokens)
+    def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         prev = state["s"]
         s1 = self.query_cell(y, prev[:, 0])
         c1, alpha = self.attention(s1, state["keys"], state["annotations"], state["src_mask"])
@@ -164,4 +163,7 @@ class Nematus(Seq2Seq):
             out = level(r, prev[:, k], c1, state["annotations"], state["keys"], state["src_mask"])
             states.append(out)
             r = out + r
-        return self.readout.features(y, r, c1), {**state, "s": torch.stack(states, 1), "attn": alpha}
+        new = {**state, "s": torch.stack(states, 1)}
+        if keep_attention:
+            new["attn"] = alpha
+        return (r, c1), new

@@ -23,8 +23,15 @@ class Hypothesis:
     log_prob: float
 
 
+NEG_INF = float("-inf")
+
+
 def length_penalty(length: Tensor, alpha: float) -> Tensor:
     return ((5.0 + length.float()) / 6.0) ** alpha
+
+
+def _penalty(length: int, alpha: float) -> float:
+    return ((5.0 + length) / 6.0) ** alpha
 
 
 @torch.no_grad()
@@ -40,8 +47,9 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     scores[:, 0] = 0.0                                   # all beams start identical: keep one
     tokens = torch.full((B * beam, 1), BOS, dtype=torch.long, device=device)
     max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
+    max_len_list = max_len.tolist()
     finished: List[List[Hypothesis]] = [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    done = [False] * B
     for t in range(int(max_len.max())):
         log_probs, state = model.step(state, tokens[:, -1])
         V = log_probs.shape[-1]
@@ -53,25 +61,25 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
             log_probs = torch.where(at_limit.view(B, 1, 1), eos_only, log_probs)
         cand = (scores.unsqueeze(-1) + log_probs).view(B, -1)
         top_scores, top_idx = cand.topk(min(2 * beam, cand.shape[1]), dim=1)
-        origin, word = top_idx // V, top_idx % V
-        new_scores = torch.full((B, beam), float("-inf"), device=device)
-        new_origin = torch.zeros(B, beam, dtype=torch.long, device=device)
-        new_word = torch.full((B, beam), EOS, dtype=torch.long, device=device)
+        # the bookkeeping below is per sentence and per candidate: done on Python lists (three transfers a step)
+        # rather than element by element on tensors, which cost more than the model's step at batch 1
+        top_scores, top_idx = top_scores.tolist(), top_idx.tolist()
+        new_scores = [[NEG_INF] * beam for _ in range(B)]
+        new_origin = [[0] * beam for _ in range(B)]
+        new_word = [[EOS] * beam for _ in range(B)]
         for b in range(B):
             if done[b]:
                 continue
             k = 0
-            for j in range(top_scores.shape[1]):
-                s = top_scores[b, j].item()
-                if s == float("-inf"):
+            for s, i in zip(top_scores[b], top_idx[b]):
+                if s == NEG_INF:
                     break
-                o, w = origin[b, j].item(), word[b, j].item()
+                o, w = divmod(i, V)
                 if w == EOS:
                     hyp = tokens[b * beam + o, 1:].tolist()
-                    n = torch.tensor(len(hyp) + 1)
-                    finished[b].append(Hypothesis(hyp, s / length_penalty(n, alpha).item(), s))
+                    finished[b].append(Hypothesis(hyp, s / _penalty(len(hyp) + 1, alpha), s))
                 elif k < beam:
-                    new_scores[b, k], new_origin[b, k], new_word[b, k] = s, o, w
+                    new_scores[b][k], new_origin[b][k], new_word[b][k] = s, o, w
                     k += 1
                 if k == beam and len(finished[b]) >= beam:
                     break
@@ -79,17 +87,17 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
             del finished[b][beam:]
             # finished when full and no open hypothesis can still win (log-probs only decrease; the length
             # penalty is at most that of the max length)
-            best_open = new_scores[b].max().item()
-            bound = best_open / length_penalty(max_len[b], alpha).item() if alpha > 0 else best_open
-            if at_limit[b] or best_open == float("-inf") or (len(finished[b]) >= beam and
-                                                                 bound <= finished[b][-1].score):
+            best_open = max(new_scores[b])
+            bound = best_open / _penalty(max_len_list[b], alpha) if alpha > 0 else best_open
+            if t + 1 >= max_len_list[b] or best_open == NEG_INF or (len(finished[b]) >= beam and
+                                                                    bound <= finished[b][-1].score):
                 done[b] = True
-        if bool(done.all()):
+        if all(done):
             break
-        select = (torch.arange(B, device=device).unsqueeze(1) * beam + new_origin).view(-1)
+        select = torch.tensor([b * beam + o for b in range(B) for o in new_origin[b]], device=device)
         state = model.reorder(state, select)
-        tokens = torch.cat([tokens[select], new_word.view(-1, 1)], 1)
-        scores = new_scores.masked_fill(done.unsqueeze(1), float("-inf"))
+        tokens = torch.cat([tokens[select], torch.tensor(new_word, device=device).view(-1, 1)], 1)
+        scores = torch.tensor([[NEG_INF] * beam if done[b] else new_scores[b] for b in range(B)], device=device)
     return [hyps[:nbest] for hyps in finished]
 
 

@@ -13,11 +13,17 @@ Two modes:
 For each model and setting the sentences are translated --repeat times after a warm-up; the median is kept.
 `batched` uses batches of --batch-size sentences. The transformer decodes incrementally with a cache (see
 dtmt_models/systems/transformer.py).
+
+Size-matched baselines (synthetic mode, unless --no-match): the issue's bar compares each recurrent system with
+"the transformer baseline of similar size", so for each recurrent system a transformer with the small preset's
+layers and heads is built at the model width (a multiple of 8, feed-forward 4×) whose parameter count is
+nearest to the system's; the `× matched` column is the ratio to that one, `× transformer` to the small preset.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import statistics
 import sys
@@ -70,6 +76,30 @@ def time_decode(model, batches, beam, repeat, max_len_a, max_len_b):
     return statistics.median(times), best
 
 
+def count_params(model) -> int:
+    return sum(q.numel() for q in model.parameters())
+
+
+def matched_transformer(target: int, vocab: int):
+    """(width, options) of the transformer with the small preset's layers and heads whose parameter count is
+    nearest to `target`: widths are multiples of 8 (and of the heads), feed-forward 4× the width."""
+    from dtmt_models.presets import get_preset
+    from dtmt_models.registry import build_model
+
+    base = dict(get_preset("transformer", "small")["model"])
+    step = 8 * base["heads"] // math.gcd(8, base["heads"])
+    best = None
+    for width in range(step, 1025, step):
+        options = dict(base, embed_dim=width, hidden_size=4 * width)
+        with torch.device("meta"):
+            n = count_params(build_model("transformer", vocab, vocab, **options))
+        if best is None or abs(n - target) < best[0]:
+            best = (abs(n - target), width, options)
+        if n > target:
+            break
+    return best[1], best[2]
+
+
 def make_batches(sentences, batch_size):
     """sentences: lists of ids -> [(src [B, S], lengths [B])] in the given order."""
     from dtmt_models.vocabulary import PAD
@@ -103,6 +133,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--no-match", action="store_true", help="no size-matched transformers (synthetic mode)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     a = p.parse_args(argv)
@@ -127,15 +158,27 @@ def main(argv=None):
     else:
         g = torch.Generator().manual_seed(0)
         sents = [torch.randint(4, a.vocab, (a.src_len,), generator=g).tolist() for _ in range(a.sentences)]
+        matched, match_of = {}, {}
         for name in a.systems:
             torch.manual_seed(0)
             model = build_model(name, a.vocab, a.vocab, **get_preset(name, "small")["model"]).eval()
             models.append((name, NoEOS(model), sents, None, 0.0, a.tgt_len + 1))
+            if name != "transformer" and not a.no_match:
+                width, options = matched_transformer(count_params(model), a.vocab)
+                if options == get_preset("transformer", "small")["model"] and "transformer" in a.systems:
+                    match_of[name] = "transformer"   # the small preset itself
+                else:
+                    match_of[name] = f"transformer d{width}"
+                    matched[width] = options
+        for width, options in sorted(matched.items()):
+            torch.manual_seed(0)
+            model = build_model("transformer", a.vocab, a.vocab, **options).eval()
+            models.append((f"transformer d{width}", NoEOS(model), sents, None, 0.0, a.tgt_len + 1))
         mode = (f"random weights, {a.sentences} sentences of {a.src_len} tokens, exactly {a.tgt_len} output tokens "
                 f"(EOS suppressed)")
     rows = []
     for name, model, sents, tv, la, lb in models:
-        params = sum(q.numel() for q in model.parameters())
+        params = count_params(model)
         for beam in a.beams:
             for label, bs in (("1", 1), (f"{a.batch_size}", a.batch_size)):
                 batches = make_batches(sents, bs)
@@ -150,22 +193,28 @@ def main(argv=None):
                 rows.append(row)
                 print(f"  {name:<22s} beam {beam} batch {label:>3s}: {row['words_per_s']:8,.0f} words/s "
                       f"{row['ms_per_sentence']:8.1f} ms/sentence", flush=True)
-    tr = {(r["beam"], r["batch"]): r for r in rows if r["model"].startswith("transformer")}
+    by = {(r["model"], r["beam"], r["batch"]): r for r in rows}
     for r in rows:
-        base = tr.get((r["beam"], r["batch"]))
+        base = by.get(("transformer", r["beam"], r["batch"])) or next(
+            (q for q in rows if q["model"].startswith("transformer") and (q["beam"], q["batch"]) ==
+             (r["beam"], r["batch"])), None)
         r["vs_transformer"] = r["words_per_s"] / base["words_per_s"] if base else None
+        m = by.get((match_of.get(r["model"]), r["beam"], r["batch"])) if not a.checkpoints else None
+        r["matched"] = m["model"] if m else None
+        r["vs_matched"] = r["words_per_s"] / m["words_per_s"] if m else None
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     print(f"\nDecoding speed ({machine_name()}; {mode})\n")
-    print("| model | params | beam | batch | words/s | ms/sentence | × transformer |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | params | beam | batch | words/s | ms/sentence | × transformer | × matched (which) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         vs = f"{r['vs_transformer']:.2f}×" if r["vs_transformer"] else ""
+        vm = f"{r['vs_matched']:.2f}× ({r['matched']})" if r["vs_matched"] else ""
         print(f"| {r['model']} | {r['params']:,} | {r['beam']} | {r['batch']} | {r['words_per_s']:,.0f} | "
-              f"{r['ms_per_sentence']:.1f} | {vs} |")
+              f"{r['ms_per_sentence']:.1f} | {vs} | {vm} |")
     return rows
 
 

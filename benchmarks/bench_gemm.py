@@ -2,11 +2,17 @@
 
     python benchmarks/bench_gemm.py                       # the dtmt small preset's per-step shapes and a big one
     python benchmarks/bench_gemm.py --shapes 64x256x768
+    python benchmarks/bench_gemm.py --decode               # beam 4, batch 1: dtmt's per-step decoder shapes, cold
 
 Each M x K x N shape is timed as x [M, K] @ W^T (W [N, K], as nn.Linear / the kernels' input projections) and
 as the weight gradient g^T [N, M] @ x [M, K]; median of --repeat timings of --inner calls. This is the
 ceiling the fused kernels work under: at the per-step shapes (M = batch rows) the GEMMs are slower per FLOP
 than at M = T·B and gain little from a second thread (benchmarks/NOTES.md, log item 7).
+
+Each shape also shows the weight read rate, K·N·4 bytes / time of x @ W^T, next to what the memory gives a plain
+read of the same weights (W.sum()). With --cold every call uses the next of enough distinct weight matrices to
+fill 64 MiB, so they come from memory rather than cache, as in decoding, where a step reads every decoder weight
+once (~10 MB for dtmt's small preset). --decode selects the M = 4 shapes of beam 4, batch 1 (log item 9).
 """
 from __future__ import annotations
 
@@ -34,22 +40,34 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["50x128x1024", "50x256x768", "50x512x1024", "2050x512x1024"],
                    help="M x K x N")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--decode", action="store_true",
+                   help="dtmt small preset's decoder shapes at beam 4, batch 1 (M = 4), with --cold")
+    p.add_argument("--cold", action="store_true", help="cycle through 64 MiB of distinct weights")
     p.add_argument("--inner", type=int, default=50)
     p.add_argument("--repeat", type=int, default=5)
     a = p.parse_args(argv)
-    print(f"torch {torch.__version__}; GFLOP/s (x W^T | weight gradient)")
+    if a.decode:
+        a.shapes, a.cold = ["4x128x4000", "4x512x1280", "4x256x1024", "4x256x768", "4x512x512"], True
+    print(f"torch {torch.__version__}; GFLOP/s (x W^T | weight gradient), weight GB/s (x W^T | W.sum())"
+          + (", cold weights" if a.cold else ""))
     rows, before = [], torch.get_num_threads()
     for threads in a.threads:
         torch.set_num_threads(threads)
         for shape in a.shapes:
             M, K, N = (int(v) for v in shape.split("x"))
-            x, w, g = torch.randn(M, K), torch.randn(N, K), torch.randn(M, N)
-            flops = 2.0 * M * K * N
+            x, g = torch.randn(M, K), torch.randn(M, N)
+            ws = [torch.randn(N, K) for _ in range(min(1024, max(1, (64 << 20) // (4 * N * K))) if a.cold else 1)]
+            nxt = iter(range(1 << 62))
+            weight = lambda: ws[next(nxt) % len(ws)]  # noqa: E731
+            flops, nbytes = 2.0 * M * K * N, 4.0 * K * N
             inner = max(1, a.inner * 50 // max(M, 50))
-            fwd = rate(lambda: x @ w.t(), flops, inner, a.repeat)
+            fwd = rate(lambda: x @ weight().t(), flops, inner, a.repeat)
             wgrad = rate(lambda: g.t() @ x, flops, inner, a.repeat)
-            print(f"threads {threads}  {M:>5} x {K:>4} x {N:>5}: {fwd:6.1f} | {wgrad:6.1f}")
-            rows.append({"threads": threads, "shape": shape, "gflops": fwd, "wgrad_gflops": wgrad})
+            read = rate(lambda: weight().sum(), nbytes, inner, a.repeat)
+            gbs = fwd * nbytes / flops
+            print(f"threads {threads}  {M:>5} x {K:>4} x {N:>5}: {fwd:6.1f} | {wgrad:6.1f}    {gbs:5.1f} | {read:5.1f}")
+            rows.append({"threads": threads, "shape": shape, "gflops": fwd, "wgrad_gflops": wgrad,
+                         "weight_gbs": gbs, "read_gbs": read})
     torch.set_num_threads(before)
     return rows
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import dtmt_kernels as dk
+import dtmt_models as dm
 
 
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
@@ -33,10 +34,24 @@ def test_bench_train_quick(tmp_path):
 def test_bench_decode_quick(tmp_path):
     from benchmarks import bench_decode
     rows = bench_decode.main(["--quick", "--systems", "rnnsearch-atr", "transformer", "--out", str(tmp_path)])
-    assert len(rows) == 2 * 2 * 2                   # systems x beams x (batch 1, batched)
+    assert len(rows) == 3 * 2 * 2                   # (systems + a size-matched transformer) x beams x batches
     # EOS is suppressed: every sentence decodes exactly tgt_len tokens
     assert all(r["words"] == 4 * 2 for r in rows)
     assert all(r["vs_transformer"] == 1.0 for r in rows if r["model"] == "transformer")
+    atr = [r for r in rows if r["model"] == "rnnsearch-atr"]
+    matched = [r for r in rows if r["model"] == atr[0]["matched"]]
+    assert len(matched) == 4 and all(r["vs_matched"] == pytest.approx(r["words_per_s"] / m["words_per_s"])
+                                     for r, m in zip(atr, matched))
+    # the matched transformer is the one nearest in size: the widths 8 apart on either side are farther
+    width = int(atr[0]["matched"].split("d")[-1])
+    from dtmt_models.presets import get_preset
+    base = get_preset("transformer", "small")["model"]
+
+    def size(w):
+        return bench_decode.count_params(dm.build_model("transformer", 100, 100, **dict(
+            base, embed_dim=w, hidden_size=4 * w)))
+    target = atr[0]["params"]
+    assert abs(size(width) - target) <= min(abs(size(max(8, width - 8)) - target), abs(size(width + 8) - target))
 
 
 def test_bench_quality_quick(tmp_path):
@@ -76,3 +91,7 @@ def test_bench_gemm_runs():
     from benchmarks import bench_gemm
     rows = bench_gemm.main(["--shapes", "4x8x16", "--threads", "1", "--inner", "2", "--repeat", "1"])
     assert [r["shape"] for r in rows] == ["4x8x16"] and rows[0]["gflops"] > 0 and rows[0]["wgrad_gflops"] > 0
+    # the weight read rate is the GEMM's time over the weight's bytes
+    assert rows[0]["weight_gbs"] == pytest.approx(rows[0]["gflops"] * 4 * 8 * 16 / (2 * 4 * 8 * 16))
+    cold = bench_gemm.main(["--shapes", "4x8x16", "--threads", "1", "--inner", "2", "--repeat", "1", "--cold"])
+    assert cold[0]["read_gbs"] > 0

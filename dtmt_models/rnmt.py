@@ -19,7 +19,7 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 
-from .seq2seq import Seq2Seq, State, lengths_mask
+from .seq2seq import Seq2Seq, State, lengths_mask, step_state
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -94,7 +94,4 @@ class AttentionalRNMT(Seq2Seq):
         s_q = self.query_cell(y, state["s"], self._drop(state, "drop_q"))
         c, alpha = self.attention(s_q, state["keys"], state["annotations"], state["src_mask"])
         s = self.decoder_cell(c, s_q, self._drop(state, "drop_d"))
-        new = {**state, "s": s, "pos": state["pos"] + 1}
-        if keep_attention:
-            new["attn"] = alpha.mean(1) if alpha.dim() == 3 else alpha  # multi-head: the head average
-        return (s, c), new
+        return (s, c), step_state(state, alpha, keep_attention, s=s, pos=state["pos"] + 1)

@@ -74,6 +74,15 @@ class Readout(nn.Module):
         return self.output(features)
 
 
+def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:
+    """The state after a decoder step: `state` with `updates`, plus the step's attention weights as "attn" where
+    kept (for multi-head attention [B, heads, S], the head average)."""
+    new = {**state, **updates}
+    if keep_attention:
+        new["attn"] = alpha.mean(1) if alpha.dim() == 3 else alpha
+    return new
+
+
 def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:
     """[B, max_len] bool, True at real tokens."""
     return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)

@@ -32,7 +32,7 @@ from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
 from ..rnmt import AttentionalRNMT, recurrent_cell, recurrent_layer, start_state
-from ..seq2seq import Readout, Seq2Seq, State
+from ..seq2seq import Readout, Seq2Seq, State, step_state
 
 
 @register_model("rnnsearch-atr")
@@ -107,7 +107,4 @@ class GNMTATR(Seq2Seq):
         for l in range(1, len(self.decoder)):
             out = self.decoder[l](torch.cat([s[-1], c], -1), prev[:, l])
             s.append(out + s[-1] if l >= 2 else out)
-        new = {**state, "s": torch.stack(s, 1)}
-        if keep_attention:
-            new["attn"] = alpha
-        return (s[-1], c), new
+        return (s[-1], c), step_state(state, alpha, keep_attention, s=torch.stack(s, 1))

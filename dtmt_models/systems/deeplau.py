@@ -22,7 +22,7 @@ from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
 from ..rnmt import recurrent_cell, recurrent_layer, start_state
-from ..seq2seq import Projection, Seq2Seq, State
+from ..seq2seq import Projection, Seq2Seq, State, step_state
 
 
 @register_model("deeplau")
@@ -63,10 +63,7 @@ class DeepLAU(Seq2Seq):
         for l, cell in enumerate(self.decoder):
             x = cell(x, prev[:, l])
             states.append(x)
-        new = {**state, "s": torch.stack(states, 1)}
-        if keep_attention:
-            new["attn"] = alpha
-        return (x,), new
+        return (x,), step_state(state, alpha, keep_attention, s=torch.stack(states, 1))
 
     def features(self, y: Tensor, top: Tensor) -> Tensor:
         """The top decoder layer's output goes straight to the output projection."""

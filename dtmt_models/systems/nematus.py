@@ -39,7 +39,7 @@ from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
 from ..rnmt import start_state
-from ..seq2seq import Readout, Seq2Seq, State
+from ..seq2seq import Readout, Seq2Seq, State, step_state
 
 ENCODERS = ("shallow", "deep-transition", "alternating", "biunidirectional", "bideep")
 DECODERS = ("shallow", "deep-transition", "gru", "rgru", "cgru", "crgru", "bideep")
@@ -163,7 +163,4 @@ class Nematus(Seq2Seq):
             out = level(r, prev[:, k], c1, state["annotations"], state["keys"], state["src_mask"])
             states.append(out)
             r = out + r
-        new = {**state, "s": torch.stack(states, 1)}
-        if keep_attention:
-            new["attn"] = alpha
-        return (r, c1), new
+        return (r, c1), step_state(state, alpha, keep_attention, s=torch.stack(states, 1))

@@ -71,6 +71,8 @@ def main(argv=None):
     p.add_argument("--parallel", action="store_true",
                    help="train all systems at once, each on its share of the cores, so that whatever else "
                         "runs on the machine slows them alike (then evaluate one after another)")
+    p.add_argument("--no-train", action="store_true",
+                   help="evaluate and tabulate the runs already in --out (e.g. after an interrupted benchmark)")
     p.add_argument("--quick", action="store_true", help="toy settings for the tests (use with a toy --data)")
     p.add_argument("--train-args", default="", help="extra `dtmt train` arguments, e.g. \"--vocab-size 2000\"")
     p.add_argument("--out", default=os.path.join(HERE, "out", "quality"))
@@ -93,13 +95,17 @@ def main(argv=None):
                       "--log-every", "50", *(["--threads", str(threads)] if threads else []), *extra],
                      os.path.join(a.out, f"train_{system}.log") if a.parallel else log)
 
-    if a.parallel:
+    if a.no_train:
+        missing = [s for s in a.systems if not os.path.isfile(os.path.join(a.out, s, "best.pt"))]
+        if missing:
+            p.error(f"--no-train: no best.pt in {a.out} for {', '.join(missing)}")
+    elif a.parallel:
         for job in [train(system) for system in a.systems]:
             wait(job)
     rows = []
     for system in a.systems:
         run = os.path.join(a.out, system)
-        if not a.parallel:
+        if not (a.parallel or a.no_train):
             wait(train(system))
         train_rows = read_log(os.path.join(run, "train_log.csv"))
         tr = [r for r in train_rows if r["kind"] == "train"]

@@ -74,6 +74,13 @@ def test_bench_quality_quick(tmp_path):
         unique = {v.untyped_storage().data_ptr(): v.numel() for v in state.values() if v.is_floating_point()}
         assert row["params"] == sum(unique.values())
     assert rows[1]["params"] < sum(v.numel() for v in state.values())
+    # --no-train evaluates the runs already there: same updates, same test BLEU (beam search is deterministic)
+    again = bench_quality.main(["--quick", "--systems", "rnnsearch-atr", "--data", data, "--budget", "3s",
+                                "--out", str(tmp_path / "q"), "--no-train"])
+    assert again[0]["steps"] == rows[1]["steps"] and again[0]["test_bleu"] == pytest.approx(rows[1]["test_bleu"])
+    with pytest.raises(SystemExit):
+        bench_quality.main(["--quick", "--systems", "deeplau", "--data", data, "--out", str(tmp_path / "q"),
+                            "--no-train"])
 
 
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")

@@ -76,6 +76,26 @@ def time_decode(model, batches, beam, repeat, max_len_a, max_len_b):
     return statistics.median(times), best
 
 
+class TableModel:
+    """No network: the next-token log-probs are a fixed random [V, V] table indexed by the previous token, so a
+    decode with it times the beam search's own bookkeeping (--bookkeeping)."""
+
+    def __init__(self, vocab: int):
+        g = torch.Generator().manual_seed(0)
+        self.table = torch.log_softmax(torch.randn(vocab, vocab, generator=g), -1)
+        self.table[:, EOS] = -1e4
+
+    def encode(self, src, lengths):
+        return {"dummy": torch.zeros(src.shape[0], 1)}
+
+    def step(self, state, prev):
+        return self.table[prev], state
+
+    @staticmethod
+    def reorder(state, index):
+        return {k: v.index_select(0, index) for k, v in state.items()}
+
+
 def count_params(model) -> int:
     return sum(q.numel() for q in model.parameters())
 
@@ -133,6 +153,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--bookkeeping", action="store_true",
+                   help="time only the beam search's bookkeeping (a table model, no network): ms per step")
     p.add_argument("--no-match", action="store_true", help="no size-matched transformers (synthetic mode)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
@@ -141,6 +163,18 @@ def main(argv=None):
         a.sentences, a.src_len, a.tgt_len, a.vocab, a.repeat, a.batch_size = 2, 5, 4, 100, 1, 2
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.bookkeeping:
+        table = TableModel(a.vocab)
+        src = [[4] * a.src_len for _ in range(a.sentences)]
+        rows = []
+        for beam in a.beams:
+            for bs in (1, a.batch_size):
+                seconds, _ = time_decode(table, make_batches(src, bs), beam, a.repeat, 0.0, a.tgt_len + 1)
+                steps = (a.tgt_len + 1) * -(-a.sentences // bs)
+                rows.append({"beam": beam, "batch": bs, "ms_per_step": 1000 * seconds / steps})
+                print(f"bookkeeping, beam {beam} batch {bs:>3}: {rows[-1]['ms_per_step']:.3f} ms per step "
+                      f"(vocabulary {a.vocab})", flush=True)
+        return rows
     models = []   # (name, model, sentences as id lists, words counter, max_len_a, max_len_b)
     if a.checkpoints:
         from dtmt_models.checkpoint import load_model

@@ -54,6 +54,13 @@ def test_bench_decode_quick(tmp_path):
     assert abs(size(width) - target) <= min(abs(size(max(8, width - 8)) - target), abs(size(width + 8) - target))
 
 
+def test_bench_decode_bookkeeping_quick():
+    from benchmarks import bench_decode
+    rows = bench_decode.main(["--quick", "--bookkeeping"])
+    assert [(r["beam"], r["batch"]) for r in rows] == [(1, 1), (1, 2), (4, 1), (4, 2)]
+    assert all(r["ms_per_step"] > 0 for r in rows)
+
+
 def test_bench_quality_quick(tmp_path):
     from test_train import make_toy_corpus
 

@@ -57,6 +57,8 @@ def read_log(path):
 def main(argv=None):
     from bench_cells import machine_name
 
+    import dtmt_models.systems  # noqa: F401  (all model code loaded now, not hours later for the table)
+    from dtmt_models.checkpoint import load_model
     from dtmt_models.presets import PRESETS
     from dtmt_models.train import parse_duration
 
@@ -100,8 +102,14 @@ def main(argv=None):
         if missing:
             p.error(f"--no-train: no best.pt in {a.out} for {', '.join(missing)}")
     elif a.parallel:
-        for job in [train(system) for system in a.systems]:
-            wait(job)
+        jobs = [train(system) for system in a.systems]
+        try:
+            for job in jobs:
+                wait(job)
+        finally:   # one failed (or Ctrl-C): stop the others rather than leave them training
+            for proc, _, _ in jobs:
+                if proc.poll() is None:
+                    proc.terminate()
     rows = []
     for system in a.systems:
         run = os.path.join(a.out, system)
@@ -124,8 +132,6 @@ def main(argv=None):
             row[f"{split}_bleu"], row[f"{split}_chrf"] = s["bleu"], s["chrf"]
             if split == "test":
                 row["decode_words_s"] = s["decode"]["hyp_words_per_s"]
-        from dtmt_models.checkpoint import load_model
-
         model = load_model(os.path.join(run, "best.pt"))[0]
         row["params"] = sum(p.numel() for p in model.parameters())  # a tied embedding counted once
         rows.append(row)

@@ -175,6 +175,7 @@ def main(argv=None):
                 print(f"bookkeeping, beam {beam} batch {bs:>3}: {rows[-1]['ms_per_step']:.3f} ms per step "
                       f"(vocabulary {a.vocab})", flush=True)
         return rows
+    match_of = {}  # recurrent system -> the name of its size-matched transformer (synthetic mode)
     models = []   # (name, model, sentences as id lists, words counter, max_len_a, max_len_b)
     if a.checkpoints:
         from dtmt_models.checkpoint import load_model
@@ -192,7 +193,7 @@ def main(argv=None):
     else:
         g = torch.Generator().manual_seed(0)
         sents = [torch.randint(4, a.vocab, (a.src_len,), generator=g).tolist() for _ in range(a.sentences)]
-        matched, match_of = {}, {}
+        matched = {}
         for name in a.systems:
             torch.manual_seed(0)
             model = build_model(name, a.vocab, a.vocab, **get_preset(name, "small")["model"]).eval()
@@ -233,7 +234,7 @@ def main(argv=None):
             (q for q in rows if q["model"].startswith("transformer") and (q["beam"], q["batch"]) ==
              (r["beam"], r["batch"])), None)
         r["vs_transformer"] = r["words_per_s"] / base["words_per_s"] if base else None
-        m = by.get((match_of.get(r["model"]), r["beam"], r["batch"])) if not a.checkpoints else None
+        m = by.get((match_of.get(r["model"]), r["beam"], r["batch"]))
         r["matched"] = m["model"] if m else None
         r["vs_matched"] = r["words_per_s"] / m["words_per_s"] if m else None
     os.makedirs(a.out, exist_ok=True)

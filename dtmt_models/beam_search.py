@@ -8,7 +8,7 @@ length * max_len_a + max_len_b steps, EOS included), where only EOS may follow t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Union
 
 import torch
 from torch import Tensor
@@ -26,11 +26,8 @@ class Hypothesis:
 NEG_INF = float("-inf")
 
 
-def length_penalty(length: Tensor, alpha: float) -> Tensor:
-    return ((5.0 + length.float()) / 6.0) ** alpha
-
-
-def _penalty(length: int, alpha: float) -> float:
+def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Tensor]:
+    """lp(y) for a length (an int gives a float, a tensor of lengths a float tensor)."""
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -77,7 +74,7 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
                 o, w = divmod(i, V)
                 if w == EOS:
                     hyp = tokens[b * beam + o, 1:].tolist()
-                    finished[b].append(Hypothesis(hyp, s / _penalty(len(hyp) + 1, alpha), s))
+                    finished[b].append(Hypothesis(hyp, s / length_penalty(len(hyp) + 1, alpha), s))
                 elif k < beam:
                     new_scores[b][k], new_origin[b][k], new_word[b][k] = s, o, w
                     k += 1
@@ -88,7 +85,7 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
             # finished when full and no open hypothesis can still win (log-probs only decrease; the length
             # penalty is at most that of the max length)
             best_open = max(new_scores[b])
-            bound = best_open / _penalty(max_len_list[b], alpha) if alpha > 0 else best_open
+            bound = best_open / length_penalty(max_len_list[b], alpha) if alpha > 0 else best_open
             if t + 1 >= max_len_list[b] or best_open == NEG_INF or (len(finished[b]) >= beam and
                                                                     bound <= finished[b][-1].score):
                 done[b] = True

@@ -2,8 +2,6 @@
 (use with torch.optim.lr_scheduler.LambdaLR; `step` counts updates from 0)."""
 from __future__ import annotations
 
-import math
-
 
 class RNMTPlusSchedule:
     """Paper 000 eq. 17 (from RNMT+): lr(t) = lr0 · min(1 + t(n−1)/(n p), n, n (2n)^((s − n t)/(e − s))):

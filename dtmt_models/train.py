@@ -28,7 +28,7 @@ import random
 import signal
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 

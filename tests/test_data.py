@@ -1,6 +1,5 @@
 """Corpus reading and validation, vocabularies, batching."""
 import pytest
-import torch
 
 from dtmt_models import batching, data
 from dtmt_models.vocabulary import BOS, EOS, PAD, Vocabulary

@@ -1,5 +1,3 @@
-import math
-
 import pytest
 
 from dtmt_models.schedules import InverseSqrtSchedule, RNMTPlusSchedule

@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import dtmt_kernels as dk
 from dtmt_kernels import functional as Fn
-from dtmt_kernels import reference as R
 
 from conftest import make_layer, padding_mask
 

@@ -12,7 +12,11 @@ than at M = T·B and gain little from a second thread (benchmarks/NOTES.md, log 
 Each shape also shows the weight read rate, K·N·4 bytes / time of x @ W^T, next to what the memory gives a plain
 read of the same weights (W.sum()). With --cold every call uses the next of enough distinct weight matrices to
 fill 64 MiB, so they come from memory rather than cache, as in decoding, where a step reads every decoder weight
-once (~10 MB for dtmt's small preset). --decode selects the M = 4 shapes of beam 4, batch 1 (log item 9).
+once (~10 MB for dtmt's small preset). --decode selects the M = 4 shapes of beam 4, batch 1 (log item 10);
+--rows changes their M (1 for greedy decoding at batch 1).
+
+For M <= 8 the last column is the package's small-row kernel (`dtmt_kernels.functional.linear`, csrc/small_gemm_cpu.cpp)
+on the same weights, as weight GB/s, next to x @ W^T's (log item 12).
 """
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ import statistics
 import time
 
 import torch
+
+try:
+    from dtmt_kernels import _C
+except ImportError:  # the package not built: torch's figures only
+    _C = None
 
 
 def rate(f, flops: float, inner: int, repeat: int) -> float:
@@ -44,13 +53,16 @@ def main(argv=None):
     p.add_argument("--decode", action="store_true",
                    help="dtmt small preset's decoder shapes at beam 4, batch 1 (M = 4), with --cold")
     p.add_argument("--cold", action="store_true", help="cycle through 64 MiB of distinct weights")
+    p.add_argument("--rows", type=int, default=4, help="M of the --decode shapes")
     p.add_argument("--inner", type=int, default=50)
     p.add_argument("--repeat", type=int, default=5)
     a = p.parse_args(argv)
     if a.decode:
-        a.shapes, a.cold = ["4x128x4000", "4x512x1280", "4x256x1024", "4x256x768", "4x512x512"], True
-    print(f"torch {torch.__version__}; GFLOP/s (x W^T | weight gradient), weight GB/s (x W^T | W.sum())"
-          + (", cold weights" if a.cold else ""))
+        a.shapes = [f"{a.rows}x{kn}" for kn in ("128x4000", "512x1280", "256x1024", "256x768", "512x512")]
+        a.cold = True
+    small_ok = _C is not None and _C.has_small_rows_kernel
+    print(f"torch {torch.__version__}; GFLOP/s (x W^T | weight gradient), weight GB/s (x W^T | W.sum()"
+          + (" | small-row kernel" if small_ok else "") + ")" + (", cold weights" if a.cold else ""))
     rows, before = [], torch.get_num_threads()
     for threads in a.threads:
         torch.set_num_threads(threads)
@@ -65,9 +77,14 @@ def main(argv=None):
             wgrad = rate(lambda: g.t() @ x, flops, inner, a.repeat)
             read = rate(lambda: weight().sum(), nbytes, inner, a.repeat)
             gbs = fwd * nbytes / flops
-            print(f"threads {threads}  {M:>5} x {K:>4} x {N:>5}: {fwd:6.1f} | {wgrad:6.1f}    {gbs:5.1f} | {read:5.1f}")
+            small = None
+            if small_ok and M <= _C.SMALL_ROWS_MAX:
+                none = torch.empty(0)
+                small = rate(lambda: _C.small_rows_linear(x, weight(), none), flops, inner, a.repeat) * nbytes / flops
+            print(f"threads {threads}  {M:>5} x {K:>4} x {N:>5}: {fwd:6.1f} | {wgrad:6.1f}    {gbs:5.1f} | {read:5.1f}"
+                  + (f" | {small:5.1f}" if small is not None else ""))
             rows.append({"threads": threads, "shape": shape, "gflops": fwd, "wgrad_gflops": wgrad,
-                         "weight_gbs": gbs, "read_gbs": read})
+                         "weight_gbs": gbs, "read_gbs": read, "small_rows_gbs": small})
     torch.set_num_threads(before)
     return rows
 

@@ -5,6 +5,8 @@
 
 #include "attention.h"
 #include "cell_math.h"
+#include "decode_step.h"
+#include "small_gemm.h"
 #include "transition.h"
 
 #ifdef DTMT_WITH_CUDA
@@ -119,6 +121,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Attention context sum_s alpha[b,h,s] values[b,s,h*Dc:(h+1)*Dc] -> [B, C]");
   m.def("attention_context_backward", &dtmt::attention_context_backward_cpu,
         "Attention context backward; returns [dalpha, dvalues]");
+  m.def("attention_step", &dtmt::attention_step_cpu,
+        "Inference: one (multi-head) additive attention step, query projection to output projection; returns "
+        "[context, alpha]");
+  m.def("readout_features", &dtmt::readout_features_cpu,
+        "Inference: tanh(LN(y W_y^T + b_y) + LN(s W_s^T + b_s) + LN(c W_c^T + b_c)) in one call");
+  m.def("rnmt_step", &dtmt::rnmt_step_cpu,
+        "Inference: one attentional RNMT decoder step (query cell, attention, decoder cell, readout, log-softmax); "
+        "returns [log_probs, s, alpha]");
+  m.def("small_rows_linear", &dtmt::small_rows_linear,
+        "x [M, K] @ w[N, K]^T + bias: the weight-streaming kernel for M <= SMALL_ROWS_MAX float32 rows, ATen's "
+        "GEMM otherwise");
+  m.attr("SMALL_ROWS_MAX") = dtmt::kSmallRowsMax;
+  m.attr("has_small_rows_kernel") = dtmt::small_rows_kernel_built();
 #ifdef DTMT_WITH_CUDA
   m.def("transition_forward_cuda", &transition_forward_cuda,
         "CUDA deep transition / ATR forward; returns [out, h_n, xp, hs, hs_lp, hp, hpt] (hs_lp empty for "

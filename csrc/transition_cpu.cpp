@@ -6,6 +6,8 @@
 //                h1  = base_row(xp[t], hp, h)      one fused pass per batch row (parallel over rows)
 //                for each T-GRU k: GEMM, then one fused pass
 //                mask: padded rows keep h and output 0
+// (GEMMs of at most kSmallRowsMax rows, i.e. decoding at batch 1, run the weight-streaming kernel of
+// small_gemm_cpu.cpp; larger ones ATen's GEMM.)
 // Saved for backward (per step and sequence): xp (input pre-activations), hs (the state entering every
 // sub-cell), hp / hpt (recurrent pre-activations). Gate values, layer-norm statistics and candidates are
 // recomputed in the backward pass from these, which keeps the saved bytes well below autograd's.
@@ -24,6 +26,7 @@
 #endif
 
 #include "cell_math.h"
+#include "small_gemm.h"
 
 namespace dtmt {
 namespace {
@@ -107,7 +110,7 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   auto opts = x.options();
 
   Tensor xp = empty_large({T_ * B, d.n_in * H}, opts);
-  at::addmm_out(xp, w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih.t());
+  linear_into(xp, w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih);
   xp = xp.view({T_, B, d.n_in * H});
   Tensor hs = empty_large({S, T_, B, H}, opts);
   Tensor hp = empty_large({T_, B, d.n_h * H}, opts);
@@ -121,9 +124,8 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   const T* tlnb = static_cast<const T*>(ptr_or_null(w.t_ln_b));
   const T* dropp = static_cast<const T*>(ptr_or_null(drop));
   const T* maskp = static_cast<const T*>(ptr_or_null(mask));
-  Tensor w_hh_t = w.w_hh.t();
-  std::vector<Tensor> t_w_t;
-  for (int64_t k = 0; k < D; ++k) t_w_t.push_back(w.t_w[k].t());
+  std::vector<Tensor> t_w;
+  for (int64_t k = 0; k < D; ++k) t_w.push_back(w.t_w[k]);
   const int64_t scratch = 9 * H;
 
   for (int64_t step = 0; step < T_; ++step) {
@@ -131,7 +133,7 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
     Tensor h_in = hs[0][t];
     h_in.copy_(h_n);
     Tensor hp_t = hp[t];
-    at::addmm_out(hp_t, w.b_hh, h_in, w_hh_t);
+    linear_into(hp_t, w.b_hh, h_in, w.w_hh);
     T* base_out = D > 0 ? hs[1][t].data_ptr<T>() : out[t].data_ptr<T>();
     const T* xp_t = xp[t].data_ptr<T>();
     const T* hp_p = hp_t.data_ptr<T>();
@@ -144,7 +146,7 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
     for (int64_t k = 1; k <= D; ++k) {
       Tensor in_k = hs[k][t];
       Tensor hpt_k = hpt[k - 1][t];
-      at::addmm_out(hpt_k, w.t_b[k - 1], in_k, t_w_t[k - 1]);
+      linear_into(hpt_k, w.t_b[k - 1], in_k, t_w[k - 1]);
       T* out_k = k < D ? hs[k + 1][t].data_ptr<T>() : out[t].data_ptr<T>();
       const T* hp_k = hpt_k.data_ptr<T>();
       const T* in_p = in_k.data_ptr<T>();

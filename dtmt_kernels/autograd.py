@@ -159,3 +159,28 @@ def cpp_transition_inference(x: Tensor, h0: Tensor, cell: str, params, mask: Opt
     out, h_n, *_ = _C.transition_forward(x.contiguous(), h0.contiguous(), _or_empty(mask, x), _or_empty(drop, x),
                                          KINDS[cell], *params, reverse, eps)
     return out, h_n
+
+
+def small_rows_applicable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether `cpp_small_rows_linear` runs the weight-streaming kernel for F.linear(x, weight, bias): the kernel
+    built, CPU float32 tensors, at most _C.SMALL_ROWS_MAX rows (leading dims flattened) and nothing that needs a
+    gradient (the kernel has no backward: it is for decoding)."""
+    if _C is None or not _C.has_small_rows_kernel or x.dim() == 0 or x.device.type != "cpu":
+        return False
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2:
+        return False
+    if bias is not None and bias.dtype != torch.float32:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (bias is not None and bias.requires_grad)):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return 1 <= rows <= _C.SMALL_ROWS_MAX and x.shape[-1] == weight.shape[1]
+
+
+def cpp_small_rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """F.linear(x, weight, bias) by the small-row kernel (csrc/small_gemm_cpu.cpp); `small_rows_applicable` must
+    hold. x [..., K] with at most SMALL_ROWS_MAX rows -> [..., N]."""
+    K = x.shape[-1]
+    out = _C.small_rows_linear(x.reshape(-1, K), weight, x.new_empty(0) if bias is None else bias)
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,15 +1,17 @@
-"""Functional API: run a deep transition block / ATR over a sequence or one step on a chosen backend,
-plus the checks that every public entry point applies to its inputs (validate at the boundary)."""
+"""Functional API: run a deep transition block / ATR over a sequence or one step on a chosen backend, the
+attention kernels and the decoding linear layer, plus the checks that every public entry point applies to its
+inputs (validate at the boundary)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import reference
-from .autograd import cpp_additive_scores, cpp_attention_context
-from .backends import resolve_backend
+from .autograd import _C, cpp_additive_scores, cpp_attention_context, cpp_small_rows_linear, small_rows_applicable
+from .backends import check_backend_name, resolve_backend
 from .reference import TransitionWeights
 
 LengthsLike = Union[Tensor, Sequence[int]]
@@ -77,6 +79,82 @@ def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> T
     if b.name == "cpp":
         return cpp_attention_context(alpha, values)
     return reference.attention_context(alpha, values)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
+    """F.linear(x, weight, bias), for the linear layers a decoder step runs (see nn.Linear).
+
+    With `cpp` (the `auto` choice for CPU tensors) a product of at most 8 float32 rows that needs no gradient,
+    i.e. a decoder step at batch 1 with beam <= 8, runs the small-row kernel (csrc/small_gemm_cpu.cpp): it streams
+    each weight once at the memory's read rate, 2-4x the rate of the BLAS GEMM at these shapes on the CPUs of
+    benchmarks/NOTES.md (log item 12). Everything else, and every other backend, is F.linear (ATen's GEMM, cuBLAS
+    on the GPU). Unlike the recurrent ops, `auto` never fails here: on a device with no fused backend it is
+    F.linear."""
+    if backend == "cpp":
+        resolve_backend(backend, x.device)  # an error that says why when cpp cannot run these tensors
+    elif backend != "auto":
+        check_backend_name(backend)
+        return F.linear(x, weight, bias)
+    if small_rows_applicable(x, weight, bias):  # false without the extension, off the CPU, or with gradients
+        return cpp_small_rows_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def fused_inference(backend: str, x: Tensor) -> bool:
+    """Whether a module on `backend` may run the inference-only fused ops below for input x: autograd off
+    (torch.no_grad / inference_mode, as in beam search and validation), the cpp backend ("auto" or "cpp") and a
+    CPU float32 / float64 tensor."""
+    return (not torch.is_grad_enabled() and _C is not None and backend in ("auto", "cpp")
+            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64))
+
+
+def _or_none(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def attention_step(query: Tensor, w_q: Tensor, keys: Tensor, v: Tensor, annotations: Tensor, src_mask: Tensor,
+                   w_o: Optional[Tensor] = None, b_o: Optional[Tensor] = None):
+    """Inference only (see fused_inference): one step of (multi-head) additive attention in one C++ call,
+    what MultiHeadAdditiveAttention / AdditiveAttention (without layer norm) compute in a dozen ops:
+    q = query W_q^T split into heads, scores = additive_scores(keys, q, v), alpha = softmax over the source
+    positions where src_mask is true (0 elsewhere), context = attention_context(alpha, annotations), then
+    context W_o^T + b_o when w_o is given. query [B, Q], keys [B, S, NH, D], v [NH, D], annotations [B, S, C],
+    src_mask [B, S] bool -> (context, alpha [B, NH, S])."""
+    context, alpha = _C.attention_step(query, w_q, keys.contiguous(), v.contiguous(), annotations, src_mask,
+                                       _or_none(w_o, query), _or_none(b_o, query))
+    return context, alpha
+
+
+def readout_features(y: Tensor, s: Tensor, c: Tensor, w_y: Tensor, b_y: Optional[Tensor], w_s: Tensor,
+                     b_s: Optional[Tensor], w_c: Tensor, b_c: Optional[Tensor], ln_w: Optional[Tensor] = None,
+                     ln_b: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+    """Inference only (see fused_inference): tanh(LN_y(y W_y^T + b_y) + LN_s(s W_s^T + b_s) + LN_c(c W_c^T + b_c))
+    in one C++ call (the Readout's features); ln_w / ln_b [3, R] hold the three layer norms' gains and offsets
+    (None: no layer norm). y [..., E], s [..., Hs], c [..., C] with the same leading dims -> [..., R]."""
+    lead = y.shape[:-1]
+    out = _C.readout_features(y.reshape(-1, y.shape[-1]), s.reshape(-1, s.shape[-1]), c.reshape(-1, c.shape[-1]),
+                              w_y, _or_none(b_y, y), w_s, _or_none(b_s, y), w_c, _or_none(b_c, y),
+                              _or_none(ln_w, y), _or_none(ln_b, y), eps)
+    return out.view(*lead, w_y.shape[0])
+
+
+def rnmt_step(y: Tensor, s: Tensor, query_cell, attention: Sequence[Optional[Tensor]], decoder_cell,
+              readout: Sequence[Optional[Tensor]], readout_eps: float = 1e-5, drops=(None, None)):
+    """Inference only (see fused_inference): one whole step of the attentional RNMT decoder in one C++ call
+    (what dtmt_models.rnmt.AttentionalRNMT.step runs in eval mode): query cell, attention_step, decoder cell,
+    readout_features, output projection and log-softmax. y [B, E] embedded previous tokens, s [B, H];
+    query_cell / decoder_cell: dtmt_kernels.nn cells (their weights are taken as the kernels' flat list, cached);
+    attention = (w_q, keys [B, S, NH, D], v, annotations, src_mask, w_o, b_o); readout = (w_y, b_y, w_s, b_s, w_c,
+    b_c, ln_w [3, R], ln_b, w_out, b_out); None for absent tensors; drops: the two cells' candidate-dropout
+    multipliers or None. Returns (log_probs [B, V] float32, s' [B, H], alpha [B, NH, S])."""
+    from .autograd import KINDS
+    if query_cell.eps != decoder_cell.eps:
+        raise ValueError("rnmt_step: the two cells must share their layer-norm eps")
+    log_probs, s_new, alpha = _C.rnmt_step(
+        y, s, KINDS[query_cell.cell], query_cell._inference_params(0), _or_none(drops[0], y),
+        KINDS[decoder_cell.cell], decoder_cell._inference_params(0), _or_none(drops[1], y),
+        [_or_none(t, y) for t in attention], [_or_none(t, y) for t in readout], query_cell.eps, readout_eps)
+    return log_probs, s_new, alpha
 
 
 def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:

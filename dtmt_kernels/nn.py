@@ -1,4 +1,5 @@
-"""Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`.
+"""Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`; and `Linear`, the
+torch.nn.Linear of decoder steps (the small-row kernel at batch 1).
 
 They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first`, `h0` of shape
 [num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from .autograd import flat_params, cpp_transition_inference
 from .backends import BackendSwitch, resolve_backend
-from .functional import check_dtype_for_backend, lengths_to_mask
+from .functional import check_dtype_for_backend, lengths_to_mask, linear
 from .reference import CELL_KINDS, TransitionWeights
 
 # cell -> (input rows, recurrent rows, layer-normalised gates); the gates are the first rows.
@@ -358,3 +359,21 @@ class ATRCell(_TransitionCell):
 
     def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, backend: str = "auto"):
         super().__init__(input_size, hidden_size, "atr", 0, layer_norm, 0.0, backend)
+
+
+class Linear(BackendSwitch, nn.Linear):
+    """torch.nn.Linear (same parameters, initialisation and state_dict keys) computed by
+    `dtmt_kernels.functional.linear`: on a CPU backend, a product of at most 8 float32 rows that needs no gradient
+    (a decoder step at batch 1, beam <= 8) runs the weight-streaming small-row kernel; everything else is
+    F.linear. `backend="reference"` (set by Seq2Seq.set_backend with the recurrent layers) is plain F.linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, backend: str = "auto",
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.backend = backend
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, backend={self.backend!r}"

@@ -12,7 +12,8 @@ in the decoder state; `forward(query, keys, annotations, src_mask)` is one decod
 The scores v·tanh(q + k_j) and the context Σ_j α_j h_j are `dtmt_kernels.functional.additive_scores` and
 `attention_context`, run on the module's `backend` (switched with the model's recurrent layers by
 `Seq2Seq.set_backend`): the C++ kernels for CPU tensors under "auto"/"cpp", PyTorch ops under "reference"
-(and on the GPU).
+(and on the GPU). Without autograd (beam search) on cpp, a whole step is one call,
+`dtmt_kernels.functional.attention_step` (for AdditiveAttention: without layer norm).
 """
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ class AdditiveAttention(BackendSwitch, nn.Module):
                  backend: str = "auto"):
         super().__init__()
         self.backend = backend
-        self.query = nn.Linear(query_dim, attn_dim, bias=False)
-        self.key = nn.Linear(key_dim, attn_dim, bias=True)
-        self.v = nn.Linear(attn_dim, 1, bias=False)
+        self.query = dk.nn.Linear(query_dim, attn_dim, bias=False)
+        self.key = dk.nn.Linear(key_dim, attn_dim, bias=True)
+        self.v = dk.nn.Linear(attn_dim, 1, bias=False)
         self.ln_q = nn.LayerNorm(attn_dim) if layer_norm else nn.Identity()
         self.ln_k = nn.LayerNorm(attn_dim) if layer_norm else nn.Identity()
 
@@ -51,6 +52,10 @@ class AdditiveAttention(BackendSwitch, nn.Module):
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """query [B, Q], keys [B, S, A], annotations [B, S, C], src_mask [B, S] bool ->
         (context [B, C], weights [B, S])."""
+        if isinstance(self.ln_q, nn.Identity) and dk.functional.fused_inference(self.backend, query):
+            context, alpha = dk.functional.attention_step(query, self.query.weight, keys.unsqueeze(2), self.v.weight,
+                                                          annotations, src_mask)
+            return context, alpha.squeeze(1)
         q = self.ln_q(self.query(query)).unsqueeze(1)                           # [B, 1, A]: one head
         scores = dk.functional.additive_scores(keys.unsqueeze(2), q, self.v.weight, self.backend).squeeze(1)
         alpha = masked_softmax(scores, src_mask)
@@ -65,11 +70,11 @@ class MultiHeadAdditiveAttention(BackendSwitch, nn.Module):
             raise ValueError(f"MultiHeadAdditiveAttention: attn_dim={attn_dim} and key_dim={key_dim} must be "
                              f"divisible by heads={heads}")
         self.heads = heads
-        self.query = nn.Linear(query_dim, attn_dim, bias=False)
-        self.key = nn.Linear(key_dim, attn_dim, bias=True)
+        self.query = dk.nn.Linear(query_dim, attn_dim, bias=False)
+        self.key = dk.nn.Linear(key_dim, attn_dim, bias=True)
         self.v = nn.Parameter(torch.empty(heads, attn_dim // heads))
         nn.init.normal_(self.v, std=(attn_dim // heads) ** -0.5)
-        self.out = nn.Linear(key_dim, key_dim)
+        self.out = dk.nn.Linear(key_dim, key_dim)
 
     def precompute(self, annotations: Tensor) -> Tensor:
         B, S, _ = annotations.shape
@@ -80,6 +85,9 @@ class MultiHeadAdditiveAttention(BackendSwitch, nn.Module):
 
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """Returns (context [B, C], weights [B, heads, S])."""
+        if dk.functional.fused_inference(self.backend, query):
+            return dk.functional.attention_step(query, self.query.weight, keys, self.v, annotations, src_mask,
+                                                self.out.weight, self.out.bias)
         q = self.query(query).view(query.shape[0], self.heads, -1)
         scores = dk.functional.additive_scores(keys, q, self.v, self.backend)  # [B, heads, S]
         alpha = masked_softmax(scores, src_mask.unsqueeze(1))

@@ -9,6 +9,10 @@
 
 Subclasses create src_embed, tgt_embed, init_state, query_cell, attention, decoder_cell and readout. Cells
 with candidate dropout get one mask per sentence, drawn at `encode` and kept (batch first) in the state.
+
+Decoding (`step` in eval mode without autograd, on the cpp backend) runs everything after the embedding lookup
+as one C++ call, `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; at batch 1 the ~80
+small PyTorch ops of a step cost more to dispatch than to compute (benchmarks/NOTES.md, log item 12).
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 
-from .seq2seq import Seq2Seq, State, lengths_mask, step_state
+from .attention import AdditiveAttention, MultiHeadAdditiveAttention
+from .seq2seq import Readout, Seq2Seq, State, lengths_mask, step_state
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -88,6 +93,43 @@ class AttentionalRNMT(Seq2Seq):
 
     def embed_step(self, state: State, prev_tokens: Tensor) -> Tensor:
         return self.tgt_embed(prev_tokens, positions=state["pos"])
+
+    def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        y = self.embed_step(state, prev_tokens)
+        if not self._fused_step_applies(y):
+            parts, new = self.transition(state, y)
+            return self.readout(self.features(y, *parts)), new
+        att = self.attention
+        if isinstance(att, MultiHeadAdditiveAttention):
+            attention = (att.query.weight, state["keys"], att.v, state["annotations"], state["src_mask"],
+                         att.out.weight, att.out.bias)
+        else:
+            attention = (att.query.weight, state["keys"].unsqueeze(2), att.v.weight, state["annotations"],
+                         state["src_mask"], None, None)
+        r = self.readout
+        ln = isinstance(r.norms[0], torch.nn.LayerNorm)
+        readout = (r.from_y.weight, r.from_y.bias, r.from_s.weight, r.from_s.bias, r.from_c.weight, r.from_c.bias,
+                   torch.stack([n.weight for n in r.norms]) if ln else None,
+                   torch.stack([n.bias for n in r.norms]) if ln else None, r.output.proj.weight, r.output.proj.bias)
+        log_probs, s, alpha = dk.functional.rnmt_step(
+            y, state["s"], self.query_cell, attention, self.decoder_cell, readout, r.norms[0].eps if ln else 1e-5,
+            (self._drop(state, "drop_q"), self._drop(state, "drop_d")))
+        return log_probs, step_state(state, alpha, True, s=s, pos=state["pos"] + 1)
+
+    def _fused_step_applies(self, y: Tensor) -> bool:
+        """Whether `step` may run the fused op: eval mode, no autograd, every part on the cpp backend and of the
+        standard kinds (a subclass that changes the step's structure keeps the modules' path)."""
+        cls, att, r = type(self), self.attention, self.readout
+        return (not self.training and cls.transition is AttentionalRNMT.transition
+                and cls.features is Seq2Seq.features and cls.decoder_step is Seq2Seq.decoder_step
+                and isinstance(self.query_cell, dk.nn._TransitionCell)
+                and isinstance(self.decoder_cell, dk.nn._TransitionCell)
+                and self.query_cell.eps == self.decoder_cell.eps
+                and (isinstance(att, MultiHeadAdditiveAttention)
+                     or (isinstance(att, AdditiveAttention) and isinstance(att.ln_q, torch.nn.Identity)))
+                and type(r) is Readout and len(r.deep) == 0
+                and all(dk.functional.fused_inference(b, y) for b in (
+                    self.query_cell.backend, self.decoder_cell.backend, att.backend, r.from_y.backend)))
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
 
 from .loss import label_smoothed_nll
@@ -32,7 +33,7 @@ class Projection(nn.Module):
     def __init__(self, in_dim: int, vocab_size: int, dropout: float = 0.0,
                  tied_embedding: Optional[nn.Parameter] = None):
         super().__init__()
-        self.proj = nn.Linear(in_dim, vocab_size)
+        self.proj = dk.nn.Linear(in_dim, vocab_size)
         if tied_embedding is not None:
             if tied_embedding.shape[1] != in_dim:
                 raise ValueError(f"tied embeddings need the projection input ({in_dim}) to equal embed_dim "
@@ -55,17 +56,23 @@ class Readout(nn.Module):
                  dropout: float = 0.0, tied_embedding: Optional[nn.Parameter] = None, layer_norm: bool = False,
                  extra_layers: int = 0):
         super().__init__()
-        self.from_y = nn.Linear(embed_dim, readout_dim, bias=False)
-        self.from_s = nn.Linear(state_dim, readout_dim, bias=True)
-        self.from_c = nn.Linear(context_dim, readout_dim, bias=False)
+        self.from_y = dk.nn.Linear(embed_dim, readout_dim, bias=False)
+        self.from_s = dk.nn.Linear(state_dim, readout_dim, bias=True)
+        self.from_c = dk.nn.Linear(context_dim, readout_dim, bias=False)
         norm = (lambda: nn.LayerNorm(readout_dim)) if layer_norm else nn.Identity
         self.norms = nn.ModuleList([norm(), norm(), norm()])
-        self.deep = nn.ModuleList(nn.Sequential(nn.Linear(readout_dim, readout_dim), norm(), nn.Tanh())
+        self.deep = nn.ModuleList(nn.Sequential(dk.nn.Linear(readout_dim, readout_dim), norm(), nn.Tanh())
                                   for _ in range(extra_layers))
         self.output = Projection(readout_dim, vocab_size, dropout, tied_embedding)
 
     def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
         ny, ns, nc = self.norms
+        if dk.functional.fused_inference(self.from_y.backend, y):  # beam search / validation: one C++ call
+            ln = [torch.stack([n.weight for n in self.norms]), torch.stack([n.bias for n in self.norms])] \
+                if isinstance(ny, nn.LayerNorm) else [None, None]
+            return dk.functional.readout_features(y, s, c, self.from_y.weight, self.from_y.bias, self.from_s.weight,
+                                                  self.from_s.bias, self.from_c.weight, self.from_c.bias, *ln,
+                                                  eps=ny.eps if ln[0] is not None else 1e-5)
         return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
 
     def forward(self, features: Tensor) -> Tensor:

@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import dtmt_kernels as dk
+
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
@@ -53,7 +55,7 @@ class RNNSearchATR(AttentionalRNMT):
         else:
             self.encoder_backward = recurrent_layer(cell, E, H, batch_first=True, reverse=True, **opts)
             self.encoder_forward = recurrent_layer(cell, E + H, H, batch_first=True, **opts)
-        self.init_state = nn.Linear(2 * H, H)
+        self.init_state = dk.nn.Linear(2 * H, H)
         self.query_cell = recurrent_cell(cell, E, H, **opts)
         self.attention = AdditiveAttention(H, 2 * H, H, backend=backend)
         self.decoder_cell = recurrent_cell(cell, 2 * H, H, **opts)
@@ -85,7 +87,7 @@ class GNMTATR(Seq2Seq):
         self.encoder = nn.ModuleList([recurrent_layer(cell, E, H, bidirectional=True, batch_first=True, **opts),
                                       recurrent_layer(cell, 2 * H, H, batch_first=True, **opts)])
         self.encoder.extend(recurrent_layer(cell, H, H, batch_first=True, **opts) for _ in range(encoder_layers - 2))
-        self.init_state = nn.Linear(H, decoder_layers * H)
+        self.init_state = dk.nn.Linear(H, decoder_layers * H)
         self.attention = AdditiveAttention(H, H, H, backend=backend)
         self.decoder = nn.ModuleList([recurrent_cell(cell, E, H, **opts)])
         self.decoder.extend(recurrent_cell(cell, 2 * H, H, **opts) for _ in range(decoder_layers - 1))

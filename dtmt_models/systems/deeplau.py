@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import dtmt_kernels as dk
+
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
@@ -41,7 +43,7 @@ class DeepLAU(Seq2Seq):
         self.encoder = nn.ModuleList(recurrent_layer(cell, E if l == 0 else H, H, batch_first=True,
                                                      reverse=bool(l % 2), **opts)
                                      for l in range(encoder_layers))
-        self.init_state = nn.Linear(H, decoder_layers * H)
+        self.init_state = dk.nn.Linear(H, decoder_layers * H)
         self.attention = AdditiveAttention(H + E, H, H, backend=backend)
         self.decoder = nn.ModuleList(recurrent_cell(cell, H + E if l == 0 else H, H, **opts)
                                      for l in range(decoder_layers))

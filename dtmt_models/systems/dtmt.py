@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch.nn as nn
 
 import dtmt_kernels as dk
 
@@ -65,7 +64,7 @@ class DTMT(AttentionalRNMT):
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, embed_dim, pad_id, positional_encoding, dropout)
         self.encoder = dk.nn.DeepTransitionGRU(embed_dim, H, depth=depths[0], cell=cells[0], bidirectional=True,
                                                batch_first=True, **common)
-        self.init_state = nn.Linear(2 * H, H)
+        self.init_state = dk.nn.Linear(2 * H, H)
         self.query_cell = dk.nn.DeepTransitionGRUCell(embed_dim, H, depth=depths[1], cell=cells[1], **common)
         self.attention = MultiHeadAdditiveAttention(H, 2 * H, attention_dim or H, heads, backend)
         self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, depth=depths[2], cell=cells[2], **common)

@@ -56,11 +56,11 @@ class MemoryGRUEncoderDirection(nn.Module):
         H = hidden_size
         self.cell = dk.nn.DeepTransitionGRUCell(embed_dim + H, H, depth=0, cell="gru", layer_norm=False,
                                                 backend=backend)
-        self.address_state = nn.Linear(H, H, bias=False)
-        self.address_memory = nn.Linear(H, H, bias=True)
-        self.address_v = nn.Linear(H, 1, bias=False)
-        self.read_gate = nn.Linear(H, H)
-        self.write_gate = nn.Linear(H, H)
+        self.address_state = dk.nn.Linear(H, H, bias=False)
+        self.address_memory = dk.nn.Linear(H, H, bias=True)
+        self.address_v = dk.nn.Linear(H, 1, bias=False)
+        self.read_gate = dk.nn.Linear(H, H)
+        self.write_gate = dk.nn.Linear(H, H)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool) -> Tuple[Tensor, Tensor]:
         """x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] -> (states [B, S, H], final memory)."""
@@ -87,8 +87,8 @@ class Gate(nn.Module):
 
     def __init__(self, dim: int):
         super().__init__()
-        self.w = nn.Linear(dim, dim, bias=True)
-        self.u = nn.Linear(dim, dim, bias=False)
+        self.w = dk.nn.Linear(dim, dim, bias=True)
+        self.u = dk.nn.Linear(dim, dim, bias=False)
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         g = torch.sigmoid(self.w(a) + self.u(b))
@@ -109,17 +109,17 @@ class MultiChannelEncoderNMT(AttentionalRNMT):
         self.annotation, self.backward_input = annotation, backward_input
         self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id)
-        self.memory_init = nn.Identity() if E == H else nn.Linear(E, H, bias=False)
+        self.memory_init = nn.Identity() if E == H else dk.nn.Linear(E, H, bias=False)
         self.encoder_fwd = MemoryGRUEncoderDirection(E, H, backend)
         self.encoder_bwd = MemoryGRUEncoderDirection(H if backward_input == "forward_states" else E, H, backend)
         if "emb" in annotation:
-            self.emb_channel = nn.Linear(E, 2 * H, bias=False)
+            self.emb_channel = dk.nn.Linear(E, 2 * H, bias=False)
         if annotation in ("ntm-rnn", "ntm-rnn-emb"):
             self.gate_ntm_rnn = Gate(2 * H)
         if annotation in ("rnn-emb", "ntm-emb", "ntm-rnn-emb"):
             self.gate_emb = Gate(2 * H)
         gru = dict(depth=0, cell="gru", layer_norm=False, backend=backend)
-        self.init_state = nn.Linear(2 * H, H)
+        self.init_state = dk.nn.Linear(2 * H, H)
         self.query_cell = dk.nn.DeepTransitionGRUCell(E, H, **gru)
         self.attention = AdditiveAttention(H, 2 * H, H, backend=backend)
         self.decoder_cell = dk.nn.DeepTransitionGRUCell(2 * H, H, **gru)

@@ -122,7 +122,7 @@ class Nematus(Seq2Seq):
             high_depth = 1 if decoder in ("gru", "rgru") else 2
         self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id, dropout=dropout)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id, dropout=dropout)
-        self.init_state = nn.Linear(2 * H, H)
+        self.init_state = dk.nn.Linear(2 * H, H)
         cell = dict(cell="gru", layer_norm=layer_norm, backend=backend)
         self.query_cell = dk.nn.DeepTransitionGRUCell(E, H, depth=0, **cell)
         self.attention = AdditiveAttention(H, 2 * H, 2 * H, layer_norm, backend)

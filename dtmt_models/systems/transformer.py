@@ -5,7 +5,9 @@ torch.nn.TransformerEncoder/Decoder layers, output projection tied to the target
 torch's decoder over the whole target; incremental decoding (beam search) runs the same layers one position at a
 time with a key/value cache: per layer the self-attention keys and values of the positions so far, and the
 cross-attention keys and values of the source, projected once at `encode`. So a step costs O(t), not a re-run of
-the prefix, and the speed comparisons against the recurrent systems are fair.
+the prefix, and the speed comparisons against the recurrent systems are fair. For the same reason its linear
+layers run `dtmt_kernels.functional.linear` in a step, as the recurrent systems' do (dtmt_kernels.nn.Linear): at
+batch 1 both use the package's small-row kernel.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from dtmt_kernels.functional import linear
 
 from ..embeddings import sinusoidal_positions
 from ..registry import register_model
@@ -102,19 +106,19 @@ class TransformerNMT(Seq2Seq):
         for i, layer in enumerate(self.transformer.decoder.layers):
             sa, ca = layer.self_attn, layer.multihead_attn
             q, k, v = (self._heads(z, sa.num_heads)
-                       for z in F.linear(layer.norm1(x), sa.in_proj_weight, sa.in_proj_bias).chunk(3, -1))
+                       for z in linear(layer.norm1(x), sa.in_proj_weight, sa.in_proj_bias).chunk(3, -1))
             k = new[f"self_k{i}"] = torch.cat([state[f"self_k{i}"], k], 2)
             v = new[f"self_v{i}"] = torch.cat([state[f"self_v{i}"], v], 2)
             p = sa.dropout if self.training else 0.0
             a = F.scaled_dot_product_attention(q, k, v, dropout_p=p)            # every earlier position visible
-            x = x + layer.dropout1(sa.out_proj(self._merge(a)))
-            q = self._heads(F.linear(layer.norm2(x), ca.in_proj_weight[:E], ca.in_proj_bias[:E]), ca.num_heads)
+            x = x + layer.dropout1(linear(self._merge(a), sa.out_proj.weight, sa.out_proj.bias))
+            q = self._heads(linear(layer.norm2(x), ca.in_proj_weight[:E], ca.in_proj_bias[:E]), ca.num_heads)
             p = ca.dropout if self.training else 0.0
             a = F.scaled_dot_product_attention(q, state[f"mem_k{i}"], state[f"mem_v{i}"], attn_mask=src_visible,
                                                dropout_p=p)
-            x = x + layer.dropout2(ca.out_proj(self._merge(a)))
-            h = layer.linear2(layer.dropout(layer.activation(layer.linear1(layer.norm3(x)))))
-            x = x + layer.dropout3(h)
+            x = x + layer.dropout2(linear(self._merge(a), ca.out_proj.weight, ca.out_proj.bias))
+            h = layer.activation(linear(layer.norm3(x), layer.linear1.weight, layer.linear1.bias))
+            x = x + layer.dropout3(linear(layer.dropout(h), layer.linear2.weight, layer.linear2.bias))
         return self.transformer.decoder.norm(x)[:, 0], new
 
     def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor) -> Tensor:

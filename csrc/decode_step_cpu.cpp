@@ -1,0 +1,155 @@
+// Inference-only fused pieces of a decoder step (declared and specified in decode_step.h).
+//
+// At batch 1 with a beam of 4, a step of dtmt's decoder spends more time dispatching its ~100 small PyTorch ops
+// than computing them (benchmarks/NOTES.md, log item 12): the attention step alone is a linear, the scores, a
+// masked softmax, the context and a linear, each with its Python and dispatcher overhead. These ops run the same
+// arithmetic as the modules in one call each: the linears with linear_into (the small-row kernel at batch 1),
+// the scores and context with the kernels of attention_cpu.cpp, the softmax and layer norms with plain loops.
+// No autograd: the Python side calls them only when nothing needs a gradient.
+#include "decode_step.h"
+
+#include <cmath>
+#include <limits>
+
+#include "attention.h"
+#include "small_gemm.h"
+#include "transition.h"
+
+namespace dtmt {
+namespace {
+
+using at::Tensor;
+
+bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  linear_into(out, present(b) ? b : Tensor(), x, w);
+  return out;
+}
+
+// alpha[b, h, :] = softmax of scores[b, h, :] over the positions where mask[b, :] is true, 0 elsewhere.
+template <typename T>
+void masked_softmax(const T* scores, const bool* mask, T* alpha, int64_t B, int64_t NH, int64_t S) {
+  for (int64_t b = 0; b < B; ++b) {
+    const bool* m = mask + b * S;
+    for (int64_t h = 0; h < NH; ++h) {
+      const T* sc = scores + (b * NH + h) * S;
+      T* a = alpha + (b * NH + h) * S;
+      T mx = -std::numeric_limits<T>::infinity();
+      for (int64_t s = 0; s < S; ++s)
+        if (m[s] && sc[s] > mx) mx = sc[s];
+      T sum = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        a[s] = m[s] ? std::exp(sc[s] - mx) : T(0);
+        sum += a[s];
+      }
+      const T inv = T(1) / sum;  // no real position: 0 * inf = NaN, as torch's softmax over all -inf gives
+      for (int64_t s = 0; s < S; ++s) a[s] *= inv;
+    }
+  }
+}
+
+template <typename T> void layer_norm_add(const T* x, const T* w, const T* b, double eps, int64_t R, T* acc) {
+  double mean = 0, var = 0;
+  for (int64_t r = 0; r < R; ++r) mean += x[r];
+  mean /= R;
+  for (int64_t r = 0; r < R; ++r) var += (x[r] - mean) * (x[r] - mean);
+  const double rstd = 1.0 / std::sqrt(var / R + eps);
+  for (int64_t r = 0; r < R; ++r) acc[r] += static_cast<T>((x[r] - mean) * rstd) * w[r] + b[r];
+}
+
+void check_cpu(std::initializer_list<const Tensor*> ts, const char* op) {
+  for (const Tensor* t : ts)
+    TORCH_CHECK(!present(*t) || t->device().is_cpu(), "dtmt._C.", op, " takes CPU tensors");
+}
+
+}  // namespace
+
+std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& w_q, const Tensor& keys, const Tensor& v,
+                                       const Tensor& annotations, const Tensor& src_mask, const Tensor& w_o,
+                                       const Tensor& b_o) {
+  check_cpu({&query, &w_q, &keys, &v, &annotations, &src_mask, &w_o, &b_o}, "attention_step");
+  TORCH_CHECK(query.dim() == 2 && keys.dim() == 4 && src_mask.dim() == 2 && src_mask.scalar_type() == at::kBool,
+              "dtmt._C.attention_step: query [B, Q], keys [B, S, NH, D] and a bool src_mask [B, S] expected");
+  const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
+  TORCH_CHECK(query.size(0) == B && src_mask.size(0) == B && src_mask.size(1) == S && w_q.size(0) == NH * D,
+              "dtmt._C.attention_step: sizes of query, keys, w_q and src_mask do not match");
+  Tensor q = linear(query, w_q, Tensor()).view({B, NH, D});
+  Tensor scores = additive_scores_forward_cpu(keys, q, v);
+  Tensor alpha = at::empty_like(scores);
+  Tensor mask = src_mask.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "attention_step_cpu", [&] {
+    masked_softmax<scalar_t>(scores.data_ptr<scalar_t>(), mask.data_ptr<bool>(), alpha.data_ptr<scalar_t>(), B, NH,
+                             S);
+  });
+  Tensor context = attention_context_forward_cpu(alpha, annotations);
+  if (present(w_o)) context = linear(context, w_o, b_o);
+  return {context, alpha};
+}
+
+Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, const Tensor& w_y, const Tensor& b_y,
+                            const Tensor& w_s, const Tensor& b_s, const Tensor& w_c, const Tensor& b_c,
+                            const Tensor& ln_w, const Tensor& ln_b, double eps) {
+  check_cpu({&y, &s, &c, &w_y, &b_y, &w_s, &b_s, &w_c, &b_c, &ln_w, &ln_b}, "readout_features");
+  TORCH_CHECK(y.dim() == 2 && s.dim() == 2 && c.dim() == 2 && y.size(0) == s.size(0) && y.size(0) == c.size(0),
+              "dtmt._C.readout_features: y, s and c must be [N, ·] with the same N");
+  const int64_t N = y.size(0), R = w_y.size(0);
+  TORCH_CHECK(w_s.size(0) == R && w_c.size(0) == R, "dtmt._C.readout_features: the three weights need R rows");
+  const bool ln = present(ln_w);
+  TORCH_CHECK(!ln || (ln_w.sizes() == at::IntArrayRef{3, R} && ln_b.sizes() == at::IntArrayRef{3, R} &&
+                      ln_w.is_contiguous() && ln_b.is_contiguous()),
+              "dtmt._C.readout_features: ln_w and ln_b must be contiguous [3, R]");
+  const Tensor parts[3] = {linear(y, w_y, b_y), linear(s, w_s, b_s), linear(c, w_c, b_c)};
+  Tensor out;
+  if (!ln) {
+    out = parts[0].add_(parts[1]).add_(parts[2]).tanh_();
+    return out;
+  }
+  out = at::zeros({N, R}, y.options());
+  AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "readout_features_cpu", [&] {
+    const scalar_t* lw = ln_w.data_ptr<scalar_t>();
+    const scalar_t* lb = ln_b.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      for (int k = 0; k < 3; ++k)
+        layer_norm_add<scalar_t>(parts[k].data_ptr<scalar_t>() + n * R, lw + k * R, lb + k * R, eps, R, o + n * R);
+      for (int64_t r = 0; r < R; ++r) o[n * R + r] = std::tanh(o[n * R + r]);
+    }
+  });
+  return out;
+}
+
+namespace {
+
+// h' of one cell step: the sequence kernel of transition_cpu.cpp over one step.
+Tensor cell_step(const Tensor& x, const Tensor& h, int64_t kind, const std::vector<Tensor>& p, const Tensor& drop,
+                 double eps) {
+  TORCH_CHECK(p.size() == 10, "dtmt._C.rnmt_step: a cell takes ten parameter tensors, got ", p.size());
+  const TransitionWeights w{kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
+  return transition_forward_cpu(x.contiguous().unsqueeze(0), h.contiguous(), Tensor(), drop, w, false, eps)[1];
+}
+
+}  // namespace
+
+std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, int64_t q_kind, const std::vector<Tensor>& q_params,
+                                  const Tensor& q_drop, int64_t d_kind, const std::vector<Tensor>& d_params,
+                                  const Tensor& d_drop, const std::vector<Tensor>& att,
+                                  const std::vector<Tensor>& readout, double cell_eps, double readout_eps) {
+  TORCH_CHECK(att.size() == 7 && readout.size() == 10, "dtmt._C.rnmt_step: att takes 7 tensors, readout 10");
+  for (const auto& t : q_params) check_cpu({&t}, "rnmt_step");
+  for (const auto& t : d_params) check_cpu({&t}, "rnmt_step");
+  for (const auto& t : att) check_cpu({&t}, "rnmt_step");
+  for (const auto& t : readout) check_cpu({&t}, "rnmt_step");
+  check_cpu({&y, &s, &q_drop, &d_drop}, "rnmt_step");
+  const Tensor s_q = cell_step(y, s, q_kind, q_params, q_drop, cell_eps);
+  auto ca = attention_step_cpu(s_q, att[0], att[1], att[2], att[3], att[4], att[5], att[6]);
+  const Tensor& context = ca[0];
+  const Tensor s_new = cell_step(context, s_q, d_kind, d_params, d_drop, cell_eps);
+  const Tensor features = readout_features_cpu(y, s_new, context, readout[0], readout[1], readout[2], readout[3],
+                                               readout[4], readout[5], readout[6], readout[7], readout_eps);
+  const Tensor logits = linear(features, readout[8], readout[9]);
+  return {at::log_softmax(logits.to(at::kFloat), -1), s_new, ca[1]};
+}
+
+}  // namespace dtmt

@@ -1,0 +1,29 @@
+// A linear layer for few rows (decoding): out = x W^T + b with x [M, K], M <= kSmallRowsMax, W [N, K].
+//
+// Why: at batch 1 a decoder step multiplies 1-8 rows (the beam) by every weight matrix of the decoder once, so
+// the step is bound by reading the weights. The BLAS GEMM of torch reads them at 5-7 GB/s at M = 4 on the
+// 2-core AMD EPYC of benchmarks/NOTES.md (log item 10), a plain read of the same bytes runs at 15-18 GB/s.
+// This kernel streams each weight row once, from start to end, and uses it for all M rows of x while it is in
+// registers (x itself stays in L1). See small_gemm_cpu.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace dtmt {
+
+constexpr int64_t kSmallRowsMax = 8;
+
+// True when the small-row kernel takes (x, w, bias, out): CPU float32, x [M, K] with 1 <= M <= kSmallRowsMax and
+// unit stride along K, w [N, K] contiguous, bias empty or [N] contiguous, out [M, N] with unit stride along N.
+bool small_rows_applicable(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& out);
+
+// out = x W^T + bias (bias may be empty), with the small-row kernel where applicable and ATen's GEMM otherwise.
+void linear_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, const at::Tensor& w);
+
+// The op exposed to Python: a new [M, N] tensor (x must be 2-D).
+at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+
+// Whether the kernel was compiled in (AVX2 + FMA targets); without it every call takes ATen's GEMM.
+bool small_rows_kernel_built();
+
+}  // namespace dtmt

@@ -1,0 +1,203 @@
+"""The decoding kernels: the small-row linear (csrc/small_gemm_cpu.cpp) against a float64 product, and the
+inference-only fused attention step and readout features (csrc/decode_step_cpu.cpp) against the modules' own
+autograd path (the same modules run with gradients on), and whole decoder steps of the systems with and
+without them."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import dtmt_kernels as dk
+from dtmt_kernels import _C
+from dtmt_models.attention import AdditiveAttention, MultiHeadAdditiveAttention
+from dtmt_models.registry import build_model
+from dtmt_models.seq2seq import Readout
+
+pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
+needs_kernel = pytest.mark.skipif(not _C.has_small_rows_kernel, reason="small-row kernel not built (no AVX2/FMA)")
+
+
+def _f64_linear(x, w, b):
+    out = x.double() @ w.double().t()
+    return out if b is None else out + b.double()
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, _C.SMALL_ROWS_MAX), K=st.integers(1, 300), N=st.integers(1, 700), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_small_rows_linear_matches_float64(M, K, N, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    out = _C.small_rows_linear(x, w, b if bias else x.new_empty(0))
+    assert out.shape == (M, N) and not out.isnan().any()
+    torch.testing.assert_close(out.double(), _f64_linear(x, w, b), rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+@needs_kernel
+def test_small_rows_linear_strided_rows_threads_and_fallback():
+    g = torch.Generator().manual_seed(1)
+    big, w, b = torch.randn(8, 700, generator=g), torch.randn(3000, 300, generator=g), torch.randn(3000, generator=g)
+    x = big[:5, 100:400]                      # row stride 700: taken as it lies
+    assert x.stride() == (700, 1)
+    expected = _f64_linear(x, w, b)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _C.small_rows_linear(x, w, b)
+        torch.set_num_threads(2)
+        two = _C.small_rows_linear(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)              # each output summed by one thread in a fixed order
+    torch.testing.assert_close(one.double(), expected, rtol=1e-5, atol=1e-4)
+    # more rows than the kernel takes, float64, a non-contiguous last dim: ATen's GEMM, same result
+    for xx, ww in ((torch.randn(9, 300, generator=g), w), (x.double(), w.double()), (big[:4, ::2][:, :300], w)):
+        torch.testing.assert_close(_C.small_rows_linear(xx, ww, b.to(ww.dtype)).double(), _f64_linear(xx, ww, b),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_functional_linear_paths():
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(2, 3, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    with torch.no_grad():
+        fast = dk.functional.linear(x, w, b)                      # 6 rows: the small-row kernel
+        assert fast.shape == (2, 3, 40)
+        torch.testing.assert_close(fast, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        assert torch.equal(dk.functional.linear(x, w, b, backend="reference"), F.linear(x, w, b))
+    # with gradients: F.linear, so autograd works
+    wg = w.clone().requires_grad_()
+    dk.functional.linear(x, wg, b).sum().backward()
+    torch.testing.assert_close(wg.grad, x.reshape(-1, 64).sum(0).expand(40, 64))
+    with pytest.raises(ValueError, match="backend"):
+        dk.functional.linear(x, w, b, backend="nope")
+
+
+def test_nn_linear_is_a_drop_in_for_torch_linear():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(32, 24)
+    lin = dk.nn.Linear(32, 24)
+    lin.load_state_dict(ref.state_dict())
+    assert set(lin.state_dict()) == {"weight", "bias"}
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-6)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and "backend='auto'" in repr(lin)
+
+
+def _attention_inputs(B, S, Q, C, A, heads, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    annotations = torch.randn(B, S, C, generator=g, dtype=dtype)
+    lengths = torch.randint(1, S + 1, (B,), generator=g)
+    lengths[0] = S
+    mask = torch.arange(S).unsqueeze(0) < lengths.unsqueeze(1)
+    annotations = annotations * mask.unsqueeze(-1)
+    return torch.randn(B, Q, generator=g, dtype=dtype), annotations, mask
+
+
+def _randomise(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return module
+
+
+@pytest.mark.parametrize("multi_head", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@settings(max_examples=10, deadline=None)
+@given(B=st.integers(1, 9), S=st.integers(1, 20), heads=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999))
+def test_attention_step_matches_the_module(multi_head, dtype, B, S, heads, seed):
+    Q, C, A = 12, 8 * heads, 4 * heads
+    if multi_head:
+        att = MultiHeadAdditiveAttention(Q, C, A, heads)
+    else:
+        att = AdditiveAttention(Q, C, A)
+    att = _randomise(att.to(dtype), seed)
+    query, annotations, mask = _attention_inputs(B, S, Q, C, A, heads, seed, dtype)
+    keys = att.precompute(annotations)
+    ctx_ref, alpha_ref = att(query, keys, annotations, mask)      # gradients on: the module's ops
+    with torch.no_grad():
+        assert dk.functional.fused_inference(att.backend, query)
+        ctx, alpha = att(query, keys, annotations, mask)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(alpha, alpha_ref.detach(), **tol)
+    torch.testing.assert_close(ctx, ctx_ref.detach(), **tol)
+    assert (alpha.reshape(B, -1, S)[~mask.unsqueeze(1).expand(B, alpha.reshape(B, -1, S).shape[1], S)] == 0).all()
+
+
+def test_layer_normalised_attention_keeps_the_module_path():
+    att = AdditiveAttention(6, 8, 4, layer_norm=True)
+    query, annotations, mask = _attention_inputs(2, 5, 6, 8, 4, 1, 0, torch.float32)
+    keys = att.precompute(annotations)
+    with torch.no_grad():
+        a = att(query, keys, annotations, mask)
+        att.backend = "reference"
+        b = att(query, keys, annotations, mask)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer_norm", [True, False])
+@pytest.mark.parametrize("lead", [(5,), (3, 7)])
+def test_readout_features_match_the_module(layer_norm, lead):
+    readout = _randomise(Readout(10, 12, 16, 9, 30, layer_norm=layer_norm), 3)
+    g = torch.Generator().manual_seed(4)
+    y, s, c = (torch.randn(*lead, d, generator=g) for d in (10, 12, 16))
+    expected = readout.features(y, s, c)                         # gradients on: the module's ops
+    with torch.no_grad():
+        out = readout.features(y, s, c)
+        readout.from_y.backend = "reference"                     # the switch turns the fused op off
+        assert not dk.functional.fused_inference(readout.from_y.backend, y)
+    assert out.shape == (*lead, 9)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce")   # AttentionalRNMT: rnmt_step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("system", ["dtmt", "shallow-rnmt", "rnnsearch-atr", "nematus", "gnmt-atr", "deeplau",
+                                    "mce", "transformer"])
+def test_decoder_steps_with_and_without_the_fused_inference_path(system, dtype):
+    """A system's step at batch 1, beam 4 (the rows the small-row kernel and the fused ops take) gives the same
+    log-probabilities as the same model on the reference backend with gradients on, which runs none of them (the
+    transformer has no backend switch; with gradients on its linears are F.linear)."""
+    torch.manual_seed(0)
+    model = build_model(system, 50, 60, embed_dim=16, hidden_size=24).eval().to(dtype)
+    src, lengths = torch.randint(4, 50, (4, 6)), torch.tensor([6, 6, 4, 2])
+    prev = torch.randint(4, 60, (4,))
+    with torch.no_grad():
+        state = model.encode(src, lengths)
+        if system in FUSED_STEP_SYSTEMS:
+            assert model._fused_step_applies(model.embed_step(state, prev))
+        fast, state_fast = model.step(state, prev)
+        fast2, _ = model.step(state_fast, prev)
+    model.set_backend("reference")
+    state = model.encode(src, lengths)
+    slow, state_slow = model.step(state, prev)
+    slow2, _ = model.step(state_slow, prev)
+    assert slow.requires_grad
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-6, atol=1e-6)  # log-probs: float32
+    torch.testing.assert_close(fast, slow.detach(), **tol)
+    torch.testing.assert_close(fast2, slow2.detach(), **tol)
+    if system in FUSED_STEP_SYSTEMS:   # the new state: s and the head-averaged attention
+        torch.testing.assert_close(state_fast["s"], state_slow["s"].detach(), **tol)
+        torch.testing.assert_close(state_fast["attn"], state_slow["attn"].detach(), **tol)
+
+
+def test_fused_step_is_not_taken_where_it_does_not_apply():
+    torch.manual_seed(0)
+    model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24)
+    src, lengths, prev = torch.randint(4, 50, (2, 5)), torch.tensor([5, 3]), torch.randint(4, 60, (2,))
+    with torch.no_grad():
+        state = model.encode(src, lengths)
+        y = model.embed_step(state, prev)
+        assert not model._fused_step_applies(y)                 # training mode (dropout)
+        model.eval()
+        assert model._fused_step_applies(y)
+        model.set_backend("reference")
+        assert not model._fused_step_applies(y)
+    model.set_backend("auto")
+    assert not model._fused_step_applies(y)                     # autograd on

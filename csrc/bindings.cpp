@@ -129,6 +129,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rnmt_step", &dtmt::rnmt_step_cpu,
         "Inference: one attentional RNMT decoder step (query cell, attention, decoder cell, readout, log-softmax); "
         "returns [log_probs, s, alpha]");
+  m.def("memory_encoder", &dtmt::memory_encoder_cpu,
+        "Inference: one direction of mce's read-write-memory GRU encoder over the whole source; returns "
+        "[states, memory]");
   m.def("small_rows_linear", &dtmt::small_rows_linear,
         "x [M, K] @ w[N, K]^T + bias: the weight-streaming kernel for M <= SMALL_ROWS_MAX float32 rows, ATen's "
         "GEMM otherwise");

@@ -40,4 +40,13 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
                                       const at::Tensor& d_drop, const std::vector<at::Tensor>& att,
                                       const std::vector<at::Tensor>& readout, double cell_eps, double readout_eps);
 
+// One direction of mce's read-write-memory GRU encoder (dtmt_models/systems/mce.py,
+// MemoryGRUEncoderDirection.forward), the whole loop over the source in one call, the same ATen arithmetic per
+// step as the module without its Python dispatch. x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] bool;
+// cell: a GRU cell's ten flat kernel parameters; addressing: {w_state [H, H], w_memory [H, H], b_memory [H],
+// v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]}. Returns {states [B, S, H], final memory}.
+std::vector<at::Tensor> memory_encoder_cpu(const at::Tensor& x, const at::Tensor& memory, const at::Tensor& src_mask,
+                                           bool reverse, int64_t cell_kind, const std::vector<at::Tensor>& cell,
+                                           double cell_eps, const std::vector<at::Tensor>& addressing);
+
 }  // namespace dtmt

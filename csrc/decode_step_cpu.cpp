@@ -152,4 +152,42 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, int64_t q_ki
   return {at::log_softmax(logits.to(at::kFloat), -1), s_new, ca[1]};
 }
 
+std::vector<Tensor> memory_encoder_cpu(const Tensor& x, const Tensor& memory0, const Tensor& src_mask, bool reverse,
+                                       int64_t cell_kind, const std::vector<Tensor>& cell, double cell_eps,
+                                       const std::vector<Tensor>& a) {
+  TORCH_CHECK(a.size() == 8, "dtmt._C.memory_encoder: addressing takes 8 tensors, got ", a.size());
+  TORCH_CHECK(x.dim() == 3 && memory0.dim() == 3 && src_mask.dim() == 2 && src_mask.scalar_type() == at::kBool &&
+                  x.size(0) == memory0.size(0) && x.size(1) == memory0.size(1) &&
+                  src_mask.size(0) == x.size(0) && src_mask.size(1) == x.size(1),
+              "dtmt._C.memory_encoder: x [B, S, E], memory [B, S, H] and a bool src_mask [B, S] expected");
+  for (const auto& t : cell) check_cpu({&t}, "memory_encoder");
+  for (const auto& t : a) check_cpu({&t}, "memory_encoder");
+  check_cpu({&x, &memory0, &src_mask}, "memory_encoder");
+  const int64_t B = x.size(0), S = x.size(1), H = memory0.size(2);
+  const Tensor &w_state = a[0], &w_memory = a[1], &b_memory = a[2], &v = a[3], &w_read = a[4], &b_read = a[5],
+               &w_write = a[6], &b_write = a[7];
+  Tensor memory = memory0.contiguous();
+  Tensor s = at::zeros({B, H}, x.options());
+  Tensor states = at::zeros({B, S, H}, x.options());
+  const Tensor invalid = src_mask.logical_not();
+  const Tensor neg_inf = at::full({}, -std::numeric_limits<double>::infinity(), x.options());
+  for (int64_t step = 0; step < S; ++step) {
+    const int64_t t = reverse ? S - 1 - step : step;
+    // w_t = softmax_i v . tanh(U_a s + W_a M[i] + b) over the real positions
+    const Tensor keys = linear(memory.view({B * S, H}), w_memory, b_memory).view({B, S, H});
+    const Tensor e = linear(at::tanh(keys + linear(s, w_state, Tensor()).unsqueeze(1)).view({B * S, H}), v,
+                            Tensor()).view({B, S});
+    const Tensor w = at::softmax(at::where(invalid, neg_inf, e), -1);
+    const Tensor read = memory * at::sigmoid(linear(s, w_read, b_read)).unsqueeze(1);   // M~_t = R_t (.) M
+    const Tensor c = at::bmm(w.unsqueeze(1), read).squeeze(1);
+    const Tensor s_new = cell_step(at::cat({x.select(1, t), c}, -1), s, cell_kind, cell, Tensor(), cell_eps);
+    const Tensor written = read + w.unsqueeze(-1) * at::sigmoid(linear(s_new, w_write, b_write)).unsqueeze(1);
+    const Tensor valid = src_mask.select(1, t).view({B, 1});
+    s = at::where(valid, s_new, s);
+    memory = at::where(valid.unsqueeze(-1), written, memory).contiguous();
+    states.select(1, t).copy_(at::where(valid, s_new, at::zeros_like(s_new)));
+  }
+  return {states, memory};
+}
+
 }  // namespace dtmt

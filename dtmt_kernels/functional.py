@@ -157,6 +157,18 @@ def rnmt_step(y: Tensor, s: Tensor, query_cell, attention: Sequence[Optional[Ten
     return log_probs, s_new, alpha
 
 
+def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell,
+                   addressing: Sequence[Tensor]):
+    """Inference only (see fused_inference): one direction of mce's read-write-memory GRU encoder
+    (dtmt_models/systems/mce.py) over the whole source in one C++ call. x [B, S, E], memory [B, S, H], src_mask
+    [B, S] bool, cell: the direction's dtmt_kernels.nn GRU cell, addressing = (W_state, W_memory, b_memory, v,
+    W_read, b_read, W_write, b_write). Returns (states [B, S, H], final memory [B, S, H])."""
+    from .autograd import KINDS
+    states, final = _C.memory_encoder(x.contiguous(), memory, src_mask, reverse, KINDS[cell.cell],
+                                      cell._inference_params(0), cell.eps, list(addressing))
+    return states, final
+
+
 def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:
     if dtype not in backend.dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in backend.dtypes)

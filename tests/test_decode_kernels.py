@@ -201,3 +201,19 @@ def test_fused_step_is_not_taken_where_it_does_not_apply():
         assert not model._fused_step_applies(y)
     model.set_backend("auto")
     assert not model._fused_step_applies(y)                     # autograd on
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_memory_encoder_matches_the_module(reverse):
+    from dtmt_models.systems.mce import MemoryGRUEncoderDirection
+    enc = _randomise(MemoryGRUEncoderDirection(6, 10, "auto"), 5)
+    g = torch.Generator().manual_seed(6)
+    x, memory = torch.randn(3, 7, 6, generator=g), torch.randn(3, 7, 10, generator=g)
+    mask = torch.arange(7).unsqueeze(0) < torch.tensor([7, 4, 1]).unsqueeze(1)
+    states_ref, memory_ref = enc(x, memory, mask, reverse)       # gradients on: the module's ops
+    with torch.no_grad():
+        assert dk.functional.fused_inference(enc.cell.backend, x)
+        states, final = enc(x, memory, mask, reverse)
+    torch.testing.assert_close(states, states_ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(final, memory_ref.detach(), rtol=1e-5, atol=1e-6)
+    assert (states[~mask] == 0).all()

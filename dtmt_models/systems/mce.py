@@ -63,7 +63,15 @@ class MemoryGRUEncoderDirection(nn.Module):
         self.write_gate = dk.nn.Linear(H, H)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool) -> Tuple[Tensor, Tensor]:
-        """x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] -> (states [B, S, H], final memory)."""
+        """x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] -> (states [B, S, H], final memory).
+        Without autograd on the cpp backend (decoding) the whole loop is one C++ call with the same arithmetic,
+        `dtmt_kernels.functional.memory_encoder`."""
+        if dk.functional.fused_inference(self.cell.backend, x):
+            return dk.functional.memory_encoder(
+                x, memory, src_mask, reverse, self.cell,
+                (self.address_state.weight, self.address_memory.weight, self.address_memory.bias,
+                 self.address_v.weight, self.read_gate.weight, self.read_gate.bias, self.write_gate.weight,
+                 self.write_gate.bias))
         B, S, _ = x.shape
         s = x.new_zeros(B, memory.shape[-1])
         states = [None] * S

@@ -56,12 +56,13 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
                                         const Tensor& ln_w, const Tensor& ln_b, const Tensor& t_w,
                                         const Tensor& t_b, const Tensor& t_ln_w, const Tensor& t_ln_b,
                                         const Tensor& xp, const Tensor& hs, const Tensor& hp, const Tensor& hpt,
-                                        bool reverse, double eps) {
+                                        bool reverse, double eps, bool weight_grads) {
   for (auto& p : {std::make_pair(&grad_out, "grad_out"), {&grad_hn, "grad_hn"}, {&xp, "xp"}, {&hs, "hs"},
                   {&hp, "hp"}, {&hpt, "hpt"}})
     check_cpu(*p.first, p.second);
   auto w = make_weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-  return dtmt::transition_backward_cpu(grad_out, grad_hn, x, mask, drop, w, xp, hs, hp, hpt, reverse, eps);
+  return dtmt::transition_backward_cpu(grad_out, grad_hn, x, mask, drop, w, xp, hs, hp, hpt, reverse, eps,
+                                       weight_grads);
 }
 
 #ifdef DTMT_WITH_CUDA
@@ -112,7 +113,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Deep transition / ATR forward over a sequence; returns [out, h_n, xp, hs, hp, hpt]");
   m.def("transition_backward", &transition_backward,
         "Deep transition / ATR backward; returns gradients [dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, "
-        "dt_w, dt_b, dt_ln_w, dt_ln_b]");
+        "dt_w, dt_b, dt_ln_w, dt_ln_b]; with weight_grads=False the pre-activation gradients dxp, dhp and dhpt "
+        "stand in the slots of dw_ih, dw_hh and dt_w, and the bias slots are None (csrc/transition.h)",
+        py::arg("grad_out"), py::arg("grad_hn"), py::arg("x"), py::arg("mask"), py::arg("drop"), py::arg("kind"),
+        py::arg("w_ih"), py::arg("b_ih"), py::arg("w_hh"), py::arg("b_hh"), py::arg("ln_w"), py::arg("ln_b"),
+        py::arg("t_w"), py::arg("t_b"), py::arg("t_ln_w"), py::arg("t_ln_b"), py::arg("xp"), py::arg("hs"),
+        py::arg("hp"), py::arg("hpt"), py::arg("reverse"), py::arg("eps"), py::arg("weight_grads") = true);
   m.def("additive_scores_forward", &dtmt::additive_scores_forward_cpu,
         "Additive attention scores sum_d v[h,d] tanh(keys[b,s,h,d] + q[b,h,d]) -> [B, NH, S]");
   m.def("additive_scores_backward", &dtmt::additive_scores_backward_cpu,

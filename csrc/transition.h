@@ -26,11 +26,15 @@ std::vector<at::Tensor> transition_forward_cpu(const at::Tensor& x, const at::Te
                                                double eps);
 
 // Backward. Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
-// gradients of absent tensors are empty.
+// gradients of absent tensors are empty. With weight_grads false the weight and bias gradients are not formed:
+// their slots hold the pre-activation gradients they are made of instead, {dx, dh0, dxp [T*B, n_in*H], -,
+// dhp [T*B, n_h*H], -, dln_w, dln_b, dhpt [D, T*B, 3H], -, dt_ln_w, dt_ln_b} (dW_ih = dxp^T x, db_ih = the column
+// sums of dxp, dW_hh = dhp^T hs[0], dt_w[k] = dhpt[k]^T hs[k+1]), for a caller that runs a cell one step per
+// call and forms the weight gradients of all its steps in one GEMM each (dtmt_kernels.nn.unrolled).
 std::vector<at::Tensor> transition_backward_cpu(const at::Tensor& grad_out, const at::Tensor& grad_hn,
                                                 const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
                                                 const TransitionWeights& w, const at::Tensor& xp,
                                                 const at::Tensor& hs, const at::Tensor& hp, const at::Tensor& hpt,
-                                                bool reverse, double eps);
+                                                bool reverse, double eps, bool weight_grads = true);
 
 }  // namespace dtmt

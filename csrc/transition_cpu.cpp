@@ -177,7 +177,7 @@ template <int KIND, typename T>
 std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                   const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
                                   const Tensor& xp, const Tensor& hs, const Tensor& hp, const Tensor& hpt,
-                                  bool reverse, double eps_d) {
+                                  bool reverse, double eps_d, bool weight_grads) {
   using A = typename AccType<T>::type;
   const Dims d = dims_of(x, w);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D;
@@ -273,6 +273,13 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   const int64_t N = T_ * B;
   Tensor dxp2 = dxp.view({N, d.n_in * H});
   Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
+  Tensor dln_w = ln ? dln_rows.sum(0) : Tensor();
+  Tensor dln_b = ln ? dlnb_rows.sum(0) : Tensor();
+  Tensor dt_ln_w = tln ? dtln_rows.sum(1) : Tensor();
+  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1) : Tensor();
+  if (!weight_grads)  // the caller forms the weight and bias gradients itself, over many calls at once
+    return {dx, d_cur, dxp2, Tensor(), dhp.view({N, d.n_h * H}), Tensor(), dln_w, dln_b, dhpt.view({D, N, 3 * H}),
+            Tensor(), dt_ln_w, dt_ln_b};
   Tensor dw_ih = dxp2.t().mm(x.reshape({N, d.I}));
   Tensor db_ih = dxp2.sum(0);
   Tensor dhp2 = dhp.view({N, d.n_h * H});
@@ -286,10 +293,6 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
     at::mm_out(dtw_k, g.t(), hs[k + 1].view({N, H}));
     dt_b[k].copy_(g.sum(0));
   }
-  Tensor dln_w = ln ? dln_rows.sum(0) : Tensor();
-  Tensor dln_b = ln ? dlnb_rows.sum(0) : Tensor();
-  Tensor dt_ln_w = tln ? dtln_rows.sum(1) : Tensor();
-  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1) : Tensor();
   return {dx, d_cur, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
 }
 
@@ -329,9 +332,9 @@ std::vector<Tensor> transition_forward_cpu(const Tensor& x, const Tensor& h0, co
 std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                             const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
                                             const Tensor& xp, const Tensor& hs, const Tensor& hp, const Tensor& hpt,
-                                            bool reverse, double eps) {
+                                            bool reverse, double eps, bool weight_grads) {
   return dispatch_kind<BackwardImpl>(w.kind, x.scalar_type(), grad_out, grad_hn, x, mask, drop, w, xp, hs, hp, hpt,
-                                     reverse, eps);
+                                     reverse, eps, weight_grads);
 }
 
 }  // namespace dtmt

@@ -53,6 +53,95 @@ class CppTransitionFunction(torch.autograd.Function):
         return (dx, dh0, None, None, None, None, None, *dparams)
 
 
+class UnrolledSteps:
+    """One cell's steps in a `dtmt_kernels.nn.unrolled` block (forward in autograd mode, cpp backend).
+
+    A cell that runs one step per call (a decoder, teacher-forced) would otherwise form its weight gradients
+    at every step: a GEMM with K = B rows per weight, then autograd adds each step's [rows, cols] gradient to
+    the last. Here each step's backward forms only the gradients to its input and state and keeps the
+    pre-activation gradients the weight gradients are made of (csrc/transition.h, weight_grads=False);
+    `CppUnrolledWeightsFunction`, which every step takes as an input and autograd therefore runs after all
+    of them, forms each weight gradient in one GEMM over every step's rows.
+
+    The flat parameters (T-GRUs stacked, biases widened: autograd.flat_params) are assembled once per block
+    instead of once per step. A step's rows are kept under its index, so running the backward of the same
+    graph twice (retain_graph) overwrites them rather than adding them twice."""
+
+    def __init__(self, kind: int, flat: list):
+        self.kind = kind
+        self.flat = [t.detach() for t in flat]   # what the kernels read (the sink keeps the autograd view)
+        self.rows: dict = {}
+        self.n_steps = 0
+
+    def weight_grads(self):
+        """Gradients of the ten flat parameters from the rows of every step run so far (then forgotten)."""
+        rows = [self.rows[k] for k in sorted(self.rows)]
+        self.rows = {}
+        if not rows:
+            return [None] * 10
+        cat = torch.cat
+        x = cat([r[0] for r in rows])
+        hs = cat([r[1] for r in rows], 1)              # [D+1, N, H]
+        dxp = cat([r[2] for r in rows])
+        dhp = cat([r[3] for r in rows])
+        grads = [dxp.t().mm(x), dxp.sum(0), dhp.t().mm(hs[0]), dhp.sum(0), None, None, None, None, None, None]
+        if rows[0][5] is not None:                     # base-cell layer norm
+            grads[4] = torch.stack([r[5] for r in rows]).sum(0)
+            grads[5] = torch.stack([r[6] for r in rows]).sum(0)
+        D = self.flat[6].shape[0] if self.flat[6].numel() else 0
+        if D:
+            dhpt = cat([r[4] for r in rows], 1)        # [D, N, 3H]
+            grads[6] = torch.bmm(dhpt.transpose(1, 2), hs[1:])
+            grads[7] = dhpt.sum(1)
+            if rows[0][7] is not None:
+                grads[8] = torch.stack([r[7] for r in rows]).sum(0)
+                grads[9] = torch.stack([r[8] for r in rows]).sum(0)
+        return grads
+
+
+class CppUnrolledWeightsFunction(torch.autograd.Function):
+    """The flat parameters of an UnrolledSteps in, a token (an empty tensor) out; every step takes the token,
+    so the backward here runs once all the steps' backwards have, and returns the weight gradients of all."""
+
+    @staticmethod
+    def forward(ctx, steps: UnrolledSteps, *flat):
+        ctx.steps = steps
+        ctx.save_for_backward(*flat)   # only so that autograd reports a parameter changed in place before backward
+        return flat[0].new_empty(0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _grad_token):
+        ctx.saved_tensors  # noqa: B018 - the version check
+        return (None, *ctx.steps.weight_grads())
+
+
+class CppTransitionStepFunction(torch.autograd.Function):
+    """One step of a cell in an `unrolled` block: x [B, I], h [B, H] -> h' [B, H] (no mask)."""
+
+    @staticmethod
+    def forward(ctx, x, h, drop, token, steps: UnrolledSteps, eps: float):
+        x, h, drop = x.contiguous(), h.contiguous(), _or_empty(drop, x)
+        out, h_n, xp, hs, hp, hpt = _C.transition_forward(x.unsqueeze(0), h, drop.new_empty(0), drop, steps.kind,
+                                                          *steps.flat, False, eps)
+        ctx.steps, ctx.eps, ctx.index = steps, eps, steps.n_steps
+        steps.n_steps += 1
+        ctx.save_for_backward(x, drop, xp, hs, hp, hpt)
+        return h_n
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_h):
+        x, drop, xp, hs, hp, hpt = ctx.saved_tensors
+        steps = ctx.steps
+        g = grad_h.contiguous()
+        dx, dh, dxp, _, dhp, _, dln_w, dln_b, dhpt, _, dt_ln_w, dt_ln_b = _C.transition_backward(
+            torch.zeros_like(g).unsqueeze(0), g, x.unsqueeze(0), drop.new_empty(0), drop, steps.kind, *steps.flat,
+            xp, hs, hp, hpt, False, ctx.eps, weight_grads=False)
+        steps.rows[ctx.index] = (x, hs[:, 0], dxp, dhp, dhpt, dln_w, dln_b, dt_ln_w, dt_ln_b)
+        return dx[0], dh, None, x.new_zeros(0), None, None
+
+
 def flat_params(w: TransitionWeights, like: Tensor):
     """The ten parameter tensors in the kernels' order (T-GRU parameters stacked, absent ones empty)."""
     if w.depth:

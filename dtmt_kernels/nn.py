@@ -1,5 +1,6 @@
-"""Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`; and `Linear`, the
-torch.nn.Linear of decoder steps (the small-row kernel at batch 1).
+"""Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`; `Linear`, the
+torch.nn.Linear of decoder steps (the small-row kernel at batch 1); and `unrolled`, a block in which step cells
+form their weight gradients once over all their steps (teacher forcing).
 
 They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first`, `h0` of shape
 [num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and
@@ -22,13 +23,15 @@ ln_weight / ln_bias [2H] for p and q (the q offset plays the role of b).
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .autograd import flat_params, cpp_transition_inference
+from .autograd import (KINDS, CppTransitionStepFunction, CppUnrolledWeightsFunction, UnrolledSteps, flat_params,
+                       cpp_transition_inference)
 from .backends import BackendSwitch, resolve_backend
 from .functional import check_dtype_for_backend, lengths_to_mask, linear
 from .reference import CELL_KINDS, TransitionWeights
@@ -284,8 +287,52 @@ class _TransitionCell(_TransitionBase):
         elif tuple(drop.shape) != (self.depth + 1, B, H):
             raise ValueError(f"{name}: drop must have shape [depth+1, B, hidden_size] = "
                              f"{[self.depth + 1, B, H]}, got {list(drop.shape)}")
+        session = self._unrolled_session(x2)
+        if session is not None:
+            h1 = CppTransitionStepFunction.apply(x2, h, drop, session[1], session[0], self.eps)
+            return h1[0] if unbatched else h1
         _, h_n = self._run(x2.unsqueeze(0), h.unsqueeze(0), None, [drop])
         return h_n[0, 0] if unbatched else h_n[0]
+
+    def _unrolled_session(self, x: Tensor):
+        """(UnrolledSteps, token) when this call is a step in an `unrolled` block that the cpp backend runs with
+        autograd recording, else None."""
+        sessions = self.__dict__.get("_unrolled")
+        if sessions is None or not torch.is_grad_enabled():
+            return None
+        backend = resolve_backend(self.backend, x.device)
+        if backend.name != "cpp":
+            return None
+        check_dtype_for_backend(backend, x.dtype, "x")
+        key = (x.device, x.dtype)
+        if key not in sessions:
+            flat = flat_params(self.direction_weights(0), self.weight_hh)
+            steps = UnrolledSteps(KINDS[self.cell], [t.contiguous() for t in flat])
+            sessions[key] = (steps, CppUnrolledWeightsFunction.apply(steps, *flat))
+        return sessions[key]
+
+
+@contextlib.contextmanager
+def unrolled(*cells: nn.Module) -> Iterator[None]:
+    """Within the block, the given cells (DeepTransitionGRUCell / ATRCell; anything else is ignored) run their
+    steps on the cpp backend as one unrolled sequence for autograd: the flat weights are assembled once, and
+    each weight gradient is one GEMM over every step's rows at backward instead of one GEMM and one
+    accumulation per step (autograd.UnrolledSteps). Gradients are those of the plain step-by-step path up to
+    float rounding. For teacher forcing, where a decoder cell runs once per target position:
+
+        with dk.nn.unrolled(model.query_cell, model.decoder_cell):
+            for t in range(T): ...
+
+    Other backends, inference (no autograd recording) and calls outside the block are unaffected. The backward
+    may run after the block has closed. Blocks nest (the outer one holds)."""
+    opened = [c for c in cells if isinstance(c, _TransitionCell) and c.__dict__.get("_unrolled") is None]
+    for c in opened:
+        c.__dict__["_unrolled"] = {}
+    try:
+        yield
+    finally:
+        for c in opened:
+            c.__dict__["_unrolled"] = None
 
 
 class DeepTransitionGRU(_TransitionLayer):

@@ -138,22 +138,25 @@ class Seq2Seq(nn.Module):
     def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor) -> Tensor:
         """Teacher forcing: the steps' transitions in a loop, with what does not feed the recurrence batched over
         time: the target embeddings are looked up once (one embedding gradient instead of one per step) and the
-        readout features and vocabulary projection run once over [B, T, ...] after the loop. A system that
-        overrides `decoder_step` gets the same loop over its `decoder_step` instead."""
+        readout features and vocabulary projection run once over [B, T, ...] after the loop; and the step cells
+        run `dk.nn.unrolled` (their weight gradients formed once over all steps). A system that overrides
+        `decoder_step` gets the same loop over its `decoder_step` instead."""
         self.check_batch(src, src_lengths, prev_tokens)
-        state = self.encode(src, src_lengths)
-        T = prev_tokens.shape[1]
-        if type(self).decoder_step is not Seq2Seq.decoder_step:
-            feats = []
-            for t in range(T):
-                f, state = self.decoder_step(state, prev_tokens[:, t])
-                feats.append(f)
-            return self.readout(torch.stack(feats, 1))
-        ys = self.tgt_embed(prev_tokens)  # positions 0..T-1 where the embedding has them, as embed_step's
-        steps = []
-        for t in range(T):
-            parts, state = self.transition(state, ys[:, t], keep_attention=False)
-            steps.append(parts)
+        with dk.nn.unrolled(*self.modules()):  # the step cells' weight gradients: one GEMM each over all steps
+            state = self.encode(src, src_lengths)
+            T = prev_tokens.shape[1]
+            if type(self).decoder_step is not Seq2Seq.decoder_step:
+                feats = []
+                for t in range(T):
+                    f, state = self.decoder_step(state, prev_tokens[:, t])
+                    feats.append(f)
+                return self.readout(torch.stack(feats, 1))
+            ys = self.tgt_embed(prev_tokens)  # positions 0..T-1 where the embedding has them, as embed_step's
+            steps = []
+            # unbind: one gradient node for all steps (ys[:, t] would zero-fill and add a full [B, T, E] per step)
+            for y in ys.unbind(1):
+                parts, state = self.transition(state, y, keep_attention=False)
+                steps.append(parts)
         return self.readout(self.features(ys, *(torch.stack(p, 1) for p in zip(*steps))))
 
     @staticmethod

@@ -1,0 +1,135 @@
+"""dk.nn.unrolled: step cells whose weight gradients are formed once over all steps (autograd.UnrolledSteps).
+
+Checked against the pure-PyTorch reference backend (outputs, input / state / every parameter gradient), in
+float64 and float32, for every cell kind, with and without T-GRUs, layer norm and candidate dropout."""
+import pytest
+import torch
+
+import dtmt_kernels as dk
+
+pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
+
+CASES = [("gru", 0, False), ("gru", 2, True), ("lgru", 1, True), ("lgru", 0, False), ("lau", 2, True),
+         ("lau", 1, False), ("atr", None, False), ("atr", None, True)]
+
+
+def make_cell(cell, depth, ln, dtype, seed=0, candidate_dropout=0.2):
+    torch.manual_seed(seed)
+    if cell == "atr":
+        return dk.nn.ATRCell(5, 6, layer_norm=ln).to(dtype)
+    return dk.nn.DeepTransitionGRUCell(5, 6, depth=depth, cell=cell, layer_norm=ln,
+                                       candidate_dropout=candidate_dropout).to(dtype)
+
+
+def unroll(cell, xs, h0, drop, weights, backend, use_block):
+    """Runs the cell over xs [T, B, I] from h0 and returns (sum_t <weights_t, h_t>, the states [T, B, H])."""
+    cell.backend = backend
+    outs = []
+    with dk.nn.unrolled(cell) if use_block else torch.enable_grad():
+        h = h0
+        for t in range(xs.shape[0]):
+            h = cell(xs[t], h, drop)
+            outs.append(h)
+    out = torch.stack(outs)
+    return (out * weights).sum(), out
+
+
+def grads_of(cell, xs, h0, drop, weights, backend, use_block):
+    cell.zero_grad()
+    xs_, h0_ = xs.clone().requires_grad_(), h0.clone().requires_grad_()
+    loss, out = unroll(cell, xs_, h0_, drop, weights, backend, use_block)
+    loss.backward()
+    return [out.detach(), xs_.grad, h0_.grad] + [p.grad.clone() for p in cell.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cell_name,depth,ln", CASES)
+def test_unrolled_matches_the_reference(cell_name, depth, ln, dtype):
+    cell = make_cell(cell_name, depth, ln, dtype)
+    g = torch.Generator().manual_seed(1)
+    T, B = 7, 3
+    xs = torch.randn(T, B, 5, generator=g, dtype=dtype)
+    h0 = torch.randn(B, 6, generator=g, dtype=dtype)
+    weights = torch.randn(T, B, 6, generator=g, dtype=dtype)
+    cell.train()
+    torch.manual_seed(2)
+    drop = cell.sample_dropout_masks(B, xs) if cell_name != "atr" else None
+    ref = grads_of(cell, xs, h0, drop, weights, "reference", False)
+    fused = grads_of(cell, xs, h0, drop, weights, "cpp", True)
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+    assert len(ref) == len(fused)
+    for a, b in zip(ref, fused):
+        torch.testing.assert_close(b, a, **tol)
+    plain = grads_of(cell, xs, h0, drop, weights, "cpp", False)   # the step-by-step cpp path agrees too
+    for a, b in zip(plain, fused):
+        torch.testing.assert_close(b, a, **tol)
+
+
+def test_unrolled_gradcheck():
+    """float64 gradcheck of the unrolled steps, through x, h0 and the parameters (passed functionally)."""
+    cell = make_cell("lgru", 1, True, torch.float64, candidate_dropout=0.0)   # no fresh masks per call
+    names = [n for n, _ in cell.named_parameters()]
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(4, 2, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    params = [p.detach().clone().requires_grad_() for p in cell.parameters()]
+
+    def f(xs, h0, *ps):
+        # the block builds its flat weights from the module's parameters: run with them replaced by the inputs
+        saved = {n: cell._parameters[n] for n in names}
+        try:
+            for n, v in zip(names, ps):
+                cell._parameters[n] = v
+            return unroll(cell, xs, h0, None, torch.ones(4, 2, 6, dtype=torch.float64), "cpp", True)[1]
+        finally:
+            cell._parameters.update(saved)
+
+    assert torch.autograd.gradcheck(f, (xs, h0, *params))
+
+
+def test_retain_graph_runs_twice_without_double_counting():
+    cell = make_cell("lgru", 1, True, torch.float64, candidate_dropout=0.0)
+    xs = torch.randn(5, 2, 5, dtype=torch.float64)
+    h0 = torch.zeros(2, 6, dtype=torch.float64)
+    w = torch.randn(5, 2, 6, dtype=torch.float64)
+    once = grads_of(cell, xs, h0, None, w, "cpp", True)
+    cell.zero_grad()
+    loss, _ = unroll(cell, xs, h0, None, w, "cpp", True)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for a, p in zip(once[3:], cell.parameters()):
+        torch.testing.assert_close(p.grad, 2 * a)
+
+
+def test_unrolled_leaves_inference_other_backends_and_outside_calls_alone():
+    cell = make_cell("gru", 1, True, torch.float32)
+    xs = torch.randn(3, 2, 5)
+    h0 = torch.randn(2, 6)
+    cell.eval()
+    with dk.nn.unrolled(cell), torch.no_grad():
+        h = cell(xs[0], h0)
+    assert h.grad_fn is None
+    torch.testing.assert_close(h, cell(xs[0], h0).detach())
+    with dk.nn.unrolled(cell):
+        inside = cell(xs[0], h0)
+        cell.backend = "reference"
+        ref = cell(xs[0], h0)
+        cell.backend = "cpp"
+    assert type(inside.grad_fn).__name__.startswith("CppTransitionStepFunction")
+    assert not type(ref.grad_fn).__name__.startswith("CppTransitionStep")
+    outside = cell(xs[0], h0)
+    assert not type(outside.grad_fn).__name__.startswith("CppTransitionStep")
+    torch.testing.assert_close(inside, outside)
+    # the backward may run after the block has closed
+    inside.sum().backward()
+    assert all(p.grad is not None for p in cell.parameters())
+
+
+def test_parameter_changed_before_backward_is_reported():
+    cell = make_cell("lgru", 0, False, torch.float32)
+    with dk.nn.unrolled(cell):
+        h = cell(torch.randn(2, 5), torch.zeros(2, 6))
+    with torch.no_grad():
+        cell.weight_hh.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.sum().backward()

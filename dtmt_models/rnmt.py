@@ -108,9 +108,9 @@ class AttentionalRNMT(Seq2Seq):
                          state["src_mask"], None, None)
         r = self.readout
         ln = isinstance(r.norms[0], torch.nn.LayerNorm)
+        ln_w, ln_b = self._readout_norms() if ln else (None, None)
         readout = (r.from_y.weight, r.from_y.bias, r.from_s.weight, r.from_s.bias, r.from_c.weight, r.from_c.bias,
-                   torch.stack([n.weight for n in r.norms]) if ln else None,
-                   torch.stack([n.bias for n in r.norms]) if ln else None, r.output.proj.weight, r.output.proj.bias)
+                   ln_w, ln_b, r.output.proj.weight, r.output.proj.bias)
         log_probs, s, alpha = dk.functional.rnmt_step(
             y, state["s"], self.query_cell, attention, self.decoder_cell, readout, r.norms[0].eps if ln else 1e-5,
             (self._drop(state, "drop_q"), self._drop(state, "drop_d")))
@@ -118,18 +118,38 @@ class AttentionalRNMT(Seq2Seq):
 
     def _fused_step_applies(self, y: Tensor) -> bool:
         """Whether `step` may run the fused op: eval mode, no autograd, every part on the cpp backend and of the
-        standard kinds (a subclass that changes the step's structure keeps the modules' path)."""
-        cls, att, r = type(self), self.attention, self.readout
-        return (not self.training and cls.transition is AttentionalRNMT.transition
-                and cls.features is Seq2Seq.features and cls.decoder_step is Seq2Seq.decoder_step
-                and isinstance(self.query_cell, dk.nn._TransitionCell)
-                and isinstance(self.decoder_cell, dk.nn._TransitionCell)
-                and self.query_cell.eps == self.decoder_cell.eps
-                and (isinstance(att, MultiHeadAdditiveAttention)
-                     or (isinstance(att, AdditiveAttention) and isinstance(att.ln_q, torch.nn.Identity)))
-                and type(r) is Readout and len(r.deep) == 0
-                and all(dk.functional.fused_inference(b, y) for b in (
-                    self.query_cell.backend, self.decoder_cell.backend, att.backend, r.from_y.backend)))
+        standard kinds (a subclass that changes the step's structure keeps the modules' path). The structural
+        part is worked out once per set of submodules (it is ~20 us of isinstance checks, per step)."""
+        if self.training:
+            return False
+        att, r, q, d = self.attention, self.readout, self.query_cell, self.decoder_cell
+        key = (id(att), id(r), id(q), id(d), id(getattr(att, "ln_q", None)), id(r.norms[0]), len(r.deep))
+        cached = self.__dict__.get("_fused_structure")
+        if cached is None or cached[0] != key:
+            cls = type(self)
+            ok = (cls.transition is AttentionalRNMT.transition
+                  and cls.features is Seq2Seq.features and cls.decoder_step is Seq2Seq.decoder_step
+                  and isinstance(q, dk.nn._TransitionCell) and isinstance(d, dk.nn._TransitionCell)
+                  and (isinstance(att, MultiHeadAdditiveAttention)
+                       or (isinstance(att, AdditiveAttention) and isinstance(att.ln_q, torch.nn.Identity)))
+                  and type(r) is Readout and len(r.deep) == 0)
+            self.__dict__["_fused_structure"] = cached = (key, ok)
+        fused = dk.functional.fused_inference
+        return (cached[1] and q.eps == d.eps and fused(q.backend, y) and fused(d.backend, y)
+                and fused(att.backend, y) and fused(r.from_y.backend, y))
+
+    def _readout_norms(self) -> Tuple[Tensor, Tensor]:
+        """The readout's three layer-norm gains and offsets stacked to [3, R] for the fused step, kept until one
+        of them changes (in place, as an optimizer step does)."""
+        norms = self.readout.norms
+        params = [n.weight for n in norms] + [n.bias for n in norms]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cached = self.__dict__.get("_readout_norms_cache")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, (torch.stack(params[:3]), torch.stack(params[3:])))
+            self.__dict__["_readout_norms_cache"] = cached
+        return cached[1]
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""

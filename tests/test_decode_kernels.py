@@ -203,6 +203,29 @@ def test_fused_step_is_not_taken_where_it_does_not_apply():
     assert not model._fused_step_applies(y)                     # autograd on
 
 
+def test_fused_step_follows_changed_weights_and_swapped_modules():
+    """The fused step keeps the stacked readout norms and its structural checks between steps: an in-place
+    change of a norm (an optimizer step) and a swapped-in attention module must both be seen."""
+    torch.manual_seed(0)
+    model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24).eval()
+    src, lengths, prev = torch.randint(4, 50, (2, 5)), torch.tensor([5, 3]), torch.randint(4, 60, (2,))
+    with torch.no_grad():
+        state = model.encode(src, lengths)
+        model.step(state, prev)                                   # fills the caches
+        model.readout.norms[1].weight.mul_(1.5)
+        model.readout.norms[2].bias.add_(0.3)
+        fast, _ = model.step(state, prev)
+    model.set_backend("reference")
+    slow, _ = model.step(model.encode(src, lengths), prev)
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-4, atol=1e-4)
+    model.set_backend("auto")
+    from dtmt_models.attention import AdditiveAttention
+    model.attention = AdditiveAttention(24, 48, 24, layer_norm=True)   # not a kind the fused step takes
+    with torch.no_grad():
+        state = model.encode(src, lengths)
+        assert not model._fused_step_applies(model.embed_step(state, prev))
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_memory_encoder_matches_the_module(reverse):
     from dtmt_models.systems.mce import MemoryGRUEncoderDirection

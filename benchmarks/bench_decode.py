@@ -10,7 +10,9 @@ Two modes:
                        system decodes exactly --tgt-len steps per hypothesis: a like-for-like cost per word.
   checkpoints          trained models translate the first --sentences lines of --input (real lengths and
                        early stopping); words are the whitespace words of the detokenised output.
-For each model and setting the sentences are translated --repeat times after a warm-up; the median is kept.
+For each setting (beam, batch) every model translates the sentences once to warm up, then --repeat rounds run
+one pass of every model in turn (so that a drift of the machine's speed moves all models alike: the ratios are
+what the bars judge); the median pass is kept.
 `batched` uses batches of --batch-size sentences. The transformer decodes incrementally with a cache (see
 dtmt_models/systems/transformer.py).
 
@@ -60,20 +62,32 @@ class NoEOS(torch.nn.Module):
         return self.model.reorder(state, index)
 
 
-def time_decode(model, batches, beam, repeat, max_len_a, max_len_b):
-    """(median seconds over `repeat` passes, the best hypothesis' tokens of each sentence)."""
-    def one_pass():
-        return [hyps[0].tokens for src, lengths in batches
-                for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6, max_len_a=max_len_a,
-                                        max_len_b=max_len_b)]
+def decode_pass(model, batches, beam, max_len_a, max_len_b):
+    """(seconds, the best hypothesis' tokens of each sentence) of one pass over the batches."""
+    t0 = time.perf_counter()
+    best = [hyps[0].tokens for src, lengths in batches
+            for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6, max_len_a=max_len_a,
+                                    max_len_b=max_len_b)]
+    return time.perf_counter() - t0, best
 
-    best = one_pass()
-    times = []
+
+def time_decode(model, batches, beam, repeat, max_len_a, max_len_b):
+    """(median seconds over `repeat` passes after a warm-up pass, the best hypothesis' tokens of each sentence)."""
+    return time_interleaved([(model, batches, max_len_a, max_len_b)], beam, repeat)[0]
+
+
+def time_interleaved(jobs, beam, repeat):
+    """For jobs [(model, batches, max_len_a, max_len_b)]: one warm-up pass each, then `repeat` rounds in which
+    every job runs one pass in turn, so that each model's passes spread over the same minutes and a drift of the
+    machine's speed (large on a shared VM) moves all of them alike. Returns [(median seconds, best tokens)]."""
+    for model, batches, la, lb in jobs:
+        decode_pass(model, batches, beam, la, lb)
+    times, best = [[] for _ in jobs], [None] * len(jobs)
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        best = one_pass()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), best
+        for i, (model, batches, la, lb) in enumerate(jobs):
+            seconds, best[i] = decode_pass(model, batches, beam, la, lb)
+            times[i].append(seconds)
+    return [(statistics.median(t), b) for t, b in zip(times, best)]
 
 
 class TableModel:
@@ -212,22 +226,22 @@ def main(argv=None):
         mode = (f"random weights, {a.sentences} sentences of {a.src_len} tokens, exactly {a.tgt_len} output tokens "
                 f"(EOS suppressed)")
     rows = []
-    for name, model, sents, tv, la, lb in models:
-        params = count_params(model)
-        for beam in a.beams:
-            for label, bs in (("1", 1), (f"{a.batch_size}", a.batch_size)):
-                batches = make_batches(sents, bs)
-                seconds, best = time_decode(model, batches, beam, a.repeat, la, lb)
+    for beam in a.beams:   # per setting, all models' passes interleaved (time_interleaved)
+        for label, bs in (("1", 1), (f"{a.batch_size}", a.batch_size)):
+            jobs = [(model, make_batches(sents, bs), la, lb) for _, model, sents, _, la, lb in models]
+            for (name, model, sents, tv, _, _), (seconds, best) in zip(models, time_interleaved(jobs, beam, a.repeat)):
                 if tv is None:   # synthetic: output tokens
                     words = sum(len(tokens) for tokens in best)
                 else:            # real words of the detokenised output
                     words = sum(len(tv.decode(tokens).split()) for tokens in best)
-                row = {"model": name, "params": params, "beam": beam, "batch": label, "sentences": len(sents),
-                       "words": words, "seconds": seconds, "words_per_s": words / seconds,
+                row = {"model": name, "params": count_params(model), "beam": beam, "batch": label,
+                       "sentences": len(sents), "words": words, "seconds": seconds, "words_per_s": words / seconds,
                        "ms_per_sentence": 1000 * seconds / len(sents)}
                 rows.append(row)
                 print(f"  {name:<22s} beam {beam} batch {label:>3s}: {row['words_per_s']:8,.0f} words/s "
                       f"{row['ms_per_sentence']:8.1f} ms/sentence", flush=True)
+    order = {name: i for i, (name, *_) in enumerate(models)}
+    rows.sort(key=lambda r: (order[r["model"]], r["beam"], r["batch"] != "1"))
     by = {(r["model"], r["beam"], r["batch"]): r for r in rows}
     for r in rows:
         base = by.get(("transformer", r["beam"], r["batch"])) or next(

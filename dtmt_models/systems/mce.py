@@ -75,13 +75,14 @@ class MemoryGRUEncoderDirection(nn.Module):
         B, S, _ = x.shape
         s = x.new_zeros(B, memory.shape[-1])
         states = [None] * S
+        xs = x.unbind(1)   # one backward node for all steps (x[:, t] zero-fills a full gradient per step)
         for t in (range(S - 1, -1, -1) if reverse else range(S)):
             keys = self.address_memory(memory)
             w = masked_softmax(self.address_v(torch.tanh(keys + self.address_state(s).unsqueeze(1))).squeeze(-1),
                                src_mask)                                            # [B, S]
             read = memory * torch.sigmoid(self.read_gate(s)).unsqueeze(1)            # M̃_t
             c = torch.bmm(w.unsqueeze(1), read).squeeze(1)
-            s_new = self.cell(torch.cat([x[:, t], c], -1), s)
+            s_new = self.cell(torch.cat([xs[t], c], -1), s)
             written = read + w.unsqueeze(-1) * torch.sigmoid(self.write_gate(s_new)).unsqueeze(1)
             valid = src_mask[:, t].view(B, 1)
             s = torch.where(valid, s_new, s)

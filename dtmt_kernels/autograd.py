@@ -142,6 +142,70 @@ class CppTransitionStepFunction(torch.autograd.Function):
         return dx[0], dh, None, x.new_zeros(0), None, None
 
 
+class UnrolledContext:
+    """The attention contexts of many decoder steps against the same values (the annotations) in a
+    `dtmt_kernels.nn.unrolled` block. Each step's backward forms only the gradient to its weights alpha_t
+    (dalpha[b, h, s] = values[b, s, h] . dctx_t[b, h], against a per-head copy of the values made once) and
+    keeps (alpha_t, dctx_t); `CppUnrolledValuesFunction`, which every step takes as an input, forms the values'
+    gradient once, sum_t alpha_t^T dctx_t, as one batched GEMM. Without it every step writes a full
+    [B, S, C] gradient that autograd then adds to the last. Rows are kept under the step's index (see
+    UnrolledSteps)."""
+
+    def __init__(self, values: Tensor, heads: int):
+        B, S, C = values.shape
+        self.values = _last_dim_contiguous(values.detach())
+        self.per_head = self.values.reshape(B, S, heads, C // heads).permute(0, 2, 1, 3).contiguous()  # [B,NH,S,Dc]
+        self.rows: dict = {}
+        self.n_steps = 0
+
+    def values_grad(self) -> Optional[Tensor]:
+        rows = [self.rows[k] for k in sorted(self.rows)]
+        self.rows = {}
+        if not rows:
+            return None
+        alpha = torch.stack([r[0] for r in rows], 2)   # [B, NH, T, S]
+        g = torch.stack([r[1] for r in rows], 2)       # [B, NH, T, Dc]
+        B, _, _, S = alpha.shape
+        return torch.matmul(alpha.transpose(2, 3), g).permute(0, 2, 1, 3).reshape(B, S, -1)
+
+
+class CppUnrolledValuesFunction(torch.autograd.Function):
+    """values in, a token out (see CppUnrolledWeightsFunction); backward: the values' gradient of all steps."""
+
+    @staticmethod
+    def forward(ctx, steps: UnrolledContext, values):
+        ctx.steps = steps
+        ctx.save_for_backward(values)   # only for autograd's check that it was not changed in place
+        return values.new_empty(0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _grad_token):
+        ctx.saved_tensors  # noqa: B018 - the version check
+        return None, ctx.steps.values_grad()
+
+
+class CppContextStepFunction(torch.autograd.Function):
+    """One step's attention context in an `unrolled` block: alpha [B, NH, S] -> [B, C]."""
+
+    @staticmethod
+    def forward(ctx, alpha, token, steps: UnrolledContext):
+        alpha = alpha.contiguous()
+        ctx.steps, ctx.index = steps, steps.n_steps
+        steps.n_steps += 1
+        ctx.save_for_backward(alpha)
+        return _C.attention_context_forward(alpha, steps.values)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (alpha,) = ctx.saved_tensors
+        B, NH, _ = alpha.shape
+        g = grad.reshape(B, NH, -1)
+        ctx.steps.rows[ctx.index] = (alpha, g)
+        return torch.matmul(ctx.steps.per_head, g.unsqueeze(-1)).squeeze(-1), alpha.new_zeros(0), None
+
+
 def flat_params(w: TransitionWeights, like: Tensor):
     """The ten parameter tensors in the kernels' order (T-GRU parameters stacked, absent ones empty)."""
     if w.depth:

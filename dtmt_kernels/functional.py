@@ -65,6 +65,14 @@ def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> T
 
     Backends as for additive_scores: `cpp` has a fused kernel (values may be any view whose last dimension is
     contiguous, e.g. the transposed encoder output); the others run the reference's PyTorch ops."""
+    b = check_attention_context(alpha, values, backend)
+    if b.name == "cpp":
+        return cpp_attention_context(alpha, values)
+    return reference.attention_context(alpha, values)
+
+
+def check_attention_context(alpha: Tensor, values: Tensor, backend: str):
+    """attention_context's argument checks; returns the resolved backend."""
     if alpha.dim() != 3 or values.dim() != 3:
         raise ValueError(f"attention_context: alpha must be [B, NH, S] and values [B, S, C]; got "
                          f"{list(alpha.shape)} and {list(values.shape)}")
@@ -76,9 +84,7 @@ def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> T
         raise ValueError("attention_context: alpha and values must share dtype and device")
     b = resolve_backend(backend, values.device)
     check_dtype_for_backend(b, values.dtype, "values")
-    if b.name == "cpp":
-        return cpp_attention_context(alpha, values)
-    return reference.attention_context(alpha, values)
+    return b
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: str = "auto") -> Tensor:

@@ -30,15 +30,28 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .autograd import (KINDS, CppTransitionStepFunction, CppUnrolledWeightsFunction, UnrolledSteps, flat_params,
-                       cpp_transition_inference)
+from .autograd import (KINDS, CppContextStepFunction, CppTransitionStepFunction, CppUnrolledValuesFunction,
+                       CppUnrolledWeightsFunction, UnrolledContext, UnrolledSteps, cpp_transition_inference,
+                       flat_params)
 from .backends import BackendSwitch, resolve_backend
-from .functional import check_dtype_for_backend, lengths_to_mask, linear
+from .functional import (attention_context, check_attention_context, check_dtype_for_backend, lengths_to_mask,
+                         linear)
 from .reference import CELL_KINDS, TransitionWeights
 
 # cell -> (input rows, recurrent rows, layer-normalised gates); the gates are the first rows.
 CELL_ROWS = {"gru": (3, 3, 2), "lgru": (5, 4, 3), "lau": (5, 4, 3), "atr": (1, 1, 2)}
 TGRU_ROWS = (3, 2)
+
+
+class Unrollable:
+    """Mixin of the modules whose per-step work `unrolled` batches over the steps of a block (the step cells
+    below; the attention modules of dtmt_models). While a block is open on the module, its sessions live in
+    its __dict__ under "_unrolled"."""
+
+    def _unrolled_sessions(self) -> Optional[dict]:
+        """The open block's sessions when autograd is recording, else None."""
+        sessions = self.__dict__.get("_unrolled")
+        return sessions if sessions is not None and torch.is_grad_enabled() else None
 
 
 class _TransitionBase(BackendSwitch, nn.Module):
@@ -258,7 +271,7 @@ class _TransitionLayer(_TransitionBase):
         return out, h_n
 
 
-class _TransitionCell(_TransitionBase):
+class _TransitionCell(Unrollable, _TransitionBase):
     """One step (decoder use): (x [B, I], h [B, H] = None, drop=None) -> h' [B, H]."""
 
     def __init__(self, input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend):
@@ -297,8 +310,8 @@ class _TransitionCell(_TransitionBase):
     def _unrolled_session(self, x: Tensor):
         """(UnrolledSteps, token) when this call is a step in an `unrolled` block that the cpp backend runs with
         autograd recording, else None."""
-        sessions = self.__dict__.get("_unrolled")
-        if sessions is None or not torch.is_grad_enabled():
+        sessions = self._unrolled_sessions()
+        if sessions is None:
             return None
         backend = resolve_backend(self.backend, x.device)
         if backend.name != "cpp":
@@ -313,19 +326,21 @@ class _TransitionCell(_TransitionBase):
 
 
 @contextlib.contextmanager
-def unrolled(*cells: nn.Module) -> Iterator[None]:
-    """Within the block, the given cells (DeepTransitionGRUCell / ATRCell; anything else is ignored) run their
-    steps on the cpp backend as one unrolled sequence for autograd: the flat weights are assembled once, and
-    each weight gradient is one GEMM over every step's rows at backward instead of one GEMM and one
-    accumulation per step (autograd.UnrolledSteps). Gradients are those of the plain step-by-step path up to
-    float rounding. For teacher forcing, where a decoder cell runs once per target position:
+def unrolled(*modules: nn.Module) -> Iterator[None]:
+    """Within the block, the given modules that are `Unrollable` (DeepTransitionGRUCell / ATRCell, the
+    attention modules of dtmt_models; anything else is ignored) run their steps on the cpp backend as one
+    unrolled sequence for autograd. A cell's flat weights are assembled once, and each weight gradient is one
+    GEMM over every step's rows at backward instead of one GEMM and one accumulation per step
+    (autograd.UnrolledSteps); an attention's context (`step_context`) forms the annotations' gradient once over
+    all steps (autograd.UnrolledContext). Gradients are those of the plain step-by-step path up to float
+    rounding. For teacher forcing, where a decoder cell runs once per target position:
 
         with dk.nn.unrolled(model.query_cell, model.decoder_cell):
             for t in range(T): ...
 
     Other backends, inference (no autograd recording) and calls outside the block are unaffected. The backward
     may run after the block has closed. Blocks nest (the outer one holds)."""
-    opened = [c for c in cells if isinstance(c, _TransitionCell) and c.__dict__.get("_unrolled") is None]
+    opened = [c for c in modules if isinstance(c, Unrollable) and c.__dict__.get("_unrolled") is None]
     for c in opened:
         c.__dict__["_unrolled"] = {}
     try:
@@ -424,3 +439,20 @@ class Linear(BackendSwitch, nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend!r}"
+
+
+def step_context(owner: nn.Module, alpha: Tensor, values: Tensor, backend: str = "auto") -> Tensor:
+    """dtmt_kernels.functional.attention_context for one decoder step of the attention module `owner`: inside an
+    `unrolled` block open on `owner` (an Unrollable) with the cpp backend and autograd recording, the steps
+    against the same values share one UnrolledContext (the values' gradient formed once over all of them);
+    otherwise exactly functional.attention_context."""
+    sessions = owner._unrolled_sessions() if isinstance(owner, Unrollable) else None
+    if sessions is None or check_attention_context(alpha, values, backend).name != "cpp":
+        return attention_context(alpha, values, backend)
+    key = (id(values), alpha.shape[1])
+    if key not in sessions:
+        steps = UnrolledContext(values, alpha.shape[1])
+        # the entry keeps `values` alive, so that its id is not reused by another tensor within the block
+        sessions[key] = (steps, CppUnrolledValuesFunction.apply(steps, values), values)
+    steps, token, _ = sessions[key]
+    return CppContextStepFunction.apply(alpha, token, steps)

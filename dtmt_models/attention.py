@@ -32,7 +32,7 @@ def masked_softmax(scores: Tensor, src_mask: Tensor) -> Tensor:
     return torch.softmax(scores.masked_fill(~src_mask, float("-inf")), dim=-1)
 
 
-class AdditiveAttention(BackendSwitch, nn.Module):
+class AdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
     def __init__(self, query_dim: int, key_dim: int, attn_dim: int, layer_norm: bool = False,
                  backend: str = "auto"):
         super().__init__()
@@ -59,10 +59,10 @@ class AdditiveAttention(BackendSwitch, nn.Module):
         q = self.ln_q(self.query(query)).unsqueeze(1)                           # [B, 1, A]: one head
         scores = dk.functional.additive_scores(keys.unsqueeze(2), q, self.v.weight, self.backend).squeeze(1)
         alpha = masked_softmax(scores, src_mask)
-        return dk.functional.attention_context(alpha.unsqueeze(1), annotations, self.backend), alpha
+        return dk.nn.step_context(self, alpha.unsqueeze(1), annotations, self.backend), alpha
 
 
-class MultiHeadAdditiveAttention(BackendSwitch, nn.Module):
+class MultiHeadAdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
     def __init__(self, query_dim: int, key_dim: int, attn_dim: int, heads: int = 4, backend: str = "auto"):
         super().__init__()
         self.backend = backend
@@ -91,5 +91,5 @@ class MultiHeadAdditiveAttention(BackendSwitch, nn.Module):
         q = self.query(query).view(query.shape[0], self.heads, -1)
         scores = dk.functional.additive_scores(keys, q, self.v, self.backend)  # [B, heads, S]
         alpha = masked_softmax(scores, src_mask.unsqueeze(1))
-        context = dk.functional.attention_context(alpha, annotations, self.backend)  # head h: its own C/heads
+        context = dk.nn.step_context(self, alpha, annotations, self.backend)  # head h: its own C/heads
         return self.out(context), alpha

@@ -133,3 +133,46 @@ def test_parameter_changed_before_backward_is_reported():
         cell.weight_hh.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         h.sum().backward()
+
+
+class _Owner(dk.nn.Unrollable, torch.nn.Module):
+    """A stand-in for an attention module: step_context's sessions live on it."""
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_step_context_matches_the_reference(heads, dtype):
+    """Steps of attention contexts against the same (strided) values in an unrolled block: the context, and the
+    gradients to the values and to every step's weights, equal those of the reference backend."""
+    g = torch.Generator().manual_seed(4)
+    B, S, C, T = 3, 5, 8, 6
+    enc = torch.randn(S, B, C, generator=g, dtype=dtype)        # time-major: values are a transposed view
+    logits = torch.randn(T, B, heads, S, generator=g, dtype=dtype)
+    w = torch.randn(T, B, C, generator=g, dtype=dtype)
+    owner = _Owner()
+
+    def run(backend, block):
+        enc_, logits_ = enc.clone().requires_grad_(), logits.clone().requires_grad_()
+        values = (2 * enc_).transpose(0, 1)
+        with dk.nn.unrolled(owner) if block else torch.enable_grad():
+            ctx = torch.stack([dk.nn.step_context(owner, torch.softmax(logits_[t], -1), values, backend)
+                               for t in range(T)])
+        (ctx * w).sum().backward()
+        return ctx.detach(), enc_.grad, logits_.grad
+
+    ref = run("reference", False)
+    fused = run("cpp", True)
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    for a, b in zip(ref, fused):
+        torch.testing.assert_close(b, a, **tol)
+    with dk.nn.unrolled(owner):
+        v = enc.clone().requires_grad_()
+        out = dk.nn.step_context(owner, torch.softmax(logits[0], -1), v.transpose(0, 1), "cpp")
+    assert type(out.grad_fn).__name__.startswith("CppContextStepFunction")
+    out.sum().backward(retain_graph=True)
+    first = v.grad.clone()
+    out.sum().backward()                                        # a second backward adds the same again
+    torch.testing.assert_close(v.grad, 2 * first)
+    with pytest.raises(ValueError, match="attention_context"):
+        with dk.nn.unrolled(owner):
+            dk.nn.step_context(owner, torch.softmax(logits[0], -1), enc.transpose(0, 1)[:, :4], "cpp")

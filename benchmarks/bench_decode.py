@@ -83,8 +83,9 @@ def time_interleaved(jobs, beam, repeat):
     for model, batches, la, lb in jobs:
         decode_pass(model, batches, beam, la, lb)
     times, best = [[] for _ in jobs], [None] * len(jobs)
-    for _ in range(repeat):
-        for i, (model, batches, la, lb) in enumerate(jobs):
+    for r in range(repeat):
+        for i in [(r + j) % len(jobs) for j in range(len(jobs))]:   # rotated: no job always follows the same one
+            model, batches, la, lb = jobs[i]
             seconds, best[i] = decode_pass(model, batches, beam, la, lb)
             times[i].append(seconds)
     return [(statistics.median(t), b) for t, b in zip(times, best)]

@@ -53,7 +53,36 @@ class CppTransitionFunction(torch.autograd.Function):
         return (dx, dh0, None, None, None, None, None, *dparams)
 
 
-class UnrolledSteps:
+class _UnrolledSession:
+    """What the step Functions of an `unrolled` block share with their sink: the rows each step's backward
+    keeps, under the step's index (running the backward of the same graph twice, with retain_graph, overwrites
+    them rather than adding them twice) and tagged with the backward pass (graph task) that made them, so that
+    the sink uses only its own pass's rows: a pass that did not reach the sink (torch.autograd.grad of other
+    inputs, an exception part-way) leaves nothing behind that a later pass would add in. Once the sink has run,
+    the session is `done` and the next forward in the block starts a new one."""
+
+    def __init__(self):
+        self.rows: dict = {}
+        self.n_steps = 0
+        self.done = False
+
+    def next_index(self) -> int:
+        self.n_steps += 1
+        return self.n_steps - 1
+
+    def keep(self, index: int, row: tuple) -> None:
+        self.rows[index] = (torch._C._current_graph_task_id(), row)
+
+    def take(self) -> list:
+        """This backward pass's rows in step order (all rows are dropped)."""
+        task = torch._C._current_graph_task_id()
+        rows = [row for k, (t, row) in sorted(self.rows.items()) if t == task]
+        self.rows = {}
+        self.done = True
+        return rows
+
+
+class UnrolledSteps(_UnrolledSession):
     """One cell's steps in a `dtmt_kernels.nn.unrolled` block (forward in autograd mode, cpp backend).
 
     A cell that runs one step per call (a decoder, teacher-forced) would otherwise form its weight gradients
@@ -63,20 +92,19 @@ class UnrolledSteps:
     `CppUnrolledWeightsFunction`, which every step takes as an input and autograd therefore runs after all
     of them, forms each weight gradient in one GEMM over every step's rows.
 
-    The flat parameters (T-GRUs stacked, biases widened: autograd.flat_params) are assembled once per block
-    instead of once per step. A step's rows are kept under its index, so running the backward of the same
-    graph twice (retain_graph) overwrites them rather than adding them twice."""
+    The flat parameters (T-GRUs stacked, biases widened: autograd.flat_params) are assembled once per session
+    instead of once per step."""
 
-    def __init__(self, kind: int, flat: list):
+    def __init__(self, kind: int, flat: list, versions: tuple):
+        super().__init__()
         self.kind = kind
-        self.flat = [t.detach() for t in flat]   # what the kernels read (the sink keeps the autograd view)
-        self.rows: dict = {}
-        self.n_steps = 0
+        self.live = flat                         # saved by every step: autograd's check for in-place changes
+        self.flat = [t.detach() for t in flat]   # what the kernels read
+        self.versions = versions                 # the cell's parameters' versions when the session began
 
     def weight_grads(self):
-        """Gradients of the ten flat parameters from the rows of every step run so far (then forgotten)."""
-        rows = [self.rows[k] for k in sorted(self.rows)]
-        self.rows = {}
+        """Gradients of the ten flat parameters from this backward pass's rows."""
+        rows = self.take()
         if not rows:
             return [None] * 10
         cat = torch.cat
@@ -96,6 +124,7 @@ class UnrolledSteps:
             if rows[0][7] is not None:
                 grads[8] = torch.stack([r[7] for r in rows]).sum(0)
                 grads[9] = torch.stack([r[8] for r in rows]).sum(0)
+        del rows, x, hs, dxp, dhp   # the concatenations hold copies: free the rows before autograd goes on
         return grads
 
 
@@ -124,43 +153,42 @@ class CppTransitionStepFunction(torch.autograd.Function):
         x, h, drop = x.contiguous(), h.contiguous(), _or_empty(drop, x)
         out, h_n, xp, hs, hp, hpt = _C.transition_forward(x.unsqueeze(0), h, drop.new_empty(0), drop, steps.kind,
                                                           *steps.flat, False, eps)
-        ctx.steps, ctx.eps, ctx.index = steps, eps, steps.n_steps
-        steps.n_steps += 1
-        ctx.save_for_backward(x, drop, xp, hs, hp, hpt)
+        ctx.steps, ctx.eps, ctx.index = steps, eps, steps.next_index()
+        ctx.save_for_backward(x, drop, xp, hs, hp, hpt, *steps.live)
         return h_n
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_h):
-        x, drop, xp, hs, hp, hpt = ctx.saved_tensors
+        x, drop, xp, hs, hp, hpt, *_ = ctx.saved_tensors   # unpacking the weights checks their versions
         steps = ctx.steps
         g = grad_h.contiguous()
         dx, dh, dxp, _, dhp, _, dln_w, dln_b, dhpt, _, dt_ln_w, dt_ln_b = _C.transition_backward(
             torch.zeros_like(g).unsqueeze(0), g, x.unsqueeze(0), drop.new_empty(0), drop, steps.kind, *steps.flat,
             xp, hs, hp, hpt, False, ctx.eps, weight_grads=False)
-        steps.rows[ctx.index] = (x, hs[:, 0], dxp, dhp, dhpt, dln_w, dln_b, dt_ln_w, dt_ln_b)
+        if ctx.needs_input_grad[3]:   # the weights want gradients (not frozen)
+            steps.keep(ctx.index, (x, hs[:, 0], dxp, dhp, dhpt, dln_w, dln_b, dt_ln_w, dt_ln_b))
         return dx[0], dh, None, x.new_zeros(0), None, None
 
 
-class UnrolledContext:
+class UnrolledContext(_UnrolledSession):
     """The attention contexts of many decoder steps against the same values (the annotations) in a
     `dtmt_kernels.nn.unrolled` block. Each step's backward forms only the gradient to its weights alpha_t
     (dalpha[b, h, s] = values[b, s, h] . dctx_t[b, h], against a per-head copy of the values made once) and
     keeps (alpha_t, dctx_t); `CppUnrolledValuesFunction`, which every step takes as an input, forms the values'
     gradient once, sum_t alpha_t^T dctx_t, as one batched GEMM. Without it every step writes a full
-    [B, S, C] gradient that autograd then adds to the last. Rows are kept under the step's index (see
-    UnrolledSteps)."""
+    [B, S, C] gradient that autograd then adds to the last."""
 
     def __init__(self, values: Tensor, heads: int):
+        super().__init__()
         B, S, C = values.shape
+        self.live = values
+        self.version = values._version
         self.values = _last_dim_contiguous(values.detach())
         self.per_head = self.values.reshape(B, S, heads, C // heads).permute(0, 2, 1, 3).contiguous()  # [B,NH,S,Dc]
-        self.rows: dict = {}
-        self.n_steps = 0
 
     def values_grad(self) -> Optional[Tensor]:
-        rows = [self.rows[k] for k in sorted(self.rows)]
-        self.rows = {}
+        rows = self.take()
         if not rows:
             return None
         alpha = torch.stack([r[0] for r in rows], 2)   # [B, NH, T, S]
@@ -191,18 +219,18 @@ class CppContextStepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, alpha, token, steps: UnrolledContext):
         alpha = alpha.contiguous()
-        ctx.steps, ctx.index = steps, steps.n_steps
-        steps.n_steps += 1
-        ctx.save_for_backward(alpha)
+        ctx.steps, ctx.index = steps, steps.next_index()
+        ctx.save_for_backward(alpha, steps.live)
         return _C.attention_context_forward(alpha, steps.values)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        (alpha,) = ctx.saved_tensors
+        alpha, _ = ctx.saved_tensors   # unpacking the values checks their version
         B, NH, _ = alpha.shape
         g = grad.reshape(B, NH, -1)
-        ctx.steps.rows[ctx.index] = (alpha, g)
+        if ctx.needs_input_grad[1]:   # the values want a gradient
+            ctx.steps.keep(ctx.index, (alpha, g))
         return torch.matmul(ctx.steps.per_head, g.unsqueeze(-1)).squeeze(-1), alpha.new_zeros(0), None
 
 

@@ -318,11 +318,13 @@ class _TransitionCell(Unrollable, _TransitionBase):
             return None
         check_dtype_for_backend(backend, x.dtype, "x")
         key = (x.device, x.dtype)
-        if key not in sessions:
-            flat = flat_params(self.direction_weights(0), self.weight_hh)
-            steps = UnrolledSteps(KINDS[self.cell], [t.contiguous() for t in flat])
-            sessions[key] = (steps, CppUnrolledWeightsFunction.apply(steps, *flat))
-        return sessions[key]
+        versions = tuple(p._version for p in self._parameters.values())
+        hit = sessions.get(key)
+        if hit is None or hit[0].done or hit[0].versions != versions:   # a new graph, or changed weights
+            flat = [t.contiguous() for t in flat_params(self.direction_weights(0), self.weight_hh)]
+            steps = UnrolledSteps(KINDS[self.cell], flat, versions)
+            sessions[key] = hit = (steps, CppUnrolledWeightsFunction.apply(steps, *flat))
+        return hit
 
 
 @contextlib.contextmanager
@@ -339,7 +341,9 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
             for t in range(T): ...
 
     Other backends, inference (no autograd recording) and calls outside the block are unaffected. The backward
-    may run after the block has closed. Blocks nest (the outer one holds)."""
+    may run after the block has closed; a block may hold several forward / backward rounds (truncated
+    backpropagation: a session ends when its backward has run or a parameter has changed). Blocks nest (the
+    outer one holds). A block's sessions live on the modules: not for one module run by several threads."""
     opened = [c for c in modules if isinstance(c, Unrollable) and c.__dict__.get("_unrolled") is None]
     for c in opened:
         c.__dict__["_unrolled"] = {}
@@ -450,9 +454,8 @@ def step_context(owner: nn.Module, alpha: Tensor, values: Tensor, backend: str =
     if sessions is None or check_attention_context(alpha, values, backend).name != "cpp":
         return attention_context(alpha, values, backend)
     key = (id(values), alpha.shape[1])
-    if key not in sessions:
-        steps = UnrolledContext(values, alpha.shape[1])
-        # the entry keeps `values` alive, so that its id is not reused by another tensor within the block
-        sessions[key] = (steps, CppUnrolledValuesFunction.apply(steps, values), values)
-    steps, token, _ = sessions[key]
-    return CppContextStepFunction.apply(alpha, token, steps)
+    hit = sessions.get(key)
+    if hit is None or hit[0].done or hit[0].version != values._version:
+        steps = UnrolledContext(values, alpha.shape[1])   # it keeps `values` alive: the id is not reused
+        sessions[key] = hit = (steps, CppUnrolledValuesFunction.apply(steps, values))
+    return CppContextStepFunction.apply(alpha, hit[1], hit[0])

@@ -123,9 +123,9 @@ class AttentionalRNMT(Seq2Seq):
         if self.training:
             return False
         att, r, q, d = self.attention, self.readout, self.query_cell, self.decoder_cell
-        key = (id(att), id(r), id(q), id(d), id(getattr(att, "ln_q", None)), id(r.norms[0]), len(r.deep))
+        parts = (att, r, q, d, getattr(att, "ln_q", None), *r.norms, *r.deep)
         cached = self.__dict__.get("_fused_structure")
-        if cached is None or cached[0] != key:
+        if cached is None or len(cached[0]) != len(parts) or any(a is not b for a, b in zip(cached[0], parts)):
             cls = type(self)
             ok = (cls.transition is AttentionalRNMT.transition
                   and cls.features is Seq2Seq.features and cls.decoder_step is Seq2Seq.decoder_step
@@ -133,10 +133,10 @@ class AttentionalRNMT(Seq2Seq):
                   and (isinstance(att, MultiHeadAdditiveAttention)
                        or (isinstance(att, AdditiveAttention) and isinstance(att.ln_q, torch.nn.Identity)))
                   and type(r) is Readout and len(r.deep) == 0)
-            self.__dict__["_fused_structure"] = cached = (key, ok)
+            self.__dict__["_fused_structure"] = cached = (parts, ok)   # the parts themselves: ids can be reused
         fused = dk.functional.fused_inference
-        return (cached[1] and q.eps == d.eps and fused(q.backend, y) and fused(d.backend, y)
-                and fused(att.backend, y) and fused(r.from_y.backend, y))
+        return (cached[1] and q.eps == d.eps and all(fused(m.backend, y) for m in (
+            q, d, att, r.from_y, r.from_s, r.from_c, r.output.proj)))
 
     def _readout_norms(self) -> Tuple[Tensor, Tensor]:
         """The readout's three layer-norm gains and offsets stacked to [3, R] for the fused step, kept until one

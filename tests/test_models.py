@@ -136,9 +136,11 @@ def test_cpp_and_reference_backends_agree(name, options):
         torch.manual_seed(5)   # same dropout masks on both backends
         loss, _, _ = model.loss(src, src_lengths, prev, tgt, smoothing=0.1)
         loss.backward()
-        results.append([loss] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b)
+        results.append({"loss": loss, **{n: p.grad.clone() for n, p in model.named_parameters()
+                                          if p.grad is not None}})
+    assert results[0].keys() == results[1].keys()   # the same parameters get gradients on both backends
+    for name in results[0]:
+        torch.testing.assert_close(results[1][name], results[0][name], msg=lambda m: f"{name}: {m}")
 
 
 OVERFIT = sorted({n for n, _ in CONFIGS})

@@ -39,7 +39,7 @@ def grads_of(cell, xs, h0, drop, weights, backend, use_block):
     xs_, h0_ = xs.clone().requires_grad_(), h0.clone().requires_grad_()
     loss, out = unroll(cell, xs_, h0_, drop, weights, backend, use_block)
     loss.backward()
-    return [out.detach(), xs_.grad, h0_.grad] + [p.grad.clone() for p in cell.parameters()]
+    return [out.detach(), xs_.grad, h0_.grad] + [None if p.grad is None else p.grad.clone() for p in cell.parameters()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -56,6 +56,8 @@ def test_unrolled_matches_the_reference(cell_name, depth, ln, dtype):
     drop = cell.sample_dropout_masks(B, xs) if cell_name != "atr" else None
     ref = grads_of(cell, xs, h0, drop, weights, "reference", False)
     fused = grads_of(cell, xs, h0, drop, weights, "cpp", True)
+    with dk.nn.unrolled(cell):   # the block really takes the unrolled path
+        assert type(cell(xs[0], h0, drop).grad_fn).__name__.startswith("CppTransitionStepFunction")
     tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
     assert len(ref) == len(fused)
     for a, b in zip(ref, fused):
@@ -101,6 +103,69 @@ def test_retain_graph_runs_twice_without_double_counting():
         torch.testing.assert_close(p.grad, 2 * a)
 
 
+def test_a_pass_that_does_not_reach_the_weights_leaves_nothing_behind():
+    """torch.autograd.grad of the input only runs the steps but not the weights' node; a later full backward
+    must not add that pass's rows in."""
+    cell = make_cell("lgru", 1, True, torch.float64, candidate_dropout=0.0)
+    xs = torch.randn(5, 2, 5, dtype=torch.float64)
+    h0 = torch.zeros(2, 6, dtype=torch.float64)
+    w = torch.randn(5, 2, 6, dtype=torch.float64)
+    once = grads_of(cell, xs, h0, None, w, "cpp", True)
+    cell.zero_grad()
+    xs_ = xs.clone().requires_grad_()
+    loss, _ = unroll(cell, xs_, h0, None, w, "cpp", True)
+    (dx,) = torch.autograd.grad(loss, xs_, retain_graph=True)
+    torch.testing.assert_close(dx, once[1])
+    loss.backward()
+    for a, p in zip(once[3:], cell.parameters()):
+        torch.testing.assert_close(p.grad, a)
+
+
+def test_frozen_weights_and_several_rounds_in_one_block():
+    """Frozen parameters: input gradients as the plain path's, nothing kept for the weights. Truncated
+    backpropagation (forward, backward, optimizer step, again, all in one block): each round's gradients equal
+    the plain path's with the same weights."""
+    cell = make_cell("gru", 2, True, torch.float64, candidate_dropout=0.0)
+    xs = torch.randn(4, 2, 5, dtype=torch.float64)
+    h0 = torch.randn(2, 6, dtype=torch.float64)
+    w = torch.randn(4, 2, 6, dtype=torch.float64)
+    cell.requires_grad_(False)
+    plain = grads_of(cell, xs, h0, None, w, "cpp", False)
+    xs_ = xs.clone().requires_grad_()
+    with dk.nn.unrolled(cell):
+        loss, _ = unroll(cell, xs_, h0, None, w, "cpp", False)
+        steps = cell.__dict__["_unrolled"][(xs.device, xs.dtype)][0]
+    loss.backward()
+    torch.testing.assert_close(xs_.grad, plain[1])
+    assert steps.rows == {}
+    cell.requires_grad_(True)
+    opt = torch.optim.SGD(cell.parameters(), lr=0.1)
+    twin = make_cell("gru", 2, True, torch.float64, candidate_dropout=0.0)
+    with dk.nn.unrolled(cell):
+        for _ in range(3):
+            twin.load_state_dict(cell.state_dict())
+            expected = grads_of(twin, xs, h0, None, w, "cpp", False)
+            opt.zero_grad()
+            loss, _ = unroll(cell, xs, h0, None, w, "cpp", False)   # inside the outer block
+            loss.backward()
+            for a, p in zip(expected[3:], cell.parameters()):
+                torch.testing.assert_close(p.grad, a)
+            opt.step()
+
+
+def test_a_weight_changed_before_a_step_backward_is_reported():
+    """The steps save the weights they read: an in-place change is caught even where the weights' node does not
+    run (a gradient of the input only)."""
+    cell = make_cell("lgru", 1, True, torch.float32, candidate_dropout=0.0)
+    x = torch.randn(2, 5, requires_grad=True)
+    with dk.nn.unrolled(cell):
+        h = cell(x, torch.zeros(2, 6))
+    with torch.no_grad():
+        cell.weight_ih.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(h.sum(), x)
+
+
 def test_unrolled_leaves_inference_other_backends_and_outside_calls_alone():
     cell = make_cell("gru", 1, True, torch.float32)
     xs = torch.randn(3, 2, 5)
@@ -120,9 +185,13 @@ def test_unrolled_leaves_inference_other_backends_and_outside_calls_alone():
     outside = cell(xs[0], h0)
     assert not type(outside.grad_fn).__name__.startswith("CppTransitionStep")
     torch.testing.assert_close(inside, outside)
-    # the backward may run after the block has closed
+    # the backward may run after the block has closed, and gives the plain path's gradients
     inside.sum().backward()
-    assert all(p.grad is not None for p in cell.parameters())
+    got = [p.grad.clone() for p in cell.parameters()]
+    cell.zero_grad()
+    outside.sum().backward()
+    for a, p in zip(got, cell.parameters()):
+        torch.testing.assert_close(a, p.grad)
 
 
 def test_parameter_changed_before_backward_is_reported():

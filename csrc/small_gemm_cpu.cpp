@@ -88,13 +88,15 @@ bool small_rows_applicable(const at::Tensor& x, const at::Tensor& w, const at::T
 #if DTMT_SMALL_ROWS
   const auto f32 = at::kFloat;
   if (x.dim() != 2 || w.dim() != 2 || out.dim() != 2) return false;
-  if (!x.device().is_cpu() || x.scalar_type() != f32 || w.scalar_type() != f32 || out.scalar_type() != f32)
+  if (!x.device().is_cpu() || !w.device().is_cpu() || !out.device().is_cpu() || x.scalar_type() != f32 ||
+      w.scalar_type() != f32 || out.scalar_type() != f32)
     return false;
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   if (M < 1 || M > kSmallRowsMax || w.size(1) != K || out.size(0) != M || out.size(1) != N) return false;
   if ((K > 1 && x.stride(1) != 1) || !w.is_contiguous() || (N > 1 && out.stride(1) != 1)) return false;
   if (bias.defined() && bias.numel() > 0 &&
-      (bias.scalar_type() != f32 || bias.dim() != 1 || bias.size(0) != N || !bias.is_contiguous()))
+      (!bias.device().is_cpu() || bias.scalar_type() != f32 || bias.dim() != 1 || bias.size(0) != N ||
+       !bias.is_contiguous()))
     return false;
   return true;
 #else

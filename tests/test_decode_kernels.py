@@ -58,11 +58,15 @@ def test_small_rows_linear_strided_rows_threads_and_fallback():
                                    rtol=1e-5, atol=1e-4)
 
 
-def test_functional_linear_paths():
+def test_functional_linear_paths(monkeypatch):
     g = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(2, 3, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    calls = []
+    kernel = dk.functional.cpp_small_rows_linear
+    monkeypatch.setattr(dk.functional, "cpp_small_rows_linear", lambda *a: calls.append(1) or kernel(*a))
     with torch.no_grad():
         fast = dk.functional.linear(x, w, b)                      # 6 rows: the small-row kernel
+        assert calls == ([1] if _C.has_small_rows_kernel else [])   # it ran where it is built
         assert fast.shape == (2, 3, 40)
         torch.testing.assert_close(fast, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         assert torch.equal(dk.functional.linear(x, w, b, backend="reference"), F.linear(x, w, b))

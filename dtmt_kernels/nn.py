@@ -1,6 +1,7 @@
 """Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`; `Linear`, the
 torch.nn.Linear of decoder steps (the small-row kernel at batch 1); and `unrolled`, a block in which step cells
-form their weight gradients once over all their steps (teacher forcing).
+form their weight gradients once over all their steps (teacher forcing), with `step_context`, an attention
+step's context whose gradient to the annotations is formed the same way.
 
 They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first`, `h0` of shape
 [num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and

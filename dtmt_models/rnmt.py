@@ -107,12 +107,11 @@ class AttentionalRNMT(Seq2Seq):
             attention = (att.query.weight, state["keys"].unsqueeze(2), att.v.weight, state["annotations"],
                          state["src_mask"], None, None)
         r = self.readout
-        ln = isinstance(r.norms[0], torch.nn.LayerNorm)
-        ln_w, ln_b = self._readout_norms() if ln else (None, None)
+        ln_w, ln_b, ln_eps = r.stacked_norms()
         readout = (r.from_y.weight, r.from_y.bias, r.from_s.weight, r.from_s.bias, r.from_c.weight, r.from_c.bias,
                    ln_w, ln_b, r.output.proj.weight, r.output.proj.bias)
         log_probs, s, alpha = dk.functional.rnmt_step(
-            y, state["s"], self.query_cell, attention, self.decoder_cell, readout, r.norms[0].eps if ln else 1e-5,
+            y, state["s"], self.query_cell, attention, self.decoder_cell, readout, ln_eps,
             (self._drop(state, "drop_q"), self._drop(state, "drop_d")))
         return log_probs, step_state(state, alpha, True, s=s, pos=state["pos"] + 1)
 
@@ -137,19 +136,6 @@ class AttentionalRNMT(Seq2Seq):
         fused = dk.functional.fused_inference
         return (cached[1] and q.eps == d.eps and all(fused(m.backend, y) for m in (
             q, d, att, r.from_y, r.from_s, r.from_c, r.output.proj)))
-
-    def _readout_norms(self) -> Tuple[Tensor, Tensor]:
-        """The readout's three layer-norm gains and offsets stacked to [3, R] for the fused step, kept until one
-        of them changes (in place, as an optimizer step does)."""
-        norms = self.readout.norms
-        params = [n.weight for n in norms] + [n.bias for n in norms]
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        cached = self.__dict__.get("_readout_norms_cache")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cached = (key, (torch.stack(params[:3]), torch.stack(params[3:])))
-            self.__dict__["_readout_norms_cache"] = cached
-        return cached[1]
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""

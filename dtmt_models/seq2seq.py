@@ -65,14 +65,28 @@ class Readout(nn.Module):
                                   for _ in range(extra_layers))
         self.output = Projection(readout_dim, vocab_size, dropout, tied_embedding)
 
+    def stacked_norms(self) -> Tuple[Optional[Tensor], Optional[Tensor], float]:
+        """For the fused inference ops: the three layer norms' gains and offsets stacked to [3, R] and their eps
+        ((None, None, 1e-5) without layer norm), kept until one of them changes (in place, as an optimizer step
+        does)."""
+        if not isinstance(self.norms[0], nn.LayerNorm):
+            return None, None, 1e-5
+        params = [n.weight for n in self.norms] + [n.bias for n in self.norms]
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cached = self.__dict__.get("_stacked_norms")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, (torch.stack(params[:3]), torch.stack(params[3:]), self.norms[0].eps))
+            self.__dict__["_stacked_norms"] = cached
+        return cached[1]
+
     def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
         ny, ns, nc = self.norms
         if dk.functional.fused_inference(self.from_y.backend, y):  # beam search / validation: one C++ call
-            ln = [torch.stack([n.weight for n in self.norms]), torch.stack([n.bias for n in self.norms])] \
-                if isinstance(ny, nn.LayerNorm) else [None, None]
+            ln_w, ln_b, eps = self.stacked_norms()
             return dk.functional.readout_features(y, s, c, self.from_y.weight, self.from_y.bias, self.from_s.weight,
-                                                  self.from_s.bias, self.from_c.weight, self.from_c.bias, *ln,
-                                                  eps=ny.eps if ln[0] is not None else 1e-5)
+                                                  self.from_s.bias, self.from_c.weight, self.from_c.bias, ln_w, ln_b,
+                                                  eps=eps)
         return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
 
     def forward(self, features: Tensor) -> Tensor:

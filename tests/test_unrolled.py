@@ -89,13 +89,19 @@ def test_unrolled_gradcheck():
     assert torch.autograd.gradcheck(f, (xs, h0, *params))
 
 
-def test_retain_graph_runs_twice_without_double_counting():
+def lgru_case():
+    """A float64 lgru cell without dropout, 5 steps of 2 rows, and its unrolled gradients from one backward."""
     cell = make_cell("lgru", 1, True, torch.float64, candidate_dropout=0.0)
     xs = torch.randn(5, 2, 5, dtype=torch.float64)
     h0 = torch.zeros(2, 6, dtype=torch.float64)
     w = torch.randn(5, 2, 6, dtype=torch.float64)
     once = grads_of(cell, xs, h0, None, w, "cpp", True)
     cell.zero_grad()
+    return cell, xs, h0, w, once
+
+
+def test_retain_graph_runs_twice_without_double_counting():
+    cell, xs, h0, w, once = lgru_case()
     loss, _ = unroll(cell, xs, h0, None, w, "cpp", True)
     loss.backward(retain_graph=True)
     loss.backward()
@@ -106,12 +112,7 @@ def test_retain_graph_runs_twice_without_double_counting():
 def test_a_pass_that_does_not_reach_the_weights_leaves_nothing_behind():
     """torch.autograd.grad of the input only runs the steps but not the weights' node; a later full backward
     must not add that pass's rows in."""
-    cell = make_cell("lgru", 1, True, torch.float64, candidate_dropout=0.0)
-    xs = torch.randn(5, 2, 5, dtype=torch.float64)
-    h0 = torch.zeros(2, 6, dtype=torch.float64)
-    w = torch.randn(5, 2, 6, dtype=torch.float64)
-    once = grads_of(cell, xs, h0, None, w, "cpp", True)
-    cell.zero_grad()
+    cell, xs, h0, w, once = lgru_case()
     xs_ = xs.clone().requires_grad_()
     loss, _ = unroll(cell, xs_, h0, None, w, "cpp", True)
     (dx,) = torch.autograd.grad(loss, xs_, retain_graph=True)

@@ -8,16 +8,18 @@
 
 namespace dtmt {
 
-// One step of (multi-head) additive attention, MultiHeadAdditiveAttention.forward / AdditiveAttention.forward
-// without layer norm:
-//   q = query W_q^T [B, NH*D];  scores[b,h,s] = v[h] . tanh(keys[b,s,h] + q[b,h]);
+// One step of (multi-head) additive attention, MultiHeadAdditiveAttention.forward / AdditiveAttention.forward:
+//   q = query W_q^T [B, NH*D], then layer-normalised over all NH*D (gain ln_w, offset ln_b, ln_eps) when ln_w is
+//   not empty (Nematus' AdditiveAttention, one head);  scores[b,h,s] = v[h] . tanh(keys[b,s,h] + q[b,h]);
 //   alpha = softmax over the source positions with src_mask (padded positions get exactly 0);
 //   context = the per-head weighted sum of the annotations, then context W_o^T + b_o when w_o is not empty.
 // query [B, Q], w_q [NH*D, Q], keys [B, S, NH, D], v [NH, D], annotations [B, S, C] (last dim contiguous),
-// src_mask [B, S] bool, w_o [C', C] / b_o [C'] or empty. Returns {context, alpha [B, NH, S]}.
+// src_mask [B, S] bool, w_o [C', C] / b_o [C'] or empty, ln_w / ln_b [NH*D] or empty. Returns
+// {context, alpha [B, NH, S]}.
 std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
                                            const at::Tensor& v, const at::Tensor& annotations,
-                                           const at::Tensor& src_mask, const at::Tensor& w_o, const at::Tensor& b_o);
+                                           const at::Tensor& src_mask, const at::Tensor& w_o, const at::Tensor& b_o,
+                                           const at::Tensor& ln_w, const at::Tensor& ln_b, double ln_eps);
 
 // The readout features of Readout.features: tanh(LN_y(y W_y^T + b_y) + LN_s(s W_s^T + b_s) + LN_c(c W_c^T + b_c)).
 // y [N, E], s [N, Hs], c [N, C]; biases may be empty; ln_w / ln_b [3, R] (the three layer norms' gains and
@@ -32,13 +34,15 @@ at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const 
 //   log_probs = log_softmax(readout_features(y, s', c) W_out^T + b_out) (float32, as Projection returns).
 // y [B, E] (the embedded previous tokens), s [B, H]; q_params / d_params: a cell's ten flat kernel parameters
 // (dtmt_kernels.autograd.flat_params order) with its kind; q_drop / d_drop [D+1, B, H] or empty;
-// att: {w_q, keys, v, annotations, src_mask, w_o, b_o}; readout: {w_y, b_y, w_s, b_s, w_c, b_c, ln_w, ln_b,
-// w_out, b_out}. Returns {log_probs [B, V], s' [B, H], alpha [B, NH, S]}.
+// att: {w_q, keys, v, annotations, src_mask, w_o, b_o, ln_w, ln_b} (att_eps: the query layer norm's eps);
+// readout: {w_y, b_y, w_s, b_s, w_c, b_c, ln_w, ln_b, w_out, b_out}.
+// Returns {log_probs [B, V], s' [B, H], alpha [B, NH, S]}.
 std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, int64_t q_kind,
                                       const std::vector<at::Tensor>& q_params, const at::Tensor& q_drop,
                                       int64_t d_kind, const std::vector<at::Tensor>& d_params,
                                       const at::Tensor& d_drop, const std::vector<at::Tensor>& att,
-                                      const std::vector<at::Tensor>& readout, double cell_eps, double readout_eps);
+                                      const std::vector<at::Tensor>& readout, double cell_eps, double att_eps,
+                                      double readout_eps);
 
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/systems/mce.py,
 // MemoryGRUEncoderDirection.forward), the whole loop over the source in one call, the same ATen arithmetic per

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "attention.h"
 #include "small_gemm.h"
@@ -50,12 +51,24 @@ void masked_softmax(const T* scores, const bool* mask, T* alpha, int64_t B, int6
   }
 }
 
-template <typename T> void layer_norm_add(const T* x, const T* w, const T* b, double eps, int64_t R, T* acc) {
+// The layer-norm statistics of one row of R (in double): {mean, 1 / sqrt(var + eps)}.
+template <typename T> std::pair<double, double> row_stats(const T* x, double eps, int64_t R) {
   double mean = 0, var = 0;
   for (int64_t r = 0; r < R; ++r) mean += x[r];
   mean /= R;
   for (int64_t r = 0; r < R; ++r) var += (x[r] - mean) * (x[r] - mean);
-  const double rstd = 1.0 / std::sqrt(var / R + eps);
+  return {mean, 1.0 / std::sqrt(var / R + eps)};
+}
+
+// x = LN(x) * w + b over one row of R.
+template <typename T> void layer_norm_inplace(T* x, const T* w, const T* b, double eps, int64_t R) {
+  const auto [mean, rstd] = row_stats(x, eps, R);
+  for (int64_t r = 0; r < R; ++r) x[r] = static_cast<T>((x[r] - mean) * rstd) * w[r] + b[r];
+}
+
+// acc += LN(x) * w + b over one row of R.
+template <typename T> void layer_norm_add(const T* x, const T* w, const T* b, double eps, int64_t R, T* acc) {
+  const auto [mean, rstd] = row_stats(x, eps, R);
   for (int64_t r = 0; r < R; ++r) acc[r] += static_cast<T>((x[r] - mean) * rstd) * w[r] + b[r];
 }
 
@@ -68,14 +81,25 @@ void check_cpu(std::initializer_list<const Tensor*> ts, const char* op) {
 
 std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& w_q, const Tensor& keys, const Tensor& v,
                                        const Tensor& annotations, const Tensor& src_mask, const Tensor& w_o,
-                                       const Tensor& b_o) {
-  check_cpu({&query, &w_q, &keys, &v, &annotations, &src_mask, &w_o, &b_o}, "attention_step");
+                                       const Tensor& b_o, const Tensor& ln_w, const Tensor& ln_b, double ln_eps) {
+  check_cpu({&query, &w_q, &keys, &v, &annotations, &src_mask, &w_o, &b_o, &ln_w, &ln_b}, "attention_step");
   TORCH_CHECK(query.dim() == 2 && keys.dim() == 4 && src_mask.dim() == 2 && src_mask.scalar_type() == at::kBool,
               "dtmt._C.attention_step: query [B, Q], keys [B, S, NH, D] and a bool src_mask [B, S] expected");
   const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
   TORCH_CHECK(query.size(0) == B && src_mask.size(0) == B && src_mask.size(1) == S && w_q.size(0) == NH * D,
               "dtmt._C.attention_step: sizes of query, keys, w_q and src_mask do not match");
-  Tensor q = linear(query, w_q, Tensor()).view({B, NH, D});
+  TORCH_CHECK(!present(ln_w) || (ln_w.numel() == NH * D && ln_b.numel() == NH * D && ln_w.is_contiguous() &&
+                                  ln_b.is_contiguous()),
+              "dtmt._C.attention_step: ln_w and ln_b must be contiguous [NH*D] (or empty: no layer norm)");
+  Tensor q = linear(query, w_q, Tensor());
+  if (present(ln_w)) {
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_step_ln", [&] {
+      for (int64_t b = 0; b < B; ++b)
+        layer_norm_inplace<scalar_t>(q.data_ptr<scalar_t>() + b * NH * D, ln_w.data_ptr<scalar_t>(),
+                                     ln_b.data_ptr<scalar_t>(), ln_eps, NH * D);
+    });
+  }
+  q = q.view({B, NH, D});
   Tensor scores = additive_scores_forward_cpu(keys, q, v);
   Tensor alpha = at::empty_like(scores);
   Tensor mask = src_mask.contiguous();
@@ -135,15 +159,17 @@ Tensor cell_step(const Tensor& x, const Tensor& h, int64_t kind, const std::vect
 std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, int64_t q_kind, const std::vector<Tensor>& q_params,
                                   const Tensor& q_drop, int64_t d_kind, const std::vector<Tensor>& d_params,
                                   const Tensor& d_drop, const std::vector<Tensor>& att,
-                                  const std::vector<Tensor>& readout, double cell_eps, double readout_eps) {
-  TORCH_CHECK(att.size() == 7 && readout.size() == 10, "dtmt._C.rnmt_step: att takes 7 tensors, readout 10");
+                                  const std::vector<Tensor>& readout, double cell_eps, double att_eps,
+                                  double readout_eps) {
+  TORCH_CHECK(att.size() == 9 && readout.size() == 10, "dtmt._C.rnmt_step: att takes 9 tensors, readout 10");
   for (const auto& t : q_params) check_cpu({&t}, "rnmt_step");
   for (const auto& t : d_params) check_cpu({&t}, "rnmt_step");
   for (const auto& t : att) check_cpu({&t}, "rnmt_step");
   for (const auto& t : readout) check_cpu({&t}, "rnmt_step");
   check_cpu({&y, &s, &q_drop, &d_drop}, "rnmt_step");
   const Tensor s_q = cell_step(y, s, q_kind, q_params, q_drop, cell_eps);
-  auto ca = attention_step_cpu(s_q, att[0], att[1], att[2], att[3], att[4], att[5], att[6]);
+  auto ca = attention_step_cpu(s_q, att[0], att[1], att[2], att[3], att[4], att[5], att[6], att[7], att[8],
+                               att_eps);
   const Tensor& context = ca[0];
   const Tensor s_new = cell_step(context, s_q, d_kind, d_params, d_drop, cell_eps);
   const Tensor features = readout_features_cpu(y, s_new, context, readout[0], readout[1], readout[2], readout[3],

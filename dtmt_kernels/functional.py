@@ -119,15 +119,18 @@ def _or_none(t: Optional[Tensor], like: Tensor) -> Tensor:
 
 
 def attention_step(query: Tensor, w_q: Tensor, keys: Tensor, v: Tensor, annotations: Tensor, src_mask: Tensor,
-                   w_o: Optional[Tensor] = None, b_o: Optional[Tensor] = None):
+                   w_o: Optional[Tensor] = None, b_o: Optional[Tensor] = None, ln_w: Optional[Tensor] = None,
+                   ln_b: Optional[Tensor] = None, ln_eps: float = 1e-5):
     """Inference only (see fused_inference): one step of (multi-head) additive attention in one C++ call,
-    what MultiHeadAdditiveAttention / AdditiveAttention (without layer norm) compute in a dozen ops:
-    q = query W_q^T split into heads, scores = additive_scores(keys, q, v), alpha = softmax over the source
+    what MultiHeadAdditiveAttention / AdditiveAttention compute in a dozen ops:
+    q = query W_q^T, layer-normalised over all its NH*D features when ln_w / ln_b are given (Nematus'
+    AdditiveAttention), split into heads; scores = additive_scores(keys, q, v), alpha = softmax over the source
     positions where src_mask is true (0 elsewhere), context = attention_context(alpha, annotations), then
     context W_o^T + b_o when w_o is given. query [B, Q], keys [B, S, NH, D], v [NH, D], annotations [B, S, C],
     src_mask [B, S] bool -> (context, alpha [B, NH, S])."""
     context, alpha = _C.attention_step(query, w_q, keys.contiguous(), v.contiguous(), annotations, src_mask,
-                                       _or_none(w_o, query), _or_none(b_o, query))
+                                       _or_none(w_o, query), _or_none(b_o, query), _or_none(ln_w, query),
+                                       _or_none(ln_b, query), ln_eps)
     return context, alpha
 
 
@@ -145,12 +148,14 @@ def readout_features(y: Tensor, s: Tensor, c: Tensor, w_y: Tensor, b_y: Optional
 
 
 def rnmt_step(y: Tensor, s: Tensor, query_cell, attention: Sequence[Optional[Tensor]], decoder_cell,
-              readout: Sequence[Optional[Tensor]], readout_eps: float = 1e-5, drops=(None, None)):
+              readout: Sequence[Optional[Tensor]], readout_eps: float = 1e-5, drops=(None, None),
+              attention_eps: float = 1e-5):
     """Inference only (see fused_inference): one whole step of the attentional RNMT decoder in one C++ call
-    (what dtmt_models.rnmt.AttentionalRNMT.step runs in eval mode): query cell, attention_step, decoder cell,
-    readout_features, output projection and log-softmax. y [B, E] embedded previous tokens, s [B, H];
-    query_cell / decoder_cell: dtmt_kernels.nn cells (their weights are taken as the kernels' flat list, cached);
-    attention = (w_q, keys [B, S, NH, D], v, annotations, src_mask, w_o, b_o); readout = (w_y, b_y, w_s, b_s, w_c,
+    (what dtmt_models.rnmt.fused_step runs for AttentionalRNMT and Nematus in eval mode): query cell,
+    attention_step, decoder cell, readout_features, output projection and log-softmax. y [B, E] embedded previous
+    tokens, s [B, H]; query_cell / decoder_cell: dtmt_kernels.nn cells (their weights are taken as the kernels'
+    flat list, cached); attention = (w_q, keys [B, S, NH, D], v, annotations, src_mask, w_o, b_o, ln_w, ln_b) with
+    attention_eps the query layer norm's eps (attention_step's arguments); readout = (w_y, b_y, w_s, b_s, w_c,
     b_c, ln_w [3, R], ln_b, w_out, b_out); None for absent tensors; drops: the two cells' candidate-dropout
     multipliers or None. Returns (log_probs [B, V] float32, s' [B, H], alpha [B, NH, S])."""
     from .autograd import KINDS
@@ -159,7 +164,8 @@ def rnmt_step(y: Tensor, s: Tensor, query_cell, attention: Sequence[Optional[Ten
     log_probs, s_new, alpha = _C.rnmt_step(
         y, s, KINDS[query_cell.cell], query_cell._inference_params(0), _or_none(drops[0], y),
         KINDS[decoder_cell.cell], decoder_cell._inference_params(0), _or_none(drops[1], y),
-        [_or_none(t, y) for t in attention], [_or_none(t, y) for t in readout], query_cell.eps, readout_eps)
+        [_or_none(t, y) for t in attention], [_or_none(t, y) for t in readout], query_cell.eps, attention_eps,
+        readout_eps)
     return log_probs, s_new, alpha
 
 

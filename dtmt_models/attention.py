@@ -13,7 +13,7 @@ The scores v·tanh(q + k_j) and the context Σ_j α_j h_j are `dtmt_kernels.func
 `attention_context`, run on the module's `backend` (switched with the model's recurrent layers by
 `Seq2Seq.set_backend`): the C++ kernels for CPU tensors under "auto"/"cpp", PyTorch ops under "reference"
 (and on the GPU). Without autograd (beam search) on cpp, a whole step is one call,
-`dtmt_kernels.functional.attention_step` (for AdditiveAttention: without layer norm).
+`dtmt_kernels.functional.attention_step` (the query's layer norm included).
 """
 from __future__ import annotations
 
@@ -46,15 +46,26 @@ class AdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
     def precompute(self, annotations: Tensor) -> Tensor:
         return self.ln_k(self.key(annotations))  # [B, S, A]
 
+    def fused_query_norm(self):
+        """The query's layer norm as the fused attention step takes it: (gain, offset, eps), (None, None, 1e-5)
+        without one, None when ln_q is something the fused step cannot run (e.g. a norm without gain)."""
+        ln = self.ln_q
+        if isinstance(ln, nn.Identity):
+            return None, None, 1e-5
+        if isinstance(ln, nn.LayerNorm) and ln.weight is not None and ln.bias is not None:
+            return ln.weight, ln.bias, ln.eps
+        return None
+
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}"
 
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """query [B, Q], keys [B, S, A], annotations [B, S, C], src_mask [B, S] bool ->
         (context [B, C], weights [B, S])."""
-        if isinstance(self.ln_q, nn.Identity) and dk.functional.fused_inference(self.backend, query):
+        norm = self.fused_query_norm()
+        if norm is not None and dk.functional.fused_inference(self.backend, query):
             context, alpha = dk.functional.attention_step(query, self.query.weight, keys.unsqueeze(2), self.v.weight,
-                                                          annotations, src_mask)
+                                                          annotations, src_mask, None, None, *norm)
             return context, alpha.squeeze(1)
         q = self.ln_q(self.query(query)).unsqueeze(1)                           # [B, 1, A]: one head
         scores = dk.functional.additive_scores(keys.unsqueeze(2), q, self.v.weight, self.backend).squeeze(1)

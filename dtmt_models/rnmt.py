@@ -11,8 +11,9 @@ Subclasses create src_embed, tgt_embed, init_state, query_cell, attention, decod
 with candidate dropout get one mask per sentence, drawn at `encode` and kept (batch first) in the state.
 
 Decoding (`step` in eval mode without autograd, on the cpp backend) runs everything after the embedding lookup
-as one C++ call, `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; at batch 1 the ~80
-small PyTorch ops of a step cost more to dispatch than to compute (benchmarks/NOTES.md, log item 12).
+as one C++ call (`fused_step`: `dtmt_kernels.functional.rnmt_step`), the same arithmetic as the modules; at
+batch 1 the ~80 small PyTorch ops of a step cost more to dispatch than to compute (benchmarks/NOTES.md, log
+item 12). Nematus' one-level cGRU decoder uses the same `fused_step`.
 """
 from __future__ import annotations
 
@@ -69,6 +70,55 @@ def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
     return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask, "s": s}
 
 
+def fused_step_applies(model: Seq2Seq, y: Tensor, transition) -> bool:
+    """Whether `model.step` may run `fused_step`: eval mode, no autograd, every part on the cpp backend and of
+    the kinds the fused op takes, and the step's structure the one `transition` (the model class's own, as the
+    caller names it) gives: a subclass that changes the transition, features or decoder step, or a model with
+    higher decoder levels (`model.levels`, Nematus), keeps the modules' path. The structural part is worked out
+    once per set of submodules (~20 us of isinstance checks, per step)."""
+    if model.training:
+        return False
+    att, r, q, d = model.attention, model.readout, model.query_cell, model.decoder_cell
+    levels = tuple(getattr(model, "levels", ()))
+    parts = (att, r, q, d, getattr(att, "ln_q", None), *r.norms, *r.deep, *levels)
+    cached = model.__dict__.get("_fused_structure")
+    if cached is None or len(cached[0]) != len(parts) or any(a is not b for a, b in zip(cached[0], parts)):
+        cls = type(model)
+        ok = (cls.transition is transition and cls.features is Seq2Seq.features
+              and cls.decoder_step is Seq2Seq.decoder_step and not levels
+              and isinstance(q, dk.nn._TransitionCell) and isinstance(d, dk.nn._TransitionCell)
+              and (isinstance(att, MultiHeadAdditiveAttention)
+                   or (isinstance(att, AdditiveAttention) and att.fused_query_norm() is not None))
+              and type(r) is Readout and len(r.deep) == 0)
+        model.__dict__["_fused_structure"] = cached = (parts, ok)   # the parts themselves: ids can be reused
+    fused = dk.functional.fused_inference
+    return (cached[1] and q.eps == d.eps and all(fused(m.backend, y) for m in (
+        q, d, att, r.from_y, r.from_s, r.from_c, r.output.proj)))
+
+
+def fused_step(model: Seq2Seq, y: Tensor, state: State, s: Tensor,
+               drops=(None, None)) -> Tuple[Tensor, Tensor, Tensor]:
+    """One decoder step of query_cell -> attention -> decoder_cell -> readout as one C++ call
+    (`dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules), where `fused_step_applies`:
+    y [B, E] the embedded previous tokens, `state` holds the attention's keys, annotations and src_mask, s [B, H]
+    the state the query cell reads, drops the two cells' candidate-dropout multipliers (or None).
+    Returns (log_probs [B, V], s' [B, H], alpha [B, NH, S])."""
+    att, r = model.attention, model.readout
+    if isinstance(att, MultiHeadAdditiveAttention):
+        attention = (att.query.weight, state["keys"], att.v, state["annotations"], state["src_mask"],
+                     att.out.weight, att.out.bias, None, None)
+        att_eps = 1e-5
+    else:
+        ln_w, ln_b, att_eps = att.fused_query_norm()
+        attention = (att.query.weight, state["keys"].unsqueeze(2), att.v.weight, state["annotations"],
+                     state["src_mask"], None, None, ln_w, ln_b)
+    ln_w, ln_b, ln_eps = r.stacked_norms()
+    readout = (r.from_y.weight, r.from_y.bias, r.from_s.weight, r.from_s.bias, r.from_c.weight, r.from_c.bias,
+               ln_w, ln_b, r.output.proj.weight, r.output.proj.bias)
+    return dk.functional.rnmt_step(y, s, model.query_cell, attention, model.decoder_cell, readout, ln_eps, drops,
+                                   att_eps)
+
+
 class AttentionalRNMT(Seq2Seq):
     def encode_source(self, src: Tensor, src_lengths: Tensor) -> Tensor:
         """Annotations [B, S, C] (zeros at padding)."""
@@ -99,43 +149,12 @@ class AttentionalRNMT(Seq2Seq):
         if not self._fused_step_applies(y):
             parts, new = self.transition(state, y)
             return self.readout(self.features(y, *parts)), new
-        att = self.attention
-        if isinstance(att, MultiHeadAdditiveAttention):
-            attention = (att.query.weight, state["keys"], att.v, state["annotations"], state["src_mask"],
-                         att.out.weight, att.out.bias)
-        else:
-            attention = (att.query.weight, state["keys"].unsqueeze(2), att.v.weight, state["annotations"],
-                         state["src_mask"], None, None)
-        r = self.readout
-        ln_w, ln_b, ln_eps = r.stacked_norms()
-        readout = (r.from_y.weight, r.from_y.bias, r.from_s.weight, r.from_s.bias, r.from_c.weight, r.from_c.bias,
-                   ln_w, ln_b, r.output.proj.weight, r.output.proj.bias)
-        log_probs, s, alpha = dk.functional.rnmt_step(
-            y, state["s"], self.query_cell, attention, self.decoder_cell, readout, ln_eps,
-            (self._drop(state, "drop_q"), self._drop(state, "drop_d")))
+        drops = (self._drop(state, "drop_q"), self._drop(state, "drop_d"))
+        log_probs, s, alpha = fused_step(self, y, state, state["s"], drops)
         return log_probs, step_state(state, alpha, True, s=s, pos=state["pos"] + 1)
 
     def _fused_step_applies(self, y: Tensor) -> bool:
-        """Whether `step` may run the fused op: eval mode, no autograd, every part on the cpp backend and of the
-        standard kinds (a subclass that changes the step's structure keeps the modules' path). The structural
-        part is worked out once per set of submodules (it is ~20 us of isinstance checks, per step)."""
-        if self.training:
-            return False
-        att, r, q, d = self.attention, self.readout, self.query_cell, self.decoder_cell
-        parts = (att, r, q, d, getattr(att, "ln_q", None), *r.norms, *r.deep)
-        cached = self.__dict__.get("_fused_structure")
-        if cached is None or len(cached[0]) != len(parts) or any(a is not b for a, b in zip(cached[0], parts)):
-            cls = type(self)
-            ok = (cls.transition is AttentionalRNMT.transition
-                  and cls.features is Seq2Seq.features and cls.decoder_step is Seq2Seq.decoder_step
-                  and isinstance(q, dk.nn._TransitionCell) and isinstance(d, dk.nn._TransitionCell)
-                  and (isinstance(att, MultiHeadAdditiveAttention)
-                       or (isinstance(att, AdditiveAttention) and isinstance(att.ln_q, torch.nn.Identity)))
-                  and type(r) is Readout and len(r.deep) == 0)
-            self.__dict__["_fused_structure"] = cached = (parts, ok)   # the parts themselves: ids can be reused
-        fused = dk.functional.fused_inference
-        return (cached[1] and q.eps == d.eps and all(fused(m.backend, y) for m in (
-            q, d, att, r.from_y, r.from_s, r.from_c, r.output.proj)))
+        return fused_step_applies(self, y, AttentionalRNMT.transition)
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""

@@ -109,16 +109,19 @@ def _randomise(module, seed):
     return module
 
 
-@pytest.mark.parametrize("multi_head", [True, False])
+@pytest.mark.parametrize("kind", ["multi-head", "plain", "layer-norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @settings(max_examples=10, deadline=None)
 @given(B=st.integers(1, 9), S=st.integers(1, 20), heads=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999))
-def test_attention_step_matches_the_module(multi_head, dtype, B, S, heads, seed):
+def test_attention_step_matches_the_module(kind, dtype, B, S, heads, seed):
+    """The fused step against the module's own ops; "layer-norm" is Nematus' attention (layer norm on the
+    projected query and on the keys, random gains and offsets)."""
     Q, C, A = 12, 8 * heads, 4 * heads
-    if multi_head:
+    if kind == "multi-head":
         att = MultiHeadAdditiveAttention(Q, C, A, heads)
     else:
-        att = AdditiveAttention(Q, C, A)
+        heads = 1
+        att = AdditiveAttention(Q, C, A, layer_norm=kind == "layer-norm")
     att = _randomise(att.to(dtype), seed)
     query, annotations, mask = _attention_inputs(B, S, Q, C, A, heads, seed, dtype)
     keys = att.precompute(annotations)
@@ -132,15 +135,24 @@ def test_attention_step_matches_the_module(multi_head, dtype, B, S, heads, seed)
     assert (alpha.reshape(B, -1, S)[~mask.unsqueeze(1).expand(B, alpha.reshape(B, -1, S).shape[1], S)] == 0).all()
 
 
-def test_layer_normalised_attention_keeps_the_module_path():
-    att = AdditiveAttention(6, 8, 4, layer_norm=True)
+def test_attention_with_a_query_norm_the_step_cannot_take_keeps_the_module_path(monkeypatch):
+    """A query layer norm without gain and offset is not what the fused step takes: the module's ops run (and
+    give the reference's result); with the usual affine norm the fused step runs."""
+    calls = []
+    fused = dk.functional.attention_step
+    monkeypatch.setattr(dk.functional, "attention_step", lambda *a, **k: calls.append(1) or fused(*a, **k))
     query, annotations, mask = _attention_inputs(2, 5, 6, 8, 4, 1, 0, torch.float32)
-    keys = att.precompute(annotations)
-    with torch.no_grad():
-        a = att(query, keys, annotations, mask)
-        att.backend = "reference"
-        b = att(query, keys, annotations, mask)
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for affine, expected_calls in ((False, []), (True, [1])):
+        att = _randomise(AdditiveAttention(6, 8, 4, layer_norm=True), 1)
+        att.ln_q = torch.nn.LayerNorm(4, elementwise_affine=affine)
+        keys = att.precompute(annotations)
+        calls.clear()
+        with torch.no_grad():
+            a = att(query, keys, annotations, mask)
+            assert calls == expected_calls
+            att.backend = "reference"
+            b = att(query, keys, annotations, mask)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layer_norm", [True, False])
@@ -158,7 +170,7 @@ def test_readout_features_match_the_module(layer_norm, lead):
     torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
 
 
-FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce")   # AttentionalRNMT: rnmt_step
+FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # rnmt.fused_step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -191,6 +203,25 @@ def test_decoder_steps_with_and_without_the_fused_inference_path(system, dtype):
         torch.testing.assert_close(state_fast["attn"], state_slow["attn"].detach(), **tol)
 
 
+@pytest.mark.parametrize("decoder, fused", [("deep-transition", True), ("cgru", False), ("bideep", False)])
+def test_nematus_decoders_fused_where_one_level(decoder, fused):
+    """Nematus' one-level cGRU decoders (here with a T-GRU in the decoder cell) run the fused step; decoders with
+    higher levels keep the modules' path. Both give the reference backend's log-probabilities and states."""
+    torch.manual_seed(1)
+    model = _randomise(build_model("nematus", 50, 60, embed_dim=16, hidden_size=24, decoder=decoder,
+                                   dec_base_transition_depth=3), 2).eval()
+    src, lengths, prev = torch.randint(4, 50, (3, 6)), torch.tensor([6, 4, 1]), torch.randint(4, 60, (3,))
+    with torch.no_grad():
+        state = model.encode(src, lengths)
+        assert model._fused_step_applies(model.embed_step(state, prev)) == fused
+        fast, fast_state = model.step(state, prev)
+        model.set_backend("reference")
+        slow, slow_state = model.step(model.encode(src, lengths), prev)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast_state["s"], slow_state["s"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_state["attn"], slow_state["attn"], rtol=1e-5, atol=1e-6)
+
+
 def test_fused_step_is_not_taken_where_it_does_not_apply():
     torch.manual_seed(0)
     model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24)
@@ -209,7 +240,8 @@ def test_fused_step_is_not_taken_where_it_does_not_apply():
 
 def test_fused_step_follows_changed_weights_and_swapped_modules():
     """The fused step keeps the stacked readout norms and its structural checks between steps: an in-place
-    change of a norm (an optimizer step) and a swapped-in attention module must both be seen."""
+    change of a norm (an optimizer step), a swapped-in attention module and a swapped query norm must all be
+    seen."""
     torch.manual_seed(0)
     model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24).eval()
     src, lengths, prev = torch.randint(4, 50, (2, 5)), torch.tensor([5, 3]), torch.randint(4, 60, (2,))
@@ -223,11 +255,20 @@ def test_fused_step_follows_changed_weights_and_swapped_modules():
     slow, _ = model.step(model.encode(src, lengths), prev)
     torch.testing.assert_close(fast, slow.detach(), rtol=1e-4, atol=1e-4)
     model.set_backend("auto")
-    from dtmt_models.attention import AdditiveAttention
-    model.attention = AdditiveAttention(24, 48, 24, layer_norm=True)   # not a kind the fused step takes
+    model.attention = AdditiveAttention(24, 48, 24, layer_norm=True)   # single-head with a query norm: fused
     with torch.no_grad():
         state = model.encode(src, lengths)
+        assert model._fused_step_applies(model.embed_step(state, prev))
+        fast, _ = model.step(state, prev)
+        ln_q = model.attention.ln_q
+        model.attention.ln_q = torch.nn.LayerNorm(24, elementwise_affine=False)   # not a norm the step takes
         assert not model._fused_step_applies(model.embed_step(state, prev))
+        model.attention.ln_q = torch.nn.Identity()
+        assert model._fused_step_applies(model.embed_step(state, prev))
+    model.set_backend("reference")
+    model.attention.ln_q = ln_q
+    slow, _ = model.step(model.encode(src, lengths), prev)
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("reverse", [False, True])

@@ -38,7 +38,7 @@ import dtmt_kernels as dk
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
-from ..rnmt import start_state
+from ..rnmt import fused_step, fused_step_applies, start_state
 from ..seq2seq import Readout, Seq2Seq, State, step_state
 
 ENCODERS = ("shallow", "deep-transition", "alternating", "biunidirectional", "bideep")
@@ -164,3 +164,16 @@ class Nematus(Seq2Seq):
             states.append(out)
             r = out + r
         return (r, c1), step_state(state, alpha, keep_attention, s=torch.stack(states, 1))
+
+    def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        """Seq2Seq.step; in beam search (eval, no autograd, cpp) a decoder of one level (the cGRU: shallow and
+        deep-transition decoders) runs the whole step as one C++ call, rnmt.fused_step."""
+        y = self.embed_step(state, prev_tokens)
+        if not self._fused_step_applies(y):
+            parts, new = self.transition(state, y)
+            return self.readout(self.features(y, *parts)), new
+        log_probs, s, alpha = fused_step(self, y, state, state["s"][:, 0])
+        return log_probs, step_state(state, alpha, True, s=s.unsqueeze(1))
+
+    def _fused_step_applies(self, y: Tensor) -> bool:
+        return fused_step_applies(self, y, Nematus.transition)

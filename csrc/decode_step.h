@@ -36,7 +36,7 @@ at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const 
 // (dtmt_kernels.autograd.flat_params order) with its kind; q_drop / d_drop [D+1, B, H] or empty;
 // att: {w_q, keys, v, annotations, src_mask, w_o, b_o, ln_w, ln_b} (att_eps: the query layer norm's eps);
 // readout: {w_y, b_y, w_s, b_s, w_c, b_c, ln_w, ln_b, w_out, b_out}.
-// Returns {log_probs [B, V], s' [B, H], alpha [B, NH, S]}.
+// Returns {log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]}.
 std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, int64_t q_kind,
                                       const std::vector<at::Tensor>& q_params, const at::Tensor& q_drop,
                                       int64_t d_kind, const std::vector<at::Tensor>& d_params,

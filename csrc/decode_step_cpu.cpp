@@ -175,7 +175,8 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, int64_t q_ki
   const Tensor features = readout_features_cpu(y, s_new, context, readout[0], readout[1], readout[2], readout[3],
                                                readout[4], readout[5], readout[6], readout[7], readout_eps);
   const Tensor logits = linear(features, readout[8], readout[9]);
-  return {at::log_softmax(logits.to(at::kFloat), -1), s_new, ca[1]};
+  const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
+  return {at::log_softmax(logits.to(at::kFloat), -1), s_new, alpha.size(1) == 1 ? alpha.squeeze(1) : alpha.mean(1)};
 }
 
 std::vector<Tensor> memory_encoder_cpu(const Tensor& x, const Tensor& memory0, const Tensor& src_mask, bool reverse,

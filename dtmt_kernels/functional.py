@@ -114,8 +114,11 @@ def fused_inference(backend: str, x: Tensor) -> bool:
             and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64))
 
 
-def _or_none(t: Optional[Tensor], like: Tensor) -> Tensor:
-    return like.new_empty(0) if t is None else t
+_ABSENT = torch.empty(0)   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
+
+
+def _or_none(t: Optional[Tensor]) -> Tensor:
+    return _ABSENT if t is None else t
 
 
 def attention_step(query: Tensor, w_q: Tensor, keys: Tensor, v: Tensor, annotations: Tensor, src_mask: Tensor,
@@ -129,8 +132,7 @@ def attention_step(query: Tensor, w_q: Tensor, keys: Tensor, v: Tensor, annotati
     context W_o^T + b_o when w_o is given. query [B, Q], keys [B, S, NH, D], v [NH, D], annotations [B, S, C],
     src_mask [B, S] bool -> (context, alpha [B, NH, S])."""
     context, alpha = _C.attention_step(query, w_q, keys.contiguous(), v.contiguous(), annotations, src_mask,
-                                       _or_none(w_o, query), _or_none(b_o, query), _or_none(ln_w, query),
-                                       _or_none(ln_b, query), ln_eps)
+                                       _or_none(w_o), _or_none(b_o), _or_none(ln_w), _or_none(ln_b), ln_eps)
     return context, alpha
 
 
@@ -142,8 +144,8 @@ def readout_features(y: Tensor, s: Tensor, c: Tensor, w_y: Tensor, b_y: Optional
     (None: no layer norm). y [..., E], s [..., Hs], c [..., C] with the same leading dims -> [..., R]."""
     lead = y.shape[:-1]
     out = _C.readout_features(y.reshape(-1, y.shape[-1]), s.reshape(-1, s.shape[-1]), c.reshape(-1, c.shape[-1]),
-                              w_y, _or_none(b_y, y), w_s, _or_none(b_s, y), w_c, _or_none(b_c, y),
-                              _or_none(ln_w, y), _or_none(ln_b, y), eps)
+                              w_y, _or_none(b_y), w_s, _or_none(b_s), w_c, _or_none(b_c),
+                              _or_none(ln_w), _or_none(ln_b), eps)
     return out.view(*lead, w_y.shape[0])
 
 
@@ -157,14 +159,15 @@ def rnmt_step(y: Tensor, s: Tensor, query_cell, attention: Sequence[Optional[Ten
     flat list, cached); attention = (w_q, keys [B, S, NH, D], v, annotations, src_mask, w_o, b_o, ln_w, ln_b) with
     attention_eps the query layer norm's eps (attention_step's arguments); readout = (w_y, b_y, w_s, b_s, w_c,
     b_c, ln_w [3, R], ln_b, w_out, b_out); None for absent tensors; drops: the two cells' candidate-dropout
-    multipliers or None. Returns (log_probs [B, V] float32, s' [B, H], alpha [B, NH, S])."""
+    multipliers or None. Returns (log_probs [B, V] float32, s' [B, H], the attention weights averaged over the
+    heads [B, S])."""
     from .autograd import KINDS
     if query_cell.eps != decoder_cell.eps:
         raise ValueError("rnmt_step: the two cells must share their layer-norm eps")
     log_probs, s_new, alpha = _C.rnmt_step(
-        y, s, KINDS[query_cell.cell], query_cell._inference_params(0), _or_none(drops[0], y),
-        KINDS[decoder_cell.cell], decoder_cell._inference_params(0), _or_none(drops[1], y),
-        [_or_none(t, y) for t in attention], [_or_none(t, y) for t in readout], query_cell.eps, attention_eps,
+        y, s, KINDS[query_cell.cell], query_cell._inference_params(0), _or_none(drops[0]),
+        KINDS[decoder_cell.cell], decoder_cell._inference_params(0), _or_none(drops[1]),
+        [_or_none(t) for t in attention], [_or_none(t) for t in readout], query_cell.eps, attention_eps,
         readout_eps)
     return log_probs, s_new, alpha
 

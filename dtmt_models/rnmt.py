@@ -70,30 +70,43 @@ def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
     return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask, "s": s}
 
 
+def _step_parts(model: Seq2Seq) -> tuple:
+    """The submodules a fused step reads: (attention, readout, query_cell, decoder_cell, then the query norm,
+    the readout's norms and deep layers and Nematus' higher levels), found through the `_modules` dicts: the
+    check runs every step, where nn.Module.__getattr__ would cost ~0.5 us a lookup."""
+    m = model._modules
+    att, r = m["attention"], m["readout"]
+    rm = r._modules
+    levels = m["levels"]._modules.values() if "levels" in m else ()
+    return (att, r, m["query_cell"], m["decoder_cell"], att._modules.get("ln_q"), *rm["norms"]._modules.values(),
+            *rm["deep"]._modules.values(), *levels)
+
+
 def fused_step_applies(model: Seq2Seq, y: Tensor, transition) -> bool:
     """Whether `model.step` may run `fused_step`: eval mode, no autograd, every part on the cpp backend and of
     the kinds the fused op takes, and the step's structure the one `transition` (the model class's own, as the
     caller names it) gives: a subclass that changes the transition, features or decoder step, or a model with
     higher decoder levels (`model.levels`, Nematus), keeps the modules' path. The structural part is worked out
-    once per set of submodules (~20 us of isinstance checks, per step)."""
-    if model.training:
+    once per set of submodules (~20 us of isinstance checks, per step); what is checked every step (mode,
+    autograd, backends, eps) costs ~3 us."""
+    if model.training or torch.is_grad_enabled():
         return False
-    att, r, q, d = model.attention, model.readout, model.query_cell, model.decoder_cell
-    levels = tuple(getattr(model, "levels", ()))
-    parts = (att, r, q, d, getattr(att, "ln_q", None), *r.norms, *r.deep, *levels)
+    parts = _step_parts(model)
     cached = model.__dict__.get("_fused_structure")
     if cached is None or len(cached[0]) != len(parts) or any(a is not b for a, b in zip(cached[0], parts)):
+        att, r, q, d = parts[:4]
         cls = type(model)
         ok = (cls.transition is transition and cls.features is Seq2Seq.features
-              and cls.decoder_step is Seq2Seq.decoder_step and not levels
+              and cls.decoder_step is Seq2Seq.decoder_step and not getattr(model, "levels", ())
               and isinstance(q, dk.nn._TransitionCell) and isinstance(d, dk.nn._TransitionCell)
               and (isinstance(att, MultiHeadAdditiveAttention)
                    or (isinstance(att, AdditiveAttention) and att.fused_query_norm() is not None))
               and type(r) is Readout and len(r.deep) == 0)
-        model.__dict__["_fused_structure"] = cached = (parts, ok)   # the parts themselves: ids can be reused
-    fused = dk.functional.fused_inference
-    return (cached[1] and q.eps == d.eps and all(fused(m.backend, y) for m in (
-        q, d, att, r.from_y, r.from_s, r.from_c, r.output.proj)))
+        switches = (q, d, att, r.from_y, r.from_s, r.from_c, r.output.proj) if ok else ()
+        model.__dict__["_fused_structure"] = cached = (parts, ok, switches)   # the parts themselves: ids can be
+    _, ok, switches = cached                                                    # reused
+    return (ok and parts[2].eps == parts[3].eps and dk.functional.fused_inference("cpp", y)
+            and all(m.backend in ("auto", "cpp") for m in switches))
 
 
 def fused_step(model: Seq2Seq, y: Tensor, state: State, s: Tensor,
@@ -102,21 +115,26 @@ def fused_step(model: Seq2Seq, y: Tensor, state: State, s: Tensor,
     (`dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules), where `fused_step_applies`:
     y [B, E] the embedded previous tokens, `state` holds the attention's keys, annotations and src_mask, s [B, H]
     the state the query cell reads, drops the two cells' candidate-dropout multipliers (or None).
-    Returns (log_probs [B, V], s' [B, H], alpha [B, NH, S])."""
-    att, r = model.attention, model.readout
+    Returns (log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]). Parameters are
+    read from the modules' `_parameters` dicts (see _step_parts)."""
+    att, r, q, d = _step_parts(model)[:4]
+    ap, rm = att._parameters, r._modules
     if isinstance(att, MultiHeadAdditiveAttention):
-        attention = (att.query.weight, state["keys"], att.v, state["annotations"], state["src_mask"],
-                     att.out.weight, att.out.bias, None, None)
+        out = att._modules["out"]._parameters
+        attention = (att._modules["query"]._parameters["weight"], state["keys"], ap["v"], state["annotations"],
+                     state["src_mask"], out["weight"], out["bias"], None, None)
         att_eps = 1e-5
     else:
         ln_w, ln_b, att_eps = att.fused_query_norm()
-        attention = (att.query.weight, state["keys"].unsqueeze(2), att.v.weight, state["annotations"],
-                     state["src_mask"], None, None, ln_w, ln_b)
+        attention = (att._modules["query"]._parameters["weight"], state["keys"].unsqueeze(2),
+                     att._modules["v"]._parameters["weight"], state["annotations"], state["src_mask"], None, None,
+                     ln_w, ln_b)
     ln_w, ln_b, ln_eps = r.stacked_norms()
-    readout = (r.from_y.weight, r.from_y.bias, r.from_s.weight, r.from_s.bias, r.from_c.weight, r.from_c.bias,
-               ln_w, ln_b, r.output.proj.weight, r.output.proj.bias)
-    return dk.functional.rnmt_step(y, s, model.query_cell, attention, model.decoder_cell, readout, ln_eps, drops,
-                                   att_eps)
+    fy, fs, fc = (rm[k]._parameters for k in ("from_y", "from_s", "from_c"))
+    out = rm["output"]._modules["proj"]._parameters
+    readout = (fy["weight"], fy["bias"], fs["weight"], fs["bias"], fc["weight"], fc["bias"], ln_w, ln_b,
+               out["weight"], out["bias"])
+    return dk.functional.rnmt_step(y, s, q, attention, d, readout, ln_eps, drops, att_eps)
 
 
 class AttentionalRNMT(Seq2Seq):

@@ -69,14 +69,15 @@ class Readout(nn.Module):
         """For the fused inference ops: the three layer norms' gains and offsets stacked to [3, R] and their eps
         ((None, None, 1e-5) without layer norm), kept until one of them changes (in place, as an optimizer step
         does)."""
-        if not isinstance(self.norms[0], nn.LayerNorm):
+        norms = list(self._modules["norms"]._modules.values())   # not through Module.__getattr__: once a step
+        if not isinstance(norms[0], nn.LayerNorm):
             return None, None, 1e-5
-        params = [n.weight for n in self.norms] + [n.bias for n in self.norms]
+        params = [n._parameters["weight"] for n in norms] + [n._parameters["bias"] for n in norms]
         key = tuple((p.data_ptr(), p._version) for p in params)
         cached = self.__dict__.get("_stacked_norms")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                cached = (key, (torch.stack(params[:3]), torch.stack(params[3:]), self.norms[0].eps))
+                cached = (key, (torch.stack(params[:3]), torch.stack(params[3:]), norms[0].eps))
             self.__dict__["_stacked_norms"] = cached
         return cached[1]
 

@@ -134,7 +134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Inference: tanh(LN(y W_y^T + b_y) + LN(s W_s^T + b_s) + LN(c W_c^T + b_c)) in one call");
   m.def("rnmt_step", &dtmt::rnmt_step_cpu,
         "Inference: one attentional RNMT decoder step (query cell, attention, decoder cell, readout, log-softmax); "
-        "returns [log_probs, s, alpha]");
+        "returns [log_probs, s, alpha averaged over the heads [B, S]]");
   m.def("memory_encoder", &dtmt::memory_encoder_cpu,
         "Inference: one direction of mce's read-write-memory GRU encoder over the whole source; returns "
         "[states, memory]");

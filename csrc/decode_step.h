@@ -29,7 +29,8 @@ at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const 
                                 const at::Tensor& w_c, const at::Tensor& b_c, const at::Tensor& ln_w,
                                 const at::Tensor& ln_b, double eps);
 
-// One whole step of the attentional RNMT decoder (dtmt_models/rnmt.py, AttentionalRNMT.step in eval mode):
+// One whole step of the attentional RNMT decoder (dtmt_models/rnmt.py, fused_step: AttentionalRNMT.step and
+// Nematus.step in eval mode):
 //   s_q = query_cell(y, s); (c, alpha) = attention_step(s_q, ...); s' = decoder_cell(c, s_q);
 //   log_probs = log_softmax(readout_features(y, s', c) W_out^T + b_out) (float32, as Projection returns).
 // y [B, E] (the embedded previous tokens), s [B, H]; q_params / d_params: a cell's ten flat kernel parameters

@@ -88,9 +88,12 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& w_q, c
   const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
   TORCH_CHECK(query.size(0) == B && src_mask.size(0) == B && src_mask.size(1) == S && w_q.size(0) == NH * D,
               "dtmt._C.attention_step: sizes of query, keys, w_q and src_mask do not match");
+  TORCH_CHECK(present(ln_w) == present(ln_b), "dtmt._C.attention_step: give both ln_w and ln_b, or neither");
   TORCH_CHECK(!present(ln_w) || (ln_w.numel() == NH * D && ln_b.numel() == NH * D && ln_w.is_contiguous() &&
-                                  ln_b.is_contiguous()),
-              "dtmt._C.attention_step: ln_w and ln_b must be contiguous [NH*D] (or empty: no layer norm)");
+                                  ln_b.is_contiguous() && ln_w.scalar_type() == query.scalar_type() &&
+                                  ln_b.scalar_type() == query.scalar_type()),
+              "dtmt._C.attention_step: ln_w and ln_b must be contiguous [NH*D = ", NH * D, "] of the query's dtype "
+              "(or both empty: no layer norm), got ", ln_w.sizes(), " and ", ln_b.sizes());
   Tensor q = linear(query, w_q, Tensor());
   if (present(ln_w)) {
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_step_ln", [&] {

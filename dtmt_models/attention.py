@@ -48,12 +48,16 @@ class AdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
 
     def fused_query_norm(self):
         """The query's layer norm as the fused attention step takes it: (gain, offset, eps), (None, None, 1e-5)
-        without one, None when ln_q is something the fused step cannot run (e.g. a norm without gain)."""
-        ln = self.ln_q
-        if isinstance(ln, nn.Identity):
+        without one, None when ln_q is something the fused step cannot run (a norm without gain or offset, a
+        subclass, another module)."""
+        ln = self._modules["ln_q"]   # not through Module.__getattr__: once per decoder step
+        if type(ln) is nn.Identity:
             return None, None, 1e-5
-        if isinstance(ln, nn.LayerNorm) and ln.weight is not None and ln.bias is not None:
-            return ln.weight, ln.bias, ln.eps
+        width = getattr(self._modules["query"], "out_features", None)
+        if type(ln) is nn.LayerNorm and tuple(ln.normalized_shape) == (width,):
+            w, b = ln._parameters.get("weight"), ln._parameters.get("bias")
+            if w is not None and b is not None:
+                return w, b, ln.eps
         return None
 
     def extra_repr(self) -> str:

@@ -25,7 +25,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 
 from .attention import AdditiveAttention, MultiHeadAdditiveAttention
-from .seq2seq import Readout, Seq2Seq, State, lengths_mask, step_state
+from .seq2seq import Projection, Readout, Seq2Seq, State, lengths_mask, step_state
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -71,42 +71,62 @@ def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
 
 
 def _step_parts(model: Seq2Seq) -> tuple:
-    """The submodules a fused step reads: (attention, readout, query_cell, decoder_cell, then the query norm,
-    the readout's norms and deep layers and Nematus' higher levels), found through the `_modules` dicts: the
-    check runs every step, where nn.Module.__getattr__ would cost ~0.5 us a lookup."""
+    """Every submodule the fused step reads, found through the `_modules` dicts (the check runs every step, where
+    nn.Module.__getattr__ costs ~0.5 us a lookup): (attention, readout, query_cell, decoder_cell, attention.query,
+    attention.v (a Linear; None for multi-head), attention.out, attention.ln_q, readout.from_y, .from_s, .from_c,
+    .output, output.proj, the three readout norms, then the readout's deep layers and Nematus' higher levels);
+    absent ones are None."""
     m = model._modules
     att, r = m["attention"], m["readout"]
-    rm = r._modules
+    am, rm = att._modules, r._modules
+    out = rm["output"]
     levels = m["levels"]._modules.values() if "levels" in m else ()
-    return (att, r, m["query_cell"], m["decoder_cell"], att._modules.get("ln_q"), *rm["norms"]._modules.values(),
+    return (att, r, m["query_cell"], m["decoder_cell"], am.get("query"), am.get("v"), am.get("out"), am.get("ln_q"),
+            rm["from_y"], rm["from_s"], rm["from_c"], out, out._modules.get("proj"), *rm["norms"]._modules.values(),
             *rm["deep"]._modules.values(), *levels)
 
 
-def fused_step_applies(model: Seq2Seq, y: Tensor, transition) -> bool:
-    """Whether `model.step` may run `fused_step`: eval mode, no autograd, every part on the cpp backend and of
-    the kinds the fused op takes, and the step's structure the one `transition` (the model class's own, as the
-    caller names it) gives: a subclass that changes the transition, features or decoder step, or a model with
-    higher decoder levels (`model.levels`, Nematus), keeps the modules' path. The structural part is worked out
-    once per set of submodules (~20 us of isinstance checks, per step); what is checked every step (mode,
-    autograd, backends, eps) costs ~3 us."""
+def _plain_linear(m) -> bool:
+    """A dtmt_kernels.nn.Linear whose weight and bias are its own parameters (not parametrized or pruned, which
+    move them out of `_parameters`)."""
+    return type(m) is dk.nn.Linear and "weight" in m._parameters and "bias" in m._parameters
+
+
+def _structure_ok(model: Seq2Seq, parts: tuple, transition) -> bool:
+    att, r, q, d, query, v, out, _, from_y, from_s, from_c, output, proj = parts[:13]
+    cls = type(model)
+    multi_head = type(att) is MultiHeadAdditiveAttention
+    return (cls.transition is transition and cls.features is Seq2Seq.features
+            and cls.decoder_step is Seq2Seq.decoder_step and not getattr(model, "levels", ())
+            and isinstance(q, dk.nn._TransitionCell) and isinstance(d, dk.nn._TransitionCell)
+            and (multi_head or type(att) is AdditiveAttention)
+            and type(r) is Readout and len(r.deep) == 0 and type(output) is Projection
+            and all(_plain_linear(m) for m in (query, out if multi_head else v, from_y, from_s, from_c, proj)))
+
+
+def fused_step_applies(model: Seq2Seq, x: Tensor, transition) -> bool:
+    """Whether `model.step` may run `fused_step` for inputs like x (the embedded previous tokens or the decoder
+    state: their device and dtype): eval mode, no autograd, every part on the cpp backend and of the kinds the
+    fused op takes, and the step's structure the one `transition` (the model class's own, as the caller names it)
+    gives: a subclass that changes the transition, features or decoder step, a model with higher decoder levels
+    (`model.levels`, Nematus), a swapped-in module of another kind or a parametrized linear keeps the modules'
+    path. The structural part is worked out once per set of submodules (keyed on their identity and class);
+    what is checked every step (mode, autograd, backends, the cells' and norms' eps) costs a few us."""
     if model.training or torch.is_grad_enabled():
         return False
     parts = _step_parts(model)
     cached = model.__dict__.get("_fused_structure")
-    if cached is None or len(cached[0]) != len(parts) or any(a is not b for a, b in zip(cached[0], parts)):
-        att, r, q, d = parts[:4]
-        cls = type(model)
-        ok = (cls.transition is transition and cls.features is Seq2Seq.features
-              and cls.decoder_step is Seq2Seq.decoder_step and not getattr(model, "levels", ())
-              and isinstance(q, dk.nn._TransitionCell) and isinstance(d, dk.nn._TransitionCell)
-              and (isinstance(att, MultiHeadAdditiveAttention)
-                   or (isinstance(att, AdditiveAttention) and att.fused_query_norm() is not None))
-              and type(r) is Readout and len(r.deep) == 0)
-        switches = (q, d, att, r.from_y, r.from_s, r.from_c, r.output.proj) if ok else ()
-        model.__dict__["_fused_structure"] = cached = (parts, ok, switches)   # the parts themselves: ids can be
-    _, ok, switches = cached                                                    # reused
-    return (ok and parts[2].eps == parts[3].eps and dk.functional.fused_inference("cpp", y)
-            and all(m.backend in ("auto", "cpp") for m in switches))
+    if (cached is None or len(cached[0]) != len(parts)
+            or any(a is not b or type(a) is not t for a, b, t in zip(parts, cached[0], cached[1]))):
+        cached = (parts, tuple(type(p) for p in parts), _structure_ok(model, parts, transition))
+        model.__dict__["_fused_structure"] = cached   # the parts themselves: ids can be reused
+    if not cached[2]:
+        return False
+    att, r, q, d = parts[:4]
+    return (q.eps == d.eps and dk.functional.fused_inference("cpp", x)
+            and all(m.backend in ("auto", "cpp") for m in (q, d, att, *parts[8:11], parts[12]))
+            and (type(att) is MultiHeadAdditiveAttention or att.fused_query_norm() is not None)
+            and r.stacked_norms() is not None)
 
 
 def fused_step(model: Seq2Seq, y: Tensor, state: State, s: Tensor,
@@ -117,23 +137,21 @@ def fused_step(model: Seq2Seq, y: Tensor, state: State, s: Tensor,
     the state the query cell reads, drops the two cells' candidate-dropout multipliers (or None).
     Returns (log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]). Parameters are
     read from the modules' `_parameters` dicts (see _step_parts)."""
-    att, r, q, d = _step_parts(model)[:4]
-    ap, rm = att._parameters, r._modules
-    if isinstance(att, MultiHeadAdditiveAttention):
-        out = att._modules["out"]._parameters
-        attention = (att._modules["query"]._parameters["weight"], state["keys"], ap["v"], state["annotations"],
-                     state["src_mask"], out["weight"], out["bias"], None, None)
+    att, r, q, d, query, v, out, _, from_y, from_s, from_c, _, proj = _step_parts(model)[:13]
+    w_q = query._parameters["weight"]
+    if type(att) is MultiHeadAdditiveAttention:
+        o = out._parameters
+        attention = (w_q, state["keys"], att._parameters["v"], state["annotations"], state["src_mask"], o["weight"],
+                     o["bias"], None, None)
         att_eps = 1e-5
     else:
         ln_w, ln_b, att_eps = att.fused_query_norm()
-        attention = (att._modules["query"]._parameters["weight"], state["keys"].unsqueeze(2),
-                     att._modules["v"]._parameters["weight"], state["annotations"], state["src_mask"], None, None,
-                     ln_w, ln_b)
+        attention = (w_q, state["keys"].unsqueeze(2), v._parameters["weight"], state["annotations"],
+                     state["src_mask"], None, None, ln_w, ln_b)
     ln_w, ln_b, ln_eps = r.stacked_norms()
-    fy, fs, fc = (rm[k]._parameters for k in ("from_y", "from_s", "from_c"))
-    out = rm["output"]._modules["proj"]._parameters
+    fy, fs, fc, fo = from_y._parameters, from_s._parameters, from_c._parameters, proj._parameters
     readout = (fy["weight"], fy["bias"], fs["weight"], fs["bias"], fc["weight"], fc["bias"], ln_w, ln_b,
-               out["weight"], out["bias"])
+               fo["weight"], fo["bias"])
     return dk.functional.rnmt_step(y, s, q, attention, d, readout, ln_eps, drops, att_eps)
 
 
@@ -163,16 +181,15 @@ class AttentionalRNMT(Seq2Seq):
         return self.tgt_embed(prev_tokens, positions=state["pos"])
 
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        if not self._fused_step_applies(state["s"]):
+            return super().step(state, prev_tokens)
         y = self.embed_step(state, prev_tokens)
-        if not self._fused_step_applies(y):
-            parts, new = self.transition(state, y)
-            return self.readout(self.features(y, *parts)), new
         drops = (self._drop(state, "drop_q"), self._drop(state, "drop_d"))
         log_probs, s, alpha = fused_step(self, y, state, state["s"], drops)
         return log_probs, step_state(state, alpha, True, s=s, pos=state["pos"] + 1)
 
-    def _fused_step_applies(self, y: Tensor) -> bool:
-        return fused_step_applies(self, y, AttentionalRNMT.transition)
+    def _fused_step_applies(self, x: Tensor) -> bool:
+        return fused_step_applies(self, x, AttentionalRNMT.transition)
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""

@@ -65,29 +65,37 @@ class Readout(nn.Module):
                                   for _ in range(extra_layers))
         self.output = Projection(readout_dim, vocab_size, dropout, tied_embedding)
 
-    def stacked_norms(self) -> Tuple[Optional[Tensor], Optional[Tensor], float]:
+    def stacked_norms(self) -> Optional[Tuple[Optional[Tensor], Optional[Tensor], float]]:
         """For the fused inference ops: the three layer norms' gains and offsets stacked to [3, R] and their eps
         ((None, None, 1e-5) without layer norm), kept until one of them changes (in place, as an optimizer step
-        does)."""
-        norms = list(self._modules["norms"]._modules.values())   # not through Module.__getattr__: once a step
-        if not isinstance(norms[0], nn.LayerNorm):
+        does); None when the norms are not what the fused ops compute (all three nn.Identity, or all three
+        plain nn.LayerNorm over R with gain, offset and one eps). Read through `_modules` / `_parameters`: it
+        runs once per decoder step."""
+        norms = list(self._modules["norms"]._modules.values())
+        if all(type(n) is nn.Identity for n in norms):
             return None, None, 1e-5
-        params = [n._parameters["weight"] for n in norms] + [n._parameters["bias"] for n in norms]
+        R = self._modules["from_y"].out_features
+        if not all(type(n) is nn.LayerNorm and tuple(n.normalized_shape) == (R,) for n in norms):
+            return None
+        params = [n._parameters.get("weight") for n in norms] + [n._parameters.get("bias") for n in norms]
+        eps = norms[0].eps
+        if any(p is None for p in params) or any(n.eps != eps for n in norms):
+            return None
         key = tuple((p.data_ptr(), p._version) for p in params)
         cached = self.__dict__.get("_stacked_norms")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                cached = (key, (torch.stack(params[:3]), torch.stack(params[3:]), norms[0].eps))
+                cached = (key, torch.stack(params[:3]), torch.stack(params[3:]))
             self.__dict__["_stacked_norms"] = cached
-        return cached[1]
+        return cached[1], cached[2], eps
 
     def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
         ny, ns, nc = self.norms
-        if dk.functional.fused_inference(self.from_y.backend, y):  # beam search / validation: one C++ call
-            ln_w, ln_b, eps = self.stacked_norms()
+        norms = self.stacked_norms() if dk.functional.fused_inference(self.from_y.backend, y) else None
+        if norms is not None:  # beam search / validation: one C++ call
             return dk.functional.readout_features(y, s, c, self.from_y.weight, self.from_y.bias, self.from_s.weight,
-                                                  self.from_s.bias, self.from_c.weight, self.from_c.bias, ln_w, ln_b,
-                                                  eps=eps)
+                                                  self.from_s.bias, self.from_c.weight, self.from_c.bias, *norms[:2],
+                                                  eps=norms[2])
         return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
 
     def forward(self, features: Tensor) -> Tensor:

@@ -203,23 +203,121 @@ def test_decoder_steps_with_and_without_the_fused_inference_path(system, dtype):
         torch.testing.assert_close(state_fast["attn"], state_slow["attn"].detach(), **tol)
 
 
-@pytest.mark.parametrize("decoder, fused", [("deep-transition", True), ("cgru", False), ("bideep", False)])
-def test_nematus_decoders_fused_where_one_level(decoder, fused):
-    """Nematus' one-level cGRU decoders (here with a T-GRU in the decoder cell) run the fused step; decoders with
-    higher levels keep the modules' path. Both give the reference backend's log-probabilities and states."""
-    torch.manual_seed(1)
-    model = _randomise(build_model("nematus", 50, 60, embed_dim=16, hidden_size=24, decoder=decoder,
-                                   dec_base_transition_depth=3), 2).eval()
-    src, lengths, prev = torch.randint(4, 50, (3, 6)), torch.tensor([6, 4, 1]), torch.randint(4, 60, (3,))
+def _count_fused_steps(monkeypatch):
+    calls = []
+    fused = dk.functional.rnmt_step
+    monkeypatch.setattr(dk.functional, "rnmt_step", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    return calls
+
+
+def _fused_against_reference(model, calls, fused, src, lengths, prev):
+    """Two steps of `model` (eval, no autograd, cpp) against the same model on the reference backend: the
+    fused op ran (`calls`) exactly where `fused` says, and log-probabilities, states and attention agree."""
     with torch.no_grad():
         state = model.encode(src, lengths)
-        assert model._fused_step_applies(model.embed_step(state, prev)) == fused
+        assert model._fused_step_applies(state["s"]) == fused
+        calls.clear()
         fast, fast_state = model.step(state, prev)
+        fast2, _ = model.step(fast_state, prev)
+        assert calls == ([1, 1] if fused else [])
         model.set_backend("reference")
         slow, slow_state = model.step(model.encode(src, lengths), prev)
+        slow2, _ = model.step(slow_state, prev)
+        model.set_backend("auto")
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast2, slow2, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fast_state["s"], slow_state["s"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_state["attn"], slow_state["attn"], rtol=1e-5, atol=1e-6)
+
+
+_SRC, _LENGTHS = torch.randint(4, 50, (3, 6), generator=torch.Generator().manual_seed(9)), torch.tensor([6, 4, 1])
+_PREV = torch.randint(4, 60, (3,), generator=torch.Generator().manual_seed(10))
+
+
+@pytest.mark.parametrize("decoder, options, fused", [
+    ("deep-transition", {}, True), ("shallow", {"layer_norm": False}, True),
+    ("shallow", {"tie_embeddings": False}, True), ("cgru", {}, False), ("bideep", {}, False)])
+def test_nematus_decoders_fused_where_one_level(monkeypatch, decoder, options, fused):
+    """Nematus' one-level cGRU decoders (deep-transition: a T-GRU in the decoder cell; with and without layer
+    norm, tied or not) run the fused step; decoders with higher levels keep the modules' path. Both give the
+    reference backend's log-probabilities and states."""
+    torch.manual_seed(1)
+    model = _randomise(build_model("nematus", 50, 60, embed_dim=16, hidden_size=24, decoder=decoder,
+                                   dec_base_transition_depth=3, **options), 2).eval()
+    _fused_against_reference(model, _count_fused_steps(monkeypatch), fused, _SRC, _LENGTHS, _PREV)
+
+
+@pytest.mark.parametrize("system", ["nematus", "dtmt"])
+def test_fused_step_uses_each_norms_own_eps(monkeypatch, system):
+    """Non-default eps everywhere (the cells', the attention query norm's, the readout norms'): each reaches its
+    own norm in the fused op (a swap of any two would show at these values)."""
+    torch.manual_seed(2)
+    model = _randomise(build_model(system, 50, 60, embed_dim=16, hidden_size=24), 3).eval()
+    model.query_cell.eps = model.decoder_cell.eps = 0.05
+    for n in model.readout.norms:
+        n.eps = 0.7
+    if system == "nematus":
+        model.attention.ln_q.eps = 0.3
+    _fused_against_reference(model, _count_fused_steps(monkeypatch), True, _SRC, _LENGTHS, _PREV)
+
+
+def _mix_norms(model):
+    model.readout.norms[1] = torch.nn.Identity()
+
+
+def _unequal_eps(model):
+    model.readout.norms[2].eps = 0.5
+
+
+def _reference_linear(model):
+    model.readout.from_y.backend = "reference"
+
+
+def _parametrized_linear(model):
+    torch.nn.utils.parametrizations.weight_norm(model.readout.from_s)
+
+
+def _query_norm_subclass(model):
+    class Norm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+    model.attention.ln_q = Norm(model.attention.ln_q.normalized_shape)
+
+
+@pytest.mark.parametrize("change", [_mix_norms, _unequal_eps, _reference_linear, _parametrized_linear,
+                                    _query_norm_subclass])
+def test_parts_the_fused_step_cannot_take_keep_the_modules_path(monkeypatch, change):
+    """A model changed after its fused steps ran (the structure is cached): mixed readout norms, norms with
+    different eps, one readout linear on the reference backend, a weight-normalised (parametrized) linear, a
+    query-norm subclass with its own forward: the step falls back to the modules and still matches."""
+    torch.manual_seed(3)
+    model = _randomise(build_model("nematus", 50, 60, embed_dim=16, hidden_size=24), 4).eval()
+    calls = _count_fused_steps(monkeypatch)
+    _fused_against_reference(model, calls, True, _SRC, _LENGTHS, _PREV)
+    change(model)
+    _fused_against_reference(model, calls, False, _SRC, _LENGTHS, _PREV)
+
+
+def test_a_decoder_step_override_is_honoured(monkeypatch):
+    """A subclass that overrides decoder_step (only) gets its override in `step` too, not the fused op."""
+    torch.manual_seed(4)
+    base = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24)
+
+    class Halved(type(base)):
+        def decoder_step(self, state, prev_tokens):
+            features, state = super().decoder_step(state, prev_tokens)
+            return features * 0.5, state
+
+    model = Halved(50, 60, embed_dim=16, hidden_size=24).eval()
+    model.load_state_dict(base.state_dict())
+    calls = _count_fused_steps(monkeypatch)
+    with torch.no_grad():
+        state = model.encode(_SRC, _LENGTHS)
+        log_probs, _ = model.step(state, _PREV)
+        features, _ = model.decoder_step(state, _PREV)
+        expected = model.readout(features)
+    assert calls == []
+    torch.testing.assert_close(log_probs, expected)
 
 
 def test_fused_step_is_not_taken_where_it_does_not_apply():

@@ -168,12 +168,11 @@ class Nematus(Seq2Seq):
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         """Seq2Seq.step; in beam search (eval, no autograd, cpp) a decoder of one level (the cGRU: shallow and
         deep-transition decoders) runs the whole step as one C++ call, rnmt.fused_step."""
+        if not self._fused_step_applies(state["s"]):
+            return super().step(state, prev_tokens)
         y = self.embed_step(state, prev_tokens)
-        if not self._fused_step_applies(y):
-            parts, new = self.transition(state, y)
-            return self.readout(self.features(y, *parts)), new
         log_probs, s, alpha = fused_step(self, y, state, state["s"][:, 0])
         return log_probs, step_state(state, alpha, True, s=s.unsqueeze(1))
 
-    def _fused_step_applies(self, y: Tensor) -> bool:
-        return fused_step_applies(self, y, Nematus.transition)
+    def _fused_step_applies(self, x: Tensor) -> bool:
+        return fused_step_applies(self, x, Nematus.transition)

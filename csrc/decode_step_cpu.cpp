@@ -10,9 +10,9 @@
 
 #include <cmath>
 #include <limits>
-#include <utility>
 
 #include "attention.h"
+#include "cell_math.h"
 #include "small_gemm.h"
 #include "transition.h"
 
@@ -51,25 +51,16 @@ void masked_softmax(const T* scores, const bool* mask, T* alpha, int64_t B, int6
   }
 }
 
-// The layer-norm statistics of one row of R (in double): {mean, 1 / sqrt(var + eps)}.
-template <typename T> std::pair<double, double> row_stats(const T* x, double eps, int64_t R) {
-  double mean = 0, var = 0;
-  for (int64_t r = 0; r < R; ++r) mean += x[r];
-  mean /= R;
-  for (int64_t r = 0; r < R; ++r) var += (x[r] - mean) * (x[r] - mean);
-  return {mean, 1.0 / std::sqrt(var / R + eps)};
-}
-
-// x = LN(x) * w + b over one row of R.
+// x = LN(x) * w + b over one row of R, in place (the normalisation of cell_math.h, as the cells use).
 template <typename T> void layer_norm_inplace(T* x, const T* w, const T* b, double eps, int64_t R) {
-  const auto [mean, rstd] = row_stats(x, eps, R);
-  for (int64_t r = 0; r < R; ++r) x[r] = static_cast<T>((x[r] - mean) * rstd) * w[r] + b[r];
+  layer_norm_row_normalise(static_cast<int>(R), x, static_cast<T>(eps));
+  for (int64_t r = 0; r < R; ++r) x[r] = x[r] * w[r] + b[r];
 }
 
-// acc += LN(x) * w + b over one row of R.
-template <typename T> void layer_norm_add(const T* x, const T* w, const T* b, double eps, int64_t R, T* acc) {
-  const auto [mean, rstd] = row_stats(x, eps, R);
-  for (int64_t r = 0; r < R; ++r) acc[r] += static_cast<T>((x[r] - mean) * rstd) * w[r] + b[r];
+// acc += LN(x) * w + b over one row of R (x is normalised in place).
+template <typename T> void layer_norm_add(T* x, const T* w, const T* b, double eps, int64_t R, T* acc) {
+  layer_norm_row_normalise(static_cast<int>(R), x, static_cast<T>(eps));
+  for (int64_t r = 0; r < R; ++r) acc[r] += x[r] * w[r] + b[r];
 }
 
 void check_cpu(std::initializer_list<const Tensor*> ts, const char* op) {

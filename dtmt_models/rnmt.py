@@ -11,7 +11,7 @@ Subclasses create src_embed, tgt_embed, init_state, query_cell, attention, decod
 with candidate dropout get one mask per sentence, drawn at `encode` and kept (batch first) in the state.
 
 Decoding (`step` in eval mode without autograd, on the cpp backend) runs everything after the embedding lookup
-as one C++ call (`fused_step`: `dtmt_kernels.functional.rnmt_step`), the same arithmetic as the modules; at
+as one C++ call (`fused_step_plan` / `fused_step`: `dtmt_kernels.functional.rnmt_step`), the same arithmetic as the modules; at
 batch 1 the ~80 small PyTorch ops of a step cost more to dispatch than to compute (benchmarks/NOTES.md, log
 item 12). Nematus' one-level cGRU decoder uses the same `fused_step`.
 """
@@ -104,16 +104,18 @@ def _structure_ok(model: Seq2Seq, parts: tuple, transition) -> bool:
             and all(_plain_linear(m) for m in (query, out if multi_head else v, from_y, from_s, from_c, proj)))
 
 
-def fused_step_applies(model: Seq2Seq, x: Tensor, transition) -> bool:
-    """Whether `model.step` may run `fused_step` for inputs like x (the embedded previous tokens or the decoder
-    state: their device and dtype): eval mode, no autograd, every part on the cpp backend and of the kinds the
-    fused op takes, and the step's structure the one `transition` (the model class's own, as the caller names it)
-    gives: a subclass that changes the transition, features or decoder step, a model with higher decoder levels
-    (`model.levels`, Nematus), a swapped-in module of another kind or a parametrized linear keeps the modules'
-    path. The structural part is worked out once per set of submodules (keyed on their identity and class);
-    what is checked every step (mode, autograd, backends, the cells' and norms' eps) costs a few us."""
+def fused_step_plan(model: Seq2Seq, x: Tensor, transition) -> Optional[tuple]:
+    """What `fused_step` needs, or None where it does not apply, for inputs like x (the embedded previous tokens
+    or the decoder state: their device and dtype): eval mode, no autograd, every part on the cpp backend and of
+    the kinds the fused op takes, and the step's structure the one `transition` (the model class's own, as the
+    caller names it) gives: a subclass that changes the transition, features or decoder step, a model with
+    higher decoder levels (`model.levels`, Nematus), a swapped-in module of another kind or a parametrized linear
+    keeps the modules' path. The structural part is worked out once per set of submodules (keyed on their
+    identity and class); what is checked every step (mode, autograd, backends, the cells' and norms' eps) costs a
+    few us. The plan is (the parts of _step_parts, the attention query norm, the readout norms), read once a
+    step."""
     if model.training or torch.is_grad_enabled():
-        return False
+        return None
     parts = _step_parts(model)
     cached = model.__dict__.get("_fused_structure")
     if (cached is None or len(cached[0]) != len(parts)
@@ -121,34 +123,41 @@ def fused_step_applies(model: Seq2Seq, x: Tensor, transition) -> bool:
         cached = (parts, tuple(type(p) for p in parts), _structure_ok(model, parts, transition))
         model.__dict__["_fused_structure"] = cached   # the parts themselves: ids can be reused
     if not cached[2]:
-        return False
+        return None
     att, r, q, d = parts[:4]
-    return (q.eps == d.eps and dk.functional.fused_inference("cpp", x)
-            and all(m.backend in ("auto", "cpp") for m in (q, d, att, *parts[8:11], parts[12]))
-            and (type(att) is MultiHeadAdditiveAttention or att.fused_query_norm() is not None)
-            and r.stacked_norms() is not None)
+    if not (q.eps == d.eps and dk.functional.fused_inference("cpp", x)
+            and all(m.backend in ("auto", "cpp") for m in (q, d, att, *parts[8:11], parts[12]))):
+        return None
+    query_norm = (None, None, 1e-5) if type(att) is MultiHeadAdditiveAttention else att.fused_query_norm()
+    readout_norms = r.stacked_norms()
+    if query_norm is None or readout_norms is None:
+        return None
+    return parts, query_norm, readout_norms
 
 
-def fused_step(model: Seq2Seq, y: Tensor, state: State, s: Tensor,
+def fused_step_applies(model: Seq2Seq, x: Tensor, transition) -> bool:
+    """Whether `model.step` may run `fused_step` (see fused_step_plan)."""
+    return fused_step_plan(model, x, transition) is not None
+
+
+def fused_step(plan: tuple, y: Tensor, state: State, s: Tensor,
                drops=(None, None)) -> Tuple[Tensor, Tensor, Tensor]:
     """One decoder step of query_cell -> attention -> decoder_cell -> readout as one C++ call
-    (`dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules), where `fused_step_applies`:
+    (`dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules), for a model's `fused_step_plan`:
     y [B, E] the embedded previous tokens, `state` holds the attention's keys, annotations and src_mask, s [B, H]
     the state the query cell reads, drops the two cells' candidate-dropout multipliers (or None).
     Returns (log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]). Parameters are
     read from the modules' `_parameters` dicts (see _step_parts)."""
-    att, r, q, d, query, v, out, _, from_y, from_s, from_c, _, proj = _step_parts(model)[:13]
+    parts, (q_ln_w, q_ln_b, att_eps), (ln_w, ln_b, ln_eps) = plan
+    att, r, q, d, query, v, out, _, from_y, from_s, from_c, _, proj = parts[:13]
     w_q = query._parameters["weight"]
     if type(att) is MultiHeadAdditiveAttention:
         o = out._parameters
         attention = (w_q, state["keys"], att._parameters["v"], state["annotations"], state["src_mask"], o["weight"],
                      o["bias"], None, None)
-        att_eps = 1e-5
     else:
-        ln_w, ln_b, att_eps = att.fused_query_norm()
         attention = (w_q, state["keys"].unsqueeze(2), v._parameters["weight"], state["annotations"],
-                     state["src_mask"], None, None, ln_w, ln_b)
-    ln_w, ln_b, ln_eps = r.stacked_norms()
+                     state["src_mask"], None, None, q_ln_w, q_ln_b)
     fy, fs, fc, fo = from_y._parameters, from_s._parameters, from_c._parameters, proj._parameters
     readout = (fy["weight"], fy["bias"], fs["weight"], fs["bias"], fc["weight"], fc["bias"], ln_w, ln_b,
                fo["weight"], fo["bias"])
@@ -181,11 +190,12 @@ class AttentionalRNMT(Seq2Seq):
         return self.tgt_embed(prev_tokens, positions=state["pos"])
 
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        if not self._fused_step_applies(state["s"]):
+        plan = fused_step_plan(self, state["s"], AttentionalRNMT.transition)
+        if plan is None:
             return super().step(state, prev_tokens)
         y = self.embed_step(state, prev_tokens)
         drops = (self._drop(state, "drop_q"), self._drop(state, "drop_d"))
-        log_probs, s, alpha = fused_step(self, y, state, state["s"], drops)
+        log_probs, s, alpha = fused_step(plan, y, state, state["s"], drops)
         return log_probs, step_state(state, alpha, True, s=s, pos=state["pos"] + 1)
 
     def _fused_step_applies(self, x: Tensor) -> bool:

@@ -1,3 +1,6 @@
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -36,3 +39,16 @@ def make_layer(cell, input_size, hidden_size, depth=0, layer_norm=False, bidirec
 
 def padding_mask(lengths, T, dtype=torch.float64):
     return (torch.arange(T).unsqueeze(1) < torch.as_tensor(lengths).unsqueeze(0)).to(dtype)
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def prepare_triton_interpreter() -> None:
+    """Call before setting TRITON_INTERPRET=1: imports triton and its compiler front end now, in compiled mode,
+    unless the variable was already set. triton decorates its own @jit library functions once, when it is first
+    imported, interpreted or compiled by what TRITON_INTERPRET said then (torch itself may import triton at any
+    moment, e.g. from torch._dynamo); imported first here, that library stays usable by the compiled-kernel tests
+    later in the process, and the backend's interpreted kernels do not use it (dtmt_kernels/triton/kernels.py)."""
+    if HAS_TRITON and os.environ.get("TRITON_INTERPRET") in (None, "", "0"):
+        import triton.compiler.code_generator  # noqa: F401

@@ -8,6 +8,8 @@ import torch
 import dtmt_kernels as dk
 import dtmt_models as dm
 
+from conftest import HAS_TRITON, prepare_triton_interpreter
+
 
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 def test_bench_cells_quick(tmp_path):
@@ -19,6 +21,27 @@ def test_bench_cells_quick(tmp_path):
         table = list(csv.DictReader(f))
     assert len(table) == len(rows)
     assert all(float(r["ms"]) > 0 and float(r["saved_B"]) > 0 for r in table)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_bench_cells_gpu_grid_under_interpreter(monkeypatch):
+    """The --device cuda grid (triton, the eager reference and torch.nn.GRU, fwd+bwd and fwd only) on CPU
+    tensors through triton's interpreter: the code the first session with a GPU runs has run here."""
+    from benchmarks import bench_cells
+    prepare_triton_interpreter()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rows = bench_cells.add_ratios(bench_cells.run_grid_cuda([(2, 2, 8)], [1], 1, device="cpu", peak_n=64), "cuda")
+    got = {(r["kind"], r["impl"], r["mode"]) for r in rows}
+    for kind in ("deep-transition", "gru", "atr"):
+        for impl in ("reference", "triton"):
+            assert {(kind, impl, "fwd+bwd"), (kind, impl, "fwd")} <= got
+    assert {("gru", "torch.nn.GRU", "fwd+bwd"), ("gru", "torch.nn.GRU", "fwd")} <= got
+    assert len(rows) == len(got)
+    for r in rows:
+        assert r["ms"] > 0 and r["dtype"] == "float32" and r["peak_MB"] != r["peak_MB"]   # no CUDA: NaN
+        assert (r["saved_B"] > 0) == (r["mode"] == "fwd+bwd")
+        assert r["speedup_vs_ref"] > 0 and r["vs_cudnn_gru"] > 0
+    bench_cells.print_table(rows, "interpreter", "cuda")
 
 
 def test_bench_train_quick(tmp_path):

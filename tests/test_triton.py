@@ -9,7 +9,6 @@ are tiny (T <= 4, B <= 3, H <= 17).
 
 Tests marked `gpu` run the compiled kernels on a CUDA device and skip without one.
 """
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,9 +20,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import dtmt_kernels as dk
 from dtmt_kernels import functional as Fn
 
-from conftest import make_layer, padding_mask
+from conftest import HAS_TRITON, make_layer, padding_mask, prepare_triton_interpreter
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 needs_gpu = [pytest.mark.gpu, needs_triton,
              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -44,12 +42,7 @@ def _triton_library_compiled() -> bool:
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     old = os.environ.get("TRITON_INTERPRET")
-    if HAS_TRITON and old in (None, "", "0"):
-        # Import triton and its compiler front end now, in compiled mode, before switching the interpreter on
-        # (torch itself may import triton at any moment, e.g. from torch._dynamo): its library then stays
-        # usable by compiled kernels (the GPU tests below), and the backend's interpreted kernels do not use
-        # triton's @jit library functions (see dtmt_kernels/triton/kernels.py).
-        import triton.compiler.code_generator  # noqa: F401
+    prepare_triton_interpreter()
     os.environ["TRITON_INTERPRET"] = "1"
     yield
     if old is None:
@@ -380,6 +373,15 @@ def test_gpu_compiled_matches_reference(compiled, cell, depth, dtype):
 def test_gpu_compiled_hidden_sizes(compiled, H):
     """One row per program at BLOCK 1..4096 (several warps; 16 warps at 4096)."""
     _gpu_check("lgru", 1, torch.float32, T=5, B=3, I=8, H=H)
+
+
+@needs_triton
+@pytest.mark.parametrize("cell,depth,dtype", [("lgru", 1, torch.float32), ("atr", 0, torch.bfloat16)],
+                         ids=["lgru-fp32", "atr-bf16"])
+def test_gpu_check_itself_under_interpreter(cell, depth, dtype):
+    """The GPU tests' check, run here on CPU tensors through the interpreter, so that its own code has run
+    before the first session with a GPU relies on it."""
+    _gpu_check(cell, depth, dtype, T=3, B=2, I=5, H=7, drop_p=0.3, device="cpu")
 
 
 for _mark in needs_gpu:

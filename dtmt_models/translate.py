@@ -295,7 +295,8 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
             print(f"{prog}: warning: {w.message}", file=sys.stderr)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    reporter.close(f"translated {len(sentences):,} sentences in {seconds:.1f}s "
+    noun = "sentence" if len(sentences) == 1 else "sentences"
+    reporter.close(f"translated {len(sentences):,} {noun} in {seconds:.1f}s "
                    f"({len(sentences) / max(seconds, 1e-9):.1f} sentences/s)")
     return results, seconds
 

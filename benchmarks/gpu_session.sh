@@ -4,11 +4,15 @@
 # float32 and bfloat16 (triton, cuda, eager reference, cuDNN torch.nn.GRU; fwd+bwd and fwd only; peak memory).
 #
 #   bash benchmarks/gpu_session.sh              # results under $OUT (default benchmarks/out/gpu)
+#   bash benchmarks/gpu_session.sh build tests  # only these stages (build, tests, bench), e.g. to split the
+#   bash benchmarks/gpu_session.sh bench        # work over two device calls on a machine still warm
 #
 # Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
 # has them all). Files written (six, at most two folders down): build.log, gpu_tests.log and, per dtype,
 # <dtype>/bench_cells_cuda.csv and .png; the tables themselves go to stdout. Copy the tables into
-# benchmarks/RESULTS.md with the device line they print.
+# benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests 240 s, each
+# benchmark 150 s) so that a hang cannot eat the call; a device call is at most 10 minutes, so if the build
+# takes more than ~2 minutes, run `build tests` and `bench` as two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -17,6 +21,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 status=0
+STAGES=${*:-build tests bench}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 echo "== device"
 nvidia-smi -L || true
@@ -26,22 +32,31 @@ triton.__version__, torch.cuda.get_device_name(0))" || exit 1
 : "${TORCH_CUDA_ARCH_LIST:=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")}"
 export TORCH_CUDA_ARCH_LIST
 
-echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)"
-start=$SECONDS
-if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
-  tail -60 "$OUT/build.log"
-  exit 1
+if want build; then
+  echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)"
+  start=$SECONDS
+  if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+    tail -60 "$OUT/build.log"
+    exit 1
+  fi
+  echo "built in $((SECONDS - start)) s"
 fi
-echo "built in $((SECONDS - start)) s"
-"$PY" -c "import dtmt_kernels as dk; print('backends:', dk.available_backends())" || exit 1
+# both GPU backends must be there: otherwise the tests below would check only one and still pass
+"$PY" -c "import dtmt_kernels as dk; b = dk.available_backends(); print('backends:', b); \
+assert {'triton', 'cuda'} <= set(b), 'a GPU backend is missing (see build.log)'" || exit 1
 
-echo "== GPU tests"
-"$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# deterministic mode (tests/conftest.py) with cuBLAS: older torch wants a fixed workspace
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+if want tests; then
+  echo "== GPU tests"
+  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if grep -q "skipped" "$OUT/gpu_tests.log"; then echo "GPU tests were skipped on a GPU machine"; status=1; fi
+fi
 
-for dtype in float32 bfloat16; do
+want bench && for dtype in float32 bfloat16; do
   echo "== bench_cells --device cuda --dtype $dtype"
-  "$PY" benchmarks/bench_cells.py --device cuda --dtype "$dtype" --T 50 --BH 1x512 8x512 64x512 \
+  timeout 150 "$PY" benchmarks/bench_cells.py --device cuda --dtype "$dtype" --T 50 --BH 1x512 8x512 64x512 \
     --depths 1 4 --repeat 10 --out "$OUT/$dtype" || status=1
 done
 exit $status

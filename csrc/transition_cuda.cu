@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -87,6 +88,24 @@ std::vector<int64_t> step_order(int64_t T, bool reverse) {
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
+// The kernels keep a row's gate values (forward: NG*H, backward: 2*NG*H of them, in A) in shared memory, NG the
+// largest layer-norm group count over the block's sub-cells. A hidden size whose row does not fit the device's
+// per-block limit is refused here, with the reason, rather than by cudaFuncSetAttribute's "invalid argument".
+template <typename A> void check_shared_memory(const Dims& d, int rows_per_group, const char* pass) {
+#if !defined(DTMT_CUDA_EMULATION)
+  const int64_t groups = std::max<int64_t>(d.n_g, d.D > 0 ? 2 : 0);
+  const size_t bytes = sizeof(A) * (cuda::kRed + static_cast<size_t>(rows_per_group * groups * d.H));
+  int device = 0, limit = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  TORCH_CHECK(bytes <= static_cast<size_t>(limit), "dtmt: the cuda backend's ", pass, " kernel needs ", bytes,
+              " bytes of shared memory per block at hidden size ", d.H, "; this device allows ", limit,
+              ". Use backend='triton' for this size.");
+#else
+  (void)d, (void)rows_per_group, (void)pass;
+#endif
+}
+
 template <typename S>
 std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                  const TransitionWeights& w, bool reverse, double eps) {
@@ -97,6 +116,7 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   const auto opts = x.options();
   const auto acc_opts = opts.dtype(acc_type(x.scalar_type()));
   const bool lp = acc_type(x.scalar_type()) != x.scalar_type();
+  check_shared_memory<A>(d, 1, "forward");
 
   Tensor xp = at::addmm(w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih.t()).view({T_, B, d.n_in * H});
   Tensor hs = at::empty({S_, T_, B, H}, acc_opts);
@@ -176,6 +196,7 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, BH = B * H, N = T_ * B;
+  check_shared_memory<A>(d, 2, "backward");
   const auto opts = x.options();
   const at::ScalarType acc = acc_type(x.scalar_type());
   const auto acc_opts = opts.dtype(acc);

@@ -8,7 +8,9 @@
 //
 // Launch: one block per batch row (grid = B), block_threads(H) threads looping over the row's H features,
 // dynamic shared memory for the row's gate pre-activations (forward) or normalised values and gradients
-// (backward), so any H works (above ~4k features the shared memory limit is raised per kernel).
+// (backward); above 48 KB the limit is raised per kernel, up to the device's opt-in maximum (on an H100,
+// 227 KB: H up to ~9,600 for float L-GRU / LAU backward, half that for double), and transition_cuda.cu
+// refuses larger rows with the reason.
 // Layer-norm statistics are block reductions in the accumulation type A (float, or double for double
 // storage); every thread sums the warp partials in the same order, so results are deterministic.
 // Storage type T: float, double, __half, __nv_bfloat16; states (hin / hout / carried gradients) are A.
@@ -175,7 +177,7 @@ template <typename T, typename A> struct StepBackwardArgs {
 // ---------------------------------------------------------------------------------------------- forward
 template <int KIND, typename T, typename A> __global__ void step_forward_kernel(StepForwardArgs<T, A> p) {
   constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   A* red = reinterpret_cast<A*>(smem_raw);
   A* g = red + kRed;  // [NG*H] pre-activations, then gate values (ATR: p and q)
   const int row = blockIdx.x, H = p.H;
@@ -248,7 +250,7 @@ template <int KIND, typename T, typename A> __global__ void step_forward_kernel(
 // --------------------------------------------------------------------------------------------- backward
 template <int KIND, typename T, typename A> __global__ void step_backward_kernel(StepBackwardArgs<T, A> p) {
   constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   A* red = reinterpret_cast<A*>(smem_raw);
   const int row = blockIdx.x, H = p.H;
   A* n = red + kRed;  // [NG*H] normalised (or raw) pre-activations

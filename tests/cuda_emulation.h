@@ -21,6 +21,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __shared__
+#define __align__(n)  // the one shared array below is alignas(16) itself
 
 typedef int cudaError_t;
 constexpr cudaError_t cudaSuccess = 0;
@@ -79,7 +80,7 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int offset) {
   return r;
 }
 
-// `extern __shared__ unsigned char smem_raw[]` inside the kernels (namespace dtmt::cuda) names this array.
+// `extern __shared__ __align__(16) unsigned char smem_raw[]` inside the kernels (namespace dtmt::cuda) names this array.
 namespace dtmt {
 namespace cuda {
 alignas(16) inline unsigned char smem_raw[1 << 20];

@@ -11,9 +11,9 @@ Subclasses create src_embed, tgt_embed, init_state, query_cell, attention, decod
 with candidate dropout get one mask per sentence, drawn at `encode` and kept (batch first) in the state.
 
 Decoding (`step` in eval mode without autograd, on the cpp backend) runs everything after the embedding lookup
-as one C++ call (`fused_step_plan` / `fused_step`: `dtmt_kernels.functional.rnmt_step`), the same arithmetic as the modules; at
-batch 1 the ~80 small PyTorch ops of a step cost more to dispatch than to compute (benchmarks/NOTES.md, log
-item 12). Nematus' one-level cGRU decoder uses the same `fused_step`.
+as one C++ call (`fused_step_plan` / `fused_step`: `dtmt_kernels.functional.rnmt_step`), the same arithmetic as
+the modules; at batch 1 the ~80 small PyTorch ops of a step cost more to dispatch than to compute
+(benchmarks/NOTES.md, log item 12). Nematus' one-level cGRU decoder uses the same `fused_step`.
 """
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ template <typename T> inline T __shfl_xor_sync(unsigned, T v, int offset) {
   return r;
 }
 
-// `extern __shared__ __align__(16) unsigned char smem_raw[]` inside the kernels (namespace dtmt::cuda) names this array.
+// `extern __shared__ __align__(16) unsigned char smem_raw[]` inside the kernels (namespace dtmt::cuda) names
+// this array.
 namespace dtmt {
 namespace cuda {
 alignas(16) inline unsigned char smem_raw[1 << 20];

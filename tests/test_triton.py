@@ -332,6 +332,8 @@ def test_kernels_compile_for_gpu(compiled, case):
 def _gpu_check(cell, depth, dtype, T, B, I, H, drop_p=0.0, device="cuda"):
     """triton (and cuda, when built) on the GPU against the float64 reference on the GPU: outputs and all
     gradients, relative to each tensor's largest entry; also forward under no_grad."""
+    import copy
+
     layer = make_layer(cell, I, H, depth=depth, layer_norm=True, dtype=torch.float32).to(device)
     with torch.no_grad():
         for p in layer.parameters():
@@ -344,37 +346,29 @@ def _gpu_check(cell, depth, dtype, T, B, I, H, drop_p=0.0, device="cuda"):
     if drop_p and cell != "atr":
         drop = (torch.rand(depth + 1, B, H, generator=gen) > drop_p).double() / (1 - drop_p)
     cuda = dict(device=device)
-    if device == "cuda":  # the float32 tolerance assumes IEEE float32 GEMMs (no TF32), whatever the environment
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            return _gpu_compare(layer, x, h0, mask, drop, dtype, cuda)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-    return _gpu_compare(layer, x, h0, mask, drop, dtype, cuda)
-
-
-def _gpu_compare(layer, x, h0, mask, drop, dtype, cuda):
-    import copy
-
-    device = cuda["device"]
     ref, g = _run(copy.deepcopy(layer).double(), x.double().to(device), h0.double().to(device), mask.to(device),
                   None if drop is None else drop.to(device), True, "reference")
     low = layer.to(dtype)
     tol = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
-    for backend in ["triton"] + (["cuda"] if "cuda" in dk.available_backends() else []):
-        args = (x.to(dtype=dtype, **cuda), h0.to(dtype=dtype, **cuda), mask.to(dtype=dtype, **cuda),
-                None if drop is None else drop.to(dtype=dtype, **cuda))
-        got, _ = _run(low, *args, True, backend, g[0].to(dtype), g[1].to(dtype))
-        for name in ref:
-            scale = ref[name].abs().max().item() + 1e-3
-            err = (got[name].double() - ref[name]).abs().max().item() / scale
-            assert err <= tol, f"{backend} {name}: relative error {err:.2e} > {tol}"
-        with torch.no_grad():
-            w = low.direction_weights(0)
-            out, h_n = Fn.transition_sequence(*args[:2], w, args[2], args[3], True, backend)
-        torch.testing.assert_close(out, got["out"].detach(), atol=0, rtol=0)
-        torch.testing.assert_close(h_n, got["h_n"].detach(), atol=0, rtol=0)
+    # the float32 tolerance assumes IEEE float32 GEMMs: TF32 off, whatever the environment asked for
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for backend in ["triton"] + (["cuda"] if "cuda" in dk.available_backends() else []):
+            args = (x.to(dtype=dtype, **cuda), h0.to(dtype=dtype, **cuda), mask.to(dtype=dtype, **cuda),
+                    None if drop is None else drop.to(dtype=dtype, **cuda))
+            got, _ = _run(low, *args, True, backend, g[0].to(dtype), g[1].to(dtype))
+            for name in ref:
+                scale = ref[name].abs().max().item() + 1e-3
+                err = (got[name].double() - ref[name]).abs().max().item() / scale
+                assert err <= tol, f"{backend} {name}: relative error {err:.2e} > {tol}"
+            with torch.no_grad():
+                w = low.direction_weights(0)
+                out, h_n = Fn.transition_sequence(*args[:2], w, args[2], args[3], True, backend)
+            torch.testing.assert_close(out, got["out"].detach(), atol=0, rtol=0)
+            torch.testing.assert_close(h_n, got["h_n"].detach(), atol=0, rtol=0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

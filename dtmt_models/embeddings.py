@@ -10,14 +10,16 @@ from torch import Tensor
 
 
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
-    """The Transformer's PE table [length, dim]: sin on even, cos on odd features."""
-    pos = torch.arange(length, device=device, dtype=torch.float32).unsqueeze(1)
-    i = torch.arange(0, dim, 2, device=device, dtype=torch.float32)
+    """The Transformer's PE table [length, dim]: sin on even, cos on odd features. Computed in float64 on the
+    CPU and rounded once to `dtype`, so the table is the same on every device (a float32 sin differs by an ulp
+    between CPU and GPU) and exact to the model's precision."""
+    pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)
+    i = torch.arange(0, dim, 2, dtype=torch.float64)
     angle = pos / torch.pow(10000.0, i / dim)
-    pe = torch.zeros(length, dim, device=device, dtype=torch.float32)
+    pe = torch.zeros(length, dim, dtype=torch.float64)
     pe[:, 0::2] = torch.sin(angle)
     pe[:, 1::2] = torch.cos(angle[:, : dim // 2])
-    return pe.to(dtype)
+    return pe.to(device=device, dtype=dtype)
 
 
 class TokenEmbedding(nn.Module):

@@ -28,7 +28,8 @@ State = Dict[str, Tensor]
 
 
 class Projection(nn.Module):
-    """log_softmax(W dropout(features) + b), W optionally tied to an embedding matrix [V, in_dim]."""
+    """log_softmax(W dropout(features) + b), W optionally tied to an embedding matrix [V, in_dim]. The
+    log-probabilities are float32 for half / bfloat16 models and in the model's own dtype otherwise."""
 
     def __init__(self, in_dim: int, vocab_size: int, dropout: float = 0.0,
                  tied_embedding: Optional[nn.Parameter] = None):
@@ -42,7 +43,8 @@ class Projection(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, features: Tensor) -> Tensor:
-        return torch.log_softmax(self.proj(self.dropout(features)).float(), dim=-1)
+        logits = self.proj(self.dropout(features))
+        return torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
 
 
 class Readout(nn.Module):

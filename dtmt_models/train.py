@@ -173,6 +173,8 @@ class Dist:
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda: no CUDA device is available")
+            if self.device.index is None:   # "cuda": the current device, named (set_device needs an index)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         if self.world > 1:
             import torch.distributed as td

@@ -210,3 +210,17 @@ def test_leaves_the_unigram_plateau_at_realistic_sizes(name):
     value = float(nll) / ntok
     assert value < 0.75 * unigram_entropy, (
         f"{name}: NLL {value:.2f} after 100 steps, unigram entropy {unigram_entropy:.2f} (stuck at the plateau)")
+
+
+@pytest.mark.parametrize("name", ["dtmt", "transformer"])
+def test_log_probs_keep_the_model_precision(name):
+    """float64 models give float64 log-probabilities (a float32 softmax would cap every check at 1e-7), float32
+    models float32, and half-precision models float32 (the softmax is never computed in 16 bits)."""
+    src, src_lengths, prev, _ = toy_batch()
+    opts = dict(heads=2, encoder_layers=1, decoder_layers=1, hidden_size=32) if name == "transformer" else {}
+    for dtype, expected in ((torch.float64, torch.float64), (torch.float32, torch.float32),
+                            (torch.bfloat16, torch.float32)):
+        model = build(name, **opts).to(dtype).eval()
+        if dtype == torch.bfloat16 and hasattr(model, "set_backend"):
+            model.set_backend("reference")
+        assert model(src, src_lengths, prev).dtype == expected, dtype

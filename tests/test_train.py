@@ -171,3 +171,18 @@ def test_every_system_has_a_preset():
     assert set(PRESETS) == set(list_models())
     with pytest.raises(ValueError, match="presets"):
         get_preset("dtmt", "huge")
+
+
+def test_device_cuda_without_index_names_the_current_device(monkeypatch):
+    """`--device cuda` (and `auto` on a GPU machine) must become cuda:N before torch.cuda.set_device, which
+    refuses a device without an index (seen on the first GPU machine: every `dtmt train --device cuda` failed)."""
+    from dtmt_models.train import Dist
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
+    for arg in ("cuda", "auto"):
+        assert Dist(arg).device == torch.device("cuda", 0)
+    assert Dist("cuda:0").device == torch.device("cuda", 0)
+    assert chosen == [torch.device("cuda", 0)] * 3

@@ -1,0 +1,101 @@
+"""The NMT systems on a CUDA device (marked gpu: skipped without one). Every system configuration of test_models,
+moved to the GPU with its fastest GPU backend, against the same model on the CPU with the reference backend:
+the teacher-forced loss and every parameter's gradient in float64, the loss in float32 (TF32 off), and beam
+search's hypotheses. Then the command line end to end with --device cuda. DTMT_GPU_TEST_DEVICE=cpu runs the
+same code on the CPU (the cpp backend against the reference), to try this file where no GPU is."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from test_models import CONFIGS, IDS, V_TGT, build, toy_batch
+
+from dtmt_models.beam_search import beam_search
+
+DEVICE = os.environ.get("DTMT_GPU_TEST_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _loss_and_grads(model, batch):
+    src, src_lengths, prev, tgt = batch
+    model.zero_grad(set_to_none=True)
+    loss, _, _ = model.loss(src, src_lengths, prev, tgt, smoothing=0.1)
+    loss.backward()
+    return loss.detach().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()
+                                 if p.grad is not None}
+
+
+@pytest.fixture
+def ieee_float32():
+    """float32 GEMMs in IEEE precision, whatever the environment asked for (TF32 would need 1e-3 tolerances)."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_system_on_gpu_matches_cpu_reference(name, options, ieee_float32):
+    cpu = build(name, **options).double().eval()
+    if hasattr(cpu, "set_backend"):
+        cpu.set_backend("reference")
+    gpu = copy.deepcopy(cpu).to(DEVICE)
+    if hasattr(gpu, "set_backend"):
+        gpu.set_backend("auto")
+    batch = toy_batch(B=4)
+    ref_loss, ref_grads = _loss_and_grads(cpu, batch)
+    loss, grads = _loss_and_grads(gpu, tuple(t.to(DEVICE) for t in batch))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-9)
+    assert grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-7, atol=1e-9, msg=lambda m: f"{n}: {m}")
+    # float32 on the GPU (the fused kernels' float path) against the float64 CPU loss
+    loss32, _ = _loss_and_grads(gpu.float(), tuple(t.to(DEVICE) for t in batch))
+    assert abs(loss32.item() - ref_loss.item()) <= 1e-4 * max(1.0, abs(ref_loss.item())), (loss32, ref_loss)
+    # decoding: the same hypotheses (the float64 models' scores agree to far more than any tie)
+    src, src_lengths = batch[0], batch[1]
+    hyp_cpu = beam_search(cpu, src, src_lengths, beam=3, max_len_a=1.0, max_len_b=3)
+    hyp_gpu = beam_search(gpu.double(), src.to(DEVICE), src_lengths.to(DEVICE), beam=3, max_len_a=1.0, max_len_b=3)
+    assert [[h.tokens for h in s] for s in hyp_gpu] == [[h.tokens for h in s] for s in hyp_cpu]
+
+
+@pytest.mark.parametrize("name", ["dtmt", "nematus", "rnnsearch-atr"])
+def test_training_mode_on_gpu_is_finite(name):
+    """Dropouts on (the fused kernels' candidate-dropout path on the GPU): loss and gradients finite."""
+    model = build(name, dropout=0.2).to(DEVICE).train()
+    src, src_lengths, prev, tgt = (t.to(DEVICE) for t in toy_batch(B=4))
+    loss, _, n = model.loss(src, src_lengths, prev, tgt, smoothing=0.1)
+    (loss / n).backward()
+    assert torch.isfinite(loss)
+    for pn, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.isfinite(p.grad).all(), pn
+    assert model(src, src_lengths, prev).shape == (4, prev.shape[1], V_TGT)
+
+
+def test_command_line_on_gpu(tmp_path):
+    """prepare -> train --device cuda -> translate / evaluate --device cuda, as a user with a GPU runs it."""
+    from test_pipeline import dtmt
+    from test_train import make_toy_corpus
+
+    raw = make_toy_corpus(tmp_path / "raw", n_train=640, n_dev=0, n_test=0)
+    data = str(tmp_path / "data")
+    dtmt("prepare", "files", "--src", os.path.join(raw, "train.es"), "--tgt", os.path.join(raw, "train.en"),
+         "--out", data, "--holdout", "20")
+    run = str(tmp_path / "run")
+    r = dtmt("train", "--data", data, "--model", "dtmt", "--out", run, "--vocab-size", "60", "--opt", "embed_dim=32",
+             "--opt", "hidden_size=64", "--max-tokens", "600", "--lr", "3e-3", "--max-steps", "300",
+             "--valid-every", "100", "--log-every", "50", "--progress", "lines", "--device", DEVICE)
+    assert "stopped: reached --max-steps 300" in r.stdout
+    src_lines = open(os.path.join(data, "test.es"), encoding="utf-8").read().splitlines()
+    r = dtmt("translate", "--checkpoint", os.path.join(run, "best.pt"), "--beam", "3", "--quiet", "--device", DEVICE,
+             stdin="\n".join(src_lines[:3]) + "\n")
+    assert len(r.stdout.splitlines()) == 3
+    out = str(tmp_path / "eval")
+    dtmt("evaluate", "--checkpoint", os.path.join(run, "best.pt"), "--data", data, "--split", "test",
+         "--out-dir", out, "--device", DEVICE)
+    with open(os.path.join(out, "scores.json")) as f:
+        assert json.load(f)["bleu"] > 30

@@ -3,6 +3,7 @@
     python benchmarks/bench_train.py                  # every system, small preset sizes, table + CSV + PNG
     python benchmarks/bench_train.py --systems dtmt transformer --steps 5 --quick
     python benchmarks/bench_train.py --one dtmt cpp --profile 25   # one pair, where its time goes
+    python benchmarks/bench_train.py --device cuda --preset paper --fused cuda triton --max-tokens 4000
 
 Each (system, backend) pair is measured in a fresh subprocess (so the peak resident memory belongs to that
 pair alone) on the same synthetic batches: a token budget of --max-tokens target tokens, source and target
@@ -49,9 +50,10 @@ def synthetic_batches(n: int, max_tokens: int, vocab: int, seed: int = 0):
 
 
 def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: int, vocab: int, threads: int,
-                profile: int = 0):
+                profile: int = 0, device: str = "cpu", preset: str = "small"):
     """One (system, backend) pair in this process. With profile > 0, the timed updates run under
-    torch.profiler and the `profile` ops with the most self CPU time are printed to stderr."""
+    torch.profiler and the `profile` ops with the most self CPU time are printed to stderr. On a CUDA device
+    the timed updates end with a synchronisation, and peak_gpu_MB is the device memory's peak."""
     import contextlib
 
     import torch
@@ -64,12 +66,14 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = build_model(system, vocab, vocab, **get_preset(system, "small")["model"])
+    model = build_model(system, vocab, vocab, **get_preset(system, preset)["model"]).to(device)
     if backend != "-":
         model.set_backend(backend)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    batches = [collate(b) for b in synthetic_batches(warmup + steps, max_tokens, vocab)]
+    batches = [tuple(t.to(device) for t in collate(b))
+               for b in synthetic_batches(warmup + steps, max_tokens, vocab)]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def update(batch, saved=None):
         src, lengths, prev, target = batch
@@ -100,17 +104,22 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     update(batches[0], saved)
     for b in batches[1:warmup]:
         update(b)
+    sync()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     with prof if prof is not None else contextlib.nullcontext():
         tokens, t0 = 0, time.perf_counter()
         for b in batches[warmup:]:
             tokens += update(b)
+        sync()
         elapsed = time.perf_counter() - t0
     if prof is not None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile), file=sys.stderr)
     return {"system": system, "backend": backend, "params": sum(p.numel() for p in model.parameters()),
             "tok_s": tokens / elapsed, "ms_per_update": 1000 * elapsed / steps, "saved_MB": saved.bytes / 2 ** 20,
-            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_gpu_MB": torch.cuda.max_memory_allocated() / 2 ** 20 if device.startswith("cuda") else None}
 
 
 def run(argv=None):
@@ -120,7 +129,10 @@ def run(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
-    p.add_argument("--fused", default="auto", help="the fused backend to compare (auto: cpp on CPU)")
+    p.add_argument("--fused", nargs="+", default=["auto"],
+                   help="the fused backend(s) to compare with the reference (auto: cpp on CPU, cuda on a GPU)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--preset", default="small", choices=["small", "paper"], help="the systems' sizes")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=2000)
@@ -136,40 +148,46 @@ def run(argv=None):
     if a.quick:
         a.steps, a.warmup, a.max_tokens, a.vocab = 2, 1, 300, 200
     if a.one:
-        print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads, a.profile)))
+        print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads, a.profile,
+                                     a.device, a.preset)))
         return []
     rows = []
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for system in a.systems:
-        for backend in (("-",) if system == "transformer" else (a.fused, "reference")):
+        for backend in (("-",) if system == "transformer" else (*a.fused, "reference")):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
                    "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
-                   "--threads", str(a.threads)]
+                   "--threads", str(a.threads), "--device", a.device, "--preset", a.preset]
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode != 0:
                 raise RuntimeError(f"{system}/{backend} failed:\n{r.stderr}")
             row = json.loads(r.stdout.strip().splitlines()[-1])
             rows.append(row)
+            gpu = f"  {row['peak_gpu_MB']:7.0f} MB GPU peak" if row.get("peak_gpu_MB") is not None else ""
             print(f"  {system:<14s} {backend:<9s} {row['tok_s']:9,.0f} tok/s  {row['saved_MB']:8.1f} MB saved  "
-                  f"{row['peak_rss_MB']:7.0f} MB peak", flush=True)
+                  f"{row['peak_rss_MB']:7.0f} MB peak{gpu}", flush=True)
     by = {(r["system"], r["backend"]): r for r in rows}
     for r in rows:
         ref = by.get((r["system"], "reference"))
         r["speedup"] = r["tok_s"] / ref["tok_s"] if ref and r["backend"] not in ("reference", "-") else None
     os.makedirs(a.out, exist_ok=True)
-    fields = ["system", "backend", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB", "speedup"]
+    fields = ["system", "backend", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB", "peak_gpu_MB",
+              "speedup"]
     with open(os.path.join(a.out, "bench_train.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fields)
         w.writeheader()
         w.writerows(rows)
-    print(f"\nTraining throughput ({machine_name()}; max_tokens {a.max_tokens}, vocab {a.vocab}, "
-          f"{a.steps} updates after {a.warmup} warm-up)\n")
-    print("| system | backend | params | target tok/s | ms/update | saved MB | peak RSS MB | fused/ref |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print(f"\nTraining throughput ({machine_name(a.device)}; {a.preset} presets, max_tokens {a.max_tokens}, "
+          f"vocab {a.vocab}, {a.steps} updates after {a.warmup} warm-up)\n")
+    on_gpu = a.device.startswith("cuda")
+    print("| system | backend | params | target tok/s | ms/update | saved MB | peak RSS MB |"
+          + (" peak GPU MB |" if on_gpu else "") + " fused/ref |")
+    print("|---|---|---:|---:|---:|---:|---:|" + ("---:|" if on_gpu else "") + "---:|")
     for r in rows:
         sp = f"{r['speedup']:.2f}×" if r["speedup"] else ""
+        gpu = f" {r['peak_gpu_MB']:.0f} |" if on_gpu else ""
         print(f"| {r['system']} | {r['backend']} | {r['params']:,} | {r['tok_s']:,.0f} | {r['ms_per_update']:.0f} | "
-              f"{r['saved_MB']:.1f} | {r['peak_rss_MB']:.0f} | {sp} |")
+              f"{r['saved_MB']:.1f} | {r['peak_rss_MB']:.0f} |{gpu} {sp} |")
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Everything issue 3 asks of a GPU machine, in one command: build the extension with its CUDA kernels, run the
-# GPU tests (triton and cuda backends against the float64 reference, every dtype), then the GPU benchmark in
-# float32 and bfloat16 (triton, cuda, eager reference, cuDNN torch.nn.GRU; fwd+bwd and fwd only; peak memory).
+# Everything a GPU machine is wanted for, in one command: build the extension with its CUDA kernels, run the
+# GPU tests (triton and cuda backends against the float64 reference, every dtype; every system on the GPU
+# against the CPU reference; the command line with --device cuda), the kernel benchmark in float32 and
+# bfloat16 (triton, cuda, eager reference, cuDNN torch.nn.GRU; fwd+bwd and fwd only; peak memory), where a
+# layer's time goes (gpu_profile.py: host launches against device work, CUDA-graph replay), and whole systems'
+# training throughput on the GPU (bench_train.py --device cuda, paper presets).
 #
-#   bash benchmarks/gpu_session.sh              # results under $OUT (default benchmarks/out/gpu)
-#   bash benchmarks/gpu_session.sh build tests  # only these stages (build, tests, bench), e.g. to split the
-#   bash benchmarks/gpu_session.sh bench        # work over two device calls on a machine still warm
+#   bash benchmarks/gpu_session.sh                      # stages build tests bench; results under $OUT
+#   bash benchmarks/gpu_session.sh build tests profile  # only these stages (build, tests, bench, profile,
+#   bash benchmarks/gpu_session.sh bench train          # train), e.g. to split the work over device calls
 #
 # Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
-# has them all). Files written (six, at most two folders down): build.log, gpu_tests.log and, per dtype,
-# <dtype>/bench_cells_cuda.csv and .png; the tables themselves go to stdout. Copy the tables into
-# benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests 240 s, each
-# benchmark 150 s) so that a hang cannot eat the call; a device call is at most 10 minutes, so if the build
-# takes more than ~2 minutes, run `build tests` and `bench` as two calls.
+# has them all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
+# <dtype>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
+# (train); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line
+# they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train
+# 240 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, bench
+# 148 s; a device call is at most 10 minutes, so run `build tests` and the rest as separate calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -49,7 +53,7 @@ assert {'triton', 'cuda'} <= set(b), 'a GPU backend is missing (see build.log)'"
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 if want tests; then
   echo "== GPU tests"
-  timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout 360 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if grep -q "skipped" "$OUT/gpu_tests.log"; then echo "GPU tests were skipped on a GPU machine"; status=1; fi
 fi
@@ -59,4 +63,15 @@ want bench && for dtype in float32 bfloat16; do
   timeout 150 "$PY" benchmarks/bench_cells.py --device cuda --dtype "$dtype" --T 50 --BH 1x512 8x512 64x512 \
     --depths 1 4 --repeat 10 --out "$OUT/$dtype" || status=1
 done
+if want profile; then
+  echo "== gpu_profile (float32)"
+  set -o pipefail
+  timeout 120 "$PY" benchmarks/gpu_profile.py 2>&1 | tee "$OUT/gpu_profile.md" || status=1
+  set +o pipefail
+fi
+if want train; then
+  echo "== bench_train --device cuda --preset paper"
+  timeout 240 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 6 \
+    --systems dtmt nematus rnnsearch-atr transformer --fused cuda triton --out "$OUT/train" || status=1
+fi
 exit $status

@@ -1,0 +1,137 @@
+"""Where a GPU backend's time goes in one recurrent layer: the host launching work, or the device doing it.
+
+    python benchmarks/gpu_profile.py                       # on a CUDA machine: T=50, H=512, B 1 8 64, float32
+    python benchmarks/gpu_profile.py --B 8 --backends cuda --dtype bfloat16
+
+For each layer (GRU: depth 0, no layer norm; DT: L-GRU depth 4 with layer norm; ATR) and batch size, one
+forward + backward (the output summed, as in bench_cells.py) with each backend, reported as:
+  eager_ms    wall time of the fwd+bwd as a user calls it (median of --repeat, synchronised)
+  kernel_ms   the summed durations of the GPU kernels and copies of one fwd+bwd (torch.profiler): the device's
+              own work; eager_ms - kernel_ms is time the device waits for the host
+  launches    kernels and copies in one fwd+bwd
+  host_us     (eager_ms - kernel_ms) per launch: the host's cost of one launch and its bookkeeping
+  graph_ms    the same fwd+bwd replayed as a CUDA graph (torch.cuda.make_graphed_callables), i.e. with the
+              host's per-launch cost gone; "-" with the reason if the layer cannot be captured
+  cudnn_ms    torch.nn.GRU (cuDNN) of the same size, fwd+bwd, eager and graphed, on the GRU rows
+The device is named in the first line. With --device cpu (a test of this script) the profiler sees no kernels
+and no graph is captured.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import dtmt_kernels as dk  # noqa: E402
+from bench_cells import machine_name  # noqa: E402
+
+
+def layer_for(kind: str, H: int, backend: str):
+    if kind == "GRU":
+        return dk.nn.DeepTransitionGRU(H, H, depth=0, cell="gru", layer_norm=False, backend=backend)
+    if kind == "DT":
+        return dk.nn.DeepTransitionGRU(H, H, depth=4, cell="lgru", layer_norm=True, backend=backend)
+    if kind == "ATR":
+        return dk.nn.ATR(H, H, backend=backend)
+    if kind == "cuDNN":
+        return torch.nn.GRU(H, H)
+    raise ValueError(kind)
+
+
+def fwd_bwd(layer, x):
+    def run():
+        layer.zero_grad(set_to_none=True)
+        out, _ = layer(x)
+        out.sum().backward()
+    return run
+
+
+def wall_ms(fn, repeat: int, device: str) -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def device_work(fn, device: str):
+    """(summed kernel and copy durations in ms, their count) of one call of fn."""
+    from torch.autograd import DeviceType
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    kern = [e for e in prof.events() if e.device_type in (DeviceType.CUDA,)]
+    return sum(e.time_range.elapsed_us() for e in kern) / 1e3, len(kern)
+
+
+def graphed_ms(kind: str, H: int, backend: str, x, repeat: int) -> str:
+    """fwd+bwd replayed as a CUDA graph, or '- (reason)'."""
+    try:
+        layer = layer_for(kind, H, backend).to(x.device, x.dtype)
+        graphed = torch.cuda.make_graphed_callables(layer, (x,))
+        return f"{wall_ms(fwd_bwd(graphed, x), repeat, 'cuda'):.2f}"
+    except Exception as e:  # reported in the table: a layer that cannot be captured is a finding too
+        return f"- ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", type=int, default=50)
+    p.add_argument("--H", type=int, default=512)
+    p.add_argument("--B", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--kinds", nargs="+", default=["GRU", "DT", "ATR"], choices=["GRU", "DT", "ATR"])
+    p.add_argument("--backends", nargs="+", default=None, help="default: every GPU backend built (cuda, triton)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    backends = a.backends or ([b for b in ("cuda", "triton") if b in dk.available_backends()] if a.device == "cuda"
+                              else ["cpp"])
+    dtype = getattr(torch, a.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"# {machine_name(a.device)}; T={a.T}, H={a.H}, {a.dtype}, fwd+bwd, median of {a.repeat}")
+    print("| layer | B | impl | eager_ms | kernel_ms | launches | host_us | graph_ms |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for kind in a.kinds:
+        for B in a.B:
+            torch.manual_seed(0)
+            x = torch.randn(a.T, B, a.H, device=a.device, dtype=dtype, requires_grad=True)
+            impls = [(b, b) for b in backends] + ([("cuDNN", "-")] if kind == "GRU" else [])
+            for name, backend in impls:
+                k = "cuDNN" if name == "cuDNN" else kind
+                try:
+                    layer = layer_for(k, a.H, backend).to(a.device, dtype)
+                    fn = fwd_bwd(layer, x)
+                    eager = wall_ms(fn, a.repeat, a.device)
+                    kern, n = device_work(fn, a.device)
+                    host = 1e3 * (eager - kern) / n if n else float("nan")
+                    graph = graphed_ms(k, a.H, backend, x, a.repeat) if a.device == "cuda" else "-"
+                    print(f"| {kind} | {B} | {name} | {eager:.2f} | {kern:.2f} | {n} | {host:.1f} | {graph} |",
+                          flush=True)
+                except Exception as e:
+                    print(f"| {kind} | {B} | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |||||",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,8 @@
 //   backward: per step and sub-cell (reverse order): one fused kernel recomputing the forward from the saved
 //             pre-activations, then one GEMM d(hp) U for the path to the input state; weight gradients as
 //             GEMMs after the loop, bias and layer-norm gradients as column sums (deterministic)
+// The per-step GEMMs of a batch of at most kSmallGemmRows rows are the small-row kernel of the .cuh, launched
+// on raw pointers; larger batches use ATen's mm (cuBLAS). The choice is made once per call, from B.
 // Storage in the input dtype (float, double, half, bfloat16); states, carried gradients and all kernel
 // arithmetic in float (double for double inputs). Nothing synchronises with the host inside the loops.
 #include <ATen/ATen.h>
@@ -54,6 +56,11 @@ template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
 #endif
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
+
+// Batch rows up to which the time loops' GEMMs are the small-row kernel: a step then costs the host two kernel
+// launches, where ATen's mm adds a dispatch and tensor views that cost more host time than the GEMM takes on
+// the device at these sizes (benchmarks/NOTES.md item 17).
+constexpr int64_t kSmallGemmRows = 64;
 
 template <typename T, typename S> const T* cptr(const Tensor& t, int64_t offset = 0) {
   return present(t) ? reinterpret_cast<const T*>(t.data_ptr<S>()) + offset : nullptr;
@@ -131,9 +138,23 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
 
   const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const Tensor w_hh_t = w.w_hh.t();
+  const bool small = B <= kSmallGemmRows;
+  const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
+  const Tensor w_hh_t = w_hh.t();
   std::vector<Tensor> t_w_t;
-  for (int64_t k = 0; k < D; ++k) t_w_t.push_back(w.t_w[k].t());
+  if (!small)
+    for (int64_t k = 0; k < D; ++k) t_w_t.push_back(t_w[k].t());
+  // hs_lp's rows [k][t] are the GEMMs' inputs (the state in the GEMM dtype)
+  auto gemm_forward = [&](int64_t k, int64_t t, const T* u, T* c, int64_t n) {
+    if (small) {
+      const cuda::GemmArgs<T> g{cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B),
+                                static_cast<int>(n), static_cast<int>(H)};
+      C10_CUDA_CHECK((cuda::launch_small_gemm<true, T, A>(g, stream)));
+    } else {
+      Tensor out_rows = k == 0 ? hp[t] : hpt[k - 1][t];
+      at::mm_out(out_rows, hs_lp[k][t], k == 0 ? w_hh_t : t_w_t[k - 1]);
+    }
+  };
 
   for (int64_t step = 0; step < T_; ++step) {
     const int64_t t = order[step];
@@ -141,8 +162,7 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
       cuda::StepForwardArgs<T, A> a{};
       int kind;
       if (k == 0) {
-        Tensor hp_t = hp[t];
-        at::mm_out(hp_t, hs_lp[0][t], w_hh_t);
+        gemm_forward(0, t, cptr<T, S>(w_hh), mptr<T, S>(hp, t * B * d.n_h * H), d.n_h * H);
         kind = static_cast<int>(w.kind);
         a.xp = cptr<T, S>(xp, t * B * d.n_in * H);
         a.hp = cptr<T, S>(hp, t * B * d.n_h * H);
@@ -150,8 +170,8 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
         a.lnw = ln ? cptr<T, S>(w.ln_w) : nullptr;
         a.lnb = ln ? cptr<T, S>(w.ln_b) : nullptr;
       } else {
-        Tensor hpt_k = hpt[k - 1][t];
-        at::mm_out(hpt_k, hs_lp[k][t], t_w_t[k - 1]);
+        gemm_forward(k, t, cptr<T, S>(t_w, (k - 1) * 3 * H * H), mptr<T, S>(hpt, ((k - 1) * T_ + t) * B * 3 * H),
+                     3 * H);
         kind = kTGRU;
         a.xp = nullptr;
         a.hp = cptr<T, S>(hpt, ((k - 1) * T_ + t) * B * 3 * H);
@@ -219,6 +239,21 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   bool has_cg = false;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto order = step_order(T_, reverse);
+  const bool small = B <= kSmallGemmRows;
+  const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
+  // out[B, H] = d(pre-activations)[B, n] . U[n, H]; the pre-activation gradients and U are rows of `dpre`
+  // and `u` from the element offsets given
+  auto gemm_backward = [&](Tensor& out, const Tensor& dpre, int64_t dpre_off, const Tensor& u, int64_t u_off,
+                           int64_t n) {
+    if (small) {
+      const cuda::GemmArgs<T> g{cptr<T, S>(dpre, dpre_off), cptr<T, S>(u, u_off), mptr<T, S>(out),
+                                static_cast<int>(B), static_cast<int>(H), static_cast<int>(n)};
+      C10_CUDA_CHECK((cuda::launch_small_gemm<false, T, A>(g, stream)));
+    } else {
+      at::mm_out(out, dpre.view({-1}).narrow(0, dpre_off, B * n).view({B, n}),
+                 u.view({-1}).narrow(0, u_off, n * H).view({n, H}));
+    }
+  };
 
   for (int64_t step = T_ - 1; step >= 0; --step) {
     const int64_t t = order[step];
@@ -268,11 +303,11 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
       const cudaError_t err = cuda::launch_step_backward<T, A>(kind, a, static_cast<int>(B), stream);
       C10_CUDA_CHECK(err);
       if (base) {
-        at::mm_out(carry_g, dhp[t], w.w_hh);
+        gemm_backward(carry_g, dhp, t * B * d.n_h * H, w_hh, 0, d.n_h * H);
         c = 1 - c;
         has_cg = true;
       } else {
-        at::mm_out(inner_g, dhpt[k - 1][t], w.t_w[k - 1]);
+        gemm_backward(inner_g, dhpt, ((k - 1) * T_ + t) * B * 3 * H, t_w, (k - 1) * 3 * H * H, 3 * H);
         i = 1 - i;
       }
     }

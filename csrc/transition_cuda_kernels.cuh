@@ -353,6 +353,75 @@ template <int KIND, typename T, typename A> __global__ void step_backward_kernel
   }
 }
 
+// --------------------------------------------------------------------------------------- small-row GEMM
+// The time loops' recurrent products when the batch is small: c[M, N] = a[M, K] . w^T with w [N, K] row-major
+// (W_T: the forward's h U^T) or a[M, K] . w with w [K, N] (the backward's d(U h) U). One block per
+// kGemmBM x kGemmBN tile of c (1-D grid, column tiles fastest), kGemmThreads threads: each owns one column of
+// the tile and kGemmRows consecutive rows (a warp shares its rows, so the a-tile reads are broadcasts). K is
+// staged through shared memory in chunks of gemm_bk<A>() (25 KB of tiles: few chunks, since each chunk's loads
+// are a round trip to L2 that the block waits for), converted to the accumulation type A; each output is a sum
+// in ascending k, so the result does not depend on the launch.
+constexpr int kGemmBM = 16, kGemmBN = 32, kGemmThreads = 128;
+constexpr int kGemmRows = kGemmBM * kGemmBN / kGemmThreads;
+template <typename A> __host__ __device__ constexpr int gemm_bk() { return sizeof(A) == 8 ? 64 : 128; }
+template <typename A> inline size_t gemm_smem() {
+  return sizeof(A) * (kGemmBM * gemm_bk<A>() + gemm_bk<A>() * (kGemmBN + 1));
+}
+
+template <typename T> struct GemmArgs {
+  const T* a;  // [M, K]
+  const T* w;  // [N, K] (W_T) or [K, N]
+  T* c;        // [M, N]
+  int M, N, K;
+};
+
+template <bool W_T, typename T, typename A> __global__ void small_gemm_kernel(GemmArgs<T> p) {
+  constexpr int kGemmBK = gemm_bk<A>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* as = reinterpret_cast<A*>(smem_raw);  // [kGemmBM][kGemmBK]
+  A* ws = as + kGemmBM * kGemmBK;          // [kGemmBK][kGemmBN + 1] (padded: the transposing stores of W_T)
+  const int tiles_n = (p.N + kGemmBN - 1) / kGemmBN;
+  const int m0 = (blockIdx.x / tiles_n) * kGemmBM, n0 = (blockIdx.x % tiles_n) * kGemmBN;
+  const int col = threadIdx.x % kGemmBN, r0 = (threadIdx.x / kGemmBN) * kGemmRows;
+  A acc[kGemmRows];
+  for (int i = 0; i < kGemmRows; ++i) acc[i] = A(0);
+  for (int k0 = 0; k0 < p.K; k0 += kGemmBK) {
+    for (int e = threadIdx.x; e < kGemmBM * kGemmBK; e += kGemmThreads) {
+      const int m = m0 + e / kGemmBK, k = k0 + e % kGemmBK;
+      as[e] = (m < p.M && k < p.K) ? ld<A>(p.a + static_cast<size_t>(m) * p.K, k) : A(0);
+    }
+    for (int e = threadIdx.x; e < kGemmBN * kGemmBK; e += kGemmThreads) {
+      const int n = W_T ? e / kGemmBK : e % kGemmBN, kk = W_T ? e % kGemmBK : e / kGemmBN;
+      const int gn = n0 + n, gk = k0 + kk;
+      A v = A(0);
+      if (gn < p.N && gk < p.K)
+        v = W_T ? ld<A>(p.w + static_cast<size_t>(gn) * p.K, gk) : ld<A>(p.w + static_cast<size_t>(gk) * p.N, gn);
+      ws[kk * (kGemmBN + 1) + n] = v;
+    }
+    __syncthreads();
+    for (int kk = 0; kk < kGemmBK; ++kk) {
+      const A wv = ws[kk * (kGemmBN + 1) + col];
+      for (int i = 0; i < kGemmRows; ++i) acc[i] += as[(r0 + i) * kGemmBK + kk] * wv;
+    }
+    __syncthreads();
+  }
+  const int n = n0 + col;
+  if (n >= p.N) return;
+  for (int i = 0; i < kGemmRows; ++i) {
+    const int m = m0 + r0 + i;
+    if (m < p.M) st<A>(p.c + static_cast<size_t>(m) * p.N, n, acc[i]);
+  }
+}
+
+template <bool W_T, typename T, typename A>
+inline cudaError_t launch_small_gemm(const GemmArgs<T>& g, cudaStream_t stream) {
+  const int grid = ((g.M + kGemmBM - 1) / kGemmBM) * ((g.N + kGemmBN - 1) / kGemmBN);
+  const size_t smem = gemm_smem<A>();
+  auto* kernel = &small_gemm_kernel<W_T, T, A>;
+  DTMT_LAUNCH(kernel, grid, kGemmThreads, smem, stream, g);
+  return cudaGetLastError();
+}
+
 // ---------------------------------------------------------------------------------------------- launch
 template <int KIND, typename A> inline size_t forward_smem(int H) {
   return sizeof(A) * (kRed + static_cast<size_t>(Rows<KIND>::groups) * H);

@@ -211,39 +211,55 @@ def _emulated_sequence(ext):
 EMULATED_CASES = [(c, d) for c in ("gru", "lgru", "lau") for d in (0, 2)] + [("atr", 0)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-def test_cuda_kernels_emulated(emulated_cuda_ext, dtype):
-    """Every cell x depth {0, 2} x layer norm on/off, masked + reversed + candidate dropout and plain: the
-    CUDA driver and kernels (emulated on host threads) against the reference, outputs and all gradients."""
+def _compare_emulated(run_emulated, cell, depth, ln, full_features, dtype, B=3, T=3, H=37):
+    """The emulated CUDA backend against the reference: outputs and all gradients. full_features: padding mask
+    + reverse direction + candidate dropout together, or none of them."""
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_layer, padding_mask
     from dtmt_kernels import reference as R
 
-    run_emulated = _emulated_sequence(emulated_cuda_ext)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
-    # full_features: padding mask + reverse direction + candidate dropout together, or none of them
+    layer = make_layer(cell, 3, H, depth=depth, layer_norm=ln, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, B, 3, generator=gen, dtype=dtype)
+    h0 = torch.randn(B, H, generator=gen, dtype=dtype)
+    lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
+    mask = padding_mask(lengths, T, dtype) if full_features else None
+    drop = ((torch.rand(depth + 1, B, H, generator=gen) > 0.3).to(dtype) / 0.7
+            if full_features and cell != "atr" else None)
+    g_out = torch.randn(T, B, H, generator=gen, dtype=dtype)
+    g_h = torch.randn(B, H, generator=gen, dtype=dtype)
+    results = []
+    for fn in (R.transition_sequence, run_emulated):
+        names = [n for n, _ in layer.named_parameters()]
+        xi, hi = x.clone().requires_grad_(), h0.clone().requires_grad_()
+        ps = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+        out, h_n = fn(xi, hi, layer.direction_weights(0, dict(zip(names, ps))), mask, drop, full_features)
+        ((out * g_out).sum() + (h_n * g_h).sum()).backward()
+        results.append([out, h_n, xi.grad, hi.grad] + [p.grad for p in ps])
+    labels = ["out", "h_n", "dx", "dh0"] + [n for n, _ in layer.named_parameters()]
+    for label, ref, got in zip(labels, *results):
+        scale = max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(got, ref, atol=tol * scale, rtol=tol,
+                                   msg=lambda m: f"{cell}-d{depth} ln={ln} masked={full_features} B={B} {label}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_cuda_kernels_emulated(emulated_cuda_ext, dtype):
+    """Every cell x depth {0, 2} x layer norm on/off, masked + reversed + candidate dropout and plain: the
+    CUDA driver and kernels (emulated on host threads) against the reference, outputs and all gradients.
+    H = 37: two passes for some threads (32 threads a block here), idle lanes in the last warp; partial tiles
+    of the small-row GEMM in every dimension (N = 3H or 4H, K = H or 3H, M = B = 3)."""
+    run_emulated = _emulated_sequence(emulated_cuda_ext)
     for (cell, depth), ln, full_features in itertools.product(EMULATED_CASES, (False, True), (True, False)):
-        H = 37  # two passes for some threads (32 threads a block here), idle lanes in the last warp
-        layer = make_layer(cell, 3, H, depth=depth, layer_norm=ln, dtype=dtype)
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randn(3, 3, 3, generator=gen, dtype=dtype)
-        h0 = torch.randn(3, H, generator=gen, dtype=dtype)
-        mask = padding_mask([3, 2, 1], 3, dtype) if full_features else None
-        drop = ((torch.rand(depth + 1, 3, H, generator=gen) > 0.3).to(dtype) / 0.7
-                if full_features and cell != "atr" else None)
-        g_out = torch.randn(3, 3, H, generator=gen, dtype=dtype)
-        g_h = torch.randn(3, H, generator=gen, dtype=dtype)
-        results = []
-        for fn in (R.transition_sequence, run_emulated):
-            names = [n for n, _ in layer.named_parameters()]
-            xi, hi = x.clone().requires_grad_(), h0.clone().requires_grad_()
-            ps = [p.detach().clone().requires_grad_() for p in layer.parameters()]
-            out, h_n = fn(xi, hi, layer.direction_weights(0, dict(zip(names, ps))), mask, drop, full_features)
-            ((out * g_out).sum() + (h_n * g_h).sum()).backward()
-            results.append([out, h_n, xi.grad, hi.grad] + [p.grad for p in ps])
-        labels = ["out", "h_n", "dx", "dh0"] + [n for n, _ in layer.named_parameters()]
-        for label, ref, got in zip(labels, *results):
-            scale = max(1.0, ref.abs().max().item())
-            torch.testing.assert_close(got, ref, atol=tol * scale, rtol=tol,
-                                       msg=lambda m: f"{cell}-d{depth} ln={ln} masked={full_features} {label}: {m}")
+        _compare_emulated(run_emulated, cell, depth, ln, full_features, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B", [20, 70], ids=["two-row-tiles", "over-small-gemm-rows"])
+def test_cuda_kernels_emulated_batch_sizes(emulated_cuda_ext, B):
+    """B = 20: the small-row GEMM over two row tiles (16 rows a tile); B = 70: above kSmallGemmRows (64), the
+    time loops' GEMMs through ATen's mm instead."""
+    run_emulated = _emulated_sequence(emulated_cuda_ext)
+    _compare_emulated(run_emulated, "lgru", 1, True, True, torch.float64, B=B, T=2, H=9)

@@ -4,10 +4,16 @@ position in the epoch, random states, early-stopping record).
 
 Files are written atomically: to `path.tmp`, flushed and fsynced, then renamed over `path`, so a crash or a
 kill never leaves a half-written checkpoint under the real name.
+
+A checkpoint holds data only: tensors, numbers, strings, bytes (the SentencePiece models), None and lists,
+tuples and dicts of them. It is read with torch's weights-only unpickler, which refuses any other object, so
+loading a file from someone else never runs code that the file carries (a plain pickle can run anything).
 """
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -38,9 +44,16 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # an object outside the data-only allowlist: nothing of it has run
+        found = re.search(r"GLOBAL ([\w.]+)|Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        what = f"it names {found.group(1) or found.group(2)}" if found else "an unsupported object"
+        raise ValueError(f"{path}: refused: it holds objects other than tensors and plain data, which a dtmt "
+                         f"checkpoint never does, and loading them could run code ({what})"
+                         ) from None
     except Exception as exc:  # truncated or not a torch file
-        raise ValueError(f"{path}: not a readable dtmt checkpoint ({exc})") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: not a readable dtmt checkpoint ({first})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path}: not a dtmt checkpoint (expected format {FORMAT!r})")
     return ckpt

@@ -100,7 +100,7 @@ def test_bench_quality_quick(tmp_path):
     # parameters: each tensor once, however many state-dict entries share it (rnnsearch-atr ties its output
     # layer to the target embedding)
     for row in rows:
-        state = torch.load(os.path.join(tmp_path, "q", row["system"], "best.pt"), weights_only=False)["model"]
+        state = torch.load(os.path.join(tmp_path, "q", row["system"], "best.pt"), weights_only=True)["model"]
         unique = {v.untyped_storage().data_ptr(): v.numel() for v in state.values() if v.is_floating_point()}
         assert row["params"] == sum(unique.values())
     assert rows[1]["params"] < sum(v.numel() for v in state.values())

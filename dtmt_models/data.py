@@ -24,11 +24,14 @@ def _report(problems: List[str], what: str) -> None:
 
 
 def read_lines(path: str, allow_empty: bool = False) -> List[str]:
-    """The lines of a UTF-8 text file (without line ends; a final newline does not make an extra line)."""
+    """The lines of a UTF-8 text file (without line ends; a final newline does not make an extra line; a
+    byte-order mark at the start of the file is not part of the first line)."""
     if not os.path.isfile(path):
         raise CorpusError(f"{path}: no such file")
     with open(path, "rb") as f:
         data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):   # UTF-8 BOM, as some editors on Windows write
+        data = data[3:]
     raw = data.split(b"\n")
     if raw and raw[-1] == b"":
         raw.pop()
@@ -59,6 +62,8 @@ def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:
             problems.append(str(exc))
     _report(problems, "parallel corpus")
     src, tgt = sides
+    if not src and not tgt:
+        raise CorpusError(f"{src_path} and {tgt_path} hold no sentences: a corpus needs at least one pair")
     if len(src) != len(tgt):
         raise CorpusError(f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}; "
                           f"the files must be aligned one sentence per line")

@@ -309,6 +309,7 @@ def test_prepare_files_copies_and_writes_manifest(tmp_path, capsys):
     (b"uno\n  \ntres\n", b"one\ntwo\nthree\n", r"bad\.es:2: empty line"),
     (b"uno\ndos\ntres\n", b"one\n\nthree\n", r"bad\.en:2: empty line"),
     (b"uno\ndos\n", b"one\ntwo\nthree\n", r"bad\.es has 2 lines, .*bad\.en has 3"),
+    (b"", b"", r"bad\.es and .*bad\.en hold no sentences"),   # 0-byte files: refused, not "0 pairs, valid"
 ])
 def test_prepare_files_rejects_bad_input(tmp_path, capsys, src, tgt, message):
     args = ["files", "--src", write(tmp_path / "bad.es", src), "--tgt", write(tmp_path / "bad.en", tgt),

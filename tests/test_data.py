@@ -16,6 +16,13 @@ def test_read_parallel_ok(tmp_path):
     assert data.read_parallel(src, tgt) == [("hola mundo", "hello world"), ("adiós", "goodbye")]
 
 
+def test_byte_order_mark_is_not_text(tmp_path):
+    """A UTF-8 BOM (Windows editors) starts the file, not the first sentence; elsewhere U+FEFF is kept."""
+    src = _write(tmp_path / "a.es", "\ufeffhola\nmundo \ufeff\n".encode())
+    tgt = _write(tmp_path / "a.en", b"hello\nworld\n")
+    assert data.read_parallel(src, tgt) == [("hola", "hello"), ("mundo \ufeff", "world")]
+
+
 def test_bad_inputs_are_reported_with_file_and_line(tmp_path):
     good = _write(tmp_path / "g.en", b"one\ntwo\nthree\n")
     bad_utf8 = _write(tmp_path / "b.es", b"uno\ndos \xff\xfe\ntres\n")

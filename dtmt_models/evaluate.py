@@ -34,7 +34,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 from .data import CorpusError, corpus_paths, read_lines, read_parallel
 from .translate import (InputError, add_decoding_arguments, check_decoding_arguments, check_device_and_backend,
-                        decode_with_report, decoding_kwargs, load_for_decoding, one_line, write_atomic)
+                        _Once, decode_with_report, decoding_kwargs, load_for_decoding, one_line, write_atomic)
 
 PROG = "dtmt evaluate"
 DEFAULT_BOUNDS = (10, 20, 30, 40, 50)
@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Translate a test set with a checkpoint (or take existing translations with "
                                "--hyp) and score it: BLEU, chrF and BLEU by source length.")
-    p.add_argument("--checkpoint", "-c", help="a checkpoint written by `dtmt train` (not needed with --hyp)")
+    p.add_argument("--checkpoint", "-c", action=_Once, help="a checkpoint written by `dtmt train` (not needed with --hyp)")
     p.add_argument("--data", help="a corpus directory written by `dtmt prepare`")
     p.add_argument("--split", default="test", help="the split of --data to score (default test)")
     p.add_argument("--src", help="source file (with --ref, instead of --data)")

@@ -30,6 +30,7 @@ unavailable backend or device) are one line on stderr and exit status 1.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -39,14 +40,22 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .beam_search import beam_search
-from .vocabulary import Vocabulary
+from .vocabulary import UNK, Vocabulary
 
 PROG = "dtmt translate"
 Progress = Callable[[int, int], None]
 
 
-class TruncationWarning(UserWarning):
+class InputWarning(UserWarning):
+    """Something about the sources that the user should know; `dtmt translate` shows it as one line."""
+
+
+class TruncationWarning(InputWarning):
     """Some sources were longer than `max_src_len` subwords and were cut."""
+
+
+class UnknownPiecesWarning(InputWarning):
+    """Some sources are mostly pieces the source vocabulary does not know: the model can only guess at them."""
 
 
 class InputError(Exception):
@@ -90,7 +99,9 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     An empty or whitespace-only sentence gives [("", 0.0)]. `device` is where the batches go (None: the
     model's device; the model itself is not moved). `progress(done, total)` is called after every batch with
     the number of sentences finished. `max_src_len` (None: no limit) cuts longer sources, with one
-    `TruncationWarning` per call."""
+    `TruncationWarning` per call; sources of which more than half the pieces are unknown to the source
+    vocabulary give one `UnknownPiecesWarning` per call (the model would otherwise invent a fluent sentence
+    without a word of notice)."""
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if max_src_len is not None and max_src_len < 1:
@@ -103,10 +114,15 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     ids: List[List[int]] = []
     todo: List[int] = []                        # positions of the sentences that reach the model
     truncated = 0
+    unknown: List[int] = []                     # (1-based) numbers of mostly-unknown sources
+    boundary = src_vocab.sp.piece_to_id("\u2581")
     for i, text in enumerate(sentences):
         tokens = src_vocab.encode(text) if text.strip() else []
         if not tokens:
             continue
+        pieces = [t for t in tokens if t != boundary]  # a bare word boundary says nothing about the words
+        if 2 * sum(t == UNK for t in pieces) > len(pieces):
+            unknown.append(i + 1)
         if max_src_len is not None and len(tokens) > max_src_len:
             tokens = tokens[:max_src_len]
             truncated += 1
@@ -115,6 +131,11 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     if truncated:
         warnings.warn(f"{truncated} of {total} source sentence(s) had more than {max_src_len} subwords and were "
                       f"truncated to {max_src_len}", TruncationWarning, stacklevel=2)
+    if unknown:
+        shown = ", ".join(map(str, unknown[:5])) + (", ..." if len(unknown) > 5 else "")
+        warnings.warn(f"{len(unknown)} of {total} source sentence(s) are mostly pieces unknown to the model's "
+                      f"source vocabulary (sentence {shown}): their translations are guesses, not translations",
+                      UnknownPiecesWarning, stacklevel=2)
     done = total - len(todo)
     if progress is not None:
         progress(done, total)
@@ -287,11 +308,11 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
     reporter = ProgressReporter(prog, enabled=not quiet)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", TruncationWarning)
+        warnings.simplefilter("always", InputWarning)
         results = translate(model, src_vocab, tgt_vocab, sentences, progress=reporter, **kwargs)
     seconds = time.perf_counter() - t0
     for w in caught:
-        if issubclass(w.category, TruncationWarning):
+        if issubclass(w.category, InputWarning):
             print(f"{prog}: warning: {w.message}", file=sys.stderr)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -338,12 +359,24 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
 
 
+class _Once(argparse.Action):
+    """An option that may be given once: a repeat is an error, not a silent "the last one wins"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); "
+                         f"give one checkpoint (ensembles are not supported)")
+        setattr(namespace, self.dest, values)
+
+
 def check_decoding_arguments(args: argparse.Namespace) -> None:
     for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0)):
         if getattr(args, name) < low:
             raise InputError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    if args.max_len_a < 0:
-        raise InputError(f"--max-len-a must be >= 0, got {args.max_len_a}")
+    if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too
+        raise InputError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
+    if not math.isfinite(args.alpha):
+        raise InputError(f"--alpha must be a finite number, got {args.alpha}")
 
 
 def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
@@ -358,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Empty input lines give empty output lines. Several inputs are written, in order, to one output "
                "unless --output-dir is given; --nbest indices count the lines of each input from 0.")
     p.add_argument("inputs", nargs="*", metavar="FILE", help="UTF-8 input files; none or '-' reads stdin")
-    p.add_argument("--checkpoint", "-c", required=True, help="a checkpoint written by `dtmt train`")
+    p.add_argument("--checkpoint", "-c", required=True, action=_Once, help="a checkpoint written by `dtmt train`")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--output", "-o", help="output file (default stdout), written atomically at the end")
     out.add_argument("--output-dir", help="write each input's translation to DIR/<input basename>.out")

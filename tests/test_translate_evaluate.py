@@ -215,6 +215,9 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, str(tmp_path / "nope.es")], "nope.es"),
         (["--checkpoint", ckpt, "--beam", "2", "--nbest", "3", good], "--nbest"),
         (["--checkpoint", ckpt, "--max-tokens", "0", good], "--max-tokens"),
+        (["--checkpoint", ckpt, "--max-len-a", "nan", good], "--max-len-a must be a finite number"),
+        (["--checkpoint", ckpt, "--max-len-a", "inf", good], "--max-len-a must be a finite number"),
+        (["--checkpoint", ckpt, "--alpha", "nan", good], "--alpha must be a finite number"),
         (["--checkpoint", ckpt, good, good, "--output-dir", str(tmp_path / "o")], "good.es.out"),
     ]
     for args, message in cases:
@@ -226,6 +229,28 @@ def test_cli_translate_errors(system, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:                              # argparse: usage error, status 2
         cli.main(["translate", good])
     assert exc.value.code == 2
+    for command in (["translate", good], ["evaluate", "--src", good, "--ref", good]):   # one -c, not "the last"
+        with pytest.raises(SystemExit) as exc:
+            cli.main(command + ["-c", ckpt, "-c", foreign])
+        assert exc.value.code == 2
+        assert "given twice" in capsys.readouterr().err
+
+
+def test_mostly_unknown_source_is_flagged(system, capsys):
+    """A source the vocabulary does not know gets a warning (the model would still emit a fluent sentence)."""
+    from dtmt_models.translate import UnknownPiecesWarning, decode_with_report
+
+    model, sv, tv, _ = system
+    alien = "\u0416\u0417\u0418 \u0419\u041a\u041b \u041c\u041d"      # Cyrillic: not in the toy vocabulary
+    assert sum(t == 1 for t in sv.encode(alien)) == 3                 # three unknown pieces, three word boundaries
+    with pytest.warns(UnknownPiecesWarning, match=r"1 of 2 .*\(sentence 2\)"):
+        translate_best(model, sv, tv, ["el sol", alien], beam=2)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnknownPiecesWarning)           # a known sentence: no warning
+        translate_best(model, sv, tv, ["el sol"], beam=2)
+    decode_with_report("dtmt translate", True, model, sv, tv, [alien], beam=2)
+    assert capsys.readouterr().err.startswith("dtmt translate: warning: 1 of 1 source sentence(s) are mostly")
 
 
 # -------------------------------------------------------------------------------------------- scores

@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from dtmt_models import analysis  # noqa: E402
+from dtmt_models.atomic import atomic_write  # noqa: E402
 from dtmt_models.checkpoint import load_model  # noqa: E402
 from dtmt_models.data import corpus_paths, read_parallel  # noqa: E402
 from dtmt_models.vocabulary import EOS, PAD  # noqa: E402
@@ -179,11 +180,9 @@ def main(argv=None):
     json_path = os.path.join(args.out, "interpret.json")
     files.append(json_path)
     summary.update(files=files, notes=notes)
-    tmp = f"{json_path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(json_path) as f:
         json.dump(summary, f, indent=2, ensure_ascii=False)
         f.write("\n")
-    os.replace(tmp, json_path)
 
     print(f"system {system}, checkpoint {args.checkpoint}")
     if "pearson_r" in summary:

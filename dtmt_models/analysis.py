@@ -38,6 +38,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_kernels.functional import lengths_to_mask
 
+from .atomic import atomic_path
 from .vocabulary import BOS
 
 __all__ = ["atr_gates", "GateStatistics", "gate_correlation", "gate_position_curves", "dependency_weights",
@@ -376,16 +377,9 @@ def _canvas(width: float, height: float):
 def _save(fig, path: str) -> str:
     """Writes the figure atomically (format from the extension, png when there is none)."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     ext = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format=ext, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 

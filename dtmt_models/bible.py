@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import data
+from .atomic import atomic_write
 
 # ------------------------------------------------------------------------------------------------ constants
 SRC_LANG, TGT_LANG = "es", "en"
@@ -342,11 +343,9 @@ def split_by_book(pairs: Sequence[Pair]) -> Dict[str, List[Pair]]:
 
 # ------------------------------------------------------------------------------------------------ writing
 def _write_lines(path: str, lines: Iterable[str]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         for line in lines:
             f.write(line + "\n")
-    os.replace(tmp, path)
 
 
 def _chapter(bc: Tuple[str, int]) -> str:

@@ -2,8 +2,8 @@
 models, weights) and, for training checkpoints, everything needed to resume exactly (optimizer, scheduler,
 position in the epoch, random states, early-stopping record).
 
-Files are written atomically: to `path.tmp`, flushed and fsynced, then renamed over `path`, so a crash or a
-kill never leaves a half-written checkpoint under the real name.
+Files are written atomically (dtmt_models.atomic), so a crash, a kill or a full disk never leaves a
+half-written checkpoint under the real name, and the previous one stays intact.
 
 A checkpoint holds data only: tensors, numbers, strings, bytes (the SentencePiece models), None and lists,
 tuples and dicts of them. It is read with torch's weights-only unpickler, which refuses any other object, so
@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .atomic import atomic_write
 from .registry import build_model
 from .vocabulary import Vocabulary
 
@@ -30,13 +31,8 @@ def save_checkpoint(path: str, payload: Dict[str, Any]) -> None:
     missing = [k for k in ("model_name", "model_options", "src_vocab", "tgt_vocab", "model") if k not in payload]
     if missing:
         raise ValueError(f"save_checkpoint: payload lacks {missing}")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:
         torch.save({"format": FORMAT, **payload}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_checkpoint(path: str) -> Dict[str, Any]:

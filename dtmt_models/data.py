@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import List, Sequence, Tuple
 
+from .atomic import atomic_write
+
 MAX_LISTED = 10
 
 
@@ -73,14 +75,11 @@ def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:
 def write_parallel(pairs: Sequence[Tuple[str, str]], src_path: str, tgt_path: str) -> None:
     """Writes aligned files atomically (a temporary file renamed into place)."""
     for path, side in ((src_path, 0), (tgt_path, 1)):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_write(path) as f:
             for pair in pairs:
                 if "\n" in pair[side]:
                     raise CorpusError(f"{path}: a sentence contains a line break: {pair[side][:60]!r}")
                 f.write(pair[side] + "\n")
-        os.replace(tmp, path)
 
 
 def filter_by_length(pairs: Sequence[Tuple[List[int], List[int]]], max_len: int):
@@ -99,12 +98,10 @@ def write_manifest(directory: str, src_lang: str, tgt_lang: str, counts: dict, o
     import json
 
     path = os.path.join(directory, MANIFEST)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         json.dump({"src_lang": src_lang, "tgt_lang": tgt_lang, "counts": counts, "origin": origin, **extra},
                   f, indent=2, ensure_ascii=False)
         f.write("\n")
-    os.replace(tmp, path)
     return path
 
 

@@ -33,6 +33,7 @@ import warnings
 from typing import List, NamedTuple, Optional, Sequence
 
 from .data import CorpusError, corpus_paths, read_lines, read_parallel
+from .atomic import WriteError, atomic_path
 from .translate import (InputError, add_decoding_arguments, check_decoding_arguments, check_device_and_backend,
                         _Once, decode_with_report, decoding_kwargs, load_for_decoding, one_line, write_atomic)
 
@@ -151,15 +152,8 @@ def plot_bleu_by_length(rows: Sequence[LengthBucket], path: str, title: str) -> 
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    try:
+    with atomic_path(path, ".png") as tmp:
         fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 
@@ -282,6 +276,8 @@ def _run(args: argparse.Namespace) -> int:
             plot = plot_bleu_by_length(rows, os.path.join(out_dir, "bleu_by_length.png"), title)
         for w in caught:
             print(f"{PROG}: warning: {w.message}", file=sys.stderr)
+    except WriteError as exc:
+        raise InputError(str(exc)) from None
     except OSError as exc:
         raise InputError(f"cannot write the results to {out_dir} ({exc.strerror or exc})") from None
 

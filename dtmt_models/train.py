@@ -33,6 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .batching import collate, token_batches
+from .atomic import WriteError, atomic_path, atomic_write
 from .checkpoint import read_checkpoint, save_checkpoint
 from .data import CorpusError, corpus_paths, filter_by_length, read_manifest, read_parallel
 from .loss import label_smoothed_nll
@@ -294,10 +295,11 @@ def plot_curve(rows: List[dict], path: str, title: str) -> Optional[str]:
     ax.legend(lines, labels, loc="upper right", fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path, ".png") as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -643,13 +645,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.set_num_threads(cfg["threads"])
         if dist.main:
             os.makedirs(cfg["out"], exist_ok=True)
-            with open(os.path.join(cfg["out"], CONFIG), "w") as f:
+            with atomic_write(os.path.join(cfg["out"], CONFIG)) as f:
                 json.dump(cfg, f, indent=2, default=str)
         trainer = Trainer(cfg, dist, ckpt)
         return trainer.run()
     except CorpusError as exc:
         print(f"dtmt train: {exc}", file=sys.stderr)
         return 2
+    except WriteError as exc:   # a checkpoint, log or figure: full disk, read-only directory
+        print(f"dtmt train: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started
         print(f"\ndtmt train: aborted ({exc or 'SIGINT'}); the last checkpoint written is "
               f"{os.path.join(cfg['out'], LAST)} if it exists", file=sys.stderr)

@@ -39,6 +39,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .atomic import WriteError, atomic_write
 from .beam_search import beam_search
 from .vocabulary import UNK, Vocabulary
 
@@ -253,20 +254,9 @@ def read_input(path: str) -> List[str]:
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Writes `text` (UTF-8) to `path` through a temporary file in the same directory, renamed into place."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """Writes `text` (UTF-8) to `path` atomically (dtmt_models.atomic; WriteError on failure)."""
+    with atomic_write(path) as f:
+        f.write(text)
 
 
 def check_device_and_backend(device: str, backend: str) -> torch.device:
@@ -448,8 +438,10 @@ def _run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write("".join(pieces))
             sys.stdout.flush()
-    except OSError as exc:
-        raise InputError(f"cannot write the output ({exc.filename or ''}: {exc.strerror or exc})") from None
+    except WriteError as exc:
+        raise InputError(str(exc)) from None
+    except OSError as exc:   # stdout
+        raise InputError(f"cannot write the output ({exc.filename or 'stdout'}: {exc.strerror or exc})") from None
     return 0
 
 

@@ -186,3 +186,26 @@ def test_device_cuda_without_index_names_the_current_device(monkeypatch):
         assert Dist(arg).device == torch.device("cuda", 0)
     assert Dist("cuda:0").device == torch.device("cuda", 0)
     assert chosen == [torch.device("cuda", 0)] * 3
+
+
+def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch, capsys):
+    """The disk fills up as `last.pt` is written: one line naming the file and the reason, exit 1, no
+    temporary file left behind (issue 20, item 5)."""
+    import errno
+
+    from dtmt_models import atomic, train
+
+    real_fsync = atomic.os.fsync
+
+    def fsync(fd):
+        if ".last.pt.tmp" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    out = tmp_path / "run"
+    code = train.main(["--data", toy_nodev, "--out", str(out), "--max-steps", "2", *TINY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("dtmt train: cannot write ") and "last.pt: No space left on device" in err[-1], err
+    assert not [n for n in os.listdir(out) if ".tmp" in n], os.listdir(out)

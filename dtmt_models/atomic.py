@@ -1,0 +1,59 @@
+"""Atomic file writes, the one way the package writes a result file (checkpoints, corpora, translations,
+reports, logs' companions, figures).
+
+The content goes to a temporary file in the target's directory, is flushed and fsynced, then renamed over the
+target: a reader sees the old file or the new one, never a half-written one, and a crash or a kill leaves the
+old file intact. If writing fails (a full disk, a read-only directory, an exception in the caller's code), the
+temporary file is removed and the previous file is untouched; an OS error comes back as `WriteError`, whose
+message is one line naming the file and the system's reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import IO, Iterator
+
+
+class WriteError(OSError):
+    """A result file could not be written; the message names it and says why, in one line. The file's
+    previous content, if any, is intact and no temporary file is left."""
+
+
+def _tmp_name(path: str, suffix: str) -> str:
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.tmp{os.getpid()}{suffix}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
+    """Yields a temporary path to write `path`'s new content to (by any means, e.g. `fig.savefig(tmp)`); on a
+    normal exit it is renamed over `path`. `suffix` ends the temporary name (for writers that pick a format
+    from it)."""
+    path = os.fspath(path)
+    tmp = _tmp_name(path, suffix)
+    try:
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        yield tmp
+        os.replace(tmp, path)
+    except WriteError:   # from a nested atomic write: already says which file and why
+        raise
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc} (nothing written; any earlier version of "
+                         f"the file is intact)") from None
+    finally:
+        with contextlib.suppress(OSError):
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w") -> Iterator[IO]:
+    """`with atomic_write(path) as f: f.write(...)`: text mode writes UTF-8 with "\\n" line ends; mode "wb"
+    gives a binary file. The file is fsynced before it replaces `path`."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_write: mode must be 'w' or 'wb', got {mode!r}")
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, **({} if mode == "wb" else {"encoding": "utf-8", "newline": "\n"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,89 @@
+"""Write failures (issue 20, item 5): a full disk while writing a checkpoint, a translation or a corpus leaves
+the previous file intact and no temporary file, and is reported in one line naming the file and the reason."""
+import errno
+import os
+
+import pytest
+import torch
+
+from dtmt_models import atomic, checkpoint
+
+
+def _fill_disk(monkeypatch):
+    """From now on every fsync fails as on a full disk (the data was buffered; the file system cannot keep it)."""
+    def fail(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(atomic.os, "fsync", fail)
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    _fill_disk(monkeypatch)
+
+
+def _only(directory, names):
+    assert sorted(os.listdir(directory)) == sorted(names), os.listdir(directory)
+
+
+def test_atomic_write_keeps_the_old_file_and_no_temporary(tmp_path, full_disk):
+    path = tmp_path / "out.txt"
+    path.write_text("old\n")
+    with pytest.raises(atomic.WriteError) as info:
+        with atomic.atomic_write(str(path)) as f:
+            f.write("new\n")
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and "No space left on device" in message
+    assert path.read_text() == "old\n"
+    _only(tmp_path, ["out.txt"])
+
+
+def test_atomic_write_commits_and_cleans_up_after_a_caller_error(tmp_path):
+    path = tmp_path / "out.txt"
+    with atomic.atomic_write(str(path)) as f:
+        f.write("one\n")
+    assert path.read_text() == "one\n"
+    with pytest.raises(ZeroDivisionError):            # not an OS error: propagates as it is, nothing replaced
+        with atomic.atomic_write(str(path)) as f:
+            f.write("two\n")
+            1 / 0
+    assert path.read_text() == "one\n"
+    with atomic.atomic_write(str(tmp_path / "sub" / "b.bin"), "wb") as f:   # the directory is made
+        f.write(b"\x00\x01")
+    assert (tmp_path / "sub" / "b.bin").read_bytes() == b"\x00\x01"
+    _only(tmp_path, ["out.txt", "sub"])
+
+
+def test_checkpoint_save_on_a_full_disk(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    payload = dict(model_name="dtmt", model_options={}, src_vocab=b"a", tgt_vocab=b"b", model={"w": torch.ones(2)})
+    checkpoint.save_checkpoint(str(path), payload)
+    before = path.read_bytes()
+    _fill_disk(monkeypatch)
+    with pytest.raises(atomic.WriteError, match="cannot write .*last.pt: No space left"):
+        checkpoint.save_checkpoint(str(path), {**payload, "model": {"w": torch.zeros(2)}})
+    assert path.read_bytes() == before
+    _only(tmp_path, ["last.pt"])
+
+
+def test_translate_output_on_a_full_disk(tmp_path, monkeypatch, capsys):
+    """The command line turns the failure into its one-line error (exit 1) and keeps the old output."""
+    from test_translate_evaluate import SRC, TGT
+    from dtmt_models import cli
+    from dtmt_models.registry import build_model
+    from dtmt_models.vocabulary import Vocabulary
+
+    sv, tv = Vocabulary.train(SRC, vocab_size=60), Vocabulary.train(TGT, vocab_size=60)
+    model = build_model("rnnsearch-atr", len(sv), len(tv), embed_dim=8, hidden_size=8)
+    ckpt = str(tmp_path / "m.pt")
+    checkpoint.save_checkpoint(ckpt, dict(model_name="rnnsearch-atr", model_options=dict(embed_dim=8, hidden_size=8),
+                                          src_vocab=sv.proto, tgt_vocab=tv.proto, model=model.state_dict()))
+    _fill_disk(monkeypatch)
+    src = tmp_path / "in.es"
+    src.write_text("el sol\n")
+    out = tmp_path / "out.en"
+    out.write_text("previous\n")
+    assert cli.main(["translate", "-c", ckpt, "--quiet", str(src), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dtmt translate: cannot write ") and "out.en" in err, err
+    assert out.read_text() == "previous\n"
+    _only(tmp_path, ["in.es", "m.pt", "out.en"])

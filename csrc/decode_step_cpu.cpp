@@ -170,7 +170,9 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, int64_t q_ki
                                                readout[4], readout[5], readout[6], readout[7], readout_eps);
   const Tensor logits = linear(features, readout[8], readout[9]);
   const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
-  return {at::log_softmax(logits.to(at::kFloat), -1), s_new, alpha.size(1) == 1 ? alpha.squeeze(1) : alpha.mean(1)};
+  // log-probabilities in the model's precision, float32 at least (as Projection.forward)
+  const Tensor log_probs = at::log_softmax(logits.to(at::promoteTypes(logits.scalar_type(), at::kFloat)), -1);
+  return {log_probs, s_new, alpha.size(1) == 1 ? alpha.squeeze(1) : alpha.mean(1)};
 }
 
 std::vector<Tensor> memory_encoder_cpu(const Tensor& x, const Tensor& memory0, const Tensor& src_mask, bool reverse,

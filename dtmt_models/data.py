@@ -117,6 +117,22 @@ def read_manifest(directory: str) -> dict:
         return json.load(f)
 
 
+def corpus_fingerprint(directory: str) -> dict:
+    """What identifies a prepared corpus: its languages, its split sizes and the SHA-1 of its training files
+    (`dtmt train --resume` compares it with the run's). CorpusError if `directory` is not a prepared corpus."""
+    import hashlib
+
+    manifest = read_manifest(directory)
+    digest = hashlib.sha1()
+    for path in corpus_paths(directory, "train"):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return {"languages": f"{manifest['src_lang']}-{manifest['tgt_lang']}", "counts": manifest["counts"],
+            "train_sha1": digest.hexdigest()}
+
+
 def corpus_paths(directory: str, split: str) -> Tuple[str, str]:
     """(source file, target file) of a split of a prepared corpus."""
     m = read_manifest(directory)

@@ -32,13 +32,13 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .batching import collate, token_batches
 from .atomic import WriteError, atomic_path, atomic_write
+from .batching import collate, token_batches
 from .checkpoint import read_checkpoint, save_checkpoint
-from .data import CorpusError, corpus_paths, filter_by_length, read_manifest, read_parallel
+from .data import CorpusError, corpus_fingerprint, corpus_paths, filter_by_length, read_manifest, read_parallel
 from .loss import label_smoothed_nll
 from .presets import get_preset
-from .registry import build_model, list_models
+from .registry import build_model, check_model_options, list_models
 from .schedules import InverseSqrtSchedule, RNMTPlusSchedule
 from .vocabulary import Vocabulary
 
@@ -66,12 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dtmt train", description="Train an NMT system on a corpus prepared by `dtmt prepare`.",
         formatter_class=_HelpFormatter)
     p.add_argument("--data", required=True, help="prepared corpus directory (with corpus.json)")
-    p.add_argument("--model", default="dtmt", help=f"system: one of {', '.join(list_models())}")
-    p.add_argument("--preset", default="small", help="size/settings preset: small (CPU) or paper")
+    p.add_argument("--model", default=None, help=f"system: one of {', '.join(list_models())} (default dtmt)")
+    p.add_argument("--preset", default=None, help="size/settings preset: small (CPU; the default) or paper")
     p.add_argument("--out", default=None, help="output directory (default runs/<model>)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="model option override, e.g. --opt depth=4 --opt cell=gru (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/last.pt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in OUT from OUT/last.pt; a --data holding another corpus, or a model or "
+                        "training setting given with a value other than the run's, is an error")
+    p.add_argument("--allow-changed-data", action="store_true",
+                   help="with --resume: continue on a --data whose corpus differs from the run's")
     p.add_argument("--overwrite", action="store_true", help="start afresh even if OUT has a checkpoint")
     g = p.add_argument_group("training (defaults come from the preset)")
     g.add_argument("--lr", type=float, default=None, help="base learning rate")
@@ -83,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip", type=float, default=None, help="gradient-norm clipping (0: off)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
     g.add_argument("--vocab-size", type=int, default=None, help="SentencePiece size per side")
-    g.add_argument("--vocab-type", choices=("bpe", "unigram"), default="bpe")
+    g.add_argument("--vocab-type", choices=("bpe", "unigram"), default=None, help="SentencePiece model (default bpe)")
     g.add_argument("--max-len", type=int, default=None, help="drop training pairs longer than this (subwords)")
-    g.add_argument("--seed", type=int, default=1)
+    g.add_argument("--seed", type=int, default=None, help="random seed (default 1)")
     s = p.add_argument_group("stopping and reporting")
     s.add_argument("--max-epochs", type=int, default=None,
                    help="stop after this many epochs (default: the preset's, 6 for small, unless --max-steps or "
@@ -105,6 +109,53 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default="auto", help="recurrent kernels: auto, cpp, reference, triton, cuda")
     d.add_argument("--threads", type=int, default=None, help="CPU threads (default 0: torch's default)")
     return p
+
+
+# defaults of the flags whose parser default is None, so that a value given on the command line can be told
+# from the default (--resume compares the given ones with the run's)
+CLI_DEFAULTS = dict(model="dtmt", preset="small", vocab_type="bpe", seed=1)
+# the settings that make a run what it is: on --resume a value given for one of them must equal the run's
+FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "smoothing", "clip",
+                   "max_tokens", "vocab_size", "vocab_type", "max_len", "seed")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, before any work (ValueError, one line naming flag, value and range)."""
+    def need(ok: bool, flag: str, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be {allowed}")
+
+    for flag in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "valid_beam"):
+        if getattr(args, flag) is not None:
+            need(getattr(args, flag) >= 1, flag, "an integer >= 1")
+    for flag in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences", "threads"):
+        if getattr(args, flag) is not None:
+            need(getattr(args, flag) >= 0, flag, "an integer >= 0")
+    if args.vocab_size is not None:
+        need(args.vocab_size >= 8, "vocab_size", "an integer >= 8 (4 special pieces + at least the characters)")
+    if args.lr is not None:
+        need(0 < args.lr < math.inf, "lr", "a finite number > 0")
+    if args.smoothing is not None:
+        need(0 <= args.smoothing < 1, "smoothing", "in [0, 1)")
+    if args.clip is not None:
+        need(0 <= args.clip < math.inf, "clip", "a finite number >= 0 (0: off)")
+    seconds = parse_duration(args.max_time)
+    if seconds is not None and not 0 < seconds < math.inf:
+        raise ValueError(f"--max-time {args.max_time}: must be a finite duration > 0, e.g. 90s, 30m or 2h")
+    if args.allow_changed_data and not args.resume:
+        raise ValueError("--allow-changed-data applies to --resume only")
+
+
+def resume_conflicts(args: argparse.Namespace, explicit: set, run: dict) -> List[str]:
+    """The settings given on the command line with values other than those of the run being resumed."""
+    given = resolve_config(args)
+    out = [f"--{k.replace('_', '-')} {given[k]} (the run's is {run.get(k)})"
+           for k in FIXED_ON_RESUME if k in explicit and given[k] != run.get(k)]
+    missing = object()
+    for k, v in parse_options(args.opt).items():
+        if run["model_options"].get(k, missing) != v:
+            out.append(f"--opt {k}={v} (the run's is {run['model_options'].get(k, 'unset')})")
+    return out
 
 
 def parse_duration(text: Optional[str]) -> Optional[float]:
@@ -249,6 +300,7 @@ class CsvLog:
 
     def __init__(self, path: str, resume_step: Optional[int]):
         self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         rows = []
         if resume_step is not None and os.path.isfile(path):
             with open(path, newline="") as f:
@@ -326,8 +378,13 @@ class Trainer:
             protos = None
             if dist.main:
                 t0 = time.time()
-                protos = tuple(Vocabulary.train([p[i] for p in train_pairs], cfg["vocab_size"], cfg["vocab_type"]).proto
-                               for i in (0, 1))
+                try:
+                    protos = tuple(Vocabulary.train([p[i] for p in train_pairs], cfg["vocab_size"],
+                                                    cfg["vocab_type"]).proto for i in (0, 1))
+                except RuntimeError as exc:   # SentencePiece: e.g. fewer pieces than the corpus has characters
+                    first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                    raise CorpusError(f"--vocab-size {cfg['vocab_size']}: SentencePiece cannot build a vocabulary "
+                                      f"of that size from {cfg['data']} ({first})") from None
                 self.log(f"vocabularies: SentencePiece {cfg['vocab_type']} trained on {len(train_pairs):,} training "
                          f"pairs in {time.time() - t0:.1f}s")
             protos = dist.broadcast(protos)
@@ -614,17 +671,33 @@ class Trainer:
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    explicit = {k for k, v in vars(args).items() if v is not None and k != "opt"}
+    for k, v in CLI_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     try:
+        # everything the command line says is checked here, before any file is read or written
+        check_arguments(args)
         if args.model not in list_models():
             raise ValueError(f"unknown model {args.model!r}; choose one of {list_models()}")
-        args.out = args.out or os.path.join("runs", args.model)
+        args.out = os.path.abspath(args.out or os.path.join("runs", args.model))
         last = os.path.join(args.out, LAST)
         ckpt = None
+        fingerprint = corpus_fingerprint(args.data)
         if args.resume:
             ckpt = read_checkpoint(last)
             if "training" not in ckpt:
                 raise ValueError(f"{last} has no training state")
             cfg = dict(ckpt["config"])
+            conflicts = resume_conflicts(args, explicit, cfg)
+            if conflicts:
+                raise ValueError(f"--resume continues the run in {args.out} with its own settings, but "
+                                 + "; ".join(conflicts) + " (start a new run with another --out to change them)")
+            recorded = cfg.get("data_fingerprint")
+            if recorded is not None and recorded != fingerprint and not args.allow_changed_data:
+                differ = [k for k in fingerprint if fingerprint[k] != recorded.get(k)]
+                raise ValueError(f"--data {args.data} is not the corpus this run was trained on ({', '.join(differ)} "
+                                 f"differ); pass --allow-changed-data to continue on it anyway")
             given = resolve_config(args)
             for k in RESUMABLE:   # how long to go on and how to report may change; the rest is the checkpoint's
                 if getattr(args, k) is not None:
@@ -636,6 +709,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ValueError(f"{args.out} already holds a checkpoint; pass --resume to continue it or "
                                  f"--overwrite to start again")
             cfg = resolve_config(args)
+            check_model_options(cfg["model"], cfg["model_options"])
+        # the run lives in --out and reads --data, wherever it was started from before
+        cfg.update(out=args.out, data=os.path.abspath(args.data), data_fingerprint=fingerprint)
         dist = Dist(cfg["device"])
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         print(f"dtmt train: {exc}", file=sys.stderr)
@@ -643,11 +719,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if cfg["threads"]:
             torch.set_num_threads(cfg["threads"])
-        if dist.main:
-            os.makedirs(cfg["out"], exist_ok=True)
+        trainer = Trainer(cfg, dist, ckpt)   # makes --out only once the data and the model are usable
+        if dist.main:   # once the corpus and the vocabularies are known to be usable
             with atomic_write(os.path.join(cfg["out"], CONFIG)) as f:
                 json.dump(cfg, f, indent=2, default=str)
-        trainer = Trainer(cfg, dist, ckpt)
         return trainer.run()
     except CorpusError as exc:
         print(f"dtmt train: {exc}", file=sys.stderr)

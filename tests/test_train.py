@@ -209,3 +209,73 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     assert code == 1
     assert err[-1].startswith("dtmt train: cannot write ") and "last.pt: No space left on device" in err[-1], err
     assert not [n for n in os.listdir(out) if ".tmp" in n], os.listdir(out)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--opt", "frobnicate=3"], "unknown option 'frobnicate' for dtmt"),
+    (["--opt", "hidden_size=abc"], "option hidden_size='abc' for dtmt: expected int"),
+    (["--opt", "cell=foo"], "cell must be one of"),
+    (["--opt", "hidden_size=-5"], "hidden_size must be an int >= 1"),
+    (["--valid-every", "0"], "--valid-every 0: must be an integer >= 1"),
+    (["--log-every", "0"], "--log-every 0: must be an integer >= 1"),
+    (["--threads", "-3"], "--threads -3: must be an integer >= 0"),
+    (["--vocab-size", "5"], "--vocab-size 5: must be an integer >= 8"),
+    (["--max-time=-5m"], "--max-time -5m: must be a finite duration > 0"),
+    (["--max-time", "nan"], "--max-time nan: must be a finite duration > 0"),
+    (["--lr", "0"], "--lr 0.0: must be a finite number > 0"),
+    (["--smoothing", "1"], "--smoothing 1.0: must be in [0, 1)"),
+    (["--allow-changed-data"], "--allow-changed-data applies to --resume only"),
+])
+def test_bad_options_are_refused_before_any_work(toy_nodev, tmp_path, capsys, bad, message):
+    """Issue 20, item 3: one line naming the option, the value and what is allowed; exit 2; nothing written."""
+    from dtmt_models import train
+
+    out = tmp_path / "run"
+    code = train.main(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY, *bad])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_vocabulary_too_small_for_the_corpus_is_one_line(toy_nodev, tmp_path, capsys):
+    from dtmt_models import train
+
+    out = tmp_path / "run"
+    args = ["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY, "--vocab-size", "8"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("dtmt train: --vocab-size 8: SentencePiece cannot build"), err
+    assert not (out / "config.json").exists()
+
+
+def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp_path, monkeypatch):
+    """Issue 20, item 2: a copied run resumes in the copy (the original is untouched), from any working
+    directory; another corpus, or a setting given with another value, is refused naming it."""
+    import shutil
+
+    run_a = tmp_path / "runA"
+    assert run_train(["--data", toy_nodev, "--out", str(run_a), "--max-steps", "2", *TINY]).returncode == 0
+    shutil.copytree(run_a, tmp_path / "runB")
+    before = (run_a / "last.pt").read_bytes(), (run_a / "train_log.csv").read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-m", "dtmt_models.train", "--data", os.path.relpath(toy_nodev, elsewhere),
+                        "--out", "../runB", "--resume", "--max-steps", "4", "--model", "dtmt", "--progress", "lines"],
+                       cwd=elsewhere, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert r.returncode == 0, r.stderr
+    assert "resumed from step 2" in r.stdout
+    assert ((run_a / "last.pt").read_bytes(), (run_a / "train_log.csv").read_bytes()) == before
+    from dtmt_models.checkpoint import read_checkpoint
+    assert read_checkpoint(str(tmp_path / "runB" / "last.pt"))["step"] == 4 and not os.listdir(elsewhere)
+    # another corpus: refused unless --allow-changed-data
+    other = make_toy_corpus(tmp_path / "other", n_train=50, n_dev=0, n_test=0, seed=3)
+    r = run_train(["--data", other, "--out", str(tmp_path / "runB"), "--resume", "--max-steps", "5"])
+    assert r.returncode == 2 and "is not the corpus this run was trained on (counts, train_sha1 differ)" in r.stderr
+    # a fixed setting given with another value: refused, naming it; the same value is fine
+    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--lr", "0.5",
+                   "--opt", "hidden_size=64", "--max-steps", "5"])
+    assert r.returncode == 2 and "--lr 0.5 (the run's is" in r.stderr and "--opt hidden_size=64" in r.stderr
+    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hidden_size=32",
+                   "--max-steps", "5", "--progress", "lines"])
+    assert r.returncode == 0, r.stderr

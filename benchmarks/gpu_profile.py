@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -31,41 +29,20 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from bench_cells import machine_name  # noqa: E402
+from bench_cells import build, fwd_bwd, machine_name, time_fn  # noqa: E402
+
+KINDS = {"GRU": ("gru", 0), "DT": ("deep-transition", 4), "ATR": ("atr", 0)}   # -> bench_cells.build(kind, depth)
 
 
 def layer_for(kind: str, H: int, backend: str):
-    if kind == "GRU":
-        return dk.nn.DeepTransitionGRU(H, H, depth=0, cell="gru", layer_norm=False, backend=backend)
-    if kind == "DT":
-        return dk.nn.DeepTransitionGRU(H, H, depth=4, cell="lgru", layer_norm=True, backend=backend)
-    if kind == "ATR":
-        return dk.nn.ATR(H, H, backend=backend)
     if kind == "cuDNN":
         return torch.nn.GRU(H, H)
-    raise ValueError(kind)
-
-
-def fwd_bwd(layer, x):
-    def run():
-        layer.zero_grad(set_to_none=True)
-        out, _ = layer(x)
-        out.sum().backward()
-    return run
+    name, depth = KINDS[kind]
+    return build(name, H, H, depth, backend)
 
 
 def wall_ms(fn, repeat: int, device: str) -> float:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    fn()
-    sync()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * time_fn(fn, repeat, device)
 
 
 def device_work(fn, device: str):
@@ -97,7 +74,7 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=50)
     p.add_argument("--H", type=int, default=512)
     p.add_argument("--B", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--kinds", nargs="+", default=["GRU", "DT", "ATR"], choices=["GRU", "DT", "ATR"])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--backends", nargs="+", default=None, help="default: every GPU backend built (cuda, triton)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeat", type=int, default=10)

@@ -54,6 +54,17 @@ def test_bench_train_quick(tmp_path):
     assert os.path.isfile(os.path.join(tmp_path, "bench_train.csv"))
 
 
+def test_gpu_profile_runs_on_the_cpu(capsys):
+    """gpu_profile.py's own code (layers, timing, the profiler's event sums, the table), on CPU tensors: on a GPU
+    machine only the CUDA graph column and the kernel counts are new."""
+    from benchmarks import gpu_profile
+    gpu_profile.main(["--device", "cpu", "--B", "2", "--H", "8", "--T", "3", "--repeat", "1"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [(r[0].strip(), r[2].strip()) for r in rows] == [("GRU", "cpp"), ("GRU", "cuDNN"), ("DT", "cpp"),
+                                                            ("ATR", "cpp")]
+    assert all(float(r[3]) > 0 and r[5].strip() == "0" for r in rows)   # eager ms; no kernels on the CPU
+
+
 def test_bench_decode_quick(tmp_path):
     from benchmarks import bench_decode
     rows = bench_decode.main(["--quick", "--systems", "rnnsearch-atr", "transformer", "--out", str(tmp_path)])

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .atomic import atomic_write
+from .errors import one_line
 from .registry import build_model
 from .vocabulary import Vocabulary
 
@@ -42,14 +43,13 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # an object outside the data-only allowlist: nothing of it has run
-        found = re.search(r"GLOBAL ([\w.]+)|Unsupported global: GLOBAL ([\w.]+)", str(exc))
-        what = f"it names {found.group(1) or found.group(2)}" if found else "an unsupported object"
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"it names {found.group(1)}" if found else "an unsupported object"
         raise ValueError(f"{path}: refused: it holds objects other than tensors and plain data, which a dtmt "
                          f"checkpoint never does, and loading them could run code ({what})"
                          ) from None
     except Exception as exc:  # truncated or not a torch file
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path}: not a readable dtmt checkpoint ({first})") from None
+        raise ValueError(f"{path}: not a readable dtmt checkpoint ({one_line(exc)})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path}: not a dtmt checkpoint (expected format {FORMAT!r})")
     return ckpt

@@ -32,10 +32,12 @@ import sys
 import warnings
 from typing import List, NamedTuple, Optional, Sequence
 
-from .data import CorpusError, corpus_paths, read_lines, read_parallel
 from .atomic import WriteError, atomic_path
-from .translate import (InputError, add_decoding_arguments, check_decoding_arguments, check_device_and_backend,
-                        _Once, decode_with_report, decoding_kwargs, load_for_decoding, one_line, write_atomic)
+from .data import CorpusError, corpus_paths, read_lines, read_parallel
+from .errors import one_line
+from .translate import (InputError, OnceAction, add_decoding_arguments, check_decoding_arguments,
+                        check_device_and_backend, decode_with_report, decoding_kwargs, load_for_decoding,
+                        write_atomic)
 
 PROG = "dtmt evaluate"
 DEFAULT_BOUNDS = (10, 20, 30, 40, 50)
@@ -180,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Translate a test set with a checkpoint (or take existing translations with "
                                "--hyp) and score it: BLEU, chrF and BLEU by source length.")
-    p.add_argument("--checkpoint", "-c", action=_Once, help="a checkpoint written by `dtmt train` (not needed with --hyp)")
+    p.add_argument("--checkpoint", "-c", action=OnceAction, help="a checkpoint written by `dtmt train` (not needed with --hyp)")
     p.add_argument("--data", help="a corpus directory written by `dtmt prepare`")
     p.add_argument("--split", default="test", help="the split of --data to score (default test)")
     p.add_argument("--src", help="source file (with --ref, instead of --data)")

@@ -5,6 +5,8 @@ from typing import Callable, Dict, List
 
 import torch.nn as nn
 
+from .errors import one_line
+
 _MODELS: Dict[str, Callable[..., nn.Module]] = {}
 
 
@@ -76,5 +78,4 @@ def check_model_options(name: str, options: dict) -> None:
         with torch.device("meta"):
             build_model(name, 8, 8, **options)
     except (ValueError, TypeError, RuntimeError, AssertionError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{name} cannot be built with {options}: {first}") from None
+        raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from None

@@ -36,6 +36,7 @@ from .atomic import WriteError, atomic_path, atomic_write
 from .batching import collate, token_batches
 from .checkpoint import read_checkpoint, save_checkpoint
 from .data import CorpusError, corpus_fingerprint, corpus_paths, filter_by_length, read_manifest, read_parallel
+from .errors import one_line
 from .loss import label_smoothed_nll
 from .presets import get_preset
 from .registry import build_model, check_model_options, list_models
@@ -382,9 +383,8 @@ class Trainer:
                     protos = tuple(Vocabulary.train([p[i] for p in train_pairs], cfg["vocab_size"],
                                                     cfg["vocab_type"]).proto for i in (0, 1))
                 except RuntimeError as exc:   # SentencePiece: e.g. fewer pieces than the corpus has characters
-                    first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
                     raise CorpusError(f"--vocab-size {cfg['vocab_size']}: SentencePiece cannot build a vocabulary "
-                                      f"of that size from {cfg['data']} ({first})") from None
+                                      f"of that size from {cfg['data']} ({one_line(exc)})") from None
                 self.log(f"vocabularies: SentencePiece {cfg['vocab_type']} trained on {len(train_pairs):,} training "
                          f"pairs in {time.time() - t0:.1f}s")
             protos = dist.broadcast(protos)

@@ -41,6 +41,7 @@ import torch
 
 from .atomic import WriteError, atomic_write
 from .beam_search import beam_search
+from .errors import one_line
 from .vocabulary import UNK, Vocabulary
 
 PROG = "dtmt translate"
@@ -213,12 +214,6 @@ class ProgressReporter:
         self.stream.flush()
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception's message on one line."""
-    text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-    return text or type(exc).__name__
-
-
 def read_input(path: str) -> List[str]:
     """The lines of a UTF-8 input ('-': stdin), line ends and a leading byte-order mark removed; empty lines
     are kept (they translate to empty lines). Raises InputError naming file:line for invalid UTF-8."""
@@ -349,7 +344,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
 
 
-class _Once(argparse.Action):
+class OnceAction(argparse.Action):
     """An option that may be given once: a repeat is an error, not a silent "the last one wins"."""
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -381,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Empty input lines give empty output lines. Several inputs are written, in order, to one output "
                "unless --output-dir is given; --nbest indices count the lines of each input from 0.")
     p.add_argument("inputs", nargs="*", metavar="FILE", help="UTF-8 input files; none or '-' reads stdin")
-    p.add_argument("--checkpoint", "-c", required=True, action=_Once, help="a checkpoint written by `dtmt train`")
+    p.add_argument("--checkpoint", "-c", required=True, action=OnceAction, help="a checkpoint written by `dtmt train`")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--output", "-o", help="output file (default stdout), written atomically at the end")
     out.add_argument("--output-dir", help="write each input's translation to DIR/<input basename>.out")

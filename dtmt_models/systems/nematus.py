@@ -15,7 +15,9 @@ Decoders (`decoder=`); level 1 is always the conditional GRU  s₁ = GRU(y, s), 
 s = DT-GRU(c, s₁) with `dec_base_transition_depth` (>= 2) transitions:
   shallow            cGRU (base depth 2)           deep-transition   cGRU with base depth `dec_base_transition_depth`
   gru                + levels k >= 2: GRU(r_{k-1})                   rgru   + GRU([r_{k-1}; c₁])
-  cgru               + levels with their own attention: GRU(r_{k-1}) → ATT_k → GRU(c_k)
+  cgru               + levels with their own attention: GRU(r_{k-1}) → ATT_k → GRU(c_k); every level's
+                     attention is independent of the others (paper 002 §2.3 "Stacked cGRU"): its own query,
+                     key projection (keys computed once per batch in `encode`, state["level_keys"]), v and LN
   crgru              + like cgru but reusing the base context c₁
   bideep             stacked `dec_high_cell` levels whose cells are deep-transition blocks
 Every level's output is summed with the one below (r_k = out_k + r_{k-1}); each level carries its own
@@ -27,7 +29,7 @@ cGRU levels feed GRU_{k,2} with their own s_{j,k,1}.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -63,8 +65,9 @@ class _Level(nn.Module):
             if kind == "cgru":
                 self.attention = AdditiveAttention(H, 2 * H, 2 * H, layer_norm, backend)
 
-    def forward(self, below: Tensor, state: Tensor, c1: Tensor, annotations: Tensor, keys: Tensor,
+    def forward(self, below: Tensor, state: Tensor, c1: Tensor, annotations: Tensor, keys: Optional[Tensor],
                 src_mask: Tensor) -> Tensor:
+        """One step; `keys` are this level's own precomputed attention keys (cgru only, else unused)."""
         if self.kind == "gru":
             return self.cell(below, state)
         if self.kind == "rgru":
@@ -151,6 +154,9 @@ class Nematus(Seq2Seq):
         self.check_batch(src, src_lengths)
         state = start_state(self.attention, self.init_state, self.encode_source(src, src_lengths), src_lengths)
         state["s"] = state["s"].unsqueeze(1).repeat(1, 1 + len(self.levels), 1)  # every level starts from s_0
+        own = [level.attention.precompute(state["annotations"]) for level in self.levels if level.kind == "cgru"]
+        if own:
+            state["level_keys"] = torch.stack(own, 1)   # [B, cGRU levels, S, 2H]: each level's own keys
         return state
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
@@ -158,9 +164,12 @@ class Nematus(Seq2Seq):
         s1 = self.query_cell(y, prev[:, 0])
         c1, alpha = self.attention(s1, state["keys"], state["annotations"], state["src_mask"])
         states = [self.decoder_cell(c1, s1)]
-        r = states[0]
+        r, own = states[0], 0
         for k, level in enumerate(self.levels, start=1):
-            out = level(r, prev[:, k], c1, state["annotations"], state["keys"], state["src_mask"])
+            keys = None
+            if level.kind == "cgru":
+                keys, own = state["level_keys"][:, own], own + 1
+            out = level(r, prev[:, k], c1, state["annotations"], keys, state["src_mask"])
             states.append(out)
             r = out + r
         return (r, c1), step_state(state, alpha, keep_attention, s=torch.stack(states, 1))

@@ -18,13 +18,22 @@ As the paper's baseline ("using the output of forward RNN as the input of the ba
 direction reads the forward states by default (`backward_input="forward_states"`; "embeddings" for the
 classic biRNN).
 
-Channels: rnn = [→s_j; ←s_j], ntm = [→M_S[j]; ←M_S[j]] (the memories after the whole pass), emb = W_e e_j
-(a projection to 2H: the paper combines e_j with 2H-wide channels without saying how). `annotation` picks
-one channel or a gated combination (eq. 18-25):
-    ntm-rnn      g0 ⊙ M + (1−g0) ⊙ h,            g0 = σ(W M + U h)
-    rnn-emb      g1 ⊙ E + (1−g1) ⊙ h,            g1 = σ(W E + U h)
-    ntm-emb      g2 ⊙ E + (1−g2) ⊙ M,            g2 = σ(W E + U M)
-    ntm-rnn-emb  g3 ⊙ E + (1−g3) ⊙ h_ntm_rnn,    g3 = σ(W E + U h_ntm_rnn)
+Channels: rnn = [→s_j; ←s_j], ntm = [→M_S[j]; ←M_S[j]] (the memories after the whole pass), emb = e_j. Only
+what the selected channels need is built and run: with ntm, the read-write-memory GRU above (its states are the
+rnn channel); with rnn and no ntm, a plain bidirectional GRU (eq. 8-12), the paper's RNN baseline (Table 1:
+NTM − RNN = 3,674,114 parameters at 512, which is the memory machinery, 14·512² + 8·512 plus two scalars);
+with emb alone, no recurrent encoder at all, and the annotation is W_e e_j (a projection to 2H wide). `annotation`
+picks one channel or a gated combination (eq. 18-25):
+    ntm-rnn      gate(M, h)                          rnn-emb      gate(E, h)
+    ntm-emb      gate(E, M)                          ntm-rnn-emb  gate(E, gate(M, h))
+    gate(a, b) = g ⊙ (A a) + (1 − g) ⊙ (B b),   g = σ(W_g a + U_g b + b_g)
+Our reading of the gates: eqs. 18-25 combine the channels unprojected, yet E (512 wide) is combined with 1024-wide
+channels, and Table 1 charges every gated channel one (width × 1024) matrix more than W_g and U_g: a gate with the
+embeddings costs 3·1024² + 1024 (RNN-EMB − RNN = NTM-EMB − NTM = NTM-RNN-EMB − NTM-RNN = 3,146,752) and the
+ntm-rnn gate 4·1024² + 1024 (NTM-RNN − NTM = 4,195,328). Projecting each channel into the annotation space (A, B,
+no bias) before the gated sum is the one reading that fits all four gated rows exactly, so that is what we build.
+The EMB row (58,416,131) fits no model that builds only what it uses: it is NTM − 1.5·1024², i.e. it still
+counts memory-encoder variables an embeddings-only annotation never reads; ours has no encoder for "emb".
 Decoder: RNNsearch as in eq. 1-6 (s'_j = GRU(y_{j-1}, s_{j-1}), attention queried by s'_j, s_j = GRU(c_j, s'_j),
 t_j = tanh(s W + e_y W + c W)), dropout 0.5 on the output layer (paper §Experiments). Memory cells when
 embed_dim != hidden_size: the embeddings are projected to H before initialising the memory.
@@ -92,16 +101,19 @@ class MemoryGRUEncoderDirection(nn.Module):
 
 
 class Gate(nn.Module):
-    """g ⊙ a + (1 − g) ⊙ b with g = σ(W a + U b)."""
+    """gate(a, b) = g ⊙ (A a) + (1 − g) ⊙ (B b), g = σ(W a + U b + bias): a [.., dim_a], b [.., dim_b] -> [.., dim]
+    (the module docstring says why each channel has its own projection A, B)."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim_a: int, dim_b: int, dim: int):
         super().__init__()
-        self.w = dk.nn.Linear(dim, dim, bias=True)
-        self.u = dk.nn.Linear(dim, dim, bias=False)
+        self.w = dk.nn.Linear(dim_a, dim, bias=True)
+        self.u = dk.nn.Linear(dim_b, dim, bias=False)
+        self.proj_a = dk.nn.Linear(dim_a, dim, bias=False)
+        self.proj_b = dk.nn.Linear(dim_b, dim, bias=False)
 
     def forward(self, a: Tensor, b: Tensor) -> Tensor:
         g = torch.sigmoid(self.w(a) + self.u(b))
-        return g * a + (1 - g) * b
+        return g * self.proj_a(a) + (1 - g) * self.proj_b(b)
 
 
 @register_model("mce")
@@ -118,15 +130,21 @@ class MultiChannelEncoderNMT(AttentionalRNMT):
         self.annotation, self.backward_input = annotation, backward_input
         self.src_embed = TokenEmbedding(src_vocab_size, E, pad_id)
         self.tgt_embed = TokenEmbedding(tgt_vocab_size, E, pad_id)
-        self.memory_init = nn.Identity() if E == H else dk.nn.Linear(E, H, bias=False)
-        self.encoder_fwd = MemoryGRUEncoderDirection(E, H, backend)
-        self.encoder_bwd = MemoryGRUEncoderDirection(H if backward_input == "forward_states" else E, H, backend)
-        if "emb" in annotation:
+        bwd_in = H if backward_input == "forward_states" else E
+        if "ntm" in annotation:       # the read-write-memory GRU: memory channel, and its states for rnn
+            self.memory_init = nn.Identity() if E == H else dk.nn.Linear(E, H, bias=False)
+            self.encoder_fwd = MemoryGRUEncoderDirection(E, H, backend)
+            self.encoder_bwd = MemoryGRUEncoderDirection(bwd_in, H, backend)
+        elif "rnn" in annotation:     # the plain bidirectional GRU of the RNN baseline
+            plain = dict(depth=0, cell="gru", layer_norm=False, backend=backend, batch_first=True)
+            self.encoder_fwd = dk.nn.DeepTransitionGRU(E, H, **plain)
+            self.encoder_bwd = dk.nn.DeepTransitionGRU(bwd_in, H, reverse=True, **plain)
+        if annotation == "emb":
             self.emb_channel = dk.nn.Linear(E, 2 * H, bias=False)
         if annotation in ("ntm-rnn", "ntm-rnn-emb"):
-            self.gate_ntm_rnn = Gate(2 * H)
+            self.gate_ntm_rnn = Gate(2 * H, 2 * H, 2 * H)
         if annotation in ("rnn-emb", "ntm-emb", "ntm-rnn-emb"):
-            self.gate_emb = Gate(2 * H)
+            self.gate_emb = Gate(E, 2 * H, 2 * H)
         gru = dict(depth=0, cell="gru", layer_norm=False, backend=backend)
         self.init_state = dk.nn.Linear(2 * H, H)
         self.query_cell = dk.nn.DeepTransitionGRUCell(E, H, **gru)
@@ -138,21 +156,27 @@ class MultiChannelEncoderNMT(AttentionalRNMT):
     def encode_source(self, src: Tensor, src_lengths: Tensor) -> Tensor:
         x = self.src_embed(src)
         src_mask = lengths_mask(src_lengths, src.shape[1])
-        memory0 = self.memory_init(x)
-        h_f, m_f = self.encoder_fwd(x, memory0, src_mask, reverse=False)
-        h_b, m_b = self.encoder_bwd(h_f if self.backward_input == "forward_states" else x, memory0, src_mask,
-                                    reverse=True)
         pad = src_mask.unsqueeze(-1)
-        rnn = torch.cat([h_f, h_b], -1)
-        ntm = torch.cat([m_f, m_b], -1) * pad
         a = self.annotation
+        rnn = ntm = None
+        if "ntm" in a:
+            memory0 = self.memory_init(x)
+            h_f, m_f = self.encoder_fwd(x, memory0, src_mask, reverse=False)
+            h_b, m_b = self.encoder_bwd(h_f if self.backward_input == "forward_states" else x, memory0, src_mask,
+                                        reverse=True)
+            rnn = torch.cat([h_f, h_b], -1)
+            ntm = torch.cat([m_f, m_b], -1) * pad
+        elif "rnn" in a:
+            h_f = self.encoder_fwd(x, lengths=src_lengths)[0]
+            h_b = self.encoder_bwd(h_f if self.backward_input == "forward_states" else x, lengths=src_lengths)[0]
+            rnn = torch.cat([h_f, h_b], -1)
         if a == "rnn":
             return rnn
         if a == "ntm":
             return ntm
-        emb = self.emb_channel(x) * pad if "emb" in a else None
         if a == "emb":
-            return emb
+            return self.emb_channel(x) * pad
+        emb = x * pad if "emb" in a else None
         if a == "ntm-rnn":
             return self.gate_ntm_rnn(ntm, rnn)
         if a == "rnn-emb":

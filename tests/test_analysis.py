@@ -216,10 +216,12 @@ def test_find_atr_layer():
     bi = build_model("rnnsearch-atr", 20, 20, embed_dim=8, hidden_size=8)
     assert an.find_atr_layer(bi)[:1] == ("encoder",)
     ca = build_model("rnnsearch-atr", 20, 20, embed_dim=8, hidden_size=8, encoder="ca")
-    assert an.find_atr_layer(ca)[0] == "encoder_forward"      # the backward layer comes first but reads right to left
+    assert an.find_atr_layer(ca)[0] == "encoder.forward_layer"   # reads the embeddings, left to right
     gnmt = build_model("gnmt-atr", 20, 20, embed_dim=8, hidden_size=8, encoder_layers=2, decoder_layers=1)
     assert an.find_atr_layer(gnmt)[0] == "encoder.0"
-    assert an.find_atr_layer(ca, "encoder_backward")[0] == "encoder_backward"
+    assert an.find_atr_layer(gnmt, "encoder.1")[0] == "encoder.1"
+    with pytest.raises(ValueError, match="no ATR layer named 'encoder.lower'"):   # a one-step cell, not a layer
+        an.find_atr_layer(ca, "encoder.lower")
     with pytest.raises(ValueError, match="no ATR layer"):
         an.find_atr_layer(build_model("dtmt", 20, 20, embed_dim=8, hidden_size=8, heads=2))
 

@@ -1,18 +1,22 @@
 """Paper 004's ATR systems.
 
-`rnnsearch-atr`: RNNSearch with every recurrent unit an ATR. Encoder: bidirectional ATR (`encoder="bi"`) or
-the context-aware encoder (`encoder="ca"`, Zhang et al. 2017b as used in paper 004: a backward ATR reads
-the sentence first, then a forward ATR reads [x_j; ←h_j], and the annotation is [→h_j; ←h_j] — our reading:
-the appendix with its equations is not in the paper text we have; the authors' later code instead runs a
-two-level backward cell over the forward states, which needs a per-step Python loop here). Output layer tied
-to the target embedding by default (the paper's parameter counts imply it). Decoder: the two-level hierarchical
-decoder of paper 004 §4.1 (as Nematus' cGRU): s̃_t = ATR(y_{t-1}, s_{t-1}), c_t = additive attention(s̃_t),
-s_t = ATR(c_t, s̃_t); readout tanh(W y + W s + W c) with dropout 0.2 on the output layer (§4.2).
+`rnnsearch-atr`: RNNSearch with every recurrent unit an ATR. Encoder: bidirectional ATR (`encoder="bi"`,
+annotations [→h_j; ←h_j], 2H wide) or the context-aware encoder (`encoder="ca"`, Zhang et al. 2017b as paper
+004 uses it; laid out as the authors' released code does, which paper 004 Table 4's counts fit: RNNSearch+ATR+CA
+4.7 M smaller than RNNSearch+ATR): a forward ATR →h_j over x, then right to left a two-level ATR
+    s̃_j = ATR_lo(x_j, ←h_{j+1}),    ←h_j = ATR_hi(→h_j, s̃_j)
+whose states ←h_j (H wide) are the annotations. The attention space is the annotation width (2H for "bi",
+H for "ca"), as RNNSearch's. Output layer tied to the target embedding by default (the paper's parameter
+counts imply it). Decoder: the two-level hierarchical decoder of paper 004 §4.1 (as Nematus' cGRU):
+s̃_t = ATR(y_{t-1}, s_{t-1}), c_t = additive attention(s̃_t), s_t = ATR(c_t, s̃_t); readout
+tanh(W y + W s + W c) with dropout 0.2 on the output layer (§4.2).
 
 `gnmt-atr`: the GNMT architecture (Wu et al. 2016) with ATR units, paper 004 §4.2. Encoder: a bidirectional
 bottom layer, then unidirectional layers, residual connections from the third layer up. Decoder: `layers`
 stacked ATRs; the bottom layer reads y_{t-1}, its output queries the attention, every higher layer reads
-[s^{l-1}_t; c_t], residual from the third layer up; the readout sees the top state and c_t. GNMT queries
+[x^{l-1}_t; c_t] where x^l = s^l + x^{l-1} from the third layer up (x^l = s^l below): the residual sum is the
+next layer's input, never a layer's own recurrent state (GNMT, Wu et al. 2016 §3.1; as this encoder); the
+readout sees the top x and c_t. GNMT queries
 the attention with the bottom layer's *previous* output to parallelise; we use the current one (as
 RNNSearch), which the sequential CPU decoder does not mind. Each decoder layer starts from
 tanh(W_l · mean annotation).
@@ -34,7 +38,7 @@ from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
 from ..rnmt import AttentionalRNMT, recurrent_cell, recurrent_layer, start_state
-from ..seq2seq import Readout, Seq2Seq, State, step_state
+from ..seq2seq import Readout, Seq2Seq, State, lengths_mask, step_state
 
 
 @register_model("rnnsearch-atr")
@@ -53,22 +57,38 @@ class RNNSearchATR(AttentionalRNMT):
         if encoder == "bi":
             self.encoder = recurrent_layer(cell, E, H, bidirectional=True, batch_first=True, **opts)
         else:
-            self.encoder_backward = recurrent_layer(cell, E, H, batch_first=True, reverse=True, **opts)
-            self.encoder_forward = recurrent_layer(cell, E + H, H, batch_first=True, **opts)
-        self.init_state = dk.nn.Linear(2 * H, H)
+            self.encoder = ContextAwareEncoder(cell, E, H, **opts)
+        C = 2 * H if encoder == "bi" else H    # the annotation width, also the attention space
+        self.init_state = dk.nn.Linear(C, H)
         self.query_cell = recurrent_cell(cell, E, H, **opts)
-        self.attention = AdditiveAttention(H, 2 * H, H, backend=backend)
-        self.decoder_cell = recurrent_cell(cell, 2 * H, H, **opts)
-        self.readout = Readout(E, H, 2 * H, E, tgt_vocab_size, dropout,
+        self.attention = AdditiveAttention(H, C, C, backend=backend)
+        self.decoder_cell = recurrent_cell(cell, C, H, **opts)
+        self.readout = Readout(E, H, C, E, tgt_vocab_size, dropout,
                                self.tgt_embed.weight if tie_embeddings else None)
 
-    def encode_source(self, src: Tensor, src_lengths: Tensor) -> Tensor:
-        x = self.src_embed(src)
-        if self.encoder_kind == "bi":
-            return self.encoder(x, lengths=src_lengths)[0]
-        backward, _ = self.encoder_backward(x, lengths=src_lengths)
-        forward, _ = self.encoder_forward(torch.cat([x, backward], -1), lengths=src_lengths)
-        return torch.cat([forward, backward], -1)
+
+class ContextAwareEncoder(nn.Module):
+    """The CA encoder (module docstring): x [B, S, E], lengths [B] -> (annotations ←h [B, S, H], zeros at
+    padding; None). The backward pass starts at each sentence's own last token. Its two-level cell runs one
+    time step per Python iteration (the forward layer is a fused sequence kernel)."""
+
+    def __init__(self, cell: str, input_size: int, hidden_size: int, **opts):
+        super().__init__()
+        self.forward_layer = recurrent_layer(cell, input_size, hidden_size, batch_first=True, **opts)
+        self.lower = recurrent_cell(cell, input_size, hidden_size, **opts)
+        self.higher = recurrent_cell(cell, hidden_size, hidden_size, **opts)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tuple[Tensor, None]:
+        forward, _ = self.forward_layer(x, lengths=lengths)
+        B, S, _ = x.shape
+        mask = lengths_mask(lengths, S).unsqueeze(-1)
+        h = zeros = forward.new_zeros(B, forward.shape[-1])
+        xs, fs, out = x.unbind(1), forward.unbind(1), [None] * S
+        for t in range(S - 1, -1, -1):
+            new = self.higher(fs[t], self.lower(xs[t], h))
+            h = torch.where(mask[:, t], new, h)
+            out[t] = torch.where(mask[:, t], new, zeros)
+        return torch.stack(out, 1), None
 
 
 @register_model("gnmt-atr")
@@ -106,7 +126,9 @@ class GNMTATR(Seq2Seq):
         prev = state["s"]
         s = [self.decoder[0](y, prev[:, 0])]
         c, alpha = self.attention(s[0], state["keys"], state["annotations"], state["src_mask"])
+        x = s[0]                               # the input of the layer above
         for l in range(1, len(self.decoder)):
-            out = self.decoder[l](torch.cat([s[-1], c], -1), prev[:, l])
-            s.append(out + s[-1] if l >= 2 else out)
-        return (s[-1], c), step_state(state, alpha, keep_attention, s=torch.stack(s, 1))
+            out = self.decoder[l](torch.cat([x, c], -1), prev[:, l])
+            s.append(out)                      # a layer's own state is its output ...
+            x = out + x if l >= 2 else out     # ... the residual sum only feeds the next layer (and the readout)
+        return (x, c), step_state(state, alpha, keep_attention, s=torch.stack(s, 1))

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=None, help="warm-up updates")
     g.add_argument("--decay-start", type=int, default=None, help="RNMT+ schedule: decay start s")
     g.add_argument("--decay-end", type=int, default=None, help="RNMT+ schedule: decay end e")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="n of the schedules (RNMT+ eq. 17: concurrent replicas; inverse-sqrt: num_gpu) "
+                        "(default: the number of processes)")
     g.add_argument("--smoothing", type=float, default=None, help="label smoothing")
     g.add_argument("--clip", type=float, default=None, help="gradient-norm clipping (0: off)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
@@ -116,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 # from the default (--resume compares the given ones with the run's)
 CLI_DEFAULTS = dict(model="dtmt", preset="small", vocab_type="bpe", seed=1)
 # the settings that make a run what it is: on --resume a value given for one of them must equal the run's
-FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "smoothing", "clip",
-                   "max_tokens", "vocab_size", "vocab_type", "max_len", "seed")
+FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "replicas",
+                   "smoothing", "clip", "max_tokens", "vocab_size", "vocab_type", "max_len", "seed")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -126,7 +129,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         if not ok:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be {allowed}")
 
-    for flag in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "valid_beam"):
+    for flag in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "valid_beam",
+                 "replicas"):
         if getattr(args, flag) is not None:
             need(getattr(args, flag) >= 1, flag, "an integer >= 1")
     for flag in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences", "threads"):
@@ -188,7 +192,7 @@ def resolve_config(args: argparse.Namespace) -> dict:
     """The full run configuration: preset, then explicit command-line values."""
     preset = get_preset(args.model, args.preset)
     train = dict(preset["train"])
-    for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "smoothing", "clip", "max_tokens",
+    for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "max_tokens",
               "vocab_size", "max_len"):
         v = getattr(args, k)
         if v is not None:
@@ -411,6 +415,7 @@ class Trainer:
         self.model.to(self.device)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg["lr"], betas=(0.9, 0.998), eps=1e-9)
+        self.replicas = cfg.get("replicas") or dist.world   # the schedules' n: the processes, unless given
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule())
         self.net = self.model
         if dist.world > 1:
@@ -428,11 +433,12 @@ class Trainer:
     # -------------------------------------------------------------------------------------------- setup
     def _schedule(self):
         c = self.cfg
+        n = self.replicas
         if c["schedule"] == "rnmt":
-            return RNMTPlusSchedule(c["warmup"], c["decay_start"], c["decay_end"], n=1, floor=0.05)
+            return RNMTPlusSchedule(c["warmup"], c["decay_start"], c["decay_end"], n=n, floor=0.05)
         if c["schedule"] == "inverse-sqrt":
             dim = c["model_options"].get("embed_dim", c["model_options"].get("hidden_size", 256))
-            return InverseSqrtSchedule(dim, c["warmup"], num_gpu=1)
+            return InverseSqrtSchedule(dim, c["warmup"], num_gpu=n)
         if c["schedule"] == "constant":
             return lambda step: 1.0
         raise ValueError(f"unknown schedule {c['schedule']!r}")
@@ -526,7 +532,7 @@ class Trainer:
         if self.dist.main:
             self.log(f"model {c['model']} ({c['preset']} preset): {self.n_params:,} parameters; options "
                      f"{c['model_options']}; device {self.device}, backend {c['backend']}, {self.dist.world} "
-                     f"process(es); output {self.out}")
+                     f"process(es); schedule {c['schedule']} (n = {self.replicas}); output {self.out}")
         handlers = self._install_signals()
         window = [0.0, 0.0, 0.0]
         window_time, last_validated = 0.0, self.step

@@ -124,6 +124,7 @@ def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 process(es)" in r.stdout
+    assert "schedule rnmt (n = 2)" in r.stdout      # paper 000 eq. 17: n is the number of replicas
     assert "2 processes in sync at step 30" in r.stdout
     rows = losses(out)
     assert len(rows) == 6 and float(rows[-1][2]) < float(rows[0][2])   # it learns

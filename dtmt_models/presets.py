@@ -24,8 +24,9 @@ PRESETS: Dict[str, Dict[str, dict]] = {
         # greedy dev BLEU 8.6 against 5.6 at update 800 (benchmarks/NOTES.md, log item 15)
         "small": dict(model=dict(_SMALL, depth=1, cell="lgru", heads=4, dropout=0.2, candidate_dropout=0.1),
                       train=dict(lr=2e-3)),
-        "paper": dict(model=dict(embed_dim=1024, hidden_size=1024, encoder_depth=4, query_depth=2,
-                                 decoder_depth=2, heads=16, dropout=0.3, candidate_dropout=0.1),
+        # DTMT#4 (paper 000 Table 3, its best row): 4 T-GRUs in each of the encoder, query and decoder transitions
+        "paper": dict(model=dict(embed_dim=1024, hidden_size=1024, encoder_depth=4, query_depth=4,
+                                 decoder_depth=4, heads=16, dropout=0.3, candidate_dropout=0.1),
                       train=dict(lr=1e-4, warmup=50, decay_start=200000, decay_end=1200000, max_tokens=8000,
                                  vocab_size=32000)),
     },
@@ -55,16 +56,18 @@ PRESETS: Dict[str, Dict[str, dict]] = {
         "paper": dict(model=dict(embed_dim=512, hidden_size=512, annotation="ntm-rnn-emb", dropout=0.5),
                       train=dict(lr=1.0, schedule="inverse-sqrt", warmup=6000, max_tokens=6000, vocab_size=30000)),
     },
-    # paper 004: Adam lr 5e-4, clipping 5.0, dropout 0.2, tied target embeddings.
+    # paper 004 §4.2: embeddings 620, hidden 1000, BPE vocabularies of 40K, Adam lr 5e-4, clipping 5.0, dropout
+    # 0.2 on the output layer, tied target embeddings; GNMT+ATR: 8 + 8 layers of 512 (the issue-26 reading of
+    # §4.2, whose sentence on GNMT's dimensionality is cut in our copy).
     "rnnsearch-atr": {
         "small": dict(model=dict(_SMALL, dropout=0.2), train=dict()),
-        "paper": dict(model=dict(embed_dim=512, hidden_size=1024, dropout=0.2),
-                      train=dict(lr=5e-4, schedule="constant", clip=5.0, max_tokens=4000, vocab_size=30000)),
+        "paper": dict(model=dict(embed_dim=620, hidden_size=1000, dropout=0.2),
+                      train=dict(lr=5e-4, schedule="constant", clip=5.0, max_tokens=4000, vocab_size=40000)),
     },
     "gnmt-atr": {
         "small": dict(model=dict(_SMALL, encoder_layers=2, decoder_layers=2, dropout=0.2), train=dict()),
-        "paper": dict(model=dict(embed_dim=1024, hidden_size=1024, encoder_layers=8, decoder_layers=8, dropout=0.2),
-                      train=dict(lr=5e-4, schedule="constant", clip=5.0, max_tokens=8000, vocab_size=32000)),
+        "paper": dict(model=dict(embed_dim=512, hidden_size=512, encoder_layers=8, decoder_layers=8, dropout=0.2),
+                      train=dict(lr=5e-4, schedule="constant", clip=5.0, max_tokens=8000, vocab_size=40000)),
     },
     # the baseline of issue 6, sized like the small dtmt (5.1 M against 5.2 M parameters at vocabularies 4,000).
     "transformer": {

@@ -87,9 +87,9 @@ def test_forward_backward_finite_and_summary(name, options, capsys):
     loss, nll, ntok = model.loss(src, src_lengths, prev, tgt, smoothing=0.1)
     assert ntok == int((tgt != 0).sum()) and torch.isfinite(loss)
     loss.backward()
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            assert torch.isfinite(p.grad).all(), n
+    for n, p in model.named_parameters():   # every parameter is used: nothing built that the options do not run
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{n} has no gradient"
+        assert torch.isfinite(p.grad).all(), n
 
 
 @pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)

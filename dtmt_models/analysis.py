@@ -122,8 +122,8 @@ def find_atr_layer(model, name: Optional[str] = None):
     p_k = W x_k depends on source token k alone, so eq. 10's weights attribute each state to the words
     themselves, and "previous word" means the word to the left, as in paper 004's Figure 4 (with the
     context-aware encoder, encoder="ca", it is the forward layer, which reads the embeddings too). One-step
-    cells (ATRCell: the decoder's, the CA encoder's backward two-level cell) are not considered. `name` picks a module by its
-    name in `model.named_modules()` instead (its direction 0)."""
+    cells (ATRCell: the decoder's, the CA encoder's backward two-level cell) are not considered. `name` picks a
+    module by its name in `model.named_modules()` instead (its direction 0)."""
     modules = dict(model.named_modules())
     if name is not None:
         if name not in modules or not isinstance(modules[name], dk.nn.ATR):

@@ -4,6 +4,7 @@
     dtmt train --data DIR --model NAME [options]    dtmt translate --checkpoint C [FILE ...]
     dtmt evaluate --checkpoint C --data DIR --split test
     dtmt bench cells|train|decode|quality [options]
+    dtmt models [--count] [--table 002-T4]
 
 Each subcommand lives in its own module with a `main(argv)` (so `python -m dtmt_models.train ...` and
 `torchrun -m dtmt_models.train ...` work too); this file only dispatches.
@@ -20,6 +21,7 @@ COMMANDS = {
     "translate": ("dtmt_models.translate", "translate files or stdin with a checkpoint"),
     "evaluate": ("dtmt_models.evaluate", "BLEU / chrF (and BLEU by source length) on a split"),
     "bench": ("dtmt_models.bench", "run the benchmarks in benchmarks/"),
+    "models": ("dtmt_models.catalog", "list the systems, their presets and the papers' table rows"),
 }
 
 

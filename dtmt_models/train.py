@@ -38,7 +38,7 @@ from .checkpoint import read_checkpoint, save_checkpoint
 from .data import CorpusError, corpus_fingerprint, corpus_paths, filter_by_length, read_manifest, read_parallel
 from .errors import one_line
 from .loss import label_smoothed_nll
-from .presets import get_preset
+from .presets import PAPER_ROWS_BY_NAME, get_preset
 from .registry import build_model, check_model_options, list_models
 from .schedules import InverseSqrtSchedule, RNMTPlusSchedule
 from .vocabulary import Vocabulary
@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter)
     p.add_argument("--data", required=True, help="prepared corpus directory (with corpus.json)")
     p.add_argument("--model", default=None, help=f"system: one of {', '.join(list_models())} (default dtmt)")
-    p.add_argument("--preset", default=None, help="size/settings preset: small (CPU; the default) or paper")
+    p.add_argument("--preset", default=None,
+                   help="size/settings preset: small (CPU; the default), paper, or a paper's table row such as "
+                        "000-T3-dtmt4 (which also names the model; list them with `dtmt models`)")
     p.add_argument("--out", default=None, help="output directory (default runs/<model>)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="model option override, e.g. --opt depth=4 --opt cell=gru (repeatable)")
@@ -678,6 +680,8 @@ class Trainer:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     explicit = {k for k, v in vars(args).items() if v is not None and k != "opt"}
+    if args.model is None and args.preset in PAPER_ROWS_BY_NAME:   # a paper row names its system
+        args.model = PAPER_ROWS_BY_NAME[args.preset].model
     for k, v in CLI_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

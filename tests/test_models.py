@@ -28,6 +28,7 @@ CONFIGS = [
     ("nematus", dict(encoder="alternating", decoder="cgru", dec_depth=3)),
     ("nematus", dict(encoder="bideep", decoder="crgru")),
     ("nematus", dict(encoder="bideep", decoder="bideep", dec_high_cell="cgru", dec_base_transition_depth=3)),
+    ("nematus", dict(encoder="bideep", decoder="bideep", enc_depth=3, dec_depth=3)),
     ("mce", {}),
     ("mce", dict(annotation="rnn", backward_input="embeddings")),
     ("mce", dict(annotation="ntm")),

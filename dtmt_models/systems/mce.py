@@ -101,8 +101,8 @@ class MemoryGRUEncoderDirection(nn.Module):
 
 
 class Gate(nn.Module):
-    """gate(a, b) = g ⊙ (A a) + (1 − g) ⊙ (B b), g = σ(W a + U b + bias): a [.., dim_a], b [.., dim_b] -> [.., dim]
-    (the module docstring says why each channel has its own projection A, B)."""
+    """gate(a, b) = g ⊙ (A a) + (1 − g) ⊙ (B b), g = σ(W a + U b + bias).
+    a [.., dim_a], b [.., dim_b] -> [.., dim]; the module docstring says why each channel has its own A, B."""
 
     def __init__(self, dim_a: int, dim_b: int, dim: int):
         super().__init__()

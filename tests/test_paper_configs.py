@@ -1,0 +1,155 @@
+"""The systems at the papers' own sizes (issue 26): the parameter-count differences of the papers' tables, every
+parameter of every preset and paper row trained, every configuration under two-process DDP, the schedules' n."""
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dtmt_models.catalog import describe, row_parameters
+from dtmt_models.presets import PAPER_ROWS, PAPER_ROWS_BY_NAME, TABLES, get_preset, presets_of
+from dtmt_models.registry import build_model, list_models
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COUNTED = sorted({r.table for r in PAPER_ROWS if r.params is not None})
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return {r.name: row_parameters(r) for r in PAPER_ROWS if r.params is not None}
+
+
+def millions(x):
+    return x / 1e6 if x >= 1e6 else x
+
+
+@pytest.mark.parametrize("table", COUNTED)
+def test_table_differences_within_0_15_million(table, counts):
+    """Every pair of rows of a table: our difference equals the paper's within 0.15 M (the papers round to 0.1 M),
+    after the documented amount for a row whose count follows another layout; rows whose count is documented as
+    not reproducible are left out, and there are few of them."""
+    rows = [r for r in PAPER_ROWS if r.table == table and r.params is not None]
+    usable = [r for r in rows if not r.unmatched or r.explained is not None]
+    assert len(usable) >= len(rows) - 1 and len(usable) >= 3
+    bad = []
+    for a, b in itertools.combinations(usable, 2):
+        ours = (counts[b.name] - counts[a.name]) / 1e6 + (b.explained or 0) - (a.explained or 0)
+        paper = millions(b.params) - millions(a.params)
+        if abs(ours - paper) > 0.15:
+            bad.append(f"{a.name} -> {b.name}: ours {ours:+.3f} M, paper {paper:+.3f} M")
+    assert not bad, "\n".join(bad)
+
+
+def test_mce_table_1_differences_to_the_parameter(counts):
+    """Paper 003 prints exact counts: the channel rows differ from RNN by what the paper says, to 2 parameters
+    (the memory's two extra scalars); EMB is the documented exception, and its reason is checked."""
+    rows = [r for r in PAPER_ROWS if r.table == "003-T1"]
+    rnn = PAPER_ROWS_BY_NAME["003-T1-rnn"]
+    for r in rows:
+        if r.unmatched:
+            continue
+        ours, paper = counts[r.name] - counts[rnn.name], r.params - rnn.params
+        assert abs(ours - paper) <= 2, (r.name, ours, paper)
+    # the reason given for EMB: the paper's EMB is its NTM minus 1.5 · 1024² exactly
+    assert PAPER_ROWS_BY_NAME["003-T1-ntm"].params - PAPER_ROWS_BY_NAME["003-T1-emb"].params == 1.5 * 1024 ** 2
+
+
+def test_atr_table_4_absolute_counts(counts):
+    """Paper 004 states the vocabularies (40K per side, tied target embedding): the absolute counts match too."""
+    for name in ("004-T4-rnnsearch-gru", "004-T4-rnnsearch-atr", "004-T4-rnnsearch-atr-ca"):
+        assert abs(counts[name] / 1e6 - PAPER_ROWS_BY_NAME[name].params) <= 0.051, name
+
+
+def test_dtmt_paper_preset_is_dtmt4():
+    """Paper 000 l.208 and Table 3: DTMT#4 has 4 T-GRUs in each of the encoder, query and decoder transitions,
+    +65.2 M over SHALLOWRNMT (GRU) at 1024."""
+    opts = get_preset("dtmt", "paper")["model"]
+    assert (opts["encoder_depth"], opts["query_depth"], opts["decoder_depth"]) == (4, 4, 4)
+    with torch.device("meta"):
+        paper = build_model("dtmt", 30000, 30000, **opts)
+        dtmt4 = build_model("dtmt", 30000, 30000, **PAPER_ROWS_BY_NAME["000-T3-dtmt4"].options)
+    assert sum(p.numel() for p in paper.parameters()) == sum(p.numel() for p in dtmt4.parameters())
+
+
+def test_rows_are_presets_of_their_system(tmp_path):
+    assert len(PAPER_ROWS_BY_NAME) == len(PAPER_ROWS)            # names are unique
+    for r in PAPER_ROWS:
+        assert r.model in list_models() and r.table in TABLES and r.name.startswith(r.table)
+        assert r.name in presets_of(r.model)
+        p = get_preset(r.model, r.name)
+        assert p["model"] == r.options and p["train"]["vocab_size"] >= 30000
+    assert get_preset("dtmt", "000-T3-dtmt1")["train"]["lr"] == 1e-3        # the Zh⇒En settings of paper 000
+    with pytest.raises(ValueError, match="nematus configuration"):
+        get_preset("dtmt", "002-T4-bideep-4x2")
+    text = describe()
+    assert all(r.name in text for r in PAPER_ROWS) and all(m in text for m in list_models())
+    # dtmt train --preset ROW takes the row's system: an unknown option is refused naming that system
+    from test_train import make_toy_corpus, run_train
+
+    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=0, n_test=0)
+    r = run_train(["--data", data, "--out", str(tmp_path / "run"), "--preset", "002-T4-bideep-4x2",
+                   "--opt", "frobnicate=1"])
+    assert r.returncode == 2 and "unknown option 'frobnicate' for nematus" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def shrink(model, options):
+    """The structure of a configuration at tiny widths (a forward/backward of every preset in seconds)."""
+    small = dict(options, embed_dim=8, hidden_size=8)
+    if "heads" in small:
+        small["heads"] = 2
+    if model == "transformer":
+        small.update(embed_dim=8, hidden_size=16)
+    return small
+
+
+def every_preset():
+    out = {}
+    for model in list_models():
+        for preset in presets_of(model):
+            opts = shrink(model, get_preset(model, preset)["model"])
+            out.setdefault((model, repr(sorted(opts.items()))), (model, preset, opts))
+    return sorted(out.values(), key=lambda x: (x[0], x[1]))
+
+
+@pytest.mark.parametrize("model,preset,options", every_preset(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_parameter_of_every_preset_gets_a_gradient(model, preset, options):
+    """A configuration builds only what it uses (SPEC §4): one forward/backward gives every parameter a
+    non-zero gradient, for the small and paper presets and every paper row (at tiny widths)."""
+    from test_models import V_SRC, V_TGT, toy_batch
+
+    torch.manual_seed(0)
+    m = build_model(model, V_SRC, V_TGT, **options)
+    src, src_lengths, prev, tgt = toy_batch()
+    loss, _, _ = m.loss(src, src_lengths, prev, tgt, smoothing=0.1)
+    loss.backward()
+    dead = [n for n, p in m.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not dead, f"{model} {preset}: no gradient for {dead}"
+
+
+def test_every_configuration_trains_under_two_process_ddp():
+    """2 processes, gloo, find_unused_parameters off: every system and encoder/decoder/annotation choice of
+    test_models.CONFIGS runs two updates and the processes stay equal (tests/ddp_every_config.py)."""
+    from test_models import IDS
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+           os.path.join(ROOT, "tests", "ddp_every_config.py")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert [line[3:] for line in r.stdout.splitlines() if line.startswith("ok ")] == IDS
+
+
+def test_replicas_follow_the_flag_on_one_process(tmp_path):
+    """--replicas sets the schedules' n (paper 000 eq. 17); without it n is the number of processes (the DDP
+    test in test_train checks n = 2 on two)."""
+    from test_train import TINY, make_toy_corpus, run_train
+
+    data = make_toy_corpus(tmp_path / "toy", n_train=40, n_dev=0, n_test=0)
+    r = run_train(["--data", data, "--out", str(tmp_path / "r"), "--max-steps", "1", "--replicas", "3", *TINY])
+    assert r.returncode == 0, r.stderr
+    assert "schedule rnmt (n = 3)" in r.stdout
+    r = run_train(["--data", data, "--out", str(tmp_path / "s"), "--max-steps", "1", "--replicas", "0", *TINY])
+    assert r.returncode == 2 and "--replicas 0" in r.stderr

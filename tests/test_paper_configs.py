@@ -153,3 +153,28 @@ def test_replicas_follow_the_flag_on_one_process(tmp_path):
     assert "schedule rnmt (n = 3)" in r.stdout
     r = run_train(["--data", data, "--out", str(tmp_path / "s"), "--max-steps", "1", "--replicas", "0", *TINY])
     assert r.returncode == 2 and "--replicas 0" in r.stderr
+
+
+def test_gnmt_decoder_layers_keep_their_own_output_as_state():
+    """gnmt-atr: a residual sum feeds the next layer, it is never a layer's own recurrent state (GNMT §3.1):
+    one step recomputed by hand from the decoder cells."""
+
+    torch.manual_seed(0)
+    m = build_model("gnmt-atr", 20, 20, embed_dim=8, hidden_size=8, encoder_layers=2, decoder_layers=4).eval()
+    src, lengths = torch.randint(3, 20, (2, 5)), torch.tensor([5, 3])
+    with torch.no_grad():
+        state = m.encode(src, lengths)
+        state["s"] = torch.randn_like(state["s"])          # distinct previous states per layer
+        y = m.tgt_embed(torch.tensor([4, 7]))
+        (top, c), new = m.transition(state, y)
+        prev = state["s"]
+        s0 = m.decoder[0](y, prev[:, 0])
+        c_ref, _ = m.attention(s0, state["keys"], state["annotations"], state["src_mask"])
+        x, states = s0, [s0]
+        for l in range(1, 4):
+            out = m.decoder[l](torch.cat([x, c_ref], -1), prev[:, l])
+            states.append(out)
+            x = out + x if l >= 2 else out
+    torch.testing.assert_close(new["s"], torch.stack(states, 1))
+    torch.testing.assert_close(top, x)
+    assert not torch.allclose(new["s"][:, 3], top)             # the state is not the residual sum

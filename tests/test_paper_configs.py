@@ -178,3 +178,12 @@ def test_gnmt_decoder_layers_keep_their_own_output_as_state():
     torch.testing.assert_close(new["s"], torch.stack(states, 1))
     torch.testing.assert_close(top, x)
     assert not torch.allclose(new["s"][:, 3], top)             # the state is not the residual sum
+
+
+def test_atr_paper_presets_follow_paper_004():
+    """§4.2: RNNSearch 620 / 1000 with 40K vocabularies; GNMT+ATR 512 / 512."""
+    rnnsearch = get_preset("rnnsearch-atr", "paper")
+    assert rnnsearch["model"] == PAPER_ROWS_BY_NAME["004-T4-rnnsearch-atr"].options
+    assert rnnsearch["train"]["vocab_size"] == 40000
+    gnmt = get_preset("gnmt-atr", "paper")["model"]
+    assert gnmt == PAPER_ROWS_BY_NAME["004-T2-gnmt-atr"].options and gnmt["hidden_size"] == 512

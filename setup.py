@@ -3,12 +3,21 @@
     pip install --no-build-isolation .        (or -e . for development)
 
 C++ CPU kernels are always built (C++17, OpenMP). CUDA sources (csrc/*.cu) are added when the installed
-torch has CUDA and nvcc is found, unless DTMT_NO_CUDA=1. The CPU code is compiled for the build machine
-(-march=native) since the package is built from source where it runs; DTMT_PORTABLE=1 turns that off.
+torch has CUDA and nvcc is found, unless DTMT_NO_CUDA=1.
+
+The library runs on any x86-64 CPU and uses the vector units it has. The hot loops (csrc/isa/: the cells' row
+passes, additive attention, the small-row GEMM; no torch headers) are compiled once per instruction set, baseline
+x86-64, AVX2 (-march=x86-64-v3) and AVX-512 (-march=x86-64-v4), each copy in its own namespace, and
+csrc/cpu_dispatch.cpp picks the best one the CPU supports when the library loads (DTMT_CPU_ISA=baseline|avx2|avx512
+asks for another; `_C.cpu_isa()` says which runs). The rest (allocation, GEMM calls, threads) is compiled for
+baseline x86-64. DTMT_NATIVE=1 compiles everything for the build machine instead (-march=native, one copy of the
+loops, named "native"): the library then runs only on CPUs like it. Other architectures build one copy for the
+compiler's default target.
 -fno-trapping-math lets GCC turn the clamps and selects of the float exp/sigmoid/tanh (cell_math.h) into
 vector blends: without it none of the per-feature loops that call them vectorises (GCC 12 reports "control
 flow in loop"). The kernels never read floating-point exception flags, so nothing else changes.
 """
+import concurrent.futures
 import glob
 import os
 import platform
@@ -19,32 +28,74 @@ import torch
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ISA_SOURCES = sorted(glob.glob(os.path.join("csrc", "isa", "*.cpp")))
 
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
 
 
+def cpu_isas():
+    """{name: extra compiler flags} of the copies of csrc/isa/ to build, best first (csrc/cpu_dispatch.cpp
+    keeps this order)."""
+    if _flag("DTMT_NATIVE"):
+        return {"native": ["-march=native"]}
+    if platform.machine() in ("x86_64", "AMD64"):
+        return {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "baseline": []}
+    return {"baseline": []}
+
+
+def base_cxx_flags():
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
+    if _flag("DTMT_NATIVE"):
+        flags.append("-march=native")
+    elif platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=x86-64")  # whatever the compiler's default: the code outside csrc/isa/ runs anywhere
+    return flags
+
+
+class BuildExtensionWithIsaCopies(BuildExtension):
+    """torch's BuildExtension, plus one copy of csrc/isa/*.cpp per instruction set of cpu_isas(), each compiled
+    with the extension's flags, that set's -march and -DDTMT_ISA=<name> into a folder of its own, and linked
+    into the extension. (setuptools compiles every source of an extension with the same flags, hence this.)"""
+
+    def build_extension(self, ext):
+        cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+
+        def compile_copy(isa, flags):
+            return self.compiler.compile(ISA_SOURCES, output_dir=os.path.join(self.build_temp, "isa", isa),
+                                         include_dirs=ext.include_dirs, debug=self.debug,
+                                         extra_postargs=cxx + flags + [f"-DDTMT_ISA={isa}"])
+
+        # the copies at once (each is a ninja run of its own): a few seconds of torch-free code each
+        with concurrent.futures.ThreadPoolExecutor() as pool:
+            copies = [pool.submit(compile_copy, isa, flags) for isa, flags in cpu_isas().items()]
+            ext.extra_objects = [obj for copy in copies for obj in copy.result()]
+        super().build_extension(ext)
+
+
 def extension():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
-    if not _flag("DTMT_PORTABLE") and platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
-        cxx.append("-march=native")
+    cxx = base_cxx_flags()
     with_cuda = (
         torch.version.cuda is not None and CUDA_HOME is not None and bool(cu_sources) and not _flag("DTMT_NO_CUDA")
     )
     kwargs = dict(
         name="dtmt_kernels._C",
         include_dirs=[os.path.join(HERE, "csrc")],
+        # cpu_dispatch.cpp lists the copies of csrc/isa/ that are linked in
+        define_macros=[(f"DTMT_ISA_{isa.upper()}", "1") for isa in cpu_isas()],
+        # rebuild when a header or a copied source changes, not only the sources above
+        depends=sorted(glob.glob(os.path.join("csrc", "*.h")) + glob.glob(os.path.join("csrc", "*.cuh")) +
+                       glob.glob(os.path.join("csrc", "isa", "*"))),
         extra_link_args=["-fopenmp"],
     )
     if with_cuda:
         return CUDAExtension(
             sources=cpp_sources + cu_sources,
-            define_macros=[("DTMT_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
-            **kwargs,
+            **{**kwargs, "define_macros": kwargs["define_macros"] + [("DTMT_WITH_CUDA", "1")]},
         )
     return CppExtension(sources=cpp_sources, extra_compile_args={"cxx": cxx}, **kwargs)
 
@@ -52,5 +103,5 @@ def extension():
 setup(
     packages=find_packages(include=["dtmt_kernels", "dtmt_kernels.*", "dtmt_models", "dtmt_models.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtensionWithIsaCopies.with_options(use_ninja=True)},
 )

@@ -58,7 +58,11 @@ def machine_name(device: str = "cpu") -> str:
                     break
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    loops = ""
+    if "cpp" in dk.available_backends():  # which copy of the C++ loops runs (setup.py builds one per instruction set)
+        from dtmt_kernels import _C
+        loops = f", dtmt CPU loops {_C.cpu_isa()}"
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads{loops}"
 
 
 def _sync(device: str = "cpu"):

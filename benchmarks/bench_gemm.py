@@ -60,7 +60,7 @@ def main(argv=None):
     if a.decode:
         a.shapes = [f"{a.rows}x{kn}" for kn in ("128x4000", "512x1280", "256x1024", "256x768", "512x512")]
         a.cold = True
-    small_ok = _C is not None and _C.has_small_rows_kernel
+    small_ok = _C is not None
     print(f"torch {torch.__version__}; GFLOP/s (x W^T | weight gradient), weight GB/s (x W^T | W.sum()"
           + (" | small-row kernel" if small_ok else "") + ")" + (", cold weights" if a.cold else ""))
     rows, before = [], torch.get_num_threads()

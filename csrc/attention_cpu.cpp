@@ -24,11 +24,14 @@
 // one pass over the values. The values may be a strided view (the encoder output is [S, B, C] transposed);
 // only the last dimension must be contiguous, and dvalues is laid out like the values. Each batch row is
 // owned by one thread.
+//
+// The loops are in csrc/isa/attention_loops.cpp (the copy for this CPU's instruction set, cpu_dispatch.h); this
+// file checks the tensors, allocates and splits the batch among threads.
 #include "attention.h"
 
 #include <ATen/Parallel.h>
 
-#include "cell_math.h"
+#include "cpu_dispatch.h"
 
 namespace dtmt {
 namespace {
@@ -36,110 +39,6 @@ namespace {
 using at::Tensor;
 
 int64_t batch_grain(int64_t S, int64_t A) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(S * A, 1)); }
-
-template <typename T>
-void scores_forward(const T* keys, const T* q, const T* v, T* out, int64_t B, int64_t S, int64_t NH, int64_t D) {
-  at::parallel_for(0, B, batch_grain(S, NH * D), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t s = 0; s < S; ++s) {
-        for (int64_t h = 0; h < NH; ++h) {
-          const T* DTMT_RESTRICT k = keys + ((b * S + s) * NH + h) * D;
-          const T* DTMT_RESTRICT qq = q + (b * NH + h) * D;
-          const T* DTMT_RESTRICT vv = v + h * D;
-          T acc = 0;
-          DTMT_SIMD_SUM(acc)
-          for (int64_t d = 0; d < D; ++d) acc += vv[d] * dt_tanh(k[d] + qq[d]);
-          out[(b * NH + h) * S + s] = acc;
-        }
-      }
-    }
-  });
-}
-
-template <typename T>
-void scores_backward(const T* grad, const T* keys, const T* q, const T* v, T* dkeys, T* dq, T* dv_rows, int64_t B,
-                     int64_t S, int64_t NH, int64_t D) {
-  const int64_t A = NH * D;
-  at::parallel_for(0, B, batch_grain(S, A), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      T* DTMT_RESTRICT dqb = dq + b * A;
-      T* DTMT_RESTRICT dvb = dv_rows + b * A;
-      std::fill(dqb, dqb + A, T(0));
-      std::fill(dvb, dvb + A, T(0));
-      for (int64_t s = 0; s < S; ++s) {
-        for (int64_t h = 0; h < NH; ++h) {
-          const T g = grad[(b * NH + h) * S + s];
-          const int64_t row = ((b * S + s) * NH + h) * D;
-          const T* DTMT_RESTRICT k = keys + row;
-          const T* DTMT_RESTRICT qq = q + (b * NH + h) * D;
-          const T* DTMT_RESTRICT vv = v + h * D;
-          T* DTMT_RESTRICT dk = dkeys + row;
-          T* DTMT_RESTRICT dqh = dqb + h * D;
-          T* DTMT_RESTRICT dvh = dvb + h * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) {
-            const T t = dt_tanh(k[d] + qq[d]);
-            const T dpre = g * vv[d] * (T(1) - t * t);
-            dk[d] = dpre;
-            dqh[d] += dpre;
-            dvh[d] += g * t;
-          }
-        }
-      }
-    }
-  });
-}
-
-template <typename T>
-void context_forward(const T* alpha, const T* values, T* out, int64_t B, int64_t S, int64_t NH, int64_t Dc,
-                     int64_t vsb, int64_t vss) {
-  const int64_t C = NH * Dc;
-  at::parallel_for(0, B, batch_grain(S, C), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      T* DTMT_RESTRICT o = out + b * C;
-      std::fill(o, o + C, T(0));
-      for (int64_t s = 0; s < S; ++s) {
-        const T* DTMT_RESTRICT row = values + b * vsb + s * vss;
-        for (int64_t h = 0; h < NH; ++h) {
-          const T a = alpha[(b * NH + h) * S + s];
-          T* DTMT_RESTRICT oh = o + h * Dc;
-          const T* DTMT_RESTRICT vh = row + h * Dc;
-#pragma omp simd
-          for (int64_t d = 0; d < Dc; ++d) oh[d] += a * vh[d];
-        }
-      }
-    }
-  });
-}
-
-template <typename T>
-void context_backward(const T* grad, const T* alpha, const T* values, T* dalpha, T* dvalues, int64_t B, int64_t S,
-                      int64_t NH, int64_t Dc, int64_t vsb, int64_t vss, int64_t dsb, int64_t dss) {
-  const int64_t C = NH * Dc;
-  at::parallel_for(0, B, batch_grain(S, C), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const T* DTMT_RESTRICT g = grad + b * C;
-      for (int64_t s = 0; s < S; ++s) {
-        const T* DTMT_RESTRICT row = values + b * vsb + s * vss;
-        T* DTMT_RESTRICT drow = dvalues + b * dsb + s * dss;
-        for (int64_t h = 0; h < NH; ++h) {
-          const int64_t i = (b * NH + h) * S + s;
-          const T a = alpha[i];
-          const T* DTMT_RESTRICT gh = g + h * Dc;
-          const T* DTMT_RESTRICT vh = row + h * Dc;
-          T* DTMT_RESTRICT dh = drow + h * Dc;
-          T acc = 0;
-          DTMT_SIMD_SUM(acc)
-          for (int64_t d = 0; d < Dc; ++d) {
-            acc += vh[d] * gh[d];
-            dh[d] = a * gh[d];
-          }
-          dalpha[i] = acc;
-        }
-      }
-    }
-  });
-}
 
 void check_context(const Tensor& alpha, const Tensor& values) {
   TORCH_CHECK(alpha.dim() == 3 && values.dim() == 3 && alpha.size(0) == values.size(0) &&
@@ -169,8 +68,13 @@ Tensor attention_context_forward_cpu(const Tensor& alpha, const Tensor& values) 
   const int64_t B = values.size(0), S = values.size(1), C = values.size(2), NH = alpha.size(1);
   Tensor out = at::empty({B, C}, values.options());
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "attention_context_forward_cpu", [&] {
-    context_forward<scalar_t>(alpha.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                              B, S, NH, C / NH, values.stride(0), values.stride(1));
+    const auto loop = typed_cpu_kernels<scalar_t>().context_forward;
+    const scalar_t* a = alpha.data_ptr<scalar_t>();
+    const scalar_t* v = values.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B, batch_grain(S, C), [&](int64_t b0, int64_t b1) {
+      loop(a, v, o, S, NH, C / NH, values.stride(0), values.stride(1), b0, b1);
+    });
   });
   return out;
 }
@@ -185,9 +89,16 @@ std::vector<Tensor> attention_context_backward_cpu(const Tensor& grad, const Ten
   Tensor dvalues = at::empty_like(values);  // same strides as the values when they are dense
   if (C > 1 && dvalues.stride(2) != 1) dvalues = at::empty({B, S, C}, values.options());
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "attention_context_backward_cpu", [&] {
-    context_backward<scalar_t>(grad.data_ptr<scalar_t>(), alpha.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
-                               dalpha.data_ptr<scalar_t>(), dvalues.data_ptr<scalar_t>(), B, S, NH, C / NH,
-                               values.stride(0), values.stride(1), dvalues.stride(0), dvalues.stride(1));
+    const auto loop = typed_cpu_kernels<scalar_t>().context_backward;
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    const scalar_t* a = alpha.data_ptr<scalar_t>();
+    const scalar_t* v = values.data_ptr<scalar_t>();
+    scalar_t* da = dalpha.data_ptr<scalar_t>();
+    scalar_t* dv = dvalues.data_ptr<scalar_t>();
+    at::parallel_for(0, B, batch_grain(S, C), [&](int64_t b0, int64_t b1) {
+      loop(g, a, v, da, dv, S, NH, C / NH, values.stride(0), values.stride(1), dvalues.stride(0), dvalues.stride(1),
+           b0, b1);
+    });
   });
   return {dalpha, dvalues};
 }
@@ -197,8 +108,14 @@ Tensor additive_scores_forward_cpu(const Tensor& keys, const Tensor& q, const Te
   const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
   Tensor out = at::empty({B, NH, S}, keys.options());
   AT_DISPATCH_FLOATING_TYPES(keys.scalar_type(), "additive_scores_forward_cpu", [&] {
-    scores_forward<scalar_t>(keys.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                             out.data_ptr<scalar_t>(), B, S, NH, D);
+    const auto loop = typed_cpu_kernels<scalar_t>().scores_forward;
+    const scalar_t* k = keys.data_ptr<scalar_t>();
+    const scalar_t* qq = q.data_ptr<scalar_t>();
+    const scalar_t* vv = v.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B, batch_grain(S, NH * D), [&](int64_t b0, int64_t b1) {
+      loop(k, qq, vv, o, S, NH, D, b0, b1);
+    });
   });
   return out;
 }
@@ -214,9 +131,17 @@ std::vector<Tensor> additive_scores_backward_cpu(const Tensor& grad, const Tenso
   Tensor dq = at::empty_like(q);
   Tensor dv_rows = at::empty({B, NH, D}, keys.options());
   AT_DISPATCH_FLOATING_TYPES(keys.scalar_type(), "additive_scores_backward_cpu", [&] {
-    scores_backward<scalar_t>(grad.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                              v.data_ptr<scalar_t>(), dkeys.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(),
-                              dv_rows.data_ptr<scalar_t>(), B, S, NH, D);
+    const auto loop = typed_cpu_kernels<scalar_t>().scores_backward;
+    const scalar_t* g = grad.data_ptr<scalar_t>();
+    const scalar_t* k = keys.data_ptr<scalar_t>();
+    const scalar_t* qq = q.data_ptr<scalar_t>();
+    const scalar_t* vv = v.data_ptr<scalar_t>();
+    scalar_t* dk = dkeys.data_ptr<scalar_t>();
+    scalar_t* dqq = dq.data_ptr<scalar_t>();
+    scalar_t* dv = dv_rows.data_ptr<scalar_t>();
+    at::parallel_for(0, B, batch_grain(S, NH * D), [&](int64_t b0, int64_t b1) {
+      loop(g, k, qq, vv, dk, dqq, dv, S, NH, D, b0, b1);
+    });
   });
   return {dkeys, dq, dv_rows.sum(0)};
 }

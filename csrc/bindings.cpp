@@ -5,6 +5,7 @@
 
 #include "attention.h"
 #include "cell_math.h"
+#include "cpu_dispatch.h"
 #include "decode_step.h"
 #include "small_gemm.h"
 #include "transition.h"
@@ -142,7 +143,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ w[N, K]^T + bias: the weight-streaming kernel for M <= SMALL_ROWS_MAX float32 rows, ATen's "
         "GEMM otherwise");
   m.attr("SMALL_ROWS_MAX") = dtmt::kSmallRowsMax;
-  m.attr("has_small_rows_kernel") = dtmt::small_rows_kernel_built();
+  m.def("cpu_isa", [] { return std::string(dtmt::cpu_kernels().isa); },
+        "The instruction set whose copy of the CPU loops runs (csrc/cpu_dispatch.h): 'avx512', 'avx2', 'baseline' "
+        "or 'native'");
+  m.def("compiled_cpu_isas", &dtmt::compiled_cpu_isas, "The instruction sets compiled in, best first");
+  m.def("supported_cpu_isas", &dtmt::supported_cpu_isas, "Those of them this machine can run, best first");
+  m.def("set_cpu_isa", &dtmt::set_cpu_isa, py::arg("name"),
+        "Run the copy of the CPU loops for `name` from now on (tests, benchmarks); ValueError when this build or "
+        "machine has none. The environment variable DTMT_CPU_ISA does the same when the module loads.");
+  if (!dtmt::cpu_isa_environment_note().empty() &&
+      PyErr_WarnEx(PyExc_RuntimeWarning, dtmt::cpu_isa_environment_note().c_str(), 1) != 0)
+    throw py::error_already_set();
 #ifdef DTMT_WITH_CUDA
   m.def("transition_forward_cuda", &transition_forward_cuda,
         "CUDA deep transition / ATR forward; returns [out, h_n, xp, hs, hs_lp, hp, hpt] (hs_lp empty for "

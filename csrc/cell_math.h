@@ -1,6 +1,6 @@
 // Per-element and per-row math of the recurrent cells (SPEC §2), free of any framework.
 //
-// Everything here is `DTMT_HD` (host + device inline), so the C++ CPU kernels (transition_cpu.cpp) and the
+// Everything here is `DTMT_HD` (host + device inline), so the C++ CPU kernels (isa/transition_rows.cpp) and the
 // CUDA kernels share one definition of each gate, candidate, state update and layer norm, forward and
 // backward. The row functions loop over one batch row of H features; the element functions are what a
 // CUDA kernel with one thread per feature calls directly.
@@ -37,7 +37,17 @@
 #define DTMT_SIMD_SUM(...)
 #endif
 
+// The CPU loops are compiled once per instruction set (csrc/isa/kernels.h, with -DDTMT_ISA=<name>): each copy
+// of these inline functions goes into a namespace of its own, or the linker could keep an AVX-512 copy of one
+// for code that runs on any CPU. Everything else (the torch-facing C++, the CUDA code) uses default_target.
+#ifndef DTMT_ISA
+#define DTMT_CELL_MATH_NS default_target
+#else
+#define DTMT_CELL_MATH_NS DTMT_ISA
+#endif
+
 namespace dtmt {
+inline namespace DTMT_CELL_MATH_NS {
 
 enum CellKind : int { kGRU = 0, kLGRU = 1, kLAU = 2, kATR = 3, kTGRU = 4 };
 
@@ -426,4 +436,5 @@ DTMT_HD void atr_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RE
   }
 }
 
+}  // namespace DTMT_CELL_MATH_NS
 }  // namespace dtmt

@@ -4,14 +4,14 @@
 // the step is bound by reading the weights. The BLAS GEMM of torch reads them at 5-7 GB/s at M = 4 on the
 // 2-core AMD EPYC of benchmarks/NOTES.md (log item 10), a plain read of the same bytes runs at 15-18 GB/s.
 // This kernel streams each weight row once, from start to end, and uses it for all M rows of x while it is in
-// registers (x itself stays in L1). See small_gemm_cpu.cpp.
+// registers (x itself stays in L1). See small_gemm_cpu.cpp and isa/small_gemm_rows.cpp.
 #pragma once
 
 #include <torch/extension.h>
 
 namespace dtmt {
 
-constexpr int64_t kSmallRowsMax = 8;
+constexpr int64_t kSmallRowsMax = 8;  // the loop (isa/small_gemm_rows.cpp) has a case for each M up to this
 
 // True when the small-row kernel takes (x, w, bias, out): CPU float32, x [M, K] with 1 <= M <= kSmallRowsMax and
 // unit stride along K, w [N, K] contiguous, bias empty or [N] contiguous, out [M, N] with unit stride along N.
@@ -22,8 +22,5 @@ void linear_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, c
 
 // The op exposed to Python: a new [M, N] tensor (x must be 2-D).
 at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
-
-// Whether the kernel was compiled in (AVX2 + FMA targets); without it every call takes ATen's GEMM.
-bool small_rows_kernel_built();
 
 }  // namespace dtmt

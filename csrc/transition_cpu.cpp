@@ -11,6 +11,8 @@
 // Saved for backward (per step and sequence): xp (input pre-activations), hs (the state entering every
 // sub-cell), hp / hpt (recurrent pre-activations). Gate values, layer-norm statistics and candidates are
 // recomputed in the backward pass from these, which keeps the saved bytes well below autograd's.
+// The row passes are the loops of csrc/isa/transition_rows.cpp (the copy for this CPU's instruction set,
+// cpu_dispatch.h); this file allocates, runs the GEMMs and splits the rows among threads.
 //
 // Backward walks the steps in the opposite order. Per step and sub-cell: one fused pass per row recomputes
 // the forward and produces d(pre-activations) and the direct gradient to the sub-cell's input state, then
@@ -26,14 +28,13 @@
 #endif
 
 #include "cell_math.h"
+#include "cpu_dispatch.h"
 #include "small_gemm.h"
 
 namespace dtmt {
 namespace {
 
 using at::Tensor;
-
-template <typename scalar_t> struct AccType { using type = scalar_t; };
 
 // The saved and gradient buffers are tens of MB, allocated fresh on every call and first touched inside the
 // time loop; with 4 KiB pages that costs a page fault per 4 KiB. Asking for transparent huge pages on the
@@ -53,36 +54,16 @@ Tensor empty_large(at::IntArrayRef shape, const at::TensorOptions& opts) {
 
 int64_t row_grain(int64_t H) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(H, 1)); }
 
-template <typename F> void for_rows(int64_t B, int64_t H, int64_t scratch_per_row, const F& f) {
-  at::parallel_for(0, B, row_grain(H), [&](int64_t b0, int64_t b1) {
-    std::vector<double> storage;  // double-sized slots suffice for float or double accumulators
-    storage.resize(static_cast<size_t>(scratch_per_row));
-    for (int64_t b = b0; b < b1; ++b) f(b, storage.data());
+// One sub-cell over all B rows of a step: the row pass of the chosen instruction set, rows split among threads.
+template <typename T>
+void cell_rows(void (*pass)(const CellRows<T>&, int64_t, int64_t, T*), const CellRows<T>& a, int64_t B) {
+  at::parallel_for(0, B, row_grain(a.H), [&](int64_t b0, int64_t b1) {
+    std::vector<T> scratch(static_cast<size_t>(kCellScratch * a.H));
+    pass(a, b0, b1, scratch.data());
   });
 }
 
 const void* ptr_or_null(const Tensor& t) { return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr; }
-
-// Base-cell row functions for one KIND.
-template <int KIND, typename T, typename A> struct BaseRow {
-  static void forward(int H, const T* xp, const T* hp, const T* h, const T* lnw, const T* lnb, const T* drop,
-                      A eps, A* scratch, T* out) {
-    if constexpr (KIND == kATR) {
-      atr_forward_row<T, A>(H, xp, hp, h, lnw, lnb, eps, scratch, out);
-    } else {
-      gated_forward_row<KIND, T, A>(H, xp, hp, h, lnw, lnb, drop, eps, scratch, out);
-    }
-  }
-  static void backward(int H, const T* xp, const T* hp, const T* h, const T* lnw, const T* lnb, const T* drop,
-                       A eps, const T* dout, A* scratch, T* dxp, T* dhp, T* dh, T* dlnw, T* dlnb) {
-    if constexpr (KIND == kATR) {
-      atr_backward_row<T, A>(H, xp, hp, h, lnw, lnb, eps, dout, scratch, dxp, dhp, dh, dlnw, dlnb);
-    } else {
-      gated_backward_row<KIND, T, A>(H, xp, hp, h, lnw, lnb, drop, eps, dout, scratch, dxp, dhp, dh, dlnw,
-                                     dlnb);
-    }
-  }
-};
 
 struct Dims {
   int64_t T, B, I, H, D, n_in, n_h;
@@ -100,13 +81,12 @@ Dims dims_of(const Tensor& x, const TransitionWeights& w) {
   return d;
 }
 
-template <int KIND, typename T>
+template <typename T>
 std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
-                                 const TransitionWeights& w, bool reverse, double eps_d) {
-  using A = typename AccType<T>::type;
+                                 const TransitionWeights& w, bool reverse, double eps) {
   const Dims d = dims_of(x, w);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S = D + 1;
-  const A eps = static_cast<A>(eps_d);
+  const auto& kernels = typed_cpu_kernels<T>();
   auto opts = x.options();
 
   Tensor xp = empty_large({T_ * B, d.n_in * H}, opts);
@@ -118,15 +98,19 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   Tensor out = at::empty({T_, B, H}, opts);
   Tensor h_n = h0.clone();
 
-  const T* lnw = static_cast<const T*>(ptr_or_null(w.ln_w));
-  const T* lnb = static_cast<const T*>(ptr_or_null(w.ln_b));
   const T* tlnw = static_cast<const T*>(ptr_or_null(w.t_ln_w));
   const T* tlnb = static_cast<const T*>(ptr_or_null(w.t_ln_b));
   const T* dropp = static_cast<const T*>(ptr_or_null(drop));
   const T* maskp = static_cast<const T*>(ptr_or_null(mask));
   std::vector<Tensor> t_w;
   for (int64_t k = 0; k < D; ++k) t_w.push_back(w.t_w[k]);
-  const int64_t scratch = 9 * H;
+  CellRows<T> base{};
+  base.kind = static_cast<int>(w.kind);
+  base.H = static_cast<int>(H);
+  base.eps = static_cast<T>(eps);
+  base.ln_w = static_cast<const T*>(ptr_or_null(w.ln_w));
+  base.ln_b = static_cast<const T*>(ptr_or_null(w.ln_b));
+  base.drop = dropp;
 
   for (int64_t step = 0; step < T_; ++step) {
     const int64_t t = reverse ? T_ - 1 - step : step;
@@ -134,29 +118,26 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
     h_in.copy_(h_n);
     Tensor hp_t = hp[t];
     linear_into(hp_t, w.b_hh, h_in, w.w_hh);
-    T* base_out = D > 0 ? hs[1][t].data_ptr<T>() : out[t].data_ptr<T>();
-    const T* xp_t = xp[t].data_ptr<T>();
-    const T* hp_p = hp_t.data_ptr<T>();
-    const T* h_p = h_in.data_ptr<T>();
-    for_rows(B, H, scratch, [&](int64_t b, double* s) {
-      BaseRow<KIND, T, A>::forward(static_cast<int>(H), xp_t + b * d.n_in * H, hp_p + b * d.n_h * H, h_p + b * H,
-                                   lnw, lnb, dropp ? dropp + b * H : nullptr, eps, reinterpret_cast<A*>(s),
-                                   base_out + b * H);
-    });
+    base.xp = xp[t].data_ptr<T>();
+    base.hp = hp_t.data_ptr<T>();
+    base.h = h_in.data_ptr<T>();
+    base.out = D > 0 ? hs[1][t].data_ptr<T>() : out[t].data_ptr<T>();
+    cell_rows(kernels.cell_forward_rows, base, B);
     for (int64_t k = 1; k <= D; ++k) {
       Tensor in_k = hs[k][t];
       Tensor hpt_k = hpt[k - 1][t];
       linear_into(hpt_k, w.t_b[k - 1], in_k, t_w[k - 1]);
-      T* out_k = k < D ? hs[k + 1][t].data_ptr<T>() : out[t].data_ptr<T>();
-      const T* hp_k = hpt_k.data_ptr<T>();
-      const T* in_p = in_k.data_ptr<T>();
-      const T* lw = tlnw ? tlnw + (k - 1) * 2 * H : nullptr;
-      const T* lb = tlnb ? tlnb + (k - 1) * 2 * H : nullptr;
-      const T* dk = dropp ? dropp + k * B * H : nullptr;
-      for_rows(B, H, scratch, [&](int64_t b, double* s) {
-        gated_forward_row<kTGRU, T, A>(static_cast<int>(H), nullptr, hp_k + b * 3 * H, in_p + b * H, lw, lb,
-                                       dk ? dk + b * H : nullptr, eps, reinterpret_cast<A*>(s), out_k + b * H);
-      });
+      CellRows<T> tgru{};
+      tgru.kind = kTGRU;
+      tgru.H = base.H;
+      tgru.eps = base.eps;
+      tgru.hp = hpt_k.data_ptr<T>();
+      tgru.h = in_k.data_ptr<T>();
+      tgru.ln_w = tlnw ? tlnw + (k - 1) * 2 * H : nullptr;
+      tgru.ln_b = tlnb ? tlnb + (k - 1) * 2 * H : nullptr;
+      tgru.drop = dropp ? dropp + k * B * H : nullptr;
+      tgru.out = k < D ? hs[k + 1][t].data_ptr<T>() : out[t].data_ptr<T>();
+      cell_rows(kernels.cell_forward_rows, tgru, B);
     }
     // Masking: a padded step carries the state unchanged and outputs zero.
     T* out_t = out[t].data_ptr<T>();
@@ -173,15 +154,14 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   return {out, h_n, xp, hs, hp, hpt};
 }
 
-template <int KIND, typename T>
+template <typename T>
 std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                   const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
                                   const Tensor& xp, const Tensor& hs, const Tensor& hp, const Tensor& hpt,
-                                  bool reverse, double eps_d, bool weight_grads) {
-  using A = typename AccType<T>::type;
+                                  bool reverse, double eps, bool weight_grads) {
   const Dims d = dims_of(x, w);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D;
-  const A eps = static_cast<A>(eps_d);
+  const auto& kernels = typed_cpu_kernels<T>();
   auto opts = x.options();
   const int ng = cell_ln_groups(static_cast<int>(w.kind));
 
@@ -198,13 +178,19 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   Tensor dA = at::empty({B, H}, opts);
   Tensor dB = at::empty({B, H}, opts);
 
-  const T* lnw = static_cast<const T*>(ptr_or_null(w.ln_w));
-  const T* lnb = static_cast<const T*>(ptr_or_null(w.ln_b));
   const T* tlnw = static_cast<const T*>(ptr_or_null(w.t_ln_w));
   const T* tlnb = static_cast<const T*>(ptr_or_null(w.t_ln_b));
   const T* dropp = static_cast<const T*>(ptr_or_null(drop));
   const T* maskp = static_cast<const T*>(ptr_or_null(mask));
-  const int64_t scratch = 9 * H;
+  CellRows<T> base{};
+  base.kind = static_cast<int>(w.kind);
+  base.H = static_cast<int>(H);
+  base.eps = static_cast<T>(eps);
+  base.ln_w = static_cast<const T*>(ptr_or_null(w.ln_w));
+  base.ln_b = static_cast<const T*>(ptr_or_null(w.ln_b));
+  base.drop = dropp;
+  base.dln_w = ln ? dln_rows.data_ptr<T>() : nullptr;
+  base.dln_b = ln ? dlnb_rows.data_ptr<T>() : nullptr;
 
   for (int64_t step = T_ - 1; step >= 0; --step) {
     const int64_t t = reverse ? T_ - 1 - step : step;
@@ -220,43 +206,34 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
     }
     for (int64_t k = D; k >= 1; --k) {
       Tensor dhpt_k = dhpt[k - 1][t];
-      const T* hp_k = hpt[k - 1][t].data_ptr<T>();
-      const T* in_p = hs[k][t].data_ptr<T>();
-      const T* lw = tlnw ? tlnw + (k - 1) * 2 * H : nullptr;
-      const T* lb = tlnb ? tlnb + (k - 1) * 2 * H : nullptr;
-      const T* dk = dropp ? dropp + k * B * H : nullptr;
-      T* dlw = tln ? dtln_rows[k - 1].data_ptr<T>() : nullptr;
-      T* dlb = tln ? dtlnb_rows[k - 1].data_ptr<T>() : nullptr;
-      T* dhpt_p = dhpt_k.data_ptr<T>();
-      const T* da = dA.data_ptr<T>();
-      T* db = dB.data_ptr<T>();
-      for_rows(B, H, scratch, [&](int64_t b, double* s) {
-        gated_backward_row<kTGRU, T, A>(static_cast<int>(H), nullptr, hp_k + b * 3 * H, in_p + b * H, lw, lb,
-                                        dk ? dk + b * H : nullptr, eps, da + b * H, reinterpret_cast<A*>(s),
-                                        nullptr, dhpt_p + b * 3 * H, db + b * H,
-                                        dlw ? dlw + b * 2 * H : nullptr, dlb ? dlb + b * 2 * H : nullptr);
-      });
+      CellRows<T> tgru{};
+      tgru.kind = kTGRU;
+      tgru.H = base.H;
+      tgru.eps = base.eps;
+      tgru.hp = hpt[k - 1][t].data_ptr<T>();
+      tgru.h = hs[k][t].data_ptr<T>();
+      tgru.ln_w = tlnw ? tlnw + (k - 1) * 2 * H : nullptr;
+      tgru.ln_b = tlnb ? tlnb + (k - 1) * 2 * H : nullptr;
+      tgru.drop = dropp ? dropp + k * B * H : nullptr;
+      tgru.dout = dA.data_ptr<T>();
+      tgru.dhp = dhpt_k.data_ptr<T>();
+      tgru.dh = dB.data_ptr<T>();
+      tgru.dln_w = tln ? dtln_rows[k - 1].data_ptr<T>() : nullptr;
+      tgru.dln_b = tln ? dtlnb_rows[k - 1].data_ptr<T>() : nullptr;
+      cell_rows(kernels.cell_backward_rows, tgru, B);
       dB.addmm_(dhpt_k, w.t_w[k - 1]);
       std::swap(dA, dB);
     }
     {
       Tensor dhp_t = dhp[t];
-      const T* xp_t = xp[t].data_ptr<T>();
-      const T* hp_t = hp[t].data_ptr<T>();
-      const T* h_p = hs[0][t].data_ptr<T>();
-      T* dxp_t = dxp[t].data_ptr<T>();
-      T* dhp_p = dhp_t.data_ptr<T>();
-      T* dlw = ln ? dln_rows.data_ptr<T>() : nullptr;
-      T* dlb = ln ? dlnb_rows.data_ptr<T>() : nullptr;
-      const T* da = dA.data_ptr<T>();
-      T* db = dB.data_ptr<T>();
-      for_rows(B, H, scratch, [&](int64_t b, double* s) {
-        BaseRow<KIND, T, A>::backward(static_cast<int>(H), xp_t + b * d.n_in * H, hp_t + b * d.n_h * H,
-                                      h_p + b * H, lnw, lnb, dropp ? dropp + b * H : nullptr, eps, da + b * H,
-                                      reinterpret_cast<A*>(s), dxp_t + b * d.n_in * H, dhp_p + b * d.n_h * H,
-                                      db + b * H, dlw ? dlw + b * ng * H : nullptr,
-                                      dlb ? dlb + b * ng * H : nullptr);
-      });
+      base.xp = xp[t].data_ptr<T>();
+      base.hp = hp[t].data_ptr<T>();
+      base.h = hs[0][t].data_ptr<T>();
+      base.dout = dA.data_ptr<T>();
+      base.dxp = dxp[t].data_ptr<T>();
+      base.dhp = dhp_t.data_ptr<T>();
+      base.dh = dB.data_ptr<T>();
+      cell_rows(kernels.cell_backward_rows, base, B);
       dB.addmm_(dhp_t, w.w_hh);
     }
     // Padded rows pass the carried gradient through untouched; valid rows take the cell's input gradient.
@@ -296,45 +273,33 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   return {dx, d_cur, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
 }
 
-template <template <int, typename> class Impl, typename... Args>
-std::vector<Tensor> dispatch_kind(int64_t kind, at::ScalarType dtype, Args&&... args) {
-  std::vector<Tensor> result;
-  AT_DISPATCH_FLOATING_TYPES(dtype, "dtmt_transition", [&] {
-    switch (kind) {
-      case kGRU: result = Impl<kGRU, scalar_t>::run(std::forward<Args>(args)...); break;
-      case kLGRU: result = Impl<kLGRU, scalar_t>::run(std::forward<Args>(args)...); break;
-      case kLAU: result = Impl<kLAU, scalar_t>::run(std::forward<Args>(args)...); break;
-      case kATR: result = Impl<kATR, scalar_t>::run(std::forward<Args>(args)...); break;
-      default: TORCH_CHECK(false, "dtmt: unknown cell kind ", kind);
-    }
-  });
-  return result;
+void check_kind(int64_t kind) {
+  TORCH_CHECK(kind == kGRU || kind == kLGRU || kind == kLAU || kind == kATR, "dtmt: unknown cell kind ", kind);
 }
-
-template <int KIND, typename T> struct ForwardImpl {
-  template <typename... Args> static std::vector<Tensor> run(Args&&... args) {
-    return forward_impl<KIND, T>(std::forward<Args>(args)...);
-  }
-};
-template <int KIND, typename T> struct BackwardImpl {
-  template <typename... Args> static std::vector<Tensor> run(Args&&... args) {
-    return backward_impl<KIND, T>(std::forward<Args>(args)...);
-  }
-};
 
 }  // namespace
 
 std::vector<Tensor> transition_forward_cpu(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                            const TransitionWeights& w, bool reverse, double eps) {
-  return dispatch_kind<ForwardImpl>(w.kind, x.scalar_type(), x, h0, mask, drop, w, reverse, eps);
+  check_kind(w.kind);
+  std::vector<Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtmt_transition", [&] {
+    result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
+  });
+  return result;
 }
 
 std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                             const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
                                             const Tensor& xp, const Tensor& hs, const Tensor& hp, const Tensor& hpt,
                                             bool reverse, double eps, bool weight_grads) {
-  return dispatch_kind<BackwardImpl>(w.kind, x.scalar_type(), grad_out, grad_hn, x, mask, drop, w, xp, hs, hp, hpt,
-                                     reverse, eps, weight_grads);
+  check_kind(w.kind);
+  std::vector<Tensor> result;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtmt_transition", [&] {
+    result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hp, hpt, reverse, eps,
+                                     weight_grads);
+  });
+  return result;
 }
 
 }  // namespace dtmt

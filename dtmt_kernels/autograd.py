@@ -343,10 +343,10 @@ def cpp_transition_inference(x: Tensor, h0: Tensor, cell: str, params, mask: Opt
 
 
 def small_rows_applicable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether `cpp_small_rows_linear` runs the weight-streaming kernel for F.linear(x, weight, bias): the kernel
+    """Whether `cpp_small_rows_linear` runs the weight-streaming kernel for F.linear(x, weight, bias): the extension
     built, CPU float32 tensors, at most _C.SMALL_ROWS_MAX rows (leading dims flattened) and nothing that needs a
     gradient (the kernel has no backward: it is for decoding)."""
-    if _C is None or not _C.has_small_rows_kernel or x.dim() == 0 or x.device.type != "cpu":
+    if _C is None or x.dim() == 0 or x.device.type != "cpu":
         return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2:
         return False

@@ -23,6 +23,21 @@ def test_bench_cells_quick(tmp_path):
     assert all(float(r["ms"]) > 0 and float(r["saved_B"]) > 0 for r in table)
 
 
+@pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
+def test_bench_portable_quick(tmp_path):
+    """The three builds' processes, with this checkout's extension standing in for the native one."""
+    from benchmarks import bench_portable
+    from dtmt_kernels import _C
+    rows = bench_portable.main(["--quick", "--native-so", _C.__file__, "--out", str(tmp_path)])
+    assert {r["build"] for r in rows} == {"portable", "baseline", "native"}
+    assert {(r["build"], r["isa"]) for r in rows if r["build"] != "portable"} == {("baseline", "baseline"),
+                                                                                ("native", _C.cpu_isa())}
+    assert all(r["ms"] > 0 and r["vs_native"] > 0 for r in rows)
+    assert all(r["vs_native"] == 1.0 for r in rows if r["build"] == "native")
+    with open(os.path.join(tmp_path, "bench_portable.csv")) as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_bench_cells_gpu_grid_under_interpreter(monkeypatch):
     """The --device cuda grid (triton, the eager reference and torch.nn.GRU, fwd+bwd and fwd only) on CPU

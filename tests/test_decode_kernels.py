@@ -14,7 +14,6 @@ from dtmt_models.registry import build_model
 from dtmt_models.seq2seq import Readout
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
-needs_kernel = pytest.mark.skipif(not _C.has_small_rows_kernel, reason="small-row kernel not built (no AVX2/FMA)")
 
 
 def _f64_linear(x, w, b):
@@ -22,7 +21,6 @@ def _f64_linear(x, w, b):
     return out if b is None else out + b.double()
 
 
-@needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(M=st.integers(1, _C.SMALL_ROWS_MAX), K=st.integers(1, 300), N=st.integers(1, 700), bias=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -35,7 +33,6 @@ def test_small_rows_linear_matches_float64(M, K, N, bias, seed):
     torch.testing.assert_close(out.double(), _f64_linear(x, w, b), rtol=1e-5, atol=1e-5 * K ** 0.5)
 
 
-@needs_kernel
 def test_small_rows_linear_strided_rows_threads_and_fallback():
     g = torch.Generator().manual_seed(1)
     big, w, b = torch.randn(8, 700, generator=g), torch.randn(3000, 300, generator=g), torch.randn(3000, generator=g)
@@ -66,7 +63,7 @@ def test_functional_linear_paths(monkeypatch):
     monkeypatch.setattr(dk.functional, "cpp_small_rows_linear", lambda *a: calls.append(1) or kernel(*a))
     with torch.no_grad():
         fast = dk.functional.linear(x, w, b)                      # 6 rows: the small-row kernel
-        assert calls == ([1] if _C.has_small_rows_kernel else [])   # it ran where it is built
+        assert calls == [1]
         assert fast.shape == (2, 3, 40)
         torch.testing.assert_close(fast, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         assert torch.equal(dk.functional.linear(x, w, b, backend="reference"), F.linear(x, w, b))

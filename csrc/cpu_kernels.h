@@ -1,0 +1,70 @@
+// The hot loops of the CPU ops, over raw pointers: the table of them that one copy of csrc/isa/ provides.
+//
+// setup.py compiles csrc/isa/*.cpp once per instruction set (baseline x86-64, AVX2 = x86-64-v3, AVX-512 =
+// x86-64-v4; a DTMT_NATIVE=1 build makes one copy for the build machine), each copy in its own namespace
+// dtmt::<isa> (the DTMT_ISA macro), and cpu_dispatch.cpp picks one table at run time. The torch-facing code
+// (transition_cpu.cpp, attention_cpu.cpp, small_gemm_cpu.cpp: allocation, GEMMs, threads) is compiled once, for
+// any x86-64, and calls the loops through this table, one call per range of rows or batch entries.
+//
+// Nothing here or in csrc/isa/ includes a torch header: an inline function of those headers compiled in an
+// AVX-512 copy would have the same name as the baseline one, and the linker keeps either, so code meant for any
+// CPU could end up running AVX-512 instructions.
+#pragma once
+
+#include <cstdint>
+
+namespace dtmt {
+
+// One sub-cell (a base cell: kGRU, kLGRU, kLAU, kATR, or a T-GRU: kTGRU) over batch rows [b0, b1) of one time
+// step; the row functions of cell_math.h for each row. Row b of an array starts b times its row length in:
+// xp / dxp rows hold cell_input_rows(kind) * H values, hp / dhp rows cell_hidden_rows(kind) * H, dln_w / dln_b
+// rows cell_ln_groups(kind) * H (per-row accumulators), every other array H. Null stands for absent (no input
+// rows for kTGRU, no layer norm, no candidate dropout).
+template <typename T> struct CellRows {
+  int kind;
+  int H;
+  T eps;                             // layer-norm epsilon
+  const T* xp;                       // input pre-activations (W x + b_ih)
+  const T* hp;                       // recurrent pre-activations (U h + b_hh)
+  const T* h;                        // the state entering the sub-cell
+  const T* ln_w;                     // layer-norm gains and offsets, shared by all rows
+  const T* ln_b;
+  const T* drop;                     // candidate-dropout multipliers
+  T* out;                            // forward: the new state
+  const T* dout;                     // backward: d(loss)/d(new state)
+  T* dxp;                            // backward: d/d(xp)
+  T* dhp;                            // backward: d/d(hp)
+  T* dh;                             // backward: the direct path to h (the path through U h is the caller's GEMM)
+  T* dln_w;                          // backward: accumulated layer-norm gain / offset gradients, per row
+  T* dln_b;
+};
+
+// The loops of one instruction set for one floating type. `scratch` holds kCellScratch * H values.
+template <typename T> struct TypedCpuKernels {
+  void (*cell_forward_rows)(const CellRows<T>& a, int64_t b0, int64_t b1, T* scratch);
+  void (*cell_backward_rows)(const CellRows<T>& a, int64_t b0, int64_t b1, T* scratch);
+  // Additive attention (attention_cpu.cpp) over batch entries [b0, b1); see attention.h for the layouts.
+  void (*scores_forward)(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D,
+                         int64_t b0, int64_t b1);
+  void (*scores_backward)(const T* grad, const T* keys, const T* q, const T* v, T* dkeys, T* dq, T* dv_rows,
+                          int64_t S, int64_t NH, int64_t D, int64_t b0, int64_t b1);
+  void (*context_forward)(const T* alpha, const T* values, T* out, int64_t S, int64_t NH, int64_t Dc, int64_t vsb,
+                          int64_t vss, int64_t b0, int64_t b1);
+  void (*context_backward)(const T* grad, const T* alpha, const T* values, T* dalpha, T* dvalues, int64_t S,
+                           int64_t NH, int64_t Dc, int64_t vsb, int64_t vss, int64_t dsb, int64_t dss, int64_t b0,
+                           int64_t b1);
+};
+
+constexpr int64_t kCellScratch = 9;  // values per hidden unit a cell row needs (3 gates x {value, norm, grad})
+
+struct CpuKernels {
+  const char* isa;  // "baseline", "avx2", "avx512" or "native"
+  TypedCpuKernels<float> f32;
+  TypedCpuKernels<double> f64;
+  // The small-row linear (small_gemm.h), float32: out[m, n] = bias[n] + x[m, :] . w[n, :] for m < M (1..8),
+  // output columns [n0, n1); bias may be null.
+  void (*small_rows)(int M, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
+                     int64_t ldo, int64_t n0, int64_t n1);
+};
+
+}  // namespace dtmt

@@ -1,0 +1,21 @@
+// This instruction set's table of loops (cpu_kernels.h), read by cpu_dispatch.cpp. A constant of function
+// addresses: nothing of this copy runs when the library is loaded, only once the dispatcher has chosen it.
+#include "kernels.h"
+
+// Stringify the namespace name (DTMT_ISA is a bare word such as avx2).
+#define DTMT_STR2(x) #x
+#define DTMT_STR(x) DTMT_STR2(x)
+
+namespace dtmt {
+namespace DTMT_ISA {
+
+template <typename T> constexpr TypedCpuKernels<T> typed_kernels() {
+  return {cell_forward_rows<T>, cell_backward_rows<T>, scores_forward<T>, scores_backward<T>, context_forward<T>,
+          context_backward<T>};
+}
+
+extern const CpuKernels kCpuKernels;
+const CpuKernels kCpuKernels = {DTMT_STR(DTMT_ISA), typed_kernels<float>(), typed_kernels<double>(), small_rows};
+
+}  // namespace DTMT_ISA
+}  // namespace dtmt

@@ -1,0 +1,42 @@
+// The functions of one copy of csrc/isa/ (one instruction set), gathered into its table by kernel_table.cpp.
+// Every file here is compiled once per instruction set by setup.py with -DDTMT_ISA=<name> and that set's
+// -march, so each copy's functions live in their own namespace dtmt::<name> (cell_math.h puts its inline
+// functions there too) and no copy's code can stand in for another's at link time. Include no torch header here.
+#pragma once
+
+#ifndef DTMT_ISA
+#error "csrc/isa/ is compiled once per instruction set by setup.py, with -DDTMT_ISA=<name>"
+#endif
+
+#include <cstdint>
+
+#include "cell_math.h"
+#include "cpu_kernels.h"
+
+namespace dtmt {
+namespace DTMT_ISA {
+
+// transition_rows.cpp
+template <typename T> void cell_forward_rows(const CellRows<T>& a, int64_t b0, int64_t b1, T* scratch);
+template <typename T> void cell_backward_rows(const CellRows<T>& a, int64_t b0, int64_t b1, T* scratch);
+
+// attention_loops.cpp
+template <typename T>
+void scores_forward(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D, int64_t b0,
+                    int64_t b1);
+template <typename T>
+void scores_backward(const T* grad, const T* keys, const T* q, const T* v, T* dkeys, T* dq, T* dv_rows, int64_t S,
+                     int64_t NH, int64_t D, int64_t b0, int64_t b1);
+template <typename T>
+void context_forward(const T* alpha, const T* values, T* out, int64_t S, int64_t NH, int64_t Dc, int64_t vsb,
+                     int64_t vss, int64_t b0, int64_t b1);
+template <typename T>
+void context_backward(const T* grad, const T* alpha, const T* values, T* dalpha, T* dvalues, int64_t S, int64_t NH,
+                      int64_t Dc, int64_t vsb, int64_t vss, int64_t dsb, int64_t dss, int64_t b0, int64_t b1);
+
+// small_gemm_rows.cpp
+void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
+                int64_t ldo, int64_t n0, int64_t n1);
+
+}  // namespace DTMT_ISA
+}  // namespace dtmt

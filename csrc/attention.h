@@ -20,7 +20,8 @@ std::vector<at::Tensor> additive_scores_backward_cpu(const at::Tensor& grad, con
 at::Tensor attention_context_forward_cpu(const at::Tensor& alpha, const at::Tensor& values);
 
 // grad [B, C] -> {dalpha [B, NH, S], dvalues [B, S, C] (laid out like values)}.
+// values_grad false: only dalpha is formed, and the second tensor returned is empty
 std::vector<at::Tensor> attention_context_backward_cpu(const at::Tensor& grad, const at::Tensor& alpha,
-                                                       const at::Tensor& values);
+                                                       const at::Tensor& values, bool values_grad = true);
 
 }  // namespace dtmt

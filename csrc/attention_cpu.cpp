@@ -79,25 +79,29 @@ Tensor attention_context_forward_cpu(const Tensor& alpha, const Tensor& values) 
   return out;
 }
 
-std::vector<Tensor> attention_context_backward_cpu(const Tensor& grad, const Tensor& alpha, const Tensor& values) {
+std::vector<Tensor> attention_context_backward_cpu(const Tensor& grad, const Tensor& alpha, const Tensor& values,
+                                                   bool values_grad) {
   check_context(alpha, values);
   const int64_t B = values.size(0), S = values.size(1), C = values.size(2), NH = alpha.size(1);
   TORCH_CHECK(grad.sizes() == at::IntArrayRef({B, C}) && grad.is_contiguous() &&
                   grad.scalar_type() == values.scalar_type(),
               "dtmt._C: attention context backward: grad must be a contiguous [B,C] tensor of the values' dtype");
   Tensor dalpha = at::empty_like(alpha);
-  Tensor dvalues = at::empty_like(values);  // same strides as the values when they are dense
-  if (C > 1 && dvalues.stride(2) != 1) dvalues = at::empty({B, S, C}, values.options());
+  Tensor dvalues = at::empty({0}, values.options());  // same strides as the values when they are dense
+  if (values_grad) {
+    dvalues = at::empty_like(values);
+    if (C > 1 && dvalues.stride(2) != 1) dvalues = at::empty({B, S, C}, values.options());
+  }
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "attention_context_backward_cpu", [&] {
     const auto loop = typed_cpu_kernels<scalar_t>().context_backward;
     const scalar_t* g = grad.data_ptr<scalar_t>();
     const scalar_t* a = alpha.data_ptr<scalar_t>();
     const scalar_t* v = values.data_ptr<scalar_t>();
     scalar_t* da = dalpha.data_ptr<scalar_t>();
-    scalar_t* dv = dvalues.data_ptr<scalar_t>();
+    scalar_t* dv = values_grad ? dvalues.data_ptr<scalar_t>() : nullptr;
+    const int64_t dsb = values_grad ? dvalues.stride(0) : 0, dss = values_grad ? dvalues.stride(1) : 0;
     at::parallel_for(0, B, batch_grain(S, C), [&](int64_t b0, int64_t b1) {
-      loop(g, a, v, da, dv, S, NH, C / NH, values.stride(0), values.stride(1), dvalues.stride(0), dvalues.stride(1),
-           b0, b1);
+      loop(g, a, v, da, dv, S, NH, C / NH, values.stride(0), values.stride(1), dsb, dss, b0, b1);
     });
   });
   return {dalpha, dvalues};

@@ -127,7 +127,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_context_forward", &dtmt::attention_context_forward_cpu,
         "Attention context sum_s alpha[b,h,s] values[b,s,h*Dc:(h+1)*Dc] -> [B, C]");
   m.def("attention_context_backward", &dtmt::attention_context_backward_cpu,
-        "Attention context backward; returns [dalpha, dvalues]");
+        "Attention context backward; returns [dalpha, dvalues] (dvalues empty when values_grad is false)",
+        py::arg("grad"), py::arg("alpha"), py::arg("values"), py::arg("values_grad") = true);
   m.def("attention_step", &dtmt::attention_step_cpu,
         "Inference: one (multi-head) additive attention step, query projection to output projection; returns "
         "[context, alpha]");

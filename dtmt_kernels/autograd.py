@@ -174,18 +174,16 @@ class CppTransitionStepFunction(torch.autograd.Function):
 class UnrolledContext(_UnrolledSession):
     """The attention contexts of many decoder steps against the same values (the annotations) in a
     `dtmt_kernels.nn.unrolled` block. Each step's backward forms only the gradient to its weights alpha_t
-    (dalpha[b, h, s] = values[b, s, h] . dctx_t[b, h], against a per-head copy of the values made once) and
+    (dalpha[b, h, s] = values[b, s, h] . dctx_t[b, h], the C++ context backward without the values' part) and
     keeps (alpha_t, dctx_t); `CppUnrolledValuesFunction`, which every step takes as an input, forms the values'
     gradient once, sum_t alpha_t^T dctx_t, as one batched GEMM. Without it every step writes a full
     [B, S, C] gradient that autograd then adds to the last."""
 
-    def __init__(self, values: Tensor, heads: int):
+    def __init__(self, values: Tensor):
         super().__init__()
-        B, S, C = values.shape
         self.live = values
         self.version = values._version
         self.values = _last_dim_contiguous(values.detach())
-        self.per_head = self.values.reshape(B, S, heads, C // heads).permute(0, 2, 1, 3).contiguous()  # [B,NH,S,Dc]
 
     def values_grad(self) -> Optional[Tensor]:
         rows = self.take()
@@ -231,7 +229,8 @@ class CppContextStepFunction(torch.autograd.Function):
         g = grad.reshape(B, NH, -1)
         if ctx.needs_input_grad[1]:   # the values want a gradient
             ctx.steps.keep(ctx.index, (alpha, g))
-        return torch.matmul(ctx.steps.per_head, g.unsqueeze(-1)).squeeze(-1), alpha.new_zeros(0), None
+        return _C.attention_context_backward(grad.contiguous(), alpha, ctx.steps.values, False)[0], \
+            alpha.new_zeros(0), None
 
 
 def flat_params(w: TransitionWeights, like: Tensor):

@@ -457,6 +457,6 @@ def step_context(owner: nn.Module, alpha: Tensor, values: Tensor, backend: str =
     key = (id(values), alpha.shape[1])
     hit = sessions.get(key)
     if hit is None or hit[0].done or hit[0].version != values._version:
-        steps = UnrolledContext(values, alpha.shape[1])   # it keeps `values` alive: the id is not reused
+        steps = UnrolledContext(values)   # it keeps `values` alive: the id is not reused
         sessions[key] = hit = (steps, CppUnrolledValuesFunction.apply(steps, values))
     return CppContextStepFunction.apply(alpha, hit[1], hit[0])

@@ -244,3 +244,20 @@ def test_set_backend_switches_attention():
     assert "backend='reference'" in repr(model.attention) and "heads=2" in repr(model.attention)
     with pytest.raises(ValueError, match="backend"):
         model.attention.backend = "fast"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_context_backward_without_the_values_gradient(dtype, transposed):
+    """values_grad=False (the unrolled decoder steps' backward) forms the weights' gradient alone: the einsum's,
+    and the full backward's bit for bit; the values' gradient comes back empty."""
+    from dtmt_kernels import _C
+
+    alpha, leaf, values = _context_inputs(5, 9, 4, 24, dtype, seed=3, transposed=transposed)
+    grad = torch.randn(5, 24, dtype=dtype)
+    dalpha, empty = _C.attention_context_backward(grad, alpha.detach().contiguous(), values.detach(), False)
+    full = _C.attention_context_backward(grad, alpha.detach().contiguous(), values.detach())
+    assert empty.numel() == 0 and full[1].shape == values.shape
+    assert torch.equal(dalpha, full[0])
+    (expected,) = torch.autograd.grad(_context_per_head(alpha, values), alpha, grad)
+    torch.testing.assert_close(dalpha, expected)

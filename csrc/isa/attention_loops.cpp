@@ -78,6 +78,23 @@ template <typename T>
 void context_backward(const T* grad, const T* alpha, const T* values, T* dalpha, T* dvalues, int64_t S, int64_t NH,
                       int64_t Dc, int64_t vsb, int64_t vss, int64_t dsb, int64_t dss, int64_t b0, int64_t b1) {
   const int64_t C = NH * Dc;
+  if (dvalues == nullptr) {  // only the weights' gradient (the values' is formed elsewhere, e.g. once per sequence)
+    for (int64_t b = b0; b < b1; ++b) {
+      const T* DTMT_RESTRICT g = grad + b * C;
+      for (int64_t s = 0; s < S; ++s) {
+        const T* DTMT_RESTRICT row = values + b * vsb + s * vss;
+        for (int64_t h = 0; h < NH; ++h) {
+          const T* DTMT_RESTRICT gh = g + h * Dc;
+          const T* DTMT_RESTRICT vh = row + h * Dc;
+          T acc = 0;
+          DTMT_SIMD_SUM(acc)
+          for (int64_t d = 0; d < Dc; ++d) acc += vh[d] * gh[d];
+          dalpha[(b * NH + h) * S + s] = acc;
+        }
+      }
+    }
+    return;
+  }
   for (int64_t b = b0; b < b1; ++b) {
     const T* DTMT_RESTRICT g = grad + b * C;
     for (int64_t s = 0; s < S; ++s) {

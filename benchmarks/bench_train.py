@@ -59,7 +59,6 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     import torch
 
     from dtmt_models.batching import collate
-    from dtmt_models.loss import label_smoothed_nll
     from dtmt_models.presets import get_preset
     from dtmt_models.registry import build_model
 
@@ -78,11 +77,10 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     def update(batch, saved=None):
         src, lengths, prev, target = batch
         if saved is None:
-            log_probs = model(src, lengths, prev)
+            loss, _, n = model(src, lengths, prev, target=target, smoothing=0.1)
         else:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda x: x):
-                log_probs = model(src, lengths, prev)
-        loss, _, n = label_smoothed_nll(log_probs, target, 0.1)
+                loss, _, n = model(src, lengths, prev, target=target, smoothing=0.1)
         opt.zero_grad(set_to_none=True)
         (loss / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -66,3 +66,39 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
     if backend is not None and hasattr(model, "set_backend"):
         model.set_backend(backend)
     return model.to(device).eval(), src_vocab, tgt_vocab, ckpt
+
+
+def average_checkpoints(paths) -> Dict[str, Any]:
+    """The element-wise mean of the weights of checkpoints of one model (same system, options, vocabularies and
+    parameter shapes; floating-point tensors averaged in float64 and cast back, integer buffers must agree), as a
+    translation checkpoint payload: everything else is the last file's, plus `averaged_from` (the file names).
+    Raises ValueError naming the first file that does not match the first one."""
+    paths = list(paths)
+    if not paths:
+        raise ValueError("average: no checkpoints given")
+    first = read_checkpoint(paths[0])
+    sums = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
+    last = first
+    for path in paths[1:]:
+        ckpt = read_checkpoint(path)
+        for key in ("model_name", "model_options", "src_vocab", "tgt_vocab"):
+            if ckpt.get(key) != first.get(key):
+                raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs)")
+        model = ckpt["model"]
+        if set(model) != set(sums):
+            raise ValueError(f"average: {path} has other parameters than {paths[0]}")
+        for k, v in model.items():
+            if v.shape != sums[k].shape:
+                raise ValueError(f"average: {path}: {k} has shape {list(v.shape)}, {paths[0]} {list(sums[k].shape)}")
+            if v.is_floating_point():
+                sums[k] += v.double()
+            elif not torch.equal(v, sums[k]):
+                raise ValueError(f"average: {path}: the integer tensor {k} differs from {paths[0]}'s")
+        last = ckpt
+    n = len(paths)
+    averaged = {k: (s / n).to(first["model"][k].dtype) if s.is_floating_point() and first["model"][k].is_floating_point()
+                else s for k, s in sums.items()}
+    payload = {k: v for k, v in last.items() if k not in ("format", "training", "model")}
+    payload["model"] = averaged
+    payload["averaged_from"] = [os.path.basename(p) for p in paths]
+    return payload

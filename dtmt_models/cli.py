@@ -3,6 +3,7 @@
     dtmt prepare bible --out DIR                    dtmt prepare files --src F --tgt G --out DIR
     dtmt train --data DIR --model NAME [options]    dtmt translate --checkpoint C [FILE ...]
     dtmt evaluate --checkpoint C --data DIR --split test
+    dtmt average --run RUN --last N -o AVG.pt
     dtmt bench cells|train|decode|quality [options]
     dtmt models [--count] [--table 002-T4]
 
@@ -20,6 +21,7 @@ COMMANDS = {
     "train": ("dtmt_models.train", "train a system on a prepared corpus"),
     "translate": ("dtmt_models.translate", "translate files or stdin with a checkpoint"),
     "evaluate": ("dtmt_models.evaluate", "BLEU / chrF (and BLEU by source length) on a split"),
+    "average": ("dtmt_models.average", "average the weights of checkpoints of one run"),
     "bench": ("dtmt_models.bench", "run the benchmarks in benchmarks/"),
     "models": ("dtmt_models.catalog", "list the systems, their presets and the papers' table rows"),
 }

@@ -22,7 +22,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
 
-from .loss import label_smoothed_nll
+from .loss import smoothed_cross_entropy
 
 State = Dict[str, Tensor]
 
@@ -42,8 +42,11 @@ class Projection(nn.Module):
             self.proj.weight = tied_embedding
         self.dropout = nn.Dropout(dropout)
 
+    def logits(self, features: Tensor) -> Tensor:
+        return self.proj(self.dropout(features))
+
     def forward(self, features: Tensor) -> Tensor:
-        logits = self.proj(self.dropout(features))
+        logits = self.logits(features)
         return torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
 
 
@@ -100,10 +103,14 @@ class Readout(nn.Module):
                                                   eps=norms[2])
         return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
 
-    def forward(self, features: Tensor) -> Tensor:
+    def logits(self, features: Tensor) -> Tensor:
         for layer in self.deep:
             features = layer(features)
-        return self.output(features)
+        return self.output.logits(features)
+
+    def forward(self, features: Tensor) -> Tensor:
+        logits = self.logits(features)
+        return torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
 
 
 def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:
@@ -160,8 +167,17 @@ class Seq2Seq(nn.Module):
         features, state = self.decoder_step(state, prev_tokens)
         return self.readout(features), state
 
-    def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor) -> Tensor:
-        """Teacher forcing: the steps' transitions in a loop, with what does not feed the recurrence batched over
+    def output(self, features: Tensor, target: Optional[Tensor], smoothing: float):
+        """The readout's log-probabilities, or with a target the training loss (`loss`'s three numbers) from its
+        logits, log-softmax and loss fused (`smoothed_cross_entropy`)."""
+        if target is None:
+            return self.readout(features)
+        return smoothed_cross_entropy(self.readout.logits(features), target, smoothing, self.pad_id)
+
+    def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Optional[Tensor] = None,
+                smoothing: float = 0.0):
+        """Teacher forcing: log-probabilities [B, T, V]; given `target` [B, T], the training loss instead
+        (smoothed loss sum, NLL sum, number of target tokens, as `loss`). Teacher forcing: the steps' transitions in a loop, with what does not feed the recurrence batched over
         time: the target embeddings are looked up once (one embedding gradient instead of one per step) and the
         readout features and vocabulary projection run once over [B, T, ...] after the loop; and the step cells
         run `dk.nn.unrolled` (their weight gradients formed once over all steps). A system that overrides
@@ -175,14 +191,14 @@ class Seq2Seq(nn.Module):
                 for t in range(T):
                     f, state = self.decoder_step(state, prev_tokens[:, t])
                     feats.append(f)
-                return self.readout(torch.stack(feats, 1))
+                return self.output(torch.stack(feats, 1), target, smoothing)
             ys = self.tgt_embed(prev_tokens)  # positions 0..T-1 where the embedding has them, as embed_step's
             steps = []
             # unbind: one gradient node for all steps (ys[:, t] would zero-fill and add a full [B, T, E] per step)
             for y in ys.unbind(1):
                 parts, state = self.transition(state, y, keep_attention=False)
                 steps.append(parts)
-        return self.readout(self.features(ys, *(torch.stack(p, 1) for p in zip(*steps))))
+        return self.output(self.features(ys, *(torch.stack(p, 1) for p in zip(*steps))), target, smoothing)
 
     @staticmethod
     def reorder(state: State, index: Tensor) -> State:
@@ -191,7 +207,7 @@ class Seq2Seq(nn.Module):
     def loss(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Tensor,
              smoothing: float = 0.0) -> Tuple[Tensor, Tensor, int]:
         """(label-smoothed loss sum, NLL sum, number of target tokens), padding ignored."""
-        return label_smoothed_nll(self(src, src_lengths, prev_tokens), target, smoothing, self.pad_id)
+        return self(src, src_lengths, prev_tokens, target=target, smoothing=smoothing)
 
     # -------------------------------------------------------------------------------------- utilities
     def set_backend(self, backend: str) -> "Seq2Seq":

@@ -67,9 +67,22 @@ def toy_nodev(tmp_path_factory):
 def uninterrupted(toy, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("run_a"))
     r = run_train(["--data", toy, "--out", out, "--max-steps", "24", "--log-every", "1", "--valid-every", "10",
-                   *TINY])
+                   "--keep-last", "2", *TINY])
     assert r.returncode == 0, r.stderr
     return out
+
+
+def test_keep_last_keeps_the_models_of_the_last_validations(uninterrupted):
+    from dtmt_models.checkpoint import read_checkpoint
+    from dtmt_models.train import step_checkpoints
+
+    kept = step_checkpoints(uninterrupted)     # validations at 10, 20 and the end (24); the oldest removed
+    assert [step for step, _ in kept] == [20, 24]
+    last, at20, at24 = (read_checkpoint(p) for p in (os.path.join(uninterrupted, "last.pt"), kept[0][1], kept[1][1]))
+    assert at24["step"] == 24 and at20["step"] == 20 and "training" not in at24   # the model, not the optimizer
+    for name, value in last["model"].items():
+        assert torch.equal(at24["model"][name], value), name
+    assert any(not torch.equal(at20["model"][n], v) for n, v in last["model"].items())
 
 
 def test_resume_gives_the_same_losses(toy, uninterrupted, tmp_path):
@@ -280,3 +293,32 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hidden_size=32",
                    "--max-steps", "5", "--progress", "lines"])
     assert r.returncode == 0, r.stderr
+
+
+def test_average_checkpoints(uninterrupted, tmp_path, capsys):
+    from dtmt_models.average import main as average
+    from dtmt_models.checkpoint import load_model, read_checkpoint, save_checkpoint
+    from dtmt_models.train import step_checkpoints
+
+    (s20, p20), (s24, p24) = step_checkpoints(uninterrupted)
+    out = str(tmp_path / "avg.pt")
+    assert average(["--run", uninterrupted, "--last", "2", "-o", out]) == 0
+    avg, a, b = read_checkpoint(out), read_checkpoint(p20), read_checkpoint(p24)
+    assert avg["averaged_from"] == [os.path.basename(p20), os.path.basename(p24)]
+    for name, value in avg["model"].items():
+        torch.testing.assert_close(value, (a["model"][name].double() + b["model"][name].double()).div(2).float(),
+                                   rtol=0, atol=0, msg=name)
+    model = load_model(out)[0]                               # an ordinary translation checkpoint
+    assert sum(p.numel() for p in model.parameters()) > 0
+    same = str(tmp_path / "same.pt")                         # a checkpoint averaged with itself is itself
+    assert average([p24, p24, "-o", same]) == 0
+    for name, value in read_checkpoint(same)["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+    other = dict(a, model_options={**a["model_options"], "hidden_size": 64})
+    other.pop("format")
+    save_checkpoint(str(tmp_path / "other.pt"), other)
+    capsys.readouterr()
+    assert average([p24, str(tmp_path / "other.pt"), "-o", str(tmp_path / "bad.pt")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "not the same model" in err and "model_options" in err and "\n" not in err
+    assert not os.path.exists(tmp_path / "bad.pt")

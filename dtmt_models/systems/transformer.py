@@ -12,7 +12,7 @@ batch 1 both use the package's small-row kernel.
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -121,7 +121,8 @@ class TransformerNMT(Seq2Seq):
             x = x + layer.dropout3(linear(layer.dropout(h), layer.linear2.weight, layer.linear2.bias))
         return self.transformer.decoder.norm(x)[:, 0], new
 
-    def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor) -> Tensor:
+    def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Optional[Tensor] = None,
+                smoothing: float = 0.0):
         self.check_batch(src, src_lengths, prev_tokens)
         state = self._encode(src, src_lengths)
-        return self.readout(self._decode(state, prev_tokens))
+        return self.output(self._decode(state, prev_tokens), target, smoothing)

@@ -158,3 +158,59 @@ def test_bench_gemm_runs():
     assert rows[0]["weight_gbs"] == pytest.approx(rows[0]["gflops"] * 4 * 8 * 16 / (2 * 4 * 8 * 16))
     cold = bench_gemm.main(["--shapes", "4x8x16", "--threads", "1", "--inner", "2", "--repeat", "1", "--cold"])
     assert cold[0]["read_gbs"] > 0
+
+
+def test_bench_ckpt_choice_quick(tmp_path):
+    from test_train import TINY, make_toy_corpus, run_train
+
+    from benchmarks import bench_ckpt_choice
+    assert bench_ckpt_choice.spearman([1, 2, 3], [4, 5, 9]) == pytest.approx(1.0)
+    assert bench_ckpt_choice.spearman([1, 2, 3], [9, 5, 4]) == pytest.approx(-1.0)
+    assert bench_ckpt_choice.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / 22.5 ** 0.5)  # ties: mean ranks
+    data = make_toy_corpus(tmp_path / "toy", n_train=200, n_dev=10, n_test=10)
+    run = str(tmp_path / "run")
+    r = run_train(["--data", data, "--out", run, "--max-steps", "12", "--valid-every", "4", "--keep-last", "10", *TINY])
+    assert r.returncode == 0, r.stderr
+    rows, averages = bench_ckpt_choice.main(["--run", run, "--data", data, "--average", "2"])
+    assert [r["step"] for r in rows] == [4, 8, 12]
+    assert all(0 <= r[k] <= 100 for r in rows for k in ("dev_bleu_beam", "test_bleu_beam", "dev_bleu_greedy"))
+    assert len(averages) == 1 and 0 <= averages[0]["test_bleu_beam"] <= 100
+    with open(os.path.join(run, "ckpt_choice.md")) as f:
+        table = f.read()
+    assert "| lowest dev loss | step_" in table and "| average of the last 2 |" in table
+
+
+def test_bench_peers_parts_that_need_no_peer(tmp_path):
+    """The peer's subwords are dtmt train's (same SentencePiece model, same filtered pairs), and the runner's
+    learning-rate multiplier is dtmt's RNMT+ schedule. (The peer itself is never installed in CI.)"""
+    from test_train import make_toy_corpus
+
+    from benchmarks import bench_peers
+    from benchmarks.peers.onmt_train import rnmt_multiplier
+    from dtmt_models.data import corpus_paths, filter_by_length, read_parallel
+    from dtmt_models.schedules import RNMTPlusSchedule
+    from dtmt_models.vocabulary import Vocabulary
+
+    ours = RNMTPlusSchedule(200, 1500, 6000, n=1, floor=0.05)
+    theirs = rnmt_multiplier(200, 1500, 6000, 0.05)
+    for step in (0, 1, 199, 1500, 1501, 3000, 6000, 20000):
+        assert theirs(step + 1) == pytest.approx(ours(step))   # OpenNMT-py counts from 1, LambdaLR from 0
+    data = make_toy_corpus(tmp_path / "toy", n_train=300, n_dev=10, n_test=12)
+    pieces = bench_peers.write_pieces(data, str(tmp_path / "pieces"), 60, 6, str(tmp_path / "log"))
+    pairs = read_parallel(*corpus_paths(data, "train"))
+    vocab = [Vocabulary.train([p[i] for p in pairs], 60, "bpe") for i in (0, 1)]
+    assert [v.proto for v in vocab] == [v.proto for v in pieces["vocabs"]]
+    kept, dropped = filter_by_length([(vocab[0].encode(s), vocab[1].encode(t)) for s, t in pairs], 6)
+    assert dropped > 0 and pieces["paths"][("train", "n")] == len(kept)
+    with open(pieces["paths"][("train", "en")], encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert [vocab[1].sp.piece_to_id(line.split()) for line in lines] == [t for _, t in kept]
+    assert pieces["paths"][("test", "n")] == 12
+    cfg = bench_peers.onmt_config(str(tmp_path / "onmt"), pieces, dict(seed=1, smoothing=0.1, lr=2e-3, clip=1.0,
+                                                                       max_tokens=2000),
+                                  dict(embed_dim=128, hidden_size=256, dropout=0.2, valid_every=250))
+    with open(cfg) as f:
+        text = f.read()
+    for line in ("encoder_type: brnn", "rnn_type: LSTM", "input_feed: 1", "batch_size: 2000", "learning_rate: 0.002",
+                 "label_smoothing: 0.1", "max_grad_norm: 1.0"):
+        assert line in text, line

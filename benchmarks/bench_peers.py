@@ -1,0 +1,496 @@
+"""dtmt against OpenNMT-py at equal training time, side by side on the same prepared data (issue 21).
+
+    python benchmarks/bench_peers.py                              # dtmt vs OpenNMT-py's LSTM, 30 min each, 1 thread each
+    python benchmarks/bench_peers.py --budget 2h --systems dtmt rnnsearch-atr onmt-lstm
+    python benchmarks/bench_peers.py --setup-only                 # only make the peer environment
+    python benchmarks/bench_peers.py --no-train --out DIR         # evaluate and tabulate runs already in DIR
+
+The peer is never a dependency of dtmt: on first use the script makes a virtual environment of its own
+(--peer-env, default benchmarks/out/peers/env-onmt) holding OpenNMT-py 3.5.1 (installed without its pin on
+torch < 2.3, so that it runs on the same torch as dtmt) and its other requirements.
+
+What it does, in one run:
+1. the same subwords for everyone: a SentencePiece model per side trained exactly as `dtmt train` trains it
+   (same sentences, `--vocab-size`, BPE), the training pairs filtered as `dtmt train` filters them (longer than
+   `--max-len` subwords or empty after segmentation), written as piece files for OpenNMT-py;
+2. every system trains at once, each on `--threads` threads (`OMP_NUM_THREADS` too), for `--budget` of training
+   time counted the same way for all (wall time from the first update, less validation and checkpoint writing):
+   dtmt systems with `dtmt train --max-time` and their `small` presets, OpenNMT-py through
+   `benchmarks/peers/onmt_train.py` with the same token budget per batch, label smoothing, clipping, Adam
+   betas, learning rate and RNMT+ schedule as dtmt's preset;
+3. each system is evaluated on the same test set with the same sacrebleu settings (`dtmt evaluate --hyp` scores
+   OpenNMT-py's output too): beam 4 with the GNMT length penalty α = 0.6 in both toolkits, one at a time on
+   `--threads` threads, timing decoding (model loading excluded) for sentences/s;
+4. the dev curve: dev loss (cross-entropy per target token, no smoothing) at every validation of each system,
+   so learning per update is compared apart from speed.
+
+It writes DIR/bench_peers.md (the tables, machine and command), DIR/bench_peers.json and DIR/bench_peers.png
+(dev loss against updates and against training time), and with --results appends the tables to
+benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+ONMT_VERSION = "3.5.1"
+# OpenNMT-py 3.5.1's requirements but torch (the peer runs on the torch of this environment)
+ONMT_REQUIREMENTS = ["configargparse", "ctranslate2>=4,<5", "tensorboard>=2.3", "flask", "waitress",
+                     "pyonmttok>=1.37,<2", "pyyaml", "sacrebleu", "rapidfuzz", "pyahocorasick", "fasttext-wheel",
+                     "spacy", "six", "sentencepiece"]
+PEERS = {"onmt-lstm"}
+
+
+def run(cmd, log, env=None, check=True):
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); see {log}")
+    return proc.returncode
+
+
+def peer_python(env_dir: str) -> str:
+    return os.path.join(env_dir, "bin", "python")
+
+
+def ensure_peer_env(env_dir: str, log: str) -> str:
+    """The OpenNMT-py environment, made on first use; returns its python."""
+    import torch
+
+    py = peer_python(env_dir)
+    marker = os.path.join(env_dir, "dtmt-peer.json")
+    want = {"onmt": ONMT_VERSION, "torch": torch.__version__.split("+")[0]}
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            if json.load(f) == want:
+                return py
+    print(f"== making the OpenNMT-py {ONMT_VERSION} environment in {env_dir} (once; log {log})", flush=True)
+    run([sys.executable, "-m", "venv", env_dir], log)
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    run(pip + [f"torch=={want['torch']}"], log)
+    run(pip + ["--no-deps", f"OpenNMT-py=={ONMT_VERSION}"], log)
+    run(pip + ONMT_REQUIREMENTS + [f"torch=={want['torch']}"], log)
+    run([py, "-c", "import onmt, torch; print('onmt', onmt.__version__, 'torch', torch.__version__)"], log)
+    with open(marker, "w") as f:
+        json.dump(want, f)
+    return py
+
+
+# ------------------------------------------------------------------------------------------- the subwords
+def write_pieces(data: str, out: str, vocab_size: int, max_len: int, log: str) -> dict:
+    """SentencePiece per side as `dtmt train` trains it; piece files for every split; returns paths and counts."""
+    from dtmt_models.data import corpus_paths, filter_by_length, read_manifest, read_parallel
+    from dtmt_models.vocabulary import Vocabulary
+
+    os.makedirs(out, exist_ok=True)
+    manifest = read_manifest(data)
+    src_lang, tgt_lang = manifest["src_lang"], manifest["tgt_lang"]
+    train = read_parallel(*corpus_paths(data, "train"))
+    vocabs = [Vocabulary.train([p[i] for p in train], vocab_size, "bpe") for i in (0, 1)]
+    for v, lang in zip(vocabs, (src_lang, tgt_lang)):
+        v.save(os.path.join(out, f"spm.{lang}.model"))
+    paths = {}
+    for split in ("train", "dev", "test"):
+        pairs = read_parallel(*corpus_paths(data, split))
+        if split == "train":   # as dtmt train: drop pairs longer than max_len subwords, then empty ones
+            ids = [(vocabs[0].encode(s), vocabs[1].encode(t)) for s, t in pairs]
+            keep_ids, _dropped = filter_by_length(ids, max_len)
+            keep = {(tuple(s), tuple(t)) for s, t in keep_ids if s and t}
+            pairs = [(s, t) for (s, t), (si, ti) in zip(pairs, ids) if (tuple(si), tuple(ti)) in keep]
+        for side, lang in ((0, src_lang), (1, tgt_lang)):
+            path = os.path.join(out, f"{split}.pieces.{lang}")
+            with open(path, "w", encoding="utf-8") as f:
+                for pair in pairs:
+                    f.write(" ".join(vocabs[side].sp.encode(pair[side], out_type=str)) + "\n")
+            paths[(split, lang)] = path
+        paths[(split, "n")] = len(pairs)
+    with open(log, "a") as f:
+        f.write(f"pieces: train {paths[('train', 'n')]:,} pairs after filtering, dev {paths[('dev', 'n')]:,}, "
+                f"test {paths[('test', 'n')]:,}\n")
+    return {"src_lang": src_lang, "tgt_lang": tgt_lang, "paths": paths, "vocabs": vocabs}
+
+
+# ------------------------------------------------------------------------------------------ OpenNMT-py
+def onmt_config(out: str, pieces: dict, train_cfg: dict, opts: dict) -> str:
+    """The YAML for OpenNMT-py's LSTM: 2-layer bi-LSTM encoder, 2-layer input-feeding LSTM decoder with
+    general (Luong) attention; dtmt's training settings."""
+    s, t = pieces["src_lang"], pieces["tgt_lang"]
+    P = pieces["paths"]
+    cfg = {
+        "save_data": out, "src_vocab": os.path.join(out, "vocab.src"), "tgt_vocab": os.path.join(out, "vocab.tgt"),
+        "src_vocab_size": 32000, "tgt_vocab_size": 32000, "overwrite": "true",
+        "save_model": os.path.join(out, "model"), "save_checkpoint_steps": opts["valid_every"],
+        "keep_checkpoint": -1, "valid_steps": opts["valid_every"], "train_steps": 10 ** 8, "report_every": 50,
+        "seed": train_cfg["seed"], "encoder_type": "brnn", "decoder_type": "rnn", "rnn_type": "LSTM", "layers": 2,
+        "word_vec_size": opts["embed_dim"], "hidden_size": opts["hidden_size"], "global_attention": "general",
+        "input_feed": 1, "dropout": f"[{opts['dropout']}]", "label_smoothing": train_cfg["smoothing"],
+        "optim": "adam", "adam_beta1": 0.9, "adam_beta2": 0.998, "learning_rate": train_cfg["lr"],
+        "max_grad_norm": train_cfg["clip"], "batch_type": "tokens", "batch_size": train_cfg["max_tokens"],
+        "valid_batch_size": train_cfg["max_tokens"], "normalization": "tokens", "accum_count": "[1]",
+        "num_workers": 0, "world_size": 1, "gpu_ranks": "[]", "bucket_size": 32768,
+    }
+    lines = [f"{k}: {v}" for k, v in cfg.items()]
+    lines += ["data:", "    corpus_1:", f"        path_src: {P[('train', s)]}", f"        path_tgt: {P[('train', t)]}",
+              "    valid:", f"        path_src: {P[('dev', s)]}", f"        path_tgt: {P[('dev', t)]}"]
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "onmt.yaml")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def onmt_env(threads: int) -> dict:
+    # OpenNMT-py 3.5.1 predates torch 2.6's weights-only default and pickles its options (argparse.Namespace)
+    # into its checkpoints: allow full unpickling in the peer's processes only, for the files it wrote itself.
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore",
+                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+
+
+def onmt_translate(py: str, model: str, src: str, out: str, beam: int, threads: int, log: str,
+                   vocab) -> dict:
+    """OpenNMT-py's own translator; detokenised output in `out`; returns its decoding time and speed."""
+    pieces = out + ".pieces"
+    tlog = out + ".log"
+    if os.path.exists(tlog):
+        os.remove(tlog)
+    run([py, "-m", "onmt.bin.translate", "-model", model, "-src", src, "-output", pieces, "-beam_size", str(beam),
+         "-length_penalty", "wu", "-alpha", "0.6", "-batch_type", "tokens", "-batch_size", "2000",
+         "-max_length", "250", "-gpu", "-1", "-report_time", "-log_file", tlog], log, env=onmt_env(threads))
+    with open(pieces, encoding="utf-8") as f:
+        hyps = [vocab.sp.decode(line.split()) for line in f.read().splitlines()]
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("\n".join(hyps) + "\n")
+    with open(tlog) as f:
+        m = re.search(r"Total translation time \(s\): ([0-9.]+)", f.read())
+    seconds = float(m.group(1)) if m else float("nan")
+    return {"seconds": seconds, "sentences_per_s": len(hyps) / seconds}
+
+
+def read_jsonl(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------- main
+def main(argv=None):
+    from bench_cells import machine_name
+    from bench_quality import read_log, start
+
+    import dtmt_models.systems  # noqa: F401
+    from dtmt_models.presets import PRESETS, get_preset
+    from dtmt_models.train import parse_duration
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--systems", nargs="+", default=["dtmt", "onmt-lstm"],
+                   help=f"dtmt systems ({', '.join(sorted(PRESETS))}) and peers ({', '.join(sorted(PEERS))})")
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
+    p.add_argument("--budget", default="30m", help="training time per system (e.g. 90s, 30m, 2h)")
+    p.add_argument("--threads", type=int, default=1, help="threads per system, in training and decoding")
+    p.add_argument("--valid-every", type=int, default=250)
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--onmt-size", default="128,256",
+                   help="OpenNMT-py LSTM embedding,hidden sizes (default 128,256: 4.2 M parameters at BPE 4,000)")
+    p.add_argument("--train-args", default="", help="extra `dtmt train` arguments for every dtmt system")
+    p.add_argument("--peer-env", default=os.path.join(HERE, "out", "peers", "env-onmt"))
+    p.add_argument("--out", default=os.path.join(HERE, "out", "peers"))
+    p.add_argument("--setup-only", action="store_true", help="make the peer environment and stop")
+    p.add_argument("--no-train", action="store_true", help="evaluate and tabulate the runs already in --out")
+    p.add_argument("--results", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of training: time a training update of the runs in --out (dtmt's last.pt, "
+                        "OpenNMT-py's last checkpoint) on the same batches, part by part")
+    p.add_argument("--profile-batches", type=int, default=23, help="batches timed by --profile (3 warm up)")
+    a = p.parse_args(argv)
+    budget_s = parse_duration(a.budget)
+    unknown = [s for s in a.systems if s not in PRESETS and s not in PEERS]
+    if unknown:
+        p.error(f"--systems: unknown {', '.join(unknown)}")
+    os.makedirs(a.out, exist_ok=True)
+    log = os.path.join(a.out, "bench_peers.log")
+    peers = [s for s in a.systems if s in PEERS]
+    ours = [s for s in a.systems if s in PRESETS]
+    py = ensure_peer_env(a.peer_env, log) if peers else None
+    if a.setup_only:
+        print(f"peer environment ready: {py}")
+        return None
+    if a.profile:
+        return profile(a, py, ours, log)
+    if len(a.systems) * a.threads > (os.cpu_count() or 1):
+        print(f"warning: {len(a.systems)} systems × {a.threads} thread(s) > {os.cpu_count()} cores: they slow each "
+              f"other unevenly", file=sys.stderr)
+    if not os.path.isfile(os.path.join(a.data, "corpus.json")):
+        run([sys.executable, "-m", "dtmt_models.cli", "prepare", "bible", "--out", a.data], log)
+    train_cfg = dict(get_preset("dtmt", "small")["train"], seed=1)
+    pieces = write_pieces(a.data, os.path.join(a.out, "pieces"), train_cfg["vocab_size"], train_cfg["max_len"], log)
+    s_lang, t_lang = pieces["src_lang"], pieces["tgt_lang"]
+    emb, hid = (int(x) for x in a.onmt_size.split(","))
+    onmt_dir = os.path.join(a.out, "onmt-lstm")
+    jobs = []
+    # ---- training, all at once
+    if not a.no_train:
+        for system in ours:
+            run_dir = os.path.join(a.out, system)
+            cmd = ["train", "--data", a.data, "--model", system, "--out", run_dir, "--overwrite", "--max-time",
+                   a.budget, "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines",
+                   "--log-every", "50", "--threads", str(a.threads), *a.train_args.split()]
+            print(f"== {system}: dtmt train for {a.budget} on {a.threads} thread(s)", flush=True)
+            jobs.append(start(cmd, os.path.join(a.out, f"train_{system}.log")))
+        if "onmt-lstm" in peers:
+            os.makedirs(onmt_dir, exist_ok=True)
+            for name in os.listdir(onmt_dir):
+                if name.startswith("model_step_") or name == "train.jsonl":
+                    os.remove(os.path.join(onmt_dir, name))
+            cfg = onmt_config(onmt_dir, pieces, train_cfg,
+                              dict(embed_dim=emb, hidden_size=hid, dropout=0.2, valid_every=a.valid_every))
+            tlog = os.path.join(a.out, "train_onmt-lstm.log")
+            run([py, "-m", "onmt.bin.build_vocab", "-config", cfg, "-n_sample", "-1"], tlog, env=onmt_env(a.threads))
+            sched = f"rnmt:{train_cfg['warmup']}:{train_cfg['decay_start']}:{train_cfg['decay_end']}:0.05"
+            cmd = [py, os.path.join(HERE, "peers", "onmt_train.py"), "--budget-s", str(budget_s), "--log",
+                   os.path.join(onmt_dir, "train.jsonl"), "--schedule", sched, "-config", cfg]
+            print(f"== onmt-lstm: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
+            f = open(tlog, "a")
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            jobs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=onmt_env(a.threads)),
+                         cmd, tlog))
+        try:
+            for proc, cmd, jlog in jobs:
+                if proc.wait() != 0:
+                    raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {jlog}")
+        finally:
+            for proc, _, _ in jobs:
+                if proc.poll() is None:
+                    proc.terminate()
+    # ---- evaluation, one system at a time
+    rows, curves = [], {}
+    test_src = pieces["paths"][("test", s_lang)]
+    for system in ours:
+        run_dir = os.path.join(a.out, system)
+        log_rows = read_log(os.path.join(run_dir, "train_log.csv"))
+        tr = [r for r in log_rows if r["kind"] == "train"]
+        valid = [r for r in log_rows if r["kind"] == "valid"]
+        curves[system] = [(int(r["step"]), float(r["elapsed_s"]), float(r["dev_loss"])) for r in valid]
+        tokens = sum(int(r["tokens"]) for r in tr)
+        elapsed = float(tr[-1]["elapsed_s"])
+        for which in ("last", "best"):
+            ckpt = os.path.join(run_dir, f"{which}.pt")
+            ev = os.path.join(run_dir, f"eval_{which}")
+            run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--checkpoint", ckpt, "--data", a.data,
+                 "--split", "test", "--beam", str(a.beam), "--out-dir", ev, "--quiet"], log,
+                env=dict(os.environ, OMP_NUM_THREADS=str(a.threads)))
+            with open(os.path.join(ev, "scores.json")) as f:
+                sc = json.load(f)
+            rows.append({"system": f"`dtmt train --model {system}` ({which}.pt)",
+                         "params": _dtmt_params(ckpt), "tok_s": tokens / elapsed if which == "last" else None,
+                         "updates": int(log_rows[-1]["step"]) if which == "last" else None,
+                         "dev_loss": curves[system][-1][2] if which == "last" and curves[system] else None,
+                         "bleu": sc["bleu"], "chrf": sc["chrf"], "sent_s": sc["decode"]["sentences_per_s"]})
+    if "onmt-lstm" in peers:
+        jl = read_jsonl(os.path.join(onmt_dir, "train.jsonl"))
+        ends = [r for r in jl if r["kind"] == "end"]
+        if not ends:
+            raise RuntimeError(f"OpenNMT-py did not reach its budget; see {os.path.join(a.out, 'train_onmt-lstm.log')}")
+        end = ends[-1]
+        curves["onmt-lstm"] = [(r["step"], r["elapsed_s"], r["dev_loss"]) for r in jl if r["kind"] == "valid"]
+        model = os.path.join(onmt_dir, f"model_step_{end['step']}.pt")
+        hyp = os.path.join(onmt_dir, "test.hyp")
+        speed = onmt_translate(py, model, test_src, hyp, a.beam, a.threads, log, pieces["vocabs"][1])
+        ev = os.path.join(onmt_dir, "eval_last")
+        run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--hyp", hyp, "--data", a.data, "--split", "test",
+             "--out-dir", ev, "--quiet"], log)
+        with open(os.path.join(ev, "scores.json")) as f:
+            sc = json.load(f)
+        with open(os.path.join(a.out, "train_onmt-lstm.log")) as f:
+            m = re.search(r"Trainable parameters = \{'torch.float32': ([0-9]+)", f.read())
+        rows.append({"system": f"OpenNMT-py {ONMT_VERSION} LSTM {emb}/{hid}, 2+2 layers, input feeding",
+                     "params": int(m.group(1)) if m else None, "tok_s": end["tokens_per_s"],
+                     "updates": end["step"], "dev_loss": curves["onmt-lstm"][-1][2] if curves["onmt-lstm"] else None,
+                     "bleu": sc["bleu"], "chrf": sc["chrf"], "sent_s": speed["sentences_per_s"]})
+    # ---- tables
+    command = "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"Equal training time against OpenNMT-py ({machine_name()}; {a.threads} thread(s) per system, all "
+             f"training at once); {a.budget} of training each on {a.data} (SentencePiece BPE "
+             f"{train_cfg['vocab_size']:,} per side, {pieces['paths'][('train', 'n')]:,} training pairs, batches of "
+             f"{train_cfg['max_tokens']:,} tokens, lr {train_cfg['lr']:g} with the RNMT+ schedule); test set "
+             f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, α 0.6, sacrebleu via `dtmt evaluate`; "
+             f"decoding one system at a time on {a.threads} thread(s). Command: `{command}`", "",
+             "| system | params | target tok/s | updates | final dev loss | test BLEU | chrF | decode sent/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['system']} | {fmt(r['params'] and r['params'] / 1e6, '.2f')} M | {fmt(r['tok_s'], ',.0f')} | "
+                     f"{fmt(r['updates'], ',')} | {fmt(r['dev_loss'], '.3f')} | {r['bleu']:.2f} | {r['chrf']:.2f} | "
+                     f"{r['sent_s']:.1f} |")
+    steps = sorted({s for c in curves.values() for s, _, _ in c})
+    names = list(curves)
+    lines += ["", "Dev loss (cross-entropy per target subword, no smoothing) at equal updates (learning per update):",
+              "", "| updates | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for s in steps:
+        cells = []
+        for n in names:
+            hit = [f"{loss:.3f} ({el / 60:.1f} min)" for st, el, loss in curves[n] if st == s]
+            cells.append(hit[0] if hit else "")
+        lines.append(f"| {s:,} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    with open(os.path.join(a.out, "bench_peers.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(a.out, "bench_peers.json"), "w") as f:
+        json.dump({"rows": rows, "curves": curves, "command": command, "machine": machine_name()}, f, indent=1)
+    _plot(curves, os.path.join(a.out, "bench_peers.png"), a.budget)
+    print("\n" + text)
+    if a.results:
+        with open(os.path.join(HERE, "RESULTS.md"), "a") as f:
+            f.write(f"\n## Against OpenNMT-py at equal time, {a.budget} — `{command}`\n\n{text}\n")
+    return rows
+
+
+def profile(a, py, ours, log) -> dict:
+    """Times a training update of each system on the same batches (the first --profile-batches of epoch 1 as
+    dtmt batches them), one system at a time on --threads threads; prints and writes DIR/profile.md."""
+    import torch
+
+    from bench_cells import machine_name
+    from peers.update_timer import profile_updates
+
+    from dtmt_models.batching import collate, token_batches
+    from dtmt_models.checkpoint import load_model
+    from dtmt_models.train import build_optimizer
+
+    torch.set_num_threads(a.threads)
+    pdir = os.path.join(a.out, "pieces")
+    from dtmt_models.data import read_manifest
+
+    manifest = read_manifest(a.data)
+    langs = (manifest["src_lang"], manifest["tgt_lang"])
+    sides = []
+    for lang in langs:
+        with open(os.path.join(pdir, f"train.pieces.{lang}"), encoding="utf-8") as f:
+            sides.append([line.split() for line in f.read().splitlines()])
+    lengths = [(len(s), len(t)) for s, t in zip(*sides)]
+    batches = token_batches(lengths, 2000, seed=1, epoch=0)[:a.profile_batches]
+    bfile = os.path.join(a.out, "profile_batches.json")
+    with open(bfile, "w") as f:
+        json.dump({"src": sides[0], "tgt": sides[1], "batches": batches}, f)
+    results = {}
+    for system in ours:
+        model, sv, tv, ckpt = load_model(os.path.join(a.out, system, "last.pt"))
+        cfg = ckpt["config"]
+        model.train()
+        opt = build_optimizer(model, cfg["lr"])        # as dtmt train makes it
+        data = []
+        for idx in batches:
+            pairs = [([sv.sp.piece_to_id(x) for x in sides[0][i]], [tv.sp.piece_to_id(x) for x in sides[1][i]])
+                     for i in idx]
+            data.append(collate(pairs))
+
+        def update(item, timer, model=model, opt=opt, cfg=cfg):
+            src, lengths_, prev, target = item
+            loss_sum, _nll, ntok = model(src, lengths_, prev, target=target, smoothing=cfg["smoothing"])
+            opt.zero_grad(set_to_none=True)
+            with timer.phase("backward"):
+                (loss_sum / ntok).backward()
+            with timer.phase("clip + optimizer"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+                opt.step()
+            return int(ntok)
+
+        named = dict(model.named_children())
+        parts = {"encoder": [named[k] for k in ("src_embed", "encoder") if k in named],
+                 "decoder recurrence": [m for k, m in named.items() if k not in ("src_embed", "encoder", "readout")],
+                 # the readout's own modules: training calls its features and logits, not its forward
+                 "output layer": [m for m in named["readout"].modules() if not list(m.children())]
+                 if "readout" in named else []}
+        results[f"dtmt {system}"] = profile_updates(update, data, parts)
+        results[f"dtmt {system}"]["params"] = sum(p.numel() for p in model.parameters())
+    if py is not None:
+        jl = read_jsonl(os.path.join(a.out, "onmt-lstm", "train.jsonl"))
+        step = [r for r in jl if r["kind"] == "end"][-1]["step"]
+        out = os.path.join(a.out, "profile_onmt.json")
+        run([py, os.path.join(HERE, "peers", "onmt_profile.py"), os.path.join(a.out, "onmt-lstm", f"model_step_{step}.pt"),
+             bfile, out, "--threads", str(a.threads)], log, env=onmt_env(a.threads))
+        with open(out) as f:
+            results["OpenNMT-py LSTM"] = json.load(f)
+    names = list(results)
+    rows = ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names),
+            "| parameters | " + " | ".join(f"{results[n]['params'] / 1e6:.2f} M" for n in names) + " |",
+            "| target tokens per update | " + " | ".join(f"{results[n]['tokens_per_update']:,.0f}" for n in names) + " |",
+            "| **ms per update** | " + " | ".join(f"**{results[n]['ms_per_update']:.0f}**" for n in names) + " |",
+            "| target tokens/s | " + " | ".join(f"{results[n]['tokens_per_s']:,.0f}" for n in names) + " |"]
+    keys = []
+    for n in names:
+        for k in results[n]["parts_ms"]:
+            if k not in keys:
+                keys.append(k)
+    for n in names:
+        r = results[n]
+        r["parts_ms"]["loss and the rest of the forward"] = (
+            r["ms_per_update"] - sum(r["parts_ms"].values()))
+    keys.append("loss and the rest of the forward")
+    for k in keys:
+        rows.append(f"| {k} | " + " | ".join(f"{results[n]['parts_ms'].get(k, float('nan')):.1f}" for n in names) + " |")
+    rows.append("| ATen operator calls per update (one update) | " + " | ".join(f"{results[n]['aten_calls']:,}" for n in names) + " |")
+    text = [f"Time of one training update on the same {a.profile_batches - 3} batches (after 3 warm-up), "
+            f"{machine_name()}, {a.threads} thread(s); ms per update. Command: `python benchmarks/bench_peers.py "
+            f"--profile --out {a.out} --threads {a.threads}`. Parts are forward times (forward hooks): encoder = "
+            f"source embeddings and encoder; decoder recurrence = target embeddings, initial state and every step's "
+            f"recurrent cells and attention (dtmt: query transition, attention, decoder transition; OpenNMT-py: its "
+            f"decoder module, 2 LSTM layers with input feeding and global attention); output layer = dtmt's readout "
+            f"(features, projection and log-softmax) / OpenNMT-py's generator (projection only, its log-softmax is "
+            f"in the loss); loss and the rest = what the forward spends outside them (loss, batch bookkeeping).",
+            "", *rows]
+    for n in names:
+        text += ["", f"Top operators by self time, one update, {n} (name, calls, ms):", ""]
+        text += [f"- `{k}` × {c}: {ms:.1f}" for k, c, ms in results[n]["top_ops"]]
+    text = "\n".join(text)
+    with open(os.path.join(a.out, "profile.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return results
+
+
+def _dtmt_params(ckpt: str) -> int:
+    from dtmt_models.checkpoint import load_model
+
+    return sum(p.numel() for p in load_model(ckpt)[0].parameters())
+
+
+def _plot(curves: dict, path: str, budget: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, c in curves.items():
+        if c:
+            steps, secs, losses = zip(*c)
+            axes[0].plot(steps, losses, "o-", ms=3, label=name)
+            axes[1].plot([x / 60 for x in secs], losses, "o-", ms=3, label=name)
+    axes[0].set_xlabel("updates")
+    axes[1].set_xlabel("training time (min)")
+    for ax in axes:
+        ax.set_ylabel("dev loss (nats per subword)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"dev loss, {budget} each", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,9 +3,10 @@
     dtmt train --data data/bible --model dtmt --max-time 30m --valid-every 250 --keep-last 1000 --out runs/ckpt
     python benchmarks/bench_ckpt_choice.py --run runs/ckpt --data data/bible
 
-For every checkpoint the run kept (step_<updates>.pt, `dtmt train --keep-last`), this takes from the run's log
-the two numbers `dtmt train` measures at each validation, dev loss and greedy dev BLEU (what picks `best.pt`
-today), and measures with `dtmt evaluate` (beam 4, α 0.6) the BLEU of the whole dev set and of the test set.
+For every checkpoint the run kept (step_<updates>.pt, `dtmt train --keep-last`), this measures afresh (from the
+file, not the run's log) the two numbers `dtmt train` measures at each validation, dev loss and greedy dev BLEU
+(what picks `best.pt` today), and with `dtmt evaluate` (beam 4, α 0.6) the BLEU of the whole dev set and of the
+test set.
 It adds the averages of the last k checkpoints (`dtmt average`, for each k of --average). Then for each
 criterion (lowest dev loss, highest greedy dev BLEU, highest beam dev BLEU, the last checkpoint, the average of
 the last k): the checkpoint it picks and that checkpoint's test BLEU, beside the best test BLEU of any kept
@@ -15,7 +16,6 @@ test BLEU. Output: RUN/ckpt_choice.md and .json.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -60,6 +60,26 @@ def evaluate(ckpt: str, data: str, split: str, beam: int, out_dir: str, log: str
         return json.load(f)["bleu"]
 
 
+def dev_loss(ckpt: str, data: str) -> float:
+    """Plain NLL per target subword on the dev split, as `dtmt train` computes it at a validation."""
+    import torch
+
+    from dtmt_models.batching import collate, token_batches
+    from dtmt_models.checkpoint import load_model
+    from dtmt_models.data import corpus_paths, read_parallel
+
+    model, sv, tv, _ = load_model(ckpt)
+    ids = [(sv.encode(s), tv.encode(t)) for s, t in read_parallel(*corpus_paths(data, "dev"))]
+    ids = [p for p in ids if p[0]]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in token_batches([(len(s), len(t)) for s, t in ids], 2000, shuffle=False):
+            src, src_len, prev, target = collate([ids[i] for i in batch])
+            _, nll, n = model(src, src_len, prev, target=target)
+            total, count = total + float(nll), count + n
+    return total / max(count, 1)
+
+
 def main(argv=None):
     from bench_cells import machine_name
 
@@ -67,7 +87,7 @@ def main(argv=None):
     from dtmt_models.train import step_checkpoints
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run", required=True, help="a run directory with step_<updates>.pt files and train_log.csv")
+    p.add_argument("--run", required=True, help="a run directory with step_<updates>.pt files")
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--average", default="2,3,5", help="k values: average the last k checkpoints")
@@ -75,15 +95,13 @@ def main(argv=None):
     kept = step_checkpoints(a.run)
     if len(kept) < 2:
         p.error(f"{a.run} holds {len(kept)} step_<updates>.pt checkpoints; train with --keep-last")
-    with open(os.path.join(a.run, "train_log.csv"), newline="") as f:
-        valid = {int(r["step"]): r for r in csv.DictReader(f) if r["kind"] == "valid"}
     work = os.path.join(a.run, "ckpt_choice")
     os.makedirs(work, exist_ok=True)
     log = os.path.join(work, "evaluate.log")
     rows = []
     for step, path in kept:
-        r = {"name": os.path.basename(path), "step": step, "dev_loss": float(valid[step]["dev_loss"]),
-             "dev_bleu_greedy": float(valid[step]["dev_bleu"])}
+        r = {"name": os.path.basename(path), "step": step, "dev_loss": dev_loss(path, a.data),
+             "dev_bleu_greedy": evaluate(path, a.data, "dev", 1, os.path.join(work, f"{step}.dev.greedy"), log)}
         for split in ("dev", "test"):
             r[f"{split}_bleu_beam"] = evaluate(path, a.data, split, a.beam, os.path.join(work, f"{step}.{split}"), log)
         rows.append(r)

@@ -429,16 +429,12 @@ def profile(a, py, ours, log) -> dict:
             "| target tokens per update | " + " | ".join(f"{results[n]['tokens_per_update']:,.0f}" for n in names) + " |",
             "| **ms per update** | " + " | ".join(f"**{results[n]['ms_per_update']:.0f}**" for n in names) + " |",
             "| target tokens/s | " + " | ".join(f"{results[n]['tokens_per_s']:,.0f}" for n in names) + " |"]
-    keys = []
-    for n in names:
-        for k in results[n]["parts_ms"]:
-            if k not in keys:
-                keys.append(k)
     for n in names:
         r = results[n]
         r["parts_ms"]["loss and the rest of the forward"] = (
             r["ms_per_update"] - sum(r["parts_ms"].values()))
-    keys.append("loss and the rest of the forward")
+    keys = ["encoder", "decoder recurrence", "output layer", "loss and the rest of the forward", "backward",
+            "clip + optimizer"]
     for k in keys:
         rows.append(f"| {k} | " + " | ".join(f"{results[n]['parts_ms'].get(k, float('nan')):.1f}" for n in names) + " |")
     rows.append("| ATen operator calls per update (one update) | " + " | ".join(f"{results[n]['aten_calls']:,}" for n in names) + " |")

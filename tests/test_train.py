@@ -322,3 +322,33 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "not the same model" in err and "model_options" in err and "\n" not in err
     assert not os.path.exists(tmp_path / "bad.pt")
+
+
+def test_inference_sees_the_optimizer_steps():
+    """Validation after updates runs on the updated weights: the eval-mode paths' weight caches (keyed on the
+    parameters' version counters) are refreshed by the optimizer `dtmt train` uses. (torch's fused CPU Adam does
+    not bump the counters: with it, every validation after the first saw the first validation's weights.)"""
+    from dtmt_models.batching import collate
+    from dtmt_models.train import build_optimizer
+
+    torch.manual_seed(0)
+    model = build_model("dtmt", 40, 40, embed_dim=16, hidden_size=16, heads=2)
+    opt = build_optimizer(model, 1e-2)
+    src, lengths, prev, target = collate([([5, 6, 7, 8], [9, 10, 11]), ([12, 13], [14, 15, 16, 17])])
+    for _ in range(3):
+        model.eval()
+        with torch.no_grad():
+            seen = model(src, lengths, prev)           # fills the inference caches
+        model.train()
+        loss, _, n = model(src, lengths, prev, target=target, smoothing=0.1)
+        opt.zero_grad()
+        (loss / n).backward()
+        opt.step()
+        fresh = build_model("dtmt", 40, 40, embed_dim=16, hidden_size=16, heads=2)
+        fresh.load_state_dict(model.state_dict())
+        model.eval()
+        fresh.eval()
+        with torch.no_grad():
+            now, expected = model(src, lengths, prev), fresh(src, lengths, prev)
+        assert not torch.equal(now, seen)
+        torch.testing.assert_close(now, expected, rtol=0, atol=0)

@@ -62,22 +62,13 @@ def evaluate(ckpt: str, data: str, split: str, beam: int, out_dir: str, log: str
 
 def dev_loss(ckpt: str, data: str) -> float:
     """Plain NLL per target subword on the dev split, as `dtmt train` computes it at a validation."""
-    import torch
-
-    from dtmt_models.batching import collate, token_batches
     from dtmt_models.checkpoint import load_model
     from dtmt_models.data import corpus_paths, read_parallel
+    from dtmt_models.train import corpus_nll
 
-    model, sv, tv, _ = load_model(ckpt)
+    model, sv, tv, ckpt_dict = load_model(ckpt)
     ids = [(sv.encode(s), tv.encode(t)) for s, t in read_parallel(*corpus_paths(data, "dev"))]
-    ids = [p for p in ids if p[0]]
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in token_batches([(len(s), len(t)) for s, t in ids], 2000, shuffle=False):
-            src, src_len, prev, target = collate([ids[i] for i in batch])
-            _, nll, n = model(src, src_len, prev, target=target)
-            total, count = total + float(nll), count + n
-    return total / max(count, 1)
+    return corpus_nll(model, [p for p in ids if p[0]], ckpt_dict["config"]["max_tokens"])[0]
 
 
 def main(argv=None):

@@ -50,14 +50,22 @@ ONMT_REQUIREMENTS = ["configargparse", "ctranslate2>=4,<5", "tensorboard>=2.3", 
 PEERS = {"onmt-lstm"}
 
 
-def run(cmd, log, env=None, check=True):
+def spawn(cmd, log, env=None):
+    """Starts `cmd` with its output appended to `log` (after a `$ cmd` line); returns (process, cmd, log)."""
     with open(log, "a") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); see {log}")
-    return proc.returncode
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), cmd, log
+
+
+def wait(job) -> None:
+    proc, cmd, log = job
+    if proc.wait() != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {log}")
+
+
+def run(cmd, log, env=None) -> None:
+    wait(spawn(cmd, log, env))
 
 
 def peer_python(env_dir: str) -> str:
@@ -259,15 +267,10 @@ def main(argv=None):
             cmd = [py, os.path.join(HERE, "peers", "onmt_train.py"), "--budget-s", str(budget_s), "--log",
                    os.path.join(onmt_dir, "train.jsonl"), "--schedule", sched, "-config", cfg]
             print(f"== onmt-lstm: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
-            f = open(tlog, "a")
-            f.write("$ " + " ".join(cmd) + "\n")
-            f.flush()
-            jobs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=onmt_env(a.threads)),
-                         cmd, tlog))
+            jobs.append(spawn(cmd, tlog, env=onmt_env(a.threads)))
         try:
-            for proc, cmd, jlog in jobs:
-                if proc.wait() != 0:
-                    raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {jlog}")
+            for job in jobs:
+                wait(job)
         finally:
             for proc, _, _ in jobs:
                 if proc.poll() is None:
@@ -365,12 +368,12 @@ def profile(a, py, ours, log) -> dict:
 
     from dtmt_models.batching import collate, token_batches
     from dtmt_models.checkpoint import load_model
+    from dtmt_models.data import read_manifest
+    from dtmt_models.presets import get_preset
     from dtmt_models.train import build_optimizer
 
     torch.set_num_threads(a.threads)
     pdir = os.path.join(a.out, "pieces")
-    from dtmt_models.data import read_manifest
-
     manifest = read_manifest(a.data)
     langs = (manifest["src_lang"], manifest["tgt_lang"])
     sides = []
@@ -378,7 +381,8 @@ def profile(a, py, ours, log) -> dict:
         with open(os.path.join(pdir, f"train.pieces.{lang}"), encoding="utf-8") as f:
             sides.append([line.split() for line in f.read().splitlines()])
     lengths = [(len(s), len(t)) for s, t in zip(*sides)]
-    batches = token_batches(lengths, 2000, seed=1, epoch=0)[:a.profile_batches]
+    max_tokens = get_preset("dtmt", "small")["train"]["max_tokens"]    # the batches of the equal-time runs
+    batches = token_batches(lengths, max_tokens, seed=1, epoch=0)[:a.profile_batches]
     bfile = os.path.join(a.out, "profile_batches.json")
     with open(bfile, "w") as f:
         json.dump({"src": sides[0], "tgt": sides[1], "batches": batches}, f)

@@ -96,8 +96,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                 raise ValueError(f"average: {path}: the integer tensor {k} differs from {paths[0]}'s")
         last = ckpt
     n = len(paths)
-    averaged = {k: (s / n).to(first["model"][k].dtype) if s.is_floating_point() and first["model"][k].is_floating_point()
-                else s for k, s in sums.items()}
+    averaged = {k: (s / n).to(first["model"][k].dtype) if s.is_floating_point() else s for k, s in sums.items()}
     payload = {k: v for k, v in last.items() if k not in ("format", "training", "model")}
     payload["model"] = averaged
     payload["averaged_from"] = [os.path.basename(p) for p in paths]

@@ -12,6 +12,11 @@ import torch
 from torch import Tensor
 
 
+def float_log_softmax(logits: Tensor) -> Tensor:
+    """log_softmax over the last dimension, in float32 for half / bfloat16 logits (their own dtype otherwise)."""
+    return torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+
+
 def _check_smoothing(smoothing: float) -> None:
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
@@ -39,7 +44,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, keep: Tensor, smoothing: float):
-        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        log_probs = float_log_softmax(logits)
         nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         smooth = -log_probs.mean(-1)
         loss = torch.where(keep, (1.0 - smoothing) * nll + smoothing * smooth, 0.0).sum()

@@ -22,7 +22,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
 
-from .loss import smoothed_cross_entropy
+from .loss import float_log_softmax, smoothed_cross_entropy
 
 State = Dict[str, Tensor]
 
@@ -46,8 +46,7 @@ class Projection(nn.Module):
         return self.proj(self.dropout(features))
 
     def forward(self, features: Tensor) -> Tensor:
-        logits = self.logits(features)
-        return torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        return float_log_softmax(self.logits(features))
 
 
 class Readout(nn.Module):
@@ -109,8 +108,7 @@ class Readout(nn.Module):
         return self.output.logits(features)
 
     def forward(self, features: Tensor) -> Tensor:
-        logits = self.logits(features)
-        return torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        return float_log_softmax(self.logits(features))
 
 
 def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:
@@ -177,8 +175,8 @@ class Seq2Seq(nn.Module):
     def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Optional[Tensor] = None,
                 smoothing: float = 0.0):
         """Teacher forcing: log-probabilities [B, T, V]; given `target` [B, T], the training loss instead
-        (smoothed loss sum, NLL sum, number of target tokens, as `loss`). Teacher forcing: the steps' transitions in a loop, with what does not feed the recurrence batched over
-        time: the target embeddings are looked up once (one embedding gradient instead of one per step) and the
+        (smoothed loss sum, NLL sum, number of target tokens, as `loss`). The steps' transitions run in a loop,
+        with what does not feed the recurrence batched over time: the target embeddings are looked up once (one embedding gradient instead of one per step) and the
         readout features and vocabulary projection run once over [B, T, ...] after the loop; and the step cells
         run `dk.nn.unrolled` (their weight gradients formed once over all steps). A system that overrides
         `decoder_step` gets the same loop over its `decoder_step` instead."""

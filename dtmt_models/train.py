@@ -46,6 +46,14 @@ from .vocabulary import Vocabulary
 
 LAST, BEST, LOG, CURVE, CONFIG = "last.pt", "best.pt", "train_log.csv", "learning_curve.png", "config.json"
 STEP_CHECKPOINT = "step_{:07d}.pt"     # --keep-last: the model at a validation, by its number of updates
+LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", "tokens", "tokens_per_s",
+              "dev_loss", "dev_ppl", "dev_bleu", "dev_chrf", "best_bleu"]
+# training settings that may be changed when resuming (how long to go on, how often to report)
+RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
+             "threads", "bleu_sentences", "keep_last")
+# their defaults (None on the command line means "not given", so that --resume keeps the checkpoint's values)
+REPORTING_DEFAULTS = dict(patience=5, valid_every=500, valid_beam=1, bleu_sentences=0, log_every=50, progress="auto",
+                          threads=0, keep_last=0)
 
 
 def step_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
@@ -56,14 +64,6 @@ def step_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
         if m:
             found.append((int(m.group(1)), os.path.join(run_dir, name)))
     return sorted(found)
-LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", "tokens", "tokens_per_s",
-              "dev_loss", "dev_ppl", "dev_bleu", "dev_chrf", "best_bleu"]
-# training settings that may be changed when resuming (how long to go on, how often to report)
-RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
-             "threads", "bleu_sentences", "keep_last")
-# their defaults (None on the command line means "not given", so that --resume keeps the checkpoint's values)
-REPORTING_DEFAULTS = dict(patience=5, valid_every=500, valid_beam=1, bleu_sentences=0, log_every=50, progress="auto",
-                          threads=0, keep_last=0)
 
 
 # ------------------------------------------------------------------------------------------- arguments
@@ -378,13 +378,24 @@ def plot_curve(rows: List[dict], path: str, title: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- trainer
-def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """Adam with β = (0.9, 0.998), ε = 1e-9 (torch's default foreach implementation).
+@torch.no_grad()
+def corpus_nll(model: torch.nn.Module, pairs: Sequence[Tuple[List[int], List[int]]], max_tokens: int,
+               device=None) -> Tuple[float, int]:
+    """(NLL per target token, number of target tokens) of id pairs under `model` in eval mode, no smoothing:
+    the dev loss of a validation."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in token_batches([(len(s), len(t)) for s, t in pairs], max_tokens, shuffle=False):
+        src, src_len, prev, target = collate([pairs[i] for i in batch], device)
+        _, nll, n = model(src, src_len, prev, target=target)
+        total, count = total + float(nll), count + n
+    return total / max(count, 1), count
 
-    Not `fused=True`, although it is 5× faster per step here: torch 2.13's fused CPU Adam updates the parameters
-    without bumping their version counters, and the inference paths cache weights keyed on (data_ptr, _version)
-    (`Readout.stacked_norms`, the cells' flat weights), so validation would run on stale weights
-    (benchmarks/NOTES.md, log item 19; `tests/test_train.py::test_inference_sees_the_optimizer_steps`)."""
+
+def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Adam with β = (0.9, 0.998), ε = 1e-9, in torch's default (foreach) implementation: its steps bump the
+    parameters' version counters, which the inference weight caches are keyed on (`fused=True` does not: see
+    benchmarks/NOTES.md, log item 19, and `tests/test_train.py::test_inference_sees_the_optimizer_steps`)."""
     return torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.998), eps=1e-9)
 
 
@@ -622,16 +633,8 @@ class Trainer:
         return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0
 
     # -------------------------------------------------------------------------------------- validation
-    @torch.no_grad()
     def dev_loss(self) -> Tuple[float, int]:
-        self.model.eval()
-        total, count = 0.0, 0
-        lengths = [(len(s), len(t)) for s, t in self.dev_ids]
-        for batch in token_batches(lengths, self.cfg["max_tokens"], shuffle=False):
-            src, src_len, prev, target = collate([self.dev_ids[i] for i in batch], self.device)
-            _, nll, n = self.model(src, src_len, prev, target=target)
-            total, count = total + float(nll), count + n
-        return total / max(count, 1), count
+        return corpus_nll(self.model, self.dev_ids, self.cfg["max_tokens"], self.device)
 
     def validate(self) -> bool:
         """Dev loss, BLEU and chrF on the main process, best.pt and last.pt; returns True to stop early."""

@@ -214,3 +214,29 @@ def test_bench_peers_parts_that_need_no_peer(tmp_path):
     for line in ("encoder_type: brnn", "rnn_type: LSTM", "input_feed: 1", "batch_size: 2000", "learning_rate: 0.002",
                  "label_smoothing: 0.1", "max_grad_norm: 1.0"):
         assert line in text, line
+
+
+@pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
+def test_bench_update_pieces_quick(tmp_path):
+    import json
+
+    from test_train import TINY, make_toy_corpus, run_train
+
+    from benchmarks import bench_update_pieces
+    from dtmt_models.checkpoint import load_model
+    from dtmt_models.data import corpus_paths, read_parallel
+
+    data = make_toy_corpus(tmp_path / "toy", n_train=100, n_dev=5, n_test=5)
+    run = tmp_path / "peers"
+    r = run_train(["--data", data, "--out", str(run / "dtmt"), "--max-steps", "2", *TINY])
+    assert r.returncode == 0, r.stderr
+    _, sv, tv, _ = load_model(str(run / "dtmt" / "last.pt"))
+    pairs = read_parallel(*corpus_paths(data, "train"))[:40]
+    pieces = {"src": [sv.sp.encode(s, out_type=str) for s, _ in pairs],
+              "tgt": [tv.sp.encode(t, out_type=str) for _, t in pairs]}
+    pieces["batches"] = [list(range(i, i + 8)) for i in range(0, 40, 8)]
+    (run / "profile_batches.json").write_text(json.dumps(pieces))
+    out = bench_update_pieces.main(["--run", str(run), "--rounds", "1", "--batches", "4"])
+    assert len(out["loss"]["ratio_per_round"]) == 1 and all(x > 0 for x in out["loss"]["fused_tok_s"])
+    assert set(out["context_dalpha_us"]) == {"batched GEMV", "C++ kernel"}
+    assert set(out["adam_step_ms"]) == {"foreach", "fused"}

@@ -49,6 +49,11 @@ class NoEOS(torch.nn.Module):
         super().__init__()
         self.model = model
 
+    def inference_decoder(self):
+        """The wrapped model's decoder (built per batch, as beam_search builds it), wrapped."""
+        decoder = self.model.inference_decoder()
+        return self if decoder is self.model else NoEOS(decoder)
+
     def encode(self, src, lengths):
         return self.model.encode(src, lengths)
 

@@ -129,17 +129,55 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_context_backward", &dtmt::attention_context_backward_cpu,
         "Attention context backward; returns [dalpha, dvalues] (dvalues empty when values_grad is false)",
         py::arg("grad"), py::arg("alpha"), py::arg("values"), py::arg("values_grad") = true);
-  m.def("attention_step", &dtmt::attention_step_cpu,
-        "Inference: one (multi-head) additive attention step, query projection to output projection; returns "
-        "[context, alpha]");
-  m.def("readout_features", &dtmt::readout_features_cpu,
-        "Inference: tanh(LN(y W_y^T + b_y) + LN(s W_s^T + b_s) + LN(c W_c^T + b_c)) in one call");
-  m.def("rnmt_step", &dtmt::rnmt_step_cpu,
-        "Inference: one attentional RNMT decoder step (query cell, attention, decoder cell, readout, log-softmax); "
-        "returns [log_probs, s, alpha averaged over the heads [B, S]]");
-  m.def("memory_encoder", &dtmt::memory_encoder_cpu,
-        "Inference: one direction of mce's read-write-memory GRU encoder over the whole source; returns "
-        "[states, memory]");
+  // the inference ops take their named weights (decode_step.h) as tensor lists in the fields' order
+  m.def(
+      "attention_step",
+      [](const Tensor& query, const Tensor& keys, const Tensor& annotations, const Tensor& src_mask,
+         const std::vector<Tensor>& weights, double ln_eps) {
+        return dtmt::attention_step_cpu(query, keys, annotations, src_mask,
+                                        dtmt::AttentionWeights::from_list(weights, ln_eps));
+      },
+      "Inference: one (multi-head) additive attention step, query projection to output projection; returns "
+      "[context, alpha]",
+      py::arg("query"), py::arg("keys"), py::arg("annotations"), py::arg("src_mask"), py::arg("weights"),
+      py::arg("ln_eps"));
+  m.def(
+      "readout_features",
+      [](const Tensor& y, const Tensor& s, const Tensor& c, const std::vector<Tensor>& weights, double eps) {
+        return dtmt::readout_features_cpu(y, s, c, dtmt::ReadoutWeights::from_list(weights, eps));
+      },
+      "Inference: tanh(LN(y W_y^T + b_y) + LN(s W_s^T + b_s) + LN(c W_c^T + b_c)) in one call",
+      py::arg("y"), py::arg("s"), py::arg("c"), py::arg("weights"), py::arg("eps"));
+  m.def(
+      "rnmt_step",
+      [](const Tensor& y, const Tensor& s, const Tensor& keys, const Tensor& annotations, const Tensor& src_mask,
+         int64_t q_kind, const std::vector<Tensor>& q_params, int64_t d_kind, const std::vector<Tensor>& d_params,
+         double cell_eps, const std::vector<Tensor>& attention, double att_eps, const std::vector<Tensor>& readout,
+         double readout_eps) {
+        return dtmt::rnmt_step_cpu(y, s, keys, annotations, src_mask, dtmt::cell_weights(q_kind, q_params),
+                                   dtmt::cell_weights(d_kind, d_params), cell_eps,
+                                   dtmt::AttentionWeights::from_list(attention, att_eps),
+                                   dtmt::ReadoutWeights::from_list(readout, readout_eps));
+      },
+      "Inference: one attentional RNMT decoder step (query cell, attention, decoder cell, readout, log-softmax); "
+      "returns [log_probs, s, alpha averaged over the heads [B, S]]",
+      py::arg("y"), py::arg("s"), py::arg("keys"), py::arg("annotations"), py::arg("src_mask"), py::arg("q_kind"),
+      py::arg("q_params"), py::arg("d_kind"), py::arg("d_params"), py::arg("cell_eps"), py::arg("attention"),
+      py::arg("att_eps"), py::arg("readout"), py::arg("readout_eps"));
+  m.def(
+      "memory_encoder",
+      [](const Tensor& x, const Tensor& memory, const Tensor& src_mask, bool reverse, int64_t cell_kind,
+         const std::vector<Tensor>& cell, double cell_eps, const std::vector<Tensor>& addressing) {
+        return dtmt::memory_encoder_cpu(x, memory, src_mask, reverse, dtmt::cell_weights(cell_kind, cell), cell_eps,
+                                        dtmt::MemoryWeights::from_list(addressing));
+      },
+      "Inference: one direction of mce's read-write-memory GRU encoder over the whole source; returns "
+      "[states, memory]",
+      py::arg("x"), py::arg("memory"), py::arg("src_mask"), py::arg("reverse"), py::arg("cell_kind"),
+      py::arg("cell"), py::arg("cell_eps"), py::arg("addressing"));
+  m.attr("ATTENTION_WEIGHT_FIELDS") = std::string(dtmt::kAttentionWeightFields);
+  m.attr("READOUT_WEIGHT_FIELDS") = std::string(dtmt::kReadoutWeightFields);
+  m.attr("MEMORY_WEIGHT_FIELDS") = std::string(dtmt::kMemoryWeightFields);
   m.def("small_rows_linear", &dtmt::small_rows_linear,
         "x [M, K] @ w[N, K]^T + bias: the weight-streaming kernel for M <= SMALL_ROWS_MAX float32 rows, ATen's "
         "GEMM otherwise");

@@ -1,57 +1,83 @@
 // Inference-only fused pieces of a decoder step (beam search: no autograd, one call instead of a dozen small
 // PyTorch ops, whose dispatch costs more than their arithmetic at batch 1). See decode_step_cpu.cpp.
+//
+// The weights of a step are named structs, mirrored on the Python side by dataclasses of the same fields in
+// the same order (dtmt_kernels/functional.py: AttentionWeights, ReadoutWeights, MemoryWeights). They cross
+// the binding as a tensor list in that order (absent tensors empty) and are unpacked in one place, `from_list`;
+// the field names are exported (`_C.ATTENTION_WEIGHT_FIELDS`, ...) so that a test holds the two sides equal.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <vector>
 
+#include "transition.h"
+
 namespace dtmt {
 
-// One step of (multi-head) additive attention, MultiHeadAdditiveAttention.forward / AdditiveAttention.forward:
-//   q = query W_q^T [B, NH*D], then layer-normalised over all NH*D (gain ln_w, offset ln_b, ln_eps) when ln_w is
-//   not empty (Nematus' AdditiveAttention, one head);  scores[b,h,s] = v[h] . tanh(keys[b,s,h] + q[b,h]);
-//   alpha = softmax over the source positions with src_mask (padded positions get exactly 0);
-//   context = the per-head weighted sum of the annotations, then context W_o^T + b_o when w_o is not empty.
-// query [B, Q], w_q [NH*D, Q], keys [B, S, NH, D], v [NH, D], annotations [B, S, C] (last dim contiguous),
-// src_mask [B, S] bool, w_o [C', C] / b_o [C'] or empty, ln_w / ln_b [NH*D] or empty. Returns
-// {context, alpha [B, NH, S]}.
-std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Tensor& w_q, const at::Tensor& keys,
-                                           const at::Tensor& v, const at::Tensor& annotations,
-                                           const at::Tensor& src_mask, const at::Tensor& w_o, const at::Tensor& b_o,
-                                           const at::Tensor& ln_w, const at::Tensor& ln_b, double ln_eps);
+// (Multi-head) additive attention: the query projection w_q [NH*D, Q], v [NH, D], the output projection
+// w_o [C', C] / b_o [C'] (empty: none; multi-head attention), the query layer norm ln_w / ln_b [NH*D] (empty:
+// none; Nematus' attention) and its eps.
+struct AttentionWeights {
+  at::Tensor w_q, v, w_o, b_o, ln_w, ln_b;
+  double ln_eps;
+  static AttentionWeights from_list(const std::vector<at::Tensor>& t, double ln_eps);
+};
+constexpr const char* kAttentionWeightFields = "w_q v w_o b_o ln_w ln_b";
 
-// The readout features of Readout.features: tanh(LN_y(y W_y^T + b_y) + LN_s(s W_s^T + b_s) + LN_c(c W_c^T + b_c)).
-// y [N, E], s [N, Hs], c [N, C]; biases may be empty; ln_w / ln_b [3, R] (the three layer norms' gains and
-// offsets) or empty for no layer norm. Returns [N, R].
-at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& c, const at::Tensor& w_y,
-                                const at::Tensor& b_y, const at::Tensor& w_s, const at::Tensor& b_s,
-                                const at::Tensor& w_c, const at::Tensor& b_c, const at::Tensor& ln_w,
-                                const at::Tensor& ln_b, double eps);
+// The readout tanh(LN_y(y W_y^T + b_y) + LN_s(s W_s^T + b_s) + LN_c(c W_c^T + b_c)) and the output projection
+// w_out [V, R] / b_out [V]. Biases may be empty; ln_w / ln_b [3, R] are the three layer norms' gains and offsets
+// (empty: no layer norm) with their one eps.
+struct ReadoutWeights {
+  at::Tensor w_y, b_y, w_s, b_s, w_c, b_c, ln_w, ln_b, w_out, b_out;
+  double eps;
+  static ReadoutWeights from_list(const std::vector<at::Tensor>& t, double eps);
+};
+constexpr const char* kReadoutWeightFields = "w_y b_y w_s b_s w_c b_c ln_w ln_b w_out b_out";
 
-// One whole step of the attentional RNMT decoder (dtmt_models/rnmt.py, fused_step: AttentionalRNMT.step and
-// Nematus.step in eval mode):
+// mce's memory addressing: w_state [H, H], w_memory [H, H], b_memory [H], v [1, H], w_read [H, H], b_read [H],
+// w_write [H, H], b_write [H].
+struct MemoryWeights {
+  at::Tensor w_state, w_memory, b_memory, v, w_read, b_read, w_write, b_write;
+  static MemoryWeights from_list(const std::vector<at::Tensor>& t);
+};
+constexpr const char* kMemoryWeightFields = "w_state w_memory b_memory v w_read b_read w_write b_write";
+
+// A recurrent cell's TransitionWeights from its kind and the ten flat kernel parameters
+// (dtmt_kernels.autograd.flat_params order).
+TransitionWeights cell_weights(int64_t kind, const std::vector<at::Tensor>& params);
+
+// One step of (multi-head) additive attention, as MultiHeadAdditiveAttention / AdditiveAttention compute it:
+//   q = query W_q^T [B, NH*D], layer-normalised over all NH*D when ln_w is present;
+//   scores[b,h,s] = v[h] . tanh(keys[b,s,h] + q[b,h]); alpha = softmax over the source positions with src_mask
+//   (padded positions get exactly 0); context = the per-head weighted sum of the annotations, then
+//   context W_o^T + b_o when w_o is present.
+// query [B, Q], keys [B, S, NH, D], annotations [B, S, C] (last dim contiguous), src_mask [B, S] bool.
+// Returns {context, alpha [B, NH, S]}.
+std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Tensor& keys,
+                                           const at::Tensor& annotations, const at::Tensor& src_mask,
+                                           const AttentionWeights& w);
+
+// The readout features. y [N, E], s [N, Hs], c [N, C] -> [N, R] (the output projection is not applied).
+at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& c,
+                                const ReadoutWeights& w);
+
+// One whole step of the attentional RNMT decoder (dtmt_models/rnmt.py, FusedRNMTDecoder):
 //   s_q = query_cell(y, s); (c, alpha) = attention_step(s_q, ...); s' = decoder_cell(c, s_q);
-//   log_probs = log_softmax(readout_features(y, s', c) W_out^T + b_out) (float32, as Projection returns).
-// y [B, E] (the embedded previous tokens), s [B, H]; q_params / d_params: a cell's ten flat kernel parameters
-// (dtmt_kernels.autograd.flat_params order) with its kind; q_drop / d_drop [D+1, B, H] or empty;
-// att: {w_q, keys, v, annotations, src_mask, w_o, b_o, ln_w, ln_b} (att_eps: the query layer norm's eps);
-// readout: {w_y, b_y, w_s, b_s, w_c, b_c, ln_w, ln_b, w_out, b_out}.
+//   log_probs = log_softmax(readout_features(y, s', c) W_out^T + b_out) (float32 at least, as Projection).
+// y [B, E] (the embedded previous tokens), s [B, H]; keys / annotations / src_mask as attention_step's.
 // Returns {log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]}.
-std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, int64_t q_kind,
-                                      const std::vector<at::Tensor>& q_params, const at::Tensor& q_drop,
-                                      int64_t d_kind, const std::vector<at::Tensor>& d_params,
-                                      const at::Tensor& d_drop, const std::vector<at::Tensor>& att,
-                                      const std::vector<at::Tensor>& readout, double cell_eps, double att_eps,
-                                      double readout_eps);
+std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& keys,
+                                      const at::Tensor& annotations, const at::Tensor& src_mask,
+                                      const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
+                                      double cell_eps, const AttentionWeights& attention,
+                                      const ReadoutWeights& readout);
 
-// One direction of mce's read-write-memory GRU encoder (dtmt_models/systems/mce.py,
-// MemoryGRUEncoderDirection.forward), the whole loop over the source in one call, the same ATen arithmetic per
-// step as the module without its Python dispatch. x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] bool;
-// cell: a GRU cell's ten flat kernel parameters; addressing: {w_state [H, H], w_memory [H, H], b_memory [H],
-// v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]}. Returns {states [B, S, H], final memory}.
+// One direction of mce's read-write-memory GRU encoder (dtmt_models/systems/mce.py), the whole loop over the
+// source in one call, the same ATen arithmetic per step as the module without its Python dispatch.
+// x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] bool. Returns {states [B, S, H], final memory}.
 std::vector<at::Tensor> memory_encoder_cpu(const at::Tensor& x, const at::Tensor& memory, const at::Tensor& src_mask,
-                                           bool reverse, int64_t cell_kind, const std::vector<at::Tensor>& cell,
-                                           double cell_eps, const std::vector<at::Tensor>& addressing);
+                                           bool reverse, const TransitionWeights& cell, double cell_eps,
+                                           const MemoryWeights& addressing);
 
 }  // namespace dtmt

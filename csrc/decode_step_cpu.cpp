@@ -70,10 +70,35 @@ void check_cpu(std::initializer_list<const Tensor*> ts, const char* op) {
 
 }  // namespace
 
-std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& w_q, const Tensor& keys, const Tensor& v,
-                                       const Tensor& annotations, const Tensor& src_mask, const Tensor& w_o,
-                                       const Tensor& b_o, const Tensor& ln_w, const Tensor& ln_b, double ln_eps) {
-  check_cpu({&query, &w_q, &keys, &v, &annotations, &src_mask, &w_o, &b_o, &ln_w, &ln_b}, "attention_step");
+AttentionWeights AttentionWeights::from_list(const std::vector<Tensor>& t, double ln_eps) {
+  TORCH_CHECK(t.size() == 6, "dtmt._C: the attention weights are 6 tensors (", kAttentionWeightFields, "), got ",
+              t.size());
+  return {t[0], t[1], t[2], t[3], t[4], t[5], ln_eps};
+}
+
+ReadoutWeights ReadoutWeights::from_list(const std::vector<Tensor>& t, double eps) {
+  TORCH_CHECK(t.size() == 10, "dtmt._C: the readout weights are 10 tensors (", kReadoutWeightFields, "), got ",
+              t.size());
+  return {t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], eps};
+}
+
+MemoryWeights MemoryWeights::from_list(const std::vector<Tensor>& t) {
+  TORCH_CHECK(t.size() == 8, "dtmt._C: the memory weights are 8 tensors (", kMemoryWeightFields, "), got ",
+              t.size());
+  return {t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]};
+}
+
+TransitionWeights cell_weights(int64_t kind, const std::vector<Tensor>& p) {
+  TORCH_CHECK(p.size() == 10, "dtmt._C: a cell takes ten parameter tensors, got ", p.size());
+  for (const auto& t : p) check_cpu({&t}, "cell");
+  return {kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
+}
+
+std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, const Tensor& annotations,
+                                       const Tensor& src_mask, const AttentionWeights& w) {
+  const Tensor &w_q = w.w_q, &v = w.v, &ln_w = w.ln_w, &ln_b = w.ln_b;
+  const double ln_eps = w.ln_eps;
+  check_cpu({&query, &w_q, &keys, &v, &annotations, &src_mask, &w.w_o, &w.b_o, &ln_w, &ln_b}, "attention_step");
   TORCH_CHECK(query.dim() == 2 && keys.dim() == 4 && src_mask.dim() == 2 && src_mask.scalar_type() == at::kBool,
               "dtmt._C.attention_step: query [B, Q], keys [B, S, NH, D] and a bool src_mask [B, S] expected");
   const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
@@ -94,7 +119,7 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& w_q, c
     });
   }
   q = q.view({B, NH, D});
-  Tensor scores = additive_scores_forward_cpu(keys, q, v);
+  Tensor scores = additive_scores_forward_cpu(keys.contiguous(), q, v.contiguous());
   Tensor alpha = at::empty_like(scores);
   Tensor mask = src_mask.contiguous();
   AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "attention_step_cpu", [&] {
@@ -102,13 +127,14 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& w_q, c
                              S);
   });
   Tensor context = attention_context_forward_cpu(alpha, annotations);
-  if (present(w_o)) context = linear(context, w_o, b_o);
+  if (present(w.w_o)) context = linear(context, w.w_o, w.b_o);
   return {context, alpha};
 }
 
-Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, const Tensor& w_y, const Tensor& b_y,
-                            const Tensor& w_s, const Tensor& b_s, const Tensor& w_c, const Tensor& b_c,
-                            const Tensor& ln_w, const Tensor& ln_b, double eps) {
+Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, const ReadoutWeights& w) {
+  const Tensor &w_y = w.w_y, &b_y = w.b_y, &w_s = w.w_s, &b_s = w.b_s, &w_c = w.w_c, &b_c = w.b_c, &ln_w = w.ln_w,
+               &ln_b = w.ln_b;
+  const double eps = w.eps;
   check_cpu({&y, &s, &c, &w_y, &b_y, &w_s, &b_s, &w_c, &b_c, &ln_w, &ln_b}, "readout_features");
   TORCH_CHECK(y.dim() == 2 && s.dim() == 2 && c.dim() == 2 && y.size(0) == s.size(0) && y.size(0) == c.size(0),
               "dtmt._C.readout_features: y, s and c must be [N, ·] with the same N");
@@ -141,34 +167,23 @@ Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, c
 namespace {
 
 // h' of one cell step: the sequence kernel of transition_cpu.cpp over one step.
-Tensor cell_step(const Tensor& x, const Tensor& h, int64_t kind, const std::vector<Tensor>& p, const Tensor& drop,
-                 double eps) {
-  TORCH_CHECK(p.size() == 10, "dtmt._C.rnmt_step: a cell takes ten parameter tensors, got ", p.size());
-  const TransitionWeights w{kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
-  return transition_forward_cpu(x.contiguous().unsqueeze(0), h.contiguous(), Tensor(), drop, w, false, eps)[1];
+Tensor cell_step(const Tensor& x, const Tensor& h, const TransitionWeights& w, double eps) {
+  return transition_forward_cpu(x.contiguous().unsqueeze(0), h.contiguous(), Tensor(), Tensor(), w, false, eps)[1];
 }
 
 }  // namespace
 
-std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, int64_t q_kind, const std::vector<Tensor>& q_params,
-                                  const Tensor& q_drop, int64_t d_kind, const std::vector<Tensor>& d_params,
-                                  const Tensor& d_drop, const std::vector<Tensor>& att,
-                                  const std::vector<Tensor>& readout, double cell_eps, double att_eps,
-                                  double readout_eps) {
-  TORCH_CHECK(att.size() == 9 && readout.size() == 10, "dtmt._C.rnmt_step: att takes 9 tensors, readout 10");
-  for (const auto& t : q_params) check_cpu({&t}, "rnmt_step");
-  for (const auto& t : d_params) check_cpu({&t}, "rnmt_step");
-  for (const auto& t : att) check_cpu({&t}, "rnmt_step");
-  for (const auto& t : readout) check_cpu({&t}, "rnmt_step");
-  check_cpu({&y, &s, &q_drop, &d_drop}, "rnmt_step");
-  const Tensor s_q = cell_step(y, s, q_kind, q_params, q_drop, cell_eps);
-  auto ca = attention_step_cpu(s_q, att[0], att[1], att[2], att[3], att[4], att[5], att[6], att[7], att[8],
-                               att_eps);
+std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor& keys, const Tensor& annotations,
+                                  const Tensor& src_mask, const TransitionWeights& query_cell,
+                                  const TransitionWeights& decoder_cell, double cell_eps,
+                                  const AttentionWeights& attention, const ReadoutWeights& readout) {
+  check_cpu({&y, &s, &readout.w_out, &readout.b_out}, "rnmt_step");
+  const Tensor s_q = cell_step(y, s, query_cell, cell_eps);
+  auto ca = attention_step_cpu(s_q, keys, annotations, src_mask, attention);
   const Tensor& context = ca[0];
-  const Tensor s_new = cell_step(context, s_q, d_kind, d_params, d_drop, cell_eps);
-  const Tensor features = readout_features_cpu(y, s_new, context, readout[0], readout[1], readout[2], readout[3],
-                                               readout[4], readout[5], readout[6], readout[7], readout_eps);
-  const Tensor logits = linear(features, readout[8], readout[9]);
+  const Tensor s_new = cell_step(context, s_q, decoder_cell, cell_eps);
+  const Tensor features = readout_features_cpu(y, s_new, context, readout);
+  const Tensor logits = linear(features, readout.w_out, readout.b_out);
   const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
   // log-probabilities in the model's precision, float32 at least (as Projection.forward)
   const Tensor log_probs = at::log_softmax(logits.to(at::promoteTypes(logits.scalar_type(), at::kFloat)), -1);
@@ -176,19 +191,17 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, int64_t q_ki
 }
 
 std::vector<Tensor> memory_encoder_cpu(const Tensor& x, const Tensor& memory0, const Tensor& src_mask, bool reverse,
-                                       int64_t cell_kind, const std::vector<Tensor>& cell, double cell_eps,
-                                       const std::vector<Tensor>& a) {
-  TORCH_CHECK(a.size() == 8, "dtmt._C.memory_encoder: addressing takes 8 tensors, got ", a.size());
+                                       const TransitionWeights& cell, double cell_eps, const MemoryWeights& a) {
   TORCH_CHECK(x.dim() == 3 && memory0.dim() == 3 && src_mask.dim() == 2 && src_mask.scalar_type() == at::kBool &&
                   x.size(0) == memory0.size(0) && x.size(1) == memory0.size(1) &&
                   src_mask.size(0) == x.size(0) && src_mask.size(1) == x.size(1),
               "dtmt._C.memory_encoder: x [B, S, E], memory [B, S, H] and a bool src_mask [B, S] expected");
-  for (const auto& t : cell) check_cpu({&t}, "memory_encoder");
-  for (const auto& t : a) check_cpu({&t}, "memory_encoder");
+  check_cpu({&a.w_state, &a.w_memory, &a.b_memory, &a.v, &a.w_read, &a.b_read, &a.w_write, &a.b_write},
+            "memory_encoder");
   check_cpu({&x, &memory0, &src_mask}, "memory_encoder");
   const int64_t B = x.size(0), S = x.size(1), H = memory0.size(2);
-  const Tensor &w_state = a[0], &w_memory = a[1], &b_memory = a[2], &v = a[3], &w_read = a[4], &b_read = a[5],
-               &w_write = a[6], &b_write = a[7];
+  const Tensor &w_state = a.w_state, &w_memory = a.w_memory, &b_memory = a.b_memory, &v = a.v, &w_read = a.w_read,
+               &b_read = a.b_read, &w_write = a.w_write, &b_write = a.b_write;
   Tensor memory = memory0.contiguous();
   Tensor s = at::zeros({B, H}, x.options());
   Tensor states = at::zeros({B, S, H}, x.options());
@@ -203,7 +216,7 @@ std::vector<Tensor> memory_encoder_cpu(const Tensor& x, const Tensor& memory0, c
     const Tensor w = at::softmax(at::where(invalid, neg_inf, e), -1);
     const Tensor read = memory * at::sigmoid(linear(s, w_read, b_read)).unsqueeze(1);   // M~_t = R_t (.) M
     const Tensor c = at::bmm(w.unsqueeze(1), read).squeeze(1);
-    const Tensor s_new = cell_step(at::cat({x.select(1, t), c}, -1), s, cell_kind, cell, Tensor(), cell_eps);
+    const Tensor s_new = cell_step(at::cat({x.select(1, t), c}, -1), s, cell, cell_eps);
     const Tensor written = read + w.unsqueeze(-1) * at::sigmoid(linear(s_new, w_write, b_write)).unsqueeze(1);
     const Tensor valid = src_mask.select(1, t).view({B, 1});
     s = at::where(valid, s_new, s);

@@ -233,13 +233,18 @@ class CppContextStepFunction(torch.autograd.Function):
             alpha.new_zeros(0), None
 
 
+def _stack(ts) -> Tensor:
+    """torch.stack, without a copy for one tensor (depth 1)."""
+    return ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+
+
 def flat_params(w: TransitionWeights, like: Tensor):
     """The ten parameter tensors in the kernels' order (T-GRU parameters stacked, absent ones empty)."""
     if w.depth:
-        t_w, t_b = torch.stack(w.t_w), torch.stack(w.t_b)
+        t_w, t_b = _stack(w.t_w), _stack(w.t_b)
         has_ln = w.t_ln_w[0] is not None
-        t_ln_w = torch.stack(w.t_ln_w) if has_ln else None
-        t_ln_b = torch.stack(w.t_ln_b) if has_ln else None
+        t_ln_w = _stack(w.t_ln_w) if has_ln else None
+        t_ln_b = _stack(w.t_ln_b) if has_ln else None
     else:
         t_w = t_b = t_ln_w = t_ln_b = None
     return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, _or_empty(w.ln_w, like), _or_empty(w.ln_b, like),

@@ -3,7 +3,8 @@ attention kernels and the decoding linear layer, plus the checks that every publ
 inputs (validate at the boundary)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -106,14 +107,6 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: st
     return F.linear(x, weight, bias)
 
 
-def fused_inference(backend: str, x: Tensor) -> bool:
-    """Whether a module on `backend` may run the inference-only fused ops below for input x: autograd off
-    (torch.no_grad / inference_mode, as in beam search and validation), the cpp backend ("auto" or "cpp") and a
-    CPU float32 / float64 tensor."""
-    return (not torch.is_grad_enabled() and _C is not None and backend in ("auto", "cpp")
-            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64))
-
-
 _ABSENT = torch.empty(0)   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
 
 
@@ -121,66 +114,108 @@ def _or_none(t: Optional[Tensor]) -> Tensor:
     return _ABSENT if t is None else t
 
 
-def attention_step(query: Tensor, w_q: Tensor, keys: Tensor, v: Tensor, annotations: Tensor, src_mask: Tensor,
-                   w_o: Optional[Tensor] = None, b_o: Optional[Tensor] = None, ln_w: Optional[Tensor] = None,
-                   ln_b: Optional[Tensor] = None, ln_eps: float = 1e-5):
-    """Inference only (see fused_inference): one step of (multi-head) additive attention in one C++ call,
-    what MultiHeadAdditiveAttention / AdditiveAttention compute in a dozen ops:
-    q = query W_q^T, layer-normalised over all its NH*D features when ln_w / ln_b are given (Nematus'
-    AdditiveAttention), split into heads; scores = additive_scores(keys, q, v), alpha = softmax over the source
-    positions where src_mask is true (0 elsewhere), context = attention_context(alpha, annotations), then
-    context W_o^T + b_o when w_o is given. query [B, Q], keys [B, S, NH, D], v [NH, D], annotations [B, S, C],
-    src_mask [B, S] bool -> (context, alpha [B, NH, S])."""
-    context, alpha = _C.attention_step(query, w_q, keys.contiguous(), v.contiguous(), annotations, src_mask,
-                                       _or_none(w_o), _or_none(b_o), _or_none(ln_w), _or_none(ln_b), ln_eps)
+class _InferenceWeights:
+    """Base of the named weight structures of the inference ops: each mirrors a struct of csrc/decode_step.h
+    (same fields, same order: FIELDS, which a test holds equal to the extension's `_C.<NAME>_WEIGHT_FIELDS`), and
+    keeps its tensors as the list the op takes (`tensors`, absent ones empty), made once."""
+
+    FIELDS: ClassVar[Tuple[str, ...]] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensors", [_or_none(getattr(self, name)) for name in self.FIELDS])
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionWeights(_InferenceWeights):
+    """(Multi-head) additive attention for `attention_step`: w_q [NH*D, Q], v [NH, D]; the output projection w_o
+    [C', C], b_o [C'] (multi-head attention) or None; the query's layer norm ln_w, ln_b [NH*D] and its eps
+    (Nematus' attention) or None."""
+    FIELDS: ClassVar[Tuple[str, ...]] = ("w_q", "v", "w_o", "b_o", "ln_w", "ln_b")
+    w_q: Tensor
+    v: Tensor
+    w_o: Optional[Tensor] = None
+    b_o: Optional[Tensor] = None
+    ln_w: Optional[Tensor] = None
+    ln_b: Optional[Tensor] = None
+    ln_eps: float = 1e-5
+
+
+@dataclass(frozen=True, eq=False)
+class ReadoutWeights(_InferenceWeights):
+    """The Readout for `readout_features` and `rnmt_step`: w_y [R, E], w_s [R, Hs], w_c [R, C] and their biases
+    (or None); the three layer norms' gains and offsets stacked, ln_w, ln_b [3, R] (or None) and their one eps;
+    the output projection w_out [V, R], b_out [V] (`rnmt_step` only; None where the readout has more layers)."""
+    FIELDS: ClassVar[Tuple[str, ...]] = ("w_y", "b_y", "w_s", "b_s", "w_c", "b_c", "ln_w", "ln_b", "w_out", "b_out")
+    w_y: Tensor
+    b_y: Optional[Tensor]
+    w_s: Tensor
+    b_s: Optional[Tensor]
+    w_c: Tensor
+    b_c: Optional[Tensor]
+    ln_w: Optional[Tensor] = None
+    ln_b: Optional[Tensor] = None
+    w_out: Optional[Tensor] = None
+    b_out: Optional[Tensor] = None
+    eps: float = 1e-5
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryWeights(_InferenceWeights):
+    """mce's memory addressing for `memory_encoder` (dtmt_models/systems/mce.py): w_state [H, H], w_memory [H, H],
+    b_memory [H], v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]."""
+    FIELDS: ClassVar[Tuple[str, ...]] = ("w_state", "w_memory", "b_memory", "v", "w_read", "b_read", "w_write",
+                                         "b_write")
+    w_state: Tensor
+    w_memory: Tensor
+    b_memory: Tensor
+    v: Tensor
+    w_read: Tensor
+    b_read: Tensor
+    w_write: Tensor
+    b_write: Tensor
+
+
+def attention_step(query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, weights: AttentionWeights):
+    """Inference only (no autograd; CPU float32 / float64): one step of (multi-head) additive attention in one
+    C++ call, what MultiHeadAdditiveAttention / AdditiveAttention compute in a dozen ops: q = query W_q^T,
+    layer-normalised over all its NH*D features when the weights have ln_w / ln_b (Nematus), split into heads;
+    scores = additive_scores(keys, q, v), alpha = softmax over the source positions where src_mask is true (0
+    elsewhere), context = attention_context(alpha, annotations), then context W_o^T + b_o when w_o is given.
+    query [B, Q], keys [B, S, NH, D], annotations [B, S, C], src_mask [B, S] bool -> (context, alpha [B, NH, S])."""
+    context, alpha = _C.attention_step(query, keys, annotations, src_mask, weights.tensors, weights.ln_eps)
     return context, alpha
 
 
-def readout_features(y: Tensor, s: Tensor, c: Tensor, w_y: Tensor, b_y: Optional[Tensor], w_s: Tensor,
-                     b_s: Optional[Tensor], w_c: Tensor, b_c: Optional[Tensor], ln_w: Optional[Tensor] = None,
-                     ln_b: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
-    """Inference only (see fused_inference): tanh(LN_y(y W_y^T + b_y) + LN_s(s W_s^T + b_s) + LN_c(c W_c^T + b_c))
-    in one C++ call (the Readout's features); ln_w / ln_b [3, R] hold the three layer norms' gains and offsets
-    (None: no layer norm). y [..., E], s [..., Hs], c [..., C] with the same leading dims -> [..., R]."""
+def readout_features(y: Tensor, s: Tensor, c: Tensor, weights: ReadoutWeights) -> Tensor:
+    """Inference only: tanh(LN_y(y W_y^T + b_y) + LN_s(s W_s^T + b_s) + LN_c(c W_c^T + b_c)) in one C++ call (the
+    Readout's features; no layer norm where the weights have none). y [..., E], s [..., Hs], c [..., C] with the
+    same leading dims -> [..., R]."""
     lead = y.shape[:-1]
     out = _C.readout_features(y.reshape(-1, y.shape[-1]), s.reshape(-1, s.shape[-1]), c.reshape(-1, c.shape[-1]),
-                              w_y, _or_none(b_y), w_s, _or_none(b_s), w_c, _or_none(b_c),
-                              _or_none(ln_w), _or_none(ln_b), eps)
-    return out.view(*lead, w_y.shape[0])
+                              weights.tensors, weights.eps)
+    return out.view(*lead, weights.w_y.shape[0])
 
 
-def rnmt_step(y: Tensor, s: Tensor, query_cell, attention: Sequence[Optional[Tensor]], decoder_cell,
-              readout: Sequence[Optional[Tensor]], readout_eps: float = 1e-5, drops=(None, None),
-              attention_eps: float = 1e-5):
-    """Inference only (see fused_inference): one whole step of the attentional RNMT decoder in one C++ call
-    (what dtmt_models.rnmt.fused_step runs for AttentionalRNMT and Nematus in eval mode): query cell,
-    attention_step, decoder cell, readout_features, output projection and log-softmax. y [B, E] embedded previous
-    tokens, s [B, H]; query_cell / decoder_cell: dtmt_kernels.nn cells (their weights are taken as the kernels'
-    flat list, cached); attention = (w_q, keys [B, S, NH, D], v, annotations, src_mask, w_o, b_o, ln_w, ln_b) with
-    attention_eps the query layer norm's eps (attention_step's arguments); readout = (w_y, b_y, w_s, b_s, w_c,
-    b_c, ln_w [3, R], ln_b, w_out, b_out); None for absent tensors; drops: the two cells' candidate-dropout
-    multipliers or None. Returns (log_probs [B, V] float32, s' [B, H], the attention weights averaged over the
-    heads [B, S])."""
-    from .autograd import KINDS
-    if query_cell.eps != decoder_cell.eps:
-        raise ValueError("rnmt_step: the two cells must share their layer-norm eps")
-    log_probs, s_new, alpha = _C.rnmt_step(
-        y, s, KINDS[query_cell.cell], query_cell._inference_params(0), _or_none(drops[0]),
-        KINDS[decoder_cell.cell], decoder_cell._inference_params(0), _or_none(drops[1]),
-        [_or_none(t) for t in attention], [_or_none(t) for t in readout], query_cell.eps, attention_eps,
-        readout_eps)
+def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, query_cell, decoder_cell,
+              attention: AttentionWeights, readout: ReadoutWeights):
+    """Inference only: one whole step of the attentional RNMT decoder in one C++ call (dtmt_models.rnmt's
+    FusedRNMTDecoder, for AttentionalRNMT and one-level Nematus): query cell, attention_step, decoder cell,
+    readout_features, output projection (readout.w_out) and log-softmax. y [B, E] the embedded previous tokens,
+    s [B, H]; keys [B, S, NH, D], annotations, src_mask as attention_step's; query_cell / decoder_cell:
+    dtmt_kernels.nn.FrozenTransitionCell (a cell's kernel parameters gathered once) with the same eps. Returns
+    (log_probs [B, V], float32 at least; s' [B, H]; the attention weights averaged over the heads [B, S])."""
+    log_probs, s_new, alpha = _C.rnmt_step(y, s, keys, annotations, src_mask, query_cell.kind, query_cell.params,
+                                           decoder_cell.kind, decoder_cell.params, query_cell.eps, attention.tensors,
+                                           attention.ln_eps, readout.tensors, readout.eps)
     return log_probs, s_new, alpha
 
 
-def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell,
-                   addressing: Sequence[Tensor]):
-    """Inference only (see fused_inference): one direction of mce's read-write-memory GRU encoder
-    (dtmt_models/systems/mce.py) over the whole source in one C++ call. x [B, S, E], memory [B, S, H], src_mask
-    [B, S] bool, cell: the direction's dtmt_kernels.nn GRU cell, addressing = (W_state, W_memory, b_memory, v,
-    W_read, b_read, W_write, b_write). Returns (states [B, S, H], final memory [B, S, H])."""
-    from .autograd import KINDS
-    states, final = _C.memory_encoder(x.contiguous(), memory, src_mask, reverse, KINDS[cell.cell],
-                                      cell._inference_params(0), cell.eps, list(addressing))
+def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
+    """Inference only: one direction of mce's read-write-memory GRU encoder (dtmt_models/systems/mce.py) over the
+    whole source in one C++ call. x [B, S, E], memory [B, S, H], src_mask [B, S] bool, cell: the direction's
+    dtmt_kernels.nn.FrozenTransitionCell. Returns (states [B, S, H], final memory [B, S, H])."""
+    states, final = _C.memory_encoder(x.contiguous(), memory, src_mask, reverse, cell.kind, cell.params, cell.eps,
+                                      addressing.tensors)
     return states, final
 
 

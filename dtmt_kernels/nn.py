@@ -1,7 +1,8 @@
 """Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`; `Linear`, the
 torch.nn.Linear of decoder steps (the small-row kernel at batch 1); and `unrolled`, a block in which step cells
 form their weight gradients once over all their steps (teacher forcing), with `step_context`, an attention
-step's context whose gradient to the annotations is formed the same way.
+step's context whose gradient to the annotations is formed the same way. For decoding, a cell's
+`inference_module()` is a `FrozenTransitionCell` (an `InferenceForm`: weights gathered once, no autograd).
 
 They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first`, `h0` of shape
 [num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and
@@ -31,7 +32,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .autograd import (KINDS, CppContextStepFunction, CppTransitionStepFunction, CppUnrolledValuesFunction,
+from .autograd import (KINDS, _C, CppContextStepFunction, CppTransitionStepFunction, CppUnrolledValuesFunction,
                        CppUnrolledWeightsFunction, UnrolledContext, UnrolledSteps, cpp_transition_inference,
                        flat_params)
 from .backends import BackendSwitch, resolve_backend
@@ -154,19 +155,11 @@ class _TransitionBase(BackendSwitch, nn.Module):
             t_ln_b.append(p.get(f"tgru{k}_ln_bias{sfx}"))
         return TransitionWeights(self.cell, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
 
-    def _inference_params(self, direction: int) -> list:
-        """The kernels' flat parameters of one direction, assembled once and reused until a parameter changes
-        (in place, as an optimizer step does, or by being moved): for decoding, where the same cell runs
-        once per target step."""
-        params = tuple(self._parameters.values())
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        cache = self.__dict__.setdefault("_inference_cache", {})
-        hit = cache.get(direction)
-        if hit is None or hit[0] != key:
-            with torch.no_grad():
-                flat = [t.contiguous() for t in flat_params(self.direction_weights(direction), self.weight_hh)]
-            cache[direction] = hit = (key, flat)
-        return hit[1]
+    def kernel_params(self, direction: int = 0) -> List[Tensor]:
+        """The ten flat, contiguous parameter tensors of one direction in the kernels' order (autograd.flat_params:
+        T-GRU weights stacked, so a copy of those), for the inference forms below."""
+        with torch.no_grad():
+            return [t.contiguous() for t in flat_params(self.direction_weights(direction), self.weight_hh)]
 
     def _full_bias(self, bias: Tensor, n_gates: int) -> Tensor:
         if not self.layer_norm:
@@ -210,14 +203,9 @@ class _TransitionBase(BackendSwitch, nn.Module):
         backend = resolve_backend(self.backend, x.device)
         check_dtype_for_backend(backend, x.dtype, "x")
         outs, states = [], []
-        fast = backend.name == "cpp" and not torch.is_grad_enabled()
         for d in range(self.num_directions):
             reverse = d == 1 or getattr(self, "reverse", False)
-            if fast:   # inference: cached flat weights, no autograd bookkeeping
-                out, h_n = cpp_transition_inference(x, h0[d], self.cell, self._inference_params(d), mask, drops[d],
-                                                    reverse, self.eps)
-            else:
-                out, h_n = backend.run(x, h0[d], self.direction_weights(d), mask, drops[d], reverse, self.eps)
+            out, h_n = backend.run(x, h0[d], self.direction_weights(d), mask, drops[d], reverse, self.eps)
             outs.append(out)
             states.append(h_n)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)
@@ -307,6 +295,11 @@ class _TransitionCell(Unrollable, _TransitionBase):
             return h1[0] if unbatched else h1
         _, h_n = self._run(x2.unsqueeze(0), h.unsqueeze(0), None, [drop])
         return h_n[0, 0] if unbatched else h_n[0]
+
+    def inference_module(self) -> nn.Module:
+        """This cell's form for decoding (see `InferenceForm`): a FrozenTransitionCell where the cpp backend runs
+        its parameters, else the cell itself."""
+        return FrozenTransitionCell(self) if runs_fused_inference(self) else self
 
     def _unrolled_session(self, x: Tensor):
         """(UnrolledSteps, token) when this call is a step in an `unrolled` block that the cpp backend runs with
@@ -426,6 +419,61 @@ class ATRCell(_TransitionCell):
 
     def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, backend: str = "auto"):
         super().__init__(input_size, hidden_size, "atr", 0, layer_norm, 0.0, backend)
+
+
+def runs_fused_inference(*modules: nn.Module) -> bool:
+    """Whether the C++ inference ops may stand in for `modules` when decoding: the extension built, every module's
+    backend "auto" or "cpp" (modules without one are not asked), and the first module's parameters on the CPU in
+    float32 / float64. Asked once, when a model is prepared for decoding (Seq2Seq.inference_decoder)."""
+    if _C is None or any(getattr(m, "backend", "auto") not in ("auto", "cpp") for m in modules):
+        return False
+    p = next(modules[0].parameters(), None)
+    return p is not None and p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64)
+
+
+def plain_linear(m: Optional[nn.Module]) -> bool:
+    """An nn.Linear (or dtmt_kernels.nn.Linear) that computes x W^T + b, its weight possibly parametrized (read
+    once when its inference form is made): what the fused inference ops can take in its place."""
+    return isinstance(m, nn.Linear) and type(m).forward in (nn.Linear.forward, Linear.forward)
+
+
+class InferenceForm(nn.Module):
+    """Base of the modules that stand in for another one while decoding: a module's `inference_module()` returns
+    one (or the module itself where the C++ inference ops cannot take it), and Seq2Seq.inference_decoder swaps
+    them into a copy of the model. It holds the weights gathered once, in the layout the C++ op takes, computes
+    the same function as the module without autograd (inference only), and answers every other attribute from
+    the module it stands for (`source`). Its weights are taken when it is made: after the parameters change,
+    make a new one."""
+
+    def __init__(self, source: nn.Module):
+        super().__init__()
+        self.__dict__["_source"] = source   # not a submodule: the form is not a parent of what it replaces
+
+    @property
+    def source(self) -> nn.Module:
+        return self.__dict__["_source"]
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_source"], name)
+
+
+class FrozenTransitionCell(InferenceForm):
+    """A DeepTransitionGRUCell / ATRCell for decoding: h' = cell(x [B, I], h [B, H] = zeros) with its kernel
+    parameters gathered once (`kind`, `params`, `eps`: what `_C.transition_forward` and `_C.rnmt_step` take).
+    No candidate dropout (decoding is in eval mode)."""
+
+    def __init__(self, cell: "_TransitionCell"):
+        super().__init__(cell)
+        self.cell, self.kind, self.eps = cell.cell, KINDS[cell.cell], cell.eps
+        self.params = cell.kernel_params(0)
+
+    def forward(self, x: Tensor, h: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
+        if h is None:
+            h = x.new_zeros(x.shape[0], self.source.hidden_size)
+        return cpp_transition_inference(x.unsqueeze(0), h, self.cell, self.params, None, drop, False, self.eps)[1]
 
 
 class Linear(BackendSwitch, nn.Linear):

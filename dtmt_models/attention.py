@@ -12,8 +12,8 @@ in the decoder state; `forward(query, keys, annotations, src_mask)` is one decod
 The scores v·tanh(q + k_j) and the context Σ_j α_j h_j are `dtmt_kernels.functional.additive_scores` and
 `attention_context`, run on the module's `backend` (switched with the model's recurrent layers by
 `Seq2Seq.set_backend`): the C++ kernels for CPU tensors under "auto"/"cpp", PyTorch ops under "reference"
-(and on the GPU). Without autograd (beam search) on cpp, a whole step is one call,
-`dtmt_kernels.functional.attention_step` (the query's layer norm included).
+(and on the GPU). For decoding, `inference_module()` gives an `AttentionStep`: the whole step as one call,
+`dtmt_kernels.functional.attention_step` (the query's layer norm included), its weights gathered once.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
+from dtmt_kernels.nn import runs_fused_inference
 
 
 def masked_softmax(scores: Tensor, src_mask: Tensor) -> Tensor:
@@ -46,19 +47,19 @@ class AdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
     def precompute(self, annotations: Tensor) -> Tensor:
         return self.ln_k(self.key(annotations))  # [B, S, A]
 
-    def fused_query_norm(self):
-        """The query's layer norm as the fused attention step takes it: (gain, offset, eps), (None, None, 1e-5)
-        without one, None when ln_q is something the fused step cannot run (a norm without gain or offset, a
-        subclass, another module)."""
-        ln = self._modules["ln_q"]   # not through Module.__getattr__: once per decoder step
+    def inference_module(self) -> nn.Module:
+        """This module's form for decoding: an AttentionStep where the fused op can take it (the cpp backend, a
+        plain query projection, no query norm or an affine nn.LayerNorm over the attention width), else itself."""
+        ln, query = self.ln_q, self.query
+        if not (runs_fused_inference(self, query) and dk.nn.plain_linear(query) and dk.nn.plain_linear(self.v)):
+            return self
         if type(ln) is nn.Identity:
-            return None, None, 1e-5
-        width = getattr(self._modules["query"], "out_features", None)
-        if type(ln) is nn.LayerNorm and tuple(ln.normalized_shape) == (width,):
-            w, b = ln._parameters.get("weight"), ln._parameters.get("bias")
-            if w is not None and b is not None:
-                return w, b, ln.eps
-        return None
+            return AttentionStep(self, dk.functional.AttentionWeights(query.weight, self.v.weight))
+        if (type(ln) is nn.LayerNorm and tuple(ln.normalized_shape) == (query.out_features,)
+                and ln.weight is not None and ln.bias is not None):
+            return AttentionStep(self, dk.functional.AttentionWeights(query.weight, self.v.weight, ln_w=ln.weight,
+                                                                      ln_b=ln.bias, ln_eps=ln.eps))
+        return self
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}"
@@ -66,11 +67,6 @@ class AdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """query [B, Q], keys [B, S, A], annotations [B, S, C], src_mask [B, S] bool ->
         (context [B, C], weights [B, S])."""
-        norm = self.fused_query_norm()
-        if norm is not None and dk.functional.fused_inference(self.backend, query):
-            context, alpha = dk.functional.attention_step(query, self.query.weight, keys.unsqueeze(2), self.v.weight,
-                                                          annotations, src_mask, None, None, *norm)
-            return context, alpha.squeeze(1)
         q = self.ln_q(self.query(query)).unsqueeze(1)                           # [B, 1, A]: one head
         scores = dk.functional.additive_scores(keys.unsqueeze(2), q, self.v.weight, self.backend).squeeze(1)
         alpha = masked_softmax(scores, src_mask)
@@ -98,13 +94,38 @@ class MultiHeadAdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
     def extra_repr(self) -> str:
         return f"heads={self.heads}, backend={self.backend!r}"
 
+    def inference_module(self) -> nn.Module:
+        """This module's form for decoding: an AttentionStep on the cpp backend with plain projections, else
+        itself."""
+        if not (runs_fused_inference(self, self.query, self.out) and dk.nn.plain_linear(self.query)
+                and dk.nn.plain_linear(self.out)):
+            return self
+        return AttentionStep(self, dk.functional.AttentionWeights(self.query.weight, self.v, self.out.weight,
+                                                                  self.out.bias))
+
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """Returns (context [B, C], weights [B, heads, S])."""
-        if dk.functional.fused_inference(self.backend, query):
-            return dk.functional.attention_step(query, self.query.weight, keys, self.v, annotations, src_mask,
-                                                self.out.weight, self.out.bias)
         q = self.query(query).view(query.shape[0], self.heads, -1)
         scores = dk.functional.additive_scores(keys, q, self.v, self.backend)  # [B, heads, S]
         alpha = masked_softmax(scores, src_mask.unsqueeze(1))
         context = dk.nn.step_context(self, alpha, annotations, self.backend)  # head h: its own C/heads
         return self.out(context), alpha
+
+
+class AttentionStep(dk.nn.InferenceForm):
+    """An attention module for decoding (its `inference_module()`): the same forward(query, keys, annotations,
+    src_mask) -> (context, weights) as one C++ call, `dtmt_kernels.functional.attention_step`, with the weights
+    (`weights`, an AttentionWeights) gathered once; `precompute` and everything else is the module's own.
+    Inference only."""
+
+    def __init__(self, source: nn.Module, weights: "dk.functional.AttentionWeights"):
+        super().__init__(source)
+        self.weights = weights
+        self.single_head = not isinstance(source, MultiHeadAdditiveAttention)   # keys [B, S, A], weights [B, S]
+
+    def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
+        if self.single_head:
+            context, alpha = dk.functional.attention_step(query, keys.unsqueeze(2), annotations, src_mask,
+                                                          self.weights)
+            return context, alpha.squeeze(1)
+        return dk.functional.attention_step(query, keys, annotations, src_mask, self.weights)

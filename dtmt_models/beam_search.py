@@ -34,9 +34,13 @@ def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Ten
 @torch.no_grad()
 def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: float = 0.6, nbest: int = 1,
                 max_len_a: float = 2.0, max_len_b: int = 10) -> List[List[Hypothesis]]:
-    """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first."""
+    """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first. `model`: a Seq2Seq
+    (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
+    encode / step / reorder."""
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    if hasattr(model, "inference_decoder"):
+        model = model.inference_decoder()
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))

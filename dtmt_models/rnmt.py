@@ -10,10 +10,9 @@
 Subclasses create src_embed, tgt_embed, init_state, query_cell, attention, decoder_cell and readout. Cells
 with candidate dropout get one mask per sentence, drawn at `encode` and kept (batch first) in the state.
 
-Decoding (`step` in eval mode without autograd, on the cpp backend) runs everything after the embedding lookup
-as one C++ call (`fused_step_plan` / `fused_step`: `dtmt_kernels.functional.rnmt_step`), the same arithmetic as
-the modules; at batch 1 the ~80 small PyTorch ops of a step cost more to dispatch than to compute
-(benchmarks/NOTES.md, log item 12). Nematus' one-level cGRU decoder uses the same `fused_step`.
+For decoding, `inference_decoder()` (eval mode, cpp backend) gives a FusedRNMTDecoder whose step runs everything
+after the embedding lookup as one C++ call, `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the
+modules (benchmarks/NOTES.md, log item 12). Nematus' one-level cGRU decoder uses the same decoder.
 """
 from __future__ import annotations
 
@@ -24,8 +23,8 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 
-from .attention import AdditiveAttention, MultiHeadAdditiveAttention
-from .seq2seq import Projection, Readout, Seq2Seq, State, lengths_mask, step_state
+from .attention import AttentionStep
+from .seq2seq import FrozenReadout, Seq2Seq, State, lengths_mask, step_state
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -70,98 +69,58 @@ def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
     return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask, "s": s}
 
 
-def _step_parts(model: Seq2Seq) -> tuple:
-    """Every submodule the fused step reads, found through the `_modules` dicts (the check runs every step, where
-    nn.Module.__getattr__ costs ~0.5 us a lookup): (attention, readout, query_cell, decoder_cell, attention.query,
-    attention.v (a Linear; None for multi-head), attention.out, attention.ln_q, readout.from_y, .from_s, .from_c,
-    .output, output.proj, the three readout norms, then the readout's deep layers and Nematus' higher levels);
-    absent ones are None."""
-    m = model._modules
-    att, r = m["attention"], m["readout"]
-    am, rm = att._modules, r._modules
-    out = rm["output"]
-    levels = m["levels"]._modules.values() if "levels" in m else ()
-    return (att, r, m["query_cell"], m["decoder_cell"], am.get("query"), am.get("v"), am.get("out"), am.get("ln_q"),
-            rm["from_y"], rm["from_s"], rm["from_c"], out, out._modules.get("proj"), *rm["norms"]._modules.values(),
-            *rm["deep"]._modules.values(), *levels)
+class FusedRNMTDecoder:
+    """The inference decoder (Seq2Seq.inference_decoder) of an attentional RNMT whose step is query cell ->
+    attention -> decoder cell -> readout -> projection, nothing else: each `step` is one C++ call,
+    `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; `encode`, `embed_step` and `reorder`
+    are the prepared model's. Built by `fused_rnmt_decoder`, from the model's inference forms: the two
+    FrozenTransitionCells, the AttentionStep's AttentionWeights and the FrozenReadout's ReadoutWeights.
+    `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]."""
+
+    def __init__(self, model: Seq2Seq, layered: bool = False):
+        self.model, self.layered = model, layered
+        self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
+        self.attention, self.readout = model.attention.weights, model.readout.weights
+        self.single_head = model.attention.single_head
+
+    def inference_decoder(self) -> "FusedRNMTDecoder":
+        return self
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+        return self.model.encode(src, src_lengths)
+
+    def reorder(self, state: State, index: Tensor) -> State:
+        return self.model.reorder(state, index)
+
+    def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        y = self.model.embed_step(state, prev_tokens)
+        s = state["s"][:, 0] if self.layered else state["s"]
+        keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
+        log_probs, s, alpha = dk.functional.rnmt_step(y, s, keys, state["annotations"], state["src_mask"],
+                                                      self.query_cell, self.decoder_cell, self.attention,
+                                                      self.readout)
+        updates = {"s": s.unsqueeze(1) if self.layered else s}
+        if "pos" in state:
+            updates["pos"] = state["pos"] + 1
+        return log_probs, step_state(state, alpha, True, **updates)
 
 
-def _plain_linear(m) -> bool:
-    """A dtmt_kernels.nn.Linear whose weight and bias are its own parameters (not parametrized or pruned, which
-    move them out of `_parameters`)."""
-    return type(m) is dk.nn.Linear and "weight" in m._parameters and "bias" in m._parameters
-
-
-def _structure_ok(model: Seq2Seq, parts: tuple, transition) -> bool:
-    att, r, q, d, query, v, out, _, from_y, from_s, from_c, output, proj = parts[:13]
-    cls = type(model)
-    multi_head = type(att) is MultiHeadAdditiveAttention
-    return (cls.transition is transition and cls.features is Seq2Seq.features
-            and cls.decoder_step is Seq2Seq.decoder_step and not getattr(model, "levels", ())
-            and isinstance(q, dk.nn._TransitionCell) and isinstance(d, dk.nn._TransitionCell)
-            and (multi_head or type(att) is AdditiveAttention)
-            and type(r) is Readout and len(r.deep) == 0 and type(output) is Projection
-            and all(_plain_linear(m) for m in (query, out if multi_head else v, from_y, from_s, from_c, proj)))
-
-
-def fused_step_plan(model: Seq2Seq, x: Tensor, transition) -> Optional[tuple]:
-    """What `fused_step` needs, or None where it does not apply, for inputs like x (the embedded previous tokens
-    or the decoder state: their device and dtype): eval mode, no autograd, every part on the cpp backend and of
-    the kinds the fused op takes, and the step's structure the one `transition` (the model class's own, as the
-    caller names it) gives: a subclass that changes the transition, features or decoder step, a model with
-    higher decoder levels (`model.levels`, Nematus), a swapped-in module of another kind or a parametrized linear
-    keeps the modules' path. The structural part is worked out once per set of submodules (keyed on their
-    identity and class); what is checked every step (mode, autograd, backends, the cells' and norms' eps) costs a
-    few us. The plan is (the parts of _step_parts, the attention query norm, the readout norms), read once a
-    step."""
-    if model.training or torch.is_grad_enabled():
+def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False) -> Optional[FusedRNMTDecoder]:
+    """A FusedRNMTDecoder for `prepared` (a model's inference copy, eval mode), or None where its step is not the
+    one the fused op computes: a class whose transition is not `transition` (the system's own, as the caller
+    names it) or that changes the features, decoder step or step; higher decoder levels (`levels`, Nematus'); a
+    part without its inference form (another backend, dtype or device; a swapped-in module of another kind; a
+    readout with deep layers); cells of different eps."""
+    cls = type(prepared)
+    if (prepared.training or cls.transition is not transition or cls.features is not Seq2Seq.features
+            or cls.decoder_step is not Seq2Seq.decoder_step or cls.step is not Seq2Seq.step
+            or len(getattr(prepared, "levels", ()))):
         return None
-    parts = _step_parts(model)
-    cached = model.__dict__.get("_fused_structure")
-    if (cached is None or len(cached[0]) != len(parts)
-            or any(a is not b or type(a) is not t for a, b, t in zip(parts, cached[0], cached[1]))):
-        cached = (parts, tuple(type(p) for p in parts), _structure_ok(model, parts, transition))
-        model.__dict__["_fused_structure"] = cached   # the parts themselves: ids can be reused
-    if not cached[2]:
+    q, d, att, r = prepared.query_cell, prepared.decoder_cell, prepared.attention, prepared.readout
+    if not (type(q) is type(d) is dk.nn.FrozenTransitionCell and q.eps == d.eps and type(att) is AttentionStep
+            and type(r) is FrozenReadout and r.weights.w_out is not None):
         return None
-    att, r, q, d = parts[:4]
-    if not (q.eps == d.eps and dk.functional.fused_inference("cpp", x)
-            and all(m.backend in ("auto", "cpp") for m in (q, d, att, *parts[8:11], parts[12]))):
-        return None
-    query_norm = (None, None, 1e-5) if type(att) is MultiHeadAdditiveAttention else att.fused_query_norm()
-    readout_norms = r.stacked_norms()
-    if query_norm is None or readout_norms is None:
-        return None
-    return parts, query_norm, readout_norms
-
-
-def fused_step_applies(model: Seq2Seq, x: Tensor, transition) -> bool:
-    """Whether `model.step` may run `fused_step` (see fused_step_plan)."""
-    return fused_step_plan(model, x, transition) is not None
-
-
-def fused_step(plan: tuple, y: Tensor, state: State, s: Tensor,
-               drops=(None, None)) -> Tuple[Tensor, Tensor, Tensor]:
-    """One decoder step of query_cell -> attention -> decoder_cell -> readout as one C++ call
-    (`dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules), for a model's `fused_step_plan`:
-    y [B, E] the embedded previous tokens, `state` holds the attention's keys, annotations and src_mask, s [B, H]
-    the state the query cell reads, drops the two cells' candidate-dropout multipliers (or None).
-    Returns (log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]). Parameters are
-    read from the modules' `_parameters` dicts (see _step_parts)."""
-    parts, (q_ln_w, q_ln_b, att_eps), (ln_w, ln_b, ln_eps) = plan
-    att, r, q, d, query, v, out, _, from_y, from_s, from_c, _, proj = parts[:13]
-    w_q = query._parameters["weight"]
-    if type(att) is MultiHeadAdditiveAttention:
-        o = out._parameters
-        attention = (w_q, state["keys"], att._parameters["v"], state["annotations"], state["src_mask"], o["weight"],
-                     o["bias"], None, None)
-    else:
-        attention = (w_q, state["keys"].unsqueeze(2), v._parameters["weight"], state["annotations"],
-                     state["src_mask"], None, None, q_ln_w, q_ln_b)
-    fy, fs, fc, fo = from_y._parameters, from_s._parameters, from_c._parameters, proj._parameters
-    readout = (fy["weight"], fy["bias"], fs["weight"], fs["bias"], fc["weight"], fc["bias"], ln_w, ln_b,
-               fo["weight"], fo["bias"])
-    return dk.functional.rnmt_step(y, s, q, attention, d, readout, ln_eps, drops, att_eps)
+    return FusedRNMTDecoder(prepared, layered)
 
 
 class AttentionalRNMT(Seq2Seq):
@@ -189,17 +148,10 @@ class AttentionalRNMT(Seq2Seq):
     def embed_step(self, state: State, prev_tokens: Tensor) -> Tensor:
         return self.tgt_embed(prev_tokens, positions=state["pos"])
 
-    def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        plan = fused_step_plan(self, state["s"], AttentionalRNMT.transition)
-        if plan is None:
-            return super().step(state, prev_tokens)
-        y = self.embed_step(state, prev_tokens)
-        drops = (self._drop(state, "drop_q"), self._drop(state, "drop_d"))
-        log_probs, s, alpha = fused_step(plan, y, state, state["s"], drops)
-        return log_probs, step_state(state, alpha, True, s=s, pos=state["pos"] + 1)
-
-    def _fused_step_applies(self, x: Tensor) -> bool:
-        return fused_step_applies(self, x, AttentionalRNMT.transition)
+    def inference_decoder(self):
+        """Seq2Seq.inference_decoder, with the whole step as one C++ call where it applies (FusedRNMTDecoder)."""
+        prepared = super().inference_decoder()
+        return fused_rnmt_decoder(prepared, AttentionalRNMT.transition) or prepared
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""

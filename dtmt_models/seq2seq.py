@@ -13,6 +13,7 @@ embedding lookup, the readout features and the vocabulary projection applied onc
 """
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -69,37 +70,36 @@ class Readout(nn.Module):
                                   for _ in range(extra_layers))
         self.output = Projection(readout_dim, vocab_size, dropout, tied_embedding)
 
-    def stacked_norms(self) -> Optional[Tuple[Optional[Tensor], Optional[Tensor], float]]:
-        """For the fused inference ops: the three layer norms' gains and offsets stacked to [3, R] and their eps
-        ((None, None, 1e-5) without layer norm), kept until one of them changes (in place, as an optimizer step
-        does); None when the norms are not what the fused ops compute (all three nn.Identity, or all three
-        plain nn.LayerNorm over R with gain, offset and one eps). Read through `_modules` / `_parameters`: it
-        runs once per decoder step."""
-        norms = list(self._modules["norms"]._modules.values())
+    def inference_module(self) -> nn.Module:
+        """This readout's form for decoding: a FrozenReadout where the fused features op can take it (the cpp
+        backend, plain linears, the three norms all nn.Identity or all affine nn.LayerNorm over R with one eps),
+        else itself. The output projection joins its weights where the readout has no deep layers and a plain
+        Projection (what the whole fused decoder step takes)."""
+        lin = (self.from_y, self.from_s, self.from_c)
+        if not (dk.nn.runs_fused_inference(*lin) and all(dk.nn.plain_linear(m) for m in lin)):
+            return self
+        norms = list(self.norms)
+        R = self.from_y.out_features
         if all(type(n) is nn.Identity for n in norms):
-            return None, None, 1e-5
-        R = self._modules["from_y"].out_features
-        if not all(type(n) is nn.LayerNorm and tuple(n.normalized_shape) == (R,) for n in norms):
-            return None
-        params = [n._parameters.get("weight") for n in norms] + [n._parameters.get("bias") for n in norms]
-        eps = norms[0].eps
-        if any(p is None for p in params) or any(n.eps != eps for n in norms):
-            return None
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        cached = self.__dict__.get("_stacked_norms")
-        if cached is None or cached[0] != key:
+            ln = {}
+        elif (all(type(n) is nn.LayerNorm and tuple(n.normalized_shape) == (R,) and n.weight is not None
+                  and n.bias is not None for n in norms) and len({n.eps for n in norms}) == 1):
             with torch.no_grad():
-                cached = (key, torch.stack(params[:3]), torch.stack(params[3:]))
-            self.__dict__["_stacked_norms"] = cached
-        return cached[1], cached[2], eps
+                ln = dict(ln_w=torch.stack([n.weight for n in norms]), ln_b=torch.stack([n.bias for n in norms]),
+                          eps=norms[0].eps)
+        else:
+            return self
+        out = {}
+        proj = self.output.proj
+        if (len(self.deep) == 0 and type(self.output) is Projection and dk.nn.plain_linear(proj)
+                and dk.nn.runs_fused_inference(proj)):
+            out = dict(w_out=proj.weight, b_out=proj.bias)
+        weights = dk.functional.ReadoutWeights(self.from_y.weight, self.from_y.bias, self.from_s.weight,
+                                               self.from_s.bias, self.from_c.weight, self.from_c.bias, **ln, **out)
+        return FrozenReadout(self, weights)
 
     def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
         ny, ns, nc = self.norms
-        norms = self.stacked_norms() if dk.functional.fused_inference(self.from_y.backend, y) else None
-        if norms is not None:  # beam search / validation: one C++ call
-            return dk.functional.readout_features(y, s, c, self.from_y.weight, self.from_y.bias, self.from_s.weight,
-                                                  self.from_s.bias, self.from_c.weight, self.from_c.bias, *norms[:2],
-                                                  eps=norms[2])
         return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
 
     def logits(self, features: Tensor) -> Tensor:
@@ -109,6 +109,25 @@ class Readout(nn.Module):
 
     def forward(self, features: Tensor) -> Tensor:
         return float_log_softmax(self.logits(features))
+
+
+class FrozenReadout(dk.nn.InferenceForm):
+    """A Readout for decoding (its `inference_module()`): `features` as one C++ call,
+    `dtmt_kernels.functional.readout_features`, with the weights (`weights`, a ReadoutWeights) gathered once;
+    the deep layers, projection and log-softmax are the readout's own. Inference only."""
+
+    def __init__(self, source: Readout, weights: "dk.functional.ReadoutWeights"):
+        super().__init__(source)
+        self.weights = weights
+
+    def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
+        return dk.functional.readout_features(y, s, c, self.weights)
+
+    def logits(self, features: Tensor) -> Tensor:
+        return self.source.logits(features)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.source(features)
 
 
 def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:
@@ -198,6 +217,22 @@ class Seq2Seq(nn.Module):
                 steps.append(parts)
         return self.output(self.features(ys, *(torch.stack(p, 1) for p in zip(*steps))), target, smoothing)
 
+    def inference_decoder(self) -> "Seq2Seq":
+        """What beam search decodes with (`encode` / `step` / `reorder`, the same results as this model's): in
+        eval mode a copy of the model, sharing its parameters, in which every submodule that has a fused
+        inference form (`inference_module()`: the cells, attention, readout, mce's memory encoder; see
+        dtmt_kernels.nn.InferenceForm) stands in its place, and for the systems with one the whole step as one
+        C++ call (rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
+        `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
+        validation); inference only (no autograd). Weights are read when it is built: after they change (an
+        optimizer step), build a new one. On a decoder, returns itself."""
+        if self.training or self.__dict__.get("_inference_copy", False):
+            return self
+        prepared = inference_copy(self)
+        if prepared is not self:
+            prepared.__dict__["_inference_copy"] = True
+        return prepared
+
     @staticmethod
     def reorder(state: State, index: Tensor) -> State:
         return {k: v.index_select(0, index) for k, v in state.items()}
@@ -228,6 +263,21 @@ class Seq2Seq(nn.Module):
         if prev_tokens is not None and (prev_tokens.dim() != 2 or prev_tokens.shape[0] != B
                                         or prev_tokens.dtype != torch.long):
             raise ValueError(f"{name}: prev_tokens must be a LongTensor [B={B}, T], got {list(prev_tokens.shape)}")
+
+
+def inference_copy(module: nn.Module) -> nn.Module:
+    """`module` with every submodule whose `inference_module()` is another module replaced by it, as shallow
+    copies of the modules on the way (parameters, buffers and the untouched submodules shared); `module` itself
+    where nothing is replaced."""
+    form = module.inference_module() if hasattr(module, "inference_module") else module
+    if form is not module:
+        return form
+    children = {name: None if child is None else inference_copy(child) for name, child in module._modules.items()}
+    if all(children[name] is child for name, child in module._modules.items()):
+        return module
+    new = copy.copy(module)
+    new.__dict__["_modules"] = children
+    return new
 
 
 def summary(model: nn.Module) -> str:

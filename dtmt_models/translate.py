@@ -145,13 +145,15 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     model.eval()
     try:
         with torch.no_grad():
+            # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
+            decoder = model.inference_decoder() if ids and hasattr(model, "inference_decoder") else model
             for batch in length_batches([len(t) for t in ids], max_tokens):
                 width = max(len(ids[j]) for j in batch)
                 src = torch.zeros(len(batch), width, dtype=torch.long)     # PAD = 0
                 for row, j in enumerate(batch):
                     src[row, :len(ids[j])] = torch.tensor(ids[j], dtype=torch.long)
                 lengths = torch.tensor([len(ids[j]) for j in batch], dtype=torch.long)
-                hyps = beam_search(model, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
+                hyps = beam_search(decoder, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
                                    max_len_a=max_len_a, max_len_b=max_len_b)
                 for j, sentence_hyps in zip(batch, hyps):
                     results[todo[j]] = [(tgt_vocab.decode(h.tokens), float(h.score)) for h in sentence_hyps]

@@ -1,7 +1,9 @@
 """The decoding kernels: the small-row linear (csrc/small_gemm_cpu.cpp) against a float64 product, and the
-inference-only fused attention step and readout features (csrc/decode_step_cpu.cpp) against the modules' own
-autograd path (the same modules run with gradients on), and whole decoder steps of the systems with and
-without them."""
+inference-only fused attention step, readout features and memory encoder (csrc/decode_step_cpu.cpp), the
+modules' inference forms, against the modules themselves, and the systems' inference decoders
+(`Seq2Seq.inference_decoder`, the fused whole step among them) against the models on the reference backend."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,9 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 import dtmt_kernels as dk
 from dtmt_kernels import _C
-from dtmt_models.attention import AdditiveAttention, MultiHeadAdditiveAttention
+from dtmt_models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
 from dtmt_models.registry import build_model
-from dtmt_models.seq2seq import Readout
+from dtmt_models.rnmt import FusedRNMTDecoder
+from dtmt_models.seq2seq import FrozenReadout, Readout
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 
@@ -106,50 +109,58 @@ def _randomise(module, seed):
     return module
 
 
+def test_weight_structures_mirror_the_extension():
+    """The Python weight structures and csrc/decode_step.h's structs list the same fields in the same order."""
+    F_ = dk.functional
+    for cls, fields in ((F_.AttentionWeights, _C.ATTENTION_WEIGHT_FIELDS), (F_.ReadoutWeights, _C.READOUT_WEIGHT_FIELDS),
+                        (F_.MemoryWeights, _C.MEMORY_WEIGHT_FIELDS)):
+        assert cls.FIELDS == tuple(fields.split())
+        assert [f.name for f in dataclasses.fields(cls) if f.name not in ("ln_eps", "eps")] == list(cls.FIELDS)
+
+
 @pytest.mark.parametrize("kind", ["multi-head", "plain", "layer-norm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @settings(max_examples=10, deadline=None)
 @given(B=st.integers(1, 9), S=st.integers(1, 20), heads=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999))
 def test_attention_step_matches_the_module(kind, dtype, B, S, heads, seed):
-    """The fused step against the module's own ops; "layer-norm" is Nematus' attention (layer norm on the
-    projected query and on the keys, random gains and offsets)."""
+    """The attention's inference form (one fused call) against the module's own ops; "layer-norm" is Nematus'
+    attention (layer norm on the projected query and on the keys, random gains and offsets)."""
     Q, C, A = 12, 8 * heads, 4 * heads
     if kind == "multi-head":
         att = MultiHeadAdditiveAttention(Q, C, A, heads)
     else:
         heads = 1
         att = AdditiveAttention(Q, C, A, layer_norm=kind == "layer-norm")
-    att = _randomise(att.to(dtype), seed)
+    att = _randomise(att.to(dtype), seed).eval()
     query, annotations, mask = _attention_inputs(B, S, Q, C, A, heads, seed, dtype)
     keys = att.precompute(annotations)
-    ctx_ref, alpha_ref = att(query, keys, annotations, mask)      # gradients on: the module's ops
+    ctx_ref, alpha_ref = att(query, keys, annotations, mask)      # the module's ops
+    step = att.inference_module()
+    assert type(step) is AttentionStep
     with torch.no_grad():
-        assert dk.functional.fused_inference(att.backend, query)
-        ctx, alpha = att(query, keys, annotations, mask)
+        ctx, alpha = step(query, step.precompute(annotations), annotations, mask)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(alpha, alpha_ref.detach(), **tol)
     torch.testing.assert_close(ctx, ctx_ref.detach(), **tol)
     assert (alpha.reshape(B, -1, S)[~mask.unsqueeze(1).expand(B, alpha.reshape(B, -1, S).shape[1], S)] == 0).all()
 
 
-def test_attention_with_a_query_norm_the_step_cannot_take_keeps_the_module_path(monkeypatch):
-    """A query layer norm without gain and offset is not what the fused step takes: the module's ops run (and
-    give the reference's result); with the usual affine norm the fused step runs."""
-    calls = []
-    fused = dk.functional.attention_step
-    monkeypatch.setattr(dk.functional, "attention_step", lambda *a, **k: calls.append(1) or fused(*a, **k))
+def test_attention_with_a_query_norm_the_step_cannot_take_has_no_inference_form():
+    """A query layer norm without gain and offset is not what the fused step takes: the module is its own
+    inference form; with the usual affine norm it gets an AttentionStep, which gives the module's result. The
+    reference backend has none either."""
     query, annotations, mask = _attention_inputs(2, 5, 6, 8, 4, 1, 0, torch.float32)
-    for affine, expected_calls in ((False, []), (True, [1])):
+    for affine in (False, True):
         att = _randomise(AdditiveAttention(6, 8, 4, layer_norm=True), 1)
         att.ln_q = torch.nn.LayerNorm(4, elementwise_affine=affine)
+        form = att.inference_module()
+        assert (type(form) is AttentionStep) == affine and (form is att) != affine
         keys = att.precompute(annotations)
-        calls.clear()
         with torch.no_grad():
-            a = att(query, keys, annotations, mask)
-            assert calls == expected_calls
-            att.backend = "reference"
-            b = att(query, keys, annotations, mask)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(form(query, keys, annotations, mask), att(query, keys, annotations, mask),
+                                       rtol=1e-5, atol=1e-6)
+        att.backend = "reference"
+        assert att.inference_module() is att
 
 
 @pytest.mark.parametrize("layer_norm", [True, False])
@@ -158,46 +169,57 @@ def test_readout_features_match_the_module(layer_norm, lead):
     readout = _randomise(Readout(10, 12, 16, 9, 30, layer_norm=layer_norm), 3)
     g = torch.Generator().manual_seed(4)
     y, s, c = (torch.randn(*lead, d, generator=g) for d in (10, 12, 16))
-    expected = readout.features(y, s, c)                         # gradients on: the module's ops
+    expected = readout.features(y, s, c)                         # the module's ops
+    form = readout.inference_module()
+    assert type(form) is FrozenReadout
     with torch.no_grad():
-        out = readout.features(y, s, c)
-        readout.from_y.backend = "reference"                     # the switch turns the fused op off
-        assert not dk.functional.fused_inference(readout.from_y.backend, y)
+        out = form.features(y, s, c)
+        torch.testing.assert_close(form(out), readout(out))     # the projection is the readout's own
     assert out.shape == (*lead, 9)
     torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
+    readout.from_y.backend = "reference"                         # the switch turns the fused op off
+    assert readout.inference_module() is readout
 
 
-FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # rnmt.fused_step
+FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # rnmt.FusedRNMTDecoder
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("system", ["dtmt", "shallow-rnmt", "rnnsearch-atr", "nematus", "gnmt-atr", "deeplau",
                                     "mce", "transformer"])
-def test_decoder_steps_with_and_without_the_fused_inference_path(system, dtype):
-    """A system's step at batch 1, beam 4 (the rows the small-row kernel and the fused ops take) gives the same
-    log-probabilities as the same model on the reference backend with gradients on, which runs none of them (the
-    transformer has no backend switch; with gradients on its linears are F.linear)."""
+def test_inference_decoder_steps_match_the_modules(system, dtype):
+    """A system's inference decoder at batch 1, beam 4 (the rows the small-row kernel and the fused ops take)
+    gives the same log-probabilities and states as the same model on the reference backend with gradients on,
+    which runs none of them (the transformer has no backend switch; with gradients on its linears are
+    F.linear)."""
     torch.manual_seed(0)
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=24).eval().to(dtype)
     src, lengths = torch.randint(4, 50, (4, 6)), torch.tensor([6, 6, 4, 2])
     prev = torch.randint(4, 60, (4,))
     with torch.no_grad():
-        state = model.encode(src, lengths)
-        if system in FUSED_STEP_SYSTEMS:
-            assert model._fused_step_applies(model.embed_step(state, prev))
-        fast, state_fast = model.step(state, prev)
-        fast2, _ = model.step(state_fast, prev)
+        decoder = model.inference_decoder()
+        assert isinstance(decoder, FusedRNMTDecoder) == (system in FUSED_STEP_SYSTEMS)
+        assert decoder.inference_decoder() is decoder
+        state = decoder.encode(src, lengths)
+        fast, state_fast = decoder.step(state, prev)
+        fast2, _ = decoder.step(decoder.reorder(state_fast, torch.tensor([1, 0, 3, 2])), prev)
+    own = {id(p) for p in model.parameters()}
+    assert all(id(p) in own for p in decoder_parameters(decoder))   # shared, not copied
     model.set_backend("reference")
     state = model.encode(src, lengths)
     slow, state_slow = model.step(state, prev)
-    slow2, _ = model.step(state_slow, prev)
+    slow2, _ = model.step(model.reorder(state_slow, torch.tensor([1, 0, 3, 2])), prev)
     assert slow.requires_grad
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)  # model precision
     torch.testing.assert_close(fast, slow.detach(), **tol)
     torch.testing.assert_close(fast2, slow2.detach(), **tol)
-    if system in FUSED_STEP_SYSTEMS:   # the new state: s and the head-averaged attention
+    if system != "transformer":   # the new state: s and the head-averaged attention
         torch.testing.assert_close(state_fast["s"], state_slow["s"].detach(), **tol)
         torch.testing.assert_close(state_fast["attn"], state_slow["attn"].detach(), **tol)
+
+
+def decoder_parameters(decoder):
+    return (decoder.model if isinstance(decoder, FusedRNMTDecoder) else decoder).parameters()
 
 
 def _count_fused_steps(monkeypatch):
@@ -208,14 +230,15 @@ def _count_fused_steps(monkeypatch):
 
 
 def _fused_against_reference(model, calls, fused, src, lengths, prev):
-    """Two steps of `model` (eval, no autograd, cpp) against the same model on the reference backend: the
-    fused op ran (`calls`) exactly where `fused` says, and log-probabilities, states and attention agree."""
+    """Two steps of `model`'s inference decoder against the same model on the reference backend: the fused op
+    ran (`calls`) exactly where `fused` says, and log-probabilities, states and attention agree."""
     with torch.no_grad():
-        state = model.encode(src, lengths)
-        assert model._fused_step_applies(state["s"]) == fused
+        decoder = model.inference_decoder()
+        assert isinstance(decoder, FusedRNMTDecoder) == fused
+        state = decoder.encode(src, lengths)
         calls.clear()
-        fast, fast_state = model.step(state, prev)
-        fast2, _ = model.step(fast_state, prev)
+        fast, fast_state = decoder.step(state, prev)
+        fast2, _ = decoder.step(fast_state, prev)
         assert calls == ([1, 1] if fused else [])
         model.set_backend("reference")
         slow, slow_state = model.step(model.encode(src, lengths), prev)
@@ -236,8 +259,8 @@ _PREV = torch.randint(4, 60, (3,), generator=torch.Generator().manual_seed(10))
     ("shallow", {"tie_embeddings": False}, True), ("cgru", {}, False), ("bideep", {}, False)])
 def test_nematus_decoders_fused_where_one_level(monkeypatch, decoder, options, fused):
     """Nematus' one-level cGRU decoders (deep-transition: a T-GRU in the decoder cell; with and without layer
-    norm, tied or not) run the fused step; decoders with higher levels keep the modules' path. Both give the
-    reference backend's log-probabilities and states."""
+    norm, tied or not) get the fused decoder; decoders with higher levels keep the modules' step (with their
+    inference forms). Both give the reference backend's log-probabilities and states."""
     torch.manual_seed(1)
     model = _randomise(build_model("nematus", 50, 60, embed_dim=16, hidden_size=24, decoder=decoder,
                                    dec_base_transition_depth=3, **options), 2).eval()
@@ -270,10 +293,6 @@ def _reference_linear(model):
     model.readout.from_y.backend = "reference"
 
 
-def _parametrized_linear(model):
-    torch.nn.utils.parametrizations.weight_norm(model.readout.from_s)
-
-
 def _query_norm_subclass(model):
     class Norm(torch.nn.LayerNorm):
         def forward(self, x):
@@ -281,12 +300,21 @@ def _query_norm_subclass(model):
     model.attention.ln_q = Norm(model.attention.ln_q.normalized_shape)
 
 
-@pytest.mark.parametrize("change", [_mix_norms, _unequal_eps, _reference_linear, _parametrized_linear,
-                                    _query_norm_subclass])
-def test_parts_the_fused_step_cannot_take_keep_the_modules_path(monkeypatch, change):
-    """A model changed after its fused steps ran (the structure is cached): mixed readout norms, norms with
-    different eps, one readout linear on the reference backend, a weight-normalised (parametrized) linear, a
-    query-norm subclass with its own forward: the step falls back to the modules and still matches."""
+def _linear_subclass(model):
+    class Scaled(dk.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+    lin = Scaled(model.readout.from_s.in_features, model.readout.from_s.out_features)
+    lin.load_state_dict(model.readout.from_s.state_dict())
+    model.readout.from_s = lin
+
+
+@pytest.mark.parametrize("change", [_mix_norms, _unequal_eps, _reference_linear, _query_norm_subclass,
+                                    _linear_subclass])
+def test_parts_the_fused_step_cannot_take_keep_the_modules_step(monkeypatch, change):
+    """A model changed after a fused decoder was built from it: mixed readout norms, norms with different eps,
+    one readout linear on the reference backend, a query-norm subclass or a linear subclass with its own forward:
+    the decoder built after the change runs the modules' step and still matches."""
     torch.manual_seed(3)
     model = _randomise(build_model("nematus", 50, 60, embed_dim=16, hidden_size=24), 4).eval()
     calls = _count_fused_steps(monkeypatch)
@@ -295,8 +323,18 @@ def test_parts_the_fused_step_cannot_take_keep_the_modules_path(monkeypatch, cha
     _fused_against_reference(model, calls, False, _SRC, _LENGTHS, _PREV)
 
 
+def test_a_parametrized_linear_is_read_once_into_the_fused_step(monkeypatch):
+    """A weight-normalised (parametrized) readout linear computes x W^T + b with W made from its parametrization:
+    the decoder takes W as it is when built, and matches the modules."""
+    torch.manual_seed(3)
+    model = _randomise(build_model("nematus", 50, 60, embed_dim=16, hidden_size=24), 4).eval()
+    torch.nn.utils.parametrizations.weight_norm(model.readout.from_s)
+    _fused_against_reference(model, _count_fused_steps(monkeypatch), True, _SRC, _LENGTHS, _PREV)
+
+
 def test_a_decoder_step_override_is_honoured(monkeypatch):
-    """A subclass that overrides decoder_step (only) gets its override in `step` too, not the fused op."""
+    """A subclass that overrides decoder_step (only) gets its override in the inference decoder too, not the
+    fused op."""
     torch.manual_seed(4)
     base = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24)
 
@@ -309,74 +347,70 @@ def test_a_decoder_step_override_is_honoured(monkeypatch):
     model.load_state_dict(base.state_dict())
     calls = _count_fused_steps(monkeypatch)
     with torch.no_grad():
-        state = model.encode(_SRC, _LENGTHS)
-        log_probs, _ = model.step(state, _PREV)
-        features, _ = model.decoder_step(state, _PREV)
+        decoder = model.inference_decoder()
+        state = decoder.encode(_SRC, _LENGTHS)
+        log_probs, _ = decoder.step(state, _PREV)
+        features, _ = model.decoder_step(model.encode(_SRC, _LENGTHS), _PREV)
         expected = model.readout(features)
-    assert calls == []
+    assert calls == [] and isinstance(decoder, Halved)
     torch.testing.assert_close(log_probs, expected)
 
 
-def test_fused_step_is_not_taken_where_it_does_not_apply():
+def test_inference_decoder_where_it_does_not_apply():
+    """Training mode: the model itself (dropout, autograd); the reference backend: the model itself too (no part
+    has an inference form)."""
     torch.manual_seed(0)
     model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24)
-    src, lengths, prev = torch.randint(4, 50, (2, 5)), torch.tensor([5, 3]), torch.randint(4, 60, (2,))
-    with torch.no_grad():
-        state = model.encode(src, lengths)
-        y = model.embed_step(state, prev)
-        assert not model._fused_step_applies(y)                 # training mode (dropout)
-        model.eval()
-        assert model._fused_step_applies(y)
-        model.set_backend("reference")
-        assert not model._fused_step_applies(y)
+    assert model.inference_decoder() is model                   # training mode
+    model.eval()
+    assert isinstance(model.inference_decoder(), FusedRNMTDecoder)
+    model.set_backend("reference")
+    assert model.inference_decoder() is model                   # nothing to stand in: the modules' step
     model.set_backend("auto")
-    assert not model._fused_step_applies(y)                     # autograd on
+    assert isinstance(model.inference_decoder(), FusedRNMTDecoder)   # asked afresh each time
 
 
-def test_fused_step_follows_changed_weights_and_swapped_modules():
-    """The fused step keeps the stacked readout norms and its structural checks between steps: an in-place
-    change of a norm (an optimizer step), a swapped-in attention module and a swapped query norm must all be
-    seen."""
+def test_a_decoder_built_after_an_optimizer_step_sees_it():
+    """Weights are read when a decoder is built: one built after an in-place change (an optimizer step on the
+    readout norms, which the decoder stacks, and on a cell) computes with the new weights."""
     torch.manual_seed(0)
     model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24).eval()
-    src, lengths, prev = torch.randint(4, 50, (2, 5)), torch.tensor([5, 3]), torch.randint(4, 60, (2,))
     with torch.no_grad():
-        state = model.encode(src, lengths)
-        model.step(state, prev)                                   # fills the caches
+        model.inference_decoder()
         model.readout.norms[1].weight.mul_(1.5)
         model.readout.norms[2].bias.add_(0.3)
-        fast, _ = model.step(state, prev)
+        model.decoder_cell.weight_hh.mul_(0.5)
+        decoder = model.inference_decoder()
+        fast, _ = decoder.step(decoder.encode(_SRC, _LENGTHS), _PREV)
     model.set_backend("reference")
-    slow, _ = model.step(model.encode(src, lengths), prev)
+    slow, _ = model.step(model.encode(_SRC, _LENGTHS), _PREV)
     torch.testing.assert_close(fast, slow.detach(), rtol=1e-4, atol=1e-4)
-    model.set_backend("auto")
-    model.attention = AdditiveAttention(24, 48, 24, layer_norm=True)   # single-head with a query norm: fused
-    with torch.no_grad():
-        state = model.encode(src, lengths)
-        assert model._fused_step_applies(model.embed_step(state, prev))
-        fast, _ = model.step(state, prev)
-        ln_q = model.attention.ln_q
-        model.attention.ln_q = torch.nn.LayerNorm(24, elementwise_affine=False)   # not a norm the step takes
-        assert not model._fused_step_applies(model.embed_step(state, prev))
-        model.attention.ln_q = torch.nn.Identity()
-        assert model._fused_step_applies(model.embed_step(state, prev))
-    model.set_backend("reference")
-    model.attention.ln_q = ln_q
-    slow, _ = model.step(model.encode(src, lengths), prev)
-    torch.testing.assert_close(fast, slow.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_swapped_in_single_head_attention_is_fused(monkeypatch):
+    """dtmt with an AdditiveAttention (one head, with a query norm) swapped in: the fused decoder takes it."""
+    torch.manual_seed(0)
+    model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24).eval()
+    model.attention = _randomise(AdditiveAttention(24, 48, 24, layer_norm=True), 5)
+    _fused_against_reference(model, _count_fused_steps(monkeypatch), True, _SRC, _LENGTHS, _PREV)
+    model.attention.ln_q = torch.nn.LayerNorm(24, elementwise_affine=False)   # not a norm the step takes
+    _fused_against_reference(model, _count_fused_steps(monkeypatch), False, _SRC, _LENGTHS, _PREV)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_memory_encoder_matches_the_module(reverse):
-    from dtmt_models.systems.mce import MemoryGRUEncoderDirection
+    from dtmt_models.systems.mce import FrozenMemoryEncoder, MemoryGRUEncoderDirection
     enc = _randomise(MemoryGRUEncoderDirection(6, 10, "auto"), 5)
     g = torch.Generator().manual_seed(6)
     x, memory = torch.randn(3, 7, 6, generator=g), torch.randn(3, 7, 10, generator=g)
     mask = torch.arange(7).unsqueeze(0) < torch.tensor([7, 4, 1]).unsqueeze(1)
-    states_ref, memory_ref = enc(x, memory, mask, reverse)       # gradients on: the module's ops
+    states_ref, memory_ref = enc(x, memory, mask, reverse)       # the module's ops
+    form = enc.inference_module()
+    assert type(form) is FrozenMemoryEncoder
     with torch.no_grad():
-        assert dk.functional.fused_inference(enc.cell.backend, x)
-        states, final = enc(x, memory, mask, reverse)
+        states, final = form(x, memory, mask, reverse)
     torch.testing.assert_close(states, states_ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(final, memory_ref.detach(), rtol=1e-5, atol=1e-6)
     assert (states[~mask] == 0).all()
+    enc.cell.backend = "reference"
+    assert enc.inference_module() is enc

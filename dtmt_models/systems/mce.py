@@ -71,16 +71,21 @@ class MemoryGRUEncoderDirection(nn.Module):
         self.read_gate = dk.nn.Linear(H, H)
         self.write_gate = dk.nn.Linear(H, H)
 
+    def inference_module(self) -> nn.Module:
+        """This direction's form for decoding: a FrozenMemoryEncoder on the cpp backend with plain linears, else
+        itself."""
+        lin = (self.address_state, self.address_memory, self.address_v, self.read_gate, self.write_gate)
+        cell = self.cell.inference_module()
+        if type(cell) is not dk.nn.FrozenTransitionCell or not all(dk.nn.plain_linear(m) for m in lin) \
+                or not dk.nn.runs_fused_inference(*lin):
+            return self
+        weights = dk.functional.MemoryWeights(
+            self.address_state.weight, self.address_memory.weight, self.address_memory.bias, self.address_v.weight,
+            self.read_gate.weight, self.read_gate.bias, self.write_gate.weight, self.write_gate.bias)
+        return FrozenMemoryEncoder(self, cell, weights)
+
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool) -> Tuple[Tensor, Tensor]:
-        """x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] -> (states [B, S, H], final memory).
-        Without autograd on the cpp backend (decoding) the whole loop is one C++ call with the same arithmetic,
-        `dtmt_kernels.functional.memory_encoder`."""
-        if dk.functional.fused_inference(self.cell.backend, x):
-            return dk.functional.memory_encoder(
-                x, memory, src_mask, reverse, self.cell,
-                (self.address_state.weight, self.address_memory.weight, self.address_memory.bias,
-                 self.address_v.weight, self.read_gate.weight, self.read_gate.bias, self.write_gate.weight,
-                 self.write_gate.bias))
+        """x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] -> (states [B, S, H], final memory)."""
         B, S, _ = x.shape
         s = x.new_zeros(B, memory.shape[-1])
         states = [None] * S
@@ -98,6 +103,20 @@ class MemoryGRUEncoderDirection(nn.Module):
             memory = torch.where(valid.unsqueeze(-1), written, memory)
             states[t] = torch.where(valid, s_new, torch.zeros_like(s_new))
         return torch.stack(states, 1), memory
+
+
+class FrozenMemoryEncoder(dk.nn.InferenceForm):
+    """A MemoryGRUEncoderDirection for decoding (its `inference_module()`): the whole loop over the source as one
+    C++ call with the same arithmetic, `dtmt_kernels.functional.memory_encoder`, its weights gathered once.
+    Inference only."""
+
+    def __init__(self, source: MemoryGRUEncoderDirection, cell: "dk.nn.FrozenTransitionCell",
+                 weights: "dk.functional.MemoryWeights"):
+        super().__init__(source)
+        self.cell, self.weights = cell, weights
+
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool) -> Tuple[Tensor, Tensor]:
+        return dk.functional.memory_encoder(x, memory, src_mask, reverse, self.cell, self.weights)
 
 
 class Gate(nn.Module):

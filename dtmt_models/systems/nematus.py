@@ -40,7 +40,7 @@ import dtmt_kernels as dk
 from ..attention import AdditiveAttention
 from ..embeddings import TokenEmbedding
 from ..registry import register_model
-from ..rnmt import fused_step, fused_step_applies, fused_step_plan, start_state
+from ..rnmt import fused_rnmt_decoder, start_state
 from ..seq2seq import Readout, Seq2Seq, State, step_state
 
 ENCODERS = ("shallow", "deep-transition", "alternating", "biunidirectional", "bideep")
@@ -174,15 +174,8 @@ class Nematus(Seq2Seq):
             r = out + r
         return (r, c1), step_state(state, alpha, keep_attention, s=torch.stack(states, 1))
 
-    def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        """Seq2Seq.step; in beam search (eval, no autograd, cpp) a decoder of one level (the cGRU: shallow and
-        deep-transition decoders) runs the whole step as one C++ call, rnmt.fused_step."""
-        plan = fused_step_plan(self, state["s"], Nematus.transition)
-        if plan is None:
-            return super().step(state, prev_tokens)
-        y = self.embed_step(state, prev_tokens)
-        log_probs, s, alpha = fused_step(plan, y, state, state["s"][:, 0])
-        return log_probs, step_state(state, alpha, True, s=s.unsqueeze(1))
-
-    def _fused_step_applies(self, x: Tensor) -> bool:
-        return fused_step_applies(self, x, Nematus.transition)
+    def inference_decoder(self):
+        """Seq2Seq.inference_decoder; a decoder of one level (the cGRU: shallow and deep-transition decoders) runs
+        the whole step as one C++ call (rnmt.FusedRNMTDecoder)."""
+        prepared = super().inference_decoder()
+        return fused_rnmt_decoder(prepared, Nematus.transition, layered=True) or prepared

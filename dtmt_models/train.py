@@ -33,6 +33,7 @@ import time
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import yaml
 
 from .atomic import WriteError, atomic_path, atomic_write
 from .batching import collate, token_batches
@@ -44,7 +45,7 @@ from .registry import build_model, check_model_options, list_models
 from .schedules import InverseSqrtSchedule, RNMTPlusSchedule
 from .vocabulary import Vocabulary
 
-LAST, BEST, LOG, CURVE, CONFIG = "last.pt", "best.pt", "train_log.csv", "learning_curve.png", "config.json"
+LAST, BEST, LOG, CURVE, CONFIG = "last.pt", "best.pt", "train_log.csv", "learning_curve.png", "config.yaml"
 STEP_CHECKPOINT = "step_{:07d}.pt"     # --keep-last: the model at a validation, by its number of updates
 LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", "tokens", "tokens_per_s",
               "dev_loss", "dev_ppl", "dev_bleu", "dev_chrf", "best_bleu"]
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dtmt train", description="Train an NMT system on a corpus prepared by `dtmt prepare`.",
         formatter_class=_HelpFormatter)
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="a run configuration: the flags below as keys without the dashes (max_time: 30m), model "
+                        "options under opt (opt: {depth: 2}); flags given on the command line override it. Every "
+                        "run writes its resolved configuration to OUT/config.yaml, which reproduces it")
     p.add_argument("--data", required=True, help="prepared corpus directory (with corpus.json)")
     p.add_argument("--model", default=None, help=f"system: one of {', '.join(list_models())} (default dtmt)")
     p.add_argument("--preset", default=None,
@@ -177,6 +182,69 @@ def resume_conflicts(args: argparse.Namespace, explicit: set, run: dict) -> List
     for k, v in parse_options(args.opt).items():
         if run["model_options"].get(k, missing) != v:
             out.append(f"--opt {k}={v} (the run's is {run['model_options'].get(k, 'unset')})")
+    return out
+
+
+# flags a run configuration does not hold: what to do with OUT this time, and the file itself
+NOT_IN_CONFIG = ("config", "resume", "overwrite", "allow_changed_data")
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict:
+    """dest -> long flag of the parser's options (help excluded)."""
+    return {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def config_arguments(path: str) -> List[str]:
+    """The command-line arguments that the run configuration `path` stands for (YAML: `dtmt train` flags without
+    their dashes as keys, model options as the mapping `opt`), to go before the command line's own, which override
+    them. ValueError (one line naming the file) for an unreadable file, a key that is no flag, or a value the flag
+    does not take."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: not valid YAML ({one_line(exc)})") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option: value, got a {type(data).__name__}")
+    flags = _flags(build_parser())
+    argv = []
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in flags or dest in NOT_IN_CONFIG:
+            raise ValueError(f"--config {path}: unknown option {key!r} (the keys are `dtmt train` flags without the "
+                             f"dashes, e.g. max_time, and opt for the model options)")
+        if value is None:
+            continue
+        if dest == "opt":
+            if not isinstance(value, dict):
+                raise ValueError(f"--config {path}: opt must be a mapping of model option: value, e.g. "
+                                 f"opt: {{depth: 2}}")
+            argv += [a for k, v in value.items() for a in ("--opt", f"{k}={json.dumps(v)}")]
+        elif isinstance(value, (dict, list, bool)):
+            raise ValueError(f"--config {path}: {key} takes one {'number or word' if dest != 'data' else 'path'}, "
+                             f"got {value!r}")
+        else:
+            argv += [flags[dest], str(value)]
+    check = build_parser()
+
+    def fail(message):
+        raise ValueError(f"--config {path}: {message}")
+
+    check.error = fail   # argparse's own checks of types and choices, naming the file
+    check.parse_args(argv if "data" in data else [*argv, "--data", "."])
+    return argv
+
+
+def run_configuration(cfg: dict) -> dict:
+    """The resolved configuration of a run as `--config` reads it (what config.yaml holds)."""
+    out = {k: cfg[k] for k in _flags(build_parser()) if k not in NOT_IN_CONFIG and k != "opt"
+           and cfg.get(k) is not None}
+    out["opt"] = dict(cfg["model_options"])
     return out
 
 
@@ -714,8 +782,18 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    config = pre.parse_known_args(argv)[0].config
+    if config is not None:
+        try:
+            argv = config_arguments(config) + argv   # the command line's flags come last: they override
+        except ValueError as exc:
+            print(f"dtmt train: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
-    explicit = {k for k, v in vars(args).items() if v is not None and k != "opt"}
+    explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
     if args.model is None and args.preset in PAPER_ROWS_BY_NAME:   # a paper row names its system
         args.model = PAPER_ROWS_BY_NAME[args.preset].model
     for k, v in CLI_DEFAULTS.items():
@@ -768,7 +846,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         trainer = Trainer(cfg, dist, ckpt)   # makes --out only once the data and the model are usable
         if dist.main:   # once the corpus and the vocabularies are known to be usable
             with atomic_write(os.path.join(cfg["out"], CONFIG)) as f:
-                json.dump(cfg, f, indent=2, default=str)
+                yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
         return trainer.run()
     except CorpusError as exc:
         print(f"dtmt train: {exc}", file=sys.stderr)

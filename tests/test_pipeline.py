@@ -30,7 +30,7 @@ def test_prepare_train_translate_evaluate(tmp_path):
              "--opt", "hidden_size=64", "--max-tokens", "600", "--lr", "3e-3", "--max-steps", "300",
              "--valid-every", "100", "--log-every", "50", "--progress", "lines")
     assert "dev loss" in r.stdout and "stopped: reached --max-steps 300" in r.stdout
-    for name in ("best.pt", "last.pt", "train_log.csv", "config.json"):
+    for name in ("best.pt", "last.pt", "train_log.csv", "config.yaml"):
         assert os.path.isfile(os.path.join(run, name)), name
     # translate: stdin -> stdout, n-best
     src_lines = open(os.path.join(data, "test.es"), encoding="utf-8").read().splitlines()

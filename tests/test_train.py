@@ -259,7 +259,7 @@ def test_vocabulary_too_small_for_the_corpus_is_one_line(toy_nodev, tmp_path, ca
     assert train.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("dtmt train: --vocab-size 8: SentencePiece cannot build"), err
-    assert not (out / "config.json").exists()
+    assert not (out / "config.yaml").exists()
 
 
 def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp_path, monkeypatch):
@@ -352,3 +352,49 @@ def test_inference_sees_the_optimizer_steps():
             now, expected = model(src, lengths, prev), fresh(src, lengths, prev)
         assert not torch.equal(now, seen)
         torch.testing.assert_close(now, expected, rtol=0, atol=0)
+
+
+def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run(toy_nodev, tmp_path):
+    """SPEC §6: `dtmt train --config run.yaml` with flags overriding it; the run's resolved config.yaml, given back
+    as --config, reproduces the run (the same losses at every update)."""
+    import yaml
+
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(yaml.safe_dump({"data": toy_nodev, "model": "dtmt", "vocab_size": 60, "max_tokens": 400,
+                                        "progress": "lines", "threads": 1, "max_steps": 5, "lr": "2e-3",
+                                        "log_every": 1, "opt": {"embed_dim": 32, "hidden_size": 32}}))
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = run_train(["--config", str(run_yaml), "--out", str(a), "--max-steps", "3", "--opt", "hidden_size=24"])
+    assert r.returncode == 0, r.stderr
+    written = yaml.safe_load((a / "config.yaml").read_text())
+    assert (written["max_steps"], written["lr"], written["out"], written["data"]) == (3, 0.002, str(a), toy_nodev)
+    assert written["opt"]["embed_dim"] == 32 and written["opt"]["hidden_size"] == 24   # the flag won
+    assert "config" not in written and "resume" not in written
+    assert [s for s, *_ in losses(a)] == [1, 2, 3]
+    r = run_train(["--config", str(a / "config.yaml"), "--out", str(b)])
+    assert r.returncode == 0, r.stderr
+    assert losses(b) == losses(a)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("depht: 2\n", "unknown option 'depht'"),
+    ("lr: abc\n", "argument --lr: invalid float value: 'abc'"),
+    ("progress: fancy\n", "argument --progress: invalid choice: 'fancy'"),
+    ("- lr\n", "expected a mapping of option: value, got a list"),
+    ("opt: 3\n", "opt must be a mapping"),
+    ("lr: [1, 2]\n", "lr takes one number or word"),
+    ("resume: true\n", "unknown option 'resume'"),
+    ("lr: {\n", "not valid YAML"),
+])
+def test_bad_config_files_are_one_line_errors(toy_nodev, tmp_path, capsys, text, message):
+    from dtmt_models import train
+
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    out = tmp_path / "run"
+    assert train.main(["--config", str(path), "--data", toy_nodev, "--out", str(out), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"dtmt train: --config {path}: ") and message in err, err
+    assert not out.exists()
+    assert train.main(["--config", str(tmp_path / "absent.yaml"), "--data", toy_nodev]) == 2
+    assert "cannot read it" in capsys.readouterr().err

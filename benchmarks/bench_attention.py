@@ -25,7 +25,7 @@ sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
 from bench_cells import machine_name, time_fn  # noqa: E402
-from dtmt_models.attention import MultiHeadAdditiveAttention  # noqa: E402
+from dtmt_models.models.attention import MultiHeadAdditiveAttention  # noqa: E402
 
 # (name, B, S, query size H, annotation size C = 2H, attention size A, heads)
 SIZES = [("small preset", 64, 32, 256, 512, 256, 4), ("paper preset", 64, 32, 1024, 2048, 1024, 16)]

@@ -62,9 +62,9 @@ def evaluate(ckpt: str, data: str, split: str, beam: int, out_dir: str, log: str
 
 def dev_loss(ckpt: str, data: str) -> float:
     """Plain NLL per target subword on the dev split, as `dtmt train` computes it at a validation."""
-    from dtmt_models.checkpoint import load_model
-    from dtmt_models.data import corpus_paths, read_parallel
-    from dtmt_models.train import corpus_nll
+    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.data.corpus import corpus_paths, read_parallel
+    from dtmt_models.training.trainer import corpus_nll
 
     model, sv, tv, ckpt_dict = load_model(ckpt)
     ids = [(sv.encode(s), tv.encode(t)) for s, t in read_parallel(*corpus_paths(data, "dev"))]
@@ -74,8 +74,8 @@ def dev_loss(ckpt: str, data: str) -> float:
 def main(argv=None):
     from bench_cells import machine_name
 
-    from dtmt_models.checkpoint import average_checkpoints, save_checkpoint
-    from dtmt_models.train import step_checkpoints
+    from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
+    from dtmt_models.training.trainer import step_checkpoints
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", required=True, help="a run directory with step_<updates>.pt files")

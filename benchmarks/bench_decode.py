@@ -14,7 +14,7 @@ For each setting (beam, batch) every model translates the sentences once to warm
 one pass of every model in turn (so that a drift of the machine's speed moves all models alike: the ratios are
 what the bars judge); the median pass is kept.
 `batched` uses batches of --batch-size sentences. The transformer decodes incrementally with a cache (see
-dtmt_models/systems/transformer.py).
+dtmt_models/models/systems/transformer.py).
 
 Size-matched baselines (synthetic mode, unless --no-match): the issue's bar compares each recurrent system with
 "the transformer baseline of similar size", so for each recurrent system a transformer with the small preset's
@@ -38,8 +38,8 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from dtmt_models.beam_search import beam_search  # noqa: E402
-from dtmt_models.vocabulary import EOS  # noqa: E402
+from dtmt_models.decoding.beam_search import beam_search  # noqa: E402
+from dtmt_models.data.vocabulary import EOS  # noqa: E402
 
 
 class NoEOS(torch.nn.Module):
@@ -123,8 +123,8 @@ def count_params(model) -> int:
 def matched_transformer(target: int, vocab: int):
     """(width, options) of the transformer with the small preset's layers and heads whose parameter count is
     nearest to `target`: widths are multiples of 8 (and of the heads), feed-forward 4× the width."""
-    from dtmt_models.presets import get_preset
-    from dtmt_models.registry import build_model
+    from dtmt_models.models.presets import get_preset
+    from dtmt_models.models.registry import build_model
 
     base = dict(get_preset("transformer", "small")["model"])
     step = 8 * base["heads"] // math.gcd(8, base["heads"])
@@ -142,7 +142,7 @@ def matched_transformer(target: int, vocab: int):
 
 def make_batches(sentences, batch_size):
     """sentences: lists of ids -> [(src [B, S], lengths [B])] in the given order."""
-    from dtmt_models.vocabulary import PAD
+    from dtmt_models.data.vocabulary import PAD
 
     out = []
     for i in range(0, len(sentences), batch_size):
@@ -158,8 +158,8 @@ def make_batches(sentences, batch_size):
 def main(argv=None):
     from bench_cells import machine_name
 
-    from dtmt_models.presets import PRESETS, get_preset
-    from dtmt_models.registry import build_model
+    from dtmt_models.models.presets import PRESETS, get_preset
+    from dtmt_models.models.registry import build_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
@@ -198,8 +198,8 @@ def main(argv=None):
     match_of = {}  # recurrent system -> the name of its size-matched transformer (synthetic mode)
     models = []   # (name, model, sentences as id lists, words counter, max_len_a, max_len_b)
     if a.checkpoints:
-        from dtmt_models.checkpoint import load_model
-        from dtmt_models.data import read_lines
+        from dtmt_models.models.checkpoint import load_model
+        from dtmt_models.data.corpus import read_lines
 
         if not a.input:
             p.error("--checkpoints needs --input")

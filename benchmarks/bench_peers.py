@@ -98,8 +98,8 @@ def ensure_peer_env(env_dir: str, log: str) -> str:
 # ------------------------------------------------------------------------------------------- the subwords
 def write_pieces(data: str, out: str, vocab_size: int, max_len: int, log: str) -> dict:
     """SentencePiece per side as `dtmt train` trains it; piece files for every split; returns paths and counts."""
-    from dtmt_models.data import corpus_paths, filter_by_length, read_manifest, read_parallel
-    from dtmt_models.vocabulary import Vocabulary
+    from dtmt_models.data.corpus import corpus_paths, filter_by_length, read_manifest, read_parallel
+    from dtmt_models.data.vocabulary import Vocabulary
 
     os.makedirs(out, exist_ok=True)
     manifest = read_manifest(data)
@@ -195,9 +195,9 @@ def main(argv=None):
     from bench_cells import machine_name
     from bench_quality import read_log, start
 
-    import dtmt_models.systems  # noqa: F401
-    from dtmt_models.presets import PRESETS, get_preset
-    from dtmt_models.train import parse_duration
+    import dtmt_models.models.systems  # noqa: F401
+    from dtmt_models.models.presets import PRESETS, get_preset
+    from dtmt_models.cli.train import parse_duration
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", nargs="+", default=["dtmt", "onmt-lstm"],
@@ -366,11 +366,11 @@ def profile(a, py, ours, log) -> dict:
     from bench_cells import machine_name
     from peers.update_timer import profile_updates
 
-    from dtmt_models.batching import collate, token_batches
-    from dtmt_models.checkpoint import load_model
-    from dtmt_models.data import read_manifest
-    from dtmt_models.presets import get_preset
-    from dtmt_models.train import build_optimizer
+    from dtmt_models.data.batching import collate, token_batches
+    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.data.corpus import read_manifest
+    from dtmt_models.models.presets import get_preset
+    from dtmt_models.training.trainer import build_optimizer
 
     torch.set_num_threads(a.threads)
     pdir = os.path.join(a.out, "pieces")
@@ -460,7 +460,7 @@ def profile(a, py, ours, log) -> dict:
 
 
 def _dtmt_params(ckpt: str) -> int:
-    from dtmt_models.checkpoint import load_model
+    from dtmt_models.models.checkpoint import load_model
 
     return sum(p.numel() for p in load_model(ckpt)[0].parameters())
 

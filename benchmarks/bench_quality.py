@@ -57,10 +57,10 @@ def read_log(path):
 def main(argv=None):
     from bench_cells import machine_name
 
-    import dtmt_models.systems  # noqa: F401  (all model code loaded now, not hours later for the table)
-    from dtmt_models.checkpoint import load_model
-    from dtmt_models.presets import PRESETS
-    from dtmt_models.train import parse_duration
+    import dtmt_models.models.systems  # noqa: F401  (all model code loaded now, not hours later for the table)
+    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.models.presets import PRESETS
+    from dtmt_models.cli.train import parse_duration
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))

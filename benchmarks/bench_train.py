@@ -14,7 +14,7 @@ A training update is forward + backward + clipping + Adam step, as in `dtmt trai
   saved_MB     bytes autograd keeps for backward in one update (tensors sharing storage counted once)
   peak_rss_MB  the subprocess's peak resident memory (model, optimizer, activations, the Python runtime)
   speedup      fused tok/s over reference tok/s of the same system
-All systems are built from their `small` preset (`dtmt_models.presets`), so sizes are comparable to what
+All systems are built from their `small` preset (`dtmt_models.models.presets`), so sizes are comparable to what
 `dtmt train` trains by default. The transformer has no recurrent layers: it is listed once ("-" backend).
 """
 from __future__ import annotations
@@ -58,9 +58,9 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
 
     import torch
 
-    from dtmt_models.batching import collate
-    from dtmt_models.presets import get_preset
-    from dtmt_models.registry import build_model
+    from dtmt_models.data.batching import collate
+    from dtmt_models.models.presets import get_preset
+    from dtmt_models.models.registry import build_model
 
     if threads:
         torch.set_num_threads(threads)
@@ -123,7 +123,7 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
 def run(argv=None):
     from bench_cells import machine_name  # noqa: E402  (same directory)
 
-    from dtmt_models.presets import PRESETS
+    from dtmt_models.models.presets import PRESETS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))

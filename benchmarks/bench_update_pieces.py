@@ -26,14 +26,14 @@ sys.path.insert(0, os.path.dirname(HERE))
 def main(argv=None):
     import torch
 
-    import dtmt_models.systems  # noqa: F401
+    import dtmt_models.models.systems  # noqa: F401
     from dtmt_kernels import _C
-    from dtmt_models.batching import collate
-    from dtmt_models.checkpoint import load_model
-    from dtmt_models.loss import label_smoothed_nll
-    from dtmt_models.presets import get_preset
-    from dtmt_models.registry import build_model
-    from dtmt_models.train import build_optimizer
+    from dtmt_models.data.batching import collate
+    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.models.loss import label_smoothed_nll
+    from dtmt_models.models.presets import get_preset
+    from dtmt_models.models.registry import build_model
+    from dtmt_models.training.trainer import build_optimizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run", required=True, help="a bench_peers.py output directory (after its --profile)")

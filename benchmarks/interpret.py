@@ -11,7 +11,7 @@ For an ATR system (rnnsearch-atr, gnmt-atr with cell="atr"):
   - dependencies.png: the eq.-10 weights g_{t,k} (mean over units) of example K's source sentence, each word
     joined to its strongest previous word (Figure 4).
   The layer: the first left-to-right `dtmt_kernels.nn.ATR` module of the model (see
-  `dtmt_models.analysis.find_atr_layer`): the bottom encoder layer, whose input is the word embeddings, so that
+  `dtmt_models.models.analysis.find_atr_layer`): the bottom encoder layer, whose input is the word embeddings, so that
   eq. 10 attributes every state to source words and "previous" means the words to the left. Its real input is
   captured with a forward pre-hook while `model.encode` runs, so embedding scaling, positional encodings or a
   different encoder wiring are taken as the system has them. `--layer NAME` picks another ATR layer.
@@ -37,11 +37,11 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from dtmt_models import analysis  # noqa: E402
+from dtmt_models.models import analysis  # noqa: E402
 from dtmt_models.atomic import atomic_write  # noqa: E402
-from dtmt_models.checkpoint import load_model  # noqa: E402
-from dtmt_models.data import corpus_paths, read_parallel  # noqa: E402
-from dtmt_models.vocabulary import EOS, PAD  # noqa: E402
+from dtmt_models.models.checkpoint import load_model  # noqa: E402
+from dtmt_models.data.corpus import corpus_paths, read_parallel  # noqa: E402
+from dtmt_models.data.vocabulary import EOS, PAD  # noqa: E402
 
 
 def parse_args(argv=None):

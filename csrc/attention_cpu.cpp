@@ -19,9 +19,8 @@
 //   context[b, h*Dc + d] = sum_s alpha[b, h, s] * values[b, s, h*Dc + d]            Dc = C / NH
 //   dvalues[b, s, h*Dc + d] = alpha[b, h, s] * dcontext[b, h*Dc + d]
 //   dalpha[b, h, s]         = sum_d values[b, s, h*Dc + d] * dcontext[b, h*Dc + d]
-// Eager PyTorch computes this with batched GEMMs whose inner dimension is NH (1 to 16), which run far below
-// the machine's rate, and the head split costs either a copy or NH times the work. Here both directions are
-// one pass over the values. The values may be a strided view (the encoder output is [S, B, C] transposed);
+// Eager PyTorch computes this with batched GEMMs whose inner dimension is NH, and the head split costs either a
+// copy or NH times the work; here both directions are one pass over the values. The values may be a strided view (the encoder output is [S, B, C] transposed);
 // only the last dimension must be contiguous, and dvalues is laid out like the values. Each batch row is
 // owned by one thread.
 //

@@ -55,7 +55,7 @@ bool has_v4() {
 const std::vector<Isa>& compiled() {
   static const std::vector<Isa> isas = {
 #if DTMT_ISA_NATIVE
-      {&native::kCpuKernels, always},  // built for this machine: the old -march=native build, nothing to choose
+      {&native::kCpuKernels, always},  // DTMT_NATIVE=1: the one copy, built for this machine
 #endif
 #if DTMT_ISA_AVX512
       {&avx512::kCpuKernels, has_v4},

@@ -1,5 +1,5 @@
-// Inference-only fused pieces of a decoder step (beam search: no autograd, one call instead of a dozen small
-// PyTorch ops, whose dispatch costs more than their arithmetic at batch 1). See decode_step_cpu.cpp.
+// Inference-only fused pieces of a decoder step (beam search: no autograd; one call in place of a dozen small
+// PyTorch ops). See decode_step_cpu.cpp.
 //
 // The weights of a step are named structs, mirrored on the Python side by dataclasses of the same fields in
 // the same order (dtmt_kernels/functional.py: AttentionWeights, ReadoutWeights, MemoryWeights). They cross
@@ -62,7 +62,7 @@ std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Te
 at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& c,
                                 const ReadoutWeights& w);
 
-// One whole step of the attentional RNMT decoder (dtmt_models/rnmt.py, FusedRNMTDecoder):
+// One whole step of the attentional RNMT decoder (dtmt_models/models/rnmt.py, FusedRNMTDecoder):
 //   s_q = query_cell(y, s); (c, alpha) = attention_step(s_q, ...); s' = decoder_cell(c, s_q);
 //   log_probs = log_softmax(readout_features(y, s', c) W_out^T + b_out) (float32 at least, as Projection).
 // y [B, E] (the embedded previous tokens), s [B, H]; keys / annotations / src_mask as attention_step's.
@@ -73,7 +73,7 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
                                       double cell_eps, const AttentionWeights& attention,
                                       const ReadoutWeights& readout);
 
-// One direction of mce's read-write-memory GRU encoder (dtmt_models/systems/mce.py), the whole loop over the
+// One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.
 // x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] bool. Returns {states [B, S, H], final memory}.
 std::vector<at::Tensor> memory_encoder_cpu(const at::Tensor& x, const at::Tensor& memory, const at::Tensor& src_mask,

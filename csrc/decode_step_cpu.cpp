@@ -1,9 +1,8 @@
 // Inference-only fused pieces of a decoder step (declared and specified in decode_step.h).
 //
-// At batch 1 with a beam of 4, a step of dtmt's decoder spends more time dispatching its ~100 small PyTorch ops
-// than computing them (benchmarks/NOTES.md, log item 12): the attention step alone is a linear, the scores, a
-// masked softmax, the context and a linear, each with its Python and dispatcher overhead. These ops run the same
-// arithmetic as the modules in one call each: the linears with linear_into (the small-row kernel at batch 1),
+// Each op runs the arithmetic of several modules in one call (the attention step alone is a linear, the scores,
+// a masked softmax, the context and a linear; why: benchmarks/NOTES.md, log item 12), the same arithmetic as the
+// modules: the linears with linear_into (the small-row kernel at batch 1),
 // the scores and context with the kernels of attention_cpu.cpp, the softmax and layer norms with plain loops.
 // No autograd: the Python side calls them only when nothing needs a gradient.
 #include "decode_step.h"

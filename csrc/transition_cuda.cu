@@ -57,9 +57,8 @@ template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
-// Batch rows up to which the time loops' GEMMs are the small-row kernel: a step then costs the host two kernel
-// launches, where ATen's mm adds a dispatch and tensor views that cost more host time than the GEMM takes on
-// the device at these sizes (benchmarks/NOTES.md item 17).
+// Batch rows up to which the time loops' GEMMs are the small-row kernel (a step: two kernel launches, no ATen
+// dispatch); the threshold is chosen in benchmarks/NOTES.md, log item 17.
 constexpr int64_t kSmallGemmRows = 64;
 
 template <typename T, typename S> const T* cptr(const Tensor& t, int64_t offset = 0) {

@@ -92,9 +92,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: st
     """F.linear(x, weight, bias), for the linear layers a decoder step runs (see nn.Linear).
 
     With `cpp` (the `auto` choice for CPU tensors) a product of at most 8 float32 rows that needs no gradient,
-    i.e. a decoder step at batch 1 with beam <= 8, runs the small-row kernel (csrc/small_gemm_cpu.cpp): it streams
-    each weight once at the memory's read rate, 2-4x the rate of the BLAS GEMM at these shapes on the CPUs of
-    benchmarks/NOTES.md (log item 12). Everything else, and every other backend, is F.linear (ATen's GEMM, cuBLAS
+    i.e. a decoder step at batch 1 with beam <= 8, runs the small-row kernel (csrc/small_gemm_cpu.cpp), which
+    reads each weight once, in address order (why: benchmarks/NOTES.md, log items 10 and 12). Everything else, and every other backend, is F.linear (ATen's GEMM, cuBLAS
     on the GPU). Unlike the recurrent ops, `auto` never fails here: on a device with no fused backend it is
     F.linear."""
     if backend == "cpp":
@@ -161,7 +160,7 @@ class ReadoutWeights(_InferenceWeights):
 
 @dataclass(frozen=True, eq=False)
 class MemoryWeights(_InferenceWeights):
-    """mce's memory addressing for `memory_encoder` (dtmt_models/systems/mce.py): w_state [H, H], w_memory [H, H],
+    """mce's memory addressing for `memory_encoder` (dtmt_models/models/systems/mce.py): w_state [H, H], w_memory [H, H],
     b_memory [H], v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]."""
     FIELDS: ClassVar[Tuple[str, ...]] = ("w_state", "w_memory", "b_memory", "v", "w_read", "b_read", "w_write",
                                          "b_write")
@@ -198,7 +197,7 @@ def readout_features(y: Tensor, s: Tensor, c: Tensor, weights: ReadoutWeights) -
 
 def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, query_cell, decoder_cell,
               attention: AttentionWeights, readout: ReadoutWeights):
-    """Inference only: one whole step of the attentional RNMT decoder in one C++ call (dtmt_models.rnmt's
+    """Inference only: one whole step of the attentional RNMT decoder in one C++ call (dtmt_models.models.rnmt's
     FusedRNMTDecoder, for AttentionalRNMT and one-level Nematus): query cell, attention_step, decoder cell,
     readout_features, output projection (readout.w_out) and log-softmax. y [B, E] the embedded previous tokens,
     s [B, H]; keys [B, S, NH, D], annotations, src_mask as attention_step's; query_cell / decoder_cell:
@@ -211,7 +210,7 @@ def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask:
 
 
 def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
-    """Inference only: one direction of mce's read-write-memory GRU encoder (dtmt_models/systems/mce.py) over the
+    """Inference only: one direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py) over the
     whole source in one C++ call. x [B, S, E], memory [B, S, H], src_mask [B, S] bool, cell: the direction's
     dtmt_kernels.nn.FrozenTransitionCell. Returns (states [B, S, H], final memory [B, S, H])."""
     states, final = _C.memory_encoder(x.contiguous(), memory, src_mask, reverse, cell.kind, cell.params, cell.eps,

@@ -172,8 +172,8 @@ def attention_context(alpha: Tensor, values: Tensor) -> Tensor:
     context[b, h·Dc + d] = Σ_s alpha[b, h, s] · values[b, s, h·Dc + d] (Dc = C / NH).
 
     alpha [B, NH, S], values [B, S, C] (the annotations) -> [B, C]. A single head (NH = 1) reads all of C.
-    Computed as one batched GEMM of every head's alpha against all of C, keeping the diagonal blocks: the
-    fastest eager form measured (no per-step copy of the values into heads, at NH times the multiply-adds)."""
+    Computed as one batched GEMM of every head's alpha against all of C, keeping the diagonal blocks (no
+    copy of the values into heads; NH times the multiply-adds)."""
     B, NH, _ = alpha.shape
     C = values.shape[-1]
     if NH == 1:

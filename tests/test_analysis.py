@@ -1,4 +1,4 @@
-"""dtmt_models.analysis: ATR gates (paper 004 eq. 9-10), gate correlation, attention matrices, and the
+"""dtmt_models.models.analysis: ATR gates (paper 004 eq. 9-10), gate correlation, attention matrices, and the
 benchmarks/interpret.py script end to end on a tiny checkpoint."""
 import json
 import math
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_layer
-from dtmt_models import analysis as an
+from dtmt_models.models import analysis as an
 from dtmt_models import build_model
 
 H, I, T = 5, 4, 7
@@ -247,7 +247,7 @@ WORDS = {"el": "the", "perro": "dog", "gato": "cat", "come": "eats", "pan": "bre
 
 
 def _tiny_corpus(directory):
-    from dtmt_models.data import write_manifest, write_parallel
+    from dtmt_models.data.corpus import write_manifest, write_parallel
 
     rng = np.random.default_rng(0)
     words = sorted(WORDS)
@@ -268,8 +268,8 @@ def _tiny_corpus(directory):
     ("gnmt-atr", {"embed_dim": 8, "hidden_size": 8, "encoder_layers": 3, "decoder_layers": 2}),
     ("dtmt", {"embed_dim": 8, "hidden_size": 8, "heads": 2})])
 def test_interpret_script_on_tiny_checkpoint(tmp_path, capsys, system, opts):
-    from dtmt_models.checkpoint import save_checkpoint
-    from dtmt_models.vocabulary import Vocabulary
+    from dtmt_models.models.checkpoint import save_checkpoint
+    from dtmt_models.data.vocabulary import Vocabulary
 
     from benchmarks import interpret
 

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from dtmt_models import atomic, checkpoint
+from dtmt_models import atomic
+from dtmt_models.models import checkpoint
 
 
 def _fill_disk(monkeypatch):
@@ -69,8 +70,8 @@ def test_translate_output_on_a_full_disk(tmp_path, monkeypatch, capsys):
     """The command line turns the failure into its one-line error (exit 1) and keeps the old output."""
     from test_translate_evaluate import SRC, TGT
     from dtmt_models import cli
-    from dtmt_models.registry import build_model
-    from dtmt_models.vocabulary import Vocabulary
+    from dtmt_models.models.registry import build_model
+    from dtmt_models.data.vocabulary import Vocabulary
 
     sv, tv = Vocabulary.train(SRC, vocab_size=60), Vocabulary.train(TGT, vocab_size=60)
     model = build_model("rnnsearch-atr", len(sv), len(tv), embed_dim=8, hidden_size=8)

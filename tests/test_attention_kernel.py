@@ -10,7 +10,7 @@ import dtmt_kernels as dk
 import dtmt_models as dm
 from dtmt_kernels import reference
 from dtmt_kernels.autograd import cpp_attention_context
-from dtmt_models.attention import AdditiveAttention, MultiHeadAdditiveAttention
+from dtmt_models.models.attention import AdditiveAttention, MultiHeadAdditiveAttention
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 

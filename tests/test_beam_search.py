@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import dtmt_models as dm
-from dtmt_models.beam_search import beam_search, greedy, length_penalty
-from dtmt_models.vocabulary import BOS, EOS
+from dtmt_models.decoding.beam_search import beam_search, greedy, length_penalty
+from dtmt_models.data.vocabulary import BOS, EOS
 
 
 class TableModel:

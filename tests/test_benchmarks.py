@@ -93,7 +93,7 @@ def test_bench_decode_quick(tmp_path):
                                      for r, m in zip(atr, matched))
     # the matched transformer is the one nearest in size: the widths 8 apart on either side are farther
     width = int(atr[0]["matched"].split("d")[-1])
-    from dtmt_models.presets import get_preset
+    from dtmt_models.models.presets import get_preset
     base = get_preset("transformer", "small")["model"]
 
     def size(w):
@@ -187,9 +187,9 @@ def test_bench_peers_parts_that_need_no_peer(tmp_path):
 
     from benchmarks import bench_peers
     from benchmarks.peers.onmt_train import rnmt_multiplier
-    from dtmt_models.data import corpus_paths, filter_by_length, read_parallel
-    from dtmt_models.schedules import RNMTPlusSchedule
-    from dtmt_models.vocabulary import Vocabulary
+    from dtmt_models.data.corpus import corpus_paths, filter_by_length, read_parallel
+    from dtmt_models.training.schedules import RNMTPlusSchedule
+    from dtmt_models.data.vocabulary import Vocabulary
 
     ours = RNMTPlusSchedule(200, 1500, 6000, n=1, floor=0.05)
     theirs = rnmt_multiplier(200, 1500, 6000, 0.05)
@@ -223,8 +223,8 @@ def test_bench_update_pieces_quick(tmp_path):
     from test_train import TINY, make_toy_corpus, run_train
 
     from benchmarks import bench_update_pieces
-    from dtmt_models.checkpoint import load_model
-    from dtmt_models.data import corpus_paths, read_parallel
+    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.data.corpus import corpus_paths, read_parallel
 
     data = make_toy_corpus(tmp_path / "toy", n_train=100, n_dev=5, n_test=5)
     run = tmp_path / "peers"

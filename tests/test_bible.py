@@ -1,4 +1,4 @@
-"""The embedded Bible corpus (dtmt_models.bible) and `dtmt prepare` (dtmt_models.prepare), SPEC §5-6.
+"""The embedded Bible corpus (dtmt_models.data.bible) and `dtmt prepare` (dtmt_models.data.prepare), SPEC §5-6.
 
 Crafted OSIS strings and mod2imp dumps cover every cleaning rule, the pairing, the versification rule and the
 book split; a fake `mod2imp` (a small Python script) drives prepare_bible end to end. One integration test reads
@@ -14,7 +14,10 @@ import textwrap
 
 import pytest
 
-from dtmt_models import bible, cli, data, prepare
+from dtmt_models import cli
+from dtmt_models.cli import prepare
+from dtmt_models.data import bible
+from dtmt_models.data import corpus as data
 
 INSTALL = "apt-get install sword-text-sparv sword-text-web libsword-utils"
 
@@ -375,11 +378,11 @@ def test_prepare_files_holdout_is_deterministic_and_disjoint(tmp_path):
 def test_python_m_prepare_reports_errors_without_traceback(tmp_path, monkeypatch, capsys):
     bad = write(tmp_path / "x.es", b"ok\n\xff\n")
     good = write(tmp_path / "x.en", b"ok\nfine\n")
-    # what `python -m dtmt_models.prepare files ...` runs, in this process (a fresh interpreter costs seconds)
+    # what `python -m dtmt_models.cli.prepare files ...` runs, in this process (a fresh interpreter costs seconds)
     monkeypatch.setattr(sys, "argv", ["prepare.py", "files", "--src", bad, "--tgt", good, "--out", str(tmp_path)])
-    monkeypatch.delitem(sys.modules, "dtmt_models.prepare")  # as in a fresh `python -m` (and no runpy warning)
+    monkeypatch.delitem(sys.modules, "dtmt_models.cli.prepare")  # as in a fresh `python -m` (and no runpy warning)
     with pytest.raises(SystemExit) as info:
-        runpy.run_module("dtmt_models.prepare", run_name="__main__")
+        runpy.run_module("dtmt_models.cli.prepare", run_name="__main__")
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert "x.es:2: invalid UTF-8" in err and "Traceback" not in err

@@ -10,7 +10,7 @@ import torch
 
 from test_train import ROOT, make_toy_corpus
 
-from dtmt_models.checkpoint import FORMAT, load_model, read_checkpoint
+from dtmt_models.models.checkpoint import FORMAT, load_model, read_checkpoint
 
 
 class _RunsCode:

@@ -1,8 +1,9 @@
 """Corpus reading and validation, vocabularies, batching."""
 import pytest
 
-from dtmt_models import batching, data
-from dtmt_models.vocabulary import BOS, EOS, PAD, Vocabulary
+from dtmt_models.data import batching
+from dtmt_models.data import corpus as data
+from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
 
 
 def _write(path, content: bytes):

@@ -11,10 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 import dtmt_kernels as dk
 from dtmt_kernels import _C
-from dtmt_models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
-from dtmt_models.registry import build_model
-from dtmt_models.rnmt import FusedRNMTDecoder
-from dtmt_models.seq2seq import FrozenReadout, Readout
+from dtmt_models.models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
+from dtmt_models.models.registry import build_model
+from dtmt_models.models.rnmt import FusedRNMTDecoder
+from dtmt_models.models.seq2seq import FrozenReadout, Readout
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 
@@ -399,7 +399,7 @@ def test_a_swapped_in_single_head_attention_is_fused(monkeypatch):
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_memory_encoder_matches_the_module(reverse):
-    from dtmt_models.systems.mce import FrozenMemoryEncoder, MemoryGRUEncoderDirection
+    from dtmt_models.models.systems.mce import FrozenMemoryEncoder, MemoryGRUEncoderDirection
     enc = _randomise(MemoryGRUEncoderDirection(6, 10, "auto"), 5)
     g = torch.Generator().manual_seed(6)
     x, memory = torch.randn(3, 7, 6, generator=g), torch.randn(3, 7, 10, generator=g)

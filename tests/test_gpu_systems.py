@@ -12,7 +12,7 @@ import torch
 
 from test_models import CONFIGS, IDS, V_TGT, build, toy_batch
 
-from dtmt_models.beam_search import beam_search
+from dtmt_models.decoding.beam_search import beam_search
 
 DEVICE = os.environ.get("DTMT_GPU_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu,

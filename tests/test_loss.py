@@ -4,7 +4,7 @@ same function as `label_smoothed_nll` of `torch.log_softmax`, values and gradien
 import pytest
 import torch
 
-from dtmt_models.loss import label_smoothed_nll, smoothed_cross_entropy
+from dtmt_models.models.loss import label_smoothed_nll, smoothed_cross_entropy
 
 from test_models import build, toy_batch
 

@@ -193,8 +193,8 @@ def test_leaves_the_unigram_plateau_at_realistic_sizes(name):
     import math
     from collections import Counter
 
-    from dtmt_models.batching import collate
-    from dtmt_models.loss import label_smoothed_nll
+    from dtmt_models.data.batching import collate
+    from dtmt_models.models.loss import label_smoothed_nll
 
     src, src_lengths, prev, tgt = collate(zipf_pairs())
     counts = Counter(tgt[tgt != 0].tolist())

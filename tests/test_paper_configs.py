@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from dtmt_models.catalog import describe, row_parameters
-from dtmt_models.presets import PAPER_ROWS, PAPER_ROWS_BY_NAME, TABLES, get_preset, presets_of
-from dtmt_models.registry import build_model, list_models
+from dtmt_models.models.catalog import describe, row_parameters
+from dtmt_models.models.presets import PAPER_ROWS, PAPER_ROWS_BY_NAME, TABLES, get_preset, presets_of
+from dtmt_models.models.registry import build_model, list_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNTED = sorted({r.table for r in PAPER_ROWS if r.params is not None})

@@ -7,7 +7,7 @@ import sys
 
 from test_train import ROOT, make_toy_corpus
 
-from dtmt_models.evaluate import corpus_scores
+from dtmt_models.decoding.evaluate import corpus_scores
 
 
 def dtmt(*args, stdin=None, timeout=600):

@@ -1,6 +1,6 @@
 import pytest
 
-from dtmt_models.schedules import InverseSqrtSchedule, RNMTPlusSchedule
+from dtmt_models.training.schedules import InverseSqrtSchedule, RNMTPlusSchedule
 
 
 def test_rnmt_plus_shape():

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from dtmt_models.data import write_manifest, write_parallel
-from dtmt_models.presets import PRESETS, get_preset
-from dtmt_models.registry import build_model, list_models
+from dtmt_models.data.corpus import write_manifest, write_parallel
+from dtmt_models.models.presets import PRESETS, get_preset
+from dtmt_models.models.registry import build_model, list_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEXICON = {"el": "the", "perro": "dog", "gato": "cat", "come": "eats", "ve": "sees", "casa": "house",
@@ -43,7 +43,7 @@ TINY = ["--model", "dtmt", "--vocab-size", "60", "--opt", "embed_dim=32", "--opt
 
 
 def run_train(args, timeout=300, env=None):
-    cmd = [sys.executable, "-m", "dtmt_models.train", *args]
+    cmd = [sys.executable, "-m", "dtmt_models.cli.train", *args]
     e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
 
@@ -73,8 +73,8 @@ def uninterrupted(toy, tmp_path_factory):
 
 
 def test_keep_last_keeps_the_models_of_the_last_validations(uninterrupted):
-    from dtmt_models.checkpoint import read_checkpoint
-    from dtmt_models.train import step_checkpoints
+    from dtmt_models.models.checkpoint import read_checkpoint
+    from dtmt_models.training.trainer import step_checkpoints
 
     kept = step_checkpoints(uninterrupted)     # validations at 10, 20 and the end (24); the oldest removed
     assert [step for step, _ in kept] == [20, 24]
@@ -104,7 +104,7 @@ def test_resume_gives_the_same_losses(toy, uninterrupted, tmp_path):
 
 def test_sigint_saves_a_checkpoint_that_resumes_exactly(toy, uninterrupted, tmp_path):
     out = str(tmp_path / "run_c")
-    cmd = [sys.executable, "-m", "dtmt_models.train", "--data", toy, "--out", out, "--max-steps", "24",
+    cmd = [sys.executable, "-m", "dtmt_models.cli.train", "--data", toy, "--out", out, "--max-steps", "24",
            "--log-every", "1", "--valid-every", "10", *TINY]
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -118,7 +118,7 @@ def test_sigint_saves_a_checkpoint_that_resumes_exactly(toy, uninterrupted, tmp_
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert "SIGINT" in stdout and "--resume" in stdout
-    from dtmt_models.checkpoint import read_checkpoint
+    from dtmt_models.models.checkpoint import read_checkpoint
 
     ckpt = read_checkpoint(os.path.join(out, "last.pt"))
     stopped = ckpt["training"]["step"]
@@ -131,7 +131,7 @@ def test_sigint_saves_a_checkpoint_that_resumes_exactly(toy, uninterrupted, tmp_
 def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-           "-m", "dtmt_models.train", "--data", toy_nodev, "--out", out, "--max-steps", "30", "--log-every", "5",
+           "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out", out, "--max-steps", "30", "--log-every", "5",
            *TINY]
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -141,7 +141,7 @@ def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     assert "2 processes in sync at step 30" in r.stdout
     rows = losses(out)
     assert len(rows) == 6 and float(rows[-1][2]) < float(rows[0][2])   # it learns
-    from dtmt_models.checkpoint import read_checkpoint
+    from dtmt_models.models.checkpoint import read_checkpoint
 
     ckpt = read_checkpoint(os.path.join(out, "last.pt"))
     assert len(ckpt["training"]["rng"]) == 2      # both processes' random states, for an exact resume
@@ -190,7 +190,7 @@ def test_every_system_has_a_preset():
 def test_device_cuda_without_index_names_the_current_device(monkeypatch):
     """`--device cuda` (and `auto` on a GPU machine) must become cuda:N before torch.cuda.set_device, which
     refuses a device without an index (seen on the first GPU machine: every `dtmt train --device cuda` failed)."""
-    from dtmt_models.train import Dist
+    from dtmt_models.training.distributed import Dist
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -207,7 +207,8 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     temporary file left behind (issue 20, item 5)."""
     import errno
 
-    from dtmt_models import atomic, train
+    from dtmt_models import atomic
+    from dtmt_models.cli import train
 
     real_fsync = atomic.os.fsync
 
@@ -242,7 +243,7 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
 ])
 def test_bad_options_are_refused_before_any_work(toy_nodev, tmp_path, capsys, bad, message):
     """Issue 20, item 3: one line naming the option, the value and what is allowed; exit 2; nothing written."""
-    from dtmt_models import train
+    from dtmt_models.cli import train
 
     out = tmp_path / "run"
     code = train.main(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY, *bad])
@@ -252,7 +253,7 @@ def test_bad_options_are_refused_before_any_work(toy_nodev, tmp_path, capsys, ba
 
 
 def test_vocabulary_too_small_for_the_corpus_is_one_line(toy_nodev, tmp_path, capsys):
-    from dtmt_models import train
+    from dtmt_models.cli import train
 
     out = tmp_path / "run"
     args = ["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY, "--vocab-size", "8"]
@@ -273,14 +274,14 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     before = (run_a / "last.pt").read_bytes(), (run_a / "train_log.csv").read_bytes()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    r = subprocess.run([sys.executable, "-m", "dtmt_models.train", "--data", os.path.relpath(toy_nodev, elsewhere),
+    r = subprocess.run([sys.executable, "-m", "dtmt_models.cli.train", "--data", os.path.relpath(toy_nodev, elsewhere),
                         "--out", "../runB", "--resume", "--max-steps", "4", "--model", "dtmt", "--progress", "lines"],
                        cwd=elsewhere, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert r.returncode == 0, r.stderr
     assert "resumed from step 2" in r.stdout
     assert ((run_a / "last.pt").read_bytes(), (run_a / "train_log.csv").read_bytes()) == before
-    from dtmt_models.checkpoint import read_checkpoint
+    from dtmt_models.models.checkpoint import read_checkpoint
     assert read_checkpoint(str(tmp_path / "runB" / "last.pt"))["step"] == 4 and not os.listdir(elsewhere)
     # another corpus: refused unless --allow-changed-data
     other = make_toy_corpus(tmp_path / "other", n_train=50, n_dev=0, n_test=0, seed=3)
@@ -296,9 +297,9 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
 
 
 def test_average_checkpoints(uninterrupted, tmp_path, capsys):
-    from dtmt_models.average import main as average
-    from dtmt_models.checkpoint import load_model, read_checkpoint, save_checkpoint
-    from dtmt_models.train import step_checkpoints
+    from dtmt_models.cli.average import main as average
+    from dtmt_models.models.checkpoint import load_model, read_checkpoint, save_checkpoint
+    from dtmt_models.training.trainer import step_checkpoints
 
     (s20, p20), (s24, p24) = step_checkpoints(uninterrupted)
     out = str(tmp_path / "avg.pt")
@@ -328,8 +329,8 @@ def test_inference_sees_the_optimizer_steps():
     """Validation after updates runs on the updated weights: the eval-mode paths' weight caches (keyed on the
     parameters' version counters) are refreshed by the optimizer `dtmt train` uses. (torch's fused CPU Adam does
     not bump the counters: with it, every validation after the first saw the first validation's weights.)"""
-    from dtmt_models.batching import collate
-    from dtmt_models.train import build_optimizer
+    from dtmt_models.data.batching import collate
+    from dtmt_models.training.trainer import build_optimizer
 
     torch.manual_seed(0)
     model = build_model("dtmt", 40, 40, embed_dim=16, hidden_size=16, heads=2)
@@ -387,7 +388,7 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
     ("lr: {\n", "not valid YAML"),
 ])
 def test_bad_config_files_are_one_line_errors(toy_nodev, tmp_path, capsys, text, message):
-    from dtmt_models import train
+    from dtmt_models.cli import train
 
     path = tmp_path / "run.yaml"
     path.write_text(text)

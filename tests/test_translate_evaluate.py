@@ -16,13 +16,13 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 
 from dtmt_models import cli
-from dtmt_models.checkpoint import load_model, save_checkpoint
-from dtmt_models.data import write_manifest
-from dtmt_models.evaluate import (LengthBucket, bleu_by_length, bucket_labels, corpus_scores,
+from dtmt_models.models.checkpoint import load_model, save_checkpoint
+from dtmt_models.data.corpus import write_manifest
+from dtmt_models.decoding.evaluate import (LengthBucket, bleu_by_length, bucket_labels, corpus_scores,
                                   plot_bleu_by_length)
-from dtmt_models.registry import build_model
-from dtmt_models.translate import TruncationWarning, length_batches, translate, translate_best
-from dtmt_models.vocabulary import EOS, Vocabulary
+from dtmt_models.models.registry import build_model
+from dtmt_models.decoding.translate import TruncationWarning, length_batches, translate, translate_best
+from dtmt_models.data.vocabulary import EOS, Vocabulary
 
 SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
        "ella lee el libro", "nosotros vamos a la playa", "el sol brilla", "la luna es blanca",
@@ -238,7 +238,8 @@ def test_cli_translate_errors(system, tmp_path, capsys):
 
 def test_mostly_unknown_source_is_flagged(system, capsys):
     """A source the vocabulary does not know gets a warning (the model would still emit a fluent sentence)."""
-    from dtmt_models.translate import UnknownPiecesWarning, decode_with_report
+    from dtmt_models.cli.translate import decode_with_report
+    from dtmt_models.decoding.translate import UnknownPiecesWarning
 
     model, sv, tv, _ = system
     alien = "\u0416\u0417\u0418 \u0419\u041a\u041b \u041c\u041d"      # Cyrillic: not in the toy vocabulary

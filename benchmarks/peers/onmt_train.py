@@ -7,7 +7,7 @@ Runs inside the peer environment that `benchmarks/bench_peers.py` makes (never i
 Everything after the runner's own flags goes to OpenNMT-py's argument parser unchanged. The runner changes
 three things from the outside, without touching OpenNMT-py's files:
 - the learning-rate multiplier is dtmt's RNMT+ schedule (paper 000 eq. 17, n = 1, with a floor; the same
-  numbers as `dtmt_models.schedules.RNMTPlusSchedule`), so both toolkits follow the same schedule;
+  numbers as `dtmt_models.training.schedules.RNMTPlusSchedule`), so both toolkits follow the same schedule;
 - training time is counted like `dtmt train --max-time` counts it: wall time from the first update on, minus
   validation and checkpoint writing; when it reaches the budget the update finishes, a checkpoint is written
   and training ends;

@@ -37,7 +37,7 @@ inline float lane_sum(__m256 v) {
 }
 
 // Rows [n0, n1) of the output for a compile-time number of x rows M. One weight row at a time (a single
-// sequential stream: on the EPYC of NOTES.md two or more interleaved row streams read DRAM slower), U chunks of 8
+// sequential stream, by design: benchmarks/NOTES.md, log item 10), U chunks of 8
 // floats per iteration with their own accumulators (M*U of them, so that the FMA latency is hidden), and a
 // software prefetch kPrefetch floats ahead.
 template <int M, int U>

@@ -37,10 +37,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-# Device helpers are @triton.jit functions when compiling. Under the interpreter every call of a jit
-# function re-patches triton.language (milliseconds per call), which made the helpers most of the test
-# time; there they are plain Python functions instead, called by the interpreted kernels with the same
-# arguments and the same semantics (their constexpr flags are plain Python values either way).
+# Device helpers are @triton.jit functions when compiling. Under the interpreter they are plain Python
+# functions (a jit call there re-patches triton.language on every call), called by the interpreted kernels with
+# the same arguments and the same semantics (their constexpr flags are plain Python values either way).
 _device_fn = (lambda fn: fn) if _interpreting() else triton.jit
 
 # Row sums go through tl.reduce with a combine function of this module rather than tl.sum: tl.sum and its

@@ -65,9 +65,8 @@ def _block(H: int) -> int:
 
 
 def _num_warps(block: int) -> int:
-    # sm_90 builds (ptxas 13.0): the backward kernel needs ~170 registers a thread at BLOCK 1024-2048, no
-    # spills; at BLOCK 4096, 16 warps cap it at 128 registers with ~116 B spilled a thread, and larger BLOCKs
-    # (H > 4096) spill more: correct, but slower than they need be (not measured on a GPU).
+    # BLOCK > 4096 (H > 4096) may spill registers in the backward kernel: correct, possibly slower (the ptxas
+    # register counts: benchmarks/NOTES.md).
     return 1 if block <= 64 else 2 if block <= 256 else 4 if block <= 1024 else 8 if block <= 2048 else 16
 
 

@@ -1,0 +1,51 @@
+"""The `dtmt` console script (SPEC §6): one entry point, one subcommand per job.
+
+    dtmt prepare bible --out DIR                    dtmt prepare files --src F --tgt G --out DIR
+    dtmt train --data DIR --model NAME [options]    dtmt translate --checkpoint C [FILE ...]
+    dtmt evaluate --checkpoint C --data DIR --split test
+    dtmt average --run RUN --last N -o AVG.pt
+    dtmt bench cells|train|decode|quality [options]
+    dtmt models [--count] [--table 002-T4]
+
+Each subcommand's command line (argparse, messages, exit codes) is a module of this package with a `main(argv)`
+(so `python -m dtmt_models.cli.train ...` and `torchrun -m dtmt_models.cli.train ...` work too), over the
+library functions of dtmt_models.data / training / decoding / models; this file only dispatches.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "prepare": ("dtmt_models.cli.prepare", "write a corpus (the embedded Bible, or your own files) to DIR"),
+    "train": ("dtmt_models.cli.train", "train a system on a prepared corpus"),
+    "translate": ("dtmt_models.cli.translate", "translate files or stdin with a checkpoint"),
+    "evaluate": ("dtmt_models.cli.evaluate", "BLEU / chrF (and BLEU by source length) on a split"),
+    "average": ("dtmt_models.cli.average", "average the weights of checkpoints of one run"),
+    "bench": ("dtmt_models.cli.bench", "run the benchmarks in benchmarks/"),
+    "models": ("dtmt_models.cli.models", "list the systems, their presets and the papers' table rows"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: dtmt <command> [options]   (dtmt <command> --help for the options)", "", "commands:"]
+    lines += [f"  {name:<10s} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"dtmt: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""`dtmt average`: one checkpoint whose weights are the mean of several of the same run (checkpoint averaging).
+
+    dtmt average runs/dtmt/step_0003000.pt runs/dtmt/step_0003500.pt -o runs/dtmt/avg.pt
+    dtmt average --run runs/dtmt --last 5 -o runs/dtmt/avg5.pt     # the last 5 kept by `dtmt train --keep-last`
+
+The result translates and evaluates like any checkpoint (`dtmt translate -c runs/dtmt/avg5.pt`); it holds no
+training state, so it cannot be resumed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from dtmt_models.errors import one_line
+from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
+from dtmt_models.training.trainer import step_checkpoints
+
+PROG = "dtmt average"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("checkpoints", nargs="*", metavar="CKPT", help="checkpoints of one model")
+    p.add_argument("--run", help="a run directory: average its step_<updates>.pt files (see --last)")
+    p.add_argument("--last", type=int, default=None, metavar="N", help="with --run: the N latest (default: all)")
+    p.add_argument("--output", "-o", required=True, help="the averaged checkpoint to write")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if bool(a.checkpoints) == bool(a.run):
+        p.error("give either checkpoints or --run DIR")
+    if a.last is not None and (not a.run or a.last < 1):
+        p.error("--last N needs --run and N >= 1")
+    try:
+        paths = a.checkpoints
+        if a.run:
+            kept = step_checkpoints(a.run)
+            if not kept:
+                raise ValueError(f"{a.run} holds no step_<updates>.pt checkpoints (train with --keep-last N)")
+            paths = [path for _, path in kept[-(a.last or len(kept)):]]
+        payload = average_checkpoints(paths)
+        save_checkpoint(a.output, payload)
+    except (OSError, ValueError) as exc:
+        print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
+        return 1
+    print(f"wrote {a.output}: the mean of {len(paths)} checkpoints ({', '.join(payload['averaged_from'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

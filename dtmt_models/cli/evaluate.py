@@ -1,0 +1,158 @@
+"""`dtmt evaluate`: the command line over dtmt_models.decoding.evaluate (see its docstring for the scores and
+what the command writes).
+
+    dtmt evaluate --checkpoint C --data DIR [--split test] [--out-dir D]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from typing import List, Optional
+
+from dtmt_models.atomic import WriteError
+from dtmt_models.cli.translate import (
+    OnceAction,
+    add_decoding_arguments,
+    check_decoding_arguments,
+    check_device_and_backend,
+    decode_with_report,
+    decoding_kwargs,
+    load_for_decoding,
+    write_atomic,
+)
+from dtmt_models.data.corpus import CorpusError, corpus_paths, read_lines, read_parallel
+from dtmt_models.decoding.evaluate import (
+    DEFAULT_BOUNDS,
+    PROG,
+    bleu_by_length,
+    corpus_scores,
+    format_table,
+    plot_bleu_by_length,
+    rows_to_csv,
+)
+from dtmt_models.decoding.translate import InputError
+from dtmt_models.errors import one_line
+
+
+# --------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Translate a test set with a checkpoint (or take existing translations with "
+                               "--hyp) and score it: BLEU, chrF and BLEU by source length.")
+    p.add_argument("--checkpoint", "-c", action=OnceAction, help="a checkpoint written by `dtmt train` (not needed with --hyp)")
+    p.add_argument("--data", help="a corpus directory written by `dtmt prepare`")
+    p.add_argument("--split", default="test", help="the split of --data to score (default test)")
+    p.add_argument("--src", help="source file (with --ref, instead of --data)")
+    p.add_argument("--ref", help="reference file, aligned with --src")
+    p.add_argument("--hyp", help="score this translation file instead of decoding")
+    p.add_argument("--out-dir", help="where the results go (default: next to the checkpoint, <stem>.<split>/)")
+    p.add_argument("--bounds", default=",".join(map(str, DEFAULT_BOUNDS)),
+                   help="upper bounds of the length buckets, in words (default 10,20,30,40,50)")
+    add_decoding_arguments(p)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (InputError, CorpusError) as exc:
+        print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parse_bounds(text: str) -> List[int]:
+    try:
+        bounds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--bounds: expected comma-separated integers, got {text!r}") from None
+    if not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise InputError(f"--bounds: expected increasing positive integers, got {text!r}")
+    return bounds
+
+
+def _stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path.rstrip(os.sep)))[0]
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_decoding_arguments(args)
+    bounds = _parse_bounds(args.bounds)
+    if args.data and (args.src or args.ref):
+        raise InputError("give either --data (with --split) or --src and --ref, not both")
+    if args.data:
+        src_path, ref_path = corpus_paths(args.data, args.split)
+        label = args.split
+    elif args.src and args.ref:
+        src_path, ref_path = args.src, args.ref
+        label = _stem(args.src)
+    else:
+        raise InputError("say what to score: --data DIR [--split test], or --src F --ref G")
+    if not args.hyp and not args.checkpoint:
+        raise InputError("--checkpoint is required (or give --hyp to score an existing translation)")
+    pairs = read_parallel(src_path, ref_path)
+    sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
+    if not pairs:
+        raise InputError(f"{src_path}: no sentences to score")
+
+    anchor = args.checkpoint if args.checkpoint else args.hyp
+    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(anchor)), f"{_stem(anchor)}.{label}")
+    settings = {"data": args.data, "split": args.split if args.data else None, "src": src_path, "ref": ref_path,
+                "checkpoint": args.checkpoint, "bounds": bounds}
+    decode = None
+    if args.hyp:
+        hyps = read_lines(args.hyp, allow_empty=True)
+        if len(hyps) != len(refs):
+            raise InputError(f"{args.hyp} has {len(hyps)} lines but {ref_path} has {len(refs)}; they must be aligned")
+        settings["hyp"] = args.hyp
+    else:
+        device = check_device_and_backend(args.device, args.backend)
+        model, src_vocab, tgt_vocab, ckpt = load_for_decoding(args.checkpoint, device, args.backend)
+        kwargs = decoding_kwargs(args, device)
+        results, seconds = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sources, **kwargs)
+        hyps = [r[0][0] if r else "" for r in results]
+        settings.update(model_name=ckpt.get("model_name"), model_options=ckpt.get("model_options"),
+                        **{k: (str(v) if k == "device" else v) for k, v in kwargs.items()}, backend=args.backend)
+        decode = {"seconds": round(seconds, 3), "sentences_per_s": len(sources) / max(seconds, 1e-9),
+                  "src_words_per_s": sum(len(s.split()) for s in sources) / max(seconds, 1e-9),
+                  "hyp_words_per_s": sum(len(h.split()) for h in hyps) / max(seconds, 1e-9)}
+
+    scores = corpus_scores(hyps, refs)
+    rows = bleu_by_length(sources, hyps, refs, bounds)
+    report = {**scores, "by_length": [r._asdict() for r in rows], "settings": settings, "decode": decode,
+              "hyp_file": os.path.abspath(args.hyp) if args.hyp else os.path.join(os.path.abspath(out_dir), "hyp.txt")}
+    try:
+        if not args.hyp:
+            write_atomic(os.path.join(out_dir, "hyp.txt"), "".join(h + "\n" for h in hyps))
+        write_atomic(os.path.join(out_dir, "scores.json"), json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        write_atomic(os.path.join(out_dir, "bleu_by_length.csv"), rows_to_csv(rows))
+        title = f"{settings.get('model_name') or _stem(anchor)}: BLEU by source length ({label})"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plot = plot_bleu_by_length(rows, os.path.join(out_dir, "bleu_by_length.png"), title)
+        for w in caught:
+            print(f"{PROG}: warning: {w.message}", file=sys.stderr)
+    except WriteError as exc:
+        raise InputError(str(exc)) from None
+    except OSError as exc:
+        raise InputError(f"cannot write the results to {out_dir} ({exc.strerror or exc})") from None
+
+    print(format_table(scores, rows))
+    if decode is not None:
+        print(f"decoding: {decode['seconds']:.1f}s, {decode['sentences_per_s']:.1f} sentences/s, "
+              f"{decode['hyp_words_per_s']:.0f} words/s")
+    written = (["hyp.txt"] if not args.hyp else []) + ["scores.json", "bleu_by_length.csv"] + (["bleu_by_length.png"]
+                                                                                                if plot else [])
+    print(f"wrote {out_dir}{os.sep}{{{','.join(written)}}}")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""`dtmt models`: prints dtmt_models.models.catalog.describe (systems, presets, the papers' table rows)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from dtmt_models.models.catalog import describe
+from dtmt_models.models.presets import TABLES
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="dtmt models", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--count", action="store_true",
+                   help="also count our parameters for every row with a count in the paper (Δ: against the table's "
+                        "first such row; differences do not depend on the vocabulary)")
+    p.add_argument("--table", choices=sorted(TABLES), help="one table only")
+    args = p.parse_args(argv)
+    print(describe(args.count, args.table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""`dtmt train`: the command line (flags, run configuration files, --resume checks) over
+dtmt_models.training.trainer.Trainer, which holds what a run does (see its docstring).
+
+    dtmt train --data data/bible --model dtmt                      # small CPU preset
+    dtmt train --config run.yaml --max-time 30m                    # a run configuration, a flag overriding it
+    torchrun --nproc_per_node 4 -m dtmt_models.cli.train --data DIR --model dtmt   # DistributedDataParallel
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import List, Optional, Sequence
+
+import torch
+import yaml
+
+from dtmt_models.atomic import WriteError, atomic_write
+from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
+from dtmt_models.errors import one_line
+from dtmt_models.models.checkpoint import read_checkpoint
+from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
+from dtmt_models.models.registry import check_model_options, list_models
+from dtmt_models.training.distributed import Dist
+from dtmt_models.training.trainer import CONFIG, LAST, Trainer
+
+# training settings that may be changed when resuming (how long to go on, how often to report)
+RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
+             "threads", "bleu_sentences", "keep_last")
+# their defaults (None on the command line means "not given", so that --resume keeps the checkpoint's values)
+REPORTING_DEFAULTS = dict(patience=5, valid_every=500, valid_beam=1, bleu_sentences=0, log_every=50, progress="auto",
+                          threads=0, keep_last=0)
+
+
+
+# ------------------------------------------------------------------------------------------- arguments
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ("not given": the preset's value, or the checkpoint's on --resume)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dtmt train", description="Train an NMT system on a corpus prepared by `dtmt prepare`.",
+        formatter_class=_HelpFormatter)
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="a run configuration: the flags below as keys without the dashes (max_time: 30m), model "
+                        "options under opt (opt: {depth: 2}); flags given on the command line override it. Every "
+                        "run writes its resolved configuration to OUT/config.yaml, which reproduces it")
+    p.add_argument("--data", required=True, help="prepared corpus directory (with corpus.json)")
+    p.add_argument("--model", default=None, help=f"system: one of {', '.join(list_models())} (default dtmt)")
+    p.add_argument("--preset", default=None,
+                   help="size/settings preset: small (CPU; the default), paper, or a paper's table row such as "
+                        "000-T3-dtmt4 (which also names the model; list them with `dtmt models`)")
+    p.add_argument("--out", default=None, help="output directory (default runs/<model>)")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="model option override, e.g. --opt depth=4 --opt cell=gru (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in OUT from OUT/last.pt; a --data holding another corpus, or a model or "
+                        "training setting given with a value other than the run's, is an error")
+    p.add_argument("--allow-changed-data", action="store_true",
+                   help="with --resume: continue on a --data whose corpus differs from the run's")
+    p.add_argument("--overwrite", action="store_true", help="start afresh even if OUT has a checkpoint")
+    g = p.add_argument_group("training (defaults come from the preset)")
+    g.add_argument("--lr", type=float, default=None, help="base learning rate")
+    g.add_argument("--schedule", choices=("rnmt", "inverse-sqrt", "constant"), default=None)
+    g.add_argument("--warmup", type=int, default=None, help="warm-up updates")
+    g.add_argument("--decay-start", type=int, default=None, help="RNMT+ schedule: decay start s")
+    g.add_argument("--decay-end", type=int, default=None, help="RNMT+ schedule: decay end e")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="n of the schedules (RNMT+ eq. 17: concurrent replicas; inverse-sqrt: num_gpu) "
+                        "(default: the number of processes)")
+    g.add_argument("--smoothing", type=float, default=None, help="label smoothing")
+    g.add_argument("--clip", type=float, default=None, help="gradient-norm clipping (0: off)")
+    g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
+    g.add_argument("--vocab-size", type=int, default=None, help="SentencePiece size per side")
+    g.add_argument("--vocab-type", choices=("bpe", "unigram"), default=None, help="SentencePiece model (default bpe)")
+    g.add_argument("--max-len", type=int, default=None, help="drop training pairs longer than this (subwords)")
+    g.add_argument("--seed", type=int, default=None, help="random seed (default 1)")
+    s = p.add_argument_group("stopping and reporting")
+    s.add_argument("--max-epochs", type=int, default=None,
+                   help="stop after this many epochs (default: the preset's, 6 for small, unless --max-steps or "
+                        "--max-time is given)")
+    s.add_argument("--max-steps", type=int, default=None, help="stop after this many updates")
+    s.add_argument("--max-time", default=None, help="stop after this much training time, e.g. 90s, 30m, 2h")
+    s.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better "
+                                                              "dev score (0: never; default 5)")
+    s.add_argument("--valid-every", type=int, default=None, help="validate every N updates (and at the end; default 500)")
+    s.add_argument("--valid-beam", type=int, default=None, help="beam for dev BLEU (default 1: greedy)")
+    s.add_argument("--bleu-sentences", type=int, default=None, help="dev sentences translated for BLEU (default 0: all)")
+    s.add_argument("--log-every", type=int, default=None, help="write a training row every N updates (default 50)")
+    s.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="also keep the model of each of the last N validations, as step_UPDATES.pt (default 0: none), "
+                        "e.g. for checkpoint averaging")
+    s.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default=None,
+                   help="progress display (default auto: a live bar on a terminal, else lines every --log-every updates)")
+    d = p.add_argument_group("device")
+    d.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    d.add_argument("--backend", default="auto", help="recurrent kernels: auto, cpp, reference, triton, cuda")
+    d.add_argument("--threads", type=int, default=None, help="CPU threads (default 0: torch's default)")
+    return p
+
+
+# defaults of the flags whose parser default is None, so that a value given on the command line can be told
+# from the default (--resume compares the given ones with the run's)
+CLI_DEFAULTS = dict(model="dtmt", preset="small", vocab_type="bpe", seed=1)
+# the settings that make a run what it is: on --resume a value given for one of them must equal the run's
+FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "replicas",
+                   "smoothing", "clip", "max_tokens", "vocab_size", "vocab_type", "max_len", "seed")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, before any work (ValueError, one line naming flag, value and range)."""
+    def need(ok: bool, flag: str, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be {allowed}")
+
+    for flag in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "valid_beam",
+                 "replicas"):
+        if getattr(args, flag) is not None:
+            need(getattr(args, flag) >= 1, flag, "an integer >= 1")
+    for flag in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences", "threads", "keep_last"):
+        if getattr(args, flag) is not None:
+            need(getattr(args, flag) >= 0, flag, "an integer >= 0")
+    if args.vocab_size is not None:
+        need(args.vocab_size >= 8, "vocab_size", "an integer >= 8 (4 special pieces + at least the characters)")
+    if args.lr is not None:
+        need(0 < args.lr < math.inf, "lr", "a finite number > 0")
+    if args.smoothing is not None:
+        need(0 <= args.smoothing < 1, "smoothing", "in [0, 1)")
+    if args.clip is not None:
+        need(0 <= args.clip < math.inf, "clip", "a finite number >= 0 (0: off)")
+    seconds = parse_duration(args.max_time)
+    if seconds is not None and not 0 < seconds < math.inf:
+        raise ValueError(f"--max-time {args.max_time}: must be a finite duration > 0, e.g. 90s, 30m or 2h")
+    if args.allow_changed_data and not args.resume:
+        raise ValueError("--allow-changed-data applies to --resume only")
+
+
+def resume_conflicts(args: argparse.Namespace, explicit: set, run: dict) -> List[str]:
+    """The settings given on the command line with values other than those of the run being resumed."""
+    given = resolve_config(args)
+    out = [f"--{k.replace('_', '-')} {given[k]} (the run's is {run.get(k)})"
+           for k in FIXED_ON_RESUME if k in explicit and given[k] != run.get(k)]
+    missing = object()
+    for k, v in parse_options(args.opt).items():
+        if run["model_options"].get(k, missing) != v:
+            out.append(f"--opt {k}={v} (the run's is {run['model_options'].get(k, 'unset')})")
+    return out
+
+
+# flags a run configuration does not hold: what to do with OUT this time, and the file itself
+NOT_IN_CONFIG = ("config", "resume", "overwrite", "allow_changed_data")
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict:
+    """dest -> long flag of the parser's options (help excluded)."""
+    return {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def config_arguments(path: str) -> List[str]:
+    """The command-line arguments that the run configuration `path` stands for (YAML: `dtmt train` flags without
+    their dashes as keys, model options as the mapping `opt`), to go before the command line's own, which override
+    them. ValueError (one line naming the file) for an unreadable file, a key that is no flag, or a value the flag
+    does not take."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: not valid YAML ({one_line(exc)})") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option: value, got a {type(data).__name__}")
+    flags = _flags(build_parser())
+    argv = []
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in flags or dest in NOT_IN_CONFIG:
+            raise ValueError(f"--config {path}: unknown option {key!r} (the keys are `dtmt train` flags without the "
+                             f"dashes, e.g. max_time, and opt for the model options)")
+        if value is None:
+            continue
+        if dest == "opt":
+            if not isinstance(value, dict):
+                raise ValueError(f"--config {path}: opt must be a mapping of model option: value, e.g. "
+                                 f"opt: {{depth: 2}}")
+            argv += [a for k, v in value.items() for a in ("--opt", f"{k}={json.dumps(v)}")]
+        elif isinstance(value, (dict, list, bool)):
+            raise ValueError(f"--config {path}: {key} takes one {'number or word' if dest != 'data' else 'path'}, "
+                             f"got {value!r}")
+        else:
+            argv += [flags[dest], str(value)]
+    check = build_parser()
+
+    def fail(message):
+        raise ValueError(f"--config {path}: {message}")
+
+    check.error = fail   # argparse's own checks of types and choices, naming the file
+    check.parse_args(argv if "data" in data else [*argv, "--data", "."])
+    return argv
+
+
+def run_configuration(cfg: dict) -> dict:
+    """The resolved configuration of a run as `--config` reads it (what config.yaml holds)."""
+    out = {k: cfg[k] for k in _flags(build_parser()) if k not in NOT_IN_CONFIG and k != "opt"
+           and cfg.get(k) is not None}
+    out["opt"] = dict(cfg["model_options"])
+    return out
+
+
+def parse_duration(text: Optional[str]) -> Optional[float]:
+    """'90', '90s', '30m', '1.5h' -> seconds."""
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600}
+    t = str(text).strip().lower()
+    try:
+        return float(t[:-1]) * units[t[-1]] if t[-1] in units else float(t)
+    except (ValueError, IndexError):
+        raise ValueError(f"--max-time: cannot read {text!r}; use e.g. 90s, 30m or 2h") from None
+
+
+def parse_options(items: Sequence[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--opt expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = {"true": True, "false": False, "none": None}.get(v.lower(), v)
+    return out
+
+
+def resolve_config(args: argparse.Namespace) -> dict:
+    """The full run configuration: preset, then explicit command-line values."""
+    preset = get_preset(args.model, args.preset)
+    train = dict(preset["train"])
+    for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "max_tokens",
+              "vocab_size", "max_len"):
+        v = getattr(args, k)
+        if v is not None:
+            train[k] = v
+    if args.max_epochs is None and (args.max_steps is not None or args.max_time is not None):
+        train["max_epochs"] = None      # an explicit step or time budget replaces the preset's epoch bound
+    elif args.max_epochs is not None:
+        train["max_epochs"] = args.max_epochs
+    model_options = {**preset["model"], **parse_options(args.opt)}
+    model_options.pop("backend", None)
+    cfg = dict(vars(args))
+    cfg.pop("opt")
+    for k, v in REPORTING_DEFAULTS.items():
+        if cfg[k] is None:
+            cfg[k] = v
+    cfg.update(train)
+    cfg["model_options"] = model_options
+    cfg["max_time_s"] = parse_duration(args.max_time)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    config = pre.parse_known_args(argv)[0].config
+    if config is not None:
+        try:
+            argv = config_arguments(config) + argv   # the command line's flags come last: they override
+        except ValueError as exc:
+            print(f"dtmt train: {exc}", file=sys.stderr)
+            return 2
+    args = build_parser().parse_args(argv)
+    explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
+    if args.model is None and args.preset in PAPER_ROWS_BY_NAME:   # a paper row names its system
+        args.model = PAPER_ROWS_BY_NAME[args.preset].model
+    for k, v in CLI_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    try:
+        # everything the command line says is checked here, before any file is read or written
+        check_arguments(args)
+        if args.model not in list_models():
+            raise ValueError(f"unknown model {args.model!r}; choose one of {list_models()}")
+        args.out = os.path.abspath(args.out or os.path.join("runs", args.model))
+        last = os.path.join(args.out, LAST)
+        ckpt = None
+        fingerprint = corpus_fingerprint(args.data)
+        if args.resume:
+            ckpt = read_checkpoint(last)
+            if "training" not in ckpt:
+                raise ValueError(f"{last} has no training state")
+            cfg = dict(ckpt["config"])
+            conflicts = resume_conflicts(args, explicit, cfg)
+            if conflicts:
+                raise ValueError(f"--resume continues the run in {args.out} with its own settings, but "
+                                 + "; ".join(conflicts) + " (start a new run with another --out to change them)")
+            recorded = cfg.get("data_fingerprint")
+            if recorded is not None and recorded != fingerprint and not args.allow_changed_data:
+                differ = [k for k in fingerprint if fingerprint[k] != recorded.get(k)]
+                raise ValueError(f"--data {args.data} is not the corpus this run was trained on ({', '.join(differ)} "
+                                 f"differ); pass --allow-changed-data to continue on it anyway")
+            given = resolve_config(args)
+            for k in RESUMABLE:   # how long to go on and how to report may change; the rest is the checkpoint's
+                if getattr(args, k) is not None:
+                    cfg[k] = given[k]
+            if args.max_time is not None:
+                cfg["max_time_s"] = given["max_time_s"]
+        else:
+            if os.path.isfile(last) and not args.overwrite:
+                raise ValueError(f"{args.out} already holds a checkpoint; pass --resume to continue it or "
+                                 f"--overwrite to start again")
+            cfg = resolve_config(args)
+            check_model_options(cfg["model"], cfg["model_options"])
+        # the run lives in --out and reads --data, wherever it was started from before
+        cfg.update(out=args.out, data=os.path.abspath(args.data), data_fingerprint=fingerprint)
+        dist = Dist(cfg["device"])
+    except (ValueError, FileNotFoundError, CorpusError) as exc:
+        print(f"dtmt train: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if cfg["threads"]:
+            torch.set_num_threads(cfg["threads"])
+        trainer = Trainer(cfg, dist, ckpt)   # makes --out only once the data and the model are usable
+        if dist.main:   # once the corpus and the vocabularies are known to be usable
+            with atomic_write(os.path.join(cfg["out"], CONFIG)) as f:
+                yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
+        return trainer.run()
+    except CorpusError as exc:
+        print(f"dtmt train: {exc}", file=sys.stderr)
+        return 2
+    except WriteError as exc:   # a checkpoint, log or figure: full disk, read-only directory
+        print(f"dtmt train: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started
+        print(f"\ndtmt train: aborted ({exc or 'SIGINT'}); the last checkpoint written is "
+              f"{os.path.join(cfg['out'], LAST)} if it exists", file=sys.stderr)
+        return 130
+    finally:
+        dist.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

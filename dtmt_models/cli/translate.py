@@ -1,0 +1,292 @@
+"""`dtmt translate`: the command line over dtmt_models.decoding.translate (see its docstring for how a list of
+sentences is decoded and what the command writes).
+
+    dtmt translate --checkpoint C [FILE ...] [--output F | --output-dir D] [--nbest N]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from dtmt_models.atomic import WriteError, atomic_write
+from dtmt_models.decoding.translate import PROG, InputError, InputWarning, translate
+from dtmt_models.errors import one_line
+
+
+# ------------------------------------------------------------------------------- command line helpers
+class ProgressReporter:
+    """Progress on stderr: on a terminal, one line rewritten in place (at most 5 times a second); otherwise
+    (a redirected log) a line every `every` seconds, so long runs show life without flooding the log."""
+
+    def __init__(self, prog: str, enabled: bool = True, every: float = 60.0, stream=None):
+        self.prog, self.enabled, self.every = prog, enabled, every
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.start = self.last = time.perf_counter()
+        self.dirty = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self.last < (0.2 if self.tty else self.every) and done < total:
+            return
+        if not self.tty and done >= total:
+            return                                   # the closing summary says it
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        text = f"{self.prog}: {done:,}/{total:,} sentences ({rate:.1f} sentences/s)"
+        if self.tty:
+            self.stream.write("\r" + text)
+            self.dirty = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self, message: Optional[str] = None) -> None:
+        if not self.enabled:
+            return
+        if self.dirty:
+            self.stream.write("\n")
+            self.dirty = False
+        if message:
+            self.stream.write(f"{self.prog}: {message}\n")
+        self.stream.flush()
+
+
+def read_input(path: str) -> List[str]:
+    """The lines of a UTF-8 input ('-': stdin), line ends and a leading byte-order mark removed; empty lines
+    are kept (they translate to empty lines). Raises InputError naming file:line for invalid UTF-8."""
+    if path == "-":
+        name, stream = "<stdin>", sys.stdin
+        buffer = getattr(stream, "buffer", None)
+        data = buffer.read() if buffer is not None else stream.read().encode("utf-8", "surrogateescape")
+    else:
+        name = path
+        if os.path.isdir(path):
+            raise InputError(f"{path}: is a directory, not an input file")
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    raw = data.split(b"\n")
+    if raw[-1] == b"":
+        raw.pop()
+    lines = []
+    for number, line in enumerate(raw, start=1):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{name}:{number}: invalid UTF-8 at byte {exc.start} of the line "
+                             f"({line[max(0, exc.start - 10):exc.start + 10]!r})") from None
+        if number == 1 and text.startswith("\ufeff"):
+            text = text[1:]
+        lines.append(text)
+    return lines
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Writes `text` (UTF-8) to `path` atomically (dtmt_models.atomic; WriteError on failure)."""
+    with atomic_write(path) as f:
+        f.write(text)
+
+
+def check_device_and_backend(device: str, backend: str) -> torch.device:
+    """The torch device for `device`, after checking that it and `backend` can run here (InputError if not)."""
+    import dtmt_kernels as dk
+    from dtmt_kernels.backends import resolve_backend
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"--device: {device!r} is not a device (use cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"--device: use cpu or cuda, got {device!r}")
+    try:
+        resolve_backend(backend, dev)
+    except ValueError as exc:
+        raise InputError(f"--backend {backend}: {one_line(exc)} (available: {dk.available_backends()})") from None
+    return dev
+
+
+def load_for_decoding(checkpoint: str, device: torch.device, backend: str):
+    """load_model with the errors a user can cause turned into InputError."""
+    from dtmt_models.models.checkpoint import load_model
+
+    if not os.path.isfile(checkpoint):
+        raise InputError(f"checkpoint {checkpoint!r} does not exist")
+    try:
+        return load_model(checkpoint, str(device), backend)
+    except (ValueError, KeyError, RuntimeError, OSError, TypeError) as exc:
+        raise InputError(f"{checkpoint}: cannot load the checkpoint ({one_line(exc)})") from None
+
+
+def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sentences: Sequence[str], **kwargs
+                       ) -> Tuple[List[List[Tuple[str, float]]], float]:
+    """`translate` with progress on stderr, the truncation warning shown as one `prog: warning:` line, and a
+    closing summary; returns (results, decoding seconds)."""
+    reporter = ProgressReporter(prog, enabled=not quiet)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InputWarning)
+        results = translate(model, src_vocab, tgt_vocab, sentences, progress=reporter, **kwargs)
+    seconds = time.perf_counter() - t0
+    for w in caught:
+        if issubclass(w.category, InputWarning):
+            print(f"{prog}: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    noun = "sentence" if len(sentences) == 1 else "sentences"
+    reporter.close(f"translated {len(sentences):,} {noun} in {seconds:.1f}s "
+                   f"({len(sentences) / max(seconds, 1e-9):.1f} sentences/s)")
+    return results, seconds
+
+
+def format_output(results: Iterable[List[Tuple[str, float]]], nbest: bool) -> str:
+    """Plain one-best lines, or Moses n-best lines `index ||| text ||| score` (index from 0)."""
+    out = []
+    for index, hyps in enumerate(results):
+        if nbest:
+            for text, score in hyps:
+                out.append(f"{index} ||| {_single_line(text)} ||| {score:.6f}")
+        else:
+            out.append(_single_line(hyps[0][0] if hyps else ""))
+    return "".join(line + "\n" for line in out)
+
+
+def _single_line(text: str) -> str:
+    return " ".join(text.splitlines()) if ("\n" in text or "\r" in text) else text
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `dtmt translate` and `dtmt evaluate` share."""
+    from dtmt_kernels.backends import BACKEND_NAMES
+
+    g = parser.add_argument_group("decoding")
+    g.add_argument("--beam", type=int, default=4, help="beam size (1: greedy; default 4)")
+    g.add_argument("--alpha", type=float, default=0.6,
+                   help="length penalty exponent, ((5+|y|)/6)^alpha (default 0.6; 0: raw log-probability)")
+    g.add_argument("--max-tokens", type=int, default=2000,
+                   help="source subwords per batch, padding included (default 2000)")
+    g.add_argument("--max-src-len", type=int, default=250,
+                   help="longer sources are truncated to this many subwords, with a warning (default 250)")
+    g.add_argument("--max-len-a", type=float, default=2.0,
+                   help="maximum output length = a * source length + b (default a=2.0)")
+    g.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a (default b=10)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    g.add_argument("--backend", default="auto", choices=list(BACKEND_NAMES),
+                   help="recurrent kernel backend (default auto)")
+    g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
+
+
+class OnceAction(argparse.Action):
+    """An option that may be given once: a repeat is an error, not a silent "the last one wins"."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); "
+                         f"give one checkpoint (ensembles are not supported)")
+        setattr(namespace, self.dest, values)
+
+
+def check_decoding_arguments(args: argparse.Namespace) -> None:
+    for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0)):
+        if getattr(args, name) < low:
+            raise InputError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too
+        raise InputError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
+    if not math.isfinite(args.alpha):
+        raise InputError(f"--alpha must be a finite number, got {args.alpha}")
+
+
+def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
+    return dict(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, max_len_a=args.max_len_a,
+                max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len)
+
+
+# ------------------------------------------------------------------------------------------ main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Translate text files (or stdin) with a dtmt checkpoint, one sentence a line.",
+        epilog="Empty input lines give empty output lines. Several inputs are written, in order, to one output "
+               "unless --output-dir is given; --nbest indices count the lines of each input from 0.")
+    p.add_argument("inputs", nargs="*", metavar="FILE", help="UTF-8 input files; none or '-' reads stdin")
+    p.add_argument("--checkpoint", "-c", required=True, action=OnceAction, help="a checkpoint written by `dtmt train`")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--output", "-o", help="output file (default stdout), written atomically at the end")
+    out.add_argument("--output-dir", help="write each input's translation to DIR/<input basename>.out")
+    p.add_argument("--nbest", type=int, default=None, metavar="N",
+                   help="write the N best translations per line in Moses format: index ||| text ||| score")
+    add_decoding_arguments(p)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except InputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    check_decoding_arguments(args)
+    nbest = args.nbest
+    if nbest is not None and not 1 <= nbest <= args.beam:
+        raise InputError(f"--nbest must be between 1 and --beam ({args.beam}), got {nbest}")
+    inputs = args.inputs or ["-"]
+    if inputs.count("-") > 1:
+        raise InputError("stdin ('-') can be read only once")
+    targets: List[Optional[str]] = [args.output] * len(inputs)
+    if args.output_dir:
+        names = ["stdin.out" if path == "-" else os.path.basename(path) + ".out" for path in inputs]
+        clash = sorted({n for n in names if names.count(n) > 1})
+        if clash:
+            raise InputError(f"--output-dir: several inputs would write {clash[0]}; translate them separately")
+        targets = [os.path.join(args.output_dir, n) for n in names]
+    device = check_device_and_backend(args.device, args.backend)
+    texts = [read_input(path) for path in inputs]            # every input before any decoding
+    model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)
+
+    sentences = [line for lines in texts for line in lines]
+    results, _ = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sentences,
+                                    nbest=nbest or 1, **decoding_kwargs(args, device))
+    pieces, start = [], 0
+    for lines in texts:
+        pieces.append(format_output(results[start:start + len(lines)], nbest is not None))
+        start += len(lines)
+    try:
+        if args.output_dir:
+            for target, text in zip(targets, pieces):
+                write_atomic(target, text)
+        elif args.output:
+            write_atomic(args.output, "".join(pieces))
+        else:
+            sys.stdout.write("".join(pieces))
+            sys.stdout.flush()
+    except WriteError as exc:
+        raise InputError(str(exc)) from None
+    except OSError as exc:   # stdout
+        raise InputError(f"cannot write the output ({exc.filename or 'stdout'}: {exc.strerror or exc})") from None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Parallel corpora: reading and validating two aligned UTF-8 text files, one sentence a line (SPEC §5).
+
+Bad input is reported, never dropped silently: a line-count mismatch, invalid UTF-8 or an empty line raises
+`CorpusError` naming the file and the line numbers. Over-long pairs are filtered later, after subword
+segmentation, with the count returned to the caller (see `filter_by_length`).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Sequence, Tuple
+
+from dtmt_models.atomic import atomic_write
+
+MAX_LISTED = 10
+
+
+class CorpusError(ValueError):
+    """A corpus file is malformed; the message lists the file, the line numbers and the reasons."""
+
+
+def _report(problems: List[str], what: str) -> None:
+    if problems:
+        shown = "\n  ".join(problems[:MAX_LISTED])
+        more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+        raise CorpusError(f"{what}: {len(problems)} problem(s)\n  {shown}{more}")
+
+
+def read_lines(path: str, allow_empty: bool = False) -> List[str]:
+    """The lines of a UTF-8 text file (without line ends; a final newline does not make an extra line; a
+    byte-order mark at the start of the file is not part of the first line)."""
+    if not os.path.isfile(path):
+        raise CorpusError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):   # UTF-8 BOM, as some editors on Windows write
+        data = data[3:]
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()
+    lines, problems = [], []
+    for i, line in enumerate(raw, start=1):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problems.append(f"{path}:{i}: invalid UTF-8 at byte {exc.start} ({line[max(0, exc.start - 10):exc.start + 10]!r})")
+            continue
+        if not allow_empty and not text.strip():
+            problems.append(f"{path}:{i}: empty line")
+        lines.append(text.strip())
+    _report(problems, path)
+    return lines
+
+
+def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:
+    """Aligned (source, target) pairs; raises CorpusError on any malformed line or a count mismatch."""
+    problems = []
+    sides = []
+    for path in (src_path, tgt_path):
+        try:
+            sides.append(read_lines(path))
+        except CorpusError as exc:
+            problems.append(str(exc))
+    _report(problems, "parallel corpus")
+    src, tgt = sides
+    if not src and not tgt:
+        raise CorpusError(f"{src_path} and {tgt_path} hold no sentences: a corpus needs at least one pair")
+    if len(src) != len(tgt):
+        raise CorpusError(f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}; "
+                          f"the files must be aligned one sentence per line")
+    return list(zip(src, tgt))
+
+
+def write_parallel(pairs: Sequence[Tuple[str, str]], src_path: str, tgt_path: str) -> None:
+    """Writes aligned files atomically (a temporary file renamed into place)."""
+    for path, side in ((src_path, 0), (tgt_path, 1)):
+        with atomic_write(path) as f:
+            for pair in pairs:
+                if "\n" in pair[side]:
+                    raise CorpusError(f"{path}: a sentence contains a line break: {pair[side][:60]!r}")
+                f.write(pair[side] + "\n")
+
+
+def filter_by_length(pairs: Sequence[Tuple[List[int], List[int]]], max_len: int):
+    """Keeps the pairs whose two sides have at most max_len tokens; returns (kept, number dropped)."""
+    kept = [p for p in pairs if len(p[0]) <= max_len and len(p[1]) <= max_len]
+    return kept, len(pairs) - len(kept)
+
+
+# ------------------------------------------------------------------------------------ prepared corpora
+# A prepared corpus is a directory with {split}.{src_lang} / {split}.{tgt_lang} files (split: train, dev,
+# test) and a manifest, corpus.json, naming the two languages, the line counts and where the text came from.
+MANIFEST = "corpus.json"
+
+
+def write_manifest(directory: str, src_lang: str, tgt_lang: str, counts: dict, origin: str, **extra) -> str:
+    import json
+
+    path = os.path.join(directory, MANIFEST)
+    with atomic_write(path) as f:
+        json.dump({"src_lang": src_lang, "tgt_lang": tgt_lang, "counts": counts, "origin": origin, **extra},
+                  f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    return path
+
+
+def read_manifest(directory: str) -> dict:
+    """The manifest of a prepared corpus; a clear error when `directory` was not made by `dtmt prepare`."""
+    import json
+
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise CorpusError(f"{directory}: no {MANIFEST}; make the corpus with `dtmt prepare bible --out {directory}` "
+                          f"or `dtmt prepare files --src F --tgt G --out {directory}`")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def corpus_fingerprint(directory: str) -> dict:
+    """What identifies a prepared corpus: its languages, its split sizes and the SHA-1 of its training files
+    (`dtmt train --resume` compares it with the run's). CorpusError if `directory` is not a prepared corpus."""
+    import hashlib
+
+    manifest = read_manifest(directory)
+    digest = hashlib.sha1()
+    for path in corpus_paths(directory, "train"):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return {"languages": f"{manifest['src_lang']}-{manifest['tgt_lang']}", "counts": manifest["counts"],
+            "train_sha1": digest.hexdigest()}
+
+
+def corpus_paths(directory: str, split: str) -> Tuple[str, str]:
+    """(source file, target file) of a split of a prepared corpus."""
+    m = read_manifest(directory)
+    src, tgt = (os.path.join(directory, f"{split}.{m[k]}") for k in ("src_lang", "tgt_lang"))
+    if split not in m.get("counts", {}) or not os.path.isfile(src):
+        raise CorpusError(f"{directory}: no split {split!r} ({src} is missing); splits: {sorted(m.get('counts', {}))}")
+    return src, tgt

@@ -1,0 +1,107 @@
+"""Batched beam search over the Seq2Seq interface (encode / step / reorder), greedy as beam 1.
+
+Hypotheses are ranked by log P(y|x) / lp(y) with the GNMT length penalty of paper 000's decoding,
+lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability). A sentence is finished when it has
+`beam` complete hypotheses and no open one can still beat the worst of them, or at max length (source
+length * max_len_a + max_len_b steps, EOS included), where only EOS may follow the open hypotheses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Union
+
+import torch
+from torch import Tensor
+
+from dtmt_models.data.vocabulary import BOS, EOS
+
+
+@dataclass
+class Hypothesis:
+    tokens: List[int]      # without BOS / EOS
+    score: float           # length-normalised
+    log_prob: float
+
+
+NEG_INF = float("-inf")
+
+
+def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Tensor]:
+    """lp(y) for a length (an int gives a float, a tensor of lengths a float tensor)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+@torch.no_grad()
+def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: float = 0.6, nbest: int = 1,
+                max_len_a: float = 2.0, max_len_b: int = 10) -> List[List[Hypothesis]]:
+    """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first. `model`: a Seq2Seq
+    (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
+    encode / step / reorder."""
+    if beam < 1 or not 1 <= nbest <= beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    if hasattr(model, "inference_decoder"):
+        model = model.inference_decoder()
+    B, device = src.shape[0], src.device
+    state = model.encode(src, src_lengths)
+    state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
+    scores = torch.full((B, beam), float("-inf"), device=device)
+    scores[:, 0] = 0.0                                   # all beams start identical: keep one
+    tokens = torch.full((B * beam, 1), BOS, dtype=torch.long, device=device)
+    max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
+    max_len_list = max_len.tolist()
+    finished: List[List[Hypothesis]] = [[] for _ in range(B)]
+    done = [False] * B
+    for t in range(int(max_len.max())):
+        log_probs, state = model.step(state, tokens[:, -1])
+        V = log_probs.shape[-1]
+        log_probs = log_probs.view(B, beam, V).float()
+        at_limit = t + 1 >= max_len
+        if bool(at_limit.any()):   # the last step allowed: only EOS may follow
+            eos_only = torch.full_like(log_probs, float("-inf"))
+            eos_only[..., EOS] = log_probs[..., EOS]
+            log_probs = torch.where(at_limit.view(B, 1, 1), eos_only, log_probs)
+        cand = (scores.unsqueeze(-1) + log_probs).view(B, -1)
+        top_scores, top_idx = cand.topk(min(2 * beam, cand.shape[1]), dim=1)
+        # the bookkeeping below is per sentence and per candidate, on Python lists (three transfers a step), not
+        # on tensor elements
+        top_scores, top_idx = top_scores.tolist(), top_idx.tolist()
+        new_scores = [[NEG_INF] * beam for _ in range(B)]
+        new_origin = [[0] * beam for _ in range(B)]
+        new_word = [[EOS] * beam for _ in range(B)]
+        for b in range(B):
+            if done[b]:
+                continue
+            k = 0
+            for s, i in zip(top_scores[b], top_idx[b]):
+                if s == NEG_INF:
+                    break
+                o, w = divmod(i, V)
+                if w == EOS:
+                    hyp = tokens[b * beam + o, 1:].tolist()
+                    finished[b].append(Hypothesis(hyp, s / length_penalty(len(hyp) + 1, alpha), s))
+                elif k < beam:
+                    new_scores[b][k], new_origin[b][k], new_word[b][k] = s, o, w
+                    k += 1
+                if k == beam and len(finished[b]) >= beam:
+                    break
+            finished[b].sort(key=lambda h: -h.score)
+            del finished[b][beam:]
+            # finished when full and no open hypothesis can still win (log-probs only decrease; the length
+            # penalty is at most that of the max length)
+            best_open = max(new_scores[b])
+            bound = best_open / length_penalty(max_len_list[b], alpha) if alpha > 0 else best_open
+            if t + 1 >= max_len_list[b] or best_open == NEG_INF or (len(finished[b]) >= beam and
+                                                                    bound <= finished[b][-1].score):
+                done[b] = True
+        if all(done):
+            break
+        select = torch.tensor([b * beam + o for b in range(B) for o in new_origin[b]], device=device)
+        state = model.reorder(state, select)
+        tokens = torch.cat([tokens[select], torch.tensor(new_word, device=device).view(-1, 1)], 1)
+        scores = torch.tensor([[NEG_INF] * beam if done[b] else new_scores[b] for b in range(B)], device=device)
+    return [hyps[:nbest] for hyps in finished]
+
+
+def greedy(model, src: Tensor, src_lengths: Tensor, **kwargs) -> List[List[int]]:
+    """Beam 1; returns the token lists."""
+    return [h[0].tokens for h in beam_search(model, src, src_lengths, beam=1, alpha=0.0, **kwargs)]

@@ -1,0 +1,167 @@
+"""Translation with a trained checkpoint: the library call the trainer uses for dev BLEU, and `dtmt translate`.
+
+    translate(model, src_vocab, tgt_vocab, sentences, beam=4, ...)   -> per sentence, its n-best (text, score)
+    translate_best(model, src_vocab, tgt_vocab, sentences, ...)      -> the one-best strings
+    dtmt translate --checkpoint C [FILE ...] [--output F | --output-dir D] [--nbest N]
+
+How a list of sentences is decoded:
+  * each line is segmented with the source SentencePiece model; a line with no subwords (empty or only
+    whitespace) translates to the empty string without reaching the model (the encoders need >= 1 token);
+  * a source longer than `max_src_len` subwords is cut to that length (counted, and reported once with a
+    `TruncationWarning`) instead of failing or exhausting memory;
+  * the sources are sorted by length (longest first, so an out-of-memory shows up at once) and cut into
+    batches whose padded size, sentences x longest source, stays within `max_tokens` (a single longer source
+    forms a batch of its own);
+  * every batch goes through `beam_search` with the model in eval mode under `torch.no_grad()` (not
+    `torch.inference_mode()`: tensors it creates can never re-enter autograd, which custom autograd
+    Functions and callers that train afterwards, like the trainer's validation, must not have to care
+    about); the model's train/eval mode is restored afterwards;
+  * the results are put back in input order and detokenised with the target SentencePiece model.
+Beam search treats every sentence of a batch independently, so the output does not depend on max_tokens.
+
+The command line reads every input first (so a bad file fails before any decoding), decodes all their lines
+together, and writes each output atomically (a temporary file renamed into place). Several inputs go to one
+output (stdout or --output) in input order, or with --output-dir to `D/<input basename>.out` each. With
+--nbest N the output is in Moses n-best format, `index ||| translation ||| score`, the index counting the
+lines of each input from 0 and the score the length-normalised log-probability that ranks the beam.
+Errors a user can cause (missing or foreign checkpoint, unreadable input, invalid UTF-8, with file:line,
+unavailable backend or device) are one line on stderr and exit status 1.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from dtmt_models.data.vocabulary import UNK, Vocabulary
+from dtmt_models.decoding.beam_search import beam_search
+
+PROG = "dtmt translate"
+Progress = Callable[[int, int], None]
+
+
+class InputWarning(UserWarning):
+    """Something about the sources that the user should know; `dtmt translate` shows it as one line."""
+
+
+class TruncationWarning(InputWarning):
+    """Some sources were longer than `max_src_len` subwords and were cut."""
+
+
+class UnknownPiecesWarning(InputWarning):
+    """Some sources are mostly pieces the source vocabulary does not know: the model can only guess at them."""
+
+
+class InputError(Exception):
+    """A problem with the command line's inputs or settings; the message is shown as is, on one line."""
+
+
+# ------------------------------------------------------------------------------------------- library
+def length_batches(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
+    """Indices of `lengths`, longest first, cut into batches of at most `max_tokens` padded source tokens
+    (number of sentences x longest length); a source longer than max_tokens is a batch by itself."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])    # stable: ties keep the input order
+    batches: List[List[int]] = []
+    current: List[int] = []
+    longest = 0
+    for i in order:
+        if current and max(longest, lengths[i]) * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, lengths[i])
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary, sentences: Sequence[str],
+              beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,
+              max_len_b: int = 10, device=None, progress: Optional[Progress] = None,
+              max_src_len: Optional[int] = 250) -> List[List[Tuple[str, float]]]:
+    """Translates `sentences` (plain text, one sentence each); returns for every sentence, in input order, its
+    up to `nbest` best (translation, length-normalised log-probability) pairs, best first.
+
+    An empty or whitespace-only sentence gives [("", 0.0)]. `device` is where the batches go (None: the
+    model's device; the model itself is not moved). `progress(done, total)` is called after every batch with
+    the number of sentences finished. `max_src_len` (None: no limit) cuts longer sources, with one
+    `TruncationWarning` per call; sources of which more than half the pieces are unknown to the source
+    vocabulary give one `UnknownPiecesWarning` per call (the model would otherwise invent a fluent sentence
+    without a word of notice)."""
+    if beam < 1 or not 1 <= nbest <= beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    if max_src_len is not None and max_src_len < 1:
+        raise ValueError(f"max_src_len must be >= 1 or None, got {max_src_len}")
+    if isinstance(sentences, str):
+        raise TypeError("translate: `sentences` must be a sequence of strings, not one string")
+    device = _model_device(model) if device is None else torch.device(device)
+    total = len(sentences)
+    results: List[List[Tuple[str, float]]] = [[("", 0.0)] for _ in range(total)]
+    ids: List[List[int]] = []
+    todo: List[int] = []                        # positions of the sentences that reach the model
+    truncated = 0
+    unknown: List[int] = []                     # (1-based) numbers of mostly-unknown sources
+    boundary = src_vocab.sp.piece_to_id("\u2581")
+    for i, text in enumerate(sentences):
+        tokens = src_vocab.encode(text) if text.strip() else []
+        if not tokens:
+            continue
+        pieces = [t for t in tokens if t != boundary]  # a bare word boundary says nothing about the words
+        if 2 * sum(t == UNK for t in pieces) > len(pieces):
+            unknown.append(i + 1)
+        if max_src_len is not None and len(tokens) > max_src_len:
+            tokens = tokens[:max_src_len]
+            truncated += 1
+        todo.append(i)
+        ids.append(tokens)
+    if truncated:
+        warnings.warn(f"{truncated} of {total} source sentence(s) had more than {max_src_len} subwords and were "
+                      f"truncated to {max_src_len}", TruncationWarning, stacklevel=2)
+    if unknown:
+        shown = ", ".join(map(str, unknown[:5])) + (", ..." if len(unknown) > 5 else "")
+        warnings.warn(f"{len(unknown)} of {total} source sentence(s) are mostly pieces unknown to the model's "
+                      f"source vocabulary (sentence {shown}): their translations are guesses, not translations",
+                      UnknownPiecesWarning, stacklevel=2)
+    done = total - len(todo)
+    if progress is not None:
+        progress(done, total)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
+            decoder = model.inference_decoder() if ids and hasattr(model, "inference_decoder") else model
+            for batch in length_batches([len(t) for t in ids], max_tokens):
+                width = max(len(ids[j]) for j in batch)
+                src = torch.zeros(len(batch), width, dtype=torch.long)     # PAD = 0
+                for row, j in enumerate(batch):
+                    src[row, :len(ids[j])] = torch.tensor(ids[j], dtype=torch.long)
+                lengths = torch.tensor([len(ids[j]) for j in batch], dtype=torch.long)
+                hyps = beam_search(decoder, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
+                                   max_len_a=max_len_a, max_len_b=max_len_b)
+                for j, sentence_hyps in zip(batch, hyps):
+                    results[todo[j]] = [(tgt_vocab.decode(h.tokens), float(h.score)) for h in sentence_hyps]
+                done += len(batch)
+                if progress is not None:
+                    progress(done, total)
+    finally:
+        model.train(was_training)
+    return results
+
+
+def translate_best(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary,
+                   sentences: Sequence[str], **kwargs) -> List[str]:
+    """The one-best translation of every sentence, in input order (keyword arguments as `translate`, without
+    nbest)."""
+    if "nbest" in kwargs:
+        raise TypeError("translate_best: nbest is always 1")
+    return [hyps[0][0] if hyps else "" for hyps in translate(model, src_vocab, tgt_vocab, sentences, **kwargs)]

@@ -1,0 +1,68 @@
+"""`dtmt models`: the registered systems and the papers' table rows that build as presets (SPEC §6).
+
+    dtmt models                 systems, their presets, and every paper row with the paper's parameter count
+    dtmt models --count         ... and ours at the paper's sizes (built on the meta device: nothing allocated)
+    dtmt models --table 002-T4  one table only
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Dict, List, Optional
+
+import torch
+
+from dtmt_models.models.presets import PAPER_ROWS, TABLES, PaperRow, presets_of
+from dtmt_models.models.registry import _MODELS, build_model, list_models
+
+
+def row_parameters(row: PaperRow) -> int:
+    """Our parameter count for a paper row at the paper's sizes and its table's vocabulary (per side)."""
+    vocab = TABLES[row.table].vocab
+    with torch.device("meta"):
+        model = build_model(row.model, vocab, vocab, **row.options)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _paper_count(row: PaperRow) -> str:
+    if row.params is None:
+        return "BLEU only"
+    return f"{row.params:,}" if row.params >= 1e6 else f"{row.params:.1f} M"
+
+
+def _millions(n: float) -> float:
+    return n / 1e6 if n >= 1e6 else n
+
+
+def describe(count: bool = False, table: Optional[str] = None) -> str:
+    lines: List[str] = []
+    if table is None:
+        lines.append("systems (dtmt train --model NAME --preset PRESET):")
+        for name in list_models():
+            doc = inspect.getmodule(_MODELS[name]).__doc__ or ""
+            first = doc.strip().splitlines()[0] if doc.strip() else ""
+            lines.append(f"  {name:<14s} {first}")
+            rows = sum(r.model == name for r in PAPER_ROWS)
+            lines.append(f"  {'':<14s} presets: {', '.join(p for p in presets_of(name) if p in ('small', 'paper'))}"
+                         + (f", and {rows} paper table rows (below)" if rows else ""))
+        lines.append("")
+        lines.append("the papers' table rows (a row is a preset of its system: dtmt train --preset ROW, the model "
+                     "follows from the row):")
+    for key, t in TABLES.items():
+        if table is not None and key != table:
+            continue
+        rows = [r for r in PAPER_ROWS if r.table == key]
+        lines.append(f"{t.title} (counts at {t.vocab:,} subwords per side)")
+        base: Dict[str, float] = {}
+        for r in rows:
+            line = f"  {r.name:<27s} {r.model:<14s} {r.label:<58s} {_paper_count(r):>12s}"
+            if count and r.params is not None:
+                ours = row_parameters(r)
+                if not base:
+                    base = dict(paper=_millions(r.params), ours=ours / 1e6)
+                line += (f"   ours {ours / 1e6:8.3f} M   Δ paper {_millions(r.params) - base['paper']:+8.3f}"
+                         f"  Δ ours {ours / 1e6 - base['ours']:+8.3f}")
+            lines.append(line)
+            if r.unmatched:
+                lines.append(f"  {'':<27s} count not reproduced: {r.unmatched}")
+        lines.append("")
+    return "\n".join(lines).rstrip()

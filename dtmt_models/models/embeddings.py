@@ -1,0 +1,62 @@
+"""Token embeddings with optional scaled sinusoidal positional encoding (DTMT: x + PE / sqrt(d))."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
+    """The Transformer's PE table [length, dim]: sin on even, cos on odd features. Computed in float64 on the
+    CPU and rounded once to `dtype`, so the table is the same on every device (a float32 sin differs by an ulp
+    between CPU and GPU) and exact to the model's precision."""
+    pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)
+    i = torch.arange(0, dim, 2, dtype=torch.float64)
+    angle = pos / torch.pow(10000.0, i / dim)
+    pe = torch.zeros(length, dim, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle[:, : dim // 2])
+    return pe.to(device=device, dtype=dtype)
+
+
+class TokenEmbedding(nn.Module):
+    """Embedding lookup (padding row kept at zero), plus PE / sqrt(dim) when `positional` (paper 000 scales
+    the encoding down so it does not swamp the word embedding of a recurrent model)."""
+
+    def __init__(self, vocab_size: int, dim: int, pad_id: int = 0, positional: bool = False, dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
+        nn.init.normal_(self.embed.weight, std=dim ** -0.5)
+        with torch.no_grad():
+            self.embed.weight[pad_id].zero_()
+        self.dim, self.positional = dim, positional
+        self.dropout = nn.Dropout(dropout)
+        self._table = torch.empty(0, dim)   # PE / sqrt(dim), grown on demand (not a parameter, not saved)
+
+    def scaled_positions(self, length: int, like: Tensor) -> Tensor:
+        """[length, dim] rows of PE / sqrt(dim), cached on the module."""
+        t = self._table
+        if t.shape[0] < length or t.device != like.device or t.dtype != like.dtype:
+            n = max(length, 2 * t.shape[0], 64)
+            t = self._table = sinusoidal_positions(n, self.dim, like.device, like.dtype) / math.sqrt(self.dim)
+        return t[:length]
+
+    @property
+    def weight(self) -> Tensor:
+        return self.embed.weight
+
+    def forward(self, tokens: Tensor, positions: Tensor = None) -> Tensor:
+        """tokens [B, T] (positions 0..T-1) or [B] with `positions` [B] (one decoder step)."""
+        # F.embedding and index_select rather than the submodule and [positions], and no dropout call in eval
+        # mode: the decoder step's path, kept free of module-call overhead (benchmarks/NOTES.md, log item 12)
+        x = F.embedding(tokens, self.embed.weight, self.embed.padding_idx)
+        if self.positional:
+            if positions is None:
+                x = x + self.scaled_positions(tokens.shape[-1], x)
+            else:
+                table = self.scaled_positions(int(positions.max()) + 1, x)
+                x = x + (table.index_select(0, positions) if positions.dim() == 1 else table[positions])
+        return self.dropout(x) if self.training else x

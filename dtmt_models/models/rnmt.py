@@ -1,0 +1,166 @@
+"""The attentional RNMT skeleton that DTMT, SHALLOWRNMT, RNNSearch-ATR and Nematus' cGRU share:
+
+    annotations C = encoder(embeddings of x)                         (subclass: `encode_source`)
+    s_0          = tanh(W_init · mean of C over the real tokens)
+    per step t:  s̃_t = query_cell(y_{t-1}, s_{t-1})                  (DTMT query transition, cGRU's GRU1)
+                 c_t, α_t = attention(s̃_t, C)
+                 s_t = decoder_cell(c_t, s̃_t)                       (DTMT decoder transition, cGRU's GRU2)
+                 features = tanh(W_1 y_{t-1} + W_2 s_t + W_3 c_t)    (the Readout)
+
+Subclasses create src_embed, tgt_embed, init_state, query_cell, attention, decoder_cell and readout. Cells
+with candidate dropout get one mask per sentence, drawn at `encode` and kept (batch first) in the state.
+
+For decoding, `inference_decoder()` (eval mode, cpp backend) gives a FusedRNMTDecoder whose step runs everything
+after the embedding lookup as one C++ call, `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the
+modules (benchmarks/NOTES.md, log item 12). Nematus' one-level cGRU decoder uses the same decoder.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import dtmt_kernels as dk
+from dtmt_models.models.attention import AttentionStep
+from dtmt_models.models.seq2seq import (
+    FrozenReadout,
+    Seq2Seq,
+    State,
+    lengths_mask,
+    step_state,
+)
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """x [B, S, D], mask [B, S] bool -> mean over the real positions [B, D]."""
+    m = mask.unsqueeze(-1).to(x.dtype)
+    return (x * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+SWAPPABLE_CELLS = ("atr", "gru", "lgru", "lau")
+
+
+def _check_swappable(cell: str) -> None:
+    if cell not in SWAPPABLE_CELLS:
+        raise ValueError(f"cell must be one of {SWAPPABLE_CELLS}, got {cell!r}")
+
+
+def recurrent_layer(cell: str, input_size: int, hidden_size: int, **options):
+    """A one-cell recurrent layer of the given type (SPEC §4: systems swap GRU / LAU / L-GRU / ATR)."""
+    _check_swappable(cell)
+    if cell == "atr":
+        return dk.nn.ATR(input_size, hidden_size, **options)
+    return dk.nn.DeepTransitionGRU(input_size, hidden_size, depth=0, cell=cell, **options)
+
+
+def recurrent_cell(cell: str, input_size: int, hidden_size: int, **options):
+    """The single-step counterpart of `recurrent_layer`, for decoders."""
+    _check_swappable(cell)
+    if cell == "atr":
+        return dk.nn.ATRCell(input_size, hidden_size, **options)
+    return dk.nn.DeepTransitionGRUCell(input_size, hidden_size, depth=0, cell=cell, **options)
+
+
+def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
+                layers: Optional[int] = None) -> State:
+    """What every attentional decoder starts from: the annotations, the attention keys (computed once per
+    batch), the source mask, and s = tanh(init_state(mean annotation over the real tokens)); with `layers`,
+    init_state produces one state per decoder layer and s is [B, layers, H]."""
+    src_mask = lengths_mask(src_lengths, annotations.shape[1])
+    s = torch.tanh(init_state(masked_mean(annotations, src_mask)))
+    if layers is not None:
+        s = s.view(s.shape[0], layers, -1)
+    return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask, "s": s}
+
+
+class FusedRNMTDecoder:
+    """The inference decoder (Seq2Seq.inference_decoder) of an attentional RNMT whose step is query cell ->
+    attention -> decoder cell -> readout -> projection, nothing else: each `step` is one C++ call,
+    `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; `encode`, `embed_step` and `reorder`
+    are the prepared model's. Built by `fused_rnmt_decoder`, from the model's inference forms: the two
+    FrozenTransitionCells, the AttentionStep's AttentionWeights and the FrozenReadout's ReadoutWeights.
+    `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]."""
+
+    def __init__(self, model: Seq2Seq, layered: bool = False):
+        self.model, self.layered = model, layered
+        self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
+        self.attention, self.readout = model.attention.weights, model.readout.weights
+        self.single_head = model.attention.single_head
+
+    def inference_decoder(self) -> "FusedRNMTDecoder":
+        return self
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+        return self.model.encode(src, src_lengths)
+
+    def reorder(self, state: State, index: Tensor) -> State:
+        return self.model.reorder(state, index)
+
+    def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        y = self.model.embed_step(state, prev_tokens)
+        s = state["s"][:, 0] if self.layered else state["s"]
+        keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
+        log_probs, s, alpha = dk.functional.rnmt_step(y, s, keys, state["annotations"], state["src_mask"],
+                                                      self.query_cell, self.decoder_cell, self.attention,
+                                                      self.readout)
+        updates = {"s": s.unsqueeze(1) if self.layered else s}
+        if "pos" in state:
+            updates["pos"] = state["pos"] + 1
+        return log_probs, step_state(state, alpha, True, **updates)
+
+
+def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False) -> Optional[FusedRNMTDecoder]:
+    """A FusedRNMTDecoder for `prepared` (a model's inference copy, eval mode), or None where its step is not the
+    one the fused op computes: a class whose transition is not `transition` (the system's own, as the caller
+    names it) or that changes the features, decoder step or step; higher decoder levels (`levels`, Nematus'); a
+    part without its inference form (another backend, dtype or device; a swapped-in module of another kind; a
+    readout with deep layers); cells of different eps."""
+    cls = type(prepared)
+    if (prepared.training or cls.transition is not transition or cls.features is not Seq2Seq.features
+            or cls.decoder_step is not Seq2Seq.decoder_step or cls.step is not Seq2Seq.step
+            or len(getattr(prepared, "levels", ()))):
+        return None
+    q, d, att, r = prepared.query_cell, prepared.decoder_cell, prepared.attention, prepared.readout
+    if not (type(q) is type(d) is dk.nn.FrozenTransitionCell and q.eps == d.eps and type(att) is AttentionStep
+            and type(r) is FrozenReadout and r.weights.w_out is not None):
+        return None
+    return FusedRNMTDecoder(prepared, layered)
+
+
+class AttentionalRNMT(Seq2Seq):
+    def encode_source(self, src: Tensor, src_lengths: Tensor) -> Tensor:
+        """Annotations [B, S, C] (zeros at padding)."""
+        return self.encoder(self.src_embed(src), lengths=src_lengths)[0]
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+        self.check_batch(src, src_lengths)
+        annotations = self.encode_source(src, src_lengths)
+        B = src.shape[0]
+        state = start_state(self.attention, self.init_state, annotations, src_lengths)
+        state["pos"] = torch.zeros(B, dtype=torch.long, device=src.device)
+        for name, cell in (("drop_q", self.query_cell), ("drop_d", self.decoder_cell)):
+            drop = cell.sample_dropout_masks(B, annotations)
+            if drop is not None:
+                state[name] = drop.transpose(0, 1)  # [B, depth+1, H]: batch first, for reorder
+        return state
+
+    @staticmethod
+    def _drop(state: State, key: str) -> Optional[Tensor]:
+        d = state.get(key)
+        return None if d is None else d.transpose(0, 1).contiguous()
+
+    def embed_step(self, state: State, prev_tokens: Tensor) -> Tensor:
+        return self.tgt_embed(prev_tokens, positions=state["pos"])
+
+    def inference_decoder(self):
+        """Seq2Seq.inference_decoder, with the whole step as one C++ call where it applies (FusedRNMTDecoder)."""
+        prepared = super().inference_decoder()
+        return fused_rnmt_decoder(prepared, AttentionalRNMT.transition) or prepared
+
+    def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
+        """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""
+        s_q = self.query_cell(y, state["s"], self._drop(state, "drop_q"))
+        c, alpha = self.attention(s_q, state["keys"], state["annotations"], state["src_mask"])
+        s = self.decoder_cell(c, s_q, self._drop(state, "drop_d"))
+        return (s, c), step_state(state, alpha, keep_attention, s=s, pos=state["pos"] + 1)

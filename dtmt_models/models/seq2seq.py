@@ -1,0 +1,291 @@
+"""What every NMT system shares: the batch-first interface of SPEC §4, the readout, the loss, backend
+switching and the incremental-decoding state.
+
+    log_probs = model(src, src_lengths, prev_tokens)      # [B, T_tgt, V], teacher forcing
+    state = model.encode(src, src_lengths)                # once per batch
+    log_probs_t, state = model.step(state, prev_token_t)  # [B, V]
+    state = model.reorder(state, index)                   # beam search bookkeeping
+
+The decoder state is a flat dict of tensors whose first dimension is the batch, so `reorder` is one
+`index_select` per entry. A step is embed_step -> transition -> features -> readout; teacher forcing runs the
+same `transition` as incremental decoding (one code path, so the two give the same log-probabilities) with the
+embedding lookup, the readout features and the vocabulary projection applied once to all steps.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+import dtmt_kernels as dk
+from dtmt_kernels.backends import BackendSwitch
+from dtmt_models.models.loss import float_log_softmax, smoothed_cross_entropy
+
+State = Dict[str, Tensor]
+
+
+class Projection(nn.Module):
+    """log_softmax(W dropout(features) + b), W optionally tied to an embedding matrix [V, in_dim]. The
+    log-probabilities are float32 for half / bfloat16 models and in the model's own dtype otherwise."""
+
+    def __init__(self, in_dim: int, vocab_size: int, dropout: float = 0.0,
+                 tied_embedding: Optional[nn.Parameter] = None):
+        super().__init__()
+        self.proj = dk.nn.Linear(in_dim, vocab_size)
+        if tied_embedding is not None:
+            if tied_embedding.shape[1] != in_dim:
+                raise ValueError(f"tied embeddings need the projection input ({in_dim}) to equal embed_dim "
+                                 f"({tied_embedding.shape[1]})")
+            self.proj.weight = tied_embedding
+        self.dropout = nn.Dropout(dropout)
+
+    def logits(self, features: Tensor) -> Tensor:
+        return self.proj(self.dropout(features))
+
+    def forward(self, features: Tensor) -> Tensor:
+        return float_log_softmax(self.logits(features))
+
+
+class Readout(nn.Module):
+    """o = tanh(W_y y + W_s s + W_c c); log_probs = Projection(o) (dropout, then W_o tied to the target
+    embedding when `tied_embedding` is given, which needs readout_dim == embed_dim).
+
+    Nematus options (paper 002): `layer_norm` normalises each of the three projections before the sum, and
+    `extra_layers` adds tanh(LN(W o)) layers of the same width before the softmax ("deep output")."""
+
+    def __init__(self, embed_dim: int, state_dim: int, context_dim: int, readout_dim: int, vocab_size: int,
+                 dropout: float = 0.0, tied_embedding: Optional[nn.Parameter] = None, layer_norm: bool = False,
+                 extra_layers: int = 0):
+        super().__init__()
+        self.from_y = dk.nn.Linear(embed_dim, readout_dim, bias=False)
+        self.from_s = dk.nn.Linear(state_dim, readout_dim, bias=True)
+        self.from_c = dk.nn.Linear(context_dim, readout_dim, bias=False)
+        norm = (lambda: nn.LayerNorm(readout_dim)) if layer_norm else nn.Identity
+        self.norms = nn.ModuleList([norm(), norm(), norm()])
+        self.deep = nn.ModuleList(nn.Sequential(dk.nn.Linear(readout_dim, readout_dim), norm(), nn.Tanh())
+                                  for _ in range(extra_layers))
+        self.output = Projection(readout_dim, vocab_size, dropout, tied_embedding)
+
+    def inference_module(self) -> nn.Module:
+        """This readout's form for decoding: a FrozenReadout where the fused features op can take it (the cpp
+        backend, plain linears, the three norms all nn.Identity or all affine nn.LayerNorm over R with one eps),
+        else itself. The output projection joins its weights where the readout has no deep layers and a plain
+        Projection (what the whole fused decoder step takes)."""
+        lin = (self.from_y, self.from_s, self.from_c)
+        if not (dk.nn.runs_fused_inference(*lin) and all(dk.nn.plain_linear(m) for m in lin)):
+            return self
+        norms = list(self.norms)
+        R = self.from_y.out_features
+        if all(type(n) is nn.Identity for n in norms):
+            ln = {}
+        elif (all(type(n) is nn.LayerNorm and tuple(n.normalized_shape) == (R,) and n.weight is not None
+                  and n.bias is not None for n in norms) and len({n.eps for n in norms}) == 1):
+            with torch.no_grad():
+                ln = dict(ln_w=torch.stack([n.weight for n in norms]), ln_b=torch.stack([n.bias for n in norms]),
+                          eps=norms[0].eps)
+        else:
+            return self
+        out = {}
+        proj = self.output.proj
+        if (len(self.deep) == 0 and type(self.output) is Projection and dk.nn.plain_linear(proj)
+                and dk.nn.runs_fused_inference(proj)):
+            out = dict(w_out=proj.weight, b_out=proj.bias)
+        weights = dk.functional.ReadoutWeights(self.from_y.weight, self.from_y.bias, self.from_s.weight,
+                                               self.from_s.bias, self.from_c.weight, self.from_c.bias, **ln, **out)
+        return FrozenReadout(self, weights)
+
+    def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
+        ny, ns, nc = self.norms
+        return torch.tanh(ny(self.from_y(y)) + ns(self.from_s(s)) + nc(self.from_c(c)))
+
+    def logits(self, features: Tensor) -> Tensor:
+        for layer in self.deep:
+            features = layer(features)
+        return self.output.logits(features)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return float_log_softmax(self.logits(features))
+
+
+class FrozenReadout(dk.nn.InferenceForm):
+    """A Readout for decoding (its `inference_module()`): `features` as one C++ call,
+    `dtmt_kernels.functional.readout_features`, with the weights (`weights`, a ReadoutWeights) gathered once;
+    the deep layers, projection and log-softmax are the readout's own. Inference only."""
+
+    def __init__(self, source: Readout, weights: "dk.functional.ReadoutWeights"):
+        super().__init__(source)
+        self.weights = weights
+
+    def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
+        return dk.functional.readout_features(y, s, c, self.weights)
+
+    def logits(self, features: Tensor) -> Tensor:
+        return self.source.logits(features)
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.source(features)
+
+
+def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:
+    """The state after a decoder step: `state` with `updates`, plus the step's attention weights as "attn" where
+    kept (for multi-head attention [B, heads, S], the head average)."""
+    new = {**state, **updates}
+    if keep_attention:
+        new["attn"] = alpha.mean(1) if alpha.dim() == 3 else alpha
+    return new
+
+
+def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:
+    """[B, max_len] bool, True at real tokens."""
+    return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+class Seq2Seq(nn.Module):
+    """Base of the systems. Subclasses build `self.tgt_embed` and `self.readout` and implement `encode` and
+    `transition` (or `decoder_step` as a whole)."""
+
+    model_name = "seq2seq"
+
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, pad_id: int = 0):
+        super().__init__()
+        self.src_vocab_size, self.tgt_vocab_size, self.pad_id = src_vocab_size, tgt_vocab_size, pad_id
+
+    # ---------------------------------------------------------------------------------------- interface
+    def encode(self, src: Tensor, src_lengths: Tensor) -> State:
+        raise NotImplementedError
+
+    def embed_step(self, state: State, prev_tokens: Tensor) -> Tensor:
+        """The embedded previous tokens of one step, prev_tokens [B] -> [B, E]."""
+        return self.tgt_embed(prev_tokens)
+
+    def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
+        """The recurrent part of one step, from the embedded previous token y [B, E]: (the tensors the readout
+        features are made of, besides y; the new state). `keep_attention` puts the step's attention weights in
+        the state as "attn" (teacher forcing does not need them)."""
+        raise NotImplementedError
+
+    def features(self, y: Tensor, *parts: Tensor) -> Tensor:
+        """Readout features from y and the transition's parts, for one step ([B, ...]) or all steps at once
+        ([B, T, ...])."""
+        return self.readout.features(y, *parts)
+
+    def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        """One step: prev_tokens [B] -> (readout features [B, F], new state). A system either implements
+        `transition` (and, where needed, `embed_step` / `features`) or overrides this."""
+        y = self.embed_step(state, prev_tokens)
+        parts, state = self.transition(state, y)
+        return self.features(y, *parts), state
+
+    def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        features, state = self.decoder_step(state, prev_tokens)
+        return self.readout(features), state
+
+    def output(self, features: Tensor, target: Optional[Tensor], smoothing: float):
+        """The readout's log-probabilities, or with a target the training loss (`loss`'s three numbers) from its
+        logits, log-softmax and loss fused (`smoothed_cross_entropy`)."""
+        if target is None:
+            return self.readout(features)
+        return smoothed_cross_entropy(self.readout.logits(features), target, smoothing, self.pad_id)
+
+    def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Optional[Tensor] = None,
+                smoothing: float = 0.0):
+        """Teacher forcing: log-probabilities [B, T, V]; given `target` [B, T], the training loss instead
+        (smoothed loss sum, NLL sum, number of target tokens, as `loss`). The steps' transitions run in a loop,
+        with what does not feed the recurrence batched over time: the target embeddings are looked up once (one embedding gradient instead of one per step) and the
+        readout features and vocabulary projection run once over [B, T, ...] after the loop; and the step cells
+        run `dk.nn.unrolled` (their weight gradients formed once over all steps). A system that overrides
+        `decoder_step` gets the same loop over its `decoder_step` instead."""
+        self.check_batch(src, src_lengths, prev_tokens)
+        with dk.nn.unrolled(*self.modules()):  # the step cells' weight gradients: one GEMM each over all steps
+            state = self.encode(src, src_lengths)
+            T = prev_tokens.shape[1]
+            if type(self).decoder_step is not Seq2Seq.decoder_step:
+                feats = []
+                for t in range(T):
+                    f, state = self.decoder_step(state, prev_tokens[:, t])
+                    feats.append(f)
+                return self.output(torch.stack(feats, 1), target, smoothing)
+            ys = self.tgt_embed(prev_tokens)  # positions 0..T-1 where the embedding has them, as embed_step's
+            steps = []
+            # unbind: one gradient node for all steps (ys[:, t] would zero-fill and add a full [B, T, E] per step)
+            for y in ys.unbind(1):
+                parts, state = self.transition(state, y, keep_attention=False)
+                steps.append(parts)
+        return self.output(self.features(ys, *(torch.stack(p, 1) for p in zip(*steps))), target, smoothing)
+
+    def inference_decoder(self) -> "Seq2Seq":
+        """What beam search decodes with (`encode` / `step` / `reorder`, the same results as this model's): in
+        eval mode a copy of the model, sharing its parameters, in which every submodule that has a fused
+        inference form (`inference_module()`: the cells, attention, readout, mce's memory encoder; see
+        dtmt_kernels.nn.InferenceForm) stands in its place, and for the systems with one the whole step as one
+        C++ call (rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
+        `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
+        validation); inference only (no autograd). Weights are read when it is built: after they change (an
+        optimizer step), build a new one. On a decoder, returns itself."""
+        if self.training or self.__dict__.get("_inference_copy", False):
+            return self
+        prepared = inference_copy(self)
+        if prepared is not self:
+            prepared.__dict__["_inference_copy"] = True
+        return prepared
+
+    @staticmethod
+    def reorder(state: State, index: Tensor) -> State:
+        return {k: v.index_select(0, index) for k, v in state.items()}
+
+    def loss(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Tensor,
+             smoothing: float = 0.0) -> Tuple[Tensor, Tensor, int]:
+        """(label-smoothed loss sum, NLL sum, number of target tokens), padding ignored."""
+        return self(src, src_lengths, prev_tokens, target=target, smoothing=smoothing)
+
+    # -------------------------------------------------------------------------------------- utilities
+    def set_backend(self, backend: str) -> "Seq2Seq":
+        """Switches every fused recurrent layer and attention of the model (e.g. "cpp" <-> "reference")."""
+        for m in self.modules():
+            if isinstance(m, BackendSwitch):
+                m.backend = backend
+        return self
+
+    def check_batch(self, src: Tensor, src_lengths: Tensor, prev_tokens: Optional[Tensor] = None) -> None:
+        name = type(self).__name__
+        if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
+            raise ValueError(f"{name}: src must be a LongTensor [B, S], got "
+                             f"{getattr(src, 'dtype', type(src).__name__)} {list(getattr(src, 'shape', []))}")
+        B, S = src.shape
+        if not isinstance(src_lengths, Tensor) or tuple(src_lengths.shape) != (B,):
+            raise ValueError(f"{name}: src_lengths must be a tensor [B={B}], got {list(getattr(src_lengths, 'shape', []))}")
+        if int(src_lengths.min()) < 1 or int(src_lengths.max()) > S:
+            raise ValueError(f"{name}: src_lengths must be in [1, S={S}]")
+        if prev_tokens is not None and (prev_tokens.dim() != 2 or prev_tokens.shape[0] != B
+                                        or prev_tokens.dtype != torch.long):
+            raise ValueError(f"{name}: prev_tokens must be a LongTensor [B={B}, T], got {list(prev_tokens.shape)}")
+
+
+def inference_copy(module: nn.Module) -> nn.Module:
+    """`module` with every submodule whose `inference_module()` is another module replaced by it, as shallow
+    copies of the modules on the way (parameters, buffers and the untouched submodules shared); `module` itself
+    where nothing is replaced."""
+    form = module.inference_module() if hasattr(module, "inference_module") else module
+    if form is not module:
+        return form
+    children = {name: None if child is None else inference_copy(child) for name, child in module._modules.items()}
+    if all(children[name] is child for name, child in module._modules.items()):
+        return module
+    new = copy.copy(module)
+    new.__dict__["_modules"] = children
+    return new
+
+
+def summary(model: nn.Module) -> str:
+    """Parameter counts by top-level submodule and in total, as a printable table (also printed)."""
+    lines = [f"{type(model).__name__} ({getattr(model, 'model_name', '')})"]
+    for name, child in model.named_children():
+        lines.append(f"  {name:<24s} {sum(p.numel() for p in child.parameters()):>12,d}")
+    total = sum(p.numel() for p in model.parameters())  # tied parameters counted once
+    lines.append(f"  {'total':<24s} {total:>12,d}")
+    text = "\n".join(lines)
+    print(text)
+    return text

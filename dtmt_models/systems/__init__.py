@@ -1,2 +1,0 @@
-"""The NMT systems; each module registers its models with dtmt_models.registry on import."""
-from . import atr, deeplau, dtmt, mce, nematus, transformer  # noqa: F401

@@ -1,0 +1,62 @@
+"""Process-group bookkeeping for `dtmt train` (DistributedDataParallel under torchrun): rank, world size,
+device, and the few collectives the trainer uses."""
+from __future__ import annotations
+
+import os
+from typing import List
+
+import torch
+
+
+class Dist:
+    """Process-group bookkeeping; a single process is rank 0 of 1 and every collective is a no-op."""
+
+    def __init__(self, device_arg: str):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device_arg == "auto":
+            device_arg = "cuda" if torch.cuda.is_available() else "cpu"
+        if device_arg == "cuda" and self.world > 1:
+            device_arg = f"cuda:{local}"
+        self.device = torch.device(device_arg)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda: no CUDA device is available")
+            if self.device.index is None:   # "cuda": the current device, named (set_device needs an index)
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+        if self.world > 1:
+            import torch.distributed as td
+
+            td.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            self.td = td
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        self.td.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        self.td.all_gather_object(out, obj)
+        return out
+
+    def sum(self, values: List[float]) -> List[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.td.all_reduce(t)
+        return t.tolist()
+
+    def close(self):
+        if self.world > 1 and self.td.is_initialized():
+            self.td.destroy_process_group()

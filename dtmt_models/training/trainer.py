@@ -1,0 +1,489 @@
+"""The trainer behind `dtmt train` (dtmt_models/cli/train.py): trains a system of the registry on a prepared
+corpus (SPEC §5-6).
+
+    dtmt train --data data/bible --model dtmt                      # small CPU preset
+    dtmt train --data DIR --model nematus --preset paper --device cuda --opt decoder=bideep
+    torchrun --nproc_per_node 4 -m dtmt_models.cli.train --data DIR --model dtmt   # DistributedDataParallel
+
+What a run does, in order:
+  1. reads DIR/train and DIR/dev (see `dtmt prepare`), trains one SentencePiece model per side on the training
+     side only, segments, and drops pairs longer than --max-len subwords (the count is printed);
+  2. trains with Adam, a learning-rate schedule (RNMT+ paper 000 eq. 17, inverse square root paper 003
+     eq. 26-27, or constant), label smoothing, the system's dropouts and gradient-norm clipping, on
+     token-budget batches bucketed by length and shuffled per epoch with the seed;
+  3. every --valid-every updates: validation loss on dev, dev BLEU (greedy by default) and chrF, early stopping
+     on dev BLEU with --patience, `best.pt` kept, `last.pt` written (atomically), and with --keep-last N the
+     model of each of the last N validations as step_<updates>.pt;
+  4. logs to OUT/train_log.csv and draws OUT/learning_curve.png; a progress line shows tokens/s.
+SIGINT/SIGTERM finish the current update, save `last.pt` and exit; `--resume` continues from `last.pt` so that
+the losses after resuming are exactly those an uninterrupted run would have produced (the batch order, the
+random states, the optimizer and the schedule are all restored).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from dtmt_models.atomic import atomic_path
+from dtmt_models.data.batching import collate, token_batches
+from dtmt_models.data.corpus import (
+    CorpusError,
+    corpus_paths,
+    filter_by_length,
+    read_manifest,
+    read_parallel,
+)
+from dtmt_models.data.vocabulary import Vocabulary
+from dtmt_models.errors import one_line
+from dtmt_models.models.checkpoint import save_checkpoint
+from dtmt_models.models.registry import build_model
+from dtmt_models.training.distributed import Dist
+from dtmt_models.training.schedules import InverseSqrtSchedule, RNMTPlusSchedule
+
+LAST, BEST, LOG, CURVE, CONFIG = "last.pt", "best.pt", "train_log.csv", "learning_curve.png", "config.yaml"
+STEP_CHECKPOINT = "step_{:07d}.pt"     # --keep-last: the model at a validation, by its number of updates
+LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", "tokens", "tokens_per_s",
+              "dev_loss", "dev_ppl", "dev_bleu", "dev_chrf", "best_bleu"]
+def step_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
+    """The step_<updates>.pt files of a run directory (kept by --keep-last), oldest first, as (updates, path)."""
+    found = []
+    for name in os.listdir(run_dir):
+        m = re.fullmatch(r"step_(\d+)\.pt", name)
+        if m:
+            found.append((int(m.group(1)), os.path.join(run_dir, name)))
+    return sorted(found)
+
+
+# ---------------------------------------------------------------------------------------------- output
+class Progress:
+    """A one-line live display on a terminal, or plain lines every `log_every` updates."""
+
+    def __init__(self, mode: str, enabled: bool):
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.mode = mode if enabled else "none"
+        self.width = 0
+
+    def update(self, text: str, logged: bool) -> None:
+        if self.mode == "bar":
+            sys.stderr.write("\r" + text.ljust(self.width))
+            sys.stderr.flush()
+            self.width = len(text)
+        elif self.mode == "lines" and logged:
+            print(text, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.mode == "bar" and self.width:
+            sys.stderr.write("\n")
+            self.width = 0
+        if self.mode != "none":
+            print(text, flush=True)
+
+
+def format_time(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class CsvLog:
+    """train_log.csv; on resume, rows after the checkpoint's step are dropped first (they will be redone)."""
+
+    def __init__(self, path: str, resume_step: Optional[int]):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        rows = []
+        if resume_step is not None and os.path.isfile(path):
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, LOG_FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+        self.rows = rows
+
+    def write(self, **row) -> None:
+        row = {k: ("" if row.get(k) is None else row[k]) for k in LOG_FIELDS}
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, LOG_FIELDS).writerow(row)
+        self.rows.append({k: str(v) for k, v in row.items()})
+
+
+def plot_curve(rows: List[dict], path: str, title: str) -> Optional[str]:
+    """Training and dev loss against updates, dev BLEU on a second axis. None when matplotlib is absent."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    tr = [(int(r["step"]), float(r["loss"])) for r in rows if r["kind"] == "train" and r["loss"] != ""]
+    dv = [(int(r["step"]), float(r["dev_loss"])) for r in rows if r["kind"] == "valid" and r["dev_loss"] != ""]
+    bl = [(int(r["step"]), float(r["dev_bleu"])) for r in rows if r["kind"] == "valid" and r["dev_bleu"] != ""]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if tr:
+        ax.plot(*zip(*tr), label="train loss (smoothed CE / token)", lw=1)
+    if dv:
+        ax.plot(*zip(*dv), "o-", label="dev loss (NLL / token)")
+    ax.set_xlabel("updates")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    lines, labels = ax.get_legend_handles_labels()
+    if bl:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*bl), "s-", color="tab:green", label="dev BLEU")
+        ax2.set_ylabel("BLEU")
+        l2, lab2 = ax2.get_legend_handles_labels()
+        lines, labels = lines + l2, labels + lab2
+    ax.legend(lines, labels, loc="upper right", fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    try:
+        with atomic_path(path, ".png") as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+@torch.no_grad()
+def corpus_nll(model: torch.nn.Module, pairs: Sequence[Tuple[List[int], List[int]]], max_tokens: int,
+               device=None) -> Tuple[float, int]:
+    """(NLL per target token, number of target tokens) of id pairs under `model` in eval mode, no smoothing:
+    the dev loss of a validation."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in token_batches([(len(s), len(t)) for s, t in pairs], max_tokens, shuffle=False):
+        src, src_len, prev, target = collate([pairs[i] for i in batch], device)
+        _, nll, n = model(src, src_len, prev, target=target)
+        total, count = total + float(nll), count + n
+    return total / max(count, 1), count
+
+
+def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Adam with β = (0.9, 0.998), ε = 1e-9, in torch's default (foreach) implementation: its steps bump the
+    parameters' version counters, which the inference weight caches are keyed on (`fused=True` does not: see
+    benchmarks/NOTES.md, log item 19, and `tests/test_train.py::test_inference_sees_the_optimizer_steps`)."""
+    return torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.998), eps=1e-9)
+
+
+class Trainer:
+    def __init__(self, cfg: dict, dist: Dist, ckpt: Optional[dict] = None):
+        self.cfg, self.dist, self.device = cfg, dist, dist.device
+        self.out = cfg["out"]
+        self.progress = Progress(cfg["progress"], dist.main)
+        self.stop_reason: Optional[str] = None
+        self.log = self.progress.message
+        # ---- data and vocabularies
+        manifest = read_manifest(cfg["data"])
+        self.langs = (manifest["src_lang"], manifest["tgt_lang"])
+        train_pairs = read_parallel(*corpus_paths(cfg["data"], "train"))
+        try:
+            self.dev_pairs = read_parallel(*corpus_paths(cfg["data"], "dev"))
+        except CorpusError:
+            self.dev_pairs = []
+            self.log(f"note: {cfg['data']} has no dev split: no validation, no early stopping, no best.pt")
+        if ckpt is not None:
+            protos = (ckpt["src_vocab"], ckpt["tgt_vocab"])
+        else:
+            protos = None
+            if dist.main:
+                t0 = time.time()
+                try:
+                    protos = tuple(Vocabulary.train([p[i] for p in train_pairs], cfg["vocab_size"],
+                                                    cfg["vocab_type"]).proto for i in (0, 1))
+                except RuntimeError as exc:   # SentencePiece: e.g. fewer pieces than the corpus has characters
+                    raise CorpusError(f"--vocab-size {cfg['vocab_size']}: SentencePiece cannot build a vocabulary "
+                                      f"of that size from {cfg['data']} ({one_line(exc)})") from None
+                self.log(f"vocabularies: SentencePiece {cfg['vocab_type']} trained on {len(train_pairs):,} training "
+                         f"pairs in {time.time() - t0:.1f}s")
+            protos = dist.broadcast(protos)
+        self.src_vocab, self.tgt_vocab = Vocabulary(protos[0]), Vocabulary(protos[1])
+        encoded = [(self.src_vocab.encode(s), self.tgt_vocab.encode(t)) for s, t in train_pairs]
+        self.train_ids, dropped = filter_by_length(encoded, cfg["max_len"])
+        empty = sum(1 for s, t in self.train_ids if not s or not t)
+        self.train_ids = [p for p in self.train_ids if p[0] and p[1]]
+        self.lengths = [(len(s), len(t)) for s, t in self.train_ids]
+        self.dev_ids = [(self.src_vocab.encode(s), self.tgt_vocab.encode(t)) for s, t in self.dev_pairs]
+        self.dev_ids = [p for p in self.dev_ids if p[0]]
+        self.log(f"data: {len(self.train_ids):,} training pairs ({dropped:,} longer than {cfg['max_len']} subwords "
+                 f"dropped{f', {empty} empty after segmentation dropped' if empty else ''}); {len(self.dev_pairs):,} "
+                 f"dev pairs; vocabularies {len(self.src_vocab):,} / {len(self.tgt_vocab):,}")
+        if not self.train_ids:
+            raise CorpusError("no training pairs left after length filtering; raise --max-len")
+        # ---- model, optimizer, schedule
+        torch.manual_seed(cfg["seed"])
+        self.model = build_model(cfg["model"], len(self.src_vocab), len(self.tgt_vocab), **cfg["model_options"])
+        if cfg["backend"] != "auto":
+            if not hasattr(self.model, "set_backend"):
+                raise ValueError(f"--backend: {cfg['model']} has no fused recurrent layers")
+            self.model.set_backend(cfg["backend"])
+        self.model.to(self.device)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.optimizer = build_optimizer(self.model, cfg["lr"])
+        self.replicas = cfg.get("replicas") or dist.world   # the schedules' n: the processes, unless given
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule())
+        self.net = self.model
+        if dist.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # ---- position
+        self.step, self.epoch, self.batch_index, self.elapsed = 0, 0, 0, 0.0
+        self.best_bleu, self.best_loss, self.bad_validations = -1.0, math.inf, 0
+        torch.manual_seed(cfg["seed"] * 7919 + 1 + dist.rank)   # dropout streams differ per process
+        if ckpt is not None:
+            self._restore(ckpt)
+        self.csv = CsvLog(os.path.join(self.out, LOG), self.step if ckpt is not None else None) if dist.main else None
+
+    # -------------------------------------------------------------------------------------------- setup
+    def _schedule(self):
+        c = self.cfg
+        n = self.replicas
+        if c["schedule"] == "rnmt":
+            return RNMTPlusSchedule(c["warmup"], c["decay_start"], c["decay_end"], n=n, floor=0.05)
+        if c["schedule"] == "inverse-sqrt":
+            dim = c["model_options"].get("embed_dim", c["model_options"].get("hidden_size", 256))
+            return InverseSqrtSchedule(dim, c["warmup"], num_gpu=n)
+        if c["schedule"] == "constant":
+            return lambda step: 1.0
+        raise ValueError(f"unknown schedule {c['schedule']!r}")
+
+    def _restore(self, ckpt: dict) -> None:
+        self.model.load_state_dict(ckpt["model"])
+        t = ckpt["training"]
+        self.optimizer.load_state_dict(t["optimizer"])
+        self.scheduler.load_state_dict(t["scheduler"])
+        self.step, self.epoch, self.batch_index, self.elapsed = t["step"], t["epoch"], t["batch_index"], t["elapsed"]
+        self.best_bleu, self.best_loss, self.bad_validations = t["best_bleu"], t["best_loss"], t["bad_validations"]
+        rngs = t["rng"]
+        if len(rngs) != self.dist.world:
+            raise ValueError(f"the checkpoint was written by {len(rngs)} process(es); resume with the same number "
+                             f"(got {self.dist.world}) for an exact continuation")
+        mine = rngs[self.dist.rank]
+        torch.set_rng_state(mine["torch"])
+        random.setstate(mine["python"])
+        if mine.get("cuda") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["cuda"], self.device)
+        self.log(f"resumed from step {self.step:,} (epoch {self.epoch + 1}, batch {self.batch_index})")
+
+    def payload(self, full: bool) -> dict:
+        c = self.cfg
+        p = {"model_name": c["model"], "model_options": c["model_options"], "src_vocab": self.src_vocab.proto,
+             "tgt_vocab": self.tgt_vocab.proto, "model": self.model.state_dict(), "langs": self.langs,
+             "config": c, "step": self.step}
+        if full:
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                   "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+            p["training"] = {
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.step, "epoch": self.epoch, "batch_index": self.batch_index, "elapsed": self.elapsed,
+                "best_bleu": self.best_bleu, "best_loss": self.best_loss, "bad_validations": self.bad_validations,
+                "rng": self.dist.gather(rng)}
+        return p
+
+    def check_sync(self) -> Optional[str]:
+        """With several processes: the SHA-1 of every process's parameters must agree (DDP keeps them equal);
+        a difference is an error. Returns the digest."""
+        if self.dist.world == 1:
+            return None
+        import hashlib
+
+        h = hashlib.sha1()
+        for p in self.model.parameters():
+            h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digests = self.dist.gather(h.hexdigest())
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"processes out of sync at step {self.step}: parameter digests {digests}")
+        return digests[0]
+
+    def save_last(self) -> None:
+        payload = self.payload(full=True)     # every rank takes part in gathering the random states
+        if self.dist.main:
+            save_checkpoint(os.path.join(self.out, LAST), payload)
+
+    # ---------------------------------------------------------------------------------------- training
+    def epoch_batches(self) -> List[List[int]]:
+        batches = token_batches(self.lengths, self.cfg["max_tokens"], seed=self.cfg["seed"], epoch=self.epoch)
+        w = self.dist.world
+        if w > 1:   # every process takes the same number of batches: the last (len % w) of the epoch are skipped
+            batches = batches[:len(batches) - len(batches) % w][self.dist.rank::w]
+        return batches
+
+    def train_step(self, batch: List[int]) -> Tuple[float, float, float]:
+        self.net.train()
+        src, lengths, prev, target = collate([self.train_ids[i] for i in batch], self.device)
+        loss_sum, nll_sum, ntok = self.net(src, lengths, prev, target=target, smoothing=self.cfg["smoothing"])
+        self.optimizer.zero_grad(set_to_none=True)
+        (loss_sum / ntok).backward()
+        if self.cfg["clip"] and self.cfg["clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["clip"])
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(loss_sum.detach()), float(nll_sum.detach()), float(ntok)
+
+    def should_stop(self) -> Optional[str]:
+        c = self.cfg
+        if c["max_steps"] is not None and self.step >= c["max_steps"]:
+            return f"reached --max-steps {c['max_steps']}"
+        if c["max_time_s"] is not None and self.elapsed >= c["max_time_s"]:
+            return f"reached --max-time {c['max_time']}"
+        if c["max_epochs"] is not None and self.epoch >= c["max_epochs"]:
+            return f"reached --max-epochs {c['max_epochs']}"
+        return None
+
+    def run(self) -> int:
+        c = self.cfg
+        if self.dist.main:
+            self.log(f"model {c['model']} ({c['preset']} preset): {self.n_params:,} parameters; options "
+                     f"{c['model_options']}; device {self.device}, backend {c['backend']}, {self.dist.world} "
+                     f"process(es); schedule {c['schedule']} (n = {self.replicas}); output {self.out}")
+        handlers = self._install_signals()
+        window = [0.0, 0.0, 0.0]
+        window_time, last_validated = 0.0, self.step
+        try:
+            while self.stop_reason is None:
+                self.stop_reason = self.should_stop()
+                if self.stop_reason:
+                    break
+                batches = self.epoch_batches()
+                while self.batch_index < len(batches):
+                    t0 = time.perf_counter()
+                    loss, nll, ntok = self.train_step(batches[self.batch_index])
+                    self.batch_index += 1
+                    self.step += 1
+                    local_stop = 1.0 if self._signal else 0.0
+                    loss, nll, ntok, stop = self.dist.sum([loss, nll, ntok, local_stop])
+                    dt = time.perf_counter() - t0
+                    self.elapsed += dt
+                    window = [window[0] + loss, window[1] + nll, window[2] + ntok]
+                    window_time += dt
+                    logged = self.step % c["log_every"] == 0
+                    text = (f"epoch {self.epoch + 1} step {self.step:,} loss {loss / ntok:.3f} "
+                            f"lr {self.scheduler.get_last_lr()[0]:.2e} {window[2] / max(window_time, 1e-9):,.0f} tok/s "
+                            f"time {format_time(self.elapsed)}")
+                    self.progress.update(text, logged)
+                    if logged:
+                        if self.csv:
+                            self.csv.write(kind="train", step=self.step, epoch=self.epoch + 1,
+                                           elapsed_s=f"{self.elapsed:.1f}", lr=self.scheduler.get_last_lr()[0],
+                                           loss=repr(window[0] / window[2]), nll=repr(window[1] / window[2]),
+                                           ppl=f"{math.exp(min(window[1] / window[2], 50)):.2f}",
+                                           tokens=int(window[2]), tokens_per_s=f"{window[2] / window_time:.0f}")
+                        window, window_time = [0.0, 0.0, 0.0], 0.0
+                    if stop:
+                        self.stop_reason = f"interrupted by {self._signal or 'a signal in another process'}"
+                        break
+                    if self.step % c["valid_every"] == 0:
+                        last_validated = self.step
+                        if self.validate():
+                            break
+                    self.stop_reason = self.should_stop()
+                    if self.stop_reason:
+                        break
+                else:
+                    self.epoch += 1
+                    self.batch_index = 0
+            if self.step != last_validated and not self._signal and self.dev_ids:
+                self.validate()
+            self.save_last()
+            digest = self.check_sync()
+            if digest and self.dist.main:
+                self.log(f"{self.dist.world} processes in sync at step {self.step}: parameters sha1 {digest[:12]}")
+        finally:
+            self._restore_signals(handlers)
+        if self.dist.main:
+            self.log(f"stopped: {self.stop_reason}. {self.step:,} updates, {format_time(self.elapsed)} of training; "
+                     f"best dev BLEU {max(self.best_bleu, 0):.2f}. Checkpoints: {os.path.join(self.out, LAST)}"
+                     + (f", {os.path.join(self.out, BEST)}" if os.path.isfile(os.path.join(self.out, BEST)) else ""))
+            if self._signal:
+                self.log(f"resume with: dtmt train --data {c['data']} --model {c['model']} --out {self.out} --resume")
+        return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0
+
+    # -------------------------------------------------------------------------------------- validation
+    def dev_loss(self) -> Tuple[float, int]:
+        return corpus_nll(self.model, self.dev_ids, self.cfg["max_tokens"], self.device)
+
+    def validate(self) -> bool:
+        """Dev loss, BLEU and chrF on the main process, best.pt and last.pt; returns True to stop early."""
+        decision = None
+        if self.dist.main and self.dev_ids:
+            from dtmt_models.decoding.evaluate import corpus_scores
+            from dtmt_models.decoding.translate import translate_best
+
+            t0 = time.perf_counter()
+            loss, _ = self.dev_loss()
+            n = self.cfg["bleu_sentences"] or len(self.dev_pairs)
+            sources = [s for s, _ in self.dev_pairs[:n]]
+            refs = [t for _, t in self.dev_pairs[:n]]
+            hyps = translate_best(self.model, self.src_vocab, self.tgt_vocab, sources, beam=self.cfg["valid_beam"],
+                                  alpha=0.6, device=self.device)
+            scores = corpus_scores(hyps, refs)
+            bleu, chrf = scores["bleu"], scores["chrf"]
+            improved = bleu > self.best_bleu or (bleu == self.best_bleu and loss < self.best_loss)
+            if improved:
+                self.best_bleu, self.best_loss, self.bad_validations = bleu, min(loss, self.best_loss), 0
+                save_checkpoint(os.path.join(self.out, BEST), self.payload(full=False))
+            else:
+                self.bad_validations += 1
+            if self.cfg.get("keep_last"):
+                self.keep_step_checkpoint()
+            self.csv.write(kind="valid", step=self.step, epoch=self.epoch + 1, elapsed_s=f"{self.elapsed:.1f}",
+                           lr=self.scheduler.get_last_lr()[0], dev_loss=repr(loss),
+                           dev_ppl=f"{math.exp(min(loss, 50)):.2f}", dev_bleu=f"{bleu:.2f}", dev_chrf=f"{chrf:.2f}",
+                           best_bleu=f"{self.best_bleu:.2f}")
+            plot_curve(self.csv.rows, os.path.join(self.out, CURVE), f"{self.cfg['model']} on {self.cfg['data']}")
+            p = self.cfg["patience"]
+            stop = bool(p) and self.bad_validations >= p
+            self.log(f"step {self.step:,}: dev loss {loss:.3f} (ppl {math.exp(min(loss, 50)):.1f}), BLEU {bleu:.2f}, "
+                     f"chrF {chrf:.2f}{' (best)' if improved else f' (best {self.best_bleu:.2f})'}; "
+                     f"{time.perf_counter() - t0:.0f}s")
+            decision = (stop, self.best_bleu, self.best_loss, self.bad_validations)
+        decision = self.dist.broadcast(decision)
+        self.save_last()
+        if decision is None:
+            return False
+        stop, self.best_bleu, self.best_loss, self.bad_validations = decision
+        if stop:
+            self.stop_reason = f"no better dev BLEU in {self.cfg['patience']} validations (early stopping)"
+        return stop
+
+    def keep_step_checkpoint(self) -> None:
+        """step_<updates>.pt for this validation; the oldest beyond --keep-last are removed."""
+        save_checkpoint(os.path.join(self.out, STEP_CHECKPOINT.format(self.step)), self.payload(full=False))
+        kept = step_checkpoints(self.out)
+        for _, path in kept[:max(len(kept) - self.cfg["keep_last"], 0)]:
+            os.remove(path)
+
+    # ----------------------------------------------------------------------------------------- signals
+    _signal: Optional[str] = None
+
+    def _install_signals(self):
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if self._signal:                      # a second signal: stop now
+                raise KeyboardInterrupt(name)
+            self._signal = name
+            self.progress.message(f"{name}: finishing this update and saving {os.path.join(self.out, LAST)} "
+                                  f"(again to abort without saving)")
+        old = {}
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[s] = signal.signal(s, handler)
+            except ValueError:   # not the main thread
+                pass
+        return old
+
+    @staticmethod
+    def _restore_signals(old) -> None:
+        for s, h in old.items():
+            signal.signal(s, h)

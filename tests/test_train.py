@@ -399,3 +399,27 @@ def test_bad_config_files_are_one_line_errors(toy_nodev, tmp_path, capsys, text,
     assert not out.exists()
     assert train.main(["--config", str(tmp_path / "absent.yaml"), "--data", toy_nodev]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+def _scalars(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+
+
+def test_tensorboard_events_beside_the_csv_and_a_resume_redoes_none(toy, tmp_path):
+    """The CSV's numbers are TensorBoard scalars too ("train/loss", "valid/dev_bleu", ...); a resumed run drops
+    the events after its checkpoint's step, as it drops the CSV rows, so no step is there twice."""
+    out = str(tmp_path / "run")
+    r = run_train(["--data", toy, "--out", out, "--max-steps", "4", "--log-every", "2", "--valid-every", "4", *TINY])
+    assert r.returncode == 0, r.stderr
+    csv_loss = [(step, float(loss)) for step, loss, _ in losses(out)]
+    assert [s for s, _ in csv_loss] == [2, 4]
+    assert [(s, pytest.approx(v, rel=1e-6)) for s, v in _scalars(out, "train/loss")] == csv_loss
+    assert [s for s, _ in _scalars(out, "valid/dev_bleu")] == [4]
+    r = run_train(["--data", toy, "--out", out, "--resume", "--max-steps", "6"])
+    assert r.returncode == 0, r.stderr
+    steps = [s for s, _ in _scalars(out, "train/loss")]
+    assert steps == [2, 4, 6] and [s for s, *_ in losses(out)] == steps

@@ -18,50 +18,10 @@ import torch
 from dtmt_models.atomic import WriteError, atomic_write
 from dtmt_models.decoding.translate import PROG, InputError, InputWarning, translate
 from dtmt_models.errors import one_line
+from dtmt_models.progress import Progress
 
 
 # ------------------------------------------------------------------------------- command line helpers
-class ProgressReporter:
-    """Progress on stderr: on a terminal, one line rewritten in place (at most 5 times a second); otherwise
-    (a redirected log) a line every `every` seconds, so long runs show life without flooding the log."""
-
-    def __init__(self, prog: str, enabled: bool = True, every: float = 60.0, stream=None):
-        self.prog, self.enabled, self.every = prog, enabled, every
-        self.stream = sys.stderr if stream is None else stream
-        isatty = getattr(self.stream, "isatty", None)
-        self.tty = bool(isatty and isatty())
-        self.start = self.last = time.perf_counter()
-        self.dirty = False
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if now - self.last < (0.2 if self.tty else self.every) and done < total:
-            return
-        if not self.tty and done >= total:
-            return                                   # the closing summary says it
-        self.last = now
-        rate = done / max(now - self.start, 1e-9)
-        text = f"{self.prog}: {done:,}/{total:,} sentences ({rate:.1f} sentences/s)"
-        if self.tty:
-            self.stream.write("\r" + text)
-            self.dirty = True
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self, message: Optional[str] = None) -> None:
-        if not self.enabled:
-            return
-        if self.dirty:
-            self.stream.write("\n")
-            self.dirty = False
-        if message:
-            self.stream.write(f"{self.prog}: {message}\n")
-        self.stream.flush()
-
-
 def read_input(path: str) -> List[str]:
     """The lines of a UTF-8 input ('-': stdin), line ends and a leading byte-order mark removed; empty lines
     are kept (they translate to empty lines). Raises InputError naming file:line for invalid UTF-8."""
@@ -138,8 +98,14 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
                        ) -> Tuple[List[List[Tuple[str, float]]], float]:
     """`translate` with progress on stderr, the truncation warning shown as one `prog: warning:` line, and a
     closing summary; returns (results, decoding seconds)."""
-    reporter = ProgressReporter(prog, enabled=not quiet)
+    # a bar on a terminal; in a log, a line a minute
+    progress = Progress("none" if quiet else "auto", desc=prog, unit="sentence", every=60.0, message_stream=sys.stderr)
     t0 = time.perf_counter()
+
+    def reporter(done: int, total: int) -> None:
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        progress.show(done, total, status=f"{rate:.1f} sentences/s",   # the last line: the summary below says it
+                      line=f"{prog}: {done:,}/{total:,} sentences ({rate:.1f} sentences/s)" if done < total else None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", InputWarning)
         results = translate(model, src_vocab, tgt_vocab, sentences, progress=reporter, **kwargs)
@@ -150,8 +116,9 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     noun = "sentence" if len(sentences) == 1 else "sentences"
-    reporter.close(f"translated {len(sentences):,} {noun} in {seconds:.1f}s "
-                   f"({len(sentences) / max(seconds, 1e-9):.1f} sentences/s)")
+    progress.close()
+    progress.message(f"{prog}: translated {len(sentences):,} {noun} in {seconds:.1f}s "
+                     f"({len(sentences) / max(seconds, 1e-9):.1f} sentences/s)")
     return results, seconds
 
 

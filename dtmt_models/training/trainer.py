@@ -46,13 +46,17 @@ from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import save_checkpoint
 from dtmt_models.models.registry import build_model
+from dtmt_models.progress import Progress
 from dtmt_models.training.distributed import Dist
 from dtmt_models.training.schedules import InverseSqrtSchedule, RNMTPlusSchedule
 
 LAST, BEST, LOG, CURVE, CONFIG = "last.pt", "best.pt", "train_log.csv", "learning_curve.png", "config.yaml"
+TENSORBOARD = "tensorboard"            # the event files: tensorboard --logdir runs/
 STEP_CHECKPOINT = "step_{:07d}.pt"     # --keep-last: the model at a validation, by its number of updates
 LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", "tokens", "tokens_per_s",
               "dev_loss", "dev_ppl", "dev_bleu", "dev_chrf", "best_bleu"]
+
+
 def step_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
     """The step_<updates>.pt files of a run directory (kept by --keep-last), oldest first, as (updates, path)."""
     found = []
@@ -64,41 +68,23 @@ def step_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
 
 
 # ---------------------------------------------------------------------------------------------- output
-class Progress:
-    """A one-line live display on a terminal, or plain lines every `log_every` updates."""
-
-    def __init__(self, mode: str, enabled: bool):
-        if mode == "auto":
-            mode = "bar" if sys.stderr.isatty() else "lines"
-        self.mode = mode if enabled else "none"
-        self.width = 0
-
-    def update(self, text: str, logged: bool) -> None:
-        if self.mode == "bar":
-            sys.stderr.write("\r" + text.ljust(self.width))
-            sys.stderr.flush()
-            self.width = len(text)
-        elif self.mode == "lines" and logged:
-            print(text, flush=True)
-
-    def message(self, text: str) -> None:
-        if self.mode == "bar" and self.width:
-            sys.stderr.write("\n")
-            self.width = 0
-        if self.mode != "none":
-            print(text, flush=True)
-
-
 def format_time(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 class CsvLog:
-    """train_log.csv; on resume, rows after the checkpoint's step are dropped first (they will be redone)."""
+    """train_log.csv, and the same numbers as TensorBoard scalars in `tensorboard_dir` (tags "train/loss",
+    "valid/dev_bleu", ...); on resume, rows and events after the checkpoint's step are dropped first (they will
+    be redone)."""
 
-    def __init__(self, path: str, resume_step: Optional[int]):
+    def __init__(self, path: str, resume_step: Optional[int], tensorboard_dir: Optional[str] = None):
         self.path = path
+        self.events = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.events = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         rows = []
         if resume_step is not None and os.path.isfile(path):
@@ -115,6 +101,18 @@ class CsvLog:
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, LOG_FIELDS).writerow(row)
         self.rows.append({k: str(v) for k, v in row.items()})
+        if self.events is not None:
+            for k in LOG_FIELDS[3:]:   # the numbers after kind, step and epoch
+                try:
+                    value = float(row[k])
+                except (TypeError, ValueError):
+                    continue   # not given for this kind of row
+                self.events.add_scalar(f"{row['kind']}/{k}", value, int(row["step"]))
+            self.events.flush()
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
 
 
 def plot_curve(rows: List[dict], path: str, title: str) -> Optional[str]:
@@ -180,7 +178,9 @@ class Trainer:
     def __init__(self, cfg: dict, dist: Dist, ckpt: Optional[dict] = None):
         self.cfg, self.dist, self.device = cfg, dist, dist.device
         self.out = cfg["out"]
-        self.progress = Progress(cfg["progress"], dist.main)
+        # a bar on stderr; in a log, a line on stdout every --log-every updates
+        self.progress = Progress(cfg["progress"] if dist.main else "none", desc="dtmt train", unit="update",
+                                 line_stream=sys.stdout)
         self.stop_reason: Optional[str] = None
         self.log = self.progress.message
         # ---- data and vocabularies
@@ -243,7 +243,8 @@ class Trainer:
         torch.manual_seed(cfg["seed"] * 7919 + 1 + dist.rank)   # dropout streams differ per process
         if ckpt is not None:
             self._restore(ckpt)
-        self.csv = CsvLog(os.path.join(self.out, LOG), self.step if ckpt is not None else None) if dist.main else None
+        self.csv = (CsvLog(os.path.join(self.out, LOG), self.step if ckpt is not None else None,
+                           os.path.join(self.out, TENSORBOARD)) if dist.main else None)
 
     # -------------------------------------------------------------------------------------------- setup
     def _schedule(self):
@@ -371,7 +372,7 @@ class Trainer:
                     text = (f"epoch {self.epoch + 1} step {self.step:,} loss {loss / ntok:.3f} "
                             f"lr {self.scheduler.get_last_lr()[0]:.2e} {window[2] / max(window_time, 1e-9):,.0f} tok/s "
                             f"time {format_time(self.elapsed)}")
-                    self.progress.update(text, logged)
+                    self.progress.show(self.step, c["max_steps"], status=text, line=text if logged else None)
                     if logged:
                         if self.csv:
                             self.csv.write(kind="train", step=self.step, epoch=self.epoch + 1,
@@ -401,6 +402,9 @@ class Trainer:
                 self.log(f"{self.dist.world} processes in sync at step {self.step}: parameters sha1 {digest[:12]}")
         finally:
             self._restore_signals(handlers)
+            self.progress.close()
+            if self.csv:
+                self.csv.close()
         if self.dist.main:
             self.log(f"stopped: {self.stop_reason}. {self.step:,} updates, {format_time(self.elapsed)} of training; "
                      f"best dev BLEU {max(self.best_bleu, 0):.2f}. Checkpoints: {os.path.join(self.out, LAST)}"

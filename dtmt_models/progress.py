@@ -1,0 +1,69 @@
+"""Progress of long work (training, translation) on stderr: a live tqdm bar on a terminal, plain lines in a log.
+
+    progress = Progress("auto", desc="dtmt translate", unit="sentence", every=60)
+    progress.show(done, total, status="12.3 sentences/s", line="dtmt translate: 40/100 sentences")
+    progress.message("saved last.pt")        # a line that stays (above the bar)
+    progress.close()
+
+Modes: "bar" (tqdm), "lines" (`line` printed, at most once every `every` seconds), "none" (silent: messages
+too), "auto" (a bar when the stream is a terminal, else lines).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, TextIO
+
+from tqdm import tqdm
+
+MODES = ("auto", "bar", "lines", "none")
+
+
+class Progress:
+    def __init__(self, mode: str = "auto", desc: str = "", unit: str = "it", every: float = 0.0,
+                 stream: Optional[TextIO] = None, line_stream: Optional[TextIO] = None,
+                 message_stream: Optional[TextIO] = None):
+        """stream: where the bar goes, and whose being a terminal "auto" asks (stderr); line_stream: where the
+        lines go (default: stream); message_stream: where `message` writes (stdout)."""
+        if mode not in MODES:
+            raise ValueError(f"progress mode must be one of {MODES}, got {mode!r}")
+        self.stream = sys.stderr if stream is None else stream
+        self.line_stream, self.message_stream = line_stream, message_stream
+        if mode == "auto":
+            isatty = getattr(self.stream, "isatty", None)
+            mode = "bar" if isatty is not None and isatty() else "lines"
+        self.mode, self.desc, self.unit, self.every = mode, desc, unit, every
+        self.bar: Optional[tqdm] = None
+        self.last_line = time.monotonic()   # lines: at most one every `every` seconds from the start
+
+    def show(self, done: int, total: Optional[int] = None, status: str = "", line: Optional[str] = None) -> None:
+        """Progress at `done` units (of `total` where known): the bar moves there and shows `status`; in lines
+        mode `line` (when given) is printed, unless one was printed less than `every` seconds ago."""
+        if self.mode == "bar":
+            if self.bar is None:
+                self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=self.stream, dynamic_ncols=True,
+                                leave=False, mininterval=0.2, initial=done)
+            elif total != self.bar.total:
+                self.bar.total = total
+            if status:
+                self.bar.set_postfix_str(status, refresh=False)
+            self.bar.update(done - self.bar.n)
+        elif self.mode == "lines" and line is not None:
+            now = time.monotonic()
+            if now - self.last_line >= self.every:
+                self.last_line = now
+                print(line, file=self.stream if self.line_stream is None else self.line_stream, flush=True)
+
+    def message(self, text: str) -> None:
+        """A line that stays: printed above the bar (or as a plain line), not in mode "none"."""
+        stream = sys.stdout if self.message_stream is None else self.message_stream
+        if self.mode == "bar" and self.bar is not None:
+            self.bar.write(text, file=stream)
+        elif self.mode != "none":
+            print(text, file=stream, flush=True)
+
+    def close(self) -> None:
+        """Removes the bar (the messages stay)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

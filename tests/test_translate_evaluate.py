@@ -21,7 +21,8 @@ from dtmt_models.data.corpus import write_manifest
 from dtmt_models.decoding.evaluate import (LengthBucket, bleu_by_length, bucket_labels, corpus_scores,
                                   plot_bleu_by_length)
 from dtmt_models.models.registry import build_model
-from dtmt_models.decoding.translate import TruncationWarning, length_batches, translate, translate_best
+from dtmt_models.data.batching import length_batches
+from dtmt_models.decoding.translate import TruncationWarning, translate, translate_best
 from dtmt_models.data.vocabulary import EOS, Vocabulary
 
 SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",

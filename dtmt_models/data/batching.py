@@ -1,8 +1,9 @@
-"""Token-budget batches bucketed by length, shuffled per epoch with a seed, and their padded tensors."""
+"""Token-budget batches: for training, bucketed by length and shuffled per epoch with a seed (`token_batches`);
+for decoding, longest first (`length_batches`); and the padded tensors of a training batch (`collate`)."""
 from __future__ import annotations
 
 import random
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
@@ -21,18 +22,36 @@ def token_batches(lengths: Sequence[Tuple[int, int]], max_tokens: int, seed: int
     if shuffle:
         rng.shuffle(order)
     order.sort(key=lambda i: (lengths[i][0], lengths[i][1]))   # stable: ties keep the shuffled order
-    batches, current, longest = [], [], 0
+    batches = _cut(order, lambda i: max(lengths[i]) + 1, max_tokens)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
+    """Indices of `lengths`, longest first, cut into batches of at most `max_tokens` padded source tokens
+    (number of sentences x longest length); a source longer than max_tokens is a batch by itself (decoding)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])    # stable: ties keep the input order
+    return _cut(order, lambda i: lengths[i], max_tokens)
+
+
+def _cut(order: Sequence[int], size: Callable[[int], int], max_tokens: int) -> List[List[int]]:
+    """`order` cut, in its order, into batches whose padded size (items x the largest size(i) among them) stays
+    within max_tokens; an item larger than max_tokens is a batch by itself."""
+    batches: List[List[int]] = []
+    current: List[int] = []
+    longest = 0
     for i in order:
-        size = max(lengths[i]) + 1
-        if current and max(longest, size) * (len(current) + 1) > max_tokens:
+        s = size(i)
+        if current and max(longest, s) * (len(current) + 1) > max_tokens:
             batches.append(current)
             current, longest = [], 0
         current.append(i)
-        longest = max(longest, size)
+        longest = max(longest, s)
     if current:
         batches.append(current)
-    if shuffle:
-        rng.shuffle(batches)
     return batches
 
 

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import csv
 import io
-import warnings
 from typing import List, NamedTuple, Optional, Sequence
 
-from dtmt_models.atomic import atomic_path
+from dtmt_models.plotting import figure, save
 
 PROG = "dtmt evaluate"
 DEFAULT_BOUNDS = (10, 20, 30, 40, 50)
@@ -117,18 +116,11 @@ def bleu_by_length(sources: Sequence[str], hyps: Sequence[str], refs: Sequence[s
 
 def plot_bleu_by_length(rows: Sequence[LengthBucket], path: str, title: str) -> Optional[str]:
     """A bar chart of BLEU per length bucket (sentence counts on the bars) written to the PNG `path`
-    atomically. Returns the path, or None with a warning when matplotlib is not installed. Uses the Agg
-    canvas directly, so it neither needs a display nor changes pyplot's global backend."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        warnings.warn("matplotlib is not installed: the BLEU-by-length plot is skipped", RuntimeWarning,
-                      stacklevel=2)
+    atomically. Returns the path, or None with a warning when matplotlib is not installed."""
+    fig = figure(6.4, 4.0, what="the BLEU-by-length plot")
+    if fig is None:
         return None
     rows = [LengthBucket(*r) for r in rows]
-    fig = Figure(figsize=(6.4, 4.0))
-    FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     xs = list(range(len(rows)))
     heights = [r.bleu if r.bleu is not None else 0.0 for r in rows]
@@ -145,9 +137,7 @@ def plot_bleu_by_length(rows: Sequence[LengthBucket], path: str, title: str) -> 
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    return path
+    return save(fig, path, dpi=110)
 
 
 def rows_to_csv(rows: Sequence[LengthBucket]) -> str:

@@ -34,6 +34,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
 from dtmt_models.decoding.beam_search import beam_search
 
@@ -58,26 +59,6 @@ class InputError(Exception):
 
 
 # ------------------------------------------------------------------------------------------- library
-def length_batches(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
-    """Indices of `lengths`, longest first, cut into batches of at most `max_tokens` padded source tokens
-    (number of sentences x longest length); a source longer than max_tokens is a batch by itself."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])    # stable: ties keep the input order
-    batches: List[List[int]] = []
-    current: List[int] = []
-    longest = 0
-    for i in order:
-        if current and max(longest, lengths[i]) * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, lengths[i])
-    if current:
-        batches.append(current)
-    return batches
-
-
 def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device

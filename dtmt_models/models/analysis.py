@@ -28,7 +28,6 @@ plot is asked for, and are written atomically (a temporary file renamed over the
 from __future__ import annotations
 
 import math
-import os
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -37,8 +36,8 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 from dtmt_kernels.functional import lengths_to_mask
-from dtmt_models.atomic import atomic_path
 from dtmt_models.data.vocabulary import BOS
+from dtmt_models.plotting import figure, save
 
 __all__ = ["atr_gates", "GateStatistics", "gate_correlation", "gate_position_curves", "dependency_weights",
            "unrolled_states", "strongest_previous", "attention_matrix", "plot_attention", "plot_dependencies",
@@ -365,21 +364,11 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------- plots
 def _canvas(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=100)
-    FigureCanvasAgg(fig)
-    return fig
+    return figure(width, height)
 
 
 def _save(fig, path: str) -> str:
-    """Writes the figure atomically (format from the extension, png when there is none)."""
-    path = os.fspath(path)
-    ext = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format=ext, bbox_inches="tight")
-    return path
+    return save(fig, path, tight=True)
 
 
 def _as_matrix(m, rows: int, cols: int, what: str):

@@ -33,7 +33,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dtmt_models.atomic import atomic_path
 from dtmt_models.data.batching import collate, token_batches
 from dtmt_models.data.corpus import (
     CorpusError,
@@ -46,6 +45,7 @@ from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import save_checkpoint
 from dtmt_models.models.registry import build_model
+from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
 from dtmt_models.training.distributed import Dist
 from dtmt_models.training.schedules import InverseSqrtSchedule, RNMTPlusSchedule
@@ -116,17 +116,15 @@ class CsvLog:
 
 
 def plot_curve(rows: List[dict], path: str, title: str) -> Optional[str]:
-    """Training and dev loss against updates, dev BLEU on a second axis. None when matplotlib is absent."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Training and dev loss against updates, dev BLEU on a second axis, written to `path`. None (and a
+    warning) when matplotlib is absent."""
+    fig = figure(7, 4, what="the learning curve")
+    if fig is None:
         return None
     tr = [(int(r["step"]), float(r["loss"])) for r in rows if r["kind"] == "train" and r["loss"] != ""]
     dv = [(int(r["step"]), float(r["dev_loss"])) for r in rows if r["kind"] == "valid" and r["dev_loss"] != ""]
     bl = [(int(r["step"]), float(r["dev_bleu"])) for r in rows if r["kind"] == "valid" and r["dev_bleu"] != ""]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    ax = fig.add_subplot(1, 1, 1)
     if tr:
         ax.plot(*zip(*tr), label="train loss (smoothed CE / token)", lw=1)
     if dv:
@@ -144,12 +142,7 @@ def plot_curve(rows: List[dict], path: str, title: str) -> Optional[str]:
     ax.legend(lines, labels, loc="upper right", fontsize=8)
     ax.set_title(title)
     fig.tight_layout()
-    try:
-        with atomic_path(path, ".png") as tmp:
-            fig.savefig(tmp, dpi=110)
-    finally:
-        plt.close(fig)
-    return path
+    return save(fig, path, dpi=110)
 
 
 # ---------------------------------------------------------------------------------------------- trainer

@@ -423,3 +423,28 @@ def test_tensorboard_events_beside_the_csv_and_a_resume_redoes_none(toy, tmp_pat
     assert r.returncode == 0, r.stderr
     steps = [s for s, _ in _scalars(out, "train/loss")]
     assert steps == [2, 4, 6] and [s for s, *_ in losses(out)] == steps
+
+
+def test_train_config_defaults_in_one_place_and_a_checkpoint_round_trip():
+    """TrainConfig holds the defaults the command line shows and applies; a checkpoint's plain dict rebuilds it
+    (an older checkpoint's extra keys, such as the command's own flags, are left out)."""
+    import dataclasses
+
+    from dtmt_models.cli.train import build_parser, resolve_config
+    from dtmt_models.training.config import TrainConfig
+
+    defaults = TrainConfig.defaults()
+    assert (defaults["patience"], defaults["valid_every"], defaults["log_every"], defaults["seed"]) == (5, 500, 50, 1)
+    args = build_parser().parse_args(["--data", "d", "--model", "dtmt", "--preset", "small", "--lr", "0.5",
+                                      "--opt", "depth=2"])
+    args.vocab_type, args.seed = defaults["vocab_type"], defaults["seed"]
+    cfg = resolve_config(args)
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.lr == 0.5 and cfg.patience == 5 and cfg.model_options["depth"] == 2
+    assert cfg.max_tokens == 2000 and cfg.max_epochs == 6          # the small preset's
+    help_text = build_parser().format_help()
+    for flag, key in (("--valid-every", "valid_every"), ("--log-every", "log_every"), ("--seed", "seed")):
+        assert f"default {defaults[key]}" in " ".join(help_text.split(flag, 2)[2].split()[:30]), flag
+    d = cfg.to_dict()
+    assert TrainConfig.from_dict({**d, "resume": True, "overwrite": False}) == cfg
+    assert [f.name for f in dataclasses.fields(TrainConfig)] == list(d)

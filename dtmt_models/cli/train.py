@@ -23,15 +23,13 @@ from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models
+from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist
 from dtmt_models.training.trainer import CONFIG, LAST, Trainer
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
              "threads", "bleu_sentences", "keep_last")
-# their defaults (None on the command line means "not given", so that --resume keeps the checkpoint's values)
-REPORTING_DEFAULTS = dict(patience=5, valid_every=500, valid_beam=1, bleu_sentences=0, log_every=50, progress="auto",
-                          threads=0, keep_last=0)
 
 
 
@@ -44,6 +42,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    D = TrainConfig.defaults()   # the flags left None ("not given") take these, or the preset's
     p = argparse.ArgumentParser(
         prog="dtmt train", description="Train an NMT system on a corpus prepared by `dtmt prepare`.",
         formatter_class=_HelpFormatter)
@@ -52,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "options under opt (opt: {depth: 2}); flags given on the command line override it. Every "
                         "run writes its resolved configuration to OUT/config.yaml, which reproduces it")
     p.add_argument("--data", required=True, help="prepared corpus directory (with corpus.json)")
-    p.add_argument("--model", default=None, help=f"system: one of {', '.join(list_models())} (default dtmt)")
+    p.add_argument("--model", default=None, help=f"system: one of {', '.join(list_models())} (default {D['model']})")
     p.add_argument("--preset", default=None,
                    help="size/settings preset: small (CPU; the default), paper, or a paper's table row such as "
                         "000-T3-dtmt4 (which also names the model; list them with `dtmt models`)")
@@ -78,9 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip", type=float, default=None, help="gradient-norm clipping (0: off)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
     g.add_argument("--vocab-size", type=int, default=None, help="SentencePiece size per side")
-    g.add_argument("--vocab-type", choices=("bpe", "unigram"), default=None, help="SentencePiece model (default bpe)")
+    g.add_argument("--vocab-type", choices=("bpe", "unigram"), default=None,
+                   help=f"SentencePiece model (default {D['vocab_type']})")
     g.add_argument("--max-len", type=int, default=None, help="drop training pairs longer than this (subwords)")
-    g.add_argument("--seed", type=int, default=None, help="random seed (default 1)")
+    g.add_argument("--seed", type=int, default=None, help=f"random seed (default {D['seed']})")
     s = p.add_argument_group("stopping and reporting")
     s.add_argument("--max-epochs", type=int, default=None,
                    help="stop after this many epochs (default: the preset's, 6 for small, unless --max-steps or "
@@ -88,26 +88,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-steps", type=int, default=None, help="stop after this many updates")
     s.add_argument("--max-time", default=None, help="stop after this much training time, e.g. 90s, 30m, 2h")
     s.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better "
-                                                              "dev score (0: never; default 5)")
-    s.add_argument("--valid-every", type=int, default=None, help="validate every N updates (and at the end; default 500)")
-    s.add_argument("--valid-beam", type=int, default=None, help="beam for dev BLEU (default 1: greedy)")
-    s.add_argument("--bleu-sentences", type=int, default=None, help="dev sentences translated for BLEU (default 0: all)")
-    s.add_argument("--log-every", type=int, default=None, help="write a training row every N updates (default 50)")
+                                                              f"dev score (0: never; default {D['patience']})")
+    s.add_argument("--valid-every", type=int, default=None,
+                   help=f"validate every N updates (and at the end; default {D['valid_every']})")
+    s.add_argument("--valid-beam", type=int, default=None,
+                   help=f"beam for dev BLEU (default {D['valid_beam']}; 1: greedy)")
+    s.add_argument("--bleu-sentences", type=int, default=None,
+                   help=f"dev sentences translated for BLEU (default {D['bleu_sentences']}; 0: all)")
+    s.add_argument("--log-every", type=int, default=None,
+                   help=f"write a training row every N updates (default {D['log_every']})")
     s.add_argument("--keep-last", type=int, default=None, metavar="N",
-                   help="also keep the model of each of the last N validations, as step_UPDATES.pt (default 0: none), "
+                   help="also keep the model of each of the last N validations, as step_UPDATES.pt (default "
+                        f"{D['keep_last']}; 0: none), "
                         "e.g. for checkpoint averaging")
     s.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default=None,
-                   help="progress display (default auto: a live bar on a terminal, else lines every --log-every updates)")
+                   help=f"progress display (default {D['progress']}; auto: a live bar on a terminal, else lines every "
+                        "--log-every updates)")
     d = p.add_argument_group("device")
-    d.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    d.add_argument("--backend", default="auto", help="recurrent kernels: auto, cpp, reference, triton, cuda")
-    d.add_argument("--threads", type=int, default=None, help="CPU threads (default 0: torch's default)")
+    d.add_argument("--device", default=D["device"], help="cpu, cuda, cuda:N or auto")
+    d.add_argument("--backend", default=D["backend"], help="recurrent kernels: auto, cpp, reference, triton, cuda")
+    d.add_argument("--threads", type=int, default=None,
+                   help=f"CPU threads (default {D['threads']}; 0: torch's default)")
     return p
 
 
-# defaults of the flags whose parser default is None, so that a value given on the command line can be told
-# from the default (--resume compares the given ones with the run's)
-CLI_DEFAULTS = dict(model="dtmt", preset="small", vocab_type="bpe", seed=1)
 # the settings that make a run what it is: on --resume a value given for one of them must equal the run's
 FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "replicas",
                    "smoothing", "clip", "max_tokens", "vocab_size", "vocab_type", "max_len", "seed")
@@ -141,15 +145,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--allow-changed-data applies to --resume only")
 
 
-def resume_conflicts(args: argparse.Namespace, explicit: set, run: dict) -> List[str]:
+def resume_conflicts(args: argparse.Namespace, explicit: set, run: TrainConfig) -> List[str]:
     """The settings given on the command line with values other than those of the run being resumed."""
     given = resolve_config(args)
-    out = [f"--{k.replace('_', '-')} {given[k]} (the run's is {run.get(k)})"
-           for k in FIXED_ON_RESUME if k in explicit and given[k] != run.get(k)]
+    out = [f"--{k.replace('_', '-')} {getattr(given, k)} (the run's is {getattr(run, k)})"
+           for k in FIXED_ON_RESUME if k in explicit and getattr(given, k) != getattr(run, k)]
     missing = object()
     for k, v in parse_options(args.opt).items():
-        if run["model_options"].get(k, missing) != v:
-            out.append(f"--opt {k}={v} (the run's is {run['model_options'].get(k, 'unset')})")
+        if run.model_options.get(k, missing) != v:
+            out.append(f"--opt {k}={v} (the run's is {run.model_options.get(k, 'unset')})")
     return out
 
 
@@ -208,11 +212,11 @@ def config_arguments(path: str) -> List[str]:
     return argv
 
 
-def run_configuration(cfg: dict) -> dict:
+def run_configuration(cfg: TrainConfig) -> dict:
     """The resolved configuration of a run as `--config` reads it (what config.yaml holds)."""
-    out = {k: cfg[k] for k in _flags(build_parser()) if k not in NOT_IN_CONFIG and k != "opt"
-           and cfg.get(k) is not None}
-    out["opt"] = dict(cfg["model_options"])
+    out = {k: getattr(cfg, k) for k in _flags(build_parser()) if k not in NOT_IN_CONFIG and k != "opt"
+           and getattr(cfg, k, None) is not None}
+    out["opt"] = dict(cfg.model_options)
     return out
 
 
@@ -241,8 +245,9 @@ def parse_options(items: Sequence[str]) -> dict:
     return out
 
 
-def resolve_config(args: argparse.Namespace) -> dict:
-    """The full run configuration: preset, then explicit command-line values."""
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """The full run configuration: TrainConfig's defaults, the preset, then the values given (a flag's None
+    is "not given")."""
     preset = get_preset(args.model, args.preset)
     train = dict(preset["train"])
     for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "max_tokens",
@@ -256,15 +261,10 @@ def resolve_config(args: argparse.Namespace) -> dict:
         train["max_epochs"] = args.max_epochs
     model_options = {**preset["model"], **parse_options(args.opt)}
     model_options.pop("backend", None)
-    cfg = dict(vars(args))
-    cfg.pop("opt")
-    for k, v in REPORTING_DEFAULTS.items():
-        if cfg[k] is None:
-            cfg[k] = v
-    cfg.update(train)
-    cfg["model_options"] = model_options
-    cfg["max_time_s"] = parse_duration(args.max_time)
-    return cfg
+    fields = set(TrainConfig.defaults()) | {"data", "model_options"}
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return TrainConfig(**{**given, **train, "model_options": model_options,
+                          "max_time_s": parse_duration(args.max_time)})
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -283,9 +283,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
     if args.model is None and args.preset in PAPER_ROWS_BY_NAME:   # a paper row names its system
         args.model = PAPER_ROWS_BY_NAME[args.preset].model
-    for k, v in CLI_DEFAULTS.items():
+    defaults = TrainConfig.defaults()
+    for k in ("model", "preset", "vocab_type", "seed"):   # named before the preset is read
         if getattr(args, k) is None:
-            setattr(args, k, v)
+            setattr(args, k, defaults[k])
     try:
         # everything the command line says is checked here, before any file is read or written
         check_arguments(args)
@@ -299,12 +300,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             ckpt = read_checkpoint(last)
             if "training" not in ckpt:
                 raise ValueError(f"{last} has no training state")
-            cfg = dict(ckpt["config"])
+            cfg = TrainConfig.from_dict(ckpt["config"])
             conflicts = resume_conflicts(args, explicit, cfg)
             if conflicts:
                 raise ValueError(f"--resume continues the run in {args.out} with its own settings, but "
                                  + "; ".join(conflicts) + " (start a new run with another --out to change them)")
-            recorded = cfg.get("data_fingerprint")
+            recorded = cfg.data_fingerprint
             if recorded is not None and recorded != fingerprint and not args.allow_changed_data:
                 differ = [k for k in fingerprint if fingerprint[k] != recorded.get(k)]
                 raise ValueError(f"--data {args.data} is not the corpus this run was trained on ({', '.join(differ)} "
@@ -312,27 +313,27 @@ def main(argv: Optional[List[str]] = None) -> int:
             given = resolve_config(args)
             for k in RESUMABLE:   # how long to go on and how to report may change; the rest is the checkpoint's
                 if getattr(args, k) is not None:
-                    cfg[k] = given[k]
+                    setattr(cfg, k, getattr(given, k))
             if args.max_time is not None:
-                cfg["max_time_s"] = given["max_time_s"]
+                cfg.max_time_s = given.max_time_s
         else:
             if os.path.isfile(last) and not args.overwrite:
                 raise ValueError(f"{args.out} already holds a checkpoint; pass --resume to continue it or "
                                  f"--overwrite to start again")
             cfg = resolve_config(args)
-            check_model_options(cfg["model"], cfg["model_options"])
+            check_model_options(cfg.model, cfg.model_options)
         # the run lives in --out and reads --data, wherever it was started from before
-        cfg.update(out=args.out, data=os.path.abspath(args.data), data_fingerprint=fingerprint)
-        dist = Dist(cfg["device"])
+        cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint
+        dist = Dist(cfg.device)
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         print(f"dtmt train: {exc}", file=sys.stderr)
         return 2
     try:
-        if cfg["threads"]:
-            torch.set_num_threads(cfg["threads"])
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         trainer = Trainer(cfg, dist, ckpt)   # makes --out only once the data and the model are usable
         if dist.main:   # once the corpus and the vocabularies are known to be usable
-            with atomic_write(os.path.join(cfg["out"], CONFIG)) as f:
+            with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
         return trainer.run()
     except CorpusError as exc:
@@ -343,7 +344,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started
         print(f"\ndtmt train: aborted ({exc or 'SIGINT'}); the last checkpoint written is "
-              f"{os.path.join(cfg['out'], LAST)} if it exists", file=sys.stderr)
+              f"{os.path.join(cfg.out, LAST)} if it exists", file=sys.stderr)
         return 130
     finally:
         dist.close()

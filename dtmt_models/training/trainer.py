@@ -47,6 +47,7 @@ from dtmt_models.models.checkpoint import save_checkpoint
 from dtmt_models.models.registry import build_model
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
+from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist
 from dtmt_models.training.schedules import InverseSqrtSchedule, RNMTPlusSchedule
 
@@ -168,23 +169,23 @@ def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
 
 
 class Trainer:
-    def __init__(self, cfg: dict, dist: Dist, ckpt: Optional[dict] = None):
+    def __init__(self, cfg: TrainConfig, dist: Dist, ckpt: Optional[dict] = None):
         self.cfg, self.dist, self.device = cfg, dist, dist.device
-        self.out = cfg["out"]
+        self.out = cfg.out
         # a bar on stderr; in a log, a line on stdout every --log-every updates
-        self.progress = Progress(cfg["progress"] if dist.main else "none", desc="dtmt train", unit="update",
+        self.progress = Progress(cfg.progress if dist.main else "none", desc="dtmt train", unit="update",
                                  line_stream=sys.stdout)
         self.stop_reason: Optional[str] = None
         self.log = self.progress.message
         # ---- data and vocabularies
-        manifest = read_manifest(cfg["data"])
+        manifest = read_manifest(cfg.data)
         self.langs = (manifest["src_lang"], manifest["tgt_lang"])
-        train_pairs = read_parallel(*corpus_paths(cfg["data"], "train"))
+        train_pairs = read_parallel(*corpus_paths(cfg.data, "train"))
         try:
-            self.dev_pairs = read_parallel(*corpus_paths(cfg["data"], "dev"))
+            self.dev_pairs = read_parallel(*corpus_paths(cfg.data, "dev"))
         except CorpusError:
             self.dev_pairs = []
-            self.log(f"note: {cfg['data']} has no dev split: no validation, no early stopping, no best.pt")
+            self.log(f"note: {cfg.data} has no dev split: no validation, no early stopping, no best.pt")
         if ckpt is not None:
             protos = (ckpt["src_vocab"], ckpt["tgt_vocab"])
         else:
@@ -192,38 +193,38 @@ class Trainer:
             if dist.main:
                 t0 = time.time()
                 try:
-                    protos = tuple(Vocabulary.train([p[i] for p in train_pairs], cfg["vocab_size"],
-                                                    cfg["vocab_type"]).proto for i in (0, 1))
+                    protos = tuple(Vocabulary.train([p[i] for p in train_pairs], cfg.vocab_size,
+                                                    cfg.vocab_type).proto for i in (0, 1))
                 except RuntimeError as exc:   # SentencePiece: e.g. fewer pieces than the corpus has characters
-                    raise CorpusError(f"--vocab-size {cfg['vocab_size']}: SentencePiece cannot build a vocabulary "
-                                      f"of that size from {cfg['data']} ({one_line(exc)})") from None
-                self.log(f"vocabularies: SentencePiece {cfg['vocab_type']} trained on {len(train_pairs):,} training "
+                    raise CorpusError(f"--vocab-size {cfg.vocab_size}: SentencePiece cannot build a vocabulary "
+                                      f"of that size from {cfg.data} ({one_line(exc)})") from None
+                self.log(f"vocabularies: SentencePiece {cfg.vocab_type} trained on {len(train_pairs):,} training "
                          f"pairs in {time.time() - t0:.1f}s")
             protos = dist.broadcast(protos)
         self.src_vocab, self.tgt_vocab = Vocabulary(protos[0]), Vocabulary(protos[1])
         encoded = [(self.src_vocab.encode(s), self.tgt_vocab.encode(t)) for s, t in train_pairs]
-        self.train_ids, dropped = filter_by_length(encoded, cfg["max_len"])
+        self.train_ids, dropped = filter_by_length(encoded, cfg.max_len)
         empty = sum(1 for s, t in self.train_ids if not s or not t)
         self.train_ids = [p for p in self.train_ids if p[0] and p[1]]
         self.lengths = [(len(s), len(t)) for s, t in self.train_ids]
         self.dev_ids = [(self.src_vocab.encode(s), self.tgt_vocab.encode(t)) for s, t in self.dev_pairs]
         self.dev_ids = [p for p in self.dev_ids if p[0]]
-        self.log(f"data: {len(self.train_ids):,} training pairs ({dropped:,} longer than {cfg['max_len']} subwords "
+        self.log(f"data: {len(self.train_ids):,} training pairs ({dropped:,} longer than {cfg.max_len} subwords "
                  f"dropped{f', {empty} empty after segmentation dropped' if empty else ''}); {len(self.dev_pairs):,} "
                  f"dev pairs; vocabularies {len(self.src_vocab):,} / {len(self.tgt_vocab):,}")
         if not self.train_ids:
             raise CorpusError("no training pairs left after length filtering; raise --max-len")
         # ---- model, optimizer, schedule
-        torch.manual_seed(cfg["seed"])
-        self.model = build_model(cfg["model"], len(self.src_vocab), len(self.tgt_vocab), **cfg["model_options"])
-        if cfg["backend"] != "auto":
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg.model, len(self.src_vocab), len(self.tgt_vocab), **cfg.model_options)
+        if cfg.backend != "auto":
             if not hasattr(self.model, "set_backend"):
-                raise ValueError(f"--backend: {cfg['model']} has no fused recurrent layers")
-            self.model.set_backend(cfg["backend"])
+                raise ValueError(f"--backend: {cfg.model} has no fused recurrent layers")
+            self.model.set_backend(cfg.backend)
         self.model.to(self.device)
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = build_optimizer(self.model, cfg["lr"])
-        self.replicas = cfg.get("replicas") or dist.world   # the schedules' n: the processes, unless given
+        self.optimizer = build_optimizer(self.model, cfg.lr)
+        self.replicas = cfg.replicas or dist.world   # the schedules' n: the processes, unless given
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule())
         self.net = self.model
         if dist.world > 1:
@@ -233,7 +234,7 @@ class Trainer:
         # ---- position
         self.step, self.epoch, self.batch_index, self.elapsed = 0, 0, 0, 0.0
         self.best_bleu, self.best_loss, self.bad_validations = -1.0, math.inf, 0
-        torch.manual_seed(cfg["seed"] * 7919 + 1 + dist.rank)   # dropout streams differ per process
+        torch.manual_seed(cfg.seed * 7919 + 1 + dist.rank)   # dropout streams differ per process
         if ckpt is not None:
             self._restore(ckpt)
         self.csv = (CsvLog(os.path.join(self.out, LOG), self.step if ckpt is not None else None,
@@ -243,14 +244,14 @@ class Trainer:
     def _schedule(self):
         c = self.cfg
         n = self.replicas
-        if c["schedule"] == "rnmt":
-            return RNMTPlusSchedule(c["warmup"], c["decay_start"], c["decay_end"], n=n, floor=0.05)
-        if c["schedule"] == "inverse-sqrt":
-            dim = c["model_options"].get("embed_dim", c["model_options"].get("hidden_size", 256))
-            return InverseSqrtSchedule(dim, c["warmup"], num_gpu=n)
-        if c["schedule"] == "constant":
+        if c.schedule == "rnmt":
+            return RNMTPlusSchedule(c.warmup, c.decay_start, c.decay_end, n=n, floor=0.05)
+        if c.schedule == "inverse-sqrt":
+            dim = c.model_options.get("embed_dim", c.model_options.get("hidden_size", 256))
+            return InverseSqrtSchedule(dim, c.warmup, num_gpu=n)
+        if c.schedule == "constant":
             return lambda step: 1.0
-        raise ValueError(f"unknown schedule {c['schedule']!r}")
+        raise ValueError(f"unknown schedule {c.schedule!r}")
 
     def _restore(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
@@ -272,9 +273,9 @@ class Trainer:
 
     def payload(self, full: bool) -> dict:
         c = self.cfg
-        p = {"model_name": c["model"], "model_options": c["model_options"], "src_vocab": self.src_vocab.proto,
+        p = {"model_name": c.model, "model_options": c.model_options, "src_vocab": self.src_vocab.proto,
              "tgt_vocab": self.tgt_vocab.proto, "model": self.model.state_dict(), "langs": self.langs,
-             "config": c, "step": self.step}
+             "config": c.to_dict(), "step": self.step}
         if full:
             rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                    "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
@@ -307,7 +308,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------- training
     def epoch_batches(self) -> List[List[int]]:
-        batches = token_batches(self.lengths, self.cfg["max_tokens"], seed=self.cfg["seed"], epoch=self.epoch)
+        batches = token_batches(self.lengths, self.cfg.max_tokens, seed=self.cfg.seed, epoch=self.epoch)
         w = self.dist.world
         if w > 1:   # every process takes the same number of batches: the last (len % w) of the epoch are skipped
             batches = batches[:len(batches) - len(batches) % w][self.dist.rank::w]
@@ -316,31 +317,31 @@ class Trainer:
     def train_step(self, batch: List[int]) -> Tuple[float, float, float]:
         self.net.train()
         src, lengths, prev, target = collate([self.train_ids[i] for i in batch], self.device)
-        loss_sum, nll_sum, ntok = self.net(src, lengths, prev, target=target, smoothing=self.cfg["smoothing"])
+        loss_sum, nll_sum, ntok = self.net(src, lengths, prev, target=target, smoothing=self.cfg.smoothing)
         self.optimizer.zero_grad(set_to_none=True)
         (loss_sum / ntok).backward()
-        if self.cfg["clip"] and self.cfg["clip"] > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["clip"])
+        if self.cfg.clip and self.cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
         self.optimizer.step()
         self.scheduler.step()
         return float(loss_sum.detach()), float(nll_sum.detach()), float(ntok)
 
     def should_stop(self) -> Optional[str]:
         c = self.cfg
-        if c["max_steps"] is not None and self.step >= c["max_steps"]:
-            return f"reached --max-steps {c['max_steps']}"
-        if c["max_time_s"] is not None and self.elapsed >= c["max_time_s"]:
-            return f"reached --max-time {c['max_time']}"
-        if c["max_epochs"] is not None and self.epoch >= c["max_epochs"]:
-            return f"reached --max-epochs {c['max_epochs']}"
+        if c.max_steps is not None and self.step >= c.max_steps:
+            return f"reached --max-steps {c.max_steps}"
+        if c.max_time_s is not None and self.elapsed >= c.max_time_s:
+            return f"reached --max-time {c.max_time}"
+        if c.max_epochs is not None and self.epoch >= c.max_epochs:
+            return f"reached --max-epochs {c.max_epochs}"
         return None
 
     def run(self) -> int:
         c = self.cfg
         if self.dist.main:
-            self.log(f"model {c['model']} ({c['preset']} preset): {self.n_params:,} parameters; options "
-                     f"{c['model_options']}; device {self.device}, backend {c['backend']}, {self.dist.world} "
-                     f"process(es); schedule {c['schedule']} (n = {self.replicas}); output {self.out}")
+            self.log(f"model {c.model} ({c.preset} preset): {self.n_params:,} parameters; options "
+                     f"{c.model_options}; device {self.device}, backend {c.backend}, {self.dist.world} "
+                     f"process(es); schedule {c.schedule} (n = {self.replicas}); output {self.out}")
         handlers = self._install_signals()
         window = [0.0, 0.0, 0.0]
         window_time, last_validated = 0.0, self.step
@@ -361,11 +362,11 @@ class Trainer:
                     self.elapsed += dt
                     window = [window[0] + loss, window[1] + nll, window[2] + ntok]
                     window_time += dt
-                    logged = self.step % c["log_every"] == 0
+                    logged = self.step % c.log_every == 0
                     text = (f"epoch {self.epoch + 1} step {self.step:,} loss {loss / ntok:.3f} "
                             f"lr {self.scheduler.get_last_lr()[0]:.2e} {window[2] / max(window_time, 1e-9):,.0f} tok/s "
                             f"time {format_time(self.elapsed)}")
-                    self.progress.show(self.step, c["max_steps"], status=text, line=text if logged else None)
+                    self.progress.show(self.step, c.max_steps, status=text, line=text if logged else None)
                     if logged:
                         if self.csv:
                             self.csv.write(kind="train", step=self.step, epoch=self.epoch + 1,
@@ -377,7 +378,7 @@ class Trainer:
                     if stop:
                         self.stop_reason = f"interrupted by {self._signal or 'a signal in another process'}"
                         break
-                    if self.step % c["valid_every"] == 0:
+                    if self.step % c.valid_every == 0:
                         last_validated = self.step
                         if self.validate():
                             break
@@ -403,12 +404,12 @@ class Trainer:
                      f"best dev BLEU {max(self.best_bleu, 0):.2f}. Checkpoints: {os.path.join(self.out, LAST)}"
                      + (f", {os.path.join(self.out, BEST)}" if os.path.isfile(os.path.join(self.out, BEST)) else ""))
             if self._signal:
-                self.log(f"resume with: dtmt train --data {c['data']} --model {c['model']} --out {self.out} --resume")
+                self.log(f"resume with: dtmt train --data {c.data} --model {c.model} --out {self.out} --resume")
         return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0
 
     # -------------------------------------------------------------------------------------- validation
     def dev_loss(self) -> Tuple[float, int]:
-        return corpus_nll(self.model, self.dev_ids, self.cfg["max_tokens"], self.device)
+        return corpus_nll(self.model, self.dev_ids, self.cfg.max_tokens, self.device)
 
     def validate(self) -> bool:
         """Dev loss, BLEU and chrF on the main process, best.pt and last.pt; returns True to stop early."""
@@ -419,10 +420,10 @@ class Trainer:
 
             t0 = time.perf_counter()
             loss, _ = self.dev_loss()
-            n = self.cfg["bleu_sentences"] or len(self.dev_pairs)
+            n = self.cfg.bleu_sentences or len(self.dev_pairs)
             sources = [s for s, _ in self.dev_pairs[:n]]
             refs = [t for _, t in self.dev_pairs[:n]]
-            hyps = translate_best(self.model, self.src_vocab, self.tgt_vocab, sources, beam=self.cfg["valid_beam"],
+            hyps = translate_best(self.model, self.src_vocab, self.tgt_vocab, sources, beam=self.cfg.valid_beam,
                                   alpha=0.6, device=self.device)
             scores = corpus_scores(hyps, refs)
             bleu, chrf = scores["bleu"], scores["chrf"]
@@ -432,14 +433,14 @@ class Trainer:
                 save_checkpoint(os.path.join(self.out, BEST), self.payload(full=False))
             else:
                 self.bad_validations += 1
-            if self.cfg.get("keep_last"):
+            if self.cfg.keep_last:
                 self.keep_step_checkpoint()
             self.csv.write(kind="valid", step=self.step, epoch=self.epoch + 1, elapsed_s=f"{self.elapsed:.1f}",
                            lr=self.scheduler.get_last_lr()[0], dev_loss=repr(loss),
                            dev_ppl=f"{math.exp(min(loss, 50)):.2f}", dev_bleu=f"{bleu:.2f}", dev_chrf=f"{chrf:.2f}",
                            best_bleu=f"{self.best_bleu:.2f}")
-            plot_curve(self.csv.rows, os.path.join(self.out, CURVE), f"{self.cfg['model']} on {self.cfg['data']}")
-            p = self.cfg["patience"]
+            plot_curve(self.csv.rows, os.path.join(self.out, CURVE), f"{self.cfg.model} on {self.cfg.data}")
+            p = self.cfg.patience
             stop = bool(p) and self.bad_validations >= p
             self.log(f"step {self.step:,}: dev loss {loss:.3f} (ppl {math.exp(min(loss, 50)):.1f}), BLEU {bleu:.2f}, "
                      f"chrF {chrf:.2f}{' (best)' if improved else f' (best {self.best_bleu:.2f})'}; "
@@ -451,14 +452,14 @@ class Trainer:
             return False
         stop, self.best_bleu, self.best_loss, self.bad_validations = decision
         if stop:
-            self.stop_reason = f"no better dev BLEU in {self.cfg['patience']} validations (early stopping)"
+            self.stop_reason = f"no better dev BLEU in {self.cfg.patience} validations (early stopping)"
         return stop
 
     def keep_step_checkpoint(self) -> None:
         """step_<updates>.pt for this validation; the oldest beyond --keep-last are removed."""
         save_checkpoint(os.path.join(self.out, STEP_CHECKPOINT.format(self.step)), self.payload(full=False))
         kept = step_checkpoints(self.out)
-        for _, path in kept[:max(len(kept) - self.cfg["keep_last"], 0)]:
+        for _, path in kept[:max(len(kept) - self.cfg.keep_last, 0)]:
             os.remove(path)
 
     # ----------------------------------------------------------------------------------------- signals

@@ -1,0 +1,66 @@
+"""TrainConfig: everything a training run is, typed, with its defaults in this one place.
+
+`dtmt train` (dtmt_models/cli/train.py) fills it from the preset (dtmt_models/models/presets.py: the model options
+and the training settings of a system at a size) and the flags or run configuration file; the trainer reads it;
+a checkpoint keeps it as a plain dict (`to_dict`, SPEC §7: data only) from which `--resume` rebuilds it
+(`from_dict`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+
+@dataclass
+class TrainConfig:
+    data: str                                   # the prepared corpus directory
+    out: Optional[str] = None                   # the run directory (default runs/<model>)
+    model: str = "dtmt"                         # a system of the registry
+    preset: str = "small"                       # small, paper, or a paper's table row
+    model_options: Dict[str, Any] = field(default_factory=dict)   # the preset's, with --opt on top
+    # training: the preset's values unless given
+    lr: Optional[float] = None
+    schedule: Optional[str] = None              # rnmt, inverse-sqrt or constant
+    warmup: Optional[int] = None
+    decay_start: Optional[int] = None
+    decay_end: Optional[int] = None
+    replicas: Optional[int] = None              # n of the schedules (None: the number of processes)
+    smoothing: Optional[float] = None
+    clip: Optional[float] = None                # gradient-norm clipping (0: off)
+    max_tokens: Optional[int] = None            # target-token budget per batch and process
+    vocab_size: Optional[int] = None            # SentencePiece pieces per side
+    vocab_type: str = "bpe"                     # bpe or unigram
+    max_len: Optional[int] = None               # training pairs longer than this (subwords) are dropped
+    seed: int = 1
+    # stopping and reporting
+    max_epochs: Optional[int] = None
+    max_steps: Optional[int] = None
+    max_time: Optional[str] = None              # as given, e.g. "30m"
+    max_time_s: Optional[float] = None          # the same in seconds
+    patience: int = 5                           # validations without a better dev BLEU (0: never stop early)
+    valid_every: int = 500
+    valid_beam: int = 1                         # 1: greedy dev BLEU
+    bleu_sentences: int = 0                     # dev sentences translated for BLEU (0: all)
+    log_every: int = 50
+    keep_last: int = 0                          # step_<updates>.pt kept from the last N validations
+    progress: str = "auto"                      # auto, bar, lines or none
+    # device
+    device: str = "auto"
+    backend: str = "auto"
+    threads: int = 0                            # 0: torch's default
+    data_fingerprint: Optional[Dict[str, Any]] = None   # of the corpus trained on (checked on --resume)
+
+    @classmethod
+    def defaults(cls) -> Dict[str, Any]:
+        """The fields' defaults (those that have one)."""
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
+        """From `to_dict`'s output, or a checkpoint's config (keys that are not fields are left out)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})

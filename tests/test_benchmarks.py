@@ -240,3 +240,18 @@ def test_bench_update_pieces_quick(tmp_path):
     assert len(out["loss"]["ratio_per_round"]) == 1 and all(x > 0 for x in out["loss"]["fused_tok_s"])
     assert set(out["context_dalpha_us"]) == {"batched GEMV", "C++ kernel"}
     assert set(out["adam_step_ms"]) == {"foreach", "fused"}
+
+
+def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_path, monkeypatch, capsys):
+    """An editable install finds benchmarks/ next to the package; a regular install (no checkout next to the
+    package) finds the current directory's; elsewhere the command says what it needs."""
+    from dtmt_models.cli import bench
+
+    assert "cells" in bench.available()                       # editable: next to the package
+    monkeypatch.setattr(bench, "ROOT", str(tmp_path / "site-packages"))
+    monkeypatch.chdir(tmp_path)
+    assert bench.available() == []
+    assert bench.main([]) == 0 and "source checkout" in capsys.readouterr().out
+    assert bench.main(["cells"]) == 2 and "source checkout" in capsys.readouterr().err
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
+    assert "cells" in bench.available()

@@ -1,7 +1,8 @@
-"""`dtmt bench NAME [options]`: runs benchmarks/bench_NAME.py (cells, train, decode, quality) with its options.
+"""`dtmt bench NAME [options]`: runs benchmarks/bench_NAME.py (cells, train, decode, quality, ...) with its options.
 
-The benchmark scripts live in the repository's benchmarks/ directory (they are scripts, not part of the
-installed package), so this works from a source checkout or an editable install.
+The benchmark scripts live in a source checkout's benchmarks/ directory (scripts, not part of the installed
+package): they are found next to the package (an editable install, as setup.sh makes) or, for a regular install,
+in the current directory's benchmarks/ (run it from the checkout). Elsewhere the command says so.
 """
 from __future__ import annotations
 
@@ -11,13 +12,26 @@ import sys
 from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # dtmt_models/cli/ -> the checkout
-BENCH_DIR = os.path.join(ROOT, "benchmarks")
+
+
+def bench_dir() -> Optional[str]:
+    """The benchmarks/ of the checkout the package was installed from (editable), else of the current
+    directory; None when neither has one."""
+    for d in (os.path.join(ROOT, "benchmarks"), os.path.join(os.getcwd(), "benchmarks")):
+        if os.path.isfile(os.path.join(d, "bench_cells.py")):
+            return d
+    return None
+
+
+NOT_FOUND = ("none found: they are the scripts of a source checkout's benchmarks/; run `dtmt bench` from the "
+             "checkout (or install it with `bash setup.sh`, editable)")
 
 
 def available() -> List[str]:
-    if not os.path.isdir(BENCH_DIR):
+    d = bench_dir()
+    if d is None:
         return []
-    return sorted(f[len("bench_"):-3] for f in os.listdir(BENCH_DIR) if f.startswith("bench_") and f.endswith(".py"))
+    return sorted(f[len("bench_"):-3] for f in os.listdir(d) if f.startswith("bench_") and f.endswith(".py"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -25,7 +39,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     names = available()
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: dtmt bench NAME [options]   (dtmt bench NAME --help for its options)\n"
-              f"benchmarks: {', '.join(names) if names else f'none found (expected them in {BENCH_DIR})'}")
+              f"benchmarks: {', '.join(names) if names else NOT_FOUND}")
         return 0
     name = argv[0]
     if name not in names:
@@ -35,7 +49,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     old = sys.argv
     sys.argv = [f"dtmt bench {name}", *argv[1:]]
     try:
-        runpy.run_path(os.path.join(BENCH_DIR, f"bench_{name}.py"), run_name="__main__")
+        runpy.run_path(os.path.join(bench_dir(), f"bench_{name}.py"), run_name="__main__")
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     finally:

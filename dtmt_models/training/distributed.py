@@ -3,6 +3,7 @@ device, and the few collectives the trainer uses."""
 from __future__ import annotations
 
 import os
+import time
 from typing import List
 
 import torch
@@ -58,5 +59,11 @@ class Dist:
         return t.tolist()
 
     def close(self):
+        """Ends the process group. First a barrier, then a pause that lets gloo's worker threads finish freeing
+        the last collectives' tensors: freeing one that Python created takes the GIL, and the process group's
+        destructor (run later, when DDP's reducer is freed, with the GIL held) joins those threads, so a thread
+        still freeing one then would wait for the GIL forever (seen as a hang at exit under load)."""
         if self.world > 1 and self.td.is_initialized():
+            self.td.barrier()
+            time.sleep(0.2)   # releases the GIL
             self.td.destroy_process_group()

@@ -334,7 +334,7 @@ def test_a_parametrized_linear_is_read_once_into_the_fused_step(monkeypatch):
 
 def test_a_decoder_step_override_is_honoured(monkeypatch):
     """A subclass that overrides decoder_step (only) gets its override in the inference decoder too, not the
-    fused op."""
+    fused op, and in teacher forcing."""
     torch.manual_seed(4)
     base = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24)
 
@@ -354,6 +354,17 @@ def test_a_decoder_step_override_is_honoured(monkeypatch):
         expected = model.readout(features)
     assert calls == [] and isinstance(decoder, Halved)
     torch.testing.assert_close(log_probs, expected)
+    # teacher forcing runs the override too (Seq2Seq.forward's loop over decoder_step), so that a model's
+    # training and decoding compute the same function
+    prev = torch.stack([_PREV, _PREV.flip(0)], 1)
+    with torch.no_grad():
+        forced = model(_SRC, _LENGTHS, prev)
+        state = model.encode(_SRC, _LENGTHS)
+        steps = []
+        for t in range(2):
+            out, state = model.step(state, prev[:, t])
+            steps.append(out)
+    torch.testing.assert_close(forced, torch.stack(steps, 1))
 
 
 def test_inference_decoder_where_it_does_not_apply():

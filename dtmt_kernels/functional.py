@@ -3,8 +3,8 @@ attention kernels and the decoding linear layer, plus the checks that every publ
 inputs (validate at the boundary)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -115,13 +115,16 @@ def _or_none(t: Optional[Tensor]) -> Tensor:
 
 class _InferenceWeights:
     """Base of the named weight structures of the inference ops: each mirrors a struct of csrc/decode_step.h
-    (same fields, same order: FIELDS, which a test holds equal to the extension's `_C.<NAME>_WEIGHT_FIELDS`), and
-    keeps its tensors as the list the op takes (`tensors`, absent ones empty), made once."""
+    (its tensor fields in the same order: `tensor_fields()`, which a test holds equal to the extension's
+    `_C.<NAME>_WEIGHT_FIELDS`), and keeps its tensors as the list the op takes (`tensors`, absent ones empty),
+    made once. Fields named ...eps are the ops' float arguments, not tensors."""
 
-    FIELDS: ClassVar[Tuple[str, ...]] = ()
+    @classmethod
+    def tensor_fields(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if not f.name.endswith("eps"))
 
     def __post_init__(self):
-        object.__setattr__(self, "tensors", [_or_none(getattr(self, name)) for name in self.FIELDS])
+        object.__setattr__(self, "tensors", [_or_none(getattr(self, name)) for name in self.tensor_fields()])
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,7 +132,6 @@ class AttentionWeights(_InferenceWeights):
     """(Multi-head) additive attention for `attention_step`: w_q [NH*D, Q], v [NH, D]; the output projection w_o
     [C', C], b_o [C'] (multi-head attention) or None; the query's layer norm ln_w, ln_b [NH*D] and its eps
     (Nematus' attention) or None."""
-    FIELDS: ClassVar[Tuple[str, ...]] = ("w_q", "v", "w_o", "b_o", "ln_w", "ln_b")
     w_q: Tensor
     v: Tensor
     w_o: Optional[Tensor] = None
@@ -144,7 +146,6 @@ class ReadoutWeights(_InferenceWeights):
     """The Readout for `readout_features` and `rnmt_step`: w_y [R, E], w_s [R, Hs], w_c [R, C] and their biases
     (or None); the three layer norms' gains and offsets stacked, ln_w, ln_b [3, R] (or None) and their one eps;
     the output projection w_out [V, R], b_out [V] (`rnmt_step` only; None where the readout has more layers)."""
-    FIELDS: ClassVar[Tuple[str, ...]] = ("w_y", "b_y", "w_s", "b_s", "w_c", "b_c", "ln_w", "ln_b", "w_out", "b_out")
     w_y: Tensor
     b_y: Optional[Tensor]
     w_s: Tensor
@@ -162,8 +163,6 @@ class ReadoutWeights(_InferenceWeights):
 class MemoryWeights(_InferenceWeights):
     """mce's memory addressing for `memory_encoder` (dtmt_models/models/systems/mce.py): w_state [H, H], w_memory [H, H],
     b_memory [H], v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]."""
-    FIELDS: ClassVar[Tuple[str, ...]] = ("w_state", "w_memory", "b_memory", "v", "w_read", "b_read", "w_write",
-                                         "b_write")
     w_state: Tensor
     w_memory: Tensor
     b_memory: Tensor

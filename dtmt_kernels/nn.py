@@ -157,9 +157,9 @@ class _TransitionBase(BackendSwitch, nn.Module):
 
     def kernel_params(self, direction: int = 0) -> List[Tensor]:
         """The ten flat, contiguous parameter tensors of one direction in the kernels' order (autograd.flat_params:
-        T-GRU weights stacked, so a copy of those), for the inference forms below."""
-        with torch.no_grad():
-            return [t.contiguous() for t in flat_params(self.direction_weights(direction), self.weight_hh)]
+        T-GRU weights stacked, a copy where depth > 1), made by differentiable ops: under autograd they lead back
+        to the parameters (the unrolled steps), under torch.no_grad they are plain tensors (the inference forms)."""
+        return [t.contiguous() for t in flat_params(self.direction_weights(direction), self.weight_hh)]
 
     def _full_bias(self, bias: Tensor, n_gates: int) -> Tensor:
         if not self.layer_norm:
@@ -315,7 +315,7 @@ class _TransitionCell(Unrollable, _TransitionBase):
         versions = tuple(p._version for p in self._parameters.values())
         hit = sessions.get(key)
         if hit is None or hit[0].done or hit[0].versions != versions:   # a new graph, or changed weights
-            flat = [t.contiguous() for t in flat_params(self.direction_weights(0), self.weight_hh)]
+            flat = self.kernel_params(0)
             steps = UnrolledSteps(KINDS[self.cell], flat, versions)
             sessions[key] = hit = (steps, CppUnrolledWeightsFunction.apply(steps, *flat))
         return hit
@@ -468,7 +468,8 @@ class FrozenTransitionCell(InferenceForm):
     def __init__(self, cell: "_TransitionCell"):
         super().__init__(cell)
         self.cell, self.kind, self.eps = cell.cell, KINDS[cell.cell], cell.eps
-        self.params = cell.kernel_params(0)
+        with torch.no_grad():
+            self.params = cell.kernel_params(0)
 
     def forward(self, x: Tensor, h: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
         if h is None:

@@ -79,8 +79,7 @@ def main(argv=None):
             gbs = fwd * nbytes / flops
             small = None
             if small_ok and M <= _C.SMALL_ROWS_MAX:
-                none = torch.empty(0)
-                small = rate(lambda: _C.small_rows_linear(x, weight(), none), flops, inner, a.repeat) * nbytes / flops
+                small = rate(lambda: torch.ops.dtmt.small_rows_linear(x, weight(), None), flops, inner, a.repeat) * nbytes / flops
             print(f"threads {threads}  {M:>5} x {K:>4} x {N:>5}: {fwd:6.1f} | {wgrad:6.1f}    {gbs:5.1f} | {read:5.1f}"
                   + (f" | {small:5.1f}" if small is not None else ""))
             rows.append({"threads": threads, "shape": shape, "gflops": fwd, "wgrad_gflops": wgrad,

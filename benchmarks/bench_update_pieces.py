@@ -6,7 +6,7 @@
    `label_smoothed_nll(model(...))`, whole updates on the batches `bench_peers.py --profile` wrote
    (DIR/profile_batches.json) with the model of DIR/dtmt/last.pt, the two alternated --rounds times;
 2. one decoder step's attention-weight gradient in the unrolled context: the C++ context backward without the
-   values' part (`_C.attention_context_backward(..., values_grad=False)`) against the batched GEMV it replaced
+   values' part (`torch.ops.dtmt.attention_context_backward(..., values_grad=False)`) against the batched GEMV it replaced
    (a per-head copy of the values times the step's gradient), at 66 × 26 × 512, 4 heads;
 3. one Adam step over the dtmt small preset's parameters: torch's default (foreach) against `fused=True`.
 One thread (--threads). Prints target tokens/s per round and the ratio, and µs / ms per call.
@@ -27,7 +27,7 @@ def main(argv=None):
     import torch
 
     import dtmt_models.models.systems  # noqa: F401
-    from dtmt_kernels import _C
+    import dtmt_kernels  # noqa: F401 - registers torch.ops.dtmt
     from dtmt_models.data.batching import collate
     from dtmt_models.models.checkpoint import load_model
     from dtmt_models.models.loss import label_smoothed_nll
@@ -86,7 +86,7 @@ def main(argv=None):
     alpha = torch.softmax(torch.randn(B, NH, S, generator=g), -1)
     per_head = values.reshape(B, S, NH, C // NH).permute(0, 2, 1, 3).contiguous()
     gemv = lambda: torch.matmul(per_head, grad.reshape(B, NH, -1).unsqueeze(-1)).squeeze(-1)  # noqa: E731
-    kernel = lambda: _C.attention_context_backward(grad, alpha, values, False)[0]  # noqa: E731
+    kernel = lambda: torch.ops.dtmt.attention_context_backward(grad, alpha, values, False)[0]  # noqa: E731
     torch.testing.assert_close(kernel(), gemv())
     times = {}
     for name, f in (("batched GEMV", gemv), ("C++ kernel", kernel)) * 2:

@@ -1,14 +1,16 @@
 """The one registry of compute backends and the dispatch rule for `backend="auto"`.
 
 Every backend computes the same function, `transition_sequence(x, h0, weights, mask, drop, reverse, eps)
--> (out, h_n)` (see reference.py). An unavailable backend is an error that says why, never a silent
+-> (out, h_n)` (see reference.py); the fused ones through the custom ops of dtmt_kernels/ops/ (cpp and cuda: the
+same op, torch.ops.dtmt.transition_forward, whose CPU and CUDA kernels the dispatcher picks by device; triton:
+torch.ops.dtmt.transition_forward_triton). An unavailable backend is an error that says why, never a silent
 fallback to another one.
 
 Backends and where they run:
 
     reference   pure PyTorch (reference.py): CPU and CUDA, any floating dtype; the executable spec
     cpp         C++ CPU kernels (dtmt_kernels._C): CPU, float32 / float64
-    triton      Triton kernels (dtmt_kernels/triton/): CUDA tensors, float16 / bfloat16 / float32 / float64.
+    triton      Triton kernels (dtmt_kernels/ops/transition/triton*.py): CUDA tensors, float16 / bfloat16 / float32 / float64.
                 Available when triton imports and a CUDA device is present. With the environment variable
                 TRITON_INTERPRET=1 (triton's CPU interpreter) it is available without a GPU and then also
                 accepts CPU tensors: that is how its kernels are tested on machines without a GPU. The
@@ -21,6 +23,8 @@ Backends and where they run:
 from __future__ import annotations
 
 from dataclasses import dataclass
+import importlib.util
+import os
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -94,12 +98,59 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     return b
 
 
-def _cuda_unavailable() -> Optional[str]:
-    from . import autograd
+def triton_interpreting() -> bool:
+    """Whether triton kernels decorated now would run in triton's CPU interpreter (TRITON_INTERPRET set)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
-    if autograd._C is None:
-        return f"the extension dtmt_kernels._C did not import ({autograd._IMPORT_ERROR})"
-    if not hasattr(autograd._C, "transition_forward_cuda"):
+
+_TRITON_IMPORT_ERROR: List[Optional[str]] = []   # [] until checked, then [None or the reason]
+
+
+def _triton_import_error() -> Optional[str]:
+    """None when triton imports (checked once, without importing it at dtmt_kernels' import), else why not."""
+    if not _TRITON_IMPORT_ERROR:
+        try:
+            found = importlib.util.find_spec("triton") is not None
+        except (ImportError, ValueError):
+            found = False
+        reason = None if found else "the triton package is not installed (pip install triton)"
+        if found:
+            try:
+                import triton  # noqa: F401
+                import triton.language  # noqa: F401
+            except Exception as exc:  # pragma: no cover - broken installs only
+                reason = f"triton did not import ({type(exc).__name__}: {exc})"
+        _TRITON_IMPORT_ERROR.append(reason)
+    return _TRITON_IMPORT_ERROR[0]
+
+
+def _triton_unavailable() -> Optional[str]:
+    if not (triton_interpreting() or torch.cuda.is_available()):
+        return ("it needs a CUDA device (none is available; set TRITON_INTERPRET=1 to run the kernels in "
+                "triton's CPU interpreter)")
+    return _triton_import_error()
+
+
+def _triton_devices() -> Tuple[str, ...]:
+    """Where the triton backend's tensors may live: CUDA, plus CPU while TRITON_INTERPRET is set."""
+    return ("cuda", "cpu") if triton_interpreting() else ("cuda",)
+
+
+def _cpp_unavailable() -> Optional[str]:
+    from .ops import _extension
+
+    if _extension.built():
+        return None
+    return (f"the C++ extension dtmt_kernels._C did not import ({_extension.IMPORT_ERROR}); build it with "
+            "`pip install --no-build-isolation -e .`")
+
+
+def _cuda_unavailable() -> Optional[str]:
+    from .ops import _extension
+
+    if not _extension.built():
+        return f"the extension dtmt_kernels._C did not import ({_extension.IMPORT_ERROR})"
+    if not _extension._C.has_cuda:
         return ("dtmt_kernels._C was built without CUDA kernels (they are built when the installed torch has "
                 "CUDA and nvcc is found; rebuild with `pip install --no-build-isolation -e .`)")
     if not torch.cuda.is_available():
@@ -108,28 +159,26 @@ def _cuda_unavailable() -> Optional[str]:
 
 
 def _register_builtin() -> None:
-    from . import autograd, reference
-    from . import triton as triton_backend
+    from . import reference
+    from .ops.transition import fused_sequence
 
     register_backend(Backend(
         name="reference", device_types=("cpu", "cuda"),
         dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
         run=reference.transition_sequence, unavailable=lambda: None))
+    fused = fused_sequence(torch.ops.dtmt.transition_forward) if _cpp_unavailable() is None else None
     register_backend(Backend(
-        name="cpp", device_types=("cpu",), dtypes=(torch.float32, torch.float64),
-        run=autograd.cpp_transition_sequence,
-        unavailable=lambda: None if autograd._C is not None else
-        f"the C++ extension dtmt_kernels._C did not import ({autograd._IMPORT_ERROR}); "
-        "build it with `pip install --no-build-isolation -e .`"))
+        name="cpp", device_types=("cpu",), dtypes=(torch.float32, torch.float64), run=fused,
+        unavailable=_cpp_unavailable))
     register_backend(Backend(
         name="triton", device_types=("cuda",),
         dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-        run=triton_backend.transition_sequence, unavailable=triton_backend.unavailable_reason,
-        device_types_now=triton_backend.device_types))
+        run=fused_sequence(torch.ops.dtmt.transition_forward_triton), unavailable=_triton_unavailable,
+        device_types_now=_triton_devices))
     register_backend(Backend(
         name="cuda", device_types=("cuda",),
-        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-        run=autograd.cuda_transition_sequence, unavailable=_cuda_unavailable))
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), run=fused,
+        unavailable=_cuda_unavailable))
 
 
 _register_builtin()

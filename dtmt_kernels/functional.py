@@ -1,19 +1,25 @@
 """Functional API: run a deep transition block / ATR over a sequence or one step on a chosen backend, the
-attention kernels and the decoding linear layer, plus the checks that every public entry point applies to its
-inputs (validate at the boundary)."""
+attention kernels, the decoding linear layer and the inference ops of a decoder step (dtmt_kernels/ops/), plus the
+checks that every public entry point applies to its inputs (validate at the boundary)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import reference
-from .autograd import _C, cpp_additive_scores, cpp_attention_context, cpp_small_rows_linear, small_rows_applicable
+from .ops.decode_step import (AttentionWeights, MemoryWeights, ReadoutWeights, attention_step, memory_encoder,
+                               readout_features, rnmt_step)
+from .ops.linear import small_rows_applicable, small_rows_linear
 from .backends import check_backend_name, resolve_backend
 from .reference import TransitionWeights
+
+__all__ = ["transition_sequence", "transition_step", "additive_scores", "attention_context", "linear",
+           "small_rows_applicable", "small_rows_linear", "AttentionWeights", "ReadoutWeights", "MemoryWeights",
+           "attention_step", "readout_features", "rnmt_step", "memory_encoder", "lengths_to_mask",
+           "check_attention_context", "check_dtype_for_backend"]
 
 LengthsLike = Union[Tensor, Sequence[int]]
 
@@ -56,7 +62,7 @@ def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto
     b = resolve_backend(backend, keys.device)
     check_dtype_for_backend(b, keys.dtype, "keys")
     if b.name == "cpp":
-        return cpp_additive_scores(keys, query, v)
+        return torch.ops.dtmt.additive_scores(keys, query, v)
     return reference.additive_scores(keys, query, v)
 
 
@@ -68,7 +74,7 @@ def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> T
     contiguous, e.g. the transposed encoder output); the others run the reference's PyTorch ops."""
     b = check_attention_context(alpha, values, backend)
     if b.name == "cpp":
-        return cpp_attention_context(alpha, values)
+        return torch.ops.dtmt.attention_context(alpha, values)
     return reference.attention_context(alpha, values)
 
 
@@ -102,119 +108,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: st
         check_backend_name(backend)
         return F.linear(x, weight, bias)
     if small_rows_applicable(x, weight, bias):  # false without the extension, off the CPU, or with gradients
-        return cpp_small_rows_linear(x, weight, bias)
+        return small_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-_ABSENT = torch.empty(0)   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
-
-
-def _or_none(t: Optional[Tensor]) -> Tensor:
-    return _ABSENT if t is None else t
-
-
-class _InferenceWeights:
-    """Base of the named weight structures of the inference ops: each mirrors a struct of csrc/decode_step.h
-    (its tensor fields in the same order: `tensor_fields()`, which a test holds equal to the extension's
-    `_C.<NAME>_WEIGHT_FIELDS`), and keeps its tensors as the list the op takes (`tensors`, absent ones empty),
-    made once. Fields named ...eps are the ops' float arguments, not tensors."""
-
-    @classmethod
-    def tensor_fields(cls) -> Tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if not f.name.endswith("eps"))
-
-    def __post_init__(self):
-        object.__setattr__(self, "tensors", [_or_none(getattr(self, name)) for name in self.tensor_fields()])
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionWeights(_InferenceWeights):
-    """(Multi-head) additive attention for `attention_step`: w_q [NH*D, Q], v [NH, D]; the output projection w_o
-    [C', C], b_o [C'] (multi-head attention) or None; the query's layer norm ln_w, ln_b [NH*D] and its eps
-    (Nematus' attention) or None."""
-    w_q: Tensor
-    v: Tensor
-    w_o: Optional[Tensor] = None
-    b_o: Optional[Tensor] = None
-    ln_w: Optional[Tensor] = None
-    ln_b: Optional[Tensor] = None
-    ln_eps: float = 1e-5
-
-
-@dataclass(frozen=True, eq=False)
-class ReadoutWeights(_InferenceWeights):
-    """The Readout for `readout_features` and `rnmt_step`: w_y [R, E], w_s [R, Hs], w_c [R, C] and their biases
-    (or None); the three layer norms' gains and offsets stacked, ln_w, ln_b [3, R] (or None) and their one eps;
-    the output projection w_out [V, R], b_out [V] (`rnmt_step` only; None where the readout has more layers)."""
-    w_y: Tensor
-    b_y: Optional[Tensor]
-    w_s: Tensor
-    b_s: Optional[Tensor]
-    w_c: Tensor
-    b_c: Optional[Tensor]
-    ln_w: Optional[Tensor] = None
-    ln_b: Optional[Tensor] = None
-    w_out: Optional[Tensor] = None
-    b_out: Optional[Tensor] = None
-    eps: float = 1e-5
-
-
-@dataclass(frozen=True, eq=False)
-class MemoryWeights(_InferenceWeights):
-    """mce's memory addressing for `memory_encoder` (dtmt_models/models/systems/mce.py): w_state [H, H], w_memory [H, H],
-    b_memory [H], v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]."""
-    w_state: Tensor
-    w_memory: Tensor
-    b_memory: Tensor
-    v: Tensor
-    w_read: Tensor
-    b_read: Tensor
-    w_write: Tensor
-    b_write: Tensor
-
-
-def attention_step(query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, weights: AttentionWeights):
-    """Inference only (no autograd; CPU float32 / float64): one step of (multi-head) additive attention in one
-    C++ call, what MultiHeadAdditiveAttention / AdditiveAttention compute in a dozen ops: q = query W_q^T,
-    layer-normalised over all its NH*D features when the weights have ln_w / ln_b (Nematus), split into heads;
-    scores = additive_scores(keys, q, v), alpha = softmax over the source positions where src_mask is true (0
-    elsewhere), context = attention_context(alpha, annotations), then context W_o^T + b_o when w_o is given.
-    query [B, Q], keys [B, S, NH, D], annotations [B, S, C], src_mask [B, S] bool -> (context, alpha [B, NH, S])."""
-    context, alpha = _C.attention_step(query, keys, annotations, src_mask, weights.tensors, weights.ln_eps)
-    return context, alpha
-
-
-def readout_features(y: Tensor, s: Tensor, c: Tensor, weights: ReadoutWeights) -> Tensor:
-    """Inference only: tanh(LN_y(y W_y^T + b_y) + LN_s(s W_s^T + b_s) + LN_c(c W_c^T + b_c)) in one C++ call (the
-    Readout's features; no layer norm where the weights have none). y [..., E], s [..., Hs], c [..., C] with the
-    same leading dims -> [..., R]."""
-    lead = y.shape[:-1]
-    out = _C.readout_features(y.reshape(-1, y.shape[-1]), s.reshape(-1, s.shape[-1]), c.reshape(-1, c.shape[-1]),
-                              weights.tensors, weights.eps)
-    return out.view(*lead, weights.w_y.shape[0])
-
-
-def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, query_cell, decoder_cell,
-              attention: AttentionWeights, readout: ReadoutWeights):
-    """Inference only: one whole step of the attentional RNMT decoder in one C++ call (dtmt_models.models.rnmt's
-    FusedRNMTDecoder, for AttentionalRNMT and one-level Nematus): query cell, attention_step, decoder cell,
-    readout_features, output projection (readout.w_out) and log-softmax. y [B, E] the embedded previous tokens,
-    s [B, H]; keys [B, S, NH, D], annotations, src_mask as attention_step's; query_cell / decoder_cell:
-    dtmt_kernels.nn.FrozenTransitionCell (a cell's kernel parameters gathered once) with the same eps. Returns
-    (log_probs [B, V], float32 at least; s' [B, H]; the attention weights averaged over the heads [B, S])."""
-    log_probs, s_new, alpha = _C.rnmt_step(y, s, keys, annotations, src_mask, query_cell.kind, query_cell.params,
-                                           decoder_cell.kind, decoder_cell.params, query_cell.eps, attention.tensors,
-                                           attention.ln_eps, readout.tensors, readout.eps)
-    return log_probs, s_new, alpha
-
-
-def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
-    """Inference only: one direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py) over the
-    whole source in one C++ call. x [B, S, E], memory [B, S, H], src_mask [B, S] bool, cell: the direction's
-    dtmt_kernels.nn.FrozenTransitionCell. Returns (states [B, S, H], final memory [B, S, H])."""
-    states, final = _C.memory_encoder(x.contiguous(), memory, src_mask, reverse, cell.kind, cell.params, cell.eps,
-                                      addressing.tensors)
-    return states, final
 
 
 def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:
@@ -242,7 +137,12 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
             raise ValueError(f"{owner}: lengths must hold integers, got {list(lengths)}")
     if lengths_cpu.numel() != B:
         raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths_cpu.numel()}")
-    if B and (int(lengths_cpu.min()) < 1 or int(lengths_cpu.max()) > T):
+    if torch.compiler.is_compiling():
+        # under torch.compile / torch.export a data-dependent `if` would break the graph: the range check is an op
+        # of the graph instead, failing at run time with the same message (without the values)
+        torch._assert_async(((lengths_cpu >= 1) & (lengths_cpu <= T)).all(),
+                            f"{owner}: every length must be in [1, T={T}]")
+    elif B and (int(lengths_cpu.min()) < 1 or int(lengths_cpu.max()) > T):
         raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {int(lengths_cpu.min())}, "
                          f"max {int(lengths_cpu.max())}")
     steps = torch.arange(T).unsqueeze(1)

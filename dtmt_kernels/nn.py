@@ -32,17 +32,14 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .autograd import (KINDS, _C, CppContextStepFunction, CppTransitionStepFunction, CppUnrolledValuesFunction,
-                       CppUnrolledWeightsFunction, UnrolledContext, UnrolledSteps, cpp_transition_inference,
-                       flat_params)
+from .autograd import (CppContextStepFunction, CppTransitionStepFunction, CppUnrolledValuesFunction,
+                       CppUnrolledWeightsFunction, UnrolledContext, UnrolledSteps)
 from .backends import BackendSwitch, resolve_backend
 from .functional import (attention_context, check_attention_context, check_dtype_for_backend, lengths_to_mask,
                          linear)
-from .reference import CELL_KINDS, TransitionWeights
-
-# cell -> (input rows, recurrent rows, layer-normalised gates); the gates are the first rows.
-CELL_ROWS = {"gru": (3, 3, 2), "lgru": (5, 4, 3), "lau": (5, 4, 3), "atr": (1, 1, 2)}
-TGRU_ROWS = (3, 2)
+from .ops._extension import built
+from .ops.transition import CELL_KINDS, CELL_ROWS, KINDS, flat_params
+from .reference import TransitionWeights
 
 
 class Unrollable:
@@ -51,9 +48,13 @@ class Unrollable:
     its __dict__ under "_unrolled"."""
 
     def _unrolled_sessions(self) -> Optional[dict]:
-        """The open block's sessions when autograd is recording, else None."""
+        """The open block's sessions when autograd is recording, else None. Under torch.compile / torch.export the
+        block is ignored (its sessions are Python state that a graph cannot hold): each step is then the plain op,
+        whose gradients the compiled graph forms."""
         sessions = self.__dict__.get("_unrolled")
-        return sessions if sessions is not None and torch.is_grad_enabled() else None
+        if sessions is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        return sessions
 
 
 class _TransitionBase(BackendSwitch, nn.Module):
@@ -150,16 +151,18 @@ class _TransitionBase(BackendSwitch, nn.Module):
         t_w, t_b, t_ln_w, t_ln_b = [], [], [], []
         for k in range(1, self.depth + 1):
             t_w.append(p[f"tgru{k}_weight_hh{sfx}"])
-            t_b.append(self._full_bias(p[f"tgru{k}_bias_hh{sfx}"], TGRU_ROWS[1]))
+            t_b.append(self._full_bias(p[f"tgru{k}_bias_hh{sfx}"], CELL_ROWS["tgru"][2]))
             t_ln_w.append(p.get(f"tgru{k}_ln_weight{sfx}"))
             t_ln_b.append(p.get(f"tgru{k}_ln_bias{sfx}"))
         return TransitionWeights(self.cell, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
 
     def kernel_params(self, direction: int = 0) -> List[Tensor]:
-        """The ten flat, contiguous parameter tensors of one direction in the kernels' order (autograd.flat_params:
-        T-GRU weights stacked, a copy where depth > 1), made by differentiable ops: under autograd they lead back
-        to the parameters (the unrolled steps), under torch.no_grad they are plain tensors (the inference forms)."""
-        return [t.contiguous() for t in flat_params(self.direction_weights(direction), self.weight_hh)]
+        """The ten flat, contiguous parameter tensors of one direction in the ops' order (ops.transition.flat_params:
+        T-GRU weights stacked, a copy where depth > 1; absent ones empty, as the ops' tensor lists take them), made
+        by differentiable ops: under autograd they lead back to the parameters (the unrolled steps), under
+        torch.no_grad they are plain tensors (the inference forms)."""
+        empty = self.weight_hh.new_empty(0)
+        return [empty if t is None else t.contiguous() for t in flat_params(self.direction_weights(direction))]
 
     def _full_bias(self, bias: Tensor, n_gates: int) -> Tensor:
         if not self.layer_norm:
@@ -338,6 +341,9 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
     may run after the block has closed; a block may hold several forward / backward rounds (truncated
     backpropagation: a session ends when its backward has run or a parameter has changed). Blocks nest (the
     outer one holds). A block's sessions live on the modules: not for one module run by several threads."""
+    if torch.compiler.is_compiling():   # a compiled graph forms the weight gradients itself (_unrolled_sessions)
+        yield
+        return
     opened = [c for c in modules if isinstance(c, Unrollable) and c.__dict__.get("_unrolled") is None]
     for c in opened:
         c.__dict__["_unrolled"] = {}
@@ -425,7 +431,7 @@ def runs_fused_inference(*modules: nn.Module) -> bool:
     """Whether the C++ inference ops may stand in for `modules` when decoding: the extension built, every module's
     backend "auto" or "cpp" (modules without one are not asked), and the first module's parameters on the CPU in
     float32 / float64. Asked once, when a model is prepared for decoding (Seq2Seq.inference_decoder)."""
-    if _C is None or any(getattr(m, "backend", "auto") not in ("auto", "cpp") for m in modules):
+    if not built() or any(getattr(m, "backend", "auto") not in ("auto", "cpp") for m in modules):
         return False
     p = next(modules[0].parameters(), None)
     return p is not None and p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64)
@@ -462,7 +468,7 @@ class InferenceForm(nn.Module):
 
 class FrozenTransitionCell(InferenceForm):
     """A DeepTransitionGRUCell / ATRCell for decoding: h' = cell(x [B, I], h [B, H] = zeros) with its kernel
-    parameters gathered once (`kind`, `params`, `eps`: what `_C.transition_forward` and `_C.rnmt_step` take).
+    parameters gathered once (`kind`, `params`, `eps`: what torch.ops.dtmt.transition_forward and rnmt_step take).
     No candidate dropout (decoding is in eval mode)."""
 
     def __init__(self, cell: "_TransitionCell"):
@@ -474,7 +480,8 @@ class FrozenTransitionCell(InferenceForm):
     def forward(self, x: Tensor, h: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
         if h is None:
             h = x.new_zeros(x.shape[0], self.source.hidden_size)
-        return cpp_transition_inference(x.unsqueeze(0), h, self.cell, self.params, None, drop, False, self.eps)[1]
+        return torch.ops.dtmt.transition_forward(x.unsqueeze(0), h, None, drop, self.kind, *self.params, False,
+                                                 self.eps)[1]
 
 
 class Linear(BackendSwitch, nn.Linear):

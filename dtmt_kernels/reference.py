@@ -28,9 +28,6 @@ import torch.nn.functional as F
 
 from torch import Tensor
 
-CELL_KINDS = ("gru", "lgru", "lau", "atr")
-
-
 @dataclass
 class TransitionWeights:
     """One direction's parameters: the base cell and its stack of T-GRUs (full-width biases)."""

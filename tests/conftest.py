@@ -49,6 +49,6 @@ def prepare_triton_interpreter() -> None:
     unless the variable was already set. triton decorates its own @jit library functions once, when it is first
     imported, interpreted or compiled by what TRITON_INTERPRET said then (torch itself may import triton at any
     moment, e.g. from torch._dynamo); imported first here, that library stays usable by the compiled-kernel tests
-    later in the process, and the backend's interpreted kernels do not use it (dtmt_kernels/triton/kernels.py)."""
+    later in the process, and the backend's interpreted kernels do not use it (dtmt_kernels/ops/transition/triton_kernels.py)."""
     if HAS_TRITON and os.environ.get("TRITON_INTERPRET") in (None, "", "0"):
         import triton.compiler.code_generator  # noqa: F401

@@ -9,7 +9,6 @@ from hypothesis import given, settings, strategies as st
 import dtmt_kernels as dk
 import dtmt_models as dm
 from dtmt_kernels import reference
-from dtmt_kernels.autograd import cpp_attention_context
 from dtmt_models.models.attention import AdditiveAttention, MultiHeadAdditiveAttention
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
@@ -154,7 +153,7 @@ def test_context_float32_matches_definition(B, S, NH, Dc, transposed, seed):
 
 def test_context_gradient_of_a_strided_view_is_laid_out_like_it():
     alpha, _, values = _context_inputs(3, 4, 2, 6, torch.float32, transposed=True)
-    (grad_values,) = torch.autograd.grad(cpp_attention_context(alpha, values).sum(), values)
+    (grad_values,) = torch.autograd.grad(torch.ops.dtmt.attention_context(alpha, values).sum(), values)
     assert grad_values.stride() == values.stride()
     torch.testing.assert_close(grad_values, alpha.detach().repeat_interleave(3, 1).transpose(1, 2))
 
@@ -251,12 +250,10 @@ def test_set_backend_switches_attention():
 def test_context_backward_without_the_values_gradient(dtype, transposed):
     """values_grad=False (the unrolled decoder steps' backward) forms the weights' gradient alone: the einsum's,
     and the full backward's bit for bit; the values' gradient comes back empty."""
-    from dtmt_kernels import _C
-
     alpha, leaf, values = _context_inputs(5, 9, 4, 24, dtype, seed=3, transposed=transposed)
     grad = torch.randn(5, 24, dtype=dtype)
-    dalpha, empty = _C.attention_context_backward(grad, alpha.detach().contiguous(), values.detach(), False)
-    full = _C.attention_context_backward(grad, alpha.detach().contiguous(), values.detach())
+    dalpha, empty = torch.ops.dtmt.attention_context_backward(grad, alpha.detach().contiguous(), values.detach(), False)
+    full = torch.ops.dtmt.attention_context_backward(grad, alpha.detach().contiguous(), values.detach())
     assert empty.numel() == 0 and full[1].shape == values.shape
     assert torch.equal(dalpha, full[0])
     (expected,) = torch.autograd.grad(_context_per_head(alpha, values), alpha, grad)

@@ -130,7 +130,7 @@ def _all_kernels(dtype):
     if dtype == torch.float32:
         for M in range(1, _C.SMALL_ROWS_MAX + 1):
             x, w, b = (torch.randn(*shape, generator=g) for shape in ((M, 301), (77, 301), (77,)))
-            results[f"small-rows-{M}"] = [_C.small_rows_linear(x, w, b), _C.small_rows_linear(x, w, x.new_empty(0))]
+            results[f"small-rows-{M}"] = [torch.ops.dtmt.small_rows_linear(x, w, b), torch.ops.dtmt.small_rows_linear(x, w, x.new_empty(0))]
     return results
 
 

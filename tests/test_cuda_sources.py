@@ -6,8 +6,8 @@
   shared per-element functions, which fails to compile unless DTMT_HD expands to __host__ __device__.
 - csrc/transition_cuda.cu (the ATen driver) needs torch's headers: it is compiled with nvcc against the
   installed torch's include directories (a CPU wheel ships the ATen / c10 CUDA headers but not c10's
-  generated cuda_cmake_macros.h, which C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips); bindings.cpp is parsed with
-  DTMT_WITH_CUDA defined. These two take a minute or more on two cores and are marked `slow`.
+  generated cuda_cmake_macros.h, which C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips); bindings.cpp and registration.cpp are
+  parsed with DTMT_WITH_CUDA defined. These two take a minute or more on two cores and are marked `slow`.
 - test_cuda_kernels_emulated: the same kernels and ATen driver compiled by the host compiler with
   DTMT_CUDA_EMULATION (tests/cuda_emulation.h: each block's threads are host threads, barriers for
   __syncthreads, an exchange buffer for the warp shuffles; float / double only) into a torch extension on
@@ -129,13 +129,14 @@ def test_aten_driver_compiles(tmp_path):
 
 @pytest.mark.slow
 def test_bindings_parse_with_cuda_enabled():
-    """bindings.cpp as setup.py compiles it for a CUDA build (DTMT_WITH_CUDA), syntax and types only."""
+    """bindings.cpp and registration.cpp (the CUDA kernels' op registration) as setup.py compiles them for a CUDA
+    build (DTMT_WITH_CUDA), syntax and types only."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
     cmd = [cxx, "-std=c++17", "-fsyntax-only", f"-I{CSRC}", *_torch_includes(), _abi_flag(),
            "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", "-DDTMT_WITH_CUDA=1",
-           os.path.join(CSRC, "bindings.cpp")]
+           os.path.join(CSRC, "bindings.cpp"), os.path.join(CSRC, "registration.cpp")]
     _run(cmd)
 
 
@@ -183,7 +184,7 @@ def emulated_cuda_ext(tmp_path_factory):
 
 
 def _emulated_sequence(ext):
-    from dtmt_kernels.autograd import KINDS, _or_empty, flat_params
+    from dtmt_kernels.ops.transition import KINDS, flat_params
 
     class Emulated(torch.autograd.Function):
         @staticmethod
@@ -203,8 +204,9 @@ def _emulated_sequence(ext):
             return (grads[0], grads[1], None, None, None, None, None, *dparams)
 
     def run(x, h0, w, mask=None, drop=None, reverse=False, eps=1e-5):
-        return Emulated.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse, eps,
-                              *flat_params(w, x))
+        empty = x.new_empty(0)   # the raw ext takes absent tensors as empty ones
+        or_empty = [empty if t is None else t for t in (mask, drop, *flat_params(w))]
+        return Emulated.apply(x, h0, or_empty[0], or_empty[1], KINDS[w.cell], reverse, eps, *or_empty[2:])
     return run
 
 

@@ -29,7 +29,7 @@ def test_small_rows_linear_matches_float64(M, K, N, bias, seed):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
     b = torch.randn(N, generator=g) if bias else None
-    out = _C.small_rows_linear(x, w, b if bias else x.new_empty(0))
+    out = torch.ops.dtmt.small_rows_linear(x, w, b if bias else x.new_empty(0))
     assert out.shape == (M, N) and not out.isnan().any()
     torch.testing.assert_close(out.double(), _f64_linear(x, w, b), rtol=1e-5, atol=1e-5 * K ** 0.5)
 
@@ -43,16 +43,16 @@ def test_small_rows_linear_strided_rows_threads_and_fallback():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _C.small_rows_linear(x, w, b)
+        one = torch.ops.dtmt.small_rows_linear(x, w, b)
         torch.set_num_threads(2)
-        two = _C.small_rows_linear(x, w, b)
+        two = torch.ops.dtmt.small_rows_linear(x, w, b)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)              # each output summed by one thread in a fixed order
     torch.testing.assert_close(one.double(), expected, rtol=1e-5, atol=1e-4)
     # more rows than the kernel takes, float64, a non-contiguous last dim: ATen's GEMM, same result
     for xx, ww in ((torch.randn(9, 300, generator=g), w), (x.double(), w.double()), (big[:4, ::2][:, :300], w)):
-        torch.testing.assert_close(_C.small_rows_linear(xx, ww, b.to(ww.dtype)).double(), _f64_linear(xx, ww, b),
+        torch.testing.assert_close(torch.ops.dtmt.small_rows_linear(xx, ww, b.to(ww.dtype)).double(), _f64_linear(xx, ww, b),
                                    rtol=1e-5, atol=1e-4)
 
 
@@ -60,8 +60,8 @@ def test_functional_linear_paths(monkeypatch):
     g = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(2, 3, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
     calls = []
-    kernel = dk.functional.cpp_small_rows_linear
-    monkeypatch.setattr(dk.functional, "cpp_small_rows_linear", lambda *a: calls.append(1) or kernel(*a))
+    kernel = dk.functional.small_rows_linear
+    monkeypatch.setattr(dk.functional, "small_rows_linear", lambda *a: calls.append(1) or kernel(*a))
     with torch.no_grad():
         fast = dk.functional.linear(x, w, b)                      # 6 rows: the small-row kernel
         assert calls == [1]

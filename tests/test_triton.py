@@ -3,7 +3,7 @@
 Without a GPU the kernels run in triton's CPU interpreter (TRITON_INTERPRET=1, set for this module only by
 the `interpreter` fixture and restored afterwards, so the rest of the suite sees the environment it started
 with). triton.jit decides between compiling and interpreting when a kernel is decorated; the backend
-re-imports its kernels module whenever the setting changes (dtmt_kernels/triton/ops.py:_kernels), so it does
+re-imports its kernels module whenever the setting changes (dtmt_kernels/ops/transition/triton.py:_kernels), so it does
 not matter what imported triton or the kernels earlier in the process. The interpreter is slow: sizes here
 are tiny (T <= 4, B <= 3, H <= 17).
 
@@ -219,6 +219,23 @@ def test_gradients_are_deterministic():
 
 
 @needs_triton
+def test_triton_op_passes_opcheck():
+    """dtmt::transition_forward_triton (torch.library.custom_op) in the interpreter: schema, fake implementation
+    against the kernels, the autograd it shares with the C++ op, AOT dispatch. (Its gradients against the
+    reference: the tests above.)"""
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = make_layer("lgru", 3, 5, depth=1, layer_norm=True, dtype=torch.float64)
+    torch.manual_seed(2)
+    params = [None if p is None else p.detach().clone().requires_grad_()
+              for p in flat_params(layer.direction_weights(0))]
+    x = torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    args = (x, h0, padding_mask([2, 1], 2, torch.float64), None, KINDS["lgru"], *params, True, 1e-5)
+    torch.library.opcheck(torch.ops.dtmt.transition_forward_triton.default, args)
+
+
+@needs_triton
 def test_layers_end_to_end():
     """The public layers with backend="triton" on CPU tensors (interpreter): bidirectional, batch_first,
     lengths; same outputs and gradients as the reference backend; and the registry tells the truth."""
@@ -311,7 +328,7 @@ def test_kernels_compile_for_gpu(compiled, case):
     """The compiled (not interpreted) kernels go through triton's whole GPU pipeline for sm_90 (and sm_80
     for 16-bit storage), forward and backward: what the interpreter cannot check (constexpr branches, types
     of the lowered IR, register allocation) is checked here without a GPU."""
-    from dtmt_kernels.triton import ops
+    from dtmt_kernels.ops.transition import triton as ops
 
     kind, dtype, acc, ln, flags = case
     K = ops._kernels()

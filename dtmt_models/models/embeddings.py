@@ -13,13 +13,18 @@ def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32
     """The Transformer's PE table [length, dim]: sin on even, cos on odd features. Computed in float64 on the
     CPU and rounded once to `dtype`, so the table is the same on every device (a float32 sin differs by an ulp
     between CPU and GPU) and exact to the model's precision."""
-    pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)
-    i = torch.arange(0, dim, 2, dtype=torch.float64)
+    return sinusoidal_at(torch.arange(length), dim).to(device=device, dtype=dtype)
+
+
+def sinusoidal_at(positions: Tensor, dim: int) -> Tensor:
+    """The PE rows of `positions` [...] -> [..., dim], in float64 on the positions' device (the table's formula)."""
+    pos = positions.to(torch.float64).unsqueeze(-1)
+    i = torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device)
     angle = pos / torch.pow(10000.0, i / dim)
-    pe = torch.zeros(length, dim, dtype=torch.float64)
-    pe[:, 0::2] = torch.sin(angle)
-    pe[:, 1::2] = torch.cos(angle[:, : dim // 2])
-    return pe.to(device=device, dtype=dtype)
+    pe = torch.zeros(*positions.shape, dim, dtype=torch.float64, device=positions.device)
+    pe[..., 0::2] = torch.sin(angle)
+    pe[..., 1::2] = torch.cos(angle[..., : dim // 2])
+    return pe
 
 
 class TokenEmbedding(nn.Module):
@@ -56,6 +61,8 @@ class TokenEmbedding(nn.Module):
         if self.positional:
             if positions is None:
                 x = x + self.scaled_positions(tokens.shape[-1], x)
+            elif torch.compiler.is_compiling():   # no table sized by the data: the rows of these positions
+                x = x + (sinusoidal_at(positions, self.dim) / math.sqrt(self.dim)).to(x.dtype)
             else:
                 table = self.scaled_positions(int(positions.max()) + 1, x)
                 x = x + (table.index_select(0, positions) if positions.dim() == 1 else table[positions])

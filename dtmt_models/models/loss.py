@@ -68,9 +68,11 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.0,
                            pad_id: int = 0) -> Tuple[Tensor, Tensor, int]:
     """logits [..., V], target [...] -> the three numbers of `label_smoothed_nll(log_softmax(logits), ...)`
-    (smoothed loss sum, NLL sum, number of real tokens), with log-softmax and loss fused into one autograd node
-    (about half the passes over the [tokens, V] tensor of the two apart)."""
+    (smoothed loss sum, NLL sum, number of real tokens: an int, a 0-dim tensor under torch.compile, where an int
+    would end the graph), with log-softmax and loss fused into one autograd node (about half the passes over the
+    [tokens, V] tensor of the two apart)."""
     _check_smoothing(smoothing)
     keep = target.ne(pad_id)
     loss, nll = _SmoothedCrossEntropy.apply(logits, target, keep, float(smoothing))
-    return loss, nll, int(keep.sum())
+    n = keep.sum()
+    return loss, nll, (n if torch.compiler.is_compiling() else int(n))

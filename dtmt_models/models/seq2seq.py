@@ -257,7 +257,10 @@ class Seq2Seq(nn.Module):
         B, S = src.shape
         if not isinstance(src_lengths, Tensor) or tuple(src_lengths.shape) != (B,):
             raise ValueError(f"{name}: src_lengths must be a tensor [B={B}], got {list(getattr(src_lengths, 'shape', []))}")
-        if int(src_lengths.min()) < 1 or int(src_lengths.max()) > S:
+        if torch.compiler.is_compiling():   # a data-dependent `if` would end the graph: the check is an op in it
+            torch._assert_async(((src_lengths >= 1) & (src_lengths <= S)).all(), f"{name}: src_lengths must be in "
+                                f"[1, S={S}]")
+        elif int(src_lengths.min()) < 1 or int(src_lengths.max()) > S:
             raise ValueError(f"{name}: src_lengths must be in [1, S={S}]")
         if prev_tokens is not None and (prev_tokens.dim() != 2 or prev_tokens.shape[0] != B
                                         or prev_tokens.dtype != torch.long):

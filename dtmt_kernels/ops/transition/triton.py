@@ -1,4 +1,6 @@
-"""Host side of the Triton backend: the autograd Function, its forward / backward drivers and launches.
+"""The Triton launchers of the transition op: its forward / backward drivers, registered as the custom ops
+`dtmt::transition_forward_triton` / `dtmt::transition_backward_triton` (same schemas, fakes and autograd as the
+C++ `dtmt::transition_forward` / `_backward`: op.py), and the Triton kernels' launches (triton_kernels.py).
 
 Algorithm (mirrors csrc/transition_cpu.cpp; see reference.py for the layouts):
 
@@ -30,19 +32,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from ..autograd import KINDS, _or_empty, flat_params
-from ..reference import TransitionWeights
-from . import interpreting
-
-# kind -> (input rows, recurrent rows, normalised gates)
-ROWS = {0: (3, 3, 2), 1: (5, 4, 3), 2: (5, 4, 3), 3: (1, 1, 2), 4: (0, 3, 2)}
-KIND_TGRU = 4
+from .layout import KIND_TGRU, ROWS
 
 _KERNELS = None
 
@@ -51,9 +46,11 @@ def _kernels():
     """The kernels module, (re)imported so that its `triton.jit` decorations match the current
     TRITON_INTERPRET setting (triton decides between compiling and interpreting at decoration time)."""
     global _KERNELS
-    mode = interpreting()
+    from ...backends import triton_interpreting
+
+    mode = triton_interpreting()
     if _KERNELS is None or _KERNELS[0] != mode:
-        name = __package__ + ".kernels"
+        name = __package__ + ".triton_kernels"
         module = sys.modules.get(name)
         module = importlib.import_module(name) if module is None else importlib.reload(module)
         _KERNELS = (mode, module)
@@ -144,11 +141,13 @@ def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_h
                 hout, hlp, out, t, hp_slab, k * T + t, out_slab, k, B, H, eps,
                 KIND=kk, NIN=max(kin, 1), NH=khh, NG=kg, LN=k_ln, HAS_DROP=has_drop and kk != 3, LAST=last,
                 HAS_MASK=has_mask, WRITE_LP=write_lp, BLOCK=BLOCK, num_warps=warps)
-    return out, h_last.to(dtype), xp, hs, hs_lp, hp, hpt
+    return out, h_last.to(dtype), xp, hs, hs_lp if lp else hs.new_empty(0), hp, hpt
 
 
 def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w,
                      t_b, t_ln_w, t_ln_b, xp, hs, hs_lp, hp, hpt, needs):
+    if not _present(hs_lp):   # float32 / float64: the states feed the GEMMs as they are
+        hs_lp = hs
     K = _kernels()
     T, B, I = x.shape
     n_in, n_h, n_g = ROWS[kind]
@@ -229,40 +228,34 @@ def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih,
     return dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b
 
 
-class TritonTransitionFunction(torch.autograd.Function):
-    """Deep transition block (or ATR) over a whole sequence with the Triton kernels. Same argument order
-    as autograd.CppTransitionFunction (absent optional tensors are empty)."""
-
-    @staticmethod
-    def forward(ctx, x, h0, mask, drop, kind: int, reverse: bool, eps: float,
-                w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b):
-        params = [t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)]
-        x, h0, mask, drop = (t.contiguous() for t in (x, h0, mask, drop))
-        with _on_device(x):
-            out, h_n, xp, hs, hs_lp, hp, hpt = _triton_forward(x, h0, mask, drop, kind, reverse, eps, *params)
-        ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
-        ctx.lp = hs_lp is not hs
-        ctx.save_for_backward(x, mask, drop, *params, xp, hs, hs_lp if ctx.lp else hs.new_empty(0), hp, hpt)
-        return out, h_n
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_hn):
-        x, mask, drop, *rest = ctx.saved_tensors
-        params, (xp, hs, hs_lp, hp, hpt) = rest[:10], rest[10:]
-        if not ctx.lp:
-            hs_lp = hs
-        n = ctx.needs_input_grad
-        needs = (n[0], n[1]) + tuple(n[7:17])
-        with _on_device(x):
-            grads = _triton_backward(grad_out, grad_hn, x, mask, drop, ctx.kind, ctx.reverse, ctx.eps, *params,
-                                     xp, hs, hs_lp, hp, hpt, needs)
-        dx, dh0, *dparams = grads
-        return (dx, dh0, None, None, None, None, None, *dparams)
+@torch.library.custom_op("dtmt::transition_forward_triton", mutates_args=())
+def transition_forward_triton(x: Tensor, h0: Tensor, mask: Optional[Tensor], drop: Optional[Tensor], kind: int,
+                              w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor, ln_w: Optional[Tensor],
+                              ln_b: Optional[Tensor], t_w: Optional[Tensor], t_b: Optional[Tensor],
+                              t_ln_w: Optional[Tensor], t_ln_b: Optional[Tensor], reverse: bool, eps: float
+                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dtmt::transition_forward by the Triton kernels (CUDA tensors; CPU ones under TRITON_INTERPRET=1)."""
+    params = [None if t is None else t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
+                                                               t_ln_b)]
+    x, h0 = x.contiguous(), h0.contiguous()
+    mask, drop = (None if t is None else t.contiguous() for t in (mask, drop))
+    with _on_device(x):
+        return _triton_forward(x, h0, mask, drop, kind, reverse, eps, *params)
 
 
-def triton_transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optional[Tensor] = None,
-                               drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
-    """Same contract as reference.transition_sequence, computed by the Triton kernels."""
-    return TritonTransitionFunction.apply(x, h0, _or_empty(mask, x), _or_empty(drop, x), KINDS[w.cell], reverse,
-                                          float(eps), *flat_params(w, x))
+@torch.library.custom_op("dtmt::transition_backward_triton", mutates_args=())
+def transition_backward_triton(grad_out: Tensor, grad_hn: Tensor, x: Tensor, mask: Optional[Tensor],
+                               drop: Optional[Tensor], kind: int, w_ih: Tensor, b_ih: Tensor, w_hh: Tensor,
+                               b_hh: Tensor, ln_w: Optional[Tensor], ln_b: Optional[Tensor], t_w: Optional[Tensor],
+                               t_b: Optional[Tensor], t_ln_w: Optional[Tensor], t_ln_b: Optional[Tensor], xp: Tensor,
+                               hs: Tensor, hs_lp: Tensor, hp: Tensor, hpt: Tensor, reverse: bool, eps: float,
+                               weight_grads: bool = True) -> List[Tensor]:
+    """dtmt::transition_backward by the Triton kernels: the twelve gradients, those of absent inputs empty."""
+    if not weight_grads:
+        raise NotImplementedError("dtmt::transition_backward_triton: weight_grads=False is implemented on the CPU "
+                                  "only")
+    params = (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
+    with _on_device(x):
+        grads = _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, *params, xp, hs, hs_lp, hp,
+                                 hpt, (True,) * 2 + tuple(_present(p) for p in params))
+    return [x.new_empty(0) if g is None else g for g in grads]

@@ -1,0 +1,107 @@
+"""torch.compile of a whole system's training update against eager, in one process (issue 22, NOTES log):
+
+    python benchmarks/bench_compile.py [--model dtmt] [--threads 1] [--rounds 3] [--backend inductor]
+
+The model is the system's `small` preset with the Bible's vocabulary sizes (4,000 a side); the batches are
+synthetic with the Bible's shape at the main job's token budget (64 pairs, source 28 and target 30 tokens, padded
+lengths drawn per pair, one shape for all batches: a teacher-forced decoder loop is unrolled into the graph, so
+every target length is a graph of its own). Prints the compile time (the first compiled update, forward and
+backward) and, alternating eager and compiled updates --rounds times over --batches batches, target tokens/s of
+each and their ratio per round. Candidate and other dropouts on, as in training. Writes
+benchmarks/out/compile/<model>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv=None):
+    import torch
+
+    from dtmt_models.models.presets import get_preset
+    from dtmt_models.models.registry import build_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="dtmt")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--src-len", type=int, default=28)
+    p.add_argument("--tgt-len", type=int, default=30)
+    p.add_argument("--out", default=os.path.join(HERE, "out", "compile"))
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    V = 4000
+    model = build_model(a.model, V, V, **get_preset(a.model, "small")["model"]).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(1)
+    B, S, T = a.batch_size, a.src_len, a.tgt_len
+    batches = []
+    for _ in range(a.batches):
+        lengths = torch.randint(S // 2, S + 1, (B,), generator=g)
+        lengths[0] = S
+        src = torch.randint(4, V, (B, S), generator=g) * (torch.arange(S) < lengths[:, None])
+        tgt_len = torch.randint(T // 2, T + 1, (B,), generator=g)
+        target = torch.randint(4, V, (B, T), generator=g) * (torch.arange(T) < tgt_len[:, None])
+        prev = torch.cat([torch.full((B, 1), 1), target[:, :-1]], 1)
+        batches.append((src, lengths, prev, target))
+    compiled = torch.compile(model, fullgraph=True, backend=a.backend)
+
+    def update(fn, batch):
+        loss, _, n = fn(*batch, smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        (loss / n).backward()
+        opt.step()
+        return int(n)
+
+    t0 = time.perf_counter()
+    update(compiled, batches[0])
+    compile_s = time.perf_counter() - t0
+    update(model, batches[0])   # warm both
+    rows = []
+    for r in range(a.rounds):
+        rates = {}
+        for name, fn in (("eager", model), ("compiled", compiled)):
+            t0, tokens = time.perf_counter(), 0
+            for batch in batches:
+                tokens += update(fn, batch)
+            rates[name] = tokens / (time.perf_counter() - t0)
+        rows.append(rates)
+        print(f"round {r + 1}: eager {rates['eager']:,.0f} tok/s, compiled {rates['compiled']:,.0f} tok/s, "
+              f"ratio {rates['compiled'] / rates['eager']:.3f}", flush=True)
+    result = dict(model=a.model, backend=a.backend, threads=a.threads, cpu=cpu_name(), torch=torch.__version__,
+                  batch=[B, S, T], compile_s=compile_s, rounds=rows,
+                  params=sum(p.numel() for p in model.parameters()))
+    print(f"{a.model} ({result['params'] / 1e6:.1f} M parameters), {cpu_name()}, {a.threads} thread(s): compile "
+          f"{compile_s:.1f} s; median ratio compiled / eager "
+          f"{sorted(r['compiled'] / r['eager'] for r in rows)[len(rows) // 2]:.3f}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"{a.model}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

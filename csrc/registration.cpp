@@ -1,0 +1,241 @@
+// The fused ops as PyTorch custom ops, namespace `dtmt` (torch.ops.dtmt.*): one schema each (TORCH_LIBRARY),
+// the CPU kernels under the CPU dispatch key and, in a CUDA build, the CUDA kernels under the CUDA key.
+// Their fake (meta) implementations and autograd are registered in Python, next to each op's reference
+// (dtmt_kernels/ops/<op>/). Shapes, dtypes and devices are checked in Python before an op is called; the checks
+// here only guard the raw ops against misuse.
+//
+// Conventions of every op here:
+//   - an optional input is `Tensor?` (None: absent); the kernels see an absent tensor as an empty one;
+//   - an op returns fresh tensors only (never an input or a view of one), and an absent result as an empty
+//     tensor [0] (e.g. the gradient of an absent layer-norm gain);
+//   - inputs need not be contiguous (the wrappers make them so; a no-op when they are).
+#include <torch/library.h>
+
+#include "attention.h"
+#include "decode_step.h"
+#include "small_gemm.h"
+#include "transition.h"
+
+#ifdef DTMT_WITH_CUDA
+namespace dtmt {  // csrc/transition_cuda.cu
+std::vector<at::Tensor> transition_forward_cuda(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
+                                                const at::Tensor& drop, const TransitionWeights& w, bool reverse,
+                                                double eps);
+std::vector<at::Tensor> transition_backward_cuda(const at::Tensor& grad_out, const at::Tensor& grad_hn,
+                                                 const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
+                                                 const TransitionWeights& w, const at::Tensor& xp,
+                                                 const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
+                                                 const at::Tensor& hpt, bool reverse, double eps);
+}  // namespace dtmt
+#endif
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// The schemas' shared parts: the ten flat parameters of one direction (dtmt_kernels/ops/transition/layout.py).
+#define DTMT_PARAMS_SCHEMA                                                                                         \
+  "Tensor w_ih, Tensor b_ih, Tensor w_hh, Tensor b_hh, Tensor? ln_w, Tensor? ln_b, Tensor? t_w, Tensor? t_b, " \
+  "Tensor? t_ln_w, Tensor? t_ln_b"
+
+Tensor dense(const Tensor& t) { return t.contiguous(); }
+
+Tensor dense(const OptTensor& t, const Tensor& like) {
+  return t.has_value() && t->defined() ? t->contiguous() : at::empty({0}, like.options());
+}
+
+bool given(const OptTensor& t) { return t.has_value() && t->defined() && t->numel() > 0; }
+
+// A result slot: the tensor, or an empty one where the kernel left it undefined.
+Tensor or_empty(const Tensor& t, const Tensor& like) { return t.defined() ? t : at::empty({0}, like.options()); }
+
+dtmt::TransitionWeights weights(int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                                const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b,
+                                const OptTensor& t_w, const OptTensor& t_b, const OptTensor& t_ln_w,
+                                const OptTensor& t_ln_b) {
+  return dtmt::TransitionWeights{kind,           dense(w_ih),      dense(b_ih),      dense(w_hh),
+                                 dense(b_hh),    dense(ln_w, w_hh), dense(ln_b, w_hh), dense(t_w, w_hh),
+                                 dense(t_b, w_hh), dense(t_ln_w, w_hh), dense(t_ln_b, w_hh)};
+}
+
+using Forward = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+Forward forward_tuple(std::vector<Tensor> r, const Tensor& x) {
+  if (r.size() == 6) r.insert(r.begin() + 4, at::empty({0}, x.options()));  // the CPU kernels keep no hs_lp
+  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]};
+}
+
+// The gradients in the inputs' order; those of absent inputs (and the bias slots that weight_grads=false leaves
+// empty) as empty tensors.
+std::vector<Tensor> grads_list(std::vector<Tensor> g, const Tensor& x, const std::array<bool, 10>& present) {
+  for (size_t i = 0; i < g.size(); ++i) {
+    const bool absent = i >= 2 && !present[i - 2];
+    g[i] = absent ? at::empty({0}, x.options()) : or_empty(g[i], x);
+  }
+  return g;
+}
+
+Forward transition_forward_cpu(const Tensor& x, const Tensor& h0, const OptTensor& mask, const OptTensor& drop,
+                               int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                               const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& t_w,
+                               const OptTensor& t_b, const OptTensor& t_ln_w, const OptTensor& t_ln_b, bool reverse,
+                               double eps) {
+  const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
+  return forward_tuple(
+      dtmt::transition_forward_cpu(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps), x);
+}
+
+std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                            const OptTensor& mask, const OptTensor& drop, int64_t kind,
+                                            const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                                            const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b,
+                                            const OptTensor& t_w, const OptTensor& t_b, const OptTensor& t_ln_w,
+                                            const OptTensor& t_ln_b, const Tensor& xp, const Tensor& hs,
+                                            const Tensor& hs_lp, const Tensor& hp, const Tensor& hpt, bool reverse,
+                                            double eps, bool weight_grads) {
+  (void)hs_lp;  // the CPU kernels compute in the input dtype: no low-precision copy of the states
+  const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
+  auto g = dtmt::transition_backward_cpu(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x),
+                                         w, dense(xp), dense(hs), dense(hp), dense(hpt), reverse, eps, weight_grads);
+  // with weight_grads=false the slots of dw_ih, dw_hh and dt_w hold pre-activation gradients (transition.h)
+  return grads_list(std::move(g), x,
+                    {true, true, true, true, given(ln_w), given(ln_b), given(t_w), given(t_b), given(t_ln_w),
+                     given(t_ln_b)});
+}
+
+#ifdef DTMT_WITH_CUDA
+Forward transition_forward_gpu(const Tensor& x, const Tensor& h0, const OptTensor& mask, const OptTensor& drop,
+                               int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                               const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& t_w,
+                               const OptTensor& t_b, const OptTensor& t_ln_w, const OptTensor& t_ln_b, bool reverse,
+                               double eps) {
+  const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
+  return forward_tuple(
+      dtmt::transition_forward_cuda(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps), x);
+}
+
+std::vector<Tensor> transition_backward_gpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                            const OptTensor& mask, const OptTensor& drop, int64_t kind,
+                                            const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
+                                            const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b,
+                                            const OptTensor& t_w, const OptTensor& t_b, const OptTensor& t_ln_w,
+                                            const OptTensor& t_ln_b, const Tensor& xp, const Tensor& hs,
+                                            const Tensor& hs_lp, const Tensor& hp, const Tensor& hpt, bool reverse,
+                                            double eps, bool weight_grads) {
+  TORCH_CHECK(weight_grads, "dtmt::transition_backward: weight_grads=False is implemented on the CPU only");
+  const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
+  auto g = dtmt::transition_backward_cuda(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x),
+                                          w, dense(xp), dense(hs), dense(hs_lp), dense(hp), dense(hpt), reverse,
+                                          eps);
+  return grads_list(std::move(g), x,
+                    {true, true, true, true, given(ln_w), given(ln_b), given(t_w), given(t_b), given(t_ln_w),
+                     given(t_ln_b)});
+}
+#endif
+
+std::tuple<Tensor, Tensor, Tensor> additive_scores_backward(const Tensor& grad, const Tensor& keys, const Tensor& query,
+                                                           const Tensor& v) {
+  auto g = dtmt::additive_scores_backward_cpu(dense(grad), dense(keys), dense(query), dense(v));
+  return {g[0], g[1], g[2]};
+}
+
+Tensor additive_scores(const Tensor& keys, const Tensor& query, const Tensor& v) {
+  return dtmt::additive_scores_forward_cpu(dense(keys), dense(query), dense(v));
+}
+
+// values: a view whose last dimension is contiguous is read in place (e.g. a transposed encoder output)
+Tensor last_dim_dense(const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
+
+Tensor attention_context(const Tensor& alpha, const Tensor& values) {
+  return dtmt::attention_context_forward_cpu(dense(alpha), last_dim_dense(values));
+}
+
+std::tuple<Tensor, Tensor> attention_context_backward(const Tensor& grad, const Tensor& alpha, const Tensor& values,
+                                                      bool values_grad) {
+  auto g = dtmt::attention_context_backward_cpu(dense(grad), dense(alpha), last_dim_dense(values), values_grad);
+  return {g[0], g[1]};
+}
+
+Tensor small_rows_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
+  return dtmt::small_rows_linear(x, weight, bias.has_value() ? dense(*bias) : Tensor());
+}
+
+std::tuple<Tensor, Tensor> attention_step(const Tensor& query, const Tensor& keys, const Tensor& annotations,
+                                          const Tensor& src_mask, at::TensorList weights, double ln_eps) {
+  auto r = dtmt::attention_step_cpu(dense(query), keys, last_dim_dense(annotations), src_mask,
+                                    dtmt::AttentionWeights::from_list(weights.vec(), ln_eps));
+  return {r[0], r[1]};
+}
+
+Tensor readout_features(const Tensor& y, const Tensor& s, const Tensor& c, at::TensorList weights, double eps) {
+  return dtmt::readout_features_cpu(dense(y), dense(s), dense(c), dtmt::ReadoutWeights::from_list(weights.vec(), eps));
+}
+
+std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, const Tensor& keys,
+                                             const Tensor& annotations, const Tensor& src_mask, int64_t q_kind,
+                                             at::TensorList q_params, int64_t d_kind, at::TensorList d_params,
+                                             double cell_eps, at::TensorList attention, double att_eps,
+                                             at::TensorList readout, double readout_eps) {
+  auto r = dtmt::rnmt_step_cpu(dense(y), dense(s), keys, last_dim_dense(annotations), src_mask,
+                               dtmt::cell_weights(q_kind, q_params.vec()), dtmt::cell_weights(d_kind, d_params.vec()),
+                               cell_eps, dtmt::AttentionWeights::from_list(attention.vec(), att_eps),
+                               dtmt::ReadoutWeights::from_list(readout.vec(), readout_eps));
+  return {r[0], r[1], r[2]};
+}
+
+std::tuple<Tensor, Tensor> memory_encoder(const Tensor& x, const Tensor& memory, const Tensor& src_mask, bool reverse,
+                                          int64_t cell_kind, at::TensorList cell, double cell_eps,
+                                          at::TensorList addressing) {
+  auto r = dtmt::memory_encoder_cpu(dense(x), memory, src_mask, reverse, dtmt::cell_weights(cell_kind, cell.vec()),
+                                    cell_eps, dtmt::MemoryWeights::from_list(addressing.vec()));
+  // an empty source leaves the memory as it came in: never return the input itself
+  if (r[1].is_same(memory) || r[1].data_ptr() == memory.data_ptr()) r[1] = r[1].clone();
+  return {r[0], r[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dtmt, m) {
+  m.def("transition_forward(Tensor x, Tensor h0, Tensor? mask, Tensor? drop, int kind, " DTMT_PARAMS_SCHEMA
+        ", bool reverse, float eps) -> (Tensor out, Tensor h_n, Tensor xp, Tensor hs, Tensor hs_lp, Tensor hp, "
+        "Tensor hpt)");
+  m.def("transition_backward(Tensor grad_out, Tensor grad_hn, Tensor x, Tensor? mask, Tensor? drop, int kind, "
+        DTMT_PARAMS_SCHEMA ", Tensor xp, Tensor hs, Tensor hs_lp, Tensor hp, Tensor hpt, bool reverse, float eps, "
+        "bool weight_grads=True) -> Tensor[]");
+  m.def("additive_scores(Tensor keys, Tensor query, Tensor v) -> Tensor");
+  m.def("additive_scores_backward(Tensor grad, Tensor keys, Tensor query, Tensor v) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_context(Tensor alpha, Tensor values) -> Tensor");
+  m.def("attention_context_backward(Tensor grad, Tensor alpha, Tensor values, bool values_grad=True) -> "
+        "(Tensor, Tensor)");
+  m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("attention_step(Tensor query, Tensor keys, Tensor annotations, Tensor src_mask, Tensor[] weights, "
+        "float ln_eps) -> (Tensor context, Tensor alpha)");
+  m.def("readout_features(Tensor y, Tensor s, Tensor c, Tensor[] weights, float eps) -> Tensor");
+  m.def("rnmt_step(Tensor y, Tensor s, Tensor keys, Tensor annotations, Tensor src_mask, int q_kind, "
+        "Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, Tensor[] attention, float att_eps, "
+        "Tensor[] readout, float readout_eps) -> (Tensor log_probs, Tensor s, Tensor alpha)");
+  m.def("memory_encoder(Tensor x, Tensor memory, Tensor src_mask, bool reverse, int cell_kind, Tensor[] cell, "
+        "float cell_eps, Tensor[] addressing) -> (Tensor states, Tensor memory_out)");
+}
+
+TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
+  m.impl("transition_forward", &transition_forward_cpu);
+  m.impl("transition_backward", &transition_backward_cpu);
+  m.impl("additive_scores", &additive_scores);
+  m.impl("additive_scores_backward", &additive_scores_backward);
+  m.impl("attention_context", &attention_context);
+  m.impl("attention_context_backward", &attention_context_backward);
+  m.impl("small_rows_linear", &small_rows_linear);
+  m.impl("attention_step", &attention_step);
+  m.impl("readout_features", &readout_features);
+  m.impl("rnmt_step", &rnmt_step);
+  m.impl("memory_encoder", &memory_encoder);
+}
+
+#ifdef DTMT_WITH_CUDA
+TORCH_LIBRARY_IMPL(dtmt, CUDA, m) {
+  m.impl("transition_forward", &transition_forward_gpu);
+  m.impl("transition_backward", &transition_backward_gpu);
+}
+#endif

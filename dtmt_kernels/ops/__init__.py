@@ -1,0 +1,16 @@
+"""The fused ops, one folder each, every one a torch.library custom op in the `dtmt` namespace (torch.ops.dtmt.*):
+
+    transition/     the deep transition block / ATR over a sequence (forward, backward; C++ CPU and CUDA kernels,
+                    Triton kernels) and the cells' row layout
+    attention/      additive-attention scores and context of a decoder step
+    linear/         the small-row linear of decoding
+    decode_step/    the inference ops of a decoder step (attention step, readout, whole RNMT step, mce encoder)
+
+Each folder holds its op's registration (fake implementation, autograd) and its launchers; the C++ and CUDA
+kernels live in csrc/ (registered by csrc/registration.cpp), their per-element math in shared headers, and the
+pure-PyTorch references, the executable spec, in dtmt_kernels.reference. Importing this package loads the
+extension and registers everything."""
+from . import attention, decode_step, linear, transition  # noqa: F401
+from ._extension import IMPORT_ERROR, _C, built
+
+__all__ = ["IMPORT_ERROR", "_C", "built", "attention", "decode_step", "linear", "transition"]

@@ -1,0 +1,74 @@
+"""The additive-attention ops of one decoder step as torch.library custom ops (C++ CPU kernels,
+csrc/attention_cpu.cpp): fakes and autograd. reference.additive_scores / reference.attention_context are what
+they compute.
+
+    torch.ops.dtmt.additive_scores(keys [B, S, NH, D], query [B, NH, D], v [NH, D]) -> scores [B, NH, S]
+    torch.ops.dtmt.attention_context(alpha [B, NH, S], values [B, S, C]) -> context [B, C]
+        (values may be a view whose last dimension is contiguous; it is read in place)
+and their backward ops (additive_scores_backward -> (dkeys, dquery, dv); attention_context_backward ->
+(dalpha, dvalues), dvalues empty when values_grad is false)."""
+from __future__ import annotations
+
+import torch
+
+from .._extension import built
+
+
+def _dense_like(t):
+    """A fresh tensor shaped as t, laid out as the C++ kernels lay out their result for it: t's strides when its
+    last dimension is contiguous, else contiguous."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    return torch.empty_like(t)
+
+
+def _scores_fake(keys, query, v):
+    B, S, NH, _ = keys.shape
+    return keys.new_empty(B, NH, S)
+
+
+def _scores_backward_fake(grad, keys, query, v):
+    return (torch.empty_like(keys, memory_format=torch.contiguous_format),
+            torch.empty_like(query, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _scores_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _scores_backward(ctx, grad):
+    return torch.ops.dtmt.additive_scores_backward(grad, *ctx.saved_tensors)
+
+
+def _context_fake(alpha, values):
+    return values.new_empty(values.shape[0], values.shape[2])
+
+
+def _context_backward_fake(grad, alpha, values, values_grad=True):
+    dalpha = torch.empty_like(alpha, memory_format=torch.contiguous_format)
+    return dalpha, (_dense_like(values) if values_grad else values.new_empty(0))
+
+
+def _context_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _context_backward(ctx, grad):
+    alpha, values = ctx.saved_tensors
+    dalpha, dvalues = torch.ops.dtmt.attention_context_backward(grad, alpha, values, ctx.needs_input_grad[1])
+    return dalpha, (dvalues if ctx.needs_input_grad[1] else None)
+
+
+def _register() -> None:
+    if not built():
+        return
+    torch.library.register_fake("dtmt::additive_scores")(_scores_fake)
+    torch.library.register_fake("dtmt::additive_scores_backward")(_scores_backward_fake)
+    torch.library.register_autograd("dtmt::additive_scores", _scores_backward, setup_context=_scores_setup)
+    torch.library.register_fake("dtmt::attention_context")(_context_fake)
+    torch.library.register_fake("dtmt::attention_context_backward")(_context_backward_fake)
+    torch.library.register_autograd("dtmt::attention_context", _context_backward, setup_context=_context_setup)
+
+
+_register()

@@ -1,0 +1,159 @@
+"""The inference ops of a decoder step (beam search: no autograd; one call in place of a dozen small PyTorch ops) as
+torch.library custom ops with C++ CPU kernels (csrc/decode_step_cpu.cpp), their fakes, the named weight structures
+they take and the functions that call them (re-exported by dtmt_kernels.functional):
+
+    torch.ops.dtmt.attention_step     one (multi-head) additive attention step, query projection to output
+    torch.ops.dtmt.readout_features   the readout's tanh(LN(.) + LN(.) + LN(.))
+    torch.ops.dtmt.rnmt_step          one whole attentional RNMT decoder step, to the log-probabilities
+    torch.ops.dtmt.memory_encoder     one direction of mce's read-write-memory encoder
+Their references are the modules they stand in for (dtmt_models), against which tests/test_decode_kernels.py and
+the systems' tests hold them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._extension import built
+
+_ABSENT = torch.empty(0)   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
+
+
+def _or_none(t: Optional[Tensor]) -> Tensor:
+    return _ABSENT if t is None else t
+
+
+class _InferenceWeights:
+    """Base of the named weight structures of the inference ops: each mirrors a struct of csrc/decode_step.h
+    (its tensor fields in the same order: `tensor_fields()`, which a test holds equal to the extension's
+    `_C.<NAME>_WEIGHT_FIELDS`), and keeps its tensors as the list the op takes (`tensors`, absent ones empty),
+    made once. Fields named ...eps are the ops' float arguments, not tensors."""
+
+    @classmethod
+    def tensor_fields(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if not f.name.endswith("eps"))
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensors", [_or_none(getattr(self, name)) for name in self.tensor_fields()])
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionWeights(_InferenceWeights):
+    """(Multi-head) additive attention for `attention_step`: w_q [NH*D, Q], v [NH, D]; the output projection w_o
+    [C', C], b_o [C'] (multi-head attention) or None; the query's layer norm ln_w, ln_b [NH*D] and its eps
+    (Nematus' attention) or None."""
+    w_q: Tensor
+    v: Tensor
+    w_o: Optional[Tensor] = None
+    b_o: Optional[Tensor] = None
+    ln_w: Optional[Tensor] = None
+    ln_b: Optional[Tensor] = None
+    ln_eps: float = 1e-5
+
+
+@dataclass(frozen=True, eq=False)
+class ReadoutWeights(_InferenceWeights):
+    """The Readout for `readout_features` and `rnmt_step`: w_y [R, E], w_s [R, Hs], w_c [R, C] and their biases
+    (or None); the three layer norms' gains and offsets stacked, ln_w, ln_b [3, R] (or None) and their one eps;
+    the output projection w_out [V, R], b_out [V] (`rnmt_step` only; None where the readout has more layers)."""
+    w_y: Tensor
+    b_y: Optional[Tensor]
+    w_s: Tensor
+    b_s: Optional[Tensor]
+    w_c: Tensor
+    b_c: Optional[Tensor]
+    ln_w: Optional[Tensor] = None
+    ln_b: Optional[Tensor] = None
+    w_out: Optional[Tensor] = None
+    b_out: Optional[Tensor] = None
+    eps: float = 1e-5
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryWeights(_InferenceWeights):
+    """mce's memory addressing for `memory_encoder` (dtmt_models/models/systems/mce.py): w_state [H, H], w_memory [H, H],
+    b_memory [H], v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]."""
+    w_state: Tensor
+    w_memory: Tensor
+    b_memory: Tensor
+    v: Tensor
+    w_read: Tensor
+    b_read: Tensor
+    w_write: Tensor
+    b_write: Tensor
+
+
+def attention_step(query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, weights: AttentionWeights):
+    """Inference only (no autograd; CPU float32 / float64): one step of (multi-head) additive attention in one
+    C++ call, what MultiHeadAdditiveAttention / AdditiveAttention compute in a dozen ops: q = query W_q^T,
+    layer-normalised over all its NH*D features when the weights have ln_w / ln_b (Nematus), split into heads;
+    scores = additive_scores(keys, q, v), alpha = softmax over the source positions where src_mask is true (0
+    elsewhere), context = attention_context(alpha, annotations), then context W_o^T + b_o when w_o is given.
+    query [B, Q], keys [B, S, NH, D], annotations [B, S, C], src_mask [B, S] bool -> (context, alpha [B, NH, S])."""
+    context, alpha = torch.ops.dtmt.attention_step(query, keys, annotations, src_mask, weights.tensors, weights.ln_eps)
+    return context, alpha
+
+
+def readout_features(y: Tensor, s: Tensor, c: Tensor, weights: ReadoutWeights) -> Tensor:
+    """Inference only: tanh(LN_y(y W_y^T + b_y) + LN_s(s W_s^T + b_s) + LN_c(c W_c^T + b_c)) in one C++ call (the
+    Readout's features; no layer norm where the weights have none). y [..., E], s [..., Hs], c [..., C] with the
+    same leading dims -> [..., R]."""
+    lead = y.shape[:-1]
+    out = torch.ops.dtmt.readout_features(y.reshape(-1, y.shape[-1]), s.reshape(-1, s.shape[-1]), c.reshape(-1, c.shape[-1]),
+                              weights.tensors, weights.eps)
+    return out.view(*lead, weights.w_y.shape[0])
+
+
+def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, query_cell, decoder_cell,
+              attention: AttentionWeights, readout: ReadoutWeights):
+    """Inference only: one whole step of the attentional RNMT decoder in one C++ call (dtmt_models.models.rnmt's
+    FusedRNMTDecoder, for AttentionalRNMT and one-level Nematus): query cell, attention_step, decoder cell,
+    readout_features, output projection (readout.w_out) and log-softmax. y [B, E] the embedded previous tokens,
+    s [B, H]; keys [B, S, NH, D], annotations, src_mask as attention_step's; query_cell / decoder_cell:
+    dtmt_kernels.nn.FrozenTransitionCell (a cell's kernel parameters gathered once) with the same eps. Returns
+    (log_probs [B, V], float32 at least; s' [B, H]; the attention weights averaged over the heads [B, S])."""
+    log_probs, s_new, alpha = torch.ops.dtmt.rnmt_step(y, s, keys, annotations, src_mask, query_cell.kind, query_cell.params,
+                                           decoder_cell.kind, decoder_cell.params, query_cell.eps, attention.tensors,
+                                           attention.ln_eps, readout.tensors, readout.eps)
+    return log_probs, s_new, alpha
+
+
+def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
+    """Inference only: one direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py) over the
+    whole source in one C++ call. x [B, S, E], memory [B, S, H], src_mask [B, S] bool, cell: the direction's
+    dtmt_kernels.nn.FrozenTransitionCell. Returns (states [B, S, H], final memory [B, S, H])."""
+    states, final = torch.ops.dtmt.memory_encoder(x.contiguous(), memory, src_mask, reverse, cell.kind, cell.params, cell.eps,
+                                      addressing.tensors)
+    return states, final
+
+
+def _attention_step_fake(query, keys, annotations, src_mask, weights, ln_eps):
+    B, S, NH, _ = keys.shape
+    w_o = weights[2]
+    C = w_o.shape[0] if w_o.numel() else annotations.shape[2]
+    return query.new_empty(B, C), query.new_empty(B, NH, S)
+
+
+def _readout_fake(y, s, c, weights, eps):
+    return y.new_empty(y.shape[0], weights[0].shape[0])
+
+
+def _rnmt_step_fake(y, s, keys, annotations, src_mask, q_kind, q_params, d_kind, d_params, cell_eps, attention,
+                    att_eps, readout, readout_eps):
+    B, S = src_mask.shape
+    V = readout[8].shape[0]
+    return (y.new_empty(B, V, dtype=torch.promote_types(y.dtype, torch.float32)), s.new_empty(s.shape),
+            y.new_empty(B, S))
+
+
+def _memory_encoder_fake(x, memory, src_mask, reverse, cell_kind, cell, cell_eps, addressing):
+    return x.new_empty(memory.shape), torch.empty_like(memory, memory_format=torch.contiguous_format)
+
+
+if built():
+    torch.library.register_fake("dtmt::attention_step")(_attention_step_fake)
+    torch.library.register_fake("dtmt::readout_features")(_readout_fake)
+    torch.library.register_fake("dtmt::rnmt_step")(_rnmt_step_fake)
+    torch.library.register_fake("dtmt::memory_encoder")(_memory_encoder_fake)

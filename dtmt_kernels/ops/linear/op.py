@@ -1,0 +1,44 @@
+"""torch.ops.dtmt.small_rows_linear(x [M, K], weight [N, K], bias [N] or None) -> x weight^T + bias [M, N]: the
+weight-streaming kernel for at most _C.SMALL_ROWS_MAX float32 rows (decoding at batch 1), ATen's GEMM otherwise.
+Inference only: it has no autograd (the layers call it only when nothing needs a gradient)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._extension import _C, built
+
+
+def _fake(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def small_rows_applicable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether `small_rows_linear` runs the weight-streaming kernel for F.linear(x, weight, bias): the extension
+    built, CPU float32 tensors, at most _C.SMALL_ROWS_MAX rows (leading dims flattened) and nothing that needs a
+    gradient (the kernel has no backward: it is for decoding)."""
+    if _C is None or x.dim() == 0 or x.device.type != "cpu":
+        return False
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2:
+        return False
+    if bias is not None and bias.dtype != torch.float32:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (bias is not None and bias.requires_grad)):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return 1 <= rows <= _C.SMALL_ROWS_MAX and x.shape[-1] == weight.shape[1]
+
+
+def small_rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """F.linear(x, weight, bias) by the small-row kernel; `small_rows_applicable` must hold. x [..., K] with at most
+    SMALL_ROWS_MAX rows -> [..., N]."""
+    K = x.shape[-1]
+    out = torch.ops.dtmt.small_rows_linear(x.reshape(-1, K), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+if built():
+    torch.library.register_fake("dtmt::small_rows_linear")(_fake)

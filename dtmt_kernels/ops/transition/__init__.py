@@ -1,0 +1,12 @@
+"""The transition op: a deep transition block (GRU / L-GRU / LAU + T-GRUs) or ATR over a sequence, one direction.
+
+    layout.py           the cells' row layout, the one table every backend reads
+    op.py               torch.ops.dtmt.transition_forward / _backward (C++ CPU and CUDA kernels) and their Triton
+                        twins: fakes, the one autograd definition, flat_params, fused_sequence
+    triton.py           the Triton launchers (triton_kernels.py: the kernels)
+The pure-PyTorch reference, the executable spec, is dtmt_kernels.reference.transition_sequence; the C++ kernels
+are csrc/transition_cpu.cpp and csrc/transition_cuda.cu, their per-element math csrc/cell_math.h."""
+from .layout import CELL_KINDS, CELL_ROWS, KIND_TGRU, KINDS, ROWS
+from .op import PARAM_NAMES, flat_params, fused_sequence
+
+__all__ = ["CELL_KINDS", "CELL_ROWS", "KIND_TGRU", "KINDS", "ROWS", "PARAM_NAMES", "flat_params", "fused_sequence"]

@@ -1,0 +1,128 @@
+"""The transition op (deep transition block or ATR over a sequence, one direction) as torch.library custom ops:
+the fake (meta) implementations and the one autograd definition shared by every backend's forward op.
+
+    torch.ops.dtmt.transition_forward           C++: CPU kernels (csrc/transition_cpu.cpp), CUDA kernels
+                                                (csrc/transition_cuda.cu) under the CUDA dispatch key
+    torch.ops.dtmt.transition_forward_triton    the Triton kernels (triton.py)
+
+Both take (x [T, B, I], h0 [B, H], mask [T, B] or None, drop [D+1, B, H] or None, kind, the ten flat parameters
+(`flat_params`: absent ones None or empty), reverse, eps) and return (out [T, B, H], h_n [B, H]) followed by what
+their backward op reads: xp [T, B, n_in*H], hs [D+1, T, B, H] (the state entering each sub-cell, in the
+accumulation dtype), hs_lp (hs in the input dtype for 16-bit inputs, else empty), hp [T, B, n_h*H],
+hpt [D, T, B, 3H]. Their backward ops return the twelve gradients (x, h0, then the ten parameters; empty for an
+absent parameter). reference.transition_sequence is the function all of them compute.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from ...reference import TransitionWeights
+from .._extension import built
+from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
+from .layout import KINDS, ROWS
+
+PARAM_NAMES = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
+
+
+def _present(t: Optional[Tensor]) -> bool:
+    return t is not None and t.numel() > 0
+
+
+def _stack(ts) -> Tensor:
+    """torch.stack, without a copy for one tensor (depth 1)."""
+    return ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+
+
+def flat_params(w: TransitionWeights) -> List[Optional[Tensor]]:
+    """The ten parameter tensors in the ops' order (PARAM_NAMES: T-GRU parameters stacked to [D, ...], absent ones
+    None)."""
+    t_w = t_b = t_ln_w = t_ln_b = None
+    if w.depth:
+        t_w, t_b = _stack(w.t_w), _stack(w.t_b)
+        if w.t_ln_w[0] is not None:
+            t_ln_w, t_ln_b = _stack(w.t_ln_w), _stack(w.t_ln_b)
+    return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, w.ln_w, w.ln_b, t_w, t_b, t_ln_w, t_ln_b]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _forward_fake(x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b, reverse,
+                  eps):
+    T, B, _ = x.shape
+    n_in, n_h, _ = ROWS[kind]
+    H = w_hh.shape[0] // n_h
+    D = t_w.shape[0] if _present(t_w) else 0
+    acc = _acc_dtype(x.dtype)
+    hs = x.new_empty(D + 1, T, B, H, dtype=acc)
+    hs_lp = x.new_empty(D + 1, T, B, H) if acc != x.dtype else x.new_empty(0)
+    return (x.new_empty(T, B, H), x.new_empty(B, H), x.new_empty(T, B, n_in * H), hs, hs_lp,
+            x.new_empty(T, B, n_h * H), x.new_empty(D, T, B, 3 * H))
+
+
+def _backward_fake(grad_out, grad_hn, x, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
+                   t_ln_b, xp, hs, hs_lp, hp, hpt, reverse, eps, weight_grads=True):
+    params = (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[1], w_hh.shape[1])]
+    grads += [torch.empty_like(p, memory_format=torch.contiguous_format) if _present(p) else x.new_empty(0)
+              for p in params]
+    if not weight_grads:   # the pre-activation gradients in the slots of dw_ih, dw_hh and dt_w (csrc/transition.h)
+        N = x.shape[0] * x.shape[1]
+        grads[2], grads[3] = x.new_empty(N, xp.shape[-1]), x.new_empty(0)
+        grads[4], grads[5] = x.new_empty(N, hp.shape[-1]), x.new_empty(0)
+        if _present(t_w):
+            grads[8] = x.new_empty(t_w.shape[0], N, hpt.shape[-1])
+        grads[9] = x.new_empty(0)
+    return grads
+
+
+def _setup_context(ctx, inputs, output):
+    x, h0, mask, drop, kind, *rest = inputs
+    params, (reverse, eps) = rest[:10], rest[10:]
+    _, _, *saved = output
+    ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
+    ctx.save_for_backward(x, mask, drop, *params, *saved)
+    ctx.mark_non_differentiable(*saved)
+
+
+def _autograd_for(backward_op):
+    """The backward of a forward op whose backward op is `backward_op`: one definition for every backend."""
+
+    def backward(ctx, grad_out, grad_hn, *_saved_grads):
+        x, mask, drop, *rest = ctx.saved_tensors
+        params, saved = rest[:10], rest[10:]
+        grads = backward_op(grad_out, grad_hn, x, mask, drop, ctx.kind, *params, *saved, ctx.reverse, ctx.eps)
+        dx, dh0, *dparams = grads
+        dparams = [g if _present(p) else None for g, p in zip(dparams, params)]
+        return (dx, dh0, None, None, None, *dparams, None, None)
+
+    return backward
+
+
+def _register() -> None:
+    pairs = [("dtmt::transition_forward_triton", "dtmt::transition_backward_triton",
+              torch.ops.dtmt.transition_backward_triton)]
+    if built():
+        pairs.append(("dtmt::transition_forward", "dtmt::transition_backward", torch.ops.dtmt.transition_backward))
+    for forward, backward, backward_op in pairs:
+        torch.library.register_fake(forward)(_forward_fake)
+        torch.library.register_fake(backward)(_backward_fake)
+        torch.library.register_autograd(forward, _autograd_for(backward_op), setup_context=_setup_context)
+
+
+_register()
+
+
+def fused_sequence(forward_op):
+    """A transition_sequence (reference.transition_sequence's contract) computed by `forward_op`."""
+
+    def transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optional[Tensor] = None,
+                            drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
+        out, h_n, *_ = forward_op(x, h0, mask, drop, KINDS[w.cell], *flat_params(w), reverse, float(eps))
+        return out, h_n
+
+    return transition_sequence

@@ -1,0 +1,280 @@
+"""The fused ops as torch.library custom ops (dtmt_kernels/ops/, csrc/registration.cpp): every op passes
+torch.library.opcheck (schema, fake implementation against the kernel, autograd registration, AOT dispatch with
+dynamic shapes), the differentiable ops pass gradcheck in float64 through the op itself, and the layers and a whole
+system compile with torch.compile(fullgraph=True) (no graph break) and export with torch.export, giving the eager
+outputs and gradients. CPU only (the CUDA kernels are registered under the same ops; tests/test_triton.py holds
+the Triton op to the same checks in triton's interpreter)."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dtmt_kernels as dk
+from dtmt_kernels.ops.transition import KINDS, flat_params
+from dtmt_models import build_model
+
+pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="the C++ extension is not built")
+
+OPS = ("transition_forward", "transition_backward", "additive_scores", "additive_scores_backward",
+       "attention_context", "attention_context_backward", "small_rows_linear", "attention_step", "readout_features",
+       "rnmt_step", "memory_encoder")
+
+
+def test_every_op_is_registered_in_the_dtmt_namespace():
+    for name in OPS + ("transition_forward_triton", "transition_backward_triton"):
+        op = getattr(torch.ops.dtmt, name).default
+        assert op.namespace == "dtmt"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta") or \
+            torch._library.simple_registry.singleton.find(op.name()).fake_impl.kernel is not None
+
+
+def test_the_row_layout_table_is_the_kernels_one():
+    """dtmt_kernels/ops/transition/layout.py (read by nn.py, the Triton launchers and the fakes) against
+    csrc/cell_math.h (read by the C++ and CUDA kernels), exported as _C.CELL_ROWS; and the layers' parameter shapes
+    follow it."""
+    from dtmt_kernels import _C
+    from dtmt_kernels.ops.transition import CELL_ROWS, ROWS
+
+    assert {k: tuple(v) for k, v in _C.CELL_ROWS.items()} == ROWS
+    for cell in ("gru", "lgru", "lau"):
+        layer = dk.nn.DeepTransitionGRU(3, 5, depth=1, cell=cell, layer_norm=True)
+        n_in, n_h, n_g = CELL_ROWS[cell]
+        assert layer.weight_ih.shape == (n_in * 5, 3) and layer.weight_hh.shape == (n_h * 5, 5)
+        assert layer.ln_weight.shape == (n_g * 5,) and layer.tgru1_ln_weight.shape == (CELL_ROWS["tgru"][2] * 5,)
+
+
+def _layer(cell, depth, ln, dtype=torch.float64, I=4, H=6):
+    layer = dk.nn.ATR(I, H, layer_norm=ln) if cell == "atr" else \
+        dk.nn.DeepTransitionGRU(I, H, depth=depth, cell=cell, layer_norm=ln)
+    layer = layer.to(dtype)
+    with torch.no_grad():   # layer-norm gains and offsets away from 1 and 0
+        for name, p in layer.named_parameters():
+            if "ln_" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return layer
+
+
+TRANSITION_CASES = [("gru", 0, False), ("gru", 1, True), ("lgru", 2, True), ("lau", 1, False), ("atr", 0, True),
+                    ("atr", 0, False)]
+
+
+def _transition_args(cell, depth, ln, masked, seed=0, dtype=torch.float64, T=3, B=2):
+    torch.manual_seed(seed)
+    layer = _layer(cell, depth, ln, dtype)
+    params = [None if p is None else p.detach().clone().requires_grad_() for p in flat_params(layer.direction_weights())]
+    x = torch.randn(T, B, 4, dtype=dtype, requires_grad=True)
+    h0 = torch.randn(B, 6, dtype=dtype, requires_grad=True)
+    mask = drop = None
+    if masked:
+        mask = torch.ones(T, B, dtype=dtype)
+        mask[T - 1:, 1] = 0
+        if cell != "atr":
+            drop = (torch.rand(depth + 1, B, 6) > 0.3).to(dtype) / 0.7
+    return (x, h0, mask, drop, KINDS[cell], *params, masked, 1e-5)
+
+
+@pytest.mark.parametrize("case", TRANSITION_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-{'ln' if c[2] else 'noln'}")
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked-reversed-dropout"])
+def test_transition_op_passes_opcheck_and_gradcheck(case, masked):
+    args = _transition_args(*case, masked)
+    torch.library.opcheck(torch.ops.dtmt.transition_forward.default, args)
+    inputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def outputs(*tensors):
+        full = list(args)
+        for i, t in zip(inputs, tensors):
+            full[i] = t
+        out, h_n, *_ = torch.ops.dtmt.transition_forward(*full)
+        return out, h_n
+
+    assert torch.autograd.gradcheck(outputs, [args[i] for i in inputs])
+
+
+class _RecordOps(TorchDispatchMode):
+    """Records the first call of each dtmt op below autograd: (op, args, kwargs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "dtmt" and func not in self.calls:
+            self.calls[func] = (args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def _detached(tree):
+    return tuple(torch.utils._pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
+                                              list(tree)))
+
+
+def _record_system_calls(system, dtype=torch.float64):
+    """The dtmt ops a system calls in one training step (forward and backward) and in inference decoding steps at
+    beam 4 (the small-row linear's rows), with the arguments they were called with."""
+    torch.manual_seed(0)
+    model = build_model(system, 40, 50, embed_dim=8, hidden_size=12).to(dtype)
+    src, lengths = torch.randint(4, 40, (4, 6)), torch.tensor([6, 5, 3, 2])
+    prev, target = torch.randint(4, 50, (4, 5)), torch.randint(4, 50, (4, 5))
+    recorder = _RecordOps()
+    with recorder:
+        loss, _, n = model(src, lengths, prev, target=target)
+        (loss / n).backward()
+        model.eval()
+        with torch.no_grad():
+            decoder = model.inference_decoder()
+            state = decoder.encode(src, lengths)
+            for t in range(2):
+                _, state = decoder.step(state, prev[:, t])
+    return recorder.calls
+
+
+@pytest.mark.parametrize("system", ["dtmt", "nematus", "mce", "gnmt-atr"])
+def test_every_op_a_system_calls_passes_opcheck(system):
+    """Each op as a system calls it (training step and decoding: the attention, backward and inference ops),
+    its arguments detached: schema, fake implementation (shapes, dtypes, strides) and AOT dispatch."""
+    calls = _record_system_calls(system, torch.float32 if system == "gnmt-atr" else torch.float64)
+    assert calls, f"{system} called no dtmt op"
+    for op, (args, kwargs) in calls.items():
+        torch.library.opcheck(op, _detached(args), dict(kwargs))
+    names = {op.__name__.split(".")[0] for op in calls}
+    expected = {"dtmt": {"transition_forward", "transition_backward", "additive_scores", "additive_scores_backward",
+                         "attention_context_backward", "rnmt_step"},
+                "mce": {"memory_encoder", "rnmt_step"},
+                "nematus": {"transition_forward", "rnmt_step"},
+                "gnmt-atr": {"transition_forward", "small_rows_linear"}}[system]
+    assert expected <= names, f"{system}: {sorted(names)}"
+
+
+def test_attention_ops_pass_opcheck_with_gradients():
+    torch.manual_seed(1)
+    keys = torch.randn(2, 5, 3, 4, dtype=torch.float64, requires_grad=True)
+    query = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.dtmt.additive_scores.default, (keys, query, v))
+    assert torch.autograd.gradcheck(torch.ops.dtmt.additive_scores, (keys, query, v))
+    alpha = torch.softmax(torch.randn(2, 3, 5, dtype=torch.float64), -1).requires_grad_()
+    for transposed in (False, True):   # values read in place when only the last dimension is contiguous
+        values = torch.randn(5, 2, 6, dtype=torch.float64).transpose(0, 1) if transposed else \
+            torch.randn(2, 5, 6, dtype=torch.float64)
+        values.requires_grad_()
+        torch.library.opcheck(torch.ops.dtmt.attention_context.default, (alpha, values))
+        assert torch.autograd.gradcheck(torch.ops.dtmt.attention_context, (alpha, values))
+
+
+def _compare_compiled(module, args, grads_of, backend="aot_eager", **kwargs):
+    """module(*args) eager against torch.compile(fullgraph=True): outputs and the gradients of sum(outputs)."""
+    results = []
+    for fn in (module, torch.compile(module, fullgraph=True, backend=backend)):
+        for t in grads_of:
+            t.grad = None
+        out = fn(*args, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.float().sin().sum() for o in outs if o.is_floating_point()).backward()
+        results.append([o.detach() for o in outs] + [t.grad.clone() for t in grads_of])
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dt-gru-bidirectional", "atr-reverse", "dt-cell", "atr-cell"])
+def test_layers_compile_without_graph_breaks(kind):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 8, requires_grad=True)
+    lengths = torch.tensor([5, 3, 2])
+    if kind == "dt-gru-bidirectional":
+        layer = dk.nn.DeepTransitionGRU(8, 16, depth=2, bidirectional=True, candidate_dropout=0.0)
+        args, kwargs = (x,), dict(lengths=lengths)
+    elif kind == "atr-reverse":
+        layer = dk.nn.ATR(8, 16, layer_norm=True, reverse=True)
+        args, kwargs = (x,), dict(lengths=lengths)
+    elif kind == "dt-cell":
+        layer = dk.nn.DeepTransitionGRUCell(8, 16, depth=3, cell="lau")
+        args, kwargs = (x[0], torch.randn(3, 16)), {}
+    else:
+        layer = dk.nn.ATRCell(8, 16)
+        args, kwargs = (x[0], torch.randn(3, 16)), {}
+    _compare_compiled(layer, args, [x, *layer.parameters()], **kwargs)
+
+
+def test_layer_compiles_with_inductor():
+    """The whole stack (dynamo, AOT autograd, inductor's C++ code around the op) on one bidirectional layer."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = dk.nn.DeepTransitionGRU(8, 16, depth=1, bidirectional=True)
+    x = torch.randn(5, 3, 8, requires_grad=True)
+    _compare_compiled(layer, (x,), [x, *layer.parameters()], backend="inductor", lengths=torch.tensor([5, 3, 2]))
+
+
+def test_compiled_lengths_check_still_fails_on_bad_lengths():
+    torch._dynamo.reset()
+    layer = torch.compile(dk.nn.DeepTransitionGRU(4, 6, depth=1), fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 2, 4)
+    layer(x, lengths=torch.tensor([3, 1]))
+    with pytest.raises(RuntimeError, match=r"every length must be in \[1, T=3\]"):
+        layer(x, lengths=torch.tensor([3, 4]))
+
+
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
+def test_system_training_forward_compiles_without_graph_breaks(system):
+    """A whole system's teacher-forced training loss (dropout off, so that the two runs draw nothing) compiled with
+    fullgraph=True: the loss, token count and every parameter's gradient equal eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    no_dropout = dict(dropout=0.0, **({"candidate_dropout": 0.0} if system == "dtmt" else {}))
+    model = build_model(system, 40, 50, embed_dim=16, hidden_size=16, **no_dropout)
+    src, lengths = torch.randint(4, 40, (4, 7)), torch.tensor([7, 6, 4, 3])
+    prev, target = torch.randint(4, 50, (4, 5)), torch.randint(4, 50, (4, 5))
+    results = []
+    for fn in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad()
+        loss, nll, n = fn(src, lengths, prev, target)
+        (loss / n).backward()
+        results.append([loss.detach(), nll.detach(), torch.as_tensor(n)] +
+                       [p.grad.clone() for p in model.parameters()])
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, check_dtype=False)
+
+
+def test_layer_exports_and_runs():
+    torch.manual_seed(0)
+    layer = dk.nn.DeepTransitionGRU(8, 16, depth=2, bidirectional=True).eval()
+    x, lengths = torch.randn(5, 3, 8), torch.tensor([5, 3, 2])
+    program = torch.export.export(layer, (x,), dict(lengths=lengths))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "dtmt.transition_forward.default" in targets
+    x2, lengths2 = torch.randn(5, 3, 8), torch.tensor([4, 5, 1])
+    for got, ref in zip(program.module()(x2, lengths=lengths2), layer(x2, lengths=lengths2)):
+        torch.testing.assert_close(got, ref)
+
+
+class _Call(torch.nn.Module):
+    """A model's method as a module's forward (what torch.export takes)."""
+
+    def __init__(self, model, method):
+        super().__init__()
+        self.model, self.method = model, method
+
+    def forward(self, *args):
+        return getattr(self.model, self.method)(*args)
+
+
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
+def test_system_encode_and_step_export_and_run(system):
+    """A system's `encode` and `step` (the inference interface) exported with torch.export: the graphs hold the
+    dtmt ops, and on new inputs they give the eager results."""
+    torch.manual_seed(0)
+    model = build_model(system, 40, 50, embed_dim=16, hidden_size=16).eval()
+    src, lengths = torch.randint(4, 40, (3, 6)), torch.tensor([6, 4, 2])
+    encode = torch.export.export(_Call(model, "encode"), (src, lengths))
+    state = model.encode(src, lengths)
+    step = torch.export.export(_Call(model, "step"), (state, torch.randint(4, 50, (3,))))
+    ops = {str(n.target) for g in (encode, step) for n in g.graph.nodes if "dtmt." in str(n.target)}
+    assert "dtmt.transition_forward.default" in ops
+    src2, lengths2, prev2 = torch.randint(4, 40, (3, 6)), torch.tensor([3, 6, 5]), torch.randint(4, 50, (3,))
+    state2 = encode.module()(src2, lengths2)
+    ref_state = model.encode(src2, lengths2)
+    for k in ref_state:
+        torch.testing.assert_close(state2[k], ref_state[k])
+    for got, ref in zip(step.module()(state2, prev2), model.step(ref_state, prev2)):
+        for k in (ref if isinstance(ref, dict) else {0: ref}):
+            torch.testing.assert_close((got if isinstance(got, dict) else {0: got})[k],
+                                       (ref if isinstance(ref, dict) else {0: ref})[k], rtol=1e-5, atol=1e-6)

@@ -278,3 +278,19 @@ def test_system_encode_and_step_export_and_run(system):
         for k in (ref if isinstance(ref, dict) else {0: ref}):
             torch.testing.assert_close((got if isinstance(got, dict) else {0: got})[k],
                                        (ref if isinstance(ref, dict) else {0: ref})[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("op_name", ["transition_forward", "transition_forward_triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_transition_ops_pass_opcheck(op_name, dtype):
+    """The CUDA kernels (registered under the CUDA key of dtmt::transition_forward) and the Triton op on the GPU:
+    schema, fake (the 16-bit inputs' float32 states and their low-precision copy), autograd, AOT dispatch."""
+    if op_name == "transition_forward" and not dk.ops._C.has_cuda:
+        pytest.skip("the extension was built without CUDA kernels")
+    args = _transition_args("lgru", 2, True, True, dtype=torch.float64)
+    args = tuple(a.detach().to("cuda", dtype).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                 for a in args)
+    torch.library.opcheck(getattr(torch.ops.dtmt, op_name).default, args,
+                          atol=1e-2 if dtype == torch.bfloat16 else None, rtol=1e-2 if dtype == torch.bfloat16 else None)

@@ -44,7 +44,7 @@ struct MemoryWeights {
 constexpr const char* kMemoryWeightFields = "w_state w_memory b_memory v w_read b_read w_write b_write";
 
 // A recurrent cell's TransitionWeights from its kind and the ten flat kernel parameters
-// (dtmt_kernels.autograd.flat_params order).
+// (dtmt_kernels.ops.transition.flat_params order, absent ones empty).
 TransitionWeights cell_weights(int64_t kind, const std::vector<at::Tensor>& params);
 
 // One step of (multi-head) additive attention, as MultiHeadAdditiveAttention / AdditiveAttention compute it:

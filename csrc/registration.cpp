@@ -16,19 +16,6 @@
 #include "small_gemm.h"
 #include "transition.h"
 
-#ifdef DTMT_WITH_CUDA
-namespace dtmt {  // csrc/transition_cuda.cu
-std::vector<at::Tensor> transition_forward_cuda(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
-                                                const at::Tensor& drop, const TransitionWeights& w, bool reverse,
-                                                double eps);
-std::vector<at::Tensor> transition_backward_cuda(const at::Tensor& grad_out, const at::Tensor& grad_hn,
-                                                 const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
-                                                 const TransitionWeights& w, const at::Tensor& xp,
-                                                 const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
-                                                 const at::Tensor& hpt, bool reverse, double eps);
-}  // namespace dtmt
-#endif
-
 namespace {
 
 using at::Tensor;
@@ -67,8 +54,12 @@ Forward forward_tuple(std::vector<Tensor> r, const Tensor& x) {
 }
 
 // The gradients in the inputs' order; those of absent inputs (and the bias slots that weight_grads=false leaves
-// empty) as empty tensors.
-std::vector<Tensor> grads_list(std::vector<Tensor> g, const Tensor& x, const std::array<bool, 10>& present) {
+// empty) as empty tensors. The four base-cell tensors are always present.
+std::vector<Tensor> grads_list(std::vector<Tensor> g, const Tensor& x, const OptTensor& ln_w, const OptTensor& ln_b,
+                               const OptTensor& t_w, const OptTensor& t_b, const OptTensor& t_ln_w,
+                               const OptTensor& t_ln_b) {
+  const bool present[10] = {true, true, true, true, given(ln_w), given(ln_b), given(t_w), given(t_b), given(t_ln_w),
+                            given(t_ln_b)};
   for (size_t i = 0; i < g.size(); ++i) {
     const bool absent = i >= 2 && !present[i - 2];
     g[i] = absent ? at::empty({0}, x.options()) : or_empty(g[i], x);
@@ -76,14 +67,17 @@ std::vector<Tensor> grads_list(std::vector<Tensor> g, const Tensor& x, const std
   return g;
 }
 
-Forward transition_forward_cpu(const Tensor& x, const Tensor& h0, const OptTensor& mask, const OptTensor& drop,
-                               int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
-                               const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& t_w,
-                               const OptTensor& t_b, const OptTensor& t_ln_w, const OptTensor& t_ln_b, bool reverse,
-                               double eps) {
+// The forward op for the kernel `Kernel` of one device (transition_forward_cpu / _cuda): the same wrapper for both.
+using ForwardKernel = std::vector<Tensor> (*)(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                              const dtmt::TransitionWeights&, bool, double);
+
+template <ForwardKernel Kernel>
+Forward transition_forward(const Tensor& x, const Tensor& h0, const OptTensor& mask, const OptTensor& drop,
+                           int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh, const Tensor& b_hh,
+                           const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& t_w, const OptTensor& t_b,
+                           const OptTensor& t_ln_w, const OptTensor& t_ln_b, bool reverse, double eps) {
   const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-  return forward_tuple(
-      dtmt::transition_forward_cpu(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps), x);
+  return forward_tuple(Kernel(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps), x);
 }
 
 std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
@@ -99,22 +93,10 @@ std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor
   auto g = dtmt::transition_backward_cpu(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x),
                                          w, dense(xp), dense(hs), dense(hp), dense(hpt), reverse, eps, weight_grads);
   // with weight_grads=false the slots of dw_ih, dw_hh and dt_w hold pre-activation gradients (transition.h)
-  return grads_list(std::move(g), x,
-                    {true, true, true, true, given(ln_w), given(ln_b), given(t_w), given(t_b), given(t_ln_w),
-                     given(t_ln_b)});
+  return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
 }
 
 #ifdef DTMT_WITH_CUDA
-Forward transition_forward_gpu(const Tensor& x, const Tensor& h0, const OptTensor& mask, const OptTensor& drop,
-                               int64_t kind, const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
-                               const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& t_w,
-                               const OptTensor& t_b, const OptTensor& t_ln_w, const OptTensor& t_ln_b, bool reverse,
-                               double eps) {
-  const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-  return forward_tuple(
-      dtmt::transition_forward_cuda(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps), x);
-}
-
 std::vector<Tensor> transition_backward_gpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                             const OptTensor& mask, const OptTensor& drop, int64_t kind,
                                             const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
@@ -128,9 +110,7 @@ std::vector<Tensor> transition_backward_gpu(const Tensor& grad_out, const Tensor
   auto g = dtmt::transition_backward_cuda(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x),
                                           w, dense(xp), dense(hs), dense(hs_lp), dense(hp), dense(hpt), reverse,
                                           eps);
-  return grads_list(std::move(g), x,
-                    {true, true, true, true, given(ln_w), given(ln_b), given(t_w), given(t_b), given(t_ln_w),
-                     given(t_ln_b)});
+  return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
 }
 #endif
 
@@ -220,7 +200,7 @@ TORCH_LIBRARY(dtmt, m) {
 }
 
 TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
-  m.impl("transition_forward", &transition_forward_cpu);
+  m.impl("transition_forward", &transition_forward<dtmt::transition_forward_cpu>);
   m.impl("transition_backward", &transition_backward_cpu);
   m.impl("additive_scores", &additive_scores);
   m.impl("additive_scores_backward", &additive_scores_backward);
@@ -235,7 +215,7 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
 
 #ifdef DTMT_WITH_CUDA
 TORCH_LIBRARY_IMPL(dtmt, CUDA, m) {
-  m.impl("transition_forward", &transition_forward_gpu);
+  m.impl("transition_forward", &transition_forward<dtmt::transition_forward_cuda>);
   m.impl("transition_backward", &transition_backward_gpu);
 }
 #endif

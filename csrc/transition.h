@@ -1,5 +1,6 @@
-// Declarations of the fused recurrent ops (deep transition block and ATR), shared by the pybind module and
-// the device-specific implementations. See transition_cpu.cpp for the algorithm and the saved tensors.
+// Declarations of the fused recurrent ops (deep transition block and ATR), shared by their registration
+// (registration.cpp) and the device-specific implementations. See transition_cpu.cpp for the algorithm and the
+// saved tensors.
 #pragma once
 
 #include <torch/extension.h>
@@ -36,5 +37,17 @@ std::vector<at::Tensor> transition_backward_cpu(const at::Tensor& grad_out, cons
                                                 const TransitionWeights& w, const at::Tensor& xp,
                                                 const at::Tensor& hs, const at::Tensor& hp, const at::Tensor& hpt,
                                                 bool reverse, double eps, bool weight_grads = true);
+
+// The CUDA kernels (csrc/transition_cuda.cu, built with a CUDA torch): the same contract, plus hs_lp, the states in
+// the input dtype for 16-bit inputs (empty for float / double): forward returns {out, h_n, xp, hs, hs_lp, hp, hpt};
+// backward takes hs_lp and always forms the weight gradients.
+std::vector<at::Tensor> transition_forward_cuda(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
+                                                const at::Tensor& drop, const TransitionWeights& w, bool reverse,
+                                                double eps);
+std::vector<at::Tensor> transition_backward_cuda(const at::Tensor& grad_out, const at::Tensor& grad_hn,
+                                                 const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
+                                                 const TransitionWeights& w, const at::Tensor& xp,
+                                                 const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
+                                                 const at::Tensor& hpt, bool reverse, double eps);
 
 }  // namespace dtmt

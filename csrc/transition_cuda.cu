@@ -1,8 +1,8 @@
 // CUDA implementation of the deep transition block and ATR (built only when torch has CUDA: setup.py adds
-// csrc/*.cu and defines DTMT_WITH_CUDA; bindings.cpp then exposes _C.transition_forward_cuda /
-// transition_backward_cuda).
+// csrc/*.cu and defines DTMT_WITH_CUDA; registration.cpp then registers them as the CUDA kernels of
+// dtmt::transition_forward / transition_backward).
 //
-// The algorithm is that of the Triton backend (dtmt_kernels/triton/ops.py), with cuBLAS GEMMs through ATen
+// The algorithm is that of the Triton backend (dtmt_kernels/ops/transition/triton.py), with cuBLAS GEMMs through ATen
 // and the fused kernels of transition_cuda_kernels.cuh:
 //   forward:  xp = x W_ih^T + b_ih (one GEMM over T*B rows); per step and sub-cell: hp = h U^T (GEMM) and
 //             one fused kernel (bias, per-gate layer norm, gates, candidate, dropout, state update; the last

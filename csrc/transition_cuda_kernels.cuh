@@ -4,7 +4,7 @@
 // Self-contained on purpose: it depends only on the CUDA runtime headers and cell_math.h (the per-element
 // math shared with the CPU kernels), never on torch, so it compiles standalone with `nvcc -c` (see
 // tests/test_cuda_sources.py). transition_cuda.cu drives it from ATen (GEMMs, buffers, the time loop); the
-// algorithm and the saved tensors are those of dtmt_kernels/triton/ops.py.
+// algorithm and the saved tensors are those of dtmt_kernels/ops/transition/triton.py.
 //
 // Launch: one block per batch row (grid = B), block_threads(H) threads looping over the row's H features,
 // dynamic shared memory for the row's gate pre-activations (forward) or normalised values and gradients

@@ -10,9 +10,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-
-def _present(t: Optional[Tensor]) -> bool:
-    return t is not None and t.numel() > 0
+from .ops.transition.layout import present
 
 
 class _UnrolledSession:
@@ -75,15 +73,15 @@ class UnrolledSteps(_UnrolledSession):
         dxp = cat([r[2] for r in rows])
         dhp = cat([r[3] for r in rows])
         grads = [dxp.t().mm(x), dxp.sum(0), dhp.t().mm(hs[0]), dhp.sum(0), None, None, None, None, None, None]
-        if _present(rows[0][5]):                       # base-cell layer norm
+        if present(rows[0][5]):                       # base-cell layer norm
             grads[4] = torch.stack([r[5] for r in rows]).sum(0)
             grads[5] = torch.stack([r[6] for r in rows]).sum(0)
-        D = self.flat[6].shape[0] if _present(self.flat[6]) else 0
+        D = self.flat[6].shape[0] if present(self.flat[6]) else 0
         if D:
             dhpt = cat([r[4] for r in rows], 1)        # [D, N, 3H]
             grads[6] = torch.bmm(dhpt.transpose(1, 2), hs[1:])
             grads[7] = dhpt.sum(1)
-            if _present(rows[0][7]):
+            if present(rows[0][7]):
                 grads[8] = torch.stack([r[7] for r in rows]).sum(0)
                 grads[9] = torch.stack([r[8] for r in rows]).sum(0)
         del rows, x, hs, dxp, dhp   # the concatenations hold copies: free the rows before autograd goes on

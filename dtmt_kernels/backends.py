@@ -10,13 +10,15 @@ Backends and where they run:
 
     reference   pure PyTorch (reference.py): CPU and CUDA, any floating dtype; the executable spec
     cpp         C++ CPU kernels (dtmt_kernels._C): CPU, float32 / float64
-    triton      Triton kernels (dtmt_kernels/ops/transition/triton*.py): CUDA tensors, float16 / bfloat16 / float32 / float64.
+    triton      Triton kernels (dtmt_kernels/ops/transition/triton*.py): CUDA tensors, float16 / bfloat16 /
+                float32 / float64.
                 Available when triton imports and a CUDA device is present. With the environment variable
                 TRITON_INTERPRET=1 (triton's CPU interpreter) it is available without a GPU and then also
                 accepts CPU tensors: that is how its kernels are tested on machines without a GPU. The
                 interpreter is slow (tiny sizes only) and `auto` never picks it for CPU tensors.
     cuda        CUDA C++ kernels (csrc/transition_cuda*.cu): CUDA tensors; present only when the extension
-                was built against a CUDA torch (then `_C.transition_forward_cuda` exists)
+                was built against a CUDA torch (then `_C.has_cuda`; the kernels are those of
+                torch.ops.dtmt.transition_forward for CUDA tensors)
 
 `auto` picks cpp for CPU tensors and cuda, then triton, for CUDA tensors.
 """

@@ -60,7 +60,8 @@ TRANSITION_CASES = [("gru", 0, False), ("gru", 1, True), ("lgru", 2, True), ("la
 def _transition_args(cell, depth, ln, masked, seed=0, dtype=torch.float64, T=3, B=2):
     torch.manual_seed(seed)
     layer = _layer(cell, depth, ln, dtype)
-    params = [None if p is None else p.detach().clone().requires_grad_() for p in flat_params(layer.direction_weights())]
+    params = [None if p is None else p.detach().clone().requires_grad_()
+              for p in flat_params(layer.direction_weights())]
     x = torch.randn(T, B, 4, dtype=dtype, requires_grad=True)
     h0 = torch.randn(B, 6, dtype=dtype, requires_grad=True)
     mask = drop = None
@@ -292,5 +293,5 @@ def test_gpu_transition_ops_pass_opcheck(op_name, dtype):
     args = _transition_args("lgru", 2, True, True, dtype=torch.float64)
     args = tuple(a.detach().to("cuda", dtype).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                  for a in args)
-    torch.library.opcheck(getattr(torch.ops.dtmt, op_name).default, args,
-                          atol=1e-2 if dtype == torch.bfloat16 else None, rtol=1e-2 if dtype == torch.bfloat16 else None)
+    tol = 1e-2 if dtype == torch.bfloat16 else None
+    torch.library.opcheck(getattr(torch.ops.dtmt, op_name).default, args, atol=tol, rtol=tol)

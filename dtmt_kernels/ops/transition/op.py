@@ -22,13 +22,9 @@ from torch import Tensor
 from ...reference import TransitionWeights
 from .._extension import built
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
-from .layout import KINDS, ROWS
+from .layout import KINDS, ROWS, acc_dtype, present
 
 PARAM_NAMES = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
-
-
-def _present(t: Optional[Tensor]) -> bool:
-    return t is not None and t.numel() > 0
 
 
 def _stack(ts) -> Tensor:
@@ -47,17 +43,13 @@ def flat_params(w: TransitionWeights) -> List[Optional[Tensor]]:
     return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, w.ln_w, w.ln_b, t_w, t_b, t_ln_w, t_ln_b]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _forward_fake(x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b, reverse,
                   eps):
     T, B, _ = x.shape
     n_in, n_h, _ = ROWS[kind]
     H = w_hh.shape[0] // n_h
-    D = t_w.shape[0] if _present(t_w) else 0
-    acc = _acc_dtype(x.dtype)
+    D = t_w.shape[0] if present(t_w) else 0
+    acc = acc_dtype(x.dtype)
     hs = x.new_empty(D + 1, T, B, H, dtype=acc)
     hs_lp = x.new_empty(D + 1, T, B, H) if acc != x.dtype else x.new_empty(0)
     return (x.new_empty(T, B, H), x.new_empty(B, H), x.new_empty(T, B, n_in * H), hs, hs_lp,
@@ -68,13 +60,13 @@ def _backward_fake(grad_out, grad_hn, x, mask, drop, kind, w_ih, b_ih, w_hh, b_h
                    t_ln_b, xp, hs, hs_lp, hp, hpt, reverse, eps, weight_grads=True):
     params = (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
     grads = [torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[1], w_hh.shape[1])]
-    grads += [torch.empty_like(p, memory_format=torch.contiguous_format) if _present(p) else x.new_empty(0)
+    grads += [torch.empty_like(p, memory_format=torch.contiguous_format) if present(p) else x.new_empty(0)
               for p in params]
     if not weight_grads:   # the pre-activation gradients in the slots of dw_ih, dw_hh and dt_w (csrc/transition.h)
         N = x.shape[0] * x.shape[1]
         grads[2], grads[3] = x.new_empty(N, xp.shape[-1]), x.new_empty(0)
         grads[4], grads[5] = x.new_empty(N, hp.shape[-1]), x.new_empty(0)
-        if _present(t_w):
+        if present(t_w):
             grads[8] = x.new_empty(t_w.shape[0], N, hpt.shape[-1])
         grads[9] = x.new_empty(0)
     return grads
@@ -97,7 +89,7 @@ def _autograd_for(backward_op):
         params, saved = rest[:10], rest[10:]
         grads = backward_op(grad_out, grad_hn, x, mask, drop, ctx.kind, *params, *saved, ctx.reverse, ctx.eps)
         dx, dh0, *dparams = grads
-        dparams = [g if _present(p) else None for g, p in zip(dparams, params)]
+        dparams = [g if present(p) else None for g, p in zip(dparams, params)]
         return (dx, dh0, None, None, None, *dparams, None, None)
 
     return backward

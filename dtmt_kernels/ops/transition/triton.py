@@ -37,7 +37,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .layout import KIND_TGRU, ROWS
+from .layout import KIND_TGRU, ROWS, acc_dtype, present
 
 _KERNELS = None
 
@@ -67,17 +67,9 @@ def _num_warps(block: int) -> int:
     return 1 if block <= 64 else 2 if block <= 256 else 4 if block <= 1024 else 8 if block <= 2048 else 16
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _on_device(x: Tensor):
     """Triton launches on the current CUDA device: make it the tensors' one."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
-def _present(t: Optional[Tensor]) -> bool:
-    return t is not None and t.numel() > 0
 
 
 def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
@@ -89,9 +81,9 @@ def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_h
     T, B, I = x.shape
     n_in, n_h, n_g = ROWS[kind]
     H = w_hh.shape[0] // n_h
-    D = t_w.shape[0] if _present(t_w) else 0
+    D = t_w.shape[0] if present(t_w) else 0
     S = D + 1
-    dtype, acc = x.dtype, _acc_dtype(x.dtype)
+    dtype, acc = x.dtype, acc_dtype(x.dtype)
     lp = acc != dtype
     dev = x.device
     xp = torch.addmm(b_ih, x.reshape(T * B, I), w_ih.t()).view(T, B, n_in * H)
@@ -107,8 +99,8 @@ def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_h
     if lp:
         hs_lp[0, order[0]].copy_(h0)
 
-    ln, tln = _present(ln_w), _present(t_ln_w)
-    has_mask, has_drop = _present(mask), _present(drop)
+    ln, tln = present(ln_w), present(t_ln_w)
+    has_mask, has_drop = present(mask), present(drop)
     dummy = x
     BLOCK = _block(H)
     warps = _num_warps(BLOCK)
@@ -146,17 +138,17 @@ def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_h
 
 def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w,
                      t_b, t_ln_w, t_ln_b, xp, hs, hs_lp, hp, hpt, needs):
-    if not _present(hs_lp):   # float32 / float64: the states feed the GEMMs as they are
+    if not present(hs_lp):   # float32 / float64: the states feed the GEMMs as they are
         hs_lp = hs
     K = _kernels()
     T, B, I = x.shape
     n_in, n_h, n_g = ROWS[kind]
     H = w_hh.shape[0] // n_h
-    D = t_w.shape[0] if _present(t_w) else 0
+    D = t_w.shape[0] if present(t_w) else 0
     dtype, acc = x.dtype, hs.dtype
     dev = x.device
-    ln, tln = _present(ln_w), _present(t_ln_w)
-    has_mask, has_drop = _present(mask), _present(drop)
+    ln, tln = present(ln_w), present(t_ln_w)
+    has_mask, has_drop = present(mask), present(drop)
     dummy = x
     BLOCK = _block(H)
     warps = _num_warps(BLOCK)
@@ -257,5 +249,5 @@ def transition_backward_triton(grad_out: Tensor, grad_hn: Tensor, x: Tensor, mas
     params = (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
     with _on_device(x):
         grads = _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, *params, xp, hs, hs_lp, hp,
-                                 hpt, (True,) * 2 + tuple(_present(p) for p in params))
+                                 hpt, (True,) * 2 + tuple(present(p) for p in params))
     return [x.new_empty(0) if g is None else g for g in grads]

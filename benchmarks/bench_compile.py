@@ -34,28 +34,31 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def main(argv=None):
+def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the model and its synthetic batches, shared with bench_amp.py."""
+    p.add_argument("--model", default="dtmt")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--src-len", type=int, default=28)
+    p.add_argument("--tgt-len", type=int, default=30)
+
+
+VOCAB = 4000   # the Bible's SentencePiece vocabularies, a side
+
+
+def small_model_and_batches(a):
+    """The system's small preset (training mode) and --batches synthetic batches (src, lengths, prev, target) of
+    the Bible's shape, seeded."""
     import torch
 
     from dtmt_models.models.presets import get_preset
     from dtmt_models.models.registry import build_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="dtmt")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batches", type=int, default=4)
-    p.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--src-len", type=int, default=28)
-    p.add_argument("--tgt-len", type=int, default=30)
-    p.add_argument("--out", default=os.path.join(HERE, "out", "compile"))
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    V = 4000
+    V = VOCAB
     model = build_model(a.model, V, V, **get_preset(a.model, "small")["model"]).train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(1)
     B, S, T = a.batch_size, a.src_len, a.tgt_len
     batches = []
@@ -67,6 +70,21 @@ def main(argv=None):
         target = torch.randint(4, V, (B, T), generator=g) * (torch.arange(T) < tgt_len[:, None])
         prev = torch.cat([torch.full((B, 1), 1), target[:, :-1]], 1)
         batches.append((src, lengths, prev, target))
+    return model, batches
+
+
+def main(argv=None):
+    import torch
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_batch_arguments(p)
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
+    p.add_argument("--out", default=os.path.join(HERE, "out", "compile"))
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    model, batches = small_model_and_batches(a)
+    B, S, T = a.batch_size, a.src_len, a.tgt_len
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     compiled = torch.compile(model, fullgraph=True, backend=a.backend)
 
     def update(fn, batch):

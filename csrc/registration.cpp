@@ -48,10 +48,7 @@ dtmt::TransitionWeights weights(int64_t kind, const Tensor& w_ih, const Tensor& 
 
 using Forward = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-Forward forward_tuple(std::vector<Tensor> r, const Tensor& x) {
-  if (r.size() == 6) r.insert(r.begin() + 4, at::empty({0}, x.options()));  // the CPU kernels keep no hs_lp
-  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]};
-}
+Forward forward_tuple(const std::vector<Tensor>& r) { return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]}; }
 
 // The gradients in the inputs' order; those of absent inputs (and the bias slots that weight_grads=false leaves
 // empty) as empty tensors. The four base-cell tensors are always present.
@@ -77,7 +74,7 @@ Forward transition_forward(const Tensor& x, const Tensor& h0, const OptTensor& m
                            const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& t_w, const OptTensor& t_b,
                            const OptTensor& t_ln_w, const OptTensor& t_ln_b, bool reverse, double eps) {
   const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-  return forward_tuple(Kernel(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps), x);
+  return forward_tuple(Kernel(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps));
 }
 
 std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
@@ -88,10 +85,10 @@ std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor
                                             const OptTensor& t_ln_b, const Tensor& xp, const Tensor& hs,
                                             const Tensor& hs_lp, const Tensor& hp, const Tensor& hpt, bool reverse,
                                             double eps, bool weight_grads) {
-  (void)hs_lp;  // the CPU kernels compute in the input dtype: no low-precision copy of the states
   const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
   auto g = dtmt::transition_backward_cpu(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x),
-                                         w, dense(xp), dense(hs), dense(hp), dense(hpt), reverse, eps, weight_grads);
+                                         w, dense(xp), dense(hs), dense(hs_lp), dense(hp), dense(hpt), reverse, eps,
+                                         weight_grads);
   // with weight_grads=false the slots of dw_ih, dw_hh and dt_w hold pre-activation gradients (transition.h)
   return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
 }

@@ -21,12 +21,16 @@ struct TransitionWeights {
 
 // Forward over a whole sequence. x [T,B,I], h0 [B,H], mask [T,B] (1 valid, 0 padded) or empty,
 // drop [D+1,B,H] candidate-dropout multipliers or empty.
-// Returns {out [T,B,H], h_n [B,H], xp, hs, hp, hpt}: the last four are saved for backward.
+// Inputs in one dtype (float, double, bfloat16, half), except h0, which may also be in the accumulation dtype
+// (float for 16-bit inputs: the state kept in float between calls); h_n comes back in h0's dtype.
+// Returns {out [T,B,H], h_n [B,H], xp, hs, hs_lp, hp, hpt}: the last five are saved for backward. hs is in the
+// accumulation dtype (double for double, else float), hs_lp the same states in the input dtype for 16-bit
+// inputs (empty otherwise); xp, hp, hpt and out are in the input dtype.
 std::vector<at::Tensor> transition_forward_cpu(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                                const at::Tensor& drop, const TransitionWeights& w, bool reverse,
                                                double eps);
 
-// Backward. Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
+// Backward (dh0 in grad_hn's dtype, the rest in the input dtype). Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
 // gradients of absent tensors are empty. With weight_grads false the weight and bias gradients are not formed:
 // their slots hold the pre-activation gradients they are made of instead, {dx, dh0, dxp [T*B, n_in*H], -,
 // dhp [T*B, n_h*H], -, dln_w, dln_b, dhpt [D, T*B, 3H], -, dt_ln_w, dt_ln_b} (dW_ih = dxp^T x, db_ih = the column
@@ -35,12 +39,12 @@ std::vector<at::Tensor> transition_forward_cpu(const at::Tensor& x, const at::Te
 std::vector<at::Tensor> transition_backward_cpu(const at::Tensor& grad_out, const at::Tensor& grad_hn,
                                                 const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
                                                 const TransitionWeights& w, const at::Tensor& xp,
-                                                const at::Tensor& hs, const at::Tensor& hp, const at::Tensor& hpt,
-                                                bool reverse, double eps, bool weight_grads = true);
+                                                const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
+                                                const at::Tensor& hpt, bool reverse, double eps,
+                                                bool weight_grads = true);
 
-// The CUDA kernels (csrc/transition_cuda.cu, built with a CUDA torch): the same contract, plus hs_lp, the states in
-// the input dtype for 16-bit inputs (empty for float / double): forward returns {out, h_n, xp, hs, hs_lp, hp, hpt};
-// backward takes hs_lp and always forms the weight gradients.
+// The CUDA kernels (csrc/transition_cuda.cu, built with a CUDA torch): the same contract; backward always forms
+// the weight gradients.
 std::vector<at::Tensor> transition_forward_cuda(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                                 const at::Tensor& drop, const TransitionWeights& w, bool reverse,
                                                 double eps);

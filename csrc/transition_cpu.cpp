@@ -9,7 +9,7 @@
 // (GEMMs of at most kSmallRowsMax rows, i.e. decoding at batch 1, run the weight-streaming kernel of
 // small_gemm_cpu.cpp; larger ones ATen's GEMM.)
 // Saved for backward (per step and sequence): xp (input pre-activations), hs (the state entering every
-// sub-cell), hp / hpt (recurrent pre-activations). Gate values, layer-norm statistics and candidates are
+// sub-cell; hs_lp, its copy in the input dtype, for 16-bit inputs), hp / hpt (recurrent pre-activations). Gate values, layer-norm statistics and candidates are
 // recomputed in the backward pass from these, which keeps the saved bytes well below autograd's.
 // The row passes are the loops of csrc/isa/transition_rows.cpp (the copy for this CPU's instruction set,
 // cpu_dispatch.h); this file allocates, runs the GEMMs and splits the rows among threads.
@@ -22,6 +22,8 @@
 #include "transition.h"
 
 #include <ATen/Parallel.h>
+
+#include <type_traits>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -81,35 +83,78 @@ Dims dims_of(const Tensor& x, const TransitionWeights& w) {
   return d;
 }
 
-template <typename T>
+// The accumulation type of a storage type: float for float, half and bfloat16, double for double.
+template <typename S> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+// `t` in the accumulation dtype: itself where it already is one (float / double), else a converted copy (the small
+// per-call tensors of 16-bit inputs: layer-norm parameters, dropout multipliers, the mask).
+Tensor in_acc(const Tensor& t, at::ScalarType acc) {
+  return !t.defined() || t.numel() == 0 || t.scalar_type() == acc ? t : t.to(acc);
+}
+
+// 16-bit inputs (bfloat16, half; LP true): the GEMMs run in the input dtype (ATen's, float accumulation) and their
+// results (xp, hp, hpt) are stored in it; each step converts the rows it needs into float buffers for the row
+// passes, which compute in float as for float inputs. States (hs, h_n, the carried gradients) and layer-norm
+// statistics stay float; hs_lp holds the states in the input dtype, the GEMMs' operand. For float / double the
+// conversions are skipped and the row passes read and write the tensors themselves.
+template <typename S>
 std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                  const TransitionWeights& w, bool reverse, double eps) {
+  using A = typename Acc<S>::type;
+  constexpr bool LP = !std::is_same<S, A>::value;
   const Dims d = dims_of(x, w);
-  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S = D + 1;
-  const auto& kernels = typed_cpu_kernels<T>();
-  auto opts = x.options();
+  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, NS = D + 1;
+  const auto& kernels = typed_cpu_kernels<A>();
+  const auto opts = x.options();
+  const at::ScalarType acc = c10::CppTypeToScalarType<A>::value;
+  const auto acc_opts = opts.dtype(acc);
 
   Tensor xp = empty_large({T_ * B, d.n_in * H}, opts);
   linear_into(xp, w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih);
   xp = xp.view({T_, B, d.n_in * H});
-  Tensor hs = empty_large({S, T_, B, H}, opts);
+  Tensor hs = empty_large({NS, T_, B, H}, acc_opts);
+  Tensor hs_lp = LP ? empty_large({NS, T_, B, H}, opts) : at::empty({0}, opts);
   Tensor hp = empty_large({T_, B, d.n_h * H}, opts);
   Tensor hpt = empty_large({D, T_, B, 3 * H}, opts);
   Tensor out = at::empty({T_, B, H}, opts);
-  Tensor h_n = h0.clone();
+  Tensor h_n = h0.to(acc, /*non_blocking=*/false, /*copy=*/true);
+  // float rows of the current step (16-bit inputs only)
+  Tensor xp_a, hp_a, hpt_a, out_a;
+  if (LP) {
+    xp_a = at::empty({B, d.n_in * H}, acc_opts);
+    hp_a = at::empty({B, d.n_h * H}, acc_opts);
+    hpt_a = at::empty({B, 3 * H}, acc_opts);
+    out_a = at::empty({B, H}, acc_opts);
+  }
+  auto rows_a = [&](Tensor& buf, const Tensor& rows) -> const A* {
+    if (!LP) return rows.data_ptr<A>();
+    buf.copy_(rows);
+    return buf.data_ptr<A>();
+  };
+  // the GEMM operand of state k at step t (hs_lp's row, filled from hs, for 16-bit inputs)
+  auto gemm_state = [&](int64_t k, int64_t t) -> Tensor {
+    if (!LP) return hs[k][t];
+    Tensor r = hs_lp[k][t];
+    r.copy_(hs[k][t]);
+    return r;
+  };
 
-  const T* tlnw = static_cast<const T*>(ptr_or_null(w.t_ln_w));
-  const T* tlnb = static_cast<const T*>(ptr_or_null(w.t_ln_b));
-  const T* dropp = static_cast<const T*>(ptr_or_null(drop));
-  const T* maskp = static_cast<const T*>(ptr_or_null(mask));
+  const Tensor ln_w = in_acc(w.ln_w, acc), ln_b = in_acc(w.ln_b, acc);
+  const Tensor t_ln_w = in_acc(w.t_ln_w, acc), t_ln_b = in_acc(w.t_ln_b, acc);
+  const Tensor drop_a = in_acc(drop, acc), mask_a = in_acc(mask, acc);
+  const A* tlnw = static_cast<const A*>(ptr_or_null(t_ln_w));
+  const A* tlnb = static_cast<const A*>(ptr_or_null(t_ln_b));
+  const A* dropp = static_cast<const A*>(ptr_or_null(drop_a));
+  const A* maskp = static_cast<const A*>(ptr_or_null(mask_a));
   std::vector<Tensor> t_w;
   for (int64_t k = 0; k < D; ++k) t_w.push_back(w.t_w[k]);
-  CellRows<T> base{};
+  CellRows<A> base{};
   base.kind = static_cast<int>(w.kind);
   base.H = static_cast<int>(H);
-  base.eps = static_cast<T>(eps);
-  base.ln_w = static_cast<const T*>(ptr_or_null(w.ln_w));
-  base.ln_b = static_cast<const T*>(ptr_or_null(w.ln_b));
+  base.eps = static_cast<A>(eps);
+  base.ln_w = static_cast<const A*>(ptr_or_null(ln_w));
+  base.ln_b = static_cast<const A*>(ptr_or_null(ln_b));
   base.drop = dropp;
 
   for (int64_t step = 0; step < T_; ++step) {
@@ -117,160 +162,202 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
     Tensor h_in = hs[0][t];
     h_in.copy_(h_n);
     Tensor hp_t = hp[t];
-    linear_into(hp_t, w.b_hh, h_in, w.w_hh);
-    base.xp = xp[t].data_ptr<T>();
-    base.hp = hp_t.data_ptr<T>();
-    base.h = h_in.data_ptr<T>();
-    base.out = D > 0 ? hs[1][t].data_ptr<T>() : out[t].data_ptr<T>();
+    linear_into(hp_t, w.b_hh, gemm_state(0, t), w.w_hh);
+    A* out_t = LP ? out_a.data_ptr<A>() : reinterpret_cast<A*>(out[t].data_ptr<S>());
+    base.xp = rows_a(xp_a, xp[t]);
+    base.hp = rows_a(hp_a, hp_t);
+    base.h = h_in.data_ptr<A>();
+    base.out = D > 0 ? hs[1][t].data_ptr<A>() : out_t;
     cell_rows(kernels.cell_forward_rows, base, B);
     for (int64_t k = 1; k <= D; ++k) {
-      Tensor in_k = hs[k][t];
       Tensor hpt_k = hpt[k - 1][t];
-      linear_into(hpt_k, w.t_b[k - 1], in_k, t_w[k - 1]);
-      CellRows<T> tgru{};
+      linear_into(hpt_k, w.t_b[k - 1], gemm_state(k, t), t_w[k - 1]);
+      CellRows<A> tgru{};
       tgru.kind = kTGRU;
       tgru.H = base.H;
       tgru.eps = base.eps;
-      tgru.hp = hpt_k.data_ptr<T>();
-      tgru.h = in_k.data_ptr<T>();
+      tgru.hp = rows_a(hpt_a, hpt_k);
+      tgru.h = hs[k][t].data_ptr<A>();
       tgru.ln_w = tlnw ? tlnw + (k - 1) * 2 * H : nullptr;
       tgru.ln_b = tlnb ? tlnb + (k - 1) * 2 * H : nullptr;
       tgru.drop = dropp ? dropp + k * B * H : nullptr;
-      tgru.out = k < D ? hs[k + 1][t].data_ptr<T>() : out[t].data_ptr<T>();
+      tgru.out = k < D ? hs[k + 1][t].data_ptr<A>() : out_t;
       cell_rows(kernels.cell_forward_rows, tgru, B);
     }
     // Masking: a padded step carries the state unchanged and outputs zero.
-    T* out_t = out[t].data_ptr<T>();
-    T* hn_p = h_n.data_ptr<T>();
+    A* hn_p = h_n.data_ptr<A>();
     for (int64_t b = 0; b < B; ++b) {
-      const bool valid = !maskp || maskp[t * B + b] > T(0.5);
+      const bool valid = !maskp || maskp[t * B + b] > A(0.5);
       if (valid) {
-        std::memcpy(hn_p + b * H, out_t + b * H, sizeof(T) * H);
+        std::memcpy(hn_p + b * H, out_t + b * H, sizeof(A) * H);
       } else {
-        std::memset(out_t + b * H, 0, sizeof(T) * H);
+        std::memset(out_t + b * H, 0, sizeof(A) * H);
       }
     }
+    if (LP) out[t].copy_(out_a);
   }
-  return {out, h_n, xp, hs, hp, hpt};
+  return {out, h_n.to(h0.scalar_type()), xp, hs, hs_lp, hp, hpt};
 }
 
-template <typename T>
+template <typename S>
 std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                   const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
-                                  const Tensor& xp, const Tensor& hs, const Tensor& hp, const Tensor& hpt,
-                                  bool reverse, double eps, bool weight_grads) {
+                                  const Tensor& xp, const Tensor& hs, const Tensor& hs_lp, const Tensor& hp,
+                                  const Tensor& hpt, bool reverse, double eps, bool weight_grads) {
+  using A = typename Acc<S>::type;
+  constexpr bool LP = !std::is_same<S, A>::value;
   const Dims d = dims_of(x, w);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D;
-  const auto& kernels = typed_cpu_kernels<T>();
-  auto opts = x.options();
+  const auto& kernels = typed_cpu_kernels<A>();
+  const auto opts = x.options();
+  const at::ScalarType acc = c10::CppTypeToScalarType<A>::value;
+  const auto acc_opts = opts.dtype(acc);
   const int ng = cell_ln_groups(static_cast<int>(w.kind));
+  TORCH_CHECK(!LP || hs_lp.numel() == hs.numel(), "dtmt::transition_backward: 16-bit inputs need the forward's hs_lp");
+  const Tensor& hs_g = LP ? hs_lp : hs;  // the states as the GEMMs read them
 
   Tensor dxp = empty_large(xp.sizes(), opts);
   Tensor dhp = empty_large(hp.sizes(), opts);
   Tensor dhpt = empty_large(hpt.sizes(), opts);
   const bool ln = w.ln_w.defined() && w.ln_w.numel() > 0;
   const bool tln = w.t_ln_w.defined() && w.t_ln_w.numel() > 0;
-  Tensor dln_rows = at::zeros({ln ? B : 0, ng * H}, opts);
-  Tensor dlnb_rows = at::zeros({ln ? B : 0, ng * H}, opts);
-  Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, opts);
-  Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, opts);
-  Tensor d_cur = grad_hn.clone();
-  Tensor dA = at::empty({B, H}, opts);
-  Tensor dB = at::empty({B, H}, opts);
+  Tensor dln_rows = at::zeros({ln ? B : 0, ng * H}, acc_opts);
+  Tensor dlnb_rows = at::zeros({ln ? B : 0, ng * H}, acc_opts);
+  Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
+  Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
+  Tensor d_cur = grad_hn.to(acc, /*non_blocking=*/false, /*copy=*/true);
+  Tensor dA = at::empty({B, H}, acc_opts);
+  Tensor dB = at::empty({B, H}, acc_opts);
+  const Tensor go_a = in_acc(grad_out, acc);
+  // float rows of the current step and the input-dtype product of the path through U (16-bit inputs only)
+  Tensor xp_a, hp_a, hpt_a, dxp_a, dhp_a, dhpt_a, through_u;
+  if (LP) {
+    xp_a = at::empty({B, d.n_in * H}, acc_opts);
+    hp_a = at::empty({B, d.n_h * H}, acc_opts);
+    hpt_a = at::empty({B, 3 * H}, acc_opts);
+    dxp_a = at::empty({B, d.n_in * H}, acc_opts);
+    dhp_a = at::empty({B, d.n_h * H}, acc_opts);
+    dhpt_a = at::empty({B, 3 * H}, acc_opts);
+    through_u = at::empty({B, H}, opts);
+  }
+  auto rows_a = [&](Tensor& buf, const Tensor& rows) -> const A* {
+    if (!LP) return rows.data_ptr<A>();
+    buf.copy_(rows);
+    return buf.data_ptr<A>();
+  };
+  auto grad_rows = [&](Tensor& buf, Tensor& rows) -> A* { return LP ? buf.data_ptr<A>() : rows.data_ptr<A>(); };
+  // dB += d(pre-activations) U, the pre-activation gradients first stored in their tensor's rows
+  auto add_through_u = [&](const Tensor& buf, Tensor& rows, const Tensor& u) {
+    if (!LP) {
+      dB.addmm_(rows, u);
+      return;
+    }
+    rows.copy_(buf);
+    at::mm_out(through_u, rows, u);
+    dB.add_(through_u);
+  };
 
-  const T* tlnw = static_cast<const T*>(ptr_or_null(w.t_ln_w));
-  const T* tlnb = static_cast<const T*>(ptr_or_null(w.t_ln_b));
-  const T* dropp = static_cast<const T*>(ptr_or_null(drop));
-  const T* maskp = static_cast<const T*>(ptr_or_null(mask));
-  CellRows<T> base{};
+  const Tensor ln_w = in_acc(w.ln_w, acc), ln_b = in_acc(w.ln_b, acc);
+  const Tensor t_ln_w = in_acc(w.t_ln_w, acc), t_ln_b = in_acc(w.t_ln_b, acc);
+  const Tensor drop_a = in_acc(drop, acc), mask_a = in_acc(mask, acc);
+  const A* tlnw = static_cast<const A*>(ptr_or_null(t_ln_w));
+  const A* tlnb = static_cast<const A*>(ptr_or_null(t_ln_b));
+  const A* dropp = static_cast<const A*>(ptr_or_null(drop_a));
+  const A* maskp = static_cast<const A*>(ptr_or_null(mask_a));
+  CellRows<A> base{};
   base.kind = static_cast<int>(w.kind);
   base.H = static_cast<int>(H);
-  base.eps = static_cast<T>(eps);
-  base.ln_w = static_cast<const T*>(ptr_or_null(w.ln_w));
-  base.ln_b = static_cast<const T*>(ptr_or_null(w.ln_b));
+  base.eps = static_cast<A>(eps);
+  base.ln_w = static_cast<const A*>(ptr_or_null(ln_w));
+  base.ln_b = static_cast<const A*>(ptr_or_null(ln_b));
   base.drop = dropp;
-  base.dln_w = ln ? dln_rows.data_ptr<T>() : nullptr;
-  base.dln_b = ln ? dlnb_rows.data_ptr<T>() : nullptr;
+  base.dln_w = ln ? dln_rows.data_ptr<A>() : nullptr;
+  base.dln_b = ln ? dlnb_rows.data_ptr<A>() : nullptr;
 
   for (int64_t step = T_ - 1; step >= 0; --step) {
     const int64_t t = reverse ? T_ - 1 - step : step;
     // Gradient w.r.t. the last sub-cell's output: carried gradient plus this step's output gradient.
     {
-      const T* go = grad_out[t].data_ptr<T>();
-      const T* dc = d_cur.data_ptr<T>();
-      T* da = dA.data_ptr<T>();
+      const A* go = go_a[t].data_ptr<A>();
+      const A* dc = d_cur.data_ptr<A>();
+      A* da = dA.data_ptr<A>();
       for (int64_t b = 0; b < B; ++b) {
-        const bool valid = !maskp || maskp[t * B + b] > T(0.5);
-        for (int64_t j = 0; j < H; ++j) da[b * H + j] = valid ? dc[b * H + j] + go[b * H + j] : T(0);
+        const bool valid = !maskp || maskp[t * B + b] > A(0.5);
+        for (int64_t j = 0; j < H; ++j) da[b * H + j] = valid ? dc[b * H + j] + go[b * H + j] : A(0);
       }
     }
     for (int64_t k = D; k >= 1; --k) {
       Tensor dhpt_k = dhpt[k - 1][t];
-      CellRows<T> tgru{};
+      CellRows<A> tgru{};
       tgru.kind = kTGRU;
       tgru.H = base.H;
       tgru.eps = base.eps;
-      tgru.hp = hpt[k - 1][t].data_ptr<T>();
-      tgru.h = hs[k][t].data_ptr<T>();
+      tgru.hp = rows_a(hpt_a, hpt[k - 1][t]);
+      tgru.h = hs[k][t].data_ptr<A>();
       tgru.ln_w = tlnw ? tlnw + (k - 1) * 2 * H : nullptr;
       tgru.ln_b = tlnb ? tlnb + (k - 1) * 2 * H : nullptr;
       tgru.drop = dropp ? dropp + k * B * H : nullptr;
-      tgru.dout = dA.data_ptr<T>();
-      tgru.dhp = dhpt_k.data_ptr<T>();
-      tgru.dh = dB.data_ptr<T>();
-      tgru.dln_w = tln ? dtln_rows[k - 1].data_ptr<T>() : nullptr;
-      tgru.dln_b = tln ? dtlnb_rows[k - 1].data_ptr<T>() : nullptr;
+      tgru.dout = dA.data_ptr<A>();
+      tgru.dhp = grad_rows(dhpt_a, dhpt_k);
+      tgru.dh = dB.data_ptr<A>();
+      tgru.dln_w = tln ? dtln_rows[k - 1].data_ptr<A>() : nullptr;
+      tgru.dln_b = tln ? dtlnb_rows[k - 1].data_ptr<A>() : nullptr;
       cell_rows(kernels.cell_backward_rows, tgru, B);
-      dB.addmm_(dhpt_k, w.t_w[k - 1]);
+      add_through_u(dhpt_a, dhpt_k, w.t_w[k - 1]);
       std::swap(dA, dB);
     }
     {
+      Tensor dxp_t = dxp[t];
       Tensor dhp_t = dhp[t];
-      base.xp = xp[t].data_ptr<T>();
-      base.hp = hp[t].data_ptr<T>();
-      base.h = hs[0][t].data_ptr<T>();
-      base.dout = dA.data_ptr<T>();
-      base.dxp = dxp[t].data_ptr<T>();
-      base.dhp = dhp_t.data_ptr<T>();
-      base.dh = dB.data_ptr<T>();
+      base.xp = rows_a(xp_a, xp[t]);
+      base.hp = rows_a(hp_a, hp[t]);
+      base.h = hs[0][t].data_ptr<A>();
+      base.dout = dA.data_ptr<A>();
+      base.dxp = grad_rows(dxp_a, dxp_t);
+      base.dhp = grad_rows(dhp_a, dhp_t);
+      base.dh = dB.data_ptr<A>();
       cell_rows(kernels.cell_backward_rows, base, B);
-      dB.addmm_(dhp_t, w.w_hh);
+      if (LP) dxp_t.copy_(dxp_a);
+      add_through_u(dhp_a, dhp_t, w.w_hh);
     }
     // Padded rows pass the carried gradient through untouched; valid rows take the cell's input gradient.
     {
-      const T* db = dB.data_ptr<T>();
-      T* dc = d_cur.data_ptr<T>();
+      const A* db = dB.data_ptr<A>();
+      A* dc = d_cur.data_ptr<A>();
       for (int64_t b = 0; b < B; ++b) {
-        const bool valid = !maskp || maskp[t * B + b] > T(0.5);
-        if (valid) std::memcpy(dc + b * H, db + b * H, sizeof(T) * H);
+        const bool valid = !maskp || maskp[t * B + b] > A(0.5);
+        if (valid) std::memcpy(dc + b * H, db + b * H, sizeof(A) * H);
       }
     }
   }
 
   const int64_t N = T_ * B;
+  const auto st = x.scalar_type();
+  const std::vector<int64_t> rows_dim{0};  // (an IntArrayRef of a braced list would dangle)
   Tensor dxp2 = dxp.view({N, d.n_in * H});
   Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
-  Tensor dln_w = ln ? dln_rows.sum(0) : Tensor();
-  Tensor dln_b = ln ? dlnb_rows.sum(0) : Tensor();
-  Tensor dt_ln_w = tln ? dtln_rows.sum(1) : Tensor();
-  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1) : Tensor();
+  Tensor dh0 = d_cur.to(grad_hn.scalar_type());
+  Tensor dln_w = ln ? dln_rows.sum(0).to(st) : Tensor();
+  Tensor dln_b = ln ? dlnb_rows.sum(0).to(st) : Tensor();
+  Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(st) : Tensor();
+  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(st) : Tensor();
   if (!weight_grads)  // the caller forms the weight and bias gradients itself, over many calls at once
-    return {dx, d_cur, dxp2, Tensor(), dhp.view({N, d.n_h * H}), Tensor(), dln_w, dln_b, dhpt.view({D, N, 3 * H}),
+    return {dx, dh0, dxp2, Tensor(), dhp.view({N, d.n_h * H}), Tensor(), dln_w, dln_b, dhpt.view({D, N, 3 * H}),
             Tensor(), dt_ln_w, dt_ln_b};
   Tensor dw_ih = dxp2.t().mm(x.reshape({N, d.I}));
-  Tensor db_ih = dxp2.sum(0);
+  Tensor db_ih = dxp2.sum(rows_dim, false, acc).to(st);
   Tensor dhp2 = dhp.view({N, d.n_h * H});
-  Tensor dw_hh = dhp2.t().mm(hs[0].view({N, H}));
-  Tensor db_hh = dhp2.sum(0);
+  Tensor dw_hh = dhp2.t().mm(hs_g[0].view({N, H}));
+  Tensor db_hh = dhp2.sum(rows_dim, false, acc).to(st);
   Tensor dt_w = at::empty({D, 3 * H, H}, opts);
   Tensor dt_b = at::empty({D, 3 * H}, opts);
   for (int64_t k = 0; k < D; ++k) {
     Tensor g = dhpt[k].view({N, 3 * H});
     Tensor dtw_k = dt_w[k];
-    at::mm_out(dtw_k, g.t(), hs[k + 1].view({N, H}));
-    dt_b[k].copy_(g.sum(0));
+    at::mm_out(dtw_k, g.t(), hs_g[k + 1].view({N, H}));
+    dt_b[k].copy_(g.sum(rows_dim, false, acc));
   }
-  return {dx, d_cur, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
+  return {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
 }
 
 void check_kind(int64_t kind) {
@@ -283,7 +370,7 @@ std::vector<Tensor> transition_forward_cpu(const Tensor& x, const Tensor& h0, co
                                            const TransitionWeights& w, bool reverse, double eps) {
   check_kind(w.kind);
   std::vector<Tensor> result;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtmt_transition", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dtmt_transition", [&] {
     result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
   });
   return result;
@@ -291,12 +378,12 @@ std::vector<Tensor> transition_forward_cpu(const Tensor& x, const Tensor& h0, co
 
 std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                             const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
-                                            const Tensor& xp, const Tensor& hs, const Tensor& hp, const Tensor& hpt,
-                                            bool reverse, double eps, bool weight_grads) {
+                                            const Tensor& xp, const Tensor& hs, const Tensor& hs_lp, const Tensor& hp,
+                                            const Tensor& hpt, bool reverse, double eps, bool weight_grads) {
   check_kind(w.kind);
   std::vector<Tensor> result;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtmt_transition", [&] {
-    result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hp, hpt, reverse, eps,
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dtmt_transition", [&] {
+    result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps,
                                      weight_grads);
   });
   return result;

@@ -12,8 +12,9 @@
 //             GEMMs after the loop, bias and layer-norm gradients as column sums (deterministic)
 // The per-step GEMMs of a batch of at most kSmallGemmRows rows are the small-row kernel of the .cuh, launched
 // on raw pointers; larger batches use ATen's mm (cuBLAS). The choice is made once per call, from B.
-// Storage in the input dtype (float, double, half, bfloat16); states, carried gradients and all kernel
-// arithmetic in float (double for double inputs). Nothing synchronises with the host inside the loops.
+// Storage in the input dtype (float, double, half, bfloat16), h0 / h_n also in float for 16-bit inputs (h_n in
+// h0's dtype, dh0 in grad_hn's); states, carried gradients and all kernel arithmetic in float (double for double
+// inputs). Nothing synchronises with the host inside the loops.
 #include <ATen/ATen.h>
 #if !defined(DTMT_CUDA_EMULATION)
 #include <c10/cuda/CUDAException.h>
@@ -203,7 +204,7 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
       C10_CUDA_CHECK(err);
     }
   }
-  return {out, h_last.to(x.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
+  return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
 
 template <typename S>
@@ -311,7 +312,7 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
       }
     }
   }
-  Tensor dh0 = (carry[c] + carry_g.to(acc)).to(x.scalar_type());
+  Tensor dh0 = (carry[c] + carry_g.to(acc)).to(grad_hn.scalar_type());
 
   Tensor dxp2 = dxp.view({N, d.n_in * H});
   Tensor dhp2 = dhp.view({N, d.n_h * H});

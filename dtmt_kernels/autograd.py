@@ -13,6 +13,16 @@ from torch.autograd.function import once_differentiable
 from .ops.transition.layout import present
 
 
+def autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
+    """The dtype torch.autocast computes t's device's GEMMs in when it is on there and t is eligible (floating
+    point, not float64), else None. The steps here apply the ops' autocast rules themselves (ops/_autocast.py), so
+    that their backward sees the dtypes their forward ran in, and cast each session's weights once."""
+    dev = t.device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev) or t.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(dev)
+
+
 class _UnrolledSession:
     """What the step Functions of an `unrolled` block share with their sink: the rows each step's backward
     keeps, under the step's index (running the backward of the same graph twice, with retain_graph, overwrites
@@ -61,6 +71,15 @@ class UnrolledSteps(_UnrolledSession):
         self.live = flat                         # saved by every step: autograd's check for in-place changes
         self.flat = [t.detach() for t in flat]   # what the kernels read
         self.versions = versions                 # the cell's parameters' versions when the session began
+        self._cast: dict = {}
+
+    def flat_in(self, dtype: torch.dtype) -> list:
+        """The flat parameters in `dtype` (cast once per session)."""
+        if dtype == self.flat[0].dtype:
+            return self.flat
+        if dtype not in self._cast:
+            self._cast[dtype] = [t.to(dtype) for t in self.flat]
+        return self._cast[dtype]
 
     def weight_grads(self):
         """Gradients of the ten flat parameters from this backward pass's rows."""
@@ -110,8 +129,13 @@ class CppTransitionStepFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, drop, token, steps: UnrolledSteps, eps: float):
-        out, h_n, xp, hs, hs_lp, hp, hpt = torch.ops.dtmt.transition_forward(x.unsqueeze(0), h, None, drop,
-                                                                             steps.kind, *steps.flat, False, eps)
+        dtype = autocast_dtype(x) or x.dtype     # under autocast: transition_forward's rule (x, weights, drop in the
+        if dtype != x.dtype:                     # autocast dtype, the state in float32)
+            x, h = x.to(dtype), h.float()
+            drop = None if drop is None else drop.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out, h_n, xp, hs, hs_lp, hp, hpt = torch.ops.dtmt.transition_forward(
+                x.unsqueeze(0), h, None, drop, steps.kind, *steps.flat_in(dtype), False, eps)
         ctx.steps, ctx.eps, ctx.index = steps, eps, steps.next_index()
         ctx.save_for_backward(x, drop, xp, hs, hs_lp, hp, hpt, *steps.live)
         return h_n
@@ -123,10 +147,12 @@ class CppTransitionStepFunction(torch.autograd.Function):
         steps = ctx.steps
         g = grad_h.contiguous()
         dx, dh, dxp, _, dhp, _, dln_w, dln_b, dhpt, _, dt_ln_w, dt_ln_b = torch.ops.dtmt.transition_backward(
-            torch.zeros_like(g).unsqueeze(0), g, x.unsqueeze(0), None, drop, steps.kind, *steps.flat,
-            xp, hs, hs_lp, hp, hpt, False, ctx.eps, weight_grads=False)
+            g.new_zeros(1, *g.shape, dtype=x.dtype), g, x.unsqueeze(0), None, drop, steps.kind,
+            *steps.flat_in(x.dtype), xp, hs, hs_lp, hp, hpt, False, ctx.eps, weight_grads=False)
         if ctx.needs_input_grad[3]:   # the weights want gradients (not frozen)
-            steps.keep(ctx.index, (x, hs[:, 0], dxp, dhp, dhpt, dln_w, dln_b, dt_ln_w, dt_ln_b))
+            states = hs_lp if present(hs_lp) else hs   # the states as the GEMMs read them
+            steps.keep(ctx.index, (x, states[:, 0], dxp, dhp, dhpt, dln_w, dln_b, dt_ln_w, dt_ln_b))
+        # (autograd casts dx and the weight gradients to the dtypes of the inputs they belong to)
         return dx[0], dh, None, x.new_zeros(0), None, None
 
 
@@ -143,6 +169,13 @@ class UnrolledContext(_UnrolledSession):
         self.live = values
         self.version = values._version
         self.values = values.detach()
+        self._float32: Optional[Tensor] = None
+
+    def values_float32(self) -> Tensor:
+        """The values in float32 (cast once per session, for steps under autocast)."""
+        if self._float32 is None:
+            self._float32 = self.values.float()
+        return self._float32
 
     def values_grad(self) -> Optional[Tensor]:
         rows = self.take()
@@ -175,10 +208,14 @@ class CppContextStepFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, alpha, token, steps: UnrolledContext):
+        values = steps.values
+        if autocast_dtype(values) is not None:   # attention_context's autocast rule: float32
+            alpha, values = alpha.float(), steps.values_float32()
         alpha = alpha.contiguous()
         ctx.steps, ctx.index = steps, steps.next_index()
         ctx.save_for_backward(alpha, steps.live)
-        return torch.ops.dtmt.attention_context(alpha, steps.values)
+        with torch.autocast(alpha.device.type, enabled=False):
+            return torch.ops.dtmt.attention_context(alpha, values)
 
     @staticmethod
     @once_differentiable
@@ -188,5 +225,6 @@ class CppContextStepFunction(torch.autograd.Function):
         g = grad.reshape(B, NH, -1)
         if ctx.needs_input_grad[1]:   # the values want a gradient
             ctx.steps.keep(ctx.index, (alpha, g))
-        return torch.ops.dtmt.attention_context_backward(grad, alpha, ctx.steps.values, False)[0], \
+        values = ctx.steps.values if alpha.dtype == ctx.steps.values.dtype else ctx.steps.values_float32()
+        return torch.ops.dtmt.attention_context_backward(grad.to(alpha.dtype), alpha, values, False)[0], \
             alpha.new_zeros(0), None

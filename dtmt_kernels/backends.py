@@ -9,7 +9,8 @@ fallback to another one.
 Backends and where they run:
 
     reference   pure PyTorch (reference.py): CPU and CUDA, any floating dtype; the executable spec
-    cpp         C++ CPU kernels (dtmt_kernels._C): CPU, float32 / float64
+    cpp         C++ CPU kernels (dtmt_kernels._C): CPU, float32 / float64, and float16 / bfloat16 (GEMMs in the
+                16-bit dtype, states and layer-norm statistics in float32: what torch.autocast runs)
     triton      Triton kernels (dtmt_kernels/ops/transition/triton*.py): CUDA tensors, float16 / bfloat16 /
                 float32 / float64.
                 Available when triton imports and a CUDA device is present. With the environment variable
@@ -170,7 +171,8 @@ def _register_builtin() -> None:
         run=reference.transition_sequence, unavailable=lambda: None))
     fused = fused_sequence(torch.ops.dtmt.transition_forward) if _cpp_unavailable() is None else None
     register_backend(Backend(
-        name="cpp", device_types=("cpu",), dtypes=(torch.float32, torch.float64), run=fused,
+        name="cpp", device_types=("cpu",),
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), run=fused,
         unavailable=_cpp_unavailable))
     register_backend(Backend(
         name="triton", device_types=("cuda",),

@@ -57,11 +57,11 @@ def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto
     if tuple(query.shape) != (B, NH, D) or tuple(v.shape) != (NH, D):
         raise ValueError(f"additive_scores: with keys {list(keys.shape)}, query must be [{B}, {NH}, {D}] and "
                          f"v [{NH}, {D}]; got {list(query.shape)} and {list(v.shape)}")
-    if query.dtype != keys.dtype or v.dtype != keys.dtype or query.device != keys.device or v.device != keys.device:
+    if not _shared_dtype(keys, query, v) or query.device != keys.device or v.device != keys.device:
         raise ValueError("additive_scores: keys, query and v must share dtype and device")
     b = resolve_backend(backend, keys.device)
     check_dtype_for_backend(b, keys.dtype, "keys")
-    if b.name == "cpp":
+    if b.name == "cpp" and _cpp_attention_runs(keys):
         return torch.ops.dtmt.additive_scores(keys, query, v)
     return reference.additive_scores(keys, query, v)
 
@@ -73,7 +73,7 @@ def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> T
     Backends as for additive_scores: `cpp` has a fused kernel (values may be any view whose last dimension is
     contiguous, e.g. the transposed encoder output); the others run the reference's PyTorch ops."""
     b = check_attention_context(alpha, values, backend)
-    if b.name == "cpp":
+    if b.name == "cpp" and _cpp_attention_runs(values):
         return torch.ops.dtmt.attention_context(alpha, values)
     return reference.attention_context(alpha, values)
 
@@ -87,11 +87,28 @@ def check_attention_context(alpha: Tensor, values: Tensor, backend: str):
     if values.shape[0] != B or values.shape[1] != S or NH == 0 or values.shape[2] % NH:
         raise ValueError(f"attention_context: with alpha {list(alpha.shape)}, values must be [{B}, {S}, C] with C "
                          f"divisible by {NH}; got {list(values.shape)}")
-    if alpha.dtype != values.dtype or alpha.device != values.device:
+    if not _shared_dtype(alpha, values) or alpha.device != values.device:
         raise ValueError("attention_context: alpha and values must share dtype and device")
     b = resolve_backend(backend, values.device)
     check_dtype_for_backend(b, values.dtype, "values")
     return b
+
+
+def _shared_dtype(*ts: Tensor) -> bool:
+    """Whether the tensors share a dtype, or differ only as torch.autocast makes them (float32 and the autocast
+    dtype, on a device where it is on: the ops' autocast rules cast them, ops/_autocast.py)."""
+    dtypes = {t.dtype for t in ts}
+    if len(dtypes) == 1:
+        return True
+    dev = ts[0].device.type
+    return dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and \
+        dtypes <= {torch.float32, torch.get_autocast_dtype(dev)}
+
+
+def _cpp_attention_runs(t: Tensor) -> bool:
+    """Whether the C++ attention kernels take these tensors: float32 / float64, or any dtype under autocast (which
+    runs them in float32); 16-bit tensors outside autocast take the reference's PyTorch ops."""
+    return t.dtype in (torch.float32, torch.float64) or torch.is_autocast_enabled(t.device.type)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: str = "auto") -> Tensor:

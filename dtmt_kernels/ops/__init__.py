@@ -6,8 +6,8 @@
     linear/         the small-row linear of decoding
     decode_step/    the inference ops of a decoder step (attention step, readout, whole RNMT step, mce encoder)
 
-Each folder holds its op's registration (fake implementation, autograd) and its launchers; the C++ and CUDA
-kernels live in csrc/ (registered by csrc/registration.cpp), their per-element math in shared headers, and the
+Each folder holds its op's registration (fake implementation, autograd, autocast rule: _autocast.py) and its
+launchers; the C++ and CUDA kernels live in csrc/ (registered by csrc/registration.cpp), their per-element math in shared headers, and the
 pure-PyTorch references, the executable spec, in dtmt_kernels.reference. Importing this package loads the
 extension and registers everything."""
 from . import attention, decode_step, linear, transition  # noqa: F401

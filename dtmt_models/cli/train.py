@@ -29,7 +29,7 @@ from dtmt_models.training.trainer import CONFIG, LAST, Trainer
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
-             "threads", "bleu_sentences", "keep_last")
+             "threads", "bleu_sentences", "keep_last", "amp")
 
 
 
@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default=D["backend"], help="recurrent kernels: auto, cpp, reference, triton, cuda")
     d.add_argument("--threads", type=int, default=None,
                    help=f"CPU threads (default {D['threads']}; 0: torch's default)")
+    d.add_argument("--amp", choices=("off", "bf16"), default=None,
+                   help=f"mixed precision (default {D['amp']}): bf16 runs each update's forward under torch.autocast in bfloat16 (GEMMs "
+                        "in bfloat16 with float32 accumulation; recurrent states, layer-norm statistics, losses and "
+                        "the optimizer in float32). Faster only where the CPU has bfloat16 dot products (AVX512_BF16, "
+                        "AMX) or on a GPU")
     return p
 
 

@@ -49,6 +49,7 @@ class TrainConfig:
     device: str = "auto"
     backend: str = "auto"
     threads: int = 0                            # 0: torch's default
+    amp: str = "off"                            # off, or bf16: forward under torch.autocast in bfloat16
     data_fingerprint: Optional[Dict[str, Any]] = None   # of the corpus trained on (checked on --resume)
 
     @classmethod

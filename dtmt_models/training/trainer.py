@@ -21,6 +21,7 @@ random states, the optimizer and the schedule are all restored).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
@@ -314,10 +315,18 @@ class Trainer:
             batches = batches[:len(batches) - len(batches) % w][self.dist.rank::w]
         return batches
 
+    def autocast(self):
+        """The context of an update's forward: torch.autocast in bfloat16 with --amp bf16 (SPEC §3: the fused ops'
+        autocast rules keep states and layer-norm statistics in float32), else nothing."""
+        if self.cfg.amp == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def train_step(self, batch: List[int]) -> Tuple[float, float, float]:
         self.net.train()
         src, lengths, prev, target = collate([self.train_ids[i] for i in batch], self.device)
-        loss_sum, nll_sum, ntok = self.net(src, lengths, prev, target=target, smoothing=self.cfg.smoothing)
+        with self.autocast():
+            loss_sum, nll_sum, ntok = self.net(src, lengths, prev, target=target, smoothing=self.cfg.smoothing)
         self.optimizer.zero_grad(set_to_none=True)
         (loss_sum / ntok).backward()
         if self.cfg.clip and self.cfg.clip > 0:
@@ -342,6 +351,10 @@ class Trainer:
             self.log(f"model {c.model} ({c.preset} preset): {self.n_params:,} parameters; options "
                      f"{c.model_options}; device {self.device}, backend {c.backend}, {self.dist.world} "
                      f"process(es); schedule {c.schedule} (n = {self.replicas}); output {self.out}")
+            if c.amp == "bf16" and self.device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                self.log("warning: --amp bf16 on a CPU without bfloat16 dot products (AVX512_BF16 / AMX): PyTorch "
+                         "runs bfloat16 GEMMs here by a fallback many times slower than float32 (benchmarks/NOTES.md, "
+                         "item 24); --amp off is the fast choice on this machine")
         handlers = self._install_signals()
         window = [0.0, 0.0, 0.0]
         window_time, last_validated = 0.0, self.step

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._extension import built
+from .. import _autocast
 
 
 def _dense_like(t):
@@ -69,6 +70,8 @@ def _register() -> None:
     torch.library.register_fake("dtmt::attention_context")(_context_fake)
     torch.library.register_fake("dtmt::attention_context_backward")(_context_backward_fake)
     torch.library.register_autograd("dtmt::attention_context", _context_backward, setup_context=_context_setup)
+    for op in ("dtmt::additive_scores", "dtmt::attention_context"):
+        _autocast.register(op, _autocast.float32_rule)
 
 
 _register()

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .._extension import built
+from .. import _autocast
 
 _ABSENT = torch.empty(0)   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
 
@@ -157,3 +158,5 @@ if built():
     torch.library.register_fake("dtmt::readout_features")(_readout_fake)
     torch.library.register_fake("dtmt::rnmt_step")(_rnmt_step_fake)
     torch.library.register_fake("dtmt::memory_encoder")(_memory_encoder_fake)
+    for op in ("dtmt::attention_step", "dtmt::readout_features", "dtmt::rnmt_step", "dtmt::memory_encoder"):
+        _autocast.register(op, _autocast.float32_rule)

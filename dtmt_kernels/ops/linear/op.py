@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .._extension import _C, built
+from .. import _autocast
 
 
 def _fake(x, weight, bias):
@@ -42,3 +43,4 @@ def small_rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
 
 if built():
     torch.library.register_fake("dtmt::small_rows_linear")(_fake)
+    _autocast.register("dtmt::small_rows_linear", _autocast.float32_rule)

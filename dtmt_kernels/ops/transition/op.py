@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ...reference import TransitionWeights
 from .._extension import built
+from .. import _autocast
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
 from .layout import KINDS, ROWS, acc_dtype, present
 
@@ -52,14 +53,14 @@ def _forward_fake(x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t
     acc = acc_dtype(x.dtype)
     hs = x.new_empty(D + 1, T, B, H, dtype=acc)
     hs_lp = x.new_empty(D + 1, T, B, H) if acc != x.dtype else x.new_empty(0)
-    return (x.new_empty(T, B, H), x.new_empty(B, H), x.new_empty(T, B, n_in * H), hs, hs_lp,
+    return (x.new_empty(T, B, H), h0.new_empty(B, H), x.new_empty(T, B, n_in * H), hs, hs_lp,
             x.new_empty(T, B, n_h * H), x.new_empty(D, T, B, 3 * H))
 
 
 def _backward_fake(grad_out, grad_hn, x, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
                    t_ln_b, xp, hs, hs_lp, hp, hpt, reverse, eps, weight_grads=True):
     params = (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
-    grads = [torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[1], w_hh.shape[1])]
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format), grad_hn.new_empty(x.shape[1], w_hh.shape[1])]
     grads += [torch.empty_like(p, memory_format=torch.contiguous_format) if present(p) else x.new_empty(0)
               for p in params]
     if not weight_grads:   # the pre-activation gradients in the slots of dw_ih, dw_hh and dt_w (csrc/transition.h)
@@ -104,6 +105,7 @@ def _register() -> None:
         torch.library.register_fake(forward)(_forward_fake)
         torch.library.register_fake(backward)(_backward_fake)
         torch.library.register_autograd(forward, _autograd_for(backward_op), setup_context=_setup_context)
+        _autocast.register(forward, _autocast.low_precision_rule)
 
 
 _register()

@@ -74,7 +74,7 @@ def _on_device(x: Tensor):
 
 def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
                     t_ln_b):
-    """Returns out [T,B,H], h_n [B,H] (input dtype) and the tensors saved for backward:
+    """Returns out [T,B,H] (input dtype), h_n [B,H] (h0's dtype) and the tensors saved for backward:
     xp [T,B,n_in*H], hs [S,T,B,H] (accumulation dtype: the state entering each sub-cell at each step),
     hs_lp (hs in the GEMM dtype; hs itself for float32/float64), hp [T,B,n_h*H], hpt [D,T,B,3H]."""
     K = _kernels()
@@ -133,7 +133,7 @@ def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_h
                 hout, hlp, out, t, hp_slab, k * T + t, out_slab, k, B, H, eps,
                 KIND=kk, NIN=max(kin, 1), NH=khh, NG=kg, LN=k_ln, HAS_DROP=has_drop and kk != 3, LAST=last,
                 HAS_MASK=has_mask, WRITE_LP=write_lp, BLOCK=BLOCK, num_warps=warps)
-    return out, h_last.to(dtype), xp, hs, hs_lp if lp else hs.new_empty(0), hp, hpt
+    return out, h_last.to(h0.dtype), xp, hs, hs_lp if lp else hs.new_empty(0), hp, hpt
 
 
 def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w,
@@ -196,7 +196,7 @@ def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih,
             else:
                 torch.mm(dhpt[k - 1, t], t_w[k - 1], out=inner_g)
                 i = 1 - i
-    dh0 = (carry[c] + carry_g.to(acc)).to(dtype) if needs[1] else None
+    dh0 = (carry[c] + carry_g.to(acc)).to(grad_hn.dtype) if needs[1] else None
 
     N = T * B
     dxp2 = dxp.view(N, n_in * H)

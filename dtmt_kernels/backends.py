@@ -1,14 +1,14 @@
 """The one registry of compute backends and the dispatch rule for `backend="auto"`.
 
 Every backend computes the same function, `transition_sequence(x, h0, weights, mask, drop, reverse, eps)
--> (out, h_n)` (see reference.py); the fused ones through the custom ops of dtmt_kernels/ops/ (cpp and cuda: the
+-> (out, h_n)` (see ops/transition/reference.py); the fused ones through the custom ops of dtmt_kernels/ops/ (cpp and cuda: the
 same op, torch.ops.dtmt.transition_forward, whose CPU and CUDA kernels the dispatcher picks by device; triton:
 torch.ops.dtmt.transition_forward_triton). An unavailable backend is an error that says why, never a silent
 fallback to another one.
 
 Backends and where they run:
 
-    reference   pure PyTorch (reference.py): CPU and CUDA, any floating dtype; the executable spec
+    reference   pure PyTorch (ops/transition/reference.py): CPU and CUDA, any floating dtype; the executable spec
     cpp         C++ CPU kernels (dtmt_kernels._C): CPU, float32 / float64, and float16 / bfloat16 (GEMMs in the
                 16-bit dtype, states and layer-norm statistics in float32: what torch.autocast runs)
     triton      Triton kernels (dtmt_kernels/ops/transition/triton*.py): CUDA tensors, float16 / bfloat16 /

@@ -12,7 +12,7 @@ The parameters are the same for every backend; `layer.backend = "reference"` swi
 
 Parameter names (one direction; the reverse direction repeats them with the suffix `_reverse`):
 
-    weight_ih [n_in*H, I], weight_hh [n_h*H, H]     base cell, rows stacked as in reference.py
+    weight_ih [n_in*H, I], weight_hh [n_h*H, H]     base cell, rows stacked as in ops/transition/reference.py
     bias_ih, bias_hh                                 all rows without layer norm; with layer norm only the
                                                      non-gate rows (candidate, linear path): the LN offsets
                                                      replace the gate biases

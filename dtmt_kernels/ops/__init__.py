@@ -6,10 +6,10 @@
     linear/         the small-row linear of decoding
     decode_step/    the inference ops of a decoder step (attention step, readout, whole RNMT step, mce encoder)
 
-Each folder holds its op's registration (fake implementation, autograd, autocast rule: _autocast.py) and its
-launchers; the C++ and CUDA kernels live in csrc/ (registered by csrc/registration.cpp), their per-element math in shared headers, and the
-pure-PyTorch references, the executable spec, in dtmt_kernels.reference. Importing this package loads the
-extension and registers everything."""
+Each folder holds its op's reference (reference.py: pure PyTorch, the executable spec; dtmt_kernels.reference
+gathers them), its registration (fake implementation, autograd, autocast rule: _autocast.py) and its launchers.
+The C++ and CUDA kernels live in csrc/ (registered by csrc/registration.cpp), their per-element math in shared
+headers. Importing this package loads the extension and registers everything."""
 from . import attention, decode_step, linear, transition  # noqa: F401
 from ._extension import IMPORT_ERROR, _C, built
 

@@ -4,7 +4,8 @@
     op.py               torch.ops.dtmt.transition_forward / _backward (C++ CPU and CUDA kernels) and their Triton
                         twins: fakes, the one autograd definition, flat_params, fused_sequence
     triton.py           the Triton launchers (triton_kernels.py: the kernels)
-The pure-PyTorch reference, the executable spec, is dtmt_kernels.reference.transition_sequence; the C++ kernels
+    reference.py        the pure-PyTorch reference, the executable spec (transition_sequence, the cells)
+The C++ kernels
 are csrc/transition_cpu.cpp and csrc/transition_cuda.cu, their per-element math csrc/cell_math.h."""
 from .layout import CELL_KINDS, CELL_ROWS, KIND_TGRU, KINDS, ROWS
 from .op import PARAM_NAMES, flat_params, fused_sequence

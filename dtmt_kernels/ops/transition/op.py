@@ -10,7 +10,7 @@ Both take (x [T, B, I], h0 [B, H], mask [T, B] or None, drop [D+1, B, H] or None
 their backward op reads: xp [T, B, n_in*H], hs [D+1, T, B, H] (the state entering each sub-cell, in the
 accumulation dtype), hs_lp (hs in the input dtype for 16-bit inputs, else empty), hp [T, B, n_h*H],
 hpt [D, T, B, 3H]. Their backward ops return the twelve gradients (x, h0, then the ten parameters; empty for an
-absent parameter). reference.transition_sequence is the function all of them compute.
+absent parameter). reference.transition_sequence (this folder) is the function all of them compute.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ...reference import TransitionWeights
 from .._extension import built
 from .. import _autocast
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
 from .layout import KINDS, ROWS, acc_dtype, present
+from .reference import TransitionWeights
 
 PARAM_NAMES = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
 

@@ -54,4 +54,23 @@ std::vector<at::Tensor> transition_backward_cuda(const at::Tensor& grad_out, con
                                                  const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
                                                  const at::Tensor& hpt, bool reverse, double eps);
 
+// The epilogue of every backward (CPU and CUDA): the weight and bias gradients of one direction from its
+// pre-activation gradients over N = T*B rows, dW_ih = dxp^T x, db_ih = dxp's column sums, dW_hh = dhp^T states[0],
+// db_hh, dt_w[k] = dhpt[k]^T states[k+1], dt_b[k]. x [N, I] and states [D+1, N, H] (the state entering each
+// sub-cell) in the GEMMs' dtype, dxp [N, n_in*H], dhp [N, n_h*H], dhpt [D, N, 3H]; the column sums accumulate in
+// `acc`. Returns {dw_ih, db_ih, dw_hh, db_hh, dt_w, dt_b}. (Python's twin: dtmt_kernels/ops/transition/grads.py.)
+inline std::vector<at::Tensor> transition_weight_grads(const at::Tensor& x, const at::Tensor& states,
+                                                       const at::Tensor& dxp, const at::Tensor& dhp,
+                                                       const at::Tensor& dhpt, at::ScalarType acc) {
+  const auto st = dxp.scalar_type();
+  const std::vector<int64_t> rows{0}, steps{1};
+  const int64_t D = dhpt.size(0);
+  return {dxp.t().mm(x),
+          dxp.sum(rows, false, acc).to(st),
+          dhp.t().mm(states[0]),
+          dhp.sum(rows, false, acc).to(st),
+          at::bmm(dhpt.transpose(1, 2), states.narrow(0, 1, D)),
+          dhpt.sum(steps, false, acc).to(st)};
+}
+
 }  // namespace dtmt

@@ -333,7 +333,6 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
 
   const int64_t N = T_ * B;
   const auto st = x.scalar_type();
-  const std::vector<int64_t> rows_dim{0};  // (an IntArrayRef of a braced list would dangle)
   Tensor dxp2 = dxp.view({N, d.n_in * H});
   Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
   Tensor dh0 = d_cur.to(grad_hn.scalar_type());
@@ -344,20 +343,9 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   if (!weight_grads)  // the caller forms the weight and bias gradients itself, over many calls at once
     return {dx, dh0, dxp2, Tensor(), dhp.view({N, d.n_h * H}), Tensor(), dln_w, dln_b, dhpt.view({D, N, 3 * H}),
             Tensor(), dt_ln_w, dt_ln_b};
-  Tensor dw_ih = dxp2.t().mm(x.reshape({N, d.I}));
-  Tensor db_ih = dxp2.sum(rows_dim, false, acc).to(st);
-  Tensor dhp2 = dhp.view({N, d.n_h * H});
-  Tensor dw_hh = dhp2.t().mm(hs_g[0].view({N, H}));
-  Tensor db_hh = dhp2.sum(rows_dim, false, acc).to(st);
-  Tensor dt_w = at::empty({D, 3 * H, H}, opts);
-  Tensor dt_b = at::empty({D, 3 * H}, opts);
-  for (int64_t k = 0; k < D; ++k) {
-    Tensor g = dhpt[k].view({N, 3 * H});
-    Tensor dtw_k = dt_w[k];
-    at::mm_out(dtw_k, g.t(), hs_g[k + 1].view({N, H}));
-    dt_b[k].copy_(g.sum(rows_dim, false, acc));
-  }
-  return {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
+  const auto g = transition_weight_grads(x.reshape({N, d.I}), hs_g.view({D + 1, N, H}), dxp2,
+                                         dhp.view({N, d.n_h * H}), dhpt.view({D, N, 3 * H}), acc);
+  return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
 }
 
 void check_kind(int64_t kind) {

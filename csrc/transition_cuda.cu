@@ -315,25 +315,14 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   Tensor dh0 = (carry[c] + carry_g.to(acc)).to(grad_hn.scalar_type());
 
   Tensor dxp2 = dxp.view({N, d.n_in * H});
-  Tensor dhp2 = dhp.view({N, d.n_h * H});
   Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
-  Tensor dw_ih = dxp2.t().mm(x.reshape({N, d.I}));
-  Tensor db_ih = dxp2.sum(at::IntArrayRef{0}, false, acc).to(x.scalar_type());
-  Tensor dw_hh = dhp2.t().mm(hs_lp[0].view({N, H}));
-  Tensor db_hh = dhp2.sum(at::IntArrayRef{0}, false, acc).to(x.scalar_type());
-  Tensor dt_w = at::empty({D, 3 * H, H}, opts);
-  Tensor dt_b = at::empty({D, 3 * H}, opts);
-  for (int64_t k = 0; k < D; ++k) {
-    Tensor g = dhpt[k].view({N, 3 * H});
-    Tensor dtw_k = dt_w[k];
-    at::mm_out(dtw_k, g.t(), hs_lp[k + 1].view({N, H}));
-    dt_b[k].copy_(g.sum(at::IntArrayRef{0}, false, acc));
-  }
+  const auto g = transition_weight_grads(x.reshape({N, d.I}), hs_lp.view({D + 1, N, H}), dxp2,
+                                         dhp.view({N, d.n_h * H}), dhpt.view({D, N, 3 * H}), acc);
   Tensor dln_w = ln ? dln_rows.sum(0).to(x.scalar_type()) : Tensor();
   Tensor dln_b = ln ? dlnb_rows.sum(0).to(x.scalar_type()) : Tensor();
   Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(x.scalar_type()) : Tensor();
   Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(x.scalar_type()) : Tensor();
-  return {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
+  return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
 }
 
 }  // namespace

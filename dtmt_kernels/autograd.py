@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .ops.transition.grads import weight_grads
 from .ops.transition.layout import present
 
 
@@ -24,30 +25,39 @@ def autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
 
 
 class _UnrolledSession:
-    """What the step Functions of an `unrolled` block share with their sink: the rows each step's backward
-    keeps, under the step's index (running the backward of the same graph twice, with retain_graph, overwrites
-    them rather than adding them twice) and tagged with the backward pass (graph task) that made them, so that
-    the sink uses only its own pass's rows: a pass that did not reach the sink (torch.autograd.grad of other
-    inputs, an exception part-way) leaves nothing behind that a later pass would add in. Once the sink has run,
-    the session is `done` and the next forward in the block starts a new one."""
+    """What the step Functions of an `unrolled` block share with their sink: the rows each step's backward keeps,
+    under the step's index (running the backward of the same graph twice, with retain_graph, overwrites them
+    rather than adding them twice), tagged with the backward pass that made them, so that the sink uses only its
+    own pass's rows: a pass that did not reach the sink (torch.autograd.grad of other inputs, an exception
+    part-way) leaves nothing behind that a later pass would add in. Once the sink has run, the session is `done`
+    and the next forward in the block starts a new one.
+
+    A pass is told from the next by the order of the steps' backwards: autograd runs a graph's nodes latest-created
+    first (every node's gradient comes from nodes made after it), so within one pass the kept indices only
+    decrease, and an index not below the last one kept starts a new pass. (Public behaviour only: no graph-task
+    id.)"""
 
     def __init__(self):
         self.rows: dict = {}
         self.n_steps = 0
         self.done = False
+        self._pass = 0                     # the backward pass the latest rows belong to
+        self._last: Optional[int] = None   # the index kept last in it
 
     def next_index(self) -> int:
         self.n_steps += 1
         return self.n_steps - 1
 
     def keep(self, index: int, row: tuple) -> None:
-        self.rows[index] = (torch._C._current_graph_task_id(), row)
+        if self._last is not None and index >= self._last:
+            self._pass += 1
+        self._last = index
+        self.rows[index] = (self._pass, row)
 
     def take(self) -> list:
         """This backward pass's rows in step order (all rows are dropped)."""
-        task = torch._C._current_graph_task_id()
-        rows = [row for k, (t, row) in sorted(self.rows.items()) if t == task]
-        self.rows = {}
+        rows = [row for _, (p, row) in sorted(self.rows.items()) if p == self._pass]
+        self.rows, self._last = {}, None
         self.done = True
         return rows
 
@@ -91,19 +101,17 @@ class UnrolledSteps(_UnrolledSession):
         hs = cat([r[1] for r in rows], 1)              # [D+1, N, H]
         dxp = cat([r[2] for r in rows])
         dhp = cat([r[3] for r in rows])
-        grads = [dxp.t().mm(x), dxp.sum(0), dhp.t().mm(hs[0]), dhp.sum(0), None, None, None, None, None, None]
+        D = self.flat[6].shape[0] if present(self.flat[6]) else 0
+        dhpt = cat([r[4] for r in rows], 1)            # [D, N, 3H]
+        dw_ih, db_ih, dw_hh, db_hh, dt_w, dt_b = weight_grads(x, hs, dxp, dhp, dhpt, (True,) * 4 + (D > 0,) * 2)
+        grads = [dw_ih, db_ih, dw_hh, db_hh, None, None, dt_w, dt_b, None, None]
         if present(rows[0][5]):                       # base-cell layer norm
             grads[4] = torch.stack([r[5] for r in rows]).sum(0)
             grads[5] = torch.stack([r[6] for r in rows]).sum(0)
-        D = self.flat[6].shape[0] if present(self.flat[6]) else 0
-        if D:
-            dhpt = cat([r[4] for r in rows], 1)        # [D, N, 3H]
-            grads[6] = torch.bmm(dhpt.transpose(1, 2), hs[1:])
-            grads[7] = dhpt.sum(1)
-            if present(rows[0][7]):
-                grads[8] = torch.stack([r[7] for r in rows]).sum(0)
-                grads[9] = torch.stack([r[8] for r in rows]).sum(0)
-        del rows, x, hs, dxp, dhp   # the concatenations hold copies: free the rows before autograd goes on
+        if D and present(rows[0][7]):
+            grads[8] = torch.stack([r[7] for r in rows]).sum(0)
+            grads[9] = torch.stack([r[8] for r in rows]).sum(0)
+        del rows, x, hs, dxp, dhp, dhpt   # the concatenations hold copies: free the rows before autograd goes on
         return grads
 
 

@@ -122,6 +122,33 @@ def test_a_pass_that_does_not_reach_the_weights_leaves_nothing_behind():
         torch.testing.assert_close(p.grad, a)
 
 
+def test_a_later_pass_over_fewer_steps_uses_only_its_own_rows():
+    """A pass that ran every step's backward without reaching the weights, then a backward of a loss that reaches
+    only the first three steps: the weight gradients are that loss's alone (the plain step-by-step path's), none
+    of the first pass's rows of the later steps."""
+    cell, xs, h0, w, _ = lgru_case()
+
+    def states(use_block, xs_):
+        hs = []
+        with dk.nn.unrolled(cell) if use_block else torch.enable_grad():
+            h = h0
+            for t in range(xs.shape[0]):
+                h = cell(xs_[t], h)
+                hs.append(h)
+        return hs
+
+    cell.backend = "cpp"
+    xs_ = xs.clone().requires_grad_()
+    hs = states(True, xs_)
+    torch.autograd.grad((hs[-1] * w[-1]).sum(), xs_, retain_graph=True)   # steps 4..0, not the weights
+    (hs[2] * w[2]).sum().backward()                                        # steps 2..0 and the weights
+    got = [p.grad.clone() for p in cell.parameters()]
+    cell.zero_grad()
+    (states(False, xs)[2] * w[2]).sum().backward()
+    for g, p in zip(got, cell.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
 def test_frozen_weights_and_several_rounds_in_one_block():
     """Frozen parameters: input gradients as the plain path's, nothing kept for the weights. Truncated
     backpropagation (forward, backward, optimizer step, again, all in one block): each round's gradients equal

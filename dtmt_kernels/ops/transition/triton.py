@@ -37,6 +37,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .grads import weight_grads
 from .layout import KIND_TGRU, ROWS, acc_dtype, present
 
 _KERNELS = None
@@ -200,23 +201,14 @@ def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih,
 
     N = T * B
     dxp2 = dxp.view(N, n_in * H)
-    dhp2 = dhp.view(N, n_h * H)
     dx = dxp2.mm(w_ih).view(T, B, I) if needs[0] else None
-    dw_ih = dxp2.t().mm(x.reshape(N, I)) if needs[2] else None
-    db_ih = dxp2.sum(0, dtype=acc).to(dtype) if needs[3] else None
-    dw_hh = dhp2.t().mm(hs_lp[0].view(N, H)) if needs[4] else None
-    db_hh = dhp2.sum(0, dtype=acc).to(dtype) if needs[5] else None
+    dw_ih, db_ih, dw_hh, db_hh, dt_w, dt_b = weight_grads(
+        x.reshape(N, I), hs_lp.view(D + 1, N, H), dxp2, dhp.view(N, n_h * H), dhpt.view(D, N, 3 * H),
+        (needs[2], needs[3], needs[4], needs[5], bool(D) and needs[8], bool(D) and needs[9]))
     dln_w = dln_rows.sum(0).to(dtype) if ln and needs[6] else None
     dln_b = dlnb_rows.sum(0).to(dtype) if ln and needs[7] else None
-    dt_w = dt_b = dt_ln_w = dt_ln_b = None
-    if D and needs[8]:
-        dt_w = torch.stack([dhpt[k].view(N, 3 * H).t().mm(hs_lp[k + 1].view(N, H)) for k in range(D)])
-    if D and needs[9]:
-        dt_b = dhpt.view(D, N, 3 * H).sum(1, dtype=acc).to(dtype)
-    if tln and needs[10]:
-        dt_ln_w = dtln_rows.sum(1).to(dtype)
-    if tln and needs[11]:
-        dt_ln_b = dtlnb_rows.sum(1).to(dtype)
+    dt_ln_w = dtln_rows.sum(1).to(dtype) if tln and needs[10] else None
+    dt_ln_b = dtlnb_rows.sum(1).to(dtype) if tln and needs[11] else None
     return dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b
 
 

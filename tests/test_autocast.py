@@ -228,3 +228,28 @@ def test_train_amp_bf16(tmp_path):
     assert len(runs["bf16"]) == 4 and all(map(lambda v: v == v and v < 1e4, runs["bf16"]))
     r = run_train(["--data", data, "--out", str(tmp_path / "bad"), "--amp", "fp8", *TINY])
     assert r.returncode == 2 and "--amp" in r.stderr and not os.path.exists(tmp_path / "bad")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_layer_under_autocast(backend):
+    """The CUDA kernels and the Triton op under torch.autocast("cuda", torch.bfloat16): the output in bfloat16,
+    the state in float32, within bfloat16 precision of the float32 layer, gradients included."""
+    if backend not in dk.available_backends():
+        pytest.skip(f"backend {backend} not available")
+    torch.manual_seed(6)
+    layer = dk.nn.DeepTransitionGRU(32, 64, depth=2, cell="lgru", layer_norm=True, bidirectional=True,
+                                    backend=backend).cuda()
+    x = torch.randn(9, 8, 32, device="cuda")
+    lengths = [9, 3, 5, 9, 1, 7, 8, 2]
+    ref, ref_h = layer(x, None, lengths)
+    ref_grads = _grads(layer, ref.sum() + ref_h.sum())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, h_n = layer(x, None, lengths)
+    grads = _grads(layer, out.float().sum() + h_n.sum())
+    assert out.dtype == torch.bfloat16 and h_n.dtype == torch.float32
+    assert (out.float() - ref).abs().max().item() <= 3e-2 * ref.abs().max().item()
+    for name, g in grads.items():
+        assert g.dtype == torch.float32, name
+        assert (g - ref_grads[name]).abs().max().item() <= 5e-2 * (ref_grads[name].abs().max().item() + 1e-6), name

@@ -178,6 +178,64 @@ def test_cli_translate_files_and_output_dir(system, reference, tmp_path):
     assert read(d / "b.es.out") == "".join(r[0][0] + "\n" for r in reference[4:])
 
 
+def _translate_process(ckpt, *flags):
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", ckpt, "--beam", "3",
+                             *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _line_queue(stream):
+    """A queue that a thread fills with the stream's lines as they come, then None at its end."""
+    import queue
+    import threading
+
+    q = queue.Queue()
+
+    def pump():
+        for line in iter(stream.readline, b""):
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def test_cli_translate_streams_stdin(system, reference):
+    """Reading stdin, a line is translated and written while stdin is still open (not at its end); later lines
+    follow in input order; --nbest indices go on counting stdin's lines across the groups."""
+    _, _, _, ckpt = system
+    proc = _translate_process(ckpt, "--quiet", "--nbest", "2")
+    try:
+        lines = _line_queue(proc.stdout)
+        proc.stdin.write((INPUTS[0] + "\n").encode())
+        proc.stdin.flush()
+        out = [lines.get(timeout=120) for _ in reference[0]]     # its n-best, before any more input
+        proc.stdin.write(("\n".join(INPUTS[1:]) + "\n").encode())
+        proc.stdin.close()
+        out += iter(lambda: lines.get(timeout=120), None)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
+    finally:
+        proc.kill()
+    lines = [line.split(" ||| ") for line in b"".join(out).decode().splitlines()]
+    expected = []
+    for i, hyps in enumerate(reference):
+        wanted = hyps if INPUTS[i].strip() else [("", 0.0)]
+        expected += [(str(i), text) for text, _ in wanted]
+    assert [(p[0], p[1]) for p in lines] == expected
+
+
+def test_cli_translate_stream_stops_at_a_bad_line_after_the_lines_before_it(system, reference):
+    _, _, _, ckpt = system
+    proc = _translate_process(ckpt, "--quiet")
+    out, err = proc.communicate((INPUTS[0] + "\n").encode() + b"caf\xe9 ok\n" + b"el gato\n", timeout=120)
+    assert proc.returncode == 1
+    assert out.decode() == reference[0][0][0] + "\n"
+    assert err.decode().strip().startswith("dtmt translate: <stdin>:2: invalid UTF-8")
+
+
 def test_cli_translate_stdin_and_nbest(system, reference, tmp_path, monkeypatch, capsys):
     _, _, _, ckpt = system
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(INPUTS) + "\n"))

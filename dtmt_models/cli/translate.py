@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import queue
 import sys
+import threading
 import time
 import warnings
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar
 
 import torch
 
@@ -19,6 +21,8 @@ from dtmt_models.atomic import WriteError, atomic_write
 from dtmt_models.decoding.translate import PROG, InputError, InputWarning, translate
 from dtmt_models.errors import one_line
 from dtmt_models.progress import Progress
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------- command line helpers
@@ -41,19 +45,22 @@ def read_input(path: str) -> List[str]:
     raw = data.split(b"\n")
     if raw[-1] == b"":
         raw.pop()
-    lines = []
-    for number, line in enumerate(raw, start=1):
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InputError(f"{name}:{number}: invalid UTF-8 at byte {exc.start} of the line "
-                             f"({line[max(0, exc.start - 10):exc.start + 10]!r})") from None
-        if number == 1 and text.startswith("\ufeff"):
-            text = text[1:]
-        lines.append(text)
-    return lines
+    return [decode_line(line, name, number) for number, line in enumerate(raw, start=1)]
+
+
+def decode_line(line: bytes, name: str, number: int) -> str:
+    """One input line as text: its line end (\\n, \\r\\n) and, on line 1, a byte-order mark removed. InputError naming
+    name:number for invalid UTF-8."""
+    if line.endswith(b"\n"):
+        line = line[:-1]
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{name}:{number}: invalid UTF-8 at byte {exc.start} of the line "
+                         f"({line[max(0, exc.start - 10):exc.start + 10]!r})") from None
+    return text[1:] if number == 1 and text.startswith("\ufeff") else text
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -106,15 +113,9 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
         rate = done / max(time.perf_counter() - t0, 1e-9)
         progress.show(done, total, status=f"{rate:.1f} sentences/s",   # the last line: the summary below says it
                       line=f"{prog}: {done:,}/{total:,} sentences ({rate:.1f} sentences/s)" if done < total else None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", InputWarning)
-        results = translate(model, src_vocab, tgt_vocab, sentences, progress=reporter, **kwargs)
+    results = reporting_warnings(prog, lambda: translate(model, src_vocab, tgt_vocab, sentences, progress=reporter,
+                                                         **kwargs))
     seconds = time.perf_counter() - t0
-    for w in caught:
-        if issubclass(w.category, InputWarning):
-            print(f"{prog}: warning: {w.message}", file=sys.stderr)
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     noun = "sentence" if len(sentences) == 1 else "sentences"
     progress.close()
     progress.message(f"{prog}: translated {len(sentences):,} {noun} in {seconds:.1f}s "
@@ -122,10 +123,26 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
     return results, seconds
 
 
-def format_output(results: Iterable[List[Tuple[str, float]]], nbest: bool) -> str:
-    """Plain one-best lines, or Moses n-best lines `index ||| text ||| score` (index from 0)."""
+def reporting_warnings(prog: str, call: Callable[[], T], seen: Optional[Set[str]] = None) -> T:
+    """call(), each InputWarning it raises shown as one `prog: warning:` line on stderr (once per message when a
+    `seen` set is kept across calls); other warnings pass on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InputWarning)
+        result = call()
+    for w in caught:
+        if not issubclass(w.category, InputWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif seen is None or str(w.message) not in seen:
+            print(f"{prog}: warning: {w.message}", file=sys.stderr)
+            if seen is not None:
+                seen.add(str(w.message))
+    return result
+
+
+def format_output(results: Iterable[List[Tuple[str, float]]], nbest: bool, start: int = 0) -> str:
+    """Plain one-best lines, or Moses n-best lines `index ||| text ||| score` (index from `start`)."""
     out = []
-    for index, hyps in enumerate(results):
+    for index, hyps in enumerate(results, start=start):
         if nbest:
             for text, score in hyps:
                 out.append(f"{index} ||| {_single_line(text)} ||| {score:.6f}")
@@ -184,12 +201,86 @@ def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
                 max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len)
 
 
+# ------------------------------------------------------------------------------------------ streaming
+STREAM_LINES = 128   # at most this many lines per decoding call when streaming
+
+
+def stdin_lines() -> Iterator[str]:
+    """stdin's lines as they arrive, decoded as read_input decodes them (InputError naming <stdin>:line)."""
+    stream = sys.stdin
+    buffer = getattr(stream, "buffer", None)
+    number = 0
+    while True:
+        raw = buffer.readline() if buffer is not None else stream.readline().encode("utf-8", "surrogateescape")
+        if not raw:
+            return
+        number += 1
+        yield decode_line(raw, "<stdin>", number)
+
+
+def chunks_as_they_come(lines: Iterator[str], most: int = STREAM_LINES) -> Iterator[List[str]]:
+    """The lines in order, grouped: each group holds the lines that arrived while the previous one was being
+    decoded (at least one, at most `most`), so an interactive line is translated at once and a piped file in
+    full batches. A reader thread pulls the lines; an error it meets is raised after the lines before it."""
+    q: "queue.Queue" = queue.Queue(maxsize=4 * most)   # the reader stays at most a few groups ahead
+    end = object()
+
+    def read() -> None:
+        try:
+            for line in lines:
+                q.put(line)
+            q.put(end)
+        except BaseException as exc:   # noqa: BLE001 - handed to the consumer, which raises it
+            q.put(exc)
+
+    threading.Thread(target=read, name="dtmt-translate-stdin", daemon=True).start()
+    while True:
+        group, item = [], q.get()
+        while isinstance(item, str):
+            group.append(item)
+            if len(group) == most:
+                break
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                break
+        if group:
+            yield group
+        if item is end:
+            return
+        if isinstance(item, BaseException):
+            raise item
+
+
+def stream_stdin(args: argparse.Namespace, model, src_vocab, tgt_vocab, device: torch.device) -> int:
+    """Translates stdin to stdout group by group (chunks_as_they_come), writing and flushing each group's lines
+    as soon as they are decoded; with --nbest the index counts stdin's lines from 0."""
+    kwargs = dict(nbest=args.nbest or 1, **decoding_kwargs(args, device))
+    seen: Set[str] = set()
+    done, t0 = 0, time.perf_counter()
+    for group in chunks_as_they_come(stdin_lines()):
+        results = reporting_warnings(PROG, lambda: translate(model, src_vocab, tgt_vocab, group, **kwargs), seen)
+        try:
+            sys.stdout.write(format_output(results, args.nbest is not None, start=done))
+            sys.stdout.flush()
+        except OSError as exc:
+            raise InputError(f"cannot write the output (stdout: {exc.strerror or exc})") from None
+        done += len(group)
+    if not args.quiet:
+        seconds = time.perf_counter() - t0
+        print(f"{PROG}: translated {done:,} {'sentence' if done == 1 else 'sentences'} in {seconds:.1f}s "
+              f"({done / max(seconds, 1e-9):.1f} sentences/s)", file=sys.stderr)
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Translate text files (or stdin) with a dtmt checkpoint, one sentence a line.",
         epilog="Empty input lines give empty output lines. Several inputs are written, in order, to one output "
-               "unless --output-dir is given; --nbest indices count the lines of each input from 0.")
+               "unless --output-dir is given; --nbest indices count the lines of each input from 0. Reading stdin "
+               "and writing stdout, it streams: the lines that have arrived are translated and written (in order) "
+               "while the next ones are read, so an interactive line is answered at once.")
     p.add_argument("inputs", nargs="*", metavar="FILE", help="UTF-8 input files; none or '-' reads stdin")
     p.add_argument("--checkpoint", "-c", required=True, action=OnceAction, help="a checkpoint written by `dtmt train`")
     out = p.add_mutually_exclusive_group()
@@ -229,6 +320,9 @@ def _run(args: argparse.Namespace) -> int:
             raise InputError(f"--output-dir: several inputs would write {clash[0]}; translate them separately")
         targets = [os.path.join(args.output_dir, n) for n in names]
     device = check_device_and_backend(args.device, args.backend)
+    if inputs == ["-"] and not args.output and not args.output_dir:   # stdin to stdout: line groups as they come
+        model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)
+        return stream_stdin(args, model, src_vocab, tgt_vocab, device)
     texts = [read_input(path) for path in inputs]            # every input before any decoding
     model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)
 

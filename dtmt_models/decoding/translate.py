@@ -20,7 +20,9 @@ How a list of sentences is decoded:
 Beam search treats every sentence of a batch independently, so the output does not depend on max_tokens.
 
 The command line reads every input first (so a bad file fails before any decoding), decodes all their lines
-together, and writes each output atomically (a temporary file renamed into place). Several inputs go to one
+together, and writes each output atomically (a temporary file renamed into place). The exception is stdin to
+stdout, which streams: the lines that have arrived (up to 128) are decoded together and written, flushed, in
+input order, while a reader thread takes in the next ones; a bad line then stops it after the lines before it. Several inputs go to one
 output (stdout or --output) in input order, or with --output-dir to `D/<input basename>.out` each. With
 --nbest N the output is in Moses n-best format, `index ||| translation ||| score`, the index counting the
 lines of each input from 0 and the score the length-normalised log-probability that ranks the beam.

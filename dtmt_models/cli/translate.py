@@ -202,7 +202,7 @@ def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ streaming
-STREAM_LINES = 128   # at most this many lines per decoding call when streaming
+STREAM_LINES = 1024   # at most this many lines per decoding call when streaming
 
 
 def stdin_lines() -> Iterator[str]:

@@ -21,11 +21,12 @@ Beam search treats every sentence of a batch independently, so the output does n
 
 The command line reads every input first (so a bad file fails before any decoding), decodes all their lines
 together, and writes each output atomically (a temporary file renamed into place). The exception is stdin to
-stdout, which streams: the lines that have arrived (up to 128) are decoded together and written, flushed, in
-input order, while a reader thread takes in the next ones; a bad line then stops it after the lines before it. Several inputs go to one
-output (stdout or --output) in input order, or with --output-dir to `D/<input basename>.out` each. With
---nbest N the output is in Moses n-best format, `index ||| translation ||| score`, the index counting the
-lines of each input from 0 and the score the length-normalised log-probability that ranks the beam.
+stdout, which streams: the lines that have arrived (up to 1,024) are decoded together and written, flushed, in
+input order, while a reader thread takes in the next ones; a bad line then stops it after the lines before it.
+Several inputs go to one output (stdout or --output) in input order, or with --output-dir to
+`D/<input basename>.out` each. With --nbest N the output is in Moses n-best format, `index ||| translation |||
+score`, the index counting the lines of each input from 0 and the score the length-normalised log-probability
+that ranks the beam.
 Errors a user can cause (missing or foreign checkpoint, unreadable input, invalid UTF-8, with file:line,
 unavailable backend or device) are one line on stderr and exit status 1.
 """

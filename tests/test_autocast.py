@@ -116,6 +116,20 @@ def test_16_bit_op_passes_opcheck(case):
                           (x, h0, mask, None, KINDS[cell], *params, False, 1e-5))
 
 
+def test_autocast_rule_of_a_direct_op_call():
+    """torch.ops.dtmt.transition_forward called under autocast with float32 tensors (keyword flags too): the
+    rule casts x and the weights to bfloat16 and h0 to float32, like the layers."""
+    layer = _layer("gru", 1, True)
+    params = [None if p is None else p.detach() for p in flat_params(layer.direction_weights())]
+    x, h0 = torch.randn(3, 2, 5), torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, h_n, xp, hs, hs_lp, hp, hpt = torch.ops.dtmt.transition_forward(
+            x, h0, None, None, KINDS["gru"], *params, reverse=False, eps=1e-5)
+    assert out.dtype == xp.dtype == hs_lp.dtype == torch.bfloat16 and h_n.dtype == hs.dtype == torch.float32
+    ref, ref_h = torch.ops.dtmt.transition_forward(x, h0, None, None, KINDS["gru"], *params, False, 1e-5)[:2]
+    assert (h_n - ref_h).abs().max().item() <= 3e-2 * ref_h.abs().max().item()
+
+
 def _grads(module, loss):
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     return dict(zip(names, torch.autograd.grad(loss, [p for _, p in module.named_parameters() if p.requires_grad])))

@@ -53,10 +53,10 @@ def register(qualname: str, rule: Callable[[Sequence, torch.dtype, str], list]) 
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default
     for device_type in DEVICE_TYPES:
-        def kernel(*args, _device_type=device_type):
+        def kernel(*args, _device_type=device_type, **kwargs):   # keyword arguments (flags, eps) pass as they are
             dtype = torch.get_autocast_dtype(_device_type)
             cast = rule(args, dtype, _device_type)
             with torch.autocast(_device_type, enabled=False):
-                return op(*cast)
+                return op(*cast, **kwargs)
 
         _LIB.impl(name, kernel, "Autocast" + ("CPU" if device_type == "cpu" else "CUDA"))

@@ -77,39 +77,26 @@ Forward transition_forward(const Tensor& x, const Tensor& h0, const OptTensor& m
   return forward_tuple(Kernel(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps));
 }
 
-std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
-                                            const OptTensor& mask, const OptTensor& drop, int64_t kind,
-                                            const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
-                                            const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b,
-                                            const OptTensor& t_w, const OptTensor& t_b, const OptTensor& t_ln_w,
-                                            const OptTensor& t_ln_b, const Tensor& xp, const Tensor& hs,
-                                            const Tensor& hs_lp, const Tensor& hp, const Tensor& hpt, bool reverse,
-                                            double eps, bool weight_grads) {
+// The backward op for the kernel `Kernel` of one device (transition_backward_cpu / _cuda): the same wrapper for both.
+using BackwardKernel = std::vector<Tensor> (*)(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                               const Tensor&, const dtmt::TransitionWeights&, const Tensor&,
+                                               const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, double,
+                                               bool);
+
+template <BackwardKernel Kernel>
+std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                        const OptTensor& mask, const OptTensor& drop, int64_t kind,
+                                        const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh, const Tensor& b_hh,
+                                        const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& t_w,
+                                        const OptTensor& t_b, const OptTensor& t_ln_w, const OptTensor& t_ln_b,
+                                        const Tensor& xp, const Tensor& hs, const Tensor& hs_lp, const Tensor& hp,
+                                        const Tensor& hpt, bool reverse, double eps, bool weight_grads) {
   const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-  auto g = dtmt::transition_backward_cpu(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x),
-                                         w, dense(xp), dense(hs), dense(hs_lp), dense(hp), dense(hpt), reverse, eps,
-                                         weight_grads);
+  auto g = Kernel(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x), w, dense(xp), dense(hs),
+                  dense(hs_lp), dense(hp), dense(hpt), reverse, eps, weight_grads);
   // with weight_grads=false the slots of dw_ih, dw_hh and dt_w hold pre-activation gradients (transition.h)
   return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
 }
-
-#ifdef DTMT_WITH_CUDA
-std::vector<Tensor> transition_backward_gpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
-                                            const OptTensor& mask, const OptTensor& drop, int64_t kind,
-                                            const Tensor& w_ih, const Tensor& b_ih, const Tensor& w_hh,
-                                            const Tensor& b_hh, const OptTensor& ln_w, const OptTensor& ln_b,
-                                            const OptTensor& t_w, const OptTensor& t_b, const OptTensor& t_ln_w,
-                                            const OptTensor& t_ln_b, const Tensor& xp, const Tensor& hs,
-                                            const Tensor& hs_lp, const Tensor& hp, const Tensor& hpt, bool reverse,
-                                            double eps, bool weight_grads) {
-  TORCH_CHECK(weight_grads, "dtmt::transition_backward: weight_grads=False is implemented on the CPU only");
-  const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-  auto g = dtmt::transition_backward_cuda(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x),
-                                          w, dense(xp), dense(hs), dense(hs_lp), dense(hp), dense(hpt), reverse,
-                                          eps);
-  return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-}
-#endif
 
 std::tuple<Tensor, Tensor, Tensor> additive_scores_backward(const Tensor& grad, const Tensor& keys, const Tensor& query,
                                                            const Tensor& v) {
@@ -198,7 +185,7 @@ TORCH_LIBRARY(dtmt, m) {
 
 TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("transition_forward", &transition_forward<dtmt::transition_forward_cpu>);
-  m.impl("transition_backward", &transition_backward_cpu);
+  m.impl("transition_backward", &transition_backward<dtmt::transition_backward_cpu>);
   m.impl("additive_scores", &additive_scores);
   m.impl("additive_scores_backward", &additive_scores_backward);
   m.impl("attention_context", &attention_context);
@@ -213,6 +200,6 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
 #ifdef DTMT_WITH_CUDA
 TORCH_LIBRARY_IMPL(dtmt, CUDA, m) {
   m.impl("transition_forward", &transition_forward<dtmt::transition_forward_cuda>);
-  m.impl("transition_backward", &transition_backward_gpu);
+  m.impl("transition_backward", &transition_backward<dtmt::transition_backward_cuda>);
 }
 #endif

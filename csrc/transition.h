@@ -43,8 +43,8 @@ std::vector<at::Tensor> transition_backward_cpu(const at::Tensor& grad_out, cons
                                                 const at::Tensor& hpt, bool reverse, double eps,
                                                 bool weight_grads = true);
 
-// The CUDA kernels (csrc/transition_cuda.cu, built with a CUDA torch): the same contract; backward always forms
-// the weight gradients.
+// The CUDA kernels (csrc/transition_cuda.cu, built with a CUDA torch): the same contract, except that backward
+// always forms the weight gradients (weight_grads=false is refused).
 std::vector<at::Tensor> transition_forward_cuda(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                                 const at::Tensor& drop, const TransitionWeights& w, bool reverse,
                                                 double eps);
@@ -52,7 +52,8 @@ std::vector<at::Tensor> transition_backward_cuda(const at::Tensor& grad_out, con
                                                  const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
                                                  const TransitionWeights& w, const at::Tensor& xp,
                                                  const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
-                                                 const at::Tensor& hpt, bool reverse, double eps);
+                                                 const at::Tensor& hpt, bool reverse, double eps,
+                                                 bool weight_grads = true);
 
 // The epilogue of every backward (CPU and CUDA): the weight and bias gradients of one direction from its
 // pre-activation gradients over N = T*B rows, dW_ih = dxp^T x, db_ih = dxp's column sums, dW_hh = dhp^T states[0],

@@ -93,6 +93,59 @@ Tensor in_acc(const Tensor& t, at::ScalarType acc) {
   return !t.defined() || t.numel() == 0 || t.scalar_type() == acc ? t : t.to(acc);
 }
 
+// `rows` as A values for a row pass: the tensor's own data when it is in A (float / double inputs), else converted
+// into `buf` (16-bit inputs).
+template <typename A> const A* acc_rows(Tensor& buf, const Tensor& rows) {
+  if (rows.scalar_type() == c10::CppTypeToScalarType<A>::value) return rows.data_ptr<A>();
+  buf.copy_(rows);
+  return buf.data_ptr<A>();
+}
+
+// What every step of one call reads besides its rows, in the accumulation type A (the call's own tensors for
+// float / double inputs, converted copies for 16-bit ones): layer-norm parameters, candidate-dropout multipliers
+// and the mask; and the row-pass settings they give the base cell and each T-GRU.
+template <typename A> struct StepSettings {
+  Tensor ln_w, ln_b, t_ln_w, t_ln_b, drop, mask;  // own what the pointers below point into
+  CellRows<A> base{};                             // kind, H, eps, layer norm and dropout of the base cell
+  int64_t B, H;
+
+  StepSettings(const TransitionWeights& w, const Tensor& drop_in, const Tensor& mask_in, int64_t B_, int64_t H_,
+               double eps)
+      : B(B_), H(H_) {
+    const at::ScalarType acc = c10::CppTypeToScalarType<A>::value;
+    ln_w = in_acc(w.ln_w, acc), ln_b = in_acc(w.ln_b, acc);
+    t_ln_w = in_acc(w.t_ln_w, acc), t_ln_b = in_acc(w.t_ln_b, acc);
+    drop = in_acc(drop_in, acc), mask = in_acc(mask_in, acc);
+    base.kind = static_cast<int>(w.kind);
+    base.H = static_cast<int>(H);
+    base.eps = static_cast<A>(eps);
+    base.ln_w = ptr(ln_w);
+    base.ln_b = ptr(ln_b);
+    base.drop = ptr(drop);
+  }
+
+  // T-GRU k (1..depth): its slices of the layer-norm parameters and dropout multipliers.
+  CellRows<A> tgru(int64_t k) const {
+    CellRows<A> r{};
+    r.kind = kTGRU;
+    r.H = base.H;
+    r.eps = base.eps;
+    const A *lw = ptr(t_ln_w), *lb = ptr(t_ln_b);
+    r.ln_w = lw ? lw + (k - 1) * 2 * H : nullptr;
+    r.ln_b = lb ? lb + (k - 1) * 2 * H : nullptr;
+    r.drop = base.drop ? base.drop + k * B * H : nullptr;
+    return r;
+  }
+
+  // Whether batch row b is a real token at step t (no mask: every row is).
+  bool valid(int64_t t, int64_t b) const {
+    const A* m = ptr(mask);
+    return !m || m[t * B + b] > A(0.5);
+  }
+
+  static const A* ptr(const Tensor& t) { return static_cast<const A*>(ptr_or_null(t)); }
+};
+
 // 16-bit inputs (bfloat16, half; LP true): the GEMMs run in the input dtype (ATen's, float accumulation) and their
 // results (xp, hp, hpt) are stored in it; each step converts the rows it needs into float buffers for the row
 // passes, which compute in float as for float inputs. States (hs, h_n, the carried gradients) and layer-norm
@@ -127,11 +180,6 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
     hpt_a = at::empty({B, 3 * H}, acc_opts);
     out_a = at::empty({B, H}, acc_opts);
   }
-  auto rows_a = [&](Tensor& buf, const Tensor& rows) -> const A* {
-    if (!LP) return rows.data_ptr<A>();
-    buf.copy_(rows);
-    return buf.data_ptr<A>();
-  };
   // the GEMM operand of state k at step t (hs_lp's row, filled from hs, for 16-bit inputs)
   auto gemm_state = [&](int64_t k, int64_t t) -> Tensor {
     if (!LP) return hs[k][t];
@@ -140,22 +188,10 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
     return r;
   };
 
-  const Tensor ln_w = in_acc(w.ln_w, acc), ln_b = in_acc(w.ln_b, acc);
-  const Tensor t_ln_w = in_acc(w.t_ln_w, acc), t_ln_b = in_acc(w.t_ln_b, acc);
-  const Tensor drop_a = in_acc(drop, acc), mask_a = in_acc(mask, acc);
-  const A* tlnw = static_cast<const A*>(ptr_or_null(t_ln_w));
-  const A* tlnb = static_cast<const A*>(ptr_or_null(t_ln_b));
-  const A* dropp = static_cast<const A*>(ptr_or_null(drop_a));
-  const A* maskp = static_cast<const A*>(ptr_or_null(mask_a));
+  const StepSettings<A> set(w, drop, mask, B, H, eps);
   std::vector<Tensor> t_w;
   for (int64_t k = 0; k < D; ++k) t_w.push_back(w.t_w[k]);
-  CellRows<A> base{};
-  base.kind = static_cast<int>(w.kind);
-  base.H = static_cast<int>(H);
-  base.eps = static_cast<A>(eps);
-  base.ln_w = static_cast<const A*>(ptr_or_null(ln_w));
-  base.ln_b = static_cast<const A*>(ptr_or_null(ln_b));
-  base.drop = dropp;
+  CellRows<A> base = set.base;
 
   for (int64_t step = 0; step < T_; ++step) {
     const int64_t t = reverse ? T_ - 1 - step : step;
@@ -163,32 +199,25 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
     h_in.copy_(h_n);
     Tensor hp_t = hp[t];
     linear_into(hp_t, w.b_hh, gemm_state(0, t), w.w_hh);
-    A* out_t = LP ? out_a.data_ptr<A>() : reinterpret_cast<A*>(out[t].data_ptr<S>());
-    base.xp = rows_a(xp_a, xp[t]);
-    base.hp = rows_a(hp_a, hp_t);
+    A* out_t = LP ? out_a.data_ptr<A>() : out[t].data_ptr<A>();
+    base.xp = acc_rows<A>(xp_a, xp[t]);
+    base.hp = acc_rows<A>(hp_a, hp_t);
     base.h = h_in.data_ptr<A>();
     base.out = D > 0 ? hs[1][t].data_ptr<A>() : out_t;
     cell_rows(kernels.cell_forward_rows, base, B);
     for (int64_t k = 1; k <= D; ++k) {
       Tensor hpt_k = hpt[k - 1][t];
       linear_into(hpt_k, w.t_b[k - 1], gemm_state(k, t), t_w[k - 1]);
-      CellRows<A> tgru{};
-      tgru.kind = kTGRU;
-      tgru.H = base.H;
-      tgru.eps = base.eps;
-      tgru.hp = rows_a(hpt_a, hpt_k);
+      CellRows<A> tgru = set.tgru(k);
+      tgru.hp = acc_rows<A>(hpt_a, hpt_k);
       tgru.h = hs[k][t].data_ptr<A>();
-      tgru.ln_w = tlnw ? tlnw + (k - 1) * 2 * H : nullptr;
-      tgru.ln_b = tlnb ? tlnb + (k - 1) * 2 * H : nullptr;
-      tgru.drop = dropp ? dropp + k * B * H : nullptr;
       tgru.out = k < D ? hs[k + 1][t].data_ptr<A>() : out_t;
       cell_rows(kernels.cell_forward_rows, tgru, B);
     }
     // Masking: a padded step carries the state unchanged and outputs zero.
     A* hn_p = h_n.data_ptr<A>();
     for (int64_t b = 0; b < B; ++b) {
-      const bool valid = !maskp || maskp[t * B + b] > A(0.5);
-      if (valid) {
+      if (set.valid(t, b)) {
         std::memcpy(hn_p + b * H, out_t + b * H, sizeof(A) * H);
       } else {
         std::memset(out_t + b * H, 0, sizeof(A) * H);
@@ -240,11 +269,6 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
     dhpt_a = at::empty({B, 3 * H}, acc_opts);
     through_u = at::empty({B, H}, opts);
   }
-  auto rows_a = [&](Tensor& buf, const Tensor& rows) -> const A* {
-    if (!LP) return rows.data_ptr<A>();
-    buf.copy_(rows);
-    return buf.data_ptr<A>();
-  };
   auto grad_rows = [&](Tensor& buf, Tensor& rows) -> A* { return LP ? buf.data_ptr<A>() : rows.data_ptr<A>(); };
   // dB += d(pre-activations) U, the pre-activation gradients first stored in their tensor's rows
   auto add_through_u = [&](const Tensor& buf, Tensor& rows, const Tensor& u) {
@@ -257,20 +281,8 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
     dB.add_(through_u);
   };
 
-  const Tensor ln_w = in_acc(w.ln_w, acc), ln_b = in_acc(w.ln_b, acc);
-  const Tensor t_ln_w = in_acc(w.t_ln_w, acc), t_ln_b = in_acc(w.t_ln_b, acc);
-  const Tensor drop_a = in_acc(drop, acc), mask_a = in_acc(mask, acc);
-  const A* tlnw = static_cast<const A*>(ptr_or_null(t_ln_w));
-  const A* tlnb = static_cast<const A*>(ptr_or_null(t_ln_b));
-  const A* dropp = static_cast<const A*>(ptr_or_null(drop_a));
-  const A* maskp = static_cast<const A*>(ptr_or_null(mask_a));
-  CellRows<A> base{};
-  base.kind = static_cast<int>(w.kind);
-  base.H = static_cast<int>(H);
-  base.eps = static_cast<A>(eps);
-  base.ln_w = static_cast<const A*>(ptr_or_null(ln_w));
-  base.ln_b = static_cast<const A*>(ptr_or_null(ln_b));
-  base.drop = dropp;
+  const StepSettings<A> set(w, drop, mask, B, H, eps);
+  CellRows<A> base = set.base;
   base.dln_w = ln ? dln_rows.data_ptr<A>() : nullptr;
   base.dln_b = ln ? dlnb_rows.data_ptr<A>() : nullptr;
 
@@ -282,21 +294,15 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
       const A* dc = d_cur.data_ptr<A>();
       A* da = dA.data_ptr<A>();
       for (int64_t b = 0; b < B; ++b) {
-        const bool valid = !maskp || maskp[t * B + b] > A(0.5);
+        const bool valid = set.valid(t, b);
         for (int64_t j = 0; j < H; ++j) da[b * H + j] = valid ? dc[b * H + j] + go[b * H + j] : A(0);
       }
     }
     for (int64_t k = D; k >= 1; --k) {
       Tensor dhpt_k = dhpt[k - 1][t];
-      CellRows<A> tgru{};
-      tgru.kind = kTGRU;
-      tgru.H = base.H;
-      tgru.eps = base.eps;
-      tgru.hp = rows_a(hpt_a, hpt[k - 1][t]);
+      CellRows<A> tgru = set.tgru(k);
+      tgru.hp = acc_rows<A>(hpt_a, hpt[k - 1][t]);
       tgru.h = hs[k][t].data_ptr<A>();
-      tgru.ln_w = tlnw ? tlnw + (k - 1) * 2 * H : nullptr;
-      tgru.ln_b = tlnb ? tlnb + (k - 1) * 2 * H : nullptr;
-      tgru.drop = dropp ? dropp + k * B * H : nullptr;
       tgru.dout = dA.data_ptr<A>();
       tgru.dhp = grad_rows(dhpt_a, dhpt_k);
       tgru.dh = dB.data_ptr<A>();
@@ -309,8 +315,8 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
     {
       Tensor dxp_t = dxp[t];
       Tensor dhp_t = dhp[t];
-      base.xp = rows_a(xp_a, xp[t]);
-      base.hp = rows_a(hp_a, hp[t]);
+      base.xp = acc_rows<A>(xp_a, xp[t]);
+      base.hp = acc_rows<A>(hp_a, hp[t]);
       base.h = hs[0][t].data_ptr<A>();
       base.dout = dA.data_ptr<A>();
       base.dxp = grad_rows(dxp_a, dxp_t);
@@ -325,8 +331,7 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
       const A* db = dB.data_ptr<A>();
       A* dc = d_cur.data_ptr<A>();
       for (int64_t b = 0; b < B; ++b) {
-        const bool valid = !maskp || maskp[t * B + b] > A(0.5);
-        if (valid) std::memcpy(dc + b * H, db + b * H, sizeof(A) * H);
+        if (set.valid(t, b)) std::memcpy(dc + b * H, db + b * H, sizeof(A) * H);
       }
     }
   }

@@ -342,7 +342,9 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
 std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                              const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
                                              const Tensor& xp, const Tensor& hs, const Tensor& hs_lp,
-                                             const Tensor& hp, const Tensor& hpt, bool reverse, double eps) {
+                                             const Tensor& hp, const Tensor& hpt, bool reverse, double eps,
+                                             bool weight_grads) {
+  TORCH_CHECK(weight_grads, "dtmt::transition_backward: weight_grads=False is implemented on the CPU only");
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_backward_cuda", [&] {

@@ -10,18 +10,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .ops._autocast import autocast_dtype
 from .ops.transition.grads import weight_grads
 from .ops.transition.layout import present
-
-
-def autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
-    """The dtype torch.autocast computes t's device's GEMMs in when it is on there and t is eligible (floating
-    point, not float64), else None. The steps here apply the ops' autocast rules themselves (ops/_autocast.py), so
-    that their backward sees the dtypes their forward ran in, and cast each session's weights once."""
-    dev = t.device.type
-    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev) or t.dtype == torch.float64:
-        return None
-    return torch.get_autocast_dtype(dev)
 
 
 class _UnrolledSession:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import reference
+from .ops._autocast import autocast_dtype, autocast_mix
 from .ops.decode_step import (AttentionWeights, MemoryWeights, ReadoutWeights, attention_step, memory_encoder,
                                readout_features, rnmt_step)
 from .ops.linear import small_rows_applicable, small_rows_linear
@@ -98,17 +99,13 @@ def _shared_dtype(*ts: Tensor) -> bool:
     """Whether the tensors share a dtype, or differ only as torch.autocast makes them (float32 and the autocast
     dtype, on a device where it is on: the ops' autocast rules cast them, ops/_autocast.py)."""
     dtypes = {t.dtype for t in ts}
-    if len(dtypes) == 1:
-        return True
-    dev = ts[0].device.type
-    return dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and \
-        dtypes <= {torch.float32, torch.get_autocast_dtype(dev)}
+    return len(dtypes) == 1 or autocast_mix(dtypes, ts[0])
 
 
 def _cpp_attention_runs(t: Tensor) -> bool:
     """Whether the C++ attention kernels take these tensors: float32 / float64, or any dtype under autocast (which
     runs them in float32); 16-bit tensors outside autocast take the reference's PyTorch ops."""
-    return t.dtype in (torch.float32, torch.float64) or torch.is_autocast_enabled(t.device.type)
+    return t.dtype in (torch.float32, torch.float64) or autocast_dtype(t) is not None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: str = "auto") -> Tensor:

@@ -37,6 +37,7 @@ from .autograd import (CppContextStepFunction, CppTransitionStepFunction, CppUnr
 from .backends import BackendSwitch, resolve_backend
 from .functional import (attention_context, check_attention_context, check_dtype_for_backend, lengths_to_mask,
                          linear)
+from .ops._autocast import autocast_mix
 from .ops._extension import built
 from .ops.transition import CELL_KINDS, CELL_ROWS, KINDS, flat_params
 from .reference import TransitionWeights
@@ -187,7 +188,7 @@ class _TransitionBase(BackendSwitch, nn.Module):
         ref = self.weight_hh
         if not t.is_floating_point():
             raise ValueError(f"{name}: {arg} must be a floating-point Tensor {expected}, got dtype {t.dtype}")
-        if t.dtype != ref.dtype and not _autocast_dtype_of(t, ref):
+        if t.dtype != ref.dtype and not (ref.dtype == torch.float32 and autocast_mix((t.dtype,), t)):
             raise ValueError(f"{name}: {arg} has dtype {t.dtype} but the parameters are {ref.dtype}; "
                              f"convert one of them (e.g. layer.to({t.dtype}))")
         if t.device != ref.device:
@@ -212,16 +213,6 @@ class _TransitionBase(BackendSwitch, nn.Module):
             outs.append(out)
             states.append(h_n)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)
-
-
-def _autocast_dtype_of(t: Tensor, ref: Tensor) -> bool:
-    """Whether t, given to a layer with float32 parameters while torch.autocast is on for t's device, has a dtype
-    autocast produces there (the autocast dtype, or float32: the state the ops keep). The ops' autocast rules
-    (ops/_autocast.py) then cast the inputs."""
-    dev = t.device.type
-    if ref.dtype != torch.float32 or dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
-        return False
-    return t.dtype in (torch.float32, torch.get_autocast_dtype(dev))
 
 
 class _TransitionLayer(_TransitionBase):

@@ -12,7 +12,7 @@ calls them with the dtypes their forward saw).
 Only autocast-eligible tensors are cast: floating point, not float64, on the autocast's device (torch's rule)."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -24,6 +24,21 @@ DEVICE_TYPES = ("cpu", "cuda")
 def _eligible(t, device_type: str) -> bool:
     return isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
         and t.device.type == device_type
+
+
+def autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
+    """The autocast dtype of t's device while torch.autocast is on there and t is eligible, else None."""
+    dev = t.device.type
+    if dev not in DEVICE_TYPES or not _eligible(t, dev) or not torch.is_autocast_enabled(dev):
+        return None
+    return torch.get_autocast_dtype(dev)
+
+
+def autocast_mix(dtypes: Iterable[torch.dtype], like: Tensor) -> bool:
+    """Whether `dtypes` are what autocast leaves side by side on like's device while it is on there (float32 and
+    the autocast dtype): the rules here then cast them, so the entry points' dtype checks let them through."""
+    dtype = autocast_dtype(like)
+    return dtype is not None and set(dtypes) <= {torch.float32, dtype}
 
 
 def _cast(a, dtype: torch.dtype, device_type: str):

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bench_compile import add_batch_arguments, cpu_name, small_model_and_batches  # noqa: E402
+from bench_compile import add_batch_arguments, alternate, cpu_name, small_model_and_batches  # noqa: E402
 
 
 def gemm_ms(m: int, k: int, n: int, dtype, repeat: int = 5) -> float:
@@ -62,17 +62,7 @@ def main(argv=None):
 
     update(False, batches[0])
     update(True, batches[0])   # warm both
-    rows = []
-    for r in range(a.rounds):
-        rates = {}
-        for name, amp in (("float32", False), ("bf16", True)):
-            t0, tokens = time.perf_counter(), 0
-            for batch in batches:
-                tokens += update(amp, batch)
-            rates[name] = tokens / (time.perf_counter() - t0)
-        rows.append(rates)
-        print(f"round {r + 1}: float32 {rates['float32']:,.0f} tok/s, bf16 autocast {rates['bf16']:,.0f} tok/s, "
-              f"ratio {rates['bf16'] / rates['float32']:.3f}", flush=True)
+    rows = alternate(update, (("float32", False), ("bf16", True)), batches, a.rounds)
     result = dict(model=a.model, threads=a.threads, cpu=cpu_name(), torch=torch.__version__,
                   onednn_bf16=bf16_isa, batch=[a.batch_size, a.src_len, a.tgt_len], gemms=gemms, rounds=rows,
                   params=sum(p.numel() for p in model.parameters()))

@@ -73,6 +73,24 @@ def small_model_and_batches(a):
     return model, batches
 
 
+def alternate(update, variants, batches, rounds: int) -> list:
+    """`rounds` rounds of every (name, arg) in `variants` in turn, each one update(arg, batch) per batch: per round,
+    {name: target tokens/s}; a line a round with the last variant's ratio to the first's."""
+    rows = []
+    for r in range(rounds):
+        rates = {}
+        for name, arg in variants:
+            t0, tokens = time.perf_counter(), 0
+            for batch in batches:
+                tokens += update(arg, batch)
+            rates[name] = tokens / (time.perf_counter() - t0)
+        rows.append(rates)
+        first, last = variants[0][0], variants[-1][0]
+        print(f"round {r + 1}: " + ", ".join(f"{name} {rate:,.0f} tok/s" for name, rate in rates.items()) +
+              f", ratio {rates[last] / rates[first]:.3f}", flush=True)
+    return rows
+
+
 def main(argv=None):
     import torch
 
@@ -98,17 +116,7 @@ def main(argv=None):
     update(compiled, batches[0])
     compile_s = time.perf_counter() - t0
     update(model, batches[0])   # warm both
-    rows = []
-    for r in range(a.rounds):
-        rates = {}
-        for name, fn in (("eager", model), ("compiled", compiled)):
-            t0, tokens = time.perf_counter(), 0
-            for batch in batches:
-                tokens += update(fn, batch)
-            rates[name] = tokens / (time.perf_counter() - t0)
-        rows.append(rates)
-        print(f"round {r + 1}: eager {rates['eager']:,.0f} tok/s, compiled {rates['compiled']:,.0f} tok/s, "
-              f"ratio {rates['compiled'] / rates['eager']:.3f}", flush=True)
+    rows = alternate(update, (("eager", model), ("compiled", compiled)), batches, a.rounds)
     result = dict(model=a.model, backend=a.backend, threads=a.threads, cpu=cpu_name(), torch=torch.__version__,
                   batch=[B, S, T], compile_s=compile_s, rounds=rows,
                   params=sum(p.numel() for p in model.parameters()))

@@ -2,6 +2,7 @@
 what the command writes).
 
     dtmt evaluate --checkpoint C --data DIR [--split test] [--out-dir D]
+    dtmt evaluate -c A -c B --data DIR      (an ensemble: see dtmt_models.decoding.ensemble)
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import List, Optional
 
 from dtmt_models.atomic import WriteError
 from dtmt_models.cli.translate import (
-    OnceAction,
     add_decoding_arguments,
     check_decoding_arguments,
     check_device_and_backend,
@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Translate a test set with a checkpoint (or take existing translations with "
                                "--hyp) and score it: BLEU, chrF and BLEU by source length.")
-    p.add_argument("--checkpoint", "-c", action=OnceAction, help="a checkpoint written by `dtmt train` (not needed with --hyp)")
+    p.add_argument("--checkpoint", "-c", action="append", metavar="CKPT",
+                   help="a checkpoint written by `dtmt train` (not needed with --hyp); repeated, an ensemble")
     p.add_argument("--data", help="a corpus directory written by `dtmt prepare`")
     p.add_argument("--split", default="test", help="the split of --data to score (default test)")
     p.add_argument("--src", help="source file (with --ref, instead of --data)")
@@ -101,10 +102,12 @@ def _run(args: argparse.Namespace) -> int:
     if not pairs:
         raise InputError(f"{src_path}: no sentences to score")
 
-    anchor = args.checkpoint if args.checkpoint else args.hyp
-    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(anchor)), f"{_stem(anchor)}.{label}")
+    anchor = args.checkpoint[0] if args.checkpoint else args.hyp
+    stem = "+".join(map(_stem, args.checkpoint)) if args.checkpoint else _stem(anchor)   # an ensemble: a+b
+    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(anchor)), f"{stem}.{label}")
+    one = args.checkpoint is not None and len(args.checkpoint) == 1
     settings = {"data": args.data, "split": args.split if args.data else None, "src": src_path, "ref": ref_path,
-                "checkpoint": args.checkpoint, "bounds": bounds}
+                "checkpoint": args.checkpoint[0] if one else args.checkpoint, "bounds": bounds}
     decode = None
     if args.hyp:
         hyps = read_lines(args.hyp, allow_empty=True)
@@ -113,11 +116,13 @@ def _run(args: argparse.Namespace) -> int:
         settings["hyp"] = args.hyp
     else:
         device = check_device_and_backend(args.device, args.backend)
-        model, src_vocab, tgt_vocab, ckpt = load_for_decoding(args.checkpoint, device, args.backend)
+        model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
         kwargs = decoding_kwargs(args, device)
         results, seconds = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sources, **kwargs)
         hyps = [r[0][0] if r else "" for r in results]
-        settings.update(model_name=ckpt.get("model_name"), model_options=ckpt.get("model_options"),
+        names, options = [c.get("model_name") for c in ckpts], [c.get("model_options") for c in ckpts]
+        settings.update(model_name=names[0] if one else "+".join(map(str, names)),
+                        model_options=options[0] if one else options,
                         **{k: (str(v) if k == "device" else v) for k, v in kwargs.items()}, backend=args.backend)
         decode = {"seconds": round(seconds, 3), "sentences_per_s": len(sources) / max(seconds, 1e-9),
                   "src_words_per_s": sum(len(s.split()) for s in sources) / max(seconds, 1e-9),

@@ -2,6 +2,7 @@
 sentences is decoded and what the command writes).
 
     dtmt translate --checkpoint C [FILE ...] [--output F | --output-dir D] [--nbest N]
+    dtmt translate -c A -c B [FILE ...]      (an ensemble: see dtmt_models.decoding.ensemble)
 """
 from __future__ import annotations
 
@@ -89,16 +90,29 @@ def check_device_and_backend(device: str, backend: str) -> torch.device:
     return dev
 
 
-def load_for_decoding(checkpoint: str, device: torch.device, backend: str):
-    """load_model with the errors a user can cause turned into InputError."""
+def load_for_decoding(checkpoints: Sequence[str], device: torch.device, backend: str):
+    """(model, source vocabulary, target vocabulary, the checkpoint dicts) for one checkpoint, or for several an
+    Ensemble of their models (decoding/ensemble.py; their vocabularies must be the same), with the errors a user
+    can cause turned into InputError."""
+    from dtmt_models.decoding.ensemble import Ensemble, check_vocabularies
     from dtmt_models.models.checkpoint import load_model
 
-    if not os.path.isfile(checkpoint):
-        raise InputError(f"checkpoint {checkpoint!r} does not exist")
+    loaded = []
+    for checkpoint in checkpoints:
+        if not os.path.isfile(checkpoint):
+            raise InputError(f"checkpoint {checkpoint!r} does not exist")
+        try:
+            loaded.append(load_model(checkpoint, str(device), backend))
+        except (ValueError, KeyError, RuntimeError, OSError, TypeError) as exc:
+            raise InputError(f"{checkpoint}: cannot load the checkpoint ({one_line(exc)})") from None
+    models, src_vocabs, tgt_vocabs, ckpts = (list(x) for x in zip(*loaded))
+    if len(models) == 1:
+        return models[0], src_vocabs[0], tgt_vocabs[0], ckpts
     try:
-        return load_model(checkpoint, str(device), backend)
-    except (ValueError, KeyError, RuntimeError, OSError, TypeError) as exc:
-        raise InputError(f"{checkpoint}: cannot load the checkpoint ({one_line(exc)})") from None
+        check_vocabularies(list(checkpoints), list(zip(src_vocabs, tgt_vocabs)))
+        return Ensemble(models), src_vocabs[0], tgt_vocabs[0], ckpts
+    except ValueError as exc:
+        raise InputError(f"ensemble: {one_line(exc)}") from None
 
 
 def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sentences: Sequence[str], **kwargs
@@ -174,16 +188,6 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=list(BACKEND_NAMES),
                    help="recurrent kernel backend (default auto)")
     g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
-
-
-class OnceAction(argparse.Action):
-    """An option that may be given once: a repeat is an error, not a silent "the last one wins"."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if getattr(namespace, self.dest, None) is not None:
-            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); "
-                         f"give one checkpoint (ensembles are not supported)")
-        setattr(namespace, self.dest, values)
 
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
@@ -282,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
                "and writing stdout, it streams: the lines that have arrived are translated and written (in order) "
                "while the next ones are read, so an interactive line is answered at once.")
     p.add_argument("inputs", nargs="*", metavar="FILE", help="UTF-8 input files; none or '-' reads stdin")
-    p.add_argument("--checkpoint", "-c", required=True, action=OnceAction, help="a checkpoint written by `dtmt train`")
+    p.add_argument("--checkpoint", "-c", required=True, action="append", metavar="CKPT",
+                   help="a checkpoint written by `dtmt train`; repeated (-c A -c B), an ensemble of the models, "
+                        "their log-probabilities averaged at each step (they must share the vocabularies)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--output", "-o", help="output file (default stdout), written atomically at the end")
     out.add_argument("--output-dir", help="write each input's translation to DIR/<input basename>.out")

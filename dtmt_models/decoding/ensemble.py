@@ -1,0 +1,74 @@
+"""Ensembles: several models decoded as one, their log-probabilities averaged at every step.
+
+    ensemble = Ensemble([model_a, model_b])          # any systems with the Seq2Seq decoding interface
+    translate(ensemble, src_vocab, tgt_vocab, sentences)
+
+At step t the ensemble scores the next token as the mean of its members' log-probabilities,
+log p(y_t | y_<t, x) = (1/M) sum_m log p_m(y_t | y_<t, x) (a log-linear combination: the scores are not
+renormalised, as in Marian and Nematus; with one member, or M copies of one model, they are that model's). Every member
+encodes the source itself and keeps its own state; beam search reorders the members' states together. The
+members must share the source and target vocabularies (`check_vocabularies`), not the architecture: a dtmt and an
+rnnsearch-atr model trained on one prepared corpus form an ensemble.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+
+class EnsembleDecoder:
+    """encode / step / reorder over the members' decoders (what `beam_search` drives). The state is the tuple
+    of the members' states."""
+
+    def __init__(self, decoders: Sequence):
+        self.decoders = list(decoders)
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> Tuple:
+        return tuple(d.encode(src, src_lengths) for d in self.decoders)
+
+    def step(self, state: Tuple, prev_tokens: Tensor) -> Tuple[Tensor, Tuple]:
+        """(mean of the members' log-probabilities [B, V] in float32 or wider, the new states)."""
+        total, states = None, []
+        for d, s in zip(self.decoders, state):
+            log_probs, s = d.step(s, prev_tokens)
+            log_probs = log_probs.float() if log_probs.dtype in (torch.float16, torch.bfloat16) else log_probs
+            total = log_probs.clone() if total is None else total.add_(log_probs)
+            states.append(s)
+        return total.div_(len(self.decoders)), tuple(states)
+
+    def reorder(self, state: Tuple, index: Tensor) -> Tuple:
+        return tuple(d.reorder(s, index) for d, s in zip(self.decoders, state))
+
+
+class Ensemble(nn.Module):
+    """Models decoded together (see the module docstring); an nn.Module so that `translate` can switch it to eval
+    mode and find its device. `inference_decoder()` builds each member's inference decoder once."""
+
+    def __init__(self, models: Sequence[nn.Module]):
+        super().__init__()
+        if not models:
+            raise ValueError("Ensemble: give at least one model")
+        vocab_sizes = {(getattr(m, "src_vocab_size", None), getattr(m, "tgt_vocab_size", None)) for m in models}
+        if len(vocab_sizes) > 1:
+            raise ValueError(f"Ensemble: the models' (source, target) vocabulary sizes differ: {sorted(vocab_sizes)}")
+        self.members = nn.ModuleList(models)
+
+    def inference_decoder(self) -> EnsembleDecoder:
+        return EnsembleDecoder([m.inference_decoder() if hasattr(m, "inference_decoder") else m
+                                for m in self.members])
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("Ensemble decodes only (translate / beam_search); train its members one by one")
+
+
+def check_vocabularies(names: Sequence[str], vocabularies: Sequence[Tuple]) -> None:
+    """ValueError naming the first model whose (source, target) Vocabulary differs from the first model's: an
+    ensemble's members must segment the source and number the target pieces identically."""
+    first_src, first_tgt = vocabularies[0]
+    for name, (src, tgt) in zip(names[1:], vocabularies[1:]):
+        for side, a, b in (("source", first_src, src), ("target", first_tgt, tgt)):
+            if a.proto != b.proto:
+                raise ValueError(f"{name}: its {side} vocabulary differs from {names[0]}'s ({len(b)} and "
+                                 f"{len(a)} pieces); an ensemble needs models trained on one prepared corpus")

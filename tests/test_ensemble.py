@@ -1,0 +1,173 @@
+"""Ensembles (dtmt_models.decoding.ensemble; `dtmt translate -c A -c B`, `dtmt evaluate -c A -c B`).
+
+- A model ensembled with itself decodes exactly as the model (the mean of two equal log-probabilities is the
+  value itself, bit for bit), in the library and through the command line.
+- Beam search over an ensemble of two different systems (dtmt and rnnsearch-atr) with a beam wide enough to
+  keep every open hypothesis returns exactly the exhaustive search's ranking, each complete hypothesis scored
+  independently of the step interface: by the members' teacher-forced forward passes, their log-probabilities
+  averaged per token, divided by the GNMT length penalty.
+- Models with different vocabularies are refused with one line.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+import torch
+
+from dtmt_models import cli
+from dtmt_models.data.vocabulary import BOS, EOS, Vocabulary
+from dtmt_models.decoding.beam_search import beam_search, length_penalty
+from dtmt_models.decoding.ensemble import Ensemble
+from dtmt_models.decoding.translate import translate
+from dtmt_models.models.checkpoint import save_checkpoint
+from dtmt_models.models.registry import build_model
+
+SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
+       "ella lee el libro", "nosotros vamos a la playa", "el sol brilla", "la luna es blanca"]
+TGT = ["the dog eats bread", "the house is big", "the cat sleeps in the house", "i have a red book",
+       "she reads the book", "we go to the beach", "the sun shines", "the moon is white"]
+INPUTS = ["el perro come pan", "", "la casa es grande y el gato duerme", "el sol", "ella lee el libro rojo"]
+
+
+def _spread(model, seed):
+    """Random weights spread out (so translations are long and differ) and EOS made less likely."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=gen))
+        bias = [m.bias for n, m in model.named_modules() if n.endswith("output.proj")]
+        if bias:
+            bias[0][EOS] -= 1.0
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two tiny checkpoints of different systems on one vocabulary pair, and one on another vocabulary."""
+    d = tmp_path_factory.mktemp("ensemble")
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    other = Vocabulary.train(TGT + ["a completely different target side"], vocab_size=55)
+    specs = {"a": ("dtmt", dict(embed_dim=16, hidden_size=16, depth=1, heads=2, dropout=0.0,
+                                candidate_dropout=0.0), sv, tv),
+             "b": ("rnnsearch-atr", dict(embed_dim=16, hidden_size=16, dropout=0.0), sv, tv),
+             "foreign": ("rnnsearch-atr", dict(embed_dim=16, hidden_size=16, dropout=0.0), sv, other)}
+    paths, models = {}, {}
+    for i, (key, (name, options, s, t)) in enumerate(specs.items()):
+        torch.manual_seed(i)
+        model = _spread(build_model(name, len(s), len(t), **options), seed=10 + i)
+        paths[key] = str(d / f"{key}.pt")
+        save_checkpoint(paths[key], dict(model_name=name, model_options=options, src_vocab=s.proto,
+                                         tgt_vocab=t.proto, model=model.state_dict()))
+        models[key] = model
+    return paths, models, sv, tv
+
+
+def test_ensemble_of_a_model_with_itself_is_the_model(checkpoints):
+    _, models, sv, tv = checkpoints
+    for key in ("a", "b"):
+        alone = translate(models[key], sv, tv, INPUTS, beam=3, nbest=3)
+        doubled = translate(Ensemble([models[key], models[key]]), sv, tv, INPUTS, beam=3, nbest=3)
+        assert doubled == alone                   # texts and scores, exactly
+        assert len({h[0][0] for h in alone if h[0][0]}) >= 3   # real translations that differ, not empty lines
+
+
+def test_ensemble_of_two_models_differs_from_each(checkpoints):
+    _, models, sv, tv = checkpoints
+    both = translate(Ensemble([models["a"], models["b"]]), sv, tv, INPUTS, beam=3)
+    assert both != translate(models["a"], sv, tv, INPUTS, beam=3)
+    assert both != translate(models["b"], sv, tv, INPUTS, beam=3)
+
+
+def _exhaustive(members, src, max_len, alpha):
+    """Every complete hypothesis of at most max_len tokens (EOS included), scored from the members' teacher-
+    forced forward passes; sorted best first as (score, tokens)."""
+    V = members[0].tgt_vocab_size
+    words = [w for w in range(V) if w != EOS]
+    lengths = torch.tensor([src.shape[1]])
+    scored = []
+    for n in range(max_len):
+        for body in itertools.product(words, repeat=n):
+            seq = list(body) + [EOS]
+            prev = torch.tensor([[BOS] + seq[:-1]])
+            with torch.no_grad():
+                per_member = [m(src, lengths, prev)[0] for m in members]            # [T, V] log-probabilities
+            log_probs = torch.stack(per_member).double().mean(0)
+            log_p = float(log_probs[torch.arange(len(seq)), torch.tensor(seq)].sum())
+            scored.append((log_p / length_penalty(len(seq), alpha), list(body)))
+    return sorted(scored, key=lambda x: -x[0])
+
+
+def test_beam_search_over_an_ensemble_matches_exhaustive_search():
+    """Target vocabulary of 6 (5 tokens besides EOS), at most 3 output tokens: 31 complete hypotheses; a beam of
+    25 keeps every open one, so beam search must return the exhaustive top 25, in order, with their scores."""
+    torch.manual_seed(3)
+    members = [_spread(build_model("dtmt", 9, 6, embed_dim=8, hidden_size=8, depth=1, heads=2, dropout=0.0,
+                                   candidate_dropout=0.0), seed=1),
+               _spread(build_model("rnnsearch-atr", 9, 6, embed_dim=8, hidden_size=8, dropout=0.0), seed=2)]
+    src = torch.tensor([[5, 7, 4, 8]])
+    alpha = 0.6
+    expected = _exhaustive(members, src, max_len=3, alpha=alpha)
+    assert len(expected) == 1 + 5 + 25
+    hyps = beam_search(Ensemble(members), src, torch.tensor([4]), beam=25, nbest=25, alpha=alpha,
+                       max_len_a=0.0, max_len_b=3)[0]
+    assert [h.tokens for h in hyps] == [tokens for _, tokens in expected[:25]]
+    assert [h.score for h in hyps] == pytest.approx([s for s, _ in expected[:25]], rel=1e-5, abs=1e-5)
+    # and the members alone rank differently (the average is not one member's ranking)
+    alone = [beam_search(m, src, torch.tensor([4]), beam=25, nbest=25, alpha=alpha, max_len_a=0.0,
+                         max_len_b=3)[0] for m in members]
+    assert all([h.tokens for h in a] != [h.tokens for h in hyps] for a in alone)
+
+
+def test_ensemble_refuses_different_vocabulary_sizes():
+    a = build_model("rnnsearch-atr", 9, 6, embed_dim=8, hidden_size=8)
+    b = build_model("rnnsearch-atr", 9, 7, embed_dim=8, hidden_size=8)
+    with pytest.raises(ValueError, match="vocabulary sizes differ"):
+        Ensemble([a, b])
+    with pytest.raises(TypeError, match="decodes only"):
+        Ensemble([a])(torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_cli_translate_ensemble(checkpoints, tmp_path, capsys):
+    paths, models, sv, tv = checkpoints
+    src = tmp_path / "in.es"
+    src.write_text("\n".join(INPUTS) + "\n", encoding="utf-8")
+    outputs = {}
+    for label, flags in (("a", ["-c", paths["a"]]), ("aa", ["-c", paths["a"], "-c", paths["a"]]),
+                         ("ab", ["-c", paths["a"], "-c", paths["b"]])):
+        out = tmp_path / f"{label}.en"
+        assert cli.main(["translate", "--quiet", "--beam", "3", *flags, str(src), "-o", str(out)]) == 0
+        outputs[label] = out.read_text(encoding="utf-8").split("\n")[:-1]
+    assert outputs["aa"] == outputs["a"]
+    expected = translate(Ensemble([models["a"], models["b"]]), sv, tv, INPUTS, beam=3)
+    assert outputs["ab"] == [h[0][0] for h in expected]
+    capsys.readouterr()
+    # a member on another vocabulary: one line, exit 1, nothing written
+    out = tmp_path / "foreign.en"
+    assert cli.main(["translate", "--quiet", "-c", paths["a"], "-c", paths["foreign"], str(src), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dtmt translate: ensemble: ") and "foreign.pt: its target vocabulary differs" in err
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_cli_evaluate_ensemble(checkpoints, tmp_path, capsys):
+    from dtmt_models.data.corpus import write_manifest
+
+    paths, models, sv, tv = checkpoints
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "test.es").write_text("\n".join(SRC) + "\n", encoding="utf-8")
+    (data / "test.en").write_text("\n".join(TGT) + "\n", encoding="utf-8")
+    write_manifest(str(data), "es", "en", {"test": len(SRC)}, origin="test")
+    assert cli.main(["evaluate", "-c", paths["a"], "-c", paths["b"], "--data", str(data), "--beam", "2",
+                     "--quiet"]) == 0
+    out_dir = os.path.join(os.path.dirname(paths["a"]), "a+b.test")       # default: <stem>+<stem>.<split>
+    with open(os.path.join(out_dir, "scores.json"), encoding="utf-8") as f:
+        report = json.load(f)
+    assert report["settings"]["checkpoint"] == [paths["a"], paths["b"]]
+    assert report["settings"]["model_name"] == "dtmt+rnnsearch-atr"
+    with open(os.path.join(out_dir, "hyp.txt"), encoding="utf-8") as f:
+        hyps = f.read().split("\n")[:-1]
+    assert hyps == [h[0][0] for h in translate(Ensemble([models["a"], models["b"]]), sv, tv, SRC, beam=2)]

@@ -3,7 +3,7 @@
     dtmt prepare bible --out DIR                    dtmt prepare files --src F --tgt G --out DIR
     dtmt train --data DIR --model NAME [options]    dtmt translate --checkpoint C [FILE ...]
     dtmt evaluate --checkpoint C --data DIR --split test
-    dtmt average --run RUN --last N -o AVG.pt
+    dtmt average --run RUN --last N -o AVG.pt       dtmt serve --checkpoint C [--port 8080]
     dtmt bench cells|train|decode|quality [options]
     dtmt models [--count] [--table 002-T4]
 
@@ -23,6 +23,7 @@ COMMANDS = {
     "translate": ("dtmt_models.cli.translate", "translate files or stdin with a checkpoint"),
     "evaluate": ("dtmt_models.cli.evaluate", "BLEU / chrF (and BLEU by source length) on a split"),
     "average": ("dtmt_models.cli.average", "average the weights of checkpoints of one run"),
+    "serve": ("dtmt_models.cli.serve", "serve translations over HTTP (JSON API, batched requests)"),
     "bench": ("dtmt_models.cli.bench", "run the benchmarks in benchmarks/"),
     "models": ("dtmt_models.cli.models", "list the systems, their presets and the papers' table rows"),
 }

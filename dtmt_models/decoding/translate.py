@@ -71,7 +71,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary, sentences: Sequence[str],
               beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,
               max_len_b: int = 10, device=None, progress: Optional[Progress] = None,
-              max_src_len: Optional[int] = 250) -> List[List[Tuple[str, float]]]:
+              max_src_len: Optional[int] = 250, decoder=None) -> List[List[Tuple[str, float]]]:
     """Translates `sentences` (plain text, one sentence each); returns for every sentence, in input order, its
     up to `nbest` best (translation, length-normalised log-probability) pairs, best first.
 
@@ -80,7 +80,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     the number of sentences finished. `max_src_len` (None: no limit) cuts longer sources, with one
     `TruncationWarning` per call; sources of which more than half the pieces are unknown to the source
     vocabulary give one `UnknownPiecesWarning` per call (the model would otherwise invent a fluent sentence
-    without a word of notice)."""
+    without a word of notice). `decoder`: `model.inference_decoder()` built by a caller that translates many times
+    with unchanging weights (a server); None builds it here, once per call."""
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if max_src_len is not None and max_src_len < 1:
@@ -123,7 +124,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     try:
         with torch.no_grad():
             # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
-            decoder = model.inference_decoder() if ids and hasattr(model, "inference_decoder") else model
+            if decoder is None:
+                decoder = model.inference_decoder() if ids and hasattr(model, "inference_decoder") else model
             for batch in length_batches([len(t) for t in ids], max_tokens):
                 width = max(len(ids[j]) for j in batch)
                 src = torch.zeros(len(batch), width, dtype=torch.long)     # PAD = 0

@@ -1,0 +1,126 @@
+"""`dtmt serve`: the command line over dtmt_models.decoding.serve (see its docstring for the API).
+
+    dtmt serve -c runs/dtmt/best.pt [--host 127.0.0.1] [--port 8080]
+    curl -s localhost:8080/translate -d '{"sentences": ["En el principio creó Dios los cielos y la tierra."]}'
+
+Prints `dtmt serve: listening on http://HOST:PORT` on stderr once it accepts requests (with --port 0, the port
+the system chose); SIGINT or SIGTERM stop it after the requests in flight are answered. Needs aiohttp
+(`pip install aiohttp`, in requirements.txt).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import List, Optional
+
+from dtmt_models.cli.translate import add_decoding_arguments, check_decoding_arguments, check_device_and_backend, \
+    load_for_decoding
+from dtmt_models.decoding.translate import InputError
+from dtmt_models.errors import one_line
+
+PROG = "dtmt serve"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dtmt_models.decoding.serve import ServeSettings
+
+    d = ServeSettings()
+    p = argparse.ArgumentParser(prog=PROG, description="Serve translations over HTTP (JSON): POST /translate "
+                                "{\"sentences\": [...]}, GET /health, GET /info.")
+    p.add_argument("--checkpoint", "-c", required=True, action="append", metavar="CKPT",
+                   help="a checkpoint written by `dtmt train`; repeated, an ensemble")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for decoding (default 0: torch's default)")
+    g = p.add_argument_group("requests and batching")
+    g.add_argument("--max-sentences", type=int, default=d.max_sentences,
+                   help=f"sentences per request, more is refused with 413 (default {d.max_sentences})")
+    g.add_argument("--max-chars", type=int, default=d.max_chars,
+                   help=f"characters per sentence, more is refused with 413 (default {d.max_chars})")
+    g.add_argument("--batch-sentences", type=int, default=d.batch_sentences,
+                   help=f"decode as soon as this many sentences wait (default {d.batch_sentences})")
+    g.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
+                   help=f"the longest a request waits for others to join its batch (default {d.max_wait_ms:g})")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help=f"on shutdown, seconds left to the requests in flight (default {d.shutdown_timeout:g})")
+    add_decoding_arguments(p)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except InputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise InputError("needs aiohttp: pip install aiohttp") from None
+    import torch
+
+    from dtmt_models.decoding.serve import Server, ServeSettings
+
+    check_decoding_arguments(args)
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in 0..65535, got {args.port}")
+    if args.threads < 0:
+        raise InputError(f"--threads must be >= 0, got {args.threads}")
+    settings = ServeSettings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens,
+                             max_src_len=args.max_src_len, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+                             max_sentences=args.max_sentences, max_chars=args.max_chars,
+                             batch_sentences=args.batch_sentences, max_wait_ms=args.max_wait_ms,
+                             shutdown_timeout=args.shutdown_timeout)
+    try:
+        settings.check()
+    except ValueError as exc:
+        raise InputError(f"--{one_line(exc).replace('_', '-')}") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = check_device_and_backend(args.device, args.backend)
+    model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
+    names = [c.get("model_name") for c in ckpts]
+    info = {"checkpoints": args.checkpoint, "models": names,
+            "parameters": sum(p.numel() for p in model.parameters()), "device": str(device),
+            "backend": args.backend}
+
+    def log(message: str) -> None:
+        print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+
+    async def serve() -> None:
+        server = Server(model, src_vocab, tgt_vocab, settings, info=info, log=log)
+        try:
+            await server.start(args.host, args.port)
+        except OSError as exc:
+            raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc})") from None
+        loop = asyncio.get_running_loop()
+        stopping = []
+
+        def on_signal(name: str) -> None:
+            if not stopping:
+                log(f"{name}: finishing the requests in flight, then stopping")
+                stopping.append(loop.create_task(server.stop()))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        log(f"listening on http://{args.host}:{server.port} ({'+'.join(map(str, names))}, "
+            f"{info['parameters']:,} parameters, beam {settings.beam})")
+        await server.wait_stopped()
+        c = server.counters
+        log(f"stopped: {c.requests:,} requests, {c.sentences:,} sentences in {c.batches:,} batches, "
+            f"{c.errors:,} errors")
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""A translation server: an HTTP JSON API over `translate`, built on aiohttp (`dtmt serve`).
+
+    POST /translate   {"sentences": ["...", ...]}      -> {"translations": ["...", ...], "scores": [...]}
+    GET  /health                                        -> {"status": "ok"}
+    GET  /info                                          -> the model, the decoding settings, the limits, counters
+
+Requests that arrive together are decoded together: a batcher takes the sentences of every request waiting,
+waits at most `max_wait_ms` for more after the first (or until `batch_sentences` are waiting), decodes them
+in one `translate` call on one worker thread (the event loop stays free to take requests meanwhile), and
+answers each request with its own sentences' translations, in its order. Beam search treats every sentence
+independently, so a request's translations do not depend on what it was batched with.
+
+Errors are JSON `{"error": "..."}` with a status: 400 for a body that is not JSON or not of that shape
+(`sentences` must be a list of strings; no other fields), 413 for more than `max_sentences` sentences or a
+sentence longer than `max_chars` characters (or a body too large to read), 404 / 405 for other paths and
+methods, 500 if decoding itself fails (that request fails; the server goes on). Shutdown (SIGINT / SIGTERM,
+or `Server.stop`) stops accepting connections, lets the requests in flight finish (at most `shutdown_timeout`
+seconds), then ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from dtmt_models.decoding.translate import InputWarning, translate
+
+
+@dataclass
+class ServeSettings:
+    """What a server decodes with and what it accepts."""
+    beam: int = 4
+    alpha: float = 0.6
+    max_tokens: int = 2000        # source subwords per decoding batch (translate's batches)
+    max_src_len: int = 250
+    max_len_a: float = 2.0
+    max_len_b: int = 10
+    max_sentences: int = 256      # per request, else 413
+    max_chars: int = 2000         # per sentence, else 413
+    batch_sentences: int = 64     # decode at once when this many are waiting
+    max_wait_ms: float = 10.0     # the longest the first waiting request waits for others to join its batch
+    shutdown_timeout: float = 60.0
+
+    def check(self) -> None:
+        for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_sentences", 1),
+                          ("max_chars", 1), ("batch_sentences", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if not 0 <= self.max_wait_ms < float("inf"):
+            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {self.max_wait_ms}")
+
+
+class RequestError(Exception):
+    """A request the server refuses: the HTTP status and a one-line message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_request(body: bytes, settings: ServeSettings) -> List[str]:
+    """The sentences of a /translate body, or RequestError (400 malformed, 413 over the limits)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(400, f"the body is not JSON ({exc})") from None
+    if not isinstance(data, dict) or "sentences" not in data:
+        raise RequestError(400, 'expected a JSON object {"sentences": ["...", ...]}')
+    unknown = sorted(set(data) - {"sentences"})
+    if unknown:
+        raise RequestError(400, f"unknown field(s) {unknown}; the only field is \"sentences\"")
+    sentences = data["sentences"]
+    if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
+        raise RequestError(400, '"sentences" must be a list of strings')
+    if len(sentences) > settings.max_sentences:
+        raise RequestError(413, f"{len(sentences)} sentences in one request; the limit is {settings.max_sentences}")
+    for i, s in enumerate(sentences):
+        if len(s) > settings.max_chars:
+            raise RequestError(413, f"sentence {i} has {len(s)} characters; the limit is {settings.max_chars}")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(400, f"sentence {i} is not valid Unicode (a lone surrogate)") from None
+    return sentences
+
+
+@dataclass
+class _Pending:
+    sentences: List[str]
+    future: "asyncio.Future"
+
+
+@dataclass
+class Counters:
+    requests: int = 0             # answered /translate requests, errors included
+    sentences: int = 0            # sentences decoded
+    batches: int = 0              # translate calls
+    errors: int = 0               # requests answered with a 4xx / 5xx
+    started: float = field(default_factory=time.time)
+
+
+class Server:
+    """The application: `await start(host, port)`, then `await wait_stopped()` (or `stop()`); `port` is the port
+    bound (useful with port 0)."""
+
+    def __init__(self, model, src_vocab, tgt_vocab, settings: ServeSettings, info: Optional[Dict[str, Any]] = None,
+                 log=None):
+        settings.check()
+        self.model, self.src_vocab, self.tgt_vocab, self.settings = model, src_vocab, tgt_vocab, settings
+        self.info = dict(info or {})
+        self.counters = Counters()
+        self.port: Optional[int] = None
+        self._queue: "asyncio.Queue[_Pending]" = None   # made on the running loop
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dtmt-serve-decode")
+        self._runner = None
+        self._stopped: Optional[asyncio.Event] = None
+        self._seen_warnings: set = set()
+        # the inference decoder is built once: the weights never change while serving
+        model.eval()
+        self.decoder = model.inference_decoder() if hasattr(model, "inference_decoder") else model
+        self.log = log or (lambda message: None)
+
+    # ------------------------------------------------------------------------------------------- app
+    def app(self):
+        from aiohttp import web
+
+        # a body larger than the largest acceptable request (+ JSON overhead) is refused unread with 413
+        limit = self.settings.max_sentences * (4 * self.settings.max_chars + 16) + 65536
+        @web.middleware
+        async def json_errors(request, handler):
+            return await self._json_errors(request, handler)
+        app = web.Application(client_max_size=limit, middlewares=[json_errors])
+        app.router.add_post("/translate", self._translate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/info", self._info)
+        app.cleanup_ctx.append(self._batcher_context)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8080) -> None:
+        from aiohttp import web
+
+        self._stopped = asyncio.Event()
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.settings.shutdown_timeout)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Stops accepting connections, finishes the requests in flight, then releases the worker."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+            self._worker.shutdown(wait=True)
+            self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # -------------------------------------------------------------------------------------- handlers
+    def _error(self, status: int, message: str):
+        from aiohttp import web
+
+        self.counters.errors += 1
+        return web.json_response({"error": message}, status=status)
+
+    async def _json_errors(self, request, handler):
+        """aiohttp's own errors (404, 405, 413 for a body too large to read) as JSON, like the handlers' own."""
+        from aiohttp import web
+
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = exc.reason if not exc.text or exc.text.startswith(f"{exc.status}:") else exc.text
+            if exc.status == 413:
+                message = f"the request body is too large ({message})"
+            return self._error(exc.status, message)
+
+    async def _translate(self, request):
+        from aiohttp import web
+
+        self.counters.requests += 1
+        try:
+            sentences = parse_request(await request.read(), self.settings)
+        except RequestError as exc:
+            return self._error(exc.status, str(exc))
+        if not sentences:
+            return web.json_response({"translations": [], "scores": []})
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(sentences, future))
+        try:
+            results = await future
+        except Exception as exc:   # noqa: BLE001 - decoding failed: this request fails, the server goes on
+            self.log(f"decoding failed: {type(exc).__name__}: {exc}")
+            return self._error(500, f"decoding failed: {type(exc).__name__}: {exc}")
+        return web.json_response({"translations": [hyps[0][0] for hyps in results],
+                                  "scores": [hyps[0][1] for hyps in results]})
+
+    async def _health(self, request):
+        from aiohttp import web
+
+        return web.json_response({"status": "ok"})
+
+    async def _info(self, request):
+        from aiohttp import web
+
+        s = self.settings
+        return web.json_response({
+            **self.info,
+            "source_vocabulary": len(self.src_vocab), "target_vocabulary": len(self.tgt_vocab),
+            "decoding": {"beam": s.beam, "alpha": s.alpha, "max_tokens": s.max_tokens, "max_src_len": s.max_src_len,
+                         "max_len_a": s.max_len_a, "max_len_b": s.max_len_b},
+            "limits": {"max_sentences": s.max_sentences, "max_chars": s.max_chars},
+            "batching": {"batch_sentences": s.batch_sentences, "max_wait_ms": s.max_wait_ms},
+            "counters": {"requests": self.counters.requests, "sentences": self.counters.sentences,
+                         "batches": self.counters.batches, "errors": self.counters.errors,
+                         "uptime_s": round(time.time() - self.counters.started, 3)},
+        })
+
+    # --------------------------------------------------------------------------------------- batcher
+    async def _batcher_context(self, app):
+        """Runs the batcher for the application's life; it ends after the requests in flight have finished."""
+        self._queue = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(self._batcher())
+        yield
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    async def _batcher(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            waiting = len(batch[0].sentences)
+            deadline = loop.time() + self.settings.max_wait_ms / 1000.0
+            while waiting < self.settings.batch_sentences:
+                timeout = deadline - loop.time()
+                if timeout <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    break
+                batch.append(item)
+                waiting += len(item.sentences)
+            while not self._queue.empty() and waiting < self.settings.batch_sentences:
+                item = self._queue.get_nowait()
+                batch.append(item)
+                waiting += len(item.sentences)
+            sentences = [s for item in batch for s in item.sentences]
+            try:
+                results = await loop.run_in_executor(self._worker, self._decode, sentences)
+            except Exception as exc:   # noqa: BLE001 - handed to each request of the batch
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                continue
+            self.counters.batches += 1
+            self.counters.sentences += len(sentences)
+            start = 0
+            for item in batch:
+                if not item.future.done():   # a client that went away leaves a cancelled future
+                    item.future.set_result(results[start:start + len(item.sentences)])
+                start += len(item.sentences)
+
+    def _decode(self, sentences: List[str]) -> List[List[Tuple[str, float]]]:
+        s = self.settings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", InputWarning)
+            results = translate(self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha,
+                                max_tokens=s.max_tokens, max_src_len=s.max_src_len, max_len_a=s.max_len_a,
+                                max_len_b=s.max_len_b, decoder=self.decoder)
+        for w in caught:
+            if issubclass(w.category, InputWarning) and str(w.message) not in self._seen_warnings:
+                self._seen_warnings.add(str(w.message))
+                self.log(f"warning: {w.message}")
+        return results

@@ -1,0 +1,233 @@
+"""`dtmt serve` (dtmt_models.decoding.serve): a real server process on loopback, real HTTP clients.
+
+- Translations equal the library's `translate` of the same sentences; /health and /info answer.
+- Every malformed request gets its status and a JSON message (400 bad JSON or shape, 413 too many or too long
+  sentences or too large a body, 404, 405), and the server goes on serving.
+- 48 concurrent clients: every request answered correctly, in fewer decoding batches than requests (requests
+  were batched together).
+- SIGTERM while a request is in flight: that request is answered in full, then the process exits 0.
+- In process (the Server class): a decoding failure answers that request 500 and the next one normally.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+aiohttp = pytest.importorskip("aiohttp")
+
+from dtmt_models.data.vocabulary import EOS, Vocabulary  # noqa: E402
+from dtmt_models.decoding.translate import translate  # noqa: E402
+from dtmt_models.models.checkpoint import save_checkpoint  # noqa: E402
+from dtmt_models.models.registry import build_model  # noqa: E402
+
+SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
+       "ella lee el libro", "nosotros vamos a la playa", "el sol brilla", "la luna es blanca"]
+TGT = ["the dog eats bread", "the house is big", "the cat sleeps in the house", "i have a red book",
+       "she reads the book", "we go to the beach", "the sun shines", "the moon is white"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEAM = 3
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    options = dict(embed_dim=16, hidden_size=16, depth=1, heads=2, dropout=0.0, candidate_dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model("dtmt", len(sv), len(tv), **options)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+        model.readout.output.proj.bias[EOS] -= 1.0
+    model.eval()
+    path = str(tmp_path_factory.mktemp("serve") / "tiny.pt")
+    save_checkpoint(path, dict(model_name="dtmt", model_options=options, src_vocab=sv.proto, tgt_vocab=tv.proto,
+                               model=model.state_dict()))
+    return model, sv, tv, path
+
+
+class ServerProcess:
+    """`dtmt serve --port 0` in a subprocess; `url` once it prints that it listens; stderr lines kept."""
+
+    def __init__(self, ckpt, *flags):
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen([sys.executable, "-m", "dtmt_models.cli", "serve", "-c", ckpt, "--port", "0",
+                                      "--threads", "1", "--beam", str(BEAM), *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        self.lines: "queue.Queue[str]" = queue.Queue()
+        self.seen = []
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.time() + 120
+        while True:
+            line = self.lines.get(timeout=max(0.1, deadline - time.time()))
+            self.seen.append(line)
+            if "listening on http://" in line:
+                self.url = line.split("listening on ")[1].split()[0]
+                break
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def rest_of_stderr(self, timeout=60):
+        self.proc.wait(timeout=timeout)
+        time.sleep(0.2)
+        while not self.lines.empty():
+            self.seen.append(self.lines.get())
+        return "".join(self.seen)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def request(url, path, body=None, method=None, headers=None):
+    """(status, decoded JSON) through urllib (a real HTTP client); `body` bytes or an object sent as JSON."""
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def server(system):
+    proc = ServerProcess(system[3], "--max-sentences", "10", "--max-chars", "100", "--max-wait-ms", "50")
+    yield proc
+    proc.close()
+
+
+def test_translations_health_and_info(system, server):
+    model, sv, tv, path = system
+    sentences = SRC[:5] + ["", "el perro y el gato"]
+    status, reply = request(server.url, "/translate", {"sentences": sentences})
+    assert status == 200
+    expected = translate(model, sv, tv, sentences, beam=BEAM)
+    assert reply["translations"] == [h[0][0] for h in expected]
+    assert reply["scores"] == pytest.approx([h[0][1] for h in expected], rel=1e-6, abs=1e-6)
+    assert len({t for t in reply["translations"] if t}) >= 3      # real, differing translations
+    assert request(server.url, "/translate", {"sentences": []}) == (200, {"translations": [], "scores": []})
+    assert request(server.url, "/health") == (200, {"status": "ok"})
+    status, info = request(server.url, "/info")
+    assert status == 200 and info["models"] == ["dtmt"] and info["checkpoints"] == [path]
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    assert info["decoding"]["beam"] == BEAM and info["limits"] == {"max_sentences": 10, "max_chars": 100}
+    assert info["target_vocabulary"] == len(tv) and info["counters"]["sentences"] >= 6
+
+
+def test_bad_requests_get_a_status_and_a_message(server):
+    cases = [
+        (b"{not json", 400, "not JSON"),
+        (b"\xff\xfe", 400, "not JSON"),
+        ([1, 2], 400, 'expected a JSON object {"sentences"'),
+        ({"text": "hola"}, 400, 'expected a JSON object {"sentences"'),
+        ({"sentences": "hola"}, 400, "must be a list of strings"),
+        ({"sentences": ["hola", 3]}, 400, "must be a list of strings"),
+        ({"sentences": ["hola"], "beam": 9}, 400, "unknown field(s) ['beam']"),
+        (b'{"sentences": ["\\ud800"]}', 400, "sentence 0 is not valid Unicode"),
+        ({"sentences": ["el sol"] * 11}, 413, "11 sentences in one request; the limit is 10"),
+        ({"sentences": ["el sol", "x" * 101]}, 413, "sentence 1 has 101 characters; the limit is 100"),
+        (b"[" + b'"x",' * 400_000 + b'"x"]', 413, "the request body is too large"),
+    ]
+    for body, status, message in cases:
+        got_status, reply = request(server.url, "/translate", body)
+        assert got_status == status and message in reply["error"], (body[:40], got_status, reply)
+        assert "\n" not in reply["error"]
+    assert request(server.url, "/nowhere") == (404, {"error": "Not Found"})
+    assert request(server.url, "/translate", method="GET") == (405, {"error": "Method Not Allowed"})
+    status, reply = request(server.url, "/translate", {"sentences": ["el sol brilla"]})   # still serving
+    assert status == 200 and len(reply["translations"]) == 1
+
+
+def test_concurrent_clients_are_batched(system, server):
+    model, sv, tv, _ = system
+    sentences = [SRC[i % len(SRC)] + ("" if i < len(SRC) else f" {SRC[(3 * i) % len(SRC)]}") for i in range(48)]
+    expected = {s: h[0][0] for s, h in zip(sentences, translate(model, sv, tv, sentences, beam=BEAM))}
+    before = request(server.url, "/info")[1]["counters"]
+
+    async def one(session, sentence):
+        async with session.post(server.url + "/translate", json={"sentences": [sentence]}) as response:
+            return response.status, await response.json()
+
+    async def all_at_once():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            return await asyncio.gather(*(one(session, s) for s in sentences))
+    replies = asyncio.run(all_at_once())
+    assert all(status == 200 for status, _ in replies)
+    assert [reply["translations"][0] for _, reply in replies] == [expected[s] for s in sentences]
+    after = request(server.url, "/info")[1]["counters"]
+    assert after["requests"] - before["requests"] == 48 and after["sentences"] - before["sentences"] == 48
+    assert after["batches"] - before["batches"] < 48 / 2          # batched: several requests per decoding call
+
+
+def test_sigterm_finishes_the_request_in_flight(system):
+    model, sv, tv, path = system
+    proc = ServerProcess(path, "--max-sentences", "400")
+    try:
+        sentences = [f"{a} y {b}" for a in SRC for b in SRC] * 4            # 256 sentences: a second or more
+        result = {}
+
+        def client():
+            result["reply"] = request(proc.url, "/translate", {"sentences": sentences})
+            result["answered"] = time.time()
+        thread = threading.Thread(target=client)
+        thread.start()
+        time.sleep(0.5)                                                     # the request is being decoded
+        signalled = time.time()
+        proc.proc.send_signal(signal.SIGTERM)
+        thread.join(timeout=120)
+        status, reply = result["reply"]
+        assert status == 200 and result["answered"] > signalled            # answered after the signal
+        assert reply["translations"] == [h[0][0] for h in translate(model, sv, tv, sentences, beam=BEAM)]
+        err = proc.rest_of_stderr()
+        assert proc.proc.returncode == 0, err
+        assert "SIGTERM: finishing the requests in flight" in err and "stopped: 1 requests, 256 sentences" in err
+        with pytest.raises(urllib.error.URLError):                          # no longer listening
+            request(proc.url, "/health")
+    finally:
+        proc.close()
+
+
+def test_decoding_failure_is_a_500_and_the_server_goes_on(system):
+    from dtmt_models.decoding.serve import Server, ServeSettings
+
+    model, sv, tv, _ = system
+    server = Server(model, sv, tv, ServeSettings(beam=2, max_wait_ms=0))
+    real, calls = server._decode, []
+
+    def failing_once(sentences):
+        calls.append(sentences)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return real(sentences)
+    server._decode = failing_once
+
+    async def scenario():
+        await server.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}/translate"
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json={"sentences": ["el sol"]}) as r1:
+                first = r1.status, await r1.json()
+            async with session.post(url, json={"sentences": ["el sol"]}) as r2:
+                second = r2.status, await r2.json()
+        await server.stop()
+        return first, second
+    first, second = asyncio.run(scenario())
+    assert first == (500, {"error": "decoding failed: RuntimeError: out of memory (simulated)"})
+    assert second[0] == 200 and second[1]["translations"] == [translate(model, sv, tv, ["el sol"], beam=2)[0][0][0]]
+    assert server.counters.errors == 1 and server.counters.batches == 1

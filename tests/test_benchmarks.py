@@ -255,3 +255,34 @@ def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_p
     assert bench.main(["cells"]) == 2 and "source checkout" in capsys.readouterr().err
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
     assert "cells" in bench.available()
+
+
+def test_bench_serve_quick(tmp_path):
+    """The load test end to end at toy size: a real server, 6 concurrent clients, every request answered with
+    `translate`'s translation (the benchmark counts any other answer as lost)."""
+    pytest.importorskip("aiohttp")
+    from test_serve import SRC, TGT
+    from test_train import make_toy_corpus
+
+    from benchmarks import bench_serve
+    from dtmt_models.data.vocabulary import Vocabulary
+    from dtmt_models.models.checkpoint import save_checkpoint
+    from dtmt_models.models.registry import build_model
+
+    assert bench_serve.percentile([3, 1, 2, 4], 50) == pytest.approx(2.5)
+    assert bench_serve.percentile([1, 2, 3, 4, 5], 100) == 5 and bench_serve.percentile([7], 99) == 7
+    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=24)
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    options = dict(embed_dim=8, hidden_size=8, dropout=0.0)
+    torch.manual_seed(0)
+    model = build_model("rnnsearch-atr", len(sv), len(tv), **options)
+    ckpt = str(tmp_path / "tiny.pt")
+    save_checkpoint(ckpt, dict(model_name="rnnsearch-atr", model_options=options, src_vocab=sv.proto,
+                               tgt_vocab=tv.proto, model=model.state_dict()))
+    row = bench_serve.main(["--checkpoint", ckpt, "--data", data, "--clients", "6", "--threads", "1",
+                            "--beam", "2", "--out", str(tmp_path / "out")])
+    assert row["sent"] == row["answered"] == 24 and row["lost"] == 0 and row["server_exit"] == 0
+    assert row["sentences_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+    assert 1 <= row["batches"] <= 24
+    with open(tmp_path / "out" / "bench_serve.md") as f:
+        assert "| 6 | 24 | 24 | 0 |" in f.read()

@@ -29,7 +29,7 @@
 #include "transition.h"
 #include "transition_cuda_kernels.cuh"
 
-#if defined(DTMT_CUDA_EMULATION)  // tests only: host tensors, kernels on host threads (see the .cuh)
+#if defined(DTMT_CUDA_EMULATION)  // tests only: host tensors, kernels on host fibers (see the .cuh)
 namespace c10 {
 namespace cuda {
 inline cudaStream_t getCurrentCUDAStream() { return nullptr; }

@@ -16,8 +16,8 @@
 // Storage type T: float, double, __half, __nv_bfloat16; states (hin / hout / carried gradients) are A.
 //
 // DTMT_CUDA_EMULATION (tests only, see tests/cuda_emulation.h): the same kernels compiled by a host C++
-// compiler, each block's threads run as host threads (barriers for __syncthreads, an exchange buffer for the
-// warp shuffles), float / double storage only. It lets the kernels and the ATen driver be checked against
+// compiler, each block's threads run as fibers on the host (__syncthreads switches between them, an exchange
+// buffer for the warp shuffles), float / double storage only. It lets the kernels and the ATen driver be checked against
 // the reference on a machine without a GPU.
 #pragma once
 

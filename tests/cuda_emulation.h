@@ -2,18 +2,21 @@
 // (and the ATen driver csrc/transition_cuda.cu) can be compiled by a host C++ compiler and checked against
 // the reference on a machine without a GPU (tests/test_cuda_sources.py::test_cuda_kernels_emulated).
 //
-// A launch runs the grid's blocks one after another; each block's blockDim.x threads are host threads that
-// share the block's dynamic shared memory. __syncthreads is a barrier of the block's threads and
-// __shfl_xor_sync exchanges through a per-block buffer between two barriers (every use in the kernels is
-// reached by all threads of the block, as CUDA requires for full-mask shuffles and barriers). Not a general
-// CUDA emulator: one dimension, no atomics, no streams.
+// A launch runs the grid's blocks one after another; each block's blockDim.x threads are fibers (ucontext)
+// on the calling thread that share the block's dynamic shared memory. A fiber runs until it reaches
+// __syncthreads, then hands over to the next one; once every fiber of the block has reached the barrier (or
+// returned) they all go on, so a barrier orders memory as CUDA's does. __shfl_xor_sync exchanges through a
+// per-block buffer between two barriers (every use in the kernels is reached by all threads of the block, as
+// CUDA requires for full-mask shuffles and barriers). Fibers instead of OS threads: a barrier costs a context
+// switch in user space, not a round of 32 kernel wake-ups on a 2-core machine. Not a general CUDA emulator:
+// one dimension, no atomics, no streams.
 #pragma once
 
-#include <condition_variable>
+#include <ucontext.h>
+
 #include <cstddef>
-#include <mutex>
+#include <memory>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -34,44 +37,43 @@ template <typename F> inline cudaError_t cudaFuncSetAttribute(F*, cudaFuncAttrib
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
-inline thread_local dim3 threadIdx, blockIdx, blockDim;
+inline thread_local dim3 threadIdx, blockIdx, blockDim;   // set by the scheduler for the running fiber
 
 namespace dtmt_emu {
 
-class Barrier {
- public:
-  explicit Barrier(int n) : n_(n) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(m_);
-    const long gen = gen_;
-    if (++count_ == n_) {
-      count_ = 0;
-      ++gen_;
-      cv_.notify_all();
-    } else {
-      cv_.wait(lock, [&] { return gen_ != gen; });
-    }
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  int n_, count_ = 0;
-  long gen_ = 0;
+// One launch's fibers, on the thread that launched it.
+struct Scheduler {
+  ucontext_t main;
+  std::vector<ucontext_t> contexts;
+  std::vector<char> done;
+  std::vector<double> exchange;
+  int current = 0;
+  void (*body)(const void*) = nullptr;   // runs the kernel with the launch's argument
+  const void* arg = nullptr;
 };
+inline thread_local Scheduler* scheduler = nullptr;
 
-struct Block {
-  Barrier* barrier = nullptr;
-  std::vector<double>* exchange = nullptr;
-};
-inline thread_local Block block;
+// Stacks, kept across launches (a kernel's locals are small; 256 KiB each is ample).
+constexpr size_t kStackBytes = 256 * 1024;
+inline thread_local std::vector<std::unique_ptr<char[]>> stacks;
+
+inline void fiber_entry() {
+  Scheduler& s = *scheduler;
+  s.body(s.arg);
+  s.done[s.current] = 1;   // returning resumes uc_link: the scheduler
+}
+
+inline void yield_to_scheduler() {
+  Scheduler& s = *scheduler;
+  if (swapcontext(&s.contexts[s.current], &s.main) != 0) throw std::runtime_error("emulated barrier: swapcontext");
+}
 
 }  // namespace dtmt_emu
 
-inline void __syncthreads() { dtmt_emu::block.barrier->wait(); }
+inline void __syncthreads() { dtmt_emu::yield_to_scheduler(); }
 
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int offset) {
-  auto& ex = *dtmt_emu::block.exchange;
+  auto& ex = dtmt_emu::scheduler->exchange;
   const unsigned i = threadIdx.x;
   ex[i] = static_cast<double>(v);
   __syncthreads();
@@ -93,23 +95,51 @@ namespace dtmt_emu {
 template <typename Kernel, typename Arg>
 inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
   if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
+  struct Call {
+    Kernel* kernel;
+    const Arg* arg;
+  } call{kernel, &arg};
+  Scheduler s;
+  s.body = [](const void* c) {
+    const Call& call = *static_cast<const Call*>(c);
+    call.kernel(*call.arg);
+  };
+  s.arg = &call;
+  s.contexts.resize(threads);
+  s.done.resize(threads);
+  s.exchange.resize(threads);
+  while (stacks.size() < static_cast<size_t>(threads)) stacks.emplace_back(new char[kStackBytes]);
+  Scheduler* outer = scheduler;
+  scheduler = &s;
+  blockDim.x = threads;
   for (int b = 0; b < grid; ++b) {
-    Barrier barrier(threads);
-    std::vector<double> exchange(threads);
-    std::vector<std::thread> pool;
-    pool.reserve(threads);
+    blockIdx.x = b;
     for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] {
-        threadIdx.x = t;
-        blockIdx.x = b;
-        blockDim.x = threads;
-        block.barrier = &barrier;
-        block.exchange = &exchange;
-        kernel(arg);
-      });
+      ucontext_t& c = s.contexts[t];
+      if (getcontext(&c) != 0) throw std::runtime_error("emulated launch: getcontext");
+      c.uc_stack.ss_sp = stacks[t].get();
+      c.uc_stack.ss_size = kStackBytes;
+      c.uc_link = &s.main;
+      makecontext(&c, fiber_entry, 0);
+      s.done[t] = 0;
     }
-    for (auto& th : pool) th.join();
+    // rounds: every fiber still running goes on to its next barrier (or its end). The order alternates
+    // (ascending, descending) with the round and the block, so a missing barrier shows whichever thread was
+    // meant to write first: a reader that runs before its writer reads stale shared memory.
+    for (int round = 0, running = 1; running; ++round) {
+      running = 0;
+      const bool descending = (round + b) & 1;
+      for (int i = 0; i < threads; ++i) {
+        const int t = descending ? threads - 1 - i : i;
+        if (s.done[t]) continue;
+        s.current = t;
+        threadIdx.x = t;
+        if (swapcontext(&s.main, &s.contexts[t]) != 0) throw std::runtime_error("emulated launch: swapcontext");
+        running = running || !s.done[t];
+      }
+    }
   }
+  scheduler = outer;
 }
 
 }  // namespace dtmt_emu

@@ -9,7 +9,7 @@
   generated cuda_cmake_macros.h, which C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips); bindings.cpp and registration.cpp are
   parsed with DTMT_WITH_CUDA defined. These two take a minute or more on two cores and are marked `slow`.
 - test_cuda_kernels_emulated: the same kernels and ATen driver compiled by the host compiler with
-  DTMT_CUDA_EMULATION (tests/cuda_emulation.h: each block's threads are host threads, barriers for
+  DTMT_CUDA_EMULATION (tests/cuda_emulation.h: each block's threads are fibers on the host thread, switched at
   __syncthreads, an exchange buffer for the warp shuffles; float / double only) into a torch extension on
   host tensors, checked against the reference (outputs and every gradient, float64). It needs no GPU and
   no nvcc; it checks the indexing, reductions, masking and gradient bookkeeping, not device numerics.
@@ -250,7 +250,7 @@ def _compare_emulated(run_emulated, cell, depth, ln, full_features, dtype, B=3, 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_cuda_kernels_emulated(emulated_cuda_ext, dtype):
     """Every cell x depth {0, 2} x layer norm on/off, masked + reversed + candidate dropout and plain: the
-    CUDA driver and kernels (emulated on host threads) against the reference, outputs and all gradients.
+    CUDA driver and kernels (emulated on host fibers) against the reference, outputs and all gradients.
     H = 37: two passes for some threads (32 threads a block here), idle lanes in the last warp; partial tiles
     of the small-row GEMM in every dimension (N = 3H or 4H, K = H or 3H, M = B = 3)."""
     run_emulated = _emulated_sequence(emulated_cuda_ext)

@@ -16,9 +16,9 @@ test BLEU. Output: RUN/ckpt_choice.md and .json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,9 +53,17 @@ def spearman(xs, ys) -> float:
 def evaluate(ckpt: str, data: str, split: str, beam: int, out_dir: str, log: str) -> float:
     if not os.path.isfile(os.path.join(out_dir, "scores.json")):
         with open(log, "a") as f:
-            subprocess.run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--checkpoint", ckpt, "--data", data,
-                            "--split", split, "--beam", str(beam), "--out-dir", out_dir, "--quiet"],
-                           stdout=f, stderr=subprocess.STDOUT, check=True)
+            # `dtmt evaluate` in this process (a fresh interpreter per checkpoint would cost seconds each)
+            from dtmt_models.cli import evaluate as evaluate_cli
+
+            args = ["--checkpoint", ckpt, "--data", data, "--split", split, "--beam", str(beam), "--out-dir", out_dir,
+                    "--quiet"]
+            f.write("$ dtmt evaluate " + " ".join(args) + "\n")
+            f.flush()
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                status = evaluate_cli.main(args)
+            if status != 0:
+                raise RuntimeError(f"dtmt evaluate {' '.join(args)} failed (exit {status}); see {log}")
     with open(os.path.join(out_dir, "scores.json")) as f:
         return json.load(f)["bleu"]
 

@@ -52,3 +52,26 @@ def prepare_triton_interpreter() -> None:
     later in the process, and the backend's interpreted kernels do not use it (dtmt_kernels/ops/transition/triton_kernels.py)."""
     if HAS_TRITON and os.environ.get("TRITON_INTERPRET") in (None, "", "0"):
         import triton.compiler.code_generator  # noqa: F401
+
+
+def pytest_collection_finish(session):
+    """Starts the slow compile checks of test_cuda_sources.py in the background when they are selected (they
+    overlap the tests before them; see start_background_compiles)."""
+    names = {item.name for item in session.items if getattr(getattr(item, "module", None), "__name__", "").endswith(
+        "test_cuda_sources")}
+    if names:
+        import tempfile
+
+        module = next(item.module for item in session.items if item.name in names)
+        session.config._dtmt_compile_dir = tempfile.mkdtemp(prefix="dtmt-compiles-")
+        module.start_background_compiles(names, session.config._dtmt_compile_dir)
+        session.config._dtmt_compile_module = module
+
+
+def pytest_sessionfinish(session):
+    module = getattr(session.config, "_dtmt_compile_module", None)
+    if module is not None:
+        import shutil
+
+        module.stop_background_compiles()
+        shutil.rmtree(session.config._dtmt_compile_dir, ignore_errors=True)

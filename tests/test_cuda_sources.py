@@ -44,13 +44,77 @@ NVCC = _nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
 
 
+def _check(cmd, returncode, stdout, stderr):
+    assert returncode == 0, f"{' '.join(cmd)}\n{stdout}\n{stderr}"
+    # warnings from torch's own headers are not ours; any in csrc/ are
+    ours = [line for line in stderr.splitlines() if "warning" in line and CSRC in line]
+    assert not ours, "\n".join(ours)
+
+
 def _run(cmd, timeout=900):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout}\n{res.stderr}"
-    # warnings from torch's own headers are not ours; any in csrc/ are
-    ours = [line for line in res.stderr.splitlines() if "warning" in line and CSRC in line]
-    assert not ours, "\n".join(ours)
+    _check(cmd, res.returncode, res.stdout, res.stderr)
     return res
+
+
+# The two slow compile checks start in the background as soon as pytest has collected them (conftest.py's
+# pytest_collection_finish calls start_background_compiles), so that on two cores they overlap the tests that
+# run before them; each test then waits for its own compiler and checks what it said.
+BACKGROUND = {}   # test name -> (process, command, stdout file, stderr file)
+
+
+def _aten_driver_cmd(out_dir):
+    return [NVCC, "-std=c++17", "-O1", "-c", f"-I{CSRC}", *_torch_includes(), _abi_flag(),
+            "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
+            "-DDTMT_WITH_CUDA=1", os.path.join(CSRC, "transition_cuda.cu"), "-o", os.path.join(out_dir, "t.o")]
+
+
+def _bindings_cmd(out_dir):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    return [cxx, "-std=c++17", "-fsyntax-only", f"-I{CSRC}", *_torch_includes(), _abi_flag(),
+            "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", "-DDTMT_WITH_CUDA=1",
+            os.path.join(CSRC, "bindings.cpp"), os.path.join(CSRC, "registration.cpp")]
+
+
+def start_background_compiles(names, tmp_root):
+    """Starts the compile of each test in `names` that has one (nothing when it would skip: no nvcc, no headers)."""
+    import tempfile
+
+    for name, make in (("test_aten_driver_compiles", _aten_driver_cmd), ("test_bindings_parse_with_cuda_enabled",
+                                                                         _bindings_cmd)):
+        if name not in names or name in BACKGROUND or (make is _aten_driver_cmd and NVCC is None):
+            continue
+        out_dir = tempfile.mkdtemp(prefix="dtmt-compile-", dir=tmp_root)
+        try:
+            cmd = make(out_dir)
+        except BaseException:   # noqa: BLE001 - pytest.skip: the test itself will skip with the reason
+            continue
+        out, err = (open(os.path.join(out_dir, n), "w+") for n in ("stdout", "stderr"))
+        BACKGROUND[name] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True), cmd, out, err)
+
+
+def stop_background_compiles():
+    for proc, _, out, err in BACKGROUND.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+    BACKGROUND.clear()
+
+
+def _run_or_wait(name, make, out_dir, timeout=900):
+    """The compile of test `name`: the one started in the background if there is one, else run now."""
+    if name not in BACKGROUND:
+        return _run(make(out_dir), timeout)
+    proc, cmd, out, err = BACKGROUND[name]
+    proc.wait(timeout=timeout)
+    out.seek(0)
+    err.seek(0)
+    _check(cmd, proc.returncode, out.read(), err.read())
+    return cmd
 
 
 KERNELS_TU = r"""
@@ -120,24 +184,16 @@ def _abi_flag():
 def test_aten_driver_compiles(tmp_path):
     """csrc/transition_cuda.cu against the installed torch's headers (an object file; linking needs a CUDA
     torch)."""
-    cmd = [NVCC, "-std=c++17", "-O1", "-c", f"-I{CSRC}", *_torch_includes(), _abi_flag(),
-           "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
-           "-DDTMT_WITH_CUDA=1", os.path.join(CSRC, "transition_cuda.cu"), "-o", str(tmp_path / "t.o")]
-    _run(cmd)
-    assert (tmp_path / "t.o").stat().st_size > 0
+    cmd = _run_or_wait("test_aten_driver_compiles", _aten_driver_cmd, str(tmp_path))
+    obj = cmd[cmd.index("-o") + 1]
+    assert os.path.getsize(obj) > 0
 
 
 @pytest.mark.slow
-def test_bindings_parse_with_cuda_enabled():
+def test_bindings_parse_with_cuda_enabled(tmp_path):
     """bindings.cpp and registration.cpp (the CUDA kernels' op registration) as setup.py compiles them for a CUDA
     build (DTMT_WITH_CUDA), syntax and types only."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    cmd = [cxx, "-std=c++17", "-fsyntax-only", f"-I{CSRC}", *_torch_includes(), _abi_flag(),
-           "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", "-DDTMT_WITH_CUDA=1",
-           os.path.join(CSRC, "bindings.cpp"), os.path.join(CSRC, "registration.cpp")]
-    _run(cmd)
+    _run_or_wait("test_bindings_parse_with_cuda_enabled", _bindings_cmd, str(tmp_path))
 
 
 EMULATION_EXT = r"""

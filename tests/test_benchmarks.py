@@ -1,5 +1,6 @@
 """The benchmark scripts run (tiny grids) and write what they promise."""
 import csv
+import json
 import os
 
 import pytest
@@ -286,3 +287,45 @@ def test_bench_serve_quick(tmp_path):
     assert 1 <= row["batches"] <= 24
     with open(tmp_path / "out" / "bench_serve.md") as f:
         assert "| 6 | 24 | 24 | 0 |" in f.read()
+
+
+def test_bench_deploy_parts_that_need_no_peer(tmp_path):
+    """The transformer's export for CTranslate2 (every weight under dtmt's name, the PE table, both vocabularies'
+    pieces) and dtmt's timed decoding: one sentence a call and batched give the same translations. (CTranslate2
+    itself is never installed in CI; bench_deploy.py checks the converted model against dtmt's log-probabilities
+    when it runs.)"""
+    import numpy as np
+
+    from test_serve import SRC, TGT
+
+    from benchmarks import bench_deploy
+    from dtmt_models.data.vocabulary import Vocabulary
+    from dtmt_models.models.checkpoint import save_checkpoint
+    from dtmt_models.models.registry import build_model
+
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    paths = {}
+    for name, options in (("transformer", dict(embed_dim=16, hidden_size=32, heads=2, encoder_layers=2,
+                                                decoder_layers=1, dropout=0.0)),
+                          ("rnnsearch-atr", dict(embed_dim=8, hidden_size=8, dropout=0.0))):
+        torch.manual_seed(0)
+        model = build_model(name, len(sv), len(tv), **options)
+        paths[name] = str(tmp_path / f"{name}.pt")
+        save_checkpoint(paths[name], dict(model_name=name, model_options=options, src_vocab=sv.proto,
+                                          tgt_vocab=tv.proto, model=model.state_dict()))
+        if name == "transformer":
+            transformer = model
+    weights, config = bench_deploy.export_transformer(paths["transformer"], str(tmp_path / "ct2"))
+    arrays = np.load(weights)
+    for key, value in transformer.state_dict().items():
+        target = "readout.bias" if key == "readout.proj.bias" else key
+        assert np.array_equal(arrays[target], value.numpy()), key
+    assert np.array_equal(arrays["pe"], transformer.pe.numpy())
+    with open(config) as f:
+        cfg = json.load(f)
+    assert (cfg["embed_dim"], cfg["heads"], cfg["encoder_layers"], cfg["decoder_layers"]) == (16, 2, 2, 1)
+    assert cfg["tgt_pieces"][:4] == ["<pad>", "<unk>", "<s>", "</s>"] and len(cfg["src_pieces"]) == len(sv)
+    sentences = SRC + ["el perro y el gato", "la casa"]
+    one = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, True, 2000, 3)
+    batched = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, False, 2000, 3)
+    assert one["hyps"] == batched["hyps"] and len(one["hyps"]) == len(sentences) and one["seconds"] > 0

@@ -1,0 +1,297 @@
+"""Decoding as people deploy it: dtmt's recurrent decoders against CTranslate2 (issue 25, item 1).
+
+    python benchmarks/bench_deploy.py --transformer runs/transformer/best.pt \\
+        --system dtmt=benchmarks/out/peers_30m_b/dtmt/best.pt --system rnnsearch-atr=runs/rnnsearch-atr/best.pt
+    python benchmarks/bench_deploy.py --train 30m            # trains what is missing first (dtmt train, 1 thread)
+    python benchmarks/bench_deploy.py --setup-only           # only make the CTranslate2 environment
+
+CTranslate2 is never a dependency of dtmt: on first use the script makes a virtual environment of its own
+(--peer-env, default benchmarks/out/peers/env-ct2) holding ctranslate2 (CT2_VERSION), numpy and sentencepiece,
+and runs benchmarks/peers/ct2_run.py there.
+
+What it does, in one run:
+1. converts the package's own `transformer` checkpoint to a CTranslate2 float32 model: the weights, exported as
+   numpy arrays under dtmt's names, become a CTranslate2 TransformerSpec (pre-norm, embeddings scaled by sqrt(d)
+   plus dtmt's sinusoidal table, the output projection tied to the target embedding);
+2. checks the conversion: CTranslate2's log-probability of every target piece of `--check` dev pairs must equal
+   dtmt's teacher-forced one (max difference <= 1e-3), else it stops;
+3. times, on the test split's sources (`--sentences`, default all), beam 4, for each thread count of `--threads`:
+   each `--system` checkpoint decoded by dtmt (`translate`, the library call of `dtmt translate`; batch 1 is one
+   sentence a call, as an interactive user or `dtmt serve` with one client gets it; batched is `translate`'s own
+   batching by `--max-tokens`), the transformer decoded by dtmt's PyTorch decoder (batched), and by CTranslate2 at
+   batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting); model loading excluded everywhere, the same
+   sentences in the same order;
+4. the BLEU of every output against the references (sacrebleu, as `dtmt evaluate`), sentences/s and output
+   words/s, and the ratios the issue sets goals for: each system at batch 1 over CTranslate2 at batch 1 (goal
+   >= 1.5) and batched over the faster of CTranslate2 batched and `--peer-lstm` (sentences/s of OpenNMT-py's LSTM
+   measured by bench_peers.py, if given; goal >= 1.0).
+Length normalisation differs: dtmt uses GNMT's ((5+|y|)/6)^0.6, CTranslate2 offers |y|^alpha only (alpha 0.6
+here); the BLEU columns show what each gives.
+Output: OUT/bench_deploy.md (machine, command, table) and OUT/bench_deploy.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+CT2_VERSION = "4.8.5"
+CT2_RUN = os.path.join(HERE, "peers", "ct2_run.py")
+
+
+def run(cmd, log, env=None) -> str:
+    """Runs `cmd`, appending its output to `log`; returns its stdout; RuntimeError naming the log on failure."""
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n" + res.stdout + res.stderr)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {res.returncode}); see {log}")
+    return res.stdout
+
+
+def ensure_ct2_env(env_dir: str, log: str) -> str:
+    """The CTranslate2 environment, made on first use; returns its python."""
+    py = os.path.join(env_dir, "bin", "python")
+    marker = os.path.join(env_dir, "dtmt-peer.json")
+    want = {"ctranslate2": CT2_VERSION}
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            if json.load(f) == want:
+                return py
+    print(f"== making the CTranslate2 {CT2_VERSION} environment in {env_dir} (once; log {log})", flush=True)
+    run([sys.executable, "-m", "venv", env_dir], log)
+    run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"ctranslate2=={CT2_VERSION}", "numpy",
+         "sentencepiece"], log)
+    run([py, "-c", "import ctranslate2; print('ctranslate2', ctranslate2.__version__)"], log)
+    with open(marker, "w") as f:
+        json.dump(want, f)
+    return py
+
+
+def export_transformer(ckpt: str, out_dir: str) -> tuple:
+    """Writes the transformer's weights (numpy, dtmt's names, plus `pe` and `readout.bias`) and its configuration
+    with both vocabularies' pieces; returns (weights path, config path)."""
+    import numpy as np
+
+    from dtmt_models.models.checkpoint import load_model
+
+    model, sv, tv, c = load_model(ckpt)
+    if c["model_name"] != "transformer":
+        raise ValueError(f"{ckpt}: a {c['model_name']} checkpoint, not a transformer")
+    arrays = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    arrays["pe"] = model.pe.float().numpy()
+    arrays["readout.bias"] = arrays.pop("readout.proj.bias")
+    os.makedirs(out_dir, exist_ok=True)
+    weights, config = os.path.join(out_dir, "weights.npz"), os.path.join(out_dir, "config.json")
+    np.savez(weights, **arrays)
+    cfg = {"embed_dim": model.embed_dim, "heads": model.transformer.encoder.layers[0].self_attn.num_heads,
+           "encoder_layers": len(model.transformer.encoder.layers),
+           "decoder_layers": len(model.transformer.decoder.layers),
+           "src_pieces": [sv.sp.id_to_piece(i) for i in range(len(sv))],
+           "tgt_pieces": [tv.sp.id_to_piece(i) for i in range(len(tv))]}
+    with open(config, "w") as f:
+        json.dump(cfg, f)
+    return weights, config
+
+
+def teacher_forced_log_probs(ckpt: str, sources, targets):
+    """dtmt's log-probability of each target piece (EOS included), per pair, and the piece strings of both sides."""
+    import torch
+
+    from dtmt_models.data.vocabulary import BOS, EOS
+    from dtmt_models.models.checkpoint import load_model
+
+    model, sv, tv, _ = load_model(ckpt)
+    out, src_pieces, tgt_pieces = [], [], []
+    with torch.no_grad():
+        for s, t in zip(sources, targets):
+            x, y = sv.encode(s), tv.encode(t) + [EOS]
+            lp = model(torch.tensor([x]), torch.tensor([len(x)]), torch.tensor([[BOS] + y[:-1]]))[0]
+            out.append(lp[torch.arange(len(y)), torch.tensor(y)].tolist())
+            src_pieces.append(" ".join(sv.sp.id_to_piece(i) for i in x))
+            tgt_pieces.append(" ".join(tv.sp.id_to_piece(i) for i in y[:-1]))
+    return out, src_pieces, tgt_pieces
+
+
+def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: int, beam: int) -> dict:
+    """Decodes with dtmt in this process; returns seconds (model load excluded) and the one-best outputs."""
+    import torch
+
+    from dtmt_models.decoding.translate import translate
+    from dtmt_models.models.checkpoint import load_model
+
+    torch.set_num_threads(threads)
+    model, sv, tv, c = load_model(ckpt)
+    with torch.no_grad():
+        decoder = model.inference_decoder()
+        translate(model, sv, tv, sentences[:2], beam=beam, decoder=decoder)           # warm-up
+        t0 = time.perf_counter()
+        if batch_one:
+            hyps = [translate(model, sv, tv, [s], beam=beam, decoder=decoder)[0][0][0] for s in sentences]
+        else:
+            hyps = [h[0][0] for h in translate(model, sv, tv, sentences, beam=beam, max_tokens=max_tokens,
+                                               decoder=decoder)]
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "hyps": hyps, "model": c["model_name"],
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def time_ct2(py: str, model_dir: str, sentences, sv, tv, threads: int, batch: int, beam: int, work: str,
+             log: str) -> dict:
+    src = os.path.join(work, "test.src.pieces")
+    with open(src, "w", encoding="utf-8") as f:
+        f.write("".join(" ".join(sv.sp.id_to_piece(i) for i in sv.encode(s)) + "\n" for s in sentences))
+    out = os.path.join(work, f"ct2.b{batch}.t{threads}.pieces")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    line = run([py, CT2_RUN, "translate", "--model", model_dir, "--src", src, "--out", out, "--beam", str(beam),
+                "--batch", str(batch), "--threads", str(threads)], log, env=env).strip().splitlines()[-1]
+    with open(out, encoding="utf-8") as f:
+        hyps = [tv.sp.decode(line_.split()) for line_ in f.read().splitlines()]
+    return {"seconds": json.loads(line)["seconds"], "hyps": hyps}
+
+
+def train_missing(name: str, data: str, budget: str, out: str, log: str) -> str:
+    ckpt = os.path.join(out, "best.pt")
+    if not os.path.isfile(ckpt):
+        print(f"== training {name} for {budget} (1 thread) into {out}", flush=True)
+        run([sys.executable, "-m", "dtmt_models.cli", "train", "--data", data, "--model", name, "--max-time", budget,
+             "--threads", "1", "--valid-every", "250", "--progress", "lines", "--out", out], log)
+    return ckpt
+
+
+def main(argv=None):
+    from bench_cells import machine_name
+    from sacrebleu.metrics import BLEU
+
+    from dtmt_models.data.corpus import corpus_paths, read_parallel
+    from dtmt_models.models.checkpoint import read_checkpoint
+    from dtmt_models.data.vocabulary import Vocabulary
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--transformer", help="dtmt's transformer checkpoint (default: OUT/train_transformer/best.pt)")
+    p.add_argument("--system", action="append", default=[], metavar="NAME=CKPT",
+                   help="a recurrent system's checkpoint (repeatable; default dtmt and rnnsearch-atr under OUT)")
+    p.add_argument("--train", metavar="BUDGET", help="train the missing checkpoints first, e.g. 30m")
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
+    p.add_argument("--sentences", type=int, default=0, help="the first N test sources (0: all)")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=2000, help="dtmt's batched decoding budget")
+    p.add_argument("--ct2-batch", type=int, default=32)
+    p.add_argument("--check", type=int, default=20, help="dev pairs for the conversion check")
+    p.add_argument("--peer-lstm", type=float, default=None,
+                   help="OpenNMT-py LSTM batched sentences/s on this machine (bench_peers.py), for the batched goal")
+    p.add_argument("--peer-env", default=os.path.join(HERE, "out", "peers", "env-ct2"))
+    p.add_argument("--out", default=os.path.join(HERE, "out", "deploy"))
+    p.add_argument("--setup-only", action="store_true")
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    log = os.path.join(a.out, "bench_deploy.log")
+    py = ensure_ct2_env(a.peer_env, log)
+    if a.setup_only:
+        return None
+    systems = dict(s.split("=", 1) for s in a.system) if a.system else {
+        name: os.path.join(a.out, f"train_{name}", "best.pt") for name in ("dtmt", "rnnsearch-atr")}
+    transformer = a.transformer or os.path.join(a.out, "train_transformer", "best.pt")
+    for name, ckpt in [("transformer", transformer)] + list(systems.items()):
+        if not os.path.isfile(ckpt):
+            if not a.train:
+                p.error(f"{ckpt} does not exist (give the checkpoint, or --train 30m to train it)")
+            trained = train_missing(name, a.data, a.train, os.path.dirname(ckpt), log)
+            assert trained == ckpt
+    # 1-2: convert, check
+    work = os.path.join(a.out, "ct2")
+    weights, config = export_transformer(transformer, work)
+    model_dir = os.path.join(work, "model")
+    run([py, CT2_RUN, "convert", "--weights", weights, "--config", config, "--out", model_dir], log)
+    dev = read_parallel(*corpus_paths(a.data, "dev"))[:a.check]
+    ours, src_p, tgt_p = teacher_forced_log_probs(transformer, [s for s, _ in dev], [t for _, t in dev])
+    for name, lines in (("check.src", src_p), ("check.tgt", tgt_p)):
+        with open(os.path.join(work, name), "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+    scores_path = os.path.join(work, "check.json")
+    run([py, CT2_RUN, "score", "--model", model_dir, "--src", os.path.join(work, "check.src"), "--tgt",
+         os.path.join(work, "check.tgt"), "--out", scores_path], log)
+    with open(scores_path) as f:
+        theirs = json.load(f)
+    diff = max(abs(x - y) for a_, b_ in zip(ours, theirs) for x, y in zip(a_, b_))
+    if len(theirs) != len(ours) or any(len(x) != len(y) for x, y in zip(ours, theirs)) or diff > 1e-3:
+        raise RuntimeError(f"the CTranslate2 conversion is wrong: log-probabilities differ by up to {diff:.2e}")
+    print(f"conversion check: {len(ours)} dev pairs, {sum(map(len, ours))} pieces, max |Δ log p| = {diff:.1e}",
+          flush=True)
+    # 3-4: timings
+    src_path, ref_path = corpus_paths(a.data, "test")
+    pairs = read_parallel(src_path, ref_path)
+    if a.sentences:
+        pairs = pairs[:a.sentences]
+    sentences, refs = [s for s, _ in pairs], [t for _, t in pairs]
+    ck = read_checkpoint(transformer)
+    sv, tv = Vocabulary(ck["src_vocab"]), Vocabulary(ck["tgt_vocab"])
+    rows = []
+
+    def add(decoder, model, ckpt, threads, batch, r):
+        words = sum(len(h.split()) for h in r["hyps"])
+        row = {"decoder": decoder, "model": model, "checkpoint": os.path.relpath(ckpt, ROOT), "threads": threads,
+               "batch": batch, "seconds": r["seconds"], "sentences_per_s": len(sentences) / r["seconds"],
+               "words_per_s": words / r["seconds"], "bleu": BLEU().corpus_score(r["hyps"], [refs]).score}
+        rows.append(row)
+        print(f"{decoder:>12s} {model:>14s} threads {threads} batch {batch:>7s}: {row['sentences_per_s']:6.1f} "
+              f"sentences/s, {row['words_per_s']:7.0f} words/s, BLEU {row['bleu']:.2f}", flush=True)
+
+    for threads in (int(t) for t in a.threads.split(",")):
+        for name, ckpt in systems.items():
+            add("dtmt", name, ckpt, threads, "1", time_dtmt(ckpt, sentences, threads, True, a.max_tokens, a.beam))
+            add("dtmt", name, ckpt, threads, f"≤{a.max_tokens}t",
+                time_dtmt(ckpt, sentences, threads, False, a.max_tokens, a.beam))
+        add("dtmt", "transformer", transformer, threads, f"≤{a.max_tokens}t",
+            time_dtmt(transformer, sentences, threads, False, a.max_tokens, a.beam))
+        for batch in (1, a.ct2_batch):
+            add("ctranslate2", "transformer", transformer, threads, str(batch),
+                time_ct2(py, model_dir, sentences, sv, tv, threads, batch, a.beam, work, log))
+    # ratios
+    for row in rows:
+        if row["decoder"] != "dtmt" or row["model"] == "transformer":
+            continue
+        ct2 = {r["batch"]: r["sentences_per_s"] for r in rows if r["decoder"] == "ctranslate2"
+               and r["threads"] == row["threads"]}
+        if row["batch"] == "1":
+            row["vs"] = row["sentences_per_s"] / ct2["1"]
+            row["goal"] = 1.5
+        else:
+            best = max(ct2[str(a.ct2_batch)], a.peer_lstm or 0.0)
+            row["vs"] = row["sentences_per_s"] / best
+            row["goal"] = 1.0
+    cmd = "python benchmarks/bench_deploy.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    machine = ", ".join(part for part in machine_name().split(", ") if "threads" not in part)   # a column here
+    md = [f"Decoding against CTranslate2 {CT2_VERSION}: {machine}; beam {a.beam}; the {len(sentences)} first "
+          f"test sources of {os.path.relpath(a.data, ROOT)}; model loading excluded. Conversion check: "
+          f"max |Δ log p| = {diff:.1e} over {sum(map(len, ours))} dev pieces. Command: `{cmd.strip()}`", "",
+          "| decoder | model | threads | batch | sentences/s | words/s | BLEU | vs goal |",
+          "|---|---|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+        vs = f"{r['vs']:.2f}× (goal ≥ {r['goal']})" if "vs" in r else ""
+        md.append(f"| {r['decoder']} | {r['model']} | {r['threads']} | {r['batch']} | {r['sentences_per_s']:.1f} | "
+                  f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} |")
+    md.append("")
+    md.append("vs: batch 1 over CTranslate2 batch 1; batched over the faster of CTranslate2 batched and "
+              + (f"OpenNMT-py's LSTM ({a.peer_lstm:g} sentences/s)" if a.peer_lstm else "(no LSTM figure given)")
+              + ", same thread count.")
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(a.out, "bench_deploy.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(a.out, "bench_deploy.json"), "w") as f:
+        json.dump({"rows": rows, "conversion_max_abs_diff": diff, "machine": machine}, f, indent=2)
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

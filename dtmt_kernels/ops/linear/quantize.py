@@ -1,0 +1,41 @@
+"""Row-wise int8 weights: the reference (the executable spec) of int8 decoding (issue 25, item 2).
+
+A weight matrix W [N, K] (out x in) is stored as int8 rows with one float scale per output row:
+
+    scale[n] = max_k |W[n, k]| / 127        (1 for an all-zero row)
+    q[n, k]  = round_half_even(W[n, k] / scale[n]), in [-127, 127]
+    W[n, k] ~ scale[n] * q[n, k]            (|error| <= scale[n] / 2)
+
+`linear_int8_weights` is y = x Wᵀ + b with the weights read as scale * q and the activations kept in float
+("weight-only" int8: a decoding step at batch 1-8 is bound by the bytes of weights it reads, 4x fewer here, and
+the activations are not rounded at all).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def quantize_rows(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """(q int8 [N, K], scale float32 [N]) for a floating-point weight [N, K]; see the module docstring."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_rows: a floating-point [N, K] weight, got {weight.dtype} {list(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise ValueError("quantize_rows: the weight has non-finite entries")
+    w = weight.detach().to(torch.float64)
+    peak = w.abs().amax(dim=1)
+    scale = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.to(torch.float32)
+
+
+def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """scale[n] * q[n, k] as `dtype` [N, K]."""
+    return (q.to(torch.float64) * scale.to(torch.float64)[:, None]).to(dtype)
+
+
+def linear_int8_weights(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x [..., K] -> [..., N]: x (scale * q)ᵀ + bias, in x's dtype."""
+    return torch.nn.functional.linear(x, dequantize_rows(q, scale, x.dtype), bias)

@@ -179,7 +179,7 @@ def test_sigterm_finishes_the_request_in_flight(system):
     model, sv, tv, path = system
     proc = ServerProcess(path, "--max-sentences", "400")
     try:
-        sentences = [f"{a} y {b}" for a in SRC for b in SRC] * 4            # 256 sentences: a second or more
+        sentences = [f"{a} y {b} y {c}" for a in SRC for b in SRC for c in SRC][:400]   # seconds of decoding
         result = {}
 
         def client():
@@ -187,7 +187,8 @@ def test_sigterm_finishes_the_request_in_flight(system):
             result["answered"] = time.time()
         thread = threading.Thread(target=client)
         thread.start()
-        time.sleep(0.5)                                                     # the request is being decoded
+        while request(proc.url, "/info")[1]["counters"]["requests"] < 1:     # it has arrived
+            time.sleep(0.02)
         signalled = time.time()
         proc.proc.send_signal(signal.SIGTERM)
         thread.join(timeout=120)
@@ -196,7 +197,7 @@ def test_sigterm_finishes_the_request_in_flight(system):
         assert reply["translations"] == [h[0][0] for h in translate(model, sv, tv, sentences, beam=BEAM)]
         err = proc.rest_of_stderr()
         assert proc.proc.returncode == 0, err
-        assert "SIGTERM: finishing the requests in flight" in err and "stopped: 1 requests, 256 sentences" in err
+        assert "SIGTERM: finishing the requests in flight" in err and "stopped: 1 requests, 400 sentences" in err
         with pytest.raises(urllib.error.URLError):                          # no longer listening
             request(proc.url, "/health")
     finally:

@@ -50,37 +50,41 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
     max_len_list = max_len.tolist()
     finished: List[List[Hypothesis]] = [[] for _ in range(B)]
-    done = [False] * B
+    # the sentences still being decoded, in the order of the state's row groups (beam rows each): a finished
+    # sentence's rows leave the state at the next reorder, so the steps after it cost only the open sentences
+    active = list(range(B))
+    active_max_len = max_len
     for t in range(int(max_len.max())):
         log_probs, state = model.step(state, tokens[:, -1])
         V = log_probs.shape[-1]
-        log_probs = log_probs.view(B, beam, V).float()
-        at_limit = t + 1 >= max_len
+        n = len(active)
+        log_probs = log_probs.view(n, beam, V).float()
+        at_limit = t + 1 >= active_max_len
         if bool(at_limit.any()):   # the last step allowed: only EOS may follow
             eos_only = torch.full_like(log_probs, float("-inf"))
             eos_only[..., EOS] = log_probs[..., EOS]
-            log_probs = torch.where(at_limit.view(B, 1, 1), eos_only, log_probs)
-        cand = (scores.unsqueeze(-1) + log_probs).view(B, -1)
+            log_probs = torch.where(at_limit.view(n, 1, 1), eos_only, log_probs)
+        cand = (scores.unsqueeze(-1) + log_probs).view(n, -1)
         top_scores, top_idx = cand.topk(min(2 * beam, cand.shape[1]), dim=1)
         # the bookkeeping below is per sentence and per candidate, on Python lists (three transfers a step), not
         # on tensor elements
         top_scores, top_idx = top_scores.tolist(), top_idx.tolist()
-        new_scores = [[NEG_INF] * beam for _ in range(B)]
-        new_origin = [[0] * beam for _ in range(B)]
-        new_word = [[EOS] * beam for _ in range(B)]
-        for b in range(B):
-            if done[b]:
-                continue
+        select: List[int] = []
+        next_words: List[int] = []
+        next_scores: List[float] = []
+        still: List[int] = []
+        for i, b in enumerate(active):
+            new_scores, new_origin, new_word = [NEG_INF] * beam, [0] * beam, [EOS] * beam
             k = 0
-            for s, i in zip(top_scores[b], top_idx[b]):
+            for s, j in zip(top_scores[i], top_idx[i]):
                 if s == NEG_INF:
                     break
-                o, w = divmod(i, V)
+                o, w = divmod(j, V)
                 if w == EOS:
-                    hyp = tokens[b * beam + o, 1:].tolist()
+                    hyp = tokens[i * beam + o, 1:].tolist()
                     finished[b].append(Hypothesis(hyp, s / length_penalty(len(hyp) + 1, alpha), s))
                 elif k < beam:
-                    new_scores[b][k], new_origin[b][k], new_word[b][k] = s, o, w
+                    new_scores[k], new_origin[k], new_word[k] = s, o, w
                     k += 1
                 if k == beam and len(finished[b]) >= beam:
                     break
@@ -88,17 +92,24 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
             del finished[b][beam:]
             # finished when full and no open hypothesis can still win (log-probs only decrease; the length
             # penalty is at most that of the max length)
-            best_open = max(new_scores[b])
+            best_open = max(new_scores)
             bound = best_open / length_penalty(max_len_list[b], alpha) if alpha > 0 else best_open
             if t + 1 >= max_len_list[b] or best_open == NEG_INF or (len(finished[b]) >= beam and
                                                                     bound <= finished[b][-1].score):
-                done[b] = True
-        if all(done):
+                continue
+            still.append(i)
+            select.extend(i * beam + o for o in new_origin)
+            next_words.extend(new_word)
+            next_scores.extend(new_scores)
+        if not still:
             break
-        select = torch.tensor([b * beam + o for b in range(B) for o in new_origin[b]], device=device)
-        state = model.reorder(state, select)
-        tokens = torch.cat([tokens[select], torch.tensor(new_word, device=device).view(-1, 1)], 1)
-        scores = torch.tensor([[NEG_INF] * beam if done[b] else new_scores[b] for b in range(B)], device=device)
+        index = torch.tensor(select, device=device)
+        state = model.reorder(state, index)
+        tokens = torch.cat([tokens[index], torch.tensor(next_words, device=device).view(-1, 1)], 1)
+        scores = torch.tensor(next_scores, device=device).view(len(still), beam)
+        if len(still) < n:
+            active_max_len = active_max_len[torch.tensor(still, device=device)]
+            active = [active[i] for i in still]
     return [hyps[:nbest] for hyps in finished]
 
 

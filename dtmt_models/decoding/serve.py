@@ -41,7 +41,7 @@ class ServeSettings:
     max_len_b: int = 10
     max_sentences: int = 256      # per request, else 413
     max_chars: int = 2000         # per sentence, else 413
-    batch_sentences: int = 64     # decode at once when this many are waiting
+    batch_sentences: int = 128    # decode at once when this many are waiting
     max_wait_ms: float = 10.0     # the longest the first waiting request waits for others to join its batch
     shutdown_timeout: float = 60.0
 

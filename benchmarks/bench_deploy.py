@@ -122,13 +122,24 @@ def teacher_forced_log_probs(ckpt: str, sources, targets):
 
 
 def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: int, beam: int) -> dict:
-    """Decodes with dtmt in this process; returns seconds (model load excluded) and the one-best outputs."""
+    """Decodes with dtmt in this process on `threads` threads (restored after); returns seconds (model load
+    excluded) and the one-best outputs."""
+    import torch
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _time_dtmt(ckpt, sentences, batch_one, max_tokens, beam)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _time_dtmt(ckpt: str, sentences, batch_one: bool, max_tokens: int, beam: int) -> dict:
     import torch
 
     from dtmt_models.decoding.translate import translate
     from dtmt_models.models.checkpoint import load_model
 
-    torch.set_num_threads(threads)
     model, sv, tv, c = load_model(ckpt)
     with torch.no_grad():
         decoder = model.inference_decoder()
@@ -222,8 +233,10 @@ def main(argv=None):
          os.path.join(work, "check.tgt"), "--out", scores_path], log)
     with open(scores_path) as f:
         theirs = json.load(f)
+    if not ours or len(theirs) != len(ours) or any(len(x) != len(y) for x, y in zip(ours, theirs)):
+        raise RuntimeError(f"the CTranslate2 scores do not line up with dtmt's ({len(theirs)} against {len(ours)})")
     diff = max(abs(x - y) for a_, b_ in zip(ours, theirs) for x, y in zip(a_, b_))
-    if len(theirs) != len(ours) or any(len(x) != len(y) for x, y in zip(ours, theirs)) or diff > 1e-3:
+    if not diff <= 1e-3:   # NaN fails too
         raise RuntimeError(f"the CTranslate2 conversion is wrong: log-probabilities differ by up to {diff:.2e}")
     print(f"conversion check: {len(ours)} dev pairs, {sum(map(len, ours))} pieces, max |Δ log p| = {diff:.1e}",
           flush=True)

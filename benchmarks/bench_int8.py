@@ -30,7 +30,9 @@ ONCE_PER_SENTENCE = ("encoder", "src_embed", "tgt_embed", "attention.key", "init
 
 def step_matrices(model):
     """(name, parameter) of every 2-D weight a decoding step reads (see the module docstring)."""
-    return [(n, p) for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(ONCE_PER_SENTENCE)]
+    # remove_duplicate=False: a projection tied to the target embedding is listed under its own name too
+    return [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+            if p.dim() == 2 and not n.startswith(ONCE_PER_SENTENCE)]
 
 
 def quantize_step_weights(model):
@@ -53,12 +55,6 @@ def quantize_step_weights(model):
 
 def main(argv=None):
     import torch
-    from bench_cells import machine_name
-    from sacrebleu.metrics import BLEU
-
-    from dtmt_models.data.corpus import corpus_paths, read_parallel
-    from dtmt_models.decoding.translate import translate
-    from dtmt_models.models.checkpoint import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt"))
@@ -69,7 +65,22 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=os.path.join(HERE, "out", "int8"))
     a = p.parse_args(argv)
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(a.threads)
+    try:
+        return _run(a, argv)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(a, argv):
+    from bench_cells import machine_name
+    from sacrebleu.metrics import BLEU
+
+    from dtmt_models.data.corpus import corpus_paths, read_parallel
+    from dtmt_models.decoding.translate import translate
+    from dtmt_models.models.checkpoint import load_model
+
     pairs = read_parallel(*corpus_paths(a.data, a.split))
     if a.sentences:
         pairs = pairs[:a.sentences]

@@ -129,11 +129,15 @@ def main(argv=None):
     sentences = [s for s, _ in read_parallel(src_path, corpus_paths(a.data, a.split)[1])]
     if a.sentences:
         sentences = sentences[:a.sentences]
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(a.threads)
-    model, sv, tv, ckpt = load_model(a.checkpoint)
-    t = time.perf_counter()
-    expected = [h[0][0] for h in translate(model, sv, tv, sentences, beam=a.beam)]
-    offline_s = time.perf_counter() - t
+    try:
+        model, sv, tv, ckpt = load_model(a.checkpoint)
+        t = time.perf_counter()
+        expected = [h[0][0] for h in translate(model, sv, tv, sentences, beam=a.beam)]
+        offline_s = time.perf_counter() - t
+    finally:
+        torch.set_num_threads(threads_before)
     print(f"offline: {len(sentences)} sentences in {offline_s:.1f}s ({len(sentences) / offline_s:.1f}/s)", flush=True)
     del model
 
@@ -148,7 +152,11 @@ def main(argv=None):
             counters = json.loads(r.read())["counters"]
     finally:
         proc.terminate()
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     sent = answered + len(lost)
     row = {"machine": machine_name(), "checkpoint": a.checkpoint, "model": ckpt.get("model_name"),
            "sentences": len(sentences), "sent": sent, "answered": answered, "lost": len(lost),

@@ -62,7 +62,8 @@ def pytest_collection_finish(session):
     if names:
         import tempfile
 
-        module = next(item.module for item in session.items if item.name in names)
+        module = next(item.module for item in session.items
+                      if getattr(getattr(item, "module", None), "__name__", "").endswith("test_cuda_sources"))
         session.config._dtmt_compile_dir = tempfile.mkdtemp(prefix="dtmt-compiles-")
         module.start_background_compiles(names, session.config._dtmt_compile_dir)
         session.config._dtmt_compile_module = module
@@ -75,3 +76,11 @@ def pytest_sessionfinish(session):
 
         module.stop_background_compiles()
         shutil.rmtree(session.config._dtmt_compile_dir, ignore_errors=True)
+
+
+# A toy parallel corpus for tests that need real SentencePiece vocabularies and sentences to translate
+# (test_serve, test_int8, test_benchmarks).
+TOY_SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
+           "ella lee el libro", "nosotros vamos a la playa", "el sol brilla", "la luna es blanca"]
+TOY_TGT = ["the dog eats bread", "the house is big", "the cat sleeps in the house", "i have a red book",
+           "she reads the book", "we go to the beach", "the sun shines", "the moon is white"]

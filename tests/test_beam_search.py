@@ -84,3 +84,34 @@ def test_beam_search_on_a_real_system_is_batch_independent():
         alone = beam_search(model, src[b:b + 1, :int(lengths[b])], lengths[b:b + 1], beam=3, nbest=2)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in batched[b]]
         assert all(math.isclose(a.score, c.score, rel_tol=1e-4) for a, c in zip(alone, batched[b]))
+
+
+def test_finished_sentences_leave_the_batch():
+    """Sentences of one batch stopping at different steps (max length 1..6 from their source lengths): each
+    decodes as it does alone, and the rows a step computes shrink as sentences finish."""
+    torch.manual_seed(1)
+    model = dm.build_model("rnnsearch-atr", 20, 20, embed_dim=16, hidden_size=16).eval()
+    decoder = model.inference_decoder()
+    rows = []
+
+    class Counting:
+        def encode(self, src, lengths):
+            return decoder.encode(src, lengths)
+
+        def step(self, state, prev):
+            rows.append(prev.shape[0])
+            return decoder.step(state, prev)
+
+        def reorder(self, state, index):
+            return decoder.reorder(state, index)
+
+    lengths = torch.tensor([6, 1, 4, 2, 5, 3])
+    src = torch.randint(4, 20, (6, 6))
+    batched = beam_search(Counting(), src, lengths, beam=3, nbest=3, max_len_a=1.0, max_len_b=0)
+    assert rows[0] == 6 * 3 and rows[-1] < rows[0] and all(a >= b for a, b in zip(rows, rows[1:]))
+    assert len(rows) == 6 and rows[1] <= 5 * 3                           # the 1-step sentence is gone at step 2
+    for b in range(6):
+        alone = beam_search(decoder, src[b:b + 1, :int(lengths[b])], lengths[b:b + 1], beam=3, nbest=3,
+                            max_len_a=1.0, max_len_b=0)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in batched[b]]
+        assert all(math.isclose(a.score, c.score, rel_tol=1e-4) for a, c in zip(alone, batched[b]))

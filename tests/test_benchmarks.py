@@ -262,7 +262,7 @@ def test_bench_serve_quick(tmp_path):
     """The load test end to end at toy size: a real server, 6 concurrent clients, every request answered with
     `translate`'s translation (the benchmark counts any other answer as lost)."""
     pytest.importorskip("aiohttp")
-    from test_serve import SRC, TGT
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT
     from test_train import make_toy_corpus
 
     from benchmarks import bench_serve
@@ -296,7 +296,7 @@ def test_bench_deploy_parts_that_need_no_peer(tmp_path):
     when it runs.)"""
     import numpy as np
 
-    from test_serve import SRC, TGT
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT
 
     from benchmarks import bench_deploy
     from dtmt_models.data.vocabulary import Vocabulary

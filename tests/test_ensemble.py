@@ -163,7 +163,8 @@ def test_cli_evaluate_ensemble(checkpoints, tmp_path, capsys):
     write_manifest(str(data), "es", "en", {"test": len(SRC)}, origin="test")
     assert cli.main(["evaluate", "-c", paths["a"], "-c", paths["b"], "--data", str(data), "--beam", "2",
                      "--quiet"]) == 0
-    out_dir = os.path.join(os.path.dirname(paths["a"]), "a+b.test")       # default: <stem>+<stem>.<split>
+    folder = os.path.dirname(paths["a"])                                   # default: <dir>-<stem>+<dir>-<stem>.<split>
+    out_dir = os.path.join(folder, f"{os.path.basename(folder)}-a+{os.path.basename(folder)}-b.test")
     with open(os.path.join(out_dir, "scores.json"), encoding="utf-8") as f:
         report = json.load(f)
     assert report["settings"]["checkpoint"] == [paths["a"], paths["b"]]

@@ -18,7 +18,7 @@ def test_quantize_rows_bounds_and_exact_cases():
     assert (q[nonzero].abs().amax(1) == 127).all()                 # every row uses the full range
     assert (q[5] == 0).all() and scale[5] == 1.0                    # an all-zero row
     err = (dequantize_rows(q, scale, torch.float64) - w).abs()
-    assert (err <= scale.double()[:, None] / 2 * (1 + 1e-6)).all()  # half a step at most
+    assert (err <= scale.double()[:, None] / 2 * (1 + 1e-12)).all()  # half a step at most
     # values on the grid come back exactly
     grid = torch.randint(-127, 128, (4, 9), generator=gen).double() * 0.25
     grid[:, 0] = 127 * 0.25
@@ -43,7 +43,7 @@ def test_linear_with_int8_weights():
 
 
 def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
-    from test_serve import SRC, TGT
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT
     from test_train import make_toy_corpus
 
     from benchmarks import bench_int8
@@ -65,6 +65,14 @@ def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
     q, scale = quantize_rows(projection)
     assert torch.equal(model.readout.output.proj.weight, dequantize_rows(q, scale))
     assert i8 < f32 / 3
+    # a projection tied to the target embedding (rnnsearch-atr's default) is quantized, the embedding is not
+    tied = build_model("rnnsearch-atr", len(sv), len(tv), embed_dim=16, hidden_size=16)
+    assert tied.readout.output.proj.weight is tied.tgt_embed.weight
+    assert "readout.output.proj.weight" in [n for n, _ in bench_int8.step_matrices(tied)]
+    embedding = tied.tgt_embed.weight.detach().clone()
+    bench_int8.quantize_step_weights(tied)
+    assert torch.equal(tied.tgt_embed.weight, embedding)
+    assert torch.equal(tied.readout.output.proj.weight, dequantize_rows(*quantize_rows(embedding)))
     path = str(tmp_path / "tiny.pt")
     torch.manual_seed(0)
     fresh = build_model("dtmt", len(sv), len(tv), **options)

@@ -27,15 +27,12 @@ import torch
 
 aiohttp = pytest.importorskip("aiohttp")
 
+from conftest import TOY_SRC as SRC, TOY_TGT as TGT  # noqa: E402
 from dtmt_models.data.vocabulary import EOS, Vocabulary  # noqa: E402
 from dtmt_models.decoding.translate import translate  # noqa: E402
 from dtmt_models.models.checkpoint import save_checkpoint  # noqa: E402
 from dtmt_models.models.registry import build_model  # noqa: E402
 
-SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
-       "ella lee el libro", "nosotros vamos a la playa", "el sol brilla", "la luna es blanca"]
-TGT = ["the dog eats bread", "the house is big", "the cat sleeps in the house", "i have a red book",
-       "she reads the book", "we go to the beach", "the sun shines", "the moon is white"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEAM = 3
 
@@ -67,10 +64,16 @@ class ServerProcess:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
         self.lines: "queue.Queue[str]" = queue.Queue()
         self.seen = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         deadline = time.time() + 120
         while True:
-            line = self.lines.get(timeout=max(0.1, deadline - time.time()))
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.time()))
+            except queue.Empty:
+                raise AssertionError("dtmt serve did not start: " + "".join(self.seen)) from None
+            if line is None:
+                raise AssertionError(f"dtmt serve exited at start: {''.join(self.seen)}")
             self.seen.append(line)
             if "listening on http://" in line:
                 self.url = line.split("listening on ")[1].split()[0]
@@ -79,12 +82,15 @@ class ServerProcess:
     def _read(self):
         for line in self.proc.stderr:
             self.lines.put(line)
+        self.lines.put(None)   # end of stderr
 
     def rest_of_stderr(self, timeout=60):
         self.proc.wait(timeout=timeout)
-        time.sleep(0.2)
+        self.reader.join(timeout=timeout)   # it ends at the end of stderr: every line is in the queue
         while not self.lines.empty():
-            self.seen.append(self.lines.get())
+            line = self.lines.get()
+            if line is not None:
+                self.seen.append(line)
         return "".join(self.seen)
 
     def close(self):
@@ -143,6 +149,8 @@ def test_bad_requests_get_a_status_and_a_message(server):
         ({"sentences": ["el sol"] * 11}, 413, "11 sentences in one request; the limit is 10"),
         ({"sentences": ["el sol", "x" * 101]}, 413, "sentence 1 has 101 characters; the limit is 100"),
         (b"[" + b'"x",' * 400_000 + b'"x"]', 413, "the request body is too large"),
+        (b"[" * 50_000, 400, "nested too deeply"),                                   # RecursionError
+        (b'{"sentences": ' + b"1" * 5000 + b"}", 400, "not JSON"),                     # int of too many digits
     ]
     for body, status, message in cases:
         got_status, reply = request(server.url, "/translate", body)
@@ -187,11 +195,14 @@ def test_sigterm_finishes_the_request_in_flight(system):
             result["answered"] = time.time()
         thread = threading.Thread(target=client)
         thread.start()
+        deadline = time.time() + 60
         while request(proc.url, "/info")[1]["counters"]["requests"] < 1:     # it has arrived
+            assert time.time() < deadline, "the request never reached the server"
             time.sleep(0.02)
         signalled = time.time()
         proc.proc.send_signal(signal.SIGTERM)
         thread.join(timeout=120)
+        assert "reply" in result, "no answer within 120 s"
         status, reply = result["reply"]
         assert status == 200 and result["answered"] > signalled            # answered after the signal
         assert reply["translations"] == [h[0][0] for h in translate(model, sv, tv, sentences, beam=BEAM)]
@@ -204,31 +215,37 @@ def test_sigterm_finishes_the_request_in_flight(system):
         proc.close()
 
 
-def test_decoding_failure_is_a_500_and_the_server_goes_on(system):
+def test_decoding_failure_is_a_500_for_that_request_only(system):
+    """In process: a decoding that fails on one request's sentence answers that request 500; the request batched
+    with it is decoded again alone and answered; the server goes on."""
     from dtmt_models.decoding.serve import Server, ServeSettings
 
     model, sv, tv, _ = system
-    server = Server(model, sv, tv, ServeSettings(beam=2, max_wait_ms=0))
+    server = Server(model, sv, tv, ServeSettings(beam=2, max_wait_ms=300))
     real, calls = server._decode, []
 
-    def failing_once(sentences):
-        calls.append(sentences)
-        if len(calls) == 1:
+    def failing_on_poison(sentences):
+        calls.append(list(sentences))
+        if "veneno" in sentences:
             raise RuntimeError("out of memory (simulated)")
         return real(sentences)
-    server._decode = failing_once
+    server._decode = failing_on_poison
 
     async def scenario():
         await server.start("127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.port}/translate"
         async with aiohttp.ClientSession() as session:
-            async with session.post(url, json={"sentences": ["el sol"]}) as r1:
-                first = r1.status, await r1.json()
-            async with session.post(url, json={"sentences": ["el sol"]}) as r2:
-                second = r2.status, await r2.json()
+            async def post(sentences):
+                async with session.post(url, json={"sentences": sentences}) as r:
+                    return r.status, await r.json()
+            both = await asyncio.gather(post(["veneno"]), post(["el sol"]))
+            after = await post(["la luna"])
         await server.stop()
-        return first, second
-    first, second = asyncio.run(scenario())
-    assert first == (500, {"error": "decoding failed: RuntimeError: out of memory (simulated)"})
-    assert second[0] == 200 and second[1]["translations"] == [translate(model, sv, tv, ["el sol"], beam=2)[0][0][0]]
-    assert server.counters.errors == 1 and server.counters.batches == 1
+        return both, after
+    (poisoned, good), after = asyncio.run(scenario())
+    assert poisoned == (500, {"error": "decoding failed: RuntimeError: out of memory (simulated)"})
+    assert good == (200, {"translations": [translate(model, sv, tv, ["el sol"], beam=2)[0][0][0]],
+                          "scores": [pytest.approx(translate(model, sv, tv, ["el sol"], beam=2)[0][0][1])]})
+    assert after[0] == 200 and after[1]["translations"] == [translate(model, sv, tv, ["la luna"], beam=2)[0][0][0]]
+    assert calls[0] in (["veneno", "el sol"], ["el sol", "veneno"])          # batched together first
+    assert server.counters.errors == 1 and server.counters.batches == 2

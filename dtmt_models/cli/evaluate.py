@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", help="source file (with --ref, instead of --data)")
     p.add_argument("--ref", help="reference file, aligned with --src")
     p.add_argument("--hyp", help="score this translation file instead of decoding")
-    p.add_argument("--out-dir", help="where the results go (default: next to the checkpoint, <stem>.<split>/)")
+    p.add_argument("--out-dir", help="where the results go (default: next to the checkpoint, <stem>.<split>/; for an "
+                        "ensemble next to the first, <dir>-<stem>+<dir>-<stem>.<split>/)")
     p.add_argument("--bounds", default=",".join(map(str, DEFAULT_BOUNDS)),
                    help="upper bounds of the length buckets, in words (default 10,20,30,40,50)")
     add_decoding_arguments(p)
@@ -103,7 +104,10 @@ def _run(args: argparse.Namespace) -> int:
         raise InputError(f"{src_path}: no sentences to score")
 
     anchor = args.checkpoint[0] if args.checkpoint else args.hyp
-    stem = "+".join(map(_stem, args.checkpoint)) if args.checkpoint else _stem(anchor)   # an ensemble: a+b
+    if args.checkpoint and len(args.checkpoint) > 1:   # an ensemble: <dir>-<stem>+<dir>-<stem> (often all best.pt)
+        stem = "+".join(f"{os.path.basename(os.path.dirname(os.path.abspath(c)))}-{_stem(c)}" for c in args.checkpoint)
+    else:
+        stem = _stem(anchor)
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(anchor)), f"{stem}.{label}")
     one = args.checkpoint is not None and len(args.checkpoint) == 1
     settings = {"data": args.data, "split": args.split if args.data else None, "src": src_path, "ref": ref_path,

@@ -4,13 +4,14 @@
     curl -s localhost:8080/translate -d '{"sentences": ["En el principio creó Dios los cielos y la tierra."]}'
 
 Prints `dtmt serve: listening on http://HOST:PORT` on stderr once it accepts requests (with --port 0, the port
-the system chose); SIGINT or SIGTERM stop it after the requests in flight are answered. Needs aiohttp
+the system chose); SIGINT or SIGTERM stop it after the requests in flight are answered (a second one at once). Needs aiohttp
 (`pip install aiohttp`, in requirements.txt).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from typing import List, Optional
@@ -106,9 +107,11 @@ def _run(args: argparse.Namespace) -> int:
         stopping = []
 
         def on_signal(name: str) -> None:
-            if not stopping:
-                log(f"{name}: finishing the requests in flight, then stopping")
-                stopping.append(loop.create_task(server.stop()))
+            if stopping:   # a second signal: stop now, requests in flight or not
+                log(f"{name} again: exiting without waiting")
+                os._exit(1)
+            log(f"{name}: finishing the requests in flight, then stopping (again to exit at once)")
+            stopping.append(loop.create_task(server.stop()))
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig.name)
         log(f"listening on http://{args.host}:{server.port} ({'+'.join(map(str, names))}, "

@@ -13,7 +13,8 @@ independently, so a request's translations do not depend on what it was batched 
 Errors are JSON `{"error": "..."}` with a status: 400 for a body that is not JSON or not of that shape
 (`sentences` must be a list of strings; no other fields), 413 for more than `max_sentences` sentences or a
 sentence longer than `max_chars` characters (or a body too large to read), 404 / 405 for other paths and
-methods, 500 if decoding itself fails (that request fails; the server goes on). Shutdown (SIGINT / SIGTERM,
+methods, 500 if decoding itself fails (when a batch fails, each of its requests is decoded again on its own,
+so only a request whose own sentences fail gets the 500; the server goes on). Shutdown (SIGINT / SIGTERM,
 or `Server.stop`) stops accepting connections, lets the requests in flight finish (at most `shutdown_timeout`
 seconds), then ends.
 """
@@ -66,7 +67,9 @@ def parse_request(body: bytes, settings: ServeSettings) -> List[str]:
     """The sentences of a /translate body, or RequestError (400 malformed, 413 over the limits)."""
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise RequestError(400, "the body is not JSON this server reads (nested too deeply)") from None
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
         raise RequestError(400, f"the body is not JSON ({exc})") from None
     if not isinstance(data, dict) or "sentences" not in data:
         raise RequestError(400, 'expected a JSON object {"sentences": ["...", ...]}')
@@ -96,10 +99,10 @@ class _Pending:
 
 @dataclass
 class Counters:
-    requests: int = 0             # answered /translate requests, errors included
+    requests: int = 0             # /translate requests received
     sentences: int = 0            # sentences decoded
     batches: int = 0              # translate calls
-    errors: int = 0               # requests answered with a 4xx / 5xx
+    errors: int = 0               # answers with a 4xx / 5xx status, on any path
     started: float = field(default_factory=time.time)
 
 
@@ -128,8 +131,9 @@ class Server:
     def app(self):
         from aiohttp import web
 
-        # a body larger than the largest acceptable request (+ JSON overhead) is refused unread with 413
-        limit = self.settings.max_sentences * (4 * self.settings.max_chars + 16) + 65536
+        # a body larger than the largest acceptable request is refused with 413 once that much is read (JSON's
+        # \uXXXX escapes: up to 12 bytes a character)
+        limit = self.settings.max_sentences * (12 * self.settings.max_chars + 16) + 65536
         @web.middleware
         async def json_errors(request, handler):
             return await self._json_errors(request, handler)
@@ -151,12 +155,15 @@ class Server:
         self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
-        """Stops accepting connections, finishes the requests in flight, then releases the worker."""
+        """Stops accepting connections, finishes the requests in flight (at most `shutdown_timeout` seconds),
+        then releases the worker (a decoding still running when time is up finishes in the background)."""
         if self._runner is not None:
             runner, self._runner = self._runner, None
-            await runner.cleanup()
-            self._worker.shutdown(wait=True)
-            self._stopped.set()
+            try:
+                await runner.cleanup()
+            finally:
+                self._worker.shutdown(wait=False, cancel_futures=True)
+                self._stopped.set()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -255,21 +262,32 @@ class Server:
                 item = self._queue.get_nowait()
                 batch.append(item)
                 waiting += len(item.sentences)
-            sentences = [s for item in batch for s in item.sentences]
-            try:
-                results = await loop.run_in_executor(self._worker, self._decode, sentences)
-            except Exception as exc:   # noqa: BLE001 - handed to each request of the batch
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
-                continue
-            self.counters.batches += 1
-            self.counters.sentences += len(sentences)
-            start = 0
+            batch = [item for item in batch if not item.future.done()]   # a client that left: a cancelled future
+            if batch:
+                await self._decode_batch(batch)
+
+    async def _decode_batch(self, batch: List[_Pending]) -> None:
+        """Decodes the batch's sentences in one call and answers each request; if that call fails and the batch
+        holds several requests, each is decoded again on its own, so that only a failing request fails."""
+        loop = asyncio.get_running_loop()
+        sentences = [s for item in batch for s in item.sentences]
+        try:
+            results = await loop.run_in_executor(self._worker, self._decode, sentences)
+        except Exception as exc:   # noqa: BLE001 - handed to the request, or each request retried alone
+            if len(batch) == 1:
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(exc)
+                return
             for item in batch:
-                if not item.future.done():   # a client that went away leaves a cancelled future
-                    item.future.set_result(results[start:start + len(item.sentences)])
-                start += len(item.sentences)
+                await self._decode_batch([item])
+            return
+        self.counters.batches += 1
+        self.counters.sentences += len(sentences)
+        start = 0
+        for item in batch:
+            if not item.future.done():
+                item.future.set_result(results[start:start + len(item.sentences)])
+            start += len(item.sentences)
 
     def _decode(self, sentences: List[str]) -> List[List[Tuple[str, float]]]:
         s = self.settings

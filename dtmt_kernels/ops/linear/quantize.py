@@ -26,9 +26,11 @@ def quantize_rows(weight: Tensor) -> Tuple[Tensor, Tensor]:
         raise ValueError("quantize_rows: the weight has non-finite entries")
     w = weight.detach().to(torch.float64)
     peak = w.abs().amax(dim=1)
-    scale = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale.to(torch.float32)
+    # the scale as stored (float32) is the one the weights are rounded with, so |error| <= scale / 2 holds for
+    # what dequantize_rows computes
+    scale = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak)).to(torch.float32)
+    q = torch.round(w / scale.to(torch.float64)[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
 
 
 def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -46,7 +46,9 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
     scores = torch.full((B, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0                                   # all beams start identical: keep one
-    tokens = torch.full((B * beam, 1), BOS, dtype=torch.long, device=device)
+    # each row's tokens so far (without BOS) as Python lists: a step needs only the last one as a tensor
+    rows: List[List[int]] = [[] for _ in range(B * beam)]
+    prev = torch.full((B * beam,), BOS, dtype=torch.long, device=device)
     max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
     max_len_list = max_len.tolist()
     finished: List[List[Hypothesis]] = [[] for _ in range(B)]
@@ -55,7 +57,7 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     active = list(range(B))
     active_max_len = max_len
     for t in range(int(max_len.max())):
-        log_probs, state = model.step(state, tokens[:, -1])
+        log_probs, state = model.step(state, prev)
         V = log_probs.shape[-1]
         n = len(active)
         log_probs = log_probs.view(n, beam, V).float()
@@ -81,7 +83,7 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
                     break
                 o, w = divmod(j, V)
                 if w == EOS:
-                    hyp = tokens[i * beam + o, 1:].tolist()
+                    hyp = rows[i * beam + o]
                     finished[b].append(Hypothesis(hyp, s / length_penalty(len(hyp) + 1, alpha), s))
                 elif k < beam:
                     new_scores[k], new_origin[k], new_word[k] = s, o, w
@@ -105,7 +107,8 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
             break
         index = torch.tensor(select, device=device)
         state = model.reorder(state, index)
-        tokens = torch.cat([tokens[index], torch.tensor(next_words, device=device).view(-1, 1)], 1)
+        rows = [rows[j] + [w] for j, w in zip(select, next_words)]
+        prev = torch.tensor(next_words, device=device)
         scores = torch.tensor(next_scores, device=device).view(len(still), beam)
         if len(still) < n:
             active_max_len = active_max_len[torch.tensor(still, device=device)]

@@ -198,12 +198,17 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=2000, help="dtmt's batched decoding budget")
     p.add_argument("--ct2-batch", type=int, default=32)
     p.add_argument("--check", type=int, default=20, help="dev pairs for the conversion check")
-    p.add_argument("--peer-lstm", type=float, default=None,
-                   help="OpenNMT-py LSTM batched sentences/s on this machine (bench_peers.py), for the batched goal")
+    p.add_argument("--peer-lstm", action="append", default=[], metavar="THREADS=RATE",
+                   help="OpenNMT-py's LSTM batched sentences/s on this machine at THREADS threads (bench_peers.py's "
+                        "decode column), for the batched goal; repeatable")
     p.add_argument("--peer-env", default=os.path.join(HERE, "out", "peers", "env-ct2"))
     p.add_argument("--out", default=os.path.join(HERE, "out", "deploy"))
     p.add_argument("--setup-only", action="store_true")
     a = p.parse_args(argv)
+    try:
+        lstm = {int(t): float(r) for t, r in (x.split("=", 1) for x in a.peer_lstm)}
+    except ValueError:
+        p.error(f"--peer-lstm: THREADS=RATE, e.g. 1=57.4, got {a.peer_lstm}")
     os.makedirs(a.out, exist_ok=True)
     log = os.path.join(a.out, "bench_deploy.log")
     py = ensure_ct2_env(a.peer_env, log)
@@ -279,7 +284,7 @@ def main(argv=None):
             row["vs"] = row["sentences_per_s"] / ct2["1"]
             row["goal"] = 1.5
         else:
-            best = max(ct2[str(a.ct2_batch)], a.peer_lstm or 0.0)
+            best = max(ct2[str(a.ct2_batch)], lstm.get(row["threads"], 0.0))
             row["vs"] = row["sentences_per_s"] / best
             row["goal"] = 1.0
     cmd = "python benchmarks/bench_deploy.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -294,9 +299,9 @@ def main(argv=None):
         md.append(f"| {r['decoder']} | {r['model']} | {r['threads']} | {r['batch']} | {r['sentences_per_s']:.1f} | "
                   f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} |")
     md.append("")
-    md.append("vs: batch 1 over CTranslate2 batch 1; batched over the faster of CTranslate2 batched and "
-              + (f"OpenNMT-py's LSTM ({a.peer_lstm:g} sentences/s)" if a.peer_lstm else "(no LSTM figure given)")
-              + ", same thread count.")
+    md.append("vs: batch 1 over CTranslate2 batch 1; batched over the faster of CTranslate2 batched and OpenNMT-py's "
+              "LSTM (" + (", ".join(f"{r:g} sentences/s at {t} thread(s)" for t, r in sorted(lstm.items()))
+                          or "no figure given") + "), same thread count.")
     text = "\n".join(md) + "\n"
     with open(os.path.join(a.out, "bench_deploy.md"), "w") as f:
         f.write(text)

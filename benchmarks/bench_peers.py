@@ -241,7 +241,7 @@ def main(argv=None):
         run([sys.executable, "-m", "dtmt_models.cli", "prepare", "bible", "--out", a.data], log)
     train_cfg = dict(get_preset("dtmt", "small")["train"], seed=1)
     pieces = write_pieces(a.data, os.path.join(a.out, "pieces"), train_cfg["vocab_size"], train_cfg["max_len"], log)
-    s_lang, t_lang = pieces["src_lang"], pieces["tgt_lang"]
+    s_lang = pieces["src_lang"]
     emb, hid = (int(x) for x in a.onmt_size.split(","))
     onmt_dir = os.path.join(a.out, "onmt-lstm")
     jobs = []

@@ -21,6 +21,7 @@ from dtmt_models.cli.translate import (
     decode_with_report,
     decoding_kwargs,
     load_for_decoding,
+    run_command,
     write_atomic,
 )
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_lines, read_parallel
@@ -34,7 +35,6 @@ from dtmt_models.decoding.evaluate import (
     rows_to_csv,
 )
 from dtmt_models.decoding.translate import InputError
-from dtmt_models.errors import one_line
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -58,15 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except (InputError, CorpusError) as exc:
-        print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(PROG, _run, build_parser().parse_args(argv), errors=(InputError, CorpusError))
 
 
 def _parse_bounds(text: str) -> List[int]:

@@ -17,7 +17,7 @@ import sys
 from typing import List, Optional
 
 from dtmt_models.cli.translate import add_decoding_arguments, check_decoding_arguments, check_device_and_backend, \
-    load_for_decoding
+    load_for_decoding, run_command
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import one_line
 
@@ -51,15 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except InputError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(PROG, _run, build_parser().parse_args(argv))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -13,13 +13,12 @@ import queue
 import sys
 import threading
 import time
-import warnings
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar
 
 import torch
 
 from dtmt_models.atomic import WriteError, atomic_write
-from dtmt_models.decoding.translate import PROG, InputError, InputWarning, translate
+from dtmt_models.decoding.translate import PROG, InputError, input_warnings, translate
 from dtmt_models.errors import one_line
 from dtmt_models.progress import Progress
 
@@ -140,16 +139,12 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
 def reporting_warnings(prog: str, call: Callable[[], T], seen: Optional[Set[str]] = None) -> T:
     """call(), each InputWarning it raises shown as one `prog: warning:` line on stderr (once per message when a
     `seen` set is kept across calls); other warnings pass on."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", InputWarning)
-        result = call()
-    for w in caught:
-        if not issubclass(w.category, InputWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        elif seen is None or str(w.message) not in seen:
-            print(f"{prog}: warning: {w.message}", file=sys.stderr)
+    result, messages = input_warnings(call)
+    for message in messages:
+        if seen is None or message not in seen:
+            print(f"{prog}: warning: {message}", file=sys.stderr)
             if seen is not None:
-                seen.add(str(w.message))
+                seen.add(message)
     return result
 
 
@@ -188,6 +183,20 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=list(BACKEND_NAMES),
                    help="recurrent kernel backend (default auto)")
     g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
+
+
+def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+                errors: Tuple[type, ...] = (InputError,)) -> int:
+    """run(args) as a decoding command's main: an error a user can cause (`errors`) is one `prog: message` line on
+    stderr and exit status 1, Ctrl-C `prog: interrupted` and 130."""
+    try:
+        return run(args)
+    except errors as exc:
+        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
@@ -299,15 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except InputError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(PROG, _run, build_parser().parse_args(argv))
 
 
 def _run(args: argparse.Namespace) -> int:

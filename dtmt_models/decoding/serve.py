@@ -24,11 +24,10 @@ import asyncio
 import concurrent.futures
 import json
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from dtmt_models.decoding.translate import InputWarning, translate
+from dtmt_models.decoding.translate import input_warnings, translate
 
 
 @dataclass
@@ -291,13 +290,11 @@ class Server:
 
     def _decode(self, sentences: List[str]) -> List[List[Tuple[str, float]]]:
         s = self.settings
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", InputWarning)
-            results = translate(self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha,
-                                max_tokens=s.max_tokens, max_src_len=s.max_src_len, max_len_a=s.max_len_a,
-                                max_len_b=s.max_len_b, decoder=self.decoder)
-        for w in caught:
-            if issubclass(w.category, InputWarning) and str(w.message) not in self._seen_warnings:
-                self._seen_warnings.add(str(w.message))
-                self.log(f"warning: {w.message}")
+        results, messages = input_warnings(lambda: translate(
+            self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha, max_tokens=s.max_tokens,
+            max_src_len=s.max_src_len, max_len_a=s.max_len_a, max_len_b=s.max_len_b, decoder=self.decoder))
+        for message in messages:
+            if message not in self._seen_warnings:
+                self._seen_warnings.add(message)
+                self.log(f"warning: {message}")
         return results

@@ -33,7 +33,7 @@ unavailable backend or device) are one line on stderr and exit status 1.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -42,6 +42,7 @@ from dtmt_models.data.vocabulary import UNK, Vocabulary
 from dtmt_models.decoding.beam_search import beam_search
 
 PROG = "dtmt translate"
+T = TypeVar("T")
 Progress = Callable[[int, int], None]
 
 
@@ -62,6 +63,21 @@ class InputError(Exception):
 
 
 # ------------------------------------------------------------------------------------------- library
+def input_warnings(call: Callable[[], T]) -> Tuple[T, List[str]]:
+    """(call(), the messages of the InputWarnings it raised, in order); any other warning it raised is issued
+    again. How `dtmt translate` and `dtmt serve` turn a call's warnings into their one-line reports."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InputWarning)
+        result = call()
+    messages = []
+    for w in caught:
+        if issubclass(w.category, InputWarning):
+            messages.append(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return result, messages
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device

@@ -23,6 +23,7 @@ forward+backward beyond what was allocated before it, `x_gru` compares with cuDN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import platform
@@ -37,6 +38,18 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import dtmt_kernels as dk  # noqa: E402
 from dtmt_kernels.nn import CELL_ROWS  # noqa: E402
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch's thread count set to `threads` for the block and restored after it (a benchmark's main called from
+    the tests must not leave the test process on another count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def machine_name(device: str = "cpu") -> str:

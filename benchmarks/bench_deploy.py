@@ -58,22 +58,12 @@ def run(cmd, log, env=None) -> str:
 
 
 def ensure_ct2_env(env_dir: str, log: str) -> str:
-    """The CTranslate2 environment, made on first use; returns its python."""
-    py = os.path.join(env_dir, "bin", "python")
-    marker = os.path.join(env_dir, "dtmt-peer.json")
-    want = {"ctranslate2": CT2_VERSION}
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            if json.load(f) == want:
-                return py
-    print(f"== making the CTranslate2 {CT2_VERSION} environment in {env_dir} (once; log {log})", flush=True)
-    run([sys.executable, "-m", "venv", env_dir], log)
-    run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"ctranslate2=={CT2_VERSION}", "numpy",
-         "sentencepiece"], log)
-    run([py, "-c", "import ctranslate2; print('ctranslate2', ctranslate2.__version__)"], log)
-    with open(marker, "w") as f:
-        json.dump(want, f)
-    return py
+    """The CTranslate2 environment, made on first use (bench_peers.ensure_env); returns its python."""
+    from bench_peers import ensure_env
+
+    return ensure_env(env_dir, {"ctranslate2": CT2_VERSION}, [[f"ctranslate2=={CT2_VERSION}", "numpy", "sentencepiece"]],
+                      "import ctranslate2; print('ctranslate2', ctranslate2.__version__)", f"CTranslate2 {CT2_VERSION}",
+                      log)
 
 
 def export_transformer(ckpt: str, out_dir: str) -> tuple:
@@ -125,23 +115,13 @@ def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: i
     """Decodes with dtmt in this process on `threads` threads (restored after); returns seconds (model load
     excluded) and the one-best outputs."""
     import torch
-
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _time_dtmt(ckpt, sentences, batch_one, max_tokens, beam)
-    finally:
-        torch.set_num_threads(threads_before)
-
-
-def _time_dtmt(ckpt: str, sentences, batch_one: bool, max_tokens: int, beam: int) -> dict:
-    import torch
+    from bench_cells import torch_threads
 
     from dtmt_models.decoding.translate import translate
     from dtmt_models.models.checkpoint import load_model
 
     model, sv, tv, c = load_model(ckpt)
-    with torch.no_grad():
+    with torch_threads(threads), torch.no_grad():
         decoder = model.inference_decoder()
         translate(model, sv, tv, sentences[:2], beam=beam, decoder=decoder)           # warm-up
         t0 = time.perf_counter()
@@ -155,11 +135,9 @@ def _time_dtmt(ckpt: str, sentences, batch_one: bool, max_tokens: int, beam: int
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def time_ct2(py: str, model_dir: str, sentences, sv, tv, threads: int, batch: int, beam: int, work: str,
-             log: str) -> dict:
-    src = os.path.join(work, "test.src.pieces")
-    with open(src, "w", encoding="utf-8") as f:
-        f.write("".join(" ".join(sv.sp.id_to_piece(i) for i in sv.encode(s)) + "\n" for s in sentences))
+def time_ct2(py: str, model_dir: str, src: str, tv, threads: int, batch: int, beam: int, work: str, log: str) -> dict:
+    """CTranslate2 over the source pieces in `src` (one sentence a line); seconds (its own timing, the model load
+    excluded) and the detokenised one-best outputs."""
     out = os.path.join(work, f"ct2.b{batch}.t{threads}.pieces")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     line = run([py, CT2_RUN, "translate", "--model", model_dir, "--src", src, "--out", out, "--beam", str(beam),
@@ -253,6 +231,9 @@ def main(argv=None):
     sentences, refs = [s for s, _ in pairs], [t for _, t in pairs]
     ck = read_checkpoint(transformer)
     sv, tv = Vocabulary(ck["src_vocab"]), Vocabulary(ck["tgt_vocab"])
+    src_pieces = os.path.join(work, "test.src.pieces")   # CTranslate2's input, written once for every run
+    with open(src_pieces, "w", encoding="utf-8") as f:
+        f.write("".join(" ".join(sv.sp.id_to_piece(i) for i in sv.encode(s)) + "\n" for s in sentences))
     rows = []
 
     def add(decoder, model, ckpt, threads, batch, r):
@@ -273,7 +254,7 @@ def main(argv=None):
             time_dtmt(transformer, sentences, threads, False, a.max_tokens, a.beam))
         for batch in (1, a.ct2_batch):
             add("ctranslate2", "transformer", transformer, threads, str(batch),
-                time_ct2(py, model_dir, sentences, sv, tv, threads, batch, a.beam, work, log))
+                time_ct2(py, model_dir, src_pieces, tv, threads, batch, a.beam, work, log))
     # ratios
     for row in rows:
         if row["decoder"] != "dtmt" or row["model"] == "transformer":

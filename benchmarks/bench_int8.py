@@ -54,7 +54,7 @@ def quantize_step_weights(model):
 
 
 def main(argv=None):
-    import torch
+    from bench_cells import torch_threads
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt"))
@@ -65,12 +65,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=os.path.join(HERE, "out", "int8"))
     a = p.parse_args(argv)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(a.threads)
-    try:
+    with torch_threads(a.threads):
         return _run(a, argv)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _run(a, argv):

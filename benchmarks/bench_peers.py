@@ -72,27 +72,35 @@ def peer_python(env_dir: str) -> str:
     return os.path.join(env_dir, "bin", "python")
 
 
-def ensure_peer_env(env_dir: str, log: str) -> str:
-    """The OpenNMT-py environment, made on first use; returns its python."""
-    import torch
-
+def ensure_env(env_dir: str, want: dict, installs, check: str, what: str, log: str) -> str:
+    """A peer's virtual environment, made on first use: a venv, then one `pip install` per argument list of
+    `installs`, then `check` run by its python; a marker file holding `want` says it is made (another `want`
+    remakes it). Returns its python."""
     py = peer_python(env_dir)
     marker = os.path.join(env_dir, "dtmt-peer.json")
-    want = {"onmt": ONMT_VERSION, "torch": torch.__version__.split("+")[0]}
     if os.path.isfile(marker):
         with open(marker) as f:
             if json.load(f) == want:
                 return py
-    print(f"== making the OpenNMT-py {ONMT_VERSION} environment in {env_dir} (once; log {log})", flush=True)
+    print(f"== making the {what} environment in {env_dir} (once; log {log})", flush=True)
     run([sys.executable, "-m", "venv", env_dir], log)
-    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    run(pip + [f"torch=={want['torch']}"], log)
-    run(pip + ["--no-deps", f"OpenNMT-py=={ONMT_VERSION}"], log)
-    run(pip + ONMT_REQUIREMENTS + [f"torch=={want['torch']}"], log)
-    run([py, "-c", "import onmt, torch; print('onmt', onmt.__version__, 'torch', torch.__version__)"], log)
+    for args in installs:
+        run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args], log)
+    run([py, "-c", check], log)
     with open(marker, "w") as f:
         json.dump(want, f)
     return py
+
+
+def ensure_peer_env(env_dir: str, log: str) -> str:
+    """The OpenNMT-py environment, made on first use; returns its python."""
+    import torch
+
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
+    return ensure_env(env_dir, {"onmt": ONMT_VERSION, "torch": torch.__version__.split("+")[0]},
+                      [[torch_pin], ["--no-deps", f"OpenNMT-py=={ONMT_VERSION}"], ONMT_REQUIREMENTS + [torch_pin]],
+                      "import onmt, torch; print('onmt', onmt.__version__, 'torch', torch.__version__)",
+                      f"OpenNMT-py {ONMT_VERSION}", log)
 
 
 # ------------------------------------------------------------------------------------------- the subwords

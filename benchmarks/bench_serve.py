@@ -103,8 +103,7 @@ async def load(url: str, sentences, expected, clients: int, max_seconds: float, 
 
 
 def main(argv=None):
-    import torch
-    from bench_cells import machine_name
+    from bench_cells import machine_name, torch_threads
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
     from dtmt_models.decoding.translate import translate
@@ -129,15 +128,11 @@ def main(argv=None):
     sentences = [s for s, _ in read_parallel(src_path, corpus_paths(a.data, a.split)[1])]
     if a.sentences:
         sentences = sentences[:a.sentences]
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(a.threads)
-    try:
+    with torch_threads(a.threads):
         model, sv, tv, ckpt = load_model(a.checkpoint)
         t = time.perf_counter()
         expected = [h[0][0] for h in translate(model, sv, tv, sentences, beam=a.beam)]
         offline_s = time.perf_counter() - t
-    finally:
-        torch.set_num_threads(threads_before)
     print(f"offline: {len(sentences)} sentences in {offline_s:.1f}s ({len(sentences) / offline_s:.1f}/s)", flush=True)
     del model
 

@@ -84,3 +84,27 @@ TOY_SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa"
            "ella lee el libro", "nosotros vamos a la playa", "el sol brilla", "la luna es blanca"]
 TOY_TGT = ["the dog eats bread", "the house is big", "the cat sleeps in the house", "i have a red book",
            "she reads the book", "we go to the beach", "the sun shines", "the moon is white"]
+
+
+def spread_weights(model, generator=None):
+    """A freshly built model's random weights spread out (+ 0.5 N(0, 1) each; torch's global generator when
+    `generator` is None) and EOS made less likely, so that its translations are long and differ between
+    sentences; returns it in eval mode."""
+    from dtmt_models.data.vocabulary import EOS
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=generator))
+        bias = [m.bias for n, m in model.named_modules() if n.endswith("output.proj")]
+        if bias:
+            bias[0][EOS] -= 1.0
+    return model.eval()
+
+
+def save_model(path, name, options, src_vocab, tgt_vocab, model):
+    """Writes `model` as a translation checkpoint of system `name` built with `options`; returns the path."""
+    from dtmt_models.models.checkpoint import save_checkpoint
+
+    save_checkpoint(str(path), dict(model_name=name, model_options=options, src_vocab=src_vocab.proto,
+                                    tgt_vocab=tgt_vocab.proto, model=model.state_dict()))
+    return str(path)

@@ -262,12 +262,11 @@ def test_bench_serve_quick(tmp_path):
     """The load test end to end at toy size: a real server, 6 concurrent clients, every request answered with
     `translate`'s translation (the benchmark counts any other answer as lost)."""
     pytest.importorskip("aiohttp")
-    from conftest import TOY_SRC as SRC, TOY_TGT as TGT
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
     from test_train import make_toy_corpus
 
     from benchmarks import bench_serve
     from dtmt_models.data.vocabulary import Vocabulary
-    from dtmt_models.models.checkpoint import save_checkpoint
     from dtmt_models.models.registry import build_model
 
     assert bench_serve.percentile([3, 1, 2, 4], 50) == pytest.approx(2.5)
@@ -276,10 +275,8 @@ def test_bench_serve_quick(tmp_path):
     sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
     options = dict(embed_dim=8, hidden_size=8, dropout=0.0)
     torch.manual_seed(0)
-    model = build_model("rnnsearch-atr", len(sv), len(tv), **options)
-    ckpt = str(tmp_path / "tiny.pt")
-    save_checkpoint(ckpt, dict(model_name="rnnsearch-atr", model_options=options, src_vocab=sv.proto,
-                               tgt_vocab=tv.proto, model=model.state_dict()))
+    ckpt = save_model(tmp_path / "tiny.pt", "rnnsearch-atr", options, sv, tv,
+                      build_model("rnnsearch-atr", len(sv), len(tv), **options))
     row = bench_serve.main(["--checkpoint", ckpt, "--data", data, "--clients", "6", "--threads", "1",
                             "--beam", "2", "--out", str(tmp_path / "out")])
     assert row["sent"] == row["answered"] == 24 and row["lost"] == 0 and row["server_exit"] == 0
@@ -296,11 +293,10 @@ def test_bench_deploy_parts_that_need_no_peer(tmp_path):
     when it runs.)"""
     import numpy as np
 
-    from conftest import TOY_SRC as SRC, TOY_TGT as TGT
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
 
     from benchmarks import bench_deploy
     from dtmt_models.data.vocabulary import Vocabulary
-    from dtmt_models.models.checkpoint import save_checkpoint
     from dtmt_models.models.registry import build_model
 
     sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
@@ -310,9 +306,7 @@ def test_bench_deploy_parts_that_need_no_peer(tmp_path):
                           ("rnnsearch-atr", dict(embed_dim=8, hidden_size=8, dropout=0.0))):
         torch.manual_seed(0)
         model = build_model(name, len(sv), len(tv), **options)
-        paths[name] = str(tmp_path / f"{name}.pt")
-        save_checkpoint(paths[name], dict(model_name=name, model_options=options, src_vocab=sv.proto,
-                                          tgt_vocab=tv.proto, model=model.state_dict()))
+        paths[name] = save_model(tmp_path / f"{name}.pt", name, options, sv, tv, model)
         if name == "transformer":
             transformer = model
     weights, config = bench_deploy.export_transformer(paths["transformer"], str(tmp_path / "ct2"))

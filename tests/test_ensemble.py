@@ -17,12 +17,12 @@ import os
 import pytest
 import torch
 
+from conftest import save_model, spread_weights
 from dtmt_models import cli
 from dtmt_models.data.vocabulary import BOS, EOS, Vocabulary
 from dtmt_models.decoding.beam_search import beam_search, length_penalty
 from dtmt_models.decoding.ensemble import Ensemble
 from dtmt_models.decoding.translate import translate
-from dtmt_models.models.checkpoint import save_checkpoint
 from dtmt_models.models.registry import build_model
 
 SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
@@ -33,15 +33,7 @@ INPUTS = ["el perro come pan", "", "la casa es grande y el gato duerme", "el sol
 
 
 def _spread(model, seed):
-    """Random weights spread out (so translations are long and differ) and EOS made less likely."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=gen))
-        bias = [m.bias for n, m in model.named_modules() if n.endswith("output.proj")]
-        if bias:
-            bias[0][EOS] -= 1.0
-    return model.eval()
+    return spread_weights(model, torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +50,7 @@ def checkpoints(tmp_path_factory):
     for i, (key, (name, options, s, t)) in enumerate(specs.items()):
         torch.manual_seed(i)
         model = _spread(build_model(name, len(s), len(t), **options), seed=10 + i)
-        paths[key] = str(d / f"{key}.pt")
-        save_checkpoint(paths[key], dict(model_name=name, model_options=options, src_vocab=s.proto,
-                                         tgt_vocab=t.proto, model=model.state_dict()))
+        paths[key] = save_model(d / f"{key}.pt", name, options, s, t, model)
         models[key] = model
     return paths, models, sv, tv
 

@@ -43,12 +43,11 @@ def test_linear_with_int8_weights():
 
 
 def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
-    from conftest import TOY_SRC as SRC, TOY_TGT as TGT
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
     from test_train import make_toy_corpus
 
     from benchmarks import bench_int8
     from dtmt_models.data.vocabulary import Vocabulary
-    from dtmt_models.models.checkpoint import save_checkpoint
     from dtmt_models.models.registry import build_model
 
     sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
@@ -73,11 +72,8 @@ def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
     bench_int8.quantize_step_weights(tied)
     assert torch.equal(tied.tgt_embed.weight, embedding)
     assert torch.equal(tied.readout.output.proj.weight, dequantize_rows(*quantize_rows(embedding)))
-    path = str(tmp_path / "tiny.pt")
     torch.manual_seed(0)
-    fresh = build_model("dtmt", len(sv), len(tv), **options)
-    save_checkpoint(path, dict(model_name="dtmt", model_options=options, src_vocab=sv.proto, tgt_vocab=tv.proto,
-                               model=fresh.state_dict()))
+    path = save_model(tmp_path / "tiny.pt", "dtmt", options, sv, tv, build_model("dtmt", len(sv), len(tv), **options))
     data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=12)
     row = bench_int8.main(["--checkpoint", path, "--data", data, "--threads", "1", "--beam", "2",
                            "--out", str(tmp_path / "out")])

@@ -27,10 +27,9 @@ import torch
 
 aiohttp = pytest.importorskip("aiohttp")
 
-from conftest import TOY_SRC as SRC, TOY_TGT as TGT  # noqa: E402
-from dtmt_models.data.vocabulary import EOS, Vocabulary  # noqa: E402
+from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model, spread_weights  # noqa: E402
+from dtmt_models.data.vocabulary import Vocabulary  # noqa: E402
 from dtmt_models.decoding.translate import translate  # noqa: E402
-from dtmt_models.models.checkpoint import save_checkpoint  # noqa: E402
 from dtmt_models.models.registry import build_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,15 +41,8 @@ def system(tmp_path_factory):
     sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
     options = dict(embed_dim=16, hidden_size=16, depth=1, heads=2, dropout=0.0, candidate_dropout=0.0)
     torch.manual_seed(0)
-    model = build_model("dtmt", len(sv), len(tv), **options)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-        model.readout.output.proj.bias[EOS] -= 1.0
-    model.eval()
-    path = str(tmp_path_factory.mktemp("serve") / "tiny.pt")
-    save_checkpoint(path, dict(model_name="dtmt", model_options=options, src_vocab=sv.proto, tgt_vocab=tv.proto,
-                               model=model.state_dict()))
+    model = spread_weights(build_model("dtmt", len(sv), len(tv), **options))
+    path = save_model(tmp_path_factory.mktemp("serve") / "tiny.pt", "dtmt", options, sv, tv, model)
     return model, sv, tv, path
 
 

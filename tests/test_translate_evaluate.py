@@ -15,15 +15,16 @@ import pytest
 import torch
 from sacrebleu.metrics import BLEU, CHRF
 
+from conftest import save_model, spread_weights
 from dtmt_models import cli
-from dtmt_models.models.checkpoint import load_model, save_checkpoint
+from dtmt_models.models.checkpoint import load_model
 from dtmt_models.data.corpus import write_manifest
 from dtmt_models.decoding.evaluate import (LengthBucket, bleu_by_length, bucket_labels, corpus_scores,
                                   plot_bleu_by_length)
 from dtmt_models.models.registry import build_model
 from dtmt_models.data.batching import length_batches
 from dtmt_models.decoding.translate import TruncationWarning, translate, translate_best
-from dtmt_models.data.vocabulary import EOS, Vocabulary
+from dtmt_models.data.vocabulary import Vocabulary
 
 SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
        "ella lee el libro", "nosotros vamos a la playa", "el sol brilla", "la luna es blanca",
@@ -53,15 +54,8 @@ def system(tmp_path_factory):
     tgt_vocab = Vocabulary.train(TGT, vocab_size=60)
     options = dict(embed_dim=16, hidden_size=16, depth=1, heads=2, dropout=0.0, candidate_dropout=0.0)
     torch.manual_seed(0)
-    model = build_model("dtmt", len(src_vocab), len(tgt_vocab), **options)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-        model.readout.output.proj.bias[EOS] -= 1.0
-    model.eval()
-    path = str(tmp_path_factory.mktemp("ckpt") / "tiny.pt")
-    save_checkpoint(path, dict(model_name="dtmt", model_options=options, src_vocab=src_vocab.proto,
-                               tgt_vocab=tgt_vocab.proto, model=model.state_dict()))
+    model = spread_weights(build_model("dtmt", len(src_vocab), len(tgt_vocab), **options))
+    path = save_model(tmp_path_factory.mktemp("ckpt") / "tiny.pt", "dtmt", options, src_vocab, tgt_vocab, model)
     return model, src_vocab, tgt_vocab, path
 
 

@@ -1,0 +1,65 @@
+"""Times `translate` on a test set with this checkout's beam search or with another version of beam_search.py
+(before/after figures of a beam-search change, NOTES items 28 and 29).
+
+    git show 7bedfeb^:dtmt_models/decoding/beam_search.py > /tmp/beam_search_old.py
+    farm-bench -n 4 --vs "python benchmarks/bench_beam_swap.py --beam-search /tmp/beam_search_old.py" -- \\
+        python benchmarks/bench_beam_swap.py
+    python benchmarks/bench_beam_swap.py --batch-one 300 --threads 1     # one sentence a call, as item 29
+
+Prints one line: which beam search, the decoding seconds (model load excluded) and a SHA-1 of the outputs, so
+that two versions can be checked to translate identically.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+
+def main(argv=None):
+    import torch
+    from bench_cells import torch_threads
+
+    import dtmt_models.decoding.translate as tr
+    from dtmt_models.data.corpus import corpus_paths, read_parallel
+    from dtmt_models.models.checkpoint import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "step_0001734.pt"))
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
+    p.add_argument("--beam-search", help="a beam_search.py to use instead of this checkout's")
+    p.add_argument("--batch-one", type=int, default=0, metavar="N",
+                   help="the first N test sources one at a time (default: all, batched by translate)")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    if a.beam_search:
+        spec = importlib.util.spec_from_file_location("swapped_beam_search", a.beam_search)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module   # its dataclass looks its module up there
+        spec.loader.exec_module(module)
+        tr.beam_search = module.beam_search
+    model, sv, tv, _ = load_model(a.checkpoint)
+    sources = [s for s, _ in read_parallel(*corpus_paths(a.data, "test"))]
+    with torch_threads(a.threads), torch.no_grad():
+        t0 = time.perf_counter()
+        if a.batch_one:
+            decoder = model.inference_decoder()
+            hyps = [tr.translate(model, sv, tv, [s], beam=4, decoder=decoder)[0][0][0] for s in sources[:a.batch_one]]
+        else:
+            hyps = [h[0][0] for h in tr.translate(model, sv, tv, sources, beam=4)]
+        seconds = time.perf_counter() - t0
+    digest = hashlib.sha1("\n".join(hyps).encode()).hexdigest()[:12]
+    print(f"{a.beam_search or 'this checkout'}: {len(hyps)} sentences in {seconds:.2f}s, outputs sha1 {digest}")
+    return seconds, hyps
+
+
+if __name__ == "__main__":
+    main()

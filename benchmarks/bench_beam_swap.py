@@ -5,6 +5,8 @@
     farm-bench -n 4 --vs "python benchmarks/bench_beam_swap.py --beam-search /tmp/beam_search_old.py" -- \\
         python benchmarks/bench_beam_swap.py
     python benchmarks/bench_beam_swap.py --batch-one 300 --threads 1     # one sentence a call, as item 29
+    python benchmarks/bench_beam_swap.py --batch-one 150 --threads 1 --profile \
+        --checkpoint benchmarks/out/peers_30m_b/dtmt/best.pt                # where the time goes, item 27
 
 Prints one line: which beam search, the decoding seconds (model load excluded) and a SHA-1 of the outputs, so
 that two versions can be checked to translate identically.
@@ -12,9 +14,12 @@ that two versions can be checked to translate identically.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import hashlib
 import importlib.util
 import os
+import pstats
 import sys
 import time
 
@@ -39,6 +44,7 @@ def main(argv=None):
     p.add_argument("--batch-one", type=int, default=0, metavar="N",
                    help="the first N test sources one at a time (default: all, batched by translate)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="decode under cProfile and print the 25 costliest calls")
     a = p.parse_args(argv)
     if a.beam_search:
         spec = importlib.util.spec_from_file_location("swapped_beam_search", a.beam_search)
@@ -48,14 +54,21 @@ def main(argv=None):
         tr.beam_search = module.beam_search
     model, sv, tv, _ = load_model(a.checkpoint)
     sources = [s for s, _ in read_parallel(*corpus_paths(a.data, "test"))]
+    profiler = cProfile.Profile() if a.profile else contextlib.nullcontext()
     with torch_threads(a.threads), torch.no_grad():
-        t0 = time.perf_counter()
-        if a.batch_one:
+        if a.batch_one:   # the decoder built once, and a first call out of the timing
             decoder = model.inference_decoder()
-            hyps = [tr.translate(model, sv, tv, [s], beam=4, decoder=decoder)[0][0][0] for s in sources[:a.batch_one]]
-        else:
-            hyps = [h[0][0] for h in tr.translate(model, sv, tv, sources, beam=4)]
+            tr.translate(model, sv, tv, sources[:1], beam=4, decoder=decoder)
+        t0 = time.perf_counter()
+        with profiler:
+            if a.batch_one:
+                hyps = [tr.translate(model, sv, tv, [s], beam=4, decoder=decoder)[0][0][0]
+                        for s in sources[:a.batch_one]]
+            else:
+                hyps = [h[0][0] for h in tr.translate(model, sv, tv, sources, beam=4)]
         seconds = time.perf_counter() - t0
+    if a.profile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     digest = hashlib.sha1("\n".join(hyps).encode()).hexdigest()[:12]
     print(f"{a.beam_search or 'this checkout'}: {len(hyps)} sentences in {seconds:.2f}s, outputs sha1 {digest}")
     return seconds, hyps

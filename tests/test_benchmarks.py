@@ -323,3 +323,29 @@ def test_bench_deploy_parts_that_need_no_peer(tmp_path):
     one = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, True, 2000, 3)
     batched = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, False, 2000, 3)
     assert one["hyps"] == batched["hyps"] and len(one["hyps"]) == len(sentences) and one["seconds"] > 0
+
+
+def test_bench_beam_swap_quick(tmp_path):
+    """The before/after timer: this checkout's beam search and the same file loaded by path translate alike,
+    batched and one at a time (so a swapped-in version is measured on the same work)."""
+    from test_train import make_toy_corpus
+
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
+    from benchmarks import bench_beam_swap
+    from dtmt_models.data.vocabulary import Vocabulary
+    from dtmt_models.decoding import beam_search as bs
+    from dtmt_models.models.registry import build_model
+
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    options = dict(embed_dim=8, hidden_size=8, dropout=0.0)
+    torch.manual_seed(0)
+    ckpt = save_model(tmp_path / "tiny.pt", "rnnsearch-atr", options, sv, tv,
+                      build_model("rnnsearch-atr", len(sv), len(tv), **options))
+    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=8)
+    common = ["--checkpoint", ckpt, "--data", data, "--threads", "1"]
+    seconds, ours = bench_beam_swap.main(common)
+    _, swapped = bench_beam_swap.main(common + ["--beam-search", bs.__file__])
+    _, one_by_one = bench_beam_swap.main(common + ["--batch-one", "8", "--profile"])
+    assert seconds > 0 and len(ours) == 8 and ours == swapped == one_by_one
+    import dtmt_models.decoding.translate as tr
+    assert tr.beam_search is bs.beam_search                 # the swap is undone

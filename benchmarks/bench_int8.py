@@ -1,16 +1,21 @@
-"""What int8 decoder weights cost in BLEU (issue 25, item 2), before any int8 kernel exists.
+"""What int8 decoding (`dtmt translate --int8`) costs in BLEU (issue 25, item 2), and its reference.
 
-    python benchmarks/bench_int8.py --checkpoint benchmarks/out/peers_30m_b/dtmt/best.pt --data data/bible
+    python benchmarks/bench_int8.py --checkpoint benchmarks/out/peers_30m_b/dtmt/step_0001734.pt --data data/bible
 
-Every matrix a decoding step reads (the query and decoder transitions' recurrent and input weights, the
-attention's query and output projections, the readout and the output layer; not the embeddings, which a step
-reads one row of, nor what runs once per sentence: the encoder, the attention keys, the initial state) is
-replaced by its row-wise int8 round trip, scale * q (dtmt_kernels.ops.linear.quantize: one float scale per
-output row, weights in [-127, 127]). A weight-only int8 kernel computes exactly this up to float summation
-order, so the BLEU of this model is the BLEU such a kernel would give. Both models decode the test split with
-the same settings (`translate`, beam 4); reported: BLEU of each, the difference (the issue's bar: within 0.3),
-the sentences whose translation changed, and the bytes of weights a step reads in float32 and in int8 (+ scales).
-Output: OUT/bench_int8.md and .json.
+Three decodings of the test split with the same settings (`translate`, beam 4, batched):
+  * float32: the model as trained;
+  * simulated: every matrix a decoding step reads (the query and decoder transitions' recurrent and input
+    weights, the attention's query and output projections, the readout and the output layer; not the
+    embeddings, which a step reads one row of, nor the attention's scoring vector v, nor what runs once per
+    sentence: the encoder, the attention keys, the initial state) replaced by its row-wise int8 round trip,
+    scale * q (dtmt_kernels.ops.linear.quantize: one float scale per output row, weights in [-127, 127]),
+    decoded in float32: the reference;
+  * int8: the int8 decoder (inference_decoder(int8=True): the fused step reading those matrices as int8 rows),
+    which computes the simulated model up to float summation order.
+Reported: BLEU of each, the difference to float32 (the issue's bar: within 0.3), the sentences whose
+translation changed (and those where the kernel differs from its reference), the decoding time of each, and
+the bytes of weights a step reads in float32 and in int8 (+ scales). Output: OUT/bench_int8.md and .json.
+Speed at batch 1 and against CTranslate2 is bench_deploy.py's.
 """
 from __future__ import annotations
 
@@ -25,14 +30,16 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-ONCE_PER_SENTENCE = ("encoder", "src_embed", "tgt_embed", "attention.key", "init_state")
+# read once per sentence (mce's memory_init and gated annotations, gate_*, are its encoder's)
+ONCE_PER_SENTENCE = ("encoder", "src_embed", "tgt_embed", "attention.key", "init_state", "memory_init", "gate_")
+VECTORS = ("attention.v", "attention.v.weight")   # 2-D, but one vector per head: the int8 decoder keeps it float
 
 
 def step_matrices(model):
-    """(name, parameter) of every 2-D weight a decoding step reads (see the module docstring)."""
+    """(name, parameter) of every weight matrix a decoding step reads (see the module docstring)."""
     # remove_duplicate=False: a projection tied to the target embedding is listed under its own name too
     return [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
-            if p.dim() == 2 and not n.startswith(ONCE_PER_SENTENCE)]
+            if p.dim() == 2 and not n.startswith(ONCE_PER_SENTENCE) and n not in VECTORS]
 
 
 def quantize_step_weights(model):
@@ -82,29 +89,39 @@ def _run(a, argv):
         pairs = pairs[:a.sentences]
     sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
     results = {}
-    for label in ("float32", "int8 weights"):
+    for label in ("float32", "simulated", "int8"):
         model, sv, tv, ckpt = load_model(a.checkpoint)
-        sizes = quantize_step_weights(model) if label != "float32" else None
+        sizes = quantize_step_weights(model) if label == "simulated" else None
+        model.eval()
+        decoder = model.inference_decoder(int8=label == "int8")
         t0 = time.perf_counter()
-        hyps = [h[0][0] for h in translate(model, sv, tv, sources, beam=a.beam)]
+        hyps = [h[0][0] for h in translate(model, sv, tv, sources, beam=a.beam, decoder=decoder)]
         results[label] = {"hyps": hyps, "bleu": BLEU().corpus_score(hyps, [refs]).score,
                           "seconds": time.perf_counter() - t0}
         if sizes:
             results[label]["step_bytes_f32"], results[label]["step_bytes_int8"] = sizes
-        print(f"{label}: BLEU {results[label]['bleu']:.2f}", flush=True)
-    base, q8 = results["float32"], results["int8 weights"]
-    changed = sum(x != y for x, y in zip(base["hyps"], q8["hyps"]))
-    row = {"machine": machine_name(), "checkpoint": os.path.relpath(a.checkpoint, ROOT), "model": ckpt["model_name"],
-           "sentences": len(sources), "bleu_float32": base["bleu"], "bleu_int8": q8["bleu"],
-           "delta": q8["bleu"] - base["bleu"], "changed": changed, "step_bytes_f32": q8["step_bytes_f32"],
-           "step_bytes_int8": q8["step_bytes_int8"]}
+        print(f"{label}: BLEU {results[label]['bleu']:.2f} ({results[label]['seconds']:.1f} s)", flush=True)
+    base, sim, q8 = results["float32"], results["simulated"], results["int8"]
+
+    def changed(x, y):
+        return sum(a != b for a, b in zip(x["hyps"], y["hyps"]))
+    row = {"machine": machine_name(), "threads": a.threads, "checkpoint": os.path.relpath(a.checkpoint, ROOT),
+           "model": ckpt["model_name"], "sentences": len(sources), "bleu_float32": base["bleu"],
+           "bleu_simulated": sim["bleu"], "bleu_int8": q8["bleu"], "delta": q8["bleu"] - base["bleu"],
+           "changed": changed(base, q8), "kernel_vs_reference_changed": changed(sim, q8),
+           "seconds_float32": base["seconds"], "seconds_int8": q8["seconds"],
+           "step_bytes_f32": sim["step_bytes_f32"], "step_bytes_int8": sim["step_bytes_int8"]}
     cmd = "python benchmarks/bench_int8.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = (f"int8 decoder weights (row-wise, weight-only; simulated by the int8 round trip in float32): "
-          f"{row['model']} ({row['checkpoint']}), the {len(sources)} {a.split} sentences, beam {a.beam}; "
-          f"{row['machine']}. Command: `{cmd.strip()}`\n\n"
-          "| weights | BLEU | Δ BLEU | translations changed | bytes of weights a step reads |\n|---|---:|---:|---:|---:|\n"
-          f"| float32 | {row['bleu_float32']:.2f} | | | {row['step_bytes_f32'] / 1e6:.2f} MB |\n"
-          f"| int8 rows + float scales | {row['bleu_int8']:.2f} | {row['delta']:+.2f} | {changed} of {len(sources)} | "
+    n = len(sources)
+    md = (f"int8 decoding (row-wise, weight-only): {row['model']} ({row['checkpoint']}), the {n} {a.split} "
+          f"sentences, beam {a.beam}, batched, {a.threads} thread(s); {row['machine']}. Command: `{cmd.strip()}`\n\n"
+          "| decoding | BLEU | Δ BLEU | translations changed | seconds | bytes of weights a step reads |\n"
+          "|---|---:|---:|---:|---:|---:|\n"
+          f"| float32 | {base['bleu']:.2f} | | | {base['seconds']:.1f} | {row['step_bytes_f32'] / 1e6:.2f} MB |\n"
+          f"| simulated (int8 round trip, float32 kernels) | {sim['bleu']:.2f} | {sim['bleu'] - base['bleu']:+.2f} | "
+          f"{changed(base, sim)} of {n} | {sim['seconds']:.1f} | |\n"
+          f"| int8 (`--int8`) | {q8['bleu']:.2f} | {row['delta']:+.2f} | {row['changed']} of {n} "
+          f"({row['kernel_vs_reference_changed']} differ from simulated) | {q8['seconds']:.1f} | "
           f"{row['step_bytes_int8'] / 1e6:.2f} MB |\n")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_int8.md"), "w") as f:

@@ -65,6 +65,10 @@ struct CpuKernels {
   // output columns [n0, n1); bias may be null.
   void (*small_rows)(int M, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
                      int64_t ldo, int64_t n0, int64_t n1);
+  // The same with int8 weight rows (small_gemm.h's int8 format: K int8 values, then the row's float32 scale;
+  // rows `ldw` bytes apart): out[m, n] = bias[n] + scale[n] * (x[m, :] . q[n, :]).
+  void (*small_rows_int8)(int M, const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t ldw,
+                          const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
 };
 
 }  // namespace dtmt

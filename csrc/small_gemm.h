@@ -15,7 +15,20 @@ constexpr int64_t kSmallRowsMax = 8;  // the loop (isa/small_gemm_rows.cpp) has 
 // unit stride along K, w [N, K] contiguous, bias empty or [N] contiguous, out [M, N] with unit stride along N.
 bool small_rows_applicable(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& out);
 
+// Int8 weights (weight-only quantization for decoding, issue 25): W [N, K] stored as an int8 tensor [N, K + 4] whose
+// row n holds q[n, 0..K) and then the four bytes (native order) of the float32 scale[n], W[n, k] ~ scale[n] * q[n, k].
+// The scale sits next to its row, so an int8 weight is one tensor wherever a float one goes (the ops' weight lists,
+// t_w [D, 3H, K + 4] slices). Made by dtmt_kernels/ops/linear/quantize.py (pack_int8_rows), the reference.
+constexpr int64_t kInt8RowTail = 4;
+inline bool is_int8_rows(const at::Tensor& w) { return w.scalar_type() == at::kChar; }
+// K, the input features of a weight (float [N, K] or int8 rows [N, K + 4]).
+inline int64_t weight_in_features(const at::Tensor& w) {
+  return is_int8_rows(w) ? w.size(-1) - kInt8RowTail : w.size(-1);
+}
+
 // out = x W^T + bias (bias may be empty), with the small-row kernel where applicable and ATen's GEMM otherwise.
+// An int8 weight (is_int8_rows) takes float32 x, out and bias: at most kSmallRowsMax rows run the int8 small-row
+// kernel; more rows are multiplied by ATen's GEMM a block of dequantized weight rows at a time.
 void linear_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, const at::Tensor& w);
 
 // The op exposed to Python: a new [M, N] tensor (x must be 2-D).

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
-from .ops.decode_step import (AttentionWeights, MemoryWeights, ReadoutWeights, attention_step, memory_encoder,
+from .ops.decode_step import (AttentionWeights, CellWeights, MemoryWeights, ReadoutWeights, attention_step, memory_encoder,
                                readout_features, rnmt_step)
 from .ops.linear import small_rows_applicable, small_rows_linear
 from .backends import check_backend_name, resolve_backend
@@ -19,6 +19,7 @@ from .reference import TransitionWeights
 
 __all__ = ["transition_sequence", "transition_step", "additive_scores", "attention_context", "linear",
            "small_rows_applicable", "small_rows_linear", "AttentionWeights", "ReadoutWeights", "MemoryWeights",
+           "CellWeights",
            "attention_step", "readout_features", "rnmt_step", "memory_encoder", "lengths_to_mask",
            "check_attention_context", "check_dtype_for_backend"]
 

@@ -1,11 +1,17 @@
-"""Row-wise int8 weights (dtmt_kernels.ops.linear.quantize), the reference of int8 decoding, and the BLEU
-simulation benchmarks/bench_int8.py runs on it."""
+"""Row-wise int8 weights (dtmt_kernels.ops.linear.quantize), the reference of int8 decoding; the C++ kernels that
+multiply by them (small_rows_linear with packed int8 rows, every instruction-set copy) against it; the int8
+decoder step against the float step of the same model with its matrices rounded; `--int8` on the command line;
+and the BLEU benchmark benchmarks/bench_int8.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dtmt_kernels.ops.linear.quantize import dequantize_rows, linear_int8_weights, quantize_rows
+import dtmt_kernels as dk
+from dtmt_kernels.ops.linear.quantize import (dequantize_rows, linear_int8_weights, pack_int8_rows, quantize_rows,
+                                              unpack_int8_rows)
+
+needs_cpp = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 
 
 def test_quantize_rows_bounds_and_exact_cases():
@@ -79,3 +85,212 @@ def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
                            "--out", str(tmp_path / "out")])
     assert row["sentences"] == 12 and 0 <= row["changed"] <= 12
     assert row["delta"] == pytest.approx(row["bleu_int8"] - row["bleu_float32"])
+    assert row["kernel_vs_reference_changed"] == 0     # the kernel translates as its reference
+
+
+def test_pack_int8_rows_round_trip():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 10, 7, generator=gen)           # a T-GRU stack [D, 3H, H]: rows like any other
+    packed = pack_int8_rows(w)
+    assert packed.dtype == torch.int8 and packed.shape == (3, 10, 11) and packed.is_contiguous()
+    q, scale = unpack_int8_rows(packed)
+    q_ref, scale_ref = quantize_rows(w.reshape(30, 7))
+    assert torch.equal(q.reshape(30, 7), q_ref) and torch.equal(scale.reshape(30), scale_ref)
+    with pytest.raises(ValueError, match=r"int8 \[\.\.\., N, K \+ 4\]"):
+        unpack_int8_rows(torch.zeros(3, 4, dtype=torch.int8))
+
+
+def _reference(x, packed, bias):
+    q, scale = unpack_int8_rows(packed)
+    w = dequantize_rows(q, scale, torch.float64)
+    y = x.double() @ w.T + (0 if bias is None else bias.double())
+    # float32 summation error bound: a few ulps of the sum of |terms|
+    size = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    return y, size
+
+
+def _isas():
+    if "cpp" not in dk.available_backends():
+        return []
+    from dtmt_kernels import _C
+    return [isa for isa in _C.supported_cpu_isas()]
+
+
+@needs_cpp
+@pytest.mark.parametrize("isa", _isas())
+def test_int8_kernel_matches_the_reference(isa):
+    """torch.ops.dtmt.small_rows_linear with packed int8 rows = x (scale * q)^T + b, for 1-8 rows (the int8
+    small-row loop of this instruction set) and more (dequantized blocks through ATen's GEMM), odd K and N."""
+    from dtmt_kernels import _C
+
+    before = _C.cpu_isa()
+    _C.set_cpu_isa(isa)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for K in (1, 7, 32, 301):
+            for N in (1, 77, 700):
+                w = torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen)
+                packed, b = pack_int8_rows(w), torch.randn(N, generator=gen)
+                for M in (*range(1, _C.SMALL_ROWS_MAX + 1), 9, 40):
+                    x = torch.randn(M, K, generator=gen)
+                    for bias in (b, None):
+                        y = torch.ops.dtmt.small_rows_linear(x, packed, bias)
+                        ref, size = _reference(x, packed, bias)
+                        assert y.dtype == torch.float32 and y.shape == (M, N)
+                        err = (y.double() - ref).abs()
+                        assert (err <= 1e-6 * size + 1e-30).all(), (isa, K, N, M, err.max().item())
+        # a strided x (a column slice) reads the same
+        x = torch.randn(4, 2 * 301, generator=gen)[:, ::2]
+        assert torch.equal(torch.ops.dtmt.small_rows_linear(x, packed, b),
+                           torch.ops.dtmt.small_rows_linear(x.contiguous(), packed, b))
+    finally:
+        _C.set_cpu_isa(before)
+
+
+@needs_cpp
+def test_int8_kernel_is_thread_count_independent_and_refuses_bad_input():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(5000, 64, generator=gen)
+    packed, b, x = pack_int8_rows(w), torch.randn(5000, generator=gen), torch.randn(4, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.dtmt.small_rows_linear(x, packed, b)
+        torch.set_num_threads(2)
+        two = torch.ops.dtmt.small_rows_linear(x, packed, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    with pytest.raises(RuntimeError, match="float32 activations"):
+        torch.ops.dtmt.small_rows_linear(x.double(), packed, b.double())
+    with pytest.raises(RuntimeError, match=r"\[N, K \+ 4\]"):
+        torch.ops.dtmt.small_rows_linear(torch.randn(4, 63), packed, b)
+
+
+FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # rnmt.FusedRNMTDecoder
+
+
+@needs_cpp
+@pytest.mark.parametrize("system", FUSED_STEP_SYSTEMS)
+def test_int8_decoder_is_the_float_decoder_of_the_rounded_model(system):
+    """The int8 decoder (inference_decoder(int8=True): the fused step with int8 matrices) computes what the same
+    model computes with every step matrix replaced by its int8 round trip scale * q (bench_int8.
+    quantize_step_weights, built on the reference quantize_rows), run by the modules on the reference backend in
+    float64: log-probabilities, states and attention over steps and a reorder, to float32 precision, at batch 1
+    beam 4 (the int8 small-row loop) and 3 x 4 rows (blocks through GEMM); and beam search translates as the
+    float32 decoder of the rounded model."""
+    import copy
+
+    from conftest import spread_weights
+
+    from benchmarks import bench_int8
+    from dtmt_models.decoding.beam_search import beam_search
+    from dtmt_models.models.registry import build_model
+    from dtmt_models.models.rnmt import FusedRNMTDecoder
+
+    torch.manual_seed(0)
+    model = spread_weights(build_model(system, 50, 60, embed_dim=16, hidden_size=24))
+    rounded = copy.deepcopy(model)
+    bench_int8.quantize_step_weights(rounded)
+    exact = copy.deepcopy(rounded).double()
+    exact.set_backend("reference")
+    with torch.no_grad():
+        int8, ref = model.inference_decoder(int8=True), rounded.inference_decoder()
+        assert isinstance(int8, FusedRNMTDecoder) and int8.int8 and isinstance(ref, FusedRNMTDecoder)
+        assert int8.readout.w_out.dtype == torch.int8 and int8.query_cell.params[2].dtype == torch.int8
+        assert model.readout.output.proj.weight.dtype == torch.float32     # the model itself is untouched
+        gen = torch.Generator().manual_seed(5)
+        for rows, lengths in ((4, [6, 6, 6, 6]), (12, [6, 5, 5, 4, 4, 4, 3, 3, 2, 2, 1, 1])):
+            src = torch.randint(4, 50, (rows, 6), generator=gen)
+            lengths = torch.tensor(lengths)
+            a, b = int8.encode(src, lengths), exact.encode(src, lengths)
+            for t in range(4):
+                prev = torch.randint(4, 60, (rows,), generator=gen)
+                lp_a, a = int8.step(a, prev)
+                lp_b, b = exact.step(b, prev)
+                # float32 against float64 (the float32 decoder's own tolerance, test_decode_kernels)
+                torch.testing.assert_close(lp_a, lp_b.float(), rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(a["s"], b["s"].float(), rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(a["attn"], b["attn"].float(), rtol=1e-4, atol=1e-5)
+                if t == 1:
+                    order = torch.randperm(rows, generator=gen)
+                    a, b = int8.reorder(a, order), exact.reorder(b, order)
+        src, lengths = torch.randint(4, 50, (3, 6), generator=gen), torch.tensor([6, 4, 2])
+        hyps_a = beam_search(int8, src, lengths, beam=4, max_len_a=1.0, max_len_b=3)
+        hyps_b = beam_search(ref, src, lengths, beam=4, max_len_a=1.0, max_len_b=3)
+    assert [[h.tokens for h in s] for s in hyps_a] == [[h.tokens for h in s] for s in hyps_b]
+
+
+@needs_cpp
+def test_int8_decoding_is_refused_where_the_fused_step_is_not():
+    from dtmt_models.decoding.ensemble import Ensemble
+    from dtmt_models.models.registry import build_model
+
+    for system in ("transformer", "deeplau", "gnmt-atr"):
+        with pytest.raises(ValueError, match="int8 decoding runs the fused decoder step"):
+            build_model(system, 30, 30, embed_dim=16, hidden_size=16).eval().inference_decoder(int8=True)
+    model = build_model("dtmt", 30, 30, embed_dim=16, hidden_size=16)
+    with pytest.raises(ValueError, match="int8 decoding"):
+        model.train().inference_decoder(int8=True)                      # training mode: no inference decoder
+    with pytest.raises(ValueError, match="int8 decoding"):
+        model.eval().double().inference_decoder(int8=True)              # float64
+    with pytest.raises(ValueError, match="int8 decoding"):
+        Ensemble([model.float(), build_model("transformer", 30, 30, embed_dim=16, hidden_size=16)]).eval() \
+            .inference_decoder(int8=True)
+    decoder = Ensemble([model.float(), model]).eval().inference_decoder(int8=True)
+    assert all(d.int8 for d in decoder.decoders)
+
+
+@needs_cpp
+def test_cli_int8(tmp_path, capsys):
+    """`dtmt translate --int8` writes what translate() gives with the int8 decoder (which differs from float32
+    decoding only by the rounded weights), alone and in an ensemble; `dtmt evaluate --int8` records it; a
+    system without the fused step is refused in one line, with nothing written."""
+    import json
+
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model, spread_weights
+
+    from dtmt_models import cli
+    from dtmt_models.data.corpus import write_manifest
+    from dtmt_models.data.vocabulary import Vocabulary
+    from dtmt_models.decoding.ensemble import Ensemble
+    from dtmt_models.decoding.translate import translate
+    from dtmt_models.models.registry import build_model
+
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    paths, models = {}, {}
+    for key, name, options in (("dtmt", "dtmt", dict(embed_dim=16, hidden_size=16, depth=1, heads=2)),
+                               ("atr", "rnnsearch-atr", dict(embed_dim=16, hidden_size=16)),
+                               ("transformer", "transformer", dict(embed_dim=16, hidden_size=16))):
+        torch.manual_seed(len(paths))
+        models[key] = spread_weights(build_model(name, len(sv), len(tv), **options),
+                                     torch.Generator().manual_seed(20 + len(paths)))
+        paths[key] = save_model(tmp_path / f"{key}.pt", name, options, sv, tv, models[key])
+    src = tmp_path / "in.es"
+    src.write_text("\n".join(SRC[:6]) + "\n", encoding="utf-8")
+
+    def run(*flags):
+        out = tmp_path / "out.en"
+        assert cli.main(["translate", "--quiet", "--beam", "3", "--int8", *flags, str(src), "-o", str(out)]) == 0
+        return out.read_text(encoding="utf-8").split("\n")[:-1]
+
+    def expected(model):
+        model.eval()
+        return [h[0][0] for h in translate(model, sv, tv, SRC[:6], beam=3, decoder=model.inference_decoder(int8=True))]
+    assert run("-c", paths["dtmt"]) == expected(models["dtmt"])
+    assert run("-c", paths["dtmt"], "-c", paths["atr"]) == expected(Ensemble([models["dtmt"], models["atr"]]))
+    capsys.readouterr()
+    out = tmp_path / "refused.en"
+    assert cli.main(["translate", "--quiet", "--int8", "-c", paths["transformer"], str(src), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dtmt translate: --int8: int8 decoding runs the fused decoder step of dtmt")
+    assert "TransformerNMT" in err and err.count("\n") == 1 and not out.exists()
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "test.es").write_text("\n".join(SRC) + "\n", encoding="utf-8")
+    (data / "test.en").write_text("\n".join(TGT) + "\n", encoding="utf-8")
+    write_manifest(str(data), "es", "en", {"test": len(SRC)}, origin="test")
+    assert cli.main(["evaluate", "-c", paths["atr"], "--data", str(data), "--beam", "2", "--int8", "--quiet",
+                     "--out-dir", str(tmp_path / "eval")]) == 0
+    with open(tmp_path / "eval" / "scores.json", encoding="utf-8") as f:
+        assert json.load(f)["settings"]["int8"] is True

@@ -15,7 +15,8 @@ template <typename T> constexpr TypedCpuKernels<T> typed_kernels() {
 }
 
 extern const CpuKernels kCpuKernels;
-const CpuKernels kCpuKernels = {DTMT_STR(DTMT_ISA), typed_kernels<float>(), typed_kernels<double>(), small_rows};
+const CpuKernels kCpuKernels = {DTMT_STR(DTMT_ISA), typed_kernels<float>(), typed_kernels<double>(), small_rows,
+                                small_rows_int8};
 
 }  // namespace DTMT_ISA
 }  // namespace dtmt

@@ -19,6 +19,7 @@ from dtmt_models.cli.translate import (
     check_decoding_arguments,
     check_device_and_backend,
     decode_with_report,
+    build_decoder,
     decoding_kwargs,
     load_for_decoding,
     run_command,
@@ -114,12 +115,15 @@ def _run(args: argparse.Namespace) -> int:
         device = check_device_and_backend(args.device, args.backend)
         model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
         kwargs = decoding_kwargs(args, device)
-        results, seconds = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sources, **kwargs)
+        decoder = build_decoder(model, args.int8)
+        results, seconds = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sources,
+                                              decoder=decoder, **kwargs)
         hyps = [r[0][0] if r else "" for r in results]
         names, options = [c.get("model_name") for c in ckpts], [c.get("model_options") for c in ckpts]
         settings.update(model_name=names[0] if one else "+".join(map(str, names)),
                         model_options=options[0] if one else options,
-                        **{k: (str(v) if k == "device" else v) for k, v in kwargs.items()}, backend=args.backend)
+                        **{k: (str(v) if k == "device" else v) for k, v in kwargs.items()}, backend=args.backend,
+                        int8=args.int8)
         decode = {"seconds": round(seconds, 3), "sentences_per_s": len(sources) / max(seconds, 1e-9),
                   "src_words_per_s": sum(len(s.split()) for s in sources) / max(seconds, 1e-9),
                   "hyp_words_per_s": sum(len(h.split()) for h in hyps) / max(seconds, 1e-9)}

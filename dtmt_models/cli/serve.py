@@ -17,7 +17,7 @@ import sys
 from typing import List, Optional
 
 from dtmt_models.cli.translate import add_decoding_arguments, check_decoding_arguments, check_device_and_backend, \
-    load_for_decoding, run_command
+    build_decoder, load_for_decoding, run_command
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import one_line
 
@@ -81,16 +81,17 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
+    decoder = build_decoder(model, args.int8)
     names = [c.get("model_name") for c in ckpts]
     info = {"checkpoints": args.checkpoint, "models": names,
             "parameters": sum(p.numel() for p in model.parameters()), "device": str(device),
-            "backend": args.backend}
+            "backend": args.backend, "int8": args.int8}
 
     def log(message: str) -> None:
         print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
     async def serve() -> None:
-        server = Server(model, src_vocab, tgt_vocab, settings, info=info, log=log)
+        server = Server(model, src_vocab, tgt_vocab, settings, info=info, log=log, decoder=decoder)
         try:
             await server.start(args.host, args.port)
         except OSError as exc:

@@ -182,6 +182,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     g.add_argument("--backend", default="auto", choices=list(BACKEND_NAMES),
                    help="recurrent kernel backend (default auto)")
+    g.add_argument("--int8", action="store_true",
+                   help="decode with the decoder's weight matrices in int8, one scale per row (weight-only: "
+                        "activations stay float32); dtmt, shallow-rnmt, rnnsearch-atr, mce and one-level nematus on "
+                        "the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
 
 
@@ -207,6 +211,18 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
         raise InputError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
     if not math.isfinite(args.alpha):
         raise InputError(f"--alpha must be a finite number, got {args.alpha}")
+
+
+def build_decoder(model, int8: bool = False):
+    """`model`'s inference decoder, built once for the whole run (int8 weight matrices with --int8), the errors a
+    user can cause as InputError."""
+    model.eval()
+    try:
+        if int8:
+            return model.inference_decoder(int8=True)
+        return model.inference_decoder() if hasattr(model, "inference_decoder") else model
+    except ValueError as exc:
+        raise InputError(f"--int8: {one_line(exc)}") from None
 
 
 def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
@@ -268,7 +284,7 @@ def chunks_as_they_come(lines: Iterator[str], most: int = STREAM_LINES) -> Itera
 def stream_stdin(args: argparse.Namespace, model, src_vocab, tgt_vocab, device: torch.device) -> int:
     """Translates stdin to stdout group by group (chunks_as_they_come), writing and flushing each group's lines
     as soon as they are decoded; with --nbest the index counts stdin's lines from 0."""
-    kwargs = dict(nbest=args.nbest or 1, **decoding_kwargs(args, device))
+    kwargs = dict(nbest=args.nbest or 1, decoder=build_decoder(model, args.int8), **decoding_kwargs(args, device))
     seen: Set[str] = set()
     done, t0 = 0, time.perf_counter()
     for group in chunks_as_they_come(stdin_lines()):
@@ -334,8 +350,8 @@ def _run(args: argparse.Namespace) -> int:
     model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)
 
     sentences = [line for lines in texts for line in lines]
-    results, _ = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sentences,
-                                    nbest=nbest or 1, **decoding_kwargs(args, device))
+    results, _ = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sentences, nbest=nbest or 1,
+                                    decoder=build_decoder(model, args.int8), **decoding_kwargs(args, device))
     pieces, start = [], 0
     for lines in texts:
         pieces.append(format_output(results[start:start + len(lines)], nbest is not None))

@@ -55,8 +55,12 @@ class Ensemble(nn.Module):
             raise ValueError(f"Ensemble: the models' (source, target) vocabulary sizes differ: {sorted(vocab_sizes)}")
         self.members = nn.ModuleList(models)
 
-    def inference_decoder(self) -> EnsembleDecoder:
-        return EnsembleDecoder([m.inference_decoder() if hasattr(m, "inference_decoder") else m
+    def inference_decoder(self, int8: bool = False) -> EnsembleDecoder:
+        """Each member's inference decoder (`int8`: each with int8 weight matrices; ValueError if one cannot)."""
+        if int8 and not all(hasattr(m, "inference_decoder") for m in self.members):
+            raise ValueError("int8 decoding: every member of the ensemble must be a dtmt model")
+        return EnsembleDecoder([m.inference_decoder(int8=True) if int8 else
+                                m.inference_decoder() if hasattr(m, "inference_decoder") else m
                                 for m in self.members])
 
     def forward(self, *args, **kwargs):

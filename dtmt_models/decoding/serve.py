@@ -110,7 +110,7 @@ class Server:
     bound (useful with port 0)."""
 
     def __init__(self, model, src_vocab, tgt_vocab, settings: ServeSettings, info: Optional[Dict[str, Any]] = None,
-                 log=None):
+                 log=None, decoder=None):
         settings.check()
         self.model, self.src_vocab, self.tgt_vocab, self.settings = model, src_vocab, tgt_vocab, settings
         self.info = dict(info or {})
@@ -121,9 +121,11 @@ class Server:
         self._runner = None
         self._stopped: Optional[asyncio.Event] = None
         self._seen_warnings: set = set()
-        # the inference decoder is built once: the weights never change while serving
+        # the inference decoder is built once (or by the caller: `decoder`): the weights never change while serving
         model.eval()
-        self.decoder = model.inference_decoder() if hasattr(model, "inference_decoder") else model
+        if decoder is None:
+            decoder = model.inference_decoder() if hasattr(model, "inference_decoder") else model
+        self.decoder = decoder
         self.log = log or (lambda message: None)
 
     # ------------------------------------------------------------------------------------------- app

@@ -27,6 +27,7 @@ from dtmt_models.models.seq2seq import (
     FrozenReadout,
     Seq2Seq,
     State,
+    int8_unavailable,
     lengths_mask,
     step_state,
 )
@@ -80,16 +81,23 @@ class FusedRNMTDecoder:
     `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; `encode`, `embed_step` and `reorder`
     are the prepared model's. Built by `fused_rnmt_decoder`, from the model's inference forms: the two
     FrozenTransitionCells, the AttentionStep's AttentionWeights and the FrozenReadout's ReadoutWeights.
-    `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]."""
+    `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]. `int8`: the step's weight matrices
+    (the cells', attention's, readout's and output projection's) as int8 rows with a float32 scale each (weight-
+    only int8: activations, biases, layer norms, the embeddings and the encoder stay float32); a copy of them is
+    made here."""
 
-    def __init__(self, model: Seq2Seq, layered: bool = False):
-        self.model, self.layered = model, layered
+    def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False):
+        self.model, self.layered, self.int8 = model, layered, int8
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
+        if int8:
+            self.query_cell = dk.functional.CellWeights.of(self.query_cell).int8()
+            self.decoder_cell = dk.functional.CellWeights.of(self.decoder_cell).int8()
+            self.attention, self.readout = self.attention.int8(), self.readout.int8()
         self.single_head = model.attention.single_head
 
-    def inference_decoder(self) -> "FusedRNMTDecoder":
-        return self
+    def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
+        return FusedRNMTDecoder(self.model, self.layered, True) if int8 and not self.int8 else self
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         return self.model.encode(src, src_lengths)
@@ -110,12 +118,13 @@ class FusedRNMTDecoder:
         return log_probs, step_state(state, alpha, True, **updates)
 
 
-def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False) -> Optional[FusedRNMTDecoder]:
+def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False, int8: bool = False
+                       ) -> Optional[FusedRNMTDecoder]:
     """A FusedRNMTDecoder for `prepared` (a model's inference copy, eval mode), or None where its step is not the
     one the fused op computes: a class whose transition is not `transition` (the system's own, as the caller
     names it) or that changes the features, decoder step or step; higher decoder levels (`levels`, Nematus'); a
     part without its inference form (another backend, dtype or device; a swapped-in module of another kind; a
-    readout with deep layers); cells of different eps."""
+    readout with deep layers); cells of different eps; with `int8`, weights that are not CPU float32."""
     cls = type(prepared)
     if (prepared.training or cls.transition is not transition or cls.features is not Seq2Seq.features
             or cls.decoder_step is not Seq2Seq.decoder_step or cls.step is not Seq2Seq.step
@@ -125,7 +134,9 @@ def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False) -> 
     if not (type(q) is type(d) is dk.nn.FrozenTransitionCell and q.eps == d.eps and type(att) is AttentionStep
             and type(r) is FrozenReadout and r.weights.w_out is not None):
         return None
-    return FusedRNMTDecoder(prepared, layered)
+    if int8 and (r.weights.w_out.dtype != torch.float32 or r.weights.w_out.device.type != "cpu"):
+        return None
+    return FusedRNMTDecoder(prepared, layered, int8)
 
 
 class AttentionalRNMT(Seq2Seq):
@@ -153,10 +164,14 @@ class AttentionalRNMT(Seq2Seq):
     def embed_step(self, state: State, prev_tokens: Tensor) -> Tensor:
         return self.tgt_embed(prev_tokens, positions=state["pos"])
 
-    def inference_decoder(self):
-        """Seq2Seq.inference_decoder, with the whole step as one C++ call where it applies (FusedRNMTDecoder)."""
+    def inference_decoder(self, int8: bool = False):
+        """Seq2Seq.inference_decoder, with the whole step as one C++ call where it applies (FusedRNMTDecoder);
+        `int8`: its weight matrices as int8 rows (ValueError where the fused step does not apply)."""
         prepared = super().inference_decoder()
-        return fused_rnmt_decoder(prepared, AttentionalRNMT.transition) or prepared
+        fused = fused_rnmt_decoder(prepared, AttentionalRNMT.transition, int8=int8)
+        if int8 and fused is None:
+            raise int8_unavailable(self)
+        return fused or prepared
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""

@@ -143,6 +143,15 @@ def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:
     return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
 
 
+INT8_SYSTEMS = "dtmt, shallow-rnmt, rnnsearch-atr, mce and one-level nematus"
+
+
+def int8_unavailable(model) -> ValueError:
+    """The error for int8 decoding asked of a model that cannot have it."""
+    return ValueError(f"int8 decoding runs the fused decoder step of {INT8_SYSTEMS} (eval mode, cpp backend, CPU, "
+                      f"float32); this {type(model).__name__} model does not decode with it")
+
+
 class Seq2Seq(nn.Module):
     """Base of the systems. Subclasses build `self.tgt_embed` and `self.readout` and implement `encode` and
     `transition` (or `decoder_step` as a whole)."""
@@ -216,7 +225,7 @@ class Seq2Seq(nn.Module):
                 steps.append(parts)
         return self.output(self.features(ys, *(torch.stack(p, 1) for p in zip(*steps))), target, smoothing)
 
-    def inference_decoder(self) -> "Seq2Seq":
+    def inference_decoder(self, int8: bool = False) -> "Seq2Seq":
         """What beam search decodes with (`encode` / `step` / `reorder`, the same results as this model's): in
         eval mode a copy of the model, sharing its parameters, in which every submodule that has a fused
         inference form (`inference_module()`: the cells, attention, readout, mce's memory encoder; see
@@ -224,7 +233,10 @@ class Seq2Seq(nn.Module):
         C++ call (rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
         `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
-        optimizer step), build a new one. On a decoder, returns itself."""
+        optimizer step), build a new one. On a decoder, returns itself. `int8`: decode with int8 weight matrices,
+        which only the fused step of the attentional RNMT systems has (rnmt.FusedRNMTDecoder): ValueError here."""
+        if int8:
+            raise int8_unavailable(self)
         if self.training or self.__dict__.get("_inference_copy", False):
             return self
         prepared = inference_copy(self)

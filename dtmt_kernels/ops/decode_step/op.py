@@ -10,14 +10,15 @@ Their references are the modules they stand in for (dtmt_models), against which 
 the systems' tests hold them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .._extension import built
 from .. import _autocast
+from ..linear.quantize import pack_int8_rows
 
 _ABSENT = torch.empty(0)   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
 
@@ -39,6 +40,14 @@ class _InferenceWeights:
     def __post_init__(self):
         object.__setattr__(self, "tensors", [_or_none(getattr(self, name)) for name in self.tensor_fields()])
 
+    MATRICES: ClassVar[Tuple[str, ...]] = ()   # the fields that are weight matrices (what int8() quantizes)
+
+    def int8(self):
+        """A copy with every weight matrix (MATRICES) as int8 rows (linear.quantize.pack_int8_rows: weight-only
+        int8, one float32 scale per output row); vectors and layer norms stay float. For CPU float32 decoding."""
+        return replace(self, **{name: pack_int8_rows(getattr(self, name)) for name in self.MATRICES
+                                if getattr(self, name) is not None})
+
 
 @dataclass(frozen=True, eq=False)
 class AttentionWeights(_InferenceWeights):
@@ -52,6 +61,7 @@ class AttentionWeights(_InferenceWeights):
     ln_w: Optional[Tensor] = None
     ln_b: Optional[Tensor] = None
     ln_eps: float = 1e-5
+    MATRICES = ("w_q", "w_o")
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +80,7 @@ class ReadoutWeights(_InferenceWeights):
     w_out: Optional[Tensor] = None
     b_out: Optional[Tensor] = None
     eps: float = 1e-5
+    MATRICES = ("w_y", "w_s", "w_c", "w_out")
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,6 +95,28 @@ class MemoryWeights(_InferenceWeights):
     b_read: Tensor
     w_write: Tensor
     b_write: Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class CellWeights:
+    """A recurrent cell as `rnmt_step` takes it, what dtmt_kernels.nn.FrozenTransitionCell gathers: the kernel's
+    cell `kind`, the ten flat kernel parameters (ops.transition.flat_params order, absent ones empty) and the
+    layer norms' `eps`."""
+    kind: int
+    params: Sequence[Tensor]
+    eps: float
+
+    MATRICES = (0, 2, 6)   # w_ih, w_hh, t_w [D, 3H, H] in the flat order
+
+    @classmethod
+    def of(cls, cell) -> "CellWeights":
+        return cls(cell.kind, list(cell.params), cell.eps)
+
+    def int8(self) -> "CellWeights":
+        """A copy with the matrices w_ih, w_hh and t_w as int8 rows (see _InferenceWeights.int8); biases and layer
+        norms stay float."""
+        return CellWeights(self.kind, [pack_int8_rows(p) if i in self.MATRICES and p.numel() else p
+                                       for i, p in enumerate(self.params)], self.eps)
 
 
 def attention_step(query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, weights: AttentionWeights):
@@ -113,8 +146,9 @@ def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask:
     FusedRNMTDecoder, for AttentionalRNMT and one-level Nematus): query cell, attention_step, decoder cell,
     readout_features, output projection (readout.w_out) and log-softmax. y [B, E] the embedded previous tokens,
     s [B, H]; keys [B, S, NH, D], annotations, src_mask as attention_step's; query_cell / decoder_cell:
-    dtmt_kernels.nn.FrozenTransitionCell (a cell's kernel parameters gathered once) with the same eps. Returns
-    (log_probs [B, V], float32 at least; s' [B, H]; the attention weights averaged over the heads [B, S])."""
+    dtmt_kernels.nn.FrozenTransitionCell (a cell's kernel parameters gathered once) or CellWeights, with the same
+    eps. Returns (log_probs [B, V], float32 at least; s' [B, H]; the attention weights averaged over the heads
+    [B, S]). Any weight matrix may be int8 rows (the weights' int8(): CPU float32 only)."""
     log_probs, s_new, alpha = torch.ops.dtmt.rnmt_step(y, s, keys, annotations, src_mask, query_cell.kind, query_cell.params,
                                            decoder_cell.kind, decoder_cell.params, query_cell.eps, attention.tensors,
                                            attention.ln_eps, readout.tensors, readout.eps)

@@ -9,6 +9,11 @@ A weight matrix W [N, K] (out x in) is stored as int8 rows with one float scale 
 `linear_int8_weights` is y = x Wᵀ + b with the weights read as scale * q and the activations kept in float
 ("weight-only" int8: a decoding step at batch 1-8 is bound by the bytes of weights it reads, 4x fewer here, and
 the activations are not rounded at all).
+
+The C++ ops take an int8 weight as one tensor, `pack_int8_rows`: int8 [N, K + 4], row n = q[n, :] followed by the
+four bytes of scale[n] (this machine's byte order), so that it travels wherever a float weight does (csrc/
+small_gemm.h). `torch.ops.dtmt.small_rows_linear(x, pack_int8_rows(W), b)` computes `linear_int8_weights(x, q,
+scale, b)`.
 """
 from __future__ import annotations
 
@@ -41,3 +46,34 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
 def linear_int8_weights(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """x [..., K] -> [..., N]: x (scale * q)ᵀ + bias, in x's dtype."""
     return torch.nn.functional.linear(x, dequantize_rows(q, scale, x.dtype), bias)
+
+
+ROW_TAIL = 4   # the bytes of a packed row's float32 scale
+
+
+def pack_int8_rows(weight: Tensor) -> Tensor:
+    """A float weight [..., N, K] quantized row by row (`quantize_rows`) and packed for the C++ ops: int8
+    [..., N, K + 4], each row its K values then its float32 scale's bytes. Leading dims (a T-GRU stack
+    [D, 3H, H]) are rows like any other."""
+    if weight.dim() < 2:
+        raise ValueError(f"pack_int8_rows: a weight [..., N, K], got {list(weight.shape)}")
+    K = weight.shape[-1]
+    q, scale = quantize_rows(weight.reshape(-1, K))
+    packed = torch.cat([q, scale.contiguous().view(torch.int8).view(-1, ROW_TAIL)], 1)
+    return packed.view(*weight.shape[:-1], K + ROW_TAIL).contiguous()
+
+
+def unpack_int8_rows(packed: Tensor) -> Tuple[Tensor, Tensor]:
+    """(q int8 [..., N, K], scale float32 [..., N]) of a `pack_int8_rows` tensor."""
+    if packed.dtype != torch.int8 or packed.dim() < 2 or packed.shape[-1] <= ROW_TAIL:
+        raise ValueError(f"unpack_int8_rows: an int8 [..., N, K + {ROW_TAIL}] tensor, got {packed.dtype} "
+                         f"{list(packed.shape)}")
+    q = packed[..., :-ROW_TAIL]
+    tail = packed[..., -ROW_TAIL:]
+    scale = torch.empty(tail.shape, dtype=torch.int8).copy_(tail).view(torch.float32).squeeze(-1)  # aligned copy
+    return q, scale
+
+
+def is_int8_rows(weight: Optional[Tensor]) -> bool:
+    """Whether `weight` is a packed int8 weight (pack_int8_rows)."""
+    return weight is not None and weight.dtype == torch.int8

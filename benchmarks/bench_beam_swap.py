@@ -39,6 +39,7 @@ def main(argv=None):
     p.add_argument("--batch-one", type=int, default=0, metavar="N",
                    help="the first N test sources one at a time (default: all, batched by translate)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--int8", action="store_true", help="decode with int8 weight matrices (`dtmt translate --int8`)")
     p.add_argument("--profile", action="store_true", help="decode under cProfile and print the 25 costliest calls")
     a = p.parse_args(argv)
     ours = tr.beam_search
@@ -62,11 +63,12 @@ def _run(a, tr):
         spec.loader.exec_module(module)
         tr.beam_search = module.beam_search
     model, sv, tv, _ = load_model(a.checkpoint)
+    model.eval()
     sources = [s for s, _ in read_parallel(*corpus_paths(a.data, "test"))]
     profiler = cProfile.Profile() if a.profile else contextlib.nullcontext()
     with torch_threads(a.threads), torch.no_grad():
-        if a.batch_one:   # the decoder built once, and a first call out of the timing
-            decoder = model.inference_decoder()
+        decoder = model.inference_decoder(int8=a.int8)   # built once, as `dtmt translate` does
+        if a.batch_one:   # a first call out of the timing
             tr.translate(model, sv, tv, sources[:1], beam=4, decoder=decoder)
         t0 = time.perf_counter()
         with profiler:
@@ -74,7 +76,7 @@ def _run(a, tr):
                 hyps = [tr.translate(model, sv, tv, [s], beam=4, decoder=decoder)[0][0][0]
                         for s in sources[:a.batch_one]]
             else:
-                hyps = [h[0][0] for h in tr.translate(model, sv, tv, sources, beam=4)]
+                hyps = [h[0][0] for h in tr.translate(model, sv, tv, sources, beam=4, decoder=decoder)]
         seconds = time.perf_counter() - t0
     if a.profile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)

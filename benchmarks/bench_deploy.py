@@ -16,7 +16,8 @@ What it does, in one run:
 2. checks the conversion: CTranslate2's log-probability of every target piece of `--check` dev pairs must equal
    dtmt's teacher-forced one (max difference <= 1e-3), else it stops;
 3. times, on the test split's sources (`--sentences`, default all), beam 4, for each thread count of `--threads`:
-   each `--system` checkpoint decoded by dtmt (`translate`, the library call of `dtmt translate`; batch 1 is one
+   each `--system` checkpoint decoded by dtmt in float32 and with int8 weight matrices (`--int8`; leave out
+   with --no-int8) (`translate`, the library call of `dtmt translate`; batch 1 is one
    sentence a call, as an interactive user or `dtmt serve` with one client gets it; batched is `translate`'s own
    batching by `--max-tokens`), the transformer decoded by dtmt's PyTorch decoder (batched), and by CTranslate2 at
    batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting); model loading excluded everywhere, the same
@@ -111,9 +112,11 @@ def teacher_forced_log_probs(ckpt: str, sources, targets):
     return out, src_pieces, tgt_pieces
 
 
-def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: int, beam: int) -> dict:
-    """Decodes with dtmt in this process on `threads` threads (restored after); returns seconds (model load
-    excluded) and the one-best outputs."""
+def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: int, beam: int,
+              int8: bool = False) -> dict:
+    """Decodes with dtmt in this process on `threads` threads (restored after), with int8 weight matrices if
+    `int8` (`dtmt translate --int8`); returns seconds (model load and int8 conversion excluded) and the one-best
+    outputs."""
     import torch
     from bench_cells import torch_threads
 
@@ -122,7 +125,8 @@ def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: i
 
     model, sv, tv, c = load_model(ckpt)
     with torch_threads(threads), torch.no_grad():
-        decoder = model.inference_decoder()
+        model.eval()
+        decoder = model.inference_decoder(int8=int8)
         translate(model, sv, tv, sentences[:2], beam=beam, decoder=decoder)           # warm-up
         t0 = time.perf_counter()
         if batch_one:
@@ -181,6 +185,8 @@ def main(argv=None):
                         "decode column), for the batched goal; repeatable")
     p.add_argument("--peer-env", default=os.path.join(HERE, "out", "peers", "env-ct2"))
     p.add_argument("--out", default=os.path.join(HERE, "out", "deploy"))
+    p.add_argument("--no-int8", dest="int8", action="store_false",
+                   help="leave out the int8 decodings (`dtmt translate --int8`) of each --system")
     p.add_argument("--setup-only", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -247,9 +253,12 @@ def main(argv=None):
 
     for threads in (int(t) for t in a.threads.split(",")):
         for name, ckpt in systems.items():
-            add("dtmt", name, ckpt, threads, "1", time_dtmt(ckpt, sentences, threads, True, a.max_tokens, a.beam))
-            add("dtmt", name, ckpt, threads, f"≤{a.max_tokens}t",
-                time_dtmt(ckpt, sentences, threads, False, a.max_tokens, a.beam))
+            for int8 in (False, True) if a.int8 else (False,):
+                decoder = "dtmt --int8" if int8 else "dtmt"
+                add(decoder, name, ckpt, threads, "1",
+                    time_dtmt(ckpt, sentences, threads, True, a.max_tokens, a.beam, int8))
+                add(decoder, name, ckpt, threads, f"≤{a.max_tokens}t",
+                    time_dtmt(ckpt, sentences, threads, False, a.max_tokens, a.beam, int8))
         add("dtmt", "transformer", transformer, threads, f"≤{a.max_tokens}t",
             time_dtmt(transformer, sentences, threads, False, a.max_tokens, a.beam))
         for batch in (1, a.ct2_batch):
@@ -257,7 +266,7 @@ def main(argv=None):
                 time_ct2(py, model_dir, src_pieces, tv, threads, batch, a.beam, work, log))
     # ratios
     for row in rows:
-        if row["decoder"] != "dtmt" or row["model"] == "transformer":
+        if not row["decoder"].startswith("dtmt") or row["model"] == "transformer":
             continue
         ct2 = {r["batch"]: r["sentences_per_s"] for r in rows if r["decoder"] == "ctranslate2"
                and r["threads"] == row["threads"]}

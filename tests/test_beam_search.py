@@ -115,3 +115,42 @@ def test_finished_sentences_leave_the_batch():
                             max_len_a=1.0, max_len_b=0)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in batched[b]]
         assert all(math.isclose(a.score, c.score, rel_tol=1e-4) for a, c in zip(alone, batched[b]))
+
+
+def test_reorder_within_sentences_keeps_the_per_sentence_state():
+    """A decoder's reorder_within (called when no sentence finished: rows move only among their sentence's
+    rows) keeps the annotations, keys and source mask as they are and gives exactly what reorder gives: the same
+    hypotheses and scores as a decoder without it, for a batch whose sentences finish at different steps; and
+    beam search calls it on the steps where no sentence finished, reorder on the others."""
+    torch.manual_seed(2)
+    model = dm.build_model("dtmt", 20, 20, embed_dim=16, hidden_size=16, depth=1, heads=2).eval()
+    decoder = model.inference_decoder()
+    calls = []
+
+    class Plain:            # no reorder_within: beam search reorders everything every step
+        def encode(self, src, lengths):
+            return decoder.encode(src, lengths)
+
+        def step(self, state, prev):
+            return decoder.step(state, prev)
+
+        def reorder(self, state, index):
+            calls.append("reorder")
+            return decoder.reorder(state, index)
+
+    class Within(Plain):
+        def reorder_within(self, state, index):
+            calls.append("within")
+            out = decoder.reorder_within(state, index)
+            assert all(out[k] is state[k] for k in ("annotations", "keys", "src_mask"))
+            torch.testing.assert_close(out, decoder.reorder(state, index), rtol=0, atol=0)
+            return out
+
+    lengths = torch.tensor([6, 1, 4, 2, 5, 3])
+    src = torch.randint(4, 20, (6, 6))
+    kwargs = dict(beam=3, nbest=3, max_len_a=1.0, max_len_b=2)
+    plain = beam_search(Plain(), src, lengths, **kwargs)
+    calls.clear()
+    within = beam_search(Within(), src, lengths, **kwargs)
+    assert [[(h.tokens, h.score) for h in s] for s in within] == [[(h.tokens, h.score) for h in s] for s in plain]
+    assert calls[0] == "reorder" and "within" in calls and "reorder" in calls[1:]   # start, then both kinds

@@ -323,6 +323,8 @@ def test_bench_deploy_parts_that_need_no_peer(tmp_path):
     one = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, True, 2000, 3)
     batched = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, False, 2000, 3)
     assert one["hyps"] == batched["hyps"] and len(one["hyps"]) == len(sentences) and one["seconds"] > 0
+    int8 = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, False, 2000, 3, int8=True)
+    assert len(int8["hyps"]) == len(sentences)
 
 
 def test_bench_beam_swap_quick(tmp_path):

@@ -4,6 +4,11 @@ Hypotheses are ranked by log P(y|x) / lp(y) with the GNMT length penalty of pape
 lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability). A sentence is finished when it has
 `beam` complete hypotheses and no open one can still beat the worst of them, or at max length (source
 length * max_len_a + max_len_b steps, EOS included), where only EOS may follow the open hypotheses.
+
+The decoder's state is reordered after every step: `reorder(state, index)` (rows taken by `index`, which drops
+the rows of finished sentences). A decoder may also have `reorder_within(state, index)`, called instead when no
+sentence finished, so that `index` keeps every row among its own sentence's rows: what is the same for all
+rows of a sentence (the annotations, attention keys, source mask) may then be kept as it is.
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     # sentence's rows leave the state at the next reorder, so the steps after it cost only the open sentences
     active = list(range(B))
     active_max_len = max_len
+    reorder_within = getattr(model, "reorder_within", model.reorder)
     for t in range(int(max_len.max())):
         log_probs, state = model.step(state, prev)
         V = log_probs.shape[-1]
@@ -105,10 +111,9 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
             next_scores.extend(new_scores)
         if not still:
             break
-        index = torch.tensor(select, device=device)
-        state = model.reorder(state, index)
+        index, prev = torch.tensor([select, next_words], device=device)
+        state = (reorder_within if len(still) == n else model.reorder)(state, index)
         rows = [rows[j] + [w] for j, w in zip(select, next_words)]
-        prev = torch.tensor(next_words, device=device)
         scores = torch.tensor(next_scores, device=device).view(len(still), beam)
         if len(still) < n:
             active_max_len = active_max_len[torch.tensor(still, device=device)]

@@ -41,6 +41,10 @@ class EnsembleDecoder:
     def reorder(self, state: Tuple, index: Tensor) -> Tuple:
         return tuple(d.reorder(s, index) for d, s in zip(self.decoders, state))
 
+    def reorder_within(self, state: Tuple, index: Tensor) -> Tuple:
+        """beam_search's reorder within sentences: each member's own where it has one."""
+        return tuple(getattr(d, "reorder_within", d.reorder)(s, index) for d, s in zip(self.decoders, state))
+
 
 class Ensemble(nn.Module):
     """Models decoded together (see the module docstring); an nn.Module so that `translate` can switch it to eval

@@ -105,6 +105,14 @@ class FusedRNMTDecoder:
     def reorder(self, state: State, index: Tensor) -> State:
         return self.model.reorder(state, index)
 
+    # what AttentionalRNMT.encode / Nematus.encode make once per sentence (the candidate-dropout masks too)
+    PER_SENTENCE = frozenset({"annotations", "keys", "src_mask", "drop_q", "drop_d"})
+
+    def reorder_within(self, state: State, index: Tensor) -> State:
+        """`reorder` for an index that keeps every row among its sentence's rows (beam_search): the entries made
+        once per sentence are kept as they are."""
+        return {k: v if k in self.PER_SENTENCE else v.index_select(0, index) for k, v in state.items()}
+
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         y = self.model.embed_step(state, prev_tokens)
         s = state["s"][:, 0] if self.layered else state["s"]

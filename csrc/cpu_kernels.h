@@ -65,10 +65,15 @@ struct CpuKernels {
   // output columns [n0, n1); bias may be null.
   void (*small_rows)(int M, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
                      int64_t ldo, int64_t n0, int64_t n1);
-  // The same with int8 weight rows (small_gemm.h's int8 format: K int8 values, then the row's float32 scale;
-  // rows `ldw` bytes apart): out[m, n] = bias[n] + scale[n] * (x[m, :] . q[n, :]).
-  void (*small_rows_int8)(int M, const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t ldw,
-                          const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
+  // Rows of x [M, K] (row stride ldx) as int8 rows xq [M, K] with a scale each (small_gemm.h); finite[m] = 0 for a
+  // row holding NaN or an infinity (left unwritten).
+  void (*quantize_activations_int8)(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
+                                    char* finite);
+  // The int8 product (small_gemm.h): int8 weight rows (K int8 values q, then the row's float32 scale; rows `ldw`
+  // bytes apart) times int8 activation rows xq [M, K] (row stride ldx) with their scales x_scale[M]:
+  // out[m, n] = bias[n] + (x_scale[m] * scale[n]) * (xq[m, :] . q[n, :]), the dot product exact in int32.
+  void (*small_rows_int8)(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,
+                          int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
 };
 
 }  // namespace dtmt

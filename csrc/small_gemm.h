@@ -27,8 +27,10 @@ inline int64_t weight_in_features(const at::Tensor& w) {
 }
 
 // out = x W^T + bias (bias may be empty), with the small-row kernel where applicable and ATen's GEMM otherwise.
-// An int8 weight (is_int8_rows) takes float32 x, out and bias: at most kSmallRowsMax rows run the int8 small-row
-// kernel; more rows are multiplied by ATen's GEMM a block of dequantized weight rows at a time.
+// An int8 weight (is_int8_rows) takes float32 x, out and bias: each row of x is quantized to int8 with its own scale
+// (max |x| / 127), the products summed exactly in int32 by the int8 small-row loop (groups of kSmallRowsMax rows of
+// x), then scaled: out[m, n] = bias[n] + x_scale[m] * scale[n] * (xq[m] . q[n]). A row of x holding NaN or an
+// infinity gives NaN.
 void linear_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, const at::Tensor& w);
 
 // The op exposed to Python: a new [M, N] tensor (x must be 2-D).

@@ -7,7 +7,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "cpu_dispatch.h"
 
@@ -31,17 +35,6 @@ bool small_rows_applicable(const at::Tensor& x, const at::Tensor& w, const at::T
 
 namespace {
 
-// rows [n0, n1) of an int8 weight (rows ldw bytes apart) as floats scale * q, into out [n1 - n0, K]
-void dequantize_int8_rows(const int8_t* w, int64_t K, int64_t ldw, int64_t n0, int64_t n1, float* out) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = w + n * ldw;
-    float scale;
-    std::memcpy(&scale, row + K, sizeof scale);
-    float* o = out + (n - n0) * K;
-    for (int64_t k = 0; k < K; ++k) o[k] = scale * static_cast<float>(row[k]);
-  }
-}
-
 void linear_int8_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x_in, const at::Tensor& w) {
   const bool has_bias = bias.defined() && bias.numel() > 0;
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) > kInt8RowTail,
@@ -59,43 +52,43 @@ void linear_int8_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor&
               "dtmt: int8 weights are for the CPU");
   TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == N),
               "dtmt: the bias of an int8 weight of ", N, " rows must be [", N, "], got ", bias.sizes());
+  TORCH_CHECK(K <= (int64_t{1} << 31) / (127 * 127), "dtmt: int8 rows of ", K, " values would overflow int32 sums");
+  const int64_t M = x_in.size(0);
+  if (M == 0 || N == 0) return;
   const at::Tensor x = K > 1 && x_in.stride(1) != 1 ? x_in.contiguous() : x_in;
   const at::Tensor b = has_bias ? bias.contiguous() : at::Tensor();
+  // every row of x quantized once, for all the weight rows (buffers kept per thread: no allocation per call)
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> x_scale;
+  thread_local std::vector<char> finite;
+  xq.resize(static_cast<size_t>(M * K));
+  x_scale.resize(static_cast<size_t>(M));
+  finite.resize(static_cast<size_t>(M));
+  cpu_kernels().quantize_activations_int8(M, x.data_ptr<float>(), x.stride(0), K, xq.data(), x_scale.data(),
+                                          finite.data());
+  const auto loop = cpu_kernels().small_rows_int8;
   const int8_t* wp = w.data_ptr<int8_t>();
-  const int64_t ldw = K + kInt8RowTail;
-  const int64_t M = x.size(0);
-  if (M == 0 || N == 0) return;
-  if (M <= kSmallRowsMax && (N == 1 || out.stride(1) == 1)) {
-    const auto loop = cpu_kernels().small_rows_int8;
-    const float* xp = x.data_ptr<float>();
-    const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
-    float* op = out.data_ptr<float>();
-    const int64_t ldx = x.stride(0), ldo = out.stride(0);
-    // at least 64 KiB of int8 weights per task (the float kernel's grain in rows: the same arithmetic per task)
-    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(K, 1));
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      loop(static_cast<int>(M), xp, ldx, wp, K, ldw, bp, op, ldo, n0, n1);
-    });
-    return;
-  }
-  // More rows: the weights are reused across them, so GEMM it is, over blocks of rows dequantized into a buffer
-  // that stays in cache (~512 KiB).
-  const int64_t block = std::min<int64_t>(N, std::max<int64_t>(16, (128 * 1024) / std::max<int64_t>(K, 1)));
-  at::Tensor wf = at::empty({block, K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += block) {
-    const int64_t nb = std::min(block, N - n0);
-    at::Tensor wb = wf.narrow(0, 0, nb);
-    float* wbp = wb.data_ptr<float>();
-    at::parallel_for(n0, n0 + nb, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)), [&](int64_t a, int64_t z) {
-      dequantize_int8_rows(wp, K, ldw, a, z, wbp + (a - n0) * K);
-    });
-    at::Tensor o = out.narrow(1, n0, nb);
-    if (has_bias) {
-      at::addmm_out(o, b.narrow(0, n0, nb), x, wb.t());
-    } else {
-      at::mm_out(o, x, wb.t());
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  // the output through a contiguous buffer unless it is one already (out may be a strided view)
+  const bool direct = out.is_contiguous();
+  at::Tensor dst = direct ? out : at::empty({M, N}, out.options());
+  float* op = dst.data_ptr<float>();
+  // Tasks of at least 64 KiB of int8 weight rows (smaller ones run on one thread). A task runs its weight rows
+  // against each group of up to kSmallRowsMax rows of x (the loop's registers) in turn: after the first group
+  // they are read from the core's cache.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(K, 1));
+  // (plain pointers into this thread's buffers: inside the lambda, on a worker thread, the names would be its own)
+  const int8_t* xqp = xq.data();
+  const float* xsp = x_scale.data();
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kSmallRowsMax) {
+      const int rows = static_cast<int>(std::min(kSmallRowsMax, M - m0));
+      loop(rows, xqp + m0 * K, K, xsp + m0, wp, K, K + kInt8RowTail, bp, op + m0 * N, N, n0, n1);
     }
-  }
+  });
+  for (int64_t m = 0; m < M; ++m)   // a row with NaN or infinity: NaN out, as a float product would give
+    if (!finite[m]) dst[m].fill_(std::numeric_limits<float>::quiet_NaN());
+  if (!direct) out.copy_(dst);
 }
 
 }  // namespace

@@ -16,7 +16,7 @@ template <typename T> constexpr TypedCpuKernels<T> typed_kernels() {
 
 extern const CpuKernels kCpuKernels;
 const CpuKernels kCpuKernels = {DTMT_STR(DTMT_ISA), typed_kernels<float>(), typed_kernels<double>(), small_rows,
-                                small_rows_int8};
+                                quantize_activations_int8, small_rows_int8};
 
 }  // namespace DTMT_ISA
 }  // namespace dtmt

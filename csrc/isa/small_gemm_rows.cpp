@@ -10,12 +10,16 @@
 // otherwise (the baseline copy) plain loops over chunks of 4 floats that the compiler turns into SSE2 (or another
 // target's) vectors, without FMA: the same order of reads, other rounding.
 //
-// small_rows_int8 is the same walk over int8 weight rows (small_gemm.h's int8 format): each chunk of weights is
-// widened to floats (exactly) before the multiply-adds, and a row's sums are multiplied by its scale at the end.
-// The activations stay float32: no rounding besides the weights' own.
+// small_rows_int8 is the same walk over int8 weight rows (small_gemm.h's int8 format) with int8 activations (each
+// row of x quantized by the caller with its own scale): int32 sums of int8 products, exact and in any order the
+// same, then multiplied by the two scales. AVX2: 32 products per instruction pair (vpmaddubsw + vpmaddwd);
+// baseline: plain int32 loops.
 #include "kernels.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -81,36 +85,106 @@ void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, const fl
   }
 }
 
-// The int8 walk (weight rows of K int8 values, small_gemm.h's int8 row format, `ldw` bytes apart): each chunk
-// of 8 int8 weights is widened to 8 floats (exact) and multiplied into all M rows of x as above; the row's sum
-// is then multiplied by its scale. A quarter of the bytes of the float walk per output.
-template <int M, int U>
-void rows_block_int8(const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t ldw, const float* bias,
-                     float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t KU = K - K % (8 * U);
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[M][U];
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
+inline int32_t lane_sum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The int8 walk: chunks of 32 int8 weights against 32 int8 activations of each of the M rows, multiplied and
+// summed in int32: vpmaddubsw takes unsigned x signed bytes, so |x| times w with x's sign (vpsignb) gives x * w
+// exactly (|x|, |w| <= 127: a pair's sum stays within int16), vpmaddwd sums the pairs into 8 int32 lanes. R weight
+// rows at a time (R = 2 for M <= 4: each x chunk and its |x| serve both, and their sums are reduced together).
+template <int M, int R>
+void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K, int64_t ldw,
+                     const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t K32 = K - K % 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
     const int8_t* wr = w + n * ldw;
-    for (int64_t k = 0; k < KU; k += 8 * U) {
-      _mm_prefetch(reinterpret_cast<const char*>(wr + k + kPrefetchInt8), _MM_HINT_T0);
-      __m256 wv[U];
-      for (int u = 0; u < U; ++u)
-        wv[u] = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k + 8 * u))));
-      for (int m = 0; m < M; ++m)
-        for (int u = 0; u < U; ++u)
-          acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + 8 * u), wv[u], acc[m][u]);
+    __m256i acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K32; k += 32) {
+      __m256i wv[R];
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);
+        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * ldw + k));
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + k));
+        const __m256i xabs = _mm256_sign_epi8(xv, xv);
+        for (int r = 0; r < R; ++r)
+          acc[r][m] = _mm256_add_epi32(
+              acc[r][m], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(wv[r], xv)), ones));
+      }
     }
-    const float scale = row_scale(wr, K);
     for (int m = 0; m < M; ++m) {
-      __m256 a = acc[m][0];
-      for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[m][u]);
-      float s = lane_sum(a);
-      for (int64_t k = KU; k < K; ++k) s += x[m * ldx + k] * static_cast<float>(wr[k]);
-      out[m * ldo + n] = bias ? s * scale + bias[n] : s * scale;
+      int32_t sums[R];
+      if (R == 2) {   // both rows' lanes in one reduction
+        const __m256i h = _mm256_hadd_epi32(acc[0][m], acc[R - 1][m]);
+        __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        q = _mm_hadd_epi32(q, q);
+        sums[0] = _mm_cvtsi128_si32(q);
+        sums[R - 1] = _mm_extract_epi32(q, 1);
+      } else {
+        for (int r = 0; r < R; ++r) sums[r] = lane_sum_epi32(acc[r][m]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* row = wr + r * ldw;
+        int32_t s = sums[r];
+        for (int64_t k = K32; k < K; ++k) s += int32_t(xq[m * ldx + k]) * int32_t(row[k]);
+        const float v = static_cast<float>(s) * (x_scale[m] * row_scale(row, K));
+        out[m * ldo + n + r] = bias ? v + bias[n + r] : v;
+      }
     }
+  }
+  if (R > 1 && n < n1) rows_block_int8<M, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n, n1);
+}
+
+// Rows of x as int8 with a scale each (small_gemm.h; quantize.py's quantize_activations): x_scale = max |x| / 127
+// (1 for an all-zero row), xq = round_half_even(x / x_scale) (a true division, as the reference's; vcvtps2dq
+// rounds to nearest even). finite[m] = 0 (row m not written) for a row holding NaN or an infinity.
+void quantize_rows_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
+                        char* finite) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const int64_t K8 = K - K % 8;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    __m256 peak = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xr + k), abs_mask);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));   // NaN or > FLT_MAX
+      peak = _mm256_max_ps(peak, a);
+    }
+    __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
+    p4 = _mm_max_ss(p4, _mm_movehdup_ps(p4));
+    float top = _mm_cvtss_f32(p4);
+    bool ok = _mm256_movemask_ps(bad) == 0;
+    for (int64_t k = K8; k < K; ++k) {
+      const float a = std::fabs(xr[k]);
+      ok = ok && a <= std::numeric_limits<float>::max();
+      top = std::max(top, a);
+    }
+    finite[m] = ok;
+    if (!ok) continue;
+    const float scale = top > 0.0f ? top / 127.0f : 1.0f;
+    x_scale[m] = scale;
+    const __m256 sv = _mm256_set1_ps(scale);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    int8_t* qr = xq + m * K;
+    for (int64_t k = 0; k < K8; k += 8) {
+      __m256i r = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xr + k), sv));
+      r = _mm256_min_epi32(_mm256_max_epi32(r, lo), hi);
+      const __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + k), _mm_packs_epi16(r16, r16));
+    }
+    for (int64_t k = K8; k < K; ++k)
+      qr[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(xr[k] / scale))));
   }
 }
 #else
@@ -147,39 +221,45 @@ void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, const fl
     }
   }
 }
-// The int8 walk in plain C++ (chunks of L widened weights, as the float walk's).
-template <int M, int U>
-void rows_block_int8(const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t ldw, const float* bias,
-                     float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  constexpr int L = 4;
-  const int64_t KU = K - K % (L * U);
+// The int8 walk in plain C++: int32 sums of int8 products (exact, as the vector copy's), per weight row (R unused).
+template <int M, int R>
+void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K, int64_t ldw,
+                     const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    float acc[M][U][L];
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u)
-        for (int l = 0; l < L; ++l) acc[m][u][l] = 0.0f;
     const int8_t* DTMT_RESTRICT wr = w + n * ldw;
-    for (int64_t k = 0; k < KU; k += L * U) {
-      __builtin_prefetch(wr + k + kPrefetchInt8);
-      float wf[U * L];
-      for (int i = 0; i < U * L; ++i) wf[i] = static_cast<float>(wr[k + i]);
-      for (int m = 0; m < M; ++m) {
-        const float* DTMT_RESTRICT xr = x + m * ldx + k;
-        for (int u = 0; u < U; ++u)
-          for (int l = 0; l < L; ++l) acc[m][u][l] += xr[u * L + l] * wf[u * L + l];
-      }
+    __builtin_prefetch(wr + kPrefetchInt8);
+    int32_t acc[M];
+    for (int m = 0; m < M; ++m) {
+      const int8_t* DTMT_RESTRICT xr = xq + m * ldx;
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += int32_t(xr[k]) * int32_t(wr[k]);
+      acc[m] = s;
     }
     const float scale = row_scale(wr, K);
     for (int m = 0; m < M; ++m) {
-      float lanes[L];
-      for (int l = 0; l < L; ++l) {
-        lanes[l] = acc[m][0][l];
-        for (int u = 1; u < U; ++u) lanes[l] += acc[m][u][l];
-      }
-      float s = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
-      for (int64_t k = KU; k < K; ++k) s += x[m * ldx + k] * static_cast<float>(wr[k]);
-      out[m * ldo + n] = bias ? s * scale + bias[n] : s * scale;
+      const float v = static_cast<float>(acc[m]) * (x_scale[m] * scale);
+      out[m * ldo + n] = bias ? v + bias[n] : v;
     }
+  }
+}
+// Rows of x as int8 (see the vector copy): plain loops, std::nearbyint rounding to nearest even.
+void quantize_rows_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
+                        char* finite) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    float top = 0.0f;
+    bool ok = true;
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = std::fabs(xr[k]);
+      ok = ok && a <= std::numeric_limits<float>::max();
+      top = std::max(top, a);
+    }
+    finite[m] = ok;
+    if (!ok) continue;
+    const float scale = top > 0.0f ? top / 127.0f : 1.0f;
+    x_scale[m] = scale;
+    for (int64_t k = 0; k < K; ++k)
+      xq[m * K + k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(xr[k] / scale))));
   }
 }
 #endif
@@ -200,17 +280,22 @@ void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, c
   }
 }
 
-void small_rows_int8(int M, const float* x, int64_t ldx, const int8_t* w, int64_t K, int64_t ldw, const float* bias,
-                     float* out, int64_t ldo, int64_t n0, int64_t n1) {
+void quantize_activations_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
+                               char* finite) {
+  quantize_rows_int8(M, x, ldx, K, xq, x_scale, finite);
+}
+
+void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,
+                     int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   switch (M) {
-    case 1: return rows_block_int8<1, unroll<1>()>(x, ldx, w, K, ldw, bias, out, ldo, n0, n1);
-    case 2: return rows_block_int8<2, unroll<2>()>(x, ldx, w, K, ldw, bias, out, ldo, n0, n1);
-    case 3: return rows_block_int8<3, unroll<3>()>(x, ldx, w, K, ldw, bias, out, ldo, n0, n1);
-    case 4: return rows_block_int8<4, unroll<4>()>(x, ldx, w, K, ldw, bias, out, ldo, n0, n1);
-    case 5: return rows_block_int8<5, unroll<5>()>(x, ldx, w, K, ldw, bias, out, ldo, n0, n1);
-    case 6: return rows_block_int8<6, unroll<6>()>(x, ldx, w, K, ldw, bias, out, ldo, n0, n1);
-    case 7: return rows_block_int8<7, unroll<7>()>(x, ldx, w, K, ldw, bias, out, ldo, n0, n1);
-    case 8: return rows_block_int8<8, unroll<8>()>(x, ldx, w, K, ldw, bias, out, ldo, n0, n1);
+    case 1: return rows_block_int8<1, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    case 2: return rows_block_int8<2, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    case 3: return rows_block_int8<3, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    case 4: return rows_block_int8<4, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    case 5: return rows_block_int8<5, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    case 6: return rows_block_int8<6, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    case 7: return rows_block_int8<7, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    case 8: return rows_block_int8<8, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
   }
 }
 

@@ -1,4 +1,5 @@
-"""Row-wise int8 weights: the reference (the executable spec) of int8 decoding (issue 25, item 2).
+"""Row-wise int8 weights and int8 products: the reference (the executable spec) of int8 decoding (issue 25,
+item 2).
 
 A weight matrix W [N, K] (out x in) is stored as int8 rows with one float scale per output row:
 
@@ -7,13 +8,20 @@ A weight matrix W [N, K] (out x in) is stored as int8 rows with one float scale 
     W[n, k] ~ scale[n] * q[n, k]            (|error| <= scale[n] / 2)
 
 `linear_int8_weights` is y = x Wᵀ + b with the weights read as scale * q and the activations kept in float
-("weight-only" int8: a decoding step at batch 1-8 is bound by the bytes of weights it reads, 4x fewer here, and
-the activations are not rounded at all).
+("weight-only" int8; benchmarks/bench_int8.py's simulation of rounded weights).
+
+`linear_int8` is what the int8 decoder computes (torch.ops.dtmt.small_rows_linear with packed int8 rows): each row
+of x is quantized the same way, with its own scale (`quantize_activations`, computed in float32), the products of
+the int8 values summed exactly as integers, and the sum multiplied by both scales:
+
+    y[m, n] = b[n] + (x_scale[m] * scale[n]) * sum_k xq[m, k] q[n, k]
+
+so both sides of every multiply-add are int8 (the CPU's int8 dot-product instructions), with one rounding of each
+activation (|error| <= x_scale[m] / 2) besides the weights'.
 
 The C++ ops take an int8 weight as one tensor, `pack_int8_rows`: int8 [N, K + 4], row n = q[n, :] followed by the
 four bytes of scale[n] (this machine's byte order), so that it travels wherever a float weight does (csrc/
-small_gemm.h). `torch.ops.dtmt.small_rows_linear(x, pack_int8_rows(W), b)` computes `linear_int8_weights(x, q,
-scale, b)`.
+small_gemm.h).
 """
 from __future__ import annotations
 
@@ -41,6 +49,27 @@ def quantize_rows(weight: Tensor) -> Tuple[Tensor, Tensor]:
 def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """scale[n] * q[n, k] as `dtype` [N, K]."""
     return (q.to(torch.float64) * scale.to(torch.float64)[:, None]).to(dtype)
+
+
+def quantize_activations(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """(xq int8 [M, K], x_scale float32 [M]) for activations x [M, K]: per row, x_scale = max |x| / 127 (1 for an
+    all-zero row) and xq = round_half_even(x / x_scale) in [-127, 127], in float32 arithmetic (as the kernel)."""
+    x32 = x.detach().to(torch.float32)
+    peak = x32.abs().amax(dim=1)
+    x_scale = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
+    xq = torch.round(x32 / x_scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return xq, x_scale
+
+
+def linear_int8(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x [M, K] -> float32 [M, N]: the int8 product of the module docstring, the integer sums exact (int64), the
+    scaling in float64."""
+    xq, x_scale = quantize_activations(x)
+    dots = xq.to(torch.int64) @ q.to(torch.int64).T
+    y = dots.to(torch.float64) * (x_scale.to(torch.float64)[:, None] * scale.to(torch.float64)[None, :])
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(torch.float32)
 
 
 def linear_int8_weights(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:

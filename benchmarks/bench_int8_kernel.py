@@ -1,0 +1,113 @@
+"""The int8 small-row kernel against the float32 one on a real decoder's matrices (issue 25, item 2).
+
+    python benchmarks/bench_int8_kernel.py --checkpoint benchmarks/out/peers_30m_b/dtmt/step_0001734.pt
+
+Takes every weight matrix the fused decoder step reads (FusedRNMTDecoder: the two cells' input, recurrent and
+T-GRU matrices, the attention's query and output projections, the readout's three and the output layer), and
+times `torch.ops.dtmt.small_rows_linear(x, W, b)` with W in float32 and as int8 rows (pack_int8_rows) for
+M rows of x (1: greedy at batch 1; 4: beam 4 at batch 1; 8; 32: batched, which takes the dequantize-and-GEMM
+path), on one thread, best of --repeat rounds of --calls calls each. Reported per M: the sum over the matrices
+(one step's linear layers), float32 and int8 microseconds and their ratio, and the bytes of weights a step reads
+in each. Output: OUT/bench_int8_kernel.md and .json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+
+def step_matrices(decoder):
+    """(name, float32 weight [N, K]) of every matrix a fused decoder step multiplies by."""
+    out = []
+    for cell_name, cell in (("query_cell", decoder.query_cell), ("decoder_cell", decoder.decoder_cell)):
+        w_ih, w_hh, t_w = cell.params[0], cell.params[2], cell.params[6]
+        out += [(f"{cell_name}.w_ih", w_ih), (f"{cell_name}.w_hh", w_hh)]
+        out += [(f"{cell_name}.t_w[{k}]", t_w[k]) for k in range(t_w.shape[0] if t_w.numel() else 0)]
+    for prefix, weights in (("attention", decoder.attention), ("readout", decoder.readout)):
+        out += [(f"{prefix}.{name}", getattr(weights, name)) for name in weights.MATRICES
+                if getattr(weights, name) is not None]
+    return out
+
+
+def best_time(fn, calls: int, repeat: int) -> float:
+    """Seconds per call, the best of `repeat` rounds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "step_0001734.pt"))
+    p.add_argument("--rows", default="1,4,8,32")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(HERE, "out", "int8_kernel"))
+    a = p.parse_args(argv)
+    from bench_cells import torch_threads
+    with torch_threads(1):
+        return _run(a, argv)
+
+
+def _run(a, argv):
+    import torch
+    from bench_cells import machine_name
+
+    from dtmt_kernels.ops.linear.quantize import pack_int8_rows
+    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.models.rnmt import FusedRNMTDecoder
+
+    model, _, _, ckpt = load_model(a.checkpoint)
+    decoder = model.eval().inference_decoder()
+    if not isinstance(decoder, FusedRNMTDecoder):
+        raise SystemExit(f"{a.checkpoint}: {ckpt['model_name']} has no fused decoder step")
+    matrices = step_matrices(decoder)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        packed = [(name, w.contiguous(), pack_int8_rows(w), torch.randn(w.shape[0], generator=gen))
+                  for name, w in matrices]
+        for M in (int(m) for m in a.rows.split(",")):
+            f32 = i8 = 0.0
+            for name, w, q, b in packed:
+                x = torch.randn(M, w.shape[1], generator=gen)
+                f32 += best_time(lambda: torch.ops.dtmt.small_rows_linear(x, w, b), a.calls, a.repeat)
+                i8 += best_time(lambda: torch.ops.dtmt.small_rows_linear(x, q, b), a.calls, a.repeat)
+            rows.append({"rows": M, "float32_us": f32 * 1e6, "int8_us": i8 * 1e6, "ratio": i8 / f32})
+            print(f"M={M}: float32 {f32 * 1e6:.0f} us, int8 {i8 * 1e6:.0f} us, int8/float32 {i8 / f32:.2f}",
+                  flush=True)
+    f32_bytes = sum(w.numel() * 4 for _, w, _, _ in packed)
+    i8_bytes = sum(q.numel() for _, _, q, _ in packed)
+    cmd = "python benchmarks/bench_int8_kernel.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = [f"The step's linear layers, float32 against int8 rows: {ckpt['model_name']} "
+          f"({os.path.relpath(a.checkpoint, ROOT)}), {len(matrices)} matrices, {f32_bytes / 1e6:.2f} MB float32 / "
+          f"{i8_bytes / 1e6:.2f} MB int8; {machine_name()}; 1 thread, best of {a.repeat} x {a.calls} calls. "
+          f"Command: `{cmd.strip()}`", "",
+          "| rows (M) | float32 µs | int8 µs | int8 / float32 |", "|---:|---:|---:|---:|"]
+    md += [f"| {r['rows']} | {r['float32_us']:.0f} | {r['int8_us']:.0f} | {r['ratio']:.2f} |" for r in rows]
+    text = "\n".join(md) + "\n"
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench_int8_kernel.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(a.out, "bench_int8_kernel.json"), "w") as f:
+        json.dump({"rows": rows, "matrices": [n for n, *_ in packed], "float32_bytes": f32_bytes,
+                   "int8_bytes": i8_bytes}, f, indent=2)
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

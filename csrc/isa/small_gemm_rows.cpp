@@ -93,56 +93,80 @@ inline int32_t lane_sum_epi32(__m256i v) {
 }
 
 // The int8 walk: chunks of 32 int8 weights against 32 int8 activations of each of the M rows, multiplied and
-// summed in int32: vpmaddubsw takes unsigned x signed bytes, so |x| times w with x's sign (vpsignb) gives x * w
-// exactly (|x|, |w| <= 127: a pair's sum stays within int16), vpmaddwd sums the pairs into 8 int32 lanes. R weight
-// rows at a time (R = 2 for M <= 4: each x chunk and its |x| serve both, and their sums are reduced together).
-template <int M, int R>
-void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K, int64_t ldw,
-                     const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t K32 = K - K % 32;
-  const __m256i ones = _mm256_set1_epi16(1);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    const int8_t* wr = w + n * ldw;
-    __m256i acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < K32; k += 32) {
-      __m256i wv[R];
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);
-        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * ldw + k));
-      }
-      for (int m = 0; m < M; ++m) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + k));
-        const __m256i xabs = _mm256_sign_epi8(xv, xv);
-        for (int r = 0; r < R; ++r)
-          acc[r][m] = _mm256_add_epi32(
-              acc[r][m], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(wv[r], xv)), ones));
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      int32_t sums[R];
-      if (R == 2) {   // both rows' lanes in one reduction
-        const __m256i h = _mm256_hadd_epi32(acc[0][m], acc[R - 1][m]);
-        __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-        q = _mm_hadd_epi32(q, q);
-        sums[0] = _mm_cvtsi128_si32(q);
-        sums[R - 1] = _mm_extract_epi32(q, 1);
-      } else {
-        for (int r = 0; r < R; ++r) sums[r] = lane_sum_epi32(acc[r][m]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* row = wr + r * ldw;
-        int32_t s = sums[r];
-        for (int64_t k = K32; k < K; ++k) s += int32_t(xq[m * ldx + k]) * int32_t(row[k]);
-        const float v = static_cast<float>(s) * (x_scale[m] * row_scale(row, K));
-        out[m * ldo + n + r] = bias ? v + bias[n + r] : v;
-      }
-    }
+// summed exactly in int32. R weight rows at a time (R = 2 for M <= 4: each x chunk and its |x| serve both, and their
+// sums are reduced together). The body is written once (DTMT_INT8_ROWS) for the two ways of the multiply-add
+// (DOT_ADD(acc, xabs, wsigned): add to the int32 lanes of acc the products of |x| (unsigned bytes) and w carrying
+// x's sign (vpsignb), four adjacent ones a lane; |x|, |w| <= 127):
+//   AVX2: vpmaddubsw (pairs into int16: at most 2 * 127 * 127, no saturation) + vpmaddwd + vpaddd;
+//   VNNI: vpdpbusd, the three in one (AVX512-VNNI's 256-bit form; chosen at run time, see small_rows_int8).
+#define DTMT_INT8_ROWS(NAME, DOT_ADD, ATTR)                                                                       \
+  template <int M, int R>                                                                                        \
+  ATTR void NAME(const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K, int64_t ldw,        \
+            const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {                                 \
+    const int64_t K32 = K - K % 32;                                                                              \
+    int64_t n = n0;                                                                                              \
+    for (; n + R <= n1; n += R) {                                                                                \
+      const int8_t* wr = w + n * ldw;                                                                            \
+      __m256i acc[R][M];                                                                                         \
+      for (int r = 0; r < R; ++r)                                                                                \
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_si256();                                          \
+      for (int64_t k = 0; k < K32; k += 32) {                                                                    \
+        __m256i wv[R];                                                                                           \
+        for (int r = 0; r < R; ++r) {                                                                            \
+          _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);            \
+          wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * ldw + k));                        \
+        }                                                                                                        \
+        for (int m = 0; m < M; ++m) {                                                                            \
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + k));             \
+          const __m256i xabs = _mm256_sign_epi8(xv, xv);                                                         \
+          for (int r = 0; r < R; ++r) acc[r][m] = DOT_ADD(acc[r][m], xabs, _mm256_sign_epi8(wv[r], xv));         \
+        }                                                                                                        \
+      }                                                                                                          \
+      for (int m = 0; m < M; ++m) {                                                                              \
+        int32_t sums[R];                                                                                         \
+        if (R == 2) { /* both rows' lanes in one reduction */                                                    \
+          const __m256i h = _mm256_hadd_epi32(acc[0][m], acc[R - 1][m]);                                         \
+          __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));                  \
+          q = _mm_hadd_epi32(q, q);                                                                              \
+          sums[0] = _mm_cvtsi128_si32(q);                                                                        \
+          sums[R - 1] = _mm_extract_epi32(q, 1);                                                                 \
+        } else {                                                                                                 \
+          for (int r = 0; r < R; ++r) sums[r] = lane_sum_epi32(acc[r][m]);                                       \
+        }                                                                                                        \
+        for (int r = 0; r < R; ++r) {                                                                            \
+          const int8_t* row = wr + r * ldw;                                                                      \
+          int32_t s = sums[r];                                                                                   \
+          for (int64_t k = K32; k < K; ++k) s += int32_t(xq[m * ldx + k]) * int32_t(row[k]);                     \
+          const float v = static_cast<float>(s) * (x_scale[m] * row_scale(row, K));                              \
+          out[m * ldo + n + r] = bias ? v + bias[n + r] : v;                                                     \
+        }                                                                                                        \
+      }                                                                                                          \
+    }                                                                                                            \
+    if (R > 1 && n < n1) NAME<M, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n, n1);                         \
   }
-  if (R > 1 && n < n1) rows_block_int8<M, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n, n1);
+
+inline __m256i dot_add_avx2(__m256i acc, __m256i xabs, __m256i w_signed) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, w_signed), _mm256_set1_epi16(1)));
 }
+DTMT_INT8_ROWS(rows_block_int8, dot_add_avx2, )
+
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__AVX512VNNI__)
+// The avx512 copy (x86-64-v4, which has no VNNI) carries a VNNI loop too, for the CPUs that have it.
+#define DTMT_INT8_VNNI 1
+#define DTMT_VNNI_TARGET __attribute__((target("avx512vnni,avx512vl")))
+DTMT_VNNI_TARGET inline __m256i dot_add_vnni(__m256i acc, __m256i xabs, __m256i w_signed) {
+  return _mm256_dpbusd_epi32(acc, xabs, w_signed);
+}
+DTMT_INT8_ROWS(rows_block_int8_vnni, dot_add_vnni, DTMT_VNNI_TARGET)
+
+// Whether this CPU has AVX512-VNNI (asked once).
+inline bool int8_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+#else
+#define DTMT_INT8_VNNI 0
+#endif
 
 // Rows of x as int8 with a scale each (small_gemm.h; quantize.py's quantize_activations): x_scale = max |x| / 127
 // (1 for an all-zero row), xq = round_half_even(x / x_scale) (a true division, as the reference's; vcvtps2dq
@@ -287,16 +311,24 @@ void quantize_activations_int8(int64_t M, const float* x, int64_t ldx, int64_t K
 
 void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,
                      int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  switch (M) {
-    case 1: return rows_block_int8<1, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-    case 2: return rows_block_int8<2, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-    case 3: return rows_block_int8<3, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-    case 4: return rows_block_int8<4, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-    case 5: return rows_block_int8<5, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-    case 6: return rows_block_int8<6, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-    case 7: return rows_block_int8<7, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-    case 8: return rows_block_int8<8, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+#define DTMT_INT8_CASES(NAME)                                                                                      \
+  switch (M) {                                                                                                   \
+    case 1: return NAME<1, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 2: return NAME<2, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 3: return NAME<3, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 4: return NAME<4, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 5: return NAME<5, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 6: return NAME<6, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 7: return NAME<7, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 8: return NAME<8, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
   }
+#if DTMT_SMALL_ROWS_AVX2 && DTMT_INT8_VNNI
+  if (int8_vnni()) DTMT_INT8_CASES(rows_block_int8_vnni)
+  else DTMT_INT8_CASES(rows_block_int8)
+#else
+  DTMT_INT8_CASES(rows_block_int8)
+#endif
+#undef DTMT_INT8_CASES
 }
 
 }  // namespace DTMT_ISA

@@ -331,6 +331,10 @@ def test_cli_int8(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dtmt translate: --int8: int8 decoding runs the fused decoder step of dtmt")
     assert "TransformerNMT" in err and err.count("\n") == 1 and not out.exists()
+    # dtmt serve builds its decoder before it listens: refused the same way, no server started
+    assert cli.main(["serve", "--int8", "-c", paths["transformer"], "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dtmt serve: --int8: int8 decoding runs the fused decoder step") and err.count("\n") == 1
     data = tmp_path / "corpus"
     data.mkdir()
     (data / "test.es").write_text("\n".join(SRC) + "\n", encoding="utf-8")

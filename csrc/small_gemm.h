@@ -15,7 +15,7 @@ constexpr int64_t kSmallRowsMax = 8;  // the loop (isa/small_gemm_rows.cpp) has 
 // unit stride along K, w [N, K] contiguous, bias empty or [N] contiguous, out [M, N] with unit stride along N.
 bool small_rows_applicable(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& out);
 
-// Int8 weights (weight-only quantization for decoding, issue 25): W [N, K] stored as an int8 tensor [N, K + 4] whose
+// Int8 weights (int8 decoding, issue 25): W [N, K] stored as an int8 tensor [N, K + 4] whose
 // row n holds q[n, 0..K) and then the four bytes (native order) of the float32 scale[n], W[n, k] ~ scale[n] * q[n, k].
 // The scale sits next to its row, so an int8 weight is one tensor wherever a float one goes (the ops' weight lists,
 // t_w [D, 3H, K + 4] slices). Made by dtmt_kernels/ops/linear/quantize.py (pack_int8_rows), the reference.

@@ -183,9 +183,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=list(BACKEND_NAMES),
                    help="recurrent kernel backend (default auto)")
     g.add_argument("--int8", action="store_true",
-                   help="decode with the decoder's weight matrices in int8, one scale per row (weight-only: "
-                        "activations stay float32); dtmt, shallow-rnmt, rnnsearch-atr, mce and one-level nematus on "
-                        "the CPU")
+                   help="decode with the decoder step's matrices in int8, one scale per row, multiplied by its "
+                        "activations quantized the same way (int8 dot products); dtmt, shallow-rnmt, rnnsearch-atr, "
+                        "mce and one-level nematus on the CPU")
     g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
 
 

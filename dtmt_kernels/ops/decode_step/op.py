@@ -43,8 +43,9 @@ class _InferenceWeights:
     MATRICES: ClassVar[Tuple[str, ...]] = ()   # the fields that are weight matrices (what int8() quantizes)
 
     def int8(self):
-        """A copy with every weight matrix (MATRICES) as int8 rows (linear.quantize.pack_int8_rows: weight-only
-        int8, one float32 scale per output row); vectors and layer norms stay float. For CPU float32 decoding."""
+        """A copy with every weight matrix (MATRICES) as int8 rows (linear.quantize.pack_int8_rows: one float32
+        scale per output row; the ops multiply them by int8 activations, linear.quantize.linear_int8); vectors
+        and layer norms stay float. For CPU float32 decoding."""
         return replace(self, **{name: pack_int8_rows(getattr(self, name)) for name in self.MATRICES
                                 if getattr(self, name) is not None})
 

@@ -86,6 +86,17 @@ TOY_TGT = ["the dog eats bread", "the house is big", "the cat sleeps in the hous
            "she reads the book", "we go to the beach", "the sun shines", "the moon is white"]
 
 
+def at_thread_counts(call, *counts):
+    """[call() with torch on each of `counts` threads], the process's thread count restored afterwards."""
+    from benchmarks.bench_cells import torch_threads
+
+    results = []
+    for threads in counts:
+        with torch_threads(threads):
+            results.append(call())
+    return results
+
+
 def spread_weights(model, generator=None):
     """A freshly built model's random weights spread out (+ 0.5 N(0, 1) each; torch's global generator when
     `generator` is None) and EOS made less likely, so that its translations are long and differ between

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from conftest import at_thread_counts
 import dtmt_kernels as dk
 from dtmt_kernels import _C
 from dtmt_models.models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
@@ -40,14 +41,7 @@ def test_small_rows_linear_strided_rows_threads_and_fallback():
     x = big[:5, 100:400]                      # row stride 700: taken as it lies
     assert x.stride() == (700, 1)
     expected = _f64_linear(x, w, b)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.ops.dtmt.small_rows_linear(x, w, b)
-        torch.set_num_threads(2)
-        two = torch.ops.dtmt.small_rows_linear(x, w, b)
-    finally:
-        torch.set_num_threads(before)
+    one, two = at_thread_counts(lambda: torch.ops.dtmt.small_rows_linear(x, w, b), 1, 2)
     assert torch.equal(one, two)              # each output summed by one thread in a fixed order
     torch.testing.assert_close(one.double(), expected, rtol=1e-5, atol=1e-4)
     # more rows than the kernel takes, float64, a non-contiguous last dim: ATen's GEMM, same result

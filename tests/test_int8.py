@@ -173,14 +173,9 @@ def test_int8_kernel_is_thread_count_independent_and_refuses_bad_input():
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(5000, 64, generator=gen)
     packed, b, x = pack_int8_rows(w), torch.randn(5000, generator=gen), torch.randn(4, 64, generator=gen)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.ops.dtmt.small_rows_linear(x, packed, b)
-        torch.set_num_threads(2)
-        two = torch.ops.dtmt.small_rows_linear(x, packed, b)
-    finally:
-        torch.set_num_threads(threads)
+    from conftest import at_thread_counts
+
+    one, two = at_thread_counts(lambda: torch.ops.dtmt.small_rows_linear(x, packed, b), 1, 2)
     assert torch.equal(one, two)
     with pytest.raises(RuntimeError, match="float32 activations"):
         torch.ops.dtmt.small_rows_linear(x.double(), packed, b.double())

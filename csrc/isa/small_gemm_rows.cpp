@@ -168,49 +168,6 @@ inline bool int8_vnni() {
 #define DTMT_INT8_VNNI 0
 #endif
 
-// Rows of x as int8 with a scale each (small_gemm.h; quantize.py's quantize_activations): x_scale = max |x| / 127
-// (1 for an all-zero row), xq = round_half_even(x / x_scale) (a true division, as the reference's; vcvtps2dq
-// rounds to nearest even). finite[m] = 0 (row m not written) for a row holding NaN or an infinity.
-void quantize_rows_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
-                        char* finite) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
-  const int64_t K8 = K - K % 8;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * ldx;
-    __m256 peak = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K8; k += 8) {
-      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xr + k), abs_mask);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));   // NaN or > FLT_MAX
-      peak = _mm256_max_ps(peak, a);
-    }
-    __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-    p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
-    p4 = _mm_max_ss(p4, _mm_movehdup_ps(p4));
-    float top = _mm_cvtss_f32(p4);
-    bool ok = _mm256_movemask_ps(bad) == 0;
-    for (int64_t k = K8; k < K; ++k) {
-      const float a = std::fabs(xr[k]);
-      ok = ok && a <= std::numeric_limits<float>::max();
-      top = std::max(top, a);
-    }
-    finite[m] = ok;
-    if (!ok) continue;
-    const float scale = top > 0.0f ? top / 127.0f : 1.0f;
-    x_scale[m] = scale;
-    const __m256 sv = _mm256_set1_ps(scale);
-    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-    int8_t* qr = xq + m * K;
-    for (int64_t k = 0; k < K8; k += 8) {
-      __m256i r = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xr + k), sv));
-      r = _mm256_min_epi32(_mm256_max_epi32(r, lo), hi);
-      const __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + k), _mm_packs_epi16(r16, r16));
-    }
-    for (int64_t k = K8; k < K; ++k)
-      qr[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(xr[k] / scale))));
-  }
-}
 #else
 // The same walk in plain C++: per weight row, U chunks of L floats an iteration, one accumulator of L lanes per
 // (row of x, chunk), summed lane by lane at the end.
@@ -266,14 +223,42 @@ void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const 
     }
   }
 }
-// Rows of x as int8 (see the vector copy): plain loops, std::nearbyint rounding to nearest even.
-void quantize_rows_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
-                        char* finite) {
+#endif
+
+}  // namespace
+
+// Rows of x as int8 with a scale each (small_gemm.h; quantize.py's quantize_activations): x_scale = max |x| / 127
+// (1 for an all-zero row), xq = round_half_even(x / x_scale), a true division as the reference's. finite[m] = 0
+// (row m not written) for a row holding NaN or an infinity. With AVX2 the first K - K % 8 values go 8 at a time
+// (vcvtps2dq rounds to nearest even); the rest, or all of a row in the baseline copy, one at a time.
+void quantize_activations_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
+                               char* finite) {
+#if DTMT_SMALL_ROWS_AVX2
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const int64_t K8 = K - K % 8;
+#else
+  const int64_t K8 = 0;
+#endif
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * ldx;
     float top = 0.0f;
     bool ok = true;
-    for (int64_t k = 0; k < K; ++k) {
+#if DTMT_SMALL_ROWS_AVX2
+    __m256 peak = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xr + k), abs_mask);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));   // NaN or > FLT_MAX
+      peak = _mm256_max_ps(peak, a);
+    }
+    __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
+    p4 = _mm_max_ss(p4, _mm_movehdup_ps(p4));
+    top = _mm_cvtss_f32(p4);
+    ok = _mm256_movemask_ps(bad) == 0;
+#endif
+    for (int64_t k = K8; k < K; ++k) {
       const float a = std::fabs(xr[k]);
       ok = ok && a <= std::numeric_limits<float>::max();
       top = std::max(top, a);
@@ -282,13 +267,21 @@ void quantize_rows_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_
     if (!ok) continue;
     const float scale = top > 0.0f ? top / 127.0f : 1.0f;
     x_scale[m] = scale;
-    for (int64_t k = 0; k < K; ++k)
-      xq[m * K + k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(xr[k] / scale))));
+    int8_t* qr = xq + m * K;
+#if DTMT_SMALL_ROWS_AVX2
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int64_t k = 0; k < K8; k += 8) {
+      __m256i r = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xr + k), sv));
+      r = _mm256_min_epi32(_mm256_max_epi32(r, lo), hi);
+      const __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + k), _mm_packs_epi16(r16, r16));
+    }
+#endif
+    for (int64_t k = K8; k < K; ++k)
+      qr[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(xr[k] / scale))));
   }
 }
-#endif
 
-}  // namespace
 
 void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
                 int64_t ldo, int64_t n0, int64_t n1) {
@@ -302,11 +295,6 @@ void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, c
     case 7: return rows_block<7, unroll<7>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
     case 8: return rows_block<8, unroll<8>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
   }
-}
-
-void quantize_activations_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
-                               char* finite) {
-  quantize_rows_int8(M, x, ldx, K, xq, x_scale, finite);
 }
 
 void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,

@@ -82,9 +82,9 @@ class FusedRNMTDecoder:
     are the prepared model's. Built by `fused_rnmt_decoder`, from the model's inference forms: the two
     FrozenTransitionCells, the AttentionStep's AttentionWeights and the FrozenReadout's ReadoutWeights.
     `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]. `int8`: the step's weight matrices
-    (the cells', attention's, readout's and output projection's) as int8 rows with a float32 scale each (weight-
-    only int8: activations, biases, layer norms, the embeddings and the encoder stay float32); a copy of them is
-    made here."""
+    (the cells', attention's, readout's and output projection's) as int8 rows with a float32 scale each, which
+    the op multiplies by the activations quantized per row (dtmt_kernels.ops.linear.quantize.linear_int8);
+    biases, layer norms, the embeddings and the encoder stay float32. A copy of them is made here."""
 
     def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False):
         self.model, self.layered, self.int8 = model, layered, int8
@@ -147,6 +147,16 @@ def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False, int
     return FusedRNMTDecoder(prepared, layered, int8)
 
 
+def fused_or_prepared(model: Seq2Seq, prepared: Seq2Seq, transition, layered: bool = False, int8: bool = False):
+    """What `model.inference_decoder(int8)` returns for a system with a fused step: `fused_rnmt_decoder(prepared,
+    ...)` where it applies, else `prepared` (model's inference copy); int8 decoding where it does not apply is a
+    ValueError (int8_unavailable)."""
+    fused = fused_rnmt_decoder(prepared, transition, layered, int8)
+    if int8 and fused is None:
+        raise int8_unavailable(model)
+    return fused or prepared
+
+
 class AttentionalRNMT(Seq2Seq):
     def encode_source(self, src: Tensor, src_lengths: Tensor) -> Tensor:
         """Annotations [B, S, C] (zeros at padding)."""
@@ -175,11 +185,7 @@ class AttentionalRNMT(Seq2Seq):
     def inference_decoder(self, int8: bool = False):
         """Seq2Seq.inference_decoder, with the whole step as one C++ call where it applies (FusedRNMTDecoder);
         `int8`: its weight matrices as int8 rows (ValueError where the fused step does not apply)."""
-        prepared = super().inference_decoder()
-        fused = fused_rnmt_decoder(prepared, AttentionalRNMT.transition, int8=int8)
-        if int8 and fused is None:
-            raise int8_unavailable(self)
-        return fused or prepared
+        return fused_or_prepared(self, super().inference_decoder(), AttentionalRNMT.transition, int8=int8)
 
     def transition(self, state: State, y: Tensor, keep_attention: bool = True) -> Tuple[Tuple[Tensor, ...], State]:
         """Query transition, attention and decoder transition: ((s_t, c_t), the new state)."""

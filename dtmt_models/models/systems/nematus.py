@@ -39,8 +39,8 @@ import dtmt_kernels as dk
 from dtmt_models.models.attention import AdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.registry import register_model
-from dtmt_models.models.rnmt import fused_rnmt_decoder, start_state
-from dtmt_models.models.seq2seq import Readout, Seq2Seq, State, int8_unavailable, step_state
+from dtmt_models.models.rnmt import fused_or_prepared, start_state
+from dtmt_models.models.seq2seq import Readout, Seq2Seq, State, step_state
 
 ENCODERS = ("shallow", "deep-transition", "alternating", "biunidirectional", "bideep")
 DECODERS = ("shallow", "deep-transition", "gru", "rgru", "cgru", "crgru", "bideep")
@@ -176,8 +176,4 @@ class Nematus(Seq2Seq):
     def inference_decoder(self, int8: bool = False):
         """Seq2Seq.inference_decoder; a decoder of one level (the cGRU: shallow and deep-transition decoders) runs
         the whole step as one C++ call (rnmt.FusedRNMTDecoder), with int8 weight matrices if asked."""
-        prepared = super().inference_decoder()
-        fused = fused_rnmt_decoder(prepared, Nematus.transition, layered=True, int8=int8)
-        if int8 and fused is None:
-            raise int8_unavailable(self)
-        return fused or prepared
+        return fused_or_prepared(self, super().inference_decoder(), Nematus.transition, layered=True, int8=int8)

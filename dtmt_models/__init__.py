@@ -3,8 +3,28 @@
     import dtmt_models as dm
     model = dm.build_model("dtmt", src_vocab_size, tgt_vocab_size, depth=4, cell="lgru")
     dm.list_models(); dm.summary(model)
-"""
-from dtmt_models.models.registry import build_model, list_models, register_model
-from dtmt_models.models.seq2seq import Seq2Seq, summary
 
-__all__ = ["build_model", "list_models", "register_model", "Seq2Seq", "summary"]
+The names below are imported on first use, so that the parts that need no torch (dtmt_models.data: corpora,
+vocabularies, the binarized corpus and its encoding workers) load without it.
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"build_model": "dtmt_models.models.registry", "list_models": "dtmt_models.models.registry",
+         "register_model": "dtmt_models.models.registry", "Seq2Seq": "dtmt_models.models.seq2seq",
+         "summary": "dtmt_models.models.seq2seq"}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dtmt_models' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

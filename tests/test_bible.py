@@ -367,7 +367,7 @@ def test_prepare_files_holdout_is_deterministic_and_disjoint(tmp_path):
     assert data.read_manifest(str(tmp_path / "a"))["counts"] == {"train": 47, "dev": 1, "test": 3}
     # no holdout: the stale dev/test files of the earlier corpus in the directory are removed
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "a")]) == 0
-    assert sorted(os.listdir(tmp_path / "a")) == ["corpus.json", "train.en", "train.es"]
+    assert sorted(os.listdir(tmp_path / "a")) == ["bin-bpe4000", "corpus.json", "train.en", "train.es"]
     # ... but never an input file: training files named dev.* in the output directory stay
     dsrc, dtgt = write(tmp_path / "a" / "dev.es", "x\n"), write(tmp_path / "a" / "dev.en", "y\n")
     assert prepare.main(["files", "--src", dsrc, "--tgt", dtgt, "--out", str(tmp_path / "a")]) == 0

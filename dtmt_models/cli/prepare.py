@@ -1,21 +1,47 @@
-"""`dtmt prepare`: the command line over dtmt_models.data.prepare (see its docstring for what it writes).
+"""`dtmt prepare`: the command line over dtmt_models.data.prepare and dtmt_models.data.binarized (see their
+docstrings for what they write).
 
     dtmt prepare bible --out DIR
     dtmt prepare files --src F --tgt G --out DIR
+    dtmt prepare binarize --data DIR --vocab-size 8000
 """
 from __future__ import annotations
 
 import argparse
-import re
+
 import sys
 from typing import List, Optional
 
-from dtmt_models.data import bible
+from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import prepare_files
+from dtmt_models.models.presets import TRAIN_DEFAULTS
 
-SPLITS = ("train", "dev", "test")
-_LANG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+def add_binarize_arguments(p: argparse.ArgumentParser, optional: bool) -> None:
+    """The options of the binarized corpus (dtmt_models.data.binarized), shared by the subcommands."""
+    g = p.add_argument_group("binarized corpus (what dtmt train reads)")
+    g.add_argument("--vocab-size", type=int, default=TRAIN_DEFAULTS["vocab_size"], metavar="N",
+                   help=f"SentencePiece pieces per side (default: {TRAIN_DEFAULTS['vocab_size']}, the small presets'; "
+                        f"dtmt train builds the copy for another size itself when it first needs it)")
+    g.add_argument("--vocab-type", choices=("bpe", "unigram"), default="bpe", help="SentencePiece model (default: bpe)")
+    g.add_argument("--sample", type=int, default=binarized.DEFAULT_SAMPLE, metavar="N",
+                   help=f"training lines per side SentencePiece learns from, drawn at random (default: "
+                        f"{binarized.DEFAULT_SAMPLE:,}; all of them when the corpus has fewer, in order)")
+    g.add_argument("--sample-seed", type=int, default=binarized.DEFAULT_SEED, metavar="S",
+                   help=f"seed of that draw (default: {binarized.DEFAULT_SEED})")
+    g.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="encoding processes (default 0: one per core)")
+    if optional:
+        g.add_argument("--no-binarize", action="store_true",
+                       help="write the text only (dtmt train then binarizes it on its first run)")
+
+
+def binarize_from_args(args: argparse.Namespace, directory: str, log) -> None:
+    if getattr(args, "no_binarize", False):
+        return
+    binarized.binarize(directory, args.vocab_size, args.vocab_type, sample=args.sample, seed=args.sample_seed,
+                       workers=args.workers, log=log)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "DIR/corpus.json. Needs Debian's sword-text-sparv, sword-text-web and "
                                    "libsword-utils (`bash setup.sh` installs them).")
     b.add_argument("--out", required=True, metavar="DIR", help="output directory (created if needed)")
+    add_binarize_arguments(b, optional=True)
 
     f = sub.add_parser("files", help="validate and copy your own parallel corpus",
                        description="Validates aligned UTF-8 files (one sentence a line, no empty line, the same "
@@ -53,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hold N pairs out of the training files for each of dev and test (those not given as "
                         "files); default 0: no held-out split")
     f.add_argument("--seed", type=int, default=0, help="seed of the held-out selection (default: 0)")
+    add_binarize_arguments(f, optional=True)
+
+    z = sub.add_parser("binarize", help="(re)write the binarized corpus of a prepared directory",
+                       description="Trains SentencePiece on a seeded sample of the training text and writes every "
+                                   "split's token ids, memory-mapped, with an index and a manifest, to "
+                                   "DIR/bin-<type><size> (what dtmt train reads; see dtmt_models.data.binarized). "
+                                   "`dtmt prepare bible` and `files` do this with the default settings; run this "
+                                   "for another vocabulary or sample, or after changing the text.")
+    z.add_argument("--data", required=True, metavar="DIR", help="a corpus directory written by dtmt prepare")
+    add_binarize_arguments(z, optional=False)
     return p
 
 
@@ -62,6 +99,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exc:  # --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 1
+    for name, low in (("vocab_size", 8), ("sample", 1), ("workers", 0)):
+        if getattr(args, name) < low:
+            print(f"dtmt prepare {args.source}: error: --{name.replace('_', '-')} must be at least {low}, not "
+                  f"{getattr(args, name)}", file=sys.stderr)
+            return 2
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -69,8 +111,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.source == "bible":
             bible.prepare_bible(args.out, log=log)
-        else:
+            binarize_from_args(args, args.out, log)
+        elif args.source == "files":
             prepare_files(args, log=log)
+            binarize_from_args(args, args.out, log)
+        else:
+            binarize_from_args(args, args.data, log)
     except (data.CorpusError, bible.BibleError, OSError) as exc:
         print(f"dtmt prepare {args.source}: error: {exc}", file=sys.stderr)
         return 1

@@ -2,30 +2,127 @@
 for decoding, longest first (`length_batches`); and the padded tensors of a training batch (`collate`)."""
 from __future__ import annotations
 
-import random
-from typing import Callable, List, Sequence, Tuple
+import hashlib
+from typing import Callable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from dtmt_models.data.vocabulary import BOS, EOS, PAD
 
 
-def token_batches(lengths: Sequence[Tuple[int, int]], max_tokens: int, seed: int = 1, epoch: int = 0,
-                  shuffle: bool = True) -> List[List[int]]:
+def token_batches(lengths, max_tokens: int, seed: int = 1, epoch: int = 0, shuffle: bool = True,
+                  keep: Optional[np.ndarray] = None) -> "Batches":
     """Index batches whose padded size (longest side + 1 for BOS/EOS, times the number of pairs) stays within
-    max_tokens. Pairs are sorted by length (random tie order per epoch), cut into batches, and the batch
-    order is shuffled with Random(seed, epoch): the same seed and epoch always give the same batches."""
+    max_tokens. The pairs (those in `keep`, original indices, if given) are put in a random order, sorted by
+    (source length, target length) keeping that order among equals, cut into batches in that order, and the batch
+    order is shuffled; the randomness comes from (seed, epoch) alone, so the same seed and epoch always give the
+    same batches. Without shuffle: sorted by length in index order, batches in that order.
+
+    `lengths`: (source, target) lengths, a sequence of pairs or an [N, 2] integer array. Memory is O(N) in compact
+    arrays (4 bytes a pair for the order, transient buffers in chunks), whatever N is."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    rng = random.Random(f"{seed}-{epoch}")
-    order = list(range(len(lengths)))
+    lengths = np.asarray(lengths)
+    if lengths.size == 0:
+        lengths = lengths.reshape(0, 2)
+    if lengths.ndim != 2 or lengths.shape[1] != 2:
+        raise ValueError(f"lengths must be (source, target) pairs, got shape {lengths.shape}")
+    n = len(lengths)
+    index_type = np.int32 if n < 2 ** 31 else np.int64
+    order = (np.arange(n, dtype=index_type) if keep is None else np.asarray(keep, dtype=index_type).copy())
+    rng = np.random.Generator(np.random.PCG64(_seed_of(seed, epoch)))
     if shuffle:
         rng.shuffle(order)
-    order.sort(key=lambda i: (lengths[i][0], lengths[i][1]))   # stable: ties keep the shuffled order
-    batches = _cut(order, lambda i: max(lengths[i]) + 1, max_tokens)
+    order = _stable_sort_by_lengths(order, lengths)
+    bounds = _cut_bounds(order, lengths, max_tokens)
+    sel = np.arange(len(bounds) - 1, dtype=np.int64)
     if shuffle:
-        rng.shuffle(batches)
-    return batches
+        rng.shuffle(sel)
+    return Batches(order, bounds, sel)
+
+
+class Batches:
+    """The batches of an epoch: a sequence whose items are lists of pair indices. Slicing gives a Batches over the
+    same arrays (a DDP rank's share, `batches[rank::world]`, costs no copy of the indices)."""
+
+    def __init__(self, order: np.ndarray, bounds: np.ndarray, sel: np.ndarray):
+        self.order, self.bounds, self.sel = order, bounds, sel
+
+    def __len__(self) -> int:
+        return len(self.sel)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return Batches(self.order, self.bounds, self.sel[k])
+        b = int(self.sel[k])
+        return self.order[self.bounds[b]:self.bounds[b + 1]].tolist()
+
+    def __iter__(self):
+        for k in range(len(self)):
+            yield self[k]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"Batches({len(self)} batches of {len(self.order)} pairs)"
+
+
+def _seed_of(seed: int, epoch: int) -> int:
+    """A 64-bit seed from (seed, epoch), the same on every platform and Python."""
+    return int.from_bytes(hashlib.sha256(f"{seed}-{epoch}".encode()).digest()[:8], "little")
+
+
+_CHUNK = 1 << 20
+
+
+def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`order` sorted by (source, target) length, equal keys keeping their order: a counting sort over the keys,
+    done in chunks so that the transient buffers stay small whatever the corpus size."""
+    if len(order) == 0:
+        return order
+    top_t = int(lengths[:, 1].max()) + 1 if len(lengths) else 1
+    n_keys = (int(lengths[:, 0].max()) + 1) * top_t
+
+    def keys(idx):
+        part = lengths[idx]
+        return part[:, 0].astype(np.int64) * top_t + part[:, 1]
+
+    counts = np.zeros(n_keys, dtype=np.int64)
+    for start in range(0, len(order), _CHUNK):
+        counts += np.bincount(keys(order[start:start + _CHUNK]), minlength=n_keys)
+    next_pos = np.cumsum(counts) - counts
+    out = np.empty_like(order)
+    for start in range(0, len(order), _CHUNK):
+        part = order[start:start + _CHUNK]
+        k = keys(part)
+        idx = np.argsort(k, kind="stable")
+        k = k[idx]
+        uniq, first, cnt = np.unique(k, return_index=True, return_counts=True)
+        pos = next_pos[k] + (np.arange(len(k)) - np.repeat(first, cnt))
+        out[pos] = part[idx]
+        next_pos[uniq] += cnt
+    return out
+
+
+def _cut_bounds(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Batch starts (and the end) of `order` cut, in its order, into batches whose padded size (pairs x the largest
+    max(source, target) + 1 among them) stays within max_tokens; a pair larger than max_tokens is a batch alone."""
+    bounds = [0]
+    count = longest = pos = 0
+    for start in range(0, len(order), _CHUNK):
+        part = lengths[order[start:start + _CHUNK]]
+        for s in (np.maximum(part[:, 0], part[:, 1]).astype(np.int64) + 1).tolist():
+            if count and max(longest, s) * (count + 1) > max_tokens:
+                bounds.append(pos)
+                count = longest = 0
+            count += 1
+            longest = max(longest, s)
+            pos += 1
+    if count:
+        bounds.append(pos)
+    return np.asarray(bounds, dtype=np.int64)
 
 
 def length_batches(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:

@@ -7,11 +7,12 @@ segmentation, with the count returned to the caller (see `filter_by_length`).
 from __future__ import annotations
 
 import os
-from typing import List, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from dtmt_models.atomic import atomic_write
 
 MAX_LISTED = 10
+BOM = b"\xef\xbb\xbf"   # the UTF-8 byte-order mark; not part of a file's first line
 
 
 class CorpusError(ValueError):
@@ -32,25 +33,77 @@ def read_lines(path: str, allow_empty: bool = False) -> List[str]:
         raise CorpusError(f"{path}: no such file")
     with open(path, "rb") as f:
         data = f.read()
-    if data.startswith(b"\xef\xbb\xbf"):   # UTF-8 BOM, as some editors on Windows write
+    if data.startswith(BOM):   # as some editors on Windows write
         data = data[3:]
     raw = data.split(b"\n")
     if raw and raw[-1] == b"":
         raw.pop()
     lines, problems = [], []
     for i, line in enumerate(raw, start=1):
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            problems.append(f"{path}:{i}: invalid UTF-8 at byte {exc.start} ({line[max(0, exc.start - 10):exc.start + 10]!r})")
-            continue
-        if not allow_empty and not text.strip():
-            problems.append(f"{path}:{i}: empty line")
-        lines.append(text.strip())
+        text, problem = decode_line(line, path, i, allow_empty)
+        if problem:
+            problems.append(problem)
+        lines.append(text)
     _report(problems, path)
     return lines
+
+
+def decode_line(line: bytes, path: str, lineno: int, allow_empty: bool = False) -> Tuple[str, Optional[str]]:
+    """One line of a corpus file (its bytes without the line feed; a final carriage return is dropped): the text,
+    stripped, and what is wrong with it (invalid UTF-8, or empty unless allow_empty) naming file and line, or None.
+    The one rule for lines, shared by `read_lines`, `iter_parallel` and the binarizer."""
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    try:
+        text = line.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        return "", f"{path}:{lineno}: invalid UTF-8 at byte {exc.start} ({line[max(0, exc.start - 10):exc.start + 10]!r})"
+    if not allow_empty and not text:
+        return text, f"{path}:{lineno}: empty line"
+    return text, None
+
+
+def count_lines(path: str) -> int:
+    """The number of lines `read_lines` would return, counted without decoding (blocks of 1 MiB)."""
+    if not os.path.isfile(path):
+        raise CorpusError(f"{path}: no such file")
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return lines + (last != b"\n")
+
+
+def iter_parallel(src_path: str, tgt_path: str) -> Iterator[Tuple[str, str]]:
+    """The aligned (source, target) pairs of two files, read line by line (memory does not grow with the files).
+    The counts are checked first; the bad lines are collected while reading and raised as one CorpusError after
+    the last pair, so a caller writing the pairs out must discard what it wrote when it gets one."""
+    counts = [count_lines(p) for p in (src_path, tgt_path)]
+    if counts[0] != counts[1]:
+        raise CorpusError(f"line counts differ: {src_path} has {counts[0]} lines, {tgt_path} has {counts[1]}; "
+                          f"the files must be aligned one sentence per line")
+    if counts[0] == 0:
+        raise CorpusError(f"{src_path} and {tgt_path} hold no sentences: a corpus needs at least one pair")
+    problems: List[str] = []
+    n_problems = 0
+    with open(src_path, "rb") as fs, open(tgt_path, "rb") as ft:
+        for i, (a, b) in enumerate(zip(fs, ft), start=1):
+            texts = []
+            for path, line in ((src_path, a), (tgt_path, b)):
+                if i == 1 and line.startswith(BOM):
+                    line = line[3:]
+                text, problem = decode_line(line[:-1] if line.endswith(b"\n") else line, path, i)
+                if problem:
+                    n_problems += 1
+                    if len(problems) < MAX_LISTED:
+                        problems.append(problem)
+                texts.append(text)
+            if not n_problems:
+                yield texts[0], texts[1]
+    if n_problems:
+        more = f"\n  ... and {n_problems - len(problems)} more" if n_problems > len(problems) else ""
+        raise CorpusError(f"parallel corpus: {n_problems} problem(s)\n  " + "\n  ".join(problems) + more)
 
 
 def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:

@@ -15,42 +15,47 @@ segmentation and reports how many.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from dtmt_models.data import bible
+from dtmt_models.atomic import atomic_write
 from dtmt_models.data import corpus as data
 
 SPLITS = ("train", "dev", "test")
 _LANG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
+def holdout_indices(n: int, holdout: int, splits: Sequence[str], seed: int) -> Dict[int, str]:
+    """Which of n training pairs (0-based) move to which split: `holdout` pairs per split in `splits`, chosen at
+    random with `seed` (deterministic). CorpusError when at least one pair would not stay for training."""
+    need = holdout * len(splits)
+    if holdout < 0:
+        raise data.CorpusError(f"--holdout must be >= 0, not {holdout}")
+    if need >= n:
+        raise data.CorpusError(f"--holdout {holdout} asks for {need} held-out pairs but the training files have only "
+                               f"{n} (at least one must stay for training)")
+    chosen = random.Random(seed).sample(range(n), need)
+    return {j: split for i, split in enumerate(splits) for j in chosen[i * holdout:(i + 1) * holdout]}
+
+
 def holdout_split(pairs: Sequence[Tuple[str, str]], n: int, splits: Sequence[str], seed: int
                   ) -> Dict[str, List[Tuple[str, str]]]:
-    """Moves n pairs per split in `splits` out of `pairs`, chosen at random with `seed` (deterministic); every
-    part keeps the original order. Returns {"train": rest, split: held-out pairs, ...}."""
-    need = n * len(splits)
-    if n < 0:
-        raise data.CorpusError(f"--holdout must be >= 0, not {n}")
-    if need >= len(pairs):
-        raise data.CorpusError(f"--holdout {n} asks for {need} held-out pairs but the training files have only "
-                               f"{len(pairs)} (at least one must stay for training)")
-    chosen = random.Random(seed).sample(range(len(pairs)), need)
-    out: Dict[str, List[Tuple[str, str]]] = {}
-    taken = set()
-    for i, split in enumerate(splits):
-        picked = sorted(chosen[i * n:(i + 1) * n])
-        out[split] = [pairs[j] for j in picked]
-        taken.update(picked)
-    out["train"] = [p for j, p in enumerate(pairs) if j not in taken]
+    """`holdout_indices` applied to a list: {"train": the rest, split: its held-out pairs, ...}, each part in the
+    original order."""
+    where = holdout_indices(len(pairs), n, splits, seed)
+    out: Dict[str, List[Tuple[str, str]]] = {split: [] for split in ["train", *splits]}
+    for j, pair in enumerate(pairs):
+        out[where.get(j, "train")].append(pair)
     return out
 
 
 def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:
-    """Validates and copies a user corpus (the `files` subcommand); raises data.CorpusError on bad input."""
+    """Validates and copies a user corpus (the `files` subcommand), streaming: memory does not grow with the
+    files. Raises data.CorpusError on bad input; then no output file has changed."""
     for lang in (args.src_lang, args.tgt_lang):
         if not _LANG_RE.fullmatch(lang) or lang in ("ref", "json", "tmp"):
             raise data.CorpusError(f"bad language code {lang!r}: use letters, digits, '-' or '_' (e.g. es, en)")
@@ -67,33 +72,42 @@ def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:
     held = [split for split in ("dev", "test") if split not in files]
     if args.holdout and not held:
         raise data.CorpusError("--holdout: dev and test files are both given, there is nothing to hold out")
-
-    corpus = {}
-    for split, (src, tgt) in files.items():
-        corpus[split] = data.read_parallel(src, tgt)
-        log(f"{split}: {src} + {tgt}: {len(corpus[split]):,} pairs, valid")
+    where: Dict[int, str] = {}
     if args.holdout:
-        corpus.update(holdout_split(corpus["train"], args.holdout, held, args.seed))
-        log(f"held out {args.holdout:,} pairs each for {' and '.join(held)} (seed {args.seed})")
+        n = data.count_lines(args.src)
+        where = holdout_indices(n, args.holdout, held, args.seed)
+    outputs = list(files) + (held if args.holdout else [])
 
     os.makedirs(args.out, exist_ok=True)
     langs = (args.src_lang, args.tgt_lang)
+    counts = {split: 0 for split in SPLITS if split in outputs}
+    with contextlib.ExitStack() as stack:   # every output is a temporary file until all inputs have been read
+        writers = {split: [stack.enter_context(atomic_write(os.path.join(args.out, f"{split}.{lang}")))
+                           for lang in langs] for split in counts}
+        for split, (src, tgt) in files.items():
+            before = dict(counts)
+            for j, (s, t) in enumerate(data.iter_parallel(src, tgt)):
+                dest = where.get(j, "train") if split == "train" else split
+                writers[dest][0].write(s + "\n")
+                writers[dest][1].write(t + "\n")
+                counts[dest] += 1
+            log(f"{split}: {src} + {tgt}: {sum(counts.values()) - sum(before.values()):,} pairs, valid")
+    if args.holdout:
+        log(f"held out {args.holdout:,} pairs each for {' and '.join(held)} (seed {args.seed})")
     inputs = {os.path.realpath(p) for pair in files.values() for p in pair}
     for split in SPLITS:
-        paths = [os.path.join(args.out, f"{split}.{lang}") for lang in langs]
-        if split in corpus:
-            data.write_parallel(corpus[split], *paths)
-        else:  # a split of an earlier corpus in the same directory would otherwise be read as this one's
-            for path in paths:
-                if not os.path.exists(path):
-                    continue
-                if os.path.realpath(path) in inputs:
-                    log(f"warning: {path} is one of your input files, so it stays, but dtmt train and evaluate "
-                        f"will read it as the {split} split of {args.out}; better use another --out")
-                else:
-                    os.remove(path)
-                    log(f"removed {path} (left from an earlier corpus; this one has no {split} split)")
-    counts = {split: len(corpus[split]) for split in SPLITS if split in corpus}
+        if split in counts:
+            continue
+        for path in (os.path.join(args.out, f"{split}.{lang}") for lang in langs):
+            # a split of an earlier corpus in the same directory would otherwise be read as this one's
+            if not os.path.exists(path):
+                continue
+            if os.path.realpath(path) in inputs:
+                log(f"warning: {path} is one of your input files, so it stays, but dtmt train and evaluate "
+                    f"will read it as the {split} split of {args.out}; better use another --out")
+            else:
+                os.remove(path)
+                log(f"removed {path} (left from an earlier corpus; this one has no {split} split)")
     sources = {split: [os.path.abspath(p) for p in files[split]] for split in files}
     data.write_manifest(args.out, args.src_lang, args.tgt_lang, counts, origin="files", sources=sources,
                         holdout=args.holdout, seed=args.seed if args.holdout else None)

@@ -6,8 +6,10 @@ corpus (SPEC §5-6).
     torchrun --nproc_per_node 4 -m dtmt_models.cli.train --data DIR --model dtmt   # DistributedDataParallel
 
 What a run does, in order:
-  1. reads DIR/train and DIR/dev (see `dtmt prepare`), trains one SentencePiece model per side on the training
-     side only, segments, and drops pairs longer than --max-len subwords (the count is printed);
+  1. opens the binarized corpus of DIR for --vocab-type/--vocab-size (dtmt_models.data.binarized: `dtmt prepare`
+     writes it; a run that finds none builds it once), whose SentencePiece models were trained on the training
+     side only; the token ids stay on disk, memory-mapped; pairs longer than --max-len subwords are left out
+     (the count is printed);
   2. trains with Adam, a learning-rate schedule (RNMT+ paper 000 eq. 17, inverse square root paper 003
      eq. 26-27, or constant), label smoothing, the system's dropouts and gradient-norm clipping, on
      token-budget batches bucketed by length and shuffled per epoch with the seed;
@@ -34,14 +36,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dtmt_models.data.batching import collate, token_batches
-from dtmt_models.data.corpus import (
-    CorpusError,
-    corpus_paths,
-    filter_by_length,
-    read_manifest,
-    read_parallel,
-)
+import numpy as np
+
+from dtmt_models.data import binarized
+from dtmt_models.data.batching import Batches, collate, token_batches
+from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
 from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import save_checkpoint
@@ -181,39 +180,34 @@ class Trainer:
         # ---- data and vocabularies
         manifest = read_manifest(cfg.data)
         self.langs = (manifest["src_lang"], manifest["tgt_lang"])
-        train_pairs = read_parallel(*corpus_paths(cfg.data, "train"))
         try:
-            self.dev_pairs = read_parallel(*corpus_paths(cfg.data, "dev"))
+            self.dev_pairs = read_parallel(*corpus_paths(cfg.data, "dev"))   # the references of dev BLEU
         except CorpusError:
             self.dev_pairs = []
             self.log(f"note: {cfg.data} has no dev split: no validation, no early stopping, no best.pt")
-        if ckpt is not None:
-            protos = (ckpt["src_vocab"], ckpt["tgt_vocab"])
-        else:
-            protos = None
-            if dist.main:
-                t0 = time.time()
-                try:
-                    protos = tuple(Vocabulary.train([p[i] for p in train_pairs], cfg.vocab_size,
-                                                    cfg.vocab_type).proto for i in (0, 1))
-                except RuntimeError as exc:   # SentencePiece: e.g. fewer pieces than the corpus has characters
-                    raise CorpusError(f"--vocab-size {cfg.vocab_size}: SentencePiece cannot build a vocabulary "
-                                      f"of that size from {cfg.data} ({one_line(exc)})") from None
-                self.log(f"vocabularies: SentencePiece {cfg.vocab_type} trained on {len(train_pairs):,} training "
-                         f"pairs in {time.time() - t0:.1f}s")
-            protos = dist.broadcast(protos)
-        self.src_vocab, self.tgt_vocab = Vocabulary(protos[0]), Vocabulary(protos[1])
-        encoded = [(self.src_vocab.encode(s), self.tgt_vocab.encode(t)) for s, t in train_pairs]
-        self.train_ids, dropped = filter_by_length(encoded, cfg.max_len)
-        empty = sum(1 for s, t in self.train_ids if not s or not t)
-        self.train_ids = [p for p in self.train_ids if p[0] and p[1]]
-        self.lengths = [(len(s), len(t)) for s, t in self.train_ids]
-        self.dev_ids = [(self.src_vocab.encode(s), self.tgt_vocab.encode(t)) for s, t in self.dev_pairs]
-        self.dev_ids = [p for p in self.dev_ids if p[0]]
-        self.log(f"data: {len(self.train_ids):,} training pairs ({dropped:,} longer than {cfg.max_len} subwords "
+        corpus = self._binarized()
+        if ckpt is not None and (ckpt["src_vocab"], ckpt["tgt_vocab"]) != tuple(corpus.protos):
+            raise CorpusError(f"{corpus.path} has other vocabularies than this run was trained with (it was rebuilt "
+                              f"since); resume needs the run's own: rebuild it with the settings the run started "
+                              f"with, or start a new run")
+        self.src_vocab, self.tgt_vocab = Vocabulary(corpus.protos[0]), Vocabulary(corpus.protos[1])
+        # the training pairs stay on disk; in memory: their lengths (2 x 2 bytes a pair) and the kept indices
+        self.train_data = corpus.split("train")
+        self.lengths = self.train_data.lengths(np.uint16 if cfg.max_len < 0xFFFF else np.uint32)
+        too_long = (self.lengths > cfg.max_len).any(axis=1)
+        empty_side = (self.lengths == 0).any(axis=1) & ~too_long
+        self.keep = np.flatnonzero(~(too_long | empty_side)).astype(np.int32 if len(self.lengths) < 2 ** 31 else np.int64)
+        del too_long, empty_side
+        n_long = int((self.lengths > cfg.max_len).any(axis=1).sum())
+        empty = len(self.lengths) - n_long - len(self.keep)
+        self.dev_ids = []
+        if self.dev_pairs and "dev" in corpus.splits:
+            dev = corpus.split("dev")
+            self.dev_ids = [p for p in dev.pairs(range(len(dev))) if p[0]]
+        self.log(f"data: {len(self.keep):,} training pairs ({n_long:,} longer than {cfg.max_len} subwords "
                  f"dropped{f', {empty} empty after segmentation dropped' if empty else ''}); {len(self.dev_pairs):,} "
-                 f"dev pairs; vocabularies {len(self.src_vocab):,} / {len(self.tgt_vocab):,}")
-        if not self.train_ids:
+                 f"dev pairs; vocabularies {len(self.src_vocab):,} / {len(self.tgt_vocab):,} ({corpus.path})")
+        if not len(self.keep):
             raise CorpusError("no training pairs left after length filtering; raise --max-len")
         # ---- model, optimizer, schedule
         torch.manual_seed(cfg.seed)
@@ -242,6 +236,24 @@ class Trainer:
                            os.path.join(self.out, TENSORBOARD)) if dist.main else None)
 
     # -------------------------------------------------------------------------------------------- setup
+    def _binarized(self) -> binarized.BinarizedCorpus:
+        """The binarized corpus for the run's vocabulary (--vocab-type, --vocab-size): the one `dtmt prepare` wrote,
+        or, when there is none or its text has changed, one built now by the main process (once: later runs
+        reuse it) while the others wait."""
+        c = self.cfg
+        if self.dist.main:
+            try:
+                binarized.open_binarized(c.data, c.vocab_type, c.vocab_size)
+            except CorpusError as exc:
+                self.log(f"{one_line(exc)}: building it now (once; later runs reuse it)")
+                try:
+                    binarized.binarize(c.data, c.vocab_size, c.vocab_type, log=self.log)
+                except OSError as err:
+                    raise CorpusError(f"cannot write the binarized corpus into {c.data} ({one_line(err)}); make it "
+                                      f"where it can be written with `dtmt prepare binarize`") from None
+        self.dist.broadcast(None)   # the others wait for it
+        return binarized.open_binarized(c.data, c.vocab_type, c.vocab_size)
+
     def _schedule(self):
         c = self.cfg
         n = self.replicas
@@ -308,8 +320,9 @@ class Trainer:
             save_checkpoint(os.path.join(self.out, LAST), payload)
 
     # ---------------------------------------------------------------------------------------- training
-    def epoch_batches(self) -> List[List[int]]:
-        batches = token_batches(self.lengths, self.cfg.max_tokens, seed=self.cfg.seed, epoch=self.epoch)
+    def epoch_batches(self) -> Batches:
+        batches = token_batches(self.lengths, self.cfg.max_tokens, seed=self.cfg.seed, epoch=self.epoch,
+                                keep=self.keep)
         w = self.dist.world
         if w > 1:   # every process takes the same number of batches: the last (len % w) of the epoch are skipped
             batches = batches[:len(batches) - len(batches) % w][self.dist.rank::w]
@@ -324,7 +337,7 @@ class Trainer:
 
     def train_step(self, batch: List[int]) -> Tuple[float, float, float]:
         self.net.train()
-        src, lengths, prev, target = collate([self.train_ids[i] for i in batch], self.device)
+        src, lengths, prev, target = collate(self.train_data.pairs(batch), self.device)
         with self.autocast():
             loss_sum, nll_sum, ntok = self.net(src, lengths, prev, target=target, smoothing=self.cfg.smoothing)
         self.optimizer.zero_grad(set_to_none=True)

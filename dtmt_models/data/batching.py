@@ -30,7 +30,7 @@ def token_batches(lengths, max_tokens: int, seed: int = 1, epoch: int = 0, shuff
         raise ValueError(f"lengths must be (source, target) pairs, got shape {lengths.shape}")
     n = len(lengths)
     index_type = np.int32 if n < 2 ** 31 else np.int64
-    order = (np.arange(n, dtype=index_type) if keep is None else np.asarray(keep, dtype=index_type).copy())
+    order = (np.arange(n, dtype=index_type) if keep is None else np.array(keep, dtype=index_type))
     rng = np.random.Generator(np.random.PCG64(_seed_of(seed, epoch)))
     if shuffle:
         rng.shuffle(order)
@@ -74,7 +74,27 @@ def _seed_of(seed: int, epoch: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}-{epoch}".encode()).digest()[:8], "little")
 
 
-_CHUNK = 1 << 20
+_CHUNK = 1 << 18
+
+
+def length_dtype(max_len: int) -> np.dtype:
+    """The smallest unsigned type that holds lengths up to max_len with one value to spare: lengths saturated at
+    its top still compare right against max_len (a pair of 1 M subwords reads as 255 and is > 100)."""
+    for t in (np.uint8, np.uint16, np.uint32):
+        if max_len < np.iinfo(t).max:
+            return np.dtype(t)
+    return np.dtype(np.uint64)
+
+
+def kept_indices(lengths: np.ndarray, max_len: int) -> np.ndarray:
+    """Indices (int32 where they fit) of the pairs whose two sides have 1 to max_len tokens, found in chunks."""
+    index_type = np.int32 if len(lengths) < 2 ** 31 else np.int64
+    parts = []
+    for start in range(0, len(lengths), _CHUNK):
+        part = lengths[start:start + _CHUNK]
+        ok = (part.min(axis=1) >= 1) & (part.max(axis=1) <= max_len)
+        parts.append(np.flatnonzero(ok).astype(index_type) + index_type(start))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=index_type)
 
 
 def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -36,10 +36,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-import numpy as np
-
 from dtmt_models.data import binarized
-from dtmt_models.data.batching import Batches, collate, token_batches
+from dtmt_models.data.batching import Batches, collate, kept_indices, length_dtype, token_batches
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
 from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.errors import one_line
@@ -191,23 +189,22 @@ class Trainer:
                               f"since); resume needs the run's own: rebuild it with the settings the run started "
                               f"with, or start a new run")
         self.src_vocab, self.tgt_vocab = Vocabulary(corpus.protos[0]), Vocabulary(corpus.protos[1])
-        # the training pairs stay on disk; in memory: their lengths (2 x 2 bytes a pair) and the kept indices
+        # the training pairs stay on disk; in memory: their lengths (2 bytes a pair with --max-len < 255), and
+        # during an epoch its batches (4 bytes a pair)
         self.train_data = corpus.split("train")
-        self.lengths = self.train_data.lengths(np.uint16 if cfg.max_len < 0xFFFF else np.uint32)
-        too_long = (self.lengths > cfg.max_len).any(axis=1)
-        empty_side = (self.lengths == 0).any(axis=1) & ~too_long
-        self.keep = np.flatnonzero(~(too_long | empty_side)).astype(np.int32 if len(self.lengths) < 2 ** 31 else np.int64)
-        del too_long, empty_side
-        n_long = int((self.lengths > cfg.max_len).any(axis=1).sum())
-        empty = len(self.lengths) - n_long - len(self.keep)
+        self.lengths = self.train_data.lengths(length_dtype(cfg.max_len))
+        n_kept = len(kept_indices(self.lengths, cfg.max_len))
+        n_long = sum(int((self.lengths[i:i + (1 << 20)] > cfg.max_len).any(axis=1).sum())
+                     for i in range(0, len(self.lengths), 1 << 20))
+        empty = len(self.lengths) - n_long - n_kept
         self.dev_ids = []
         if self.dev_pairs and "dev" in corpus.splits:
             dev = corpus.split("dev")
             self.dev_ids = [p for p in dev.pairs(range(len(dev))) if p[0]]
-        self.log(f"data: {len(self.keep):,} training pairs ({n_long:,} longer than {cfg.max_len} subwords "
+        self.log(f"data: {n_kept:,} training pairs ({n_long:,} longer than {cfg.max_len} subwords "
                  f"dropped{f', {empty} empty after segmentation dropped' if empty else ''}); {len(self.dev_pairs):,} "
                  f"dev pairs; vocabularies {len(self.src_vocab):,} / {len(self.tgt_vocab):,} ({corpus.path})")
-        if not len(self.keep):
+        if not n_kept:
             raise CorpusError("no training pairs left after length filtering; raise --max-len")
         # ---- model, optimizer, schedule
         torch.manual_seed(cfg.seed)
@@ -322,7 +319,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- training
     def epoch_batches(self) -> Batches:
         batches = token_batches(self.lengths, self.cfg.max_tokens, seed=self.cfg.seed, epoch=self.epoch,
-                                keep=self.keep)
+                                keep=kept_indices(self.lengths, self.cfg.max_len))
         w = self.dist.world
         if w > 1:   # every process takes the same number of batches: the last (len % w) of the epoch are skipped
             batches = batches[:len(batches) - len(batches) % w][self.dist.rank::w]

@@ -1,0 +1,242 @@
+"""The binarized corpus (dtmt_models.data.binarized, issue 24): the ids read back from the memory-mapped shards
+equal the text pipeline's (`Vocabulary.encode` of each stripped line, with SentencePiece trained on the same
+lines), the sample is the seeded draw it claims, bad text and interruptions leave nothing a reader accepts, and
+the numpy batching equals a plain reference."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dtmt_models.cli import prepare as prepare_cli
+from dtmt_models.data import batching, binarized
+from dtmt_models.data import corpus as data
+from dtmt_models.data.vocabulary import Vocabulary
+
+# Text with what tempts a word cache into error: accents, decomposed accents (NFKC composes them), ligatures and
+# full-width letters (NFKC rewrites them), non-breaking and ideographic spaces, tabs, runs of spaces, control
+# characters, emoji, CJK, characters the vocabulary has never seen, and a byte-order mark on the first line.
+SRC = ["\ufeffEl niño comió pan.", "La cafe\u0301 está ﬁrme", "Ｆｕｌｌ width y\u00a0espacio duro",
+       "tab\there  y   espacios", "a\u3000b 中文 字", "emoji 🙂 fin", "ctrl\x07char", "¿Qué?¡Sí!",
+       "El niño come pan otra vez.", "x"]
+TGT = ["The child ate bread.", "The coffee is firm", "Full width and hard space", "tab here and spaces",
+       "a b Chinese text", "emoji end", "control char", "What? Yes!", "The child eats bread again.", "y"]
+
+
+def write_corpus(directory, src, tgt, splits=("train",)):
+    os.makedirs(directory, exist_ok=True)
+    for split in splits:
+        for lang, side in (("es", src), ("en", tgt)):
+            with open(os.path.join(directory, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in side))
+    data.write_manifest(str(directory), "es", "en", {s: len(src) for s in splits}, origin="test")
+    return str(directory)
+
+
+def text_pipeline(directory, split, vocab_size, vocab_type="bpe"):
+    """The reference: read_parallel, SentencePiece on all training lines per side, encode line by line."""
+    train = data.read_parallel(*data.corpus_paths(directory, "train"))
+    sv = Vocabulary.train([s for s, _ in train], vocab_size, vocab_type)
+    tv = Vocabulary.train([t for _, t in train], vocab_size, vocab_type)
+    pairs = data.read_parallel(*data.corpus_paths(directory, split))
+    return (sv, tv), [(sv.encode(s), tv.encode(t)) for s, t in pairs]
+
+
+@pytest.mark.parametrize("vocab_type,workers", [("bpe", 1), ("unigram", 1), ("bpe", 2)])
+def test_ids_equal_the_text_pipeline(tmp_path, vocab_type, workers):
+    rng = random.Random(0)
+    src = SRC + [" ".join(rng.choice(SRC[i % len(SRC)].split()) for _ in range(rng.randint(1, 9))) for i in range(300)]
+    tgt = TGT + [" ".join(rng.choice(TGT[i % len(TGT)].split()) for _ in range(rng.randint(1, 9))) for i in range(300)]
+    d = write_corpus(tmp_path / "c", src, tgt, splits=("train", "dev"))
+    binarized.binarize(d, 70, vocab_type, workers=workers, log=lambda m: None)
+    corpus = binarized.open_binarized(d, vocab_type, 70)
+    refs = {}
+    for split in ("train", "dev"):
+        (sv, tv), ref = refs[split] = text_pipeline(d, split, 70, vocab_type)
+        assert tuple(corpus.protos) == (sv.proto, tv.proto)
+        part = corpus.split(split)
+        assert len(part) == len(ref)
+        assert part.pairs(range(len(part))) == ref
+        assert part.lengths().tolist() == [[len(s), len(t)] for s, t in ref]
+        for k, side in enumerate(("src", "tgt")):   # the files are plain arrays that numpy maps
+            ids, offsets = part.memmap(side)
+            assert [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(len(part))] == [p[k] for p in ref]
+        assert part.lengths(np.uint8, chunk=7).tolist() == [[min(len(s), 255), min(len(t), 255)] for s, t in ref]
+    m = corpus.manifest
+    assert m["dtype"] == "uint16" and m["sample"] == {"size": len(src), "of": len(src), "seed": 1}
+    for split, (_, ref) in refs.items():
+        assert m["splits"][split]["tokens"] == {"src": sum(len(s) for s, _ in ref), "tgt": sum(len(t) for _, t in ref)}
+        assert m["splits"][split]["pairs"] == len(ref)
+    assert m["train_sha1"] == data.corpus_fingerprint(d)["train_sha1"]
+
+
+def test_word_cache_is_exact_on_random_text():
+    """The cache (ids of a line = its words' ids) against SentencePiece on whole lines, over random lines of
+    letters, accents, spaces of several kinds and symbols; lines it cannot vouch for go to SentencePiece whole."""
+    rng = random.Random(1)
+    alphabet = list("abcdeéñü  ") + ["\u00a0", "\t", "ﬁ", "Ａ", "e\u0301", "🙂", "中", ".", ",", "\x07"]
+    lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))).strip() or "a" for _ in range(400)]
+    for vocab_type in ("bpe", "unigram"):
+        proto = Vocabulary.train(lines[:300], 60, vocab_type).proto
+        enc = binarized._CachedEncoder(proto)
+        reference = Vocabulary(proto)
+        got = []
+        for part in (lines, lines[::-1]):
+            ids, lengths = enc.encode(part)
+            assert len(lengths) == len(part)
+            got += [ids[e - n:e].tolist() for e, n in zip(np.cumsum(lengths), lengths)]
+        assert got == [reference.encode(s) for s in lines + lines[::-1]]
+        assert enc.exact and len(enc.index) > 10
+
+
+def test_sample_is_the_seeded_draw(tmp_path):
+    src = [f"linea {i} {'abcdefghij'[i % 10] * (i % 5 + 1)}" for i in range(200)]
+    tgt = [f"line {i} {'klmnopqrst'[i % 10] * (i % 7 + 1)}" for i in range(200)]
+    d = write_corpus(tmp_path / "c", src, tgt)
+    binarized.binarize(d, 40, sample=50, seed=3, workers=1, log=lambda m: None)
+    corpus = binarized.open_binarized(d, "bpe", 40)
+    chosen = sorted(random.Random(3).sample(range(200), 50))
+    assert corpus.protos[0] == Vocabulary.train([src[i] for i in chosen], 40).proto
+    assert corpus.protos[1] == Vocabulary.train([tgt[i] for i in chosen], 40).proto
+    assert corpus.manifest["sample"] == {"size": 50, "of": 200, "seed": 3}
+    sv = Vocabulary(corpus.protos[0])
+    assert corpus.split("train").pairs([0, 199])[1][0] == sv.encode(src[199])   # every line is encoded
+    binarized.binarize(d, 40, sample=50, seed=4, workers=1, log=lambda m: None)
+    assert binarized.open_binarized(d, "bpe", 40).protos[0] != corpus.protos[0]
+
+
+@pytest.mark.parametrize("content,message", [
+    ((b"uno\n\xff\xfe dos\n", b"one\ntwo\n"), r"train\.es:2: invalid UTF-8"),
+    ((b"uno\n \n", b"one\ntwo\n"), r"train\.es:2: empty line"),
+    ((b"uno\ndos\n", b"one\n"), r"train\.es has 2 lines, .*train\.en has 1"),
+])
+def test_bad_text_is_reported_and_nothing_is_left(tmp_path, content, message):
+    d = str(tmp_path / "c")
+    os.makedirs(d)
+    for lang, body in zip(("es", "en"), content):
+        with open(os.path.join(d, f"train.{lang}"), "wb") as f:
+            f.write(body)
+    data.write_manifest(d, "es", "en", {"train": 2}, origin="test")
+    with pytest.raises(data.CorpusError, match=message):
+        binarized.binarize(d, 20, workers=1, log=lambda m: None)
+    assert sorted(os.listdir(d)) == ["corpus.json", "train.en", "train.es"]
+
+
+def test_bad_lines_are_counted_across_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(binarized, "CHUNK_LINES", 3)
+    src = [f"s{i}" for i in range(30)]
+    src[4], src[25] = " ", "   "
+    d = write_corpus(tmp_path / "c", src, [f"t{i}" for i in range(30)])
+    with pytest.raises(data.CorpusError, match=r"2 problem\(s\)\n  .*train\.es:5: empty line\n  .*train\.es:26: empty"):
+        binarized.binarize(d, 20, workers=2, log=lambda m: None)
+    assert not [e for e in os.listdir(d) if "bin-" in e]
+
+
+def test_an_interrupted_build_leaves_no_corpus_and_keeps_the_old_one(tmp_path):
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+
+    def interrupt(message):
+        if message.startswith("train:"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        binarized.binarize(d, 80, workers=1, log=interrupt)
+    assert not [e for e in os.listdir(d) if "bin-" in e]
+    with pytest.raises(data.CorpusError, match="no binarized corpus for bpe 80.*dtmt prepare binarize"):
+        binarized.open_binarized(d, "bpe", 80)
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    before = binarized.open_binarized(d, "bpe", 80).split("train").pairs(range(len(SRC)))
+    with pytest.raises(KeyboardInterrupt):   # a rebuild that stops half way: the earlier copy stays as it was
+        binarized.binarize(d, 80, seed=9, workers=1, log=interrupt)
+    assert binarized.open_binarized(d, "bpe", 80).split("train").pairs(range(len(SRC))) == before
+    assert sorted(e for e in os.listdir(d) if "bin-" in e) == ["bin-bpe80"]
+
+
+def test_a_killed_build_leaves_a_leftover_that_nothing_reads_and_the_next_build_removes(tmp_path):
+    d = write_corpus(tmp_path / "c", SRC * 50, TGT * 50)
+    code = ("import os, sys; from dtmt_models.data import binarized\n"
+            "def log(m):\n"
+            "    if m.startswith('vocabularies'): os._exit(9)   # as a kill would, nothing cleaned up\n"
+            f"binarized.binarize({d!r}, 80, workers=1, log=log)\n")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    leftovers = [e for e in os.listdir(d) if "bin-" in e]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".bin-bpe80.tmp-")
+    with pytest.raises(data.CorpusError, match="no binarized corpus"):
+        binarized.open_binarized(d, "bpe", 80)
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    assert sorted(e for e in os.listdir(d) if "bin-" in e) == ["bin-bpe80"]
+
+
+def test_changed_text_is_noticed_and_a_touched_file_is_not(tmp_path):
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    path = os.path.join(d, "train.en")
+    os.utime(path, ns=(1, 1))                       # same bytes, another time: still this corpus
+    binarized.open_binarized(d, "bpe", 80)
+    with open(path, "r+", encoding="utf-8") as f:    # same size, other bytes
+        text = f.read()
+        f.seek(0)
+        f.write(text.replace("child", "chilD"))
+    with pytest.raises(data.CorpusError, match=r"train\.en changed.*dtmt prepare binarize"):
+        binarized.open_binarized(d, "bpe", 80)
+
+
+def test_prepare_cli_binarize_and_options(tmp_path, capsys):
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "80", "--workers", "1"]) == 0
+    assert "wrote" in capsys.readouterr().err
+    with open(os.path.join(d, "bin-bpe80", "binarized.json")) as f:
+        assert json.load(f)["splits"]["train"]["pairs"] == len(SRC)
+    assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "2"]) == 2
+    assert "--vocab-size must be at least 8" in capsys.readouterr().err
+    assert prepare_cli.main(["binarize", "--data", str(tmp_path / "none")]) == 1
+    assert "no corpus.json" in capsys.readouterr().err
+    src, tgt = os.path.join(d, "train.es"), os.path.join(d, "train.en")
+    assert prepare_cli.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "t"), "--no-binarize"]) == 0
+    assert not [e for e in os.listdir(tmp_path / "t") if "bin-" in e]
+
+
+def test_token_batches_equal_a_plain_reference():
+    """The chunked counting sort and the cut against a direct formulation: the same shuffled order, a stable sort
+    by (source, target), the greedy cut, the same batch permutation."""
+    rng = np.random.default_rng(5)
+    n = 3000
+    lengths = np.stack([rng.integers(0, 60, n), rng.integers(0, 70, n)], axis=1).astype(np.uint8)
+    keep = batching.kept_indices(lengths, 50)
+    assert keep.tolist() == [i for i in range(n) if 1 <= lengths[i].min() and lengths[i].max() <= 50]
+    old = batching._CHUNK
+    try:
+        batching._CHUNK = 256   # several chunks
+        got = batching.token_batches(lengths, 300, seed=7, epoch=2, keep=keep)
+    finally:
+        batching._CHUNK = old
+    g = np.random.Generator(np.random.PCG64(batching._seed_of(7, 2)))
+    order = keep.copy()
+    g.shuffle(order)
+    order = order[np.lexsort((lengths[order, 1], lengths[order, 0]))]   # lexsort is stable
+    batches, cur, longest = [], [], 0
+    for i in order.tolist():
+        s = int(lengths[i].max()) + 1
+        if cur and max(longest, s) * (len(cur) + 1) > 300:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, s)
+    batches.append(cur)
+    perm = np.arange(len(batches))
+    g.shuffle(perm)
+    assert list(got) == [batches[k] for k in perm]
+    assert list(got[1::2]) == [batches[k] for k in perm[1::2]]
+    assert batching.token_batches(lengths, 300, seed=7, epoch=2, keep=keep) == got
+    assert batching.token_batches(lengths, 300, seed=7, epoch=3, keep=keep) != got
+
+
+def test_length_dtype_saturates_safely():
+    assert batching.length_dtype(100) == np.uint8 and batching.length_dtype(255) == np.uint16
+    lengths = np.minimum(np.array([[3, 1000], [100, 100]]), 255).astype(batching.length_dtype(100))
+    assert batching.kept_indices(lengths, 100).tolist() == [1]

@@ -390,7 +390,7 @@ def profile(a, py, ours, log) -> dict:
             sides.append([line.split() for line in f.read().splitlines()])
     lengths = [(len(s), len(t)) for s, t in zip(*sides)]
     max_tokens = get_preset("dtmt", "small")["train"]["max_tokens"]    # the batches of the equal-time runs
-    batches = token_batches(lengths, max_tokens, seed=1, epoch=0)[:a.profile_batches]
+    batches = [list(b) for b in token_batches(lengths, max_tokens, seed=1, epoch=0)[:a.profile_batches]]
     bfile = os.path.join(a.out, "profile_batches.json")
     with open(bfile, "w") as f:
         json.dump({"src": sides[0], "tgt": sides[1], "batches": batches}, f)

@@ -139,6 +139,7 @@ def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     assert "2 process(es)" in r.stdout
     assert "schedule rnmt (n = 2)" in r.stdout      # paper 000 eq. 17: n is the number of replicas
     assert "2 processes in sync at step 30" in r.stdout
+    assert "bin-bpe60)" in r.stdout and r.stdout.count("building it now") <= 1   # the binarized corpus, built once
     rows = losses(out)
     assert len(rows) == 6 and float(rows[-1][2]) < float(rows[0][2])   # it learns
     from dtmt_models.models.checkpoint import read_checkpoint
@@ -158,6 +159,24 @@ def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path):
     assert r.returncode == 2 and "--max-time" in r.stderr
     r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "z"), "--model", "nope"])
     assert r.returncode == 2 and "unknown model" in r.stderr
+
+
+def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_changes(tmp_path):
+    data = make_toy_corpus(tmp_path / "c", n_train=200, n_dev=0, n_test=0)
+    args = ["--max-steps", "2", "--overwrite", *TINY]
+    first = run_train(["--data", data, "--out", str(tmp_path / "a"), *args])
+    assert first.returncode == 0, first.stderr
+    assert "no binarized corpus for bpe 60" in first.stdout and "building it now" in first.stdout
+    again = run_train(["--data", data, "--out", str(tmp_path / "b"), *args])
+    assert again.returncode == 0 and "building it now" not in again.stdout and "bin-bpe60)" in again.stdout
+    assert losses(str(tmp_path / "a")) == losses(str(tmp_path / "b"))
+    with open(os.path.join(data, "train.en"), "a", encoding="utf-8") as f:
+        f.write("the dog\n")
+    with open(os.path.join(data, "train.es"), "a", encoding="utf-8") as f:
+        f.write("el perro\n")
+    changed = run_train(["--data", data, "--out", str(tmp_path / "c"), *args])
+    assert changed.returncode == 0 and "train.es, train.en changed" in changed.stdout
+    assert "data: 201 training pairs" in changed.stdout
 
 
 def test_max_len_filter_is_reported(toy_nodev, tmp_path):

@@ -92,6 +92,10 @@ def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:
                 writers[dest][1].write(t + "\n")
                 counts[dest] += 1
             log(f"{split}: {src} + {tgt}: {sum(counts.values()) - sum(before.values()):,} pairs, valid")
+        # all read and valid: the files are renamed into place one by one as the block ends, so the manifest goes
+        # first; a kill between two renames leaves a directory that train and binarize refuse, not mixed text
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.out, data.MANIFEST))
     if args.holdout:
         log(f"held out {args.holdout:,} pairs each for {' and '.join(held)} (seed {args.seed})")
     inputs = {os.path.realpath(p) for pair in files.values() for p in pair}

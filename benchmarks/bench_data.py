@@ -193,7 +193,8 @@ def main(argv=None) -> int:
                "prepare_log": [line for line in prep["output"].splitlines() if "pairs/s" in line or "trained" in line],
                "train": {}}
         print(f"  prepare {prep['wall_s']:.0f}s ({row['prepare_pairs_per_s']:,.0f} pairs/s), peak RSS main "
-              f"{row['prepare_rss_main_mib']:,.0f} MiB, all processes {row['prepare_rss_tree_mib']:,.0f} MiB", flush=True)
+              f"{row['prepare_rss_main_mib']:,.0f} MiB, sum over its processes {row['prepare_rss_tree_mib']:,.0f} MiB",
+              flush=True)
         for k in procs:
             out = os.path.join(work, f"run{k}")
             train = ["--data", corpus, "--model", a.model, "--max-steps", str(a.steps), "--valid-every", "1000000",
@@ -249,7 +250,7 @@ def write_report(results, machine, a, procs) -> None:
     for k in procs:
         ys = [max(r["train"][k]["rss_per_process_mib"]) for r in results]
         ax.plot(xs, ys, "o-", label=f"dtmt train, {k} process(es): largest process")
-    ax.plot(xs, [r["prepare_rss_tree_mib"] for r in results], "s--", label="dtmt prepare files: all processes")
+    ax.plot(xs, [r["prepare_rss_tree_mib"] for r in results], "s--", label="dtmt prepare files: sum over its processes")
     ax.set_xscale("log")
     ax.set_xlabel("training pairs")
     ax.set_ylabel("peak RSS (MiB)")

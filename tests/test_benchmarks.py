@@ -351,3 +351,30 @@ def test_bench_beam_swap_quick(tmp_path):
     assert seconds > 0 and len(ours) == 8 and ours == swapped == one_by_one
     import dtmt_models.decoding.translate as tr
     assert tr.beam_search is bs.beam_search                 # the swap is undone
+
+
+def test_bench_data_quick(tmp_path):
+    """bench_data on a toy corpus: the synthetic corpus is what it says, prepare and a 2-update run are measured."""
+    from test_train import make_toy_corpus
+
+    from benchmarks import bench_data
+    from dtmt_models.data.corpus import read_parallel
+
+    data = make_toy_corpus(tmp_path / "toy", n_train=50, n_dev=25, n_test=0)
+    out = str(tmp_path / "out")
+    src, tgt, dev_src, _ = bench_data.generate(data, 300, os.path.join(out, "gen"))
+    pairs = read_parallel(src, tgt)
+    train = set(read_parallel(os.path.join(data, "train.es"), os.path.join(data, "train.en")))
+    assert len(pairs) == 300 and len(read_parallel(dev_src, dev_src)) == 20
+    for s, t in pairs[:20]:   # two training pairs glued, side by side
+        assert any(s.startswith(a + " ") and t.startswith(b + " ") and (s[len(a) + 1:], t[len(b) + 1:]) in train
+                   for a, b in train)
+    assert bench_data.main(["--data", data, "--sizes", "300", "--processes", "1", "--steps", "2", "--out", out]) == 0
+    with open(os.path.join(out, "bench_data.json")) as f:
+        row = json.load(f)["rows"][0]
+    assert row["pairs"] == 300 and row["prepare_s"] > 0 and row["prepare_rss_main_mib"] > 10
+    run = row["train"]["1"]
+    assert len(run["rss_per_process_mib"]) == 1 and run["rss_per_process_mib"][0] > 100
+    assert 0 < run["first_update_s"] < run["wall_s"]
+    with open(os.path.join(out, "bench_data.md")) as f:
+        assert "| 300 |" in f.read()

@@ -182,7 +182,11 @@ def test_changed_text_is_noticed_and_a_touched_file_is_not(tmp_path):
         text = f.read()
         f.seek(0)
         f.write(text.replace("child", "chilD"))
-    with pytest.raises(data.CorpusError, match=r"train\.en changed.*dtmt prepare binarize"):
+    with pytest.raises(binarized.NotBinarized, match=r"train\.en changed.*dtmt prepare binarize"):
+        binarized.open_binarized(d, "bpe", 80)
+    with open(os.path.join(d, "bin-bpe80", "binarized.json"), "w") as f:   # a damaged manifest: one line too
+        f.write("{")
+    with pytest.raises(binarized.NotBinarized, match=r"binarized\.json: unreadable"):
         binarized.open_binarized(d, "bpe", 80)
 
 

@@ -57,7 +57,8 @@ def decode_line(line: bytes, path: str, lineno: int, allow_empty: bool = False) 
     try:
         text = line.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
-        return "", f"{path}:{lineno}: invalid UTF-8 at byte {exc.start} ({line[max(0, exc.start - 10):exc.start + 10]!r})"
+        near = line[max(0, exc.start - 10):exc.start + 10]
+        return "", f"{path}:{lineno}: invalid UTF-8 at byte {exc.start} ({near!r})"
     if not allow_empty and not text:
         return text, f"{path}:{lineno}: empty line"
     return text, None

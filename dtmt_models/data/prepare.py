@@ -19,8 +19,7 @@ import contextlib
 import os
 import random
 import re
-import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import corpus as data

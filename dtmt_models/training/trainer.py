@@ -241,8 +241,8 @@ class Trainer:
         if self.dist.main:
             try:
                 binarized.open_binarized(c.data, c.vocab_type, c.vocab_size)
-            except CorpusError as exc:
-                self.log(f"{one_line(exc)}: building it now (once; later runs reuse it)")
+            except binarized.NotBinarized as exc:
+                self.log(f"{exc.reason}: building it now (once; later runs reuse it)")
                 try:
                     binarized.binarize(c.data, c.vocab_size, c.vocab_type, log=self.log)
                 except OSError as err:

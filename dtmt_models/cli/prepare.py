@@ -46,10 +46,12 @@ def binarize_from_args(args: argparse.Namespace, directory: str, log) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtmt prepare", description="Writes a corpus directory for dtmt train and "
-                                "dtmt evaluate: the embedded Bible (Spanish -> English) or your own parallel files.",
+                                "dtmt evaluate: the embedded Bible (Spanish -> English) or your own parallel files, "
+                                "with the binarized corpus that training reads.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="run `dtmt prepare bible --help` or `dtmt prepare files --help` for the options")
-    sub = p.add_subparsers(dest="source", metavar="{bible,files}", required=True)
+                                epilog="run `dtmt prepare bible --help`, `dtmt prepare files --help` or `dtmt prepare "
+                                       "binarize --help` for the options")
+    sub = p.add_subparsers(dest="source", metavar="{bible,files,binarize}", required=True)
 
     b = sub.add_parser("bible", help="the embedded Bible corpus (Spanish -> English)",
                        description="Writes the embedded corpus (SPEC §5): the Bible, Spanish Reina-Valera 1909 -> "

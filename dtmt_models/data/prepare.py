@@ -9,7 +9,8 @@
         file:line) and copies them to DIR/{split}.{lang} with the manifest
 
 A prepared directory holds a split per pair of files `{split}.{src_lang}` / `{split}.{tgt_lang}` and the manifest
-corpus.json (dtmt_models.data.corpus). Over-long pairs are not removed here: training filters them after subword
+corpus.json (dtmt_models.data.corpus); the command line then adds the binarized corpus DIR/bin-<type><size>
+(dtmt_models.data.binarized, `dtmt prepare binarize`). Over-long pairs are not removed here: training filters them after subword
 segmentation and reports how many.
 """
 from __future__ import annotations

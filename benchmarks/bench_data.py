@@ -163,14 +163,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"), help="the prepared Bible corpus")
     p.add_argument("--sizes", default="0.1M,1M,5M", help="corpus sizes in pairs (default: 0.1M,1M,5M)")
-    p.add_argument("--processes", default="1,2", help="training process counts (default: 1,2)")
+    p.add_argument("--processes", default="1,2", help="training process counts (default: 1,2; 0: prepare only)")
     p.add_argument("--steps", type=int, default=10, help="training updates (default: 10)")
     p.add_argument("--model", default="dtmt")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "data"))
+    p.add_argument("--prepare-args", default="", help="more options for dtmt prepare files, e.g. '--sample 300000'")
     p.add_argument("--keep", action="store_true", help="keep the generated corpora (they take ~0.5 GB per M pairs)")
     a = p.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")]
-    procs = [int(x) for x in a.processes.split(",")]
+    procs = [k for k in (int(x) for x in a.processes.split(",")) if k > 0]
     os.makedirs(a.out, exist_ok=True)
     from bench_cells import machine_name
 
@@ -185,7 +186,8 @@ def main(argv=None) -> int:
         corpus = os.path.join(work, "corpus")
         print(f"{n:,} pairs: generated in {gen_s:.0f}s; dtmt prepare files ...", flush=True)
         prep = run_measured([sys.executable, "-m", "dtmt_models.cli", "prepare", "files", "--src", raw_src,
-                             "--tgt", raw_tgt, "--dev-src", dev_src, "--dev-tgt", dev_tgt, "--out", corpus], log=log)
+                             "--tgt", raw_tgt, "--dev-src", dev_src, "--dev-tgt", dev_tgt, "--out", corpus,
+                             *a.prepare_args.split()], log=log)
         main_pid = prep["pid"]
         row = {"pairs": n, "prepare_s": prep["wall_s"], "prepare_pairs_per_s": n / prep["wall_s"],
                "prepare_rss_main_mib": prep["peaks_kib"][main_pid] / 1024,

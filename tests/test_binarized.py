@@ -240,6 +240,13 @@ def test_token_batches_equal_a_plain_reference():
     assert batching.token_batches(lengths, 300, seed=7, epoch=3, keep=keep) != got
 
 
+def test_a_long_pair_left_out_does_not_size_the_sort():
+    lengths = np.array([[3, 4]] * 1000 + [[60000, 60000]], dtype=np.uint16)   # counts would need 3.6 G keys
+    keep = batching.kept_indices(lengths, 100)
+    batches = batching.token_batches(lengths, 50, keep=keep)
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+
+
 def test_length_dtype_saturates_safely():
     assert batching.length_dtype(100) == np.uint8 and batching.length_dtype(255) == np.uint16
     lengths = np.minimum(np.array([[3, 1000], [100, 100]]), 255).astype(batching.length_dtype(100))

@@ -313,6 +313,12 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hidden_size=32",
                    "--max-steps", "5", "--progress", "lines"])
     assert r.returncode == 0, r.stderr
+    # ... allowed, it goes on with the run's own vocabularies: the other text encoded with them, not retrained
+    r = run_train(["--data", other, "--out", str(tmp_path / "runB"), "--resume", "--max-steps", "6",
+                   "--allow-changed-data", "--progress", "lines"])
+    assert r.returncode == 0, r.stderr
+    assert "(with this run's vocabularies): building it now" in r.stdout and "the given SentencePiece" in r.stdout
+    assert [e for e in os.listdir(other) if e.startswith("bin-")][0].startswith("bin-models-")
 
 
 def test_average_checkpoints(uninterrupted, tmp_path, capsys):

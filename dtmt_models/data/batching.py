@@ -102,8 +102,12 @@ def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarra
     done in chunks so that the transient buffers stay small whatever the corpus size."""
     if len(order) == 0:
         return order
-    top_t = int(lengths[:, 1].max()) + 1 if len(lengths) else 1
-    n_keys = (int(lengths[:, 0].max()) + 1) * top_t
+    top_s = top_t = 0   # over the pairs sorted only: a long pair left out must not size the counts
+    for start in range(0, len(order), _CHUNK):
+        part = lengths[order[start:start + _CHUNK]]
+        top_s, top_t = max(top_s, int(part[:, 0].max())), max(top_t, int(part[:, 1].max()))
+    top_t += 1
+    n_keys = (top_s + 1) * top_t
 
     def keys(idx):
         part = lengths[idx]

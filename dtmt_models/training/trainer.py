@@ -183,11 +183,7 @@ class Trainer:
         except CorpusError:
             self.dev_pairs = []
             self.log(f"note: {cfg.data} has no dev split: no validation, no early stopping, no best.pt")
-        corpus = self._binarized()
-        if ckpt is not None and (ckpt["src_vocab"], ckpt["tgt_vocab"]) != tuple(corpus.protos):
-            raise CorpusError(f"{corpus.path} has other vocabularies than this run was trained with (it was rebuilt "
-                              f"since); resume needs the run's own: rebuild it with the settings the run started "
-                              f"with, or start a new run")
+        corpus = self._binarized(None if ckpt is None else (ckpt["src_vocab"], ckpt["tgt_vocab"]))
         self.src_vocab, self.tgt_vocab = Vocabulary(corpus.protos[0]), Vocabulary(corpus.protos[1])
         # the training pairs stay on disk; in memory: their lengths (2 bytes a pair with --max-len < 255), and
         # during an epoch its batches (4 bytes a pair)
@@ -233,23 +229,40 @@ class Trainer:
                            os.path.join(self.out, TENSORBOARD)) if dist.main else None)
 
     # -------------------------------------------------------------------------------------------- setup
-    def _binarized(self) -> binarized.BinarizedCorpus:
+    def _binarized(self, protos=None) -> binarized.BinarizedCorpus:
         """The binarized corpus for the run's vocabulary (--vocab-type, --vocab-size): the one `dtmt prepare` wrote,
         or, when there is none or its text has changed, one built now by the main process (once: later runs
-        reuse it) while the others wait."""
+        reuse it) while the others wait. Resuming (`protos`: the checkpoint's SentencePiece models), a copy with
+        other models is not used: the text is encoded with the run's own models instead (bin-models-<hash>)."""
         c = self.cfg
-        if self.dist.main:
+
+        def find():
             try:
-                binarized.open_binarized(c.data, c.vocab_type, c.vocab_size)
+                corpus = binarized.open_binarized(c.data, c.vocab_type, c.vocab_size)
+                if protos is None or tuple(corpus.protos) == tuple(protos):
+                    return corpus, None
             except binarized.NotBinarized as exc:
-                self.log(f"{exc.reason}: building it now (once; later runs reuse it)")
+                if protos is None:
+                    return None, exc.reason
+            try:
+                return binarized.open_binarized(c.data, c.vocab_type, c.vocab_size, protos), None
+            except binarized.NotBinarized as exc:
+                return None, f"{exc.reason} (with this run's vocabularies)"
+
+        if self.dist.main:
+            corpus, reason = find()
+            if corpus is None:
+                self.log(f"{reason}: building it now (once; later runs reuse it)")
                 try:
-                    binarized.binarize(c.data, c.vocab_size, c.vocab_type, log=self.log)
+                    binarized.binarize(c.data, c.vocab_size, c.vocab_type, log=self.log, protos=protos)
                 except OSError as err:
                     raise CorpusError(f"cannot write the binarized corpus into {c.data} ({one_line(err)}); make it "
                                       f"where it can be written with `dtmt prepare binarize`") from None
         self.dist.broadcast(None)   # the others wait for it
-        return binarized.open_binarized(c.data, c.vocab_type, c.vocab_size)
+        corpus, reason = find()
+        if corpus is None:
+            raise CorpusError(reason)
+        return corpus
 
     def _schedule(self):
         c = self.cfg

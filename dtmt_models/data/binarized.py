@@ -1,0 +1,667 @@
+"""The binarized corpus that `dtmt train` reads (SPEC §5): SentencePiece models trained on a seeded sample of the
+training text, and every split's token ids in shards with an index of offsets (raw little-endian arrays that
+`np.memmap` maps; training reads the pairs it needs with positioned reads, see BinarizedSplit), so that training
+memory does not grow with the corpus.
+
+A prepared corpus directory DIR (dtmt_models.data.corpus) gets one binarized copy per vocabulary setting:
+
+    DIR/bin-<type><size>/          e.g. DIR/bin-bpe4000 (`--vocab-type bpe --vocab-size 4000`)
+        binarized.json             the manifest, written last: format, vocabulary settings and sizes, the sample
+                                   (size, seed, of how many pairs), the token dtype, and per split the number of
+                                   pairs and tokens, the pairs empty after segmentation, the longest pair, and
+                                   each text file's size, modification time and SHA-1
+        src.model, tgt.model       the SentencePiece models (the bytes that go into checkpoints)
+        {split}.src.bin            the source token ids of the split, one pair after the other, no separators:
+        {split}.tgt.bin            uint16 where the vocabulary has at most 65,536 pieces, else uint32
+        {split}.src.idx            int64 offsets into the .bin file, one more than the split has pairs:
+        {split}.tgt.idx            pair i is bin[idx[i]:idx[i + 1]]
+
+`binarize` builds it in a hidden temporary directory that becomes DIR/bin-... by one rename once everything is
+written, so an interrupted run leaves nothing a reader would accept (the next run removes the leftover).
+Bad text (invalid UTF-8, an empty line, a line-count mismatch) is reported with file and line, as
+dtmt_models.data.corpus does for text, before anything is renamed into place.
+
+The ids are those of `Vocabulary.encode` on the stripped line (the text pipeline): tests/test_binarized.py holds
+them equal. Encoding runs on `workers` processes; each caches the ids of the words it has seen, which is exact
+because the models never merge across a space (checked while encoding: a mismatch turns the cache off).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import time
+import unicodedata
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from dtmt_models.data.corpus import BOM, MAX_LISTED, CorpusError, decode_line, read_manifest
+from dtmt_models.data.vocabulary import Vocabulary
+
+FORMAT = 1
+MANIFEST = "binarized.json"
+DEFAULT_SAMPLE = 1_000_000   # sentences per side that SentencePiece is trained on
+DEFAULT_SEED = 1
+CHUNK_LINES = 4096           # pairs per encoding task
+SIDES = ("src", "tgt")
+
+
+def binarized_name(vocab_type: str, vocab_size: int) -> str:
+    return f"bin-{vocab_type}{vocab_size}"
+
+
+def binarized_path(corpus_dir: str, vocab_type: str, vocab_size: int, protos: Optional[Sequence[bytes]] = None) -> str:
+    """Where the copy lives: DIR/bin-<type><size>, or, for given SentencePiece models (a run resumed on text whose
+    own copy has other models), DIR/bin-models-<SHA-1 of the two models>."""
+    if protos is not None:
+        return os.path.join(corpus_dir, "bin-models-" + hashlib.sha1(b"\0".join(protos)).hexdigest()[:12])
+    return os.path.join(corpus_dir, binarized_name(vocab_type, vocab_size))
+
+
+def token_dtype(pieces: int) -> np.dtype:
+    return np.dtype(np.uint16 if pieces <= 1 << 16 else np.uint32)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class BinarizedSplit:
+    """One split: `len()` pairs; `pair(i)` and `pairs(indices)` give (source ids, target ids) as lists of ints.
+
+    They are read with positioned reads (os.pread) of just the bytes asked for, not through a mapping: a page
+    fault on a mapped file maps its neighbours too (about 120 KiB of resident memory per random pair on the
+    development machine, benchmarks/NOTES.md item 32), so training through a mapping would grow to the corpus
+    size over an epoch, while the page cache that reads fill is not the process's memory. `memmap(side)` maps
+    the same files for tools that want numpy arrays."""
+
+    def __init__(self, directory: str, split: str, dtype: np.dtype, n: int):
+        self.n, self.dtype = n, np.dtype(dtype)
+        self._paths = {side: (os.path.join(directory, f"{split}.{side}.bin"),
+                              os.path.join(directory, f"{split}.{side}.idx")) for side in SIDES}
+        self._fds: List[int] = []
+        for side, (_, idx) in self._paths.items():
+            if os.path.getsize(idx) != 8 * (n + 1):
+                raise CorpusError(f"{directory}: the index of split {split} has {os.path.getsize(idx) // 8 - 1} "
+                                  f"pairs, the manifest {n}; rebuild it with `dtmt prepare binarize`")
+        self._open()
+        for k, side in enumerate(SIDES):
+            end = int(np.frombuffer(os.pread(self._fds[2 * k + 1], 8, 8 * n), dtype=np.int64)[0])
+            if os.path.getsize(self._paths[side][0]) != end * self.dtype.itemsize:
+                raise CorpusError(f"{self._paths[side][0]} is not as long as its index says (truncated?); rebuild "
+                                  f"it with `dtmt prepare binarize`")
+
+    def _open(self) -> None:
+        self._fds = [os.open(path, os.O_RDONLY) for side in SIDES for path in self._paths[side]]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __del__(self):
+        for fd in getattr(self, "_fds", []):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __getstate__(self):   # file descriptors do not travel; the copy opens its own
+        return {k: v for k, v in self.__dict__.items() if k != "_fds"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._open()
+
+    def memmap(self, side: str) -> Tuple[np.ndarray, np.ndarray]:
+        """(ids, offsets) of one side ("src" or "tgt") as read-only numpy memory maps."""
+        bin_path, idx_path = self._paths[side]
+        return _open_memmap(bin_path, self.dtype), _open_memmap(idx_path, np.int64)
+
+    def lengths(self, dtype=np.uint16, chunk: int = 1 << 20) -> np.ndarray:
+        """[N, 2] lengths (source, target) in `dtype`, saturated at its largest value, from the index in chunks."""
+        top = np.iinfo(dtype).max
+        out = np.empty((self.n, 2), dtype=dtype)
+        for s, side in enumerate(SIDES):
+            with open(self._paths[side][1], "rb") as f:
+                prev = np.fromfile(f, dtype=np.int64, count=1)
+                for start in range(0, self.n, chunk):
+                    block = np.fromfile(f, dtype=np.int64, count=min(chunk, self.n - start))
+                    out[start:start + len(block), s] = np.minimum(np.diff(np.concatenate((prev, block))), top)
+                    prev = block[-1:]
+        return out
+
+    def pair(self, i: int) -> Tuple[List[int], List[int]]:
+        if not 0 <= i < self.n:
+            raise IndexError(f"pair {i} of a split of {self.n}")
+        size = self.dtype.itemsize
+        out = []
+        for k in (0, 2):
+            a, b = np.frombuffer(os.pread(self._fds[k + 1], 16, 8 * i), dtype=np.int64).tolist()
+            out.append(np.frombuffer(os.pread(self._fds[k], (b - a) * size, a * size), dtype=self.dtype).tolist())
+        return out[0], out[1]
+
+    def pairs(self, indices: Sequence[int]) -> List[Tuple[List[int], List[int]]]:
+        return [self.pair(int(i)) for i in indices]
+
+
+def _open_memmap(path: str, dtype) -> np.ndarray:
+    if os.path.getsize(path) == 0:   # numpy cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+class BinarizedCorpus:
+    """A binarized corpus directory (DIR/bin-...): its manifest, vocabularies and splits."""
+
+    def __init__(self, path: str):
+        self.path = path
+        manifest = os.path.join(path, MANIFEST)
+        if not os.path.isfile(manifest):
+            raise CorpusError(f"{path}: not a binarized corpus (no {MANIFEST}); make it with `dtmt prepare binarize`")
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                self.manifest = json.load(f)
+            if not isinstance(self.manifest, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            raise CorpusError(f"{manifest}: unreadable ({exc}); rebuild it with `dtmt prepare binarize`") from None
+        if self.manifest.get("format") != FORMAT or not {"dtype", "splits", "languages"} <= set(self.manifest):
+            raise CorpusError(f"{path}: binarized with format {self.manifest.get('format')}, this dtmt reads format "
+                              f"{FORMAT}; rebuild it with `dtmt prepare binarize`")
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.protos = []
+        for side in SIDES:
+            with open(os.path.join(path, f"{side}.model"), "rb") as f:
+                self.protos.append(f.read())
+
+    @property
+    def splits(self) -> List[str]:
+        return list(self.manifest["splits"])
+
+    def split(self, name: str) -> BinarizedSplit:
+        if name not in self.manifest["splits"]:
+            raise CorpusError(f"{self.path}: no split {name!r}; splits: {self.splits}")
+        return BinarizedSplit(self.path, name, self.dtype, self.manifest["splits"][name]["pairs"])
+
+    def stale(self, corpus_dir: str) -> List[str]:
+        """What of `corpus_dir` is not what this was made from: its languages or splits (corpus.json), or text files
+        whose size or SHA-1 differ (a file whose size and modification time are unchanged is taken as unchanged
+        without reading it)."""
+        manifest = read_manifest(corpus_dir)
+        langs = {"src": manifest["src_lang"], "tgt": manifest["tgt_lang"]}
+        if langs != self.manifest["languages"]:
+            return [f"the languages, now {langs['src']}-{langs['tgt']}"]
+        splits = sorted(s for s in ("train", "dev", "test") if s in manifest.get("counts", {}))
+        if splits != sorted(self.manifest["splits"]):
+            return [f"the splits, now {', '.join(splits)}"]
+        changed = []
+        for split, info in self.manifest["splits"].items():
+            for side in SIDES:
+                rec = info["text"][side]
+                path = os.path.join(corpus_dir, rec["file"])
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    changed.append(rec["file"])
+                    continue
+                if st.st_size != rec["bytes"]:
+                    changed.append(rec["file"])
+                elif st.st_mtime_ns != rec["mtime_ns"] and _file_sha1(path) != rec["sha1"]:
+                    changed.append(rec["file"])
+        return changed
+
+
+class NotBinarized(CorpusError):
+    """The binarized copy asked for is missing or out of date; `reason` says which, in a few words, without the
+    advice to run `dtmt prepare binarize` that the message carries."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def open_binarized(corpus_dir: str, vocab_type: str, vocab_size: int,
+                   protos: Optional[Sequence[bytes]] = None) -> BinarizedCorpus:
+    """The binarized copy of `corpus_dir` for this vocabulary (or for these SentencePiece models), checked against
+    the text it was made from; NotBinarized if it is missing, out of date or of another format (the message says
+    how to make it)."""
+    path = binarized_path(corpus_dir, vocab_type, vocab_size, protos)
+    command = f"dtmt prepare binarize --data {corpus_dir} --vocab-type {vocab_type} --vocab-size {vocab_size}"
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        reason = f"{corpus_dir} has no binarized corpus for {vocab_type} {vocab_size} yet"
+        raise NotBinarized(f"{reason}; make it with `{command}`", reason)
+    try:
+        corpus = BinarizedCorpus(path)
+    except CorpusError as exc:
+        raise NotBinarized(str(exc), str(exc).split(";")[0]) from None
+    changed = corpus.stale(corpus_dir)
+    if changed:
+        reason = f"{path} was made from other text than {corpus_dir} now holds ({', '.join(changed)} changed)"
+        raise NotBinarized(f"{reason}; rebuild it with `{command}`", reason)
+    return corpus
+
+
+# ------------------------------------------------------------------------------------------------ building
+def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: int = DEFAULT_SAMPLE,
+             seed: int = DEFAULT_SEED, workers: int = 0, log: Callable[[str], None] = print,
+             protos: Optional[Sequence[bytes]] = None) -> str:
+    """Builds DIR/bin-<type><size> from the prepared corpus `corpus_dir` (see the module docstring) and returns its
+    path. SentencePiece is trained on `sample` training lines per side, drawn with `seed` (all of them, in order,
+    when the corpus has no more); `workers` encoding processes (0: one per core; 1: in this process).
+    With `protos` (the two SentencePiece models, e.g. a checkpoint's) nothing is trained: the text is encoded with
+    them into binarized_path(..., protos).
+    CorpusError on bad text or a vocabulary SentencePiece cannot build; nothing is left behind then."""
+    if vocab_type not in ("bpe", "unigram"):
+        raise CorpusError(f"--vocab-type must be bpe or unigram, not {vocab_type!r}")
+    if vocab_size < 8:
+        raise CorpusError(f"--vocab-size must be at least 8, not {vocab_size}")
+    if sample < 1:
+        raise CorpusError(f"--sample must be at least 1, not {sample}")
+    manifest = read_manifest(corpus_dir)
+    langs = (manifest["src_lang"], manifest["tgt_lang"])
+    splits = [s for s in ("train", "dev", "test") if s in manifest.get("counts", {})]
+    if "train" not in splits:
+        raise CorpusError(f"{corpus_dir}: the manifest names no train split")
+    workers = workers or min(len(os.sched_getaffinity(0)), 16)
+    final = binarized_path(corpus_dir, vocab_type, vocab_size, protos)
+    _remove_leftovers(corpus_dir, os.path.basename(final))
+    tmp = os.path.join(corpus_dir, f".{os.path.basename(final)}.tmp-{os.getpid()}")
+    t_start = time.perf_counter()
+    try:
+        os.makedirs(tmp)
+        # 1. every file's line count and checksum, before any long work: a count mismatch is reported at once
+        texts: Dict[str, Dict[str, dict]] = {}
+        for split in splits:
+            paths = [os.path.join(corpus_dir, f"{split}.{lang}") for lang in langs]
+            both = hashlib.sha1()   # of the two files one after the other, as corpus.corpus_fingerprint has it
+            info = [_scan(p, both) for p in paths]
+            if split == "train":
+                train_sha1 = both.hexdigest()
+            if info[0]["lines"] != info[1]["lines"]:
+                raise CorpusError(f"line counts differ: {paths[0]} has {info[0]['lines']} lines, {paths[1]} has "
+                                  f"{info[1]['lines']}; the files must be aligned one sentence per line")
+            if info[0]["lines"] == 0:
+                raise CorpusError(f"{paths[0]} and {paths[1]} hold no sentences: a corpus needs at least one pair")
+            texts[split] = {side: dict(i, file=os.path.basename(p), path=p) for side, i, p in zip(SIDES, info, paths)}
+        n_train = texts["train"]["src"]["lines"]
+        # 2. the vocabularies, from a seeded sample of the training lines
+        chosen = None if n_train <= sample else sorted(random.Random(seed).sample(range(n_train), sample))
+        t0 = time.perf_counter()
+        given = protos is not None
+        if not given:
+            protos = _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_dir)
+        protos = list(protos)
+        for side, proto in zip(SIDES, protos):
+            with open(os.path.join(tmp, f"{side}.model"), "wb") as f:
+                f.write(proto)
+        pieces = [len(Vocabulary(p)) for p in protos]
+        dtype = token_dtype(max(pieces))
+        used = 0 if given else n_train if chosen is None else len(chosen)
+        if given:
+            log(f"vocabularies: the given SentencePiece models, {pieces[0]:,} / {pieces[1]:,} pieces")
+        else:
+            log(f"vocabularies: SentencePiece {vocab_type} {vocab_size} trained on {used:,} of {n_train:,} training "
+                f"lines per side (seed {seed}) in {time.perf_counter() - t0:.1f}s: {pieces[0]:,} / {pieces[1]:,} "
+                f"pieces")
+        # 3. every split's ids, on `workers` processes
+        split_info = {}
+        for split in splits:
+            t0 = time.perf_counter()
+            stats = _encode_split(texts[split], tmp, split, protos, dtype, workers)
+            split_info[split] = {
+                "pairs": stats["pairs"], "tokens": stats["tokens"], "empty_after_segmentation": stats["empty"],
+                "longest": stats["longest"],
+                "text": {side: {k: texts[split][side][k] for k in ("file", "bytes", "mtime_ns", "sha1")}
+                         for side in SIDES}}
+            dt = time.perf_counter() - t0
+            log(f"{split}: {stats['pairs']:,} pairs, {stats['tokens']['src']:,} + {stats['tokens']['tgt']:,} tokens "
+                f"in {dt:.1f}s ({stats['pairs'] / max(dt, 1e-9):,.0f} pairs/s, {workers} process(es))"
+                + (f"; {stats['empty']:,} pairs with a side empty after segmentation (training skips them)"
+                   if stats["empty"] else "")
+                + ("" if stats["cache_exact"] else "; the word cache disagreed with SentencePiece and was turned off"))
+        record = {"format": FORMAT, "vocab_type": vocab_type, "vocab_size": vocab_size,
+                  "pieces": dict(zip(SIDES, pieces)), "languages": dict(zip(SIDES, langs)),
+                  "sample": {"size": used, "of": n_train, "seed": seed}, "models_given": given, "dtype": dtype.name,
+                  "train_sha1": train_sha1, "splits": split_info}
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        # 4. into place: one rename (an earlier copy is moved aside first and removed after)
+        old = None
+        if os.path.exists(final):
+            old = os.path.join(corpus_dir, f".{os.path.basename(final)}.old-{os.getpid()}")
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {final} in {time.perf_counter() - t_start:.1f}s")
+    return final
+
+
+def _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_dir) -> List[bytes]:
+    """The two SentencePiece models, a process a side when workers >= 2 (the sample's memory goes with them)."""
+    from dtmt_models.errors import one_line
+
+    jobs = [(texts["train"][side]["path"], chosen, vocab_size, vocab_type) for side in SIDES]
+    try:
+        if workers < 2:
+            return [_train_vocabulary(*job) for job in jobs]
+        with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"),
+                                                    initializer=_die_with_parent) as pool:
+            return list(pool.map(_train_vocabulary, *zip(*jobs)))
+    except concurrent.futures.process.BrokenProcessPool as exc:
+        raise CorpusError(f"a SentencePiece training process died ({one_line(exc)}); out of memory? A smaller "
+                          f"--sample needs less") from None
+    except RuntimeError as exc:   # SentencePiece: e.g. fewer pieces than the text has characters
+        raise CorpusError(f"--vocab-size {vocab_size}: SentencePiece cannot build a vocabulary of that size "
+                          f"from {corpus_dir} ({one_line(exc)})") from None
+
+
+def _die_with_parent() -> None:
+    """A worker process ends when the process that forked it does, even by SIGKILL (Linux's PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+def _train_vocabulary(path: str, chosen: Optional[List[int]], vocab_size: int, vocab_type: str) -> bytes:
+    return Vocabulary.train(_sample_lines(path, chosen), vocab_size, vocab_type).proto
+
+
+def _remove_leftovers(corpus_dir: str, name: str) -> None:
+    """Removes the temporary or moved-aside directories of earlier runs whose process is gone."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.(tmp|old)-(\d+)")
+    for entry in os.listdir(corpus_dir):
+        m = pattern.fullmatch(entry)
+        if m and not _alive(int(m.group(2))):
+            shutil.rmtree(os.path.join(corpus_dir, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _file_sha1(path: str) -> str:
+    digest = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _scan(path: str, both) -> dict:
+    """Lines (as corpus.read_lines counts them), size, modification time and SHA-1 of a file, in one read; the
+    bytes and a closing NUL also go into the digest `both`."""
+    if not os.path.isfile(path):
+        raise CorpusError(f"{path}: no such file")
+    digest = hashlib.sha1()
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            both.update(block)
+            lines += block.count(b"\n")
+            last = block[-1:]
+        st = os.fstat(f.fileno())
+    both.update(b"\0")
+    return {"lines": lines + (last != b"\n"), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha1": digest.hexdigest()}
+
+
+def _sample_lines(path: str, chosen: Optional[List[int]]) -> List[str]:
+    """The stripped lines at the 0-based line numbers `chosen` (all lines when None); lines that are not valid
+    UTF-8 or are empty are left out here (the encoding pass reports them)."""
+    out = []
+    wanted = iter(chosen) if chosen is not None else None
+    target = next(wanted, None) if wanted is not None else None
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            if wanted is not None:
+                if i != target:
+                    continue
+                target = next(wanted, None)
+            text = _text(raw, i == 0)
+            if text:
+                out.append(text)
+            if wanted is not None and target is None:
+                break
+    return out
+
+
+def _text(raw: bytes, first: bool) -> Optional[str]:
+    """A line as corpus.read_lines reads it (None if it is not UTF-8 or empty)."""
+    if first and raw.startswith(BOM):
+        raw = raw[3:]
+    text, problem = decode_line(raw[:-1] if raw.endswith(b"\n") else raw, "", 0)
+    return None if problem else text
+
+
+def _read_chunks(src_path: str, tgt_path: str, lines: int) -> Iterator[Tuple[int, List[bytes], List[bytes]]]:
+    with open(src_path, "rb") as fs, open(tgt_path, "rb") as ft:
+        start = 1
+        while True:
+            a, b = list(itertools.islice(fs, lines)), list(itertools.islice(ft, lines))
+            if not a and not b:
+                return
+            yield start, a, b
+            start += max(len(a), len(b))
+
+
+def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Sequence[bytes], dtype: np.dtype,
+                  workers: int) -> dict:
+    """Encodes one split into out_dir/{split}.{side}.bin/.idx; CorpusError listing the bad lines (up to
+    MAX_LISTED, with the total) once the whole split has been read."""
+    paths = (text["src"]["path"], text["tgt"]["path"])
+    chunks = _read_chunks(*paths, CHUNK_LINES)
+    problems: List[str] = []
+    n_problems = 0
+    stats = {"pairs": 0, "tokens": {"src": 0, "tgt": 0}, "empty": 0, "longest": {"src": 0, "tgt": 0},
+             "cache_exact": True}
+    files = [open(os.path.join(out_dir, f"{split}.{s}.bin"), "wb") for s in SIDES]
+    idx = [open(os.path.join(out_dir, f"{split}.{s}.idx"), "wb") for s in SIDES]
+    offsets = [0, 0]
+    try:
+        for f in idx:
+            np.zeros(1, np.int64).tofile(f)
+        for result in _map_chunks(chunks, paths, protos, dtype, workers):
+            n_problems += result["n_problems"]
+            problems.extend(result["problems"][:max(MAX_LISTED - len(problems), 0)])
+            stats["cache_exact"] &= result["cache_exact"]
+            if n_problems:
+                continue   # keep reading to count and list them, write nothing more
+            for s, side in enumerate(SIDES):
+                ids, lens = result["ids"][s], result["lengths"][s]
+                ids.tofile(files[s])
+                (offsets[s] + np.cumsum(lens, dtype=np.int64)).tofile(idx[s])
+                offsets[s] += int(lens.sum())
+                stats["tokens"][side] += int(lens.sum())
+                if len(lens):
+                    stats["longest"][side] = max(stats["longest"][side], int(lens.max()))
+            stats["pairs"] += len(result["lengths"][0])
+            stats["empty"] += int(((result["lengths"][0] == 0) | (result["lengths"][1] == 0)).sum())
+    finally:
+        for f in files + idx:
+            f.close()
+    if n_problems:
+        shown = "\n  ".join(problems)
+        more = f"\n  ... and {n_problems - len(problems)} more" if n_problems > len(problems) else ""
+        raise CorpusError(f"parallel corpus ({split}): {n_problems} problem(s)\n  {shown}{more}")
+    return stats
+
+
+def _map_chunks(chunks, paths, protos, dtype, workers):
+    """The encoded chunks, in order: in this process, or on `workers` processes with at most 2 x workers chunks
+    in flight (memory stays bounded whatever the corpus size)."""
+    if workers <= 1:
+        encoder = _PairEncoder(protos)
+        for chunk in chunks:
+            yield encoder.encode_chunk(chunk, paths, dtype)
+        return
+    # fork: quick, and it does not re-run the main script as spawn does. The children run only this module's
+    # Python, numpy (no BLAS) and SentencePiece, none of which waits on a lock that another thread of this process
+    # (torch's, gloo's, OpenBLAS's) might have held at the fork.
+    ctx = multiprocessing.get_context("fork")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                    initargs=(tuple(protos),)) as pool:
+            pending = collections.deque()
+            for chunk in chunks:
+                pending.append(pool.submit(_encode_in_worker, chunk, paths, dtype))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+    except concurrent.futures.process.BrokenProcessPool as exc:
+        from dtmt_models.errors import one_line
+
+        raise CorpusError(f"an encoding process died ({one_line(exc)}); out of memory? Fewer --workers need "
+                          f"less") from None
+
+
+_WORKER: Optional["_PairEncoder"] = None
+
+
+def _init_worker(protos) -> None:
+    global _WORKER
+    _die_with_parent()
+    _WORKER = _PairEncoder(protos)
+
+
+def _encode_in_worker(chunk, paths, dtype):
+    return _WORKER.encode_chunk(chunk, paths, dtype)
+
+
+class _PairEncoder:
+    """Validates and encodes chunks of line pairs, one `_CachedEncoder` per side."""
+
+    def __init__(self, protos):
+        self.sides = [_CachedEncoder(p) for p in protos]
+
+    def encode_chunk(self, chunk, paths, dtype) -> dict:
+        start, raw_src, raw_tgt = chunk
+        texts: List[List[str]] = [[], []]
+        problems: List[str] = []
+        n_problems = 0
+        for s, (raw, path) in enumerate(zip((raw_src, raw_tgt), paths)):
+            for i, line in enumerate(raw, start=start):
+                if i == 1 and line.startswith(BOM):
+                    line = line[3:]
+                text, problem = decode_line(line[:-1] if line.endswith(b"\n") else line, path, i)
+                if problem:
+                    n_problems += 1
+                    if len(problems) < MAX_LISTED:
+                        problems.append(problem)
+                texts[s].append(text)
+        if len(raw_src) != len(raw_tgt):   # a file changed while it was read
+            n_problems += 1
+            problems.append(f"line counts differ: {paths[0]} and {paths[1]} changed while being read")
+        if n_problems:
+            return {"n_problems": n_problems, "problems": problems, "cache_exact": True}
+        ids, lengths = zip(*(enc.encode(side, dtype) for enc, side in zip(self.sides, texts)))
+        return {"n_problems": 0, "problems": [], "ids": ids, "lengths": lengths,
+                "cache_exact": all(e.exact for e in self.sides)}
+
+
+class _CachedEncoder:
+    """`Vocabulary.encode` over many lines, with the ids of each word cached. The models dtmt trains split on
+    whitespace (no piece crosses a space) and normalise with NFKC, so on a line that is NFKC-normal and has no
+    whitespace but plain spaces, its ids are its words' ids joined. Other lines go to SentencePiece whole. The
+    first lines of every call are also encoded whole and compared; a difference turns the cache off for good."""
+
+    CHECKED = 4            # lines per call compared with SentencePiece's own encoding
+    LIMIT = 500_000        # cached words at most (emptied when full: memory stays bounded on any text)
+
+    def __init__(self, proto: bytes):
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        self.exact = True
+        self._reset()
+
+    def _reset(self) -> None:
+        """An empty cache: word -> its number k; the ids of word k are table[start[k]:start[k] + length[k]]."""
+        self.index: Dict[str, int] = {"": 0}
+        self.table = np.zeros(0, np.int32)
+        self.start = np.zeros(1, np.int64)
+        self.length = np.zeros(1, np.int64)
+
+    def _add(self, words: List[str]) -> None:
+        encoded = self._whole(words)
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        self.start = np.concatenate((self.start, len(self.table) + np.cumsum(lengths) - lengths))
+        self.length = np.concatenate((self.length, lengths))
+        self.table = np.concatenate((self.table, np.fromiter(itertools.chain.from_iterable(encoded), np.int32,
+                                                              count=int(lengths.sum()))))
+        self.index.update(zip(words, range(len(self.index), len(self.index) + len(words))))
+
+    def encode(self, lines: Sequence[str], dtype=np.int64) -> Tuple[np.ndarray, np.ndarray]:
+        """(all the lines' ids one after the other, each line's number of ids)."""
+        if not self.exact:
+            return self._flat(self._whole(lines), dtype)
+        safe = [line.isprintable() and unicodedata.is_normalized("NFKC", line) for line in lines]
+        easy = [line for line, ok in zip(lines, safe) if ok]
+        words = " ".join(easy).split(" ") if easy else []   # line after line; a line of k spaces has k + 1 words
+        try:
+            widx = np.fromiter(map(self.index.__getitem__, words), dtype=np.int64, count=len(words))
+        except KeyError:
+            missing = set(words).difference(self.index)
+            if len(self.index) + len(missing) > self.LIMIT:
+                self._reset()
+                missing = set(words).difference(self.index)
+            self._add(list(missing))
+            widx = np.fromiter(map(self.index.__getitem__, words), dtype=np.int64, count=len(words))
+        per_word, first = self.length[widx], self.start[widx]
+        ends = np.cumsum(per_word)
+        ids = self.table[np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - per_word - first, per_word)]
+        ids = ids.astype(dtype)
+        n_words = np.fromiter((line.count(" ") + 1 for line in easy), dtype=np.int64, count=len(easy))
+        lengths = (np.add.reduceat(per_word, np.cumsum(n_words) - n_words) if len(easy)
+                   else np.zeros(0, np.int64))
+        if len(easy) < len(lines):   # merge the lines SentencePiece encoded whole, in their places
+            offsets = np.concatenate(([0], np.cumsum(lengths)))
+            hard = iter(self._whole([line for line, ok in zip(lines, safe) if not ok]))
+            k, out = 0, []
+            for ok in safe:
+                if ok:
+                    out.append(ids[offsets[k]:offsets[k + 1]].tolist())
+                    k += 1
+                else:
+                    out.append(next(hard))
+            ids, lengths = self._flat(out, dtype)
+        check = min(self.CHECKED, len(lines))
+        if check and self._whole(lines[:check]) != [ids[a - n:a].tolist() for a, n in
+                                                    zip(np.cumsum(lengths[:check]), lengths[:check])]:
+            self.exact = False
+            return self._flat(self._whole(lines), dtype)
+        return ids, lengths
+
+    def _whole(self, lines: Sequence[str]) -> List[List[int]]:
+        """SentencePiece's own encoding, a call per line (its list form starts a thread pool on every call)."""
+        encode = self.sp.encode
+        return [encode(line, out_type=int) for line in lines]
+
+    @staticmethod
+    def _flat(encoded: List[List[int]], dtype) -> Tuple[np.ndarray, np.ndarray]:
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        return np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(lengths.sum())), lengths

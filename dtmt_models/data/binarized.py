@@ -198,7 +198,7 @@ class BinarizedCorpus:
         splits = sorted(s for s in ("train", "dev", "test") if s in manifest.get("counts", {}))
         if splits != sorted(self.manifest["splits"]):
             return [f"the splits, now {', '.join(splits)}"]
-        changed = []
+        changed, touched = [], False
         for split, info in self.manifest["splits"].items():
             for side in SIDES:
                 rec = info["text"][side]
@@ -210,8 +210,21 @@ class BinarizedCorpus:
                     continue
                 if st.st_size != rec["bytes"]:
                     changed.append(rec["file"])
-                elif st.st_mtime_ns != rec["mtime_ns"] and _file_sha1(path) != rec["sha1"]:
-                    changed.append(rec["file"])
+                elif st.st_mtime_ns != rec["mtime_ns"]:
+                    if _file_sha1(path) != rec["sha1"]:
+                        changed.append(rec["file"])
+                    else:   # the same bytes, touched: remember the new time so that the next check reads nothing
+                        rec["mtime_ns"] = st.st_mtime_ns
+                        touched = True
+        if touched and not changed:
+            try:
+                from dtmt_models.atomic import atomic_write
+
+                with atomic_write(os.path.join(self.path, MANIFEST)) as f:
+                    json.dump(self.manifest, f, indent=2)
+                    f.write("\n")
+            except OSError:   # a read-only copy: checked by content again next time
+                pass
         return changed
 
 

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     z = sub.add_parser("binarize", help="(re)write the binarized corpus of a prepared directory",
                        description="Trains SentencePiece on a seeded sample of the training text and writes every "
-                                   "split's token ids, memory-mapped, with an index and a manifest, to "
+                                   "split's token ids (flat arrays numpy can map) with an index and a manifest, to "
                                    "DIR/bin-<type><size> (what dtmt train reads; see dtmt_models.data.binarized). "
                                    "`dtmt prepare bible` and `files` do this with the default settings; run this "
                                    "for another vocabulary or sample, or after changing the text.")

@@ -43,7 +43,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dtmt_models.data.corpus import BOM, MAX_LISTED, CorpusError, decode_line, read_manifest
+from dtmt_models.data.corpus import MAX_LISTED, CorpusError, decode_file_line, read_manifest
 from dtmt_models.data.vocabulary import Vocabulary
 
 FORMAT = 1
@@ -108,13 +108,6 @@ class BinarizedSplit:
                 os.close(fd)
             except OSError:
                 pass
-
-    def __getstate__(self):   # file descriptors do not travel; the copy opens its own
-        return {k: v for k, v in self.__dict__.items() if k != "_fds"}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._open()
 
     def memmap(self, side: str) -> Tuple[np.ndarray, np.ndarray]:
         """(ids, offsets) of one side ("src" or "tgt") as read-only numpy memory maps."""
@@ -454,20 +447,12 @@ def _sample_lines(path: str, chosen: Optional[List[int]]) -> List[str]:
                 if i != target:
                     continue
                 target = next(wanted, None)
-            text = _text(raw, i == 0)
-            if text:
+            text, problem = decode_file_line(raw, path, i + 1)
+            if not problem:
                 out.append(text)
             if wanted is not None and target is None:
                 break
     return out
-
-
-def _text(raw: bytes, first: bool) -> Optional[str]:
-    """A line as corpus.read_lines reads it (None if it is not UTF-8 or empty)."""
-    if first and raw.startswith(BOM):
-        raw = raw[3:]
-    text, problem = decode_line(raw[:-1] if raw.endswith(b"\n") else raw, "", 0)
-    return None if problem else text
 
 
 def _read_chunks(src_path: str, tgt_path: str, lines: int) -> Iterator[Tuple[int, List[bytes], List[bytes]]]:
@@ -578,9 +563,7 @@ class _PairEncoder:
         n_problems = 0
         for s, (raw, path) in enumerate(zip((raw_src, raw_tgt), paths)):
             for i, line in enumerate(raw, start=start):
-                if i == 1 and line.startswith(BOM):
-                    line = line[3:]
-                text, problem = decode_line(line[:-1] if line.endswith(b"\n") else line, path, i)
+                text, problem = decode_file_line(line, path, i)
                 if problem:
                     n_problems += 1
                     if len(problems) < MAX_LISTED:

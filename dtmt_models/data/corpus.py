@@ -64,6 +64,14 @@ def decode_line(line: bytes, path: str, lineno: int, allow_empty: bool = False) 
     return text, None
 
 
+def decode_file_line(raw: bytes, path: str, lineno: int) -> Tuple[str, Optional[str]]:
+    """`decode_line` of a line as iterating a binary file gives it: with its line feed, and, on line 1, maybe the
+    byte-order mark."""
+    if lineno == 1 and raw.startswith(BOM):
+        raw = raw[3:]
+    return decode_line(raw[:-1] if raw.endswith(b"\n") else raw, path, lineno)
+
+
 def count_lines(path: str) -> int:
     """The number of lines `read_lines` would return, counted without decoding (blocks of 1 MiB)."""
     if not os.path.isfile(path):
@@ -92,9 +100,7 @@ def iter_parallel(src_path: str, tgt_path: str) -> Iterator[Tuple[str, str]]:
         for i, (a, b) in enumerate(zip(fs, ft), start=1):
             texts = []
             for path, line in ((src_path, a), (tgt_path, b)):
-                if i == 1 and line.startswith(BOM):
-                    line = line[3:]
-                text, problem = decode_line(line[:-1] if line.endswith(b"\n") else line, path, i)
+                text, problem = decode_file_line(line, path, i)
                 if problem:
                     n_problems += 1
                     if len(problems) < MAX_LISTED:

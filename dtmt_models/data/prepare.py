@@ -20,7 +20,7 @@ import contextlib
 import os
 import random
 import re
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence
 
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import corpus as data
@@ -40,17 +40,6 @@ def holdout_indices(n: int, holdout: int, splits: Sequence[str], seed: int) -> D
                                f"{n} (at least one must stay for training)")
     chosen = random.Random(seed).sample(range(n), need)
     return {j: split for i, split in enumerate(splits) for j in chosen[i * holdout:(i + 1) * holdout]}
-
-
-def holdout_split(pairs: Sequence[Tuple[str, str]], n: int, splits: Sequence[str], seed: int
-                  ) -> Dict[str, List[Tuple[str, str]]]:
-    """`holdout_indices` applied to a list: {"train": the rest, split: its held-out pairs, ...}, each part in the
-    original order."""
-    where = holdout_indices(len(pairs), n, splits, seed)
-    out: Dict[str, List[Tuple[str, str]]] = {split: [] for split in ["train", *splits]}
-    for j, pair in enumerate(pairs):
-        out[where.get(j, "train")].append(pair)
-    return out
 
 
 def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:

@@ -59,6 +59,37 @@ def test_vocabulary_train_round_trip(tmp_path):
     assert Vocabulary.train(text, vocab_size=40).proto == vocab.proto   # deterministic
 
 
+
+def test_bpe_on_word_counts_is_the_bpe_on_sentences(tmp_path):
+    """SentencePiece's BPE from the words' counts is the model from the sentences, byte for byte, on random
+    lines of accents, ligatures, full-width letters, spaces of every kind SentencePiece keeps, drops or turns
+    into a space (NBSP, ideographic, zero-width, tabs, carriage returns, vertical tab, FS, NEL, runs), control
+    characters and emoji. The counts split only at the spaces, tabs and carriage returns that SentencePiece
+    itself splits at, as binarized._word_counts does."""
+    import collections
+    import random
+
+    from dtmt_models.data import binarized
+
+    rng = random.Random(5)
+    alphabet = (list("abcdeéñüxyz ") * 3 + ["ﬁ", "Ａ", "e\u0301", "🙂", "中", ".", "\x07", "\u00a0", "\u3000", "\u200b",
+                                            "\t", "\r", "\x0b", "\x1c", "\x85", "\u2028", "\ufeff", "  "])
+    lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))).strip() or "a" for _ in range(500)]
+    lines += ["el perro come la manzana", "la casa es grande"] * 50
+    path = tmp_path / "train.es"
+    path.write_bytes("".join(line + "\n" for line in lines).encode())
+    counts = binarized._word_counts(str(path), None, block=64)
+    assert counts["la"] == 100 and counts["perro"] == 50   # (the random lines have no l, p or r)
+    for size in (80, 150, 400):
+        expected = Vocabulary.train(lines, vocab_size=size, model_type="bpe")
+        got = Vocabulary.train_bpe_on_word_counts(counts, vocab_size=size)
+        assert got.proto == expected.proto
+        assert got.encode(lines[3]) == expected.encode(lines[3])
+    # the same counts split at every whitespace Python knows would not be the same model: the splitting matters
+    python_split = collections.Counter(" ".join(lines).split())
+    assert Vocabulary.train_bpe_on_word_counts(python_split, vocab_size=150).proto != \
+        Vocabulary.train(lines, vocab_size=150, model_type="bpe").proto
+
 def test_token_batches_respect_budget_and_seed():
     lengths = [(n % 17 + 1, n % 13 + 1) for n in range(200)]
     batches = batching.token_batches(lengths, max_tokens=64, seed=3, epoch=0)

@@ -21,6 +21,9 @@ written, so an interrupted run leaves nothing a reader would accept (the next ru
 Bad text (invalid UTF-8, an empty line, a line-count mismatch) is reported with file and line, as
 dtmt_models.data.corpus does for text, before anything is renamed into place.
 
+BPE models are trained on the sample's word counts (`Vocabulary.train_bpe_on_word_counts`: the same model as
+from the sample's sentences, without SentencePiece normalising every sentence); unigram on the sentences.
+
 The ids are those of `Vocabulary.encode` on the stripped line (the text pipeline): tests/test_binarized.py holds
 them equal. Encoding runs on `workers` processes; each caches the ids of the words it has seen, which is exact
 because the models never merge across a space (checked while encoding: a mismatch turns the cache off).
@@ -310,7 +313,8 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
         if given:
             log(f"vocabularies: the given SentencePiece models, {pieces[0]:,} / {pieces[1]:,} pieces")
         else:
-            log(f"vocabularies: SentencePiece {vocab_type} {vocab_size} trained on {used:,} of {n_train:,} training "
+            log(f"vocabularies: SentencePiece {vocab_type} {vocab_size} trained on "
+                f"{'the word counts of ' if vocab_type == 'bpe' else ''}{used:,} of {n_train:,} training "
                 f"lines per side (seed {seed}) in {time.perf_counter() - t0:.1f}s: {pieces[0]:,} / {pieces[1]:,} "
                 f"pieces")
         # 3. every split's ids, on `workers` processes
@@ -384,7 +388,23 @@ def _die_with_parent() -> None:
 
 
 def _train_vocabulary(path: str, chosen: Optional[List[int]], vocab_size: int, vocab_type: str) -> bytes:
-    return Vocabulary.train(_sample_lines(path, chosen), vocab_size, vocab_type).proto
+    """BPE from the sample's word counts (the same model as from its sentences, faster), unigram from the
+    sentences."""
+    if vocab_type == "bpe":
+        return Vocabulary.train_bpe_on_word_counts(_word_counts(path, chosen), vocab_size).proto
+    return Vocabulary.train(list(_sample_lines(path, chosen)), vocab_size, vocab_type).proto
+
+
+def _word_counts(path: str, chosen: Optional[List[int]], block: int = 4096) -> collections.Counter:
+    """How often each word occurs in the sampled lines, words as `Vocabulary.train_bpe_on_word_counts` takes
+    them (split at spaces, tabs and carriage returns; the empty string counted too and left out there)."""
+    counts: collections.Counter = collections.Counter()
+    lines = _sample_lines(path, chosen)
+    while True:
+        part = list(itertools.islice(lines, block))
+        if not part:
+            return counts
+        counts.update(" ".join(part).replace("\t", " ").replace("\r", " ").split(" "))
 
 
 def _remove_leftovers(corpus_dir: str, name: str) -> None:
@@ -435,10 +455,9 @@ def _scan(path: str, both) -> dict:
             "sha1": digest.hexdigest()}
 
 
-def _sample_lines(path: str, chosen: Optional[List[int]]) -> List[str]:
+def _sample_lines(path: str, chosen: Optional[List[int]]) -> Iterator[str]:
     """The stripped lines at the 0-based line numbers `chosen` (all lines when None); lines that are not valid
     UTF-8 or are empty are left out here (the encoding pass reports them)."""
-    out = []
     wanted = iter(chosen) if chosen is not None else None
     target = next(wanted, None) if wanted is not None else None
     with open(path, "rb") as f:
@@ -449,10 +468,9 @@ def _sample_lines(path: str, chosen: Optional[List[int]]) -> List[str]:
                 target = next(wanted, None)
             text, problem = decode_file_line(raw, path, i + 1)
             if not problem:
-                out.append(text)
+                yield text
             if wanted is not None and target is None:
                 break
-    return out
 
 
 def _read_chunks(src_path: str, tgt_path: str, lines: int) -> Iterator[Tuple[int, List[bytes], List[bytes]]]:

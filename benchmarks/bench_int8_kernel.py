@@ -56,6 +56,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default=os.path.join(HERE, "out", "int8_kernel"))
+    p.add_argument("--isa", default="", help="the CPU loops to time (e.g. avx2 on an AVX-512 machine: the int8 "
+                                             "loop without VNNI); default: the best this CPU runs")
     a = p.parse_args(argv)
     from bench_cells import torch_threads
     with torch_threads(1):
@@ -70,6 +72,12 @@ def _run(a, argv):
     from dtmt_models.models.checkpoint import load_model
     from dtmt_models.models.rnmt import FusedRNMTDecoder
 
+    from dtmt_kernels import _C
+
+    if a.isa:
+        if a.isa not in _C.supported_cpu_isas():
+            raise SystemExit(f"--isa {a.isa}: this CPU runs {', '.join(_C.supported_cpu_isas())}")
+        _C.set_cpu_isa(a.isa)
     model, _, _, ckpt = load_model(a.checkpoint)
     decoder = model.eval().inference_decoder()
     if not isinstance(decoder, FusedRNMTDecoder):

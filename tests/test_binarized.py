@@ -198,6 +198,27 @@ def test_changed_text_is_noticed_and_a_touched_file_is_not(tmp_path):
         binarized.open_binarized(d, "bpe", 80)
 
 
+def test_the_training_text_checksum_comes_from_a_fresh_copy(tmp_path):
+    """`dtmt train` takes the resume fingerprint's SHA-1 from a binarized copy whose record of the training files'
+    size and time matches them (known_train_sha1), not by reading the text again; a touched or changed file, or
+    no copy, and it reads the text."""
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    assert binarized.known_train_sha1(d) is None
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    known = binarized.known_train_sha1(d)
+    assert known == data.corpus_fingerprint(d)["train_sha1"]
+    assert data.corpus_fingerprint(d, train_sha1=known) == data.corpus_fingerprint(d)
+    path = os.path.join(d, "train.es")
+    os.utime(path, ns=(1, 1))
+    assert binarized.known_train_sha1(d) is None
+    binarized.open_binarized(d, "bpe", 80)      # same bytes: the copy records the new time and vouches again
+    assert binarized.known_train_sha1(d) == known
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("otra línea\n")
+    assert binarized.known_train_sha1(d) is None
+    assert data.corpus_fingerprint(d)["train_sha1"] != known
+
+
 def test_prepare_cli_binarize_and_options(tmp_path, capsys):
     d = write_corpus(tmp_path / "c", SRC, TGT)
     assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "80", "--workers", "1"]) == 0

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from dtmt_models.atomic import WriteError, atomic_write
+from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import read_checkpoint
@@ -300,7 +301,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.out = os.path.abspath(args.out or os.path.join("runs", args.model))
         last = os.path.join(args.out, LAST)
         ckpt = None
-        fingerprint = corpus_fingerprint(args.data)
+        fingerprint = corpus_fingerprint(args.data, train_sha1=binarized.known_train_sha1(args.data))
         if args.resume:
             ckpt = read_checkpoint(last)
             if "training" not in ckpt:

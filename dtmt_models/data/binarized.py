@@ -46,7 +46,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dtmt_models.data.corpus import MAX_LISTED, CorpusError, decode_file_line, read_manifest
+from dtmt_models.data.corpus import CorpusError, Problems, decode_file_line, read_manifest, scan_file
 from dtmt_models.data.vocabulary import Vocabulary
 
 FORMAT = 1
@@ -222,6 +222,34 @@ class BinarizedCorpus:
             except OSError:   # a read-only copy: checked by content again next time
                 pass
         return changed
+
+
+def known_train_sha1(corpus_dir: str) -> Optional[str]:
+    """The SHA-1 of the training text (as corpus.corpus_fingerprint computes it) from a binarized copy's manifest,
+    when the copy's record of both training files' size and modification time matches the files now (the rule
+    BinarizedCorpus.stale trusts too); None when no copy vouches for them, and the caller reads the text."""
+    try:
+        manifest = read_manifest(corpus_dir)
+        now = {side: os.stat(os.path.join(corpus_dir, f"train.{manifest[lang]}"))
+               for side, lang in zip(SIDES, ("src_lang", "tgt_lang"))}
+        entries = sorted(os.listdir(corpus_dir))
+    except (OSError, KeyError, CorpusError):
+        return None
+    for entry in entries:
+        if not entry.startswith("bin-"):
+            continue
+        try:
+            with open(os.path.join(corpus_dir, entry, MANIFEST), encoding="utf-8") as f:
+                record = json.load(f)
+            text = record["splits"]["train"]["text"]
+            if record.get("format") == FORMAT and all(
+                    text[side]["file"] == f"train.{manifest[lang]}" and text[side]["bytes"] == now[side].st_size
+                    and text[side]["mtime_ns"] == now[side].st_mtime_ns
+                    for side, lang in zip(SIDES, ("src_lang", "tgt_lang"))):
+                return record["train_sha1"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 class NotBinarized(CorpusError):
@@ -430,29 +458,19 @@ def _alive(pid: int) -> bool:
 
 def _file_sha1(path: str) -> str:
     digest = hashlib.sha1()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    scan_file(path, digest)
     return digest.hexdigest()
 
 
 def _scan(path: str, both) -> dict:
     """Lines (as corpus.read_lines counts them), size, modification time and SHA-1 of a file, in one read; the
     bytes and a closing NUL also go into the digest `both`."""
-    if not os.path.isfile(path):
-        raise CorpusError(f"{path}: no such file")
     digest = hashlib.sha1()
-    lines, last = 0, b"\n"
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-            both.update(block)
-            lines += block.count(b"\n")
-            last = block[-1:]
-        st = os.fstat(f.fileno())
+    # the time before the read: a file written during the read then looks touched, and is hashed again
+    st = os.stat(path) if os.path.isfile(path) else None
+    lines = scan_file(path, digest, both)
     both.update(b"\0")
-    return {"lines": lines + (last != b"\n"), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "sha1": digest.hexdigest()}
+    return {"lines": lines, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha1": digest.hexdigest()}
 
 
 def _sample_lines(path: str, chosen: Optional[List[int]]) -> Iterator[str]:
@@ -490,8 +508,7 @@ def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Seque
     MAX_LISTED, with the total) once the whole split has been read."""
     paths = (text["src"]["path"], text["tgt"]["path"])
     chunks = _read_chunks(*paths, CHUNK_LINES)
-    problems: List[str] = []
-    n_problems = 0
+    problems = Problems()
     stats = {"pairs": 0, "tokens": {"src": 0, "tgt": 0}, "empty": 0, "longest": {"src": 0, "tgt": 0},
              "cache_exact": True}
     files = [open(os.path.join(out_dir, f"{split}.{s}.bin"), "wb") for s in SIDES]
@@ -501,10 +518,9 @@ def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Seque
         for f in idx:
             np.zeros(1, np.int64).tofile(f)
         for result in _map_chunks(chunks, paths, protos, dtype, workers):
-            n_problems += result["n_problems"]
-            problems.extend(result["problems"][:max(MAX_LISTED - len(problems), 0)])
+            problems.merge(result["problems"])
             stats["cache_exact"] &= result["cache_exact"]
-            if n_problems:
+            if problems:
                 continue   # keep reading to count and list them, write nothing more
             for s, side in enumerate(SIDES):
                 ids, lens = result["ids"][s], result["lengths"][s]
@@ -519,10 +535,7 @@ def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Seque
     finally:
         for f in files + idx:
             f.close()
-    if n_problems:
-        shown = "\n  ".join(problems)
-        more = f"\n  ... and {n_problems - len(problems)} more" if n_problems > len(problems) else ""
-        raise CorpusError(f"parallel corpus ({split}): {n_problems} problem(s)\n  {shown}{more}")
+    problems.raise_if_any(f"parallel corpus ({split})")
     return stats
 
 
@@ -577,23 +590,19 @@ class _PairEncoder:
     def encode_chunk(self, chunk, paths, dtype) -> dict:
         start, raw_src, raw_tgt = chunk
         texts: List[List[str]] = [[], []]
-        problems: List[str] = []
-        n_problems = 0
+        problems = Problems()
         for s, (raw, path) in enumerate(zip((raw_src, raw_tgt), paths)):
             for i, line in enumerate(raw, start=start):
                 text, problem = decode_file_line(line, path, i)
                 if problem:
-                    n_problems += 1
-                    if len(problems) < MAX_LISTED:
-                        problems.append(problem)
+                    problems.add(problem)
                 texts[s].append(text)
         if len(raw_src) != len(raw_tgt):   # a file changed while it was read
-            n_problems += 1
-            problems.append(f"line counts differ: {paths[0]} and {paths[1]} changed while being read")
-        if n_problems:
-            return {"n_problems": n_problems, "problems": problems, "cache_exact": True}
+            problems.add(f"line counts differ: {paths[0]} and {paths[1]} changed while being read")
+        if problems:
+            return {"problems": problems, "cache_exact": True}
         ids, lengths = zip(*(enc.encode(side, dtype) for enc, side in zip(self.sides, texts)))
-        return {"n_problems": 0, "problems": [], "ids": ids, "lengths": lengths,
+        return {"problems": problems, "ids": ids, "lengths": lengths,
                 "cache_exact": all(e.exact for e in self.sides)}
 
 

@@ -19,11 +19,46 @@ class CorpusError(ValueError):
     """A corpus file is malformed; the message lists the file, the line numbers and the reasons."""
 
 
-def _report(problems: List[str], what: str) -> None:
-    if problems:
-        shown = "\n  ".join(problems[:MAX_LISTED])
-        more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
-        raise CorpusError(f"{what}: {len(problems)} problem(s)\n  {shown}{more}")
+class Problems:
+    """The problems found in a corpus: all counted, the first MAX_LISTED kept, raised as one CorpusError
+    ("WHAT: N problem(s)" and the list, "... and K more" for the rest). Picklable, so that workers can return
+    theirs and the caller `merge` them in order."""
+
+    def __init__(self):
+        self.count = 0
+        self.listed: List[str] = []
+
+    def add(self, problem: str) -> None:
+        self.count += 1
+        if len(self.listed) < MAX_LISTED:
+            self.listed.append(problem)
+
+    def merge(self, other: "Problems") -> None:
+        self.count += other.count
+        self.listed.extend(other.listed[:max(MAX_LISTED - len(self.listed), 0)])
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def raise_if_any(self, what: str) -> None:
+        if self.count:
+            more = f"\n  ... and {self.count - len(self.listed)} more" if self.count > len(self.listed) else ""
+            raise CorpusError(f"{what}: {self.count} problem(s)\n  " + "\n  ".join(self.listed) + more)
+
+
+def scan_file(path: str, *digests) -> int:
+    """The number of lines `read_lines` would return (a final newline makes no extra line), counted without
+    decoding in blocks of 1 MiB; every block also goes into each of `digests` (hashlib objects)."""
+    if not os.path.isfile(path):
+        raise CorpusError(f"{path}: no such file")
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            for digest in digests:
+                digest.update(block)
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return lines + (last != b"\n")
 
 
 def read_lines(path: str, allow_empty: bool = False) -> List[str]:
@@ -38,13 +73,13 @@ def read_lines(path: str, allow_empty: bool = False) -> List[str]:
     raw = data.split(b"\n")
     if raw and raw[-1] == b"":
         raw.pop()
-    lines, problems = [], []
+    lines, problems = [], Problems()
     for i, line in enumerate(raw, start=1):
         text, problem = decode_line(line, path, i, allow_empty)
         if problem:
-            problems.append(problem)
+            problems.add(problem)
         lines.append(text)
-    _report(problems, path)
+    problems.raise_if_any(path)
     return lines
 
 
@@ -72,57 +107,40 @@ def decode_file_line(raw: bytes, path: str, lineno: int) -> Tuple[str, Optional[
     return decode_line(raw[:-1] if raw.endswith(b"\n") else raw, path, lineno)
 
 
-def count_lines(path: str) -> int:
-    """The number of lines `read_lines` would return, counted without decoding (blocks of 1 MiB)."""
-    if not os.path.isfile(path):
-        raise CorpusError(f"{path}: no such file")
-    lines, last = 0, b"\n"
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            lines += block.count(b"\n")
-            last = block[-1:]
-    return lines + (last != b"\n")
-
-
 def iter_parallel(src_path: str, tgt_path: str) -> Iterator[Tuple[str, str]]:
     """The aligned (source, target) pairs of two files, read line by line (memory does not grow with the files).
     The counts are checked first; the bad lines are collected while reading and raised as one CorpusError after
     the last pair, so a caller writing the pairs out must discard what it wrote when it gets one."""
-    counts = [count_lines(p) for p in (src_path, tgt_path)]
+    counts = [scan_file(p) for p in (src_path, tgt_path)]
     if counts[0] != counts[1]:
         raise CorpusError(f"line counts differ: {src_path} has {counts[0]} lines, {tgt_path} has {counts[1]}; "
                           f"the files must be aligned one sentence per line")
     if counts[0] == 0:
         raise CorpusError(f"{src_path} and {tgt_path} hold no sentences: a corpus needs at least one pair")
-    problems: List[str] = []
-    n_problems = 0
+    problems = Problems()
     with open(src_path, "rb") as fs, open(tgt_path, "rb") as ft:
         for i, (a, b) in enumerate(zip(fs, ft), start=1):
             texts = []
             for path, line in ((src_path, a), (tgt_path, b)):
                 text, problem = decode_file_line(line, path, i)
                 if problem:
-                    n_problems += 1
-                    if len(problems) < MAX_LISTED:
-                        problems.append(problem)
+                    problems.add(problem)
                 texts.append(text)
-            if not n_problems:
+            if not problems:
                 yield texts[0], texts[1]
-    if n_problems:
-        more = f"\n  ... and {n_problems - len(problems)} more" if n_problems > len(problems) else ""
-        raise CorpusError(f"parallel corpus: {n_problems} problem(s)\n  " + "\n  ".join(problems) + more)
+    problems.raise_if_any("parallel corpus")
 
 
 def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:
     """Aligned (source, target) pairs; raises CorpusError on any malformed line or a count mismatch."""
-    problems = []
+    problems = Problems()
     sides = []
     for path in (src_path, tgt_path):
         try:
             sides.append(read_lines(path))
         except CorpusError as exc:
-            problems.append(str(exc))
-    _report(problems, "parallel corpus")
+            problems.add(str(exc))
+    problems.raise_if_any("parallel corpus")
     src, tgt = sides
     if not src and not tgt:
         raise CorpusError(f"{src_path} and {tgt_path} hold no sentences: a corpus needs at least one pair")
@@ -177,20 +195,22 @@ def read_manifest(directory: str) -> dict:
         return json.load(f)
 
 
-def corpus_fingerprint(directory: str) -> dict:
-    """What identifies a prepared corpus: its languages, its split sizes and the SHA-1 of its training files
-    (`dtmt train --resume` compares it with the run's). CorpusError if `directory` is not a prepared corpus."""
+def corpus_fingerprint(directory: str, train_sha1: Optional[str] = None) -> dict:
+    """What identifies a prepared corpus: its languages, its split sizes and the SHA-1 of its training files, the
+    two one after the other, each followed by a NUL (`dtmt train --resume` compares it with the run's).
+    `train_sha1`, when the caller knows it (binarized.known_train_sha1), saves reading the files.
+    CorpusError if `directory` is not a prepared corpus."""
     import hashlib
 
     manifest = read_manifest(directory)
-    digest = hashlib.sha1()
-    for path in corpus_paths(directory, "train"):
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        digest.update(b"\0")
+    if train_sha1 is None:
+        digest = hashlib.sha1()
+        for path in corpus_paths(directory, "train"):
+            scan_file(path, digest)
+            digest.update(b"\0")
+        train_sha1 = digest.hexdigest()
     return {"languages": f"{manifest['src_lang']}-{manifest['tgt_lang']}", "counts": manifest["counts"],
-            "train_sha1": digest.hexdigest()}
+            "train_sha1": train_sha1}
 
 
 def corpus_paths(directory: str, split: str) -> Tuple[str, str]:

@@ -63,7 +63,7 @@ def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:
         raise data.CorpusError("--holdout: dev and test files are both given, there is nothing to hold out")
     where: Dict[int, str] = {}
     if args.holdout:
-        n = data.count_lines(args.src)
+        n = data.scan_file(args.src)
         where = holdout_indices(n, args.holdout, held, args.seed)
     outputs = list(files) + (held if args.holdout else [])
 

@@ -13,7 +13,7 @@ What it does, in one run:
 1. the same subwords for everyone: a SentencePiece model per side trained exactly as `dtmt train` trains it
    (same sentences, `--vocab-size`, BPE), the training pairs filtered as `dtmt train` filters them (longer than
    `--max-len` subwords or empty after segmentation), written as piece files for OpenNMT-py;
-2. every system trains at once, each on `--threads` threads (`OMP_NUM_THREADS` too), for `--budget` of training
+2. every system trains at once (one after another with --sequential), each on `--threads` threads (`OMP_NUM_THREADS` too), for `--budget` of training
    time counted the same way for all (wall time from the first update, less validation and checkpoint writing):
    dtmt systems with `dtmt train --max-time` and their `small` presets, OpenNMT-py through
    `benchmarks/peers/onmt_train.py` with the same token budget per batch, label smoothing, clipping, Adam
@@ -213,6 +213,9 @@ def main(argv=None):
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--budget", default="30m", help="training time per system (e.g. 90s, 30m, 2h)")
     p.add_argument("--threads", type=int, default=1, help="threads per system, in training and decoding")
+    p.add_argument("--sequential", action="store_true",
+                   help="train the systems one after another (e.g. --threads 2 on 2 cores: the issue's 2-thread "
+                        "budgets) instead of all at once")
     p.add_argument("--valid-every", type=int, default=250)
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--onmt-size", default="128,256",
@@ -242,7 +245,7 @@ def main(argv=None):
         return None
     if a.profile:
         return profile(a, py, ours, log)
-    if len(a.systems) * a.threads > (os.cpu_count() or 1):
+    if not a.sequential and len(a.systems) * a.threads > (os.cpu_count() or 1):
         print(f"warning: {len(a.systems)} systems × {a.threads} thread(s) > {os.cpu_count()} cores: they slow each "
               f"other unevenly", file=sys.stderr)
     if not os.path.isfile(os.path.join(a.data, "corpus.json")):
@@ -262,6 +265,8 @@ def main(argv=None):
                    "--log-every", "50", "--threads", str(a.threads), *a.train_args.split()]
             print(f"== {system}: dtmt train for {a.budget} on {a.threads} thread(s)", flush=True)
             jobs.append(start(cmd, os.path.join(a.out, f"train_{system}.log")))
+            if a.sequential:
+                wait(jobs[-1])
         if "onmt-lstm" in peers:
             os.makedirs(onmt_dir, exist_ok=True)
             for name in os.listdir(onmt_dir):
@@ -276,6 +281,8 @@ def main(argv=None):
                    os.path.join(onmt_dir, "train.jsonl"), "--schedule", sched, "-config", cfg]
             print(f"== onmt-lstm: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
             jobs.append(spawn(cmd, tlog, env=onmt_env(a.threads)))
+            if a.sequential:
+                wait(jobs[-1])
         try:
             for job in jobs:
                 wait(job)
@@ -292,6 +299,9 @@ def main(argv=None):
         tr = [r for r in log_rows if r["kind"] == "train"]
         valid = [r for r in log_rows if r["kind"] == "valid"]
         curves[system] = [(int(r["step"]), float(r["elapsed_s"]), float(r["dev_loss"])) for r in valid]
+        if not tr:
+            raise SystemExit(f"{system}: {run_dir}/train_log.csv has no training rows (it logs every 50 updates): "
+                             f"--budget {a.budget} is too short to measure")
         tokens = sum(int(r["tokens"]) for r in tr)
         elapsed = float(tr[-1]["elapsed_s"])
         for which in ("last", "best"):

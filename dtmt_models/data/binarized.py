@@ -226,28 +226,26 @@ class BinarizedCorpus:
 
 def known_train_sha1(corpus_dir: str) -> Optional[str]:
     """The SHA-1 of the training text (as corpus.corpus_fingerprint computes it) from a binarized copy's manifest,
-    when the copy's record of both training files' size and modification time matches the files now (the rule
-    BinarizedCorpus.stale trusts too); None when no copy vouches for them, and the caller reads the text."""
+    when the copy is of this corpus's languages and its record of both training files' size and modification
+    time matches the files now (the rule BinarizedCorpus.stale trusts too); None when no copy vouches for them,
+    and the caller reads the text."""
     try:
         manifest = read_manifest(corpus_dir)
-        now = {side: os.stat(os.path.join(corpus_dir, f"train.{manifest[lang]}"))
-               for side, lang in zip(SIDES, ("src_lang", "tgt_lang"))}
-        entries = sorted(os.listdir(corpus_dir))
-    except (OSError, KeyError, CorpusError):
+        entries = sorted(e for e in os.listdir(corpus_dir) if e.startswith("bin-"))
+    except (OSError, CorpusError):
         return None
+    langs = {"src": manifest.get("src_lang"), "tgt": manifest.get("tgt_lang")}
     for entry in entries:
-        if not entry.startswith("bin-"):
-            continue
         try:
-            with open(os.path.join(corpus_dir, entry, MANIFEST), encoding="utf-8") as f:
-                record = json.load(f)
-            text = record["splits"]["train"]["text"]
-            if record.get("format") == FORMAT and all(
-                    text[side]["file"] == f"train.{manifest[lang]}" and text[side]["bytes"] == now[side].st_size
-                    and text[side]["mtime_ns"] == now[side].st_mtime_ns
-                    for side, lang in zip(SIDES, ("src_lang", "tgt_lang"))):
-                return record["train_sha1"]
-        except (OSError, ValueError, KeyError, TypeError):
+            copy = BinarizedCorpus(os.path.join(corpus_dir, entry))
+            if copy.manifest["languages"] != langs:
+                continue
+            text = copy.manifest["splits"]["train"]["text"]
+            now = [os.stat(os.path.join(corpus_dir, text[side]["file"])) for side in SIDES]
+            if all((st.st_size, st.st_mtime_ns) == (text[side]["bytes"], text[side]["mtime_ns"])
+                   for side, st in zip(SIDES, now)):
+                return copy.manifest["train_sha1"]
+        except (OSError, KeyError, TypeError, CorpusError):
             continue
     return None
 

@@ -22,16 +22,9 @@ class Vocabulary:
               character_coverage: float = 1.0) -> "Vocabulary":
         """Trains on `sentences` (the training side only). vocab_size is capped by what the text supports.
         One training thread, so the same sentences always give the same model."""
-        import sentencepiece as spm
-
         if model_type not in ("bpe", "unigram"):
             raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
-        buf = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(list(sentences)), model_writer=buf, vocab_size=vocab_size,
-            model_type=model_type, character_coverage=character_coverage, pad_id=PAD, unk_id=UNK, bos_id=BOS,
-            eos_id=EOS, hard_vocab_limit=False, num_threads=1, minloglevel=2)
-        return cls(buf.getvalue())
+        return cls(_train_proto(iter(list(sentences)), vocab_size, model_type, character_coverage))
 
     @classmethod
     def train_bpe_on_word_counts(cls, counts: Mapping[str, int], vocab_size: int = 8000,
@@ -42,14 +35,9 @@ class Vocabulary:
         counts before it merges, so the pieces and scores are the same (tests/test_data.py compares the models
         byte for byte); counting in Python skips its normalisation of every sentence, the slow part of training
         on a large sample. Unigram has no such form: its seed pieces count substrings of whole sentences."""
-        import sentencepiece as spm
-
-        buf = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=(f"{word}\t{n}" for word, n in counts.items() if word), input_format="tsv",
-            model_writer=buf, vocab_size=vocab_size, model_type="bpe", character_coverage=character_coverage,
-            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, hard_vocab_limit=False, num_threads=1, minloglevel=2)
-        return cls(_as_trained_on_sentences(buf.getvalue()))
+        lines = (f"{word}\t{n}" for word, n in counts.items() if word)
+        return cls(_as_trained_on_sentences(_train_proto(lines, vocab_size, "bpe", character_coverage,
+                                                         input_format="tsv")))
 
     @classmethod
     def load(cls, path: str) -> "Vocabulary":
@@ -68,6 +56,20 @@ class Vocabulary:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([i for i in ids if i > EOS])
+
+
+def _train_proto(lines: Iterable[str], vocab_size: int, model_type: str, character_coverage: float,
+                 **options) -> bytes:
+    """The serialized SentencePiece model trained on `lines` with dtmt's settings: the ids above, vocab_size capped
+    by what the text supports, one training thread (the same input always gives the same model)."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_writer=buf, vocab_size=vocab_size, model_type=model_type,
+        character_coverage=character_coverage, pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+        hard_vocab_limit=False, num_threads=1, minloglevel=2, **options)
+    return buf.getvalue()
 
 
 def _as_trained_on_sentences(proto: bytes) -> bytes:

@@ -8,8 +8,8 @@ corpus (SPEC §5-6).
 What a run does, in order:
   1. opens the binarized corpus of DIR for --vocab-type/--vocab-size (dtmt_models.data.binarized: `dtmt prepare`
      writes it; a run that finds none builds it once), whose SentencePiece models were trained on the training
-     side only; the token ids stay on disk, memory-mapped; pairs longer than --max-len subwords are left out
-     (the count is printed);
+     side only; the token ids stay on disk and each batch's are read when it is trained on; pairs longer than
+     --max-len subwords are left out (the count is printed);
   2. trains with Adam, a learning-rate schedule (RNMT+ paper 000 eq. 17, inverse square root paper 003
      eq. 26-27, or constant), label smoothing, the system's dropouts and gradient-norm clipping, on
      token-budget batches bucketed by length and shuffled per epoch with the seed;

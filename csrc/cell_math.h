@@ -33,8 +33,10 @@
 #if defined(_OPENMP) && !defined(__CUDA_ARCH__) && !defined(__HIP_DEVICE_COMPILE__)
 #define DTMT_PRAGMA(x) _Pragma(#x)
 #define DTMT_SIMD_SUM(...) DTMT_PRAGMA(omp simd reduction(+ : __VA_ARGS__))
+#define DTMT_SIMD_MAX(...) DTMT_PRAGMA(omp simd reduction(max : __VA_ARGS__))
 #else
 #define DTMT_SIMD_SUM(...)
+#define DTMT_SIMD_MAX(...)
 #endif
 
 // The CPU loops are compiled once per instruction set (csrc/isa/kernels.h, with -DDTMT_ISA=<name>): each copy

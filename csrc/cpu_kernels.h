@@ -53,6 +53,11 @@ template <typename T> struct TypedCpuKernels {
   void (*context_backward)(const T* grad, const T* alpha, const T* values, T* dalpha, T* dvalues, int64_t S,
                            int64_t NH, int64_t Dc, int64_t vsb, int64_t vss, int64_t dsb, int64_t dss, int64_t b0,
                            int64_t b1);
+  // The label-smoothed cross-entropy of logit rows [r0, r1) (loss_cpu.cpp): logits [N, V] and grad [N, V] rows V
+  // apart, target[r] in [0, V) or `ignore`; writes each row's smoothed loss and NLL (0 for an ignored row) and the
+  // gradient of the row's smoothed loss to its logits (zeros for an ignored row).
+  void (*smoothed_ce_rows)(const T* logits, const int64_t* target, int64_t V, int64_t ignore, T smoothing, T* grad,
+                           double* loss, double* nll, int64_t r0, int64_t r1);
 };
 
 constexpr int64_t kCellScratch = 9;  // values per hidden unit a cell row needs (3 gates x {value, norm, grad})

@@ -13,6 +13,7 @@
 
 #include "attention.h"
 #include "decode_step.h"
+#include "loss.h"
 #include "small_gemm.h"
 #include "transition.h"
 
@@ -158,6 +159,12 @@ std::tuple<Tensor, Tensor> memory_encoder(const Tensor& x, const Tensor& memory,
   return {r[0], r[1]};
 }
 
+std::tuple<Tensor, Tensor, Tensor> smoothed_cross_entropy(const Tensor& logits, const Tensor& target, double smoothing,
+                                                          int64_t ignore_index) {
+  auto r = dtmt::smoothed_cross_entropy_cpu(dense(logits), dense(target), smoothing, ignore_index);
+  return {r[0], r[1], r[2]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dtmt, m) {
@@ -181,6 +188,8 @@ TORCH_LIBRARY(dtmt, m) {
         "Tensor[] readout, float readout_eps) -> (Tensor log_probs, Tensor s, Tensor alpha)");
   m.def("memory_encoder(Tensor x, Tensor memory, Tensor src_mask, bool reverse, int cell_kind, Tensor[] cell, "
         "float cell_eps, Tensor[] addressing) -> (Tensor states, Tensor memory_out)");
+  m.def("smoothed_cross_entropy(Tensor logits, Tensor target, float smoothing, int ignore_index) -> "
+        "(Tensor loss, Tensor nll, Tensor grad)");
 }
 
 TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
@@ -195,6 +204,7 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("readout_features", &readout_features);
   m.impl("rnmt_step", &rnmt_step);
   m.impl("memory_encoder", &memory_encoder);
+  m.impl("smoothed_cross_entropy", &smoothed_cross_entropy);
 }
 
 #ifdef DTMT_WITH_CUDA

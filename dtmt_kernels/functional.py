@@ -14,6 +14,8 @@ from .ops._autocast import autocast_dtype, autocast_mix
 from .ops.decode_step import (AttentionWeights, CellWeights, MemoryWeights, ReadoutWeights, attention_step, memory_encoder,
                                readout_features, rnmt_step)
 from .ops.linear import small_rows_applicable, small_rows_linear
+from .ops.loss.op import PortableSmoothedCrossEntropy
+from .ops._extension import built
 from .backends import check_backend_name, resolve_backend
 from .reference import TransitionWeights
 
@@ -21,7 +23,7 @@ __all__ = ["transition_sequence", "transition_step", "additive_scores", "attenti
            "small_rows_applicable", "small_rows_linear", "AttentionWeights", "ReadoutWeights", "MemoryWeights",
            "CellWeights",
            "attention_step", "readout_features", "rnmt_step", "memory_encoder", "lengths_to_mask",
-           "check_attention_context", "check_dtype_for_backend"]
+           "check_attention_context", "check_dtype_for_backend", "smoothed_cross_entropy"]
 
 LengthsLike = Union[Tensor, Sequence[int]]
 
@@ -125,6 +127,26 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: st
     if small_rows_applicable(x, weight, bias):  # false without the extension, off the CPU, or with gradients
         return small_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.0, ignore_index: int = -100):
+    """The label-smoothed cross-entropy of a training update, log-softmax and loss fused: logits [N, V], target [N]
+    (ids in [0, V), or ignore_index for a row to leave out) -> (smoothed loss sum, NLL sum), 0-dim tensors in the
+    logits' dtype (float32 at least), as reference.smoothed_cross_entropy computes them. Gradients flow to the
+    logits through the loss sum only.
+
+    CPU float32 / float64 logits run the C++ kernel (torch.ops.dtmt.smoothed_cross_entropy: the gradient formed in
+    the forward, one pass over each row); other devices and dtypes one autograd node of PyTorch ops that keeps the
+    log-probabilities (ops.loss.op.PortableSmoothedCrossEntropy)."""
+    if logits.dim() != 2 or target.shape != logits.shape[:1]:
+        raise ValueError(f"smoothed_cross_entropy: logits must be [N, V] and target [N]; got {list(logits.shape)} "
+                         f"and {list(target.shape)}")
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and built():
+        loss, nll, _ = torch.ops.dtmt.smoothed_cross_entropy(logits, target.long(), float(smoothing), int(ignore_index))
+        return loss, nll.detach()
+    return PortableSmoothedCrossEntropy.apply(logits, target, float(smoothing), int(ignore_index))
 
 
 def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:

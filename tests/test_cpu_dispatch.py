@@ -127,6 +127,10 @@ def _all_kernels(dtype):
     values = torch.randn(S, Bq, NH * D, generator=g, dtype=dtype).transpose(0, 1).requires_grad_()  # strided
     context = dk.functional.attention_context(alpha, values, "cpp")
     results["context"] = [context, *torch.autograd.grad((context * context.detach().cos()).sum(), [alpha, values])]
+    logits = 4 * torch.randn(9, 1037, generator=g, dtype=dtype)
+    target = torch.randint(0, 1037, (9,), generator=g)
+    target[[2, 7]] = -100
+    results["loss"] = list(torch.ops.dtmt.smoothed_cross_entropy(logits, target, 0.1, -100))
     if dtype == torch.float32:
         for M in range(1, _C.SMALL_ROWS_MAX + 1):
             x, w, b = (torch.randn(*shape, generator=g) for shape in ((M, 301), (77, 301), (77,)))

@@ -141,8 +141,24 @@ def test_every_op_a_system_calls_passes_opcheck(system):
                          "attention_context_backward", "rnmt_step"},
                 "mce": {"memory_encoder", "rnmt_step"},
                 "nematus": {"transition_forward", "rnmt_step"},
-                "gnmt-atr": {"transition_forward", "small_rows_linear"}}[system]
+                "gnmt-atr": {"transition_forward", "small_rows_linear"}}[system] | {"smoothed_cross_entropy"}
     assert expected <= names, f"{system}: {sorted(names)}"
+
+
+def test_loss_op_passes_opcheck_and_gradcheck():
+    torch.manual_seed(2)
+    logits = (3 * torch.randn(7, 11, dtype=torch.float64)).requires_grad_()
+    target = torch.tensor([3, 0, 10, 5, 0, 1, 0])
+    torch.library.opcheck(torch.ops.dtmt.smoothed_cross_entropy.default, (logits, target, 0.1, 0))
+    assert torch.autograd.gradcheck(lambda z: torch.ops.dtmt.smoothed_cross_entropy(z, target, 0.1, 0)[0], (logits,))
+    loss, _, _ = torch.ops.dtmt.smoothed_cross_entropy(logits, target, 0.1, 0)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, logits, create_graph=True)
+    loss, nll, _ = torch.ops.dtmt.smoothed_cross_entropy(logits, target, 0.1, 0)   # backward twice (retain_graph)
+    first, = torch.autograd.grad(loss * 2.0, logits, retain_graph=True)
+    second, = torch.autograd.grad(loss * 3.0, logits)
+    torch.testing.assert_close(second, first * 1.5, rtol=1e-12, atol=0)
+    assert not torch.autograd.grad(nll, logits, allow_unused=True, materialize_grads=True)[0].any()
 
 
 def test_attention_ops_pass_opcheck_with_gradients():

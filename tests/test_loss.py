@@ -48,6 +48,59 @@ def test_fused_loss_float32_and_bfloat16_logits():
     assert g_half.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_loss_kernel_at_a_real_vocabulary_against_the_reference(dtype):
+    """The C++ kernel (CPU float32 / float64) at V = 4,003 (vector loops with a tail), rows left out anywhere:
+    the sums against dk.reference.smoothed_cross_entropy in float64 (torch.log_softmax), the gradient against
+    autograd through it, and the portable autograd node (other devices and dtypes) against the kernel; the
+    results do not depend on the number of threads."""
+    import dtmt_kernels as dk
+    from dtmt_kernels.ops.loss.op import PortableSmoothedCrossEntropy
+
+    g = torch.Generator().manual_seed(5)
+    N, V = 97, 4003
+    logits = (5 * torch.randn(N, V, generator=g)).to(dtype).requires_grad_()
+    target = torch.randint(0, V, (N,), generator=g)
+    target[torch.randint(0, N, (20,), generator=g)] = 1                # id 1 left out
+    exact = logits.detach().double().requires_grad_()
+    ref = dk.reference.smoothed_cross_entropy(exact, target, 0.1, ignore_index=1)
+    ref_grad, = torch.autograd.grad(ref[0] * 0.3, exact)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            loss, nll = dk.functional.smoothed_cross_entropy(logits, target, 0.1, ignore_index=1)
+            grad, = torch.autograd.grad(loss * 0.3, logits)
+            runs.append((loss, nll, grad))
+    finally:
+        torch.set_num_threads(before)
+    loss, nll, grad = runs[0]
+    for a, b in zip(runs[0], runs[1]):
+        assert torch.equal(a, b)
+    assert loss.dtype == nll.dtype == dtype
+    torch.testing.assert_close(loss.double(), ref[0], **tol)
+    torch.testing.assert_close(nll.double(), ref[1], **tol)
+    torch.testing.assert_close(grad.double(), ref_grad, **tol)
+    assert not grad[target == 1].any()
+    p_loss, p_nll = PortableSmoothedCrossEntropy.apply(logits, target, 0.1, 1)
+    p_grad, = torch.autograd.grad(p_loss * 0.3, logits)
+    torch.testing.assert_close(p_loss, loss, **tol)
+    torch.testing.assert_close(p_nll, nll, **tol)
+    torch.testing.assert_close(p_grad, grad, **tol)
+
+
+def test_loss_kernel_rejects_a_target_outside_the_vocabulary():
+    import dtmt_kernels as dk
+
+    logits, target = torch.randn(3, 5), torch.tensor([1, 5, 0])
+    with pytest.raises(RuntimeError, match="target 5 is outside"):
+        dk.functional.smoothed_cross_entropy(logits, target, 0.1, ignore_index=0)
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
+        dk.functional.smoothed_cross_entropy(logits, target[:2])
+
+
 def test_fused_loss_rejects_bad_smoothing():
     logits, target = _random_case(0, torch.float32)
     with pytest.raises(ValueError, match="smoothing"):

@@ -380,6 +380,31 @@ def test_inference_sees_the_optimizer_steps():
         torch.testing.assert_close(now, expected, rtol=0, atol=0)
 
 
+def test_the_optimizer_bumps_the_parameters_versions_and_steps_as_torchs_adam():
+    """build_optimizer's fused Adam: each step bumps every trained parameter's version counter (autograd's
+    in-place check and the unrolled sessions read them) and moves the weights as torch's default Adam does."""
+    from dtmt_models.training.trainer import build_optimizer
+
+    torch.manual_seed(0)
+    model = build_model("dtmt", 40, 40, embed_dim=16, hidden_size=16, heads=2)
+    twin = build_model("dtmt", 40, 40, embed_dim=16, hidden_size=16, heads=2)
+    twin.load_state_dict(model.state_dict())
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = build_optimizer(model, 1e-2)
+    ref = torch.optim.Adam(twin.parameters(), lr=1e-2, betas=(0.9, 0.998), eps=1e-9, foreach=False)
+    for _ in range(3):
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        before = [p._version for p in model.parameters()]
+        opt.step()
+        ref.step()
+        assert all(p._version > v for p, v in zip(model.parameters(), before))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert all(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), start))
+
+
 def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run(toy_nodev, tmp_path):
     """SPEC §6: `dtmt train --config run.yaml` with flags overriding it; the run's resolved config.yaml, given back
     as --config, reproduces the run (the same losses at every update)."""

@@ -34,6 +34,11 @@ template <typename T>
 void context_backward(const T* grad, const T* alpha, const T* values, T* dalpha, T* dvalues, int64_t S, int64_t NH,
                       int64_t Dc, int64_t vsb, int64_t vss, int64_t dsb, int64_t dss, int64_t b0, int64_t b1);
 
+// loss_rows.cpp
+template <typename T>
+void smoothed_ce_rows(const T* logits, const int64_t* target, int64_t V, int64_t ignore, T smoothing, T* grad,
+                      double* loss, double* nll, int64_t r0, int64_t r1);
+
 // small_gemm_rows.cpp
 void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
                 int64_t ldo, int64_t n0, int64_t n1);

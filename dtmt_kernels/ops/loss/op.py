@@ -1,0 +1,81 @@
+"""torch.ops.dtmt.smoothed_cross_entropy(logits [N, V], target [N], smoothing, ignore_index) -> (loss sum [], NLL sum
+[], grad [N, V]): reference.smoothed_cross_entropy's two sums and the gradient of the loss sum to the logits, which
+the op forms in its forward (csrc/loss_cpu.cpp: CPU, float32 / float64); its backward scales that gradient (in
+place, the first time). The NLL sum and the gradient are statistics: nothing flows back through them.
+
+`PortableSmoothedCrossEntropy` computes the same two sums on any device and dtype (in float32 at least) as one
+autograd node that keeps the log-probabilities and writes the logits' gradient in one tensor."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .._extension import built
+
+
+def _fake(logits, target, smoothing, ignore_index):
+    return logits.new_empty(()), logits.new_empty(()), torch.empty_like(logits)
+
+
+def _setup(ctx, inputs, output):
+    ctx.grad = output[2].detach()   # not saved_tensors: the backward scales it in place, which their check forbids
+    ctx.set_materialize_grads(False)   # the outputs with no gradient (NLL, grad) get no [N, V] of zeros
+    ctx.scaled_by = None
+
+
+def _backward(ctx, grad_loss, _grad_nll, _grad_grad):
+    if torch.is_grad_enabled():   # create_graph: the saved gradient has no graph of its own to the logits
+        raise RuntimeError("dtmt.smoothed_cross_entropy: double backward (create_graph=True) is not supported")
+    if grad_loss is None:
+        return None, None, None, None
+    grad = ctx.grad
+    if torch.compiler.is_compiling() or type(grad_loss) is not torch.Tensor:   # traced (torch.compile, export)
+        return grad * grad_loss, None, None, None
+    factor = float(grad_loss)
+    if ctx.scaled_by is None:          # the first backward scales the saved gradient in place (no [N, V] copy)
+        ctx.scaled_by = factor
+        return grad.mul_(factor), None, None, None
+    if ctx.scaled_by == 0.0:
+        raise RuntimeError("dtmt.smoothed_cross_entropy: a second backward (retain_graph) after one whose incoming "
+                           "gradient was 0 is not supported")
+    return grad * (factor / ctx.scaled_by), None, None, None   # again (retain_graph): equal up to rounding
+
+
+if built():
+    torch.library.register_fake("dtmt::smoothed_cross_entropy")(_fake)
+    torch.library.register_autograd("dtmt::smoothed_cross_entropy", _backward, setup_context=_setup)
+
+
+class PortableSmoothedCrossEntropy(torch.autograd.Function):
+    """(loss sum, NLL sum) of log_softmax(logits) [N, V] against target [N], rows of ignore_index left out.
+
+    Forward keeps only the log-probabilities; backward writes the logits' gradient in one dense tensor:
+    d loss / d z = w · (softmax(z) − (1 − ε) onehot(y) − ε / V), with w the incoming gradient on the kept rows
+    and 0 on the others."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, smoothing: float, ignore_index: int):
+        log_probs = torch.log_softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        keep = target.ne(ignore_index)
+        safe = torch.where(keep, target, 0)
+        nll = -log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+        smooth = -log_probs.mean(-1)
+        loss = torch.where(keep, (1.0 - smoothing) * nll + smoothing * smooth, 0.0).sum()
+        ctx.save_for_backward(log_probs, safe, keep)
+        ctx.smoothing, ctx.logits_dtype = smoothing, logits.dtype
+        nll_sum = torch.where(keep, nll, 0.0).sum()
+        ctx.mark_non_differentiable(nll_sum)
+        return loss, nll_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
+        log_probs, target, keep = ctx.saved_tensors
+        eps = ctx.smoothing
+        grad = log_probs.exp()                                      # softmax, one pass
+        grad.sub_(eps / log_probs.shape[-1])
+        grad.scatter_add_(-1, target.unsqueeze(-1),
+                          torch.full_like(target, -(1.0 - eps), dtype=grad.dtype).unsqueeze(-1))
+        grad.mul_((keep.to(grad.dtype) * grad_loss).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None

@@ -34,7 +34,9 @@
 #define DTMT_PRAGMA(x) _Pragma(#x)
 #define DTMT_SIMD_SUM(...) DTMT_PRAGMA(omp simd reduction(+ : __VA_ARGS__))
 #define DTMT_SIMD_MAX(...) DTMT_PRAGMA(omp simd reduction(max : __VA_ARGS__))
+#define DTMT_SIMD DTMT_PRAGMA(omp simd)
 #else
+#define DTMT_SIMD
 #define DTMT_SIMD_SUM(...)
 #define DTMT_SIMD_MAX(...)
 #endif
@@ -292,21 +294,20 @@ DTMT_HD void gates_backward_row(int ngates, int H, const T* DTMT_RESTRICT lnw, c
   }
 }
 
-// Forward of one row of a gated cell (GRU, L-GRU, LAU, T-GRU). drop may be null (no candidate dropout).
-template <int KIND, typename T, typename A>
-DTMT_HD void gated_forward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
-                               const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw,
-                               const T* DTMT_RESTRICT lnb, const T* DTMT_RESTRICT drop, A eps,
-                               A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT out) {
+// The element loop of gated_forward_row: DROP (candidate dropout present) is a template argument so that the loop
+// has no branch on it and vectorises (a per-element `drop ? drop[j] : 1` kept it scalar: a conditional load).
+template <int KIND, bool DROP, typename T, typename A>
+DTMT_HD void gated_forward_elems(int H, const A* DTMT_RESTRICT g, const T* DTMT_RESTRICT xp,
+                                 const T* DTMT_RESTRICT hp, const T* DTMT_RESTRICT h,
+                                 const T* DTMT_RESTRICT drop, T* DTMT_RESTRICT out) {
   constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
-  A* g = scratch;
-  gates_forward_row<T, A>(NG, H, KIND == kTGRU ? nullptr : xp, hp, lnw, lnb, eps, g, nullptr, nullptr);
   const A* r = g;
   const A* z = g + H;
   const A* l = g + 2 * H;  // l (L-GRU) or g (LAU)
   const T* hc = hp + (NG)*H;
+  DTMT_SIMD   // no dependence between elements (without it GCC versions the loop on a runtime alias check)
   for (int j = 0; j < H; ++j) {
-    A m = drop ? A(drop[j]) : A(1);
+    A m = DROP ? A(drop[j]) : A(1);
     A hn;
     if (KIND == kGRU) {
       hn = gru_elem_forward<A>(r[j], z[j], A(xp[2 * H + j]), A(hc[j]), A(h[j]), m);
@@ -321,30 +322,38 @@ DTMT_HD void gated_forward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_R
   }
 }
 
-// Backward of one row of a gated cell: recomputes the forward from (xp, hp, h), takes dout = dL/dh', and
-// writes dxp (input rows; not for T-GRU), dhp (recurrent rows) and dh (direct path only: the path through
-// U h is added by the caller's GEMM). Layer-norm parameter gradients are accumulated into dlnw/dlnb.
+// Forward of one row of a gated cell (GRU, L-GRU, LAU, T-GRU). drop may be null (no candidate dropout).
 template <int KIND, typename T, typename A>
-DTMT_HD void gated_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
-                                const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw,
-                                const T* DTMT_RESTRICT lnb, const T* DTMT_RESTRICT drop, A eps,
-                                const T* DTMT_RESTRICT dout, A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT dxp,
-                                T* DTMT_RESTRICT dhp, T* DTMT_RESTRICT dh, T* DTMT_RESTRICT dlnw,
-                                T* DTMT_RESTRICT dlnb) {
+DTMT_HD void gated_forward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
+                               const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw,
+                               const T* DTMT_RESTRICT lnb, const T* DTMT_RESTRICT drop, A eps,
+                               A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT out) {
   constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
   A* g = scratch;
-  A* n = scratch + NG * H;
-  A* dpre = scratch + 2 * NG * H;
-  A rstd[3];
-  const T* xin = KIND == kTGRU ? nullptr : xp;
-  gates_forward_row<T, A>(NG, H, xin, hp, lnw, lnb, eps, g, n, rstd);
+  gates_forward_row<T, A>(NG, H, KIND == kTGRU ? nullptr : xp, hp, lnw, lnb, eps, g, nullptr, nullptr);
+  if (drop) {
+    gated_forward_elems<KIND, true, T, A>(H, g, xp, hp, h, drop, out);
+  } else {
+    gated_forward_elems<KIND, false, T, A>(H, g, xp, hp, h, drop, out);
+  }
+}
+
+// The element loop of gated_backward_row (DROP a template argument, as for gated_forward_elems).
+template <int KIND, bool DROP, typename T, typename A>
+DTMT_HD void gated_backward_elems(int H, const A* DTMT_RESTRICT g, const T* DTMT_RESTRICT xp,
+                                  const T* DTMT_RESTRICT hp, const T* DTMT_RESTRICT h,
+                                  const T* DTMT_RESTRICT drop, const T* DTMT_RESTRICT dout,
+                                  A* DTMT_RESTRICT dpre, T* DTMT_RESTRICT dxp, T* DTMT_RESTRICT dhp,
+                                  T* DTMT_RESTRICT dh) {
+  constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
   const A* r = g;
   const A* z = g + H;
   const A* l = g + 2 * H;
   const T* hc = hp + NG * H;
   T* dhc = dhp + NG * H;
+  DTMT_SIMD   // as in gated_forward_elems
   for (int j = 0; j < H; ++j) {
-    A m = drop ? A(drop[j]) : A(1);
+    A m = DROP ? A(drop[j]) : A(1);
     A dhn = A(dout[j]);
     A dr, dz, dl = 0, dxc, dlin = 0, dhcj, dhj;
     if (KIND == kGRU) {
@@ -368,6 +377,30 @@ DTMT_HD void gated_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_
     if (NG == 3) dpre[2 * H + j] = dl;
     dhc[j] = T(dhcj);
     dh[j] = T(dhj);
+  }
+}
+
+// Backward of one row of a gated cell: recomputes the forward from (xp, hp, h), takes dout = dL/dh', and
+// writes dxp (input rows; not for T-GRU), dhp (recurrent rows) and dh (direct path only: the path through
+// U h is added by the caller's GEMM). Layer-norm parameter gradients are accumulated into dlnw/dlnb.
+template <int KIND, typename T, typename A>
+DTMT_HD void gated_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
+                                const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw,
+                                const T* DTMT_RESTRICT lnb, const T* DTMT_RESTRICT drop, A eps,
+                                const T* DTMT_RESTRICT dout, A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT dxp,
+                                T* DTMT_RESTRICT dhp, T* DTMT_RESTRICT dh, T* DTMT_RESTRICT dlnw,
+                                T* DTMT_RESTRICT dlnb) {
+  constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
+  A* g = scratch;
+  A* n = scratch + NG * H;
+  A* dpre = scratch + 2 * NG * H;
+  A rstd[3];
+  const T* xin = KIND == kTGRU ? nullptr : xp;
+  gates_forward_row<T, A>(NG, H, xin, hp, lnw, lnb, eps, g, n, rstd);
+  if (drop) {
+    gated_backward_elems<KIND, true, T, A>(H, g, xp, hp, h, drop, dout, dpre, dxp, dhp, dh);
+  } else {
+    gated_backward_elems<KIND, false, T, A>(H, g, xp, hp, h, drop, dout, dpre, dxp, dhp, dh);
   }
   gates_backward_row<T, A>(NG, H, lnw, n, rstd, dpre, KIND == kTGRU ? nullptr : dxp, dhp, dlnw, dlnb);
 }

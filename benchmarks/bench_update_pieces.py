@@ -248,7 +248,8 @@ def _loss_alone(a) -> dict:
                 if i >= 2:
                     times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
     ms = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    print(f"4. the loss alone, [{N}, {V}] logits, forward + backward, median ms:", {k: round(v, 2) for k, v in ms.items()})
+    print(f"4. the loss alone, [{N}, {V}] logits, forward + backward, median ms:",
+          {k: round(v, 2) for k, v in ms.items()})
     return {"loss_alone_ms": ms}
 
 

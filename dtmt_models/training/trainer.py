@@ -163,9 +163,10 @@ def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """Adam with β = (0.9, 0.998), ε = 1e-9, in torch's fused implementation (one kernel over all parameters;
     torch's default on CPU is a loop of per-tensor operators). The fused CPU step writes the parameters without
     bumping their version counters, which autograd's in-place checks and the unrolled sessions
-    (dtmt_kernels.nn.unrolled) rely on, so a step hook bumps them (`tests/test_train.py::
-    test_inference_sees_the_optimizer_steps`, `test_the_optimizer_bumps_the_parameters_versions`)."""
-    params = [p for p in model.parameters()]
+    (dtmt_kernels.nn.unrolled) rely on, so a step hook bumps them (tests/test_train.py:
+    `test_inference_sees_the_optimizer_steps`,
+    `test_the_optimizer_bumps_the_parameters_versions_and_steps_as_torchs_adam`)."""
+    params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.998), eps=1e-9, fused=True)
     trained = [p for p in params if p.requires_grad]
     opt.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(trained))

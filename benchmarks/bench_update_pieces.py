@@ -44,6 +44,10 @@ def main(argv=None):
     p.add_argument("--pieces", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     p.add_argument("--data", default=os.path.join(os.path.dirname(HERE), "data", "bible"),
                    help="piece 5: a corpus prepared by `dtmt prepare` (binarized)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="piece 5: its binarized copy's BPE size (default: the small preset's, 4,000)")
+    p.add_argument("--max-tokens", type=int, default=None, help="piece 5: the batches' token budget (default: the "
+                   "small preset's, 2,000)")
     p.add_argument("--loss-rows", type=int, default=1700, help="piece 4: target tokens (rows of logits)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batches", type=int, default=12)
@@ -79,12 +83,15 @@ def _whole_updates(a) -> dict:
 
     preset = get_preset("dtmt", "small")
     train = preset["train"]
-    split = open_binarized(a.data, "bpe", train["vocab_size"]).split("train")
+    vocab = a.vocab_size or train["vocab_size"]
+    split = open_binarized(a.data, "bpe", vocab).split("train")
     lengths = [tuple(int(v) for v in row) for row in split.lengths()]
-    batches = [collate(split.pairs(list(b))) for b in token_batches(lengths, train["max_tokens"], seed=1,
-                                                                     epoch=0)[:a.batches]]
+    batches = [collate(split.pairs(list(b))) for b in token_batches(lengths, a.max_tokens or train["max_tokens"],
+                                                                     seed=1, epoch=0)[:a.batches]]
+    if len(batches) < 3:
+        raise SystemExit(f"piece 5: {a.data} gives {len(batches)} batches; it needs 3 (2 to warm up)")
     torch.manual_seed(0)
-    model = build_model("dtmt", train["vocab_size"], train["vocab_size"], **preset["model"]).train()
+    model = build_model("dtmt", vocab, vocab, **preset["model"]).train()
     optimizers = {"before": torch.optim.Adam(model.parameters(), lr=1e-5, betas=(0.9, 0.998), eps=1e-9),
                   "now": build_optimizer(model, 1e-5)}
     kernel_loss = loss_module.dk.functional.smoothed_cross_entropy

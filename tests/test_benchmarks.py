@@ -237,10 +237,13 @@ def test_bench_update_pieces_quick(tmp_path):
               "tgt": [tv.sp.encode(t, out_type=str) for _, t in pairs]}
     pieces["batches"] = [list(range(i, i + 8)) for i in range(0, 40, 8)]
     (run / "profile_batches.json").write_text(json.dumps(pieces))
-    out = bench_update_pieces.main(["--run", str(run), "--rounds", "1", "--batches", "4"])
+    out = bench_update_pieces.main(["--run", str(run), "--rounds", "1", "--batches", "4", "--loss-rows", "50",
+                                    "--data", data, "--vocab-size", "60", "--max-tokens", "150"])
     assert len(out["loss"]["ratio_per_round"]) == 1 and all(x > 0 for x in out["loss"]["fused_tok_s"])
     assert set(out["context_dalpha_us"]) == {"batched GEMV", "C++ kernel"}
-    assert set(out["adam_step_ms"]) == {"foreach", "fused"}
+    assert set(out["adam_step_ms"]) == {"default", "fused", "build_optimizer"}
+    assert set(out["loss_alone_ms"]) == {"log_softmax + label_smoothed_nll", "portable node", "C++ kernel"}
+    assert len(out["updates_ratio_per_round"]) == 1 and all(x > 0 for x in out["updates_tok_s"]["now"])
 
 
 def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_path, monkeypatch, capsys):

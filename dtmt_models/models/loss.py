@@ -42,8 +42,7 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     """logits [..., V], target [...] -> the three numbers of `label_smoothed_nll(log_softmax(logits), ...)`
     (smoothed loss sum, NLL sum, number of real tokens: an int, a 0-dim tensor under torch.compile, where an int
     would end the graph), with log-softmax and loss fused (dtmt_kernels.functional.smoothed_cross_entropy: on
-    the CPU one C++ pass over each row of logits, which forms the gradient too)."""
-    _check_smoothing(smoothing)
+    the CPU one C++ pass over each row of logits, which forms the gradient too; it checks `smoothing`)."""
     V = logits.shape[-1]
     loss, nll = dk.functional.smoothed_cross_entropy(logits.reshape(-1, V), target.reshape(-1), smoothing, pad_id)
     n = target.ne(pad_id).sum()

@@ -424,6 +424,7 @@ DTMT_HD void atr_forward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RES
       q[j] = q[j] * A(lnw[H + j]) + A(lnb[H + j]);
     }
   }
+  DTMT_SIMD
   for (int j = 0; j < H; ++j) out[j] = T(atr_elem_forward<A>(p[j], q[j], A(h[j])));
 }
 
@@ -446,14 +447,25 @@ DTMT_HD void atr_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RE
     rp = layer_norm_row_normalise(H, np, eps);
     rq = layer_norm_row_normalise(H, nq, eps);
   }
-  for (int j = 0; j < H; ++j) {
-    A p = lnw ? np[j] * A(lnw[j]) + A(lnb[j]) : np[j];
-    A q = lnw ? nq[j] * A(lnw[H + j]) + A(lnb[H + j]) : nq[j];
-    A dhj;
-    atr_elem_backward<A>(p, q, A(h[j]), A(dout[j]), dp[j], dq[j], dhj);
-    dh[j] = T(dhj);
+  // Two loops rather than a per-element `lnw ? ... : ...` (a conditional load, which kept the loop scalar).
+  if (lnw) {
+    DTMT_SIMD
+    for (int j = 0; j < H; ++j) {
+      A dhj;
+      atr_elem_backward<A>(np[j] * A(lnw[j]) + A(lnb[j]), nq[j] * A(lnw[H + j]) + A(lnb[H + j]), A(h[j]),
+                           A(dout[j]), dp[j], dq[j], dhj);
+      dh[j] = T(dhj);
+    }
+  } else {
+    DTMT_SIMD
+    for (int j = 0; j < H; ++j) {
+      A dhj;
+      atr_elem_backward<A>(np[j], nq[j], A(h[j]), A(dout[j]), dp[j], dq[j], dhj);
+      dh[j] = T(dhj);
+    }
   }
   if (lnw) {
+    DTMT_SIMD
     for (int j = 0; j < H; ++j) {
       dlnw[j] += T(dp[j] * np[j]);
       dlnb[j] += T(dp[j]);

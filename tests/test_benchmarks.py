@@ -138,6 +138,15 @@ def test_bench_quality_quick(tmp_path):
     with pytest.raises(SystemExit):
         bench_quality.main(["--quick", "--systems", "deeplau", "--data", data, "--out", str(tmp_path / "q"),
                             "--no-train"])
+    # LABEL=SYSTEM ARGS: a preset variant with its own training arguments, in its own folder and row
+    variant = bench_quality.main(["--quick", "--systems", "nodrop=rnnsearch-atr --opt dropout=0.0", "--data", data,
+                                  "--budget", "2s", "--valid-every", "20", "--out", str(tmp_path / "v")])
+    assert [r["system"] for r in variant] == ["nodrop"]
+    with open(tmp_path / "v" / "nodrop" / "config.yaml") as f:
+        assert "dropout: 0.0" in f.read()
+    for bad in ("x=nosuchsystem", "dtmt --opt dropout=0.1"):
+        with pytest.raises(SystemExit):
+            bench_quality.main(["--quick", "--systems", bad, "--data", data, "--out", str(tmp_path / "v")])
 
 
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
@@ -381,3 +390,10 @@ def test_bench_data_quick(tmp_path):
     assert 0 < run["first_update_s"] < run["wall_s"]
     with open(os.path.join(out, "bench_data.md")) as f:
         assert "| 300 |" in f.read()
+
+
+@pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
+def test_callgrind_cells_workload_runs():
+    from benchmarks import callgrind_cells
+    assert callgrind_cells.main(["--cell", "atr", "--repeat", "1"]) == 0
+    assert callgrind_cells.main(["--cell", "lgru", "--depth", "1", "--repeat", "1"]) == 0

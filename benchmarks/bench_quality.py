@@ -4,6 +4,10 @@
     python benchmarks/bench_quality.py --systems dtmt transformer --budget 30m
     python benchmarks/bench_quality.py --systems dtmt transformer --budget 1h --parallel   # side by side
     python benchmarks/bench_quality.py --quick                           # tiny, for the tests
+    python benchmarks/bench_quality.py --systems base=dtmt "drop01=dtmt --opt dropout=0.1" --threads 1
+
+A --systems entry is a system name, or LABEL=SYSTEM followed by extra `dtmt train` arguments for that run only
+(preset variants side by side; the label names the run's folder and its row).
 
 For each system (its `small` preset) this runs `dtmt train --max-time BUDGET` on --data (default data/bible,
 prepared with `dtmt prepare bible` if missing), then `dtmt evaluate` of best.pt on dev and test with beam 4,
@@ -87,15 +91,26 @@ def main(argv=None):
     extra = a.train_args.split()
     if a.quick:
         extra += ["--vocab-size", "60", "--opt", "embed_dim=16", "--opt", "hidden_size=16", "--max-tokens", "300"]
+    runs = {}
+    for entry in a.systems:
+        label, _, rest = entry.partition("=") if "=" in entry.split()[0] else (entry, "", entry)
+        system, *own = rest.split()
+        if system not in PRESETS or not label or label in runs or (own and label == entry):
+            p.error(f"--systems {entry!r}: expected SYSTEM or LABEL=SYSTEM [ARGS] with a new label and one of "
+                    f"{', '.join(sorted(PRESETS))}")
+        runs[label] = (system, own)
+    a.systems = list(runs)
     threads = a.threads or (max(1, (os.cpu_count() or 1) // len(a.systems)) if a.parallel else 0)
 
-    def train(system):
-        print(f"== {system}: training for {a.budget}" + (f" on {threads} thread(s)" if threads else ""), flush=True)
-        run = os.path.join(a.out, system)
+    def train(label):
+        system, own = runs[label]
+        print(f"== {label}: training for {a.budget}" + (f" on {threads} thread(s)" if threads else "")
+              + (f" ({system} {' '.join(own)})" if label != system or own else ""), flush=True)
+        run = os.path.join(a.out, label)
         return start(["train", "--data", a.data, "--model", system, "--out", run, "--overwrite", "--max-time",
                       a.budget, "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines",
-                      "--log-every", "50", *(["--threads", str(threads)] if threads else []), *extra],
-                     os.path.join(a.out, f"train_{system}.log") if a.parallel else log)
+                      "--log-every", "50", *(["--threads", str(threads)] if threads else []), *extra, *own],
+                     os.path.join(a.out, f"train_{label}.log") if a.parallel else log)
 
     if a.no_train:
         missing = [s for s in a.systems if not os.path.isfile(os.path.join(a.out, s, "best.pt"))]

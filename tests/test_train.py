@@ -498,3 +498,35 @@ def test_train_config_defaults_in_one_place_and_a_checkpoint_round_trip():
     d = cfg.to_dict()
     assert TrainConfig.from_dict({**d, "resume": True, "overwrite": False}) == cfg
     assert [f.name for f in dataclasses.fields(TrainConfig)] == list(d)
+
+
+def test_best_by_compares_the_chosen_dev_score_and_breaks_ties_with_the_other():
+    from dtmt_models.training.trainer import is_better
+
+    # (loss, bleu) against best.pt's (3.0, 20.0)
+    assert is_better("loss", 2.9, 10.0, 3.0, 20.0) and not is_better("bleu", 2.9, 10.0, 3.0, 20.0)
+    assert is_better("bleu", 3.5, 20.5, 3.0, 20.0) and not is_better("loss", 3.5, 20.5, 3.0, 20.0)
+    assert is_better("loss", 3.0, 20.5, 3.0, 20.0) and not is_better("loss", 3.0, 19.5, 3.0, 20.0)
+    assert is_better("bleu", 2.9, 20.0, 3.0, 20.0) and not is_better("bleu", 3.1, 20.0, 3.0, 20.0)
+    assert is_better("loss", 9.0, 0.0, float("inf"), -1.0) and is_better("bleu", 9.0, 0.0, float("inf"), -1.0)
+
+
+def test_best_by_loss_keeps_the_model_of_the_lowest_dev_loss(toy, tmp_path):
+    """best.pt holds the validation with the lowest logged dev loss; --patience counts validations without a
+    lower one (this toy run's loss first rises at a validation before the 40th update), and the log says what
+    picked best.pt."""
+    from dtmt_models.models.checkpoint import read_checkpoint
+
+    out = str(tmp_path / "by_loss")
+    r = run_train(["--data", toy, "--out", out, "--max-steps", "40", "--valid-every", "4", "--best-by", "loss",
+                   "--lr", "0.05", "--patience", "1", *TINY])
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(out, "train_log.csv"), newline="") as f:
+        valid = [(float(row["dev_loss"]), int(row["step"])) for row in csv.DictReader(f) if row["kind"] == "valid"]
+    best_loss, best_step = min(valid)
+    assert read_checkpoint(os.path.join(out, "best.pt"))["step"] == best_step
+    assert valid[-1][1] < 40 and valid[-1][0] > best_loss and valid[-2] == (best_loss, best_step)
+    assert all(a[0] > b[0] for a, b in zip(valid, valid[1:-1]))   # every earlier validation was an improvement
+    text = r.stdout + r.stderr
+    assert f"best.pt: dev loss {best_loss:.3f}" in text and "picked by dev loss" in text
+    assert "no better dev loss in 1 validations" in text

@@ -30,7 +30,7 @@ from dtmt_models.training.trainer import CONFIG, LAST, Trainer
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
-             "threads", "bleu_sentences", "keep_last", "amp")
+             "threads", "bleu_sentences", "keep_last", "amp", "best_by")
 
 
 
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-time", default=None, help="stop after this much training time, e.g. 90s, 30m, 2h")
     s.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better "
                                                               f"dev score (0: never; default {D['patience']})")
+    s.add_argument("--best-by", default=None, choices=("loss", "bleu"),
+                   help=f"the dev score that picks best.pt and counts --patience: loss (lower) or bleu (higher, "
+                        f"of --bleu-sentences with --valid-beam) (default {D['best_by']})")
     s.add_argument("--valid-every", type=int, default=None,
                    help=f"validate every N updates (and at the end; default {D['valid_every']})")
     s.add_argument("--valid-beam", type=int, default=None,

@@ -13,9 +13,10 @@ What a run does, in order:
   2. trains with Adam, a learning-rate schedule (RNMT+ paper 000 eq. 17, inverse square root paper 003
      eq. 26-27, or constant), label smoothing, the system's dropouts and gradient-norm clipping, on
      token-budget batches bucketed by length and shuffled per epoch with the seed;
-  3. every --valid-every updates: validation loss on dev, dev BLEU (greedy by default) and chrF, early stopping
-     on dev BLEU with --patience, `best.pt` kept, `last.pt` written (atomically), and with --keep-last N the
-     model of each of the last N validations as step_<updates>.pt;
+  3. every --valid-every updates: validation loss on dev, dev BLEU (greedy by default) and chrF; `best.pt` is
+     the model of the lowest dev loss (--best-by bleu: of the highest dev BLEU), and --patience validations
+     without a better one stop the run; `last.pt` written (atomically), and with --keep-last N the model of each
+     of the last N validations as step_<updates>.pt;
   4. logs to OUT/train_log.csv and draws OUT/learning_curve.png; a progress line shows tokens/s.
 SIGINT/SIGTERM finish the current update, save `last.pt` and exit; `--resume` continues from `last.pt` so that
 the losses after resuming are exactly those an uninterrupted run would have produced (the batch order, the
@@ -171,6 +172,15 @@ def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     trained = [p for p in params if p.requires_grad]
     opt.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(trained))
     return opt
+
+
+def is_better(best_by: str, loss: float, bleu: float, best_loss: float, best_bleu: float) -> bool:
+    """Whether a validation's (dev loss, dev BLEU) beats best.pt's under `best_by` ("loss": lower loss, ties to the
+    higher BLEU; "bleu": higher BLEU, ties to the lower loss). benchmarks/bench_ckpt_choice.py measures which
+    tracks test BLEU."""
+    if best_by == "loss":
+        return loss < best_loss or (loss == best_loss and bleu > best_bleu)
+    return bleu > best_bleu or (bleu == best_bleu and loss < best_loss)
 
 
 class Trainer:
@@ -444,7 +454,7 @@ class Trainer:
                 self.csv.close()
         if self.dist.main:
             self.log(f"stopped: {self.stop_reason}. {self.step:,} updates, {format_time(self.elapsed)} of training; "
-                     f"best dev BLEU {max(self.best_bleu, 0):.2f}. Checkpoints: {os.path.join(self.out, LAST)}"
+                     f"best.pt: {self.best_description()}. Checkpoints: {os.path.join(self.out, LAST)}"
                      + (f", {os.path.join(self.out, BEST)}" if os.path.isfile(os.path.join(self.out, BEST)) else ""))
             if self._signal:
                 self.log(f"resume with: dtmt train --data {c.data} --model {c.model} --out {self.out} --resume")
@@ -470,9 +480,9 @@ class Trainer:
                                   alpha=0.6, device=self.device)
             scores = corpus_scores(hyps, refs)
             bleu, chrf = scores["bleu"], scores["chrf"]
-            improved = bleu > self.best_bleu or (bleu == self.best_bleu and loss < self.best_loss)
-            if improved:
-                self.best_bleu, self.best_loss, self.bad_validations = bleu, min(loss, self.best_loss), 0
+            improved = is_better(self.cfg.best_by, loss, bleu, self.best_loss, self.best_bleu)
+            if improved:   # best_loss and best_bleu: best.pt's own dev loss and BLEU
+                self.best_bleu, self.best_loss, self.bad_validations = bleu, loss, 0
                 save_checkpoint(os.path.join(self.out, BEST), self.payload(full=False))
             else:
                 self.bad_validations += 1
@@ -486,7 +496,7 @@ class Trainer:
             p = self.cfg.patience
             stop = bool(p) and self.bad_validations >= p
             self.log(f"step {self.step:,}: dev loss {loss:.3f} (ppl {math.exp(min(loss, 50)):.1f}), BLEU {bleu:.2f}, "
-                     f"chrF {chrf:.2f}{' (best)' if improved else f' (best {self.best_bleu:.2f})'}; "
+                     f"chrF {chrf:.2f}{' (best)' if improved else f' (best: {self.best_description()})'}; "
                      f"{time.perf_counter() - t0:.0f}s")
             decision = (stop, self.best_bleu, self.best_loss, self.bad_validations)
         decision = self.dist.broadcast(decision)
@@ -495,8 +505,14 @@ class Trainer:
             return False
         stop, self.best_bleu, self.best_loss, self.bad_validations = decision
         if stop:
-            self.stop_reason = f"no better dev BLEU in {self.cfg.patience} validations (early stopping)"
+            self.stop_reason = (f"no better dev {self.cfg.best_by.replace('bleu', 'BLEU')} in {self.cfg.patience} "
+                                f"validations (early stopping)")
         return stop
+
+    def best_description(self) -> str:
+        if self.best_loss == math.inf:
+            return "none yet"
+        return f"dev loss {self.best_loss:.3f}, BLEU {self.best_bleu:.2f} (picked by dev {self.cfg.best_by})"
 
     def keep_step_checkpoint(self) -> None:
         """step_<updates>.pt for this validation; the oldest beyond --keep-last are removed."""

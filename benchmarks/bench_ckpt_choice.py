@@ -5,8 +5,8 @@
 
 For every checkpoint the run kept (step_<updates>.pt, `dtmt train --keep-last`), this measures afresh (from the
 file, not the run's log) the two numbers `dtmt train` measures at each validation, dev loss and greedy dev BLEU
-(what picks `best.pt` today), and with `dtmt evaluate` (beam 4, α 0.6) the BLEU of the whole dev set and of the
-test set.
+(what picks `best.pt`: `--best-by loss`, the default, or `--best-by bleu`), and with `dtmt evaluate` (beam 4,
+α 0.6) the BLEU of the whole dev set and of the test set.
 It adds the averages of the last k checkpoints (`dtmt average`, for each k of --average). Then for each
 criterion (lowest dev loss, highest greedy dev BLEU, highest beam dev BLEU, the last checkpoint, the average of
 the last k): the checkpoint it picks and that checkpoint's test BLEU, beside the best test BLEU of any kept
@@ -118,8 +118,9 @@ def main(argv=None):
         averages.append(r)
         print(f"{r['name']}: beam dev {r['dev_bleu_beam']:.2f}, test {r['test_bleu_beam']:.2f}", flush=True)
     test = [r["test_bleu_beam"] for r in rows]
-    picks = [("lowest dev loss", min(rows, key=lambda r: r["dev_loss"]), spearman([-r["dev_loss"] for r in rows], test)),
-             ("highest greedy dev BLEU (best.pt today)", max(rows, key=lambda r: r["dev_bleu_greedy"]),
+    picks = [("lowest dev loss (`--best-by loss`)", min(rows, key=lambda r: r["dev_loss"]),
+              spearman([-r["dev_loss"] for r in rows], test)),
+             ("highest greedy dev BLEU (`--best-by bleu`)", max(rows, key=lambda r: r["dev_bleu_greedy"]),
               spearman([r["dev_bleu_greedy"] for r in rows], test)),
              ("highest beam dev BLEU", max(rows, key=lambda r: r["dev_bleu_beam"]),
               spearman([r["dev_bleu_beam"] for r in rows], test)),

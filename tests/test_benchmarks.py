@@ -187,7 +187,7 @@ def test_bench_ckpt_choice_quick(tmp_path):
     assert len(averages) == 1 and 0 <= averages[0]["test_bleu_beam"] <= 100
     with open(os.path.join(run, "ckpt_choice.md")) as f:
         table = f.read()
-    assert "| lowest dev loss | step_" in table and "| average of the last 2 |" in table
+    assert "| lowest dev loss (`--best-by loss`) | step_" in table and "| average of the last 2 |" in table
 
 
 def test_bench_peers_parts_that_need_no_peer(tmp_path):

@@ -428,6 +428,23 @@ DTMT_HD void atr_forward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RES
   for (int j = 0; j < H; ++j) out[j] = T(atr_elem_forward<A>(p[j], q[j], A(h[j])));
 }
 
+// The element loop of atr_backward_row: LN (layer norm present) is a template argument, as DROP is for
+// gated_backward_elems (a per-element `lnw ? ... : ...` is a conditional load, which kept the loop scalar).
+template <bool LN, typename T, typename A>
+DTMT_HD void atr_backward_elems(int H, const A* DTMT_RESTRICT np, const A* DTMT_RESTRICT nq,
+                                const T* DTMT_RESTRICT lnw, const T* DTMT_RESTRICT lnb, const T* DTMT_RESTRICT h,
+                                const T* DTMT_RESTRICT dout, A* DTMT_RESTRICT dp, A* DTMT_RESTRICT dq,
+                                T* DTMT_RESTRICT dh) {
+  DTMT_SIMD
+  for (int j = 0; j < H; ++j) {
+    A p = LN ? np[j] * A(lnw[j]) + A(lnb[j]) : np[j];
+    A q = LN ? nq[j] * A(lnw[H + j]) + A(lnb[H + j]) : nq[j];
+    A dhj;
+    atr_elem_backward<A>(p, q, A(h[j]), A(dout[j]), dp[j], dq[j], dhj);
+    dh[j] = T(dhj);
+  }
+}
+
 template <typename T, typename A>
 DTMT_HD void atr_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RESTRICT hp,
                               const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw, const T* DTMT_RESTRICT lnb,
@@ -447,22 +464,10 @@ DTMT_HD void atr_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RE
     rp = layer_norm_row_normalise(H, np, eps);
     rq = layer_norm_row_normalise(H, nq, eps);
   }
-  // Two loops rather than a per-element `lnw ? ... : ...` (a conditional load, which kept the loop scalar).
   if (lnw) {
-    DTMT_SIMD
-    for (int j = 0; j < H; ++j) {
-      A dhj;
-      atr_elem_backward<A>(np[j] * A(lnw[j]) + A(lnb[j]), nq[j] * A(lnw[H + j]) + A(lnb[H + j]), A(h[j]),
-                           A(dout[j]), dp[j], dq[j], dhj);
-      dh[j] = T(dhj);
-    }
+    atr_backward_elems<true, T, A>(H, np, nq, lnw, lnb, h, dout, dp, dq, dh);
   } else {
-    DTMT_SIMD
-    for (int j = 0; j < H; ++j) {
-      A dhj;
-      atr_elem_backward<A>(np[j], nq[j], A(h[j]), A(dout[j]), dp[j], dq[j], dhj);
-      dh[j] = T(dhj);
-    }
+    atr_backward_elems<false, T, A>(H, np, nq, lnw, lnb, h, dout, dp, dq, dh);
   }
   if (lnw) {
     DTMT_SIMD

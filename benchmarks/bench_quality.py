@@ -93,9 +93,11 @@ def main(argv=None):
         extra += ["--vocab-size", "60", "--opt", "embed_dim=16", "--opt", "hidden_size=16", "--max-tokens", "300"]
     runs = {}
     for entry in a.systems:
-        label, _, rest = entry.partition("=") if "=" in entry.split()[0] else (entry, "", entry)
-        system, *own = rest.split()
-        if system not in PRESETS or not label or label in runs or (own and label == entry):
+        head, *own = entry.split() or [""]
+        label, labelled, system = head.partition("=")
+        if not labelled:
+            system = label
+        if system not in PRESETS or not label or label in runs or (own and not labelled):
             p.error(f"--systems {entry!r}: expected SYSTEM or LABEL=SYSTEM [ARGS] with a new label and one of "
                     f"{', '.join(sorted(PRESETS))}")
         runs[label] = (system, own)

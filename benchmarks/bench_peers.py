@@ -341,8 +341,9 @@ def main(argv=None):
     # ---- tables
     command = "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+    together = "trained one after another" if a.sequential else "all training at once"
     lines = [f"Equal training time against OpenNMT-py ({machine_name()}; {a.threads} thread(s) per system, "
-             f"{'trained one after another' if a.sequential else 'all training at once'}); {a.budget} of training each on {a.data} (SentencePiece BPE "
+             f"{together}); {a.budget} of training each on {a.data} (SentencePiece BPE "
              f"{train_cfg['vocab_size']:,} per side, {pieces['paths'][('train', 'n')]:,} training pairs, batches of "
              f"{train_cfg['max_tokens']:,} tokens, lr {train_cfg['lr']:g} with the RNMT+ schedule); test set "
              f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, α 0.6, sacrebleu via `dtmt evaluate`; "

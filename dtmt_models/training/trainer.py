@@ -505,14 +505,17 @@ class Trainer:
             return False
         stop, self.best_bleu, self.best_loss, self.bad_validations = decision
         if stop:
-            self.stop_reason = (f"no better dev {self.cfg.best_by.replace('bleu', 'BLEU')} in {self.cfg.patience} "
-                                f"validations (early stopping)")
+            self.stop_reason = f"no better dev {self.best_by_name()} in {self.cfg.patience} validations (early stopping)"
         return stop
 
     def best_description(self) -> str:
         if self.best_loss == math.inf:
             return "none yet"
-        return f"dev loss {self.best_loss:.3f}, BLEU {self.best_bleu:.2f} (picked by dev {self.cfg.best_by})"
+        return f"dev loss {self.best_loss:.3f}, BLEU {self.best_bleu:.2f} (picked by dev {self.best_by_name()})"
+
+    def best_by_name(self) -> str:
+        """--best-by as the log words it: "loss" or "BLEU"."""
+        return {"loss": "loss", "bleu": "BLEU"}[self.cfg.best_by]
 
     def keep_step_checkpoint(self) -> None:
         """step_<updates>.pt for this validation; the oldest beyond --keep-last are removed."""

@@ -8,7 +8,8 @@
 Each (system, backend) pair is measured in a fresh subprocess (so the peak resident memory belongs to that
 pair alone) on the same synthetic batches: a token budget of --max-tokens target tokens, source and target
 lengths drawn from the length distribution of Bible verses (mean ~30 subwords), vocabularies of --vocab.
-A training update is forward + backward + clipping + Adam step, as in `dtmt train`. Reported:
+A training update is forward + backward + clipping + Adam step, as in `dtmt train` (with its malloc
+settings: dtmt_models/training/allocator.py; DTMT_MALLOC=default for glibc's own). Reported:
   tok/s        target tokens per second over --steps updates after --warmup updates (median of the per-update
                rates is not used: total tokens over total time)
   saved_MB     bytes autograd keeps for backward in one update (tensors sharing storage counted once)
@@ -61,9 +62,11 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     from dtmt_models.data.batching import collate
     from dtmt_models.models.presets import get_preset
     from dtmt_models.models.registry import build_model
+    from dtmt_models.training.allocator import tune_malloc
 
     if threads:
         torch.set_num_threads(threads)
+    tune_malloc()   # as `dtmt train` (DTMT_MALLOC=default: glibc's own settings)
     torch.manual_seed(0)
     model = build_model(system, vocab, vocab, **get_preset(system, preset)["model"]).to(device)
     if backend != "-":

@@ -1,5 +1,6 @@
 """dtmt train: resume exactness, signals, two-process DDP, presets, errors (issue 5)."""
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -530,3 +531,48 @@ def test_best_by_loss_keeps_the_model_of_the_lowest_dev_loss(toy, tmp_path):
     text = r.stdout + r.stderr
     assert f"best.pt: dev loss {best_loss:.3f}" in text and "picked by dev loss" in text
     assert "no better dev loss in 1 validations" in text
+
+
+MALLOC_PROBE = r"""
+import ctypes, json, sys
+from dtmt_models.training.allocator import tune_malloc
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+tuned = tune_malloc()
+size = 96 << 20   # what a training update frees and allocates again: above glibc's largest default threshold
+p = libc.malloc(size)
+ctypes.memset(p, 1, size)
+mapped = libc.mallinfo2().hblkhd
+libc.free(p)
+print(json.dumps({"tuned": tuned, "size": size, "mapped": mapped, "heap_after_free": libc.mallinfo2().arena}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("env, tuned", [({}, True), ({"DTMT_MALLOC": "default"}, False),
+                                        ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False)])
+def test_tune_malloc_keeps_freed_update_memory(env, tuned):
+    """dtmt train's malloc settings (dtmt_models/training/allocator.py), observed through glibc's own accounting
+    (mallinfo2): tuned, a 96 MiB block comes from the heap and the heap keeps it after free (the next update reuses
+    the pages); glibc's defaults (DTMT_MALLOC=default, or the user's own MALLOC_* variable) map it and unmap it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    base = {k: v for k, v in os.environ.items() if k not in ("DTMT_MALLOC", "MALLOC_MMAP_THRESHOLD_",
+                                                                "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")}
+    out = subprocess.run([sys.executable, "-c", MALLOC_PROBE], env={**base, **env, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["tuned"] is tuned
+    if tuned:
+        assert r["mapped"] < r["size"] and r["heap_after_free"] >= r["size"]
+    else:
+        assert r["mapped"] >= r["size"] and r["heap_after_free"] < r["size"]

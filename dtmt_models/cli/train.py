@@ -24,6 +24,7 @@ from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models
+from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist
 from dtmt_models.training.trainer import CONFIG, LAST, Trainer
@@ -340,6 +341,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        tune_malloc()   # freed update memory stays for the next update (DTMT_MALLOC=default: glibc's own)
         trainer = Trainer(cfg, dist, ckpt)   # makes --out only once the data and the model are usable
         if dist.main:   # once the corpus and the vocabularies are known to be usable
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:

@@ -29,7 +29,7 @@ def _glibc():
     """The process's C library where it is glibc (it has gnu_get_libc_version and mallopt), else None."""
     try:
         libc = ctypes.CDLL(None)
-    except OSError:
+    except (OSError, TypeError):   # no process-wide C library handle (Windows)
         return None
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
         return None

@@ -455,21 +455,16 @@ DTMT_HD void atr_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_RE
   A* nq = scratch + H;  // normalised q (or raw q)
   A* dp = scratch + 2 * H;
   A* dq = scratch + 3 * H;
-  A rp = 0, rq = 0;
   for (int j = 0; j < H; ++j) {
     np[j] = A(xp[j]);
     nq[j] = A(hp[j]);
   }
-  if (lnw) {
-    rp = layer_norm_row_normalise(H, np, eps);
-    rq = layer_norm_row_normalise(H, nq, eps);
-  }
-  if (lnw) {
-    atr_backward_elems<true, T, A>(H, np, nq, lnw, lnb, h, dout, dp, dq, dh);
-  } else {
+  if (!lnw) {
     atr_backward_elems<false, T, A>(H, np, nq, lnw, lnb, h, dout, dp, dq, dh);
-  }
-  if (lnw) {
+  } else {
+    const A rp = layer_norm_row_normalise(H, np, eps);
+    const A rq = layer_norm_row_normalise(H, nq, eps);
+    atr_backward_elems<true, T, A>(H, np, nq, lnw, lnb, h, dout, dp, dq, dh);
     DTMT_SIMD
     for (int j = 0; j < H; ++j) {
       dlnw[j] += T(dp[j] * np[j]);

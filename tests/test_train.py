@@ -560,13 +560,12 @@ def test_tune_malloc_keeps_freed_update_memory(env, tuned):
     """dtmt train's malloc settings (dtmt_models/training/allocator.py), observed through glibc's own accounting
     (mallinfo2): tuned, a 96 MiB block comes from the heap and the heap keeps it after free (the next update reuses
     the pages); glibc's defaults (DTMT_MALLOC=default, or the user's own MALLOC_* variable) map it and unmap it."""
-    import ctypes
+    from dtmt_models.training import allocator
 
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallinfo2"):
+    libc = allocator._glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
         pytest.skip("needs glibc >= 2.33 (mallinfo2)")
-    base = {k: v for k, v in os.environ.items() if k not in ("DTMT_MALLOC", "MALLOC_MMAP_THRESHOLD_",
-                                                                "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")}
+    base = {k: v for k, v in os.environ.items() if k not in ("DTMT_MALLOC", *allocator.USER_VARIABLES)}
     out = subprocess.run([sys.executable, "-c", MALLOC_PROBE], env={**base, **env, "PYTHONPATH": ROOT},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -49,7 +49,6 @@ def tune_malloc() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    if not libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and not libc.mallopt(M_MMAP_THRESHOLD,
-                                                                              FALLBACK_MMAP_THRESHOLD):
+    if not any(libc.mallopt(M_MMAP_THRESHOLD, v) for v in (MMAP_THRESHOLD, FALLBACK_MMAP_THRESHOLD)):
         return False
     return bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -7,16 +7,17 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dtmt_models.training.distributed import Dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_models import CONFIGS, IDS, build, toy_batch  # noqa: E402
 
 
 def main() -> int:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    group = Dist("cpu")                                   # gloo, as `dtmt train` on the CPU
+    rank = group.rank
     torch.set_num_threads(1)
     for (name, options), ident in zip(CONFIGS, IDS):
         model = build(name, **options)                    # same seed on both ranks
@@ -30,13 +31,12 @@ def main() -> int:
             nll.backward()
             opt.step()
         digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-        digests = [None, None]
-        dist.all_gather_object(digests, digest)
+        digests = group.gather(digest)
         if digests[0] != digests[1]:
             raise SystemExit(f"{ident}: the processes' parameters differ after two updates")
         if rank == 0:
             print(f"ok {ident}", flush=True)
-    dist.destroy_process_group()
+    group.close()                                        # the trainer's shutdown: barrier, then destroy
     return 0
 
 

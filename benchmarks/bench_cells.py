@@ -78,6 +78,39 @@ def machine_name(device: str = "cpu") -> str:
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads{loops}"
 
 
+# The instruction-set flags of /proc/cpuinfo that change what the GEMMs and dtmt's loops run.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_int8")
+
+
+def machine_record() -> dict:
+    """What makes two CPU timings comparable, as a dict: the CPU's identity from /proc/cpuinfo (vendor, family,
+    model, stepping, model name: a VM can give different CPUs one model name), its instruction-set flags
+    (ISA_FLAGS), the core count, torch's version and the copy of dtmt's loops. Equal records: the same kind of
+    machine; `machine_name()` is the line a table prints."""
+    cpu: dict = {}
+    flags: set = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key in ("vendor_id", "cpu family", "model", "model name", "stepping") and key not in cpu:
+                    cpu[key] = value
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+                elif not key and cpu:   # the first processor's block has ended
+                    break
+    except OSError:
+        cpu["model name"] = platform.processor() or platform.machine()
+    loops = None
+    if "cpp" in dk.available_backends():
+        from dtmt_kernels import _C
+        loops = _C.cpu_isa()
+    return dict(cpu, isa=[f for f in ISA_FLAGS if f in flags], cores=os.cpu_count(), torch=torch.__version__,
+                dtmt_loops=loops)
+
+
 def _sync(device: str = "cpu"):
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 

@@ -27,6 +27,16 @@ What it does, in one run:
 It writes DIR/bench_peers.md (the tables, machine and command), DIR/bench_peers.json and DIR/bench_peers.png
 (dev loss against updates and against training time), and with --results appends the tables to
 benchmarks/RESULTS.md.
+
+Budgets longer than one sitting train one system per invocation into the same --out, then tabulate together:
+
+    python benchmarks/bench_peers.py --budget 2h --threads 2 --sequential --systems dtmt --out DIR --no-eval
+    python benchmarks/bench_peers.py --budget 2h --threads 2 --sequential --systems onmt-lstm --out DIR --no-eval
+    python benchmarks/bench_peers.py --budget 2h --threads 2 --sequential --out DIR --no-train
+
+Each training writes RUN/bench_peers_machine.json (the CPU's identity and instruction sets, cores, torch, the
+threads, budget and mode, date and commit); tabulating refuses runs whose machines or settings differ, and
+names each run's date and commit where they were trained apart.
 """
 from __future__ import annotations
 
@@ -199,6 +209,66 @@ def read_jsonl(path: str) -> list:
 
 
 # ----------------------------------------------------------------------------------------------- main
+RECORD = "bench_peers_machine.json"
+# What must be equal in every run of one table: the machine (bench_cells.machine_record) and the training setting.
+SAME = ("machine", "threads", "budget_s", "sequential")
+
+
+def write_record(run_dir: str, setting: dict) -> None:
+    """RUN/bench_peers_machine.json: the machine a run trained on and its setting, date and commit."""
+    import datetime
+
+    from bench_cells import machine_name, machine_record
+
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    rec = dict(setting, machine=machine_record(), machine_name=machine_name(), commit=commit,
+               date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
+    with open(os.path.join(run_dir, RECORD), "w") as f:
+        json.dump(rec, f, indent=1)
+
+
+def read_record(run_dir: str):
+    path = os.path.join(run_dir, RECORD)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_records(records: dict):
+    """The machine every run trained on (its machine_name line), after checking that the runs' records agree on
+    SAME; None when no run has a record (runs made before records were written). A run without a record beside
+    runs with one, or two records that differ, stop the script with a one-line message."""
+    have = {name: r for name, r in records.items() if r is not None}
+    if not have:
+        return None
+    if len(have) < len(records):
+        missing = sorted(set(records) - set(have))
+        raise SystemExit(f"bench_peers: {', '.join(missing)} has no {RECORD} (trained before runs recorded their "
+                         f"machine): cannot tell whether it trained on the machine of {', '.join(sorted(have))}")
+    (first, ref), *others = have.items()
+    for name, r in others:
+        for key in SAME:
+            if r.get(key) != ref.get(key):
+                what = "machines" if key == "machine" else f"settings ({key})"
+                raise SystemExit(f"bench_peers: {first} and {name} trained on different {what}: "
+                                 f"{ref.get(key)} against {r.get(key)}; train them again on one")
+    return ref["machine_name"]
+
+
+def apart_line(records: dict) -> list:
+    """A table line naming each run's training date and commit, when the runs were not all trained together."""
+    have = {n: r for n, r in records.items() if r}
+    if len({(r["date"][:10], r["commit"]) for r in have.values()}) <= 1:
+        return []
+    return ["Trained separately: " + "; ".join(f"{n} {r['date']} at {r['commit']}" for n, r in have.items()) + ".",
+            ""]
+
+
 def main(argv=None):
     from bench_cells import machine_name
     from bench_quality import read_log, start
@@ -225,6 +295,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "out", "peers"))
     p.add_argument("--setup-only", action="store_true", help="make the peer environment and stop")
     p.add_argument("--no-train", action="store_true", help="evaluate and tabulate the runs already in --out")
+    p.add_argument("--no-eval", action="store_true",
+                   help="train and stop (another invocation with --no-train tabulates the runs together)")
     p.add_argument("--results", action="store_true", help="append the tables to benchmarks/RESULTS.md")
     p.add_argument("--profile", action="store_true",
                    help="instead of training: time a training update of the runs in --out (dtmt's last.pt, "
@@ -232,6 +304,8 @@ def main(argv=None):
     p.add_argument("--profile-batches", type=int, default=23, help="batches timed by --profile (3 warm up)")
     a = p.parse_args(argv)
     budget_s = parse_duration(a.budget)
+    if a.no_train and a.no_eval:
+        p.error("--no-train with --no-eval leaves nothing to do")
     unknown = [s for s in a.systems if s not in PRESETS and s not in PEERS]
     if unknown:
         p.error(f"--systems: unknown {', '.join(unknown)}")
@@ -290,6 +364,22 @@ def main(argv=None):
             for proc, _, _ in jobs:
                 if proc.poll() is None:
                     proc.terminate()
+        setting = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential, valid_every=a.valid_every)
+        for system in ours:
+            write_record(os.path.join(a.out, system), dict(setting, train_args=a.train_args))
+        if "onmt-lstm" in peers:
+            write_record(onmt_dir, dict(setting, onmt_size=a.onmt_size))
+        if a.no_eval:
+            print(f"trained {', '.join(a.systems)} into {a.out}; tabulate with --no-train")
+            return None
+    records = {s: read_record(os.path.join(a.out, s)) for s in a.systems}
+    trained_on = check_records(records)
+    if trained_on is not None:   # the table states this invocation's setting: it must be the runs'
+        ref = next(iter(records.values()))
+        now = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential)
+        if any(ref[k] != v for k, v in now.items()):
+            raise SystemExit(f"bench_peers: the runs in {a.out} trained with threads={ref['threads']}, budget_s="
+                             f"{ref['budget_s']}, sequential={ref['sequential']}: tabulate them with those options")
     # ---- evaluation, one system at a time
     rows, curves = [], {}
     test_src = pieces["paths"][("test", s_lang)]
@@ -342,12 +432,16 @@ def main(argv=None):
     command = "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
     together = "trained one after another" if a.sequential else "all training at once"
-    lines = [f"Equal training time against OpenNMT-py ({machine_name()}; {a.threads} thread(s) per system, "
+    where = machine_name()
+    if trained_on is not None and trained_on != where:
+        where = f"trained on {trained_on}; evaluated on {where}"
+    lines = [f"Equal training time against OpenNMT-py ({where}; {a.threads} thread(s) per system, "
              f"{together}); {a.budget} of training each on {a.data} (SentencePiece BPE "
              f"{train_cfg['vocab_size']:,} per side, {pieces['paths'][('train', 'n')]:,} training pairs, batches of "
              f"{train_cfg['max_tokens']:,} tokens, lr {train_cfg['lr']:g} with the RNMT+ schedule); test set "
              f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, α 0.6, sacrebleu via `dtmt evaluate`; "
              f"decoding one system at a time on {a.threads} thread(s). Command: `{command}`", "",
+             *apart_line(records),
              "| system | params | target tok/s | updates | final dev loss | test BLEU | chrF | decode sent/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -368,7 +462,8 @@ def main(argv=None):
     with open(os.path.join(a.out, "bench_peers.md"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(a.out, "bench_peers.json"), "w") as f:
-        json.dump({"rows": rows, "curves": curves, "command": command, "machine": machine_name()}, f, indent=1)
+        json.dump({"rows": rows, "curves": curves, "command": command, "machine": machine_name(),
+                   "records": records}, f, indent=1)
     _plot(curves, os.path.join(a.out, "bench_peers.png"), a.budget)
     print("\n" + text)
     if a.results:

@@ -226,6 +226,44 @@ def test_bench_peers_parts_that_need_no_peer(tmp_path):
         assert line in text, line
 
 
+def test_bench_peers_tabulates_only_runs_of_one_machine_and_setting(tmp_path):
+    """Runs trained in separate invocations (a 2-hour budget per system) are tabulated together only when their
+    records name the same machine and setting; the record is the machine's real /proc/cpuinfo identity."""
+    from benchmarks import bench_peers
+    from benchmarks.bench_cells import ISA_FLAGS, machine_record
+
+    rec = machine_record()
+    assert rec["cores"] == os.cpu_count() and set(rec["isa"]) <= set(ISA_FLAGS)
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        assert rec["model name"] in text and rec["vendor_id"] in text
+    setting = dict(threads=2, budget_s=7200.0, sequential=True, valid_every=250)
+    runs = {}
+    for name in ("dtmt", "onmt-lstm"):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        bench_peers.write_record(str(runs[name]), setting)
+    records = {n: bench_peers.read_record(str(d)) for n, d in runs.items()}
+    assert records["dtmt"]["machine"] == rec and records["dtmt"]["threads"] == 2
+    assert bench_peers.check_records(records) == records["dtmt"]["machine_name"]
+    assert bench_peers.apart_line(records) == []       # same day, same commit: trained together
+    other = dict(records["onmt-lstm"], date="2026-12-01 09:00", commit="abc1234")
+    assert bench_peers.apart_line({"dtmt": records["dtmt"], "onmt-lstm": other})[0].startswith(
+        "Trained separately: dtmt ")
+    cpu = dict(records["onmt-lstm"], machine=dict(rec, model="143", isa=["avx2", "fma"]))
+    with pytest.raises(SystemExit, match="different machines"):
+        bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": cpu})
+    threads = dict(records["onmt-lstm"], threads=1)
+    with pytest.raises(SystemExit, match=r"settings \(threads\)"):
+        bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": threads})
+    with pytest.raises(SystemExit, match="onmt-lstm has no bench_peers_machine.json"):
+        bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": None})
+    assert bench_peers.check_records({"dtmt": None, "onmt-lstm": None}) is None   # runs older than records
+    with pytest.raises(SystemExit):
+        bench_peers.main(["--no-train", "--no-eval", "--systems", "dtmt", "--out", str(tmp_path)])
+
+
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 def test_bench_update_pieces_quick(tmp_path):
     import json

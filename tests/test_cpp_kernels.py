@@ -54,6 +54,20 @@ def test_gradcheck_candidate_dropout(cell, depth, layer_norm):
     assert torch.autograd.gradcheck(f, (x, h0, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize("keep", [0, 1], ids=["out-only", "h_n-only"])
+def test_gradcheck_one_output_used(keep):
+    """A layer whose out (or h_n) alone reaches the loss: the op's backward gets no gradient for the other output
+    (autograd does not fill it with zeros) and must still be exact."""
+    T, B, I, H = 4, 3, 3, 5
+    layer = make_layer("lgru", I, H, depth=1, layer_norm=True)
+    torch.manual_seed(4)
+    x = torch.randn(T, B, I, dtype=torch.double, requires_grad=True)
+    h0 = torch.randn(B, H, dtype=torch.double, requires_grad=True)
+    params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+    f = _sequence_fn(layer, padding_mask([4, 2, 1], T), None, False, "cpp")
+    assert torch.autograd.gradcheck(lambda *a: f(*a)[keep], (x, h0, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
 def _compare_backends(layer, x, h0, lengths, atol, rtol):
     """Outputs and all gradients of `layer` on the cpp and reference backends."""
     results = {}

@@ -78,8 +78,10 @@ def _setup_context(ctx, inputs, output):
     params, (reverse, eps) = rest[:10], rest[10:]
     _, _, *saved = output
     ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
+    ctx.shapes = (output[0].shape, output[1].shape, output[1].dtype)
     ctx.save_for_backward(x, mask, drop, *params, *saved)
     ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)   # no zeros for the saved outputs (hs alone is [D+1, T, B, H]); see backward
 
 
 def _autograd_for(backward_op):
@@ -87,6 +89,11 @@ def _autograd_for(backward_op):
 
     def backward(ctx, grad_out, grad_hn, *_saved_grads):
         x, mask, drop, *rest = ctx.saved_tensors
+        out_shape, hn_shape, hn_dtype = ctx.shapes
+        if grad_out is None:   # the one output without a gradient gets zeros (the backward op reads both)
+            grad_out = x.new_zeros(out_shape)
+        if grad_hn is None:
+            grad_hn = x.new_zeros(hn_shape, dtype=hn_dtype)
         params, saved = rest[:10], rest[10:]
         grads = backward_op(grad_out, grad_hn, x, mask, drop, ctx.kind, *params, *saved, ctx.reverse, ctx.eps)
         dx, dh0, *dparams = grads

@@ -332,6 +332,10 @@ def main(argv=None):
     jobs = []
     # ---- training, all at once
     if not a.no_train:
+        for system in a.systems:   # a run being replaced loses its record until it has trained
+            stale = os.path.join(a.out, system, RECORD)
+            if os.path.isfile(stale):
+                os.remove(stale)
         for system in ours:
             run_dir = os.path.join(a.out, system)
             cmd = ["train", "--data", a.data, "--model", system, "--out", run_dir, "--overwrite", "--max-time",

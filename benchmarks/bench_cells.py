@@ -52,32 +52,6 @@ def torch_threads(threads: int):
         torch.set_num_threads(before)
 
 
-def machine_name(device: str = "cpu") -> str:
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        try:
-            import triton
-            tri = f", triton {triton.__version__}"
-        except ImportError:
-            tri = ""
-        return (f"{props.name} ({props.total_memory / 2 ** 30:.0f} GiB), CUDA {torch.version.cuda}, "
-                f"torch {torch.__version__}{tri}")
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    loops = ""
-    if "cpp" in dk.available_backends():  # which copy of the C++ loops runs (setup.py builds one per instruction set)
-        from dtmt_kernels import _C
-        loops = f", dtmt CPU loops {_C.cpu_isa()}"
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads{loops}"
-
-
 # The instruction-set flags of /proc/cpuinfo that change what the GEMMs and dtmt's loops run.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
              "amx_int8")
@@ -85,8 +59,9 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp1
 
 def machine_record() -> dict:
     """What makes two CPU timings comparable, as a dict: the CPU's identity from /proc/cpuinfo (vendor, family,
-    model, stepping, model name: a VM can give different CPUs one model name), its instruction-set flags
-    (ISA_FLAGS), the core count, torch's version and the copy of dtmt's loops. Equal records: the same kind of
+    model, stepping, model name: a VM can give different CPUs one model name; without /proc/cpuinfo or its model
+    name, the platform's processor name), its instruction-set flags (ISA_FLAGS), the core count, torch's version
+    and the copy of dtmt's loops (setup.py builds one per instruction set). Equal records: the same kind of
     machine; `machine_name()` is the line a table prints."""
     cpu: dict = {}
     flags: set = set()
@@ -102,13 +77,30 @@ def machine_record() -> dict:
                 elif not key and cpu:   # the first processor's block has ended
                     break
     except OSError:
-        cpu["model name"] = platform.processor() or platform.machine()
+        pass
+    cpu.setdefault("model name", platform.processor() or platform.machine())
     loops = None
     if "cpp" in dk.available_backends():
         from dtmt_kernels import _C
         loops = _C.cpu_isa()
     return dict(cpu, isa=[f for f in ISA_FLAGS if f in flags], cores=os.cpu_count(), torch=torch.__version__,
                 dtmt_loops=loops)
+
+
+def machine_name(device: str = "cpu") -> str:
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        try:
+            import triton
+            tri = f", triton {triton.__version__}"
+        except ImportError:
+            tri = ""
+        return (f"{props.name} ({props.total_memory / 2 ** 30:.0f} GiB), CUDA {torch.version.cuda}, "
+                f"torch {torch.__version__}{tri}")
+    rec = machine_record()
+    loops = f", dtmt CPU loops {rec['dtmt_loops']}" if rec["dtmt_loops"] else ""
+    return (f"{rec['model name']}, {rec['cores']} cores, torch {rec['torch']}, {torch.get_num_threads()} "
+            f"threads{loops}")
 
 
 def _sync(device: str = "cpu"):

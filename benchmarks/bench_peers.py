@@ -330,6 +330,7 @@ def main(argv=None):
     emb, hid = (int(x) for x in a.onmt_size.split(","))
     onmt_dir = os.path.join(a.out, "onmt-lstm")
     jobs = []
+    setting = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential, valid_every=a.valid_every)
     # ---- training, all at once
     if not a.no_train:
         for system in a.systems:   # a run being replaced loses its record until it has trained
@@ -368,7 +369,6 @@ def main(argv=None):
             for proc, _, _ in jobs:
                 if proc.poll() is None:
                     proc.terminate()
-        setting = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential, valid_every=a.valid_every)
         for system in ours:
             write_record(os.path.join(a.out, system), dict(setting, train_args=a.train_args))
         if "onmt-lstm" in peers:
@@ -380,8 +380,7 @@ def main(argv=None):
     trained_on = check_records(records)
     if trained_on is not None:   # the table states this invocation's setting: it must be the runs'
         ref = next(iter(records.values()))
-        now = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential)
-        if any(ref[k] != v for k, v in now.items()):
+        if any(ref[k] != setting[k] for k in SAME if k != "machine"):
             raise SystemExit(f"bench_peers: the runs in {a.out} trained with threads={ref['threads']}, budget_s="
                              f"{ref['budget_s']}, sequential={ref['sequential']}: tabulate them with those options")
     # ---- evaluation, one system at a time

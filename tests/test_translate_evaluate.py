@@ -271,6 +271,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, "--max-len-a", "nan", good], "--max-len-a must be a finite number"),
         (["--checkpoint", ckpt, "--max-len-a", "inf", good], "--max-len-a must be a finite number"),
         (["--checkpoint", ckpt, "--alpha", "nan", good], "--alpha must be a finite number"),
+        (["--checkpoint", ckpt, "--threads", "-1", good], "--threads must be >= 0, got -1"),
         (["--checkpoint", ckpt, good, good, "--output-dir", str(tmp_path / "o")], "good.es.out"),
     ]
     for args, message in cases:
@@ -404,6 +405,30 @@ def test_cli_evaluate_writes_everything(system, corpus, tmp_path, capsys):
     assert f"BLEU {expected['bleu']:.2f}" in stdout and "1-10" in stdout
 
 
+def test_cli_decoding_threads(system, corpus, tmp_path, capsys):
+    """--threads sets the threads decoding runs on (translate, evaluate), and scores.json records them."""
+    _, _, _, ckpt = system
+    data, src, _ = corpus
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cli.main(["evaluate", "-c", ckpt, "--data", data, "--threads", "1", "--quiet",
+                         "--out-dir", str(tmp_path / "e")]) == 0
+        assert torch.get_num_threads() == 1
+        assert json.loads(read(tmp_path / "e" / "scores.json"))["settings"]["threads"] == 1
+        source = write(tmp_path / "in.es", src[0] + "\n")
+        torch.set_num_threads(2)
+        assert cli.main(["translate", "-c", ckpt, "--threads", "1", "--quiet", source,
+                         "--output", str(tmp_path / "out.en")]) == 0
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert cli.main(["translate", "-c", ckpt, "--quiet", source, "--output", str(tmp_path / "out.en")]) == 0
+        assert torch.get_num_threads() == 2                              # 0 (the default) leaves them alone
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+
+
 def test_cli_evaluate_hyp_mode(corpus, tmp_path, capsys):
     data, src, ref = corpus
     hyps = list(ref)
@@ -434,6 +459,7 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         (["--checkpoint", ckpt, "--data", str(tmp_path)], "corpus.json"),
         (["--checkpoint", str(tmp_path / "none.pt"), "--data", data], "does not exist"),
         (["--hyp", short, "--src", short, "--ref", str(tmp_path / "nope.en")], "nope.en"),
+        (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], "--threads must be >= 0, got -2"),
     ]
     for args, message in cases:
         assert cli.main(["evaluate", "--quiet"] + args) == 1, args

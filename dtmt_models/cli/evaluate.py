@@ -13,6 +13,8 @@ import sys
 import warnings
 from typing import List, Optional
 
+import torch
+
 from dtmt_models.atomic import WriteError
 from dtmt_models.cli.translate import (
     add_decoding_arguments,
@@ -23,6 +25,7 @@ from dtmt_models.cli.translate import (
     decoding_kwargs,
     load_for_decoding,
     run_command,
+    use_threads,
     write_atomic,
 )
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_lines, read_parallel
@@ -112,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
             raise InputError(f"{args.hyp} has {len(hyps)} lines but {ref_path} has {len(refs)}; they must be aligned")
         settings["hyp"] = args.hyp
     else:
+        use_threads(args.threads)
         device = check_device_and_backend(args.device, args.backend)
         model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
         kwargs = decoding_kwargs(args, device)
@@ -123,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         settings.update(model_name=names[0] if one else "+".join(map(str, names)),
                         model_options=options[0] if one else options,
                         **{k: (str(v) if k == "device" else v) for k, v in kwargs.items()}, backend=args.backend,
-                        int8=args.int8)
+                        int8=args.int8, threads=torch.get_num_threads())
         decode = {"seconds": round(seconds, 3), "sentences_per_s": len(sources) / max(seconds, 1e-9),
                   "src_words_per_s": sum(len(s.split()) for s in sources) / max(seconds, 1e-9),
                   "hyp_words_per_s": sum(len(h.split()) for h in hyps) / max(seconds, 1e-9)}

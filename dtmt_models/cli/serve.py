@@ -16,8 +16,8 @@ import signal
 import sys
 from typing import List, Optional
 
-from dtmt_models.cli.translate import add_decoding_arguments, check_decoding_arguments, check_device_and_backend, \
-    build_decoder, load_for_decoding, run_command
+from dtmt_models.cli.translate import add_decoding_arguments, build_decoder, check_decoding_arguments, \
+    check_device_and_backend, load_for_decoding, run_command, use_threads
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import one_line
 
@@ -34,7 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint written by `dtmt train`; repeated, an ensemble")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for decoding (default 0: torch's default)")
     g = p.add_argument_group("requests and batching")
     g.add_argument("--max-sentences", type=int, default=d.max_sentences,
                    help=f"sentences per request, more is refused with 413 (default {d.max_sentences})")
@@ -59,15 +58,12 @@ def _run(args: argparse.Namespace) -> int:
         import aiohttp  # noqa: F401
     except ImportError:
         raise InputError("needs aiohttp: pip install aiohttp") from None
-    import torch
 
     from dtmt_models.decoding.serve import Server, ServeSettings
 
     check_decoding_arguments(args)
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0..65535, got {args.port}")
-    if args.threads < 0:
-        raise InputError(f"--threads must be >= 0, got {args.threads}")
     settings = ServeSettings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens,
                              max_src_len=args.max_src_len, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                              max_sentences=args.max_sentences, max_chars=args.max_chars,
@@ -77,8 +73,7 @@ def _run(args: argparse.Namespace) -> int:
         settings.check()
     except ValueError as exc:
         raise InputError(f"--{one_line(exc).replace('_', '-')}") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
     decoder = build_decoder(model, args.int8)

@@ -180,6 +180,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                    help="maximum output length = a * source length + b (default a=2.0)")
     g.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a (default b=10)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for decoding (default 0: torch's default, OMP_NUM_THREADS or the cores)")
     g.add_argument("--backend", default="auto", choices=list(BACKEND_NAMES),
                    help="recurrent kernel backend (default auto)")
     g.add_argument("--int8", action="store_true",
@@ -204,13 +206,19 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
 
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
-    for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0)):
+    for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0), ("threads", 0)):
         if getattr(args, name) < low:
             raise InputError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too
         raise InputError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
     if not math.isfinite(args.alpha):
         raise InputError(f"--alpha must be a finite number, got {args.alpha}")
+
+
+def use_threads(threads: int) -> None:
+    """--threads: decode on this many CPU threads (0 leaves torch's default)."""
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def build_decoder(model, int8: bool = False):
@@ -342,6 +350,7 @@ def _run(args: argparse.Namespace) -> int:
         if clash:
             raise InputError(f"--output-dir: several inputs would write {clash[0]}; translate them separately")
         targets = [os.path.join(args.output_dir, n) for n in names]
+    use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     if inputs == ["-"] and not args.output and not args.output_dir:   # stdin to stdout: line groups as they come
         model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)

@@ -35,8 +35,13 @@ Budgets longer than one sitting train one system per invocation into the same --
     python benchmarks/bench_peers.py --budget 2h --threads 2 --sequential --out DIR --no-train
 
 Each training writes RUN/bench_peers_machine.json (the CPU's identity and instruction sets, cores, torch, the
-threads, budget and mode, date and commit); tabulating refuses runs whose machines or settings differ, and
-names each run's date and commit where they were trained apart.
+threads, budget and mode, date and commit, and a speed probe before and after training: `speed_probe`);
+tabulating refuses runs whose machines or settings differ, names each run's date and commit where they were
+trained apart, and says so when the machine ran more than 5% faster for one run than for another (a VM's speed
+moves between sessions on the same CPU). Before training the second system on another day, compare the
+machine's speed now with the first run's:
+
+    python benchmarks/bench_peers.py --probe --threads 2 --out DIR
 """
 from __future__ import annotations
 
@@ -231,6 +236,67 @@ def write_record(run_dir: str, setting: dict) -> None:
         json.dump(rec, f, indent=1)
 
 
+# Per-step GEMM shapes of a dtmt small-preset training update (M = batch rows), timed with their weights coming
+# from memory: the rate that moves with the VM (NOTES item 43).
+PROBE_SHAPES = ("88x256x1024", "43x256x768", "88x512x1280", "43x1024x256")
+PROBE_APART = 0.05   # runs trained apart whose probes differ by more than this did not get equal work
+
+
+def speed_probe(threads: int, seconds: float = 3.0) -> float:
+    """How fast the machine trains now: float32 GFLOP/s of x @ W^T over PROBE_SHAPES, each call taking the next of
+    64 MiB of distinct weight matrices (from memory, as a training step's weights come: bench_gemm --cold), over
+    `seconds` of wall time on `threads` threads (time the VM takes away counts). A VM's speed on the same CPU
+    moves between sessions, mostly in its memory (NOTES item 43), so each training records a probe before and
+    after it and tabulation compares the probes of runs trained apart."""
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        work = []
+        for shape in PROBE_SHAPES:
+            M, K, N = (int(v) for v in shape.split("x"))
+            count = max(1, (64 << 20) // (4 * N * K * len(PROBE_SHAPES)))
+            work.append((torch.randn(M, K, generator=g), [torch.randn(N, K, generator=g) for _ in range(count)],
+                         2.0 * M * K * N * count))
+
+        def sweep() -> float:
+            for x, weights, _ in work:
+                for w in weights:
+                    x @ w.t()
+            return sum(flops for _, _, flops in work)
+
+        sweep()   # first touch of the weights and MKL's buffers
+        done, start = 0.0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            done += sweep()
+        return round(done / (time.perf_counter() - start) / 1e9, 1)
+    finally:
+        torch.set_num_threads(before)
+
+
+def probe_lines(records: dict) -> list:
+    """Table lines with each run's speed probes (before, after training) and, when runs trained apart ran at
+    speeds more than PROBE_APART apart, how much faster the machine was for one than for another."""
+    have = {n: r["probe"] for n, r in records.items() if r and r.get("probe")}
+    if not have:
+        return []
+    lines = ["Speed probe (`bench_peers.speed_probe`: median GFLOP/s of the per-step GEMMs on the run's threads), "
+             "before → after training: " + "; ".join(f"{n} {p[0]:.1f} → {p[1]:.1f}" for n, p in have.items()) + "."]
+    mean = {n: (p[0] + p[1]) / 2 for n, p in have.items()}
+    fast, slow = max(mean, key=mean.get), min(mean, key=mean.get)
+    if mean[fast] > (1 + PROBE_APART) * mean[slow]:
+        lines.append(f"**The machine ran {mean[fast] / mean[slow]:.2f}× as fast during {fast}'s training as during "
+                     f"{slow}'s: the equal budget was not equal work.**")
+    unprobed = sorted(n for n, r in records.items() if r and not r.get("probe"))
+    if unprobed:
+        lines.append(f"Not probed (trained before the probe): {', '.join(unprobed)}.")
+    return lines + [""]
+
+
 def read_record(run_dir: str):
     path = os.path.join(run_dir, RECORD)
     if not os.path.isfile(path):
@@ -301,6 +367,9 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="instead of training: time a training update of the runs in --out (dtmt's last.pt, "
                         "OpenNMT-py's last checkpoint) on the same batches, part by part")
+    p.add_argument("--probe", action="store_true",
+                   help="only measure the machine's speed now (speed_probe) and show the probes of the runs in --out, "
+                        "to check before training one system of a pair on another day")
     p.add_argument("--profile-batches", type=int, default=23, help="batches timed by --profile (3 warm up)")
     a = p.parse_args(argv)
     budget_s = parse_duration(a.budget)
@@ -313,6 +382,13 @@ def main(argv=None):
     log = os.path.join(a.out, "bench_peers.log")
     peers = [s for s in a.systems if s in PEERS]
     ours = [s for s in a.systems if s in PRESETS]
+    if a.probe:
+        print(f"speed probe on {a.threads} thread(s): {speed_probe(a.threads):.1f} GFLOP/s")
+        for name in a.systems:
+            rec = read_record(os.path.join(a.out, name))
+            if rec and rec.get("probe"):
+                print(f"  {name} ({rec['date']}): {rec['probe'][0]:.1f} before, {rec['probe'][1]:.1f} after")
+        return None
     py = ensure_peer_env(a.peer_env, log) if peers else None
     if a.setup_only:
         print(f"peer environment ready: {py}")
@@ -333,6 +409,7 @@ def main(argv=None):
     setting = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential, valid_every=a.valid_every)
     # ---- training, all at once
     if not a.no_train:
+        probes = {}   # system -> [GFLOP/s before, after] its training (speed_probe)
         for system in a.systems:   # a run being replaced loses its record until it has trained
             stale = os.path.join(a.out, system, RECORD)
             if os.path.isfile(stale):
@@ -342,10 +419,13 @@ def main(argv=None):
             cmd = ["train", "--data", a.data, "--model", system, "--out", run_dir, "--overwrite", "--max-time",
                    a.budget, "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines",
                    "--log-every", "50", "--threads", str(a.threads), *a.train_args.split()]
+            if a.sequential or not jobs:
+                probes[system] = [speed_probe(a.threads)]
             print(f"== {system}: dtmt train for {a.budget} on {a.threads} thread(s)", flush=True)
             jobs.append(start(cmd, os.path.join(a.out, f"train_{system}.log")))
             if a.sequential:
                 wait(jobs[-1])
+                probes[system].append(speed_probe(a.threads))
         if "onmt-lstm" in peers:
             os.makedirs(onmt_dir, exist_ok=True)
             for name in os.listdir(onmt_dir):
@@ -358,10 +438,13 @@ def main(argv=None):
             sched = f"rnmt:{train_cfg['warmup']}:{train_cfg['decay_start']}:{train_cfg['decay_end']}:0.05"
             cmd = [py, os.path.join(HERE, "peers", "onmt_train.py"), "--budget-s", str(budget_s), "--log",
                    os.path.join(onmt_dir, "train.jsonl"), "--schedule", sched, "-config", cfg]
+            if a.sequential or not jobs:
+                probes["onmt-lstm"] = [speed_probe(a.threads)]
             print(f"== onmt-lstm: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
             jobs.append(spawn(cmd, tlog, env=onmt_env(a.threads)))
             if a.sequential:
                 wait(jobs[-1])
+                probes["onmt-lstm"].append(speed_probe(a.threads))
         try:
             for job in jobs:
                 wait(job)
@@ -369,10 +452,14 @@ def main(argv=None):
             for proc, _, _ in jobs:
                 if proc.poll() is None:
                     proc.terminate()
+        if not a.sequential:   # all at once: one probe before and one after, shared
+            after = speed_probe(a.threads)
+            first = next(iter(probes.values()))[0]
+            probes = {name: [first, after] for name in a.systems}
         for system in ours:
-            write_record(os.path.join(a.out, system), dict(setting, train_args=a.train_args))
+            write_record(os.path.join(a.out, system), dict(setting, train_args=a.train_args, probe=probes[system]))
         if "onmt-lstm" in peers:
-            write_record(onmt_dir, dict(setting, onmt_size=a.onmt_size))
+            write_record(onmt_dir, dict(setting, onmt_size=a.onmt_size, probe=probes["onmt-lstm"]))
         if a.no_eval:
             print(f"trained {', '.join(a.systems)} into {a.out}; tabulate with --no-train")
             return None
@@ -444,7 +531,7 @@ def main(argv=None):
              f"{train_cfg['max_tokens']:,} tokens, lr {train_cfg['lr']:g} with the RNMT+ schedule); test set "
              f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, α 0.6, sacrebleu via `dtmt evaluate`; "
              f"decoding one system at a time on {a.threads} thread(s). Command: `{command}`", "",
-             *apart_line(records),
+             *apart_line(records), *probe_lines(records),
              "| system | params | target tok/s | updates | final dev loss | test BLEU | chrF | decode sent/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

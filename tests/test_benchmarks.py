@@ -260,6 +260,17 @@ def test_bench_peers_tabulates_only_runs_of_one_machine_and_setting(tmp_path):
     with pytest.raises(SystemExit, match="onmt-lstm has no bench_peers_machine.json"):
         bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": None})
     assert bench_peers.check_records({"dtmt": None, "onmt-lstm": None}) is None   # runs older than records
+    # the speed probes: a real one, then records whose probes say the machine ran at different speeds
+    assert 0 < bench_peers.speed_probe(1, seconds=0.5) < 1e5
+    assert bench_peers.probe_lines(records) == []                                  # no probes recorded
+    slow, fast = dict(records["dtmt"], probe=[100.0, 96.0]), dict(other, probe=[120.0, 121.0])
+    lines = bench_peers.probe_lines({"dtmt": slow, "onmt-lstm": fast})
+    assert "dtmt 100.0 → 96.0; onmt-lstm 120.0 → 121.0" in lines[0]
+    assert "1.23× as fast during onmt-lstm's training as during dtmt's" in lines[1]
+    near = dict(other, probe=[101.0, 100.0])
+    assert len(bench_peers.probe_lines({"dtmt": slow, "onmt-lstm": near})) == 2     # within 5%: no warning
+    assert "Not probed (trained before the probe): onmt-lstm" in bench_peers.probe_lines(
+        {"dtmt": slow, "onmt-lstm": records["onmt-lstm"]})[1]
     with pytest.raises(SystemExit):
         bench_peers.main(["--no-train", "--no-eval", "--systems", "dtmt", "--out", str(tmp_path)])
 

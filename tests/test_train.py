@@ -1,4 +1,5 @@
 """dtmt train: resume exactness, signals, two-process DDP, presets, errors (issue 5)."""
+import copy
 import csv
 import json
 import os
@@ -404,6 +405,38 @@ def test_the_optimizer_bumps_the_parameters_versions_and_steps_as_torchs_adam():
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert all(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), start))
+
+
+def test_resuming_an_unfused_optimizers_state_steps_fused_and_continues_it():
+    """A checkpoint written before the fused Adam (torch's per-tensor Adam, `fused` None in its groups): loading
+    it keeps build_optimizer's fused step and its version bumps, and the next steps move the weights as the
+    checkpoint's own optimizer continued would."""
+    from dtmt_models.training.trainer import build_optimizer, load_optimizer_state
+
+    torch.manual_seed(0)
+    model = build_model("dtmt", 40, 40, embed_dim=16, hidden_size=16, heads=2)
+    twin = build_model("dtmt", 40, 40, embed_dim=16, hidden_size=16, heads=2)
+    twin.load_state_dict(model.state_dict())
+    old = torch.optim.Adam(twin.parameters(), lr=1e-2, betas=(0.9, 0.998), eps=1e-9, foreach=False)
+    for _ in range(2):
+        for q in twin.parameters():
+            q.grad = torch.randn_like(q)
+        old.step()
+    assert old.state_dict()["param_groups"][0]["fused"] is None
+    model.load_state_dict(twin.state_dict())
+    opt = build_optimizer(model, 1e-3)
+    load_optimizer_state(opt, copy.deepcopy(old.state_dict()))   # as from torch.load: no tensor shared with `old`
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["lr"] == 1e-2   # the checkpoint's lr
+    for _ in range(2):
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        before = [p._version for p in model.parameters()]
+        opt.step()
+        old.step()
+        assert all(p._version > v for p, v in zip(model.parameters(), before))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run(toy_nodev, tmp_path):

@@ -174,6 +174,20 @@ def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     return opt
 
 
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")   # how an optimizer steps, not what it does
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
+    """Loads a checkpoint's optimizer state into `opt` (build_optimizer's), keeping `opt`'s own implementation:
+    torch's load_state_dict also takes each group's `fused`/`foreach` flags from the checkpoint, so a checkpoint
+    written before the fused Adam would resume on the per-tensor loop. The state itself (moments, steps) and the
+    hyperparameters are the checkpoint's, for an exact continuation."""
+    mine = [{k: g[k] for k in IMPLEMENTATION if k in g} for g in opt.param_groups]
+    opt.load_state_dict(state)
+    for group, flags in zip(opt.param_groups, mine):
+        group.update(flags)
+
+
 def is_better(best_by: str, loss: float, bleu: float, best_loss: float, best_bleu: float) -> bool:
     """Whether a validation's (dev loss, dev BLEU) beats best.pt's under `best_by` ("loss": lower loss, ties to the
     higher BLEU; "bleu": higher BLEU, ties to the lower loss). benchmarks/bench_ckpt_choice.py measures which
@@ -296,7 +310,7 @@ class Trainer:
     def _restore(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
         t = ckpt["training"]
-        self.optimizer.load_state_dict(t["optimizer"])
+        load_optimizer_state(self.optimizer, t["optimizer"])
         self.scheduler.load_state_dict(t["scheduler"])
         self.step, self.epoch, self.batch_index, self.elapsed = t["step"], t["epoch"], t["batch_index"], t["elapsed"]
         self.best_bleu, self.best_loss, self.bad_validations = t["best_bleu"], t["best_loss"], t["bad_validations"]

@@ -15,23 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    """The CPU's model name (bench_cells.machine_record: /proc/cpuinfo, or the platform's name without it)."""
+    from bench_cells import machine_record
+
+    return machine_record()["model name"]
 
 
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:

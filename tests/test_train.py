@@ -382,6 +382,21 @@ def test_inference_sees_the_optimizer_steps():
         torch.testing.assert_close(now, expected, rtol=0, atol=0)
 
 
+def step_alike(model, opt, twin, ref, steps: int) -> None:
+    """`steps` updates of `model` by `opt` and of `twin` by `ref` with the same random gradients: each of `opt`'s
+    steps bumps every parameter's version, and the two models end equal."""
+    for _ in range(steps):
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        before = [p._version for p in model.parameters()]
+        opt.step()
+        ref.step()
+        assert all(p._version > v for p, v in zip(model.parameters(), before))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_the_optimizer_bumps_the_parameters_versions_and_steps_as_torchs_adam():
     """build_optimizer's fused Adam: each step bumps every trained parameter's version counter (autograd's
     in-place check and the unrolled sessions read them) and moves the weights as torch's default Adam does."""
@@ -394,16 +409,7 @@ def test_the_optimizer_bumps_the_parameters_versions_and_steps_as_torchs_adam():
     start = [p.detach().clone() for p in model.parameters()]
     opt = build_optimizer(model, 1e-2)
     ref = torch.optim.Adam(twin.parameters(), lr=1e-2, betas=(0.9, 0.998), eps=1e-9, foreach=False)
-    for _ in range(3):
-        for p, q in zip(model.parameters(), twin.parameters()):
-            p.grad = torch.randn_like(p)
-            q.grad = p.grad.clone()
-        before = [p._version for p in model.parameters()]
-        opt.step()
-        ref.step()
-        assert all(p._version > v for p, v in zip(model.parameters(), before))
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    step_alike(model, opt, twin, ref, steps=3)
     assert all(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), start))
 
 
@@ -427,16 +433,7 @@ def test_resuming_an_unfused_optimizers_state_steps_fused_and_continues_it():
     opt = build_optimizer(model, 1e-3)
     load_optimizer_state(opt, copy.deepcopy(old.state_dict()))   # as from torch.load: no tensor shared with `old`
     assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["lr"] == 1e-2   # the checkpoint's lr
-    for _ in range(2):
-        for p, q in zip(model.parameters(), twin.parameters()):
-            p.grad = torch.randn_like(p)
-            q.grad = p.grad.clone()
-        before = [p._version for p in model.parameters()]
-        opt.step()
-        old.step()
-        assert all(p._version > v for p, v in zip(model.parameters(), before))
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    step_alike(model, opt, twin, old, steps=2)
 
 
 def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run(toy_nodev, tmp_path):

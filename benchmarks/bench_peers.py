@@ -284,8 +284,9 @@ def probe_lines(records: dict) -> list:
     have = {n: r["probe"] for n, r in records.items() if r and r.get("probe")}
     if not have:
         return []
+    runs = "; ".join(f"{n} {p[0]:.1f} → {p[1]:.1f}" for n, p in have.items())
     lines = ["Speed probe (`bench_peers.speed_probe`: GFLOP/s of a training step's GEMMs with their weights from "
-             "memory, on the run's threads), before → after training: " + "; ".join(f"{n} {p[0]:.1f} → {p[1]:.1f}" for n, p in have.items()) + "."]
+             f"memory, on the run's threads), before → after training: {runs}."]
     mean = {n: (p[0] + p[1]) / 2 for n, p in have.items()}
     fast, slow = max(mean, key=mean.get), min(mean, key=mean.get)
     if mean[fast] > (1 + PROBE_APART) * mean[slow]:

@@ -33,6 +33,15 @@ except ImportError:  # the package not built: torch's figures only
     _C = None
 
 
+def cold_weights(N: int, K: int, nbytes: int = 64 << 20, cap: int | None = None, generator=None) -> list:
+    """Distinct float32 [N, K] weight matrices filling `nbytes` (at least one, at most `cap`): a loop taking the
+    next one each call reads its weights from memory rather than cache (--cold; bench_peers.speed_probe)."""
+    count = max(1, nbytes // (4 * N * K))
+    if cap is not None:
+        count = min(cap, count)
+    return [torch.randn(N, K, generator=generator) for _ in range(count)]
+
+
 def rate(f, flops: float, inner: int, repeat: int) -> float:
     for _ in range(3):
         f()
@@ -69,7 +78,7 @@ def main(argv=None):
         for shape in a.shapes:
             M, K, N = (int(v) for v in shape.split("x"))
             x, g = torch.randn(M, K), torch.randn(M, N)
-            ws = [torch.randn(N, K) for _ in range(min(1024, max(1, (64 << 20) // (4 * N * K))) if a.cold else 1)]
+            ws = cold_weights(N, K, cap=1024) if a.cold else [torch.randn(N, K)]
             weight = itertools.cycle(ws).__next__
             flops, nbytes = 2.0 * M * K * N, 4.0 * K * N
             inner = max(1, a.inner * 50 // max(M, 50))

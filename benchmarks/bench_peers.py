@@ -252,6 +252,8 @@ def speed_probe(threads: int, seconds: float = 3.0) -> float:
 
     import torch
 
+    from bench_gemm import cold_weights
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -259,9 +261,9 @@ def speed_probe(threads: int, seconds: float = 3.0) -> float:
         work = []
         for shape in PROBE_SHAPES:
             M, K, N = (int(v) for v in shape.split("x"))
-            count = max(1, (64 << 20) // (4 * N * K * len(PROBE_SHAPES)))
-            work.append((torch.randn(M, K, generator=g), [torch.randn(N, K, generator=g) for _ in range(count)],
-                         2.0 * M * K * N * count))
+            x = torch.randn(M, K, generator=g)
+            weights = cold_weights(N, K, (64 << 20) // len(PROBE_SHAPES), generator=g)
+            work.append((x, weights, 2.0 * M * K * N * len(weights)))
 
         def sweep() -> float:
             for x, weights, _ in work:
@@ -279,14 +281,19 @@ def speed_probe(threads: int, seconds: float = 3.0) -> float:
 
 
 def probe_lines(records: dict) -> list:
-    """Table lines with each run's speed probes (before, after training) and, when runs trained apart ran at
-    speeds more than PROBE_APART apart, how much faster the machine was for one than for another."""
+    """Table lines with each run's speed probes (before, after training); a line for each run whose own probes
+    differ by more than PROBE_APART (the machine changed speed during its training); and, when runs trained apart
+    ran at mean speeds more than PROBE_APART apart, how much faster the machine was for one than for another."""
     have = {n: r["probe"] for n, r in records.items() if r and r.get("probe")}
     if not have:
         return []
     runs = "; ".join(f"{n} {p[0]:.1f} → {p[1]:.1f}" for n, p in have.items())
     lines = ["Speed probe (`bench_peers.speed_probe`: GFLOP/s of a training step's GEMMs with their weights from "
              f"memory, on the run's threads), before → after training: {runs}."]
+    for n, (before, after) in have.items():
+        if max(before, after) > (1 + PROBE_APART) * min(before, after):
+            lines.append(f"**The machine changed speed during {n}'s training ({before:.1f} → {after:.1f} GFLOP/s, "
+                         f"{after / before:.2f}×): its budget was not steady work.**")
     mean = {n: (p[0] + p[1]) / 2 for n, p in have.items()}
     fast, slow = max(mean, key=mean.get), min(mean, key=mean.get)
     if mean[fast] > (1 + PROBE_APART) * mean[slow]:
@@ -408,9 +415,20 @@ def main(argv=None):
     onmt_dir = os.path.join(a.out, "onmt-lstm")
     jobs = []
     setting = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential, valid_every=a.valid_every)
-    # ---- training, all at once
+    # ---- training: all at once, or one after another (--sequential)
     if not a.no_train:
         probes = {}   # system -> [GFLOP/s before, after] its training (speed_probe)
+
+        def train_probed(name: str, begin):
+            """Start `name`'s training (begin() returns its job), probing the machine before it when it is the first
+            job or the runs are sequential; with --sequential, wait for it and probe again after."""
+            if a.sequential or not jobs:
+                probes[name] = [speed_probe(a.threads)]
+            jobs.append(begin())
+            if a.sequential:
+                wait(jobs[-1])
+                probes[name].append(speed_probe(a.threads))
+
         for system in a.systems:   # a run being replaced loses its record until it has trained
             stale = os.path.join(a.out, system, RECORD)
             if os.path.isfile(stale):
@@ -420,13 +438,8 @@ def main(argv=None):
             cmd = ["train", "--data", a.data, "--model", system, "--out", run_dir, "--overwrite", "--max-time",
                    a.budget, "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines",
                    "--log-every", "50", "--threads", str(a.threads), *a.train_args.split()]
-            if a.sequential or not jobs:
-                probes[system] = [speed_probe(a.threads)]
             print(f"== {system}: dtmt train for {a.budget} on {a.threads} thread(s)", flush=True)
-            jobs.append(start(cmd, os.path.join(a.out, f"train_{system}.log")))
-            if a.sequential:
-                wait(jobs[-1])
-                probes[system].append(speed_probe(a.threads))
+            train_probed(system, lambda: start(cmd, os.path.join(a.out, f"train_{system}.log")))
         if "onmt-lstm" in peers:
             os.makedirs(onmt_dir, exist_ok=True)
             for name in os.listdir(onmt_dir):
@@ -439,13 +452,8 @@ def main(argv=None):
             sched = f"rnmt:{train_cfg['warmup']}:{train_cfg['decay_start']}:{train_cfg['decay_end']}:0.05"
             cmd = [py, os.path.join(HERE, "peers", "onmt_train.py"), "--budget-s", str(budget_s), "--log",
                    os.path.join(onmt_dir, "train.jsonl"), "--schedule", sched, "-config", cfg]
-            if a.sequential or not jobs:
-                probes["onmt-lstm"] = [speed_probe(a.threads)]
             print(f"== onmt-lstm: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
-            jobs.append(spawn(cmd, tlog, env=onmt_env(a.threads)))
-            if a.sequential:
-                wait(jobs[-1])
-                probes["onmt-lstm"].append(speed_probe(a.threads))
+            train_probed("onmt-lstm", lambda: spawn(cmd, tlog, env=onmt_env(a.threads)))
         try:
             for job in jobs:
                 wait(job)
@@ -489,8 +497,8 @@ def main(argv=None):
             ckpt = os.path.join(run_dir, f"{which}.pt")
             ev = os.path.join(run_dir, f"eval_{which}")
             run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--checkpoint", ckpt, "--data", a.data,
-                 "--split", "test", "--beam", str(a.beam), "--out-dir", ev, "--quiet"], log,
-                env=dict(os.environ, OMP_NUM_THREADS=str(a.threads)))
+                 "--split", "test", "--beam", str(a.beam), "--threads", str(a.threads), "--out-dir", ev, "--quiet"],
+                log)
             with open(os.path.join(ev, "scores.json")) as f:
                 sc = json.load(f)
             rows.append({"system": f"`dtmt train --model {system}` ({which}.pt)",

@@ -269,6 +269,11 @@ def test_bench_peers_tabulates_only_runs_of_one_machine_and_setting(tmp_path):
     assert "1.23× as fast during onmt-lstm's training as during dtmt's" in lines[1]
     near = dict(other, probe=[101.0, 100.0])
     assert len(bench_peers.probe_lines({"dtmt": slow, "onmt-lstm": near})) == 2     # within 5%: no warning
+    # one run whose own probes drifted apart (NOTES 44: 230.5 → 109.3), beside a steady run of the same mean speed
+    drift, steady = dict(records["dtmt"], probe=[230.5, 109.3]), dict(other, probe=[171.5, 168.0])
+    lines = bench_peers.probe_lines({"dtmt": drift, "onmt-lstm": steady})
+    assert "changed speed during dtmt's training (230.5 → 109.3 GFLOP/s, 0.47×)" in lines[1]
+    assert len(lines) == 3 and "as fast during" not in " ".join(lines)           # equal means: no pair warning
     assert "Not probed (trained before the probe): onmt-lstm" in bench_peers.probe_lines(
         {"dtmt": slow, "onmt-lstm": records["onmt-lstm"]})[1]
     with pytest.raises(SystemExit):

@@ -239,7 +239,7 @@ def write_record(run_dir: str, setting: dict) -> None:
 # Per-step GEMM shapes of a dtmt small-preset training update (M = batch rows), timed with their weights coming
 # from memory: the rate that moves with the VM (NOTES item 43).
 PROBE_SHAPES = ("88x256x1024", "43x256x768", "88x512x1280", "43x1024x256")
-PROBE_APART = 0.05   # runs trained apart whose probes differ by more than this did not get equal work
+PROBE_APART = 0.05   # probes differing by more than this (two runs', or one run's before/after): not equal work
 
 
 def speed_probe(threads: int, seconds: float = 3.0) -> float:
@@ -280,6 +280,11 @@ def speed_probe(threads: int, seconds: float = 3.0) -> float:
         torch.set_num_threads(before)
 
 
+def probes_apart(x: float, y: float) -> bool:
+    """Whether two speed probes differ by more than PROBE_APART: the machine did not give equal work."""
+    return max(x, y) > (1 + PROBE_APART) * min(x, y)
+
+
 def probe_lines(records: dict) -> list:
     """Table lines with each run's speed probes (before, after training); a line for each run whose own probes
     differ by more than PROBE_APART (the machine changed speed during its training); and, when runs trained apart
@@ -291,12 +296,12 @@ def probe_lines(records: dict) -> list:
     lines = ["Speed probe (`bench_peers.speed_probe`: GFLOP/s of a training step's GEMMs with their weights from "
              f"memory, on the run's threads), before → after training: {runs}."]
     for n, (before, after) in have.items():
-        if max(before, after) > (1 + PROBE_APART) * min(before, after):
+        if probes_apart(before, after):
             lines.append(f"**The machine changed speed during {n}'s training ({before:.1f} → {after:.1f} GFLOP/s, "
                          f"{after / before:.2f}×): its budget was not steady work.**")
     mean = {n: (p[0] + p[1]) / 2 for n, p in have.items()}
     fast, slow = max(mean, key=mean.get), min(mean, key=mean.get)
-    if mean[fast] > (1 + PROBE_APART) * mean[slow]:
+    if probes_apart(mean[fast], mean[slow]):
         lines.append(f"**The machine ran {mean[fast] / mean[slow]:.2f}× as fast during {fast}'s training as during "
                      f"{slow}'s: the equal budget was not equal work.**")
     unprobed = sorted(n for n, r in records.items() if r and not r.get("probe"))

@@ -15,7 +15,7 @@ def token_batches(lengths, max_tokens: int, seed: int = 1, epoch: int = 0, shuff
                   keep: Optional[np.ndarray] = None) -> "Batches":
     """Index batches whose padded size (longest side + 1 for BOS/EOS, times the number of pairs) stays within
     max_tokens. The pairs (those in `keep`, original indices, if given) are put in a random order, sorted by
-    (source length, target length) keeping that order among equals, cut into batches in that order, and the batch
+    (longer side's length, target length) keeping that order among equals, cut into batches in that order, and the batch
     order is shuffled; the randomness comes from (seed, epoch) alone, so the same seed and epoch always give the
     same batches. Without shuffle: sorted by length in index order, batches in that order.
 
@@ -98,20 +98,23 @@ def kept_indices(lengths: np.ndarray, max_len: int) -> np.ndarray:
 
 
 def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """`order` sorted by (source, target) length, equal keys keeping their order: a counting sort over the keys,
-    done in chunks so that the transient buffers stay small whatever the corpus size."""
+    """`order` sorted by (longer side, target length), equal keys keeping their order: a counting sort over the
+    keys, done in chunks so that the transient buffers stay small whatever the corpus size. The longer side is
+    what `_cut_bounds` pads to, so batches come out as full as the budget allows; the target length second
+    leaves little target padding inside a batch, where a padded position costs the most (every decoder step).
+    (benchmarks/NOTES.md, log item 46.)"""
     if len(order) == 0:
         return order
-    top_s = top_t = 0   # over the pairs sorted only: a long pair left out must not size the counts
+    top_m = top_t = 0   # over the pairs sorted only: a long pair left out must not size the counts
     for start in range(0, len(order), _CHUNK):
         part = lengths[order[start:start + _CHUNK]]
-        top_s, top_t = max(top_s, int(part[:, 0].max())), max(top_t, int(part[:, 1].max()))
+        top_m, top_t = max(top_m, int(part.max())), max(top_t, int(part[:, 1].max()))
     top_t += 1
-    n_keys = (top_s + 1) * top_t
+    n_keys = (top_m + 1) * top_t
 
     def keys(idx):
-        part = lengths[idx]
-        return part[:, 0].astype(np.int64) * top_t + part[:, 1]
+        part = lengths[idx].astype(np.int64)
+        return part.max(axis=1) * top_t + part[:, 1]
 
     counts = np.zeros(n_keys, dtype=np.int64)
     for start in range(0, len(order), _CHUNK):

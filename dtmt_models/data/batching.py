@@ -97,6 +97,12 @@ def kept_indices(lengths: np.ndarray, max_len: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=index_type)
 
 
+def _longer_side(part: np.ndarray) -> np.ndarray:
+    """The longer side's length of each (source, target) row, as int64: what a batch pads every pair to (less the
+    BOS/EOS position), and so the first sort key."""
+    return part.max(axis=1).astype(np.int64)
+
+
 def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """`order` sorted by (longer side, target length), equal keys keeping their order: a counting sort over the
     keys, done in chunks so that the transient buffers stay small whatever the corpus size. The longer side is
@@ -113,8 +119,8 @@ def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarra
     n_keys = (top_m + 1) * top_t
 
     def keys(idx):
-        part = lengths[idx].astype(np.int64)
-        return part.max(axis=1) * top_t + part[:, 1]
+        part = lengths[idx]
+        return _longer_side(part) * top_t + part[:, 1]
 
     counts = np.zeros(n_keys, dtype=np.int64)
     for start in range(0, len(order), _CHUNK):
@@ -140,7 +146,7 @@ def _cut_bounds(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> np.n
     count = longest = pos = 0
     for start in range(0, len(order), _CHUNK):
         part = lengths[order[start:start + _CHUNK]]
-        for s in (np.maximum(part[:, 0], part[:, 1]).astype(np.int64) + 1).tolist():
+        for s in (_longer_side(part) + 1).tolist():
             if count and max(longest, s) * (count + 1) > max_tokens:
                 bounds.append(pos)
                 count = longest = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import hashlib
 import importlib.util
 import os
@@ -41,6 +42,10 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--int8", action="store_true", help="decode with int8 weight matrices (`dtmt translate --int8`)")
     p.add_argument("--profile", action="store_true", help="decode under cProfile and print the 25 costliest calls")
+    p.add_argument("--python-loop", action="store_true",
+                   help="beam search's Python loop over the decoder's steps, not its one-call C++ search (NOTES 47)")
+    p.add_argument("--no-fold", action="store_true",
+                   help="keep the attention's output projection as a third matrix (FusedRNMTDecoder fold=False)")
     a = p.parse_args(argv)
     ours = tr.beam_search
     try:
@@ -55,6 +60,7 @@ def _run(a, tr):
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
     from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.models.rnmt import FusedRNMTDecoder
 
     if a.beam_search:
         spec = importlib.util.spec_from_file_location("swapped_beam_search", a.beam_search)
@@ -62,12 +68,16 @@ def _run(a, tr):
         sys.modules[spec.name] = module   # its dataclass looks its module up there
         spec.loader.exec_module(module)
         tr.beam_search = module.beam_search
+    if a.python_loop:
+        tr.beam_search = functools.partial(tr.beam_search, fused=False)
     model, sv, tv, _ = load_model(a.checkpoint)
     model.eval()
     sources = [s for s, _ in read_parallel(*corpus_paths(a.data, "test"))]
     profiler = cProfile.Profile() if a.profile else contextlib.nullcontext()
     with torch_threads(a.threads), torch.no_grad():
         decoder = model.inference_decoder(int8=a.int8)   # built once, as `dtmt translate` does
+        if a.no_fold and isinstance(decoder, FusedRNMTDecoder):
+            decoder = FusedRNMTDecoder(decoder.model, decoder.layered, decoder.int8, fold=False)
         if a.batch_one:   # a first call out of the timing
             tr.translate(model, sv, tv, sources[:1], beam=4, decoder=decoder)
         t0 = time.perf_counter()
@@ -81,7 +91,8 @@ def _run(a, tr):
     if a.profile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     digest = hashlib.sha1("\n".join(hyps).encode()).hexdigest()[:12]
-    print(f"{a.beam_search or 'this checkout'}: {len(hyps)} sentences in {seconds:.2f}s, outputs sha1 {digest}")
+    which = " ".join([a.beam_search or "this checkout"] + ["python loop"] * a.python_loop + ["no fold"] * a.no_fold)
+    print(f"{which}: {len(hyps)} sentences in {seconds:.2f}s, outputs sha1 {digest}")
     return seconds, hyps
 
 

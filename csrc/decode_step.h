@@ -73,6 +73,22 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
                                       double cell_eps, const AttentionWeights& attention,
                                       const ReadoutWeights& readout);
 
+// Beam search over rnmt_step_cpu, the whole loop of dtmt_models/decoding/beam_search.py (its reference: the same
+// decisions in the same arithmetic) in one call. The state as the decoder's `encode` made it, one row a
+// sentence: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S] bool, s [B, H]. The previous token is
+// embedded as embed[token] + positions[t] at step t (positions [>= max(max_len), E], or empty: no positional
+// term). beam >= 1, alpha the GNMT length-penalty exponent, max_len [B] the steps each sentence may take (EOS
+// included). Returns {counts [B], lengths [N], tokens [sum lengths], scores [N], log_probs [N]}: sentence b's
+// finished hypotheses, best first, are the counts[b] after those of the sentences before it; a hypothesis'
+// tokens exclude BOS and EOS; scores (log_prob / lp) and log_probs in float64.
+std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, const at::Tensor& keys,
+                                             const at::Tensor& src_mask, const at::Tensor& s, const at::Tensor& embed,
+                                             const at::Tensor& positions, const TransitionWeights& query_cell,
+                                             const TransitionWeights& decoder_cell, double cell_eps,
+                                             const AttentionWeights& attention, const ReadoutWeights& readout,
+                                             int64_t beam, double alpha, const at::Tensor& max_len, int64_t bos,
+                                             int64_t eos);
+
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.
 // x [B, S, E], memory [B, S, H] (initial), src_mask [B, S] bool. Returns {states [B, S, H], final memory}.

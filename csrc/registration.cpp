@@ -149,6 +149,19 @@ std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, c
   return {r[0], r[1], r[2]};
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
+    const Tensor& annotations, const Tensor& keys, const Tensor& src_mask, const Tensor& s, const Tensor& embed,
+    const OptTensor& positions, int64_t q_kind, at::TensorList q_params, int64_t d_kind, at::TensorList d_params,
+    double cell_eps, at::TensorList attention, double att_eps, at::TensorList readout, double readout_eps,
+    int64_t beam, double alpha, const Tensor& max_len, int64_t bos, int64_t eos) {
+  auto r = dtmt::rnmt_beam_search_cpu(
+      last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), dense(embed), dense(positions, embed),
+      dtmt::cell_weights(q_kind, q_params.vec()), dtmt::cell_weights(d_kind, d_params.vec()), cell_eps,
+      dtmt::AttentionWeights::from_list(attention.vec(), att_eps),
+      dtmt::ReadoutWeights::from_list(readout.vec(), readout_eps), beam, alpha, max_len, bos, eos);
+  return {r[0], r[1], r[2], r[3], r[4]};
+}
+
 std::tuple<Tensor, Tensor> memory_encoder(const Tensor& x, const Tensor& memory, const Tensor& src_mask, bool reverse,
                                           int64_t cell_kind, at::TensorList cell, double cell_eps,
                                           at::TensorList addressing) {
@@ -186,6 +199,11 @@ TORCH_LIBRARY(dtmt, m) {
   m.def("rnmt_step(Tensor y, Tensor s, Tensor keys, Tensor annotations, Tensor src_mask, int q_kind, "
         "Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, Tensor[] attention, float att_eps, "
         "Tensor[] readout, float readout_eps) -> (Tensor log_probs, Tensor s, Tensor alpha)");
+  m.def("rnmt_beam_search(Tensor annotations, Tensor keys, Tensor src_mask, Tensor s, Tensor embed, "
+        "Tensor? positions, int q_kind, Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, "
+        "Tensor[] attention, float att_eps, Tensor[] readout, float readout_eps, int beam, float alpha, "
+        "Tensor max_len, int bos, int eos) -> (Tensor counts, Tensor lengths, Tensor tokens, Tensor scores, "
+        "Tensor log_probs)");
   m.def("memory_encoder(Tensor x, Tensor memory, Tensor src_mask, bool reverse, int cell_kind, Tensor[] cell, "
         "float cell_eps, Tensor[] addressing) -> (Tensor states, Tensor memory_out)");
   m.def("smoothed_cross_entropy(Tensor logits, Tensor target, float smoothing, int ignore_index) -> "
@@ -203,6 +221,7 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("attention_step", &attention_step);
   m.impl("readout_features", &readout_features);
   m.impl("rnmt_step", &rnmt_step);
+  m.impl("rnmt_beam_search", &rnmt_beam_search);
   m.impl("memory_encoder", &memory_encoder);
   m.impl("smoothed_cross_entropy", &smoothed_cross_entropy);
 }

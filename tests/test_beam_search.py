@@ -154,3 +154,64 @@ def test_reorder_within_sentences_keeps_the_per_sentence_state():
     within = beam_search(Within(), src, lengths, **kwargs)
     assert [[(h.tokens, h.score) for h in s] for s in within] == [[(h.tokens, h.score) for h in s] for s in plain]
     assert calls[0] == "reorder" and "within" in calls and "reorder" in calls[1:]   # start, then both kinds
+
+
+def _hyps(result):
+    return [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in result]
+
+
+@pytest.mark.parametrize("system, options", [
+    ("dtmt", dict(depth=1, heads=2)),                       # positional target embedding, multi-head attention
+    ("dtmt", dict(depth=2, heads=1, positional_encoding=False)),
+    ("rnnsearch-atr", {}),
+    ("shallow-rnmt", {}),
+    ("nematus", dict(dec_depth=1)),                         # one-level cGRU: the layered state [B, 1, H]
+    ("mce", {}),
+])
+def test_fused_search_equals_the_python_loop(system, options):
+    """The decoder's one-call search (FusedRNMTDecoder.search, C++) against the loop of beam_search over the same
+    decoder's steps (fused=False, the reference): the same hypotheses in the same order, the same scores and
+    log-probabilities to the bit, for batches whose sentences finish at different steps, beams 1-5, with and
+    without the length penalty, nbest up to the beam; in float32 and float64, and with int8 weights."""
+    torch.manual_seed(3)
+    model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=16, **options).eval()
+    cases = [(1, 0.0, 1, 2.0, 10), (3, 0.6, 3, 1.0, 2), (4, 0.6, 2, 2.0, 10), (5, 1.0, 5, 0.5, 3)]
+    lengths = torch.tensor([6, 1, 4, 2, 5, 3, 6])
+    src = torch.randint(4, 24, (7, 6))
+    for dtype, int8 in ((torch.float32, False), (torch.float64, False), (torch.float32, True)):
+        decoder = model.to(dtype).inference_decoder(int8=int8)
+        assert decoder.search is not None, f"{system}: no fused search"
+        for beam, alpha, nbest, a, b in cases:
+            kwargs = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b)
+            fused = beam_search(decoder, src, lengths, **kwargs)
+            loop = beam_search(decoder, src, lengths, fused=False, **kwargs)
+            assert _hyps(fused) == _hyps(loop), (dtype, int8, kwargs)
+            assert all(len(s) == min(nbest, beam) for s in fused)
+        model.float()
+
+
+def test_beam_search_takes_the_fused_search_by_default(monkeypatch):
+    """A Seq2Seq with the fused step decodes through `search`: its step is never called from Python."""
+    torch.manual_seed(4)
+    model = dm.build_model("rnnsearch-atr", 20, 20, embed_dim=16, hidden_size=16).eval()
+    decoder = model.inference_decoder()
+    monkeypatch.setattr(decoder, "step", lambda *a: pytest.fail("the Python loop ran"))
+    src, lengths = torch.randint(4, 20, (2, 4)), torch.tensor([4, 2])
+    assert all(len(h) == 2 for h in beam_search(decoder, src, lengths, beam=3, nbest=2))
+
+
+def test_no_fused_search_where_the_embedding_step_is_another():
+    """A system whose embed_step is its own keeps the fused step but not the fused search (the op embeds the
+    previous token as TokenEmbedding does), and beam search then runs the Python loop over its steps."""
+    from dtmt_models.models.systems.atr import RNNSearchATR
+
+    class Scaled(RNNSearchATR):
+        def embed_step(self, state, prev_tokens):
+            return 2.0 * super().embed_step(state, prev_tokens)
+
+    torch.manual_seed(5)
+    model = Scaled(20, 20, embed_dim=16, hidden_size=16).eval()
+    decoder = model.inference_decoder()
+    assert decoder.search is None and decoder.step is not None
+    src, lengths = torch.randint(4, 20, (2, 4)), torch.tensor([4, 2])
+    assert len(beam_search(decoder, src, lengths, beam=2)) == 2

@@ -11,12 +11,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dtmt_kernels as dk
 from dtmt_kernels.ops.transition import KINDS, flat_params
 from dtmt_models import build_model
+from dtmt_models.decoding.beam_search import beam_search
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="the C++ extension is not built")
 
 OPS = ("transition_forward", "transition_backward", "additive_scores", "additive_scores_backward",
        "attention_context", "attention_context_backward", "small_rows_linear", "attention_step", "readout_features",
-       "rnmt_step", "memory_encoder")
+       "rnmt_step", "rnmt_beam_search", "memory_encoder")
 
 
 def test_every_op_is_registered_in_the_dtmt_namespace():
@@ -109,8 +110,8 @@ def _detached(tree):
 
 
 def _record_system_calls(system, dtype=torch.float64):
-    """The dtmt ops a system calls in one training step (forward and backward) and in inference decoding steps at
-    beam 4 (the small-row linear's rows), with the arguments they were called with."""
+    """The dtmt ops a system calls in one training step (forward and backward), in inference decoding steps at
+    beam 4 (the small-row linear's rows) and in a beam search, with the arguments they were called with."""
     torch.manual_seed(0)
     model = build_model(system, 40, 50, embed_dim=8, hidden_size=12).to(dtype)
     src, lengths = torch.randint(4, 40, (4, 6)), torch.tensor([6, 5, 3, 2])
@@ -125,6 +126,7 @@ def _record_system_calls(system, dtype=torch.float64):
             state = decoder.encode(src, lengths)
             for t in range(2):
                 _, state = decoder.step(state, prev[:, t])
+            beam_search(decoder, src, lengths, beam=2, max_len_a=0.0, max_len_b=3)
     return recorder.calls
 
 
@@ -138,9 +140,9 @@ def test_every_op_a_system_calls_passes_opcheck(system):
         torch.library.opcheck(op, _detached(args), dict(kwargs))
     names = {op.__name__.split(".")[0] for op in calls}
     expected = {"dtmt": {"transition_forward", "transition_backward", "additive_scores", "additive_scores_backward",
-                         "attention_context_backward", "rnmt_step"},
-                "mce": {"memory_encoder", "rnmt_step"},
-                "nematus": {"transition_forward", "rnmt_step"},
+                         "attention_context_backward", "rnmt_step", "rnmt_beam_search"},
+                "mce": {"memory_encoder", "rnmt_step", "rnmt_beam_search"},
+                "nematus": {"transition_forward", "rnmt_step", "rnmt_beam_search"},
                 "gnmt-atr": {"transition_forward", "small_rows_linear"}}[system] | {"smoothed_cross_entropy"}
     assert expected <= names, f"{system}: {sorted(names)}"
 

@@ -416,3 +416,35 @@ def test_memory_encoder_matches_the_module(reverse):
     assert (states[~mask] == 0).all()
     enc.cell.backend = "reference"
     assert enc.inference_module() is enc
+
+
+@pytest.mark.parametrize("system, options", [("dtmt", dict(heads=2)), ("dtmt", dict(heads=4, depth=2)),
+                                             ("rnnsearch-atr", {})])
+def test_fold_context_projection(system, options):
+    """FusedRNMTDecoder folds multi-head attention's output projection into the decoder cell's input matrix and the
+    readout's context matrix (dk.functional.fold_context_projection): in float64 its steps give the unfolded
+    decoder's log-probabilities, states and attention to 1e-12 over steps and a reorder, and a step reads one
+    matrix fewer of the same shapes. Single-head attention has no projection: nothing changes."""
+    torch.manual_seed(6)
+    model = build_model(system, 50, 60, embed_dim=16, hidden_size=24, **options).eval().double()
+    with torch.no_grad():
+        folded = model.inference_decoder()
+        plain = FusedRNMTDecoder(folded.model, folded.layered, fold=False)
+        has_projection = plain.attention.w_o is not None
+        assert has_projection == (system == "dtmt") and folded.attention.w_o is None
+        assert folded.decoder_cell.params[0].shape == plain.decoder_cell.params[0].shape
+        assert folded.readout.w_c.shape == plain.readout.w_c.shape
+        if not has_projection:
+            assert folded.readout is plain.readout and folded.decoder_cell.params[0] is plain.decoder_cell.params[0]
+        src, lengths = torch.randint(4, 50, (4, 6)), torch.tensor([6, 6, 4, 2])
+        a, b = folded.encode(src, lengths), plain.encode(src, lengths)
+        for t in range(3):
+            prev = torch.randint(4, 60, (4,))
+            lp_a, a = folded.step(a, prev)
+            lp_b, b = plain.step(b, prev)
+            torch.testing.assert_close(lp_a, lp_b, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(a["s"], b["s"], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(a["attn"], b["attn"], rtol=1e-12, atol=1e-12)
+            if t == 1:
+                order = torch.tensor([2, 0, 3, 1])
+                a, b = folded.reorder(a, order), plain.reorder(b, order)

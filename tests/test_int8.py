@@ -189,10 +189,10 @@ FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")
 @needs_cpp
 @pytest.mark.parametrize("system", FUSED_STEP_SYSTEMS)
 def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
-    """The int8 decoder (inference_decoder(int8=True): the fused step with int8 matrices) computes what the model's
-    modules compute on the reference backend when every product by a step matrix (bench_int8.step_matrices) is
-    the reference int8 product quantize.linear_int8 (activations and weights rounded per row, exact integer
-    sums): log-probabilities, states and attention over steps and a reorder, at batch 1 beam 4 (one group of the
+    """The int8 decoder (inference_decoder(int8=True): the fused step with int8 matrices; here without the fold of
+    the attention's output projection, test_fold_context_projection) computes what the model's modules compute on
+    the reference backend when every product by a step matrix (bench_int8.step_matrices) is the reference int8
+    product quantize.linear_int8 (activations and weights rounded per row, exact integer sums): log-probabilities, states and attention over steps and a reorder, at batch 1 beam 4 (one group of the
     int8 loop) and 3 x 4 rows (two groups); and the model itself is left float32."""
     import copy
 
@@ -219,7 +219,9 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
     reference.set_backend("reference")
     monkeypatch.setattr(F, "linear", int8_linear)
     with torch.no_grad():
-        int8 = model.inference_decoder(int8=True)
+        # fold=False: the step reads the modules' own matrices (the fold rounds W_ih W_o as one matrix instead)
+        float_decoder = model.inference_decoder()
+        int8 = FusedRNMTDecoder(float_decoder.model, float_decoder.layered, int8=True, fold=False)
         assert isinstance(int8, FusedRNMTDecoder) and int8.int8
         assert int8.readout.w_out.dtype == torch.int8 and int8.query_cell.params[2].dtype == torch.int8
         assert model.readout.output.proj.weight.dtype == torch.float32     # the model itself is untouched
@@ -362,5 +364,6 @@ def test_bench_int8_kernel_quick(tmp_path):
     import json
     with open(tmp_path / "out" / "bench_int8_kernel.json") as f:
         names = json.load(f)["matrices"]
-    assert "query_cell.t_w[1]" in names and "readout.w_out" in names and "attention.w_o" in names
+    assert "query_cell.t_w[1]" in names and "readout.w_out" in names and "decoder_cell.w_ih" in names
+    assert "attention.w_o" not in names        # folded into decoder_cell.w_ih and readout.w_c
     assert torch.get_num_threads() == threads      # it ran on one thread and gave the others back

@@ -9,6 +9,11 @@ The decoder's state is reordered after every step: `reorder(state, index)` (rows
 the rows of finished sentences). A decoder may also have `reorder_within(state, index)`, called instead when no
 sentence finished, so that `index` keeps every row among its own sentence's rows: what is the same for all
 rows of a sentence (the annotations, attention keys, source mask) may then be kept as it is.
+
+A decoder whose `search` is not None (FusedRNMTDecoder: the attentional RNMT systems) runs this whole loop as one
+C++ call, `search(state, beam, alpha, max_len)`, after `encode`: the same decisions in the same arithmetic (the
+loop here is its reference in tests/test_beam_search.py), without Python between steps. `fused=False` keeps the
+loop here.
 """
 from __future__ import annotations
 
@@ -38,23 +43,26 @@ def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Ten
 
 @torch.no_grad()
 def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: float = 0.6, nbest: int = 1,
-                max_len_a: float = 2.0, max_len_b: int = 10) -> List[List[Hypothesis]]:
+                max_len_a: float = 2.0, max_len_b: int = 10, fused: bool = True) -> List[List[Hypothesis]]:
     """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first. `model`: a Seq2Seq
     (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
-    encode / step / reorder."""
+    encode / step / reorder. `fused`: the decoder's one-call `search` where it has one (False: this loop)."""
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if hasattr(model, "inference_decoder"):
         model = model.inference_decoder()
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
+    max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
+    search = getattr(model, "search", None) if fused else None
+    if search is not None:
+        return [[Hypothesis(*h) for h in hyps[:nbest]] for hyps in search(state, beam, alpha, max_len)]
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
     scores = torch.full((B, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0                                   # all beams start identical: keep one
     # each row's tokens so far (without BOS) as Python lists: a step needs only the last one as a tensor
     rows: List[List[int]] = [[] for _ in range(B * beam)]
     prev = torch.full((B * beam,), BOS, dtype=torch.long, device=device)
-    max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
     max_len_list = max_len.tolist()
     finished: List[List[Hypothesis]] = [[] for _ in range(B)]
     # the sentences still being decoded, in the order of the state's row groups (beam rows each): a finished

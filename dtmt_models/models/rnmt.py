@@ -16,13 +16,15 @@ modules (benchmarks/NOTES.md, log item 12). Nematus' one-level cGRU decoder uses
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 import dtmt_kernels as dk
+from dtmt_models.data.vocabulary import BOS, EOS
 from dtmt_models.models.attention import AttentionStep
+from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.seq2seq import (
     FrozenReadout,
     Seq2Seq,
@@ -84,17 +86,30 @@ class FusedRNMTDecoder:
     `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]. `int8`: the step's weight matrices
     (the cells', attention's, readout's and output projection's) as int8 rows with a float32 scale each, which
     the op multiplies by the activations quantized per row (dtmt_kernels.ops.linear.quantize.linear_int8);
-    biases, layer norms, the embeddings and the encoder stay float32. A copy of them is made here."""
+    biases, layer norms, the embeddings and the encoder stay float32. A copy of them is made here. `fold`: the
+    attention's output projection (multi-head attention) folded into the decoder cell's input matrix and the
+    readout's context matrix (dk.functional.fold_context_projection; before int8 rounding), so that a step reads
+    two matrices instead of three. `search`: beam search's whole loop in one C++ call (see `_search`), or None
+    where the op cannot embed the previous token as the system does."""
 
-    def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False):
+    def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True):
         self.model, self.layered, self.int8 = model, layered, int8
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
+        if fold:   # the attention's output projection folded into the two matrices that read the context
+            self.attention, self.decoder_cell, self.readout = dk.functional.fold_context_projection(
+                self.attention, self.decoder_cell, self.readout)
         if int8:
             self.query_cell = dk.functional.CellWeights.of(self.query_cell).int8()
             self.decoder_cell = dk.functional.CellWeights.of(self.decoder_cell).int8()
             self.attention, self.readout = self.attention.int8(), self.readout.int8()
         self.single_head = model.attention.single_head
+        # the whole beam search as one C++ call (`search`), where the previous token's embedding is one the op
+        # computes: TokenEmbedding's row, plus its scaled position when the system's embed_step passes them
+        embed_step, emb = type(model).embed_step, model.tgt_embed
+        embeds = isinstance(emb, TokenEmbedding) and (embed_step is AttentionalRNMT.embed_step or (
+            embed_step is Seq2Seq.embed_step and not emb.positional))
+        self.search = self._search if embeds else None
 
     def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
         return FusedRNMTDecoder(self.model, self.layered, True) if int8 and not self.int8 else self
@@ -124,6 +139,31 @@ class FusedRNMTDecoder:
         if "pos" in state:
             updates["pos"] = state["pos"] + 1
         return log_probs, step_state(state, alpha, True, **updates)
+
+
+    def _search(self, state: State, beam: int, alpha: float, max_len: Tensor
+                ) -> List[List[Tuple[List[int], float, float]]]:
+        """beam_search's loop (dtmt_models.decoding.beam_search, its reference) in one C++ call,
+        dk.functional.rnmt_beam_search, from the state `encode` made: for each sentence its finished hypotheses,
+        best first, as (tokens, score, log_prob)."""
+        if "drop_q" in state or "drop_d" in state:
+            raise ValueError("FusedRNMTDecoder.search: the state has candidate-dropout masks (a model in training "
+                             "mode); decode in eval mode")
+        emb = self.model.tgt_embed
+        positions = (emb.scaled_positions(int(max_len.max()), emb.weight)
+                     if emb.positional and "pos" in state else None)
+        s = state["s"][:, 0] if self.layered else state["s"]
+        keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
+        counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
+            state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
+            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS)
+        tokens = tokens.split(lengths.tolist())
+        hyps = [(t.tolist(), score, lp) for t, score, lp in zip(tokens, scores.tolist(), log_probs.tolist())]
+        out, i = [], 0
+        for n in counts.tolist():
+            out.append(hyps[i:i + n])
+            i += n
+        return out
 
 
 def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False, int8: bool = False

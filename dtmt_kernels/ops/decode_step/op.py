@@ -5,6 +5,7 @@ they take and the functions that call them (re-exported by dtmt_kernels.function
     torch.ops.dtmt.attention_step     one (multi-head) additive attention step, query projection to output
     torch.ops.dtmt.readout_features   the readout's tanh(LN(.) + LN(.) + LN(.))
     torch.ops.dtmt.rnmt_step          one whole attentional RNMT decoder step, to the log-probabilities
+    torch.ops.dtmt.rnmt_beam_search   beam search over rnmt_step, the whole loop of decoding.beam_search in one call
     torch.ops.dtmt.memory_encoder     one direction of mce's read-write-memory encoder
 Their references are the modules they stand in for (dtmt_models), against which tests/test_decode_kernels.py and
 the systems' tests hold them."""
@@ -120,6 +121,35 @@ class CellWeights:
                                        for i, p in enumerate(self.params)], self.eps)
 
 
+def fold_context_projection(attention: AttentionWeights, decoder_cell, readout: ReadoutWeights):
+    """(attention, decoder_cell, readout) for `rnmt_step` with the attention's output projection folded into the two
+    matrices that read the context, where it has one (w_o, b_o: multi-head attention); else the three unchanged.
+    Both are linear in c' = c W_o^T + b_o: c' W^T + b = c (W W_o)^T + (b + W b_o), so the decoder cell's input
+    matrix (its flat w_ih, b_ih) and the readout's context matrix (w_c, b_c) become W W_o and b + W b_o, of the
+    same shapes, and a step multiplies by two matrices instead of three. Computed in float64 and rounded once to
+    the weights' dtype: the step equals the unfolded one up to that rounding. `decoder_cell`: a
+    FrozenTransitionCell or CellWeights of float weights (fold before int8()); returns CellWeights."""
+    cell = CellWeights.of(decoder_cell) if not isinstance(decoder_cell, CellWeights) else decoder_cell
+    if attention.w_o is None:
+        return attention, cell, readout
+    w_o = attention.w_o.detach().double()
+    b_o = None if attention.b_o is None else attention.b_o.detach().double()
+
+    def fold(w: Tensor, b: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        wd = w.detach().double()
+        bias = None if b is None or b.numel() == 0 else b.detach().double()
+        if b_o is not None:
+            bias = wd @ b_o if bias is None else bias + wd @ b_o
+        return (wd @ w_o).to(w.dtype), None if bias is None else bias.to(w.dtype)
+
+    params = list(cell.params)
+    params[0], b_ih = fold(params[0], params[1])
+    params[1] = params[0].new_empty(0) if b_ih is None else b_ih
+    w_c, b_c = fold(readout.w_c, readout.b_c)
+    return (replace(attention, w_o=None, b_o=None), CellWeights(cell.kind, params, cell.eps),
+            replace(readout, w_c=w_c, b_c=b_c))
+
+
 def attention_step(query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor, weights: AttentionWeights):
     """Inference only (no autograd; CPU float32 / float64): one step of (multi-head) additive attention in one
     C++ call, what MultiHeadAdditiveAttention / AdditiveAttention compute in a dozen ops: q = query W_q^T,
@@ -156,6 +186,23 @@ def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask:
     return log_probs, s_new, alpha
 
 
+def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Tensor, embed: Tensor,
+                     positions: Optional[Tensor], query_cell, decoder_cell, attention: AttentionWeights,
+                     readout: ReadoutWeights, beam: int, alpha: float, max_len: Tensor, bos: int, eos: int
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Inference only: beam search over `rnmt_step` in one C++ call, the loop of dtmt_models.decoding.beam_search
+    (its reference: the same hypotheses, scores and order) with no Python between steps. The decoder state as
+    `encode` makes it, one row a sentence: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S] bool, s [B, H].
+    The previous token is embedded as embed[token] + positions[t] at step t (positions [>= max(max_len), E], or
+    None). max_len [B]: the steps a sentence may take, EOS included. Returns (counts [B], lengths [N], tokens,
+    scores [N], log_probs [N]): sentence b's finished hypotheses, best first, are the counts[b] after those of the
+    sentences before it, each `lengths` tokens long (without BOS and EOS); scores and log-probabilities float64."""
+    return torch.ops.dtmt.rnmt_beam_search(annotations, keys, src_mask, s, embed, positions, query_cell.kind,
+                                           query_cell.params, decoder_cell.kind, decoder_cell.params, query_cell.eps,
+                                           attention.tensors, attention.ln_eps, readout.tensors, readout.eps, beam,
+                                           alpha, max_len, bos, eos)
+
+
 def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
     """Inference only: one direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py) over the
     whole source in one C++ call. x [B, S, E], memory [B, S, H], src_mask [B, S] bool, cell: the direction's
@@ -184,6 +231,15 @@ def _rnmt_step_fake(y, s, keys, annotations, src_mask, q_kind, q_params, d_kind,
             y.new_empty(B, S))
 
 
+def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_kind, q_params, d_kind, d_params,
+                           cell_eps, attention, att_eps, readout, readout_eps, beam, alpha, max_len, bos, eos):
+    ctx = torch.library.get_ctx()
+    n, tokens = ctx.new_dynamic_size(), ctx.new_dynamic_size()   # how many hypotheses and tokens: data-dependent
+    long, double = dict(dtype=torch.long), dict(dtype=torch.float64)
+    return (max_len.new_empty(s.shape[0], **long), max_len.new_empty(n, **long), max_len.new_empty(tokens, **long),
+            max_len.new_empty(n, **double), max_len.new_empty(n, **double))
+
+
 def _memory_encoder_fake(x, memory, src_mask, reverse, cell_kind, cell, cell_eps, addressing):
     return x.new_empty(memory.shape), torch.empty_like(memory, memory_format=torch.contiguous_format)
 
@@ -193,5 +249,6 @@ if built():
     torch.library.register_fake("dtmt::readout_features")(_readout_fake)
     torch.library.register_fake("dtmt::rnmt_step")(_rnmt_step_fake)
     torch.library.register_fake("dtmt::memory_encoder")(_memory_encoder_fake)
+    torch.library.register_fake("dtmt::rnmt_beam_search")(_rnmt_beam_search_fake)
     for op in ("dtmt::attention_step", "dtmt::readout_features", "dtmt::rnmt_step", "dtmt::memory_encoder"):
         _autocast.register(op, _autocast.float32_rule)

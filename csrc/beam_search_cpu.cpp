@@ -1,0 +1,182 @@
+// Beam search over the fused decoder step (declared and specified in decode_step.h): the loop of
+// dtmt_models/decoding/beam_search.py, decision for decision and in the same arithmetic, with each step one call of
+// rnmt_step_cpu and no Python between steps. The Python loop is its reference (tests/test_beam_search.py).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "decode_step.h"
+
+namespace dtmt {
+namespace {
+
+using at::Tensor;
+
+struct Hyp {
+  std::vector<int64_t> tokens;  // without BOS / EOS
+  double score;                 // log_prob / length_penalty
+  double log_prob;
+};
+
+// GNMT's lp(y) = ((5 + |y|) / 6) ^ alpha, in double as Python's floats (beam_search.length_penalty).
+double length_penalty(int64_t length, double alpha) {
+  return std::pow((5.0 + static_cast<double>(length)) / 6.0, alpha);
+}
+
+Tensor long_tensor(const std::vector<int64_t>& v) {
+  Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::kLong);
+  std::copy(v.begin(), v.end(), t.data_ptr<int64_t>());
+  return t;
+}
+
+Tensor double_tensor(const std::vector<double>& v) {
+  Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::kDouble);
+  std::copy(v.begin(), v.end(), t.data_ptr<double>());
+  return t;
+}
+
+}  // namespace
+
+std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tensor& keys0, const Tensor& src_mask0,
+                                         const Tensor& s0, const Tensor& embed, const Tensor& positions,
+                                         const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
+                                         double cell_eps, const AttentionWeights& attention,
+                                         const ReadoutWeights& readout, int64_t beam, double alpha,
+                                         const Tensor& max_len, int64_t bos, int64_t eos) {
+  TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
+                  embed.dim() == 2 && max_len.dim() == 1,
+              "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
+              "embed [V, E] and max_len [B] expected");
+  const int64_t B = s0.size(0);
+  TORCH_CHECK(annotations0.size(0) == B && keys0.size(0) == B && src_mask0.size(0) == B && max_len.size(0) == B,
+              "dtmt._C.rnmt_beam_search: the state's tensors and max_len must have the same batch size");
+  TORCH_CHECK(beam >= 1, "dtmt._C.rnmt_beam_search: beam must be >= 1, got ", beam);
+  const Tensor max_len_cpu = max_len.to(at::kLong).contiguous();
+  const std::vector<int64_t> max_len_list(max_len_cpu.data_ptr<int64_t>(), max_len_cpu.data_ptr<int64_t>() + B);
+  int64_t steps = 0;
+  for (int64_t m : max_len_list) steps = std::max(steps, m);
+  const bool positional = positions.defined() && positions.numel() > 0;
+  TORCH_CHECK(!positional || (positions.dim() == 2 && positions.size(0) >= steps && positions.size(1) == embed.size(1)),
+              "dtmt._C.rnmt_beam_search: positions must be [>= max(max_len), E]");
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+
+  // every sentence's state repeated beam times; all beams start identical, so only the first one is open
+  const Tensor start = at::arange(B, at::kLong).repeat_interleave(beam);
+  Tensor annotations = annotations0.index_select(0, start), keys = keys0.index_select(0, start),
+         src_mask = src_mask0.index_select(0, start), s = s0.index_select(0, start);
+  Tensor scores = at::full({B, beam}, neg_inf, at::kFloat);
+  scores.select(1, 0).fill_(0.0);
+  std::vector<std::vector<int64_t>> rows(B * beam);
+  Tensor prev = at::full({B * beam}, bos, at::kLong);
+  std::vector<std::vector<Hyp>> finished(B);
+  std::vector<int64_t> active(B);  // the open sentences, in the order of the state's row groups
+  for (int64_t b = 0; b < B; ++b) active[b] = b;
+
+  for (int64_t t = 0; t < steps; ++t) {
+    Tensor y = embed.index_select(0, prev);
+    if (positional) y = y + positions.select(0, t);
+    auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout);
+    s = r[1];
+    const int64_t n = static_cast<int64_t>(active.size()), V = r[0].size(1);
+    Tensor log_probs = r[0].to(at::kFloat).contiguous().view({n, beam, V});
+    {  // the last step allowed for a sentence: only EOS may follow
+      float* lp = log_probs.data_ptr<float>();
+      for (int64_t i = 0; i < n; ++i) {
+        if (t + 1 < max_len_list[active[i]]) continue;
+        for (int64_t o = 0; o < beam; ++o) {
+          float* row = lp + (i * beam + o) * V;
+          const float keep = row[eos];
+          std::fill(row, row + V, -std::numeric_limits<float>::infinity());
+          row[eos] = keep;
+        }
+      }
+    }
+    const Tensor cand = (scores.unsqueeze(-1) + log_probs).view({n, beam * V});
+    const int64_t K = std::min<int64_t>(2 * beam, beam * V);
+    auto top = at::topk(cand, K, 1);
+    const Tensor top_scores = std::get<0>(top).contiguous(), top_idx = std::get<1>(top).contiguous();
+    const float* ts = top_scores.data_ptr<float>();
+    const int64_t* ti = top_idx.data_ptr<int64_t>();
+
+    std::vector<int64_t> select, next_words, still;
+    std::vector<float> next_scores;
+    std::vector<double> new_scores(beam);
+    std::vector<int64_t> new_origin(beam), new_word(beam);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = active[i];
+      std::fill(new_scores.begin(), new_scores.end(), neg_inf);
+      std::fill(new_origin.begin(), new_origin.end(), 0);
+      std::fill(new_word.begin(), new_word.end(), eos);
+      int64_t k = 0;
+      std::vector<Hyp>& done = finished[b];
+      for (int64_t c = 0; c < K; ++c) {
+        const double sc = ts[i * K + c];
+        if (sc == neg_inf) break;
+        const int64_t j = ti[i * K + c], o = j / V, w = j % V;
+        if (w == eos) {
+          const std::vector<int64_t>& hyp = rows[i * beam + o];
+          done.push_back({hyp, sc / length_penalty(static_cast<int64_t>(hyp.size()) + 1, alpha), sc});
+        } else if (k < beam) {
+          new_scores[k] = sc;
+          new_origin[k] = o;
+          new_word[k] = w;
+          ++k;
+        }
+        if (k == beam && static_cast<int64_t>(done.size()) >= beam) break;
+      }
+      std::stable_sort(done.begin(), done.end(), [](const Hyp& x, const Hyp& y_) { return x.score > y_.score; });
+      if (static_cast<int64_t>(done.size()) > beam) done.resize(beam);
+      // finished when full and no open hypothesis can still win (log-probs only decrease; the length penalty is
+      // at most that of the max length)
+      const double best_open = *std::max_element(new_scores.begin(), new_scores.end());
+      const double bound = alpha > 0 ? best_open / length_penalty(max_len_list[b], alpha) : best_open;
+      if (t + 1 >= max_len_list[b] || best_open == neg_inf ||
+          (static_cast<int64_t>(done.size()) >= beam && bound <= done.back().score))
+        continue;
+      still.push_back(i);
+      for (int64_t o = 0; o < beam; ++o) {
+        select.push_back(i * beam + new_origin[o]);
+        next_words.push_back(new_word[o]);
+        next_scores.push_back(static_cast<float>(new_scores[o]));
+      }
+    }
+    if (still.empty()) break;
+    const Tensor index = long_tensor(select);
+    prev = long_tensor(next_words);
+    s = s.index_select(0, index);
+    if (static_cast<int64_t>(still.size()) < n) {  // finished sentences leave the state
+      annotations = annotations.index_select(0, index);
+      keys = keys.index_select(0, index);
+      src_mask = src_mask.index_select(0, index);
+      std::vector<int64_t> next_active;
+      for (int64_t i : still) next_active.push_back(active[i]);
+      active.swap(next_active);
+    }
+    std::vector<std::vector<int64_t>> next_rows;
+    next_rows.reserve(select.size());
+    for (size_t r_ = 0; r_ < select.size(); ++r_) {
+      next_rows.push_back(rows[select[r_]]);
+      next_rows.back().push_back(next_words[r_]);
+    }
+    rows.swap(next_rows);
+    scores = at::empty({static_cast<int64_t>(still.size()), beam}, at::kFloat);
+    std::copy(next_scores.begin(), next_scores.end(), scores.data_ptr<float>());
+  }
+
+  std::vector<int64_t> counts, lengths, tokens;
+  std::vector<double> hyp_scores, hyp_log_probs;
+  for (const auto& done : finished) {
+    counts.push_back(static_cast<int64_t>(done.size()));
+    for (const Hyp& h : done) {
+      lengths.push_back(static_cast<int64_t>(h.tokens.size()));
+      tokens.insert(tokens.end(), h.tokens.begin(), h.tokens.end());
+      hyp_scores.push_back(h.score);
+      hyp_log_probs.push_back(h.log_prob);
+    }
+  }
+  return {long_tensor(counts), long_tensor(lengths), long_tensor(tokens), double_tensor(hyp_scores),
+          double_tensor(hyp_log_probs)};
+}
+
+}  // namespace dtmt

@@ -20,8 +20,9 @@ What it does, in one run:
    with --no-int8) (`translate`, the library call of `dtmt translate`; batch 1 is one
    sentence a call, as an interactive user or `dtmt serve` with one client gets it; batched is `translate`'s own
    batching by `--max-tokens`), the transformer decoded by dtmt's PyTorch decoder (batched), and by CTranslate2 at
-   batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting); model loading excluded everywhere, the same
-   sentences in the same order;
+   batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting), each with its two CPU GEMM backends (MKL, its
+   x86 default, and CT2_USE_MKL=0; the faster counts); model loading excluded everywhere, the same sentences in
+   the same order;
 4. the BLEU of every output against the references (sacrebleu, as `dtmt evaluate`), sentences/s and output
    words/s, and the ratios the issue sets goals for: each system at batch 1 over CTranslate2 at batch 1 (goal
    >= 1.5) and batched over the faster of CTranslate2 batched and `--peer-lstm` (sentences/s of OpenNMT-py's LSTM
@@ -139,11 +140,18 @@ def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: i
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def time_ct2(py: str, model_dir: str, src: str, tv, threads: int, batch: int, beam: int, work: str, log: str) -> dict:
-    """CTranslate2 over the source pieces in `src` (one sentence a line); seconds (its own timing, the model load
-    excluded) and the detokenised one-best outputs."""
-    out = os.path.join(work, f"ct2.b{batch}.t{threads}.pieces")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+# CTranslate2's CPU GEMM backends as a user can choose them (its CT2_USE_MKL variable): Intel MKL (its default on
+# x86) and its other one (oneDNN). Each setting is timed with both and the faster counts: on some VMs one of them
+# collapses with 2 threads (NOTES item 47).
+CT2_BACKENDS = {"mkl": {}, "no-mkl": {"CT2_USE_MKL": "0"}}
+
+
+def time_ct2(py: str, model_dir: str, src: str, tv, threads: int, batch: int, beam: int, work: str, log: str,
+             backend: str = "mkl") -> dict:
+    """CTranslate2 over the source pieces in `src` (one sentence a line) with one of CT2_BACKENDS; seconds (its own
+    timing, the model load excluded) and the detokenised one-best outputs."""
+    out = os.path.join(work, f"ct2.b{batch}.t{threads}.{backend}.pieces")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **CT2_BACKENDS[backend])
     line = run([py, CT2_RUN, "translate", "--model", model_dir, "--src", src, "--out", out, "--beam", str(beam),
                 "--batch", str(batch), "--threads", str(threads)], log, env=env).strip().splitlines()[-1]
     with open(out, encoding="utf-8") as f:
@@ -262,14 +270,17 @@ def main(argv=None):
         add("dtmt", "transformer", transformer, threads, f"≤{a.max_tokens}t",
             time_dtmt(transformer, sentences, threads, False, a.max_tokens, a.beam))
         for batch in (1, a.ct2_batch):
-            add("ctranslate2", "transformer", transformer, threads, str(batch),
-                time_ct2(py, model_dir, src_pieces, tv, threads, batch, a.beam, work, log))
+            for backend in CT2_BACKENDS:
+                add(f"ctranslate2 {backend}", "transformer", transformer, threads, str(batch),
+                    time_ct2(py, model_dir, src_pieces, tv, threads, batch, a.beam, work, log, backend))
     # ratios
     for row in rows:
         if not row["decoder"].startswith("dtmt") or row["model"] == "transformer":
             continue
-        ct2 = {r["batch"]: r["sentences_per_s"] for r in rows if r["decoder"] == "ctranslate2"
-               and r["threads"] == row["threads"]}
+        ct2 = {}   # batch -> the faster CTranslate2 backend's rate at this thread count
+        for r in rows:
+            if r["decoder"].startswith("ctranslate2") and r["threads"] == row["threads"]:
+                ct2[r["batch"]] = max(ct2.get(r["batch"], 0.0), r["sentences_per_s"])
         if row["batch"] == "1":
             row["vs"] = row["sentences_per_s"] / ct2["1"]
             row["goal"] = 1.5
@@ -289,9 +300,10 @@ def main(argv=None):
         md.append(f"| {r['decoder']} | {r['model']} | {r['threads']} | {r['batch']} | {r['sentences_per_s']:.1f} | "
                   f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} |")
     md.append("")
+    lstm_rates = ", ".join(f"{r:g} sentences/s at {t} thread(s)" for t, r in sorted(lstm.items()))
     md.append("vs: batch 1 over CTranslate2 batch 1; batched over the faster of CTranslate2 batched and OpenNMT-py's "
-              "LSTM (" + (", ".join(f"{r:g} sentences/s at {t} thread(s)" for t, r in sorted(lstm.items()))
-                          or "no figure given") + "), same thread count.")
+              f"LSTM ({lstm_rates or 'no figure given'}), same thread count; CTranslate2 as the faster of its two CPU "
+              "backends, mkl (its default) and no-mkl (CT2_USE_MKL=0).")
     text = "\n".join(md) + "\n"
     with open(os.path.join(a.out, "bench_deploy.md"), "w") as f:
         f.write(text)

@@ -414,7 +414,8 @@ def test_bench_beam_swap_quick(tmp_path):
     seconds, ours = bench_beam_swap.main(common)
     _, swapped = bench_beam_swap.main(common + ["--beam-search", bs.__file__])
     _, one_by_one = bench_beam_swap.main(common + ["--batch-one", "8", "--profile"])
-    assert seconds > 0 and len(ours) == 8 and ours == swapped == one_by_one
+    _, loop = bench_beam_swap.main(common + ["--python-loop", "--no-fold"])   # NOTES 47's "before"
+    assert seconds > 0 and len(ours) == 8 and ours == swapped == one_by_one == loop
     import dtmt_models.decoding.translate as tr
     assert tr.beam_search is bs.beam_search                 # the swap is undone
 

@@ -140,7 +140,6 @@ class FusedRNMTDecoder:
             updates["pos"] = state["pos"] + 1
         return log_probs, step_state(state, alpha, True, **updates)
 
-
     def _search(self, state: State, beam: int, alpha: float, max_len: Tensor
                 ) -> List[List[Tuple[List[int], float, float]]]:
         """beam_search's loop (dtmt_models.decoding.beam_search, its reference) in one C++ call,

@@ -250,5 +250,6 @@ if built():
     torch.library.register_fake("dtmt::rnmt_step")(_rnmt_step_fake)
     torch.library.register_fake("dtmt::memory_encoder")(_memory_encoder_fake)
     torch.library.register_fake("dtmt::rnmt_beam_search")(_rnmt_beam_search_fake)
-    for op in ("dtmt::attention_step", "dtmt::readout_features", "dtmt::rnmt_step", "dtmt::memory_encoder"):
+    for op in ("dtmt::attention_step", "dtmt::readout_features", "dtmt::rnmt_step", "dtmt::rnmt_beam_search",
+               "dtmt::memory_encoder"):
         _autocast.register(op, _autocast.float32_rule)

@@ -119,3 +119,18 @@ def save_model(path, name, options, src_vocab, tgt_vocab, model):
     save_checkpoint(str(path), dict(model_name=name, model_options=options, src_vocab=src_vocab.proto,
                                     tgt_vocab=tgt_vocab.proto, model=model.state_dict()))
     return str(path)
+
+
+def assert_decoders_step_alike(first, second, src, lengths, prevs, order, rtol, atol, attn_atol):
+    """Two decoders (encode / step / reorder) stepped in lockstep from the same source over the previous tokens
+    `prevs` (one [B] tensor a step): the same log-probabilities, states s (rtol / atol) and head-averaged attention
+    (rtol / attn_atol) after every step; both reordered by `order` after the second step."""
+    a, b = first.encode(src, lengths), second.encode(src, lengths)
+    for t, prev in enumerate(prevs):
+        lp_a, a = first.step(a, prev)
+        lp_b, b = second.step(b, prev)
+        torch.testing.assert_close(lp_a, lp_b, rtol=rtol, atol=atol)
+        torch.testing.assert_close(a["s"], b["s"], rtol=rtol, atol=atol)
+        torch.testing.assert_close(a["attn"], b["attn"], rtol=rtol, atol=attn_atol)
+        if t == 1:
+            a, b = first.reorder(a, order), second.reorder(b, order)

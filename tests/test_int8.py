@@ -192,13 +192,14 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
     """The int8 decoder (inference_decoder(int8=True): the fused step with int8 matrices; here without the fold of
     the attention's output projection, test_fold_context_projection) computes what the model's modules compute on
     the reference backend when every product by a step matrix (bench_int8.step_matrices) is the reference int8
-    product quantize.linear_int8 (activations and weights rounded per row, exact integer sums): log-probabilities, states and attention over steps and a reorder, at batch 1 beam 4 (one group of the
-    int8 loop) and 3 x 4 rows (two groups); and the model itself is left float32."""
+    product quantize.linear_int8 (activations and weights rounded per row, exact integer sums): log-probabilities,
+    states and attention over steps and a reorder, at batch 1 beam 4 (one group of the int8 loop) and 3 x 4 rows
+    (two groups); and the model itself is left float32."""
     import copy
 
     import torch.nn.functional as F
 
-    from conftest import spread_weights
+    from conftest import assert_decoders_step_alike, spread_weights
 
     from benchmarks import bench_int8
     from dtmt_models.models.registry import build_model
@@ -228,19 +229,12 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
         gen = torch.Generator().manual_seed(5)
         for rows, lengths in ((4, [6, 6, 6, 6]), (12, [6, 5, 5, 4, 4, 4, 3, 3, 2, 2, 1, 1])):
             src = torch.randint(4, 50, (rows, 6), generator=gen)
-            lengths = torch.tensor(lengths)
-            a, b = int8.encode(src, lengths), reference.encode(src, lengths)
-            for t in range(4):
-                prev = torch.randint(4, 60, (rows,), generator=gen)
-                lp_a, a = int8.step(a, prev)
-                lp_b, b = reference.step(b, prev)
-                # float32 both: the summation order and the fused step's own rounding (test_decode_kernels)
-                torch.testing.assert_close(lp_a, lp_b, rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(a["s"], b["s"], rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(a["attn"], b["attn"], rtol=1e-4, atol=1e-5)
-                if t == 1:
-                    order = torch.randperm(rows, generator=gen)
-                    a, b = int8.reorder(a, order), reference.reorder(b, order)
+            # drawn in the order the steps used them: two steps' tokens, the reorder, two more
+            prevs = [torch.randint(4, 60, (rows,), generator=gen) for _ in range(2)]
+            order = torch.randperm(rows, generator=gen)
+            prevs += [torch.randint(4, 60, (rows,), generator=gen) for _ in range(2)]
+            # float32 both: the summation order and the fused step's own rounding (test_decode_kernels)
+            assert_decoders_step_alike(int8, reference, src, torch.tensor(lengths), prevs, order, 1e-4, 1e-4, 1e-5)
 
 
 @needs_cpp

@@ -63,6 +63,10 @@ def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
     names = [n for n, _ in bench_int8.step_matrices(model)]
     assert "readout.output.proj.weight" in names and "query_cell.weight_hh" in names
     assert not any(n.startswith(("encoder", "src_embed", "tgt_embed", "attention.key")) for n in names)
+    # int8 decoding rounds the encoder's recurrent matrices too (both directions, the T-GRU's), not its input ones
+    extra = [n for n, _ in bench_int8.int8_matrices(model)][len(names):]
+    assert sorted(extra) == ["encoder.tgru1_weight_hh", "encoder.tgru1_weight_hh_reverse", "encoder.weight_hh",
+                             "encoder.weight_hh_reverse"]
     embedding = model.tgt_embed.weight.detach().clone()
     projection = model.readout.output.proj.weight.detach().clone()
     f32, i8 = bench_int8.quantize_step_weights(model)
@@ -169,6 +173,41 @@ def test_int8_kernel_matches_the_reference(isa):
 
 
 @needs_cpp
+def test_int8_loops_of_every_instruction_set_agree_to_the_bit():
+    """The int8 sums are exact integers and the scaling two roundings in every copy (AVX512-VNNI with unsigned
+    activations and a row-sum correction, AVX2, plain C++), so every instruction set this machine runs gives the
+    same bits: for 1-8 rows, K with and without a tail past whole vectors, N not a multiple of the rows a loop
+    takes together, and sums whose unsigned form passes 2^31 (K = 70,000 at 127 * 127)."""
+    from dtmt_kernels import _C
+
+    isas = _isas()
+    if len(isas) < 2:
+        pytest.skip("this machine runs one instruction set copy")
+    gen = torch.Generator().manual_seed(5)
+    cases = []
+    for K in (5, 64, 100, 512, 577):
+        for N in (1, 6, 37):
+            w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+            for M in range(1, _C.SMALL_ROWS_MAX + 1):
+                cases.append((torch.randn(M, K, generator=gen), pack_int8_rows(w), b if M % 2 else None))
+    big = torch.full((2, 70_000), 127.0)   # both scales 1: x and w are their own int8 values
+    cases.append((big, pack_int8_rows(torch.cat([big, -big])), None))
+    before = _C.cpu_isa()
+    try:
+        outs = {}
+        for isa in isas:
+            _C.set_cpu_isa(isa)
+            outs[isa] = [torch.ops.dtmt.small_rows_linear(x, w, b) for x, w, b in cases]
+    finally:
+        _C.set_cpu_isa(before)
+    exact = float(127 * 127 * 70_000)
+    assert torch.equal(outs[isas[0]][-1], torch.tensor([[exact, exact, -exact, -exact]] * 2))
+    for isa in isas[1:]:
+        for i, (a, b) in enumerate(zip(outs[isas[0]], outs[isa])):
+            assert torch.equal(a, b), (isas[0], isa, i, cases[i][0].shape, (a - b).abs().max().item())
+
+
+@needs_cpp
 def test_int8_kernel_is_thread_count_independent_and_refuses_bad_input():
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(5000, 64, generator=gen)
@@ -189,9 +228,10 @@ FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")
 @needs_cpp
 @pytest.mark.parametrize("system", FUSED_STEP_SYSTEMS)
 def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
-    """The int8 decoder (inference_decoder(int8=True): the fused step with int8 matrices; here without the fold of
-    the attention's output projection, test_fold_context_projection) computes what the model's modules compute on
-    the reference backend when every product by a step matrix (bench_int8.step_matrices) is the reference int8
+    """The int8 decoder (inference_decoder(int8=True): the fused step with int8 matrices, the encoder's recurrent
+    ones too; here without the fold of the attention's output projection, test_fold_context_projection) computes
+    what the model's modules compute on the reference backend when every product by those matrices
+    (bench_int8.int8_matrices) is the reference int8
     product quantize.linear_int8 (activations and weights rounded per row, exact integer sums): log-probabilities,
     states and attention over steps and a reorder, at batch 1 beam 4 (one group of the int8 loop) and 3 x 4 rows
     (two groups); and the model itself is left float32."""
@@ -207,7 +247,7 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
 
     torch.manual_seed(0)
     model = spread_weights(build_model(system, 50, 60, embed_dim=16, hidden_size=24))
-    matrices = [p.detach().clone() for _, p in bench_int8.step_matrices(model)]
+    matrices = [p.detach().clone() for _, p in bench_int8.int8_matrices(model)]
     rounded = [quantize_rows(m) for m in matrices]
     float_linear = F.linear
 

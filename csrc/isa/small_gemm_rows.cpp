@@ -12,14 +12,15 @@
 //
 // small_rows_int8 is the same walk over int8 weight rows (small_gemm.h's int8 format) with int8 activations (each
 // row of x quantized by the caller with its own scale): int32 sums of int8 products, exact and in any order the
-// same, then multiplied by the two scales. AVX2: 32 products per instruction pair (vpmaddubsw + vpmaddwd);
-// baseline: plain int32 loops.
+// same, then multiplied by the two scales. AVX512-VNNI: 64 products an instruction (vpdpbusd, unsigned by signed
+// bytes); AVX2: 32 per instruction pair (vpmaddubsw + vpmaddwd); baseline: plain int32 loops.
 #include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -41,6 +42,21 @@ inline float row_scale(const int8_t* row, int64_t K) {
   float scale;
   std::memcpy(&scale, row + K, sizeof scale);
   return scale;
+}
+
+// An int8 loop's output: float(s) * (x_scale * w_scale), rounded, then + bias: two roundings, as the reference
+// (quantize.py's linear_int8), in every loop and every copy. The empty asm makes the product a value the compiler
+// cannot see into, so that it is not fused with the addition into one FMA (which GCC would do in some of the
+// loops' instances and not in others).
+inline float int8_output(int32_t s, float x_scale, float w_scale, const float* bias, int64_t n) {
+  float v = static_cast<float>(s) * (x_scale * w_scale);
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm("" : "+x"(v));
+#else
+  volatile float rounded = v;
+  v = rounded;
+#endif
+  return bias ? v + bias[n] : v;
 }
 
 // Chunks per iteration: enough accumulators to hide the FMA latency, within the 16 vector registers.
@@ -94,70 +110,151 @@ inline int32_t lane_sum_epi32(__m256i v) {
 
 // The int8 walk: chunks of 32 int8 weights against 32 int8 activations of each of the M rows, multiplied and
 // summed exactly in int32. R weight rows at a time (R = 2 for M <= 4: each x chunk and its |x| serve both, and their
-// sums are reduced together). The body is written once (DTMT_INT8_ROWS) for the two ways of the multiply-add
-// (DOT_ADD(acc, xabs, wsigned): add to the int32 lanes of acc the products of |x| (unsigned bytes) and w carrying
-// x's sign (vpsignb), four adjacent ones a lane; |x|, |w| <= 127):
-//   AVX2: vpmaddubsw (pairs into int16: at most 2 * 127 * 127, no saturation) + vpmaddwd + vpaddd;
-//   VNNI: vpdpbusd, the three in one (AVX512-VNNI's 256-bit form; chosen at run time, see small_rows_int8).
-#define DTMT_INT8_ROWS(NAME, DOT_ADD, ATTR)                                                                       \
-  template <int M, int R>                                                                                        \
-  ATTR void NAME(const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K, int64_t ldw,        \
-            const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {                                 \
-    const int64_t K32 = K - K % 32;                                                                              \
-    int64_t n = n0;                                                                                              \
-    for (; n + R <= n1; n += R) {                                                                                \
-      const int8_t* wr = w + n * ldw;                                                                            \
-      __m256i acc[R][M];                                                                                         \
-      for (int r = 0; r < R; ++r)                                                                                \
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_si256();                                          \
-      for (int64_t k = 0; k < K32; k += 32) {                                                                    \
-        __m256i wv[R];                                                                                           \
-        for (int r = 0; r < R; ++r) {                                                                            \
-          _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);            \
-          wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * ldw + k));                        \
-        }                                                                                                        \
-        for (int m = 0; m < M; ++m) {                                                                            \
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + k));             \
-          const __m256i xabs = _mm256_sign_epi8(xv, xv);                                                         \
-          for (int r = 0; r < R; ++r) acc[r][m] = DOT_ADD(acc[r][m], xabs, _mm256_sign_epi8(wv[r], xv));         \
-        }                                                                                                        \
-      }                                                                                                          \
-      for (int m = 0; m < M; ++m) {                                                                              \
-        int32_t sums[R];                                                                                         \
-        if (R == 2) { /* both rows' lanes in one reduction */                                                    \
-          const __m256i h = _mm256_hadd_epi32(acc[0][m], acc[R - 1][m]);                                         \
-          __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));                  \
-          q = _mm_hadd_epi32(q, q);                                                                              \
-          sums[0] = _mm_cvtsi128_si32(q);                                                                        \
-          sums[R - 1] = _mm_extract_epi32(q, 1);                                                                 \
-        } else {                                                                                                 \
-          for (int r = 0; r < R; ++r) sums[r] = lane_sum_epi32(acc[r][m]);                                       \
-        }                                                                                                        \
-        for (int r = 0; r < R; ++r) {                                                                            \
-          const int8_t* row = wr + r * ldw;                                                                      \
-          int32_t s = sums[r];                                                                                   \
-          for (int64_t k = K32; k < K; ++k) s += int32_t(xq[m * ldx + k]) * int32_t(row[k]);                     \
-          const float v = static_cast<float>(s) * (x_scale[m] * row_scale(row, K));                              \
-          out[m * ldo + n + r] = bias ? v + bias[n + r] : v;                                                     \
-        }                                                                                                        \
-      }                                                                                                          \
-    }                                                                                                            \
-    if (R > 1 && n < n1) NAME<M, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n, n1);                         \
-  }
-
+// sums are reduced together). The multiply-add (dot_add_avx2(acc, xabs, wsigned)) adds to the int32 lanes of acc
+// the products of |x| (unsigned bytes) and w carrying x's sign (vpsignb), four adjacent ones a lane (|x|, |w| <=
+// 127): vpmaddubsw (pairs into int16: at most 2 * 127 * 127, no saturation) + vpmaddwd + vpaddd. CPUs with
+// AVX512-VNNI take rows_block_int8_vnni below instead (chosen at run time, see small_rows_int8).
 inline __m256i dot_add_avx2(__m256i acc, __m256i xabs, __m256i w_signed) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, w_signed), _mm256_set1_epi16(1)));
 }
-DTMT_INT8_ROWS(rows_block_int8, dot_add_avx2, )
 
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__AVX512VNNI__)
-// The avx512 copy (x86-64-v4, which has no VNNI) carries a VNNI loop too, for the CPUs that have it.
-#define DTMT_INT8_VNNI 1
-#define DTMT_VNNI_TARGET __attribute__((target("avx512vnni,avx512vl")))
-DTMT_VNNI_TARGET inline __m256i dot_add_vnni(__m256i acc, __m256i xabs, __m256i w_signed) {
-  return _mm256_dpbusd_epi32(acc, xabs, w_signed);
+template <int M, int R>
+void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K, int64_t ldw,
+                     const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t K32 = K - K % 32;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const int8_t* wr = w + n * ldw;
+    __m256i acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K32; k += 32) {
+      __m256i wv[R];
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);
+        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * ldw + k));
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + k));
+        const __m256i xabs = _mm256_sign_epi8(xv, xv);
+        for (int r = 0; r < R; ++r) acc[r][m] = dot_add_avx2(acc[r][m], xabs, _mm256_sign_epi8(wv[r], xv));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      int32_t sums[R];
+      if (R == 2) {   // both rows' lanes in one reduction
+        const __m256i h = _mm256_hadd_epi32(acc[0][m], acc[R - 1][m]);
+        __m128i q = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        q = _mm_hadd_epi32(q, q);
+        sums[0] = _mm_cvtsi128_si32(q);
+        sums[R - 1] = _mm_extract_epi32(q, 1);
+      } else {
+        for (int r = 0; r < R; ++r) sums[r] = lane_sum_epi32(acc[r][m]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* row = wr + r * ldw;
+        int32_t s = sums[r];
+        for (int64_t k = K32; k < K; ++k) s += int32_t(xq[m * ldx + k]) * int32_t(row[k]);
+        out[m * ldo + n + r] = int8_output(s, x_scale[m], row_scale(row, K), bias, n + r);
+      }
+    }
+  }
+  if (R > 1 && n < n1) rows_block_int8<M, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n, n1);
 }
-DTMT_INT8_ROWS(rows_block_int8_vnni, dot_add_vnni, DTMT_VNNI_TARGET)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__GNUC__)
+// The avx512 copy (x86-64-v4, which has no VNNI) carries a VNNI loop too, for the CPUs that have it (a native build
+// on such a CPU has VNNI throughout).
+#define DTMT_INT8_VNNI 1
+#if defined(__AVX512VNNI__)
+#define DTMT_VNNI_TARGET
+#else
+#define DTMT_VNNI_TARGET __attribute__((target("avx512vnni")))
+#endif
+
+inline __m256i fold_halves(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+// Four int32 vectors to their four lane sums [sum a, sum b, sum c, sum d] (wrapping adds).
+inline __m128i lane_sums4(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m256i ab = _mm256_hadd_epi32(fold_halves(a), fold_halves(b));   // per 128-bit lane: a01 a23 b01 b23
+  const __m256i cd = _mm256_hadd_epi32(fold_halves(c), fold_halves(d));
+  const __m256i abcd = _mm256_hadd_epi32(ab, cd);           // per 128-bit lane: a b c d
+  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+// The int8 walk with AVX512-VNNI on 64-byte vectors: vpdpbusd multiplies unsigned bytes by signed ones, so each row
+// of x goes in as xq + 128 (xq xor 0x80 read unsigned, in a buffer padded with zeros to whole vectors) and
+// 128 * sum_k w[n, k] (the same vpdpbusd against bytes of 1) is taken off each sum: the int32 sums equal the
+// signed products' exactly (modulo 2^32 on the way, exact at the end, since the true sum fits in int32), so the
+// outputs are those of the other loops to the bit. R weight rows at a time (4 for M <= 4, else 2: within the 32
+// vector registers); the K % 64 tail of a weight row is a masked load (zeros past the row).
+template <int M, int R>
+DTMT_VNNI_TARGET void rows_block_int8_vnni(const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w,
+                                           int64_t K, int64_t ldw, const float* bias, float* out, int64_t ldo,
+                                           int64_t n0, int64_t n1) {
+  const int64_t K64 = K - K % 64, KP = K64 + (K % 64 ? 64 : 0);
+  const __mmask64 tail = K % 64 ? (~__mmask64{0}) >> (64 - K % 64) : 0;
+  thread_local std::vector<uint8_t> xu_buf;
+  xu_buf.assign(static_cast<size_t>(M * KP), 0);
+  uint8_t* xu = xu_buf.data();
+  for (int m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xu[m * KP + k] = static_cast<uint8_t>(xq[m * ldx + k]) ^ 0x80u;
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i zero = _mm512_setzero_si512();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const int8_t* wr = w + n * ldw;
+    __m512i acc[R][M], wsum[R];
+    for (int r = 0; r < R; ++r) {
+      wsum[r] = zero;
+      for (int m = 0; m < M; ++m) acc[r][m] = zero;
+    }
+// (a macro, not a lambda: a lambda would not inherit the function's target attribute)
+#define DTMT_VNNI_CHUNK(k)                                                                                        \
+  for (int r = 0; r < R; ++r) wsum[r] = _mm512_dpbusd_epi32(wsum[r], ones, wv[r]);                              \
+  for (int m = 0; m < M; ++m) {                                                                                  \
+    const __m512i xv = _mm512_loadu_si512(xu + m * KP + (k));                                                    \
+    for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv, wv[r]);                           \
+  }
+    for (int64_t k = 0; k < K64; k += 64) {
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);
+        wv[r] = _mm512_loadu_si512(wr + r * ldw + k);
+      }
+      DTMT_VNNI_CHUNK(k)
+    }
+    if (tail) {
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi8(tail, wr + r * ldw + K64);
+      DTMT_VNNI_CHUNK(K64)
+    }
+#undef DTMT_VNNI_CHUNK
+    // the R rows' sums (missing rows as zero vectors), less 128 * sum_k w[n, k]
+    __m512i v4[4] = {zero, zero, zero, zero};
+    for (int r = 0; r < R; ++r) v4[r] = wsum[r];
+    const __m128i offsets = _mm_slli_epi32(lane_sums4(v4[0], v4[1], v4[2], v4[3]), 7);
+    alignas(16) float w_scale[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < R; ++r) w_scale[r] = row_scale(wr + r * ldw, K);
+    const __m128 w_scales = _mm_load_ps(w_scale);
+    for (int m = 0; m < M; ++m) {
+      for (int r = 0; r < R; ++r) v4[r] = acc[r][m];
+      const __m128i sums = _mm_sub_epi32(lane_sums4(v4[0], v4[1], v4[2], v4[3]), offsets);
+      if (R == 4) {   // int8_output's arithmetic on four lanes (the barrier likewise keeps the product rounded)
+        __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(_mm_set1_ps(x_scale[m]), w_scales));
+        asm("" : "+x"(v));
+        if (bias) v = _mm_add_ps(v, _mm_loadu_ps(bias + n));
+        _mm_storeu_ps(out + m * ldo + n, v);
+      } else {
+        alignas(16) int32_t s[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(s), sums);
+        for (int r = 0; r < R; ++r) out[m * ldo + n + r] = int8_output(s[r], x_scale[m], w_scale[r], bias, n + r);
+      }
+    }
+  }
+  if (R > 1 && n < n1) rows_block_int8_vnni<M, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n, n1);
+}
 
 // Whether this CPU has AVX512-VNNI (asked once).
 inline bool int8_vnni() {
@@ -218,8 +315,7 @@ void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const 
     }
     const float scale = row_scale(wr, K);
     for (int m = 0; m < M; ++m) {
-      const float v = static_cast<float>(acc[m]) * (x_scale[m] * scale);
-      out[m * ldo + n] = bias ? v + bias[n] : v;
+      out[m * ldo + n] = int8_output(acc[m], x_scale[m], scale, bias, n);
     }
   }
 }
@@ -311,8 +407,19 @@ void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale,
     case 8: return NAME<8, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
   }
 #if DTMT_SMALL_ROWS_AVX2 && DTMT_INT8_VNNI
-  if (int8_vnni()) DTMT_INT8_CASES(rows_block_int8_vnni)
-  else DTMT_INT8_CASES(rows_block_int8)
+  if (int8_vnni()) {
+    switch (M) {
+      case 1: return rows_block_int8_vnni<1, 4>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 2: return rows_block_int8_vnni<2, 4>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 3: return rows_block_int8_vnni<3, 4>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 4: return rows_block_int8_vnni<4, 4>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 5: return rows_block_int8_vnni<5, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 6: return rows_block_int8_vnni<6, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 7: return rows_block_int8_vnni<7, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 8: return rows_block_int8_vnni<8, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    }
+  }
+  DTMT_INT8_CASES(rows_block_int8)
 #else
   DTMT_INT8_CASES(rows_block_int8)
 #endif

@@ -7,7 +7,8 @@ Three decodings of the test split with the same settings (`translate`, beam 4, b
   * weights only (simulated): every matrix a decoding step reads (the query and decoder transitions' recurrent and input
     weights, the attention's query and output projections, the readout and the output layer; not the
     embeddings, which a step reads one row of, nor the attention's scoring vector v, nor what runs once per
-    sentence: the encoder, the attention keys, the initial state) replaced by its row-wise int8 round trip,
+    sentence: the attention keys, the initial state) and the encoder's recurrent matrices (not its input
+    matrices: one GEMM over all positions) replaced by its row-wise int8 round trip,
     scale * q (dtmt_kernels.ops.linear.quantize: one float scale per output row, weights in [-127, 127]),
     decoded in float32: the rounding of the weights alone;
   * int8: the int8 decoder (inference_decoder(int8=True): the fused step reading those matrices as int8 rows and
@@ -43,21 +44,41 @@ def step_matrices(model):
             if p.dim() == 2 and not n.startswith(ONCE_PER_SENTENCE) and n not in VECTORS]
 
 
+def encoder_recurrent_matrices(model):
+    """(name, parameter) of the recurrent matrices (weight_hh, the T-GRUs' tgru{k}_weight_hh, both directions) of
+    the model's sequence layers, the encoder's DeepTransitionGRU / ATR layers: int8 decoding rounds them too
+    (dtmt_kernels.nn.FrozenTransitionLayer.int8); their input matrices stay float32."""
+    import dtmt_kernels as dk
+
+    return [(f"{name}.{n}", p) for name, m in model.named_modules() if isinstance(m, (dk.nn.DeepTransitionGRU,
+                                                                                       dk.nn.ATR))
+            for n, p in m.named_parameters() if "weight_hh" in n]
+
+
+def int8_matrices(model):
+    """(name, parameter) of every matrix int8 decoding reads as int8 rows: the step matrices and the encoder's
+    recurrent ones."""
+    return step_matrices(model) + encoder_recurrent_matrices(model)
+
+
 def quantize_step_weights(model):
-    """Replaces each step matrix by its int8 round trip, in place (a matrix tied to an embedding gets its own
-    copy first: the embedding stays float32); returns (float32 bytes, int8 bytes incl. scales)."""
+    """Replaces each matrix int8 decoding rounds (int8_matrices) by its int8 round trip, in place (a matrix tied
+    to an embedding gets its own copy first: the embedding stays float32); returns (float32 bytes, int8 bytes
+    incl. scales) of the step matrices."""
     import torch
 
     from dtmt_kernels.ops.linear.quantize import dequantize_rows, quantize_rows
 
     f32 = i8 = 0
-    for name, p in step_matrices(model):
+    step = {name for name, _ in step_matrices(model)}
+    for name, p in int8_matrices(model):
         q, scale = quantize_rows(p)
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(owner, name.rsplit(".", 1)[-1], torch.nn.Parameter(dequantize_rows(q, scale, p.dtype),
                                                                     requires_grad=False))
-        f32 += p.numel() * 4
-        i8 += q.numel() + scale.numel() * 4
+        if name in step:   # the bytes a step reads
+            f32 += p.numel() * 4
+            i8 += q.numel() + scale.numel() * 4
     return f32, i8
 
 

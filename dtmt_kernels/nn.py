@@ -2,7 +2,8 @@
 torch.nn.Linear of decoder steps (the small-row kernel at batch 1); and `unrolled`, a block in which step cells
 form their weight gradients once over all their steps (teacher forcing), with `step_context`, an attention
 step's context whose gradient to the annotations is formed the same way. For decoding, a cell's
-`inference_module()` is a `FrozenTransitionCell` (an `InferenceForm`: weights gathered once, no autograd).
+`inference_module()` is a `FrozenTransitionCell` and a layer's a `FrozenTransitionLayer` (`InferenceForm`s:
+weights gathered once, no autograd).
 
 They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first`, `h0` of shape
 [num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and
@@ -263,6 +264,11 @@ class _TransitionLayer(_TransitionBase):
             out = out.transpose(0, 1)
         return out, h_n
 
+    def inference_module(self) -> nn.Module:
+        """This layer's form for decoding (see `InferenceForm`): a FrozenTransitionLayer where the cpp backend runs
+        its parameters, else the layer itself."""
+        return FrozenTransitionLayer(self) if runs_fused_inference(self) else self
+
 
 class _TransitionCell(Unrollable, _TransitionBase):
     """One step (decoder use): (x [B, I], h [B, H] = None, drop=None) -> h' [B, H]."""
@@ -483,6 +489,54 @@ class FrozenTransitionCell(InferenceForm):
             h = x.new_zeros(x.shape[0], self.source.hidden_size)
         return torch.ops.dtmt.transition_forward(x.unsqueeze(0), h, None, drop, self.kind, *self.params, False,
                                                  self.eps)[1]
+
+
+class FrozenTransitionLayer(InferenceForm):
+    """A DeepTransitionGRU / ATR sequence layer for encoding: the layer's forward (the same checks, shapes and
+    results) with each direction's kernel parameters gathered once (`directions`: (kind, params) pairs as
+    FrozenTransitionCell holds them, for torch.ops.dtmt.transition_forward). No candidate dropout (eval mode).
+    `int8()`: a copy whose recurrent matrices are int8 rows (int8 decoding)."""
+
+    def __init__(self, layer: "_TransitionLayer", directions: Optional[List[Tuple[int, List[Tensor]]]] = None):
+        super().__init__(layer)
+        self.eps = layer.eps
+        if directions is None:
+            with torch.no_grad():
+                directions = [(KINDS[layer.cell], layer.kernel_params(d)) for d in range(layer.num_directions)]
+        self.directions = directions
+
+    def forward(self, x: Tensor, h0: Optional[Tensor] = None, lengths=None) -> Tuple[Tensor, Tensor]:
+        return _TransitionLayer.forward(self, x, h0, lengths)
+
+    def _run(self, x: Tensor, h0: Tensor, mask: Optional[Tensor], drops: List[Optional[Tensor]]):
+        outs, states = [], []
+        for d, (kind, params) in enumerate(self.directions):
+            reverse = d == 1 or self.source.reverse
+            out, h_n = torch.ops.dtmt.transition_forward(x, h0[d], mask, drops[d], kind, *params, reverse,
+                                                         self.eps)[:2]
+            outs.append(out)
+            states.append(h_n)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)
+
+    # the flat parameters' recurrent matrices: w_hh and the T-GRUs' t_w (ops.transition.flat_params order)
+    RECURRENT = (2, 6)
+
+    def int8(self) -> "FrozenTransitionLayer":
+        """A copy with each direction's recurrent matrices (w_hh, the T-GRUs' t_w) as int8 rows, which
+        transition_forward multiplies by the states quantized per row (small_gemm.h). The input matrix w_ih stays
+        float32: its product is one GEMM over all the positions, not a step's; biases and layer norms too. CPU
+        float32 weights only (ValueError otherwise)."""
+        from .ops.linear.quantize import pack_int8_rows
+
+        first = self.directions[0][1][2]
+        if first.dtype == torch.int8:
+            return self
+        if first.dtype != torch.float32 or first.device.type != "cpu":
+            raise ValueError(f"FrozenTransitionLayer.int8: int8 rows are made from CPU float32 weights, got "
+                             f"{first.dtype} on {first.device}")
+        return FrozenTransitionLayer(self.source, [
+            (kind, [pack_int8_rows(p) if i in self.RECURRENT and p.numel() else p for i, p in enumerate(params)])
+            for kind, params in self.directions])
 
 
 class Linear(BackendSwitch, nn.Linear):

@@ -440,3 +440,63 @@ def test_fold_context_projection(system, options):
         prevs = [torch.randint(4, 60, (4,)) for _ in range(3)]
         assert_decoders_step_alike(folded, plain, src, lengths, prevs, torch.tensor([2, 0, 3, 1]), 1e-12, 1e-12,
                                    1e-12)
+
+
+@pytest.mark.parametrize("layer_kind", ["lgru-bi", "gru-reverse", "atr-bi"])
+def test_sequence_layer_form_is_the_layer(layer_kind):
+    """A DeepTransitionGRU / ATR layer's inference form (FrozenTransitionLayer: the kernel parameters gathered
+    once) gives the layer's outputs to the bit, in float32 and float64, for padded batches (time-major and
+    batch_first) and an unbatched sequence; its int8() form computes the layer with the recurrent matrices as
+    int8 products (the reference: the layer on the reference backend with quantize.linear_int8 in their place),
+    refuses float64 weights and is its own int8 form."""
+    from dtmt_kernels.ops.linear.quantize import linear_int8, quantize_rows
+
+    cell, rest = layer_kind.split("-")
+    torch.manual_seed(0)
+    if cell == "atr":
+        layer = dk.nn.ATR(6, 10, layer_norm=True, bidirectional=True)
+    else:
+        layer = dk.nn.DeepTransitionGRU(6, 10, depth=2, cell=cell, layer_norm=True, bidirectional=rest == "bi",
+                                        reverse=rest == "reverse")
+    layer = _randomise(layer, 7).eval()
+    g = torch.Generator().manual_seed(8)
+    x, lengths = torch.randn(7, 3, 6, generator=g), torch.tensor([7, 4, 1])
+    for dtype in (torch.float32, torch.float64):
+        layer = layer.to(dtype)
+        xs = x.to(dtype)
+        form = layer.inference_module()
+        assert type(form) is dk.nn.FrozenTransitionLayer
+        with torch.no_grad():
+            for args in ((xs, None, lengths), (xs[:, :1], None, None), (xs[:5, 0], None, None)):
+                for got, want in zip(form(*args), layer(*args)):
+                    assert torch.equal(got, want)
+            layer.batch_first = True
+            assert all(torch.equal(a, b) for a, b in zip(form(xs.transpose(0, 1), lengths=lengths),
+                                                          layer(xs.transpose(0, 1), lengths=lengths)))
+            layer.batch_first = False
+    with pytest.raises(ValueError, match="float32"):
+        form.int8()
+    layer = layer.float()
+    int8 = layer.inference_module().int8()
+    assert int8.int8() is int8 and int8.directions[0][1][2].dtype == torch.int8
+    matrices = [p.detach().clone() for n, p in layer.named_parameters() if "weight_hh" in n]
+    float_linear = F.linear
+
+    def int8_linear(x, weight, bias=None):
+        for m in matrices:
+            if weight.shape == m.shape and torch.equal(weight, m):
+                return linear_int8(x.reshape(-1, x.shape[-1]), *quantize_rows(m), bias).view(*x.shape[:-1], -1)
+        return float_linear(x, weight, bias)
+    with torch.no_grad():
+        got = int8(x, lengths=lengths)
+        layer.backend = "reference"
+        try:
+            F.linear = int8_linear
+            want = layer(x, lengths=lengths)
+        finally:
+            F.linear = float_linear
+        far = layer(x, lengths=lengths)   # float32 products: a real difference, so the reference is not the float one
+    for a, b, c in zip(got, want, far):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert (a - c).abs().max() > 1e-4
+    assert layer.inference_module() is layer   # the reference backend keeps the module

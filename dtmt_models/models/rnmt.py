@@ -29,6 +29,7 @@ from dtmt_models.models.seq2seq import (
     FrozenReadout,
     Seq2Seq,
     State,
+    inference_copy,
     int8_unavailable,
     lengths_mask,
     step_state,
@@ -85,8 +86,10 @@ class FusedRNMTDecoder:
     FrozenTransitionCells, the AttentionStep's AttentionWeights and the FrozenReadout's ReadoutWeights.
     `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]. `int8`: the step's weight matrices
     (the cells', attention's, readout's and output projection's) as int8 rows with a float32 scale each, which
-    the op multiplies by the activations quantized per row (dtmt_kernels.ops.linear.quantize.linear_int8);
-    biases, layer norms, the embeddings and the encoder stay float32. A copy of them is made here. `fold`: the
+    the op multiplies by the activations quantized per row (dtmt_kernels.ops.linear.quantize.linear_int8), and
+    the encoder's recurrent matrices likewise (dk.nn.FrozenTransitionLayer.int8, in a shallow copy of the model
+    that `encode` runs); biases, layer norms, the embeddings and the encoder's input matrices (one GEMM over all
+    positions) stay float32. A copy of them is made here. `fold`: the
     attention's output projection (multi-head attention) folded into the decoder cell's input matrix and the
     readout's context matrix (dk.functional.fold_context_projection; before int8 rounding), so that a step reads
     two matrices instead of three. `search`: beam search's whole loop in one C++ call (see `_search`), or None
@@ -100,6 +103,9 @@ class FusedRNMTDecoder:
             self.attention, self.decoder_cell, self.readout = dk.functional.fold_context_projection(
                 self.attention, self.decoder_cell, self.readout)
         if int8:
+            # the encoder's recurrent matrices too: a copy of the model whose sequence layers are int8 forms
+            self.model = inference_copy(model, lambda m: m.int8() if isinstance(m, dk.nn.FrozenTransitionLayer)
+                                        else m)
             self.query_cell = dk.functional.CellWeights.of(self.query_cell).int8()
             self.decoder_cell = dk.functional.CellWeights.of(self.decoder_cell).int8()
             self.attention, self.readout = self.attention.int8(), self.readout.int8()

@@ -14,7 +14,7 @@ embedding lookup, the readout features and the vocabulary projection applied onc
 from __future__ import annotations
 
 import copy
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -279,14 +279,19 @@ class Seq2Seq(nn.Module):
             raise ValueError(f"{name}: prev_tokens must be a LongTensor [B={B}, T], got {list(prev_tokens.shape)}")
 
 
-def inference_copy(module: nn.Module) -> nn.Module:
-    """`module` with every submodule whose `inference_module()` is another module replaced by it, as shallow
-    copies of the modules on the way (parameters, buffers and the untouched submodules shared); `module` itself
-    where nothing is replaced."""
-    form = module.inference_module() if hasattr(module, "inference_module") else module
-    if form is not module:
-        return form
-    children = {name: None if child is None else inference_copy(child) for name, child in module._modules.items()}
+def _inference_form(module: nn.Module) -> nn.Module:
+    return module.inference_module() if hasattr(module, "inference_module") else module
+
+
+def inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module] = _inference_form) -> nn.Module:
+    """`module` with every submodule whose `form` (default: its `inference_module()`) is another module replaced
+    by it, as shallow copies of the modules on the way (parameters, buffers and the untouched submodules shared);
+    `module` itself where nothing is replaced."""
+    replaced = form(module)
+    if replaced is not module:
+        return replaced
+    children = {name: None if child is None else inference_copy(child, form)
+                for name, child in module._modules.items()}
     if all(children[name] is child for name, child in module._modules.items()):
         return module
     new = copy.copy(module)

@@ -300,3 +300,21 @@ def test_length_dtype_saturates_safely():
     assert batching.length_dtype(100) == np.uint8 and batching.length_dtype(255) == np.uint16
     lengths = np.minimum(np.array([[3, 1000], [100, 100]]), 255).astype(batching.length_dtype(100))
     assert batching.kept_indices(lengths, 100).tolist() == [1]
+
+
+def test_a_build_put_in_place_meanwhile_by_another_process_is_kept(tmp_path, monkeypatch):
+    """Two `dtmt train` runs started at once on a new corpus both build its binarized form; the one that renames
+    second finds the other's in place (it was not there when it looked): it keeps that one, removes its own
+    temporary directory and returns the path, instead of failing (a CI flake of test_bench_quality_quick)."""
+    src = [f"linea {i}" for i in range(60)]
+    tgt = [f"line {i}" for i in range(60)]
+    d = write_corpus(tmp_path / "c", src, tgt)
+    final = binarized.binarize(d, 30, workers=1, log=lambda m: None)
+    marker = os.path.join(final, "first")
+    open(marker, "w").close()
+    real_exists = os.path.exists
+    monkeypatch.setattr(binarized.os.path, "exists", lambda p: False if p == final else real_exists(p))
+    said = []
+    assert binarized.binarize(d, 30, workers=1, log=said.append) == final
+    assert real_exists(marker) and "another process" in said[-1]
+    assert not [n for n in os.listdir(d) if ".tmp-" in n]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import hashlib
 import itertools
 import json
@@ -373,7 +374,16 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
         if os.path.exists(final):
             old = os.path.join(corpus_dir, f".{os.path.basename(final)}.old-{os.getpid()}")
             os.rename(final, old)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            # another process (a second `dtmt train` on the same corpus) put the same build into place between
+            # the check and the rename: keep it, it was made from the same files with the same settings
+            if old is not None or e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.isdir(final):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            log(f"{final} was written by another process meanwhile; using it")
+            return final
         if old:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

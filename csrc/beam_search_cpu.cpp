@@ -24,15 +24,10 @@ double length_penalty(int64_t length, double alpha) {
   return std::pow((5.0 + static_cast<double>(length)) / 6.0, alpha);
 }
 
-Tensor long_tensor(const std::vector<int64_t>& v) {
-  Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::kLong);
-  std::copy(v.begin(), v.end(), t.data_ptr<int64_t>());
-  return t;
-}
-
-Tensor double_tensor(const std::vector<double>& v) {
-  Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::kDouble);
-  std::copy(v.begin(), v.end(), t.data_ptr<double>());
+// A 1-D CPU tensor holding a copy of v (int64_t: long, double: double).
+template <typename T> Tensor to_tensor(const std::vector<T>& v) {
+  Tensor t = at::empty({static_cast<int64_t>(v.size())}, c10::CppTypeToScalarType<T>::value);
+  std::copy(v.begin(), v.end(), t.data_ptr<T>());
   return t;
 }
 
@@ -142,8 +137,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       }
     }
     if (still.empty()) break;
-    const Tensor index = long_tensor(select);
-    prev = long_tensor(next_words);
+    const Tensor index = to_tensor(select);
+    prev = to_tensor(next_words);
     s = s.index_select(0, index);
     if (static_cast<int64_t>(still.size()) < n) {  // finished sentences leave the state
       annotations = annotations.index_select(0, index);
@@ -175,8 +170,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       hyp_log_probs.push_back(h.log_prob);
     }
   }
-  return {long_tensor(counts), long_tensor(lengths), long_tensor(tokens), double_tensor(hyp_scores),
-          double_tensor(hyp_log_probs)};
+  return {to_tensor(counts), to_tensor(lengths), to_tensor(tokens), to_tensor(hyp_scores),
+          to_tensor(hyp_log_probs)};
 }
 
 }  // namespace dtmt

@@ -184,22 +184,17 @@ inline __m128i lane_sums4(__m512i a, __m512i b, __m512i c, __m512i d) {
 }
 
 // The int8 walk with AVX512-VNNI on 64-byte vectors: vpdpbusd multiplies unsigned bytes by signed ones, so each row
-// of x goes in as xq + 128 (xq xor 0x80 read unsigned, in a buffer padded with zeros to whole vectors) and
+// of x goes in as xq + 128 (xu: vnni_rows' buffer, rows of KP = K rounded up to whole vectors) and
 // 128 * sum_k w[n, k] (the same vpdpbusd against bytes of 1) is taken off each sum: the int32 sums equal the
 // signed products' exactly (modulo 2^32 on the way, exact at the end, since the true sum fits in int32), so the
 // outputs are those of the other loops to the bit. R weight rows at a time (4 for M <= 4, else 2: within the 32
 // vector registers); the K % 64 tail of a weight row is a masked load (zeros past the row).
 template <int M, int R>
-DTMT_VNNI_TARGET void rows_block_int8_vnni(const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w,
+DTMT_VNNI_TARGET void rows_block_int8_vnni(const uint8_t* xu, int64_t KP, const float* x_scale, const int8_t* w,
                                            int64_t K, int64_t ldw, const float* bias, float* out, int64_t ldo,
                                            int64_t n0, int64_t n1) {
-  const int64_t K64 = K - K % 64, KP = K64 + (K % 64 ? 64 : 0);
+  const int64_t K64 = K - K % 64;
   const __mmask64 tail = K % 64 ? (~__mmask64{0}) >> (64 - K % 64) : 0;
-  thread_local std::vector<uint8_t> xu_buf;
-  xu_buf.assign(static_cast<size_t>(M * KP), 0);
-  uint8_t* xu = xu_buf.data();
-  for (int m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xu[m * KP + k] = static_cast<uint8_t>(xq[m * ldx + k]) ^ 0x80u;
   const __m512i ones = _mm512_set1_epi8(1);
   const __m512i zero = _mm512_setzero_si512();
   int64_t n = n0;
@@ -253,7 +248,17 @@ DTMT_VNNI_TARGET void rows_block_int8_vnni(const int8_t* xq, int64_t ldx, const 
       }
     }
   }
-  if (R > 1 && n < n1) rows_block_int8_vnni<M, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n, n1);
+  if (R > 1 && n < n1) rows_block_int8_vnni<M, 1>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n, n1);
+}
+
+// The M rows of xq as rows_block_int8_vnni reads them: xq xor 0x80 (xq + 128 read unsigned), each row padded with
+// zeros to KP = K rounded up to whole 64-byte vectors; a buffer of this thread's, kept between calls.
+inline const uint8_t* vnni_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP) {
+  thread_local std::vector<uint8_t> buf;
+  buf.assign(static_cast<size_t>(M * KP), 0);
+  for (int m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) buf[m * KP + k] = static_cast<uint8_t>(xq[m * ldx + k]) ^ 0x80u;
+  return buf.data();
 }
 
 // Whether this CPU has AVX512-VNNI (asked once).
@@ -408,15 +413,17 @@ void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale,
   }
 #if DTMT_SMALL_ROWS_AVX2 && DTMT_INT8_VNNI
   if (int8_vnni()) {
+    const int64_t KP = (K + 63) / 64 * 64;
+    const uint8_t* xu = vnni_rows(M, xq, ldx, K, KP);
     switch (M) {
-      case 1: return rows_block_int8_vnni<1, 4>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 2: return rows_block_int8_vnni<2, 4>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 3: return rows_block_int8_vnni<3, 4>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 4: return rows_block_int8_vnni<4, 4>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 5: return rows_block_int8_vnni<5, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 6: return rows_block_int8_vnni<6, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 7: return rows_block_int8_vnni<7, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 8: return rows_block_int8_vnni<8, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 1: return rows_block_int8_vnni<1, 4>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 2: return rows_block_int8_vnni<2, 4>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 3: return rows_block_int8_vnni<3, 4>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 4: return rows_block_int8_vnni<4, 4>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 5: return rows_block_int8_vnni<5, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 6: return rows_block_int8_vnni<6, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 7: return rows_block_int8_vnni<7, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 8: return rows_block_int8_vnni<8, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
     }
   }
   DTMT_INT8_CASES(rows_block_int8)

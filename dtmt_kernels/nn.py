@@ -207,13 +207,15 @@ class _TransitionBase(BackendSwitch, nn.Module):
         """x [T, B, I] time-major, h0 [D, B, H] -> (out [T, B, D*H], h_n [D, B, H])."""
         backend = resolve_backend(self.backend, x.device)
         check_dtype_for_backend(backend, x.dtype, "x")
-        outs, states = [], []
-        for d in range(self.num_directions):
-            reverse = d == 1 or getattr(self, "reverse", False)
-            out, h_n = backend.run(x, h0[d], self.direction_weights(d), mask, drops[d], reverse, self.eps)
-            outs.append(out)
-            states.append(h_n)
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)
+        return _each_direction(self, lambda d, reverse: backend.run(x, h0[d], self.direction_weights(d), mask,
+                                                                    drops[d], reverse, self.eps))
+
+
+def _each_direction(layer, run) -> Tuple[Tensor, Tensor]:
+    """`run(d, reverse) -> (out [T, B, H], h_n [B, H])` for each direction d of `layer` (d = 1, or a layer made
+    with reverse=True, reads right to left), as the layer returns them: (out [T, B, D*H], h_n [D, B, H])."""
+    outs, states = zip(*(run(d, d == 1 or getattr(layer, "reverse", False)) for d in range(layer.num_directions)))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)
 
 
 class _TransitionLayer(_TransitionBase):
@@ -509,14 +511,8 @@ class FrozenTransitionLayer(InferenceForm):
         return _TransitionLayer.forward(self, x, h0, lengths)
 
     def _run(self, x: Tensor, h0: Tensor, mask: Optional[Tensor], drops: List[Optional[Tensor]]):
-        outs, states = [], []
-        for d, (kind, params) in enumerate(self.directions):
-            reverse = d == 1 or self.source.reverse
-            out, h_n = torch.ops.dtmt.transition_forward(x, h0[d], mask, drops[d], kind, *params, reverse,
-                                                         self.eps)[:2]
-            outs.append(out)
-            states.append(h_n)
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, -1)), torch.stack(states)
+        return _each_direction(self.source, lambda d, reverse: torch.ops.dtmt.transition_forward(
+            x, h0[d], mask, drops[d], self.directions[d][0], *self.directions[d][1], reverse, self.eps)[:2])
 
     # the flat parameters' recurrent matrices: w_hh and the T-GRUs' t_w (ops.transition.flat_params order)
     RECURRENT = (2, 6)

@@ -443,13 +443,13 @@ def test_fold_context_projection(system, options):
 
 
 @pytest.mark.parametrize("layer_kind", ["lgru-bi", "gru-reverse", "atr-bi"])
-def test_sequence_layer_form_is_the_layer(layer_kind):
+def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     """A DeepTransitionGRU / ATR layer's inference form (FrozenTransitionLayer: the kernel parameters gathered
     once) gives the layer's outputs to the bit, in float32 and float64, for padded batches (time-major and
     batch_first) and an unbatched sequence; its int8() form computes the layer with the recurrent matrices as
     int8 products (the reference: the layer on the reference backend with quantize.linear_int8 in their place),
     refuses float64 weights and is its own int8 form."""
-    from dtmt_kernels.ops.linear.quantize import linear_int8, quantize_rows
+    from conftest import int8_linear_for
 
     cell, rest = layer_kind.split("-")
     torch.manual_seed(0)
@@ -479,23 +479,13 @@ def test_sequence_layer_form_is_the_layer(layer_kind):
     layer = layer.float()
     int8 = layer.inference_module().int8()
     assert int8.int8() is int8 and int8.directions[0][1][2].dtype == torch.int8
-    matrices = [p.detach().clone() for n, p in layer.named_parameters() if "weight_hh" in n]
-    float_linear = F.linear
-
-    def int8_linear(x, weight, bias=None):
-        for m in matrices:
-            if weight.shape == m.shape and torch.equal(weight, m):
-                return linear_int8(x.reshape(-1, x.shape[-1]), *quantize_rows(m), bias).view(*x.shape[:-1], -1)
-        return float_linear(x, weight, bias)
+    int8_linear = int8_linear_for([p.detach().clone() for n, p in layer.named_parameters() if "weight_hh" in n])
     with torch.no_grad():
         got = int8(x, lengths=lengths)
         layer.backend = "reference"
-        try:
-            F.linear = int8_linear
-            want = layer(x, lengths=lengths)
-        finally:
-            F.linear = float_linear
         far = layer(x, lengths=lengths)   # float32 products: a real difference, so the reference is not the float one
+        monkeypatch.setattr(F, "linear", int8_linear)
+        want = layer(x, lengths=lengths)
     for a, b, c in zip(got, want, far):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert (a - c).abs().max() > 1e-4

@@ -239,7 +239,7 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
 
     import torch.nn.functional as F
 
-    from conftest import assert_decoders_step_alike, spread_weights
+    from conftest import assert_decoders_step_alike, int8_linear_for, spread_weights
 
     from benchmarks import bench_int8
     from dtmt_models.models.registry import build_model
@@ -247,15 +247,7 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
 
     torch.manual_seed(0)
     model = spread_weights(build_model(system, 50, 60, embed_dim=16, hidden_size=24))
-    matrices = [p.detach().clone() for _, p in bench_int8.int8_matrices(model)]
-    rounded = [quantize_rows(m) for m in matrices]
-    float_linear = F.linear
-
-    def int8_linear(x, weight, bias=None):
-        for m, (q, scale) in zip(matrices, rounded):
-            if weight.shape == m.shape and torch.equal(weight, m):   # a step matrix (T-GRU stacks: a copy)
-                return linear_int8(x.reshape(-1, x.shape[-1]), q, scale, bias).view(*x.shape[:-1], -1)
-        return float_linear(x, weight, bias)
+    int8_linear = int8_linear_for([p.detach().clone() for _, p in bench_int8.int8_matrices(model)])
     reference = copy.deepcopy(model)
     reference.set_backend("reference")
     monkeypatch.setattr(F, "linear", int8_linear)

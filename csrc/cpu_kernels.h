@@ -79,6 +79,16 @@ struct CpuKernels {
   // out[m, n] = bias[n] + (x_scale[m] * scale[n]) * (xq[m, :] . q[n, :]), the dot product exact in int32.
   void (*small_rows_int8)(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,
                           int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
+  // The same product for many rows of x where this copy has a loop for them on this CPU (AVX512-VNNI):
+  // int8_panel_rows() = the fewest rows of x it is for (0: none here; small_rows_int8 takes every M, 8 rows at a
+  // time). pack_int8_panel lays tiles [t0, t1) of 16 rows of xq [M, K] (rows whose `finite` is 0 as zeros) out
+  // into `panel` (tiles of ceil(K / 4) * 64 bytes, isa/small_gemm_rows.cpp); int8_panel multiplies the panel by
+  // weight rows [n0, n1) with small_rows_int8's arithmetic, to the bit: out [M, ·] (row stride ldo).
+  int64_t (*int8_panel_rows)();
+  void (*pack_int8_panel)(int64_t M, const int8_t* xq, const char* finite, int64_t K, uint8_t* panel, int64_t t0,
+                          int64_t t1);
+  void (*int8_panel)(const uint8_t* panel, int64_t M, int64_t K, const float* x_scale, const int8_t* w,
+                     int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
 };
 
 }  // namespace dtmt

@@ -64,28 +64,51 @@ void linear_int8_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor&
   xq.resize(static_cast<size_t>(M * K));
   x_scale.resize(static_cast<size_t>(M));
   finite.resize(static_cast<size_t>(M));
-  cpu_kernels().quantize_activations_int8(M, x.data_ptr<float>(), x.stride(0), K, xq.data(), x_scale.data(),
-                                          finite.data());
-  const auto loop = cpu_kernels().small_rows_int8;
+  const CpuKernels& kernels = cpu_kernels();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
   // the output through a contiguous buffer unless it is one already (out may be a strided view)
   const bool direct = out.is_contiguous();
   at::Tensor dst = direct ? out : at::empty({M, N}, out.options());
   float* op = dst.data_ptr<float>();
-  // Tasks of at least 64 KiB of int8 weight rows (smaller ones run on one thread). A task runs its weight rows
-  // against each group of up to kSmallRowsMax rows of x (the loop's registers) in turn: after the first group
-  // they are read from the core's cache.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(K, 1));
-  // (plain pointers into this thread's buffers: inside the lambda, on a worker thread, the names would be its own)
-  const int8_t* xqp = xq.data();
-  const float* xsp = x_scale.data();
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kSmallRowsMax) {
-      const int rows = static_cast<int>(std::min(kSmallRowsMax, M - m0));
-      loop(rows, xqp + m0 * K, K, xsp + m0, wp, K, K + kInt8RowTail, bp, op + m0 * N, N, n0, n1);
-    }
-  });
+  // (plain pointers into this thread's buffers: inside a lambda, on a worker thread, the names would be its own)
+  int8_t* xqp = xq.data();
+  float* xsp = x_scale.data();
+  char* fp = finite.data();
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const int64_t panel_rows = kernels.int8_panel_rows();
+  if (panel_rows > 0 && M >= panel_rows) {
+    // many rows: quantized and packed 16 rows at a time, then each thread multiplies the whole panel by its
+    // blocks of 12 weight rows (int8_panel)
+    constexpr int64_t kTile = 16, kColumns = 12;
+    const int64_t tiles = (M + kTile - 1) / kTile, tile_bytes = (K + 3) / 4 * 64;
+    thread_local std::vector<uint8_t> panel;
+    panel.resize(static_cast<size_t>(tiles * tile_bytes));
+    uint8_t* pp = panel.data();
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t r0 = t0 * kTile, r1 = std::min(M, t1 * kTile);
+      kernels.quantize_activations_int8(r1 - r0, xp + r0 * ldx, ldx, K, xqp + r0 * K, xsp + r0, fp + r0);
+      kernels.pack_int8_panel(M, xqp, fp, K, pp, t0, t1);
+    });
+    at::parallel_for(0, (N + kColumns - 1) / kColumns, 1, [&](int64_t c0, int64_t c1) {
+      kernels.int8_panel(pp, M, K, xsp, wp, K + kInt8RowTail, bp, op, N, c0 * kColumns,
+                         std::min(N, c1 * kColumns));
+    });
+  } else {
+    kernels.quantize_activations_int8(M, xp, ldx, K, xqp, xsp, fp);
+    const auto loop = kernels.small_rows_int8;
+    // Tasks of at least 64 KiB of int8 weight rows (smaller ones run on one thread). A task runs its weight rows
+    // against each group of up to kSmallRowsMax rows of x (the loop's registers) in turn: after the first group
+    // they are read from the core's cache.
+    const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(K, 1));
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      for (int64_t m0 = 0; m0 < M; m0 += kSmallRowsMax) {
+        const int rows = static_cast<int>(std::min(kSmallRowsMax, M - m0));
+        loop(rows, xqp + m0 * K, K, xsp + m0, wp, K, K + kInt8RowTail, bp, op + m0 * N, N, n0, n1);
+      }
+    });
+  }
   for (int64_t m = 0; m < M; ++m)   // a row with NaN or infinity: NaN out, as a float product would give
     if (!finite[m]) dst[m].fill_(std::numeric_limits<float>::quiet_NaN());
   if (!direct) out.copy_(dst);

@@ -46,6 +46,11 @@ void quantize_activations_int8(int64_t M, const float* x, int64_t ldx, int64_t K
                                char* finite);
 void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,
                      int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
+int64_t int8_panel_rows();
+void pack_int8_panel(int64_t M, const int8_t* xq, const char* finite, int64_t K, uint8_t* panel, int64_t t0,
+                     int64_t t1);
+void int8_panel(const uint8_t* panel, int64_t M, int64_t K, const float* x_scale, const int8_t* w, int64_t ldw,
+                const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
 
 }  // namespace DTMT_ISA
 }  // namespace dtmt

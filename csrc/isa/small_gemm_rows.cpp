@@ -256,15 +256,99 @@ DTMT_VNNI_TARGET void rows_block_int8_vnni(const uint8_t* xu, int64_t KP, const 
 inline const uint8_t* vnni_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP) {
   thread_local std::vector<uint8_t> buf;
   buf.assign(static_cast<size_t>(M * KP), 0);
+  uint8_t* dst = buf.data();   // (once: each use of a thread_local in the loop would look its address up again)
   for (int m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) buf[m * KP + k] = static_cast<uint8_t>(xq[m * ldx + k]) ^ 0x80u;
-  return buf.data();
+    for (int64_t k = 0; k < K; ++k) dst[m * KP + k] = static_cast<uint8_t>(xq[m * ldx + k]) ^ 0x80u;
+  return dst;
 }
 
 // Whether this CPU has AVX512-VNNI (asked once).
 inline bool int8_vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni");
   return has;
+}
+
+// The int8 product for many rows of x (int8_panel below): x packed as tiles of kPanelRows rows, each tile K / 4
+// (rounded up) groups of 64 bytes, group q holding rows 0..15's bytes 4q..4q+3 (xq + 128 read unsigned, as
+// rows_block_int8_vnni's; zeros past K and past the last row). One vpdpbusd multiplies a group by 4 bytes of one
+// weight row broadcast to all 16 lanes: the 16 lanes are 16 rows of x, so no sum across lanes is left at the end,
+// and each broadcast serves MT tiles. The accumulators of MT tiles x NB weight rows stay in registers for the
+// whole of K (2 x 12 + 3 of the 32). The int32 sums are those of the other loops exactly (the same correction,
+// 128 * sum_k w[n, k]), and the output arithmetic is int8_output's, lane by lane.
+constexpr int kPanelRows = 16;
+
+template <int MT, int NB>
+DTMT_VNNI_TARGET void panel_block(const uint8_t* xp, int64_t tile_bytes, int64_t KQ, const int8_t* w, int64_t ldw,
+                                  const int32_t* offset, const float* w_scale, const float* x_scale, int rows,
+                                  const float* bias, float* out, int64_t ldo) {
+  // (every loop over t and j unrolled, so that the accumulators are registers, not an array in memory)
+  __m512i acc[MT][NB];
+#pragma GCC unroll 32
+  for (int t = 0; t < MT; ++t)
+#pragma GCC unroll 32
+    for (int j = 0; j < NB; ++j) acc[t][j] = _mm512_setzero_si512();
+  for (int64_t q = 0; q < KQ; ++q) {
+    __m512i xv[MT];
+#pragma GCC unroll 32
+    for (int t = 0; t < MT; ++t) xv[t] = _mm512_loadu_si512(xp + t * tile_bytes + q * 64);
+#pragma GCC unroll 32
+    for (int j = 0; j < NB; ++j) {
+      int32_t four;
+      std::memcpy(&four, w + j * ldw + 4 * q, sizeof four);   // bytes past K are the row's scale, times x's zeros
+      const __m512i wb = _mm512_set1_epi32(four);
+#pragma GCC unroll 32
+      for (int t = 0; t < MT; ++t) acc[t][j] = _mm512_dpbusd_epi32(acc[t][j], xv[t], wb);
+    }
+  }
+  alignas(64) int32_t sums[MT][NB][kPanelRows];
+#pragma GCC unroll 32
+  for (int t = 0; t < MT; ++t)
+#pragma GCC unroll 32
+    for (int j = 0; j < NB; ++j) _mm512_store_si512(sums[t][j], acc[t][j]);
+  // out row by row: row i's NB sums gathered from the columns (scattering the columns instead would store 16 rows
+  // ldo apart, which at ldo = 1024 all fall in one set of the L1 cache)
+  const __mmask16 cols = static_cast<__mmask16>((1u << NB) - 1u);
+  const __m512i across = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kPanelRows));
+  const __m512i offsets = _mm512_maskz_loadu_epi32(cols, offset);
+  const __m512 w_scales = _mm512_maskz_loadu_ps(cols, w_scale);
+  const __m512 biases = bias ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
+  for (int t = 0; t < MT; ++t) {
+    const int valid = std::min(kPanelRows, rows - t * kPanelRows);
+    for (int i = 0; i < valid; ++i) {
+      const __m512i s = _mm512_sub_epi32(
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), cols, across, &sums[t][0][i], 4), offsets);
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s),
+                               _mm512_mul_ps(_mm512_set1_ps(x_scale[t * kPanelRows + i]), w_scales));
+      asm("" : "+v"(v));   // int8_output's two roundings: no FMA with the bias
+      if (bias) v = _mm512_add_ps(v, biases);
+      _mm512_mask_storeu_ps(out + (t * kPanelRows + i) * ldo, cols, v);
+    }
+  }
+}
+
+// NB weight rows (from w, the first of them) against every tile of the panel.
+template <int NB>
+void panel_columns(const uint8_t* panel, int64_t M, int64_t K, const float* x_scale, const int8_t* w, int64_t ldw,
+                   const float* bias, float* out, int64_t ldo) {
+  const int64_t KQ = (K + 3) / 4, tile = KQ * 64, tiles = (M + kPanelRows - 1) / kPanelRows;
+  int32_t offset[NB];
+  float w_scale[NB];
+  for (int j = 0; j < NB; ++j) {
+    const int8_t* row = w + j * ldw;
+    int32_t s = 0;
+    for (int64_t k = 0; k < K; ++k) s += row[k];
+    offset[j] = static_cast<int32_t>(static_cast<uint32_t>(s) << 7);   // 128 * s, wrapping as the sums do
+    w_scale[j] = row_scale(row, K);
+  }
+  int64_t t = 0;
+  for (; t + 2 <= tiles; t += 2)
+    panel_block<2, NB>(panel + t * tile, tile, KQ, w, ldw, offset, w_scale, x_scale + t * kPanelRows,
+                       static_cast<int>(std::min<int64_t>(M - t * kPanelRows, 2 * kPanelRows)), bias,
+                       out + t * kPanelRows * ldo, ldo);
+  if (t < tiles)
+    panel_block<1, NB>(panel + t * tile, tile, KQ, w, ldw, offset, w_scale, x_scale + t * kPanelRows,
+                       static_cast<int>(M - t * kPanelRows), bias, out + t * kPanelRows * ldo, ldo);
 }
 #else
 #define DTMT_INT8_VNNI 0
@@ -431,6 +515,60 @@ void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale,
   DTMT_INT8_CASES(rows_block_int8)
 #endif
 #undef DTMT_INT8_CASES
+}
+
+#ifndef DTMT_INT8_VNNI
+#define DTMT_INT8_VNNI 0
+#endif
+
+int64_t int8_panel_rows() {
+#if DTMT_SMALL_ROWS_AVX2 && DTMT_INT8_VNNI
+  return int8_vnni() ? 8 : 0;   // from 8 rows on it beats small_rows_int8 (bench_int8_kernel.py)
+#else
+  return 0;
+#endif
+}
+
+void pack_int8_panel(int64_t M, const int8_t* xq, const char* finite, int64_t K, uint8_t* panel, int64_t t0,
+                     int64_t t1) {
+#if DTMT_SMALL_ROWS_AVX2 && DTMT_INT8_VNNI
+  const int64_t KQ = (K + 3) / 4, tile = KQ * 64, K4 = K - K % 4;
+  for (int64_t t = t0; t < t1; ++t) {
+    uint8_t* dst = panel + t * tile;
+    std::memset(dst, 0, static_cast<size_t>(tile));
+    for (int i = 0; i < kPanelRows; ++i) {
+      const int64_t m = t * kPanelRows + i;
+      if (m >= M || !finite[m]) continue;   // zeros (a row with NaN or an infinity gets NaN later)
+      const int8_t* row = xq + m * K;
+      uint8_t* d = dst + 4 * i;
+      for (int64_t k = 0; k < K4; k += 4) {
+        uint32_t four;
+        std::memcpy(&four, row + k, sizeof four);
+        four ^= 0x80808080u;
+        std::memcpy(d + k * 16, &four, sizeof four);
+      }
+      for (int64_t k = K4; k < K; ++k) d[K4 * 16 + k - K4] = static_cast<uint8_t>(row[k]) ^ 0x80u;
+    }
+  }
+#else
+  (void)M, (void)xq, (void)finite, (void)K, (void)panel, (void)t0, (void)t1;
+#endif
+}
+
+void int8_panel(const uint8_t* panel, int64_t M, int64_t K, const float* x_scale, const int8_t* w, int64_t ldw,
+                const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+#if DTMT_SMALL_ROWS_AVX2 && DTMT_INT8_VNNI
+  int64_t n = n0;
+  for (; n + 12 <= n1; n += 12)
+    panel_columns<12>(panel, M, K, x_scale, w + n * ldw, ldw, bias ? bias + n : nullptr, out + n, ldo);
+  for (; n + 4 <= n1; n += 4)
+    panel_columns<4>(panel, M, K, x_scale, w + n * ldw, ldw, bias ? bias + n : nullptr, out + n, ldo);
+  for (; n < n1; ++n)
+    panel_columns<1>(panel, M, K, x_scale, w + n * ldw, ldw, bias ? bias + n : nullptr, out + n, ldo);
+#else
+  (void)panel, (void)M, (void)K, (void)x_scale, (void)w, (void)ldw, (void)bias, (void)out, (void)ldo, (void)n0,
+      (void)n1;
+#endif
 }
 
 }  // namespace DTMT_ISA

@@ -62,6 +62,10 @@ template <typename T> struct TypedCpuKernels {
 
 constexpr int64_t kCellScratch = 9;  // values per hidden unit a cell row needs (3 gates x {value, norm, grad})
 
+// The int8 panel loop's tile: rows of x a vector holds, and weight rows taken together (CpuKernels::int8_panel).
+constexpr int kInt8PanelRows = 16;
+constexpr int kInt8PanelColumns = 12;
+
 struct CpuKernels {
   const char* isa;  // "baseline", "avx2", "avx512" or "native"
   TypedCpuKernels<float> f32;
@@ -81,9 +85,10 @@ struct CpuKernels {
                           int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
   // The same product for many rows of x where this copy has a loop for them on this CPU (AVX512-VNNI):
   // int8_panel_rows() = the fewest rows of x it is for (0: none here; small_rows_int8 takes every M, 8 rows at a
-  // time). pack_int8_panel lays tiles [t0, t1) of 16 rows of xq [M, K] (rows whose `finite` is 0 as zeros) out
-  // into `panel` (tiles of ceil(K / 4) * 64 bytes, isa/small_gemm_rows.cpp); int8_panel multiplies the panel by
-  // weight rows [n0, n1) with small_rows_int8's arithmetic, to the bit: out [M, ·] (row stride ldo).
+  // time). pack_int8_panel lays tiles [t0, t1) of kInt8PanelRows rows of xq [M, K] (rows whose `finite` is 0 as
+  // zeros) out into `panel` (tiles of ceil(K / 4) * 64 bytes, isa/small_gemm_rows.cpp); int8_panel multiplies the
+  // panel by weight rows [n0, n1) (kInt8PanelColumns at a time: split them among threads in such blocks) with
+  // small_rows_int8's arithmetic, to the bit: out [M, ·] (row stride ldo).
   int64_t (*int8_panel_rows)();
   void (*pack_int8_panel)(int64_t M, const int8_t* xq, const char* finite, int64_t K, uint8_t* panel, int64_t t0,
                           int64_t t1);

@@ -79,9 +79,9 @@ void linear_int8_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor&
   const int64_t ldx = x.stride(0);
   const int64_t panel_rows = kernels.int8_panel_rows();
   if (panel_rows > 0 && M >= panel_rows) {
-    // many rows: quantized and packed 16 rows at a time, then each thread multiplies the whole panel by its
-    // blocks of 12 weight rows (int8_panel)
-    constexpr int64_t kTile = 16, kColumns = 12;
+    // many rows: quantized and packed a tile of rows at a time, then each thread multiplies the whole panel by
+    // its blocks of weight rows (int8_panel)
+    constexpr int64_t kTile = kInt8PanelRows, kColumns = kInt8PanelColumns;
     const int64_t tiles = (M + kTile - 1) / kTile, tile_bytes = (K + 3) / 4 * 64;
     thread_local std::vector<uint8_t> panel;
     panel.resize(static_cast<size_t>(tiles * tile_bytes));

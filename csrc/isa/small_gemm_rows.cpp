@@ -275,7 +275,7 @@ inline bool int8_vnni() {
 // and each broadcast serves MT tiles. The accumulators of MT tiles x NB weight rows stay in registers for the
 // whole of K (2 x 12 + 3 of the 32). The int32 sums are those of the other loops exactly (the same correction,
 // 128 * sum_k w[n, k]), and the output arithmetic is int8_output's, lane by lane.
-constexpr int kPanelRows = 16;
+constexpr int kPanelRows = kInt8PanelRows;
 
 template <int MT, int NB>
 DTMT_VNNI_TARGET void panel_block(const uint8_t* xp, int64_t tile_bytes, int64_t KQ, const int8_t* w, int64_t ldw,
@@ -559,8 +559,9 @@ void int8_panel(const uint8_t* panel, int64_t M, int64_t K, const float* x_scale
                 const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
 #if DTMT_SMALL_ROWS_AVX2 && DTMT_INT8_VNNI
   int64_t n = n0;
-  for (; n + 12 <= n1; n += 12)
-    panel_columns<12>(panel, M, K, x_scale, w + n * ldw, ldw, bias ? bias + n : nullptr, out + n, ldo);
+  for (; n + kInt8PanelColumns <= n1; n += kInt8PanelColumns)
+    panel_columns<kInt8PanelColumns>(panel, M, K, x_scale, w + n * ldw, ldw, bias ? bias + n : nullptr, out + n,
+                                     ldo);
   for (; n + 4 <= n1; n += 4)
     panel_columns<4>(panel, M, K, x_scale, w + n * ldw, ldw, bias ? bias + n : nullptr, out + n, ldo);
   for (; n < n1; ++n)

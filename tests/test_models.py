@@ -225,3 +225,32 @@ def test_log_probs_keep_the_model_precision(name):
         if dtype == torch.bfloat16 and hasattr(model, "set_backend"):
             model.set_backend("reference")
         assert model(src, src_lengths, prev).dtype == expected, dtype
+
+
+def test_positional_encoding_is_the_formula_without_torch_transcendentals(monkeypatch):
+    """The PE table (DTMT's x + PE / sqrt(d), the transformer's buffer) against numpy's sin and cos of
+    pos / 10000^(2i/d), and the same table from the compiled path's per-position rows; it is built without
+    torch's sin, cos and pow, whose float64 CPU versions (MKL's, on two threads) came out an ulp apart in some
+    processes on their first call and made translations differ between runs (NOTES item 50)."""
+    import numpy as np
+
+    from dtmt_models.models.embeddings import TokenEmbedding, sinusoidal_at, sinusoidal_positions
+
+    for dim in (1, 2, 7, 128):
+        pos = np.arange(300, dtype=np.float64)[:, None]
+        angle = pos / np.power(10000.0, np.arange(0, dim, 2, dtype=np.float64) / dim)
+        expected = np.zeros((300, dim))
+        expected[:, 0::2], expected[:, 1::2] = np.sin(angle), np.cos(angle[:, : dim // 2])
+        table = sinusoidal_positions(300, dim, dtype=torch.float64)
+        np.testing.assert_allclose(table.numpy(), expected, rtol=0, atol=1e-12)
+        assert torch.allclose(sinusoidal_at(torch.arange(300), dim), table, rtol=0, atol=1e-12)
+    emb = TokenEmbedding(11, 8, positional=True).eval()
+    tokens = torch.randint(1, 11, (2, 70))
+    plain = emb.embed.weight[tokens]
+    with monkeypatch.context() as m:
+        for name in ("sin", "cos", "pow"):
+            m.setattr(torch, name, lambda *a, **k: pytest.fail("the PE table used torch's transcendentals"))
+        got = emb(tokens)
+    want = plain + (sinusoidal_positions(70, 8, dtype=torch.float64) / 8 ** 0.5).float()
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert torch.equal(got, plain + emb._table[:70])

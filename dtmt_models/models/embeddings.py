@@ -9,18 +9,31 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def _wavelengths(dim: int) -> list:
+    """10000^(2i/dim) for each sin/cos pair i of the PE (Python floats: the C library's pow)."""
+    return [10000.0 ** (i / dim) for i in range(0, dim, 2)]
+
+
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
-    """The Transformer's PE table [length, dim]: sin on even, cos on odd features. Computed in float64 on the
-    CPU and rounded once to `dtype`, so the table is the same on every device (a float32 sin differs by an ulp
-    between CPU and GPU) and exact to the model's precision."""
-    return sinusoidal_at(torch.arange(length), dim).to(device=device, dtype=dtype)
+    """The Transformer's PE table [length, dim]: sin(pos / 10000^(2i/dim)) on even, cos on odd features. Computed
+    in float64 by Python's math (the C library's sin and cos, one value at a time) and rounded once to `dtype`, so
+    the table is the same on every device and in every process, and exact to the model's precision. (torch's own
+    float64 sin on the CPU is MKL's on two threads, and its first call in a process has come out an ulp apart in
+    some processes: translations then differed from run to run, benchmarks/NOTES.md item 50.)"""
+    columns = []
+    for j, w in enumerate(_wavelengths(dim)):
+        columns.append([math.sin(p / w) for p in range(length)])
+        if 2 * j + 1 < dim:
+            columns.append([math.cos(p / w) for p in range(length)])
+    table = torch.tensor(columns, dtype=torch.float64).reshape(dim, length).t()
+    return table.to(device=device, dtype=dtype)
 
 
 def sinusoidal_at(positions: Tensor, dim: int) -> Tensor:
-    """The PE rows of `positions` [...] -> [..., dim], in float64 on the positions' device (the table's formula)."""
+    """The PE rows of `positions` [...] -> [..., dim], in float64 on the positions' device, with torch's sin and
+    cos (the table's formula, for torch.compile, where no table may be sized by the data)."""
     pos = positions.to(torch.float64).unsqueeze(-1)
-    i = torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device)
-    angle = pos / torch.pow(10000.0, i / dim)
+    angle = pos / torch.tensor(_wavelengths(dim), dtype=torch.float64, device=positions.device)
     pe = torch.zeros(*positions.shape, dim, dtype=torch.float64, device=positions.device)
     pe[..., 0::2] = torch.sin(angle)
     pe[..., 1::2] = torch.cos(angle[..., : dim // 2])

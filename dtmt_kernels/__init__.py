@@ -8,9 +8,17 @@ See SPEC.md §2-3 for the equations and the API; `dk.reference` (each op folder'
 executable form. Every fused kernel is a torch.library custom op, torch.ops.dtmt.* (dtmt_kernels/ops/: one folder
 per op), so the layers work under torch.compile(fullgraph=True), torch.export and torch.autocast.
 """
+import torch
+
 from . import functional, nn, reference
 from .backends import available_backends, resolve_backend
 from .reference import TransitionWeights
 
 __all__ = ["available_backends", "resolve_backend", "functional", "nn", "reference", "TransitionWeights"]
 __version__ = "0.1.0"
+
+# MKL's vector math (torch.tanh, exp, sin, ... of CPU tensors) sets itself up on its first call. When that first call
+# runs on two threads at once, one of them can compute with another code path: results an ulp apart in some
+# processes, and translations that differed between runs (benchmarks/NOTES.md item 50). So a first call here, on
+# one thread.
+torch.exp(torch.zeros(16))

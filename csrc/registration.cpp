@@ -99,6 +99,19 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
   return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
 }
 
+std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, const OptTensor& mask, int64_t kind,
+                                             at::TensorList params, bool reverse, double eps) {
+  TORCH_CHECK(params.size() == 10 || params.size() == 20,
+              "dtmt::transition_encode: ten parameter tensors a direction, got ", params.size());
+  std::vector<dtmt::TransitionWeights> dirs;
+  for (size_t d = 0; d < params.size(); d += 10) {
+    const at::TensorList p = params.slice(d, 10);
+    dirs.push_back(weights(kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]));
+  }
+  auto r = dtmt::transition_encode_cpu(dense(x), dense(h0), dense(mask, x), dirs, reverse, eps);
+  return {r[0], r[1]};
+}
+
 std::tuple<Tensor, Tensor, Tensor> additive_scores_backward(const Tensor& grad, const Tensor& keys, const Tensor& query,
                                                            const Tensor& v) {
   auto g = dtmt::additive_scores_backward_cpu(dense(grad), dense(keys), dense(query), dense(v));
@@ -187,6 +200,8 @@ TORCH_LIBRARY(dtmt, m) {
   m.def("transition_backward(Tensor grad_out, Tensor grad_hn, Tensor x, Tensor? mask, Tensor? drop, int kind, "
         DTMT_PARAMS_SCHEMA ", Tensor xp, Tensor hs, Tensor hs_lp, Tensor hp, Tensor hpt, bool reverse, float eps, "
         "bool weight_grads=True) -> Tensor[]");
+  m.def("transition_encode(Tensor x, Tensor h0, Tensor? mask, int kind, Tensor[] params, bool reverse, float eps) "
+        "-> (Tensor out, Tensor h_n)");
   m.def("additive_scores(Tensor keys, Tensor query, Tensor v) -> Tensor");
   m.def("additive_scores_backward(Tensor grad, Tensor keys, Tensor query, Tensor v) -> (Tensor, Tensor, Tensor)");
   m.def("attention_context(Tensor alpha, Tensor values) -> Tensor");
@@ -213,6 +228,7 @@ TORCH_LIBRARY(dtmt, m) {
 TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("transition_forward", &transition_forward<dtmt::transition_forward_cpu>);
   m.impl("transition_backward", &transition_backward<dtmt::transition_backward_cpu>);
+  m.impl("transition_encode", &transition_encode);
   m.impl("additive_scores", &additive_scores);
   m.impl("additive_scores_backward", &additive_scores_backward);
   m.impl("attention_context", &attention_context);

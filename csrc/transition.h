@@ -30,6 +30,14 @@ std::vector<at::Tensor> transition_forward_cpu(const at::Tensor& x, const at::Te
                                                const at::Tensor& drop, const TransitionWeights& w, bool reverse,
                                                double eps);
 
+// Inference over both directions of a layer at once (FrozenTransitionLayer): x [T,B,I], h0 [D,B,H], mask [T,B] or
+// empty, dirs: D = 1 or 2 directions' weights; direction d reads right to left when d == 1 or `reverse`. Returns
+// {out [T,B,D*H] (direction d in features d*H..), h_n [D,B,H]}, each direction as transition_forward_cpu computes it.
+// With two directions on two threads (and not already inside a parallel region) each direction runs on a thread of
+// its own, its products and row passes on that thread alone: at batch 1 a step's work is too small to share.
+std::vector<at::Tensor> transition_encode_cpu(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
+                                              const std::vector<TransitionWeights>& dirs, bool reverse, double eps);
+
 // Backward (dh0 in grad_hn's dtype, the rest in the input dtype). Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
 // gradients of absent tensors are empty. With weight_grads false the weight and bias gradients are not formed:
 // their slots hold the pre-activation gradients they are made of instead, {dx, dh0, dxp [T*B, n_in*H], -,

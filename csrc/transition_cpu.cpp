@@ -22,6 +22,7 @@
 #include "transition.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <type_traits>
 
@@ -367,6 +368,32 @@ std::vector<Tensor> transition_forward_cpu(const Tensor& x, const Tensor& h0, co
     result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
   });
   return result;
+}
+
+std::vector<Tensor> transition_encode_cpu(const Tensor& x, const Tensor& h0, const Tensor& mask,
+                                          const std::vector<TransitionWeights>& dirs, bool reverse, double eps) {
+  const int64_t D = static_cast<int64_t>(dirs.size());
+  TORCH_CHECK(D == 1 || D == 2, "dtmt::transition_encode: one or two directions, got ", D);
+  TORCH_CHECK(x.dim() == 3 && h0.dim() == 3 && h0.size(0) == D && h0.size(1) == x.size(1),
+              "dtmt::transition_encode: x [T, B, I] and h0 [", D, ", B, H] expected, got ", x.sizes(), " and ",
+              h0.sizes());
+  for (const auto& w : dirs) check_kind(w.kind);
+  std::vector<std::vector<Tensor>> r(static_cast<size_t>(D));
+  const auto run = [&](int64_t d) {
+    r[d] = transition_forward_cpu(x, h0[d], mask, Tensor(), dirs[d], d == 1 || reverse, eps);
+  };
+  if (D == 2 && at::get_num_threads() == 2 && !at::in_parallel_region()) {
+    // the caller's thread-local state (grad mode above all) on the worker too: parallel_for does not carry it
+    const at::ThreadLocalState caller;
+    at::parallel_for(0, 2, 1, [&](int64_t d0, int64_t d1) {
+      const at::ThreadLocalStateGuard same(caller);
+      for (int64_t d = d0; d < d1; ++d) run(d);
+    });
+  } else {
+    for (int64_t d = 0; d < D; ++d) run(d);
+  }
+  if (D == 1) return {r[0][0], r[0][1].unsqueeze(0)};
+  return {at::cat({r[0][0], r[1][0]}, -1), at::stack({r[0][1], r[1][1]})};
 }
 
 std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,

@@ -506,11 +506,17 @@ class FrozenTransitionLayer(InferenceForm):
             with torch.no_grad():
                 directions = [(KINDS[layer.cell], layer.kernel_params(d)) for d in range(layer.num_directions)]
         self.directions = directions
+        # CPU weights: every direction in one call of transition_encode (on two threads, a direction a thread)
+        on_cpu = directions[0][1][0].device.type == "cpu"
+        self._flat = [p for _, params in directions for p in params] if on_cpu else None
 
     def forward(self, x: Tensor, h0: Optional[Tensor] = None, lengths=None) -> Tuple[Tensor, Tensor]:
         return _TransitionLayer.forward(self, x, h0, lengths)
 
     def _run(self, x: Tensor, h0: Tensor, mask: Optional[Tensor], drops: List[Optional[Tensor]]):
+        if self._flat is not None:
+            return torch.ops.dtmt.transition_encode(x, h0, mask, self.directions[0][0], self._flat,
+                                                    getattr(self.source, "reverse", False), self.eps)
         return _each_direction(self.source, lambda d, reverse: torch.ops.dtmt.transition_forward(
             x, h0[d], mask, drops[d], self.directions[d][0], *self.directions[d][1], reverse, self.eps)[:2])
 

@@ -445,11 +445,12 @@ def test_fold_context_projection(system, options):
 @pytest.mark.parametrize("layer_kind", ["lgru-bi", "gru-reverse", "atr-bi"])
 def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     """A DeepTransitionGRU / ATR layer's inference form (FrozenTransitionLayer: the kernel parameters gathered
-    once) gives the layer's outputs to the bit, in float32 and float64, for padded batches (time-major and
-    batch_first) and an unbatched sequence; its int8() form computes the layer with the recurrent matrices as
+    once, every direction in one call of dtmt::transition_encode) gives the layer's outputs to the bit, in float32
+    and float64, for padded batches (time-major and batch_first) and an unbatched sequence, on one thread and on
+    two (where the two directions run on a thread each); its int8() form computes the layer with the recurrent matrices as
     int8 products (the reference: the layer on the reference backend with quantize.linear_int8 in their place),
     refuses float64 weights and is its own int8 form."""
-    from conftest import int8_linear_for
+    from conftest import at_thread_counts, int8_linear_for
 
     cell, rest = layer_kind.split("-")
     torch.manual_seed(0)
@@ -461,19 +462,26 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     layer = _randomise(layer, 7).eval()
     g = torch.Generator().manual_seed(8)
     x, lengths = torch.randn(7, 3, 6, generator=g), torch.tensor([7, 4, 1])
+    h0 = torch.randn(2 if rest == "bi" else 1, 3, 10, generator=g)
+
+    def same_outputs():
+        for args in ((xs, None, lengths), (xs, h0.to(dtype), lengths), (xs[:, :1], None, None),
+                     (xs[:5, 0], None, None)):
+            for got, want in zip(form(*args), layer(*args)):
+                assert torch.equal(got, want)
+        layer.batch_first = True
+        assert all(torch.equal(a, b) for a, b in zip(form(xs.transpose(0, 1), lengths=lengths),
+                                                      layer(xs.transpose(0, 1), lengths=lengths)))
+        layer.batch_first = False
+        return True
+
     for dtype in (torch.float32, torch.float64):
         layer = layer.to(dtype)
         xs = x.to(dtype)
         form = layer.inference_module()
         assert type(form) is dk.nn.FrozenTransitionLayer
         with torch.no_grad():
-            for args in ((xs, None, lengths), (xs[:, :1], None, None), (xs[:5, 0], None, None)):
-                for got, want in zip(form(*args), layer(*args)):
-                    assert torch.equal(got, want)
-            layer.batch_first = True
-            assert all(torch.equal(a, b) for a, b in zip(form(xs.transpose(0, 1), lengths=lengths),
-                                                          layer(xs.transpose(0, 1), lengths=lengths)))
-            layer.batch_first = False
+            assert all(at_thread_counts(same_outputs, 1, 2))
     with pytest.raises(ValueError, match="float32"):
         form.int8()
     layer = layer.float()

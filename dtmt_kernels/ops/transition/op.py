@@ -4,6 +4,9 @@ the fake (meta) implementations and the one autograd definition shared by every 
     torch.ops.dtmt.transition_forward           C++: CPU kernels (csrc/transition_cpu.cpp), CUDA kernels
                                                 (csrc/transition_cuda.cu) under the CUDA dispatch key
     torch.ops.dtmt.transition_forward_triton    the Triton kernels (triton.py)
+    torch.ops.dtmt.transition_encode            inference (C++, CPU): one layer's one or two directions in one call
+                                                (FrozenTransitionLayer), (x, h0 [D, B, H], mask, kind, the D x ten
+                                                parameters, reverse, eps) -> (out [T, B, D*H], h_n [D, B, H])
 
 Both take (x [T, B, I], h0 [B, H], mask [T, B] or None, drop [D+1, B, H] or None, kind, the ten flat parameters
 (`flat_params`: absent ones None or empty), reverse, eps) and return (out [T, B, H], h_n [B, H]) followed by what
@@ -103,11 +106,17 @@ def _autograd_for(backward_op):
     return backward
 
 
+def _encode_fake(x, h0, mask, kind, params, reverse, eps):
+    D, B, H = h0.shape
+    return x.new_empty(x.shape[0], B, D * H), h0.new_empty(D, B, H)
+
+
 def _register() -> None:
     pairs = [("dtmt::transition_forward_triton", "dtmt::transition_backward_triton",
               torch.ops.dtmt.transition_backward_triton)]
     if built():
         pairs.append(("dtmt::transition_forward", "dtmt::transition_backward", torch.ops.dtmt.transition_backward))
+        torch.library.register_fake("dtmt::transition_encode")(_encode_fake)
     for forward, backward, backward_op in pairs:
         torch.library.register_fake(forward)(_forward_fake)
         torch.library.register_fake(backward)(_backward_fake)

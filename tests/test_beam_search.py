@@ -215,3 +215,32 @@ def test_no_fused_search_where_the_embedding_step_is_another():
     assert decoder.search is None and decoder.step is not None
     src, lengths = torch.randint(4, 20, (2, 4)), torch.tensor([4, 2])
     assert len(beam_search(decoder, src, lengths, beam=2)) == 2
+
+
+@pytest.mark.parametrize("system", ["rnnsearch-atr", "dtmt"])
+def test_fused_search_breaks_ties_as_the_python_loop(system):
+    """The one-call search picks each step's best candidates in one pass of its own where they are unambiguous and
+    asks at::topk otherwise; with words whose log-probabilities are always equal (copies of one output row and
+    embedding) ties reach the top candidates at every step, and the hypotheses must still be the loop's (torch.topk),
+    in the same order."""
+    torch.manual_seed(6)
+    model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=16).eval()
+    output = model.readout.output.proj
+    with torch.no_grad():
+        for copy, of in ((7, 9), (11, 9), (12, 13), (20, 21)):
+            for weight in {model.tgt_embed.embed.weight, output.weight}:   # (one tensor where they are tied)
+                weight[copy] = weight[of]
+            output.bias[copy] = output.bias[of] = output.bias[of] + 3.0   # and likely: among the best every step
+    lengths = torch.tensor([6, 1, 4, 2, 5])
+    src = torch.randint(4, 24, (5, 6))
+    tied = 0
+    for int8 in (False, True):
+        decoder = model.inference_decoder(int8=int8)
+        for beam in (2, 4, 6):
+            kwargs = dict(beam=beam, alpha=0.6, nbest=beam, max_len_a=1.5, max_len_b=3)
+            fused = beam_search(decoder, src, lengths, **kwargs)
+            loop = beam_search(decoder, src, lengths, fused=False, **kwargs)
+            assert _hyps(fused) == _hyps(loop), (int8, beam)
+            scores = [h.log_prob for s in loop for h in s]
+            tied += len(scores) - len(set(scores))
+    assert tied > 0, "no tied hypotheses: the test did not test ties"

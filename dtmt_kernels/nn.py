@@ -514,7 +514,7 @@ class FrozenTransitionLayer(InferenceForm):
         return _TransitionLayer.forward(self, x, h0, lengths)
 
     def _run(self, x: Tensor, h0: Tensor, mask: Optional[Tensor], drops: List[Optional[Tensor]]):
-        if self._flat is not None:
+        if self._flat is not None and drops[0] is None:
             return torch.ops.dtmt.transition_encode(x, h0, mask, self.directions[0][0], self._flat,
                                                     getattr(self.source, "reverse", False), self.eps)
         return _each_direction(self.source, lambda d, reverse: torch.ops.dtmt.transition_forward(

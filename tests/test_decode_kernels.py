@@ -447,9 +447,9 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     """A DeepTransitionGRU / ATR layer's inference form (FrozenTransitionLayer: the kernel parameters gathered
     once, every direction in one call of dtmt::transition_encode) gives the layer's outputs to the bit, in float32
     and float64, for padded batches (time-major and batch_first) and an unbatched sequence, on one thread and on
-    two (where the two directions run on a thread each); its int8() form computes the layer with the recurrent matrices as
-    int8 products (the reference: the layer on the reference backend with quantize.linear_int8 in their place),
-    refuses float64 weights and is its own int8 form."""
+    two (where the two directions run on a thread each); its int8() form computes the layer with the recurrent
+    matrices as int8 products (the reference: the layer on the reference backend with quantize.linear_int8 in their
+    place), refuses float64 weights and is its own int8 form."""
     from conftest import at_thread_counts, int8_linear_for
 
     cell, rest = layer_kind.split("-")

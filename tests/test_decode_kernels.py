@@ -449,7 +449,8 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     and float64, for padded batches (time-major and batch_first) and an unbatched sequence, on one thread and on
     two (where the two directions run on a thread each); its int8() form computes the layer with the recurrent
     matrices as int8 products (the reference: the layer on the reference backend with quantize.linear_int8 in their
-    place), refuses float64 weights and is its own int8 form."""
+    place), refuses float64 weights and is its own int8 form. Under CPU autocast it computes as the layer does (bf16
+    products, float32 state)."""
     from conftest import at_thread_counts, int8_linear_for
 
     cell, rest = layer_kind.split("-")
@@ -498,3 +499,7 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert (a - c).abs().max() > 1e-4
     assert layer.inference_module() is layer   # the reference backend keeps the module
+    layer.backend = "cpp"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):   # the layer's autocast rule: bf16 products
+        got, want = layer.inference_module()(x, None, lengths), layer(x, None, lengths)
+    assert got[0].dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -3,7 +3,7 @@ statistics and state). Each op's folder registers one rule here for its forward 
 dispatch keys; a rule casts the op's inputs and runs the op with autocast off (backward ops need none: autograd
 calls them with the dtypes their forward saw).
 
-    low_precision_rule   the transition op: x, mask, dropout and the parameters in the autocast dtype (GEMMs in
+    low_precision_rule   the transition ops: x, mask, dropout and the parameters in the autocast dtype (GEMMs in
                          it, float accumulation; the kernels keep states and layer-norm statistics in float32), h0
                          in float32, so that h_n, the state carried to the next call, stays float32
     float32_rule         everything else: attention scores and context (tanh, weighted sums: elementwise work, like
@@ -53,8 +53,9 @@ def float32_rule(args: Sequence, dtype: torch.dtype, device_type: str) -> list:
 
 
 def low_precision_rule(args: Sequence, dtype: torch.dtype, device_type: str) -> list:
-    """transition_forward's arguments (x, h0, mask, drop, kind, ten parameters, reverse, eps): h0 to float32,
-    the other tensors to the autocast dtype; a float64 x leaves the call as it is."""
+    """transition_forward's arguments (x, h0, mask, drop, kind, ten parameters, reverse, eps) or transition_encode's
+    (x, h0, mask, kind, the parameters' list, reverse, eps): h0 to float32, the other tensors to the autocast dtype;
+    a float64 x leaves the call as it is."""
     args = list(args)
     if not _eligible(args[0], device_type):
         return args

@@ -117,6 +117,7 @@ def _register() -> None:
     if built():
         pairs.append(("dtmt::transition_forward", "dtmt::transition_backward", torch.ops.dtmt.transition_backward))
         torch.library.register_fake("dtmt::transition_encode")(_encode_fake)
+        _autocast.register("dtmt::transition_encode", _autocast.low_precision_rule)   # as its per-direction op
     for forward, backward, backward_op in pairs:
         torch.library.register_fake(forward)(_forward_fake)
         torch.library.register_fake(backward)(_backward_fake)

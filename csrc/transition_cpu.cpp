@@ -377,7 +377,6 @@ std::vector<Tensor> transition_encode_cpu(const Tensor& x, const Tensor& h0, con
   TORCH_CHECK(x.dim() == 3 && h0.dim() == 3 && h0.size(0) == D && h0.size(1) == x.size(1),
               "dtmt::transition_encode: x [T, B, I] and h0 [", D, ", B, H] expected, got ", x.sizes(), " and ",
               h0.sizes());
-  for (const auto& w : dirs) check_kind(w.kind);
   std::vector<std::vector<Tensor>> r(static_cast<size_t>(D));
   const auto run = [&](int64_t d) {
     r[d] = transition_forward_cpu(x, h0[d], mask, Tensor(), dirs[d], d == 1 || reverse, eps);

@@ -62,9 +62,12 @@ void check_shapes(const Tensor& keys, const Tensor& q, const Tensor& v) {
 
 }  // namespace
 
-Tensor attention_context_forward_cpu(const Tensor& alpha, const Tensor& values) {
-  check_context(alpha, values);
-  const int64_t B = values.size(0), S = values.size(1), C = values.size(2), NH = alpha.size(1);
+Tensor attention_context_forward_cpu(const Tensor& alpha, const Tensor& values, int64_t group) {
+  TORCH_CHECK(group == 1 || (group > 1 && alpha.dim() == 3 && values.dim() == 3 &&
+                              alpha.size(0) == values.size(0) * group),
+              "dtmt._C: attention context in groups takes alpha [B * group, NH, S] and values [B, S, C]");
+  check_context(group == 1 ? alpha : alpha.narrow(0, 0, values.size(0)), values);
+  const int64_t B = alpha.size(0), S = values.size(1), C = values.size(2), NH = alpha.size(1);
   Tensor out = at::empty({B, C}, values.options());
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "attention_context_forward_cpu", [&] {
     const auto loop = typed_cpu_kernels<scalar_t>().context_forward;
@@ -72,7 +75,7 @@ Tensor attention_context_forward_cpu(const Tensor& alpha, const Tensor& values) 
     const scalar_t* v = values.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, B, batch_grain(S, C), [&](int64_t b0, int64_t b1) {
-      loop(a, v, o, S, NH, C / NH, values.stride(0), values.stride(1), b0, b1);
+      loop(a, v, o, S, NH, C / NH, values.stride(0), values.stride(1), group, b0, b1);
     });
   });
   return out;
@@ -106,9 +109,11 @@ std::vector<Tensor> attention_context_backward_cpu(const Tensor& grad, const Ten
   return {dalpha, dvalues};
 }
 
-Tensor additive_scores_forward_cpu(const Tensor& keys, const Tensor& q, const Tensor& v) {
-  check_shapes(keys, q, v);
-  const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
+Tensor additive_scores_forward_cpu(const Tensor& keys, const Tensor& q, const Tensor& v, int64_t group) {
+  TORCH_CHECK(group == 1 || (group > 1 && q.dim() == 3 && keys.dim() == 4 && q.size(0) == keys.size(0) * group),
+              "dtmt._C: additive scores in groups take q [B * group, NH, D] and keys [B, S, NH, D]");
+  check_shapes(keys, group == 1 ? q : q.narrow(0, 0, keys.size(0)), v);
+  const int64_t B = q.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
   Tensor out = at::empty({B, NH, S}, keys.options());
   AT_DISPATCH_FLOATING_TYPES(keys.scalar_type(), "additive_scores_forward_cpu", [&] {
     const auto loop = typed_cpu_kernels<scalar_t>().scores_forward;
@@ -117,7 +122,7 @@ Tensor additive_scores_forward_cpu(const Tensor& keys, const Tensor& q, const Te
     const scalar_t* vv = v.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, B, batch_grain(S, NH * D), [&](int64_t b0, int64_t b1) {
-      loop(k, qq, vv, o, S, NH, D, b0, b1);
+      loop(k, qq, vv, o, S, NH, D, group, b0, b1);
     });
   });
   return out;

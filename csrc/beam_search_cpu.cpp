@@ -115,10 +115,11 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
               "dtmt._C.rnmt_beam_search: positions must be [>= max(max_len), E]");
   const double neg_inf = -std::numeric_limits<double>::infinity();
 
-  // every sentence's state repeated beam times; all beams start identical, so only the first one is open
+  // the decoder state repeated beam times; all beams start identical, so only the first one is open. The source
+  // tensors stay one row a sentence: a sentence's beam rows share them (rnmt_step_cpu's group).
   const Tensor start = at::arange(B, at::kLong).repeat_interleave(beam);
-  Tensor annotations = annotations0.index_select(0, start), keys = keys0.index_select(0, start),
-         src_mask = src_mask0.index_select(0, start), s = s0.index_select(0, start);
+  Tensor annotations = annotations0.contiguous(), keys = keys0.contiguous(), src_mask = src_mask0.contiguous(),
+         s = s0.index_select(0, start);
   Tensor scores = at::full({B, beam}, neg_inf, at::kFloat);
   scores.select(1, 0).fill_(0.0);
   std::vector<std::vector<int64_t>> rows(B * beam);
@@ -130,7 +131,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   for (int64_t t = 0; t < steps; ++t) {
     Tensor y = embed.index_select(0, prev);
     if (positional) y = y + positions.select(0, t);
-    auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout);
+    auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout,
+                           beam);
     s = r[1];
     const int64_t n = static_cast<int64_t>(active.size()), V = r[0].size(1);
     Tensor log_probs = r[0].to(at::kFloat).contiguous().view({n, beam, V});
@@ -217,9 +219,10 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     prev = to_tensor(next_words);
     s = s.index_select(0, index);
     if (static_cast<int64_t>(still.size()) < n) {  // finished sentences leave the state
-      annotations = annotations.index_select(0, index);
-      keys = keys.index_select(0, index);
-      src_mask = src_mask.index_select(0, index);
+      const Tensor kept = to_tensor(still);
+      annotations = annotations.index_select(0, kept);
+      keys = keys.index_select(0, kept);
+      src_mask = src_mask.index_select(0, kept);
       std::vector<int64_t> next_active;
       for (int64_t i : still) next_active.push_back(active[i]);
       active.swap(next_active);

@@ -54,9 +54,11 @@ TransitionWeights cell_weights(int64_t kind, const std::vector<at::Tensor>& para
 //   context W_o^T + b_o when w_o is present.
 // query [B, Q], keys [B, S, NH, D], annotations [B, S, C] (last dim contiguous), src_mask [B, S] bool.
 // Returns {context, alpha [B, NH, S]}.
+// group > 1: query has B * group rows, row b attending over keys / annotations / src_mask row b / group (a
+// sentence's beam rows share its source; the same arithmetic per row as with the rows repeated).
 std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Tensor& keys,
                                            const at::Tensor& annotations, const at::Tensor& src_mask,
-                                           const AttentionWeights& w);
+                                           const AttentionWeights& w, int64_t group = 1);
 
 // The readout features. y [N, E], s [N, Hs], c [N, C] -> [N, R] (the output projection is not applied).
 at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& c,
@@ -67,11 +69,12 @@ at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const 
 //   log_probs = log_softmax(readout_features(y, s', c) W_out^T + b_out) (float32 at least, as Projection).
 // y [B, E] (the embedded previous tokens), s [B, H]; keys / annotations / src_mask as attention_step's.
 // Returns {log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]}.
+// group > 1: y and s have B * group rows sharing the source tensors in groups (attention_step_cpu).
 std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& keys,
                                       const at::Tensor& annotations, const at::Tensor& src_mask,
                                       const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
                                       double cell_eps, const AttentionWeights& attention,
-                                      const ReadoutWeights& readout);
+                                      const ReadoutWeights& readout, int64_t group = 1);
 
 // Beam search over rnmt_step_cpu, the whole loop of dtmt_models/decoding/beam_search.py (its reference: the same
 // decisions in the same arithmetic) in one call. The state as the decoder's `encode` made it, one row a

@@ -6,12 +6,13 @@ namespace dtmt {
 namespace DTMT_ISA {
 
 template <typename T>
-void scores_forward(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D, int64_t b0,
-                    int64_t b1) {
+void scores_forward(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D, int64_t group,
+                    int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
+    const int64_t kb = b / group;
     for (int64_t s = 0; s < S; ++s) {
       for (int64_t h = 0; h < NH; ++h) {
-        const T* DTMT_RESTRICT k = keys + ((b * S + s) * NH + h) * D;
+        const T* DTMT_RESTRICT k = keys + ((kb * S + s) * NH + h) * D;
         const T* DTMT_RESTRICT qq = q + (b * NH + h) * D;
         const T* DTMT_RESTRICT vv = v + h * D;
         T acc = 0;
@@ -56,13 +57,13 @@ void scores_backward(const T* grad, const T* keys, const T* q, const T* v, T* dk
 
 template <typename T>
 void context_forward(const T* alpha, const T* values, T* out, int64_t S, int64_t NH, int64_t Dc, int64_t vsb,
-                     int64_t vss, int64_t b0, int64_t b1) {
+                     int64_t vss, int64_t group, int64_t b0, int64_t b1) {
   const int64_t C = NH * Dc;
   for (int64_t b = b0; b < b1; ++b) {
     T* DTMT_RESTRICT o = out + b * C;
     for (int64_t i = 0; i < C; ++i) o[i] = T(0);
     for (int64_t s = 0; s < S; ++s) {
-      const T* DTMT_RESTRICT row = values + b * vsb + s * vss;
+      const T* DTMT_RESTRICT row = values + (b / group) * vsb + s * vss;
       for (int64_t h = 0; h < NH; ++h) {
         const T a = alpha[(b * NH + h) * S + s];
         T* DTMT_RESTRICT oh = o + h * Dc;
@@ -119,11 +120,12 @@ void context_backward(const T* grad, const T* alpha, const T* values, T* dalpha,
 }
 
 #define DTMT_INSTANTIATE(T)                                                                                        \
-  template void scores_forward<T>(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t);  \
+  template void scores_forward<T>(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t,   \
+                                  int64_t);                                                                        \
   template void scores_backward<T>(const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, int64_t,  \
                                    int64_t, int64_t);                                                              \
   template void context_forward<T>(const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,   \
-                                   int64_t);                                                                       \
+                                   int64_t, int64_t);                                                              \
   template void context_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,      \
                                     int64_t, int64_t, int64_t, int64_t, int64_t);
 DTMT_INSTANTIATE(float)

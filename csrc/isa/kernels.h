@@ -22,14 +22,14 @@ template <typename T> void cell_backward_rows(const CellRows<T>& a, int64_t b0, 
 
 // attention_loops.cpp
 template <typename T>
-void scores_forward(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D, int64_t b0,
-                    int64_t b1);
+void scores_forward(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D, int64_t group,
+                    int64_t b0, int64_t b1);
 template <typename T>
 void scores_backward(const T* grad, const T* keys, const T* q, const T* v, T* dkeys, T* dq, T* dv_rows, int64_t S,
                      int64_t NH, int64_t D, int64_t b0, int64_t b1);
 template <typename T>
 void context_forward(const T* alpha, const T* values, T* out, int64_t S, int64_t NH, int64_t Dc, int64_t vsb,
-                     int64_t vss, int64_t b0, int64_t b1);
+                     int64_t vss, int64_t group, int64_t b0, int64_t b1);
 template <typename T>
 void context_backward(const T* grad, const T* alpha, const T* values, T* dalpha, T* dvalues, int64_t S, int64_t NH,
                       int64_t Dc, int64_t vsb, int64_t vss, int64_t dsb, int64_t dss, int64_t b0, int64_t b1);

@@ -8,7 +8,10 @@ times `torch.ops.dtmt.small_rows_linear(x, W, b)` with W in float32 and as int8 
 M rows of x (1: greedy at batch 1; 4: beam 4 at batch 1; 8; 32: batched, which takes the dequantize-and-GEMM
 path), on one thread, best of --repeat rounds of --calls calls each. Reported per M: the sum over the matrices
 (one step's linear layers), float32 and int8 microseconds and their ratio, and the bytes of weights a step reads
-in each. Output: OUT/bench_int8_kernel.md and .json.
+in each. Also per M, float32 "as a step": all the matrices one after another in a call, as a decoder step reads
+them (together larger than a core's L2, so the weights come from further away than when one matrix is timed over
+and over); and the floor of that: one torch.sum over the same float32 bytes (the core's streaming rate, GB/s).
+Output: OUT/bench_int8_kernel.md and .json.
 """
 from __future__ import annotations
 
@@ -88,31 +91,43 @@ def _run(a, argv):
     with torch.no_grad():
         packed = [(name, w.contiguous(), pack_int8_rows(w), torch.randn(w.shape[0], generator=gen))
                   for name, w in matrices]
+        flat = torch.cat([w.reshape(-1) for _, w, _, _ in packed])
+        stream = best_time(lambda: flat.sum(), a.calls, a.repeat)
         for M in (int(m) for m in a.rows.split(",")):
             f32 = i8 = 0.0
+            xs = []
             for name, w, q, b in packed:
                 x = torch.randn(M, w.shape[1], generator=gen)
+                xs.append(x)
                 f32 += best_time(lambda: torch.ops.dtmt.small_rows_linear(x, w, b), a.calls, a.repeat)
                 i8 += best_time(lambda: torch.ops.dtmt.small_rows_linear(x, q, b), a.calls, a.repeat)
-            rows.append({"rows": M, "float32_us": f32 * 1e6, "int8_us": i8 * 1e6, "ratio": i8 / f32})
-            print(f"M={M}: float32 {f32 * 1e6:.0f} us, int8 {i8 * 1e6:.0f} us, int8/float32 {i8 / f32:.2f}",
-                  flush=True)
+
+            def step():
+                for (_, w, _, b), x in zip(packed, xs):
+                    torch.ops.dtmt.small_rows_linear(x, w, b)
+            f32_step = best_time(step, a.calls, a.repeat)
+            rows.append({"rows": M, "float32_us": f32 * 1e6, "int8_us": i8 * 1e6, "ratio": i8 / f32,
+                         "float32_step_us": f32_step * 1e6})
+            print(f"M={M}: float32 {f32 * 1e6:.0f} us ({f32_step * 1e6:.0f} as a step), int8 {i8 * 1e6:.0f} us, "
+                  f"int8/float32 {i8 / f32:.2f}", flush=True)
     f32_bytes = sum(w.numel() * 4 for _, w, _, _ in packed)
     i8_bytes = sum(q.numel() for _, _, q, _ in packed)
     cmd = "python benchmarks/bench_int8_kernel.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = [f"The step's linear layers, float32 against int8 rows: {ckpt['model_name']} "
           f"({os.path.relpath(a.checkpoint, ROOT)}), {len(matrices)} matrices, {f32_bytes / 1e6:.2f} MB float32 / "
           f"{i8_bytes / 1e6:.2f} MB int8; {machine_name()}; 1 thread, best of {a.repeat} x {a.calls} calls. "
-          f"Command: `{cmd.strip()}`", "",
-          "| rows (M) | float32 µs | int8 µs | int8 / float32 |", "|---:|---:|---:|---:|"]
-    md += [f"| {r['rows']} | {r['float32_us']:.0f} | {r['int8_us']:.0f} | {r['ratio']:.2f} |" for r in rows]
+          f"A sum over the float32 bytes takes {stream * 1e6:.0f} µs ({f32_bytes / stream / 1e9:.1f} GB/s): the "
+          f"floor of a float32 step's products. Command: `{cmd.strip()}`", "",
+          "| rows (M) | float32 µs | float32 as a step µs | int8 µs | int8 / float32 |", "|---:|---:|---:|---:|---:|"]
+    md += [f"| {r['rows']} | {r['float32_us']:.0f} | {r['float32_step_us']:.0f} | {r['int8_us']:.0f} | "
+           f"{r['ratio']:.2f} |" for r in rows]
     text = "\n".join(md) + "\n"
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_int8_kernel.md"), "w") as f:
         f.write(text)
     with open(os.path.join(a.out, "bench_int8_kernel.json"), "w") as f:
         json.dump({"rows": rows, "matrices": [n for n, *_ in packed], "float32_bytes": f32_bytes,
-                   "int8_bytes": i8_bytes}, f, indent=2)
+                   "int8_bytes": i8_bytes, "float32_sum_us": stream * 1e6}, f, indent=2)
     print(text)
     return rows
 

@@ -161,7 +161,7 @@ Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, c
         layer_norm_add<scalar_t>(parts[k].data_ptr<scalar_t>() + n * R, lw + k * R, lb + k * R, eps, R, o + n * R);
     }
   });
-  return out.tanh_();   // ATen's vectorised tanh (a scalar std::tanh per value cost ~3% of batched decoding)
+  return out.tanh_();   // ATen's vectorised tanh (benchmarks/NOTES.md item 52)
 }
 
 namespace {

@@ -39,8 +39,10 @@ using at::Tensor;
 
 int64_t batch_grain(int64_t S, int64_t A) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(S * A, 1)); }
 
-void check_context(const Tensor& alpha, const Tensor& values) {
-  TORCH_CHECK(alpha.dim() == 3 && values.dim() == 3 && alpha.size(0) == values.size(0) &&
+// group: rows of alpha (of q) per row of the values (of the keys); backward takes 1
+void check_context(const Tensor& alpha, const Tensor& values, int64_t group = 1) {
+  TORCH_CHECK(group >= 1, "dtmt._C: attention context: group must be >= 1, got ", group);
+  TORCH_CHECK(alpha.dim() == 3 && values.dim() == 3 && alpha.size(0) == values.size(0) * group &&
                   alpha.size(2) == values.size(1) && alpha.size(1) > 0 && values.size(2) % alpha.size(1) == 0,
               "dtmt._C: attention context takes alpha [B,NH,S] and values [B,S,C] with C divisible by NH");
   TORCH_CHECK(alpha.device().is_cpu() && values.device().is_cpu() && alpha.scalar_type() == values.scalar_type() &&
@@ -49,10 +51,11 @@ void check_context(const Tensor& alpha, const Tensor& values) {
               "dimension contiguous");
 }
 
-void check_shapes(const Tensor& keys, const Tensor& q, const Tensor& v) {
+void check_shapes(const Tensor& keys, const Tensor& q, const Tensor& v, int64_t group = 1) {
+  TORCH_CHECK(group >= 1, "dtmt._C: additive scores: group must be >= 1, got ", group);
   TORCH_CHECK(keys.dim() == 4 && q.dim() == 3 && v.dim() == 2, "dtmt._C: additive scores take keys [B,S,NH,D], "
               "q [B,NH,D], v [NH,D]");
-  TORCH_CHECK(q.size(0) == keys.size(0) && q.size(1) == keys.size(2) && q.size(2) == keys.size(3) &&
+  TORCH_CHECK(q.size(0) == keys.size(0) * group && q.size(1) == keys.size(2) && q.size(2) == keys.size(3) &&
                   v.size(0) == keys.size(2) && v.size(1) == keys.size(3),
               "dtmt._C: additive scores: keys, q and v sizes do not match");
   for (const Tensor* t : {&keys, &q, &v})
@@ -63,10 +66,7 @@ void check_shapes(const Tensor& keys, const Tensor& q, const Tensor& v) {
 }  // namespace
 
 Tensor attention_context_forward_cpu(const Tensor& alpha, const Tensor& values, int64_t group) {
-  TORCH_CHECK(group == 1 || (group > 1 && alpha.dim() == 3 && values.dim() == 3 &&
-                              alpha.size(0) == values.size(0) * group),
-              "dtmt._C: attention context in groups takes alpha [B * group, NH, S] and values [B, S, C]");
-  check_context(group == 1 ? alpha : alpha.narrow(0, 0, values.size(0)), values);
+  check_context(alpha, values, group);
   const int64_t B = alpha.size(0), S = values.size(1), C = values.size(2), NH = alpha.size(1);
   Tensor out = at::empty({B, C}, values.options());
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "attention_context_forward_cpu", [&] {
@@ -110,9 +110,7 @@ std::vector<Tensor> attention_context_backward_cpu(const Tensor& grad, const Ten
 }
 
 Tensor additive_scores_forward_cpu(const Tensor& keys, const Tensor& q, const Tensor& v, int64_t group) {
-  TORCH_CHECK(group == 1 || (group > 1 && q.dim() == 3 && keys.dim() == 4 && q.size(0) == keys.size(0) * group),
-              "dtmt._C: additive scores in groups take q [B * group, NH, D] and keys [B, S, NH, D]");
-  check_shapes(keys, group == 1 ? q : q.narrow(0, 0, keys.size(0)), v);
+  check_shapes(keys, q, v, group);
   const int64_t B = q.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
   Tensor out = at::empty({B, NH, S}, keys.options());
   AT_DISPATCH_FLOATING_TYPES(keys.scalar_type(), "additive_scores_forward_cpu", [&] {

@@ -25,8 +25,10 @@ What it does, in one run:
    the same order;
 4. the BLEU of every output against the references (sacrebleu, as `dtmt evaluate`), sentences/s and output
    words/s, and the ratios the issue sets goals for: each system at batch 1 over CTranslate2 at batch 1 (goal
-   >= 1.5) and batched over the faster of CTranslate2 batched and `--peer-lstm` (sentences/s of OpenNMT-py's LSTM
-   measured by bench_peers.py, if given; goal >= 1.0).
+   >= 1.5) and batched over the faster of CTranslate2 batched and OpenNMT-py's LSTM (goal >= 1.0): decoded in
+   this run by OpenNMT-py's own translator with `--peer-lstm-run DIR` (the LSTM a bench_peers.py run trained in
+   DIR; the same sentences, thread counts and beam, batches of --max-tokens source tokens, its BLEU beside the
+   others), or as a figure from elsewhere with `--peer-lstm THREADS=RATE`.
 Length normalisation differs: dtmt uses GNMT's ((5+|y|)/6)^0.6, CTranslate2 offers |y|^alpha only (alpha 0.6
 here); the BLEU columns show what each gives.
 Output: OUT/bench_deploy.md (machine, command, table) and OUT/bench_deploy.json.
@@ -159,6 +161,51 @@ def time_ct2(py: str, model_dir: str, src: str, tv, threads: int, batch: int, be
     return {"seconds": json.loads(line)["seconds"], "hyps": hyps}
 
 
+def lstm_run(run_dir: str, data: str) -> dict:
+    """The OpenNMT-py LSTM a `bench_peers.py --out run_dir` run trained: its last checkpoint (the step of
+    onmt-lstm/train.jsonl's end record, as bench_peers decodes it) and the SentencePiece models of its pieces/."""
+    from bench_peers import read_jsonl
+
+    from dtmt_models.data.corpus import read_manifest
+
+    journal = os.path.join(run_dir, "onmt-lstm", "train.jsonl")
+    if not os.path.isfile(journal):
+        raise FileNotFoundError(f"{run_dir}: no onmt-lstm/train.jsonl (not a bench_peers.py --out directory with "
+                                "the OpenNMT-py LSTM)")
+    ends = [r for r in read_jsonl(journal) if r["kind"] == "end"]
+    if not ends:
+        raise RuntimeError(f"{journal}: the LSTM's training did not finish (no end record)")
+    model = os.path.join(run_dir, "onmt-lstm", f"model_step_{ends[-1]['step']}.pt")
+    manifest = read_manifest(data)
+    spm = {side: os.path.join(run_dir, "pieces", f"spm.{manifest[side + '_lang']}.model") for side in ("src", "tgt")}
+    for path in (model, *spm.values()):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing")
+    return {"model": model, "src_spm": spm["src"], "tgt_spm": spm["tgt"]}
+
+
+def time_lstm(py: str, lstm: dict, sentences, threads: int, beam: int, max_tokens: int, work: str,
+              log: str) -> dict:
+    """OpenNMT-py's own translator (bench_peers.onmt_translate: batches of `max_tokens` source tokens, GNMT's
+    length penalty with alpha 0.6, as dtmt) over `sentences` cut by the LSTM's own SentencePiece model; seconds (its own timing, model
+    load excluded) and the detokenised one-best outputs."""
+    from bench_peers import onmt_translate
+
+    from dtmt_models.data.vocabulary import Vocabulary
+
+    sv, tv = Vocabulary.load(lstm["src_spm"]), Vocabulary.load(lstm["tgt_spm"])
+    src = os.path.join(work, "lstm.test.src.pieces")
+    with open(src, "w", encoding="utf-8") as f:
+        f.write("".join(" ".join(sv.sp.encode(s, out_type=str)) + "\n" for s in sentences))
+    out = os.path.join(work, f"lstm.t{threads}.hyp")
+    seconds = onmt_translate(py, lstm["model"], src, out, beam, threads, log, tv, max_tokens)["seconds"]
+    with open(out, encoding="utf-8") as f:
+        hyps = f.read().splitlines()
+    if len(hyps) != len(sentences):
+        raise RuntimeError(f"OpenNMT-py gave {len(hyps)} translations for {len(sentences)} sentences; see {log}")
+    return {"seconds": seconds, "hyps": hyps}
+
+
 def train_missing(name: str, data: str, budget: str, out: str, log: str) -> str:
     ckpt = os.path.join(out, "best.pt")
     if not os.path.isfile(ckpt):
@@ -191,7 +238,13 @@ def main(argv=None):
     p.add_argument("--peer-lstm", action="append", default=[], metavar="THREADS=RATE",
                    help="OpenNMT-py's LSTM batched sentences/s on this machine at THREADS threads (bench_peers.py's "
                         "decode column), for the batched goal; repeatable")
+    p.add_argument("--peer-lstm-run", metavar="DIR",
+                   help="a bench_peers.py --out directory: its OpenNMT-py LSTM is decoded here, in this run, on the "
+                        "same sentences and thread counts (batched, beam --beam), and its rate counts for the batched "
+                        "goal in place of --peer-lstm's")
     p.add_argument("--peer-env", default=os.path.join(HERE, "out", "peers", "env-ct2"))
+    p.add_argument("--onmt-env", default=os.path.join(HERE, "out", "peers", "env-onmt"),
+                   help="OpenNMT-py's environment (bench_peers.py makes it on first use)")
     p.add_argument("--out", default=os.path.join(HERE, "out", "deploy"))
     p.add_argument("--no-int8", dest="int8", action="store_false",
                    help="leave out the int8 decodings (`dtmt translate --int8`) of each --system")
@@ -204,6 +257,11 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     log = os.path.join(a.out, "bench_deploy.log")
     py = ensure_ct2_env(a.peer_env, log)
+    if a.peer_lstm_run:
+        from bench_peers import ensure_peer_env
+
+        lstm_peer = lstm_run(a.peer_lstm_run, a.data)
+        onmt_py = ensure_peer_env(a.onmt_env, log)
     if a.setup_only:
         return None
     systems = dict(s.split("=", 1) for s in a.system) if a.system else {
@@ -273,6 +331,10 @@ def main(argv=None):
             for backend in CT2_BACKENDS:
                 add(f"ctranslate2 {backend}", "transformer", transformer, threads, str(batch),
                     time_ct2(py, model_dir, src_pieces, tv, threads, batch, a.beam, work, log, backend))
+        if a.peer_lstm_run:
+            add("opennmt-py", "lstm", lstm_peer["model"], threads, f"≤{a.max_tokens}t",
+                time_lstm(onmt_py, lstm_peer, sentences, threads, a.beam, a.max_tokens, work, log))
+            lstm[threads] = rows[-1]["sentences_per_s"]   # measured here: it replaces a --peer-lstm figure
     # ratios
     for row in rows:
         if not row["decoder"].startswith("dtmt") or row["model"] == "transformer":
@@ -300,7 +362,9 @@ def main(argv=None):
         md.append(f"| {r['decoder']} | {r['model']} | {r['threads']} | {r['batch']} | {r['sentences_per_s']:.1f} | "
                   f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} |")
     md.append("")
-    lstm_rates = ", ".join(f"{r:g} sentences/s at {t} thread(s)" for t, r in sorted(lstm.items()))
+    lstm_rates = ", ".join(f"{r:.1f} sentences/s at {t} thread(s)" for t, r in sorted(lstm.items()))
+    if a.peer_lstm_run:
+        lstm_rates += f", decoded in this run: {os.path.relpath(lstm_peer['model'], ROOT)}"
     md.append("vs: batch 1 over CTranslate2 batch 1; batched over the faster of CTranslate2 batched and OpenNMT-py's "
               f"LSTM ({lstm_rates or 'no figure given'}), same thread count; CTranslate2 as the faster of its two CPU "
               "backends, mkl (its default) and no-mkl (CT2_USE_MKL=0).")

@@ -393,6 +393,39 @@ def test_bench_deploy_parts_that_need_no_peer(tmp_path):
     assert len(int8["hyps"]) == len(sentences)
 
 
+def test_bench_deploy_finds_the_lstm_a_bench_peers_run_trained(tmp_path):
+    """--peer-lstm-run DIR decodes the checkpoint bench_peers decodes (the step of the journal's end record) with
+    the SentencePiece models of DIR/pieces, by language; a directory without them gets a one-line error."""
+    from test_train import make_toy_corpus
+
+    from benchmarks import bench_deploy
+
+    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=2, n_test=2)
+    run_dir = tmp_path / "peers"
+    with pytest.raises(FileNotFoundError, match="not a bench_peers.py --out directory"):
+        bench_deploy.lstm_run(str(run_dir), data)
+    (run_dir / "onmt-lstm").mkdir(parents=True)
+    (run_dir / "pieces").mkdir()
+    journal = run_dir / "onmt-lstm" / "train.jsonl"
+    journal.write_text('{"kind": "valid", "step": 250}\n')
+    with pytest.raises(RuntimeError, match="did not finish"):
+        bench_deploy.lstm_run(str(run_dir), data)
+    journal.write_text('{"kind": "valid", "step": 250}\n{"kind": "end", "step": 1003}\n')
+    for name in ("model_step_250.pt", "model_step_1003.pt"):
+        (run_dir / "onmt-lstm" / name).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="spm"):
+        bench_deploy.lstm_run(str(run_dir), data)
+    from dtmt_models.data.corpus import read_manifest
+
+    langs = read_manifest(data)
+    for side in ("src", "tgt"):
+        (run_dir / "pieces" / f"spm.{langs[side + '_lang']}.model").write_bytes(b"")
+    found = bench_deploy.lstm_run(str(run_dir), data)
+    assert found == {"model": str(run_dir / "onmt-lstm" / "model_step_1003.pt"),
+                     "src_spm": str(run_dir / "pieces" / f"spm.{langs['src_lang']}.model"),
+                     "tgt_spm": str(run_dir / "pieces" / f"spm.{langs['tgt_lang']}.model")}
+
+
 def test_bench_beam_swap_quick(tmp_path):
     """The before/after timer: this checkout's beam search and the same file loaded by path translate alike,
     batched and one at a time (so a swapped-in version is measured on the same work)."""

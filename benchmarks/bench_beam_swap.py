@@ -46,6 +46,8 @@ def main(argv=None):
                    help="beam search's Python loop over the decoder's steps, not its one-call C++ search (NOTES 47)")
     p.add_argument("--no-fold", action="store_true",
                    help="keep the attention's output projection as a third matrix (FusedRNMTDecoder fold=False)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="leave the step's weights where they are, in 4 KiB pages (FusedRNMTDecoder huge_pages=False)")
     a = p.parse_args(argv)
     ours = tr.beam_search
     try:
@@ -76,8 +78,9 @@ def _run(a, tr):
     profiler = cProfile.Profile() if a.profile else contextlib.nullcontext()
     with torch_threads(a.threads), torch.no_grad():
         decoder = model.inference_decoder(int8=a.int8)   # built once, as `dtmt translate` does
-        if a.no_fold and isinstance(decoder, FusedRNMTDecoder):
-            decoder = FusedRNMTDecoder(decoder.model, decoder.layered, decoder.int8, fold=False)
+        if (a.no_fold or a.no_huge_pages) and isinstance(decoder, FusedRNMTDecoder):
+            decoder = FusedRNMTDecoder(decoder.prepared, decoder.layered, decoder.int8, fold=not a.no_fold,
+                                       huge_pages=not a.no_huge_pages)
         if a.batch_one:   # a first call out of the timing
             tr.translate(model, sv, tv, sources[:1], beam=4, decoder=decoder)
         t0 = time.perf_counter()
@@ -91,7 +94,8 @@ def _run(a, tr):
     if a.profile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     digest = hashlib.sha1("\n".join(hyps).encode()).hexdigest()[:12]
-    which = " ".join([a.beam_search or "this checkout"] + ["python loop"] * a.python_loop + ["no fold"] * a.no_fold)
+    which = " ".join([a.beam_search or "this checkout"] + ["python loop"] * a.python_loop + ["no fold"] * a.no_fold
+                     + ["4 KiB pages"] * a.no_huge_pages)
     print(f"{which}: {len(hyps)} sentences in {seconds:.2f}s, outputs sha1 {digest}")
     return seconds, hyps
 

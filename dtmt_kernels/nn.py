@@ -497,7 +497,8 @@ class FrozenTransitionLayer(InferenceForm):
     """A DeepTransitionGRU / ATR sequence layer for encoding: the layer's forward (the same checks, shapes and
     results) with each direction's kernel parameters gathered once (`directions`: (kind, params) pairs as
     FrozenTransitionCell holds them, for torch.ops.dtmt.transition_forward). No candidate dropout (eval mode).
-    `int8()`: a copy whose recurrent matrices are int8 rows (int8 decoding)."""
+    `int8()`: a copy whose recurrent matrices are int8 rows (int8 decoding); `on_huge_pages()`: a copy whose
+    parameters sit in 2 MiB pages."""
 
     def __init__(self, layer: "_TransitionLayer", directions: Optional[List[Tuple[int, List[Tensor]]]] = None):
         super().__init__(layer)
@@ -539,6 +540,18 @@ class FrozenTransitionLayer(InferenceForm):
         return FrozenTransitionLayer(self.source, [
             (kind, [pack_int8_rows(p) if i in self.RECURRENT and p.numel() else p for i, p in enumerate(params)])
             for kind, params in self.directions])
+
+    def on_huge_pages(self) -> "FrozenTransitionLayer":
+        """A copy whose directions' parameters (float or int8) are copied, one direction after the other, into one
+        buffer of 2 MiB pages (ops.linear.placement.huge_page_copies: the recurrent matrices are read at every
+        position; the same values, so the same results). The layer itself where huge pages are not offered."""
+        from .ops.linear.placement import huge_page_copies, huge_pages_offered
+
+        if not huge_pages_offered() or self._flat is None:
+            return self
+        copies = iter(huge_page_copies([p for _, params in self.directions for p in params]))
+        return FrozenTransitionLayer(self.source, [(kind, [next(copies) for _ in params])
+                                                   for kind, params in self.directions])
 
 
 class Linear(BackendSwitch, nn.Linear):

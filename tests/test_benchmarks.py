@@ -448,9 +448,31 @@ def test_bench_beam_swap_quick(tmp_path):
     _, swapped = bench_beam_swap.main(common + ["--beam-search", bs.__file__])
     _, one_by_one = bench_beam_swap.main(common + ["--batch-one", "8", "--profile"])
     _, loop = bench_beam_swap.main(common + ["--python-loop", "--no-fold"])   # NOTES 47's "before"
-    assert seconds > 0 and len(ours) == 8 and ours == swapped == one_by_one == loop
+    _, small_pages = bench_beam_swap.main(common + ["--no-huge-pages"])
+    assert seconds > 0 and len(ours) == 8 and ours == swapped == one_by_one == loop == small_pages
     import dtmt_models.decoding.translate as tr
     assert tr.beam_search is bs.beam_search                 # the swap is undone
+
+
+def test_bench_pages_quick(tmp_path):
+    """The page-size timer: both decoders translate the toy test set alike, one sentence a call and in chunks."""
+    from test_train import make_toy_corpus
+
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
+    from benchmarks import bench_pages
+    from dtmt_models.data.vocabulary import Vocabulary
+    from dtmt_models.models.registry import build_model
+
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    options = dict(embed_dim=8, hidden_size=8, heads=2, dropout=0.0)
+    torch.manual_seed(0)
+    ckpt = save_model(tmp_path / "tiny.pt", "dtmt", options, sv, tv, build_model("dtmt", len(sv), len(tv), **options))
+    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=8)
+    for chunk in ("1", "3"):
+        seconds, same = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", chunk])
+        assert same and all(s > 0 for s in seconds.values()) and len(seconds) == 2
+    with pytest.raises(SystemExit):
+        bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", "0"])
 
 
 def test_bench_data_quick(tmp_path):

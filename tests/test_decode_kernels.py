@@ -428,8 +428,9 @@ def test_fold_context_projection(system, options):
     torch.manual_seed(6)
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=24, **options).eval().double()
     with torch.no_grad():
-        folded = model.inference_decoder()
-        plain = FusedRNMTDecoder(folded.model, folded.layered, fold=False)
+        prepared = model.inference_decoder().prepared   # both with the weights where they are (huge_pages=False)
+        folded = FusedRNMTDecoder(prepared, False, huge_pages=False)
+        plain = FusedRNMTDecoder(prepared, False, fold=False, huge_pages=False)
         has_projection = plain.attention.w_o is not None
         assert has_projection == (system == "dtmt") and folded.attention.w_o is None
         assert folded.decoder_cell.params[0].shape == plain.decoder_cell.params[0].shape
@@ -503,3 +504,84 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):   # the layer's autocast rule: bf16 products
         got, want = layer.inference_module()(x, None, lengths), layer(x, None, lengths)
     assert got[0].dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _mapping_flags(ptr: int) -> str:
+    """The VmFlags line of this process's mapping that holds address `ptr` (/proc/self/smaps)."""
+    import re
+
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                inside = int(m.group(1), 16) <= ptr < int(m.group(2), 16)
+            elif inside and line.startswith("VmFlags:"):
+                return line
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@pytest.mark.skipif(not dk.ops.linear.huge_pages_offered(), reason="no transparent huge page advice here")
+def test_huge_page_copies():
+    """huge_page_copies: the same values, dtypes and shapes (contiguous), in new memory that outlives the originals,
+    the first copy at a 2 MiB boundary and each one at a 4 KiB one, in a mapping advised for huge pages (the `hg`
+    flag of /proc/self/smaps); empty tensors come back as they are, and so does a list with a tensor off the CPU
+    (here: on the meta device)."""
+    import gc
+
+    from dtmt_kernels.ops.linear.placement import HUGE_PAGE, huge_page_copies
+
+    g = torch.Generator().manual_seed(0)
+    originals = [torch.randn(1280, 512, generator=g), torch.randn(5, generator=g), torch.empty(0),
+                 torch.randint(-127, 128, (300, 260), dtype=torch.int8, generator=g),
+                 torch.randn(3, 768, 256, generator=g).transpose(1, 2), torch.randn(2, 3, dtype=torch.float64)]
+    kept = [t.clone() for t in originals]
+    copies = huge_page_copies(originals)
+    assert copies[2] is originals[2]
+    for t, c in zip(kept, copies):
+        assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous() and torch.equal(c, t)
+    starts = [c.data_ptr() for i, c in enumerate(copies) if i != 2]
+    assert starts[0] % HUGE_PAGE == 0 and all(p % 4096 == 0 for p in starts)
+    assert len({c.untyped_storage().data_ptr() for i, c in enumerate(copies) if i != 2}) == 1
+    assert not any(c.data_ptr() == t.data_ptr() for c, t in zip(copies, originals) if t.numel())
+    assert " hg" in _mapping_flags(starts[0])
+    del originals
+    gc.collect()
+    assert all(torch.equal(c, t) for c, t in zip(copies, kept))
+    meta = [torch.randn(4), torch.empty(3, device="meta")]
+    assert all(c is t for c, t in zip(huge_page_copies(meta), meta))
+
+
+@pytest.mark.parametrize("system, options", [("dtmt", dict(heads=2)), ("rnnsearch-atr", {})])
+def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
+    """FusedRNMTDecoder(huge_pages=True), the default: the step's weights (dk.functional.step_weights_on_huge_pages)
+    and the encoder's sequence layers (FrozenTransitionLayer.on_huge_pages) are copies, in one 2 MiB-aligned buffer
+    each where huge pages are offered, and the decoder's steps, its reorder and its whole C++ beam search give
+    the 4 KiB-page decoder's results to the bit, in float32, also as an int8 decoder."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    torch.manual_seed(7)
+    model = build_model(system, 50, 60, embed_dim=16, hidden_size=24, **options).eval()
+    with torch.no_grad():
+        huge = model.inference_decoder()
+        plain = FusedRNMTDecoder(huge.prepared, huge.layered, huge_pages=False)
+        layers = lambda d: [m for m in d.model.modules() if isinstance(m, dk.nn.FrozenTransitionLayer)]  # noqa: E731
+        assert layers(huge) and layers(plain)
+        if dk.ops.linear.huge_pages_offered():
+            from dtmt_kernels.ops.linear.placement import HUGE_PAGE
+
+            assert huge.query_cell.params[0].data_ptr() % HUGE_PAGE == 0
+            assert huge.query_cell.params[0].data_ptr() != plain.query_cell.params[0].data_ptr()
+            assert len({t.untyped_storage().data_ptr() for t in huge.readout.tensors + huge.attention.tensors
+                        if t.numel()}) == 1
+            for a, b in zip(layers(huge), layers(plain)):
+                assert a.directions[0][1][0].data_ptr() % HUGE_PAGE == 0
+                assert all(x.data_ptr() != y.data_ptr() and torch.equal(x, y)
+                           for (_, pa), (_, pb) in zip(a.directions, b.directions) for x, y in zip(pa, pb) if x.numel())
+        src, lengths = torch.randint(4, 50, (4, 6)), torch.tensor([6, 6, 4, 2])
+        prevs = [torch.randint(4, 60, (4,)) for _ in range(3)]
+        assert_decoders_step_alike(huge, plain, src, lengths, prevs, torch.tensor([2, 0, 3, 1]), 0, 0, 0)
+        for a, b in ((huge, plain), (huge.inference_decoder(int8=True),
+                                     FusedRNMTDecoder(huge.prepared, huge.layered, int8=True, huge_pages=False))):
+            assert a.search is not None
+            assert beam_search(a, src, lengths, beam=3) == beam_search(b, src, lengths, beam=3)

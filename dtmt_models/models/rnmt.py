@@ -92,11 +92,16 @@ class FusedRNMTDecoder:
     positions) stay float32. A copy of them is made here. `fold`: the
     attention's output projection (multi-head attention) folded into the decoder cell's input matrix and the
     readout's context matrix (dk.functional.fold_context_projection; before int8 rounding), so that a step reads
-    two matrices instead of three. `search`: beam search's whole loop in one C++ call (see `_search`), or None
-    where the op cannot embed the previous token as the system does."""
+    two matrices instead of three. `huge_pages`: the step's weights copied, last, into one buffer of 2 MiB pages
+    (dk.functional.step_weights_on_huge_pages; the same values, fewer TLB misses), and the encoder's sequence
+    layers' parameters likewise (dk.nn.FrozenTransitionLayer.on_huge_pages, in a shallow copy of the model that
+    `encode` runs). `search`: beam search's whole loop in one C++ call (see `_search`), or None
+    where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
+    (`model` is that model or the copy `encode` runs)."""
 
-    def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True):
-        self.model, self.layered, self.int8 = model, layered, int8
+    def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True,
+                 huge_pages: bool = True):
+        self.prepared, self.model, self.layered, self.int8 = model, model, layered, int8
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
@@ -109,6 +114,12 @@ class FusedRNMTDecoder:
             self.query_cell = dk.functional.CellWeights.of(self.query_cell).int8()
             self.decoder_cell = dk.functional.CellWeights.of(self.decoder_cell).int8()
             self.attention, self.readout = self.attention.int8(), self.readout.int8()
+        if huge_pages:   # the encoder's sequence layers too, in a shallow copy of the model (after int8's)
+            self.model = inference_copy(self.model, lambda m: m.on_huge_pages()
+                                        if isinstance(m, dk.nn.FrozenTransitionLayer) else m)
+            self.query_cell, self.decoder_cell, self.attention, self.readout = \
+                dk.functional.step_weights_on_huge_pages(self.query_cell, self.decoder_cell, self.attention,
+                                                         self.readout)
         self.single_head = model.attention.single_head
         # the whole beam search as one C++ call (`search`), where the previous token's embedding is one the op
         # computes: TokenEmbedding's row, plus its scaled position when the system's embed_step passes them
@@ -118,7 +129,7 @@ class FusedRNMTDecoder:
         self.search = self._search if embeds else None
 
     def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
-        return FusedRNMTDecoder(self.model, self.layered, True) if int8 and not self.int8 else self
+        return FusedRNMTDecoder(self.prepared, self.layered, True) if int8 and not self.int8 else self
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         return self.model.encode(src, src_lengths)

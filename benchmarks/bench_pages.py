@@ -1,0 +1,75 @@
+"""The fused decoder with its weights in 2 MiB pages against the same decoder in 4 KiB pages (NOTES item 54).
+
+    python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 1 --chunk 1 --sentences 150
+    python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 2 --chunk 60
+
+Builds both decoders in one process (FusedRNMTDecoder with huge_pages=True, the default, and huge_pages=False)
+and translates the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: one sentence a
+call, batch 1; more: `translate`'s batching by tokens within the chunk), each chunk by both decoders, the order
+swapped from one chunk to the next, so that the VM's drifting speed falls on both alike. Prints the seconds of
+each (model load excluded), their ratio and whether the two translate identically.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+
+def main(argv=None):
+    import torch
+    from bench_cells import machine_name, torch_threads
+
+    from dtmt_models.data.corpus import corpus_paths, read_parallel
+    from dtmt_models.decoding.translate import translate
+    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.models.rnmt import FusedRNMTDecoder
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "dev_dtmt", "best.pt"))
+    p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
+    p.add_argument("--sentences", type=int, default=0, help="the first N test sources (0: all)")
+    p.add_argument("--chunk", type=int, default=1, help="sentences a call (1: batch 1)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--int8", action="store_true", help="int8 decoders (`dtmt translate --int8`)")
+    a = p.parse_args(argv)
+    if a.chunk < 1:
+        p.error("--chunk must be >= 1")
+    model, sv, tv, ckpt = load_model(a.checkpoint)
+    model.eval()
+    sources = [s for s, _ in read_parallel(*corpus_paths(a.data, "test"))]
+    sources = sources[:a.sentences] if a.sentences else sources
+    with torch_threads(a.threads), torch.no_grad():
+        huge = model.inference_decoder(int8=a.int8)
+        if not isinstance(huge, FusedRNMTDecoder):
+            raise SystemExit(f"{a.checkpoint}: {ckpt['model_name']} has no fused decoder")
+        decoders = {"2 MiB pages": huge,
+                    "4 KiB pages": FusedRNMTDecoder(huge.prepared, huge.layered, huge.int8, huge_pages=False)}
+        names = list(decoders)
+        for d in decoders.values():   # a first call out of the timing
+            translate(model, sv, tv, sources[:1], beam=4, decoder=d)
+        seconds = dict.fromkeys(names, 0.0)
+        hyps = {name: [] for name in names}
+        for i in range(0, len(sources), a.chunk):
+            for name in names if (i // a.chunk) % 2 == 0 else names[::-1]:
+                t0 = time.perf_counter()
+                out = translate(model, sv, tv, sources[i:i + a.chunk], beam=4, decoder=decoders[name])
+                seconds[name] += time.perf_counter() - t0
+                hyps[name] += [h[0][0] for h in out]
+    same = hyps[names[0]] == hyps[names[1]]
+    machine = ", ".join(part for part in machine_name().split(", ") if "threads" not in part)   # named below
+    print(f"{machine}; {os.path.relpath(a.checkpoint, ROOT)}{' int8' if a.int8 else ''}; {len(sources)} "
+          f"sentences, {a.chunk} a call, {a.threads} thread(s): " +
+          ", ".join(f"{n} {s:.2f} s" for n, s in seconds.items()) +
+          f"; ratio {seconds[names[0]] / seconds[names[1]]:.3f}; identical outputs: {same}")
+    return seconds, same
+
+
+if __name__ == "__main__":
+    main()

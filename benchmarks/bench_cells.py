@@ -87,7 +87,9 @@ def machine_record() -> dict:
                 dtmt_loops=loops)
 
 
-def machine_name(device: str = "cpu") -> str:
+def machine_name(device: str = "cpu", threads: bool = True) -> str:
+    """The machine in words for a result's header; `threads=False` leaves out torch's thread count (for a table
+    that names the threads of each row itself)."""
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         try:
@@ -99,8 +101,8 @@ def machine_name(device: str = "cpu") -> str:
                 f"torch {torch.__version__}{tri}")
     rec = machine_record()
     loops = f", dtmt CPU loops {rec['dtmt_loops']}" if rec["dtmt_loops"] else ""
-    return (f"{rec['model name']}, {rec['cores']} cores, torch {rec['torch']}, {torch.get_num_threads()} "
-            f"threads{loops}")
+    count = f", {torch.get_num_threads()} threads" if threads else ""
+    return f"{rec['model name']}, {rec['cores']} cores, torch {rec['torch']}{count}{loops}"
 
 
 def _sync(device: str = "cpu"):

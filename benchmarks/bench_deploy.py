@@ -351,7 +351,7 @@ def main(argv=None):
             row["vs"] = row["sentences_per_s"] / best
             row["goal"] = 1.0
     cmd = "python benchmarks/bench_deploy.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    machine = ", ".join(part for part in machine_name().split(", ") if "threads" not in part)   # a column here
+    machine = machine_name(threads=False)   # a column here
     md = [f"Decoding against CTranslate2 {CT2_VERSION}: {machine}; beam {a.beam}; the {len(sentences)} first "
           f"test sources of {os.path.relpath(a.data, ROOT)}; model loading excluded. Conversion check: "
           f"max |Δ log p| = {diff:.1e} over {sum(map(len, ours))} dev pieces. Command: `{cmd.strip()}`", "",

@@ -63,7 +63,7 @@ def main(argv=None):
                 seconds[name] += time.perf_counter() - t0
                 hyps[name] += [h[0][0] for h in out]
     same = hyps[names[0]] == hyps[names[1]]
-    machine = ", ".join(part for part in machine_name().split(", ") if "threads" not in part)   # named below
+    machine = machine_name(threads=False)   # named below
     print(f"{machine}; {os.path.relpath(a.checkpoint, ROOT)}{' int8' if a.int8 else ''}; {len(sources)} "
           f"sentences, {a.chunk} a call, {a.threads} thread(s): " +
           ", ".join(f"{n} {s:.2f} s" for n, s in seconds.items()) +

@@ -187,8 +187,8 @@ def lstm_run(run_dir: str, data: str) -> dict:
 def time_lstm(py: str, lstm: dict, sentences, threads: int, beam: int, max_tokens: int, work: str,
               log: str) -> dict:
     """OpenNMT-py's own translator (bench_peers.onmt_translate: batches of `max_tokens` source tokens, GNMT's
-    length penalty with alpha 0.6, as dtmt) over `sentences` cut by the LSTM's own SentencePiece model; seconds (its own timing, model
-    load excluded) and the detokenised one-best outputs."""
+    length penalty with alpha 0.6, as dtmt) over `sentences` cut by the LSTM's own SentencePiece model; seconds
+    (its own timing, model load excluded) and the detokenised one-best outputs."""
     from bench_peers import onmt_translate
 
     from dtmt_models.data.vocabulary import Vocabulary

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -97,7 +98,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
                                          const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
                                          double cell_eps, const AttentionWeights& attention,
                                          const ReadoutWeights& readout, int64_t beam, double alpha,
-                                         const Tensor& max_len, int64_t bos, int64_t eos) {
+                                         const Tensor& max_len, int64_t bos, int64_t eos, bool source_products) {
   TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
                   embed.dim() == 2 && max_len.dim() == 1,
               "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
@@ -127,12 +128,17 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   std::vector<std::vector<Hyp>> finished(B);
   std::vector<int64_t> active(B);  // the open sentences, in the order of the state's row groups
   for (int64_t b = 0; b < B; ++b) active[b] = b;
+  // the context's products made once per sentence, where they pay (decided here, for the whole search)
+  std::optional<SourceProducts> source;
+  const int64_t NH = keys.size(2);
+  if (source_products && source_products_pay(annotations, NH, decoder_cell, attention, readout))
+    source = source_products_cpu(annotations, NH, decoder_cell.w_ih, decoder_cell.b_ih, readout.w_c, readout.b_c);
 
   for (int64_t t = 0; t < steps; ++t) {
     Tensor y = embed.index_select(0, prev);
     if (positional) y = y + positions.select(0, t);
     auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout,
-                           beam);
+                           beam, source ? &*source : nullptr);
     s = r[1];
     const int64_t n = static_cast<int64_t>(active.size()), V = r[0].size(1);
     Tensor log_probs = r[0].to(at::kFloat).contiguous().view({n, beam, V});
@@ -226,6 +232,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       std::vector<int64_t> next_active;
       for (int64_t i : still) next_active.push_back(active[i]);
       active.swap(next_active);
+      if (source) source->block = active;
     }
     std::vector<std::vector<int64_t>> next_rows;
     next_rows.reserve(select.size());

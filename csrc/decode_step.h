@@ -47,6 +47,36 @@ constexpr const char* kMemoryWeightFields = "w_state w_memory b_memory v w_read 
 // (dtmt_kernels.ops.transition.flat_params order, absent ones empty).
 TransitionWeights cell_weights(int64_t kind, const std::vector<at::Tensor>& params);
 
+// The products of the context made once per source (benchmarks/NOTES.md, item 55). Where the attention has no
+// output projection (multi-head attention after fold_context_projection, or single-head attention without one), a
+// step reads the context c only through two products, the decoder cell's input c W_ih^T and the readout's c W_c^T.
+// c is each head's weighted sum of its slice of the annotations, c[h] = sum_s alpha[h,s] A[s,h], so
+//   c W^T = sum_h sum_s alpha[h,s] (A[s,h] W[:,h]^T),
+// a product of each source position and head with the matrix's columns of that head, made once per sentence; a
+// step then weighs those NH * S products by alpha instead of reading W. `products` [K, N_ih + R]: row
+// (b * NH + h) * S + s holds sentence b's position s, head h, times both matrices (the cell's columns first);
+// `bias` [N_ih + R]: b_ih and b_c (zeros where absent). `block[i]`: the sentence of the step's i-th row group (the
+// search's open sentences). The same sums in another order, so equal up to rounding.
+struct SourceProducts {
+  at::Tensor products, bias;
+  int64_t NH = 0, S = 0, N_ih = 0;
+  std::vector<int64_t> block;
+  // [rows, K]: row r (group r / group) holds alpha[r] ([NH, S], contiguous) in its sentence's columns, 0 elsewhere
+  at::Tensor rows(const at::Tensor& alpha, int64_t group) const;
+};
+
+// Whether SourceProducts apply to a step with these weights and source (float matrices of the annotations' dtype,
+// no attention output projection) and pay: the products of all B sentences have at most half the columns of the
+// matrices they stand in for (B * NH * S <= C / 2), so that a step reads fewer bytes and making them (a GEMM of
+// S * C * (N_ih + R) per sentence) costs less than the steps save.
+bool source_products_pay(const at::Tensor& annotations, int64_t NH, const TransitionWeights& decoder_cell,
+                         const AttentionWeights& attention, const ReadoutWeights& readout);
+
+// SourceProducts of annotations [B, S, C] with NH heads for the decoder cell's input matrix w_ih [N_ih, C] and the
+// readout's context matrix w_c [R, C] and their biases b_ih, b_c (empty: none); block = 0..B-1.
+SourceProducts source_products_cpu(const at::Tensor& annotations, int64_t NH, const at::Tensor& w_ih,
+                                   const at::Tensor& b_ih, const at::Tensor& w_c, const at::Tensor& b_c);
+
 // One step of (multi-head) additive attention, as MultiHeadAdditiveAttention / AdditiveAttention compute it:
 //   q = query W_q^T [B, NH*D], layer-normalised over all NH*D when ln_w is present;
 //   scores[b,h,s] = v[h] . tanh(keys[b,s,h] + q[b,h]); alpha = softmax over the source positions with src_mask
@@ -56,13 +86,16 @@ TransitionWeights cell_weights(int64_t kind, const std::vector<at::Tensor>& para
 // Returns {context, alpha [B, NH, S]}.
 // group > 1: query has B * group rows, row b attending over keys / annotations / src_mask row b / group (a
 // sentence's beam rows share its source; the same arithmetic per row as with the rows repeated).
+// with_context false: only alpha is formed ({undefined, alpha}), for a step that reads the context through
+// SourceProducts.
 std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Tensor& keys,
                                            const at::Tensor& annotations, const at::Tensor& src_mask,
-                                           const AttentionWeights& w, int64_t group = 1);
+                                           const AttentionWeights& w, int64_t group = 1, bool with_context = true);
 
 // The readout features. y [N, E], s [N, Hs], c [N, C] -> [N, R] (the output projection is not applied).
+// c_part: c W_c^T + b_c [N, R] already formed (SourceProducts; c is then not read), or undefined.
 at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& c,
-                                const ReadoutWeights& w);
+                                const ReadoutWeights& w, const at::Tensor& c_part = at::Tensor());
 
 // One whole step of the attentional RNMT decoder (dtmt_models/models/rnmt.py, FusedRNMTDecoder):
 //   s_q = query_cell(y, s); (c, alpha) = attention_step(s_q, ...); s' = decoder_cell(c, s_q);
@@ -70,11 +103,14 @@ at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const 
 // y [B, E] (the embedded previous tokens), s [B, H]; keys / annotations / src_mask as attention_step's.
 // Returns {log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]}.
 // group > 1: y and s have B * group rows sharing the source tensors in groups (attention_step_cpu).
+// source: the context's products made once per source (SourceProducts; its block names each row group's
+// sentence), read in place of the context and the two matrices that multiply it; nullptr: none.
 std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& keys,
                                       const at::Tensor& annotations, const at::Tensor& src_mask,
                                       const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
                                       double cell_eps, const AttentionWeights& attention,
-                                      const ReadoutWeights& readout, int64_t group = 1);
+                                      const ReadoutWeights& readout, int64_t group = 1,
+                                      const SourceProducts* source = nullptr);
 
 // Beam search over rnmt_step_cpu, the whole loop of dtmt_models/decoding/beam_search.py (its reference: the same
 // decisions in the same arithmetic) in one call. The state as the decoder's `encode` made it, one row a
@@ -83,14 +119,16 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
 // term). beam >= 1, alpha the GNMT length-penalty exponent, max_len [B] the steps each sentence may take (EOS
 // included). Returns {counts [B], lengths [N], tokens [sum lengths], scores [N], log_probs [N]}: sentence b's
 // finished hypotheses, best first, are the counts[b] after those of the sentences before it; a hypothesis'
-// tokens exclude BOS and EOS; scores (log_prob / lp) and log_probs in float64.
+// tokens exclude BOS and EOS; scores (log_prob / lp) and log_probs in float64. source_products: the steps read the
+// context through SourceProducts where source_products_pay says they pay (decided once, for the whole search):
+// the same search up to the rounding of those sums; false: rnmt_step_cpu's arithmetic exactly.
 std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, const at::Tensor& keys,
                                              const at::Tensor& src_mask, const at::Tensor& s, const at::Tensor& embed,
                                              const at::Tensor& positions, const TransitionWeights& query_cell,
                                              const TransitionWeights& decoder_cell, double cell_eps,
                                              const AttentionWeights& attention, const ReadoutWeights& readout,
                                              int64_t beam, double alpha, const at::Tensor& max_len, int64_t bos,
-                                             int64_t eos);
+                                             int64_t eos, bool source_products = false);
 
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.

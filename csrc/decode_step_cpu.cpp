@@ -8,6 +8,7 @@
 #include "decode_step.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "attention.h"
@@ -93,8 +94,55 @@ TransitionWeights cell_weights(int64_t kind, const std::vector<Tensor>& p) {
   return {kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
 }
 
+Tensor SourceProducts::rows(const Tensor& alpha, int64_t group) const {
+  const int64_t n = alpha.size(0), width = NH * S, K = products.size(0);
+  TORCH_CHECK(alpha.is_contiguous() && alpha.dim() == 3 && alpha.size(1) * alpha.size(2) == width &&
+                  n == static_cast<int64_t>(block.size()) * group,
+              "dtmt::SourceProducts: alpha [rows, NH, S] of the products' sentences expected, got ", alpha.sizes());
+  Tensor out = (K == width) ? alpha.view({n, width}) : at::zeros({n, K}, alpha.options());
+  if (K == width) return out;   // one sentence: the rows are alpha itself
+  const size_t bytes = static_cast<size_t>(width) * alpha.element_size();
+  const char* a = static_cast<const char*>(alpha.data_ptr());
+  char* o = static_cast<char*>(out.data_ptr());
+  for (int64_t r = 0; r < n; ++r)
+    std::memcpy(o + (r * K + block[r / group] * width) * alpha.element_size(), a + r * bytes, bytes);
+  return out;
+}
+
+bool source_products_pay(const Tensor& annotations, int64_t NH, const TransitionWeights& decoder_cell,
+                         const AttentionWeights& attention, const ReadoutWeights& readout) {
+  const auto st = annotations.scalar_type();
+  const auto plain = [&](const Tensor& w) {   // a float matrix [., C] of the annotations' dtype (not int8 rows)
+    return w.defined() && w.dim() == 2 && w.scalar_type() == st && w.size(1) == annotations.size(2) &&
+           w.device().is_cpu();
+  };
+  const int64_t B = annotations.size(0), S = annotations.size(1), C = annotations.size(2);
+  return !present(attention.w_o) && NH >= 1 && C % NH == 0 && at::isFloatingType(st) && plain(decoder_cell.w_ih) &&
+         plain(readout.w_c) && B * NH * S * 2 <= C;
+}
+
+SourceProducts source_products_cpu(const Tensor& annotations, int64_t NH, const Tensor& w_ih, const Tensor& b_ih,
+                                   const Tensor& w_c, const Tensor& b_c) {
+  const int64_t B = annotations.size(0), S = annotations.size(1), C = annotations.size(2), Dc = C / NH;
+  const int64_t N_ih = w_ih.size(0), R = w_c.size(0), N = N_ih + R;
+  // per head h: the head's slices of all positions [B * S, Dc] times W[:, h]^T [Dc, N]
+  const Tensor a = annotations.contiguous().view({B * S, NH, Dc}).permute({1, 0, 2});
+  const Tensor w = at::cat({w_ih, w_c}, 0).view({N, NH, Dc}).permute({1, 2, 0});
+  SourceProducts sp;
+  sp.products = at::bmm(a, w).view({NH, B, S, N}).permute({1, 0, 2, 3}).contiguous().view({B * NH * S, N});
+  sp.bias = at::cat({present(b_ih) ? b_ih : at::zeros({N_ih}, w_ih.options()),
+                     present(b_c) ? b_c : at::zeros({R}, w_c.options())});
+  sp.NH = NH;
+  sp.S = S;
+  sp.N_ih = N_ih;
+  sp.block.resize(B);
+  for (int64_t b = 0; b < B; ++b) sp.block[b] = b;
+  return sp;
+}
+
 std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, const Tensor& annotations,
-                                       const Tensor& src_mask, const AttentionWeights& w, int64_t group) {
+                                       const Tensor& src_mask, const AttentionWeights& w, int64_t group,
+                                       bool with_context) {
   const Tensor &w_q = w.w_q, &v = w.v, &ln_w = w.ln_w, &ln_b = w.ln_b;
   const double ln_eps = w.ln_eps;
   check_cpu({&query, &w_q, &keys, &v, &annotations, &src_mask, &w.w_o, &w.b_o, &ln_w, &ln_b}, "attention_step");
@@ -127,25 +175,32 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
     masked_softmax<scalar_t>(scores.data_ptr<scalar_t>(), mask.data_ptr<bool>(), alpha.data_ptr<scalar_t>(), B, NH,
                              S, group);
   });
+  if (!with_context) return {Tensor(), alpha};
   Tensor context = attention_context_forward_cpu(alpha, annotations, group);
   if (present(w.w_o)) context = linear(context, w.w_o, w.b_o);
   return {context, alpha};
 }
 
-Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, const ReadoutWeights& w) {
+Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, const ReadoutWeights& w,
+                            const Tensor& c_part) {
   const Tensor &w_y = w.w_y, &b_y = w.b_y, &w_s = w.w_s, &b_s = w.b_s, &w_c = w.w_c, &b_c = w.b_c, &ln_w = w.ln_w,
                &ln_b = w.ln_b;
   const double eps = w.eps;
-  check_cpu({&y, &s, &c, &w_y, &b_y, &w_s, &b_s, &w_c, &b_c, &ln_w, &ln_b}, "readout_features");
-  TORCH_CHECK(y.dim() == 2 && s.dim() == 2 && c.dim() == 2 && y.size(0) == s.size(0) && y.size(0) == c.size(0),
+  const Tensor& c_in = c_part.defined() ? c_part : c;
+  check_cpu({&y, &s, &c_in, &w_y, &b_y, &w_s, &b_s, &w_c, &b_c, &ln_w, &ln_b}, "readout_features");
+  TORCH_CHECK(y.dim() == 2 && s.dim() == 2 && c_in.dim() == 2 && y.size(0) == s.size(0) &&
+                  y.size(0) == c_in.size(0),
               "dtmt._C.readout_features: y, s and c must be [N, ·] with the same N");
   const int64_t N = y.size(0), R = w_y.size(0);
+  TORCH_CHECK(!c_part.defined() || (c_part.size(1) == R && c_part.is_contiguous()),
+              "dtmt._C.readout_features: c_part must be a contiguous [N, ", R, "]");
   TORCH_CHECK(w_s.size(0) == R && w_c.size(0) == R, "dtmt._C.readout_features: the three weights need R rows");
   const bool ln = present(ln_w);
   TORCH_CHECK(!ln || (ln_w.sizes() == at::IntArrayRef{3, R} && ln_b.sizes() == at::IntArrayRef{3, R} &&
                       ln_w.is_contiguous() && ln_b.is_contiguous()),
               "dtmt._C.readout_features: ln_w and ln_b must be contiguous [3, R]");
-  const Tensor parts[3] = {linear(y, w_y, b_y), linear(s, w_s, b_s), linear(c, w_c, b_c)};
+  const Tensor parts[3] = {linear(y, w_y, b_y), linear(s, w_s, b_s),
+                           c_part.defined() ? c_part.clone() : linear(c, w_c, b_c)};   // (LN works in place)
   Tensor out;
   if (!ln) {
     out = parts[0].add_(parts[1]).add_(parts[2]).tanh_();
@@ -176,13 +231,23 @@ Tensor cell_step(const Tensor& x, const Tensor& h, const TransitionWeights& w, d
 std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor& keys, const Tensor& annotations,
                                   const Tensor& src_mask, const TransitionWeights& query_cell,
                                   const TransitionWeights& decoder_cell, double cell_eps,
-                                  const AttentionWeights& attention, const ReadoutWeights& readout, int64_t group) {
+                                  const AttentionWeights& attention, const ReadoutWeights& readout, int64_t group,
+                                  const SourceProducts* source) {
   check_cpu({&y, &s, &readout.w_out, &readout.b_out}, "rnmt_step");
   const Tensor s_q = cell_step(y, s, query_cell, cell_eps);
-  auto ca = attention_step_cpu(s_q, keys, annotations, src_mask, attention, group);
-  const Tensor& context = ca[0];
-  const Tensor s_new = cell_step(context, s_q, decoder_cell, cell_eps);
-  const Tensor features = readout_features_cpu(y, s_new, context, readout);
+  auto ca = attention_step_cpu(s_q, keys, annotations, src_mask, attention, group, source == nullptr);
+  Tensor features, s_new;
+  if (source != nullptr) {   // c W^T + b as the per-position products weighed by alpha (SourceProducts)
+    const Tensor both = at::addmm(source->bias, source->rows(ca[1], group), source->products);
+    const int64_t N_ih = source->N_ih;
+    s_new = cell_step_from_products_cpu(both.narrow(1, 0, N_ih).contiguous(), s_q, decoder_cell, cell_eps);
+    features = readout_features_cpu(y, s_new, Tensor(), readout,
+                                    both.narrow(1, N_ih, both.size(1) - N_ih).contiguous());
+  } else {
+    const Tensor& context = ca[0];
+    s_new = cell_step(context, s_q, decoder_cell, cell_eps);
+    features = readout_features_cpu(y, s_new, context, readout);
+  }
   const Tensor logits = linear(features, readout.w_out, readout.b_out);
   const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
   // log-probabilities in the model's precision, float32 at least (as Projection.forward)

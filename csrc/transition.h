@@ -30,6 +30,11 @@ std::vector<at::Tensor> transition_forward_cpu(const at::Tensor& x, const at::Te
                                                const at::Tensor& drop, const TransitionWeights& w, bool reverse,
                                                double eps);
 
+// One step of a cell (inference) from its input products xp = x W_ih^T + b_ih [B, n_in*H] (contiguous, float or
+// double) instead of x: the new state [B, H], as transition_forward_cpu's h_n over that one step.
+at::Tensor cell_step_from_products_cpu(const at::Tensor& xp, const at::Tensor& h, const TransitionWeights& w,
+                                      double eps);
+
 // Inference over both directions of a layer at once (FrozenTransitionLayer): x [T,B,I], h0 [D,B,H], mask [T,B] or
 // empty, dirs: D = 1 or 2 directions' weights; direction d reads right to left when d == 1 or `reverse`. Returns
 // {out [T,B,D*H] (direction d in features d*H..), h_n [D,B,H]}, each direction as transition_forward_cpu computes it.

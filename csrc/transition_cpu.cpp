@@ -154,7 +154,8 @@ template <typename A> struct StepSettings {
 // conversions are skipped and the row passes read and write the tensors themselves.
 template <typename S>
 std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
-                                 const TransitionWeights& w, bool reverse, double eps) {
+                                 const TransitionWeights& w, bool reverse, double eps,
+                                 const Tensor& xp_given = Tensor()) {
   using A = typename Acc<S>::type;
   constexpr bool LP = !std::is_same<S, A>::value;
   const Dims d = dims_of(x, w);
@@ -164,9 +165,14 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   const at::ScalarType acc = c10::CppTypeToScalarType<A>::value;
   const auto acc_opts = opts.dtype(acc);
 
-  Tensor xp = empty_large({T_ * B, d.n_in * H}, opts);
-  linear_into(xp, w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih);
-  xp = xp.view({T_, B, d.n_in * H});
+  Tensor xp;
+  if (xp_given.defined()) {   // the input products given (cell_step_from_products_cpu)
+    xp = xp_given.view({T_, B, d.n_in * H});
+  } else {
+    xp = empty_large({T_ * B, d.n_in * H}, opts);
+    linear_into(xp, w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih);
+    xp = xp.view({T_, B, d.n_in * H});
+  }
   Tensor hs = empty_large({NS, T_, B, H}, acc_opts);
   Tensor hs_lp = LP ? empty_large({NS, T_, B, H}, opts) : at::empty({0}, opts);
   Tensor hp = empty_large({T_, B, d.n_h * H}, opts);
@@ -366,6 +372,22 @@ std::vector<Tensor> transition_forward_cpu(const Tensor& x, const Tensor& h0, co
   std::vector<Tensor> result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dtmt_transition", [&] {
     result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
+  });
+  return result;
+}
+
+Tensor cell_step_from_products_cpu(const Tensor& xp, const Tensor& h, const TransitionWeights& w, double eps) {
+  check_kind(w.kind);
+  const int64_t B = h.size(0), n_in = cell_input_rows(static_cast<int>(w.kind)), H = h.size(1);
+  TORCH_CHECK(xp.dim() == 2 && xp.size(0) == B && xp.size(1) == n_in * H && xp.is_contiguous() &&
+                  xp.scalar_type() == h.scalar_type() && (xp.scalar_type() == at::kFloat ||
+                                                          xp.scalar_type() == at::kDouble),
+              "dtmt::cell_step_from_products: xp [B, ", n_in * H, "] contiguous, of h's dtype (float or double), got ",
+              xp.sizes());
+  Tensor result;
+  AT_DISPATCH_FLOATING_TYPES(xp.scalar_type(), "dtmt_cell_step_from_products", [&] {
+    result = forward_impl<scalar_t>(xp.new_empty({1, B, 0}), h.contiguous(), Tensor(), Tensor(), w, false, eps,
+                                    xp)[1];
   });
   return result;
 }

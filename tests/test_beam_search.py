@@ -244,3 +244,58 @@ def test_fused_search_breaks_ties_as_the_python_loop(system):
             scores = [h.log_prob for s in loop for h in s]
             tied += len(scores) - len(set(scores))
     assert tied > 0, "no tied hypotheses: the test did not test ties"
+
+
+@pytest.mark.parametrize("system, options", [
+    ("dtmt", dict(depth=1, heads=2)),          # multi-head: the output projection folded first
+    ("rnnsearch-atr", {}),                     # single head, no output projection
+])
+def test_search_through_source_products(system, options):
+    """FusedRNMTDecoder(source_products=True), the default: where the sources are short (sentences x heads x
+    positions <= C / 2) the search's steps read the context through its per-position products (SourceProducts,
+    csrc/decode_step.h), the same sums in another order. Batches of one, two and three sentences (each sentence's
+    rows among the others' columns; sentences finishing at different steps), float32 and float64: the hypotheses of
+    the plain search (source_products=False) in the same order, scores within rounding, and in float64 those of the
+    Python loop; in float32 some log-probabilities differ in their last bits (the products were used). Past the
+    threshold, and where the products do not apply (fold=False keeps the output projection; int8 weights), the
+    search is the plain one to the bit."""
+    from dtmt_models.models.rnmt import FusedRNMTDecoder
+    torch.manual_seed(11)
+    model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=32, **options).eval()   # C = 64
+    heads = options.get("heads", 1)
+    kwargs = dict(beam=4, alpha=0.6, nbest=4, max_len_a=1.5, max_len_b=3)
+
+    def scores(result):
+        return torch.tensor([[h.score, h.log_prob] for s in result for h in s], dtype=torch.float64)
+
+    def tokens(result):
+        return [[h.tokens for h in s] for s in result]
+
+    for dtype in (torch.float64, torch.float32):
+        fast = model.to(dtype).inference_decoder()
+        plain = FusedRNMTDecoder(fast.prepared, fast.layered, source_products=False)
+        differ = 0
+        for lengths in ([7], [6, 3], [5, 2, 4]):
+            lengths = torch.tensor(lengths)
+            assert len(lengths) * heads * int(lengths.max()) * 2 <= 64
+            src = torch.randint(4, 24, (len(lengths), int(lengths.max())))
+            got, ref = beam_search(fast, src, lengths, **kwargs), beam_search(plain, src, lengths, **kwargs)
+            assert tokens(got) == tokens(ref), (dtype, lengths)
+            torch.testing.assert_close(scores(got), scores(ref), rtol=1e-5, atol=1e-4)
+            differ += int((scores(got) != scores(ref)).sum())
+            if dtype == torch.float64:
+                assert tokens(beam_search(plain, src, lengths, fused=False, **kwargs)) == tokens(ref)
+        if dtype == torch.float32:
+            assert differ > 0, "the products were not used"
+        long = torch.randint(4, 24, (1, 64 // (2 * heads) + 1))
+        lengths = torch.tensor([long.shape[1]])
+        assert _hyps(beam_search(fast, long, lengths, **kwargs)) == _hyps(beam_search(plain, long, lengths, **kwargs))
+    model.float()
+    src, lengths = torch.randint(4, 24, (1, 5)), torch.tensor([5])
+    pairs = [(model.inference_decoder(int8=True),
+              FusedRNMTDecoder(plain.prepared, plain.layered, int8=True, source_products=False))]
+    if heads > 1:
+        pairs.append((FusedRNMTDecoder(plain.prepared, plain.layered, fold=False),
+                      FusedRNMTDecoder(plain.prepared, plain.layered, fold=False, source_products=False)))
+    for kept, alike in pairs:
+        assert _hyps(beam_search(kept, src, lengths, **kwargs)) == _hyps(beam_search(alike, src, lengths, **kwargs))

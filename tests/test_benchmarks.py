@@ -455,7 +455,8 @@ def test_bench_beam_swap_quick(tmp_path):
 
 
 def test_bench_pages_quick(tmp_path):
-    """The page-size timer: both decoders translate the toy test set alike, one sentence a call and in chunks."""
+    """The decoder-option timer: with the weights in 2 MiB pages or not, both decoders translate the toy test set
+    alike, one sentence a call and in chunks; --option source_products times that option's two decoders."""
     from test_train import make_toy_corpus
 
     from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
@@ -469,8 +470,10 @@ def test_bench_pages_quick(tmp_path):
     ckpt = save_model(tmp_path / "tiny.pt", "dtmt", options, sv, tv, build_model("dtmt", len(sv), len(tv), **options))
     data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=8)
     for chunk in ("1", "3"):
-        seconds, same = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", chunk])
-        assert same and all(s > 0 for s in seconds.values()) and len(seconds) == 2
+        seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", chunk])
+        assert differ == 0 and all(s > 0 for s in seconds.values()) and len(seconds) == 2
+    seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "source_products"])
+    assert list(seconds) == ["source_products=True", "source_products=False"] and 0 <= differ <= 8
     with pytest.raises(SystemExit):
         bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", "0"])
 

@@ -95,13 +95,17 @@ class FusedRNMTDecoder:
     two matrices instead of three. `huge_pages`: the step's weights copied, last, into one buffer of 2 MiB pages
     (dk.functional.step_weights_on_huge_pages; the same values, fewer TLB misses), and the encoder's sequence
     layers' parameters likewise (dk.nn.FrozenTransitionLayer.on_huge_pages, in a shallow copy of the model that
-    `encode` runs). `search`: beam search's whole loop in one C++ call (see `_search`), or None
+    `encode` runs). `source_products`: the search's steps read the context through its products with the decoder
+    cell's and readout's matrices, made once per sentence where that pays (dk.functional.rnmt_beam_search; short
+    sources, float weights, after `fold`): the same search up to rounding, fewer bytes a step.
+    `search`: beam search's whole loop in one C++ call (see `_search`), or None
     where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
     (`model` is that model or the copy `encode` runs)."""
 
     def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True,
-                 huge_pages: bool = True):
+                 huge_pages: bool = True, source_products: bool = True):
         self.prepared, self.model, self.layered, self.int8 = model, model, layered, int8
+        self.source_products = source_products
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
@@ -172,7 +176,7 @@ class FusedRNMTDecoder:
         keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
         counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
-            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS)
+            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.source_products)
         tokens = tokens.split(lengths.tolist())
         hyps = [(t.tolist(), score, lp) for t, score, lp in zip(tokens, scores.tolist(), log_probs.tolist())]
         out, i = [], 0

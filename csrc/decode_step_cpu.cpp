@@ -117,8 +117,8 @@ bool source_products_pay(const Tensor& annotations, int64_t NH, const Transition
            w.device().is_cpu();
   };
   const int64_t B = annotations.size(0), S = annotations.size(1), C = annotations.size(2);
-  return !present(attention.w_o) && NH >= 1 && C % NH == 0 && at::isFloatingType(st) && plain(decoder_cell.w_ih) &&
-         plain(readout.w_c) && B * NH * S * 2 <= C;
+  return !present(attention.w_o) && NH >= 1 && C % NH == 0 && (st == at::kFloat || st == at::kDouble) &&
+         plain(decoder_cell.w_ih) && plain(readout.w_c) && B * NH * S * 2 <= C;
 }
 
 SourceProducts source_products_cpu(const Tensor& annotations, int64_t NH, const Tensor& w_ih, const Tensor& b_ih,

@@ -473,7 +473,7 @@ def test_bench_pages_quick(tmp_path):
         seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", chunk])
         assert differ == 0 and all(s > 0 for s in seconds.values()) and len(seconds) == 2
     seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "source_products"])
-    assert list(seconds) == ["source_products=True", "source_products=False"] and 0 <= differ <= 8
+    assert list(seconds) == ["source_products=True", "source_products=False"] and all(s > 0 for s in seconds.values())
     with pytest.raises(SystemExit):
         bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", "0"])
 

@@ -99,8 +99,8 @@ Tensor SourceProducts::rows(const Tensor& alpha, int64_t group) const {
   TORCH_CHECK(alpha.is_contiguous() && alpha.dim() == 3 && alpha.size(1) * alpha.size(2) == width &&
                   n == static_cast<int64_t>(block.size()) * group,
               "dtmt::SourceProducts: alpha [rows, NH, S] of the products' sentences expected, got ", alpha.sizes());
-  Tensor out = (K == width) ? alpha.view({n, width}) : at::zeros({n, K}, alpha.options());
-  if (K == width) return out;   // one sentence: the rows are alpha itself
+  if (K == width) return alpha.view({n, width});   // one sentence: the rows are alpha itself
+  Tensor out = at::zeros({n, K}, alpha.options());
   const size_t bytes = static_cast<size_t>(width) * alpha.element_size();
   const char* a = static_cast<const char*>(alpha.data_ptr());
   char* o = static_cast<char*>(out.data_ptr());

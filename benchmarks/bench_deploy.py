@@ -22,7 +22,10 @@ What it does, in one run:
    batching by `--max-tokens`), the transformer decoded by dtmt's PyTorch decoder (batched), and by CTranslate2 at
    batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting), each with its two CPU GEMM backends (MKL, its
    x86 default, and CT2_USE_MKL=0; the faster counts); model loading excluded everywhere, the same sentences in
-   the same order;
+   the same order. The sentences are cut into `--rounds` consecutive parts (default 4) and each round decodes one
+   part with every decoder of the thread count in turn, the order reversed from one round to the next, so that
+   the VM's drift within a run falls on every decoder alike (NOTES item 56); a decoder's time is the sum of its
+   rounds, and each ratio also shows its range over the rounds;
 4. the BLEU of every output against the references (sacrebleu, as `dtmt evaluate`), sentences/s and output
    words/s, and the ratios the issue sets goals for: each system at batch 1 over CTranslate2 at batch 1 (goal
    >= 1.5) and batched over the faster of CTranslate2 batched and OpenNMT-py's LSTM (goal >= 1.0): decoded in
@@ -152,7 +155,7 @@ def time_ct2(py: str, model_dir: str, src: str, tv, threads: int, batch: int, be
              backend: str = "mkl") -> dict:
     """CTranslate2 over the source pieces in `src` (one sentence a line) with one of CT2_BACKENDS; seconds (its own
     timing, the model load excluded) and the detokenised one-best outputs."""
-    out = os.path.join(work, f"ct2.b{batch}.t{threads}.{backend}.pieces")
+    out = os.path.join(work, f"ct2.b{batch}.t{threads}.{backend}.{os.path.basename(src)}.out")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), **CT2_BACKENDS[backend])
     line = run([py, CT2_RUN, "translate", "--model", model_dir, "--src", src, "--out", out, "--beam", str(beam),
                 "--batch", str(batch), "--threads", str(threads)], log, env=env).strip().splitlines()[-1]
@@ -206,6 +209,37 @@ def time_lstm(py: str, lstm: dict, sentences, threads: int, beam: int, max_token
     return {"seconds": seconds, "hyps": hyps}
 
 
+def cut(n: int, parts: int) -> list:
+    """`parts` consecutive (start, end) ranges covering range(n), sizes differing by at most one (fewer parts if
+    n < parts; none if n is 0)."""
+    parts = max(1, min(parts, n))
+    bounds = [n * k // parts for k in range(parts + 1)]
+    return [(bounds[k], bounds[k + 1]) for k in range(parts) if bounds[k] < bounds[k + 1]]
+
+
+def alternate(decoders: dict, sentences, rounds: int, say=None) -> dict:
+    """Times every decoder of `decoders` (name -> f(first, sentences) -> {"seconds", "hyps"}, where `first` is the
+    index of the part's first sentence) on the same sentences, cut into `rounds` consecutive parts: round k runs
+    every decoder on part k, in the given order on even rounds and the reverse on odd ones, so that a machine
+    whose speed drifts during the run slows every decoder alike. Returns name -> {"seconds": the sum over the
+    rounds, "hyps": the parts' outputs in order, "round_seconds": each round's seconds}; `say(line)`, if given,
+    hears of each decoding as it ends."""
+    out = {name: {"seconds": 0.0, "hyps": [], "round_seconds": []} for name in decoders}
+    names = list(decoders)
+    parts = cut(len(sentences), rounds)
+    for k, (start, end) in enumerate(parts):
+        for name in names if k % 2 == 0 else names[::-1]:
+            r = decoders[name](start, sentences[start:end])
+            if say:
+                say(f"round {k + 1}/{len(parts)}, sentences {start}-{end - 1}: {name} {r['seconds']:.2f} s")
+            if len(r["hyps"]) != end - start:
+                raise RuntimeError(f"{name} gave {len(r['hyps'])} translations for {end - start} sentences")
+            out[name]["seconds"] += r["seconds"]
+            out[name]["hyps"] += r["hyps"]
+            out[name]["round_seconds"].append(r["seconds"])
+    return out
+
+
 def train_missing(name: str, data: str, budget: str, out: str, log: str) -> str:
     ckpt = os.path.join(out, "best.pt")
     if not os.path.isfile(ckpt):
@@ -231,6 +265,8 @@ def main(argv=None):
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--sentences", type=int, default=0, help="the first N test sources (0: all)")
     p.add_argument("--threads", default="1,2")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="consecutive parts of the sentences, each decoded by every decoder in turn (see 3.)")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=2000, help="dtmt's batched decoding budget")
     p.add_argument("--ct2-batch", type=int, default=32)
@@ -250,6 +286,8 @@ def main(argv=None):
                    help="leave out the int8 decodings (`dtmt translate --int8`) of each --system")
     p.add_argument("--setup-only", action="store_true")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
     try:
         lstm = {int(t): float(r) for t, r in (x.split("=", 1) for x in a.peer_lstm)}
     except ValueError:
@@ -303,62 +341,87 @@ def main(argv=None):
     sentences, refs = [s for s, _ in pairs], [t for _, t in pairs]
     ck = read_checkpoint(transformer)
     sv, tv = Vocabulary(ck["src_vocab"]), Vocabulary(ck["tgt_vocab"])
-    src_pieces = os.path.join(work, "test.src.pieces")   # CTranslate2's input, written once for every run
-    with open(src_pieces, "w", encoding="utf-8") as f:
-        f.write("".join(" ".join(sv.sp.id_to_piece(i) for i in sv.encode(s)) + "\n" for s in sentences))
+    parts = cut(len(sentences), a.rounds)
+    src_pieces = {}   # a part's first sentence -> CTranslate2's input for that part, written once for every run
+    for start, end in parts:
+        src_pieces[start] = os.path.join(work, f"test.src.{start}-{end}.pieces")
+        with open(src_pieces[start], "w", encoding="utf-8") as f:
+            f.write("".join(" ".join(sv.sp.id_to_piece(i) for i in sv.encode(s)) + "\n"
+                            for s in sentences[start:end]))
+    sizes = [end - start for start, end in parts]
     rows = []
 
     def add(decoder, model, ckpt, threads, batch, r):
         words = sum(len(h.split()) for h in r["hyps"])
         row = {"decoder": decoder, "model": model, "checkpoint": os.path.relpath(ckpt, ROOT), "threads": threads,
                "batch": batch, "seconds": r["seconds"], "sentences_per_s": len(sentences) / r["seconds"],
-               "words_per_s": words / r["seconds"], "bleu": BLEU().corpus_score(r["hyps"], [refs]).score}
+               "words_per_s": words / r["seconds"], "bleu": BLEU().corpus_score(r["hyps"], [refs]).score,
+               "round_rates": [n / t for n, t in zip(sizes, r["round_seconds"])]}
         rows.append(row)
         print(f"{decoder:>12s} {model:>14s} threads {threads} batch {batch:>7s}: {row['sentences_per_s']:6.1f} "
               f"sentences/s, {row['words_per_s']:7.0f} words/s, BLEU {row['bleu']:.2f}", flush=True)
 
     for threads in (int(t) for t in a.threads.split(",")):
+        decoders, ckpts = {}, {}   # "decoder | model | batch" -> f(first, part) -> {"seconds", "hyps"}; its file
         for name, ckpt in systems.items():
             for int8 in (False, True) if a.int8 else (False,):
                 decoder = "dtmt --int8" if int8 else "dtmt"
-                add(decoder, name, ckpt, threads, "1",
-                    time_dtmt(ckpt, sentences, threads, True, a.max_tokens, a.beam, int8))
-                add(decoder, name, ckpt, threads, f"≤{a.max_tokens}t",
-                    time_dtmt(ckpt, sentences, threads, False, a.max_tokens, a.beam, int8))
-        add("dtmt", "transformer", transformer, threads, f"≤{a.max_tokens}t",
-            time_dtmt(transformer, sentences, threads, False, a.max_tokens, a.beam))
+                for one, batch in ((True, "1"), (False, f"≤{a.max_tokens}t")):
+                    ckpts[f"{decoder} | {name} | {batch}"] = ckpt
+                    decoders[f"{decoder} | {name} | {batch}"] = (
+                        lambda first, part, ckpt=ckpt, one=one, int8=int8, threads=threads:
+                        time_dtmt(ckpt, part, threads, one, a.max_tokens, a.beam, int8))
+        ckpts[f"dtmt | transformer | ≤{a.max_tokens}t"] = transformer
+        decoders[f"dtmt | transformer | ≤{a.max_tokens}t"] = (
+            lambda first, part, threads=threads: time_dtmt(transformer, part, threads, False, a.max_tokens, a.beam))
         for batch in (1, a.ct2_batch):
             for backend in CT2_BACKENDS:
-                add(f"ctranslate2 {backend}", "transformer", transformer, threads, str(batch),
-                    time_ct2(py, model_dir, src_pieces, tv, threads, batch, a.beam, work, log, backend))
+                ckpts[f"ctranslate2 {backend} | transformer | {batch}"] = transformer
+                decoders[f"ctranslate2 {backend} | transformer | {batch}"] = (
+                    lambda first, part, batch=batch, backend=backend, threads=threads:
+                    time_ct2(py, model_dir, src_pieces[first], tv, threads, batch, a.beam, work, log, backend))
         if a.peer_lstm_run:
-            add("opennmt-py", "lstm", lstm_peer["model"], threads, f"≤{a.max_tokens}t",
-                time_lstm(onmt_py, lstm_peer, sentences, threads, a.beam, a.max_tokens, work, log))
-            lstm[threads] = rows[-1]["sentences_per_s"]   # measured here: it replaces a --peer-lstm figure
-    # ratios
+            ckpts[f"opennmt-py | lstm | ≤{a.max_tokens}t"] = lstm_peer["model"]
+            decoders[f"opennmt-py | lstm | ≤{a.max_tokens}t"] = (
+                lambda first, part, threads=threads:
+                time_lstm(onmt_py, lstm_peer, part, threads, a.beam, a.max_tokens, work, log))
+        print(f"== {threads} thread(s): {len(decoders)} decoders, {len(parts)} rounds of {min(sizes)}-{max(sizes)} "
+              "sentences", flush=True)
+        for key, r in alternate(decoders, sentences, a.rounds, say=lambda x: print(x, flush=True)).items():
+            decoder, model, batch = key.split(" | ")
+            add(decoder, model, ckpts[key], threads, batch, r)
+            if decoder == "opennmt-py":
+                lstm[threads] = rows[-1]["sentences_per_s"]   # measured here: it replaces a --peer-lstm figure
+    # ratios: over the whole run, and each round's own
     for row in rows:
         if not row["decoder"].startswith("dtmt") or row["model"] == "transformer":
             continue
-        ct2 = {}   # batch -> the faster CTranslate2 backend's rate at this thread count
-        for r in rows:
-            if r["decoder"].startswith("ctranslate2") and r["threads"] == row["threads"]:
-                ct2[r["batch"]] = max(ct2.get(r["batch"], 0.0), r["sentences_per_s"])
+        peers = [r for r in rows if r["decoder"].startswith("ctranslate2") and r["threads"] == row["threads"]
+                 and r["batch"] == ("1" if row["batch"] == "1" else str(a.ct2_batch))]
+        best = max(r["sentences_per_s"] for r in peers)   # the faster CTranslate2 backend
+        best_rounds = [max(rates) for rates in zip(*(r["round_rates"] for r in peers))]
         if row["batch"] == "1":
-            row["vs"] = row["sentences_per_s"] / ct2["1"]
             row["goal"] = 1.5
         else:
-            best = max(ct2[str(a.ct2_batch)], lstm.get(row["threads"], 0.0))
-            row["vs"] = row["sentences_per_s"] / best
             row["goal"] = 1.0
+            best = max(best, lstm.get(row["threads"], 0.0))
+            if a.peer_lstm_run:
+                lstm_row = next(r for r in rows if r["decoder"] == "opennmt-py" and r["threads"] == row["threads"])
+                best_rounds = [max(x, y) for x, y in zip(best_rounds, lstm_row["round_rates"])]
+            elif row["threads"] in lstm:
+                best_rounds = [max(x, lstm[row["threads"]]) for x in best_rounds]
+        row["vs"] = row["sentences_per_s"] / best
+        row["vs_rounds"] = [ours / theirs for ours, theirs in zip(row["round_rates"], best_rounds)]
     cmd = "python benchmarks/bench_deploy.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_name(threads=False)   # a column here
     md = [f"Decoding against CTranslate2 {CT2_VERSION}: {machine}; beam {a.beam}; the {len(sentences)} first "
-          f"test sources of {os.path.relpath(a.data, ROOT)}; model loading excluded. Conversion check: "
+          f"test sources of {os.path.relpath(a.data, ROOT)} in {len(parts)} rounds; model loading excluded. Conversion check: "
           f"max |Δ log p| = {diff:.1e} over {sum(map(len, ours))} dev pieces. Command: `{cmd.strip()}`", "",
           "| decoder | model | threads | batch | sentences/s | words/s | BLEU | vs goal |",
           "|---|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
-        vs = f"{r['vs']:.2f}× (goal ≥ {r['goal']})" if "vs" in r else ""
+        vs = (f"{r['vs']:.2f}× ({min(r['vs_rounds']):.2f}-{max(r['vs_rounds']):.2f}; goal ≥ {r['goal']})"
+              if "vs" in r else "")
         md.append(f"| {r['decoder']} | {r['model']} | {r['threads']} | {r['batch']} | {r['sentences_per_s']:.1f} | "
                   f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} |")
     md.append("")
@@ -367,7 +430,9 @@ def main(argv=None):
         lstm_rates += f", decoded in this run: {os.path.relpath(lstm_peer['model'], ROOT)}"
     md.append("vs: batch 1 over CTranslate2 batch 1; batched over the faster of CTranslate2 batched and OpenNMT-py's "
               f"LSTM ({lstm_rates or 'no figure given'}), same thread count; CTranslate2 as the faster of its two CPU "
-              "backends, mkl (its default) and no-mkl (CT2_USE_MKL=0).")
+              "backends, mkl (its default) and no-mkl (CT2_USE_MKL=0); in brackets, the lowest and highest of the "
+              f"same ratio within each of the {len(parts)} rounds (each round: every decoder of the thread count "
+              "on the same part of the sentences, one after the other).")
     text = "\n".join(md) + "\n"
     with open(os.path.join(a.out, "bench_deploy.md"), "w") as f:
         f.write(text)

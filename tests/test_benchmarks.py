@@ -393,6 +393,41 @@ def test_bench_deploy_parts_that_need_no_peer(tmp_path):
     assert len(int8["hyps"]) == len(sentences)
 
 
+def test_bench_deploy_alternates_its_decoders_in_rounds():
+    """bench_deploy's rounds: consecutive parts covering every sentence once, sizes within one; every decoder
+    decodes every part, part after part, in turn, the order reversed from one round to the next; a decoder's
+    seconds are the sum of its rounds and its outputs come back in the sentences' order."""
+    from benchmarks import bench_deploy
+
+    assert bench_deploy.cut(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert bench_deploy.cut(3, 4) == [(0, 1), (1, 2), (2, 3)] and bench_deploy.cut(0, 4) == []
+    assert bench_deploy.cut(7, 1) == [(0, 7)]
+    for n, k in ((1331, 4), (13, 5), (5, 5)):
+        parts = bench_deploy.cut(n, k)
+        assert [i for s, e in parts for i in range(s, e)] == list(range(n))
+        assert max(e - s for s, e in parts) - min(e - s for s, e in parts) <= 1
+    calls = []
+
+    def decoder(name, per_sentence):
+        def f(first, part):
+            calls.append((name, first, len(part)))
+            return {"seconds": per_sentence * len(part), "hyps": [f"{name}:{x}" for x in part]}
+        return f
+
+    sentences = [f"s{i}" for i in range(10)]
+    said = []
+    out = bench_deploy.alternate({"a": decoder("a", 1.0), "b": decoder("b", 0.5), "c": decoder("c", 2.0)},
+                                 sentences, 3, say=said.append)
+    assert calls == [("a", 0, 3), ("b", 0, 3), ("c", 0, 3), ("c", 3, 3), ("b", 3, 3), ("a", 3, 3),
+                     ("a", 6, 4), ("b", 6, 4), ("c", 6, 4)]
+    assert len(said) == 9 and said[0].startswith("round 1/3, sentences 0-2: a 3.00 s")
+    assert out["a"]["hyps"] == [f"a:s{i}" for i in range(10)] and out["c"]["round_seconds"] == [6.0, 6.0, 8.0]
+    assert out["b"]["seconds"] == 5.0 and out["c"]["seconds"] == 20.0
+    with pytest.raises(RuntimeError, match="b gave 2 translations for 3 sentences"):
+        bench_deploy.alternate({"a": decoder("a", 1.0), "b": lambda first, part: {"seconds": 1.0, "hyps": ["x", "y"]}},
+                               sentences, 3)
+
+
 def test_bench_deploy_finds_the_lstm_a_bench_peers_run_trained(tmp_path):
     """--peer-lstm-run DIR decodes the checkpoint bench_peers decodes (the step of the journal's end record) with
     the SentencePiece models of DIR/pieces, by language; a directory without them gets a one-line error."""

@@ -21,7 +21,9 @@ What it does, in one run:
    sentence a call, as an interactive user or `dtmt serve` with one client gets it; batched is `translate`'s own
    batching by `--max-tokens`), the transformer decoded by dtmt's PyTorch decoder (batched), and by CTranslate2 at
    batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting), each with its two CPU GEMM backends (MKL, its
-   x86 default, and CT2_USE_MKL=0; the faster counts); model loading excluded everywhere, the same sentences in
+   x86 default, and CT2_USE_MKL=0; the faster counts), and CTranslate2 with int8 weights (compute_type int8,
+   both backends, both batch sizes; leave out with --no-ct2-int8) beside `dtmt --int8`; model loading excluded
+   everywhere, the same sentences in
    the same order. The sentences are cut into `--rounds` consecutive parts (default 4) and each round decodes one
    part with every decoder of the thread count in turn, the order reversed from one round to the next, so that
    the VM's drift within a run falls on every decoder alike (NOTES item 56); a decoder's time is the sum of its
@@ -152,13 +154,15 @@ CT2_BACKENDS = {"mkl": {}, "no-mkl": {"CT2_USE_MKL": "0"}}
 
 
 def time_ct2(py: str, model_dir: str, src: str, tv, threads: int, batch: int, beam: int, work: str, log: str,
-             backend: str = "mkl") -> dict:
-    """CTranslate2 over the source pieces in `src` (one sentence a line) with one of CT2_BACKENDS; seconds (its own
-    timing, the model load excluded) and the detokenised one-best outputs."""
-    out = os.path.join(work, f"ct2.b{batch}.t{threads}.{backend}.{os.path.basename(src)}.out")
+             backend: str = "mkl", compute_type: str = "float32") -> dict:
+    """CTranslate2 over the source pieces in `src` (one sentence a line) with one of CT2_BACKENDS, computing in
+    `compute_type` (float32, or int8: its weights quantized when the model loads); seconds (its own timing, the
+    model load excluded) and the detokenised one-best outputs."""
+    out = os.path.join(work, f"ct2.b{batch}.t{threads}.{backend}.{compute_type}.{os.path.basename(src)}.out")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), **CT2_BACKENDS[backend])
     line = run([py, CT2_RUN, "translate", "--model", model_dir, "--src", src, "--out", out, "--beam", str(beam),
-                "--batch", str(batch), "--threads", str(threads)], log, env=env).strip().splitlines()[-1]
+                "--batch", str(batch), "--threads", str(threads), "--compute-type", compute_type], log,
+               env=env).strip().splitlines()[-1]
     with open(out, encoding="utf-8") as f:
         hyps = [tv.sp.decode(line_.split()) for line_ in f.read().splitlines()]
     return {"seconds": json.loads(line)["seconds"], "hyps": hyps}
@@ -284,6 +288,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "out", "deploy"))
     p.add_argument("--no-int8", dest="int8", action="store_false",
                    help="leave out the int8 decodings (`dtmt translate --int8`) of each --system")
+    p.add_argument("--no-ct2-int8", dest="ct2_int8", action="store_false",
+                   help="leave out CTranslate2 with int8 weights (compute_type int8), the peer of `dtmt --int8`")
     p.add_argument("--setup-only", action="store_true")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -374,12 +380,15 @@ def main(argv=None):
         ckpts[f"dtmt | transformer | ≤{a.max_tokens}t"] = transformer
         decoders[f"dtmt | transformer | ≤{a.max_tokens}t"] = (
             lambda first, part, threads=threads: time_dtmt(transformer, part, threads, False, a.max_tokens, a.beam))
-        for batch in (1, a.ct2_batch):
-            for backend in CT2_BACKENDS:
-                ckpts[f"ctranslate2 {backend} | transformer | {batch}"] = transformer
-                decoders[f"ctranslate2 {backend} | transformer | {batch}"] = (
-                    lambda first, part, batch=batch, backend=backend, threads=threads:
-                    time_ct2(py, model_dir, src_pieces[first], tv, threads, batch, a.beam, work, log, backend))
+        for compute_type in ("float32", "int8") if a.ct2_int8 else ("float32",):
+            for batch in (1, a.ct2_batch):
+                for backend in CT2_BACKENDS:
+                    key = f"ctranslate2 {backend}{' int8' if compute_type == 'int8' else ''} | transformer | {batch}"
+                    ckpts[key] = transformer
+                    decoders[key] = (
+                        lambda first, part, batch=batch, backend=backend, threads=threads, ct=compute_type:
+                        time_ct2(py, model_dir, src_pieces[first], tv, threads, batch, a.beam, work, log, backend,
+                                 ct))
         if a.peer_lstm_run:
             ckpts[f"opennmt-py | lstm | ≤{a.max_tokens}t"] = lstm_peer["model"]
             decoders[f"opennmt-py | lstm | ≤{a.max_tokens}t"] = (
@@ -393,13 +402,23 @@ def main(argv=None):
             if decoder == "opennmt-py":
                 lstm[threads] = rows[-1]["sentences_per_s"]   # measured here: it replaces a --peer-lstm figure
     # ratios: over the whole run, and each round's own
+    def ct2_best(row, int8):
+        """The faster CTranslate2 backend's rate (whole run, each round) in float32 or int8, at row's thread count
+        and batch kind (1, or batched: --ct2-batch)."""
+        peers = [r for r in rows if r["decoder"].startswith("ctranslate2") and r["threads"] == row["threads"]
+                 and r["decoder"].endswith(" int8") == int8
+                 and r["batch"] == ("1" if row["batch"] == "1" else str(a.ct2_batch))]
+        return (max(r["sentences_per_s"] for r in peers),
+                [max(rates) for rates in zip(*(r["round_rates"] for r in peers))])
+
     for row in rows:
         if not row["decoder"].startswith("dtmt") or row["model"] == "transformer":
             continue
-        peers = [r for r in rows if r["decoder"].startswith("ctranslate2") and r["threads"] == row["threads"]
-                 and r["batch"] == ("1" if row["batch"] == "1" else str(a.ct2_batch))]
-        best = max(r["sentences_per_s"] for r in peers)   # the faster CTranslate2 backend
-        best_rounds = [max(rates) for rates in zip(*(r["round_rates"] for r in peers))]
+        if row["decoder"] == "dtmt --int8" and a.ct2_int8:   # beside the goal: int8 against int8
+            best, best_rounds = ct2_best(row, True)
+            row["vs_int8"] = row["sentences_per_s"] / best
+            row["vs_int8_rounds"] = [ours / theirs for ours, theirs in zip(row["round_rates"], best_rounds)]
+        best, best_rounds = ct2_best(row, False)
         if row["batch"] == "1":
             row["goal"] = 1.5
         else:
@@ -415,22 +434,26 @@ def main(argv=None):
     cmd = "python benchmarks/bench_deploy.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_name(threads=False)   # a column here
     md = [f"Decoding against CTranslate2 {CT2_VERSION}: {machine}; beam {a.beam}; the {len(sentences)} first "
-          f"test sources of {os.path.relpath(a.data, ROOT)} in {len(parts)} rounds; model loading excluded. Conversion check: "
-          f"max |Δ log p| = {diff:.1e} over {sum(map(len, ours))} dev pieces. Command: `{cmd.strip()}`", "",
-          "| decoder | model | threads | batch | sentences/s | words/s | BLEU | vs goal |",
-          "|---|---|---:|---|---:|---:|---:|---|"]
+          f"test sources of {os.path.relpath(a.data, ROOT)} in {len(parts)} rounds; model loading excluded. "
+          f"Conversion check: max |Δ log p| = {diff:.1e} over {sum(map(len, ours))} dev pieces. Command: `{cmd.strip()}`", "",
+          "| decoder | model | threads | batch | sentences/s | words/s | BLEU | vs goal | vs CTranslate2 int8 |",
+          "|---|---|---:|---|---:|---:|---:|---|---|"]
     for r in rows:
         vs = (f"{r['vs']:.2f}× ({min(r['vs_rounds']):.2f}-{max(r['vs_rounds']):.2f}; goal ≥ {r['goal']})"
               if "vs" in r else "")
+        vs8 = (f"{r['vs_int8']:.2f}× ({min(r['vs_int8_rounds']):.2f}-{max(r['vs_int8_rounds']):.2f})"
+               if "vs_int8" in r else "")
         md.append(f"| {r['decoder']} | {r['model']} | {r['threads']} | {r['batch']} | {r['sentences_per_s']:.1f} | "
-                  f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} |")
+                  f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} | {vs8} |")
     md.append("")
     lstm_rates = ", ".join(f"{r:.1f} sentences/s at {t} thread(s)" for t, r in sorted(lstm.items()))
     if a.peer_lstm_run:
         lstm_rates += f", decoded in this run: {os.path.relpath(lstm_peer['model'], ROOT)}"
     md.append("vs: batch 1 over CTranslate2 batch 1; batched over the faster of CTranslate2 batched and OpenNMT-py's "
               f"LSTM ({lstm_rates or 'no figure given'}), same thread count; CTranslate2 as the faster of its two CPU "
-              "backends, mkl (its default) and no-mkl (CT2_USE_MKL=0); in brackets, the lowest and highest of the "
+              "backends, mkl (its default) and no-mkl (CT2_USE_MKL=0), in float32 as the goal says; vs CTranslate2 "
+              "int8: `dtmt --int8` over CTranslate2 with int8 weights (compute_type int8) at the same batch kind, "
+              "no goal; in brackets, the lowest and highest of the "
               f"same ratio within each of the {len(parts)} rounds (each round: every decoder of the thread count "
               "on the same part of the sentences, one after the other).")
     text = "\n".join(md) + "\n"

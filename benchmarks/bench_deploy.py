@@ -435,7 +435,8 @@ def main(argv=None):
     machine = machine_name(threads=False)   # a column here
     md = [f"Decoding against CTranslate2 {CT2_VERSION}: {machine}; beam {a.beam}; the {len(sentences)} first "
           f"test sources of {os.path.relpath(a.data, ROOT)} in {len(parts)} rounds; model loading excluded. "
-          f"Conversion check: max |Δ log p| = {diff:.1e} over {sum(map(len, ours))} dev pieces. Command: `{cmd.strip()}`", "",
+          f"Conversion check: max |Δ log p| = {diff:.1e} over {sum(map(len, ours))} dev pieces. "
+          f"Command: `{cmd.strip()}`", "",
           "| decoder | model | threads | batch | sentences/s | words/s | BLEU | vs goal | vs CTranslate2 int8 |",
           "|---|---|---:|---|---:|---:|---:|---|---|"]
     for r in rows:

@@ -552,6 +552,28 @@ def test_huge_page_copies():
     assert all(c is t for c, t in zip(huge_page_copies(meta), meta))
 
 
+def test_the_int8_form_of_a_fused_decoder_keeps_its_settings():
+    """FusedRNMTDecoder.inference_decoder(int8=True) is the int8 form with the decoder's own fold, huge_pages and
+    source_products (it used to take the defaults): the output projection folded or kept, and the same search as
+    an int8 decoder built with those settings; an int8 decoder, or int8=False, gives the decoder itself."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    torch.manual_seed(3)
+    model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24, heads=2).eval()
+    src, lengths = torch.randint(4, 50, (3, 5)), torch.tensor([5, 3, 2])
+    with torch.no_grad():
+        base = model.inference_decoder()
+        for fold, huge, products in ((False, False, False), (True, False, True), (False, True, True)):
+            settings = dict(fold=fold, huge_pages=huge, source_products=products)
+            d = FusedRNMTDecoder(base.prepared, base.layered, **settings)
+            q = d.inference_decoder(int8=True)
+            assert q.int8 and (q.fold, q.huge_pages, q.source_products) == (fold, huge, products)
+            assert (q.attention.w_o is None) == fold   # folded, or kept for the step to apply
+            assert q.inference_decoder(int8=True) is q and d.inference_decoder() is d
+            built = FusedRNMTDecoder(base.prepared, base.layered, int8=True, **settings)
+            assert beam_search(q, src, lengths, beam=3) == beam_search(built, src, lengths, beam=3)
+
+
 @pytest.mark.parametrize("system, options", [("dtmt", dict(heads=2)), ("rnnsearch-atr", {})])
 def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
     """FusedRNMTDecoder(huge_pages=True), the default: the step's weights (dk.functional.step_weights_on_huge_pages)

@@ -105,7 +105,7 @@ class FusedRNMTDecoder:
     def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True,
                  huge_pages: bool = True, source_products: bool = True):
         self.prepared, self.model, self.layered, self.int8 = model, model, layered, int8
-        self.source_products = source_products
+        self.fold, self.huge_pages, self.source_products = fold, huge_pages, source_products
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
@@ -133,7 +133,11 @@ class FusedRNMTDecoder:
         self.search = self._search if embeds else None
 
     def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
-        return FusedRNMTDecoder(self.prepared, self.layered, True) if int8 and not self.int8 else self
+        """Itself, or with `int8` (and int8 not yet) its int8 form, with this decoder's other settings."""
+        if not int8 or self.int8:
+            return self
+        return FusedRNMTDecoder(self.prepared, self.layered, True, fold=self.fold, huge_pages=self.huge_pages,
+                                source_products=self.source_products)
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         return self.model.encode(src, src_lengths)

@@ -30,10 +30,12 @@ What it does, in one run:
    rounds, and each ratio also shows its range over the rounds;
 4. the BLEU of every output against the references (sacrebleu, as `dtmt evaluate`), sentences/s and output
    words/s, and the ratios the issue sets goals for: each system at batch 1 over CTranslate2 at batch 1 (goal
-   >= 1.5) and batched over the faster of CTranslate2 batched and OpenNMT-py's LSTM (goal >= 1.0): decoded in
-   this run by OpenNMT-py's own translator with `--peer-lstm-run DIR` (the LSTM a bench_peers.py run trained in
-   DIR; the same sentences, thread counts and beam, batches of --max-tokens source tokens, its BLEU beside the
-   others), or as a figure from elsewhere with `--peer-lstm THREADS=RATE`.
+   >= 1.5) and batched over the faster of CTranslate2 batched and OpenNMT-py's LSTM (goal >= 1.0), CTranslate2 in
+   float32 as the goal says, each also within every round (`ratios`); and `dtmt --int8` over CTranslate2 int8 at
+   the same batch kind, no goal. OpenNMT-py's LSTM is decoded in this run by OpenNMT-py's own translator with
+   `--peer-lstm-run DIR` (the LSTM a bench_peers.py run trained in DIR; the same sentences, thread counts and
+   beam, batches of --max-tokens source tokens, its BLEU beside the others), or given as a figure from elsewhere
+   with `--peer-lstm THREADS=RATE`.
 Length normalisation differs: dtmt uses GNMT's ((5+|y|)/6)^0.6, CTranslate2 offers |y|^alpha only (alpha 0.6
 here); the BLEU columns show what each gives.
 Output: OUT/bench_deploy.md (machine, command, table) and OUT/bench_deploy.json.
@@ -238,10 +240,53 @@ def alternate(decoders: dict, sentences, rounds: int, say=None) -> dict:
                 say(f"round {k + 1}/{len(parts)}, sentences {start}-{end - 1}: {name} {r['seconds']:.2f} s")
             if len(r["hyps"]) != end - start:
                 raise RuntimeError(f"{name} gave {len(r['hyps'])} translations for {end - start} sentences")
+            if not r["seconds"] > 0:   # OpenNMT-py times itself to 0.1 s: too small a part
+                raise RuntimeError(f"{name} reported {r['seconds']} s for sentences {start}-{end - 1}; use fewer "
+                                   "--rounds")
             out[name]["seconds"] += r["seconds"]
             out[name]["hyps"] += r["hyps"]
             out[name]["round_seconds"].append(r["seconds"])
     return out
+
+
+def ratios(rows: list, ct2_batch: int, lstm: dict) -> None:
+    """Adds to each row of a recurrent system decoded by dtmt (not the transformer) the goal's ratios, over the
+    whole run ("vs") and within each round ("vs_rounds"), and "goal": batch 1 over the faster CTranslate2 float32
+    backend at batch 1 (goal 1.5); batched over the faster of CTranslate2 float32 at `ct2_batch` and OpenNMT-py's
+    LSTM (goal 1.0): its "opennmt-py" row of the same thread count where there is one, else lstm[threads] (a
+    figure from elsewhere, the same for every round) where given. "dtmt --int8" rows also get "vs_int8" /
+    "vs_int8_rounds": over the faster CTranslate2 int8 backend at the same batch kind, where it was timed."""
+    def ct2_best(row, int8):
+        peers = [r for r in rows if r["decoder"].startswith("ctranslate2") and r["threads"] == row["threads"]
+                 and r["decoder"].endswith(" int8") == int8
+                 and r["batch"] == ("1" if row["batch"] == "1" else str(ct2_batch))]
+        if not peers:
+            return None, None
+        return (max(r["sentences_per_s"] for r in peers),
+                [max(rates) for rates in zip(*(r["round_rates"] for r in peers))])
+
+    for row in rows:
+        if not row["decoder"].startswith("dtmt") or row["model"] == "transformer":
+            continue
+        if row["decoder"] == "dtmt --int8":   # beside the goal: int8 against int8
+            best, best_rounds = ct2_best(row, True)
+            if best is not None:
+                row["vs_int8"] = row["sentences_per_s"] / best
+                row["vs_int8_rounds"] = [ours / theirs for ours, theirs in zip(row["round_rates"], best_rounds)]
+        best, best_rounds = ct2_best(row, False)
+        if row["batch"] == "1":
+            row["goal"] = 1.5
+        else:
+            row["goal"] = 1.0
+            measured = [r for r in rows if r["decoder"] == "opennmt-py" and r["threads"] == row["threads"]]
+            if measured:
+                best = max(best, measured[0]["sentences_per_s"])
+                best_rounds = [max(x, y) for x, y in zip(best_rounds, measured[0]["round_rates"])]
+            elif row["threads"] in lstm:
+                best = max(best, lstm[row["threads"]])
+                best_rounds = [max(x, lstm[row["threads"]]) for x in best_rounds]
+        row["vs"] = row["sentences_per_s"] / best
+        row["vs_rounds"] = [ours / theirs for ours, theirs in zip(row["round_rates"], best_rounds)]
 
 
 def train_missing(name: str, data: str, budget: str, out: str, log: str) -> str:
@@ -294,6 +339,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
+    if a.ct2_batch < 2:
+        p.error("--ct2-batch must be >= 2 (batch 1 is timed anyway)")
     try:
         lstm = {int(t): float(r) for t, r in (x.split("=", 1) for x in a.peer_lstm)}
     except ValueError:
@@ -380,7 +427,7 @@ def main(argv=None):
         ckpts[f"dtmt | transformer | ≤{a.max_tokens}t"] = transformer
         decoders[f"dtmt | transformer | ≤{a.max_tokens}t"] = (
             lambda first, part, threads=threads: time_dtmt(transformer, part, threads, False, a.max_tokens, a.beam))
-        for compute_type in ("float32", "int8") if a.ct2_int8 else ("float32",):
+        for compute_type in ("float32", "int8") if a.ct2_int8 and a.int8 else ("float32",):
             for batch in (1, a.ct2_batch):
                 for backend in CT2_BACKENDS:
                     key = f"ctranslate2 {backend}{' int8' if compute_type == 'int8' else ''} | transformer | {batch}"
@@ -401,36 +448,7 @@ def main(argv=None):
             add(decoder, model, ckpts[key], threads, batch, r)
             if decoder == "opennmt-py":
                 lstm[threads] = rows[-1]["sentences_per_s"]   # measured here: it replaces a --peer-lstm figure
-    # ratios: over the whole run, and each round's own
-    def ct2_best(row, int8):
-        """The faster CTranslate2 backend's rate (whole run, each round) in float32 or int8, at row's thread count
-        and batch kind (1, or batched: --ct2-batch)."""
-        peers = [r for r in rows if r["decoder"].startswith("ctranslate2") and r["threads"] == row["threads"]
-                 and r["decoder"].endswith(" int8") == int8
-                 and r["batch"] == ("1" if row["batch"] == "1" else str(a.ct2_batch))]
-        return (max(r["sentences_per_s"] for r in peers),
-                [max(rates) for rates in zip(*(r["round_rates"] for r in peers))])
-
-    for row in rows:
-        if not row["decoder"].startswith("dtmt") or row["model"] == "transformer":
-            continue
-        if row["decoder"] == "dtmt --int8" and a.ct2_int8:   # beside the goal: int8 against int8
-            best, best_rounds = ct2_best(row, True)
-            row["vs_int8"] = row["sentences_per_s"] / best
-            row["vs_int8_rounds"] = [ours / theirs for ours, theirs in zip(row["round_rates"], best_rounds)]
-        best, best_rounds = ct2_best(row, False)
-        if row["batch"] == "1":
-            row["goal"] = 1.5
-        else:
-            row["goal"] = 1.0
-            best = max(best, lstm.get(row["threads"], 0.0))
-            if a.peer_lstm_run:
-                lstm_row = next(r for r in rows if r["decoder"] == "opennmt-py" and r["threads"] == row["threads"])
-                best_rounds = [max(x, y) for x, y in zip(best_rounds, lstm_row["round_rates"])]
-            elif row["threads"] in lstm:
-                best_rounds = [max(x, lstm[row["threads"]]) for x in best_rounds]
-        row["vs"] = row["sentences_per_s"] / best
-        row["vs_rounds"] = [ours / theirs for ours, theirs in zip(row["round_rates"], best_rounds)]
+    ratios(rows, a.ct2_batch, lstm)
     cmd = "python benchmarks/bench_deploy.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_name(threads=False)   # a column here
     md = [f"Decoding against CTranslate2 {CT2_VERSION}: {machine}; beam {a.beam}; the {len(sentences)} first "
@@ -439,22 +457,25 @@ def main(argv=None):
           f"Command: `{cmd.strip()}`", "",
           "| decoder | model | threads | batch | sentences/s | words/s | BLEU | vs goal | vs CTranslate2 int8 |",
           "|---|---|---:|---|---:|---:|---:|---|---|"]
+    int8_column = any("vs_int8" in r for r in rows)
+    if not int8_column:
+        md[-2:] = [md[-2].rsplit(" vs CTranslate2 int8 |", 1)[0], md[-1][:-4]]
     for r in rows:
         vs = (f"{r['vs']:.2f}× ({min(r['vs_rounds']):.2f}-{max(r['vs_rounds']):.2f}; goal ≥ {r['goal']})"
               if "vs" in r else "")
         vs8 = (f"{r['vs_int8']:.2f}× ({min(r['vs_int8_rounds']):.2f}-{max(r['vs_int8_rounds']):.2f})"
                if "vs_int8" in r else "")
         md.append(f"| {r['decoder']} | {r['model']} | {r['threads']} | {r['batch']} | {r['sentences_per_s']:.1f} | "
-                  f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} | {vs8} |")
+                  f"{r['words_per_s']:.0f} | {r['bleu']:.2f} | {vs} |" + (f" {vs8} |" if int8_column else ""))
     md.append("")
     lstm_rates = ", ".join(f"{r:.1f} sentences/s at {t} thread(s)" for t, r in sorted(lstm.items()))
     if a.peer_lstm_run:
         lstm_rates += f", decoded in this run: {os.path.relpath(lstm_peer['model'], ROOT)}"
     md.append("vs: batch 1 over CTranslate2 batch 1; batched over the faster of CTranslate2 batched and OpenNMT-py's "
               f"LSTM ({lstm_rates or 'no figure given'}), same thread count; CTranslate2 as the faster of its two CPU "
-              "backends, mkl (its default) and no-mkl (CT2_USE_MKL=0), in float32 as the goal says; vs CTranslate2 "
-              "int8: `dtmt --int8` over CTranslate2 with int8 weights (compute_type int8) at the same batch kind, "
-              "no goal; in brackets, the lowest and highest of the "
+              "backends, mkl (its default) and no-mkl (CT2_USE_MKL=0), in float32 as the goal says; "
+              + ("vs CTranslate2 int8: `dtmt --int8` over CTranslate2 with int8 weights (compute_type int8) at the "
+                 "same batch kind, no goal; " if int8_column else "") + "in brackets, the lowest and highest of the "
               f"same ratio within each of the {len(parts)} rounds (each round: every decoder of the thread count "
               "on the same part of the sentences, one after the other).")
     text = "\n".join(md) + "\n"

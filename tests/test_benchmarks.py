@@ -428,6 +428,38 @@ def test_bench_deploy_alternates_its_decoders_in_rounds():
                                sentences, 3)
 
 
+def test_bench_deploy_ratios_take_the_right_peers():
+    """bench_deploy.ratios: batch 1 over the faster CTranslate2 float32 backend at batch 1 (never its int8 rows);
+    batched over the faster of CTranslate2 float32 batched and the LSTM, round by round (the LSTM faster in some
+    rounds only), or over a --peer-lstm figure where the LSTM was not decoded; --int8 rows also over CTranslate2
+    int8; the transformer and the peers get no ratio."""
+    from benchmarks import bench_deploy
+
+    def row(decoder, model, threads, batch, rates):
+        return {"decoder": decoder, "model": model, "threads": threads, "batch": batch,
+                "sentences_per_s": sum(rates) / len(rates), "round_rates": rates}
+
+    rows = [row("dtmt", "dtmt", 1, "1", [20.0, 30.0]), row("dtmt", "dtmt", 1, "≤2000t", [60.0, 60.0]),
+            row("dtmt --int8", "dtmt", 1, "1", [50.0, 50.0]), row("dtmt", "transformer", 1, "≤2000t", [9.0, 9.0]),
+            row("ctranslate2 mkl", "transformer", 1, "1", [25.0, 20.0]),
+            row("ctranslate2 no-mkl", "transformer", 1, "1", [10.0, 30.0]),
+            row("ctranslate2 mkl int8", "transformer", 1, "1", [100.0, 100.0]),
+            row("ctranslate2 no-mkl int8", "transformer", 1, "1", [40.0, 125.0]),
+            row("ctranslate2 mkl", "transformer", 1, "32", [50.0, 50.0]),
+            row("ctranslate2 mkl int8", "transformer", 1, "32", [90.0, 90.0]),
+            row("opennmt-py", "lstm", 1, "≤2000t", [40.0, 75.0]),
+            row("dtmt", "dtmt", 2, "≤2000t", [80.0, 80.0]), row("ctranslate2 mkl", "transformer", 2, "32", [40.0, 40.0])]
+    bench_deploy.ratios(rows, 32, {1: 999.0, 2: 64.0})
+    one, batched, int8, transformer = rows[:4]
+    assert (one["goal"], batched["goal"]) == (1.5, 1.0)
+    assert one["vs"] == pytest.approx(25.0 / 22.5) and one["vs_rounds"] == pytest.approx([20 / 25, 30 / 30])
+    assert batched["vs"] == pytest.approx(60 / 57.5) and batched["vs_rounds"] == pytest.approx([60 / 50, 60 / 75])
+    assert int8["vs"] == pytest.approx(50 / 22.5) and int8["vs_int8"] == pytest.approx(50 / 100)
+    assert int8["vs_int8_rounds"] == pytest.approx([50 / 100, 50 / 125]) and "vs_int8" not in one
+    assert rows[-2]["vs"] == pytest.approx(80 / 64) and rows[-2]["vs_rounds"] == pytest.approx([1.25, 1.25])
+    assert all("vs" not in r for r in [transformer] + rows[4:11] + rows[-1:])
+
+
 def test_bench_deploy_finds_the_lstm_a_bench_peers_run_trained(tmp_path):
     """--peer-lstm-run DIR decodes the checkpoint bench_peers decodes (the step of the journal's end record) with
     the SentencePiece models of DIR/pieces, by language; a directory without them gets a one-line error."""

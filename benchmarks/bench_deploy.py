@@ -23,8 +23,7 @@ What it does, in one run:
    batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting), each with its two CPU GEMM backends (MKL, its
    x86 default, and CT2_USE_MKL=0; the faster counts), and CTranslate2 with int8 weights (compute_type int8,
    both backends, both batch sizes; leave out with --no-ct2-int8) beside `dtmt --int8`; model loading excluded
-   everywhere, the same sentences in
-   the same order. The sentences are cut into `--rounds` consecutive parts (default 4) and each round decodes one
+   everywhere, the same sentences in the same order. The sentences are cut into `--rounds` consecutive parts (default 4) and each round decodes one
    part with every decoder of the thread count in turn, the order reversed from one round to the next, so that
    the VM's drift within a run falls on every decoder alike (NOTES item 56); a decoder's time is the sum of its
    rounds, and each ratio also shows its range over the rounds;
@@ -416,29 +415,28 @@ def main(argv=None):
 
     for threads in (int(t) for t in a.threads.split(",")):
         decoders, ckpts = {}, {}   # "decoder | model | batch" -> f(first, part) -> {"seconds", "hyps"}; its file
+
+        def put(decoder, model, batch, ckpt, f):
+            decoders[f"{decoder} | {model} | {batch}"], ckpts[f"{decoder} | {model} | {batch}"] = f, ckpt
+
         for name, ckpt in systems.items():
             for int8 in (False, True) if a.int8 else (False,):
-                decoder = "dtmt --int8" if int8 else "dtmt"
                 for one, batch in ((True, "1"), (False, f"≤{a.max_tokens}t")):
-                    ckpts[f"{decoder} | {name} | {batch}"] = ckpt
-                    decoders[f"{decoder} | {name} | {batch}"] = (
+                    put("dtmt --int8" if int8 else "dtmt", name, batch, ckpt,
                         lambda first, part, ckpt=ckpt, one=one, int8=int8, threads=threads:
                         time_dtmt(ckpt, part, threads, one, a.max_tokens, a.beam, int8))
-        ckpts[f"dtmt | transformer | ≤{a.max_tokens}t"] = transformer
-        decoders[f"dtmt | transformer | ≤{a.max_tokens}t"] = (
+        put("dtmt", "transformer", f"≤{a.max_tokens}t", transformer,
             lambda first, part, threads=threads: time_dtmt(transformer, part, threads, False, a.max_tokens, a.beam))
         for compute_type in ("float32", "int8") if a.ct2_int8 and a.int8 else ("float32",):
             for batch in (1, a.ct2_batch):
                 for backend in CT2_BACKENDS:
-                    key = f"ctranslate2 {backend}{' int8' if compute_type == 'int8' else ''} | transformer | {batch}"
-                    ckpts[key] = transformer
-                    decoders[key] = (
+                    put(f"ctranslate2 {backend}{' int8' if compute_type == 'int8' else ''}", "transformer", batch,
+                        transformer,
                         lambda first, part, batch=batch, backend=backend, threads=threads, ct=compute_type:
                         time_ct2(py, model_dir, src_pieces[first], tv, threads, batch, a.beam, work, log, backend,
                                  ct))
         if a.peer_lstm_run:
-            ckpts[f"opennmt-py | lstm | ≤{a.max_tokens}t"] = lstm_peer["model"]
-            decoders[f"opennmt-py | lstm | ≤{a.max_tokens}t"] = (
+            put("opennmt-py", "lstm", f"≤{a.max_tokens}t", lstm_peer["model"],
                 lambda first, part, threads=threads:
                 time_lstm(onmt_py, lstm_peer, part, threads, a.beam, a.max_tokens, work, log))
         print(f"== {threads} thread(s): {len(decoders)} decoders, {len(parts)} rounds of {min(sizes)}-{max(sizes)} "
@@ -451,15 +449,14 @@ def main(argv=None):
     ratios(rows, a.ct2_batch, lstm)
     cmd = "python benchmarks/bench_deploy.py " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_name(threads=False)   # a column here
+    int8_column = any("vs_int8" in r for r in rows)
     md = [f"Decoding against CTranslate2 {CT2_VERSION}: {machine}; beam {a.beam}; the {len(sentences)} first "
           f"test sources of {os.path.relpath(a.data, ROOT)} in {len(parts)} rounds; model loading excluded. "
           f"Conversion check: max |Δ log p| = {diff:.1e} over {sum(map(len, ours))} dev pieces. "
           f"Command: `{cmd.strip()}`", "",
-          "| decoder | model | threads | batch | sentences/s | words/s | BLEU | vs goal | vs CTranslate2 int8 |",
-          "|---|---|---:|---|---:|---:|---:|---|---|"]
-    int8_column = any("vs_int8" in r for r in rows)
-    if not int8_column:
-        md[-2:] = [md[-2].rsplit(" vs CTranslate2 int8 |", 1)[0], md[-1][:-4]]
+          "| decoder | model | threads | batch | sentences/s | words/s | BLEU | vs goal |" +
+          (" vs CTranslate2 int8 |" if int8_column else ""),
+          "|---|---|---:|---|---:|---:|---:|---|" + ("---|" if int8_column else "")]
     for r in rows:
         vs = (f"{r['vs']:.2f}× ({min(r['vs_rounds']):.2f}-{max(r['vs_rounds']):.2f}; goal ≥ {r['goal']})"
               if "vs" in r else "")

@@ -10,8 +10,9 @@
 //   backward: per step and sub-cell (reverse order): one fused kernel recomputing the forward from the saved
 //             pre-activations, then one GEMM d(hp) U for the path to the input state; weight gradients as
 //             GEMMs after the loop, bias and layer-norm gradients as column sums (deterministic)
-// The per-step GEMMs of a batch of at most kSmallGemmRows rows are the small-row kernel of the .cuh, launched
-// on raw pointers; larger batches use ATen's mm (cuBLAS). The choice is made once per call, from B.
+// The per-step GEMMs are kernels of the .cuh launched on raw pointers for small batches (the row GEMM up to
+// kRowGemmRows rows, the tiled GEMM up to kSmallGemmRows) and ATen's mm (cuBLAS) above. The choice is made once
+// per call, from B.
 // Storage in the input dtype (float, double, half, bfloat16), h0 / h_n also in float for 16-bit inputs (h_n in
 // h0's dtype, dh0 in grad_hn's); states, carried gradients and all kernel arithmetic in float (double for double
 // inputs). Nothing synchronises with the host inside the loops.
@@ -58,9 +59,15 @@ template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
-// Batch rows up to which the time loops' GEMMs are the small-row kernel (a step: two kernel launches, no ATen
-// dispatch); the threshold is chosen in benchmarks/NOTES.md, log item 17.
+// Batch rows up to which the time loops' GEMMs are kernels of the .cuh (a step: two kernel launches, no ATen
+// dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM above. Thresholds: benchmarks/NOTES.md, items 17
+// and 57 (measured on an H100).
+constexpr int64_t kRowGemmRows = 8;
 constexpr int64_t kSmallGemmRows = 64;
+enum class StepGemm { kRows, kTiled, kAten };
+StepGemm step_gemm(int64_t B) {
+  return B <= kRowGemmRows ? StepGemm::kRows : B <= kSmallGemmRows ? StepGemm::kTiled : StepGemm::kAten;
+}
 
 template <typename T, typename S> const T* cptr(const Tensor& t, int64_t offset = 0) {
   return present(t) ? reinterpret_cast<const T*>(t.data_ptr<S>()) + offset : nullptr;
@@ -138,18 +145,19 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
 
   const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool small = B <= kSmallGemmRows;
+  const StepGemm gemm = step_gemm(B);
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
   const Tensor w_hh_t = w_hh.t();
   std::vector<Tensor> t_w_t;
-  if (!small)
+  if (gemm == StepGemm::kAten)
     for (int64_t k = 0; k < D; ++k) t_w_t.push_back(t_w[k].t());
   // hs_lp's rows [k][t] are the GEMMs' inputs (the state in the GEMM dtype)
   auto gemm_forward = [&](int64_t k, int64_t t, const T* u, T* c, int64_t n) {
-    if (small) {
+    if (gemm != StepGemm::kAten) {
       const cuda::GemmArgs<T> g{cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B),
                                 static_cast<int>(n), static_cast<int>(H)};
-      C10_CUDA_CHECK((cuda::launch_small_gemm<true, T, A>(g, stream)));
+      C10_CUDA_CHECK((gemm == StepGemm::kRows ? cuda::launch_rows_gemm<T, A>(g, stream)
+                                              : cuda::launch_tiled_gemm<true, T, A>(g, stream)));
     } else {
       Tensor out_rows = k == 0 ? hp[t] : hpt[k - 1][t];
       at::mm_out(out_rows, hs_lp[k][t], k == 0 ? w_hh_t : t_w_t[k - 1]);
@@ -239,16 +247,21 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   bool has_cg = false;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto order = step_order(T_, reverse);
-  const bool small = B <= kSmallGemmRows;
+  const StepGemm gemm = step_gemm(B);
+  const bool rows = gemm == StepGemm::kRows;
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
+  // the row GEMM multiplies by w^T with w [N, K] row-major: here U^T [H, n], made once for the loop
+  const Tensor w_hh_rows = rows ? w_hh.t().contiguous() : w_hh;
+  const Tensor t_w_rows = rows && D > 0 ? t_w.transpose(1, 2).contiguous() : t_w;
   // out[B, H] = d(pre-activations)[B, n] . U[n, H]; the pre-activation gradients and U are rows of `dpre`
-  // and `u` from the element offsets given
-  auto gemm_backward = [&](Tensor& out, const Tensor& dpre, int64_t dpre_off, const Tensor& u, int64_t u_off,
-                           int64_t n) {
-    if (small) {
-      const cuda::GemmArgs<T> g{cptr<T, S>(dpre, dpre_off), cptr<T, S>(u, u_off), mptr<T, S>(out),
+  // and `u` from the element offsets given (`u_rows`: the same matrix as U^T, same offset)
+  auto gemm_backward = [&](Tensor& out, const Tensor& dpre, int64_t dpre_off, const Tensor& u, const Tensor& u_rows,
+                           int64_t u_off, int64_t n) {
+    if (gemm != StepGemm::kAten) {
+      const cuda::GemmArgs<T> g{cptr<T, S>(dpre, dpre_off), cptr<T, S>(rows ? u_rows : u, u_off), mptr<T, S>(out),
                                 static_cast<int>(B), static_cast<int>(H), static_cast<int>(n)};
-      C10_CUDA_CHECK((cuda::launch_small_gemm<false, T, A>(g, stream)));
+      C10_CUDA_CHECK(
+          (rows ? cuda::launch_rows_gemm<T, A>(g, stream) : cuda::launch_tiled_gemm<false, T, A>(g, stream)));
     } else {
       at::mm_out(out, dpre.view({-1}).narrow(0, dpre_off, B * n).view({B, n}),
                  u.view({-1}).narrow(0, u_off, n * H).view({n, H}));
@@ -303,11 +316,12 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
       const cudaError_t err = cuda::launch_step_backward<T, A>(kind, a, static_cast<int>(B), stream);
       C10_CUDA_CHECK(err);
       if (base) {
-        gemm_backward(carry_g, dhp, t * B * d.n_h * H, w_hh, 0, d.n_h * H);
+        gemm_backward(carry_g, dhp, t * B * d.n_h * H, w_hh, w_hh_rows, 0, d.n_h * H);
         c = 1 - c;
         has_cg = true;
       } else {
-        gemm_backward(inner_g, dhpt, ((k - 1) * T_ + t) * B * 3 * H, t_w, (k - 1) * 3 * H * H, 3 * H);
+        gemm_backward(inner_g, dhpt, ((k - 1) * T_ + t) * B * 3 * H, t_w, t_w_rows, (k - 1) * 3 * H * H,
+                      3 * H);
         i = 1 - i;
       }
     }

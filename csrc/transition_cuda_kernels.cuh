@@ -353,29 +353,74 @@ template <int KIND, typename T, typename A> __global__ void step_backward_kernel
   }
 }
 
-// --------------------------------------------------------------------------------------- small-row GEMM
-// The time loops' recurrent products when the batch is small: c[M, N] = a[M, K] . w^T with w [N, K] row-major
+// ------------------------------------------------------------------------------------------- row GEMM
+// The time loops' recurrent products for B <= 8 rows (the driver's choice): c[M, N] = a[M, K] . w^T, w [N, K]
+// row-major (the forward's h U^T; the backward's d(U h) U multiplies by U^T, transposed once per call by the
+// driver). One warp per output column n: its lanes stride over k, so each load of w's row n is one coalesced
+// 128-byte line per warp, and the row is read once for up to kGemmRowsPerPass rows of a, whose partial sums stay
+// in registers (a is a few KB and stays in L1). kGemmWarps warps a block, so N columns are N warps spread over
+// the device: at N = H = 512, 512 warps against the tiled GEMM's 16 blocks of 32 columns. Larger M re-reads w
+// once per pass, which is why the tiled GEMM takes over above 8 rows. Each output is its lanes' partials
+// (ascending k, stride 32) summed by a fixed butterfly, so a row's result does not depend on M or the launch.
+constexpr int kGemmWarps = 8, kGemmThreads = 32 * kGemmWarps, kGemmRowsPerPass = 8;
+
+template <typename T> struct GemmArgs {
+  const T* a;  // [M, K]
+  const T* w;  // [N, K]; the tiled GEMM's W_T = false: [K, N]
+  T* c;        // [M, N]
+  int M, N, K;
+};
+
+template <typename T, typename A> __global__ void rows_gemm_kernel(GemmArgs<T> p) {
+  const int n = blockIdx.x * kGemmWarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (n >= p.N) return;  // the whole warp: its shuffles below need all 32 lanes or none
+  const T* wr = p.w + static_cast<size_t>(n) * p.K;
+  for (int m0 = 0; m0 < p.M; m0 += kGemmRowsPerPass) {
+    const int rows = p.M - m0 < kGemmRowsPerPass ? p.M - m0 : kGemmRowsPerPass;
+    const T* ar = p.a + static_cast<size_t>(m0) * p.K;
+    A acc[kGemmRowsPerPass];
+#pragma unroll
+    for (int i = 0; i < kGemmRowsPerPass; ++i) acc[i] = A(0);
+#pragma unroll 4
+    for (int k = lane; k < p.K; k += 32) {
+      const A wv = ld<A>(wr, k);
+#pragma unroll
+      for (int i = 0; i < kGemmRowsPerPass; ++i)
+        if (i < rows) acc[i] += ld<A>(ar + static_cast<size_t>(i) * p.K, k) * wv;
+    }
+#pragma unroll
+    for (int i = 0; i < kGemmRowsPerPass; ++i) {
+      if (i >= rows) break;  // rows is the same for the whole warp
+      const A v = warp_sum(acc[i]);
+      if (lane == 0) st<A>(p.c + static_cast<size_t>(m0 + i) * p.N, n, v);
+    }
+  }
+}
+
+template <typename T, typename A> inline cudaError_t launch_rows_gemm(const GemmArgs<T>& g, cudaStream_t stream) {
+  const int grid = (g.N + kGemmWarps - 1) / kGemmWarps;
+  auto* kernel = &rows_gemm_kernel<T, A>;
+  DTMT_LAUNCH(kernel, grid, kGemmThreads, 0, stream, g);
+  return cudaGetLastError();
+}
+
+// ------------------------------------------------------------------------------------------- tiled GEMM
+// The time loops' recurrent products for 8 < B <= 64 rows (the driver's choice; the row GEMM above is faster up
+// to 8, this one from about 8 up, benchmarks/NOTES.md item 57): c[M, N] = a[M, K] . w^T with w [N, K] row-major
 // (W_T: the forward's h U^T) or a[M, K] . w with w [K, N] (the backward's d(U h) U). One block per
-// kGemmBM x kGemmBN tile of c (1-D grid, column tiles fastest), kGemmThreads threads: each owns one column of
+// kGemmBM x kGemmBN tile of c (1-D grid, column tiles fastest), kTiledThreads threads: each owns one column of
 // the tile and kGemmRows consecutive rows (a warp shares its rows, so the a-tile reads are broadcasts). K is
 // staged through shared memory in chunks of gemm_bk<A>() (25 KB of tiles: few chunks, since each chunk's loads
 // are a round trip to L2 that the block waits for), converted to the accumulation type A; each output is a sum
 // in ascending k, so the result does not depend on the launch.
-constexpr int kGemmBM = 16, kGemmBN = 32, kGemmThreads = 128;
-constexpr int kGemmRows = kGemmBM * kGemmBN / kGemmThreads;
+constexpr int kGemmBM = 16, kGemmBN = 32, kTiledThreads = 128;
+constexpr int kGemmRows = kGemmBM * kGemmBN / kTiledThreads;
 template <typename A> __host__ __device__ constexpr int gemm_bk() { return sizeof(A) == 8 ? 64 : 128; }
 template <typename A> inline size_t gemm_smem() {
   return sizeof(A) * (kGemmBM * gemm_bk<A>() + gemm_bk<A>() * (kGemmBN + 1));
 }
 
-template <typename T> struct GemmArgs {
-  const T* a;  // [M, K]
-  const T* w;  // [N, K] (W_T) or [K, N]
-  T* c;        // [M, N]
-  int M, N, K;
-};
-
-template <bool W_T, typename T, typename A> __global__ void small_gemm_kernel(GemmArgs<T> p) {
+template <bool W_T, typename T, typename A> __global__ void tiled_gemm_kernel(GemmArgs<T> p) {
   constexpr int kGemmBK = gemm_bk<A>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   A* as = reinterpret_cast<A*>(smem_raw);  // [kGemmBM][kGemmBK]
@@ -386,11 +431,11 @@ template <bool W_T, typename T, typename A> __global__ void small_gemm_kernel(Ge
   A acc[kGemmRows];
   for (int i = 0; i < kGemmRows; ++i) acc[i] = A(0);
   for (int k0 = 0; k0 < p.K; k0 += kGemmBK) {
-    for (int e = threadIdx.x; e < kGemmBM * kGemmBK; e += kGemmThreads) {
+    for (int e = threadIdx.x; e < kGemmBM * kGemmBK; e += kTiledThreads) {
       const int m = m0 + e / kGemmBK, k = k0 + e % kGemmBK;
       as[e] = (m < p.M && k < p.K) ? ld<A>(p.a + static_cast<size_t>(m) * p.K, k) : A(0);
     }
-    for (int e = threadIdx.x; e < kGemmBN * kGemmBK; e += kGemmThreads) {
+    for (int e = threadIdx.x; e < kGemmBN * kGemmBK; e += kTiledThreads) {
       const int n = W_T ? e / kGemmBK : e % kGemmBN, kk = W_T ? e % kGemmBK : e / kGemmBN;
       const int gn = n0 + n, gk = k0 + kk;
       A v = A(0);
@@ -414,11 +459,11 @@ template <bool W_T, typename T, typename A> __global__ void small_gemm_kernel(Ge
 }
 
 template <bool W_T, typename T, typename A>
-inline cudaError_t launch_small_gemm(const GemmArgs<T>& g, cudaStream_t stream) {
+inline cudaError_t launch_tiled_gemm(const GemmArgs<T>& g, cudaStream_t stream) {
   const int grid = ((g.M + kGemmBM - 1) / kGemmBM) * ((g.N + kGemmBN - 1) / kGemmBN);
   const size_t smem = gemm_smem<A>();
-  auto* kernel = &small_gemm_kernel<W_T, T, A>;
-  DTMT_LAUNCH(kernel, grid, kGemmThreads, smem, stream, g);
+  auto* kernel = &tiled_gemm_kernel<W_T, T, A>;
+  DTMT_LAUNCH(kernel, grid, kTiledThreads, smem, stream, g);
   return cudaGetLastError();
 }
 

@@ -307,17 +307,19 @@ def _compare_emulated(run_emulated, cell, depth, ln, full_features, dtype, B=3, 
 def test_cuda_kernels_emulated(emulated_cuda_ext, dtype):
     """Every cell x depth {0, 2} x layer norm on/off, masked + reversed + candidate dropout and plain: the
     CUDA driver and kernels (emulated on host fibers) against the reference, outputs and all gradients.
-    H = 37: two passes for some threads (32 threads a block here), idle lanes in the last warp; partial tiles
-    of the small-row GEMM in every dimension (N = 3H or 4H, K = H or 3H, M = B = 3)."""
+    H = 37: two passes for some threads (32 threads a block here), idle lanes in the last warp; the row GEMM
+    (B <= 8) with lanes holding one or two k each (K = H or 3H), a part-filled last block of warps (N = 3H or
+    4H columns) and a part-filled pass of rows (M = B = 3)."""
     run_emulated = _emulated_sequence(emulated_cuda_ext)
     for (cell, depth), ln, full_features in itertools.product(EMULATED_CASES, (False, True), (True, False)):
         _compare_emulated(run_emulated, cell, depth, ln, full_features, dtype)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B", [20, 70], ids=["two-row-tiles", "over-small-gemm-rows"])
+@pytest.mark.parametrize("B", [8, 20, 70], ids=["row-gemm-full-pass", "tiled-gemm-two-tiles", "aten-mm"])
 def test_cuda_kernels_emulated_batch_sizes(emulated_cuda_ext, B):
-    """B = 20: the small-row GEMM over two row tiles (16 rows a tile); B = 70: above kSmallGemmRows (64), the
-    time loops' GEMMs through ATen's mm instead."""
+    """The time loops' GEMM the driver picks from B: B = 8, the row GEMM's largest batch (one full pass of 8
+    rows); B = 20, the tiled GEMM over two row tiles (16 rows a tile); B = 70, above kSmallGemmRows (64), ATen's
+    mm."""
     run_emulated = _emulated_sequence(emulated_cuda_ext)
     _compare_emulated(run_emulated, "lgru", 1, True, True, torch.float64, B=B, T=2, H=9)

@@ -98,7 +98,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
                                          const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
                                          double cell_eps, const AttentionWeights& attention,
                                          const ReadoutWeights& readout, int64_t beam, double alpha,
-                                         const Tensor& max_len, int64_t bos, int64_t eos, bool source_products) {
+                                         const Tensor& max_len, int64_t bos, int64_t eos, bool source_products,
+                                         bool early_stop) {
   TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
                   embed.dim() == 2 && max_len.dim() == 1,
               "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
@@ -207,11 +208,11 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       std::stable_sort(done.begin(), done.end(), [](const Hyp& x, const Hyp& y_) { return x.score > y_.score; });
       if (static_cast<int64_t>(done.size()) > beam) done.resize(beam);
       // finished when full and no open hypothesis can still win (log-probs only decrease; the length penalty is
-      // at most that of the max length)
+      // at most that of the max length), or, with early_stop, as soon as it is full
       const double best_open = *std::max_element(new_scores.begin(), new_scores.end());
       const double bound = alpha > 0 ? best_open / length_penalty(max_len_list[b], alpha) : best_open;
       if (t + 1 >= max_len_list[b] || best_open == neg_inf ||
-          (static_cast<int64_t>(done.size()) >= beam && bound <= done.back().score))
+          (static_cast<int64_t>(done.size()) >= beam && (early_stop || bound <= done.back().score)))
         continue;
       still.push_back(i);
       for (int64_t o = 0; o < beam; ++o) {

@@ -121,14 +121,16 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
 // finished hypotheses, best first, are the counts[b] after those of the sentences before it; a hypothesis'
 // tokens exclude BOS and EOS; scores (log_prob / lp) and log_probs in float64. source_products: the steps read the
 // context through SourceProducts where source_products_pay says they pay (decided once, for the whole search):
-// the same search up to the rounding of those sums; false: rnmt_step_cpu's arithmetic exactly.
+// the same search up to the rounding of those sums; false: rnmt_step_cpu's arithmetic exactly. early_stop: a
+// sentence ends as soon as it has `beam` finished hypotheses (fairseq's, CTranslate2's and Hugging Face's rule);
+// false: only once no open hypothesis can still beat the worst of them either (beam_search.py's default).
 std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, const at::Tensor& keys,
                                              const at::Tensor& src_mask, const at::Tensor& s, const at::Tensor& embed,
                                              const at::Tensor& positions, const TransitionWeights& query_cell,
                                              const TransitionWeights& decoder_cell, double cell_eps,
                                              const AttentionWeights& attention, const ReadoutWeights& readout,
                                              int64_t beam, double alpha, const at::Tensor& max_len, int64_t bos,
-                                             int64_t eos, bool source_products = false);
+                                             int64_t eos, bool source_products = false, bool early_stop = false);
 
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.

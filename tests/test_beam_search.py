@@ -74,6 +74,46 @@ def test_greedy_is_argmax_chain():
     assert out[0] == expect and out[1] == expect
 
 
+def test_early_stop_ends_a_sentence_once_the_beam_is_finished():
+    """A table worked by hand (beam 1, alpha 0.6, max length 5). From BOS: w 0.6, EOS 0.3, x 0.1; after w or x:
+    EOS 0.9. Step 0 finishes the empty hypothesis (log 0.3 / lp(1) = -1.204) and keeps w open (log 0.6 =
+    -0.511). early_stop ends there: the beam (1) is full. The default rule goes on, since w could still win
+    (-0.511 / lp(5) = -0.376 > -1.204), and at step 1 finishes w EOS: log 0.54 / lp(2) = -0.562, the better one."""
+    w, x = 4, 5
+    model = TableModel(V=6)
+    probs = torch.full((6, 6), 1e-12)
+    probs[BOS, [w, EOS, x]] = torch.tensor([0.6, 0.3, 0.1], dtype=probs.dtype)
+    probs[w, [EOS, w, x]] = probs[x, [EOS, w, x]] = torch.tensor([0.9, 0.05, 0.05], dtype=probs.dtype)
+    model.table = probs.log()
+    src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
+    steps = []
+    counting = type("Counting", (), dict(encode=model.encode, reorder=staticmethod(model.reorder),
+                                         step=lambda self, state, prev: steps.append(1) or model.step(state, prev)))()
+    kwargs = dict(beam=1, alpha=0.6, max_len_a=0, max_len_b=5)
+    early = beam_search(counting, src, lengths, early_stop=True, **kwargs)[0]
+    assert len(steps) == 1 and early[0].tokens == [] and math.isclose(early[0].log_prob, math.log(0.3), rel_tol=1e-6)
+    steps.clear()
+    full = beam_search(counting, src, lengths, **kwargs)[0]
+    assert len(steps) == 2 and full[0].tokens == [w]
+    assert math.isclose(full[0].score, math.log(0.54) / (7 / 6) ** 0.6, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_early_stop_takes_no_more_steps_and_never_a_better_beam(seed):
+    """Up to the step where early_stop ends a sentence the two rules decide alike; the default then only goes on
+    to replace finished hypotheses by better ones. So on any table: no more steps, and each rank's score at most
+    the default's."""
+    model = TableModel(V=9, seed=seed)
+    src, lengths = torch.ones(3, 4, dtype=torch.long), torch.tensor([4, 2, 3])
+    for beam in (2, 4):
+        kwargs = dict(beam=beam, alpha=0.6, nbest=beam, max_len_a=2.0, max_len_b=3)
+        early = beam_search(model, src, lengths, early_stop=True, **kwargs)
+        full = beam_search(model, src, lengths, **kwargs)
+        for e, f in zip(early, full):
+            assert len(e) == len(f) == beam
+            assert all(a.score <= b.score + 1e-9 for a, b in zip(e, f)), (seed, beam)
+
+
 def test_beam_search_on_a_real_system_is_batch_independent():
     torch.manual_seed(0)
     model = dm.build_model("dtmt", 20, 20, embed_dim=16, hidden_size=16).eval()
@@ -172,17 +212,19 @@ def test_fused_search_equals_the_python_loop(system, options):
     """The decoder's one-call search (FusedRNMTDecoder.search, C++) against the loop of beam_search over the same
     decoder's steps (fused=False, the reference): the same hypotheses in the same order, the same scores and
     log-probabilities to the bit, for batches whose sentences finish at different steps, beams 1-5, with and
-    without the length penalty, nbest up to the beam; in float32 and float64, and with int8 weights."""
+    without the length penalty, nbest up to the beam, either stopping rule; in float32 and float64, and with int8
+    weights."""
     torch.manual_seed(3)
     model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=16, **options).eval()
-    cases = [(1, 0.0, 1, 2.0, 10), (3, 0.6, 3, 1.0, 2), (4, 0.6, 2, 2.0, 10), (5, 1.0, 5, 0.5, 3)]
+    cases = [(1, 0.0, 1, 2.0, 10, False), (3, 0.6, 3, 1.0, 2, False), (4, 0.6, 2, 2.0, 10, False),
+             (5, 1.0, 5, 0.5, 3, False), (4, 0.6, 2, 2.0, 10, True), (2, 1.0, 2, 2.0, 10, True)]
     lengths = torch.tensor([6, 1, 4, 2, 5, 3, 6])
     src = torch.randint(4, 24, (7, 6))
     for dtype, int8 in ((torch.float32, False), (torch.float64, False), (torch.float32, True)):
         decoder = model.to(dtype).inference_decoder(int8=int8)
         assert decoder.search is not None, f"{system}: no fused search"
-        for beam, alpha, nbest, a, b in cases:
-            kwargs = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b)
+        for beam, alpha, nbest, a, b, early_stop in cases:
+            kwargs = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b, early_stop=early_stop)
             fused = beam_search(decoder, src, lengths, **kwargs)
             loop = beam_search(decoder, src, lengths, fused=False, **kwargs)
             assert _hyps(fused) == _hyps(loop), (dtype, int8, kwargs)

@@ -172,6 +172,22 @@ def test_cli_translate_files_and_output_dir(system, reference, tmp_path):
     assert read(d / "b.es.out") == "".join(r[0][0] + "\n" for r in reference[4:])
 
 
+def test_cli_early_stop_reaches_the_search(system, tmp_path, monkeypatch):
+    """--early-stop is passed down to beam_search, and only with the flag."""
+    import dtmt_models.decoding.translate as translate_module
+    _, _, _, ckpt = system
+    seen = []
+    real = translate_module.beam_search
+    monkeypatch.setattr(translate_module, "beam_search", lambda *a, **k: seen.append(k["early_stop"]) or real(*a, **k))
+    a = write(tmp_path / "a.es", "\n".join(INPUTS) + "\n")
+    for flag in ([], ["--early-stop"]):
+        seen.clear()
+        out = tmp_path / f"out{len(flag)}.en"
+        assert cli.main(["translate", "-c", ckpt, "--beam", "3", "--quiet", *flag, a, "--output", str(out)]) == 0
+        assert seen and set(seen) == {bool(flag)}
+        assert len(read(out).splitlines()) == len(INPUTS)
+
+
 def _translate_process(ckpt, *flags):
     import subprocess
 

@@ -66,6 +66,7 @@ def _run(args: argparse.Namespace) -> int:
         raise InputError(f"--port must be in 0..65535, got {args.port}")
     settings = ServeSettings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens,
                              max_src_len=args.max_src_len, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+                             early_stop=args.early_stop,
                              max_sentences=args.max_sentences, max_chars=args.max_chars,
                              batch_sentences=args.batch_sentences, max_wait_ms=args.max_wait_ms,
                              shutdown_timeout=args.shutdown_timeout)

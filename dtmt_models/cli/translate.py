@@ -179,6 +179,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len-a", type=float, default=2.0,
                    help="maximum output length = a * source length + b (default a=2.0)")
     g.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a (default b=10)")
+    g.add_argument("--early-stop", action="store_true",
+                   help="end a sentence once it has --beam finished hypotheses (fairseq's and CTranslate2's rule: "
+                        "fewer steps), instead of once no open hypothesis can still beat them (default)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU threads for decoding (default 0: torch's default, OMP_NUM_THREADS or the cores)")
@@ -235,7 +238,7 @@ def build_decoder(model, int8: bool = False):
 
 def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
     return dict(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, max_len_a=args.max_len_a,
-                max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len)
+                max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len, early_stop=args.early_stop)
 
 
 # ------------------------------------------------------------------------------------------ streaming

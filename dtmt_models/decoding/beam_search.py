@@ -2,8 +2,10 @@
 
 Hypotheses are ranked by log P(y|x) / lp(y) with the GNMT length penalty of paper 000's decoding,
 lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability). A sentence is finished when it has
-`beam` complete hypotheses and no open one can still beat the worst of them, or at max length (source
-length * max_len_a + max_len_b steps, EOS included), where only EOS may follow the open hypotheses.
+`beam` complete hypotheses and no open one can still beat the worst of them (with `early_stop`: as soon as it has
+`beam` complete hypotheses, the rule of fairseq, CTranslate2 and Hugging Face's `early_stopping=True`), or at max
+length (source length * max_len_a + max_len_b steps, EOS included), where only EOS may follow the open
+hypotheses.
 
 The decoder's state is reordered after every step: `reorder(state, index)` (rows taken by `index`, which drops
 the rows of finished sentences). A decoder may also have `reorder_within(state, index)`, called instead when no
@@ -11,9 +13,9 @@ sentence finished, so that `index` keeps every row among its own sentence's rows
 rows of a sentence (the annotations, attention keys, source mask) may then be kept as it is.
 
 A decoder whose `search` is not None (FusedRNMTDecoder: the attentional RNMT systems) runs this whole loop as one
-C++ call, `search(state, beam, alpha, max_len)`, after `encode`: the same decisions in the same arithmetic (the
-loop here is its reference in tests/test_beam_search.py), without Python between steps. `fused=False` keeps the
-loop here.
+C++ call, `search(state, beam, alpha, max_len, early_stop)`, after `encode`: the same decisions in the same
+arithmetic (the loop here is its reference in tests/test_beam_search.py), without Python between steps.
+`fused=False` keeps the loop here.
 """
 from __future__ import annotations
 
@@ -43,10 +45,13 @@ def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Ten
 
 @torch.no_grad()
 def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: float = 0.6, nbest: int = 1,
-                max_len_a: float = 2.0, max_len_b: int = 10, fused: bool = True) -> List[List[Hypothesis]]:
+                max_len_a: float = 2.0, max_len_b: int = 10, fused: bool = True, early_stop: bool = False
+                ) -> List[List[Hypothesis]]:
     """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first. `model`: a Seq2Seq
     (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
-    encode / step / reorder. `fused`: the decoder's one-call `search` where it has one (False: this loop)."""
+    encode / step / reorder. `fused`: the decoder's one-call `search` where it has one (False: this loop).
+    `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can
+    still win (fewer steps; the default keeps the check)."""
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if hasattr(model, "inference_decoder"):
@@ -56,7 +61,8 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
     search = getattr(model, "search", None) if fused else None
     if search is not None:
-        return [[Hypothesis(*h) for h in hyps[:nbest]] for hyps in search(state, beam, alpha, max_len)]
+        return [[Hypothesis(*h) for h in hyps[:nbest]]
+                for hyps in search(state, beam, alpha, max_len, early_stop=early_stop)]
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
     scores = torch.full((B, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0                                   # all beams start identical: keep one
@@ -107,11 +113,11 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
             finished[b].sort(key=lambda h: -h.score)
             del finished[b][beam:]
             # finished when full and no open hypothesis can still win (log-probs only decrease; the length
-            # penalty is at most that of the max length)
+            # penalty is at most that of the max length), or with early_stop as soon as it is full
             best_open = max(new_scores)
             bound = best_open / length_penalty(max_len_list[b], alpha) if alpha > 0 else best_open
-            if t + 1 >= max_len_list[b] or best_open == NEG_INF or (len(finished[b]) >= beam and
-                                                                    bound <= finished[b][-1].score):
+            if t + 1 >= max_len_list[b] or best_open == NEG_INF or (len(finished[b]) >= beam and (
+                    early_stop or bound <= finished[b][-1].score)):
                 continue
             still.append(i)
             select.extend(i * beam + o for o in new_origin)

@@ -39,6 +39,7 @@ class ServeSettings:
     max_src_len: int = 250
     max_len_a: float = 2.0
     max_len_b: int = 10
+    early_stop: bool = False      # beam_search's
     max_sentences: int = 256      # per request, else 413
     max_chars: int = 2000         # per sentence, else 413
     batch_sentences: int = 128    # decode at once when this many are waiting
@@ -223,7 +224,7 @@ class Server:
             **self.info,
             "source_vocabulary": len(self.src_vocab), "target_vocabulary": len(self.tgt_vocab),
             "decoding": {"beam": s.beam, "alpha": s.alpha, "max_tokens": s.max_tokens, "max_src_len": s.max_src_len,
-                         "max_len_a": s.max_len_a, "max_len_b": s.max_len_b},
+                         "max_len_a": s.max_len_a, "max_len_b": s.max_len_b, "early_stop": s.early_stop},
             "limits": {"max_sentences": s.max_sentences, "max_chars": s.max_chars},
             "batching": {"batch_sentences": s.batch_sentences, "max_wait_ms": s.max_wait_ms},
             "counters": {"requests": self.counters.requests, "sentences": self.counters.sentences,
@@ -294,7 +295,8 @@ class Server:
         s = self.settings
         results, messages = input_warnings(lambda: translate(
             self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha, max_tokens=s.max_tokens,
-            max_src_len=s.max_src_len, max_len_a=s.max_len_a, max_len_b=s.max_len_b, decoder=self.decoder))
+            max_src_len=s.max_src_len, max_len_a=s.max_len_a, max_len_b=s.max_len_b, decoder=self.decoder,
+            early_stop=s.early_stop))
         for message in messages:
             if message not in self._seen_warnings:
                 self._seen_warnings.add(message)

@@ -87,7 +87,8 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary, sentences: Sequence[str],
               beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,
               max_len_b: int = 10, device=None, progress: Optional[Progress] = None,
-              max_src_len: Optional[int] = 250, decoder=None) -> List[List[Tuple[str, float]]]:
+              max_src_len: Optional[int] = 250, decoder=None, early_stop: bool = False
+              ) -> List[List[Tuple[str, float]]]:
     """Translates `sentences` (plain text, one sentence each); returns for every sentence, in input order, its
     up to `nbest` best (translation, length-normalised log-probability) pairs, best first.
 
@@ -97,7 +98,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     `TruncationWarning` per call; sources of which more than half the pieces are unknown to the source
     vocabulary give one `UnknownPiecesWarning` per call (the model would otherwise invent a fluent sentence
     without a word of notice). `decoder`: `model.inference_decoder()` built by a caller that translates many times
-    with unchanging weights (a server); None builds it here, once per call."""
+    with unchanging weights (a server); None builds it here, once per call. `early_stop`: beam_search's (a
+    sentence ends once it has `beam` finished hypotheses)."""
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if max_src_len is not None and max_src_len < 1:
@@ -151,7 +153,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
                     src[row, :len(ids[j])] = torch.tensor(ids[j], dtype=torch.long)
                 lengths = torch.tensor([len(ids[j]) for j in batch], dtype=torch.long)
                 hyps = beam_search(decoder, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
-                                   max_len_a=max_len_a, max_len_b=max_len_b)
+                                   max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop)
                 for j, sentence_hyps in zip(batch, hyps):
                     results[todo[j]] = [(tgt_vocab.decode(h.tokens), float(h.score)) for h in sentence_hyps]
                 done += len(batch)

@@ -165,7 +165,7 @@ class FusedRNMTDecoder:
             updates["pos"] = state["pos"] + 1
         return log_probs, step_state(state, alpha, True, **updates)
 
-    def _search(self, state: State, beam: int, alpha: float, max_len: Tensor
+    def _search(self, state: State, beam: int, alpha: float, max_len: Tensor, early_stop: bool = False
                 ) -> List[List[Tuple[List[int], float, float]]]:
         """beam_search's loop (dtmt_models.decoding.beam_search, its reference) in one C++ call,
         dk.functional.rnmt_beam_search, from the state `encode` made: for each sentence its finished hypotheses,
@@ -180,7 +180,8 @@ class FusedRNMTDecoder:
         keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
         counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
-            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.source_products)
+            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.source_products,
+            early_stop)
         tokens = tokens.split(lengths.tolist())
         hyps = [(t.tolist(), score, lp) for t, score, lp in zip(tokens, scores.tolist(), log_probs.tolist())]
         out, i = [], 0

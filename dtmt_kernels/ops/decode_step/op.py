@@ -206,7 +206,8 @@ def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask:
 def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Tensor, embed: Tensor,
                      positions: Optional[Tensor], query_cell, decoder_cell, attention: AttentionWeights,
                      readout: ReadoutWeights, beam: int, alpha: float, max_len: Tensor, bos: int, eos: int,
-                     source_products: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     source_products: bool = False, early_stop: bool = False
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Inference only: beam search over `rnmt_step` in one C++ call, the loop of dtmt_models.decoding.beam_search
     (its reference: the same hypotheses, scores and order) with no Python between steps. The decoder state as
     `encode` makes it, one row a sentence: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S] bool, s [B, H].
@@ -217,11 +218,12 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
     `source_products`: where the attention has no output projection (after fold_context_projection) and the
     sources are short enough for it to pay (B * heads * S <= C / 2), the steps read the context through its
     products with the two matrices that multiply it, made once per sentence (csrc/decode_step.h, SourceProducts):
-    the same sums in another order, so the same search up to rounding; False: rnmt_step's arithmetic exactly."""
+    the same sums in another order, so the same search up to rounding; False: rnmt_step's arithmetic exactly.
+    `early_stop`: a sentence ends as soon as it has `beam` finished hypotheses (beam_search's `early_stop`)."""
     return torch.ops.dtmt.rnmt_beam_search(annotations, keys, src_mask, s, embed, positions, query_cell.kind,
                                            query_cell.params, decoder_cell.kind, decoder_cell.params, query_cell.eps,
                                            attention.tensors, attention.ln_eps, readout.tensors, readout.eps, beam,
-                                           alpha, max_len, bos, eos, source_products)
+                                           alpha, max_len, bos, eos, source_products, early_stop)
 
 
 def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
@@ -254,7 +256,7 @@ def _rnmt_step_fake(y, s, keys, annotations, src_mask, q_kind, q_params, d_kind,
 
 def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_kind, q_params, d_kind, d_params,
                            cell_eps, attention, att_eps, readout, readout_eps, beam, alpha, max_len, bos, eos,
-                           source_products=False):
+                           source_products=False, early_stop=False):
     ctx = torch.library.get_ctx()
     n, tokens = ctx.new_dynamic_size(), ctx.new_dynamic_size()   # how many hypotheses and tokens: data-dependent
     long, double = dict(dtype=torch.long), dict(dtype=torch.float64)

@@ -220,8 +220,7 @@ TORCH_LIBRARY(dtmt, m) {
         "Tensor? positions, int q_kind, Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, "
         "Tensor[] attention, float att_eps, Tensor[] readout, float readout_eps, int beam, float alpha, "
         "Tensor max_len, int bos, int eos, bool source_products=False, bool early_stop=False) -> (Tensor counts, "
-        "Tensor lengths, "
-        "Tensor tokens, Tensor scores, Tensor log_probs)");
+        "Tensor lengths, Tensor tokens, Tensor scores, Tensor log_probs)");
   m.def("memory_encoder(Tensor x, Tensor memory, Tensor src_mask, bool reverse, int cell_kind, Tensor[] cell, "
         "float cell_eps, Tensor[] addressing) -> (Tensor states, Tensor memory_out)");
   m.def("smoothed_cross_entropy(Tensor logits, Tensor target, float smoothing, int ignore_index) -> "

@@ -23,10 +23,10 @@ What it does, in one run:
    batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting), each with its two CPU GEMM backends (MKL, its
    x86 default, and CT2_USE_MKL=0; the faster counts), and CTranslate2 with int8 weights (compute_type int8,
    both backends, both batch sizes; leave out with --no-ct2-int8) beside `dtmt --int8`; model loading excluded
-   everywhere, the same sentences in the same order. The sentences are cut into `--rounds` consecutive parts (default 4) and each round decodes one
-   part with every decoder of the thread count in turn, the order reversed from one round to the next, so that
-   the VM's drift within a run falls on every decoder alike (NOTES item 56); a decoder's time is the sum of its
-   rounds, and each ratio also shows its range over the rounds;
+   everywhere, the same sentences in the same order. The sentences are cut into `--rounds` consecutive parts
+   (default 4) and each round decodes one part with every decoder of the thread count in turn, the order reversed
+   from one round to the next, so that the VM's drift within a run falls on every decoder alike (NOTES item 56);
+   a decoder's time is the sum of its rounds, and each ratio also shows its range over the rounds;
 4. the BLEU of every output against the references (sacrebleu, as `dtmt evaluate`), sentences/s and output
    words/s, and the ratios the issue sets goals for: each system at batch 1 over CTranslate2 at batch 1 (goal
    >= 1.5) and batched over the faster of CTranslate2 batched and OpenNMT-py's LSTM (goal >= 1.0), CTranslate2 in
@@ -71,7 +71,8 @@ def ensure_ct2_env(env_dir: str, log: str) -> str:
     """The CTranslate2 environment, made on first use (bench_peers.ensure_env); returns its python."""
     from bench_peers import ensure_env
 
-    return ensure_env(env_dir, {"ctranslate2": CT2_VERSION}, [[f"ctranslate2=={CT2_VERSION}", "numpy", "sentencepiece"]],
+    return ensure_env(env_dir, {"ctranslate2": CT2_VERSION},
+                      [[f"ctranslate2=={CT2_VERSION}", "numpy", "sentencepiece"]],
                       "import ctranslate2; print('ctranslate2', ctranslate2.__version__)", f"CTranslate2 {CT2_VERSION}",
                       log)
 

@@ -17,9 +17,9 @@ What it does, in one run:
    dtmt's teacher-forced one (max difference <= 1e-3), else it stops;
 3. times, on the test split's sources (`--sentences`, default all), beam 4, for each thread count of `--threads`:
    each `--system` checkpoint decoded by dtmt in float32 and with int8 weight matrices (`--int8`; leave out
-   with --no-int8) (`translate`, the library call of `dtmt translate`; batch 1 is one
-   sentence a call, as an interactive user or `dtmt serve` with one client gets it; batched is `translate`'s own
-   batching by `--max-tokens`), the transformer decoded by dtmt's PyTorch decoder (batched), and by CTranslate2 at
+   with --no-int8), and with `--early-stop` also in float32 under that stopping rule (`translate`, the library
+   call of `dtmt translate`; batch 1 is one sentence a call, as an interactive user or `dtmt serve` with one
+   client gets it; batched is `translate`'s own batching by `--max-tokens`), the transformer decoded by dtmt's PyTorch decoder (batched), and by CTranslate2 at
    batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting), each with its two CPU GEMM backends (MKL, its
    x86 default, and CT2_USE_MKL=0; the faster counts), and CTranslate2 with int8 weights (compute_type int8,
    both backends, both batch sizes; leave out with --no-ct2-int8) beside `dtmt --int8`; model loading excluded
@@ -123,10 +123,10 @@ def teacher_forced_log_probs(ckpt: str, sources, targets):
 
 
 def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: int, beam: int,
-              int8: bool = False) -> dict:
+              int8: bool = False, early_stop: bool = False) -> dict:
     """Decodes with dtmt in this process on `threads` threads (restored after), with int8 weight matrices if
-    `int8` (`dtmt translate --int8`); returns seconds (model load and int8 conversion excluded) and the one-best
-    outputs."""
+    `int8` (`dtmt translate --int8`), with beam search's `early_stop` rule if `early_stop` (`dtmt translate
+    --early-stop`); returns seconds (model load and int8 conversion excluded) and the one-best outputs."""
     import torch
     from bench_cells import torch_threads
 
@@ -140,10 +140,11 @@ def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: i
         translate(model, sv, tv, sentences[:2], beam=beam, decoder=decoder)           # warm-up
         t0 = time.perf_counter()
         if batch_one:
-            hyps = [translate(model, sv, tv, [s], beam=beam, decoder=decoder)[0][0][0] for s in sentences]
+            hyps = [translate(model, sv, tv, [s], beam=beam, decoder=decoder, early_stop=early_stop)[0][0][0]
+                    for s in sentences]
         else:
             hyps = [h[0][0] for h in translate(model, sv, tv, sentences, beam=beam, max_tokens=max_tokens,
-                                               decoder=decoder)]
+                                               decoder=decoder, early_stop=early_stop)]
         seconds = time.perf_counter() - t0
     return {"seconds": seconds, "hyps": hyps, "model": c["model_name"],
             "parameters": sum(p.numel() for p in model.parameters())}
@@ -335,6 +336,10 @@ def main(argv=None):
                    help="leave out the int8 decodings (`dtmt translate --int8`) of each --system")
     p.add_argument("--no-ct2-int8", dest="ct2_int8", action="store_false",
                    help="leave out CTranslate2 with int8 weights (compute_type int8), the peer of `dtmt --int8`")
+    p.add_argument("--early-stop", action="store_true",
+                   help="also decode each --system in float32 with `dtmt translate --early-stop` (a sentence ends "
+                        "once beam hypotheses are finished: CTranslate2's own rule at its default patience 1), rows "
+                        "'dtmt --early-stop' beside the default 'dtmt'")
     p.add_argument("--setup-only", action="store_true")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -426,6 +431,10 @@ def main(argv=None):
                     put("dtmt --int8" if int8 else "dtmt", name, batch, ckpt,
                         lambda first, part, ckpt=ckpt, one=one, int8=int8, threads=threads:
                         time_dtmt(ckpt, part, threads, one, a.max_tokens, a.beam, int8))
+            for one, batch in ((True, "1"), (False, f"≤{a.max_tokens}t")) if a.early_stop else ():
+                put("dtmt --early-stop", name, batch, ckpt,
+                    lambda first, part, ckpt=ckpt, one=one, threads=threads:
+                    time_dtmt(ckpt, part, threads, one, a.max_tokens, a.beam, early_stop=True))
         put("dtmt", "transformer", f"≤{a.max_tokens}t", transformer,
             lambda first, part, threads=threads: time_dtmt(transformer, part, threads, False, a.max_tokens, a.beam))
         for compute_type in ("float32", "int8") if a.ct2_int8 and a.int8 else ("float32",):

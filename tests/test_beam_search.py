@@ -303,7 +303,7 @@ def test_search_through_source_products(system, options):
     search is the plain one to the bit."""
     from dtmt_models.models.rnmt import FusedRNMTDecoder
     torch.manual_seed(11)
-    model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=32, **options).eval()   # C = 64
+    model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=64, **options).eval()   # C = 128
     heads = options.get("heads", 1)
     kwargs = dict(beam=4, alpha=0.6, nbest=4, max_len_a=1.5, max_len_b=3)
 
@@ -319,7 +319,7 @@ def test_search_through_source_products(system, options):
         differ = 0
         for lengths in ([7], [6, 3], [5, 2, 4]):
             lengths = torch.tensor(lengths)
-            assert len(lengths) * heads * int(lengths.max()) * 2 <= 64
+            assert len(lengths) * heads * int(lengths.max()) * 2 <= 128
             src = torch.randint(4, 24, (len(lengths), int(lengths.max())))
             got, ref = beam_search(fast, src, lengths, **kwargs), beam_search(plain, src, lengths, **kwargs)
             assert tokens(got) == tokens(ref), (dtype, lengths)
@@ -329,7 +329,7 @@ def test_search_through_source_products(system, options):
                 assert tokens(beam_search(plain, src, lengths, fused=False, **kwargs)) == tokens(ref)
         if dtype == torch.float32:
             assert differ > 0, "the products were not used"
-        long = torch.randint(4, 24, (1, 64 // (2 * heads) + 1))
+        long = torch.randint(4, 24, (1, 128 // (2 * heads) + 1))
         lengths = torch.tensor([long.shape[1]])
         assert _hyps(beam_search(fast, long, lengths, **kwargs)) == _hyps(beam_search(plain, long, lengths, **kwargs))
     model.float()

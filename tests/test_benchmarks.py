@@ -391,6 +391,14 @@ def test_bench_deploy_parts_that_need_no_peer(tmp_path):
     assert one["hyps"] == batched["hyps"] and len(one["hyps"]) == len(sentences) and one["seconds"] > 0
     int8 = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, False, 2000, 3, int8=True)
     assert len(int8["hyps"]) == len(sentences)
+    # --early-stop rows: translate's early_stop rule, the same outputs at batch 1 and batched
+    from dtmt_models.decoding.translate import translate
+    from dtmt_models.models.checkpoint import load_model
+    model, sv, tv, _ = load_model(paths["rnnsearch-atr"])
+    expected = [h[0][0] for h in translate(model.eval(), sv, tv, sentences, beam=3, early_stop=True)]
+    for batch_one in (True, False):
+        early = bench_deploy.time_dtmt(paths["rnnsearch-atr"], sentences, 1, batch_one, 2000, 3, early_stop=True)
+        assert early["hyps"] == expected
 
 
 def test_bench_deploy_alternates_its_decoders_in_rounds():

@@ -50,6 +50,20 @@ def test_small_rows_linear_strided_rows_threads_and_fallback():
                                    rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("M", range(1, _C.SMALL_ROWS_MAX + 1))
+def test_small_rows_linear_column_sums_do_not_depend_on_their_neighbours(M):
+    """Each output column is summed in one fixed order wherever it falls among the weight rows the loop takes
+    together (the avx512 copy takes 4 or 2 at a time, leftovers one by one): any slice of the weight rows gives the
+    full product's columns to the bit, K with and without a tail past the vector width."""
+    g = torch.Generator().manual_seed(M)
+    for K in (48, 61):
+        x, w, b = torch.randn(M, K, generator=g), torch.randn(23, K, generator=g), torch.randn(23, generator=g)
+        full = torch.ops.dtmt.small_rows_linear(x, w, b)
+        torch.testing.assert_close(full.double(), _f64_linear(x, w, b), rtol=1e-5, atol=1e-5 * K ** 0.5)
+        for lo, hi in ((0, 1), (1, 4), (2, 9), (3, 23), (21, 23), (5, 6)):
+            assert torch.equal(torch.ops.dtmt.small_rows_linear(x, w[lo:hi], b[lo:hi]), full[:, lo:hi]), (K, lo, hi)
+
+
 def test_functional_linear_paths(monkeypatch):
     g = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(2, 3, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)

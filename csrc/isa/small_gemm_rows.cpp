@@ -7,6 +7,7 @@
 // element is summed in a fixed order, so results do not depend on how the columns are split among threads.
 //
 // With AVX2 + FMA (the avx2 and avx512 copies, or a native build on such a CPU) chunks of 8 floats in intrinsics;
+// the avx512 copy takes 2 to 8 rows of x in chunks of 16 floats, several weight rows at a time (rows_block_wide);
 // otherwise (the baseline copy) plain loops over chunks of 4 floats that the compiler turns into SSE2 (or another
 // target's) vectors, without FMA: the same order of reads, other rounding.
 //
@@ -100,6 +101,76 @@ void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, const fl
     }
   }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// The AVX-512 copy's walk for 2 <= M <= 8 rows of x (benchmarks/NOTES.md item 59): chunks of 16 floats, R weight
+// rows at a time (R = 4 for M <= 4, 2 above: M x R accumulators within the 32 vector registers), each x chunk loaded
+// once for the R rows. So an iteration issues M + R loads for M x R FMAs, where rows_block's issues M + U loads for
+// M x U FMAs of half the width; about 1.7x the rate on weights in L2 at M = 4, 1.2x on weights streamed from L3.
+//
+// An output element is its accumulator's 16 lanes summed by the fixed tree of sum4x16, then the tail k >= K16 in
+// order, then the bias: the same arithmetic in every position of a group of R and for a leftover weight row
+// (reduced with zeros beside it), so that results do not depend on how the columns are split among threads.
+constexpr int64_t kPrefetchWide = 1024;   // floats ahead on each of the R weight rows
+
+// The four sums of a0..a3's lanes, by one tree that treats each input alike (no lane of one input meets another's):
+// 16 -> 8 lanes (i + (i + 8)), then the pairwise adds of two hadds, then the two 128-bit halves.
+inline __m128 sum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+  const __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+  const __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+  const __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+  const __m256 d = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+// Output rows [n0, n1) for M rows of x, R weight rows at a time (R = 1 for the leftover rows).
+template <int M, int R>
+inline void rows_wide_group(const float* x, int64_t ldx, const float* wr, int64_t K, const float* bias, float* out,
+                            int64_t ldo, int64_t n) {
+  const int64_t K16 = K - K % 16;
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + r * K + k + kPrefetchWide), _MM_HINT_T0);
+      wv[r] = _mm512_loadu_ps(wr + r * K + k);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  const __m512 z = _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) {
+    float sums[4];
+    if constexpr (R == 4) {
+      _mm_storeu_ps(sums, sum4x16(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+    } else if constexpr (R == 2) {
+      _mm_storeu_ps(sums, sum4x16(acc[m][0], acc[m][1], z, z));
+    } else {
+      _mm_storeu_ps(sums, sum4x16(acc[m][0], z, z, z));
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = sums[r];
+      for (int64_t k = K16; k < K; ++k) s += x[m * ldx + k] * wr[r * K + k];
+      out[m * ldo + n + r] = bias ? s + bias[n + r] : s;
+    }
+  }
+}
+
+template <int M>
+void rows_block_wide(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
+                     int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int R = M <= 4 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) rows_wide_group<M, R>(x, ldx, w + n * K, K, bias, out, ldo, n);
+  for (; n < n1; ++n) rows_wide_group<M, 1>(x, ldx, w + n * K, K, bias, out, ldo, n);
+}
+#define DTMT_SMALL_ROWS_WIDE 1
+#endif
 
 inline int32_t lane_sum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -472,6 +543,15 @@ void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, c
                 int64_t ldo, int64_t n0, int64_t n1) {
   switch (M) {
     case 1: return rows_block<1, unroll<1>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
+#if defined(DTMT_SMALL_ROWS_WIDE)   // one row: rows_block's single stream reads weights in L2 faster (NOTES 59)
+    case 2: return rows_block_wide<2>(x, ldx, w, K, bias, out, ldo, n0, n1);
+    case 3: return rows_block_wide<3>(x, ldx, w, K, bias, out, ldo, n0, n1);
+    case 4: return rows_block_wide<4>(x, ldx, w, K, bias, out, ldo, n0, n1);
+    case 5: return rows_block_wide<5>(x, ldx, w, K, bias, out, ldo, n0, n1);
+    case 6: return rows_block_wide<6>(x, ldx, w, K, bias, out, ldo, n0, n1);
+    case 7: return rows_block_wide<7>(x, ldx, w, K, bias, out, ldo, n0, n1);
+    case 8: return rows_block_wide<8>(x, ldx, w, K, bias, out, ldo, n0, n1);
+#else
     case 2: return rows_block<2, unroll<2>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
     case 3: return rows_block<3, unroll<3>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
     case 4: return rows_block<4, unroll<4>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
@@ -479,6 +559,7 @@ void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, c
     case 6: return rows_block<6, unroll<6>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
     case 7: return rows_block<7, unroll<7>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
     case 8: return rows_block<8, unroll<8>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
+#endif
   }
 }
 

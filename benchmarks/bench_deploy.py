@@ -19,10 +19,11 @@ What it does, in one run:
    each `--system` checkpoint decoded by dtmt in float32 and with int8 weight matrices (`--int8`; leave out
    with --no-int8), and with `--early-stop` also in float32 under that stopping rule (`translate`, the library
    call of `dtmt translate`; batch 1 is one sentence a call, as an interactive user or `dtmt serve` with one
-   client gets it; batched is `translate`'s own batching by `--max-tokens`), the transformer decoded by dtmt's PyTorch decoder (batched), and by CTranslate2 at
-   batch 1 and at `--ct2-batch` (32, CTranslate2's usual setting), each with its two CPU GEMM backends (MKL, its
-   x86 default, and CT2_USE_MKL=0; the faster counts), and CTranslate2 with int8 weights (compute_type int8,
-   both backends, both batch sizes; leave out with --no-ct2-int8) beside `dtmt --int8`; model loading excluded
+   client gets it; batched is `translate`'s own batching by `--max-tokens`), the transformer decoded by dtmt's
+   PyTorch decoder (batched), and by CTranslate2 at batch 1 and at `--ct2-batch` (32, CTranslate2's usual
+   setting), each with its two CPU GEMM backends (MKL, its x86 default, and CT2_USE_MKL=0; the faster counts),
+   and CTranslate2 with int8 weights (compute_type int8, both backends, both batch sizes; leave out with
+   --no-ct2-int8) beside `dtmt --int8`; model loading excluded
    everywhere, the same sentences in the same order. The sentences are cut into `--rounds` consecutive parts
    (default 4) and each round decodes one part with every decoder of the thread count in turn, the order reversed
    from one round to the next, so that the VM's drift within a run falls on every decoder alike (NOTES item 56);

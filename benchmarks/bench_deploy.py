@@ -426,16 +426,15 @@ def main(argv=None):
         def put(decoder, model, batch, ckpt, f):
             decoders[f"{decoder} | {model} | {batch}"], ckpts[f"{decoder} | {model} | {batch}"] = f, ckpt
 
+        # dtmt's variants of each system: row name -> time_dtmt's options
+        variants = {"dtmt": {}, **({"dtmt --int8": {"int8": True}} if a.int8 else {}),
+                    **({"dtmt --early-stop": {"early_stop": True}} if a.early_stop else {})}
         for name, ckpt in systems.items():
-            for int8 in (False, True) if a.int8 else (False,):
+            for decoder, options in variants.items():
                 for one, batch in ((True, "1"), (False, f"≤{a.max_tokens}t")):
-                    put("dtmt --int8" if int8 else "dtmt", name, batch, ckpt,
-                        lambda first, part, ckpt=ckpt, one=one, int8=int8, threads=threads:
-                        time_dtmt(ckpt, part, threads, one, a.max_tokens, a.beam, int8))
-            for one, batch in ((True, "1"), (False, f"≤{a.max_tokens}t")) if a.early_stop else ():
-                put("dtmt --early-stop", name, batch, ckpt,
-                    lambda first, part, ckpt=ckpt, one=one, threads=threads:
-                    time_dtmt(ckpt, part, threads, one, a.max_tokens, a.beam, early_stop=True))
+                    put(decoder, name, batch, ckpt,
+                        lambda first, part, ckpt=ckpt, one=one, options=options, threads=threads:
+                        time_dtmt(ckpt, part, threads, one, a.max_tokens, a.beam, **options))
         put("dtmt", "transformer", f"≤{a.max_tokens}t", transformer,
             lambda first, part, threads=threads: time_dtmt(transformer, part, threads, False, a.max_tokens, a.beam))
         for compute_type in ("float32", "int8") if a.ct2_int8 and a.int8 else ("float32",):

@@ -124,7 +124,7 @@ inline __m128 sum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
-// Output rows [n0, n1) for M rows of x, R weight rows at a time (R = 1 for the leftover rows).
+// Output columns [n, n + R) for M rows of x: R weight rows at a time (R = 1 for the leftover ones).
 template <int M, int R>
 inline void rows_wide_group(const float* x, int64_t ldx, const float* wr, int64_t K, const float* bias, float* out,
                             int64_t ldo, int64_t n) {

@@ -91,6 +91,35 @@ bool top_candidates(const float* scores, const float* lp, int64_t beam, int64_t 
   return true;
 }
 
+// The previous tokens embedded, embed[prev[i]] + positions[t] (no positional term: positions undefined) [n, E]: as
+// embed.index_select(0, prev) + positions.select(0, t) computes it, without two ATen ops a step (float and double
+// tables of one dtype; others through those ops).
+Tensor embed_previous(const Tensor& embed, const Tensor& positions, const std::vector<int64_t>& prev, int64_t t) {
+  const int64_t n = static_cast<int64_t>(prev.size()), V = embed.size(0), E = embed.size(1);
+  for (int64_t w : prev) TORCH_CHECK(w >= 0 && w < V, "dtmt._C.rnmt_beam_search: token ", w, " has no embedding");
+  const bool positional = positions.defined();
+  if ((embed.scalar_type() != at::kFloat && embed.scalar_type() != at::kDouble) ||
+      (positional && positions.scalar_type() != embed.scalar_type())) {
+    Tensor y = embed.index_select(0, to_tensor(prev));
+    return positional ? y + positions.select(0, t) : y;
+  }
+  Tensor y = at::empty({n, E}, embed.options());
+  AT_DISPATCH_FLOATING_TYPES(embed.scalar_type(), "embed_previous", [&] {
+    const scalar_t* table = embed.data_ptr<scalar_t>();
+    const scalar_t* pos = positional ? positions.data_ptr<scalar_t>() + t * E : nullptr;
+    scalar_t* out = y.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t* row = table + prev[i] * E;
+      scalar_t* o = out + i * E;
+      if (pos)
+        for (int64_t e = 0; e < E; ++e) o[e] = row[e] + pos[e];
+      else
+        std::copy(row, row + E, o);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tensor& keys0, const Tensor& src_mask0,
@@ -125,7 +154,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   Tensor scores = at::full({B, beam}, neg_inf, at::kFloat);
   scores.select(1, 0).fill_(0.0);
   std::vector<std::vector<int64_t>> rows(B * beam);
-  Tensor prev = at::full({B * beam}, bos, at::kLong);
+  std::vector<int64_t> prev(B * beam, bos);
   std::vector<std::vector<Hyp>> finished(B);
   std::vector<int64_t> active(B);  // the open sentences, in the order of the state's row groups
   for (int64_t b = 0; b < B; ++b) active[b] = b;
@@ -135,11 +164,12 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   if (source_products && source_products_pay(annotations, NH, decoder_cell, attention, readout))
     source = source_products_cpu(annotations, NH, decoder_cell.w_ih, decoder_cell.b_ih, readout.w_c, readout.b_c);
 
+  const Tensor table = embed.contiguous(), positions_c = positional ? positions.contiguous() : Tensor();
+  StepBuffers buffers;
   for (int64_t t = 0; t < steps; ++t) {
-    Tensor y = embed.index_select(0, prev);
-    if (positional) y = y + positions.select(0, t);
+    const Tensor y = embed_previous(table, positional ? positions_c : Tensor(), prev, t);
     auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout,
-                           beam, source ? &*source : nullptr);
+                           beam, source ? &*source : nullptr, /*with_attention=*/false, &buffers);
     s = r[1];
     const int64_t n = static_cast<int64_t>(active.size()), V = r[0].size(1);
     Tensor log_probs = r[0].to(at::kFloat).contiguous().view({n, beam, V});
@@ -223,7 +253,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     }
     if (still.empty()) break;
     const Tensor index = to_tensor(select);
-    prev = to_tensor(next_words);
+    prev = next_words;
     s = s.index_select(0, index);
     if (static_cast<int64_t>(still.size()) < n) {  // finished sentences leave the state
       const Tensor kept = to_tensor(still);

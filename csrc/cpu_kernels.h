@@ -59,6 +59,10 @@ template <typename T> struct TypedCpuKernels {
   // gradient of the row's smoothed loss to its logits (zeros for an ignored row).
   void (*smoothed_ce_rows)(const T* logits, const int64_t* target, int64_t V, int64_t ignore, T smoothing, T* grad,
                            double* loss, double* nll, int64_t r0, int64_t r1);
+  // SourceProducts' rows weighed by the attention weights (decode_step.h), output columns [n0, n1):
+  // out[r, n - n0] = bias[n] + sum_{k < W} alpha[r, k] * P[block[r] * W + k, n], rows r in [0, M).
+  void (*weigh_products)(const T* alpha, int64_t M, int64_t W, const int64_t* block, const T* P, int64_t ldp,
+                         const T* bias, T* out, int64_t ldo, int64_t n0, int64_t n1);
 };
 
 constexpr int64_t kCellScratch = 9;  // values per hidden unit a cell row needs (3 gates x {value, norm, grad})

@@ -61,8 +61,9 @@ struct SourceProducts {
   at::Tensor products, bias;
   int64_t NH = 0, S = 0, N_ih = 0;
   std::vector<int64_t> block;
-  // [rows, K]: row r (group r / group) holds alpha[r] ([NH, S], contiguous) in its sentence's columns, 0 elsewhere
-  at::Tensor rows(const at::Tensor& alpha, int64_t group) const;
+  // {c W_ih^T + b_ih [rows, N_ih], c W_c^T + b_c [rows, R]}: alpha [rows, NH, S] (contiguous; row r of the
+  // sentence block[r / group]) times that sentence's NH * S rows of `products` (the weigh_products loop)
+  std::vector<at::Tensor> weigh(const at::Tensor& alpha, int64_t group) const;
 };
 
 // Whether SourceProducts apply to a step with these weights and source (float matrices of the annotations' dtype,
@@ -93,24 +94,34 @@ std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Te
                                            const AttentionWeights& w, int64_t group = 1, bool with_context = true);
 
 // The readout features. y [N, E], s [N, Hs], c [N, C] -> [N, R] (the output projection is not applied).
-// c_part: c W_c^T + b_c [N, R] already formed (SourceProducts; c is then not read), or undefined.
+// c_part: c W_c^T + b_c [N, R] already formed (SourceProducts; c is then not read; with layer norm it is normalised
+// in place), or undefined.
 at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& c,
                                 const ReadoutWeights& w, const at::Tensor& c_part = at::Tensor());
+
+// The largest tensors of a step, the logits and log-probabilities [rows, V], kept by a search from one step to the
+// next (rnmt_step_cpu writes into them, resized to the step's rows) instead of allocated and freed every step.
+struct StepBuffers {
+  at::Tensor logits, log_probs;
+};
 
 // One whole step of the attentional RNMT decoder (dtmt_models/models/rnmt.py, FusedRNMTDecoder):
 //   s_q = query_cell(y, s); (c, alpha) = attention_step(s_q, ...); s' = decoder_cell(c, s_q);
 //   log_probs = log_softmax(readout_features(y, s', c) W_out^T + b_out) (float32 at least, as Projection).
 // y [B, E] (the embedded previous tokens), s [B, H]; keys / annotations / src_mask as attention_step's.
-// Returns {log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]}.
+// Returns {log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]} (with_attention
+// false: that last one undefined; the search does not read it).
 // group > 1: y and s have B * group rows sharing the source tensors in groups (attention_step_cpu).
 // source: the context's products made once per source (SourceProducts; its block names each row group's
-// sentence), read in place of the context and the two matrices that multiply it; nullptr: none.
+// sentence), read in place of the context and the two matrices that multiply it; nullptr: none. buffers: where to
+// write the logits and log-probabilities (the returned log_probs is then buffers->log_probs); nullptr: new tensors.
 std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& keys,
                                       const at::Tensor& annotations, const at::Tensor& src_mask,
                                       const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
                                       double cell_eps, const AttentionWeights& attention,
                                       const ReadoutWeights& readout, int64_t group = 1,
-                                      const SourceProducts* source = nullptr);
+                                      const SourceProducts* source = nullptr, bool with_attention = true,
+                                      StepBuffers* buffers = nullptr);
 
 // Beam search over rnmt_step_cpu, the whole loop of dtmt_models/decoding/beam_search.py (its reference: the same
 // decisions in the same arithmetic) in one call. The state as the decoder's `encode` made it, one row a

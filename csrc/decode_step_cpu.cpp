@@ -7,12 +7,16 @@
 // No autograd: the Python side calls them only when nothing needs a gradient.
 #include "decode_step.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "attention.h"
 #include "cell_math.h"
+#include "cpu_dispatch.h"
 #include "small_gemm.h"
 #include "transition.h"
 
@@ -94,19 +98,31 @@ TransitionWeights cell_weights(int64_t kind, const std::vector<Tensor>& p) {
   return {kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
 }
 
-Tensor SourceProducts::rows(const Tensor& alpha, int64_t group) const {
-  const int64_t n = alpha.size(0), width = NH * S, K = products.size(0);
+std::vector<Tensor> SourceProducts::weigh(const Tensor& alpha, int64_t group) const {
+  const int64_t n = alpha.size(0), width = NH * S, N = products.size(1), R = N - N_ih;
   TORCH_CHECK(alpha.is_contiguous() && alpha.dim() == 3 && alpha.size(1) * alpha.size(2) == width &&
-                  n == static_cast<int64_t>(block.size()) * group,
+                  n == static_cast<int64_t>(block.size()) * group && alpha.scalar_type() == products.scalar_type(),
               "dtmt::SourceProducts: alpha [rows, NH, S] of the products' sentences expected, got ", alpha.sizes());
-  if (K == width) return alpha.view({n, width});   // one sentence: the rows are alpha itself
-  Tensor out = at::zeros({n, K}, alpha.options());
-  const size_t bytes = static_cast<size_t>(width) * alpha.element_size();
-  const char* a = static_cast<const char*>(alpha.data_ptr());
-  char* o = static_cast<char*>(out.data_ptr());
-  for (int64_t r = 0; r < n; ++r)
-    std::memcpy(o + (r * K + block[r / group] * width) * alpha.element_size(), a + r * bytes, bytes);
-  return out;
+  std::vector<int64_t> row_block(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) row_block[r] = block[r / group];
+  Tensor xp = at::empty({n, N_ih}, alpha.options()), c_part = at::empty({n, R}, alpha.options());
+  AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "SourceProducts::weigh", [&] {
+    const auto loop = typed_cpu_kernels<scalar_t>().weigh_products;
+    const scalar_t* a = alpha.data_ptr<scalar_t>();
+    const scalar_t* p = products.data_ptr<scalar_t>();
+    const scalar_t* bias_p = bias.data_ptr<scalar_t>();
+    scalar_t* o[2] = {xp.data_ptr<scalar_t>(), c_part.data_ptr<scalar_t>()};
+    // column chunks of 256 split among threads; each writes its own columns, summed in the same order
+    constexpr int64_t kTask = 256;
+    at::parallel_for(0, (N + kTask - 1) / kTask, 1, [&](int64_t c0, int64_t c1) {
+      for (int part = 0; part < 2; ++part) {
+        const int64_t lo = part == 0 ? 0 : N_ih, hi = part == 0 ? N_ih : N;
+        const int64_t n0 = std::max(lo, c0 * kTask), n1 = std::min(hi, c1 * kTask);
+        if (n0 < n1) loop(a, n, width, row_block.data(), p, N, bias_p, o[part] + (n0 - lo), hi - lo, n0, n1);
+      }
+    });
+  });
+  return {xp, c_part};
 }
 
 bool source_products_pay(const Tensor& annotations, int64_t NH, const TransitionWeights& decoder_cell,
@@ -200,7 +216,7 @@ Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, c
                       ln_w.is_contiguous() && ln_b.is_contiguous()),
               "dtmt._C.readout_features: ln_w and ln_b must be contiguous [3, R]");
   const Tensor parts[3] = {linear(y, w_y, b_y), linear(s, w_s, b_s),
-                           c_part.defined() ? c_part.clone() : linear(c, w_c, b_c)};   // (LN works in place)
+                           c_part.defined() ? c_part : linear(c, w_c, b_c)};   // (LN works in place)
   Tensor out;
   if (!ln) {
     out = parts[0].add_(parts[1]).add_(parts[2]).tanh_();
@@ -219,39 +235,43 @@ Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, c
   return out.tanh_();   // ATen's vectorised tanh (benchmarks/NOTES.md item 52)
 }
 
-namespace {
-
-// h' of one cell step: the sequence kernel of transition_cpu.cpp over one step.
-Tensor cell_step(const Tensor& x, const Tensor& h, const TransitionWeights& w, double eps) {
-  return transition_forward_cpu(x.contiguous().unsqueeze(0), h.contiguous(), Tensor(), Tensor(), w, false, eps)[1];
-}
-
-}  // namespace
 
 std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor& keys, const Tensor& annotations,
                                   const Tensor& src_mask, const TransitionWeights& query_cell,
                                   const TransitionWeights& decoder_cell, double cell_eps,
                                   const AttentionWeights& attention, const ReadoutWeights& readout, int64_t group,
-                                  const SourceProducts* source) {
+                                  const SourceProducts* source, bool with_attention, StepBuffers* buffers) {
   check_cpu({&y, &s, &readout.w_out, &readout.b_out}, "rnmt_step");
-  const Tensor s_q = cell_step(y, s, query_cell, cell_eps);
+  const Tensor s_q = cell_step_cpu(y, s, query_cell, cell_eps);
   auto ca = attention_step_cpu(s_q, keys, annotations, src_mask, attention, group, source == nullptr);
   Tensor features, s_new;
   if (source != nullptr) {   // c W^T + b as the per-position products weighed by alpha (SourceProducts)
-    const Tensor both = at::addmm(source->bias, source->rows(ca[1], group), source->products);
-    const int64_t N_ih = source->N_ih;
-    s_new = cell_step_from_products_cpu(both.narrow(1, 0, N_ih).contiguous(), s_q, decoder_cell, cell_eps);
-    features = readout_features_cpu(y, s_new, Tensor(), readout,
-                                    both.narrow(1, N_ih, both.size(1) - N_ih).contiguous());
+    const std::vector<Tensor> both = source->weigh(ca[1], group);
+    s_new = cell_step_from_products_cpu(both[0], s_q, decoder_cell, cell_eps);
+    features = readout_features_cpu(y, s_new, Tensor(), readout, both[1]);
   } else {
     const Tensor& context = ca[0];
-    s_new = cell_step(context, s_q, decoder_cell, cell_eps);
+    s_new = cell_step_cpu(context, s_q, decoder_cell, cell_eps);
     features = readout_features_cpu(y, s_new, context, readout);
   }
-  const Tensor logits = linear(features, readout.w_out, readout.b_out);
-  const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
   // log-probabilities in the model's precision, float32 at least (as Projection.forward)
-  const Tensor log_probs = at::log_softmax(logits.to(at::promoteTypes(logits.scalar_type(), at::kFloat)), -1);
+  const at::ScalarType lp_type = at::promoteTypes(features.scalar_type(), at::kFloat);
+  Tensor log_probs;
+  if (buffers == nullptr) {
+    log_probs = at::log_softmax(linear(features, readout.w_out, readout.b_out).to(lp_type), -1);
+  } else {
+    const int64_t N = features.size(0), V = readout.w_out.size(0);
+    for (Tensor* t : {&buffers->logits, &buffers->log_probs}) {
+      const auto type = t == &buffers->logits ? features.scalar_type() : lp_type;
+      if (!t->defined() || t->scalar_type() != type) *t = at::empty({0}, features.options().dtype(type));
+      t->resize_({N, V});
+    }
+    linear_into(buffers->logits, readout.b_out, features, readout.w_out);
+    at::log_softmax_out(buffers->log_probs, buffers->logits.to(lp_type), -1);
+    log_probs = buffers->log_probs;
+  }
+  const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
+  if (!with_attention) return {log_probs, s_new, Tensor()};
   return {log_probs, s_new, alpha.size(1) == 1 ? alpha.squeeze(1) : alpha.mean(1)};
 }
 
@@ -281,7 +301,7 @@ std::vector<Tensor> memory_encoder_cpu(const Tensor& x, const Tensor& memory0, c
     const Tensor w = at::softmax(at::where(invalid, neg_inf, e), -1);
     const Tensor read = memory * at::sigmoid(linear(s, w_read, b_read)).unsqueeze(1);   // M~_t = R_t (.) M
     const Tensor c = at::bmm(w.unsqueeze(1), read).squeeze(1);
-    const Tensor s_new = cell_step(at::cat({x.select(1, t), c}, -1), s, cell, cell_eps);
+    const Tensor s_new = cell_step_cpu(at::cat({x.select(1, t), c}, -1), s, cell, cell_eps);
     const Tensor written = read + w.unsqueeze(-1) * at::sigmoid(linear(s_new, w_write, b_write)).unsqueeze(1);
     const Tensor valid = src_mask.select(1, t).view({B, 1});
     s = at::where(valid, s_new, s);

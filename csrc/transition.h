@@ -35,6 +35,10 @@ std::vector<at::Tensor> transition_forward_cpu(const at::Tensor& x, const at::Te
 at::Tensor cell_step_from_products_cpu(const at::Tensor& xp, const at::Tensor& h, const TransitionWeights& w,
                                       double eps);
 
+// One step of a cell for decoding: the new state [B, H] from x [B, I] and h [B, H], as transition_forward_cpu's h_n
+// over that one unmasked step (the same arithmetic), without the tensors it keeps for training.
+at::Tensor cell_step_cpu(const at::Tensor& x, const at::Tensor& h, const TransitionWeights& w, double eps);
+
 // Inference over both directions of a layer at once (FrozenTransitionLayer): x [T,B,I], h0 [D,B,H], mask [T,B] or
 // empty, dirs: D = 1 or 2 directions' weights; direction d reads right to left when d == 1 or `reverse`. Returns
 // {out [T,B,D*H] (direction d in features d*H..), h_n [D,B,H]}, each direction as transition_forward_cpu computes it.

@@ -360,6 +360,48 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
 }
 
+// One unmasked step without dropout and without what training keeps (decoding): forward_impl's arithmetic over a
+// single step (the same GEMMs on the same operands, the same row passes), none of its saved tensors. xp_given: the
+// input products (x is then not read).
+template <typename T>
+Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, const TransitionWeights& w, double eps) {
+  const Tensor h = h_in.contiguous();
+  const int64_t B = h.size(0), H = h.size(1);
+  const int64_t n_in = cell_input_rows(static_cast<int>(w.kind)), n_h = cell_hidden_rows(static_cast<int>(w.kind));
+  const int64_t D = w.t_w.defined() && w.t_w.numel() > 0 ? w.t_w.size(0) : 0;
+  const auto& kernels = typed_cpu_kernels<T>();
+  const auto opts = h.options();
+  Tensor xp = xp_given;
+  if (!xp.defined()) {
+    xp = at::empty({B, n_in * H}, opts);
+    linear_into(xp, w.b_ih, x.contiguous(), w.w_ih);
+  }
+  Tensor hp = at::empty({B, n_h * H}, opts);
+  linear_into(hp, w.b_hh, h, w.w_hh);
+  const StepSettings<T> set(w, Tensor(), Tensor(), B, H, eps);
+  Tensor cur = at::empty({B, H}, opts);
+  CellRows<T> base = set.base;
+  base.xp = xp.data_ptr<T>();
+  base.hp = hp.data_ptr<T>();
+  base.h = h.data_ptr<T>();
+  base.out = cur.data_ptr<T>();
+  cell_rows(kernels.cell_forward_rows, base, B);
+  if (D > 0) {
+    Tensor hpt = at::empty({B, 3 * H}, opts);
+    for (int64_t k = 1; k <= D; ++k) {
+      linear_into(hpt, w.t_b[k - 1], cur, w.t_w[k - 1]);
+      Tensor next = at::empty({B, H}, opts);
+      CellRows<T> tgru = set.tgru(k);
+      tgru.hp = hpt.data_ptr<T>();
+      tgru.h = cur.data_ptr<T>();
+      tgru.out = next.data_ptr<T>();
+      cell_rows(kernels.cell_forward_rows, tgru, B);
+      cur = next;
+    }
+  }
+  return cur;
+}
+
 void check_kind(int64_t kind) {
   TORCH_CHECK(kind == kGRU || kind == kLGRU || kind == kLAU || kind == kATR, "dtmt: unknown cell kind ", kind);
 }
@@ -386,9 +428,19 @@ Tensor cell_step_from_products_cpu(const Tensor& xp, const Tensor& h, const Tran
               xp.sizes());
   Tensor result;
   AT_DISPATCH_FLOATING_TYPES(xp.scalar_type(), "dtmt_cell_step_from_products", [&] {
-    result = forward_impl<scalar_t>(xp.new_empty({1, B, 0}), h.contiguous(), Tensor(), Tensor(), w, false, eps,
-                                    xp)[1];
+    result = step_impl<scalar_t>(Tensor(), xp, h, w, eps);
   });
+  return result;
+}
+
+Tensor cell_step_cpu(const Tensor& x, const Tensor& h, const TransitionWeights& w, double eps) {
+  check_kind(w.kind);
+  TORCH_CHECK(x.dim() == 2 && h.dim() == 2 && x.size(0) == h.size(0) && x.scalar_type() == h.scalar_type(),
+              "dtmt::cell_step: x [B, I] and h [B, H] of one dtype expected, got ", x.sizes(), " and ", h.sizes());
+  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble)   // 16-bit: the sequence kernel's conversions
+    return transition_forward_cpu(x.contiguous().unsqueeze(0), h.contiguous(), Tensor(), Tensor(), w, false, eps)[1];
+  Tensor result;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtmt_cell_step", [&] { result = step_impl<scalar_t>(x, Tensor(), h, w, eps); });
   return result;
 }
 

@@ -341,3 +341,26 @@ def test_search_through_source_products(system, options):
                       FusedRNMTDecoder(plain.prepared, plain.layered, fold=False, source_products=False)))
     for kept, alike in pairs:
         assert _hyps(beam_search(kept, src, lengths, **kwargs)) == _hyps(beam_search(alike, src, lengths, **kwargs))
+
+
+def test_source_products_weigh_each_sentence_on_its_own():
+    """The weighing of SourceProducts (csrc/isa/attention_loops.cpp, weigh_products) reads each row's own sentence
+    and sums a row's columns in one order whatever rows stand beside it: a sentence searched beside one neighbour
+    and beside another of the same length (both batches through the products: sentences x heads x positions
+    <= C / 2), with the neighbours finishing at other steps, gets the same hypotheses, scores and log-probabilities
+    to the bit, at beams 2-4 (a sentence's rows taken 2-4 at a time); and the plain search's hypotheses."""
+    from dtmt_models.models.rnmt import FusedRNMTDecoder
+    torch.manual_seed(5)
+    model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=64, depth=1, heads=2).eval()   # C = 128
+    fast = model.inference_decoder()
+    plain = FusedRNMTDecoder(fast.prepared, fast.layered, source_products=False)
+    src = torch.randint(4, 24, (3, 6))
+    lengths = torch.tensor([6, 6])
+    assert 2 * 2 * 6 * 2 <= 128
+    for beam in (2, 3, 4):
+        kwargs = dict(beam=beam, alpha=0.6, nbest=beam, max_len_a=1.5, max_len_b=3)
+        first = beam_search(fast, src[[0, 1]], lengths, **kwargs)
+        second = beam_search(fast, src[[0, 2]], lengths, **kwargs)
+        assert _hyps(first[:1]) == _hyps(second[:1]), beam
+        ref = beam_search(plain, src[[0, 1]], lengths, **kwargs)
+        assert [[h.tokens for h in s] for s in first] == [[h.tokens for h in s] for s in ref]

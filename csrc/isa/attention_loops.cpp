@@ -55,6 +55,58 @@ void scores_backward(const T* grad, const T* keys, const T* q, const T* v, T* dk
   }
 }
 
+// The rows of SourceProducts (decode_step.h) weighed by the attention weights, columns [n0, n1):
+//   out[r, n - n0] = bias[n] + sum_{k < W} alpha[r, k] * P[block[r] * W + k, n]        rows r in [0, M)
+// alpha [M, W] contiguous, P rows ldp apart, out rows ldo apart. Each row reads only its sentence's W rows of P.
+// Rows of one sentence go MR at a time through a chunk of kWeighColumns columns, summed in k order, so that a row
+// of P is loaded once for all of them (their sums in registers); a row's sums do not depend on its neighbours.
+constexpr int64_t kWeighColumns = 32;
+
+template <typename T, int MR>
+void weigh_rows(const T* alpha, int64_t W, const T* p, int64_t ldp, const T* bias, T* out, int64_t ldo, int64_t n0,
+                int64_t n1) {
+  int64_t n = n0;
+  for (; n + kWeighColumns <= n1; n += kWeighColumns) {
+    T acc[MR][kWeighColumns];
+    for (int r = 0; r < MR; ++r)
+      for (int64_t j = 0; j < kWeighColumns; ++j) acc[r][j] = T(0);
+    for (int64_t k = 0; k < W; ++k) {
+      const T* DTMT_RESTRICT pk = p + k * ldp + n;
+      for (int r = 0; r < MR; ++r) {
+        const T ak = alpha[r * W + k];
+#pragma omp simd
+        for (int64_t j = 0; j < kWeighColumns; ++j) acc[r][j] += ak * pk[j];
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int64_t j = 0; j < kWeighColumns; ++j) out[r * ldo + (n - n0) + j] = acc[r][j] + bias[n + j];
+  }
+  for (; n < n1; ++n)   // the last columns one at a time, in the same order
+    for (int r = 0; r < MR; ++r) {
+      T acc = 0;
+      for (int64_t k = 0; k < W; ++k) acc += alpha[r * W + k] * p[k * ldp + n];
+      out[r * ldo + (n - n0)] = acc + bias[n];
+    }
+}
+
+template <typename T>
+void weigh_products(const T* alpha, int64_t M, int64_t W, const int64_t* block, const T* P, int64_t ldp,
+                    const T* bias, T* out, int64_t ldo, int64_t n0, int64_t n1) {
+  int64_t r = 0;
+  while (r < M) {
+    int64_t same = 1;   // rows from r on of the same sentence, up to 4
+    while (same < 4 && r + same < M && block[r + same] == block[r]) ++same;
+    const T* a = alpha + r * W;
+    const T* p = P + block[r] * W * ldp;
+    T* o = out + r * ldo;
+    if (same == 4) weigh_rows<T, 4>(a, W, p, ldp, bias, o, ldo, n0, n1);
+    else if (same == 3) weigh_rows<T, 3>(a, W, p, ldp, bias, o, ldo, n0, n1);
+    else if (same == 2) weigh_rows<T, 2>(a, W, p, ldp, bias, o, ldo, n0, n1);
+    else weigh_rows<T, 1>(a, W, p, ldp, bias, o, ldo, n0, n1);
+    r += same;
+  }
+}
+
 template <typename T>
 void context_forward(const T* alpha, const T* values, T* out, int64_t S, int64_t NH, int64_t Dc, int64_t vsb,
                      int64_t vss, int64_t group, int64_t b0, int64_t b1) {
@@ -124,6 +176,8 @@ void context_backward(const T* grad, const T* alpha, const T* values, T* dalpha,
                                   int64_t);                                                                        \
   template void scores_backward<T>(const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, int64_t,  \
                                    int64_t, int64_t);                                                              \
+  template void weigh_products<T>(const T*, int64_t, int64_t, const int64_t*, const T*, int64_t, const T*, T*,    \
+                                   int64_t, int64_t, int64_t);                                                      \
   template void context_forward<T>(const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,   \
                                    int64_t, int64_t);                                                              \
   template void context_backward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t, int64_t, int64_t,      \

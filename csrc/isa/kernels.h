@@ -28,6 +28,9 @@ template <typename T>
 void scores_backward(const T* grad, const T* keys, const T* q, const T* v, T* dkeys, T* dq, T* dv_rows, int64_t S,
                      int64_t NH, int64_t D, int64_t b0, int64_t b1);
 template <typename T>
+void weigh_products(const T* alpha, int64_t M, int64_t W, const int64_t* block, const T* P, int64_t ldp,
+                    const T* bias, T* out, int64_t ldo, int64_t n0, int64_t n1);
+template <typename T>
 void context_forward(const T* alpha, const T* values, T* out, int64_t S, int64_t NH, int64_t Dc, int64_t vsb,
                      int64_t vss, int64_t group, int64_t b0, int64_t b1);
 template <typename T>

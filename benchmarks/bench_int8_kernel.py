@@ -10,7 +10,9 @@ path), on one thread, best of --repeat rounds of --calls calls each. Reported pe
 (one step's linear layers), float32 and int8 microseconds and their ratio, and the bytes of weights a step reads
 in each. Also per M, float32 "as a step": all the matrices one after another in a call, as a decoder step reads
 them (together larger than a core's L2, so the weights come from further away than when one matrix is timed over
-and over); and the floor of that: one torch.sum over the same float32 bytes (the core's streaming rate, GB/s).
+and over; the op is called from Python, matrix after matrix, so the figure also holds what Python spends between
+the calls: a standalone C++ copy of the loop over matrices of the same shapes took about half the time, NOTES 60
+(a)); and the floor of that: one torch.sum over the same float32 bytes (the core's streaming rate, GB/s).
 Output: OUT/bench_int8_kernel.md and .json.
 """
 from __future__ import annotations

@@ -235,7 +235,6 @@ Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, c
   return out.tanh_();   // ATen's vectorised tanh (benchmarks/NOTES.md item 52)
 }
 
-
 std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor& keys, const Tensor& annotations,
                                   const Tensor& src_mask, const TransitionWeights& query_cell,
                                   const TransitionWeights& decoder_cell, double cell_eps,

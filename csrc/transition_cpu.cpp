@@ -440,7 +440,9 @@ Tensor cell_step_cpu(const Tensor& x, const Tensor& h, const TransitionWeights& 
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble)   // 16-bit: the sequence kernel's conversions
     return transition_forward_cpu(x.contiguous().unsqueeze(0), h.contiguous(), Tensor(), Tensor(), w, false, eps)[1];
   Tensor result;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtmt_cell_step", [&] { result = step_impl<scalar_t>(x, Tensor(), h, w, eps); });
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtmt_cell_step", [&] {
+    result = step_impl<scalar_t>(x, Tensor(), h, w, eps);
+  });
   return result;
 }
 

@@ -167,7 +167,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   const Tensor table = embed.contiguous(), positions_c = positional ? positions.contiguous() : Tensor();
   StepBuffers buffers;
   for (int64_t t = 0; t < steps; ++t) {
-    const Tensor y = embed_previous(table, positional ? positions_c : Tensor(), prev, t);
+    const Tensor y = embed_previous(table, positions_c, prev, t);
     auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout,
                            beam, source ? &*source : nullptr, /*with_attention=*/false, &buffers);
     s = r[1];

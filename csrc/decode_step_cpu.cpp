@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 #include "attention.h"
@@ -255,20 +254,17 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor
   }
   // log-probabilities in the model's precision, float32 at least (as Projection.forward)
   const at::ScalarType lp_type = at::promoteTypes(features.scalar_type(), at::kFloat);
-  Tensor log_probs;
-  if (buffers == nullptr) {
-    log_probs = at::log_softmax(linear(features, readout.w_out, readout.b_out).to(lp_type), -1);
-  } else {
-    const int64_t N = features.size(0), V = readout.w_out.size(0);
-    for (Tensor* t : {&buffers->logits, &buffers->log_probs}) {
-      const auto type = t == &buffers->logits ? features.scalar_type() : lp_type;
-      if (!t->defined() || t->scalar_type() != type) *t = at::empty({0}, features.options().dtype(type));
-      t->resize_({N, V});
-    }
-    linear_into(buffers->logits, readout.b_out, features, readout.w_out);
-    at::log_softmax_out(buffers->log_probs, buffers->logits.to(lp_type), -1);
-    log_probs = buffers->log_probs;
-  }
+  StepBuffers fresh;   // no buffers given: the step's own, new tensors
+  StepBuffers& out = buffers != nullptr ? *buffers : fresh;
+  const auto fit = [&](Tensor& t, at::ScalarType type) {   // [N, V] of `type`, its storage kept where it can be
+    if (!t.defined() || t.scalar_type() != type) t = at::empty({0}, features.options().dtype(type));
+    t.resize_({features.size(0), readout.w_out.size(0)});
+  };
+  fit(out.logits, features.scalar_type());
+  fit(out.log_probs, lp_type);
+  linear_into(out.logits, readout.b_out, features, readout.w_out);
+  at::log_softmax_out(out.log_probs, out.logits.to(lp_type), -1);
+  const Tensor log_probs = out.log_probs;
   const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
   if (!with_attention) return {log_probs, s_new, Tensor()};
   return {log_probs, s_new, alpha.size(1) == 1 ? alpha.squeeze(1) : alpha.mean(1)};

@@ -351,12 +351,13 @@ def test_source_products_weigh_each_sentence_on_its_own():
     to the bit, at beams 2-4 (a sentence's rows taken 2-4 at a time); and the plain search's hypotheses."""
     from dtmt_models.models.rnmt import FusedRNMTDecoder
     torch.manual_seed(5)
-    model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=64, depth=1, heads=2).eval()   # C = 128
+    heads = 2
+    model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=64, depth=1, heads=heads).eval()   # C = 128
     fast = model.inference_decoder()
     plain = FusedRNMTDecoder(fast.prepared, fast.layered, source_products=False)
     src = torch.randint(4, 24, (3, 6))
     lengths = torch.tensor([6, 6])
-    assert 2 * 2 * 6 * 2 <= 128
+    assert len(lengths) * heads * int(lengths.max()) * 2 <= 128   # both batches through the products
     for beam in (2, 3, 4):
         kwargs = dict(beam=beam, alpha=0.6, nbest=beam, max_len_a=1.5, max_len_b=3)
         first = beam_search(fast, src[[0, 1]], lengths, **kwargs)

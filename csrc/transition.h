@@ -41,7 +41,8 @@ at::Tensor cell_step_cpu(const at::Tensor& x, const at::Tensor& h, const Transit
 
 // Inference over both directions of a layer at once (FrozenTransitionLayer): x [T,B,I], h0 [D,B,H], mask [T,B] or
 // empty, dirs: D = 1 or 2 directions' weights; direction d reads right to left when d == 1 or `reverse`. Returns
-// {out [T,B,D*H] (direction d in features d*H..), h_n [D,B,H]}, each direction as transition_forward_cpu computes it.
+// {out [T,B,D*H] (direction d in features d*H..), h_n [D,B,H]}, each direction as transition_forward_cpu computes it
+// (float / double: the same arithmetic without the sequence tensors it keeps for backward, one step's rows reused).
 // With two directions on two threads (and not already inside a parallel region) each direction runs on a thread of
 // its own, its products and row passes on that thread alone: at batch 1 a step's work is too small to share.
 std::vector<at::Tensor> transition_encode_cpu(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,

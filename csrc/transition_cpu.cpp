@@ -402,6 +402,70 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
   return cur;
 }
 
+// Inference over a sequence (transition_encode_cpu, float / double): forward_impl's arithmetic, the same GEMMs on the
+// same operand values and the same row passes, without the sequence tensors it keeps for backward (hs, hp, hpt):
+// one step's rows, reused from step to step. Returns {out [T, B, H], h_n [B, H]}. Why: at batch 1 a step streams a
+// direction's recurrent matrices (1.75 MB for the small dtmt), about what the core's L2 holds; the saved sequences
+// written alongside pushed them out, so every step read them from L3 (benchmarks/NOTES.md, item 61).
+template <typename T>
+std::vector<Tensor> encode_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const TransitionWeights& w,
+                                bool reverse, double eps) {
+  const Dims d = dims_of(x, w);
+  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D;
+  const auto& kernels = typed_cpu_kernels<T>();
+  const auto opts = x.options();
+  Tensor xp = empty_large({T_ * B, d.n_in * H}, opts);
+  linear_into(xp, w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih);
+  Tensor out = at::empty({T_, B, H}, opts);
+  // states[0]: the carried state (h_n), states[k]: the state entering T-GRU k
+  Tensor states = at::empty({D + 1, B, H}, opts);
+  states[0].copy_(h0);
+  std::vector<Tensor> state(static_cast<size_t>(D + 1)), t_w, t_b;
+  for (int64_t k = 0; k <= D; ++k) state[k] = states[k];
+  for (int64_t k = 0; k < D; ++k) {
+    t_w.push_back(w.t_w[k]);
+    t_b.push_back(w.t_b[k]);
+  }
+  Tensor hp = at::empty({B, d.n_h * H}, opts);
+  Tensor hpt = at::empty({B, 3 * H}, opts);
+  const StepSettings<T> set(w, Tensor(), mask, B, H, eps);
+  CellRows<T> base = set.base;
+  base.hp = hp.data_ptr<T>();
+  base.h = state[0].data_ptr<T>();
+  std::vector<CellRows<T>> tgru;
+  for (int64_t k = 1; k <= D; ++k) {
+    tgru.push_back(set.tgru(k));
+    tgru.back().hp = hpt.data_ptr<T>();
+    tgru.back().h = state[k].data_ptr<T>();
+  }
+  const T* xp_p = xp.data_ptr<T>();
+  T* out_p = out.data_ptr<T>();
+  T* hn_p = state[0].data_ptr<T>();
+  for (int64_t step = 0; step < T_; ++step) {
+    const int64_t t = reverse ? T_ - 1 - step : step;
+    T* out_t = out_p + t * B * H;
+    linear_into(hp, w.b_hh, state[0], w.w_hh);
+    base.xp = xp_p + t * B * d.n_in * H;
+    base.out = D > 0 ? state[1].data_ptr<T>() : out_t;
+    cell_rows(kernels.cell_forward_rows, base, B);
+    for (int64_t k = 1; k <= D; ++k) {
+      linear_into(hpt, t_b[k - 1], state[k], t_w[k - 1]);
+      CellRows<T>& a = tgru[k - 1];
+      a.out = k < D ? state[k + 1].data_ptr<T>() : out_t;
+      cell_rows(kernels.cell_forward_rows, a, B);
+    }
+    // Masking: a padded step carries the state unchanged and outputs zero.
+    for (int64_t b = 0; b < B; ++b) {
+      if (set.valid(t, b)) {
+        std::memcpy(hn_p + b * H, out_t + b * H, sizeof(T) * H);
+      } else {
+        std::memset(out_t + b * H, 0, sizeof(T) * H);
+      }
+    }
+  }
+  return {out, state[0].clone()};
+}
+
 void check_kind(int64_t kind) {
   TORCH_CHECK(kind == kGRU || kind == kLGRU || kind == kLAU || kind == kATR, "dtmt: unknown cell kind ", kind);
 }
@@ -455,7 +519,15 @@ std::vector<Tensor> transition_encode_cpu(const Tensor& x, const Tensor& h0, con
               h0.sizes());
   std::vector<std::vector<Tensor>> r(static_cast<size_t>(D));
   const auto run = [&](int64_t d) {
-    r[d] = transition_forward_cpu(x, h0[d], mask, Tensor(), dirs[d], d == 1 || reverse, eps);
+    const bool rev = d == 1 || reverse;
+    check_kind(dirs[d].kind);
+    if (x.scalar_type() == at::kFloat) {
+      r[d] = encode_impl<float>(x, h0[d], mask, dirs[d], rev, eps);
+    } else if (x.scalar_type() == at::kDouble) {
+      r[d] = encode_impl<double>(x, h0[d], mask, dirs[d], rev, eps);
+    } else {   // 16-bit inputs: the sequence kernel's conversions
+      r[d] = transition_forward_cpu(x, h0[d], mask, Tensor(), dirs[d], rev, eps);
+    }
   };
   if (D == 2 && at::get_num_threads() == 2 && !at::in_parallel_region()) {
     // the caller's thread-local state (grad mode above all) on the worker too: parallel_for does not carry it

@@ -1,15 +1,16 @@
 """One FusedRNMTDecoder option on against off, in one process: the weights in 2 MiB pages (`huge_pages`, NOTES item
-54) or the context's products made once per sentence (`source_products`, NOTES item 55).
+54) or the tables the search's steps read instead of recomputing their products (`step_tables`: the context's
+products made once per sentence, NOTES item 55; the keys' exponentials and the previous token's products, item 61).
 
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 1 --chunk 1 --sentences 150
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 2 --chunk 60
-    python benchmarks/bench_pages.py --option source_products --threads 1 --chunk 1 --sentences 300
+    python benchmarks/bench_pages.py --option step_tables --threads 1 --chunk 1 --sentences 300
 
 Builds both decoders in one process (FusedRNMTDecoder with --option True, the default, and False) and translates
 the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: one sentence a call, batch 1; more:
 `translate`'s batching by tokens within the chunk), each chunk by both decoders, the order swapped from one chunk
 to the next, so that the VM's drifting speed falls on both alike. Prints the seconds of each (model load
-excluded), their ratio and how many translations differ (huge_pages: none may; source_products: the same sums in
+excluded), their ratio and how many translations differ (huge_pages: none may; step_tables: the same sums in
 another order, so a near-tie may go the other way).
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1, help="sentences a call (1: batch 1)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--int8", action="store_true", help="int8 decoders (`dtmt translate --int8`)")
-    p.add_argument("--option", choices=("huge_pages", "source_products"), default="huge_pages",
+    p.add_argument("--option", choices=("huge_pages", "step_tables"), default="huge_pages",
                    help="the FusedRNMTDecoder option timed on against off")
     a = p.parse_args(argv)
     if a.chunk < 1:

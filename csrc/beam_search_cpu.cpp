@@ -3,6 +3,7 @@
 // rnmt_step_cpu and no Python between steps. The Python loop is its reference (tests/test_beam_search.py).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -120,6 +121,17 @@ Tensor embed_previous(const Tensor& embed, const Tensor& positions, const std::v
   return y;
 }
 
+// t's rows `index` (in that order) as a new contiguous tensor: t.index_select(0, index) without its dispatch.
+Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& index) {
+  const Tensor src = t.contiguous();
+  Tensor out = at::empty({static_cast<int64_t>(index.size()), src.size(1)}, src.options());
+  const int64_t row_bytes = src.size(1) * static_cast<int64_t>(src.element_size());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(out.data_ptr());
+  for (size_t i = 0; i < index.size(); ++i) std::memcpy(to + i * row_bytes, from + index[i] * row_bytes, row_bytes);
+  return out;
+}
+
 }  // namespace
 
 std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tensor& keys0, const Tensor& src_mask0,
@@ -127,8 +139,9 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
                                          const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
                                          double cell_eps, const AttentionWeights& attention,
                                          const ReadoutWeights& readout, int64_t beam, double alpha,
-                                         const Tensor& max_len, int64_t bos, int64_t eos, bool source_products,
-                                         bool early_stop) {
+                                         const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
+                                         bool early_stop, const Tensor& token_products,
+                                         const Tensor& position_products) {
   TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
                   embed.dim() == 2 && max_len.dim() == 1,
               "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
@@ -151,28 +164,50 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   const Tensor start = at::arange(B, at::kLong).repeat_interleave(beam);
   Tensor annotations = annotations0.contiguous(), keys = keys0.contiguous(), src_mask = src_mask0.contiguous(),
          s = s0.index_select(0, start);
-  Tensor scores = at::full({B, beam}, neg_inf, at::kFloat);
-  scores.select(1, 0).fill_(0.0);
+  // each row's score (float, as the Python loop keeps them), a sentence's beam rows together
+  std::vector<float> scores(static_cast<size_t>(B * beam), -std::numeric_limits<float>::infinity());
+  for (int64_t b = 0; b < B; ++b) scores[b * beam] = 0.0f;
   std::vector<std::vector<int64_t>> rows(B * beam);
   std::vector<int64_t> prev(B * beam, bos);
   std::vector<std::vector<Hyp>> finished(B);
   std::vector<int64_t> active(B);  // the open sentences, in the order of the state's row groups
   for (int64_t b = 0; b < B; ++b) active[b] = b;
-  // the context's products made once per sentence, where they pay (decided here, for the whole search)
+  // what the steps read instead of recomputing it, made once per sentence where it applies (decided here, for the
+  // whole search): the context's products where they pay, the keys' exponentials
   std::optional<SourceProducts> source;
+  StepTables tables;
   const int64_t NH = keys.size(2);
-  if (source_products && source_products_pay(annotations, NH, decoder_cell, attention, readout))
+  if (step_tables && source_products_pay(annotations, NH, decoder_cell, attention, readout)) {
     source = source_products_cpu(annotations, NH, decoder_cell.w_ih, decoder_cell.b_ih, readout.w_c, readout.b_c);
+    tables.source = &*source;
+  }
+  if (step_tables) tables.key_exps = key_exps_cpu(keys);
+  // the previous token's products from the model's tables, where they were given for this model (and its positions)
+  std::optional<TokenProducts> token_tables;
+  const bool position_tables = position_products.defined() && position_products.numel() > 0;
+  if (step_tables && positional == position_tables && token_products.dim() == 2 &&
+      token_products.size(0) == embed.size(0))
+    token_tables = token_products_cpu(token_products, position_products, steps, query_cell, readout);
 
   const Tensor table = embed.contiguous(), positions_c = positional ? positions.contiguous() : Tensor();
   StepBuffers buffers;
+  std::vector<float> top_scores;
+  std::vector<int64_t> top_idx;
   for (int64_t t = 0; t < steps; ++t) {
-    const Tensor y = embed_previous(table, positions_c, prev, t);
+    Tensor y;
+    if (token_tables) {
+      std::vector<Tensor> y_products = token_tables->rows(prev, t);
+      tables.y_cell = y_products[0];
+      tables.y_readout = y_products[1];
+    } else {
+      y = embed_previous(table, positions_c, prev, t);
+    }
     auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout,
-                           beam, source ? &*source : nullptr, /*with_attention=*/false, &buffers);
+                           beam, &tables, /*with_attention=*/false, &buffers);
     s = r[1];
     const int64_t n = static_cast<int64_t>(active.size()), V = r[0].size(1);
-    Tensor log_probs = r[0].to(at::kFloat).contiguous().view({n, beam, V});
+    // [n * beam, V] float32 (the step's own buffer for a float model: the masking below writes into it)
+    const Tensor log_probs = r[0].scalar_type() == at::kFloat ? r[0] : r[0].to(at::kFloat);
     {  // the last step allowed for a sentence: only EOS may follow
       float* lp = log_probs.data_ptr<float>();
       for (int64_t i = 0; i < n; ++i) {
@@ -187,10 +222,10 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     }
     // each sentence's 2 * beam best (beam score + word log-prob) candidates, as at::topk over them gives them
     const int64_t K = std::min<int64_t>(2 * beam, beam * V);
-    std::vector<float> top_scores(n * K);
-    std::vector<int64_t> top_idx(n * K);
+    top_scores.resize(static_cast<size_t>(n * K));
+    top_idx.resize(static_cast<size_t>(n * K));
     {
-      const float* sc = scores.data_ptr<float>();
+      const float* sc = scores.data();
       const float* lp = log_probs.data_ptr<float>();
       // sentences split among threads, at least 64K candidates a task
       at::parallel_for(0, n, std::max<int64_t>(1, 65536 / (beam * V)), [&](int64_t i0, int64_t i1) {
@@ -198,7 +233,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
           if (K <= kMaxTopK &&
               top_candidates(sc + i * beam, lp + i * beam * V, beam, V, K, &top_scores[i * K], &top_idx[i * K]))
             continue;
-          const Tensor cand = (scores[i].unsqueeze(-1) + log_probs[i]).view({beam * V});
+          const Tensor row_scores = at::from_blob(const_cast<float*>(sc + i * beam), {beam, 1}, at::kFloat);
+          const Tensor cand = (row_scores + log_probs.narrow(0, i * beam, beam)).view({beam * V});
           auto top = at::topk(cand, K, 0);
           const Tensor v = std::get<0>(top).contiguous(), j = std::get<1>(top).contiguous();
           std::copy(v.data_ptr<float>(), v.data_ptr<float>() + K, &top_scores[i * K]);
@@ -252,13 +288,13 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       }
     }
     if (still.empty()) break;
-    const Tensor index = to_tensor(select);
     prev = next_words;
-    s = s.index_select(0, index);
+    s = gather_rows(s, select);
     if (static_cast<int64_t>(still.size()) < n) {  // finished sentences leave the state
       const Tensor kept = to_tensor(still);
       annotations = annotations.index_select(0, kept);
       keys = keys.index_select(0, kept);
+      if (tables.key_exps.defined()) tables.key_exps = tables.key_exps.index_select(0, kept);
       src_mask = src_mask.index_select(0, kept);
       std::vector<int64_t> next_active;
       for (int64_t i : still) next_active.push_back(active[i]);
@@ -272,8 +308,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       next_rows.back().push_back(next_words[r_]);
     }
     rows.swap(next_rows);
-    scores = at::empty({static_cast<int64_t>(still.size()), beam}, at::kFloat);
-    std::copy(next_scores.begin(), next_scores.end(), scores.data_ptr<float>());
+    scores.swap(next_scores);
   }
 
   std::vector<int64_t> counts, lengths, tokens;

@@ -47,6 +47,10 @@ template <typename T> struct TypedCpuKernels {
   // forward loops batch entry b reads row b / group of the keys / values (group > 1: a beam's rows share them).
   void (*scores_forward)(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D,
                          int64_t group, int64_t b0, int64_t b1);
+  // scores_forward's scores from exponentials (decode_step.h, key_exps_cpu): ek = exp(2 keys) [., NH, D, Sp]
+  // (positions last, Sp a multiple of 16 >= S), q [B, NH, D] (each within kExpScoreBound); out [B, NH, S].
+  void (*scores_from_exps)(const T* ek, const T* q, const T* v, T* out, int64_t S, int64_t Sp, int64_t NH,
+                           int64_t D, int64_t group, int64_t b0, int64_t b1);
   void (*scores_backward)(const T* grad, const T* keys, const T* q, const T* v, T* dkeys, T* dq, T* dv_rows,
                           int64_t S, int64_t NH, int64_t D, int64_t b0, int64_t b1);
   void (*context_forward)(const T* alpha, const T* values, T* out, int64_t S, int64_t NH, int64_t Dc, int64_t vsb,
@@ -59,6 +63,12 @@ template <typename T> struct TypedCpuKernels {
   // gradient of the row's smoothed loss to its logits (zeros for an ignored row).
   void (*smoothed_ce_rows)(const T* logits, const int64_t* target, int64_t V, int64_t ignore, T smoothing, T* grad,
                            double* loss, double* nll, int64_t r0, int64_t r1);
+  // A decoding step's distributions (isa/decode_rows.cpp), rows [r0, r1): out[r] = log_softmax(x[r]) over V
+  // values ((x - max) - log sum exp(x - max)); alpha[b, h] = the softmax of scores[b, h] [S] over the positions where
+  // mask[b / group] [S] is true, 0 elsewhere (NaN where none is), batch entries [b0, b1).
+  void (*log_softmax_rows)(const T* x, T* out, int64_t V, int64_t r0, int64_t r1);
+  void (*masked_softmax_rows)(const T* scores, const bool* mask, T* alpha, int64_t NH, int64_t S, int64_t group,
+                              int64_t b0, int64_t b1);
   // SourceProducts' rows weighed by the attention weights (decode_step.h), output columns [n0, n1):
   // out[r, n - n0] = bias[n] + sum_{k < W} alpha[r, k] * P[block[r] * W + k, n], rows r in [0, M).
   void (*weigh_products)(const T* alpha, int64_t M, int64_t W, const int64_t* block, const T* P, int64_t ldp,

@@ -9,6 +9,7 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 #include "transition.h"
@@ -78,6 +79,15 @@ bool source_products_pay(const at::Tensor& annotations, int64_t NH, const Transi
 SourceProducts source_products_cpu(const at::Tensor& annotations, int64_t NH, const at::Tensor& w_ih,
                                    const at::Tensor& b_ih, const at::Tensor& w_c, const at::Tensor& b_c);
 
+// The attention keys [B, S, NH, D] as exponentials for the scores of a search's steps, made once per sentence:
+// exp(2 keys) laid out [B, NH, D, Sp] (positions last, Sp = S rounded up to 16, the padding 1). Since
+// tanh(k + q) = 1 - 2 / (exp(2k) exp(2q) + 1), a step's scores then take one exp per query feature instead of one
+// per position and feature (isa: scores_from_exps; benchmarks/NOTES.md, item 61). The same scores up to rounding.
+// Undefined (the steps take the plain loop) unless the keys are float or double and every one is within
+// +-kExpScoreBound, so that with a query within the same bound the products stay far inside the type's range.
+constexpr double kExpScoreBound = 20.0;
+at::Tensor key_exps_cpu(const at::Tensor& keys);
+
 // One step of (multi-head) additive attention, as MultiHeadAdditiveAttention / AdditiveAttention compute it:
 //   q = query W_q^T [B, NH*D], layer-normalised over all NH*D when ln_w is present;
 //   scores[b,h,s] = v[h] . tanh(keys[b,s,h] + q[b,h]); alpha = softmax over the source positions with src_mask
@@ -89,20 +99,56 @@ SourceProducts source_products_cpu(const at::Tensor& annotations, int64_t NH, co
 // sentence's beam rows share its source; the same arithmetic per row as with the rows repeated).
 // with_context false: only alpha is formed ({undefined, alpha}), for a step that reads the context through
 // SourceProducts.
+// key_exps: key_exps_cpu(keys) (defined), the scores from it where every query value is within kExpScoreBound
+// (else, and when undefined, the plain loop).
 std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Tensor& keys,
                                            const at::Tensor& annotations, const at::Tensor& src_mask,
-                                           const AttentionWeights& w, int64_t group = 1, bool with_context = true);
+                                           const AttentionWeights& w, int64_t group = 1, bool with_context = true,
+                                           const at::Tensor& key_exps = at::Tensor());
 
 // The readout features. y [N, E], s [N, Hs], c [N, C] -> [N, R] (the output projection is not applied).
-// c_part: c W_c^T + b_c [N, R] already formed (SourceProducts; c is then not read; with layer norm it is normalised
-// in place), or undefined.
+// c_part: c W_c^T + b_c [N, R] already formed (SourceProducts; c is then not read), or undefined; y_part likewise
+// y W_y^T + b_y (TokenProducts; y is then not read). With layer norm a given part is normalised in place.
 at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& c,
-                                const ReadoutWeights& w, const at::Tensor& c_part = at::Tensor());
+                                const ReadoutWeights& w, const at::Tensor& c_part = at::Tensor(),
+                                const at::Tensor& y_part = at::Tensor());
 
 // The largest tensors of a step, the logits and log-probabilities [rows, V], kept by a search from one step to the
 // next (rnmt_step_cpu writes into them, resized to the step's rows) instead of allocated and freed every step.
 struct StepBuffers {
   at::Tensor logits, log_probs;
+};
+
+// The previous token's products made once per model (benchmarks/NOTES.md, item 61). A step reads the embedded previous
+// token y = embed[w] + positions[t] only through the query cell's input matrix and the readout's y matrix, so
+//   y W^T + b = (embed W^T)[w] + (positions W^T)[t] + b,
+// two rows of tables made once (`tokens` [V, N_q + R], `positions` [>= steps, N_q + R] or undefined where the
+// system adds no positions; the query cell's N_q = n_in * H columns first, then the readout's R; made by the Python
+// side, FusedRNMTDecoder) in place of a step's read of those matrices. The same sums in another order.
+struct TokenProducts {
+  at::Tensor tokens, positions, bias;   // bias [N_q + R]: b_ih of the query cell and b_y (zeros where absent)
+  int64_t N_q = 0;
+  // {y W_ih^T + b_ih [n, N_q], y W_y^T + b_y [n, R]} for the previous tokens prev at step t
+  std::vector<at::Tensor> rows(const std::vector<int64_t>& prev, int64_t t) const;
+};
+
+// TokenProducts for a search from its tables (tokens: [V, N_q + R] of the query cell's and readout's dtype; positions
+// or undefined), or nullopt where they do not fit these weights (then the steps embed the previous token).
+std::optional<TokenProducts> token_products_cpu(const at::Tensor& tokens, const at::Tensor& positions,
+                                                int64_t steps, const TransitionWeights& query_cell,
+                                                const ReadoutWeights& readout);
+
+// What a search makes once, per sentence, for its steps, each in place of some of a step's work (absent: the step
+// does that work itself); the same step up to the rounding of the sums they reorder.
+struct StepTables {
+  // the context's products (SourceProducts; its block names each row group's sentence), read in place of the
+  // context and the two matrices that multiply it
+  const SourceProducts* source = nullptr;
+  // key_exps_cpu of the keys the step is given (one row a sentence): the attention scores from exponentials
+  at::Tensor key_exps;
+  // TokenProducts' rows for the step's previous tokens (y is then not read): the query cell's input products
+  // y W_ih^T + b_ih [rows, N_q] and the readout's y W_y^T + b_y [rows, R]
+  at::Tensor y_cell, y_readout;
 };
 
 // One whole step of the attentional RNMT decoder (dtmt_models/models/rnmt.py, FusedRNMTDecoder):
@@ -112,15 +158,14 @@ struct StepBuffers {
 // Returns {log_probs [B, V], s' [B, H], the attention weights averaged over the heads [B, S]} (with_attention
 // false: that last one undefined; the search does not read it).
 // group > 1: y and s have B * group rows sharing the source tensors in groups (attention_step_cpu).
-// source: the context's products made once per source (SourceProducts; its block names each row group's
-// sentence), read in place of the context and the two matrices that multiply it; nullptr: none. buffers: where to
-// write the logits and log-probabilities (the returned log_probs is then buffers->log_probs); nullptr: new tensors.
+// tables: what the search made once for its steps (StepTables); nullptr: none. buffers: where to write the logits
+// and log-probabilities (the returned log_probs is then buffers->log_probs); nullptr: new tensors.
 std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& keys,
                                       const at::Tensor& annotations, const at::Tensor& src_mask,
                                       const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
                                       double cell_eps, const AttentionWeights& attention,
                                       const ReadoutWeights& readout, int64_t group = 1,
-                                      const SourceProducts* source = nullptr, bool with_attention = true,
+                                      const StepTables* tables = nullptr, bool with_attention = true,
                                       StepBuffers* buffers = nullptr);
 
 // Beam search over rnmt_step_cpu, the whole loop of dtmt_models/decoding/beam_search.py (its reference: the same
@@ -130,9 +175,12 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
 // term). beam >= 1, alpha the GNMT length-penalty exponent, max_len [B] the steps each sentence may take (EOS
 // included). Returns {counts [B], lengths [N], tokens [sum lengths], scores [N], log_probs [N]}: sentence b's
 // finished hypotheses, best first, are the counts[b] after those of the sentences before it; a hypothesis'
-// tokens exclude BOS and EOS; scores (log_prob / lp) and log_probs in float64. source_products: the steps read the
-// context through SourceProducts where source_products_pay says they pay (decided once, for the whole search):
-// the same search up to the rounding of those sums; false: rnmt_step_cpu's arithmetic exactly. early_stop: a
+// tokens exclude BOS and EOS; scores (log_prob / lp) and log_probs in float64. step_tables: the steps read what the
+// search makes once per sentence (StepTables, each decided once for the whole search): the context's products where
+// source_products_pay says they pay, the keys' exponentials where key_exps_cpu applies; the same search up to the
+// rounding of those sums; and, given the model's token_products / position_products (TokenProducts' tables; the
+// latter exactly where the system adds positions), the previous token's products from them.
+// false: rnmt_step_cpu's arithmetic exactly. early_stop: a
 // sentence ends as soon as it has `beam` finished hypotheses (fairseq's, CTranslate2's and Hugging Face's rule);
 // false: only once no open hypothesis can still beat the worst of them either (beam_search.py's default).
 std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, const at::Tensor& keys,
@@ -141,7 +189,9 @@ std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, cons
                                              const TransitionWeights& decoder_cell, double cell_eps,
                                              const AttentionWeights& attention, const ReadoutWeights& readout,
                                              int64_t beam, double alpha, const at::Tensor& max_len, int64_t bos,
-                                             int64_t eos, bool source_products = false, bool early_stop = false);
+                                             int64_t eos, bool step_tables = false, bool early_stop = false,
+                                             const at::Tensor& token_products = at::Tensor(),
+                                             const at::Tensor& position_products = at::Tensor());
 
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.

@@ -32,28 +32,6 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   return out;
 }
 
-// alpha[b, h, :] = softmax of scores[b, h, :] over the positions where mask[b / group, :] is true, 0 elsewhere.
-template <typename T>
-void masked_softmax(const T* scores, const bool* mask, T* alpha, int64_t B, int64_t NH, int64_t S, int64_t group) {
-  for (int64_t b = 0; b < B; ++b) {
-    const bool* m = mask + (b / group) * S;
-    for (int64_t h = 0; h < NH; ++h) {
-      const T* sc = scores + (b * NH + h) * S;
-      T* a = alpha + (b * NH + h) * S;
-      T mx = -std::numeric_limits<T>::infinity();
-      for (int64_t s = 0; s < S; ++s)
-        if (m[s] && sc[s] > mx) mx = sc[s];
-      T sum = 0;
-      for (int64_t s = 0; s < S; ++s) {
-        a[s] = m[s] ? std::exp(sc[s] - mx) : T(0);
-        sum += a[s];
-      }
-      const T inv = T(1) / sum;  // no real position: 0 * inf = NaN, as torch's softmax over all -inf gives
-      for (int64_t s = 0; s < S; ++s) a[s] *= inv;
-    }
-  }
-}
-
 // x = LN(x) * w + b over one row of R, in place (the normalisation of cell_math.h, as the cells use).
 template <typename T> void layer_norm_inplace(T* x, const T* w, const T* b, double eps, int64_t R) {
   layer_norm_row_normalise(static_cast<int>(R), x, static_cast<T>(eps));
@@ -64,6 +42,19 @@ template <typename T> void layer_norm_inplace(T* x, const T* w, const T* b, doub
 template <typename T> void layer_norm_add(T* x, const T* w, const T* b, double eps, int64_t R, T* acc) {
   layer_norm_row_normalise(static_cast<int>(R), x, static_cast<T>(eps));
   for (int64_t r = 0; r < R; ++r) acc[r] += x[r] * w[r] + b[r];
+}
+
+// Every value of the contiguous float / double t within +-kExpScoreBound (NaN is not).
+bool within_exp_score_bound(const Tensor& t) {
+  bool ok = true;
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "within_exp_score_bound", [&] {
+    const scalar_t* p = t.data_ptr<scalar_t>();
+    const auto bound = static_cast<scalar_t>(kExpScoreBound);
+    int bad = 0;
+    for (int64_t i = 0; i < t.numel(); ++i) bad |= static_cast<int>(!(std::abs(p[i]) <= bound));
+    ok = bad == 0;
+  });
+  return ok;
 }
 
 void check_cpu(std::initializer_list<const Tensor*> ts, const char* op) {
@@ -124,6 +115,52 @@ std::vector<Tensor> SourceProducts::weigh(const Tensor& alpha, int64_t group) co
   return {xp, c_part};
 }
 
+std::vector<Tensor> TokenProducts::rows(const std::vector<int64_t>& prev, int64_t t) const {
+  const int64_t n = static_cast<int64_t>(prev.size()), V = tokens.size(0), N = tokens.size(1);
+  for (int64_t w : prev) TORCH_CHECK(w >= 0 && w < V, "dtmt._C.rnmt_beam_search: token ", w, " has no embedding");
+  Tensor cell = at::empty({n, N_q}, tokens.options()), readout = at::empty({n, N - N_q}, tokens.options());
+  AT_DISPATCH_FLOATING_TYPES(tokens.scalar_type(), "TokenProducts::rows", [&] {
+    const scalar_t* tok = tokens.data_ptr<scalar_t>();
+    const scalar_t* pos = positions.defined() ? positions.data_ptr<scalar_t>() + t * N : nullptr;
+    const scalar_t* b = bias.data_ptr<scalar_t>();
+    scalar_t* out[2] = {cell.data_ptr<scalar_t>(), readout.data_ptr<scalar_t>()};
+    const int64_t lo[2] = {0, N_q}, hi[2] = {N_q, N};
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t* row = tok + prev[i] * N;
+      for (int part = 0; part < 2; ++part) {
+        scalar_t* o = out[part] + i * (hi[part] - lo[part]) - lo[part];
+        if (pos) {
+          for (int64_t j = lo[part]; j < hi[part]; ++j) o[j] = (row[j] + pos[j]) + b[j];
+        } else {
+          for (int64_t j = lo[part]; j < hi[part]; ++j) o[j] = row[j] + b[j];
+        }
+      }
+    }
+  });
+  return {cell, readout};
+}
+
+std::optional<TokenProducts> token_products_cpu(const Tensor& tokens, const Tensor& positions, int64_t steps,
+                                                const TransitionWeights& query_cell, const ReadoutWeights& readout) {
+  if (!present(tokens)) return std::nullopt;
+  const auto st = tokens.scalar_type();
+  const int64_t N_q = query_cell.w_ih.size(0), R = readout.w_y.size(0);
+  const auto fits = [&](const Tensor& w) { return w.defined() && w.dim() == 2 && w.scalar_type() == st; };
+  // float weights of the tables' dtype (not int8 rows), tables of their widths, positions for every step
+  if ((st != at::kFloat && st != at::kDouble) || !fits(query_cell.w_ih) || !fits(readout.w_y) ||
+      tokens.dim() != 2 || tokens.size(1) != N_q + R || !tokens.device().is_cpu() ||
+      (present(positions) && (positions.dim() != 2 || positions.size(0) < steps || positions.size(1) != N_q + R ||
+                              positions.scalar_type() != st)))
+    return std::nullopt;
+  TokenProducts tp;
+  tp.tokens = tokens.contiguous();
+  tp.positions = present(positions) ? positions.contiguous() : Tensor();
+  tp.bias = at::cat({present(query_cell.b_ih) ? query_cell.b_ih : at::zeros({N_q}, tokens.options()),
+                     present(readout.b_y) ? readout.b_y : at::zeros({R}, tokens.options())});
+  tp.N_q = N_q;
+  return tp;
+}
+
 bool source_products_pay(const Tensor& annotations, int64_t NH, const TransitionWeights& decoder_cell,
                          const AttentionWeights& attention, const ReadoutWeights& readout) {
   const auto st = annotations.scalar_type();
@@ -155,9 +192,21 @@ SourceProducts source_products_cpu(const Tensor& annotations, int64_t NH, const 
   return sp;
 }
 
+Tensor key_exps_cpu(const Tensor& keys) {
+  TORCH_CHECK(keys.dim() == 4 && keys.device().is_cpu(), "dtmt::key_exps: CPU keys [B, S, NH, D] expected");
+  const auto st = keys.scalar_type();
+  if ((st != at::kFloat && st != at::kDouble) || keys.numel() == 0) return Tensor();
+  const Tensor k = keys.contiguous();
+  if (!within_exp_score_bound(k)) return Tensor();
+  const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3), Sp = (S + 15) / 16 * 16;
+  Tensor out = at::ones({B, NH, D, Sp}, keys.options());
+  out.narrow(3, 0, S).copy_(k.permute({0, 2, 3, 1}).mul(2).exp());
+  return out;
+}
+
 std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, const Tensor& annotations,
                                        const Tensor& src_mask, const AttentionWeights& w, int64_t group,
-                                       bool with_context) {
+                                       bool with_context, const Tensor& key_exps) {
   const Tensor &w_q = w.w_q, &v = w.v, &ln_w = w.ln_w, &ln_b = w.ln_b;
   const double ln_eps = w.ln_eps;
   check_cpu({&query, &w_q, &keys, &v, &annotations, &src_mask, &w.w_o, &w.b_o, &ln_w, &ln_b}, "attention_step");
@@ -183,12 +232,31 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
     });
   }
   q = q.view({B, NH, D});
-  Tensor scores = additive_scores_forward_cpu(keys.contiguous(), q, v.contiguous(), group);
+  Tensor scores;
+  if (key_exps.defined() && within_exp_score_bound(q)) {
+    TORCH_CHECK(key_exps.dim() == 4 && key_exps.size(0) * group == B && key_exps.size(1) == NH &&
+                    key_exps.size(2) == D && key_exps.size(3) >= S && key_exps.size(3) % 16 == 0 &&
+                    key_exps.is_contiguous() && key_exps.scalar_type() == q.scalar_type() && v.is_contiguous(),
+                "dtmt._C.attention_step: key_exps must be key_exps_cpu(keys)");
+    scores = at::empty({B, NH, S}, q.options());
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_scores_from_exps", [&] {
+      const auto loop = typed_cpu_kernels<scalar_t>().scores_from_exps;
+      const scalar_t* ek = key_exps.data_ptr<scalar_t>();
+      const scalar_t* qq = q.data_ptr<scalar_t>();
+      const scalar_t* vv = v.data_ptr<scalar_t>();
+      scalar_t* o = scores.data_ptr<scalar_t>();
+      at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+        loop(ek, qq, vv, o, S, key_exps.size(3), NH, D, group, b0, b1);
+      });
+    });
+  } else {
+    scores = additive_scores_forward_cpu(keys.contiguous(), q, v.contiguous(), group);
+  }
   Tensor alpha = at::empty_like(scores);
   Tensor mask = src_mask.contiguous();
   AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "attention_step_cpu", [&] {
-    masked_softmax<scalar_t>(scores.data_ptr<scalar_t>(), mask.data_ptr<bool>(), alpha.data_ptr<scalar_t>(), B, NH,
-                             S, group);
+    typed_cpu_kernels<scalar_t>().masked_softmax_rows(scores.data_ptr<scalar_t>(), mask.data_ptr<bool>(),
+                                                      alpha.data_ptr<scalar_t>(), NH, S, group, 0, B);
   });
   if (!with_context) return {Tensor(), alpha};
   Tensor context = attention_context_forward_cpu(alpha, annotations, group);
@@ -197,32 +265,35 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
 }
 
 Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, const ReadoutWeights& w,
-                            const Tensor& c_part) {
+                            const Tensor& c_part, const Tensor& y_part) {
   const Tensor &w_y = w.w_y, &b_y = w.b_y, &w_s = w.w_s, &b_s = w.b_s, &w_c = w.w_c, &b_c = w.b_c, &ln_w = w.ln_w,
                &ln_b = w.ln_b;
   const double eps = w.eps;
   const Tensor& c_in = c_part.defined() ? c_part : c;
-  check_cpu({&y, &s, &c_in, &w_y, &b_y, &w_s, &b_s, &w_c, &b_c, &ln_w, &ln_b}, "readout_features");
-  TORCH_CHECK(y.dim() == 2 && s.dim() == 2 && c_in.dim() == 2 && y.size(0) == s.size(0) &&
-                  y.size(0) == c_in.size(0),
+  const Tensor& y_in = y_part.defined() ? y_part : y;
+  check_cpu({&y_in, &s, &c_in, &w_y, &b_y, &w_s, &b_s, &w_c, &b_c, &ln_w, &ln_b}, "readout_features");
+  TORCH_CHECK(y_in.dim() == 2 && s.dim() == 2 && c_in.dim() == 2 && y_in.size(0) == s.size(0) &&
+                  y_in.size(0) == c_in.size(0),
               "dtmt._C.readout_features: y, s and c must be [N, ·] with the same N");
-  const int64_t N = y.size(0), R = w_y.size(0);
+  const int64_t N = s.size(0), R = w_y.size(0);
   TORCH_CHECK(!c_part.defined() || (c_part.size(1) == R && c_part.is_contiguous()),
               "dtmt._C.readout_features: c_part must be a contiguous [N, ", R, "]");
+  TORCH_CHECK(!y_part.defined() || (y_part.size(1) == R && y_part.is_contiguous()),
+              "dtmt._C.readout_features: y_part must be a contiguous [N, ", R, "]");
   TORCH_CHECK(w_s.size(0) == R && w_c.size(0) == R, "dtmt._C.readout_features: the three weights need R rows");
   const bool ln = present(ln_w);
   TORCH_CHECK(!ln || (ln_w.sizes() == at::IntArrayRef{3, R} && ln_b.sizes() == at::IntArrayRef{3, R} &&
                       ln_w.is_contiguous() && ln_b.is_contiguous()),
               "dtmt._C.readout_features: ln_w and ln_b must be contiguous [3, R]");
-  const Tensor parts[3] = {linear(y, w_y, b_y), linear(s, w_s, b_s),
+  const Tensor parts[3] = {y_part.defined() ? y_part : linear(y, w_y, b_y), linear(s, w_s, b_s),
                            c_part.defined() ? c_part : linear(c, w_c, b_c)};   // (LN works in place)
   Tensor out;
   if (!ln) {
     out = parts[0].add_(parts[1]).add_(parts[2]).tanh_();
     return out;
   }
-  out = at::zeros({N, R}, y.options());
-  AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "readout_features_cpu", [&] {
+  out = at::zeros({N, R}, s.options());
+  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "readout_features_cpu", [&] {
     const scalar_t* lw = ln_w.data_ptr<scalar_t>();
     const scalar_t* lb = ln_b.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -238,19 +309,24 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor
                                   const Tensor& src_mask, const TransitionWeights& query_cell,
                                   const TransitionWeights& decoder_cell, double cell_eps,
                                   const AttentionWeights& attention, const ReadoutWeights& readout, int64_t group,
-                                  const SourceProducts* source, bool with_attention, StepBuffers* buffers) {
-  check_cpu({&y, &s, &readout.w_out, &readout.b_out}, "rnmt_step");
-  const Tensor s_q = cell_step_cpu(y, s, query_cell, cell_eps);
-  auto ca = attention_step_cpu(s_q, keys, annotations, src_mask, attention, group, source == nullptr);
+                                  const StepTables* tables, bool with_attention, StepBuffers* buffers) {
+  check_cpu({&s, &readout.w_out, &readout.b_out}, "rnmt_step");
+  const SourceProducts* source = tables != nullptr ? tables->source : nullptr;
+  const bool y_given = tables != nullptr && tables->y_cell.defined();   // y's products from TokenProducts
+  const Tensor s_q = y_given ? cell_step_from_products_cpu(tables->y_cell, s, query_cell, cell_eps)
+                             : cell_step_cpu(y, s, query_cell, cell_eps);
+  const Tensor y_part = y_given ? tables->y_readout : Tensor();
+  auto ca = attention_step_cpu(s_q, keys, annotations, src_mask, attention, group, source == nullptr,
+                               tables != nullptr ? tables->key_exps : Tensor());
   Tensor features, s_new;
   if (source != nullptr) {   // c W^T + b as the per-position products weighed by alpha (SourceProducts)
     const std::vector<Tensor> both = source->weigh(ca[1], group);
     s_new = cell_step_from_products_cpu(both[0], s_q, decoder_cell, cell_eps);
-    features = readout_features_cpu(y, s_new, Tensor(), readout, both[1]);
+    features = readout_features_cpu(y, s_new, Tensor(), readout, both[1], y_part);
   } else {
     const Tensor& context = ca[0];
     s_new = cell_step_cpu(context, s_q, decoder_cell, cell_eps);
-    features = readout_features_cpu(y, s_new, context, readout);
+    features = readout_features_cpu(y, s_new, context, readout, Tensor(), y_part);
   }
   // log-probabilities in the model's precision, float32 at least (as Projection.forward)
   const at::ScalarType lp_type = at::promoteTypes(features.scalar_type(), at::kFloat);
@@ -263,7 +339,15 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor
   fit(out.logits, features.scalar_type());
   fit(out.log_probs, lp_type);
   linear_into(out.logits, readout.b_out, features, readout.w_out);
-  at::log_softmax_out(out.log_probs, out.logits.to(lp_type), -1);
+  if (lp_type == features.scalar_type()) {   // float / double: the row loop of this CPU's copy
+    AT_DISPATCH_FLOATING_TYPES(lp_type, "rnmt_step_log_softmax", [&] {
+      typed_cpu_kernels<scalar_t>().log_softmax_rows(out.logits.data_ptr<scalar_t>(),
+                                                     out.log_probs.data_ptr<scalar_t>(), out.logits.size(1), 0,
+                                                     out.logits.size(0));
+    });
+  } else {
+    at::log_softmax_out(out.log_probs, out.logits.to(lp_type), -1);
+  }
   const Tensor log_probs = out.log_probs;
   const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
   if (!with_attention) return {log_probs, s_new, Tensor()};

@@ -140,10 +140,18 @@ Tensor small_rows_linear(const Tensor& x, const Tensor& weight, const OptTensor&
 }
 
 std::tuple<Tensor, Tensor> attention_step(const Tensor& query, const Tensor& keys, const Tensor& annotations,
-                                          const Tensor& src_mask, at::TensorList weights, double ln_eps) {
+                                          const Tensor& src_mask, at::TensorList weights, double ln_eps,
+                                          const OptTensor& key_exps) {
   auto r = dtmt::attention_step_cpu(dense(query), keys, last_dim_dense(annotations), src_mask,
-                                    dtmt::AttentionWeights::from_list(weights.vec(), ln_eps));
+                                    dtmt::AttentionWeights::from_list(weights.vec(), ln_eps), 1, true,
+                                    key_exps.has_value() && key_exps->numel() ? *key_exps : Tensor());
   return {r[0], r[1]};
+}
+
+// (an empty tensor where key_exps_cpu gives none)
+Tensor key_exps(const Tensor& keys) {
+  Tensor r = dtmt::key_exps_cpu(dense(keys));
+  return r.defined() ? r : at::empty({0}, keys.options());
 }
 
 Tensor readout_features(const Tensor& y, const Tensor& s, const Tensor& c, at::TensorList weights, double eps) {
@@ -166,14 +174,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
     const Tensor& annotations, const Tensor& keys, const Tensor& src_mask, const Tensor& s, const Tensor& embed,
     const OptTensor& positions, int64_t q_kind, at::TensorList q_params, int64_t d_kind, at::TensorList d_params,
     double cell_eps, at::TensorList attention, double att_eps, at::TensorList readout, double readout_eps,
-    int64_t beam, double alpha, const Tensor& max_len, int64_t bos, int64_t eos, bool source_products,
-    bool early_stop) {
+    int64_t beam, double alpha, const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
+    bool early_stop, const OptTensor& token_products, const OptTensor& position_products) {
   auto r = dtmt::rnmt_beam_search_cpu(
       last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), dense(embed), dense(positions, embed),
       dtmt::cell_weights(q_kind, q_params.vec()), dtmt::cell_weights(d_kind, d_params.vec()), cell_eps,
       dtmt::AttentionWeights::from_list(attention.vec(), att_eps),
-      dtmt::ReadoutWeights::from_list(readout.vec(), readout_eps), beam, alpha, max_len, bos, eos, source_products,
-      early_stop);
+      dtmt::ReadoutWeights::from_list(readout.vec(), readout_eps), beam, alpha, max_len, bos, eos, step_tables,
+      early_stop, dense(token_products, embed), dense(position_products, embed));
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 
@@ -211,7 +219,8 @@ TORCH_LIBRARY(dtmt, m) {
         "(Tensor, Tensor)");
   m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("attention_step(Tensor query, Tensor keys, Tensor annotations, Tensor src_mask, Tensor[] weights, "
-        "float ln_eps) -> (Tensor context, Tensor alpha)");
+        "float ln_eps, Tensor? key_exps=None) -> (Tensor context, Tensor alpha)");
+  m.def("key_exps(Tensor keys) -> Tensor");
   m.def("readout_features(Tensor y, Tensor s, Tensor c, Tensor[] weights, float eps) -> Tensor");
   m.def("rnmt_step(Tensor y, Tensor s, Tensor keys, Tensor annotations, Tensor src_mask, int q_kind, "
         "Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, Tensor[] attention, float att_eps, "
@@ -219,7 +228,8 @@ TORCH_LIBRARY(dtmt, m) {
   m.def("rnmt_beam_search(Tensor annotations, Tensor keys, Tensor src_mask, Tensor s, Tensor embed, "
         "Tensor? positions, int q_kind, Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, "
         "Tensor[] attention, float att_eps, Tensor[] readout, float readout_eps, int beam, float alpha, "
-        "Tensor max_len, int bos, int eos, bool source_products=False, bool early_stop=False) -> (Tensor counts, "
+        "Tensor max_len, int bos, int eos, bool step_tables=False, bool early_stop=False, "
+        "Tensor? token_products=None, Tensor? position_products=None) -> (Tensor counts, "
         "Tensor lengths, Tensor tokens, Tensor scores, Tensor log_probs)");
   m.def("memory_encoder(Tensor x, Tensor memory, Tensor src_mask, bool reverse, int cell_kind, Tensor[] cell, "
         "float cell_eps, Tensor[] addressing) -> (Tensor states, Tensor memory_out)");
@@ -237,6 +247,7 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("attention_context_backward", &attention_context_backward);
   m.impl("small_rows_linear", &small_rows_linear);
   m.impl("attention_step", &attention_step);
+  m.impl("key_exps", &key_exps);
   m.impl("readout_features", &readout_features);
   m.impl("rnmt_step", &rnmt_step);
   m.impl("rnmt_beam_search", &rnmt_beam_search);

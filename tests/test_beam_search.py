@@ -8,6 +8,7 @@ import torch
 import dtmt_models as dm
 from dtmt_models.decoding.beam_search import beam_search, greedy, length_penalty
 from dtmt_models.data.vocabulary import BOS, EOS
+from dtmt_models.models.rnmt import FusedRNMTDecoder
 
 
 class TableModel:
@@ -200,6 +201,13 @@ def _hyps(result):
     return [[(h.tokens, h.score, h.log_prob) for h in sentence] for sentence in result]
 
 
+def _plain(decoder):
+    """`decoder` (a FusedRNMTDecoder) with its steps reading no tables (step_tables=False): the search whose
+    arithmetic is rnmt_step's, the Python loop's to the bit."""
+    return FusedRNMTDecoder(decoder.prepared, decoder.layered, int8=decoder.int8, fold=decoder.fold,
+                            huge_pages=decoder.huge_pages, step_tables=False)
+
+
 @pytest.mark.parametrize("system, options", [
     ("dtmt", dict(depth=1, heads=2)),                       # positional target embedding, multi-head attention
     ("dtmt", dict(depth=2, heads=1, positional_encoding=False)),
@@ -209,11 +217,11 @@ def _hyps(result):
     ("mce", {}),
 ])
 def test_fused_search_equals_the_python_loop(system, options):
-    """The decoder's one-call search (FusedRNMTDecoder.search, C++) against the loop of beam_search over the same
-    decoder's steps (fused=False, the reference): the same hypotheses in the same order, the same scores and
-    log-probabilities to the bit, for batches whose sentences finish at different steps, beams 1-5, with and
-    without the length penalty, nbest up to the beam, either stopping rule; in float32 and float64, and with int8
-    weights."""
+    """The decoder's one-call search (FusedRNMTDecoder.search, C++; step_tables=False, rnmt_step's arithmetic)
+    against the loop of beam_search over the same decoder's steps (fused=False, the reference): the same hypotheses
+    in the same order, the same scores and log-probabilities to the bit, for batches whose sentences finish at
+    different steps, beams 1-5, with and without the length penalty, nbest up to the beam, either stopping rule; in
+    float32 and float64, and with int8 weights. (The default decoder's tables: test_search_through_step_tables.)"""
     torch.manual_seed(3)
     model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=16, **options).eval()
     cases = [(1, 0.0, 1, 2.0, 10, False), (3, 0.6, 3, 1.0, 2, False), (4, 0.6, 2, 2.0, 10, False),
@@ -221,7 +229,7 @@ def test_fused_search_equals_the_python_loop(system, options):
     lengths = torch.tensor([6, 1, 4, 2, 5, 3, 6])
     src = torch.randint(4, 24, (7, 6))
     for dtype, int8 in ((torch.float32, False), (torch.float64, False), (torch.float32, True)):
-        decoder = model.to(dtype).inference_decoder(int8=int8)
+        decoder = _plain(model.to(dtype).inference_decoder(int8=int8))
         assert decoder.search is not None, f"{system}: no fused search"
         for beam, alpha, nbest, a, b, early_stop in cases:
             kwargs = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b, early_stop=early_stop)
@@ -277,7 +285,7 @@ def test_fused_search_breaks_ties_as_the_python_loop(system):
     src = torch.randint(4, 24, (5, 6))
     tied = 0
     for int8 in (False, True):
-        decoder = model.inference_decoder(int8=int8)
+        decoder = _plain(model.inference_decoder(int8=int8))
         for beam in (2, 4, 6):
             kwargs = dict(beam=beam, alpha=0.6, nbest=beam, max_len_a=1.5, max_len_b=3)
             fused = beam_search(decoder, src, lengths, **kwargs)
@@ -289,19 +297,20 @@ def test_fused_search_breaks_ties_as_the_python_loop(system):
 
 
 @pytest.mark.parametrize("system, options", [
-    ("dtmt", dict(depth=1, heads=2)),          # multi-head: the output projection folded first
-    ("rnnsearch-atr", {}),                     # single head, no output projection
+    ("dtmt", dict(depth=1, heads=2)),          # multi-head: the output projection folded first; target positions
+    ("rnnsearch-atr", {}),                     # single head, no output projection, no target positions
 ])
-def test_search_through_source_products(system, options):
-    """FusedRNMTDecoder(source_products=True), the default: where the sources are short (sentences x heads x
-    positions <= C / 2) the search's steps read the context through its per-position products (SourceProducts,
-    csrc/decode_step.h), the same sums in another order. Batches of one, two and three sentences (each sentence's
-    rows among the others' columns; sentences finishing at different steps), float32 and float64: the hypotheses of
-    the plain search (source_products=False) in the same order, scores within rounding, and in float64 those of the
-    Python loop; in float32 some log-probabilities differ in their last bits (the products were used). Past the
-    threshold, and where the products do not apply (fold=False keeps the output projection; int8 weights), the
-    search is the plain one to the bit."""
-    from dtmt_models.models.rnmt import FusedRNMTDecoder
+def test_search_through_step_tables(system, options):
+    """FusedRNMTDecoder(step_tables=True), the default: the search's steps read tables made once instead of
+    recomputing their products (csrc/decode_step.h, StepTables): the previous token's products from per-token (and
+    per-position) tables (TokenProducts), the attention scores from the keys' exponentials (key_exps), and where the
+    sources are short (sentences x heads x positions <= C / 2) the context through its per-position products
+    (SourceProducts); the same sums in another order. Batches of one, two and three sentences (each sentence's rows
+    among the others' columns; sentences finishing at different steps), a source past the products' threshold, int8
+    weights (no token tables) and, multi-head, the output projection kept (fold=False: no products); float32 and
+    float64: the hypotheses of the plain search (step_tables=False) in the same order, scores within rounding, and
+    in float64 those of the Python loop; in float32 some log-probabilities differ in their last bits (the tables
+    were used)."""
     torch.manual_seed(11)
     model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=64, **options).eval()   # C = 128
     heads = options.get("heads", 1)
@@ -313,48 +322,77 @@ def test_search_through_source_products(system, options):
     def tokens(result):
         return [[h.tokens for h in s] for s in result]
 
+    def alike(fast, src, lengths, python_loop=False):
+        got, ref = beam_search(fast, src, lengths, **kwargs), beam_search(_plain(fast), src, lengths, **kwargs)
+        assert tokens(got) == tokens(ref), lengths
+        torch.testing.assert_close(scores(got), scores(ref), rtol=1e-5, atol=1e-4)
+        if python_loop:
+            assert tokens(beam_search(_plain(fast), src, lengths, fused=False, **kwargs)) == tokens(ref)
+        return int((scores(got) != scores(ref)).sum())
+
+    long = torch.randint(4, 24, (1, 128 // (2 * heads) + 1))   # past the products' threshold
     for dtype in (torch.float64, torch.float32):
         fast = model.to(dtype).inference_decoder()
-        plain = FusedRNMTDecoder(fast.prepared, fast.layered, source_products=False)
+        assert fast.token_table is not None
         differ = 0
-        for lengths in ([7], [6, 3], [5, 2, 4]):
+        for lengths in ([7], [6, 3], [5, 2, 4], [long.shape[1]]):
             lengths = torch.tensor(lengths)
-            assert len(lengths) * heads * int(lengths.max()) * 2 <= 128
-            src = torch.randint(4, 24, (len(lengths), int(lengths.max())))
-            got, ref = beam_search(fast, src, lengths, **kwargs), beam_search(plain, src, lengths, **kwargs)
-            assert tokens(got) == tokens(ref), (dtype, lengths)
-            torch.testing.assert_close(scores(got), scores(ref), rtol=1e-5, atol=1e-4)
-            differ += int((scores(got) != scores(ref)).sum())
-            if dtype == torch.float64:
-                assert tokens(beam_search(plain, src, lengths, fused=False, **kwargs)) == tokens(ref)
+            src = long if len(lengths) == 1 and lengths[0] == long.shape[1] else \
+                torch.randint(4, 24, (len(lengths), int(lengths.max())))
+            differ += alike(fast, src, lengths, python_loop=dtype == torch.float64)
         if dtype == torch.float32:
-            assert differ > 0, "the products were not used"
-        long = torch.randint(4, 24, (1, 128 // (2 * heads) + 1))
-        lengths = torch.tensor([long.shape[1]])
-        assert _hyps(beam_search(fast, long, lengths, **kwargs)) == _hyps(beam_search(plain, long, lengths, **kwargs))
+            assert differ > 0, "the tables were not used"
     model.float()
-    src, lengths = torch.randint(4, 24, (1, 5)), torch.tensor([5])
-    pairs = [(model.inference_decoder(int8=True),
-              FusedRNMTDecoder(plain.prepared, plain.layered, int8=True, source_products=False))]
+    src, lengths = torch.randint(4, 24, (2, 5)), torch.tensor([5, 3])
+    int8 = model.inference_decoder(int8=True)
+    assert int8.token_table is None   # (int8 weights: no token tables)
+    alike(int8, src, lengths)
     if heads > 1:
-        pairs.append((FusedRNMTDecoder(plain.prepared, plain.layered, fold=False),
-                      FusedRNMTDecoder(plain.prepared, plain.layered, fold=False, source_products=False)))
-    for kept, alike in pairs:
-        assert _hyps(beam_search(kept, src, lengths, **kwargs)) == _hyps(beam_search(alike, src, lengths, **kwargs))
+        alike(FusedRNMTDecoder(int8.prepared, int8.layered, fold=False), src, lengths)
 
 
-def test_source_products_weigh_each_sentence_on_its_own():
+def test_token_tables_hold_the_products_of_the_embeddings():
+    """dk.functional.token_products: the query cell's input matrix and the readout's y matrix times every row of the
+    target embedding (and of its scaled positions), side by side, as float64 products rounded once; None for int8
+    weights and past its size bound. A search whose tables are shuffled (rows of other tokens) translates otherwise
+    than one with the decoder's own: the tables are what the steps read."""
+    torch.manual_seed(12)
+    model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=32, depth=1, heads=2).eval()
+    decoder = model.inference_decoder()
+    w = torch.cat([decoder.query_cell.params[0], decoder.readout.w_y]).double()
+    emb = model.tgt_embed
+    torch.testing.assert_close(decoder.token_table, (emb.weight.double() @ w.t()).float(), rtol=0, atol=0)
+    positions = decoder.position_table(40)
+    assert positions.shape[0] >= 40
+    torch.testing.assert_close(positions, (emb.scaled_positions(positions.shape[0], emb.weight).double()
+                                           @ w.t()).float(), rtol=0, atol=0)
+    assert decoder.position_table(10) is positions                 # kept for shorter sentences
+    assert model.inference_decoder(int8=True).token_table is None
+    from dtmt_kernels.ops.decode_step import op
+    bound = op.TOKEN_TABLE_BYTES
+    try:
+        op.TOKEN_TABLE_BYTES = decoder.token_table.numel() * 4 - 1
+        assert model.inference_decoder().token_table is None
+    finally:
+        op.TOKEN_TABLE_BYTES = bound
+    src, lengths = torch.randint(4, 24, (3, 6)), torch.tensor([6, 4, 5])
+    kwargs = dict(beam=3, alpha=0.6, nbest=3, max_len_a=1.5, max_len_b=3)
+    own = _hyps(beam_search(decoder, src, lengths, **kwargs))
+    decoder.token_table = decoder.token_table[torch.randperm(24)]
+    assert _hyps(beam_search(decoder, src, lengths, **kwargs)) != own
+
+
+def test_step_tables_weigh_each_sentence_on_its_own():
     """The weighing of SourceProducts (csrc/isa/attention_loops.cpp, weigh_products) reads each row's own sentence
     and sums a row's columns in one order whatever rows stand beside it: a sentence searched beside one neighbour
     and beside another of the same length (both batches through the products: sentences x heads x positions
     <= C / 2), with the neighbours finishing at other steps, gets the same hypotheses, scores and log-probabilities
     to the bit, at beams 2-4 (a sentence's rows taken 2-4 at a time); and the plain search's hypotheses."""
-    from dtmt_models.models.rnmt import FusedRNMTDecoder
     torch.manual_seed(5)
     heads = 2
     model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=64, depth=1, heads=heads).eval()   # C = 128
     fast = model.inference_decoder()
-    plain = FusedRNMTDecoder(fast.prepared, fast.layered, source_products=False)
+    plain = FusedRNMTDecoder(fast.prepared, fast.layered, step_tables=False)
     src = torch.randint(4, 24, (3, 6))
     lengths = torch.tensor([6, 6])
     assert len(lengths) * heads * int(lengths.max()) * 2 <= 128   # both batches through the products

@@ -531,7 +531,7 @@ def test_bench_beam_swap_quick(tmp_path):
 
 def test_bench_pages_quick(tmp_path):
     """The decoder-option timer: with the weights in 2 MiB pages or not, both decoders translate the toy test set
-    alike, one sentence a call and in chunks; --option source_products times that option's two decoders."""
+    alike, one sentence a call and in chunks; --option step_tables times that option's two decoders."""
     from test_train import make_toy_corpus
 
     from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
@@ -547,8 +547,8 @@ def test_bench_pages_quick(tmp_path):
     for chunk in ("1", "3"):
         seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", chunk])
         assert differ == 0 and all(s > 0 for s in seconds.values()) and len(seconds) == 2
-    seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "source_products"])
-    assert list(seconds) == ["source_products=True", "source_products=False"] and all(s > 0 for s in seconds.values())
+    seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "step_tables"])
+    assert list(seconds) == ["step_tables=True", "step_tables=False"] and all(s > 0 for s in seconds.values())
     with pytest.raises(SystemExit):
         bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", "0"])
 

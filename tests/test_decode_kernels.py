@@ -150,6 +150,47 @@ def test_attention_step_matches_the_module(kind, dtype, B, S, heads, seed):
     assert (alpha.reshape(B, -1, S)[~mask.unsqueeze(1).expand(B, alpha.reshape(B, -1, S).shape[1], S)] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 5), S=st.sampled_from([1, 7, 16, 17, 64, 65, 150]), heads=st.sampled_from([1, 2, 4]),
+       D=st.sampled_from([1, 5, 16, 33]), seed=st.integers(0, 999))
+def test_attention_scores_from_the_keys_exponentials(dtype, B, S, heads, D, seed):
+    """dtmt::key_exps (exp(2 keys), positions last, padded to 16 with ones) and the attention step's scores from
+    them (tanh(k + q) = 1 - 2 / (exp(2k) exp(2q) + 1); in the AVX-512 copy 1 / x by a reciprocal and a Newton step)
+    against the plain step: the same attention weights and context within float32 / float64 rounding, for padded
+    batches and position counts on both sides of the loops' 16 and 64 lanes. Keys beyond +-20 give no
+    exponentials, and a query beyond +-20 takes the plain loop: the plain step to the bit."""
+    g = torch.Generator().manual_seed(seed)
+    Q, C = 12, 8 * heads
+    keys = (3 * torch.randn(B, S, heads, D, generator=g)).to(dtype)
+    annotations = torch.randn(B, S, C, generator=g, dtype=dtype)
+    lengths = torch.randint(1, S + 1, (B,), generator=g)
+    mask = torch.arange(S).unsqueeze(0) < lengths.unsqueeze(1)
+    query = torch.randn(B, Q, generator=g, dtype=dtype)
+    weights = dk.functional.AttentionWeights(torch.randn(heads * D, Q, generator=g, dtype=dtype) * 0.5,
+                                             torch.randn(heads, D, generator=g, dtype=dtype))
+    exps = torch.ops.dtmt.key_exps(keys)
+    Sp = (S + 15) // 16 * 16
+    assert exps.shape == (B, heads, D, Sp)
+    torch.testing.assert_close(exps[..., :S], (2 * keys.double()).exp().permute(0, 2, 3, 1).to(dtype),
+                               rtol=1e-6 if dtype == torch.float32 else 1e-15, atol=0)
+    assert (exps[..., S:] == 1).all()
+
+    def step(q, e):
+        return torch.ops.dtmt.attention_step(q, keys, annotations, mask, weights.tensors, 1e-5, e)
+
+    ctx, alpha = step(query, exps)
+    ctx_ref, alpha_ref = step(query, None)
+    # (float32: each tanh within ~1e-7 of the plain loop's, summed over D features and S positions)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(alpha, alpha_ref, **tol)
+    torch.testing.assert_close(ctx, ctx_ref, **tol)
+    assert (alpha[~mask.unsqueeze(1).expand_as(alpha)] == 0).all()
+    far = query * 100   # a query beyond the bound: the plain loop
+    assert all(torch.equal(a, b) for a, b in zip(step(far, exps), step(far, None)))
+    assert torch.ops.dtmt.key_exps(keys * 10 + 25).numel() == 0
+
+
 def test_attention_with_a_query_norm_the_step_cannot_take_has_no_inference_form():
     """A query layer norm without gain and offset is not what the fused step takes: the module is its own
     inference form; with the usual affine norm it gets an AttentionStep, which gives the module's result. The
@@ -480,9 +521,12 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     x, lengths = torch.randn(7, 3, 6, generator=g), torch.tensor([7, 4, 1])
     h0 = torch.randn(2 if rest == "bi" else 1, 3, 10, generator=g)
 
+    wide_x, wide_lengths = torch.randn(5, 11, 6, generator=g), torch.randint(1, 6, (11,), generator=g)
+
     def same_outputs():
+        # (11 rows: the GEMMs past the small-row kernel's rows)
         for args in ((xs, None, lengths), (xs, h0.to(dtype), lengths), (xs[:, :1], None, None),
-                     (xs[:5, 0], None, None)):
+                     (xs[:5, 0], None, None), (wide_x.to(dtype), None, wide_lengths)):
             for got, want in zip(form(*args), layer(*args)):
                 assert torch.equal(got, want)
         layer.batch_first = True
@@ -568,7 +612,7 @@ def test_huge_page_copies():
 
 def test_the_int8_form_of_a_fused_decoder_keeps_its_settings():
     """FusedRNMTDecoder.inference_decoder(int8=True) is the int8 form with the decoder's own fold, huge_pages and
-    source_products (it used to take the defaults): the output projection folded or kept, and the same search as
+    step_tables (it used to take the defaults): the output projection folded or kept, and the same search as
     an int8 decoder built with those settings; an int8 decoder, or int8=False, gives the decoder itself."""
     from dtmt_models.decoding.beam_search import beam_search
 
@@ -578,10 +622,10 @@ def test_the_int8_form_of_a_fused_decoder_keeps_its_settings():
     with torch.no_grad():
         base = model.inference_decoder()
         for fold, huge, products in ((False, False, False), (True, False, True), (False, True, True)):
-            settings = dict(fold=fold, huge_pages=huge, source_products=products)
+            settings = dict(fold=fold, huge_pages=huge, step_tables=products)
             d = FusedRNMTDecoder(base.prepared, base.layered, **settings)
             q = d.inference_decoder(int8=True)
-            assert q.int8 and (q.fold, q.huge_pages, q.source_products) == (fold, huge, products)
+            assert q.int8 and (q.fold, q.huge_pages, q.step_tables) == (fold, huge, products)
             assert (q.attention.w_o is None) == fold   # folded, or kept for the step to apply
             assert q.inference_decoder(int8=True) is q and d.inference_decoder() is d
             built = FusedRNMTDecoder(base.prepared, base.layered, int8=True, **settings)

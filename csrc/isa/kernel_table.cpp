@@ -10,8 +10,9 @@ namespace dtmt {
 namespace DTMT_ISA {
 
 template <typename T> constexpr TypedCpuKernels<T> typed_kernels() {
-  return {cell_forward_rows<T>, cell_backward_rows<T>, scores_forward<T>, scores_backward<T>, context_forward<T>,
-          context_backward<T>, smoothed_ce_rows<T>, weigh_products<T>};
+  return {cell_forward_rows<T>, cell_backward_rows<T>, scores_forward<T>, scores_from_exps<T>, scores_backward<T>,
+          context_forward<T>, context_backward<T>, smoothed_ce_rows<T>, log_softmax_rows<T>, masked_softmax_rows<T>,
+          weigh_products<T>};
 }
 
 extern const CpuKernels kCpuKernels;

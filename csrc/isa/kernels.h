@@ -25,6 +25,9 @@ template <typename T>
 void scores_forward(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D, int64_t group,
                     int64_t b0, int64_t b1);
 template <typename T>
+void scores_from_exps(const T* ek, const T* q, const T* v, T* out, int64_t S, int64_t Sp, int64_t NH, int64_t D,
+                      int64_t group, int64_t b0, int64_t b1);
+template <typename T>
 void scores_backward(const T* grad, const T* keys, const T* q, const T* v, T* dkeys, T* dq, T* dv_rows, int64_t S,
                      int64_t NH, int64_t D, int64_t b0, int64_t b1);
 template <typename T>
@@ -36,6 +39,12 @@ void context_forward(const T* alpha, const T* values, T* out, int64_t S, int64_t
 template <typename T>
 void context_backward(const T* grad, const T* alpha, const T* values, T* dalpha, T* dvalues, int64_t S, int64_t NH,
                       int64_t Dc, int64_t vsb, int64_t vss, int64_t dsb, int64_t dss, int64_t b0, int64_t b1);
+
+// decode_rows.cpp
+template <typename T> void log_softmax_rows(const T* x, T* out, int64_t V, int64_t r0, int64_t r1);
+template <typename T>
+void masked_softmax_rows(const T* scores, const bool* mask, T* alpha, int64_t NH, int64_t S, int64_t group,
+                         int64_t b0, int64_t b1);
 
 // loss_rows.cpp
 template <typename T>

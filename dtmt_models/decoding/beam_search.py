@@ -13,8 +13,10 @@ sentence finished, so that `index` keeps every row among its own sentence's rows
 rows of a sentence (the annotations, attention keys, source mask) may then be kept as it is.
 
 A decoder whose `search` is not None (FusedRNMTDecoder: the attentional RNMT systems) runs this whole loop as one
-C++ call, `search(state, beam, alpha, max_len, early_stop)`, after `encode`: the same decisions in the same
-arithmetic (the loop here is its reference in tests/test_beam_search.py), without Python between steps.
+C++ call, `search(state, beam, alpha, max_len, early_stop)`, after `encode`, without Python between steps: the same
+decisions in the same arithmetic (the loop here is its reference in tests/test_beam_search.py) with
+FusedRNMTDecoder(step_tables=False); by default its steps read tables made once (per model, per sentence) instead of
+recomputing their products, the same search up to the rounding of those sums.
 `fused=False` keeps the loop here.
 """
 from __future__ import annotations

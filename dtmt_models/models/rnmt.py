@@ -95,17 +95,21 @@ class FusedRNMTDecoder:
     two matrices instead of three. `huge_pages`: the step's weights copied, last, into one buffer of 2 MiB pages
     (dk.functional.step_weights_on_huge_pages; the same values, fewer TLB misses), and the encoder's sequence
     layers' parameters likewise (dk.nn.FrozenTransitionLayer.on_huge_pages, in a shallow copy of the model that
-    `encode` runs). `source_products`: the search's steps read the context through its products with the decoder
-    cell's and readout's matrices, made once per sentence where that pays (dk.functional.rnmt_beam_search; short
-    sources, float weights, after `fold`): the same search up to rounding, fewer bytes a step.
+    `encode` runs). `step_tables`: the search's steps read what is made once instead of recomputing it
+    (dk.functional.rnmt_beam_search): per sentence, the context's products with the decoder cell's and readout's
+    matrices where that pays (short sources, float weights, after `fold`) and the keys' exponentials for the
+    attention scores; per decoder, tables of the previous token's products with the query cell's input matrix and
+    the readout's y matrix (dk.functional.token_products: float weights, tables up to its size bound), for every
+    target token and, for a system with positions, for each position (`position_table`, grown as sentences need):
+    the same search up to rounding, fewer bytes and less work a step.
     `search`: beam search's whole loop in one C++ call (see `_search`), or None
     where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
     (`model` is that model or the copy `encode` runs)."""
 
     def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True,
-                 huge_pages: bool = True, source_products: bool = True):
+                 huge_pages: bool = True, step_tables: bool = True):
         self.prepared, self.model, self.layered, self.int8 = model, model, layered, int8
-        self.fold, self.huge_pages, self.source_products = fold, huge_pages, source_products
+        self.fold, self.huge_pages, self.step_tables = fold, huge_pages, step_tables
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
@@ -131,13 +135,17 @@ class FusedRNMTDecoder:
         embeds = isinstance(emb, TokenEmbedding) and (embed_step is AttentionalRNMT.embed_step or (
             embed_step is Seq2Seq.embed_step and not emb.positional))
         self.search = self._search if embeds else None
+        # the previous token's products as tables for the search (step_tables; float weights): once here
+        self.token_table = self._position_table = None
+        if step_tables and self.search is not None:
+            self.token_table = dk.functional.token_products(emb.weight, self.query_cell, self.readout)
 
     def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
         """Itself, or with `int8` (and int8 not yet) its int8 form, with this decoder's other settings."""
         if not int8 or self.int8:
             return self
         return FusedRNMTDecoder(self.prepared, self.layered, True, fold=self.fold, huge_pages=self.huge_pages,
-                                source_products=self.source_products)
+                                step_tables=self.step_tables)
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         return self.model.encode(src, src_lengths)
@@ -174,14 +182,15 @@ class FusedRNMTDecoder:
             raise ValueError("FusedRNMTDecoder.search: the state has candidate-dropout masks (a model in training "
                              "mode); decode in eval mode")
         emb = self.model.tgt_embed
-        positions = (emb.scaled_positions(int(max_len.max()), emb.weight)
-                     if emb.positional and "pos" in state else None)
+        steps = int(max_len.max())
+        positions = emb.scaled_positions(steps, emb.weight) if emb.positional and "pos" in state else None
+        position_table = None if positions is None or self.token_table is None else self.position_table(steps)
         s = state["s"][:, 0] if self.layered else state["s"]
         keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
         counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
-            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.source_products,
-            early_stop)
+            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.step_tables,
+            early_stop, self.token_table, position_table)
         tokens = tokens.split(lengths.tolist())
         hyps = [(t.tolist(), score, lp) for t, score, lp in zip(tokens, scores.tolist(), log_probs.tolist())]
         out, i = [], 0
@@ -189,6 +198,20 @@ class FusedRNMTDecoder:
             out.append(hyps[i:i + n])
             i += n
         return out
+
+
+    def position_table(self, steps: int) -> Optional[Tensor]:
+        """The previous token's products with its scaled position for positions 0..steps-1 at least
+        (dk.functional.token_products of the target embedding's position rows), made once for a length and kept;
+        a longer sentence makes it anew for at least twice the length (as the positions' own table grows)."""
+        table = self._position_table
+        if table is None or table.shape[0] < steps:
+            emb = self.model.tgt_embed
+            length = max(steps, 256 if table is None else 2 * table.shape[0])
+            table = dk.functional.token_products(emb.scaled_positions(length, emb.weight), self.query_cell,
+                                                 self.readout)
+            self._position_table = table
+        return table
 
 
 def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False, int8: bool = False

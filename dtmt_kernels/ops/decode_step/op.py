@@ -151,6 +151,30 @@ def fold_context_projection(attention: AttentionWeights, decoder_cell, readout: 
             replace(readout, w_c=w_c, b_c=b_c))
 
 
+# The largest token table `token_products` makes (bytes): past it (large vocabularies and models) the steps read the
+# matrices as before.
+TOKEN_TABLE_BYTES = 64 << 20
+
+
+def token_products(rows: Tensor, query_cell, readout: ReadoutWeights) -> Optional[Tensor]:
+    """The previous token's products as a table (csrc/decode_step.h, TokenProducts): for embedding rows [n, E] (the
+    target embedding, or its position rows) the query cell's input products and the readout's y products,
+    rows W^T [n, N_q + R] with W = [query cell's w_ih; readout's w_y] (no biases: the step adds them), computed in
+    float64 and rounded once to the weights' dtype, for `rnmt_beam_search`'s token_products / position_products.
+    None where they do not apply: weights that are not float32 / float64 CPU matrices of the rows' width (int8
+    rows), or a table past TOKEN_TABLE_BYTES."""
+    cell = query_cell if isinstance(query_cell, CellWeights) else CellWeights.of(query_cell)
+    w_ih, w_y = cell.params[0], readout.w_y
+    if not all(w.dtype in (torch.float32, torch.float64) and w.dtype == rows.dtype and w.device.type == "cpu" and
+               w.dim() == 2 and w.shape[1] == rows.shape[1] for w in (w_ih, w_y)):
+        return None
+    if rows.shape[0] * (w_ih.shape[0] + w_y.shape[0]) * rows.element_size() > TOKEN_TABLE_BYTES:
+        return None
+    with torch.no_grad():
+        w = torch.cat([w_ih, w_y]).double()
+        return (rows.detach().double() @ w.t()).to(rows.dtype).contiguous()
+
+
 def step_weights_on_huge_pages(query_cell, decoder_cell, attention: AttentionWeights, readout: ReadoutWeights):
     """(query_cell, decoder_cell, attention, readout) for `rnmt_step` / `rnmt_beam_search` with every tensor
     copied, in the order a step reads them, into one buffer of 2 MiB pages (linear.placement.huge_page_copies:
@@ -206,8 +230,8 @@ def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask:
 def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Tensor, embed: Tensor,
                      positions: Optional[Tensor], query_cell, decoder_cell, attention: AttentionWeights,
                      readout: ReadoutWeights, beam: int, alpha: float, max_len: Tensor, bos: int, eos: int,
-                     source_products: bool = False, early_stop: bool = False
-                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     step_tables: bool = False, early_stop: bool = False, token_table: Optional[Tensor] = None,
+                     position_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Inference only: beam search over `rnmt_step` in one C++ call, the loop of dtmt_models.decoding.beam_search
     (its reference: the same hypotheses, scores and order) with no Python between steps. The decoder state as
     `encode` makes it, one row a sentence: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S] bool, s [B, H].
@@ -215,15 +239,20 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
     None). max_len [B]: the steps a sentence may take, EOS included. Returns (counts [B], lengths [N], tokens,
     scores [N], log_probs [N]): sentence b's finished hypotheses, best first, are the counts[b] after those of the
     sentences before it, each `lengths` tokens long (without BOS and EOS); scores and log-probabilities float64.
-    `source_products`: where the attention has no output projection (after fold_context_projection) and the
-    sources are short enough for it to pay (B * heads * S <= C / 2), the steps read the context through its
-    products with the two matrices that multiply it, made once per sentence (csrc/decode_step.h, SourceProducts):
-    the same sums in another order, so the same search up to rounding; False: rnmt_step's arithmetic exactly.
+    `step_tables`: the steps read what the search makes once per sentence instead of recomputing it
+    (csrc/decode_step.h, StepTables): where the attention has no output projection (after fold_context_projection)
+    and the sources are short enough for it to pay (B * heads * S <= C / 2), the context through its products with
+    the two matrices that multiply it (SourceProducts); the attention scores from the keys' exponentials where the
+    keys and queries are within +-20 (key_exps); and with `token_table` (token_products(embed, ...)) and, exactly
+    where `positions` is given, `position_table` (token_products(positions, ...), >= max(max_len) rows), the
+    previous token's products from those tables instead of its embedding (TokenProducts). The same sums in another
+    order, so the same search up to rounding. False: rnmt_step's arithmetic exactly.
     `early_stop`: a sentence ends as soon as it has `beam` finished hypotheses (beam_search's `early_stop`)."""
     return torch.ops.dtmt.rnmt_beam_search(annotations, keys, src_mask, s, embed, positions, query_cell.kind,
                                            query_cell.params, decoder_cell.kind, decoder_cell.params, query_cell.eps,
                                            attention.tensors, attention.ln_eps, readout.tensors, readout.eps, beam,
-                                           alpha, max_len, bos, eos, source_products, early_stop)
+                                           alpha, max_len, bos, eos, step_tables, early_stop, token_table,
+                                           position_table)
 
 
 def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
@@ -256,7 +285,7 @@ def _rnmt_step_fake(y, s, keys, annotations, src_mask, q_kind, q_params, d_kind,
 
 def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_kind, q_params, d_kind, d_params,
                            cell_eps, attention, att_eps, readout, readout_eps, beam, alpha, max_len, bos, eos,
-                           source_products=False, early_stop=False):
+                           step_tables=False, early_stop=False, token_products=None, position_products=None):
     ctx = torch.library.get_ctx()
     n, tokens = ctx.new_dynamic_size(), ctx.new_dynamic_size()   # how many hypotheses and tokens: data-dependent
     long, double = dict(dtype=torch.long), dict(dtype=torch.float64)

@@ -10,15 +10,13 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu_dispatch.h"
 #include "decode_step.h"
 
 namespace dtmt {
 namespace {
 
 using at::Tensor;
-
-// The largest K (2 x beam) that top_candidates takes; wider beams ask at::topk.
-constexpr int64_t kMaxTopK = 32;
 
 struct Hyp {
   std::vector<int64_t> tokens;  // without BOS / EOS
@@ -36,60 +34,6 @@ template <typename T> Tensor to_tensor(const std::vector<T>& v) {
   Tensor t = at::empty({static_cast<int64_t>(v.size())}, c10::CppTypeToScalarType<T>::value);
   std::copy(v.begin(), v.end(), t.data_ptr<T>());
   return t;
-}
-
-// The K best candidates of one sentence, as at::topk(scores[o] + log_probs[o, w] over (o, w) flattened, K) gives
-// them (values descending; index o * V + w), written to top_scores[0..K) / top_idx[0..K), without forming the
-// candidates: one pass keeps the K + 1 best seen so far (a candidate enters only when it beats the last of them,
-// tested 16 at a time). The result is at::topk's whenever it is unambiguous: the K + 1 best values all distinct,
-// none NaN. Otherwise (ties at or above the K-th place, NaN, fewer than K + 1 finite candidates: at most the last
-// step of a sentence) it returns false and the caller asks at::topk itself, which orders ties its own way.
-bool top_candidates(const float* scores, const float* lp, int64_t beam, int64_t V, int64_t K, float* top_scores,
-                    int64_t* top_idx) {
-  constexpr int64_t kBlock = 16;
-  const int64_t keep = std::min(K + 1, beam * V);
-  float best[kMaxTopK + 1];
-  int64_t where[kMaxTopK + 1];
-  std::fill(best, best + keep, -std::numeric_limits<float>::infinity());
-  std::fill(where, where + keep, int64_t{-1});
-  float last = best[keep - 1];
-  bool nan = false;
-  const auto offer = [&](float v, int64_t j) {
-    if (v != v) {
-      nan = true;
-      return;
-    }
-    if (!(v > last)) return;
-    int64_t p = keep - 1;
-    for (; p > 0 && best[p - 1] < v; --p) {
-      best[p] = best[p - 1];
-      where[p] = where[p - 1];
-    }
-    best[p] = v;
-    where[p] = j;
-    last = best[keep - 1];
-  };
-  for (int64_t o = 0; o < beam; ++o) {
-    const float base = scores[o];
-    const float* row = lp + o * V;
-    int64_t w = 0;
-    for (; w + kBlock <= V; w += kBlock) {
-      int hit = 0;   // any candidate of the block above the last kept one, or NaN (a loop the compiler vectorises)
-      for (int64_t l = 0; l < kBlock; ++l) {
-        const float v = base + row[w + l];
-        hit |= static_cast<int>(!(v <= last));
-      }
-      if (hit)
-        for (int64_t l = 0; l < kBlock; ++l) offer(base + row[w + l], o * V + w + l);
-    }
-    for (; w < V; ++w) offer(base + row[w], o * V + w);
-  }
-  if (nan || where[keep - 1] < 0) return false;
-  for (int64_t p = 1; p < keep; ++p)
-    if (!(best[p - 1] > best[p])) return false;
-  std::copy(best, best + K, top_scores);
-  std::copy(where, where + K, top_idx);
-  return true;
 }
 
 // The previous tokens embedded, embed[prev[i]] + positions[t] (no positional term: positions undefined) [n, E]: as
@@ -227,11 +171,12 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     {
       const float* sc = scores.data();
       const float* lp = log_probs.data_ptr<float>();
+      const auto top = cpu_kernels().top_candidates;   // (this CPU's copy of the one-pass loop)
       // sentences split among threads, at least 64K candidates a task
       at::parallel_for(0, n, std::max<int64_t>(1, 65536 / (beam * V)), [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
-          if (K <= kMaxTopK &&
-              top_candidates(sc + i * beam, lp + i * beam * V, beam, V, K, &top_scores[i * K], &top_idx[i * K]))
+          if (K <= kMaxTopCandidates &&
+              top(sc + i * beam, lp + i * beam * V, beam, V, K, &top_scores[i * K], &top_idx[i * K]))
             continue;
           const Tensor row_scores = at::from_blob(const_cast<float*>(sc + i * beam), {beam, 1}, at::kFloat);
           const Tensor cand = (row_scores + log_probs.narrow(0, i * beam, beam)).view({beam * V});

@@ -69,11 +69,24 @@ template <typename T> struct TypedCpuKernels {
   void (*log_softmax_rows)(const T* x, T* out, int64_t V, int64_t r0, int64_t r1);
   void (*masked_softmax_rows)(const T* scores, const bool* mask, T* alpha, int64_t NH, int64_t S, int64_t group,
                               int64_t b0, int64_t b1);
+  // Whether every x[i], i < n, is within +-bound (NaN is not).
+  bool (*within_bound)(const T* x, int64_t n, T bound);
+  // The readout's rows [r0, r1): out[r] = tanh(sum_k LN_k(parts[k][r]) * ln_w[k] + ln_b[k]) over the three parts
+  // [., R] (each normalised in place; ln_w / ln_b [3, R]), or tanh(sum_k parts[k][r]) where ln_w is null.
+  void (*readout_rows)(T* const* parts, const T* ln_w, const T* ln_b, T eps, int64_t R, T* out, int64_t r0,
+                       int64_t r1);
+  // TokenProducts' rows (decode_step.h) for the n previous tokens prev: cell[i] = (tokens[prev[i], :N_q] +
+  // positions[:N_q]) + bias[:N_q], readout[i] likewise for the last N - N_q columns (positions null: no term).
+  void (*token_rows)(const T* tokens, const T* positions, const T* bias, int64_t N, int64_t N_q, const int64_t* prev,
+                     int64_t n, T* cell, T* readout);
   // SourceProducts' rows weighed by the attention weights (decode_step.h), output columns [n0, n1):
   // out[r, n - n0] = bias[n] + sum_{k < W} alpha[r, k] * P[block[r] * W + k, n], rows r in [0, M).
   void (*weigh_products)(const T* alpha, int64_t M, int64_t W, const int64_t* block, const T* P, int64_t ldp,
                          const T* bias, T* out, int64_t ldo, int64_t n0, int64_t n1);
 };
+
+// The most candidates a sentence's top_candidates keeps (2 x beam: beams up to 16; wider ones ask at::topk).
+constexpr int64_t kMaxTopCandidates = 32;
 
 constexpr int64_t kCellScratch = 9;  // values per hidden unit a cell row needs (3 gates x {value, norm, grad})
 
@@ -109,6 +122,12 @@ struct CpuKernels {
                           int64_t t1);
   void (*int8_panel)(const uint8_t* panel, int64_t M, int64_t K, const float* x_scale, const int8_t* w,
                      int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1);
+  // The K <= kMaxTopCandidates best candidates of one sentence of a beam search (isa/decode_rows.cpp):
+  // scores[o] + lp[o, w] over its beam rows o and words w < V, as at::topk over them flattened gives them (values
+  // descending, index o * V + w) into top_scores / top_idx; false (nothing written) where at::topk could order them
+  // otherwise (ties at or above the K-th place, NaN, fewer than K + 1 finite candidates).
+  bool (*top_candidates)(const float* scores, const float* lp, int64_t beam, int64_t V, int64_t K,
+                         float* top_scores, int64_t* top_idx);
 };
 
 }  // namespace dtmt

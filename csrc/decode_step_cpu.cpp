@@ -38,21 +38,12 @@ template <typename T> void layer_norm_inplace(T* x, const T* w, const T* b, doub
   for (int64_t r = 0; r < R; ++r) x[r] = x[r] * w[r] + b[r];
 }
 
-// acc += LN(x) * w + b over one row of R (x is normalised in place).
-template <typename T> void layer_norm_add(T* x, const T* w, const T* b, double eps, int64_t R, T* acc) {
-  layer_norm_row_normalise(static_cast<int>(R), x, static_cast<T>(eps));
-  for (int64_t r = 0; r < R; ++r) acc[r] += x[r] * w[r] + b[r];
-}
-
 // Every value of the contiguous float / double t within +-kExpScoreBound (NaN is not).
 bool within_exp_score_bound(const Tensor& t) {
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "within_exp_score_bound", [&] {
-    const scalar_t* p = t.data_ptr<scalar_t>();
-    const auto bound = static_cast<scalar_t>(kExpScoreBound);
-    int bad = 0;
-    for (int64_t i = 0; i < t.numel(); ++i) bad |= static_cast<int>(!(std::abs(p[i]) <= bound));
-    ok = bad == 0;
+    ok = typed_cpu_kernels<scalar_t>().within_bound(t.data_ptr<scalar_t>(), t.numel(),
+                                                    static_cast<scalar_t>(kExpScoreBound));
   });
   return ok;
 }
@@ -120,22 +111,10 @@ std::vector<Tensor> TokenProducts::rows(const std::vector<int64_t>& prev, int64_
   for (int64_t w : prev) TORCH_CHECK(w >= 0 && w < V, "dtmt._C.rnmt_beam_search: token ", w, " has no embedding");
   Tensor cell = at::empty({n, N_q}, tokens.options()), readout = at::empty({n, N - N_q}, tokens.options());
   AT_DISPATCH_FLOATING_TYPES(tokens.scalar_type(), "TokenProducts::rows", [&] {
-    const scalar_t* tok = tokens.data_ptr<scalar_t>();
-    const scalar_t* pos = positions.defined() ? positions.data_ptr<scalar_t>() + t * N : nullptr;
-    const scalar_t* b = bias.data_ptr<scalar_t>();
-    scalar_t* out[2] = {cell.data_ptr<scalar_t>(), readout.data_ptr<scalar_t>()};
-    const int64_t lo[2] = {0, N_q}, hi[2] = {N_q, N};
-    for (int64_t i = 0; i < n; ++i) {
-      const scalar_t* row = tok + prev[i] * N;
-      for (int part = 0; part < 2; ++part) {
-        scalar_t* o = out[part] + i * (hi[part] - lo[part]) - lo[part];
-        if (pos) {
-          for (int64_t j = lo[part]; j < hi[part]; ++j) o[j] = (row[j] + pos[j]) + b[j];
-        } else {
-          for (int64_t j = lo[part]; j < hi[part]; ++j) o[j] = row[j] + b[j];
-        }
-      }
-    }
+    typed_cpu_kernels<scalar_t>().token_rows(tokens.data_ptr<scalar_t>(),
+                                             positions.defined() ? positions.data_ptr<scalar_t>() + t * N : nullptr,
+                                             bias.data_ptr<scalar_t>(), N, N_q, prev.data(), n,
+                                             cell.data_ptr<scalar_t>(), readout.data_ptr<scalar_t>());
   });
   return {cell, readout};
 }
@@ -287,22 +266,19 @@ Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, c
               "dtmt._C.readout_features: ln_w and ln_b must be contiguous [3, R]");
   const Tensor parts[3] = {y_part.defined() ? y_part : linear(y, w_y, b_y), linear(s, w_s, b_s),
                            c_part.defined() ? c_part : linear(c, w_c, b_c)};   // (LN works in place)
-  Tensor out;
-  if (!ln) {
-    out = parts[0].add_(parts[1]).add_(parts[2]).tanh_();
-    return out;
+  const auto st = s.scalar_type();
+  if ((st != at::kFloat && st != at::kDouble) || parts[0].scalar_type() != st || parts[2].scalar_type() != st) {
+    if (!ln) return parts[0].add_(parts[1]).add_(parts[2]).tanh_();
+    TORCH_CHECK(false, "dtmt._C.readout_features: the layer norms take float or double, got ", st);
   }
-  out = at::zeros({N, R}, s.options());
-  AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "readout_features_cpu", [&] {
-    const scalar_t* lw = ln_w.data_ptr<scalar_t>();
-    const scalar_t* lb = ln_b.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    for (int64_t n = 0; n < N; ++n) {
-      for (int k = 0; k < 3; ++k)
-        layer_norm_add<scalar_t>(parts[k].data_ptr<scalar_t>() + n * R, lw + k * R, lb + k * R, eps, R, o + n * R);
-    }
+  Tensor out = at::empty({N, R}, s.options());
+  AT_DISPATCH_FLOATING_TYPES(st, "readout_features_cpu", [&] {
+    scalar_t* p[3] = {parts[0].data_ptr<scalar_t>(), parts[1].data_ptr<scalar_t>(), parts[2].data_ptr<scalar_t>()};
+    typed_cpu_kernels<scalar_t>().readout_rows(p, ln ? ln_w.data_ptr<scalar_t>() : nullptr,
+                                               ln ? ln_b.data_ptr<scalar_t>() : nullptr, static_cast<scalar_t>(eps),
+                                               R, out.data_ptr<scalar_t>(), 0, N);
   });
-  return out.tanh_();   // ATen's vectorised tanh (benchmarks/NOTES.md item 52)
+  return out;
 }
 
 std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor& keys, const Tensor& annotations,

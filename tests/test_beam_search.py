@@ -310,9 +310,12 @@ def test_search_through_step_tables(system, options):
     weights (no token tables) and, multi-head, the output projection kept (fold=False: no products); float32 and
     float64: the hypotheses of the plain search (step_tables=False) in the same order, scores within rounding, and
     in float64 those of the Python loop; in float32 some log-probabilities differ in their last bits (the tables
-    were used)."""
+    were used; the weights doubled, so that the other rounding reaches the scores rather than rounding away)."""
     torch.manual_seed(11)
     model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=64, **options).eval()   # C = 128
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2.0)
     heads = options.get("heads", 1)
     kwargs = dict(beam=4, alpha=0.6, nbest=4, max_len_a=1.5, max_len_b=3)
 

@@ -12,13 +12,13 @@ namespace DTMT_ISA {
 template <typename T> constexpr TypedCpuKernels<T> typed_kernels() {
   return {cell_forward_rows<T>, cell_backward_rows<T>, scores_forward<T>, scores_from_exps<T>, scores_backward<T>,
           context_forward<T>, context_backward<T>, smoothed_ce_rows<T>, log_softmax_rows<T>, masked_softmax_rows<T>,
-          weigh_products<T>};
+          within_bound<T>, readout_rows<T>, token_rows<T>, weigh_products<T>};
 }
 
 extern const CpuKernels kCpuKernels;
 const CpuKernels kCpuKernels = {DTMT_STR(DTMT_ISA), typed_kernels<float>(), typed_kernels<double>(), small_rows,
-                                quantize_activations_int8, small_rows_int8, int8_panel_rows,
-                                pack_int8_panel, int8_panel};
+                                quantize_activations_int8, small_rows_int8, int8_panel_rows, pack_int8_panel,
+                                int8_panel, top_candidates};
 
 }  // namespace DTMT_ISA
 }  // namespace dtmt

@@ -46,6 +46,15 @@ template <typename T>
 void masked_softmax_rows(const T* scores, const bool* mask, T* alpha, int64_t NH, int64_t S, int64_t group,
                          int64_t b0, int64_t b1);
 
+template <typename T> bool within_bound(const T* x, int64_t n, T bound);
+template <typename T>
+void readout_rows(T* const* parts, const T* ln_w, const T* ln_b, T eps, int64_t R, T* out, int64_t r0, int64_t r1);
+template <typename T>
+void token_rows(const T* tokens, const T* positions, const T* bias, int64_t N, int64_t N_q, const int64_t* prev,
+                int64_t n, T* cell, T* readout);
+bool top_candidates(const float* scores, const float* lp, int64_t beam, int64_t V, int64_t K, float* top_scores,
+                    int64_t* top_idx);
+
 // loss_rows.cpp
 template <typename T>
 void smoothed_ce_rows(const T* logits, const int64_t* target, int64_t V, int64_t ignore, T smoothing, T* grad,

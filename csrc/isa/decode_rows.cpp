@@ -52,13 +52,20 @@ void masked_softmax_rows(const T* scores, const bool* mask, T* alpha, int64_t NH
 }
 
 template <typename T> bool within_bound(const T* x, int64_t n, T bound) {
-  int bad = 0;
-  DTMT_SIMD_MAX(bad)
+  T m = 0;   // the largest |x| (one vector max a chunk), then NaN apart
+  DTMT_SIMD_MAX(m)
   for (int64_t i = 0; i < n; ++i) {
-    const int out = !(std::fabs(x[i]) <= bound);   // (NaN is out)
-    bad = out > bad ? out : bad;
+    const T a = std::fabs(x[i]);
+    m = a > m ? a : m;
   }
-  return bad == 0;
+  if (!(m <= bound)) return false;
+  int nan = 0;
+  DTMT_SIMD_MAX(nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const int is_nan = x[i] != x[i];
+    nan = is_nan > nan ? is_nan : nan;
+  }
+  return nan == 0;
 }
 
 template <typename T>

@@ -138,9 +138,10 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   std::vector<float> top_scores;
   std::vector<int64_t> top_idx;
   for (int64_t t = 0; t < steps; ++t) {
+    buffers.scratch.rewind();   // (the state s carried from the last step is not in it: gather_rows' own tensor)
     Tensor y;
     if (token_tables) {
-      std::vector<Tensor> y_products = token_tables->rows(prev, t);
+      std::vector<Tensor> y_products = token_tables->rows(prev, t, &buffers.scratch);
       tables.y_cell = y_products[0];
       tables.y_readout = y_products[1];
     } else {

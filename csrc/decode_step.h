@@ -63,8 +63,9 @@ struct SourceProducts {
   int64_t NH = 0, S = 0, N_ih = 0;
   std::vector<int64_t> block;
   // {c W_ih^T + b_ih [rows, N_ih], c W_c^T + b_c [rows, R]}: alpha [rows, NH, S] (contiguous; row r of the
-  // sentence block[r / group]) times that sentence's NH * S rows of `products` (the weigh_products loop)
-  std::vector<at::Tensor> weigh(const at::Tensor& alpha, int64_t group) const;
+  // sentence block[r / group]) times that sentence's NH * S rows of `products` (the weigh_products loop); scratch:
+  // where the two tensors come from (a search's StepScratch), or nullptr: new ones
+  std::vector<at::Tensor> weigh(const at::Tensor& alpha, int64_t group, StepScratch* scratch = nullptr) const;
 };
 
 // Whether SourceProducts apply to a step with these weights and source (float matrices of the annotations' dtype,
@@ -100,23 +101,28 @@ at::Tensor key_exps_cpu(const at::Tensor& keys);
 // with_context false: only alpha is formed ({undefined, alpha}), for a step that reads the context through
 // SourceProducts.
 // key_exps: key_exps_cpu(keys) (defined), the scores from it where every query value is within kExpScoreBound
-// (else, and when undefined, the plain loop).
+// (else, and when undefined, the plain loop). scratch: where its tensors come from (a search's StepScratch), or
+// nullptr: new ones.
 std::vector<at::Tensor> attention_step_cpu(const at::Tensor& query, const at::Tensor& keys,
                                            const at::Tensor& annotations, const at::Tensor& src_mask,
                                            const AttentionWeights& w, int64_t group = 1, bool with_context = true,
-                                           const at::Tensor& key_exps = at::Tensor());
+                                           const at::Tensor& key_exps = at::Tensor(), StepScratch* scratch = nullptr);
 
 // The readout features. y [N, E], s [N, Hs], c [N, C] -> [N, R] (the output projection is not applied).
 // c_part: c W_c^T + b_c [N, R] already formed (SourceProducts; c is then not read), or undefined; y_part likewise
 // y W_y^T + b_y (TokenProducts; y is then not read). With layer norm a given part is normalised in place.
+// scratch: where its tensors come from (a search's StepScratch), or nullptr: new ones.
 at::Tensor readout_features_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& c,
                                 const ReadoutWeights& w, const at::Tensor& c_part = at::Tensor(),
-                                const at::Tensor& y_part = at::Tensor());
+                                const at::Tensor& y_part = at::Tensor(), StepScratch* scratch = nullptr);
 
-// The largest tensors of a step, the logits and log-probabilities [rows, V], kept by a search from one step to the
-// next (rnmt_step_cpu writes into them, resized to the step's rows) instead of allocated and freed every step.
+// What a search keeps from one step to the next instead of allocating it every step: the largest tensors of a step,
+// the logits and log-probabilities [rows, V] (rnmt_step_cpu writes into them, resized to the step's rows; the search
+// reads them after the step), and the pool the step's other tensors come from (StepScratch; the search rewinds it at
+// the start of each step).
 struct StepBuffers {
   at::Tensor logits, log_probs;
+  StepScratch scratch;
 };
 
 // The previous token's products made once per model (benchmarks/NOTES.md, item 61). A step reads the embedded previous
@@ -129,7 +135,7 @@ struct TokenProducts {
   at::Tensor tokens, positions, bias;   // bias [N_q + R]: b_ih of the query cell and b_y (zeros where absent)
   int64_t N_q = 0;
   // {y W_ih^T + b_ih [n, N_q], y W_y^T + b_y [n, R]} for the previous tokens prev at step t
-  std::vector<at::Tensor> rows(const std::vector<int64_t>& prev, int64_t t) const;
+  std::vector<at::Tensor> rows(const std::vector<int64_t>& prev, int64_t t, StepScratch* scratch = nullptr) const;
 };
 
 // TokenProducts for a search from its tables (tokens: [V, N_q + R] of the query cell's and readout's dtype; positions
@@ -159,7 +165,8 @@ struct StepTables {
 // false: that last one undefined; the search does not read it).
 // group > 1: y and s have B * group rows sharing the source tensors in groups (attention_step_cpu).
 // tables: what the search made once for its steps (StepTables); nullptr: none. buffers: where to write the logits
-// and log-probabilities (the returned log_probs is then buffers->log_probs); nullptr: new tensors.
+// and log-probabilities (the returned log_probs is then buffers->log_probs) and where the step's other tensors come
+// from (its scratch; the returned s' then lives until the scratch's next step); nullptr: new tensors.
 std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, const at::Tensor& keys,
                                       const at::Tensor& annotations, const at::Tensor& src_mask,
                                       const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,

@@ -26,8 +26,8 @@ using at::Tensor;
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, StepScratch* scratch = nullptr) {
+  Tensor out = step_tensor(scratch, {x.size(0), w.size(0)}, x.options());
   linear_into(out, present(b) ? b : Tensor(), x, w);
   return out;
 }
@@ -79,14 +79,14 @@ TransitionWeights cell_weights(int64_t kind, const std::vector<Tensor>& p) {
   return {kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
 }
 
-std::vector<Tensor> SourceProducts::weigh(const Tensor& alpha, int64_t group) const {
+std::vector<Tensor> SourceProducts::weigh(const Tensor& alpha, int64_t group, StepScratch* scratch) const {
   const int64_t n = alpha.size(0), width = NH * S, N = products.size(1), R = N - N_ih;
   TORCH_CHECK(alpha.is_contiguous() && alpha.dim() == 3 && alpha.size(1) * alpha.size(2) == width &&
                   n == static_cast<int64_t>(block.size()) * group && alpha.scalar_type() == products.scalar_type(),
               "dtmt::SourceProducts: alpha [rows, NH, S] of the products' sentences expected, got ", alpha.sizes());
   std::vector<int64_t> row_block(static_cast<size_t>(n));
   for (int64_t r = 0; r < n; ++r) row_block[r] = block[r / group];
-  Tensor xp = at::empty({n, N_ih}, alpha.options()), c_part = at::empty({n, R}, alpha.options());
+  Tensor xp = step_tensor(scratch, {n, N_ih}, alpha.options()), c_part = step_tensor(scratch, {n, R}, alpha.options());
   AT_DISPATCH_FLOATING_TYPES(alpha.scalar_type(), "SourceProducts::weigh", [&] {
     const auto loop = typed_cpu_kernels<scalar_t>().weigh_products;
     const scalar_t* a = alpha.data_ptr<scalar_t>();
@@ -106,10 +106,11 @@ std::vector<Tensor> SourceProducts::weigh(const Tensor& alpha, int64_t group) co
   return {xp, c_part};
 }
 
-std::vector<Tensor> TokenProducts::rows(const std::vector<int64_t>& prev, int64_t t) const {
+std::vector<Tensor> TokenProducts::rows(const std::vector<int64_t>& prev, int64_t t, StepScratch* scratch) const {
   const int64_t n = static_cast<int64_t>(prev.size()), V = tokens.size(0), N = tokens.size(1);
   for (int64_t w : prev) TORCH_CHECK(w >= 0 && w < V, "dtmt._C.rnmt_beam_search: token ", w, " has no embedding");
-  Tensor cell = at::empty({n, N_q}, tokens.options()), readout = at::empty({n, N - N_q}, tokens.options());
+  Tensor cell = step_tensor(scratch, {n, N_q}, tokens.options());
+  Tensor readout = step_tensor(scratch, {n, N - N_q}, tokens.options());
   AT_DISPATCH_FLOATING_TYPES(tokens.scalar_type(), "TokenProducts::rows", [&] {
     typed_cpu_kernels<scalar_t>().token_rows(tokens.data_ptr<scalar_t>(),
                                              positions.defined() ? positions.data_ptr<scalar_t>() + t * N : nullptr,
@@ -185,7 +186,7 @@ Tensor key_exps_cpu(const Tensor& keys) {
 
 std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, const Tensor& annotations,
                                        const Tensor& src_mask, const AttentionWeights& w, int64_t group,
-                                       bool with_context, const Tensor& key_exps) {
+                                       bool with_context, const Tensor& key_exps, StepScratch* scratch) {
   const Tensor &w_q = w.w_q, &v = w.v, &ln_w = w.ln_w, &ln_b = w.ln_b;
   const double ln_eps = w.ln_eps;
   check_cpu({&query, &w_q, &keys, &v, &annotations, &src_mask, &w.w_o, &w.b_o, &ln_w, &ln_b}, "attention_step");
@@ -202,7 +203,7 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
                                   ln_b.scalar_type() == query.scalar_type()),
               "dtmt._C.attention_step: ln_w and ln_b must be contiguous [NH*D = ", NH * D, "] of the query's dtype "
               "(or both empty: no layer norm), got ", ln_w.sizes(), " and ", ln_b.sizes());
-  Tensor q = linear(query, w_q, Tensor());
+  Tensor q = linear(query, w_q, Tensor(), scratch);
   if (present(ln_w)) {
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_step_ln", [&] {
       for (int64_t b = 0; b < B; ++b)
@@ -217,7 +218,7 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
                     key_exps.size(2) == D && key_exps.size(3) >= S && key_exps.size(3) % 16 == 0 &&
                     key_exps.is_contiguous() && key_exps.scalar_type() == q.scalar_type() && v.is_contiguous(),
                 "dtmt._C.attention_step: key_exps must be key_exps_cpu(keys)");
-    scores = at::empty({B, NH, S}, q.options());
+    scores = step_tensor(scratch, {B, NH, S}, q.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_scores_from_exps", [&] {
       const auto loop = typed_cpu_kernels<scalar_t>().scores_from_exps;
       const scalar_t* ek = key_exps.data_ptr<scalar_t>();
@@ -231,7 +232,7 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
   } else {
     scores = additive_scores_forward_cpu(keys.contiguous(), q, v.contiguous(), group);
   }
-  Tensor alpha = at::empty_like(scores);
+  Tensor alpha = step_tensor(scratch, scores.sizes(), scores.options());
   Tensor mask = src_mask.contiguous();
   AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "attention_step_cpu", [&] {
     typed_cpu_kernels<scalar_t>().masked_softmax_rows(scores.data_ptr<scalar_t>(), mask.data_ptr<bool>(),
@@ -244,7 +245,7 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
 }
 
 Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, const ReadoutWeights& w,
-                            const Tensor& c_part, const Tensor& y_part) {
+                            const Tensor& c_part, const Tensor& y_part, StepScratch* scratch) {
   const Tensor &w_y = w.w_y, &b_y = w.b_y, &w_s = w.w_s, &b_s = w.b_s, &w_c = w.w_c, &b_c = w.b_c, &ln_w = w.ln_w,
                &ln_b = w.ln_b;
   const double eps = w.eps;
@@ -264,14 +265,14 @@ Tensor readout_features_cpu(const Tensor& y, const Tensor& s, const Tensor& c, c
   TORCH_CHECK(!ln || (ln_w.sizes() == at::IntArrayRef{3, R} && ln_b.sizes() == at::IntArrayRef{3, R} &&
                       ln_w.is_contiguous() && ln_b.is_contiguous()),
               "dtmt._C.readout_features: ln_w and ln_b must be contiguous [3, R]");
-  const Tensor parts[3] = {y_part.defined() ? y_part : linear(y, w_y, b_y), linear(s, w_s, b_s),
-                           c_part.defined() ? c_part : linear(c, w_c, b_c)};   // (LN works in place)
+  const Tensor parts[3] = {y_part.defined() ? y_part : linear(y, w_y, b_y, scratch), linear(s, w_s, b_s, scratch),
+                           c_part.defined() ? c_part : linear(c, w_c, b_c, scratch)};   // (LN works in place)
   const auto st = s.scalar_type();
   if ((st != at::kFloat && st != at::kDouble) || parts[0].scalar_type() != st || parts[2].scalar_type() != st) {
     if (!ln) return parts[0].add_(parts[1]).add_(parts[2]).tanh_();
     TORCH_CHECK(false, "dtmt._C.readout_features: the layer norms take float or double, got ", st);
   }
-  Tensor out = at::empty({N, R}, s.options());
+  Tensor out = step_tensor(scratch, {N, R}, s.options());
   AT_DISPATCH_FLOATING_TYPES(st, "readout_features_cpu", [&] {
     scalar_t* p[3] = {parts[0].data_ptr<scalar_t>(), parts[1].data_ptr<scalar_t>(), parts[2].data_ptr<scalar_t>()};
     typed_cpu_kernels<scalar_t>().readout_rows(p, ln ? ln_w.data_ptr<scalar_t>() : nullptr,
@@ -288,21 +289,22 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor
                                   const StepTables* tables, bool with_attention, StepBuffers* buffers) {
   check_cpu({&s, &readout.w_out, &readout.b_out}, "rnmt_step");
   const SourceProducts* source = tables != nullptr ? tables->source : nullptr;
+  StepScratch* scratch = buffers != nullptr ? &buffers->scratch : nullptr;
   const bool y_given = tables != nullptr && tables->y_cell.defined();   // y's products from TokenProducts
-  const Tensor s_q = y_given ? cell_step_from_products_cpu(tables->y_cell, s, query_cell, cell_eps)
-                             : cell_step_cpu(y, s, query_cell, cell_eps);
+  const Tensor s_q = y_given ? cell_step_from_products_cpu(tables->y_cell, s, query_cell, cell_eps, scratch)
+                             : cell_step_cpu(y, s, query_cell, cell_eps, scratch);
   const Tensor y_part = y_given ? tables->y_readout : Tensor();
   auto ca = attention_step_cpu(s_q, keys, annotations, src_mask, attention, group, source == nullptr,
-                               tables != nullptr ? tables->key_exps : Tensor());
+                               tables != nullptr ? tables->key_exps : Tensor(), scratch);
   Tensor features, s_new;
   if (source != nullptr) {   // c W^T + b as the per-position products weighed by alpha (SourceProducts)
-    const std::vector<Tensor> both = source->weigh(ca[1], group);
-    s_new = cell_step_from_products_cpu(both[0], s_q, decoder_cell, cell_eps);
-    features = readout_features_cpu(y, s_new, Tensor(), readout, both[1], y_part);
+    const std::vector<Tensor> both = source->weigh(ca[1], group, scratch);
+    s_new = cell_step_from_products_cpu(both[0], s_q, decoder_cell, cell_eps, scratch);
+    features = readout_features_cpu(y, s_new, Tensor(), readout, both[1], y_part, scratch);
   } else {
     const Tensor& context = ca[0];
-    s_new = cell_step_cpu(context, s_q, decoder_cell, cell_eps);
-    features = readout_features_cpu(y, s_new, context, readout, Tensor(), y_part);
+    s_new = cell_step_cpu(context, s_q, decoder_cell, cell_eps, scratch);
+    features = readout_features_cpu(y, s_new, context, readout, Tensor(), y_part, scratch);
   }
   // log-probabilities in the model's precision, float32 at least (as Projection.forward)
   const at::ScalarType lp_type = at::promoteTypes(features.scalar_type(), at::kFloat);

@@ -7,6 +7,8 @@
 
 #include <vector>
 
+#include "step_scratch.h"
+
 namespace dtmt {
 
 // Parameters of one direction of a deep transition block: the base cell (GRU / L-GRU / LAU / ATR) and
@@ -31,13 +33,15 @@ std::vector<at::Tensor> transition_forward_cpu(const at::Tensor& x, const at::Te
                                                double eps);
 
 // One step of a cell (inference) from its input products xp = x W_ih^T + b_ih [B, n_in*H] (contiguous, float or
-// double) instead of x: the new state [B, H], as transition_forward_cpu's h_n over that one step.
+// double) instead of x: the new state [B, H], as transition_forward_cpu's h_n over that one step. scratch: where its
+// tensors come from (a search's StepScratch), or nullptr: new ones.
 at::Tensor cell_step_from_products_cpu(const at::Tensor& xp, const at::Tensor& h, const TransitionWeights& w,
-                                      double eps);
+                                      double eps, StepScratch* scratch = nullptr);
 
 // One step of a cell for decoding: the new state [B, H] from x [B, I] and h [B, H], as transition_forward_cpu's h_n
 // over that one unmasked step (the same arithmetic), without the tensors it keeps for training.
-at::Tensor cell_step_cpu(const at::Tensor& x, const at::Tensor& h, const TransitionWeights& w, double eps);
+at::Tensor cell_step_cpu(const at::Tensor& x, const at::Tensor& h, const TransitionWeights& w, double eps,
+                         StepScratch* scratch = nullptr);
 
 // Inference over both directions of a layer at once (FrozenTransitionLayer): x [T,B,I], h0 [D,B,H], mask [T,B] or
 // empty, dirs: D = 1 or 2 directions' weights; direction d reads right to left when d == 1 or `reverse`. Returns

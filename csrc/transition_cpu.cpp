@@ -364,7 +364,8 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
 // single step (the same GEMMs on the same operands, the same row passes), none of its saved tensors. xp_given: the
 // input products (x is then not read).
 template <typename T>
-Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, const TransitionWeights& w, double eps) {
+Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, const TransitionWeights& w, double eps,
+                 StepScratch* scratch) {
   const Tensor h = h_in.contiguous();
   const int64_t B = h.size(0), H = h.size(1);
   const int64_t n_in = cell_input_rows(static_cast<int>(w.kind)), n_h = cell_hidden_rows(static_cast<int>(w.kind));
@@ -373,13 +374,13 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
   const auto opts = h.options();
   Tensor xp = xp_given;
   if (!xp.defined()) {
-    xp = at::empty({B, n_in * H}, opts);
+    xp = step_tensor(scratch, {B, n_in * H}, opts);
     linear_into(xp, w.b_ih, x.contiguous(), w.w_ih);
   }
-  Tensor hp = at::empty({B, n_h * H}, opts);
+  Tensor hp = step_tensor(scratch, {B, n_h * H}, opts);
   linear_into(hp, w.b_hh, h, w.w_hh);
   const StepSettings<T> set(w, Tensor(), Tensor(), B, H, eps);
-  Tensor cur = at::empty({B, H}, opts);
+  Tensor cur = step_tensor(scratch, {B, H}, opts);
   CellRows<T> base = set.base;
   base.xp = xp.data_ptr<T>();
   base.hp = hp.data_ptr<T>();
@@ -387,10 +388,10 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
   base.out = cur.data_ptr<T>();
   cell_rows(kernels.cell_forward_rows, base, B);
   if (D > 0) {
-    Tensor hpt = at::empty({B, 3 * H}, opts);
+    Tensor hpt = step_tensor(scratch, {B, 3 * H}, opts);
     for (int64_t k = 1; k <= D; ++k) {
       linear_into(hpt, w.t_b[k - 1], cur, w.t_w[k - 1]);
-      Tensor next = at::empty({B, H}, opts);
+      Tensor next = step_tensor(scratch, {B, H}, opts);
       CellRows<T> tgru = set.tgru(k);
       tgru.hp = hpt.data_ptr<T>();
       tgru.h = cur.data_ptr<T>();
@@ -482,7 +483,8 @@ std::vector<Tensor> transition_forward_cpu(const Tensor& x, const Tensor& h0, co
   return result;
 }
 
-Tensor cell_step_from_products_cpu(const Tensor& xp, const Tensor& h, const TransitionWeights& w, double eps) {
+Tensor cell_step_from_products_cpu(const Tensor& xp, const Tensor& h, const TransitionWeights& w, double eps,
+                                  StepScratch* scratch) {
   check_kind(w.kind);
   const int64_t B = h.size(0), n_in = cell_input_rows(static_cast<int>(w.kind)), H = h.size(1);
   TORCH_CHECK(xp.dim() == 2 && xp.size(0) == B && xp.size(1) == n_in * H && xp.is_contiguous() &&
@@ -492,12 +494,12 @@ Tensor cell_step_from_products_cpu(const Tensor& xp, const Tensor& h, const Tran
               xp.sizes());
   Tensor result;
   AT_DISPATCH_FLOATING_TYPES(xp.scalar_type(), "dtmt_cell_step_from_products", [&] {
-    result = step_impl<scalar_t>(Tensor(), xp, h, w, eps);
+    result = step_impl<scalar_t>(Tensor(), xp, h, w, eps, scratch);
   });
   return result;
 }
 
-Tensor cell_step_cpu(const Tensor& x, const Tensor& h, const TransitionWeights& w, double eps) {
+Tensor cell_step_cpu(const Tensor& x, const Tensor& h, const TransitionWeights& w, double eps, StepScratch* scratch) {
   check_kind(w.kind);
   TORCH_CHECK(x.dim() == 2 && h.dim() == 2 && x.size(0) == h.size(0) && x.scalar_type() == h.scalar_type(),
               "dtmt::cell_step: x [B, I] and h [B, H] of one dtype expected, got ", x.sizes(), " and ", h.sizes());
@@ -505,7 +507,7 @@ Tensor cell_step_cpu(const Tensor& x, const Tensor& h, const TransitionWeights& 
     return transition_forward_cpu(x.contiguous().unsqueeze(0), h.contiguous(), Tensor(), Tensor(), w, false, eps)[1];
   Tensor result;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dtmt_cell_step", [&] {
-    result = step_impl<scalar_t>(x, Tensor(), h, w, eps);
+    result = step_impl<scalar_t>(x, Tensor(), h, w, eps, scratch);
   });
   return result;
 }

@@ -65,10 +65,14 @@ Tensor embed_previous(const Tensor& embed, const Tensor& positions, const std::v
   return y;
 }
 
-// t's rows `index` (in that order) as a new contiguous tensor: t.index_select(0, index) without its dispatch.
-Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& index) {
+// t's rows `index` (in that order) written into `out` (made anew only where its shape or dtype differs, and never
+// t itself), which is returned: t.index_select(0, index) without its dispatch or allocation.
+Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& index, Tensor& out) {
   const Tensor src = t.contiguous();
-  Tensor out = at::empty({static_cast<int64_t>(index.size()), src.size(1)}, src.options());
+  const int64_t n = static_cast<int64_t>(index.size());
+  if (!out.defined() || out.dim() != 2 || out.size(0) != n || out.size(1) != src.size(1) ||
+      out.scalar_type() != src.scalar_type() || out.is_same(src))
+    out = at::empty({n, src.size(1)}, src.options());
   const int64_t row_bytes = src.size(1) * static_cast<int64_t>(src.element_size());
   const char* from = static_cast<const char*>(src.data_ptr());
   char* to = static_cast<char*>(out.data_ptr());
@@ -135,10 +139,11 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
 
   const Tensor table = embed.contiguous(), positions_c = positional ? positions.contiguous() : Tensor();
   StepBuffers buffers;
+  Tensor state;   // the decoder state carried from one step to the next (gather_rows)
   std::vector<float> top_scores;
   std::vector<int64_t> top_idx;
   for (int64_t t = 0; t < steps; ++t) {
-    buffers.scratch.rewind();   // (the state s carried from the last step is not in it: gather_rows' own tensor)
+    buffers.scratch.rewind();   // (the state s carried from the last step is not in it: `state`)
     Tensor y;
     if (token_tables) {
       std::vector<Tensor> y_products = token_tables->rows(prev, t, &buffers.scratch);
@@ -235,7 +240,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     }
     if (still.empty()) break;
     prev = next_words;
-    s = gather_rows(s, select);
+    s = gather_rows(s, select, state);   // (the step's s' is its scratch's: the state is kept apart)
     if (static_cast<int64_t>(still.size()) < n) {  // finished sentences leave the state
       const Tensor kept = to_tensor(still);
       annotations = annotations.index_select(0, kept);

@@ -76,7 +76,7 @@ MemoryWeights MemoryWeights::from_list(const std::vector<Tensor>& t) {
 TransitionWeights cell_weights(int64_t kind, const std::vector<Tensor>& p) {
   TORCH_CHECK(p.size() == 10, "dtmt._C: a cell takes ten parameter tensors, got ", p.size());
   for (const auto& t : p) check_cpu({&t}, "cell");
-  return {kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
+  return with_tgru_slices({kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]});
 }
 
 std::vector<Tensor> SourceProducts::weigh(const Tensor& alpha, int64_t group, StepScratch* scratch) const {
@@ -211,8 +211,7 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
                                      ln_b.data_ptr<scalar_t>(), ln_eps, NH * D);
     });
   }
-  q = q.view({B, NH, D});
-  Tensor scores;
+  Tensor scores;   // (q stays [B, NH * D]: a view would be a dispatched op, its code out of the caches by now)
   if (key_exps.defined() && within_exp_score_bound(q)) {
     TORCH_CHECK(key_exps.dim() == 4 && key_exps.size(0) * group == B && key_exps.size(1) == NH &&
                     key_exps.size(2) == D && key_exps.size(3) >= S && key_exps.size(3) % 16 == 0 &&
@@ -230,7 +229,7 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
       });
     });
   } else {
-    scores = additive_scores_forward_cpu(keys.contiguous(), q, v.contiguous(), group);
+    scores = additive_scores_forward_cpu(keys.contiguous(), q.view({B, NH, D}), v.contiguous(), group);
   }
   Tensor alpha = step_tensor(scratch, scores.sizes(), scores.options());
   Tensor mask = src_mask.contiguous();
@@ -311,8 +310,10 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor
   StepBuffers fresh;   // no buffers given: the step's own, new tensors
   StepBuffers& out = buffers != nullptr ? *buffers : fresh;
   const auto fit = [&](Tensor& t, at::ScalarType type) {   // [N, V] of `type`, its storage kept where it can be
+    const int64_t N = features.size(0), V = readout.w_out.size(0);
+    if (t.defined() && t.scalar_type() == type && t.dim() == 2 && t.size(0) == N && t.size(1) == V) return;
     if (!t.defined() || t.scalar_type() != type) t = at::empty({0}, features.options().dtype(type));
-    t.resize_({features.size(0), readout.w_out.size(0)});
+    t.resize_({N, V});
   };
   fit(out.logits, features.scalar_type());
   fit(out.log_probs, lp_type);

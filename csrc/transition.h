@@ -19,7 +19,13 @@ struct TransitionWeights {
   int64_t kind;
   at::Tensor w_ih, b_ih, w_hh, b_hh, ln_w, ln_b;  // base cell
   at::Tensor t_w, t_b, t_ln_w, t_ln_b;            // T-GRUs: [D,3H,H], [D,3H], [D,2H], [D,2H]
+  // t_w[k] and t_b[k] as tensors of their own, made once for a decoder's steps (with_tgru_slices; empty: a step
+  // slices them itself, a dispatched op each whose code the step's weight stream has pushed out of the caches)
+  std::vector<at::Tensor> t_w_k, t_b_k;
 };
+
+// w with t_w_k / t_b_k filled.
+TransitionWeights with_tgru_slices(TransitionWeights w);
 
 // Forward over a whole sequence. x [T,B,I], h0 [B,H], mask [T,B] (1 valid, 0 padded) or empty,
 // drop [D+1,B,H] candidate-dropout multipliers or empty.

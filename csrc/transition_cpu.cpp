@@ -389,8 +389,9 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
   cell_rows(kernels.cell_forward_rows, base, B);
   if (D > 0) {
     Tensor hpt = step_tensor(scratch, {B, 3 * H}, opts);
+    const bool sliced = static_cast<int64_t>(w.t_w_k.size()) == D;
     for (int64_t k = 1; k <= D; ++k) {
-      linear_into(hpt, w.t_b[k - 1], cur, w.t_w[k - 1]);
+      linear_into(hpt, sliced ? w.t_b_k[k - 1] : w.t_b[k - 1], cur, sliced ? w.t_w_k[k - 1] : w.t_w[k - 1]);
       Tensor next = step_tensor(scratch, {B, H}, opts);
       CellRows<T> tgru = set.tgru(k);
       tgru.hp = hpt.data_ptr<T>();
@@ -466,6 +467,21 @@ std::vector<Tensor> encode_impl(const Tensor& x, const Tensor& h0, const Tensor&
   }
   return {out, state[0].clone()};
 }
+
+}  // namespace
+
+TransitionWeights with_tgru_slices(TransitionWeights w) {
+  const int64_t D = w.t_w.defined() && w.t_w.numel() > 0 ? w.t_w.size(0) : 0;
+  w.t_w_k.clear();
+  w.t_b_k.clear();
+  for (int64_t k = 0; k < D; ++k) {
+    w.t_w_k.push_back(w.t_w[k]);
+    w.t_b_k.push_back(w.t_b.defined() && w.t_b.numel() > 0 ? w.t_b[k] : at::Tensor());
+  }
+  return w;
+}
+
+namespace {
 
 void check_kind(int64_t kind) {
   TORCH_CHECK(kind == kGRU || kind == kLGRU || kind == kLAU || kind == kATR, "dtmt: unknown cell kind ", kind);

@@ -1,10 +1,12 @@
 """One FusedRNMTDecoder option on against off, in one process: the weights in 2 MiB pages (`huge_pages`, NOTES item
 54) or the tables the search's steps read instead of recomputing their products (`step_tables`: the context's
-products made once per sentence, NOTES item 55; the keys' exponentials and the previous token's products, item 61).
+products made once per sentence, NOTES item 55; the keys' exponentials and the previous token's products, item 61)
+or the per-head matrices of the context the decoder makes once for those products (`context_table`, item 62).
 
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 1 --chunk 1 --sentences 150
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 2 --chunk 60
     python benchmarks/bench_pages.py --option step_tables --threads 1 --chunk 1 --sentences 300
+    python benchmarks/bench_pages.py --option context_table --threads 1 --chunk 1 --sentences 400
 
 Builds both decoders in one process (FusedRNMTDecoder with --option True, the default, and False) and translates
 the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: one sentence a call, batch 1; more:
@@ -42,8 +44,9 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1, help="sentences a call (1: batch 1)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--int8", action="store_true", help="int8 decoders (`dtmt translate --int8`)")
-    p.add_argument("--option", choices=("huge_pages", "step_tables"), default="huge_pages",
-                   help="the FusedRNMTDecoder option timed on against off")
+    p.add_argument("--option", choices=("huge_pages", "step_tables", "context_table"), default="huge_pages",
+                   help="the FusedRNMTDecoder option timed on against off (context_table: the decoder's attribute, "
+                        "set to None in the other decoder)")
     a = p.parse_args(argv)
     if a.chunk < 1:
         p.error("--chunk must be >= 1")
@@ -55,7 +58,13 @@ def main(argv=None):
         on = model.inference_decoder(int8=a.int8)
         if not isinstance(on, FusedRNMTDecoder):
             raise SystemExit(f"{a.checkpoint}: {ckpt['model_name']} has no fused decoder")
-        off = FusedRNMTDecoder(on.prepared, on.layered, on.int8, **{a.option: False})
+        if a.option == "context_table":   # an attribute made once, not a constructor option
+            off = FusedRNMTDecoder(on.prepared, on.layered, on.int8)
+            if on.context_table is None:
+                raise SystemExit(f"{a.checkpoint}: its decoder makes no context_table")
+            off.context_table = None
+        else:
+            off = FusedRNMTDecoder(on.prepared, on.layered, on.int8, **{a.option: False})
         decoders = ({"2 MiB pages": on, "4 KiB pages": off} if a.option == "huge_pages" else
                     {f"{a.option}=True": on, f"{a.option}=False": off})
         names = list(decoders)

@@ -89,7 +89,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
                                          const ReadoutWeights& readout, int64_t beam, double alpha,
                                          const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
                                          bool early_stop, const Tensor& token_products,
-                                         const Tensor& position_products) {
+                                         const Tensor& position_products, const Tensor& context_heads) {
   TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
                   embed.dim() == 2 && max_len.dim() == 1,
               "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
@@ -126,7 +126,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   StepTables tables;
   const int64_t NH = keys.size(2);
   if (step_tables && source_products_pay(annotations, NH, decoder_cell, attention, readout)) {
-    source = source_products_cpu(annotations, NH, decoder_cell.w_ih, decoder_cell.b_ih, readout.w_c, readout.b_c);
+    source = source_products_cpu(annotations, NH, decoder_cell.w_ih, decoder_cell.b_ih, readout.w_c, readout.b_c,
+                                 context_heads);
     tables.source = &*source;
   }
   if (step_tables) tables.key_exps = key_exps_cpu(keys);

@@ -76,9 +76,12 @@ bool source_products_pay(const at::Tensor& annotations, int64_t NH, const Transi
                          const AttentionWeights& attention, const ReadoutWeights& readout);
 
 // SourceProducts of annotations [B, S, C] with NH heads for the decoder cell's input matrix w_ih [N_ih, C] and the
-// readout's context matrix w_c [R, C] and their biases b_ih, b_c (empty: none); block = 0..B-1.
+// readout's context matrix w_c [R, C] and their biases b_ih, b_c (empty: none); block = 0..B-1. heads: [w_ih; w_c]
+// per head, [NH, C / NH, N_ih + R] contiguous, of the annotations' dtype (dk.functional.context_heads, made once per
+// decoder), the GEMM's operand; undefined (or not of that shape): made here from w_ih and w_c.
 SourceProducts source_products_cpu(const at::Tensor& annotations, int64_t NH, const at::Tensor& w_ih,
-                                   const at::Tensor& b_ih, const at::Tensor& w_c, const at::Tensor& b_c);
+                                   const at::Tensor& b_ih, const at::Tensor& w_c, const at::Tensor& b_c,
+                                   const at::Tensor& heads = at::Tensor());
 
 // The attention keys [B, S, NH, D] as exponentials for the scores of a search's steps, made once per sentence:
 // exp(2 keys) laid out [B, NH, D, Sp] (positions last, Sp = S rounded up to 16, the padding 1). Since
@@ -186,7 +189,8 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
 // search makes once per sentence (StepTables, each decided once for the whole search): the context's products where
 // source_products_pay says they pay, the keys' exponentials where key_exps_cpu applies; the same search up to the
 // rounding of those sums; and, given the model's token_products / position_products (TokenProducts' tables; the
-// latter exactly where the system adds positions), the previous token's products from them.
+// latter exactly where the system adds positions), the previous token's products from them; context_heads: the
+// context's products made from it (source_products_cpu's heads).
 // false: rnmt_step_cpu's arithmetic exactly. early_stop: a
 // sentence ends as soon as it has `beam` finished hypotheses (fairseq's, CTranslate2's and Hugging Face's rule);
 // false: only once no open hypothesis can still beat the worst of them either (beam_search.py's default).
@@ -198,7 +202,8 @@ std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, cons
                                              int64_t beam, double alpha, const at::Tensor& max_len, int64_t bos,
                                              int64_t eos, bool step_tables = false, bool early_stop = false,
                                              const at::Tensor& token_products = at::Tensor(),
-                                             const at::Tensor& position_products = at::Tensor());
+                                             const at::Tensor& position_products = at::Tensor(),
+                                             const at::Tensor& context_heads = at::Tensor());
 
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.

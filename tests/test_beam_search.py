@@ -385,6 +385,38 @@ def test_token_tables_hold_the_products_of_the_embeddings():
     assert _hyps(beam_search(decoder, src, lengths, **kwargs)) != own
 
 
+def test_context_table_holds_the_two_context_matrices_by_head():
+    """dk.functional.context_heads: [decoder cell's w_ih; readout's w_c] [N, C] split by head, W[:, h] as
+    [heads, C / heads, N], made once by the decoder (its context_table; none for int8 weights or an unfolded
+    output projection). A search through it finds the hypotheses of one that splits the matrices every sentence
+    (context_table None), scores equal up to the GEMM's rounding; a table with its heads swapped translates
+    otherwise: the table is what the context's products are made from."""
+    torch.manual_seed(14)
+    heads = 2
+    model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=64, depth=1, heads=heads).eval()   # C = 128
+    decoder = model.inference_decoder()
+    w = torch.cat([decoder.decoder_cell.params[0], decoder.readout.w_c])
+    table = decoder.context_table
+    assert table is not None and table.is_contiguous() and table.shape == (heads, 128 // heads, w.shape[0])
+    for h in range(heads):
+        assert torch.equal(table[h], w[:, h * 64:(h + 1) * 64].t())
+    assert model.inference_decoder(int8=True).context_table is None
+    assert FusedRNMTDecoder(decoder.prepared, decoder.layered, fold=False).context_table is None
+    assert FusedRNMTDecoder(decoder.prepared, decoder.layered, step_tables=False).context_table is None
+    src, lengths = torch.randint(4, 24, (3, 6)), torch.tensor([6, 4, 5])
+    assert 3 * heads * 6 * 2 <= 128   # the context's products pay for this batch
+    kwargs = dict(beam=3, alpha=0.6, nbest=3, max_len_a=1.5, max_len_b=3)
+    own = beam_search(decoder, src, lengths, **kwargs)
+    split = FusedRNMTDecoder(decoder.prepared, decoder.layered)
+    split.context_table = None
+    ref = beam_search(split, src, lengths, **kwargs)
+    assert [[h.tokens for h in s] for s in own] == [[h.tokens for h in s] for s in ref]
+    torch.testing.assert_close(torch.tensor([h.score for s in own for h in s]),
+                               torch.tensor([h.score for s in ref for h in s]), rtol=1e-5, atol=1e-5)
+    decoder.context_table = table.flip(0).contiguous()
+    assert _hyps(beam_search(decoder, src, lengths, **kwargs)) != _hyps(own)
+
+
 def test_step_tables_weigh_each_sentence_on_its_own():
     """The weighing of SourceProducts (csrc/isa/attention_loops.cpp, weigh_products) reads each row's own sentence
     and sums a row's columns in one order whatever rows stand beside it: a sentence searched beside one neighbour

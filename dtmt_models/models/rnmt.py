@@ -100,8 +100,9 @@ class FusedRNMTDecoder:
     matrices where that pays (short sources, float weights, after `fold`) and the keys' exponentials for the
     attention scores; per decoder, tables of the previous token's products with the query cell's input matrix and
     the readout's y matrix (dk.functional.token_products: float weights, tables up to its size bound), for every
-    target token and, for a system with positions, for each position (`position_table`, grown as sentences need):
-    the same search up to rounding, fewer bytes and less work a step.
+    target token and, for a system with positions, for each position (`position_table`, grown as sentences need),
+    and the two matrices that read the context split by head for the context's products (`context_table`,
+    dk.functional.context_heads): the same search up to rounding, fewer bytes and less work a step.
     `search`: beam search's whole loop in one C++ call (see `_search`), or None
     where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
     (`model` is that model or the copy `encode` runs)."""
@@ -136,9 +137,12 @@ class FusedRNMTDecoder:
             embed_step is Seq2Seq.embed_step and not emb.positional))
         self.search = self._search if embeds else None
         # the previous token's products as tables for the search (step_tables; float weights): once here
-        self.token_table = self._position_table = None
+        self.token_table = self._position_table = self.context_table = None
         if step_tables and self.search is not None:
             self.token_table = dk.functional.token_products(emb.weight, self.query_cell, self.readout)
+            if self.attention.w_o is None:   # the context read only through the two matrices (fold)
+                heads = 1 if self.single_head else model.attention.heads
+                self.context_table = dk.functional.context_heads(self.decoder_cell, self.readout, heads)
 
     def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
         """Itself, or with `int8` (and int8 not yet) its int8 form, with this decoder's other settings."""
@@ -190,7 +194,7 @@ class FusedRNMTDecoder:
         counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
             self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.step_tables,
-            early_stop, self.token_table, position_table)
+            early_stop, self.token_table, position_table, self.context_table)
         tokens = tokens.split(lengths.tolist())
         hyps = [(t.tolist(), score, lp) for t, score, lp in zip(tokens, scores.tolist(), log_probs.tolist())]
         out, i = [], 0

@@ -175,6 +175,24 @@ def token_products(rows: Tensor, query_cell, readout: ReadoutWeights) -> Optiona
         return (rows.detach().double() @ w.t()).to(rows.dtype).contiguous()
 
 
+def context_heads(decoder_cell, readout: ReadoutWeights, heads: int) -> Optional[Tensor]:
+    """The two matrices that read the context, per head, for `rnmt_beam_search`'s context_heads: W = [decoder cell's
+    w_ih; readout's w_c] [N, C] as W[:, h] [heads, C / heads, N] (contiguous), made once per decoder. A search's
+    products of the annotations with them (csrc/decode_step.h, SourceProducts) are then one batched GEMM on this
+    tensor, instead of a concatenation of the two matrices and a GEMM on a strided view of it every sentence.
+    None where they do not apply: not float32 / float64 CPU matrices of one width and dtype (int8 rows), or a width
+    the heads do not divide."""
+    cell = decoder_cell if isinstance(decoder_cell, CellWeights) else CellWeights.of(decoder_cell)
+    w_ih, w_c = cell.params[0], readout.w_c
+    if not (heads >= 1 and all(w is not None and w.dim() == 2 and w.dtype in (torch.float32, torch.float64) and
+                               w.device.type == "cpu" for w in (w_ih, w_c))
+            and w_ih.dtype == w_c.dtype and w_ih.shape[1] == w_c.shape[1] and w_ih.shape[1] % heads == 0):
+        return None
+    with torch.no_grad():
+        w = torch.cat([w_ih, w_c])
+        return w.view(w.shape[0], heads, -1).permute(1, 2, 0).contiguous()
+
+
 def step_weights_on_huge_pages(query_cell, decoder_cell, attention: AttentionWeights, readout: ReadoutWeights):
     """(query_cell, decoder_cell, attention, readout) for `rnmt_step` / `rnmt_beam_search` with every tensor
     copied, in the order a step reads them, into one buffer of 2 MiB pages (linear.placement.huge_page_copies:
@@ -231,7 +249,8 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
                      positions: Optional[Tensor], query_cell, decoder_cell, attention: AttentionWeights,
                      readout: ReadoutWeights, beam: int, alpha: float, max_len: Tensor, bos: int, eos: int,
                      step_tables: bool = False, early_stop: bool = False, token_table: Optional[Tensor] = None,
-                     position_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     position_table: Optional[Tensor] = None, context_table: Optional[Tensor] = None
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Inference only: beam search over `rnmt_step` in one C++ call, the loop of dtmt_models.decoding.beam_search
     (its reference: the same hypotheses, scores and order) with no Python between steps. The decoder state as
     `encode` makes it, one row a sentence: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S] bool, s [B, H].
@@ -245,14 +264,15 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
     the two matrices that multiply it (SourceProducts); the attention scores from the keys' exponentials where the
     keys and queries are within +-20 (key_exps); and with `token_table` (token_products(embed, ...)) and, exactly
     where `positions` is given, `position_table` (token_products(positions, ...), >= max(max_len) rows), the
-    previous token's products from those tables instead of its embedding (TokenProducts). The same sums in another
+    previous token's products from those tables instead of its embedding (TokenProducts); with `context_table`
+    (context_heads(decoder_cell, readout, heads)), the context's products made from it. The same sums in another
     order, so the same search up to rounding. False: rnmt_step's arithmetic exactly.
     `early_stop`: a sentence ends as soon as it has `beam` finished hypotheses (beam_search's `early_stop`)."""
     return torch.ops.dtmt.rnmt_beam_search(annotations, keys, src_mask, s, embed, positions, query_cell.kind,
                                            query_cell.params, decoder_cell.kind, decoder_cell.params, query_cell.eps,
                                            attention.tensors, attention.ln_eps, readout.tensors, readout.eps, beam,
                                            alpha, max_len, bos, eos, step_tables, early_stop, token_table,
-                                           position_table)
+                                           position_table, context_table)
 
 
 def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
@@ -285,7 +305,8 @@ def _rnmt_step_fake(y, s, keys, annotations, src_mask, q_kind, q_params, d_kind,
 
 def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_kind, q_params, d_kind, d_params,
                            cell_eps, attention, att_eps, readout, readout_eps, beam, alpha, max_len, bos, eos,
-                           step_tables=False, early_stop=False, token_products=None, position_products=None):
+                           step_tables=False, early_stop=False, token_products=None, position_products=None,
+                           context_heads=None):
     ctx = torch.library.get_ctx()
     n, tokens = ctx.new_dynamic_size(), ctx.new_dynamic_size()   # how many hypotheses and tokens: data-dependent
     long, double = dict(dtype=torch.long), dict(dtype=torch.float64)

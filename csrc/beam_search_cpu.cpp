@@ -143,6 +143,11 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   Tensor state;   // the decoder state carried from one step to the next (gather_rows)
   std::vector<float> top_scores;
   std::vector<int64_t> top_idx;
+  // a step's decisions (kept across steps, cleared at each: no allocation a step once they have grown)
+  std::vector<int64_t> select, next_words, still;
+  std::vector<float> next_scores;
+  std::vector<double> new_scores(beam);
+  std::vector<int64_t> new_origin(beam), new_word(beam);
   for (int64_t t = 0; t < steps; ++t) {
     buffers.scratch.rewind();   // (the state s carried from the last step is not in it: `state`)
     Tensor y;
@@ -197,10 +202,10 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     const float* ts = top_scores.data();
     const int64_t* ti = top_idx.data();
 
-    std::vector<int64_t> select, next_words, still;
-    std::vector<float> next_scores;
-    std::vector<double> new_scores(beam);
-    std::vector<int64_t> new_origin(beam), new_word(beam);
+    select.clear();
+    next_words.clear();
+    still.clear();
+    next_scores.clear();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t b = active[i];
       std::fill(new_scores.begin(), new_scores.end(), neg_inf);

@@ -78,7 +78,7 @@ bool source_products_pay(const at::Tensor& annotations, int64_t NH, const Transi
 // SourceProducts of annotations [B, S, C] with NH heads for the decoder cell's input matrix w_ih [N_ih, C] and the
 // readout's context matrix w_c [R, C] and their biases b_ih, b_c (empty: none); block = 0..B-1. heads: [w_ih; w_c]
 // per head, [NH, C / NH, N_ih + R] contiguous, of the annotations' dtype (dk.functional.context_heads, made once per
-// decoder), the GEMM's operand; undefined (or not of that shape): made here from w_ih and w_c.
+// decoder), the GEMM's operand (another shape or dtype: an error); undefined: made here from w_ih and w_c.
 SourceProducts source_products_cpu(const at::Tensor& annotations, int64_t NH, const at::Tensor& w_ih,
                                    const at::Tensor& b_ih, const at::Tensor& w_c, const at::Tensor& b_c,
                                    const at::Tensor& heads = at::Tensor());

@@ -159,9 +159,13 @@ SourceProducts source_products_cpu(const Tensor& annotations, int64_t NH, const 
   const int64_t N_ih = w_ih.size(0), R = w_c.size(0), N = N_ih + R;
   // per head h: the head's slices of all positions [B * S, Dc] times W[:, h]^T [Dc, N]
   const Tensor a = annotations.contiguous().view({B * S, NH, Dc}).permute({1, 0, 2});
-  const bool made = heads.defined() && heads.dim() == 3 && heads.size(0) == NH && heads.size(1) == Dc &&
-                    heads.size(2) == N && heads.is_contiguous() && heads.scalar_type() == annotations.scalar_type();
-  const Tensor w = made ? heads : at::cat({w_ih, w_c}, 0).view({N, NH, Dc}).permute({1, 2, 0});
+  TORCH_CHECK(!heads.defined() || (heads.dim() == 3 && heads.size(0) == NH && heads.size(1) == Dc &&
+                                    heads.size(2) == N && heads.is_contiguous() &&
+                                    heads.scalar_type() == annotations.scalar_type()),
+              "dtmt._C.rnmt_beam_search: context_heads must be a contiguous [", NH, ", ", Dc, ", ", N,
+              "] of the annotations' dtype (dk.functional.context_heads of these weights), got ", heads.sizes(), " ",
+              heads.scalar_type());
+  const Tensor w = heads.defined() ? heads : at::cat({w_ih, w_c}, 0).view({N, NH, Dc}).permute({1, 2, 0});
   SourceProducts sp;
   sp.products = at::bmm(a, w).view({NH, B, S, N}).permute({1, 0, 2, 3}).contiguous().view({B * NH * S, N});
   sp.bias = at::cat({present(b_ih) ? b_ih : at::zeros({N_ih}, w_ih.options()),

@@ -19,8 +19,9 @@ struct TransitionWeights {
   int64_t kind;
   at::Tensor w_ih, b_ih, w_hh, b_hh, ln_w, ln_b;  // base cell
   at::Tensor t_w, t_b, t_ln_w, t_ln_b;            // T-GRUs: [D,3H,H], [D,3H], [D,2H], [D,2H]
-  // t_w[k] and t_b[k] as tensors of their own, made once for a decoder's steps (with_tgru_slices; empty: a step
-  // slices them itself, a dispatched op each whose code the step's weight stream has pushed out of the caches)
+  // t_w[k] and t_b[k] as tensors of their own, made once for a decoder's steps (with_tgru_slices, which cell_weights
+  // applies; a step slicing them itself would run a dispatched op each, its code pushed out of the caches by the
+  // step's weight stream); the cell steps need them, the sequence kernels do not read them
   std::vector<at::Tensor> t_w_k, t_b_k;
 };
 

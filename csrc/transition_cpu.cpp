@@ -393,10 +393,11 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
   base.out = cur.data_ptr<T>();
   cell_rows(kernels.cell_forward_rows, base, B);
   if (D > 0) {
+    TORCH_CHECK(static_cast<int64_t>(w.t_w_k.size()) == D && static_cast<int64_t>(w.t_b_k.size()) == D,
+                "dtmt::cell_step: the T-GRUs' weight slices are missing (weights from cell_weights / with_tgru_slices)");
     Tensor hpt = step_tensor(scratch, {B, 3 * H}, opts);
-    const bool sliced = static_cast<int64_t>(w.t_w_k.size()) == D;
     for (int64_t k = 1; k <= D; ++k) {
-      linear_into(hpt, sliced ? w.t_b_k[k - 1] : w.t_b[k - 1], cur, sliced ? w.t_w_k[k - 1] : w.t_w[k - 1]);
+      linear_into(hpt, w.t_b_k[k - 1], cur, w.t_w_k[k - 1]);
       Tensor next = step_tensor(scratch, {B, H}, opts);
       CellRows<T> tgru = set.tgru(k);
       tgru.hp = hpt.data_ptr<T>();

@@ -390,7 +390,7 @@ def test_context_table_holds_the_two_context_matrices_by_head():
     [heads, C / heads, N], made once by the decoder (its context_table; none for int8 weights or an unfolded
     output projection). A search through it finds the hypotheses of one that splits the matrices every sentence
     (context_table None), scores equal up to the GEMM's rounding; a table with its heads swapped translates
-    otherwise: the table is what the context's products are made from."""
+    otherwise: the table is what the context's products are made from; one of another shape is refused."""
     torch.manual_seed(14)
     heads = 2
     model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=64, depth=1, heads=heads).eval()   # C = 128
@@ -415,6 +415,9 @@ def test_context_table_holds_the_two_context_matrices_by_head():
                                torch.tensor([h.score for s in ref for h in s]), rtol=1e-5, atol=1e-5)
     decoder.context_table = table.flip(0).contiguous()
     assert _hyps(beam_search(decoder, src, lengths, **kwargs)) != _hyps(own)
+    decoder.context_table = table[..., :-1].contiguous()   # not these weights' table: an error, not ignored
+    with pytest.raises(RuntimeError, match="context_heads must be a contiguous"):
+        beam_search(decoder, src, lengths, **kwargs)
 
 
 def test_step_tables_weigh_each_sentence_on_its_own():

@@ -53,6 +53,21 @@ def dtmt(args, log):
     wait(start(args, log))
 
 
+def dtmt_here(args, log):
+    """`dtmt ARGS` in this process (no interpreter and torch to start again), its output appended to `log`."""
+    import contextlib
+
+    from dtmt_models.cli import main as cli
+
+    with open(log, "a") as f:
+        f.write("$ dtmt " + " ".join(args) + "\n")
+        f.flush()
+        with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            code = cli(args)
+    if code != 0:
+        raise RuntimeError(f"dtmt {' '.join(args)} failed (exit {code}); see {log}")
+
+
 def read_log(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -142,8 +157,8 @@ def main(argv=None):
                "curve": [(float(r["elapsed_s"]), float(r["dev_bleu"])) for r in valid]}
         for split in ("dev", "test"):
             out = os.path.join(run, f"eval_{split}")
-            dtmt(["evaluate", "--checkpoint", os.path.join(run, "best.pt"), "--data", a.data, "--split", split,
-                  "--beam", str(a.beam), "--out-dir", out, "--quiet"], log)
+            dtmt_here(["evaluate", "--checkpoint", os.path.join(run, "best.pt"), "--data", a.data, "--split", split,
+                       "--beam", str(a.beam), "--out-dir", out, "--quiet"], log)
             with open(os.path.join(out, "scores.json")) as f:
                 s = json.load(f)
             row[f"{split}_bleu"], row[f"{split}_chrf"] = s["bleu"], s["chrf"]

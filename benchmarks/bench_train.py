@@ -51,10 +51,11 @@ def synthetic_batches(n: int, max_tokens: int, vocab: int, seed: int = 0):
 
 
 def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: int, vocab: int, threads: int,
-                profile: int = 0, device: str = "cpu", preset: str = "small"):
+                profile: int = 0, device: str = "cpu", preset: str = "small", tiny: bool = False):
     """One (system, backend) pair in this process. With profile > 0, the timed updates run under
     torch.profiler and the `profile` ops with the most self CPU time are printed to stderr. On a CUDA device
-    the timed updates end with a synchronisation, and peak_gpu_MB is the device memory's peak."""
+    the timed updates end with a synchronisation, and peak_gpu_MB is the device memory's peak. tiny: the
+    preset's model at widths 16 / 32 (--quick: the plumbing, not a figure)."""
     import contextlib
 
     import torch
@@ -68,7 +69,10 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
         torch.set_num_threads(threads)
     tune_malloc()   # as `dtmt train` (DTMT_MALLOC=default: glibc's own settings)
     torch.manual_seed(0)
-    model = build_model(system, vocab, vocab, **get_preset(system, preset)["model"]).to(device)
+    options = get_preset(system, preset)["model"]
+    if tiny:
+        options = dict(options, embed_dim=16, hidden_size=64 if system == "transformer" else 32)
+    model = build_model(system, vocab, vocab, **options).to(device)
     if backend != "-":
         model.set_backend(backend)
     model.train()
@@ -139,7 +143,8 @@ def run(argv=None):
     p.add_argument("--max-tokens", type=int, default=2000)
     p.add_argument("--vocab", type=int, default=4000)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="tiny run (for the tests)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny run of tiny models (for the tests: the plumbing, not a figure)")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     p.add_argument("--one", nargs=2, metavar=("SYSTEM", "BACKEND"),
                    help="measure one pair in this process (e.g. --one dtmt cpp), printing a JSON row")
@@ -150,7 +155,7 @@ def run(argv=None):
         a.steps, a.warmup, a.max_tokens, a.vocab = 2, 1, 300, 200
     if a.one:
         print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads, a.profile,
-                                     a.device, a.preset)))
+                                     a.device, a.preset, tiny=a.quick)))
         return []
     rows = []
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -158,7 +163,8 @@ def run(argv=None):
         for backend in (("-",) if system == "transformer" else (*a.fused, "reference")):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
                    "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
-                   "--threads", str(a.threads), "--device", a.device, "--preset", a.preset]
+                   "--threads", str(a.threads), "--device", a.device, "--preset", a.preset,
+                   *(["--quick"] if a.quick else [])]
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode != 0:
                 raise RuntimeError(f"{system}/{backend} failed:\n{r.stderr}")
@@ -178,7 +184,8 @@ def run(argv=None):
         w = csv.DictWriter(f, fields)
         w.writeheader()
         w.writerows(rows)
-    print(f"\nTraining throughput ({machine_name(a.device)}; {a.preset} presets, max_tokens {a.max_tokens}, "
+    sizes = f"{a.preset} presets at widths 16 / 32 (--quick)" if a.quick else f"{a.preset} presets"
+    print(f"\nTraining throughput ({machine_name(a.device)}; {sizes}, max_tokens {a.max_tokens}, "
           f"vocab {a.vocab}, {a.steps} updates after {a.warmup} warm-up)\n")
     on_gpu = a.device.startswith("cuda")
     print("| system | backend | params | target tok/s | ms/update | saved MB | peak RSS MB |"

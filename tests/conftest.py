@@ -17,6 +17,17 @@ def nan_filled_empty_tensors():
     torch.use_deterministic_algorithms(previous)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """A test that runs a command in this process with --threads N (bench_gemm, bench_serve, dtmt train ...)
+    leaves torch on N threads: every later test would run on them (on 1 instead of 2, the suite took minutes
+    longer). The thread count is put back after each test."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def make_layer(cell, input_size, hidden_size, depth=0, layer_norm=False, bidirectional=False,
                dtype=torch.float64, seed=0, **kwargs):
     """A layer with every parameter (layer-norm gains and offsets too) drawn at random, so no term of the

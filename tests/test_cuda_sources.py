@@ -79,8 +79,13 @@ def _bindings_cmd(out_dir):
 
 
 def start_background_compiles(names, tmp_root):
-    """Starts the compile of each test in `names` that has one (nothing when it would skip: no nvcc, no headers)."""
+    """Starts the compile of each test in `names` that has one (nothing when it would skip: no nvcc, no headers,
+    no C++ compiler), and the emulated kernels' extension when a test using it is selected."""
     import tempfile
+
+    if (any(n.startswith("test_cuda_kernels_emulated") for n in names) and "job" not in BACKGROUND_EMULATED
+            and (shutil.which("g++") or shutil.which("c++"))):
+        _start_emulated_build(tmp_root)
 
     for name, make in (("test_aten_driver_compiles", _aten_driver_cmd), ("test_bindings_parse_with_cuda_enabled",
                                                                          _bindings_cmd)):
@@ -226,17 +231,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 
+def _build_emulated_ext(build):
+    """Compiles EMULATION_EXT in the folder `build` and imports it (torch's JIT extension loader)."""
+    from torch.utils.cpp_extension import load
+
+    src = os.path.join(build, "emulated_cuda.cpp")
+    with open(src, "w") as f:
+        f.write(EMULATION_EXT)
+    return load("dtmt_cuda_emulated", [src], extra_include_paths=[CSRC, os.path.dirname(__file__)],
+                extra_cflags=["-O1", "-std=c++17", "-w"], build_directory=build, verbose=False)
+
+
+def _start_emulated_build(tmp_root):
+    """The emulated extension's build (~30 s of one core) in a thread of its own, from collection on (the
+    compiler runs in a subprocess: the thread only waits); emulated_cuda_ext takes its module."""
+    import tempfile
+    import threading
+
+    build = tempfile.mkdtemp(prefix="dtmt-emulated-", dir=tmp_root)
+    result = {}
+
+    def run():
+        try:
+            result["module"] = _build_emulated_ext(build)
+        except BaseException as exc:   # noqa: BLE001 - re-raised by the fixture, in the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="emulated-cuda-build", daemon=True)
+    thread.start()
+    BACKGROUND_EMULATED["job"] = (thread, result)
+
+
+BACKGROUND_EMULATED = {}   # "job" -> (thread, result) once the build started at collection
+
+
 @pytest.fixture(scope="module")
 def emulated_cuda_ext(tmp_path_factory):
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    from torch.utils.cpp_extension import load
-
-    build = tmp_path_factory.mktemp("cuda_emulation")
-    src = build / "emulated_cuda.cpp"
-    src.write_text(EMULATION_EXT)
-    return load("dtmt_cuda_emulated", [str(src)], extra_include_paths=[CSRC, os.path.dirname(__file__)],
-                extra_cflags=["-O1", "-std=c++17", "-w"], build_directory=str(build), verbose=False)
+    job = BACKGROUND_EMULATED.pop("job", None)
+    if job is None:
+        return _build_emulated_ext(str(tmp_path_factory.mktemp("cuda_emulation")))
+    thread, result = job
+    thread.join(timeout=900)
+    if "error" in result:
+        raise result["error"]
+    return result["module"]
 
 
 def _emulated_sequence(ext):

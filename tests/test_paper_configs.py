@@ -142,16 +142,16 @@ def test_every_configuration_trains_under_two_process_ddp():
     assert [line[3:] for line in r.stdout.splitlines() if line.startswith("ok ")] == IDS
 
 
-def test_replicas_follow_the_flag_on_one_process(tmp_path):
+def test_replicas_follow_the_flag_on_one_process(tmp_path, capsys):
     """--replicas sets the schedules' n (paper 000 eq. 17); without it n is the number of processes (the DDP
     test in test_train checks n = 2 on two)."""
-    from test_train import TINY, make_toy_corpus, run_train
+    from test_train import TINY, make_toy_corpus, train_here
 
     data = make_toy_corpus(tmp_path / "toy", n_train=40, n_dev=0, n_test=0)
-    r = run_train(["--data", data, "--out", str(tmp_path / "r"), "--max-steps", "1", "--replicas", "3", *TINY])
+    r = train_here(["--data", data, "--out", str(tmp_path / "r"), "--max-steps", "1", "--replicas", "3", *TINY], capsys)
     assert r.returncode == 0, r.stderr
     assert "schedule rnmt (n = 3)" in r.stdout
-    r = run_train(["--data", data, "--out", str(tmp_path / "s"), "--max-steps", "1", "--replicas", "0", *TINY])
+    r = train_here(["--data", data, "--out", str(tmp_path / "s"), "--max-steps", "1", "--replicas", "0", *TINY], capsys)
     assert r.returncode == 2 and "--replicas 0" in r.stderr
 
 

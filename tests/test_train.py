@@ -50,6 +50,17 @@ def run_train(args, timeout=300, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e)
 
 
+def train_here(args, capsys):
+    """`dtmt train ARGS` in this process, as run_train's result (exit code, stdout, stderr): for runs that stop
+    before or after a few updates, without starting another interpreter and torch (3-7 s each here)."""
+    from dtmt_models.cli import train
+
+    capsys.readouterr()
+    code = train.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def losses(out_dir):
     with open(os.path.join(out_dir, "train_log.csv"), newline="") as f:
         return [(int(r["step"]), r["loss"], r["nll"]) for r in csv.DictReader(f) if r["kind"] == "train"]
@@ -150,16 +161,17 @@ def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     assert len(ckpt["training"]["rng"]) == 2      # both processes' random states, for an exact resume
 
 
-def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path):
+def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, capsys):
     out = str(tmp_path / "run")
-    assert run_train(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY]).returncode == 0
-    r = run_train(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY])
+    assert train_here(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY], capsys).returncode == 0
+    r = train_here(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY], capsys)
     assert r.returncode == 2 and "--resume" in r.stderr and "--overwrite" in r.stderr
-    r = run_train(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), *TINY])
+    r = train_here(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), *TINY], capsys)
     assert r.returncode == 2 and "dtmt prepare" in r.stderr
+    # one refusal through a process of its own: the exit status the shell sees
     r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "y"), "--max-time", "soon", *TINY])
     assert r.returncode == 2 and "--max-time" in r.stderr
-    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "z"), "--model", "nope"])
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "z"), "--model", "nope"], capsys)
     assert r.returncode == 2 and "unknown model" in r.stderr
 
 
@@ -284,7 +296,7 @@ def test_vocabulary_too_small_for_the_corpus_is_one_line(toy_nodev, tmp_path, ca
     assert not (out / "config.yaml").exists()
 
 
-def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp_path, monkeypatch):
+def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp_path, monkeypatch, capsys):
     """Issue 20, item 2: a copied run resumes in the copy (the original is untouched), from any working
     directory; another corpus, or a setting given with another value, is refused naming it."""
     import shutil
@@ -306,11 +318,11 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     assert read_checkpoint(str(tmp_path / "runB" / "last.pt"))["step"] == 4 and not os.listdir(elsewhere)
     # another corpus: refused unless --allow-changed-data
     other = make_toy_corpus(tmp_path / "other", n_train=50, n_dev=0, n_test=0, seed=3)
-    r = run_train(["--data", other, "--out", str(tmp_path / "runB"), "--resume", "--max-steps", "5"])
+    r = train_here(["--data", other, "--out", str(tmp_path / "runB"), "--resume", "--max-steps", "5"], capsys)
     assert r.returncode == 2 and "is not the corpus this run was trained on (counts, train_sha1 differ)" in r.stderr
     # a fixed setting given with another value: refused, naming it; the same value is fine
-    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--lr", "0.5",
-                   "--opt", "hidden_size=64", "--max-steps", "5"])
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--lr", "0.5",
+                    "--opt", "hidden_size=64", "--max-steps", "5"], capsys)
     assert r.returncode == 2 and "--lr 0.5 (the run's is" in r.stderr and "--opt hidden_size=64" in r.stderr
     r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hidden_size=32",
                    "--max-steps", "5", "--progress", "lines"])

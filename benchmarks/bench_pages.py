@@ -1,12 +1,15 @@
 """One FusedRNMTDecoder option on against off, in one process: the weights in 2 MiB pages (`huge_pages`, NOTES item
 54) or the tables the search's steps read instead of recomputing their products (`step_tables`: the context's
 products made once per sentence, NOTES item 55; the keys' exponentials and the previous token's products, item 61)
-or the per-head matrices of the context the decoder makes once for those products (`context_table`, item 62).
+or the per-head matrices of the context the decoder makes once for those products (`context_table`, item 62), or
+the previous token's tables (token and position products) in 2 MiB pages against 4 KiB ones (`table_pages`,
+item 63).
 
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 1 --chunk 1 --sentences 150
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 2 --chunk 60
     python benchmarks/bench_pages.py --option step_tables --threads 1 --chunk 1 --sentences 300
     python benchmarks/bench_pages.py --option context_table --threads 1 --chunk 1 --sentences 400
+    python benchmarks/bench_pages.py --option table_pages --threads 1 --chunk 1 --sentences 400
 
 Builds both decoders in one process (FusedRNMTDecoder with --option True, the default, and False) and translates
 the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: one sentence a call, batch 1; more:
@@ -44,9 +47,11 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1, help="sentences a call (1: batch 1)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--int8", action="store_true", help="int8 decoders (`dtmt translate --int8`)")
-    p.add_argument("--option", choices=("huge_pages", "step_tables", "context_table"), default="huge_pages",
+    p.add_argument("--option", choices=("huge_pages", "step_tables", "context_table", "table_pages"),
+                   default="huge_pages",
                    help="the FusedRNMTDecoder option timed on against off (context_table: the decoder's attribute, "
-                        "set to None in the other decoder)")
+                        "set to None in the other decoder; table_pages: the other decoder's token and position "
+                        "tables copied into ordinary 4 KiB pages)")
     a = p.parse_args(argv)
     if a.chunk < 1:
         p.error("--chunk must be >= 1")
@@ -63,9 +68,16 @@ def main(argv=None):
             if on.context_table is None:
                 raise SystemExit(f"{a.checkpoint}: its decoder makes no context_table")
             off.context_table = None
+        elif a.option == "table_pages":   # the same tables, in the 4 KiB pages of an ordinary allocation
+            off = FusedRNMTDecoder(on.prepared, on.layered, on.int8)
+            if off.token_table is None:
+                raise SystemExit(f"{a.checkpoint}: its decoder makes no token table")
+            off.token_table = off.token_table.clone()
+            if off.position_table(1) is not None:   # long enough for any sentence here (checked below)
+                off._position_table = off.position_table(1024).clone()
         else:
             off = FusedRNMTDecoder(on.prepared, on.layered, on.int8, **{a.option: False})
-        decoders = ({"2 MiB pages": on, "4 KiB pages": off} if a.option == "huge_pages" else
+        decoders = ({"2 MiB pages": on, "4 KiB pages": off} if a.option in ("huge_pages", "table_pages") else
                     {f"{a.option}=True": on, f"{a.option}=False": off})
         names = list(decoders)
         for d in decoders.values():   # a first call out of the timing
@@ -78,6 +90,8 @@ def main(argv=None):
                 out = translate(model, sv, tv, sources[i:i + a.chunk], beam=4, decoder=decoders[name])
                 seconds[name] += time.perf_counter() - t0
                 hyps[name] += [h[0][0] for h in out]
+        if a.option == "table_pages" and off._position_table is not None and off._position_table.shape[0] != 1024:
+            raise SystemExit("a sentence outgrew the 4 KiB-page position table (1024 positions)")
     differ = sum(x != y for x, y in zip(hyps[names[0]], hyps[names[1]]))
     machine = machine_name(threads=False)   # named below
     print(f"{machine}; {os.path.relpath(a.checkpoint, ROOT)}{' int8' if a.int8 else ''}; {len(sources)} "

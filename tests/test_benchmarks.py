@@ -531,7 +531,8 @@ def test_bench_beam_swap_quick(tmp_path):
 
 def test_bench_pages_quick(tmp_path):
     """The decoder-option timer: with the weights in 2 MiB pages or not, both decoders translate the toy test set
-    alike, one sentence a call and in chunks; --option step_tables times that option's two decoders."""
+    alike, one sentence a call and in chunks; --option step_tables times that option's two decoders, --option
+    table_pages the previous token's tables in either kind of page."""
     from test_train import make_toy_corpus
 
     from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
@@ -549,6 +550,9 @@ def test_bench_pages_quick(tmp_path):
         assert differ == 0 and all(s > 0 for s in seconds.values()) and len(seconds) == 2
     seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "step_tables"])
     assert list(seconds) == ["step_tables=True", "step_tables=False"] and all(s > 0 for s in seconds.values())
+    # the previous token's tables in 2 MiB pages or 4 KiB ones: the same values, so the same translations
+    seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "table_pages"])
+    assert list(seconds) == ["2 MiB pages", "4 KiB pages"] and differ == 0
     with pytest.raises(SystemExit):
         bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", "0"])
 

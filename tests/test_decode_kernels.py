@@ -660,6 +660,10 @@ def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
                 assert a.directions[0][1][0].data_ptr() % HUGE_PAGE == 0
                 assert all(x.data_ptr() != y.data_ptr() and torch.equal(x, y)
                            for (_, pa), (_, pb) in zip(a.directions, b.directions) for x, y in zip(pa, pb) if x.numel())
+            # the previous token's tables (rows read anywhere in them a step) too, each in its own 2 MiB pages
+            tables = [(huge.token_table, plain.token_table), (huge.position_table(9), plain.position_table(9))]
+            for a, b in tables[:1] + (tables[1:] if model.tgt_embed.positional else []):
+                assert a.data_ptr() % HUGE_PAGE == 0 and a.data_ptr() != b.data_ptr() and torch.equal(a, b)
         src, lengths = torch.randint(4, 50, (4, 6)), torch.tensor([6, 6, 4, 2])
         prevs = [torch.randint(4, 60, (4,)) for _ in range(3)]
         assert_decoders_step_alike(huge, plain, src, lengths, prevs, torch.tensor([2, 0, 3, 1]), 0, 0, 0)

@@ -95,14 +95,15 @@ class FusedRNMTDecoder:
     two matrices instead of three. `huge_pages`: the step's weights copied, last, into one buffer of 2 MiB pages
     (dk.functional.step_weights_on_huge_pages; the same values, fewer TLB misses), and the encoder's sequence
     layers' parameters likewise (dk.nn.FrozenTransitionLayer.on_huge_pages, in a shallow copy of the model that
-    `encode` runs). `step_tables`: the search's steps read what is made once instead of recomputing it
-    (dk.functional.rnmt_beam_search): per sentence, the context's products with the decoder cell's and readout's
-    matrices where that pays (short sources, float weights, after `fold`) and the keys' exponentials for the
-    attention scores; per decoder, tables of the previous token's products with the query cell's input matrix and
-    the readout's y matrix (dk.functional.token_products: float weights, tables up to its size bound), for every
-    target token and, for a system with positions, for each position (`position_table`, grown as sentences need),
-    and the two matrices that read the context split by head for the context's products (`context_table`,
-    dk.functional.context_heads): the same search up to rounding, fewer bytes and less work a step.
+    `encode` runs), and the previous token's tables below, each in its own such buffer. `step_tables`: the
+    search's steps read what is made once instead of recomputing it (dk.functional.rnmt_beam_search): per
+    sentence, the context's products with the decoder cell's and readout's matrices where that pays (short
+    sources, float weights, after `fold`) and the keys' exponentials for the attention scores; per decoder,
+    tables of the previous token's products with the query cell's input matrix and the readout's y matrix
+    (dk.functional.token_products: float weights, tables up to its size bound), for every target token and, for a
+    system with positions, for each position (`position_table`, grown as sentences need), and the two matrices
+    that read the context split by head for the context's products (`context_table`, dk.functional.context_heads):
+    the same search up to rounding, fewer bytes and less work a step.
     `search`: beam search's whole loop in one C++ call (see `_search`), or None
     where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
     (`model` is that model or the copy `encode` runs)."""
@@ -139,7 +140,8 @@ class FusedRNMTDecoder:
         # the previous token's products as tables for the search (step_tables; float weights): once here
         self.token_table = self._position_table = self.context_table = None
         if step_tables and self.search is not None:
-            self.token_table = dk.functional.token_products(emb.weight, self.query_cell, self.readout)
+            self.token_table = self._placed(dk.functional.token_products(emb.weight, self.query_cell,
+                                                                         self.readout))
             if self.attention.w_o is None:   # the context read only through the two matrices (fold)
                 heads = 1 if self.single_head else model.attention.heads
                 self.context_table = dk.functional.context_heads(self.decoder_cell, self.readout, heads)
@@ -212,10 +214,18 @@ class FusedRNMTDecoder:
         if table is None or table.shape[0] < steps:
             emb = self.model.tgt_embed
             length = max(steps, 256 if table is None else 2 * table.shape[0])
-            table = dk.functional.token_products(emb.scaled_positions(length, emb.weight), self.query_cell,
-                                                 self.readout)
+            table = self._placed(dk.functional.token_products(emb.scaled_positions(length, emb.weight),
+                                                              self.query_cell, self.readout))
             self._position_table = table
         return table
+
+    def _placed(self, table: Optional[Tensor]) -> Optional[Tensor]:
+        """A token or position table as the step reads it: with `huge_pages`, copied into 2 MiB pages (a step
+        reads the rows of its beam's previous tokens, ~6 KB each, anywhere in a table of tens of MB: in 4 KiB
+        pages each costs page walks; benchmarks/NOTES.md, item 63)."""
+        if table is None or not self.huge_pages:
+            return table
+        return dk.ops.linear.huge_page_copies([table])[0]
 
 
 def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False, int8: bool = False

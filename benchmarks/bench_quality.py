@@ -54,8 +54,10 @@ def dtmt(args, log):
 
 
 def dtmt_here(args, log):
-    """`dtmt ARGS` in this process (no interpreter and torch to start again), its output appended to `log`."""
+    """`dtmt ARGS` in this process (no interpreter and torch to start again), its Python output appended to `log`;
+    what it built is freed before the next (a decoder refers to itself: only the cycle collector frees it)."""
     import contextlib
+    import gc
 
     from dtmt_models.cli import main as cli
 
@@ -63,7 +65,11 @@ def dtmt_here(args, log):
         f.write("$ dtmt " + " ".join(args) + "\n")
         f.flush()
         with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            code = cli(args)
+            try:
+                code = cli(args)
+            except SystemExit as exc:   # argparse's errors
+                code = exc.code if isinstance(exc.code, int) else 1
+    gc.collect()
     if code != 0:
         raise RuntimeError(f"dtmt {' '.join(args)} failed (exit {code}); see {log}")
 

@@ -16,7 +16,8 @@ settings: dtmt_models/training/allocator.py; DTMT_MALLOC=default for glibc's own
   peak_rss_MB  the subprocess's peak resident memory (model, optimizer, activations, the Python runtime)
   speedup      fused tok/s over reference tok/s of the same system
 All systems are built from their `small` preset (`dtmt_models.models.presets`), so sizes are comparable to what
-`dtmt train` trains by default. The transformer has no recurrent layers: it is listed once ("-" backend).
+`dtmt train` trains by default (--quick: at tiny widths instead). The transformer has no recurrent layers: it is
+listed once ("-" backend).
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     """One (system, backend) pair in this process. With profile > 0, the timed updates run under
     torch.profiler and the `profile` ops with the most self CPU time are printed to stderr. On a CUDA device
     the timed updates end with a synchronisation, and peak_gpu_MB is the device memory's peak. tiny: the
-    preset's model at widths 16 / 32 (--quick: the plumbing, not a figure)."""
+    preset's model at embedding / hidden widths 16 / 32 (the transformer 16 / 64; --quick: the plumbing, not a
+    figure)."""
     import contextlib
 
     import torch
@@ -184,7 +186,8 @@ def run(argv=None):
         w = csv.DictWriter(f, fields)
         w.writeheader()
         w.writerows(rows)
-    sizes = f"{a.preset} presets at widths 16 / 32 (--quick)" if a.quick else f"{a.preset} presets"
+    sizes = (f"{a.preset} presets at widths 16 / 32, the transformer 16 / 64 (--quick)" if a.quick
+             else f"{a.preset} presets")
     print(f"\nTraining throughput ({machine_name(a.device)}; {sizes}, max_tokens {a.max_tokens}, "
           f"vocab {a.vocab}, {a.steps} updates after {a.warmup} warm-up)\n")
     on_gpu = a.device.startswith("cuda")

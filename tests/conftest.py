@@ -19,9 +19,10 @@ def nan_filled_empty_tensors():
 
 @pytest.fixture(autouse=True)
 def torch_threads_restored():
-    """A test that runs a command in this process with --threads N (bench_gemm, bench_serve, dtmt train ...)
-    leaves torch on N threads: every later test would run on them (on 1 instead of 2, the suite took minutes
-    longer). The thread count is put back after each test."""
+    """A test that runs a command in this process which sets torch's thread count (bench_update_pieces and
+    callgrind_cells' workload in test_benchmarks, `dtmt train --threads 1` in test_train) left torch on that count:
+    every later test ran on 1 thread instead of 2, minutes longer in all (benchmarks/NOTES.md, item 63). The
+    thread count is put back after each test."""
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:
@@ -70,7 +71,7 @@ def pytest_collection_finish(session):
     overlap the tests before them; see start_background_compiles)."""
     names = {item.name for item in session.items if getattr(getattr(item, "module", None), "__name__", "").endswith(
         "test_cuda_sources")}
-    if names:
+    if names and not session.config.option.collectonly:
         import tempfile
 
         module = next(item.module for item in session.items

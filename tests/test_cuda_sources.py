@@ -80,12 +80,17 @@ def _bindings_cmd(out_dir):
 
 def start_background_compiles(names, tmp_root):
     """Starts the compile of each test in `names` that has one (nothing when it would skip: no nvcc, no headers,
-    no C++ compiler), and the emulated kernels' extension when a test using it is selected."""
+    no C++ compiler), and the emulated kernels' extension when a test using it is selected. Each compiler runs in
+    a session of its own, so that stop_background_compiles can stop it with its children."""
     import tempfile
 
-    if (any(n.startswith("test_cuda_kernels_emulated") for n in names) and "job" not in BACKGROUND_EMULATED
-            and (shutil.which("g++") or shutil.which("c++"))):
-        _start_emulated_build(tmp_root)
+    if (any(n.startswith("test_cuda_kernels_emulated") for n in names) and "test_cuda_kernels_emulated" not in
+            BACKGROUND and (shutil.which("g++") or shutil.which("c++"))):
+        EMULATED_BUILD["dir"] = tempfile.mkdtemp(prefix="dtmt-emulated-", dir=tmp_root)
+        cmd = _emulated_build_cmd(EMULATED_BUILD["dir"])
+        out, err = (open(os.path.join(EMULATED_BUILD["dir"], n), "w+") for n in ("stdout", "stderr"))
+        BACKGROUND["test_cuda_kernels_emulated"] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                                                                     start_new_session=True), cmd, out, err)
 
     for name, make in (("test_aten_driver_compiles", _aten_driver_cmd), ("test_bindings_parse_with_cuda_enabled",
                                                                          _bindings_cmd)):
@@ -97,13 +102,35 @@ def start_background_compiles(names, tmp_root):
         except BaseException:   # noqa: BLE001 - pytest.skip: the test itself will skip with the reason
             continue
         out, err = (open(os.path.join(out_dir, n), "w+") for n in ("stdout", "stderr"))
-        BACKGROUND[name] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True), cmd, out, err)
+        BACKGROUND[name] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True), cmd,
+                            out, err)
+
+
+def _kill_session(sid):
+    """SIGKILL to every process of session `sid` (a background compile's: ninja puts each of its commands in a
+    process group of its own, so killing the group of the process we started would leave the compilers)."""
+    import signal
+
+    pids = [sid]
+    if os.path.isdir("/proc"):
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:   # "pid (name) state ppid pgrp session ..."
+                    if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
+                        pids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def stop_background_compiles():
     for proc, _, out, err in BACKGROUND.values():
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:   # still compiling (an interrupted or partial run): the compiler and its children
+            _kill_session(proc.pid)
             proc.wait()
         out.close()
         err.close()
@@ -232,51 +259,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 
 def _build_emulated_ext(build):
-    """Compiles EMULATION_EXT in the folder `build` and imports it (torch's JIT extension loader)."""
+    """Compiles EMULATION_EXT in the folder `build` and imports it (torch's JIT extension loader); a folder where
+    it was built already (start_background_compiles) only imports it (ninja finds nothing to do)."""
     from torch.utils.cpp_extension import load
 
     src = os.path.join(build, "emulated_cuda.cpp")
-    with open(src, "w") as f:
-        f.write(EMULATION_EXT)
+    if not os.path.isfile(src) or open(src).read() != EMULATION_EXT:   # (rewritten, it would be built again)
+        with open(src, "w") as f:
+            f.write(EMULATION_EXT)
     return load("dtmt_cuda_emulated", [src], extra_include_paths=[CSRC, os.path.dirname(__file__)],
                 extra_cflags=["-O1", "-std=c++17", "-w"], build_directory=build, verbose=False)
 
 
-def _start_emulated_build(tmp_root):
-    """The emulated extension's build (~30 s of one core) in a thread of its own, from collection on (the
-    compiler runs in a subprocess: the thread only waits); emulated_cuda_ext takes its module."""
-    import tempfile
-    import threading
-
-    build = tempfile.mkdtemp(prefix="dtmt-emulated-", dir=tmp_root)
-    result = {}
-
-    def run():
-        try:
-            result["module"] = _build_emulated_ext(build)
-        except BaseException as exc:   # noqa: BLE001 - re-raised by the fixture, in the test
-            result["error"] = exc
-
-    thread = threading.Thread(target=run, name="emulated-cuda-build", daemon=True)
-    thread.start()
-    BACKGROUND_EMULATED["job"] = (thread, result)
+def _emulated_build_cmd(build):
+    """A process that builds the emulated extension in `build` (start_background_compiles: ~30 s of one core)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cuda_sources as t; "
+            "t._build_emulated_ext(sys.argv[2])")
+    return [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), build]
 
 
-BACKGROUND_EMULATED = {}   # "job" -> (thread, result) once the build started at collection
+EMULATED_BUILD = {}   # "dir" -> the folder the background build writes to
 
 
 @pytest.fixture(scope="module")
 def emulated_cuda_ext(tmp_path_factory):
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    job = BACKGROUND_EMULATED.pop("job", None)
-    if job is None:
-        return _build_emulated_ext(str(tmp_path_factory.mktemp("cuda_emulation")))
-    thread, result = job
-    thread.join(timeout=900)
-    if "error" in result:
-        raise result["error"]
-    return result["module"]
+    if "test_cuda_kernels_emulated" in BACKGROUND:   # built in the background: wait, check, import
+        _run_or_wait("test_cuda_kernels_emulated", None, None)
+        return _build_emulated_ext(EMULATED_BUILD["dir"])
+    return _build_emulated_ext(str(tmp_path_factory.mktemp("cuda_emulation")))
 
 
 def _emulated_sequence(ext):

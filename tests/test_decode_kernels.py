@@ -638,8 +638,9 @@ def test_the_int8_form_of_a_fused_decoder_keeps_its_settings():
 def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
     """FusedRNMTDecoder(huge_pages=True), the default: the step's weights (dk.functional.step_weights_on_huge_pages)
     and the encoder's sequence layers (FrozenTransitionLayer.on_huge_pages) are copies, in one 2 MiB-aligned buffer
-    each where huge pages are offered, and the decoder's steps, its reorder and its whole C++ beam search give
-    the 4 KiB-page decoder's results to the bit, in float32, also as an int8 decoder."""
+    each where huge pages are offered (the previous token's tables too, each in its own), and the decoder's steps,
+    its reorder and its whole C++ beam search give the 4 KiB-page decoder's results to the bit, in float32, also as
+    an int8 decoder."""
     from dtmt_models.decoding.beam_search import beam_search
 
     torch.manual_seed(7)
@@ -660,10 +661,13 @@ def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
                 assert a.directions[0][1][0].data_ptr() % HUGE_PAGE == 0
                 assert all(x.data_ptr() != y.data_ptr() and torch.equal(x, y)
                            for (_, pa), (_, pb) in zip(a.directions, b.directions) for x, y in zip(pa, pb) if x.numel())
-            # the previous token's tables (rows read anywhere in them a step) too, each in its own 2 MiB pages
+            # the previous token's tables (rows read anywhere in them a step) too, each in a mapping of its own in
+            # 2 MiB pages (huge_page_copies: a 2 MiB-aligned start, the mapping whole 2 MiB pages), the same values;
+            # the 4 KiB-page decoder's are ordinary tensors (storage of their own size)
             tables = [(huge.token_table, plain.token_table), (huge.position_table(9), plain.position_table(9))]
             for a, b in tables[:1] + (tables[1:] if model.tgt_embed.positional else []):
-                assert a.data_ptr() % HUGE_PAGE == 0 and a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+                assert a.data_ptr() % HUGE_PAGE == 0 and a.untyped_storage().nbytes() % HUGE_PAGE == 0
+                assert b.untyped_storage().nbytes() == b.nbytes and torch.equal(a, b)
         src, lengths = torch.randint(4, 50, (4, 6)), torch.tensor([6, 6, 4, 2])
         prevs = [torch.randint(4, 60, (4,)) for _ in range(3)]
         assert_decoders_step_alike(huge, plain, src, lengths, prevs, torch.tensor([2, 0, 3, 1]), 0, 0, 0)

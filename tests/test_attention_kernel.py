@@ -76,13 +76,6 @@ def test_gradients_through_non_contiguous_keys_and_query():
     assert grads[0][2][..., :2].abs().sum() == 0 and grads[0][2][..., 7:].abs().sum() == 0
 
 
-@pytest.fixture
-def restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _grads_over_threads(f, inputs):
     grads = []
     for threads in (1, 2, 1):
@@ -96,7 +89,7 @@ def _grads_over_threads(f, inputs):
             assert torch.equal(a, b)
 
 
-def test_gradients_are_deterministic(restore_threads):
+def test_gradients_are_deterministic():
     _grads_over_threads(lambda k, q, v: dk.functional.additive_scores(k, q, v, "cpp"),
                         _inputs(16, 30, 4, 32, torch.float32))
 
@@ -158,7 +151,7 @@ def test_context_gradient_of_a_strided_view_is_laid_out_like_it():
     torch.testing.assert_close(grad_values, alpha.detach().repeat_interleave(3, 1).transpose(1, 2))
 
 
-def test_context_gradients_are_deterministic(restore_threads):
+def test_context_gradients_are_deterministic():
     alpha, values, _ = _context_inputs(16, 30, 4, 64, torch.float32)
     _grads_over_threads(lambda a, v: dk.functional.attention_context(a, v, "cpp"), [alpha, values])
 

@@ -84,17 +84,12 @@ def start_background_compiles(names, tmp_root):
     a session of its own, so that stop_background_compiles can stop it with its children."""
     import tempfile
 
-    if (any(n.startswith("test_cuda_kernels_emulated") for n in names) and "test_cuda_kernels_emulated" not in
-            BACKGROUND and (shutil.which("g++") or shutil.which("c++"))):
-        EMULATED_BUILD["dir"] = tempfile.mkdtemp(prefix="dtmt-emulated-", dir=tmp_root)
-        cmd = _emulated_build_cmd(EMULATED_BUILD["dir"])
-        out, err = (open(os.path.join(EMULATED_BUILD["dir"], n), "w+") for n in ("stdout", "stderr"))
-        BACKGROUND["test_cuda_kernels_emulated"] = (subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
-                                                                     start_new_session=True), cmd, out, err)
-
+    # (the emulated extension's tests are parametrized, and two use it: their names start with its key)
     for name, make in (("test_aten_driver_compiles", _aten_driver_cmd), ("test_bindings_parse_with_cuda_enabled",
-                                                                         _bindings_cmd)):
-        if name not in names or name in BACKGROUND or (make is _aten_driver_cmd and NVCC is None):
+                                                                         _bindings_cmd),
+                       ("test_cuda_kernels_emulated", _emulated_build_cmd)):
+        if (not any(n.startswith(name) for n in names) or name in BACKGROUND
+                or (make is _aten_driver_cmd and NVCC is None)):
             continue
         out_dir = tempfile.mkdtemp(prefix="dtmt-compile-", dir=tmp_root)
         try:
@@ -264,7 +259,11 @@ def _build_emulated_ext(build):
     from torch.utils.cpp_extension import load
 
     src = os.path.join(build, "emulated_cuda.cpp")
-    if not os.path.isfile(src) or open(src).read() != EMULATION_EXT:   # (rewritten, it would be built again)
+    written = None
+    if os.path.isfile(src):
+        with open(src) as f:
+            written = f.read()
+    if written != EMULATION_EXT:   # (only when it differs: rewritten, it would be built again)
         with open(src, "w") as f:
             f.write(EMULATION_EXT)
     return load("dtmt_cuda_emulated", [src], extra_include_paths=[CSRC, os.path.dirname(__file__)],
@@ -272,22 +271,22 @@ def _build_emulated_ext(build):
 
 
 def _emulated_build_cmd(build):
-    """A process that builds the emulated extension in `build` (start_background_compiles: ~30 s of one core)."""
+    """A process that builds the emulated extension in the folder `build`, its last argument
+    (start_background_compiles: ~30 s of one core)."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_cuda_sources as t; "
             "t._build_emulated_ext(sys.argv[2])")
     return [sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), build]
-
-
-EMULATED_BUILD = {}   # "dir" -> the folder the background build writes to
 
 
 @pytest.fixture(scope="module")
 def emulated_cuda_ext(tmp_path_factory):
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    if "test_cuda_kernels_emulated" in BACKGROUND:   # built in the background: wait, check, import
-        _run_or_wait("test_cuda_kernels_emulated", None, None)
-        return _build_emulated_ext(EMULATED_BUILD["dir"])
+    if "test_cuda_kernels_emulated" in BACKGROUND:   # built in the background: wait, check, import from its folder
+        cmd = _run_or_wait("test_cuda_kernels_emulated", None, None)
+        return _build_emulated_ext(cmd[-1])
     return _build_emulated_ext(str(tmp_path_factory.mktemp("cuda_emulation")))
 
 

@@ -90,6 +90,9 @@ constexpr int64_t kMaxTopCandidates = 32;
 
 constexpr int64_t kCellScratch = 9;  // values per hidden unit a cell row needs (3 gates x {value, norm, grad})
 
+// The columns of one panel of a weight in the row-panel layout (CpuKernels::row_panels, small_gemm.h).
+constexpr int64_t kPanelWidth = 128;
+
 // The int8 panel loop's tile: rows of x a vector holds, and weight rows taken together (CpuKernels::int8_panel).
 constexpr int kInt8PanelRows = 16;
 constexpr int kInt8PanelColumns = 12;
@@ -102,6 +105,11 @@ struct CpuKernels {
   // output columns [n0, n1); bias may be null.
   void (*small_rows)(int M, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
                      int64_t ldo, int64_t n0, int64_t n1);
+  // One row of x [K] times a weight W [N, K] in the row-panel layout (small_gemm.h: panels of kPanelWidth columns,
+  // k-major), panels [p0, p1): out[n] = bias[n] + sum_k x[k] W[n, k] for the n < N they hold, each sum taken in k
+  // order (one multiply-add chain an output; then the bias); bias may be null.
+  void (*row_panels)(const float* x, const float* panels, int64_t K, const float* bias, float* out, int64_t N,
+                     int64_t p0, int64_t p1);
   // Rows of x [M, K] (row stride ldx) as int8 rows xq [M, K] with a scale each (small_gemm.h); finite[m] = 0 for a
   // row holding NaN or an infinity (left unwritten).
   void (*quantize_activations_int8)(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,

@@ -101,12 +101,18 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
 
 std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, const OptTensor& mask, int64_t kind,
                                              at::TensorList params, bool reverse, double eps) {
-  TORCH_CHECK(params.size() == 10 || params.size() == 20,
-              "dtmt::transition_encode: ten parameter tensors a direction, got ", params.size());
+  // ten parameters a direction, or twelve: the ten, then w_hh and t_w in the row-panel layout (small_gemm.h)
+  const size_t n = params.size(), per = n == 12 || n == 24 ? 12 : 10;
+  TORCH_CHECK(n == 10 || n == 20 || n == 12 || n == 24,
+              "dtmt::transition_encode: ten parameter tensors a direction (twelve with row panels), got ", n);
   std::vector<dtmt::TransitionWeights> dirs;
-  for (size_t d = 0; d < params.size(); d += 10) {
-    const at::TensorList p = params.slice(d, 10);
+  for (size_t d = 0; d < n; d += per) {
+    const at::TensorList p = params.slice(d, per);
     dirs.push_back(weights(kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]));
+    if (per == 12) {
+      dirs.back().w_hh_panels = p[10];
+      dirs.back().t_w_panels = p[11];
+    }
   }
   auto r = dtmt::transition_encode_cpu(dense(x), dense(h0), dense(mask, x), dirs, reverse, eps);
   return {r[0], r[1]};

@@ -33,6 +33,14 @@ inline int64_t weight_in_features(const at::Tensor& w) {
 // infinity gives NaN.
 void linear_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, const at::Tensor& w);
 
+// The row-panel layout of a float32 weight W [N, K] for products with one row (an encoder's recurrent matrices at
+// batch 1): panels [ceil(N / kPanelWidth), K, kPanelWidth] with panels[p, k, j] = W[p * kPanelWidth + j, k] (zeros
+// past N); made once by dtmt_kernels/ops/linear/panels.py (row_panels), the reference. out [1, N] = x [1, K] W^T +
+// bias with CpuKernels::row_panels (each output summed in k order; the panels split among threads); is_row_panels
+// says whether `panels` is such a layout for N outputs and K inputs.
+bool is_row_panels(const at::Tensor& panels, int64_t N, int64_t K);
+void row_panels_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, const at::Tensor& panels);
+
 // The op exposed to Python: a new [M, N] tensor (x must be 2-D).
 at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 

@@ -140,6 +140,35 @@ void linear_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, c
   }
 }
 
+bool is_row_panels(const at::Tensor& panels, int64_t N, int64_t K) {
+  return panels.defined() && panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.device().is_cpu() &&
+         panels.is_contiguous() && panels.size(0) == (N + kPanelWidth - 1) / kPanelWidth && panels.size(1) == K &&
+         panels.size(2) == kPanelWidth;
+}
+
+void row_panels_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, const at::Tensor& panels) {
+  const int64_t N = out.size(1), K = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && out.dim() == 2 && out.size(0) == 1 && x.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat && (K <= 1 || x.stride(1) == 1) && (N <= 1 || out.stride(1) == 1),
+              "dtmt: a row-panel product takes one float32 row x [1, K] into out [1, N], got ", x.sizes(), " and ",
+              out.sizes());
+  TORCH_CHECK(is_row_panels(panels, N, K), "dtmt: row panels for ", N, " outputs of ", K, " inputs are a contiguous "
+              "float32 [", (N + kPanelWidth - 1) / kPanelWidth, ", ", K, ", ", kPanelWidth, "] tensor, got ",
+              panels.sizes());
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == N && bias.is_contiguous() &&
+                            bias.scalar_type() == at::kFloat),
+              "dtmt: the bias of a row-panel product must be a float32 [", N, "], got ", bias.sizes());
+  const auto loop = cpu_kernels().row_panels;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  // a task of at least 64 KiB of panels, as linear_into's
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024 / 4) / std::max<int64_t>(K * kPanelWidth, 1));
+  at::parallel_for(0, panels.size(0), grain, [&](int64_t p0, int64_t p1) { loop(xp, pp, K, bp, op, N, p0, p1); });
+}
+
 at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == weight_in_features(w), "dtmt._C.small_rows_linear: x "
               "[M, K] and w [N, K] (or int8 rows [N, K + 4]) expected, got ", x.sizes(), " and ", w.sizes());

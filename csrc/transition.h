@@ -23,6 +23,9 @@ struct TransitionWeights {
   // applies; a step slicing them itself would run a dispatched op each, its code pushed out of the caches by the
   // step's weight stream); the cell steps need them, the sequence kernels do not read them
   std::vector<at::Tensor> t_w_k, t_b_k;
+  // w_hh and the T-GRUs' t_w in the row-panel layout (small_gemm.h; [P, H, kPanelWidth] and [D, P', H,
+  // kPanelWidth]), or empty: transition_encode's products at batch 1 read them instead (float32 weights only)
+  at::Tensor w_hh_panels, t_w_panels;
 };
 
 // w with t_w_k / t_b_k filled.
@@ -51,7 +54,9 @@ at::Tensor cell_step_cpu(const at::Tensor& x, const at::Tensor& h, const Transit
                          StepScratch* scratch = nullptr);
 
 // Inference over both directions of a layer at once (FrozenTransitionLayer): x [T,B,I], h0 [D,B,H], mask [T,B] or
-// empty, dirs: D = 1 or 2 directions' weights; direction d reads right to left when d == 1 or `reverse`. Returns
+// empty, dirs: D = 1 or 2 directions' weights; direction d reads right to left when d == 1 or `reverse`. At batch 1
+// a float32 direction whose weights carry row panels (w_hh_panels, t_w_panels) multiplies its states by those: the
+// same products summed in another order (k by k), so the same outputs up to rounding. Returns
 // {out [T,B,D*H] (direction d in features d*H..), h_n [D,B,H]}, each direction as transition_forward_cpu computes it
 // (float / double: the same arithmetic without the sequence tensors it keeps for backward, one step's rows reused).
 // With two directions on two threads (and not already inside a parallel region) each direction runs on a thread of

@@ -446,18 +446,38 @@ std::vector<Tensor> encode_impl(const Tensor& x, const Tensor& h0, const Tensor&
     tgru.back().hp = hpt.data_ptr<T>();
     tgru.back().h = state[k].data_ptr<T>();
   }
+  // batch 1, float32: the recurrent products from the row panels where the weights carry them (transition.h)
+  const bool panels = std::is_same<T, float>::value && B == 1 && w.w_hh_panels.defined() && w.w_hh_panels.numel() > 0;
+  if (panels) {
+    TORCH_CHECK(w.w_hh.scalar_type() == at::kFloat && is_row_panels(w.w_hh_panels, w.w_hh.size(0), H),
+                "dtmt::transition_encode: row panels of float32 weights expected (w_hh ", w.w_hh.sizes(), " ",
+                w.w_hh.scalar_type(), ", its panels ", w.w_hh_panels.sizes(), ")");
+    TORCH_CHECK(D == 0 || (w.t_w_panels.dim() == 4 && w.t_w_panels.size(0) == D),
+                "dtmt::transition_encode: the T-GRUs' row panels must be [", D, ", P, H, 128], got ",
+                w.t_w_panels.sizes());
+  }
+  std::vector<Tensor> t_panels;
+  for (int64_t k = 0; panels && k < D; ++k) t_panels.push_back(w.t_w_panels[k]);
   const T* xp_p = xp.data_ptr<T>();
   T* out_p = out.data_ptr<T>();
   T* hn_p = state[0].data_ptr<T>();
   for (int64_t step = 0; step < T_; ++step) {
     const int64_t t = reverse ? T_ - 1 - step : step;
     T* out_t = out_p + t * B * H;
-    linear_into(hp, w.b_hh, state[0], w.w_hh);
+    if (panels) {
+      row_panels_into(hp, w.b_hh, state[0], w.w_hh_panels);
+    } else {
+      linear_into(hp, w.b_hh, state[0], w.w_hh);
+    }
     base.xp = xp_p + t * B * d.n_in * H;
     base.out = D > 0 ? state[1].data_ptr<T>() : out_t;
     cell_rows(kernels.cell_forward_rows, base, B);
     for (int64_t k = 1; k <= D; ++k) {
-      linear_into(hpt, t_b[k - 1], state[k], t_w[k - 1]);
+      if (panels) {
+        row_panels_into(hpt, t_b[k - 1], state[k], t_panels[k - 1]);
+      } else {
+        linear_into(hpt, t_b[k - 1], state[k], t_w[k - 1]);
+      }
       CellRows<T>& a = tgru[k - 1];
       a.out = k < D ? state[k + 1].data_ptr<T>() : out_t;
       cell_rows(kernels.cell_forward_rows, a, B);

@@ -498,18 +498,25 @@ class FrozenTransitionLayer(InferenceForm):
     results) with each direction's kernel parameters gathered once (`directions`: (kind, params) pairs as
     FrozenTransitionCell holds them, for torch.ops.dtmt.transition_forward). No candidate dropout (eval mode).
     `int8()`: a copy whose recurrent matrices are int8 rows (int8 decoding); `on_huge_pages()`: a copy whose
-    parameters sit in 2 MiB pages."""
+    parameters sit in 2 MiB pages; `with_row_panels()`: a copy that also holds each direction's recurrent matrices in
+    the row-panel layout (`panels`: (w_hh, t_w) panels a direction, or None), which transition_encode multiplies at
+    batch 1 (ops.linear.panels: the same outputs up to rounding)."""
 
-    def __init__(self, layer: "_TransitionLayer", directions: Optional[List[Tuple[int, List[Tensor]]]] = None):
+    def __init__(self, layer: "_TransitionLayer", directions: Optional[List[Tuple[int, List[Tensor]]]] = None,
+                 panels: Optional[List[Tuple[Tensor, Tensor]]] = None):
         super().__init__(layer)
         self.eps = layer.eps
         if directions is None:
             with torch.no_grad():
                 directions = [(KINDS[layer.cell], layer.kernel_params(d)) for d in range(layer.num_directions)]
-        self.directions = directions
-        # CPU weights: every direction in one call of transition_encode (on two threads, a direction a thread)
+        self.directions, self.panels = directions, panels
+        # CPU weights: every direction in one call of transition_encode (on two threads, a direction a thread), its
+        # ten parameters followed by its two panel tensors where there are panels
         on_cpu = directions[0][1][0].device.type == "cpu"
-        self._flat = [p for _, params in directions for p in params] if on_cpu else None
+        self._flat = None
+        if on_cpu:
+            self._flat = [t for d, (_, params) in enumerate(directions)
+                          for t in (params if panels is None else [*params, *panels[d]])]
 
     def forward(self, x: Tensor, h0: Optional[Tensor] = None, lengths=None) -> Tuple[Tensor, Tensor]:
         return _TransitionLayer.forward(self, x, h0, lengths)
@@ -549,9 +556,28 @@ class FrozenTransitionLayer(InferenceForm):
 
         if not huge_pages_offered() or self._flat is None:
             return self
-        copies = iter(huge_page_copies([p for _, params in self.directions for p in params]))
-        return FrozenTransitionLayer(self.source, [(kind, [next(copies) for _ in params])
-                                                   for kind, params in self.directions])
+        panels = self.panels or []
+        copies = iter(huge_page_copies([p for _, params in self.directions for p in params] +
+                                       [p for pair in panels for p in pair]))
+        directions = [(kind, [next(copies) for _ in params]) for kind, params in self.directions]
+        return FrozenTransitionLayer(self.source, directions,
+                                     [(next(copies), next(copies)) for _ in panels] if self.panels else None)
+
+    def with_row_panels(self) -> "FrozenTransitionLayer":
+        """A copy holding, beside its parameters, each direction's w_hh and T-GRU matrices t_w in the row-panel
+        layout (ops.linear.panels.row_panels: the same values, one more copy of the recurrent matrices), for
+        transition_encode's products at batch 1; the layer itself where its weights are not CPU float32 (int8
+        rows, another device or dtype) or it has panels already."""
+        from .ops.linear.panels import row_panels
+
+        w_hh = self.directions[0][1][self.RECURRENT[0]]
+        if self.panels is not None or self._flat is None or w_hh.dtype != torch.float32:
+            return self
+        with torch.no_grad():
+            panels = [(row_panels(params[self.RECURRENT[0]]),
+                       row_panels(params[self.RECURRENT[1]]) if params[self.RECURRENT[1]].numel()
+                       else params[self.RECURRENT[1]]) for _, params in self.directions]
+        return FrozenTransitionLayer(self.source, self.directions, panels)
 
 
 class Linear(BackendSwitch, nn.Linear):

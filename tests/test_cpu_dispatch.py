@@ -5,7 +5,7 @@ instruction set and the best one this CPU runs is chosen when the library loads.
   DTMT_CPU_ISA picks another, and an unusable value is ignored with a warning;
 - every copy this machine can run computes the same numbers as the baseline x86-64 copy: the cells' forward and
   backward (all kinds, layer norm, T-GRUs, mask, candidate dropout, both directions), the attention scores and
-  context with their gradients, the small-row linear (float32 to rounding: vector width and FMA change the
+  context with their gradients, the small-row linear and the row-panel products (float32 to rounding: vector width and FMA change the
   order of the sums; float64 to a few ulps);
 - no code outside the copies' namespaces holds an instruction beyond baseline x86-64 (AVX, AVX-512, BMI, ...),
   which is what an inline function picked from the wrong copy at link time would show (objdump).
@@ -135,6 +135,12 @@ def _all_kernels(dtype):
         for M in range(1, _C.SMALL_ROWS_MAX + 1):
             x, w, b = (torch.randn(*shape, generator=g) for shape in ((M, 301), (77, 301), (77,)))
             results[f"small-rows-{M}"] = [torch.ops.dtmt.small_rows_linear(x, w, b), torch.ops.dtmt.small_rows_linear(x, w, x.new_empty(0))]
+        # the row-panel products (an encoder at batch 1: 4H = 148 and 3H = 111, part-filled last panels)
+        torch.manual_seed(5)
+        encoder = dk.nn.DeepTransitionGRU(I, H, depth=2, cell="lgru", layer_norm=True, bidirectional=True).eval()
+        with torch.no_grad():
+            results["row-panels"] = list(encoder.inference_module().with_row_panels()(
+                torch.randn(T, 1, I, generator=g)))
     return results
 
 

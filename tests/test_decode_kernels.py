@@ -2,6 +2,8 @@
 inference-only fused attention step, readout features and memory encoder (csrc/decode_step_cpu.cpp), the
 modules' inference forms, against the modules themselves, and the systems' inference decoders
 (`Seq2Seq.inference_decoder`, the fused whole step among them) against the models on the reference backend."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -564,6 +566,123 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):   # the layer's autocast rule: bf16 products
         got, want = layer.inference_module()(x, None, lengths), layer(x, None, lengths)
     assert got[0].dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_row_panels_layout():
+    """ops.linear.row_panels: W [N, K] as panels [ceil(N / 128), K, 128] with panels[p, k, j] = W[128 p + j, k] and
+    zeros past N, for one matrix and for a stack of them (the T-GRUs' t_w [D, 3H, H]); a vector is refused."""
+    from dtmt_kernels.ops.linear import PANEL_WIDTH, row_panels
+
+    assert PANEL_WIDTH == 128
+    g = torch.Generator().manual_seed(0)
+    for shape in ((300, 7), (128, 3), (5, 9), (2, 150, 5)):
+        w = torch.randn(*shape, generator=g)
+        panels = row_panels(w)
+        *lead, N, K = shape
+        P = -(-N // 128)
+        assert panels.shape == (*lead, P, K, 128) and panels.is_contiguous() and panels.dtype == w.dtype
+        for n in (0, 1, N - 1) + ((128, 129) if N > 129 else ()):
+            assert torch.equal(panels[..., n // 128, :, n % 128], w[..., n, :])
+        flat = panels.transpose(-1, -2).reshape(*lead, P * 128, K)
+        assert torch.equal(flat[..., :N, :], w) and not flat[..., N:, :].any()
+    with pytest.raises(ValueError, match="row_panels"):
+        row_panels(torch.randn(5))
+
+
+@pytest.mark.parametrize("layer_kind", ["lgru-bi", "gru-reverse", "atr-bi", "lgru-shallow"])
+def test_sequence_layer_row_panels(layer_kind):
+    """FrozenTransitionLayer.with_row_panels (FusedRNMTDecoder(encoder_panels=True), the default): at batch 1 the
+    float32 products of the states with w_hh and the T-GRUs' t_w come from the row-panel layout (CpuKernels::
+    row_panels: each output one multiply-add chain in k order): the layer's outputs, in float64, within float32
+    rounding, as close to them as the row-major form's (with padding masks, time-major and unbatched, H = 40 so that
+    4H = 160 and 3H = 120 end in a part-filled panel), on one thread and on two; at batch > 1 the row-major form's
+    outputs to the bit (the panels unused). Its on_huge_pages copy keeps the panels (the same values, the same
+    outputs to the bit); float64 and int8 forms are their own panel forms."""
+    cell, rest = layer_kind.split("-")
+    torch.manual_seed(0)
+    if cell == "atr":
+        layer = dk.nn.ATR(6, 40, layer_norm=True, bidirectional=True)
+    else:
+        layer = dk.nn.DeepTransitionGRU(6, 40, depth=0 if rest == "shallow" else 2, cell=cell, layer_norm=True,
+                                        bidirectional=rest in ("bi", "shallow"), reverse=rest == "reverse")
+    layer = _randomise(layer, 7).eval()
+    g = torch.Generator().manual_seed(8)
+    x, lengths = torch.randn(9, 3, 6, generator=g), torch.tensor([9, 5, 1])
+    D = 2 if layer.bidirectional else 1
+    h0 = torch.randn(D, 1, 40, generator=g)
+    plain = layer.inference_module()
+    panels = plain.with_row_panels()
+    assert plain.panels is None and panels.panels is not None and panels.with_row_panels() is panels
+    w_hh = plain.directions[0][1][2]
+    assert torch.equal(panels.panels[0][0], dk.ops.linear.row_panels(w_hh))
+    reference = copy.deepcopy(layer).double()
+
+    def outputs():
+        with torch.no_grad():
+            for args in ((x[:, :1], None, lengths[:1]), (x[:, :1], h0, None), (x[:4, 0], None, None),
+                         (x[:, 1:2], None, lengths[1:2])):
+                want = reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                   for a in args])
+                got, rows = panels(*args), plain(*args)
+                for a, b, c in zip(got, rows, want):
+                    assert (a - c).abs().max() <= 1e-5 and (a - c).abs().max() <= 4 * (b - c).abs().max() + 1e-6
+            assert all(torch.equal(a, b) for a, b in zip(panels(x, lengths=lengths), plain(x, lengths=lengths)))
+        return True
+
+    assert all(at_thread_counts(outputs, 1, 2))
+    # the op with twelve tensors a direction (the ten parameters, then the two panel tensors): schema, fake, AOT
+    assert len(panels._flat) == 12 * D
+    torch.library.opcheck(torch.ops.dtmt.transition_encode.default,
+                          (x[:, :1], torch.zeros(D, 1, 40), None, panels.directions[0][0],
+                           [t.detach() for t in panels._flat],
+                           getattr(layer, "reverse", False), layer.eps))
+    # the panels are what batch 1 reads, and only batch 1: panels of zeros leave the base cell's recurrent products
+    # to the biases there, and change nothing for a batch of three
+    zeros = dk.nn.FrozenTransitionLayer(layer, plain.directions, [tuple(torch.zeros_like(t) for t in pair)
+                                                                  for pair in panels.panels])
+    with torch.no_grad():
+        assert (zeros(x[:, :1])[0] - plain(x[:, :1])[0]).abs().max() > 1e-2
+        assert all(torch.equal(a, b) for a, b in zip(zeros(x, lengths=lengths), plain(x, lengths=lengths)))
+    bad = [t.detach() for t in panels._flat]
+    bad[10] = bad[10][:, :-1]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="row panels of float32 weights expected"):
+        torch.ops.dtmt.transition_encode(x[:, :1], torch.zeros(D, 1, 40), None, panels.directions[0][0], bad,
+                                         getattr(layer, "reverse", False), layer.eps)
+    huge = panels.on_huge_pages()
+    if huge is not panels:
+        assert all(torch.equal(a, b) for pa, pb in zip(huge.panels, panels.panels) for a, b in zip(pa, pb))
+        with torch.no_grad():
+            assert all(torch.equal(a, b) for a, b in zip(huge(x[:, :1]), panels(x[:, :1])))
+    assert plain.int8().with_row_panels().panels is None
+    double = copy.deepcopy(layer).double().inference_module()
+    assert double.with_row_panels() is double
+
+
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
+def test_encoder_panels_search(system):
+    """FusedRNMTDecoder(encoder_panels=True), the default, against encoder_panels=False: the same hypotheses and
+    scores within float32 rounding at batch 1 (the encoder's products from the row panels), the same results to the
+    bit for a batch of several sentences (the panels unused); an int8 decoder has none."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    torch.manual_seed(3)
+    model = build_model(system, 50, 60, embed_dim=16, hidden_size=40).eval()
+    with torch.no_grad():
+        on = model.inference_decoder()
+        off = FusedRNMTDecoder(on.prepared, on.layered, encoder_panels=False)
+        encoders = lambda d: [m for m in d.model.modules() if isinstance(m, dk.nn.FrozenTransitionLayer)]  # noqa: E731
+        assert encoders(on) and all(m.panels is not None for m in encoders(on))
+        assert all(m.panels is None for m in encoders(off))
+        assert all(m.panels is None for m in encoders(on.inference_decoder(int8=True)))
+        g = torch.Generator().manual_seed(4)
+        for length in (1, 5, 13):
+            src = torch.randint(4, 50, (1, length), generator=g)
+            lengths = torch.tensor([length])
+            a, b = beam_search(on, src, lengths, beam=3, nbest=3), beam_search(off, src, lengths, beam=3, nbest=3)
+            assert [h.tokens for h in a[0]] == [h.tokens for h in b[0]]
+            assert all(abs(x.score - y.score) < 1e-5 for x, y in zip(a[0], b[0]))
+        src, lengths = torch.randint(4, 50, (3, 7), generator=g), torch.tensor([7, 4, 2])
+        assert beam_search(on, src, lengths, beam=3) == beam_search(off, src, lengths, beam=3)
 
 
 def _mapping_flags(ptr: int) -> str:

@@ -17,6 +17,7 @@ template <typename T> constexpr TypedCpuKernels<T> typed_kernels() {
 
 extern const CpuKernels kCpuKernels;
 const CpuKernels kCpuKernels = {DTMT_STR(DTMT_ISA), typed_kernels<float>(), typed_kernels<double>(), small_rows,
+                                row_panels,
                                 quantize_activations_int8, small_rows_int8, int8_panel_rows, pack_int8_panel,
                                 int8_panel, top_candidates};
 

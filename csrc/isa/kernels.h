@@ -63,6 +63,8 @@ void smoothed_ce_rows(const T* logits, const int64_t* target, int64_t V, int64_t
 // small_gemm_rows.cpp
 void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* out,
                 int64_t ldo, int64_t n0, int64_t n1);
+void row_panels(const float* x, const float* panels, int64_t K, const float* bias, float* out, int64_t N,
+                int64_t p0, int64_t p1);
 void quantize_activations_int8(int64_t M, const float* x, int64_t ldx, int64_t K, int8_t* xq, float* x_scale,
                                char* finite);
 void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,

@@ -563,6 +563,56 @@ void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, c
   }
 }
 
+// One row of x times weight panels [p0, p1) (cpu_kernels.h; the layout: small_gemm.h). A panel is K rows of
+// kPanelWidth floats, one row per k, read in address order; x[k] is broadcast and multiplied into one accumulator
+// per output column, so an output is one multiply-add chain over k in order, with no sum across vector lanes and one
+// load a multiply-add (a row-major walk over one row of x loads x as often as the weights and reduces each output
+// across lanes: benchmarks/NOTES.md, item 64). AVX-512: 8 accumulators of 16 columns; AVX2: a panel in two halves
+// of 64 columns, 8 accumulators each (16 registers); baseline: plain loops (multiply then add, no FMA).
+void row_panels(const float* x, const float* panels, int64_t K, const float* bias, float* out, int64_t N,
+                int64_t p0, int64_t p1) {
+  constexpr int64_t P = kPanelWidth;
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* w = panels + p * K * P;
+    const int64_t n0 = p * P, width = std::min(P, N - n0);
+    alignas(64) float sums[P];
+#if defined(__AVX512F__)
+    constexpr int V = static_cast<int>(P / 16);
+    __m512 acc[V];
+    for (int j = 0; j < V; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const float* r = w + k * P;
+      _mm_prefetch(reinterpret_cast<const char*>(r + 4 * P), _MM_HINT_T0);
+      const __m512 xb = _mm512_set1_ps(x[k]);
+      for (int j = 0; j < V; ++j) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(r + 16 * j), xb, acc[j]);
+    }
+    for (int j = 0; j < V; ++j) _mm512_store_ps(sums + 16 * j, acc[j]);
+#elif DTMT_SMALL_ROWS_AVX2
+    constexpr int64_t Hf = P / 2;
+    constexpr int V = static_cast<int>(Hf / 8);
+    for (int64_t half = 0; half < P; half += Hf) {
+      __m256 acc[V];
+      for (int j = 0; j < V; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) {
+        const float* r = w + k * P + half;
+        _mm_prefetch(reinterpret_cast<const char*>(r + 4 * P), _MM_HINT_T0);
+        const __m256 xb = _mm256_set1_ps(x[k]);
+        for (int j = 0; j < V; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(r + 8 * j), xb, acc[j]);
+      }
+      for (int j = 0; j < V; ++j) _mm256_store_ps(sums + half + 8 * j, acc[j]);
+    }
+#else
+    for (int64_t j = 0; j < P; ++j) sums[j] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float* DTMT_RESTRICT r = w + k * P;
+      const float xk = x[k];
+      for (int64_t j = 0; j < P; ++j) sums[j] += xk * r[j];
+    }
+#endif
+    for (int64_t j = 0; j < width; ++j) out[n0 + j] = bias ? sums[j] + bias[n0 + j] : sums[j];
+  }
+}
+
 void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,
                      int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
 #define DTMT_INT8_CASES(NAME)                                                                                      \

@@ -103,15 +103,19 @@ class FusedRNMTDecoder:
     (dk.functional.token_products: float weights, tables up to its size bound), for every target token and, for a
     system with positions, for each position (`position_table`, grown as sentences need), and the two matrices
     that read the context split by head for the context's products (`context_table`, dk.functional.context_heads):
-    the same search up to rounding, fewer bytes and less work a step.
+    the same search up to rounding, fewer bytes and less work a step. `encoder_panels`: the encoder's sequence
+    layers also hold their recurrent matrices in the row-panel layout (dk.nn.FrozenTransitionLayer.with_row_panels,
+    in a shallow copy of the model that `encode` runs; float weights), from which a batch of one sentence is encoded
+    (the same annotations up to rounding; larger batches as before).
     `search`: beam search's whole loop in one C++ call (see `_search`), or None
     where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
     (`model` is that model or the copy `encode` runs)."""
 
     def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True,
-                 huge_pages: bool = True, step_tables: bool = True):
+                 huge_pages: bool = True, step_tables: bool = True, encoder_panels: bool = True):
         self.prepared, self.model, self.layered, self.int8 = model, model, layered, int8
         self.fold, self.huge_pages, self.step_tables = fold, huge_pages, step_tables
+        self.encoder_panels = encoder_panels
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
@@ -124,6 +128,9 @@ class FusedRNMTDecoder:
             self.query_cell = dk.functional.CellWeights.of(self.query_cell).int8()
             self.decoder_cell = dk.functional.CellWeights.of(self.decoder_cell).int8()
             self.attention, self.readout = self.attention.int8(), self.readout.int8()
+        if encoder_panels and not int8:   # the encoder's recurrent matrices for batch 1, in a shallow copy
+            self.model = inference_copy(self.model, lambda m: m.with_row_panels()
+                                        if isinstance(m, dk.nn.FrozenTransitionLayer) else m)
         if huge_pages:   # the encoder's sequence layers too, in a shallow copy of the model (after int8's)
             self.model = inference_copy(self.model, lambda m: m.on_huge_pages()
                                         if isinstance(m, dk.nn.FrozenTransitionLayer) else m)
@@ -151,7 +158,7 @@ class FusedRNMTDecoder:
         if not int8 or self.int8:
             return self
         return FusedRNMTDecoder(self.prepared, self.layered, True, fold=self.fold, huge_pages=self.huge_pages,
-                                step_tables=self.step_tables)
+                                step_tables=self.step_tables, encoder_panels=self.encoder_panels)
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         return self.model.encode(src, src_lengths)

@@ -122,6 +122,17 @@ def test_translate_best_nbest_and_model_mode(system):
     finally:
         model.eval()
     assert best == [h[0][0] for h in three]
+    # one submodule in training mode (dropout on inside an eval model) is found and decoded in eval mode too
+    from dtmt_models.decoding.translate import _any_training
+
+    inner = [m for m in model.modules() if m is not model and len(list(m.parameters()))][-1]
+    assert not _any_training(model)
+    inner.train()
+    assert _any_training(model) and not model.training
+    try:
+        assert translate_best(model, sv, tv, INPUTS, beam=4) == best
+    finally:
+        model.eval()
     with pytest.raises(ValueError):
         translate(model, sv, tv, INPUTS, beam=2, nbest=3)
 

@@ -16,6 +16,7 @@ modules (benchmarks/NOTES.md, log item 12). Nematus' one-level cGRU decoder uses
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import List, Optional, Tuple
 
 import torch
@@ -204,8 +205,9 @@ class FusedRNMTDecoder:
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
             self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.step_tables,
             early_stop, self.token_table, position_table, self.context_table)
-        tokens = tokens.split(lengths.tolist())
-        hyps = [(t.tolist(), score, lp) for t, score, lp in zip(tokens, scores.tolist(), log_probs.tolist())]
+        flat, sizes = tokens.tolist(), lengths.tolist()
+        hyps = [(flat[end - n:end], score, lp) for n, end, score, lp in zip(sizes, accumulate(sizes), scores.tolist(),
+                                                                           log_probs.tolist())]
         out, i = [], 0
         for n in counts.tolist():
             out.append(hyps[i:i + n])

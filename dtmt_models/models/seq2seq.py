@@ -272,7 +272,7 @@ class Seq2Seq(nn.Module):
         if torch.compiler.is_compiling():   # a data-dependent `if` would end the graph: the check is an op in it
             torch._assert_async(((src_lengths >= 1) & (src_lengths <= S)).all(), f"{name}: src_lengths must be in "
                                 f"[1, S={S}]")
-        elif int(src_lengths.min()) < 1 or int(src_lengths.max()) > S:
+        elif not all(1 <= n <= S for n in src_lengths.tolist()):
             raise ValueError(f"{name}: src_lengths must be in [1, S={S}]")
         if prev_tokens is not None and (prev_tokens.dim() != 2 or prev_tokens.shape[0] != B
                                         or prev_tokens.dtype != torch.long):

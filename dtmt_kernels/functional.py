@@ -159,8 +159,10 @@ def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:
 
 
 def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, device: torch.device,
-                    owner: str = "lengths") -> Tensor:
-    """Validates `lengths` (B integers in [1, T]) and returns the mask [T, B] of real (1) vs padded (0) steps."""
+                    owner: str = "lengths", none_if_unpadded: bool = False) -> Optional[Tensor]:
+    """Validates `lengths` (B integers in [1, T]) and returns the mask [T, B] of real (1) vs padded (0) steps; with
+    `none_if_unpadded`, None where every length is T (no step to mask: the kernels' no-mask path, the same results;
+    a sentence translated alone has none), except under torch.compile (no data-dependent result there)."""
     if isinstance(lengths, Tensor):
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
             raise ValueError(f"{owner}: lengths must hold integers, got dtype {lengths.dtype}")
@@ -181,8 +183,11 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         # of the graph instead, failing at run time with the same message (without the values)
         torch._assert_async(((lengths_cpu >= 1) & (lengths_cpu <= T)).all(),
                             f"{owner}: every length must be in [1, T={T}]")
-    elif B and (int(lengths_cpu.min()) < 1 or int(lengths_cpu.max()) > T):
-        raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {int(lengths_cpu.min())}, "
-                         f"max {int(lengths_cpu.max())}")
+    else:
+        values = lengths_cpu.tolist()   # (one copy out of the tensor for both checks)
+        if B and (min(values) < 1 or max(values) > T):
+            raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {min(values)}, max {max(values)}")
+        if none_if_unpadded and all(v == T for v in values):
+            return None
     steps = torch.arange(T).unsqueeze(1)
     return (steps < lengths_cpu.unsqueeze(0)).to(device=device, dtype=dtype)

@@ -257,7 +257,8 @@ class _TransitionLayer(_TransitionBase):
             self._check_h(h0, (D, B, H), "[num_directions, B, hidden_size]")
         if h0 is None:
             h0 = x.new_zeros(D, B, H)
-        mask = None if lengths is None else lengths_to_mask(lengths, T, B, x.dtype, x.device, name)
+        mask = None if lengths is None else lengths_to_mask(lengths, T, B, x.dtype, x.device, name,
+                                                            none_if_unpadded=True)
         drops = [self.sample_dropout_masks(B, x) for _ in range(D)]
         out, h_n = self._run(x, h0, mask, drops)
         if unbatched:

@@ -150,6 +150,27 @@ def _err(fn, match):
         fn()
 
 
+def test_lengths_to_mask_and_unpadded_batches():
+    """lengths_to_mask: [T, B] ones at real steps; with none_if_unpadded None exactly when every length is T (the
+    layers then run the kernels' no-mask path: the same outputs as with the all-ones mask, to the bit)."""
+    from dtmt_kernels.functional import lengths_to_mask
+
+    mask = lengths_to_mask(torch.tensor([3, 1]), 3, 2, torch.float32, torch.device("cpu"))
+    assert torch.equal(mask, torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]]))
+    assert lengths_to_mask([3, 3], 3, 2, torch.float32, torch.device("cpu"), none_if_unpadded=True) is None
+    assert lengths_to_mask(torch.tensor([3, 2]), 3, 2, torch.float32, torch.device("cpu"),
+                           none_if_unpadded=True) is not None
+    layer = dk.nn.DeepTransitionGRU(3, 4, depth=1, bidirectional=True).eval()
+    x = torch.randn(5, 2, 3)
+    with torch.no_grad():
+        unmasked = layer(x, lengths=[5, 5])
+        masked = dk.functional.transition_sequence   # (the layer's own path with an explicit all-ones mask:)
+        for d, reverse in ((0, False), (1, True)):
+            w = layer.direction_weights(d, dict(layer.named_parameters()))
+            out, h_n = masked(x, torch.zeros(2, 4), w, torch.ones(5, 2), None, reverse, layer.backend)
+            assert torch.equal(out, unmasked[0][..., 4 * d:4 * d + 4]) and torch.equal(h_n, unmasked[1][d])
+
+
 def test_bad_inputs_raise_value_errors():
     layer = dk.nn.DeepTransitionGRU(3, 4, depth=1, bidirectional=True)
     x = torch.randn(5, 2, 3)

@@ -72,8 +72,11 @@ def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
     """What every attentional decoder starts from: the annotations, the attention keys (computed once per
     batch), the source mask, and s = tanh(init_state(mean annotation over the real tokens)); with `layers`,
     init_state produces one state per decoder layer and s is [B, layers, H]."""
-    src_mask = lengths_mask(src_lengths, annotations.shape[1])
-    s = torch.tanh(init_state(masked_mean(annotations, src_mask)))
+    S = annotations.shape[1]
+    src_mask = lengths_mask(src_lengths, S)
+    # with nothing padded (a sentence translated alone) the mean is the plain sum / S, the same values in fewer ops
+    unpadded = not torch.compiler.is_compiling() and all(n == S for n in src_lengths.tolist())
+    s = torch.tanh(init_state(annotations.sum(1) / S if unpadded else masked_mean(annotations, src_mask)))
     if layers is not None:
         s = s.view(s.shape[0], layers, -1)
     return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask, "s": s}

@@ -26,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("READOUT_WEIGHT_FIELDS") = std::string(dtmt::kReadoutWeightFields);
   m.attr("MEMORY_WEIGHT_FIELDS") = std::string(dtmt::kMemoryWeightFields);
   m.attr("SMALL_ROWS_MAX") = dtmt::kSmallRowsMax;
+  m.attr("PANEL_WIDTH") = dtmt::kPanelWidth;
   m.def("cpu_isa", [] { return std::string(dtmt::cpu_kernels().isa); },
         "The instruction set whose copy of the CPU loops runs (csrc/cpu_dispatch.h): 'avx512', 'avx2', 'baseline' "
         "or 'native'");

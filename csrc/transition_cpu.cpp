@@ -453,7 +453,7 @@ std::vector<Tensor> encode_impl(const Tensor& x, const Tensor& h0, const Tensor&
                 "dtmt::transition_encode: row panels of float32 weights expected (w_hh ", w.w_hh.sizes(), " ",
                 w.w_hh.scalar_type(), ", its panels ", w.w_hh_panels.sizes(), ")");
     TORCH_CHECK(D == 0 || (w.t_w_panels.dim() == 4 && w.t_w_panels.size(0) == D),
-                "dtmt::transition_encode: the T-GRUs' row panels must be [", D, ", P, H, 128], got ",
+                "dtmt::transition_encode: the T-GRUs' row panels must be [", D, ", P, H, ", kPanelWidth, "], got ",
                 w.t_w_panels.sizes());
   }
   std::vector<Tensor> t_panels;

@@ -575,7 +575,7 @@ def test_row_panels_layout():
     zeros past N, for one matrix and for a stack of them (the T-GRUs' t_w [D, 3H, H]); a vector is refused."""
     from dtmt_kernels.ops.linear import PANEL_WIDTH, row_panels
 
-    assert PANEL_WIDTH == 128
+    assert PANEL_WIDTH == _C.PANEL_WIDTH == 128   # the Python layout is the kernel's
     g = torch.Generator().manual_seed(0)
     for shape in ((300, 7), (128, 3), (5, 9), (2, 150, 5)):
         w = torch.randn(*shape, generator=g)

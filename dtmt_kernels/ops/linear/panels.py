@@ -8,16 +8,21 @@ across lanes (benchmarks/NOTES.md, item 64). `row_panels` makes the layout once 
 summed in another order than F.linear's, so they agree up to rounding."""
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-PANEL_WIDTH = 128   # csrc/cpu_kernels.h's kPanelWidth
+from .._extension import _C
+
+# csrc/cpu_kernels.h's kPanelWidth, as the extension was built with it (None without the extension: nothing reads
+# panels then)
+PANEL_WIDTH = _C.PANEL_WIDTH if _C is not None else None
 
 
 def row_panels(weight: Tensor) -> Tensor:
     """W [N, K] -> panels [ceil(N / PANEL_WIDTH), K, PANEL_WIDTH] with panels[p, k, j] = W[p * PANEL_WIDTH + j, k]
     and zeros past N; a stack of matrices [..., N, K] -> [..., ceil(N / PANEL_WIDTH), K, PANEL_WIDTH]. The same
     values, contiguous, in the weight's dtype and device."""
+    if PANEL_WIDTH is None:
+        raise RuntimeError("row_panels: the layout is the C++ extension's, which is not built here")
     if weight.dim() < 2:
         raise ValueError(f"row_panels: a weight [N, K] (or a stack of them) expected, got {list(weight.shape)}")
     *lead, N, K = weight.shape

@@ -89,7 +89,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
                                          const ReadoutWeights& readout, int64_t beam, double alpha,
                                          const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
                                          bool early_stop, const Tensor& token_products,
-                                         const Tensor& position_products, const Tensor& context_heads) {
+                                         const Tensor& position_products, const Tensor& context_heads,
+                                         int64_t nbest) {
   TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
                   embed.dim() == 2 && max_len.dim() == 1,
               "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
@@ -98,6 +99,9 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   TORCH_CHECK(annotations0.size(0) == B && keys0.size(0) == B && src_mask0.size(0) == B && max_len.size(0) == B,
               "dtmt._C.rnmt_beam_search: the state's tensors and max_len must have the same batch size");
   TORCH_CHECK(beam >= 1, "dtmt._C.rnmt_beam_search: beam must be >= 1, got ", beam);
+  if (nbest == 0) nbest = beam;
+  TORCH_CHECK(nbest >= 1 && nbest <= beam, "dtmt._C.rnmt_beam_search: need 1 <= nbest <= beam, got nbest=", nbest,
+              ", beam=", beam);
   const Tensor max_len_cpu = max_len.to(at::kLong).contiguous();
   const std::vector<int64_t> max_len_list(max_len_cpu.data_ptr<int64_t>(), max_len_cpu.data_ptr<int64_t>() + B);
   int64_t steps = 0;
@@ -230,12 +234,13 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       }
       std::stable_sort(done.begin(), done.end(), [](const Hyp& x, const Hyp& y_) { return x.score > y_.score; });
       if (static_cast<int64_t>(done.size()) > beam) done.resize(beam);
-      // finished when full and no open hypothesis can still win (log-probs only decrease; the length penalty is
-      // at most that of the max length), or, with early_stop, as soon as it is full
+      // finished when no open hypothesis can still enter the nbest (log-probs only decrease; the length penalty
+      // is at most that of the max length), or, with early_stop, as soon as it is full
       const double best_open = *std::max_element(new_scores.begin(), new_scores.end());
       const double bound = alpha > 0 ? best_open / length_penalty(max_len_list[b], alpha) : best_open;
+      const int64_t n_done = static_cast<int64_t>(done.size());
       if (t + 1 >= max_len_list[b] || best_open == neg_inf ||
-          (static_cast<int64_t>(done.size()) >= beam && (early_stop || bound <= done.back().score)))
+          (early_stop ? n_done >= beam : n_done >= nbest && bound <= done[nbest - 1].score))
         continue;
       still.push_back(i);
       for (int64_t o = 0; o < beam; ++o) {

@@ -115,6 +115,57 @@ def test_early_stop_takes_no_more_steps_and_never_a_better_beam(seed):
             assert all(a.score <= b.score + 1e-9 for a, b in zip(e, f)), (seed, beam)
 
 
+def test_nbest_one_ends_once_nothing_open_can_beat_the_best():
+    """A table worked by hand (beam 2, alpha 0: raw log-probabilities, max length 6). From BOS: EOS 0.5, a 0.3,
+    b 0.2; after a or b: EOS 0.5, a 0.25, b 0.25. Step 0 finishes the empty hypothesis (log 0.5 = -0.693) and keeps
+    a (-1.204) and b (-1.609) open: no open one can beat -0.693 any more, so with nbest 1 the search ends there.
+    With nbest 2 it needs a second finished one: step 1 finishes a EOS (log 0.15 = -1.897), and the open a a
+    (-2.590) can beat neither, so it ends after two steps, with the same best first."""
+    a, b = 4, 5
+    model = TableModel(V=6)
+    probs = torch.full((6, 6), 1e-12)
+    probs[BOS, [EOS, a, b]] = torch.tensor([0.5, 0.3, 0.2], dtype=probs.dtype)
+    probs[a, [EOS, a, b]] = probs[b, [EOS, a, b]] = torch.tensor([0.5, 0.25, 0.25], dtype=probs.dtype)
+    model.table = probs.log()
+    src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
+    steps = []
+    counting = type("Counting", (), dict(encode=model.encode, reorder=staticmethod(model.reorder),
+                                         step=lambda self, state, prev: steps.append(1) or model.step(state, prev)))()
+    kwargs = dict(beam=2, alpha=0.0, max_len_a=0, max_len_b=6)
+    one = beam_search(counting, src, lengths, nbest=1, **kwargs)[0]
+    assert len(steps) == 1 and len(one) == 1 and one[0].tokens == []
+    assert math.isclose(one[0].score, math.log(0.5), rel_tol=1e-6)
+    steps.clear()
+    two = beam_search(counting, src, lengths, nbest=2, **kwargs)[0]
+    assert len(steps) == 2 and [h.tokens for h in two] == [[], [a]]
+    assert math.isclose(two[1].score, math.log(0.15), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_smaller_nbest_returns_the_same_best_in_no_more_steps(seed):
+    """The search ends once no open hypothesis can enter the nbest best finished ones, so the nbest it returns are
+    those of a search that went on (nbest = beam: the most steps), tokens and scores alike; it never takes more
+    steps than a larger nbest. (A small vocabulary, so that some seeds' beams finish hypotheses of close scores:
+    one that stopped on the best alone where nbest > 1 fails seeds 1, 7, 9 and 11.)"""
+    model = TableModel(V=6, seed=seed)
+    src, lengths = torch.ones(3, 4, dtype=torch.long), torch.tensor([4, 2, 3])
+    for beam, alpha in ((2, 0.6), (4, 0.6), (4, 0.0), (5, 1.0)):
+        kwargs = dict(beam=beam, alpha=alpha, max_len_a=2.0, max_len_b=3)
+        runs = []
+        for nbest in range(beam, 0, -1):
+            steps = []
+            counting = type("Counting", (), dict(
+                encode=model.encode, reorder=staticmethod(model.reorder),
+                step=lambda self, state, prev: steps.append(1) or model.step(state, prev)))()
+            runs.append((nbest, beam_search(counting, src, lengths, nbest=nbest, **kwargs), len(steps)))
+        _, widest, _ = runs[0]
+        for (nbest, hyps, n_steps), (_, _, before) in zip(runs, runs[:1] + runs):
+            assert n_steps <= before, (seed, beam, nbest)
+            for got, want in zip(hyps, widest):
+                assert [(h.tokens, h.score, h.log_prob) for h in got] == \
+                    [(h.tokens, h.score, h.log_prob) for h in want[:nbest]], (seed, beam, alpha, nbest)
+
+
 def test_beam_search_on_a_real_system_is_batch_independent():
     torch.manual_seed(0)
     model = dm.build_model("dtmt", 20, 20, embed_dim=16, hidden_size=16).eval()
@@ -225,7 +276,8 @@ def test_fused_search_equals_the_python_loop(system, options):
     torch.manual_seed(3)
     model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=16, **options).eval()
     cases = [(1, 0.0, 1, 2.0, 10, False), (3, 0.6, 3, 1.0, 2, False), (4, 0.6, 2, 2.0, 10, False),
-             (5, 1.0, 5, 0.5, 3, False), (4, 0.6, 2, 2.0, 10, True), (2, 1.0, 2, 2.0, 10, True)]
+             (5, 1.0, 5, 0.5, 3, False), (3, 0.0, 1, 2.0, 10, False), (4, 0.6, 2, 2.0, 10, True),
+             (2, 1.0, 2, 2.0, 10, True)]
     lengths = torch.tensor([6, 1, 4, 2, 5, 3, 6])
     src = torch.randint(4, 24, (7, 6))
     for dtype, int8 in ((torch.float32, False), (torch.float64, False), (torch.float32, True)):

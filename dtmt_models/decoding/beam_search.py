@@ -1,11 +1,12 @@
 """Batched beam search over the Seq2Seq interface (encode / step / reorder), greedy as beam 1.
 
 Hypotheses are ranked by log P(y|x) / lp(y) with the GNMT length penalty of paper 000's decoding,
-lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability). A sentence is finished when it has
-`beam` complete hypotheses and no open one can still beat the worst of them (with `early_stop`: as soon as it has
-`beam` complete hypotheses, the rule of fairseq, CTranslate2 and Hugging Face's `early_stopping=True`), or at max
-length (source length * max_len_a + max_len_b steps, EOS included), where only EOS may follow the open
-hypotheses.
+lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability). A sentence is finished when no open
+hypothesis can still enter the `nbest` best complete ones (it has `nbest` and no open one can beat the nbest-th:
+log-probabilities only decrease and the length penalty is at most that of the max length, so what is returned is
+what running on would return), with `early_stop` as soon as it has `beam` complete hypotheses (the rule of
+fairseq, CTranslate2 and Hugging Face's `early_stopping=True`), or at max length (source length * max_len_a +
+max_len_b steps, EOS included), where only EOS may follow the open hypotheses.
 
 The decoder's state is reordered after every step: `reorder(state, index)` (rows taken by `index`, which drops
 the rows of finished sentences). A decoder may also have `reorder_within(state, index)`, called instead when no
@@ -13,7 +14,7 @@ sentence finished, so that `index` keeps every row among its own sentence's rows
 rows of a sentence (the annotations, attention keys, source mask) may then be kept as it is.
 
 A decoder whose `search` is not None (FusedRNMTDecoder: the attentional RNMT systems) runs this whole loop as one
-C++ call, `search(state, beam, alpha, max_len, early_stop)`, after `encode`, without Python between steps: the same
+C++ call, `search(state, beam, alpha, max_len, early_stop, nbest)`, after `encode`, without Python between steps: the same
 decisions in the same arithmetic (the loop here is its reference in tests/test_beam_search.py) with
 FusedRNMTDecoder(step_tables=False); by default its steps read tables made once (per model, per sentence) instead of
 recomputing their products, the same search up to the rounding of those sums.
@@ -53,7 +54,8 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
     encode / step / reorder. `fused`: the decoder's one-call `search` where it has one (False: this loop).
     `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can
-    still win (fewer steps; the default keeps the check)."""
+    still win (fewer steps; the default keeps the check). Without it the `nbest` returned are exactly those a search
+    run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner)."""
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if hasattr(model, "inference_decoder"):
@@ -64,7 +66,7 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     search = getattr(model, "search", None) if fused else None
     if search is not None:
         return [[Hypothesis(*h) for h in hyps[:nbest]]
-                for hyps in search(state, beam, alpha, max_len, early_stop=early_stop)]
+                for hyps in search(state, beam, alpha, max_len, early_stop=early_stop, nbest=nbest)]
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
     scores = torch.full((B, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0                                   # all beams start identical: keep one
@@ -114,12 +116,13 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
                     break
             finished[b].sort(key=lambda h: -h.score)
             del finished[b][beam:]
-            # finished when full and no open hypothesis can still win (log-probs only decrease; the length
+            # finished when no open hypothesis can still enter the nbest (log-probs only decrease; the length
             # penalty is at most that of the max length), or with early_stop as soon as it is full
             best_open = max(new_scores)
             bound = best_open / length_penalty(max_len_list[b], alpha) if alpha > 0 else best_open
-            if t + 1 >= max_len_list[b] or best_open == NEG_INF or (len(finished[b]) >= beam and (
-                    early_stop or bound <= finished[b][-1].score)):
+            if t + 1 >= max_len_list[b] or best_open == NEG_INF or (
+                    len(finished[b]) >= beam if early_stop else
+                    len(finished[b]) >= nbest and bound <= finished[b][nbest - 1].score):
                 continue
             still.append(i)
             select.extend(i * beam + o for o in new_origin)

@@ -190,11 +190,11 @@ class FusedRNMTDecoder:
             updates["pos"] = state["pos"] + 1
         return log_probs, step_state(state, alpha, True, **updates)
 
-    def _search(self, state: State, beam: int, alpha: float, max_len: Tensor, early_stop: bool = False
-                ) -> List[List[Tuple[List[int], float, float]]]:
+    def _search(self, state: State, beam: int, alpha: float, max_len: Tensor, early_stop: bool = False,
+                nbest: Optional[int] = None) -> List[List[Tuple[List[int], float, float]]]:
         """beam_search's loop (dtmt_models.decoding.beam_search, its reference) in one C++ call,
         dk.functional.rnmt_beam_search, from the state `encode` made: for each sentence its finished hypotheses,
-        best first, as (tokens, score, log_prob)."""
+        best first, as (tokens, score, log_prob). `early_stop`, `nbest`: beam_search's (nbest None: beam)."""
         if "drop_q" in state or "drop_d" in state:
             raise ValueError("FusedRNMTDecoder.search: the state has candidate-dropout masks (a model in training "
                              "mode); decode in eval mode")
@@ -207,7 +207,7 @@ class FusedRNMTDecoder:
         counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
             self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.step_tables,
-            early_stop, self.token_table, position_table, self.context_table)
+            early_stop, self.token_table, position_table, self.context_table, nbest)
         flat, sizes = tokens.tolist(), lengths.tolist()
         hyps = [(flat[end - n:end], score, lp) for n, end, score, lp in zip(sizes, accumulate(sizes), scores.tolist(),
                                                                            log_probs.tolist())]

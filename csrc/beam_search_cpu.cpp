@@ -18,10 +18,30 @@ namespace {
 
 using at::Tensor;
 
+// A finished hypothesis: its tokens (without BOS / EOS) are the `length` words on the path of back-pointers that
+// ends at `node` (Tree), read out once the search is over.
 struct Hyp {
-  std::vector<int64_t> tokens;  // without BOS / EOS
-  double score;                 // log_prob / length_penalty
+  int64_t node;
+  int64_t length;
+  double score;   // log_prob / length_penalty
   double log_prob;
+};
+
+// The open hypotheses as a tree of back-pointers: node i is word[i] after the hypothesis of node parent[i] (-1: the
+// empty one). A step adds one node a row kept, instead of copying each row's tokens.
+struct Tree {
+  std::vector<int64_t> word, parent;
+  int64_t add(int64_t w, int64_t p) {
+    word.push_back(w);
+    parent.push_back(p);
+    return static_cast<int64_t>(word.size()) - 1;
+  }
+  // the `length` words ending at `node`, first to last, appended to `out`
+  void read(int64_t node, int64_t length, std::vector<int64_t>& out) const {
+    const size_t end = out.size() + static_cast<size_t>(length);
+    out.resize(end);
+    for (size_t i = end; i > end - static_cast<size_t>(length); --i, node = parent[node]) out[i - 1] = word[node];
+  }
 };
 
 // GNMT's lp(y) = ((5 + |y|) / 6) ^ alpha, in double as Python's floats (beam_search.length_penalty).
@@ -119,7 +139,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   // each row's score (float, as the Python loop keeps them), a sentence's beam rows together
   std::vector<float> scores(static_cast<size_t>(B * beam), -std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < B; ++b) scores[b * beam] = 0.0f;
-  std::vector<std::vector<int64_t>> rows(B * beam);
+  Tree tree;
+  std::vector<int64_t> rows(B * beam, -1), next_rows;   // each row's node in the tree (all t tokens long at step t)
   std::vector<int64_t> prev(B * beam, bos);
   std::vector<std::vector<Hyp>> finished(B);
   std::vector<int64_t> active(B);  // the open sentences, in the order of the state's row groups
@@ -222,8 +243,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
         if (sc == neg_inf) break;
         const int64_t j = ti[i * K + c], o = j / V, w = j % V;
         if (w == eos) {
-          const std::vector<int64_t>& hyp = rows[i * beam + o];
-          done.push_back({hyp, sc / length_penalty(static_cast<int64_t>(hyp.size()) + 1, alpha), sc});
+          done.push_back({rows[i * beam + o], t, sc / length_penalty(t + 1, alpha), sc});
         } else if (k < beam) {
           new_scores[k] = sc;
           new_origin[k] = o;
@@ -263,12 +283,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       active.swap(next_active);
       if (source) source->block = active;
     }
-    std::vector<std::vector<int64_t>> next_rows;
-    next_rows.reserve(select.size());
-    for (size_t r_ = 0; r_ < select.size(); ++r_) {
-      next_rows.push_back(rows[select[r_]]);
-      next_rows.back().push_back(next_words[r_]);
-    }
+    next_rows.clear();
+    for (size_t r_ = 0; r_ < select.size(); ++r_) next_rows.push_back(tree.add(next_words[r_], rows[select[r_]]));
     rows.swap(next_rows);
     scores.swap(next_scores);
   }
@@ -278,8 +294,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   for (const auto& done : finished) {
     counts.push_back(static_cast<int64_t>(done.size()));
     for (const Hyp& h : done) {
-      lengths.push_back(static_cast<int64_t>(h.tokens.size()));
-      tokens.insert(tokens.end(), h.tokens.begin(), h.tokens.end());
+      lengths.push_back(h.length);
+      tree.read(h.node, h.length, tokens);
       hyp_scores.push_back(h.score);
       hyp_log_probs.push_back(h.log_prob);
     }

@@ -3,7 +3,9 @@
 products made once per sentence, NOTES item 55; the keys' exponentials and the previous token's products, item 61)
 or the per-head matrices of the context the decoder makes once for those products (`context_table`, item 62), or
 the previous token's tables (token and position products) in 2 MiB pages against 4 KiB ones (`table_pages`,
-item 63), or the encoder's recurrent matrices in the row-panel layout for batch 1 (`encoder_panels`, item 64).
+item 63), or the encoder's recurrent matrices in the row-panel layout for batch 1 (`encoder_panels`, item 64); or,
+with one decoder, the search's stopping rule checked against the one translation written (`nbest_stop`: nbest 1)
+against the beam's worst finished one (nbest 4, the rule before item 65).
 
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 1 --chunk 1 --sentences 150
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 2 --chunk 60
@@ -11,13 +13,15 @@ item 63), or the encoder's recurrent matrices in the row-panel layout for batch 
     python benchmarks/bench_pages.py --option context_table --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option table_pages --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option encoder_panels --threads 1 --chunk 1 --sentences 400
+    python benchmarks/bench_pages.py --option nbest_stop --threads 1 --chunk 1 --sentences 400
 
 Builds both decoders in one process (FusedRNMTDecoder with --option True, the default, and False) and translates
 the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: one sentence a call, batch 1; more:
 `translate`'s batching by tokens within the chunk), each chunk by both decoders, the order swapped from one chunk
 to the next, so that the VM's drifting speed falls on both alike. Prints the seconds of each (model load
 excluded), their ratio and how many translations differ (huge_pages, table_pages: none may; step_tables: the same
-sums in another order, so a near-tie may go the other way; encoder_panels likewise at batch 1). With huge_pages / table_pages the line names the
+sums in another order, so a near-tie may go the other way; encoder_panels likewise at batch 1; nbest_stop: none
+may, the best being the same by construction). With huge_pages / table_pages the line names the
 system's transparent huge page setting: under `always` an ordinary allocation may be in 2 MiB pages too.
 """
 from __future__ import annotations
@@ -61,11 +65,13 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1, help="sentences a call (1: batch 1)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--int8", action="store_true", help="int8 decoders (`dtmt translate --int8`)")
-    p.add_argument("--option", choices=("huge_pages", "step_tables", "context_table", "table_pages", "encoder_panels"),
+    p.add_argument("--option", choices=("huge_pages", "step_tables", "context_table", "table_pages", "encoder_panels",
+                                        "nbest_stop"),
                    default="huge_pages",
                    help="the FusedRNMTDecoder option timed on against off (context_table: the decoder's attribute, "
                         "set to None in the other decoder; table_pages: the other decoder's token and position "
-                        "tables copied into ordinary 4 KiB pages)")
+                        "tables copied into ordinary 4 KiB pages; nbest_stop: one decoder, searched with nbest 1 "
+                        "and 4, the first translation of each kept)")
     a = p.parse_args(argv)
     if a.chunk < 1:
         p.error("--chunk must be >= 1")
@@ -89,19 +95,24 @@ def main(argv=None):
             off = FusedRNMTDecoder(on.prepared, on.layered, on.int8)
             off.huge_pages = False   # from here on: its tables (a position table made longer too) stay ordinary
             off.token_table, off._position_table = off.token_table.clone(), None
+        elif a.option == "nbest_stop":   # one decoder; the rule is the search's (its nbest)
+            off = on
         else:
             off = FusedRNMTDecoder(on.prepared, on.layered, on.int8, **{a.option: False})
         decoders = ({"2 MiB pages": on, "4 KiB pages": off} if a.option in ("huge_pages", "table_pages") else
+                    {"nbest 1": on, "nbest 4": off} if a.option == "nbest_stop" else
                     {f"{a.option}=True": on, f"{a.option}=False": off})
         names = list(decoders)
-        for d in decoders.values():   # a first call out of the timing
-            translate(model, sv, tv, sources[:1], beam=4, decoder=d)
+        nbest = {name: 4 if name == "nbest 4" else 1 for name in names}
+        for name, d in decoders.items():   # a first call out of the timing
+            translate(model, sv, tv, sources[:1], beam=4, nbest=nbest[name], decoder=d)
         seconds = dict.fromkeys(names, 0.0)
         hyps = {name: [] for name in names}
         for i in range(0, len(sources), a.chunk):
             for name in names if (i // a.chunk) % 2 == 0 else names[::-1]:
                 t0 = time.perf_counter()
-                out = translate(model, sv, tv, sources[i:i + a.chunk], beam=4, decoder=decoders[name])
+                out = translate(model, sv, tv, sources[i:i + a.chunk], beam=4, nbest=nbest[name],
+                                decoder=decoders[name])
                 seconds[name] += time.perf_counter() - t0
                 hyps[name] += [h[0][0] for h in out]
     differ = sum(x != y for x, y in zip(hyps[names[0]], hyps[names[1]]))

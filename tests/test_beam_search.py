@@ -302,6 +302,18 @@ def test_beam_search_takes_the_fused_search_by_default(monkeypatch):
     assert all(len(h) == 2 for h in beam_search(decoder, src, lengths, beam=3, nbest=2))
 
 
+def test_fused_search_refuses_an_nbest_beyond_the_beam():
+    """The op checks its nbest itself (beam_search checks it before): one line naming both."""
+    torch.manual_seed(4)
+    model = dm.build_model("rnnsearch-atr", 20, 20, embed_dim=16, hidden_size=16).eval()
+    decoder = model.inference_decoder()
+    src, lengths = torch.randint(4, 20, (2, 4)), torch.tensor([4, 2])
+    state = decoder.encode(src, lengths)
+    with pytest.raises(RuntimeError, match=r"need 1 <= nbest <= beam, got nbest=3, beam=2"):
+        decoder.search(state, 2, 0.6, torch.tensor([5, 5]), nbest=3)
+    assert len(decoder.search(state, 2, 0.6, torch.tensor([5, 5]), nbest=2)) == 2
+
+
 def test_no_fused_search_where_the_embedding_step_is_another():
     """A system whose embed_step is its own keeps the fused step but not the fused search (the op embeds the
     previous token as TokenEmbedding does), and beam search then runs the Python loop over its steps."""

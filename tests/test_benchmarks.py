@@ -532,7 +532,8 @@ def test_bench_beam_swap_quick(tmp_path):
 def test_bench_pages_quick(tmp_path):
     """The decoder-option timer: with the weights in 2 MiB pages or not, both decoders translate the toy test set
     alike, one sentence a call and in chunks; --option step_tables times that option's two decoders, --option
-    table_pages the previous token's tables in either kind of page."""
+    table_pages the previous token's tables in either kind of page, --option nbest_stop one decoder's search with
+    either stopping rule."""
     from test_train import make_toy_corpus
 
     from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
@@ -553,6 +554,9 @@ def test_bench_pages_quick(tmp_path):
     # the previous token's tables in 2 MiB pages or 4 KiB ones: the same values, so the same translations
     seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "table_pages"])
     assert list(seconds) == ["2 MiB pages", "4 KiB pages"] and differ == 0
+    # the stopping rule against the one translation written or the beam's worst: the same best translations
+    seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "nbest_stop"])
+    assert list(seconds) == ["nbest 1", "nbest 4"] and differ == 0
     with pytest.raises(SystemExit):
         bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", "0"])
 

@@ -21,7 +21,8 @@ the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: o
 to the next, so that the VM's drifting speed falls on both alike. Prints the seconds of each (model load
 excluded), their ratio and how many translations differ (huge_pages, table_pages: none may; step_tables: the same
 sums in another order, so a near-tie may go the other way; encoder_panels likewise at batch 1; nbest_stop: none
-may, the best being the same by construction). With huge_pages / table_pages the line names the
+may at --chunk 1, the best being the same by construction, while in chunks a sentence's batch changes as others
+end sooner, so a near-tie may go the other way). With huge_pages / table_pages the line names the
 system's transparent huge page setting: under `always` an ordinary allocation may be in 2 MiB pages too.
 """
 from __future__ import annotations

@@ -110,7 +110,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
                                          const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
                                          bool early_stop, const Tensor& token_products,
                                          const Tensor& position_products, const Tensor& context_heads,
-                                         int64_t nbest) {
+                                         std::optional<int64_t> nbest_given) {
   TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
                   embed.dim() == 2 && max_len.dim() == 1,
               "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
@@ -119,7 +119,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   TORCH_CHECK(annotations0.size(0) == B && keys0.size(0) == B && src_mask0.size(0) == B && max_len.size(0) == B,
               "dtmt._C.rnmt_beam_search: the state's tensors and max_len must have the same batch size");
   TORCH_CHECK(beam >= 1, "dtmt._C.rnmt_beam_search: beam must be >= 1, got ", beam);
-  if (nbest == 0) nbest = beam;
+  const int64_t nbest = nbest_given.value_or(beam);
   TORCH_CHECK(nbest >= 1 && nbest <= beam, "dtmt._C.rnmt_beam_search: need 1 <= nbest <= beam, got nbest=", nbest,
               ", beam=", beam);
   const Tensor max_len_cpu = max_len.to(at::kLong).contiguous();

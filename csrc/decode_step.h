@@ -194,7 +194,7 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
 // false: rnmt_step_cpu's arithmetic exactly. early_stop: a
 // sentence ends as soon as it has `beam` finished hypotheses (fairseq's, CTranslate2's and Hugging Face's rule);
 // false (beam_search.py's default): once no open hypothesis can still enter its `nbest` best finished ones
-// (1 <= nbest <= beam; 0: beam), which are then exactly those a search run to max length returns.
+// (1 <= nbest <= beam; nullopt: beam), which are then exactly those a search run to max length returns.
 std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, const at::Tensor& keys,
                                              const at::Tensor& src_mask, const at::Tensor& s, const at::Tensor& embed,
                                              const at::Tensor& positions, const TransitionWeights& query_cell,
@@ -204,7 +204,8 @@ std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, cons
                                              int64_t eos, bool step_tables = false, bool early_stop = false,
                                              const at::Tensor& token_products = at::Tensor(),
                                              const at::Tensor& position_products = at::Tensor(),
-                                             const at::Tensor& context_heads = at::Tensor(), int64_t nbest = 0);
+                                             const at::Tensor& context_heads = at::Tensor(),
+                                             std::optional<int64_t> nbest = std::nullopt);
 
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.

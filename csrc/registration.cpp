@@ -189,7 +189,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
       dtmt::AttentionWeights::from_list(attention.vec(), att_eps),
       dtmt::ReadoutWeights::from_list(readout.vec(), readout_eps), beam, alpha, max_len, bos, eos, step_tables,
       early_stop, dense(token_products, embed), dense(position_products, embed),
-      given(context_heads) ? context_heads->contiguous() : Tensor(), nbest.value_or(beam));
+      given(context_heads) ? context_heads->contiguous() : Tensor(), nbest);
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 

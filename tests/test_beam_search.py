@@ -302,16 +302,27 @@ def test_beam_search_takes_the_fused_search_by_default(monkeypatch):
     assert all(len(h) == 2 for h in beam_search(decoder, src, lengths, beam=3, nbest=2))
 
 
-def test_fused_search_refuses_an_nbest_beyond_the_beam():
-    """The op checks its nbest itself (beam_search checks it before): one line naming both."""
-    torch.manual_seed(4)
+def test_fused_search_stops_on_its_nbest():
+    """The op's own nbest: with nbest 1 some sentences end before `beam` hypotheses are finished (fewer returned)
+    and each sentence's best is the one of the search with nbest = beam; an nbest of 0 or beyond the beam is
+    refused in one line naming both (beam_search checks it before). (A seed whose untrained model puts enough
+    weight on EOS for sentences to end early: 12 of the 16 with a single hypothesis.)"""
+    torch.manual_seed(6)
     model = dm.build_model("rnnsearch-atr", 20, 20, embed_dim=16, hidden_size=16).eval()
     decoder = model.inference_decoder()
-    src, lengths = torch.randint(4, 20, (2, 4)), torch.tensor([4, 2])
-    state = decoder.encode(src, lengths)
-    with pytest.raises(RuntimeError, match=r"need 1 <= nbest <= beam, got nbest=3, beam=2"):
-        decoder.search(state, 2, 0.6, torch.tensor([5, 5]), nbest=3)
-    assert len(decoder.search(state, 2, 0.6, torch.tensor([5, 5]), nbest=2)) == 2
+    src, lengths = torch.randint(4, 20, (16, 6)), torch.randint(1, 7, (16,))
+    max_len = lengths * 2 + 3
+    with torch.no_grad():
+        state = decoder.encode(src, lengths)
+        one = decoder.search(state, 4, 0.6, max_len, nbest=1)
+        four = decoder.search(state, 4, 0.6, max_len)   # None: the beam
+    assert len(one) == len(four) == 16
+    assert all(1 <= len(a) <= len(b) == 4 for a, b in zip(one, four))
+    assert any(len(a) < len(b) for a, b in zip(one, four))
+    assert [a[0] for a in one] == [b[0] for b in four]
+    for bad in (0, 5):
+        with torch.no_grad(), pytest.raises(RuntimeError, match=rf"need 1 <= nbest <= beam, got nbest={bad}, beam=4"):
+            decoder.search(state, 4, 0.6, max_len, nbest=bad)
 
 
 def test_no_fused_search_where_the_embedding_step_is_another():

@@ -180,9 +180,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                    help="maximum output length = a * source length + b (default a=2.0)")
     g.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a (default b=10)")
     g.add_argument("--early-stop", action="store_true",
-                   help="end a sentence once it has --beam finished hypotheses (fairseq's and CTranslate2's rule: "
-                        "fewer steps), instead of once no open hypothesis can still enter the translations written "
-                        "(default: those of a search run to the maximum length)")
+                   help="end a sentence once it has --beam finished hypotheses (fairseq's and CTranslate2's rule, "
+                        "usually fewer steps), instead of once no open hypothesis can still enter the translations "
+                        "written (default: the same translations as a search run to the maximum length)")
     g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     g.add_argument("--threads", type=int, default=0,
                    help="CPU threads for decoding (default 0: torch's default, OMP_NUM_THREADS or the cores)")

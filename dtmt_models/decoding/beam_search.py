@@ -54,8 +54,9 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
     encode / step / reorder. `fused`: the decoder's one-call `search` where it has one (False: this loop).
     `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can
-    still win (fewer steps; the default keeps the check). Without it the `nbest` returned are exactly those a search
-    run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner)."""
+    still win (usually fewer steps; the default keeps the check). Without it the `nbest` returned are exactly those
+    a search run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner, even
+    before `beam` are finished)."""
     if beam < 1 or not 1 <= nbest <= beam:
         raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if hasattr(model, "inference_decoder"):

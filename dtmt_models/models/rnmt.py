@@ -194,7 +194,8 @@ class FusedRNMTDecoder:
                 nbest: Optional[int] = None) -> List[List[Tuple[List[int], float, float]]]:
         """beam_search's loop (dtmt_models.decoding.beam_search, its reference) in one C++ call,
         dk.functional.rnmt_beam_search, from the state `encode` made: for each sentence its finished hypotheses,
-        best first, as (tokens, score, log_prob). `early_stop`, `nbest`: beam_search's (nbest None: beam)."""
+        best first, as (tokens, score, log_prob): up to `beam` of them, of which the first `nbest` are what a search
+        run to max length would give (beam_search's rule; nbest None: beam). `early_stop`: beam_search's."""
         if "drop_q" in state or "drop_d" in state:
             raise ValueError("FusedRNMTDecoder.search: the state has candidate-dropout masks (a model in training "
                              "mode); decode in eval mode")

@@ -30,12 +30,30 @@ class TableModel:
     def reorder(state, index):
         return {k: v.index_select(0, index) for k, v in state.items()}
 
+    @classmethod
+    def by_hand(cls, V, rows):
+        """A table worked by hand: rows {previous token: {next token: probability}}, 1e-12 elsewhere."""
+        model = cls(V=V)
+        probs = torch.full((V, V), 1e-12)
+        for prev, nexts in rows.items():
+            probs[prev, list(nexts)] = torch.tensor(list(nexts.values()), dtype=probs.dtype)
+        model.table = probs.log()
+        return model
+
     def sequence_logprob(self, seq):
         prev, total = BOS, 0.0
         for w in seq + [EOS]:
             total += self.table[prev, w].item()
             prev = w
         return total
+
+
+def counted(model):
+    """(`model` with its steps counted, the list that grows by one a step)."""
+    steps = []
+    decoder = type("Counting", (), dict(encode=model.encode, reorder=staticmethod(model.reorder),
+                                        step=lambda self, state, prev: steps.append(1) or model.step(state, prev)))()
+    return decoder, steps
 
 
 def exhaustive_best(model, max_tokens, alpha):
@@ -81,15 +99,9 @@ def test_early_stop_ends_a_sentence_once_the_beam_is_finished():
     -0.511). early_stop ends there: the beam (1) is full. The default rule goes on, since w could still win
     (-0.511 / lp(5) = -0.376 > -1.204), and at step 1 finishes w EOS: log 0.54 / lp(2) = -0.562, the better one."""
     w, x = 4, 5
-    model = TableModel(V=6)
-    probs = torch.full((6, 6), 1e-12)
-    probs[BOS, [w, EOS, x]] = torch.tensor([0.6, 0.3, 0.1], dtype=probs.dtype)
-    probs[w, [EOS, w, x]] = probs[x, [EOS, w, x]] = torch.tensor([0.9, 0.05, 0.05], dtype=probs.dtype)
-    model.table = probs.log()
+    after = {EOS: 0.9, w: 0.05, x: 0.05}
+    counting, steps = counted(TableModel.by_hand(6, {BOS: {w: 0.6, EOS: 0.3, x: 0.1}, w: after, x: after}))
     src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
-    steps = []
-    counting = type("Counting", (), dict(encode=model.encode, reorder=staticmethod(model.reorder),
-                                         step=lambda self, state, prev: steps.append(1) or model.step(state, prev)))()
     kwargs = dict(beam=1, alpha=0.6, max_len_a=0, max_len_b=5)
     early = beam_search(counting, src, lengths, early_stop=True, **kwargs)[0]
     assert len(steps) == 1 and early[0].tokens == [] and math.isclose(early[0].log_prob, math.log(0.3), rel_tol=1e-6)
@@ -122,15 +134,9 @@ def test_nbest_one_ends_once_nothing_open_can_beat_the_best():
     With nbest 2 it needs a second finished one: step 1 finishes a EOS (log 0.15 = -1.897), and the open a a
     (-2.590) can beat neither, so it ends after two steps, with the same best first."""
     a, b = 4, 5
-    model = TableModel(V=6)
-    probs = torch.full((6, 6), 1e-12)
-    probs[BOS, [EOS, a, b]] = torch.tensor([0.5, 0.3, 0.2], dtype=probs.dtype)
-    probs[a, [EOS, a, b]] = probs[b, [EOS, a, b]] = torch.tensor([0.5, 0.25, 0.25], dtype=probs.dtype)
-    model.table = probs.log()
+    after = {EOS: 0.5, a: 0.25, b: 0.25}
+    counting, steps = counted(TableModel.by_hand(6, {BOS: {EOS: 0.5, a: 0.3, b: 0.2}, a: after, b: after}))
     src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
-    steps = []
-    counting = type("Counting", (), dict(encode=model.encode, reorder=staticmethod(model.reorder),
-                                         step=lambda self, state, prev: steps.append(1) or model.step(state, prev)))()
     kwargs = dict(beam=2, alpha=0.0, max_len_a=0, max_len_b=6)
     one = beam_search(counting, src, lengths, nbest=1, **kwargs)[0]
     assert len(steps) == 1 and len(one) == 1 and one[0].tokens == []
@@ -153,10 +159,7 @@ def test_a_smaller_nbest_returns_the_same_best_in_no_more_steps(seed):
         kwargs = dict(beam=beam, alpha=alpha, max_len_a=2.0, max_len_b=3)
         runs = []
         for nbest in range(beam, 0, -1):
-            steps = []
-            counting = type("Counting", (), dict(
-                encode=model.encode, reorder=staticmethod(model.reorder),
-                step=lambda self, state, prev: steps.append(1) or model.step(state, prev)))()
+            counting, steps = counted(model)
             runs.append((nbest, beam_search(counting, src, lengths, nbest=nbest, **kwargs), len(steps)))
         _, widest, _ = runs[0]
         for (nbest, hyps, n_steps), (_, _, before) in zip(runs, runs[:1] + runs):

@@ -104,7 +104,8 @@ def main(argv=None):
                     {"nbest 1": on, "nbest 4": off} if a.option == "nbest_stop" else
                     {f"{a.option}=True": on, f"{a.option}=False": off})
         names = list(decoders)
-        nbest = {name: 4 if name == "nbest 4" else 1 for name in names}
+        # each decoder's nbest: 1 (translate's default) but for nbest_stop's second, the previous rule's 4
+        nbest = {"nbest 1": 1, "nbest 4": 4} if a.option == "nbest_stop" else dict.fromkeys(names, 1)
         for name, d in decoders.items():   # a first call out of the timing
             translate(model, sv, tv, sources[:1], beam=4, nbest=nbest[name], decoder=d)
         seconds = dict.fromkeys(names, 0.0)

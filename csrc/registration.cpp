@@ -99,12 +99,11 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
   return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
 }
 
-std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, const OptTensor& mask, int64_t kind,
-                                             at::TensorList params, bool reverse, double eps) {
-  // ten parameters a direction, or twelve: the ten, then w_hh and t_w in the row-panel layout (small_gemm.h)
+// ten parameters a direction, or twelve: the ten, then w_hh and t_w in the row-panel layout (small_gemm.h)
+std::vector<dtmt::TransitionWeights> encode_directions(int64_t kind, at::TensorList params, const char* op) {
   const size_t n = params.size(), per = n == 12 || n == 24 ? 12 : 10;
   TORCH_CHECK(n == 10 || n == 20 || n == 12 || n == 24,
-              "dtmt::transition_encode: ten parameter tensors a direction (twelve with row panels), got ", n);
+              "dtmt::", op, ": ten parameter tensors a direction (twelve with row panels), got ", n);
   std::vector<dtmt::TransitionWeights> dirs;
   for (size_t d = 0; d < n; d += per) {
     const at::TensorList p = params.slice(d, per);
@@ -114,7 +113,24 @@ std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, 
       dirs.back().t_w_panels = p[11];
     }
   }
-  auto r = dtmt::transition_encode_cpu(dense(x), dense(h0), dense(mask, x), dirs, reverse, eps);
+  return dirs;
+}
+
+std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, const OptTensor& mask, int64_t kind,
+                                             at::TensorList params, bool reverse, double eps) {
+  auto r = dtmt::transition_encode_cpu(dense(x), dense(h0), dense(mask, x),
+                                       encode_directions(kind, params, "transition_encode"), reverse, eps);
+  return {r[0], r[1]};
+}
+
+std::tuple<Tensor, Tensor> transition_encode_tokens(const Tensor& tokens, const Tensor& table,
+                                                    const OptTensor& position_table, const Tensor& h0,
+                                                    const OptTensor& mask, int64_t kind, at::TensorList params,
+                                                    bool reverse, double eps) {
+  auto r = dtmt::transition_encode_tokens_cpu(dense(tokens), dense(table), dense(position_table, table), dense(h0),
+                                              dense(mask, table), encode_directions(kind, params,
+                                                                                    "transition_encode_tokens"),
+                                              reverse, eps);
   return {r[0], r[1]};
 }
 
@@ -220,6 +236,8 @@ TORCH_LIBRARY(dtmt, m) {
         "bool weight_grads=True) -> Tensor[]");
   m.def("transition_encode(Tensor x, Tensor h0, Tensor? mask, int kind, Tensor[] params, bool reverse, float eps) "
         "-> (Tensor out, Tensor h_n)");
+  m.def("transition_encode_tokens(Tensor tokens, Tensor table, Tensor? position_table, Tensor h0, Tensor? mask, "
+        "int kind, Tensor[] params, bool reverse, float eps) -> (Tensor out, Tensor h_n)");
   m.def("additive_scores(Tensor keys, Tensor query, Tensor v) -> Tensor");
   m.def("additive_scores_backward(Tensor grad, Tensor keys, Tensor query, Tensor v) -> (Tensor, Tensor, Tensor)");
   m.def("attention_context(Tensor alpha, Tensor values) -> Tensor");
@@ -249,6 +267,7 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("transition_forward", &transition_forward<dtmt::transition_forward_cpu>);
   m.impl("transition_backward", &transition_backward<dtmt::transition_backward_cpu>);
   m.impl("transition_encode", &transition_encode);
+  m.impl("transition_encode_tokens", &transition_encode_tokens);
   m.impl("additive_scores", &additive_scores);
   m.impl("additive_scores_backward", &additive_scores_backward);
   m.impl("attention_context", &attention_context);

@@ -64,6 +64,17 @@ at::Tensor cell_step_cpu(const at::Tensor& x, const at::Tensor& h, const Transit
 std::vector<at::Tensor> transition_encode_cpu(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                               const std::vector<TransitionWeights>& dirs, bool reverse, double eps);
 
+// transition_encode_cpu with each position's input products read from tables instead of computed from x: tokens
+// [T, B] (int64), table [V, D * n_in*H] (row v: token v's products with every direction's w_ih, no bias; direction d
+// in columns d*n_in*H..), position_table [>= T, D * n_in*H] (position t's products, added to its tokens' rows) or
+// empty; position t of sentence b reads table[tokens[t, b]] + position_table[t] + b_ih. Float or double tables, h0 of
+// their dtype; a token outside the table is an error. Where the table holds the products of the embedding that x
+// would be (and position_table those of the positions added to it), the same outputs up to rounding.
+std::vector<at::Tensor> transition_encode_tokens_cpu(const at::Tensor& tokens, const at::Tensor& table,
+                                                     const at::Tensor& position_table, const at::Tensor& h0,
+                                                     const at::Tensor& mask, const std::vector<TransitionWeights>& dirs,
+                                                     bool reverse, double eps);
+
 // Backward (dh0 in grad_hn's dtype, the rest in the input dtype). Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b};
 // gradients of absent tensors are empty. With weight_grads false the weight and bias gradients are not formed:
 // their slots hold the pre-activation gradients they are made of instead, {dx, dh0, dxp [T*B, n_in*H], -,

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 
+#include <functional>
 #include <type_traits>
 
 #if defined(__linux__)
@@ -415,15 +416,15 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
 // one step's rows, reused from step to step. Returns {out [T, B, H], h_n [B, H]}. Why: at batch 1 a step streams a
 // direction's recurrent matrices (1.75 MB for the small dtmt), about what the core's L2 holds; the saved sequences
 // written alongside pushed them out, so every step read them from L3 (benchmarks/NOTES.md, item 61).
+// xp: the input products of every position [T * B, n_in * H] (input_products or table_products), B = h0's rows.
 template <typename T>
-std::vector<Tensor> encode_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const TransitionWeights& w,
-                                bool reverse, double eps) {
-  const Dims d = dims_of(x, w);
-  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D;
+std::vector<Tensor> encode_impl(const Tensor& xp, int64_t T_, const Tensor& h0, const Tensor& mask,
+                                const TransitionWeights& w, bool reverse, double eps) {
+  const int64_t n_in = cell_input_rows(static_cast<int>(w.kind)), n_h = cell_hidden_rows(static_cast<int>(w.kind));
+  const int64_t B = h0.size(0), H = w.w_hh.size(0) / n_h;
+  const int64_t D = w.t_w.defined() && w.t_w.numel() > 0 ? w.t_w.size(0) : 0;
   const auto& kernels = typed_cpu_kernels<T>();
-  const auto opts = x.options();
-  Tensor xp = empty_large({T_ * B, d.n_in * H}, opts);
-  linear_into(xp, w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih);
+  const auto opts = xp.options();
   Tensor out = at::empty({T_, B, H}, opts);
   // states[0]: the carried state (h_n), states[k]: the state entering T-GRU k
   Tensor states = at::empty({D + 1, B, H}, opts);
@@ -434,7 +435,7 @@ std::vector<Tensor> encode_impl(const Tensor& x, const Tensor& h0, const Tensor&
     t_w.push_back(w.t_w[k]);
     t_b.push_back(w.t_b[k]);
   }
-  Tensor hp = at::empty({B, d.n_h * H}, opts);
+  Tensor hp = at::empty({B, n_h * H}, opts);
   Tensor hpt = at::empty({B, 3 * H}, opts);
   const StepSettings<T> set(w, Tensor(), mask, B, H, eps);
   CellRows<T> base = set.base;
@@ -469,7 +470,7 @@ std::vector<Tensor> encode_impl(const Tensor& x, const Tensor& h0, const Tensor&
     } else {
       linear_into(hp, w.b_hh, state[0], w.w_hh);
     }
-    base.xp = xp_p + t * B * d.n_in * H;
+    base.xp = xp_p + t * B * n_in * H;
     base.out = D > 0 ? state[1].data_ptr<T>() : out_t;
     cell_rows(kernels.cell_forward_rows, base, B);
     for (int64_t k = 1; k <= D; ++k) {
@@ -554,6 +555,65 @@ Tensor cell_step_cpu(const Tensor& x, const Tensor& h, const TransitionWeights& 
   return result;
 }
 
+namespace {
+
+// The input products x W_ih^T + b_ih of every position [T * B, n_in * H] (one GEMM; x [T, B, I]).
+Tensor input_products(const Tensor& x, const TransitionWeights& w) {
+  const int64_t T_ = x.size(0), B = x.size(1);
+  Tensor xp = empty_large({T_ * B, w.w_ih.size(0)}, x.options());
+  linear_into(xp, w.b_ih, x.reshape({T_ * B, x.size(2)}), w.w_ih);
+  return xp;
+}
+
+// Direction d's input products [T * B, N] read from tables (transition_encode_tokens_cpu): row t * B + b is
+// table[tokens[t, b]] + position_table[t] (where given) + b_ih, over the table's columns d * N .. (d + 1) * N.
+template <typename T>
+Tensor table_products(const Tensor& tokens, const Tensor& table, const Tensor& position_table, const Tensor& b_ih,
+                      int64_t d, int64_t N) {
+  const int64_t T_ = tokens.size(0), B = tokens.size(1), width = table.size(1);
+  Tensor xp = empty_large({T_ * B, N}, table.options());
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const T* rows = table.data_ptr<T>() + d * N;
+  const T* pos = position_table.defined() ? position_table.data_ptr<T>() + d * N : nullptr;
+  const T* bias = b_ih.defined() && b_ih.numel() > 0 ? b_ih.data_ptr<T>() : nullptr;
+  T* out = xp.data_ptr<T>();
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int64_t b = 0; b < B; ++b) {
+      const T* row = rows + tok[t * B + b] * width;
+      T* o = out + (t * B + b) * N;
+      if (pos != nullptr) {
+        const T* p = pos + t * width;
+        for (int64_t n = 0; n < N; ++n) o[n] = row[n] + p[n];
+      } else {
+        std::memcpy(o, row, sizeof(T) * N);
+      }
+      if (bias != nullptr)
+        for (int64_t n = 0; n < N; ++n) o[n] += bias[n];
+    }
+  }
+  return xp;
+}
+
+// Each direction of a layer through `run(d)` (which fills r[d] = {out, h_n}), on two threads where the layer has two
+// directions and there are two (transition_encode_cpu), then the directions' outputs joined.
+std::vector<Tensor> each_direction(int64_t D, const std::function<std::vector<Tensor>(int64_t)>& run) {
+  std::vector<std::vector<Tensor>> r(static_cast<size_t>(D));
+  if (D == 2 && at::get_num_threads() == 2 && !at::in_parallel_region()) {
+    // the caller's thread-local state (grad mode above all) on the worker too: parallel_for does not carry it
+    const at::ThreadLocalState caller;
+    at::parallel_for(0, 2, 1, [&](int64_t d0, int64_t d1) {
+      const at::ThreadLocalStateGuard same(caller);
+      for (int64_t d = d0; d < d1; ++d) r[d] = run(d);
+    });
+  } else {
+    for (int64_t d = 0; d < D; ++d) r[d] = run(d);
+  }
+  if (D == 1) return {r[0][0], r[0][1].unsqueeze(0)};
+  return {at::cat({r[0][0], r[1][0]}, -1), at::stack({r[0][1], r[1][1]})};
+}
+
+}  // namespace
+
 std::vector<Tensor> transition_encode_cpu(const Tensor& x, const Tensor& h0, const Tensor& mask,
                                           const std::vector<TransitionWeights>& dirs, bool reverse, double eps) {
   const int64_t D = static_cast<int64_t>(dirs.size());
@@ -561,30 +621,59 @@ std::vector<Tensor> transition_encode_cpu(const Tensor& x, const Tensor& h0, con
   TORCH_CHECK(x.dim() == 3 && h0.dim() == 3 && h0.size(0) == D && h0.size(1) == x.size(1),
               "dtmt::transition_encode: x [T, B, I] and h0 [", D, ", B, H] expected, got ", x.sizes(), " and ",
               h0.sizes());
-  std::vector<std::vector<Tensor>> r(static_cast<size_t>(D));
-  const auto run = [&](int64_t d) {
+  return each_direction(D, [&](int64_t d) {
     const bool rev = d == 1 || reverse;
     check_kind(dirs[d].kind);
-    if (x.scalar_type() == at::kFloat) {
-      r[d] = encode_impl<float>(x, h0[d], mask, dirs[d], rev, eps);
-    } else if (x.scalar_type() == at::kDouble) {
-      r[d] = encode_impl<double>(x, h0[d], mask, dirs[d], rev, eps);
-    } else {   // 16-bit inputs: the sequence kernel's conversions
-      r[d] = transition_forward_cpu(x, h0[d], mask, Tensor(), dirs[d], rev, eps);
-    }
-  };
-  if (D == 2 && at::get_num_threads() == 2 && !at::in_parallel_region()) {
-    // the caller's thread-local state (grad mode above all) on the worker too: parallel_for does not carry it
-    const at::ThreadLocalState caller;
-    at::parallel_for(0, 2, 1, [&](int64_t d0, int64_t d1) {
-      const at::ThreadLocalStateGuard same(caller);
-      for (int64_t d = d0; d < d1; ++d) run(d);
-    });
-  } else {
-    for (int64_t d = 0; d < D; ++d) run(d);
-  }
-  if (D == 1) return {r[0][0], r[0][1].unsqueeze(0)};
-  return {at::cat({r[0][0], r[1][0]}, -1), at::stack({r[0][1], r[1][1]})};
+    if (x.scalar_type() == at::kFloat) return encode_impl<float>(input_products(x, dirs[d]), x.size(0), h0[d], mask,
+                                                                 dirs[d], rev, eps);
+    if (x.scalar_type() == at::kDouble) return encode_impl<double>(input_products(x, dirs[d]), x.size(0), h0[d], mask,
+                                                                   dirs[d], rev, eps);
+    // 16-bit inputs: the sequence kernel's conversions
+    std::vector<Tensor> r = transition_forward_cpu(x, h0[d], mask, Tensor(), dirs[d], rev, eps);
+    return std::vector<Tensor>{r[0], r[1]};
+  });
+}
+
+std::vector<Tensor> transition_encode_tokens_cpu(const Tensor& tokens, const Tensor& table,
+                                                 const Tensor& position_table, const Tensor& h0, const Tensor& mask,
+                                                 const std::vector<TransitionWeights>& dirs, bool reverse,
+                                                 double eps) {
+  const int64_t D = static_cast<int64_t>(dirs.size());
+  TORCH_CHECK(D == 1 || D == 2, "dtmt::transition_encode_tokens: one or two directions, got ", D);
+  for (const auto& w : dirs) check_kind(w.kind);
+  const auto st = table.scalar_type();
+  const int64_t N = dirs[0].w_ih.size(0);
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && h0.dim() == 3 && h0.size(0) == D &&
+                  h0.size(1) == tokens.size(1) && h0.scalar_type() == st,
+              "dtmt::transition_encode_tokens: int64 tokens [T, B] and h0 [", D, ", B, H] of the table's dtype "
+              "expected, got ", tokens.sizes(), " ", tokens.scalar_type(), " and ", h0.sizes(), " ", h0.scalar_type());
+  TORCH_CHECK((st == at::kFloat || st == at::kDouble) && table.dim() == 2 && table.size(1) == D * N,
+              "dtmt::transition_encode_tokens: a float or double table [V, ", D * N, "] (each direction's ", N,
+              " input products) expected, got ", table.sizes(), " ", st);
+  const bool positional = position_table.defined() && position_table.numel() > 0;
+  TORCH_CHECK(!positional || (position_table.dim() == 2 && position_table.size(0) >= tokens.size(0) &&
+                              position_table.size(1) == D * N && position_table.scalar_type() == st),
+              "dtmt::transition_encode_tokens: position_table must be [>= T = ", tokens.size(0), ", ", D * N,
+              "] of the table's dtype, got ", position_table.sizes(), " ", position_table.scalar_type());
+  const int64_t V = table.size(0);
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens.numel(); ++i)
+    TORCH_CHECK(tok[i] >= 0 && tok[i] < V, "dtmt::transition_encode_tokens: token ", tok[i], " is not in the table (",
+                V, " rows)");
+  for (const auto& w : dirs)
+    TORCH_CHECK(w.w_ih.size(0) == N && (!w.b_ih.defined() || w.b_ih.numel() == 0 ||
+                                        (w.b_ih.numel() == N && w.b_ih.scalar_type() == st)),
+                "dtmt::transition_encode_tokens: the directions' input matrices must have ", N, " rows and biases of "
+                "the table's dtype");
+  const Tensor pos = positional ? position_table : Tensor();
+  return each_direction(D, [&](int64_t d) {
+    const bool rev = d == 1 || reverse;
+    if (st == at::kFloat)
+      return encode_impl<float>(table_products<float>(tokens, table, pos, dirs[d].b_ih, d, N), tokens.size(0), h0[d],
+                                mask, dirs[d], rev, eps);
+    return encode_impl<double>(table_products<double>(tokens, table, pos, dirs[d].b_ih, d, N), tokens.size(0), h0[d],
+                               mask, dirs[d], rev, eps);
+  });
 }
 
 std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,

@@ -501,7 +501,9 @@ class FrozenTransitionLayer(InferenceForm):
     `int8()`: a copy whose recurrent matrices are int8 rows (int8 decoding); `on_huge_pages()`: a copy whose
     parameters sit in 2 MiB pages; `with_row_panels()`: a copy that also holds each direction's recurrent matrices in
     the row-panel layout (`panels`: (w_hh, t_w) panels a direction, or None), which transition_encode multiplies at
-    batch 1 (ops.linear.panels: the same outputs up to rounding)."""
+    batch 1 (ops.linear.panels: the same outputs up to rounding). `input_products(rows)` and `encode_tokens`: the
+    layer over token ids, their inputs' products with the input matrices made once as tables
+    (torch.ops.dtmt.transition_encode_tokens: no input GEMM a call)."""
 
     def __init__(self, layer: "_TransitionLayer", directions: Optional[List[Tuple[int, List[Tensor]]]] = None,
                  panels: Optional[List[Tuple[Tensor, Tensor]]] = None):
@@ -531,6 +533,48 @@ class FrozenTransitionLayer(InferenceForm):
 
     # the flat parameters' recurrent matrices: w_hh and the T-GRUs' t_w (ops.transition.flat_params order)
     RECURRENT = (2, 6)
+
+    # the largest input_products table made (bytes)
+    INPUT_TABLE_BYTES = 64 << 20
+
+    def input_products(self, rows: Tensor) -> Optional[Tensor]:
+        """The products of input rows [n, input_size] (an embedding's rows, or its position rows) with every
+        direction's input matrix, without biases: [n, D * n_in*H], direction d in columns d*n_in*H.. (what
+        encode_tokens reads as its table or position_table), computed in float64 and rounded once to the weights'
+        dtype. None where the layer cannot take tables: weights that are not float32 / float64 on the CPU, rows of
+        another width or dtype, or a table past INPUT_TABLE_BYTES."""
+        w_ih = [params[0] for _, params in self.directions]
+        if (self._flat is None or not all(w.dtype in (torch.float32, torch.float64) and w.dtype == rows.dtype
+                                          for w in w_ih)
+                or rows.dim() != 2 or rows.shape[1] != self.input_size or rows.device.type != "cpu"):
+            return None
+        width = sum(w.shape[0] for w in w_ih)
+        if rows.shape[0] * width * rows.element_size() > self.INPUT_TABLE_BYTES:
+            return None
+        with torch.no_grad():
+            return (rows.detach().double() @ torch.cat(w_ih).double().t()).to(rows.dtype).contiguous()
+
+    def encode_tokens(self, tokens: Tensor, table: Tensor, position_table: Optional[Tensor] = None,
+                      lengths=None) -> Tuple[Tensor, Tensor]:
+        """`forward` over the inputs whose products `table` holds: tokens [B, T] ([T, B] if not batch_first) of
+        int64 ids, table = input_products(embedding rows) [V, D * n_in*H], position_table = input_products(position
+        rows) [>= T, ...], each position's row added to its token's, or None. From a zero state, the same (out, h_n)
+        as forward over x = embedding[tokens] (+ positions) up to rounding."""
+        name = type(self).__name__
+        if tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(f"{name}.encode_tokens: tokens must be int64 [B, T] (batch_first) or [T, B], got "
+                             f"{tokens.dtype} {list(tokens.shape)}")
+        t = tokens.t() if self.batch_first else tokens
+        T, B = t.shape
+        if T == 0 or B == 0:
+            raise ValueError(f"{name}.encode_tokens: at least one step and one sequence, got {list(tokens.shape)}")
+        h0 = table.new_zeros(self.num_directions, B, self.hidden_size)
+        mask = None if lengths is None else lengths_to_mask(lengths, T, B, table.dtype, table.device, name,
+                                                            none_if_unpadded=True)
+        out, h_n = torch.ops.dtmt.transition_encode_tokens(t, table, position_table, h0, mask, self.directions[0][0],
+                                                           self._flat, getattr(self.source, "reverse", False),
+                                                           self.eps)
+        return (out.transpose(0, 1) if self.batch_first else out), h_n
 
     def int8(self) -> "FrozenTransitionLayer":
         """A copy with each direction's recurrent matrices (w_hh, the T-GRUs' t_w) as int8 rows, which

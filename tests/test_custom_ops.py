@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="th
 
 OPS = ("transition_forward", "transition_backward", "additive_scores", "additive_scores_backward",
        "attention_context", "attention_context_backward", "small_rows_linear", "attention_step", "readout_features",
-       "rnmt_step", "rnmt_beam_search", "memory_encoder", "transition_encode")
+       "rnmt_step", "rnmt_beam_search", "memory_encoder", "transition_encode", "transition_encode_tokens")
 
 
 def test_every_op_is_registered_in_the_dtmt_namespace():
@@ -111,7 +111,8 @@ def _detached(tree):
 
 def _record_system_calls(system, dtype=torch.float64):
     """The dtmt ops a system calls in one training step (forward and backward), in inference decoding steps at
-    beam 4 (the small-row linear's rows) and in a beam search, with the arguments they were called with."""
+    beam 4 (the small-row linear's rows) and in a beam search (its decoder's encode, and the modules' encode
+    beside it), with the arguments they were called with."""
     torch.manual_seed(0)
     model = build_model(system, 40, 50, embed_dim=8, hidden_size=12).to(dtype)
     src, lengths = torch.randint(4, 40, (4, 6)), torch.tensor([6, 5, 3, 2])
@@ -124,6 +125,7 @@ def _record_system_calls(system, dtype=torch.float64):
         with torch.no_grad():
             decoder = model.inference_decoder()
             state = decoder.encode(src, lengths)
+            getattr(decoder, "model", decoder).encode(src, lengths)   # the modules' encode (no source tables)
             for t in range(2):
                 _, state = decoder.step(state, prev[:, t])
             beam_search(decoder, src, lengths, beam=2, max_len_a=0.0, max_len_b=3)
@@ -140,7 +142,8 @@ def test_every_op_a_system_calls_passes_opcheck(system):
         torch.library.opcheck(op, _detached(args), dict(kwargs))
     names = {op.__name__.split(".")[0] for op in calls}
     expected = {"dtmt": {"transition_forward", "transition_backward", "additive_scores", "additive_scores_backward",
-                         "attention_context_backward", "rnmt_step", "rnmt_beam_search", "transition_encode"},
+                         "attention_context_backward", "rnmt_step", "rnmt_beam_search", "transition_encode",
+                         "transition_encode_tokens"},
                 "mce": {"memory_encoder", "rnmt_step", "rnmt_beam_search"},
                 "nematus": {"transition_forward", "rnmt_step", "rnmt_beam_search"},
                 "gnmt-atr": {"transition_forward", "small_rows_linear"}}[system] | {"smoothed_cross_entropy"}

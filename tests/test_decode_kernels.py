@@ -687,6 +687,127 @@ def test_encoder_panels_search(system):
         assert beam_search(on, src, lengths, beam=3) == beam_search(off, src, lengths, beam=3)
 
 
+@pytest.mark.parametrize("layer_kind", ["lgru-bi", "gru-reverse", "atr-bi", "lgru-shallow"])
+def test_sequence_layer_encode_tokens(layer_kind):
+    """FrozenTransitionLayer.input_products and encode_tokens (dtmt::transition_encode_tokens): the table is the
+    rows' products with every direction's w_ih, in float64 rounded once, direction d in columns d*n_in*H..; encoding
+    token ids from the tables of an embedding and of its position rows gives the layer's outputs on x = embedding
+    [tokens] + positions: in float64 within 1e-12, in float32 within float32 rounding of the float64 layer and as
+    close to it as the layer's own float32 outputs (padded batches time-major and batch_first, batch 1 through the
+    row panels, no positions, an initial state of zeros; on one thread and on two). A token outside the table, ids
+    that are not int64 and a table of the wrong width are refused; a table past INPUT_TABLE_BYTES or of rows of
+    another dtype is not made."""
+    cell, rest = layer_kind.split("-")
+    torch.manual_seed(0)
+    if cell == "atr":
+        layer = dk.nn.ATR(6, 40, layer_norm=True, bidirectional=True)
+    else:
+        layer = dk.nn.DeepTransitionGRU(6, 40, depth=0 if rest == "shallow" else 2, cell=cell, layer_norm=True,
+                                        bidirectional=rest in ("bi", "shallow"), reverse=rest == "reverse")
+    layer = _randomise(layer, 7).eval()
+    g = torch.Generator().manual_seed(8)
+    embedding, positions = torch.randn(30, 6, generator=g), 0.3 * torch.randn(12, 6, generator=g)
+    tokens, lengths = torch.randint(0, 30, (9, 3), generator=g), torch.tensor([9, 5, 1])
+    reference = copy.deepcopy(layer).double()
+    with torch.no_grad():
+        want = reference(embedding.double()[tokens] + positions.double()[:9, None], lengths=lengths)
+        want_plain = reference(embedding.double()[tokens], lengths=lengths)
+    w_ih = torch.cat([p for n, p in layer.named_parameters() if n.startswith("weight_ih")])
+    for dtype in (torch.float64, torch.float32):
+        form = copy.deepcopy(layer).to(dtype).inference_module()
+        if dtype == torch.float32:
+            form = form.with_row_panels()
+        E, P = embedding.to(dtype), positions.to(dtype)
+        table, position_table = form.input_products(E), form.input_products(P)
+        assert table.dtype == dtype and table.shape == (30, w_ih.shape[0])
+        assert torch.equal(table, (embedding.double() @ w_ih.double().t()).to(dtype))
+        x = E[tokens] + P[:9, None]
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+
+        def outputs():
+            with torch.no_grad():
+                for (got, layer_out, ref) in (
+                        (form.encode_tokens(tokens, table, position_table, lengths=lengths),
+                         form(x, lengths=lengths), want),
+                        (form.encode_tokens(tokens, table, lengths=lengths), form(E[tokens], lengths=lengths),
+                         want_plain),
+                        (form.encode_tokens(tokens[:, 1:2], table, position_table, lengths=lengths[1:2]),
+                         form(x[:, 1:2], lengths=lengths[1:2]), [t[:, 1:2] if t.dim() == 3 and t.shape[1] == 3
+                                                                 else t for t in want])):
+                    for a, b, c in zip(got, layer_out, ref):
+                        if a.shape != c.shape:   # h_n of the one-sentence batch
+                            c = c[:, 1:2]
+                        err, own = (a.double() - c).abs().max(), (b.double() - c).abs().max()
+                        assert err <= tol and err <= 4 * own + 1e-6, (err, own)
+                form.batch_first = True
+                try:
+                    got = form.encode_tokens(tokens.t(), table, position_table, lengths=lengths)
+                    layer_out = form(x.transpose(0, 1), lengths=lengths)
+                finally:
+                    form.batch_first = False
+                assert (got[0] - layer_out[0]).abs().max() <= tol and (got[1] - layer_out[1]).abs().max() <= tol
+            return True
+
+        assert all(at_thread_counts(outputs, 1, 2))
+    D = 2 if layer.bidirectional else 1
+    torch.library.opcheck(torch.ops.dtmt.transition_encode_tokens.default,
+                          (tokens, table, position_table, torch.zeros(D, 3, 40), None, form.directions[0][0],
+                           [t.detach() for t in form._flat], getattr(layer, "reverse", False), layer.eps))
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="token 30 is not in the table"):
+            form.encode_tokens(torch.full((2, 1), 30), table)
+        with pytest.raises(ValueError, match="int64"):
+            form.encode_tokens(tokens.int(), table)
+        with pytest.raises(RuntimeError, match="table"):
+            form.encode_tokens(tokens, table[:, :-1])
+    assert form.input_products(embedding.double()) is None   # rows of another dtype
+    small = copy.deepcopy(form)
+    small.INPUT_TABLE_BYTES = table.numel() * 4 - 1
+    assert small.input_products(embedding) is None and small.input_products(positions) is not None
+
+
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
+def test_source_tables_search(system):
+    """FusedRNMTDecoder(source_tables=True), the default, against source_tables=False: encode reads the source
+    tokens' and positions' input products from tables (the embedding's and its position rows' products with the
+    encoder's input matrices) instead of embedding and multiplying: the same annotations and first state within
+    float32 rounding, the same hypotheses at batch 1 and for a batch of several sentences with scores within 1e-5;
+    a source longer than the position table makes it anew, at least twice as long. The int8 decoder has none (it
+    quantizes the encoder's states: test_int8 holds it to the modules' products), nor has a system whose encoder is
+    not one sequence layer (nematus)."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    torch.manual_seed(3)
+    model = build_model(system, 50, 60, embed_dim=16, hidden_size=40).eval()
+    with torch.no_grad():
+        on = model.inference_decoder()
+        off = FusedRNMTDecoder(on.prepared, on.layered, source_tables=False)
+        assert on.source_table is not None and off.source_table is None
+        assert on.inference_decoder(int8=True).source_table is None
+        g = torch.Generator().manual_seed(4)
+        for length in (1, 5, 13):
+            src = torch.randint(4, 50, (1, length), generator=g)
+            lengths = torch.tensor([length])
+            sa, sb = on.encode(src, lengths), off.encode(src, lengths)
+            assert sa.keys() == sb.keys()
+            for k in ("annotations", "keys", "s"):
+                torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-5)
+            a, b = beam_search(on, src, lengths, beam=3, nbest=3), beam_search(off, src, lengths, beam=3, nbest=3)
+            assert [h.tokens for h in a[0]] == [h.tokens for h in b[0]]
+            assert all(abs(x.score - y.score) < 1e-5 for x, y in zip(a[0], b[0]))
+        src, lengths = torch.randint(4, 50, (3, 7), generator=g), torch.tensor([7, 4, 2])
+        a, b = beam_search(on, src, lengths, beam=3), beam_search(off, src, lengths, beam=3)
+        assert [[h.tokens for h in s] for s in a] == [[h.tokens for h in s] for s in b]
+        if model.src_embed.positional:
+            on._source_position_table = on._source_position_table[:3]
+            src = torch.randint(4, 50, (1, 5), generator=g)
+            torch.testing.assert_close(on.encode(src, torch.tensor([5]))["annotations"],
+                                       off.encode(src, torch.tensor([5]))["annotations"], rtol=1e-5, atol=1e-5)
+            assert on._source_position_table.shape[0] >= 6
+        nematus = build_model("nematus", 50, 60, embed_dim=16, hidden_size=40).eval().inference_decoder()
+        assert nematus.source_table is None
+
+
 def _mapping_flags(ptr: int) -> str:
     """The VmFlags line of this process's mapping that holds address `ptr` (/proc/self/smaps)."""
     import re

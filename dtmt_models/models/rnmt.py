@@ -110,16 +110,23 @@ class FusedRNMTDecoder:
     the same search up to rounding, fewer bytes and less work a step. `encoder_panels`: the encoder's sequence
     layers also hold their recurrent matrices in the row-panel layout (dk.nn.FrozenTransitionLayer.with_row_panels,
     in a shallow copy of the model that `encode` runs; float weights), from which a batch of one sentence is encoded
-    (the same annotations up to rounding; larger batches as before).
+    (the same annotations up to rounding; larger batches as before). `source_tables`: where the system encodes a
+    source as its TokenEmbedding read by one FrozenTransitionLayer (AttentionalRNMT's encode_source), the
+    embedding's products with the layer's input matrices as tables, one row a source token (and one a position,
+    `source_position_table`, grown as sentences need), from which `encode` reads each position's input products
+    (dk.nn.FrozenTransitionLayer.encode_tokens: no embedding lookup and no input GEMM a call; the same annotations
+    up to rounding; float weights, tables up to the layer's INPUT_TABLE_BYTES; not with `int8`, whose encoder
+    quantizes its states, so that a product rounded otherwise could move one across a quantization step).
     `search`: beam search's whole loop in one C++ call (see `_search`), or None
     where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
     (`model` is that model or the copy `encode` runs)."""
 
     def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True,
-                 huge_pages: bool = True, step_tables: bool = True, encoder_panels: bool = True):
+                 huge_pages: bool = True, step_tables: bool = True, encoder_panels: bool = True,
+                 source_tables: bool = True):
         self.prepared, self.model, self.layered, self.int8 = model, model, layered, int8
         self.fold, self.huge_pages, self.step_tables = fold, huge_pages, step_tables
-        self.encoder_panels = encoder_panels
+        self.encoder_panels, self.source_tables = encoder_panels, source_tables
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
@@ -156,16 +163,46 @@ class FusedRNMTDecoder:
             if self.attention.w_o is None:   # the context read only through the two matrices (fold)
                 heads = 1 if self.single_head else model.attention.heads
                 self.context_table = dk.functional.context_heads(self.decoder_cell, self.readout, heads)
+        # the source embedding's products with the encoder's input matrices as tables (source_tables): once here
+        self.source_table = self._source_position_table = None
+        cls, encoder = type(model), getattr(self.model, "encoder", None)
+        src_embed = getattr(self.model, "src_embed", None)
+        if (source_tables and not int8 and cls.encode is AttentionalRNMT.encode
+                and cls.encode_source is AttentionalRNMT.encode_source and type(src_embed) is TokenEmbedding
+                and type(encoder) is dk.nn.FrozenTransitionLayer and encoder.batch_first):
+            self.source_table = self._placed(encoder.input_products(src_embed.weight))
 
     def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
         """Itself, or with `int8` (and int8 not yet) its int8 form, with this decoder's other settings."""
         if not int8 or self.int8:
             return self
         return FusedRNMTDecoder(self.prepared, self.layered, True, fold=self.fold, huge_pages=self.huge_pages,
-                                step_tables=self.step_tables, encoder_panels=self.encoder_panels)
+                                step_tables=self.step_tables, encoder_panels=self.encoder_panels,
+                                source_tables=self.source_tables)
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
-        return self.model.encode(src, src_lengths)
+        """The model's encode; with source tables, its annotations from them (FrozenTransitionLayer.encode_tokens)."""
+        m = self.model
+        if self.source_table is None:
+            return m.encode(src, src_lengths)
+        m.check_batch(src, src_lengths)
+        positions = self.source_position_table(src.shape[1]) if m.src_embed.positional else None
+        if m.src_embed.positional and positions is None:
+            return m.encode(src, src_lengths)
+        annotations = m.encoder.encode_tokens(src, self.source_table, positions, lengths=src_lengths)[0]
+        return m.state_from(annotations, src_lengths)
+
+    def source_position_table(self, length: int) -> Optional[Tensor]:
+        """The source positions' products with the encoder's input matrices (FrozenTransitionLayer.input_products
+        of the source embedding's scaled position rows) for positions 0..length-1 at least, made once for a length
+        and kept; a longer source makes it anew for at least twice the length (as the positions' own table grows)."""
+        table = self._source_position_table
+        if table is None or table.shape[0] < length:
+            emb = self.model.src_embed
+            rows = max(length, 256 if table is None else 2 * table.shape[0])
+            table = self._placed(self.model.encoder.input_products(emb.scaled_positions(rows, emb.weight)))
+            self._source_position_table = table
+        return table
 
     def reorder(self, state: State, index: Tensor) -> State:
         return self.model.reorder(state, index)
@@ -279,10 +316,13 @@ class AttentionalRNMT(Seq2Seq):
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         self.check_batch(src, src_lengths)
-        annotations = self.encode_source(src, src_lengths)
-        B = src.shape[0]
+        return self.state_from(self.encode_source(src, src_lengths), src_lengths)
+
+    def state_from(self, annotations: Tensor, src_lengths: Tensor) -> State:
+        """What `encode` makes of the source's annotations [B, S, C]: the decoder's first state."""
+        B = annotations.shape[0]
         state = start_state(self.attention, self.init_state, annotations, src_lengths)
-        state["pos"] = torch.zeros(B, dtype=torch.long, device=src.device)
+        state["pos"] = torch.zeros(B, dtype=torch.long, device=annotations.device)
         for name, cell in (("drop_q", self.query_cell), ("drop_d", self.decoder_cell)):
             drop = cell.sample_dropout_masks(B, annotations)
             if drop is not None:

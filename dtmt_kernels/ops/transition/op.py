@@ -7,6 +7,9 @@ the fake (meta) implementations and the one autograd definition shared by every 
     torch.ops.dtmt.transition_encode            inference (C++, CPU): one layer's one or two directions in one call
                                                 (FrozenTransitionLayer), (x, h0 [D, B, H], mask, kind, the D x ten
                                                 parameters, reverse, eps) -> (out [T, B, D*H], h_n [D, B, H])
+    torch.ops.dtmt.transition_encode_tokens     the same from token ids and tables of their input products
+                                                (FrozenTransitionLayer.encode_tokens), (tokens [T, B], table,
+                                                position_table or None, h0, mask, kind, parameters, reverse, eps)
 
 Both take (x [T, B, I], h0 [B, H], mask [T, B] or None, drop [D+1, B, H] or None, kind, the ten flat parameters
 (`flat_params`: absent ones None or empty), reverse, eps) and return (out [T, B, H], h_n [B, H]) followed by what
@@ -111,6 +114,11 @@ def _encode_fake(x, h0, mask, kind, params, reverse, eps):
     return x.new_empty(x.shape[0], B, D * H), h0.new_empty(D, B, H)
 
 
+def _encode_tokens_fake(tokens, table, position_table, h0, mask, kind, params, reverse, eps):
+    D, B, H = h0.shape
+    return table.new_empty(tokens.shape[0], B, D * H), h0.new_empty(D, B, H)
+
+
 def _register() -> None:
     pairs = [("dtmt::transition_forward_triton", "dtmt::transition_backward_triton",
               torch.ops.dtmt.transition_backward_triton)]
@@ -118,6 +126,8 @@ def _register() -> None:
         pairs.append(("dtmt::transition_forward", "dtmt::transition_backward", torch.ops.dtmt.transition_backward))
         torch.library.register_fake("dtmt::transition_encode")(_encode_fake)
         _autocast.register("dtmt::transition_encode", _autocast.low_precision_rule)   # as its per-direction op
+        torch.library.register_fake("dtmt::transition_encode_tokens")(_encode_tokens_fake)
+        _autocast.register("dtmt::transition_encode_tokens", _autocast.float32_rule)   # tables made in float
     for forward, backward, backward_op in pairs:
         torch.library.register_fake(forward)(_forward_fake)
         torch.library.register_fake(backward)(_backward_fake)

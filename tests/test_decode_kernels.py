@@ -766,12 +766,58 @@ def test_sequence_layer_encode_tokens(layer_kind):
     assert small.input_products(embedding) is None and small.input_products(positions) is not None
 
 
+@pytest.mark.parametrize("attention", ["additive", "additive-ln", "multi-head"])
+def test_rnmt_start_is_start_state(attention):
+    """dk.functional.rnmt_start with the weights start_weights reads from a model's init_state and attention makes
+    what start_state makes: the source mask (to the bit), the first state tanh(W_init mean + b) and the keys
+    (single-head, with and without its key layer norm; multi-head, [B, S, heads, A / heads]), in float64 within
+    1e-12 and in float32 within float32 rounding, for a batch of padded sentences and for one sentence; lengths
+    outside [1, S] and weights of another dtype are refused."""
+    from types import SimpleNamespace
+
+    from dtmt_models.models.rnmt import start_state, start_weights
+
+    torch.manual_seed(0)
+    C, A, H = 12, 8, 10
+    att = (MultiHeadAdditiveAttention(H, C, A, heads=4) if attention == "multi-head" else
+           AdditiveAttention(H, C, A, layer_norm=attention == "additive-ln"))
+    att, init = _randomise(att, 1).eval(), _randomise(dk.nn.Linear(C, H), 2)
+    if attention == "additive-ln":
+        assert type(att.ln_k) is torch.nn.LayerNorm
+    g = torch.Generator().manual_seed(3)
+    # (values at the padded positions too, where an encoder leaves zeros: the mean must skip them)
+    annotations, lengths = torch.randn(3, 7, C, generator=g), torch.tensor([7, 4, 1])
+    for dtype in (torch.float64, torch.float32):
+        att_d, init_d = copy.deepcopy(att).to(dtype), copy.deepcopy(init).to(dtype)
+        form = att_d.inference_module()
+        assert type(form) is AttentionStep
+        weights = start_weights(SimpleNamespace(init_state=init_d, attention=form))
+        assert weights is not None and weights[-1] == (4 if attention == "multi-head" else 0)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        with torch.no_grad():
+            for x, n in ((annotations.to(dtype), lengths), (annotations[:1].to(dtype), lengths[:1])):
+                want = start_state(form, init_d, x, n)
+                s, keys, mask = dk.functional.rnmt_start(x, n, *weights)
+                assert torch.equal(mask, want["src_mask"]) and mask.dtype == torch.bool
+                assert keys.shape == want["keys"].shape and keys.dtype == dtype
+                torch.testing.assert_close(keys, want["keys"], rtol=tol, atol=tol)
+                torch.testing.assert_close(s, want["s"], rtol=tol, atol=tol)
+    x = annotations.float()
+    with torch.no_grad():
+        torch.library.opcheck(torch.ops.dtmt.rnmt_start.default, (x, lengths, *weights))
+        with pytest.raises(RuntimeError, match=r"lengths must be in \[1, S = 7\]"):
+            dk.functional.rnmt_start(x, torch.tensor([7, 0, 1]), *weights)
+        with pytest.raises(RuntimeError, match="float or double annotations"):
+            dk.functional.rnmt_start(x.double(), lengths, *weights)
+    assert start_weights(SimpleNamespace(init_state=torch.nn.Identity(), attention=form)) is None
+
+
 @pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
 def test_source_tables_search(system):
-    """FusedRNMTDecoder(source_tables=True), the default, against source_tables=False: encode reads the source
-    tokens' and positions' input products from tables (the embedding's and its position rows' products with the
-    encoder's input matrices) instead of embedding and multiplying: the same annotations and first state within
-    float32 rounding, the same hypotheses at batch 1 and for a batch of several sentences with scores within 1e-5;
+    """FusedRNMTDecoder(source_tables=True, fused_start=True), the default, against both False: encode reads the
+    source tokens' and positions' input products from tables (the embedding's and its position rows' products with
+    the encoder's input matrices) instead of embedding and multiplying, and makes the first state in one call
+    (rnmt_start) instead of the modules' start_state: the same annotations and first state within float32 rounding, the same hypotheses at batch 1 and for a batch of several sentences with scores within 1e-5;
     a source longer than the position table makes it anew, at least twice as long. The int8 decoder has none (it
     quantizes the encoder's states: test_int8 holds it to the modules' products), nor has a system whose encoder is
     not one sequence layer (nematus)."""
@@ -781,8 +827,9 @@ def test_source_tables_search(system):
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=40).eval()
     with torch.no_grad():
         on = model.inference_decoder()
-        off = FusedRNMTDecoder(on.prepared, on.layered, source_tables=False)
+        off = FusedRNMTDecoder(on.prepared, on.layered, source_tables=False, fused_start=False)
         assert on.source_table is not None and off.source_table is None
+        assert on.start_weights is not None and off.start_weights is None
         assert on.inference_decoder(int8=True).source_table is None
         g = torch.Generator().manual_seed(4)
         for length in (1, 5, 13):
@@ -805,7 +852,7 @@ def test_source_tables_search(system):
                                        off.encode(src, torch.tensor([5]))["annotations"], rtol=1e-5, atol=1e-5)
             assert on._source_position_table.shape[0] >= 6
         nematus = build_model("nematus", 50, 60, embed_dim=16, hidden_size=40).eval().inference_decoder()
-        assert nematus.source_table is None
+        assert nematus.source_table is None and nematus.start_weights is None
 
 
 def _mapping_flags(ptr: int) -> str:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 from dtmt_models.data.vocabulary import BOS, EOS
-from dtmt_models.models.attention import AttentionStep
+from dtmt_models.models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.seq2seq import (
     FrozenReadout,
@@ -82,6 +82,35 @@ def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
     return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask, "s": s}
 
 
+def start_weights(model) -> Optional[tuple]:
+    """What dk.functional.rnmt_start takes after the annotations and lengths to make the first state of `model`
+    (an attentional RNMT's inference copy) as start_state does: (init_state's weight and bias, the attention's key
+    weight and bias, its key layer norm's weight, bias and eps (None, None, 1e-5 without one), heads (0: single-head
+    keys)); None where the parts are not the plain ones the op computes (an init_state or key projection that is
+    not a Linear, another attention, weights that are not float32 / float64 on the CPU)."""
+    init, attention = getattr(model, "init_state", None), getattr(model, "attention", None)
+    source = attention.source if isinstance(attention, AttentionStep) else None
+    if type(init) not in (dk.nn.Linear, torch.nn.Linear) or type(source) not in (AdditiveAttention,
+                                                                              MultiHeadAdditiveAttention):
+        return None
+    key = source.key
+    if type(key) not in (dk.nn.Linear, torch.nn.Linear):
+        return None
+    ln_w = ln_b = None
+    eps, heads = 1e-5, source.heads if type(source) is MultiHeadAdditiveAttention else 0
+    if heads == 0 and type(source.ln_k) is not torch.nn.Identity:
+        ln = source.ln_k
+        if not (type(ln) is torch.nn.LayerNorm and tuple(ln.normalized_shape) == (key.out_features,)
+                and ln.weight is not None and ln.bias is not None):
+            return None
+        ln_w, ln_b, eps = ln.weight, ln.bias, ln.eps
+    weights = [w for w in (init.weight, init.bias, key.weight, key.bias, ln_w, ln_b) if w is not None]
+    if not all(w.dtype in (torch.float32, torch.float64) and w.dtype == init.weight.dtype and w.device.type == "cpu"
+               for w in weights):
+        return None
+    return init.weight, init.bias, key.weight, key.bias, ln_w, ln_b, eps, heads
+
+
 class FusedRNMTDecoder:
     """The inference decoder (Seq2Seq.inference_decoder) of an attentional RNMT whose step is query cell ->
     attention -> decoder cell -> readout -> projection, nothing else: each `step` is one C++ call,
@@ -117,16 +146,19 @@ class FusedRNMTDecoder:
     (dk.nn.FrozenTransitionLayer.encode_tokens: no embedding lookup and no input GEMM a call; the same annotations
     up to rounding; float weights, tables up to the layer's INPUT_TABLE_BYTES; not with `int8`, whose encoder
     quantizes its states, so that a product rounded otherwise could move one across a quantization step).
+    `fused_start`: where the system's first state is AttentionalRNMT's (start_state over a plain init_state linear
+    and the attention's plain key projection), `encode` makes it in one C++ call, dk.functional.rnmt_start
+    (`start_weights`), instead of a dozen small PyTorch ops a batch: the same state up to rounding.
     `search`: beam search's whole loop in one C++ call (see `_search`), or None
     where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
     (`model` is that model or the copy `encode` runs)."""
 
     def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True,
                  huge_pages: bool = True, step_tables: bool = True, encoder_panels: bool = True,
-                 source_tables: bool = True):
+                 source_tables: bool = True, fused_start: bool = True):
         self.prepared, self.model, self.layered, self.int8 = model, model, layered, int8
         self.fold, self.huge_pages, self.step_tables = fold, huge_pages, step_tables
-        self.encoder_panels, self.source_tables = encoder_panels, source_tables
+        self.encoder_panels, self.source_tables, self.fused_start = encoder_panels, source_tables, fused_start
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
@@ -163,14 +195,18 @@ class FusedRNMTDecoder:
             if self.attention.w_o is None:   # the context read only through the two matrices (fold)
                 heads = 1 if self.single_head else model.attention.heads
                 self.context_table = dk.functional.context_heads(self.decoder_cell, self.readout, heads)
-        # the source embedding's products with the encoder's input matrices as tables (source_tables): once here
-        self.source_table = self._source_position_table = None
+        # what `encode` runs, decided here: where the system's encode is AttentionalRNMT's (check_batch,
+        # encode_source, state_from), the source tables (source_tables) and the first state's op (fused_start)
         cls, encoder = type(model), getattr(self.model, "encoder", None)
         src_embed = getattr(self.model, "src_embed", None)
-        if (source_tables and not int8 and cls.encode is AttentionalRNMT.encode
-                and cls.encode_source is AttentionalRNMT.encode_source and type(src_embed) is TokenEmbedding
-                and type(encoder) is dk.nn.FrozenTransitionLayer and encoder.batch_first):
+        self._own_encode = cls.encode is AttentionalRNMT.encode
+        self.source_table = self._source_position_table = self.start_weights = None
+        if (source_tables and not int8 and self._own_encode and cls.encode_source is AttentionalRNMT.encode_source
+                and type(src_embed) is TokenEmbedding and type(encoder) is dk.nn.FrozenTransitionLayer
+                and encoder.batch_first):
             self.source_table = self._placed(encoder.input_products(src_embed.weight))
+        if fused_start and self._own_encode and cls.state_from is AttentionalRNMT.state_from:
+            self.start_weights = start_weights(self.model)
 
     def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
         """Itself, or with `int8` (and int8 not yet) its int8 form, with this decoder's other settings."""
@@ -178,19 +214,27 @@ class FusedRNMTDecoder:
             return self
         return FusedRNMTDecoder(self.prepared, self.layered, True, fold=self.fold, huge_pages=self.huge_pages,
                                 step_tables=self.step_tables, encoder_panels=self.encoder_panels,
-                                source_tables=self.source_tables)
+                                source_tables=self.source_tables, fused_start=self.fused_start)
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
-        """The model's encode; with source tables, its annotations from them (FrozenTransitionLayer.encode_tokens)."""
+        """The model's encode: with source tables, the annotations from them (FrozenTransitionLayer.encode_tokens);
+        with start_weights, the first state from rnmt_start."""
         m = self.model
-        if self.source_table is None:
+        if not self._own_encode:
             return m.encode(src, src_lengths)
         m.check_batch(src, src_lengths)
-        positions = self.source_position_table(src.shape[1]) if m.src_embed.positional else None
-        if m.src_embed.positional and positions is None:
-            return m.encode(src, src_lengths)
-        annotations = m.encoder.encode_tokens(src, self.source_table, positions, lengths=src_lengths)[0]
-        return m.state_from(annotations, src_lengths)
+        positions = None
+        if self.source_table is not None and m.src_embed.positional:
+            positions = self.source_position_table(src.shape[1])
+        if self.source_table is None or (m.src_embed.positional and positions is None):
+            annotations = m.encode_source(src, src_lengths)
+        else:
+            annotations = m.encoder.encode_tokens(src, self.source_table, positions, lengths=src_lengths)[0]
+        if self.start_weights is None:
+            return m.state_from(annotations, src_lengths)
+        s, keys, src_mask = dk.functional.rnmt_start(annotations, src_lengths, *self.start_weights)
+        return {"annotations": annotations, "keys": keys, "src_mask": src_mask, "s": s,
+                "pos": torch.zeros(annotations.shape[0], dtype=torch.long, device=annotations.device)}
 
     def source_position_table(self, length: int) -> Optional[Tensor]:
         """The source positions' products with the encoder's input matrices (FrozenTransitionLayer.input_products

@@ -5,7 +5,8 @@ or the per-head matrices of the context the decoder makes once for those product
 the previous token's tables (token and position products) in 2 MiB pages against 4 KiB ones (`table_pages`,
 item 63), or the encoder's recurrent matrices in the row-panel layout for batch 1 (`encoder_panels`, item 64), or
 the encoder's input products read from tables of the source embedding instead of computed (`source_tables`, item
-66); or, with one decoder, the search's stopping rule checked against the one translation written (`nbest_stop`:
+66), or the first decoder state made by one op instead of the modules' start_state (`fused_start`, item 66); or, with
+one decoder, the search's stopping rule checked against the one translation written (`nbest_stop`:
 nbest 1) against the beam's worst finished one (nbest 4, the rule before item 65).
 
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 1 --chunk 1 --sentences 150
@@ -16,14 +17,15 @@ nbest 1) against the beam's worst finished one (nbest 4, the rule before item 65
     python benchmarks/bench_pages.py --option encoder_panels --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option nbest_stop --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option source_tables --threads 1 --chunk 1 --sentences 400
+    python benchmarks/bench_pages.py --option fused_start --threads 1 --chunk 1 --sentences 400
 
 Builds both decoders in one process (FusedRNMTDecoder with --option True, the default, and False) and translates
 the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: one sentence a call, batch 1; more:
 `translate`'s batching by tokens within the chunk), each chunk by both decoders, the order swapped from one chunk
 to the next, so that the VM's drifting speed falls on both alike. Prints the seconds of each (model load
 excluded), their ratio and how many translations differ (huge_pages, table_pages: none may; step_tables: the same
-sums in another order, so a near-tie may go the other way; encoder_panels likewise at batch 1, source_tables at
-any batch; nbest_stop: none
+sums in another order, so a near-tie may go the other way; encoder_panels likewise at batch 1, source_tables and
+fused_start at any batch; nbest_stop: none
 may at --chunk 1, the best being the same by construction, while in chunks a sentence's batch changes as others
 end sooner, so a near-tie may go the other way). With huge_pages / table_pages the line names the
 system's transparent huge page setting: under `always` an ordinary allocation may be in 2 MiB pages too.
@@ -70,7 +72,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--int8", action="store_true", help="int8 decoders (`dtmt translate --int8`)")
     p.add_argument("--option", choices=("huge_pages", "step_tables", "context_table", "table_pages", "encoder_panels",
-                                        "source_tables", "nbest_stop"),
+                                        "source_tables", "fused_start", "nbest_stop"),
                    default="huge_pages",
                    help="the FusedRNMTDecoder option timed on against off (context_table: the decoder's attribute, "
                         "set to None in the other decoder; table_pages: the other decoder's token and position "

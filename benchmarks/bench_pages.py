@@ -101,6 +101,10 @@ def main(argv=None):
             off = FusedRNMTDecoder(on.prepared, on.layered, on.int8)
             off.huge_pages = False   # from here on: its tables (a position table made longer too) stay ordinary
             off.token_table, off._position_table = off.token_table.clone(), None
+        elif a.option in ("source_tables", "fused_start") and getattr(
+                on, {"source_tables": "source_table", "fused_start": "start_weights"}[a.option]) is None:
+            raise SystemExit(f"{a.checkpoint}: its decoder has no {a.option} (int8, a table past its size bound, or "
+                             f"a system that encodes otherwise): both decoders would be the same")
         elif a.option == "nbest_stop":   # one decoder; the rule is the search's (its nbest)
             off = on
         else:

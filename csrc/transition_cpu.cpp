@@ -612,15 +612,31 @@ std::vector<Tensor> each_direction(int64_t D, const std::function<std::vector<Te
   return {at::cat({r[0][0], r[1][0]}, -1), at::stack({r[0][1], r[1][1]})};
 }
 
+// What both encode ops read besides their inputs, checked against the weights: D = 1 or 2 directions of one kind
+// and hidden size H, each w_ih of n_in*H rows, h0 [D, B, H] and a mask [T, B] or empty.
+void check_encode(const std::vector<TransitionWeights>& dirs, const Tensor& h0, const Tensor& mask, int64_t T_,
+                  int64_t B, const char* op) {
+  const int64_t D = static_cast<int64_t>(dirs.size());
+  TORCH_CHECK(D == 1 || D == 2, "dtmt::", op, ": one or two directions, got ", D);
+  for (const auto& w : dirs) check_kind(w.kind);
+  const int64_t H = dirs[0].w_hh.size(0) / cell_hidden_rows(static_cast<int>(dirs[0].kind));
+  for (const auto& w : dirs)
+    TORCH_CHECK(w.w_hh.size(0) == cell_hidden_rows(static_cast<int>(w.kind)) * H &&
+                    w.w_ih.size(0) == cell_input_rows(static_cast<int>(w.kind)) * H,
+                "dtmt::", op, ": every direction's w_ih and w_hh must have n_in * H and n_h * H rows (H = ", H, ")");
+  TORCH_CHECK(h0.dim() == 3 && h0.size(0) == D && h0.size(1) == B && h0.size(2) == H, "dtmt::", op, ": h0 [", D,
+              ", ", B, ", ", H, "] expected, got ", h0.sizes());
+  TORCH_CHECK(!mask.defined() || mask.numel() == 0 || (mask.dim() == 2 && mask.size(0) == T_ && mask.size(1) == B),
+              "dtmt::", op, ": mask [", T_, ", ", B, "] expected, got ", mask.sizes());
+}
+
 }  // namespace
 
 std::vector<Tensor> transition_encode_cpu(const Tensor& x, const Tensor& h0, const Tensor& mask,
                                           const std::vector<TransitionWeights>& dirs, bool reverse, double eps) {
   const int64_t D = static_cast<int64_t>(dirs.size());
-  TORCH_CHECK(D == 1 || D == 2, "dtmt::transition_encode: one or two directions, got ", D);
-  TORCH_CHECK(x.dim() == 3 && h0.dim() == 3 && h0.size(0) == D && h0.size(1) == x.size(1),
-              "dtmt::transition_encode: x [T, B, I] and h0 [", D, ", B, H] expected, got ", x.sizes(), " and ",
-              h0.sizes());
+  TORCH_CHECK(x.dim() == 3, "dtmt::transition_encode: x [T, B, I] expected, got ", x.sizes());
+  check_encode(dirs, h0, mask, x.size(0), x.size(1), "transition_encode");
   return each_direction(D, [&](int64_t d) {
     const bool rev = d == 1 || reverse;
     check_kind(dirs[d].kind);
@@ -639,14 +655,14 @@ std::vector<Tensor> transition_encode_tokens_cpu(const Tensor& tokens, const Ten
                                                  const std::vector<TransitionWeights>& dirs, bool reverse,
                                                  double eps) {
   const int64_t D = static_cast<int64_t>(dirs.size());
-  TORCH_CHECK(D == 1 || D == 2, "dtmt::transition_encode_tokens: one or two directions, got ", D);
-  for (const auto& w : dirs) check_kind(w.kind);
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong,
+              "dtmt::transition_encode_tokens: int64 tokens [T, B] expected, got ", tokens.sizes(), " ",
+              tokens.scalar_type());
+  check_encode(dirs, h0, mask, tokens.size(0), tokens.size(1), "transition_encode_tokens");
   const auto st = table.scalar_type();
   const int64_t N = dirs[0].w_ih.size(0);
-  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && h0.dim() == 3 && h0.size(0) == D &&
-                  h0.size(1) == tokens.size(1) && h0.scalar_type() == st,
-              "dtmt::transition_encode_tokens: int64 tokens [T, B] and h0 [", D, ", B, H] of the table's dtype "
-              "expected, got ", tokens.sizes(), " ", tokens.scalar_type(), " and ", h0.sizes(), " ", h0.scalar_type());
+  TORCH_CHECK(h0.scalar_type() == st && (!mask.defined() || mask.numel() == 0 || mask.scalar_type() == st),
+              "dtmt::transition_encode_tokens: h0 and the mask of the table's dtype (", st, ") expected");
   TORCH_CHECK((st == at::kFloat || st == at::kDouble) && table.dim() == 2 && table.size(1) == D * N,
               "dtmt::transition_encode_tokens: a float or double table [V, ", D * N, "] (each direction's ", N,
               " input products) expected, got ", table.sizes(), " ", st);
@@ -661,10 +677,10 @@ std::vector<Tensor> transition_encode_tokens_cpu(const Tensor& tokens, const Ten
     TORCH_CHECK(tok[i] >= 0 && tok[i] < V, "dtmt::transition_encode_tokens: token ", tok[i], " is not in the table (",
                 V, " rows)");
   for (const auto& w : dirs)
-    TORCH_CHECK(w.w_ih.size(0) == N && (!w.b_ih.defined() || w.b_ih.numel() == 0 ||
-                                        (w.b_ih.numel() == N && w.b_ih.scalar_type() == st)),
-                "dtmt::transition_encode_tokens: the directions' input matrices must have ", N, " rows and biases of "
-                "the table's dtype");
+    TORCH_CHECK(w.w_ih.size(0) == N && w.w_ih.scalar_type() == st &&
+                    (!w.b_ih.defined() || w.b_ih.numel() == 0 || (w.b_ih.numel() == N && w.b_ih.scalar_type() == st)),
+                "dtmt::transition_encode_tokens: the directions' input matrices must be of the table's dtype (", st,
+                ") and ", N, " rows");
   const Tensor pos = positional ? position_table : Tensor();
   return each_direction(D, [&](int64_t d) {
     const bool rev = d == 1 || reverse;

@@ -551,8 +551,12 @@ class FrozenTransitionLayer(InferenceForm):
         width = sum(w.shape[0] for w in w_ih)
         if rows.shape[0] * width * rows.element_size() > self.INPUT_TABLE_BYTES:
             return None
+        table = rows.new_empty(rows.shape[0], width)
+        w = torch.cat(w_ih).detach().double().t()
         with torch.no_grad():
-            return (rows.detach().double() @ torch.cat(w_ih).double().t()).to(rows.dtype).contiguous()
+            for i in range(0, rows.shape[0], 1024):   # (a float64 copy of 1,024 rows at a time, not of all)
+                table[i:i + 1024] = rows[i:i + 1024].detach().double() @ w
+        return table
 
     def encode_tokens(self, tokens: Tensor, table: Tensor, position_table: Optional[Tensor] = None,
                       lengths=None) -> Tuple[Tensor, Tensor]:
@@ -561,6 +565,9 @@ class FrozenTransitionLayer(InferenceForm):
         rows) [>= T, ...], each position's row added to its token's, or None. From a zero state, the same (out, h_n)
         as forward over x = embedding[tokens] (+ positions) up to rounding."""
         name = type(self).__name__
+        if self._flat is None:
+            raise ValueError(f"{name}.encode_tokens: the C++ encoder takes CPU weights, got them on "
+                             f"{self.directions[0][1][0].device}")
         if tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(f"{name}.encode_tokens: tokens must be int64 [B, T] (batch_first) or [T, B], got "
                              f"{tokens.dtype} {list(tokens.shape)}")

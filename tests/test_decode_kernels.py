@@ -812,47 +812,80 @@ def test_rnmt_start_is_start_state(attention):
     assert start_weights(SimpleNamespace(init_state=torch.nn.Identity(), attention=form)) is None
 
 
-@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
-def test_source_tables_search(system):
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr", "mce"])
+def test_source_tables_and_fused_start(system):
     """FusedRNMTDecoder(source_tables=True, fused_start=True), the default, against both False: encode reads the
     source tokens' and positions' input products from tables (the embedding's and its position rows' products with
     the encoder's input matrices) instead of embedding and multiplying, and makes the first state in one call
-    (rnmt_start) instead of the modules' start_state: the same annotations and first state within float32 rounding, the same hypotheses at batch 1 and for a batch of several sentences with scores within 1e-5;
-    a source longer than the position table makes it anew, at least twice as long. The int8 decoder has none (it
-    quantizes the encoder's states: test_int8 holds it to the modules' products), nor has a system whose encoder is
-    not one sequence layer (nematus)."""
+    (rnmt_start) instead of the modules' start_state: the same state (the same entries in the same order; the
+    annotations, keys and first state within rounding, the mask and positions equal) for one sentence and
+    for a padded batch, in float64 (within 1e-10) and float32 (within 1e-5), and in float64 the same best
+    hypotheses with scores within 1e-9. A source longer than the position table makes it anew, at least twice as
+    long. mce (its own encoder) has the first state's op and no tables; the int8
+    decoder has no tables (it quantizes the encoder's states: test_int8 holds it to the modules' products), nor has
+    nematus (an encode of its own) either part."""
+    from conftest import spread_weights
+
     from dtmt_models.decoding.beam_search import beam_search
 
     torch.manual_seed(3)
-    model = build_model(system, 50, 60, embed_dim=16, hidden_size=40).eval()
+    model = spread_weights(build_model(system, 50, 60, embed_dim=16, hidden_size=40)).eval()
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        model = model.to(dtype)
+        with torch.no_grad():
+            on = model.inference_decoder()
+            off = FusedRNMTDecoder(on.prepared, on.layered, source_tables=False, fused_start=False)
+            assert (on.source_table is not None) == (system != "mce") and on.start_weights is not None
+            assert off.source_table is None and off.start_weights is None
+
+            def same(src, lengths):
+                sa, sb = on.encode(src, lengths), off.encode(src, lengths)
+                assert list(sa) == list(sb)
+                for k, b in sb.items():
+                    if b.is_floating_point():
+                        torch.testing.assert_close(sa[k], b, rtol=tol, atol=tol)
+                    else:
+                        assert torch.equal(sa[k], b) and sa[k].dtype == b.dtype
+                if dtype == torch.float64:
+                    # the best: a random model's lesser hypotheses run to max length, where a difference of an ulp
+                    # in the first state can tip a near-tie dozens of steps on
+                    a, b = beam_search(on, src, lengths, beam=3), beam_search(off, src, lengths, beam=3)
+                    assert [s[0].tokens for s in a] == [s[0].tokens for s in b]
+                    assert all(abs(s[0].score - t[0].score) < 1e-9 for s, t in zip(a, b))
+                return sb
+
+            g = torch.Generator().manual_seed(4)
+            for length in (1, 5, 13):
+                same(torch.randint(4, 50, (1, length), generator=g), torch.tensor([length]))
+            state = same(torch.randint(4, 50, (3, 7), generator=g), torch.tensor([7, 4, 2]))
+            assert not state["src_mask"].all()   # a padded batch
+            if on.source_table is not None and model.src_embed.positional:
+                on._source_position_table = on._source_position_table[:3]
+                same(torch.randint(4, 50, (1, 5), generator=g), torch.tensor([5]))
+                assert on._source_position_table.shape[0] >= 6
     with torch.no_grad():
-        on = model.inference_decoder()
-        off = FusedRNMTDecoder(on.prepared, on.layered, source_tables=False, fused_start=False)
-        assert on.source_table is not None and off.source_table is None
-        assert on.start_weights is not None and off.start_weights is None
-        assert on.inference_decoder(int8=True).source_table is None
-        g = torch.Generator().manual_seed(4)
-        for length in (1, 5, 13):
-            src = torch.randint(4, 50, (1, length), generator=g)
-            lengths = torch.tensor([length])
-            sa, sb = on.encode(src, lengths), off.encode(src, lengths)
-            assert sa.keys() == sb.keys()
-            for k in ("annotations", "keys", "s"):
-                torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-5)
-            a, b = beam_search(on, src, lengths, beam=3, nbest=3), beam_search(off, src, lengths, beam=3, nbest=3)
-            assert [h.tokens for h in a[0]] == [h.tokens for h in b[0]]
-            assert all(abs(x.score - y.score) < 1e-5 for x, y in zip(a[0], b[0]))
-        src, lengths = torch.randint(4, 50, (3, 7), generator=g), torch.tensor([7, 4, 2])
-        a, b = beam_search(on, src, lengths, beam=3), beam_search(off, src, lengths, beam=3)
-        assert [[h.tokens for h in s] for s in a] == [[h.tokens for h in s] for s in b]
-        if model.src_embed.positional:
-            on._source_position_table = on._source_position_table[:3]
-            src = torch.randint(4, 50, (1, 5), generator=g)
-            torch.testing.assert_close(on.encode(src, torch.tensor([5]))["annotations"],
-                                       off.encode(src, torch.tensor([5]))["annotations"], rtol=1e-5, atol=1e-5)
-            assert on._source_position_table.shape[0] >= 6
+        assert model.inference_decoder(int8=True).source_table is None
         nematus = build_model("nematus", 50, 60, embed_dim=16, hidden_size=40).eval().inference_decoder()
         assert nematus.source_table is None and nematus.start_weights is None
+
+
+def test_longer_table():
+    """rnmt.longer_table: the table itself while it is long enough; else one of max(length, 256, twice its rows)
+    rows, or of `length` rows where that is refused, or None where both are."""
+    from dtmt_models.models.rnmt import longer_table
+
+    asked = []
+
+    def make(rows, bound=None):
+        asked.append(rows)
+        return None if bound is not None and rows > bound else torch.zeros(rows, 2)
+
+    t = torch.zeros(300, 2)
+    assert longer_table(t, 300, make) is t and asked == []
+    assert longer_table(None, 10, make).shape[0] == 256
+    assert longer_table(t, 301, make).shape[0] == 600
+    assert longer_table(t, 301, lambda r: make(r, bound=400)).shape[0] == 301
+    assert longer_table(t, 500, lambda r: make(r, bound=400)) is None and asked[-2:] == [600, 500]
 
 
 def _mapping_flags(ptr: int) -> str:

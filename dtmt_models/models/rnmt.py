@@ -82,6 +82,20 @@ def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
     return {"annotations": annotations, "keys": attention.precompute(annotations), "src_mask": src_mask, "s": s}
 
 
+def longer_table(table: Optional[Tensor], length: int, make) -> Optional[Tensor]:
+    """A per-position table with at least `length` rows: `table` where it has them, else `make(rows)` for
+    max(length, 256, twice the table's rows) rows (so that a run of longer sentences makes few tables, as the
+    positions' own table grows), or for `length` rows where that one is refused (make returns None: past a size
+    bound); None where both are. A table made once is kept by its caller and reused."""
+    if table is not None and table.shape[0] >= length:
+        return table
+    for rows in (max(length, 256 if table is None else 2 * table.shape[0]), length):
+        made = make(rows)
+        if made is not None:
+            return made
+    return None
+
+
 def start_weights(model) -> Optional[tuple]:
     """What dk.functional.rnmt_start takes after the annotations and lengths to make the first state of `model`
     (an attentional RNMT's inference copy) as start_state does: (init_state's weight and bias, the attention's key
@@ -112,11 +126,12 @@ def start_weights(model) -> Optional[tuple]:
 
 
 class FusedRNMTDecoder:
-    """The inference decoder (Seq2Seq.inference_decoder) of an attentional RNMT whose step is query cell ->
-    attention -> decoder cell -> readout -> projection, nothing else: each `step` is one C++ call,
-    `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; `encode`, `embed_step` and `reorder`
-    are the prepared model's. Built by `fused_rnmt_decoder`, from the model's inference forms: the two
-    FrozenTransitionCells, the AttentionStep's AttentionWeights and the FrozenReadout's ReadoutWeights.
+    """The inference decoder (Seq2Seq.inference_decoder) of an attentional RNMT whose step is query cell -> attention ->
+    decoder cell -> readout -> projection, nothing else: each `step` is one C++ call,
+    `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; `embed_step` and `reorder` are the
+    prepared model's, and so is `encode` but for `source_tables` and `fused_start` below. Built by
+    `fused_rnmt_decoder`, from the model's inference forms: the two FrozenTransitionCells, the AttentionStep's
+    AttentionWeights and the FrozenReadout's ReadoutWeights.
     `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]. `int8`: the step's weight matrices
     (the cells', attention's, readout's and output projection's) as int8 rows with a float32 scale each, which
     the op multiplies by the activations quantized per row (dtmt_kernels.ops.linear.quantize.linear_int8), and
@@ -230,23 +245,19 @@ class FusedRNMTDecoder:
             annotations = m.encode_source(src, src_lengths)
         else:
             annotations = m.encoder.encode_tokens(src, self.source_table, positions, lengths=src_lengths)[0]
-        if self.start_weights is None:
-            return m.state_from(annotations, src_lengths)
-        s, keys, src_mask = dk.functional.rnmt_start(annotations, src_lengths, *self.start_weights)
-        return {"annotations": annotations, "keys": keys, "src_mask": src_mask, "s": s,
-                "pos": torch.zeros(annotations.shape[0], dtype=torch.long, device=annotations.device)}
+        start = None if self.start_weights is None else \
+            dk.functional.rnmt_start(annotations, src_lengths, *self.start_weights)
+        return m.state_from(annotations, src_lengths, start)
 
     def source_position_table(self, length: int) -> Optional[Tensor]:
         """The source positions' products with the encoder's input matrices (FrozenTransitionLayer.input_products
-        of the source embedding's scaled position rows) for positions 0..length-1 at least, made once for a length
-        and kept; a longer source makes it anew for at least twice the length (as the positions' own table grows)."""
-        table = self._source_position_table
-        if table is None or table.shape[0] < length:
-            emb = self.model.src_embed
-            rows = max(length, 256 if table is None else 2 * table.shape[0])
-            table = self._placed(self.model.encoder.input_products(emb.scaled_positions(rows, emb.weight)))
-            self._source_position_table = table
-        return table
+        of the source embedding's scaled position rows) for positions 0..length-1 at least (longer_table), or None
+        where such a table would pass the layer's size bound."""
+        emb, encoder = self.model.src_embed, self.model.encoder
+        self._source_position_table = longer_table(
+            self._source_position_table, length,
+            lambda rows: self._placed(encoder.input_products(emb.scaled_positions(rows, emb.weight))))
+        return self._source_position_table
 
     def reorder(self, state: State, index: Tensor) -> State:
         return self.model.reorder(state, index)
@@ -302,16 +313,14 @@ class FusedRNMTDecoder:
 
     def position_table(self, steps: int) -> Optional[Tensor]:
         """The previous token's products with its scaled position for positions 0..steps-1 at least
-        (dk.functional.token_products of the target embedding's position rows), made once for a length and kept;
-        a longer sentence makes it anew for at least twice the length (as the positions' own table grows)."""
-        table = self._position_table
-        if table is None or table.shape[0] < steps:
-            emb = self.model.tgt_embed
-            length = max(steps, 256 if table is None else 2 * table.shape[0])
-            table = self._placed(dk.functional.token_products(emb.scaled_positions(length, emb.weight),
-                                                              self.query_cell, self.readout))
-            self._position_table = table
-        return table
+        (dk.functional.token_products of the target embedding's position rows; longer_table), or None where such a
+        table would pass token_products' size bound."""
+        emb = self.model.tgt_embed
+        self._position_table = longer_table(
+            self._position_table, steps,
+            lambda rows: self._placed(dk.functional.token_products(emb.scaled_positions(rows, emb.weight),
+                                                                   self.query_cell, self.readout)))
+        return self._position_table
 
     def _placed(self, table: Optional[Tensor]) -> Optional[Tensor]:
         """A token or position table as the step reads it: with `huge_pages`, copied into 2 MiB pages (a step
@@ -362,10 +371,16 @@ class AttentionalRNMT(Seq2Seq):
         self.check_batch(src, src_lengths)
         return self.state_from(self.encode_source(src, src_lengths), src_lengths)
 
-    def state_from(self, annotations: Tensor, src_lengths: Tensor) -> State:
-        """What `encode` makes of the source's annotations [B, S, C]: the decoder's first state."""
+    def state_from(self, annotations: Tensor, src_lengths: Tensor, start: Optional[Tuple[Tensor, ...]] = None
+                   ) -> State:
+        """What `encode` makes of the source's annotations [B, S, C]: the decoder's first state. `start`: its
+        (s, keys, src_mask) already made (dk.functional.rnmt_start, FusedRNMTDecoder), in place of start_state's."""
         B = annotations.shape[0]
-        state = start_state(self.attention, self.init_state, annotations, src_lengths)
+        if start is None:
+            state = start_state(self.attention, self.init_state, annotations, src_lengths)
+        else:
+            s, keys, src_mask = start
+            state = {"annotations": annotations, "keys": keys, "src_mask": src_mask, "s": s}
         state["pos"] = torch.zeros(B, dtype=torch.long, device=annotations.device)
         for name, cell in (("drop_q", self.query_cell), ("drop_d", self.decoder_cell)):
             drop = cell.sample_dropout_masks(B, annotations)

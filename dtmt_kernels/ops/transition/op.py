@@ -11,12 +11,12 @@ the fake (meta) implementations and the one autograd definition shared by every 
                                                 (FrozenTransitionLayer.encode_tokens), (tokens [T, B], table,
                                                 position_table or None, h0, mask, kind, parameters, reverse, eps)
 
-Both take (x [T, B, I], h0 [B, H], mask [T, B] or None, drop [D+1, B, H] or None, kind, the ten flat parameters
-(`flat_params`: absent ones None or empty), reverse, eps) and return (out [T, B, H], h_n [B, H]) followed by what
-their backward op reads: xp [T, B, n_in*H], hs [D+1, T, B, H] (the state entering each sub-cell, in the
-accumulation dtype), hs_lp (hs in the input dtype for 16-bit inputs, else empty), hp [T, B, n_h*H],
-hpt [D, T, B, 3H]. Their backward ops return the twelve gradients (x, h0, then the ten parameters; empty for an
-absent parameter). reference.transition_sequence (this folder) is the function all of them compute.
+The two forward ops take (x [T, B, I], h0 [B, H], mask [T, B] or None, drop [D+1, B, H] or None, kind, the ten flat
+parameters (`flat_params`: absent ones None or empty), reverse, eps) and return (out [T, B, H], h_n [B, H]) followed
+by what their backward op reads: xp [T, B, n_in*H], hs [D+1, T, B, H] (the state entering each sub-cell, in the
+accumulation dtype), hs_lp (hs in the input dtype for 16-bit inputs, else empty), hp [T, B, n_h*H], hpt [D, T, B,
+3H]. Their backward ops return the twelve gradients (x, h0, then the ten parameters; empty for an absent parameter).
+reference.transition_sequence (this folder) is the function all of them compute.
 """
 from __future__ import annotations
 

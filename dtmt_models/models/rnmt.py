@@ -254,10 +254,11 @@ class FusedRNMTDecoder:
         of the source embedding's scaled position rows) for positions 0..length-1 at least (longer_table), or None
         where such a table would pass the layer's size bound."""
         emb, encoder = self.model.src_embed, self.model.encoder
-        self._source_position_table = longer_table(
-            self._source_position_table, length,
-            lambda rows: self._placed(encoder.input_products(emb.scaled_positions(rows, emb.weight))))
-        return self._source_position_table
+        table = longer_table(self._source_position_table, length,
+                             lambda rows: self._placed(encoder.input_products(emb.scaled_positions(rows, emb.weight))))
+        if table is not None:   # (else the shorter one is kept for the sentences it serves)
+            self._source_position_table = table
+        return table
 
     def reorder(self, state: State, index: Tensor) -> State:
         return self.model.reorder(state, index)
@@ -316,11 +317,12 @@ class FusedRNMTDecoder:
         (dk.functional.token_products of the target embedding's position rows; longer_table), or None where such a
         table would pass token_products' size bound."""
         emb = self.model.tgt_embed
-        self._position_table = longer_table(
-            self._position_table, steps,
-            lambda rows: self._placed(dk.functional.token_products(emb.scaled_positions(rows, emb.weight),
-                                                                   self.query_cell, self.readout)))
-        return self._position_table
+        table = longer_table(self._position_table, steps,
+                             lambda rows: self._placed(dk.functional.token_products(
+                                 emb.scaled_positions(rows, emb.weight), self.query_cell, self.readout)))
+        if table is not None:   # (else the shorter one is kept for the sentences it serves)
+            self._position_table = table
+        return table
 
     def _placed(self, table: Optional[Tensor]) -> Optional[Tensor]:
         """A token or position table as the step reads it: with `huge_pages`, copied into 2 MiB pages (a step

@@ -639,7 +639,6 @@ std::vector<Tensor> transition_encode_cpu(const Tensor& x, const Tensor& h0, con
   check_encode(dirs, h0, mask, x.size(0), x.size(1), "transition_encode");
   return each_direction(D, [&](int64_t d) {
     const bool rev = d == 1 || reverse;
-    check_kind(dirs[d].kind);
     if (x.scalar_type() == at::kFloat) return encode_impl<float>(input_products(x, dirs[d]), x.size(0), h0[d], mask,
                                                                  dirs[d], rev, eps);
     if (x.scalar_type() == at::kDouble) return encode_impl<double>(input_products(x, dirs[d]), x.size(0), h0[d], mask,

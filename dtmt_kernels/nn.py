@@ -40,6 +40,7 @@ from .functional import (attention_context, check_attention_context, check_dtype
                          linear)
 from .ops._autocast import autocast_mix
 from .ops._extension import built
+from .ops.linear import float64_products
 from .ops.transition import CELL_KINDS, CELL_ROWS, KINDS, flat_params
 from .reference import TransitionWeights
 
@@ -551,12 +552,7 @@ class FrozenTransitionLayer(InferenceForm):
         width = sum(w.shape[0] for w in w_ih)
         if rows.shape[0] * width * rows.element_size() > self.INPUT_TABLE_BYTES:
             return None
-        table = rows.new_empty(rows.shape[0], width)
-        w = torch.cat(w_ih).detach().double().t()
-        with torch.no_grad():
-            for i in range(0, rows.shape[0], 1024):   # (a float64 copy of 1,024 rows at a time, not of all)
-                table[i:i + 1024] = rows[i:i + 1024].detach().double() @ w
-        return table
+        return float64_products(rows, w_ih)
 
     def encode_tokens(self, tokens: Tensor, table: Tensor, position_table: Optional[Tensor] = None,
                       lengths=None) -> Tuple[Tensor, Tensor]:

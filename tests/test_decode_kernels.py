@@ -117,6 +117,20 @@ def _randomise(module, seed):
     return module
 
 
+def _sequence_layer(layer_kind: str, H: int):
+    """A sequence layer for the FrozenTransitionLayer tests, its parameters randomised, in eval mode: input size 6,
+    hidden size H, layer_kind "cell-rest" with rest "bi" (bidirectional, two T-GRUs), "reverse" (one direction read
+    right to left) or "shallow" (bidirectional, no T-GRU); ATR layers bidirectional."""
+    cell, rest = layer_kind.split("-")
+    torch.manual_seed(0)
+    if cell == "atr":
+        layer = dk.nn.ATR(6, H, layer_norm=True, bidirectional=True)
+    else:
+        layer = dk.nn.DeepTransitionGRU(6, H, depth=0 if rest == "shallow" else 2, cell=cell, layer_norm=True,
+                                        bidirectional=rest in ("bi", "shallow"), reverse=rest == "reverse")
+    return _randomise(layer, 7).eval()
+
+
 def test_weight_structures_mirror_the_extension():
     """The Python weight structures and csrc/decode_step.h's structs list the same fields in the same order."""
     F_ = dk.functional
@@ -515,14 +529,8 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     products, float32 state)."""
     from conftest import at_thread_counts, int8_linear_for
 
-    cell, rest = layer_kind.split("-")
-    torch.manual_seed(0)
-    if cell == "atr":
-        layer = dk.nn.ATR(6, 10, layer_norm=True, bidirectional=True)
-    else:
-        layer = dk.nn.DeepTransitionGRU(6, 10, depth=2, cell=cell, layer_norm=True, bidirectional=rest == "bi",
-                                        reverse=rest == "reverse")
-    layer = _randomise(layer, 7).eval()
+    rest = layer_kind.split("-")[1]
+    layer = _sequence_layer(layer_kind, 10)
     g = torch.Generator().manual_seed(8)
     x, lengths = torch.randn(7, 3, 6, generator=g), torch.tensor([7, 4, 1])
     h0 = torch.randn(2 if rest == "bi" else 1, 3, 10, generator=g)
@@ -600,14 +608,7 @@ def test_sequence_layer_row_panels(layer_kind):
     4H = 160 and 3H = 120 end in a part-filled panel), on one thread and on two; at batch > 1 the row-major form's
     outputs to the bit (the panels unused). Its on_huge_pages copy keeps the panels (the same values, the same
     outputs to the bit); float64 and int8 forms are their own panel forms."""
-    cell, rest = layer_kind.split("-")
-    torch.manual_seed(0)
-    if cell == "atr":
-        layer = dk.nn.ATR(6, 40, layer_norm=True, bidirectional=True)
-    else:
-        layer = dk.nn.DeepTransitionGRU(6, 40, depth=0 if rest == "shallow" else 2, cell=cell, layer_norm=True,
-                                        bidirectional=rest in ("bi", "shallow"), reverse=rest == "reverse")
-    layer = _randomise(layer, 7).eval()
+    layer = _sequence_layer(layer_kind, 40)
     g = torch.Generator().manual_seed(8)
     x, lengths = torch.randn(9, 3, 6, generator=g), torch.tensor([9, 5, 1])
     D = 2 if layer.bidirectional else 1
@@ -697,14 +698,7 @@ def test_sequence_layer_encode_tokens(layer_kind):
     row panels, no positions, an initial state of zeros; on one thread and on two). A token outside the table, ids
     that are not int64 and a table of the wrong width are refused; a table past INPUT_TABLE_BYTES or of rows of
     another dtype is not made."""
-    cell, rest = layer_kind.split("-")
-    torch.manual_seed(0)
-    if cell == "atr":
-        layer = dk.nn.ATR(6, 40, layer_norm=True, bidirectional=True)
-    else:
-        layer = dk.nn.DeepTransitionGRU(6, 40, depth=0 if rest == "shallow" else 2, cell=cell, layer_norm=True,
-                                        bidirectional=rest in ("bi", "shallow"), reverse=rest == "reverse")
-    layer = _randomise(layer, 7).eval()
+    layer = _sequence_layer(layer_kind, 40)
     g = torch.Generator().manual_seed(8)
     embedding, positions = torch.randn(30, 6, generator=g), 0.3 * torch.randn(12, 6, generator=g)
     tokens, lengths = torch.randint(0, 30, (9, 3), generator=g), torch.tensor([9, 5, 1])

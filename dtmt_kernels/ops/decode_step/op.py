@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .._extension import built
 from .. import _autocast
+from ..linear.op import float64_products
 from ..linear.placement import huge_page_copies
 from ..linear.quantize import pack_int8_rows
 
@@ -171,9 +172,7 @@ def token_products(rows: Tensor, query_cell, readout: ReadoutWeights) -> Optiona
         return None
     if rows.shape[0] * (w_ih.shape[0] + w_y.shape[0]) * rows.element_size() > TOKEN_TABLE_BYTES:
         return None
-    with torch.no_grad():
-        w = torch.cat([w_ih, w_y]).double()
-        return (rows.detach().double() @ w.t()).to(rows.dtype).contiguous()
+    return float64_products(rows, (w_ih, w_y))
 
 
 def context_heads(decoder_cell, readout: ReadoutWeights, heads: int) -> Optional[Tensor]:

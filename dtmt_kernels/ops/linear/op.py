@@ -1,6 +1,7 @@
 """torch.ops.dtmt.small_rows_linear(x [M, K], weight [N, K], bias [N] or None) -> x weight^T + bias [M, N]: the
 weight-streaming kernel for at most _C.SMALL_ROWS_MAX float32 rows (decoding at batch 1), ATen's GEMM otherwise.
-Inference only: it has no autograd (the layers call it only when nothing needs a gradient)."""
+Inference only: it has no autograd (the layers call it only when nothing needs a gradient). `float64_products`:
+the tables decoding reads in place of products with fixed rows (embeddings, positions)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,6 +15,19 @@ from .. import _autocast
 
 def _fake(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def float64_products(rows: Tensor, matrices) -> Tensor:
+    """rows [n, K] times the matrices [N_i, K] stacked, transposed: [n, sum N_i], each product summed in float64 and
+    rounded once to the rows' dtype (1,024 rows at a time: no float64 copy of the whole table). The tables of
+    products with fixed rows that decoding reads instead of multiplying (decode_step.token_products,
+    nn.FrozenTransitionLayer.input_products)."""
+    w = torch.cat(list(matrices)).detach().double().t()
+    table = rows.new_empty(rows.shape[0], w.shape[1])
+    with torch.no_grad():
+        for i in range(0, rows.shape[0], 1024):
+            table[i:i + 1024] = rows[i:i + 1024].detach().double() @ w
+    return table
 
 
 def small_rows_applicable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

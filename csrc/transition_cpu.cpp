@@ -673,8 +673,8 @@ std::vector<Tensor> transition_encode_tokens_cpu(const Tensor& tokens, const Ten
   const int64_t V = table.size(0);
   const int64_t* tok = tokens.data_ptr<int64_t>();
   for (int64_t i = 0; i < tokens.numel(); ++i)
-    TORCH_CHECK(tok[i] >= 0 && tok[i] < V, "dtmt::transition_encode_tokens: token ", tok[i], " is not in the table (",
-                V, " rows)");
+    TORCH_CHECK_INDEX(tok[i] >= 0 && tok[i] < V, "dtmt::transition_encode_tokens: token ", tok[i],
+                      " is not in the table (", V, " rows)");   // IndexError, as F.embedding gives
   for (const auto& w : dirs)
     TORCH_CHECK(w.w_ih.size(0) == N && w.w_ih.scalar_type() == st &&
                     (!w.b_ih.defined() || w.b_ih.numel() == 0 || (w.b_ih.numel() == N && w.b_ih.scalar_type() == st)),

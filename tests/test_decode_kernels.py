@@ -748,7 +748,7 @@ def test_sequence_layer_encode_tokens(layer_kind):
                           (tokens, table, position_table, torch.zeros(D, 3, 40), None, form.directions[0][0],
                            [t.detach() for t in form._flat], getattr(layer, "reverse", False), layer.eps))
     with torch.no_grad():
-        with pytest.raises(RuntimeError, match="token 30 is not in the table"):
+        with pytest.raises(IndexError, match="token 30 is not in the table"):   # as the embedding's lookup
             form.encode_tokens(torch.full((2, 1), 30), table)
         with pytest.raises(ValueError, match="int64"):
             form.encode_tokens(tokens.int(), table)
@@ -815,7 +815,7 @@ def test_source_tables_and_fused_start(system):
     annotations, keys and first state within rounding, the mask and positions equal) for one sentence and
     for a padded batch, in float64 (within 1e-10) and float32 (within 1e-5), and in float64 the same best
     hypotheses with scores within 1e-9. A source longer than the position table makes it anew, at least twice as
-    long. mce (its own encoder) has the first state's op and no tables; the int8
+    long. A source id past the vocabulary is an IndexError with the tables as without them. mce (its own encoder) has the first state's op and no tables; the int8
     decoder has no tables (it quantizes the encoder's states: test_int8 holds it to the modules' products), nor has
     nematus (an encode of its own) either part."""
     from conftest import spread_weights
@@ -857,6 +857,9 @@ def test_source_tables_and_fused_start(system):
                 on._source_position_table = on._source_position_table[:3]
                 same(torch.randint(4, 50, (1, 5), generator=g), torch.tensor([5]))
                 assert on._source_position_table.shape[0] >= 6
+            for decoder in (on, off, model):   # a source id past the vocabulary: the embedding's IndexError
+                with pytest.raises(IndexError):
+                    decoder.encode(torch.tensor([[4, 50]]), torch.tensor([2]))
     with torch.no_grad():
         assert model.inference_decoder(int8=True).source_table is None
         nematus = build_model("nematus", 50, 60, embed_dim=16, hidden_size=40).eval().inference_decoder()

@@ -598,3 +598,21 @@ def test_callgrind_cells_workload_runs():
     from benchmarks import callgrind_cells
     assert callgrind_cells.main(["--cell", "atr", "--repeat", "1"]) == 0
     assert callgrind_cells.main(["--cell", "lgru", "--depth", "1", "--repeat", "1"]) == 0
+
+
+def test_bench_core_limits(tmp_path):
+    """The core probe compiles and runs here: positive FMA and read rates, the FMA bounds from the 512-bit FMA's
+    time (or the 256-bit one's without AVX-512), and both output files."""
+    import math
+
+    from benchmarks import bench_core_limits
+
+    r = bench_core_limits.main(["--out", str(tmp_path)])
+    rates = [r[k] for k in ("read_l2_gbs", "read_1_75mib_gbs", "read_7mib_gbs", "rows1_7mib_gbs", "rows4_7mib_gbs")]
+    assert all(math.isfinite(x) and x > 0 for x in rates) and r["ns_per_fma256"] > 0
+    ns = r["ns_per_fma512"] if r["vector_floats"] == 16 else r["ns_per_fma256"]
+    assert ns > 0 and r["fma_bound_rows1_gbs"] == pytest.approx(4 * r["vector_floats"] / ns)
+    assert r["fma_bound_rows4_gbs"] == pytest.approx(r["fma_bound_rows1_gbs"] / 4)
+    assert json.loads((tmp_path / "bench_core_limits.json").read_text()) == r
+    assert "4 rows x 7 MiB" in (tmp_path / "bench_core_limits.md").read_text()
+

@@ -16,6 +16,8 @@ compiler's default target.
 -fno-trapping-math lets GCC turn the clamps and selects of the float exp/sigmoid/tanh (cell_math.h) into
 vector blends: without it none of the per-feature loops that call them vectorises (GCC 12 reports "control
 flow in loop"). The kernels never read floating-point exception flags, so nothing else changes.
+DTMT_PHASE_TIMERS=1 compiles in the decoding search's phase timers (csrc/phase_timers.h; read by
+benchmarks/bench_step_phases.py); without it they are empty statements.
 """
 import concurrent.futures
 import glob
@@ -47,6 +49,8 @@ def cpu_isas():
 
 def base_cxx_flags():
     flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
+    if _flag("DTMT_PHASE_TIMERS"):
+        flags.append("-DDTMT_PHASE_TIMERS")
     if _flag("DTMT_NATIVE"):
         flags.append("-march=native")
     elif platform.machine() in ("x86_64", "AMD64"):

@@ -12,6 +12,7 @@
 
 #include "cpu_dispatch.h"
 #include "decode_step.h"
+#include "phase_timers.h"
 
 namespace dtmt {
 namespace {
@@ -111,6 +112,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
                                          bool early_stop, const Tensor& token_products,
                                          const Tensor& position_products, const Tensor& context_heads,
                                          std::optional<int64_t> nbest_given) {
+  DTMT_PHASE_START(search_phase, search);
+  DTMT_PHASE_START(setup_phase, search_setup);
   TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
                   embed.dim() == 2 && max_len.dim() == 1,
               "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
@@ -173,8 +176,10 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   std::vector<float> next_scores;
   std::vector<double> new_scores(beam);
   std::vector<int64_t> new_origin(beam), new_word(beam);
+  DTMT_PHASE_END(setup_phase);
   for (int64_t t = 0; t < steps; ++t) {
     buffers.scratch.rewind();   // (the state s carried from the last step is not in it: `state`)
+    DTMT_PHASE_START(rows_phase, token_rows);
     Tensor y;
     if (token_tables) {
       std::vector<Tensor> y_products = token_tables->rows(prev, t, &buffers.scratch);
@@ -183,8 +188,12 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     } else {
       y = embed_previous(table, positions_c, prev, t);
     }
+    DTMT_PHASE_END(rows_phase);
+    DTMT_PHASE_START(step_phase, step);
     auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout,
                            beam, &tables, /*with_attention=*/false, &buffers);
+    DTMT_PHASE_END(step_phase);
+    DTMT_PHASE_START(eos_phase, eos_mask);
     s = r[1];
     const int64_t n = static_cast<int64_t>(active.size()), V = r[0].size(1);
     // [n * beam, V] float32 (the step's own buffer for a float model: the masking below writes into it)
@@ -201,6 +210,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
         }
       }
     }
+    DTMT_PHASE_END(eos_phase);
+    DTMT_PHASE_START(top_phase, top_candidates);
     // each sentence's 2 * beam best (beam score + word log-prob) candidates, as at::topk over them gives them
     const int64_t K = std::min<int64_t>(2 * beam, beam * V);
     top_scores.resize(static_cast<size_t>(n * K));
@@ -224,6 +235,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
         }
       });
     }
+    DTMT_PHASE_END(top_phase);
+    DTMT_PHASE_START(bookkeeping_phase, bookkeeping);
     const float* ts = top_scores.data();
     const int64_t* ti = top_idx.data();
 
@@ -269,7 +282,10 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
         next_scores.push_back(static_cast<float>(new_scores[o]));
       }
     }
-    if (still.empty()) break;
+    if (still.empty()) {
+      DTMT_PHASE_END(bookkeeping_phase);
+      break;
+    }
     prev = next_words;
     s = gather_rows(s, select, state);   // (the step's s' is its scratch's: the state is kept apart)
     if (static_cast<int64_t>(still.size()) < n) {  // finished sentences leave the state
@@ -287,6 +303,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     for (size_t r_ = 0; r_ < select.size(); ++r_) next_rows.push_back(tree.add(next_words[r_], rows[select[r_]]));
     rows.swap(next_rows);
     scores.swap(next_scores);
+    DTMT_PHASE_END(bookkeeping_phase);
   }
 
   std::vector<int64_t> counts, lengths, tokens;
@@ -300,6 +317,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       hyp_log_probs.push_back(h.log_prob);
     }
   }
+  DTMT_PHASE_END(search_phase);
   return {to_tensor(counts), to_tensor(lengths), to_tensor(tokens), to_tensor(hyp_scores),
           to_tensor(hyp_log_probs)};
 }

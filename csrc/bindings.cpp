@@ -7,6 +7,7 @@
 #include "cell_math.h"
 #include "cpu_dispatch.h"
 #include "decode_step.h"
+#include "phase_timers.h"
 #include "small_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -38,6 +39,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   if (!dtmt::cpu_isa_environment_note().empty() &&
       PyErr_WarnEx(PyExc_RuntimeWarning, dtmt::cpu_isa_environment_note().c_str(), 1) != 0)
     throw py::error_already_set();
+  m.attr("PHASE_TIMERS") = dtmt::kPhaseTimers;
+  m.def("phase_times", &dtmt::phase_times,
+        "(phase, seconds, calls) of each phase of csrc/phase_timers.h since the last reset, all zero unless the "
+        "extension was built with DTMT_PHASE_TIMERS=1 (benchmarks/bench_step_phases.py)");
+  m.def("reset_phase_times", &dtmt::reset_phase_times, "Sets every phase's seconds and calls to zero");
 #ifdef DTMT_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

@@ -16,6 +16,7 @@
 #include "attention.h"
 #include "cell_math.h"
 #include "cpu_dispatch.h"
+#include "phase_timers.h"
 #include "small_gemm.h"
 #include "transition.h"
 
@@ -269,7 +270,10 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
                                   ln_b.scalar_type() == query.scalar_type()),
               "dtmt._C.attention_step: ln_w and ln_b must be contiguous [NH*D = ", NH * D, "] of the query's dtype "
               "(or both empty: no layer norm), got ", ln_w.sizes(), " and ", ln_b.sizes());
+  DTMT_PHASE_START(query_phase, query_product);
   Tensor q = linear(query, w_q, Tensor(), scratch);
+  DTMT_PHASE_END(query_phase);
+  DTMT_PHASE_START(scores_phase, scores);
   if (present(ln_w)) {
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_step_ln", [&] {
       for (int64_t b = 0; b < B; ++b)
@@ -297,15 +301,21 @@ std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, 
   } else {
     scores = additive_scores_forward_cpu(keys.contiguous(), q.view({B, NH, D}), v.contiguous(), group);
   }
+  DTMT_PHASE_END(scores_phase);
+  DTMT_PHASE_START(softmax_phase, attention_softmax);
   Tensor alpha = step_tensor(scratch, scores.sizes(), scores.options());
   Tensor mask = src_mask.contiguous();
   AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "attention_step_cpu", [&] {
     typed_cpu_kernels<scalar_t>().masked_softmax_rows(scores.data_ptr<scalar_t>(), mask.data_ptr<bool>(),
                                                       alpha.data_ptr<scalar_t>(), NH, S, group, 0, B);
   });
-  if (!with_context) return {Tensor(), alpha};
+  if (!with_context) {
+    DTMT_PHASE_END(softmax_phase);
+    return {Tensor(), alpha};
+  }
   Tensor context = attention_context_forward_cpu(alpha, annotations, group);
   if (present(w.w_o)) context = linear(context, w.w_o, w.b_o);
+  DTMT_PHASE_END(softmax_phase);
   return {context, alpha};
 }
 
@@ -356,20 +366,34 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor
   const SourceProducts* source = tables != nullptr ? tables->source : nullptr;
   StepScratch* scratch = buffers != nullptr ? &buffers->scratch : nullptr;
   const bool y_given = tables != nullptr && tables->y_cell.defined();   // y's products from TokenProducts
+  DTMT_PHASE_START(query_cell_phase, query_cell);
   const Tensor s_q = y_given ? cell_step_from_products_cpu(tables->y_cell, s, query_cell, cell_eps, scratch)
                              : cell_step_cpu(y, s, query_cell, cell_eps, scratch);
+  DTMT_PHASE_END(query_cell_phase);
   const Tensor y_part = y_given ? tables->y_readout : Tensor();
+  DTMT_PHASE_START(attention_phase, attention);
   auto ca = attention_step_cpu(s_q, keys, annotations, src_mask, attention, group, source == nullptr,
                                tables != nullptr ? tables->key_exps : Tensor(), scratch);
+  DTMT_PHASE_END(attention_phase);
   Tensor features, s_new;
   if (source != nullptr) {   // c W^T + b as the per-position products weighed by alpha (SourceProducts)
+    DTMT_PHASE_START(weigh_phase, weigh);
     const std::vector<Tensor> both = source->weigh(ca[1], group, scratch);
+    DTMT_PHASE_END(weigh_phase);
+    DTMT_PHASE_START(decoder_cell_phase, decoder_cell);
     s_new = cell_step_from_products_cpu(both[0], s_q, decoder_cell, cell_eps, scratch);
+    DTMT_PHASE_END(decoder_cell_phase);
+    DTMT_PHASE_START(readout_phase, readout);
     features = readout_features_cpu(y, s_new, Tensor(), readout, both[1], y_part, scratch);
+    DTMT_PHASE_END(readout_phase);
   } else {
     const Tensor& context = ca[0];
+    DTMT_PHASE_START(decoder_cell_phase, decoder_cell);
     s_new = cell_step_cpu(context, s_q, decoder_cell, cell_eps, scratch);
+    DTMT_PHASE_END(decoder_cell_phase);
+    DTMT_PHASE_START(readout_phase, readout);
     features = readout_features_cpu(y, s_new, context, readout, Tensor(), y_part, scratch);
+    DTMT_PHASE_END(readout_phase);
   }
   // log-probabilities in the model's precision, float32 at least (as Projection.forward)
   const at::ScalarType lp_type = at::promoteTypes(features.scalar_type(), at::kFloat);
@@ -383,7 +407,10 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor
   };
   fit(out.logits, features.scalar_type());
   fit(out.log_probs, lp_type);
+  DTMT_PHASE_START(output_phase, output_product);
   linear_into(out.logits, readout.b_out, features, readout.w_out);
+  DTMT_PHASE_END(output_phase);
+  DTMT_PHASE_START(log_softmax_phase, log_softmax);
   if (lp_type == features.scalar_type()) {   // float / double: the row loop of this CPU's copy
     AT_DISPATCH_FLOATING_TYPES(lp_type, "rnmt_step_log_softmax", [&] {
       typed_cpu_kernels<scalar_t>().log_softmax_rows(out.logits.data_ptr<scalar_t>(),
@@ -393,6 +420,7 @@ std::vector<Tensor> rnmt_step_cpu(const Tensor& y, const Tensor& s, const Tensor
   } else {
     at::log_softmax_out(out.log_probs, out.logits.to(lp_type), -1);
   }
+  DTMT_PHASE_END(log_softmax_phase);
   const Tensor log_probs = out.log_probs;
   const Tensor& alpha = ca[1];  // [B, NH, S]: the decoder state keeps the head average
   if (!with_attention) return {log_probs, s_new, Tensor()};

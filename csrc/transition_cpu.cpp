@@ -33,6 +33,7 @@
 
 #include "cell_math.h"
 #include "cpu_dispatch.h"
+#include "phase_timers.h"
 #include "small_gemm.h"
 
 namespace dtmt {
@@ -384,7 +385,10 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
     linear_into(xp, w.b_ih, x.contiguous(), w.w_ih);
   }
   Tensor hp = step_tensor(scratch, {B, n_h * H}, opts);
+  DTMT_PHASE_START(product_phase, recurrent_product);
   linear_into(hp, w.b_hh, h, w.w_hh);
+  DTMT_PHASE_END(product_phase);
+  DTMT_PHASE_START(rows_phase, cell_rows);
   const StepSettings<T> set(w, Tensor(), Tensor(), B, H, eps);
   Tensor cur = step_tensor(scratch, {B, H}, opts);
   CellRows<T> base = set.base;
@@ -393,18 +397,23 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
   base.h = h.data_ptr<T>();
   base.out = cur.data_ptr<T>();
   cell_rows(kernels.cell_forward_rows, base, B);
+  DTMT_PHASE_END(rows_phase);
   if (D > 0) {
     TORCH_CHECK(static_cast<int64_t>(w.t_w_k.size()) == D && static_cast<int64_t>(w.t_b_k.size()) == D,
                 "dtmt::cell_step: the T-GRUs' weight slices are missing (weights from cell_weights / with_tgru_slices)");
     Tensor hpt = step_tensor(scratch, {B, 3 * H}, opts);
     for (int64_t k = 1; k <= D; ++k) {
+      DTMT_PHASE_START(tgru_product_phase, tgru_product);
       linear_into(hpt, w.t_b_k[k - 1], cur, w.t_w_k[k - 1]);
+      DTMT_PHASE_END(tgru_product_phase);
+      DTMT_PHASE_START(tgru_rows_phase, tgru_rows);
       Tensor next = step_tensor(scratch, {B, H}, opts);
       CellRows<T> tgru = set.tgru(k);
       tgru.hp = hpt.data_ptr<T>();
       tgru.h = cur.data_ptr<T>();
       tgru.out = next.data_ptr<T>();
       cell_rows(kernels.cell_forward_rows, tgru, B);
+      DTMT_PHASE_END(tgru_rows_phase);
       cur = next;
     }
   }
@@ -597,6 +606,7 @@ Tensor table_products(const Tensor& tokens, const Tensor& table, const Tensor& p
 // Each direction of a layer through `run(d)` (which fills r[d] = {out, h_n}), on two threads where the layer has two
 // directions and there are two (transition_encode_cpu), then the directions' outputs joined.
 std::vector<Tensor> each_direction(int64_t D, const std::function<std::vector<Tensor>(int64_t)>& run) {
+  DTMT_PHASE_START(encode_phase, encode);
   std::vector<std::vector<Tensor>> r(static_cast<size_t>(D));
   if (D == 2 && at::get_num_threads() == 2 && !at::in_parallel_region()) {
     // the caller's thread-local state (grad mode above all) on the worker too: parallel_for does not carry it
@@ -608,8 +618,11 @@ std::vector<Tensor> each_direction(int64_t D, const std::function<std::vector<Te
   } else {
     for (int64_t d = 0; d < D; ++d) r[d] = run(d);
   }
-  if (D == 1) return {r[0][0], r[0][1].unsqueeze(0)};
-  return {at::cat({r[0][0], r[1][0]}, -1), at::stack({r[0][1], r[1][1]})};
+  std::vector<Tensor> joined = D == 1 ? std::vector<Tensor>{r[0][0], r[0][1].unsqueeze(0)}
+                                      : std::vector<Tensor>{at::cat({r[0][0], r[1][0]}, -1),
+                                                            at::stack({r[0][1], r[1][1]})};
+  DTMT_PHASE_END(encode_phase);
+  return joined;
 }
 
 // What both encode ops read besides their inputs, checked against the weights: D = 1 or 2 directions of one kind

@@ -616,3 +616,39 @@ def test_bench_core_limits(tmp_path):
     assert json.loads((tmp_path / "bench_core_limits.json").read_text()) == r
     assert "4 rows x 7 MiB" in (tmp_path / "bench_core_limits.md").read_text()
 
+
+def test_bench_step_phases(tmp_path):
+    """The phase timers: the benchmark's table lists every phase the extension has; a build without the timers
+    (the default, CI's) reports zeros and the benchmark refuses it with how to build one; a build with them
+    (DTMT_PHASE_TIMERS=1) times a toy model's translations: one search and one encode a sentence, the steps'
+    parts within the steps, the steps within the searches, two cell steps a decoder step."""
+    from dtmt_kernels import _C
+    from benchmarks import bench_step_phases
+
+    assert sorted(n for n, _, _ in _C.phase_times()) == sorted(n for n, _, _ in bench_step_phases.LAYOUT)
+    if not _C.PHASE_TIMERS:
+        _C.reset_phase_times()
+        assert all(s == 0 and c == 0 for _, s, c in _C.phase_times())
+        with pytest.raises(SystemExit, match="DTMT_PHASE_TIMERS=1"):
+            bench_step_phases.main(["--checkpoint", "unused", "--data", "unused"])
+        return
+    from test_train import make_toy_corpus
+
+    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
+    from dtmt_models.data.vocabulary import Vocabulary
+    from dtmt_models.models.registry import build_model
+
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    options = dict(embed_dim=8, hidden_size=8, heads=2, dropout=0.0)
+    torch.manual_seed(0)
+    ckpt = save_model(tmp_path / "tiny.pt", "dtmt", options, sv, tv, build_model("dtmt", len(sv), len(tv), **options))
+    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=8)
+    r = bench_step_phases.main(["--checkpoint", ckpt, "--data", data, "--sentences", "8", "--out", str(tmp_path)])
+    phase = {row["phase"]: row for row in r["phases"]}
+    assert phase["search"]["calls"] == 8 and phase["encode"]["calls"] == 8 and phase["step"]["calls"] >= 8
+    assert phase["recurrent_product"]["calls"] == 2 * phase["step"]["calls"]
+    assert sum(phase[p]["seconds"] for p in ("query_cell", "attention", "decoder_cell", "readout", "output_product",
+                                            "log_softmax")) <= phase["step"]["seconds"]
+    assert phase["step"]["seconds"] + phase["search_setup"]["seconds"] <= phase["search"]["seconds"] < r["seconds"]
+    assert json.loads((tmp_path / "bench_step_phases.json").read_text())["sentences"] == 8
+

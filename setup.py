@@ -20,6 +20,7 @@ DTMT_PHASE_TIMERS=1 compiles in the decoding search's phase timers (csrc/phase_t
 benchmarks/bench_step_phases.py); without it they are empty statements.
 """
 import concurrent.futures
+import contextlib
 import glob
 import os
 import platform
@@ -65,6 +66,16 @@ class BuildExtensionWithIsaCopies(BuildExtension):
 
     def build_extension(self, ext):
         cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+        # flags other than the last build's (DTMT_NATIVE, DTMT_PHASE_TIMERS): setuptools would call the extension up
+        # to date, no source being newer than it, and keep the old build; so build it anew (ninja then recompiles
+        # what the new flags change)
+        stamp = os.path.join(self.build_temp, "dtmt_flags.txt")
+        flags_now = " ".join(cxx + [f"{isa}: {' '.join(f)}" for isa, f in cpu_isas().items()])
+        with contextlib.suppress(OSError), open(stamp) as f:
+            if f.read() != flags_now:
+                self.force = True
+        if not os.path.exists(stamp):
+            self.force = True
 
         def compile_copy(isa, flags):
             return self.compiler.compile(ISA_SOURCES, output_dir=os.path.join(self.build_temp, "isa", isa),
@@ -76,6 +87,9 @@ class BuildExtensionWithIsaCopies(BuildExtension):
             copies = [pool.submit(compile_copy, isa, flags) for isa, flags in cpu_isas().items()]
             ext.extra_objects = [obj for copy in copies for obj in copy.result()]
         super().build_extension(ext)
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(flags_now)
 
 
 def extension():

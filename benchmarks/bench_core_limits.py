@@ -9,11 +9,14 @@ both on one thread, in a small C++ program compiled here with g++ -O3 -march=nat
 else AVX2):
 
 - FMA throughput: independent chains of 512-bit (and 256-bit) fused multiply-adds, ns per instruction;
-- read rate: a sum over 1 MiB read again and again (in L2), over 1.75 MiB (a batch-1 encoder direction's recurrent
-  matrices for the small dtmt, at the edge of a 2 MiB L2) and over 7 MiB (past L2), in 2 MiB pages;
+- read rate: a sum over 1 MiB read again and again (within L2 on a CPU of 2 MiB of L2 a core, as the machines of
+  NOTES 61-67), over 1.75 MiB (a batch-1 encoder direction's recurrent matrices for the small dtmt, at the edge of
+  such an L2) and over 7 MiB (past it), in 2 MiB pages;
 - the multiply-add stream: M rows of x times a 7 MiB stream of weight rows (the shape of the small-row loop of
-  csrc/isa/small_gemm_rows.cpp: R = 4 weight rows at a time, each 16-float chunk of x loaded once for them), GB/s
-  of weights for M = 1 and 4, beside the FMA bound 64 B / (M x ns per FMA).
+  csrc/isa/small_gemm_rows.cpp: R = 4 weight rows at a time, 2 with AVX2 only, each chunk of x loaded once for
+  them), GB/s of weights for M = 1 and 4, beside the FMA bound (vector bytes) / (M x ns per FMA).
+
+x86-64 with AVX2 and FMA, Linux (2 MiB pages by madvise), g++.
 
 Diagnosis, not a timing of the package's code (bench_int8_kernel.py times its kernel on a real decoder's
 matrices). Output: a table on stdout and, with --out, OUT/bench_core_limits.md and .json.
@@ -41,9 +44,14 @@ SOURCE = r"""
 #include <cstdlib>
 #include <vector>
 
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the probe needs AVX2 and FMA (x86-64-v3)"
+#endif
+
 #if defined(__AVX512F__)
 typedef __m512 vec;
 constexpr int W = 16;
+constexpr int R = 4;   // weight rows at a time: M x R accumulators, R weights and x's chunk within 32 registers
 static inline vec vzero() { return _mm512_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vec vset(float x) { return _mm512_set1_ps(x); }
@@ -53,6 +61,7 @@ static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 #else
 typedef __m256 vec;
 constexpr int W = 8;
+constexpr int R = 2;   // within AVX2's 16 registers (R = 4 at 4 rows would spill accumulators to the stack)
 static inline vec vzero() { return _mm256_setzero_ps(); }
 static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec vset(float x) { return _mm256_set1_ps(x); }
@@ -66,15 +75,18 @@ static volatile float sink;
 
 static float* pages(size_t bytes) {   // 2 MiB-aligned, advised into 2 MiB pages, written once
   const size_t al = size_t(2) << 20;
-  char* b = (char*)mmap(nullptr, bytes + al, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  b = (char*)(((uintptr_t)b + al - 1) & ~(uintptr_t)(al - 1));
+  void* m = mmap(nullptr, bytes + al, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) { std::perror("mmap"); std::exit(1); }
+  char* b = (char*)(((uintptr_t)m + al - 1) & ~(uintptr_t)(al - 1));
+#ifdef MADV_HUGEPAGE
   madvise(b, bytes, MADV_HUGEPAGE);
+#endif
   float* f = (float*)b;
   for (size_t i = 0; i < bytes / 4; ++i) f[i] = float(i % 97) * 1e-3f;
   return f;
 }
 
-template <typename F> static double best_of(int reps, F f) {   // seconds, the median of reps calls
+template <typename F> static double median_of(int reps, F f) {   // seconds, the median of reps calls
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) { double t0 = now(); f(); t.push_back(now() - t0); }
   std::sort(t.begin(), t.end());
@@ -92,13 +104,14 @@ __attribute__((noinline)) static void fma512_chains(int64_t n) {
 #endif
 }
 
+// 12 chains: enough to cover the FMA's latency on two units, few enough to stay in AVX2's 16 registers
 __attribute__((noinline)) static void fma256_chains(int64_t n) {
-  __m256 a[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm256_set1_ps(i * 1e-3f);
+  __m256 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(i * 1e-3f);
   const __m256 b = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(1e-4f);
   for (int64_t it = 0; it < n; ++it)
-    for (int i = 0; i < 16; ++i) a[i] = _mm256_fmadd_ps(a[i], b, c);
-  float t[8]; float s = 0; for (int i = 0; i < 16; ++i) { _mm256_storeu_ps(t, a[i]); s += t[0]; } sink = s;
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], b, c);
+  float t[8]; float s = 0; for (int i = 0; i < 12; ++i) { _mm256_storeu_ps(t, a[i]); s += t[0]; } sink = s;
 }
 
 __attribute__((noinline)) static float read_sum(const float* p, size_t n) {
@@ -110,41 +123,41 @@ __attribute__((noinline)) static float read_sum(const float* p, size_t n) {
   return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
 }
 
-// M rows of x [M, K] times weight rows [N, K], R = 4 weight rows at a time (x's chunk loaded once for them)
+// M rows of x [M, K] times weight rows [N, K], R weight rows at a time (x's chunk loaded once for them)
 template <int M> __attribute__((noinline)) static void rows_stream(const float* x, const float* w, int64_t N, int64_t K,
                                                                    float* out) {
-  for (int64_t n = 0; n + 4 <= N; n += 4) {
-    vec acc[M][4];
-    for (int m = 0; m < M; ++m) for (int r = 0; r < 4; ++r) acc[m][r] = vzero();
+  for (int64_t n = 0; n + R <= N; n += R) {
+    vec acc[M][R];
+    for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = vzero();
     const float* wr = w + n * K;
     for (int64_t k = 0; k < K; k += W) {
-      vec wv[4];
-      for (int r = 0; r < 4; ++r) {
+      vec wv[R];
+      for (int r = 0; r < R; ++r) {
         _mm_prefetch((const char*)(wr + r * K + k + 1024), _MM_HINT_T0);
         wv[r] = vload(wr + r * K + k);
       }
       for (int m = 0; m < M; ++m) {
         const vec xv = vload(x + m * K + k);
-        for (int r = 0; r < 4; ++r) acc[m][r] = vfma(xv, wv[r], acc[m][r]);
+        for (int r = 0; r < R; ++r) acc[m][r] = vfma(xv, wv[r], acc[m][r]);
       }
     }
-    for (int m = 0; m < M; ++m) for (int r = 0; r < 4; ++r) out[m * N + n + r] = vsum(acc[m][r]);
+    for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) out[m * N + n + r] = vsum(acc[m][r]);
   }
 }
 
 int main() {
   const int64_t n_fma = 20000000;   // iterations of 16 FMAs
-  const double ns512 = best_of(5, [&] { fma512_chains(n_fma); }) / (16.0 * n_fma) * 1e9;
-  const double ns256 = best_of(5, [&] { fma256_chains(n_fma); }) / (16.0 * n_fma) * 1e9;
+  const double ns512 = median_of(5, [&] { fma512_chains(n_fma); }) / (16.0 * n_fma) * 1e9;
+  const double ns256 = median_of(5, [&] { fma256_chains(n_fma); }) / (12.0 * n_fma) * 1e9;
   const size_t small = size_t(1) << 20, edge = size_t(7) << 18, big = size_t(7) << 20;
   float* b = pages(big);
-  const double l2 = small / best_of(400, [&] { sink = read_sum(b, small / 4); }) / 1e9;
-  const double l2_edge = edge / best_of(400, [&] { sink = read_sum(b, edge / 4); }) / 1e9;
-  const double past = big / best_of(100, [&] { sink = read_sum(b, big / 4); }) / 1e9;
+  const double l2 = small / median_of(400, [&] { sink = read_sum(b, small / 4); }) / 1e9;
+  const double l2_edge = edge / median_of(400, [&] { sink = read_sum(b, edge / 4); }) / 1e9;
+  const double past = big / median_of(100, [&] { sink = read_sum(b, big / 4); }) / 1e9;
   const int64_t K = 256, N = int64_t(big / 4 / K);
   std::vector<float> x(4 * K, 0.01f), out(4 * N);
-  const double m1 = big / best_of(60, [&] { rows_stream<1>(x.data(), b, N, K, out.data()); }) / 1e9;
-  const double m4 = big / best_of(60, [&] { rows_stream<4>(x.data(), b, N, K, out.data()); }) / 1e9;
+  const double m1 = big / median_of(60, [&] { rows_stream<1>(x.data(), b, N, K, out.data()); }) / 1e9;
+  const double m4 = big / median_of(60, [&] { rows_stream<4>(x.data(), b, N, K, out.data()); }) / 1e9;
   std::printf("{\"vector_floats\": %d, \"ns_per_fma512\": %.4f, \"ns_per_fma256\": %.4f, \"read_l2_gbs\": %.2f, "
               "\"read_1_75mib_gbs\": %.2f, \"read_7mib_gbs\": %.2f, \"rows1_7mib_gbs\": %.2f, \"rows4_7mib_gbs\": %.2f}\n",
               W, W == 16 ? ns512 : 0.0, ns256, l2, l2_edge, past, m1, m4);
@@ -162,8 +175,12 @@ def measure() -> dict:
         src, exe = os.path.join(tmp, "core_limits.cpp"), os.path.join(tmp, "core_limits")
         with open(src, "w") as f:
             f.write(SOURCE)
-        subprocess.run([gxx, "-O3", "-march=native", "-o", exe, src], check=True)
-        r = json.loads(subprocess.run([exe], check=True, capture_output=True, text=True).stdout.strip())
+        try:
+            subprocess.run([gxx, "-O3", "-march=native", "-o", exe, src], check=True, capture_output=True, text=True)
+            r = json.loads(subprocess.run([exe], check=True, capture_output=True, text=True).stdout.strip())
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"bench_core_limits: the probe failed ({' '.join(e.cmd[:2])}): "
+                             f"{(e.stderr or '').strip().splitlines()[-1:] or e}") from None
     ns = r["ns_per_fma512"] or r["ns_per_fma256"]          # the widest vector the loops use
     width_bytes = 4 * r["vector_floats"]
     r["fma_bound_rows1_gbs"] = width_bytes / ns             # bytes of weights a second if only the FMAs counted
@@ -177,7 +194,7 @@ def table(r: dict, machine: str) -> str:
              f"| 512-bit FMA, ns an instruction (16 independent chains) | "
              f"{r['ns_per_fma512']:.3f} |" if r["ns_per_fma512"] else "| 512-bit FMA | (no AVX-512) |",
              f"| 256-bit FMA, ns an instruction | {r['ns_per_fma256']:.3f} |",
-             f"| read 1 MiB again and again (L2), GB/s | {r['read_l2_gbs']:.1f} |",
+             f"| read 1 MiB again and again (in a 2 MiB L2), GB/s | {r['read_l2_gbs']:.1f} |",
              f"| read 1.75 MiB again and again (a batch-1 encoder direction's recurrent matrices), GB/s | "
              f"{r['read_1_75mib_gbs']:.1f} |",
              f"| read 7 MiB again and again (past L2: a decoding step's weights), GB/s | {r['read_7mib_gbs']:.1f} |",

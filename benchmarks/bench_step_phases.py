@@ -8,7 +8,8 @@ Translates the first --sentences test sources of --data one at a time (`translat
 `dtmt translate` and bench_deploy's batch-1 rows do), after one untimed sentence, and reports for each phase of the
 C++ search (csrc/phase_timers.h) its time per sentence or per decoder step and its calls. Phases nest: a step holds
 the query cell, attention, weighing, decoder cell, readout, output product and log-softmax; a cell (query and
-decoder alike, so two calls a step) holds its recurrent product, its row pass and its T-GRUs' product and row pass;
+decoder alike, so two calls a step, shown once under the query cell) holds its recurrent product, its row pass and
+its T-GRUs' product and row pass;
 the attention holds its query product, scores and softmax. Each timed scope costs two clock reads (tens of ns), so a
 timers build runs a little slower than a plain one: compare phases with each other, and time speed with the plain
 build (bench_pages, bench_deploy). Output: a table on stdout and, with --out, OUT/bench_step_phases.md and .json.
@@ -28,15 +29,18 @@ sys.path.insert(0, HERE)
 
 # (phase, depth in the table, per): per "sentence" or per "step" (a decoder step of the search)
 LAYOUT = [("encode", 0, "sentence"), ("search", 0, "sentence"), ("search_setup", 1, "sentence"),
-          ("step", 1, "step"), ("query_cell", 2, "step"), ("attention", 2, "step"), ("query_product", 3, "step"),
-          ("scores", 3, "step"), ("attention_softmax", 3, "step"), ("weigh", 2, "step"),
-          ("decoder_cell", 2, "step"), ("readout", 2, "step"), ("output_product", 2, "step"),
-          ("log_softmax", 2, "step"), ("recurrent_product", 2, "step"), ("cell_rows", 2, "step"),
-          ("tgru_product", 2, "step"), ("tgru_rows", 2, "step"), ("token_rows", 1, "step"),
-          ("eos_mask", 1, "step"), ("top_candidates", 1, "step"), ("bookkeeping", 1, "step")]
-NOTES = {"recurrent_product": "both cells", "cell_rows": "both cells", "tgru_product": "both cells",
-         "tgru_rows": "both cells", "weigh": "steps with the context's products",
-         "attention_softmax": "with the context where a step computes one"}
+          ("step", 1, "step"), ("query_cell", 2, "step"), ("recurrent_product", 3, "step"), ("cell_rows", 3, "step"),
+          ("tgru_product", 3, "step"), ("tgru_rows", 3, "step"), ("attention", 2, "step"),
+          ("query_product", 3, "step"), ("scores", 3, "step"), ("attention_softmax", 3, "step"),
+          ("weigh", 2, "step"), ("decoder_cell", 2, "step"), ("readout", 2, "step"), ("output_product", 2, "step"),
+          ("log_softmax", 2, "step"), ("token_rows", 1, "step"), ("eos_mask", 1, "step"),
+          ("top_candidates", 1, "step"), ("bookkeeping", 1, "step")]
+NOTES = {"recurrent_product": "both cells: within query_cell and decoder_cell",
+         "cell_rows": "both cells", "tgru_product": "both cells", "tgru_rows": "both cells",
+         "decoder_cell": "its parts in the rows under query_cell", "weigh": "steps with the context's products",
+         "scores": "with the query's layer norm, where there is one",
+         "attention_softmax": "with the context where a step computes one",
+         "eos_mask": "with the log-probabilities as float32"}
 
 
 def main(argv=None) -> dict:
@@ -101,7 +105,8 @@ def table(r: dict) -> str:
              f"{r['sentences']} test sources one at a time, beam {r['beam']} (a build with DTMT_PHASE_TIMERS=1; "
              f"`python benchmarks/bench_step_phases.py`): {r['ms_a_sentence']:.2f} ms a sentence, "
              f"{r['steps_a_sentence']:.1f} decoder steps a sentence, {r['outside_ms_a_sentence']:.2f} ms a sentence "
-             f"outside the encoder and search ops (Python, tokenising, the first state).", "",
+             f"outside the `encode` and `search` phases (Python, tokenising, the first state; and the encoder where "
+             f"it is not a FrozenTransitionLayer's op).", "",
              "| phase | time | calls | share of the sentence |", "|---|---:|---:|---:|"]
     for row in r["phases"]:
         unit = "ms a sentence" if row["per"] == "sentence" else "µs a step"

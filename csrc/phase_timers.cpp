@@ -9,11 +9,13 @@ namespace dtmt {
 namespace {
 
 constexpr int kPhases = static_cast<int>(Phase::kCount);
-constexpr const char* kNames[kPhases] = {
+constexpr const char* kNames[] = {
     "encode",       "search",         "search_setup", "token_rows",        "step",         "eos_mask",
     "top_candidates", "bookkeeping",  "query_cell",   "attention",         "weigh",        "decoder_cell",
     "readout",      "output_product", "log_softmax",  "recurrent_product", "cell_rows",    "tgru_product",
     "tgru_rows",    "query_product",  "scores",       "attention_softmax"};
+
+static_assert(sizeof(kNames) / sizeof(kNames[0]) == kPhases, "a name for every phase of phase_timers.h");
 
 std::array<std::atomic<int64_t>, kPhases> g_ns{};
 std::array<std::atomic<int64_t>, kPhases> g_calls{};

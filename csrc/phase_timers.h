@@ -23,7 +23,7 @@ enum class Phase : int {
   search_setup,        // its set-up before the first step (the context's products, the keys' exponentials)
   token_rows,          // a step's previous tokens: their table rows or embeddings
   step,                // rnmt_step_cpu: one decoder step
-  eos_mask,            // the last step allowed: only EOS may follow
+  eos_mask,            // the step's log-probabilities as float32, and at the last step allowed only EOS may follow
   top_candidates,      // each sentence's 2 * beam best candidates
   bookkeeping,         // finished hypotheses, the stopping rule, the next rows, the state's reorder
   query_cell,          // the step's parts: the query cell (its products and rows below) ...
@@ -38,7 +38,7 @@ enum class Phase : int {
   tgru_product,        // a T-GRU's product
   tgru_rows,           // and its row pass
   query_product,       // the attention's query product
-  scores,              // the additive scores
+  scores,              // the additive scores (after the query's layer norm, where the attention has one)
   attention_softmax,   // the masked softmax (and the context, where the step computes one)
   kCount
 };
@@ -57,6 +57,9 @@ void reset_phase_times();
 class PhaseScope {
  public:
   explicit PhaseScope(Phase p);
+  ~PhaseScope() { end(); }   // (a scope left without its END still counts, to where it is left)
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
   void end();   // adds the time since construction to the phase (once)
  private:
   Phase phase_;
@@ -66,7 +69,8 @@ class PhaseScope {
 #define DTMT_PHASE_START(var, phase) ::dtmt::PhaseScope var(::dtmt::Phase::phase)
 #define DTMT_PHASE_END(var) var.end()
 #else
-#define DTMT_PHASE_START(var, phase) static_cast<void>(0)
+// (the phase's name is still checked, so that a misspelt one fails in every build, not in the timers' only)
+#define DTMT_PHASE_START(var, phase) static_cast<void>(::dtmt::Phase::phase)
 #define DTMT_PHASE_END(var) static_cast<void>(0)
 #endif
 

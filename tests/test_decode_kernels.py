@@ -812,12 +812,12 @@ def test_source_tables_and_fused_start(system):
     source tokens' and positions' input products from tables (the embedding's and its position rows' products with
     the encoder's input matrices) instead of embedding and multiplying, and makes the first state in one call
     (rnmt_start) instead of the modules' start_state: the same state (the same entries in the same order; the
-    annotations, keys and first state within rounding, the mask and positions equal) for one sentence and
-    for a padded batch, in float64 (within 1e-10) and float32 (within 1e-5), and in float64 the same best
-    hypotheses with scores within 1e-9. A source longer than the position table makes it anew, at least twice as
-    long. A source id past the vocabulary is an IndexError with the tables as without them. mce (its own encoder) has the first state's op and no tables; the int8
-    decoder has no tables (it quantizes the encoder's states: test_int8 holds it to the modules' products), nor has
-    nematus (an encode of its own) either part."""
+    annotations, keys and first state within rounding, the mask and positions equal) for one sentence and for a
+    padded batch, in float64 (within 1e-10) and float32 (within 1e-5), and in float64 the same best hypotheses
+    with scores within 1e-9. A source longer than the position table makes it anew, at least twice as long. A
+    source id past the vocabulary is an IndexError with the tables as without them. mce (its own encoder) has the
+    first state's op and no tables; the int8 decoder has no tables (it quantizes the encoder's states: test_int8
+    holds it to the modules' products), nor has nematus (an encode of its own) either part."""
     from conftest import spread_weights
 
     from dtmt_models.decoding.beam_search import beam_search

@@ -325,6 +325,16 @@ def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_p
     assert bench.main(["cells"]) == 2 and "source checkout" in capsys.readouterr().err
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
     assert "cells" in bench.available()
+    # a script's refusal (SystemExit with a message) reaches the user, as when the script runs by itself
+    assert bench.main(["pages", "--checkpoint", str(tmp_path / "none.pt"), "--chunk", "0"]) == 2
+    assert "--chunk must be >= 1" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["x"])
+    script = tmp_path / "benchmarks" / "bench_refuses.py"
+    script.parent.mkdir()
+    (script.parent / "bench_cells.py").write_text("")
+    script.write_text("raise SystemExit('bench_refuses: no such thing here')\n")
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["refuses"]) == 1 and "bench_refuses: no such thing here" in capsys.readouterr().err
 
 
 def test_bench_serve_quick(tmp_path):

@@ -51,7 +51,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         runpy.run_path(os.path.join(bench_dir(), f"bench_{name}.py"), run_name="__main__")
     except SystemExit as exc:
-        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+        if isinstance(exc.code, str):   # a script's one-line refusal: shown, as Python shows it for a script
+            print(exc.code, file=sys.stderr)
+            return 1
+        return int(exc.code or 0)
     finally:
         sys.argv = old
     return 0

@@ -15,6 +15,22 @@ import dtmt_models as dm
 from conftest import HAS_TRITON, prepare_triton_interpreter
 
 
+def tiny_checkpoint(tmp_path, system: str, n_test: int = 8, **options):
+    """(checkpoint, data) for a benchmark's quick run: a freshly initialised `system` with `options` (seed 0) and
+    50-piece toy vocabularies, saved as tmp_path/tiny.pt, and a toy corpus of 20 training, 5 dev and `n_test` test
+    pairs in tmp_path/toy."""
+    from test_train import make_toy_corpus
+
+    from conftest import TOY_SRC, TOY_TGT, save_model
+    from dtmt_models.data.vocabulary import Vocabulary
+    from dtmt_models.models.registry import build_model
+
+    sv, tv = Vocabulary.train(TOY_SRC, vocab_size=50), Vocabulary.train(TOY_TGT, vocab_size=50)
+    torch.manual_seed(0)
+    ckpt = save_model(tmp_path / "tiny.pt", system, options, sv, tv, build_model(system, len(sv), len(tv), **options))
+    return ckpt, make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=n_test)
+
+
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 def test_bench_cells_quick(tmp_path):
     from benchmarks import bench_cells
@@ -341,21 +357,11 @@ def test_bench_serve_quick(tmp_path):
     """The load test end to end at toy size: a real server, 6 concurrent clients, every request answered with
     `translate`'s translation (the benchmark counts any other answer as lost)."""
     pytest.importorskip("aiohttp")
-    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
-    from test_train import make_toy_corpus
-
     from benchmarks import bench_serve
-    from dtmt_models.data.vocabulary import Vocabulary
-    from dtmt_models.models.registry import build_model
 
     assert bench_serve.percentile([3, 1, 2, 4], 50) == pytest.approx(2.5)
     assert bench_serve.percentile([1, 2, 3, 4, 5], 100) == 5 and bench_serve.percentile([7], 99) == 7
-    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=24)
-    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
-    options = dict(embed_dim=8, hidden_size=8, dropout=0.0)
-    torch.manual_seed(0)
-    ckpt = save_model(tmp_path / "tiny.pt", "rnnsearch-atr", options, sv, tv,
-                      build_model("rnnsearch-atr", len(sv), len(tv), **options))
+    ckpt, data = tiny_checkpoint(tmp_path, "rnnsearch-atr", n_test=24, embed_dim=8, hidden_size=8, dropout=0.0)
     row = bench_serve.main(["--checkpoint", ckpt, "--data", data, "--clients", "6", "--threads", "1",
                             "--beam", "2", "--out", str(tmp_path / "out")])
     assert row["sent"] == row["answered"] == 24 and row["lost"] == 0 and row["server_exit"] == 0
@@ -517,20 +523,10 @@ def test_bench_deploy_finds_the_lstm_a_bench_peers_run_trained(tmp_path):
 def test_bench_beam_swap_quick(tmp_path):
     """The before/after timer: this checkout's beam search and the same file loaded by path translate alike,
     batched and one at a time (so a swapped-in version is measured on the same work)."""
-    from test_train import make_toy_corpus
-
-    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
     from benchmarks import bench_beam_swap
-    from dtmt_models.data.vocabulary import Vocabulary
     from dtmt_models.decoding import beam_search as bs
-    from dtmt_models.models.registry import build_model
 
-    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
-    options = dict(embed_dim=8, hidden_size=8, dropout=0.0)
-    torch.manual_seed(0)
-    ckpt = save_model(tmp_path / "tiny.pt", "rnnsearch-atr", options, sv, tv,
-                      build_model("rnnsearch-atr", len(sv), len(tv), **options))
-    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=8)
+    ckpt, data = tiny_checkpoint(tmp_path, "rnnsearch-atr", embed_dim=8, hidden_size=8, dropout=0.0)
     common = ["--checkpoint", ckpt, "--data", data, "--threads", "1"]
     seconds, ours = bench_beam_swap.main(common)
     _, swapped = bench_beam_swap.main(common + ["--beam-search", bs.__file__])
@@ -548,18 +544,9 @@ def test_bench_pages_quick(tmp_path):
     table_pages the previous token's tables in either kind of page, --option nbest_stop one decoder's search with
     either stopping rule; context_table, encoder_panels, source_tables and fused_start each time a decoder with it
     against one without."""
-    from test_train import make_toy_corpus
-
-    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
     from benchmarks import bench_pages
-    from dtmt_models.data.vocabulary import Vocabulary
-    from dtmt_models.models.registry import build_model
 
-    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
-    options = dict(embed_dim=8, hidden_size=8, heads=2, dropout=0.0)
-    torch.manual_seed(0)
-    ckpt = save_model(tmp_path / "tiny.pt", "dtmt", options, sv, tv, build_model("dtmt", len(sv), len(tv), **options))
-    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=8)
+    ckpt, data = tiny_checkpoint(tmp_path, "dtmt", embed_dim=8, hidden_size=8, heads=2, dropout=0.0)
     for chunk in ("1", "3"):
         seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--chunk", chunk])
         assert differ == 0 and all(s > 0 for s in seconds.values()) and len(seconds) == 2
@@ -648,17 +635,7 @@ def test_bench_step_phases(tmp_path):
         with pytest.raises(SystemExit, match="DTMT_PHASE_TIMERS=1"):
             bench_step_phases.main(["--checkpoint", "unused", "--data", "unused"])
         return
-    from test_train import make_toy_corpus
-
-    from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
-    from dtmt_models.data.vocabulary import Vocabulary
-    from dtmt_models.models.registry import build_model
-
-    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
-    options = dict(embed_dim=8, hidden_size=8, heads=2, dropout=0.0)
-    torch.manual_seed(0)
-    ckpt = save_model(tmp_path / "tiny.pt", "dtmt", options, sv, tv, build_model("dtmt", len(sv), len(tv), **options))
-    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=8)
+    ckpt, data = tiny_checkpoint(tmp_path, "dtmt", embed_dim=8, hidden_size=8, heads=2, dropout=0.0)
     r = bench_step_phases.main(["--checkpoint", ckpt, "--data", data, "--sentences", "8", "--out", str(tmp_path)])
     phase = {row["phase"]: row for row in r["phases"]}
     assert phase["search"]["calls"] == 8 and phase["encode"]["calls"] == 8 and phase["step"]["calls"] >= 8

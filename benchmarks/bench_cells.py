@@ -105,6 +105,17 @@ def machine_name(device: str = "cpu", threads: bool = True) -> str:
     return f"{rec['model name']}, {rec['cores']} cores, torch {rec['torch']}{count}{loops}"
 
 
+def write_report(out_dir, name: str, text: str, data) -> None:
+    """A benchmark's table and its figures as OUT_DIR/NAME.md and OUT_DIR/NAME.json (the folder made if needed)."""
+    import json
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def _sync(device: str = "cpu"):
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 

@@ -209,17 +209,13 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="write bench_core_limits.md and .json here")
     a = p.parse_args(argv)
-    from bench_cells import machine_name
+    from bench_cells import machine_name, write_report
 
     r = measure()
     text = table(r, machine_name(threads=False))
     print(text, end="")
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "bench_core_limits.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(a.out, "bench_core_limits.json"), "w") as f:
-            json.dump(r, f, indent=1)
+        write_report(a.out, "bench_core_limits", text, r)
     return r
 
 

@@ -17,7 +17,6 @@ build (bench_pages, bench_deploy). Output: a table on stdout and, with --out, OU
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -60,7 +59,7 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_step_phases: this build of dtmt_kernels has no phase timers; build one with "
                          "`DTMT_PHASE_TIMERS=1 python setup.py build_ext --inplace` (and rebuild without it after)")
     import torch
-    from bench_cells import machine_name, torch_threads
+    from bench_cells import machine_name, torch_threads, write_report
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
     from dtmt_models.decoding.translate import translate
@@ -92,11 +91,7 @@ def main(argv=None) -> dict:
     text = table(result)
     print(text, end="")
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "bench_step_phases.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(a.out, "bench_step_phases.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_report(a.out, "bench_step_phases", text, result)
     return result
 
 

@@ -15,6 +15,10 @@ else AVX2):
 - the multiply-add stream: M rows of x times a 7 MiB stream of weight rows (the shape of the small-row loop of
   csrc/isa/small_gemm_rows.cpp: R = 4 weight rows at a time, 2 with AVX2 only, each chunk of x loaded once for
   them), GB/s of weights for M = 1 and 4, beside the FMA bound (vector bytes) / (M x ns per FMA).
+- the weighing of a step's source products (a sentence's NH x S rows of the context's products, read 96 columns at
+  a time as weigh_products reads them): alone, again and again (from L2), and after each 7 MiB read of a step's
+  weights (which evicts them), the stream read plainly or with non-temporal prefetches: can a hint keep the
+  products in L2 while the weights stream past? (NOTES 68: no, on the machine of NOTES 61-68.)
 
 x86-64 with AVX2 and FMA, Linux (2 MiB pages by madvise), g++.
 
@@ -145,6 +149,30 @@ template <int M> __attribute__((noinline)) static void rows_stream(const float* 
   }
 }
 
+// The weighing of a step's source products (csrc/isa/attention_loops.cpp, weigh_products): rows of ld floats, one
+// chunk of 96 columns at a time over all rows (a sentence's NH x S rows, 5.6 KB apart)
+__attribute__((noinline)) static float weigh_read(const float* p, int64_t rows, int64_t ld) {
+  vec acc[96 / W];
+  for (int v = 0; v < 96 / W; ++v) acc[v] = vzero();
+  for (int64_t c = 0; c + 96 <= ld; c += 96)
+    for (int64_t k = 0; k < rows; ++k)
+      for (int v = 0; v < 96 / W; ++v) acc[v] = vadd(acc[v], vload(p + k * ld + c + v * W));
+  vec s = vzero();
+  for (int v = 0; v < 96 / W; ++v) s = vadd(s, acc[v]);
+  return vsum(s);
+}
+
+// read_sum with a non-temporal prefetch 32 lines ahead (a hint to keep the stream out of L2)
+__attribute__((noinline)) static float read_sum_nta(const float* p, size_t n) {
+  vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (size_t i = 0; i + 4 * W <= n; i += 4 * W) {
+    if (i % 16 == 0) _mm_prefetch((const char*)(p + i) + 32 * 64, _MM_HINT_NTA);
+    a0 = vadd(a0, vload(p + i)); a1 = vadd(a1, vload(p + i + W));
+    a2 = vadd(a2, vload(p + i + 2 * W)); a3 = vadd(a3, vload(p + i + 3 * W));
+  }
+  return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+}
+
 int main() {
   const int64_t n_fma = 20000000;   // iterations of 16 FMAs
   const double ns512 = median_of(5, [&] { fma512_chains(n_fma); }) / (16.0 * n_fma) * 1e9;
@@ -158,9 +186,28 @@ int main() {
   std::vector<float> x(4 * K, 0.01f), out(4 * N);
   const double m1 = big / median_of(60, [&] { rows_stream<1>(x.data(), b, N, K, out.data()); }) / 1e9;
   const double m4 = big / median_of(60, [&] { rows_stream<4>(x.data(), b, N, K, out.data()); }) / 1e9;
+  // a sentence's source products (NH = 4 heads x S = 35 positions, rows of 1,408: 0.79 MB) weighed alone, and after
+  // each 7 MiB stream of a step's weights, read plainly or with non-temporal prefetches
+  const int64_t p_rows = 140, p_ld = 1408;
+  float* pp = pages(size_t(p_rows * p_ld * 4));
+  const double p_bytes = double(p_rows * p_ld * 4);
+  const double w_hot = p_bytes / median_of(200, [&] { sink = weigh_read(pp, p_rows, p_ld); }) / 1e9;
+  std::vector<double> tw, tn, tw_nta;
+  for (int r = 0; r < 60; ++r) {
+    double t0 = now(); sink = read_sum(b, big / 4);
+    double t1 = now(); sink = weigh_read(pp, p_rows, p_ld);
+    double t2 = now(); sink = read_sum_nta(b, big / 4);
+    double t3 = now(); sink = weigh_read(pp, p_rows, p_ld);
+    double t4 = now();
+    tw.push_back(t2 - t1); tn.push_back(t3 - t2); tw_nta.push_back(t4 - t3);
+  }
+  for (auto* v : {&tw, &tn, &tw_nta}) std::sort(v->begin(), v->end());
+  const double w_after = p_bytes / tw[30] / 1e9, nta = big / tn[30] / 1e9, w_after_nta = p_bytes / tw_nta[30] / 1e9;
   std::printf("{\"vector_floats\": %d, \"ns_per_fma512\": %.4f, \"ns_per_fma256\": %.4f, \"read_l2_gbs\": %.2f, "
-              "\"read_1_75mib_gbs\": %.2f, \"read_7mib_gbs\": %.2f, \"rows1_7mib_gbs\": %.2f, \"rows4_7mib_gbs\": %.2f}\n",
-              W, W == 16 ? ns512 : 0.0, ns256, l2, l2_edge, past, m1, m4);
+              "\"read_1_75mib_gbs\": %.2f, \"read_7mib_gbs\": %.2f, \"rows1_7mib_gbs\": %.2f, \"rows4_7mib_gbs\": %.2f, "
+              "\"weigh_hot_gbs\": %.2f, \"weigh_after_stream_gbs\": %.2f, \"read_7mib_nta_gbs\": %.2f, "
+              "\"weigh_after_nta_stream_gbs\": %.2f}\n",
+              W, W == 16 ? ns512 : 0.0, ns256, l2, l2_edge, past, m1, m4, w_hot, w_after, nta, w_after_nta);
   return 0;
 }
 """
@@ -201,7 +248,13 @@ def table(r: dict, machine: str) -> str:
              f"| 1 row x 7 MiB of weights, GB/s of weights (FMA bound {r['fma_bound_rows1_gbs']:.1f}) | "
              f"{r['rows1_7mib_gbs']:.1f} |",
              f"| 4 rows x 7 MiB of weights, GB/s of weights (FMA bound {r['fma_bound_rows4_gbs']:.1f}) | "
-             f"{r['rows4_7mib_gbs']:.1f} |"]
+             f"{r['rows4_7mib_gbs']:.1f} |",
+             f"| the weighing's read of a sentence's source products (0.79 MB, 96 columns at a time), alone, GB/s | "
+             f"{r['weigh_hot_gbs']:.1f} |",
+             f"| the same right after a 7 MiB read (a step's weights), GB/s | {r['weigh_after_stream_gbs']:.1f} |",
+             f"| read 7 MiB with non-temporal prefetches (a hint to keep it out of L2), GB/s | "
+             f"{r['read_7mib_nta_gbs']:.1f} |",
+             f"| the weighing's read right after that, GB/s | {r['weigh_after_nta_stream_gbs']:.1f} |"]
     return "\n".join(lines) + "\n"
 
 

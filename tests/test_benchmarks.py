@@ -610,13 +610,15 @@ def test_bench_core_limits(tmp_path):
     from benchmarks import bench_core_limits
 
     r = bench_core_limits.main(["--out", str(tmp_path)])
-    rates = [r[k] for k in ("read_l2_gbs", "read_1_75mib_gbs", "read_7mib_gbs", "rows1_7mib_gbs", "rows4_7mib_gbs")]
+    rates = [r[k] for k in ("read_l2_gbs", "read_1_75mib_gbs", "read_7mib_gbs", "rows1_7mib_gbs", "rows4_7mib_gbs",
+                            "weigh_hot_gbs", "weigh_after_stream_gbs", "read_7mib_nta_gbs", "weigh_after_nta_stream_gbs")]
     assert all(math.isfinite(x) and x > 0 for x in rates) and r["ns_per_fma256"] > 0
     ns = r["ns_per_fma512"] if r["vector_floats"] == 16 else r["ns_per_fma256"]
     assert ns > 0 and r["fma_bound_rows1_gbs"] == pytest.approx(4 * r["vector_floats"] / ns)
     assert r["fma_bound_rows4_gbs"] == pytest.approx(r["fma_bound_rows1_gbs"] / 4)
     assert json.loads((tmp_path / "bench_core_limits.json").read_text()) == r
-    assert "4 rows x 7 MiB" in (tmp_path / "bench_core_limits.md").read_text()
+    text = (tmp_path / "bench_core_limits.md").read_text()
+    assert "4 rows x 7 MiB" in text and "non-temporal" in text
 
 
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")

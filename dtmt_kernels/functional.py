@@ -3,6 +3,7 @@ attention kernels, the decoding linear layer and the inference ops of a decoder 
 checks that every public entry point applies to its inputs (validate at the boundary)."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Sequence, Union
 
 import torch
@@ -168,14 +169,19 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
             raise ValueError(f"{owner}: lengths must hold integers, got dtype {lengths.dtype}")
         if lengths.dim() != 1:
             raise ValueError(f"{owner}: lengths must be 1-D [B={B}], got shape {tuple(lengths.shape)}")
+        if lengths.device.type == "meta":
+            raise ValueError(f"{owner}: lengths must hold values (a CPU or CUDA tensor), got a meta tensor")
         lengths_cpu = lengths.detach().to("cpu", torch.long)
     else:
         try:
-            lengths_cpu = torch.as_tensor(list(lengths), dtype=torch.long)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{owner}: lengths must be a 1-D tensor or sequence of ints ({exc})") from None
-        if any(not float(v).is_integer() for v in lengths):
-            raise ValueError(f"{owner}: lengths must hold integers, got {list(lengths)}")
+            values = list(lengths)
+        except TypeError:
+            raise ValueError(f"{owner}: lengths must be a 1-D tensor or sequence of ints [B={B}], "
+                             f"got {type(lengths).__name__}") from None
+        # ints (or whole floats); a bool, a nested list or a string is no length
+        if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and float(v).is_integer() for v in values):
+            raise ValueError(f"{owner}: lengths must hold integers, got {values}")
+        lengths_cpu = torch.as_tensor(values, dtype=torch.long)
     if lengths_cpu.numel() != B:
         raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths_cpu.numel()}")
     if torch.compiler.is_compiling():

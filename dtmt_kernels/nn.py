@@ -72,8 +72,9 @@ class _TransitionBase(BackendSwitch, nn.Module):
                 raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
         if cell not in CELL_KINDS:
             raise ValueError(f"{name}: cell must be one of {CELL_KINDS}, got {cell!r}")
-        if not 0.0 <= float(candidate_dropout) < 1.0:
-            raise ValueError(f"{name}: candidate_dropout must be in [0, 1), got {candidate_dropout!r}")
+        if (not isinstance(candidate_dropout, (int, float)) or isinstance(candidate_dropout, bool)
+                or not 0.0 <= float(candidate_dropout) < 1.0):
+            raise ValueError(f"{name}: candidate_dropout must be a number in [0, 1), got {candidate_dropout!r}")
         self.input_size, self.hidden_size, self.cell, self.depth = input_size, hidden_size, cell, depth
         self.layer_norm, self.num_directions = bool(layer_norm), num_directions
         self.candidate_dropout, self.eps = float(candidate_dropout), eps
@@ -275,14 +276,15 @@ class _TransitionLayer(_TransitionBase):
 
 
 class _TransitionCell(Unrollable, _TransitionBase):
-    """One step (decoder use): (x [B, I], h [B, H] = None, drop=None) -> h' [B, H]."""
+    """One step (decoder use): (x [B, I], h0 [B, H] = None, drop=None) -> h' [B, H]."""
 
     def __init__(self, input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend):
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, 1, candidate_dropout, backend)
 
-    def forward(self, x: Tensor, h: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, h0: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
         """In training with candidate_dropout > 0 and no `drop`, a fresh mask is drawn for this step; to
         keep one mask over a whole sequence, draw it once with `sample_dropout_masks(B)` and pass it."""
+        h = h0
         name, I, H = type(self).__name__, self.input_size, self.hidden_size
         self._check_tensor(x, "x", "[B, input_size]")
         if x.dim() not in (1, 2) or x.shape[-1] != I:
@@ -300,9 +302,11 @@ class _TransitionCell(Unrollable, _TransitionBase):
             h = x2.new_zeros(B, H)
         if drop is None:
             drop = self.sample_dropout_masks(B, x2)
-        elif tuple(drop.shape) != (self.depth + 1, B, H):
-            raise ValueError(f"{name}: drop must have shape [depth+1, B, hidden_size] = "
-                             f"{[self.depth + 1, B, H]}, got {list(drop.shape)}")
+        else:
+            self._check_tensor(drop, "drop", "[depth+1, B, hidden_size]")
+            if tuple(drop.shape) != (self.depth + 1, B, H):
+                raise ValueError(f"{name}: drop must have shape [depth+1, B, hidden_size] = "
+                                 f"{[self.depth + 1, B, H]}, got {list(drop.shape)}")
         session = self._unrolled_session(x2)
         if session is not None:
             h1 = CppTransitionStepFunction.apply(x2, h, drop, session[1], session[0], self.eps)
@@ -374,8 +378,9 @@ class DeepTransitionGRU(_TransitionLayer):
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, bidirectional: bool = False, batch_first: bool = False,
                  candidate_dropout: float = 0.0, backend: str = "auto", reverse: bool = False):
-        if cell == "atr":
-            raise ValueError("DeepTransitionGRU: cell must be 'gru', 'lgru' or 'lau'; use dtmt_kernels.nn.ATR")
+        if cell not in ("gru", "lgru", "lau"):
+            raise ValueError(f"DeepTransitionGRU: cell must be 'gru', 'lgru' or 'lau', got {cell!r}"
+                             + ("; use dtmt_kernels.nn.ATR" if cell == "atr" else ""))
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
                          candidate_dropout, backend, reverse)
 
@@ -416,8 +421,9 @@ class DeepTransitionGRUCell(_TransitionCell):
 
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, candidate_dropout: float = 0.0, backend: str = "auto"):
-        if cell == "atr":
-            raise ValueError("DeepTransitionGRUCell: cell must be 'gru', 'lgru' or 'lau'; use dtmt_kernels.nn.ATRCell")
+        if cell not in ("gru", "lgru", "lau"):
+            raise ValueError(f"DeepTransitionGRUCell: cell must be 'gru', 'lgru' or 'lau', got {cell!r}"
+                             + ("; use dtmt_kernels.nn.ATRCell" if cell == "atr" else ""))
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend)
 
 
@@ -488,9 +494,8 @@ class FrozenTransitionCell(InferenceForm):
         with torch.no_grad():
             self.params = cell.kernel_params(0)
 
-    def forward(self, x: Tensor, h: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
-        if h is None:
-            h = x.new_zeros(x.shape[0], self.source.hidden_size)
+    def forward(self, x: Tensor, h0: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
+        h = x.new_zeros(x.shape[0], self.source.hidden_size) if h0 is None else h0
         return torch.ops.dtmt.transition_forward(x.unsqueeze(0), h, None, drop, self.kind, *self.params, False,
                                                  self.eps)[1]
 

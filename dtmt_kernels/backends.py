@@ -161,14 +161,25 @@ def _cuda_unavailable() -> Optional[str]:
     return None
 
 
-def _register_builtin() -> None:
+def _reference_sequence(x, h0, weights, mask, drop, reverse, eps):
+    """reference.transition_sequence as a backend: under torch.autocast its out in the autocast dtype, as the fused
+    ops' autocast rule returns it (ops/_autocast.py: low_precision_rule; h_n stays float32 in both), so that
+    switching a layer's backend does not change its output's dtype."""
     from . import reference
+    from .ops._autocast import autocast_dtype
+
+    out, h_n = reference.transition_sequence(x, h0, weights, mask, drop, reverse, eps)
+    low = autocast_dtype(x)
+    return (out if low is None else out.to(low)), h_n
+
+
+def _register_builtin() -> None:
     from .ops.transition import fused_sequence
 
     register_backend(Backend(
         name="reference", device_types=("cpu", "cuda"),
         dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-        run=reference.transition_sequence, unavailable=lambda: None))
+        run=_reference_sequence, unavailable=lambda: None))
     fused = fused_sequence(torch.ops.dtmt.transition_forward) if _cpp_unavailable() is None else None
     register_backend(Backend(
         name="cpp", device_types=("cpu",),

@@ -135,11 +135,13 @@ def _grads(module, loss):
     return dict(zip(names, torch.autograd.grad(loss, [p for _, p in module.named_parameters() if p.requires_grad])))
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
 @pytest.mark.parametrize("kind", ["dt-lgru-bidirectional", "atr-reversed", "dt-cell"])
-def test_layers_compute_in_bfloat16_under_autocast(kind):
+def test_layers_compute_in_bfloat16_under_autocast(kind, backend):
     """A layer under torch.autocast("cpu", torch.bfloat16), float32 parameters and input: the output in bfloat16,
     the final state in float32, float32 parameter gradients; all within bfloat16 precision of the float32 layer.
-    The result differs from float32 (the GEMMs did run in bfloat16)."""
+    The result differs from float32 (the GEMMs did run in bfloat16). The same dtypes on either backend (SPEC §3:
+    switching `.backend` gives the same outputs; the reference's out was float32 under autocast)."""
     torch.manual_seed(2)
     if kind == "dt-cell":
         layer = dk.nn.DeepTransitionGRUCell(6, 16, depth=1, cell="lgru", layer_norm=True)
@@ -150,6 +152,7 @@ def test_layers_compute_in_bfloat16_under_autocast(kind):
     else:
         layer = dk.nn.DeepTransitionGRU(6, 16, depth=2, cell="lgru", layer_norm=True, bidirectional=True)
         args = (torch.randn(7, 5, 6), None, [7, 2, 5, 7, 1])
+    layer.backend = backend
 
     def run():
         r = layer(*args)

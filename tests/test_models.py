@@ -77,6 +77,72 @@ def test_registry():
         dm.build_model("dtmt", 1, 10)
 
 
+@pytest.mark.parametrize("name, options, message", [
+    ("dtmt", dict(hiden_size=8), "unknown option 'hiden_size' for dtmt; its options are: "),
+    ("dtmt", dict(embed_dim="8"), "option embed_dim='8' for dtmt: expected int"),
+    ("dtmt", dict(heads=0), "option heads=0 for dtmt: expected an int >= 1"),
+    ("mce", dict(hidden_size=-3), "option hidden_size=-3 for mce: expected an int >= 1"),
+    ("transformer", dict(hidden_size=0), "option hidden_size=0 for transformer: expected an int >= 1"),
+    ("dtmt", dict(pad_id=-1), "option pad_id=-1 for dtmt: expected an int >= 0"),
+    ("dtmt", dict(pad_id=V_TGT), rf"option pad_id={V_TGT} for dtmt: expected an id of both vocabularies, in \[0, "
+                                 rf"{V_TGT}\)"),
+    ("dtmt", dict(hidden_size=10, heads=4), r"dtmt cannot be built with \{'hidden_size': 10, 'heads': 4\}: .*"
+                                            "divisible by heads=4"),
+])
+def test_bad_options_are_value_errors(name, options, message):
+    """build_model refuses what cannot build the system in one ValueError naming the option (before, a misspelt
+    option was a TypeError, heads=0 a ZeroDivisionError, pad_id=-1 silently padded with the last token)."""
+    with pytest.raises(ValueError, match=message) as info:
+        dm.build_model(name, V_SRC, V_TGT, **options)
+    assert "\n" not in str(info.value)
+    from dtmt_models.models.registry import check_model_options
+
+    if options.get("pad_id") != V_TGT:   # (check_model_options knows no vocabulary: the next test)
+        with pytest.raises(ValueError, match=message):
+            check_model_options(name, options)
+
+
+def test_check_model_options_takes_a_pad_id_of_a_vocabulary_not_yet_built():
+    """dtmt train checks options before the vocabularies exist: a pad_id past a toy size is not refused there."""
+    from dtmt_models.models.registry import check_model_options
+
+    check_model_options("dtmt", dict(pad_id=100, hidden_size=8, embed_dim=8))
+
+
+@pytest.mark.parametrize("name,options", CONFIGS[::4], ids=IDS[::4])
+def test_bad_batches_and_step_tokens_are_value_errors(name, options):
+    """check_batch and step: wrong types, dtypes and shapes name the argument (before: a TypeError for an empty
+    target prefix, a RuntimeError for step tokens of another batch size, a misleading shape for a list)."""
+    model = build(name, **options).eval()
+    src, src_lengths, prev, _ = toy_batch()
+    with pytest.raises(ValueError, match=r"src_lengths must be a LongTensor \[B=3\], got list"):
+        model(src, src_lengths.tolist(), prev)
+    with pytest.raises(ValueError, match="src_lengths must hold integers, got dtype torch.float32"):
+        model(src, src_lengths.float(), prev)
+    with pytest.raises(ValueError, match=r"prev_tokens must be a LongTensor \[B=3, T\] with T >= 1"):
+        model(src, src_lengths, prev[:, :0])
+    with torch.no_grad():
+        for decoder in (model, model.inference_decoder()):
+            state = decoder.encode(src, src_lengths)
+            for bad in (prev[:2, 0], prev[:, :1], prev[:, 0].tolist(), prev[:, 0].float()):
+                with pytest.raises(ValueError, match=r"\.step: prev_tokens must be a LongTensor \[B=3\]"):
+                    decoder.step(state, bad)
+            assert decoder.step(state, prev[:, 0])[0].shape == (3, V_TGT)
+
+
+def test_fused_inference_decoder_runs_with_autograd_on():
+    """The fused decoder is inference only: called without no_grad it decodes as under it (its ops write into
+    buffers, which autograd refused with a RuntimeError)."""
+    model = build("dtmt").eval()
+    decoder = model.inference_decoder()
+    src, src_lengths, prev, _ = toy_batch()
+    state = decoder.encode(src, src_lengths)
+    log_probs, _ = decoder.step(state, prev[:, 0])
+    with torch.no_grad():
+        expected, _ = decoder.step(decoder.encode(src, src_lengths), prev[:, 0])
+    assert not log_probs.requires_grad and torch.equal(log_probs, expected)
+
+
 @pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
 def test_forward_backward_finite_and_summary(name, options, capsys):
     model = build(name, **options)

@@ -262,8 +262,10 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
 @pytest.mark.parametrize("bad, message", [
     (["--opt", "frobnicate=3"], "unknown option 'frobnicate' for dtmt"),
     (["--opt", "hidden_size=abc"], "option hidden_size='abc' for dtmt: expected int"),
-    (["--opt", "cell=foo"], "cell must be one of"),
-    (["--opt", "hidden_size=-5"], "hidden_size must be an int >= 1"),
+    (["--opt", "cell=foo"], "'cell': 'foo', 'heads': 4, 'dropout': 0.2, 'candidate_dropout': 0.1}: DeepTransitionGRU: "
+                            "cell must be 'gru', 'lgru' or 'lau', got 'foo'"),
+    (["--opt", "hidden_size=-5"], "option hidden_size=-5 for dtmt: expected an int >= 1"),
+    (["--opt", "pad_id=-1"], "option pad_id=-1 for dtmt: expected an int >= 0"),
     (["--valid-every", "0"], "--valid-every 0: must be an integer >= 1"),
     (["--log-every", "0"], "--log-every 0: must be an integer >= 1"),
     (["--threads", "-3"], "--threads -3: must be an integer >= 0"),

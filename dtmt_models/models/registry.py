@@ -26,35 +26,34 @@ def list_models() -> List[str]:
     return sorted(_MODELS)
 
 
+# options that size a part of a system: a positive int (depths may be 0: the plain cell; each system checks them)
+SIZE_OPTIONS = ("embed_dim", "hidden_size", "heads", "attention_dim", "encoder_layers", "decoder_layers", "enc_depth",
+                "dec_depth", "max_len")
+
+
 def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) -> nn.Module:
-    """Builds the system `name` (see list_models()); options are the keyword arguments of its class."""
+    """Builds the system `name` (see list_models()); options are the keyword arguments of its class. Bad input is
+    a ValueError in one line: an unknown name or option, a value of the wrong type for the option's default, a size
+    below 1, a pad_id outside both vocabularies, or a value the system refuses."""
     _import_systems()
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(_MODELS)}")
     for arg, v in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size)):
-        if not isinstance(v, int) or v < 2:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 2:
             raise ValueError(f"{arg} must be an int >= 2, got {v!r}")
-    return _MODELS[name](src_vocab_size, tgt_vocab_size, **options)
+    _check_option_values(name, options, min(src_vocab_size, tgt_vocab_size))
+    try:
+        return _MODELS[name](src_vocab_size, tgt_vocab_size, **options)
+    except (ValueError, TypeError, RuntimeError, AssertionError, ZeroDivisionError) as exc:
+        raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from exc
 
 
-def _import_systems() -> None:
-    # the systems register themselves on import
-    from . import systems  # noqa: F401
-
-
-def check_model_options(name: str, options: dict) -> None:
-    """Raises ValueError, in one line, if `options` cannot build the system `name`: an unknown option, a value
-    of the wrong type for the option's default, or a value the system refuses (the system is built on the meta
-    device, so nothing is allocated). Call it before any expensive work."""
+def _option_params(name: str) -> dict:
+    """The keyword parameters of system `name`'s constructor (a subclass passing **kwargs on takes its base's)."""
     import inspect
 
-    import torch
-
-    _import_systems()
-    if name not in _MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(_MODELS)}")
     params = {}
-    for cls in _MODELS[name].__mro__:   # a subclass passing **kwargs on takes its base's options too
+    for cls in _MODELS[name].__mro__:
         if "__init__" not in vars(cls):
             continue
         sig = inspect.signature(cls.__init__).parameters
@@ -64,6 +63,15 @@ def check_model_options(name: str, options: dict) -> None:
                 params.setdefault(k, p)
         if not any(p.kind == p.VAR_KEYWORD for p in sig.values()):
             break
+    return params
+
+
+def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
+    """Unknown options, values of the wrong type for the option's default, sizes below 1, a pad_id that is not
+    an id of both vocabularies (the smaller has `vocab_size` ids): ValueError in one line."""
+    import inspect
+
+    params = _option_params(name)
     for key, value in options.items():
         if key not in params:
             raise ValueError(f"unknown option {key!r} for {name}; its options are: {', '.join(sorted(params))}")
@@ -74,8 +82,28 @@ def check_model_options(name: str, options: dict) -> None:
         if not ok:
             raise ValueError(f"option {key}={value!r} for {name}: expected {expected.__name__} "
                              f"(default {default!r})")
-    try:
-        with torch.device("meta"):
-            build_model(name, 8, 8, **options)
-    except (ValueError, TypeError, RuntimeError, AssertionError) as exc:
-        raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from None
+        if key in SIZE_OPTIONS and value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                                          or value < 1):
+            raise ValueError(f"option {key}={value!r} for {name}: expected an int >= 1")
+    pad = options.get("pad_id", 0)
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+        raise ValueError(f"option pad_id={pad!r} for {name}: expected an int >= 0 (an id of both vocabularies)")
+    if pad >= vocab_size:
+        raise ValueError(f"option pad_id={pad!r} for {name}: expected an id of both vocabularies, in [0, {vocab_size})")
+
+
+def _import_systems() -> None:
+    # the systems register themselves on import
+    from . import systems  # noqa: F401
+
+
+def check_model_options(name: str, options: dict) -> None:
+    """Raises ValueError, in one line, if `options` cannot build the system `name`: build_model's checks, the
+    system built on the meta device (nothing allocated) with vocabularies large enough for the options' pad_id.
+    Call it before any expensive work (the vocabularies need not exist yet)."""
+    import torch
+
+    pad = options.get("pad_id", 0)
+    vocab = max(8, pad + 1) if isinstance(pad, int) and not isinstance(pad, bool) else 8
+    with torch.device("meta"):
+        build_model(name, vocab, vocab, **options)

@@ -30,6 +30,7 @@ from dtmt_models.models.seq2seq import (
     FrozenReadout,
     Seq2Seq,
     State,
+    check_step_tokens,
     inference_copy,
     int8_unavailable,
     lengths_mask,
@@ -231,6 +232,7 @@ class FusedRNMTDecoder:
                                 step_tables=self.step_tables, encoder_panels=self.encoder_panels,
                                 source_tables=self.source_tables, fused_start=self.fused_start)
 
+    @torch.no_grad()   # inference only (the ops write into buffers: no autograd)
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         """The model's encode: with source tables, the annotations from them (FrozenTransitionLayer.encode_tokens);
         with start_weights, the first state from rnmt_start."""
@@ -271,7 +273,9 @@ class FusedRNMTDecoder:
         once per sentence are kept as they are."""
         return {k: v if k in self.PER_SENTENCE else v.index_select(0, index) for k, v in state.items()}
 
+    @torch.no_grad()   # inference only (the ops write into buffers: no autograd)
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        check_step_tokens(type(self.model).__name__, prev_tokens, state["s"].shape[0])
         y = self.model.embed_step(state, prev_tokens)
         s = state["s"][:, 0] if self.layered else state["s"]
         keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
@@ -283,6 +287,7 @@ class FusedRNMTDecoder:
             updates["pos"] = state["pos"] + 1
         return log_probs, step_state(state, alpha, True, **updates)
 
+    @torch.no_grad()   # inference only (the ops write into buffers: no autograd)
     def _search(self, state: State, beam: int, alpha: float, max_len: Tensor, early_stop: bool = False,
                 nbest: Optional[int] = None) -> List[List[Tuple[List[int], float, float]]]:
         """beam_search's loop (dtmt_models.decoding.beam_search, its reference) in one C++ call,

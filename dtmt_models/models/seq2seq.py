@@ -129,6 +129,14 @@ class FrozenReadout(dk.nn.InferenceForm):
         return self.source(features)
 
 
+def check_step_tokens(name: str, prev_tokens: Tensor, B: int) -> None:
+    """`step`'s tokens: a LongTensor [B], one previous token for each of the state's B rows (ValueError)."""
+    if not isinstance(prev_tokens, Tensor) or prev_tokens.dtype != torch.long or tuple(prev_tokens.shape) != (B,):
+        raise ValueError(f"{name}.step: prev_tokens must be a LongTensor [B={B}] (one token for each of the state's "
+                         f"rows), got {getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "
+                         f"{list(getattr(prev_tokens, 'shape', []))}")
+
+
 def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:
     """The state after a decoder step: `state` with `updates`, plus the step's attention weights as "attn" where
     kept (for multi-head attention [B, heads, S], the head average)."""
@@ -189,6 +197,7 @@ class Seq2Seq(nn.Module):
         return self.features(y, *parts), state
 
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
+        check_step_tokens(type(self).__name__, prev_tokens, next(iter(state.values())).shape[0])
         features, state = self.decoder_step(state, prev_tokens)
         return self.readout(features), state
 
@@ -267,16 +276,23 @@ class Seq2Seq(nn.Module):
             raise ValueError(f"{name}: src must be a LongTensor [B, S], got "
                              f"{getattr(src, 'dtype', type(src).__name__)} {list(getattr(src, 'shape', []))}")
         B, S = src.shape
-        if not isinstance(src_lengths, Tensor) or tuple(src_lengths.shape) != (B,):
-            raise ValueError(f"{name}: src_lengths must be a tensor [B={B}], got {list(getattr(src_lengths, 'shape', []))}")
+        if not isinstance(src_lengths, Tensor):
+            raise ValueError(f"{name}: src_lengths must be a LongTensor [B={B}], got {type(src_lengths).__name__}")
+        if src_lengths.is_floating_point() or src_lengths.is_complex() or src_lengths.dtype == torch.bool:
+            raise ValueError(f"{name}: src_lengths must hold integers, got dtype {src_lengths.dtype}")
+        if tuple(src_lengths.shape) != (B,):
+            raise ValueError(f"{name}: src_lengths must be a tensor [B={B}], got {list(src_lengths.shape)}")
         if torch.compiler.is_compiling():   # a data-dependent `if` would end the graph: the check is an op in it
             torch._assert_async(((src_lengths >= 1) & (src_lengths <= S)).all(), f"{name}: src_lengths must be in "
                                 f"[1, S={S}]")
         elif not all(1 <= n <= S for n in src_lengths.tolist()):
             raise ValueError(f"{name}: src_lengths must be in [1, S={S}]")
-        if prev_tokens is not None and (prev_tokens.dim() != 2 or prev_tokens.shape[0] != B
+        if prev_tokens is not None and (not isinstance(prev_tokens, Tensor) or prev_tokens.dim() != 2
+                                        or prev_tokens.shape[0] != B or prev_tokens.shape[1] == 0
                                         or prev_tokens.dtype != torch.long):
-            raise ValueError(f"{name}: prev_tokens must be a LongTensor [B={B}, T], got {list(prev_tokens.shape)}")
+            raise ValueError(f"{name}: prev_tokens must be a LongTensor [B={B}, T] with T >= 1, got "
+                             f"{getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "
+                             f"{list(getattr(prev_tokens, 'shape', []))}")
 
 
 def _inference_form(module: nn.Module) -> nn.Module:

@@ -7,3 +7,10 @@ def one_line(exc: BaseException) -> str:
     """An exception's message on one line (its lines joined with " | "; the type's name if it has none)."""
     text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
     return text or type(exc).__name__
+
+
+class UsageError(ValueError):
+    """A command-line option, its value or a file it names that cannot work, found before any work is done: a
+    command prints it as one line and exits with status 2 (SPEC §6), as argparse does for its own errors. Problems
+    found in the data itself while working (a line that is not UTF-8, files of different lengths) are not this:
+    those exit with status 1."""

@@ -337,7 +337,8 @@ def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_p
     monkeypatch.setattr(bench, "ROOT", str(tmp_path / "site-packages"))
     monkeypatch.chdir(tmp_path)
     assert bench.available() == []
-    assert bench.main([]) == 0 and "source checkout" in capsys.readouterr().out
+    assert bench.main(["--help"]) == 0 and "source checkout" in capsys.readouterr().out
+    assert bench.main([]) == 2 and "source checkout" in capsys.readouterr().err   # no NAME: a usage error
     assert bench.main(["cells"]) == 2 and "source checkout" in capsys.readouterr().err
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
     assert "cells" in bench.available()

@@ -321,7 +321,7 @@ def test_prepare_files_rejects_bad_input(tmp_path, capsys, src, tgt, message):
     err = capsys.readouterr().err
     assert "dtmt prepare files: error:" in err and "Traceback" not in err
     assert re.search(message, err), err
-    assert not (tmp_path / "out" / "corpus.json").exists()
+    assert not (tmp_path / "out").exists()   # the folder made for the corpus goes with it
 
 
 def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
@@ -330,12 +330,23 @@ def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
     base = ["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "out")]
     assert prepare.main(base + ["--dev-src", dsrc, "--dev-tgt", dtgt]) == 1
     assert "dev.en:2: invalid UTF-8" in capsys.readouterr().err
-    assert prepare.main(base + ["--dev-src", dsrc]) == 1
-    assert "--dev-src and --dev-tgt go together" in capsys.readouterr().err
     assert prepare.main(base + ["--holdout", "5"]) == 1  # 2 x 5 leaves no training pair
     assert "--holdout 5 asks for 10 held-out pairs" in capsys.readouterr().err
-    assert prepare.main(base + ["--src-lang", "en"]) == 1
-    assert "must differ" in capsys.readouterr().err
+    # options that cannot work (SPEC §6): exit 2, one line, nothing read or written
+    for bad, message in ((["--dev-src", dsrc], "--dev-src and --dev-tgt go together"),
+                         (["--src-lang", "en"], "must differ"), (["--src-lang", "e s"], "not a language code"),
+                         (["--holdout", "-1"], "--holdout must be >= 0"),
+                         (["--dev-src", dsrc, "--dev-tgt", dtgt, "--test-src", dsrc, "--test-tgt", dtgt, "--holdout",
+                           "1"], "nothing to hold out"),
+                         (["--dev-src", dsrc, "--dev-tgt", str(tmp_path)], "--dev-tgt " + str(tmp_path) +
+                          ": is a directory"),
+                         (["--dev-src", dsrc, "--dev-tgt", str(tmp_path / "none")], "no such file")):
+        assert prepare.main(base + bad) == 2, bad
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "out").exists()
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", src]) == 2
+    assert f"--out {src}: exists and is not a directory" in capsys.readouterr().err
     assert prepare.main(base + ["--holdout", "x"]) == 2  # argparse usage error
     assert prepare.main([]) == 2
     capsys.readouterr()

@@ -140,9 +140,9 @@ def test_cli_translate_ensemble(checkpoints, tmp_path, capsys):
     expected = translate(Ensemble([models["a"], models["b"]]), sv, tv, INPUTS, beam=3)
     assert outputs["ab"] == [h[0][0] for h in expected]
     capsys.readouterr()
-    # a member on another vocabulary: one line, exit 1, nothing written
+    # a member on another vocabulary: one line, exit 2 (the options cannot work together), nothing written
     out = tmp_path / "foreign.en"
-    assert cli.main(["translate", "--quiet", "-c", paths["a"], "-c", paths["foreign"], str(src), "-o", str(out)]) == 1
+    assert cli.main(["translate", "--quiet", "-c", paths["a"], "-c", paths["foreign"], str(src), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dtmt translate: ensemble: ") and "foreign.pt: its target vocabulary differs" in err
     assert err.count("\n") == 1 and not out.exists()

@@ -363,12 +363,12 @@ def test_cli_int8(tmp_path, capsys):
     assert run("-c", paths["dtmt"], "-c", paths["atr"]) == expected(Ensemble([models["dtmt"], models["atr"]]))
     capsys.readouterr()
     out = tmp_path / "refused.en"
-    assert cli.main(["translate", "--quiet", "--int8", "-c", paths["transformer"], str(src), "-o", str(out)]) == 1
+    assert cli.main(["translate", "--quiet", "--int8", "-c", paths["transformer"], str(src), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dtmt translate: --int8: int8 decoding runs the fused decoder step of dtmt")
     assert "TransformerNMT" in err and err.count("\n") == 1 and not out.exists()
     # dtmt serve builds its decoder before it listens: refused the same way, no server started
-    assert cli.main(["serve", "--int8", "-c", paths["transformer"], "--port", "0"]) == 1
+    assert cli.main(["serve", "--int8", "-c", paths["transformer"], "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dtmt serve: --int8: int8 decoding runs the fused decoder step") and err.count("\n") == 1
     data = tmp_path / "corpus"

@@ -110,6 +110,23 @@ def server(system):
     proc.close()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "--port must be in 0..65535, got 70000"),
+    (["--max-sentences", "0"], "--max-sentences must be >= 1, got 0"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a finite number >= 0, got -1.0"),
+    (["--max-wait-ms", "nan"], "--max-wait-ms must be a finite number >= 0, got nan"),
+    (["--beam", "0"], "--beam must be >= 1, got 0"),
+])
+def test_bad_options_exit_2_before_listening(system, capsys, flags, message):
+    """SPEC §6: an option that cannot work is one line and exit status 2, and no server starts."""
+    pytest.importorskip("aiohttp")
+    from dtmt_models import cli
+
+    assert cli.main(["serve", "-c", system[3], *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dtmt serve: {message}\n", err
+
+
 def test_translations_health_and_info(system, server):
     model, sv, tv, path = system
     sentences = SRC[:5] + ["", "el perro y el gato"]

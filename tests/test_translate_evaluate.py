@@ -282,37 +282,57 @@ def test_cli_translate_stdin_and_nbest(system, reference, tmp_path, monkeypatch,
     assert "translated 8 sentences" in captured.err                     # summary unless --quiet
 
 
+def test_dtmt_without_a_command_is_a_usage_error(capsys):
+    """`dtmt` alone prints the commands on stderr and exits 2 (argparse's status for a missing argument); asked for
+    with --help, on stdout with 0."""
+    assert cli.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "usage: dtmt <command>" in captured.err and "translate" in captured.err
+    assert cli.main(["--help"]) == 0 and "usage: dtmt <command>" in capsys.readouterr().out
+
+
 def test_cli_translate_errors(system, tmp_path, capsys):
     _, _, _, ckpt = system
     good = write(tmp_path / "good.es", "el sol\n")
     bad = tmp_path / "bad.es"
     bad.write_bytes(b"el sol\nla \xff luna\n")
     foreign = write(tmp_path / "foreign.pt", "not a checkpoint\n")
-    cases = [
-        (["--checkpoint", str(tmp_path / "missing.pt"), good], "does not exist"),
-        (["--checkpoint", foreign, good], "foreign.pt"),
-        (["--checkpoint", ckpt, str(bad)], "bad.es:2: invalid UTF-8"),
-        (["--checkpoint", ckpt, str(tmp_path / "nope.es")], "nope.es"),
-        (["--checkpoint", ckpt, "--beam", "2", "--nbest", "3", good], "--nbest"),
-        (["--checkpoint", ckpt, "--max-tokens", "0", good], "--max-tokens"),
-        (["--checkpoint", ckpt, "--max-len-a", "nan", good], "--max-len-a must be a finite number"),
-        (["--checkpoint", ckpt, "--max-len-a", "inf", good], "--max-len-a must be a finite number"),
-        (["--checkpoint", ckpt, "--alpha", "nan", good], "--alpha must be a finite number"),
-        (["--checkpoint", ckpt, "--threads", "-1", good], "--threads must be >= 0, got -1"),
-        (["--checkpoint", ckpt, good, good, "--output-dir", str(tmp_path / "o")], "good.es.out"),
+    before = good_text = open(good).read()
+    cases = [   # (arguments, exit status: 2 an option that cannot work (SPEC §6), 1 what the data refused; message)
+        (["--checkpoint", str(tmp_path / "missing.pt"), good], 2, "--checkpoint " + str(tmp_path / "missing.pt") +
+         ": no such file"),
+        (["--checkpoint", str(tmp_path), good], 2, "is a directory, not a checkpoint file"),
+        (["--checkpoint", foreign, good], 2, "foreign.pt: not a dtmt checkpoint (not a file torch.save wrote"),
+        (["--checkpoint", ckpt, str(bad)], 1, "bad.es:2: invalid UTF-8"),
+        (["--checkpoint", ckpt, str(tmp_path / "nope.es")], 2, "nope.es: no such input file"),
+        (["--checkpoint", ckpt, str(tmp_path)], 2, "is a directory, not an input file"),
+        (["--checkpoint", ckpt, "--beam", "2", "--nbest", "3", good], 2, "--nbest"),
+        (["--checkpoint", ckpt, "--max-tokens", "0", good], 2, "--max-tokens"),
+        (["--checkpoint", ckpt, "--max-len-a", "nan", good], 2, "--max-len-a must be a finite number"),
+        (["--checkpoint", ckpt, "--max-len-a", "inf", good], 2, "--max-len-a must be a finite number"),
+        (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "0", good], 2, "every translation would be empty"),
+        (["--checkpoint", ckpt, "--alpha", "nan", good], 2, "--alpha must be a finite number"),
+        (["--checkpoint", ckpt, "--threads", "-1", good], 2, "--threads must be >= 0, got -1"),
+        (["--checkpoint", ckpt, "--int8", "--backend", "reference", good], 2, "--int8 decodes with the C++ decoder"),
+        (["--checkpoint", ckpt, good, good, "--output-dir", str(tmp_path / "o")], 2, "good.es.out"),
+        (["--checkpoint", ckpt, good, "--output-dir", good], 2, "--output-dir " + good + ": exists and is not a dir"),
+        (["--checkpoint", ckpt, good, "-o", str(tmp_path)], 2, "is a directory; give a file name"),
+        (["--checkpoint", ckpt, good, "-o", good], 2, "is also an input (" + good + "); the translation would "
+                                                      "overwrite it"),
+        (["--checkpoint", ckpt, good, "-o", os.path.join(good, "x.txt")], 2, good + " is a file, not a directory"),
     ]
-    for args, message in cases:
-        assert cli.main(["translate", "--quiet"] + args) == 1, args
+    for args, status, message in cases:
+        assert cli.main(["translate", "--quiet"] + args) == status, args
         err = capsys.readouterr().err
         assert err.startswith("dtmt translate: ") and message in err, (args, err)
-        assert err.count("\n") == 1 and "Traceback" not in err
-    assert not (tmp_path / "o").exists()
+        assert err.count("\n") == 1 and "Traceback" not in err and "translated" not in err
+    assert not (tmp_path / "o").exists() and open(good).read() == before == good_text
     with pytest.raises(SystemExit) as exc:                              # argparse: usage error, status 2
         cli.main(["translate", good])
     assert exc.value.code == 2
     capsys.readouterr()
     for command in (["translate", good], ["evaluate", "--src", good, "--ref", good]):   # -c twice: an ensemble
-        assert cli.main(command + ["--quiet", "-c", ckpt, "-c", foreign]) == 1         # of both, not "the last"
+        assert cli.main(command + ["--quiet", "-c", ckpt, "-c", foreign]) == 2         # of both, not "the last"
         err = capsys.readouterr().err
         assert err.startswith(f"dtmt {command[0]}: ") and "foreign.pt" in err and err.count("\n") == 1, err
 
@@ -478,21 +498,25 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
     _, _, _, ckpt = system
     data, src, ref = corpus
     short = write(tmp_path / "short.out", "one line\n")
-    cases = [
-        (["--data", data], "--checkpoint"),
-        (["--checkpoint", ckpt], "--data"),
-        (["--hyp", short, "--data", data], "short.out has 1 lines"),
-        (["--checkpoint", ckpt, "--data", data, "--split", "dev"], "dev"),
-        (["--checkpoint", ckpt, "--data", str(tmp_path)], "corpus.json"),
-        (["--checkpoint", str(tmp_path / "none.pt"), "--data", data], "does not exist"),
-        (["--hyp", short, "--src", short, "--ref", str(tmp_path / "nope.en")], "nope.en"),
-        (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], "--threads must be >= 0, got -2"),
+    cases = [   # (arguments, exit status: 2 an option that cannot work, 1 what the data refused; message)
+        (["--data", data], 2, "--checkpoint"),
+        (["--checkpoint", ckpt], 2, "--data"),
+        (["--hyp", short, "--data", data], 1, "short.out has 1 lines"),
+        (["--checkpoint", ckpt, "--data", data, "--split", "dev"], 2, "--split dev: "),
+        (["--checkpoint", ckpt, "--data", str(tmp_path)], 2, "corpus.json"),
+        (["--checkpoint", str(tmp_path / "none.pt"), "--data", data], 2, "none.pt: no such file"),
+        (["--hyp", short, "--src", short, "--ref", str(tmp_path / "nope.en")], 2, "--ref " + str(tmp_path) +
+         "/nope.en: no such file"),
+        (["--hyp", str(tmp_path / "nope.out"), "--data", data], 2, "--hyp " + str(tmp_path / "nope.out")),
+        (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], 2, "--threads must be >= 0, got -2"),
+        (["--checkpoint", ckpt, "--data", data, "--bounds", "10,5"], 2, "--bounds: expected increasing"),
+        (["--checkpoint", ckpt, "--data", data, "--out-dir", short], 2, "--out-dir " + short + ": exists and is not"),
     ]
-    for args, message in cases:
-        assert cli.main(["evaluate", "--quiet"] + args) == 1, args
+    for args, status, message in cases:
+        assert cli.main(["evaluate", "--quiet"] + args) == status, args
         err = capsys.readouterr().err
         assert err.startswith("dtmt evaluate: ") and message in err, (args, err)
-        assert err.count("\n") == 1
+        assert err.count("\n") == 1 and "translated" not in err   # (nothing decoded before the refusal)
 
 
 def test_checkpoint_roundtrip_gives_same_translations(system):

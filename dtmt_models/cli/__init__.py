@@ -37,9 +37,12 @@ def usage() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if argv and argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
+    if not argv:   # no command: the usage, as an error (argparse's status for a missing argument)
+        print(usage(), file=sys.stderr)
+        return 2
     name = argv[0]
     if name not in COMMANDS:
         print(f"dtmt: unknown command {name!r}\n\n{usage()}", file=sys.stderr)

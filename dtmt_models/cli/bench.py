@@ -37,10 +37,10 @@ def available() -> List[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = available()
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help"):   # without a NAME: the same text, as an error (status 2)
         print("usage: dtmt bench NAME [options]   (dtmt bench NAME --help for its options)\n"
-              f"benchmarks: {', '.join(names) if names else NOT_FOUND}")
-        return 0
+              f"benchmarks: {', '.join(names) if names else NOT_FOUND}", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     name = argv[0]
     if name not in names:
         print(f"dtmt bench: no benchmark {name!r}; choose one of {names} "

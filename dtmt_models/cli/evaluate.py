@@ -20,6 +20,7 @@ from dtmt_models.cli.translate import (
     add_decoding_arguments,
     check_decoding_arguments,
     check_device_and_backend,
+    check_output_dir,
     decode_with_report,
     build_decoder,
     decoding_kwargs,
@@ -39,6 +40,7 @@ from dtmt_models.decoding.evaluate import (
     rows_to_csv,
 )
 from dtmt_models.decoding.translate import InputError
+from dtmt_models.errors import UsageError, one_line
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -69,9 +71,9 @@ def _parse_bounds(text: str) -> List[int]:
     try:
         bounds = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise InputError(f"--bounds: expected comma-separated integers, got {text!r}") from None
+        raise UsageError(f"--bounds: expected comma-separated integers, got {text!r}") from None
     if not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise InputError(f"--bounds: expected increasing positive integers, got {text!r}")
+        raise UsageError(f"--bounds: expected increasing positive integers, got {text!r}")
     return bounds
 
 
@@ -83,17 +85,25 @@ def _run(args: argparse.Namespace) -> int:
     check_decoding_arguments(args)
     bounds = _parse_bounds(args.bounds)
     if args.data and (args.src or args.ref):
-        raise InputError("give either --data (with --split) or --src and --ref, not both")
+        raise UsageError("give either --data (with --split) or --src and --ref, not both")
     if args.data:
-        src_path, ref_path = corpus_paths(args.data, args.split)
+        try:
+            src_path, ref_path = corpus_paths(args.data, args.split)
+        except CorpusError as exc:
+            raise UsageError(f"--data {args.data} --split {args.split}: {one_line(exc)}") from None
         label = args.split
     elif args.src and args.ref:
         src_path, ref_path = args.src, args.ref
+        for option, path in (("--src", src_path), ("--ref", ref_path)):
+            if not os.path.isfile(path):
+                raise UsageError(f"{option} {path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
         label = _stem(args.src)
     else:
-        raise InputError("say what to score: --data DIR [--split test], or --src F --ref G")
+        raise UsageError("say what to score: --data DIR [--split test], or --src F --ref G")
     if not args.hyp and not args.checkpoint:
-        raise InputError("--checkpoint is required (or give --hyp to score an existing translation)")
+        raise UsageError("--checkpoint is required (or give --hyp to score an existing translation)")
+    if args.hyp and not os.path.isfile(args.hyp):
+        raise UsageError(f"--hyp {args.hyp}: " + ("is a directory" if os.path.isdir(args.hyp) else "no such file"))
     pairs = read_parallel(src_path, ref_path)
     sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
     if not pairs:
@@ -105,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         stem = _stem(anchor)
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(anchor)), f"{stem}.{label}")
+    check_output_dir(out_dir, "--out-dir")   # before the decoding, not after it
     one = args.checkpoint is not None and len(args.checkpoint) == 1
     settings = {"data": args.data, "split": args.split if args.data else None, "src": src_path, "ref": ref_path,
                 "checkpoint": args.checkpoint[0] if one else args.checkpoint, "bounds": bounds}

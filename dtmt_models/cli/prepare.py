@@ -8,13 +8,13 @@ docstrings for what they write).
 from __future__ import annotations
 
 import argparse
-
 import sys
 from typing import List, Optional
 
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import prepare_files
+from dtmt_models.errors import UsageError
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 
 
@@ -119,8 +119,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             binarize_from_args(args, args.out, log)
         else:
             binarize_from_args(args, args.data, log)
-    except (data.CorpusError, bible.BibleError, OSError) as exc:
+    except UsageError as exc:   # an option that cannot work: nothing was read or written
         print(f"dtmt prepare {args.source}: error: {exc}", file=sys.stderr)
+        return 2
+    except (data.CorpusError, bible.BibleError) as exc:
+        print(f"dtmt prepare {args.source}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"dtmt prepare {args.source}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
     return 0
 

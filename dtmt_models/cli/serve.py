@@ -19,7 +19,7 @@ from typing import List, Optional
 from dtmt_models.cli.translate import add_decoding_arguments, build_decoder, check_decoding_arguments, \
     check_device_and_backend, load_for_decoding, run_command, use_threads
 from dtmt_models.decoding.translate import InputError
-from dtmt_models.errors import one_line
+from dtmt_models.errors import UsageError, one_line
 
 PROG = "dtmt serve"
 
@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
 
     check_decoding_arguments(args)
     if not 0 <= args.port <= 65535:
-        raise InputError(f"--port must be in 0..65535, got {args.port}")
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
     settings = ServeSettings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens,
                              max_src_len=args.max_src_len, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                              early_stop=args.early_stop,
@@ -73,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         settings.check()
     except ValueError as exc:
-        raise InputError(f"--{one_line(exc).replace('_', '-')}") from None
+        raise UsageError(f"--{one_line(exc).replace('_', '-')}") from None
     use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)

@@ -19,7 +19,7 @@ import torch
 
 from dtmt_models.atomic import WriteError, atomic_write
 from dtmt_models.decoding.translate import PROG, InputError, input_warnings, translate
-from dtmt_models.errors import one_line
+from dtmt_models.errors import UsageError, one_line
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -70,40 +70,44 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def check_device_and_backend(device: str, backend: str) -> torch.device:
-    """The torch device for `device`, after checking that it and `backend` can run here (InputError if not)."""
+    """The torch device for `device`, after checking that it and `backend` can run here (UsageError if not)."""
     import dtmt_kernels as dk
     from dtmt_kernels.backends import resolve_backend
 
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise InputError(f"--device: {device!r} is not a device (use cpu or cuda)") from None
+        raise UsageError(f"--device: {device!r} is not a device (use cpu or cuda)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
+        raise UsageError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
     if dev.type not in ("cpu", "cuda"):
-        raise InputError(f"--device: use cpu or cuda, got {device!r}")
+        raise UsageError(f"--device: use cpu or cuda, got {device!r}")
     try:
         resolve_backend(backend, dev)
     except ValueError as exc:
-        raise InputError(f"--backend {backend}: {one_line(exc)} (available: {dk.available_backends()})") from None
+        raise UsageError(f"--backend {backend}: {one_line(exc)} (available: {dk.available_backends()})") from None
     return dev
 
 
 def load_for_decoding(checkpoints: Sequence[str], device: torch.device, backend: str):
     """(model, source vocabulary, target vocabulary, the checkpoint dicts) for one checkpoint, or for several an
-    Ensemble of their models (decoding/ensemble.py; their vocabularies must be the same), with the errors a user
-    can cause turned into InputError."""
+    Ensemble of their models (decoding/ensemble.py; their vocabularies must be the same); a checkpoint that is
+    missing, a directory or not a dtmt checkpoint, and models that cannot form an ensemble, are UsageErrors."""
     from dtmt_models.decoding.ensemble import Ensemble, check_vocabularies
     from dtmt_models.models.checkpoint import load_model
 
     loaded = []
     for checkpoint in checkpoints:
+        if os.path.isdir(checkpoint):
+            raise UsageError(f"--checkpoint {checkpoint}: is a directory, not a checkpoint file")
         if not os.path.isfile(checkpoint):
-            raise InputError(f"checkpoint {checkpoint!r} does not exist")
+            raise UsageError(f"--checkpoint {checkpoint}: no such file")
         try:
             loaded.append(load_model(checkpoint, str(device), backend))
         except (ValueError, KeyError, RuntimeError, OSError, TypeError) as exc:
-            raise InputError(f"{checkpoint}: cannot load the checkpoint ({one_line(exc)})") from None
+            message = one_line(exc)   # read_checkpoint's messages start with the path already
+            raise UsageError(f"--checkpoint {message}" if message.startswith(f"{checkpoint}: ") else
+                             f"--checkpoint {checkpoint}: cannot load it ({message})") from None
     models, src_vocabs, tgt_vocabs, ckpts = (list(x) for x in zip(*loaded))
     if len(models) == 1:
         return models[0], src_vocabs[0], tgt_vocabs[0], ckpts
@@ -111,7 +115,7 @@ def load_for_decoding(checkpoints: Sequence[str], device: torch.device, backend:
         check_vocabularies(list(checkpoints), list(zip(src_vocabs, tgt_vocabs)))
         return Ensemble(models), src_vocabs[0], tgt_vocabs[0], ckpts
     except ValueError as exc:
-        raise InputError(f"ensemble: {one_line(exc)}") from None
+        raise UsageError(f"ensemble: {one_line(exc)}") from None
 
 
 def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sentences: Sequence[str], **kwargs
@@ -197,10 +201,14 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 errors: Tuple[type, ...] = (InputError,)) -> int:
-    """run(args) as a decoding command's main: an error a user can cause (`errors`) is one `prog: message` line on
-    stderr and exit status 1, Ctrl-C `prog: interrupted` and 130."""
+    """run(args) as a decoding command's main: an error a user can cause is one `prog: message` line on stderr and
+    exit status 2 for an option that cannot work (UsageError, SPEC §6), 1 for the others (`errors`: what the data
+    or the system refused while working); Ctrl-C `prog: interrupted` and 130."""
     try:
         return run(args)
+    except UsageError as exc:
+        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
+        return 2
     except errors as exc:
         print(f"{prog}: {one_line(exc)}", file=sys.stderr)
         return 1
@@ -210,13 +218,47 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
 
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
+    """The decoding options' values (UsageError)."""
     for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0), ("threads", 0)):
         if getattr(args, name) < low:
-            raise InputError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too
-        raise InputError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
+        raise UsageError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
+    if args.max_len_a == 0 and args.max_len_b == 0:
+        raise UsageError("--max-len-a 0 --max-len-b 0: every translation would be empty; allow at least one token")
     if not math.isfinite(args.alpha):
-        raise InputError(f"--alpha must be a finite number, got {args.alpha}")
+        raise UsageError(f"--alpha must be a finite number, got {args.alpha}")
+    if args.int8 and (args.backend not in ("auto", "cpp") or args.device != "cpu"):
+        raise UsageError(f"--int8 decodes with the C++ decoder step on the CPU (--backend auto or cpp, --device cpu), "
+                         f"got --backend {args.backend} --device {args.device}")
+
+
+def check_output_file(path: str, option: str, inputs: Sequence[str] = ()) -> None:
+    """An output file named by `option` that could not be written, or would overwrite an input, is a UsageError
+    before any decoding (missing folders on its way are made when it is written)."""
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory; give a file name")
+    _check_folder_on_the_way(os.path.dirname(os.path.abspath(path)), option, path)
+    for source in inputs:
+        if source != "-" and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
+            raise UsageError(f"{option} {path}: is also an input ({source}); the translation would overwrite it")
+
+
+def check_output_dir(path: str, option: str) -> None:
+    """An output folder named by `option` that is a file (or lies under one) is a UsageError before any work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{option} {path}: exists and is not a directory")
+    _check_folder_on_the_way(os.path.abspath(path), option, path)
+
+
+def _check_folder_on_the_way(folder: str, option: str, path: str) -> None:
+    while not os.path.exists(folder):   # the nearest existing folder on the way must be a folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return
+        folder = parent
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path}: {folder} is a file, not a directory")
 
 
 def use_threads(threads: int) -> None:
@@ -227,14 +269,14 @@ def use_threads(threads: int) -> None:
 
 def build_decoder(model, int8: bool = False):
     """`model`'s inference decoder, built once for the whole run (int8 weight matrices with --int8), the errors a
-    user can cause as InputError."""
+    user can cause as UsageError."""
     model.eval()
     try:
         if int8:
             return model.inference_decoder(int8=True)
         return model.inference_decoder() if hasattr(model, "inference_decoder") else model
     except ValueError as exc:
-        raise InputError(f"--int8: {one_line(exc)}") from None
+        raise UsageError(f"--int8: {one_line(exc)}") from None
 
 
 def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
@@ -343,17 +385,27 @@ def _run(args: argparse.Namespace) -> int:
     check_decoding_arguments(args)
     nbest = args.nbest
     if nbest is not None and not 1 <= nbest <= args.beam:
-        raise InputError(f"--nbest must be between 1 and --beam ({args.beam}), got {nbest}")
+        raise UsageError(f"--nbest must be between 1 and --beam ({args.beam}), got {nbest}")
     inputs = args.inputs or ["-"]
     if inputs.count("-") > 1:
-        raise InputError("stdin ('-') can be read only once")
+        raise UsageError("stdin ('-') can be read only once")
+    for path in inputs:
+        if path != "-" and os.path.isdir(path):
+            raise UsageError(f"{path}: is a directory, not an input file")
+        if path != "-" and not os.path.exists(path):
+            raise UsageError(f"{path}: no such input file")
     targets: List[Optional[str]] = [args.output] * len(inputs)
     if args.output_dir:
         names = ["stdin.out" if path == "-" else os.path.basename(path) + ".out" for path in inputs]
         clash = sorted({n for n in names if names.count(n) > 1})
         if clash:
-            raise InputError(f"--output-dir: several inputs would write {clash[0]}; translate them separately")
+            raise UsageError(f"--output-dir: several inputs would write {clash[0]}; translate them separately")
+        check_output_dir(args.output_dir, "--output-dir")
         targets = [os.path.join(args.output_dir, n) for n in names]
+        for target in targets:
+            check_output_file(target, "--output-dir", inputs)
+    elif args.output:
+        check_output_file(args.output, "--output", inputs)
     use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     if inputs == ["-"] and not args.output and not args.output_dir:   # stdin to stdout: line groups as they come

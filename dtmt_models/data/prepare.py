@@ -24,6 +24,7 @@ from typing import Dict, Sequence
 
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import corpus as data
+from dtmt_models.errors import UsageError
 
 SPLITS = ("train", "dev", "test")
 _LANG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -44,28 +45,53 @@ def holdout_indices(n: int, holdout: int, splits: Sequence[str], seed: int) -> D
 
 def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:
     """Validates and copies a user corpus (the `files` subcommand), streaming: memory does not grow with the
-    files. Raises data.CorpusError on bad input; then no output file has changed."""
-    for lang in (args.src_lang, args.tgt_lang):
+    files. Raises UsageError for options that cannot work (checked first: nothing is read or written) and
+    data.CorpusError for bad input; then no output file has changed and an --out folder made here is removed."""
+    for option in ("src_lang", "tgt_lang"):
+        lang = getattr(args, option)
         if not _LANG_RE.fullmatch(lang) or lang in ("ref", "json", "tmp"):
-            raise data.CorpusError(f"bad language code {lang!r}: use letters, digits, '-' or '_' (e.g. es, en)")
+            raise UsageError(f"--{option.replace('_', '-')} {lang!r}: not a language code; use letters, digits, '-' "
+                             f"or '_' (e.g. es, en)")
     if args.src_lang == args.tgt_lang:
-        raise data.CorpusError(f"--src-lang and --tgt-lang are both {args.src_lang!r}; they name the files, so they "
-                               f"must differ")
+        raise UsageError(f"--src-lang and --tgt-lang are both {args.src_lang!r}; they name the files, so they "
+                         f"must differ")
     files = {"train": (args.src, args.tgt)}
     for split in ("dev", "test"):
         src, tgt = getattr(args, f"{split}_src"), getattr(args, f"{split}_tgt")
         if (src is None) != (tgt is None):
-            raise data.CorpusError(f"--{split}-src and --{split}-tgt go together (only one was given)")
+            raise UsageError(f"--{split}-src and --{split}-tgt go together (only one was given)")
         if src is not None:
             files[split] = (src, tgt)
+    for split, pair in files.items():
+        for side, path in zip(("src", "tgt"), pair):
+            option = f"--{side}" if split == "train" else f"--{split}-{side}"
+            if os.path.isdir(path):
+                raise UsageError(f"{option} {path}: is a directory, not a file")
+            if not os.path.isfile(path):
+                raise UsageError(f"{option} {path}: no such file")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
     held = [split for split in ("dev", "test") if split not in files]
+    if args.holdout < 0:
+        raise UsageError(f"--holdout must be >= 0, not {args.holdout}")
     if args.holdout and not held:
-        raise data.CorpusError("--holdout: dev and test files are both given, there is nothing to hold out")
+        raise UsageError("--holdout: dev and test files are both given, there is nothing to hold out")
+    made = not os.path.exists(args.out)
+    try:
+        return _write_files(args, files, held, log)
+    except BaseException:
+        if made:   # nothing of this corpus may stay: the folder made for it goes too, if nothing else is in it
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)
+        raise
+
+
+def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequence[str], log) -> Dict[str, int]:
     where: Dict[int, str] = {}
     if args.holdout:
         n = data.scan_file(args.src)
         where = holdout_indices(n, args.holdout, held, args.seed)
-    outputs = list(files) + (held if args.holdout else [])
+    outputs = list(files) + (list(held) if args.holdout else [])
 
     os.makedirs(args.out, exist_ok=True)
     langs = (args.src_lang, args.tgt_lang)

@@ -10,7 +10,8 @@ in one `translate` call on one worker thread (the event loop stays free to take 
 answers each request with its own sentences' translations, in its order. Beam search treats every sentence
 independently, so a request's translations do not depend on what it was batched with.
 
-Errors are JSON `{"error": "..."}` with a status: 400 for a body that is not JSON or not of that shape
+The body is read as JSON whatever its Content-Type says (`curl -d` sends a form type). Errors are JSON
+`{"error": "..."}` with a status: 400 for a body that is not JSON or not of that shape
 (`sentences` must be a list of strings; no other fields), 413 for more than `max_sentences` sentences or a
 sentence longer than `max_chars` characters (or a body too large to read), 404 / 405 for other paths and
 methods, 500 if decoding itself fails (when a batch fails, each of its requests is decoded again on its own,
@@ -51,8 +52,9 @@ class ServeSettings:
                           ("max_chars", 1), ("batch_sentences", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        if not 0 <= self.max_wait_ms < float("inf"):
-            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {self.max_wait_ms}")
+        for name in ("max_wait_ms", "shutdown_timeout"):
+            if not 0 <= getattr(self, name) < float("inf"):   # NaN fails this too
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
 
 
 class RequestError(Exception):

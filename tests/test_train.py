@@ -3,6 +3,7 @@ import copy
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -275,6 +276,7 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     (["--lr", "0"], "--lr 0.0: must be a finite number > 0"),
     (["--smoothing", "1"], "--smoothing 1.0: must be in [0, 1)"),
     (["--allow-changed-data"], "--allow-changed-data applies to --resume only"),
+    (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
 ])
 def test_bad_options_are_refused_before_any_work(toy_nodev, tmp_path, capsys, bad, message):
     """Issue 20, item 3: one line naming the option, the value and what is allowed; exit 2; nothing written."""
@@ -352,15 +354,32 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
                                    rtol=0, atol=0, msg=name)
     model = load_model(out)[0]                               # an ordinary translation checkpoint
     assert sum(p.numel() for p in model.parameters()) > 0
-    same = str(tmp_path / "same.pt")                         # a checkpoint averaged with itself is itself
-    assert average([p24, p24, "-o", same]) == 0
+    same, copy = str(tmp_path / "same.pt"), str(tmp_path / "copy.pt")   # a checkpoint averaged with itself is itself
+    shutil.copyfile(p24, copy)
+    assert average([p24, copy, "-o", same]) == 0
     for name, value in read_checkpoint(same)["model"].items():
         assert torch.equal(value, b["model"][name]), name
+    capsys.readouterr()
+    # the same file twice (a slip for another step, most likely), a folder, a missing file: refused, nothing written
+    for bad, message in (([p24, p24], "is given twice"), ([uninterrupted], "is a directory"),
+                         ([str(tmp_path / "nope.pt")], "no such checkpoint")):
+        assert average([*bad, "-o", str(tmp_path / "bad.pt")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "average: average" not in err, err
+    assert average([p24, "-o", str(tmp_path)]) == 2           # the output is a folder: found before any reading
+    assert "is a directory; give a file name" in capsys.readouterr().err
+    assert average([p24, "-o", str(tmp_path / "one.pt")]) == 0
+    assert "one checkpoint: the output holds its weights as they are" in capsys.readouterr().err
+    foreign = dict(b, config={**b["config"], "out": "elsewhere"})   # another run's checkpoint: averaged, with a warning
+    foreign.pop("format")
+    save_checkpoint(str(tmp_path / "foreign.pt"), foreign)
+    assert average([p24, str(tmp_path / "foreign.pt"), "-o", str(tmp_path / "mixed.pt")]) == 0
+    assert "come from different training runs" in capsys.readouterr().err
     other = dict(a, model_options={**a["model_options"], "hidden_size": 64})
     other.pop("format")
     save_checkpoint(str(tmp_path / "other.pt"), other)
     capsys.readouterr()
-    assert average([p24, str(tmp_path / "other.pt"), "-o", str(tmp_path / "bad.pt")]) == 1
+    assert average([p24, str(tmp_path / "other.pt"), "-o", str(tmp_path / "bad.pt")]) == 2
     err = capsys.readouterr().err.strip()
     assert "not the same model" in err and "model_options" in err and "\n" not in err
     assert not os.path.exists(tmp_path / "bad.pt")
@@ -481,12 +500,13 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
     ("lr: [1, 2]\n", "lr takes one number or word"),
     ("resume: true\n", "unknown option 'resume'"),
     ("lr: {\n", "not valid YAML"),
+    (b"lr: 0.1\n# caf\xe9\n", "not UTF-8 text (byte 13)"),
 ])
 def test_bad_config_files_are_one_line_errors(toy_nodev, tmp_path, capsys, text, message):
     from dtmt_models.cli import train
 
     path = tmp_path / "run.yaml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     out = tmp_path / "run"
     assert train.main(["--config", str(path), "--data", toy_nodev, "--out", str(out), *TINY]) == 2
     err = capsys.readouterr().err

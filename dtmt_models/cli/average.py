@@ -9,10 +9,13 @@ training state, so it cannot be resumed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 from typing import List, Optional
 
-from dtmt_models.errors import one_line
+from dtmt_models.cli.translate import check_output_file
+from dtmt_models.errors import UsageError, one_line
 from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
 from dtmt_models.training.trainer import step_checkpoints
 
@@ -36,19 +39,47 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.last is not None and (not a.run or a.last < 1):
         p.error("--last N needs --run and N >= 1")
     try:
-        paths = a.checkpoints
-        if a.run:
-            kept = step_checkpoints(a.run)
-            if not kept:
-                raise ValueError(f"{a.run} holds no step_<updates>.pt checkpoints (train with --keep-last N)")
-            paths = [path for _, path in kept[-(a.last or len(kept)):]]
-        payload = average_checkpoints(paths)
+        paths = _checkpoints(a)
+        check_output_file(a.output, "--output", paths)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            payload = average_checkpoints(paths)
+        for w in caught:
+            print(f"{PROG}: warning: {w.message}", file=sys.stderr)
+        if len(paths) == 1:
+            print(f"{PROG}: warning: one checkpoint: the output holds its weights as they are", file=sys.stderr)
+    except (UsageError, ValueError, FileNotFoundError) as exc:   # the checkpoints named cannot be averaged
+        print(f"{PROG}: {_without_prefix(one_line(exc))}", file=sys.stderr)
+        return 2
+    try:
         save_checkpoint(a.output, payload)
     except (OSError, ValueError) as exc:
-        print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
+        print(f"{PROG}: {_without_prefix(one_line(exc))}", file=sys.stderr)
         return 1
     print(f"wrote {a.output}: the mean of {len(paths)} checkpoints ({', '.join(payload['averaged_from'])})")
     return 0
+
+
+def _checkpoints(a: argparse.Namespace) -> List[str]:
+    """The files to average: those given, or the last --last step checkpoints of --run (UsageError if none)."""
+    if not a.run:
+        for path in a.checkpoints:
+            if os.path.isdir(path):
+                raise UsageError(f"{path}: is a directory, not a checkpoint file (a run folder goes to --run)")
+            if not os.path.isfile(path):
+                raise UsageError(f"{path}: no such checkpoint")
+        return list(a.checkpoints)
+    if not os.path.isdir(a.run):
+        raise UsageError(f"--run {a.run}: " + ("is a file, not a run folder" if os.path.exists(a.run) else
+                                              "no such folder"))
+    kept = step_checkpoints(a.run)
+    if not kept:
+        raise UsageError(f"--run {a.run}: holds no step_<updates>.pt checkpoints (train with --keep-last N)")
+    return [path for _, path in kept[-(a.last or len(kept)):]]
+
+
+def _without_prefix(message: str) -> str:
+    return message[len("average: "):] if message.startswith("average: ") else message
 
 
 if __name__ == "__main__":

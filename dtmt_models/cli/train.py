@@ -153,6 +153,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-time {args.max_time}: must be a finite duration > 0, e.g. 90s, 30m or 2h")
     if args.allow_changed_data and not args.resume:
         raise ValueError("--allow-changed-data applies to --resume only")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or start it "
+                         "again")
 
 
 def resume_conflicts(args: argparse.Namespace, explicit: set, run: TrainConfig) -> List[str]:
@@ -188,6 +191,8 @@ def config_arguments(path: str) -> List[str]:
             data = yaml.safe_load(f)
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--config {path}: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"--config {path}: not valid YAML ({one_line(exc)})") from None
     data = {} if data is None else data

@@ -14,3 +14,16 @@ class UsageError(ValueError):
     command prints it as one line and exits with status 2 (SPEC §6), as argparse does for its own errors. Problems
     found in the data itself while working (a line that is not UTF-8, files of different lengths) are not this:
     those exit with status 1."""
+
+
+def check_input_file(path: str, option: str = "", noun: str = "file") -> None:
+    """A file a command will read, named by `option` (empty for a positional argument): UsageError, before any
+    work, if it is a directory or does not exist ("--src F: is a directory, not a file"; noun "checkpoint file":
+    "... not a checkpoint file")."""
+    import os
+
+    where = f"{option} {path}" if option else path
+    if os.path.isdir(path):
+        raise UsageError(f"{where}: is a directory, not {'an' if noun[0] in 'aeiou' else 'a'} {noun}")
+    if not os.path.isfile(path):
+        raise UsageError(f"{where}: no such {noun}")

@@ -300,7 +300,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
     before = good_text = open(good).read()
     cases = [   # (arguments, exit status: 2 an option that cannot work (SPEC §6), 1 what the data refused; message)
         (["--checkpoint", str(tmp_path / "missing.pt"), good], 2, "--checkpoint " + str(tmp_path / "missing.pt") +
-         ": no such file"),
+         ": no such checkpoint file"),
         (["--checkpoint", str(tmp_path), good], 2, "is a directory, not a checkpoint file"),
         (["--checkpoint", foreign, good], 2, "foreign.pt: not a dtmt checkpoint (not a file torch.save wrote"),
         (["--checkpoint", ckpt, str(bad)], 1, "bad.es:2: invalid UTF-8"),
@@ -504,7 +504,7 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         (["--hyp", short, "--data", data], 1, "short.out has 1 lines"),
         (["--checkpoint", ckpt, "--data", data, "--split", "dev"], 2, "--split dev: "),
         (["--checkpoint", ckpt, "--data", str(tmp_path)], 2, "corpus.json"),
-        (["--checkpoint", str(tmp_path / "none.pt"), "--data", data], 2, "none.pt: no such file"),
+        (["--checkpoint", str(tmp_path / "none.pt"), "--data", data], 2, "none.pt: no such checkpoint file"),
         (["--hyp", short, "--src", short, "--ref", str(tmp_path / "nope.en")], 2, "--ref " + str(tmp_path) +
          "/nope.en: no such file"),
         (["--hyp", str(tmp_path / "nope.out"), "--data", data], 2, "--hyp " + str(tmp_path / "nope.out")),

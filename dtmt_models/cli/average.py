@@ -15,7 +15,7 @@ import warnings
 from typing import List, Optional
 
 from dtmt_models.cli.translate import check_output_file
-from dtmt_models.errors import UsageError, one_line
+from dtmt_models.errors import UsageError, check_input_file, one_line
 from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
 from dtmt_models.training.trainer import step_checkpoints
 
@@ -64,10 +64,7 @@ def _checkpoints(a: argparse.Namespace) -> List[str]:
     """The files to average: those given, or the last --last step checkpoints of --run (UsageError if none)."""
     if not a.run:
         for path in a.checkpoints:
-            if os.path.isdir(path):
-                raise UsageError(f"{path}: is a directory, not a checkpoint file (a run folder goes to --run)")
-            if not os.path.isfile(path):
-                raise UsageError(f"{path}: no such checkpoint")
+            check_input_file(path, noun="checkpoint file")
         return list(a.checkpoints)
     if not os.path.isdir(a.run):
         raise UsageError(f"--run {a.run}: " + ("is a file, not a run folder" if os.path.exists(a.run) else

@@ -40,7 +40,7 @@ from dtmt_models.decoding.evaluate import (
     rows_to_csv,
 )
 from dtmt_models.decoding.translate import InputError
-from dtmt_models.errors import UsageError, one_line
+from dtmt_models.errors import UsageError, check_input_file, one_line
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -94,16 +94,15 @@ def _run(args: argparse.Namespace) -> int:
         label = args.split
     elif args.src and args.ref:
         src_path, ref_path = args.src, args.ref
-        for option, path in (("--src", src_path), ("--ref", ref_path)):
-            if not os.path.isfile(path):
-                raise UsageError(f"{option} {path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
+        check_input_file(src_path, "--src")
+        check_input_file(ref_path, "--ref")
         label = _stem(args.src)
     else:
         raise UsageError("say what to score: --data DIR [--split test], or --src F --ref G")
     if not args.hyp and not args.checkpoint:
         raise UsageError("--checkpoint is required (or give --hyp to score an existing translation)")
-    if args.hyp and not os.path.isfile(args.hyp):
-        raise UsageError(f"--hyp {args.hyp}: " + ("is a directory" if os.path.isdir(args.hyp) else "no such file"))
+    if args.hyp:
+        check_input_file(args.hyp, "--hyp")
     pairs = read_parallel(src_path, ref_path)
     sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
     if not pairs:

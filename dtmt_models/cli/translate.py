@@ -19,7 +19,7 @@ import torch
 
 from dtmt_models.atomic import WriteError, atomic_write
 from dtmt_models.decoding.translate import PROG, InputError, input_warnings, translate
-from dtmt_models.errors import UsageError, one_line
+from dtmt_models.errors import UsageError, check_input_file, one_line
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -98,10 +98,7 @@ def load_for_decoding(checkpoints: Sequence[str], device: torch.device, backend:
 
     loaded = []
     for checkpoint in checkpoints:
-        if os.path.isdir(checkpoint):
-            raise UsageError(f"--checkpoint {checkpoint}: is a directory, not a checkpoint file")
-        if not os.path.isfile(checkpoint):
-            raise UsageError(f"--checkpoint {checkpoint}: no such file")
+        check_input_file(checkpoint, "--checkpoint", "checkpoint file")
         try:
             loaded.append(load_model(checkpoint, str(device), backend))
         except (ValueError, KeyError, RuntimeError, OSError, TypeError) as exc:
@@ -390,10 +387,8 @@ def _run(args: argparse.Namespace) -> int:
     if inputs.count("-") > 1:
         raise UsageError("stdin ('-') can be read only once")
     for path in inputs:
-        if path != "-" and os.path.isdir(path):
-            raise UsageError(f"{path}: is a directory, not an input file")
-        if path != "-" and not os.path.exists(path):
-            raise UsageError(f"{path}: no such input file")
+        if path != "-":
+            check_input_file(path, noun="input file")
     targets: List[Optional[str]] = [args.output] * len(inputs)
     if args.output_dir:
         names = ["stdin.out" if path == "-" else os.path.basename(path) + ".out" for path in inputs]

@@ -178,10 +178,12 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         except TypeError:
             raise ValueError(f"{owner}: lengths must be a 1-D tensor or sequence of ints [B={B}], "
                              f"got {type(lengths).__name__}") from None
-        # ints (or whole floats); a bool, a nested list or a string is no length
-        if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and float(v).is_integer() for v in values):
+        # ints, whole floats, numpy numbers, one-element tensors; a bool, a nested list or a string is no length
+        values = [v.item() if isinstance(v, Tensor) and v.numel() == 1 else v for v in values]
+        if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and float(v).is_integer()
+                   for v in values):
             raise ValueError(f"{owner}: lengths must hold integers, got {values}")
-        lengths_cpu = torch.as_tensor(values, dtype=torch.long)
+        lengths_cpu = torch.tensor([int(v) for v in values], dtype=torch.long)
     if lengths_cpu.numel() != B:
         raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths_cpu.numel()}")
     if torch.compiler.is_compiling():

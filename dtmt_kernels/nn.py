@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -72,7 +73,7 @@ class _TransitionBase(BackendSwitch, nn.Module):
                 raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
         if cell not in CELL_KINDS:
             raise ValueError(f"{name}: cell must be one of {CELL_KINDS}, got {cell!r}")
-        if (not isinstance(candidate_dropout, (int, float)) or isinstance(candidate_dropout, bool)
+        if (not isinstance(candidate_dropout, numbers.Real) or isinstance(candidate_dropout, bool)
                 or not 0.0 <= float(candidate_dropout) < 1.0):
             raise ValueError(f"{name}: candidate_dropout must be a number in [0, 1), got {candidate_dropout!r}")
         self.input_size, self.hidden_size, self.cell, self.depth = input_size, hidden_size, cell, depth

@@ -1,6 +1,10 @@
 """How the package turns an exception from a library (torch, SentencePiece, the OS) into its own one-line
-messages."""
+messages, and the commands' usage errors (UsageError: exit status 2) with the checks of the files and folders an
+option names, made before any work."""
 from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
 
 
 def one_line(exc: BaseException) -> str:
@@ -13,17 +17,46 @@ class UsageError(ValueError):
     """A command-line option, its value or a file it names that cannot work, found before any work is done: a
     command prints it as one line and exits with status 2 (SPEC §6), as argparse does for its own errors. Problems
     found in the data itself while working (a line that is not UTF-8, files of different lengths) are not this:
-    those exit with status 1."""
+    those exit with status 1 (dtmt train, which checks its whole corpus before it trains, gives 2 for those too)."""
 
 
 def check_input_file(path: str, option: str = "", noun: str = "file") -> None:
     """A file a command will read, named by `option` (empty for a positional argument): UsageError, before any
     work, if it is a directory or does not exist ("--src F: is a directory, not a file"; noun "checkpoint file":
-    "... not a checkpoint file")."""
-    import os
-
+    "... not a checkpoint file"). A named pipe or a device (/dev/stdin, `<(zcat x.gz)`) is a file here."""
     where = f"{option} {path}" if option else path
     if os.path.isdir(path):
         raise UsageError(f"{where}: is a directory, not {'an' if noun[0] in 'aeiou' else 'a'} {noun}")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise UsageError(f"{where}: no such {noun}")
+
+
+def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: Optional[str] = None) -> None:
+    """An output file named by `option` that is a folder, lies under a file, or is one of the `inputs` (it would
+    overwrite it): UsageError, before any work. (Missing folders on its way are made when it is written; whether
+    it can be written at all, permissions say only then.)"""
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory; give a file name" if what is None else
+                         f"{option}: {path}, where {what} would go, is a directory")
+    _check_folder_on_the_way(os.path.dirname(os.path.abspath(path)), option, path)
+    for source in inputs:
+        if source != "-" and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
+            raise UsageError(f"{option} {path}: is also an input ({source}); the translation would overwrite it")
+
+
+def check_output_dir(path: str, option: str) -> None:
+    """An output folder named by `option` (or a phrase for a default one) that is a file, or lies under one:
+    UsageError, before any work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{option} {path}: exists and is not a directory")
+    _check_folder_on_the_way(os.path.abspath(path), option, path)
+
+
+def _check_folder_on_the_way(folder: str, option: str, path: str) -> None:
+    while not os.path.exists(folder):   # the nearest existing folder on the way must be a folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return
+        folder = parent
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path}: {folder} is a file, not a directory")

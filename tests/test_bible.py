@@ -347,6 +347,10 @@ def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
         assert not (tmp_path / "out").exists()
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", src]) == 2
     assert f"--out {src}: exists and is not a directory" in capsys.readouterr().err
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", os.path.join(src, "sub")]) == 2
+    assert f"{src} is a file, not a directory" in capsys.readouterr().err
+    assert prepare.main(["binarize", "--data", str(tmp_path / "nowhere")]) == 2
+    assert "--data " + str(tmp_path / "nowhere") + ": no such folder" in capsys.readouterr().err
     assert prepare.main(base + ["--holdout", "x"]) == 2  # argparse usage error
     assert prepare.main([]) == 2
     capsys.readouterr()

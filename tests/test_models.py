@@ -102,6 +102,20 @@ def test_bad_options_are_value_errors(name, options, message):
             check_model_options(name, options)
 
 
+def test_numpy_numbers_are_options_like_python_ones():
+    """A sweep's numpy numbers build the same system as the Python numbers (the layers take Python ints)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    a = dm.build_model("dtmt", V_SRC, V_TGT, embed_dim=np.int64(8), hidden_size=np.int32(8), heads=np.int64(2),
+                       dropout=np.float32(0.25), layer_norm=np.bool_(False))
+    torch.manual_seed(0)
+    b = dm.build_model("dtmt", V_SRC, V_TGT, embed_dim=8, hidden_size=8, heads=2, dropout=0.25, layer_norm=False)
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+    with pytest.raises(ValueError, match="option hidden_size=True for dtmt: expected int"):
+        dm.build_model("dtmt", V_SRC, V_TGT, hidden_size=True)
+
+
 def test_check_model_options_takes_a_pad_id_of_a_vocabulary_not_yet_built():
     """dtmt train checks options before the vocabularies exist: a pad_id past a toy size is not refused there."""
     from dtmt_models.models.registry import check_model_options

@@ -192,6 +192,11 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: layer(x, lengths=[True, True]), "lengths must hold integers")
     _err(lambda: layer(x, lengths=5), "lengths must be a 1-D tensor or sequence of ints")
     _err(lambda: layer(x, lengths=torch.tensor([5, 2], device="meta")), "meta tensor")
+    import numpy as np   # numpy numbers and one-element tensors are lengths too
+    expected = layer(x, lengths=[5, 2])[0]
+    for lengths in ([np.float32(5), 2], [np.int64(5), np.int64(2)], np.array([5, 2]), (5, 2),
+                    [torch.tensor(5), torch.tensor(2)]):
+        assert torch.equal(layer(x, lengths=lengths)[0], expected)
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, cell="lstm"), "cell must be 'gru', 'lgru' or 'lau', got 'lstm'$")
     _err(lambda: dk.nn.DeepTransitionGRUCell(3, 4, cell="atr"), "got 'atr'; use dtmt_kernels.nn.ATRCell")
     _err(lambda: dk.nn.DeepTransitionGRU(3, 0), "hidden_size")

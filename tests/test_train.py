@@ -266,7 +266,7 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     (["--opt", "cell=foo"], "'cell': 'foo', 'heads': 4, 'dropout': 0.2, 'candidate_dropout': 0.1}: DeepTransitionGRU: "
                             "cell must be 'gru', 'lgru' or 'lau', got 'foo'"),
     (["--opt", "hidden_size=-5"], "option hidden_size=-5 for dtmt: expected an int >= 1"),
-    (["--opt", "pad_id=-1"], "option pad_id=-1 for dtmt: expected an int >= 0"),
+    (["--opt", "pad_id=5"], "--opt pad_id=5: dtmt train pads with the vocabularies' id 0"),
     (["--valid-every", "0"], "--valid-every 0: must be an integer >= 1"),
     (["--log-every", "0"], "--log-every 0: must be an integer >= 1"),
     (["--threads", "-3"], "--threads -3: must be an integer >= 0"),
@@ -501,6 +501,7 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
     ("resume: true\n", "unknown option 'resume'"),
     ("lr: {\n", "not valid YAML"),
     (b"lr: 0.1\n# caf\xe9\n", "not UTF-8 text (byte 13)"),
+    (b"lr: 0.1\n" + b"#" * 9000 + b"\xe9\n", "not UTF-8 text (byte 9008)"),   # past the first 8 KiB read
 ])
 def test_bad_config_files_are_one_line_errors(toy_nodev, tmp_path, capsys, text, message):
     from dtmt_models.cli import train

@@ -291,6 +291,27 @@ def test_dtmt_without_a_command_is_a_usage_error(capsys):
     assert cli.main(["--help"]) == 0 and "usage: dtmt <command>" in capsys.readouterr().out
 
 
+def test_cli_translate_reads_a_pipe(system, tmp_path, capsys):
+    """An input that is a named pipe (as `<(zcat x.gz)` gives) is read like a file: the checks made before any
+    work refuse folders and missing paths only."""
+    import threading
+
+    _, _, _, ckpt = system
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+
+    def feed():
+        with open(fifo, "w") as f:   # (blocks until the command opens the pipe: a refusal would leave it waiting)
+            f.write("el sol\n")
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    assert cli.main(["translate", "--quiet", "-c", ckpt, fifo]) == 0, capsys.readouterr().err
+    writer.join(timeout=60)
+    piped = capsys.readouterr().out
+    assert cli.main(["translate", "--quiet", "-c", ckpt, write(tmp_path / "file.es", "el sol\n")]) == 0
+    assert piped == capsys.readouterr().out and piped.count("\n") == 1
+
+
 def test_cli_translate_errors(system, tmp_path, capsys):
     _, _, _, ckpt = system
     good = write(tmp_path / "good.es", "el sol\n")
@@ -320,7 +341,11 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, good, "-o", good], 2, "is also an input (" + good + "); the translation would "
                                                       "overwrite it"),
         (["--checkpoint", ckpt, good, "-o", os.path.join(good, "x.txt")], 2, good + " is a file, not a directory"),
+        (["--checkpoint", ckpt, good, "--output-dir", str(tmp_path / "taken")], 2,
+         f"--output-dir {tmp_path / 'taken'}: {tmp_path / 'taken' / 'good.es.out'}, where the translation of {good} "
+         "would go, is a directory"),
     ]
+    os.makedirs(tmp_path / "taken" / "good.es.out")
     for args, status, message in cases:
         assert cli.main(["translate", "--quiet"] + args) == status, args
         err = capsys.readouterr().err
@@ -511,7 +536,11 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], 2, "--threads must be >= 0, got -2"),
         (["--checkpoint", ckpt, "--data", data, "--bounds", "10,5"], 2, "--bounds: expected increasing"),
         (["--checkpoint", ckpt, "--data", data, "--out-dir", short], 2, "--out-dir " + short + ": exists and is not"),
+        # the default folder (next to --hyp, named after it and the split) is the --hyp file itself
+        (["--hyp", str(tmp_path / "clash.test"), "--data", data], 2, "the results folder (default; set it with "
+                                                                       "--out-dir)"),
     ]
+    write(tmp_path / "clash.test", "one line\n")
     for args, status, message in cases:
         assert cli.main(["evaluate", "--quiet"] + args) == status, args
         err = capsys.readouterr().err

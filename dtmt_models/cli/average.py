@@ -14,8 +14,7 @@ import sys
 import warnings
 from typing import List, Optional
 
-from dtmt_models.cli.translate import check_output_file
-from dtmt_models.errors import UsageError, check_input_file, one_line
+from dtmt_models.errors import UsageError, check_input_file, check_output_file, one_line
 from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
 from dtmt_models.training.trainer import step_checkpoints
 

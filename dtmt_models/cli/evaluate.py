@@ -20,7 +20,6 @@ from dtmt_models.cli.translate import (
     add_decoding_arguments,
     check_decoding_arguments,
     check_device_and_backend,
-    check_output_dir,
     decode_with_report,
     build_decoder,
     decoding_kwargs,
@@ -40,7 +39,7 @@ from dtmt_models.decoding.evaluate import (
     rows_to_csv,
 )
 from dtmt_models.decoding.translate import InputError
-from dtmt_models.errors import UsageError, check_input_file, one_line
+from dtmt_models.errors import UsageError, check_input_file, check_output_dir, one_line
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -114,7 +113,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         stem = _stem(anchor)
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(anchor)), f"{stem}.{label}")
-    check_output_dir(out_dir, "--out-dir")   # before the decoding, not after it
+    # before the decoding, not after it
+    check_output_dir(out_dir, "--out-dir" if args.out_dir else "the results folder (default; set it with --out-dir)")
     one = args.checkpoint is not None and len(args.checkpoint) == 1
     settings = {"data": args.data, "split": args.split if args.data else None, "src": src_path, "ref": ref_path,
                 "checkpoint": args.checkpoint[0] if one else args.checkpoint, "bounds": bounds}

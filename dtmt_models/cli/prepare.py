@@ -8,13 +8,14 @@ docstrings for what they write).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import prepare_files
-from dtmt_models.errors import UsageError
+from dtmt_models.errors import UsageError, check_output_dir
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 
 
@@ -112,12 +113,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         if args.source == "bible":
+            check_output_dir(args.out, "--out")
             bible.prepare_bible(args.out, log=log)
             binarize_from_args(args, args.out, log)
         elif args.source == "files":
             prepare_files(args, log=log)
             binarize_from_args(args, args.out, log)
         else:
+            if not os.path.isdir(args.data):
+                raise UsageError(f"--data {args.data}: " + ("is a file, not a corpus folder" if os.path.exists(args.data)
+                                                            else "no such folder"))
             binarize_from_args(args, args.data, log)
     except UsageError as exc:   # an option that cannot work: nothing was read or written
         print(f"dtmt prepare {args.source}: error: {exc}", file=sys.stderr)

@@ -54,11 +54,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        raise InputError("needs aiohttp: pip install aiohttp") from None
-
     from dtmt_models.decoding.serve import Server, ServeSettings
 
     check_decoding_arguments(args)
@@ -74,6 +69,10 @@ def _run(args: argparse.Namespace) -> int:
         settings.check()
     except ValueError as exc:
         raise UsageError(f"--{one_line(exc).replace('_', '-')}") from None
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise InputError("needs aiohttp: pip install aiohttp") from None
     use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)

@@ -20,6 +20,7 @@ import yaml
 from dtmt_models.atomic import WriteError, atomic_write
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
+from dtmt_models.data.vocabulary import PAD
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
@@ -187,8 +188,8 @@ def config_arguments(path: str) -> List[str]:
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            data = yaml.safe_load(f.read().decode("utf-8"))   # (decoded whole: the offset below counts from its start)
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
@@ -336,6 +337,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ValueError(f"{args.out} already holds a checkpoint; pass --resume to continue it or "
                                  f"--overwrite to start again")
             cfg = resolve_config(args)
+            if cfg.model_options.get("pad_id", PAD) != PAD:
+                raise ValueError(f"--opt pad_id={cfg.model_options['pad_id']}: dtmt train pads with the vocabularies' "
+                                 f"id {PAD} (SentencePiece's pad); leave pad_id out")
             check_model_options(cfg.model, cfg.model_options)
         # the run lives in --out and reads --data, wherever it was started from before
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint

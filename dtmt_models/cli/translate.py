@@ -19,7 +19,7 @@ import torch
 
 from dtmt_models.atomic import WriteError, atomic_write
 from dtmt_models.decoding.translate import PROG, InputError, input_warnings, translate
-from dtmt_models.errors import UsageError, check_input_file, one_line
+from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file, one_line
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -230,34 +230,6 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
                          f"got --backend {args.backend} --device {args.device}")
 
 
-def check_output_file(path: str, option: str, inputs: Sequence[str] = ()) -> None:
-    """An output file named by `option` that could not be written, or would overwrite an input, is a UsageError
-    before any decoding (missing folders on its way are made when it is written)."""
-    if os.path.isdir(path):
-        raise UsageError(f"{option} {path}: is a directory; give a file name")
-    _check_folder_on_the_way(os.path.dirname(os.path.abspath(path)), option, path)
-    for source in inputs:
-        if source != "-" and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
-            raise UsageError(f"{option} {path}: is also an input ({source}); the translation would overwrite it")
-
-
-def check_output_dir(path: str, option: str) -> None:
-    """An output folder named by `option` that is a file (or lies under one) is a UsageError before any work."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{option} {path}: exists and is not a directory")
-    _check_folder_on_the_way(os.path.abspath(path), option, path)
-
-
-def _check_folder_on_the_way(folder: str, option: str, path: str) -> None:
-    while not os.path.exists(folder):   # the nearest existing folder on the way must be a folder
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            return
-        folder = parent
-    if not os.path.isdir(folder):
-        raise UsageError(f"{option} {path}: {folder} is a file, not a directory")
-
-
 def use_threads(threads: int) -> None:
     """--threads: decode on this many CPU threads (0 leaves torch's default)."""
     if threads:
@@ -397,8 +369,9 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"--output-dir: several inputs would write {clash[0]}; translate them separately")
         check_output_dir(args.output_dir, "--output-dir")
         targets = [os.path.join(args.output_dir, n) for n in names]
-        for target in targets:
-            check_output_file(target, "--output-dir", inputs)
+        for target, path in zip(targets, inputs):
+            check_output_file(target, f"--output-dir {args.output_dir}", inputs,
+                              what=f"the translation of {'stdin' if path == '-' else path}")
     elif args.output:
         check_output_file(args.output, "--output", inputs)
     use_threads(args.threads)

@@ -24,7 +24,7 @@ from typing import Dict, Sequence
 
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import corpus as data
-from dtmt_models.errors import UsageError, check_input_file
+from dtmt_models.errors import UsageError, check_input_file, check_output_dir
 
 SPLITS = ("train", "dev", "test")
 _LANG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -65,8 +65,7 @@ def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:
     for split, pair in files.items():
         for side, path in zip(("src", "tgt"), pair):
             check_input_file(path, f"--{side}" if split == "train" else f"--{split}-{side}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out}: exists and is not a directory")
+    check_output_dir(args.out, "--out")
     held = [split for split in ("dev", "test") if split not in files]
     if args.holdout < 0:
         raise UsageError(f"--holdout must be >= 0, not {args.holdout}")

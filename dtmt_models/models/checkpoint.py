@@ -55,6 +55,10 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
         raise ValueError(f"{path}: refused: it holds objects other than tensors and plain data, which a dtmt "
                          f"checkpoint never does, and loading them could run code ({what})"
                          ) from None
+    except OSError as exc:   # the file itself (permissions, a disk error): its reason
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except MemoryError:
+        raise
     except Exception:  # truncated or not a torch file (torch's message says little: KeyError(101) for a text file)
         raise ValueError(f"{path}: not a dtmt checkpoint (not a file torch.save wrote, or a truncated one)") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List
 
+import torch
 import torch.nn as nn
 
 from dtmt_models.errors import one_line
@@ -26,24 +27,31 @@ def list_models() -> List[str]:
     return sorted(_MODELS)
 
 
-# options that size a part of a system: a positive int (depths may be 0: the plain cell; each system checks them)
+# options that size a part of a system: a positive int (the transition depths, which may be 0 for the plain cell,
+# are not here: each system checks its own)
 SIZE_OPTIONS = ("embed_dim", "hidden_size", "heads", "attention_dim", "encoder_layers", "decoder_layers", "enc_depth",
                 "dec_depth", "max_len")
 
 
 def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) -> nn.Module:
     """Builds the system `name` (see list_models()); options are the keyword arguments of its class. Bad input is
-    a ValueError in one line: an unknown name or option, a value of the wrong type for the option's default, a size
-    below 1, a pad_id outside both vocabularies, or a value the system refuses."""
+    a ValueError in one line: an unknown name or option, a value of the wrong type for the option's default (numpy
+    numbers count as ints and floats), a size below 1, a pad_id that is not an id of both vocabularies, or a value
+    the system refuses."""
     _import_systems()
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(_MODELS)}")
     for arg, v in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 2:
             raise ValueError(f"{arg} must be an int >= 2, got {v!r}")
+    # numpy numbers (a sweep's np.arange, a config read through numpy) as the Python numbers the systems take
+    options = {k: v.item() if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0 else v
+               for k, v in options.items()}
     _check_option_values(name, options, min(src_vocab_size, tgt_vocab_size))
     try:
         return _MODELS[name](src_vocab_size, tgt_vocab_size, **options)
+    except torch.OutOfMemoryError:   # (a RuntimeError, but not the options' fault)
+        raise
     except (ValueError, TypeError, RuntimeError, AssertionError, ZeroDivisionError) as exc:
         raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from exc
 
@@ -66,6 +74,16 @@ def _option_params(name: str) -> dict:
     return params
 
 
+def _of_type(value, expected: type) -> bool:
+    """Whether `value` fits an option whose default is of type `expected`: an int an int but a bool, a float an int
+    or a float but a bool, anything else its type."""
+    if isinstance(value, bool):
+        return expected is bool
+    if expected is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, expected)
+
+
 def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
     """Unknown options, values of the wrong type for the option's default, sizes below 1, a pad_id that is not
     an id of both vocabularies (the smaller has `vocab_size` ids): ValueError in one line."""
@@ -77,16 +95,13 @@ def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
             raise ValueError(f"unknown option {key!r} for {name}; its options are: {', '.join(sorted(params))}")
         default = params[key].default
         expected = type(default) if default is not inspect.Parameter.empty and default is not None else None
-        ok = (expected is None or isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-              or expected is float and isinstance(value, int) and not isinstance(value, bool))
-        if not ok:
+        if expected is not None and not _of_type(value, expected):
             raise ValueError(f"option {key}={value!r} for {name}: expected {expected.__name__} "
                              f"(default {default!r})")
-        if key in SIZE_OPTIONS and value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                                          or value < 1):
+        if key in SIZE_OPTIONS and value is not None and (not _of_type(value, int) or value < 1):
             raise ValueError(f"option {key}={value!r} for {name}: expected an int >= 1")
     pad = options.get("pad_id", 0)
-    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+    if not _of_type(pad, int) or pad < 0:
         raise ValueError(f"option pad_id={pad!r} for {name}: expected an int >= 0 (an id of both vocabularies)")
     if pad >= vocab_size:
         raise ValueError(f"option pad_id={pad!r} for {name}: expected an id of both vocabularies, in [0, {vocab_size})")

@@ -162,11 +162,12 @@ __attribute__((noinline)) static float weigh_read(const float* p, int64_t rows, 
   return vsum(s);
 }
 
-// read_sum with a non-temporal prefetch 32 lines ahead (a hint to keep the stream out of L2)
+// read_sum with a non-temporal prefetch of every line 32 lines ahead (a hint to keep the stream out of L2)
 __attribute__((noinline)) static float read_sum_nta(const float* p, size_t n) {
   vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
   for (size_t i = 0; i + 4 * W <= n; i += 4 * W) {
-    if (i % 16 == 0) _mm_prefetch((const char*)(p + i) + 32 * 64, _MM_HINT_NTA);
+    for (size_t line = 0; line < 4 * W * sizeof(float); line += 64)   // the lines this pass reads (4 or 2)
+      _mm_prefetch((const char*)(p + i) + line + 32 * 64, _MM_HINT_NTA);
     a0 = vadd(a0, vload(p + i)); a1 = vadd(a1, vload(p + i + W));
     a2 = vadd(a2, vload(p + i + 2 * W)); a3 = vadd(a3, vload(p + i + 3 * W));
   }
@@ -190,7 +191,7 @@ int main() {
   // each 7 MiB stream of a step's weights, read plainly or with non-temporal prefetches
   const int64_t p_rows = 140, p_ld = 1408;
   float* pp = pages(size_t(p_rows * p_ld * 4));
-  const double p_bytes = double(p_rows * p_ld * 4);
+  const double p_bytes = double(p_rows * (p_ld / 96 * 96) * 4);   // the columns weigh_read reads (1,344 of 1,408)
   const double w_hot = p_bytes / median_of(200, [&] { sink = weigh_read(pp, p_rows, p_ld); }) / 1e9;
   std::vector<double> tw, tn, tw_nta;
   for (int r = 0; r < 60; ++r) {

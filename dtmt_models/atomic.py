@@ -3,7 +3,7 @@ reports, logs' companions, figures).
 
 The content goes to a temporary file in the target's directory, is flushed and fsynced, then renamed over the
 target: a reader sees the old file or the new one, never a half-written one, and a crash or a kill leaves the
-old file intact. If writing fails (a full disk, a read-only directory, an exception in the caller's code), the
+old file intact. A target that is a device or a pipe (/dev/null, /dev/stdout, a FIFO) is written in place. If writing fails (a full disk, a read-only directory, an exception in the caller's code), the
 temporary file is removed and the previous file is untouched; an OS error comes back as `WriteError`, whose
 message is one line naming the file and the system's reason.
 """
@@ -30,6 +30,13 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
     normal exit it is renamed over `path`. `suffix` ends the temporary name (for writers that pick a format
     from it)."""
     path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        # a device or a pipe (-o /dev/null, /dev/stdout, a FIFO): written in place as a stream, nothing to rename
+        try:
+            yield path
+        except OSError as exc:
+            raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
+        return
     tmp = _tmp_name(path, suffix)
     try:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
@@ -56,4 +63,5 @@ def atomic_write(path: str, mode: str = "w") -> Iterator[IO]:
         with open(tmp, mode, **({} if mode == "wb" else {"encoding": "utf-8", "newline": "\n"})) as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if os.path.isfile(tmp):   # (a device or a pipe written in place has nothing to sync)
+                os.fsync(f.fileno())

@@ -32,16 +32,16 @@ def check_input_file(path: str, option: str = "", noun: str = "file") -> None:
 
 
 def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: Optional[str] = None) -> None:
-    """An output file named by `option` that is a folder, lies under a file, or is one of the `inputs` (it would
-    overwrite it): UsageError, before any work. (Missing folders on its way are made when it is written; whether
-    it can be written at all, permissions say only then.)"""
+    """An output file named by `option` that is a folder, lies under a file, or is one of the `inputs` (it would be
+    overwritten): UsageError, before any work. (Missing folders on its way are made when it is written; whether it
+    can be written at all, permissions say only then.)"""
     if os.path.isdir(path):
         raise UsageError(f"{option} {path}: is a directory; give a file name" if what is None else
                          f"{option}: {path}, where {what} would go, is a directory")
     _check_folder_on_the_way(os.path.dirname(os.path.abspath(path)), option, path)
     for source in inputs:
         if source != "-" and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
-            raise UsageError(f"{option} {path}: is also an input ({source}); the translation would overwrite it")
+            raise UsageError(f"{option} {path}: is also an input ({source}); the output would overwrite it")
 
 
 def check_output_dir(path: str, option: str) -> None:

@@ -54,6 +54,25 @@ def test_atomic_write_commits_and_cleans_up_after_a_caller_error(tmp_path):
     _only(tmp_path, ["out.txt", "sub"])
 
 
+def test_a_device_or_a_pipe_is_written_in_place(tmp_path):
+    """-o /dev/null or a FIFO: there is nothing to rename over, so the content is written to it as a stream (the
+    rename would have replaced the pipe with a file, and fsync refuses a device)."""
+    import threading
+
+    with atomic.atomic_write("/dev/null") as f:
+        f.write("gone\n")
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()), daemon=True)
+    reader.start()
+    with atomic.atomic_write(fifo) as f:
+        f.write("through the pipe\n")
+    reader.join(timeout=30)
+    assert got == ["through the pipe\n"] and os.path.exists(fifo) and not os.path.isfile(fifo)
+    _only(tmp_path, ["pipe"])
+
+
 def test_checkpoint_save_on_a_full_disk(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
     payload = dict(model_name="dtmt", model_options={}, src_vocab=b"a", tgt_vocab=b"b", model={"w": torch.ones(2)})

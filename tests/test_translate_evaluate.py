@@ -338,7 +338,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, good, good, "--output-dir", str(tmp_path / "o")], 2, "good.es.out"),
         (["--checkpoint", ckpt, good, "--output-dir", good], 2, "--output-dir " + good + ": exists and is not a dir"),
         (["--checkpoint", ckpt, good, "-o", str(tmp_path)], 2, "is a directory; give a file name"),
-        (["--checkpoint", ckpt, good, "-o", good], 2, "is also an input (" + good + "); the translation would "
+        (["--checkpoint", ckpt, good, "-o", good], 2, "is also an input (" + good + "); the output would "
                                                       "overwrite it"),
         (["--checkpoint", ckpt, good, "-o", os.path.join(good, "x.txt")], 2, good + " is a file, not a directory"),
         (["--checkpoint", ckpt, good, "--output-dir", str(tmp_path / "taken")], 2,

@@ -227,8 +227,11 @@ def test_prepare_cli_binarize_and_options(tmp_path, capsys):
         assert json.load(f)["splits"]["train"]["pairs"] == len(SRC)
     assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "2"]) == 2
     assert "--vocab-size must be at least 8" in capsys.readouterr().err
-    assert prepare_cli.main(["binarize", "--data", str(tmp_path / "none")]) == 1
-    assert "no corpus.json" in capsys.readouterr().err
+    assert prepare_cli.main(["binarize", "--data", str(tmp_path / "none")]) == 2   # an option that cannot work
+    assert "--data " + str(tmp_path / "none") + ": no such folder" in capsys.readouterr().err
+    os.makedirs(tmp_path / "empty")
+    assert prepare_cli.main(["binarize", "--data", str(tmp_path / "empty")]) == 2    # a folder, not a corpus
+    assert "not a corpus folder written by dtmt prepare (no corpus.json)" in capsys.readouterr().err
     src, tgt = os.path.join(d, "train.es"), os.path.join(d, "train.en")
     assert prepare_cli.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "t"), "--no-binarize"]) == 0
     assert not [e for e in os.listdir(tmp_path / "t") if "bin-" in e]

@@ -123,6 +123,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not os.path.isdir(args.data):
                 raise UsageError(f"--data {args.data}: " + ("is a file, not a corpus folder" if os.path.exists(args.data)
                                                             else "no such folder"))
+            if not os.path.isfile(os.path.join(args.data, data.MANIFEST)):
+                raise UsageError(f"--data {args.data}: not a corpus folder written by dtmt prepare (no "
+                                 f"{data.MANIFEST})")
             binarize_from_args(args, args.data, log)
     except UsageError as exc:   # an option that cannot work: nothing was read or written
         print(f"dtmt prepare {args.source}: error: {exc}", file=sys.stderr)

@@ -116,6 +116,41 @@ def test_resume_gives_the_same_losses(toy, uninterrupted, tmp_path):
     assert len({x[1] for x in a}) > 20  # and they do change from step to step
 
 
+def test_log_windows_survive_a_resume_and_the_last_one_is_written(toy, tmp_path):
+    """With --log-every 5 a row is the mean over its five updates: a run stopped at 13 and resumed writes at 15 the
+    mean over 11-15, as the uninterrupted run (the window in progress is in last.pt; a Ctrl-C lost it), and every run
+    ends with the row of its last, partial window (a run shorter than --log-every wrote none)."""
+    args = ["--data", toy, "--log-every", "5", "--valid-every", "10", *TINY]
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    assert run_train([*args, "--out", whole, "--max-steps", "24"]).returncode == 0
+    assert run_train([*args, "--out", part, "--max-steps", "13"]).returncode == 0
+    assert [s for s, *_ in losses(part)] == [5, 10, 13]                      # 13: the mean over 11-13
+    r = run_train(["--data", toy, "--out", part, "--resume", "--max-steps", "24", "--log-every", "5"])
+    assert r.returncode == 0, r.stderr
+    assert [s for s, *_ in losses(whole)] == [5, 10, 15, 20, 24]
+    assert [row for row in losses(part) if row[0] != 13] == losses(whole)   # 15: over 11-15 in both, bit for bit
+    short = str(tmp_path / "short")
+    assert run_train([*args, "--out", short, "--max-steps", "3", "--log-every", "50"]).returncode == 0
+    assert [s for s, *_ in losses(short)] == [3]
+
+
+def test_dev_split_settings_and_a_missing_dev_file(toy, toy_nodev, tmp_path, capsys):
+    """Without a dev split, --patience / --best-by that would change nothing get a warning; a dev split the manifest
+    lists whose target file is gone is an error naming the file (it was taken for 'no dev split', then failed
+    later with contradictory messages)."""
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "a"), "--max-steps", "1", *TINY, "--patience", "3",
+                    "--best-by", "bleu"], capsys)
+    code, out, err = r.returncode, r.stdout, r.stderr
+    assert code == 0 and "warning: --patience 3 and --best-by bleu have no effect without a dev split" in out, out
+    broken = str(tmp_path / "broken")
+    shutil.copytree(toy, broken)
+    os.remove(os.path.join(broken, "dev.en"))
+    r = train_here(["--data", broken, "--out", str(tmp_path / "b"), "--max-steps", "1", *TINY], capsys)
+    code, out, err = r.returncode, r.stdout, r.stderr
+    assert code == 2 and "dev.en: no such file" in err and "Traceback" not in err, err
+    assert "has no dev split" not in out
+
+
 def test_sigint_saves_a_checkpoint_that_resumes_exactly(toy, uninterrupted, tmp_path):
     out = str(tmp_path / "run_c")
     cmd = [sys.executable, "-m", "dtmt_models.cli.train", "--data", toy, "--out", out, "--max-steps", "24",

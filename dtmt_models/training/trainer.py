@@ -209,11 +209,16 @@ class Trainer:
         # ---- data and vocabularies
         manifest = read_manifest(cfg.data)
         self.langs = (manifest["src_lang"], manifest["tgt_lang"])
-        try:
+        if "dev" in manifest.get("counts", {}):   # (a dev split whose file is missing or broken is an error)
             self.dev_pairs = read_parallel(*corpus_paths(cfg.data, "dev"))   # the references of dev BLEU
-        except CorpusError:
+        else:
             self.dev_pairs = []
             self.log(f"note: {cfg.data} has no dev split: no validation, no early stopping, no best.pt")
+            unused = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in ("patience", "best_by")
+                      if getattr(cfg, k) != getattr(TrainConfig, k)]
+            if unused:
+                self.log(f"warning: {' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without a "
+                         f"dev split")
         corpus = self._binarized(None if ckpt is None else (ckpt["src_vocab"], ckpt["tgt_vocab"]))
         self.src_vocab, self.tgt_vocab = Vocabulary(corpus.protos[0]), Vocabulary(corpus.protos[1])
         # the training pairs stay on disk; in memory: their lengths (2 bytes a pair with --max-len < 255), and
@@ -253,6 +258,9 @@ class Trainer:
         # ---- position
         self.step, self.epoch, self.batch_index, self.elapsed = 0, 0, 0, 0.0
         self.best_bleu, self.best_loss, self.bad_validations = -1.0, math.inf, 0
+        # the log window in progress (loss, NLL and target tokens summed since the last train row, its seconds): kept
+        # in last.pt, so that a run resumed after Ctrl-C writes the rows an uninterrupted run writes
+        self.log_window = [0.0, 0.0, 0.0, 0.0]
         torch.manual_seed(cfg.seed * 7919 + 1 + dist.rank)   # dropout streams differ per process
         if ckpt is not None:
             self._restore(ckpt)
@@ -314,6 +322,7 @@ class Trainer:
         self.scheduler.load_state_dict(t["scheduler"])
         self.step, self.epoch, self.batch_index, self.elapsed = t["step"], t["epoch"], t["batch_index"], t["elapsed"]
         self.best_bleu, self.best_loss, self.bad_validations = t["best_bleu"], t["best_loss"], t["bad_validations"]
+        self.log_window = [float(x) for x in t.get("log_window", [0.0, 0.0, 0.0, 0.0])]   # (older last.pt: none)
         rngs = t["rng"]
         if len(rngs) != self.dist.world:
             raise ValueError(f"the checkpoint was written by {len(rngs)} process(es); resume with the same number "
@@ -337,7 +346,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "batch_index": self.batch_index, "elapsed": self.elapsed,
                 "best_bleu": self.best_bleu, "best_loss": self.best_loss, "bad_validations": self.bad_validations,
-                "rng": self.dist.gather(rng)}
+                "log_window": list(self.log_window), "rng": self.dist.gather(rng)}
         return p
 
     def check_sync(self) -> Optional[str]:
@@ -410,8 +419,7 @@ class Trainer:
                          "runs bfloat16 GEMMs here by a fallback many times slower than float32 (benchmarks/NOTES.md, "
                          "item 24); --amp off is the fast choice on this machine")
         handlers = self._install_signals()
-        window = [0.0, 0.0, 0.0]
-        window_time, last_validated = 0.0, self.step
+        last_validated = self.step
         try:
             while self.stop_reason is None:
                 self.stop_reason = self.should_stop()
@@ -427,21 +435,15 @@ class Trainer:
                     loss, nll, ntok, stop = self.dist.sum([loss, nll, ntok, local_stop])
                     dt = time.perf_counter() - t0
                     self.elapsed += dt
-                    window = [window[0] + loss, window[1] + nll, window[2] + ntok]
-                    window_time += dt
+                    w = self.log_window = [a + b for a, b in zip(self.log_window, (loss, nll, ntok, dt))]
                     logged = self.step % c.log_every == 0
                     text = (f"epoch {self.epoch + 1} step {self.step:,} loss {loss / ntok:.3f} "
-                            f"lr {self.scheduler.get_last_lr()[0]:.2e} {window[2] / max(window_time, 1e-9):,.0f} tok/s "
+                            f"lr {self.scheduler.get_last_lr()[0]:.2e} {w[2] / max(w[3], 1e-9):,.0f} tok/s "
                             f"time {format_time(self.elapsed)}")
                     self.progress.show(self.step, c.max_steps, status=text, line=text if logged else None)
                     if logged:
-                        if self.csv:
-                            self.csv.write(kind="train", step=self.step, epoch=self.epoch + 1,
-                                           elapsed_s=f"{self.elapsed:.1f}", lr=self.scheduler.get_last_lr()[0],
-                                           loss=repr(window[0] / window[2]), nll=repr(window[1] / window[2]),
-                                           ppl=f"{math.exp(min(window[1] / window[2], 50)):.2f}",
-                                           tokens=int(window[2]), tokens_per_s=f"{window[2] / window_time:.0f}")
-                        window, window_time = [0.0, 0.0, 0.0], 0.0
+                        self._write_train_row()
+                        self.log_window = [0.0, 0.0, 0.0, 0.0]
                     if stop:
                         self.stop_reason = f"interrupted by {self._signal or 'a signal in another process'}"
                         break
@@ -455,6 +457,10 @@ class Trainer:
                 else:
                     self.epoch += 1
                     self.batch_index = 0
+            if not self._signal and self.step % c.log_every and self.log_window[2]:
+                # the window in progress at the end of the run: its row too (a run shorter than --log-every had none);
+                # the window stays in last.pt, so a run extended from here writes the rows of an uninterrupted one
+                self._write_train_row()
             if self.step != last_validated and not self._signal and self.dev_ids:
                 self.validate()
             self.save_last()
@@ -473,6 +479,15 @@ class Trainer:
             if self._signal:
                 self.log(f"resume with: dtmt train --data {c.data} --model {c.model} --out {self.out} --resume")
         return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0
+
+    def _write_train_row(self) -> None:
+        """train_log.csv's (and TensorBoard's) train row for the log window: its mean loss and NLL per target token."""
+        loss, nll, ntok, seconds = self.log_window
+        if self.csv:
+            self.csv.write(kind="train", step=self.step, epoch=self.epoch + 1, elapsed_s=f"{self.elapsed:.1f}",
+                           lr=self.scheduler.get_last_lr()[0], loss=repr(loss / ntok), nll=repr(nll / ntok),
+                           ppl=f"{math.exp(min(nll / ntok, 50)):.2f}", tokens=int(ntok),
+                           tokens_per_s=f"{ntok / max(seconds, 1e-9):.0f}")
 
     # -------------------------------------------------------------------------------------- validation
     def dev_loss(self) -> Tuple[float, int]:

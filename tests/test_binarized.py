@@ -198,6 +198,21 @@ def test_changed_text_is_noticed_and_a_touched_file_is_not(tmp_path):
         binarized.open_binarized(d, "bpe", 80)
 
 
+def test_a_copy_missing_a_file_is_not_binarized(tmp_path):
+    """A binarized copy with a split's file deleted (or cut short) is NotBinarized when opened, which dtmt train
+    rebuilds; it was a FileNotFoundError traceback when the split was read."""
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    os.remove(os.path.join(d, "bin-bpe80", "train.tgt.bin"))
+    with pytest.raises(binarized.NotBinarized, match=r"train\.tgt\.bin is missing; rebuild"):
+        binarized.open_binarized(d, "bpe", 80)
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    with open(os.path.join(d, "bin-bpe80", "train.src.bin"), "r+b") as f:
+        f.truncate(2)
+    with pytest.raises(binarized.NotBinarized, match="not as long as its index says"):
+        binarized.open_binarized(d, "bpe", 80)
+
+
 def test_the_training_text_checksum_comes_from_a_fresh_copy(tmp_path):
     """`dtmt train` takes the resume fingerprint's SHA-1 from a binarized copy whose record of the training files'
     size and time matches them (known_train_sha1), not by reading the text again; a touched or changed file, or

@@ -47,8 +47,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if name not in COMMANDS:
         print(f"dtmt: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(argv[1:]) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        return int(module.main(argv[1:]) or 0)
+    except KeyboardInterrupt:   # Ctrl-C where a command has no handler of its own (importing torch, say)
+        print(f"\ndtmt {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -285,6 +285,14 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:   # Ctrl-C before training started (the training loop saves and says so itself)
+        print("\ndtmt train: interrupted before training started", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)

@@ -89,6 +89,9 @@ class BinarizedSplit:
         self._paths = {side: (os.path.join(directory, f"{split}.{side}.bin"),
                               os.path.join(directory, f"{split}.{side}.idx")) for side in SIDES}
         self._fds: List[int] = []
+        for path in (p for pair in self._paths.values() for p in pair):
+            if not os.path.isfile(path):
+                raise CorpusError(f"{path} is missing; rebuild the binarized corpus with `dtmt prepare binarize`")
         for side, (_, idx) in self._paths.items():
             if os.path.getsize(idx) != 8 * (n + 1):
                 raise CorpusError(f"{directory}: the index of split {split} has {os.path.getsize(idx) // 8 - 1} "
@@ -272,6 +275,8 @@ def open_binarized(corpus_dir: str, vocab_type: str, vocab_size: int,
         raise NotBinarized(f"{reason}; make it with `{command}`", reason)
     try:
         corpus = BinarizedCorpus(path)
+        for name in corpus.splits:   # every split's files there and of the lengths the manifest says
+            corpus.split(name)
     except CorpusError as exc:
         raise NotBinarized(str(exc), str(exc).split(";")[0]) from None
     changed = corpus.stale(corpus_dir)

@@ -134,6 +134,24 @@ def test_log_windows_survive_a_resume_and_the_last_one_is_written(toy, tmp_path)
     assert [s for s, *_ in losses(short)] == [3]
 
 
+def test_ctrl_c_before_training_is_one_line_and_130(toy_nodev, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the options and the model are checked (a second or two after starting): one line and 130, as
+    for any dtmt command (it was a 90-line traceback and status 1)."""
+    from dtmt_models import cli
+    from dtmt_models.cli import train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "check_model_options", interrupted)
+    out = tmp_path / "run"
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+    assert r.returncode == 130 and r.stderr.strip() == "dtmt train: interrupted before training started", r.stderr
+    assert not out.exists()
+    monkeypatch.setattr(train, "main", interrupted)   # a command without a handler of its own
+    assert cli.main(["train", "--data", toy_nodev]) == 130
+    assert capsys.readouterr().err.strip() == "dtmt train: interrupted"
+
+
 def test_dev_split_settings_and_a_missing_dev_file(toy, toy_nodev, tmp_path, capsys):
     """Without a dev split, --patience / --best-by that would change nothing get a warning; a dev split the manifest
     lists whose target file is gone is an error naming the file (it was taken for 'no dev split', then failed

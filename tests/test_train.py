@@ -134,6 +134,31 @@ def test_log_windows_survive_a_resume_and_the_last_one_is_written(toy, tmp_path)
     assert [s for s, *_ in losses(short)] == [3]
 
 
+def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tmp_path):
+    """Resuming a run whose patience ran out stops at once, saying so (it trained another --valid-every updates
+    before stopping again); no new rows."""
+    from dtmt_models.models.checkpoint import read_checkpoint, save_checkpoint
+
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted, out)
+    last = read_checkpoint(os.path.join(out, "last.pt"))
+    last["training"]["bad_validations"] = 5                      # as if the last five validations had not improved
+    last.pop("format")
+    save_checkpoint(os.path.join(out, "last.pt"), last)
+    before = losses(out)
+    r = run_train(["--data", toy, "--out", out, "--resume", "--max-steps", "40", "--progress", "lines"])
+    assert r.returncode == 0, r.stderr
+    assert "in 5 validations (early stopping, before this resume; a larger --patience goes on)" in r.stdout, r.stdout
+    assert read_checkpoint(os.path.join(out, "last.pt"))["training"]["step"] == 24 and losses(out) == before
+
+
+def test_pairs_over_the_batch_budget_are_announced(toy_nodev, tmp_path, capsys):
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "a"), "--max-steps", "1", *TINY, "--max-tokens",
+                    "6"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert "training pairs are longer than --max-tokens 6 allows a batch" in r.stdout, r.stdout
+
+
 def test_ctrl_c_before_training_is_one_line_and_130(toy_nodev, tmp_path, monkeypatch, capsys):
     """Ctrl-C while the options and the model are checked (a second or two after starting): one line and 130, as
     for any dtmt command (it was a 90-line traceback and status 1)."""

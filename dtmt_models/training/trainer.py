@@ -238,6 +238,14 @@ class Trainer:
                  f"dev pairs; vocabularies {len(self.src_vocab):,} / {len(self.tgt_vocab):,} ({corpus.path})")
         if not n_kept:
             raise CorpusError("no training pairs left after length filtering; raise --max-len")
+        if cfg.max_len + 1 > cfg.max_tokens:   # a kept pair can pass a batch's budget alone: it goes in a batch of one
+            over = sum(int(((part.max(axis=1) + 1 > cfg.max_tokens) & (part.max(axis=1) <= cfg.max_len)
+                            & (part.min(axis=1) >= 1)).sum())
+                       for part in (self.lengths[i:i + (1 << 20)] for i in range(0, len(self.lengths), 1 << 20)))
+            if over:
+                self.log(f"warning: {over:,} training pairs are longer than --max-tokens {cfg.max_tokens} allows a "
+                         f"batch (their longer side + 1); each is a batch of its own, over the budget (raise "
+                         f"--max-tokens or lower --max-len {cfg.max_len})")
         # ---- model, optimizer, schedule
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, len(self.src_vocab), len(self.tgt_vocab), **cfg.model_options)
@@ -400,6 +408,9 @@ class Trainer:
 
     def should_stop(self) -> Optional[str]:
         c = self.cfg
+        if c.patience and self.bad_validations >= c.patience:   # a resumed run that had stopped early
+            return (f"no better dev {self.best_by_name()} in {c.patience} validations (early stopping, before this "
+                    f"resume; a larger --patience goes on)")
         if c.max_steps is not None and self.step >= c.max_steps:
             return f"reached --max-steps {c.max_steps}"
         if c.max_time_s is not None and self.elapsed >= c.max_time_s:
@@ -419,7 +430,7 @@ class Trainer:
                          "runs bfloat16 GEMMs here by a fallback many times slower than float32 (benchmarks/NOTES.md, "
                          "item 24); --amp off is the fast choice on this machine")
         handlers = self._install_signals()
-        last_validated = self.step
+        last_validated = first_step = self.step
         try:
             while self.stop_reason is None:
                 self.stop_reason = self.should_stop()
@@ -457,7 +468,7 @@ class Trainer:
                 else:
                     self.epoch += 1
                     self.batch_index = 0
-            if not self._signal and self.step % c.log_every and self.log_window[2]:
+            if not self._signal and self.step % c.log_every and self.log_window[2] and self.step > first_step:
                 # the window in progress at the end of the run: its row too (a run shorter than --log-every had none);
                 # the window stays in last.pt, so a run extended from here writes the rows of an uninterrupted one
                 self._write_train_row()

@@ -30,10 +30,14 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
     normal exit it is renamed over `path`. `suffix` ends the temporary name (for writers that pick a format
     from it)."""
     path = os.fspath(path)
-    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
-        # a device or a pipe (-o /dev/null, /dev/stdout, a FIFO): written in place as a stream, nothing to rename
+    if os.path.exists(path) and (not os.path.isfile(path) and not os.path.isdir(path)
+                                 or os.path.abspath(path).startswith(("/dev/", "/proc/"))):
+        # a device or a pipe (-o /dev/null, a FIFO; /dev/stdout even where it leads to a file): written in place as a
+        # stream, nothing to rename (a rename would replace /dev/stdout's link itself)
         try:
             yield path
+        except WriteError:
+            raise
         except OSError as exc:
             raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
         return

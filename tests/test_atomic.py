@@ -71,6 +71,17 @@ def test_a_device_or_a_pipe_is_written_in_place(tmp_path):
     reader.join(timeout=30)
     assert got == ["through the pipe\n"] and os.path.exists(fifo) and not os.path.isfile(fifo)
     _only(tmp_path, ["pipe"])
+    # /dev/stdout redirected to a file looks like a file: written in place all the same (a rename would replace the
+    # /dev/stdout link itself, or fail for want of permission in /dev)
+    import subprocess
+    import sys
+
+    out = tmp_path / "redirected.txt"
+    code = "from dtmt_models import atomic\nwith atomic.atomic_write('/dev/stdout') as f:\n    f.write('to stdout\\n')\n"
+    with open(out, "w") as f:
+        subprocess.run([sys.executable, "-c", code], stdout=f, check=True,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.read_text() == "to stdout\n"
 
 
 def test_checkpoint_save_on_a_full_disk(tmp_path, monkeypatch):

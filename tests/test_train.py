@@ -143,6 +143,7 @@ def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tm
     shutil.copytree(uninterrupted, out)
     last = read_checkpoint(os.path.join(out, "last.pt"))
     last["training"]["bad_validations"] = 5                      # as if the last five validations had not improved
+    last["training"]["stopped_early_by"] = "loss"                # and the run had stopped for it
     last.pop("format")
     save_checkpoint(os.path.join(out, "last.pt"), last)
     before = losses(out)
@@ -150,6 +151,8 @@ def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tm
     assert r.returncode == 0, r.stderr
     assert "in 5 validations (early stopping, before this resume; a larger --patience goes on)" in r.stdout, r.stdout
     assert read_checkpoint(os.path.join(out, "last.pt"))["training"]["step"] == 24 and losses(out) == before
+    r = run_train(["--data", toy, "--out", out, "--resume", "--max-steps", "26", "--patience", "6"])   # goes on
+    assert r.returncode == 0 and "reached --max-steps 26" in r.stdout, r.stdout
 
 
 def test_pairs_over_the_batch_budget_are_announced(toy_nodev, tmp_path, capsys):

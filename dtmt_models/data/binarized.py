@@ -175,8 +175,12 @@ class BinarizedCorpus:
         self.dtype = np.dtype(self.manifest["dtype"])
         self.protos = []
         for side in SIDES:
-            with open(os.path.join(path, f"{side}.model"), "rb") as f:
-                self.protos.append(f.read())
+            try:
+                with open(os.path.join(path, f"{side}.model"), "rb") as f:
+                    self.protos.append(f.read())
+            except OSError as exc:
+                raise CorpusError(f"{os.path.join(path, f'{side}.model')}: {exc.strerror or exc}; rebuild the binarized "
+                                  f"corpus with `dtmt prepare binarize`") from None
 
     @property
     def splits(self) -> List[str]:

@@ -217,6 +217,8 @@ def corpus_paths(directory: str, split: str) -> Tuple[str, str]:
     """(source file, target file) of a split of a prepared corpus."""
     m = read_manifest(directory)
     src, tgt = (os.path.join(directory, f"{split}.{m[k]}") for k in ("src_lang", "tgt_lang"))
-    if split not in m.get("counts", {}) or not os.path.isfile(src):
-        raise CorpusError(f"{directory}: no split {split!r} ({src} is missing); splits: {sorted(m.get('counts', {}))}")
+    if split not in m.get("counts", {}):
+        raise CorpusError(f"{directory}: no split {split!r}; splits: {sorted(m.get('counts', {}))}")
+    if not os.path.isfile(src):
+        raise CorpusError(f"{src}: no such file (the corpus lists a {split} split)")
     return src, tgt

@@ -269,6 +269,7 @@ class Trainer:
         # the log window in progress (loss, NLL and target tokens summed since the last train row, its seconds): kept
         # in last.pt, so that a run resumed after Ctrl-C writes the rows an uninterrupted run writes
         self.log_window = [0.0, 0.0, 0.0, 0.0]
+        self.stopped_early_by: Optional[str] = None   # the --best-by whose patience ran out, once it has
         torch.manual_seed(cfg.seed * 7919 + 1 + dist.rank)   # dropout streams differ per process
         if ckpt is not None:
             self._restore(ckpt)
@@ -331,6 +332,7 @@ class Trainer:
         self.step, self.epoch, self.batch_index, self.elapsed = t["step"], t["epoch"], t["batch_index"], t["elapsed"]
         self.best_bleu, self.best_loss, self.bad_validations = t["best_bleu"], t["best_loss"], t["bad_validations"]
         self.log_window = [float(x) for x in t.get("log_window", [0.0, 0.0, 0.0, 0.0])]   # (older last.pt: none)
+        self.stopped_early_by = t.get("stopped_early_by")
         rngs = t["rng"]
         if len(rngs) != self.dist.world:
             raise ValueError(f"the checkpoint was written by {len(rngs)} process(es); resume with the same number "
@@ -354,7 +356,8 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "batch_index": self.batch_index, "elapsed": self.elapsed,
                 "best_bleu": self.best_bleu, "best_loss": self.best_loss, "bad_validations": self.bad_validations,
-                "log_window": list(self.log_window), "rng": self.dist.gather(rng)}
+                "log_window": list(self.log_window), "stopped_early_by": self.stopped_early_by,
+                "rng": self.dist.gather(rng)}
         return p
 
     def check_sync(self) -> Optional[str]:
@@ -408,7 +411,8 @@ class Trainer:
 
     def should_stop(self) -> Optional[str]:
         c = self.cfg
-        if c.patience and self.bad_validations >= c.patience:   # a resumed run that had stopped early
+        if self.stopped_early_by == c.best_by and c.patience and self.bad_validations >= c.patience:
+            # a resumed run that had stopped early (not one given a lower --patience or another --best-by now)
             return (f"no better dev {self.best_by_name()} in {c.patience} validations (early stopping, before this "
                     f"resume; a larger --patience goes on)")
         if c.max_steps is not None and self.step >= c.max_steps:
@@ -431,6 +435,7 @@ class Trainer:
                          "item 24); --amp off is the fast choice on this machine")
         handlers = self._install_signals()
         last_validated = first_step = self.step
+        interrupted = False   # by a signal to any process (every rank sees it through the summed stop flag)
         try:
             while self.stop_reason is None:
                 self.stop_reason = self.should_stop()
@@ -457,6 +462,7 @@ class Trainer:
                         self.log_window = [0.0, 0.0, 0.0, 0.0]
                     if stop:
                         self.stop_reason = f"interrupted by {self._signal or 'a signal in another process'}"
+                        interrupted = True
                         break
                     if self.step % c.valid_every == 0:
                         last_validated = self.step
@@ -468,11 +474,11 @@ class Trainer:
                 else:
                     self.epoch += 1
                     self.batch_index = 0
-            if not self._signal and self.step % c.log_every and self.log_window[2] and self.step > first_step:
+            if not interrupted and self.step % c.log_every and self.log_window[2] and self.step > first_step:
                 # the window in progress at the end of the run: its row too (a run shorter than --log-every had none);
                 # the window stays in last.pt, so a run extended from here writes the rows of an uninterrupted one
                 self._write_train_row()
-            if self.step != last_validated and not self._signal and self.dev_ids:
+            if self.step != last_validated and not interrupted and self.dev_ids:
                 self.validate()
             self.save_last()
             digest = self.check_sync()
@@ -546,6 +552,7 @@ class Trainer:
         stop, self.best_bleu, self.best_loss, self.bad_validations = decision
         if stop:
             self.stop_reason = f"no better dev {self.best_by_name()} in {self.cfg.patience} validations (early stopping)"
+            self.stopped_early_by = self.cfg.best_by
         return stop
 
     def best_description(self) -> str:

@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bleu-sentences", type=int, default=None,
                    help=f"dev sentences translated for BLEU (default {D['bleu_sentences']}; 0: all)")
     s.add_argument("--log-every", type=int, default=None,
-                   help=f"write a training row every N updates (default {D['log_every']})")
+                   help=f"write a training row (the mean over the updates since the last one) every N updates and at "
+                        f"the end of the run (default {D['log_every']})")
     s.add_argument("--keep-last", type=int, default=None, metavar="N",
                    help="also keep the model of each of the last N validations, as step_UPDATES.pt (default "
                         f"{D['keep_last']}; 0: none), "

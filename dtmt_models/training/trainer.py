@@ -17,10 +17,12 @@ What a run does, in order:
      the model of the lowest dev loss (--best-by bleu: of the highest dev BLEU), and --patience validations
      without a better one stop the run; `last.pt` written (atomically), and with --keep-last N the model of each
      of the last N validations as step_<updates>.pt;
-  4. logs to OUT/train_log.csv and draws OUT/learning_curve.png; a progress line shows tokens/s.
+  4. logs to OUT/train_log.csv (a train row every --log-every updates and at the end, each the mean over the
+     updates since the last) and draws OUT/learning_curve.png; a progress line shows tokens/s.
 SIGINT/SIGTERM finish the current update, save `last.pt` and exit; `--resume` continues from `last.pt` so that
 the losses after resuming are exactly those an uninterrupted run would have produced (the batch order, the
-random states, the optimizer and the schedule are all restored).
+random states, the optimizer, the schedule and the log window in progress are all restored); a run that had
+stopped early stays stopped unless --patience is raised.
 """
 from __future__ import annotations
 

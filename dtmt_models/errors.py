@@ -31,6 +31,14 @@ def check_input_file(path: str, option: str = "", noun: str = "file") -> None:
         raise UsageError(f"{where}: no such {noun}")
 
 
+def check_input_dir(path: str, option: str, noun: str) -> None:
+    """A folder a command will read, named by `option`: UsageError, before any work, if it is a file ("--run R: is
+    a file, not a run folder") or does not exist ("... no such folder")."""
+    if not os.path.isdir(path):
+        raise UsageError(f"{option} {path}: " + (f"is a file, not a {noun}" if os.path.exists(path) else
+                                                 "no such folder"))
+
+
 def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: Optional[str] = None) -> None:
     """An output file named by `option` that is a folder, lies under a file, or is one of the `inputs` (it would be
     overwritten): UsageError, before any work. (Missing folders on its way are made when it is written; whether it

@@ -9,12 +9,11 @@ training state, so it cannot be resumed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from typing import List, Optional
 
-from dtmt_models.errors import UsageError, check_input_file, check_output_file, one_line
+from dtmt_models.errors import UsageError, check_input_dir, check_input_file, check_output_file, one_line
 from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
 from dtmt_models.training.trainer import step_checkpoints
 
@@ -65,9 +64,7 @@ def _checkpoints(a: argparse.Namespace) -> List[str]:
         for path in a.checkpoints:
             check_input_file(path, noun="checkpoint file")
         return list(a.checkpoints)
-    if not os.path.isdir(a.run):
-        raise UsageError(f"--run {a.run}: " + ("is a file, not a run folder" if os.path.exists(a.run) else
-                                              "no such folder"))
+    check_input_dir(a.run, "--run", "run folder")
     kept = step_checkpoints(a.run)
     if not kept:
         raise UsageError(f"--run {a.run}: holds no step_<updates>.pt checkpoints (train with --keep-last N)")

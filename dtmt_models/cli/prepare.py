@@ -15,7 +15,7 @@ from typing import List, Optional
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import prepare_files
-from dtmt_models.errors import UsageError, check_output_dir
+from dtmt_models.errors import UsageError, check_input_dir, check_output_dir
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 
 
@@ -120,9 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             prepare_files(args, log=log)
             binarize_from_args(args, args.out, log)
         else:
-            if not os.path.isdir(args.data):
-                raise UsageError(f"--data {args.data}: " + ("is a file, not a corpus folder" if os.path.exists(args.data)
-                                                            else "no such folder"))
+            check_input_dir(args.data, "--data", "corpus folder")
             if not os.path.isfile(os.path.join(args.data, data.MANIFEST)):
                 raise UsageError(f"--data {args.data}: not a corpus folder written by dtmt prepare (no "
                                  f"{data.MANIFEST})")

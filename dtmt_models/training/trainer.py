@@ -227,7 +227,8 @@ class Trainer:
         # during an epoch its batches (4 bytes a pair)
         self.train_data = corpus.split("train")
         self.lengths = self.train_data.lengths(length_dtype(cfg.max_len))
-        n_kept = len(kept_indices(self.lengths, cfg.max_len))
+        kept = kept_indices(self.lengths, cfg.max_len)
+        n_kept = len(kept)
         n_long = sum(int((self.lengths[i:i + (1 << 20)] > cfg.max_len).any(axis=1).sum())
                      for i in range(0, len(self.lengths), 1 << 20))
         empty = len(self.lengths) - n_long - n_kept
@@ -241,9 +242,8 @@ class Trainer:
         if not n_kept:
             raise CorpusError("no training pairs left after length filtering; raise --max-len")
         if cfg.max_len + 1 > cfg.max_tokens:   # a kept pair can pass a batch's budget alone: it goes in a batch of one
-            over = sum(int(((part.max(axis=1) + 1 > cfg.max_tokens) & (part.max(axis=1) <= cfg.max_len)
-                            & (part.min(axis=1) >= 1)).sum())
-                       for part in (self.lengths[i:i + (1 << 20)] for i in range(0, len(self.lengths), 1 << 20)))
+            over = sum(int((self.lengths[kept[i:i + (1 << 20)]].max(axis=1) + 1 > cfg.max_tokens).sum())
+                       for i in range(0, n_kept, 1 << 20))
             if over:
                 self.log(f"warning: {over:,} training pairs are longer than --max-tokens {cfg.max_tokens} allows a "
                          f"batch (their longer side + 1); each is a batch of its own, over the budget (raise "

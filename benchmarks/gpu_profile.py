@@ -13,6 +13,8 @@ forward + backward (the output summed, as in bench_cells.py) with each backend, 
   graph_ms    the same fwd+bwd replayed as a CUDA graph (torch.cuda.make_graphed_callables), i.e. with the
               host's per-launch cost gone; "-" with the reason if the layer cannot be captured
   cudnn_ms    torch.nn.GRU (cuDNN) of the same size, fwd+bwd, eager and graphed, on the GRU rows
+With --kernels N, a second table follows: for each row, its N kernels of most device time in one fwd+bwd
+(name, calls, summed ms, share of kernel_ms), to tell which of a backend's kernels make its device time.
 The device is named in the first line. With --device cpu (a test of this script) the profiler sees no kernels
 and no graph is captured.
 """
@@ -46,7 +48,7 @@ def wall_ms(fn, repeat: int, device: str) -> float:
 
 
 def device_work(fn, device: str):
-    """(summed kernel and copy durations in ms, their count) of one call of fn."""
+    """(summed kernel and copy durations in ms, their count, {kernel name: [calls, ms]}) of one call of fn."""
     from torch.autograd import DeviceType
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
@@ -56,7 +58,12 @@ def device_work(fn, device: str):
         if device == "cuda":
             torch.cuda.synchronize()
     kern = [e for e in prof.events() if e.device_type in (DeviceType.CUDA,)]
-    return sum(e.time_range.elapsed_us() for e in kern) / 1e3, len(kern)
+    by_name: dict[str, list] = {}
+    for e in kern:
+        entry = by_name.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us() / 1e3
+    return sum(e.time_range.elapsed_us() for e in kern) / 1e3, len(kern), by_name
 
 
 def graphed_ms(kind: str, H: int, backend: str, x, repeat: int) -> str:
@@ -79,6 +86,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also list each row's N kernels of most device time (default 0: none)")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
@@ -89,6 +98,7 @@ def main(argv=None):
     print(f"# {machine_name(a.device)}; T={a.T}, H={a.H}, {a.dtype}, fwd+bwd, median of {a.repeat}")
     print("| layer | B | impl | eager_ms | kernel_ms | launches | host_us | graph_ms |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
+    top = []   # (row label, kernel_ms, {name: [calls, ms]}) for --kernels
     for kind in a.kinds:
         for B in a.B:
             torch.manual_seed(0)
@@ -100,7 +110,8 @@ def main(argv=None):
                     layer = layer_for(k, a.H, backend).to(a.device, dtype)
                     fn = fwd_bwd(layer, x)
                     eager = wall_ms(fn, a.repeat, a.device)
-                    kern, n = device_work(fn, a.device)
+                    kern, n, by_name = device_work(fn, a.device)
+                    top.append((f"{kind} B={B} {name}", kern, by_name))
                     host = 1e3 * (eager - kern) / n if n else float("nan")
                     graph = graphed_ms(k, a.H, backend, x, a.repeat) if a.device == "cuda" else "-"
                     print(f"| {kind} | {B} | {name} | {eager:.2f} | {kern:.2f} | {n} | {host:.1f} | {graph} |",
@@ -108,6 +119,15 @@ def main(argv=None):
                 except Exception as e:
                     print(f"| {kind} | {B} | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |||||",
                           flush=True)
+    if a.kernels > 0 and top:
+        print(f"\n## The {a.kernels} kernels of most device time in each row (one fwd+bwd)")
+        print("| row | kernel | calls | ms | share |")
+        print("|---|---|---:|---:|---:|")
+        for label, kern, by_name in top:
+            ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.kernels]
+            for kname, (calls, ms) in ranked:
+                share = f"{100 * ms / kern:.0f}%" if kern else "-"
+                print(f"| {label} | {kname[:90]} | {calls} | {ms:.2f} | {share} |")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@
 #
 #   bash benchmarks/gpu_session.sh                      # stages build tests bench; results under $OUT
 #   bash benchmarks/gpu_session.sh build tests profile  # only these stages (build, tests, bench, profile,
-#   bash benchmarks/gpu_session.sh bench train          # train), e.g. to split the work over device calls
+#   bash benchmarks/gpu_session.sh bench train          # train, gemm), e.g. to split the work over device calls
+#   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMM above 8 rows: cuBLAS
+#                                                       # against its tiled GEMM (NOTES 69), and each backend's
+#                                                       # kernels of most device time at B = 1 and 8
 #
 # Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
 # has them all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
@@ -73,5 +76,18 @@ if want train; then
   echo "== bench_train --device cuda --preset paper"
   timeout 240 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 6 \
     --systems dtmt nematus rnnsearch-atr transformer --fused cuda triton --out "$OUT/train" || status=1
+fi
+if want gemm; then
+  echo "== GPU kernel tests with cuBLAS for every step GEMM above 8 rows (DTMT_CUDA_TILED_ROWS=8)"
+  DTMT_CUDA_TILED_ROWS=8 timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py 2>&1 \
+    | tee "$OUT/gemm_tests.log" | tail -5
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  for rows in 64 8; do
+    echo "== gpu_profile, cuda backend, DTMT_CUDA_TILED_ROWS=$rows"
+    DTMT_CUDA_TILED_ROWS=$rows timeout 120 "$PY" benchmarks/gpu_profile.py --backends cuda --B 16 32 64 \
+      --kernels 3 2>&1 | tee "$OUT/gemm_tiled_rows_$rows.md" || status=1
+  done
+  echo "== gpu_profile B 1 8, both backends, kernels of most device time"
+  timeout 120 "$PY" benchmarks/gpu_profile.py --B 1 8 --kernels 4 2>&1 | tee "$OUT/kernels_b1_b8.md" || status=1
 fi
 exit $status

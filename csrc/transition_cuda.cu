@@ -11,18 +11,13 @@
 //             pre-activations, then one GEMM d(hp) U for the path to the input state; weight gradients as
 //             GEMMs after the loop, bias and layer-norm gradients as column sums (deterministic)
 // The per-step GEMMs are kernels of the .cuh launched on raw pointers for small batches (the row GEMM up to
-// kRowGemmRows rows, the tiled GEMM up to tiled_gemm_rows()) and cuBLAS above, called directly on raw pointers
-// (at::cuda::blas::gemm: no dispatcher, no tensors made a step). The choice is made once per call, from B.
+// kRowGemmRows rows, the tiled GEMM up to kSmallGemmRows) and ATen's mm (cuBLAS) above. The choice is made once
+// per call, from B.
 // Storage in the input dtype (float, double, half, bfloat16), h0 / h_n also in float for 16-bit inputs (h_n in
 // h0's dtype, dh0 in grad_hn's); states, carried gradients and all kernel arithmetic in float (double for double
 // inputs). Nothing synchronises with the host inside the loops.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #if !defined(DTMT_CUDA_EMULATION)
-#if __has_include(<cublas_v2.h>)  // every CUDA toolkit has it; torch's CPU wheel (the tests' compile check) not
-#include <ATen/cuda/CUDABlas.h>
-#define DTMT_DIRECT_CUBLAS 1
-#endif
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -79,27 +74,9 @@ int64_t tiled_gemm_rows() {
   }();
   return rows;
 }
-enum class StepGemm { kRows, kTiled, kCublas };
+enum class StepGemm { kRows, kTiled, kAten };
 StepGemm step_gemm(int64_t B) {
-  return B <= kRowGemmRows ? StepGemm::kRows : B <= tiled_gemm_rows() ? StepGemm::kTiled : StepGemm::kCublas;
-}
-
-// c[M, N] = a[M, K] . w^T with w [N, K] (w_t) or a[M, K] . w with w [K, N], row-major, on the current stream:
-// cuBLAS's column-major c^T = op(w) . a^T. Where cuBLAS's headers are absent (the emulation, torch's CPU wheel),
-// ATen's mm over the same memory.
-template <typename S>
-void blas_gemm(bool w_t, int64_t M, int64_t N, int64_t K, const S* a, const S* w, S* c,
-               const at::TensorOptions& opts) {
-#if defined(DTMT_DIRECT_CUBLAS)
-  (void)opts;
-  at::cuda::blas::gemm<S>(w_t ? 't' : 'n', 'n', N, M, K, at::opmath_type<S>(1), w, w_t ? K : N, a, K,
-                          at::opmath_type<S>(0), c, N);
-#else
-  const Tensor wm = w_t ? at::from_blob(const_cast<S*>(w), {N, K}, opts).t()
-                        : at::from_blob(const_cast<S*>(w), {K, N}, opts);
-  Tensor cm = at::from_blob(c, {M, N}, opts);
-  at::mm_out(cm, at::from_blob(const_cast<S*>(a), {M, K}, opts), wm);
-#endif
+  return B <= kRowGemmRows ? StepGemm::kRows : B <= tiled_gemm_rows() ? StepGemm::kTiled : StepGemm::kAten;
 }
 
 template <typename T, typename S> const T* cptr(const Tensor& t, int64_t offset = 0) {
@@ -180,16 +157,20 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const StepGemm gemm = step_gemm(B);
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
+  const Tensor w_hh_t = w_hh.t();
+  std::vector<Tensor> t_w_t;
+  if (gemm == StepGemm::kAten)
+    for (int64_t k = 0; k < D; ++k) t_w_t.push_back(t_w[k].t());
   // hs_lp's rows [k][t] are the GEMMs' inputs (the state in the GEMM dtype)
   auto gemm_forward = [&](int64_t k, int64_t t, const T* u, T* c, int64_t n) {
-    const T* a = cptr<T, S>(hs_lp, (k * T_ + t) * BH);
-    if (gemm != StepGemm::kCublas) {
-      const cuda::GemmArgs<T> g{a, u, c, static_cast<int>(B), static_cast<int>(n), static_cast<int>(H)};
+    if (gemm != StepGemm::kAten) {
+      const cuda::GemmArgs<T> g{cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B),
+                                static_cast<int>(n), static_cast<int>(H)};
       C10_CUDA_CHECK((gemm == StepGemm::kRows ? cuda::launch_rows_gemm<T, A>(g, stream)
                                               : cuda::launch_tiled_gemm<true, T, A>(g, stream)));
     } else {
-      blas_gemm<S>(true, B, n, H, reinterpret_cast<const S*>(a), reinterpret_cast<const S*>(u),
-                   reinterpret_cast<S*>(c), opts);
+      Tensor out_rows = k == 0 ? hp[t] : hpt[k - 1][t];
+      at::mm_out(out_rows, hs_lp[k][t], k == 0 ? w_hh_t : t_w_t[k - 1]);
     }
   };
 
@@ -286,13 +267,14 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   // and `u` from the element offsets given (`u_rows`: the same matrix as U^T, same offset)
   auto gemm_backward = [&](Tensor& out, const Tensor& dpre, int64_t dpre_off, const Tensor& u, const Tensor& u_rows,
                            int64_t u_off, int64_t n) {
-    if (gemm != StepGemm::kCublas) {
+    if (gemm != StepGemm::kAten) {
       const cuda::GemmArgs<T> g{cptr<T, S>(dpre, dpre_off), cptr<T, S>(rows ? u_rows : u, u_off), mptr<T, S>(out),
                                 static_cast<int>(B), static_cast<int>(H), static_cast<int>(n)};
       C10_CUDA_CHECK(
           (rows ? cuda::launch_rows_gemm<T, A>(g, stream) : cuda::launch_tiled_gemm<false, T, A>(g, stream)));
     } else {
-      blas_gemm<S>(false, B, H, n, cptr<S, S>(dpre, dpre_off), cptr<S, S>(u, u_off), mptr<S, S>(out), opts);
+      at::mm_out(out, dpre.view({-1}).narrow(0, dpre_off, B * n).view({B, n}),
+                 u.view({-1}).narrow(0, u_off, n * H).view({n, H}));
     }
   };
 

@@ -9,17 +9,17 @@
 #   bash benchmarks/gpu_session.sh                      # stages build tests bench; results under $OUT
 #   bash benchmarks/gpu_session.sh build tests profile  # only these stages (build, tests, bench, profile,
 #   bash benchmarks/gpu_session.sh bench train          # train, gemm), e.g. to split the work over device calls
-#   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMM above 8 rows: cuBLAS
-#                                                       # against its tiled GEMM (NOTES 69), and each backend's
-#                                                       # kernels of most device time at B = 1 and 8
+#   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
+#                                                       # GEMM and cuBLAS, each at every batch size (NOTES 69)
 #
 # Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
 # has them all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
 # <dtype>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
-# (train); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line
-# they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train
-# 240 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, bench
-# 148 s; a device call is at most 10 minutes, so run `build tests` and the rest as separate calls.
+# (train), gemm_tests.log and gemm_{rows,tiled,cublas}.md (gemm); the tables themselves go to stdout. Copy
+# the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests
+# 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 240 + 3 x 120 s) so that a hang cannot
+# eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, bench 148 s; a device call is at
+# most 10 minutes, so run `build tests` and the rest as separate calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -78,16 +78,14 @@ if want train; then
     --systems dtmt nematus rnnsearch-atr transformer --fused cuda triton --out "$OUT/train" || status=1
 fi
 if want gemm; then
-  echo "== GPU kernel tests with cuBLAS for every step GEMM above 8 rows (DTMT_CUDA_TILED_ROWS=8)"
-  DTMT_CUDA_TILED_ROWS=8 timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py 2>&1 \
+  echo "== GPU kernel tests with cuBLAS for every step GEMM (DTMT_CUDA_STEP_GEMM=cublas)"
+  DTMT_CUDA_STEP_GEMM=cublas timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py 2>&1 \
     | tee "$OUT/gemm_tests.log" | tail -5
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  for rows in 64 8; do
-    echo "== gpu_profile, cuda backend, DTMT_CUDA_TILED_ROWS=$rows"
-    DTMT_CUDA_TILED_ROWS=$rows timeout 120 "$PY" benchmarks/gpu_profile.py --backends cuda --B 16 32 64 \
-      --kernels 3 2>&1 | tee "$OUT/gemm_tiled_rows_$rows.md" || status=1
+  for gemm in rows tiled cublas; do
+    echo "== gpu_profile, cuda backend, DTMT_CUDA_STEP_GEMM=$gemm"
+    DTMT_CUDA_STEP_GEMM=$gemm timeout 120 "$PY" benchmarks/gpu_profile.py --backends cuda --B 1 8 16 64 \
+      --kernels 3 2>/dev/null | tee "$OUT/gemm_$gemm.md" || status=1
   done
-  echo "== gpu_profile B 1 8, both backends, kernels of most device time"
-  timeout 120 "$PY" benchmarks/gpu_profile.py --B 1 8 --kernels 4 2>&1 | tee "$OUT/kernels_b1_b8.md" || status=1
 fi
 exit $status

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -61,22 +62,31 @@ template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // Batch rows up to which the time loops' GEMMs are kernels of the .cuh (a step: two kernel launches, no ATen
-// dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM above, up to tiled_gemm_rows(). Thresholds:
-// benchmarks/NOTES.md, items 17, 57 and 69 (measured on an H100 and an H200). DTMT_CUDA_TILED_ROWS (read once a
-// process) sets the tiled GEMM's last row count for benchmarks: 8 or less leaves it unused (cuBLAS above the
-// row GEMM), a large value uses it at every batch above 8.
+// dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM up to kSmallGemmRows, cuBLAS above. Thresholds:
+// benchmarks/NOTES.md, items 17, 57 and 69 (measured on an H100 and an H200).
 constexpr int64_t kRowGemmRows = 8;
 constexpr int64_t kSmallGemmRows = 64;
-int64_t tiled_gemm_rows() {
-  static const int64_t rows = [] {
-    const char* env = std::getenv("DTMT_CUDA_TILED_ROWS");
-    return env != nullptr && *env != '\0' ? std::max<int64_t>(0, std::atoll(env)) : kSmallGemmRows;
-  }();
-  return rows;
-}
 enum class StepGemm { kRows, kTiled, kAten };
+
+// DTMT_CUDA_STEP_GEMM=rows|tiled|cublas (read once a process; for benchmarks) uses that GEMM at every batch size;
+// unset or auto: the thresholds above. Another value is ignored with a warning.
+int forced_step_gemm() {
+  static const int forced = [] {
+    const char* env = std::getenv("DTMT_CUDA_STEP_GEMM");
+    const std::string v = env != nullptr ? env : "";
+    if (v.empty() || v == "auto") return -1;
+    if (v == "rows") return static_cast<int>(StepGemm::kRows);
+    if (v == "tiled") return static_cast<int>(StepGemm::kTiled);
+    if (v == "cublas") return static_cast<int>(StepGemm::kAten);
+    TORCH_WARN("dtmt: DTMT_CUDA_STEP_GEMM=", v, " ignored: not one of auto, rows, tiled, cublas");
+    return -1;
+  }();
+  return forced;
+}
 StepGemm step_gemm(int64_t B) {
-  return B <= kRowGemmRows ? StepGemm::kRows : B <= tiled_gemm_rows() ? StepGemm::kTiled : StepGemm::kAten;
+  const int forced = forced_step_gemm();
+  if (forced >= 0) return static_cast<StepGemm>(forced);
+  return B <= kRowGemmRows ? StepGemm::kRows : B <= kSmallGemmRows ? StepGemm::kTiled : StepGemm::kAten;
 }
 
 template <typename T, typename S> const T* cptr(const Tensor& t, int64_t offset = 0) {

@@ -374,3 +374,36 @@ def test_cuda_kernels_emulated_batch_sizes(emulated_cuda_ext, B):
     mm."""
     run_emulated = _emulated_sequence(emulated_cuda_ext)
     _compare_emulated(run_emulated, "lgru", 1, True, True, torch.float64, B=B, T=2, H=9)
+
+
+_FORCED_GEMM_RUN = r"""
+import importlib.util, sys, warnings
+import torch
+sys.path.insert(0, sys.argv[1])
+import test_cuda_sources as t
+spec = importlib.util.spec_from_file_location("dtmt_cuda_emulated", sys.argv[2])
+ext = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ext)
+run = t._emulated_sequence(ext)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for B in (3, 20):
+        t._compare_emulated(run, "lgru", 1, True, True, torch.float64, B=B, T=2, H=9)
+for w in caught:
+    print("warning:", w.message)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forced", ["rows", "tiled", "cublas", "sideways"])
+def test_cuda_step_gemm_forced(emulated_cuda_ext, forced):
+    """DTMT_CUDA_STEP_GEMM (read once a process, so each setting in a process of its own) puts the chosen GEMM at
+    every batch size: the row GEMM at B = 20 (three passes of rows), the tiled GEMM at B = 3 (one part-filled
+    tile), ATen's mm at both; outputs and all gradients against the reference. An unknown value is ignored with
+    a warning naming the variable, the same results as without it."""
+    env = {**os.environ, "DTMT_CUDA_STEP_GEMM": forced}
+    res = subprocess.run([sys.executable, "-c", _FORCED_GEMM_RUN, os.path.dirname(os.path.abspath(__file__)),
+                          emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    named = "DTMT_CUDA_STEP_GEMM=sideways ignored: not one of auto, rows, tiled, cublas"
+    assert (named in res.stdout) == (forced == "sideways"), res.stdout + res.stderr

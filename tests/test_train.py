@@ -358,6 +358,14 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     (["--smoothing", "1"], "--smoothing 1.0: must be in [0, 1)"),
     (["--allow-changed-data"], "--allow-changed-data applies to --resume only"),
     (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+    (["--opt", "backend=foo"], "--opt backend=foo: the recurrent kernels are not a model option; use --backend"),
+    (["--backend", "foo"], "--backend foo: "),
+    (["--device", "foo"], "--device: 'foo' is not a device (use cpu or cuda)"),
+    pytest.param(["--backend", "cuda", "--device", "cpu"], "--backend cuda: ",
+                 marks=pytest.mark.skipif("cuda" in __import__("dtmt_kernels").available_backends(),
+                                          reason="the cuda backend is built here")),
+    pytest.param(["--device", "cuda"], "--device cuda: no CUDA device is available here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
 ])
 def test_bad_options_are_refused_before_any_work(toy_nodev, tmp_path, capsys, bad, message):
     """Issue 20, item 3: one line naming the option, the value and what is allowed; exit 2; nothing written."""
@@ -368,6 +376,47 @@ def test_bad_options_are_refused_before_any_work(toy_nodev, tmp_path, capsys, ba
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not out.exists()
+
+
+def test_out_that_is_a_file_or_lies_under_one_is_refused(toy_nodev, tmp_path, capsys):
+    """SPEC §6: --out naming a file, or a folder under a file, is one line and exit 2 before any work (it was a
+    NotADirectoryError traceback when the log was opened)."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, message in ((afile, f"--out {afile}: exists and is not a directory"),
+                         (afile / "sub", f"--out {afile / 'sub'}: {afile} is a file, not a directory")):
+        r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert afile.read_text() == "x" and sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nodev, tmp_path, capsys):
+    """SPEC §7: `--resume CHECKPOINT` continues in --out, by default the checkpoint's folder (a run's folder names
+    its last.pt); into another --out the run goes on there, the original untouched; an --out holding a checkpoint of
+    its own is refused, as is a checkpoint without training state."""
+    from dtmt_models.models.checkpoint import read_checkpoint
+
+    run_a = tmp_path / "runA"
+    assert train_here(["--data", toy_nodev, "--out", str(run_a), "--max-steps", "2", *TINY], capsys).returncode == 0
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a / "last.pt"), "--max-steps", "3", *TINY], capsys)
+    assert r.returncode == 0 and "resumed from step 2" in r.stdout, r.stderr
+    assert read_checkpoint(str(run_a / "last.pt"))["step"] == 3
+    before = (run_a / "last.pt").read_bytes()
+    run_c = tmp_path / "runC"
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(run_c), "--max-steps", "4", *TINY],
+                   capsys)
+    assert r.returncode == 0 and "resumed from step 3" in r.stdout, r.stderr
+    assert read_checkpoint(str(run_c / "last.pt"))["step"] == 4 and (run_a / "last.pt").read_bytes() == before
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(run_c), "--max-steps", "5", *TINY],
+                   capsys)
+    assert r.returncode == 2 and f"--out {run_c} already holds a checkpoint of its own" in r.stderr, r.stderr
+    weights_only = tmp_path / "weights.pt"
+    ckpt = read_checkpoint(str(run_a / "last.pt"))
+    torch.save({k: v for k, v in ckpt.items() if k != "training"}, weights_only)
+    r = train_here(["--data", toy_nodev, "--resume", str(weights_only), "--out", str(tmp_path / "runD"),
+                    "--max-steps", "5", *TINY], capsys)
+    assert r.returncode == 2 and f"{weights_only} has no training state" in r.stderr, r.stderr
+    assert not (tmp_path / "runD").exists()
 
 
 def test_vocabulary_too_small_for_the_corpus_is_one_line(toy_nodev, tmp_path, capsys):

@@ -18,10 +18,11 @@ import torch
 import yaml
 
 from dtmt_models.atomic import WriteError, atomic_write
+from dtmt_models.cli.translate import check_device_and_backend
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD
-from dtmt_models.errors import one_line
+from dtmt_models.errors import check_output_dir, one_line
 from dtmt_models.models.checkpoint import read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models
@@ -32,7 +33,7 @@ from dtmt_models.training.trainer import CONFIG, LAST, Trainer
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
-             "threads", "bleu_sentences", "keep_last", "amp", "best_by")
+             "threads", "bleu_sentences", "keep_last", "amp", "best_by", "device", "backend")
 
 
 
@@ -61,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default runs/<model>)")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="model option override, e.g. --opt depth=4 --opt cell=gru (repeatable)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in OUT from OUT/last.pt; a --data holding another corpus, or a model or "
-                        "training setting given with a value other than the run's, is an error")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="CHECKPOINT",
+                   help="continue a run from its last.pt: CHECKPOINT (a run's last.pt or its folder; default "
+                        "OUT/last.pt), in --out (default: CHECKPOINT's folder); a --data holding another corpus, or a "
+                        "model or training setting given with a value other than the run's, is an error")
     p.add_argument("--allow-changed-data", action="store_true",
                    help="with --resume: continue on a --data whose corpus differs from the run's")
     p.add_argument("--overwrite", action="store_true", help="start afresh even if OUT has a checkpoint")
@@ -150,12 +152,15 @@ def check_arguments(args: argparse.Namespace) -> None:
         need(0 <= args.smoothing < 1, "smoothing", "in [0, 1)")
     if args.clip is not None:
         need(0 <= args.clip < math.inf, "clip", "a finite number >= 0 (0: off)")
+    if "backend" in parse_options(args.opt):
+        raise ValueError(f"--opt backend={parse_options(args.opt)['backend']}: the recurrent kernels are not a model "
+                         f"option; use --backend")
     seconds = parse_duration(args.max_time)
     if seconds is not None and not 0 < seconds < math.inf:
         raise ValueError(f"--max-time {args.max_time}: must be a finite duration > 0, e.g. 90s, 30m or 2h")
-    if args.allow_changed_data and not args.resume:
+    if args.allow_changed_data and args.resume is None:
         raise ValueError("--allow-changed-data applies to --resume only")
-    if args.resume and args.overwrite:
+    if args.resume is not None and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or start it "
                          "again")
 
@@ -277,7 +282,7 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     elif args.max_epochs is not None:
         train["max_epochs"] = args.max_epochs
     model_options = {**preset["model"], **parse_options(args.opt)}
-    model_options.pop("backend", None)
+    model_options.pop("backend", None)   # (a preset's: --backend chooses the kernels; check_arguments refuses --opt's)
     fields = set(TrainConfig.defaults()) | {"data", "model_options"}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     return TrainConfig(**{**given, **train, "model_options": model_options,
@@ -317,14 +322,27 @@ def _main(argv: Optional[List[str]] = None) -> int:
         check_arguments(args)
         if args.model not in list_models():
             raise ValueError(f"unknown model {args.model!r}; choose one of {list_models()}")
+        resume_from = None   # the checkpoint --resume names, if it names one
+        if args.resume:
+            resume_from = os.path.abspath(args.resume)
+            if os.path.isdir(resume_from):
+                resume_from = os.path.join(resume_from, LAST)
+            if args.out is None:
+                args.out = os.path.dirname(resume_from)
         args.out = os.path.abspath(args.out or os.path.join("runs", args.model))
+        check_output_dir(args.out, "--out")
         last = os.path.join(args.out, LAST)
         ckpt = None
         fingerprint = corpus_fingerprint(args.data, train_sha1=binarized.known_train_sha1(args.data))
-        if args.resume:
-            ckpt = read_checkpoint(last)
+        if args.resume is not None:
+            source = resume_from or last
+            if (resume_from is not None and os.path.isfile(last)
+                    and not (os.path.exists(resume_from) and os.path.samefile(resume_from, last))):
+                raise ValueError(f"--out {args.out} already holds a checkpoint of its own; continue {resume_from} in "
+                                 f"its folder or in a new --out")
+            ckpt = read_checkpoint(source)
             if "training" not in ckpt:
-                raise ValueError(f"{last} has no training state")
+                raise ValueError(f"{source} has no training state (a run's last.pt has)")
             cfg = TrainConfig.from_dict(ckpt["config"])
             conflicts = resume_conflicts(args, explicit, cfg)
             if conflicts:
@@ -352,6 +370,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
             check_model_options(cfg.model, cfg.model_options)
         # the run lives in --out and reads --data, wherever it was started from before
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint
+        device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        check_device_and_backend(device, cfg.backend)
         dist = Dist(cfg.device)
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         print(f"dtmt train: {exc}", file=sys.stderr)

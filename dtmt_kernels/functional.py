@@ -119,14 +119,14 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: st
 
     With `cpp` (the `auto` choice for CPU tensors) a product of at most 8 float32 rows that needs no gradient,
     i.e. a decoder step at batch 1 with beam <= 8, runs the small-row kernel (csrc/small_gemm_cpu.cpp), which
-    reads each weight once, in address order (why: benchmarks/NOTES.md, log items 10 and 12). Everything else, and every other backend, is F.linear (ATen's GEMM, cuBLAS
-    on the GPU). Unlike the recurrent ops, `auto` never fails here: on a device with no fused backend it is
-    F.linear."""
-    if backend == "cpp":
-        resolve_backend(backend, x.device)  # an error that says why when cpp cannot run these tensors
-    elif backend != "auto":
-        check_backend_name(backend)
-        return F.linear(x, weight, bias)
+    reads each weight once, in address order (why: benchmarks/NOTES.md, log items 10 and 12). Everything else, and
+    every other backend, is F.linear (ATen's GEMM, cuBLAS on the GPU). Unlike the recurrent ops, `auto` never fails
+    here: on a device with no fused backend it is F.linear. A backend named that cannot run these tensors (not
+    built, or another device) is a ValueError saying why, as for the recurrent ops (SPEC §3: no silent fallback)."""
+    if backend != "auto":
+        resolve_backend(backend, x.device)
+        if backend != "cpp":
+            return F.linear(x, weight, bias)
     if small_rows_applicable(x, weight, bias):  # false without the extension, off the CPU, or with gradients
         return small_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -84,6 +84,16 @@ def test_functional_linear_paths(monkeypatch):
     torch.testing.assert_close(wg.grad, x.reshape(-1, 64).sum(0).expand(40, 64))
     with pytest.raises(ValueError, match="backend"):
         dk.functional.linear(x, w, b, backend="nope")
+    # a backend named that cannot run these tensors says why, as the recurrent ops do (it ran F.linear silently)
+    for name in ("cuda", "triton"):
+        try:
+            dk.backends.resolve_backend(name, x.device)
+        except ValueError as exc:
+            with pytest.raises(ValueError, match=f"backend '{name}' .*") as caught:
+                dk.functional.linear(x, w, b, backend=name)
+            assert str(caught.value) == str(exc)
+        else:
+            torch.testing.assert_close(dk.functional.linear(x, w, b, backend=name), F.linear(x, w, b))
 
 
 def test_nn_linear_is_a_drop_in_for_torch_linear():

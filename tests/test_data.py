@@ -33,7 +33,8 @@ def test_bad_inputs_are_reported_with_file_and_line(tmp_path):
     with pytest.raises(data.CorpusError, match=r"e\.es:2: empty line"):
         data.read_parallel(empty, good)
     short = _write(tmp_path / "s.es", b"uno\ndos\n")
-    with pytest.raises(data.CorpusError, match=r"s\.es has 2 lines, .*g\.en has 3"):
+    with pytest.raises(data.CorpusError,
+                       match=r"s\.es has 2 lines, .*g\.en has 3 \(.*g\.en line 3 has no counterpart\)"):
         data.read_parallel(short, good)
     with pytest.raises(data.CorpusError, match="no such file"):
         data.read_parallel(str(tmp_path / "missing"), good)

@@ -47,7 +47,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dtmt_models.data.corpus import CorpusError, Problems, decode_file_line, read_manifest, scan_file
+from dtmt_models.data.corpus import (CorpusError, Problems, count_mismatch, decode_file_line, read_manifest,
+                                    scan_file)
 from dtmt_models.data.vocabulary import Vocabulary
 
 FORMAT = 1
@@ -327,8 +328,7 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
             if split == "train":
                 train_sha1 = both.hexdigest()
             if info[0]["lines"] != info[1]["lines"]:
-                raise CorpusError(f"line counts differ: {paths[0]} has {info[0]['lines']} lines, {paths[1]} has "
-                                  f"{info[1]['lines']}; the files must be aligned one sentence per line")
+                raise count_mismatch(paths[0], info[0]["lines"], paths[1], info[1]["lines"])
             if info[0]["lines"] == 0:
                 raise CorpusError(f"{paths[0]} and {paths[1]} hold no sentences: a corpus needs at least one pair")
             texts[split] = {side: dict(i, file=os.path.basename(p), path=p) for side, i, p in zip(SIDES, info, paths)}

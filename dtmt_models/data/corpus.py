@@ -107,14 +107,20 @@ def decode_file_line(raw: bytes, path: str, lineno: int) -> Tuple[str, Optional[
     return decode_line(raw[:-1] if raw.endswith(b"\n") else raw, path, lineno)
 
 
+def count_mismatch(src_path: str, n_src: int, tgt_path: str, n_tgt: int) -> CorpusError:
+    """The error for two sides of different lengths, naming the first line of the longer one without a partner."""
+    longer = src_path if n_src > n_tgt else tgt_path
+    return CorpusError(f"line counts differ: {src_path} has {n_src} lines, {tgt_path} has {n_tgt} ({longer} line "
+                       f"{min(n_src, n_tgt) + 1} has no counterpart); the files must be aligned one sentence per line")
+
+
 def iter_parallel(src_path: str, tgt_path: str) -> Iterator[Tuple[str, str]]:
     """The aligned (source, target) pairs of two files, read line by line (memory does not grow with the files).
     The counts are checked first; the bad lines are collected while reading and raised as one CorpusError after
     the last pair, so a caller writing the pairs out must discard what it wrote when it gets one."""
     counts = [scan_file(p) for p in (src_path, tgt_path)]
     if counts[0] != counts[1]:
-        raise CorpusError(f"line counts differ: {src_path} has {counts[0]} lines, {tgt_path} has {counts[1]}; "
-                          f"the files must be aligned one sentence per line")
+        raise count_mismatch(src_path, counts[0], tgt_path, counts[1])
     if counts[0] == 0:
         raise CorpusError(f"{src_path} and {tgt_path} hold no sentences: a corpus needs at least one pair")
     problems = Problems()
@@ -145,8 +151,7 @@ def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:
     if not src and not tgt:
         raise CorpusError(f"{src_path} and {tgt_path} hold no sentences: a corpus needs at least one pair")
     if len(src) != len(tgt):
-        raise CorpusError(f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}; "
-                          f"the files must be aligned one sentence per line")
+        raise count_mismatch(src_path, len(src), tgt_path, len(tgt))
     return list(zip(src, tgt))
 
 

@@ -364,7 +364,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
 
 def test_mostly_unknown_source_is_flagged(system, capsys):
     """A source the vocabulary does not know gets a warning (the model would still emit a fluent sentence)."""
-    from dtmt_models.cli.translate import decode_with_report
+    from dtmt_models.cli.common import decode_with_report
     from dtmt_models.decoding.translate import UnknownPiecesWarning
 
     model, sv, tv, _ = system

@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 
 from dtmt_models.atomic import WriteError
-from dtmt_models.cli.translate import (
+from dtmt_models.cli.common import (
     add_decoding_arguments,
     check_decoding_arguments,
     check_device_and_backend,

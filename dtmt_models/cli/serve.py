@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import List, Optional
 
-from dtmt_models.cli.translate import add_decoding_arguments, build_decoder, check_decoding_arguments, \
+from dtmt_models.cli.common import add_decoding_arguments, build_decoder, check_decoding_arguments, \
     check_device_and_backend, load_for_decoding, run_command, use_threads
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import UsageError, one_line

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from dtmt_models.atomic import WriteError, atomic_write
-from dtmt_models.cli.translate import check_device_and_backend
+from dtmt_models.cli.common import check_device_and_backend
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD

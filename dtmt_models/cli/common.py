@@ -1,0 +1,194 @@
+"""What the decoding commands share (`dtmt translate`, `dtmt evaluate`, `dtmt serve`; `dtmt train` checks its
+device and backend with the same rule): the decoding options and their checks, loading checkpoints for decoding
+(one model or an ensemble), the device and backend check, running a command's main with SPEC §6's exit statuses,
+and decoding a list of sentences with progress and a summary on stderr."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Callable, List, Optional, Sequence, Set, Tuple, TypeVar
+
+import torch
+
+from dtmt_models.atomic import atomic_write
+from dtmt_models.decoding.translate import InputError, input_warnings, translate
+from dtmt_models.errors import UsageError, check_input_file, one_line
+from dtmt_models.progress import Progress
+
+T = TypeVar("T")
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Writes `text` (UTF-8) to `path` atomically (dtmt_models.atomic; WriteError on failure)."""
+    with atomic_write(path) as f:
+        f.write(text)
+
+
+def check_device_and_backend(device: str, backend: str) -> torch.device:
+    """The torch device for `device`, after checking that it and `backend` can run here (UsageError if not)."""
+    import dtmt_kernels as dk
+    from dtmt_kernels.backends import resolve_backend
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device: {device!r} is not a device (use cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: use cpu or cuda, got {device!r}")
+    try:
+        resolve_backend(backend, dev)
+    except ValueError as exc:
+        raise UsageError(f"--backend {backend}: {one_line(exc)} (available: {dk.available_backends()})") from None
+    return dev
+
+
+def load_for_decoding(checkpoints: Sequence[str], device: torch.device, backend: str):
+    """(model, source vocabulary, target vocabulary, the checkpoint dicts) for one checkpoint, or for several an
+    Ensemble of their models (decoding/ensemble.py; their vocabularies must be the same); a checkpoint that is
+    missing, a directory or not a dtmt checkpoint, and models that cannot form an ensemble, are UsageErrors."""
+    from dtmt_models.decoding.ensemble import Ensemble, check_vocabularies
+    from dtmt_models.models.checkpoint import load_model
+
+    loaded = []
+    for checkpoint in checkpoints:
+        check_input_file(checkpoint, "--checkpoint", "checkpoint file")
+        try:
+            loaded.append(load_model(checkpoint, str(device), backend))
+        except (ValueError, KeyError, RuntimeError, OSError, TypeError) as exc:
+            message = one_line(exc)   # read_checkpoint's messages start with the path already
+            raise UsageError(f"--checkpoint {message}" if message.startswith(f"{checkpoint}: ") else
+                             f"--checkpoint {checkpoint}: cannot load it ({message})") from None
+    models, src_vocabs, tgt_vocabs, ckpts = (list(x) for x in zip(*loaded))
+    if len(models) == 1:
+        return models[0], src_vocabs[0], tgt_vocabs[0], ckpts
+    try:
+        check_vocabularies(list(checkpoints), list(zip(src_vocabs, tgt_vocabs)))
+        return Ensemble(models), src_vocabs[0], tgt_vocabs[0], ckpts
+    except ValueError as exc:
+        raise UsageError(f"ensemble: {one_line(exc)}") from None
+
+
+def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sentences: Sequence[str], **kwargs
+                       ) -> Tuple[List[List[Tuple[str, float]]], float]:
+    """`translate` with progress on stderr, the truncation warning shown as one `prog: warning:` line, and a
+    closing summary; returns (results, decoding seconds)."""
+    # a bar on a terminal; in a log, a line a minute
+    progress = Progress("none" if quiet else "auto", desc=prog, unit="sentence", every=60.0, message_stream=sys.stderr)
+    t0 = time.perf_counter()
+
+    def reporter(done: int, total: int) -> None:
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        progress.show(done, total, status=f"{rate:.1f} sentences/s",   # the last line: the summary below says it
+                      line=f"{prog}: {done:,}/{total:,} sentences ({rate:.1f} sentences/s)" if done < total else None)
+    results = reporting_warnings(prog, lambda: translate(model, src_vocab, tgt_vocab, sentences, progress=reporter,
+                                                         **kwargs))
+    seconds = time.perf_counter() - t0
+    noun = "sentence" if len(sentences) == 1 else "sentences"
+    progress.close()
+    progress.message(f"{prog}: translated {len(sentences):,} {noun} in {seconds:.1f}s "
+                     f"({len(sentences) / max(seconds, 1e-9):.1f} sentences/s)")
+    return results, seconds
+
+
+def reporting_warnings(prog: str, call: Callable[[], T], seen: Optional[Set[str]] = None) -> T:
+    """call(), each InputWarning it raises shown as one `prog: warning:` line on stderr (once per message when a
+    `seen` set is kept across calls); other warnings pass on."""
+    result, messages = input_warnings(call)
+    for message in messages:
+        if seen is None or message not in seen:
+            print(f"{prog}: warning: {message}", file=sys.stderr)
+            if seen is not None:
+                seen.add(message)
+    return result
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `dtmt translate` and `dtmt evaluate` share."""
+    from dtmt_kernels.backends import BACKEND_NAMES
+
+    g = parser.add_argument_group("decoding")
+    g.add_argument("--beam", type=int, default=4, help="beam size (1: greedy; default 4)")
+    g.add_argument("--alpha", type=float, default=0.6,
+                   help="length penalty exponent, ((5+|y|)/6)^alpha (default 0.6; 0: raw log-probability)")
+    g.add_argument("--max-tokens", type=int, default=2000,
+                   help="source subwords per batch, padding included (default 2000)")
+    g.add_argument("--max-src-len", type=int, default=250,
+                   help="longer sources are truncated to this many subwords, with a warning (default 250)")
+    g.add_argument("--max-len-a", type=float, default=2.0,
+                   help="maximum output length = a * source length + b (default a=2.0)")
+    g.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a (default b=10)")
+    g.add_argument("--early-stop", action="store_true",
+                   help="end a sentence once it has --beam finished hypotheses (fairseq's and CTranslate2's rule, "
+                        "usually fewer steps), instead of once no open hypothesis can still enter the translations "
+                        "written (default: the same translations as a search run to the maximum length)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for decoding (default 0: torch's default, OMP_NUM_THREADS or the cores)")
+    g.add_argument("--backend", default="auto", choices=list(BACKEND_NAMES),
+                   help="recurrent kernel backend (default auto)")
+    g.add_argument("--int8", action="store_true",
+                   help="decode with the decoder step's matrices in int8, one scale per row, multiplied by its "
+                        "activations quantized the same way (int8 dot products); dtmt, shallow-rnmt, rnnsearch-atr, "
+                        "mce and one-level nematus on the CPU")
+    g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
+
+
+def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+                errors: Tuple[type, ...] = (InputError,)) -> int:
+    """run(args) as a decoding command's main: an error a user can cause is one `prog: message` line on stderr and
+    exit status 2 for an option that cannot work (UsageError, SPEC §6), 1 for the others (`errors`: what the data
+    or the system refused while working); Ctrl-C `prog: interrupted` and 130."""
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except errors as exc:
+        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def check_decoding_arguments(args: argparse.Namespace) -> None:
+    """The decoding options' values (UsageError)."""
+    for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0), ("threads", 0)):
+        if getattr(args, name) < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too
+        raise UsageError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
+    if args.max_len_a == 0 and args.max_len_b == 0:
+        raise UsageError("--max-len-a 0 --max-len-b 0: every translation would be empty; allow at least one token")
+    if not math.isfinite(args.alpha):
+        raise UsageError(f"--alpha must be a finite number, got {args.alpha}")
+    if args.int8 and (args.backend not in ("auto", "cpp") or args.device != "cpu"):
+        raise UsageError(f"--int8 decodes with the C++ decoder step on the CPU (--backend auto or cpp, --device cpu), "
+                         f"got --backend {args.backend} --device {args.device}")
+
+
+def use_threads(threads: int) -> None:
+    """--threads: decode on this many CPU threads (0 leaves torch's default)."""
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def build_decoder(model, int8: bool = False):
+    """`model`'s inference decoder, built once for the whole run (int8 weight matrices with --int8), the errors a
+    user can cause as UsageError."""
+    model.eval()
+    try:
+        if int8:
+            return model.inference_decoder(int8=True)
+        return model.inference_decoder() if hasattr(model, "inference_decoder") else model
+    except ValueError as exc:
+        raise UsageError(f"--int8: {one_line(exc)}") from None
+
+
+def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
+    return dict(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, max_len_a=args.max_len_a,
+                max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len, early_stop=args.early_stop)

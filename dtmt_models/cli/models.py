@@ -10,8 +10,8 @@ from dtmt_models.models.presets import TABLES
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="dtmt models", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="dtmt models", description="List the systems, their presets and the papers' "
+                                "table rows (each a preset: dtmt train --preset ROW), with the papers' parameter counts.")
     p.add_argument("--count", action="store_true",
                    help="also count our parameters for every row with a count in the paper (Δ: against the table's "
                         "first such row; differences do not depend on the vocabulary)")

@@ -5,8 +5,9 @@
     progress.message("saved last.pt")        # a line that stays (above the bar)
     progress.close()
 
-Modes: "bar" (tqdm), "lines" (`line` printed, at most once every `every` seconds), "none" (silent: messages
-too), "auto" (a bar when the stream is a terminal, else lines).
+Modes: "bar" (tqdm), "lines" (`line` printed, at most once every `every` seconds), "none" (no bar or lines; the
+messages still printed: they are results, e.g. a validation's scores), "silent" (nothing at all: `dtmt translate
+--quiet`, the processes other than the first under DDP), "auto" (a bar when the stream is a terminal, else lines).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Optional, TextIO
 
 from tqdm import tqdm
 
-MODES = ("auto", "bar", "lines", "none")
+MODES = ("auto", "bar", "lines", "none", "silent")
 
 
 class Progress:
@@ -55,11 +56,11 @@ class Progress:
                 print(line, file=self.stream if self.line_stream is None else self.line_stream, flush=True)
 
     def message(self, text: str) -> None:
-        """A line that stays: printed above the bar (or as a plain line), not in mode "none"."""
+        """A line that stays: printed above the bar (or as a plain line), not in mode "silent"."""
         stream = sys.stdout if self.message_stream is None else self.message_stream
         if self.mode == "bar" and self.bar is not None:
             self.bar.write(text, file=stream)
-        elif self.mode != "none":
+        elif self.mode != "silent":
             print(text, file=stream, flush=True)
 
     def close(self) -> None:

@@ -53,12 +53,13 @@ def test_bar_on_a_terminal_shows_position_total_and_status():
     assert out.getvalue() == "saved\n" and p.bar is None
 
 
-def test_none_is_silent_and_modes_are_checked():
-    term, out = Terminal(), io.StringIO()
-    p = Progress("none", stream=term, message_stream=out)
-    p.show(1, 2, status="x", line="y")
-    p.message("z")
-    p.close()
-    assert term.getvalue() == "" and out.getvalue() == ""
+def test_none_keeps_the_messages_silent_nothing_and_modes_are_checked():
+    for mode, printed in (("none", "z\n"), ("silent", "")):
+        term, out = Terminal(), io.StringIO()
+        p = Progress(mode, stream=term, message_stream=out)
+        p.show(1, 2, status="x", line="y")
+        p.message("z")
+        p.close()
+        assert term.getvalue() == "" and out.getvalue() == printed, mode
     with pytest.raises(ValueError, match="progress mode must be one of"):
         Progress("fancy")

@@ -419,6 +419,16 @@ def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nod
     assert not (tmp_path / "runD").exists()
 
 
+def test_progress_none_drops_the_progress_but_keeps_the_run_s_messages(toy_nodev, tmp_path, capsys):
+    """--progress none: no bar and no progress lines, but what the run reports (its set-up, how and why it stopped)
+    is still printed, as fairseq's --no-progress-bar keeps its log (it printed nothing at all before)."""
+    args = [a if a != "lines" else "none" for a in TINY] + ["--log-every", "1"]
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "run"), "--max-steps", "2", *args], capsys)
+    assert r.returncode == 0, r.stderr
+    assert "stopped: reached --max-steps 2" in r.stdout and "model dtmt (small preset)" in r.stdout, r.stdout
+    assert "step 1" not in r.stdout and "step 1" not in r.stderr, r.stdout + r.stderr
+
+
 def test_vocabulary_too_small_for_the_corpus_is_one_line(toy_nodev, tmp_path, capsys):
     from dtmt_models.cli import train
 

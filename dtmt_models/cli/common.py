@@ -77,7 +77,7 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
     """`translate` with progress on stderr, the truncation warning shown as one `prog: warning:` line, and a
     closing summary; returns (results, decoding seconds)."""
     # a bar on a terminal; in a log, a line a minute
-    progress = Progress("none" if quiet else "auto", desc=prog, unit="sentence", every=60.0, message_stream=sys.stderr)
+    progress = Progress("silent" if quiet else "auto", desc=prog, unit="sentence", every=60.0, message_stream=sys.stderr)
     t0 = time.perf_counter()
 
     def reporter(done: int, total: int) -> None:

@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. for checkpoint averaging")
     s.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default=None,
                    help=f"progress display (default {D['progress']}; auto: a live bar on a terminal, else lines every "
-                        "--log-every updates)")
+                        "--log-every updates; none: neither, the run's messages and scores still printed)")
     d = p.add_argument_group("device")
     d.add_argument("--device", default=D["device"], help="cpu, cuda, cuda:N or auto")
     d.add_argument("--backend", default=D["backend"], help="recurrent kernels: auto, cpp, reference, triton, cuda")

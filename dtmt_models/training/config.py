@@ -46,7 +46,7 @@ class TrainConfig:
     bleu_sentences: int = 0                     # dev sentences translated for BLEU (0: all)
     log_every: int = 50
     keep_last: int = 0                          # step_<updates>.pt kept from the last N validations
-    progress: str = "auto"                      # auto, bar, lines or none
+    progress: str = "auto"                      # auto, bar, lines or none (messages kept)
     # device
     device: str = "auto"
     backend: str = "auto"

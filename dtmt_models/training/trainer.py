@@ -204,7 +204,7 @@ class Trainer:
         self.cfg, self.dist, self.device = cfg, dist, dist.device
         self.out = cfg.out
         # a bar on stderr; in a log, a line on stdout every --log-every updates
-        self.progress = Progress(cfg.progress if dist.main else "none", desc="dtmt train", unit="update",
+        self.progress = Progress(cfg.progress if dist.main else "silent", desc="dtmt train", unit="update",
                                  line_stream=sys.stdout)
         self.stop_reason: Optional[str] = None
         self.log = self.progress.message

@@ -17,7 +17,7 @@
 # <dtype>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas}.md (gemm); the tables themselves go to stdout. Copy
 # the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests
-# 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 240 + 3 x 120 s) so that a hang cannot
+# 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 3 x 80 s) so that a hang cannot
 # eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, bench 148 s; a device call is at
 # most 10 minutes, so run `build tests` and the rest as separate calls.
 set -uo pipefail
@@ -79,12 +79,12 @@ if want train; then
 fi
 if want gemm; then
   echo "== GPU kernel tests with cuBLAS for every step GEMM (DTMT_CUDA_STEP_GEMM=cublas)"
-  DTMT_CUDA_STEP_GEMM=cublas timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py 2>&1 \
+  DTMT_CUDA_STEP_GEMM=cublas timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py 2>&1 \
     | tee "$OUT/gemm_tests.log" | tail -5
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   for gemm in rows tiled cublas; do
     echo "== gpu_profile, cuda backend, DTMT_CUDA_STEP_GEMM=$gemm"
-    DTMT_CUDA_STEP_GEMM=$gemm timeout 120 "$PY" benchmarks/gpu_profile.py --backends cuda --B 1 8 16 64 \
+    DTMT_CUDA_STEP_GEMM=$gemm timeout 80 "$PY" benchmarks/gpu_profile.py --backends cuda --B 1 8 16 64 \
       --kernels 3 2>/dev/null | tee "$OUT/gemm_$gemm.md" || status=1
   done
 fi

@@ -246,9 +246,13 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& g
 }
 }  // namespace
 
+// the step GEMM the driver picks for B rows (0 row GEMM, 1 tiled GEMM, 2 ATen's mm / cuBLAS)
+int64_t step_gemm_choice(int64_t B) { return static_cast<int64_t>(dtmt::step_gemm(B)); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward);
   m.def("backward", &backward);
+  m.def("step_gemm_choice", &step_gemm_choice);
 }
 """
 
@@ -387,6 +391,7 @@ spec.loader.exec_module(ext)
 run = t._emulated_sequence(ext)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
+    print("choices:", ext.step_gemm_choice(3), ext.step_gemm_choice(20), ext.step_gemm_choice(70))
     for B in (3, 20):
         t._compare_emulated(run, "lgru", 1, True, True, torch.float64, B=B, T=2, H=9)
 for w in caught:
@@ -398,12 +403,16 @@ for w in caught:
 @pytest.mark.parametrize("forced", ["rows", "tiled", "cublas", "sideways"])
 def test_cuda_step_gemm_forced(emulated_cuda_ext, forced):
     """DTMT_CUDA_STEP_GEMM (read once a process, so each setting in a process of its own) puts the chosen GEMM at
-    every batch size: the row GEMM at B = 20 (three passes of rows), the tiled GEMM at B = 3 (one part-filled
-    tile), ATen's mm at both; outputs and all gradients against the reference. An unknown value is ignored with
-    a warning naming the variable, the same results as without it."""
+    every batch size (the driver's choice read back at B = 3, 20, 70): the row GEMM at B = 20 (three passes of
+    rows), the tiled GEMM at B = 3 (one part-filled tile), ATen's mm at both; outputs and all gradients against the
+    reference. An unknown value is ignored with a warning naming the variable: the thresholds' choice."""
     env = {**os.environ, "DTMT_CUDA_STEP_GEMM": forced}
     res = subprocess.run([sys.executable, "-c", _FORCED_GEMM_RUN, os.path.dirname(os.path.abspath(__file__)),
                           emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     named = "DTMT_CUDA_STEP_GEMM=sideways ignored: not one of auto, rows, tiled, cublas"
-    assert (named in res.stdout) == (forced == "sideways"), res.stdout + res.stderr
+    # (a warning through the autograd function arrives as a Python warning, one through a plain binding on stderr)
+    assert (named in res.stdout + res.stderr) == (forced == "sideways"), res.stdout + res.stderr
+    # the GEMM chosen at B = 3, 20 and 70: the forced one, else the thresholds' (rows to 8, tiled to 64, cuBLAS)
+    choice = {"rows": "0 0 0", "tiled": "1 1 1", "cublas": "2 2 2", "sideways": "0 1 2"}[forced]
+    assert f"choices: {choice}\n" in res.stdout, res.stdout

@@ -390,33 +390,59 @@ def test_out_that_is_a_file_or_lies_under_one_is_refused(toy_nodev, tmp_path, ca
     assert afile.read_text() == "x" and sorted(os.listdir(tmp_path)) == ["afile"]
 
 
-def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nodev, tmp_path, capsys):
+def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nodev, tmp_path, capsys, monkeypatch):
     """SPEC §7: `--resume CHECKPOINT` continues in --out, by default the checkpoint's folder (a run's folder names
-    its last.pt); into another --out the run goes on there, the original untouched; an --out holding a checkpoint of
-    its own is refused, as is a checkpoint without training state."""
+    its last.pt), with the run's own device and backend unless others are given; into another --out the run goes
+    on there with its log, the original untouched. Refused: an --out holding a checkpoint of its own, another
+    checkpoint of a folder whose last.pt it would replace, a checkpoint without training state, another number of
+    processes."""
     from dtmt_models.models.checkpoint import read_checkpoint
 
-    run_a = tmp_path / "runA"
-    assert train_here(["--data", toy_nodev, "--out", str(run_a), "--max-steps", "2", *TINY], capsys).returncode == 0
-    r = train_here(["--data", toy_nodev, "--resume", str(run_a / "last.pt"), "--max-steps", "3", *TINY], capsys)
-    assert r.returncode == 0 and "resumed from step 2" in r.stdout, r.stderr
-    assert read_checkpoint(str(run_a / "last.pt"))["step"] == 3
-    before = (run_a / "last.pt").read_bytes()
-    run_c = tmp_path / "runC"
-    r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(run_c), "--max-steps", "4", *TINY],
+    def log_steps(run):
+        return [int(r["step"]) for r in csv.DictReader(open(run / "train_log.csv")) if r["kind"] == "train"]
+
+    run_a, args = tmp_path / "runA", [*TINY, "--log-every", "1"]
+    r = train_here(["--data", toy_nodev, "--out", str(run_a), "--max-steps", "2", "--backend", "reference", *args],
                    capsys)
-    assert r.returncode == 0 and "resumed from step 3" in r.stdout, r.stderr
-    assert read_checkpoint(str(run_c / "last.pt"))["step"] == 4 and (run_a / "last.pt").read_bytes() == before
-    r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(run_c), "--max-steps", "5", *TINY],
+    assert r.returncode == 0 and "backend reference" in r.stdout, r.stderr
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a / "last.pt"), "--max-steps", "3", *args], capsys)
+    assert r.returncode == 0 and "resumed from step 2" in r.stdout and "backend reference" in r.stdout, r.stderr
+    assert read_checkpoint(str(run_a / "last.pt"))["step"] == 3
+    before = (run_a / "last.pt").read_bytes(), (run_a / "train_log.csv").read_bytes()
+    run_c = tmp_path / "runC"
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(run_c), "--max-steps", "4",
+                    "--backend", "cpp", *args], capsys)
+    assert r.returncode == 0 and "resumed from step 3" in r.stdout and "backend cpp" in r.stdout, r.stderr
+    assert read_checkpoint(str(run_c / "last.pt"))["step"] == 4 and log_steps(run_c) == [1, 2, 3, 4]
+    assert ((run_a / "last.pt").read_bytes(), (run_a / "train_log.csv").read_bytes()) == before
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(run_c), "--max-steps", "5", *args],
                    capsys)
     assert r.returncode == 2 and f"--out {run_c} already holds a checkpoint of its own" in r.stderr, r.stderr
+    shutil.copyfile(run_c / "last.pt", run_a / "backup.pt")
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a / "backup.pt"), "--max-steps", "5", *args], capsys)
+    assert r.returncode == 2 and "would replace the run's own last.pt there; give a new --out" in r.stderr, r.stderr
     weights_only = tmp_path / "weights.pt"
     ckpt = read_checkpoint(str(run_a / "last.pt"))
     torch.save({k: v for k, v in ckpt.items() if k != "training"}, weights_only)
     r = train_here(["--data", toy_nodev, "--resume", str(weights_only), "--out", str(tmp_path / "runD"),
-                    "--max-steps", "5", *TINY], capsys)
+                    "--max-steps", "5", *args], capsys)
     assert r.returncode == 2 and f"{weights_only} has no training state" in r.stderr, r.stderr
-    assert not (tmp_path / "runD").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(tmp_path / "runD"), "--max-steps", "5",
+                    *args], capsys)
+    assert r.returncode == 2 and "trained by 1 process(es); continue it with as many (got 2)" in r.stderr, r.stderr
+    assert not (tmp_path / "runD").exists() and (run_a / "last.pt").read_bytes() == before[0]
+
+
+def test_a_run_resumed_into_a_new_folder_keeps_its_best(toy, tmp_path, capsys):
+    """The best.pt of a run continued in a new --out comes along (the run's best score does: without it the new
+    folder could end with no best.pt while the run reported one)."""
+    run_a, run_b = tmp_path / "runA", tmp_path / "runB"
+    args = [*TINY, "--valid-every", "1", "--bleu-sentences", "4", "--valid-beam", "1"]
+    assert train_here(["--data", toy, "--out", str(run_a), "--max-steps", "2", *args], capsys).returncode == 0
+    r = train_here(["--data", toy, "--resume", str(run_a), "--out", str(run_b), "--max-steps", "2", *args], capsys)
+    assert r.returncode == 0, r.stderr
+    assert (run_b / "best.pt").read_bytes() == (run_a / "best.pt").read_bytes()
 
 
 def test_progress_none_drops_the_progress_but_keeps_the_run_s_messages(toy_nodev, tmp_path, capsys):

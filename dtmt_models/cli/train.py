@@ -18,7 +18,6 @@ import torch
 import yaml
 
 from dtmt_models.atomic import WriteError, atomic_write
-from dtmt_models.cli.common import check_device_and_backend
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD
@@ -114,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"progress display (default {D['progress']}; auto: a live bar on a terminal, else lines every "
                         "--log-every updates; none: neither, the run's messages and scores still printed)")
     d = p.add_argument_group("device")
-    d.add_argument("--device", default=D["device"], help="cpu, cuda, cuda:N or auto")
-    d.add_argument("--backend", default=D["backend"], help="recurrent kernels: auto, cpp, reference, triton, cuda")
+    d.add_argument("--device", default=None,
+                   help=f"cpu, cuda, cuda:N or auto (default {D['device']}; on --resume, the run's)")
+    d.add_argument("--backend", default=None,
+                   help=f"recurrent kernels: auto, cpp, reference, triton, cuda (default {D['backend']}; on --resume, "
+                        f"the run's)")
     d.add_argument("--threads", type=int, default=None,
                    help=f"CPU threads (default {D['threads']}; 0: torch's default)")
     d.add_argument("--amp", choices=("off", "bf16"), default=None,
@@ -338,11 +340,18 @@ def _main(argv: Optional[List[str]] = None) -> int:
             source = resume_from or last
             if (resume_from is not None and os.path.isfile(last)
                     and not (os.path.exists(resume_from) and os.path.samefile(resume_from, last))):
+                if os.path.dirname(resume_from) == args.out:
+                    raise ValueError(f"--resume {resume_from}: continuing it in {args.out} would replace the run's own "
+                                     f"last.pt there; give a new --out")
                 raise ValueError(f"--out {args.out} already holds a checkpoint of its own; continue {resume_from} in "
-                                 f"its folder or in a new --out")
+                                 f"a new --out")
             ckpt = read_checkpoint(source)
             if "training" not in ckpt:
                 raise ValueError(f"{source} has no training state (a run's last.pt has)")
+            processes = len(ckpt["training"].get("rng", ()))
+            if processes != int(os.environ.get("WORLD_SIZE", "1")):
+                raise ValueError(f"--resume: the run was trained by {processes} process(es); continue it with as many "
+                                 f"(got {os.environ.get('WORLD_SIZE', '1')}) for an exact continuation")
             cfg = TrainConfig.from_dict(ckpt["config"])
             conflicts = resume_conflicts(args, explicit, cfg)
             if conflicts:
@@ -370,8 +379,15 @@ def _main(argv: Optional[List[str]] = None) -> int:
             check_model_options(cfg.model, cfg.model_options)
         # the run lives in --out and reads --data, wherever it was started from before
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint
+        from dtmt_models.cli.common import check_device_and_backend   # (decoding's modules: only now)
+
         device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        check_device_and_backend(device, cfg.backend)
+        try:
+            check_device_and_backend(device, cfg.backend)
+        except ValueError as exc:
+            if args.resume is not None and (args.device is None or args.backend is None):
+                raise ValueError(f"{exc} (the run's setting: --device / --backend choose another)") from None
+            raise
         dist = Dist(cfg.device)
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         print(f"dtmt train: {exc}", file=sys.stderr)
@@ -380,7 +396,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         tune_malloc()   # freed update memory stays for the next update (DTMT_MALLOC=default: glibc's own)
-        trainer = Trainer(cfg, dist, ckpt)   # makes --out only once the data and the model are usable
+        # makes --out only once the data and the model are usable
+        trainer = Trainer(cfg, dist, ckpt, resumed_from=os.path.dirname(resume_from) if resume_from else None)
         if dist.main:   # once the corpus and the vocabularies are known to be usable
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)

@@ -32,6 +32,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -39,6 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from dtmt_models.atomic import atomic_write
 from dtmt_models.data import binarized
 from dtmt_models.data.batching import Batches, collate, kept_indices, length_dtype, token_batches
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
@@ -80,8 +82,11 @@ class CsvLog:
     "valid/dev_bleu", ...); on resume, rows and events after the checkpoint's step are dropped first (they will
     be redone)."""
 
-    def __init__(self, path: str, resume_step: Optional[int], tensorboard_dir: Optional[str] = None):
+    def __init__(self, path: str, resume_step: Optional[int], tensorboard_dir: Optional[str] = None,
+                 source: Optional[str] = None):
+        """source: the log whose rows up to resume_step start this one (default: `path` itself)."""
         self.path = path
+        source = path if source is None else source
         self.events = None
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
@@ -89,8 +94,8 @@ class CsvLog:
             self.events = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         rows = []
-        if resume_step is not None and os.path.isfile(path):
-            with open(path, newline="") as f:
+        if resume_step is not None and os.path.isfile(source):
+            with open(source, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, LOG_FIELDS)
@@ -200,7 +205,9 @@ def is_better(best_by: str, loss: float, bleu: float, best_loss: float, best_ble
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, dist: Dist, ckpt: Optional[dict] = None):
+    def __init__(self, cfg: TrainConfig, dist: Dist, ckpt: Optional[dict] = None, resumed_from: Optional[str] = None):
+        """ckpt: a last.pt's contents to continue from; resumed_from: the folder it was read from, when that is not
+        cfg.out (a run continued in a new folder: its best.pt and train_log.csv come along, the original untouched)."""
         self.cfg, self.dist, self.device = cfg, dist, dist.device
         self.out = cfg.out
         # a bar on stderr; in a log, a line on stdout every --log-every updates
@@ -275,8 +282,16 @@ class Trainer:
         torch.manual_seed(cfg.seed * 7919 + 1 + dist.rank)   # dropout streams differ per process
         if ckpt is not None:
             self._restore(ckpt)
+        carried = (ckpt is not None and resumed_from is not None
+                   and os.path.abspath(resumed_from) != os.path.abspath(self.out))
+        if carried and dist.main and os.path.isfile(os.path.join(resumed_from, BEST)):
+            os.makedirs(self.out, exist_ok=True)
+            best = os.path.join(self.out, BEST)
+            with open(os.path.join(resumed_from, BEST), "rb") as src, atomic_write(best, "wb") as dst:
+                shutil.copyfileobj(src, dst)
         self.csv = (CsvLog(os.path.join(self.out, LOG), self.step if ckpt is not None else None,
-                           os.path.join(self.out, TENSORBOARD)) if dist.main else None)
+                           os.path.join(self.out, TENSORBOARD),
+                           source=os.path.join(resumed_from, LOG) if carried else None) if dist.main else None)
 
     # -------------------------------------------------------------------------------------------- setup
     def _binarized(self, protos=None) -> binarized.BinarizedCorpus:

@@ -519,3 +519,17 @@ def test_step_tables_weigh_each_sentence_on_its_own():
         assert _hyps(first[:1]) == _hyps(second[:1]), beam
         ref = beam_search(plain, src[[0, 1]], lengths, **kwargs)
         assert [[h.tokens for h in s] for s in first] == [[h.tokens for h in s] for s in ref]
+
+
+def test_the_transformer_s_target_bound_stops_at_its_positions():
+    """A target bound past the transformer's positional encodings (max_len) failed at that step, after the work,
+    with "sequence longer than max_len"; the search now ends there (as fairseq clamps to the model's positions)."""
+    torch.manual_seed(0)
+    model = dm.build_model("transformer", 30, 30, embed_dim=16, hidden_size=32, heads=2, encoder_layers=1,
+                           decoder_layers=1, max_len=16).eval()
+    with torch.no_grad():
+        model.tgt_embed.weight[EOS].fill_(-3.0)   # (tied output: EOS unlikely, so that the search runs to the bound)
+    src = torch.randint(4, 30, (2, 10), generator=torch.Generator().manual_seed(1))
+    for fused in (True, False):
+        hyps = beam_search(model, src, torch.tensor([10, 10]), beam=2, fused=fused)
+        assert max(len(h[0].tokens) for h in hyps) == 15, [len(h[0].tokens) for h in hyps]   # 16 positions: BOS + 15

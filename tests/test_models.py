@@ -144,14 +144,37 @@ def test_bad_batches_and_step_tokens_are_value_errors(name, options):
             assert decoder.step(state, prev[:, 0])[0].shape == (3, V_TGT)
 
 
-def test_fused_inference_decoder_runs_with_autograd_on():
-    """The fused decoder is inference only: called without no_grad it decodes as under it (its ops write into
-    buffers, which autograd refused with a RuntimeError)."""
-    model = build("dtmt").eval()
+@pytest.mark.parametrize("name", sorted(dm.list_models()))
+def test_ids_outside_the_vocabularies_are_an_index_error_naming_them(name):
+    """A source id past the vocabulary (or negative) was torch's "index out of range in self" from deep inside
+    F.embedding, or the tables' own message; now one IndexError (nn.Embedding's type) naming the argument."""
+    model = build(name).eval()
+    src, src_lengths, prev, _ = toy_batch()
+    for bad, arg, vocab in ((V_SRC, "src", "source"), (-1, "src", "source")):
+        wrong = src.clone()
+        wrong[1, 0] = bad
+        with pytest.raises(IndexError, match=rf"{arg} holds the id {bad}, outside the {vocab} vocabulary's"):
+            model(wrong, src_lengths, prev)
+        with pytest.raises(IndexError, match=rf"{arg} holds the id {bad}"):
+            model.inference_decoder().encode(wrong, src_lengths)
+    wrong = prev.clone()
+    wrong[0, 2] = V_TGT
+    with pytest.raises(IndexError, match=rf"prev_tokens holds the id {V_TGT}, outside the target vocabulary's 19"):
+        model(src, src_lengths, wrong)
+
+
+@pytest.mark.parametrize("name", ["dtmt", "deeplau", "gnmt-atr"])
+def test_inference_decoder_runs_with_autograd_on(name):
+    """The inference decoder is inference only: called without no_grad it decodes as under it (its ops write into
+    buffers, which autograd refused with a RuntimeError: dtmt's fused decoder, and the prepared copies of deeplau
+    and gnmt-atr, whose inference layers have no autograd, on a padded batch)."""
+    model = build(name).eval()
     decoder = model.inference_decoder()
     src, src_lengths, prev, _ = toy_batch()
+    assert len(set(src_lengths.tolist())) > 1   # (padded)
     state = decoder.encode(src, src_lengths)
-    log_probs, _ = decoder.step(state, prev[:, 0])
+    log_probs, state = decoder.step(state, prev[:, 0])
+    state = decoder.reorder(state, torch.tensor([1, 0, 2]))
     with torch.no_grad():
         expected, _ = decoder.step(decoder.encode(src, src_lengths), prev[:, 0])
     assert not log_probs.requires_grad and torch.equal(log_probs, expected)

@@ -122,19 +122,113 @@ def test_translate_best_nbest_and_model_mode(system):
     finally:
         model.eval()
     assert best == [h[0][0] for h in three]
-    # one submodule in training mode (dropout on inside an eval model) is found and decoded in eval mode too
-    from dtmt_models.decoding.translate import _any_training
+    # one submodule in training mode (dropout on inside an eval model) is found and decoded in eval mode too, and
+    # left in training mode after it
+    from dtmt_models.decoding.beam_search import any_training
 
     inner = [m for m in model.modules() if m is not model and len(list(m.parameters()))][-1]
-    assert not _any_training(model)
+    assert not any_training(model)
     inner.train()
-    assert _any_training(model) and not model.training
+    assert any_training(model) and not model.training
     try:
         assert translate_best(model, sv, tv, INPUTS, beam=4) == best
+        assert inner.training and not model.training
     finally:
         model.eval()
     with pytest.raises(ValueError):
         translate(model, sv, tv, INPUTS, beam=2, nbest=3)
+
+
+def test_decoding_leaves_each_module_in_its_mode_and_searches_in_eval_mode(system):
+    """An Ensemble is a fresh nn.Module (training mode) over eval-mode members: translate put every member into
+    training mode when it restored the ensemble's (dropout on in later decoding). beam_search on a model in
+    training mode decoded with dropout on (a different result each call); now it decodes in eval mode and leaves
+    the model as it was."""
+    from dtmt_models.decoding.beam_search import beam_search
+    from dtmt_models.decoding.ensemble import Ensemble
+
+    model, sv, tv, _ = system
+    options = dict(embed_dim=16, hidden_size=16, depth=1, heads=2, dropout=0.5, candidate_dropout=0.5)
+    torch.manual_seed(1)
+    noisy = spread_weights(build_model("dtmt", len(sv), len(tv), **options)).eval()
+    ensemble = Ensemble([model, noisy])
+    assert ensemble.training and not model.training and not noisy.training
+    want = translate(ensemble, sv, tv, INPUTS[:3], beam=2)
+    assert ensemble.training and not model.training and not noisy.training
+    assert translate(ensemble, sv, tv, INPUTS[:3], beam=2) == want
+    src = torch.tensor([sv.encode("el perro come pan y la casa es grande")])
+    lengths = torch.tensor([src.shape[1]])
+    evaluated = beam_search(noisy, src, lengths, beam=3, nbest=3, fused=False)
+    noisy.train()
+    try:
+        for _ in range(3):
+            got = beam_search(noisy, src, lengths, beam=3, nbest=3, fused=False)
+            assert [h.tokens for h in got[0]] == [h.tokens for h in evaluated[0]]
+            assert [h.score for h in got[0]] == pytest.approx([h.score for h in evaluated[0]], abs=1e-6)
+            assert noisy.training
+    finally:
+        noisy.eval()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(alpha=float("nan")), "alpha must be a finite number"),
+    (dict(alpha=float("inf")), "alpha must be a finite number"),
+    (dict(max_len_a=float("inf")), "max_len_a must be a finite number >= 0"),
+    (dict(max_len_a=float("nan")), "max_len_a must be a finite number >= 0"),
+    (dict(max_len_a=-1.0), "max_len_a must be a finite number >= 0"),
+    (dict(max_len_b=-5), "max_len_b must be an integer >= 0"),
+    (dict(max_len_b=2.5), "max_len_b must be an integer >= 0"),
+    (dict(beam=2.5), "beam and nbest must be integers"),
+    (dict(beam=2, nbest=3), "need beam >= 1 and 1 <= nbest <= beam"),
+])
+def test_search_arguments_are_checked(system, kwargs, message):
+    """NaN / inf alpha ranked by NaN scores; an infinite max_len_a overflowed to a negative bound and returned EOS
+    only; a fractional beam was a schema error deep in the C++ op."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    model, sv, _, _ = system
+    src = torch.tensor([sv.encode("el perro come pan")])
+    with pytest.raises(ValueError, match=message):
+        beam_search(model, src, torch.tensor([src.shape[1]]), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        translate(model, sv, sv, ["el perro come pan"], **kwargs)
+
+
+def test_vocabularies_of_another_size_than_the_model_s_are_refused(system):
+    """Decoding with a vocabulary the model was not trained with gave fluent nonsense (a target vocabulary of
+    another size) or an error deep in the encoder (a source one)."""
+    from dtmt_models.decoding.ensemble import Ensemble
+
+    model, sv, tv, _ = system
+    other = Vocabulary.train(TGT, vocab_size=45)
+    assert len(other) != len(tv) and len(other) != len(sv)
+    for m in (model, Ensemble([model, model])):
+        with pytest.raises(ValueError, match=f"the target vocabulary has {len(other)} pieces, the model's {len(tv)}"):
+            translate(m, sv, other, INPUTS)
+        with pytest.raises(ValueError, match=f"the source vocabulary has {len(other)} pieces, the model's {len(sv)}"):
+            translate(m, other, tv, INPUTS)
+
+
+def test_load_model_names_the_file_when_the_weights_or_vocabularies_do_not_fit(system, tmp_path):
+    from dtmt_models.models.checkpoint import read_checkpoint
+
+    _, _, _, path = system
+    ckpt = read_checkpoint(path)
+    cases = {"wrong_weights": dict(ckpt, model={k: v for k, v in list(ckpt["model"].items())[1:]}),
+             "wrong_size": dict(ckpt, model_options=dict(ckpt["model_options"], hidden_size=24)),
+             "no_vocab": {k: v for k, v in ckpt.items() if k != "src_vocab"},
+             "bad_vocab": dict(ckpt, src_vocab=b"not a sentencepiece model")}
+    messages = {"wrong_weights": "its weights do not fit a dtmt model with its options (Error(s) in loading",
+                "wrong_size": "its weights do not fit a dtmt model with its options",
+                "no_vocab": "not a translation checkpoint (it has no src_vocab)",
+                "bad_vocab": "its vocabularies cannot be read"}
+    for name, payload in cases.items():
+        bad = str(tmp_path / f"{name}.pt")
+        torch.save(payload, bad)   # (save_checkpoint refuses a payload without its keys)
+        with pytest.raises(ValueError) as caught:
+            load_model(bad)
+        text = str(caught.value)
+        assert text.startswith(f"{bad}: ") and messages[name] in text and "\n" not in text, (name, text)
 
 
 def test_empty_inputs_never_reach_the_model(system):

@@ -19,11 +19,18 @@ decisions in the same arithmetic (the loop here is its reference in tests/test_b
 FusedRNMTDecoder(step_tables=False); by default its steps read tables made once (per model, per sentence) instead of
 recomputing their products, the same search up to the rounding of those sums.
 `fused=False` keeps the loop here.
+
+A model in training mode is decoded in eval mode (no dropout), and each of its modules is left in the mode it
+had (`eval_mode`).
 """
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
+import operator
 from dataclasses import dataclass
-from typing import List, Union
+from typing import Iterator, List, Union
 
 import torch
 from torch import Tensor
@@ -46,6 +53,52 @@ def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Ten
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def any_training(model: torch.nn.Module) -> bool:
+    """Whether the model or any module under it is in training mode (Module.modules()'s walk without its names
+    and memo: this runs for every decoding call, a sentence at a time under `dtmt serve`)."""
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if m.training:
+            return True
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return False
+
+
+@contextlib.contextmanager
+def eval_mode(model) -> Iterator[None]:
+    """`model` (an nn.Module; anything else is left alone) in eval mode for the block; afterwards every module has
+    the mode it had before, so a member already in eval mode stays so whatever its parent's mode was (Module.train
+    would set them all)."""
+    if not isinstance(model, torch.nn.Module) or not any_training(model):   # (the usual case: nothing to walk)
+        yield
+        return
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> int:
+    """beam_search's numbers (ValueError naming the argument); returns beam as an int."""
+    try:
+        beam, nbest = operator.index(beam), operator.index(nbest)
+    except TypeError:
+        raise ValueError(f"beam and nbest must be integers, got beam={beam!r}, nbest={nbest!r}") from None
+    if beam < 1 or not 1 <= nbest <= beam:
+        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
+        raise ValueError(f"alpha must be a finite number, got {alpha!r}")
+    if not isinstance(max_len_a, numbers.Real) or not 0 <= max_len_a < math.inf:   # NaN fails this too
+        raise ValueError(f"max_len_a must be a finite number >= 0, got {max_len_a!r}")
+    if not isinstance(max_len_b, numbers.Integral) or max_len_b < 0:
+        raise ValueError(f"max_len_b must be an integer >= 0, got {max_len_b!r}")
+    return beam
+
+
 @torch.no_grad()
 def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: float = 0.6, nbest: int = 1,
                 max_len_a: float = 2.0, max_len_b: int = 10, fused: bool = True, early_stop: bool = False
@@ -56,14 +109,23 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can
     still win (usually fewer steps; the default keeps the check). Without it the `nbest` returned are exactly those
     a search run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner, even
-    before `beam` are finished)."""
-    if beam < 1 or not 1 <= nbest <= beam:
-        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    before `beam` are finished). A model in training mode decodes in eval mode (see the module docstring)."""
+    beam = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
+    nbest = operator.index(nbest)
+    with eval_mode(model):
+        return _beam_search(model, src, src_lengths, beam, alpha, nbest, max_len_a, max_len_b, fused, early_stop)
+
+
+def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: float, nbest: int, max_len_a: float,
+                 max_len_b: int, fused: bool, early_stop: bool) -> List[List[Hypothesis]]:
     if hasattr(model, "inference_decoder"):
         model = model.inference_decoder()
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
     max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
+    most = getattr(model, "max_target_steps", None)   # a model whose target positions end (the transformer's)
+    if most is not None:
+        max_len = max_len.clamp_max(most)
     search = getattr(model, "search", None) if fused else None
     if search is not None:
         return [[Hypothesis(*h) for h in hyps[:nbest]]

@@ -58,11 +58,13 @@ class Ensemble(nn.Module):
         if len(vocab_sizes) > 1:
             raise ValueError(f"Ensemble: the models' (source, target) vocabulary sizes differ: {sorted(vocab_sizes)}")
         self.members = nn.ModuleList(models)
+        self.src_vocab_size, self.tgt_vocab_size = next(iter(vocab_sizes))   # (what translate checks)
 
     def inference_decoder(self, int8: bool = False) -> EnsembleDecoder:
         """Each member's inference decoder (`int8`: each with int8 weight matrices; ValueError if one cannot)."""
         if int8 and not all(hasattr(m, "inference_decoder") for m in self.members):
-            raise ValueError("int8 decoding: every member of the ensemble must be a dtmt model")
+            raise ValueError("int8 decoding: every member of the ensemble must be a recurrent system with an inference "
+                             "decoder")
         return EnsembleDecoder([m.inference_decoder(int8=True) if int8 else
                                 m.inference_decoder() if hasattr(m, "inference_decoder") else m
                                 for m in self.members])

@@ -39,7 +39,7 @@ import torch
 
 from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
-from dtmt_models.decoding.beam_search import beam_search
+from dtmt_models.decoding.beam_search import beam_search, check_search_arguments, eval_mode
 
 PROG = "dtmt translate"
 T = TypeVar("T")
@@ -84,18 +84,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _any_training(model: torch.nn.Module) -> bool:
-    """Whether the model or any module under it is in training mode (Module.modules()'s walk without its names
-    and memo: this runs for every call of translate, a sentence at a time under `dtmt serve`)."""
-    stack = [model]
-    while stack:
-        m = stack.pop()
-        if m.training:
-            return True
-        stack.extend(c for c in m._modules.values() if c is not None)
-    return False
-
-
 def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary, sentences: Sequence[str],
               beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,
               max_len_b: int = 10, device=None, progress: Optional[Progress] = None,
@@ -112,8 +100,11 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     without a word of notice). `decoder`: `model.inference_decoder()` built by a caller that translates many times
     with unchanging weights (a server); None builds it here, once per call. `early_stop`: beam_search's (a
     sentence ends once it has `beam` finished hypotheses)."""
-    if beam < 1 or not 1 <= nbest <= beam:
-        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
+    for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
+                              ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
+        if size is not None and len(vocab) != size:   # (decoded with another vocabulary: fluent nonsense)
+            raise ValueError(f"translate: the {side} vocabulary has {len(vocab)} pieces, the model's {size}")
     if max_src_len is not None and max_src_len < 1:
         raise ValueError(f"max_src_len must be >= 1 or None, got {max_src_len}")
     if isinstance(sentences, str):
@@ -149,30 +140,22 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     done = total - len(todo)
     if progress is not None:
         progress(done, total)
-    was_training = model.training
-    switch = _any_training(model)   # (switching every module costs ~0.4 ms a call)
-    if switch:
-        model.eval()
-    try:
-        with torch.no_grad():
-            # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
-            if decoder is None:
-                decoder = model.inference_decoder() if ids and hasattr(model, "inference_decoder") else model
-            for batch in length_batches([len(t) for t in ids], max_tokens):
-                width = max(len(ids[j]) for j in batch)
-                # the padded rows as one list (PAD = 0): one tensor made, not one row written at a time
-                src = torch.tensor([ids[j] + [0] * (width - len(ids[j])) for j in batch], dtype=torch.long)
-                lengths = torch.tensor([len(ids[j]) for j in batch], dtype=torch.long)
-                hyps = beam_search(decoder, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
-                                   max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop)
-                for j, sentence_hyps in zip(batch, hyps):
-                    results[todo[j]] = [(tgt_vocab.decode(h.tokens), float(h.score)) for h in sentence_hyps]
-                done += len(batch)
-                if progress is not None:
-                    progress(done, total)
-    finally:
-        if switch:
-            model.train(was_training)
+    with eval_mode(model), torch.no_grad():   # (each module's own mode restored after)
+        # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
+        if decoder is None:
+            decoder = model.inference_decoder() if ids and hasattr(model, "inference_decoder") else model
+        for batch in length_batches([len(t) for t in ids], max_tokens):
+            width = max(len(ids[j]) for j in batch)
+            # the padded rows as one list (PAD = 0): one tensor made, not one row written at a time
+            src = torch.tensor([ids[j] + [0] * (width - len(ids[j])) for j in batch], dtype=torch.long)
+            lengths = torch.tensor([len(ids[j]) for j in batch], dtype=torch.long)
+            hyps = beam_search(decoder, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
+                               max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop)
+            for j, sentence_hyps in zip(batch, hyps):
+                results[todo[j]] = [(tgt_vocab.decode(h.tokens), float(h.score)) for h in sentence_hyps]
+            done += len(batch)
+            if progress is not None:
+                progress(done, total)
     return results
 
 

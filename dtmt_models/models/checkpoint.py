@@ -21,6 +21,7 @@ import torch
 
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data.vocabulary import Vocabulary
+from dtmt_models.errors import one_line
 from dtmt_models.models.registry import build_model
 
 FORMAT = "dtmt-checkpoint-1"
@@ -71,9 +72,20 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
     """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict).
     `backend` switches the fused recurrent layers (None keeps "auto")."""
     ckpt = read_checkpoint(path)
-    src_vocab, tgt_vocab = Vocabulary(ckpt["src_vocab"]), Vocabulary(ckpt["tgt_vocab"])
+    missing = [k for k in ("model_name", "model_options", "model", "src_vocab", "tgt_vocab") if k not in ckpt]
+    if missing:
+        raise ValueError(f"{path}: not a translation checkpoint (it has no {', '.join(missing)})")
+    try:
+        src_vocab, tgt_vocab = Vocabulary(ckpt["src_vocab"]), Vocabulary(ckpt["tgt_vocab"])
+    except (RuntimeError, ValueError, TypeError) as exc:   # SentencePiece's own message is C++ internals
+        raise ValueError(f"{path}: its vocabularies cannot be read ({one_line(exc)[:200]})") from None
     model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **ckpt["model_options"])
-    model.load_state_dict(ckpt["model"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as exc:   # torch lists every key and shape, one a line
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"{path}: its weights do not fit a {ckpt['model_name']} model with its options "
+                         f"({detail[:300]}{' ...' if len(detail) > 300 else ''})") from None
     if backend is not None and hasattr(model, "set_backend"):
         model.set_backend(backend)
     return model.to(device).eval(), src_vocab, tgt_vocab, ckpt

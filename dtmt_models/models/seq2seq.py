@@ -251,6 +251,10 @@ class Seq2Seq(nn.Module):
         prepared = inference_copy(self)
         if prepared is not self:
             prepared.__dict__["_inference_copy"] = True
+            # its fused inference forms have no autograd: called outside no_grad they would fail in an out= op
+            for name in ("encode", "step", "reorder", "reorder_within"):
+                if hasattr(prepared, name):
+                    prepared.__dict__[name] = torch.no_grad()(getattr(prepared, name))
         return prepared
 
     @staticmethod
@@ -293,6 +297,13 @@ class Seq2Seq(nn.Module):
             raise ValueError(f"{name}: prev_tokens must be a LongTensor [B={B}, T] with T >= 1, got "
                              f"{getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "
                              f"{list(getattr(prev_tokens, 'shape', []))}")
+        if not torch.compiler.is_compiling():   # ids outside the vocabulary: IndexError, as nn.Embedding's, naming them
+            for arg, ids, size in (("src", src, self.src_vocab_size), ("prev_tokens", prev_tokens, self.tgt_vocab_size)):
+                if ids is not None and ids.numel():
+                    lo, hi = (int(v) for v in torch.aminmax(ids))
+                    if lo < 0 or hi >= size:
+                        raise IndexError(f"{name}: {arg} holds the id {hi if hi >= size else lo}, outside the "
+                                         f"{'source' if arg == 'src' else 'target'} vocabulary's {size} ids")
 
 
 def _inference_form(module: nn.Module) -> nn.Module:

@@ -51,6 +51,11 @@ class TransformerNMT(Seq2Seq):
         self.transformer.decoder = nn.TransformerDecoder(dec_layer, decoder_layers, nn.LayerNorm(embed_dim))
         self.readout = Projection(embed_dim, tgt_vocab_size, 0.0, self.tgt_embed.weight)
 
+    @property
+    def max_target_steps(self) -> int:
+        """The most target positions (BOS included) it has encodings for: beam search stops there."""
+        return self.pe.shape[0]
+
     def _embed(self, emb: nn.Embedding, tokens: Tensor, offset: int = 0) -> Tensor:
         T = tokens.shape[1]
         if offset + T > self.pe.shape[0]:

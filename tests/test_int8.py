@@ -312,10 +312,13 @@ def test_int8_decoding_is_refused_where_the_fused_step_is_not():
         with pytest.raises(ValueError, match="int8 decoding runs the fused decoder step"):
             build_model(system, 30, 30, embed_dim=16, hidden_size=16).eval().inference_decoder(int8=True)
     model = build_model("dtmt", 30, 30, embed_dim=16, hidden_size=16)
-    with pytest.raises(ValueError, match="int8 decoding"):
+    with pytest.raises(ValueError, match=r"int8 decoding.*: it is in training mode \(call \.eval\(\)\)$"):
         model.train().inference_decoder(int8=True)                      # training mode: no inference decoder
-    with pytest.raises(ValueError, match="int8 decoding"):
+    with pytest.raises(ValueError, match="int8 decoding.*: its weights are float64$"):
         model.eval().double().inference_decoder(int8=True)              # float64
+    with pytest.raises(ValueError, match="int8 decoding.*: its backend is reference$"):
+        model.float().set_backend("reference").inference_decoder(int8=True)
+    model.set_backend("auto")
     with pytest.raises(ValueError, match="int8 decoding"):
         Ensemble([model.float(), build_model("transformer", 30, 30, embed_dim=16, hidden_size=16)]).eval() \
             .inference_decoder(int8=True)

@@ -155,9 +155,21 @@ INT8_SYSTEMS = "dtmt, shallow-rnmt, rnnsearch-atr, mce and one-level nematus"
 
 
 def int8_unavailable(model) -> ValueError:
-    """The error for int8 decoding asked of a model that cannot have it."""
+    """The error for int8 decoding asked of a model that cannot have it, saying which of the conditions it fails."""
+    why = []
+    if model.training:
+        why.append("it is in training mode (call .eval())")
+    weights = next(model.parameters(), None)
+    if weights is not None and weights.dtype != torch.float32:
+        why.append(f"its weights are {str(weights.dtype).replace('torch.', '')}")
+    if weights is not None and weights.device.type != "cpu":
+        why.append(f"it is on {weights.device}")
+    backends = sorted({m.backend for m in model.modules() if isinstance(m, BackendSwitch)} - {"auto", "cpp"})
+    if backends:
+        why.append(f"its backend is {', '.join(backends)}")
     return ValueError(f"int8 decoding runs the fused decoder step of {INT8_SYSTEMS} (eval mode, cpp backend, CPU, "
-                      f"float32); this {type(model).__name__} model does not decode with it")
+                      f"float32); this {type(model).__name__} model does not decode with it"
+                      + (f": {'; '.join(why)}" if why else ""))
 
 
 class Seq2Seq(nn.Module):

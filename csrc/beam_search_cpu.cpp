@@ -111,7 +111,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
                                          const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
                                          bool early_stop, const Tensor& token_products,
                                          const Tensor& position_products, const Tensor& context_heads,
-                                         std::optional<int64_t> nbest_given) {
+                                         std::optional<int64_t> nbest_given, const std::vector<int64_t>& banned) {
   DTMT_PHASE_START(search_phase, search);
   DTMT_PHASE_START(setup_phase, search_setup);
   TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
@@ -198,8 +198,13 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     const int64_t n = static_cast<int64_t>(active.size()), V = r[0].size(1);
     // [n * beam, V] float32 (the step's own buffer for a float model: the masking below writes into it)
     const Tensor log_probs = r[0].scalar_type() == at::kFloat ? r[0] : r[0].to(at::kFloat);
-    {  // the last step allowed for a sentence: only EOS may follow
+    {  // ids never chosen; at the last step allowed for a sentence, only EOS may follow
       float* lp = log_probs.data_ptr<float>();
+      for (const int64_t w : banned) {
+        TORCH_CHECK(w >= 0 && w < V && w != eos, "dtmt._C.rnmt_beam_search: banned id ", w,
+                    " must be a word of the ", V, " other than EOS");
+        for (int64_t r = 0; r < n * beam; ++r) lp[r * V + w] = -std::numeric_limits<float>::infinity();
+      }
       for (int64_t i = 0; i < n; ++i) {
         if (t + 1 < max_len_list[active[i]]) continue;
         for (int64_t o = 0; o < beam; ++o) {

@@ -207,6 +207,7 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
 // sentence ends as soon as it has `beam` finished hypotheses (fairseq's, CTranslate2's and Hugging Face's rule);
 // false (beam_search.py's default): once no open hypothesis can still enter its `nbest` best finished ones
 // (1 <= nbest <= beam; nullopt: beam), which are then exactly those a search run to max length returns.
+// banned: ids never chosen (PAD, BOS), their log-probabilities -inf before the candidates are ranked.
 std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, const at::Tensor& keys,
                                              const at::Tensor& src_mask, const at::Tensor& s, const at::Tensor& embed,
                                              const at::Tensor& positions, const TransitionWeights& query_cell,
@@ -217,7 +218,8 @@ std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, cons
                                              const at::Tensor& token_products = at::Tensor(),
                                              const at::Tensor& position_products = at::Tensor(),
                                              const at::Tensor& context_heads = at::Tensor(),
-                                             std::optional<int64_t> nbest = std::nullopt);
+                                             std::optional<int64_t> nbest = std::nullopt,
+                                             const std::vector<int64_t>& banned = {});
 
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.

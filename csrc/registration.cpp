@@ -207,14 +207,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
     double cell_eps, at::TensorList attention, double att_eps, at::TensorList readout, double readout_eps,
     int64_t beam, double alpha, const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
     bool early_stop, const OptTensor& token_products, const OptTensor& position_products,
-    const OptTensor& context_heads, std::optional<int64_t> nbest) {
+    const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned) {
   auto r = dtmt::rnmt_beam_search_cpu(
       last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), dense(embed), dense(positions, embed),
       dtmt::cell_weights(q_kind, q_params.vec()), dtmt::cell_weights(d_kind, d_params.vec()), cell_eps,
       dtmt::AttentionWeights::from_list(attention.vec(), att_eps),
       dtmt::ReadoutWeights::from_list(readout.vec(), readout_eps), beam, alpha, max_len, bos, eos, step_tables,
       early_stop, dense(token_products, embed), dense(position_products, embed),
-      given(context_heads) ? context_heads->contiguous() : Tensor(), nbest);
+      given(context_heads) ? context_heads->contiguous() : Tensor(), nbest,
+      banned.has_value() ? banned->vec() : std::vector<int64_t>());
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 
@@ -266,7 +267,8 @@ TORCH_LIBRARY(dtmt, m) {
         "Tensor? positions, int q_kind, Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, "
         "Tensor[] attention, float att_eps, Tensor[] readout, float readout_eps, int beam, float alpha, "
         "Tensor max_len, int bos, int eos, bool step_tables=False, bool early_stop=False, "
-        "Tensor? token_products=None, Tensor? position_products=None, Tensor? context_heads=None, int? nbest=None) -> "
+        "Tensor? token_products=None, Tensor? position_products=None, Tensor? context_heads=None, int? nbest=None, "
+        "int[]? banned=None) -> "
         "(Tensor counts, Tensor lengths, Tensor tokens, Tensor scores, Tensor log_probs)");
   m.def("memory_encoder(Tensor x, Tensor memory, Tensor src_mask, bool reverse, int cell_kind, Tensor[] cell, "
         "float cell_eps, Tensor[] addressing) -> (Tensor states, Tensor memory_out)");

@@ -495,6 +495,7 @@ class FrozenTransitionCell(InferenceForm):
         with torch.no_grad():
             self.params = cell.kernel_params(0)
 
+    @torch.no_grad()   # inference only: its ops write into buffers, which autograd refuses
     def forward(self, x: Tensor, h0: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
         h = x.new_zeros(x.shape[0], self.source.hidden_size) if h0 is None else h0
         return torch.ops.dtmt.transition_forward(x.unsqueeze(0), h, None, drop, self.kind, *self.params, False,
@@ -528,6 +529,7 @@ class FrozenTransitionLayer(InferenceForm):
             self._flat = [t for d, (_, params) in enumerate(directions)
                           for t in (params if panels is None else [*params, *panels[d]])]
 
+    @torch.no_grad()   # inference only: its ops write into buffers, which autograd refuses
     def forward(self, x: Tensor, h0: Optional[Tensor] = None, lengths=None) -> Tuple[Tensor, Tensor]:
         return _TransitionLayer.forward(self, x, h0, lengths)
 

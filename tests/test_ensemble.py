@@ -19,7 +19,7 @@ import torch
 
 from conftest import save_model, spread_weights
 from dtmt_models import cli
-from dtmt_models.data.vocabulary import BOS, EOS, Vocabulary
+from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
 from dtmt_models.decoding.beam_search import beam_search, length_penalty
 from dtmt_models.decoding.ensemble import Ensemble
 from dtmt_models.decoding.translate import translate
@@ -81,7 +81,7 @@ def _exhaustive(members, src, max_len, alpha):
     """Every complete hypothesis of at most max_len tokens (EOS included), scored from the members' teacher-
     forced forward passes; sorted best first as (score, tokens)."""
     V = members[0].tgt_vocab_size
-    words = [w for w in range(V) if w != EOS]
+    words = [w for w in range(V) if w not in (EOS, PAD, BOS)]   # (the search never chooses PAD or BOS)
     lengths = torch.tensor([src.shape[1]])
     scored = []
     for n in range(max_len):
@@ -97,12 +97,13 @@ def _exhaustive(members, src, max_len, alpha):
 
 
 def test_beam_search_over_an_ensemble_matches_exhaustive_search():
-    """Target vocabulary of 6 (5 tokens besides EOS), at most 3 output tokens: 31 complete hypotheses; a beam of
-    25 keeps every open one, so beam search must return the exhaustive top 25, in order, with their scores."""
+    """Target vocabulary of 8 (5 tokens besides EOS, PAD and BOS), at most 3 output tokens: 31 complete hypotheses;
+    a beam of 25 keeps every open one, so beam search must return the exhaustive top 25, in order, with their
+    scores."""
     torch.manual_seed(3)
-    members = [_spread(build_model("dtmt", 9, 6, embed_dim=8, hidden_size=8, depth=1, heads=2, dropout=0.0,
+    members = [_spread(build_model("dtmt", 9, 8, embed_dim=8, hidden_size=8, depth=1, heads=2, dropout=0.0,
                                    candidate_dropout=0.0), seed=1),
-               _spread(build_model("rnnsearch-atr", 9, 6, embed_dim=8, hidden_size=8, dropout=0.0), seed=2)]
+               _spread(build_model("rnnsearch-atr", 9, 8, embed_dim=8, hidden_size=8, dropout=0.0), seed=2)]
     src = torch.tensor([[5, 7, 4, 8]])
     alpha = 0.6
     expected = _exhaustive(members, src, max_len=3, alpha=alpha)

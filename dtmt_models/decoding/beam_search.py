@@ -21,7 +21,8 @@ recomputing their products, the same search up to the rounding of those sums.
 `fused=False` keeps the loop here.
 
 A model in training mode is decoded in eval mode (no dropout), and each of its modules is left in the mode it
-had (`eval_mode`).
+had (`eval_mode`). PAD (the model's `pad_id`) and BOS are never chosen (fairseq masks PAD too): their
+log-probabilities are -inf before the candidates are ranked.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from typing import Iterator, List, Union
 import torch
 from torch import Tensor
 
-from dtmt_models.data.vocabulary import BOS, EOS
+from dtmt_models.data.vocabulary import BOS, EOS, PAD
 
 
 @dataclass
@@ -143,11 +144,13 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
     active = list(range(B))
     active_max_len = max_len
     reorder_within = getattr(model, "reorder_within", model.reorder)
+    banned = torch.tensor(sorted({getattr(model, "pad_id", PAD), BOS} - {EOS}), device=device)
     for t in range(int(max_len.max())):
         log_probs, state = model.step(state, prev)
         V = log_probs.shape[-1]
         n = len(active)
         log_probs = log_probs.view(n, beam, V).float()
+        log_probs = log_probs.index_fill(-1, banned, float("-inf"))   # (not in place: the step's tensor is its own)
         at_limit = t + 1 >= active_max_len
         if bool(at_limit.any()):   # the last step allowed: only EOS may follow
             eos_only = torch.full_like(log_probs, float("-inf"))

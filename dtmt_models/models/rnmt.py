@@ -306,7 +306,8 @@ class FusedRNMTDecoder:
         counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
             self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.step_tables,
-            early_stop, self.token_table, position_table, self.context_table, nbest)
+            early_stop, self.token_table, position_table, self.context_table, nbest,
+            sorted({self.model.pad_id, BOS} - {EOS}))   # never chosen, as beam_search's loop
         flat, sizes = tokens.tolist(), lengths.tolist()
         hyps = [(flat[end - n:end], score, lp) for n, end, score, lp in zip(sizes, accumulate(sizes), scores.tolist(),
                                                                            log_probs.tolist())]

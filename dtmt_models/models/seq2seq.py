@@ -263,10 +263,6 @@ class Seq2Seq(nn.Module):
         prepared = inference_copy(self)
         if prepared is not self:
             prepared.__dict__["_inference_copy"] = True
-            # its fused inference forms have no autograd: called outside no_grad they would fail in an out= op
-            for name in ("encode", "step", "reorder", "reorder_within"):
-                if hasattr(prepared, name):
-                    prepared.__dict__[name] = torch.no_grad()(getattr(prepared, name))
         return prepared
 
     @staticmethod

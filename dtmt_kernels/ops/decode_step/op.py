@@ -13,7 +13,7 @@ the systems' tests hold them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import ClassVar, Optional, Sequence, Tuple
+from typing import ClassVar, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -263,7 +263,8 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
                      readout: ReadoutWeights, beam: int, alpha: float, max_len: Tensor, bos: int, eos: int,
                      step_tables: bool = False, early_stop: bool = False, token_table: Optional[Tensor] = None,
                      position_table: Optional[Tensor] = None, context_table: Optional[Tensor] = None,
-                     nbest: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     nbest: Optional[int] = None, banned: Optional[List[int]] = None
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Inference only: beam search over `rnmt_step` in one C++ call, the loop of dtmt_models.decoding.beam_search
     (its reference: the same hypotheses, scores and order) with no Python between steps. The decoder state as
     `encode` makes it, one row a sentence: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S] bool, s [B, H].
@@ -282,12 +283,13 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
     order, so the same search up to rounding. False: rnmt_step's arithmetic exactly.
     `early_stop`: a sentence ends as soon as it has `beam` finished hypotheses (beam_search's `early_stop`).
     Otherwise it ends once no open hypothesis can enter its `nbest` best finished ones (1 <= nbest <= beam; None:
-    beam), so that those are exactly what a search run to max length would return (beam_search's `nbest`)."""
+    beam), so that those are exactly what a search run to max length would return (beam_search's `nbest`).
+    `banned`: ids never chosen (beam_search's PAD and BOS)."""
     return torch.ops.dtmt.rnmt_beam_search(annotations, keys, src_mask, s, embed, positions, query_cell.kind,
                                            query_cell.params, decoder_cell.kind, decoder_cell.params, query_cell.eps,
                                            attention.tensors, attention.ln_eps, readout.tensors, readout.eps, beam,
                                            alpha, max_len, bos, eos, step_tables, early_stop, token_table,
-                                           position_table, context_table, nbest)
+                                           position_table, context_table, nbest, banned)
 
 
 def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
@@ -321,7 +323,7 @@ def _rnmt_step_fake(y, s, keys, annotations, src_mask, q_kind, q_params, d_kind,
 def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_kind, q_params, d_kind, d_params,
                            cell_eps, attention, att_eps, readout, readout_eps, beam, alpha, max_len, bos, eos,
                            step_tables=False, early_stop=False, token_products=None, position_products=None,
-                           context_heads=None, nbest=None):
+                           context_heads=None, nbest=None, banned=None):
     ctx = torch.library.get_ctx()
     n, tokens = ctx.new_dynamic_size(), ctx.new_dynamic_size()   # how many hypotheses and tokens: data-dependent
     long, double = dict(dtype=torch.long), dict(dtype=torch.float64)

@@ -530,29 +530,36 @@ def test_the_transformer_s_target_bound_stops_at_its_positions():
     with torch.no_grad():
         model.tgt_embed.weight[EOS].fill_(-3.0)   # (tied output: EOS unlikely, so that the search runs to the bound)
     src = torch.randint(4, 30, (2, 10), generator=torch.Generator().manual_seed(1))
-    for fused in (True, False):
-        hyps = beam_search(model, src, torch.tensor([10, 10]), beam=2, fused=fused)
+    from dtmt_models.decoding.ensemble import Ensemble
+
+    for decoded in (model, Ensemble([model, model])):   # (an ensemble stops at its members' last position)
+        hyps = beam_search(decoded, src, torch.tensor([10, 10]), beam=2)
         assert max(len(h[0].tokens) for h in hyps) == 15, [len(h[0].tokens) for h in hyps]   # 16 positions: BOS + 15
 
 
-@pytest.mark.parametrize("name", ["dtmt", "deeplau", "transformer"])
-def test_pad_and_bos_are_never_chosen(name):
-    """An output layer that favours PAD and BOS (an untrained model can): the search never returns them, fused
-    (one C++ call) or not, and both searches give the same hypotheses (fairseq masks PAD the same way)."""
+@pytest.mark.parametrize("name, pad", [("dtmt", 0), ("dtmt", 1), ("deeplau", 0), ("transformer", 0)])
+def test_pad_and_bos_are_never_chosen(name, pad):
+    """An output layer that favours PAD (the model's pad_id) and BOS (an untrained model can): the search never
+    returns them, in the C++ search and the loop (for dtmt both; deeplau and the transformer have the loop only),
+    and both give the same hypotheses (fairseq masks PAD the same way); an ensemble bans its members' PAD."""
+    from dtmt_models.decoding.ensemble import Ensemble
+
     torch.manual_seed(0)
     options = dict(heads=2, encoder_layers=1, decoder_layers=1, hidden_size=32) if name == "transformer" else {}
-    model = dm.build_model(name, 30, 30, **{"embed_dim": 16, "hidden_size": 16, **options}).eval()
+    model = dm.build_model(name, 30, 30, pad_id=pad, **{"embed_dim": 16, "hidden_size": 16, **options}).eval()
     bias = [p for n, p in model.named_parameters() if n.endswith("bias") and p.shape == (30,)][-1]
     with torch.no_grad():
-        bias[0] += 8.0
+        bias[pad] += 8.0
         bias[BOS] += 7.0
     src = torch.randint(4, 30, (3, 6), generator=torch.Generator().manual_seed(2))
     lengths = torch.tensor([6, 4, 5])
     with torch.no_grad():   # what the model would choose without the mask
         log_probs, _ = model.step(model.encode(src, lengths), torch.full((3,), BOS))
-    assert set(log_probs.argmax(-1).tolist()) <= {0, BOS}
+    assert set(log_probs.argmax(-1).tolist()) <= {pad, BOS}
     results = [beam_search(model, src, lengths, beam=4, nbest=4, fused=fused) for fused in (True, False)]
+    results.append(beam_search(Ensemble([model, model]), src, lengths, beam=4, nbest=4))
     for hyps in results:
         tokens = [t for sentence in hyps for h in sentence for t in h.tokens]
-        assert tokens and 0 not in tokens and BOS not in tokens
-    assert [[h.tokens for h in s] for s in results[0]] == [[h.tokens for h in s] for s in results[1]]
+        assert tokens and pad not in tokens and BOS not in tokens
+    for other in results[1:]:
+        assert [[h.tokens for h in s] for s in results[0]] == [[h.tokens for h in s] for s in other]

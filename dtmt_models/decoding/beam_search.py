@@ -70,7 +70,7 @@ def any_training(model: torch.nn.Module) -> bool:
 def eval_mode(model) -> Iterator[None]:
     """`model` (an nn.Module; anything else is left alone) in eval mode for the block; afterwards every module has
     the mode it had before, so a member already in eval mode stays so whatever its parent's mode was (Module.train
-    would set them all)."""
+    would set them all). The modes are restored as flags: a module overriding train() is not called again."""
     if not isinstance(model, torch.nn.Module) or not any_training(model):   # (the usual case: nothing to walk)
         yield
         return
@@ -150,13 +150,15 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
         V = log_probs.shape[-1]
         n = len(active)
         log_probs = log_probs.view(n, beam, V).float()
-        log_probs = log_probs.index_fill(-1, banned, float("-inf"))   # (not in place: the step's tensor is its own)
+        if t == 0 and not bool(((banned >= 0) & (banned < V)).all()):
+            raise ValueError(f"beam_search: the model's pad_id {banned.tolist()} is not one of its {V} words")
         at_limit = t + 1 >= active_max_len
         if bool(at_limit.any()):   # the last step allowed: only EOS may follow
             eos_only = torch.full_like(log_probs, float("-inf"))
             eos_only[..., EOS] = log_probs[..., EOS]
             log_probs = torch.where(at_limit.view(n, 1, 1), eos_only, log_probs)
-        cand = (scores.unsqueeze(-1) + log_probs).view(n, -1)
+        # PAD and BOS never chosen (in place: the sum is a fresh tensor)
+        cand = (scores.unsqueeze(-1) + log_probs).index_fill_(-1, banned, float("-inf")).view(n, -1)
         top_scores, top_idx = cand.topk(min(2 * beam, cand.shape[1]), dim=1)
         # the bookkeeping below is per sentence and per candidate, on Python lists (three transfers a step), not
         # on tensor elements
@@ -208,4 +210,4 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
 
 def greedy(model, src: Tensor, src_lengths: Tensor, **kwargs) -> List[List[int]]:
     """Beam 1; returns the token lists."""
-    return [h[0].tokens for h in beam_search(model, src, src_lengths, beam=1, alpha=0.0, **kwargs)]
+    return [h[0].tokens if h else [] for h in beam_search(model, src, src_lengths, beam=1, alpha=0.0, **kwargs)]

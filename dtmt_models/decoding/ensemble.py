@@ -17,6 +17,8 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from dtmt_models.data.vocabulary import PAD
+
 
 class EnsembleDecoder:
     """encode / step / reorder over the members' decoders (what `beam_search` drives). The state is the tuple
@@ -24,6 +26,12 @@ class EnsembleDecoder:
 
     def __init__(self, decoders: Sequence):
         self.decoders = list(decoders)
+        pads = {getattr(d, "pad_id", PAD) for d in self.decoders}
+        if len(pads) > 1:
+            raise ValueError(f"Ensemble: the models pad with different ids {sorted(pads)}")
+        self.pad_id = pads.pop()   # what beam_search never chooses, with BOS
+        steps = [d.max_target_steps for d in self.decoders if getattr(d, "max_target_steps", None) is not None]
+        self.max_target_steps = min(steps) if steps else None   # (a transformer member's positions end there)
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> Tuple:
         return tuple(d.encode(src, src_lengths) for d in self.decoders)

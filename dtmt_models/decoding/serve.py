@@ -210,8 +210,9 @@ class Server:
         except Exception as exc:   # noqa: BLE001 - decoding failed: this request fails, the server goes on
             self.log(f"decoding failed: {type(exc).__name__}: {exc}")
             return self._error(500, f"decoding failed: {type(exc).__name__}: {exc}")
-        return web.json_response({"translations": [hyps[0][0] for hyps in results],
-                                  "scores": [hyps[0][1] for hyps in results]})
+        # (a sentence without a hypothesis: a model that gives every word -inf)
+        return web.json_response({"translations": [hyps[0][0] if hyps else "" for hyps in results],
+                                  "scores": [hyps[0][1] if hyps else None for hyps in results]})
 
     async def _health(self, request):
         from aiohttp import web

@@ -15,7 +15,7 @@ How a list of sentences is decoded:
   * every batch goes through `beam_search` with the model in eval mode under `torch.no_grad()` (not
     `torch.inference_mode()`: tensors it creates can never re-enter autograd, which custom autograd
     Functions and callers that train afterwards, like the trainer's validation, must not have to care
-    about); the model's train/eval mode is restored afterwards;
+    about); afterwards each module has its own train/eval mode again (eval_mode);
   * the results are put back in input order and detokenised with the target SentencePiece model.
 Beam search treats every sentence of a batch independently, so the output does not depend on max_tokens.
 

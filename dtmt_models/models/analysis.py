@@ -341,10 +341,10 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
     if tgt.numel() == 0:
         raise ValueError("attention_matrix: tgt_tokens must hold at least one token")
     prev = torch.cat([tgt.new_tensor([BOS]), tgt[:-1]])
-    was_training = model.training
-    model.eval()
+    from dtmt_models.decoding.beam_search import eval_mode   # (each module's own mode restored after)
+
     rows = []
-    try:
+    with eval_mode(model):
         with torch.no_grad():
             state = model.encode(src, src_lengths)
             for t in range(prev.numel()):
@@ -357,8 +357,6 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
                 if attn.dim() == 3:
                     attn = attn.mean(1)       # [B, heads, S] -> head average
                 rows.append(attn[0].float().cpu())
-    finally:
-        model.train(was_training)
     return torch.stack(rows)
 
 

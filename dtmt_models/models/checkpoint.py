@@ -79,10 +79,13 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
         src_vocab, tgt_vocab = Vocabulary(ckpt["src_vocab"]), Vocabulary(ckpt["tgt_vocab"])
     except (RuntimeError, ValueError, TypeError) as exc:   # SentencePiece's own message is C++ internals
         raise ValueError(f"{path}: its vocabularies cannot be read ({one_line(exc)[:200]})") from None
-    model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **ckpt["model_options"])
+    try:
+        model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **ckpt["model_options"])
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: its model cannot be built ({one_line(exc)[:300]})") from None
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as exc:   # torch lists every key and shape, one a line
+    except (RuntimeError, TypeError, AttributeError) as exc:   # torch lists every key and shape, one a line
         detail = " ".join(str(exc).split())
         raise ValueError(f"{path}: its weights do not fit a {ckpt['model_name']} model with its options "
                          f"({detail[:300]}{' ...' if len(detail) > 300 else ''})") from None

@@ -224,6 +224,11 @@ class FusedRNMTDecoder:
         if fused_start and self._own_encode and cls.state_from is AttentionalRNMT.state_from:
             self.start_weights = start_weights(self.model)
 
+    @property
+    def pad_id(self) -> int:
+        """The model's padding id (beam_search never chooses it)."""
+        return self.model.pad_id
+
     def inference_decoder(self, int8: bool = False) -> "FusedRNMTDecoder":
         """Itself, or with `int8` (and int8 not yet) its int8 form, with this decoder's other settings."""
         if not int8 or self.int8:
@@ -307,7 +312,7 @@ class FusedRNMTDecoder:
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
             self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.step_tables,
             early_stop, self.token_table, position_table, self.context_table, nbest,
-            sorted({self.model.pad_id, BOS} - {EOS}))   # never chosen, as beam_search's loop
+            sorted({self.pad_id, BOS} - {EOS}))   # never chosen, as beam_search's loop
         flat, sizes = tokens.tolist(), lengths.tolist()
         hyps = [(flat[end - n:end], score, lp) for n, end, score, lp in zip(sizes, accumulate(sizes), scores.tolist(),
                                                                            log_probs.tolist())]

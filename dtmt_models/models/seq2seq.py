@@ -305,13 +305,20 @@ class Seq2Seq(nn.Module):
             raise ValueError(f"{name}: prev_tokens must be a LongTensor [B={B}, T] with T >= 1, got "
                              f"{getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "
                              f"{list(getattr(prev_tokens, 'shape', []))}")
-        if not torch.compiler.is_compiling():   # ids outside the vocabulary: IndexError, as nn.Embedding's, naming them
-            for arg, ids, size in (("src", src, self.src_vocab_size), ("prev_tokens", prev_tokens, self.tgt_vocab_size)):
-                if ids is not None and ids.numel():
-                    lo, hi = (int(v) for v in torch.aminmax(ids))
-                    if lo < 0 or hi >= size:
-                        raise IndexError(f"{name}: {arg} holds the id {hi if hi >= size else lo}, outside the "
-                                         f"{'source' if arg == 'src' else 'target'} vocabulary's {size} ids")
+        # ids outside the vocabularies: IndexError, as nn.Embedding's, naming them (one transfer for both)
+        given = [(arg, ids, size) for arg, ids, size in (("src", src, self.src_vocab_size),
+                                                         ("prev_tokens", prev_tokens, self.tgt_vocab_size))
+                 if ids is not None and ids.numel()]
+        if torch.compiler.is_compiling():
+            for arg, ids, size in given:
+                torch._assert_async(((ids >= 0) & (ids < size)).all(), f"{name}: {arg} holds an id outside the "
+                                    f"vocabulary's {size}")
+            return
+        bounds = torch.stack([v for _, ids, _ in given for v in torch.aminmax(ids)]).tolist() if given else []
+        for (arg, _, size), lo, hi in zip(given, bounds[0::2], bounds[1::2]):
+            if lo < 0 or hi >= size:
+                raise IndexError(f"{name}: {arg} holds the id {hi if hi >= size else lo}, outside the "
+                                 f"{'source' if arg == 'src' else 'target'} vocabulary's {size} ids")
 
 
 def _inference_form(module: nn.Module) -> nn.Module:

@@ -284,7 +284,7 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
     `early_stop`: a sentence ends as soon as it has `beam` finished hypotheses (beam_search's `early_stop`).
     Otherwise it ends once no open hypothesis can enter its `nbest` best finished ones (1 <= nbest <= beam; None:
     beam), so that those are exactly what a search run to max length would return (beam_search's `nbest`).
-    `banned`: ids never chosen (beam_search's PAD and BOS)."""
+    `banned`: ids never chosen; beam_search passes [pad_id, BOS] (its reference loop's mask), None bans nothing."""
     return torch.ops.dtmt.rnmt_beam_search(annotations, keys, src_mask, s, embed, positions, query_cell.kind,
                                            query_cell.params, decoder_cell.kind, decoder_cell.params, query_cell.eps,
                                            attention.tensors, attention.ln_eps, readout.tensors, readout.eps, beam,

@@ -125,6 +125,9 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   const int64_t nbest = nbest_given.value_or(beam);
   TORCH_CHECK(nbest >= 1 && nbest <= beam, "dtmt._C.rnmt_beam_search: need 1 <= nbest <= beam, got nbest=", nbest,
               ", beam=", beam);
+  for (const int64_t w : banned)   // (the step's output words are the target embedding's rows)
+    TORCH_CHECK(w >= 0 && w < embed.size(0) && w != eos, "dtmt._C.rnmt_beam_search: banned id ", w,
+                " must be a word of the ", embed.size(0), " other than EOS");
   const Tensor max_len_cpu = max_len.to(at::kLong).contiguous();
   const std::vector<int64_t> max_len_list(max_len_cpu.data_ptr<int64_t>(), max_len_cpu.data_ptr<int64_t>() + B);
   int64_t steps = 0;
@@ -200,11 +203,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
     const Tensor log_probs = r[0].scalar_type() == at::kFloat ? r[0] : r[0].to(at::kFloat);
     {  // ids never chosen; at the last step allowed for a sentence, only EOS may follow
       float* lp = log_probs.data_ptr<float>();
-      for (const int64_t w : banned) {
-        TORCH_CHECK(w >= 0 && w < V && w != eos, "dtmt._C.rnmt_beam_search: banned id ", w,
-                    " must be a word of the ", V, " other than EOS");
+      for (const int64_t w : banned)
         for (int64_t r = 0; r < n * beam; ++r) lp[r * V + w] = -std::numeric_limits<float>::infinity();
-      }
       for (int64_t i = 0; i < n; ++i) {
         if (t + 1 < max_len_list[active[i]]) continue;
         for (int64_t o = 0; o < beam; ++o) {

@@ -18,7 +18,7 @@ from .ops.decode_step import (AttentionWeights, CellWeights, MemoryWeights, Read
 from .ops.linear import small_rows_applicable, small_rows_linear
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._extension import built
-from .backends import check_backend_name, resolve_backend
+from .backends import resolve_backend
 from .reference import TransitionWeights
 
 __all__ = ["transition_sequence", "transition_step", "additive_scores", "attention_context", "linear",

@@ -29,7 +29,7 @@ def write_atomic(path: str, text: str) -> None:
 def check_device_and_backend(device: str, backend: str) -> torch.device:
     """The torch device for `device`, after checking that it and `backend` can run here (UsageError if not)."""
     import dtmt_kernels as dk
-    from dtmt_kernels.backends import check_backend_name, resolve_backend
+    from dtmt_kernels.backends import resolve_backend
 
     try:
         dev = torch.device(device)
@@ -40,7 +40,6 @@ def check_device_and_backend(device: str, backend: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise UsageError(f"--device: use cpu or cuda, got {device!r}")
     if backend == "auto":   # whatever this device has; a system without fused layers needs none (the layers say)
-        check_backend_name(backend)
         return dev
     try:
         resolve_backend(backend, dev)

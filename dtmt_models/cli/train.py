@@ -27,7 +27,7 @@ from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
-from dtmt_models.training.distributed import Dist
+from dtmt_models.training.distributed import Dist, resolve_auto, world_size
 from dtmt_models.training.trainer import CONFIG, LAST, Trainer
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
@@ -154,9 +154,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         need(0 <= args.smoothing < 1, "smoothing", "in [0, 1)")
     if args.clip is not None:
         need(0 <= args.clip < math.inf, "clip", "a finite number >= 0 (0: off)")
-    if "backend" in parse_options(args.opt):
-        raise ValueError(f"--opt backend={parse_options(args.opt)['backend']}: the recurrent kernels are not a model "
-                         f"option; use --backend")
+    options = parse_options(args.opt)
+    if "backend" in options:
+        raise ValueError(f"--opt backend={options['backend']}: the recurrent kernels are not a model option; use "
+                         f"--backend")
     seconds = parse_duration(args.max_time)
     if seconds is not None and not 0 < seconds < math.inf:
         raise ValueError(f"--max-time {args.max_time}: must be a finite duration > 0, e.g. 90s, 30m or 2h")
@@ -349,9 +350,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
             if "training" not in ckpt:
                 raise ValueError(f"{source} has no training state (a run's last.pt has)")
             processes = len(ckpt["training"].get("rng", ()))
-            if processes != int(os.environ.get("WORLD_SIZE", "1")):
+            if processes != world_size():   # (before the process group starts: Trainer checks it again, later)
                 raise ValueError(f"--resume: the run was trained by {processes} process(es); continue it with as many "
-                                 f"(got {os.environ.get('WORLD_SIZE', '1')}) for an exact continuation")
+                                 f"(got {world_size()}) for an exact continuation")
             cfg = TrainConfig.from_dict(ckpt["config"])
             conflicts = resume_conflicts(args, explicit, cfg)
             if conflicts:
@@ -381,9 +382,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint
         from dtmt_models.cli.common import check_device_and_backend   # (decoding's modules: only now)
 
-        device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         try:
-            check_device_and_backend(device, cfg.backend)
+            check_device_and_backend(resolve_auto(cfg.device), cfg.backend)
         except ValueError as exc:
             if args.resume is not None and (args.device is None or args.backend is None):
                 raise ValueError(f"{exc} (the run's setting: --device / --backend choose another)") from None

@@ -8,6 +8,11 @@ from typing import Iterable, List, Mapping
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
 
+def never_output(pad_id: int = PAD) -> List[int]:
+    """The ids a translation never holds, which beam search never chooses: the model's padding id and BOS."""
+    return sorted({pad_id, BOS} - {EOS})
+
+
 class Vocabulary:
     def __init__(self, model_proto: bytes):
         import sentencepiece as spm

@@ -31,12 +31,12 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass
-from typing import Iterator, List, Union
+from typing import Iterator, List, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from dtmt_models.data.vocabulary import BOS, EOS, PAD
+from dtmt_models.data.vocabulary import BOS, EOS, PAD, never_output
 
 
 @dataclass
@@ -83,8 +83,8 @@ def eval_mode(model) -> Iterator[None]:
             m.training = training
 
 
-def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> int:
-    """beam_search's numbers (ValueError naming the argument); returns beam as an int."""
+def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> Tuple[int, int]:
+    """beam_search's numbers (ValueError naming the argument); returns (beam, nbest) as ints."""
     try:
         beam, nbest = operator.index(beam), operator.index(nbest)
     except TypeError:
@@ -97,7 +97,7 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> int:
         raise ValueError(f"max_len_a must be a finite number >= 0, got {max_len_a!r}")
     if not isinstance(max_len_b, numbers.Integral) or max_len_b < 0:
         raise ValueError(f"max_len_b must be an integer >= 0, got {max_len_b!r}")
-    return beam
+    return beam, nbest
 
 
 @torch.no_grad()
@@ -111,8 +111,7 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     still win (usually fewer steps; the default keeps the check). Without it the `nbest` returned are exactly those
     a search run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner, even
     before `beam` are finished). A model in training mode decodes in eval mode (see the module docstring)."""
-    beam = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
-    nbest = operator.index(nbest)
+    beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
     with eval_mode(model):
         return _beam_search(model, src, src_lengths, beam, alpha, nbest, max_len_a, max_len_b, fused, early_stop)
 
@@ -144,7 +143,7 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
     active = list(range(B))
     active_max_len = max_len
     reorder_within = getattr(model, "reorder_within", model.reorder)
-    banned = torch.tensor(sorted({getattr(model, "pad_id", PAD), BOS} - {EOS}), device=device)
+    banned = torch.tensor(never_output(getattr(model, "pad_id", PAD)), device=device)
     for t in range(int(max_len.max())):
         log_probs, state = model.step(state, prev)
         V = log_probs.shape[-1]

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 import dtmt_kernels as dk
-from dtmt_models.data.vocabulary import BOS, EOS
+from dtmt_models.data.vocabulary import BOS, EOS, never_output
 from dtmt_models.models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.seq2seq import (
@@ -312,7 +312,7 @@ class FusedRNMTDecoder:
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
             self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.step_tables,
             early_stop, self.token_table, position_table, self.context_table, nbest,
-            sorted({self.pad_id, BOS} - {EOS}))   # never chosen, as beam_search's loop
+            never_output(self.pad_id))
         flat, sizes = tokens.tolist(), lengths.tolist()
         hyps = [(flat[end - n:end], score, lp) for n, end, score, lp in zip(sizes, accumulate(sizes), scores.tolist(),
                                                                            log_probs.tolist())]

@@ -9,15 +9,24 @@ from typing import List
 import torch
 
 
+def world_size() -> int:
+    """The number of training processes (torchrun's WORLD_SIZE; 1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_auto(device_arg: str) -> str:
+    """--device auto: cuda where a CUDA device is available, else cpu; any other value as it is."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device_arg == "auto" else device_arg
+
+
 class Dist:
     """Process-group bookkeeping; a single process is rank 0 of 1 and every collective is a no-op."""
 
     def __init__(self, device_arg: str):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.world = world_size()
         self.rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        if device_arg == "auto":
-            device_arg = "cuda" if torch.cuda.is_available() else "cpu"
+        device_arg = resolve_auto(device_arg)
         if device_arg == "cuda" and self.world > 1:
             device_arg = f"cuda:{local}"
         self.device = torch.device(device_arg)

@@ -4,8 +4,8 @@
     rnn = dk.nn.DeepTransitionGRU(256, 512, depth=4, cell="lgru", layer_norm=True, bidirectional=True)
     out, h_n = rnn(x, lengths=lengths)
 
-See SPEC.md §2-3 for the equations and the API; `dk.reference` (each op folder's reference.py) is their
-executable form. Every fused kernel is a torch.library custom op, torch.ops.dtmt.* (dtmt_kernels/ops/: one folder
+The equations and the API: the docstrings of `dk.reference` (each op folder's reference.py, their executable
+form) and dtmt_kernels/nn.py. Every fused kernel is a torch.library custom op, torch.ops.dtmt.* (dtmt_kernels/ops/: one folder
 per op), so the layers work under torch.compile(fullgraph=True), torch.export and torch.autocast.
 """
 import torch

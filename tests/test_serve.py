@@ -127,6 +127,17 @@ def test_bad_options_exit_2_before_listening(system, capsys, flags, message):
     assert err == f"dtmt serve: {message}\n", err
 
 
+def test_no_option_that_does_nothing(capsys):
+    """The decoding options serve shares with translate leave out --quiet: a server's lines (its address among
+    them) are its log, and an option it would ignore is refused, as argparse refuses any unknown one."""
+    from dtmt_models.cli import serve, translate
+
+    assert translate.build_parser().parse_args(["-c", "x.pt", "--quiet"]).quiet
+    with pytest.raises(SystemExit) as exc:
+        serve.build_parser().parse_args(["-c", "x.pt", "--quiet"])
+    assert exc.value.code == 2 and "unrecognized arguments: --quiet" in capsys.readouterr().err
+
+
 def test_translations_health_and_info(system, server):
     model, sv, tv, path = system
     sentences = SRC[:5] + ["", "el perro y el gato"]

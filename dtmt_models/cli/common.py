@@ -108,8 +108,9 @@ def reporting_warnings(prog: str, call: Callable[[], T], seen: Optional[Set[str]
     return result
 
 
-def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options `dtmt translate` and `dtmt evaluate` share."""
+def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True) -> None:
+    """The options `dtmt translate`, `dtmt evaluate` and `dtmt serve` share; `quiet`: with --quiet (a server has
+    no progress to hide, and its few lines, the address among them, are its log)."""
     from dtmt_kernels.backends import BACKEND_NAMES
 
     g = parser.add_argument_group("decoding")
@@ -136,7 +137,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
                    help="decode with the decoder step's matrices in int8, one scale per row, multiplied by its "
                         "activations quantized the same way (int8 dot products); dtmt, shallow-rnmt, rnnsearch-atr, "
                         "mce and one-level nematus on the CPU")
-    g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
+    if quiet:
+        g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
 
 
 def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", help="reference file, aligned with --src")
     p.add_argument("--hyp", help="score this translation file instead of decoding")
     p.add_argument("--out-dir", help="where the results go (default: next to the checkpoint, <stem>.<split>/; for an "
-                        "ensemble next to the first, <dir>-<stem>+<dir>-<stem>.<split>/)")
+                        "ensemble next to the first, <dir>-<stem>+<dir>-<stem>.<split>/; with --hyp alone, next to the "
+                        "hypothesis file, <hyp stem>.<split>/)")
     p.add_argument("--bounds", default=",".join(map(str, DEFAULT_BOUNDS)),
                    help="upper bounds of the length buckets, in words (default 10,20,30,40,50)")
     add_decoding_arguments(p)

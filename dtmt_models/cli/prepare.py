@@ -32,7 +32,7 @@ def add_binarize_arguments(p: argparse.ArgumentParser, optional: bool) -> None:
     g.add_argument("--sample-seed", type=int, default=binarized.DEFAULT_SEED, metavar="S",
                    help=f"seed of that draw (default: {binarized.DEFAULT_SEED})")
     g.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="encoding processes (default 0: one per core)")
+                   help="encoding processes (default 0: one per core, at most 16)")
     if optional:
         g.add_argument("--no-binarize", action="store_true",
                        help="write the text only (dtmt train then binarizes it on its first run)")

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the longest a request waits for others to join its batch (default {d.max_wait_ms:g})")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help=f"on shutdown, seconds left to the requests in flight (default {d.shutdown_timeout:g})")
-    add_decoding_arguments(p)
+    add_decoding_arguments(p, quiet=False)
     return p
 
 

@@ -19,7 +19,8 @@ with --hyp and no checkpoint, next to the hypothesis file, `<hyp stem>.<split>/`
 is the source file's name without its extension): `hyp.txt` (not in --hyp mode, which scores the given file
 in place), `scores.json` (scores, signatures, buckets, settings, decoding time and speed),
 `bleu_by_length.csv` and `bleu_by_length.png`, and prints a short table on stdout. Errors a user can cause are
-one line on stderr and exit status 1, as in `dtmt translate`.
+one line on stderr, with exit status 2 for what the options name and 1 for what is found in the data, as in
+`dtmt translate`.
 """
 from __future__ import annotations
 

@@ -27,8 +27,9 @@ Several inputs go to one output (stdout or --output) in input order, or with --o
 `D/<input basename>.out` each. With --nbest N the output is in Moses n-best format, `index ||| translation |||
 score`, the index counting the lines of each input from 0 and the score the length-normalised log-probability
 that ranks the beam.
-Errors a user can cause (missing or foreign checkpoint, unreadable input, invalid UTF-8, with file:line,
-unavailable backend or device) are one line on stderr and exit status 1.
+Errors a user can cause are one line on stderr: exit status 2 for what the options name (a missing, foreign or
+mismatched checkpoint, a missing input, an unavailable backend or device: SPEC §6), 1 for what is found while
+working (unreadable input, invalid UTF-8 with file:line).
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from typing import List, Optional
 
+from dtmt_models.cli.common import reporting_warnings
 from dtmt_models.errors import UsageError, check_input_dir, check_input_file, check_output_file, one_line
 from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
 from dtmt_models.training.trainer import step_checkpoints
@@ -39,11 +39,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         paths = _checkpoints(a)
         check_output_file(a.output, "--output", paths)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            payload = average_checkpoints(paths)
-        for w in caught:
-            print(f"{PROG}: warning: {w.message}", file=sys.stderr)
+        payload = reporting_warnings(PROG, lambda: average_checkpoints(paths), category=Warning)
         if len(paths) == 1:
             print(f"{PROG}: warning: one checkpoint: the output holds its weights as they are", file=sys.stderr)
     except (UsageError, ValueError, FileNotFoundError) as exc:   # the checkpoints named cannot be averaged

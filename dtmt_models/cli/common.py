@@ -8,12 +8,12 @@ import argparse
 import math
 import sys
 import time
-from typing import Callable, List, Optional, Sequence, Set, Tuple, TypeVar
+from typing import Callable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 import torch
 
 from dtmt_models.atomic import atomic_write
-from dtmt_models.decoding.translate import InputError, input_warnings, translate
+from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.errors import UsageError, check_input_file, one_line
 from dtmt_models.progress import Progress
 
@@ -96,10 +96,11 @@ def decode_with_report(prog: str, quiet: bool, model, src_vocab, tgt_vocab, sent
     return results, seconds
 
 
-def reporting_warnings(prog: str, call: Callable[[], T], seen: Optional[Set[str]] = None) -> T:
-    """call(), each InputWarning it raises shown as one `prog: warning:` line on stderr (once per message when a
-    `seen` set is kept across calls); other warnings pass on."""
-    result, messages = input_warnings(call)
+def reporting_warnings(prog: str, call: Callable[[], T], seen: Optional[Set[str]] = None,
+                       category: Type[Warning] = InputWarning) -> T:
+    """call(), each warning of `category` it raises shown as one `prog: warning:` line on stderr (once per message
+    when a `seen` set is kept across calls); other warnings pass on."""
+    result, messages = input_warnings(call, category)
     for message in messages:
         if seen is None or message not in seen:
             print(f"{prog}: warning: {message}", file=sys.stderr)

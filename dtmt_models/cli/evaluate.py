@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from typing import List, Optional
 
 import torch
@@ -24,6 +23,7 @@ from dtmt_models.cli.common import (
     build_decoder,
     decoding_kwargs,
     load_for_decoding,
+    reporting_warnings,
     run_command,
     use_threads,
     write_atomic,
@@ -153,11 +153,8 @@ def _run(args: argparse.Namespace) -> int:
         write_atomic(os.path.join(out_dir, "scores.json"), json.dumps(report, indent=2, ensure_ascii=False) + "\n")
         write_atomic(os.path.join(out_dir, "bleu_by_length.csv"), rows_to_csv(rows))
         title = f"{settings.get('model_name') or _stem(anchor)}: BLEU by source length ({label})"
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            plot = plot_bleu_by_length(rows, os.path.join(out_dir, "bleu_by_length.png"), title)
-        for w in caught:
-            print(f"{PROG}: warning: {w.message}", file=sys.stderr)
+        plot = reporting_warnings(PROG, lambda: plot_bleu_by_length(rows, os.path.join(out_dir, "bleu_by_length.png"),
+                                                                    title), category=Warning)
     except WriteError as exc:
         raise InputError(str(exc)) from None
     except OSError as exc:

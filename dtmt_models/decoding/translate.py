@@ -34,7 +34,7 @@ working (unreadable input, invalid UTF-8 with file:line).
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch
 
@@ -64,15 +64,15 @@ class InputError(Exception):
 
 
 # ------------------------------------------------------------------------------------------- library
-def input_warnings(call: Callable[[], T]) -> Tuple[T, List[str]]:
-    """(call(), the messages of the InputWarnings it raised, in order); any other warning it raised is issued
-    again. How `dtmt translate` and `dtmt serve` turn a call's warnings into their one-line reports."""
+def input_warnings(call: Callable[[], T], category: Type[Warning] = InputWarning) -> Tuple[T, List[str]]:
+    """(call(), the messages of the warnings of `category` it raised, in order); any other warning it raised is
+    issued again. How `dtmt translate` and `dtmt serve` turn a call's warnings into their one-line reports."""
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", InputWarning)
+        warnings.simplefilter("always", category)
         result = call()
     messages = []
     for w in caught:
-        if issubclass(w.category, InputWarning):
+        if issubclass(w.category, category):
             messages.append(str(w.message))
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

@@ -637,7 +637,7 @@ def test_bench_step_phases(tmp_path):
         assert all(s == 0 and c == 0 for _, s, c in _C.phase_times())
         with pytest.raises(SystemExit, match="DTMT_PHASE_TIMERS=1"):
             bench_step_phases.main(["--checkpoint", "unused", "--data", "unused"])
-        return
+        pytest.skip("the timed half needs a build with DTMT_PHASE_TIMERS=1 (the refusal above was checked)")
     ckpt, data = tiny_checkpoint(tmp_path, "dtmt", embed_dim=8, hidden_size=8, heads=2, dropout=0.0)
     r = bench_step_phases.main(["--checkpoint", ckpt, "--data", data, "--sentences", "8", "--out", str(tmp_path)])
     phase = {row["phase"]: row for row in r["phases"]}

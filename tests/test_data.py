@@ -44,8 +44,9 @@ def test_write_parallel_round_trip_and_length_filter(tmp_path):
     pairs = [("a b", "c"), ("d", "e f g")]
     data.write_parallel(pairs, str(tmp_path / "x.src"), str(tmp_path / "x.tgt"))
     assert data.read_parallel(str(tmp_path / "x.src"), str(tmp_path / "x.tgt")) == pairs
-    kept, dropped = data.filter_by_length([([1] * 3, [2] * 2), ([1] * 5, [2])], max_len=4)
-    assert len(kept) == 1 and dropped == 1
+    pairs = [([1] * 3, [2] * 2), ([1] * 5, [2]), ([1] * 4, [2] * 4), ([1], [2] * 5)]   # max_len itself is kept
+    kept, dropped = data.filter_by_length(pairs, max_len=4)
+    assert kept == [([1] * 3, [2] * 2), ([1] * 4, [2] * 4)] and dropped == 2
 
 
 def test_vocabulary_train_round_trip(tmp_path):

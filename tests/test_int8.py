@@ -48,6 +48,33 @@ def test_linear_with_int8_weights():
     assert ((y - torch.nn.functional.linear(x, w, b)).abs() <= bound + 1e-5).all()
 
 
+def test_linear_int8_reference_against_float_products():
+    """linear_int8 (the reference the int8 kernels and decoders are held to) against F.linear: exact where both
+    operands are on their quantization grids (scales 0.25 and 0.5 a row, not 1), and within the two roundings'
+    bound elsewhere: |y - (x W^T + b)| <= sum_k |x_k| e_w + |w_k| e_x + e_x e_w, e = scale / 2."""
+    gen = torch.Generator().manual_seed(4)
+    xi = torch.randint(-127, 128, (3, 40), generator=gen).double()
+    wi = torch.randint(-127, 128, (7, 40), generator=gen).double()
+    xi[:, 0], wi[:, 0] = 127, -127                       # every row's peak is 127 steps
+    x, w = xi * 0.25, wi * 0.5
+    q, scale = quantize_rows(w)
+    assert torch.equal(scale, torch.full((7,), 0.5))
+    b = torch.randn(7, generator=gen)
+    y = linear_int8(x.float(), q, scale, b)
+    torch.testing.assert_close(y, (x @ w.T + b.double()).float(), rtol=0, atol=0)
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        x, w, b = torch.randn(5, 33, generator=gen), torch.randn(9, 33, generator=gen), torch.randn(9, generator=gen)
+        q, scale = quantize_rows(w)
+        y = linear_int8(x, q, scale, b).double()
+        exact = x.double() @ w.double().T + b.double()
+        e_x = x.abs().amax(1).double()[:, None] / 127 / 2
+        e_w = scale.double()[None, :] / 2
+        bound = x.abs().double().sum(1, keepdim=True) * e_w + e_x * w.abs().double().sum(1)[None, :] + 33 * e_x * e_w
+        err = (y - exact).abs()
+        assert (err <= bound + 1e-6).all() and err.max() > 0, (seed, (err / bound).max())
+
+
 def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
     from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model
     from test_train import make_toy_corpus

@@ -31,6 +31,16 @@ def test_fused_loss_equals_log_softmax_then_loss(seed, smoothing):
     g_got, = torch.autograd.grad(got[0] * 1.7, logits)
     torch.testing.assert_close(g_got, g_ref, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda z: smoothed_cross_entropy(z, target, smoothing)[0], (logits,))
+    # independently of both: torch's own label-smoothed cross-entropy (the same convention, ε spread over all V)
+    V = logits.shape[-1]
+    torch_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ignore_index=0,
+                                                   label_smoothing=smoothing, reduction="sum")
+    torch_nll = torch.nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ignore_index=0,
+                                                  reduction="sum")
+    torch.testing.assert_close(got[0], torch_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], torch_nll, rtol=1e-12, atol=1e-12)
+    g_torch, = torch.autograd.grad(torch_loss * 1.7, logits)
+    torch.testing.assert_close(g_got, g_torch, rtol=1e-12, atol=1e-12)
 
 
 def test_fused_loss_float32_and_bfloat16_logits():
@@ -44,8 +54,13 @@ def test_fused_loss_float32_and_bfloat16_logits():
     half = logits.detach().bfloat16().requires_grad_()
     loss = smoothed_cross_entropy(half, target, 0.1)[0]
     assert loss.dtype == torch.float32                    # computed in float32 from bfloat16 logits
+    exact = half.detach().double().requires_grad_()       # the bfloat16 values, exactly, in float64
+    ref_half = label_smoothed_nll(torch.log_softmax(exact, -1), target, 0.1)[0]
+    torch.testing.assert_close(loss.double(), ref_half, rtol=1e-5, atol=1e-5)
     g_half, = torch.autograd.grad(loss, half)
+    g_exact, = torch.autograd.grad(ref_half, exact)
     assert g_half.dtype == torch.bfloat16
+    torch.testing.assert_close(g_half.double(), g_exact, rtol=1e-2, atol=1e-3)   # the gradient rounded to bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

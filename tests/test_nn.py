@@ -128,21 +128,32 @@ def test_shapes_unbatched_and_h0_gradient(backend):
 
 
 def test_candidate_dropout_is_fixed_over_time_and_off_in_eval():
+    """DTMT's candidate dropout (paper 000): one mask per sequence and transition, multiplying the candidate
+    at every step (the pure recurrence run with that mask, step by step), 0 or 1/keep at the rate asked; in eval
+    mode none (the recurrence without a mask)."""
+    from dtmt_kernels.ops.transition import reference as ref
+
     layer = make_layer("lgru", 3, 4, depth=1, candidate_dropout=0.5, dtype=torch.float64)
     x = torch.randn(5, 2, 3, dtype=torch.double)
+    w, h0 = layer.direction_weights(0), torch.zeros(2, 4, dtype=torch.double)
     layer.eval()
-    eval_out = layer(x)[0]
+    assert layer.sample_dropout_masks(2) is None
+    torch.testing.assert_close(layer(x)[0], ref.transition_sequence(x, h0, w)[0], rtol=1e-12, atol=1e-12)
     layer.train()
-    outs = {}
+    torch.manual_seed(11)
+    mask = layer.sample_dropout_masks(2, x)                         # what the layer draws first from this seed
+    assert mask.shape == (2, 2, 4) and set(mask.unique().tolist()) == {0.0, 2.0}
+    expected = ref.transition_sequence(x, h0, w, drop=mask)[0]
+    assert not torch.allclose(expected, ref.transition_sequence(x, h0, w)[0])
     for backend in BACKENDS:
         layer.backend = backend
         torch.manual_seed(11)
-        outs[backend] = layer(x)[0]
-    torch.testing.assert_close(outs["reference"], outs["cpp"])
-    assert not torch.allclose(outs["cpp"], eval_out)
-    masks = layer.sample_dropout_masks(2)
-    assert masks.shape == (2, 2, 4)
-    assert set(masks.unique().tolist()) <= {0.0, 2.0}
+        torch.testing.assert_close(layer(x)[0], expected, rtol=1e-12, atol=1e-12, msg=backend)
+    # the rate: 1 - candidate_dropout of the units kept
+    layer.candidate_dropout = 0.3
+    big = layer.sample_dropout_masks(4000)
+    kept = (big > 0).double().mean().item()
+    assert abs(kept - 0.7) < 0.01 and torch.equal(big[big > 0], torch.full_like(big[big > 0], 1 / 0.7))
 
 
 def _err(fn, match):

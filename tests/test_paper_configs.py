@@ -187,3 +187,86 @@ def test_atr_paper_presets_follow_paper_004():
     assert rnnsearch["train"]["vocab_size"] == 40000
     gnmt = get_preset("gnmt-atr", "paper")["model"]
     assert gnmt == PAPER_ROWS_BY_NAME["004-T2-gnmt-atr"].options and gnmt["hidden_size"] == 512
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_dtmt_recomputed_from_the_paper_equations(backend):
+    """dtmt's teacher-forced log-probabilities against a hand computation of paper 000 from the parameters, one
+    sentence and one step at a time (only the cells' equations from the executable spec,
+    dk.reference.transition_step): embeddings plus sin/cos positions / sqrt(d); a bidirectional deep transition
+    encoder, each direction from its own end of the sentence; s_0 = tanh(W mean_j h_j + b); per step the query
+    transition on y_{t-1} from s_{t-1}, multi-head additive attention on its top state (e = v_h . tanh(W_q s + W_k
+    h_j + b_k), head h weighing its slice of the annotations, then one output projection), the decoder transition
+    on c_t from the query's top state, and the readout tanh(LN(W_y y) + LN(W_s s + b) + LN(W_c c)) into the
+    softmax. Catches any mis-wired module (which state the decoder transition starts from, what the attention
+    queries, which positions the target embedding takes), which the self-consistency tests cannot."""
+    import math
+
+    import dtmt_kernels as dk
+    if backend not in dk.available_backends():
+        pytest.skip(f"{backend} not built")
+    ref = dk.reference
+    E, H, heads, V = 6, 8, 2, 13
+    torch.manual_seed(2)
+    m = build_model("dtmt", V, V, embed_dim=E, hidden_size=H, depth=2, heads=heads, backend=backend).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():                  # nothing hides behind an initial 0 or 1 (layer-norm gains too)
+            p.add_(0.3 * torch.randn_like(p))
+    src = torch.tensor([[5, 7, 3, 9, 4], [8, 6, 11, 0, 0]])
+    src_len = torch.tensor([5, 3])
+    prev = torch.tensor([[1, 4, 9, 6], [1, 12, 5, 7]])
+    with torch.no_grad():
+        got = m(src, src_len, prev)
+
+    def pe(t, d):
+        row = torch.zeros(d, dtype=torch.float64)
+        for i in range(0, d, 2):
+            angle = t / 10000 ** (i / d)
+            row[i] = math.sin(angle)
+            if i + 1 < d:
+                row[i + 1] = math.cos(angle)
+        return row / math.sqrt(d)
+
+    def cell(module, x, h, direction=0):
+        w = module.direction_weights(direction)
+        return ref.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
+
+    def ln(norm, x):
+        return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + norm.eps) * norm.weight + norm.bias
+
+    att, ro = m.attention, m.readout
+    with torch.no_grad():
+        for b in range(2):
+            S = int(src_len[b])
+            xs = [m.src_embed.embed.weight[src[b, j]] + pe(j, E) for j in range(S)]
+            fwd, h = [], torch.zeros(H, dtype=torch.float64)
+            for j in range(S):
+                h = cell(m.encoder, xs[j], h, 0)
+                fwd.append(h)
+            bwd, h = [None] * S, torch.zeros(H, dtype=torch.float64)
+            for j in reversed(range(S)):
+                h = cell(m.encoder, xs[j], h, 1)
+                bwd[j] = h
+            ann = torch.stack([torch.cat([f, r]) for f, r in zip(fwd, bwd)])           # [S, 2H]
+            s = torch.tanh(m.init_state.weight @ ann.mean(0) + m.init_state.bias)
+            keys = ann @ att.key.weight.T + att.key.bias                                # [S, A]
+            A = keys.shape[1] // heads
+            for t in range(prev.shape[1]):
+                y = m.tgt_embed.embed.weight[prev[b, t]] + pe(t, E)
+                s_q = cell(m.query_cell, y, s)
+                q = att.query.weight @ s_q
+                ctx = []
+                for k in range(heads):
+                    e = torch.stack([att.v[k] @ torch.tanh(q[k * A:(k + 1) * A] + keys[j, k * A:(k + 1) * A])
+                                     for j in range(S)])
+                    alpha = torch.softmax(e, 0)
+                    C = ann.shape[1] // heads
+                    ctx.append(alpha @ ann[:, k * C:(k + 1) * C])                      # head k: its 2H/heads slice
+                c = att.out.weight @ torch.cat(ctx) + att.out.bias
+                s = cell(m.decoder_cell, c, s_q)
+                ny, ns, nc = ro.norms
+                o = torch.tanh(ln(ny, ro.from_y.weight @ y) + ln(ns, ro.from_s.weight @ s + ro.from_s.bias)
+                               + ln(nc, ro.from_c.weight @ c))
+                logits = ro.output.proj.weight @ o + ro.output.proj.bias
+                torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
+                                           msg=f"sentence {b}, step {t}")

@@ -338,11 +338,29 @@ def test_no_fused_search_where_the_embedding_step_is_another():
             return 2.0 * super().embed_step(state, prev_tokens)
 
     torch.manual_seed(5)
-    model = Scaled(20, 20, embed_dim=16, hidden_size=16).eval()
+    model = Scaled(20, 20, embed_dim=16, hidden_size=16).double().eval()
+    plain = RNNSearchATR(20, 20, embed_dim=16, hidden_size=16).double().eval()
+    plain.load_state_dict(model.state_dict())
     decoder = model.inference_decoder()
     assert decoder.search is None and decoder.step is not None
     src, lengths = torch.randint(4, 20, (2, 4)), torch.tensor([4, 2])
-    assert len(beam_search(decoder, src, lengths, beam=2)) == 2
+    hyps = beam_search(decoder, src, lengths, beam=2, nbest=2)
+    others = beam_search(plain, src, lengths, beam=2, nbest=2)
+    assert [[h.log_prob for h in n] for n in hyps] != [[h.log_prob for h in n] for n in others]
+
+    def scored(m, b, tokens):   # the module's own steps (its embed_step, doubled) over BOS, tokens, EOS
+        with torch.no_grad():
+            state, total = m.encode(src[b:b + 1], lengths[b:b + 1]), 0.0
+            for prev, nxt in zip([BOS] + tokens, tokens + [EOS]):
+                lp, state = m.step(state, torch.tensor([prev]))
+                total += float(lp[0, nxt])
+        return total
+
+    for b, nb in enumerate(hyps):
+        assert len(nb) == 2
+        for h in nb:
+            assert h.log_prob == pytest.approx(scored(model, b, h.tokens), abs=1e-5)   # (the search sums in float32)
+            assert h.log_prob != pytest.approx(scored(plain, b, h.tokens), abs=1e-3)
 
 
 @pytest.mark.parametrize("system", ["rnnsearch-atr", "dtmt"])

@@ -190,7 +190,8 @@ def test_atr_paper_presets_follow_paper_004():
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpp"])
-def test_dtmt_recomputed_from_the_paper_equations(backend):
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
+def test_recomputed_from_the_paper_equations(system, backend):
     """dtmt's teacher-forced log-probabilities against a hand computation of paper 000 from the parameters, one
     sentence and one step at a time (only the cells' equations from the executable spec,
     dk.reference.transition_step): embeddings plus sin/cos positions / sqrt(d); a bidirectional deep transition
@@ -199,7 +200,10 @@ def test_dtmt_recomputed_from_the_paper_equations(backend):
     h_j + b_k), head h weighing its slice of the annotations, then one output projection), the decoder transition
     on c_t from the query's top state, and the readout tanh(LN(W_y y) + LN(W_s s + b) + LN(W_c c)) into the
     softmax. Catches any mis-wired module (which state the decoder transition starts from, what the attention
-    queries, which positions the target embedding takes), which the self-consistency tests cannot."""
+    queries, which positions the target embedding takes), which the self-consistency tests cannot.
+    rnnsearch-atr the same way after paper 004 §4.1: ATR units, no positions, single-head additive attention
+    (the context the plain weighted sum), readout tanh(W_y y + W_s s + b + W_c c), output tied to the target
+    embedding."""
     import math
 
     import dtmt_kernels as dk
@@ -208,7 +212,9 @@ def test_dtmt_recomputed_from_the_paper_equations(backend):
     ref = dk.reference
     E, H, heads, V = 6, 8, 2, 13
     torch.manual_seed(2)
-    m = build_model("dtmt", V, V, embed_dim=E, hidden_size=H, depth=2, heads=heads, backend=backend).double().eval()
+    dtmt = system == "dtmt"
+    options = dict(depth=2, heads=heads) if dtmt else {}
+    m = build_model(system, V, V, embed_dim=E, hidden_size=H, backend=backend, **options).double().eval()
     with torch.no_grad():
         for p in m.parameters():                  # nothing hides behind an initial 0 or 1 (layer-norm gains too)
             p.add_(0.3 * torch.randn_like(p))
@@ -220,6 +226,8 @@ def test_dtmt_recomputed_from_the_paper_equations(backend):
 
     def pe(t, d):
         row = torch.zeros(d, dtype=torch.float64)
+        if not dtmt:
+            return row
         for i in range(0, d, 2):
             angle = t / 10000 ** (i / d)
             row[i] = math.sin(angle)
@@ -232,6 +240,8 @@ def test_dtmt_recomputed_from_the_paper_equations(backend):
         return ref.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
 
     def ln(norm, x):
+        if not dtmt:
+            return x
         return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + norm.eps) * norm.weight + norm.bias
 
     att, ro = m.attention, m.readout
@@ -250,20 +260,23 @@ def test_dtmt_recomputed_from_the_paper_equations(backend):
             ann = torch.stack([torch.cat([f, r]) for f, r in zip(fwd, bwd)])           # [S, 2H]
             s = torch.tanh(m.init_state.weight @ ann.mean(0) + m.init_state.bias)
             keys = ann @ att.key.weight.T + att.key.bias                                # [S, A]
-            A = keys.shape[1] // heads
+            n_heads = heads if dtmt else 1
+            A, C = keys.shape[1] // n_heads, ann.shape[1] // n_heads
+            v = att.v if dtmt else att.v.weight                                         # [heads, A]
             for t in range(prev.shape[1]):
                 y = m.tgt_embed.embed.weight[prev[b, t]] + pe(t, E)
                 s_q = cell(m.query_cell, y, s)
                 q = att.query.weight @ s_q
                 ctx = []
-                for k in range(heads):
-                    e = torch.stack([att.v[k] @ torch.tanh(q[k * A:(k + 1) * A] + keys[j, k * A:(k + 1) * A])
+                for k in range(n_heads):
+                    e = torch.stack([v[k] @ torch.tanh(q[k * A:(k + 1) * A] + keys[j, k * A:(k + 1) * A])
                                      for j in range(S)])
                     alpha = torch.softmax(e, 0)
-                    C = ann.shape[1] // heads
                     ctx.append(alpha @ ann[:, k * C:(k + 1) * C])                      # head k: its 2H/heads slice
-                c = att.out.weight @ torch.cat(ctx) + att.out.bias
+                c = att.out.weight @ torch.cat(ctx) + att.out.bias if dtmt else ctx[0]
                 s = cell(m.decoder_cell, c, s_q)
+                if not dtmt:
+                    assert ro.output.proj.weight is m.tgt_embed.embed.weight                 # tied
                 ny, ns, nc = ro.norms
                 o = torch.tanh(ln(ny, ro.from_y.weight @ y) + ln(ns, ro.from_s.weight @ s + ro.from_s.bias)
                                + ln(nc, ro.from_c.weight @ c))

@@ -203,6 +203,17 @@ def test_bench_ckpt_choice_quick(tmp_path):
     rows, averages = bench_ckpt_choice.main(["--run", run, "--data", data, "--average", "2"])
     assert [r["step"] for r in rows] == [4, 8, 12]
     assert all(0 <= r[k] <= 100 for r in rows for k in ("dev_bleu_beam", "test_bleu_beam", "dev_bleu_greedy"))
+    # the last checkpoint's test figure against its translations made here (beam 4) and sacrebleu
+    from sacrebleu.metrics import BLEU
+
+    from dtmt_models.data.corpus import corpus_paths, read_parallel
+    from dtmt_models.decoding.translate import translate
+    from dtmt_models.models.checkpoint import load_model
+
+    pairs = read_parallel(*corpus_paths(data, "test"))
+    model, sv, tv, _ = load_model(os.path.join(run, "step_0000012.pt"))
+    hyps = [h[0][0] for h in translate(model.eval(), sv, tv, [s for s, _ in pairs], beam=4)]
+    assert rows[-1]["test_bleu_beam"] == pytest.approx(BLEU().corpus_score(hyps, [[t for _, t in pairs]]).score)
     assert len(averages) == 1 and 0 <= averages[0]["test_bleu_beam"] <= 100
     with open(os.path.join(run, "ckpt_choice.md")) as f:
         table = f.read()

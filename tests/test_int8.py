@@ -117,6 +117,22 @@ def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
     assert row["sentences"] == 12 and 0 <= row["changed"] <= 12
     assert row["delta"] == pytest.approx(row["bleu_int8"] - row["bleu_float32"])
     assert 0 <= row["int8_vs_weights_only_changed"] <= 12
+    # the figures against translations and scores made here: the library's translate, sacrebleu on its own
+    from sacrebleu.metrics import BLEU
+
+    from dtmt_models.data.corpus import corpus_paths, read_parallel
+    from dtmt_models.decoding.translate import translate
+    from dtmt_models.models.checkpoint import load_model
+
+    pairs = read_parallel(*corpus_paths(data, "test"))
+    sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
+    model, sv, tv, _ = load_model(path)
+    model.eval()
+    f32 = [h[0][0] for h in translate(model, sv, tv, sources, beam=2)]
+    q8 = [h[0][0] for h in translate(model, sv, tv, sources, beam=2, decoder=model.inference_decoder(int8=True))]
+    assert row["changed"] == sum(a != b for a, b in zip(f32, q8))
+    assert row["bleu_float32"] == pytest.approx(BLEU().corpus_score(f32, [refs]).score)
+    assert row["bleu_int8"] == pytest.approx(BLEU().corpus_score(q8, [refs]).score)
 
 
 def test_pack_int8_rows_round_trip():

@@ -14,7 +14,8 @@
 // small_rows_int8 is the same walk over int8 weight rows (small_gemm.h's int8 format) with int8 activations (each
 // row of x quantized by the caller with its own scale): int32 sums of int8 products, exact and in any order the
 // same, then multiplied by the two scales. AVX512-VNNI: 64 products an instruction (vpdpbusd, unsigned by signed
-// bytes); AVX2: 32 per instruction pair (vpmaddubsw + vpmaddwd); baseline: plain int32 loops.
+// bytes); AVX-512 without VNNI: 64 per instruction pair (vpmaddubsw + vpmaddwd on 64-byte vectors); AVX2: 32 per
+// pair; baseline: plain int32 loops.
 #include "kernels.h"
 
 #include <algorithm>
@@ -320,6 +321,81 @@ DTMT_VNNI_TARGET void rows_block_int8_vnni(const uint8_t* xu, int64_t KP, const 
     }
   }
   if (R > 1 && n < n1) rows_block_int8_vnni<M, 1>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n, n1);
+}
+
+// The int8 walk on 64-byte vectors without VNNI (AVX512BW: Skylake-SP and the like): rows_block_int8's arithmetic,
+// |x| (unsigned bytes) times w carrying x's sign (AVX-512 has no vpsignb: w negated under x's sign mask) with
+// vpmaddubsw + vpmaddwd + vpaddd, twice the bytes an instruction; the same exact int32 sums, so the same outputs to
+// the bit. |x| and x's sign masks come from bw_rows' buffer (rows of KP = K rounded up to whole vectors, zeros past
+// K), made once a call instead of once a block of weight rows; a weight row's K % 64 tail is a masked load.
+template <int M, int R>
+void rows_block_int8_bw(const uint8_t* xabs, const __mmask64* xneg, int64_t KP, const float* x_scale,
+                        const int8_t* w, int64_t K, int64_t ldw, const float* bias, float* out, int64_t ldo,
+                        int64_t n0, int64_t n1) {
+  const int64_t K64 = K - K % 64, chunks = KP / 64;
+  const __mmask64 tail = K % 64 ? (~__mmask64{0}) >> (64 - K % 64) : 0;
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i zero = _mm512_setzero_si512();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const int8_t* wr = w + n * ldw;
+    __m512i acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = zero;
+#define DTMT_BW_CHUNK(k)                                                                                          \
+  for (int m = 0; m < M; ++m) {                                                                                  \
+    const __m512i xa = _mm512_loadu_si512(xabs + m * KP + (k));                                                  \
+    const __mmask64 neg = xneg[m * chunks + (k) / 64];                                                           \
+    for (int r = 0; r < R; ++r)                                                                                  \
+      acc[r][m] = _mm512_add_epi32(                                                                              \
+          acc[r][m], _mm512_madd_epi16(_mm512_maddubs_epi16(xa, _mm512_mask_sub_epi8(wv[r], neg, zero, wv[r])), ones)); \
+  }
+    for (int64_t k = 0; k < K64; k += 64) {
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);
+        wv[r] = _mm512_loadu_si512(wr + r * ldw + k);
+      }
+      DTMT_BW_CHUNK(k)
+    }
+    if (tail) {
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi8(tail, wr + r * ldw + K64);
+      DTMT_BW_CHUNK(K64)
+    }
+#undef DTMT_BW_CHUNK
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) {
+        const int8_t* row = wr + r * ldw;
+        out[m * ldo + n + r] = int8_output(_mm512_reduce_add_epi32(acc[r][m]), x_scale[m], row_scale(row, K), bias,
+                                           n + r);
+      }
+  }
+  if (R > 1 && n < n1) rows_block_int8_bw<M, 1>(xabs, xneg, KP, x_scale, w, K, ldw, bias, out, ldo, n, n1);
+}
+
+// The M rows of xq as rows_block_int8_bw reads them: |xq| padded with zeros to KP bytes a row, and a mask a
+// 64-byte chunk of the lanes where xq < 0; a buffer of this thread's, kept between calls.
+inline void bw_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP, const uint8_t** xabs,
+                    const __mmask64** xneg) {
+  thread_local std::vector<uint8_t> buf;
+  thread_local std::vector<__mmask64> masks;
+  const int64_t chunks = KP / 64;
+  buf.assign(static_cast<size_t>(M * KP), 0);
+  masks.assign(static_cast<size_t>(M * chunks), 0);
+  uint8_t* dst = buf.data();
+  __mmask64* neg = masks.data();
+  for (int m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = c * 64, left = std::min<int64_t>(64, K - k);
+      const __mmask64 valid = left == 64 ? ~__mmask64{0} : (~__mmask64{0}) >> (64 - left);
+      const __m512i v = _mm512_maskz_loadu_epi8(valid, xq + m * ldx + k);
+      _mm512_storeu_si512(dst + m * KP + k, _mm512_abs_epi8(v));
+      neg[m * chunks + c] = _mm512_movepi8_mask(v);
+    }
+  }
+  *xabs = dst;
+  *xneg = neg;
 }
 
 // The M rows of xq as rows_block_int8_vnni reads them: xq xor 0x80 (xq + 128 read unsigned), each row padded with
@@ -639,6 +715,22 @@ void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale,
       case 6: return rows_block_int8_vnni<6, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
       case 7: return rows_block_int8_vnni<7, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
       case 8: return rows_block_int8_vnni<8, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    }
+  }
+  {   // AVX512BW without VNNI
+    const int64_t KP = (K + 63) / 64 * 64;
+    const uint8_t* xa;
+    const __mmask64* xn;
+    bw_rows(M, xq, ldx, K, KP, &xa, &xn);
+    switch (M) {
+      case 1: return rows_block_int8_bw<1, 4>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 2: return rows_block_int8_bw<2, 4>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 3: return rows_block_int8_bw<3, 4>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 4: return rows_block_int8_bw<4, 4>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 5: return rows_block_int8_bw<5, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 6: return rows_block_int8_bw<6, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 7: return rows_block_int8_bw<7, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 8: return rows_block_int8_bw<8, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
     }
   }
   DTMT_INT8_CASES(rows_block_int8)

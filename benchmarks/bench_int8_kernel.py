@@ -61,8 +61,9 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default=os.path.join(HERE, "out", "int8_kernel"))
-    p.add_argument("--isa", default="", help="the CPU loops to time (e.g. avx2 on an AVX-512 machine: the int8 "
-                                             "loop without VNNI); default: the best this CPU runs")
+    p.add_argument("--isa", default="", help="the CPU loops to time (e.g. avx2 on an AVX-512 machine: the AVX2 "
+                                             "loops; DTMT_INT8_VNNI=0 in the environment keeps the avx512 copy off "
+                                             "its VNNI loops); default: the best this CPU runs")
     a = p.parse_args(argv)
     from bench_cells import torch_threads
     with torch_threads(1):

@@ -359,7 +359,7 @@ def test_no_fused_search_where_the_embedding_step_is_another():
     for b, nb in enumerate(hyps):
         assert len(nb) == 2
         for h in nb:
-            assert h.log_prob == pytest.approx(scored(model, b, h.tokens), abs=1e-5)   # (the search sums in float32)
+            assert h.log_prob == pytest.approx(scored(model, b, h.tokens), abs=1e-4)   # (the search sums in float32)
             assert h.log_prob != pytest.approx(scored(plain, b, h.tokens), abs=1e-3)
 
 

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -184,8 +185,9 @@ inline int32_t lane_sum_epi32(__m256i v) {
 // summed exactly in int32. R weight rows at a time (R = 2 for M <= 4: each x chunk and its |x| serve both, and their
 // sums are reduced together). The multiply-add (dot_add_avx2(acc, xabs, wsigned)) adds to the int32 lanes of acc
 // the products of |x| (unsigned bytes) and w carrying x's sign (vpsignb), four adjacent ones a lane (|x|, |w| <=
-// 127): vpmaddubsw (pairs into int16: at most 2 * 127 * 127, no saturation) + vpmaddwd + vpaddd. CPUs with
-// AVX512-VNNI take rows_block_int8_vnni below instead (chosen at run time, see small_rows_int8).
+// 127): vpmaddubsw (pairs into int16: at most 2 * 127 * 127, no saturation) + vpmaddwd + vpaddd. The avx512 copy
+// takes rows_block_int8_vnni below where the CPU has AVX512-VNNI, else rows_block_int8_bw (the same arithmetic on
+// 64-byte vectors; chosen at run time, see small_rows_int8); this loop is the avx2 copy's.
 inline __m256i dot_add_avx2(__m256i acc, __m256i xabs, __m256i w_signed) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, w_signed), _mm256_set1_epi16(1)));
 }
@@ -236,7 +238,8 @@ void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const 
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__GNUC__)
 // The avx512 copy (x86-64-v4, which has no VNNI) carries a VNNI loop too, for the CPUs that have it (a native build
-// on such a CPU has VNNI throughout).
+// on such a CPU has VNNI throughout), and a 64-byte loop for those that have not (rows_block_int8_bw).
+// DTMT_INT8_VNNI: this copy has both (the others have neither).
 #define DTMT_INT8_VNNI 1
 #if defined(__AVX512VNNI__)
 #define DTMT_VNNI_TARGET
@@ -381,8 +384,8 @@ inline void bw_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP,
   thread_local std::vector<uint8_t> buf;
   thread_local std::vector<__mmask64> masks;
   const int64_t chunks = KP / 64;
-  buf.assign(static_cast<size_t>(M * KP), 0);
-  masks.assign(static_cast<size_t>(M * chunks), 0);
+  buf.resize(static_cast<size_t>(M * KP));         // every byte and mask written below (zeros past K)
+  masks.resize(static_cast<size_t>(M * chunks));
   uint8_t* dst = buf.data();
   __mmask64* neg = masks.data();
   for (int m = 0; m < M; ++m) {
@@ -409,9 +412,13 @@ inline const uint8_t* vnni_rows(int M, const int8_t* xq, int64_t ldx, int64_t K,
   return dst;
 }
 
-// Whether this CPU has AVX512-VNNI (asked once).
+// Whether to take the VNNI loops (asked once): the CPU has AVX512-VNNI and DTMT_INT8_VNNI=0 is not set (with it the
+// loop without VNNI runs, so that its tests and benchmarks reach it on a VNNI CPU too).
 inline bool int8_vnni() {
-  static const bool has = __builtin_cpu_supports("avx512vnni");
+  static const bool has = [] {
+    const char* env = std::getenv("DTMT_INT8_VNNI");
+    return __builtin_cpu_supports("avx512vnni") && !(env && std::strcmp(env, "0") == 0);
+  }();
   return has;
 }
 
@@ -733,7 +740,7 @@ void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale,
       case 8: return rows_block_int8_bw<8, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
     }
   }
-  DTMT_INT8_CASES(rows_block_int8)
+  DTMT_INT8_CASES(rows_block_int8)   // (not reached: M is 1-8)
 #else
   DTMT_INT8_CASES(rows_block_int8)
 #endif

@@ -283,3 +283,83 @@ def test_recomputed_from_the_paper_equations(system, backend):
                 logits = ro.output.proj.weight @ o + ro.output.proj.bias
                 torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
                                            msg=f"sentence {b}, step {t}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_nematus_deep_recomputed_from_paper_002(backend):
+    """nematus with the alternating encoder and the rGRU stacked decoder (paper 002 §2.3), teacher-forced
+    log-probabilities against a hand computation from the parameters, one sentence and step at a time (the GRU
+    equations from dk.reference): two encoder chains of three GRU levels, chain 0 starting left to right and
+    chain 1 right to left, each level reading the one below in the opposite direction, with residual sums from
+    the second level on (the top level's too, as the authors' code; the paper writes 1 < j < D_s), and
+    C_i = [top of chain 0; top of chain 1]; s_0 = tanh(W mean_i C_i) for every decoder
+    level; the conditional GRU at the base (s' = GRU(y, s), c = attention with layer norm on the query's and the
+    keys' projections, s = GRU(c, s')); each higher level GRU([r_{k-1}; c], its own state) summed with the level
+    below; the readout tanh(LN(W_y y) + LN(W_s r + b) + LN(W_c c)) into the softmax tied to the target embedding.
+    Fails under each of four mis-wirings tried (chains' first directions swapped, no residual at level 2, levels
+    reading the level below's state instead of the residual sum, the base's second GRU from s_{t-1})."""
+    import dtmt_kernels as dk
+    if backend not in dk.available_backends():
+        pytest.skip(f"{backend} not built")
+    ref = dk.reference
+    E, H, V = 6, 5, 11
+    torch.manual_seed(3)
+    m = build_model("nematus", V, V, embed_dim=E, hidden_size=H, encoder="alternating", decoder="rgru", enc_depth=3,
+                    dec_depth=3, backend=backend).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    src, src_len = torch.tensor([[4, 9, 3, 7], [5, 8, 0, 0]]), torch.tensor([4, 2])
+    prev = torch.tensor([[1, 6, 2, 9, 4], [1, 3, 10, 5, 7]])
+    with torch.no_grad():
+        got = m(src, src_len, prev)
+
+    def step(module, x, h):
+        w = module.direction_weights(0)
+        return ref.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
+
+    def run(module, xs, reverse):
+        out, h = [None] * len(xs), torch.zeros(H, dtype=torch.float64)
+        for j in (reversed(range(len(xs))) if reverse else range(len(xs))):
+            h = out[j] = step(module, xs[j], h)
+        return out
+
+    def ln(norm, x):
+        return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + norm.eps) * norm.weight + norm.bias
+
+    att, ro = m.attention, m.readout
+    with torch.no_grad():
+        for b in range(2):
+            S = int(src_len[b])
+            x = [m.src_embed.embed.weight[src[b, i]] for i in range(S)]
+            tops = []
+            for chain in range(2):
+                w = x
+                for level in range(3):
+                    out = run(m.encoder[chain * 3 + level], w, reverse=(chain + level) % 2 == 1)
+                    w = [o + v for o, v in zip(out, w)] if level > 0 else out
+                tops.append(w)
+            C = torch.stack([torch.cat([f, r]) for f, r in zip(*tops)])                  # [S, 2H]
+            s0 = torch.tanh(m.init_state.weight @ C.mean(0) + m.init_state.bias)
+            keys = [ln(att.ln_k, att.key.weight @ C[i] + att.key.bias) for i in range(S)]
+            states = [s0, s0, s0]
+            for t in range(prev.shape[1]):
+                y = m.tgt_embed.embed.weight[prev[b, t]]
+                s1 = step(m.query_cell, y, states[0])
+                q = ln(att.ln_q, att.query.weight @ s1)
+                alpha = torch.softmax(torch.stack([att.v.weight[0] @ torch.tanh(q + k) for k in keys]), 0)
+                c = alpha @ C
+                new = [step(m.decoder_cell, c, s1)]
+                r = new[0]
+                for k in (1, 2):
+                    out = step(m.levels[k - 1].cell, torch.cat([r, c]), states[k])
+                    new.append(out)
+                    r = out + r
+                states = new
+                ny, ns, nc = ro.norms
+                o = torch.tanh(ln(ny, ro.from_y.weight @ y) + ln(ns, ro.from_s.weight @ r + ro.from_s.bias)
+                               + ln(nc, ro.from_c.weight @ c))
+                assert ro.output.proj.weight is m.tgt_embed.embed.weight                     # tied
+                logits = ro.output.proj.weight @ o + ro.output.proj.bias
+                torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
+                                           msg=f"sentence {b}, step {t}")

@@ -363,3 +363,59 @@ def test_nematus_deep_recomputed_from_paper_002(backend):
                 logits = ro.output.proj.weight @ o + ro.output.proj.bias
                 torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
                                            msg=f"sentence {b}, step {t}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_deeplau_recomputed_from_paper_001(backend):
+    """deeplau's teacher-forced log-probabilities against a hand computation of paper 001 from the parameters, one
+    sentence and step at a time (the LAU equations from dk.reference): three encoder layers of alternating
+    direction, d = (-1)^l (eq. 9: the first left to right, each next one reading the layer below's outputs the
+    other way), the annotations the top layer's; attention queried by the first decoder layer's previous state and
+    y_{t-1} (eq. 10-11: e = v^T tanh(W_a s^1_{t-1} + W_y y_{t-1} + U_a h_j + b)); decoder layer 1 reading
+    [c_t; y_{t-1}], each next layer the output of the one below, every layer from its own previous state, each
+    starting from its slice of tanh(W mean_j h_j + b); softmax(W_o s^top + b) (eq. 12). Fails under each of three
+    mis-wirings tried (the encoder's directions swapped, attention queried by the top layer, every decoder layer
+    from the first layer's state)."""
+    import dtmt_kernels as dk
+    if backend not in dk.available_backends():
+        pytest.skip(f"{backend} not built")
+    ref = dk.reference
+    E, H, V, L = 6, 5, 11, 3
+    torch.manual_seed(4)
+    m = build_model("deeplau", V, V, embed_dim=E, hidden_size=H, encoder_layers=L, decoder_layers=L,
+                    backend=backend).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    src, src_len = torch.tensor([[4, 9, 3, 7, 2], [5, 8, 6, 0, 0]]), torch.tensor([5, 3])
+    prev = torch.tensor([[1, 6, 2, 9], [1, 3, 10, 5]])
+    with torch.no_grad():
+        got = m(src, src_len, prev)
+
+    def step(module, x, h):
+        w = module.direction_weights(0)
+        return ref.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
+
+    att = m.attention
+    with torch.no_grad():
+        for b in range(2):
+            S = int(src_len[b])
+            h = [m.src_embed.embed.weight[src[b, i]] for i in range(S)]
+            for l in range(L):
+                out, state = [None] * S, torch.zeros(H, dtype=torch.float64)
+                for i in (reversed(range(S)) if l % 2 else range(S)):     # d = (-1)^l: layer 2 right to left
+                    state = out[i] = step(m.encoder[l], h[i], state)
+                h = out
+            ann = torch.stack(h)                                                          # [S, H]
+            s = list(torch.tanh(m.init_state.weight @ ann.mean(0) + m.init_state.bias).view(L, H))
+            keys = ann @ att.key.weight.T + att.key.bias
+            for t in range(prev.shape[1]):
+                y = m.tgt_embed.embed.weight[prev[b, t]]
+                q = att.query.weight @ torch.cat([s[0], y])
+                alpha = torch.softmax(torch.stack([att.v.weight[0] @ torch.tanh(q + k) for k in keys]), 0)
+                x = torch.cat([alpha @ ann, y])
+                for l in range(L):
+                    x = s[l] = step(m.decoder[l], x, s[l])
+                logits = m.readout.proj.weight @ x + m.readout.proj.bias
+                torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
+                                           msg=f"sentence {b}, step {t}")

@@ -419,3 +419,65 @@ def test_deeplau_recomputed_from_paper_001(backend):
                 logits = m.readout.proj.weight @ x + m.readout.proj.bias
                 torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
                                            msg=f"sentence {b}, step {t}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_mce_annotations_recomputed_from_paper_003(backend):
+    """mce's annotations (ntm-rnn-emb, the backward direction reading the forward states) against a hand
+    computation of paper 003 eq. 13-25 as the module docstring reads them, one sentence and step at a time from
+    the parameters: per direction a memory of the sentence's projected embeddings; each step the addressing
+    weights w = softmax_i v^T tanh(U s + W M[i] + b), the read gate R = sigmoid(W_r s + b_r) on every cell, the
+    read content c = sum_i w_i R*M[i], s = GRU([x_t; c], s), and the write M[i] = R*M[i] + w_i sigmoid(W_u s +
+    b_u); channels rnn = [fwd s; bwd s], ntm = [fwd M_final; bwd M_final], emb = e; annotation gate(E, gate(M,
+    h)) with gate(a, b) = g (A a) + (1 - g) (B b), g = sigmoid(W a + U b + bias). The decoder is the attentional
+    RNMT's, checked by test_recomputed_from_the_paper_equations. Fails if the backward direction reads the
+    embeddings, if the read gate is left out of the memory that is written, or if the gates' two inputs swap."""
+    import dtmt_kernels as dk
+    if backend not in dk.available_backends():
+        pytest.skip(f"{backend} not built")
+    E, H, V = 4, 5, 11
+    torch.manual_seed(5)
+    m = build_model("mce", V, V, embed_dim=E, hidden_size=H, backend=backend).double().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        src, src_len = torch.tensor([[4, 9, 3, 7, 2], [5, 8, 6, 0, 0]]), torch.tensor([5, 3])
+        got = m.encode_source(src, src_len)
+
+    def gru(cell, x, h):
+        w = cell.direction_weights(0)
+        return dk.reference.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
+
+    def lin(layer, x):
+        return layer.weight @ x + (layer.bias if layer.bias is not None else 0)
+
+    def direction(d, xs, memory, reverse):
+        s, M, states = torch.zeros(H, dtype=torch.float64), [r.clone() for r in memory], [None] * len(xs)
+        for t in (reversed(range(len(xs))) if reverse else range(len(xs))):
+            e = torch.stack([lin(d.address_v, torch.tanh(lin(d.address_state, s) + lin(d.address_memory, r)))[0]
+                             for r in M])
+            w = torch.softmax(e, 0)
+            R = torch.sigmoid(lin(d.read_gate, s))
+            read = [R * r for r in M]
+            c = sum(w[i] * read[i] for i in range(len(M)))
+            s = states[t] = gru(d.cell, torch.cat([xs[t], c]), s)
+            U = torch.sigmoid(lin(d.write_gate, s))
+            M = [read[i] + w[i] * U for i in range(len(M))]
+        return states, M
+
+    def gate(g, a, b):
+        z = torch.sigmoid(lin(g.w, a) + lin(g.u, b))
+        return z * lin(g.proj_a, a) + (1 - z) * lin(g.proj_b, b)
+
+    with torch.no_grad():
+        for b in range(2):
+            S = int(src_len[b])
+            emb = [m.src_embed.embed.weight[src[b, i]] for i in range(S)]
+            memory = [m.memory_init.weight @ e for e in emb]
+            h_f, m_f = direction(m.encoder_fwd, emb, memory, reverse=False)
+            h_b, m_b = direction(m.encoder_bwd, h_f, memory, reverse=True)
+            for j in range(S):
+                rnn = torch.cat([h_f[j], h_b[j]])
+                ntm = torch.cat([m_f[j], m_b[j]])
+                expected = gate(m.gate_emb, emb[j], gate(m.gate_ntm_rnn, ntm, rnn))
+                torch.testing.assert_close(got[b, j], expected, rtol=1e-10, atol=1e-10, msg=f"sentence {b}, {j}")

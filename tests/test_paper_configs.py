@@ -189,6 +189,27 @@ def test_atr_paper_presets_follow_paper_004():
     assert gnmt == PAPER_ROWS_BY_NAME["004-T2-gnmt-atr"].options and gnmt["hidden_size"] == 512
 
 
+def _perturbed(m):
+    """m with every parameter moved off its initial value (no term hides behind an initial 0 or 1), in place."""
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return m
+
+
+def _cell_step(module, x, h, direction=0):
+    """One step of a recurrent module's direction from its parameters, by the executable spec's equations."""
+    import dtmt_kernels as dk
+
+    w = module.direction_weights(direction)
+    return dk.reference.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
+
+
+def _layer_norm(norm, x):
+    """nn.LayerNorm's affine normalisation of a vector, written out."""
+    return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + norm.eps) * norm.weight + norm.bias
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpp"])
 @pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
 def test_recomputed_from_the_paper_equations(system, backend):
@@ -209,15 +230,12 @@ def test_recomputed_from_the_paper_equations(system, backend):
     import dtmt_kernels as dk
     if backend not in dk.available_backends():
         pytest.skip(f"{backend} not built")
-    ref = dk.reference
     E, H, heads, V = 6, 8, 2, 13
     torch.manual_seed(2)
     dtmt = system == "dtmt"
     options = dict(depth=2, heads=heads) if dtmt else {}
     m = build_model(system, V, V, embed_dim=E, hidden_size=H, backend=backend, **options).double().eval()
-    with torch.no_grad():
-        for p in m.parameters():                  # nothing hides behind an initial 0 or 1 (layer-norm gains too)
-            p.add_(0.3 * torch.randn_like(p))
+    _perturbed(m)
     src = torch.tensor([[5, 7, 3, 9, 4], [8, 6, 11, 0, 0]])
     src_len = torch.tensor([5, 3])
     prev = torch.tensor([[1, 4, 9, 6], [1, 12, 5, 7]])
@@ -235,14 +253,10 @@ def test_recomputed_from_the_paper_equations(system, backend):
                 row[i + 1] = math.cos(angle)
         return row / math.sqrt(d)
 
-    def cell(module, x, h, direction=0):
-        w = module.direction_weights(direction)
-        return ref.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
+    cell = _cell_step
 
     def ln(norm, x):
-        if not dtmt:
-            return x
-        return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + norm.eps) * norm.weight + norm.bias
+        return _layer_norm(norm, x) if dtmt else x
 
     att, ro = m.attention, m.readout
     with torch.no_grad():
@@ -301,31 +315,23 @@ def test_nematus_deep_recomputed_from_paper_002(backend):
     import dtmt_kernels as dk
     if backend not in dk.available_backends():
         pytest.skip(f"{backend} not built")
-    ref = dk.reference
     E, H, V = 6, 5, 11
     torch.manual_seed(3)
     m = build_model("nematus", V, V, embed_dim=E, hidden_size=H, encoder="alternating", decoder="rgru", enc_depth=3,
                     dec_depth=3, backend=backend).double().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    _perturbed(m)
     src, src_len = torch.tensor([[4, 9, 3, 7], [5, 8, 0, 0]]), torch.tensor([4, 2])
     prev = torch.tensor([[1, 6, 2, 9, 4], [1, 3, 10, 5, 7]])
     with torch.no_grad():
         got = m(src, src_len, prev)
 
-    def step(module, x, h):
-        w = module.direction_weights(0)
-        return ref.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
+    step, ln = _cell_step, _layer_norm
 
     def run(module, xs, reverse):
         out, h = [None] * len(xs), torch.zeros(H, dtype=torch.float64)
         for j in (reversed(range(len(xs))) if reverse else range(len(xs))):
             h = out[j] = step(module, xs[j], h)
         return out
-
-    def ln(norm, x):
-        return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + norm.eps) * norm.weight + norm.bias
 
     att, ro = m.attention, m.readout
     with torch.no_grad():
@@ -379,23 +385,17 @@ def test_deeplau_recomputed_from_paper_001(backend):
     import dtmt_kernels as dk
     if backend not in dk.available_backends():
         pytest.skip(f"{backend} not built")
-    ref = dk.reference
     E, H, V, L = 6, 5, 11, 3
     torch.manual_seed(4)
     m = build_model("deeplau", V, V, embed_dim=E, hidden_size=H, encoder_layers=L, decoder_layers=L,
                     backend=backend).double().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    _perturbed(m)
     src, src_len = torch.tensor([[4, 9, 3, 7, 2], [5, 8, 6, 0, 0]]), torch.tensor([5, 3])
     prev = torch.tensor([[1, 6, 2, 9], [1, 3, 10, 5]])
     with torch.no_grad():
         got = m(src, src_len, prev)
 
-    def step(module, x, h):
-        w = module.direction_weights(0)
-        return ref.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
-
+    step = _cell_step
     att = m.attention
     with torch.no_grad():
         for b in range(2):
@@ -438,15 +438,12 @@ def test_mce_annotations_recomputed_from_paper_003(backend):
     E, H, V = 4, 5, 11
     torch.manual_seed(5)
     m = build_model("mce", V, V, embed_dim=E, hidden_size=H, backend=backend).double().eval()
+    _perturbed(m)
     with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.3 * torch.randn_like(p))
         src, src_len = torch.tensor([[4, 9, 3, 7, 2], [5, 8, 6, 0, 0]]), torch.tensor([5, 3])
         got = m.encode_source(src, src_len)
 
-    def gru(cell, x, h):
-        w = cell.direction_weights(0)
-        return dk.reference.transition_step(torch.nn.functional.linear(x, w.w_ih, w.b_ih)[None], h[None], w)[0]
+    gru = _cell_step
 
     def lin(layer, x):
         return layer.weight @ x + (layer.bias if layer.bias is not None else 0)

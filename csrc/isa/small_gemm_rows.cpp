@@ -247,6 +247,25 @@ void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const 
 #define DTMT_VNNI_TARGET __attribute__((target("avx512vnni")))
 #endif
 
+// The walk of the 64-byte int8 loops (rows_block_int8_vnni, rows_block_int8_bw) over R weight rows from wr (ldw
+// apart): CHUNK(k) on wv[R], the rows' bytes k..k+63, for every whole vector, then on the K % 64 tail as a masked
+// load (zeros past the row; `tail` its mask, 0 for none). A macro, as the loops' chunks: a lambda would not inherit
+// the VNNI loop's target attribute.
+#define DTMT_INT8_WALK64(CHUNK)                                                                                  \
+  for (int64_t k = 0; k < K64; k += 64) {                                                                        \
+    __m512i wv[R];                                                                                               \
+    for (int r = 0; r < R; ++r) {                                                                                \
+      _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);               \
+      wv[r] = _mm512_loadu_si512(wr + r * ldw + k);                                                              \
+    }                                                                                                            \
+    CHUNK(k)                                                                                                     \
+  }                                                                                                              \
+  if (tail) {                                                                                                    \
+    __m512i wv[R];                                                                                               \
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi8(tail, wr + r * ldw + K64);                      \
+    CHUNK(K64)                                                                                                   \
+  }
+
 inline __m256i fold_halves(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
@@ -287,19 +306,7 @@ DTMT_VNNI_TARGET void rows_block_int8_vnni(const uint8_t* xu, int64_t KP, const 
     const __m512i xv = _mm512_loadu_si512(xu + m * KP + (k));                                                    \
     for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv, wv[r]);                           \
   }
-    for (int64_t k = 0; k < K64; k += 64) {
-      __m512i wv[R];
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);
-        wv[r] = _mm512_loadu_si512(wr + r * ldw + k);
-      }
-      DTMT_VNNI_CHUNK(k)
-    }
-    if (tail) {
-      __m512i wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi8(tail, wr + r * ldw + K64);
-      DTMT_VNNI_CHUNK(K64)
-    }
+    DTMT_INT8_WALK64(DTMT_VNNI_CHUNK)
 #undef DTMT_VNNI_CHUNK
     // the R rows' sums (missing rows as zero vectors), less 128 * sum_k w[n, k]
     __m512i v4[4] = {zero, zero, zero, zero};
@@ -353,19 +360,7 @@ void rows_block_int8_bw(const uint8_t* xabs, const __mmask64* xneg, int64_t KP, 
       acc[r][m] = _mm512_add_epi32(                                                                              \
           acc[r][m], _mm512_madd_epi16(_mm512_maddubs_epi16(xa, _mm512_mask_sub_epi8(wv[r], neg, zero, wv[r])), ones)); \
   }
-    for (int64_t k = 0; k < K64; k += 64) {
-      __m512i wv[R];
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);
-        wv[r] = _mm512_loadu_si512(wr + r * ldw + k);
-      }
-      DTMT_BW_CHUNK(k)
-    }
-    if (tail) {
-      __m512i wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi8(tail, wr + r * ldw + K64);
-      DTMT_BW_CHUNK(K64)
-    }
+    DTMT_INT8_WALK64(DTMT_BW_CHUNK)
 #undef DTMT_BW_CHUNK
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) {

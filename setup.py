@@ -92,6 +92,16 @@ class BuildExtensionWithIsaCopies(BuildExtension):
             f.write(flags_now)
 
 
+def _cublas_headers() -> bool:
+    """Whether the CUDA toolkit torch builds against has cuBLAS's library and the headers torch's
+    ATen/cuda/CUDAContextLight.h includes (a toolkit of nvcc alone has neither)."""
+    if CUDA_HOME is None:
+        return False
+    headers = ("cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
+    return all(os.path.exists(os.path.join(CUDA_HOME, "include", h)) for h in headers) and any(
+        glob.glob(os.path.join(CUDA_HOME, lib, "libcublas.so*")) for lib in ("lib64", "lib", "targets/*/lib"))
+
+
 def extension():
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
@@ -110,10 +120,19 @@ def extension():
         extra_link_args=["-fopenmp"],
     )
     if with_cuda:
+        macros = kwargs["define_macros"] + [("DTMT_WITH_CUDA", "1")]
+        libraries = []
+        if _cublas_headers():
+            # the step GEMMs' direct cuBLAS calls (csrc/transition_cuda.cu, DTMT_CUDA_STEP_GEMM=cublas-direct)
+            macros.append(("DTMT_DIRECT_CUBLAS", "1"))
+            libraries.append("cublas")
+        else:
+            print(f"dtmt: no cuBLAS headers under {CUDA_HOME}: built without the step GEMMs' direct cuBLAS calls")
         return CUDAExtension(
             sources=cpp_sources + cu_sources,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
-            **{**kwargs, "define_macros": kwargs["define_macros"] + [("DTMT_WITH_CUDA", "1")]},
+            libraries=libraries,
+            **{**kwargs, "define_macros": macros},
         )
     return CppExtension(sources=cpp_sources, extra_compile_args={"cxx": cxx}, **kwargs)
 

@@ -10,14 +10,15 @@
 #   bash benchmarks/gpu_session.sh build tests profile  # only these stages (build, tests, bench, profile,
 #   bash benchmarks/gpu_session.sh bench train          # train, gemm), e.g. to split the work over device calls
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
-#                                                       # GEMM and cuBLAS, each at every batch size (NOTES 69)
+#                                                       # GEMM, ATen's mm and cuBLAS called directly, each at
+#                                                       # every batch size (NOTES 69, 71)
 #
 # Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
 # has them all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
 # <dtype>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
-# (train), gemm_tests.log and gemm_{rows,tiled,cublas}.md (gemm); the tables themselves go to stdout. Copy
+# (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm); the tables themselves go to stdout. Copy
 # the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests
-# 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 3 x 80 s) so that a hang cannot
+# 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s) so that a hang cannot
 # eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, bench 148 s; a device call is at
 # most 10 minutes, so run `build tests` and the rest as separate calls.
 set -uo pipefail
@@ -78,11 +79,14 @@ if want train; then
     --systems dtmt nematus rnnsearch-atr transformer --fused cuda triton --out "$OUT/train" || status=1
 fi
 if want gemm; then
-  echo "== GPU kernel tests with cuBLAS for every step GEMM (DTMT_CUDA_STEP_GEMM=cublas)"
-  DTMT_CUDA_STEP_GEMM=cublas timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py 2>&1 \
-    | tee "$OUT/gemm_tests.log" | tail -5
+  # cublas-direct: cublasGemmEx on torch's handle (built where the toolkit has cuBLAS's headers, else build.log
+  # says so and cublas-direct runs the default GEMMs); cublas: ATen's mm. The kernel tests force the direct calls.
+  grep -h "built without the step GEMMs' direct cuBLAS" "$OUT/build.log" 2>/dev/null
+  echo "== GPU kernel tests with direct cuBLAS calls for every step GEMM (DTMT_CUDA_STEP_GEMM=cublas-direct)"
+  DTMT_CUDA_STEP_GEMM=cublas-direct timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py \
+    2>&1 | tee "$OUT/gemm_tests.log" | tail -5
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  for gemm in rows tiled cublas; do
+  for gemm in rows tiled cublas cublas-direct; do
     echo "== gpu_profile, cuda backend, DTMT_CUDA_STEP_GEMM=$gemm"
     DTMT_CUDA_STEP_GEMM=$gemm timeout 80 "$PY" benchmarks/gpu_profile.py --backends cuda --B 1 8 16 64 \
       --kernels 3 2>/dev/null | tee "$OUT/gemm_$gemm.md" || status=1

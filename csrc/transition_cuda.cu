@@ -22,6 +22,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
+// DTMT_DIRECT_CUBLAS (setup.py defines it, and links libcublas, where the toolkit has cuBLAS's headers): the step
+// GEMMs may call cuBLAS directly, on torch's handle (set to torch's current stream, workspace and TF32 mode)
+#if defined(DTMT_DIRECT_CUBLAS) && !defined(DTMT_CUDA_EMULATION)
+#include <ATen/cuda/CUDAContextLight.h>
+#include <cublas_v2.h>
+#define DTMT_CUBLAS_DIRECT_BUILT 1
+#endif
 
 #include <algorithm>
 #include <cstdlib>
@@ -66,10 +73,13 @@ bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 // benchmarks/NOTES.md, items 17, 57 and 69 (measured on an H100 and an H200).
 constexpr int64_t kRowGemmRows = 8;
 constexpr int64_t kSmallGemmRows = 64;
-enum class StepGemm { kRows, kTiled, kAten };
+// kCublas: cublasGemmEx called here on raw pointers (no ATen dispatch; only through DTMT_CUDA_STEP_GEMM for now,
+// until a GPU session measures it against the others: NOTES items 69 a and 71).
+enum class StepGemm { kRows, kTiled, kAten, kCublas };
 
-// DTMT_CUDA_STEP_GEMM=rows|tiled|cublas (read once a process; for benchmarks) uses that GEMM at every batch size;
-// unset or auto: the thresholds above. Another value is ignored with a warning.
+// DTMT_CUDA_STEP_GEMM=rows|tiled|cublas|cublas-direct (read once a process; for benchmarks) uses that GEMM at every
+// batch size (cublas: ATen's mm; cublas-direct: cublasGemmEx on torch's handle); unset or auto: the thresholds above.
+// Another value is ignored with a warning.
 int forced_step_gemm() {
   static const int forced = [] {
     const char* env = std::getenv("DTMT_CUDA_STEP_GEMM");
@@ -78,7 +88,15 @@ int forced_step_gemm() {
     if (v == "rows") return static_cast<int>(StepGemm::kRows);
     if (v == "tiled") return static_cast<int>(StepGemm::kTiled);
     if (v == "cublas") return static_cast<int>(StepGemm::kAten);
-    TORCH_WARN("dtmt: DTMT_CUDA_STEP_GEMM=", v, " ignored: not one of auto, rows, tiled, cublas");
+    if (v == "cublas-direct") {
+#if defined(DTMT_CUBLAS_DIRECT_BUILT)
+      return static_cast<int>(StepGemm::kCublas);
+#else
+      TORCH_WARN("dtmt: DTMT_CUDA_STEP_GEMM=cublas-direct ignored: built without cuBLAS's headers");
+      return -1;
+#endif
+    }
+    TORCH_WARN("dtmt: DTMT_CUDA_STEP_GEMM=", v, " ignored: not one of auto, rows, tiled, cublas, cublas-direct");
     return -1;
   }();
   return forced;
@@ -88,6 +106,45 @@ StepGemm step_gemm(int64_t B) {
   if (forced >= 0) return static_cast<StepGemm>(forced);
   return B <= kRowGemmRows ? StepGemm::kRows : B <= kSmallGemmRows ? StepGemm::kTiled : StepGemm::kAten;
 }
+
+#if defined(DTMT_CUBLAS_DIRECT_BUILT)
+// cublasGemmEx's data and compute types for a storage type: 16-bit storage computes in float (as ATen's mm does)
+template <typename T> struct CublasTypes;
+template <> struct CublasTypes<float> {
+  static constexpr cudaDataType_t data = CUDA_R_32F;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  // TF32 where the handle's math mode allows it
+  using Scale = float;
+};
+template <> struct CublasTypes<double> {
+  static constexpr cudaDataType_t data = CUDA_R_64F;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_64F;
+  using Scale = double;
+};
+template <> struct CublasTypes<__half> {
+  static constexpr cudaDataType_t data = CUDA_R_16F;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  using Scale = float;
+};
+template <> struct CublasTypes<__nv_bfloat16> {
+  static constexpr cudaDataType_t data = CUDA_R_16BF;
+  static constexpr cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  using Scale = float;
+};
+
+// c[rows, n] = a[rows, k] . W, all row-major and dense: W given as w_nk [n, k] (c = a w_nk^T, the forward's h U^T)
+// when w_transposed, else as w_kn [k, n] (c = a w_kn, the backward's d(pre) U). cuBLAS is column-major, so this is
+// c^T = op(W)^T a^T with the operands swapped. Torch's handle carries its current stream, workspace and TF32 mode.
+template <typename T> void cublas_gemm(const T* a, const T* w, T* c, int rows, int n, int k, bool w_transposed) {
+  using Types = CublasTypes<T>;
+  const typename Types::Scale one = 1, zero = 0;
+  const cublasStatus_t status = cublasGemmEx(
+      at::cuda::getCurrentCUDABlasHandle(), w_transposed ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one,
+      w, Types::data, w_transposed ? k : n, a, Types::data, k, &zero, c, Types::data, n, Types::compute,
+      CUBLAS_GEMM_DEFAULT);
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "dtmt: cublasGemmEx failed (status ", static_cast<int>(status),
+              ") in the cuda backend's step GEMM");
+}
+#endif
 
 template <typename T, typename S> const T* cptr(const Tensor& t, int64_t offset = 0) {
   return present(t) ? reinterpret_cast<const T*>(t.data_ptr<S>()) + offset : nullptr;
@@ -169,11 +226,18 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
   const Tensor w_hh_t = w_hh.t();
   std::vector<Tensor> t_w_t;
-  if (gemm == StepGemm::kAten)
+  if (gemm == StepGemm::kAten || gemm == StepGemm::kCublas)
     for (int64_t k = 0; k < D; ++k) t_w_t.push_back(t_w[k].t());
   // hs_lp's rows [k][t] are the GEMMs' inputs (the state in the GEMM dtype)
   auto gemm_forward = [&](int64_t k, int64_t t, const T* u, T* c, int64_t n) {
-    if (gemm != StepGemm::kAten) {
+#if defined(DTMT_CUBLAS_DIRECT_BUILT)
+    if (gemm == StepGemm::kCublas) {
+      cublas_gemm<T>(cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B), static_cast<int>(n),
+                     static_cast<int>(H), /*w_transposed=*/true);
+      return;
+    }
+#endif
+    if (gemm == StepGemm::kRows || gemm == StepGemm::kTiled) {
       const cuda::GemmArgs<T> g{cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B),
                                 static_cast<int>(n), static_cast<int>(H)};
       C10_CUDA_CHECK((gemm == StepGemm::kRows ? cuda::launch_rows_gemm<T, A>(g, stream)
@@ -277,7 +341,14 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   // and `u` from the element offsets given (`u_rows`: the same matrix as U^T, same offset)
   auto gemm_backward = [&](Tensor& out, const Tensor& dpre, int64_t dpre_off, const Tensor& u, const Tensor& u_rows,
                            int64_t u_off, int64_t n) {
-    if (gemm != StepGemm::kAten) {
+#if defined(DTMT_CUBLAS_DIRECT_BUILT)
+    if (gemm == StepGemm::kCublas) {
+      cublas_gemm<T>(cptr<T, S>(dpre, dpre_off), cptr<T, S>(u, u_off), mptr<T, S>(out), static_cast<int>(B),
+                     static_cast<int>(H), static_cast<int>(n), /*w_transposed=*/false);
+      return;
+    }
+#endif
+    if (gemm == StepGemm::kRows || gemm == StepGemm::kTiled) {
       const cuda::GemmArgs<T> g{cptr<T, S>(dpre, dpre_off), cptr<T, S>(rows ? u_rows : u, u_off), mptr<T, S>(out),
                                 static_cast<int>(B), static_cast<int>(H), static_cast<int>(n)};
       C10_CUDA_CHECK(

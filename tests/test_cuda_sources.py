@@ -16,6 +16,7 @@
 Each test skips with the reason when nvcc (or torch's headers) is absent. Running the real kernels needs a
 CUDA torch and a GPU: see tests/test_triton.py::test_gpu_compiled_matches_reference.
 """
+import glob
 import itertools
 import os
 import re
@@ -63,8 +64,25 @@ def _run(cmd, timeout=900):
 BACKGROUND = {}   # test name -> (process, command, stdout file, stderr file)
 
 
+def _cublas_flags():
+    """-DDTMT_DIRECT_CUBLAS and the include folders where cuBLAS's headers (and the others torch's
+    CUDAContextLight.h includes) are found: next to nvcc, or in pip's nvidia wheels where installed. Else none,
+    and the driver is compiled without its direct cuBLAS calls, as setup.py builds it with such a toolkit."""
+    headers = ("cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
+    folders = [os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(NVCC))), "include")]
+    try:
+        import nvidia   # namespace package of pip's CUDA libraries (nvidia/cu13/include, nvidia/cublas/include...)
+        folders += [f for p in nvidia.__path__ for f in sorted(glob.glob(os.path.join(p, "*", "include")))]
+    except ImportError:
+        pass
+    found = {h: next((f for f in folders if os.path.exists(os.path.join(f, h))), None) for h in headers}
+    if None in found.values():
+        return []
+    return ["-DDTMT_DIRECT_CUBLAS=1"] + [f"-I{f}" for f in dict.fromkeys(found.values())]
+
+
 def _aten_driver_cmd(out_dir):
-    return [NVCC, "-std=c++17", "-O1", "-c", f"-I{CSRC}", *_torch_includes(), _abi_flag(),
+    return [NVCC, "-std=c++17", "-O1", "-c", f"-I{CSRC}", *_torch_includes(), _abi_flag(), *_cublas_flags(),
             "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
             "-DDTMT_WITH_CUDA=1", os.path.join(CSRC, "transition_cuda.cu"), "-o", os.path.join(out_dir, "t.o")]
 
@@ -210,10 +228,14 @@ def _abi_flag():
 @needs_nvcc
 def test_aten_driver_compiles(tmp_path):
     """csrc/transition_cuda.cu against the installed torch's headers (an object file; linking needs a CUDA
-    torch)."""
+    torch); with its direct cuBLAS calls where cuBLAS's headers are found (_cublas_flags)."""
     cmd = _run_or_wait("test_aten_driver_compiles", _aten_driver_cmd, str(tmp_path))
     obj = cmd[cmd.index("-o") + 1]
     assert os.path.getsize(obj) > 0
+    nm = shutil.which("nm")
+    if "-DDTMT_DIRECT_CUBLAS=1" in cmd and nm is not None:
+        symbols = subprocess.run([nm, "-u", obj], capture_output=True, text=True, check=True).stdout
+        assert "cublasGemmEx" in symbols and "getCurrentCUDABlasHandle" in symbols
 
 
 @pytest.mark.slow

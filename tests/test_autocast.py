@@ -227,16 +227,17 @@ def test_systems_train_under_autocast(system):
     assert torch.nn.functional.cosine_similarity(flat, ref_flat, dim=0).item() > 0.99
 
 
-def test_train_amp_bf16(tmp_path):
+def test_train_amp_bf16(tmp_path, capsys):
     """`dtmt train --amp bf16`: recorded in config.yaml; the first update's loss is bfloat16's (close to, and not
     the same as, float32's) and training goes on finite; a bad value is one line, exit 2."""
-    from test_train import TINY, losses, make_toy_corpus, run_train
+    from test_train import TINY, losses, make_toy_corpus, train_here
 
     data = make_toy_corpus(tmp_path / "toy", n_train=200, n_dev=0, n_test=0)
     runs = {}
     for amp in ("off", "bf16"):
         out = str(tmp_path / amp)
-        r = run_train(["--data", data, "--out", out, "--max-steps", "4", "--log-every", "1", "--amp", amp, *TINY])
+        r = train_here(["--data", data, "--out", out, "--max-steps", "4", "--log-every", "1", "--amp", amp, *TINY],
+                       capsys)
         assert r.returncode == 0, r.stderr
         runs[amp] = [float(loss) for _, loss, _ in losses(out)]
     with open(os.path.join(str(tmp_path / "bf16"), "config.yaml")) as f:
@@ -244,7 +245,7 @@ def test_train_amp_bf16(tmp_path):
     first_off, first_bf16 = runs["off"][0], runs["bf16"][0]
     assert first_off != first_bf16 and abs(first_off - first_bf16) <= 1e-2 * first_off
     assert len(runs["bf16"]) == 4 and all(map(lambda v: v == v and v < 1e4, runs["bf16"]))
-    r = run_train(["--data", data, "--out", str(tmp_path / "bad"), "--amp", "fp8", *TINY])
+    r = train_here(["--data", data, "--out", str(tmp_path / "bad"), "--amp", "fp8", *TINY], capsys)
     assert r.returncode == 2 and "--amp" in r.stderr and not os.path.exists(tmp_path / "bad")
 
 

@@ -57,7 +57,10 @@ def train_here(args, capsys):
     from dtmt_models.cli import train
 
     capsys.readouterr()
-    code = train.main(list(args))
+    try:
+        code = train.main(list(args))
+    except SystemExit as stop:   # argparse's refusals (status 2), as the command line ends
+        code = stop.code if isinstance(stop.code, int) else 1
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
 
@@ -116,25 +119,25 @@ def test_resume_gives_the_same_losses(toy, uninterrupted, tmp_path):
     assert len({x[1] for x in a}) > 20  # and they do change from step to step
 
 
-def test_log_windows_survive_a_resume_and_the_last_one_is_written(toy, tmp_path):
+def test_log_windows_survive_a_resume_and_the_last_one_is_written(toy, tmp_path, capsys):
     """With --log-every 5 a row is the mean over its five updates: a run stopped at 13 and resumed writes at 15 the
     mean over 11-15, as the uninterrupted run (the window in progress is in last.pt; a Ctrl-C lost it), and every run
     ends with the row of its last, partial window (a run shorter than --log-every wrote none)."""
     args = ["--data", toy, "--log-every", "5", "--valid-every", "10", *TINY]
     whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
-    assert run_train([*args, "--out", whole, "--max-steps", "24"]).returncode == 0
-    assert run_train([*args, "--out", part, "--max-steps", "13"]).returncode == 0
+    assert train_here([*args, "--out", whole, "--max-steps", "24"], capsys).returncode == 0
+    assert train_here([*args, "--out", part, "--max-steps", "13"], capsys).returncode == 0
     assert [s for s, *_ in losses(part)] == [5, 10, 13]                      # 13: the mean over 11-13
-    r = run_train(["--data", toy, "--out", part, "--resume", "--max-steps", "24", "--log-every", "5"])
+    r = train_here(["--data", toy, "--out", part, "--resume", "--max-steps", "24", "--log-every", "5"], capsys)
     assert r.returncode == 0, r.stderr
     assert [s for s, *_ in losses(whole)] == [5, 10, 15, 20, 24]
     assert [row for row in losses(part) if row[0] != 13] == losses(whole)   # 15: over 11-15 in both, bit for bit
     short = str(tmp_path / "short")
-    assert run_train([*args, "--out", short, "--max-steps", "3", "--log-every", "50"]).returncode == 0
+    assert train_here([*args, "--out", short, "--max-steps", "3", "--log-every", "50"], capsys).returncode == 0
     assert [s for s, *_ in losses(short)] == [3]
 
 
-def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tmp_path):
+def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tmp_path, capsys):
     """Resuming a run whose patience ran out stops at once, saying so (it trained another --valid-every updates
     before stopping again); no new rows."""
     from dtmt_models.models.checkpoint import read_checkpoint, save_checkpoint
@@ -147,11 +150,11 @@ def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tm
     last.pop("format")
     save_checkpoint(os.path.join(out, "last.pt"), last)
     before = losses(out)
-    r = run_train(["--data", toy, "--out", out, "--resume", "--max-steps", "40", "--progress", "lines"])
+    r = train_here(["--data", toy, "--out", out, "--resume", "--max-steps", "40", "--progress", "lines"], capsys)
     assert r.returncode == 0, r.stderr
     assert "in 5 validations (early stopping, before this resume; a larger --patience goes on)" in r.stdout, r.stdout
     assert read_checkpoint(os.path.join(out, "last.pt"))["training"]["step"] == 24 and losses(out) == before
-    r = run_train(["--data", toy, "--out", out, "--resume", "--max-steps", "26", "--patience", "6"])   # goes on
+    r = train_here(["--data", toy, "--out", out, "--resume", "--max-steps", "26", "--patience", "6"], capsys)   # goes on
     assert r.returncode == 0 and "reached --max-steps 26" in r.stdout, r.stdout
 
 
@@ -257,26 +260,26 @@ def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, cap
     assert r.returncode == 2 and "unknown model" in r.stderr
 
 
-def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_changes(tmp_path):
+def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_changes(tmp_path, capsys):
     data = make_toy_corpus(tmp_path / "c", n_train=200, n_dev=0, n_test=0)
     args = ["--max-steps", "2", "--overwrite", *TINY]
-    first = run_train(["--data", data, "--out", str(tmp_path / "a"), *args])
+    first = train_here(["--data", data, "--out", str(tmp_path / "a"), *args], capsys)
     assert first.returncode == 0, first.stderr
     assert "no binarized corpus for bpe 60" in first.stdout and "building it now" in first.stdout
-    again = run_train(["--data", data, "--out", str(tmp_path / "b"), *args])
+    again = train_here(["--data", data, "--out", str(tmp_path / "b"), *args], capsys)
     assert again.returncode == 0 and "building it now" not in again.stdout and "bin-bpe60)" in again.stdout
     assert losses(str(tmp_path / "a")) == losses(str(tmp_path / "b"))
     with open(os.path.join(data, "train.en"), "a", encoding="utf-8") as f:
         f.write("the dog\n")
     with open(os.path.join(data, "train.es"), "a", encoding="utf-8") as f:
         f.write("el perro\n")
-    changed = run_train(["--data", data, "--out", str(tmp_path / "c"), *args])
+    changed = train_here(["--data", data, "--out", str(tmp_path / "c"), *args], capsys)
     assert changed.returncode == 0 and "train.es, train.en changed" in changed.stdout
     assert "data: 201 training pairs" in changed.stdout
 
 
-def test_max_len_filter_is_reported(toy_nodev, tmp_path):
-    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "r"), "--max-steps", "1", "--max-len", "5", *TINY])
+def test_max_len_filter_is_reported(toy_nodev, tmp_path, capsys):
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "r"), "--max-steps", "1", "--max-len", "5", *TINY], capsys)
     assert r.returncode == 0, r.stderr
     import re
 
@@ -472,7 +475,7 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     import shutil
 
     run_a = tmp_path / "runA"
-    assert run_train(["--data", toy_nodev, "--out", str(run_a), "--max-steps", "2", *TINY]).returncode == 0
+    assert train_here(["--data", toy_nodev, "--out", str(run_a), "--max-steps", "2", *TINY], capsys).returncode == 0
     shutil.copytree(run_a, tmp_path / "runB")
     before = (run_a / "last.pt").read_bytes(), (run_a / "train_log.csv").read_bytes()
     elsewhere = tmp_path / "elsewhere"
@@ -494,12 +497,12 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--lr", "0.5",
                     "--opt", "hidden_size=64", "--max-steps", "5"], capsys)
     assert r.returncode == 2 and "--lr 0.5 (the run's is" in r.stderr and "--opt hidden_size=64" in r.stderr
-    r = run_train(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hidden_size=32",
-                   "--max-steps", "5", "--progress", "lines"])
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hidden_size=32",
+                   "--max-steps", "5", "--progress", "lines"], capsys)
     assert r.returncode == 0, r.stderr
     # ... allowed, it goes on with the run's own vocabularies: the other text encoded with them, not retrained
-    r = run_train(["--data", other, "--out", str(tmp_path / "runB"), "--resume", "--max-steps", "6",
-                   "--allow-changed-data", "--progress", "lines"])
+    r = train_here(["--data", other, "--out", str(tmp_path / "runB"), "--resume", "--max-steps", "6",
+                   "--allow-changed-data", "--progress", "lines"], capsys)
     assert r.returncode == 0, r.stderr
     assert "(with this run's vocabularies): building it now" in r.stdout and "the given SentencePiece" in r.stdout
     assert [e for e in os.listdir(other) if e.startswith("bin-")][0].startswith("bin-models-")
@@ -635,7 +638,7 @@ def test_resuming_an_unfused_optimizers_state_steps_fused_and_continues_it():
     step_alike(model, opt, twin, old, steps=2)
 
 
-def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run(toy_nodev, tmp_path):
+def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run(toy_nodev, tmp_path, capsys):
     """SPEC §6: `dtmt train --config run.yaml` with flags overriding it; the run's resolved config.yaml, given back
     as --config, reproduces the run (the same losses at every update)."""
     import yaml
@@ -645,14 +648,14 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
                                         "progress": "lines", "threads": 1, "max_steps": 5, "lr": "2e-3",
                                         "log_every": 1, "opt": {"embed_dim": 32, "hidden_size": 32}}))
     a, b = tmp_path / "a", tmp_path / "b"
-    r = run_train(["--config", str(run_yaml), "--out", str(a), "--max-steps", "3", "--opt", "hidden_size=24"])
+    r = train_here(["--config", str(run_yaml), "--out", str(a), "--max-steps", "3", "--opt", "hidden_size=24"], capsys)
     assert r.returncode == 0, r.stderr
     written = yaml.safe_load((a / "config.yaml").read_text())
     assert (written["max_steps"], written["lr"], written["out"], written["data"]) == (3, 0.002, str(a), toy_nodev)
     assert written["opt"]["embed_dim"] == 32 and written["opt"]["hidden_size"] == 24   # the flag won
     assert "config" not in written and "resume" not in written
     assert [s for s, *_ in losses(a)] == [1, 2, 3]
-    r = run_train(["--config", str(a / "config.yaml"), "--out", str(b)])
+    r = train_here(["--config", str(a / "config.yaml"), "--out", str(b)], capsys)
     assert r.returncode == 0, r.stderr
     assert losses(b) == losses(a)
 
@@ -691,17 +694,17 @@ def _scalars(run_dir, tag):
     return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
-def test_tensorboard_events_beside_the_csv_and_a_resume_redoes_none(toy, tmp_path):
+def test_tensorboard_events_beside_the_csv_and_a_resume_redoes_none(toy, tmp_path, capsys):
     """The CSV's numbers are TensorBoard scalars too ("train/loss", "valid/dev_bleu", ...); a resumed run drops
     the events after its checkpoint's step, as it drops the CSV rows, so no step is there twice."""
     out = str(tmp_path / "run")
-    r = run_train(["--data", toy, "--out", out, "--max-steps", "4", "--log-every", "2", "--valid-every", "4", *TINY])
+    r = train_here(["--data", toy, "--out", out, "--max-steps", "4", "--log-every", "2", "--valid-every", "4", *TINY], capsys)
     assert r.returncode == 0, r.stderr
     csv_loss = [(step, float(loss)) for step, loss, _ in losses(out)]
     assert [s for s, _ in csv_loss] == [2, 4]
     assert [(s, pytest.approx(v, rel=1e-6)) for s, v in _scalars(out, "train/loss")] == csv_loss
     assert [s for s, _ in _scalars(out, "valid/dev_bleu")] == [4]
-    r = run_train(["--data", toy, "--out", out, "--resume", "--max-steps", "6"])
+    r = train_here(["--data", toy, "--out", out, "--resume", "--max-steps", "6"], capsys)
     assert r.returncode == 0, r.stderr
     steps = [s for s, _ in _scalars(out, "train/loss")]
     assert steps == [2, 4, 6] and [s for s, *_ in losses(out)] == steps
@@ -743,15 +746,15 @@ def test_best_by_compares_the_chosen_dev_score_and_breaks_ties_with_the_other():
     assert is_better("loss", 9.0, 0.0, float("inf"), -1.0) and is_better("bleu", 9.0, 0.0, float("inf"), -1.0)
 
 
-def test_best_by_loss_keeps_the_model_of_the_lowest_dev_loss(toy, tmp_path):
+def test_best_by_loss_keeps_the_model_of_the_lowest_dev_loss(toy, tmp_path, capsys):
     """best.pt holds the validation with the lowest logged dev loss; --patience counts validations without a
     lower one (this toy run's loss first rises at a validation before the 40th update), and the log says what
     picked best.pt."""
     from dtmt_models.models.checkpoint import read_checkpoint
 
     out = str(tmp_path / "by_loss")
-    r = run_train(["--data", toy, "--out", out, "--max-steps", "40", "--valid-every", "4", "--best-by", "loss",
-                   "--lr", "0.05", "--patience", "1", *TINY])
+    r = train_here(["--data", toy, "--out", out, "--max-steps", "40", "--valid-every", "4", "--best-by", "loss",
+                   "--lr", "0.05", "--patience", "1", *TINY], capsys)
     assert r.returncode == 0, r.stderr
     with open(os.path.join(out, "train_log.csv"), newline="") as f:
         valid = [(float(row["dev_loss"]), int(row["step"])) for row in csv.DictReader(f) if row["kind"] == "valid"]

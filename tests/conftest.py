@@ -15,6 +15,29 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("repeatable")
 
 
+# Under pytest-xdist (the README's `-n auto`) each worker computes on one thread, and so do the commands the tests
+# start: two workers of two threads each on two cores made the tests that train 4x slower (OpenMP's threads
+# waiting for a core; benchmarks/NOTES.md, item 71). Tests of other thread counts set theirs.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER is not None:
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+
+# The test files of the longest tests, run first under pytest-xdist (`--dist loadfile` hands a worker one file at a
+# time, in collection order), so that none of them is left running alone at the end.
+LONGEST_FIRST = ("test_cuda_sources.py", "test_benchmarks.py", "test_train.py", "test_pipeline.py", "test_models.py",
+                 "test_custom_ops.py", "test_triton.py", "test_cpp_kernels.py", "test_autocast.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if XDIST_WORKER is None:
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))   # stable: within a file,
+    # and among the other files, the order stays
+
+
 @pytest.fixture(autouse=True)
 def nan_filled_empty_tensors():
     """Deterministic mode makes torch.empty (and the kernels' at::empty) return NaN-filled memory, so any
@@ -79,7 +102,9 @@ def pytest_collection_finish(session):
     overlap the tests before them; see start_background_compiles)."""
     names = {item.name for item in session.items if getattr(getattr(item, "module", None), "__name__", "").endswith(
         "test_cuda_sources")}
-    if names and not session.config.option.collectonly:
+    # under pytest-xdist each worker collects every test but runs some: a worker compiles only when it reaches a
+    # compile test (_run_or_wait), else both would compile everything
+    if names and not session.config.option.collectonly and XDIST_WORKER is None:
         import tempfile
 
         module = next(item.module for item in session.items

@@ -16,6 +16,7 @@ compiler's default target.
 -fno-trapping-math lets GCC turn the clamps and selects of the float exp/sigmoid/tanh (cell_math.h) into
 vector blends: without it none of the per-feature loops that call them vectorises (GCC 12 reports "control
 flow in loop"). The kernels never read floating-point exception flags, so nothing else changes.
+DTMT_DEBUG=1 compiles with debug information (-g; without it -g0 overrides the -g of Python's flags).
 DTMT_PHASE_TIMERS=1 compiles in the decoding search's phase timers (csrc/phase_timers.h; read by
 benchmarks/bench_step_phases.py); without it they are empty statements.
 """
@@ -50,6 +51,9 @@ def cpu_isas():
 
 def base_cxx_flags():
     flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
+    # Python's own flags carry -g: debug information for torch's headers takes a quarter of the compile time and
+    # most of the library's size; DTMT_DEBUG=1 keeps it
+    flags.append("-g" if _flag("DTMT_DEBUG") else "-g0")
     if _flag("DTMT_PHASE_TIMERS"):
         flags.append("-DDTMT_PHASE_TIMERS")
     if _flag("DTMT_NATIVE"):

@@ -24,8 +24,9 @@ if XDIST_WORKER is not None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
 
-# The test files of the longest tests, run first under pytest-xdist (`--dist loadfile` hands a worker one file at a
-# time, in collection order), so that none of them is left running alone at the end.
+# The test files that take longest, run first under pytest-xdist (`--dist loadfile --no-loadscope-reorder`, in
+# pyproject.toml, hands a worker one file at a time in collection order; xdist's own order, by the number of tests
+# in a file, started test_cuda_sources.py's five minutes of 13 tests last), so that none is left running alone.
 LONGEST_FIRST = ("test_cuda_sources.py", "test_benchmarks.py", "test_train.py", "test_pipeline.py", "test_models.py",
                  "test_custom_ops.py", "test_triton.py", "test_cpp_kernels.py", "test_autocast.py")
 

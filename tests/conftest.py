@@ -24,19 +24,29 @@ if XDIST_WORKER is not None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MKL_NUM_THREADS"] = "1"
 
-# The test files that take longest, run first under pytest-xdist (`--dist loadfile --no-loadscope-reorder`, in
-# pyproject.toml, hands a worker one file at a time in collection order; xdist's own order, by the number of tests
-# in a file, started test_cuda_sources.py's five minutes of 13 tests last), so that none is left running alone.
+# The test files that take longest, run first under pytest-xdist, so that none is left running alone at the end.
 LONGEST_FIRST = ("test_cuda_sources.py", "test_benchmarks.py", "test_train.py", "test_pipeline.py", "test_models.py",
                  "test_custom_ops.py", "test_triton.py", "test_cpp_kernels.py", "test_autocast.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """With -n and no --dist of the caller's: a worker takes a test file at a time (module fixtures such as the
+    emulated CUDA extension built once), in collection order (pytest_collection_modifyitems: the longest files
+    first; xdist's own order, by the number of tests in a file, started test_cuda_sources.py's five minutes of 13
+    tests last)."""
+    if getattr(config.option, "numprocesses", None) and not any(
+            arg == "-d" or arg.startswith("--dist") for arg in config.invocation_params.args):
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
     if XDIST_WORKER is None:
         return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))   # stable: within a file,
-    # and among the other files, the order stays
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: within a file, and among the other
+    # files, the order stays
 
 
 @pytest.fixture(autouse=True)

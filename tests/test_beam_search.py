@@ -275,7 +275,10 @@ def test_fused_search_equals_the_python_loop(system, options):
     against the loop of beam_search over the same decoder's steps (fused=False, the reference): the same hypotheses
     in the same order, the same scores and log-probabilities to the bit, for batches whose sentences finish at
     different steps, beams 1-5, with and without the length penalty, nbest up to the beam, either stopping rule; in
-    float32 and float64, and with int8 weights. (The default decoder's tables: test_search_through_step_tables.)"""
+    float32 and float64, and with int8 weights; the C++ search on one thread and on two. (The default decoder's
+    tables: test_search_through_step_tables.)"""
+    from conftest import at_thread_counts
+
     torch.manual_seed(3)
     model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=16, **options).eval()
     cases = [(1, 0.0, 1, 2.0, 10, False), (3, 0.6, 3, 1.0, 2, False), (4, 0.6, 2, 2.0, 10, False),
@@ -288,10 +291,11 @@ def test_fused_search_equals_the_python_loop(system, options):
         assert decoder.search is not None, f"{system}: no fused search"
         for beam, alpha, nbest, a, b, early_stop in cases:
             kwargs = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b, early_stop=early_stop)
-            fused = beam_search(decoder, src, lengths, **kwargs)
+            # the C++ search on 1 and 2 threads (its steps split the batch's rows between threads)
+            one, two = at_thread_counts(lambda: beam_search(decoder, src, lengths, **kwargs), 1, 2)
             loop = beam_search(decoder, src, lengths, fused=False, **kwargs)
-            assert _hyps(fused) == _hyps(loop), (dtype, int8, kwargs)
-            assert all(len(s) == min(nbest, beam) for s in fused)
+            assert _hyps(one) == _hyps(loop) and _hyps(two) == _hyps(loop), (dtype, int8, kwargs)
+            assert all(len(s) == min(nbest, beam) for s in one)
         model.float()
 
 

@@ -59,8 +59,8 @@ def train_here(args, capsys):
     capsys.readouterr()
     try:
         code = train.main(list(args))
-    except SystemExit as stop:   # argparse's refusals (status 2), as the command line ends
-        code = stop.code if isinstance(stop.code, int) else 1
+    except SystemExit as stop:   # argparse's refusals (status 2) and --help (0), as the process would end
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
 
@@ -154,7 +154,8 @@ def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tm
     assert r.returncode == 0, r.stderr
     assert "in 5 validations (early stopping, before this resume; a larger --patience goes on)" in r.stdout, r.stdout
     assert read_checkpoint(os.path.join(out, "last.pt"))["training"]["step"] == 24 and losses(out) == before
-    r = train_here(["--data", toy, "--out", out, "--resume", "--max-steps", "26", "--patience", "6"], capsys)   # goes on
+    r = train_here(["--data", toy, "--out", out, "--resume", "--max-steps", "26", "--patience", "6"],   # goes on
+                   capsys)
     assert r.returncode == 0 and "reached --max-steps 26" in r.stdout, r.stdout
 
 
@@ -279,7 +280,8 @@ def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_cha
 
 
 def test_max_len_filter_is_reported(toy_nodev, tmp_path, capsys):
-    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "r"), "--max-steps", "1", "--max-len", "5", *TINY], capsys)
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "r"), "--max-steps", "1", "--max-len", "5", *TINY],
+                   capsys)
     assert r.returncode == 0, r.stderr
     import re
 
@@ -698,7 +700,8 @@ def test_tensorboard_events_beside_the_csv_and_a_resume_redoes_none(toy, tmp_pat
     """The CSV's numbers are TensorBoard scalars too ("train/loss", "valid/dev_bleu", ...); a resumed run drops
     the events after its checkpoint's step, as it drops the CSV rows, so no step is there twice."""
     out = str(tmp_path / "run")
-    r = train_here(["--data", toy, "--out", out, "--max-steps", "4", "--log-every", "2", "--valid-every", "4", *TINY], capsys)
+    r = train_here(["--data", toy, "--out", out, "--max-steps", "4", "--log-every", "2", "--valid-every", "4", *TINY],
+                   capsys)
     assert r.returncode == 0, r.stderr
     csv_loss = [(step, float(loss)) for step, loss, _ in losses(out)]
     assert [s for s, _ in csv_loss] == [2, 4]

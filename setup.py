@@ -74,7 +74,8 @@ class BuildExtensionWithIsaCopies(BuildExtension):
         # to date, no source being newer than it, and keep the old build; so build it anew (ninja then recompiles
         # what the new flags change)
         stamp = os.path.join(self.build_temp, "dtmt_flags.txt")
-        flags_now = " ".join(cxx + [f"{isa}: {' '.join(f)}" for isa, f in cpu_isas().items()])
+        flags_now = " ".join(cxx + [f"{isa}: {' '.join(f)}" for isa, f in cpu_isas().items()] +
+                             [f"-D{name}={value}" for name, value in ext.define_macros])
         with contextlib.suppress(OSError), open(stamp) as f:
             if f.read() != flags_now:
                 self.force = True
@@ -96,14 +97,17 @@ class BuildExtensionWithIsaCopies(BuildExtension):
             f.write(flags_now)
 
 
-def _cublas_headers() -> bool:
-    """Whether the CUDA toolkit torch builds against has cuBLAS's library and the headers torch's
-    ATen/cuda/CUDAContextLight.h includes (a toolkit of nvcc alone has neither)."""
+def _cublas_library_dir():
+    """The folder of libcublas in the CUDA toolkit torch builds against, when that toolkit also has the headers
+    torch's ATen/cuda/CUDAContextLight.h includes (a toolkit of nvcc alone has neither); else None."""
     if CUDA_HOME is None:
-        return False
+        return None
     headers = ("cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
-    return all(os.path.exists(os.path.join(CUDA_HOME, "include", h)) for h in headers) and any(
-        glob.glob(os.path.join(CUDA_HOME, lib, "libcublas.so*")) for lib in ("lib64", "lib", "targets/*/lib"))
+    if not all(os.path.exists(os.path.join(CUDA_HOME, "include", h)) for h in headers):
+        return None
+    found = [f for lib in ("lib64", "lib", "targets/*/lib")
+             for f in glob.glob(os.path.join(CUDA_HOME, lib, "libcublas.so"))]   # (what -lcublas links)
+    return os.path.dirname(found[0]) if found else None
 
 
 def extension():
@@ -125,17 +129,20 @@ def extension():
     )
     if with_cuda:
         macros = kwargs["define_macros"] + [("DTMT_WITH_CUDA", "1")]
-        libraries = []
-        if _cublas_headers():
+        libraries, library_dirs = [], []
+        cublas_dir = _cublas_library_dir()
+        if cublas_dir is not None:
             # the step GEMMs' direct cuBLAS calls (csrc/transition_cuda.cu, DTMT_CUDA_STEP_GEMM=cublas-direct)
             macros.append(("DTMT_DIRECT_CUBLAS", "1"))
             libraries.append("cublas")
+            library_dirs.append(cublas_dir)
         else:
             print(f"dtmt: no cuBLAS headers under {CUDA_HOME}: built without the step GEMMs' direct cuBLAS calls")
         return CUDAExtension(
             sources=cpp_sources + cu_sources,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
             libraries=libraries,
+            library_dirs=library_dirs,
             **{**kwargs, "define_macros": macros},
         )
     return CppExtension(sources=cpp_sources, extra_compile_args={"cxx": cxx}, **kwargs)

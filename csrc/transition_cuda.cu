@@ -133,12 +133,16 @@ template <> struct CublasTypes<__nv_bfloat16> {
 
 // c[rows, n] = a[rows, k] . W, all row-major and dense: W given as w_nk [n, k] (c = a w_nk^T, the forward's h U^T)
 // when w_transposed, else as w_kn [k, n] (c = a w_kn, the backward's d(pre) U). cuBLAS is column-major, so this is
-// c^T = op(W)^T a^T with the operands swapped. Torch's handle carries its current stream, workspace and TF32 mode.
-template <typename T> void cublas_gemm(const T* a, const T* w, T* c, int rows, int n, int k, bool w_transposed) {
+// c^T = op(W)^T a^T with the operands swapped. `handle`: torch's (at::cuda::getCurrentCUDABlasHandle, taken once a
+// call), with its current stream, workspace and TF32 mode. Unlike ATen's mm it leaves cuBLAS's default reduction
+// for 16-bit inputs (torch's allow_fp16/bf16_reduced_precision_reduction are not read) and does not check
+// CUBLAS_WORKSPACE_CONFIG under torch's deterministic mode: a benchmark's choice (DTMT_CUDA_STEP_GEMM) for now.
+template <typename T>
+void cublas_gemm(cublasHandle_t handle, const T* a, const T* w, T* c, int rows, int n, int k, bool w_transposed) {
   using Types = CublasTypes<T>;
   const typename Types::Scale one = 1, zero = 0;
   const cublasStatus_t status = cublasGemmEx(
-      at::cuda::getCurrentCUDABlasHandle(), w_transposed ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one,
+      handle, w_transposed ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one,
       w, Types::data, w_transposed ? k : n, a, Types::data, k, &zero, c, Types::data, n, Types::compute,
       CUBLAS_GEMM_DEFAULT);
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "dtmt: cublasGemmEx failed (status ", static_cast<int>(status),
@@ -226,13 +230,16 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
   const Tensor w_hh_t = w_hh.t();
   std::vector<Tensor> t_w_t;
-  if (gemm == StepGemm::kAten || gemm == StepGemm::kCublas)
+  if (gemm == StepGemm::kAten)
     for (int64_t k = 0; k < D; ++k) t_w_t.push_back(t_w[k].t());
+#if defined(DTMT_CUBLAS_DIRECT_BUILT)
+  const cublasHandle_t handle = gemm == StepGemm::kCublas ? at::cuda::getCurrentCUDABlasHandle() : nullptr;
+#endif
   // hs_lp's rows [k][t] are the GEMMs' inputs (the state in the GEMM dtype)
   auto gemm_forward = [&](int64_t k, int64_t t, const T* u, T* c, int64_t n) {
 #if defined(DTMT_CUBLAS_DIRECT_BUILT)
     if (gemm == StepGemm::kCublas) {
-      cublas_gemm<T>(cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B), static_cast<int>(n),
+      cublas_gemm<T>(handle, cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B), static_cast<int>(n),
                      static_cast<int>(H), /*w_transposed=*/true);
       return;
     }
@@ -333,6 +340,9 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   const auto order = step_order(T_, reverse);
   const StepGemm gemm = step_gemm(B);
   const bool rows = gemm == StepGemm::kRows;
+#if defined(DTMT_CUBLAS_DIRECT_BUILT)
+  const cublasHandle_t handle = gemm == StepGemm::kCublas ? at::cuda::getCurrentCUDABlasHandle() : nullptr;
+#endif
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
   // the row GEMM multiplies by w^T with w [N, K] row-major: here U^T [H, n], made once for the loop
   const Tensor w_hh_rows = rows ? w_hh.t().contiguous() : w_hh;
@@ -343,7 +353,7 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
                            int64_t u_off, int64_t n) {
 #if defined(DTMT_CUBLAS_DIRECT_BUILT)
     if (gemm == StepGemm::kCublas) {
-      cublas_gemm<T>(cptr<T, S>(dpre, dpre_off), cptr<T, S>(u, u_off), mptr<T, S>(out), static_cast<int>(B),
+      cublas_gemm<T>(handle, cptr<T, S>(dpre, dpre_off), cptr<T, S>(u, u_off), mptr<T, S>(out), static_cast<int>(B),
                      static_cast<int>(H), static_cast<int>(n), /*w_transposed=*/false);
       return;
     }

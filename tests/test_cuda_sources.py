@@ -69,7 +69,10 @@ def _cublas_flags():
     CUDAContextLight.h includes) are found: next to nvcc, or in pip's nvidia wheels where installed. Else none,
     and the driver is compiled without its direct cuBLAS calls, as setup.py builds it with such a toolkit."""
     headers = ("cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
-    folders = [os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(NVCC))), "include")]
+    from torch.utils.cpp_extension import CUDA_HOME   # (nvcc may be a wrapper script elsewhere, as here)
+
+    folders = [os.path.join(home, "include") for home in (CUDA_HOME, os.path.dirname(os.path.dirname(
+        os.path.realpath(NVCC)))) if home]
     try:
         import nvidia   # namespace package of pip's CUDA libraries (nvidia/cu13/include, nvidia/cublas/include...)
         folders += [f for p in nvidia.__path__ for f in sorted(glob.glob(os.path.join(p, "*", "include")))]
@@ -429,19 +432,23 @@ for w in caught:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("forced", ["rows", "tiled", "cublas", "sideways"])
+@pytest.mark.parametrize("forced", ["rows", "tiled", "cublas", "sideways", "cublas-direct"])
 def test_cuda_step_gemm_forced(emulated_cuda_ext, forced):
     """DTMT_CUDA_STEP_GEMM (read once a process, so each setting in a process of its own) puts the chosen GEMM at
     every batch size (the driver's choice read back at B = 3, 20, 70): the row GEMM at B = 20 (three passes of
     rows), the tiled GEMM at B = 3 (one part-filled tile), ATen's mm at both; outputs and all gradients against the
-    reference. An unknown value is ignored with a warning naming the variable: the thresholds' choice."""
+    reference. An unknown value is ignored with a warning naming the variable: the thresholds' choice; so is
+    cublas-direct where the driver is built without cuBLAS (the emulation always is)."""
     env = {**os.environ, "DTMT_CUDA_STEP_GEMM": forced}
     res = subprocess.run([sys.executable, "-c", _FORCED_GEMM_RUN, os.path.dirname(os.path.abspath(__file__)),
                           emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    named = "DTMT_CUDA_STEP_GEMM=sideways ignored: not one of auto, rows, tiled, cublas"
+    named = {"sideways": "DTMT_CUDA_STEP_GEMM=sideways ignored: not one of auto, rows, tiled, cublas, cublas-direct",
+             "cublas-direct": "DTMT_CUDA_STEP_GEMM=cublas-direct ignored: built without cuBLAS's headers"}
     # (a warning through the autograd function arrives as a Python warning, one through a plain binding on stderr)
-    assert (named in res.stdout + res.stderr) == (forced == "sideways"), res.stdout + res.stderr
+    for value, warning in named.items():
+        assert (warning in res.stdout + res.stderr) == (forced == value), res.stdout + res.stderr
     # the GEMM chosen at B = 3, 20 and 70: the forced one, else the thresholds' (rows to 8, tiled to 64, cuBLAS)
-    choice = {"rows": "0 0 0", "tiled": "1 1 1", "cublas": "2 2 2", "sideways": "0 1 2"}[forced]
+    choice = {"rows": "0 0 0", "tiled": "1 1 1", "cublas": "2 2 2", "sideways": "0 1 2",
+              "cublas-direct": "0 1 2"}[forced]
     assert f"choices: {choice}\n" in res.stdout, res.stdout

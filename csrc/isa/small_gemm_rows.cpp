@@ -94,10 +94,15 @@ void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, const fl
         for (int u = 0; u < U; ++u)
           acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + 8 * u), wv[u], acc[m][u]);
     }
+    // every row's lane sum first, then the tail and the bias (as rows_wide_group: acc stays in registers)
+    float sums[M];
     for (int m = 0; m < M; ++m) {
       __m256 a = acc[m][0];
       for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[m][u]);
-      float s = lane_sum(a);
+      sums[m] = lane_sum(a);
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = sums[m];
       for (int64_t k = KU; k < K; ++k) s += x[m * ldx + k] * wr[k];
       out[m * ldo + n] = bias ? s + bias[n] : s;
     }
@@ -126,11 +131,14 @@ inline __m128 sum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
-// Output columns [n, n + R) for M rows of x: R weight rows at a time (R = 1 for the leftover ones).
-template <int M, int R>
-inline void rows_wide_group(const float* x, int64_t ldx, const float* wr, int64_t K, const float* bias, float* out,
-                            int64_t ldo, int64_t n) {
-  const int64_t K16 = K - K % 16;
+// Output columns [n, n + R) for M rows of x: R weight rows at a time (R = 1 for the leftover ones). kTail: K is
+// not a multiple of 16. Inlined into its caller's loop, every accumulator in a register: compiled as a function
+// of its own with the tail's loop among the lane sums, GCC kept acc in memory, zeroed, stored and reloaded around
+// every group, which cost a float32 step's products a quarter of their time on a Skylake-SP (NOTES 72).
+template <int M, int R, bool kTail>
+__attribute__((always_inline)) inline void rows_wide_group(const float* x, int64_t ldx, const float* wr, int64_t K,
+                                                           const float* bias, float* out, int64_t ldo, int64_t n) {
+  const int64_t K16 = kTail ? K - K % 16 : K;
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -145,19 +153,23 @@ inline void rows_wide_group(const float* x, int64_t ldx, const float* wr, int64_
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
+  // every row's lane sums first, then the tail and the bias (a loop of unknown trips among the sums put acc in memory)
   const __m512 z = _mm512_setzero_ps();
+  alignas(16) float sums[M][4];
   for (int m = 0; m < M; ++m) {
-    float sums[4];
     if constexpr (R == 4) {
-      _mm_storeu_ps(sums, sum4x16(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+      _mm_store_ps(sums[m], sum4x16(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
     } else if constexpr (R == 2) {
-      _mm_storeu_ps(sums, sum4x16(acc[m][0], acc[m][1], z, z));
+      _mm_store_ps(sums[m], sum4x16(acc[m][0], acc[m][1], z, z));
     } else {
-      _mm_storeu_ps(sums, sum4x16(acc[m][0], z, z, z));
+      _mm_store_ps(sums[m], sum4x16(acc[m][0], z, z, z));
     }
+  }
+  for (int m = 0; m < M; ++m) {
     for (int r = 0; r < R; ++r) {
-      float s = sums[r];
-      for (int64_t k = K16; k < K; ++k) s += x[m * ldx + k] * wr[r * K + k];
+      float s = sums[m][r];
+      if constexpr (kTail)
+        for (int64_t k = K16; k < K; ++k) s += x[m * ldx + k] * wr[r * K + k];
       out[m * ldo + n + r] = bias ? s + bias[n + r] : s;
     }
   }
@@ -168,8 +180,12 @@ void rows_block_wide(const float* x, int64_t ldx, const float* w, int64_t K, con
                      int64_t ldo, int64_t n0, int64_t n1) {
   constexpr int R = M <= 4 ? 4 : 2;
   int64_t n = n0;
-  for (; n + R <= n1; n += R) rows_wide_group<M, R>(x, ldx, w + n * K, K, bias, out, ldo, n);
-  for (; n < n1; ++n) rows_wide_group<M, 1>(x, ldx, w + n * K, K, bias, out, ldo, n);
+  if (K % 16 == 0) {
+    for (; n + R <= n1; n += R) rows_wide_group<M, R, false>(x, ldx, w + n * K, K, bias, out, ldo, n);
+  } else {
+    for (; n + R <= n1; n += R) rows_wide_group<M, R, true>(x, ldx, w + n * K, K, bias, out, ldo, n);
+  }
+  for (; n < n1; ++n) rows_wide_group<M, 1, true>(x, ldx, w + n * K, K, bias, out, ldo, n);
 }
 #define DTMT_SMALL_ROWS_WIDE 1
 #endif
@@ -315,9 +331,13 @@ DTMT_VNNI_TARGET void rows_block_int8_vnni(const uint8_t* xu, int64_t KP, const 
     alignas(16) float w_scale[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < R; ++r) w_scale[r] = row_scale(wr + r * ldw, K);
     const __m128 w_scales = _mm_load_ps(w_scale);
+    __m128i row_sums[M];   // every sum first, then the outputs (as rows_block_int8_bw)
     for (int m = 0; m < M; ++m) {
       for (int r = 0; r < R; ++r) v4[r] = acc[r][m];
-      const __m128i sums = _mm_sub_epi32(lane_sums4(v4[0], v4[1], v4[2], v4[3]), offsets);
+      row_sums[m] = _mm_sub_epi32(lane_sums4(v4[0], v4[1], v4[2], v4[3]), offsets);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m128i sums = row_sums[m];
       if (R == 4) {   // int8_output's arithmetic on four lanes (the barrier likewise keeps the product rounded)
         __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(_mm_set1_ps(x_scale[m]), w_scales));
         asm("" : "+x"(v));
@@ -362,12 +382,13 @@ void rows_block_int8_bw(const uint8_t* xabs, const __mmask64* xneg, int64_t KP, 
   }
     DTMT_INT8_WALK64(DTMT_BW_CHUNK)
 #undef DTMT_BW_CHUNK
+    // every sum first, then the outputs (their loop among the sums put acc in memory: rows_wide_group's note)
+    int32_t sums[M][R];
     for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) {
-        const int8_t* row = wr + r * ldw;
-        out[m * ldo + n + r] = int8_output(_mm512_reduce_add_epi32(acc[r][m]), x_scale[m], row_scale(row, K), bias,
-                                           n + r);
-      }
+      for (int r = 0; r < R; ++r) sums[m][r] = _mm512_reduce_add_epi32(acc[r][m]);
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r)
+        out[m * ldo + n + r] = int8_output(sums[m][r], x_scale[m], row_scale(wr + r * ldw, K), bias, n + r);
   }
   if (R > 1 && n < n1) rows_block_int8_bw<M, 1>(xabs, xneg, KP, x_scale, w, K, ldw, bias, out, ldo, n, n1);
 }

@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -631,6 +632,40 @@ def test_bench_core_limits(tmp_path):
     assert json.loads((tmp_path / "bench_core_limits.json").read_text()) == r
     text = (tmp_path / "bench_core_limits.md").read_text()
     assert "4 rows x 7 MiB" in text and "non-temporal" in text
+
+
+def _revision_present(rev: str) -> bool:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return shutil.which("git") is not None and subprocess.run(
+        ["git", "-C", root, "cat-file", "-e", f"{rev}:csrc/isa/small_gemm_rows.cpp"], capture_output=True).returncode == 0
+
+
+# the small-row loops before NOTES 72 kept their sums in memory; the arithmetic was to stay the same to the bit
+LOOPS_BEFORE_72 = "8f6ee33~1"
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+                         and shutil.which("g++") and "cpp" in dk.available_backends()),
+                    reason="the probe is x86-64 Linux code compiled with g++ (its default copy: the extension's)")
+def test_bench_small_rows(tmp_path):
+    """The small-row loops compiled as the extension's copy (the one this CPU runs) against the same file before
+    NOTES 72's change: the outputs are the same to the bit for M = 1-8 (float32 and int8; the step's shapes and a K
+    with a tail, bias or none, odd column ranges), the times positive, both output files written; a revision without
+    the file is refused with a one-line reason."""
+    from benchmarks import bench_small_rows
+
+    if not _revision_present(LOOPS_BEFORE_72):
+        pytest.skip(f"this checkout has no revision {LOOPS_BEFORE_72} (a shallow clone)")
+    r = bench_small_rows.main(["--against", LOOPS_BEFORE_72, "--rows", "1,4", "--passes", "3", "--out", str(tmp_path)])
+    assert r["differ"] == 0 and r["checked"] == 8 * (2 * 2 * (len(bench_small_rows.STEP_SHAPES) + 1)
+                                                     + 2 * len(bench_small_rows.STEP_SHAPES))
+    assert [row["M"] for row in r["rows"]] == [1, 4]
+    assert all(row[k] > 0 for row in r["rows"] for k in ("float_us", "int8_us", "float_ref_us", "int8_ref_us"))
+    assert r["read_us"] > 0 and json.loads((tmp_path / "bench_small_rows.json").read_text()) == json.loads(
+        json.dumps(r))
+    assert "the same to the bit" in (tmp_path / "bench_small_rows.md").read_text()
+    with pytest.raises(SystemExit, match="no csrc/isa/small_gemm_rows.cpp at"):
+        bench_small_rows.main(["--against", "0000000", "--rows", "1", "--passes", "1"])
 
 
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")

@@ -7,7 +7,7 @@ Compiles csrc/isa/small_gemm_rows.cpp as setup.py compiles that instruction set'
 --against REV also the file as it was at git revision REV (`git show REV:csrc/isa/small_gemm_rows.cpp`, compiled
 against today's headers) in a namespace of its own. On one thread, over the matrices a decoder step of the small
 dtmt multiplies at batch 1 (the two cells' recurrent and T-GRU matrices, the attention's query, the readout's
-from_s and the output layer: 6.3 MB of float32, one after another in 2 MiB pages, more than a core's L2), it times
+from_s and the output layer: 6.1 MB of float32, one after another in 2 MiB pages, more than a core's L2), it times
 one pass of `small_rows` (float32) and of `small_rows_int8` (int8 rows) over all of them for each M (rows of x: 4
 is beam 4 at batch 1), medians of --passes passes, the versions alternated pass by pass, beside a plain sum over
 the same float32 bytes (the rate the memory gives one core here). First it checks that the two versions give the
@@ -15,8 +15,8 @@ same outputs to the bit, for M = 1-8 on those shapes and one whose K is not a mu
 bias, over odd column ranges.
 
 NOTES 72 found this way that GCC had kept the float32 loop's sums in memory (stored and reloaded around every group
-of weight rows), which cost a float32 step's products about a quarter of their time on a Skylake-SP:
-`--against 8f6ee33~1` shows it. x86-64 Linux with g++ and git; Diagnosis of the kernel alone, not a timing of the
+of weight rows); `--against 8f6ee33~1` shows what that cost (a step's products at M = 4 took 1.14x the time on a
+Skylake-SP). x86-64 Linux with g++ and git; Diagnosis of the kernel alone, not a timing of the
 decoder (bench_step_phases.py, bench_deploy.py). Output: a table on stdout and, with --out, OUT/bench_small_rows.md
 and .json.
 """
@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
         const float* w = s < ns ? W + off : T;
         for (int b = 0; b < 2; ++b)
           for (int64_t n0 : {int64_t(0), int64_t(3)}) {
-            const int64_t n1 = n0 ? N - 5 : N;
+            const int64_t n1 = n0 ? N - 2 : N;   // N - 5 columns: leftover weight rows too
             std::fill(o1.begin(), o1.end(), 0.0f);
             std::fill(o2.begin(), o2.end(), 0.0f);
             dtmt::ref::small_rows(M, x.data(), 300, w, K, b ? bias.data() : nullptr, o1.data(), N, n0, n1);
@@ -207,9 +207,11 @@ def measure(isa: str, rows, passes: int, against=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         objects = [(os.path.join(ROOT, KERNEL), "cur")]
         if against:
+            if shutil.which("git") is None:
+                raise _fail("--against needs git")
             old = subprocess.run(["git", "-C", ROOT, "show", f"{against}:{KERNEL}"], capture_output=True, text=True)
             if old.returncode != 0:
-                raise _fail(f"no {KERNEL} at {against!r}: {old.stderr.strip().splitlines()[-1:]}")
+                raise _fail(f"no {KERNEL} at {against!r}: {(old.stderr.strip().splitlines() or ['?'])[-1]}")
             path = os.path.join(tmp, "ref_small_gemm_rows.cpp")
             with open(path, "w") as f:
                 f.write(old.stdout)

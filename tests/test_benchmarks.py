@@ -51,8 +51,9 @@ def test_bench_portable_quick(tmp_path):
     from dtmt_kernels import _C
     rows = bench_portable.main(["--quick", "--native-so", _C.__file__, "--out", str(tmp_path)])
     assert {r["build"] for r in rows} == {"portable", "baseline", "native"}
-    assert {(r["build"], r["isa"]) for r in rows if r["build"] != "portable"} == {("baseline", "baseline"),
-                                                                                ("native", _C.cpu_isa())}
+    # (the native build's process runs the best copy this CPU has, whatever DTMT_CPU_ISA asks of this one)
+    assert {(r["build"], r["isa"]) for r in rows if r["build"] != "portable"} == {
+        ("baseline", "baseline"), ("native", _C.supported_cpu_isas()[0])}
     assert all(r["ms"] > 0 and r["vs_native"] > 0 for r in rows)
     assert all(r["vs_native"] == 1.0 for r in rows if r["build"] == "native")
     with open(os.path.join(tmp_path, "bench_portable.csv")) as f:

@@ -17,6 +17,9 @@ Three decodings of the test split with the same settings (`translate`, beam 4, b
 Reported: BLEU of each, the difference to float32 (the issue's bar: within 0.3), the sentences whose
 translation changed (against float32 and against the weights-only rounding), the decoding time of each, and
 the bytes of weights a step reads in float32 and in int8 (+ scales). Output: OUT/bench_int8.md and .json.
+`--isa all` (or a comma list) also decodes float32 and int8 with each instruction-set copy of the CPU loops this
+CPU runs (baseline, avx2, avx512: issue 70's bar, int8 within 0.1 BLEU of float32 in every copy), a table row
+each ("copies" in the .json).
 Speed at batch 1 and against CTranslate2 is bench_deploy.py's.
 """
 from __future__ import annotations
@@ -93,7 +96,10 @@ def main(argv=None):
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=os.path.join(HERE, "out", "int8"))
+    p.add_argument("--isa", default="", help="'all' (every instruction-set copy of the CPU loops this CPU runs) or "
+                   "a comma list: float32 and int8 decoded with each copy too (default: none)")
     a = p.parse_args(argv)
+    a.copies = _copies(a.isa)   # (checked before any decoding)
     with torch_threads(a.threads):
         return _run(a, argv)
 
@@ -110,23 +116,44 @@ def _run(a, argv):
     if a.sentences:
         pairs = pairs[:a.sentences]
     sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
-    results = {}
-    for label in ("float32", "weights only", "int8"):
+
+    def decode(label):
         model, sv, tv, ckpt = load_model(a.checkpoint)
         sizes = quantize_step_weights(model) if label == "weights only" else None
         model.eval()
         decoder = model.inference_decoder(int8=label == "int8")
         t0 = time.perf_counter()
         hyps = [h[0][0] for h in translate(model, sv, tv, sources, beam=a.beam, decoder=decoder)]
-        results[label] = {"hyps": hyps, "bleu": BLEU().corpus_score(hyps, [refs]).score,
-                          "seconds": time.perf_counter() - t0}
+        result = {"hyps": hyps, "bleu": BLEU().corpus_score(hyps, [refs]).score, "seconds": time.perf_counter() - t0,
+                  "model": ckpt["model_name"]}
         if sizes:
-            results[label]["step_bytes_f32"], results[label]["step_bytes_int8"] = sizes
-        print(f"{label}: BLEU {results[label]['bleu']:.2f} ({results[label]['seconds']:.1f} s)", flush=True)
-    base, sim, q8 = results["float32"], results["weights only"], results["int8"]
+            result["step_bytes_f32"], result["step_bytes_int8"] = sizes
+        print(f"{label}: BLEU {result['bleu']:.2f} ({result['seconds']:.1f} s)", flush=True)
+        return result
 
     def changed(x, y):
         return sum(a != b for a, b in zip(x["hyps"], y["hyps"]))
+
+    results = {label: decode(label) for label in ("float32", "weights only", "int8")}
+    base, sim, q8 = results["float32"], results["weights only"], results["int8"]
+    ckpt = {"model_name": base["model"]}
+    per_copy = []
+    if a.copies:
+        from dtmt_kernels import _C
+
+        loaded = _C.cpu_isa()
+        try:
+            for isa in a.copies:
+                _C.set_cpu_isa(isa)
+                print(f"== the {isa} copy", flush=True)
+                f32, i8 = (base, q8) if isa == loaded else (decode("float32"), decode("int8"))
+                per_copy.append({"isa": isa, "bleu_float32": f32["bleu"], "bleu_int8": i8["bleu"],
+                                 "delta": i8["bleu"] - f32["bleu"], "changed": changed(f32, i8),
+                                 "float32_changed_vs_loaded": changed(f32, base),
+                                 "int8_changed_vs_loaded": changed(i8, q8),
+                                 "seconds_float32": f32["seconds"], "seconds_int8": i8["seconds"]})
+        finally:
+            _C.set_cpu_isa(loaded)
     row = {"machine": machine_name(), "threads": a.threads, "checkpoint": os.path.relpath(a.checkpoint, ROOT),
            "model": ckpt["model_name"], "sentences": len(sources), "bleu_float32": base["bleu"],
            "bleu_weights_only": sim["bleu"], "bleu_int8": q8["bleu"], "delta": q8["bleu"] - base["bleu"],
@@ -145,6 +172,18 @@ def _run(a, argv):
           f"| int8 (`--int8`) | {q8['bleu']:.2f} | {row['delta']:+.2f} | {row['changed']} of {n} "
           f"({row['int8_vs_weights_only_changed']} differ from weights only) | {q8['seconds']:.1f} | "
           f"{row['step_bytes_int8'] / 1e6:.2f} MB |\n")
+    if per_copy:
+        from dtmt_kernels import _C
+
+        row["copies"] = per_copy
+        md += (f"\nEach instruction-set copy of the CPU loops (the library loaded {_C.cpu_isa()}; translations changed "
+               "against the loaded copy's):\n\n"
+               "| copy | float32 BLEU | int8 BLEU | Δ BLEU | int8 changed vs float32 | float32 / int8 changed vs "
+               "loaded copy | seconds float32 / int8 |\n|---|---:|---:|---:|---:|---:|---:|\n")
+        for c in per_copy:
+            md += (f"| {c['isa']} | {c['bleu_float32']:.2f} | {c['bleu_int8']:.2f} | {c['delta']:+.2f} | "
+                   f"{c['changed']} of {n} | {c['float32_changed_vs_loaded']} / {c['int8_changed_vs_loaded']} | "
+                   f"{c['seconds_float32']:.1f} / {c['seconds_int8']:.1f} |\n")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_int8.md"), "w") as f:
         f.write(md)
@@ -152,6 +191,23 @@ def _run(a, argv):
         json.dump(row, f, indent=2)
     print(md)
     return row
+
+
+def _copies(spec: str):
+    """The instruction-set copies `--isa` names: [] for '', every copy this CPU runs for 'all' (best first), else
+    the comma list (each one this CPU runs, else an error naming the choices)."""
+    if not spec:
+        return []
+    from dtmt_kernels import _C
+
+    runs = list(_C.supported_cpu_isas())
+    if spec == "all":
+        return runs
+    wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [w for w in wanted if w not in runs]
+    if bad:
+        raise SystemExit(f"bench_int8: --isa {','.join(bad)}: not a copy this CPU runs (choices: {', '.join(runs)})")
+    return wanted
 
 
 if __name__ == "__main__":

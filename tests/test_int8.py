@@ -115,8 +115,21 @@ def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
     path = save_model(tmp_path / "tiny.pt", "dtmt", options, sv, tv, build_model("dtmt", len(sv), len(tv), **options))
     data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=12)
     row = bench_int8.main(["--checkpoint", path, "--data", data, "--threads", "1", "--beam", "2",
-                           "--out", str(tmp_path / "out")])
+                           "--out", str(tmp_path / "out"), "--isa", "all"])
     assert row["sentences"] == 12 and 0 <= row["changed"] <= 12
+    # a row for every copy this CPU runs; the loaded copy's is the main row's
+    from dtmt_kernels import _C
+
+    assert [c["isa"] for c in row["copies"]] == list(_C.supported_cpu_isas())
+    loaded = next(c for c in row["copies"] if c["isa"] == _C.cpu_isa())
+    assert (loaded["bleu_float32"], loaded["bleu_int8"], loaded["changed"]) == (
+        row["bleu_float32"], row["bleu_int8"], row["changed"])
+    assert all(c["delta"] == pytest.approx(c["bleu_int8"] - c["bleu_float32"]) for c in row["copies"])
+    with open(tmp_path / "out" / "bench_int8.md") as f:
+        md = f.read()
+    assert all(f"\n| {isa} | " in md for isa in _C.supported_cpu_isas())
+    with pytest.raises(SystemExit, match="not a copy this CPU runs"):
+        bench_int8.main(["--checkpoint", path, "--data", data, "--isa", "mmx", "--out", str(tmp_path / "out2")])
     assert row["delta"] == pytest.approx(row["bleu_int8"] - row["bleu_float32"])
     assert 0 <= row["int8_vs_weights_only_changed"] <= 12
     # the figures against translations and scores made here: the library's translate, sacrebleu on its own

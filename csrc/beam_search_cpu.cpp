@@ -12,6 +12,7 @@
 
 #include "cpu_dispatch.h"
 #include "decode_step.h"
+#include "op_checks.h"
 #include "phase_timers.h"
 
 namespace dtmt {
@@ -125,13 +126,22 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   const int64_t nbest = nbest_given.value_or(beam);
   TORCH_CHECK(nbest >= 1 && nbest <= beam, "dtmt._C.rnmt_beam_search: need 1 <= nbest <= beam, got nbest=", nbest,
               ", beam=", beam);
+  const int64_t V = embed.size(0);
+  TORCH_CHECK(readout.w_out.size(0) == V, "dtmt._C.rnmt_beam_search: the output layer's ", readout.w_out.size(0),
+              " words and the target embedding's ", V, " must be the same");
+  TORCH_CHECK(bos >= 0 && bos < V && eos >= 0 && eos < V, "dtmt._C.rnmt_beam_search: bos ", bos, " and eos ", eos,
+              " must be words of the ", V);
   for (const int64_t w : banned)   // (the step's output words are the target embedding's rows)
     TORCH_CHECK(w >= 0 && w < embed.size(0) && w != eos, "dtmt._C.rnmt_beam_search: banned id ", w,
                 " must be a word of the ", embed.size(0), " other than EOS");
   const Tensor max_len_cpu = max_len.to(at::kLong).contiguous();
   const std::vector<int64_t> max_len_list(max_len_cpu.data_ptr<int64_t>(), max_len_cpu.data_ptr<int64_t>() + B);
   int64_t steps = 0;
-  for (int64_t m : max_len_list) steps = std::max(steps, m);
+  for (int64_t m : max_len_list) {
+    TORCH_CHECK(m >= 1 && m <= kMaxSearchSteps, "dtmt._C.rnmt_beam_search: max_len must be in [1, ",
+                kMaxSearchSteps, "] (op_checks.h), got ", m);
+    steps = std::max(steps, m);
+  }
   const bool positional = positions.defined() && positions.numel() > 0;
   TORCH_CHECK(!positional || (positions.dim() == 2 && positions.size(0) >= steps && positions.size(1) == embed.size(1)),
               "dtmt._C.rnmt_beam_search: positions must be [>= max(max_len), E]");

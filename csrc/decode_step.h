@@ -45,8 +45,10 @@ struct MemoryWeights {
 constexpr const char* kMemoryWeightFields = "w_state w_memory b_memory v w_read b_read w_write b_write";
 
 // A recurrent cell's TransitionWeights from its kind and the ten flat kernel parameters
-// (dtmt_kernels.ops.transition.flat_params order, absent ones empty).
-TransitionWeights cell_weights(int64_t kind, const std::vector<at::Tensor>& params);
+// (dtmt_kernels.ops.transition.flat_params order, absent ones empty), checked against the cell (op_checks.h's
+// check_cell; `op` and `what` name them in an error).
+TransitionWeights cell_weights(int64_t kind, const std::vector<at::Tensor>& params, const char* op,
+                               const char* what);
 
 // The products of the context made once per source (benchmarks/NOTES.md, item 55). Where the attention has no
 // output projection (multi-head attention after fold_context_projection, or single-head attention without one), a

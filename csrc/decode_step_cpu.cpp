@@ -16,6 +16,7 @@
 #include "attention.h"
 #include "cell_math.h"
 #include "cpu_dispatch.h"
+#include "op_checks.h"
 #include "phase_timers.h"
 #include "small_gemm.h"
 #include "transition.h"
@@ -59,13 +60,47 @@ void check_cpu(std::initializer_list<const Tensor*> ts, const char* op) {
 AttentionWeights AttentionWeights::from_list(const std::vector<Tensor>& t, double ln_eps) {
   TORCH_CHECK(t.size() == 6, "dtmt._C: the attention weights are 6 tensors (", kAttentionWeightFields, "), got ",
               t.size());
-  return {t[0], t[1], t[2], t[3], t[4], t[5], ln_eps};
+  AttentionWeights w{t[0], t[1], t[2], t[3], t[4], t[5], ln_eps};
+  // v [NH, D] gives the heads; w_q [NH * D, Q] (int8 rows: Q + 4); ln_w and ln_b both empty or both [NH * D];
+  // w_o [C', C] with b_o [C'], or both empty
+  TORCH_CHECK(w.v.defined() && w.v.dim() == 2 && w.v.numel() > 0, "dtmt._C: the attention's v must be [NH, D], got ",
+              w.v.defined() ? w.v.sizes() : at::IntArrayRef{});
+  const int64_t A = w.v.numel();
+  TORCH_CHECK(w.w_q.defined() && w.w_q.dim() == 2 && w.w_q.size(0) == A, "dtmt._C: the attention's w_q must have ",
+              A, " rows (NH * D of v ", w.v.sizes(), "), got ", w.w_q.defined() ? w.w_q.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(present(w.ln_w) == present(w.ln_b) && (!present(w.ln_w) || (w.ln_w.numel() == A && w.ln_b.numel() == A)),
+              "dtmt._C: the attention's ln_w and ln_b must both be empty or both [", A, "], got ", w.ln_w.sizes(),
+              " and ", w.ln_b.sizes());
+  TORCH_CHECK(!present(w.w_o) ? !present(w.b_o)
+                              : w.w_o.dim() == 2 && (!present(w.b_o) || w.b_o.numel() == w.w_o.size(0)),
+              "dtmt._C: the attention's w_o [C', C] and b_o [C'] (or both empty), got ", w.w_o.sizes(), " and ",
+              w.b_o.sizes());
+  return w;
 }
 
 ReadoutWeights ReadoutWeights::from_list(const std::vector<Tensor>& t, double eps) {
   TORCH_CHECK(t.size() == 10, "dtmt._C: the readout weights are 10 tensors (", kReadoutWeightFields, "), got ",
               t.size());
-  return {t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], eps};
+  ReadoutWeights w{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], eps};
+  // w_y, w_s, w_c [R, *] (int8 rows too) with biases [R] or empty; ln_w and ln_b both empty or both [3, R];
+  // w_out [V, R] (int8: R + 4) with b_out [V] or empty
+  TORCH_CHECK(w.w_y.defined() && w.w_y.dim() == 2 && w.w_y.size(0) > 0, "dtmt._C: the readout's w_y must be [R, E]");
+  const int64_t R = w.w_y.size(0);
+  for (const auto& [m, b, name] : {std::tuple<const Tensor&, const Tensor&, const char*>{w.w_y, w.b_y, "y"},
+                                   {w.w_s, w.b_s, "s"}, {w.w_c, w.b_c, "c"}})
+    TORCH_CHECK(m.defined() && m.dim() == 2 && m.size(0) == R && (!present(b) || b.numel() == R),
+                "dtmt._C: the readout's w_", name, " must be [", R, ", *] with b_", name, " [", R,
+                "] or empty, got ", m.defined() ? m.sizes() : at::IntArrayRef{}, " and ", b.sizes());
+  TORCH_CHECK(present(w.ln_w) == present(w.ln_b) &&
+                  (!present(w.ln_w) || (w.ln_w.numel() == 3 * R && w.ln_b.numel() == 3 * R)),
+              "dtmt._C: the readout's ln_w and ln_b must both be empty or both [3, ", R, "], got ", w.ln_w.sizes(),
+              " and ", w.ln_b.sizes());
+  const int64_t out_cols = w.w_out.defined() && w.w_out.scalar_type() == at::kChar ? R + kInt8RowTail : R;
+  TORCH_CHECK(w.w_out.defined() && w.w_out.dim() == 2 && w.w_out.size(0) > 0 && w.w_out.size(1) == out_cols &&
+                  (!present(w.b_out) || w.b_out.numel() == w.w_out.size(0)),
+              "dtmt._C: the readout's w_out must be [V, ", out_cols, "] with b_out [V] or empty, got ",
+              w.w_out.defined() ? w.w_out.sizes() : at::IntArrayRef{}, " and ", w.b_out.sizes());
+  return w;
 }
 
 MemoryWeights MemoryWeights::from_list(const std::vector<Tensor>& t) {
@@ -74,10 +109,12 @@ MemoryWeights MemoryWeights::from_list(const std::vector<Tensor>& t) {
   return {t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7]};
 }
 
-TransitionWeights cell_weights(int64_t kind, const std::vector<Tensor>& p) {
-  TORCH_CHECK(p.size() == 10, "dtmt._C: a cell takes ten parameter tensors, got ", p.size());
+TransitionWeights cell_weights(int64_t kind, const std::vector<Tensor>& p, const char* op, const char* what) {
+  TORCH_CHECK(p.size() == 10, "dtmt::", op, ": ", what, ": a cell takes ten parameter tensors, got ", p.size());
   for (const auto& t : p) check_cpu({&t}, "cell");
-  return with_tgru_slices({kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]});
+  TransitionWeights w{kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
+  check_cell(w, -1, op, what);
+  return with_tgru_slices(std::move(w));
 }
 
 std::vector<Tensor> SourceProducts::weigh(const Tensor& alpha, int64_t group, StepScratch* scratch) const {

@@ -1,8 +1,11 @@
 // The fused ops as PyTorch custom ops, namespace `dtmt` (torch.ops.dtmt.*): one schema each (TORCH_LIBRARY),
 // the CPU kernels under the CPU dispatch key and, in a CUDA build, the CUDA kernels under the CUDA key.
 // Their fake (meta) implementations and autograd are registered in Python, next to each op's reference
-// (dtmt_kernels/ops/<op>/). Shapes, dtypes and devices are checked in Python before an op is called; the checks
-// here only guard the raw ops against misuse.
+// (dtmt_kernels/ops/<op>/). The layers check their inputs in Python before they call an op, with messages in
+// their own terms; the ops are public too (torch.ops.dtmt.*), so each checks here, before any kernel indexes into
+// a tensor, every weight slot against its cell, every activation, gradient and saved tensor against the sizes the
+// weights give, and ids against the vocabulary (op_checks.h): a wrong argument is a one-line error naming the op
+// and the argument, never a crash (tests/op_fuzz.py calls every op with perturbed arguments).
 //
 // Conventions of every op here:
 //   - an optional input is `Tensor?` (None: absent); the kernels see an absent tensor as an empty one;
@@ -11,9 +14,13 @@
 //   - inputs need not be contiguous (the wrappers make them so; a no-op when they are).
 #include <torch/library.h>
 
+#include <array>
+
 #include "attention.h"
+#include "cell_math.h"
 #include "decode_step.h"
 #include "loss.h"
+#include "op_checks.h"
 #include "small_gemm.h"
 #include "transition.h"
 
@@ -34,6 +41,28 @@ Tensor dense(const OptTensor& t, const Tensor& like) {
 }
 
 bool given(const OptTensor& t) { return t.has_value() && t->defined() && t->numel() > 0; }
+
+// A Tensor[] argument with each tensor contiguous (a no-op for those that are).
+std::vector<Tensor> dense(at::TensorList ts) {
+  std::vector<Tensor> out;
+  out.reserve(ts.size());
+  for (const Tensor& t : ts) out.push_back(t.defined() ? t.contiguous() : t);
+  return out;
+}
+
+// x [T, B, I] and what the weights w give: H, the T-GRUs' D; h0 [B, H], mask [T, B] and drop [D + 1, B, H] (both
+// optional) checked against them. Returns {T, B, I, H, D}.
+std::array<int64_t, 5> check_sequence(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
+                                      const dtmt::TransitionWeights& w, const char* op) {
+  dtmt::check_sizes(x, {-1, -1, -1}, op, "x ([T, B, I])");
+  const int64_t T = x.size(0), B = x.size(1), I = x.size(2);
+  const int64_t H = dtmt::check_cell(w, I, op, "the weights");
+  const int64_t D = dtmt::given(w.t_w) ? w.t_w.size(0) : 0;
+  dtmt::check_sizes(h0, {B, H}, op, "h0");
+  dtmt::check_optional_sizes(mask, {T, B}, op, "mask");
+  dtmt::check_optional_sizes(drop, {D + 1, B, H}, op, "drop");
+  return {T, B, I, H, D};
+}
 
 // A result slot: the tensor, or an empty one where the kernel left it undefined.
 Tensor or_empty(const Tensor& t, const Tensor& like) { return t.defined() ? t : at::empty({0}, like.options()); }
@@ -75,7 +104,9 @@ Forward transition_forward(const Tensor& x, const Tensor& h0, const OptTensor& m
                            const OptTensor& ln_w, const OptTensor& ln_b, const OptTensor& t_w, const OptTensor& t_b,
                            const OptTensor& t_ln_w, const OptTensor& t_ln_b, bool reverse, double eps) {
   const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-  return forward_tuple(Kernel(dense(x), dense(h0), dense(mask, x), dense(drop, x), w, reverse, eps));
+  const Tensor m = dense(mask, x), dr = dense(drop, x);
+  check_sequence(x, h0, m, dr, w, "transition_forward");
+  return forward_tuple(Kernel(dense(x), dense(h0), m, dr, w, reverse, eps));
 }
 
 // The backward op for the kernel `Kernel` of one device (transition_backward_cpu / _cuda): the same wrapper for both.
@@ -93,24 +124,44 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
                                         const Tensor& xp, const Tensor& hs, const Tensor& hs_lp, const Tensor& hp,
                                         const Tensor& hpt, bool reverse, double eps, bool weight_grads) {
   const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
-  auto g = Kernel(dense(grad_out), dense(grad_hn), dense(x), dense(mask, x), dense(drop, x), w, dense(xp), dense(hs),
-                  dense(hs_lp), dense(hp), dense(hpt), reverse, eps, weight_grads);
+  const Tensor m = dense(mask, x), dr = dense(drop, x);
+  constexpr const char* op = "transition_backward";
+  const auto [T, B, I, H, D] = check_sequence(x, grad_hn, m, dr, w, op);   // (grad_hn has h0's shape)
+  (void)I;
+  const int k = static_cast<int>(kind);
+  dtmt::check_sizes(grad_out, {T, B, H}, op, "grad_out");
+  // the forward's saved tensors (transition_forward's xp, hs, hs_lp, hp, hpt)
+  dtmt::check_sizes(xp, {T, B, dtmt::cell_input_rows(k) * H}, op, "xp");
+  dtmt::check_sizes(hs, {D + 1, T, B, H}, op, "hs");
+  dtmt::check_optional_sizes(hs_lp, {D + 1, T, B, H}, op, "hs_lp");
+  dtmt::check_sizes(hp, {T, B, dtmt::cell_hidden_rows(k) * H}, op, "hp");
+  dtmt::check_sizes(hpt, {D, T, B, 3 * H}, op, "hpt");
+  auto g = Kernel(dense(grad_out), dense(grad_hn), dense(x), m, dr, w, dense(xp), dense(hs), dense(hs_lp), dense(hp),
+                  dense(hpt), reverse, eps, weight_grads);
   // with weight_grads=false the slots of dw_ih, dw_hh and dt_w hold pre-activation gradients (transition.h)
   return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
 }
 
 // ten parameters a direction, or twelve: the ten, then w_hh and t_w in the row-panel layout (small_gemm.h)
-std::vector<dtmt::TransitionWeights> encode_directions(int64_t kind, at::TensorList params, const char* op) {
+// (input_size: x's I, or -1 where the input products come from a table)
+std::vector<dtmt::TransitionWeights> encode_directions(int64_t kind, at::TensorList params, int64_t input_size,
+                                                       const char* op) {
   const size_t n = params.size(), per = n == 12 || n == 24 ? 12 : 10;
   TORCH_CHECK(n == 10 || n == 20 || n == 12 || n == 24,
               "dtmt::", op, ": ten parameter tensors a direction (twelve with row panels), got ", n);
   std::vector<dtmt::TransitionWeights> dirs;
+  int64_t first_H = 0;
   for (size_t d = 0; d < n; d += per) {
     const at::TensorList p = params.slice(d, per);
     dirs.push_back(weights(kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]));
+    const std::string what = "direction " + std::to_string(d / per);
+    const int64_t H = dtmt::check_cell(dirs.back(), input_size, op, what.c_str());
+    if (d == 0) first_H = H;
+    TORCH_CHECK(H == first_H, "dtmt::", op, ": the two directions must have one hidden size, got ", first_H,
+                " and ", H);
     if (per == 12) {
-      dirs.back().w_hh_panels = p[10];
-      dirs.back().t_w_panels = p[11];
+      dirs.back().w_hh_panels = p[10].contiguous();
+      dirs.back().t_w_panels = p[11].contiguous();
     }
   }
   return dirs;
@@ -118,8 +169,9 @@ std::vector<dtmt::TransitionWeights> encode_directions(int64_t kind, at::TensorL
 
 std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, const OptTensor& mask, int64_t kind,
                                              at::TensorList params, bool reverse, double eps) {
+  dtmt::check_sizes(x, {-1, -1, -1}, "transition_encode", "x ([T, B, I])");
   auto r = dtmt::transition_encode_cpu(dense(x), dense(h0), dense(mask, x),
-                                       encode_directions(kind, params, "transition_encode"), reverse, eps);
+                                       encode_directions(kind, params, x.size(2), "transition_encode"), reverse, eps);
   return {r[0], r[1]};
 }
 
@@ -128,7 +180,7 @@ std::tuple<Tensor, Tensor> transition_encode_tokens(const Tensor& tokens, const 
                                                     const OptTensor& mask, int64_t kind, at::TensorList params,
                                                     bool reverse, double eps) {
   auto r = dtmt::transition_encode_tokens_cpu(dense(tokens), dense(table), dense(position_table, table), dense(h0),
-                                              dense(mask, table), encode_directions(kind, params,
+                                              dense(mask, table), encode_directions(kind, params, -1,
                                                                                     "transition_encode_tokens"),
                                               reverse, eps);
   return {r[0], r[1]};
@@ -165,7 +217,7 @@ std::tuple<Tensor, Tensor> attention_step(const Tensor& query, const Tensor& key
                                           const Tensor& src_mask, at::TensorList weights, double ln_eps,
                                           const OptTensor& key_exps) {
   auto r = dtmt::attention_step_cpu(dense(query), keys, last_dim_dense(annotations), src_mask,
-                                    dtmt::AttentionWeights::from_list(weights.vec(), ln_eps), 1, true,
+                                    dtmt::AttentionWeights::from_list(dense(weights), ln_eps), 1, true,
                                     key_exps.has_value() && key_exps->numel() ? *key_exps : Tensor());
   return {r[0], r[1]};
 }
@@ -186,7 +238,7 @@ Tensor key_exps(const Tensor& keys) {
 }
 
 Tensor readout_features(const Tensor& y, const Tensor& s, const Tensor& c, at::TensorList weights, double eps) {
-  return dtmt::readout_features_cpu(dense(y), dense(s), dense(c), dtmt::ReadoutWeights::from_list(weights.vec(), eps));
+  return dtmt::readout_features_cpu(dense(y), dense(s), dense(c), dtmt::ReadoutWeights::from_list(dense(weights), eps));
 }
 
 std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, const Tensor& keys,
@@ -195,9 +247,10 @@ std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, c
                                              double cell_eps, at::TensorList attention, double att_eps,
                                              at::TensorList readout, double readout_eps) {
   auto r = dtmt::rnmt_step_cpu(dense(y), dense(s), keys, last_dim_dense(annotations), src_mask,
-                               dtmt::cell_weights(q_kind, q_params.vec()), dtmt::cell_weights(d_kind, d_params.vec()),
-                               cell_eps, dtmt::AttentionWeights::from_list(attention.vec(), att_eps),
-                               dtmt::ReadoutWeights::from_list(readout.vec(), readout_eps));
+                               dtmt::cell_weights(q_kind, dense(q_params), "rnmt_step", "q_params"),
+                               dtmt::cell_weights(d_kind, dense(d_params), "rnmt_step", "d_params"), cell_eps,
+                               dtmt::AttentionWeights::from_list(dense(attention), att_eps),
+                               dtmt::ReadoutWeights::from_list(dense(readout), readout_eps));
   return {r[0], r[1], r[2]};
 }
 
@@ -210,9 +263,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
     const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned) {
   auto r = dtmt::rnmt_beam_search_cpu(
       last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), dense(embed), dense(positions, embed),
-      dtmt::cell_weights(q_kind, q_params.vec()), dtmt::cell_weights(d_kind, d_params.vec()), cell_eps,
-      dtmt::AttentionWeights::from_list(attention.vec(), att_eps),
-      dtmt::ReadoutWeights::from_list(readout.vec(), readout_eps), beam, alpha, max_len, bos, eos, step_tables,
+      dtmt::cell_weights(q_kind, dense(q_params), "rnmt_beam_search", "q_params"),
+      dtmt::cell_weights(d_kind, dense(d_params), "rnmt_beam_search", "d_params"), cell_eps,
+      dtmt::AttentionWeights::from_list(dense(attention), att_eps),
+      dtmt::ReadoutWeights::from_list(dense(readout), readout_eps), beam, alpha, max_len, bos, eos, step_tables,
       early_stop, dense(token_products, embed), dense(position_products, embed),
       given(context_heads) ? context_heads->contiguous() : Tensor(), nbest,
       banned.has_value() ? banned->vec() : std::vector<int64_t>());
@@ -222,8 +276,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
 std::tuple<Tensor, Tensor> memory_encoder(const Tensor& x, const Tensor& memory, const Tensor& src_mask, bool reverse,
                                           int64_t cell_kind, at::TensorList cell, double cell_eps,
                                           at::TensorList addressing) {
-  auto r = dtmt::memory_encoder_cpu(dense(x), memory, src_mask, reverse, dtmt::cell_weights(cell_kind, cell.vec()),
-                                    cell_eps, dtmt::MemoryWeights::from_list(addressing.vec()));
+  auto r = dtmt::memory_encoder_cpu(dense(x), memory, src_mask, reverse,
+                                    dtmt::cell_weights(cell_kind, dense(cell), "memory_encoder", "cell"), cell_eps,
+                                    dtmt::MemoryWeights::from_list(dense(addressing)));
   // an empty source leaves the memory as it came in: never return the input itself
   if (r[1].is_same(memory) || r[1].data_ptr() == memory.data_ptr()) r[1] = r[1].clone();
   return {r[0], r[1]};

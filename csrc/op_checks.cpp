@@ -1,0 +1,106 @@
+// The checks at the ops' boundary (see op_checks.h).
+#include "op_checks.h"
+
+#include <sstream>
+#include <string>
+
+#include "cell_math.h"
+#include "small_gemm.h"
+
+namespace dtmt {
+namespace {
+
+std::string sizes_text(std::initializer_list<int64_t> sizes) {
+  std::ostringstream s;
+  s << "[";
+  bool first = true;
+  for (int64_t n : sizes) {
+    s << (first ? "" : ", ");
+    if (n < 0) {
+      s << "*";
+    } else {
+      s << n;
+    }
+    first = false;
+  }
+  s << "]";
+  return s.str();
+}
+
+bool has_sizes(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
+  if (!t.defined() || t.dim() != static_cast<int64_t>(sizes.size())) return false;
+  int64_t d = 0;
+  for (int64_t n : sizes) {
+    if (n >= 0 && t.size(d) != n) return false;
+    ++d;
+  }
+  return true;
+}
+
+// A matrix of `rows` rows of `cols` values: float [rows, cols], or int8 rows [rows, cols + 4] (small_gemm.h).
+bool is_matrix(const at::Tensor& t, int64_t rows, int64_t cols) {
+  if (!t.defined() || t.dim() != 2 || t.size(0) != rows) return false;
+  if (cols < 0) return true;
+  return t.size(1) == (t.scalar_type() == at::kChar ? cols + kInt8RowTail : cols);
+}
+
+}  // namespace
+
+void check_sizes(const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* op, const char* name) {
+  TORCH_CHECK(has_sizes(t, sizes), "dtmt::", op, ": ", name, " must be ", sizes_text(sizes), ", got ",
+              t.defined() ? t.sizes() : at::IntArrayRef{});
+}
+
+void check_optional_sizes(const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* op,
+                          const char* name) {
+  TORCH_CHECK(!given(t) || has_sizes(t, sizes), "dtmt::", op, ": ", name, " must be empty or ", sizes_text(sizes),
+              ", got ", t.sizes());
+}
+
+int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* op, const char* what) {
+  const int64_t kind = w.kind;
+  TORCH_CHECK(kind == kGRU || kind == kLGRU || kind == kLAU || kind == kATR, "dtmt::", op, ": ", what,
+              ": unknown cell kind ", kind, " (0 gru, 1 lgru, 2 lau, 3 atr)");
+  const int k = static_cast<int>(kind);
+  const int64_t n_in = cell_input_rows(k), n_h = cell_hidden_rows(k), g = cell_ln_groups(k);
+  TORCH_CHECK(w.w_hh.defined() && w.w_hh.dim() == 2 && w.w_hh.size(0) > 0 && w.w_hh.size(0) % n_h == 0, "dtmt::",
+              op, ": ", what, ": w_hh must be [", n_h, " * H, H] for this cell, got ",
+              w.w_hh.defined() ? w.w_hh.sizes() : at::IntArrayRef{});
+  const int64_t H = w.w_hh.size(0) / n_h;
+  TORCH_CHECK(is_matrix(w.w_hh, n_h * H, H), "dtmt::", op, ": ", what, ": w_hh must be [", n_h * H, ", ", H,
+              "] (int8 rows: [", n_h * H, ", ", H + kInt8RowTail, "]), got ", w.w_hh.sizes());
+  TORCH_CHECK(is_matrix(w.w_ih, n_in * H, input_size), "dtmt::", op, ": ", what, ": w_ih must be [", n_in * H, ", ",
+              input_size < 0 ? std::string("input size") : std::to_string(input_size), "] (H = ", H, "), got ",
+              w.w_ih.defined() ? w.w_ih.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(!given(w.b_ih) || (w.b_ih.dim() == 1 && w.b_ih.size(0) == n_in * H), "dtmt::", op, ": ", what,
+              ": b_ih must be empty or [", n_in * H, "], got ", w.b_ih.sizes());
+  TORCH_CHECK(!given(w.b_hh) || (w.b_hh.dim() == 1 && w.b_hh.size(0) == n_h * H), "dtmt::", op, ": ", what,
+              ": b_hh must be empty or [", n_h * H, "], got ", w.b_hh.sizes());
+  TORCH_CHECK(given(w.ln_w) == given(w.ln_b), "dtmt::", op, ": ", what,
+              ": ln_w and ln_b must both be given or both be empty, got ", w.ln_w.sizes(), " and ", w.ln_b.sizes());
+  TORCH_CHECK(!given(w.ln_w) || (w.ln_w.dim() == 1 && w.ln_w.size(0) == g * H && w.ln_b.dim() == 1 &&
+                                 w.ln_b.size(0) == g * H),
+              "dtmt::", op, ": ", what, ": ln_w and ln_b must be [", g * H, "] (", g, " gates of H = ", H, "), got ",
+              w.ln_w.sizes(), " and ", w.ln_b.sizes());
+  TORCH_CHECK(given(w.t_w) == given(w.t_b), "dtmt::", op, ": ", what,
+              ": t_w and t_b must both be given or both be empty, got ", w.t_w.sizes(), " and ", w.t_b.sizes());
+  const int64_t D = given(w.t_w) ? w.t_w.size(0) : 0;
+  if (D > 0) {
+    const int64_t tc = w.t_w.scalar_type() == at::kChar ? H + kInt8RowTail : H;
+    TORCH_CHECK(w.t_w.dim() == 3 && w.t_w.size(1) == 3 * H && w.t_w.size(2) == tc, "dtmt::", op, ": ", what,
+                ": t_w must be [D, ", 3 * H, ", ", tc, "], got ", w.t_w.sizes());
+    TORCH_CHECK(w.t_b.dim() == 2 && w.t_b.size(0) == D && w.t_b.size(1) == 3 * H, "dtmt::", op, ": ", what,
+                ": t_b must be [", D, ", ", 3 * H, "], got ", w.t_b.sizes());
+  }
+  TORCH_CHECK(given(w.t_ln_w) == given(w.t_ln_b), "dtmt::", op, ": ", what,
+              ": t_ln_w and t_ln_b must both be given or both be empty, got ", w.t_ln_w.sizes(), " and ",
+              w.t_ln_b.sizes());
+  TORCH_CHECK(!given(w.t_ln_w) || (D > 0 && w.t_ln_w.dim() == 2 && w.t_ln_w.size(0) == D &&
+                                   w.t_ln_w.size(1) == 2 * H && w.t_ln_b.dim() == 2 && w.t_ln_b.size(0) == D &&
+                                   w.t_ln_b.size(1) == 2 * H),
+              "dtmt::", op, ": ", what, ": t_ln_w and t_ln_b must be [D = ", D, ", ", 2 * H,
+              "] (and given only with T-GRUs), got ", w.t_ln_w.sizes(), " and ", w.t_ln_b.sizes());
+  return H;
+}
+
+}  // namespace dtmt

@@ -1,0 +1,39 @@
+// The checks at the ops' boundary (issue 71): what every op of registration.cpp verifies before a kernel indexes
+// into a tensor, so that a call from Python, C++ or a compiled graph with a weight slot short or empty, a gradient
+// or saved tensor of the wrong shape, or an id out of range gets a one-line error naming the op and the argument
+// instead of a crash. Shapes only: dtypes are checked where a kernel reads a tensor's data (data_ptr<T> refuses
+// another dtype), and the dispatcher keeps the devices apart. Each check is a few comparisons of sizes: nothing
+// per element, except the ids a search starts from (its BOS, EOS and banned words: a handful).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <initializer_list>
+
+#include "transition.h"
+
+namespace dtmt {
+
+// The most steps a search may be asked for (max_len): a bound stated so that a wrong max_len is an error, not a
+// search that runs until killed. The embedded corpus' longest target is ~100 subwords and the usual rule is
+// 2 * source + 10; 16,384 leaves room for documents translated whole.
+constexpr int64_t kMaxSearchSteps = 16384;
+
+// One direction's (or one cell's) weights against its cell kind: w_hh [n_h*H, H] (int8 rows: [n_h*H, H + 4]) gives
+// H; w_ih [n_in*H, I] (int8: I + 4; I unchecked where input_size < 0); b_ih [n_in*H] and b_hh [n_h*H] or empty;
+// ln_w and ln_b both empty or both [g*H]; the T-GRUs' t_w [D, 3H, H] (int8: H + 4) with t_b [D, 3H], or both empty;
+// t_ln_w and t_ln_b both empty or both [D, 2H] (with T-GRUs). `what` names the weights in the error ("q_params",
+// "direction 1"). Returns H.
+int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* op, const char* what);
+
+// `t` has exactly these sizes (-1: any).
+void check_sizes(const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* op, const char* name);
+
+// `t` is absent (undefined or empty) or has exactly these sizes.
+void check_optional_sizes(const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* op,
+                          const char* name);
+
+// Whether an optional tensor is given (defined and not empty).
+inline bool given(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+}  // namespace dtmt

@@ -261,6 +261,41 @@ def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, cap
     assert r.returncode == 2 and "unknown model" in r.stderr
 
 
+def test_one_run_per_directory(toy_nodev, tmp_path, capsys):
+    """A second dtmt train on a --out that a running one holds is refused in one line naming the first one's
+    process, exit 2, with nothing written there (issue 71 item 6); once the first ends, the directory is free. A run
+    refused before it wrote anything leaves no directory of its own behind."""
+    import subprocess as sp
+    import sys
+    import textwrap
+
+    from dtmt_models.run_lock import LOCK_NAME
+
+    out = tmp_path / "run"
+    # a process that holds the lock, as a running dtmt train does, until told to end
+    holder = sp.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from dtmt_models.run_lock import RunLock
+        lock = RunLock({str(out)!r}).acquire()
+        print("held", flush=True)
+        sys.stdin.readline()
+        """)], stdin=sp.PIPE, stdout=sp.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "2", *TINY], capsys)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"is in use by another dtmt train (process {holder.pid})" in r.stderr
+        assert sorted(os.listdir(out)) == [LOCK_NAME]
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "2", *TINY], capsys).returncode == 0
+    assert (out / "last.pt").is_file()
+    # refused before training, in a directory it would have made: none is left
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "new"), "--model", "dtmt", "--opt", "pad_id=3",
+                    *TINY], capsys)
+    assert r.returncode == 2 and not (tmp_path / "new").exists(), r.stderr
+
+
 def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_changes(tmp_path, capsys):
     data = make_toy_corpus(tmp_path / "c", n_train=200, n_dev=0, n_test=0)
     args = ["--max-steps", "2", "--overwrite", *TINY]

@@ -634,12 +634,23 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         (["--hyp", str(tmp_path / "clash.test"), "--data", data], 2, "the results folder (default; set it with "
                                                                        "--out-dir)"),
     ]
+    # a result file that is an input: the source as D/hyp.txt with --out-dir D (it was replaced by its translation)
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    as_hyp = write(inputs / "hyp.txt", "\n".join(src) + "\n")
+    refs = write(inputs / "ref.en", "\n".join(ref) + "\n")
+    cases.append((["--checkpoint", ckpt, "--src", as_hyp, "--ref", refs, "--out-dir", str(inputs)], 2,
+                  f"--out-dir {as_hyp}: is also an input ({as_hyp}); the output would overwrite it"))
+    cases.append((["--hyp", as_hyp, "--src", as_hyp, "--ref", refs, "--out-dir", str(tmp_path / "fine")], 0, ""))
     write(tmp_path / "clash.test", "one line\n")
     for args, status, message in cases:
         assert cli.main(["evaluate", "--quiet"] + args) == status, args
         err = capsys.readouterr().err
+        if status == 0:
+            continue
         assert err.startswith("dtmt evaluate: ") and message in err, (args, err)
         assert err.count("\n") == 1 and "translated" not in err   # (nothing decoded before the refusal)
+    assert read(as_hyp) == "\n".join(src) + "\n"
 
 
 def test_checkpoint_roundtrip_gives_same_translations(system):

@@ -39,7 +39,7 @@ from dtmt_models.decoding.evaluate import (
     rows_to_csv,
 )
 from dtmt_models.decoding.translate import InputError
-from dtmt_models.errors import UsageError, check_input_file, check_output_dir, one_line
+from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file, one_line
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -116,6 +116,10 @@ def _run(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(anchor)), f"{stem}.{label}")
     # before the decoding, not after it
     check_output_dir(out_dir, "--out-dir" if args.out_dir else "the results folder (default; set it with --out-dir)")
+    # no result file may be one of the inputs (--src D/hyp.txt --out-dir D replaced the source with its translation)
+    inputs = [src_path, ref_path, *(args.checkpoint or []), *([args.hyp] if args.hyp else [])]
+    for name in (() if args.hyp else ("hyp.txt",)) + ("scores.json", "bleu_by_length.csv", "bleu_by_length.png"):
+        check_output_file(os.path.join(out_dir, name), "--out-dir" if args.out_dir else "the results folder", inputs)
     one = args.checkpoint is not None and len(args.checkpoint) == 1
     settings = {"data": args.data, "split": args.split if args.data else None, "src": src_path, "ref": ref_path,
                 "checkpoint": args.checkpoint[0] if one else args.checkpoint, "bounds": bounds}

@@ -25,6 +25,7 @@ from dtmt_models.errors import check_output_dir, one_line
 from dtmt_models.models.checkpoint import read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models
+from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist, resolve_auto, world_size
@@ -294,14 +295,20 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: Optional[List[str]] = None) -> int:
+    lock: List[RunLock] = []   # the run directory's lock, once taken (held until the run ends)
     try:
-        return _main(argv)
+        return _main(argv, lock)
     except KeyboardInterrupt:   # Ctrl-C before training started (the training loop saves and says so itself)
+        for held in lock:   # nothing written: a directory made for the lock goes too
+            held.release(discard=True)
         print("\ndtmt train: interrupted before training started", file=sys.stderr)
         return 130
+    finally:
+        for held in lock:
+            held.release()
 
 
-def _main(argv: Optional[List[str]] = None) -> int:
+def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
@@ -334,6 +341,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
                 args.out = os.path.dirname(resume_from)
         args.out = os.path.abspath(args.out or os.path.join("runs", args.model))
         check_output_dir(args.out, "--out")
+        if int(os.environ.get("RANK", "0")) == 0:   # one run per directory (the main process holds it)
+            lock.append(RunLock(args.out).acquire())
         last = os.path.join(args.out, LAST)
         ckpt = None
         fingerprint = corpus_fingerprint(args.data, train_sha1=binarized.known_train_sha1(args.data))
@@ -390,6 +399,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
             raise
         dist = Dist(cfg.device)
     except (ValueError, FileNotFoundError, CorpusError) as exc:
+        for held in lock:   # nothing written: a directory made for the lock goes too
+            held.release(discard=True)
         print(f"dtmt train: {exc}", file=sys.stderr)
         return 2
     try:
@@ -403,6 +414,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
         return trainer.run()
     except CorpusError as exc:
+        for held in lock:
+            held.release(discard=True)
         print(f"dtmt train: {exc}", file=sys.stderr)
         return 2
     except WriteError as exc:   # a checkpoint, log or figure: full disk, read-only directory

@@ -1,0 +1,59 @@
+"""One run per directory (issue 71 item 6): `dtmt train` holds an exclusive lock on its --out for as long as it
+runs, so that a second run started on the same directory is refused in one line that names the first one's process,
+instead of both writing last.pt, best.pt and config.yaml and interleaving train_log.csv.
+
+The lock is flock(2) on OUT/.dtmt-train.lock, which holds the holder's process id. The kernel releases it when the
+process ends, however it ends (a kill, a crash), so a stale lock file never blocks a later run. A run refused before
+it wrote anything, in a directory it made itself, leaves no directory behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from typing import Optional
+
+LOCK_NAME = ".dtmt-train.lock"
+
+
+class RunLocked(ValueError):
+    """Another process holds the run directory's lock."""
+
+
+class RunLock:
+    """The lock of one run directory: `acquire()` (makes the directory if needed), `release(discard)`."""
+
+    def __init__(self, directory: str):
+        self.directory = os.path.abspath(directory)
+        self.path = os.path.join(self.directory, LOCK_NAME)
+        self.fd: Optional[int] = None
+        self.made_directory = False
+
+    def acquire(self) -> "RunLock":
+        self.made_directory = not os.path.isdir(self.directory)
+        os.makedirs(self.directory, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunLocked(f"--out {self.directory} is in use by another dtmt train (process {holder}); wait for it "
+                            "to end or give another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self, discard: bool = False) -> None:
+        """Lets the directory go. `discard`: the run wrote nothing; a directory it made is removed if nothing else
+        is in it."""
+        if self.fd is None:
+            return
+        if discard and self.made_directory:
+            with contextlib.suppress(OSError):
+                if os.listdir(self.directory) == [LOCK_NAME]:
+                    os.remove(self.path)
+                    os.rmdir(self.directory)
+        os.close(self.fd)   # (closing the only descriptor of the lock releases it)
+        self.fd = None

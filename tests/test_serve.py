@@ -115,6 +115,7 @@ def server(system):
     (["--max-sentences", "0"], "--max-sentences must be >= 1, got 0"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a finite number >= 0, got -1.0"),
     (["--max-wait-ms", "nan"], "--max-wait-ms must be a finite number >= 0, got nan"),
+    (["--read-timeout", "0"], "--read-timeout must be a finite number > 0, got 0.0"),
     (["--beam", "0"], "--beam must be >= 1, got 0"),
 ])
 def test_bad_options_exit_2_before_listening(system, capsys, flags, message):
@@ -201,6 +202,43 @@ def test_concurrent_clients_are_batched(system, server):
     after = request(server.url, "/info")[1]["counters"]
     assert after["requests"] - before["requests"] == 48 and after["sentences"] - before["sentences"] == 48
     assert after["batches"] - before["batches"] < 48 / 2          # batched: several requests per decoding call
+
+
+def test_stalled_and_idle_connections_time_out(system):
+    """A client that sends a request's headers and stalls in its body gets 408 and a closed connection after
+    --read-timeout; one that connects and says nothing, or stalls in its headers, is closed after as long
+    (issue 71 item 7); and the server goes on serving."""
+    import socket
+
+    proc = ServerProcess(system[3], "--read-timeout", "1")
+    try:
+        host, port = proc.url.split("//")[1].split(":")
+
+        def until_closed(sock, seconds=10):
+            """Everything the server sent until it closed the connection, and how long that took."""
+            sock.settimeout(seconds)
+            start, got = time.time(), b""
+            while True:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    return got, time.time() - start
+                got += chunk
+
+        with socket.create_connection((host, int(port))) as sock:   # headers, then half the body, then nothing
+            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 40\r\n\r\n{\"sentences\": [")
+            got, took = until_closed(sock)
+        assert got.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in got and took < 5, (got, took)
+        with socket.create_connection((host, int(port))) as sock:   # silent
+            got, took = until_closed(sock)
+        assert got == b"" and took < 5, took
+        with socket.create_connection((host, int(port))) as sock:   # headers begun, never ended
+            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\n")
+            got, took = until_closed(sock)
+        assert took < 5, (got, took)
+        assert request(proc.url, "/translate", {"sentences": [SRC[0]]})[0] == 200
+    finally:
+        proc.close()
 
 
 def test_sigterm_finishes_the_request_in_flight(system):

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the longest a request waits for others to join its batch (default {d.max_wait_ms:g})")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help=f"on shutdown, seconds left to the requests in flight (default {d.shutdown_timeout:g})")
+    g.add_argument("--read-timeout", type=float, default=d.read_timeout,
+                   help=f"seconds a client has to send a request's body (else 408); an idle connection is closed "
+                        f"after as long (default {d.read_timeout:g})")
     add_decoding_arguments(p, quiet=False)
     return p
 
@@ -64,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
                              early_stop=args.early_stop,
                              max_sentences=args.max_sentences, max_chars=args.max_chars,
                              batch_sentences=args.batch_sentences, max_wait_ms=args.max_wait_ms,
-                             shutdown_timeout=args.shutdown_timeout)
+                             shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout)
     try:
         settings.check()
     except ValueError as exc:

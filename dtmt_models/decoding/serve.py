@@ -17,7 +17,10 @@ sentence longer than `max_chars` characters (or a body too large to read), 404 /
 methods, 500 if decoding itself fails (when a batch fails, each of its requests is decoded again on its own,
 so only a request whose own sentences fail gets the 500; the server goes on). Shutdown (SIGINT / SIGTERM,
 or `Server.stop`) stops accepting connections, lets the requests in flight finish (at most `shutdown_timeout`
-seconds), then ends.
+seconds), then ends. A client gets `read_timeout` seconds to send a request's body (else 408, and the connection is
+closed); a connection on which no request has started for as long while none was in progress (silent since it
+opened, stalled in its headers, or idle between requests) is closed: a stalled or silent client holds no
+connection for longer.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ class ServeSettings:
     batch_sentences: int = 128    # decode at once when this many are waiting
     max_wait_ms: float = 10.0     # the longest the first waiting request waits for others to join its batch
     shutdown_timeout: float = 60.0
+    read_timeout: float = 30.0    # seconds to send a request's body; an idle connection is closed after as long
 
     def check(self) -> None:
         for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_sentences", 1),
@@ -55,6 +59,8 @@ class ServeSettings:
         for name in ("max_wait_ms", "shutdown_timeout"):
             if not 0 <= getattr(self, name) < float("inf"):   # NaN fails this too
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 < self.read_timeout < float("inf"):
+            raise ValueError(f"read_timeout must be a finite number > 0, got {self.read_timeout}")
 
 
 class RequestError(Exception):
@@ -123,6 +129,9 @@ class Server:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dtmt-serve-decode")
         self._runner = None
         self._stopped: Optional[asyncio.Event] = None
+        self._watchdog: Optional[asyncio.Task] = None
+        self._started: Dict[Any, int] = {}   # connection -> requests started on it
+        self._busy: set = set()               # connections with a request in progress
         self._seen_warnings: set = set()
         # the inference decoder is built once (or by the caller: `decoder`): the weights never change while serving
         model.eval()
@@ -152,17 +161,45 @@ class Server:
         from aiohttp import web
 
         self._stopped = asyncio.Event()
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.settings.shutdown_timeout)
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.settings.shutdown_timeout,
+                                     keepalive_timeout=self.settings.read_timeout)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        self._watchdog = asyncio.get_running_loop().create_task(self._close_idle_connections())
+
+    async def _close_idle_connections(self) -> None:
+        """Every quarter of read_timeout (at most a second): closes each connection on which no request has started
+        for read_timeout seconds while none was in progress (the middleware counts the requests a connection
+        starts and marks those in progress)."""
+        loop = asyncio.get_running_loop()
+        timeout = self.settings.read_timeout
+        seen: Dict[Any, Tuple[int, float]] = {}   # connection -> (requests started when last looked, since when)
+        while self._runner is not None:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = loop.time()
+            live = list(self._runner.server.connections) if self._runner is not None else []
+            for conn in live:
+                started = self._started.get(conn, 0)
+                count, since = seen.get(conn, (started, now))
+                if conn in self._busy or count != started:
+                    count, since = started, now
+                seen[conn] = (count, since)
+                if now - since >= timeout:
+                    conn.force_close()
+            alive = set(live)
+            for table in (seen, self._started):
+                for conn in [c for c in table if c not in alive]:
+                    del table[conn]
 
     async def stop(self) -> None:
         """Stops accepting connections, finishes the requests in flight (at most `shutdown_timeout` seconds),
         then releases the worker (a decoding still running when time is up finishes in the background)."""
         if self._runner is not None:
             runner, self._runner = self._runner, None
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             try:
                 await runner.cleanup()
             finally:
@@ -183,6 +220,9 @@ class Server:
         """aiohttp's own errors (404, 405, 413 for a body too large to read) as JSON, like the handlers' own."""
         from aiohttp import web
 
+        conn = request.protocol   # (for the idle-connection watchdog: a request started, one in progress)
+        self._started[conn] = self._started.get(conn, 0) + 1
+        self._busy.add(conn)
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -192,13 +232,21 @@ class Server:
             if exc.status == 413:
                 message = f"the request body is too large ({message})"
             return self._error(exc.status, message)
+        finally:
+            self._busy.discard(conn)
 
     async def _translate(self, request):
         from aiohttp import web
 
         self.counters.requests += 1
         try:
-            sentences = parse_request(await request.read(), self.settings)
+            body = await asyncio.wait_for(request.read(), self.settings.read_timeout)
+        except asyncio.TimeoutError:   # a client that stalls in its body: answered, and the connection closed
+            response = self._error(408, f"the request's body did not arrive within {self.settings.read_timeout:g} s")
+            response.force_close()
+            return response
+        try:
+            sentences = parse_request(body, self.settings)
         except RequestError as exc:
             return self._error(exc.status, str(exc))
         if not sentences:

@@ -390,6 +390,32 @@ def test_prepare_files_holdout_is_deterministic_and_disjoint(tmp_path):
     assert (tmp_path / "a" / "dev.es").read_text() == "x\n"
 
 
+def test_prepare_removes_what_an_interrupted_run_left(tmp_path, capsys):
+    """A prepare killed midway leaves its temporaries (.train.es.tmpPID, a binarized build folder .bin-*.tmp-PID);
+    the next run removes those whose process is gone, and leaves a running process' own (issue 71 item 5)."""
+    import subprocess as sp
+
+    from dtmt_models.atomic import remove_stale_temporaries
+
+    src, tgt = numbered(tmp_path, 50)
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = sp.Popen(["true"])
+    gone.wait()   # a process id that no process has now
+    stale = [write(out / f".train.es.tmp{gone.pid}", "x" * 1000), write(out / f".corpus.json.tmp{gone.pid}.part", "x")]
+    (out / f".bin-bpe4000.tmp-{gone.pid}").mkdir()
+    write(out / f".bin-bpe4000.tmp-{gone.pid}" / "train.bin", "x")
+    running = write(out / f".notes.txt.tmp{os.getppid()}", "a running process' own")
+    keep = write(out / ".hidden.tmpfile", "not a temporary of ours")
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert all(not os.path.exists(p) for p in stale) and not (out / f".bin-bpe4000.tmp-{gone.pid}").exists()
+    assert err.count("left by an interrupted run") == 3, err
+    assert os.path.isfile(running) and os.path.isfile(keep)
+    assert data.read_manifest(str(out))["counts"] == {"train": 50}
+    assert remove_stale_temporaries(str(tmp_path / "nowhere")) == []
+
+
 def test_python_m_prepare_reports_errors_without_traceback(tmp_path, monkeypatch, capsys):
     bad = write(tmp_path / "x.es", b"ok\n\xff\n")
     good = write(tmp_path / "x.en", b"ok\nfine\n")

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import List, Optional
 
+from dtmt_models.atomic import remove_stale_temporaries
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import prepare_files
@@ -112,6 +113,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(message, file=sys.stderr, flush=True)
 
     try:
+        # what an interrupted earlier run left (its process gone), where this one writes
+        for folder in {getattr(args, "out", None), getattr(args, "data", None)} - {None}:
+            for path in remove_stale_temporaries(folder):
+                log(f"removed {path} (left by an interrupted run)")
         if args.source == "bible":
             check_output_dir(args.out, "--out")
             bible.prepare_bible(args.out, log=log)

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 import yaml
 
-from dtmt_models.atomic import WriteError, atomic_write
+from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporaries
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD
@@ -343,6 +343,10 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         check_output_dir(args.out, "--out")
         if int(os.environ.get("RANK", "0")) == 0:   # one run per directory (the main process holds it)
             lock.append(RunLock(args.out).acquire())
+            # what an interrupted earlier run left (its process gone): in --out, and the corpus' binarized build
+            for folder in (args.out, args.data):
+                for path in remove_stale_temporaries(folder):
+                    print(f"dtmt train: removed {path} (left by an interrupted run)", file=sys.stderr)
         last = os.path.join(args.out, LAST)
         ckpt = None
         fingerprint = corpus_fingerprint(args.data, train_sha1=binarized.known_train_sha1(args.data))

@@ -296,6 +296,72 @@ def test_one_run_per_directory(toy_nodev, tmp_path, capsys):
     assert r.returncode == 2 and not (tmp_path / "new").exists(), r.stderr
 
 
+def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsys):
+    """A last.pt that the weights-only loader takes but whose contents do not fit (issue 71 item 3): an Adam moment
+    of the wrong shape (it was a segfault in the fused Adam), NaN moments or weights (they trained on, writing NaN
+    weights), a wrong-shaped weight, counters of the wrong type or range, an unreadable vocabulary. Each --resume
+    is one line, exit 2, the checkpoint untouched; translate refuses the NaN weights too (it wrote empty lines)."""
+    from dtmt_models.models.checkpoint import read_checkpoint, save_checkpoint
+
+    run = tmp_path / "run"
+    assert train_here(["--data", toy_nodev, "--out", str(run), "--max-steps", "2", *TINY], capsys).returncode == 0
+    good = read_checkpoint(str(run / "last.pt"))
+    first = min(good["training"]["optimizer"]["state"])
+    name = next(iter(good["model"]))
+
+    def moment(key, change):
+        def edit(c):
+            c["training"]["optimizer"]["state"][first][key] = change(c["training"]["optimizer"]["state"][first][key])
+        return edit
+
+    def counter(key, value):
+        def edit(c):
+            c["training"][key] = value
+        return edit
+
+    def weight(change):
+        def edit(c):
+            c["model"][name] = change(c["model"][name])
+        return edit
+
+    def vocab(c):
+        c["src_vocab"] = b"not a sentencepiece model"
+
+    cases = [(moment("exp_avg", lambda t: t.reshape(-1)[:-1].clone()), "the optimizer's exp_avg of parameter"),
+             (moment("exp_avg_sq", lambda t: torch.full_like(t, float("nan"))), "NaN or infinite value"),
+             (moment("step", lambda t: torch.tensor(-3.0)), "the optimizer's step of parameter"),
+             (weight(lambda t: torch.full_like(t, float("nan"))), f"weight {name} holds"),
+             (weight(lambda t: t[:-1].clone()), f"weight {name} is torch.float32"),
+             (counter("step", "abc"), "its step is 'abc', not a count >= 0"),
+             (counter("step", -5), "its step is -5"),
+             (counter("elapsed", float("nan")), "its elapsed time is nan"),
+             (vocab, "its src_vocab cannot be read")]
+    for i, (edit, message) in enumerate(cases):
+        bad = read_checkpoint(str(run / "last.pt"))
+        edit(bad)
+        folder = tmp_path / f"bad{i}"
+        folder.mkdir()
+        save_checkpoint(str(folder / "last.pt"), bad)
+        before = (folder / "last.pt").read_bytes()
+        r = train_here(["--data", toy_nodev, "--resume", str(folder), "--max-steps", "4"], capsys)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (i, r.stderr)
+        assert (folder / "last.pt").read_bytes() == before and sorted(os.listdir(folder)) in (
+            ["last.pt"], [".dtmt-train.lock", "last.pt"]), os.listdir(folder)
+    # decoding a checkpoint with NaN weights: refused in one line, nothing translated
+    from dtmt_models import cli
+
+    bad = read_checkpoint(str(run / "last.pt"))
+    weight(lambda t: torch.full_like(t, float("nan")))(bad)
+    save_checkpoint(str(tmp_path / "nan.pt"), bad)
+    capsys.readouterr()
+    code = cli.main(["translate", "--checkpoint", str(tmp_path / "nan.pt"), os.path.join(toy_nodev, "train.es"),
+                     "--output", str(tmp_path / "out.txt")])
+    err = capsys.readouterr().err
+    assert code == 2 and "NaN or infinite" in err and not (tmp_path / "out.txt").exists(), err
+    # and the good checkpoint still resumes
+    assert train_here(["--data", toy_nodev, "--resume", str(run), "--max-steps", "3"], capsys).returncode == 0
+
+
 def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_changes(tmp_path, capsys):
     data = make_toy_corpus(tmp_path / "c", n_train=200, n_dev=0, n_test=0)
     args = ["--max-steps", "2", "--overwrite", *TINY]

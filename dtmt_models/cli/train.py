@@ -20,9 +20,9 @@ import yaml
 from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporaries
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
-from dtmt_models.data.vocabulary import PAD
+from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import check_output_dir, one_line
-from dtmt_models.models.checkpoint import read_checkpoint
+from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models
 from dtmt_models.run_lock import RunLock
@@ -348,7 +348,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 for path in remove_stale_temporaries(folder):
                     print(f"dtmt train: removed {path} (left by an interrupted run)", file=sys.stderr)
         last = os.path.join(args.out, LAST)
-        ckpt = None
+        ckpt = source = None
         fingerprint = corpus_fingerprint(args.data, train_sha1=binarized.known_train_sha1(args.data))
         if args.resume is not None:
             source = resume_from or last
@@ -362,6 +362,12 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             ckpt = read_checkpoint(source)
             if "training" not in ckpt:
                 raise ValueError(f"{source} has no training state (a run's last.pt has)")
+            for key in ("src_vocab", "tgt_vocab"):   # (the rest is checked against the model: Trainer)
+                try:
+                    Vocabulary(ckpt[key])
+                except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+                    raise ValueError(f"{source}: its {key} cannot be read ({one_line(exc)[:200]}); the checkpoint "
+                                     f"cannot be resumed") from None
             processes = len(ckpt["training"].get("rng", ()))
             if processes != world_size():   # (before the process group starts: Trainer checks it again, later)
                 raise ValueError(f"--resume: the run was trained by {processes} process(es); continue it with as many "
@@ -412,12 +418,13 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             torch.set_num_threads(cfg.threads)
         tune_malloc()   # freed update memory stays for the next update (DTMT_MALLOC=default: glibc's own)
         # makes --out only once the data and the model are usable
-        trainer = Trainer(cfg, dist, ckpt, resumed_from=os.path.dirname(resume_from) if resume_from else None)
+        trainer = Trainer(cfg, dist, ckpt, resumed_from=os.path.dirname(resume_from) if resume_from else None,
+                          ckpt_path=source)
         if dist.main:   # once the corpus and the vocabularies are known to be usable
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
         return trainer.run()
-    except CorpusError as exc:
+    except (CorpusError, CheckpointError) as exc:   # (before anything was written)
         for held in lock:
             held.release(discard=True)
         print(f"dtmt train: {exc}", file=sys.stderr)

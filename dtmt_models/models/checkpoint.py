@@ -67,6 +67,115 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     return ckpt
 
 
+class CheckpointError(ValueError):
+    """A checkpoint whose contents cannot be used as they are (non-finite weights, optimizer state that does not fit
+    the model, counters of the wrong type): its message is one line naming the file and what is wrong."""
+
+
+def _finite_problem(name: str, t: Any) -> Optional[str]:
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        return f"{name} holds {bad:,} NaN or infinite value{'s' if bad != 1 else ''}"
+    return None
+
+
+def check_finite_weights(path: str, state: Dict[str, Any]) -> None:
+    """CheckpointError if a floating-point weight of `state` (a state dict) holds NaN or an infinity: such a model
+    translates nothing (every score NaN), so it is refused when loaded, not decoded into empty lines."""
+    for name, t in state.items():
+        problem = _finite_problem(f"weight {name}", t)
+        if problem:
+            raise CheckpointError(f"{path}: {problem}; the checkpoint is corrupt (use an earlier one)")
+
+
+def _count(value: Any, low: float = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _number(value: Any, allow_inf: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value == value and (allow_inf or abs(value) != float("inf"))
+
+
+def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module,
+                         optimizer: torch.optim.Optimizer) -> None:
+    """A last.pt's training state checked against the model and optimizer built to continue it, before any of it
+    is loaded (issue 71 item 3): the weights' names, shapes and values (finite); the optimizer state's structure,
+    each moment's shape and dtype against its parameter and its values (finite), each step counter; the run's
+    counters (types and ranges) and random states. CheckpointError, one line naming the file and the field."""
+    def fail(what: str) -> None:
+        raise CheckpointError(f"{path}: {what}; the checkpoint cannot be resumed")
+
+    weights = ckpt.get("model")
+    if not isinstance(weights, dict):
+        fail("it holds no weights")
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or extra:
+        fail(f"its weights are not this model's ({len(missing)} missing, e.g. {missing[:1]}; {len(extra)} unknown, "
+             f"e.g. {extra[:1]})")
+    for name, t in own.items():
+        w = weights[name]
+        if not isinstance(w, torch.Tensor) or w.shape != t.shape or w.dtype != t.dtype:
+            fail(f"weight {name} is {getattr(w, 'dtype', type(w).__name__)} {list(getattr(w, 'shape', []))}, the "
+                 f"model's {t.dtype} {list(t.shape)}")
+        problem = _finite_problem(f"weight {name}", w)
+        if problem:
+            fail(problem)
+    t = ckpt.get("training")
+    if not isinstance(t, dict):
+        fail("it has no training state")
+    state = t.get("optimizer")
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict) or not isinstance(
+            state.get("param_groups"), list):
+        fail("its optimizer state is not an optimizer's state dict")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    indices = []
+    for g in state["param_groups"]:
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list) or not all(_count(i) for i in g["params"]):
+            fail("its optimizer's parameter groups are malformed")
+        indices += g["params"]
+    if len(state["param_groups"]) != len(optimizer.param_groups) or sorted(indices) != list(range(len(params))):
+        fail(f"its optimizer state is for {len(indices)} parameters in {len(state['param_groups'])} groups, the "
+             f"model has {len(params)} in {len(optimizer.param_groups)}")
+    for index, entry in state["state"].items():
+        if not _count(index) or index >= len(params) or not isinstance(entry, dict):
+            fail(f"its optimizer state has an entry {index!r} that is no parameter's")
+        p = params[index]
+        for key, value in entry.items():
+            if key == "step":
+                v = float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if not _number(v) or v < 0 or v != int(v):
+                    fail(f"the optimizer's step of parameter {index} is {value!r}, not a count")
+            elif isinstance(value, torch.Tensor):
+                if value.shape != p.shape or value.dtype != p.dtype:
+                    fail(f"the optimizer's {key} of parameter {index} is {value.dtype} {list(value.shape)}, the "
+                         f"parameter {p.dtype} {list(p.shape)}")
+                problem = _finite_problem(f"the optimizer's {key} of parameter {index}", value)
+                if problem:
+                    fail(problem)
+    for key in ("step", "epoch", "batch_index", "bad_validations"):
+        if not _count(t.get(key)):
+            fail(f"its {key} is {t.get(key)!r}, not a count >= 0")
+    if not _number(t.get("elapsed")) or t["elapsed"] < 0:
+        fail(f"its elapsed time is {t.get('elapsed')!r}")
+    for key in ("best_bleu", "best_loss"):
+        if not _number(t.get(key), allow_inf=True):
+            fail(f"its {key} is {t.get(key)!r}, not a number")
+    window = t.get("log_window", [0.0] * 4)
+    if not isinstance(window, (list, tuple)) or len(window) != 4 or not all(_number(x) for x in window):
+        fail(f"its log window is {window!r}")
+    sched = t.get("scheduler")
+    if not isinstance(sched, dict) or not _count(sched.get("last_epoch")):
+        fail("its scheduler state is malformed")
+    rngs = t.get("rng")
+    if not isinstance(rngs, (list, tuple)) or not all(
+            isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) and r["torch"].dtype == torch.uint8
+            and isinstance(r.get("python"), tuple) for r in rngs):
+        fail("its random states are malformed")
+
+
 def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
                ) -> Tuple[torch.nn.Module, Vocabulary, Vocabulary, Dict[str, Any]]:
     """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict).
@@ -83,6 +192,8 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
         model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **ckpt["model_options"])
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path}: its model cannot be built ({one_line(exc)[:300]})") from None
+    if isinstance(ckpt["model"], dict):
+        check_finite_weights(path, ckpt["model"])
     try:
         model.load_state_dict(ckpt["model"])
     except (RuntimeError, TypeError, AttributeError) as exc:   # torch lists every key and shape, one a line

@@ -46,7 +46,7 @@ from dtmt_models.data.batching import Batches, collate, kept_indices, length_dty
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
 from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.errors import one_line
-from dtmt_models.models.checkpoint import save_checkpoint
+from dtmt_models.models.checkpoint import check_training_state, save_checkpoint
 from dtmt_models.models.registry import build_model
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
@@ -205,10 +205,14 @@ def is_better(best_by: str, loss: float, bleu: float, best_loss: float, best_ble
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, dist: Dist, ckpt: Optional[dict] = None, resumed_from: Optional[str] = None):
-        """ckpt: a last.pt's contents to continue from; resumed_from: the folder it was read from, when that is not
-        cfg.out (a run continued in a new folder: its best.pt and train_log.csv come along, the original untouched)."""
+    def __init__(self, cfg: TrainConfig, dist: Dist, ckpt: Optional[dict] = None, resumed_from: Optional[str] = None,
+                 ckpt_path: Optional[str] = None):
+        """ckpt: a last.pt's contents to continue from (ckpt_path: its file, for messages; it is checked against the
+        model and optimizer before any of it is loaded: models.checkpoint.check_training_state); resumed_from: the
+        folder it was read from, when that is not cfg.out (a run continued in a new folder: its best.pt and
+        train_log.csv come along, the original untouched)."""
         self.cfg, self.dist, self.device = cfg, dist, dist.device
+        self.resume_path = ckpt_path or os.path.join(cfg.out, LAST)
         self.out = cfg.out
         # a bar on stderr; in a log, a line on stdout every --log-every updates
         self.progress = Progress(cfg.progress if dist.main else "silent", desc="dtmt train", unit="update",
@@ -342,6 +346,7 @@ class Trainer:
         raise ValueError(f"unknown schedule {c.schedule!r}")
 
     def _restore(self, ckpt: dict) -> None:
+        check_training_state(self.resume_path, ckpt, self.model, self.optimizer)   # before anything is loaded
         self.model.load_state_dict(ckpt["model"])
         t = ckpt["training"]
         load_optimizer_state(self.optimizer, t["optimizer"])

@@ -362,6 +362,58 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
     assert train_here(["--data", toy_nodev, "--resume", str(run), "--max-steps", "3"], capsys).returncode == 0
 
 
+def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path, capsys):
+    """The binarized shards checked whole before training (issue 71 item 4): an id beyond the vocabulary in a
+    training or a dev pair (the dev one was found only at the first validation, after the updates), offsets that
+    decrease (reported as long pairs dropped), a manifest field of the wrong type (a TypeError traceback): one line
+    naming the file (and the pair), exit 2, nothing written."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    clean = make_toy_corpus(tmp_path / "clean", n_train=200, n_dev=20, n_test=0)
+    assert train_here(["--data", clean, "--out", str(tmp_path / "first"), "--max-steps", "1", *TINY],
+                      capsys).returncode == 0
+    bin_dir = next(n for n in os.listdir(clean) if n.startswith("bin-"))
+
+    def corrupt(name, edit):
+        copy = tmp_path / name
+        shutil.copytree(clean, copy)
+        edit(copy / bin_dir)
+        return str(copy)
+
+    def big_id(split, side, pair):
+        def edit(d):
+            dtype = np.dtype(json.loads((d / "binarized.json").read_text())["dtype"])
+            ids = np.fromfile(d / f"{split}.{side}.bin", dtype=dtype)
+            at = int(np.fromfile(d / f"{split}.{side}.idx", dtype=np.int64)[pair])
+            ids[at] = 60 + 7   # past the 60 subwords of the toy vocabularies
+            ids.tofile(d / f"{split}.{side}.bin")
+        return edit
+
+    def decreasing(d):
+        idx = np.fromfile(d / "train.src.idx", dtype=np.int64)
+        idx[5], idx[6] = idx[6], idx[5]
+        idx.tofile(d / "train.src.idx")
+
+    def pairs_as_text(d):   # (in the corpus' own manifest, corpus.json)
+        m = json.loads((d.parent / "corpus.json").read_text())
+        m["counts"]["train"] = "200"
+        (d.parent / "corpus.json").write_text(json.dumps(m))
+
+    cases = [(big_id("train", "tgt", 37), "train.tgt.bin: pair 37 holds id 67, beyond the tgt vocabulary's 60"),
+             (big_id("dev", "src", 3), "dev.src.bin: pair 3 holds id 67"),
+             (decreasing, "train.src.idx: the offsets decrease at pair 5"),
+             (pairs_as_text, "corpus.json: malformed")]
+    for i, (edit, message) in enumerate(cases):
+        data = corrupt(f"bad{i}", edit)
+        out = tmp_path / f"run{i}"
+        r = train_here(["--data", data, "--out", str(out), "--max-steps", "2", *TINY], capsys)
+        assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, (i, r.stderr)
+        assert not out.exists()
+
+
 def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_changes(tmp_path, capsys):
     data = make_toy_corpus(tmp_path / "c", n_train=200, n_dev=0, n_test=0)
     args = ["--max-steps", "2", "--overwrite", *TINY]

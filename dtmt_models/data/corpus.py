@@ -196,8 +196,19 @@ def read_manifest(directory: str) -> dict:
     if not os.path.isfile(path):
         raise CorpusError(f"{directory}: no {MANIFEST}; make the corpus with `dtmt prepare bible --out {directory}` "
                           f"or `dtmt prepare files --src F --tgt G --out {directory}`")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorpusError(f"{path}: unreadable ({exc}); make the corpus again with `dtmt prepare`") from None
+    counts = manifest.get("counts") if isinstance(manifest, dict) else None
+    if (not isinstance(manifest, dict) or not all(isinstance(manifest.get(k), str) for k in ("src_lang", "tgt_lang"))
+            or not isinstance(counts, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in counts.items())):
+        raise CorpusError(f"{path}: malformed (src_lang and tgt_lang strings and counts {{split: pairs}} expected); "
+                          f"make the corpus again with `dtmt prepare`")
+    return manifest
 
 
 def corpus_fingerprint(directory: str, train_sha1: Optional[str] = None) -> dict:

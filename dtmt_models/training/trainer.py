@@ -237,6 +237,11 @@ class Trainer:
         # the training pairs stay on disk; in memory: their lengths (2 bytes a pair with --max-len < 255), and
         # during an epoch its batches (4 bytes a pair)
         self.train_data = corpus.split("train")
+        # every split the run reads, checked whole before the first update: offsets and ids (issue 71 item 4)
+        sizes = (len(self.src_vocab), len(self.tgt_vocab))
+        self.train_data.verify(sizes)
+        if self.dev_pairs and "dev" in corpus.splits:
+            corpus.split("dev").verify(sizes)
         self.lengths = self.train_data.lengths(length_dtype(cfg.max_len))
         kept = kept_indices(self.lengths, cfg.max_len)
         n_kept = len(kept)

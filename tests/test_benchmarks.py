@@ -697,3 +697,36 @@ def test_bench_step_phases(tmp_path):
                                             "log_softmax")) <= phase["step"]["seconds"]
     assert phase["step"]["seconds"] + phase["search_setup"]["seconds"] <= phase["search"]["seconds"] < r["seconds"]
     assert json.loads((tmp_path / "bench_step_phases.json").read_text())["sentences"] == 8
+
+
+def test_bench_op_checks_workload_calls_both_ops():
+    """The callgrind workload runs and calls both ops it counts (what --toggle-collect collects), as many times as
+    it says."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from benchmarks import bench_op_checks
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "dtmt":
+                calls.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        bench_op_checks.workload(2)
+    assert calls.count("rnmt_step") == 2 and calls.count("transition_forward") == 2
+    assert set(bench_op_checks.CHECKS) == {"rnmt_step", "transition_forward"}
+
+
+def test_bench_op_checks_reads_callgrind_annotate():
+    from benchmarks import bench_op_checks
+
+    counts = bench_op_checks.inclusive_counts(
+        "--------\nIr\n--------\n12,345,678 (100.0%)  PROGRAM TOTALS\n--------\nIr  file:function\n"
+        " 1,000,000 (10.00%)  ???:dtmt::rnmt_step_cpu(at::Tensor const&) [/x/_C.so]\n"
+        "     2,000 ( 0.02%)  /w/csrc/op_checks.cpp:dtmt::check_cell(dtmt::TransitionWeights const&, long)\n")
+    assert counts["PROGRAM TOTALS"] == 12_345_678
+    assert [v for k, v in counts.items() if bench_op_checks.KERNELS["rnmt_step"] in k] == [1_000_000]
+    assert [v for k, v in counts.items() if "dtmt::check_cell(" in k] == [2_000]

@@ -25,7 +25,8 @@ class WriteError(OSError):
 _TMP_NAME = re.compile(r"^\..+\.tmp-?(\d+)")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -47,7 +48,7 @@ def remove_stale_temporaries(directory: str) -> List[str]:
         return removed
     for name in names:
         m = _TMP_NAME.match(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or process_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError):

@@ -47,6 +47,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from dtmt_models.atomic import process_alive
 from dtmt_models.data.corpus import (CorpusError, Problems, count_mismatch, decode_file_line, read_manifest,
                                     scan_file)
 from dtmt_models.data.vocabulary import Vocabulary
@@ -505,15 +506,8 @@ def _remove_leftovers(corpus_dir: str, name: str) -> None:
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether the process that left a build folder still runs (this one's own earlier folders count as left)."""
+    return pid != os.getpid() and process_alive(pid)
 
 
 def _file_sha1(path: str) -> str:

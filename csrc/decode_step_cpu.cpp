@@ -95,10 +95,10 @@ ReadoutWeights ReadoutWeights::from_list(const std::vector<Tensor>& t, double ep
                   (!present(w.ln_w) || (w.ln_w.numel() == 3 * R && w.ln_b.numel() == 3 * R)),
               "dtmt._C: the readout's ln_w and ln_b must both be empty or both [3, ", R, "], got ", w.ln_w.sizes(),
               " and ", w.ln_b.sizes());
-  const int64_t out_cols = w.w_out.defined() && w.w_out.scalar_type() == at::kChar ? R + kInt8RowTail : R;
-  TORCH_CHECK(w.w_out.defined() && w.w_out.dim() == 2 && w.w_out.size(0) > 0 && w.w_out.size(1) == out_cols &&
+  TORCH_CHECK(w.w_out.defined() && w.w_out.dim() == 2 && w.w_out.size(0) > 0 && weight_in_features(w.w_out) == R &&
                   (!present(w.b_out) || w.b_out.numel() == w.w_out.size(0)),
-              "dtmt._C: the readout's w_out must be [V, ", out_cols, "] with b_out [V] or empty, got ",
+              "dtmt._C: the readout's w_out must be [V, ", R, "] (int8 rows: ", R + kInt8RowTail,
+              " bytes) with b_out [V] or empty, got ",
               w.w_out.defined() ? w.w_out.sizes() : at::IntArrayRef{}, " and ", w.b_out.sizes());
   return w;
 }

@@ -39,9 +39,7 @@ bool has_sizes(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
 
 // A matrix of `rows` rows of `cols` values: float [rows, cols], or int8 rows [rows, cols + 4] (small_gemm.h).
 bool is_matrix(const at::Tensor& t, int64_t rows, int64_t cols) {
-  if (!t.defined() || t.dim() != 2 || t.size(0) != rows) return false;
-  if (cols < 0) return true;
-  return t.size(1) == (t.scalar_type() == at::kChar ? cols + kInt8RowTail : cols);
+  return t.defined() && t.dim() == 2 && t.size(0) == rows && (cols < 0 || weight_in_features(t) == cols);
 }
 
 }  // namespace
@@ -86,9 +84,9 @@ int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* o
               ": t_w and t_b must both be given or both be empty, got ", w.t_w.sizes(), " and ", w.t_b.sizes());
   const int64_t D = given(w.t_w) ? w.t_w.size(0) : 0;
   if (D > 0) {
-    const int64_t tc = w.t_w.scalar_type() == at::kChar ? H + kInt8RowTail : H;
-    TORCH_CHECK(w.t_w.dim() == 3 && w.t_w.size(1) == 3 * H && w.t_w.size(2) == tc, "dtmt::", op, ": ", what,
-                ": t_w must be [D, ", 3 * H, ", ", tc, "], got ", w.t_w.sizes());
+    TORCH_CHECK(w.t_w.dim() == 3 && w.t_w.size(1) == 3 * H && weight_in_features(w.t_w) == H, "dtmt::", op, ": ",
+                what, ": t_w must be [D, ", 3 * H, ", ", H, "] (int8 rows: ", H + kInt8RowTail, " bytes), got ",
+                w.t_w.sizes());
     TORCH_CHECK(w.t_b.dim() == 2 && w.t_b.size(0) == D && w.t_b.size(1) == 3 * H, "dtmt::", op, ": ", what,
                 ": t_b must be [", D, ", ", 3 * H, "], got ", w.t_b.sizes());
   }

@@ -136,7 +136,6 @@ def _run(a, argv):
 
     results = {label: decode(label) for label in ("float32", "weights only", "int8")}
     base, sim, q8 = results["float32"], results["weights only"], results["int8"]
-    ckpt = {"model_name": base["model"]}
     per_copy = []
     if a.copies:
         from dtmt_kernels import _C
@@ -155,7 +154,7 @@ def _run(a, argv):
         finally:
             _C.set_cpu_isa(loaded)
     row = {"machine": machine_name(), "threads": a.threads, "checkpoint": os.path.relpath(a.checkpoint, ROOT),
-           "model": ckpt["model_name"], "sentences": len(sources), "bleu_float32": base["bleu"],
+           "model": base["model"], "sentences": len(sources), "bleu_float32": base["bleu"],
            "bleu_weights_only": sim["bleu"], "bleu_int8": q8["bleu"], "delta": q8["bleu"] - base["bleu"],
            "changed": changed(base, q8), "int8_vs_weights_only_changed": changed(sim, q8),
            "seconds_float32": base["seconds"], "seconds_int8": q8["seconds"],

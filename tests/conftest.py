@@ -1,9 +1,11 @@
+import functools
 import importlib.util
 import os
 
 import pytest
 import torch
 from hypothesis import settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtmt_kernels as dk
 
@@ -164,9 +166,28 @@ def at_thread_counts(call, *counts):
     return results
 
 
-_GEMM_REPRODUCIBLE = {}
+class RecordOps(TorchDispatchMode):
+    """Records the dtmt ops called below autograd while it is active: `calls` {op: (args, kwargs)} of each op's
+    first call, tensors detached and copied when called (a later in-place write cannot change them), and `counts`
+    {op name: calls} of every call (test_custom_ops' opcheck of each op a system calls, op_fuzz.py's valid calls,
+    bench_op_checks' workload)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.counts = {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "dtmt":
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+            if func not in self.calls:
+                self.calls[func] = torch.utils._pytree.tree_map(
+                    lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (list(args), dict(kwargs)))
+        return func(*args, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
 def aten_gemm_reproducible(threads: int) -> bool:
     """Whether torch's own GEMM (ATen's addmm: the products of more rows than the small-row kernel's 8, in the
     layers and the decoding steps alike) gives on `threads` threads the bits it gives on one, wherever its operands
@@ -176,23 +197,21 @@ def aten_gemm_reproducible(threads: int) -> bool:
     buffers) and when it splits it between threads (docs/design/reproducibility.md). Tests that compare two
     computations of the same products hold them to the bit where this is True and to rounding where it is not.
     Probed once per thread count: small products with x at 16 placements 4 or 8 bytes apart."""
-    if threads not in _GEMM_REPRODUCIBLE:
-        from benchmarks.bench_cells import torch_threads
+    from benchmarks.bench_cells import torch_threads
 
-        g = torch.Generator().manual_seed(0)
-        same = True
-        for dtype in (torch.float32, torch.float64):
-            for M, K, N in ((11, 10, 10), (11, 10, 30), (10, 16, 48), (9, 6, 20), (35, 16, 48)):
-                x, w = torch.randn(M, K, generator=g, dtype=dtype), torch.randn(N, K, generator=g, dtype=dtype)
-                b = torch.randn(N, generator=g, dtype=dtype)
-                with torch_threads(1):
-                    want = torch.addmm(b, x, w.t())
-                with torch_threads(threads):
-                    for offset in range(16):
-                        xs = torch.empty(M * K + offset, dtype=dtype)[offset:].view(M, K).copy_(x)
-                        same = same and torch.equal(torch.addmm(b, xs, w.t()), want)
-        _GEMM_REPRODUCIBLE[threads] = same
-    return _GEMM_REPRODUCIBLE[threads]
+    g = torch.Generator().manual_seed(0)
+    same = True
+    for dtype in (torch.float32, torch.float64):
+        for M, K, N in ((11, 10, 10), (11, 10, 30), (10, 16, 48), (9, 6, 20), (35, 16, 48)):
+            x, w = torch.randn(M, K, generator=g, dtype=dtype), torch.randn(N, K, generator=g, dtype=dtype)
+            b = torch.randn(N, generator=g, dtype=dtype)
+            with torch_threads(1):
+                want = torch.addmm(b, x, w.t())
+            with torch_threads(threads):
+                for offset in range(16):
+                    xs = torch.empty(M * K + offset, dtype=dtype)[offset:].view(M, K).copy_(x)
+                    same = same and torch.equal(torch.addmm(b, xs, w.t()), want)
+    return same
 
 
 def spread_weights(model, generator=None):

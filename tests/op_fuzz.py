@@ -36,22 +36,9 @@ SYSTEMS = ("dtmt", "nematus", "mce", "gnmt-atr", "rnnsearch-atr")
 
 def record_calls():
     """{op name: [(op, args, kwargs), ...]}: the first call of each op in each system and mode."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from conftest import RecordOps
     from dtmt_models import build_model
     from dtmt_models.decoding.beam_search import beam_search
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "dtmt" and func not in self.calls:
-                detached = torch.utils._pytree.tree_map(
-                    lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (list(args), dict(kwargs or {})))
-                self.calls[func] = detached
-            return func(*args, **(kwargs or {}))
 
     calls = {}
     for system in SYSTEMS:
@@ -60,7 +47,7 @@ def record_calls():
             model = build_model(system, 40, 50, embed_dim=8, hidden_size=12)
             src, lengths = torch.randint(4, 40, (4, 6)), torch.tensor([6, 5, 3, 2])
             prev, target = torch.randint(4, 50, (4, 5)), torch.randint(4, 50, (4, 5))
-            rec = Record()
+            rec = RecordOps()
             with rec:
                 if not int8:
                     loss, _, n = model(src, lengths, prev, target=target)

@@ -702,21 +702,12 @@ def test_bench_step_phases(tmp_path):
 def test_bench_op_checks_workload_calls_both_ops():
     """The callgrind workload runs and calls both ops it counts (what --toggle-collect collects), as many times as
     it says."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from benchmarks import bench_op_checks
+    from conftest import RecordOps
 
-    calls = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "dtmt":
-                calls.append(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
-
-    with Record():
+    with RecordOps() as record:
         bench_op_checks.workload(2)
-    assert calls.count("rnmt_step") == 2 and calls.count("transition_forward") == 2
+    assert record.counts["rnmt_step"] == 2 and record.counts["transition_forward"] == 2
     assert set(bench_op_checks.CHECKS) == {"rnmt_step", "transition_forward"}
 
 

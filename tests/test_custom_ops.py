@@ -6,9 +6,9 @@ outputs and gradients. CPU only (the CUDA kernels are registered under the same 
 the Triton op to the same checks in triton's interpreter)."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtmt_kernels as dk
+from conftest import RecordOps
 from dtmt_kernels.ops.transition import KINDS, flat_params
 from dtmt_models import build_model
 from dtmt_models.decoding.beam_search import beam_search
@@ -92,19 +92,6 @@ def test_transition_op_passes_opcheck_and_gradcheck(case, masked):
     assert torch.autograd.gradcheck(outputs, [args[i] for i in inputs])
 
 
-class _RecordOps(TorchDispatchMode):
-    """Records the first call of each dtmt op below autograd: (op, args, kwargs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "dtmt" and func not in self.calls:
-            self.calls[func] = (args, kwargs or {})
-        return func(*args, **(kwargs or {}))
-
-
 def _detached(tree):
     return tuple(torch.utils._pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
                                               list(tree)))
@@ -118,7 +105,7 @@ def _record_system_calls(system, dtype=torch.float64):
     model = build_model(system, 40, 50, embed_dim=8, hidden_size=12).to(dtype)
     src, lengths = torch.randint(4, 40, (4, 6)), torch.tensor([6, 5, 3, 2])
     prev, target = torch.randint(4, 50, (4, 5)), torch.randint(4, 50, (4, 5))
-    recorder = _RecordOps()
+    recorder = RecordOps()
     with recorder:
         loss, _, n = model(src, lengths, prev, target=target)
         (loss / n).backward()

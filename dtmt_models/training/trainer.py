@@ -237,11 +237,10 @@ class Trainer:
         # the training pairs stay on disk; in memory: their lengths (2 bytes a pair with --max-len < 255), and
         # during an epoch its batches (4 bytes a pair)
         self.train_data = corpus.split("train")
-        # every split the run reads, checked whole before the first update: offsets and ids (issue 71 item 4)
+        # every split the run reads, checked whole before the first update: offsets and ids (issue 71 item 4; the
+        # dev split below)
         sizes = (len(self.src_vocab), len(self.tgt_vocab))
         self.train_data.verify(sizes)
-        if self.dev_pairs and "dev" in corpus.splits:
-            corpus.split("dev").verify(sizes)
         self.lengths = self.train_data.lengths(length_dtype(cfg.max_len))
         kept = kept_indices(self.lengths, cfg.max_len)
         n_kept = len(kept)
@@ -251,6 +250,7 @@ class Trainer:
         self.dev_ids = []
         if self.dev_pairs and "dev" in corpus.splits:
             dev = corpus.split("dev")
+            dev.verify(sizes)
             self.dev_ids = [p for p in dev.pairs(range(len(dev))) if p[0]]
         self.log(f"data: {n_kept:,} training pairs ({n_long:,} longer than {cfg.max_len} subwords "
                  f"dropped{f', {empty} empty after segmentation dropped' if empty else ''}); {len(self.dev_pairs):,} "

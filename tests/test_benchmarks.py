@@ -721,3 +721,10 @@ def test_bench_op_checks_reads_callgrind_annotate():
     assert counts["PROGRAM TOTALS"] == 12_345_678
     assert [v for k, v in counts.items() if bench_op_checks.KERNELS["rnmt_step"] in k] == [1_000_000]
     assert [v for k, v in counts.items() if "dtmt::check_cell(" in k] == [2_000]
+
+
+def test_bench_corpus_verify_quick():
+    from benchmarks import bench_corpus_verify
+
+    row = bench_corpus_verify.main(["--pairs", "20000", "--rounds", "2"])
+    assert row["pairs"] == 20_000 and row["bytes"] > 20_000 * 2 * 8 and 0 < row["seconds_min"] <= row["seconds_max"]

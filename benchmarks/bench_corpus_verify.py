@@ -1,5 +1,6 @@
 """What `dtmt train` pays to check its corpus before the first update (issue 71 item 4): BinarizedSplit.verify over a
-synthetic split of --pairs pairs (ids uniform below --vocab, 1-59 a side, uint16 as the binarizer stores them).
+synthetic split of --pairs pairs (ids uniform below --vocab, 1-59 a side, uint16 as the binarizer stores them):
+offsets, ids and each file's SHA-1 against the one recorded.
 
     python benchmarks/bench_corpus_verify.py [--pairs 5000000] [--rounds 3]
 
@@ -10,6 +11,7 @@ folder and removed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
@@ -35,13 +37,16 @@ def main(argv=None) -> dict:
     folder = tempfile.mkdtemp(prefix="bench_corpus_verify_")
     try:
         rng = np.random.default_rng(0)
-        size = 0
+        size, shards = 0, {}
         for side in SIDES:
             offsets = np.concatenate(([0], np.cumsum(rng.integers(1, 60, a.pairs)))).astype(np.int64)
-            offsets.tofile(os.path.join(folder, f"train.{side}.idx"))
-            rng.integers(0, a.vocab, int(offsets[-1]), dtype=np.uint16).tofile(os.path.join(folder, f"train.{side}.bin"))
-            size += offsets.nbytes + int(offsets[-1]) * 2
-        split = BinarizedSplit(folder, "train", np.uint16, a.pairs)
+            ids = rng.integers(0, a.vocab, int(offsets[-1]), dtype=np.uint16)
+            for ext, array in (("idx", offsets), ("bin", ids)):
+                array.tofile(os.path.join(folder, f"train.{side}.{ext}"))
+                shards[f"{side}.{ext}"] = hashlib.sha1(array).hexdigest()
+            size += offsets.nbytes + ids.nbytes
+            del ids
+        split = BinarizedSplit(folder, "train", np.uint16, a.pairs, shards)
         seconds = []
         for _ in range(a.rounds):
             t0 = time.perf_counter()

@@ -213,6 +213,55 @@ def test_a_copy_missing_a_file_is_not_binarized(tmp_path):
         binarized.open_binarized(d, "bpe", 80)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_shard_checksums_are_the_files_and_any_changed_byte_is_refused(tmp_path, workers):
+    """Each shard's SHA-1 in the manifest is hashlib's of the file as written (computed while writing, chunk by
+    chunk, on 1 or 2 processes); verify() refuses a file with one byte changed, in each of the four files,
+    naming it; a copy of format 1 (no checksums) is not binarized, which dtmt train rebuilds."""
+    import hashlib
+    import shutil
+
+    d = write_corpus(tmp_path / "c", SRC * 30, TGT * 30, splits=("train", "dev"))
+    path = binarized.binarize(d, 80, workers=workers, log=lambda m: None)
+    corpus = binarized.open_binarized(d, "bpe", 80)
+    sizes = [len(Vocabulary(p)) for p in corpus.protos]
+    for split in ("train", "dev"):
+        recorded = corpus.manifest["splits"][split]["shards"]
+        for name in ("src.bin", "src.idx", "tgt.bin", "tgt.idx"):
+            with open(os.path.join(path, f"{split}.{name}"), "rb") as f:
+                assert recorded[name] == hashlib.sha1(f.read()).hexdigest()
+        corpus.split(split).verify(sizes)
+    for name in ("src.bin", "src.idx", "tgt.bin", "tgt.idx"):
+        copy = tmp_path / f"copy-{name}"
+        shutil.copytree(path, copy)
+        file = copy / f"train.{name}"
+        # a change the other checks cannot see: the last id to another inside the vocabulary, or the second-last
+        # offset one lower (still between its neighbours: two pairs' lengths change)
+        values = np.fromfile(file, dtype=corpus.dtype if name.endswith(".bin") else np.int64)
+        if name.endswith(".bin"):
+            values[-1] = (int(values[-1]) + 1) % 60
+        else:
+            assert values[-3] < values[-2] - 1
+            values[-2] -= 1
+        values.tofile(file)
+        split = binarized.BinarizedCorpus(str(copy)).split("train")
+        with pytest.raises(data.CorpusError, match=rf"train\.{re_escape(name)}: its bytes are not those written"):
+            split.verify(sizes)
+    manifest = json.loads((tmp_path / "c" / "bin-bpe80" / "binarized.json").read_text())
+    manifest["format"] = 1
+    for info in manifest["splits"].values():
+        del info["shards"]
+    (tmp_path / "c" / "bin-bpe80" / "binarized.json").write_text(json.dumps(manifest))
+    with pytest.raises(binarized.NotBinarized, match="format 1, this dtmt reads format 2"):
+        binarized.open_binarized(d, "bpe", 80)
+
+
+def re_escape(text):
+    import re
+
+    return re.escape(text)
+
+
 def test_the_training_text_checksum_comes_from_a_fresh_copy(tmp_path):
     """`dtmt train` takes the resume fingerprint's SHA-1 from a binarized copy whose record of the training files'
     size and time matches them (known_train_sha1), not by reading the text again; a touched or changed file, or

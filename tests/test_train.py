@@ -365,7 +365,8 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
 def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path, capsys):
     """The binarized shards checked whole before training (issue 71 item 4): an id beyond the vocabulary in a
     training or a dev pair (the dev one was found only at the first validation, after the updates), offsets that
-    decrease (reported as long pairs dropped), a manifest field of the wrong type (a TypeError traceback): one line
+    decrease (reported as long pairs dropped), an id changed to another inside the vocabulary (trained on silently
+    before the shards had checksums), a manifest field of the wrong type (a TypeError traceback): one line
     naming the file (and the pair), exit 2, nothing written."""
     import json
     import shutil
@@ -392,6 +393,12 @@ def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path,
             ids.tofile(d / f"{split}.{side}.bin")
         return edit
 
+    def within_vocabulary(d):   # one id changed to another the vocabulary has: only the checksum sees it
+        dtype = np.dtype(json.loads((d / "binarized.json").read_text())["dtype"])
+        ids = np.fromfile(d / "train.src.bin", dtype=dtype)
+        ids[11] = (int(ids[11]) + 1) % 60
+        ids.tofile(d / "train.src.bin")
+
     def decreasing(d):
         idx = np.fromfile(d / "train.src.idx", dtype=np.int64)
         idx[5], idx[6] = idx[6], idx[5]
@@ -405,6 +412,7 @@ def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path,
     cases = [(big_id("train", "tgt", 37), "train.tgt.bin: pair 37 holds id 67, beyond the tgt vocabulary's 60"),
              (big_id("dev", "src", 3), "dev.src.bin: pair 3 holds id 67"),
              (decreasing, "train.src.idx: the offsets decrease at pair 5"),
+             (within_vocabulary, "train.src.bin: its bytes are not those written by `dtmt prepare binarize`"),
              (pairs_as_text, "corpus.json: malformed")]
     for i, (edit, message) in enumerate(cases):
         data = corrupt(f"bad{i}", edit)

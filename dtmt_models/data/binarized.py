@@ -8,13 +8,20 @@ A prepared corpus directory DIR (dtmt_models.data.corpus) gets one binarized cop
     DIR/bin-<type><size>/          e.g. DIR/bin-bpe4000 (`--vocab-type bpe --vocab-size 4000`)
         binarized.json             the manifest, written last: format, vocabulary settings and sizes, the sample
                                    (size, seed, of how many pairs), the token dtype, and per split the number of
-                                   pairs and tokens, the pairs empty after segmentation, the longest pair, and
-                                   each text file's size, modification time and SHA-1
+                                   pairs and tokens, the pairs empty after segmentation, the longest pair, each
+                                   text file's size, modification time and SHA-1, and the SHA-1 of each of its
+                                   four shard files ("shards")
         src.model, tgt.model       the SentencePiece models (the bytes that go into checkpoints)
         {split}.src.bin            the source token ids of the split, one pair after the other, no separators:
         {split}.tgt.bin            uint16 where the vocabulary has at most 65,536 pieces, else uint32
         {split}.src.idx            int64 offsets into the .bin file, one more than the split has pairs:
         {split}.tgt.idx            pair i is bin[idx[i]:idx[i + 1]]
+
+The shards' checksums are verified whenever a run opens the corpus for training (BinarizedSplit.verify, which
+reads every byte anyway to check offsets and ids): a shard whose bytes changed after it was written, within the
+vocabulary or not, is refused before the first update. The rule is "every byte, every run" rather than "when size
+or time change" because the time says nothing of a bit flipped on the disk; at 5 M pairs (680 MB of shards) the
+whole check costs about half a second (benchmarks/bench_corpus_verify.py).
 
 `binarize` builds it in a hidden temporary directory that becomes DIR/bin-... by one rename once everything is
 written, so an interrupted run leaves nothing a reader would accept (the next run removes the leftover).
@@ -52,7 +59,7 @@ from dtmt_models.data.corpus import (CorpusError, Problems, count_mismatch, deco
                                     scan_file)
 from dtmt_models.data.vocabulary import Vocabulary
 
-FORMAT = 1
+FORMAT = 2   # 2: the shards' SHA-1 in the manifest (a format-1 copy is rebuilt by the next `dtmt train`)
 MANIFEST = "binarized.json"
 DEFAULT_SAMPLE = 1_000_000   # sentences per side that SentencePiece is trained on
 DEFAULT_SEED = 1
@@ -86,8 +93,10 @@ class BinarizedSplit:
     size over an epoch, while the page cache that reads fill is not the process's memory. `memmap(side)` maps
     the same files for tools that want numpy arrays."""
 
-    def __init__(self, directory: str, split: str, dtype: np.dtype, n: int):
-        self.n, self.dtype = n, np.dtype(dtype)
+    def __init__(self, directory: str, split: str, dtype: np.dtype, n: int, shards: Optional[Dict[str, str]] = None):
+        """`shards`: the SHA-1 of each file ("src.bin", "src.idx", "tgt.bin", "tgt.idx") as the manifest records
+        them, for verify() to compare (None: not compared)."""
+        self.n, self.dtype, self.shards = n, np.dtype(dtype), shards
         self._paths = {side: (os.path.join(directory, f"{split}.{side}.bin"),
                               os.path.join(directory, f"{split}.{side}.idx")) for side in SIDES}
         self._fds: List[int] = []
@@ -139,26 +148,30 @@ class BinarizedSplit:
     def verify(self, vocab_sizes: Sequence[int], chunk: int = 1 << 22) -> None:
         """The whole split checked before training reads any of it (issue 71 item 4): each side's offsets start at
         0 and never decrease (so every pair lies inside its file, whose length the last offset is: checked when the
-        split opens), and every id is below its vocabulary's size. Read in chunks of `chunk` values with plain reads
-        (no mapping: the memory stays flat), vectorised: about a second per GB of ids. CorpusError naming the file
-        and the pair."""
+        split opens), every id is below its vocabulary's size, and each file's SHA-1 is the one recorded when it
+        was written (when the split was opened with `shards`). Read in chunks of `chunk` values with plain reads
+        (no mapping: the memory stays flat), vectorised and hashed as read: about 0.1 s per 100 MB. CorpusError
+        naming the file (and the pair where there is one)."""
+        rebuild = "rebuild the binarized corpus with `dtmt prepare binarize`"
         for k, side in enumerate(SIDES):
             bin_path, idx_path = self._paths[side]
+            digest = hashlib.sha1()
             with open(idx_path, "rb") as f:
                 prev = np.fromfile(f, dtype=np.int64, count=1)
                 if len(prev) != 1 or prev[0] != 0:
-                    raise CorpusError(f"{idx_path}: the first offset is not 0; rebuild the binarized corpus with "
-                                      f"`dtmt prepare binarize`")
+                    raise CorpusError(f"{idx_path}: the first offset is not 0; {rebuild}")
+                digest.update(prev)
                 done = 0
                 while done < self.n:
                     block = np.fromfile(f, dtype=np.int64, count=min(chunk, self.n - done))
                     steps = np.diff(np.concatenate((prev, block)))
                     if (steps < 0).any():
                         raise CorpusError(f"{idx_path}: the offsets decrease at pair {done + int(np.argmax(steps < 0))}"
-                                          f" (a corrupt index); rebuild the binarized corpus with `dtmt prepare "
-                                          f"binarize`")
+                                          f" (a corrupt index); {rebuild}")
+                    digest.update(block)
                     prev, done = block[-1:], done + len(block)
-            limit, start = vocab_sizes[k], 0
+            self._compare(digest, f"{side}.idx", idx_path, rebuild)
+            limit, start, digest = vocab_sizes[k], 0, hashlib.sha1()
             with open(bin_path, "rb") as f:
                 while True:
                     ids = np.fromfile(f, dtype=self.dtype, count=chunk)
@@ -169,9 +182,16 @@ class BinarizedSplit:
                         offsets = self.memmap(side)[1]
                         pair = int(np.searchsorted(offsets, where, side="right")) - 1
                         raise CorpusError(f"{bin_path}: pair {pair} holds id {int(ids.max())}, beyond the {side} "
-                                          f"vocabulary's {limit} (a corrupt or mismatched corpus); rebuild it with "
-                                          f"`dtmt prepare binarize`")
+                                          f"vocabulary's {limit} (a corrupt or mismatched corpus); {rebuild}")
+                    digest.update(ids)
                     start += len(ids)
+            self._compare(digest, f"{side}.bin", bin_path, rebuild)
+
+    def _compare(self, digest, name: str, path: str, rebuild: str) -> None:
+        if self.shards is not None and digest.hexdigest() != self.shards.get(name):
+            raise CorpusError(f"{path}: its bytes are not those written by `dtmt prepare binarize` (SHA-1 "
+                              f"{digest.hexdigest()[:12]}, recorded {str(self.shards.get(name))[:12]}: changed or "
+                              f"corrupted on disk since); {rebuild}")
 
     def pair(self, i: int) -> Tuple[List[int], List[int]]:
         if not 0 <= i < self.n:
@@ -214,9 +234,11 @@ class BinarizedCorpus:
         splits = self.manifest["splits"]
         if (self.manifest["dtype"] not in ("uint16", "uint32") or not isinstance(splits, dict) or not all(
                 isinstance(v, dict) and isinstance(v.get("pairs"), int) and not isinstance(v["pairs"], bool)
-                and v["pairs"] >= 0 for v in splits.values())):
-            raise CorpusError(f"{manifest}: malformed (dtype uint16 or uint32, splits {{name: {{\"pairs\": count}}}} "
-                              f"expected); rebuild it with `dtmt prepare binarize`")
+                and v["pairs"] >= 0 and isinstance(v.get("shards"), dict)
+                and all(isinstance(v["shards"].get(f"{side}.{ext}"), str) for side in SIDES for ext in ("bin", "idx"))
+                for v in splits.values())):
+            raise CorpusError(f"{manifest}: malformed (dtype uint16 or uint32, splits {{name: {{\"pairs\": count, "
+                              f"\"shards\": {{file: SHA-1}}}}}} expected); rebuild it with `dtmt prepare binarize`")
         self.dtype = np.dtype(self.manifest["dtype"])
         self.protos = []
         for side in SIDES:
@@ -234,7 +256,8 @@ class BinarizedCorpus:
     def split(self, name: str) -> BinarizedSplit:
         if name not in self.manifest["splits"]:
             raise CorpusError(f"{self.path}: no split {name!r}; splits: {self.splits}")
-        return BinarizedSplit(self.path, name, self.dtype, self.manifest["splits"][name]["pairs"])
+        info = self.manifest["splits"][name]
+        return BinarizedSplit(self.path, name, self.dtype, info["pairs"], info["shards"])
 
     def stale(self, corpus_dir: str) -> List[str]:
         """What of `corpus_dir` is not what this was made from: its languages or splits (corpus.json), or text files
@@ -404,7 +427,7 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
             stats = _encode_split(texts[split], tmp, split, protos, dtype, workers)
             split_info[split] = {
                 "pairs": stats["pairs"], "tokens": stats["tokens"], "empty_after_segmentation": stats["empty"],
-                "longest": stats["longest"],
+                "longest": stats["longest"], "shards": stats["shards"],
                 "text": {side: {k: texts[split][side][k] for k in ("file", "bytes", "mtime_ns", "sha1")}
                          for side in SIDES}}
             dt = time.perf_counter() - t0
@@ -568,9 +591,11 @@ def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Seque
     files = [open(os.path.join(out_dir, f"{split}.{s}.bin"), "wb") for s in SIDES]
     idx = [open(os.path.join(out_dir, f"{split}.{s}.idx"), "wb") for s in SIDES]
     offsets = [0, 0]
+    digests = {f"{side}.{ext}": hashlib.sha1() for side in SIDES for ext in ("bin", "idx")}
     try:
-        for f in idx:
+        for f, side in zip(idx, SIDES):
             np.zeros(1, np.int64).tofile(f)
+            digests[f"{side}.idx"].update(np.zeros(1, np.int64))
         for result in _map_chunks(chunks, paths, protos, dtype, workers):
             problems.merge(result["problems"])
             stats["cache_exact"] &= result["cache_exact"]
@@ -578,8 +603,11 @@ def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Seque
                 continue   # keep reading to count and list them, write nothing more
             for s, side in enumerate(SIDES):
                 ids, lens = result["ids"][s], result["lengths"][s]
+                ends = offsets[s] + np.cumsum(lens, dtype=np.int64)
                 ids.tofile(files[s])
-                (offsets[s] + np.cumsum(lens, dtype=np.int64)).tofile(idx[s])
+                ends.tofile(idx[s])
+                digests[f"{side}.bin"].update(np.ascontiguousarray(ids))
+                digests[f"{side}.idx"].update(ends)
                 offsets[s] += int(lens.sum())
                 stats["tokens"][side] += int(lens.sum())
                 if len(lens):
@@ -590,6 +618,7 @@ def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Seque
         for f in files + idx:
             f.close()
     problems.raise_if_any(f"parallel corpus ({split})")
+    stats["shards"] = {name: d.hexdigest() for name, d in digests.items()}
     return stats
 
 

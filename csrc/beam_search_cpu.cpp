@@ -264,6 +264,10 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       std::fill(new_scores.begin(), new_scores.end(), neg_inf);
       std::fill(new_origin.begin(), new_origin.end(), 0);
       std::fill(new_word.begin(), new_word.end(), eos);
+      // a NaN candidate comes first (at::topk ranks NaN above every number; top_candidates hands NaN to it), as
+      // does +inf: the model overflowed, and ranking on would give garbage (and NaN breaks the sort below)
+      TORCH_CHECK_VALUE(ts[i * K] < std::numeric_limits<float>::infinity(), "rnmt_beam_search: ", kNonFiniteScore,
+                        " (", ts[i * K], ") at step ", t, " of sentence ", b, " of the batch");
       int64_t k = 0;
       std::vector<Hyp>& done = finished[b];
       for (int64_t c = 0; c < K; ++c) {

@@ -19,6 +19,12 @@ namespace dtmt {
 // 2 * source + 10; 16,384 leaves room for documents translated whole.
 constexpr int64_t kMaxSearchSteps = 16384;
 
+// The words that start the error of a search whose model scored a candidate NaN or +inf (its weights or activations
+// overflow float32): the search stops with a ValueError instead of ranking garbage. Python's beam search
+// (dtmt_models/decoding/beam_search.py, NON_FINITE_SCORE) raises the same words and recognises them in this op's
+// error.
+constexpr const char* kNonFiniteScore = "the model gave a non-finite score";
+
 // One direction's (or one cell's) weights against its cell kind: w_hh [n_h*H, H] (int8 rows: [n_h*H, H + 4]) gives
 // H; w_ih [n_in*H, I] (int8: I + 4; I unchecked where input_size < 0); b_ih [n_in*H] and b_hh [n_h*H] or empty;
 // ln_w and ln_b both empty or both [g*H]; the T-GRUs' t_w [D, 3H, H] (int8: H + 4) with t_b [D, 3H], or both empty;

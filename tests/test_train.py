@@ -422,6 +422,40 @@ def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path,
         assert not out.exists()
 
 
+def test_a_diverged_run_stops_in_one_line_without_saving_nan_weights(tmp_path, capsys):
+    """--lr 1e30: the first update makes the weights overflow. The run stops at the next loss (training's, or the
+    dev loss when a validation comes first) with exit 1 and one line saying so, and writes no checkpoint of the
+    non-finite weights; a resumable last.pt of an earlier validation stays as it was. (It trained on in NaN
+    and saved them, and translating them gave empty lines.)"""
+    import torch
+
+    data = make_toy_corpus(tmp_path / "c", n_train=200, n_dev=20, n_test=0)
+    for valid_every, what in (("1", "the dev loss is nan at update 1"), ("5", "the training loss is nan at update 2")):
+        out = tmp_path / f"run{valid_every}"
+        r = train_here(["--data", data, "--out", str(out), "--max-steps", "6", "--valid-every", valid_every,
+                        "--lr", "1e30", *TINY], capsys)
+        assert r.returncode == 1 and r.stderr == (
+            f"dtmt train: {what}: the run diverged and stops without saving it (nothing was saved); a new run with "
+            f"a lower --lr, a longer --warmup or --clip may not\n"), r.stderr
+        assert not (out / "last.pt").exists() and not (out / "best.pt").exists()
+    # diverging after a validation: a run resumed from a last.pt whose Adam moments are huge but finite (they pass
+    # the resume checks) overflows at its first update; last.pt keeps the update it was saved at, as it was
+    out = tmp_path / "later"
+    assert train_here(["--data", data, "--out", str(out), "--max-steps", "2", "--valid-every", "2", *TINY],
+                      capsys).returncode == 0
+    last = torch.load(out / "last.pt", weights_only=True)
+    for state in last["training"]["optimizer"]["state"].values():
+        state["exp_avg"].fill_(1e30)
+    torch.save(last, out / "last.pt")
+    before = (out / "last.pt").read_bytes()
+    r = train_here(["--data", data, "--resume", str(out), "--max-steps", "6"], capsys)
+    assert r.returncode == 1 and r.stderr == (
+        f"dtmt train: the training loss is nan at update 4: the run diverged and stops without saving it "
+        f"({out / 'last.pt'} keeps update 2); a new run with a lower --lr, a longer --warmup or --clip may not\n"
+    ), r.stderr
+    assert (out / "last.pt").read_bytes() == before
+
+
 def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_changes(tmp_path, capsys):
     data = make_toy_corpus(tmp_path / "c", n_train=200, n_dev=0, n_test=0)
     args = ["--max-steps", "2", "--overwrite", *TINY]

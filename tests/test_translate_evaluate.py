@@ -657,3 +657,54 @@ def test_checkpoint_roundtrip_gives_same_translations(system):
     model, sv, tv, ckpt = system
     loaded, lsv, ltv, _ = load_model(ckpt)
     assert translate_best(loaded, lsv, ltv, INPUTS, beam=2) == translate_best(model, sv, tv, INPUTS, beam=2)
+
+
+def test_a_model_that_overflows_is_an_error_not_empty_lines(system, tmp_path, capsys):
+    """Finite weights that overflow float32 in the sums (a source word's embedding row x 1e38: every sentence with
+    that word scores NaN; the others are fine) stop decoding with NonFiniteScores naming the input sentence and
+    the step, in the fused C++ search, the Python loop, the int8 decoder and an ensemble; `dtmt translate` and
+    `dtmt evaluate` say so in one line with exit status 1 and write nothing. (Before issue 71 the NaN candidates
+    were ranked: translations empty or arbitrary, exit 0, BLEU without a word.)"""
+    import copy
+
+    from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search
+    from dtmt_models.decoding.ensemble import Ensemble
+
+    model, sv, tv, _ = system
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.src_embed.embed.weight[sv.encode("sol")[-1]] *= 1e38
+    assert all(bool(p.isfinite().all()) for p in broken.parameters())   # (what load_model checks passes)
+    sentences = ["el perro come pan", "hace frío", "el sol brilla", "la casa"]
+    good = translate(model, sv, tv, sentences, beam=2)
+    assert all(hyps[0][0] for hyps in good)
+    decoders = {"fused": None, "int8": broken.inference_decoder(int8=True), "ensemble": Ensemble([broken, model])}
+    for name, decoder in decoders.items():
+        with pytest.raises(NonFiniteScores, match=r"non-finite score \(nan\) at step 0 of sentence 3: its weights"):
+            translate(broken if name != "ensemble" else decoder, sv, tv, sentences, beam=2,
+                      decoder=decoder if name == "int8" else None)
+    # the Python loop and the C++ search stop at the same step and sentence of a batch
+    rows = [sv.encode("el perro"), sv.encode("el sol")]
+    width = max(map(len, rows))
+    src = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    lengths = torch.tensor([len(r) for r in rows])
+    where = []
+    for fused in (True, False):
+        with pytest.raises(NonFiniteScores) as exc:
+            beam_search(broken, src, lengths, beam=3, fused=fused)
+        where.append((exc.value.step, exc.value.sentence))
+    assert where == [(0, 1), (0, 1)]
+    # the command line: one line, exit 1, nothing written
+    options = dict(embed_dim=16, hidden_size=16, depth=1, heads=2, dropout=0.0, candidate_dropout=0.0)
+    ckpt = save_model(tmp_path / "broken.pt", "dtmt", options, sv, tv, broken)
+    (tmp_path / "in.es").write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    (tmp_path / "ref.en").write_text("\n".join(["the dog eats bread"] * 4) + "\n", encoding="utf-8")
+    for command in (["translate", str(tmp_path / "in.es"), "-o", str(tmp_path / "out.en")],
+                    ["evaluate", "--src", str(tmp_path / "in.es"), "--ref", str(tmp_path / "ref.en"), "--out-dir",
+                     str(tmp_path / "scores")]):
+        assert cli.main(command + ["-c", ckpt, "--quiet"]) == 1, command
+        err = capsys.readouterr().err
+        assert err == (f"dtmt {command[0]}: the model gave a non-finite score (nan) at step 0 of sentence 3: its "
+                       f"weights or activations overflow float32 (a diverged or damaged checkpoint?)\n"), err
+    assert not (tmp_path / "out.en").exists()
+    assert not (tmp_path / "scores").exists() or not os.listdir(tmp_path / "scores")

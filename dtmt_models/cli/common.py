@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 import torch
 
 from dtmt_models.atomic import atomic_write
+from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.errors import UsageError, check_input_file, one_line
 from dtmt_models.progress import Progress
@@ -143,7 +144,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True) 
 
 
 def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
-                errors: Tuple[type, ...] = (InputError,)) -> int:
+                errors: Tuple[type, ...] = (InputError, NonFiniteScores)) -> int:
     """run(args) as a decoding command's main: an error a user can cause is one `prog: message` line on stderr and
     exit status 2 for an option that cannot work (UsageError, SPEC §6), 1 for the others (`errors`: what the data
     or the system refused while working); Ctrl-C `prog: interrupted` and 130."""

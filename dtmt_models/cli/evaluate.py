@@ -38,6 +38,7 @@ from dtmt_models.decoding.evaluate import (
     plot_bleu_by_length,
     rows_to_csv,
 )
+from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file, one_line
 
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return run_command(PROG, _run, build_parser().parse_args(argv), errors=(InputError, CorpusError))
+    return run_command(PROG, _run, build_parser().parse_args(argv), errors=(InputError, CorpusError, NonFiniteScores))
 
 
 def _parse_bounds(text: str) -> List[int]:

@@ -29,7 +29,7 @@ from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist, resolve_auto, world_size
-from dtmt_models.training.trainer import CONFIG, LAST, Trainer
+from dtmt_models.training.trainer import CONFIG, LAST, Trainer, TrainingDiverged
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
@@ -429,7 +429,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             held.release(discard=True)
         print(f"dtmt train: {exc}", file=sys.stderr)
         return 2
-    except WriteError as exc:   # a checkpoint, log or figure: full disk, read-only directory
+    except (WriteError, TrainingDiverged) as exc:   # a checkpoint, log or figure unwritable (full disk, read-only
+        # directory); a loss that became NaN
         print(f"dtmt train: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started

@@ -20,6 +20,10 @@ FusedRNMTDecoder(step_tables=False); by default its steps read tables made once 
 recomputing their products, the same search up to the rounding of those sums.
 `fused=False` keeps the loop here.
 
+A model that scores a candidate NaN or +inf (weights that are finite but overflow float32 in its sums) stops the
+search with NonFiniteScores naming the step and sentence, in the loop here and in the fused search alike: ranked
+on, NaN scores gave empty or arbitrary translations without a word (issue 71 item 3).
+
 A model in training mode is decoded in eval mode (no dropout), and each of its modules is left in the mode it
 had (`eval_mode`). PAD (the model's `pad_id`) and BOS are never chosen (fairseq masks PAD too): their
 log-probabilities are -inf before the candidates are ranked.
@@ -30,6 +34,7 @@ import contextlib
 import math
 import numbers
 import operator
+import re
 from dataclasses import dataclass
 from typing import Iterator, List, Tuple, Union
 
@@ -47,6 +52,28 @@ class Hypothesis:
 
 
 NEG_INF = float("-inf")
+INF = float("inf")
+# the words that start the error (csrc/op_checks.h's kNonFiniteScore, which the fused search raises)
+NON_FINITE_SCORE = "the model gave a non-finite score"
+
+
+class NonFiniteScores(ArithmeticError):
+    """The model scored a candidate NaN or +inf while decoding: its weights or activations overflow. `step` and
+    `sentence` (the sentence's place in the batch) say where; `translate` names the input sentence instead."""
+
+    def __init__(self, score: float, step: int, sentence: int, where: str = ""):
+        self.score, self.step, self.sentence = score, step, sentence
+        super().__init__(f"{NON_FINITE_SCORE} ({score}) at step {step} of "
+                         f"{where or f'sentence {sentence} of the batch'}: its weights or activations overflow "
+                         f"float32 (a diverged or damaged checkpoint?)")
+
+    @classmethod
+    def from_op(cls, exc: ValueError) -> "NonFiniteScores":
+        """The fused search's error (csrc/beam_search_cpu.cpp: "... (score) at step t of sentence b ...")."""
+        m = re.search(r"\(([^)]*)\) at step (\d+) of sentence (\d+)", str(exc))
+        if m is None:
+            raise exc
+        return cls(float(m.group(1)), int(m.group(2)), int(m.group(3)))
 
 
 def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Tensor]:
@@ -128,8 +155,13 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
         max_len = max_len.clamp_max(most)
     search = getattr(model, "search", None) if fused else None
     if search is not None:
-        return [[Hypothesis(*h) for h in hyps[:nbest]]
-                for hyps in search(state, beam, alpha, max_len, early_stop=early_stop, nbest=nbest)]
+        try:
+            found = search(state, beam, alpha, max_len, early_stop=early_stop, nbest=nbest)
+        except ValueError as exc:
+            if NON_FINITE_SCORE not in str(exc):
+                raise
+            raise NonFiniteScores.from_op(exc) from None
+        return [[Hypothesis(*h) for h in hyps[:nbest]] for hyps in found]
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
     scores = torch.full((B, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0                                   # all beams start identical: keep one
@@ -167,6 +199,8 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
         next_scores: List[float] = []
         still: List[int] = []
         for i, b in enumerate(active):
+            if not top_scores[i][0] < INF:   # NaN comes first (topk ranks it above every number), as does +inf
+                raise NonFiniteScores(top_scores[i][0], t, b)
             new_scores, new_origin, new_word = [NEG_INF] * beam, [0] * beam, [EOS] * beam
             k = 0
             for s, j in zip(top_scores[i], top_idx[i]):

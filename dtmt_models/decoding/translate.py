@@ -40,7 +40,7 @@ import torch
 
 from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
-from dtmt_models.decoding.beam_search import beam_search, check_search_arguments, eval_mode
+from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search, check_search_arguments, eval_mode
 
 PROG = "dtmt translate"
 T = TypeVar("T")
@@ -100,7 +100,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     vocabulary give one `UnknownPiecesWarning` per call (the model would otherwise invent a fluent sentence
     without a word of notice). `decoder`: `model.inference_decoder()` built by a caller that translates many times
     with unchanging weights (a server); None builds it here, once per call. `early_stop`: beam_search's (a
-    sentence ends once it has `beam` finished hypotheses)."""
+    sentence ends once it has `beam` finished hypotheses). A model that scores NaN or +inf raises NonFiniteScores
+    naming the sentence (1-based, in `sentences`) and the step."""
     check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
@@ -150,8 +151,12 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
             # the padded rows as one list (PAD = 0): one tensor made, not one row written at a time
             src = torch.tensor([ids[j] + [0] * (width - len(ids[j])) for j in batch], dtype=torch.long)
             lengths = torch.tensor([len(ids[j]) for j in batch], dtype=torch.long)
-            hyps = beam_search(decoder, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
-                               max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop)
+            try:
+                hyps = beam_search(decoder, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
+                                   max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop)
+            except NonFiniteScores as exc:   # named by its place in `sentences`, not in the batch
+                raise NonFiniteScores(exc.score, exc.step, exc.sentence,
+                                      f"sentence {todo[batch[exc.sentence]] + 1}") from None
             for j, sentence_hyps in zip(batch, hyps):
                 results[todo[j]] = [(tgt_vocab.decode(h.tokens), float(h.score)) for h in sentence_hyps]
             done += len(batch)

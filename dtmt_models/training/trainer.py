@@ -45,6 +45,7 @@ from dtmt_models.data import binarized
 from dtmt_models.data.batching import Batches, collate, kept_indices, length_dtype, token_batches
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
 from dtmt_models.data.vocabulary import Vocabulary
+from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import check_training_state, save_checkpoint
 from dtmt_models.models.registry import build_model
@@ -204,6 +205,11 @@ def is_better(best_by: str, loss: float, bleu: float, best_loss: float, best_ble
     return bleu > best_bleu or (bleu == best_bleu and loss < best_loss)
 
 
+class TrainingDiverged(ArithmeticError):
+    """The training loss (summed over the processes) or the dev decoding became NaN or infinite: the run stops at
+    once, without saving the non-finite weights (last.pt and best.pt keep the last state saved before)."""
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, dist: Dist, ckpt: Optional[dict] = None, resumed_from: Optional[str] = None,
                  ckpt_path: Optional[str] = None):
@@ -291,6 +297,7 @@ class Trainer:
         torch.manual_seed(cfg.seed * 7919 + 1 + dist.rank)   # dropout streams differ per process
         if ckpt is not None:
             self._restore(ckpt)
+        self._saved_step = self.step if ckpt is not None else None   # the update last.pt holds (in its folder)
         carried = (ckpt is not None and resumed_from is not None
                    and os.path.abspath(resumed_from) != os.path.abspath(self.out))
         if carried and dist.main and os.path.isfile(os.path.join(resumed_from, BEST)):
@@ -406,6 +413,7 @@ class Trainer:
         payload = self.payload(full=True)     # every rank takes part in gathering the random states
         if self.dist.main:
             save_checkpoint(os.path.join(self.out, LAST), payload)
+        self._saved_step = self.step
 
     # ---------------------------------------------------------------------------------------- training
     def epoch_batches(self) -> Batches:
@@ -476,6 +484,8 @@ class Trainer:
                     self.step += 1
                     local_stop = 1.0 if self._signal else 0.0
                     loss, nll, ntok, stop = self.dist.sum([loss, nll, ntok, local_stop])
+                    if not math.isfinite(loss):   # (every process sees the same sum: all stop here)
+                        raise TrainingDiverged(self._diverged(f"the training loss is {loss} at update {self.step:,}"))
                     dt = time.perf_counter() - t0
                     self.elapsed += dt
                     w = self.log_window = [a + b for a, b in zip(self.log_window, (loss, nll, ntok, dt))]
@@ -549,8 +559,15 @@ class Trainer:
             n = self.cfg.bleu_sentences or len(self.dev_pairs)
             sources = [s for s, _ in self.dev_pairs[:n]]
             refs = [t for _, t in self.dev_pairs[:n]]
-            hyps = translate_best(self.model, self.src_vocab, self.tgt_vocab, sources, beam=self.cfg.valid_beam,
-                                  alpha=0.6, device=self.device)
+            try:
+                hyps = translate_best(self.model, self.src_vocab, self.tgt_vocab, sources, beam=self.cfg.valid_beam,
+                                      alpha=0.6, device=self.device) if math.isfinite(loss) else None
+            except NonFiniteScores as exc:
+                hyps, loss = None, f"finite, but decoding dev {str(exc).split(': its weights')[0]}"
+            if hyps is None:   # told to every process, which all stop
+                decision = self._diverged(f"the dev loss is {loss} at update {self.step:,}")
+                self.dist.broadcast(decision)
+                raise TrainingDiverged(decision)
             scores = corpus_scores(hyps, refs)
             bleu, chrf = scores["bleu"], scores["chrf"]
             improved = is_better(self.cfg.best_by, loss, bleu, self.best_loss, self.best_bleu)
@@ -573,6 +590,8 @@ class Trainer:
                      f"{time.perf_counter() - t0:.0f}s")
             decision = (stop, self.best_bleu, self.best_loss, self.bad_validations)
         decision = self.dist.broadcast(decision)
+        if isinstance(decision, str):
+            raise TrainingDiverged(decision)
         self.save_last()
         if decision is None:
             return False
@@ -581,6 +600,14 @@ class Trainer:
             self.stop_reason = f"no better dev {self.best_by_name()} in {self.cfg.patience} validations (early stopping)"
             self.stopped_early_by = self.cfg.best_by
         return stop
+
+    def _diverged(self, what: str) -> str:
+        """TrainingDiverged's message: what became non-finite, what to change, what is kept."""
+        last = os.path.join(self.out, LAST)
+        kept = (f"{last} keeps update {self._saved_step:,}" if self._saved_step is not None and os.path.isfile(last)
+                else "nothing was saved")
+        return (f"{what}: the run diverged and stops without saving it ({kept}); a new run with a lower --lr, a "
+                f"longer --warmup or --clip may not")
 
     def best_description(self) -> str:
         if self.best_loss == math.inf:

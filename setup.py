@@ -17,6 +17,8 @@ compiler's default target.
 vector blends: without it none of the per-feature loops that call them vectorises (GCC 12 reports "control
 flow in loop"). The kernels never read floating-point exception flags, so nothing else changes.
 DTMT_DEBUG=1 compiles with debug information (-g; without it -g0 overrides the -g of Python's flags).
+DTMT_SANITIZE=address compiles with AddressSanitizer and UndefinedBehaviorSanitizer (-O1 -g, every undefined
+behaviour fatal): `.ci/sanitize` builds such a copy apart and runs the kernel and fuzz tests against it.
 DTMT_PHASE_TIMERS=1 compiles in the decoding search's phase timers (csrc/phase_timers.h; read by
 benchmarks/bench_step_phases.py); without it they are empty statements.
 """
@@ -49,11 +51,25 @@ def cpu_isas():
     return {"baseline": []}
 
 
+def sanitizers():
+    """The flags of DTMT_SANITIZE (compiling and linking): none, or AddressSanitizer + UndefinedBehaviorSanitizer.
+    (vptr is left out: torch's classes come from libraries built without it.)"""
+    kind = os.environ.get("DTMT_SANITIZE", "")
+    if kind in ("", "0"):
+        return []
+    if kind != "address":
+        raise SystemExit(f"DTMT_SANITIZE={kind}: only 'address' (AddressSanitizer + UndefinedBehaviorSanitizer) exists")
+    return ["-fsanitize=address,undefined", "-fno-sanitize=vptr", "-fno-sanitize-recover=all"]
+
+
 def base_cxx_flags():
-    flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
+    sanitize = sanitizers()
+    flags = ["-O1" if sanitize else "-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math"]
     # Python's own flags carry -g: debug information for torch's headers takes a quarter of the compile time and
-    # most of the library's size; DTMT_DEBUG=1 keeps it
-    flags.append("-g" if _flag("DTMT_DEBUG") else "-g0")
+    # most of the library's size; DTMT_DEBUG=1 keeps it (and a sanitized build, for its reports' line numbers)
+    flags.append("-g" if _flag("DTMT_DEBUG") or sanitize else "-g0")
+    if sanitize:
+        flags += sanitize + ["-fno-omit-frame-pointer"]
     if _flag("DTMT_PHASE_TIMERS"):
         flags.append("-DDTMT_PHASE_TIMERS")
     if _flag("DTMT_NATIVE"):
@@ -125,7 +141,7 @@ def extension():
         # rebuild when a header or a copied source changes, not only the sources above
         depends=sorted(glob.glob(os.path.join("csrc", "*.h")) + glob.glob(os.path.join("csrc", "*.cuh")) +
                        glob.glob(os.path.join("csrc", "isa", "*"))),
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp"] + sanitizers(),
     )
     if with_cuda:
         macros = kwargs["define_macros"] + [("DTMT_WITH_CUDA", "1")]

@@ -122,7 +122,8 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
   const int64_t B = s0.size(0);
   TORCH_CHECK(annotations0.size(0) == B && keys0.size(0) == B && src_mask0.size(0) == B && max_len.size(0) == B,
               "dtmt._C.rnmt_beam_search: the state's tensors and max_len must have the same batch size");
-  TORCH_CHECK(beam >= 1, "dtmt._C.rnmt_beam_search: beam must be >= 1, got ", beam);
+  TORCH_CHECK(beam >= 1 && beam <= kMaxBeam, "dtmt._C.rnmt_beam_search: beam must be in [1, ", kMaxBeam, "], got ",
+              beam);
   const int64_t nbest = nbest_given.value_or(beam);
   TORCH_CHECK(nbest >= 1 && nbest <= beam, "dtmt._C.rnmt_beam_search: need 1 <= nbest <= beam, got nbest=", nbest,
               ", beam=", beam);
@@ -266,7 +267,7 @@ std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tenso
       std::fill(new_word.begin(), new_word.end(), eos);
       // a NaN candidate comes first (at::topk ranks NaN above every number; top_candidates hands NaN to it), as
       // does +inf: the model overflowed, and ranking on would give garbage (and NaN breaks the sort below)
-      TORCH_CHECK_VALUE(ts[i * K] < std::numeric_limits<float>::infinity(), "rnmt_beam_search: ", kNonFiniteScore,
+      TORCH_CHECK_VALUE(ts[i * K] < std::numeric_limits<float>::infinity(), "dtmt._C.rnmt_beam_search: ", kNonFiniteScore,
                         " (", ts[i * K], ") at step ", t, " of sentence ", b, " of the batch");
       int64_t k = 0;
       std::vector<Hyp>& done = finished[b];

@@ -18,6 +18,10 @@ namespace dtmt {
 // search that runs until killed. The embedded corpus' longest target is ~100 subwords and the usual rule is
 // 2 * source + 10; 16,384 leaves room for documents translated whole.
 constexpr int64_t kMaxSearchSteps = 16384;
+// The widest beam a search takes: its memory grows with beam x batch x vocabulary, and beams past a few dozen
+// translate worse, not better; a bound stated so that a wrong beam is an error, not an allocation that a large
+// machine may grant (beam_search.py's MAX_BEAM states the same one).
+constexpr int64_t kMaxBeam = 1024;
 
 // The words that start the error of a search whose model scored a candidate NaN or +inf (its weights or activations
 // overflow float32): the search stops with a ValueError instead of ranking garbage. Python's beam search

@@ -117,6 +117,7 @@ def server(system):
     (["--max-wait-ms", "nan"], "--max-wait-ms must be a finite number >= 0, got nan"),
     (["--read-timeout", "0"], "--read-timeout must be a finite number > 0, got 0.0"),
     (["--beam", "0"], "--beam must be >= 1, got 0"),
+    (["--beam", "2000"], "--beam must be <= 1024, got 2000"),
 ])
 def test_bad_options_exit_2_before_listening(system, capsys, flags, message):
     """SPEC §6: an option that cannot work is one line and exit status 2, and no server starts."""

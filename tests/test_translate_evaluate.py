@@ -179,7 +179,8 @@ def test_decoding_leaves_each_module_in_its_mode_and_searches_in_eval_mode(syste
     (dict(max_len_b=-5), "max_len_b must be an integer >= 0"),
     (dict(max_len_b=2.5), "max_len_b must be an integer >= 0"),
     (dict(beam=2.5), "beam and nbest must be integers"),
-    (dict(beam=2, nbest=3), "need beam >= 1 and 1 <= nbest <= beam"),
+    (dict(beam=2, nbest=3), "need 1 <= beam <= 1024 and 1 <= nbest <= beam"),
+    (dict(beam=1025), "need 1 <= beam <= 1024 "),
 ])
 def test_search_arguments_are_checked(system, kwargs, message):
     """NaN / inf alpha ranked by NaN scores; an infinite max_len_a overflowed to a negative bound and returned EOS

@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 import torch
 
 from dtmt_models.atomic import atomic_write
-from dtmt_models.decoding.beam_search import NonFiniteScores
+from dtmt_models.decoding.beam_search import MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.errors import UsageError, check_input_file, one_line
 from dtmt_models.progress import Progress
@@ -166,6 +166,8 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
     for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0), ("threads", 0)):
         if getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.beam > MAX_BEAM:
+        raise UsageError(f"--beam must be <= {MAX_BEAM}, got {args.beam}")
     if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too
         raise UsageError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
     if args.max_len_a == 0 and args.max_len_b == 0:

@@ -53,6 +53,7 @@ class Hypothesis:
 
 NEG_INF = float("-inf")
 INF = float("inf")
+MAX_BEAM = 1024   # the widest beam (csrc/op_checks.h's kMaxBeam: memory grows with it, quality does not)
 # the words that start the error (csrc/op_checks.h's kNonFiniteScore, which the fused search raises)
 NON_FINITE_SCORE = "the model gave a non-finite score"
 
@@ -116,8 +117,8 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> Tuple[in
         beam, nbest = operator.index(beam), operator.index(nbest)
     except TypeError:
         raise ValueError(f"beam and nbest must be integers, got beam={beam!r}, nbest={nbest!r}") from None
-    if beam < 1 or not 1 <= nbest <= beam:
-        raise ValueError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
+    if not 1 <= beam <= MAX_BEAM or not 1 <= nbest <= beam:
+        raise ValueError(f"need 1 <= beam <= {MAX_BEAM} and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
         raise ValueError(f"alpha must be a finite number, got {alpha!r}")
     if not isinstance(max_len_a, numbers.Real) or not 0 <= max_len_a < math.inf:   # NaN fails this too

@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "persistent_cuda_kernels.cuh"
 #include "transition.h"
 #include "transition_cuda_kernels.cuh"
 
@@ -72,6 +73,8 @@ bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 // dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM up to kSmallGemmRows, cuBLAS above. Thresholds:
 // benchmarks/NOTES.md, items 17, 57 and 69 (measured on an H100 and an H200).
 constexpr int64_t kRowGemmRows = 8;
+// Threads a block of the persistent forward (DTMT_CUDA_RECURRENCE=persistent): a first choice, to be measured.
+constexpr int64_t kPersistentThreads = 256;
 constexpr int64_t kSmallGemmRows = 64;
 // kCublas: cublasGemmEx called here on raw pointers (no ATen dispatch; only through DTMT_CUDA_STEP_GEMM for now,
 // until a GPU session measures it against the others: NOTES items 69 a and 71).
@@ -306,6 +309,107 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
 
+// The forward as one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh): the same
+// outputs and saved tensors as forward_impl, so backward_impl runs on them unchanged. `fallible`: a launch the device
+// refuses (too much shared memory, blocks that cannot all be resident) returns {} instead of throwing.
+template <typename S>
+std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
+                                            const TransitionWeights& w, bool reverse, double eps, int64_t grid,
+                                            int64_t threads, bool fallible = false) {
+  using T = typename DeviceType<S>::type;
+  using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
+  const Dims d = dims_of(x, w);
+  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S_ = D + 1;
+  TORCH_CHECK(grid >= 1 && grid <= H, "dtmt: the persistent forward needs 1 <= grid <= H, got grid ", grid, ", H ", H);
+  const int64_t slice = (H + grid - 1) / grid;
+  grid = (H + slice - 1) / slice;   // every block owns at least one unit
+  const auto opts = x.options();
+  const auto acc_opts = opts.dtype(acc_type(x.scalar_type()));
+  const bool lp = acc_type(x.scalar_type()) != x.scalar_type();
+
+  Tensor xp = at::addmm(w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih.t()).view({T_, B, d.n_in * H});
+  Tensor hs = at::empty({S_, T_, B, H}, acc_opts);
+  Tensor hs_lp = lp ? at::empty({S_, T_, B, H}, opts) : hs;
+  Tensor hp = at::empty({T_, B, d.n_h * H}, opts);
+  Tensor hpt = at::empty({D, T_, B, 3 * H}, opts);
+  Tensor out = at::empty({T_, B, H}, opts);
+  Tensor h_last = at::empty({B, H}, acc_opts);
+  Tensor partials = at::empty({grid, B, 3, 2}, acc_opts);
+  const int64_t first = reverse ? T_ - 1 : 0;
+  hs[0][first].copy_(h0);
+  if (lp) hs_lp[0][first].copy_(h0);
+  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
+  const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
+
+  cuda::PersistentForwardArgs<T, A> a{};
+  a.xp = cptr<T, S>(xp);
+  a.w_hh = cptr<T, S>(w_hh);
+  a.b_hh = cptr<T, S>(w.b_hh);
+  a.ln_w = ln ? cptr<T, S>(w.ln_w) : nullptr;
+  a.ln_b = ln ? cptr<T, S>(w.ln_b) : nullptr;
+  a.t_w = D > 0 ? cptr<T, S>(t_w) : nullptr;
+  a.t_b = D > 0 ? cptr<T, S>(w.t_b) : nullptr;
+  a.t_ln_w = tln ? cptr<T, S>(w.t_ln_w) : nullptr;
+  a.t_ln_b = tln ? cptr<T, S>(w.t_ln_b) : nullptr;
+  a.drop = static_cast<int>(w.kind) != kATR ? cptr<T, S>(drop) : nullptr;
+  a.mask = cptr<T, S>(mask);
+  a.hs = mptr<A, A>(hs);
+  a.hs_lp = lp ? mptr<T, S>(hs_lp) : nullptr;
+  a.hp = mptr<T, S>(hp);
+  a.hpt = D > 0 ? mptr<T, S>(hpt) : nullptr;
+  a.out = mptr<T, S>(out);
+  a.h_last = mptr<A, A>(h_last);
+  a.partials = mptr<A, A>(partials);
+  a.steps = static_cast<int>(T_);
+  a.B = static_cast<int>(B);
+  a.H = static_cast<int>(H);
+  a.D = static_cast<int>(D);
+  a.slice = static_cast<int>(slice);
+  a.reverse = reverse;
+  a.eps = static_cast<A>(eps);
+  if (T_ > 0) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    const cudaError_t err = cuda::launch_persistent_forward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
+                                                                  static_cast<int>(threads), stream);
+    if (err != cudaSuccess && fallible) {   // did not fit the device (shared memory, co-residency): not launched
+#if !defined(DTMT_CUDA_EMULATION)
+      (void)cudaGetLastError();   // (the launch's error, cleared: nothing ran)
+      TORCH_WARN_ONCE("dtmt: the persistent forward does not fit this device at H=", H, ", depth ", D, ", B=", B,
+                      " (", cudaGetErrorString(err), "): the per-step forward runs instead");
+#endif
+      return {};
+    }
+    C10_CUDA_CHECK(err);
+  }
+  return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
+}
+
+// DTMT_CUDA_RECURRENCE=persistent (read once a process; a benchmarks' setting until a GPU session has measured it,
+// issue 72): the forward as the persistent launch, one block per SM (at most one per hidden unit), where it fits
+// the device; where it does not, the per-step forward, with a warning once. Unset or "steps": the per-step forward.
+bool persistent_requested() {
+  static const bool requested = [] {
+    const char* env = std::getenv("DTMT_CUDA_RECURRENCE");
+    const std::string v = env != nullptr ? env : "";
+    if (v == "persistent") return true;
+    if (!v.empty() && v != "steps")
+      TORCH_WARN("dtmt: DTMT_CUDA_RECURRENCE=", v, " ignored: not one of steps, persistent");
+    return false;
+  }();
+  return requested;
+}
+
+int64_t multiprocessors() {
+#if defined(DTMT_CUDA_EMULATION)
+  return 4;
+#else
+  int device = 0, count = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+#endif
+}
+
 template <typename S>
 std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                   const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
@@ -448,7 +552,23 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
-    result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
+    if (persistent_requested() && x.size(0) > 0)
+      result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps,
+                                                 std::min<int64_t>(multiprocessors(), w.w_hh.size(1)),
+                                                 kPersistentThreads, /*fallible=*/true);
+    if (result.empty()) result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
+  });
+  return result;
+}
+
+// The same, as one persistent launch of `grid` blocks of `threads` threads (forward_persistent_impl).
+std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask,
+                                                       const Tensor& drop, const TransitionWeights& w, bool reverse,
+                                                       double eps, int64_t grid, int64_t threads) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<Tensor> result;
+  DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_persistent_cuda", [&] {
+    result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads);
   });
   return result;
 }

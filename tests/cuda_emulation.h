@@ -10,10 +10,19 @@
 // CUDA requires for full-mask shuffles and barriers). Fibers instead of OS threads: a barrier costs a context
 // switch in user space, not a round of 32 kernel wake-ups on a 2-core machine. Not a general CUDA emulator:
 // one dimension, no atomics, no streams.
+//
+// Cooperative launches (launch_cooperative, for the persistent kernels of csrc/persistent_cuda_kernels.cuh): every
+// thread of every block is a fiber, each block has its own dynamic shared memory (dynamic_smem()), and
+// grid_sync() is the grid-wide barrier. Between two grid barriers the blocks run one after another, each until all
+// its threads reach the next grid barrier (its __syncthreads are block barriers only), in an order that alternates
+// with the phase: a block that reads what another writes in the same phase, without a grid barrier between, reads
+// stale values in one of the two orders. Threads of one block that meet different barriers (some a __syncthreads,
+// some the grid barrier), or blocks of which some end while others wait at the grid barrier, throw.
 #pragma once
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <memory>
 #include <stdexcept>
@@ -37,7 +46,7 @@ template <typename F> inline cudaError_t cudaFuncSetAttribute(F*, cudaFuncAttrib
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
-inline thread_local dim3 threadIdx, blockIdx, blockDim;   // set by the scheduler for the running fiber
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;   // set by the scheduler for the running fiber
 
 namespace dtmt_emu {
 
@@ -48,6 +57,11 @@ struct Scheduler {
   std::vector<char> done;
   std::vector<double> exchange;
   int current = 0;
+  // cooperative launches: fiber b * threads + t is thread t of block b; what each one waits at (0 a
+  // __syncthreads, 1 the grid barrier), and each block's shared memory
+  bool cooperative = false;
+  std::vector<char> at_grid;
+  std::vector<std::vector<unsigned char>> block_smem;
   void (*body)(const void*) = nullptr;   // runs the kernel with the launch's argument
   const void* arg = nullptr;
 };
@@ -74,13 +88,29 @@ inline void __syncthreads() { dtmt_emu::yield_to_scheduler(); }
 
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int offset) {
   auto& ex = dtmt_emu::scheduler->exchange;
+  const unsigned base = dtmt_emu::scheduler->cooperative ? blockIdx.x * blockDim.x : 0;
   const unsigned i = threadIdx.x;
-  ex[i] = static_cast<double>(v);
+  ex[base + i] = static_cast<double>(v);
   __syncthreads();
-  const T r = static_cast<T>(ex[(i & ~31u) | ((i & 31u) ^ static_cast<unsigned>(offset))]);
+  const T r = static_cast<T>(ex[base + ((i & ~31u) | ((i & 31u) ^ static_cast<unsigned>(offset)))]);
   __syncthreads();
   return r;
 }
+
+namespace dtmt_emu {
+
+// The grid-wide barrier of a cooperative launch.
+inline void grid_sync() {
+  Scheduler& s = *scheduler;
+  if (!s.cooperative) throw std::runtime_error("emulated grid_sync outside a cooperative launch");
+  s.at_grid[s.current] = 1;
+  yield_to_scheduler();
+}
+
+// This block's dynamic shared memory: its own in a cooperative launch, else the one array below.
+inline unsigned char* dynamic_smem();
+
+}  // namespace dtmt_emu
 
 // `extern __shared__ __align__(16) unsigned char smem_raw[]` inside the kernels (namespace dtmt::cuda) names
 // this array.
@@ -89,6 +119,11 @@ namespace cuda {
 alignas(16) inline unsigned char smem_raw[1 << 20];
 }  // namespace cuda
 }  // namespace dtmt
+
+inline unsigned char* dtmt_emu::dynamic_smem() {
+  Scheduler& s = *scheduler;
+  return s.cooperative ? s.block_smem[blockIdx.x].data() : dtmt::cuda::smem_raw;
+}
 
 namespace dtmt_emu {
 
@@ -112,6 +147,7 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
   Scheduler* outer = scheduler;
   scheduler = &s;
   blockDim.x = threads;
+  gridDim.x = grid;
   for (int b = 0; b < grid; ++b) {
     blockIdx.x = b;
     for (int t = 0; t < threads; ++t) {
@@ -138,6 +174,76 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
         running = running || !s.done[t];
       }
     }
+  }
+  scheduler = outer;
+}
+
+template <typename Kernel, typename Arg>
+inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
+  if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
+  struct Call {
+    Kernel* kernel;
+    const Arg* arg;
+  } call{kernel, &arg};
+  Scheduler s;
+  s.body = [](const void* c) {
+    const Call& call = *static_cast<const Call*>(c);
+    call.kernel(*call.arg);
+  };
+  s.arg = &call;
+  s.cooperative = true;
+  const int fibers = grid * threads;
+  s.contexts.resize(fibers);
+  s.done.assign(fibers, 0);
+  s.at_grid.assign(fibers, 0);
+  s.exchange.resize(fibers);
+  // (16-byte aligned: vector<unsigned char> storage comes from operator new, aligned for any fundamental type)
+  s.block_smem.assign(grid, std::vector<unsigned char>(smem > 0 ? smem : 1));
+  while (stacks.size() < static_cast<size_t>(fibers)) stacks.emplace_back(new char[kStackBytes]);
+  Scheduler* outer = scheduler;
+  scheduler = &s;
+  blockDim.x = threads;
+  gridDim.x = grid;
+  for (int f = 0; f < fibers; ++f) {
+    ucontext_t& c = s.contexts[f];
+    if (getcontext(&c) != 0) throw std::runtime_error("emulated launch: getcontext");
+    c.uc_stack.ss_sp = stacks[f].get();
+    c.uc_stack.ss_size = kStackBytes;
+    c.uc_link = &s.main;
+    makecontext(&c, fiber_entry, 0);
+  }
+  for (int phase = 0;; ++phase) {
+    for (int i = 0; i < grid; ++i) {
+      const int b = (phase & 1) ? grid - 1 - i : i;
+      blockIdx.x = b;
+      // this block's threads, round after round, until each has ended or waits at the grid barrier
+      for (int round = 0, running = 1; running; ++round) {
+        running = 0;
+        int to_grid = 0, to_block = 0;
+        const bool descending = (round + b + phase) & 1;
+        for (int k = 0; k < threads; ++k) {
+          const int t = descending ? threads - 1 - k : k;
+          const int f = b * threads + t;
+          if (s.done[f] || s.at_grid[f]) continue;
+          s.current = f;
+          threadIdx.x = t;
+          if (swapcontext(&s.main, &s.contexts[f]) != 0) throw std::runtime_error("emulated launch: swapcontext");
+          if (s.done[f]) continue;
+          (s.at_grid[f] ? to_grid : to_block) += 1;
+        }
+        if (to_grid && to_block)
+          throw std::runtime_error("emulated launch: threads of one block met different barriers");
+        running = to_block > 0;
+      }
+    }
+    int ended = 0, waiting = 0;
+    for (int f = 0; f < fibers; ++f) {
+      ended += s.done[f];
+      waiting += s.at_grid[f];
+    }
+    if (ended == fibers) break;
+    if (waiting != fibers) throw std::runtime_error("emulated launch: some threads ended while others wait at the grid barrier");
+    std::fill(s.at_grid.begin(), s.at_grid.end(), 0);
   }
   scheduler = outer;
 }

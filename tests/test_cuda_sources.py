@@ -169,6 +169,7 @@ def _run_or_wait(name, make, out_dir, timeout=900):
 
 
 KERNELS_TU = r"""
+#include "persistent_cuda_kernels.cuh"
 #include "transition_cuda_kernels.cuh"
 
 // DTMT_HD must be __host__ __device__ under nvcc: device code calling the shared functions proves it.
@@ -187,7 +188,9 @@ namespace dtmt {
 namespace cuda {
 #define DTMT_INSTANTIATE(T, A)                                                                              \
   template cudaError_t launch_step_forward<T, A>(int, const StepForwardArgs<T, A>&, int, cudaStream_t);   \
-  template cudaError_t launch_step_backward<T, A>(int, const StepBackwardArgs<T, A>&, int, cudaStream_t);
+  template cudaError_t launch_step_backward<T, A>(int, const StepBackwardArgs<T, A>&, int, cudaStream_t);   \
+  template cudaError_t launch_persistent_forward<T, A>(int, const PersistentForwardArgs<T, A>&, int, int,   \
+                                                       cudaStream_t);
 DTMT_INSTANTIATE(float, float)
 DTMT_INSTANTIATE(double, double)
 DTMT_INSTANTIATE(__half, float)
@@ -205,8 +208,9 @@ def test_nvcc_version():
 
 @needs_nvcc
 def test_device_kernels_compile_standalone(tmp_path):
-    """cell_math.h + transition_cuda_kernels.cuh: every kernel (5 cell kinds x forward/backward x 4 storage
-    types) compiled to an object, host and device code, with the flags setup.py passes to nvcc."""
+    """cell_math.h + transition_cuda_kernels.cuh + persistent_cuda_kernels.cuh: every kernel (5 cell kinds x
+    forward/backward x 4 storage types, and the persistent forward of the 4 base cells x 4 storage types) compiled
+    to an object, host and device code, with the flags setup.py passes to nvcc."""
     src = tmp_path / "kernels_tu.cu"
     src.write_text(KERNELS_TU)
     _run([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-c", f"-I{CSRC}", str(src), "-o", str(tmp_path / "k.o")])
@@ -273,6 +277,12 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& g
   return dtmt::transition_backward_cuda(grad_out, grad_hn, x, mask, drop, weights(kind, params), saved[0],
                                         saved[1], saved[2], saved[3], saved[4], reverse, eps);
 }
+std::vector<at::Tensor> forward_persistent(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
+                                           const at::Tensor& drop, int64_t kind, const std::vector<at::Tensor>& params,
+                                           bool reverse, double eps, int64_t grid, int64_t threads) {
+  return dtmt::transition_forward_persistent_cuda(x, h0, mask, drop, weights(kind, params), reverse, eps, grid,
+                                                  threads);
+}
 }  // namespace
 
 // the step GEMM the driver picks for B rows (0 row GEMM, 1 tiled GEMM, 2 ATen's mm / cuBLAS)
@@ -280,6 +290,7 @@ int64_t step_gemm_choice(int64_t B) { return static_cast<int64_t>(dtmt::step_gem
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward);
+  m.def("forward_persistent", &forward_persistent);
   m.def("backward", &backward);
   m.def("step_gemm_choice", &step_gemm_choice);
 }
@@ -323,14 +334,17 @@ def emulated_cuda_ext(tmp_path_factory):
     return _build_emulated_ext(str(tmp_path_factory.mktemp("cuda_emulation")))
 
 
-def _emulated_sequence(ext):
+def _emulated_sequence(ext, persistent=None):
+    """The emulated driver as an autograd function; persistent=(grid, threads): its forward as the persistent
+    launch (forward_persistent), the backward the per-step one on what it saved."""
     from dtmt_kernels.ops.transition import KINDS, flat_params
 
     class Emulated(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, h0, mask, drop, kind, reverse, eps, *params):
             params = [p.contiguous() for p in params]
-            out, h_n, *saved = ext.forward(x.contiguous(), h0.contiguous(), mask, drop, kind, params, reverse, eps)
+            args = (x.contiguous(), h0.contiguous(), mask, drop, kind, params, reverse, eps)
+            out, h_n, *saved = ext.forward(*args) if persistent is None else ext.forward_persistent(*args, *persistent)
             ctx.save_for_backward(x, mask, drop, *params, *saved)
             ctx.kind, ctx.reverse, ctx.eps = kind, reverse, eps
             return out, h_n
@@ -410,6 +424,44 @@ def test_cuda_kernels_emulated_batch_sizes(emulated_cuda_ext, B):
     mm."""
     run_emulated = _emulated_sequence(emulated_cuda_ext)
     _compare_emulated(run_emulated, "lgru", 1, True, True, torch.float64, B=B, T=2, H=9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grid,threads", [(4, 32), (1, 64), (37, 32)], ids=["4-blocks", "1-block", "a-unit-each"])
+def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads):
+    """The persistent forward (csrc/persistent_cuda_kernels.cuh: one cooperative launch over every step and
+    sub-cell, each block owning a slice of the H = 37 units, grid barriers between dependent phases, layer norm
+    reduced across blocks), run on the emulated grid: its outputs and saved tensors equal the per-step forward's
+    (to float64 rounding: the products sum in another order), and the per-step backward on them gives the
+    reference's gradients. Slices of 10 units (the last block 7), all 37 in one block (threads looping over several
+    units), and one unit a block (a layer-norm statistic combined from 37 partials). 4 blocks: every cell and depth,
+    layer norm on and off, with mask + reverse + dropout and without; the others the deepest layer-normed case."""
+    ext = emulated_cuda_ext
+    cases = (itertools.product(EMULATED_CASES, (False, True), (True, False)) if grid == 4
+             else [(("lgru", 2), True, True), (("atr", 0), True, True)])
+    for (cell, depth), ln, full_features in cases:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from conftest import make_layer, padding_mask
+        from dtmt_kernels.ops.transition import KINDS, flat_params
+
+        layer = make_layer(cell, 3, 37, depth=depth, layer_norm=ln, dtype=torch.float64)
+        gen = torch.Generator().manual_seed(2)
+        T, B = 4, 3
+        x = torch.randn(T, B, 3, generator=gen, dtype=torch.float64)
+        h0 = torch.randn(B, 37, generator=gen, dtype=torch.float64)
+        mask = padding_mask([T, 2, 1], T, torch.float64) if full_features else x.new_empty(0)
+        drop = ((torch.rand(depth + 1, B, 37, generator=gen) > 0.3).double() / 0.7
+                if full_features and cell != "atr" else x.new_empty(0))
+        params = [x.new_empty(0) if p is None else p.detach().contiguous()
+                  for p in flat_params(layer.direction_weights(0))]
+        args = (x, h0, mask, drop, KINDS[cell], params, full_features, 1e-5)
+        steps = ext.forward(*args)
+        persistent = ext.forward_persistent(*args, grid, threads)
+        for name, a, b in zip(["out", "h_n", "xp", "hs", "hs_lp", "hp", "hpt"], steps, persistent):
+            torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12,
+                                       msg=lambda m: f"{cell}-d{depth} ln={ln} full={full_features} {name}: {m}")
+        _compare_emulated(_emulated_sequence(ext, (grid, threads)), cell, depth, ln, full_features, torch.float64,
+                          B=3, T=3, H=37)
 
 
 _FORCED_GEMM_RUN = r"""

@@ -1,0 +1,275 @@
+// The persistent forward kernel of one deep transition layer and direction (issue 72, item 2; design note
+// docs/design/persistent_recurrence.md): one cooperative launch loops over all T steps and all D + 1 sub-cells,
+// instead of a GEMM and a fused kernel per sub-cell and step (transition_cuda_kernels.cuh).
+//
+// Block b of the G blocks owns the hidden units [b*S, min(H, (b+1)*S)), S = ceil(H / G): its rows of every
+// sub-cell's recurrent matrix (base U: NH gates x S rows; each T-GRU: 3 x S) are copied into shared memory once and
+// stay there for the whole sequence. A sub-cell of a step is:
+//   1. products: hp[b, q*H + j] = U[q*H + j, :] . h[b, :] for the block's rows, every batch row, h read whole from
+//      global memory (the state the previous sub-cell wrote: a grid barrier lies between);
+//   2. gate pre-activations a = hp + b_hh (+ x W_ih + b_ih) for the block's units; with layer norm, each block's
+//      (mean, M2) over its units per row and gate go to global memory, a grid barrier, and every block combines
+//      all G of them in block order (Chan's formula: deterministic, the same in every block);
+//   3. the cell's elementwise update (cell_math.h, as the step kernels), candidate dropout, and at the last
+//      sub-cell the length mask: the new state of the block's units to global memory; a grid barrier.
+// So (D + 1) x (1 + layer norm) grid barriers a step. The outputs and saved tensors are exactly those of the
+// per-step forward (transition_cuda.cu's forward_impl: out, h_n, hs, hs_lp, hp, hpt), so its backward runs on them
+// unchanged. Products are fp32 (fp64) FMA in this first version, in the accumulation type A over the GEMM dtype T
+// (the stored state and matrix), rounded to T as the per-step GEMM's output is; tensor-core MMA comes next.
+//
+// Compiles with nvcc (host and device) and, with DTMT_CUDA_EMULATION, with a host compiler on the fibers of
+// tests/cuda_emulation.h (launch_cooperative: blocks of a grid, each with its own shared memory).
+#pragma once
+
+#include "transition_cuda_kernels.cuh"
+
+#if defined(DTMT_CUDA_EMULATION)
+#define DTMT_GRID_SYNC() ::dtmt_emu::grid_sync()
+#define DTMT_DYNAMIC_SMEM(name) unsigned char* name = ::dtmt_emu::dynamic_smem()
+#else
+#include <cooperative_groups.h>
+#define DTMT_GRID_SYNC() ::cooperative_groups::this_grid().sync()
+#define DTMT_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+namespace dtmt {
+namespace cuda {
+
+template <typename T, typename A> struct PersistentForwardArgs {
+  const T* xp;      // [T, B, NIN*H] input pre-activations x W_ih^T + b_ih
+  const T* w_hh;    // [NH*H, H] base recurrent matrix
+  const T* b_hh;    // [NH*H]
+  const T* ln_w;    // [NG*H] base layer-norm gains, or nullptr
+  const T* ln_b;    // [NG*H]
+  const T* t_w;     // [D, 3H, H] T-GRU recurrent matrices
+  const T* t_b;     // [D, 3H]
+  const T* t_ln_w;  // [D, 2H], or nullptr
+  const T* t_ln_b;  // [D, 2H]
+  const T* drop;    // [D+1, B, H] candidate-dropout multipliers, or nullptr
+  const T* mask;    // [T, B] 1 valid / 0 padded, or nullptr (all valid)
+  A* hs;            // [D+1, T, B, H] each sub-cell's input state; hs[0][first step] = h0, written by the caller
+  T* hs_lp;         // the same in T (the products' input), or nullptr where T is A
+  T* hp;            // [T, B, NH*H] base recurrent products (no bias)
+  T* hpt;           // [D, T, B, 3H] T-GRU recurrent products
+  T* out;           // [T, B, H]
+  A* h_last;        // [B, H] the state after the last step
+  A* partials;      // [G, B, 3, 2] layer-norm partial statistics (G = gridDim.x)
+  int steps, B, H, D, slice;
+  bool reverse;
+  A eps;
+};
+
+// Dynamic shared memory of a block of `slice` units: the matrix rows (T), then the pre-activations [B][4][slice]
+// and the row statistics [B][3][2] (A).
+template <typename T, typename A> inline size_t persistent_smem_bytes(int kind, int D, int B, int H, int slice) {
+  const size_t rows = static_cast<size_t>(cell_hidden_rows(kind) + 3 * D) * slice;
+  const size_t matrix = (rows * H * sizeof(T) + 15) / 16 * 16;
+  return matrix + (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * sizeof(A);
+}
+
+// One sub-cell of one step for this block's units. K: the sub-cell's kind; u: its rows in shared memory
+// [NH][slice][H]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
+template <int K, typename T, typename A>
+__device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,
+                                   const T* u, A* pre, A* stats) {
+  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid, NG = Rows<K>::groups;
+  const int H = p.H, B = p.B, S = p.slice, j0 = blockIdx.x * S;
+  const int n = (j0 + S <= H ? S : H - j0);  // this block's units (the last block's may be fewer)
+  const size_t BH = static_cast<size_t>(B) * H;
+  const size_t TBH = static_cast<size_t>(p.steps) * BH;
+  const A* hin = p.hs + k * TBH + t * BH;
+  const T* hin_lp = p.hs_lp ? p.hs_lp + k * TBH + t * BH : nullptr;
+  const T* xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
+  T* hp = k == 0 ? p.hp + static_cast<size_t>(t) * B * NH * H
+                 : p.hpt + (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
+  const T* bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
+  const T* lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+  const T* lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+
+  // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is
+  for (int e = threadIdx.x; e < B * NH * n; e += blockDim.x) {
+    const int b = e / (NH * n), q = (e / n) % NH, jj = e % n;
+    const T* row = u + (static_cast<size_t>(q) * S + jj) * H;
+    A acc = A(0);
+    if (hin_lp) {
+      const T* h = hin_lp + static_cast<size_t>(b) * H;
+      for (int i = 0; i < H; ++i) acc += ld<A>(row, i) * ld<A>(h, i);
+    } else {
+      const A* h = hin + static_cast<size_t>(b) * H;
+      for (int i = 0; i < H; ++i) acc += ld<A>(row, i) * h[i];
+    }
+    const T rounded = Cvt<A, T>::store(acc);
+    hp[static_cast<size_t>(b) * NH * H + q * H + j0 + jj] = rounded;
+    pre[(b * 4 + (K == kATR ? 1 : q)) * S + jj] = Cvt<A, T>::load(rounded);   // (ATR: its q's slot)
+  }
+  __syncthreads();
+
+  // 2. gate pre-activations in place: groups g < NG (ATR: p from the input alone, q from the product)
+  for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
+    const int b = e / (NG * n), g = (e / n) % NG, jj = e % n, j = j0 + jj;
+    A a;
+    if constexpr (K == kATR) {
+      a = g == 0 ? ld<A>(xp, b * H + j) : pre[(b * 4 + 1) * S + jj] + ld<A>(bh, j);
+    } else {
+      a = pre[(b * 4 + g) * S + jj] + ld<A>(bh, g * H + j);
+      if constexpr (K != kTGRU) a += ld<A>(xp, static_cast<size_t>(b) * NIN * H + g * H + j);
+    }
+    pre[(b * 4 + g) * S + jj] = a;
+  }
+  __syncthreads();
+
+  if (lnw) {
+    // this block's (mean, M2) per row and group over its n units, then every block's, combined in block order
+    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+      const int b = e / NG, g = e % NG;
+      const A* v = pre + (b * 4 + g) * S;
+      A mean = A(0);
+      for (int jj = 0; jj < n; ++jj) mean += v[jj];
+      mean /= A(n);
+      A m2 = A(0);
+      for (int jj = 0; jj < n; ++jj) m2 += (v[jj] - mean) * (v[jj] - mean);
+      A* out = p.partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
+      out[0] = mean;
+      out[1] = m2;
+    }
+    DTMT_GRID_SYNC();
+    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+      const int b = e / NG, g = e % NG;
+      A count = A(0), mean = A(0), m2 = A(0);
+      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
+        const A nb = A(blk * S + S <= H ? S : H - blk * S);
+        const A* in = p.partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
+        const A total = count + nb, delta = in[0] - mean;
+        mean += delta * nb / total;
+        m2 += in[1] + delta * delta * count * nb / total;
+        count = total;
+      }
+      stats[(b * 3 + g) * 2] = mean;
+      stats[(b * 3 + g) * 2 + 1] = dt_rsqrt(m2 / A(H) + p.eps);
+    }
+    __syncthreads();
+  }
+
+  // 3. the elementwise update of the block's units
+  const T* drop = p.drop ? p.drop + static_cast<size_t>(k) * BH : nullptr;
+  A* hout;
+  T* hout_lp = nullptr;
+  if (!last) {
+    hout = p.hs + (k + 1) * TBH + t * BH;
+    if (p.hs_lp) hout_lp = p.hs_lp + (k + 1) * TBH + t * BH;
+  } else if (next_t >= 0) {
+    hout = p.hs + next_t * BH;
+    if (p.hs_lp) hout_lp = p.hs_lp + next_t * BH;
+  } else {
+    hout = p.h_last;
+  }
+  for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
+    const int b = e / n, jj = e % n, j = j0 + jj;
+    const size_t o = static_cast<size_t>(b) * H + j;
+    A gate[3];
+    for (int g = 0; g < NG; ++g) {
+      A a = pre[(b * 4 + g) * S + jj];
+      if (lnw) a = (a - stats[(b * 3 + g) * 2]) * stats[(b * 3 + g) * 2 + 1] * ld<A>(lnw, g * H + j) +
+                   ld<A>(lnb, g * H + j);
+      gate[g] = K == kATR ? a : dt_sigmoid(a);
+    }
+    const A h = hin[o];
+    A hn;
+    if constexpr (K == kATR) {
+      hn = atr_elem_forward<A>(gate[0], gate[1], h);
+    } else {
+      const A hc = pre[(b * 4 + NG) * S + jj] + ld<A>(bh, NG * H + j);
+      const A m = drop ? ld<A>(drop, o) : A(1);
+      const T* x = NIN ? xp + static_cast<size_t>(b) * NIN * H : nullptr;
+      if constexpr (K == kGRU) {
+        hn = gru_elem_forward<A>(gate[0], gate[1], ld<A>(x, 2 * H + j), hc, h, m);
+      } else if constexpr (K == kTGRU) {
+        hn = gru_elem_forward<A>(gate[0], gate[1], A(0), hc, h, m);
+      } else if constexpr (K == kLGRU) {
+        hn = lgru_elem_forward<A>(gate[0], gate[1], gate[2], ld<A>(x, 3 * H + j), ld<A>(x, 4 * H + j), hc, h, m);
+      } else {
+        hn = lau_elem_forward<A>(gate[0], gate[1], gate[2], ld<A>(x, 3 * H + j), ld<A>(x, 4 * H + j), hc, h, m);
+      }
+    }
+    A state = hn;
+    if (last) {
+      const bool valid = !p.mask || ld<float>(p.mask, t * B + b) > 0.5f;
+      if (!valid) state = p.hs[t * BH + o];   // a padded row keeps the block's input state
+      st<A>(p.out + t * BH, static_cast<int>(o), valid ? hn : A(0));
+    }
+    hout[o] = state;
+    if (hout_lp) st<A>(hout_lp, static_cast<int>(o), state);
+  }
+  DTMT_GRID_SYNC();
+}
+
+template <int KIND, typename T, typename A>
+__global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
+  constexpr int NH = Rows<KIND>::hid;
+  DTMT_DYNAMIC_SMEM(smem);
+  const int H = p.H, S = p.slice, j0 = blockIdx.x * S;
+  const int n = (j0 + S <= H ? S : H - j0);
+  T* u = reinterpret_cast<T*>(smem);  // [NH][S][H], then per T-GRU [3][S][H]
+  const size_t rows = static_cast<size_t>(NH + 3 * p.D) * S;
+  A* pre = reinterpret_cast<A*>(smem + (rows * H * sizeof(T) + 15) / 16 * 16);
+  A* stats = pre + static_cast<size_t>(p.B) * 4 * S;
+  // the block's rows of every matrix, once (rows of units past H, in the last block, stay unread)
+  for (size_t e = threadIdx.x; e < static_cast<size_t>(NH) * n * H; e += blockDim.x) {
+    const int q = static_cast<int>(e / (static_cast<size_t>(n) * H)), jj = static_cast<int>((e / H) % n),
+              i = static_cast<int>(e % H);
+    u[(static_cast<size_t>(q) * S + jj) * H + i] = p.w_hh[static_cast<size_t>(q * H + j0 + jj) * H + i];
+  }
+  for (int k = 0; k < p.D; ++k) {
+    T* uk = u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k) * 3 * S) * H;
+    const T* w = p.t_w + static_cast<size_t>(k) * 3 * H * H;
+    for (size_t e = threadIdx.x; e < static_cast<size_t>(3) * n * H; e += blockDim.x) {
+      const int q = static_cast<int>(e / (static_cast<size_t>(n) * H)), jj = static_cast<int>((e / H) % n),
+                i = static_cast<int>(e % H);
+      uk[(static_cast<size_t>(q) * S + jj) * H + i] = w[static_cast<size_t>(q * H + j0 + jj) * H + i];
+    }
+  }
+  __syncthreads();
+  for (int step = 0; step < p.steps; ++step) {
+    const int t = p.reverse ? p.steps - 1 - step : step;
+    const int next_t = step + 1 < p.steps ? (p.reverse ? t - 1 : t + 1) : -1;
+    persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, u, pre, stats);
+    for (int k = 1; k <= p.D; ++k)
+      persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t,
+                                      u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k - 1) * 3 * S) * H,
+                                      pre, stats);
+  }
+}
+
+template <int KIND, typename T, typename A>
+cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a, int grid, int threads,
+                                           cudaStream_t stream) {
+  const size_t smem = persistent_smem_bytes<T, A>(KIND, a.D, a.B, a.H, a.slice);
+#if defined(DTMT_CUDA_EMULATION)
+  (void)stream;
+  ::dtmt_emu::launch_cooperative(persistent_forward_kernel<KIND, T, A>, grid, threads, smem, a);
+  return cudaSuccess;
+#else
+  cudaError_t err = cudaFuncSetAttribute(persistent_forward_kernel<KIND, T, A>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  PersistentForwardArgs<T, A> arg = a;
+  void* args[] = {&arg};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(persistent_forward_kernel<KIND, T, A>), grid, threads,
+                                     args, smem, stream);
+#endif
+}
+
+template <typename T, typename A>
+cudaError_t launch_persistent_forward(int kind, const PersistentForwardArgs<T, A>& a, int grid, int threads,
+                                      cudaStream_t stream) {
+  switch (kind) {
+    case kGRU: return launch_persistent_forward_kind<kGRU, T, A>(a, grid, threads, stream);
+    case kLGRU: return launch_persistent_forward_kind<kLGRU, T, A>(a, grid, threads, stream);
+    case kLAU: return launch_persistent_forward_kind<kLAU, T, A>(a, grid, threads, stream);
+    case kATR: return launch_persistent_forward_kind<kATR, T, A>(a, grid, threads, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda
+}  // namespace dtmt

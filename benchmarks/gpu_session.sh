@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh                      # stages build tests bench; results under $OUT
 #   bash benchmarks/gpu_session.sh build tests profile  # only these stages (build, tests, bench, profile,
 #   bash benchmarks/gpu_session.sh bench train          # train, gemm), e.g. to split the work over device calls
+#   bash benchmarks/gpu_session.sh build persistent     # the persistent forward (issue 72) against the per-step
+#                                                       # one and cuDNN, strict fp32, then the GPU tests with it
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
 #                                                       # GEMM, ATen's mm and cuBLAS called directly, each at
 #                                                       # every batch size (NOTES 69, 71)
@@ -16,7 +18,8 @@
 # Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
 # has them all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
 # <dtype>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
-# (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm); the tables themselves go to stdout. Copy
+# (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
+# persistent/bench_persistent.csv and persistent_tests.log (persistent); the tables themselves go to stdout. Copy
 # the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests
 # 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s) so that a hang cannot
 # eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, bench 148 s; a device call is at
@@ -94,5 +97,14 @@ if want gemm; then
     DTMT_CUDA_STEP_GEMM=$gemm timeout 80 "$PY" benchmarks/gpu_profile.py --backends cuda --B 1 8 16 64 \
       --kernels 3 2>/dev/null | tee "$OUT/gemm_$gemm.md" || status=1
   done
+fi
+if want persistent; then
+  # issue 72: the persistent forward (one cooperative launch per layer) against the per-step forward and cuDNN,
+  # strict fp32 on every side; then the GPU kernel tests with every forward persistent (the backward stays per step)
+  echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent, strict fp32)"
+  timeout 240 "$PY" benchmarks/bench_persistent.py --out "$OUT/persistent" 2>&1 | tee "$OUT/persistent.md" || status=1
+  echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent"
+  DTMT_CUDA_RECURRENCE=persistent timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py \
+    2>&1 | tee "$OUT/persistent_tests.log" | tail -5 || status=1
 fi
 exit $status

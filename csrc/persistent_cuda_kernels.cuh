@@ -59,16 +59,16 @@ template <typename T, typename A> struct PersistentForwardArgs {
   A eps;
 };
 
-// Dynamic shared memory of a block of `slice` units: the matrix rows (T), then the pre-activations [B][4][slice]
-// and the row statistics [B][3][2] (A).
+// Dynamic shared memory of a block of `slice` units: the matrix rows (T, each H + 1 long: consecutive rows start
+// in different banks), then the pre-activations [B][4][slice] and the row statistics [B][3][2] (A).
 template <typename T, typename A> inline size_t persistent_smem_bytes(int kind, int D, int B, int H, int slice) {
   const size_t rows = static_cast<size_t>(cell_hidden_rows(kind) + 3 * D) * slice;
-  const size_t matrix = (rows * H * sizeof(T) + 15) / 16 * 16;
+  const size_t matrix = (rows * (H + 1) * sizeof(T) + 15) / 16 * 16;
   return matrix + (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * sizeof(A);
 }
 
 // One sub-cell of one step for this block's units. K: the sub-cell's kind; u: its rows in shared memory
-// [NH][slice][H]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
+// [NH][slice][H + 1]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
 template <int K, typename T, typename A>
 __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,
                                    const T* u, A* pre, A* stats) {
@@ -87,9 +87,10 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
   const T* lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
 
   // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is
+  // (consecutive threads take consecutive batch rows of one matrix row: its shared-memory reads are broadcasts)
   for (int e = threadIdx.x; e < B * NH * n; e += blockDim.x) {
-    const int b = e / (NH * n), q = (e / n) % NH, jj = e % n;
-    const T* row = u + (static_cast<size_t>(q) * S + jj) * H;
+    const int b = e % B, q = e / (B * n), jj = (e / B) % n;
+    const T* row = u + (static_cast<size_t>(q) * S + jj) * (H + 1);
     A acc = A(0);
     if (hin_lp) {
       const T* h = hin_lp + static_cast<size_t>(b) * H;
@@ -209,23 +210,23 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   DTMT_DYNAMIC_SMEM(smem);
   const int H = p.H, S = p.slice, j0 = blockIdx.x * S;
   const int n = (j0 + S <= H ? S : H - j0);
-  T* u = reinterpret_cast<T*>(smem);  // [NH][S][H], then per T-GRU [3][S][H]
+  T* u = reinterpret_cast<T*>(smem);  // [NH][S][H + 1], then per T-GRU [3][S][H + 1]
   const size_t rows = static_cast<size_t>(NH + 3 * p.D) * S;
-  A* pre = reinterpret_cast<A*>(smem + (rows * H * sizeof(T) + 15) / 16 * 16);
+  A* pre = reinterpret_cast<A*>(smem + (rows * (H + 1) * sizeof(T) + 15) / 16 * 16);
   A* stats = pre + static_cast<size_t>(p.B) * 4 * S;
   // the block's rows of every matrix, once (rows of units past H, in the last block, stay unread)
   for (size_t e = threadIdx.x; e < static_cast<size_t>(NH) * n * H; e += blockDim.x) {
     const int q = static_cast<int>(e / (static_cast<size_t>(n) * H)), jj = static_cast<int>((e / H) % n),
               i = static_cast<int>(e % H);
-    u[(static_cast<size_t>(q) * S + jj) * H + i] = p.w_hh[static_cast<size_t>(q * H + j0 + jj) * H + i];
+    u[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] = p.w_hh[static_cast<size_t>(q * H + j0 + jj) * H + i];
   }
   for (int k = 0; k < p.D; ++k) {
-    T* uk = u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k) * 3 * S) * H;
+    T* uk = u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k) * 3 * S) * (H + 1);
     const T* w = p.t_w + static_cast<size_t>(k) * 3 * H * H;
     for (size_t e = threadIdx.x; e < static_cast<size_t>(3) * n * H; e += blockDim.x) {
       const int q = static_cast<int>(e / (static_cast<size_t>(n) * H)), jj = static_cast<int>((e / H) % n),
                 i = static_cast<int>(e % H);
-      uk[(static_cast<size_t>(q) * S + jj) * H + i] = w[static_cast<size_t>(q * H + j0 + jj) * H + i];
+      uk[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] = w[static_cast<size_t>(q * H + j0 + jj) * H + i];
     }
   }
   __syncthreads();
@@ -235,7 +236,7 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
     persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, u, pre, stats);
     for (int k = 1; k <= p.D; ++k)
       persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t,
-                                      u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k - 1) * 3 * S) * H,
+                                      u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k - 1) * 3 * S) * (H + 1),
                                       pre, stats);
   }
 }

@@ -728,3 +728,17 @@ def test_bench_corpus_verify_quick():
 
     row = bench_corpus_verify.main(["--pairs", "20000", "--rounds", "2"])
     assert row["pairs"] == 20_000 and row["bytes"] > 20_000 * 2 * 8 and 0 < row["seconds_min"] <= row["seconds_max"]
+
+
+def test_bench_persistent_says_it_needs_a_gpu(capsys):
+    """bench_persistent.py (the persistent forward against the per-step one and cuDNN: gpu_session.sh's persistent
+    stage) runs only on a CUDA device; elsewhere one line and exit 2, not a traceback."""
+    import torch
+
+    from benchmarks import bench_persistent
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: gpu_session.sh runs this benchmark")
+    assert bench_persistent.main(["--B", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench_persistent: needs a CUDA device") and err.count("\n") == 1

@@ -25,6 +25,7 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <functional>
+#include <string>
 #include <type_traits>
 
 #if defined(__linux__)
@@ -377,6 +378,14 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
   const int64_t B = h.size(0), H = h.size(1);
   const int64_t n_in = cell_input_rows(static_cast<int>(w.kind)), n_h = cell_hidden_rows(static_cast<int>(w.kind));
   const int64_t D = w.t_w.defined() && w.t_w.numel() > 0 ? w.t_w.size(0) : 0;
+  // the state and input against the weights, before any product sizes a buffer from them (the weights themselves
+  // were checked at the op's boundary: op_checks.h's check_cell)
+  TORCH_CHECK(w.w_hh.dim() == 2 && w.w_hh.size(0) == n_h * H && weight_in_features(w.w_hh) == H &&
+                  (!x.defined() || (w.w_ih.dim() == 2 && w.w_ih.size(0) == n_in * H &&
+                                    weight_in_features(w.w_ih) == x.size(1))),
+              "dtmt::cell_step: the state [B, ", H, "]", x.defined() ? " and input [B, " : "",
+              x.defined() ? std::to_string(x.size(1)) + "]" : std::string(), " do not fit the cell's weights (w_hh ",
+              w.w_hh.sizes(), ", w_ih ", w.w_ih.sizes(), ")");
   const auto& kernels = typed_cpu_kernels<T>();
   const auto opts = h.options();
   Tensor xp = xp_given;

@@ -7,8 +7,8 @@ The switch is read once a process, so each mode runs in a child process of its o
 the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a child
 - checks its forward against the float64 reference on the device (ragged lengths, the reverse direction), and
   reports the largest difference of the outputs (relative to their largest value);
-- times the forward alone and forward + backward (the backward is the per-step one in both modes for now), eager,
-  median of --repeat, and the peak memory of forward + backward.
+- times the forward alone and forward + backward (both persistent in the persistent mode), eager, median of
+  --repeat, and the peak memory of forward + backward.
 The parent prints one table: the two modes side by side, steps / persistent (above 1: the persistent launch is
 faster), and cuDNN's torch.nn.GRU in the same math mode beside the GRU rows (cuDNN / ours: above 1, ours faster).
 A persistent forward that does not fit the device falls back to the per-step one with a warning: the child reports

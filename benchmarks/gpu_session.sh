@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_session.sh                      # stages build tests bench; results under $OUT
 #   bash benchmarks/gpu_session.sh build tests profile  # only these stages (build, tests, bench, profile,
 #   bash benchmarks/gpu_session.sh bench train          # train, gemm), e.g. to split the work over device calls
-#   bash benchmarks/gpu_session.sh build persistent     # the persistent forward (issue 72) against the per-step
+#   bash benchmarks/gpu_session.sh build persistent     # the persistent launches (issue 72) against the per-step
 #                                                       # one and cuDNN, strict fp32, then the GPU tests with it
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
 #                                                       # GEMM, ATen's mm and cuBLAS called directly, each at
@@ -99,8 +99,8 @@ if want gemm; then
   done
 fi
 if want persistent; then
-  # issue 72: the persistent forward (one cooperative launch per layer) against the per-step forward and cuDNN,
-  # strict fp32 on every side; then the GPU kernel tests with every forward persistent (the backward stays per step)
+  # issue 72: the persistent launches (one cooperative launch per layer, forward and backward) against the per-step
+  # ones and cuDNN, strict fp32 on every side; then the GPU kernel tests with every recurrence persistent
   echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent, strict fp32)"
   timeout 240 "$PY" benchmarks/bench_persistent.py --out "$OUT/persistent" 2>&1 | tee "$OUT/persistent.md" || status=1
   echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent"

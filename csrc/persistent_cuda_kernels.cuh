@@ -241,6 +241,356 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------ backward
+// The backward over reversed time in one cooperative launch, on the forward's saved tensors, with the decisions
+// and roundings of the per-step backward (transition_cuda.cu's backward_impl with step_backward_kernel), so that
+// the two agree to rounding. Block b owns the same units as in the forward; it keeps the *columns* of every
+// recurrent matrix for its units (U[:, j] for j in its slice, a column of n_h*H, stored as a row of n_h*H + 1),
+// since the gradient reaching a unit's state through a product is sum_r d(pre)[r] U[r, j]. The carried gradient,
+// the gradient from the sub-cell above and the gradients' U-paths are per unit, so they stay in the block's shared
+// memory; only the pre-activation gradients (dhp, dhpt: every block reads all of them) and the layer-norm sums go
+// through global memory, with a grid barrier after each.
+template <typename T, typename A> struct PersistentBackwardArgs {
+  const T* xp;      // saved by the forward: [T, B, NIN*H]
+  const T* hp;      // [T, B, NH*H]
+  const T* hpt;     // [D, T, B, 3H]
+  const A* hs;      // [D+1, T, B, H]
+  const T* w_hh;    // [NH*H, H]
+  const T* b_hh;
+  const T* ln_w;
+  const T* ln_b;
+  const T* t_w;     // [D, 3H, H]
+  const T* t_b;
+  const T* t_ln_w;
+  const T* t_ln_b;
+  const T* drop;    // [D+1, B, H] or nullptr
+  const T* mask;    // [T, B] or nullptr
+  const T* grad_out;  // [T, B, H]
+  const A* grad_hn;   // [B, H]
+  A* dh0;             // [B, H] out
+  T* dxp;             // [T, B, NIN*H] out
+  T* dhp;             // [T, B, NH*H] out
+  T* dhpt;            // [D, T, B, 3H] out
+  A* dln_rows;        // [B, NG*H] layer-norm gain / offset gradient accumulators, zeroed (or nullptr)
+  A* dlnb_rows;
+  A* dtln_rows;       // [D, B, 2H], zeroed (or nullptr)
+  A* dtlnb_rows;
+  A* partials;        // [2, G, B, 3, 2]: the gate statistics' partials, then the layer-norm backward's
+  int steps, B, H, D, slice;
+  bool reverse;
+  A eps;
+};
+
+// Shared memory of the backward: the matrix columns (T), then 10 per-unit buffers [B][slice] (n and d three
+// each, carry, cg, inner, gin) and the row statistics and sums [B][3][2] each (A).
+template <typename T, typename A> inline size_t persistent_backward_smem_bytes(int kind, int D, int B, int H,
+                                                                                int slice) {
+  const size_t matrix = static_cast<size_t>(slice) * (cell_hidden_rows(kind) * H + 1) +
+                        static_cast<size_t>(D) * slice * (3 * H + 1);
+  return (matrix * sizeof(T) + 15) / 16 * 16 + (static_cast<size_t>(B) * 10 * slice + B * 12) * sizeof(A);
+}
+
+// Per-unit buffers of the backward block, [B][S] each.
+template <typename A> struct BackwardBuffers {
+  A* n;       // [B][3][S] normalised (or raw) gate pre-activations of the sub-cell being differentiated
+  A* d;       // [B][3][S] their gradients
+  A* carry;   // [B][S] the gradient carried to the previous step (direct part)
+  A* cg;      // [B][S] its U-path part (this step's; the per-step backward's carry_g), rounded to T
+  A* inner;   // [B][S] the direct gradient from the sub-cell above
+  A* gin;     // [B][S] its U-path part, rounded to T
+  A* stats;   // [B][3][2] (mean, rstd) of the gate groups
+  A* sums;    // [B][3][2] the layer-norm backward's row means of d and d * n
+};
+
+// out[b][jj] = sum_r dpre[b, r] * col[jj][r] for the block's units, rounded to T (the per-step GEMM's output dtype).
+template <typename T, typename A>
+__device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, int B, int S, int n, A* out) {
+  for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
+    const int b = e % B, jj = e / B;
+    const T* g = dpre + static_cast<size_t>(b) * R;
+    const T* c = col + static_cast<size_t>(jj) * ldc;
+    A acc = A(0);
+    for (int r = 0; r < R; ++r) acc += ld<A>(g, r) * ld<A>(c, r);
+    out[b * S + jj] = Cvt<A, T>::load(Cvt<A, T>::store(acc));
+  }
+}
+
+template <int K, typename T, typename A>
+__device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& p, int t, int k, const BackwardBuffers<A>& m) {
+  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid, NG = Rows<K>::groups;
+  const int H = p.H, B = p.B, S = p.slice, j0 = blockIdx.x * S;
+  const int n = (j0 + S <= H ? S : H - j0);
+  const size_t BH = static_cast<size_t>(B) * H;
+  const size_t TBH = static_cast<size_t>(p.steps) * BH;
+  const bool top = k == p.D, base = k == 0;
+  const A* hin = p.hs + k * TBH + t * BH;
+  const T* xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
+  T* dxp = NIN ? p.dxp + static_cast<size_t>(t) * B * NIN * H : nullptr;
+  const size_t hoff = k == 0 ? static_cast<size_t>(t) * B * NH * H : (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
+  const T* hp = (k == 0 ? p.hp : p.hpt) + hoff;
+  T* dhp = (k == 0 ? p.dhp : p.dhpt) + hoff;
+  const T* bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
+  const T* lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+  const T* lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+  A* dlnw = k == 0 ? p.dln_rows : (p.dtln_rows ? p.dtln_rows + static_cast<size_t>(k - 1) * BH * 2 : nullptr);
+  A* dlnb = k == 0 ? p.dlnb_rows : (p.dtlnb_rows ? p.dtlnb_rows + static_cast<size_t>(k - 1) * BH * 2 : nullptr);
+
+  // the (normalised) gate pre-activations, recomputed as the forward made them
+  for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
+    const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;
+    A a;
+    if constexpr (K == kATR) {
+      a = g == 0 ? ld<A>(xp, b * H + j) : ld<A>(hp, b * H + j) + ld<A>(bh, j);
+    } else {
+      a = ld<A>(hp, static_cast<size_t>(b) * NH * H + g * H + j) + ld<A>(bh, g * H + j);
+      if constexpr (K != kTGRU) a += ld<A>(xp, static_cast<size_t>(b) * NIN * H + g * H + j);
+    }
+    m.n[(b * 3 + g) * S + jj] = a;
+  }
+  __syncthreads();
+  if (lnw) {
+    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+      const int b = e / NG, g = e % NG;
+      const A* v = m.n + (b * 3 + g) * S;
+      A mean = A(0);
+      for (int jj = 0; jj < n; ++jj) mean += v[jj];
+      mean /= A(n);
+      A m2 = A(0);
+      for (int jj = 0; jj < n; ++jj) m2 += (v[jj] - mean) * (v[jj] - mean);
+      A* out = p.partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
+      out[0] = mean;
+      out[1] = m2;
+    }
+    DTMT_GRID_SYNC();
+    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+      const int b = e / NG, g = e % NG;
+      A count = A(0), mean = A(0), m2 = A(0);
+      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
+        const A nb = A(blk * S + S <= H ? S : H - blk * S);
+        const A* in = p.partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
+        const A total = count + nb, delta = in[0] - mean;
+        mean += delta * nb / total;
+        m2 += in[1] + delta * delta * count * nb / total;
+        count = total;
+      }
+      m.stats[(b * 3 + g) * 2] = mean;
+      m.stats[(b * 3 + g) * 2 + 1] = dt_rsqrt(m2 / A(H) + p.eps);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
+      const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);
+      A& v = m.n[(b * 3 + g) * S + jj];
+      v = (v - m.stats[(b * 3 + g) * 2]) * m.stats[(b * 3 + g) * 2 + 1];
+    }
+    __syncthreads();
+  }
+
+  // the elementwise backward of the block's units
+  const T* drop = p.drop ? p.drop + static_cast<size_t>(k) * BH : nullptr;
+  for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
+    const int b = e % B, jj = e / B, j = j0 + jj;
+    const size_t o = static_cast<size_t>(b) * H + j;
+    const bool valid = !p.mask || ld<float>(p.mask, t * B + b) > 0.5f;
+    const A carry = (top || base) ? m.carry[b * S + jj] + m.cg[b * S + jj] : A(0);
+    const A dout = top ? (valid ? carry + ld<A>(p.grad_out + t * BH, static_cast<int>(o)) : A(0))
+                       : m.inner[b * S + jj] + m.gin[b * S + jj];
+    auto post = [&](int g) -> A {
+      const A v = m.n[(b * 3 + g) * S + jj];
+      return lnw ? v * ld<A>(lnw, g * H + j) + ld<A>(lnb, g * H + j) : v;
+    };
+    const A h = hin[o];
+    A dh;
+    if constexpr (K == kATR) {
+      A dp, dq;
+      atr_elem_backward<A>(post(0), post(1), h, dout, dp, dq, dh);
+      m.d[(b * 3 + 0) * S + jj] = dp;
+      m.d[(b * 3 + 1) * S + jj] = dq;
+    } else {
+      const A r = dt_sigmoid(post(0)), z = dt_sigmoid(post(1));
+      const A hc = ld<A>(hp, static_cast<size_t>(b) * NH * H + NG * H + j) + ld<A>(bh, NG * H + j);
+      const A mult = drop ? ld<A>(drop, static_cast<int>(o)) : A(1);
+      A dr, dz, dxc, dhc;
+      if constexpr (K == kGRU || K == kTGRU) {
+        const A xc = K == kGRU ? ld<A>(xp, static_cast<size_t>(b) * NIN * H + 2 * H + j) : A(0);
+        gru_elem_backward<A>(r, z, xc, hc, h, mult, dout, dr, dz, dxc, dhc, dh);
+        if constexpr (K == kGRU) st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 2 * H + j), dxc);
+      } else {
+        const A l = dt_sigmoid(post(2));
+        const A xc = ld<A>(xp, static_cast<size_t>(b) * NIN * H + 3 * H + j);
+        const A lin = ld<A>(xp, static_cast<size_t>(b) * NIN * H + 4 * H + j);
+        A dl, dlin;
+        if constexpr (K == kLGRU) {
+          lgru_elem_backward<A>(r, z, l, xc, lin, hc, h, mult, dout, dr, dz, dl, dxc, dlin, dhc, dh);
+        } else {
+          lau_elem_backward<A>(r, z, l, xc, lin, hc, h, mult, dout, dr, dz, dl, dxc, dlin, dhc, dh);
+        }
+        m.d[(b * 3 + 2) * S + jj] = dl;
+        st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 3 * H + j), dxc);
+        st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 4 * H + j), dlin);
+      }
+      m.d[(b * 3 + 0) * S + jj] = dr;
+      m.d[(b * 3 + 1) * S + jj] = dz;
+      st<A>(dhp, static_cast<int>(static_cast<size_t>(b) * NH * H + NG * H + j), dhc);
+    }
+    if (base && !valid) dh = carry;   // a padded row passes the carried gradient through
+    if (base) {
+      m.carry[b * S + jj] = dh;
+    } else {
+      m.inner[b * S + jj] = dh;
+    }
+  }
+  __syncthreads();
+
+  if (lnw) {   // through the layer norms: the row accumulators, then the row sums over all H units
+    // (partials of their own: a block that gets here early must not overwrite statistics another still combines)
+    A* sums_partials = p.partials + static_cast<size_t>(gridDim.x) * B * 3 * 2;
+    for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
+      const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;
+      A& dv = m.d[(b * 3 + g) * S + jj];
+      const A v = m.n[(b * 3 + g) * S + jj];
+      dlnw[static_cast<size_t>(b) * NG * H + g * H + j] += dv * v;
+      dlnb[static_cast<size_t>(b) * NG * H + g * H + j] += dv;
+      dv *= ld<A>(lnw, g * H + j);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+      const int b = e / NG, g = e % NG;
+      A s1 = A(0), s2 = A(0);
+      for (int jj = 0; jj < n; ++jj) {
+        s1 += m.d[(b * 3 + g) * S + jj];
+        s2 += m.d[(b * 3 + g) * S + jj] * m.n[(b * 3 + g) * S + jj];
+      }
+      A* out = sums_partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
+      out[0] = s1;
+      out[1] = s2;
+    }
+    DTMT_GRID_SYNC();
+    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+      const int b = e / NG, g = e % NG;
+      A s1 = A(0), s2 = A(0);
+      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
+        const A* in = sums_partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
+        s1 += in[0];
+        s2 += in[1];
+      }
+      m.sums[(b * 3 + g) * 2] = s1 / A(H);
+      m.sums[(b * 3 + g) * 2 + 1] = s2 / A(H);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {   // d -> rstd (d - mean(d) - n mean(d n))
+      const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);
+      A& dv = m.d[(b * 3 + g) * S + jj];
+      dv = m.stats[(b * 3 + g) * 2 + 1] *
+           (dv - m.sums[(b * 3 + g) * 2] - m.n[(b * 3 + g) * S + jj] * m.sums[(b * 3 + g) * 2 + 1]);
+    }
+    __syncthreads();
+  }
+  // the gate pre-activations' gradients, for every block's next U-path and for the weight gradients
+  for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
+    const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;
+    const A v = m.d[(b * 3 + g) * S + jj];
+    if constexpr (K == kATR) {
+      if (g == 0) {
+        st<A>(dxp, b * H + j, v);
+      } else {
+        st<A>(dhp, b * H + j, v);
+      }
+    } else {
+      st<A>(dhp, static_cast<int>(static_cast<size_t>(b) * NH * H + g * H + j), v);
+      if constexpr (K != kTGRU) st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + g * H + j), v);
+    }
+  }
+  DTMT_GRID_SYNC();
+}
+
+template <int KIND, typename T, typename A>
+__global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
+  constexpr int NH = Rows<KIND>::hid;
+  DTMT_DYNAMIC_SMEM(smem);
+  const int H = p.H, B = p.B, S = p.slice, j0 = blockIdx.x * S;
+  const int n = (j0 + S <= H ? S : H - j0);
+  const int R0 = NH * H;   // a base column's length; a T-GRU's is 3H
+  T* col0 = reinterpret_cast<T*>(smem);   // [S][R0 + 1], then per T-GRU [S][3H + 1]
+  const size_t matrix = static_cast<size_t>(S) * (R0 + 1) + static_cast<size_t>(p.D) * S * (3 * H + 1);
+  A* buf = reinterpret_cast<A*>(smem + (matrix * sizeof(T) + 15) / 16 * 16);
+  const size_t BS = static_cast<size_t>(B) * S;
+  BackwardBuffers<A> m{buf, buf + 3 * BS, buf + 6 * BS, buf + 7 * BS, buf + 8 * BS, buf + 9 * BS,
+                       buf + 10 * BS, buf + 10 * BS + 6 * B};
+  auto tcol = [&](int k) {   // T-GRU k's (0-based) columns
+    return col0 + static_cast<size_t>(S) * (R0 + 1) + static_cast<size_t>(k) * S * (3 * H + 1);
+  };
+  for (size_t e = threadIdx.x; e < static_cast<size_t>(n) * R0; e += blockDim.x) {
+    const int jj = static_cast<int>(e / R0), r = static_cast<int>(e % R0);
+    col0[static_cast<size_t>(jj) * (R0 + 1) + r] = p.w_hh[static_cast<size_t>(r) * H + j0 + jj];
+  }
+  for (int k = 0; k < p.D; ++k) {
+    T* c = tcol(k);
+    const T* w = p.t_w + static_cast<size_t>(k) * 3 * H * H;
+    for (size_t e = threadIdx.x; e < static_cast<size_t>(n) * 3 * H; e += blockDim.x) {
+      const int jj = static_cast<int>(e / (3 * H)), r = static_cast<int>(e % (3 * H));
+      c[static_cast<size_t>(jj) * (3 * H + 1) + r] = w[static_cast<size_t>(r) * H + j0 + jj];
+    }
+  }
+  for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
+    const int b = e % B, jj = e / B;
+    m.carry[b * S + jj] = p.grad_hn[static_cast<size_t>(b) * H + j0 + jj];
+    m.cg[b * S + jj] = A(0);
+  }
+  __syncthreads();
+  for (int step = p.steps - 1; step >= 0; --step) {
+    const int t = p.reverse ? p.steps - 1 - step : step;
+    for (int k = p.D; k >= 0; --k) {
+      if (k < p.D)   // the U-path from T-GRU k + 1 of this step (its dhpt: every block's, before the last barrier)
+        persistent_u_path<T, A>(p.dhpt + (static_cast<size_t>(k) * p.steps + t) * B * 3 * H, 3 * H, tcol(k),
+                                3 * H + 1, B, S, n, m.gin);
+      __syncthreads();
+      if (k == 0) {
+        persistent_subcell_backward<KIND, T, A>(p, t, 0, m);
+      } else {
+        persistent_subcell_backward<kTGRU, T, A>(p, t, k, m);
+      }
+    }
+    // the U-path of this step's base gradients: into the previous step's state (the next one processed)
+    persistent_u_path<T, A>(p.dhp + static_cast<size_t>(t) * B * R0, R0, col0, R0 + 1, B, S, n, m.cg);
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
+    const int b = e % B, jj = e / B;
+    p.dh0[static_cast<size_t>(b) * H + j0 + jj] = m.carry[b * S + jj] + m.cg[b * S + jj];
+  }
+}
+
+template <int KIND, typename T, typename A>
+cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
+                                            cudaStream_t stream) {
+  const size_t smem = persistent_backward_smem_bytes<T, A>(KIND, a.D, a.B, a.H, a.slice);
+#if defined(DTMT_CUDA_EMULATION)
+  (void)stream;
+  ::dtmt_emu::launch_cooperative(persistent_backward_kernel<KIND, T, A>, grid, threads, smem, a);
+  return cudaSuccess;
+#else
+  cudaError_t err = cudaFuncSetAttribute(persistent_backward_kernel<KIND, T, A>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  PersistentBackwardArgs<T, A> arg = a;
+  void* args[] = {&arg};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(persistent_backward_kernel<KIND, T, A>), grid,
+                                     threads, args, smem, stream);
+#endif
+}
+
+template <typename T, typename A>
+cudaError_t launch_persistent_backward(int kind, const PersistentBackwardArgs<T, A>& a, int grid, int threads,
+                                       cudaStream_t stream) {
+  switch (kind) {
+    case kGRU: return launch_persistent_backward_kind<kGRU, T, A>(a, grid, threads, stream);
+    case kLGRU: return launch_persistent_backward_kind<kLGRU, T, A>(a, grid, threads, stream);
+    case kLAU: return launch_persistent_backward_kind<kLAU, T, A>(a, grid, threads, stream);
+    case kATR: return launch_persistent_backward_kind<kATR, T, A>(a, grid, threads, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a, int grid, int threads,
                                            cudaStream_t stream) {

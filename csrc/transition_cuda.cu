@@ -410,6 +410,25 @@ int64_t multiprocessors() {
 #endif
 }
 
+// What both backwards do after their loop: dx, the weight gradients as GEMMs over all steps, the layer-norm
+// gradients as column sums of the row accumulators (deterministic).
+std::vector<Tensor> backward_tail(const Tensor& x, const TransitionWeights& w, const Dims& d, const Tensor& hs_lp,
+                                  const Tensor& dxp, const Tensor& dhp, const Tensor& dhpt, const Tensor& dh0,
+                                  const Tensor& dln_rows, const Tensor& dlnb_rows, const Tensor& dtln_rows,
+                                  const Tensor& dtlnb_rows) {
+  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, N = T_ * B;
+  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
+  Tensor dxp2 = dxp.view({N, d.n_in * H});
+  Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
+  const auto g = transition_weight_grads(x.reshape({N, d.I}), hs_lp.view({D + 1, N, H}), dxp2,
+                                         dhp.view({N, d.n_h * H}), dhpt.view({D, N, 3 * H}), acc_type(x.scalar_type()));
+  Tensor dln_w = ln ? dln_rows.sum(0).to(x.scalar_type()) : Tensor();
+  Tensor dln_b = ln ? dlnb_rows.sum(0).to(x.scalar_type()) : Tensor();
+  Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(x.scalar_type()) : Tensor();
+  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(x.scalar_type()) : Tensor();
+  return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
+}
+
 template <typename S>
 std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                   const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
@@ -418,7 +437,7 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
-  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, BH = B * H, N = T_ * B;
+  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, BH = B * H;
   check_shared_memory<A>(d, 2, "backward");
   const auto opts = x.options();
   const at::ScalarType acc = acc_type(x.scalar_type());
@@ -532,16 +551,89 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
     }
   }
   Tensor dh0 = (carry[c] + carry_g.to(acc)).to(grad_hn.scalar_type());
+  return backward_tail(x, w, d, hs_lp, dxp, dhp, dhpt, dh0, dln_rows, dlnb_rows, dtln_rows, dtlnb_rows);
+}
 
-  Tensor dxp2 = dxp.view({N, d.n_in * H});
-  Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
-  const auto g = transition_weight_grads(x.reshape({N, d.I}), hs_lp.view({D + 1, N, H}), dxp2,
-                                         dhp.view({N, d.n_h * H}), dhpt.view({D, N, 3 * H}), acc);
-  Tensor dln_w = ln ? dln_rows.sum(0).to(x.scalar_type()) : Tensor();
-  Tensor dln_b = ln ? dlnb_rows.sum(0).to(x.scalar_type()) : Tensor();
-  Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(x.scalar_type()) : Tensor();
-  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(x.scalar_type()) : Tensor();
-  return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
+// The backward in one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh) on the forward's
+// saved tensors (either forward's), then the same weight gradients; `fallible` as forward_persistent_impl's.
+template <typename S>
+std::vector<Tensor> backward_persistent_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                             const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
+                                             const Tensor& xp, const Tensor& hs, const Tensor& hs_lp_saved,
+                                             const Tensor& hp, const Tensor& hpt, bool reverse, double eps,
+                                             int64_t grid, int64_t threads, bool fallible = false) {
+  using T = typename DeviceType<S>::type;
+  using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
+  const Dims d = dims_of(x, w);
+  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D;
+  TORCH_CHECK(grid >= 1 && grid <= H, "dtmt: the persistent backward needs 1 <= grid <= H, got grid ", grid, ", H ",
+              H);
+  const int64_t slice = (H + grid - 1) / grid;
+  grid = (H + slice - 1) / slice;
+  const auto opts = x.options();
+  const at::ScalarType acc = acc_type(x.scalar_type());
+  const auto acc_opts = opts.dtype(acc);
+  const Tensor hs_lp = present(hs_lp_saved) ? hs_lp_saved : hs;
+  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
+  Tensor dxp = at::empty_like(xp);
+  Tensor dhp = at::empty_like(hp);
+  Tensor dhpt = at::empty_like(hpt);
+  Tensor dln_rows = at::zeros({ln ? B : 0, d.n_g * H}, acc_opts);
+  Tensor dlnb_rows = at::zeros({ln ? B : 0, d.n_g * H}, acc_opts);
+  Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
+  Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
+  Tensor dh0 = at::empty({B, H}, acc_opts);
+  Tensor partials = at::empty({2, grid, B, 3, 2}, acc_opts);
+  const Tensor ghn = grad_hn.to(acc).contiguous(), gout = grad_out.contiguous();
+  const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
+
+  cuda::PersistentBackwardArgs<T, A> a{};
+  a.xp = cptr<T, S>(xp);
+  a.hp = cptr<T, S>(hp);
+  a.hpt = D > 0 ? cptr<T, S>(hpt) : nullptr;
+  a.hs = cptr<A, A>(hs);
+  a.w_hh = cptr<T, S>(w_hh);
+  a.b_hh = cptr<T, S>(w.b_hh);
+  a.ln_w = ln ? cptr<T, S>(w.ln_w) : nullptr;
+  a.ln_b = ln ? cptr<T, S>(w.ln_b) : nullptr;
+  a.t_w = D > 0 ? cptr<T, S>(t_w) : nullptr;
+  a.t_b = D > 0 ? cptr<T, S>(w.t_b) : nullptr;
+  a.t_ln_w = tln ? cptr<T, S>(w.t_ln_w) : nullptr;
+  a.t_ln_b = tln ? cptr<T, S>(w.t_ln_b) : nullptr;
+  a.drop = static_cast<int>(w.kind) != kATR ? cptr<T, S>(drop) : nullptr;
+  a.mask = cptr<T, S>(mask);
+  a.grad_out = cptr<T, S>(gout);
+  a.grad_hn = cptr<A, A>(ghn);
+  a.dh0 = mptr<A, A>(dh0);
+  a.dxp = mptr<T, S>(dxp);
+  a.dhp = mptr<T, S>(dhp);
+  a.dhpt = D > 0 ? mptr<T, S>(dhpt) : nullptr;
+  a.dln_rows = ln ? mptr<A, A>(dln_rows) : nullptr;
+  a.dlnb_rows = ln ? mptr<A, A>(dlnb_rows) : nullptr;
+  a.dtln_rows = tln ? mptr<A, A>(dtln_rows) : nullptr;
+  a.dtlnb_rows = tln ? mptr<A, A>(dtlnb_rows) : nullptr;
+  a.partials = mptr<A, A>(partials);
+  a.steps = static_cast<int>(T_);
+  a.B = static_cast<int>(B);
+  a.H = static_cast<int>(H);
+  a.D = static_cast<int>(D);
+  a.slice = static_cast<int>(slice);
+  a.reverse = reverse;
+  a.eps = static_cast<A>(eps);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
+                                                                 static_cast<int>(threads), stream);
+  if (err != cudaSuccess && fallible) {
+#if !defined(DTMT_CUDA_EMULATION)
+    (void)cudaGetLastError();
+    TORCH_WARN_ONCE("dtmt: the persistent backward does not fit this device at H=", H, ", depth ", D, ", B=", B,
+                    " (", cudaGetErrorString(err), "): the per-step backward runs instead");
+#endif
+    return {};
+  }
+  C10_CUDA_CHECK(err);
+  return backward_tail(x, w, d, hs_lp, dxp, dhp, dhpt, dh0.to(grad_hn.scalar_type()), dln_rows, dlnb_rows,
+                       dtln_rows, dtlnb_rows);
 }
 
 }  // namespace
@@ -573,6 +665,21 @@ std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Te
   return result;
 }
 
+// The backward as one persistent launch of `grid` blocks of `threads` threads (backward_persistent_impl).
+std::vector<Tensor> transition_backward_persistent_cuda(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
+                                                        const Tensor& mask, const Tensor& drop,
+                                                        const TransitionWeights& w, const Tensor& xp, const Tensor& hs,
+                                                        const Tensor& hs_lp, const Tensor& hp, const Tensor& hpt,
+                                                        bool reverse, double eps, int64_t grid, int64_t threads) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::vector<Tensor> result;
+  DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
+    result = backward_persistent_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse,
+                                                eps, grid, threads);
+  });
+  return result;
+}
+
 // Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b}.
 std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                              const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
@@ -583,7 +690,12 @@ std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tenso
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
-    result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps);
+    if (persistent_requested() && x.size(0) > 0)
+      result = backward_persistent_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt,
+                                                  reverse, eps, std::min<int64_t>(multiprocessors(), w.w_hh.size(1)),
+                                                  kPersistentThreads, /*fallible=*/true);
+    if (result.empty())
+      result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps);
   });
   return result;
 }

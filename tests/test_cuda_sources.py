@@ -283,6 +283,15 @@ std::vector<at::Tensor> forward_persistent(const at::Tensor& x, const at::Tensor
   return dtmt::transition_forward_persistent_cuda(x, h0, mask, drop, weights(kind, params), reverse, eps, grid,
                                                   threads);
 }
+std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at::Tensor& grad_hn,
+                                            const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
+                                            int64_t kind, const std::vector<at::Tensor>& params,
+                                            const std::vector<at::Tensor>& saved, bool reverse, double eps,
+                                            int64_t grid, int64_t threads) {
+  return dtmt::transition_backward_persistent_cuda(grad_out, grad_hn, x, mask, drop, weights(kind, params), saved[0],
+                                                   saved[1], saved[2], saved[3], saved[4], reverse, eps, grid,
+                                                   threads);
+}
 }  // namespace
 
 // the step GEMM the driver picks for B rows (0 row GEMM, 1 tiled GEMM, 2 ATen's mm / cuBLAS)
@@ -291,6 +300,7 @@ int64_t step_gemm_choice(int64_t B) { return static_cast<int64_t>(dtmt::step_gem
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward);
   m.def("forward_persistent", &forward_persistent);
+  m.def("backward_persistent", &backward_persistent);
   m.def("backward", &backward);
   m.def("step_gemm_choice", &step_gemm_choice);
 }
@@ -335,8 +345,8 @@ def emulated_cuda_ext(tmp_path_factory):
 
 
 def _emulated_sequence(ext, persistent=None):
-    """The emulated driver as an autograd function; persistent=(grid, threads): its forward as the persistent
-    launch (forward_persistent), the backward the per-step one on what it saved."""
+    """The emulated driver as an autograd function; persistent=(grid, threads): forward and backward as the
+    persistent launches (forward_persistent, backward_persistent)."""
     from dtmt_kernels.ops.transition import KINDS, flat_params
 
     class Emulated(torch.autograd.Function):
@@ -352,8 +362,9 @@ def _emulated_sequence(ext, persistent=None):
         @staticmethod
         def backward(ctx, g_out, g_hn):
             x, mask, drop, *rest = ctx.saved_tensors
-            grads = ext.backward(g_out.contiguous(), g_hn.contiguous(), x, mask, drop, ctx.kind, rest[:10],
-                                 rest[10:], ctx.reverse, ctx.eps)
+            args = (g_out.contiguous(), g_hn.contiguous(), x, mask, drop, ctx.kind, rest[:10], rest[10:], ctx.reverse,
+                    ctx.eps)
+            grads = ext.backward(*args) if persistent is None else ext.backward_persistent(*args, *persistent)
             dparams = [g if g is not None and g.numel() else None for g in grads[2:]]
             return (grads[0], grads[1], None, None, None, None, None, *dparams)
 
@@ -431,9 +442,10 @@ def test_cuda_kernels_emulated_batch_sizes(emulated_cuda_ext, B):
 def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads):
     """The persistent forward (csrc/persistent_cuda_kernels.cuh: one cooperative launch over every step and
     sub-cell, each block owning a slice of the H = 37 units, grid barriers between dependent phases, layer norm
-    reduced across blocks), run on the emulated grid: its outputs and saved tensors equal the per-step forward's
-    (to float64 rounding: the products sum in another order), and the per-step backward on them gives the
-    reference's gradients. Slices of 10 units (the last block 7), all 37 in one block (threads looping over several
+    reduced across blocks) and the persistent backward (the same over reversed time, the matrices' columns held),
+    run on the emulated grid: the forward's outputs and saved tensors equal the per-step forward's, the backward's
+    gradients the per-step backward's on the same saved tensors (to float64 rounding: the products sum in another
+    order), and both together give the reference's gradients. Slices of 10 units (the last block 7), all 37 in one block (threads looping over several
     units), and one unit a block (a layer-norm statistic combined from 37 partials). 4 blocks: every cell and depth,
     layer norm on and off, with mask + reverse + dropout and without; the others the deepest layer-normed case."""
     ext = emulated_cuda_ext
@@ -458,6 +470,17 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads):
         steps = ext.forward(*args)
         persistent = ext.forward_persistent(*args, grid, threads)
         for name, a, b in zip(["out", "h_n", "xp", "hs", "hs_lp", "hp", "hpt"], steps, persistent):
+            torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12,
+                                       msg=lambda m: f"{cell}-d{depth} ln={ln} full={full_features} {name}: {m}")
+        # the two backwards on the same saved tensors, gradient by gradient
+        g_out, g_hn = torch.randn(T, B, 37, generator=gen, dtype=torch.float64), torch.randn(B, 37, generator=gen,
+                                                                                              dtype=torch.float64)
+        back = (g_out, g_hn, x, mask, drop, KINDS[cell], params, list(steps[2:]), full_features, 1e-5)
+        for name, a, b in zip(["dx", "dh0", "dw_ih", "db_ih", "dw_hh", "db_hh", "dln_w", "dln_b", "dt_w", "dt_b",
+                               "dt_ln_w", "dt_ln_b"], ext.backward(*back), ext.backward_persistent(*back, grid, threads)):
+            if a is None or not a.numel():
+                assert b is None or not b.numel(), name
+                continue
             torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12,
                                        msg=lambda m: f"{cell}-d{depth} ln={ln} full={full_features} {name}: {m}")
         _compare_emulated(_emulated_sequence(ext, (grid, threads)), cell, depth, ln, full_features, torch.float64,

@@ -294,6 +294,9 @@ std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at
 }
 }  // namespace
 
+// whether DTMT_CUDA_RECURRENCE asked for the persistent launches (read once a process)
+bool persistent_recurrence() { return dtmt::persistent_requested(); }
+
 // the step GEMM the driver picks for B rows (0 row GEMM, 1 tiled GEMM, 2 ATen's mm / cuBLAS)
 int64_t step_gemm_choice(int64_t B) { return static_cast<int64_t>(dtmt::step_gemm(B)); }
 
@@ -303,6 +306,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_persistent", &backward_persistent);
   m.def("backward", &backward);
   m.def("step_gemm_choice", &step_gemm_choice);
+  m.def("persistent_recurrence", &persistent_recurrence);
 }
 """
 
@@ -485,6 +489,39 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads):
                                        msg=lambda m: f"{cell}-d{depth} ln={ln} full={full_features} {name}: {m}")
         _compare_emulated(_emulated_sequence(ext, (grid, threads)), cell, depth, ln, full_features, torch.float64,
                           B=3, T=3, H=37)
+
+
+_RECURRENCE_RUN = r"""
+import importlib.util, sys, warnings
+import torch
+sys.path.insert(0, sys.argv[1])
+import test_cuda_sources as t
+spec = importlib.util.spec_from_file_location("dtmt_cuda_emulated", sys.argv[2])
+ext = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ext)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    print("persistent:", ext.persistent_recurrence())
+    for cell, depth in (("lgru", 1), ("atr", 0)):
+        t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=3, T=3, H=9)
+for w in caught:
+    print("warning:", w.message)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("value", ["persistent", "steps", "sideways"])
+def test_recurrence_switch(emulated_cuda_ext, value):
+    """DTMT_CUDA_RECURRENCE (read once a process): `persistent` makes the driver's own forward and backward the
+    persistent launches (4 blocks in the emulation, at most one a unit) and they still give the reference's outputs
+    and gradients; `steps` and an unknown value (ignored with a warning naming it) keep the per-step path."""
+    env = {**os.environ, "DTMT_CUDA_RECURRENCE": value}
+    res = subprocess.run([sys.executable, "-c", _RECURRENCE_RUN, os.path.dirname(os.path.abspath(__file__)),
+                          emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"persistent: {value == 'persistent'}" in res.stdout, res.stdout
+    warned = "DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent" in res.stdout + res.stderr
+    assert warned == (value == "sideways"), res.stdout + res.stderr
 
 
 _FORCED_GEMM_RUN = r"""

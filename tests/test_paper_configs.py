@@ -25,11 +25,18 @@ def millions(x):
     return x / 1e6 if x >= 1e6 else x
 
 
+# The largest difference, in millions, between our and the paper's difference of any two rows of a table: the
+# bounds the README's table states (checked below against its text). 003-T1 is held to 2 parameters by its own
+# test, 004-T4 to 0.05 M a row absolutely (so 0.1 M a difference).
+CLAIMED = {"000-T3": 0.1, "002-T1": 0.11, "002-T2": 0.08, "002-T3": 0.09, "002-T4": 0.13, "003-T1": 0.001,
+           "004-T4": 0.1}
+
+
 @pytest.mark.parametrize("table", COUNTED)
-def test_table_differences_within_0_15_million(table, counts):
-    """Every pair of rows of a table: our difference equals the paper's within 0.15 M (the papers round to 0.1 M),
-    after the documented amount for a row whose count follows another layout; rows whose count is documented as
-    not reproducible are left out, and there are few of them."""
+def test_table_differences_within_the_claimed_bound(table, counts):
+    """Every pair of rows of a table: our difference equals the paper's within the README's bound for the table
+    (the papers round to 0.1 M), after the documented amount for a row whose count follows another layout; rows
+    whose count is documented as not reproducible are left out, and there are few of them."""
     rows = [r for r in PAPER_ROWS if r.table == table and r.params is not None]
     usable = [r for r in rows if not r.unmatched or r.explained is not None]
     assert len(usable) >= len(rows) - 1 and len(usable) >= 3
@@ -37,9 +44,19 @@ def test_table_differences_within_0_15_million(table, counts):
     for a, b in itertools.combinations(usable, 2):
         ours = (counts[b.name] - counts[a.name]) / 1e6 + (b.explained or 0) - (a.explained or 0)
         paper = millions(b.params) - millions(a.params)
-        if abs(ours - paper) > 0.15:
+        if abs(ours - paper) > CLAIMED[table]:
             bad.append(f"{a.name} -> {b.name}: ours {ours:+.3f} M, paper {paper:+.3f} M")
     assert not bad, "\n".join(bad)
+
+
+def test_the_readme_states_the_bounds_tested():
+    """The README's table of the papers' tables says, for each table it gives a bound for, the bound tested above
+    (it said "within 0.1 M" while the test allowed 0.15 M)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for table in ("000-T3", "002-T1", "002-T2", "002-T3", "002-T4"):
+        row = next(line for line in lines if line.startswith("|") and f"`{table}-`" in line)
+        assert f"within {CLAIMED[table]:g} M" in row, (table, row)
 
 
 def test_mce_table_1_differences_to_the_parameter(counts):

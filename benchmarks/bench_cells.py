@@ -328,6 +328,17 @@ def _fmt(v: float, spec: str) -> str:
     return "-" if v != v else format(v, spec)  # NaN: not measured in this mode
 
 
+def math_mode(math: str, dtype: str) -> str:
+    """Each side's arithmetic, in words, for a GPU table's header (issue 72 item 1: like for like, or said)."""
+    if dtype != "float32":
+        return (f"math: {dtype} storage on every side, products accumulated in float32 (cuBLAS, cuDNN and our "
+                f"kernels)")
+    if math == "strict":
+        return "math: strict fp32 on every side (TF32 off for cuBLAS and cuDNN; our kernels fp32 FMA)"
+    return ("math: torch's fast mode (TF32 allowed): cuBLAS and cuDNN on TF32 tensor cores; our own kernels still "
+            "fp32 FMA, the ATen GEMMs they call TF32")
+
+
 def print_table(rows, machine, device: str = "cpu"):
     print(f"# machine: {machine}")
     if device == "cuda":
@@ -399,6 +410,10 @@ def main(argv=None):
                    help="cpu: reference, cpp, torch.nn.GRU; cuda: reference, triton, cuda, cuDNN torch.nn.GRU")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="input / parameter dtype (--device cuda only)")
+    p.add_argument("--math", default="strict", choices=["strict", "tf32"],
+                   help="--device cuda, float32: strict fp32 on every side (TF32 off for cuBLAS and cuDNN; the "
+                        "default) or torch's fast mode (TF32 allowed: cuBLAS and cuDNN use tensor cores). The table "
+                        "names the mode of each side.")
     p.add_argument("--T", type=int, nargs="+", default=[50], help="sequence lengths")
     p.add_argument("--BH", nargs="+", default=None,
                    help="batch x hidden sizes, e.g. 64x256 (default 16x128 64x256 on cpu, 8x512 64x512 on cuda)")
@@ -417,12 +432,15 @@ def main(argv=None):
             p.error("--device cuda: no CUDA device is available")
         if not gpu_impls():
             print(f"# no GPU backend is available ({dk.available_backends()}): timing the reference and cuDNN only")
-        machine = machine_name("cuda")
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.math == "tf32"
+        machine = f"{machine_name('cuda')}; {math_mode(args.math, args.dtype)}"
         rows = add_ratios(run_grid_cuda(grid, args.depths, args.repeat, getattr(torch, args.dtype)), "cuda")
         columns, name = COLUMNS_CUDA, "bench_cells_cuda"
     else:
         if args.dtype != "float32":
             p.error("--dtype applies to --device cuda (the cpu kernels take float32 / float64)")
+        if args.math != "strict":
+            p.error("--math applies to --device cuda")
         machine = machine_name()
         rows = add_ratios(run_grid(grid, args.depths, args.repeat))
         columns, name = COLUMNS, "bench_cells"

@@ -17,13 +17,14 @@
 #
 # Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
 # has them all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
-# <dtype>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
+# <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
 # persistent/bench_persistent.csv and persistent_tests.log (persistent); the tables themselves go to stdout. Copy
 # the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests
-# 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s) so that a hang cannot
-# eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, bench 148 s; a device call is at
-# most 10 minutes, so run `build tests` and the rest as separate calls.
+# 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 240 + 180 s)
+# so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, one kernel
+# benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device call is at most 10 minutes and a
+# warm machine keeps its build, so run `build tests`, then `bench`, then `persistent` (etc.) as separate calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -65,10 +66,12 @@ if want tests; then
   if grep -q "skipped" "$OUT/gpu_tests.log"; then echo "GPU tests were skipped on a GPU machine"; status=1; fi
 fi
 
-want bench && for dtype in float32 bfloat16; do
-  echo "== bench_cells --device cuda --dtype $dtype"
-  timeout 150 "$PY" benchmarks/bench_cells.py --device cuda --dtype "$dtype" --T 50 --BH 1x512 8x512 64x512 \
-    --depths 1 4 --repeat 10 --out "$OUT/$dtype" || status=1
+# every math mode named (issue 72 item 1): strict fp32 on every side, torch's fast mode (TF32), bf16
+want bench && for mode in float32:strict float32:tf32 bfloat16:strict; do
+  dtype=${mode%%:*}; math=${mode##*:}
+  echo "== bench_cells --device cuda --dtype $dtype --math $math"
+  timeout 150 "$PY" benchmarks/bench_cells.py --device cuda --dtype "$dtype" --math "$math" --T 50 \
+    --BH 1x512 8x512 64x512 --depths 1 4 --repeat 10 --out "$OUT/$dtype-$math" || status=1
 done
 if want profile; then
   echo "== gpu_profile (float32)"

@@ -742,3 +742,16 @@ def test_bench_persistent_says_it_needs_a_gpu(capsys):
     assert bench_persistent.main(["--B", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench_persistent: needs a CUDA device") and err.count("\n") == 1
+
+
+def test_bench_cells_math_mode_is_named_and_gpu_only():
+    """bench_cells --math (issue 72 item 1): the GPU table's header names each side's arithmetic; on the CPU the
+    option is refused (exit 2) rather than ignored."""
+    from benchmarks import bench_cells
+
+    assert "strict fp32 on every side" in bench_cells.math_mode("strict", "float32")
+    assert "TF32 tensor cores" in bench_cells.math_mode("tf32", "float32")
+    assert "bfloat16 storage on every side" in bench_cells.math_mode("strict", "bfloat16")
+    with pytest.raises(SystemExit) as exc:
+        bench_cells.main(["--math", "tf32", "--quick"])
+    assert exc.value.code == 2

@@ -35,6 +35,11 @@
 namespace dtmt {
 namespace cuda {
 
+// Whether batch row b is inside its sentence at step t (mask [T, B] 1 / 0, or nullptr: every row).
+template <typename T> __device__ __forceinline__ bool row_valid(const T* mask, int t, int B, int b) {
+  return mask == nullptr || ld<float>(mask, t * B + b) > 0.5f;
+}
+
 template <typename T, typename A> struct PersistentForwardArgs {
   const T* xp;      // [T, B, NIN*H] input pre-activations x W_ih^T + b_ih
   const T* w_hh;    // [NH*H, H] base recurrent matrix
@@ -92,7 +97,9 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
     const int b = e % B, q = e / (B * n), jj = (e / B) % n;
     const T* row = u + (static_cast<size_t>(q) * S + jj) * (H + 1);
     A acc = A(0);
-    if (hin_lp) {
+    if (!row_valid(p.mask, t, B, b)) {
+      // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them)
+    } else if (hin_lp) {
       const T* h = hin_lp + static_cast<size_t>(b) * H;
       for (int i = 0; i < H; ++i) acc += ld<A>(row, i) * ld<A>(h, i);
     } else {
@@ -175,8 +182,11 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
       gate[g] = K == kATR ? a : dt_sigmoid(a);
     }
     const A h = hin[o];
+    const bool valid = row_valid(p.mask, t, B, b);
     A hn;
-    if constexpr (K == kATR) {
+    if (!valid) {
+      hn = h;   // an ended row keeps its state through every sub-cell (the block's input state at the last)
+    } else if constexpr (K == kATR) {
       hn = atr_elem_forward<A>(gate[0], gate[1], h);
     } else {
       const A hc = pre[(b * 4 + NG) * S + jj] + ld<A>(bh, NG * H + j);
@@ -193,11 +203,7 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
       }
     }
     A state = hn;
-    if (last) {
-      const bool valid = !p.mask || ld<float>(p.mask, t * B + b) > 0.5f;
-      if (!valid) state = p.hs[t * BH + o];   // a padded row keeps the block's input state
-      st<A>(p.out + t * BH, static_cast<int>(o), valid ? hn : A(0));
-    }
+    if (last) st<A>(p.out + t * BH, static_cast<int>(o), valid ? hn : A(0));
     hout[o] = state;
     if (hout_lp) st<A>(hout_lp, static_cast<int>(o), state);
   }
@@ -303,14 +309,18 @@ template <typename A> struct BackwardBuffers {
 };
 
 // out[b][jj] = sum_r dpre[b, r] * col[jj][r] for the block's units, rounded to T (the per-step GEMM's output dtype).
+// Rows that had ended at `t` (the step whose gradients dpre are) have dpre = 0: their result is 0 without a sum.
 template <typename T, typename A>
-__device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, int B, int S, int n, A* out) {
+__device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, int B, int S, int n, A* out,
+                                  const T* mask, int t) {
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
     const int b = e % B, jj = e / B;
-    const T* g = dpre + static_cast<size_t>(b) * R;
-    const T* c = col + static_cast<size_t>(jj) * ldc;
     A acc = A(0);
-    for (int r = 0; r < R; ++r) acc += ld<A>(g, r) * ld<A>(c, r);
+    if (row_valid(mask, t, B, b)) {
+      const T* g = dpre + static_cast<size_t>(b) * R;
+      const T* c = col + static_cast<size_t>(jj) * ldc;
+      for (int r = 0; r < R; ++r) acc += ld<A>(g, r) * ld<A>(c, r);
+    }
     out[b * S + jj] = Cvt<A, T>::load(Cvt<A, T>::store(acc));
   }
 }
@@ -400,7 +410,16 @@ __device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& 
     };
     const A h = hin[o];
     A dh;
-    if constexpr (K == kATR) {
+    if (!valid) {   // an ended row: no gradient reaches its gates (the per-step backward's zeros, not computed)
+      for (int g = 0; g < NG; ++g) m.d[(b * 3 + g) * S + jj] = A(0);
+      if constexpr (K == kGRU) st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 2 * H + j), A(0));
+      if constexpr (K == kLGRU || K == kLAU) {
+        st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 3 * H + j), A(0));
+        st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 4 * H + j), A(0));
+      }
+      if constexpr (K != kATR) st<A>(dhp, static_cast<int>(static_cast<size_t>(b) * NH * H + NG * H + j), A(0));
+      dh = A(0);
+    } else if constexpr (K == kATR) {
       A dp, dq;
       atr_elem_backward<A>(post(0), post(1), h, dout, dp, dq, dh);
       m.d[(b * 3 + 0) * S + jj] = dp;
@@ -542,7 +561,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
     for (int k = p.D; k >= 0; --k) {
       if (k < p.D)   // the U-path from T-GRU k + 1 of this step (its dhpt: every block's, before the last barrier)
         persistent_u_path<T, A>(p.dhpt + (static_cast<size_t>(k) * p.steps + t) * B * 3 * H, 3 * H, tcol(k),
-                                3 * H + 1, B, S, n, m.gin);
+                                3 * H + 1, B, S, n, m.gin, p.mask, t);
       __syncthreads();
       if (k == 0) {
         persistent_subcell_backward<KIND, T, A>(p, t, 0, m);
@@ -551,7 +570,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
       }
     }
     // the U-path of this step's base gradients: into the previous step's state (the next one processed)
-    persistent_u_path<T, A>(p.dhp + static_cast<size_t>(t) * B * R0, R0, col0, R0 + 1, B, S, n, m.cg);
+    persistent_u_path<T, A>(p.dhp + static_cast<size_t>(t) * B * R0, R0, col0, R0 + 1, B, S, n, m.cg, p.mask, t);
     __syncthreads();
   }
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {

@@ -449,7 +449,8 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads):
     reduced across blocks) and the persistent backward (the same over reversed time, the matrices' columns held),
     run on the emulated grid: the forward's outputs and saved tensors equal the per-step forward's, the backward's
     gradients the per-step backward's on the same saved tensors (to float64 rounding: the products sum in another
-    order), and both together give the reference's gradients. Slices of 10 units (the last block 7), all 37 in one block (threads looping over several
+    order), and both together give the reference's gradients. Rows whose sentence has ended (the mask) are skipped
+    by both launches: the forward's saved tensors are compared on the rows still inside their sentences. Slices of 10 units (the last block 7), all 37 in one block (threads looping over several
     units), and one unit a block (a layer-norm statistic combined from 37 partials). 4 blocks: every cell and depth,
     layer norm on and off, with mask + reverse + dropout and without; the others the deepest layer-normed case."""
     ext = emulated_cuda_ext
@@ -473,9 +474,16 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads):
         args = (x, h0, mask, drop, KINDS[cell], params, full_features, 1e-5)
         steps = ext.forward(*args)
         persistent = ext.forward_persistent(*args, grid, threads)
+        # rows whose sentence has ended cost nothing in the persistent launches: their sub-cells' saved states and
+        # products are not the per-step path's (the state carried through, products 0), and no gradient reads them
+        valid = mask.bool() if full_features else torch.ones(T, B, dtype=torch.bool)
+        pick = {"hs": lambda v: v[:, valid], "hp": lambda v: v[valid], "hpt": lambda v: v[:, valid]}
         for name, a, b in zip(["out", "h_n", "xp", "hs", "hs_lp", "hp", "hpt"], steps, persistent):
+            a, b = pick.get(name, lambda v: v)(a), pick.get(name, lambda v: v)(b)
             torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12,
                                        msg=lambda m: f"{cell}-d{depth} ln={ln} full={full_features} {name}: {m}")
+        if full_features:   # the ended rows' products are 0, and their states finite
+            assert not bool(persistent[5][~valid].any()) and bool(persistent[3].isfinite().all())
         # the two backwards on the same saved tensors, gradient by gradient
         g_out, g_hn = torch.randn(T, B, 37, generator=gen, dtype=torch.float64), torch.randn(B, 37, generator=gen,
                                                                                               dtype=torch.float64)

@@ -579,6 +579,30 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------ the envelope
+// Whether a layer fits the persistent launches on a device (issue 72 item 3), from sizes alone: one block per SM (at
+// most one per hidden unit), each holding its share of every recurrent matrix plus its per-row buffers in the shared
+// memory a block may opt into. `why` says what does not fit. (Co-residency also depends on registers: a launch
+// the device still refuses falls back, see transition_cuda.cu.)
+struct PersistentPlan {
+  int grid = 0, slice = 0;
+  size_t forward_bytes = 0, backward_bytes = 0;
+  bool fits = false;
+};
+
+template <typename T, typename A>
+inline PersistentPlan persistent_plan(int kind, int D, int B, int H, int multiprocessors, size_t smem_optin) {
+  PersistentPlan plan;
+  const int blocks = multiprocessors < H ? multiprocessors : H;
+  if (blocks < 1 || B < 1) return plan;
+  plan.slice = (H + blocks - 1) / blocks;
+  plan.grid = (H + plan.slice - 1) / plan.slice;
+  plan.forward_bytes = persistent_smem_bytes<T, A>(kind, D, B, H, plan.slice);
+  plan.backward_bytes = persistent_backward_smem_bytes<T, A>(kind, D, B, H, plan.slice);
+  plan.fits = plan.forward_bytes <= smem_optin && plan.backward_bytes <= smem_optin;
+  return plan;
+}
+
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                             cudaStream_t stream) {

@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "persistent_cuda_kernels.cuh"
@@ -385,8 +386,9 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
 }
 
 // DTMT_CUDA_RECURRENCE=persistent (read once a process; a benchmarks' setting until a GPU session has measured it,
-// issue 72): the forward as the persistent launch, one block per SM (at most one per hidden unit), where it fits
-// the device; where it does not, the per-step forward, with a warning once. Unset or "steps": the per-step forward.
+// issue 72): forward and backward as the persistent launches, one block per SM (at most one per hidden unit), where
+// the layer fits the device (persistent_plan); where it does not, the per-step path, with a warning once. Unset or
+// "steps": the per-step path.
 bool persistent_requested() {
   static const bool requested = [] {
     const char* env = std::getenv("DTMT_CUDA_RECURRENCE");
@@ -399,15 +401,35 @@ bool persistent_requested() {
   return requested;
 }
 
-int64_t multiprocessors() {
+// The device's SM count and the shared memory a block may opt into (the emulation: 4 SMs of an H100's 227 KB).
+std::pair<int, size_t> device_limits() {
 #if defined(DTMT_CUDA_EMULATION)
-  return 4;
+  return {4, 232448};
 #else
-  int device = 0, count = 0;
+  int device = 0, count = 0, optin = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return {count, static_cast<size_t>(optin)};
 #endif
+}
+
+// The persistent plan of a layer on this device (persistent_plan), or grid 0 with a warning once naming what does
+// not fit: the per-step path runs then.
+template <typename S> int64_t persistent_grid(const Tensor& x, const TransitionWeights& w) {
+  using T = typename DeviceType<S>::type;
+  using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
+  const Dims d = dims_of(x, w);
+  const auto limits = device_limits();
+  const cuda::PersistentPlan plan = cuda::persistent_plan<T, A>(static_cast<int>(w.kind), static_cast<int>(d.D),
+                                                                static_cast<int>(d.B), static_cast<int>(d.H),
+                                                                limits.first, limits.second);
+  if (!plan.fits)
+    TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ", plan.forward_bytes / 1024,
+                    " KB (forward) and ", plan.backward_bytes / 1024, " KB (backward) of shared memory a block in ",
+                    plan.grid, " blocks; this device allows ", limits.second / 1024,
+                    " KB: the per-step path runs (DTMT_CUDA_RECURRENCE=persistent)");
+  return plan.fits ? plan.grid : 0;
 }
 
 // What both backwards do after their loop: dx, the weight gradients as GEMMs over all steps, the layer-norm
@@ -644,10 +666,10 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
-    if (persistent_requested() && x.size(0) > 0)
-      result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps,
-                                                 std::min<int64_t>(multiprocessors(), w.w_hh.size(1)),
-                                                 kPersistentThreads, /*fallible=*/true);
+    const int64_t grid = persistent_requested() && x.size(0) > 0 ? persistent_grid<scalar_t>(x, w) : 0;
+    if (grid > 0)
+      result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, kPersistentThreads,
+                                                 /*fallible=*/true);
     if (result.empty()) result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
   });
   return result;
@@ -690,10 +712,10 @@ std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tenso
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
-    if (persistent_requested() && x.size(0) > 0)
+    const int64_t grid = persistent_requested() && x.size(0) > 0 ? persistent_grid<scalar_t>(x, w) : 0;
+    if (grid > 0)
       result = backward_persistent_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt,
-                                                  reverse, eps, std::min<int64_t>(multiprocessors(), w.w_hh.size(1)),
-                                                  kPersistentThreads, /*fallible=*/true);
+                                                  reverse, eps, grid, kPersistentThreads, /*fallible=*/true);
     if (result.empty())
       result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps);
   });

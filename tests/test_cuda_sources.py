@@ -294,6 +294,14 @@ std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at
 }
 }  // namespace
 
+// persistent_plan for float32 (double: float64) storage: (grid, slice, forward bytes, backward bytes, fits)
+std::vector<int64_t> persistent_plan(int64_t kind, int64_t D, int64_t B, int64_t H, int64_t sms, int64_t optin,
+                                     bool double_storage) {
+  const auto p = double_storage ? dtmt::cuda::persistent_plan<double, double>(kind, D, B, H, sms, optin)
+                                : dtmt::cuda::persistent_plan<float, float>(kind, D, B, H, sms, optin);
+  return {p.grid, p.slice, static_cast<int64_t>(p.forward_bytes), static_cast<int64_t>(p.backward_bytes), p.fits};
+}
+
 // whether DTMT_CUDA_RECURRENCE asked for the persistent launches (read once a process)
 bool persistent_recurrence() { return dtmt::persistent_requested(); }
 
@@ -307,6 +315,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &backward);
   m.def("step_gemm_choice", &step_gemm_choice);
   m.def("persistent_recurrence", &persistent_recurrence);
+  m.def("persistent_plan", &persistent_plan);
 }
 """
 
@@ -497,6 +506,25 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads):
                                        msg=lambda m: f"{cell}-d{depth} ln={ln} full={full_features} {name}: {m}")
         _compare_emulated(_emulated_sequence(ext, (grid, threads)), cell, depth, ln, full_features, torch.float64,
                           B=3, T=3, H=37)
+
+
+@pytest.mark.slow
+def test_persistent_envelope(emulated_cuda_ext):
+    """Which layers fit the persistent launches (issue 72 item 3), from sizes alone, on an H100/H200 (132 SMs,
+    227 KB of shared memory a block): every block's rows (forward) or columns (backward) of every recurrent matrix,
+    H + 1 long, plus its per-row buffers. Worked by hand: the deep transition at H = 512 (L-GRU + 4 T-GRUs, B = 64,
+    fp32) takes 128 blocks of 4 units, 64 rows x 513 x 4 B + 64 x 22 x 4 B = 136,960 B forward and
+    (4 x 2,049 + 16 x 1,537) x 4 B + 64 x 52 x 4 B = 144,464 B backward: it fits; at H = 1024 (8 units a block)
+    the forward alone needs 524,800 B of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at
+    B = 256."""
+    from dtmt_kernels.ops.transition import KINDS
+
+    h100 = (132, 232448)
+    grid, slice_, fwd, bwd, fits = emulated_cuda_ext.persistent_plan(KINDS["lgru"], 4, 64, 512, *h100, False)
+    assert (grid, slice_, fwd, bwd, fits) == (128, 4, 136960, 144464, 1)
+    assert emulated_cuda_ext.persistent_plan(KINDS["lgru"], 4, 64, 1024, *h100, False)[4] == 0
+    assert emulated_cuda_ext.persistent_plan(KINDS["gru"], 0, 256, 512, *h100, False)[4] == 1
+    assert emulated_cuda_ext.persistent_plan(KINDS["gru"], 0, 8, 37, 132, 232448, True)[:2] == [37, 1]
 
 
 _RECURRENCE_RUN = r"""

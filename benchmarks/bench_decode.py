@@ -10,7 +10,8 @@ Two modes:
                        system decodes exactly --tgt-len steps per hypothesis: a like-for-like cost per word.
   checkpoints          trained models translate the first --sentences lines of --input (real lengths and
                        early stopping); words are the whitespace words of the detokenised output.
-For each setting (beam, batch) every model translates the sentences once to warm up, then --repeat rounds run
+Each model's decoder (`inference_decoder()`) is built once, before the timing, as `dtmt translate` and `dtmt serve`
+build it. For each setting (beam, batch) every model translates the sentences once to warm up, then --repeat rounds run
 one pass of every model in turn (so that a drift of the machine's speed moves all models alike: the ratios are
 what the bars judge); the median pass is kept.
 `batched` uses batches of --batch-size sentences. The transformer decodes incrementally with a cache (see
@@ -50,7 +51,8 @@ class NoEOS(torch.nn.Module):
         self.model = model
 
     def inference_decoder(self):
-        """The wrapped model's decoder (built per batch, as beam_search builds it), wrapped."""
+        """The wrapped model's decoder, wrapped (itself when it wraps a decoder already: beam_search then builds
+        nothing)."""
         decoder = self.model.inference_decoder()
         return self if decoder is self.model else NoEOS(decoder)
 
@@ -196,7 +198,10 @@ def main(argv=None):
                       f"(vocabulary {a.vocab})", flush=True)
         return rows
     match_of = {}  # recurrent system -> the name of its size-matched transformer (synthetic mode)
-    models = []   # (name, model, sentences as id lists, words counter, max_len_a, max_len_b)
+    models = []   # (name, decoder, sentences as id lists, words counter, max_len_a, max_len_b)
+    params = {}   # name -> the model's parameter count
+    # each model's decoder is built once, as translate and serve build it (not once per batch: for dtmt's small preset
+    # at V = 4,000 that build, its tables included, costs ~125 ms, more than decoding a sentence)
     if a.checkpoints:
         from dtmt_models.models.checkpoint import load_model
         from dtmt_models.data.corpus import read_lines
@@ -207,7 +212,9 @@ def main(argv=None):
         for path in a.checkpoints:
             model, sv, tv, ckpt = load_model(path)
             sents = [sv.encode(line)[:250] for line in lines]
-            models.append((f"{ckpt['model_name']} ({os.path.basename(os.path.dirname(path))})", model, sents,
+            label = f"{ckpt['model_name']} ({os.path.basename(os.path.dirname(path))})"
+            params[label] = count_params(model)
+            models.append((label, model.inference_decoder() if hasattr(model, "inference_decoder") else model, sents,
                            tv, 2.0, 10))
         mode = f"trained checkpoints on {a.sentences} sentences of {a.input}"
     else:
@@ -217,7 +224,8 @@ def main(argv=None):
         for name in a.systems:
             torch.manual_seed(0)
             model = build_model(name, a.vocab, a.vocab, **get_preset(name, "small")["model"]).eval()
-            models.append((name, NoEOS(model), sents, None, 0.0, a.tgt_len + 1))
+            params[name] = count_params(model)
+            models.append((name, NoEOS(model.inference_decoder()), sents, None, 0.0, a.tgt_len + 1))
             if name != "transformer" and not a.no_match:
                 width, options = matched_transformer(count_params(model), a.vocab)
                 if options == get_preset("transformer", "small")["model"] and "transformer" in a.systems:
@@ -228,7 +236,9 @@ def main(argv=None):
         for width, options in sorted(matched.items()):
             torch.manual_seed(0)
             model = build_model("transformer", a.vocab, a.vocab, **options).eval()
-            models.append((f"transformer d{width}", NoEOS(model), sents, None, 0.0, a.tgt_len + 1))
+            params[f"transformer d{width}"] = count_params(model)
+            models.append((f"transformer d{width}", NoEOS(model.inference_decoder()), sents, None, 0.0,
+                           a.tgt_len + 1))
         mode = (f"random weights, {a.sentences} sentences of {a.src_len} tokens, exactly {a.tgt_len} output tokens "
                 f"(EOS suppressed)")
     rows = []
@@ -240,7 +250,7 @@ def main(argv=None):
                     words = sum(len(tokens) for tokens in best)
                 else:            # real words of the detokenised output
                     words = sum(len(tv.decode(tokens).split()) for tokens in best)
-                row = {"model": name, "params": count_params(model), "beam": beam, "batch": label,
+                row = {"model": name, "params": params[name], "beam": beam, "batch": label,
                        "sentences": len(sents), "words": words, "seconds": seconds, "words_per_s": words / seconds,
                        "ms_per_sentence": 1000 * seconds / len(sents)}
                 rows.append(row)

@@ -10,7 +10,9 @@ the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a ch
 - times the forward alone and forward + backward (both persistent in the persistent mode), eager, median of
   --repeat, and the peak memory of forward + backward.
 The parent prints one table: the two modes side by side, steps / persistent (above 1: the persistent launch is
-faster), and cuDNN's torch.nn.GRU in the same math mode beside the GRU rows (cuDNN / ours: above 1, ours faster).
+faster), the persistent forward's floor (T x its grid barriers a step x the barrier's cost, bounded from above by
+timing a GRU of one unit per block at B = 1, whose step is a barrier and almost no work) and the share of it
+reached, and cuDNN's torch.nn.GRU in the same math mode beside the GRU rows.
 A persistent forward that does not fit the device falls back to the per-step one with a warning: the child reports
 it, and that row says so. Writes DIR/bench_persistent.csv when --out is given. Needs a CUDA device.
 """
@@ -75,7 +77,48 @@ def child(mode: str, T: int, Bs, H: int, repeat: int) -> list:
                 row["cudnn_fwd_bwd_ms"] = 1e3 * time_fn(fwd_bwd(gru, xg), repeat, "cuda")
             rows.append(row)
             print(json.dumps(row), flush=True)
+    if mode == "persistent":   # the grid barrier's cost, bounded from above: a layer whose step is one barrier
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        layer = build("gru", 0, False, sms, "cuda").cuda()
+        x = torch.randn(512, 1, sms, device="cuda")
+        seconds = time_fn(fwd_only(layer, x), repeat, "cuda")
+        print(json.dumps(dict(case="barrier", units=sms, steps=512, step_us=1e6 * seconds / 512)), flush=True)
     return rows
+
+
+def barriers_per_step(cell: str, depth: int, ln: bool) -> int:
+    """Grid barriers a step of the persistent forward waits at: one a sub-cell, two with layer norm."""
+    return (depth + 1) * (2 if ln else 1)
+
+
+def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str) -> list:
+    """Prints the table of both modes' rows ({(case, B, mode): row}, the children's JSON) with the floor column from
+    the barrier probe (None: no floor); returns the rows joined per case for the CSV."""
+    print(f"# {machine}; strict fp32 on every side (TF32 off); T={T}, H={H}; eager, median of "
+          f"{repeat}; `python benchmarks/bench_persistent.py`")
+    if barrier:
+        print(f"# grid barrier: at most {barrier['step_us']:.2f} us (a step of a GRU of one unit per block, "
+              f"{barrier['units']} blocks, B=1, T={barrier['steps']}: one barrier and almost no work); the floor of a "
+              f"persistent forward is T x its barriers a step x that")
+    print("| case | B | steps fwd ms | persistent fwd ms | x fwd | floor ms (share) | steps fwd+bwd ms | persistent "
+          "fwd+bwd ms | x fwd+bwd | cuDNN GRU fwd / fwd+bwd ms | rel. err (steps / persistent) | peak MB (steps / "
+          "persistent) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    table = []
+    for name, cell, depth, ln in CASES:
+        for B in Bs:
+            s, q = results.get((name, B, "steps")), results.get((name, B, "persistent"))
+            if s is None or q is None:
+                continue
+            cudnn = (f"{s['cudnn_fwd_ms']:.2f} / {s['cudnn_fwd_bwd_ms']:.2f}" if "cudnn_fwd_ms" in s else "")
+            note = " (fell back: does not fit)" if q["fell_back"] else ""
+            floor = T * barriers_per_step(cell, depth, ln) * barrier["step_us"] / 1e3 if barrier else float("nan")
+            print(f"| {name}{note} | {B} | {s['fwd_ms']:.2f} | {q['fwd_ms']:.2f} | {s['fwd_ms'] / q['fwd_ms']:.2f} | "
+                  f"{floor:.2f} ({floor / q['fwd_ms']:.0%}) | "
+                  f"{s['fwd_bwd_ms']:.2f} | {q['fwd_bwd_ms']:.2f} | {s['fwd_bwd_ms'] / q['fwd_bwd_ms']:.2f} | "
+                  f"{cudnn} | {s['rel_err']:.1e} / {q['rel_err']:.1e} | {s['peak_MB']:.0f} / {q['peak_MB']:.0f} |")
+            table.append({**{f"steps_{k}": v for k, v in s.items()}, **{f"persistent_{k}": v for k, v in q.items()}})
+    return table
 
 
 def main(argv=None) -> int:
@@ -98,7 +141,7 @@ def main(argv=None) -> int:
         return 0
     from bench_cells import machine_name
 
-    results = {}
+    results, barrier = {}, None
     for mode in ("steps", "persistent"):
         env = dict(os.environ, DTMT_CUDA_RECURRENCE=mode)
         r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, "--T", str(a.T), "--B",
@@ -110,24 +153,11 @@ def main(argv=None) -> int:
         for line in r.stdout.splitlines():
             if line.startswith("{"):
                 row = json.loads(line)
+                if row["case"] == "barrier":
+                    barrier = row
+                    continue
                 results[(row["case"], row["B"], mode)] = row
-    print(f"# {machine_name('cuda')}; strict fp32 on every side (TF32 off); T={a.T}, H={a.H}; eager, median of "
-          f"{a.repeat}; `python benchmarks/bench_persistent.py`")
-    print("| case | B | steps fwd ms | persistent fwd ms | x fwd | steps fwd+bwd ms | persistent fwd+bwd ms | x fwd+bwd "
-          "| cuDNN GRU fwd / fwd+bwd ms | rel. err (steps / persistent) | peak MB (steps / persistent) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    table = []
-    for name, *_ in CASES:
-        for B in a.B:
-            s, q = results.get((name, B, "steps")), results.get((name, B, "persistent"))
-            if s is None or q is None:
-                continue
-            cudnn = (f"{s['cudnn_fwd_ms']:.2f} / {s['cudnn_fwd_bwd_ms']:.2f}" if "cudnn_fwd_ms" in s else "")
-            note = " (fell back: does not fit)" if q["fell_back"] else ""
-            print(f"| {name}{note} | {B} | {s['fwd_ms']:.2f} | {q['fwd_ms']:.2f} | {s['fwd_ms'] / q['fwd_ms']:.2f} | "
-                  f"{s['fwd_bwd_ms']:.2f} | {q['fwd_bwd_ms']:.2f} | {s['fwd_bwd_ms'] / q['fwd_bwd_ms']:.2f} | "
-                  f"{cudnn} | {s['rel_err']:.1e} / {q['rel_err']:.1e} | {s['peak_MB']:.0f} / {q['peak_MB']:.0f} |")
-            table.append({**{f"steps_{k}": v for k, v in s.items()}, **{f"persistent_{k}": v for k, v in q.items()}})
+    table = report(results, barrier, a.T, a.H, a.B, a.repeat, machine_name("cuda"))
     if a.out and table:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "bench_persistent.csv"), "w", newline="") as f:

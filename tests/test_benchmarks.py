@@ -755,3 +755,26 @@ def test_bench_cells_math_mode_is_named_and_gpu_only():
     with pytest.raises(SystemExit) as exc:
         bench_cells.main(["--math", "tf32", "--quick"])
     assert exc.value.code == 2
+
+
+def test_bench_persistent_table_and_floor(capsys):
+    """bench_persistent's table from the children's rows (faked here: the children run on a GPU): both modes side
+    by side with their ratios, and the persistent forward's floor, T x its grid barriers a step x the barrier's
+    cost: the deep transition (depth 4, layer norm) waits at 10 barriers a step, a GRU at 1."""
+    from benchmarks import bench_persistent
+
+    def row(case, B, mode, fwd, fwd_bwd, **extra):
+        return dict(case=case, B=B, mode=mode, fell_back=False, rel_err=1e-6, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd,
+                    peak_MB=10.0, **extra)
+
+    results = {("gru", 8, "steps"): row("gru", 8, "steps", 2.0, 6.0, cudnn_fwd_ms=1.0, cudnn_fwd_bwd_ms=3.0),
+               ("gru", 8, "persistent"): row("gru", 8, "persistent", 0.5, 2.0),
+               ("deep-transition", 8, "steps"): row("deep-transition", 8, "steps", 10.0, 30.0),
+               ("deep-transition", 8, "persistent"): row("deep-transition", 8, "persistent", 2.5, 9.0)}
+    barrier = dict(case="barrier", units=132, steps=512, step_us=2.0)
+    table = bench_persistent.report(results, barrier, 50, 512, [8], 10, "a GPU")
+    out = capsys.readouterr().out
+    assert bench_persistent.barriers_per_step("lgru", 4, True) == 10
+    assert "| gru | 8 | 2.00 | 0.50 | 4.00 | 0.10 (20%) | 6.00 | 2.00 | 3.00 | 1.00 / 3.00 |" in out, out
+    assert "| deep-transition | 8 | 10.00 | 2.50 | 4.00 | 1.00 (40%) | 30.00 | 9.00 | 3.33 |" in out, out
+    assert "grid barrier: at most 2.00 us" in out and len(table) == 2

@@ -217,6 +217,29 @@ def test_device_kernels_compile_standalone(tmp_path):
     assert (tmp_path / "k.o").stat().st_size > 0
 
 
+PERSISTENT_MAIN = r"""
+#include "persistent_cuda_kernels.cuh"
+int main() {   // never run: linking it is the test
+  dtmt::cuda::PersistentForwardArgs<float, float> a{};
+  dtmt::cuda::PersistentBackwardArgs<float, float> b{};
+  cudaError_t e = dtmt::cuda::launch_persistent_forward<float, float>(dtmt::kLGRU, a, 1, 32, nullptr);
+  e = dtmt::cuda::launch_persistent_backward<float, float>(dtmt::kLGRU, b, 1, 32, nullptr);
+  return e == cudaSuccess ? 0 : 1;
+}
+"""
+
+
+@needs_nvcc
+def test_persistent_kernels_link_without_rdc(tmp_path):
+    """The persistent kernels' grid barrier (cooperative groups' this_grid().sync()) and cooperative launch link
+    into a program without relocatable device code (-rdc), as setup.py builds the extension; built for sm_90
+    (Hopper: the H100 / H200 the GPU sessions get)."""
+    src = tmp_path / "main.cu"
+    src.write_text(PERSISTENT_MAIN)
+    _run([NVCC, "-std=c++17", "-O3", "-arch=sm_90", f"-I{CSRC}", str(src), "-o", str(tmp_path / "main")])
+    assert (tmp_path / "main").stat().st_size > 0
+
+
 def _torch_includes():
     try:
         from torch.utils.cpp_extension import include_paths

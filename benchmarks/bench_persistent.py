@@ -1,5 +1,5 @@
-"""The persistent forward (issue 72; DTMT_CUDA_RECURRENCE=persistent, csrc/persistent_cuda_kernels.cuh) against the
-cuda backend's per-step forward and cuDNN's GRU, on the GPU, all in strict fp32 (TF32 off for cuBLAS and cuDNN).
+"""The persistent launches (issue 72; DTMT_CUDA_RECURRENCE=persistent, csrc/persistent_cuda_kernels.cuh) against the
+cuda backend's per-step path and cuDNN's GRU, on the GPU, all in strict fp32 (TF32 off for cuBLAS and cuDNN).
 
     python benchmarks/bench_persistent.py [--T 50] [--B 1 8 64 256] [--H 512] [--repeat 10] [--out DIR]
 

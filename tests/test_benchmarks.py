@@ -367,6 +367,29 @@ def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_p
     assert bench.main(["refuses"]) == 1 and "bench_refuses: no such thing here" in capsys.readouterr().err
 
 
+def test_dtmt_bench_list_says_what_each_measures(tmp_path, monkeypatch, capsys):
+    """`dtmt bench --list`: every benchmark of the checkout, one a line, with the first paragraph of its docstring
+    (read, not run: a script with side effects at import runs nothing); none found: one line, exit 2."""
+    from dtmt_models.cli import bench
+
+    assert bench.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == bench.available() and len(lines) > 20
+    listed = dict(line.split(None, 1) for line in lines)
+    assert listed["decode"] == "Decoding speed: words/s and ms per sentence, beam 1 and beam 4, batch 1 and batched, every system."
+    assert listed["persistent"].startswith("The persistent launches (issue 72;") and listed["persistent"].endswith(" ...")
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "bench_cells.py").write_text('"""Cells."""\n')
+    (folder / "bench_boom.py").write_text('raise SystemExit("ran")\n')   # no docstring, and must not run
+    monkeypatch.setattr(bench, "ROOT", str(tmp_path / "site-packages"))
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["boom   (no description)", "cells  Cells."]
+    monkeypatch.chdir(tmp_path / "site-packages" if (tmp_path / "site-packages").exists() else "/")
+    assert bench.main(["--list"]) == 2 and "source checkout" in capsys.readouterr().err
+
+
 def test_bench_serve_quick(tmp_path):
     """The load test end to end at toy size: a real server, 6 concurrent clients, every request answered with
     `translate`'s translation (the benchmark counts any other answer as lost)."""

@@ -1,4 +1,5 @@
-"""`dtmt bench NAME [options]`: runs benchmarks/bench_NAME.py (cells, train, decode, quality, ...) with its options.
+"""`dtmt bench NAME [options]`: runs benchmarks/bench_NAME.py (cells, train, decode, quality, ...) with its options;
+`dtmt bench --list`: each benchmark with what it measures (the first line of its docstring).
 
 The benchmark scripts live in a source checkout's benchmarks/ directory (scripts, not part of the installed
 package): they are found next to the package (an editable install, as setup.sh makes) or, for a regular install,
@@ -34,11 +35,36 @@ def available() -> List[str]:
     return sorted(f[len("bench_"):-3] for f in os.listdir(d) if f.startswith("bench_") and f.endswith(".py"))
 
 
+def summary(name: str, width: int = 100) -> str:
+    """The first paragraph of benchmarks/bench_NAME.py's docstring on one line, cut at a word after about `width`
+    characters; read without running the script."""
+    import ast
+
+    with open(os.path.join(bench_dir(), f"bench_{name}.py"), encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    if not text:
+        return "(no description)"
+    return text if len(text) <= width else text[:text.rfind(" ", 0, width)] + " ..."
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = available()
+    if argv[:1] == ["--list"]:
+        if not names:
+            print(f"dtmt bench: {NOT_FOUND}", file=sys.stderr)
+            return 2
+        width = max(map(len, names))
+        try:
+            for name in names:
+                print(f"{name:<{width}}  {summary(name)}", flush=True)
+        except BrokenPipeError:   # `dtmt bench --list | head`: the reader has what it wanted
+            sys.stdout = open(os.devnull, "w")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):   # without a NAME: the same text, as an error (status 2)
-        print("usage: dtmt bench NAME [options]   (dtmt bench NAME --help for its options)\n"
+        print("usage: dtmt bench NAME [options]   (dtmt bench NAME --help for its options; dtmt bench --list: what "
+              "each measures)\n"
               f"benchmarks: {', '.join(names) if names else NOT_FOUND}", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name = argv[0]

@@ -72,6 +72,43 @@ template <typename T, typename A> inline size_t persistent_smem_bytes(int kind, 
   return matrix + (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * sizeof(A);
 }
 
+// The (mean, 1/std) of every batch row's gate groups over all H units, in every block alike: this block's (mean, M2)
+// over its n units go to `partials` [G, B, 3, 2], a grid barrier, then each block combines all G of them in block
+// order (Chan's formula: deterministic). v: [B][slots][S] pre-activations; stats: [B][3][2]. Ends with a block
+// barrier (stats read by other threads).
+template <typename A>
+__device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int S, int n, A eps, A* partials,
+                                A* stats) {
+  for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+    const int b = e / NG, g = e % NG;
+    const A* row = v + (b * slots + g) * S;
+    A mean = A(0);
+    for (int jj = 0; jj < n; ++jj) mean += row[jj];
+    mean /= A(n);
+    A m2 = A(0);
+    for (int jj = 0; jj < n; ++jj) m2 += (row[jj] - mean) * (row[jj] - mean);
+    A* out = partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
+    out[0] = mean;
+    out[1] = m2;
+  }
+  DTMT_GRID_SYNC();
+  for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+    const int b = e / NG, g = e % NG;
+    A count = A(0), mean = A(0), m2 = A(0);
+    for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
+      const A nb = A(blk * S + S <= H ? S : H - blk * S);
+      const A* in = partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
+      const A total = count + nb, delta = in[0] - mean;
+      mean += delta * nb / total;
+      m2 += in[1] + delta * delta * count * nb / total;
+      count = total;
+    }
+    stats[(b * 3 + g) * 2] = mean;
+    stats[(b * 3 + g) * 2 + 1] = dt_rsqrt(m2 / A(H) + eps);
+  }
+  __syncthreads();
+}
+
 // One sub-cell of one step for this block's units. K: the sub-cell's kind; u: its rows in shared memory
 // [NH][slice][H + 1]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
 template <int K, typename T, typename A>
@@ -127,35 +164,7 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
   __syncthreads();
 
   if (lnw) {
-    // this block's (mean, M2) per row and group over its n units, then every block's, combined in block order
-    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
-      const int b = e / NG, g = e % NG;
-      const A* v = pre + (b * 4 + g) * S;
-      A mean = A(0);
-      for (int jj = 0; jj < n; ++jj) mean += v[jj];
-      mean /= A(n);
-      A m2 = A(0);
-      for (int jj = 0; jj < n; ++jj) m2 += (v[jj] - mean) * (v[jj] - mean);
-      A* out = p.partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
-      out[0] = mean;
-      out[1] = m2;
-    }
-    DTMT_GRID_SYNC();
-    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
-      const int b = e / NG, g = e % NG;
-      A count = A(0), mean = A(0), m2 = A(0);
-      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
-        const A nb = A(blk * S + S <= H ? S : H - blk * S);
-        const A* in = p.partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
-        const A total = count + nb, delta = in[0] - mean;
-        mean += delta * nb / total;
-        m2 += in[1] + delta * delta * count * nb / total;
-        count = total;
-      }
-      stats[(b * 3 + g) * 2] = mean;
-      stats[(b * 3 + g) * 2 + 1] = dt_rsqrt(m2 / A(H) + p.eps);
-    }
-    __syncthreads();
+    gate_statistics<A>(pre, 4, NG, B, H, S, n, p.eps, p.partials, stats);
   }
 
   // 3. the elementwise update of the block's units
@@ -359,34 +368,7 @@ __device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& 
   }
   __syncthreads();
   if (lnw) {
-    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
-      const int b = e / NG, g = e % NG;
-      const A* v = m.n + (b * 3 + g) * S;
-      A mean = A(0);
-      for (int jj = 0; jj < n; ++jj) mean += v[jj];
-      mean /= A(n);
-      A m2 = A(0);
-      for (int jj = 0; jj < n; ++jj) m2 += (v[jj] - mean) * (v[jj] - mean);
-      A* out = p.partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
-      out[0] = mean;
-      out[1] = m2;
-    }
-    DTMT_GRID_SYNC();
-    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
-      const int b = e / NG, g = e % NG;
-      A count = A(0), mean = A(0), m2 = A(0);
-      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
-        const A nb = A(blk * S + S <= H ? S : H - blk * S);
-        const A* in = p.partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
-        const A total = count + nb, delta = in[0] - mean;
-        mean += delta * nb / total;
-        m2 += in[1] + delta * delta * count * nb / total;
-        count = total;
-      }
-      m.stats[(b * 3 + g) * 2] = mean;
-      m.stats[(b * 3 + g) * 2 + 1] = dt_rsqrt(m2 / A(H) + p.eps);
-    }
-    __syncthreads();
+    gate_statistics<A>(m.n, 3, NG, B, H, S, n, p.eps, p.partials, m.stats);
     for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
       const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);
       A& v = m.n[(b * 3 + g) * S + jj];

@@ -310,6 +310,33 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
 
+// What both persistent launches' argument structs share: the weights' pointers (w_hh and t_w contiguous copies the
+// caller keeps alive through the launch), dropout and mask; and the sizes and settings.
+template <typename T, typename S, typename Args>
+void set_persistent_weights(Args& a, const TransitionWeights& w, const Tensor& w_hh, const Tensor& t_w,
+                            const Tensor& drop, const Tensor& mask) {
+  const bool ln = present(w.ln_w), tln = present(w.t_ln_w), deep = present(t_w);
+  a.w_hh = cptr<T, S>(w_hh);
+  a.b_hh = cptr<T, S>(w.b_hh);
+  a.ln_w = ln ? cptr<T, S>(w.ln_w) : nullptr;
+  a.ln_b = ln ? cptr<T, S>(w.ln_b) : nullptr;
+  a.t_w = deep ? cptr<T, S>(t_w) : nullptr;
+  a.t_b = deep ? cptr<T, S>(w.t_b) : nullptr;
+  a.t_ln_w = tln ? cptr<T, S>(w.t_ln_w) : nullptr;
+  a.t_ln_b = tln ? cptr<T, S>(w.t_ln_b) : nullptr;
+  a.drop = static_cast<int>(w.kind) != kATR ? cptr<T, S>(drop) : nullptr;
+  a.mask = cptr<T, S>(mask);
+}
+template <typename Args> void set_persistent_sizes(Args& a, const Dims& d, int64_t slice, bool reverse, double eps) {
+  a.steps = static_cast<int>(d.T);
+  a.B = static_cast<int>(d.B);
+  a.H = static_cast<int>(d.H);
+  a.D = static_cast<int>(d.D);
+  a.slice = static_cast<int>(slice);
+  a.reverse = reverse;
+  a.eps = static_cast<decltype(a.eps)>(eps);
+}
+
 // The forward as one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh): the same
 // outputs and saved tensors as forward_impl, so backward_impl runs on them unchanged. `fallible`: a launch the device
 // refuses (too much shared memory, blocks that cannot all be resident) returns {} instead of throwing.
@@ -339,21 +366,11 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   const int64_t first = reverse ? T_ - 1 : 0;
   hs[0][first].copy_(h0);
   if (lp) hs_lp[0][first].copy_(h0);
-  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
 
   cuda::PersistentForwardArgs<T, A> a{};
   a.xp = cptr<T, S>(xp);
-  a.w_hh = cptr<T, S>(w_hh);
-  a.b_hh = cptr<T, S>(w.b_hh);
-  a.ln_w = ln ? cptr<T, S>(w.ln_w) : nullptr;
-  a.ln_b = ln ? cptr<T, S>(w.ln_b) : nullptr;
-  a.t_w = D > 0 ? cptr<T, S>(t_w) : nullptr;
-  a.t_b = D > 0 ? cptr<T, S>(w.t_b) : nullptr;
-  a.t_ln_w = tln ? cptr<T, S>(w.t_ln_w) : nullptr;
-  a.t_ln_b = tln ? cptr<T, S>(w.t_ln_b) : nullptr;
-  a.drop = static_cast<int>(w.kind) != kATR ? cptr<T, S>(drop) : nullptr;
-  a.mask = cptr<T, S>(mask);
+  set_persistent_weights<T, S>(a, w, w_hh, t_w, drop, mask);
   a.hs = mptr<A, A>(hs);
   a.hs_lp = lp ? mptr<T, S>(hs_lp) : nullptr;
   a.hp = mptr<T, S>(hp);
@@ -361,13 +378,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   a.out = mptr<T, S>(out);
   a.h_last = mptr<A, A>(h_last);
   a.partials = mptr<A, A>(partials);
-  a.steps = static_cast<int>(T_);
-  a.B = static_cast<int>(B);
-  a.H = static_cast<int>(H);
-  a.D = static_cast<int>(D);
-  a.slice = static_cast<int>(slice);
-  a.reverse = reverse;
-  a.eps = static_cast<A>(eps);
+  set_persistent_sizes(a, d, slice, reverse, eps);
   if (T_ > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const cudaError_t err = cuda::launch_persistent_forward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
@@ -587,7 +598,7 @@ std::vector<Tensor> backward_persistent_impl(const Tensor& grad_out, const Tenso
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
-  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D;
+  const int64_t B = d.B, H = d.H, D = d.D;
   TORCH_CHECK(grid >= 1 && grid <= H, "dtmt: the persistent backward needs 1 <= grid <= H, got grid ", grid, ", H ",
               H);
   const int64_t slice = (H + grid - 1) / grid;
@@ -614,16 +625,7 @@ std::vector<Tensor> backward_persistent_impl(const Tensor& grad_out, const Tenso
   a.hp = cptr<T, S>(hp);
   a.hpt = D > 0 ? cptr<T, S>(hpt) : nullptr;
   a.hs = cptr<A, A>(hs);
-  a.w_hh = cptr<T, S>(w_hh);
-  a.b_hh = cptr<T, S>(w.b_hh);
-  a.ln_w = ln ? cptr<T, S>(w.ln_w) : nullptr;
-  a.ln_b = ln ? cptr<T, S>(w.ln_b) : nullptr;
-  a.t_w = D > 0 ? cptr<T, S>(t_w) : nullptr;
-  a.t_b = D > 0 ? cptr<T, S>(w.t_b) : nullptr;
-  a.t_ln_w = tln ? cptr<T, S>(w.t_ln_w) : nullptr;
-  a.t_ln_b = tln ? cptr<T, S>(w.t_ln_b) : nullptr;
-  a.drop = static_cast<int>(w.kind) != kATR ? cptr<T, S>(drop) : nullptr;
-  a.mask = cptr<T, S>(mask);
+  set_persistent_weights<T, S>(a, w, w_hh, t_w, drop, mask);
   a.grad_out = cptr<T, S>(gout);
   a.grad_hn = cptr<A, A>(ghn);
   a.dh0 = mptr<A, A>(dh0);
@@ -635,13 +637,7 @@ std::vector<Tensor> backward_persistent_impl(const Tensor& grad_out, const Tenso
   a.dtln_rows = tln ? mptr<A, A>(dtln_rows) : nullptr;
   a.dtlnb_rows = tln ? mptr<A, A>(dtlnb_rows) : nullptr;
   a.partials = mptr<A, A>(partials);
-  a.steps = static_cast<int>(T_);
-  a.B = static_cast<int>(B);
-  a.H = static_cast<int>(H);
-  a.D = static_cast<int>(D);
-  a.slice = static_cast<int>(slice);
-  a.reverse = reverse;
-  a.eps = static_cast<A>(eps);
+  set_persistent_sizes(a, d, slice, reverse, eps);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
                                                                  static_cast<int>(threads), stream);

@@ -127,18 +127,32 @@ inline unsigned char* dtmt_emu::dynamic_smem() {
 
 namespace dtmt_emu {
 
+// A launch's kernel and argument, run by every fiber of it (both outlive the launch: locals of the launching call).
+template <typename Kernel, typename Arg> struct Call {
+  Kernel* kernel;
+  const Arg* arg;
+  static void run(const void* c) {
+    const Call& call = *static_cast<const Call*>(c);
+    call.kernel(*call.arg);
+  }
+};
+
+// Fiber f of the launch in `s` set to start the kernel on stack f.
+inline void start_fiber(Scheduler& s, int f) {
+  ucontext_t& c = s.contexts[f];
+  if (getcontext(&c) != 0) throw std::runtime_error("emulated launch: getcontext");
+  c.uc_stack.ss_sp = stacks[f].get();
+  c.uc_stack.ss_size = kStackBytes;
+  c.uc_link = &s.main;
+  makecontext(&c, fiber_entry, 0);
+}
+
 template <typename Kernel, typename Arg>
 inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
   if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
-  struct Call {
-    Kernel* kernel;
-    const Arg* arg;
-  } call{kernel, &arg};
+  const Call<Kernel, Arg> call{kernel, &arg};
   Scheduler s;
-  s.body = [](const void* c) {
-    const Call& call = *static_cast<const Call*>(c);
-    call.kernel(*call.arg);
-  };
+  s.body = &Call<Kernel, Arg>::run;
   s.arg = &call;
   s.contexts.resize(threads);
   s.done.resize(threads);
@@ -151,12 +165,7 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
   for (int b = 0; b < grid; ++b) {
     blockIdx.x = b;
     for (int t = 0; t < threads; ++t) {
-      ucontext_t& c = s.contexts[t];
-      if (getcontext(&c) != 0) throw std::runtime_error("emulated launch: getcontext");
-      c.uc_stack.ss_sp = stacks[t].get();
-      c.uc_stack.ss_size = kStackBytes;
-      c.uc_link = &s.main;
-      makecontext(&c, fiber_entry, 0);
+      start_fiber(s, t);
       s.done[t] = 0;
     }
     // rounds: every fiber still running goes on to its next barrier (or its end). The order alternates
@@ -181,15 +190,9 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
 template <typename Kernel, typename Arg>
 inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
   if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
-  struct Call {
-    Kernel* kernel;
-    const Arg* arg;
-  } call{kernel, &arg};
+  const Call<Kernel, Arg> call{kernel, &arg};
   Scheduler s;
-  s.body = [](const void* c) {
-    const Call& call = *static_cast<const Call*>(c);
-    call.kernel(*call.arg);
-  };
+  s.body = &Call<Kernel, Arg>::run;
   s.arg = &call;
   s.cooperative = true;
   const int fibers = grid * threads;
@@ -204,14 +207,7 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
   scheduler = &s;
   blockDim.x = threads;
   gridDim.x = grid;
-  for (int f = 0; f < fibers; ++f) {
-    ucontext_t& c = s.contexts[f];
-    if (getcontext(&c) != 0) throw std::runtime_error("emulated launch: getcontext");
-    c.uc_stack.ss_sp = stacks[f].get();
-    c.uc_stack.ss_size = kStackBytes;
-    c.uc_link = &s.main;
-    makecontext(&c, fiber_entry, 0);
-  }
+  for (int f = 0; f < fibers; ++f) start_fiber(s, f);
   for (int phase = 0;; ++phase) {
     for (int i = 0; i < grid; ++i) {
       const int b = (phase & 1) ? grid - 1 - i : i;

@@ -32,7 +32,7 @@ constexpr const char* kAttentionWeightFields = "w_q v w_o b_o ln_w ln_b";
 struct ReadoutWeights {
   at::Tensor w_y, b_y, w_s, b_s, w_c, b_c, ln_w, ln_b, w_out, b_out;
   double eps;
-  static ReadoutWeights from_list(const std::vector<at::Tensor>& t, double eps);
+  static ReadoutWeights from_list(const std::vector<at::Tensor>& t, double eps, bool with_output = true);
 };
 constexpr const char* kReadoutWeightFields = "w_y b_y w_s b_s w_c b_c ln_w ln_b w_out b_out";
 

@@ -78,12 +78,13 @@ AttentionWeights AttentionWeights::from_list(const std::vector<Tensor>& t, doubl
   return w;
 }
 
-ReadoutWeights ReadoutWeights::from_list(const std::vector<Tensor>& t, double eps) {
+ReadoutWeights ReadoutWeights::from_list(const std::vector<Tensor>& t, double eps, bool with_output) {
   TORCH_CHECK(t.size() == 10, "dtmt._C: the readout weights are 10 tensors (", kReadoutWeightFields, "), got ",
               t.size());
   ReadoutWeights w{t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], eps};
   // w_y, w_s, w_c [R, *] (int8 rows too) with biases [R] or empty; ln_w and ln_b both empty or both [3, R];
-  // w_out [V, R] (int8: R + 4) with b_out [V] or empty
+  // w_out [V, R] (int8: R + 4) with b_out [V] or empty; without `with_output` (the features alone) both may be
+  // empty (a readout with deep layers has no output layer among them)
   TORCH_CHECK(w.w_y.defined() && w.w_y.dim() == 2 && w.w_y.size(0) > 0, "dtmt._C: the readout's w_y must be [R, E]");
   const int64_t R = w.w_y.size(0);
   for (const auto& [m, b, name] : {std::tuple<const Tensor&, const Tensor&, const char*>{w.w_y, w.b_y, "y"},
@@ -95,6 +96,7 @@ ReadoutWeights ReadoutWeights::from_list(const std::vector<Tensor>& t, double ep
                   (!present(w.ln_w) || (w.ln_w.numel() == 3 * R && w.ln_b.numel() == 3 * R)),
               "dtmt._C: the readout's ln_w and ln_b must both be empty or both [3, ", R, "], got ", w.ln_w.sizes(),
               " and ", w.ln_b.sizes());
+  if (!with_output && !present(w.w_out) && !present(w.b_out)) return w;
   TORCH_CHECK(w.w_out.defined() && w.w_out.dim() == 2 && w.w_out.size(0) > 0 && weight_in_features(w.w_out) == R &&
                   (!present(w.b_out) || w.b_out.numel() == w.w_out.size(0)),
               "dtmt._C: the readout's w_out must be [V, ", R, "] (int8 rows: ", R + kInt8RowTail,

@@ -163,6 +163,26 @@ def test_ids_outside_the_vocabularies_are_an_index_error_naming_them(name):
         model(src, src_lengths, wrong)
 
 
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_every_configuration_decodes_through_its_inference_decoder(name, options):
+    """The inference decoder's steps (the fused inference forms) give the model's own steps' log-probabilities
+    (float64), and beam search returns every sentence's hypotheses, for every configuration (nematus with a deep
+    output could not decode at all: the fused readout-features op wanted the output layer, which it does not use
+    and which a readout with deep layers does not give it)."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    model = build(name, **options).double().eval()
+    src, src_lengths, prev, _ = toy_batch()
+    decoder = model.inference_decoder()
+    with torch.no_grad():
+        ours, theirs = model.encode(src, src_lengths), decoder.encode(src, src_lengths)
+        for t in range(prev.shape[1]):
+            want, ours = model.step(ours, prev[:, t])
+            got, theirs = decoder.step(theirs, prev[:, t])
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert all(len(s) == 2 for s in beam_search(model, src, src_lengths, beam=2, nbest=2))
+
+
 @pytest.mark.parametrize("name", ["dtmt", "deeplau", "gnmt-atr"])
 def test_inference_decoder_runs_with_autograd_on(name):
     """The inference decoder is inference only: called without no_grad it decodes as under it (its ops write into

@@ -69,31 +69,32 @@ class NoEOS(torch.nn.Module):
         return self.model.reorder(state, index)
 
 
-def decode_pass(model, batches, beam, max_len_a, max_len_b):
-    """(seconds, the best hypothesis' tokens of each sentence) of one pass over the batches."""
+def decode_pass(model, batches, beam, max_len_a, max_len_b, on_device=None):
+    """(seconds, the best hypothesis' tokens of each sentence) of one pass over the batches. `on_device`:
+    beam_search's (None: its default; True: the loop whose bookkeeping stays on the device; False: the Python
+    loop). The clock stops when the hypotheses are on the host."""
     t0 = time.perf_counter()
     best = [hyps[0].tokens for src, lengths in batches
             for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6, max_len_a=max_len_a,
-                                    max_len_b=max_len_b)]
+                                    max_len_b=max_len_b, on_device=on_device)]
     return time.perf_counter() - t0, best
 
 
-def time_decode(model, batches, beam, repeat, max_len_a, max_len_b):
+def time_decode(model, batches, beam, repeat, max_len_a, max_len_b, on_device=None):
     """(median seconds over `repeat` passes after a warm-up pass, the best hypothesis' tokens of each sentence)."""
-    return time_interleaved([(model, batches, max_len_a, max_len_b)], beam, repeat)[0]
+    return time_interleaved([(model, batches, max_len_a, max_len_b, on_device)], beam, repeat)[0]
 
 
 def time_interleaved(jobs, beam, repeat):
-    """For jobs [(model, batches, max_len_a, max_len_b)]: one warm-up pass each, then `repeat` rounds in which
-    every job runs one pass in turn, so that each model's passes spread over the same minutes and a drift of the
-    machine's speed (large on a shared VM) moves all of them alike. Returns [(median seconds, best tokens)]."""
-    for model, batches, la, lb in jobs:
-        decode_pass(model, batches, beam, la, lb)
+    """For jobs [(model, batches, max_len_a, max_len_b, on_device)]: one warm-up pass each, then `repeat` rounds in
+    which every job runs one pass in turn, so that each model's passes spread over the same minutes and a drift of
+    the machine's speed (large on a shared VM) moves all of them alike. Returns [(median seconds, best tokens)]."""
+    for job in jobs:
+        decode_pass(*job[:2], beam, *job[2:])
     times, best = [[] for _ in jobs], [None] * len(jobs)
     for r in range(repeat):
         for i in [(r + j) % len(jobs) for j in range(len(jobs))]:   # rotated: no job always follows the same one
-            model, batches, la, lb = jobs[i]
-            seconds, best[i] = decode_pass(model, batches, beam, la, lb)
+            seconds, best[i] = decode_pass(*jobs[i][:2], beam, *jobs[i][2:])
             times[i].append(seconds)
     return [(statistics.median(t), b) for t, b in zip(times, best)]
 
@@ -175,6 +176,11 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the models and batches are (cuda: the GPU)")
+    p.add_argument("--loops", nargs="+", choices=["host", "device"], default=None,
+                   help="beam search's loop, each timed in the same run: host (the Python loop, three reads a "
+                        "step) or device (the bookkeeping on the device, a read every few steps); default: "
+                        "beam_search's choice")
     p.add_argument("--bookkeeping", action="store_true",
                    help="time only the beam search's bookkeeping (a table model, no network): ms per step")
     p.add_argument("--no-match", action="store_true", help="no size-matched transformers (synthetic mode)")
@@ -187,15 +193,20 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     if a.bookkeeping:
         table = TableModel(a.vocab)
+        table.table = table.table.to(a.device)
         src = [[4] * a.src_len for _ in range(a.sentences)]
         rows = []
         for beam in a.beams:
             for bs in (1, a.batch_size):
-                seconds, _ = time_decode(table, make_batches(src, bs), beam, a.repeat, 0.0, a.tgt_len + 1)
-                steps = (a.tgt_len + 1) * -(-a.sentences // bs)
-                rows.append({"beam": beam, "batch": bs, "ms_per_step": 1000 * seconds / steps})
-                print(f"bookkeeping, beam {beam} batch {bs:>3}: {rows[-1]['ms_per_step']:.3f} ms per step "
-                      f"(vocabulary {a.vocab})", flush=True)
+                batches = [(s.to(a.device), n.to(a.device)) for s, n in make_batches(src, bs)]
+                for loop in a.loops or [None]:
+                    seconds, _ = time_decode(table, batches, beam, a.repeat, 0.0, a.tgt_len + 1,
+                                             None if loop is None else loop == "device")
+                    steps = (a.tgt_len + 1) * -(-a.sentences // bs)
+                    rows.append({"beam": beam, "batch": bs, "loop": loop or "default",
+                                 "ms_per_step": 1000 * seconds / steps})
+                    print(f"bookkeeping, beam {beam} batch {bs:>3}, {loop or 'default'} loop: "
+                          f"{rows[-1]['ms_per_step']:.3f} ms per step (vocabulary {a.vocab}, {a.device})", flush=True)
         return rows
     match_of = {}  # recurrent system -> the name of its size-matched transformer (synthetic mode)
     models = []   # (name, decoder, sentences as id lists, words counter, max_len_a, max_len_b)
@@ -211,6 +222,7 @@ def main(argv=None):
         lines = read_lines(a.input)[:a.sentences]
         for path in a.checkpoints:
             model, sv, tv, ckpt = load_model(path)
+            model = model.to(a.device)
             sents = [sv.encode(line)[:250] for line in lines]
             label = f"{ckpt['model_name']} ({os.path.basename(os.path.dirname(path))})"
             params[label] = count_params(model)
@@ -223,7 +235,7 @@ def main(argv=None):
         matched = {}
         for name in a.systems:
             torch.manual_seed(0)
-            model = build_model(name, a.vocab, a.vocab, **get_preset(name, "small")["model"]).eval()
+            model = build_model(name, a.vocab, a.vocab, **get_preset(name, "small")["model"]).eval().to(a.device)
             params[name] = count_params(model)
             models.append((name, NoEOS(model.inference_decoder()), sents, None, 0.0, a.tgt_len + 1))
             if name != "transformer" and not a.no_match:
@@ -235,7 +247,7 @@ def main(argv=None):
                     matched[width] = options
         for width, options in sorted(matched.items()):
             torch.manual_seed(0)
-            model = build_model("transformer", a.vocab, a.vocab, **options).eval()
+            model = build_model("transformer", a.vocab, a.vocab, **options).eval().to(a.device)
             params[f"transformer d{width}"] = count_params(model)
             models.append((f"transformer d{width}", NoEOS(model.inference_decoder()), sents, None, 0.0,
                            a.tgt_len + 1))
@@ -244,42 +256,51 @@ def main(argv=None):
     rows = []
     for beam in a.beams:   # per setting, all models' passes interleaved (time_interleaved)
         for label, bs in (("1", 1), (f"{a.batch_size}", a.batch_size)):
-            jobs = [(model, make_batches(sents, bs), la, lb) for _, model, sents, _, la, lb in models]
-            for (name, model, sents, tv, _, _), (seconds, best) in zip(models, time_interleaved(jobs, beam, a.repeat)):
+            runs = [(m, loop) for m in models for loop in a.loops or [None]]
+            jobs = [(model, [(s.to(a.device), n.to(a.device)) for s, n in make_batches(sents, bs)], la, lb,
+                     None if loop is None else loop == "device") for (_, model, sents, _, la, lb), loop in runs]
+            for ((name, model, sents, tv, _, _), loop), (seconds, best) in zip(runs,
+                                                                              time_interleaved(jobs, beam, a.repeat)):
                 if tv is None:   # synthetic: output tokens
                     words = sum(len(tokens) for tokens in best)
                 else:            # real words of the detokenised output
                     words = sum(len(tv.decode(tokens).split()) for tokens in best)
-                row = {"model": name, "params": params[name], "beam": beam, "batch": label,
+                row = {"model": name, "params": params[name], "beam": beam, "batch": label, "loop": loop or "default",
                        "sentences": len(sents), "words": words, "seconds": seconds, "words_per_s": words / seconds,
                        "ms_per_sentence": 1000 * seconds / len(sents)}
                 rows.append(row)
-                print(f"  {name:<22s} beam {beam} batch {label:>3s}: {row['words_per_s']:8,.0f} words/s "
+                print(f"  {name:<22s} beam {beam} batch {label:>3s} {row['loop']:>7s} loop: "
+                      f"{row['words_per_s']:8,.0f} words/s "
                       f"{row['ms_per_sentence']:8.1f} ms/sentence", flush=True)
     order = {name: i for i, (name, *_) in enumerate(models)}
-    rows.sort(key=lambda r: (order[r["model"]], r["beam"], r["batch"] != "1"))
-    by = {(r["model"], r["beam"], r["batch"]): r for r in rows}
-    for r in rows:
-        base = by.get(("transformer", r["beam"], r["batch"])) or next(
-            (q for q in rows if q["model"].startswith("transformer") and (q["beam"], q["batch"]) ==
-             (r["beam"], r["batch"])), None)
+    rows.sort(key=lambda r: (order[r["model"]], r["beam"], r["batch"] != "1", r["loop"]))
+    by = {(r["model"], r["beam"], r["batch"], r["loop"]): r for r in rows}
+    for r in rows:   # ratios within one loop
+        base = by.get(("transformer", r["beam"], r["batch"], r["loop"])) or next(
+            (q for q in rows if q["model"].startswith("transformer") and (q["beam"], q["batch"], q["loop"]) ==
+             (r["beam"], r["batch"], r["loop"])), None)
         r["vs_transformer"] = r["words_per_s"] / base["words_per_s"] if base else None
-        m = by.get((match_of.get(r["model"]), r["beam"], r["batch"]))
+        m = by.get((match_of.get(r["model"]), r["beam"], r["batch"], r["loop"]))
         r["matched"] = m["model"] if m else None
         r["vs_matched"] = r["words_per_s"] / m["words_per_s"] if m else None
+        host = by.get((r["model"], r["beam"], r["batch"], "host"))
+        r["vs_host_loop"] = r["words_per_s"] / host["words_per_s"] if host and r["loop"] == "device" else None
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"\nDecoding speed ({machine_name()}; {mode})\n")
-    print("| model | params | beam | batch | words/s | ms/sentence | × transformer | × matched (which) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    where = machine_name() if a.device == "cpu" else f"{torch.cuda.get_device_name(a.device)}, {machine_name()}"
+    print(f"\nDecoding speed ({where}; {a.device}; {mode})\n")
+    print("| model | params | beam | batch | loop | words/s | ms/sentence | × transformer | × matched (which) "
+          "| × host loop |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         vs = f"{r['vs_transformer']:.2f}×" if r["vs_transformer"] else ""
         vm = f"{r['vs_matched']:.2f}× ({r['matched']})" if r["vs_matched"] else ""
-        print(f"| {r['model']} | {r['params']:,} | {r['beam']} | {r['batch']} | {r['words_per_s']:,.0f} | "
-              f"{r['ms_per_sentence']:.1f} | {vs} | {vm} |")
+        vh = f"{r['vs_host_loop']:.2f}×" if r["vs_host_loop"] else ""
+        print(f"| {r['model']} | {r['params']:,} | {r['beam']} | {r['batch']} | {r['loop']} | "
+              f"{r['words_per_s']:,.0f} | {r['ms_per_sentence']:.1f} | {vs} | {vm} | {vh} |")
     return rows
 
 

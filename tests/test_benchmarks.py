@@ -125,6 +125,27 @@ def test_bench_decode_quick(tmp_path):
     assert abs(size(width) - target) <= min(abs(size(max(8, width - 8)) - target), abs(size(width + 8) - target))
 
 
+def test_bench_decode_times_both_loops_in_one_run(tmp_path):
+    """--loops host device: every model decoded by both beam-search loops in the same run (the GPU session's
+    decode stage), the same words from both, the device loop's speed as a ratio to the host loop's."""
+    from benchmarks import bench_decode
+    rows = bench_decode.main(["--quick", "--systems", "rnnsearch-atr", "--no-match", "--loops", "host", "device",
+                              "--out", str(tmp_path)])
+    assert [(r["beam"], r["batch"], r["loop"]) for r in rows] == [
+        (b, n, loop) for b in (1, 4) for n in ("1", "2") for loop in ("device", "host")]
+    by = {(r["beam"], r["batch"], r["loop"]): r for r in rows}
+    for r in rows:
+        host = by[(r["beam"], r["batch"], "host")]
+        assert r["words"] == host["words"] == 4 * 2
+        if r["loop"] == "device":
+            assert r["vs_host_loop"] == pytest.approx(r["words_per_s"] / host["words_per_s"])
+        else:
+            assert r["vs_host_loop"] is None
+    table = bench_decode.main(["--quick", "--bookkeeping", "--loops", "host", "device"])
+    assert [(r["beam"], r["batch"], r["loop"]) for r in table] == [
+        (b, n, loop) for b in (1, 4) for n in (1, 2) for loop in ("host", "device")]
+
+
 def test_bench_decode_bookkeeping_quick():
     from benchmarks import bench_decode
     rows = bench_decode.main(["--quick", "--bookkeeping"])

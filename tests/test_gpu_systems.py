@@ -62,6 +62,69 @@ def test_system_on_gpu_matches_cpu_reference(name, options, ieee_float32):
     assert [[h.tokens for h in s] for s in hyp_gpu] == [[h.tokens for h in s] for s in hyp_cpu]
 
 
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_device_search_reads_the_device_only_at_its_checks(name, options, monkeypatch):
+    """The beam search whose loop stays on the device (the default off the CPU, its steps replayed as a CUDA
+    graph where the state keeps its shapes) against the Python loop on the same device, float64: the same
+    hypotheses, with and without the graphs; a graph captured for every recurrent decoder, none for the
+    transformer (its cache grows). With torch's sync debug mode on, a decoder step or reorder never synchronises,
+    and the search's own synchronisations are at most three a check (the done flags, the done sentences'
+    hypotheses, the index of the kept ones) and three a capture, besides those of encoding."""
+    import warnings
+
+    from dtmt_models.decoding import device_search
+
+    model = build(name, **options).double().eval().to(DEVICE)
+    src, src_lengths = (t.to(DEVICE) for t in toy_batch(B=4)[:2])
+    kwargs = dict(beam=3, max_len_a=1.0, max_len_b=3, fused=False)
+    loop = beam_search(model, src, src_lengths, on_device=False, **kwargs)
+    decoder = model.inference_decoder()
+    syncs = {"encode": 0, "step": 0, "all": 0}
+    reads, captures = [], []
+    monkeypatch.setattr(device_search, "to_host", lambda x: reads.append(1) or x.tolist())
+    capture = device_search.StepGraph.of.__func__
+    monkeypatch.setattr(device_search.StepGraph, "of",
+                        classmethod(lambda cls, search, c: captures.append(capture(cls, search, c)) or captures[-1]))
+
+    def counting(part, fn):
+        def call(*args):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = fn(*args)
+            syncs[part] += sum("synchroniz" in str(w.message) for w in caught)
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            return out
+        return call
+
+    class Counted:
+        encode = staticmethod(counting("encode", decoder.encode))
+        step = staticmethod(counting("step", decoder.step))
+        reorder = staticmethod(counting("step", decoder.reorder))
+        pad_id = getattr(decoder, "pad_id", 0)
+
+    if DEVICE == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            device = beam_search(Counted(), src, src_lengths, on_device=True, **kwargs)
+    finally:
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    syncs["all"] = sum("synchroniz" in str(w.message) for w in caught)
+    assert [[h.tokens for h in s] for s in device] == [[h.tokens for h in s] for s in loop]
+    assert syncs["step"] == 0, syncs
+    assert syncs["all"] - syncs["encode"] <= 1 + 3 * len(reads) + 3 * len(captures), (syncs, len(reads))
+    if DEVICE == "cuda":
+        assert captures and all(g is None for g in captures) == (name == "transformer"), captures
+        state = decoder.encode(src, src_lengths)
+        max_len = (src_lengths.float() * 1.0 + 3).long()
+        eager = device_search.device_loop(decoder, state, max_len, 3, 0.6, 1, False, [0, 2], graphs=False)
+        assert [[(h.tokens, h.score) for h in s] for s in eager] == [[(h.tokens, h.score) for h in s]
+                                                                     for s in device]
+
+
 @pytest.mark.parametrize("name", ["dtmt", "nematus", "rnnsearch-atr"])
 def test_training_mode_on_gpu_is_finite(name):
     """Dropouts on (the fused kernels' candidate-dropout path on the GPU): loss and gradients finite."""

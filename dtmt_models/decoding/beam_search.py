@@ -18,7 +18,8 @@ C++ call, `search(state, beam, alpha, max_len, early_stop, nbest)`, after `encod
 decisions in the same arithmetic (the loop here is its reference in tests/test_beam_search.py) with
 FusedRNMTDecoder(step_tables=False); by default its steps read tables made once (per model, per sentence) instead of
 recomputing their products, the same search up to the rounding of those sums.
-`fused=False` keeps the loop here.
+`fused=False` keeps the loop here. Without a fused search, off the CPU (a GPU), the loop is device_search's: the
+same decisions with the bookkeeping on the device, read every few steps instead of three times a step.
 
 A model that scores a candidate NaN or +inf (weights that are finite but overflow float32 in its sums) stops the
 search with NonFiniteScores naming the step and sentence, in the loop here and in the fused search alike: ranked
@@ -34,52 +35,15 @@ import contextlib
 import math
 import numbers
 import operator
-import re
-from dataclasses import dataclass
-from typing import Iterator, List, Tuple, Union
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from dtmt_models.data.vocabulary import BOS, EOS, PAD, never_output
-
-
-@dataclass
-class Hypothesis:
-    tokens: List[int]      # without BOS / EOS
-    score: float           # length-normalised
-    log_prob: float
-
-
-NEG_INF = float("-inf")
-INF = float("inf")
-MAX_BEAM = 1024   # the widest beam (csrc/op_checks.h's kMaxBeam: memory grows with it, quality does not)
-# the words that start the error (csrc/op_checks.h's kNonFiniteScore, which the fused search raises)
-NON_FINITE_SCORE = "the model gave a non-finite score"
-
-
-class NonFiniteScores(ArithmeticError):
-    """The model scored a candidate NaN or +inf while decoding: its weights or activations overflow. `step` and
-    `sentence` (the sentence's place in the batch) say where; `translate` names the input sentence instead."""
-
-    def __init__(self, score: float, step: int, sentence: int, where: str = ""):
-        self.score, self.step, self.sentence = score, step, sentence
-        super().__init__(f"{NON_FINITE_SCORE} ({score}) at step {step} of "
-                         f"{where or f'sentence {sentence} of the batch'}: its weights or activations overflow "
-                         f"float32 (a diverged or damaged checkpoint?)")
-
-    @classmethod
-    def from_op(cls, exc: ValueError) -> "NonFiniteScores":
-        """The fused search's error (csrc/beam_search_cpu.cpp: "... (score) at step t of sentence b ...")."""
-        m = re.search(r"\(([^)]*)\) at step (\d+) of sentence (\d+)", str(exc))
-        if m is None:
-            raise exc
-        return cls(float(m.group(1)), int(m.group(2)), int(m.group(3)))
-
-
-def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Tensor]:
-    """lp(y) for a length (an int gives a float, a tensor of lengths a float tensor)."""
-    return ((5.0 + length) / 6.0) ** alpha
+from dtmt_models.decoding.device_search import device_loop
+from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, NEG_INF, NON_FINITE_SCORE, Hypothesis,  # noqa: F401
+                                             NonFiniteScores, length_penalty)
 
 
 def any_training(model: torch.nn.Module) -> bool:
@@ -130,22 +94,27 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> Tuple[in
 
 @torch.no_grad()
 def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: float = 0.6, nbest: int = 1,
-                max_len_a: float = 2.0, max_len_b: int = 10, fused: bool = True, early_stop: bool = False
-                ) -> List[List[Hypothesis]]:
+                max_len_a: float = 2.0, max_len_b: int = 10, fused: bool = True, early_stop: bool = False,
+                on_device: Optional[bool] = None) -> List[List[Hypothesis]]:
     """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first. `model`: a Seq2Seq
     (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
     encode / step / reorder. `fused`: the decoder's one-call `search` where it has one (False: this loop).
     `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can
     still win (usually fewer steps; the default keeps the check). Without it the `nbest` returned are exactly those
     a search run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner, even
-    before `beam` are finished). A model in training mode decodes in eval mode (see the module docstring)."""
+    before `beam` are finished). `on_device`: without a fused search, the loop whose bookkeeping stays on the
+    device (device_search: the same decisions, a read every few steps) instead of the one here; None takes it where
+    `src` is not on the CPU. A model in training mode decodes in eval mode (see the module docstring)."""
     beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
+    if on_device is None:
+        on_device = src.device.type != "cpu"
     with eval_mode(model):
-        return _beam_search(model, src, src_lengths, beam, alpha, nbest, max_len_a, max_len_b, fused, early_stop)
+        return _beam_search(model, src, src_lengths, beam, alpha, nbest, max_len_a, max_len_b, fused, early_stop,
+                            on_device)
 
 
 def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: float, nbest: int, max_len_a: float,
-                 max_len_b: int, fused: bool, early_stop: bool) -> List[List[Hypothesis]]:
+                 max_len_b: int, fused: bool, early_stop: bool, on_device: bool) -> List[List[Hypothesis]]:
     if hasattr(model, "inference_decoder"):
         model = model.inference_decoder()
     B, device = src.shape[0], src.device
@@ -163,6 +132,9 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
                 raise
             raise NonFiniteScores.from_op(exc) from None
         return [[Hypothesis(*h) for h in hyps[:nbest]] for hyps in found]
+    if on_device:
+        return device_loop(model, state, max_len, beam, alpha, nbest, early_stop,
+                           never_output(getattr(model, "pad_id", PAD)))
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
     scores = torch.full((B, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0                                   # all beams start identical: keep one

@@ -1,0 +1,47 @@
+"""What a search returns and how it is ranked: shared by the Python loop (beam_search) and the device loop
+(device_search). A Hypothesis is ranked by log P(y|x) / lp(y), the GNMT length penalty of paper 000's decoding."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Union
+
+from torch import Tensor
+
+
+@dataclass
+class Hypothesis:
+    tokens: List[int]      # without BOS / EOS
+    score: float           # length-normalised
+    log_prob: float
+
+
+NEG_INF = float("-inf")
+INF = float("inf")
+MAX_BEAM = 1024   # the widest beam (csrc/op_checks.h's kMaxBeam: memory grows with it, quality does not)
+# the words that start the error (csrc/op_checks.h's kNonFiniteScore, which the fused search raises)
+NON_FINITE_SCORE = "the model gave a non-finite score"
+
+
+class NonFiniteScores(ArithmeticError):
+    """The model scored a candidate NaN or +inf while decoding: its weights or activations overflow. `step` and
+    `sentence` (the sentence's place in the batch) say where; `translate` names the input sentence instead."""
+
+    def __init__(self, score: float, step: int, sentence: int, where: str = ""):
+        self.score, self.step, self.sentence = score, step, sentence
+        super().__init__(f"{NON_FINITE_SCORE} ({score}) at step {step} of "
+                         f"{where or f'sentence {sentence} of the batch'}: its weights or activations overflow "
+                         f"float32 (a diverged or damaged checkpoint?)")
+
+    @classmethod
+    def from_op(cls, exc: ValueError) -> "NonFiniteScores":
+        """The fused search's error (csrc/beam_search_cpu.cpp: "... (score) at step t of sentence b ...")."""
+        m = re.search(r"\(([^)]*)\) at step (\d+) of sentence (\d+)", str(exc))
+        if m is None:
+            raise exc
+        return cls(float(m.group(1)), int(m.group(2)), int(m.group(3)))
+
+
+def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Tensor]:
+    """lp(y) for a length (an int gives a float, a tensor of lengths a float tensor)."""
+    return ((5.0 + length) / 6.0) ** alpha

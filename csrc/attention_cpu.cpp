@@ -1,4 +1,4 @@
-// C++ CPU kernels of additive attention (Bahdanau; DTMT's multi-head form, SPEC §4): the scores, and the
+// C++ CPU kernels of additive attention (Bahdanau; DTMT's multi-head form, contract §4): the scores, and the
 // context that weights the annotations with the attention weights.
 //
 // Scores:

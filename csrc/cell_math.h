@@ -1,4 +1,4 @@
-// Per-element and per-row math of the recurrent cells (SPEC §2), free of any framework.
+// Per-element and per-row math of the recurrent cells (contract §2), free of any framework.
 //
 // Everything here is `DTMT_HD` (host + device inline), so the C++ CPU kernels (isa/transition_rows.cpp) and the
 // CUDA kernels share one definition of each gate, candidate, state update and layer norm, forward and

@@ -1,4 +1,4 @@
-// C++ CPU kernel of the label-smoothed cross-entropy of a training update (paper 000's label smoothing, SPEC §4):
+// C++ CPU kernel of the label-smoothed cross-entropy of a training update (paper 000's label smoothing, contract §4):
 // for each row of logits z [V] with target y (rows whose target is ignore_index are left out),
 //
 //   log p_j = z_j - log sum_k exp(z_k)

@@ -410,7 +410,7 @@ class DeepTransitionGRU(_TransitionLayer):
                         dst.zero_()
                         continue
                     dst.copy_(src)
-                    # torch updates h' = (1-z) c + z h where SPEC has h' = (1-z) h + z c: since
+                    # torch updates h' = (1-z) c + z h where contract §2 has h' = (1-z) h + z c: since
                     # 1 - σ(a) = σ(-a), negating the update-gate rows maps one onto the other exactly.
                     dst[H:2 * H].neg_()
         return layer

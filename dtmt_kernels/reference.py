@@ -1,9 +1,9 @@
 """The pure-PyTorch references, the executable spec every fused backend is tested against, gathered in one
 namespace (dk.reference). Each lives in its op's folder:
 
-    ops/transition/reference.py   the cells and the deep transition block / ATR over a sequence (SPEC §2), the
+    ops/transition/reference.py   the cells and the deep transition block / ATR over a sequence (contract §2), the
                                   parameter layout (TransitionWeights)
-    ops/attention/reference.py    additive-attention scores and context of a decoder step (SPEC §4)
+    ops/attention/reference.py    additive-attention scores and context of a decoder step (contract §4)
     ops/loss/reference.py         the label-smoothed cross-entropy of a training update
 """
 from .ops.attention.reference import additive_scores, attention_context

@@ -1,4 +1,4 @@
-"""dtmt_models: the recurrent NMT systems of the five papers, built on dtmt_kernels (SPEC §4).
+"""dtmt_models: the recurrent NMT systems of the five papers, built on dtmt_kernels (contract §4).
 
     import dtmt_models as dm
     model = dm.build_model("dtmt", src_vocab_size, tgt_vocab_size, depth=4, cell="lgru")

@@ -15,7 +15,7 @@ def one_line(exc: BaseException) -> str:
 
 class UsageError(ValueError):
     """A command-line option, its value or a file it names that cannot work, found before any work is done: a
-    command prints it as one line and exits with status 2 (SPEC §6), as argparse does for its own errors. Problems
+    command prints it as one line and exits with status 2 (contract §6), as argparse does for its own errors. Problems
     found in the data itself while working (a line that is not UTF-8, files of different lengths) are not this:
     those exit with status 1 (dtmt train, which checks its whole corpus before it trains, gives 2 for those too)."""
 

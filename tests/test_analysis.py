@@ -41,7 +41,7 @@ def test_atr_gates_states_equal_layer_output_both_directions(layer_norm, batch_f
         # final state of each sequence: the last real step forwards, the first step backwards
         last = [L - 1 for L in LENGTHS] if d == 0 else [0] * len(LENGTHS)
         torch.testing.assert_close(torch.stack([g["h"][t, b] for b, t in enumerate(last)]), h_n[d])
-        # gates are the SPEC's: i = σ(p+q), f = σ(p−q) ⇒ logit(i) + logit(f) = 2p at real steps
+        # gates are contract §2's: i = σ(p+q), f = σ(p−q) ⇒ logit(i) + logit(f) = 2p at real steps
         m = g["mask"]
         logit = lambda v: torch.log(v) - torch.log1p(-v)  # noqa: E731
         torch.testing.assert_close((logit(g["i"]) + logit(g["f"]))[m], 2 * g["p"][m])

@@ -216,7 +216,7 @@ def test_attention_modules_agree_across_backends(multi_head):
 
 
 def test_multi_head_context_reads_each_heads_own_slice():
-    """context = out-projection of [sum_s alpha_h[s] * annotations[s, slice h]] over heads (SPEC §4)."""
+    """context = out-projection of [sum_s alpha_h[s] * annotations[s, slice h]] over heads (contract §4)."""
     torch.manual_seed(1)
     B, S, C, heads = 2, 5, 8, 4
     att = MultiHeadAdditiveAttention(6, C, 8, heads=heads).double()

@@ -1,4 +1,4 @@
-"""16-bit computation on the CPU (SPEC §3; issue 22 item 4): the C++ transition op with bfloat16 / float16 inputs
+"""16-bit computation on the CPU (contract §3; issue 22 item 4): the C++ transition op with bfloat16 / float16 inputs
 (GEMMs in the input dtype, states and layer-norm statistics in float32), the ops' autocast rules
 (dtmt_kernels/ops/_autocast.py), the layers and whole systems under torch.autocast("cpu", torch.bfloat16) against
 their float32 results, and `dtmt train --amp bf16`."""
@@ -140,7 +140,7 @@ def _grads(module, loss):
 def test_layers_compute_in_bfloat16_under_autocast(kind, backend):
     """A layer under torch.autocast("cpu", torch.bfloat16), float32 parameters and input: the output in bfloat16,
     the final state in float32, float32 parameter gradients; all within bfloat16 precision of the float32 layer.
-    The result differs from float32 (the GEMMs did run in bfloat16). The same dtypes on either backend (SPEC §3:
+    The result differs from float32 (the GEMMs did run in bfloat16). The same dtypes on either backend (contract §3:
     switching `.backend` gives the same outputs; the reference's out was float32 under autocast)."""
     torch.manual_seed(2)
     if kind == "dt-cell":

@@ -1,4 +1,4 @@
-"""The embedded Bible corpus (dtmt_models.data.bible) and `dtmt prepare` (dtmt_models.data.prepare), SPEC §5-6.
+"""The embedded Bible corpus (dtmt_models.data.bible) and `dtmt prepare` (dtmt_models.data.prepare), contract §5-6.
 
 Crafted OSIS strings and mod2imp dumps cover every cleaning rule, the pairing, the versification rule and the
 book split; a fake `mod2imp` (a small Python script) drives prepare_bible end to end. One integration test reads
@@ -239,7 +239,7 @@ def test_prepare_bible_writes_aligned_files_refs_and_manifest(tmp_path):
     assert "dropped 4 with an empty es side and 1 with an empty en side" in log
     assert "3 chapters end on a different verse" in log and "Genesis 2 (2/3)" in log
     assert "5 chapters, 6 pairs" in log and "train 4, dev 4, test 4" in log
-    assert "SPEC §5 expects" in log  # the mini Bible is not the real one
+    assert "docs/contract.md §5 expects" in log  # the mini Bible is not the real one
     assert not list(out.glob("*.tmp"))
 
 
@@ -332,7 +332,7 @@ def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
     assert "dev.en:2: invalid UTF-8" in capsys.readouterr().err
     assert prepare.main(base + ["--holdout", "5"]) == 1  # 2 x 5 leaves no training pair
     assert "--holdout 5 asks for 10 held-out pairs" in capsys.readouterr().err
-    # options that cannot work (SPEC §6): exit 2, one line, nothing read or written
+    # options that cannot work (contract §6): exit 2, one line, nothing read or written
     for bad, message in ((["--dev-src", dsrc], "--dev-src and --dev-tgt go together"),
                          (["--src-lang", "en"], "must differ"), (["--src-lang", "e s"], "not a language code"),
                          (["--holdout", "-1"], "--holdout must be >= 0"),
@@ -445,7 +445,7 @@ def real_bible(tmp_path_factory):
 
 def test_real_bible_counts_and_spot_checks(real_bible):
     out, counts, logs = real_bible
-    assert counts == {"train": 28777, "dev": 377, "test": 1331}  # SPEC §5
+    assert counts == {"train": 28777, "dev": 377, "test": 1331}  # contract §5
     lines = {}
     for split in bible.SPLITS:
         for ext in ("es", "en", "ref"):

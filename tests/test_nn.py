@@ -225,7 +225,7 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: cell(torch.randn(2, 3), drop=torch.ones(2, 2, 4, dtype=torch.float64)), "drop has dtype")
     _err(lambda: cell(torch.randn(2, 3), drop=torch.ones(2, 2, 4, device="meta")), "drop is on meta")
     _err(lambda: cell(torch.randn(2, 3), drop="none"), "drop must be a Tensor")
-    h = torch.randn(2, 4)   # the state by its SPEC name (h1 = cell(x, h0))
+    h = torch.randn(2, 4)   # the state by its name in contract §3 (h1 = cell(x, h0))
     assert torch.equal(cell(x[0], h0=h), cell(x[0], h))
 
 

@@ -133,7 +133,7 @@ def every_preset():
 
 @pytest.mark.parametrize("model,preset,options", every_preset(), ids=lambda x: x if isinstance(x, str) else "")
 def test_every_parameter_of_every_preset_gets_a_gradient(model, preset, options):
-    """A configuration builds only what it uses (SPEC §4): one forward/backward gives every parameter a
+    """A configuration builds only what it uses (contract §4): one forward/backward gives every parameter a
     non-zero gradient, for the small and paper presets and every paper row (at tiny widths)."""
     from test_models import V_SRC, V_TGT, toy_batch
 

@@ -1,4 +1,4 @@
-"""The reference cells against independent formulations: torch.nn.GRU, and SPEC §2 written out by hand."""
+"""The reference cells against independent formulations: torch.nn.GRU, and contract §2 written out by hand."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from conftest import make_layer
 def test_reference_gru_reproduces_torch_gru():
     torch.manual_seed(0)
     gru = torch.nn.GRU(5, 7).double()
-    # torch updates h' = (1-z) c + z h, SPEC h' = (1-z) h + z c: z_spec = 1 - z_torch = σ(-a_z), so the
+    # torch updates h' = (1-z) c + z h, contract §2 h' = (1-z) h + z c: z_spec = 1 - z_torch = σ(-a_z), so the
     # update-gate rows (H..2H) change sign.
     flip = torch.ones(21, 1, dtype=torch.double)
     flip[7:14] = -1
@@ -38,7 +38,7 @@ def _sig(a):
 @pytest.mark.parametrize("cell", ["gru", "lgru", "lau", "atr"])
 @pytest.mark.parametrize("layer_norm", [False, True])
 def test_reference_step_matches_spec_equations(cell, layer_norm):
-    """One step of base cell + one T-GRU, written directly from SPEC §2 with per-gate slices."""
+    """One step of base cell + one T-GRU, written directly from contract §2 with per-gate slices."""
     H, I, B = 4, 3, 2
     layer = make_layer(cell, I, H, depth=0 if cell == "atr" else 1, layer_norm=layer_norm)
     w = layer.direction_weights(0)

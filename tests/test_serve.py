@@ -120,7 +120,7 @@ def server(system):
     (["--beam", "2000"], "--beam must be <= 1024, got 2000"),
 ])
 def test_bad_options_exit_2_before_listening(system, capsys, flags, message):
-    """SPEC §6: an option that cannot work is one line and exit status 2, and no server starts."""
+    """contract §6: an option that cannot work is one line and exit status 2, and no server starts."""
     pytest.importorskip("aiohttp")
     from dtmt_models import cli
 

@@ -579,7 +579,7 @@ def test_bad_options_are_refused_before_any_work(toy_nodev, tmp_path, capsys, ba
 
 
 def test_out_that_is_a_file_or_lies_under_one_is_refused(toy_nodev, tmp_path, capsys):
-    """SPEC §6: --out naming a file, or a folder under a file, is one line and exit 2 before any work (it was a
+    """contract §6: --out naming a file, or a folder under a file, is one line and exit 2 before any work (it was a
     NotADirectoryError traceback when the log was opened)."""
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -591,7 +591,7 @@ def test_out_that_is_a_file_or_lies_under_one_is_refused(toy_nodev, tmp_path, ca
 
 
 def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nodev, tmp_path, capsys, monkeypatch):
-    """SPEC §7: `--resume CHECKPOINT` continues in --out, by default the checkpoint's folder (a run's folder names
+    """contract §7: `--resume CHECKPOINT` continues in --out, by default the checkpoint's folder (a run's folder names
     its last.pt), with the run's own device and backend unless others are given; into another --out the run goes
     on there with its log, the original untouched. Refused: an --out holding a checkpoint of its own, another
     checkpoint of a folder whose last.pt it would replace, a checkpoint without training state, another number of
@@ -836,7 +836,7 @@ def test_resuming_an_unfused_optimizers_state_steps_fused_and_continues_it():
 
 
 def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run(toy_nodev, tmp_path, capsys):
-    """SPEC §6: `dtmt train --config run.yaml` with flags overriding it; the run's resolved config.yaml, given back
+    """contract §6: `dtmt train --config run.yaml` with flags overriding it; the run's resolved config.yaml, given back
     as --config, reproduces the run (the same losses at every update)."""
     import yaml
 

@@ -414,7 +414,8 @@ def test_cli_translate_errors(system, tmp_path, capsys):
     bad.write_bytes(b"el sol\nla \xff luna\n")
     foreign = write(tmp_path / "foreign.pt", "not a checkpoint\n")
     before = good_text = open(good).read()
-    cases = [   # (arguments, exit status: 2 an option that cannot work (SPEC §6), 1 what the data refused; message)
+    # (arguments, exit status: 2 an option that cannot work (contract §6), 1 what the data refused; message)
+    cases = [
         (["--checkpoint", str(tmp_path / "missing.pt"), good], 2, "--checkpoint " + str(tmp_path / "missing.pt") +
          ": no such checkpoint file"),
         (["--checkpoint", str(tmp_path), good], 2, "is a directory, not a checkpoint file"),

@@ -1,4 +1,4 @@
-"""How the dtmt ops behave under torch.autocast (SPEC §3: 16-bit compute, float32 accumulation, layer-norm
+"""How the dtmt ops behave under torch.autocast (contract §3: 16-bit compute, float32 accumulation, layer-norm
 statistics and state). Each op's folder registers one rule here for its forward op, for the CPU and CUDA autocast
 dispatch keys; a rule casts the op's inputs and runs the op with autocast off (backward ops need none: autograd
 calls them with the dtypes their forward saw).

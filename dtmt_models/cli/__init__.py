@@ -1,4 +1,4 @@
-"""The `dtmt` console script (SPEC §6): one entry point, one subcommand per job.
+"""The `dtmt` console script (contract §6): one entry point, one subcommand per job.
 
     dtmt prepare bible --out DIR                    dtmt prepare files --src F --tgt G --out DIR
     dtmt train --data DIR --model NAME [options]    dtmt translate --checkpoint C [FILE ...]

@@ -1,6 +1,6 @@
 """What the decoding commands share (`dtmt translate`, `dtmt evaluate`, `dtmt serve`; `dtmt train` checks its
 device and backend with the same rule): the decoding options and their checks, loading checkpoints for decoding
-(one model or an ensemble), the device and backend check, running a command's main with SPEC §6's exit statuses,
+(one model or an ensemble), the device and backend check, running a command's main with contract §6's exit statuses,
 and decoding a list of sentences with progress and a summary on stderr."""
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True) 
 def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 errors: Tuple[type, ...] = (InputError, NonFiniteScores)) -> int:
     """run(args) as a decoding command's main: an error a user can cause is one `prog: message` line on stderr and
-    exit status 2 for an option that cannot work (UsageError, SPEC §6), 1 for the others (`errors`: what the data
+    exit status 2 for an option that cannot work (UsageError, contract §6), 1 for the others (`errors`: what the data
     or the system refused while working); Ctrl-C `prog: interrupted` and 130."""
     try:
         return run(args)

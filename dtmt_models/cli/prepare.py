@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="source", metavar="{bible,files,binarize}", required=True)
 
     b = sub.add_parser("bible", help="the embedded Bible corpus (Spanish -> English)",
-                       description="Writes the embedded corpus (SPEC §5): the Bible, Spanish Reina-Valera 1909 -> "
+                       description="Writes the embedded corpus (contract §5): the Bible, Spanish Reina-Valera 1909 -> "
                                    "English World English Bible, verse-aligned, split by book (test = Nehemiah, Acts; "
                                    "dev = Ruth, Esther, Jonah, Philippians; train = the other books): "
                                    "DIR/{train,dev,test}.{es,en}, DIR/{split}.ref (the verse of each line) and "

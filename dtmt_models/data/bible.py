@@ -1,4 +1,4 @@
-"""The embedded default corpus (SPEC §5): the Bible, Spanish (Reina-Valera 1909) → English (World English Bible).
+"""The embedded default corpus (contract §5): the Bible, Spanish (Reina-Valera 1909) → English (World English Bible).
 
 Both translations are public domain and come from Debian's SWORD packages, read with `mod2imp` (libsword-utils):
 
@@ -45,7 +45,7 @@ INSTALL_HINT = (f"install it with `apt-get install {PACKAGES}` (as root), or run
 
 SPLIT_BOOKS = {"test": ("Nehemiah", "Acts"), "dev": ("Ruth", "Esther", "Jonah", "Philippians")}
 SPLITS = ("train", "dev", "test")
-EXPECTED_COUNTS = {"train": 28777, "dev": 377, "test": 1331}  # SPEC §5
+EXPECTED_COUNTS = {"train": 28777, "dev": 377, "test": 1331}  # contract §5
 
 # The 66 books of the Protestant canon in their traditional (KJV) order, spelled as SWORD spells them.
 CANONICAL_BOOKS = (
@@ -283,7 +283,7 @@ class Alignment:
 
 
 def align(src: Dict[Ref, str], tgt: Dict[Ref, str]) -> Alignment:
-    """Pairs two cleaned modules by reference (SPEC §5).
+    """Pairs two cleaned modules by reference (contract §5).
 
     A pair needs text on both sides. Then the versification rule: for every chapter of a book present in both
     modules, the number of the last non-empty verse is compared; where it differs (the two translations divide
@@ -326,7 +326,7 @@ def align(src: Dict[Ref, str], tgt: Dict[Ref, str]) -> Alignment:
 
 
 def split_of(book: str) -> str:
-    """The split a book belongs to (SPEC §5)."""
+    """The split a book belongs to (contract §5)."""
     for split, books in SPLIT_BOOKS.items():
         if book in books:
             return split
@@ -397,6 +397,6 @@ def prepare_bible(out_dir: str, log: Callable[[str], None] = print, mod2imp: str
         excluded_chapters=[_chapter(bc) for bc in al.excluded_chapters])
     log(f"wrote {out_dir}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()) + " pairs")
     if counts != EXPECTED_COUNTS:
-        log("note: SPEC §5 expects " + ", ".join(f"{s} {n:,}" for s, n in EXPECTED_COUNTS.items())
+        log("note: docs/contract.md §5 expects " + ", ".join(f"{s} {n:,}" for s, n in EXPECTED_COUNTS.items())
             + " (with sword-text-sparv 2.60-1 and sword-text-web 426.0-1); the installed modules differ")
     return counts

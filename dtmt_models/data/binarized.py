@@ -1,4 +1,4 @@
-"""The binarized corpus that `dtmt train` reads (SPEC §5): SentencePiece models trained on a seeded sample of the
+"""The binarized corpus that `dtmt train` reads (contract §5): SentencePiece models trained on a seeded sample of the
 training text, and every split's token ids in shards with an index of offsets (raw little-endian arrays that
 `np.memmap` maps; training reads the pairs it needs with positioned reads, see BinarizedSplit), so that training
 memory does not grow with the corpus.

@@ -1,4 +1,4 @@
-"""Parallel corpora: reading and validating two aligned UTF-8 text files, one sentence a line (SPEC §5).
+"""Parallel corpora: reading and validating two aligned UTF-8 text files, one sentence a line (contract §5).
 
 Bad input is reported, never dropped silently: a line-count mismatch, invalid UTF-8 or an empty line raises
 `CorpusError` naming the file and the line numbers. Over-long pairs are filtered later, after subword

@@ -1,4 +1,4 @@
-"""`dtmt prepare`: writes a corpus directory for `dtmt train` / `dtmt evaluate` (SPEC §5, §6).
+"""`dtmt prepare`: writes a corpus directory for `dtmt train` / `dtmt evaluate` (contract §5, §6).
 
     dtmt prepare bible --out DIR
         the embedded Bible, Spanish (Reina-Valera 1909) -> English (World English Bible), from Debian's SWORD

@@ -28,7 +28,7 @@ Several inputs go to one output (stdout or --output) in input order, or with --o
 score`, the index counting the lines of each input from 0 and the score the length-normalised log-probability
 that ranks the beam.
 Errors a user can cause are one line on stderr: exit status 2 for what the options name (a missing, foreign or
-mismatched checkpoint, a missing input, an unavailable backend or device: SPEC §6), 1 for what is found while
+mismatched checkpoint, a missing input, an unavailable backend or device: contract §6), 1 for what is found while
 working (unreadable input, invalid UTF-8 with file:line).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Looking inside the systems: ATR's twin gates and eq. 10 dependency weights (paper 004 §3.3, §5.1, §5.3)
 and attention heat maps for every system whose decoder reports its attention.
 
-ATR (SPEC §2), one direction, for real steps t of a sequence:
+ATR (contract §2), one direction, for real steps t of a sequence:
 
     p_t = W x_t                (with layer norm: LN(W x_t))
     q_t = U h_{t-1} + b        (with layer norm: LN(U h_{t-1}) + b)
@@ -15,7 +15,7 @@ so g_{t,k} (a vector over the hidden units) is the weight with which input k ent
 unnormalised self-attention. `dependency_weights` computes it (reduced to a scalar per (t, k) by the mean over
 units unless asked for the vectors); `unrolled_states` evaluates the right-hand side, so the identity can be
 checked against `atr_gates`' states. The paper writes the rolled-out states in terms of W_x x_k (its q); ours is
-p_k, the same quantity under SPEC's names.
+p_k, the same quantity under the contract's names (contract §2).
 
 Conventions: gate tensors are time-major [T, B, H] with a mask [T, B] (True at real tokens). Padded steps
 hold zeros (never NaN) in i, f, p, h, and are excluded from every statistic. A reversed direction (the

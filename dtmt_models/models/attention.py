@@ -2,7 +2,7 @@
 
 - `AdditiveAttention` (Bahdanau; Nematus with `layer_norm=True`): e_j = vᵀ tanh(W_q s + W_k h_j + b),
   with layer norm on each projection when asked (Nematus applies it to both before the sum).
-- `MultiHeadAdditiveAttention` (DTMT, SPEC §4): q = W_q s and k_j = W_k h_j are split into heads;
+- `MultiHeadAdditiveAttention` (DTMT, contract §4): q = W_q s and k_j = W_k h_j are split into heads;
   e_{h,j} = v_hᵀ tanh(q_h + k_{h,j}); the values are the annotations split into heads; the per-head
   contexts are concatenated and projected.
 

@@ -1,4 +1,4 @@
-"""`dtmt models`: the registered systems and the papers' table rows that build as presets (SPEC §6).
+"""`dtmt models`: the registered systems and the papers' table rows that build as presets (contract §6).
 
     dtmt models                 systems, their presets, and every paper row with the paper's parameter count
     dtmt models --count         ... and ours at the paper's sizes (built on the meta device: nothing allocated)

@@ -147,7 +147,7 @@ _N002 = dict(embed_dim=512, hidden_size=1024, tie_embeddings=True, dropout=0.0)
 _M003 = dict(embed_dim=512, hidden_size=512, dropout=0.5)
 _A004 = dict(embed_dim=620, hidden_size=1000, dropout=0.2)
 _NEMATUS_LAYOUT = ("Nematus' GRU with layer norm keeps 15H biases, gains and offsets against our 6H (per-gate LN, "
-                   "SPEC §2), 9·1024 more per GRU; this row has 21 GRUs more than the shallow baseline")
+                   "contract §2), 9·1024 more per GRU; this row has 21 GRUs more than the shallow baseline")
 _EMB = ("the paper's EMB count is NTM − 1.5·1024² exactly: it still counts memory-encoder variables that an "
         "embeddings-only annotation never reads; ours builds no encoder for it")
 

@@ -53,7 +53,7 @@ def _check_swappable(cell: str) -> None:
 
 
 def recurrent_layer(cell: str, input_size: int, hidden_size: int, **options):
-    """A one-cell recurrent layer of the given type (SPEC §4: systems swap GRU / LAU / L-GRU / ATR)."""
+    """A one-cell recurrent layer of the given type (contract §4: systems swap GRU / LAU / L-GRU / ATR)."""
     _check_swappable(cell)
     if cell == "atr":
         return dk.nn.ATR(input_size, hidden_size, **options)

@@ -1,4 +1,4 @@
-"""What every NMT system shares: the batch-first interface of SPEC §4, the readout, the loss, backend
+"""What every NMT system shares: the batch-first interface of contract §4, the readout, the loss, backend
 switching and the incremental-decoding state.
 
     log_probs = model(src, src_lengths, prev_tokens)      # [B, T_tgt, V], teacher forcing

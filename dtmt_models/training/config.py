@@ -2,7 +2,7 @@
 
 `dtmt train` (dtmt_models/cli/train.py) fills it from the preset (dtmt_models/models/presets.py: the model options
 and the training settings of a system at a size) and the flags or run configuration file; the trainer reads it;
-a checkpoint keeps it as a plain dict (`to_dict`, SPEC §7: data only) from which `--resume` rebuilds it
+a checkpoint keeps it as a plain dict (`to_dict`, contract §7: data only) from which `--resume` rebuilds it
 (`from_dict`).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The trainer behind `dtmt train` (dtmt_models/cli/train.py): trains a system of the registry on a prepared
-corpus (SPEC §5-6).
+corpus (contract §5-6).
 
     dtmt train --data data/bible --model dtmt                      # small CPU preset
     dtmt train --data DIR --model nematus --preset paper --device cuda --opt decoder=bideep
@@ -425,7 +425,7 @@ class Trainer:
         return batches
 
     def autocast(self):
-        """The context of an update's forward: torch.autocast in bfloat16 with --amp bf16 (SPEC §3: the fused ops'
+        """The context of an update's forward: torch.autocast in bfloat16 with --amp bf16 (contract §3: the fused ops'
         autocast rules keep states and layer-norm statistics in float32), else nothing."""
         if self.cfg.amp == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)

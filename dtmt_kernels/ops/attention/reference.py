@@ -1,5 +1,5 @@
 """The attention ops' reference: the additive-attention scores and context of one decoder step in pure PyTorch, the
-executable form of SPEC §4's multi-head additive attention (dtmt_kernels.reference gathers it with the transition
+executable form of contract §4's multi-head additive attention (dtmt_kernels.reference gathers it with the transition
 op's). Every backend's attention is tested against these."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import Tensor
 
 
 def additive_scores(keys: Tensor, query: Tensor, v: Tensor) -> Tensor:
-    """Additive-attention scores (Bahdanau; DTMT's multi-head form, SPEC §4), one decoder step:
+    """Additive-attention scores (Bahdanau; DTMT's multi-head form, contract §4), one decoder step:
     scores[b, h, s] = v[h] · tanh(keys[b, s, h] + query[b, h]).
 
     keys [B, S, NH, D] (the projected annotations, once per batch), query [B, NH, D] (the projected decoder

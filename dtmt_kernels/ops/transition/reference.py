@@ -1,5 +1,5 @@
-"""The transition op's reference: pure-PyTorch cells, the executable form of SPEC §2 (dtmt_kernels.reference gathers
-it with the attention op's).
+"""The transition op's reference: pure-PyTorch cells, the executable form of contract §2 (docs/contract.md;
+dtmt_kernels.reference gathers it with the attention op's).
 
 Short and readable on purpose, never optimised: every fused backend is tested against these functions.
 Shapes: x [B, I], h [B, H]; a sequence is time-major, x [T, B, I].
@@ -110,7 +110,7 @@ def lau_cell(xp, h, w_hh, b_hh, ln_w=None, ln_b=None, drop=None, eps=1e-5):
 def atr_cell(xp, h, w_hh, b_hh, ln_w=None, ln_b=None, drop=None, eps=1e-5):
     """ATR: p = W x, q = U h + b; i = σ(p+q), f = σ(p−q); h' = i p + f h (p, q each layer-normed if on).
 
-    The paper writes f = σ(q − p); the authors' code (and SPEC) use σ(p − q)."""
+    The paper writes f = σ(q − p); the authors' code (and contract §2) use σ(p − q)."""
     p = xp
     q = F.linear(h, w_hh, b_hh)
     if ln_w is not None:

@@ -1,4 +1,4 @@
-"""`deeplau`: DEEPLAU of paper 001 (Wang et al. 2017), built on LAU layers (SPEC §2 LAU cell).
+"""`deeplau`: DEEPLAU of paper 001 (Wang et al. 2017), built on LAU layers (contract §2 LAU cell).
 
 Encoder: `encoder_layers` stacked LAU layers whose directions alternate, d = (-1)^ℓ (eq. 9): layer 1 reads
 left→right, layer 2 reads the layer-1 outputs right→left, and so on; the annotations are the top layer.
@@ -7,7 +7,7 @@ queried by [s¹_{t-1}; y_{t-1}] — the first decoder layer's previous state and
 Decoder: `decoder_layers` stacked left→right LAUs; layer 1 reads [c_t; y_{t-1}], layer ℓ > 1 reads the
 output of layer ℓ-1. Output (eq. 12): softmax(W_o s^{L_dec}_t), dropout (paper: 0.5) on that layer only.
 Where the paper is silent: every decoder layer starts from tanh(W_ℓ · mean annotation); no residual
-connections; the LAU is SPEC §2's (GRU-style reset inside the candidate), layer norm optional (off).
+connections; the LAU is contract §2's (GRU-style reset inside the candidate), layer norm optional (off).
 `cell` swaps the unit ("gru" gives the paper's DEEPGRU baseline; also "lgru", "atr").
 """
 from __future__ import annotations

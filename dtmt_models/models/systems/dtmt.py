@@ -1,4 +1,4 @@
-"""`dtmt` and `shallow-rnmt` (paper 000, SPEC §4).
+"""`dtmt` and `shallow-rnmt` (paper 000, contract §4).
 
 Encoder: bidirectional deep transition (base cell + L_s T-GRUs), annotations h_j = [→h_j, ←h_j].
 Decoder, per target step t:
@@ -6,22 +6,22 @@ Decoder, per target step t:
     attention           c_t           = MultiHeadAdditiveAttention(C, s_{t,Lq})
     decoder transition  s_t           = base(c_t, s_{t,Lq}) then L_d T-GRUs
     readout             p(y_t)        = softmax(W_o dropout(tanh(W_1 y_{t-1} + W_2 s_t + W_3 c_t)))   (eq. 1)
-Initial state s_0 = tanh(W · mean_j h_j) over the real source tokens (SPEC §4).
+Initial state s_0 = tanh(W · mean_j h_j) over the real source tokens (contract §4).
 Dropout (paper 000 "Advanced techniques"): on the embeddings, on the readout before the prediction, and on
 the candidate activations of every (L-/T-)GRU (`candidate_dropout`, one mask per sequence, fixed over time).
 Per-gate layer norm in every cell; positional encoding x + PE/√d at the bottom of encoder and decoder.
 With layer norm on, the readout normalises each of its three projections too (`readout_layer_norm`, default:
 follow `layer_norm`): tanh(LN(W_1 y) + LN(W_2 s) + LN(W_3 c)). The paper is silent on the readout; without the
 norms the model does not leave the unigram distribution here (why: benchmarks/NOTES.md, log item 21).
-`readout_layer_norm=False` gives the plain readout of SPEC §4.
+`readout_layer_norm=False` gives the plain readout of contract §4.
 
 `shallow-rnmt` is the paper's SHALLOWRNMT baseline: the same system with transition depth 0 everywhere and
 GRU cells (Table 3 also runs it with LAU / L-GRU: pass `cell`). The ablation of Table 4 ("replace a
 transition module by the shallow RNMT's") is `deep_encoder/deep_query/deep_decoder=False`: that module becomes
 a single `shallow_cell` (default "gru", the conventional shallow RNMT's cell) with depth 0.
 Choices where the paper is silent, following the authors' code where it speaks: heads default 4 here (the
-code uses 16 at d=1024; scale with the model), the multi-head context is projected back to 2H (SPEC: "projected"),
-one v per head.
+code uses 16 at d=1024; scale with the model), the multi-head context is projected back to 2H (contract §4:
+"projected"), one v per head.
 """
 from __future__ import annotations
 

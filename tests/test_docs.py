@@ -1,0 +1,41 @@
+"""What the sources cite is in the repository: every docs/ page a docstring or comment names exists (with the
+section it names, for the contract), and none cites the contract by the name of a file outside it ("SPEC")."""
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES = ("dtmt_kernels", "dtmt_models", "csrc", "tests", "benchmarks")
+EXTENSIONS = (".py", ".cpp", ".h", ".cu", ".cuh", ".sh")
+
+
+def _sources():
+    for top in SOURCES:
+        for folder, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [d for d in dirs if d not in ("__pycache__", "out", "results")]
+            for name in files:
+                if name.endswith(EXTENSIONS):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as f:
+                        yield os.path.relpath(path, ROOT), f.read()
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        yield "README.md", f.read()
+
+
+def test_cited_docs_exist_and_the_contract_has_the_sections_cited():
+    with open(os.path.join(ROOT, "docs", "contract.md"), encoding="utf-8") as f:
+        sections = {int(n) for n in re.findall(r"^## (\d+)\. ", f.read(), re.M)}
+    assert sections == set(range(1, 8))
+    cited, missing, bad_sections = set(), [], []
+    for path, text in _sources():
+        if path == "tests/test_docs.py":
+            continue
+        for doc in re.findall(r"docs/[\w/.-]+?\.md", text):
+            cited.add(doc)
+            if not os.path.isfile(os.path.join(ROOT, doc)):
+                missing.append((path, doc))
+        for first, last in re.findall(r"contract §(\d+)(?:-(\d+))?", text):
+            if int(first) not in sections or (last and int(last) not in sections):
+                bad_sections.append((path, first, last))
+        assert "SPEC §" not in text and "SPEC's" not in text, path
+    assert not missing and not bad_sections, (missing, bad_sections)
+    assert {"docs/contract.md", "docs/design/persistent_recurrence.md"} <= cited

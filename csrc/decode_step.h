@@ -50,9 +50,10 @@ constexpr const char* kMemoryWeightFields = "w_state w_memory b_memory v w_read 
 TransitionWeights cell_weights(int64_t kind, const std::vector<at::Tensor>& params, const char* op,
                                const char* what);
 
-// The products of the context made once per source (benchmarks/NOTES.md, item 55). Where the attention has no
-// output projection (multi-head attention after fold_context_projection, or single-head attention without one), a
-// step reads the context c only through two products, the decoder cell's input c W_ih^T and the readout's c W_c^T.
+// The products of the context made once per source (why: docs/design/decoding.md, "Tables made once per model and
+// per sentence"). Where the attention has no output projection (multi-head attention after fold_context_projection,
+// or single-head attention without one), a step reads the context c only through two products, the decoder cell's
+// input c W_ih^T and the readout's c W_c^T.
 // c is each head's weighted sum of its slice of the annotations, c[h] = sum_s alpha[h,s] A[s,h], so
 //   c W^T = sum_h sum_s alpha[h,s] (A[s,h] W[:,h]^T),
 // a product of each source position and head with the matrix's columns of that head, made once per sentence; a
@@ -88,7 +89,8 @@ SourceProducts source_products_cpu(const at::Tensor& annotations, int64_t NH, co
 // The attention keys [B, S, NH, D] as exponentials for the scores of a search's steps, made once per sentence:
 // exp(2 keys) laid out [B, NH, D, Sp] (positions last, Sp = S rounded up to 16, the padding 1). Since
 // tanh(k + q) = 1 - 2 / (exp(2k) exp(2q) + 1), a step's scores then take one exp per query feature instead of one
-// per position and feature (isa: scores_from_exps; benchmarks/NOTES.md, item 61). The same scores up to rounding.
+// per position and feature (isa: scores_from_exps; why: docs/design/decoding.md, "Tables made once per model and
+// per sentence"). The same scores up to rounding.
 // Undefined (the steps take the plain loop) unless the keys are float or double and every one is within
 // +-kExpScoreBound, so that with a query within the same bound the products stay far inside the type's range.
 constexpr double kExpScoreBound = 20.0;
@@ -142,8 +144,9 @@ struct StepBuffers {
   StepScratch scratch;
 };
 
-// The previous token's products made once per model (benchmarks/NOTES.md, item 61). A step reads the embedded previous
-// token y = embed[w] + positions[t] only through the query cell's input matrix and the readout's y matrix, so
+// The previous token's products made once per model (why: docs/design/decoding.md, "Tables made once per model and
+// per sentence"). A step reads the embedded previous token y = embed[w] + positions[t] only through the query cell's
+// input matrix and the readout's y matrix, so
 //   y W^T + b = (embed W^T)[w] + (positions W^T)[t] + b,
 // two rows of tables made once (`tokens` [V, N_q + R], `positions` [>= steps, N_q + R] or undefined where the
 // system adds no positions; the query cell's N_q = n_in * H columns first, then the readout's R; made by the Python

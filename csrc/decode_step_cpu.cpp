@@ -1,10 +1,10 @@
 // Inference-only fused pieces of a decoder step (declared and specified in decode_step.h).
 //
-// Each op runs the arithmetic of several modules in one call (the attention step alone is a linear, the scores,
-// a masked softmax, the context and a linear; why: benchmarks/NOTES.md, log item 12), the same arithmetic as the
-// modules: the linears with linear_into (the small-row kernel at batch 1),
-// the scores and context with the kernels of attention_cpu.cpp, the softmax and layer norms with plain loops.
-// No autograd: the Python side calls them only when nothing needs a gradient.
+// Each op runs the arithmetic of several modules in one call (the attention step alone is a linear, the scores, a
+// masked softmax, the context and a linear; why: docs/design/decoding.md, "The decoder step as one call"), the same
+// arithmetic as the modules: the linears with linear_into (the small-row kernel at batch 1), the scores and context
+// with the kernels of attention_cpu.cpp, the softmax and layer norms with plain loops. No autograd: the Python side
+// calls them only when nothing needs a gradient.
 #include "decode_step.h"
 
 #include <ATen/Parallel.h>

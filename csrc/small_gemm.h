@@ -1,8 +1,9 @@
 // A linear layer for few rows (decoding): out = x W^T + b with x [M, K], M <= kSmallRowsMax, W [N, K].
 //
 // Why: at batch 1 a decoder step multiplies 1-8 rows (the beam) by every weight matrix of the decoder once, so
-// the step is bound by reading the weights (figures: benchmarks/NOTES.md, log item 10). This kernel streams each weight row once, from start to end, and uses it for all M rows of x while it is in
-// registers (x itself stays in L1). See small_gemm_cpu.cpp and isa/small_gemm_rows.cpp.
+// the step is bound by reading the weights (figures: docs/design/cpu_kernels.md, "Streaming the weights"). This
+// kernel streams each weight row once, from start to end, and uses it for all M rows of x while it is in registers
+// (x itself stays in L1). See small_gemm_cpu.cpp and isa/small_gemm_rows.cpp.
 #pragma once
 
 #include <torch/extension.h>

@@ -128,7 +128,7 @@ void linear_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor& x, c
     const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
     float* op = out.data_ptr<float>();
     // at least 64 KiB of weights per task: smaller tasks run on one thread (a second thread's start-up would
-    // outweigh them; benchmarks/NOTES.md item 51 for the size)
+    // outweigh them; docs/design/cpu_kernels.md, "Streaming the weights", for the size)
     const int64_t grain = std::max<int64_t>(1, (64 * 1024 / 4) / std::max<int64_t>(K, 1));
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { loop(M, xp, ldx, wp, K, bp, op, ldo, n0, n1); });
     return;

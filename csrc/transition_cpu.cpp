@@ -433,7 +433,8 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
 // same operand values and the same row passes, without the sequence tensors it keeps for backward (hs, hp, hpt):
 // one step's rows, reused from step to step. Returns {out [T, B, H], h_n [B, H]}. Why: at batch 1 a step streams a
 // direction's recurrent matrices (1.75 MB for the small dtmt), about what the core's L2 holds; the saved sequences
-// written alongside pushed them out, so every step read them from L3 (benchmarks/NOTES.md, item 61).
+// written alongside pushed them out, so every step read them from L3 (docs/design/cpu_kernels.md, "The encoder
+// at batch 1").
 // xp: the input products of every position [T * B, n_in * H] (input_products or table_products), B = h0's rows.
 template <typename T>
 std::vector<Tensor> encode_impl(const Tensor& xp, int64_t T_, const Tensor& h0, const Tensor& mask,

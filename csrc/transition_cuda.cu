@@ -72,13 +72,13 @@ bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // Batch rows up to which the time loops' GEMMs are kernels of the .cuh (a step: two kernel launches, no ATen
 // dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM up to kSmallGemmRows, cuBLAS above. Thresholds:
-// benchmarks/NOTES.md, items 17, 57 and 69 (measured on an H100 and an H200).
+// docs/design/gpu.md, "Step GEMMs" (measured on an H100 and an H200).
 constexpr int64_t kRowGemmRows = 8;
 // Threads a block of the persistent forward (DTMT_CUDA_RECURRENCE=persistent): a first choice, to be measured.
 constexpr int64_t kPersistentThreads = 256;
 constexpr int64_t kSmallGemmRows = 64;
 // kCublas: cublasGemmEx called here on raw pointers (no ATen dispatch; only through DTMT_CUDA_STEP_GEMM for now,
-// until a GPU session measures it against the others: NOTES items 69 a and 71).
+// until a GPU session measures it against the others: docs/design/gpu.md, "cuBLAS without ATen").
 enum class StepGemm { kRows, kTiled, kAten, kCublas };
 
 // DTMT_CUDA_STEP_GEMM=rows|tiled|cublas|cublas-direct (read once a process; for benchmarks) uses that GEMM at every

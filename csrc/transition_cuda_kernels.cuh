@@ -406,8 +406,8 @@ template <typename T, typename A> inline cudaError_t launch_rows_gemm(const Gemm
 
 // ------------------------------------------------------------------------------------------- tiled GEMM
 // The time loops' recurrent products for 8 < B <= 64 rows (the driver's choice; the row GEMM above is faster up
-// to 8, this one from about 8 up, benchmarks/NOTES.md item 57): c[M, N] = a[M, K] . w^T with w [N, K] row-major
-// (W_T: the forward's h U^T) or a[M, K] . w with w [K, N] (the backward's d(U h) U). One block per
+// to 8, this one from about 8 up: docs/design/gpu.md, "Step GEMMs"): c[M, N] = a[M, K] . w^T with w [N, K]
+// row-major (W_T: the forward's h U^T) or a[M, K] . w with w [K, N] (the backward's d(U h) U). One block per
 // kGemmBM x kGemmBN tile of c (1-D grid, column tiles fastest), kTiledThreads threads: each owns one column of
 // the tile and kGemmRows consecutive rows (a warp shares its rows, so the a-tile reads are broadcasts). K is
 // staged through shared memory in chunks of gemm_bk<A>() (25 KB of tiles: few chunks, since each chunk's loads

@@ -19,6 +19,6 @@ __version__ = "0.1.0"
 
 # MKL's vector math (torch.tanh, exp, sin, ... of CPU tensors) sets itself up on its first call. When that first call
 # runs on two threads at once, one of them can compute with another code path: results an ulp apart in some
-# processes, and translations that differed between runs (benchmarks/NOTES.md item 50). So a first call here, on
-# one thread.
+# processes, and translations that differed between runs (why: docs/design/decoding.md, "The first call of MKL's
+# vector math"). So a first call here, on one thread.
 torch.exp(torch.zeros(16))

@@ -119,11 +119,11 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: st
 
     With `cpp` (the `auto` choice for CPU tensors) a product of at most 8 float32 rows that needs no gradient,
     i.e. a decoder step at batch 1 with beam <= 8, runs the small-row kernel (csrc/small_gemm_cpu.cpp), which
-    reads each weight once, in address order (why: benchmarks/NOTES.md, log items 10 and 12). Everything else, and
-    every other backend, is F.linear (ATen's GEMM, cuBLAS on the GPU). Unlike the recurrent ops, `auto` never fails
-    here: on a device with no fused backend it is F.linear. A backend named that cannot run these tensors (not
-    built, or another device) is a ValueError saying why, as for the recurrent ops (contract §3: no silent
-    fallback)."""
+    reads each weight once, in address order (why: docs/design/cpu_kernels.md, "Streaming the weights").
+    Everything else, and every other backend, is F.linear (ATen's GEMM, cuBLAS on the GPU). Unlike the recurrent
+    ops, `auto` never fails here: on a device with no fused backend it is F.linear. A backend named that cannot run
+    these tensors (not built, or another device) is a ValueError saying why, as for the recurrent ops (contract §3:
+    no silent fallback)."""
     if backend != "auto":
         resolve_backend(backend, x.device)
         if backend != "cpp":

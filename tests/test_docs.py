@@ -39,3 +39,21 @@ def test_cited_docs_exist_and_the_contract_has_the_sections_cited():
         assert "SPEC §" not in text and "SPEC's" not in text, path
     assert not missing and not bad_sections, (missing, bad_sections)
     assert {"docs/contract.md", "docs/design/persistent_recurrence.md"} <= cited
+
+
+def test_cited_design_note_sections_exist():
+    """A citation `docs/design/NOTE.md, "Section"` (the title may wrap over a comment's lines) names one of that
+    note's `##` sections."""
+    titles, cited, missing = {}, 0, []
+    for path, text in _sources():
+        if path == "tests/test_docs.py":
+            continue
+        for note, quote, title in re.findall(r"docs/design/([\w-]+\.md),\s+([\"'])(.+?)\2", text, re.S):
+            title = re.sub(r"\s*\n\s*(?:#|//)?\s*", " ", title)
+            if note not in titles:
+                with open(os.path.join(ROOT, "docs", "design", note), encoding="utf-8") as f:
+                    titles[note] = set(re.findall(r"^## (.+?)\s*$", f.read(), re.M))
+            cited += 1
+            if title not in titles[note]:
+                missing.append((path, note, title))
+    assert cited >= 20 and not missing, missing

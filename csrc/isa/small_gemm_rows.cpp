@@ -74,7 +74,7 @@ inline float lane_sum(__m256 v) {
 }
 
 // Rows [n0, n1) of the output for a compile-time number of x rows M. One weight row at a time (a single
-// sequential stream, by design: benchmarks/NOTES.md, log item 10), U chunks of 8
+// sequential stream, by design: docs/design/cpu_kernels.md, "Streaming the weights"), U chunks of 8
 // floats per iteration with their own accumulators (M*U of them, so that the FMA latency is hidden), and a
 // software prefetch kPrefetch floats ahead.
 template <int M, int U>
@@ -110,10 +110,11 @@ void rows_block(const float* x, int64_t ldx, const float* w, int64_t K, const fl
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-// The AVX-512 copy's walk for 2 <= M <= 8 rows of x (benchmarks/NOTES.md item 59): chunks of 16 floats, R weight
-// rows at a time (R = 4 for M <= 4, 2 above: M x R accumulators within the 32 vector registers), each x chunk loaded
-// once for the R rows. So an iteration issues M + R loads for M x R FMAs, where rows_block's issues M + U loads for
-// M x U FMAs of half the width; about 1.7x the rate on weights in L2 at M = 4, 1.2x on weights streamed from L3.
+// The AVX-512 copy's walk for 2 <= M <= 8 rows of x (docs/design/cpu_kernels.md, "The AVX-512 walk for 2-8 rows"):
+// chunks of 16 floats, R weight rows at a time (R = 4 for M <= 4, 2 above: M x R accumulators within the 32 vector
+// registers), each x chunk loaded once for the R rows. So an iteration issues M + R loads for M x R FMAs, where
+// rows_block's issues M + U loads for M x U FMAs of half the width; about 1.7x the rate on weights in L2 at M = 4,
+// 1.2x on weights streamed from L3.
 //
 // An output element is its accumulator's 16 lanes summed by the fixed tree of sum4x16, then the tail k >= K16 in
 // order, then the bias: the same arithmetic in every position of a group of R and for a leftover weight row
@@ -134,7 +135,8 @@ inline __m128 sum4x16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // Output columns [n, n + R) for M rows of x: R weight rows at a time (R = 1 for the leftover ones). kTail: K is
 // not a multiple of 16. Inlined into its caller's loop, every accumulator in a register: compiled as a function
 // of its own with the tail's loop among the lane sums, GCC kept acc in memory, zeroed, stored and reloaded around
-// every group: a float32 step's products took 1.14x the time on a Skylake-SP (NOTES 72).
+// every group: a float32 step's products took 1.14x the time on a Skylake-SP (docs/design/cpu_kernels.md, "Sums
+// kept in registers").
 template <int M, int R, bool kTail>
 __attribute__((always_inline)) inline void rows_wide_group(const float* x, int64_t ldx, const float* wr, int64_t K,
                                                            const float* bias, float* out, int64_t ldo, int64_t n) {
@@ -642,7 +644,9 @@ void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, c
                 int64_t ldo, int64_t n0, int64_t n1) {
   switch (M) {
     case 1: return rows_block<1, unroll<1>()>(x, ldx, w, K, bias, out, ldo, n0, n1);
-#if defined(DTMT_SMALL_ROWS_WIDE)   // one row: rows_block's single stream reads weights in L2 faster (NOTES 59)
+// one row: rows_block's single stream reads weights in L2 faster (docs/design/cpu_kernels.md, "The AVX-512 walk
+// for 2-8 rows")
+#if defined(DTMT_SMALL_ROWS_WIDE)
     case 2: return rows_block_wide<2>(x, ldx, w, K, bias, out, ldo, n0, n1);
     case 3: return rows_block_wide<3>(x, ldx, w, K, bias, out, ldo, n0, n1);
     case 4: return rows_block_wide<4>(x, ldx, w, K, bias, out, ldo, n0, n1);
@@ -666,8 +670,8 @@ void small_rows(int M, const float* x, int64_t ldx, const float* w, int64_t K, c
 // kPanelWidth floats, one row per k, read in address order; x[k] is broadcast and multiplied into one accumulator
 // per output column, so an output is one multiply-add chain over k in order, with no sum across vector lanes and one
 // load a multiply-add (a row-major walk over one row of x loads x as often as the weights and reduces each output
-// across lanes: benchmarks/NOTES.md, item 64). AVX-512: 8 accumulators of 16 columns; AVX2: a panel in two halves
-// of 64 columns, 8 accumulators each (16 registers); baseline: plain loops (multiply then add, no FMA).
+// across lanes: docs/design/cpu_kernels.md, "Row panels"). AVX-512: 8 accumulators of 16 columns; AVX2: a panel in
+// two halves of 64 columns, 8 accumulators each (16 registers); baseline: plain loops (multiply then add, no FMA).
 void row_panels(const float* x, const float* panels, int64_t K, const float* bias, float* out, int64_t N,
                 int64_t p0, int64_t p1) {
   constexpr int64_t P = kPanelWidth;

@@ -108,7 +108,7 @@ def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarra
     keys, done in chunks so that the transient buffers stay small whatever the corpus size. The longer side is
     what `_cut_bounds` pads to, so batches come out as full as the budget allows; the target length second
     leaves little target padding inside a batch, where a padded position costs the most (every decoder step).
-    (benchmarks/NOTES.md, log item 46.)"""
+    (Why: docs/design/data.md, "Batches".)"""
     if len(order) == 0:
         return order
     top_m = top_t = 0   # over the pairs sorted only: a long pair left out must not size the counts

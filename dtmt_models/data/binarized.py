@@ -89,9 +89,9 @@ class BinarizedSplit:
 
     They are read with positioned reads (os.pread) of just the bytes asked for, not through a mapping: a page
     fault on a mapped file maps its neighbours too (about 120 KiB of resident memory per random pair on the
-    development machine, benchmarks/NOTES.md item 32), so training through a mapping would grow to the corpus
-    size over an epoch, while the page cache that reads fill is not the process's memory. `memmap(side)` maps
-    the same files for tools that want numpy arrays."""
+    development machine; docs/design/data.md, "Positioned reads"), so training through a mapping would grow to
+    the corpus size over an epoch, while the page cache that reads fill is not the process's memory.
+    `memmap(side)` maps the same files for tools that want numpy arrays."""
 
     def __init__(self, directory: str, split: str, dtype: np.dtype, n: int, shards: Optional[Dict[str, str]] = None):
         """`shards`: the SHA-1 of each file ("src.bin", "src.idx", "tgt.bin", "tgt.idx") as the manifest records

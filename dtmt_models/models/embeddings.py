@@ -19,7 +19,8 @@ def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32
     in float64 by Python's math (the C library's sin and cos, one value at a time) and rounded once to `dtype`, so
     the table is the same on every device and in every process, and exact to the model's precision. (torch's own
     float64 sin on the CPU is MKL's on two threads, and its first call in a process has come out an ulp apart in
-    some processes: translations then differed from run to run, benchmarks/NOTES.md item 50.)"""
+    some processes: translations then differed from run to run; docs/design/decoding.md, "The first call of MKL's
+    vector math".)"""
     columns = []
     for j, w in enumerate(_wavelengths(dim)):
         columns.append([math.sin(p / w) for p in range(length)])
@@ -69,7 +70,8 @@ class TokenEmbedding(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor = None) -> Tensor:
         """tokens [B, T] (positions 0..T-1) or [B] with `positions` [B] (one decoder step)."""
         # F.embedding and index_select rather than the submodule and [positions], and no dropout call in eval
-        # mode: the decoder step's path, kept free of module-call overhead (benchmarks/NOTES.md, log item 12)
+        # mode: the decoder step's path, kept free of module-call overhead (why: docs/design/decoding.md, "The
+        # decoder step as one call")
         x = F.embedding(tokens, self.embed.weight, self.embed.padding_idx)
         if self.positional:
             if positions is None:

@@ -23,7 +23,7 @@ PRESETS: Dict[str, Dict[str, dict]] = {
     # paper 000: d = 1024; dropouts 0.3 / 0.3 / 0.1 on embeddings / output / candidates; label smoothing 0.1;
     # Adam with the RNMT+ schedule (eq. 17), beam 4.
     "dtmt": {
-        # lr 2e-3 (the shared default is 1e-3; chosen in benchmarks/NOTES.md, log item 15)
+        # lr 2e-3 (the shared default is 1e-3; why: docs/design/training.md, "Learning rate")
         "small": dict(model=dict(_SMALL, depth=1, cell="lgru", heads=4, dropout=0.2, candidate_dropout=0.1),
                       train=dict(lr=2e-3)),
         # DTMT#4 (paper 000 Table 3, its best row): 4 T-GRUs in each of the encoder, query and decoder transitions

@@ -12,7 +12,8 @@ with candidate dropout get one mask per sentence, drawn at `encode` and kept (ba
 
 For decoding, `inference_decoder()` (eval mode, cpp backend) gives a FusedRNMTDecoder whose step runs everything
 after the embedding lookup as one C++ call, `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the
-modules (benchmarks/NOTES.md, log item 12). Nematus' one-level cGRU decoder uses the same decoder.
+modules (why: docs/design/decoding.md, "The decoder step as one call"). Nematus' one-level cGRU decoder uses the
+same decoder.
 """
 from __future__ import annotations
 
@@ -338,7 +339,7 @@ class FusedRNMTDecoder:
     def _placed(self, table: Optional[Tensor]) -> Optional[Tensor]:
         """A token or position table as the step reads it: with `huge_pages`, copied into 2 MiB pages (a step
         reads the rows of its beam's previous tokens, ~6 KB each, anywhere in a table of tens of MB: in 4 KiB
-        pages each costs page walks; benchmarks/NOTES.md, item 63)."""
+        pages each costs page walks; docs/design/cpu_kernels.md, "Weights on 2 MiB pages")."""
         if table is None or not self.huge_pages:
             return table
         return dk.ops.linear.huge_page_copies([table])[0]

@@ -7,7 +7,7 @@ its mmap threshold with a fresh mmap each time: either way the next update touch
 (and the kernel's zeroing) for every 4 KiB of them. `tune_malloc` keeps freed memory in the process for the next
 update instead: blocks up to 256 MiB come from the heap, and the heap is trimmed only when over 1 GiB of its top is
 free. The peak memory stays about the same; memory freed after the peak stays with the process, ready for reuse.
-(benchmarks/NOTES.md, log item 40, has the timings.)
+(docs/design/training.md, "Allocator", has the timings.)
 
 `dtmt train` calls it once, before the model is built. DTMT_MALLOC=default in the environment leaves glibc's own
 behaviour, as do MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ set by the user (their

@@ -40,7 +40,7 @@ class TrainConfig:
     max_time_s: Optional[float] = None          # the same in seconds
     patience: int = 5                           # validations without a better best_by score (0: never stop early)
     best_by: str = "loss"                       # what picks best.pt (and counts patience): dev "loss" or "bleu"
-                                                # (loss: benchmarks/RESULTS.md, "Checkpoint choice")
+                                                # (why loss: docs/design/training.md, "Checkpoint choice")
     valid_every: int = 500
     valid_beam: int = 1                         # 1: greedy dev BLEU
     bleu_sentences: int = 0                     # dev sentences translated for BLEU (0: all)

@@ -466,8 +466,9 @@ class Trainer:
                      f"process(es); schedule {c.schedule} (n = {self.replicas}); output {self.out}")
             if c.amp == "bf16" and self.device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.log("warning: --amp bf16 on a CPU without bfloat16 dot products (AVX512_BF16 / AMX): PyTorch "
-                         "runs bfloat16 GEMMs here by a fallback many times slower than float32 (benchmarks/NOTES.md, "
-                         "item 24); --amp off is the fast choice on this machine")
+                         "runs bfloat16 GEMMs here by a fallback many times slower than float32 "
+                         "(docs/design/training.md, 'bfloat16 on the CPU'); --amp off is the fast choice on this "
+                         "machine")
         handlers = self._install_signals()
         last_validated = first_step = self.step
         interrupted = False   # by a signal to any process (every rank sees it through the summed stop flag)

@@ -4,8 +4,8 @@ An encoder at batch 1 multiplies one state row by its recurrent matrices at ever
 is a dot product: the loop loads a chunk of x beside every chunk of weights and sums each output across vector
 lanes at the end. In panels of PANEL_WIDTH output columns laid out k by k, a panel is one sequential stream whose
 rows are multiplied by the broadcast x[k] into one accumulator per column: one load a multiply-add and no sums
-across lanes (benchmarks/NOTES.md, item 64). `row_panels` makes the layout once (per decoder); the products are
-summed in another order than F.linear's, so they agree up to rounding."""
+across lanes (why: docs/design/cpu_kernels.md, "Row panels"). `row_panels` makes the layout once (per decoder);
+the products are summed in another order than F.linear's, so they agree up to rounding."""
 from __future__ import annotations
 
 from torch import Tensor

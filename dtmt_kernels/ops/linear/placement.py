@@ -1,14 +1,14 @@
 """Where a decoder step's weights live: one buffer of 2 MiB pages (Linux transparent huge pages).
 
 A decoder step at batch 1 reads ~10 MB of weights (dtmt small), more than a core's L2, so the small-row products
-stream them from L3 or memory (benchmarks/NOTES.md, items 52-54). In ordinary 4 KiB pages those bytes span ~2,400
-pages, more than the CPU's second-level TLB holds, so the stream also walks page tables; in 2 MiB pages they are
-five. `huge_page_copies` puts copies of the tensors one after another (each at a 4 KiB boundary) in one anonymous
-private mapping aligned to 2 MiB and advised MADV_HUGEPAGE. The values are copied bit for bit, so every product
-over them gives the same result. Where the system offers no such advice (not Linux, or Python without
-mmap.MADV_HUGEPAGE) or the tensors are not on the CPU, the tensors come back as they are; whether the kernel
-then backs the advised range with huge pages is the system's choice (/sys/kernel/mm/transparent_hugepage/enabled:
-`madvise` or `always`)."""
+stream them from L3 or memory (why: docs/design/cpu_kernels.md, "Weights on 2 MiB pages"). In ordinary 4 KiB
+pages those bytes span ~2,400 pages, more than the CPU's second-level TLB holds, so the stream also walks page
+tables; in 2 MiB pages they are five. `huge_page_copies` puts copies of the tensors one after another (each at a
+4 KiB boundary) in one anonymous private mapping aligned to 2 MiB and advised MADV_HUGEPAGE. The values are copied
+bit for bit, so every product over them gives the same result. Where the system offers no such advice (not Linux,
+or Python without mmap.MADV_HUGEPAGE) or the tensors are not on the CPU, the tensors come back as they are; whether
+the kernel then backs the advised range with huge pages is the system's choice
+(/sys/kernel/mm/transparent_hugepage/enabled: `madvise` or `always`)."""
 from __future__ import annotations
 
 import mmap

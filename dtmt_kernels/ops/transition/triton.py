@@ -63,8 +63,8 @@ def _block(H: int) -> int:
 
 
 def _num_warps(block: int) -> int:
-    # BLOCK > 4096 (H > 4096) may spill registers in the backward kernel: correct, possibly slower (the ptxas
-    # register counts: benchmarks/NOTES.md).
+    # From BLOCK 4096 (H > 2048) the backward kernel spills registers: correct, possibly slower (the ptxas
+    # register counts: docs/design/gpu.md, "Triton: warps and registers").
     return 1 if block <= 64 else 2 if block <= 256 else 4 if block <= 1024 else 8 if block <= 2048 else 16
 
 

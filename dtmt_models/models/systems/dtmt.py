@@ -12,7 +12,7 @@ the candidate activations of every (L-/T-)GRU (`candidate_dropout`, one mask per
 Per-gate layer norm in every cell; positional encoding x + PE/√d at the bottom of encoder and decoder.
 With layer norm on, the readout normalises each of its three projections too (`readout_layer_norm`, default:
 follow `layer_norm`): tanh(LN(W_1 y) + LN(W_2 s) + LN(W_3 c)). The paper is silent on the readout; without the
-norms the model does not leave the unigram distribution here (why: benchmarks/NOTES.md, log item 21).
+norms the model does not leave the unigram distribution here (why: docs/design/training.md, "Readout").
 `readout_layer_norm=False` gives the plain readout of contract §4.
 
 `shallow-rnmt` is the paper's SHALLOWRNMT baseline: the same system with transition depth 0 everywhere and

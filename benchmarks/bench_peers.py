@@ -13,14 +13,21 @@ What it does, in one run:
 1. the same subwords for everyone: a SentencePiece model per side trained exactly as `dtmt train` trains it
    (same sentences, `--vocab-size`, BPE), the training pairs filtered as `dtmt train` filters them (longer than
    `--max-len` subwords or empty after segmentation), written as piece files for OpenNMT-py;
-2. every system trains at once (one after another with --sequential), each on `--threads` threads (`OMP_NUM_THREADS` too), for `--budget` of training
-   time counted the same way for all (wall time from the first update, less validation and checkpoint writing):
-   dtmt systems with `dtmt train --max-time` and their `small` presets, OpenNMT-py through
-   `benchmarks/peers/onmt_train.py` with the same token budget per batch, label smoothing, clipping, Adam
-   betas, learning rate and RNMT+ schedule as dtmt's preset;
+2. every system trains at once (one after another with --sequential), each on `--threads` threads
+   (`OMP_NUM_THREADS` too), for `--budget` of wall time from its launch: one clock for all, with everything each
+   toolkit does inside it (reading and batching its data, validation and a checkpoint every --valid-every
+   updates on both sides; dtmt's validation also decodes the dev set greedily for BLEU, as it always does). When
+   the budget is spent the script sends SIGTERM, on which both finish the update in progress, write a checkpoint
+   and exit (`dtmt train` does so by itself; OpenNMT-py through `benchmarks/peers/onmt_train.py`). dtmt systems
+   train with their `small` presets, OpenNMT-py with the same token budget per batch, label smoothing, clipping,
+   Adam betas, learning rate and RNMT+ schedule as dtmt's preset (the two toolkits fill a batch of that budget
+   differently: the table gives each one's target tokens per update). Each toolkit's preprocessing (dtmt prepare,
+   OpenNMT-py's build_vocab) runs before, outside both clocks;
 3. each system is evaluated on the same test set with the same sacrebleu settings (`dtmt evaluate --hyp` scores
    OpenNMT-py's output too): beam 4 with the GNMT length penalty α = 0.6 in both toolkits, one at a time on
-   `--threads` threads, timing decoding (model loading excluded) for sentences/s;
+   `--threads` threads, timing decoding (model loading excluded) for sentences/s; with the same checkpoint
+   rules on both sides: the checkpoint of the lowest dev loss (dtmt's best.pt; OpenNMT-py's validated checkpoint
+   of the lowest dev cross-entropy) and the last one;
 4. the dev curve: dev loss (cross-entropy per target token, no smoothing) at every validation of each system,
    so learning per update is compared apart from speed.
 
@@ -51,6 +58,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -217,7 +225,8 @@ def read_jsonl(path: str) -> list:
 # ----------------------------------------------------------------------------------------------- main
 RECORD = "bench_peers_machine.json"
 # What must be equal in every run of one table: the machine (bench_cells.machine_record) and the training setting.
-SAME = ("machine", "threads", "budget_s", "sequential")
+SAME = ("machine", "threads", "budget_s", "sequential", "clock")
+CLOCK = "wall time from launch"   # the clock of this script's budgets (runs recorded before it had none)
 
 
 def write_record(run_dir: str, setting: dict) -> None:
@@ -354,6 +363,7 @@ def main(argv=None):
     from bench_quality import read_log, start
 
     import dtmt_models.models.systems  # noqa: F401
+    from dtmt_models.models.checkpoint import read_checkpoint
     from dtmt_models.models.presets import PRESETS, get_preset
     from dtmt_models.cli.train import parse_duration
 
@@ -421,19 +431,20 @@ def main(argv=None):
     emb, hid = (int(x) for x in a.onmt_size.split(","))
     onmt_dir = os.path.join(a.out, "onmt-lstm")
     jobs = []
-    setting = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential, valid_every=a.valid_every)
+    setting = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential, valid_every=a.valid_every,
+                   clock=CLOCK)
     # ---- training: all at once, or one after another (--sequential)
     if not a.no_train:
         probes = {}   # system -> [GFLOP/s before, after] its training (speed_probe)
 
         def train_probed(name: str, begin):
             """Start `name`'s training (begin() returns its job), probing the machine before it when it is the first
-            job or the runs are sequential; with --sequential, wait for it and probe again after."""
+            job or the runs are sequential; with --sequential, stop it when its budget is spent and probe again."""
             if a.sequential or not jobs:
                 probes[name] = [speed_probe(a.threads)]
-            jobs.append(begin())
+            jobs.append((*begin(), time.perf_counter()))
             if a.sequential:
-                wait(jobs[-1])
+                stop_at_budget(jobs[-1:], budget_s)
                 probes[name].append(speed_probe(a.threads))
 
         for system in a.systems:   # a run being replaced loses its record until it has trained
@@ -442,8 +453,9 @@ def main(argv=None):
                 os.remove(stale)
         for system in ours:
             run_dir = os.path.join(a.out, system)
-            cmd = ["train", "--data", a.data, "--model", system, "--out", run_dir, "--overwrite", "--max-time",
-                   a.budget, "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines",
+            # no time or epoch bound of its own: the budget's SIGTERM stops it
+            cmd = ["train", "--data", a.data, "--model", system, "--out", run_dir, "--overwrite", "--max-steps",
+                   str(10 ** 9), "--valid-every", str(a.valid_every), "--patience", "0", "--progress", "lines",
                    "--log-every", "50", "--threads", str(a.threads), *a.train_args.split()]
             print(f"== {system}: dtmt train for {a.budget} on {a.threads} thread(s)", flush=True)
             train_probed(system, lambda: start(cmd, os.path.join(a.out, f"train_{system}.log")))
@@ -457,17 +469,16 @@ def main(argv=None):
             tlog = os.path.join(a.out, "train_onmt-lstm.log")
             run([py, "-m", "onmt.bin.build_vocab", "-config", cfg, "-n_sample", "-1"], tlog, env=onmt_env(a.threads))
             sched = f"rnmt:{train_cfg['warmup']}:{train_cfg['decay_start']}:{train_cfg['decay_end']}:0.05"
-            cmd = [py, os.path.join(HERE, "peers", "onmt_train.py"), "--budget-s", str(budget_s), "--log",
-                   os.path.join(onmt_dir, "train.jsonl"), "--schedule", sched, "-config", cfg]
+            cmd = [py, os.path.join(HERE, "peers", "onmt_train.py"), "--log", os.path.join(onmt_dir, "train.jsonl"),
+                   "--schedule", sched, "-config", cfg]
             print(f"== onmt-lstm: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
             train_probed("onmt-lstm", lambda: spawn(cmd, tlog, env=onmt_env(a.threads)))
         try:
-            for job in jobs:
-                wait(job)
+            stop_at_budget(jobs, budget_s)
         finally:
-            for proc, _, _ in jobs:
+            for proc, *_ in jobs:
                 if proc.poll() is None:
-                    proc.terminate()
+                    proc.kill()
         if not a.sequential:   # all at once: one probe before and one after, shared
             after = speed_probe(a.threads)
             first = next(iter(probes.values()))[0]
@@ -494,13 +505,12 @@ def main(argv=None):
         log_rows = read_log(os.path.join(run_dir, "train_log.csv"))
         tr = [r for r in log_rows if r["kind"] == "train"]
         valid = [r for r in log_rows if r["kind"] == "valid"]
-        curves[system] = [(int(r["step"]), float(r["elapsed_s"]), float(r["dev_loss"])) for r in valid]
+        curves[system] = [(int(r["step"]), float(r["wall_s"]), float(r["dev_loss"])) for r in valid]
         if not tr:
             raise SystemExit(f"{system}: {run_dir}/train_log.csv has no training rows (it logs every 50 updates): "
                              f"--budget {a.budget} is too short to measure")
-        tokens = sum(int(r["tokens"]) for r in tr)
-        elapsed = float(tr[-1]["elapsed_s"])
-        for which in ("last", "best"):
+        tokens, updates = dtmt_trained(run_dir)
+        for which in ("best", "last"):
             ckpt = os.path.join(run_dir, f"{which}.pt")
             ev = os.path.join(run_dir, f"eval_{which}")
             run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--checkpoint", ckpt, "--data", a.data,
@@ -508,10 +518,13 @@ def main(argv=None):
                 log)
             with open(os.path.join(ev, "scores.json")) as f:
                 sc = json.load(f)
-            rows.append({"system": f"`dtmt train --model {system}` ({which}.pt)",
-                         "params": _dtmt_params(ckpt), "tok_s": tokens / elapsed if which == "last" else None,
-                         "updates": int(log_rows[-1]["step"]) if which == "last" else None,
-                         "dev_loss": curves[system][-1][2] if which == "last" and curves[system] else None,
+            ck = read_checkpoint(ckpt)
+            rows.append({"system": f"`dtmt train --model {system}`", "checkpoint": CHECKPOINT_RULES[which],
+                         "step": int(ck["step"]), "params": _dtmt_params(ckpt),
+                         "tok_s": tokens / budget_s if which == "last" else None,
+                         "updates": updates if which == "last" else None,
+                         "tok_update": tokens / updates if which == "last" else None,
+                         "dev_loss": _dev_loss_at(curves[system], int(ck["step"])),
                          "bleu": sc["bleu"], "chrf": sc["chrf"], "sent_s": sc["decode"]["sentences_per_s"]})
     if "onmt-lstm" in peers:
         jl = read_jsonl(os.path.join(onmt_dir, "train.jsonl"))
@@ -519,21 +532,29 @@ def main(argv=None):
         if not ends:
             raise RuntimeError(f"OpenNMT-py did not reach its budget; see {os.path.join(a.out, 'train_onmt-lstm.log')}")
         end = ends[-1]
-        curves["onmt-lstm"] = [(r["step"], r["elapsed_s"], r["dev_loss"]) for r in jl if r["kind"] == "valid"]
-        model = os.path.join(onmt_dir, f"model_step_{end['step']}.pt")
-        hyp = os.path.join(onmt_dir, "test.hyp")
-        speed = onmt_translate(py, model, test_src, hyp, a.beam, a.threads, log, pieces["vocabs"][1])
-        ev = os.path.join(onmt_dir, "eval_last")
-        run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--hyp", hyp, "--data", a.data, "--split", "test",
-             "--out-dir", ev, "--quiet"], log)
-        with open(os.path.join(ev, "scores.json")) as f:
-            sc = json.load(f)
+        curves["onmt-lstm"] = [(r["step"], r["wall_s"], r["dev_loss"]) for r in jl if r["kind"] == "valid"]
         with open(os.path.join(a.out, "train_onmt-lstm.log")) as f:
             m = re.search(r"Trainable parameters = \{'torch.float32': ([0-9]+)", f.read())
-        rows.append({"system": f"OpenNMT-py {ONMT_VERSION} LSTM {emb}/{hid}, 2+2 layers, input feeding",
-                     "params": int(m.group(1)) if m else None, "tok_s": end["tokens_per_s"],
-                     "updates": end["step"], "dev_loss": curves["onmt-lstm"][-1][2] if curves["onmt-lstm"] else None,
-                     "bleu": sc["bleu"], "chrf": sc["chrf"], "sent_s": speed["sentences_per_s"]})
+        kept = [c for c in curves["onmt-lstm"] if os.path.isfile(os.path.join(onmt_dir, f"model_step_{c[0]}.pt"))]
+        picks = {"best": min(kept, key=lambda c: c[2])[0] if kept else end["step"], "last": end["step"]}
+        for which in ("best", "last"):
+            step = picks[which]
+            model = os.path.join(onmt_dir, f"model_step_{step}.pt")
+            hyp = os.path.join(onmt_dir, f"test_{which}.hyp")
+            speed = onmt_translate(py, model, test_src, hyp, a.beam, a.threads, log, pieces["vocabs"][1])
+            ev = os.path.join(onmt_dir, f"eval_{which}")
+            run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--hyp", hyp, "--data", a.data, "--split",
+                 "test", "--out-dir", ev, "--quiet"], log)
+            with open(os.path.join(ev, "scores.json")) as f:
+                sc = json.load(f)
+            rows.append({"system": f"OpenNMT-py {ONMT_VERSION} LSTM {emb}/{hid}, 2+2 layers, input feeding",
+                         "checkpoint": CHECKPOINT_RULES[which], "step": step,
+                         "params": int(m.group(1)) if m else None,
+                         "tok_s": end["tokens"] / budget_s if which == "last" else None,
+                         "updates": end["step"] if which == "last" else None,
+                         "tok_update": end["tokens"] / end["step"] if which == "last" else None,
+                         "dev_loss": _dev_loss_at(curves["onmt-lstm"], step),
+                         "bleu": sc["bleu"], "chrf": sc["chrf"], "sent_s": speed["sentences_per_s"]})
     # ---- tables
     command = "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
@@ -541,19 +562,24 @@ def main(argv=None):
     where = machine_name()
     if trained_on is not None and trained_on != where:
         where = f"trained on {trained_on}; evaluated on {where}"
-    lines = [f"Equal training time against OpenNMT-py ({where}; {a.threads} thread(s) per system, "
-             f"{together}); {a.budget} of training each on {a.data} (SentencePiece BPE "
+    lines = [f"Equal wall time against OpenNMT-py ({where}; {a.threads} thread(s) per system, "
+             f"{together}); {a.budget} from each launch to its stop, everything inside (data reading and batching, "
+             f"validation and a checkpoint every {a.valid_every} updates on both sides), on {a.data} (SentencePiece BPE "
              f"{train_cfg['vocab_size']:,} per side, {pieces['paths'][('train', 'n')]:,} training pairs, batches of "
              f"{train_cfg['max_tokens']:,} tokens, lr {train_cfg['lr']:g} with the RNMT+ schedule); test set "
              f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, α 0.6, sacrebleu via `dtmt evaluate`; "
              f"decoding one system at a time on {a.threads} thread(s). Command: `{command}`", "",
              *apart_line(records), *probe_lines(records),
-             "| system | params | target tok/s | updates | final dev loss | test BLEU | chrF | decode sent/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "Target tokens/s: every target token trained up to the stop over the budget's wall time.",
+             "",
+             "| system | checkpoint | params | target tok/s | updates | target tokens / update | its dev loss "
+             "| test BLEU | chrF | decode sent/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['system']} | {fmt(r['params'] and r['params'] / 1e6, '.2f')} M | {fmt(r['tok_s'], ',.0f')} | "
-                     f"{fmt(r['updates'], ',')} | {fmt(r['dev_loss'], '.3f')} | {r['bleu']:.2f} | {r['chrf']:.2f} | "
-                     f"{r['sent_s']:.1f} |")
+        lines.append(f"| {r['system']} | {r['checkpoint']}, update {r['step']:,} | "
+                     f"{fmt(r['params'] and r['params'] / 1e6, '.2f')} M | {fmt(r['tok_s'], ',.0f')} | "
+                     f"{fmt(r['updates'], ',')} | {fmt(r['tok_update'], ',.0f')} | {fmt(r['dev_loss'], '.3f')} | "
+                     f"{r['bleu']:.2f} | {r['chrf']:.2f} | {r['sent_s']:.1f} |")
     steps = sorted({s for c in curves.values() for s, _, _ in c})
     names = list(curves)
     lines += ["", "Dev loss (cross-entropy per target subword, no smoothing) at equal updates (learning per update):",
@@ -679,6 +705,50 @@ def profile(a, py, ours, log) -> dict:
     return results
 
 
+CHECKPOINT_RULES = {"best": "lowest dev loss", "last": "last"}
+
+
+def dtmt_trained(run_dir: str):
+    """(target tokens, updates) a `dtmt train` run trained up to its stop: its log's train rows, and the window of
+    updates since the last row, which a stop by signal leaves out of the log (it stays in last.pt)."""
+    from bench_quality import read_log
+
+    from dtmt_models.models.checkpoint import read_checkpoint
+
+    last = read_checkpoint(os.path.join(run_dir, "last.pt"))
+    rows = [r for r in read_log(os.path.join(run_dir, "train_log.csv")) if r["kind"] == "train"]
+    return sum(int(r["tokens"]) for r in rows) + int(last["training"]["log_window"][2]), int(last["step"])
+
+
+def _dev_loss_at(curve, step: int):
+    """The dev loss a curve [(step, wall_s, dev loss)] has at `step` (None where the step was not validated)."""
+    return next((loss for s, _, loss in curve if s == step), None)
+
+
+def stop_at_budget(jobs, budget_s: float) -> None:
+    """Sends SIGTERM to each job [(process, command, log, started)] once `budget_s` of wall time has passed since it
+    started, and waits for all: both toolkits then finish their update, write a checkpoint and exit (dtmt with
+    status 143, the runner of OpenNMT-py with 0). A job that ends before its budget, or with another status, failed."""
+    import signal
+
+    signalled = set()
+    pending = list(jobs)
+    while pending:
+        for job in list(pending):
+            proc, cmd, log, started = job
+            code = proc.poll()
+            if code is not None:
+                if id(job) not in signalled or code not in (0, 143):
+                    raise RuntimeError(f"{' '.join(map(str, cmd[:4]))} ... ended "
+                                       f"{'after its stop signal' if id(job) in signalled else 'before its budget'}"
+                                       f" (exit {code}); see {log}")
+                pending.remove(job)
+            elif id(job) not in signalled and time.perf_counter() - started >= budget_s:
+                proc.send_signal(signal.SIGTERM)
+                signalled.add(id(job))
+        time.sleep(0.1)
+
+
 def _dtmt_params(ckpt: str) -> int:
     from dtmt_models.models.checkpoint import load_model
 
@@ -699,7 +769,7 @@ def _plot(curves: dict, path: str, budget: str) -> None:
             axes[0].plot(steps, losses, "o-", ms=3, label=name)
             axes[1].plot([x / 60 for x in secs], losses, "o-", ms=3, label=name)
     axes[0].set_xlabel("updates")
-    axes[1].set_xlabel("training time (min)")
+    axes[1].set_xlabel("wall time from launch (min)")
     for ax in axes:
         ax.set_ylabel("dev loss (nats per subword)")
         ax.grid(alpha=0.3)

@@ -10,6 +10,11 @@ vocabularies, the binarized corpus and its encoding workers) load without it.
 from __future__ import annotations
 
 import importlib
+import time
+
+# when this process began, as near as Python lets us see it: the origin of train_log.csv's wall_s (a run's wall
+# time from its launch, data reading, validation and checkpoints included)
+STARTED = time.perf_counter()
 
 _LAZY = {"build_model": "dtmt_models.models.registry", "list_models": "dtmt_models.models.registry",
          "register_model": "dtmt_models.models.registry", "Seq2Seq": "dtmt_models.models.seq2seq",

@@ -279,6 +279,37 @@ def test_bench_peers_parts_that_need_no_peer(tmp_path):
         assert line in text, line
 
 
+def test_bench_peers_stops_each_run_by_one_wall_clock(tmp_path):
+    """stop_at_budget sends SIGTERM once a run's budget of wall time since its launch is spent (start-up, data
+    reading and validation inside it); `dtmt train` then finishes its update, writes last.pt and exits with 143, and
+    dtmt_trained counts every target token it trained, the window after its last log row included: the tokens of a
+    run of as many updates that logs every update. A run that ends before its budget is an error."""
+    import time
+
+    from test_train import TINY, make_toy_corpus, run_train
+
+    from benchmarks import bench_peers, bench_quality
+
+    data = make_toy_corpus(tmp_path / "toy")
+    out = str(tmp_path / "run")
+    cmd = ["train", "--data", data, "--out", out, "--max-steps", str(10 ** 9), "--log-every", "7",
+           "--valid-every", "40", *TINY]
+    job = (*bench_quality.start(cmd, str(tmp_path / "train.log")), time.perf_counter())
+    bench_peers.stop_at_budget([job], 15.0)
+    assert job[0].returncode == 143 and time.perf_counter() - job[3] >= 15.0
+    tokens, updates = bench_peers.dtmt_trained(out)
+    assert updates >= 8
+    ref = str(tmp_path / "ref")
+    r = run_train(["--data", data, "--out", ref, "--max-steps", str(updates), "--log-every", "1", "--valid-every",
+                   "40", *TINY])
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(ref, "train_log.csv"), newline="") as f:
+        assert tokens == sum(int(row["tokens"]) for row in csv.DictReader(f) if row["kind"] == "train")
+    early = (subprocess.Popen([sys.executable, "-c", "pass"]), ["python", "-c", "pass"], "its log", time.perf_counter())
+    with pytest.raises(RuntimeError, match="ended before its budget"):
+        bench_peers.stop_at_budget([early], 60.0)
+
+
 def test_bench_peers_tabulates_only_runs_of_one_machine_and_setting(tmp_path):
     """Runs trained in separate invocations (a 2-hour budget per system) are tabulated together only when their
     records name the same machine and setting; the record is the machine's real /proc/cpuinfo identity."""
@@ -291,7 +322,7 @@ def test_bench_peers_tabulates_only_runs_of_one_machine_and_setting(tmp_path):
         with open("/proc/cpuinfo") as f:
             text = f.read()
         assert rec["model name"] in text and rec["vendor_id"] in text
-    setting = dict(threads=2, budget_s=7200.0, sequential=True, valid_every=250)
+    setting = dict(threads=2, budget_s=7200.0, sequential=True, valid_every=250, clock=bench_peers.CLOCK)
     runs = {}
     for name in ("dtmt", "onmt-lstm"):
         runs[name] = tmp_path / name
@@ -310,6 +341,9 @@ def test_bench_peers_tabulates_only_runs_of_one_machine_and_setting(tmp_path):
     threads = dict(records["onmt-lstm"], threads=1)
     with pytest.raises(SystemExit, match=r"settings \(threads\)"):
         bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": threads})
+    older = {k: v for k, v in records["onmt-lstm"].items() if k != "clock"}   # a run timed by the earlier clock
+    with pytest.raises(SystemExit, match=r"settings \(clock\)"):
+        bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": older})
     with pytest.raises(SystemExit, match="onmt-lstm has no bench_peers_machine.json"):
         bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": None})
     assert bench_peers.check_records({"dtmt": None, "onmt-lstm": None}) is None   # runs older than records

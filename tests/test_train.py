@@ -89,6 +89,19 @@ def uninterrupted(toy, tmp_path_factory):
     return out
 
 
+def test_the_log_has_the_wall_time_beside_the_training_time(uninterrupted):
+    """train_log.csv's wall_s (the process's wall time since it began: data reading, validation and checkpoints
+    included, what a like-for-like clock against another toolkit counts) grows row by row and is never below the
+    time inside updates (elapsed_s); a validation row's wall time includes the validation itself."""
+    with open(os.path.join(uninterrupted, "train_log.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    wall = [float(r["wall_s"]) for r in rows]
+    assert len(rows) == 24 + 3 and wall == sorted(wall) and wall[0] > 0
+    assert all(float(r["wall_s"]) >= float(r["elapsed_s"]) for r in rows)
+    valid = [i for i, r in enumerate(rows) if r["kind"] == "valid"]
+    assert valid and all(wall[i] >= wall[i - 1] for i in valid)
+
+
 def test_keep_last_keeps_the_models_of_the_last_validations(uninterrupted):
     from dtmt_models.models.checkpoint import read_checkpoint
     from dtmt_models.training.trainer import step_checkpoints

@@ -1,26 +1,31 @@
-"""OpenNMT-py's own `onmt_train`, run for a training-time budget with dtmt's learning-rate schedule.
+"""OpenNMT-py's own `onmt_train`, run until a stop signal with dtmt's learning-rate schedule.
 
 Runs inside the peer environment that `benchmarks/bench_peers.py` makes (never imported by dtmt):
 
-    python onmt_train.py --budget-s 1800 --log run.jsonl --schedule rnmt:200:1500:6000:0.05 -config onmt.yaml
+    python onmt_train.py --log run.jsonl --schedule rnmt:200:1500:6000:0.05 -config onmt.yaml
 
 Everything after the runner's own flags goes to OpenNMT-py's argument parser unchanged. The runner changes
 three things from the outside, without touching OpenNMT-py's files:
 - the learning-rate multiplier is dtmt's RNMT+ schedule (paper 000 eq. 17, n = 1, with a floor; the same
   numbers as `dtmt_models.training.schedules.RNMTPlusSchedule`), so both toolkits follow the same schedule;
-- training time is counted like `dtmt train --max-time` counts it: wall time from the first update on, minus
-  validation and checkpoint writing; when it reaches the budget the update finishes, a checkpoint is written
-  and training ends;
-- a JSON line per `--every` updates (and per validation) goes to --log: step, training seconds, target
-  tokens (non-pad target tokens after BOS, i.e. the tokens the loss is computed on, as dtmt counts them);
-  validation reports the plain dev NLL per target token (OpenNMT-py's own includes the label smoothing).
+- SIGTERM (or SIGINT) ends training as it ends `dtmt train`: the update in progress finishes, a checkpoint is
+  written, and the process exits. bench_peers sends it to both toolkits when their budget of wall time since
+  launch is spent, so both are timed by one clock with everything they do inside it (reading and batching the
+  data, validation, checkpoints). `--budget-s` stops by itself after that many seconds since launch instead;
+- a JSON line per `--every` updates (and per validation) goes to --log: step, wall seconds since the process
+  began, target tokens (non-pad target tokens after BOS, i.e. the tokens the loss is computed on, as dtmt counts
+  them); validation reports the plain dev NLL per target token (OpenNMT-py's own includes the label smoothing).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
+
+STARTED = time.perf_counter()   # before OpenNMT-py and torch load: the launch, as near as Python sees it
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
 
 
 class BudgetReached(Exception):
@@ -41,7 +46,7 @@ def rnmt_multiplier(warmup: int, start: int, end: int, floor: float):
 
 def main() -> None:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--budget-s", type=float, required=True)
+    p.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds since launch")
     p.add_argument("--log", required=True)
     p.add_argument("--schedule", default=None, help="rnmt:WARMUP:START:END:FLOOR (default: OpenNMT-py's own)")
     p.add_argument("--every", type=int, default=50)
@@ -49,7 +54,6 @@ def main() -> None:
 
     import onmt.trainer as trainer_mod
     import onmt.utils.optimizers as optim_mod
-    from onmt.models.model_saver import ModelSaver
     from onmt.bin.train import _get_parser, train
 
     if own.schedule:
@@ -60,26 +64,21 @@ def main() -> None:
         optim_mod.make_learning_rate_decay_fn = lambda opt: fn
 
     log = open(own.log, "a", buffering=1)
-    clock = {"start": None, "excluded": 0.0, "tokens": 0, "window_tokens": 0, "window_s": 0.0}
+    clock = {"tokens": 0, "window_tokens": 0, "window_s": 0.0, "signal": None}
 
-    def training_seconds() -> float:
-        return time.perf_counter() - clock["start"] - clock["excluded"]
+    def wall() -> float:
+        return time.perf_counter() - STARTED
 
-    def excluded(fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                clock["excluded"] += time.perf_counter() - t0
-        return wrapper
+    def on_signal(signum, _frame):
+        clock["signal"] = signal.Signals(signum).name   # the update in progress finishes first
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
     original_step = trainer_mod.Trainer._gradient_accumulation
     original_validate = trainer_mod.Trainer.validate
 
     def step(self, true_batches, normalization, total_stats, report_stats):
-        if clock["start"] is None:
-            clock["start"] = time.perf_counter()
         t0 = time.perf_counter()
         original_step(self, true_batches, normalization, total_stats, report_stats)
         tokens = int(normalization)
@@ -87,24 +86,23 @@ def main() -> None:
         clock["window_tokens"] += tokens
         clock["window_s"] += time.perf_counter() - t0
         n = self.optim.training_step - 1     # updates done
-        done = training_seconds() >= own.budget_s
+        done = clock["signal"] is not None or (own.budget_s is not None and wall() >= own.budget_s)
         if n % own.every == 0 or done:
-            log.write(json.dumps({"kind": "train", "step": n, "elapsed_s": round(training_seconds(), 2),
+            log.write(json.dumps({"kind": "train", "step": n, "wall_s": round(wall(), 2),
                                   "tokens": clock["tokens"], "lr": self.optim.learning_rate(),
                                   "tokens_per_s": clock["window_tokens"] / max(clock["window_s"], 1e-9)}) + "\n")
             clock["window_tokens"], clock["window_s"] = 0, 0.0
         if done:
+            stopped = wall()
             if self.model_saver is not None:
-                self.model_saver.save(n, moving_average=self.moving_average)   # excluded from the time
-            log.write(json.dumps({"kind": "end", "step": n, "elapsed_s": round(training_seconds(), 2),
-                                  "tokens": clock["tokens"],
-                                  "tokens_per_s": clock["tokens"] / max(training_seconds(), 1e-9)}) + "\n")
+                self.model_saver.save(n, moving_average=self.moving_average)
+            log.write(json.dumps({"kind": "end", "step": n, "wall_s": round(stopped, 2), "tokens": clock["tokens"],
+                                  "signal": clock["signal"]}) + "\n")
             raise BudgetReached()
 
     def validate(self, valid_iter, moving_average=None):
         # OpenNMT-py 3.5.1 validates with the training criterion, label smoothing included; dtmt's dev loss is
         # the plain NLL: smoothing off while validating, so that the two dev losses are the same quantity
-        at = training_seconds()
         criterion = self.valid_loss.criterion
         smoothing = getattr(criterion, "label_smoothing", None)
         if smoothing is not None:
@@ -115,13 +113,12 @@ def main() -> None:
             if smoothing is not None:
                 criterion.label_smoothing = smoothing
         log.write(json.dumps({"kind": "valid", "step": self.optim.training_step - 1,
-                              "elapsed_s": round(at, 2), "dev_loss": stats.xent(),
+                              "wall_s": round(wall(), 2), "dev_loss": stats.xent(),
                               "dev_ppl": stats.ppl(), "dev_acc": stats.accuracy()}) + "\n")
         return stats
 
     trainer_mod.Trainer._gradient_accumulation = step
-    trainer_mod.Trainer.validate = excluded(validate)
-    ModelSaver.save = excluded(ModelSaver.save)
+    trainer_mod.Trainer.validate = validate
 
     parser = _get_parser()
     opt, _unknown = parser.parse_known_args(rest)

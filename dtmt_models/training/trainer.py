@@ -40,6 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+import dtmt_models
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import binarized
 from dtmt_models.data.batching import Batches, collate, kept_indices, length_dtype, token_batches
@@ -58,8 +59,10 @@ from dtmt_models.training.schedules import InverseSqrtSchedule, RNMTPlusSchedule
 LAST, BEST, LOG, CURVE, CONFIG = "last.pt", "best.pt", "train_log.csv", "learning_curve.png", "config.yaml"
 TENSORBOARD = "tensorboard"            # the event files: tensorboard --logdir runs/
 STEP_CHECKPOINT = "step_{:07d}.pt"     # --keep-last: the model at a validation, by its number of updates
+# elapsed_s: the time inside updates (what --max-time counts, carried over a resume); wall_s: this process's wall
+# time since it began (dtmt_models.STARTED), everything included
 LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", "tokens", "tokens_per_s",
-              "dev_loss", "dev_ppl", "dev_bleu", "dev_chrf", "best_bleu"]
+              "dev_loss", "dev_ppl", "dev_bleu", "dev_chrf", "best_bleu", "wall_s"]
 
 
 def step_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
@@ -105,6 +108,7 @@ class CsvLog:
         self.rows = rows
 
     def write(self, **row) -> None:
+        row.setdefault("wall_s", f"{time.perf_counter() - dtmt_models.STARTED:.1f}")
         row = {k: ("" if row.get(k) is None else row[k]) for k in LOG_FIELDS}
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, LOG_FIELDS).writerow(row)

@@ -57,3 +57,35 @@ def test_cited_design_note_sections_exist():
             if title not in titles[note]:
                 missing.append((path, note, title))
     assert cited >= 20 and not missing, missing
+
+
+def _slug(title: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_the_pages_links_lead_somewhere():
+    """Every relative link of the README, benchmarks/README.md and docs/ leads to a file or folder of the
+    repository, and a link to a heading (#...) to one of that page's headings."""
+    pages = ["README.md", os.path.join("benchmarks", "README.md")]
+    for folder, _, files in os.walk(os.path.join(ROOT, "docs")):
+        pages += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files if f.endswith(".md")]
+    broken, links = [], 0
+    for page in pages:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            links += 1
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else \
+                os.path.join(ROOT, page)
+            if not os.path.exists(full):
+                broken.append((page, target))
+            elif anchor and full.endswith(".md"):
+                with open(full, encoding="utf-8") as f:
+                    heads = {_slug(h) for h in re.findall(r"^#+ (.+)$", f.read(), re.M)}
+                if anchor not in heads:
+                    broken.append((page, target))
+    assert links >= 15 and not broken, broken

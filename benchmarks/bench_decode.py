@@ -69,24 +69,34 @@ class NoEOS(torch.nn.Module):
         return self.model.reorder(state, index)
 
 
-def decode_pass(model, batches, beam, max_len_a, max_len_b, on_device=None):
-    """(seconds, the best hypothesis' tokens of each sentence) of one pass over the batches. `on_device`:
-    beam_search's (None: its default; True: the loop whose bookkeeping stays on the device; False: the Python
-    loop). The clock stops when the hypotheses are on the host."""
-    t0 = time.perf_counter()
-    best = [hyps[0].tokens for src, lengths in batches
-            for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6, max_len_a=max_len_a,
-                                    max_len_b=max_len_b, on_device=on_device)]
-    return time.perf_counter() - t0, best
+LOOPS = {"host": False, "device": True, "graph": True}   # --loops: beam_search's on_device for each
 
 
-def time_decode(model, batches, beam, repeat, max_len_a, max_len_b, on_device=None):
+def decode_pass(model, batches, beam, max_len_a, max_len_b, loop=None):
+    """(seconds, the best hypothesis' tokens of each sentence) of one pass over the batches. `loop`: None for
+    beam_search's default, or one of LOOPS: the Python loop (host), the loop whose bookkeeping stays on the device
+    (device), the same with its steps replayed as CUDA graphs (graph, device_search.GRAPHS). The clock stops when
+    the hypotheses are on the host."""
+    from dtmt_models.decoding import device_search
+
+    graphs, device_search.GRAPHS = device_search.GRAPHS, loop == "graph"
+    try:
+        t0 = time.perf_counter()
+        best = [hyps[0].tokens for src, lengths in batches
+                for hyps in beam_search(model, src, lengths, beam=beam, alpha=0.6, max_len_a=max_len_a,
+                                        max_len_b=max_len_b, on_device=None if loop is None else LOOPS[loop])]
+        return time.perf_counter() - t0, best
+    finally:
+        device_search.GRAPHS = graphs
+
+
+def time_decode(model, batches, beam, repeat, max_len_a, max_len_b, loop=None):
     """(median seconds over `repeat` passes after a warm-up pass, the best hypothesis' tokens of each sentence)."""
-    return time_interleaved([(model, batches, max_len_a, max_len_b, on_device)], beam, repeat)[0]
+    return time_interleaved([(model, batches, max_len_a, max_len_b, loop)], beam, repeat)[0]
 
 
 def time_interleaved(jobs, beam, repeat):
-    """For jobs [(model, batches, max_len_a, max_len_b, on_device)]: one warm-up pass each, then `repeat` rounds in
+    """For jobs [(model, batches, max_len_a, max_len_b, loop)]: one warm-up pass each, then `repeat` rounds in
     which every job runs one pass in turn, so that each model's passes spread over the same minutes and a drift of
     the machine's speed (large on a shared VM) moves all of them alike. Returns [(median seconds, best tokens)]."""
     for job in jobs:
@@ -177,10 +187,10 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the models and batches are (cuda: the GPU)")
-    p.add_argument("--loops", nargs="+", choices=["host", "device"], default=None,
+    p.add_argument("--loops", nargs="+", choices=sorted(LOOPS), default=None,
                    help="beam search's loop, each timed in the same run: host (the Python loop, three reads a "
-                        "step) or device (the bookkeeping on the device, a read every few steps); default: "
-                        "beam_search's choice")
+                        "step), device (the bookkeeping on the device, a read every few steps) or graph (the same, "
+                        "its steps replayed as CUDA graphs); default: beam_search's choice")
     p.add_argument("--bookkeeping", action="store_true",
                    help="time only the beam search's bookkeeping (a table model, no network): ms per step")
     p.add_argument("--no-match", action="store_true", help="no size-matched transformers (synthetic mode)")
@@ -200,8 +210,7 @@ def main(argv=None):
             for bs in (1, a.batch_size):
                 batches = [(s.to(a.device), n.to(a.device)) for s, n in make_batches(src, bs)]
                 for loop in a.loops or [None]:
-                    seconds, _ = time_decode(table, batches, beam, a.repeat, 0.0, a.tgt_len + 1,
-                                             None if loop is None else loop == "device")
+                    seconds, _ = time_decode(table, batches, beam, a.repeat, 0.0, a.tgt_len + 1, loop)
                     steps = (a.tgt_len + 1) * -(-a.sentences // bs)
                     rows.append({"beam": beam, "batch": bs, "loop": loop or "default",
                                  "ms_per_step": 1000 * seconds / steps})
@@ -257,8 +266,8 @@ def main(argv=None):
     for beam in a.beams:   # per setting, all models' passes interleaved (time_interleaved)
         for label, bs in (("1", 1), (f"{a.batch_size}", a.batch_size)):
             runs = [(m, loop) for m in models for loop in a.loops or [None]]
-            jobs = [(model, [(s.to(a.device), n.to(a.device)) for s, n in make_batches(sents, bs)], la, lb,
-                     None if loop is None else loop == "device") for (_, model, sents, _, la, lb), loop in runs]
+            jobs = [(model, [(s.to(a.device), n.to(a.device)) for s, n in make_batches(sents, bs)], la, lb, loop)
+                    for (_, model, sents, _, la, lb), loop in runs]
             for ((name, model, sents, tv, _, _), loop), (seconds, best) in zip(runs,
                                                                               time_interleaved(jobs, beam, a.repeat)):
                 if tv is None:   # synthetic: output tokens
@@ -284,7 +293,8 @@ def main(argv=None):
         r["matched"] = m["model"] if m else None
         r["vs_matched"] = r["words_per_s"] / m["words_per_s"] if m else None
         host = by.get((r["model"], r["beam"], r["batch"], "host"))
-        r["vs_host_loop"] = r["words_per_s"] / host["words_per_s"] if host and r["loop"] == "device" else None
+        r["vs_host_loop"] = r["words_per_s"] / host["words_per_s"] if host and r["loop"] in ("device", "graph") \
+            else None
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_decode.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))

@@ -62,12 +62,13 @@ def test_system_on_gpu_matches_cpu_reference(name, options, ieee_float32):
     assert [[h.tokens for h in s] for s in hyp_gpu] == [[h.tokens for h in s] for s in hyp_cpu]
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
-def test_device_search_reads_the_device_only_at_its_checks(name, options, monkeypatch):
-    """The beam search whose loop stays on the device (the default off the CPU, its steps replayed as a CUDA
-    graph where the state keeps its shapes) against the Python loop on the same device, float64: the same
-    hypotheses, with and without the graphs; a graph captured for every recurrent decoder, none for the
-    transformer (its cache grows). With torch's sync debug mode on, a decoder step or reorder never synchronises,
+def test_device_search_reads_the_device_only_at_its_checks(name, options, graphs, monkeypatch):
+    """The beam search whose loop stays on the device (the default off the CPU; with device_search.GRAPHS its
+    steps replayed as a CUDA graph where the state keeps its shapes) against the Python loop on the same device,
+    float64: the same hypotheses; with GRAPHS a graph captured for every recurrent decoder, none for the
+    transformer (its cache grows), and the same hypotheses and scores as the eager steps. With torch's sync debug mode on, a decoder step or reorder never synchronises,
     and the search's own synchronisations are at most three a check (the done flags, the done sentences'
     hypotheses, the index of the kept ones) and three a capture, besides those of encoding."""
     import warnings
@@ -82,6 +83,7 @@ def test_device_search_reads_the_device_only_at_its_checks(name, options, monkey
     syncs = {"encode": 0, "step": 0, "all": 0}
     reads, captures = [], []
     monkeypatch.setattr(device_search, "to_host", lambda x: reads.append(1) or x.tolist())
+    monkeypatch.setattr(device_search, "GRAPHS", graphs)
     capture = device_search.StepGraph.of.__func__
     monkeypatch.setattr(device_search.StepGraph, "of",
                         classmethod(lambda cls, search, c: captures.append(capture(cls, search, c)) or captures[-1]))
@@ -116,7 +118,7 @@ def test_device_search_reads_the_device_only_at_its_checks(name, options, monkey
     assert [[h.tokens for h in s] for s in device] == [[h.tokens for h in s] for s in loop]
     assert syncs["step"] == 0, syncs
     assert syncs["all"] - syncs["encode"] <= 1 + 3 * len(reads) + 3 * len(captures), (syncs, len(reads))
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" and graphs:
         assert captures and all(g is None for g in captures) == (name == "transformer"), captures
         state = decoder.encode(src, src_lengths)
         max_len = (src_lengths.float() * 1.0 + 3).long()

@@ -8,10 +8,10 @@ it is done. A sentence that is done keeps its rows until the next check (its ste
 ignored: the state's rows stay where they are, its finished hypotheses do not change); every `check_every` steps
 one transfer reads which sentences are done, ends the search when all are, drops their rows from the state and
 takes their hypotheses, and raises NonFiniteScores for the first step and sentence (in batch order) where the model
-gave a non-finite score, as the Python loop does at that step. On a CUDA device the steps between two checks are
-replayed as a CUDA graph (StepGraph: one launch a step, no Python) where a step keeps the state's shapes, as the
-recurrent decoders' does; then the done sentences' rows leave only once half of the batch is done (a capture for
-each batch size), where eager steps drop them at every check.
+gave a non-finite score, as the Python loop does at that step. With GRAPHS on, on a CUDA device, the steps between
+two checks are replayed as a CUDA graph (StepGraph: one launch a step, no Python) where a step keeps the state's
+shapes, as the recurrent decoders' does; then the done sentences' rows leave only once half of the batch is done
+(a capture for each batch size), where eager steps drop them at every check.
 
 The decisions are the Python loop's, decision for decision (its module docstring has the rules: the candidates of a
 step in rank order, EOS ones finishing, the first `beam` others open, the scan stopping once `beam` are open and
@@ -34,6 +34,10 @@ from dtmt_models.data.vocabulary import BOS, EOS
 from dtmt_models.decoding.hypotheses import Hypothesis, NonFiniteScores, length_penalty
 
 CHECK_EVERY = 8   # steps between two reads of which sentences are done (a transfer, on a GPU a synchronisation)
+# The steps as CUDA graphs on a CUDA device: off until a GPU session has run them (tests/test_gpu_systems.py,
+# `bench_decode.py --loops graph`); a capture that fails can leave the device's stream unusable, so it is not a
+# default to try blind.
+GRAPHS = False
 NEG_INF = float("-inf")
 Carry = Dict[str, object]   # the search's tensors between steps, the decoder's state under "state"
 
@@ -178,13 +182,13 @@ def device_loop(model, state, max_len: Tensor, beam: int, alpha: float, nbest: i
     `nbest` best hypotheses, best first, as beam_search does. `check_every` >= 1: steps between two reads of the
     done flags (1 reads every step, as the Python loop does; None: CHECK_EVERY). `host`: the function that reads a
     tensor to a list (to_host). `graphs`: the steps between two checks replayed as a CUDA graph (StepGraph) where
-    the decoder's state keeps its shapes from step to step; None: on a CUDA device."""
+    the decoder's state keeps its shapes from step to step; None: GRAPHS, on a CUDA device."""
     host = host or to_host
     check_every = CHECK_EVERY if check_every is None else check_every
     if check_every < 1:
         raise ValueError(f"check_every must be >= 1, got {check_every}")
     device = max_len.device
-    graphs = device.type == "cuda" if graphs is None else graphs
+    graphs = GRAPHS and device.type == "cuda" if graphs is None else graphs
     steps = int(max(host(max_len)))   # one read before the loop
     search = DeviceSearch(model, beam, alpha, nbest, early_stop, banned, steps, device)
     c = search.start(state, max_len)

@@ -474,7 +474,8 @@ def main(argv=None):
             print(f"== onmt-lstm: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
             train_probed("onmt-lstm", lambda: spawn(cmd, tlog, env=onmt_env(a.threads)))
         try:
-            stop_at_budget(jobs, budget_s)
+            if not a.sequential:   # (one after another: each was stopped as it trained)
+                stop_at_budget(jobs, budget_s)
         finally:
             for proc, *_ in jobs:
                 if proc.poll() is None:

@@ -43,7 +43,7 @@ from torch import Tensor
 from dtmt_models.data.vocabulary import BOS, EOS, PAD, never_output
 from dtmt_models.decoding.device_search import device_loop
 from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, NEG_INF, NON_FINITE_SCORE, Hypothesis,  # noqa: F401
-                                             NonFiniteScores, length_penalty)
+                                             NonFiniteScores, check_banned, length_penalty)
 
 
 def any_training(model: torch.nn.Module) -> bool:
@@ -132,9 +132,9 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
                 raise
             raise NonFiniteScores.from_op(exc) from None
         return [[Hypothesis(*h) for h in hyps[:nbest]] for hyps in found]
+    banned_ids = never_output(getattr(model, "pad_id", PAD))
     if on_device:
-        return device_loop(model, state, max_len, beam, alpha, nbest, early_stop,
-                           never_output(getattr(model, "pad_id", PAD)))
+        return device_loop(model, state, max_len, beam, alpha, nbest, early_stop, banned_ids)
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
     scores = torch.full((B, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0                                   # all beams start identical: keep one
@@ -148,14 +148,14 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
     active = list(range(B))
     active_max_len = max_len
     reorder_within = getattr(model, "reorder_within", model.reorder)
-    banned = torch.tensor(never_output(getattr(model, "pad_id", PAD)), device=device)
+    banned = torch.tensor(banned_ids, device=device)
     for t in range(int(max_len.max())):
         log_probs, state = model.step(state, prev)
         V = log_probs.shape[-1]
         n = len(active)
         log_probs = log_probs.view(n, beam, V).float()
-        if t == 0 and not bool(((banned >= 0) & (banned < V)).all()):
-            raise ValueError(f"beam_search: the model's pad_id {banned.tolist()} is not one of its {V} words")
+        if t == 0:
+            check_banned(banned_ids, V)
         at_limit = t + 1 >= active_max_len
         if bool(at_limit.any()):   # the last step allowed: only EOS may follow
             eos_only = torch.full_like(log_probs, float("-inf"))

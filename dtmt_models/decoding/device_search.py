@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from dtmt_models.data.vocabulary import BOS, EOS
-from dtmt_models.decoding.hypotheses import Hypothesis, NonFiniteScores, length_penalty
+from dtmt_models.decoding.hypotheses import Hypothesis, NonFiniteScores, check_banned, length_penalty
 
 CHECK_EVERY = 8   # steps between two reads of which sentences are done (a transfer, on a GPU a synchronisation)
 # The steps as CUDA graphs on a CUDA device: off until a GPU session has run them (tests/test_gpu_systems.py,
@@ -91,8 +91,7 @@ class DeviceSearch:
         K, t, max_len, active, fin_count = self.K, c["t"], c["max_len"], c["active"], c["fin_count"]
         log_probs, state = self.model.step(c["state"], c["prev"])
         n, V, dev = active.shape[0], log_probs.shape[-1], self.device
-        if not all(0 <= w < V for w in self.banned):
-            raise ValueError(f"beam_search: the model's pad_id {self.banned} is not one of its {V} words")
+        check_banned(self.banned, V)
         log_probs = log_probs.view(n, K, V).float()
         at_limit = (t + 1 >= max_len).view(n, 1, 1)                     # the last step allowed: only EOS may follow
         eos_only = torch.full_like(log_probs, NEG_INF)
@@ -194,6 +193,7 @@ def device_loop(model, state, max_len: Tensor, beam: int, alpha: float, nbest: i
     c = search.start(state, max_len)
     ids = list(range(max_len.shape[0]))   # the sentence of each group of K rows
     results: List[List[Hypothesis]] = [[] for _ in ids]
+    taken = set()   # the sentences whose hypotheses are read (under a graph their rows may stay a while)
     step = search.advance
     for t in range(steps):
         c = step(c)
@@ -205,10 +205,11 @@ def device_loop(model, state, max_len: Tensor, beam: int, alpha: float, nbest: i
         if min(first) < steps:
             raise _first_non_finite(first, host(c["bad_score"]), ids)
         keep = [g for g, f in enumerate(flags) if f]
-        done = [g for g, f in enumerate(flags) if not f]
+        done = [g for g, f in enumerate(flags) if not f and ids[g] not in taken]
         if done:
             for g, hyps in zip(done, search.hypotheses(c, done, host)):
                 results[ids[g]] = hyps
+            taken.update(ids[g] for g in done)
         if not keep:
             break
         if done and (not isinstance(step, StepGraph) or 2 * len(keep) <= len(ids)):

@@ -42,6 +42,12 @@ class NonFiniteScores(ArithmeticError):
         return cls(float(m.group(1)), int(m.group(2)), int(m.group(3)))
 
 
+def check_banned(banned: List[int], vocab_size: int) -> None:
+    """The words a search never chooses (PAD, BOS) must be words of the model's vocabulary (ValueError)."""
+    if not all(0 <= w < vocab_size for w in banned):
+        raise ValueError(f"beam_search: the model's pad_id {banned} is not one of its {vocab_size} words")
+
+
 def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Tensor]:
     """lp(y) for a length (an int gives a float, a tensor of lengths a float tensor)."""
     return ((5.0 + length) / 6.0) ** alpha

@@ -510,7 +510,7 @@ def main(argv=None):
         if not tr:
             raise SystemExit(f"{system}: {run_dir}/train_log.csv has no training rows (it logs every 50 updates): "
                              f"--budget {a.budget} is too short to measure")
-        tokens, updates = dtmt_trained(run_dir)
+        tokens, updates = dtmt_trained(run_dir, tr)
         for which in ("best", "last"):
             ckpt = os.path.join(run_dir, f"{which}.pt")
             ev = os.path.join(run_dir, f"eval_{which}")
@@ -709,16 +709,14 @@ def profile(a, py, ours, log) -> dict:
 CHECKPOINT_RULES = {"best": "lowest dev loss", "last": "last"}
 
 
-def dtmt_trained(run_dir: str):
-    """(target tokens, updates) a `dtmt train` run trained up to its stop: its log's train rows, and the window of
-    updates since the last row, which a stop by signal leaves out of the log (it stays in last.pt)."""
-    from bench_quality import read_log
-
+def dtmt_trained(run_dir: str, train_rows: list):
+    """(target tokens, updates) a `dtmt train` run trained up to its stop: its log's train rows (`train_rows`, read
+    from its train_log.csv), and the window of updates since the last row, which a stop by signal leaves out of the
+    log (it stays in last.pt)."""
     from dtmt_models.models.checkpoint import read_checkpoint
 
     last = read_checkpoint(os.path.join(run_dir, "last.pt"))
-    rows = [r for r in read_log(os.path.join(run_dir, "train_log.csv")) if r["kind"] == "train"]
-    return sum(int(r["tokens"]) for r in rows) + int(last["training"]["log_window"][2]), int(last["step"])
+    return sum(int(r["tokens"]) for r in train_rows) + int(last["training"]["log_window"][2]), int(last["step"])
 
 
 def _dev_loss_at(curve, step: int):

@@ -1,8 +1,13 @@
 """The persistent launches (issue 72; DTMT_CUDA_RECURRENCE=persistent, csrc/persistent_cuda_kernels.cuh) against the
-cuda backend's per-step path and cuDNN's GRU, on the GPU, all in strict fp32 (TF32 off for cuBLAS and cuDNN).
+cuda backend's per-step path and cuDNN's GRU, on the GPU, each math mode the same on every side.
 
-    python benchmarks/bench_persistent.py [--T 50] [--B 1 8 64 256] [--H 512] [--repeat 10] [--out DIR]
+    python benchmarks/bench_persistent.py [--T 50] [--B 1 8 64 256] [--H 512] [--repeat 10]
+                                          [--math strict tf32 bf16] [--out DIR]
 
+Math modes (--math, each a table): `strict`, float32 with TF32 off for cuBLAS, cuDNN and our kernels (FMA products);
+`tf32`, float32 with torch's TF32 flags on (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32): cuBLAS and
+cuDNN on TF32 tensor cores, and the persistent launches' products too (csrc/block_mma.cuh); `bf16`, bfloat16 storage
+on every side, float accumulation (the persistent products on bf16 tensor cores).
 The switch is read once a process, so each mode runs in a child process of its own. For every case (one GRU layer;
 the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a child
 - checks its forward against the float64 reference on the device (ragged lengths, the reverse direction), and
@@ -41,13 +46,18 @@ def build(cell: str, depth: int, ln: bool, H: int, backend: str):
     return dk.nn.DeepTransitionGRU(H, H, depth=depth, cell=cell, layer_norm=ln, backend=backend)
 
 
-def child(mode: str, T: int, Bs, H: int, repeat: int) -> list:
+MATH = ("strict", "tf32", "bf16")
+TOLERANCE = {"strict": 1e-4, "tf32": 2e-2, "bf16": 5e-2}   # the forward's largest error, relative to its largest value
+
+
+def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
     import torch
 
     from bench_cells import fwd_bwd, fwd_only, peak_memory_mb, time_fn
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = math == "tf32"
+    torch.backends.cudnn.allow_tf32 = math == "tf32"
+    dtype = torch.bfloat16 if math == "bf16" else torch.float32
     rows = []
     for name, cell, depth, ln in CASES:
         for B in Bs:
@@ -55,7 +65,8 @@ def child(mode: str, T: int, Bs, H: int, repeat: int) -> list:
             layer = build(cell, depth, ln, H, "cuda").cuda()
             reference = build(cell, depth, ln, H, "reference").cuda().double()
             reference.load_state_dict(layer.state_dict())
-            x = torch.randn(T, B, H, device="cuda")
+            layer = layer.to(dtype)
+            x = torch.randn(T, B, H, device="cuda", dtype=dtype)
             lengths = torch.randint(1, T + 1, (B,), device="cuda")
             lengths[0] = T
             with warnings.catch_warnings(record=True) as caught, torch.no_grad():
@@ -67,12 +78,12 @@ def child(mode: str, T: int, Bs, H: int, repeat: int) -> list:
             scale = max(ref_out.abs().max().item(), 1e-30)
             err = max((out.double() - ref_out).abs().max().item(), (h_n.double() - ref_h).abs().max().item()) / scale
             xg = x.clone().requires_grad_()
-            row = dict(case=name, T=T, B=B, H=H, mode=mode, fell_back=fell_back, rel_err=err,
+            row = dict(case=name, T=T, B=B, H=H, mode=mode, math=math, fell_back=fell_back, rel_err=err,
                        fwd_ms=1e3 * time_fn(fwd_only(layer, x), repeat, "cuda"),
                        fwd_bwd_ms=1e3 * time_fn(fwd_bwd(layer, xg), repeat, "cuda"),
                        peak_MB=peak_memory_mb(fwd_bwd(layer, xg)))
-            if cell == "gru" and mode == "steps":   # cuDNN in the same (strict fp32) mode
-                gru = torch.nn.GRU(H, H).cuda()
+            if cell == "gru" and mode == "steps":   # cuDNN in the same math mode
+                gru = torch.nn.GRU(H, H).cuda().to(dtype)
                 row["cudnn_fwd_ms"] = 1e3 * time_fn(fwd_only(gru, x), repeat, "cuda")
                 row["cudnn_fwd_bwd_ms"] = 1e3 * time_fn(fwd_bwd(gru, xg), repeat, "cuda")
             rows.append(row)
@@ -80,7 +91,7 @@ def child(mode: str, T: int, Bs, H: int, repeat: int) -> list:
     if mode == "persistent":   # the grid barrier's cost, bounded from above: a layer whose step is one barrier
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         layer = build("gru", 0, False, sms, "cuda").cuda()
-        x = torch.randn(512, 1, sms, device="cuda")
+        x = torch.randn(512, 1, sms, device="cuda")   # (float32, TF32 or not: one unit, no product to speak of)
         seconds = time_fn(fwd_only(layer, x), repeat, "cuda")
         print(json.dumps(dict(case="barrier", units=sms, steps=512, step_us=1e6 * seconds / 512)), flush=True)
     return rows
@@ -91,11 +102,17 @@ def barriers_per_step(cell: str, depth: int, ln: bool) -> int:
     return (depth + 1) * (2 if ln else 1)
 
 
-def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str) -> list:
-    """Prints the table of both modes' rows ({(case, B, mode): row}, the children's JSON) with the floor column from
-    the barrier probe (None: no floor); returns the rows joined per case for the CSV."""
-    print(f"# {machine}; strict fp32 on every side (TF32 off); T={T}, H={H}; eager, median of "
-          f"{repeat}; `python benchmarks/bench_persistent.py`")
+MATH_NAMES = {"strict": "strict fp32 on every side (TF32 off for cuBLAS, cuDNN and our products)",
+              "tf32": "TF32 on every side (torch's TF32 flags on: cuBLAS, cuDNN and the persistent products on TF32 "
+                      "tensor cores)",
+              "bf16": "bfloat16 storage on every side, float accumulation"}
+
+
+def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str, math: str = "strict") -> list:
+    """Prints the table of both modes' rows in one math mode ({(case, B, mode): row}, the children's JSON) with the
+    floor column from the barrier probe (None: no floor); returns the rows joined per case for the CSV."""
+    print(f"# {machine}; {MATH_NAMES[math]}; T={T}, H={H}; eager, median of "
+          f"{repeat}; `python benchmarks/bench_persistent.py --math {math}`")
     if barrier:
         print(f"# grid barrier: at most {barrier['step_us']:.2f} us (a step of a GRU of one unit per block, "
               f"{barrier['units']} blocks, B=1, T={barrier['steps']}: one barrier and almost no work); the floor of a "
@@ -127,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--B", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--H", type=int, default=512)
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--math", nargs="+", choices=MATH, default=["strict", "tf32"],
+                   help="math modes, a table each (default: strict tf32)")
     p.add_argument("--out", default=None)
     p.add_argument("--child", choices=["steps", "persistent"], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -137,37 +156,40 @@ def main(argv=None) -> int:
               "tests/test_cuda_sources.py check them on the CPU)", file=sys.stderr)
         return 2
     if a.child:
-        child(a.child, a.T, a.B, a.H, a.repeat)
+        child(a.child, a.math[0], a.T, a.B, a.H, a.repeat)
         return 0
     from bench_cells import machine_name
 
-    results, barrier = {}, None
-    for mode in ("steps", "persistent"):
-        env = dict(os.environ, DTMT_CUDA_RECURRENCE=mode)
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, "--T", str(a.T), "--B",
-                            *map(str, a.B), "--H", str(a.H), "--repeat", str(a.repeat)], env=env,
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            print(f"bench_persistent: the {mode} run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}", file=sys.stderr)
-            return 1
-        for line in r.stdout.splitlines():
-            if line.startswith("{"):
-                row = json.loads(line)
-                if row["case"] == "barrier":
-                    barrier = row
-                    continue
-                results[(row["case"], row["B"], mode)] = row
-    table = report(results, barrier, a.T, a.H, a.B, a.repeat, machine_name("cuda"))
+    table, bad, barrier = [], [], None
+    for math in a.math:
+        results = {}
+        for mode in ("steps", "persistent"):
+            env = dict(os.environ, DTMT_CUDA_RECURRENCE=mode)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, "--math", math, "--T",
+                                str(a.T), "--B", *map(str, a.B), "--H", str(a.H), "--repeat", str(a.repeat)], env=env,
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                print(f"bench_persistent: the {mode} run ({math}) failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}",
+                      file=sys.stderr)
+                return 1
+            for line in r.stdout.splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    if row["case"] == "barrier":
+                        barrier = row
+                        continue
+                    results[(row["case"], row["B"], mode)] = row
+        table += report(results, barrier, a.T, a.H, a.B, a.repeat, machine_name("cuda"), math)
+        bad += [(math, *k) for k, row in results.items() if row["rel_err"] > TOLERANCE[math]]
     if a.out and table:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "bench_persistent.csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=sorted({k for row in table for k in row}))
             w.writeheader()
             w.writerows(table)
-    bad = [k for k, row in results.items() if row["rel_err"] > 1e-4]
     if bad:
-        print(f"bench_persistent: forward differs from the float64 reference by more than 1e-4 in {bad}",
-              file=sys.stderr)
+        print(f"bench_persistent: forward differs from the float64 reference by more than the math mode's tolerance "
+              f"{TOLERANCE} in {bad}", file=sys.stderr)
         return 1
     return 0
 

@@ -9,8 +9,9 @@
 #   bash benchmarks/gpu_session.sh                      # stages build tests bench; results under $OUT
 #   bash benchmarks/gpu_session.sh build tests profile  # only these stages (build, tests, bench, profile,
 #   bash benchmarks/gpu_session.sh bench train          # train, gemm), e.g. to split the work over device calls
-#   bash benchmarks/gpu_session.sh build persistent     # the persistent launches (issue 72) against the per-step
-#                                                       # one and cuDNN, strict fp32, then the GPU tests with it
+#   bash benchmarks/gpu_session.sh build persistent     # the GPU tests with the persistent launches (issue 72),
+#                                                       # then they against the per-step ones and cuDNN, strict
+#                                                       # fp32 and TF32 on every side
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
 #                                                       # GEMM, ATen's mm and cuBLAS called directly, each at
@@ -23,7 +24,7 @@
 # persistent/bench_persistent.csv and persistent_tests.log (persistent), decode.md and decode/bench_decode.csv
 # (decode); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line
 # they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s,
-# gemm 180 + 4 x 80 s, persistent 240 + 180 s, decode 300 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, one kernel
+# gemm 180 + 4 x 80 s, persistent 180 + 300 s, decode 300 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, one kernel
 # benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device call is at most 10 minutes and a
 # warm machine keeps its build, so run `build tests`, then `bench`, then `persistent` (etc.) as separate calls.
 set -uo pipefail
@@ -103,13 +104,15 @@ if want gemm; then
   done
 fi
 if want persistent; then
-  # issue 72: the persistent launches (one cooperative launch per layer, forward and backward) against the per-step
-  # ones and cuDNN, strict fp32 on every side; then the GPU kernel tests with every recurrence persistent
-  echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent, strict fp32)"
-  timeout 240 "$PY" benchmarks/bench_persistent.py --out "$OUT/persistent" 2>&1 | tee "$OUT/persistent.md" || status=1
+  # issue 72: the GPU kernel tests with every recurrence persistent (fp32 strict and TF32, bf16 and fp16 products on
+  # tensor cores), then the persistent launches (one cooperative launch per layer, forward and backward) against the
+  # per-step ones and cuDNN, in strict fp32 and in TF32 on every side
   echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent"
   DTMT_CUDA_RECURRENCE=persistent timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py \
     2>&1 | tee "$OUT/persistent_tests.log" | tail -5 || status=1
+  echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32, then TF32, on every side)"
+  timeout 300 "$PY" benchmarks/bench_persistent.py --math strict tf32 --out "$OUT/persistent" 2>&1 \
+    | tee "$OUT/persistent.md" || status=1
 fi
 if want decode; then
   # issue 73 item 4: beam search on the device (its bookkeeping on the GPU; and its steps a CUDA graph where the state

@@ -14,13 +14,15 @@
 //      sub-cell the length mask: the new state of the block's units to global memory; a grid barrier.
 // So (D + 1) x (1 + layer norm) grid barriers a step. The outputs and saved tensors are exactly those of the
 // per-step forward (transition_cuda.cu's forward_impl: out, h_n, hs, hs_lp, hp, hpt), so its backward runs on them
-// unchanged. Products are fp32 (fp64) FMA in this first version, in the accumulation type A over the GEMM dtype T
-// (the stored state and matrix), rounded to T as the per-step GEMM's output is; tensor-core MMA comes next.
+// unchanged. Products, rounded to T as the per-step GEMM's output is: on tensor cores where the args say `mma`
+// (block_mma.cuh: TF32 for float storage where torch allows it, f16 / bf16 for 16-bit storage), else FMA in the
+// accumulation type A over the GEMM dtype T (the stored state and matrix).
 //
 // Compiles with nvcc (host and device) and, with DTMT_CUDA_EMULATION, with a host compiler on the fibers of
 // tests/cuda_emulation.h (launch_cooperative: blocks of a grid, each with its own shared memory).
 #pragma once
 
+#include "block_mma.cuh"
 #include "transition_cuda_kernels.cuh"
 
 #if defined(DTMT_CUDA_EMULATION)
@@ -29,7 +31,7 @@
 #else
 #include <cooperative_groups.h>
 #define DTMT_GRID_SYNC() ::cooperative_groups::this_grid().sync()
-#define DTMT_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#define DTMT_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
 
 namespace dtmt {
@@ -61,15 +63,22 @@ template <typename T, typename A> struct PersistentForwardArgs {
   A* partials;      // [G, B, 3, 2] layer-norm partial statistics (G = gridDim.x)
   int steps, B, H, D, slice;
   bool reverse;
+  bool mma;         // products on tensor cores (block_mma.cuh; T has an MMA and the device compiled it)
   A eps;
 };
 
 // Dynamic shared memory of a block of `slice` units: the matrix rows (T, each H + 1 long: consecutive rows start
-// in different banks), then the pre-activations [B][4][slice] and the row statistics [B][3][2] (A).
-template <typename T, typename A> inline size_t persistent_smem_bytes(int kind, int D, int B, int H, int slice) {
+// in different banks), then the pre-activations [B][4][slice] and the row statistics [B][3][2] (A); with `mma`, at
+// the next multiple of 128 bytes, block_mma's buffers for products of the largest sub-cell's rows.
+template <typename T, typename A>
+__host__ __device__ inline size_t persistent_smem_bytes(int kind, int D, int B, int H, int slice, bool mma = false,
+                                                      int threads = 0) {
   const size_t rows = static_cast<size_t>(cell_hidden_rows(kind) + 3 * D) * slice;
   const size_t matrix = (rows * (H + 1) * sizeof(T) + 15) / 16 * 16;
-  return matrix + (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * sizeof(A);
+  const size_t bytes = matrix + (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * sizeof(A);
+  if (!mma) return bytes;
+  const int widest = cell_hidden_rows(kind) > 3 || D == 0 ? cell_hidden_rows(kind) : 3;
+  return round_bytes(bytes) + mma_buffer_bytes<T>(widest * slice, B, threads);
 }
 
 // The (mean, 1/std) of every batch row's gate groups over all H units, in every block alike: this block's (mean, M2)
@@ -113,7 +122,7 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
 // [NH][slice][H + 1]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
 template <int K, typename T, typename A>
 __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,
-                                   const T* u, A* pre, A* stats) {
+                                   const T* u, A* pre, A* stats, unsigned char* mma_buf) {
   constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid, NG = Rows<K>::groups;
   const int H = p.H, B = p.B, S = p.slice, j0 = blockIdx.x * S;
   const int n = (j0 + S <= H ? S : H - j0);  // this block's units (the last block's may be fewer)
@@ -128,13 +137,26 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
   const T* lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
   const T* lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
 
-  // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is
-  // (consecutive threads take consecutive batch rows of one matrix row: its shared-memory reads are broadcasts)
+  // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is: on
+  // tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (consecutive threads take consecutive
+  // batch rows of one matrix row: its shared-memory reads are broadcasts)
+  const float* C = nullptr;
+#if defined(DTMT_MMA_DEVICE)
+  if constexpr (Mma<T>::available) {
+    if (p.mma) {   // (without hs_lp, T is A)
+      const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);
+      C = block_mma<T>(u, H + 1, NH * S, h, H, H, B, p.mask, t, mma_buf);
+    }
+  }
+#endif
+  const int ldc = round16(NH * S);
   for (int e = threadIdx.x; e < B * NH * n; e += blockDim.x) {
     const int b = e % B, q = e / (B * n), jj = (e / B) % n;
     const T* row = u + (static_cast<size_t>(q) * S + jj) * (H + 1);
     A acc = A(0);
-    if (!row_valid(p.mask, t, B, b)) {
+    if (C != nullptr) {
+      acc = static_cast<A>(C[b * ldc + q * S + jj]);   // (0 for a row whose sentence has ended)
+    } else if (!row_valid(p.mask, t, B, b)) {
       // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them)
     } else if (hin_lp) {
       const T* h = hin_lp + static_cast<size_t>(b) * H;
@@ -229,30 +251,35 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   const size_t rows = static_cast<size_t>(NH + 3 * p.D) * S;
   A* pre = reinterpret_cast<A*>(smem + (rows * (H + 1) * sizeof(T) + 15) / 16 * 16);
   A* stats = pre + static_cast<size_t>(p.B) * 4 * S;
-  // the block's rows of every matrix, once (rows of units past H, in the last block, stay unread)
-  for (size_t e = threadIdx.x; e < static_cast<size_t>(NH) * n * H; e += blockDim.x) {
-    const int q = static_cast<int>(e / (static_cast<size_t>(n) * H)), jj = static_cast<int>((e / H) % n),
+  unsigned char* mma_buf = smem + round_bytes(persistent_smem_bytes<T, A>(KIND, p.D, p.B, H, S));
+  // the block's rows of every matrix, once (rows of units past H, in the last block, zero: the tensor-core
+  // products read them)
+  const T zero = Cvt<A, T>::store(A(0));
+  for (size_t e = threadIdx.x; e < static_cast<size_t>(NH) * S * H; e += blockDim.x) {
+    const int q = static_cast<int>(e / (static_cast<size_t>(S) * H)), jj = static_cast<int>((e / H) % S),
               i = static_cast<int>(e % H);
-    u[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] = p.w_hh[static_cast<size_t>(q * H + j0 + jj) * H + i];
+    u[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] =
+        jj < n ? p.w_hh[static_cast<size_t>(q * H + j0 + jj) * H + i] : zero;
   }
   for (int k = 0; k < p.D; ++k) {
     T* uk = u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k) * 3 * S) * (H + 1);
     const T* w = p.t_w + static_cast<size_t>(k) * 3 * H * H;
-    for (size_t e = threadIdx.x; e < static_cast<size_t>(3) * n * H; e += blockDim.x) {
-      const int q = static_cast<int>(e / (static_cast<size_t>(n) * H)), jj = static_cast<int>((e / H) % n),
+    for (size_t e = threadIdx.x; e < static_cast<size_t>(3) * S * H; e += blockDim.x) {
+      const int q = static_cast<int>(e / (static_cast<size_t>(S) * H)), jj = static_cast<int>((e / H) % S),
                 i = static_cast<int>(e % H);
-      uk[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] = w[static_cast<size_t>(q * H + j0 + jj) * H + i];
+      uk[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] =
+          jj < n ? w[static_cast<size_t>(q * H + j0 + jj) * H + i] : zero;
     }
   }
   __syncthreads();
   for (int step = 0; step < p.steps; ++step) {
     const int t = p.reverse ? p.steps - 1 - step : step;
     const int next_t = step + 1 < p.steps ? (p.reverse ? t - 1 : t + 1) : -1;
-    persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, u, pre, stats);
+    persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, u, pre, stats, mma_buf);
     for (int k = 1; k <= p.D; ++k)
       persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t,
                                       u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k - 1) * 3 * S) * (H + 1),
-                                      pre, stats);
+                                      pre, stats, mma_buf);
   }
 }
 
@@ -293,16 +320,21 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   A* partials;        // [2, G, B, 3, 2]: the gate statistics' partials, then the layer-norm backward's
   int steps, B, H, D, slice;
   bool reverse;
+  bool mma;           // U-path products on tensor cores (block_mma.cuh), as the forward's
   A eps;
 };
 
 // Shared memory of the backward: the matrix columns (T), then 10 per-unit buffers [B][slice] (n and d three
-// each, carry, cg, inner, gin) and the row statistics and sums [B][3][2] each (A).
-template <typename T, typename A> inline size_t persistent_backward_smem_bytes(int kind, int D, int B, int H,
-                                                                                int slice) {
+// each, carry, cg, inner, gin) and the row statistics and sums [B][3][2] each (A); with `mma`, at the next multiple
+// of 128 bytes, block_mma's buffers for products of `slice` columns.
+template <typename T, typename A>
+__host__ __device__ inline size_t persistent_backward_smem_bytes(int kind, int D, int B, int H, int slice,
+                                                               bool mma = false, int threads = 0) {
   const size_t matrix = static_cast<size_t>(slice) * (cell_hidden_rows(kind) * H + 1) +
                         static_cast<size_t>(D) * slice * (3 * H + 1);
-  return (matrix * sizeof(T) + 15) / 16 * 16 + (static_cast<size_t>(B) * 10 * slice + B * 12) * sizeof(A);
+  const size_t bytes =
+      (matrix * sizeof(T) + 15) / 16 * 16 + (static_cast<size_t>(B) * 10 * slice + B * 12) * sizeof(A);
+  return mma ? round_bytes(bytes) + mma_buffer_bytes<T>(slice, B, threads) : bytes;
 }
 
 // Per-unit buffers of the backward block, [B][S] each.
@@ -317,11 +349,27 @@ template <typename A> struct BackwardBuffers {
   A* sums;    // [B][3][2] the layer-norm backward's row means of d and d * n
 };
 
-// out[b][jj] = sum_r dpre[b, r] * col[jj][r] for the block's units, rounded to T (the per-step GEMM's output dtype).
-// Rows that had ended at `t` (the step whose gradients dpre are) have dpre = 0: their result is 0 without a sum.
+// out[b][jj] = sum_r dpre[b, r] * col[jj][r] for the block's units, rounded to T (the per-step GEMM's output dtype),
+// on tensor cores with `mma` (block_mma.cuh), else FMA. Rows that had ended at `t` (the step whose gradients dpre
+// are) have dpre = 0: their result is 0 without a sum.
 template <typename T, typename A>
 __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, int B, int S, int n, A* out,
-                                  const T* mask, int t) {
+                                  const T* mask, int t, bool mma, unsigned char* mma_buf) {
+#if defined(DTMT_MMA_DEVICE)
+  if constexpr (Mma<T>::available) {
+    if (mma) {
+      const float* C = block_mma<T>(col, ldc, n, dpre, R, R, B, mask, t, mma_buf);
+      const int ldm = round16(n);
+      for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
+        const int b = e % B, jj = e / B;
+        out[b * S + jj] = Cvt<A, T>::load(Cvt<A, T>::store(static_cast<A>(C[b * ldm + jj])));
+      }
+      return;
+    }
+  }
+#endif
+  (void)mma;
+  (void)mma_buf;
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
     const int b = e % B, jj = e / B;
     A acc = A(0);
@@ -517,6 +565,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   const size_t BS = static_cast<size_t>(B) * S;
   BackwardBuffers<A> m{buf, buf + 3 * BS, buf + 6 * BS, buf + 7 * BS, buf + 8 * BS, buf + 9 * BS,
                        buf + 10 * BS, buf + 10 * BS + 6 * B};
+  unsigned char* mma_buf = smem + round_bytes(persistent_backward_smem_bytes<T, A>(KIND, p.D, B, H, S));
   auto tcol = [&](int k) {   // T-GRU k's (0-based) columns
     return col0 + static_cast<size_t>(S) * (R0 + 1) + static_cast<size_t>(k) * S * (3 * H + 1);
   };
@@ -543,7 +592,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
     for (int k = p.D; k >= 0; --k) {
       if (k < p.D)   // the U-path from T-GRU k + 1 of this step (its dhpt: every block's, before the last barrier)
         persistent_u_path<T, A>(p.dhpt + (static_cast<size_t>(k) * p.steps + t) * B * 3 * H, 3 * H, tcol(k),
-                                3 * H + 1, B, S, n, m.gin, p.mask, t);
+                                3 * H + 1, B, S, n, m.gin, p.mask, t, p.mma, mma_buf);
       __syncthreads();
       if (k == 0) {
         persistent_subcell_backward<KIND, T, A>(p, t, 0, m);
@@ -552,7 +601,8 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
       }
     }
     // the U-path of this step's base gradients: into the previous step's state (the next one processed)
-    persistent_u_path<T, A>(p.dhp + static_cast<size_t>(t) * B * R0, R0, col0, R0 + 1, B, S, n, m.cg, p.mask, t);
+    persistent_u_path<T, A>(p.dhp + static_cast<size_t>(t) * B * R0, R0, col0, R0 + 1, B, S, n, m.cg, p.mask, t,
+                            p.mma, mma_buf);
     __syncthreads();
   }
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
@@ -573,14 +623,15 @@ struct PersistentPlan {
 };
 
 template <typename T, typename A>
-inline PersistentPlan persistent_plan(int kind, int D, int B, int H, int multiprocessors, size_t smem_optin) {
+inline PersistentPlan persistent_plan(int kind, int D, int B, int H, int multiprocessors, size_t smem_optin,
+                                      bool mma = false, int threads = 0) {
   PersistentPlan plan;
   const int blocks = multiprocessors < H ? multiprocessors : H;
   if (blocks < 1 || B < 1) return plan;
   plan.slice = (H + blocks - 1) / blocks;
   plan.grid = (H + plan.slice - 1) / plan.slice;
-  plan.forward_bytes = persistent_smem_bytes<T, A>(kind, D, B, H, plan.slice);
-  plan.backward_bytes = persistent_backward_smem_bytes<T, A>(kind, D, B, H, plan.slice);
+  plan.forward_bytes = persistent_smem_bytes<T, A>(kind, D, B, H, plan.slice, mma, threads);
+  plan.backward_bytes = persistent_backward_smem_bytes<T, A>(kind, D, B, H, plan.slice, mma, threads);
   plan.fits = plan.forward_bytes <= smem_optin && plan.backward_bytes <= smem_optin;
   return plan;
 }
@@ -588,7 +639,7 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, int multipr
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                             cudaStream_t stream) {
-  const size_t smem = persistent_backward_smem_bytes<T, A>(KIND, a.D, a.B, a.H, a.slice);
+  const size_t smem = persistent_backward_smem_bytes<T, A>(KIND, a.D, a.B, a.H, a.slice, a.mma, threads);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
   ::dtmt_emu::launch_cooperative(persistent_backward_kernel<KIND, T, A>, grid, threads, smem, a);
@@ -619,7 +670,7 @@ cudaError_t launch_persistent_backward(int kind, const PersistentBackwardArgs<T,
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a, int grid, int threads,
                                            cudaStream_t stream) {
-  const size_t smem = persistent_smem_bytes<T, A>(KIND, a.D, a.B, a.H, a.slice);
+  const size_t smem = persistent_smem_bytes<T, A>(KIND, a.D, a.B, a.H, a.slice, a.mma, threads);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
   ::dtmt_emu::launch_cooperative(persistent_forward_kernel<KIND, T, A>, grid, threads, smem, a);

@@ -310,6 +310,27 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
 
+// Whether the persistent launches' products run on tensor cores (block_mma.cuh; docs/design/persistent_recurrence.md,
+// "Products on tensor cores"), read at each call as cuBLAS reads torch's flags: 16-bit storage always (f16 / bf16
+// MMA, float accumulation: the FMA products' math), float where torch allows TF32 in matmuls
+// (torch.backends.cuda.matmul.allow_tf32, or float32 matmul precision "high"), double never; and only on devices of
+// compute capability 8.0 and up (the emulation counts as one).
+template <typename T> bool persistent_mma() {
+  if constexpr (!cuda::Mma<T>::available) {
+    return false;
+  } else {
+    if (std::is_same<T, float>::value && !at::globalContext().allowTF32CuBLAS()) return false;
+#if defined(DTMT_CUDA_EMULATION)
+    return true;
+#else
+    int device = 0, major = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 8;
+#endif
+  }
+}
+
 // What both persistent launches' argument structs share: the weights' pointers (w_hh and t_w contiguous copies the
 // caller keeps alive through the launch), dropout and mask; and the sizes and settings.
 template <typename T, typename S, typename Args>
@@ -379,6 +400,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   a.h_last = mptr<A, A>(h_last);
   a.partials = mptr<A, A>(partials);
   set_persistent_sizes(a, d, slice, reverse, eps);
+  a.mma = persistent_mma<T>();
   if (T_ > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const cudaError_t err = cuda::launch_persistent_forward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
@@ -434,7 +456,8 @@ template <typename S> int64_t persistent_grid(const Tensor& x, const TransitionW
   const auto limits = device_limits();
   const cuda::PersistentPlan plan = cuda::persistent_plan<T, A>(static_cast<int>(w.kind), static_cast<int>(d.D),
                                                                 static_cast<int>(d.B), static_cast<int>(d.H),
-                                                                limits.first, limits.second);
+                                                                limits.first, limits.second, persistent_mma<T>(),
+                                                                static_cast<int>(kPersistentThreads));
   if (!plan.fits)
     TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ", plan.forward_bytes / 1024,
                     " KB (forward) and ", plan.backward_bytes / 1024, " KB (backward) of shared memory a block in ",
@@ -638,6 +661,7 @@ std::vector<Tensor> backward_persistent_impl(const Tensor& grad_out, const Tenso
   a.dtlnb_rows = tln ? mptr<A, A>(dtlnb_rows) : nullptr;
   a.partials = mptr<A, A>(partials);
   set_persistent_sizes(a, d, slice, reverse, eps);
+  a.mma = persistent_mma<T>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
                                                                  static_cast<int>(threads), stream);

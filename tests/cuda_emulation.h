@@ -11,6 +11,12 @@
 // switch in user space, not a round of 32 kernel wake-ups on a 2-core machine. Not a general CUDA emulator:
 // one dimension, no atomics, no streams.
 //
+// Warp matrix products (nvcuda::wmma, for the persistent kernels' tensor-core products): every thread of a warp
+// holds the whole tile in its fragment and does the whole load, product and store itself (the fibers of a warp
+// write the same values), so no warp-wide exchange is needed. The product sums each output in k order, in float,
+// as an FMA loop would; a GPU's MMA sums in an order of its own. Only TF32 (float in memory) is emulated; loads
+// and stores check the API's alignment (32 bytes) and leading dimension (a multiple of 16 bytes).
+//
 // Cooperative launches (launch_cooperative, for the persistent kernels of csrc/persistent_cuda_kernels.cuh): every
 // thread of every block is a fiber, each block has its own dynamic shared memory (dynamic_smem()), and
 // grid_sync() is the grid-wide barrier. Between two grid barriers the blocks run one after another, each until all
@@ -24,8 +30,11 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #define __global__
@@ -33,7 +42,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __shared__
-#define __align__(n)  // the one shared array below is alignas(16) itself
+#define __align__(n)  // the shared arrays below are 128-byte aligned themselves
 
 typedef int cudaError_t;
 constexpr cudaError_t cudaSuccess = 0;
@@ -61,7 +70,7 @@ struct Scheduler {
   // __syncthreads, 1 the grid barrier), and each block's shared memory
   bool cooperative = false;
   std::vector<char> at_grid;
-  std::vector<std::vector<unsigned char>> block_smem;
+  std::vector<std::unique_ptr<unsigned char[]>> block_smem;   // 128-byte aligned, zeroed
   void (*body)(const void*) = nullptr;   // runs the kernel with the launch's argument
   const void* arg = nullptr;
 };
@@ -116,13 +125,14 @@ inline unsigned char* dynamic_smem();
 // this array.
 namespace dtmt {
 namespace cuda {
-alignas(16) inline unsigned char smem_raw[1 << 20];
+alignas(128) inline unsigned char smem_raw[1 << 20];
 }  // namespace cuda
 }  // namespace dtmt
 
 inline unsigned char* dtmt_emu::dynamic_smem() {
   Scheduler& s = *scheduler;
-  return s.cooperative ? s.block_smem[blockIdx.x].data() : dtmt::cuda::smem_raw;
+  return s.cooperative ? s.block_smem[blockIdx.x].get() + (128 - reinterpret_cast<uintptr_t>(s.block_smem[blockIdx.x].get()) % 128) % 128
+                       : dtmt::cuda::smem_raw;
 }
 
 namespace dtmt_emu {
@@ -200,8 +210,8 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
   s.done.assign(fibers, 0);
   s.at_grid.assign(fibers, 0);
   s.exchange.resize(fibers);
-  // (16-byte aligned: vector<unsigned char> storage comes from operator new, aligned for any fundamental type)
-  s.block_smem.assign(grid, std::vector<unsigned char>(smem > 0 ? smem : 1));
+  s.block_smem.clear();
+  for (int b = 0; b < grid; ++b) s.block_smem.emplace_back(new unsigned char[smem + 128]());   // (aligned above)
   while (stacks.size() < static_cast<size_t>(fibers)) stacks.emplace_back(new char[kStackBytes]);
   Scheduler* outer = scheduler;
   scheduler = &s;
@@ -245,3 +255,78 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
 }
 
 }  // namespace dtmt_emu
+
+// ------------------------------------------------------------------------------------------ warp matrix products
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+namespace precision {
+struct tf32 {};
+}  // namespace precision
+
+// Rounds to TF32 (10 mantissa bits), to nearest with ties away from zero, as cvt.rna.tf32.f32 does.
+inline float __float_to_tf32(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7f800000u) != 0x7f800000u) bits = (bits + 0x1000u) & 0xffffe000u;   // (inf and NaN as they are)
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+
+template <typename E> struct storage_of { using type = E; };
+template <> struct storage_of<precision::tf32> { using type = float; };
+
+// The whole tile, row-major: matrix_a M x K, matrix_b K x N, accumulator M x N.
+template <typename Use, int M, int N, int K, typename E, typename Layout = void> struct fragment {
+  static constexpr int rows = std::is_same<Use, matrix_b>::value ? K : M;
+  static constexpr int cols = std::is_same<Use, matrix_a>::value ? K : N;
+  static constexpr int num_elements = rows * cols;
+  typename storage_of<E>::type x[num_elements];
+};
+
+inline void check_operand(const void* p, unsigned ldm, size_t element) {
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) throw std::runtime_error("emulated wmma: a pointer not 32-byte aligned");
+  if ((ldm * element) % 16 != 0) throw std::runtime_error("emulated wmma: a leading dimension not a multiple of 16 bytes");
+}
+
+template <typename Use, int M, int N, int K, typename E, typename L, typename P>
+inline void load_matrix_sync(fragment<Use, M, N, K, E, L>& f, const P* p, unsigned ldm) {
+  using F = fragment<Use, M, N, K, E, L>;
+  check_operand(p, ldm, sizeof(P));
+  constexpr bool by_rows = std::is_same<L, row_major>::value;   // element (r, c) at p[r * ldm + c], else p[c * ldm + r]
+  for (int r = 0; r < F::rows; ++r)
+    for (int c = 0; c < F::cols; ++c) f.x[r * F::cols + c] = by_rows ? p[r * ldm + c] : p[c * ldm + r];
+}
+
+template <int M, int N, int K, typename E, typename V>
+inline void fill_fragment(fragment<accumulator, M, N, K, E>& f, V v) {
+  for (int i = 0; i < M * N; ++i) f.x[i] = static_cast<E>(v);
+}
+
+template <int M, int N, int K, typename E, typename LA, typename LB, typename C>
+inline void mma_sync(fragment<accumulator, M, N, K, C>& d, const fragment<matrix_a, M, N, K, E, LA>& a,
+                     const fragment<matrix_b, M, N, K, E, LB>& b, const fragment<accumulator, M, N, K, C>& c) {
+  C out[M * N];
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      C acc = c.x[m * N + n];
+      for (int k = 0; k < K; ++k) acc += static_cast<C>(a.x[m * K + k]) * static_cast<C>(b.x[k * N + n]);
+      out[m * N + n] = acc;
+    }
+  for (int i = 0; i < M * N; ++i) d.x[i] = out[i];
+}
+
+template <int M, int N, int K, typename C>
+inline void store_matrix_sync(C* p, const fragment<accumulator, M, N, K, C>& f, unsigned ldm, layout_t layout) {
+  check_operand(p, ldm, sizeof(C));
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) (layout == mem_row_major ? p[m * ldm + n] : p[n * ldm + m]) = f.x[m * N + n];
+}
+}  // namespace wmma
+}  // namespace nvcuda

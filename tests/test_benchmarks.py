@@ -840,7 +840,8 @@ def test_bench_cells_math_mode_is_named_and_gpu_only():
 def test_bench_persistent_table_and_floor(capsys):
     """bench_persistent's table from the children's rows (faked here: the children run on a GPU): both modes side
     by side with their ratios, and the persistent forward's floor, T x its grid barriers a step x the barrier's
-    cost: the deep transition (depth 4, layer norm) waits at 10 barriers a step, a GRU at 1."""
+    cost: the deep transition (depth 4, layer norm) waits at 10 barriers a step, a GRU at 1; the header names the
+    math mode of every side."""
     from benchmarks import bench_persistent
 
     def row(case, B, mode, fwd, fwd_bwd, **extra):
@@ -858,3 +859,6 @@ def test_bench_persistent_table_and_floor(capsys):
     assert "| gru | 8 | 2.00 | 0.50 | 4.00 | 0.10 (20%) | 6.00 | 2.00 | 3.00 | 1.00 / 3.00 |" in out, out
     assert "| deep-transition | 8 | 10.00 | 2.50 | 4.00 | 1.00 (40%) | 30.00 | 9.00 | 3.33 |" in out, out
     assert "grid barrier: at most 2.00 us" in out and len(table) == 2
+    assert "strict fp32 on every side" in out
+    bench_persistent.report(results, barrier, 50, 512, [8], 10, "a GPU", "tf32")   # each table names its math mode
+    assert "; TF32 on every side (torch's TF32 flags on" in capsys.readouterr().out

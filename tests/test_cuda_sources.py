@@ -190,7 +190,9 @@ namespace cuda {
   template cudaError_t launch_step_forward<T, A>(int, const StepForwardArgs<T, A>&, int, cudaStream_t);   \
   template cudaError_t launch_step_backward<T, A>(int, const StepBackwardArgs<T, A>&, int, cudaStream_t);   \
   template cudaError_t launch_persistent_forward<T, A>(int, const PersistentForwardArgs<T, A>&, int, int,   \
-                                                       cudaStream_t);
+                                                       cudaStream_t);                                        \
+  template cudaError_t launch_persistent_backward<T, A>(int, const PersistentBackwardArgs<T, A>&, int, int, \
+                                                        cudaStream_t);
 DTMT_INSTANTIATE(float, float)
 DTMT_INSTANTIATE(double, double)
 DTMT_INSTANTIATE(__half, float)
@@ -208,12 +210,14 @@ def test_nvcc_version():
 
 @needs_nvcc
 def test_device_kernels_compile_standalone(tmp_path):
-    """cell_math.h + transition_cuda_kernels.cuh + persistent_cuda_kernels.cuh: every kernel (5 cell kinds x
-    forward/backward x 4 storage types, and the persistent forward of the 4 base cells x 4 storage types) compiled
-    to an object, host and device code, with the flags setup.py passes to nvcc."""
+    """cell_math.h + transition_cuda_kernels.cuh + persistent_cuda_kernels.cuh + block_mma.cuh: every kernel (5
+    cell kinds x forward/backward x 4 storage types, and the persistent forward and backward of the 4 base cells x 4
+    storage types) compiled to an object, host and device code, with the flags setup.py passes to nvcc, for sm_90
+    (the tensor-core products: TF32, f16, bf16) and sm_75 (below 8.0: without them)."""
     src = tmp_path / "kernels_tu.cu"
     src.write_text(KERNELS_TU)
-    _run([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-c", f"-I{CSRC}", str(src), "-o", str(tmp_path / "k.o")])
+    _run([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-gencode", "arch=compute_75,code=sm_75", "-gencode",
+          "arch=compute_90,code=sm_90", "-c", f"-I{CSRC}", str(src), "-o", str(tmp_path / "k.o")])
     assert (tmp_path / "k.o").stat().st_size > 0
 
 
@@ -317,11 +321,12 @@ std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at
 }
 }  // namespace
 
-// persistent_plan for float32 (double: float64) storage: (grid, slice, forward bytes, backward bytes, fits)
+// persistent_plan for float32 (double: float64) storage, the products on tensor cores or not, blocks of `threads`:
+// (grid, slice, forward bytes, backward bytes, fits)
 std::vector<int64_t> persistent_plan(int64_t kind, int64_t D, int64_t B, int64_t H, int64_t sms, int64_t optin,
-                                     bool double_storage) {
+                                     bool double_storage, bool mma, int64_t threads) {
   const auto p = double_storage ? dtmt::cuda::persistent_plan<double, double>(kind, D, B, H, sms, optin)
-                                : dtmt::cuda::persistent_plan<float, float>(kind, D, B, H, sms, optin);
+                                : dtmt::cuda::persistent_plan<float, float>(kind, D, B, H, sms, optin, mma, threads);
   return {p.grid, p.slice, static_cast<int64_t>(p.forward_bytes), static_cast<int64_t>(p.backward_bytes), p.fits};
 }
 
@@ -531,6 +536,91 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads):
                           B=3, T=3, H=37)
 
 
+def _tf32(v):
+    """float32 rounded to TF32 (10 mantissa bits), to nearest, ties away from zero (cvt.rna.tf32.f32)."""
+    bits = v.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
+def _tf32_products(U, h, valid):
+    """U [R, H] @ h [B, H]^T on TF32 operands, each output summed in k order in float32 (what the emulated MMA does;
+    a TF32 x TF32 product is exact in float32): [B, R], 0 on the rows that are not valid."""
+    a, b = _tf32(U), _tf32(h)
+    acc = torch.zeros(h.shape[0], U.shape[0], dtype=torch.float32)
+    for i in range(U.shape[1]):
+        acc = acc + b[:, i:i + 1] * a[:, i].unsqueeze(0)
+    return torch.where(valid.unsqueeze(1), acc, torch.zeros_like(acc))
+
+
+@pytest.fixture
+def allow_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("H,B,grid,threads", [(37, 3, 4, 32), (70, 20, 3, 64)], ids=["H37-B3", "H70-B20"])
+def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, grid, threads):
+    """The persistent launches' products on tensor cores (csrc/block_mma.cuh), float32 storage with TF32 allowed
+    (torch.backends.cuda.matmul.allow_tf32, read at each call as cuBLAS reads it), on the emulated grid:
+    - every recurrent product the forward saved (hp, hpt) equals, to the bit, the product of the TF32-rounded matrix
+      and state summed in k order in float32 (the emulated MMA's order; a GPU's differs), 0 on the ended rows;
+    - TF32 is engaged: the products differ from the strict-fp32 launch's (TF32 off), whose are FMA;
+    - forward and backward (both persistent) give the float64 reference's outputs and gradients to TF32's precision.
+    H = 37, B = 3: the matrix in 3 (4-gate cells: 4 x 10 rows) or 2 row tiles for one warp, in passes; H = 70, B =
+    20 (slices of 24 units, the last 22): two batch tiles, passes of two warps whose tiles straddle two batch tiles
+    (5 row tiles of the T-GRUs), K in two chunks (three in the backward's 4H)."""
+    ext = emulated_cuda_ext
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer, padding_mask
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T = 3
+    for cell, depth in (("lgru", 2), ("gru", 0), ("atr", 0)):
+        layer = make_layer(cell, 3, H, depth=depth, layer_norm=True, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(T, B, 3, generator=gen)
+        h0 = torch.randn(B, H, generator=gen)
+        lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
+        mask = padding_mask(lengths, T, torch.float32)
+        drop = (torch.rand(depth + 1, B, H, generator=gen) > 0.3).float() / 0.7 if cell != "atr" else x.new_empty(0)
+        params = [x.new_empty(0) if p is None else p.detach().contiguous()
+                  for p in flat_params(layer.direction_weights(0))]
+        args = (x, h0, mask, drop, KINDS[cell], params, True, 1e-5)
+        out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads)
+        valid = mask.bool()
+        w_hh, t_w = params[2], params[6]
+        for t in range(T):
+            assert torch.equal(hp[t], _tf32_products(w_hh, hs[0, t], valid[t])), f"{cell} hp step {t}"
+            for k in range(depth):
+                assert torch.equal(hpt[k, t], _tf32_products(t_w[k], hs[k + 1, t], valid[t])), f"{cell} hpt {k} {t}"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        strict = ext.forward_persistent(*args, grid, threads)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert (strict[5] - hp).abs().max().item() > 1e-5 * hp.abs().max().item(), f"{cell}: TF32 not engaged"
+        # forward + backward, both persistent with TF32, against the float64 reference
+        gen = torch.Generator().manual_seed(4)
+        g_out, g_hn = torch.randn(T, B, H, generator=gen), torch.randn(B, H, generator=gen)
+        back = (g_out, g_hn, x, mask, drop, KINDS[cell], params, [xp, hs, hs_lp, hp, hpt], True, 1e-5)
+        grads = ext.backward_persistent(*back, grid, threads)
+        from dtmt_kernels import reference as R
+
+        names = [n for n, _ in layer.named_parameters()]
+        xr, hr = x.double().requires_grad_(), h0.double().requires_grad_()
+        ps = [p.detach().double().requires_grad_() for p in layer.parameters()]
+        w = layer.direction_weights(0, dict(zip(names, ps)))
+        ro, rh = R.transition_sequence(xr, hr, w, mask.double(), drop.double() if drop.numel() else None, True)
+        ((ro * g_out.double()).sum() + (rh * g_hn.double()).sum()).backward()
+        wanted = {"out": ro, "h_n": rh, "dx": xr.grad, "dh0": hr.grad, "dw_hh": w.w_hh.grad}
+        got = {"out": out, "h_n": h_n, "dx": grads[0], "dh0": grads[1], "dw_hh": grads[4]}
+        for name, ref in wanted.items():
+            scale = max(1.0, ref.abs().max().item())
+            torch.testing.assert_close(got[name].double(), ref.detach(), atol=1e-2 * scale, rtol=1e-2,
+                                       msg=lambda m: f"{cell}-d{depth} H={H} B={B} {name}: {m}")
+
+
 @pytest.mark.slow
 def test_persistent_envelope(emulated_cuda_ext):
     """Which layers fit the persistent launches (issue 72 item 3), from sizes alone, on an H100/H200 (132 SMs,
@@ -539,15 +629,18 @@ def test_persistent_envelope(emulated_cuda_ext):
     fp32) takes 128 blocks of 4 units, 64 rows x 513 x 4 B + 64 x 22 x 4 B = 136,960 B forward and
     (4 x 2,049 + 16 x 1,537) x 4 B + 64 x 52 x 4 B = 144,464 B backward: it fits; at H = 1024 (8 units a block)
     the forward alone needs 524,800 B of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at
-    B = 256."""
+    B = 256. With the products on tensor cores (TF32, 256 threads) each adds, at the next multiple of 128 B,
+    block_mma's buffers: C (64 x 16 x 4 B = 4,096), the matrix stage (16 x 72 x 4 B = 4,608) and the batch stage
+    (64 x 72 x 4 B = 18,432): 136,960 + 27,136 = 164,096 B and 144,512 + 27,136 = 171,648 B; it still fits."""
     from dtmt_kernels.ops.transition import KINDS
 
+    plan = emulated_cuda_ext.persistent_plan
     h100 = (132, 232448)
-    grid, slice_, fwd, bwd, fits = emulated_cuda_ext.persistent_plan(KINDS["lgru"], 4, 64, 512, *h100, False)
-    assert (grid, slice_, fwd, bwd, fits) == (128, 4, 136960, 144464, 1)
-    assert emulated_cuda_ext.persistent_plan(KINDS["lgru"], 4, 64, 1024, *h100, False)[4] == 0
-    assert emulated_cuda_ext.persistent_plan(KINDS["gru"], 0, 256, 512, *h100, False)[4] == 1
-    assert emulated_cuda_ext.persistent_plan(KINDS["gru"], 0, 8, 37, 132, 232448, True)[:2] == [37, 1]
+    assert plan(KINDS["lgru"], 4, 64, 512, *h100, False, False, 256) == [128, 4, 136960, 144464, 1]
+    assert plan(KINDS["lgru"], 4, 64, 512, *h100, False, True, 256) == [128, 4, 164096, 171648, 1]
+    assert plan(KINDS["lgru"], 4, 64, 1024, *h100, False, False, 256)[4] == 0
+    assert plan(KINDS["gru"], 0, 256, 512, *h100, False, False, 256)[4] == 1
+    assert plan(KINDS["gru"], 0, 8, 37, 132, 232448, True, False, 256)[:2] == [37, 1]
 
 
 _RECURRENCE_RUN = r"""

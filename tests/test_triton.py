@@ -400,6 +400,43 @@ def test_gpu_compiled_hidden_sizes(compiled, H):
     _gpu_check("lgru", 1, torch.float32, T=5, B=3, I=8, H=H)
 
 
+@pytest.mark.parametrize("cell,depth", [("lgru", 2), ("atr", 0)], ids=["lgru-d2", "atr"])
+def test_gpu_cuda_backend_follows_torchs_tf32_flag(compiled, cell, depth):
+    """torch.backends.cuda.matmul.allow_tf32 on, float32 storage: the cuda backend may take its products on TF32
+    tensor cores, as cuBLAS does (the persistent launches do: csrc/block_mma.cuh; the per-step path's own GEMMs stay
+    FMA): outputs and every gradient within TF32's precision of the float64 reference. With the persistent launches
+    (DTMT_CUDA_RECURRENCE=persistent, gpu_session.sh's persistent stage) the products are TF32: the outputs differ
+    from the strict-fp32 run's."""
+    import copy
+
+    if "cuda" not in dk.available_backends():
+        pytest.skip("the cuda backend is not built")
+    layer = make_layer(cell, 40, 200, depth=depth, layer_norm=True, dtype=torch.float32).cuda()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(0.3)
+    gen = torch.Generator().manual_seed(9)
+    T, B = 12, 16
+    x, h0 = torch.randn(T, B, 40, generator=gen).cuda(), torch.randn(B, 200, generator=gen).cuda()
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).float().cuda()
+    ref, g = _run(copy.deepcopy(layer).double(), x.double(), h0.double(), mask.double(), None, True, "reference")
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        runs = {}
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            runs[tf32], _ = _run(layer, x, h0, mask, None, True, "cuda", g[0].float(), g[1].float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    for name in ref:
+        scale = ref[name].abs().max().item() + 1e-3
+        err = (runs[True][name].double() - ref[name]).abs().max().item() / scale
+        assert err <= 2e-2, f"{name}: relative error {err:.2e} with TF32 allowed"
+    if os.environ.get("DTMT_CUDA_RECURRENCE") == "persistent":
+        assert not torch.equal(runs[True]["out"], runs[False]["out"]), "TF32 allowed, yet the products were fp32"
+
+
 @needs_triton
 @pytest.mark.parametrize("cell,depth,dtype", [("lgru", 1, torch.float32), ("atr", 0, torch.bfloat16)],
                          ids=["lgru-fp32", "atr-bf16"])
@@ -412,3 +449,4 @@ def test_gpu_check_itself_under_interpreter(cell, depth, dtype):
 for _mark in needs_gpu:
     test_gpu_compiled_matches_reference = _mark(test_gpu_compiled_matches_reference)
     test_gpu_compiled_hidden_sizes = _mark(test_gpu_compiled_hidden_sizes)
+    test_gpu_cuda_backend_follows_torchs_tf32_flag = _mark(test_gpu_cuda_backend_follows_torchs_tf32_flag)

@@ -1,0 +1,140 @@
+// A thread block's matrix product on tensor cores, for the persistent kernels (persistent_cuda_kernels.cuh; issue
+// 72 item 2; design note docs/design/persistent_recurrence.md, "Products on tensor cores"):
+//
+//   C[c][m] = sum_k a[m][k] * src[c][k]     m < M (rows resident in shared memory), c < B (batch rows in global
+//                                           memory; rows whose sentence has ended at step t count as 0), k < K
+//
+// with the warp matrix API of the CUDA toolkit (nvcuda::wmma, <mma.h>): TF32 (m16n16k8) for float storage, f16 and
+// bf16 (m16n16k16) for __half / __nv_bfloat16; float accumulation. Double storage has none (the FMA products).
+// Both operands go through shared memory a chunk of kMmaChunk columns at a time, rounded to the MMA's input type
+// and zero past M, B and K, so the resident matrix keeps the FMA path's layout (rows H + 1 long) and the product has
+// no alignment demand on the caller. Tile (mt, nt) of C is warp (mt + nt * Mt) % warps's; with more tiles than
+// warps, passes of `warps` tiles, each staging only its own batch rows. C is column-major [Np][Mp] (Mp, Np: M and B
+// rounded up to 16), float.
+//
+// Compiled for devices of compute capability 8.0 and up (TF32 and bf16 MMA); below, the function is not there and
+// the kernels keep their FMA products (persistent_mma_ok). DTMT_CUDA_EMULATION: tests/cuda_emulation.h's wmma
+// (whole tiles per thread, TF32 only).
+#pragma once
+
+#include "transition_cuda_kernels.cuh"
+
+#if !defined(DTMT_CUDA_EMULATION)
+#include <mma.h>
+#endif
+
+#if defined(DTMT_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+#define DTMT_MMA_DEVICE 1   // this pass compiles the tensor-core products
+#endif
+
+namespace dtmt {
+namespace cuda {
+
+// The MMA a storage type T uses: its fragment element type and k (a tile is 16 x 16 x k). (Not in a device pass
+// below compute capability 8.0, whose <mma.h> has no TF32 or bf16: there no type has one.)
+template <typename T> struct Mma { static constexpr bool available = false; };
+#if !defined(__CUDA_ARCH__) || defined(DTMT_MMA_DEVICE)
+template <> struct Mma<float> {
+  static constexpr bool available = true;
+  static constexpr int k = 8;
+  using fragment_type = nvcuda::wmma::precision::tf32;
+  static __device__ __forceinline__ float round(float v) { return nvcuda::wmma::__float_to_tf32(v); }
+};
+#if !defined(DTMT_CUDA_EMULATION)
+template <> struct Mma<__half> {
+  static constexpr bool available = true;
+  static constexpr int k = 16;
+  using fragment_type = __half;
+  static __device__ __forceinline__ __half round(__half v) { return v; }
+};
+template <> struct Mma<__nv_bfloat16> {
+  static constexpr bool available = true;
+  static constexpr int k = 16;
+  using fragment_type = __nv_bfloat16;
+  static __device__ __forceinline__ __nv_bfloat16 round(__nv_bfloat16 v) { return v; }
+};
+#endif
+#endif
+
+constexpr int kMmaChunk = 64;                    // columns of K staged at a time (a multiple of 16)
+constexpr int kMmaStageLd = kMmaChunk + 8;       // a staged row: 8 elements of padding (16 or 32 bytes)
+__host__ __device__ constexpr int round16(int v) { return (v + 15) / 16 * 16; }
+__host__ __device__ constexpr size_t round_bytes(size_t v) { return (v + 127) / 128 * 128; }
+
+// Batch rows a pass stages: at most one 16-row tile per warp, plus one (a pass's tiles may straddle two).
+__host__ __device__ inline int mma_stage_rows(int B, int warps) {
+  const int cap = 16 * (warps + 1);
+  return round16(B) < cap ? round16(B) : cap;
+}
+
+// Bytes of the buffers block_mma uses for products of up to M rows and B batch rows by `threads` threads: C, then
+// the two stages (each part a multiple of 128 bytes, so every tile is 32-byte aligned on a 128-byte aligned base).
+template <typename T> __host__ __device__ inline size_t mma_buffer_bytes(int M, int B, int threads) {
+  const size_t c = round_bytes(static_cast<size_t>(round16(B)) * round16(M) * sizeof(float));
+  const size_t sa = round_bytes(static_cast<size_t>(round16(M)) * kMmaStageLd * sizeof(T));
+  const size_t sb = round_bytes(static_cast<size_t>(mma_stage_rows(B, threads / 32)) * kMmaStageLd * sizeof(T));
+  return c + sa + sb;
+}
+
+#if defined(DTMT_MMA_DEVICE)
+// C (see above) from a [m * lda + k] (shared memory, T) and src [c * lds + k] (global memory, T) on the tensor cores;
+// rows c with !row_ok(mask, t, B, c) count as 0. `buf`: mma_buffer_bytes<T>(M, B, blockDim.x) bytes, 128-byte
+// aligned; returns C (float, column-major, leading dimension round16(M)). Every thread of the block calls it; it
+// begins and ends with a block barrier. blockDim.x a multiple of 32.
+template <typename T>
+__device__ const float* block_mma(const T* a, int lda, int M, const T* src, int lds, int K, int B, const T* mask,
+                                  int t, unsigned char* buf) {
+  namespace wmma = nvcuda::wmma;
+  using F = typename Mma<T>::fragment_type;
+  constexpr int KM = Mma<T>::k;
+  const int Mp = round16(M), Np = round16(B), Mt = Mp / 16, tiles = Mt * (Np / 16);
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
+  float* C = reinterpret_cast<float*>(buf);
+  T* sa = reinterpret_cast<T*>(buf + round_bytes(static_cast<size_t>(Np) * Mp * sizeof(float)));
+  T* sb = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(sa) +
+                               round_bytes(static_cast<size_t>(Mp) * kMmaStageLd * sizeof(T)));
+  const T zero = Cvt<float, T>::store(0.0f);
+  for (int first = 0; first < tiles; first += warps) {
+    const int last = (first + warps < tiles ? first + warps : tiles) - 1;
+    const int nt0 = first / Mt, rows_b = (last / Mt - nt0 + 1) * 16;   // this pass's batch tiles
+    const int tile = first + warp;
+    const bool mine = tile <= last;
+    const int mt = tile % Mt, nt = tile / Mt;
+    wmma::fragment<wmma::accumulator, 16, 16, KM, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int k0 = 0; k0 < K; k0 += kMmaChunk) {
+      const int rest = (K - k0 + KM - 1) / KM * KM, kc = rest < kMmaChunk ? rest : kMmaChunk;
+      __syncthreads();   // the previous chunk's (or pass's) products have read the stages
+      for (int e = threadIdx.x; e < Mp * kc; e += blockDim.x) {
+        const int m = e / kc, kk = e % kc, k = k0 + kk;
+        sa[m * kMmaStageLd + kk] = m < M && k < K ? Mma<T>::round(a[static_cast<size_t>(m) * lda + k]) : zero;
+      }
+      for (int e = threadIdx.x; e < rows_b * kc; e += blockDim.x) {
+        const int r = e / kc, kk = e % kc, k = k0 + kk, c = nt0 * 16 + r;
+        const bool live = c < B && k < K && (mask == nullptr || ld<float>(mask, t * B + c) > 0.5f);
+        sb[r * kMmaStageLd + kk] = live ? Mma<T>::round(src[static_cast<size_t>(c) * lds + k]) : zero;
+      }
+      __syncthreads();
+      if (mine) {
+        for (int kk = 0; kk < kc; kk += KM) {
+          wmma::fragment<wmma::matrix_a, 16, 16, KM, F, wmma::row_major> fa;
+          wmma::fragment<wmma::matrix_b, 16, 16, KM, F, wmma::col_major> fb;
+          wmma::load_matrix_sync(fa, sa + mt * 16 * kMmaStageLd + kk, kMmaStageLd);
+          wmma::load_matrix_sync(fb, sb + (nt - nt0) * 16 * kMmaStageLd + kk, kMmaStageLd);
+          if constexpr (std::is_same<T, float>::value) {   // (the stages hold TF32 values already: the API asks it)
+            for (int i = 0; i < fa.num_elements; ++i) fa.x[i] = wmma::__float_to_tf32(fa.x[i]);
+            for (int i = 0; i < fb.num_elements; ++i) fb.x[i] = wmma::__float_to_tf32(fb.x[i]);
+          }
+          wmma::mma_sync(acc, fa, fb, acc);
+        }
+      }
+    }
+    if (mine) wmma::store_matrix_sync(C + nt * 16 * Mp + mt * 16, acc, Mp, wmma::mem_col_major);
+  }
+  __syncthreads();
+  return C;
+}
+#endif
+
+}  // namespace cuda
+}  // namespace dtmt

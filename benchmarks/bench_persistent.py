@@ -138,6 +138,24 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
     return table
 
 
+def envelope(multiprocessors, shared_memory, batch: int) -> int:
+    """--envelope: dtmt_kernels' envelope table (the CUDA driver's own arithmetic) for a device."""
+    from dtmt_kernels.ops.transition import persistent
+
+    if multiprocessors is None or shared_memory is None:
+        try:
+            sms, optin, _ = persistent._device_limits(None)
+        except ValueError as exc:
+            print(f"bench_persistent: {exc}", file=sys.stderr)
+            return 2
+        multiprocessors, shared_memory = multiprocessors or sms, shared_memory or optin
+    print(f"# the persistent launches' envelope: {multiprocessors} SMs, {shared_memory} bytes of shared memory a block, "
+          f"B = {batch}, {persistent._C.PERSISTENT_THREADS} threads a block; the largest of H = "
+          f"{', '.join(map(str, persistent.ENVELOPE_HIDDEN))} that fits (forward / backward KB a block)")
+    print(persistent.envelope_table(multiprocessors, shared_memory, batch))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--T", type=int, default=50)
@@ -147,9 +165,17 @@ def main(argv=None) -> int:
     p.add_argument("--math", nargs="+", choices=MATH, default=["strict", "tf32"],
                    help="math modes, a table each (default: strict tf32)")
     p.add_argument("--out", default=None)
+    p.add_argument("--envelope", action="store_true",
+                   help="print the largest H that fits the persistent launches, per layer and math mode, at the first "
+                        "--B, on this GPU or on --multiprocessors / --shared-memory (no GPU needed), and stop")
+    p.add_argument("--multiprocessors", type=int, help="with --envelope: SMs (an H100 / H200: 132)")
+    p.add_argument("--shared-memory", type=int, help="with --envelope: bytes a block may opt into (H100 / H200: 232448)")
     p.add_argument("--child", choices=["steps", "persistent"], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     import torch
+
+    if a.envelope:
+        return envelope(a.multiprocessors, a.shared_memory, a.B[0])
 
     if not torch.cuda.is_available():
         print("bench_persistent: needs a CUDA device (the persistent kernels run on the GPU; the emulated tests in "

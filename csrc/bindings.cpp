@@ -7,6 +7,7 @@
 #include "cell_math.h"
 #include "cpu_dispatch.h"
 #include "decode_step.h"
+#include "persistent_plan.h"
 #include "phase_timers.h"
 #include "small_gemm.h"
 
@@ -44,6 +45,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(phase, seconds, calls) of each phase of csrc/phase_timers.h since the last reset, all zero unless the "
         "extension was built with DTMT_PHASE_TIMERS=1 (benchmarks/bench_step_phases.py)");
   m.def("reset_phase_times", &dtmt::reset_phase_times, "Sets every phase's seconds and calls to zero");
+  m.attr("PERSISTENT_THREADS") = dtmt::cuda::kPersistentThreads;
+  m.def(
+      "persistent_plan",
+      [](int kind, int depth, int batch, int hidden, int storage_bytes, int accumulation_bytes, int multiprocessors,
+         int64_t shared_memory, bool tensor_cores, int threads) {
+        const auto p = dtmt::cuda::persistent_plan(kind, depth, batch, hidden, storage_bytes, accumulation_bytes,
+                                                   multiprocessors, static_cast<size_t>(shared_memory), tensor_cores,
+                                                   threads);
+        return py::make_tuple(p.grid, p.slice, p.forward_bytes, p.backward_bytes, p.fits);
+      },
+      "(grid, slice, forward bytes, backward bytes, fits) of the persistent launches (csrc/persistent_plan.h: the CUDA "
+      "driver's own arithmetic); dtmt_kernels.persistent_plan is the Python face");
 #ifdef DTMT_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

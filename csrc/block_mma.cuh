@@ -17,6 +17,7 @@
 // (whole tiles per thread, TF32 only).
 #pragma once
 
+#include "persistent_plan.h"
 #include "transition_cuda_kernels.cuh"
 
 #if !defined(DTMT_CUDA_EMULATION)
@@ -56,29 +57,9 @@ template <> struct Mma<__nv_bfloat16> {
 #endif
 #endif
 
-constexpr int kMmaChunk = 64;                    // columns of K staged at a time (a multiple of 16)
-constexpr int kMmaStageLd = kMmaChunk + 8;       // a staged row: 8 elements of padding (16 or 32 bytes)
-__host__ __device__ constexpr int round16(int v) { return (v + 15) / 16 * 16; }
-__host__ __device__ constexpr size_t round_bytes(size_t v) { return (v + 127) / 128 * 128; }
-
-// Batch rows a pass stages: at most one 16-row tile per warp, plus one (a pass's tiles may straddle two).
-__host__ __device__ inline int mma_stage_rows(int B, int warps) {
-  const int cap = 16 * (warps + 1);
-  return round16(B) < cap ? round16(B) : cap;
-}
-
-// Bytes of the buffers block_mma uses for products of up to M rows and B batch rows by `threads` threads: C, then
-// the two stages (each part a multiple of 128 bytes, so every tile is 32-byte aligned on a 128-byte aligned base).
-template <typename T> __host__ __device__ inline size_t mma_buffer_bytes(int M, int B, int threads) {
-  const size_t c = round_bytes(static_cast<size_t>(round16(B)) * round16(M) * sizeof(float));
-  const size_t sa = round_bytes(static_cast<size_t>(round16(M)) * kMmaStageLd * sizeof(T));
-  const size_t sb = round_bytes(static_cast<size_t>(mma_stage_rows(B, threads / 32)) * kMmaStageLd * sizeof(T));
-  return c + sa + sb;
-}
-
 #if defined(DTMT_MMA_DEVICE)
 // C (see above) from a [m * lda + k] (shared memory, T) and src [c * lds + k] (global memory, T) on the tensor cores;
-// rows c with !row_ok(mask, t, B, c) count as 0. `buf`: mma_buffer_bytes<T>(M, B, blockDim.x) bytes, 128-byte
+// rows c whose mask is 0 at step t count as 0. `buf`: mma_buffer_bytes(M, B, blockDim.x, sizeof(T)) bytes, 128-byte
 // aligned; returns C (float, column-major, leading dimension round16(M)). Every thread of the block calls it; it
 // begins and ends with a block barrier. blockDim.x a multiple of 32.
 template <typename T>

@@ -23,6 +23,7 @@
 #pragma once
 
 #include "block_mma.cuh"
+#include "persistent_plan.h"
 #include "transition_cuda_kernels.cuh"
 
 #if defined(DTMT_CUDA_EMULATION)
@@ -66,20 +67,6 @@ template <typename T, typename A> struct PersistentForwardArgs {
   bool mma;         // products on tensor cores (block_mma.cuh; T has an MMA and the device compiled it)
   A eps;
 };
-
-// Dynamic shared memory of a block of `slice` units: the matrix rows (T, each H + 1 long: consecutive rows start
-// in different banks), then the pre-activations [B][4][slice] and the row statistics [B][3][2] (A); with `mma`, at
-// the next multiple of 128 bytes, block_mma's buffers for products of the largest sub-cell's rows.
-template <typename T, typename A>
-__host__ __device__ inline size_t persistent_smem_bytes(int kind, int D, int B, int H, int slice, bool mma = false,
-                                                      int threads = 0) {
-  const size_t rows = static_cast<size_t>(cell_hidden_rows(kind) + 3 * D) * slice;
-  const size_t matrix = (rows * (H + 1) * sizeof(T) + 15) / 16 * 16;
-  const size_t bytes = matrix + (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * sizeof(A);
-  if (!mma) return bytes;
-  const int widest = cell_hidden_rows(kind) > 3 || D == 0 ? cell_hidden_rows(kind) : 3;
-  return round_bytes(bytes) + mma_buffer_bytes<T>(widest * slice, B, threads);
-}
 
 // The (mean, 1/std) of every batch row's gate groups over all H units, in every block alike: this block's (mean, M2)
 // over its n units go to `partials` [G, B, 3, 2], a grid barrier, then each block combines all G of them in block
@@ -251,7 +238,7 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   const size_t rows = static_cast<size_t>(NH + 3 * p.D) * S;
   A* pre = reinterpret_cast<A*>(smem + (rows * (H + 1) * sizeof(T) + 15) / 16 * 16);
   A* stats = pre + static_cast<size_t>(p.B) * 4 * S;
-  unsigned char* mma_buf = smem + round_bytes(persistent_smem_bytes<T, A>(KIND, p.D, p.B, H, S));
+  unsigned char* mma_buf = smem + round_bytes(persistent_forward_bytes(KIND, p.D, p.B, H, S, sizeof(T), sizeof(A)));
   // the block's rows of every matrix, once (rows of units past H, in the last block, zero: the tensor-core
   // products read them)
   const T zero = Cvt<A, T>::store(A(0));
@@ -323,19 +310,6 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   bool mma;           // U-path products on tensor cores (block_mma.cuh), as the forward's
   A eps;
 };
-
-// Shared memory of the backward: the matrix columns (T), then 10 per-unit buffers [B][slice] (n and d three
-// each, carry, cg, inner, gin) and the row statistics and sums [B][3][2] each (A); with `mma`, at the next multiple
-// of 128 bytes, block_mma's buffers for products of `slice` columns.
-template <typename T, typename A>
-__host__ __device__ inline size_t persistent_backward_smem_bytes(int kind, int D, int B, int H, int slice,
-                                                               bool mma = false, int threads = 0) {
-  const size_t matrix = static_cast<size_t>(slice) * (cell_hidden_rows(kind) * H + 1) +
-                        static_cast<size_t>(D) * slice * (3 * H + 1);
-  const size_t bytes =
-      (matrix * sizeof(T) + 15) / 16 * 16 + (static_cast<size_t>(B) * 10 * slice + B * 12) * sizeof(A);
-  return mma ? round_bytes(bytes) + mma_buffer_bytes<T>(slice, B, threads) : bytes;
-}
 
 // Per-unit buffers of the backward block, [B][S] each.
 template <typename A> struct BackwardBuffers {
@@ -565,7 +539,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   const size_t BS = static_cast<size_t>(B) * S;
   BackwardBuffers<A> m{buf, buf + 3 * BS, buf + 6 * BS, buf + 7 * BS, buf + 8 * BS, buf + 9 * BS,
                        buf + 10 * BS, buf + 10 * BS + 6 * B};
-  unsigned char* mma_buf = smem + round_bytes(persistent_backward_smem_bytes<T, A>(KIND, p.D, B, H, S));
+  unsigned char* mma_buf = smem + round_bytes(persistent_backward_bytes(KIND, p.D, B, H, S, sizeof(T), sizeof(A)));
   auto tcol = [&](int k) {   // T-GRU k's (0-based) columns
     return col0 + static_cast<size_t>(S) * (R0 + 1) + static_cast<size_t>(k) * S * (3 * H + 1);
   };
@@ -611,35 +585,11 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   }
 }
 
-// ------------------------------------------------------------------------------------------------ the envelope
-// Whether a layer fits the persistent launches on a device (issue 72 item 3), from sizes alone: one block per SM (at
-// most one per hidden unit), each holding its share of every recurrent matrix plus its per-row buffers in the shared
-// memory a block may opt into. `why` says what does not fit. (Co-residency also depends on registers: a launch
-// the device still refuses falls back, see transition_cuda.cu.)
-struct PersistentPlan {
-  int grid = 0, slice = 0;
-  size_t forward_bytes = 0, backward_bytes = 0;
-  bool fits = false;
-};
-
-template <typename T, typename A>
-inline PersistentPlan persistent_plan(int kind, int D, int B, int H, int multiprocessors, size_t smem_optin,
-                                      bool mma = false, int threads = 0) {
-  PersistentPlan plan;
-  const int blocks = multiprocessors < H ? multiprocessors : H;
-  if (blocks < 1 || B < 1) return plan;
-  plan.slice = (H + blocks - 1) / blocks;
-  plan.grid = (H + plan.slice - 1) / plan.slice;
-  plan.forward_bytes = persistent_smem_bytes<T, A>(kind, D, B, H, plan.slice, mma, threads);
-  plan.backward_bytes = persistent_backward_smem_bytes<T, A>(kind, D, B, H, plan.slice, mma, threads);
-  plan.fits = plan.forward_bytes <= smem_optin && plan.backward_bytes <= smem_optin;
-  return plan;
-}
-
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                             cudaStream_t stream) {
-  const size_t smem = persistent_backward_smem_bytes<T, A>(KIND, a.D, a.B, a.H, a.slice, a.mma, threads);
+  const size_t smem =
+      persistent_backward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
   ::dtmt_emu::launch_cooperative(persistent_backward_kernel<KIND, T, A>, grid, threads, smem, a);
@@ -670,7 +620,7 @@ cudaError_t launch_persistent_backward(int kind, const PersistentBackwardArgs<T,
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a, int grid, int threads,
                                            cudaStream_t stream) {
-  const size_t smem = persistent_smem_bytes<T, A>(KIND, a.D, a.B, a.H, a.slice, a.mma, threads);
+  const size_t smem = persistent_forward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
   ::dtmt_emu::launch_cooperative(persistent_forward_kernel<KIND, T, A>, grid, threads, smem, a);

@@ -74,8 +74,6 @@ bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 // dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM up to kSmallGemmRows, cuBLAS above. Thresholds:
 // docs/design/gpu.md, "Step GEMMs" (measured on an H100 and an H200).
 constexpr int64_t kRowGemmRows = 8;
-// Threads a block of the persistent forward (DTMT_CUDA_RECURRENCE=persistent): a first choice, to be measured.
-constexpr int64_t kPersistentThreads = 256;
 constexpr int64_t kSmallGemmRows = 64;
 // kCublas: cublasGemmEx called here on raw pointers (no ATen dispatch; only through DTMT_CUDA_STEP_GEMM for now,
 // until a GPU session measures it against the others: docs/design/gpu.md, "cuBLAS without ATen").
@@ -454,10 +452,10 @@ template <typename S> int64_t persistent_grid(const Tensor& x, const TransitionW
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const auto limits = device_limits();
-  const cuda::PersistentPlan plan = cuda::persistent_plan<T, A>(static_cast<int>(w.kind), static_cast<int>(d.D),
-                                                                static_cast<int>(d.B), static_cast<int>(d.H),
-                                                                limits.first, limits.second, persistent_mma<T>(),
-                                                                static_cast<int>(kPersistentThreads));
+  const cuda::PersistentPlan plan =
+      cuda::persistent_plan(static_cast<int>(w.kind), static_cast<int>(d.D), static_cast<int>(d.B),
+                            static_cast<int>(d.H), sizeof(T), sizeof(A), limits.first, limits.second,
+                            persistent_mma<T>(), cuda::kPersistentThreads);
   if (!plan.fits)
     TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ", plan.forward_bytes / 1024,
                     " KB (forward) and ", plan.backward_bytes / 1024, " KB (backward) of shared memory a block in ",
@@ -688,7 +686,7 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
     const int64_t grid = persistent_requested() && x.size(0) > 0 ? persistent_grid<scalar_t>(x, w) : 0;
     if (grid > 0)
-      result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, kPersistentThreads,
+      result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, cuda::kPersistentThreads,
                                                  /*fallible=*/true);
     if (result.empty()) result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
   });
@@ -735,7 +733,7 @@ std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tenso
     const int64_t grid = persistent_requested() && x.size(0) > 0 ? persistent_grid<scalar_t>(x, w) : 0;
     if (grid > 0)
       result = backward_persistent_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt,
-                                                  reverse, eps, grid, kPersistentThreads, /*fallible=*/true);
+                                                  reverse, eps, grid, cuda::kPersistentThreads, /*fallible=*/true);
     if (result.empty())
       result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps);
   });

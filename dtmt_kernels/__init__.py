@@ -12,9 +12,11 @@ import torch
 
 from . import functional, nn, reference
 from .backends import available_backends, resolve_backend
+from .ops.transition.persistent import PersistentPlan, persistent_plan
 from .reference import TransitionWeights
 
-__all__ = ["available_backends", "resolve_backend", "functional", "nn", "reference", "TransitionWeights"]
+__all__ = ["available_backends", "resolve_backend", "functional", "nn", "reference", "PersistentPlan",
+           "persistent_plan", "TransitionWeights"]
 __version__ = "0.1.0"
 
 # MKL's vector math (torch.tanh, exp, sin, ... of CPU tensors) sets itself up on its first call. When that first call

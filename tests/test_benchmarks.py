@@ -837,6 +837,22 @@ def test_bench_cells_math_mode_is_named_and_gpu_only():
     assert exc.value.code == 2
 
 
+def test_bench_persistent_envelope_needs_no_gpu(capsys):
+    """`bench_persistent.py --envelope` with a device's numbers prints the envelope table (dtmt_kernels' arithmetic,
+    the driver's) without a GPU; without the numbers and without a GPU it asks for them, exit 2."""
+    from benchmarks import bench_persistent
+    from dtmt_kernels.ops.transition.persistent import envelope_table
+
+    assert bench_persistent.main(["--envelope", "--multiprocessors", "132", "--shared-memory", "232448",
+                                  "--B", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# the persistent launches' envelope: 132 SMs, 232448 bytes") and envelope_table(
+        132, 232448, 64) in out
+    if not torch.cuda.is_available():
+        assert bench_persistent.main(["--envelope"]) == 2
+        assert "give multiprocessors and shared_memory" in capsys.readouterr().err
+
+
 def test_bench_persistent_table_and_floor(capsys):
     """bench_persistent's table from the children's rows (faked here: the children run on a GPU): both modes side
     by side with their ratios, and the persistent forward's floor, T x its grid barriers a step x the barrier's

@@ -321,15 +321,6 @@ std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at
 }
 }  // namespace
 
-// persistent_plan for float32 (double: float64) storage, the products on tensor cores or not, blocks of `threads`:
-// (grid, slice, forward bytes, backward bytes, fits)
-std::vector<int64_t> persistent_plan(int64_t kind, int64_t D, int64_t B, int64_t H, int64_t sms, int64_t optin,
-                                     bool double_storage, bool mma, int64_t threads) {
-  const auto p = double_storage ? dtmt::cuda::persistent_plan<double, double>(kind, D, B, H, sms, optin)
-                                : dtmt::cuda::persistent_plan<float, float>(kind, D, B, H, sms, optin, mma, threads);
-  return {p.grid, p.slice, static_cast<int64_t>(p.forward_bytes), static_cast<int64_t>(p.backward_bytes), p.fits};
-}
-
 // whether DTMT_CUDA_RECURRENCE asked for the persistent launches (read once a process)
 bool persistent_recurrence() { return dtmt::persistent_requested(); }
 
@@ -343,7 +334,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &backward);
   m.def("step_gemm_choice", &step_gemm_choice);
   m.def("persistent_recurrence", &persistent_recurrence);
-  m.def("persistent_plan", &persistent_plan);
 }
 """
 
@@ -621,26 +611,71 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
                                        msg=lambda m: f"{cell}-d{depth} H={H} B={B} {name}: {m}")
 
 
-@pytest.mark.slow
-def test_persistent_envelope(emulated_cuda_ext):
-    """Which layers fit the persistent launches (issue 72 item 3), from sizes alone, on an H100/H200 (132 SMs,
-    227 KB of shared memory a block): every block's rows (forward) or columns (backward) of every recurrent matrix,
-    H + 1 long, plus its per-row buffers. Worked by hand: the deep transition at H = 512 (L-GRU + 4 T-GRUs, B = 64,
-    fp32) takes 128 blocks of 4 units, 64 rows x 513 x 4 B + 64 x 22 x 4 B = 136,960 B forward and
+def test_persistent_envelope():
+    """Which layers fit the persistent launches (issue 72 item 3), from sizes alone (csrc/persistent_plan.h, the CUDA
+    driver's arithmetic, through the CPU extension: dtmt_kernels.persistent_plan), on an H100/H200 (132 SMs, 227 KB
+    of shared memory a block): every block's rows (forward) or columns (backward) of every recurrent matrix, H + 1
+    long, plus its per-row buffers. Worked by hand: the deep transition at H = 512 (L-GRU + 4 T-GRUs, B = 64, fp32)
+    takes 128 blocks of 4 units, 64 rows x 513 x 4 B + 64 x 22 x 4 B = 136,960 B forward and
     (4 x 2,049 + 16 x 1,537) x 4 B + 64 x 52 x 4 B = 144,464 B backward: it fits; at H = 1024 (8 units a block)
     the forward alone needs 524,800 B of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at
     B = 256. With the products on tensor cores (TF32, 256 threads) each adds, at the next multiple of 128 B,
     block_mma's buffers: C (64 x 16 x 4 B = 4,096), the matrix stage (16 x 72 x 4 B = 4,608) and the batch stage
-    (64 x 72 x 4 B = 18,432): 136,960 + 27,136 = 164,096 B and 144,512 + 27,136 = 171,648 B; it still fits."""
-    from dtmt_kernels.ops.transition import KINDS
+    (64 x 72 x 4 B = 18,432): 136,960 + 27,136 = 164,096 B and 144,512 + 27,136 = 171,648 B; it still fits. The
+    default for tensor cores follows torch's TF32 flag for float32 (off by default), and is on for bfloat16."""
+    import dtmt_kernels as dk
 
-    plan = emulated_cuda_ext.persistent_plan
-    h100 = (132, 232448)
-    assert plan(KINDS["lgru"], 4, 64, 512, *h100, False, False, 256) == [128, 4, 136960, 144464, 1]
-    assert plan(KINDS["lgru"], 4, 64, 512, *h100, False, True, 256) == [128, 4, 164096, 171648, 1]
-    assert plan(KINDS["lgru"], 4, 64, 1024, *h100, False, False, 256)[4] == 0
-    assert plan(KINDS["gru"], 0, 256, 512, *h100, False, False, 256)[4] == 1
-    assert plan(KINDS["gru"], 0, 8, 37, 132, 232448, True, False, 256)[:2] == [37, 1]
+    h100 = dict(multiprocessors=132, shared_memory=232448)
+    plan = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=False, **h100)
+    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 136960,
+                                                                                            144464)
+    assert str(plan) == ("persistent: 128 blocks of 4 units; 134 / 141 KB of shared memory a block (forward / "
+                         "backward) of 227 KB; FMA")
+    tc = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=True, **h100)
+    assert (tc.fits, tc.forward_bytes, tc.backward_bytes) == (True, 164096, 171648)
+    for dtype in (torch.float32, torch.float64):
+        assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100).fits
+    assert dk.persistent_plan("gru", 0, 256, 512, tensor_cores=False, **h100).fits
+    small = dk.persistent_plan("gru", 0, 8, 37, "float64", **h100)
+    assert (small.grid, small.slice, small.tensor_cores) == (37, 1, False)
+    assert str(dk.persistent_plan("lgru", 4, 64, 1024, "bfloat16", **h100)).startswith(
+        "per-step: 128 blocks of 8 units would need 287 / 294 KB")
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for flag in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = flag
+            assert dk.persistent_plan("gru", 0, 8, 64, **h100).tensor_cores == flag
+            assert dk.persistent_plan("gru", 0, 8, 64, torch.bfloat16, **h100).tensor_cores
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("args,kwargs,message", [
+    (("sru", 0, 8, 64), {}, "cell must be one of gru, lgru, lau, atr, got 'sru'"),
+    (("gru", -1, 8, 64), {}, "depth must be an integer >= 0, got -1"),
+    (("gru", 0, 0, 64), {}, "batch must be an integer >= 1, got 0"),
+    (("gru", 0, 8, 64, "int8"), {}, "dtype must be one of float32, float64, bfloat16, float16, got 'int8'"),
+    (("gru", 0, 8, 64), {"device": None}, "no CUDA device: give multiprocessors and shared_memory"),
+], ids=["cell", "depth", "batch", "dtype", "no-device"])
+def test_persistent_plan_refuses_bad_arguments(args, kwargs, message):
+    """One line naming the argument and the value; without a GPU, the device's numbers are asked for."""
+    import dtmt_kernels as dk
+
+    numbers = {} if "device" in kwargs else dict(multiprocessors=132, shared_memory=232448)
+    if "device" in kwargs and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ValueError) as exc:
+        dk.persistent_plan(*args, **numbers)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_design_note_states_the_current_envelope():
+    """docs/design/persistent_recurrence.md's envelope table is envelope_table's output for an H100/H200 at B = 64
+    (`python benchmarks/bench_persistent.py --envelope --multiprocessors 132 --shared-memory 232448 --B 64`)."""
+    from dtmt_kernels.ops.transition.persistent import envelope_table
+
+    note = open(os.path.join(ROOT, "docs", "design", "persistent_recurrence.md"), encoding="utf-8").read()
+    assert envelope_table(132, 232448, 64) in note
 
 
 _RECURRENCE_RUN = r"""

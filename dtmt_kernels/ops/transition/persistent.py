@@ -1,0 +1,130 @@
+"""The persistent launches' envelope (issue 72 item 3): whether a layer runs as one persistent launch a direction on
+a GPU, or the per-step path, and why. The arithmetic is the CUDA driver's own (csrc/persistent_plan.h, compiled into
+the CPU extension too), so the decision stated here on any machine is the one the driver makes; the design note
+docs/design/persistent_recurrence.md, "The envelope", has the table for an H100 / H200.
+
+    >>> import dtmt_kernels as dk
+    >>> print(dk.persistent_plan("lgru", 4, 64, 512, multiprocessors=132, shared_memory=232448))
+    persistent: 128 blocks of 4 units; 134 / 141 KB of shared memory a block (forward / backward) of 227 KB; FMA
+
+The cuda backend takes the persistent launches where DTMT_CUDA_RECURRENCE=persistent (read once a process) and the
+plan fits; where it does not, the per-step path, with a warning naming the sizes.
+`python benchmarks/bench_persistent.py --envelope [--multiprocessors 132 --shared-memory 232448]` prints the
+envelope table (envelope_table) of the current GPU, or of the numbers given."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .._extension import _C
+from .layout import KINDS
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PersistentPlan:
+    """A layer's persistent plan on a device: `fits` (else the per-step path runs), `grid` blocks of `slice` hidden
+    units each (one block per SM, at most one per unit), the shared memory a block needs forward and backward
+    against what a block may opt into, and whether the products run on tensor cores (TF32 / f16 / bf16)."""
+
+    fits: bool
+    grid: int
+    slice: int
+    forward_bytes: int
+    backward_bytes: int
+    shared_memory: int
+    multiprocessors: int
+    tensor_cores: bool
+
+    def __str__(self) -> str:
+        kb = lambda n: f"{n / 1024:.0f}"   # noqa: E731
+        need = (f"{kb(self.forward_bytes)} / {kb(self.backward_bytes)} KB of shared memory a block (forward / "
+                f"backward) of {kb(self.shared_memory)} KB")
+        products = "tensor cores" if self.tensor_cores else "FMA"
+        if self.fits:
+            return f"persistent: {self.grid} blocks of {self.slice} units; {need}; {products}"
+        return f"per-step: {self.grid} blocks of {self.slice} units would need {need}; {products}"
+
+
+def _device_limits(device) -> tuple:
+    """(SMs, shared memory a block may opt into, compute capability major) of a CUDA device (None: the current one)."""
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA device: give multiprocessors and shared_memory (an H100 / H200: 132 and 232448)")
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else torch.device(device))
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if optin is None:
+        raise ValueError("this torch does not report the device's opt-in shared memory: give shared_memory")
+    return props.multi_processor_count, optin, props.major
+
+
+def _tensor_cores(dtype: torch.dtype, capability_major: int) -> bool:
+    """What the driver decides (persistent_mma in csrc/transition_cuda.cu): 16-bit storage always, float32 where torch
+    allows TF32 in matmuls, float64 never; only from compute capability 8.0."""
+    if capability_major < 8 or dtype == torch.float64:
+        return False
+    return dtype != torch.float32 or bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union[torch.dtype, str] = torch.float32,
+                    *, device: Optional[Union[int, str, torch.device]] = None, multiprocessors: Optional[int] = None,
+                    shared_memory: Optional[int] = None, tensor_cores: Optional[bool] = None) -> PersistentPlan:
+    """The persistent plan of one direction of a layer: base `cell` ("gru", "lgru", "lau", "atr") with `depth`
+    T-GRUs, `batch` rows, `hidden` units, `dtype` storage. The device's SM count and the shared memory a block may
+    opt into come from `device` (a CUDA device; default the current one), or are given (`multiprocessors`,
+    `shared_memory` in bytes: an H100 / H200 has 132 and 232,448) where no GPU is at hand. `tensor_cores` defaults
+    to the driver's choice at this moment (torch's TF32 flag for float32; a device of compute capability 8.0 or up,
+    assumed where none is given)."""
+    if _C is None:
+        raise RuntimeError("dtmt_kernels: the compiled extension did not load; the persistent plan is its arithmetic")
+    if cell not in KINDS or cell == "tgru":
+        raise ValueError(f"cell must be one of gru, lgru, lau, atr, got {cell!r}")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    for name, v in (("depth", depth), ("batch", batch), ("hidden", hidden)):
+        if not isinstance(v, int) or v < (0 if name == "depth" else 1):
+            raise ValueError(f"{name} must be an integer >= {0 if name == 'depth' else 1}, got {v!r}")
+    major = 8
+    if multiprocessors is None or shared_memory is None:
+        sms, optin, major = _device_limits(device)
+        multiprocessors = sms if multiprocessors is None else multiprocessors
+        shared_memory = optin if shared_memory is None else shared_memory
+    if tensor_cores is None:
+        tensor_cores = _tensor_cores(dtype, major)
+    storage = torch.empty((), dtype=dtype).element_size()
+    accumulation = 8 if dtype == torch.float64 else 4
+    grid, slice_, fwd, bwd, fits = _C.persistent_plan(KINDS[cell], depth, batch, hidden, storage, accumulation,
+                                                      multiprocessors, shared_memory, tensor_cores,
+                                                      _C.PERSISTENT_THREADS)
+    return PersistentPlan(bool(fits), grid, slice_, fwd, bwd, shared_memory, multiprocessors, tensor_cores)
+
+
+ENVELOPE_LAYERS = (("GRU", "gru", 0), ("ATR", "atr", 0), ("DT d4 (L-GRU + 4 T-GRUs)", "lgru", 4))
+ENVELOPE_MODES = (("fp32 strict", torch.float32, False), ("TF32", torch.float32, True), ("bf16", torch.bfloat16, True))
+ENVELOPE_HIDDEN = (256, 512, 768, 1024, 2048)
+
+
+def envelope_table(multiprocessors: int, shared_memory: int, batch: int = 64) -> str:
+    """A markdown table: for each layer and math mode, the largest of ENVELOPE_HIDDEN that fits the persistent
+    launches at `batch` rows, with its forward / backward KB a block (— where none does)."""
+    lines = [f"| layer | {' | '.join(name for name, _, _ in ENVELOPE_MODES)} |",
+             "|---|" + "---|" * len(ENVELOPE_MODES)]
+    for label, cell, depth in ENVELOPE_LAYERS:
+        cells = []
+        for _, dtype, tc in ENVELOPE_MODES:
+            best = None
+            for H in ENVELOPE_HIDDEN:
+                plan = persistent_plan(cell, depth, batch, H, dtype, multiprocessors=multiprocessors,
+                                       shared_memory=shared_memory, tensor_cores=tc)
+                if plan.fits:
+                    best = (H, plan)
+            cells.append("—" if best is None else
+                         f"H ≤ {best[0]} ({best[1].forward_bytes / 1024:.0f} / {best[1].backward_bytes / 1024:.0f} KB)")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return "\n".join(lines)

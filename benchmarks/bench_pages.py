@@ -5,7 +5,8 @@ or the per-head matrices of the context the decoder makes once for those product
 the previous token's tables (token and position products) in 2 MiB pages against 4 KiB ones (`table_pages`,
 item 63), or the encoder's recurrent matrices in the row-panel layout for batch 1 (`encoder_panels`, item 64), or
 the encoder's input products read from tables of the source embedding instead of computed (`source_tables`, item
-66), or the first decoder state made by one op instead of the modules' start_state (`fused_start`, item 66); or, with
+66), or the first decoder state made by one op instead of the modules' start_state (`fused_start`, item 66), or the
+attention's output projection folded into the two matrices that read the context (`fold`); or, with
 one decoder, the search's stopping rule checked against the one translation written (`nbest_stop`:
 nbest 1) against the beam's worst finished one (nbest 4, the rule before item 65).
 
@@ -18,6 +19,7 @@ nbest 1) against the beam's worst finished one (nbest 4, the rule before item 65
     python benchmarks/bench_pages.py --option nbest_stop --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option source_tables --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option fused_start --threads 1 --chunk 1 --sentences 400
+    python benchmarks/bench_pages.py --option fold --threads 1 --chunk 1 --sentences 400
 
 Builds both decoders in one process (FusedRNMTDecoder with --option True, the default, and False) and translates
 the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: one sentence a call, batch 1; more:
@@ -72,7 +74,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--int8", action="store_true", help="int8 decoders (`dtmt translate --int8`)")
     p.add_argument("--option", choices=("huge_pages", "step_tables", "context_table", "table_pages", "encoder_panels",
-                                        "source_tables", "fused_start", "nbest_stop"),
+                                        "source_tables", "fused_start", "fold", "nbest_stop"),
                    default="huge_pages",
                    help="the FusedRNMTDecoder option timed on against off (context_table: the decoder's attribute, "
                         "set to None in the other decoder; table_pages: the other decoder's token and position "

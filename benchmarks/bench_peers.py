@@ -196,25 +196,45 @@ def onmt_env(threads: int) -> dict:
                 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
 
 
+def timed(cmd, log, env=None) -> float:
+    """Runs `cmd` (as run) and returns its wall time from launch to exit: the one clock of both translators."""
+    t0 = time.perf_counter()
+    run(cmd, log, env)
+    return time.perf_counter() - t0
+
+
 def onmt_translate(py: str, model: str, src: str, out: str, beam: int, threads: int, log: str,
                    vocab, batch_tokens: int = 2000) -> dict:
-    """OpenNMT-py's own translator (batches of `batch_tokens` source tokens); detokenised output in `out`; returns
-    its decoding time (its own report, 0.1 s resolution) and speed."""
+    """OpenNMT-py's own translator (batches of `batch_tokens` source tokens, beam `beam`, GNMT's length penalty
+    with α 0.6 as dtmt's); detokenised output in `out`; returns the process's wall time from launch to exit
+    (`seconds`: model loading and everything else inside) and the translator's own report of its decoding alone
+    (`decode_seconds`, 0.1 s resolution)."""
     pieces = out + ".pieces"
     tlog = out + ".log"
     if os.path.exists(tlog):
         os.remove(tlog)
-    run([py, "-m", "onmt.bin.translate", "-model", model, "-src", src, "-output", pieces, "-beam_size", str(beam),
-         "-length_penalty", "wu", "-alpha", "0.6", "-batch_type", "tokens", "-batch_size", str(batch_tokens),
-         "-max_length", "250", "-gpu", "-1", "-report_time", "-log_file", tlog], log, env=onmt_env(threads))
+    seconds = timed([py, "-m", "onmt.bin.translate", "-model", model, "-src", src, "-output", pieces, "-beam_size",
+                     str(beam), "-length_penalty", "wu", "-alpha", "0.6", "-batch_type", "tokens", "-batch_size",
+                     str(batch_tokens), "-max_length", "250", "-gpu", "-1", "-report_time", "-log_file", tlog], log,
+                    env=onmt_env(threads))
     with open(pieces, encoding="utf-8") as f:
         hyps = [vocab.sp.decode(line.split()) for line in f.read().splitlines()]
     with open(out, "w", encoding="utf-8") as f:
         f.write("\n".join(hyps) + "\n")
     with open(tlog) as f:
         m = re.search(r"Total translation time \(s\): ([0-9.]+)", f.read())
-    seconds = float(m.group(1)) if m else float("nan")
-    return {"seconds": seconds, "sentences_per_s": len(hyps) / seconds}
+    return {"seconds": seconds, "decode_seconds": float(m.group(1)) if m else float("nan"), "sentences": len(hyps)}
+
+
+def dtmt_translate(ckpt: str, src: str, out: str, beam: int, threads: int, log: str,
+                   batch_tokens: int = 2000) -> dict:
+    """`dtmt translate` of the raw test sources (its own SentencePiece inside), batches of `batch_tokens` source
+    subwords, beam `beam`, α 0.6; returns the process's wall time from launch to exit, as onmt_translate's."""
+    seconds = timed([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", ckpt, src, "-o", out, "--beam",
+                     str(beam), "--alpha", "0.6", "--max-tokens", str(batch_tokens), "--threads", str(threads),
+                     "--quiet"], log, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    with open(out, encoding="utf-8") as f:
+        return {"seconds": seconds, "sentences": len(f.read().splitlines())}
 
 
 def read_jsonl(path: str) -> list:
@@ -499,6 +519,8 @@ def main(argv=None):
             raise SystemExit(f"bench_peers: the runs in {a.out} trained with threads={ref['threads']}, budget_s="
                              f"{ref['budget_s']}, sequential={ref['sequential']}: tabulate them with those options")
     # ---- evaluation, one system at a time
+    from dtmt_models.data.corpus import corpus_paths
+
     rows, curves = [], {}
     test_src = pieces["paths"][("test", s_lang)]
     for system in ours:
@@ -514,9 +536,10 @@ def main(argv=None):
         for which in ("best", "last"):
             ckpt = os.path.join(run_dir, f"{which}.pt")
             ev = os.path.join(run_dir, f"eval_{which}")
-            run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--checkpoint", ckpt, "--data", a.data,
-                 "--split", "test", "--beam", str(a.beam), "--threads", str(a.threads), "--out-dir", ev, "--quiet"],
-                log)
+            hyp = os.path.join(run_dir, f"test_{which}.hyp")
+            speed = dtmt_translate(ckpt, corpus_paths(a.data, "test")[0], hyp, a.beam, a.threads, log)
+            run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--hyp", hyp, "--data", a.data, "--split",
+                 "test", "--out-dir", ev, "--quiet"], log)
             with open(os.path.join(ev, "scores.json")) as f:
                 sc = json.load(f)
             ck = read_checkpoint(ckpt)
@@ -526,7 +549,8 @@ def main(argv=None):
                          "updates": updates if which == "last" else None,
                          "tok_update": tokens / updates if which == "last" else None,
                          "dev_loss": _dev_loss_at(curves[system], int(ck["step"])),
-                         "bleu": sc["bleu"], "chrf": sc["chrf"], "sent_s": sc["decode"]["sentences_per_s"]})
+                         "bleu": sc["bleu"], "chrf": sc["chrf"], "translate_s": speed["seconds"],
+                         "sent_s": speed["sentences"] / speed["seconds"]})
     if "onmt-lstm" in peers:
         jl = read_jsonl(os.path.join(onmt_dir, "train.jsonl"))
         ends = [r for r in jl if r["kind"] == "end"]
@@ -555,7 +579,9 @@ def main(argv=None):
                          "updates": end["step"] if which == "last" else None,
                          "tok_update": end["tokens"] / end["step"] if which == "last" else None,
                          "dev_loss": _dev_loss_at(curves["onmt-lstm"], step),
-                         "bleu": sc["bleu"], "chrf": sc["chrf"], "sent_s": speed["sentences_per_s"]})
+                         "bleu": sc["bleu"], "chrf": sc["chrf"], "translate_s": speed["seconds"],
+                         "sent_s": speed["sentences"] / speed["seconds"],
+                         "own_decode_s": speed["decode_seconds"]})
     # ---- tables
     command = "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
@@ -568,19 +594,26 @@ def main(argv=None):
              f"validation and a checkpoint every {a.valid_every} updates on both sides), on {a.data} (SentencePiece BPE "
              f"{train_cfg['vocab_size']:,} per side, {pieces['paths'][('train', 'n')]:,} training pairs, batches of "
              f"{train_cfg['max_tokens']:,} tokens, lr {train_cfg['lr']:g} with the RNMT+ schedule); test set "
-             f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, α 0.6, sacrebleu via `dtmt evaluate`; "
-             f"decoding one system at a time on {a.threads} thread(s). Command: `{command}`", "",
+             f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, GNMT's length penalty with α 0.6, "
+             f"batches of 2,000 source subwords, float32, sacrebleu via `dtmt evaluate`; decoding one system at a "
+             f"time on {a.threads} thread(s), each translator timed by one clock: its process's wall time from launch "
+             f"to exit, model loading and everything inside (`dtmt translate` on the raw sources, its SentencePiece "
+             f"inside; `onmt_translate` on the subwords). Command: `{command}`", "",
              *apart_line(records), *probe_lines(records),
              "Target tokens/s: every target token trained up to the stop over the budget's wall time.",
              "",
              "| system | checkpoint | params | target tok/s | updates | target tokens / update | its dev loss "
-             "| test BLEU | chrF | decode sent/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| test BLEU | chrF | translate s (launch to exit) | sent/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['checkpoint']}, update {r['step']:,} | "
                      f"{fmt(r['params'] and r['params'] / 1e6, '.2f')} M | {fmt(r['tok_s'], ',.0f')} | "
                      f"{fmt(r['updates'], ',')} | {fmt(r['tok_update'], ',.0f')} | {fmt(r['dev_loss'], '.3f')} | "
-                     f"{r['bleu']:.2f} | {r['chrf']:.2f} | {r['sent_s']:.1f} |")
+                     f"{r['bleu']:.2f} | {r['chrf']:.2f} | {r['translate_s']:.1f} | {r['sent_s']:.1f} |")
+    own = [r for r in rows if r.get("own_decode_s")]
+    if own:
+        lines += ["", "OpenNMT-py's own report of its decoding alone (model loading and start-up outside): " +
+                  "; ".join(f"{r['checkpoint']}, {r['own_decode_s']:.1f} s" for r in own) + "."]
     steps = sorted({s for c in curves.values() for s, _, _ in c})
     names = list(curves)
     lines += ["", "Dev loss (cross-entropy per target subword, no smoothing) at equal updates (learning per update):",

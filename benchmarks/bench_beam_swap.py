@@ -45,9 +45,9 @@ def main(argv=None):
     p.add_argument("--python-loop", action="store_true",
                    help="beam search's Python loop over the decoder's steps, not its one-call C++ search (NOTES 47)")
     p.add_argument("--no-fold", action="store_true",
-                   help="keep the attention's output projection as a third matrix (FusedRNMTDecoder fold=False)")
+                   help="keep the attention's output projection as a third matrix (EngineOptions fold=False)")
     p.add_argument("--no-huge-pages", action="store_true",
-                   help="leave the step's weights where they are, in 4 KiB pages (FusedRNMTDecoder huge_pages=False)")
+                   help="leave the step's weights where they are, in 4 KiB pages (EngineOptions huge_pages=False)")
     a = p.parse_args(argv)
     ours = tr.beam_search
     try:
@@ -62,6 +62,7 @@ def _run(a, tr):
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
     from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.engine import EngineOptions
     from dtmt_models.models.rnmt import FusedRNMTDecoder
 
     if a.beam_search:
@@ -79,8 +80,8 @@ def _run(a, tr):
     with torch_threads(a.threads), torch.no_grad():
         decoder = model.inference_decoder(int8=a.int8)   # built once, as `dtmt translate` does
         if (a.no_fold or a.no_huge_pages) and isinstance(decoder, FusedRNMTDecoder):
-            decoder = FusedRNMTDecoder(decoder.prepared, decoder.layered, decoder.int8, fold=not a.no_fold,
-                                       huge_pages=not a.no_huge_pages)
+            decoder = FusedRNMTDecoder(decoder.prepared, decoder.layered, decoder.int8,
+                                       EngineOptions(fold=not a.no_fold, huge_pages=not a.no_huge_pages))
         if a.batch_one:   # a first call out of the timing
             tr.translate(model, sv, tv, sources[:1], beam=4, decoder=decoder)
         t0 = time.perf_counter()

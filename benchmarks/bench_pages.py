@@ -5,8 +5,8 @@ or the per-head matrices of the context the decoder makes once for those product
 the previous token's tables (token and position products) in 2 MiB pages against 4 KiB ones (`table_pages`,
 item 63), or the encoder's recurrent matrices in the row-panel layout for batch 1 (`encoder_panels`, item 64), or
 the encoder's input products read from tables of the source embedding instead of computed (`source_tables`, item
-66), or the first decoder state made by one op instead of the modules' start_state (`fused_start`, item 66), or the
-attention's output projection folded into the two matrices that read the context (`fold`); or, with
+66), or the attention's output projection folded into the two matrices that read the context (`fold`): the switches
+of dtmt_models.engine.EngineOptions and two of their parts; or, with
 one decoder, the search's stopping rule checked against the one translation written (`nbest_stop`:
 nbest 1) against the beam's worst finished one (nbest 4, the rule before item 65).
 
@@ -18,7 +18,6 @@ nbest 1) against the beam's worst finished one (nbest 4, the rule before item 65
     python benchmarks/bench_pages.py --option encoder_panels --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option nbest_stop --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option source_tables --threads 1 --chunk 1 --sentences 400
-    python benchmarks/bench_pages.py --option fused_start --threads 1 --chunk 1 --sentences 400
     python benchmarks/bench_pages.py --option fold --threads 1 --chunk 1 --sentences 400
 
 Builds both decoders in one process (FusedRNMTDecoder with --option True, the default, and False) and translates
@@ -27,7 +26,7 @@ the first --sentences test sources (beam 4) in chunks of --chunk sentences (1: o
 to the next, so that the VM's drifting speed falls on both alike. Prints the seconds of each (model load
 excluded), their ratio and how many translations differ (huge_pages, table_pages: none may; step_tables: the same
 sums in another order, so a near-tie may go the other way; encoder_panels likewise at batch 1, source_tables and
-fused_start at any batch; nbest_stop: none
+fold at any batch; nbest_stop: none
 may at --chunk 1, the best being the same by construction, while in chunks a sentence's batch changes as others
 end sooner, so a near-tie may go the other way). With huge_pages / table_pages the line names the
 system's transparent huge page setting: under `always` an ordinary allocation may be in 2 MiB pages too.
@@ -38,6 +37,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -74,7 +74,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--int8", action="store_true", help="int8 decoders (`dtmt translate --int8`)")
     p.add_argument("--option", choices=("huge_pages", "step_tables", "context_table", "table_pages", "encoder_panels",
-                                        "source_tables", "fused_start", "fold", "nbest_stop"),
+                                        "source_tables", "fold", "nbest_stop"),
                    default="huge_pages",
                    help="the FusedRNMTDecoder option timed on against off (context_table: the decoder's attribute, "
                         "set to None in the other decoder; table_pages: the other decoder's token and position "
@@ -101,16 +101,16 @@ def main(argv=None):
                 raise SystemExit(f"{a.checkpoint}: its decoder makes no token table (int8 weights, or a system "
                                  f"whose search embeds otherwise)")
             off = FusedRNMTDecoder(on.prepared, on.layered, on.int8)
-            off.huge_pages = False   # from here on: its tables (a position table made longer too) stay ordinary
+            # from here on its tables (a position table made longer too) stay ordinary
+            off.options = replace(off.options, huge_pages=False)
             off.token_table, off._position_table = off.token_table.clone(), None
-        elif a.option in ("source_tables", "fused_start") and getattr(
-                on, {"source_tables": "source_table", "fused_start": "start_weights"}[a.option]) is None:
-            raise SystemExit(f"{a.checkpoint}: its decoder has no {a.option} (int8, a table past its size bound, or "
-                             f"a system that encodes otherwise): both decoders would be the same")
+        elif a.option == "source_tables" and on.source_table is None:
+            raise SystemExit(f"{a.checkpoint}: its decoder has no source tables (int8, a table past its size bound, "
+                             f"or a system that encodes otherwise): both decoders would be the same")
         elif a.option == "nbest_stop":   # one decoder; the rule is the search's (its nbest)
             off = on
         else:
-            off = FusedRNMTDecoder(on.prepared, on.layered, on.int8, **{a.option: False})
+            off = FusedRNMTDecoder(on.prepared, on.layered, on.int8, replace(on.options, **{a.option: False}))
         decoders = ({"2 MiB pages": on, "4 KiB pages": off} if a.option in ("huge_pages", "table_pages") else
                     {"nbest 1": on, "nbest 4": off} if a.option == "nbest_stop" else
                     {f"{a.option}=True": on, f"{a.option}=False": off})

@@ -96,18 +96,6 @@ SourceProducts source_products_cpu(const at::Tensor& annotations, int64_t NH, co
 constexpr double kExpScoreBound = 20.0;
 at::Tensor key_exps_cpu(const at::Tensor& keys);
 
-// The decoder's first state from the source's annotations, as dtmt_models' start_state computes it for an
-// attentional RNMT, in one call: src_mask [B, S] (position s of sentence b is real when s < lengths[b]);
-// s = tanh(mean W_init^T + b_init) [B, H] with mean the annotations' average over the real positions; keys =
-// annotations W_key^T + b_key [B, S, A], layer-normalised over A with key_ln_w / key_ln_b where given (single-head
-// attention's ln_k), viewed [B, S, heads, A / heads] for heads > 0 (multi-head attention's) and left [B, S, A] for
-// heads = 0. annotations [B, S, C] float or double, lengths [B] in [1, S], the weights of the annotations' dtype,
-// biases and the layer norm empty where absent. The same values up to rounding (the mean summed in position order).
-std::vector<at::Tensor> rnmt_start_cpu(const at::Tensor& annotations, const at::Tensor& lengths,
-                                       const at::Tensor& w_init, const at::Tensor& b_init, const at::Tensor& w_key,
-                                       const at::Tensor& b_key, const at::Tensor& key_ln_w, const at::Tensor& key_ln_b,
-                                       double key_ln_eps, int64_t heads);
-
 // One step of (multi-head) additive attention, as MultiHeadAdditiveAttention / AdditiveAttention compute it:
 //   q = query W_q^T [B, NH*D], layer-normalised over all NH*D when ln_w is present;
 //   scores[b,h,s] = v[h] . tanh(keys[b,s,h] + q[b,h]); alpha = softmax over the source positions with src_mask

@@ -230,66 +230,6 @@ Tensor key_exps_cpu(const Tensor& keys) {
   return out;
 }
 
-std::vector<Tensor> rnmt_start_cpu(const Tensor& annotations, const Tensor& lengths, const Tensor& w_init,
-                                   const Tensor& b_init, const Tensor& w_key, const Tensor& b_key,
-                                   const Tensor& key_ln_w, const Tensor& key_ln_b, double key_ln_eps, int64_t heads) {
-  check_cpu({&annotations, &lengths, &w_init, &b_init, &w_key, &b_key, &key_ln_w, &key_ln_b}, "rnmt_start");
-  TORCH_CHECK(annotations.dim() == 3 && lengths.dim() == 1 && lengths.size(0) == annotations.size(0) &&
-                  w_init.dim() == 2 && w_key.dim() == 2 && w_init.size(1) == annotations.size(2) &&
-                  w_key.size(1) == annotations.size(2),
-              "dtmt._C.rnmt_start: annotations [B, S, C], lengths [B], w_init [H, C] and w_key [A, C] expected, got ",
-              annotations.sizes(), ", ", lengths.sizes(), ", ", w_init.sizes(), " and ", w_key.sizes());
-  const int64_t B = annotations.size(0), S = annotations.size(1), C = annotations.size(2), H = w_init.size(0),
-                A = w_key.size(0);
-  const auto st = annotations.scalar_type();
-  const auto of_type = [&](const Tensor& t, int64_t n) {   // absent, or n values of the annotations' dtype
-    return !present(t) || (t.numel() == n && t.scalar_type() == st);
-  };
-  TORCH_CHECK((st == at::kFloat || st == at::kDouble) && w_init.scalar_type() == st && w_key.scalar_type() == st &&
-                  of_type(b_init, H) && of_type(b_key, A) && of_type(key_ln_w, A) && of_type(key_ln_b, A) &&
-                  present(key_ln_w) == present(key_ln_b),
-              "dtmt._C.rnmt_start: float or double annotations, weights and biases of their dtype, both or neither "
-              "of key_ln_w and key_ln_b [A = ", A, "] expected");
-  TORCH_CHECK(heads >= 0 && (heads == 0 || A % heads == 0), "dtmt._C.rnmt_start: heads must divide A = ", A,
-              " (0: single-head keys), got ", heads);
-  const Tensor a = annotations.contiguous(), len = lengths.to(at::kLong).contiguous();
-  const int64_t* n = len.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(n[b] >= 1 && n[b] <= S, "dtmt._C.rnmt_start: lengths must be in [1, S = ", S, "], got ", n[b]);
-  Tensor src_mask = at::empty({B, S}, a.options().dtype(at::kBool));
-  bool* m = src_mask.data_ptr<bool>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < S; ++i) m[b * S + i] = i < n[b];
-  Tensor mean = at::empty({B, C}, a.options()), s = at::empty({B, H}, a.options()),
-         keys = at::empty({B * S, A}, a.options());
-  AT_DISPATCH_FLOATING_TYPES(st, "rnmt_start_mean", [&] {
-    const scalar_t* x = a.data_ptr<scalar_t>();
-    scalar_t* out = mean.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      scalar_t* o = out + b * C;
-      std::fill(o, o + C, scalar_t(0));
-      for (int64_t i = 0; i < n[b]; ++i) {
-        const scalar_t* row = x + (b * S + i) * C;
-        for (int64_t c = 0; c < C; ++c) o[c] += row[c];
-      }
-      for (int64_t c = 0; c < C; ++c) o[c] /= static_cast<scalar_t>(n[b]);
-    }
-  });
-  linear_into(s, present(b_init) ? b_init : Tensor(), mean, w_init);
-  linear_into(keys, present(b_key) ? b_key : Tensor(), a.view({B * S, C}), w_key);
-  AT_DISPATCH_FLOATING_TYPES(st, "rnmt_start_rows", [&] {
-    scalar_t* sp = s.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < B * H; ++i) sp[i] = std::tanh(sp[i]);
-    if (present(key_ln_w)) {
-      const Tensor w = key_ln_w.contiguous(), bias = key_ln_b.contiguous();
-      for (int64_t r = 0; r < B * S; ++r)
-        layer_norm_inplace<scalar_t>(keys.data_ptr<scalar_t>() + r * A, w.data_ptr<scalar_t>(),
-                                     bias.data_ptr<scalar_t>(), key_ln_eps, A);
-    }
-  });
-  return {s, heads > 0 ? keys.view({B, S, heads, A / heads}) : keys.view({B, S, A}), src_mask};
-}
-
 std::vector<Tensor> attention_step_cpu(const Tensor& query, const Tensor& keys, const Tensor& annotations,
                                        const Tensor& src_mask, const AttentionWeights& w, int64_t group,
                                        bool with_context, const Tensor& key_exps, StepScratch* scratch) {

@@ -218,15 +218,6 @@ std::tuple<Tensor, Tensor> attention_step(const Tensor& query, const Tensor& key
   return {r[0], r[1]};
 }
 
-std::tuple<Tensor, Tensor, Tensor> rnmt_start(const Tensor& annotations, const Tensor& lengths, const Tensor& w_init,
-                                              const OptTensor& b_init, const Tensor& w_key, const OptTensor& b_key,
-                                              const OptTensor& key_ln_w, const OptTensor& key_ln_b, double key_ln_eps,
-                                              int64_t heads) {
-  auto r = dtmt::rnmt_start_cpu(annotations, lengths, w_init, dense(b_init, w_init), w_key, dense(b_key, w_key),
-                                dense(key_ln_w, w_key), dense(key_ln_b, w_key), key_ln_eps, heads);
-  return {r[0], r[1], r[2]};
-}
-
 // (an empty tensor where key_exps_cpu gives none)
 Tensor key_exps(const Tensor& keys) {
   Tensor r = dtmt::key_exps_cpu(dense(keys));
@@ -307,8 +298,6 @@ TORCH_LIBRARY(dtmt, m) {
   m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("attention_step(Tensor query, Tensor keys, Tensor annotations, Tensor src_mask, Tensor[] weights, "
         "float ln_eps, Tensor? key_exps=None) -> (Tensor context, Tensor alpha)");
-  m.def("rnmt_start(Tensor annotations, Tensor lengths, Tensor w_init, Tensor? b_init, Tensor w_key, Tensor? b_key, "
-        "Tensor? key_ln_w, Tensor? key_ln_b, float key_ln_eps, int heads) -> (Tensor s, Tensor keys, Tensor src_mask)");
   m.def("key_exps(Tensor keys) -> Tensor");
   m.def("readout_features(Tensor y, Tensor s, Tensor c, Tensor[] weights, float eps) -> Tensor");
   m.def("rnmt_step(Tensor y, Tensor s, Tensor keys, Tensor annotations, Tensor src_mask, int q_kind, "
@@ -338,7 +327,6 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("attention_context_backward", &attention_context_backward);
   m.impl("small_rows_linear", &small_rows_linear);
   m.impl("attention_step", &attention_step);
-  m.impl("rnmt_start", &rnmt_start);
   m.impl("key_exps", &key_exps);
   m.impl("readout_features", &readout_features);
   m.impl("rnmt_step", &rnmt_step);

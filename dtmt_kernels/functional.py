@@ -14,7 +14,7 @@ from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
 from .ops.decode_step import (AttentionWeights, CellWeights, MemoryWeights, ReadoutWeights, attention_step,
                                context_heads, fold_context_projection, memory_encoder, readout_features, rnmt_beam_search,
-                               rnmt_start, rnmt_step, step_weights_on_huge_pages, token_products)
+                               rnmt_step, step_weights_on_huge_pages, token_products)
 from .ops.linear import small_rows_applicable, small_rows_linear
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._extension import built
@@ -24,7 +24,7 @@ from .reference import TransitionWeights
 __all__ = ["transition_sequence", "transition_step", "additive_scores", "attention_context", "linear",
            "small_rows_applicable", "small_rows_linear", "AttentionWeights", "ReadoutWeights", "MemoryWeights",
            "CellWeights",
-           "rnmt_start", "attention_step", "readout_features", "rnmt_step", "rnmt_beam_search", "fold_context_projection",
+           "attention_step", "readout_features", "rnmt_step", "rnmt_beam_search", "fold_context_projection",
            "step_weights_on_huge_pages", "token_products", "context_heads", "memory_encoder", "lengths_to_mask",
            "check_attention_context", "check_dtype_for_backend", "smoothed_cross_entropy"]
 

@@ -1,6 +1,7 @@
 """Beam search against exhaustive search on a toy model whose step distribution is a fixed table."""
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 import dtmt_models as dm
 from dtmt_models.decoding.beam_search import beam_search, greedy, length_penalty
 from dtmt_models.data.vocabulary import BOS, EOS
+from dtmt_models.engine import EngineOptions
 from dtmt_models.models.rnmt import FusedRNMTDecoder
 
 
@@ -266,8 +268,8 @@ def _assert_same_hypotheses(result, expected, rtol):
 def _plain(decoder):
     """`decoder` (a FusedRNMTDecoder) with its steps reading no tables (step_tables=False): the search whose
     arithmetic is rnmt_step's, the Python loop's to the bit."""
-    return FusedRNMTDecoder(decoder.prepared, decoder.layered, int8=decoder.int8, fold=decoder.fold,
-                            huge_pages=decoder.huge_pages, step_tables=False)
+    return FusedRNMTDecoder(decoder.prepared, decoder.layered, int8=decoder.int8,
+                            options=replace(decoder.options, step_tables=False))
 
 
 @pytest.mark.parametrize("system, options", [
@@ -417,7 +419,7 @@ def test_fused_search_breaks_ties_as_the_python_loop(system):
     ("rnnsearch-atr", {}),                     # single head, no output projection, no target positions
 ])
 def test_search_through_step_tables(system, options):
-    """FusedRNMTDecoder(step_tables=True), the default: the search's steps read tables made once instead of
+    """EngineOptions(step_tables=True), the default: the search's steps read tables made once instead of
     recomputing their products (csrc/decode_step.h, StepTables): the previous token's products from per-token (and
     per-position) tables (TokenProducts), the attention scores from the keys' exponentials (key_exps), and where the
     sources are short (sentences x heads x positions <= C / 2) the context through its per-position products
@@ -467,7 +469,7 @@ def test_search_through_step_tables(system, options):
     assert int8.token_table is None   # (int8 weights: no token tables)
     alike(int8, src, lengths)
     if heads > 1:
-        alike(FusedRNMTDecoder(int8.prepared, int8.layered, fold=False), src, lengths)
+        alike(FusedRNMTDecoder(int8.prepared, int8.layered, options=EngineOptions(fold=False)), src, lengths)
 
 
 def test_token_tables_hold_the_products_of_the_embeddings():
@@ -517,8 +519,9 @@ def test_context_table_holds_the_two_context_matrices_by_head():
     for h in range(heads):
         assert torch.equal(table[h], w[:, h * 64:(h + 1) * 64].t())
     assert model.inference_decoder(int8=True).context_table is None
-    assert FusedRNMTDecoder(decoder.prepared, decoder.layered, fold=False).context_table is None
-    assert FusedRNMTDecoder(decoder.prepared, decoder.layered, step_tables=False).context_table is None
+    assert FusedRNMTDecoder(decoder.prepared, decoder.layered, options=EngineOptions(fold=False)).context_table is None
+    assert FusedRNMTDecoder(decoder.prepared, decoder.layered,
+                            options=EngineOptions(step_tables=False)).context_table is None
     src, lengths = torch.randint(4, 24, (3, 6)), torch.tensor([6, 4, 5])
     assert 3 * heads * 6 * 2 <= 128   # the context's products pay for this batch
     kwargs = dict(beam=3, alpha=0.6, nbest=3, max_len_a=1.5, max_len_b=3)
@@ -546,7 +549,7 @@ def test_step_tables_weigh_each_sentence_on_its_own():
     heads = 2
     model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=64, depth=1, heads=heads).eval()   # C = 128
     fast = model.inference_decoder()
-    plain = FusedRNMTDecoder(fast.prepared, fast.layered, step_tables=False)
+    plain = FusedRNMTDecoder(fast.prepared, fast.layered, options=EngineOptions(step_tables=False))
     src = torch.randint(4, 24, (3, 6))
     lengths = torch.tensor([6, 6])
     assert len(lengths) * heads * int(lengths.max()) * 2 <= 128   # both batches through the products

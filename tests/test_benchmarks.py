@@ -636,7 +636,7 @@ def test_bench_pages_quick(tmp_path):
     """The decoder-option timer: with the weights in 2 MiB pages or not, both decoders translate the toy test set
     alike, one sentence a call and in chunks; --option step_tables times that option's two decoders, --option
     table_pages the previous token's tables in either kind of page, --option nbest_stop one decoder's search with
-    either stopping rule; context_table, encoder_panels, source_tables and fused_start each time a decoder with it
+    either stopping rule; context_table, encoder_panels, source_tables and fold each time a decoder with it
     against one without."""
     from benchmarks import bench_pages
 
@@ -653,7 +653,7 @@ def test_bench_pages_quick(tmp_path):
     seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", "nbest_stop"])
     assert list(seconds) == ["nbest 1", "nbest 4"] and differ == 0
     # the constructor options and the context table: two decoders, on and off (their sums may round otherwise)
-    for option in ("context_table", "encoder_panels", "source_tables", "fused_start"):
+    for option in ("context_table", "encoder_panels", "source_tables", "fold"):
         seconds, differ = bench_pages.main(["--checkpoint", ckpt, "--data", data, "--option", option])
         assert list(seconds) == [f"{option}=True", f"{option}=False"] and all(s > 0 for s in seconds.values())
     with pytest.raises(SystemExit):

@@ -17,8 +17,7 @@ pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="th
 
 OPS = ("transition_forward", "transition_backward", "additive_scores", "additive_scores_backward",
        "attention_context", "attention_context_backward", "small_rows_linear", "attention_step", "readout_features",
-       "rnmt_step", "rnmt_beam_search", "memory_encoder", "transition_encode", "transition_encode_tokens",
-       "rnmt_start")
+       "rnmt_step", "rnmt_beam_search", "memory_encoder", "transition_encode", "transition_encode_tokens")
 
 
 def test_every_op_is_registered_in_the_dtmt_namespace():
@@ -131,7 +130,7 @@ def test_every_op_a_system_calls_passes_opcheck(system):
     names = {op.__name__.split(".")[0] for op in calls}
     expected = {"dtmt": {"transition_forward", "transition_backward", "additive_scores", "additive_scores_backward",
                          "attention_context_backward", "rnmt_step", "rnmt_beam_search", "transition_encode",
-                         "transition_encode_tokens", "rnmt_start"},
+                         "transition_encode_tokens"},
                 "mce": {"memory_encoder", "rnmt_step", "rnmt_beam_search"},
                 "nematus": {"transition_forward", "rnmt_step", "rnmt_beam_search"},
                 "gnmt-atr": {"transition_forward", "small_rows_linear"}}[system] | {"smoothed_cross_entropy"}

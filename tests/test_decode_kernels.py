@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import assert_decoders_step_alike, at_thread_counts
 import dtmt_kernels as dk
 from dtmt_kernels import _C
+from dtmt_models.engine import EngineOptions
 from dtmt_models.models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
 from dtmt_models.models.registry import build_model
 from dtmt_models.models.rnmt import FusedRNMTDecoder
@@ -514,8 +515,8 @@ def test_fold_context_projection(system, options):
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=24, **options).eval().double()
     with torch.no_grad():
         prepared = model.inference_decoder().prepared   # both with the weights where they are (huge_pages=False)
-        folded = FusedRNMTDecoder(prepared, False, huge_pages=False)
-        plain = FusedRNMTDecoder(prepared, False, fold=False, huge_pages=False)
+        folded = FusedRNMTDecoder(prepared, False, options=EngineOptions(huge_pages=False))
+        plain = FusedRNMTDecoder(prepared, False, options=EngineOptions(fold=False, huge_pages=False))
         has_projection = plain.attention.w_o is not None
         assert has_projection == (system == "dtmt") and folded.attention.w_o is None
         assert folded.decoder_cell.params[0].shape == plain.decoder_cell.params[0].shape
@@ -684,7 +685,7 @@ def test_sequence_layer_row_panels(layer_kind):
 
 @pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
 def test_encoder_panels_search(system):
-    """FusedRNMTDecoder(encoder_panels=True), the default, against encoder_panels=False: the same hypotheses and
+    """EngineOptions(encoder_panels=True), the default, against encoder_panels=False: the same hypotheses and
     scores within float32 rounding at batch 1 (the encoder's products from the row panels), the same results to the
     bit for a batch of several sentences (the panels unused); an int8 decoder has none."""
     from dtmt_models.decoding.beam_search import beam_search
@@ -693,7 +694,7 @@ def test_encoder_panels_search(system):
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=40).eval()
     with torch.no_grad():
         on = model.inference_decoder()
-        off = FusedRNMTDecoder(on.prepared, on.layered, encoder_panels=False)
+        off = FusedRNMTDecoder(on.prepared, on.layered, options=EngineOptions(encoder_panels=False))
         encoders = lambda d: [m for m in d.model.modules() if isinstance(m, dk.nn.FrozenTransitionLayer)]  # noqa: E731
         assert encoders(on) and all(m.panels is not None for m in encoders(on))
         assert all(m.panels is None for m in encoders(off))
@@ -781,64 +782,17 @@ def test_sequence_layer_encode_tokens(layer_kind):
     assert small.input_products(embedding) is None and small.input_products(positions) is not None
 
 
-@pytest.mark.parametrize("attention", ["additive", "additive-ln", "multi-head"])
-def test_rnmt_start_is_start_state(attention):
-    """dk.functional.rnmt_start with the weights start_weights reads from a model's init_state and attention makes
-    what start_state makes: the source mask (to the bit), the first state tanh(W_init mean + b) and the keys
-    (single-head, with and without its key layer norm; multi-head, [B, S, heads, A / heads]), in float64 within
-    1e-12 and in float32 within float32 rounding, for a batch of padded sentences and for one sentence; lengths
-    outside [1, S] and weights of another dtype are refused."""
-    from types import SimpleNamespace
-
-    from dtmt_models.models.rnmt import start_state, start_weights
-
-    torch.manual_seed(0)
-    C, A, H = 12, 8, 10
-    att = (MultiHeadAdditiveAttention(H, C, A, heads=4) if attention == "multi-head" else
-           AdditiveAttention(H, C, A, layer_norm=attention == "additive-ln"))
-    att, init = _randomise(att, 1).eval(), _randomise(dk.nn.Linear(C, H), 2)
-    if attention == "additive-ln":
-        assert type(att.ln_k) is torch.nn.LayerNorm
-    g = torch.Generator().manual_seed(3)
-    # (values at the padded positions too, where an encoder leaves zeros: the mean must skip them)
-    annotations, lengths = torch.randn(3, 7, C, generator=g), torch.tensor([7, 4, 1])
-    for dtype in (torch.float64, torch.float32):
-        att_d, init_d = copy.deepcopy(att).to(dtype), copy.deepcopy(init).to(dtype)
-        form = att_d.inference_module()
-        assert type(form) is AttentionStep
-        weights = start_weights(SimpleNamespace(init_state=init_d, attention=form))
-        assert weights is not None and weights[-1] == (4 if attention == "multi-head" else 0)
-        tol = 1e-12 if dtype == torch.float64 else 1e-5
-        with torch.no_grad():
-            for x, n in ((annotations.to(dtype), lengths), (annotations[:1].to(dtype), lengths[:1])):
-                want = start_state(form, init_d, x, n)
-                s, keys, mask = dk.functional.rnmt_start(x, n, *weights)
-                assert torch.equal(mask, want["src_mask"]) and mask.dtype == torch.bool
-                assert keys.shape == want["keys"].shape and keys.dtype == dtype
-                torch.testing.assert_close(keys, want["keys"], rtol=tol, atol=tol)
-                torch.testing.assert_close(s, want["s"], rtol=tol, atol=tol)
-    x = annotations.float()
-    with torch.no_grad():
-        torch.library.opcheck(torch.ops.dtmt.rnmt_start.default, (x, lengths, *weights))
-        with pytest.raises(RuntimeError, match=r"lengths must be in \[1, S = 7\]"):
-            dk.functional.rnmt_start(x, torch.tensor([7, 0, 1]), *weights)
-        with pytest.raises(RuntimeError, match="float or double annotations"):
-            dk.functional.rnmt_start(x.double(), lengths, *weights)
-    assert start_weights(SimpleNamespace(init_state=torch.nn.Identity(), attention=form)) is None
-
-
 @pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr", "mce"])
-def test_source_tables_and_fused_start(system):
-    """FusedRNMTDecoder(source_tables=True, fused_start=True), the default, against both False: encode reads the
-    source tokens' and positions' input products from tables (the embedding's and its position rows' products with
-    the encoder's input matrices) instead of embedding and multiplying, and makes the first state in one call
-    (rnmt_start) instead of the modules' start_state: the same state (the same entries in the same order; the
-    annotations, keys and first state within rounding, the mask and positions equal) for one sentence and for a
-    padded batch, in float64 (within 1e-10) and float32 (within 1e-5), and in float64 the same best hypotheses
-    with scores within 1e-9. A source longer than the position table makes it anew, at least twice as long. A
-    source id past the vocabulary is an IndexError with the tables as without them. mce (its own encoder) has the
-    first state's op and no tables; the int8 decoder has no tables (it quantizes the encoder's states: test_int8
-    holds it to the modules' products), nor has nematus (an encode of its own) either part."""
+def test_source_tables(system):
+    """EngineOptions(source_tables=True), the default, against False: encode reads the source tokens' and positions'
+    input products from tables (the embedding's and its position rows' products with the encoder's input matrices)
+    instead of embedding and multiplying: the same state (the same entries in the same order; the annotations, keys
+    and first state within rounding, the mask and positions equal) for one sentence and for a padded batch, in
+    float64 (within 1e-10) and float32 (within 1e-5), and in float64 the same best hypotheses with scores within
+    1e-9. A source longer than the position table makes it anew, at least twice as long. A source id past the
+    vocabulary is an IndexError with the tables as without them. mce (its own encoder) has no tables; the int8
+    decoder has none (it quantizes the encoder's states: test_int8 holds it to the modules' products), nor has
+    nematus (an encode of its own)."""
     from conftest import spread_weights
 
     from dtmt_models.decoding.beam_search import beam_search
@@ -849,9 +803,8 @@ def test_source_tables_and_fused_start(system):
         model = model.to(dtype)
         with torch.no_grad():
             on = model.inference_decoder()
-            off = FusedRNMTDecoder(on.prepared, on.layered, source_tables=False, fused_start=False)
-            assert (on.source_table is not None) == (system != "mce") and on.start_weights is not None
-            assert off.source_table is None and off.start_weights is None
+            off = FusedRNMTDecoder(on.prepared, on.layered, options=EngineOptions(source_tables=False))
+            assert (on.source_table is not None) == (system != "mce") and off.source_table is None
 
             def same(src, lengths):
                 sa, sb = on.encode(src, lengths), off.encode(src, lengths)
@@ -884,7 +837,7 @@ def test_source_tables_and_fused_start(system):
     with torch.no_grad():
         assert model.inference_decoder(int8=True).source_table is None
         nematus = build_model("nematus", 50, 60, embed_dim=16, hidden_size=40).eval().inference_decoder()
-        assert nematus.source_table is None and nematus.start_weights is None
+        assert nematus.source_table is None
 
 
 def test_longer_table():
@@ -953,9 +906,9 @@ def test_huge_page_copies():
 
 
 def test_the_int8_form_of_a_fused_decoder_keeps_its_settings():
-    """FusedRNMTDecoder.inference_decoder(int8=True) is the int8 form with the decoder's own fold, huge_pages and
-    step_tables (it used to take the defaults): the output projection folded or kept, and the same search as
-    an int8 decoder built with those settings; an int8 decoder, or int8=False, gives the decoder itself."""
+    """FusedRNMTDecoder.inference_decoder(int8=True) is the int8 form with the decoder's own options (it used to take
+    the defaults): the output projection folded or kept, and the same search as an int8 decoder built with those
+    options; an int8 decoder, or int8=False, gives the decoder itself."""
     from dtmt_models.decoding.beam_search import beam_search
 
     torch.manual_seed(3)
@@ -964,19 +917,19 @@ def test_the_int8_form_of_a_fused_decoder_keeps_its_settings():
     with torch.no_grad():
         base = model.inference_decoder()
         for fold, huge, products in ((False, False, False), (True, False, True), (False, True, True)):
-            settings = dict(fold=fold, huge_pages=huge, step_tables=products)
-            d = FusedRNMTDecoder(base.prepared, base.layered, **settings)
+            options = EngineOptions(fold=fold, huge_pages=huge, step_tables=products)
+            d = FusedRNMTDecoder(base.prepared, base.layered, options=options)
             q = d.inference_decoder(int8=True)
-            assert q.int8 and (q.fold, q.huge_pages, q.step_tables) == (fold, huge, products)
+            assert q.int8 and q.options == options
             assert (q.attention.w_o is None) == fold   # folded, or kept for the step to apply
             assert q.inference_decoder(int8=True) is q and d.inference_decoder() is d
-            built = FusedRNMTDecoder(base.prepared, base.layered, int8=True, **settings)
+            built = FusedRNMTDecoder(base.prepared, base.layered, int8=True, options=options)
             assert beam_search(q, src, lengths, beam=3) == beam_search(built, src, lengths, beam=3)
 
 
 @pytest.mark.parametrize("system, options", [("dtmt", dict(heads=2)), ("rnnsearch-atr", {})])
 def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
-    """FusedRNMTDecoder(huge_pages=True), the default: the step's weights (dk.functional.step_weights_on_huge_pages)
+    """EngineOptions(huge_pages=True), the default: the step's weights (dk.functional.step_weights_on_huge_pages)
     and the encoder's sequence layers (FrozenTransitionLayer.on_huge_pages) are copies, in one 2 MiB-aligned buffer
     each where huge pages are offered (the previous token's tables too, each in its own), and the decoder's steps,
     its reorder and its whole C++ beam search give the 4 KiB-page decoder's results to the bit, in float32, also as
@@ -987,7 +940,7 @@ def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=24, **options).eval()
     with torch.no_grad():
         huge = model.inference_decoder()
-        plain = FusedRNMTDecoder(huge.prepared, huge.layered, huge_pages=False)
+        plain = FusedRNMTDecoder(huge.prepared, huge.layered, options=EngineOptions(huge_pages=False))
         layers = lambda d: [m for m in d.model.modules() if isinstance(m, dk.nn.FrozenTransitionLayer)]  # noqa: E731
         assert layers(huge) and layers(plain)
         if dk.ops.linear.huge_pages_offered():
@@ -1012,6 +965,7 @@ def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
         prevs = [torch.randint(4, 60, (4,)) for _ in range(3)]
         assert_decoders_step_alike(huge, plain, src, lengths, prevs, torch.tensor([2, 0, 3, 1]), 0, 0, 0)
         for a, b in ((huge, plain), (huge.inference_decoder(int8=True),
-                                     FusedRNMTDecoder(huge.prepared, huge.layered, int8=True, huge_pages=False))):
+                                     FusedRNMTDecoder(huge.prepared, huge.layered, int8=True,
+                                                      options=EngineOptions(huge_pages=False)))):
             assert a.search is not None
             assert beam_search(a, src, lengths, beam=3) == beam_search(b, src, lengths, beam=3)

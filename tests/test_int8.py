@@ -373,6 +373,7 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
 
     from benchmarks import bench_int8
     from dtmt_models.models.registry import build_model
+    from dtmt_models.engine import EngineOptions
     from dtmt_models.models.rnmt import FusedRNMTDecoder
 
     torch.manual_seed(0)
@@ -385,7 +386,8 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
     with torch.no_grad():
         # fold=False: the step reads the modules' own matrices (the fold rounds W_ih W_o as one matrix instead)
         float_decoder = model.inference_decoder()
-        int8 = FusedRNMTDecoder(float_decoder.model, float_decoder.layered, int8=True, fold=False)
+        int8 = FusedRNMTDecoder(float_decoder.model, float_decoder.layered, int8=True,
+                                options=EngineOptions(fold=False))
         assert isinstance(int8, FusedRNMTDecoder) and int8.int8
         assert int8.readout.w_out.dtype == torch.int8 and int8.query_cell.params[2].dtype == torch.int8
         assert model.readout.output.proj.weight.dtype == torch.float32     # the model itself is untouched

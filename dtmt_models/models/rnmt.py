@@ -25,7 +25,8 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 from dtmt_models.data.vocabulary import BOS, EOS, never_output
-from dtmt_models.models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
+from dtmt_models.engine import EngineOptions
+from dtmt_models.models.attention import AttentionStep
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.seq2seq import (
     FrozenReadout,
@@ -98,40 +99,11 @@ def longer_table(table: Optional[Tensor], length: int, make) -> Optional[Tensor]
     return None
 
 
-def start_weights(model) -> Optional[tuple]:
-    """What dk.functional.rnmt_start takes after the annotations and lengths to make the first state of `model`
-    (an attentional RNMT's inference copy) as start_state does: (init_state's weight and bias, the attention's key
-    weight and bias, its key layer norm's weight, bias and eps (None, None, 1e-5 without one), heads (0: single-head
-    keys)); None where the parts are not the plain ones the op computes (an init_state or key projection that is
-    not a Linear, another attention, weights that are not float32 / float64 on the CPU)."""
-    init, attention = getattr(model, "init_state", None), getattr(model, "attention", None)
-    source = attention.source if isinstance(attention, AttentionStep) else None
-    if type(init) not in (dk.nn.Linear, torch.nn.Linear) or type(source) not in (AdditiveAttention,
-                                                                              MultiHeadAdditiveAttention):
-        return None
-    key = source.key
-    if type(key) not in (dk.nn.Linear, torch.nn.Linear):
-        return None
-    ln_w = ln_b = None
-    eps, heads = 1e-5, source.heads if type(source) is MultiHeadAdditiveAttention else 0
-    if heads == 0 and type(source.ln_k) is not torch.nn.Identity:
-        ln = source.ln_k
-        if not (type(ln) is torch.nn.LayerNorm and tuple(ln.normalized_shape) == (key.out_features,)
-                and ln.weight is not None and ln.bias is not None):
-            return None
-        ln_w, ln_b, eps = ln.weight, ln.bias, ln.eps
-    weights = [w for w in (init.weight, init.bias, key.weight, key.bias, ln_w, ln_b) if w is not None]
-    if not all(w.dtype in (torch.float32, torch.float64) and w.dtype == init.weight.dtype and w.device.type == "cpu"
-               for w in weights):
-        return None
-    return init.weight, init.bias, key.weight, key.bias, ln_w, ln_b, eps, heads
-
-
 class FusedRNMTDecoder:
     """The inference decoder (Seq2Seq.inference_decoder) of an attentional RNMT whose step is query cell -> attention ->
     decoder cell -> readout -> projection, nothing else: each `step` is one C++ call,
     `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; `embed_step` and `reorder` are the
-    prepared model's, and so is `encode` but for `source_tables` and `fused_start` below. Built by
+    prepared model's, and so is `encode` but for the source tables (EngineOptions.source_tables). Built by
     `fused_rnmt_decoder`, from the model's inference forms: the two FrozenTransitionCells, the AttentionStep's
     AttentionWeights and the FrozenReadout's ReadoutWeights.
     `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]. `int8`: the step's weight matrices
@@ -139,43 +111,15 @@ class FusedRNMTDecoder:
     the op multiplies by the activations quantized per row (dtmt_kernels.ops.linear.quantize.linear_int8), and
     the encoder's recurrent matrices likewise (dk.nn.FrozenTransitionLayer.int8, in a shallow copy of the model
     that `encode` runs); biases, layer norms, the embeddings and the encoder's input matrices (one GEMM over all
-    positions) stay float32. A copy of them is made here. `fold`: the
-    attention's output projection (multi-head attention) folded into the decoder cell's input matrix and the
-    readout's context matrix (dk.functional.fold_context_projection; before int8 rounding), so that a step reads
-    two matrices instead of three. `huge_pages`: the step's weights copied, last, into one buffer of 2 MiB pages
-    (dk.functional.step_weights_on_huge_pages; the same values, fewer TLB misses), and the encoder's sequence
-    layers' parameters likewise (dk.nn.FrozenTransitionLayer.on_huge_pages, in a shallow copy of the model that
-    `encode` runs), and the previous token's tables below, each in its own such buffer. `step_tables`: the
-    search's steps read what is made once instead of recomputing it (dk.functional.rnmt_beam_search): per
-    sentence, the context's products with the decoder cell's and readout's matrices where that pays (short
-    sources, float weights, after `fold`) and the keys' exponentials for the attention scores; per decoder,
-    tables of the previous token's products with the query cell's input matrix and the readout's y matrix
-    (dk.functional.token_products: float weights, tables up to its size bound), for every target token and, for a
-    system with positions, for each position (`position_table`, grown as sentences need), and the two matrices
-    that read the context split by head for the context's products (`context_table`, dk.functional.context_heads):
-    the same search up to rounding, fewer bytes and less work a step. `encoder_panels`: the encoder's sequence
-    layers also hold their recurrent matrices in the row-panel layout (dk.nn.FrozenTransitionLayer.with_row_panels,
-    in a shallow copy of the model that `encode` runs; float weights), from which a batch of one sentence is encoded
-    (the same annotations up to rounding; larger batches as before). `source_tables`: where the system encodes a
-    source as its TokenEmbedding read by one FrozenTransitionLayer (AttentionalRNMT's encode_source), the
-    embedding's products with the layer's input matrices as tables, one row a source token (and one a position,
-    `source_position_table`, grown as sentences need), from which `encode` reads each position's input products
-    (dk.nn.FrozenTransitionLayer.encode_tokens: no embedding lookup and no input GEMM a call; the same annotations
-    up to rounding; float weights, tables up to the layer's INPUT_TABLE_BYTES; not with `int8`, whose encoder
-    quantizes its states, so that a product rounded otherwise could move one across a quantization step).
-    `fused_start`: where the system's first state is AttentionalRNMT's (start_state over a plain init_state linear
-    and the attention's plain key projection), `encode` makes it in one C++ call, dk.functional.rnmt_start
-    (`start_weights`), instead of a dozen small PyTorch ops a batch: the same state up to rounding.
-    `search`: beam search's whole loop in one C++ call (see `_search`), or None
-    where the op cannot embed the previous token as the system does. `prepared`: the model it was made from
-    (`model` is that model or the copy `encode` runs)."""
+    positions) stay float32. A copy of them is made here. `options`: the switches of dtmt_models.engine.EngineOptions
+    (all on by default). `search`: beam search's whole loop in one C++ call (see `_search`), or None where the op
+    cannot embed the previous token as the system does. `prepared`: the model it was made from (`model` is that
+    model or the copy `encode` runs)."""
 
-    def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False, fold: bool = True,
-                 huge_pages: bool = True, step_tables: bool = True, encoder_panels: bool = True,
-                 source_tables: bool = True, fused_start: bool = True):
-        self.prepared, self.model, self.layered, self.int8 = model, model, layered, int8
-        self.fold, self.huge_pages, self.step_tables = fold, huge_pages, step_tables
-        self.encoder_panels, self.source_tables, self.fused_start = encoder_panels, source_tables, fused_start
+    def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False,
+                 options: EngineOptions = EngineOptions()):
+        self.prepared, self.model, self.layered, self.int8, self.options = model, model, layered, int8, options
+        fold, huge_pages, step_tables = options.fold, options.huge_pages, options.step_tables
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
@@ -188,7 +132,7 @@ class FusedRNMTDecoder:
             self.query_cell = dk.functional.CellWeights.of(self.query_cell).int8()
             self.decoder_cell = dk.functional.CellWeights.of(self.decoder_cell).int8()
             self.attention, self.readout = self.attention.int8(), self.readout.int8()
-        if encoder_panels and not int8:   # the encoder's recurrent matrices for batch 1, in a shallow copy
+        if options.encoder_panels and not int8:   # the encoder's recurrent matrices for batch 1, in a shallow copy
             self.model = inference_copy(self.model, lambda m: m.with_row_panels()
                                         if isinstance(m, dk.nn.FrozenTransitionLayer) else m)
         if huge_pages:   # the encoder's sequence layers too, in a shallow copy of the model (after int8's)
@@ -213,17 +157,15 @@ class FusedRNMTDecoder:
                 heads = 1 if self.single_head else model.attention.heads
                 self.context_table = dk.functional.context_heads(self.decoder_cell, self.readout, heads)
         # what `encode` runs, decided here: where the system's encode is AttentionalRNMT's (check_batch,
-        # encode_source, state_from), the source tables (source_tables) and the first state's op (fused_start)
+        # encode_source, state_from), the source tables (source_tables)
         cls, encoder = type(model), getattr(self.model, "encoder", None)
         src_embed = getattr(self.model, "src_embed", None)
         self._own_encode = cls.encode is AttentionalRNMT.encode
-        self.source_table = self._source_position_table = self.start_weights = None
-        if (source_tables and not int8 and self._own_encode and cls.encode_source is AttentionalRNMT.encode_source
-                and type(src_embed) is TokenEmbedding and type(encoder) is dk.nn.FrozenTransitionLayer
-                and encoder.batch_first):
+        self.source_table = self._source_position_table = None
+        if (options.source_tables and not int8 and self._own_encode
+                and cls.encode_source is AttentionalRNMT.encode_source and type(src_embed) is TokenEmbedding
+                and type(encoder) is dk.nn.FrozenTransitionLayer and encoder.batch_first):
             self.source_table = self._placed(encoder.input_products(src_embed.weight))
-        if fused_start and self._own_encode and cls.state_from is AttentionalRNMT.state_from:
-            self.start_weights = start_weights(self.model)
 
     @property
     def pad_id(self) -> int:
@@ -234,14 +176,11 @@ class FusedRNMTDecoder:
         """Itself, or with `int8` (and int8 not yet) its int8 form, with this decoder's other settings."""
         if not int8 or self.int8:
             return self
-        return FusedRNMTDecoder(self.prepared, self.layered, True, fold=self.fold, huge_pages=self.huge_pages,
-                                step_tables=self.step_tables, encoder_panels=self.encoder_panels,
-                                source_tables=self.source_tables, fused_start=self.fused_start)
+        return FusedRNMTDecoder(self.prepared, self.layered, True, self.options)
 
     @torch.no_grad()   # inference only (the ops write into buffers: no autograd)
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
-        """The model's encode: with source tables, the annotations from them (FrozenTransitionLayer.encode_tokens);
-        with start_weights, the first state from rnmt_start."""
+        """The model's encode: with source tables, the annotations from them (FrozenTransitionLayer.encode_tokens)."""
         m = self.model
         if not self._own_encode:
             return m.encode(src, src_lengths)
@@ -253,9 +192,7 @@ class FusedRNMTDecoder:
             annotations = m.encode_source(src, src_lengths)
         else:
             annotations = m.encoder.encode_tokens(src, self.source_table, positions, lengths=src_lengths)[0]
-        start = None if self.start_weights is None else \
-            dk.functional.rnmt_start(annotations, src_lengths, *self.start_weights)
-        return m.state_from(annotations, src_lengths, start)
+        return m.state_from(annotations, src_lengths)
 
     def source_position_table(self, length: int) -> Optional[Tensor]:
         """The source positions' products with the encoder's input matrices (FrozenTransitionLayer.input_products
@@ -311,7 +248,7 @@ class FusedRNMTDecoder:
         keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
         counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
-            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.step_tables,
+            self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.options.step_tables,
             early_stop, self.token_table, position_table, self.context_table, nbest,
             never_output(self.pad_id))
         flat, sizes = tokens.tolist(), lengths.tolist()
@@ -340,7 +277,7 @@ class FusedRNMTDecoder:
         """A token or position table as the step reads it: with `huge_pages`, copied into 2 MiB pages (a step
         reads the rows of its beam's previous tokens, ~6 KB each, anywhere in a table of tens of MB: in 4 KiB
         pages each costs page walks; docs/design/cpu_kernels.md, "Weights on 2 MiB pages")."""
-        if table is None or not self.huge_pages:
+        if table is None or not self.options.huge_pages:
             return table
         return dk.ops.linear.huge_page_copies([table])[0]
 
@@ -385,16 +322,10 @@ class AttentionalRNMT(Seq2Seq):
         self.check_batch(src, src_lengths)
         return self.state_from(self.encode_source(src, src_lengths), src_lengths)
 
-    def state_from(self, annotations: Tensor, src_lengths: Tensor, start: Optional[Tuple[Tensor, ...]] = None
-                   ) -> State:
-        """What `encode` makes of the source's annotations [B, S, C]: the decoder's first state. `start`: its
-        (s, keys, src_mask) already made (dk.functional.rnmt_start, FusedRNMTDecoder), in place of start_state's."""
+    def state_from(self, annotations: Tensor, src_lengths: Tensor) -> State:
+        """What `encode` makes of the source's annotations [B, S, C]: the decoder's first state."""
         B = annotations.shape[0]
-        if start is None:
-            state = start_state(self.attention, self.init_state, annotations, src_lengths)
-        else:
-            s, keys, src_mask = start
-            state = {"annotations": annotations, "keys": keys, "src_mask": src_mask, "s": s}
+        state = start_state(self.attention, self.init_state, annotations, src_lengths)
         state["pos"] = torch.zeros(B, dtype=torch.long, device=annotations.device)
         for name, cell in (("drop_q", self.query_cell), ("drop_d", self.decoder_cell)):
             drop = cell.sample_dropout_masks(B, annotations)

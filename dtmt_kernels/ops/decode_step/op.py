@@ -2,7 +2,6 @@
 torch.library custom ops with C++ CPU kernels (csrc/decode_step_cpu.cpp), their fakes, the named weight structures
 they take and the functions that call them (re-exported by dtmt_kernels.functional):
 
-    torch.ops.dtmt.rnmt_start         the decoder's first state from the annotations: s_0, the attention keys, the mask
     torch.ops.dtmt.attention_step     one (multi-head) additive attention step, query projection to output
     torch.ops.dtmt.readout_features   the readout's tanh(LN(.) + LN(.) + LN(.))
     torch.ops.dtmt.rnmt_step          one whole attentional RNMT decoder step, to the log-probabilities
@@ -245,19 +244,6 @@ def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask:
     return log_probs, s_new, alpha
 
 
-def rnmt_start(annotations: Tensor, lengths: Tensor, init_weight: Tensor, init_bias: Optional[Tensor],
-               key_weight: Tensor, key_bias: Optional[Tensor], key_ln_weight: Optional[Tensor] = None,
-               key_ln_bias: Optional[Tensor] = None, key_ln_eps: float = 1e-5, heads: int = 0
-               ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Inference only: the decoder's first state in one C++ call, as dtmt_models' start_state makes it for an
-    attentional RNMT. annotations [B, S, C], lengths [B] in [1, S]. Returns (s = tanh(mean W_init^T + b_init) [B, H],
-    the mean over each sentence's real positions; keys = annotations W_key^T + b_key, layer-normalised over their A
-    features where key_ln_weight / key_ln_bias are given, [B, S, heads, A / heads] for heads > 0, [B, S, A] for 0;
-    src_mask [B, S] bool, True at the real positions). The same values up to rounding."""
-    return torch.ops.dtmt.rnmt_start(annotations, lengths, init_weight, init_bias, key_weight, key_bias, key_ln_weight,
-                                     key_ln_bias, key_ln_eps, heads)
-
-
 def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Tensor, embed: Tensor,
                      positions: Optional[Tensor], query_cell, decoder_cell, attention: AttentionWeights,
                      readout: ReadoutWeights, beam: int, alpha: float, max_len: Tensor, bos: int, eos: int,
@@ -331,13 +317,6 @@ def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_k
             max_len.new_empty(n, **double), max_len.new_empty(n, **double))
 
 
-def _rnmt_start_fake(annotations, lengths, w_init, b_init, w_key, b_key, key_ln_w, key_ln_b, key_ln_eps, heads):
-    B, S, _ = annotations.shape
-    A = w_key.shape[0]
-    keys = annotations.new_empty(B, S, heads, A // heads) if heads > 0 else annotations.new_empty(B, S, A)
-    return annotations.new_empty(B, w_init.shape[0]), keys, annotations.new_empty(B, S, dtype=torch.bool)
-
-
 def _memory_encoder_fake(x, memory, src_mask, reverse, cell_kind, cell, cell_eps, addressing):
     return x.new_empty(memory.shape), torch.empty_like(memory, memory_format=torch.contiguous_format)
 
@@ -348,7 +327,6 @@ if built():
     torch.library.register_fake("dtmt::rnmt_step")(_rnmt_step_fake)
     torch.library.register_fake("dtmt::memory_encoder")(_memory_encoder_fake)
     torch.library.register_fake("dtmt::rnmt_beam_search")(_rnmt_beam_search_fake)
-    torch.library.register_fake("dtmt::rnmt_start")(_rnmt_start_fake)
     for op in ("dtmt::attention_step", "dtmt::readout_features", "dtmt::rnmt_step", "dtmt::rnmt_beam_search",
-               "dtmt::memory_encoder", "dtmt::rnmt_start"):
+               "dtmt::memory_encoder"):
         _autocast.register(op, _autocast.float32_rule)

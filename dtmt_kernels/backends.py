@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import importlib.util
-import os
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from .ops._triton_mode import triton_interpreting
 
 BACKEND_NAMES = ("auto", "reference", "cpp", "triton", "cuda")
 
@@ -99,11 +100,6 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     if device.type not in b.devices():
         raise ValueError(f"backend {name!r} runs on {'/'.join(b.devices())} tensors, got tensors on {device}")
     return b
-
-
-def triton_interpreting() -> bool:
-    """Whether triton kernels decorated now would run in triton's CPU interpreter (TRITON_INTERPRET set)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 _TRITON_IMPORT_ERROR: List[Optional[str]] = []   # [] until checked, then [None or the reason]

@@ -124,7 +124,7 @@ def test_translate_best_nbest_and_model_mode(system):
     assert best == [h[0][0] for h in three]
     # one submodule in training mode (dropout on inside an eval model) is found and decoded in eval mode too, and
     # left in training mode after it
-    from dtmt_models.decoding.beam_search import any_training
+    from dtmt_models.models.modes import any_training
 
     inner = [m for m in model.modules() if m is not model and len(list(m.parameters()))][-1]
     assert not any_training(model)

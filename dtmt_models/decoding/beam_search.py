@@ -31,11 +31,10 @@ log-probabilities are -inf before the candidates are ranked.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import operator
-from typing import Iterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -44,35 +43,9 @@ from dtmt_models.data.vocabulary import BOS, EOS, PAD, never_output
 from dtmt_models.decoding.device_search import device_loop
 from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, NEG_INF, NON_FINITE_SCORE, Hypothesis,  # noqa: F401
                                              NonFiniteScores, check_banned, length_penalty)
+from dtmt_models.models.modes import eval_mode
 
 
-def any_training(model: torch.nn.Module) -> bool:
-    """Whether the model or any module under it is in training mode (Module.modules()'s walk without its names
-    and memo: this runs for every decoding call, a sentence at a time under `dtmt serve`)."""
-    stack = [model]
-    while stack:
-        m = stack.pop()
-        if m.training:
-            return True
-        stack.extend(c for c in m._modules.values() if c is not None)
-    return False
-
-
-@contextlib.contextmanager
-def eval_mode(model) -> Iterator[None]:
-    """`model` (an nn.Module; anything else is left alone) in eval mode for the block; afterwards every module has
-    the mode it had before, so a member already in eval mode stays so whatever its parent's mode was (Module.train
-    would set them all). The modes are restored as flags: a module overriding train() is not called again."""
-    if not isinstance(model, torch.nn.Module) or not any_training(model):   # (the usual case: nothing to walk)
-        yield
-        return
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> Tuple[int, int]:

@@ -40,7 +40,8 @@ import torch
 
 from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
-from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search, check_search_arguments, eval_mode
+from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search, check_search_arguments
+from dtmt_models.models.modes import eval_mode
 
 PROG = "dtmt translate"
 T = TypeVar("T")

@@ -37,6 +37,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_kernels.functional import lengths_to_mask
 from dtmt_models.data.vocabulary import BOS
+from dtmt_models.models.modes import eval_mode
 from dtmt_models.plotting import figure, save
 
 __all__ = ["atr_gates", "GateStatistics", "gate_correlation", "gate_position_curves", "dependency_weights",
@@ -341,7 +342,6 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
     if tgt.numel() == 0:
         raise ValueError("attention_matrix: tgt_tokens must hold at least one token")
     prev = torch.cat([tgt.new_tensor([BOS]), tgt[:-1]])
-    from dtmt_models.decoding.beam_search import eval_mode   # (each module's own mode restored after)
 
     rows = []
     with eval_mode(model):

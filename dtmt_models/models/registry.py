@@ -1,25 +1,13 @@
 """The one registry of NMT systems: `build_model(name, src_vocab_size, tgt_vocab_size, **options)`."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import List
 
 import torch
 import torch.nn as nn
 
 from dtmt_models.errors import one_line
-
-_MODELS: Dict[str, Callable[..., nn.Module]] = {}
-
-
-def register_model(name: str):
-    """Class decorator: makes the system buildable by name."""
-    def wrap(cls):
-        if name in _MODELS:
-            raise ValueError(f"model {name!r} registered twice")
-        _MODELS[name] = cls
-        cls.model_name = name
-        return cls
-    return wrap
+from dtmt_models.models.registered import MODELS as _MODELS, register_model  # noqa: F401  (the public name)
 
 
 def list_models() -> List[str]:

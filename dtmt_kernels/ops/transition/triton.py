@@ -37,6 +37,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._triton_mode import triton_interpreting
 from .grads import weight_grads
 from .layout import KIND_TGRU, ROWS, acc_dtype, present
 
@@ -47,8 +48,6 @@ def _kernels():
     """The kernels module, (re)imported so that its `triton.jit` decorations match the current
     TRITON_INTERPRET setting (triton decides between compiling and interpreting at decoration time)."""
     global _KERNELS
-    from ...backends import triton_interpreting
-
     mode = triton_interpreting()
     if _KERNELS is None or _KERNELS[0] != mode:
         name = __package__ + ".triton_kernels"

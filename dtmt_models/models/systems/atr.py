@@ -35,7 +35,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_models.models.attention import AdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
-from dtmt_models.models.registry import register_model
+from dtmt_models.models.registered import register_model
 from dtmt_models.models.rnmt import (
     AttentionalRNMT,
     recurrent_cell,

@@ -21,7 +21,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_models.models.attention import AdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
-from dtmt_models.models.registry import register_model
+from dtmt_models.models.registered import register_model
 from dtmt_models.models.rnmt import recurrent_cell, recurrent_layer, start_state
 from dtmt_models.models.seq2seq import Projection, Seq2Seq, State, step_state
 

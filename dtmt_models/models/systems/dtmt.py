@@ -30,7 +30,7 @@ from typing import Optional
 import dtmt_kernels as dk
 from dtmt_models.models.attention import MultiHeadAdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
-from dtmt_models.models.registry import register_model
+from dtmt_models.models.registered import register_model
 from dtmt_models.models.rnmt import AttentionalRNMT
 from dtmt_models.models.seq2seq import Readout
 

@@ -49,7 +49,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_models.models.attention import AdditiveAttention, masked_softmax
 from dtmt_models.models.embeddings import TokenEmbedding
-from dtmt_models.models.registry import register_model
+from dtmt_models.models.registered import register_model
 from dtmt_models.models.rnmt import AttentionalRNMT
 from dtmt_models.models.seq2seq import Readout, lengths_mask
 

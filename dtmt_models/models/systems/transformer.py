@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dtmt_kernels.functional import linear
 from dtmt_models.models.embeddings import sinusoidal_positions
-from dtmt_models.models.registry import register_model
+from dtmt_models.models.registered import register_model
 from dtmt_models.models.seq2seq import Projection, Seq2Seq, State, lengths_mask
 
 

@@ -1,5 +1,5 @@
 """Training under torch.autocast in bfloat16 (`dtmt train --amp bf16`) against float32, in one process (issue 22
-item 4, NOTES log):
+item 4; why it is off by default: docs/design/training.md, "bfloat16 on the CPU"):
 
     python benchmarks/bench_amp.py [--model dtmt] [--threads 1] [--rounds 3] [--batches 4]
 

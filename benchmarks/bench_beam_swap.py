@@ -1,12 +1,12 @@
 """Times `translate` on a test set with this checkout's beam search or with another version of beam_search.py
-(before/after figures of a beam-search change, NOTES items 28 and 29).
+(before/after figures of a beam-search change; those kept: docs/design/decoding.md, "Beam search").
 
     git show 7bedfeb^:dtmt_models/decoding/beam_search.py > /tmp/beam_search_old.py
     farm-bench -n 4 --vs "python benchmarks/bench_beam_swap.py --beam-search /tmp/beam_search_old.py" -- \\
         python benchmarks/bench_beam_swap.py
-    python benchmarks/bench_beam_swap.py --batch-one 300 --threads 1     # one sentence a call, as item 29
+    python benchmarks/bench_beam_swap.py --batch-one 300 --threads 1     # one sentence a call
     python benchmarks/bench_beam_swap.py --batch-one 150 --threads 1 --profile \
-        --checkpoint benchmarks/out/peers_30m_b/dtmt/best.pt                # where the time goes, item 27
+        --checkpoint benchmarks/out/peers_30m_b/dtmt/best.pt                # where the time goes
 
 Prints one line: which beam search, the decoding seconds (model load excluded) and a SHA-1 of the outputs, so
 that two versions can be checked to translate identically.
@@ -43,7 +43,7 @@ def main(argv=None):
     p.add_argument("--int8", action="store_true", help="decode with int8 weight matrices (`dtmt translate --int8`)")
     p.add_argument("--profile", action="store_true", help="decode under cProfile and print the 25 costliest calls")
     p.add_argument("--python-loop", action="store_true",
-                   help="beam search's Python loop over the decoder's steps, not its one-call C++ search (NOTES 47)")
+                   help="beam search's Python loop over the decoder's steps, not its one-call C++ search")
     p.add_argument("--no-fold", action="store_true",
                    help="keep the attention's output projection as a third matrix (EngineOptions fold=False)")
     p.add_argument("--no-huge-pages", action="store_true",

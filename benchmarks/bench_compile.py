@@ -1,4 +1,5 @@
-"""torch.compile of a whole system's training update against eager, in one process (issue 22, NOTES log):
+"""torch.compile of a whole system's training update against eager, in one process (issue 22; why training stays
+eager: docs/design/training.md, "Eager, not compiled"):
 
     python benchmarks/bench_compile.py [--model dtmt] [--threads 1] [--rounds 3] [--backend inductor]
 

@@ -9,16 +9,17 @@ both on one thread, in a small C++ program compiled here with g++ -O3 -march=nat
 else AVX2):
 
 - FMA throughput: independent chains of 512-bit (and 256-bit) fused multiply-adds, ns per instruction;
-- read rate: a sum over 1 MiB read again and again (within L2 on a CPU of 2 MiB of L2 a core, as the machines of
-  NOTES 61-67), over 1.75 MiB (a batch-1 encoder direction's recurrent matrices for the small dtmt, at the edge of
-  such an L2) and over 7 MiB (past it), in 2 MiB pages;
+- read rate: a sum over 1 MiB read again and again (within L2 on a CPU of 2 MiB of L2 a core, as the Xeon 167
+  of docs/design/cpu_kernels.md), over 1.75 MiB (a batch-1 encoder direction's recurrent matrices for the small
+  dtmt, at the edge of such an L2) and over 7 MiB (past it), in 2 MiB pages;
 - the multiply-add stream: M rows of x times a 7 MiB stream of weight rows (the shape of the small-row loop of
   csrc/isa/small_gemm_rows.cpp: R = 4 weight rows at a time, 2 with AVX2 only, each chunk of x loaded once for
   them), GB/s of weights for M = 1 and 4, beside the FMA bound (vector bytes) / (M x ns per FMA).
 - the weighing of a step's source products (a sentence's NH x S rows of the context's products, read 96 columns at
   a time as weigh_products reads them): alone, again and again (from L2), and after each 7 MiB read of a step's
   weights (which evicts them), the stream read plainly or with non-temporal prefetches: can a hint keep the
-  products in L2 while the weights stream past? (NOTES 68: no, on the machine of NOTES 61-68.)
+  products in L2 while the weights stream past? (No, on the Xeon 167: docs/design/cpu_kernels.md, "Weights on
+  2 MiB pages".)
 
 x86-64 with AVX2 and FMA, Linux (2 MiB pages by madvise), g++.
 

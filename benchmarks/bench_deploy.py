@@ -26,8 +26,9 @@ What it does, in one run:
    --no-ct2-int8) beside `dtmt --int8`; model loading excluded
    everywhere, the same sentences in the same order. The sentences are cut into `--rounds` consecutive parts
    (default 4) and each round decodes one part with every decoder of the thread count in turn, the order reversed
-   from one round to the next, so that the VM's drift within a run falls on every decoder alike (NOTES item 56);
-   a decoder's time is the sum of its rounds, and each ratio also shows its range over the rounds;
+   from one round to the next, so that the VM's drift within a run falls on every decoder alike
+   (docs/design/decoding.md, "Measuring"); a decoder's time is the sum of its rounds, and each ratio also shows
+   its range over the rounds;
 4. the BLEU of every output against the references (sacrebleu, as `dtmt evaluate`), sentences/s and output
    words/s, and the ratios the issue sets goals for: each system at batch 1 over CTranslate2 at batch 1 (goal
    >= 1.5) and batched over the faster of CTranslate2 batched and OpenNMT-py's LSTM (goal >= 1.0), CTranslate2 in
@@ -153,7 +154,7 @@ def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: i
 
 # CTranslate2's CPU GEMM backends as a user can choose them (its CT2_USE_MKL variable): Intel MKL (its default on
 # x86) and its other one (oneDNN). Each setting is timed with both and the faster counts: on some VMs one of them
-# collapses with 2 threads (NOTES item 47).
+# collapses with 2 threads (docs/design/decoding.md, "Measuring").
 CT2_BACKENDS = {"mkl": {}, "no-mkl": {"CT2_USE_MKL": "0"}}
 
 

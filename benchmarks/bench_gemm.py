@@ -7,16 +7,17 @@
 Each M x K x N shape is timed as x [M, K] @ W^T (W [N, K], as nn.Linear / the kernels' input projections) and
 as the weight gradient g^T [N, M] @ x [M, K]; median of --repeat timings of --inner calls. This is the
 ceiling the fused kernels work under: at the per-step shapes (M = batch rows) the GEMMs are slower per FLOP
-than at M = T·B and gain little from a second thread (benchmarks/NOTES.md, log item 7).
+than at M = T·B and gain little from a second thread.
 
 Each shape also shows the weight read rate, K·N·4 bytes / time of x @ W^T, next to what the memory gives a plain
 read of the same weights (W.sum()). With --cold every call uses the next of enough distinct weight matrices to
 fill 64 MiB, so they come from memory rather than cache, as in decoding, where a step reads every decoder weight
-once (~10 MB for dtmt's small preset). --decode selects the M = 4 shapes of beam 4, batch 1 (log item 10);
+once (~10 MB for dtmt's small preset). --decode selects the M = 4 shapes of beam 4, batch 1;
 --rows changes their M (1 for greedy decoding at batch 1).
 
-For M <= 8 the last column is the package's small-row kernel (`dtmt_kernels.functional.linear`, csrc/small_gemm_cpu.cpp)
-on the same weights, as weight GB/s, next to x @ W^T's (log item 12).
+For M <= 8 the last column is the package's small-row kernel (`dtmt_kernels.functional.linear`,
+csrc/small_gemm_cpu.cpp) on the same weights, as weight GB/s, next to x @ W^T's (why the small-row loop:
+docs/design/cpu_kernels.md, "Streaming the weights").
 """
 from __future__ import annotations
 

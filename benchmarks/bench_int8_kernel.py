@@ -11,8 +11,8 @@ path), on one thread, best of --repeat rounds of --calls calls each. Reported pe
 in each. Also per M, float32 "as a step": all the matrices one after another in a call, as a decoder step reads
 them (together larger than a core's L2, so the weights come from further away than when one matrix is timed over
 and over; the op is called from Python, matrix after matrix, so the figure also holds what Python spends between
-the calls: a standalone C++ copy of the loop over matrices of the same shapes took about half the time, NOTES 60
-(a)); and the floor of that: one torch.sum over the same float32 bytes (the core's streaming rate, GB/s).
+the calls: a standalone C++ copy of the loop over matrices of the same shapes took about half the time, Xeon 207,
+2026-11-26); and the floor of that: one torch.sum over the same float32 bytes (the core's streaming rate, GB/s).
 Output: OUT/bench_int8_kernel.md and .json.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The cost of one call of the small-row linear, the op a decoder step calls most often (NOTES log item 23):
+"""The cost of one call of the small-row linear, the op a decoder step calls most often (docs/design/cpu_kernels.md,
+"The kernels as torch ops"):
 
     python benchmarks/bench_op_call.py            # in this checkout
     (cd OTHER_CHECKOUT && python /path/to/benchmarks/bench_op_call.py)   # the same in another, e.g. before a change

@@ -1,14 +1,15 @@
-"""One FusedRNMTDecoder option on against off, in one process: the weights in 2 MiB pages (`huge_pages`, NOTES item
-54) or the tables the search's steps read instead of recomputing their products (`step_tables`: the context's
-products made once per sentence, NOTES item 55; the keys' exponentials and the previous token's products, item 61)
-or the per-head matrices of the context the decoder makes once for those products (`context_table`, item 62), or
-the previous token's tables (token and position products) in 2 MiB pages against 4 KiB ones (`table_pages`,
-item 63), or the encoder's recurrent matrices in the row-panel layout for batch 1 (`encoder_panels`, item 64), or
-the encoder's input products read from tables of the source embedding instead of computed (`source_tables`, item
-66), or the attention's output projection folded into the two matrices that read the context (`fold`): the switches
-of dtmt_models.engine.EngineOptions and two of their parts; or, with
-one decoder, the search's stopping rule checked against the one translation written (`nbest_stop`:
-nbest 1) against the beam's worst finished one (nbest 4, the rule before item 65).
+"""One FusedRNMTDecoder option on against off, in one process: the weights in 2 MiB pages (`huge_pages`) or the
+tables the search's steps read instead of recomputing their products (`step_tables`: the context's products made
+once per sentence, the keys' exponentials and the previous token's products) or the per-head matrices of the
+context the decoder makes once for those products (`context_table`), or the previous token's tables (token and
+position products) in 2 MiB pages against 4 KiB ones (`table_pages`), or the encoder's recurrent matrices in the
+row-panel layout for batch 1 (`encoder_panels`), or the encoder's input products read from tables of the source
+embedding instead of computed (`source_tables`), or the attention's output projection folded into the two matrices
+that read the context (`fold`): the switches of dtmt_models.engine.EngineOptions and two of their parts (why each:
+docs/design/decoding.md, "Engine options" and "Tables made once per model and per sentence";
+docs/design/cpu_kernels.md, "Weights on 2 MiB pages" and "Row panels"); or, with one decoder, the search's stopping
+rule checked against the one translation written (`nbest_stop`: nbest 1) against the beam's worst finished one
+(nbest 4, the rule before; docs/design/decoding.md, "Beam search").
 
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 1 --chunk 1 --sentences 150
     python benchmarks/bench_pages.py --checkpoint benchmarks/out/dev_dtmt/best.pt --threads 2 --chunk 60

@@ -267,7 +267,7 @@ def write_record(run_dir: str, setting: dict) -> None:
 
 
 # Per-step GEMM shapes of a dtmt small-preset training update (M = batch rows), timed with their weights coming
-# from memory: the rate that moves with the VM (NOTES item 43).
+# from memory: the rate that moves with the VM (docs/design/training.md, "Speed probes for runs trained apart").
 PROBE_SHAPES = ("88x256x1024", "43x256x768", "88x512x1280", "43x1024x256")
 PROBE_APART = 0.05   # probes differing by more than this (two runs', or one run's before/after): not equal work
 
@@ -276,8 +276,9 @@ def speed_probe(threads: int, seconds: float = 3.0) -> float:
     """How fast the machine trains now: float32 GFLOP/s of x @ W^T over PROBE_SHAPES, each call taking the next of
     64 MiB of distinct weight matrices (from memory, as a training step's weights come: bench_gemm --cold), over
     `seconds` of wall time on `threads` threads (time the VM takes away counts). A VM's speed on the same CPU
-    moves between sessions, mostly in its memory (NOTES item 43), so each training records a probe before and
-    after it and tabulation compares the probes of runs trained apart."""
+    moves between sessions, mostly in its memory (docs/design/training.md, "Speed probes for runs trained apart"),
+    so each training records a probe before and after it and tabulation compares the probes of runs trained
+    apart."""
     import time
 
     import torch

@@ -1,4 +1,5 @@
-"""Before/after timings of three pieces of a dtmt training update (NOTES log item 19), each pair in one process:
+"""Before/after timings of pieces of a dtmt training update (docs/design/training.md, "Loss and optimizer"), each
+pair in one process:
 
     python benchmarks/bench_update_pieces.py --run benchmarks/out/peers_30m     # a bench_peers.py output dir
 
@@ -10,13 +11,13 @@
    (a per-head copy of the values times the step's gradient), at 66 × 26 × 512, 4 heads;
 3. one Adam step over the dtmt small preset's parameters: torch's default (on the CPU a loop of per-tensor
    operators) against `fused=True` and against `build_optimizer` (fused, plus the hook that bumps the parameters'
-   version counters; NOTES log item 36);
+   version counters);
 4. the loss alone on [--loss-rows, 4,000] logits, forward and backward: the C++ kernel
    (`torch.ops.dtmt.smoothed_cross_entropy`, the default on the CPU) against the portable autograd node it
    replaced there (`PortableSmoothedCrossEntropy`) and against log_softmax + `label_smoothed_nll`.
 5. whole updates of a freshly initialised dtmt (small preset) on the first batches of the prepared corpus
-   (--data), alternated --rounds times: as before NOTES log item 36 (the portable loss node, torch's default
-   Adam) against now (the C++ loss kernel, `build_optimizer`).
+   (--data), alternated --rounds times: as before (the portable loss node, torch's default Adam) against now (the
+   C++ loss kernel, `build_optimizer`).
 One thread (--threads). Prints target tokens/s per round and the ratio, and µs / ms per call.
 
     python benchmarks/bench_update_pieces.py --pieces 3 4 5        # 3-5 need no bench_peers.py run

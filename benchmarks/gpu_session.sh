@@ -15,7 +15,8 @@
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
 #                                                       # GEMM, ATen's mm and cuBLAS called directly, each at
-#                                                       # every batch size (NOTES 69, 71)
+#                                                       # every batch size (why: docs/design/gpu.md, "Step GEMMs",
+#                                                       # and "cuBLAS without ATen")
 #
 # Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
 # has them all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype

@@ -19,7 +19,8 @@ settings.load_profile("repeatable")
 
 # Under pytest-xdist (the README's `-n auto`) each worker computes on one thread, and so do the commands the tests
 # start: two workers of two threads each on two cores made the tests that train 4x slower (OpenMP's threads
-# waiting for a core; benchmarks/NOTES.md, item 71). Tests of other thread counts set theirs.
+# waiting for a core; test_pipeline.py 267 s against 66 on a 2-core Skylake-SP). Tests of other thread counts set
+# theirs.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER is not None:
     torch.set_num_threads(1)
@@ -76,8 +77,8 @@ def nan_filled_empty_tensors():
 def torch_threads_restored():
     """A test that runs a command in this process which sets torch's thread count (bench_update_pieces and
     callgrind_cells' workload in test_benchmarks, `dtmt train --threads 1` in test_train) left torch on that count:
-    every later test ran on 1 thread instead of 2, minutes longer in all (benchmarks/NOTES.md, item 63). The
-    thread count is put back after each test."""
+    every later test ran on 1 thread instead of 2, minutes longer in all. The thread count is put back after each
+    test."""
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:

@@ -358,7 +358,8 @@ def test_bench_peers_tabulates_only_runs_of_one_machine_and_setting(tmp_path):
     assert "1.23× as fast during onmt-lstm's training as during dtmt's" in lines[1]
     near = dict(other, probe=[101.0, 100.0])
     assert len(bench_peers.probe_lines({"dtmt": slow, "onmt-lstm": near})) == 2     # within 5%: no warning
-    # one run whose own probes drifted apart (NOTES 44: 230.5 → 109.3), beside a steady run of the same mean speed
+    # one run whose own probes drifted apart (a 2-hour run's, 230.5 → 109.3: docs/design/training.md, "Speed probes
+    # for runs trained apart"), beside a steady run of the same mean speed
     drift, steady = dict(records["dtmt"], probe=[230.5, 109.3]), dict(other, probe=[171.5, 168.0])
     lines = bench_peers.probe_lines({"dtmt": drift, "onmt-lstm": steady})
     assert "changed speed during dtmt's training (230.5 → 109.3 GFLOP/s, 0.47×)" in lines[1]
@@ -625,7 +626,7 @@ def test_bench_beam_swap_quick(tmp_path):
     seconds, ours = bench_beam_swap.main(common)
     _, swapped = bench_beam_swap.main(common + ["--beam-search", bs.__file__])
     _, one_by_one = bench_beam_swap.main(common + ["--batch-one", "8", "--profile"])
-    _, loop = bench_beam_swap.main(common + ["--python-loop", "--no-fold"])   # NOTES 47's "before"
+    _, loop = bench_beam_swap.main(common + ["--python-loop", "--no-fold"])   # before the C++ search and fold
     _, small_pages = bench_beam_swap.main(common + ["--no-huge-pages"])
     assert seconds > 0 and len(ours) == 8 and ours == swapped == one_by_one == loop == small_pages
     import dtmt_models.decoding.translate as tr
@@ -721,8 +722,9 @@ def _revision_present(rev: str) -> bool:
         ["git", "-C", root, "cat-file", "-e", f"{rev}:csrc/isa/small_gemm_rows.cpp"], capture_output=True).returncode == 0
 
 
-# the small-row loops before NOTES 72 kept their sums in memory; the arithmetic was to stay the same to the bit
-LOOPS_BEFORE_72 = "8f6ee33ba2109d27c301445673bdf39e2db862ec~1"
+# the small-row loops before 8f6ee33 kept their sums in memory (docs/design/cpu_kernels.md, "Sums kept in
+# registers"); the arithmetic was to stay the same to the bit
+LOOPS_IN_MEMORY = "8f6ee33ba2109d27c301445673bdf39e2db862ec~1"
 
 
 @pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
@@ -730,17 +732,17 @@ LOOPS_BEFORE_72 = "8f6ee33ba2109d27c301445673bdf39e2db862ec~1"
                     reason="the probe is x86-64 Linux code compiled with g++ (its default copy: the extension's)")
 def test_bench_small_rows(tmp_path):
     """The small-row loops compiled as the extension's copy (the one this CPU runs) against the same file before
-    NOTES 72's change: the outputs are the same to the bit for M = 1-8 (float32 and int8; the step's shapes and a K
-    with a tail, bias or none, odd column ranges), the times positive, both output files written; a revision without
-    the file is refused with a one-line reason."""
+    8f6ee33 (the sums kept in registers): the outputs are the same to the bit for M = 1-8 (float32 and int8; the
+    step's shapes and a K with a tail, bias or none, odd column ranges), the times positive, both output files
+    written; a revision without the file is refused with a one-line reason."""
     from dtmt_kernels import _C
     from benchmarks import bench_small_rows
 
     if _C.cpu_isa() not in bench_small_rows.MARCH:
         pytest.skip(f"the extension runs its {_C.cpu_isa()!r} loops here; the probe builds the avx2 or avx512 copy")
-    if not _revision_present(LOOPS_BEFORE_72):
-        pytest.skip(f"this checkout has no revision {LOOPS_BEFORE_72} (a shallow clone)")
-    r = bench_small_rows.main(["--against", LOOPS_BEFORE_72, "--rows", "1,4", "--passes", "3", "--out", str(tmp_path)])
+    if not _revision_present(LOOPS_IN_MEMORY):
+        pytest.skip(f"this checkout has no revision {LOOPS_IN_MEMORY} (a shallow clone)")
+    r = bench_small_rows.main(["--against", LOOPS_IN_MEMORY, "--rows", "1,4", "--passes", "3", "--out", str(tmp_path)])
     assert r["differ"] == 0 and r["checked"] == 8 * (2 * 2 * (len(bench_small_rows.STEP_SHAPES) + 1)
                                                      + 2 * len(bench_small_rows.STEP_SHAPES))
     assert [row["M"] for row in r["rows"]] == [1, 4]

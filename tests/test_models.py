@@ -357,7 +357,8 @@ def test_positional_encoding_is_the_formula_without_torch_transcendentals(monkey
     """The PE table (DTMT's x + PE / sqrt(d), the transformer's buffer) against numpy's sin and cos of
     pos / 10000^(2i/d), and the same table from the compiled path's per-position rows; it is built without
     torch's sin, cos and pow, whose float64 CPU versions (MKL's, on two threads) came out an ulp apart in some
-    processes on their first call and made translations differ between runs (NOTES item 50)."""
+    processes on their first call and made translations differ between runs (docs/design/decoding.md, "The first
+    call of MKL's vector math")."""
     import numpy as np
 
     from dtmt_models.models.embeddings import TokenEmbedding, sinusoidal_at, sinusoidal_positions

@@ -13,8 +13,8 @@
 // rounded up to 16), float.
 //
 // Compiled for devices of compute capability 8.0 and up (TF32 and bf16 MMA); below, the function is not there and
-// the kernels keep their FMA products (persistent_mma_ok). DTMT_CUDA_EMULATION: tests/cuda_emulation.h's wmma
-// (whole tiles per thread, TF32 only).
+// the kernels keep their FMA products (persistent_mma in transition_cuda.cu). DTMT_CUDA_EMULATION: tests/cuda_emulation.h's wmma
+// (whole tiles per thread, TF32 and bf16).
 #pragma once
 
 #include "persistent_plan.h"
@@ -48,13 +48,13 @@ template <> struct Mma<__half> {
   using fragment_type = __half;
   static __device__ __forceinline__ __half round(__half v) { return v; }
 };
+#endif
 template <> struct Mma<__nv_bfloat16> {
   static constexpr bool available = true;
   static constexpr int k = 16;
   using fragment_type = __nv_bfloat16;
   static __device__ __forceinline__ __nv_bfloat16 round(__nv_bfloat16 v) { return v; }
 };
-#endif
 #endif
 
 #if defined(DTMT_MMA_DEVICE)

@@ -51,7 +51,7 @@ struct CUDAGuard {
 }  // namespace cuda
 }  // namespace c10
 #define C10_CUDA_CHECK(err) TORCH_CHECK((err) == cudaSuccess, "dtmt: emulated launch failed")
-#define DTMT_DISPATCH_TYPES AT_DISPATCH_FLOATING_TYPES
+#define DTMT_DISPATCH_TYPES(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 #else
 #define DTMT_DISPATCH_TYPES(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
@@ -63,9 +63,9 @@ namespace {
 using at::Tensor;
 
 template <typename S> struct DeviceType { using type = S; };
+template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
 #if !defined(DTMT_CUDA_EMULATION)
 template <> struct DeviceType<at::Half> { using type = __half; };
-template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
 #endif
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }

@@ -17,7 +17,7 @@
 //
 // DTMT_CUDA_EMULATION (tests only, see tests/cuda_emulation.h): the same kernels compiled by a host C++
 // compiler, each block's threads run as fibers on the host (__syncthreads switches between them, an exchange
-// buffer for the warp shuffles), float / double storage only. It lets the kernels and the ATen driver be checked against
+// buffer for the warp shuffles), float, double and bfloat16 storage. It lets the kernels and the ATen driver be checked against
 // the reference on a machine without a GPU.
 #pragma once
 
@@ -46,11 +46,11 @@ template <typename A> struct Cvt<A, __half> {
   static __device__ __forceinline__ A load(__half v) { return static_cast<A>(__half2float(v)); }
   static __device__ __forceinline__ __half store(A v) { return __float2half_rn(static_cast<float>(v)); }
 };
-template <typename A> struct Cvt<A, __nv_bfloat16> {
+#endif
+template <typename A> struct Cvt<A, __nv_bfloat16> {   // (the emulation has bfloat16 too: tests/cuda_emulation.h)
   static __device__ __forceinline__ A load(__nv_bfloat16 v) { return static_cast<A>(__bfloat162float(v)); }
   static __device__ __forceinline__ __nv_bfloat16 store(A v) { return __float2bfloat16_rn(static_cast<float>(v)); }
 };
-#endif
 template <typename A, typename T> __device__ __forceinline__ A ld(const T* p, int i) {
   return Cvt<A, T>::load(p[i]);
 }

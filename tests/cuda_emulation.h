@@ -14,7 +14,7 @@
 // Warp matrix products (nvcuda::wmma, for the persistent kernels' tensor-core products): every thread of a warp
 // holds the whole tile in its fragment and does the whole load, product and store itself (the fibers of a warp
 // write the same values), so no warp-wide exchange is needed. The product sums each output in k order, in float,
-// as an FMA loop would; a GPU's MMA sums in an order of its own. Only TF32 (float in memory) is emulated; loads
+// as an FMA loop would; a GPU's MMA sums in an order of its own. TF32 (float in memory) and bf16 are emulated; loads
 // and stores check the API's alignment (32 bytes) and leading dimension (a multiple of 16 bytes).
 //
 // Cooperative launches (launch_cooperative, for the persistent kernels of csrc/persistent_cuda_kernels.cuh): every
@@ -255,6 +255,27 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
 }
 
 }  // namespace dtmt_emu
+
+// ------------------------------------------------------------------------------------------ bfloat16 storage
+// The kernels only convert it (Cvt in csrc/transition_cuda_kernels.cuh): the upper 16 bits of a float, rounded to
+// nearest even as __float2bfloat16_rn (a NaN stays a quiet NaN).
+struct __nv_bfloat16 {
+  uint16_t x;
+  explicit operator float() const {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+};
+inline float __bfloat162float(__nv_bfloat16 v) { return static_cast<float>(v); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{static_cast<uint16_t>((bits >> 16) | 0x40u)};
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return __nv_bfloat16{static_cast<uint16_t>(bits >> 16)};
+}
 
 // ------------------------------------------------------------------------------------------ warp matrix products
 namespace nvcuda {

@@ -611,6 +611,74 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
                                        msg=lambda m: f"{cell}-d{depth} H={H} B={B} {name}: {m}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("H,B,grid,threads", [(37, 3, 4, 32), (70, 20, 3, 64)], ids=["H37-B3", "H70-B20"])
+def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads):
+    """bfloat16 storage on the emulated grid (tests/cuda_emulation.h's bfloat16: the kernels convert through Cvt),
+    the per-step path (its row or tiled GEMM in bf16 with float sums, the states kept in float and in bf16) and the
+    persistent launches, whose products are bf16 MMA (csrc/block_mma.cuh):
+    - every product the persistent forward saved (hp, hpt) equals, to the bit, the bf16 operands (matrix and the
+      state in bf16, hs_lp) multiplied exactly and summed in k order in float32, then rounded to bf16; 0 on the
+      ended rows;
+    - both paths' outputs, and the persistent backward's gradients, are within bfloat16's precision of the float64
+      reference; the two paths' outputs within it of each other."""
+    ext = emulated_cuda_ext
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer, padding_mask
+    from dtmt_kernels import reference as R
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T = 3
+    for cell, depth in (("lgru", 2), ("gru", 0), ("atr", 0)):
+        layer = make_layer(cell, 3, H, depth=depth, layer_norm=True, dtype=torch.float32)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.mul_(0.5)
+        layer = layer.to(torch.bfloat16)
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(T, B, 3, generator=gen).bfloat16()
+        h0 = torch.randn(B, H, generator=gen).bfloat16()
+        lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
+        mask = padding_mask(lengths, T, torch.float32).bfloat16()
+        params = [x.new_empty(0) if p is None else p.detach().contiguous()
+                  for p in flat_params(layer.direction_weights(0))]
+        args = (x, h0, mask, x.new_empty(0), KINDS[cell], params, True, 1e-5)
+        out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads)
+        assert hp.dtype == torch.bfloat16 and hs_lp.dtype == torch.bfloat16 and hs.dtype == torch.float32
+        valid = mask.bool()
+
+        def products(U, h, rows_valid):
+            acc = torch.zeros(h.shape[0], U.shape[0], dtype=torch.float32)
+            a, b = U.float(), h.float()
+            for i in range(U.shape[1]):
+                acc = acc + b[:, i:i + 1] * a[:, i].unsqueeze(0)
+            return torch.where(rows_valid.unsqueeze(1), acc, torch.zeros_like(acc)).bfloat16()
+
+        for t in range(T):
+            assert torch.equal(hp[t], products(params[2], hs_lp[0, t], valid[t])), f"{cell} hp step {t}"
+            for k in range(depth):
+                assert torch.equal(hpt[k, t], products(params[6][k], hs_lp[k + 1, t], valid[t])), f"{cell} hpt"
+        steps = ext.forward(*args)
+        gen = torch.Generator().manual_seed(6)
+        g_out, g_hn = torch.randn(T, B, H, generator=gen).bfloat16(), torch.randn(B, H, generator=gen).bfloat16()
+        back = (g_out, g_hn, x, mask, x.new_empty(0), KINDS[cell], params, [xp, hs, hs_lp, hp, hpt], True, 1e-5)
+        grads = ext.backward_persistent(*back, grid, threads)
+        names = [n for n, _ in layer.named_parameters()]
+        xr, hr = x.double().requires_grad_(), h0.double().requires_grad_()
+        ps = [p.detach().double().requires_grad_() for p in layer.parameters()]
+        w = layer.direction_weights(0, dict(zip(names, ps)))
+        ro, rh = R.transition_sequence(xr, hr, w, mask.double(), None, True)
+        ((ro * g_out.double()).sum() + (rh * g_hn.double()).sum()).backward()
+        wanted = {"out": ro, "h_n": rh, "dx": xr.grad, "dh0": hr.grad, "dw_hh": w.w_hh.grad}
+        got = {"out": out, "h_n": h_n, "dx": grads[0], "dh0": grads[1], "dw_hh": grads[4]}
+        for name, ref in wanted.items():
+            scale = max(1.0, ref.abs().max().item())
+            torch.testing.assert_close(got[name].double(), ref.detach(), atol=5e-2 * scale, rtol=5e-2,
+                                       msg=lambda m: f"{cell}-d{depth} H={H} B={B} {name}: {m}")
+        torch.testing.assert_close(steps[0].double(), out.double(), atol=5e-2, rtol=5e-2,
+                                   msg=lambda m: f"{cell}-d{depth}: the per-step path's out: {m}")
+
+
 def test_persistent_envelope():
     """Which layers fit the persistent launches (issue 72 item 3), from sizes alone (csrc/persistent_plan.h, the CUDA
     driver's arithmetic, through the CPU extension: dtmt_kernels.persistent_plan), on an H100/H200 (132 SMs, 227 KB

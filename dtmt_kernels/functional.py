@@ -12,6 +12,7 @@ from torch import Tensor
 
 from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
+from .ops._host_reads import host_reads_allowed
 from .ops.decode_step import (AttentionWeights, CellWeights, MemoryWeights, ReadoutWeights, attention_step,
                                context_heads, fold_context_projection, memory_encoder, readout_features, rnmt_beam_search,
                                rnmt_step, step_weights_on_huge_pages, token_products)
@@ -26,7 +27,7 @@ __all__ = ["transition_sequence", "transition_step", "additive_scores", "attenti
            "CellWeights",
            "attention_step", "readout_features", "rnmt_step", "rnmt_beam_search", "fold_context_projection",
            "step_weights_on_huge_pages", "token_products", "context_heads", "memory_encoder", "lengths_to_mask",
-           "check_attention_context", "check_dtype_for_backend", "smoothed_cross_entropy"]
+           "check_attention_context", "check_dtype_for_backend", "smoothed_cross_entropy", "host_reads_allowed"]
 
 LengthsLike = Union[Tensor, Sequence[int]]
 
@@ -164,7 +165,8 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
                     owner: str = "lengths", none_if_unpadded: bool = False) -> Optional[Tensor]:
     """Validates `lengths` (B integers in [1, T]) and returns the mask [T, B] of real (1) vs padded (0) steps; with
     `none_if_unpadded`, None where every length is T (no step to mask: the kernels' no-mask path, the same results;
-    a sentence translated alone has none), except under torch.compile (no data-dependent result there)."""
+    a sentence translated alone has none), except where host reads are not allowed (host_reads_allowed: under
+    torch.compile or a CUDA graph's capture; a tensor of lengths is then checked and compared on `device`)."""
     if isinstance(lengths, Tensor):
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
             raise ValueError(f"{owner}: lengths must hold integers, got dtype {lengths.dtype}")
@@ -172,6 +174,11 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
             raise ValueError(f"{owner}: lengths must be 1-D [B={B}], got shape {tuple(lengths.shape)}")
         if lengths.device.type == "meta":
             raise ValueError(f"{owner}: lengths must hold values (a CPU or CUDA tensor), got a meta tensor")
+        if lengths.numel() == B and not host_reads_allowed():   # (a graph: no read, no host tensor to copy in)
+            on_device = lengths.detach().to(device=device, dtype=torch.long)
+            torch._assert_async(((on_device >= 1) & (on_device <= T)).all(),
+                                f"{owner}: every length must be in [1, T={T}]")
+            return (torch.arange(T, device=device).unsqueeze(1) < on_device.unsqueeze(0)).to(dtype)
         lengths_cpu = lengths.detach().to("cpu", torch.long)
     else:
         try:
@@ -187,7 +194,7 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         lengths_cpu = torch.tensor([int(v) for v in values], dtype=torch.long)
     if lengths_cpu.numel() != B:
         raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths_cpu.numel()}")
-    if torch.compiler.is_compiling():
+    if not host_reads_allowed():
         # under torch.compile / torch.export a data-dependent `if` would break the graph: the range check is an op
         # of the graph instead, failing at run time with the same message (without the values)
         torch._assert_async(((lengths_cpu >= 1) & (lengths_cpu <= T)).all(),

@@ -8,6 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import dtmt_kernels as dk
+
 
 def _wavelengths(dim: int) -> list:
     """10000^(2i/dim) for each sin/cos pair i of the PE (Python floats: the C library's pow)."""
@@ -76,7 +78,7 @@ class TokenEmbedding(nn.Module):
         if self.positional:
             if positions is None:
                 x = x + self.scaled_positions(tokens.shape[-1], x)
-            elif torch.compiler.is_compiling():   # no table sized by the data: the rows of these positions
+            elif not dk.functional.host_reads_allowed():   # no table sized by the data: these positions' rows
                 x = x + (sinusoidal_at(positions, self.dim) / math.sqrt(self.dim)).to(x.dtype)
             else:
                 table = self.scaled_positions(int(positions.max()) + 1, x)

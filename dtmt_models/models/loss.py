@@ -40,10 +40,10 @@ def label_smoothed_nll(log_probs: Tensor, target: Tensor, smoothing: float = 0.0
 def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.0,
                            pad_id: int = 0) -> Tuple[Tensor, Tensor, int]:
     """logits [..., V], target [...] -> the three numbers of `label_smoothed_nll(log_softmax(logits), ...)`
-    (smoothed loss sum, NLL sum, number of real tokens: an int, a 0-dim tensor under torch.compile, where an int
-    would end the graph), with log-softmax and loss fused (dtmt_kernels.functional.smoothed_cross_entropy: on
+    (smoothed loss sum, NLL sum, number of real tokens: an int, a 0-dim tensor where host reads are not allowed,
+    dk.functional.host_reads_allowed: under torch.compile or a CUDA graph's capture), with log-softmax and loss fused (dtmt_kernels.functional.smoothed_cross_entropy: on
     the CPU one C++ pass over each row of logits, which forms the gradient too; it checks `smoothing`)."""
     V = logits.shape[-1]
     loss, nll = dk.functional.smoothed_cross_entropy(logits.reshape(-1, V), target.reshape(-1), smoothing, pad_id)
     n = target.ne(pad_id).sum()
-    return loss, nll, (n if torch.compiler.is_compiling() else int(n))
+    return loss, nll, (int(n) if dk.functional.host_reads_allowed() else n)

@@ -294,7 +294,7 @@ class Seq2Seq(nn.Module):
             raise ValueError(f"{name}: src_lengths must hold integers, got dtype {src_lengths.dtype}")
         if tuple(src_lengths.shape) != (B,):
             raise ValueError(f"{name}: src_lengths must be a tensor [B={B}], got {list(src_lengths.shape)}")
-        if torch.compiler.is_compiling():   # a data-dependent `if` would end the graph: the check is an op in it
+        if not dk.functional.host_reads_allowed():   # (a data-dependent `if` would end a graph: an op in it)
             torch._assert_async(((src_lengths >= 1) & (src_lengths <= S)).all(), f"{name}: src_lengths must be in "
                                 f"[1, S={S}]")
         elif not all(1 <= n <= S for n in src_lengths.tolist()):
@@ -309,7 +309,7 @@ class Seq2Seq(nn.Module):
         given = [(arg, ids, size) for arg, ids, size in (("src", src, self.src_vocab_size),
                                                          ("prev_tokens", prev_tokens, self.tgt_vocab_size))
                  if ids is not None and ids.numel()]
-        if torch.compiler.is_compiling():
+        if not dk.functional.host_reads_allowed():
             for arg, ids, size in given:
                 torch._assert_async(((ids >= 0) & (ids < size)).all(), f"{name}: {arg} holds an id outside the "
                                     f"vocabulary's {size}")

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._extension import built
+from .._host_reads import host_reads_allowed
 
 
 def _fake(logits, target, smoothing, ignore_index):
@@ -30,7 +31,7 @@ def _backward(ctx, grad_loss, _grad_nll, _grad_grad):
     if grad_loss is None:
         return None, None, None, None
     grad = ctx.grad
-    if torch.compiler.is_compiling() or type(grad_loss) is not torch.Tensor:   # traced (torch.compile, export)
+    if type(grad_loss) is not torch.Tensor or not host_reads_allowed():   # traced (torch.compile, export), captured
         return grad * grad_loss, None, None, None
     factor = float(grad_loss)
     if ctx.scaled_by is None:          # the first backward scales the saved gradient in place (no [N, V] copy)

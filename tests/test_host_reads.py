@@ -1,0 +1,79 @@
+"""A training update reads nothing on the host while a CUDA graph is captured (issue 73 item 1: updates as CUDA
+graphs; dtmt_kernels.functional.host_reads_allowed). On the CPU the capture is stood in for by replacing
+dtmt_kernels.ops._host_reads._capturing, and the reads are counted by a TorchFunctionMode that sees every
+Tensor.item / tolist / __bool__ / __int__ / __float__ / __index__ / numpy call: each is a synchronisation on a GPU,
+which a capture refuses."""
+import collections
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import dtmt_models as dm
+from dtmt_kernels.ops import _host_reads
+from dtmt_models.data.batching import collate
+
+READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+         torch.Tensor.__index__, torch.Tensor.__float__, torch.Tensor.numpy}
+RECURRENT = ["dtmt", "rnnsearch-atr", "gnmt-atr", "shallow-rnmt", "deeplau", "mce", "nematus"]
+PAIRS = [([5, 6, 7, 8], [9, 10, 11]), ([5, 6], [9, 10, 11, 12, 13]), ([7, 8, 9, 10], [10])]
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the host reads of tensor values made under it, by the line of dtmt's code that made them."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            ours = [f for f in traceback.extract_stack()[:-1] if "dtmt_" in f.filename]
+            self.where[f"{ours[-1].filename}:{ours[-1].lineno}" if ours else "elsewhere"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _update(model, capturing, monkeypatch):
+    """The loss and gradients of one training update's forward and backward, with its host reads."""
+    monkeypatch.setattr(_host_reads, "_capturing", lambda: capturing)
+    src, lengths, prev, target = collate(PAIRS)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)   # (the same dropout masks in both updates)
+    reads = HostReads()
+    with reads:
+        loss_sum, nll_sum, ntok = model(src, lengths, prev, target=target, smoothing=0.1)
+        (loss_sum / ntok).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return loss_sum.detach(), grads, ntok, reads.where
+
+
+@pytest.mark.parametrize("system", RECURRENT)
+def test_an_update_reads_nothing_on_the_host_while_captured(system, monkeypatch):
+    """Eager, the update reads the lengths and the ids' range on the host (its one-line errors for bad input need
+    them); while captured, nothing: the checks are device-side asserts, the mask is made on the device, the token
+    count stays a tensor. The loss and every gradient are the eager ones (the mask made where nothing is padded adds
+    zeros only: to float rounding)."""
+    torch.manual_seed(0)
+    model = dm.build_model(system, 60, 60, embed_dim=16, hidden_size=24)
+    eager_loss, eager_grads, eager_ntok, eager_reads = _update(model, False, monkeypatch)
+    assert sum(eager_reads.values()) >= 1 and isinstance(eager_ntok, int)
+    loss, grads, ntok, reads = _update(model, True, monkeypatch)
+    assert dict(reads) == {}, f"{system} reads on the host while captured: {dict(reads)}"
+    assert torch.is_tensor(ntok) and int(ntok) == eager_ntok
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-6)
+    assert len(grads) == len(eager_grads)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_input_still_fails_while_captured(monkeypatch):
+    """The device-side asserts keep the eager checks' messages: a length outside [1, S] and an id outside the
+    vocabulary fail (on the CPU at once; on a GPU at the stream's next synchronisation)."""
+    monkeypatch.setattr(_host_reads, "_capturing", lambda: True)
+    model = dm.build_model("dtmt", 60, 60, embed_dim=16, hidden_size=24)
+    src, lengths, prev, target = collate(PAIRS)
+    with pytest.raises(RuntimeError, match=r"src_lengths must be in \[1, S=4\]"):
+        model(src, torch.tensor([4, 0, 4]), prev, target=target)
+    with pytest.raises(RuntimeError, match="src holds an id outside the vocabulary's 60"):
+        model(src.masked_fill(src == 7, 99), lengths, prev, target=target)

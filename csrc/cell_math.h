@@ -55,14 +55,16 @@ inline namespace DTMT_CELL_MATH_NS {
 
 enum CellKind : int { kGRU = 0, kLGRU = 1, kLAU = 2, kATR = 3, kTGRU = 4 };
 
-// Rows of the input projection (W x), of the recurrent projection (U h) and number of normalised gates.
-DTMT_HD int cell_input_rows(int kind) {
+// Rows of the input projection (W x), of the recurrent projection (U h) and number of normalised gates: the one
+// table of the C++ and CUDA kernels (constexpr: transition_cuda_kernels.cuh's Rows<KIND> reads it at compile time),
+// which tests hold equal to Python's (dtmt_kernels/ops/transition/layout.py, through _C.CELL_ROWS).
+DTMT_HD constexpr int cell_input_rows(int kind) {
   return kind == kGRU ? 3 : (kind == kLGRU || kind == kLAU) ? 5 : kind == kATR ? 1 : 0;
 }
-DTMT_HD int cell_hidden_rows(int kind) {
+DTMT_HD constexpr int cell_hidden_rows(int kind) {
   return (kind == kGRU || kind == kTGRU) ? 3 : (kind == kLGRU || kind == kLAU) ? 4 : 1;
 }
-DTMT_HD int cell_ln_groups(int kind) { return (kind == kLGRU || kind == kLAU) ? 3 : 2; }
+DTMT_HD constexpr int cell_ln_groups(int kind) { return (kind == kLGRU || kind == kLAU) ? 3 : 2; }
 
 // ---------------------------------------------------------------------------------------------------------
 // Scalar functions. On the host, float uses a branch-free exp (Cody-Waite reduction + degree-6 polynomial,

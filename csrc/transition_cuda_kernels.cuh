@@ -57,10 +57,10 @@ template <typename A, typename T> __device__ __forceinline__ A ld(const T* p, in
 template <typename A, typename T> __device__ __forceinline__ void st(T* p, int i, A v) { p[i] = Cvt<A, T>::store(v); }
 
 // ------------------------------------------------------------------------------------- row layouts
-template <int KIND> struct Rows {
-  static constexpr int in = KIND == kGRU ? 3 : (KIND == kLGRU || KIND == kLAU) ? 5 : KIND == kATR ? 1 : 0;
-  static constexpr int hid = (KIND == kGRU || KIND == kTGRU) ? 3 : (KIND == kLGRU || KIND == kLAU) ? 4 : 1;
-  static constexpr int groups = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;  // normalised gates (ATR: p, q)
+template <int KIND> struct Rows {   // cell_math.h's table, at compile time
+  static constexpr int in = cell_input_rows(KIND);
+  static constexpr int hid = cell_hidden_rows(KIND);
+  static constexpr int groups = cell_ln_groups(KIND);  // normalised gates (ATR: p, q)
 };
 
 // Threads per block: H rounded up to a warp, at most DTMT_CUDA_MAX_THREADS (each thread then loops over

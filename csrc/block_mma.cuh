@@ -13,8 +13,8 @@
 // rounded up to 16), float.
 //
 // Compiled for devices of compute capability 8.0 and up (TF32 and bf16 MMA); below, the function is not there and
-// the kernels keep their FMA products (persistent_mma in transition_cuda.cu). DTMT_CUDA_EMULATION: tests/cuda_emulation.h's wmma
-// (whole tiles per thread, TF32 and bf16).
+// the kernels keep their FMA products (persistent_mma in transition_cuda.cu). DTMT_CUDA_EMULATION:
+// tests/cuda_emulation.h's wmma (whole tiles per thread, TF32 and bf16).
 #pragma once
 
 #include "persistent_plan.h"
@@ -41,20 +41,16 @@ template <> struct Mma<float> {
   using fragment_type = nvcuda::wmma::precision::tf32;
   static __device__ __forceinline__ float round(float v) { return nvcuda::wmma::__float_to_tf32(v); }
 };
+template <typename H> struct Mma16 {   // f16 and bf16: m16n16k16, the stored values as they are
+  static constexpr bool available = true;
+  static constexpr int k = 16;
+  using fragment_type = H;
+  static __device__ __forceinline__ H round(H v) { return v; }
+};
 #if !defined(DTMT_CUDA_EMULATION)
-template <> struct Mma<__half> {
-  static constexpr bool available = true;
-  static constexpr int k = 16;
-  using fragment_type = __half;
-  static __device__ __forceinline__ __half round(__half v) { return v; }
-};
+template <> struct Mma<__half> : Mma16<__half> {};
 #endif
-template <> struct Mma<__nv_bfloat16> {
-  static constexpr bool available = true;
-  static constexpr int k = 16;
-  using fragment_type = __nv_bfloat16;
-  static __device__ __forceinline__ __nv_bfloat16 round(__nv_bfloat16 v) { return v; }
-};
+template <> struct Mma<__nv_bfloat16> : Mma16<__nv_bfloat16> {};
 #endif
 
 #if defined(DTMT_MMA_DEVICE)

@@ -532,14 +532,32 @@ def _tf32(v):
     return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
 
-def _tf32_products(U, h, valid):
-    """U [R, H] @ h [B, H]^T on TF32 operands, each output summed in k order in float32 (what the emulated MMA does;
-    a TF32 x TF32 product is exact in float32): [B, R], 0 on the rows that are not valid."""
-    a, b = _tf32(U), _tf32(h)
-    acc = torch.zeros(h.shape[0], U.shape[0], dtype=torch.float32)
-    for i in range(U.shape[1]):
+def _k_order_products(a, b, valid):
+    """a [R, H] @ b [B, H]^T of float32 operands holding TF32 or bf16 values, each output summed in k order in float32
+    (what the emulated MMA does; a product of two such values is exact in float32): [B, R], 0 on the rows that are
+    not valid."""
+    acc = torch.zeros(b.shape[0], a.shape[0], dtype=torch.float32)
+    for i in range(a.shape[1]):
         acc = acc + b[:, i:i + 1] * a[:, i].unsqueeze(0)
     return torch.where(valid.unsqueeze(1), acc, torch.zeros_like(acc))
+
+
+def _assert_near_reference(layer, x, h0, mask, drop, g_out, g_hn, got, tol, label):
+    """The persistent launches' `got` (out, h_n, dx, dh0, dw_hh) against the float64 reference of `layer`'s parameters
+    for the loss <out, g_out> + <h_n, g_hn> (reverse direction), within tol relative to each tensor's largest value."""
+    from dtmt_kernels import reference as R
+
+    names = [n for n, _ in layer.named_parameters()]
+    xr, hr = x.double().requires_grad_(), h0.double().requires_grad_()
+    ps = [p.detach().double().requires_grad_() for p in layer.parameters()]
+    w = layer.direction_weights(0, dict(zip(names, ps)))
+    ro, rh = R.transition_sequence(xr, hr, w, mask.double(), drop.double() if drop.numel() else None, True)
+    ((ro * g_out.double()).sum() + (rh * g_hn.double()).sum()).backward()
+    wanted = {"out": ro, "h_n": rh, "dx": xr.grad, "dh0": hr.grad, "dw_hh": w.w_hh.grad}
+    for name, ref in wanted.items():
+        scale = max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(got[name].double(), ref.detach(), atol=tol * scale, rtol=tol,
+                                   msg=lambda m: f"{label} {name}: {m}")
 
 
 @pytest.fixture
@@ -583,9 +601,10 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
         valid = mask.bool()
         w_hh, t_w = params[2], params[6]
         for t in range(T):
-            assert torch.equal(hp[t], _tf32_products(w_hh, hs[0, t], valid[t])), f"{cell} hp step {t}"
+            assert torch.equal(hp[t], _k_order_products(_tf32(w_hh), _tf32(hs[0, t]), valid[t])), f"{cell} hp {t}"
             for k in range(depth):
-                assert torch.equal(hpt[k, t], _tf32_products(t_w[k], hs[k + 1, t], valid[t])), f"{cell} hpt {k} {t}"
+                assert torch.equal(hpt[k, t], _k_order_products(_tf32(t_w[k]), _tf32(hs[k + 1, t]), valid[t])), \
+                    f"{cell} hpt {k} {t}"
         torch.backends.cuda.matmul.allow_tf32 = False
         strict = ext.forward_persistent(*args, grid, threads)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -595,20 +614,8 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
         g_out, g_hn = torch.randn(T, B, H, generator=gen), torch.randn(B, H, generator=gen)
         back = (g_out, g_hn, x, mask, drop, KINDS[cell], params, [xp, hs, hs_lp, hp, hpt], True, 1e-5)
         grads = ext.backward_persistent(*back, grid, threads)
-        from dtmt_kernels import reference as R
-
-        names = [n for n, _ in layer.named_parameters()]
-        xr, hr = x.double().requires_grad_(), h0.double().requires_grad_()
-        ps = [p.detach().double().requires_grad_() for p in layer.parameters()]
-        w = layer.direction_weights(0, dict(zip(names, ps)))
-        ro, rh = R.transition_sequence(xr, hr, w, mask.double(), drop.double() if drop.numel() else None, True)
-        ((ro * g_out.double()).sum() + (rh * g_hn.double()).sum()).backward()
-        wanted = {"out": ro, "h_n": rh, "dx": xr.grad, "dh0": hr.grad, "dw_hh": w.w_hh.grad}
         got = {"out": out, "h_n": h_n, "dx": grads[0], "dh0": grads[1], "dw_hh": grads[4]}
-        for name, ref in wanted.items():
-            scale = max(1.0, ref.abs().max().item())
-            torch.testing.assert_close(got[name].double(), ref.detach(), atol=1e-2 * scale, rtol=1e-2,
-                                       msg=lambda m: f"{cell}-d{depth} H={H} B={B} {name}: {m}")
+        _assert_near_reference(layer, x, h0, mask, drop, g_out, g_hn, got, 1e-2, f"{cell}-d{depth} H={H} B={B}")
 
 
 @pytest.mark.slow
@@ -625,7 +632,6 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads):
     ext = emulated_cuda_ext
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_layer, padding_mask
-    from dtmt_kernels import reference as R
     from dtmt_kernels.ops.transition import KINDS, flat_params
 
     T = 3
@@ -646,14 +652,7 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads):
         out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads)
         assert hp.dtype == torch.bfloat16 and hs_lp.dtype == torch.bfloat16 and hs.dtype == torch.float32
         valid = mask.bool()
-
-        def products(U, h, rows_valid):
-            acc = torch.zeros(h.shape[0], U.shape[0], dtype=torch.float32)
-            a, b = U.float(), h.float()
-            for i in range(U.shape[1]):
-                acc = acc + b[:, i:i + 1] * a[:, i].unsqueeze(0)
-            return torch.where(rows_valid.unsqueeze(1), acc, torch.zeros_like(acc)).bfloat16()
-
+        products = lambda U, h, rows: _k_order_products(U.float(), h.float(), rows).bfloat16()  # noqa: E731
         for t in range(T):
             assert torch.equal(hp[t], products(params[2], hs_lp[0, t], valid[t])), f"{cell} hp step {t}"
             for k in range(depth):
@@ -663,18 +662,9 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads):
         g_out, g_hn = torch.randn(T, B, H, generator=gen).bfloat16(), torch.randn(B, H, generator=gen).bfloat16()
         back = (g_out, g_hn, x, mask, x.new_empty(0), KINDS[cell], params, [xp, hs, hs_lp, hp, hpt], True, 1e-5)
         grads = ext.backward_persistent(*back, grid, threads)
-        names = [n for n, _ in layer.named_parameters()]
-        xr, hr = x.double().requires_grad_(), h0.double().requires_grad_()
-        ps = [p.detach().double().requires_grad_() for p in layer.parameters()]
-        w = layer.direction_weights(0, dict(zip(names, ps)))
-        ro, rh = R.transition_sequence(xr, hr, w, mask.double(), None, True)
-        ((ro * g_out.double()).sum() + (rh * g_hn.double()).sum()).backward()
-        wanted = {"out": ro, "h_n": rh, "dx": xr.grad, "dh0": hr.grad, "dw_hh": w.w_hh.grad}
         got = {"out": out, "h_n": h_n, "dx": grads[0], "dh0": grads[1], "dw_hh": grads[4]}
-        for name, ref in wanted.items():
-            scale = max(1.0, ref.abs().max().item())
-            torch.testing.assert_close(got[name].double(), ref.detach(), atol=5e-2 * scale, rtol=5e-2,
-                                       msg=lambda m: f"{cell}-d{depth} H={H} B={B} {name}: {m}")
+        _assert_near_reference(layer, x, h0, mask, x.new_empty(0), g_out, g_hn, got, 5e-2,
+                               f"{cell}-d{depth} H={H} B={B}")
         torch.testing.assert_close(steps[0].double(), out.double(), atol=5e-2, rtol=5e-2,
                                    msg=lambda m: f"{cell}-d{depth}: the per-step path's out: {m}")
 

@@ -57,6 +57,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "(grid, slice, forward bytes, backward bytes, fits) of the persistent launches (csrc/persistent_plan.h: the CUDA "
       "driver's own arithmetic); dtmt_kernels.persistent_plan is the Python face");
+  m.def(
+      "persistent_tensor_cores",
+      [](int storage_bytes, int capability_major) {
+        return dtmt::cuda::persistent_tensor_cores(storage_bytes, at::globalContext().allowTF32CuBLAS(),
+                                                   capability_major);
+      },
+      "Whether the persistent products of storage_bytes values run on tensor cores on a device of that compute "
+      "capability, now (torch's TF32 flag for float32): the driver's rule");
 #ifdef DTMT_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

@@ -60,6 +60,16 @@ DTMT_HD size_t persistent_backward_bytes(int kind, int D, int B, int H, int slic
   return mma ? round_bytes(bytes) + mma_buffer_bytes(slice, B, threads, t_bytes) : bytes;
 }
 
+// ------------------------------------------------------------------------------------------- tensor cores or FMA
+// Whether the persistent products run on tensor cores (block_mma.cuh), for storage of t_bytes a value: 16-bit always
+// (f16 / bf16 MMA, float accumulation: the FMA products' math), float where TF32 is allowed in matmuls, double
+// never; and only on devices of compute capability 8.0 and up. The driver (persistent_mma) and
+// dtmt_kernels.persistent_plan both decide with it.
+inline bool persistent_tensor_cores(size_t t_bytes, bool tf32_allowed, int capability_major) {
+  if (capability_major < 8 || t_bytes == 8) return false;
+  return t_bytes == 2 || tf32_allowed;
+}
+
 // ---------------------------------------------------------------------------------------------- the envelope
 // Threads a block of the persistent launches (8 warps): a first choice, to be measured.
 constexpr int kPersistentThreads = 256;

@@ -308,24 +308,22 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
 
-// Whether the persistent launches' products run on tensor cores (block_mma.cuh; docs/design/persistent_recurrence.md,
-// "Products on tensor cores"), read at each call as cuBLAS reads torch's flags: 16-bit storage always (f16 / bf16
-// MMA, float accumulation: the FMA products' math), float where torch allows TF32 in matmuls
-// (torch.backends.cuda.matmul.allow_tf32, or float32 matmul precision "high"), double never; and only on devices of
-// compute capability 8.0 and up (the emulation counts as one).
+// Whether the persistent launches' products run on tensor cores (docs/design/persistent_recurrence.md, "Products on
+// tensor cores"): cuda::persistent_tensor_cores's rule, with torch's TF32 flag read at each call as cuBLAS reads it
+// (torch.backends.cuda.matmul.allow_tf32, or float32 matmul precision "high") and this device's compute capability
+// (the emulation counts as 8.0); never for a type without an MMA (double).
 template <typename T> bool persistent_mma() {
   if constexpr (!cuda::Mma<T>::available) {
     return false;
   } else {
-    if (std::is_same<T, float>::value && !at::globalContext().allowTF32CuBLAS()) return false;
 #if defined(DTMT_CUDA_EMULATION)
-    return true;
+    const int major = 8;
 #else
     int device = 0, major = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    return major >= 8;
 #endif
+    return cuda::persistent_tensor_cores(sizeof(T), at::globalContext().allowTF32CuBLAS(), major);
   }
 }
 

@@ -60,14 +60,6 @@ def _device_limits(device) -> tuple:
     return props.multi_processor_count, optin, props.major
 
 
-def _tensor_cores(dtype: torch.dtype, capability_major: int) -> bool:
-    """What the driver decides (persistent_mma in csrc/transition_cuda.cu): 16-bit storage always, float32 where torch
-    allows TF32 in matmuls, float64 never; only from compute capability 8.0."""
-    if capability_major < 8 or dtype == torch.float64:
-        return False
-    return dtype != torch.float32 or bool(torch.backends.cuda.matmul.allow_tf32)
-
-
 def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union[torch.dtype, str] = torch.float32,
                     *, device: Optional[Union[int, str, torch.device]] = None, multiprocessors: Optional[int] = None,
                     shared_memory: Optional[int] = None, tensor_cores: Optional[bool] = None) -> PersistentPlan:
@@ -95,9 +87,9 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
         sms, optin, major = _device_limits(device)
         multiprocessors = sms if multiprocessors is None else multiprocessors
         shared_memory = optin if shared_memory is None else shared_memory
-    if tensor_cores is None:
-        tensor_cores = _tensor_cores(dtype, major)
     storage = torch.empty((), dtype=dtype).element_size()
+    if tensor_cores is None:   # the driver's rule (16-bit always, float32 where TF32 is allowed, float64 never)
+        tensor_cores = _C.persistent_tensor_cores(storage, major)
     accumulation = 8 if dtype == torch.float64 else 4
     grid, slice_, fwd, bwd, fits = _C.persistent_plan(KINDS[cell], depth, batch, hidden, storage, accumulation,
                                                       multiprocessors, shared_memory, tensor_cores,

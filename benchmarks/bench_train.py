@@ -52,12 +52,15 @@ def synthetic_batches(n: int, max_tokens: int, vocab: int, seed: int = 0):
 
 
 def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: int, vocab: int, threads: int,
-                profile: int = 0, device: str = "cpu", preset: str = "small", tiny: bool = False):
+                profile: int = 0, device: str = "cpu", preset: str = "small", tiny: bool = False,
+                graphs: bool = False):
     """One (system, backend) pair in this process. With profile > 0, the timed updates run under
     torch.profiler and the `profile` ops with the most self CPU time are printed to stderr. On a CUDA device
     the timed updates end with a synchronisation, and peak_gpu_MB is the device memory's peak. tiny: the
     preset's model at embedding / hidden widths 16 / 32 (the transformer 16 / 64; --quick: the plumbing, not a
-    figure)."""
+    figure). graphs: the timed updates replayed as CUDA graphs (dtmt_models.training.graphs, as `dtmt train
+    --cuda-graphs`), after two passes over all the batches (each bucket's first batch eager, its second captured:
+    capture_s); on the CPU the capture is stood in for (the plumbing, not a figure)."""
     import contextlib
 
     import torch
@@ -83,18 +86,23 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
                for b in synthetic_batches(warmup + steps, max_tokens, vocab)]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
-    def update(batch, saved=None):
-        src, lengths, prev, target = batch
-        if saved is None:
-            loss, _, n = model(src, lengths, prev, target=target, smoothing=0.1)
-        else:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda x: x):
-                loss, _, n = model(src, lengths, prev, target=target, smoothing=0.1)
+    runner, capture_s = None, None   # (graphs: GraphedUpdates, made after the warm-up)
+
+    def update_parts(src, lengths, prev, target):
+        loss, nll, n = model(src, lengths, prev, target=target, smoothing=0.1)
         opt.zero_grad(set_to_none=True)
         (loss / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return n
+        return loss.detach(), nll.detach(), n
+
+    def update(batch, saved=None):
+        if runner is not None:
+            return int(runner.update(*batch)[2])
+        if saved is None:
+            return update_parts(*batch)[2]
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda x: x):
+            return update_parts(*batch)[2]
 
     class Saved:
         def __init__(self):
@@ -111,6 +119,17 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     update(batches[0], saved)
     for b in batches[1:warmup]:
         update(b)
+    if graphs:
+        from dtmt_models.training.graphs import GraphedUpdates, StandInCapture
+
+        runner = GraphedUpdates(update_parts, model, opt, torch.device(device),
+                                capture=None if device.startswith("cuda") else StandInCapture(), log=lambda m: None)
+        sync()
+        t0 = time.perf_counter()
+        for b in batches * 2:   # every bucket eager once, then captured
+            runner.update(*b)
+        sync()
+        capture_s = time.perf_counter() - t0
     sync()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -123,10 +142,14 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
         elapsed = time.perf_counter() - t0
     if prof is not None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile), file=sys.stderr)
-    return {"system": system, "backend": backend, "params": sum(p.numel() for p in model.parameters()),
+    return {"system": system, "backend": backend,
+            "graphs": ("on" if device.startswith("cuda") else "stand-in") if graphs else "off",
+            "params": sum(p.numel() for p in model.parameters()),
             "tok_s": tokens / elapsed, "ms_per_update": 1000 * elapsed / steps, "saved_MB": saved.bytes / 2 ** 20,
             "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "peak_gpu_MB": torch.cuda.max_memory_allocated() / 2 ** 20 if device.startswith("cuda") else None}
+            "peak_gpu_MB": torch.cuda.max_memory_allocated() / 2 ** 20 if device.startswith("cuda") else None,
+            "captured": runner.captured if runner else None, "capture_s": capture_s,
+            "pool_MB": runner.capturer.pool_bytes() / 2 ** 20 if runner else None}
 
 
 def run(argv=None):
@@ -145,6 +168,9 @@ def run(argv=None):
     p.add_argument("--max-tokens", type=int, default=2000)
     p.add_argument("--vocab", type=int, default=4000)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
+                   help="eager updates (off) and/or updates replayed as CUDA graphs (on), each pair in both; on the "
+                        "CPU 'on' stands the capture in (the plumbing, not a figure)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny run of tiny models (for the tests: the plumbing, not a figure)")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
@@ -157,31 +183,34 @@ def run(argv=None):
         a.steps, a.warmup, a.max_tokens, a.vocab = 2, 1, 300, 200
     if a.one:
         print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads, a.profile,
-                                     a.device, a.preset, tiny=a.quick)))
+                                     a.device, a.preset, tiny=a.quick, graphs=a.graphs == ["on"])))
         return []
     rows = []
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for system in a.systems:
-        for backend in (("-",) if system == "transformer" else (*a.fused, "reference")):
-            cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
-                   "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
-                   "--threads", str(a.threads), "--device", a.device, "--preset", a.preset,
-                   *(["--quick"] if a.quick else [])]
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if r.returncode != 0:
-                raise RuntimeError(f"{system}/{backend} failed:\n{r.stderr}")
-            row = json.loads(r.stdout.strip().splitlines()[-1])
-            rows.append(row)
-            gpu = f"  {row['peak_gpu_MB']:7.0f} MB GPU peak" if row.get("peak_gpu_MB") is not None else ""
-            print(f"  {system:<14s} {backend:<9s} {row['tok_s']:9,.0f} tok/s  {row['saved_MB']:8.1f} MB saved  "
-                  f"{row['peak_rss_MB']:7.0f} MB peak{gpu}", flush=True)
-    by = {(r["system"], r["backend"]): r for r in rows}
-    for r in rows:
-        ref = by.get((r["system"], "reference"))
+    for system, backend, graphs in [(s, b, g) for s in a.systems
+                                    for b in (("-",) if s == "transformer" else (*a.fused, "reference"))
+                                    for g in a.graphs]:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
+               "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
+               "--threads", str(a.threads), "--device", a.device, "--preset", a.preset, "--graphs", graphs,
+               *(["--quick"] if a.quick else [])]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise RuntimeError(f"{system}/{backend} (graphs {graphs}) failed:\n{r.stderr}")
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        gpu = f"  {row['peak_gpu_MB']:7.0f} MB GPU peak" if row.get("peak_gpu_MB") is not None else ""
+        print(f"  {system:<14s} {backend:<9s} graphs {graphs:<3s} {row['tok_s']:9,.0f} tok/s  "
+              f"{row['saved_MB']:8.1f} MB saved  {row['peak_rss_MB']:7.0f} MB peak{gpu}", flush=True)
+    by = {(r["system"], r["backend"], r["graphs"]): r for r in rows}
+    for r in rows:   # the fused backend against the reference, and graphs against eager, in the same run
+        ref = by.get((r["system"], "reference", r["graphs"]))
         r["speedup"] = r["tok_s"] / ref["tok_s"] if ref and r["backend"] not in ("reference", "-") else None
+        eager = by.get((r["system"], r["backend"], "off"))
+        r["graphs_vs_eager"] = r["tok_s"] / eager["tok_s"] if eager and r["graphs"] != "off" else None
     os.makedirs(a.out, exist_ok=True)
-    fields = ["system", "backend", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB", "peak_gpu_MB",
-              "speedup"]
+    fields = ["system", "backend", "graphs", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB",
+              "peak_gpu_MB", "speedup", "graphs_vs_eager", "captured", "capture_s", "pool_MB"]
     with open(os.path.join(a.out, "bench_train.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fields)
         w.writeheader()
@@ -191,14 +220,24 @@ def run(argv=None):
     print(f"\nTraining throughput ({machine_name(a.device)}; {sizes}, max_tokens {a.max_tokens}, "
           f"vocab {a.vocab}, {a.steps} updates after {a.warmup} warm-up)\n")
     on_gpu = a.device.startswith("cuda")
-    print("| system | backend | params | target tok/s | ms/update | saved MB | peak RSS MB |"
-          + (" peak GPU MB |" if on_gpu else "") + " fused/ref |")
-    print("|---|---|---:|---:|---:|---:|---:|" + ("---:|" if on_gpu else "") + "---:|")
+    graphed = a.graphs != ["off"]
+    print("| system | backend |" + (" graphs |" if graphed else "") + " params | target tok/s | ms/update | "
+          "saved MB | peak RSS MB |" + (" peak GPU MB |" if on_gpu else "") + " fused/ref |"
+          + (" graphs/eager | captured | capture s | pool MB |" if graphed else ""))
+    print("|---|---|" + ("---|" if graphed else "") + "---:|---:|---:|---:|---:|" + ("---:|" if on_gpu else "")
+          + "---:|" + ("---:|---:|---:|---:|" if graphed else ""))
     for r in rows:
         sp = f"{r['speedup']:.2f}×" if r["speedup"] else ""
         gpu = f" {r['peak_gpu_MB']:.0f} |" if on_gpu else ""
-        print(f"| {r['system']} | {r['backend']} | {r['params']:,} | {r['tok_s']:,.0f} | {r['ms_per_update']:.0f} | "
-              f"{r['saved_MB']:.1f} | {r['peak_rss_MB']:.0f} |{gpu} {sp} |")
+        extra = ""
+        if graphed:
+            ge = f"{r['graphs_vs_eager']:.2f}×" if r["graphs_vs_eager"] else ""
+            extra = (f" {ge} | {r['captured'] if r['captured'] is not None else ''} | "
+                     f"{'' if r['capture_s'] is None else format(r['capture_s'], '.1f')} | "
+                     f"{'' if r['pool_MB'] is None else format(r['pool_MB'], ',.0f')} |")
+        print(f"| {r['system']} | {r['backend']} |" + (f" {r['graphs']} |" if graphed else "")
+              + f" {r['params']:,} | {r['tok_s']:,.0f} | {r['ms_per_update']:.0f} | {r['saved_MB']:.1f} | "
+              f"{r['peak_rss_MB']:.0f} |{gpu} {sp} |{extra}")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -206,11 +245,14 @@ def run(argv=None):
 
         systems = list(dict.fromkeys(r["system"] for r in rows))
         fig, ax = plt.subplots(figsize=(8, 3.5))
-        for i, backend in enumerate(dict.fromkeys(r["backend"] for r in rows)):
-            xs = [j + 0.4 * i for j, s in enumerate(systems) if (s, backend) in by]
-            ys = [by[(s, backend)]["tok_s"] for s in systems if (s, backend) in by]
-            ax.bar(xs, ys, width=0.4, label=backend if backend != "-" else "(no recurrent layers)")
-        ax.set_xticks([j + 0.2 for j in range(len(systems))], systems, rotation=20, fontsize=8)
+        series = list(dict.fromkeys((r["backend"], r["graphs"]) for r in rows))
+        width = 0.8 / len(series)
+        for i, (backend, graphs) in enumerate(series):
+            xs = [j + width * i for j, s in enumerate(systems) if (s, backend, graphs) in by]
+            ys = [by[(s, backend, graphs)]["tok_s"] for s in systems if (s, backend, graphs) in by]
+            name = backend if backend != "-" else "(no recurrent layers)"
+            ax.bar(xs, ys, width=width, label=name + (f", graphs {graphs}" if graphed else ""))
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(systems))], systems, rotation=20, fontsize=8)
         ax.set_ylabel("target tokens / s")
         ax.legend(fontsize=8)
         ax.set_title("training throughput", fontsize=10)

@@ -13,21 +13,24 @@
 #                                                       # then they against the per-step ones and cuDNN, strict
 #                                                       # fp32 and TF32 on every side
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
+#   bash benchmarks/gpu_session.sh build graphs         # training updates as CUDA graphs: the tests, then graphed
+#                                                       # against eager updates in one run (paper presets)
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
 #                                                       # GEMM, ATen's mm and cuBLAS called directly, each at
 #                                                       # every batch size (why: docs/design/gpu.md, "Step GEMMs",
 #                                                       # and "cuBLAS without ATen")
 #
-# Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image
-# has them all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
+# Needs python3 with a CUDA torch, triton, pybind11, ninja, pytest and hypothesis (the device machines' image has them
+# all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
 # persistent/bench_persistent.csv and persistent_tests.log (persistent), decode.md and decode/bench_decode.csv
-# (decode); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line
-# they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s,
-# gemm 180 + 4 x 80 s, persistent 180 + 300 s, decode 300 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, one kernel
-# benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device call is at most 10 minutes and a
-# warm machine keeps its build, so run `build tests`, then `bench`, then `persistent` (etc.) as separate calls.
+# (decode), graphs_tests.log and graphs/bench_train.csv (graphs); the tables themselves go to stdout. Copy the tables
+# into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests 360 s, each kernel
+# benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 300 s, decode 300 s, graphs 150 +
+# 300 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, one kernel
+# benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device call is at most 10 minutes and a warm
+# machine keeps its build, so run `build tests`, then `bench`, then `persistent` (etc.) as separate calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -84,6 +87,17 @@ if want train; then
   echo "== bench_train --device cuda --preset paper"
   timeout 240 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 6 \
     --systems dtmt nematus rnnsearch-atr transformer --fused cuda triton --out "$OUT/train" || status=1
+fi
+if want graphs; then
+  # issue 73 item 1: updates replayed as CUDA graphs (dtmt train --cuda-graphs), first against eager updates (the
+  # test), then their throughput against eager in one run (paper presets; each bucket eager once, captured once,
+  # before the timed updates)
+  echo "== GPU tests of the graphed updates"
+  timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py -s 2>&1 \
+    | tee "$OUT/graphs_tests.log" | tail -8 || status=1
+  echo "== bench_train --device cuda --preset paper --graphs off on"
+  timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
+    --systems dtmt rnnsearch-atr transformer --fused cuda --graphs off on --out "$OUT/graphs" || status=1
 fi
 if want gemm; then
   # cublas-direct: cublasGemmEx on torch's handle, built where the toolkit has cuBLAS's headers (else build.log says

@@ -91,6 +91,17 @@ def test_bench_train_quick(tmp_path):
     assert os.path.isfile(os.path.join(tmp_path, "bench_train.csv"))
 
 
+def test_bench_train_graphs_plumbing(tmp_path):
+    """--graphs off on: each pair eager and graphed (the capture stood in for on the CPU), the ratio from one run."""
+    from benchmarks import bench_train
+    rows = bench_train.main(["--quick", "--systems", "rnnsearch-atr", "--fused", "cpp", "--graphs", "off", "on",
+                             "--out", str(tmp_path)])
+    assert [(r["backend"], r["graphs"]) for r in rows] == [("cpp", "off"), ("cpp", "stand-in"), ("reference", "off"),
+                                                            ("reference", "stand-in")]
+    assert rows[1]["graphs_vs_eager"] == rows[1]["tok_s"] / rows[0]["tok_s"] and rows[1]["captured"] >= 1
+    assert rows[0]["graphs_vs_eager"] is None and rows[0]["captured"] is None
+
+
 def test_gpu_profile_runs_on_the_cpu(capsys):
     """gpu_profile.py's own code (layers, timing, the profiler's event sums, the table), on CPU tensors: on a GPU
     machine only the CUDA graph column and the kernel counts are new."""

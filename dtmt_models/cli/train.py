@@ -33,7 +33,8 @@ from dtmt_models.training.trainer import CONFIG, LAST, Trainer, TrainingDiverged
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
-             "threads", "bleu_sentences", "keep_last", "amp", "best_by", "device", "backend")
+             "threads", "bleu_sentences", "keep_last", "amp", "best_by", "device", "backend",
+             "cuda_graphs")
 
 
 
@@ -126,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "in bfloat16 with float32 accumulation; recurrent states, layer-norm statistics, losses and "
                         "the optimizer in float32). Faster only where the CPU has bfloat16 dot products (AVX512_BF16, "
                         "AMX) or on a GPU")
+    d.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"replay each update as a CUDA graph (default {D['cuda_graphs']}; one process on a CUDA "
+                        "device): batches padded to buckets of lengths in steps of 8 and rows in steps of 16, a "
+                        "bucket's first batch eager, its second captured, every later one replayed with one launch "
+                        "(docs/design/gpu.md, 'Updates as CUDA graphs')")
     return p
 
 
@@ -209,7 +215,9 @@ def config_arguments(path: str) -> List[str]:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of option: value, got a {type(data).__name__}")
-    flags = _flags(build_parser())
+    parser = build_parser()
+    flags = _flags(parser)
+    switches = {a.dest: a.option_strings for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction)}
     argv = []
     for key, value in data.items():
         dest = str(key).replace("-", "_")
@@ -223,6 +231,10 @@ def config_arguments(path: str) -> List[str]:
                 raise ValueError(f"--config {path}: opt must be a mapping of model option: value, e.g. "
                                  f"opt: {{depth: 2}}")
             argv += [a for k, v in value.items() for a in ("--opt", f"{k}={json.dumps(v)}")]
+        elif dest in switches:   # (a switch: true or false)
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key} takes true or false, got {value!r}")
+            argv.append(switches[dest][0 if value else 1])
         elif isinstance(value, (dict, list, bool)):
             raise ValueError(f"--config {path}: {key} takes one {'number or word' if dest != 'data' else 'path'}, "
                              f"got {value!r}")
@@ -291,6 +303,13 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     return TrainConfig(**{**given, **train, "model_options": model_options,
                           "max_time_s": parse_duration(args.max_time)})
+
+
+def check_cuda_graphs(cfg: TrainConfig) -> None:
+    """--cuda-graphs needs one process on a CUDA device (training/graphs.py)."""
+    if cfg.cuda_graphs and (not resolve_auto(cfg.device).startswith("cuda") or world_size() > 1):
+        raise ValueError("--cuda-graphs: needs one process on a CUDA device (--device cuda, no torchrun); leave it "
+                         "out here")
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -407,6 +426,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             if args.resume is not None and (args.device is None or args.backend is None):
                 raise ValueError(f"{exc} (the run's setting: --device / --backend choose another)") from None
             raise
+        check_cuda_graphs(cfg)
         dist = Dist(cfg.device)
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         for held in lock:   # nothing written: a directory made for the lock goes too

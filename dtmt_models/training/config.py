@@ -52,6 +52,7 @@ class TrainConfig:
     backend: str = "auto"
     threads: int = 0                            # 0: torch's default
     amp: str = "off"                            # off, or bf16: forward under torch.autocast in bfloat16
+    cuda_graphs: bool = False                   # updates replayed as CUDA graphs (training/graphs.py)
     data_fingerprint: Optional[Dict[str, Any]] = None   # of the corpus trained on (checked on --resume)
 
     @classmethod

@@ -53,6 +53,7 @@ from dtmt_models.models.registry import build_model
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
 from dtmt_models.training.config import TrainConfig
+from dtmt_models.training import graphs
 from dtmt_models.training.distributed import Dist
 from dtmt_models.training.schedules import InverseSqrtSchedule, RNMTPlusSchedule
 
@@ -301,6 +302,9 @@ class Trainer:
         torch.manual_seed(cfg.seed * 7919 + 1 + dist.rank)   # dropout streams differ per process
         if ckpt is not None:
             self._restore(ckpt)
+        # --cuda-graphs (one process on a CUDA device, checked by the command line): updates replayed as graphs
+        self.graphs = (graphs.GraphedUpdates(self.update, self.model, self.optimizer, self.device, log=self.log)
+                       if cfg.cuda_graphs else None)
         self._saved_step = self.step if ckpt is not None else None   # the update last.pt holds (in its folder)
         carried = (ckpt is not None and resumed_from is not None
                    and os.path.abspath(resumed_from) != os.path.abspath(self.out))
@@ -391,7 +395,7 @@ class Trainer:
             rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                    "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
             p["training"] = {
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "optimizer": graphs.float_lrs(self.optimizer.state_dict()), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "epoch": self.epoch, "batch_index": self.batch_index, "elapsed": self.elapsed,
                 "best_bleu": self.best_bleu, "best_loss": self.best_loss, "bad_validations": self.bad_validations,
                 "log_window": list(self.log_window), "stopped_early_by": self.stopped_early_by,
@@ -431,13 +435,24 @@ class Trainer:
     def autocast(self):
         """The context of an update's forward: torch.autocast in bfloat16 with --amp bf16 (contract §3: the fused ops'
         autocast rules keep states and layer-norm statistics in float32), else nothing."""
-        if self.cfg.amp == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.cfg.amp == "bf16":   # (no cache of cast weights under graphs: a capture would keep stale ones)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not self.cfg.cuda_graphs)
         return contextlib.nullcontext()
 
     def train_step(self, batch: List[int]) -> Tuple[float, float, float]:
         self.net.train()
-        src, lengths, prev, target = collate(self.train_data.pairs(batch), self.device)
+        pairs = self.train_data.pairs(batch)
+        if self.graphs is not None:   # (padded on the host, then copied into the bucket's tensors)
+            loss_sum, nll_sum, ntok = self.graphs.update(*collate(pairs))
+        else:
+            loss_sum, nll_sum, ntok = self.update(*collate(pairs, self.device))
+        self.scheduler.step()
+        return float(loss_sum), float(nll_sum), float(ntok)
+
+    def update(self, src, lengths, prev, target):
+        """One update on a collated batch: forward, backward, clipping, Adam step; (loss sum, NLL sum, target
+        tokens). With --cuda-graphs it is what a graph records (training.graphs), so it reads nothing on the host
+        while captured."""
         with self.autocast():
             loss_sum, nll_sum, ntok = self.net(src, lengths, prev, target=target, smoothing=self.cfg.smoothing)
         self.optimizer.zero_grad(set_to_none=True)
@@ -445,8 +460,7 @@ class Trainer:
         if self.cfg.clip and self.cfg.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
         self.optimizer.step()
-        self.scheduler.step()
-        return float(loss_sum.detach()), float(nll_sum.detach()), float(ntok)
+        return loss_sum.detach(), nll_sum.detach(), ntok
 
     def should_stop(self) -> Optional[str]:
         c = self.cfg
@@ -535,6 +549,8 @@ class Trainer:
             self.log(f"stopped: {self.stop_reason}. {self.step:,} updates, {format_time(self.elapsed)} of training; "
                      f"best.pt: {self.best_description()}. Checkpoints: {os.path.join(self.out, LAST)}"
                      + (f", {os.path.join(self.out, BEST)}" if os.path.isfile(os.path.join(self.out, BEST)) else ""))
+            if self.graphs is not None:
+                self.log(self.graphs.summary())
             if self._signal:
                 self.log(f"resume with: dtmt train --data {c.data} --model {c.model} --out {self.out} --resume")
         return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0

@@ -1,0 +1,249 @@
+"""Updates replayed as CUDA graphs (dtmt_models/training/graphs.py; issue 73 item 1), checked on the CPU with the
+capture stood in for (StandInCapture: a replay runs the captured update with host reads forbidden, as a capture
+forbids them), and on a GPU with real captures (marked gpu).
+
+The references: the same model trained by the eager update on the unpadded batches (float64, dropout off: eval
+mode), parameters compared after every update; padding rows and positions add nothing to the loss, the token count or
+any gradient, for every system."""
+import copy
+
+import pytest
+import torch
+
+from test_host_reads import HostReads
+
+import dtmt_models as dm
+from dtmt_models.data.batching import collate
+from dtmt_models.models.registry import list_models
+from dtmt_models.training import graphs
+from dtmt_models.training.trainer import build_optimizer
+
+V = 50
+
+
+def _pairs(n, src_len, tgt_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(4, V, (max(1, src_len - k % 3),), generator=g).tolist(),
+             torch.randint(4, V, (max(1, tgt_len - k % 2),), generator=g).tolist()) for k in range(n)]
+
+
+def _model(system, dtype=torch.float64, device="cpu"):
+    torch.manual_seed(0)
+    options = dict(embed_dim=16, hidden_size=16) if system != "transformer" else {}
+    return dm.build_model(system, V, V, **options).to(device=device, dtype=dtype).eval()
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss, nll, ntok = model(*batch[:3], target=batch[3], smoothing=0.1)
+    (loss / ntok).backward()
+    return loss.detach(), nll.detach(), int(ntok), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("system", list_models())
+def test_padding_to_a_bucket_adds_nothing(system):
+    """A batch padded to its bucket (rows of one PAD source token and a PAD target, positions of PAD) gives the
+    unpadded batch's loss, NLL, target tokens and gradients (float64, to rounding: the GEMMs have other shapes)."""
+    model = _model(system)
+    batch = collate(_pairs(5, 9, 6, seed=1))
+    shape = graphs.padded_shape(5, batch[0].shape[1], batch[2].shape[1], graphs.GraphOptions())
+    assert shape == (16, 16, 8)
+    padded = graphs.pad_batch(*batch, shape)
+    assert [tuple(t.shape) for t in padded] == [(16, 16), (16,), (16, 8), (16, 8)]
+    loss, nll, ntok, grads = _loss_and_grads(model, batch)
+    p_loss, p_nll, p_ntok, p_grads = _loss_and_grads(model, padded)
+    assert p_ntok == ntok
+    torch.testing.assert_close(p_loss, loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(p_nll, nll, rtol=1e-12, atol=1e-12)
+    for g, p_g in zip(grads, p_grads):
+        if g is None:
+            assert p_g is None or not p_g.any()
+        else:
+            torch.testing.assert_close(p_g, g, rtol=1e-10, atol=1e-12)
+
+
+def test_a_batch_larger_than_its_bucket_is_refused():
+    batch = collate(_pairs(5, 9, 6, seed=1))
+    with pytest.raises(ValueError, match=r"does not fit the bucket \(4, 16, 8\)"):
+        graphs.pad_batch(*batch, (4, 16, 8))
+
+
+def _body(model, optimizer, clip=1.0):
+    """The trainer's update (Trainer.update) for a model outside a trainer."""
+    def update(src, lengths, prev, target):
+        loss, nll, ntok = model(src, lengths, prev, target=target, smoothing=0.1)
+        optimizer.zero_grad(set_to_none=True)
+        (loss / ntok).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        return loss.detach(), nll.detach(), ntok
+    return update
+
+
+# three buckets, met in an order that replays each after the others' captures
+BATCHES = [_pairs(5, 9, 6, 1), _pairs(20, 4, 3, 2), _pairs(5, 9, 6, 3), _pairs(3, 20, 17, 4), _pairs(20, 4, 3, 5),
+           _pairs(4, 10, 7, 6), _pairs(3, 19, 18, 7), _pairs(40, 5, 4, 8), _pairs(3, 18, 17, 9), _pairs(5, 9, 6, 10)]
+
+
+def _train(model, graphed, options=graphs.GraphOptions(), capture=None, device="cpu", after=None):
+    """Trains `model` on BATCHES with a schedule (the learning rate changes every update), eager on the
+    unpadded batches or graphed; the losses, and the parameters after each update."""
+    optimizer = build_optimizer(model, 1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    body = _body(model, optimizer)
+    runner = (graphs.GraphedUpdates(body, model, optimizer, torch.device(device), options,
+                                    capture=capture or graphs.StandInCapture(), log=lambda m: None)
+              if graphed else None)
+    losses, params = [], []
+    for pairs in BATCHES:
+        if runner is None:
+            out = body(*collate(pairs, device))
+        else:
+            out = runner.update(*collate(pairs))
+        scheduler.step()
+        losses.append([float(x) for x in out])
+        params.append([p.detach().clone() for p in model.parameters()])
+        if after:
+            after(runner)
+    return losses, params, runner
+
+
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr", "mce", "transformer"])
+def test_graphed_updates_train_as_eager_ones(system):
+    """Over ten updates of three buckets (each eager once, captured at its second batch, replayed after), the
+    losses and every parameter after every update are the eager updates' (float64, to rounding), the learning
+    rate a tensor that the schedule fills."""
+    eager_losses, eager_params, _ = _train(_model(system), graphed=False)
+    losses, params, runner = _train(_model(system), graphed=True)
+    assert runner.captured == 3 and runner.eager_updates == 4 and runner.replayed == 6
+    assert sorted(runner.buckets) == [(16, 16, 8), (16, 24, 24), (32, 8, 8), (48, 8, 8)]
+    assert all(torch.is_tensor(g["lr"]) for g in runner.optimizer.param_groups)
+    for step, (a, b) in enumerate(zip(losses, eager_losses)):
+        assert a[2] == b[2], step
+        torch.testing.assert_close(torch.tensor(a[:2], dtype=torch.float64), torch.tensor(b[:2], dtype=torch.float64),
+                                   rtol=1e-8, atol=1e-10)   # (the parameters differ by rounding: above)
+    # each parameter's path: what it moved from its start agrees to 1e-6 of the distance (element-wise would not do:
+    # Adam's step lr g / (|g| + 1e-9) turns the rounding of a gradient element near 1e-13 into 1e-5 of a step)
+    start = [p.detach().clone() for p in _model(system).parameters()]
+    for step, (a, b) in enumerate(zip(params, eager_params)):
+        for x, y, x0 in zip(a, b, start):
+            moved = (y - x0).norm()
+            assert (x - y).norm() <= 1e-6 * moved + 1e-15, (step, float((x - y).norm()), float(moved))
+    assert "3 captured for 4 batch shapes; 6 of 10 updates replayed" in runner.summary()
+
+
+def test_a_replayed_update_reads_nothing_on_the_host():
+    """What a graph replays reads no tensor value on the host (else the capture fails on a GPU)."""
+    model = _model("dtmt")
+    optimizer = build_optimizer(model, 1e-3)
+    runner = graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"),
+                                   capture=graphs.StandInCapture(), log=lambda m: None)
+    runner.update(*collate(BATCHES[0]))      # eager: may read
+    runner.update(*collate(BATCHES[2]))      # captured, then replayed
+    reads = HostReads()
+    with reads:
+        runner.update(*collate(BATCHES[9]))  # replayed
+    assert runner.replayed == 2 and dict(reads.where) == {}
+
+
+def test_a_cache_read_by_a_graph_stays_alive_with_it():
+    """dtmt's positional-encoding table is grown by a longer batch (on its eager first update) after a graph read the
+    shorter one: the graph keeps the table it was captured with (its memory is not handed to anything else)."""
+    model = _model("dtmt")
+    optimizer = build_optimizer(model, 1e-3)
+    runner = graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"),
+                                   capture=graphs.StandInCapture(), log=lambda m: None)
+    tables = [m for m in model.modules() if type(m).__name__ == "TokenEmbedding" and m.positional]
+    assert tables, "dtmt has positional encodings (paper 000)"
+    runner.update(*collate(BATCHES[0]))
+    runner.update(*collate(BATCHES[2]))   # captured
+    before = tables[0]._table
+    assert any(t is before for t in runner.buckets[(16, 16, 8)].kept)
+    runner.update(*collate(_pairs(2, 70, 70, 11)))   # a longer table: a new tensor
+    assert tables[0]._table is not before and tables[0]._table.shape[0] > before.shape[0]
+    assert any(t is before for t in runner.buckets[(16, 16, 8)].kept)
+
+
+def test_buckets_past_the_limit_stay_eager():
+    messages = []
+    model = _model("rnnsearch-atr")
+    optimizer = build_optimizer(model, 1e-3)
+    runner = graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"),
+                                   graphs.GraphOptions(max_graphs=1), capture=graphs.StandInCapture(),
+                                   log=messages.append)
+    for pairs in BATCHES:
+        runner.update(*collate(pairs))
+    assert runner.captured == 1 and runner.replayed == 3 and runner.eager_updates == 7
+    assert messages == ["cuda graphs: 1 graphs captured (GraphOptions.max_graphs); new batch shapes run eagerly"]
+    assert "captures stopped: 1 graphs captured" in runner.summary()
+
+
+def test_a_checkpoint_keeps_the_learning_rate_as_a_number():
+    model = _model("rnnsearch-atr")
+    optimizer = build_optimizer(model, 1e-3)
+    graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"), capture=graphs.StandInCapture())
+    state = graphs.float_lrs(optimizer.state_dict())
+    assert state["param_groups"][0]["lr"] == pytest.approx(1e-3) and type(state["param_groups"][0]["lr"]) is float
+    assert torch.is_tensor(optimizer.param_groups[0]["lr"])
+
+
+def test_the_command_line_refuses_graphs_on_the_cpu(tmp_path, capsys):
+    from test_train import TINY, make_toy_corpus, train_here
+
+    data = make_toy_corpus(tmp_path / "data", n_train=40, n_dev=0, n_test=0)
+    r = train_here(["--data", data, "--out", str(tmp_path / "run"), *TINY, "--device", "cpu", "--cuda-graphs",
+                    "--max-steps", "1"], capsys)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("dtmt train: --cuda-graphs: needs one process on a CUDA device (--device cuda, no "
+                             "torchrun); leave it out here")
+
+
+def test_the_trainer_with_graphs_trains_and_resumes_as_eager(tmp_path, capsys, monkeypatch):
+    """`dtmt train --cuda-graphs` end to end with the capture stood in for (and the device check passed): the log's
+    losses are those of the eager run with the same seed to float rounding where dropout draws the same masks...
+    which padding changes; so dropout is off here, and the losses agree to 1e-6 over 12 updates across a resume."""
+    from test_train import TINY, losses, make_toy_corpus, train_here
+
+    from dtmt_models.cli import train as cli
+
+    data = make_toy_corpus(tmp_path / "data", n_train=120, n_dev=0, n_test=0)
+    args = [*TINY, "--data", data, "--log-every", "1", "--opt", "dropout=0", "--opt", "candidate_dropout=0"]
+    r = train_here([*args, "--out", str(tmp_path / "eager"), "--max-steps", "12"], capsys)
+    assert r.returncode == 0, r.stderr
+    monkeypatch.setattr(graphs, "CudaCapture", lambda device: graphs.StandInCapture())
+    monkeypatch.setattr(cli, "check_cuda_graphs", lambda cfg: None)   # (the run stays on the CPU)
+    r = train_here([*args, "--out", str(tmp_path / "graphs"), "--cuda-graphs", "--max-steps", "6"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert "cuda graphs:" in r.stdout and "updates replayed" in r.stdout
+    r = train_here([*args, "--out", str(tmp_path / "graphs"), "--resume", "--max-steps", "12"], capsys)
+    assert r.returncode == 0, r.stderr
+    eager, graphed = losses(tmp_path / "eager"), losses(tmp_path / "graphs")
+    assert [s for s, _, _ in graphed] == [s for s, _, _ in eager] == list(range(1, 13))
+    for (_, a, _), (_, b, _) in zip(graphed, eager):
+        assert float(a) == pytest.approx(float(b), rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr", "transformer"])
+def test_gpu_graphed_updates_train_as_eager_ones(system):
+    """Real captures on the GPU: ten updates over three buckets, one memory pool shared by the graphs, against eager
+    updates on the unpadded batches (float32, TF32 off: to float32 rounding over ten updates)."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        model = _model(system, torch.float32, "cuda")
+        eager_losses, eager_params, _ = _train(copy.deepcopy(model), graphed=False, device="cuda")
+        losses, params, runner = _train(model, graphed=True, capture=graphs.CudaCapture(torch.device("cuda")),
+                                        device="cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+    assert runner.captured == 3 and runner.replayed == 6
+    assert all(g["capturable"] and g["lr"].is_cuda for g in runner.optimizer.param_groups)
+    for a, b in zip(losses, eager_losses):
+        assert a[2] == b[2]
+        torch.testing.assert_close(torch.tensor(a[:2]), torch.tensor(b[:2]), rtol=1e-4, atol=1e-4)
+    start = [p.detach() for p in _model(system, torch.float32, "cuda").parameters()]
+    for x, y, x0 in zip(params[-1], eager_params[-1], start):
+        assert (x - y).norm() <= 1e-3 * (y - x0).norm() + 1e-7
+    print(runner.summary())

@@ -13,7 +13,6 @@ anyway, and the parameters are not counted). Median of --repeat runs after a war
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from bench_cells import machine_name, time_fn  # noqa: E402
+from common import machine_name, time_fn, write_csv  # noqa: E402
 from dtmt_models.models.attention import MultiHeadAdditiveAttention  # noqa: E402
 
 # (name, B, S, query size H, annotation size C = 2H, attention size A, heads)
@@ -106,11 +105,7 @@ def main(argv=None):
         print(f"| {r['size']} | {r['B']} | {r['S']} | {r['A']} | {r['heads']} | {r['backend']} | {r['fwd_ms']:.3f} | "
               f"{r['x_fwd']:.2f} | {r['fwd_bwd_ms']:.3f} | {r['x_fwd_bwd']:.2f} | {r['scores_fwd_bwd_ms']:.3f} | "
               f"{r['x_scores']:.2f} | {r['saved_KB']:.1f} |")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_attention.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(a.out, "bench_attention.csv"), rows, list(rows[0]))
     return rows
 
 

@@ -23,114 +23,18 @@ forward+backward beyond what was allocated before it, `x_gru` compares with cuDN
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import os
-import platform
-import statistics
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
+from common import machine_name, time_fn, write_csv  # noqa: E402
 from dtmt_kernels.nn import CELL_ROWS  # noqa: E402
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int):
-    """torch's thread count set to `threads` for the block and restored after it (a benchmark's main called from
-    the tests must not leave the test process on another count)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-# The instruction-set flags of /proc/cpuinfo that change what the GEMMs and dtmt's loops run.
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-             "amx_int8")
-
-
-def machine_record() -> dict:
-    """What makes two CPU timings comparable, as a dict: the CPU's identity from /proc/cpuinfo (vendor, family,
-    model, stepping, model name: a VM can give different CPUs one model name; without /proc/cpuinfo or its model
-    name, the platform's processor name), its instruction-set flags (ISA_FLAGS), the core count, torch's version
-    and the copy of dtmt's loops (setup.py builds one per instruction set). Equal records: the same kind of
-    machine; `machine_name()` is the line a table prints."""
-    cpu: dict = {}
-    flags: set = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key in ("vendor_id", "cpu family", "model", "model name", "stepping") and key not in cpu:
-                    cpu[key] = value
-                elif key == "flags" and not flags:
-                    flags = set(value.split())
-                elif not key and cpu:   # the first processor's block has ended
-                    break
-    except OSError:
-        pass
-    cpu.setdefault("model name", platform.processor() or platform.machine())
-    loops = None
-    if "cpp" in dk.available_backends():
-        from dtmt_kernels import _C
-        loops = _C.cpu_isa()
-    return dict(cpu, isa=[f for f in ISA_FLAGS if f in flags], cores=os.cpu_count(), torch=torch.__version__,
-                dtmt_loops=loops)
-
-
-def machine_name(device: str = "cpu", threads: bool = True) -> str:
-    """The machine in words for a result's header; `threads=False` leaves out torch's thread count (for a table
-    that names the threads of each row itself)."""
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        try:
-            import triton
-            tri = f", triton {triton.__version__}"
-        except ImportError:
-            tri = ""
-        return (f"{props.name} ({props.total_memory / 2 ** 30:.0f} GiB), CUDA {torch.version.cuda}, "
-                f"torch {torch.__version__}{tri}")
-    rec = machine_record()
-    loops = f", dtmt CPU loops {rec['dtmt_loops']}" if rec["dtmt_loops"] else ""
-    count = f", {torch.get_num_threads()} threads" if threads else ""
-    return f"{rec['model name']}, {rec['cores']} cores, torch {rec['torch']}{count}{loops}"
-
-
-def write_report(out_dir, name: str, text: str, data) -> None:
-    """A benchmark's table and its figures as OUT_DIR/NAME.md and OUT_DIR/NAME.json (the folder made if needed)."""
-    import json
-
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(data, f, indent=1)
-
-
-def _sync(device: str = "cpu"):
-    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-
-def time_fn(fn, repeat: int, device: str = "cpu") -> float:
-    sync = _sync(device)
-    fn()  # warm-up
-    sync()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def fwd_only(layer, x):
@@ -365,14 +269,6 @@ def print_table(rows, machine, device: str = "cpu"):
     print(f"# peak GEMM rate (1024^3 sgemm, same run): {peak:.1f} GFLOP/s")
 
 
-def write_csv(rows, path, columns=COLUMNS):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r[k] for k in columns})
-
-
 def plot(rows, path, machine):
     try:
         import matplotlib
@@ -446,7 +342,7 @@ def main(argv=None):
         columns, name = COLUMNS, "bench_cells"
     print_table(rows, machine, args.device)
     os.makedirs(args.out, exist_ok=True)
-    write_csv(rows, os.path.join(args.out, f"{name}.csv"), columns)
+    write_csv(os.path.join(args.out, f"{name}.csv"), rows, columns)
     plot(rows, os.path.join(args.out, f"{name}.png"), machine)
     print(f"# wrote {os.path.join(args.out, name + '.csv')} and {name}.png")
     return rows

@@ -264,7 +264,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="write bench_core_limits.md and .json here")
     a = p.parse_args(argv)
-    from bench_cells import machine_name, write_report
+    from common import machine_name, write_report
 
     r = measure()
     text = table(r, machine_name(threads=False))

@@ -19,7 +19,6 @@ Output: OUT/bench_data.json, OUT/bench_data.md (the table) and OUT/bench_data.pn
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -173,7 +172,7 @@ def main(argv=None) -> int:
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     procs = [k for k in (int(x) for x in a.processes.split(",")) if k > 0]
     os.makedirs(a.out, exist_ok=True)
-    from bench_cells import machine_name
+    from common import machine_name, write_json
 
     machine = machine_name()
     results = []
@@ -218,13 +217,13 @@ def main(argv=None) -> int:
         if not a.keep:
             for name in ("raw.es", "raw.en", "raw.n"):
                 os.remove(os.path.join(work, name))
-        with open(os.path.join(a.out, "bench_data.json"), "w") as f:
-            json.dump({"machine": machine, "model": a.model, "steps": a.steps, "rows": results}, f, indent=2)
-    write_report(results, machine, a, procs)
+        write_json(os.path.join(a.out, "bench_data.json"), {"machine": machine, "model": a.model, "steps": a.steps,
+                                                             "rows": results})
+    report(results, machine, a, procs)
     return 0
 
 
-def write_report(results, machine, a, procs) -> None:
+def report(results, machine, a, procs) -> None:
     lines = [f"Machine: {machine}; `dtmt train --model {a.model}` (small preset), {a.steps} updates, one thread a "
              f"process; prepare with the default settings (SentencePiece on a sample of up to 1 M lines a side, "
              f"one encoding process per core).", "",

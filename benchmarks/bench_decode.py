@@ -25,7 +25,6 @@ nearest to the system's; the `× matched` column is the ratio to that one, `× t
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import statistics
@@ -169,7 +168,7 @@ def make_batches(sentences, batch_size):
 
 
 def main(argv=None):
-    from bench_cells import machine_name
+    from common import machine_name, write_csv
 
     from dtmt_models.models.presets import PRESETS, get_preset
     from dtmt_models.models.registry import build_model
@@ -295,11 +294,7 @@ def main(argv=None):
         host = by.get((r["model"], r["beam"], r["batch"], "host"))
         r["vs_host_loop"] = r["words_per_s"] / host["words_per_s"] if host and r["loop"] in ("device", "graph") \
             else None
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_decode.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(a.out, "bench_decode.csv"), rows, list(rows[0]))
     where = machine_name() if a.device == "cpu" else f"{torch.cuda.get_device_name(a.device)}, {machine_name()}"
     print(f"\nDecoding speed ({where}; {a.device}; {mode})\n")
     print("| model | params | beam | batch | loop | words/s | ms/sentence | × transformer | × matched (which) "

@@ -130,7 +130,7 @@ def time_dtmt(ckpt: str, sentences, threads: int, batch_one: bool, max_tokens: i
     `int8` (`dtmt translate --int8`), with beam search's `early_stop` rule if `early_stop` (`dtmt translate
     --early-stop`); returns seconds (model load and int8 conversion excluded) and the one-best outputs."""
     import torch
-    from bench_cells import torch_threads
+    from common import torch_threads
 
     from dtmt_models.decoding.translate import translate
     from dtmt_models.models.checkpoint import load_model
@@ -302,7 +302,7 @@ def train_missing(name: str, data: str, budget: str, out: str, log: str) -> str:
 
 
 def main(argv=None):
-    from bench_cells import machine_name
+    from common import machine_name, write_report
     from sacrebleu.metrics import BLEU
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
@@ -487,10 +487,7 @@ def main(argv=None):
               f"same ratio within each of the {len(parts)} rounds (each round: every decoder of the thread count "
               "on the same part of the sentences, one after the other).")
     text = "\n".join(md) + "\n"
-    with open(os.path.join(a.out, "bench_deploy.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(a.out, "bench_deploy.json"), "w") as f:
-        json.dump({"rows": rows, "conversion_max_abs_diff": diff, "machine": machine}, f, indent=2)
+    write_report(a.out, "bench_deploy", text, {"rows": rows, "conversion_max_abs_diff": diff, "machine": machine})
     print(text)
     return rows
 

@@ -25,7 +25,6 @@ Speed at batch 1 and against CTranslate2 is bench_deploy.py's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -86,7 +85,7 @@ def quantize_step_weights(model):
 
 
 def main(argv=None):
-    from bench_cells import torch_threads
+    from common import torch_threads
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt"))
@@ -105,7 +104,7 @@ def main(argv=None):
 
 
 def _run(a, argv):
-    from bench_cells import machine_name
+    from common import machine_name, write_report
     from sacrebleu.metrics import BLEU
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
@@ -183,11 +182,7 @@ def _run(a, argv):
             md += (f"| {c['isa']} | {c['bleu_float32']:.2f} | {c['bleu_int8']:.2f} | {c['delta']:+.2f} | "
                    f"{c['changed']} of {n} | {c['float32_changed_vs_loaded']} / {c['int8_changed_vs_loaded']} | "
                    f"{c['seconds_float32']:.1f} / {c['seconds_int8']:.1f} |\n")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_int8.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(a.out, "bench_int8.json"), "w") as f:
-        json.dump(row, f, indent=2)
+    write_report(a.out, "bench_int8", md, row)
     print(md)
     return row
 

@@ -18,7 +18,6 @@ Output: OUT/bench_int8_kernel.md and .json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -65,14 +64,14 @@ def main(argv=None):
                                              "loops; DTMT_INT8_VNNI=0 in the environment keeps the avx512 copy off "
                                              "its VNNI loops); default: the best this CPU runs")
     a = p.parse_args(argv)
-    from bench_cells import torch_threads
+    from common import torch_threads
     with torch_threads(1):
         return _run(a, argv)
 
 
 def _run(a, argv):
     import torch
-    from bench_cells import machine_name
+    from common import machine_name, write_report
 
     from dtmt_kernels.ops.linear.quantize import pack_int8_rows
     from dtmt_models.models.checkpoint import load_model
@@ -125,12 +124,9 @@ def _run(a, argv):
     md += [f"| {r['rows']} | {r['float32_us']:.0f} | {r['float32_step_us']:.0f} | {r['int8_us']:.0f} | "
            f"{r['ratio']:.2f} |" for r in rows]
     text = "\n".join(md) + "\n"
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_int8_kernel.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(a.out, "bench_int8_kernel.json"), "w") as f:
-        json.dump({"rows": rows, "matrices": [n for n, *_ in packed], "float32_bytes": f32_bytes,
-                   "int8_bytes": i8_bytes, "float32_sum_us": stream * 1e6}, f, indent=2)
+    write_report(a.out, "bench_int8_kernel", text, {"rows": rows, "matrices": [n for n, *_ in packed],
+                                                   "float32_bytes": f32_bytes, "int8_bytes": i8_bytes,
+                                                   "float32_sum_us": stream * 1e6})
     print(text)
     return rows
 

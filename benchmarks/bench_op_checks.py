@@ -15,7 +15,6 @@ Without valgrind on PATH it says so and exits 2. Output: OUT/bench_op_checks.md 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -110,23 +109,18 @@ def main(argv=None):
         print("bench_op_checks: valgrind (callgrind) is not installed", file=sys.stderr)
         return 2
     sys.path.insert(0, HERE)
-    from bench_cells import machine_name
+    from common import commit, machine_name, write_report
 
     rows = [count(a.calls, op) for op in CHECKS]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    rev = commit()
     md = (f"Instructions a call of each op, and of its argument checks (callgrind, {a.calls} calls, one thread; "
-          f"{machine_name(threads=False)}; commit {commit}). Command: `python benchmarks/bench_op_checks.py "
+          f"{machine_name(threads=False)}; commit {rev}). Command: `python benchmarks/bench_op_checks.py "
           f"--calls {a.calls}`\n\n| op | kernel's instructions a call | the checks' | checks' share |\n"
           "|---|---:|---:|---:|\n")
     for r in rows:
         md += (f"| {r['op']} | {r['kernel_instructions_per_call']:,.0f} | {r['check_instructions_per_call']:,.0f} | "
                f"{100 * r['share']:.3f}% |\n")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_op_checks.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(a.out, "bench_op_checks.json"), "w") as f:
-        json.dump({"commit": commit, "machine": machine_name(threads=False), "rows": rows}, f, indent=2)
+    write_report(a.out, "bench_op_checks", md, {"commit": rev, "machine": machine_name(threads=False), "rows": rows})
     print(md)
     return 0
 

@@ -60,7 +60,7 @@ def transparent_huge_pages() -> str:
 
 def main(argv=None):
     import torch
-    from bench_cells import machine_name, torch_threads
+    from common import machine_name, torch_threads
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
     from dtmt_models.decoding.translate import translate

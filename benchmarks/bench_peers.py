@@ -70,7 +70,7 @@ ONMT_VERSION = "3.5.1"
 ONMT_REQUIREMENTS = ["configargparse", "ctranslate2>=4,<5", "tensorboard>=2.3", "flask", "waitress",
                      "pyonmttok>=1.37,<2", "pyyaml", "sacrebleu", "rapidfuzz", "pyahocorasick", "fasttext-wheel",
                      "spacy", "six", "sentencepiece"]
-PEERS = {"onmt-lstm"}
+PEERS = {"onmt-lstm", "onmt-transformer"}
 
 
 def spawn(cmd, log, env=None):
@@ -161,9 +161,15 @@ def write_pieces(data: str, out: str, vocab_size: int, max_len: int, log: str) -
 
 
 # ------------------------------------------------------------------------------------------ OpenNMT-py
-def onmt_config(out: str, pieces: dict, train_cfg: dict, opts: dict) -> str:
-    """The YAML for OpenNMT-py's LSTM: 2-layer bi-LSTM encoder, 2-layer input-feeding LSTM decoder with
-    general (Luong) attention; dtmt's training settings."""
+def onmt_config(out: str, pieces: dict, train_cfg: dict, opts: dict, arch: str = "lstm") -> str:
+    """The YAML for an OpenNMT-py model, with the same token budget per batch as dtmt's.
+    lstm: 2-layer bi-LSTM encoder, 2-layer input-feeding LSTM decoder with general (Luong) attention; dtmt's training
+    settings (Adam, learning rate, clipping, smoothing; the RNMT+ schedule is set by onmt_train.py).
+    transformer: the recipe of OpenNMT-py's documentation ("How do I use the Transformer model?": Adam with β2
+    0.998, the noam schedule at learning rate 2, Glorot initialisation, no clipping, dropout and attention dropout
+    0.1, label smoothing 0.1, tokens normalisation), at `opts`' sizes, with the decoder's embeddings shared with
+    its output layer, and warm-up over `opts["warmup"]` updates (the recipe's 8,000 are for updates of about 65,000
+    tokens; at 2,000 tokens an update a 30-minute CPU budget ends before them)."""
     s, t = pieces["src_lang"], pieces["tgt_lang"]
     P = pieces["paths"]
     cfg = {
@@ -171,14 +177,27 @@ def onmt_config(out: str, pieces: dict, train_cfg: dict, opts: dict) -> str:
         "src_vocab_size": 32000, "tgt_vocab_size": 32000, "overwrite": "true",
         "save_model": os.path.join(out, "model"), "save_checkpoint_steps": opts["valid_every"],
         "keep_checkpoint": -1, "valid_steps": opts["valid_every"], "train_steps": 10 ** 8, "report_every": 50,
-        "seed": train_cfg["seed"], "encoder_type": "brnn", "decoder_type": "rnn", "rnn_type": "LSTM", "layers": 2,
-        "word_vec_size": opts["embed_dim"], "hidden_size": opts["hidden_size"], "global_attention": "general",
-        "input_feed": 1, "dropout": f"[{opts['dropout']}]", "label_smoothing": train_cfg["smoothing"],
-        "optim": "adam", "adam_beta1": 0.9, "adam_beta2": 0.998, "learning_rate": train_cfg["lr"],
-        "max_grad_norm": train_cfg["clip"], "batch_type": "tokens", "batch_size": train_cfg["max_tokens"],
+        "seed": train_cfg["seed"], "batch_type": "tokens", "batch_size": train_cfg["max_tokens"],
         "valid_batch_size": train_cfg["max_tokens"], "normalization": "tokens", "accum_count": "[1]",
         "num_workers": 0, "world_size": 1, "gpu_ranks": "[]", "bucket_size": 32768,
+        "label_smoothing": train_cfg["smoothing"], "optim": "adam", "adam_beta1": 0.9, "adam_beta2": 0.998,
     }
+    if arch == "lstm":
+        cfg.update({
+            "encoder_type": "brnn", "decoder_type": "rnn", "rnn_type": "LSTM", "layers": 2,
+            "word_vec_size": opts["embed_dim"], "hidden_size": opts["hidden_size"], "global_attention": "general",
+            "input_feed": 1, "dropout": f"[{opts['dropout']}]", "learning_rate": train_cfg["lr"],
+            "max_grad_norm": train_cfg["clip"]})
+    elif arch == "transformer":
+        cfg.update({
+            "encoder_type": "transformer", "decoder_type": "transformer", "position_encoding": "true",
+            "enc_layers": opts["layers"], "dec_layers": opts["layers"], "heads": opts["heads"],
+            "hidden_size": opts["hidden_size"], "word_vec_size": opts["hidden_size"],
+            "transformer_ff": opts["ff"], "share_decoder_embeddings": "true", "dropout_steps": "[0]",
+            "dropout": "[0.1]", "attention_dropout": "[0.1]", "learning_rate": 2, "decay_method": "noam",
+            "warmup_steps": opts["warmup"], "max_grad_norm": 0, "param_init": 0, "param_init_glorot": "true"})
+    else:
+        raise ValueError(f"unknown OpenNMT-py architecture {arch!r}")
     lines = [f"{k}: {v}" for k, v in cfg.items()]
     lines += ["data:", "    corpus_1:", f"        path_src: {P[('train', s)]}", f"        path_tgt: {P[('train', t)]}",
               "    valid:", f"        path_src: {P[('dev', s)]}", f"        path_tgt: {P[('dev', t)]}"]
@@ -227,14 +246,43 @@ def onmt_translate(py: str, model: str, src: str, out: str, beam: int, threads: 
 
 
 def dtmt_translate(ckpt: str, src: str, out: str, beam: int, threads: int, log: str,
-                   batch_tokens: int = 2000) -> dict:
+                   batch_tokens: int = 2000, extra=()) -> dict:
     """`dtmt translate` of the raw test sources (its own SentencePiece inside), batches of `batch_tokens` source
     subwords, beam `beam`, α 0.6; returns the process's wall time from launch to exit, as onmt_translate's."""
     seconds = timed([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", ckpt, src, "-o", out, "--beam",
                      str(beam), "--alpha", "0.6", "--max-tokens", str(batch_tokens), "--threads", str(threads),
-                     "--quiet"], log, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+                     "--quiet", *extra], log, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
     with open(out, encoding="utf-8") as f:
         return {"seconds": seconds, "sentences": len(f.read().splitlines())}
+
+
+def ct2_translate(py: str, model_dir: str, src: str, out: str, beam: int, threads: int, compute: str, log: str,
+                  vocab, batch_tokens: int = 2000) -> dict:
+    """CTranslate2's translator on the test subwords (benchmarks/peers/ct2_run.py: batches of `batch_tokens` source
+    subwords, beam `beam`, its length penalty 0.6: scores divided by length^0.6, not GNMT's form), detokenised
+    into `out`; returns the process's wall time from launch to exit (the one clock of every translator)."""
+    pieces = out + ".pieces"
+    seconds = timed([py, os.path.join(HERE, "peers", "ct2_run.py"), "translate", "--model", model_dir, "--src", src,
+                     "--out", pieces, "--beam", str(beam), "--batch", str(batch_tokens), "--batch-type", "tokens",
+                     "--threads", str(threads), "--compute-type", compute], log, env=onmt_env(threads))
+    with open(pieces, encoding="utf-8") as f:
+        hyps = [vocab.sp.decode(line.split()) for line in f.read().splitlines()]
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("\n".join(hyps) + "\n")
+    return {"seconds": seconds, "sentences": len(hyps)}
+
+
+def ct2_version(py: str) -> str:
+    return subprocess.run([py, "-c", "import ctranslate2; print(ctranslate2.__version__)"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def _scores(hyp: str, out_dir: str, data: str, log: str) -> dict:
+    """sacrebleu's BLEU and chrF of `hyp` on the test set (`dtmt evaluate --hyp`)."""
+    run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--hyp", hyp, "--data", data, "--split", "test",
+         "--out-dir", out_dir, "--quiet"], log)
+    with open(os.path.join(out_dir, "scores.json")) as f:
+        return json.load(f)
 
 
 def read_jsonl(path: str) -> list:
@@ -244,7 +292,7 @@ def read_jsonl(path: str) -> list:
 
 # ----------------------------------------------------------------------------------------------- main
 RECORD = "bench_peers_machine.json"
-# What must be equal in every run of one table: the machine (bench_cells.machine_record) and the training setting.
+# What must be equal in every run of one table: the machine (common.machine_record) and the training setting.
 SAME = ("machine", "threads", "budget_s", "sequential", "clock")
 CLOCK = "wall time from launch"   # the clock of this script's budgets (runs recorded before it had none)
 
@@ -253,14 +301,9 @@ def write_record(run_dir: str, setting: dict) -> None:
     """RUN/bench_peers_machine.json: the machine a run trained on and its setting, date and commit."""
     import datetime
 
-    from bench_cells import machine_name, machine_record
+    from common import commit, machine_name, machine_record
 
-    try:
-        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    rec = dict(setting, machine=machine_record(), machine_name=machine_name(), commit=commit,
+    rec = dict(setting, machine=machine_record(), machine_name=machine_name(), commit=commit(),
                date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"))
     with open(os.path.join(run_dir, RECORD), "w") as f:
         json.dump(rec, f, indent=1)
@@ -380,8 +423,8 @@ def apart_line(records: dict) -> list:
 
 
 def main(argv=None):
-    from bench_cells import machine_name
     from bench_quality import read_log, start
+    from common import machine_name
 
     import dtmt_models.models.systems  # noqa: F401
     from dtmt_models.models.checkpoint import read_checkpoint
@@ -402,6 +445,11 @@ def main(argv=None):
     p.add_argument("--onmt-size", default="128,256",
                    help="OpenNMT-py LSTM embedding,hidden sizes (default 128,256: 4.0 M parameters at BPE 4,000; "
                         "128,316: 5.26 M, the size of dtmt's small preset)")
+    p.add_argument("--onmt-transformer", default="256,1024,2,4,4000",
+                   help="OpenNMT-py Transformer model size, feed-forward size, layers per side, heads and warm-up "
+                        "updates (default 256,1024,2,4,4000: 5.7 M parameters at BPE 4,000, about dtmt's small "
+                        "preset; its CTranslate2 conversions are decoded too, float32 and int8, beside `dtmt "
+                        "translate` and `dtmt translate --int8`)")
     p.add_argument("--train-args", default="", help="extra `dtmt train` arguments for every dtmt system")
     p.add_argument("--peer-env", default=os.path.join(HERE, "out", "peers", "env-onmt"))
     p.add_argument("--out", default=os.path.join(HERE, "out", "peers"))
@@ -450,7 +498,14 @@ def main(argv=None):
     pieces = write_pieces(a.data, os.path.join(a.out, "pieces"), train_cfg["vocab_size"], train_cfg["max_len"], log)
     s_lang = pieces["src_lang"]
     emb, hid = (int(x) for x in a.onmt_size.split(","))
-    onmt_dir = os.path.join(a.out, "onmt-lstm")
+    t_dim, t_ff, t_layers, t_heads, t_warmup = (int(x) for x in a.onmt_transformer.split(","))
+    peer_opts = {"onmt-lstm": dict(embed_dim=emb, hidden_size=hid, dropout=0.2, valid_every=a.valid_every),
+                 "onmt-transformer": dict(hidden_size=t_dim, ff=t_ff, layers=t_layers, heads=t_heads,
+                                          warmup=t_warmup, valid_every=a.valid_every)}
+    peer_names = {"onmt-lstm": f"OpenNMT-py {ONMT_VERSION} LSTM {emb}/{hid}, 2+2 layers, input feeding",
+                  "onmt-transformer": f"OpenNMT-py {ONMT_VERSION} Transformer {t_dim}/{t_ff}, {t_layers}+{t_layers} "
+                                      f"layers, {t_heads} heads"}
+    peer_sizes = {"onmt-lstm": a.onmt_size, "onmt-transformer": a.onmt_transformer}
     jobs = []
     setting = dict(threads=a.threads, budget_s=budget_s, sequential=a.sequential, valid_every=a.valid_every,
                    clock=CLOCK)
@@ -480,20 +535,23 @@ def main(argv=None):
                    "--log-every", "50", "--threads", str(a.threads), *a.train_args.split()]
             print(f"== {system}: dtmt train for {a.budget} on {a.threads} thread(s)", flush=True)
             train_probed(system, lambda: start(cmd, os.path.join(a.out, f"train_{system}.log")))
-        if "onmt-lstm" in peers:
+        for peer in peers:
+            onmt_dir = os.path.join(a.out, peer)
             os.makedirs(onmt_dir, exist_ok=True)
             for name in os.listdir(onmt_dir):
                 if name.startswith("model_step_") or name == "train.jsonl":
                     os.remove(os.path.join(onmt_dir, name))
-            cfg = onmt_config(onmt_dir, pieces, train_cfg,
-                              dict(embed_dim=emb, hidden_size=hid, dropout=0.2, valid_every=a.valid_every))
-            tlog = os.path.join(a.out, "train_onmt-lstm.log")
+            arch = peer.split("-", 1)[1]
+            cfg = onmt_config(onmt_dir, pieces, train_cfg, peer_opts[peer], arch)
+            tlog = os.path.join(a.out, f"train_{peer}.log")
             run([py, "-m", "onmt.bin.build_vocab", "-config", cfg, "-n_sample", "-1"], tlog, env=onmt_env(a.threads))
-            sched = f"rnmt:{train_cfg['warmup']}:{train_cfg['decay_start']}:{train_cfg['decay_end']}:0.05"
+            # the LSTM on dtmt's schedule; the Transformer on its recipe's own (noam)
+            sched = (["--schedule", f"rnmt:{train_cfg['warmup']}:{train_cfg['decay_start']}:"
+                                    f"{train_cfg['decay_end']}:0.05"] if arch == "lstm" else [])
             cmd = [py, os.path.join(HERE, "peers", "onmt_train.py"), "--log", os.path.join(onmt_dir, "train.jsonl"),
-                   "--schedule", sched, "-config", cfg]
-            print(f"== onmt-lstm: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
-            train_probed("onmt-lstm", lambda: spawn(cmd, tlog, env=onmt_env(a.threads)))
+                   *sched, "-config", cfg]
+            print(f"== {peer}: OpenNMT-py {ONMT_VERSION} for {a.budget} on {a.threads} thread(s)", flush=True)
+            train_probed(peer, lambda: spawn(cmd, tlog, env=onmt_env(a.threads)))
         try:
             if not a.sequential:   # (one after another: each was stopped as it trained)
                 stop_at_budget(jobs, budget_s)
@@ -507,8 +565,8 @@ def main(argv=None):
             probes = {name: [first, after] for name in a.systems}
         for system in ours:
             write_record(os.path.join(a.out, system), dict(setting, train_args=a.train_args, probe=probes[system]))
-        if "onmt-lstm" in peers:
-            write_record(onmt_dir, dict(setting, onmt_size=a.onmt_size, probe=probes["onmt-lstm"]))
+        for peer in peers:
+            write_record(os.path.join(a.out, peer), dict(setting, onmt_size=peer_sizes[peer], probe=probes[peer]))
         if a.no_eval:
             print(f"trained {', '.join(a.systems)} into {a.out}; tabulate with --no-train")
             return None
@@ -552,37 +610,56 @@ def main(argv=None):
                          "dev_loss": _dev_loss_at(curves[system], int(ck["step"])),
                          "bleu": sc["bleu"], "chrf": sc["chrf"], "translate_s": speed["seconds"],
                          "sent_s": speed["sentences"] / speed["seconds"]})
-    if "onmt-lstm" in peers:
+            if which == "best" and "onmt-transformer" in peers:   # int8 against CTranslate2's int8
+                hyp = os.path.join(run_dir, "test_best_int8.hyp")
+                speed = dtmt_translate(ckpt, corpus_paths(a.data, "test")[0], hyp, a.beam, a.threads, log,
+                                       extra=["--int8"])
+                sc = _scores(hyp, os.path.join(run_dir, "eval_best_int8"), a.data, log)
+                rows.append(dict(rows[-1], system=f"`dtmt train --model {system}` → `dtmt translate --int8`",
+                                 tok_s=None, updates=None, tok_update=None, bleu=sc["bleu"], chrf=sc["chrf"],
+                                 translate_s=speed["seconds"], sent_s=speed["sentences"] / speed["seconds"]))
+    for peer in peers:
+        onmt_dir = os.path.join(a.out, peer)
         jl = read_jsonl(os.path.join(onmt_dir, "train.jsonl"))
         ends = [r for r in jl if r["kind"] == "end"]
         if not ends:
-            raise RuntimeError(f"OpenNMT-py did not reach its budget; see {os.path.join(a.out, 'train_onmt-lstm.log')}")
+            raise RuntimeError(f"OpenNMT-py did not reach its budget; see {os.path.join(a.out, f'train_{peer}.log')}")
         end = ends[-1]
-        curves["onmt-lstm"] = [(r["step"], r["wall_s"], r["dev_loss"]) for r in jl if r["kind"] == "valid"]
-        with open(os.path.join(a.out, "train_onmt-lstm.log")) as f:
+        curves[peer] = [(r["step"], r["wall_s"], r["dev_loss"]) for r in jl if r["kind"] == "valid"]
+        with open(os.path.join(a.out, f"train_{peer}.log")) as f:
             m = re.search(r"Trainable parameters = \{'torch.float32': ([0-9]+)", f.read())
-        kept = [c for c in curves["onmt-lstm"] if os.path.isfile(os.path.join(onmt_dir, f"model_step_{c[0]}.pt"))]
+        kept = [c for c in curves[peer] if os.path.isfile(os.path.join(onmt_dir, f"model_step_{c[0]}.pt"))]
         picks = {"best": min(kept, key=lambda c: c[2])[0] if kept else end["step"], "last": end["step"]}
         for which in ("best", "last"):
             step = picks[which]
             model = os.path.join(onmt_dir, f"model_step_{step}.pt")
             hyp = os.path.join(onmt_dir, f"test_{which}.hyp")
             speed = onmt_translate(py, model, test_src, hyp, a.beam, a.threads, log, pieces["vocabs"][1])
-            ev = os.path.join(onmt_dir, f"eval_{which}")
-            run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--hyp", hyp, "--data", a.data, "--split",
-                 "test", "--out-dir", ev, "--quiet"], log)
-            with open(os.path.join(ev, "scores.json")) as f:
-                sc = json.load(f)
-            rows.append({"system": f"OpenNMT-py {ONMT_VERSION} LSTM {emb}/{hid}, 2+2 layers, input feeding",
+            sc = _scores(hyp, os.path.join(onmt_dir, f"eval_{which}"), a.data, log)
+            rows.append({"system": peer_names[peer],
                          "checkpoint": CHECKPOINT_RULES[which], "step": step,
                          "params": int(m.group(1)) if m else None,
                          "tok_s": end["tokens"] / budget_s if which == "last" else None,
                          "updates": end["step"] if which == "last" else None,
                          "tok_update": end["tokens"] / end["step"] if which == "last" else None,
-                         "dev_loss": _dev_loss_at(curves["onmt-lstm"], step),
+                         "dev_loss": _dev_loss_at(curves[peer], step),
                          "bleu": sc["bleu"], "chrf": sc["chrf"], "translate_s": speed["seconds"],
                          "sent_s": speed["sentences"] / speed["seconds"],
                          "own_decode_s": speed["decode_seconds"]})
+            if peer == "onmt-transformer" and which == "best":   # the engine a CPU user would deploy it with
+                for compute in ("float32", "int8"):
+                    ct2_dir = os.path.join(onmt_dir, f"ct2-{compute}")
+                    run([py, os.path.join(HERE, "peers", "ct2_run.py"), "convert-onmt", "--model", model, "--out",
+                         ct2_dir, "--quantization", compute], log, env=onmt_env(a.threads))
+                    hyp = os.path.join(onmt_dir, f"test_best_ct2_{compute}.hyp")
+                    speed = ct2_translate(py, ct2_dir, test_src, hyp, a.beam, a.threads, compute, log,
+                                          pieces["vocabs"][1])
+                    sc = _scores(hyp, os.path.join(onmt_dir, f"eval_best_ct2_{compute}"), a.data, log)
+                    rows.append({"system": f"{peer_names[peer]} → CTranslate2 {ct2_version(py)} {compute}",
+                                 "checkpoint": CHECKPOINT_RULES[which], "step": step, "params": rows[-1]["params"],
+                                 "tok_s": None, "updates": None, "tok_update": None, "dev_loss": rows[-1]["dev_loss"],
+                                 "bleu": sc["bleu"], "chrf": sc["chrf"], "translate_s": speed["seconds"],
+                                 "sent_s": speed["sentences"] / speed["seconds"]})
     # ---- tables
     command = "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
@@ -596,10 +673,11 @@ def main(argv=None):
              f"{train_cfg['vocab_size']:,} per side, {pieces['paths'][('train', 'n')]:,} training pairs, batches of "
              f"{train_cfg['max_tokens']:,} tokens, lr {train_cfg['lr']:g} with the RNMT+ schedule); test set "
              f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, GNMT's length penalty with α 0.6, "
-             f"batches of 2,000 source subwords, float32, sacrebleu via `dtmt evaluate`; decoding one system at a "
+             f"batches of 2,000 source subwords, float32 unless a row says int8, sacrebleu via `dtmt evaluate`; "
+             f"CTranslate2's length penalty is its own (scores over length^0.6); decoding one system at a "
              f"time on {a.threads} thread(s), each translator timed by one clock: its process's wall time from launch "
              f"to exit, model loading and everything inside (`dtmt translate` on the raw sources, its SentencePiece "
-             f"inside; `onmt_translate` on the subwords). Command: `{command}`", "",
+             f"inside; `onmt_translate` and CTranslate2 on the subwords). Command: `{command}`", "",
              *apart_line(records), *probe_lines(records),
              "Target tokens/s: every target token trained up to the stop over the budget's wall time.",
              "",
@@ -644,7 +722,7 @@ def profile(a, py, ours, log) -> dict:
     dtmt batches them), one system at a time on --threads threads; prints and writes DIR/profile.md."""
     import torch
 
-    from bench_cells import machine_name
+    from common import machine_name
     from peers.update_timer import profile_updates
 
     from dtmt_models.data.batching import collate, token_batches

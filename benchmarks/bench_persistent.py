@@ -24,7 +24,6 @@ it, and that row says so. Writes DIR/bench_persistent.csv when --out is given. N
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -53,7 +52,8 @@ TOLERANCE = {"strict": 1e-4, "tf32": 2e-2, "bf16": 5e-2}   # the forward's large
 def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
     import torch
 
-    from bench_cells import fwd_bwd, fwd_only, peak_memory_mb, time_fn
+    from bench_cells import fwd_bwd, fwd_only, peak_memory_mb
+    from common import time_fn
 
     torch.backends.cuda.matmul.allow_tf32 = math == "tf32"
     torch.backends.cudnn.allow_tf32 = math == "tf32"
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     if a.child:
         child(a.child, a.math[0], a.T, a.B, a.H, a.repeat)
         return 0
-    from bench_cells import machine_name
+    from common import machine_name, write_csv
 
     table, bad, barrier = [], [], None
     for math in a.math:
@@ -208,11 +208,7 @@ def main(argv=None) -> int:
         table += report(results, barrier, a.T, a.H, a.B, a.repeat, machine_name("cuda"), math)
         bad += [(math, *k) for k, row in results.items() if row["rel_err"] > TOLERANCE[math]]
     if a.out and table:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "bench_persistent.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=sorted({k for row in table for k in row}))
-            w.writeheader()
-            w.writerows(table)
+        write_csv(os.path.join(a.out, "bench_persistent.csv"), table, sorted({k for row in table for k in row}))
     if bad:
         print(f"bench_persistent: forward differs from the float64 reference by more than the math mode's tolerance "
               f"{TOLERANCE} in {bad}", file=sys.stderr)

@@ -18,7 +18,6 @@ Prints a table with the machine named and writes bench_portable.csv to --out.
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import importlib.util
 import json
@@ -70,7 +69,8 @@ def worker(args) -> None:
     import torch
 
     sys.path.insert(0, ROOT)
-    from benchmarks.bench_cells import build, fwd_bwd, time_fn
+    from benchmarks.bench_cells import build, fwd_bwd
+    from benchmarks.common import time_fn
     from dtmt_kernels import _C
 
     for kind, depth, T, B, H in configs(args):
@@ -113,7 +113,7 @@ def main(argv=None):
         return worker(args)
 
     sys.path.insert(0, ROOT)
-    from benchmarks.bench_cells import machine_name
+    from benchmarks.common import machine_name, write_csv
 
     native_so = args.native_so or build_native(os.path.join(args.out, "native_build"))
     times = {}  # (variant, config) -> per-round medians
@@ -154,13 +154,9 @@ def main(argv=None):
         ratios = [r["vs_native"] for r in rows if r["build"] == v]
         print(f"# {v}: geometric mean x native {statistics.geometric_mean(ratios):.3f}, "
               f"range {min(ratios):.3f}-{max(ratios):.3f}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_portable.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["kind", "depth", "T", "B", "H", "build", "isa", "ms", "vs_native",
-                                          "vs_native_min", "vs_native_max"])
-        w.writeheader()
-        w.writerows(rows)
+    path = write_csv(os.path.join(args.out, "bench_portable.csv"), rows,
+                     ["kind", "depth", "T", "B", "H", "build", "isa", "ms", "vs_native", "vs_native_min",
+                      "vs_native_max"])
     print(f"# wrote {path}")
     return rows
 

@@ -80,7 +80,7 @@ def read_log(path):
 
 
 def main(argv=None):
-    from bench_cells import machine_name
+    from common import machine_name, write_csv
 
     import dtmt_models.models.systems  # noqa: F401  (all model code loaded now, not hours later for the table)
     from dtmt_models.models.checkpoint import load_model
@@ -177,10 +177,7 @@ def main(argv=None):
               f"test BLEU {row['test_bleu']:.2f}", flush=True)
     fields = ["system", "params", "steps", "train_s", "train_tok_s", "decode_words_s", "dev_bleu", "dev_chrf",
               "test_bleu", "test_chrf"]
-    with open(os.path.join(a.out, "bench_quality.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(a.out, "bench_quality.csv"), rows, fields)
     lines = [f"Quality at equal training time ({machine_name()}); budget {a.budget} of training per system"
              + (f", all trained at once on {threads} thread(s) each" if a.parallel else "") + ", "
              f"small presets, data {a.data}, beam {a.beam}; command: `python benchmarks/bench_quality.py "

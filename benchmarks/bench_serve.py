@@ -103,7 +103,7 @@ async def load(url: str, sentences, expected, clients: int, max_seconds: float, 
 
 
 def main(argv=None):
-    from bench_cells import machine_name, torch_threads
+    from common import machine_name, torch_threads, write_report
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
     from dtmt_models.decoding.translate import translate
@@ -174,10 +174,7 @@ def main(argv=None):
           f"| {a.clients} | {sent} | {answered} | {len(lost)} | {row['sentences_per_s']:.1f} | "
           f"{row['offline_sentences_per_s']:.1f} | {row['p50_ms']:.0f} | {row['p90_ms']:.0f} | {row['p99_ms']:.0f} | "
           f"{row['max_ms']:.0f} | {row['batches']} ({row['mean_batch']:.1f}) |\n")
-    with open(os.path.join(a.out, "bench_serve.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(a.out, "bench_serve.json"), "w") as f:
-        json.dump(row, f, indent=2)
+    write_report(a.out, "bench_serve", md, row)
     print(md)
     return row
 

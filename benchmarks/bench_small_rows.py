@@ -283,7 +283,7 @@ def main(argv=None) -> dict:
         p.error(f"--rows must be between 1 and 8, got {a.rows!r}")
     if a.passes < 1:
         p.error("--passes must be >= 1")
-    from bench_cells import machine_name, write_report
+    from common import machine_name, write_report
 
     isa = a.isa
     if isa is None:

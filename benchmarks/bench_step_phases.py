@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_step_phases: this build of dtmt_kernels has no phase timers; build one with "
                          "`DTMT_PHASE_TIMERS=1 python setup.py build_ext --inplace` (and rebuild without it after)")
     import torch
-    from bench_cells import machine_name, torch_threads, write_report
+    from common import machine_name, torch_threads, write_report
 
     from dtmt_models.data.corpus import corpus_paths, read_parallel
     from dtmt_models.decoding.translate import translate

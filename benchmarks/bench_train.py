@@ -22,7 +22,6 @@ listed once ("-" backend).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -153,7 +152,7 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
 
 
 def run(argv=None):
-    from bench_cells import machine_name  # noqa: E402  (same directory)
+    from common import machine_name, write_csv  # noqa: E402  (same directory)
 
     from dtmt_models.models.presets import PRESETS
 
@@ -211,10 +210,7 @@ def run(argv=None):
     os.makedirs(a.out, exist_ok=True)
     fields = ["system", "backend", "graphs", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB",
               "peak_gpu_MB", "speedup", "graphs_vs_eager", "captured", "capture_s", "pool_MB"]
-    with open(os.path.join(a.out, "bench_train.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fields)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(a.out, "bench_train.csv"), rows, fields)
     sizes = (f"{a.preset} presets at widths 16 / 32, the transformer 16 / 64 (--quick)" if a.quick
              else f"{a.preset} presets")
     print(f"\nTraining throughput ({machine_name(a.device)}; {sizes}, max_tokens {a.max_tokens}, "

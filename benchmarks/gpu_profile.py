@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from bench_cells import build, fwd_bwd, machine_name, time_fn  # noqa: E402
+from bench_cells import build, fwd_bwd  # noqa: E402
+from common import machine_name, time_fn  # noqa: E402
 
 KINDS = {"GRU": ("gru", 0), "DT": ("deep-transition", 4), "ATR": ("atr", 0)}   # -> bench_cells.build(kind, depth)
 

@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build graphs         # training updates as CUDA graphs: the tests, then graphed
 #                                                       # against eager updates in one run (paper presets)
+#   bash benchmarks/gpu_session.sh build amp            # bf16 autocast against float32: dev loss after 600 updates
+#                                                       # (two seeds each) and speed, dtmt small preset
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
 #                                                       # GEMM, ATen's mm and cuBLAS called directly, each at
 #                                                       # every batch size (why: docs/design/gpu.md, "Step GEMMs",
@@ -25,12 +27,13 @@
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
 # persistent/bench_persistent.csv and persistent_tests.log (persistent), decode.md and decode/bench_decode.csv
-# (decode), graphs_tests.log and graphs/bench_train.csv (graphs); the tables themselves go to stdout. Copy the tables
-# into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit (tests 360 s, each kernel
-# benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 300 s, decode 300 s, graphs 150 +
-# 300 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests 85 s, one kernel
-# benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device call is at most 10 minutes and a warm
-# machine keeps its build, so run `build tests`, then `bench`, then `persistent` (etc.) as separate calls.
+# (decode), graphs_tests.log and graphs/bench_train.csv (graphs), amp/quality-dtmt-cuda.json (amp); the tables
+# themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has
+# a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
+# 180 + 300 s, decode 300 s, graphs 150 + 300 s, amp 480 s) so that a hang cannot eat the call. Seen on an H100
+# (2026-11-24): build 94 s, kernel tests 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32,
+# bf16). A device call is at most 10 minutes and a warm machine keeps its build, so run `build tests`, then `bench`,
+# then `persistent` (etc.) as separate calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -98,6 +101,13 @@ if want graphs; then
   echo "== bench_train --device cuda --preset paper --graphs off on"
   timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
     --systems dtmt rnnsearch-atr transformer --fused cuda --graphs off on --out "$OUT/graphs" || status=1
+fi
+if want amp; then
+  # issue 73 item 2: may bfloat16 autocast be the default on a GPU? the dev loss after 600 updates, float32 against
+  # bf16, two seeds each (the spread between seeds is the noise), and the speed of each
+  echo "== bench_amp --quality --device cuda"
+  timeout 480 "$PY" benchmarks/bench_amp.py --quality --device cuda --steps 600 --seeds 1 2 \
+    --out "$OUT/amp" --runs /tmp/dtmt-amp-runs || status=1
 fi
 if want gemm; then
   # cublas-direct: cublasGemmEx on torch's handle, built where the toolkit has cuBLAS's headers (else build.log says

@@ -75,8 +75,8 @@ def nan_filled_empty_tensors():
 
 @pytest.fixture(autouse=True)
 def torch_threads_restored():
-    """A test that runs a command in this process which sets torch's thread count (bench_update_pieces and
-    callgrind_cells' workload in test_benchmarks, `dtmt train --threads 1` in test_train) left torch on that count:
+    """A test that runs a command in this process which sets torch's thread count (benchmarks with --threads in
+    test_benchmarks, `dtmt train --threads 1` in test_train) left torch on that count:
     every later test ran on 1 thread instead of 2, minutes longer in all. The thread count is put back after each
     test."""
     threads = torch.get_num_threads()
@@ -158,7 +158,7 @@ TOY_TGT = ["the dog eats bread", "the house is big", "the cat sleeps in the hous
 
 def at_thread_counts(call, *counts):
     """[call() with torch on each of `counts` threads], the process's thread count restored afterwards."""
-    from benchmarks.bench_cells import torch_threads
+    from benchmarks.common import torch_threads
 
     results = []
     for threads in counts:
@@ -198,7 +198,7 @@ def aten_gemm_reproducible(threads: int) -> bool:
     buffers) and when it splits it between threads (docs/design/reproducibility.md). Tests that compare two
     computations of the same products hold them to the bit where this is True and to rounding where it is not.
     Probed once per thread count: small products with x at 16 placements 4 or 8 bytes apart."""
-    from benchmarks.bench_cells import torch_threads
+    from benchmarks.common import torch_threads
 
     g = torch.Generator().manual_seed(0)
     same = True

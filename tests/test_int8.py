@@ -143,7 +143,7 @@ def test_bench_int8_quantizes_what_a_step_reads(tmp_path):
     sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
     model, sv, tv, _ = load_model(path)
     model.eval()
-    from benchmarks.bench_cells import torch_threads
+    from benchmarks.common import torch_threads
 
     with torch_threads(1):   # as the benchmark ran
         f32 = [h[0][0] for h in translate(model, sv, tv, sources, beam=2)]
@@ -521,7 +521,7 @@ def test_bench_int8_kernel_quick(tmp_path):
     torch.manual_seed(0)
     model = build_model("dtmt", len(sv), len(tv), **options)
     path = save_model(tmp_path / "tiny.pt", "dtmt", options, sv, tv, model)
-    from benchmarks.bench_cells import torch_threads
+    from benchmarks.common import torch_threads
 
     with torch_threads(2):   # (not the 1 of a test worker's: the count must be one the benchmark changes)
         rows = bench_int8_kernel.main(["--checkpoint", path, "--rows", "1,9", "--calls", "2", "--repeat", "1",

@@ -21,7 +21,7 @@ The shards' checksums are verified whenever a run opens the corpus for training 
 reads every byte anyway to check offsets and ids): a shard whose bytes changed after it was written, within the
 vocabulary or not, is refused before the first update. The rule is "every byte, every run" rather than "when size
 or time change" because the time says nothing of a bit flipped on the disk; at 5 M pairs (680 MB of shards) the
-whole check costs about half a second (benchmarks/bench_corpus_verify.py).
+whole check costs about half a second (docs/design/data.md, "Shard checksums").
 
 `binarize` builds it in a hidden temporary directory that becomes DIR/bin-... by one rename once everything is
 written, so an interrupted run leaves nothing a reader would accept (the next run removes the leftover).

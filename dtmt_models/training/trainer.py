@@ -203,8 +203,8 @@ def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
 
 def is_better(best_by: str, loss: float, bleu: float, best_loss: float, best_bleu: float) -> bool:
     """Whether a validation's (dev loss, dev BLEU) beats best.pt's under `best_by` ("loss": lower loss, ties to the
-    higher BLEU; "bleu": higher BLEU, ties to the lower loss). benchmarks/bench_ckpt_choice.py measures which
-    tracks test BLEU."""
+    higher BLEU; "bleu": higher BLEU, ties to the lower loss). Which of the two tracks test BLEU:
+    docs/design/training.md, "Checkpoint choice"."""
     if best_by == "loss":
         return loss < best_loss or (loss == best_loss and bleu > best_bleu)
     return bleu > best_bleu or (bleu == best_bleu and loss < best_loss)

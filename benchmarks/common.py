@@ -1,0 +1,157 @@
+"""What every benchmark here shares: the one way it names its machine (`machine_name`, `machine_record`), records
+the commit it measured (`commit`), times a call (`time_fn`), runs on a given thread count (`torch_threads`) and
+writes its results (`write_csv`, `write_json`, and `write_report` for a table as NAME.md with its figures as
+NAME.json). Each script keeps its own plot (matplotlib, optional).
+
+    from common import machine_name, write_csv      # a script run from this folder (HERE on sys.path)
+    from benchmarks.common import torch_threads     # the tests
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch's thread count set to `threads` for the block and restored after it (a benchmark's main called from
+    the tests must not leave the test process on another count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# The instruction-set flags of /proc/cpuinfo that change what the GEMMs and dtmt's loops run.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "amx_int8")
+
+
+def machine_record() -> dict:
+    """What makes two CPU timings comparable, as a dict: the CPU's identity from /proc/cpuinfo (vendor, family,
+    model, stepping, model name: a VM can give different CPUs one model name; without /proc/cpuinfo or its model
+    name, the platform's processor name), its instruction-set flags (ISA_FLAGS), the core count, torch's version
+    and the copy of dtmt's loops (setup.py builds one per instruction set). Equal records: the same kind of
+    machine; `machine_name()` is the line a table prints."""
+    import dtmt_kernels as dk
+
+    cpu: dict = {}
+    flags: set = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key in ("vendor_id", "cpu family", "model", "model name", "stepping") and key not in cpu:
+                    cpu[key] = value
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+                elif not key and cpu:   # the first processor's block has ended
+                    break
+    except OSError:
+        pass
+    cpu.setdefault("model name", platform.processor() or platform.machine())
+    loops = None
+    if "cpp" in dk.available_backends():
+        from dtmt_kernels import _C
+        loops = _C.cpu_isa()
+    return dict(cpu, isa=[f for f in ISA_FLAGS if f in flags], cores=os.cpu_count(), torch=torch.__version__,
+                dtmt_loops=loops)
+
+
+def machine_name(device: str = "cpu", threads: bool = True) -> str:
+    """The machine in words for a result's header; `threads=False` leaves out torch's thread count (for a table
+    that names the threads of each row itself)."""
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        try:
+            import triton
+            tri = f", triton {triton.__version__}"
+        except ImportError:
+            tri = ""
+        return (f"{props.name} ({props.total_memory / 2 ** 30:.0f} GiB), CUDA {torch.version.cuda}, "
+                f"torch {torch.__version__}{tri}")
+    rec = machine_record()
+    loops = f", dtmt CPU loops {rec['dtmt_loops']}" if rec["dtmt_loops"] else ""
+    count = f", {torch.get_num_threads()} threads" if threads else ""
+    return f"{rec['model name']}, {rec['cores']} cores, torch {rec['torch']}{count}{loops}"
+
+
+def commit() -> str:
+    """The repository's commit (`git rev-parse --short HEAD`), or "unknown" where git cannot say."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
+    except OSError:
+        out = ""
+    return out or "unknown"
+
+
+def _sync(device: str = "cpu"):
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def time_fn(fn, repeat: int, device: str = "cpu") -> float:
+    """Median seconds of `repeat` calls of `fn` after one warm-up call (CUDA synchronised around each on cuda)."""
+    sync = _sync(device)
+    fn()  # warm-up
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _make_folder(path) -> None:
+    folder = os.path.dirname(os.fspath(path))
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+
+
+def write_csv(path, rows, columns=None):
+    """`rows` (dicts) as the CSV file `path` (its folder made if needed), one column per name of `columns`, in that
+    order (default: every key of the rows, in the order first seen); keys not in `columns` are left out, a row
+    without a column's key has it empty. Returns `path`."""
+    rows = list(rows)
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    _make_folder(path)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def write_json(path, data):
+    """`data` as the JSON file `path` (indent 1; its folder made if needed). Returns `path`."""
+    _make_folder(path)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return path
+
+
+def write_report(out_dir, name: str, text: str, data) -> None:
+    """A benchmark's table and its figures as OUT_DIR/NAME.md and OUT_DIR/NAME.json (the folder made if needed)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text)
+    write_json(os.path.join(out_dir, f"{name}.json"), data)

@@ -15,6 +15,7 @@ import torch
 from dtmt_models.atomic import atomic_write
 from dtmt_models.decoding.beam_search import MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
+from dtmt_models.engine.decoder import as_decoder
 from dtmt_models.errors import UsageError, check_input_file, one_line
 from dtmt_models.progress import Progress
 
@@ -190,9 +191,7 @@ def build_decoder(model, int8: bool = False):
     user can cause as UsageError."""
     model.eval()
     try:
-        if int8:
-            return model.inference_decoder(int8=True)
-        return model.inference_decoder() if hasattr(model, "inference_decoder") else model
+        return as_decoder(model, int8)
     except ValueError as exc:
         raise UsageError(f"--int8: {one_line(exc)}") from None
 

@@ -39,10 +39,11 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from dtmt_models.data.vocabulary import BOS, EOS, PAD, never_output
+from dtmt_models.data.vocabulary import BOS, EOS, never_output
 from dtmt_models.decoding.device_search import device_loop
 from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, NEG_INF, NON_FINITE_SCORE, Hypothesis,  # noqa: F401
                                              NonFiniteScores, check_banned, length_penalty)
+from dtmt_models.engine.decoder import as_decoder
 from dtmt_models.models.modes import eval_mode
 
 
@@ -88,15 +89,14 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
 
 def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: float, nbest: int, max_len_a: float,
                  max_len_b: int, fused: bool, early_stop: bool, on_device: bool) -> List[List[Hypothesis]]:
-    if hasattr(model, "inference_decoder"):
-        model = model.inference_decoder()
+    model = as_decoder(model)
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
     max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
-    most = getattr(model, "max_target_steps", None)   # a model whose target positions end (the transformer's)
+    most = model.max_target_steps   # a model whose target positions end (the transformer's)
     if most is not None:
         max_len = max_len.clamp_max(most)
-    search = getattr(model, "search", None) if fused else None
+    search = model.search if fused else None
     if search is not None:
         try:
             found = search(state, beam, alpha, max_len, early_stop=early_stop, nbest=nbest)
@@ -105,7 +105,7 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
                 raise
             raise NonFiniteScores.from_op(exc) from None
         return [[Hypothesis(*h) for h in hyps[:nbest]] for hyps in found]
-    banned_ids = never_output(getattr(model, "pad_id", PAD))
+    banned_ids = never_output(model.pad_id)
     if on_device:
         return device_loop(model, state, max_len, beam, alpha, nbest, early_stop, banned_ids)
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
@@ -120,7 +120,7 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
     # sentence's rows leave the state at the next reorder, so the steps after it cost only the open sentences
     active = list(range(B))
     active_max_len = max_len
-    reorder_within = getattr(model, "reorder_within", model.reorder)
+    reorder_within = model.reorder_within
     banned = torch.tensor(banned_ids, device=device)
     for t in range(int(max_len.max())):
         log_probs, state = model.step(state, prev)

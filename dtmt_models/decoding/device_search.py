@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from dtmt_models.data.vocabulary import BOS, EOS
+from dtmt_models.engine.decoder import as_decoder
 from dtmt_models.decoding.hypotheses import Hypothesis, NonFiniteScores, check_banned, length_penalty
 
 CHECK_EVERY = 8   # steps between two reads of which sentences are done (a transfer, on a GPU a synchronisation)
@@ -59,10 +60,11 @@ class DeviceSearch:
 
     def __init__(self, model, beam: int, alpha: float, nbest: int, early_stop: bool, banned: Sequence[int],
                  steps: int, device: torch.device):
+        model = as_decoder(model)
         self.model, self.K, self.alpha, self.nbest, self.early_stop = model, beam, alpha, nbest, early_stop
         self.banned, self.steps, self.device = list(banned), steps, device
         self.banned_t = torch.tensor(self.banned, dtype=torch.long, device=device)
-        self.reorder_within = getattr(model, "reorder_within", model.reorder)
+        self.reorder_within = model.reorder_within
         # lp(n) for every length, by the function the Python loop calls (Python's pow, not the device's)
         self.lp = torch.tensor([length_penalty(n, alpha) for n in range(steps + 1)], dtype=torch.float64,
                                device=device)

@@ -17,20 +17,22 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from dtmt_models.data.vocabulary import PAD
+from dtmt_models.engine.decoder import as_decoder
 
 
 class EnsembleDecoder:
     """encode / step / reorder over the members' decoders (what `beam_search` drives). The state is the tuple
     of the members' states."""
 
+    search = None   # (the Decoder protocol's: beam_search's loop drives it)
+
     def __init__(self, decoders: Sequence):
-        self.decoders = list(decoders)
-        pads = {getattr(d, "pad_id", PAD) for d in self.decoders}
+        self.decoders = [as_decoder(d) for d in decoders]
+        pads = {d.pad_id for d in self.decoders}
         if len(pads) > 1:
             raise ValueError(f"Ensemble: the models pad with different ids {sorted(pads)}")
         self.pad_id = pads.pop()   # what beam_search never chooses, with BOS
-        steps = [d.max_target_steps for d in self.decoders if getattr(d, "max_target_steps", None) is not None]
+        steps = [d.max_target_steps for d in self.decoders if d.max_target_steps is not None]
         self.max_target_steps = min(steps) if steps else None   # (a transformer member's positions end there)
 
     def encode(self, src: Tensor, src_lengths: Tensor) -> Tuple:
@@ -51,7 +53,7 @@ class EnsembleDecoder:
 
     def reorder_within(self, state: Tuple, index: Tensor) -> Tuple:
         """beam_search's reorder within sentences: each member's own where it has one."""
-        return tuple(getattr(d, "reorder_within", d.reorder)(s, index) for d, s in zip(self.decoders, state))
+        return tuple(d.reorder_within(s, index) for d, s in zip(self.decoders, state))
 
 
 class Ensemble(nn.Module):
@@ -70,12 +72,13 @@ class Ensemble(nn.Module):
 
     def inference_decoder(self, int8: bool = False) -> EnsembleDecoder:
         """Each member's inference decoder (`int8`: each with int8 weight matrices; ValueError if one cannot)."""
-        if int8 and not all(hasattr(m, "inference_decoder") for m in self.members):
-            raise ValueError("int8 decoding: every member of the ensemble must be a recurrent system with an inference "
-                             "decoder")
-        return EnsembleDecoder([m.inference_decoder(int8=True) if int8 else
-                                m.inference_decoder() if hasattr(m, "inference_decoder") else m
-                                for m in self.members])
+        try:
+            return EnsembleDecoder([as_decoder(m, int8) for m in self.members])
+        except ValueError:
+            if not int8:
+                raise
+            raise ValueError("int8 decoding: every member of the ensemble must be a recurrent system with an "
+                             "inference decoder") from None
 
     def forward(self, *args, **kwargs):
         raise TypeError("Ensemble decodes only (translate / beam_search); train its members one by one")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from dtmt_models.decoding.translate import input_warnings, translate
+from dtmt_models.engine.decoder import as_decoder
 
 
 @dataclass
@@ -136,7 +137,7 @@ class Server:
         # the inference decoder is built once (or by the caller: `decoder`): the weights never change while serving
         model.eval()
         if decoder is None:
-            decoder = model.inference_decoder() if hasattr(model, "inference_decoder") else model
+            decoder = as_decoder(model)
         self.decoder = decoder
         self.log = log or (lambda message: None)
 

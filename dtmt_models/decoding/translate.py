@@ -41,6 +41,7 @@ import torch
 from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search, check_search_arguments
+from dtmt_models.engine.decoder import as_decoder
 from dtmt_models.models.modes import eval_mode
 
 PROG = "dtmt translate"
@@ -146,7 +147,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     with eval_mode(model), torch.no_grad():   # (each module's own mode restored after)
         # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
         if decoder is None:
-            decoder = model.inference_decoder() if ids and hasattr(model, "inference_decoder") else model
+            decoder = as_decoder(model) if ids else model
         for batch in length_batches([len(t) for t in ids], max_tokens):
             width = max(len(ids[j]) for j in batch)
             # the padded rows as one list (PAD = 0): one tensor made, not one row written at a time

@@ -116,6 +116,8 @@ class FusedRNMTDecoder:
     cannot embed the previous token as the system does. `prepared`: the model it was made from (`model` is that
     model or the copy `encode` runs)."""
 
+    max_target_steps: Optional[int] = None   # (the Decoder protocol's: no bound on the target positions)
+
     def __init__(self, model: Seq2Seq, layered: bool = False, int8: bool = False,
                  options: EngineOptions = EngineOptions()):
         self.prepared, self.model, self.layered, self.int8, self.options = model, model, layered, int8, options

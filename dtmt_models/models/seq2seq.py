@@ -177,6 +177,10 @@ class Seq2Seq(nn.Module):
     `transition` (or `decoder_step` as a whole)."""
 
     model_name = "seq2seq"
+    # the Decoder protocol's other members (dtmt_models.engine.decoder): no bound on the target positions (the
+    # transformer has one), no one-call search (FusedRNMTDecoder has one)
+    max_target_steps: Optional[int] = None
+    search = None
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, pad_id: int = 0):
         super().__init__()
@@ -268,6 +272,11 @@ class Seq2Seq(nn.Module):
     @staticmethod
     def reorder(state: State, index: Tensor) -> State:
         return {k: v.index_select(0, index) for k, v in state.items()}
+
+    def reorder_within(self, state: State, index: Tensor) -> State:
+        """`reorder` for an index that keeps every row among its sentence's rows (the Decoder protocol's): here the
+        same as `reorder`."""
+        return self.reorder(state, index)
 
     def loss(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Tensor,
              smoothing: float = 0.0) -> Tuple[Tensor, Tensor, int]:

@@ -1,0 +1,75 @@
+"""The Decoder protocol: what every search needs of a system, written once (issue 75 item 1).
+
+A search (beam_search's loop, its on-device form device_search, a decoder's own one-call `search`, an ensemble of
+decoders) drives an object with these members and nothing else:
+
+    pad_id             the padding id, never output (with BOS)
+    max_target_steps   the most target positions the model has (the transformer's position table), or None
+    encode(src [B, S], src_lengths [B]) -> state
+    step(state, prev_tokens [rows]) -> (log-probabilities [rows, V], the next state)
+    reorder(state, index [rows']) -> the state's rows taken by `index` (any number of rows)
+    reorder_within(state, index) -> `reorder` for an index that keeps every row among its sentence's rows (a decoder
+                       may keep what it made once per sentence as it is); else the same as `reorder`
+    search             beam search in one call (FusedRNMTDecoder's C++ loop), or None: the searches' loop then
+
+Every system implements it through its `inference_decoder()` (Seq2Seq's copy with the fused inference forms,
+FusedRNMTDecoder, the ensemble's EnsembleDecoder); `as_decoder` gives it for any model, and adapts an object that
+has only encode / step / reorder (a decoder of one's own) with the defaults above. tests/test_decoder_protocol.py
+checks every registered system.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Protocol, Tuple, runtime_checkable
+
+from torch import Tensor
+
+from dtmt_models.data.vocabulary import PAD
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    pad_id: int
+    max_target_steps: Optional[int]
+    search: Optional[Callable[..., list]]
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> Any: ...
+
+    def step(self, state: Any, prev_tokens: Tensor) -> Tuple[Tensor, Any]: ...
+
+    def reorder(self, state: Any, index: Tensor) -> Any: ...
+
+    def reorder_within(self, state: Any, index: Tensor) -> Any: ...
+
+
+class AdaptedDecoder:
+    """An object with encode / step / reorder only, given the protocol's other members: its own where it has them,
+    else pad_id PAD, no bound on the target steps, no one-call search, reorder_within = reorder."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.encode, self.step, self.reorder = inner.encode, inner.step, inner.reorder
+        self.reorder_within = getattr(inner, "reorder_within", inner.reorder)
+        self.pad_id = getattr(inner, "pad_id", PAD)
+        self.max_target_steps = getattr(inner, "max_target_steps", None)
+        self.search = getattr(inner, "search", None)
+
+
+def as_decoder(model, int8: bool = False) -> Decoder:
+    """What a search decodes `model` with: its `inference_decoder(int8)` where it has one (a system, an ensemble;
+    a decoder returns itself), else the model itself, adapted where it lacks members of the protocol. TypeError for
+    an object without encode / step / reorder; ValueError for `int8` where the model has no int8 decoder."""
+    build = getattr(model, "inference_decoder", None)
+    if build is not None:
+        decoder = build(int8=True) if int8 else build()
+    elif int8:
+        raise ValueError(f"int8 decoding: {type(model).__name__} has no inference decoder (only the recurrent "
+                         f"systems have int8 weight matrices)")
+    else:
+        decoder = model
+    if isinstance(decoder, Decoder):
+        return decoder
+    missing = [m for m in ("encode", "step", "reorder") if not callable(getattr(decoder, m, None))]
+    if missing:
+        raise TypeError(f"{type(decoder).__name__} is not a decoder: it has no {', '.join(missing)} "
+                        f"(dtmt_models.engine.decoder.Decoder)")
+    return AdaptedDecoder(decoder)

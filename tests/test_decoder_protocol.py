@@ -1,0 +1,102 @@
+"""The Decoder protocol (dtmt_models/engine/decoder.py; issue 75 item 1): every registered system's inference
+decoder implements it without adaptation, an ensemble's does, an object with only encode / step / reorder is adapted
+and searched as the system it wraps, and what is no decoder is refused in one line."""
+import pytest
+import torch
+
+import dtmt_models as dm
+from dtmt_models.data.vocabulary import PAD
+from dtmt_models.decoding.beam_search import beam_search
+from dtmt_models.decoding.ensemble import Ensemble, EnsembleDecoder
+from dtmt_models.engine import AdaptedDecoder, Decoder, as_decoder
+from dtmt_models.models.registry import list_models
+
+V = 40
+
+
+def _model(system, seed=0):
+    torch.manual_seed(seed)
+    options = dict(embed_dim=16, hidden_size=16) if system != "transformer" else dict(embed_dim=16, hidden_size=32)
+    return dm.build_model(system, V, V, **options).eval()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(4, V, (3, 6), generator=g)
+    lengths = torch.tensor([6, 4, 2])
+    return src.masked_fill(torch.arange(6) >= lengths[:, None], PAD), lengths
+
+
+@pytest.mark.parametrize("system", list_models())
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_every_system_decodes_through_the_protocol(system, mode):
+    """Its inference decoder (eval: the inference form, FusedRNMTDecoder where it applies; train: the model) has
+    every member, natively: the padding id, the target bound (the transformer's positions), a one-call search or
+    None, and a step from `encode`'s state gives log-probabilities over the vocabulary; reorder_within equals reorder
+    for an index within the sentences."""
+    model = _model(system)
+    model.train(mode == "train")
+    decoder = as_decoder(model)
+    assert isinstance(decoder, Decoder) and not isinstance(decoder, AdaptedDecoder)
+    assert decoder.pad_id == model.pad_id == PAD
+    if system == "transformer":
+        assert decoder.max_target_steps == model.max_target_steps > 0
+    else:
+        assert decoder.max_target_steps is None
+    assert decoder.search is None or callable(decoder.search)
+    with torch.no_grad():
+        src, lengths = _batch()
+        state = decoder.encode(src, lengths)
+        rows = torch.arange(3).repeat_interleave(2)
+        state = decoder.reorder(state, rows)
+        log_probs, state = decoder.step(state, torch.full((6,), 1))
+        assert log_probs.shape == (6, V) and torch.isfinite(log_probs).all()
+        within = torch.tensor([1, 0, 2, 3, 5, 4])
+        a, b = decoder.reorder(state, within), decoder.reorder_within(state, within)
+        assert type(a) is type(b)
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_object_with_encode_step_reorder_is_adapted_and_searched_as_the_system():
+    """A decoder of one's own (only encode / step / reorder) gets the defaults (pad_id PAD, no bound, no search,
+    reorder_within = reorder) and beam search finds what it finds with the system itself."""
+    model = _model("rnnsearch-atr")
+
+    class Own:
+        def __init__(self, inner):
+            self.encode, self.step, self.reorder = inner.encode, inner.step, inner.reorder
+
+    own = as_decoder(Own(model.inference_decoder()))
+    assert isinstance(own, AdaptedDecoder) and isinstance(own, Decoder)
+    assert (own.pad_id, own.max_target_steps, own.search) == (PAD, None, None)
+    src, lengths = _batch()
+    expected = beam_search(model, src, lengths, beam=3, fused=False)
+    assert beam_search(own, src, lengths, beam=3) == expected
+
+
+def test_an_ensemble_is_a_decoder_of_decoders():
+    ensemble = Ensemble([_model("dtmt"), _model("transformer", seed=1)])
+    decoder = as_decoder(ensemble)
+    assert isinstance(decoder, EnsembleDecoder) and isinstance(decoder, Decoder) and decoder.search is None
+    assert all(isinstance(d, Decoder) for d in decoder.decoders)
+    assert decoder.max_target_steps == ensemble.members[1].max_target_steps
+
+
+def test_what_is_no_decoder_is_refused():
+    with pytest.raises(TypeError, match=r"^object is not a decoder: it has no encode, step, reorder "):
+        as_decoder(object())
+
+    class StepsOnly:
+        def encode(self, src, lengths):
+            return {}
+
+        def step(self, state, prev):
+            return None, state
+
+    with pytest.raises(TypeError, match="StepsOnly is not a decoder: it has no reorder"):
+        as_decoder(StepsOnly())
+    with pytest.raises(ValueError, match="int8 decoding: StepsOnly has no inference decoder"):
+        as_decoder(StepsOnly(), int8=True)
+    with pytest.raises(ValueError, match="int8"):   # the transformer has no int8 weight matrices
+        as_decoder(_model("transformer"), int8=True)

@@ -33,7 +33,9 @@
 # 180 + 300 s, decode 300 s, graphs 150 + 300 s, amp 480 s) so that a hang cannot eat the call. Seen on an H100
 # (2026-11-24): build 94 s, kernel tests 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32,
 # bf16). A device call is at most 10 minutes and a warm machine keeps its build, so run `build tests`, then `bench`,
-# then `persistent` (etc.) as separate calls.
+# then `persistent` (etc.) as separate calls. With a session's 15 minutes of device time (2026-11-29), in this
+# order of the issues: `build tests` (every GPU test, the graphed updates' among them), `persistent` (issue 72),
+# `graphs` (issue 73 item 1), then `decode` and `amp` if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}

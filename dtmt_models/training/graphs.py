@@ -185,6 +185,10 @@ class GraphedUpdates:
             if not torch.is_tensor(group["lr"]):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
             group["capturable"] = device.type == "cuda"   # (its step counts on the device; the CPU has no capture)
+            for p in group["params"]:   # step counts an unfused Adam kept on the host before: to the device
+                state = optimizer.state.get(p, {})
+                if group["capturable"] and torch.is_tensor(state.get("step")) and state["step"].device != p.device:
+                    state["step"] = state["step"].to(p.device)
         # (an eager update with a capturable optimizer is deliberate here: torch's warning about it is not for us)
         optimizer._warned_capturable_if_run_uncaptured = True
 

@@ -15,6 +15,10 @@ settings: dtmt_models/training/allocator.py; DTMT_MALLOC=default for glibc's own
   saved_MB     bytes autograd keeps for backward in one update (tensors sharing storage counted once)
   peak_rss_MB  the subprocess's peak resident memory (model, optimizer, activations, the Python runtime)
   speedup      fused tok/s over reference tok/s of the same system
+With --rounds N every pair is measured N times, each system's pairs one after the other and in the reverse order
+every other round (the VM's speed drifts by 20% over minutes: one round's ratios moved by as much between runs,
+2026-11-29); the table gives each pair's median tok/s and each ratio as the median of the rounds' ratios, with
+their range; the CSV has every round's row.
 All systems are built from their `small` preset (`dtmt_models.models.presets`), so sizes are comparable to what
 `dtmt train` trains by default (--quick: at tiny widths instead). The transformer has no recurrent layers: it is
 listed once ("-" backend).
@@ -26,6 +30,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -164,6 +169,9 @@ def run(argv=None):
     p.add_argument("--preset", default="small", choices=["small", "paper"], help="the systems' sizes")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every pair this many times, each system's pairs in turn and in the reverse order "
+                        "every other round; the table gives medians, a ratio the median of the rounds' ratios")
     p.add_argument("--max-tokens", type=int, default=2000)
     p.add_argument("--vocab", type=int, default=4000)
     p.add_argument("--threads", type=int, default=0)
@@ -184,37 +192,59 @@ def run(argv=None):
         print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads, a.profile,
                                      a.device, a.preset, tiny=a.quick, graphs=a.graphs == ["on"])))
         return []
-    rows = []
+    runs = []   # one row per pair and round
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for system, backend, graphs in [(s, b, g) for s in a.systems
-                                    for b in (("-",) if s == "transformer" else (*a.fused, "reference"))
-                                    for g in a.graphs]:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
-               "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
-               "--threads", str(a.threads), "--device", a.device, "--preset", a.preset, "--graphs", graphs,
-               *(["--quick"] if a.quick else [])]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if r.returncode != 0:
-            raise RuntimeError(f"{system}/{backend} (graphs {graphs}) failed:\n{r.stderr}")
-        row = json.loads(r.stdout.strip().splitlines()[-1])
+    pairs = [(s, b, g) for s in a.systems for b in (("-",) if s == "transformer" else (*a.fused, "reference"))
+             for g in a.graphs]
+    for rnd in range(a.rounds):
+        # each system's pairs one after the other, in the reverse order every other round (a machine whose speed
+        # drifts favours neither side of a ratio)
+        order = pairs if rnd % 2 == 0 else [p for s in a.systems for p in reversed([q for q in pairs if q[0] == s])]
+        for system, backend, graphs in order:
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
+                   "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
+                   "--threads", str(a.threads), "--device", a.device, "--preset", a.preset, "--graphs", graphs,
+                   *(["--quick"] if a.quick else [])]
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if r.returncode != 0:
+                raise RuntimeError(f"{system}/{backend} (graphs {graphs}) failed:\n{r.stderr}")
+            row = dict(json.loads(r.stdout.strip().splitlines()[-1]), round=rnd + 1)
+            runs.append(row)
+            gpu = f"  {row['peak_gpu_MB']:7.0f} MB GPU peak" if row.get("peak_gpu_MB") is not None else ""
+            print(f"  round {rnd + 1}: {system:<14s} {backend:<9s} graphs {graphs:<3s} {row['tok_s']:9,.0f} tok/s  "
+                  f"{row['saved_MB']:8.1f} MB saved  {row['peak_rss_MB']:7.0f} MB peak{gpu}", flush=True)
+    key = lambda r: (r["system"], r["backend"], r["graphs"])  # noqa: E731
+    by_round = {(key(r), r["round"]): r for r in runs}
+
+    def ratios(r, other):
+        """The ratio of r's tok/s to `other`'s (a key) in each round: the same run, the same minutes."""
+        return [by_round[(key(r), n)]["tok_s"] / by_round[(other, n)]["tok_s"] for n in range(1, a.rounds + 1)
+                if (other, n) in by_round]
+
+    rows = []   # one per pair: medians over the rounds
+    for k in dict.fromkeys(key(r) for r in runs):
+        rs = [r for r in runs if key(r) == k]
+        row = dict(rs[0], rounds=len(rs), tok_s=statistics.median(r["tok_s"] for r in rs),
+                   ms_per_update=statistics.median(r["ms_per_update"] for r in rs))
+        row.pop("round")
         rows.append(row)
-        gpu = f"  {row['peak_gpu_MB']:7.0f} MB GPU peak" if row.get("peak_gpu_MB") is not None else ""
-        print(f"  {system:<14s} {backend:<9s} graphs {graphs:<3s} {row['tok_s']:9,.0f} tok/s  "
-              f"{row['saved_MB']:8.1f} MB saved  {row['peak_rss_MB']:7.0f} MB peak{gpu}", flush=True)
-    by = {(r["system"], r["backend"], r["graphs"]): r for r in rows}
-    for r in rows:   # the fused backend against the reference, and graphs against eager, in the same run
-        ref = by.get((r["system"], "reference", r["graphs"]))
-        r["speedup"] = r["tok_s"] / ref["tok_s"] if ref and r["backend"] not in ("reference", "-") else None
-        eager = by.get((r["system"], r["backend"], "off"))
-        r["graphs_vs_eager"] = r["tok_s"] / eager["tok_s"] if eager and r["graphs"] != "off" else None
+    for r in rows:   # the fused backend against the reference, and graphs against eager, round by round
+        ref = ratios(r, (r["system"], "reference", r["graphs"])) if r["backend"] not in ("reference", "-") else []
+        r["speedup"] = statistics.median(ref) if ref else None
+        r["speedup_range"] = (min(ref), max(ref)) if len(ref) > 1 else None
+        eager = ratios(r, (r["system"], r["backend"], "off")) if r["graphs"] != "off" else []
+        r["graphs_vs_eager"] = statistics.median(eager) if eager else None
+    by = {key(r): r for r in rows}
     os.makedirs(a.out, exist_ok=True)
-    fields = ["system", "backend", "graphs", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB",
-              "peak_gpu_MB", "speedup", "graphs_vs_eager", "captured", "capture_s", "pool_MB"]
-    write_csv(os.path.join(a.out, "bench_train.csv"), rows, fields)
+    fields = ["system", "backend", "graphs", "round", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB",
+              "peak_gpu_MB", "captured", "capture_s", "pool_MB"]
+    write_csv(os.path.join(a.out, "bench_train.csv"), runs, fields)   # every round's measurement
     sizes = (f"{a.preset} presets at widths 16 / 32, the transformer 16 / 64 (--quick)" if a.quick
              else f"{a.preset} presets")
     print(f"\nTraining throughput ({machine_name(a.device)}; {sizes}, max_tokens {a.max_tokens}, "
-          f"vocab {a.vocab}, {a.steps} updates after {a.warmup} warm-up)\n")
+          f"vocab {a.vocab}, {a.steps} updates after {a.warmup} warm-up"
+          + (f"; {a.rounds} rounds, each pair's median, ratios the median of the rounds' (their range)"
+             if a.rounds > 1 else "") + ")\n")
     on_gpu = a.device.startswith("cuda")
     graphed = a.graphs != ["off"]
     print("| system | backend |" + (" graphs |" if graphed else "") + " params | target tok/s | ms/update | "
@@ -224,6 +254,8 @@ def run(argv=None):
           + "---:|" + ("---:|---:|---:|---:|" if graphed else ""))
     for r in rows:
         sp = f"{r['speedup']:.2f}×" if r["speedup"] else ""
+        if r["speedup_range"]:
+            sp += f" ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})"
         gpu = f" {r['peak_gpu_MB']:.0f} |" if on_gpu else ""
         extra = ""
         if graphed:

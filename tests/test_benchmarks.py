@@ -112,11 +112,23 @@ def test_bench_train_graphs_plumbing(tmp_path):
     """--graphs off on: each pair eager and graphed (the capture stood in for on the CPU), the ratio from one run."""
     from benchmarks import bench_train
     rows = bench_train.main(["--quick", "--systems", "rnnsearch-atr", "--fused", "cpp", "--graphs", "off", "on",
-                             "--out", str(tmp_path)])
+                             "--rounds", "2", "--out", str(tmp_path)])
     assert [(r["backend"], r["graphs"]) for r in rows] == [("cpp", "off"), ("cpp", "stand-in"), ("reference", "off"),
                                                             ("reference", "stand-in")]
-    assert rows[1]["graphs_vs_eager"] == rows[1]["tok_s"] / rows[0]["tok_s"] and rows[1]["captured"] >= 1
-    assert rows[0]["graphs_vs_eager"] is None and rows[0]["captured"] is None
+    assert rows[1]["captured"] >= 1 and rows[0]["graphs_vs_eager"] is None and rows[0]["captured"] is None
+    # --rounds 2: every round's row in the CSV (the second round in the reverse order); the medians of the rounds
+    with open(tmp_path / "bench_train.csv", newline="") as f:
+        runs = list(csv.DictReader(f))
+    assert [(r["round"], r["backend"], r["graphs"]) for r in runs] == [
+        ("1", "cpp", "off"), ("1", "cpp", "stand-in"), ("1", "reference", "off"), ("1", "reference", "stand-in"),
+        ("2", "reference", "stand-in"), ("2", "reference", "off"), ("2", "cpp", "stand-in"), ("2", "cpp", "off")]
+    tok = {(r["round"], r["backend"], r["graphs"]): float(r["tok_s"]) for r in runs}
+    ratios = [tok[(n, "cpp", "off")] / tok[(n, "reference", "off")] for n in ("1", "2")]
+    assert rows[0]["speedup"] == pytest.approx(sum(ratios) / 2) and rows[0]["speedup_range"] == (min(ratios),
+                                                                                                  max(ratios))
+    assert rows[0]["tok_s"] == pytest.approx((tok[("1", "cpp", "off")] + tok[("2", "cpp", "off")]) / 2)
+    assert rows[1]["graphs_vs_eager"] == pytest.approx(sum(tok[(n, "cpp", "stand-in")] / tok[(n, "cpp", "off")]
+                                                           for n in ("1", "2")) / 2)
 
 
 def test_gpu_profile_runs_on_the_cpu(capsys):

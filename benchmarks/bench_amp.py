@@ -108,11 +108,10 @@ def gemm_ms(m: int, k: int, n: int, dtype, repeat: int = 5) -> float:
 
 def quality(argv) -> dict:
     """--quality: the dev loss after a fixed number of updates, float32 against bfloat16 autocast, per seed."""
-    import csv
     import statistics
-    import subprocess
 
-    from common import machine_name
+    from bench_quality import dtmt, read_log
+    from common import machine_name, write_json
 
     p = argparse.ArgumentParser(description="bench_amp.py --quality")
     p.add_argument("--quality", action="store_true")
@@ -126,25 +125,20 @@ def quality(argv) -> dict:
     p.add_argument("--runs", default=None, help="where the training runs go (default OUT/quality-MODEL-DEVICE)")
     a = p.parse_args(argv)
     runs_dir = a.runs or os.path.join(a.out, f"quality-{a.model}-{a.device}")
-    root = os.path.dirname(HERE)
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    os.makedirs(runs_dir, exist_ok=True)
+    log = os.path.join(runs_dir, "commands.log")   # every `dtmt` command and its output
     if not os.path.isfile(os.path.join(a.data, "corpus.json")):
-        subprocess.run([sys.executable, "-m", "dtmt_models.cli", "prepare", "bible", "--out", a.data], check=True,
-                       env=env, stdout=subprocess.DEVNULL)
+        dtmt(["prepare", "bible", "--out", a.data], log)
     runs = {}
     for seed in a.seeds:
         for amp in ("off", "bf16"):
             out = os.path.join(runs_dir, f"{amp}-seed{seed}")
-            cmd = [sys.executable, "-m", "dtmt_models.cli", "train", "--data", a.data, "--model", a.model, "--out",
-                   out, "--overwrite", "--device", a.device, "--amp", amp, "--seed", str(seed), "--max-steps",
-                   str(a.steps), "--valid-every", str(max(1, a.steps // 3)), "--patience", "0", "--progress", "none",
-                   "--bleu-sentences", "1", *a.train_args.split()]
             t0 = time.perf_counter()
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if r.returncode != 0:
-                raise SystemExit(f"bench_amp --quality: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-            with open(os.path.join(out, "train_log.csv"), newline="") as f:
-                rows = list(csv.DictReader(f))
+            dtmt(["train", "--data", a.data, "--model", a.model, "--out", out, "--overwrite", "--device", a.device,
+                  "--amp", amp, "--seed", str(seed), "--max-steps", str(a.steps), "--valid-every",
+                  str(max(1, a.steps // 3)), "--patience", "0", "--progress", "none", "--bleu-sentences", "1",
+                  *a.train_args.split()], log)
+            rows = read_log(os.path.join(out, "train_log.csv"))
             train = [r for r in rows if r["kind"] == "train"]
             runs[(amp, seed)] = {
                 "dev_loss": {int(r["step"]): float(r["dev_loss"]) for r in rows if r["kind"] == "valid"},
@@ -173,10 +167,9 @@ def quality(argv) -> dict:
                   f"Within noise at every validation: {all(verdict)}."]
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"quality-{a.model}-{a.device}.json"), "w") as f:
-        json.dump({"runs": {f"{k[0]}-seed{k[1]}": v for k, v in runs.items()}, "table": text,
-                   "within_noise": all(verdict), "speed_bf16_over_float32": speed}, f, indent=1)
+    write_json(os.path.join(a.out, f"quality-{a.model}-{a.device}.json"),
+               {"runs": {f"{k[0]}-seed{k[1]}": v for k, v in runs.items()}, "table": text,
+                "within_noise": all(verdict), "speed_bf16_over_float32": speed})
     return {"within_noise": all(verdict), "speed": speed, "runs": runs}
 
 

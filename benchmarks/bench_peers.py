@@ -222,6 +222,15 @@ def timed(cmd, log, env=None) -> float:
     return time.perf_counter() - t0
 
 
+def detokenise(pieces: str, out: str, vocab) -> int:
+    """A peer's output subwords (one sentence a line) as text in `out`, by `vocab`'s SentencePiece; the lines."""
+    with open(pieces, encoding="utf-8") as f:
+        hyps = [vocab.sp.decode(line.split()) for line in f.read().splitlines()]
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("\n".join(hyps) + "\n")
+    return len(hyps)
+
+
 def onmt_translate(py: str, model: str, src: str, out: str, beam: int, threads: int, log: str,
                    vocab, batch_tokens: int = 2000) -> dict:
     """OpenNMT-py's own translator (batches of `batch_tokens` source tokens, beam `beam`, GNMT's length penalty
@@ -236,13 +245,10 @@ def onmt_translate(py: str, model: str, src: str, out: str, beam: int, threads: 
                      str(beam), "-length_penalty", "wu", "-alpha", "0.6", "-batch_type", "tokens", "-batch_size",
                      str(batch_tokens), "-max_length", "250", "-gpu", "-1", "-report_time", "-log_file", tlog], log,
                     env=onmt_env(threads))
-    with open(pieces, encoding="utf-8") as f:
-        hyps = [vocab.sp.decode(line.split()) for line in f.read().splitlines()]
-    with open(out, "w", encoding="utf-8") as f:
-        f.write("\n".join(hyps) + "\n")
+    n = detokenise(pieces, out, vocab)
     with open(tlog) as f:
         m = re.search(r"Total translation time \(s\): ([0-9.]+)", f.read())
-    return {"seconds": seconds, "decode_seconds": float(m.group(1)) if m else float("nan"), "sentences": len(hyps)}
+    return {"seconds": seconds, "decode_seconds": float(m.group(1)) if m else float("nan"), "sentences": n}
 
 
 def dtmt_translate(ckpt: str, src: str, out: str, beam: int, threads: int, log: str,
@@ -265,11 +271,8 @@ def ct2_translate(py: str, model_dir: str, src: str, out: str, beam: int, thread
     seconds = timed([py, os.path.join(HERE, "peers", "ct2_run.py"), "translate", "--model", model_dir, "--src", src,
                      "--out", pieces, "--beam", str(beam), "--batch", str(batch_tokens), "--batch-type", "tokens",
                      "--threads", str(threads), "--compute-type", compute], log, env=onmt_env(threads))
-    with open(pieces, encoding="utf-8") as f:
-        hyps = [vocab.sp.decode(line.split()) for line in f.read().splitlines()]
-    with open(out, "w", encoding="utf-8") as f:
-        f.write("\n".join(hyps) + "\n")
-    return {"seconds": seconds, "sentences": len(hyps)}
+    n = detokenise(pieces, out, vocab)
+    return {"seconds": seconds, "sentences": n}
 
 
 def ct2_version(py: str) -> str:
@@ -597,10 +600,7 @@ def main(argv=None):
             ev = os.path.join(run_dir, f"eval_{which}")
             hyp = os.path.join(run_dir, f"test_{which}.hyp")
             speed = dtmt_translate(ckpt, corpus_paths(a.data, "test")[0], hyp, a.beam, a.threads, log)
-            run([sys.executable, "-m", "dtmt_models.cli", "evaluate", "--hyp", hyp, "--data", a.data, "--split",
-                 "test", "--out-dir", ev, "--quiet"], log)
-            with open(os.path.join(ev, "scores.json")) as f:
-                sc = json.load(f)
+            sc = _scores(hyp, ev, a.data, log)
             ck = read_checkpoint(ckpt)
             rows.append({"system": f"`dtmt train --model {system}`", "checkpoint": CHECKPOINT_RULES[which],
                          "step": int(ck["step"]), "params": _dtmt_params(ckpt),

@@ -156,6 +156,36 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
             "pool_MB": runner.capturer.pool_bytes() / 2 ** 20 if runner else None}
 
 
+def bucket_table(data: str, vocab_size: int, max_len: int, budgets, steps) -> list:
+    """--buckets: how `dtmt train --cuda-graphs` buckets an epoch of `data`'s training pairs (its binarized corpus
+    at BPE `vocab_size`, pairs up to `max_len` subwords, the trainer's batches of epoch 0, seed 1) for each token
+    budget and (rows step, lengths step): the bucket shapes an epoch and the padded tokens (source + target) over
+    those of the batches as collate pads them."""
+    import collections
+
+    from dtmt_models.data import binarized
+    from dtmt_models.data.batching import kept_indices, token_batches
+    from dtmt_models.training.graphs import GraphOptions, padded_shape
+
+    lengths = binarized.open_binarized(data, "bpe", vocab_size).split("train").lengths()
+    keep = kept_indices(lengths, max_len)
+    rows = []
+    for max_tokens in budgets:
+        batches = token_batches(lengths, max_tokens, seed=1, epoch=0, keep=keep)
+        for batch_step, length_step in steps:
+            options = GraphOptions(length_step=length_step, batch_step=batch_step)
+            shapes, real, padded = collections.Counter(), 0, 0
+            for b in batches:
+                B, S, T = len(b), int(lengths[b, 0].max()), int(lengths[b, 1].max()) + 1
+                shape = padded_shape(B, S, T, options)
+                shapes[shape] += 1
+                real += B * (S + T)
+                padded += shape[0] * (shape[1] + shape[2])
+            rows.append(dict(max_tokens=max_tokens, batch_step=batch_step, length_step=length_step,
+                             batches=len(batches), buckets=len(shapes), padded_over_real=padded / real))
+    return rows
+
+
 def run(argv=None):
     from common import machine_name, write_csv  # noqa: E402  (same directory)
 
@@ -185,7 +215,19 @@ def run(argv=None):
                    help="measure one pair in this process (e.g. --one dtmt cpp), printing a JSON row")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="with --one: profile the timed updates and print the N ops with most self CPU time")
+    p.add_argument("--buckets", metavar="DATA", default=None,
+                   help="instead: the bucket shapes and padding of --cuda-graphs on the prepared corpus DATA, one "
+                        "epoch at 2,000 / 4,000 / 8,000 tokens a batch (BPE --vocab, pairs up to 100 subwords)")
     a = p.parse_args(argv)
+    if a.buckets:
+        rows = bucket_table(a.buckets, a.vocab, 100, (2000, 4000, 8000), ((8, 8), (16, 8), (16, 16)))
+        print(f"Buckets of --cuda-graphs, one epoch of {a.buckets} (BPE {a.vocab}, seed 1, epoch 0)\n\n"
+              "| tokens a batch | rows / lengths step | batches | buckets | padded tokens over real ones |\n"
+              "|---:|---|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['max_tokens']:,} | {r['batch_step']} / {r['length_step']} | {r['batches']} | {r['buckets']} "
+                  f"| {r['padded_over_real']:.2f} |")
+        return rows
     if a.quick:
         a.steps, a.warmup, a.max_tokens, a.vocab = 2, 1, 300, 200
     if a.one:

@@ -108,6 +108,22 @@ def test_bench_amp_quality_plumbing(tmp_path):
     assert os.path.isfile(tmp_path / "amp" / "quality-dtmt-cpu.json")
 
 
+def test_bench_train_bucket_table(tmp_path):
+    """--buckets: with steps of 1 every batch is its own shape unpadded (ratio exactly 1, buckets = the distinct
+    (B, S, T)); coarser steps never make more buckets, and pad more."""
+    from test_train import make_toy_corpus
+
+    from benchmarks import bench_train
+    from dtmt_models.data import binarized
+
+    data = make_toy_corpus(tmp_path / "toy", n_train=300, n_dev=0, n_test=0)
+    binarized.binarize(data, 60)
+    exact, fine, coarse = bench_train.bucket_table(data, 60, 100, (200,), ((1, 1), (8, 8), (16, 16)))
+    assert exact["padded_over_real"] == 1.0 and 1 < exact["buckets"] <= exact["batches"]
+    assert exact["buckets"] >= fine["buckets"] >= coarse["buckets"] >= 1
+    assert 1.0 < fine["padded_over_real"] <= coarse["padded_over_real"]
+
+
 def test_bench_train_graphs_plumbing(tmp_path):
     """--graphs off on: each pair eager and graphed (the capture stood in for on the CPU), the ratio from one run."""
     from benchmarks import bench_train

@@ -35,7 +35,7 @@ inputs and the capture-safe code path are all checked without a GPU.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -51,8 +51,9 @@ Body = Callable[[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor, Tensor]]
 @dataclasses.dataclass(frozen=True)
 class GraphOptions:
     """How batches are bucketed and how many graphs are kept (benchmarks set them; `dtmt train` uses the
-    defaults). On the Bible corpus at 2,000-8,000 tokens a batch, 8 / 16 gives 36-38 buckets an epoch, with 15-26%
-    of the padded tokens padding (16 / 16: 24-30 buckets, 28-41%)."""
+    defaults). On the Bible corpus at 2,000-8,000 tokens a batch, lengths in 8s and rows in 16s give 36-38 buckets an
+    epoch, the padded tokens 1.15-1.26x the collated ones (16 / 16: 24-30 buckets, 1.28-1.41x; `bench_train.py
+    --buckets`, docs/design/gpu.md)."""
     length_step: int = 8              # padded source and target lengths: multiples of this
     batch_step: int = 16              # padded rows: multiples of this
     max_graphs: int = 64              # captures kept; a bucket past them runs eagerly
@@ -119,15 +120,10 @@ class StandInCapture:
     during a real capture, dtmt_kernels.ops._host_reads). Nothing is recorded: the point is the code path and the
     buffers, not the launches."""
 
-    def __init__(self):
-        self.captures = 0
-
     def warm_up(self, fn: Callable[[], None]) -> None:
         fn()
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
-        self.captures += 1
-
         def replay():
             real = _host_reads._capturing
             _host_reads._capturing = lambda: True
@@ -146,19 +142,21 @@ class StandInCapture:
 
 class Bucket:
     """A bucket's input and output tensors (outside the graphs' pool: a replay reads and writes them in place), how
-    many of its batches have been trained on, and its graph's replay once captured."""
+    many of its batches have been trained on, the update on them (`run`) and its graph's replay once captured."""
 
-    def __init__(self, shape: Shape, device: torch.device):
-        B, S, T = shape
-        self.inputs = [torch.full((B, S), PAD, dtype=torch.long, device=device), torch.ones(B, dtype=torch.long,
-                       device=device), torch.full((B, T), PAD, dtype=torch.long, device=device),
-                       torch.full((B, T), PAD, dtype=torch.long, device=device)]
+    def __init__(self, padded: Sequence[Tensor], device: torch.device, body: Body):
+        self.inputs = [torch.empty_like(t, device=device) for t in padded]   # (each batch is copied in)
         self.outputs = [torch.zeros((), dtype=torch.float64, device=device),   # (losses of any dtype, unrounded)
                         torch.zeros((), dtype=torch.float64, device=device),
                         torch.zeros((), dtype=torch.long, device=device)]
         self.seen = 0
         self.replay: Optional[Callable[[], None]] = None
         self.kept: List[Tensor] = []   # the modules' cached tensors when captured (kept alive with the graph)
+
+        def run():
+            for static, value in zip(self.outputs, body(*self.inputs)):
+                static.copy_(value if torch.is_tensor(value) else torch.tensor(value))
+        self.run = run
 
 
 class GraphedUpdates:
@@ -195,21 +193,24 @@ class GraphedUpdates:
     def update(self, src: Tensor, lengths: Tensor, prev: Tensor, target: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """One update on a batch as `collate` makes it (on any device: it is padded there, then copied in)."""
         shape = padded_shape(src.shape[0], src.shape[1], prev.shape[1], self.options)
+        padded = pad_batch(src, lengths, prev, target, shape)
         bucket = self.buckets.get(shape)
         if bucket is None:
-            bucket = self.buckets[shape] = Bucket(shape, self.device)
-        for static, value in zip(bucket.inputs, pad_batch(src, lengths, prev, target, shape)):
+            bucket = self.buckets[shape] = Bucket(padded, self.device, self.body)
+        for static, value in zip(bucket.inputs, padded):
             static.copy_(value, non_blocking=True)
-        run = self._run(bucket)
         if bucket.replay is not None:
             bucket.replay()
             self.replayed += 1
-        elif bucket.seen == 0 or not self._may_capture():
-            self.capturer.warm_up(run) if bucket.seen == 0 else run()
+        elif bucket.seen == 0:
+            self.capturer.warm_up(bucket.run)
+            self.eager_updates += 1
+        elif not self._may_capture():
+            bucket.run()
             self.eager_updates += 1
         else:
             try:
-                bucket.replay = self.capturer.capture(run)
+                bucket.replay = self.capturer.capture(bucket.run)
                 bucket.kept = cached_tensors(self.model)
             except RuntimeError as exc:   # (what does not capture: a host read, a copy from host memory)
                 # a failed capture can leave the stream unusable: the run stops here, last.pt is the previous one
@@ -221,13 +222,6 @@ class GraphedUpdates:
             self._check_memory()
         bucket.seen += 1
         return tuple(x.clone() for x in bucket.outputs)
-
-    def _run(self, bucket: Bucket) -> Callable[[], None]:
-        def run():
-            outputs = self.body(*bucket.inputs)
-            for static, value in zip(bucket.outputs, outputs):
-                static.copy_(value if torch.is_tensor(value) else torch.tensor(value))
-        return run
 
     def _may_capture(self) -> bool:
         if self.capturing_stopped is None and self.captured >= self.options.max_graphs:

@@ -127,7 +127,8 @@ def _cublas_library_dir():
 
 
 def extension():
-    cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    # csrc/ holds the kernels, csrc/engine/ the inference engine's ops (decoder step, beam search)
+    cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "engine", "*.cpp")))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
     cxx = base_cxx_flags()
     with_cuda = (
@@ -140,7 +141,7 @@ def extension():
         define_macros=[(f"DTMT_ISA_{isa.upper()}", "1") for isa in cpu_isas()],
         # rebuild when a header or a copied source changes, not only the sources above
         depends=sorted(glob.glob(os.path.join("csrc", "*.h")) + glob.glob(os.path.join("csrc", "*.cuh")) +
-                       glob.glob(os.path.join("csrc", "isa", "*"))),
+                       glob.glob(os.path.join("csrc", "isa", "*")) + glob.glob(os.path.join("csrc", "engine", "*.h"))),
         extra_link_args=["-fopenmp"] + sanitizers(),
     )
     if with_cuda:

@@ -49,7 +49,7 @@ def step_matrices(model):
 def encoder_recurrent_matrices(model):
     """(name, parameter) of the recurrent matrices (weight_hh, the T-GRUs' tgru{k}_weight_hh, both directions) of
     the model's sequence layers, the encoder's DeepTransitionGRU / ATR layers: int8 decoding rounds them too
-    (dtmt_kernels.nn.FrozenTransitionLayer.int8); their input matrices stay float32."""
+    (dtmt_models.engine.forms.FrozenTransitionLayer.int8); their input matrices stay float32."""
     import dtmt_kernels as dk
 
     return [(f"{name}.{n}", p) for name, m in model.named_modules() if isinstance(m, (dk.nn.DeepTransitionGRU,

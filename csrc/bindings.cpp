@@ -6,7 +6,7 @@
 
 #include "cell_math.h"
 #include "cpu_dispatch.h"
-#include "decode_step.h"
+#include "engine/decode_step.h"
 #include "persistent_plan.h"
 #include "phase_timers.h"
 #include "small_gemm.h"

@@ -47,7 +47,7 @@ template <typename T> struct TypedCpuKernels {
   // forward loops batch entry b reads row b / group of the keys / values (group > 1: a beam's rows share them).
   void (*scores_forward)(const T* keys, const T* q, const T* v, T* out, int64_t S, int64_t NH, int64_t D,
                          int64_t group, int64_t b0, int64_t b1);
-  // scores_forward's scores from exponentials (decode_step.h, key_exps_cpu): ek = exp(2 keys) [., NH, D, Sp]
+  // scores_forward's scores from exponentials (engine/decode_step.h, key_exps_cpu): ek = exp(2 keys) [., NH, D, Sp]
   // (positions last, Sp a multiple of 16 >= S), q [B, NH, D] (each within kExpScoreBound); out [B, NH, S].
   void (*scores_from_exps)(const T* ek, const T* q, const T* v, T* out, int64_t S, int64_t Sp, int64_t NH,
                            int64_t D, int64_t group, int64_t b0, int64_t b1);
@@ -75,11 +75,11 @@ template <typename T> struct TypedCpuKernels {
   // [., R] (each normalised in place; ln_w / ln_b [3, R]), or tanh(sum_k parts[k][r]) where ln_w is null.
   void (*readout_rows)(T* const* parts, const T* ln_w, const T* ln_b, T eps, int64_t R, T* out, int64_t r0,
                        int64_t r1);
-  // TokenProducts' rows (decode_step.h) for the n previous tokens prev: cell[i] = (tokens[prev[i], :N_q] +
+  // TokenProducts' rows (engine/decode_step.h) for the n previous tokens prev: cell[i] = (tokens[prev[i], :N_q] +
   // positions[:N_q]) + bias[:N_q], readout[i] likewise for the last N - N_q columns (positions null: no term).
   void (*token_rows)(const T* tokens, const T* positions, const T* bias, int64_t N, int64_t N_q, const int64_t* prev,
                      int64_t n, T* cell, T* readout);
-  // SourceProducts' rows weighed by the attention weights (decode_step.h), output columns [n0, n1):
+  // SourceProducts' rows weighed by the attention weights (engine/decode_step.h), output columns [n0, n1):
   // out[r, n - n0] = bias[n] + sum_{k < W} alpha[r, k] * P[block[r] * W + k, n], rows r in [0, M).
   void (*weigh_products)(const T* alpha, int64_t M, int64_t W, const int64_t* block, const T* P, int64_t ldp,
                          const T* bias, T* out, int64_t ldo, int64_t n0, int64_t n1);

@@ -1,5 +1,7 @@
-// The fused ops as PyTorch custom ops, namespace `dtmt` (torch.ops.dtmt.*): one schema each (TORCH_LIBRARY),
-// the CPU kernels under the CPU dispatch key and, in a CUDA build, the CUDA kernels under the CUDA key.
+// The kernels' ops as PyTorch custom ops, namespace `dtmt` (torch.ops.dtmt.*): one schema each (TORCH_LIBRARY),
+// the CPU kernels under the CPU dispatch key and, in a CUDA build, the CUDA kernels under the CUDA key. The
+// inference engine's ops (a decoder step, beam search) are registered in the same namespace by
+// csrc/engine/registration.cpp, with the same conventions.
 // Their fake (meta) implementations and autograd are registered in Python, next to each op's reference
 // (dtmt_kernels/ops/<op>/). The layers check their inputs in Python before they call an op, with messages in
 // their own terms; the ops are public too (torch.ops.dtmt.*), so each checks here, before any kernel indexes into
@@ -18,8 +20,8 @@
 
 #include "attention.h"
 #include "cell_math.h"
-#include "decode_step.h"
 #include "loss.h"
+#include "op_args.h"
 #include "op_checks.h"
 #include "small_gemm.h"
 #include "transition.h"
@@ -27,28 +29,15 @@
 namespace {
 
 using at::Tensor;
+using dtmt::args::dense;
+using dtmt::args::given;
+using dtmt::args::last_dim_dense;
 using OptTensor = std::optional<Tensor>;
 
 // The schemas' shared parts: the ten flat parameters of one direction (dtmt_kernels/ops/transition/layout.py).
 #define DTMT_PARAMS_SCHEMA                                                                                         \
   "Tensor w_ih, Tensor b_ih, Tensor w_hh, Tensor b_hh, Tensor? ln_w, Tensor? ln_b, Tensor? t_w, Tensor? t_b, " \
   "Tensor? t_ln_w, Tensor? t_ln_b"
-
-Tensor dense(const Tensor& t) { return t.contiguous(); }
-
-Tensor dense(const OptTensor& t, const Tensor& like) {
-  return t.has_value() && t->defined() ? t->contiguous() : at::empty({0}, like.options());
-}
-
-bool given(const OptTensor& t) { return t.has_value() && t->defined() && t->numel() > 0; }
-
-// A Tensor[] argument with each tensor contiguous (a no-op for those that are).
-std::vector<Tensor> dense(at::TensorList ts) {
-  std::vector<Tensor> out;
-  out.reserve(ts.size());
-  for (const Tensor& t : ts) out.push_back(t.defined() ? t.contiguous() : t);
-  return out;
-}
 
 // x [T, B, I] and what the weights w give: H, the T-GRUs' D; h0 [B, H], mask [T, B] and drop [D + 1, B, H] (both
 // optional) checked against them. Returns {T, B, I, H, D}.
@@ -193,7 +182,6 @@ Tensor additive_scores(const Tensor& keys, const Tensor& query, const Tensor& v)
 }
 
 // values: a view whose last dimension is contiguous is read in place (e.g. a transposed encoder output)
-Tensor last_dim_dense(const Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
 
 Tensor attention_context(const Tensor& alpha, const Tensor& values) {
   return dtmt::attention_context_forward_cpu(dense(alpha), last_dim_dense(values));
@@ -207,68 +195,6 @@ std::tuple<Tensor, Tensor> attention_context_backward(const Tensor& grad, const 
 
 Tensor small_rows_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
   return dtmt::small_rows_linear(x, weight, bias.has_value() ? dense(*bias) : Tensor());
-}
-
-std::tuple<Tensor, Tensor> attention_step(const Tensor& query, const Tensor& keys, const Tensor& annotations,
-                                          const Tensor& src_mask, at::TensorList weights, double ln_eps,
-                                          const OptTensor& key_exps) {
-  auto r = dtmt::attention_step_cpu(dense(query), keys, last_dim_dense(annotations), src_mask,
-                                    dtmt::AttentionWeights::from_list(dense(weights), ln_eps), 1, true,
-                                    key_exps.has_value() && key_exps->numel() ? *key_exps : Tensor());
-  return {r[0], r[1]};
-}
-
-// (an empty tensor where key_exps_cpu gives none)
-Tensor key_exps(const Tensor& keys) {
-  Tensor r = dtmt::key_exps_cpu(dense(keys));
-  return r.defined() ? r : at::empty({0}, keys.options());
-}
-
-Tensor readout_features(const Tensor& y, const Tensor& s, const Tensor& c, at::TensorList weights, double eps) {
-  return dtmt::readout_features_cpu(dense(y), dense(s), dense(c), dtmt::ReadoutWeights::from_list(dense(weights), eps, /*with_output=*/false));
-}
-
-std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, const Tensor& keys,
-                                             const Tensor& annotations, const Tensor& src_mask, int64_t q_kind,
-                                             at::TensorList q_params, int64_t d_kind, at::TensorList d_params,
-                                             double cell_eps, at::TensorList attention, double att_eps,
-                                             at::TensorList readout, double readout_eps) {
-  auto r = dtmt::rnmt_step_cpu(dense(y), dense(s), keys, last_dim_dense(annotations), src_mask,
-                               dtmt::cell_weights(q_kind, dense(q_params), "rnmt_step", "q_params"),
-                               dtmt::cell_weights(d_kind, dense(d_params), "rnmt_step", "d_params"), cell_eps,
-                               dtmt::AttentionWeights::from_list(dense(attention), att_eps),
-                               dtmt::ReadoutWeights::from_list(dense(readout), readout_eps));
-  return {r[0], r[1], r[2]};
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
-    const Tensor& annotations, const Tensor& keys, const Tensor& src_mask, const Tensor& s, const Tensor& embed,
-    const OptTensor& positions, int64_t q_kind, at::TensorList q_params, int64_t d_kind, at::TensorList d_params,
-    double cell_eps, at::TensorList attention, double att_eps, at::TensorList readout, double readout_eps,
-    int64_t beam, double alpha, const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
-    bool early_stop, const OptTensor& token_products, const OptTensor& position_products,
-    const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned) {
-  auto r = dtmt::rnmt_beam_search_cpu(
-      last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), dense(embed), dense(positions, embed),
-      dtmt::cell_weights(q_kind, dense(q_params), "rnmt_beam_search", "q_params"),
-      dtmt::cell_weights(d_kind, dense(d_params), "rnmt_beam_search", "d_params"), cell_eps,
-      dtmt::AttentionWeights::from_list(dense(attention), att_eps),
-      dtmt::ReadoutWeights::from_list(dense(readout), readout_eps), beam, alpha, max_len, bos, eos, step_tables,
-      early_stop, dense(token_products, embed), dense(position_products, embed),
-      given(context_heads) ? context_heads->contiguous() : Tensor(), nbest,
-      banned.has_value() ? banned->vec() : std::vector<int64_t>());
-  return {r[0], r[1], r[2], r[3], r[4]};
-}
-
-std::tuple<Tensor, Tensor> memory_encoder(const Tensor& x, const Tensor& memory, const Tensor& src_mask, bool reverse,
-                                          int64_t cell_kind, at::TensorList cell, double cell_eps,
-                                          at::TensorList addressing) {
-  auto r = dtmt::memory_encoder_cpu(dense(x), memory, src_mask, reverse,
-                                    dtmt::cell_weights(cell_kind, dense(cell), "memory_encoder", "cell"), cell_eps,
-                                    dtmt::MemoryWeights::from_list(dense(addressing)));
-  // an empty source leaves the memory as it came in: never return the input itself
-  if (r[1].is_same(memory) || r[1].data_ptr() == memory.data_ptr()) r[1] = r[1].clone();
-  return {r[0], r[1]};
 }
 
 std::tuple<Tensor, Tensor, Tensor> smoothed_cross_entropy(const Tensor& logits, const Tensor& target, double smoothing,
@@ -296,22 +222,6 @@ TORCH_LIBRARY(dtmt, m) {
   m.def("attention_context_backward(Tensor grad, Tensor alpha, Tensor values, bool values_grad=True) -> "
         "(Tensor, Tensor)");
   m.def("small_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("attention_step(Tensor query, Tensor keys, Tensor annotations, Tensor src_mask, Tensor[] weights, "
-        "float ln_eps, Tensor? key_exps=None) -> (Tensor context, Tensor alpha)");
-  m.def("key_exps(Tensor keys) -> Tensor");
-  m.def("readout_features(Tensor y, Tensor s, Tensor c, Tensor[] weights, float eps) -> Tensor");
-  m.def("rnmt_step(Tensor y, Tensor s, Tensor keys, Tensor annotations, Tensor src_mask, int q_kind, "
-        "Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, Tensor[] attention, float att_eps, "
-        "Tensor[] readout, float readout_eps) -> (Tensor log_probs, Tensor s, Tensor alpha)");
-  m.def("rnmt_beam_search(Tensor annotations, Tensor keys, Tensor src_mask, Tensor s, Tensor embed, "
-        "Tensor? positions, int q_kind, Tensor[] q_params, int d_kind, Tensor[] d_params, float cell_eps, "
-        "Tensor[] attention, float att_eps, Tensor[] readout, float readout_eps, int beam, float alpha, "
-        "Tensor max_len, int bos, int eos, bool step_tables=False, bool early_stop=False, "
-        "Tensor? token_products=None, Tensor? position_products=None, Tensor? context_heads=None, int? nbest=None, "
-        "int[]? banned=None) -> "
-        "(Tensor counts, Tensor lengths, Tensor tokens, Tensor scores, Tensor log_probs)");
-  m.def("memory_encoder(Tensor x, Tensor memory, Tensor src_mask, bool reverse, int cell_kind, Tensor[] cell, "
-        "float cell_eps, Tensor[] addressing) -> (Tensor states, Tensor memory_out)");
   m.def("smoothed_cross_entropy(Tensor logits, Tensor target, float smoothing, int ignore_index) -> "
         "(Tensor loss, Tensor nll, Tensor grad)");
 }
@@ -326,12 +236,6 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("attention_context", &attention_context);
   m.impl("attention_context_backward", &attention_context_backward);
   m.impl("small_rows_linear", &small_rows_linear);
-  m.impl("attention_step", &attention_step);
-  m.impl("key_exps", &key_exps);
-  m.impl("readout_features", &readout_features);
-  m.impl("rnmt_step", &rnmt_step);
-  m.impl("rnmt_beam_search", &rnmt_beam_search);
-  m.impl("memory_encoder", &memory_encoder);
   m.impl("smoothed_cross_entropy", &smoothed_cross_entropy);
 }
 

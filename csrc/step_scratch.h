@@ -1,4 +1,4 @@
-// The tensors of a search's decoding steps, kept from one step to the next (decode_step.h, StepBuffers): each step
+// The tensors of a search's decoding steps, kept from one step to the next (engine/decode_step.h, StepBuffers): each step
 // takes its tensors in the same order, and a slot's tensor is reused while its shape and dtype stay those asked for
 // (they change when a sentence of the batch finishes), instead of ~20 small tensors allocated and freed every step
 // (why: docs/design/cpu_kernels.md, "Step scratch buffers"). A tensor taken from it lives until the same slot is

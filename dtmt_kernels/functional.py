@@ -1,6 +1,7 @@
 """Functional API: run a deep transition block / ATR over a sequence or one step on a chosen backend, the
-attention kernels, the decoding linear layer and the inference ops of a decoder step (dtmt_kernels/ops/), plus the
-checks that every public entry point applies to its inputs (validate at the boundary)."""
+attention kernels, the decoding linear layer and the fused loss (dtmt_kernels/ops/), plus the checks that every
+public entry point applies to its inputs (validate at the boundary). A decoder step's inference ops are the
+engine's (dtmt_models.engine.ops)."""
 from __future__ import annotations
 
 import numbers
@@ -13,9 +14,6 @@ from torch import Tensor
 from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
 from .ops._host_reads import host_reads_allowed
-from .ops.decode_step import (AttentionWeights, CellWeights, MemoryWeights, ReadoutWeights, attention_step,
-                               context_heads, fold_context_projection, memory_encoder, readout_features, rnmt_beam_search,
-                               rnmt_step, step_weights_on_huge_pages, token_products)
 from .ops.linear import small_rows_applicable, small_rows_linear
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._extension import built
@@ -23,10 +21,7 @@ from .backends import resolve_backend
 from .reference import TransitionWeights
 
 __all__ = ["transition_sequence", "transition_step", "additive_scores", "attention_context", "linear",
-           "small_rows_applicable", "small_rows_linear", "AttentionWeights", "ReadoutWeights", "MemoryWeights",
-           "CellWeights",
-           "attention_step", "readout_features", "rnmt_step", "rnmt_beam_search", "fold_context_projection",
-           "step_weights_on_huge_pages", "token_products", "context_heads", "memory_encoder", "lengths_to_mask",
+           "small_rows_applicable", "small_rows_linear", "lengths_to_mask",
            "check_attention_context", "check_dtype_for_backend", "smoothed_cross_entropy", "host_reads_allowed"]
 
 LengthsLike = Union[Tensor, Sequence[int]]

@@ -420,7 +420,7 @@ def test_fused_search_breaks_ties_as_the_python_loop(system):
 ])
 def test_search_through_step_tables(system, options):
     """EngineOptions(step_tables=True), the default: the search's steps read tables made once instead of
-    recomputing their products (csrc/decode_step.h, StepTables): the previous token's products from per-token (and
+    recomputing their products (csrc/engine/decode_step.h, StepTables): the previous token's products from per-token (and
     per-position) tables (TokenProducts), the attention scores from the keys' exponentials (key_exps), and where the
     sources are short (sentences x heads x positions <= C / 2) the context through its per-position products
     (SourceProducts); the same sums in another order. Batches of one, two and three sentences (each sentence's rows
@@ -473,7 +473,7 @@ def test_search_through_step_tables(system, options):
 
 
 def test_token_tables_hold_the_products_of_the_embeddings():
-    """dk.functional.token_products: the query cell's input matrix and the readout's y matrix times every row of the
+    """engine.ops.token_products: the query cell's input matrix and the readout's y matrix times every row of the
     target embedding (and of its scaled positions), side by side, as float64 products rounded once; None for int8
     weights and past its size bound. A search whose tables are shuffled (rows of other tokens) translates otherwise
     than one with the decoder's own: the tables are what the steps read."""
@@ -489,7 +489,7 @@ def test_token_tables_hold_the_products_of_the_embeddings():
                                            @ w.t()).float(), rtol=0, atol=0)
     assert decoder.position_table(10) is positions                 # kept for shorter sentences
     assert model.inference_decoder(int8=True).token_table is None
-    from dtmt_kernels.ops.decode_step import op
+    from dtmt_models.engine import ops as op
     bound = op.TOKEN_TABLE_BYTES
     try:
         op.TOKEN_TABLE_BYTES = decoder.token_table.numel() * 4 - 1
@@ -504,7 +504,7 @@ def test_token_tables_hold_the_products_of_the_embeddings():
 
 
 def test_context_table_holds_the_two_context_matrices_by_head():
-    """dk.functional.context_heads: [decoder cell's w_ih; readout's w_c] [N, C] split by head, W[:, h] as
+    """engine.ops.context_heads: [decoder cell's w_ih; readout's w_c] [N, C] split by head, W[:, h] as
     [heads, C / heads, N], made once by the decoder (its context_table; none for int8 weights or an unfolded
     output projection). A search through it finds the hypotheses of one that splits the matrices every sentence
     (context_table None), scores equal up to the GEMM's rounding; a table with its heads swapped translates

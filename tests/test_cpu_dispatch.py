@@ -23,6 +23,7 @@ import torch
 
 import dtmt_kernels as dk
 from conftest import make_layer, padding_mask
+from dtmt_models.engine.forms import inference_form
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 
@@ -139,7 +140,7 @@ def _all_kernels(dtype):
         torch.manual_seed(5)
         encoder = dk.nn.DeepTransitionGRU(I, H, depth=2, cell="lgru", layer_norm=True, bidirectional=True).eval()
         with torch.no_grad():
-            results["row-panels"] = list(encoder.inference_module().with_row_panels()(
+            results["row-panels"] = list(inference_form(encoder).with_row_panels()(
                 torch.randn(T, 1, I, generator=g)))
     return results
 

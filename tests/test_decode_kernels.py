@@ -1,5 +1,5 @@
 """The decoding kernels: the small-row linear (csrc/small_gemm_cpu.cpp) against a float64 product, and the
-inference-only fused attention step, readout features and memory encoder (csrc/decode_step_cpu.cpp), the
+inference-only fused attention step, readout features and memory encoder (csrc/engine/decode_step_cpu.cpp), the
 modules' inference forms, against the modules themselves, and the systems' inference decoders
 (`Seq2Seq.inference_decoder`, the fused whole step among them) against the models on the reference backend."""
 import copy
@@ -13,10 +13,13 @@ from conftest import assert_decoders_step_alike, at_thread_counts
 import dtmt_kernels as dk
 from dtmt_kernels import _C
 from dtmt_models.engine import EngineOptions
-from dtmt_models.models.attention import AdditiveAttention, AttentionStep, MultiHeadAdditiveAttention
+from dtmt_models.engine import ops as engine_ops
+from dtmt_models.engine.forms import (AttentionStep, FrozenMemoryEncoder, FrozenReadout, FrozenTransitionLayer,
+                                     inference_form)
+from dtmt_models.models.attention import AdditiveAttention, MultiHeadAdditiveAttention
 from dtmt_models.models.registry import build_model
 from dtmt_models.models.rnmt import FusedRNMTDecoder
-from dtmt_models.models.seq2seq import FrozenReadout, Readout
+from dtmt_models.models.seq2seq import Readout
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 
@@ -143,10 +146,10 @@ def _sequence_layer(layer_kind: str, H: int):
 
 
 def test_weight_structures_mirror_the_extension():
-    """The Python weight structures and csrc/decode_step.h's structs list the same fields in the same order."""
-    F_ = dk.functional
-    for cls, fields in ((F_.AttentionWeights, _C.ATTENTION_WEIGHT_FIELDS), (F_.ReadoutWeights, _C.READOUT_WEIGHT_FIELDS),
-                        (F_.MemoryWeights, _C.MEMORY_WEIGHT_FIELDS)):
+    """The Python weight structures and csrc/engine/decode_step.h's structs list the same fields in the same order."""
+    E = engine_ops
+    for cls, fields in ((E.AttentionWeights, _C.ATTENTION_WEIGHT_FIELDS), (E.ReadoutWeights, _C.READOUT_WEIGHT_FIELDS),
+                        (E.MemoryWeights, _C.MEMORY_WEIGHT_FIELDS)):
         assert cls.tensor_fields() == tuple(fields.split())
 
 
@@ -167,7 +170,7 @@ def test_attention_step_matches_the_module(kind, dtype, B, S, heads, seed):
     query, annotations, mask = _attention_inputs(B, S, Q, C, A, heads, seed, dtype)
     keys = att.precompute(annotations)
     ctx_ref, alpha_ref = att(query, keys, annotations, mask)      # the module's ops
-    step = att.inference_module()
+    step = inference_form(att)
     assert type(step) is AttentionStep
     with torch.no_grad():
         ctx, alpha = step(query, step.precompute(annotations), annotations, mask)
@@ -194,7 +197,7 @@ def test_attention_scores_from_the_keys_exponentials(dtype, B, S, heads, D, seed
     lengths = torch.randint(1, S + 1, (B,), generator=g)
     mask = torch.arange(S).unsqueeze(0) < lengths.unsqueeze(1)
     query = torch.randn(B, Q, generator=g, dtype=dtype)
-    weights = dk.functional.AttentionWeights(torch.randn(heads * D, Q, generator=g, dtype=dtype) * 0.5,
+    weights = engine_ops.AttentionWeights(torch.randn(heads * D, Q, generator=g, dtype=dtype) * 0.5,
                                              torch.randn(heads, D, generator=g, dtype=dtype))
     exps = torch.ops.dtmt.key_exps(keys)
     Sp = (S + 15) // 16 * 16
@@ -230,14 +233,14 @@ def test_attention_with_a_query_norm_the_step_cannot_take_has_no_inference_form(
     for affine in (False, True):
         att = _randomise(AdditiveAttention(6, 8, 4, layer_norm=True), 1)
         att.ln_q = torch.nn.LayerNorm(4, elementwise_affine=affine)
-        form = att.inference_module()
+        form = inference_form(att)
         assert (type(form) is AttentionStep) == affine and (form is att) != affine
         keys = att.precompute(annotations)
         with torch.no_grad():
             torch.testing.assert_close(form(query, keys, annotations, mask), att(query, keys, annotations, mask),
                                        rtol=1e-5, atol=1e-6)
         att.backend = "reference"
-        assert att.inference_module() is att
+        assert inference_form(att) is att
 
 
 @pytest.mark.parametrize("layer_norm", [True, False])
@@ -247,7 +250,7 @@ def test_readout_features_match_the_module(layer_norm, lead):
     g = torch.Generator().manual_seed(4)
     y, s, c = (torch.randn(*lead, d, generator=g) for d in (10, 12, 16))
     expected = readout.features(y, s, c)                         # the module's ops
-    form = readout.inference_module()
+    form = inference_form(readout)
     assert type(form) is FrozenReadout
     with torch.no_grad():
         out = form.features(y, s, c)
@@ -255,7 +258,7 @@ def test_readout_features_match_the_module(layer_norm, lead):
     assert out.shape == (*lead, 9)
     torch.testing.assert_close(out, expected.detach(), rtol=1e-5, atol=1e-6)
     readout.from_y.backend = "reference"                         # the switch turns the fused op off
-    assert readout.inference_module() is readout
+    assert inference_form(readout) is readout
 
 
 FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # rnmt.FusedRNMTDecoder
@@ -301,8 +304,8 @@ def decoder_parameters(decoder):
 
 def _count_fused_steps(monkeypatch):
     calls = []
-    fused = dk.functional.rnmt_step
-    monkeypatch.setattr(dk.functional, "rnmt_step", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    fused = engine_ops.rnmt_step
+    monkeypatch.setattr(engine_ops, "rnmt_step", lambda *a, **k: calls.append(1) or fused(*a, **k))
     return calls
 
 
@@ -487,13 +490,13 @@ def test_a_swapped_in_single_head_attention_is_fused(monkeypatch):
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_memory_encoder_matches_the_module(reverse):
-    from dtmt_models.models.systems.mce import FrozenMemoryEncoder, MemoryGRUEncoderDirection
+    from dtmt_models.models.systems.mce import MemoryGRUEncoderDirection
     enc = _randomise(MemoryGRUEncoderDirection(6, 10, "auto"), 5)
     g = torch.Generator().manual_seed(6)
     x, memory = torch.randn(3, 7, 6, generator=g), torch.randn(3, 7, 10, generator=g)
     mask = torch.arange(7).unsqueeze(0) < torch.tensor([7, 4, 1]).unsqueeze(1)
     states_ref, memory_ref = enc(x, memory, mask, reverse)       # the module's ops
-    form = enc.inference_module()
+    form = inference_form(enc)
     assert type(form) is FrozenMemoryEncoder
     with torch.no_grad():
         states, final = form(x, memory, mask, reverse)
@@ -501,14 +504,14 @@ def test_memory_encoder_matches_the_module(reverse):
     torch.testing.assert_close(final, memory_ref.detach(), rtol=1e-5, atol=1e-6)
     assert (states[~mask] == 0).all()
     enc.cell.backend = "reference"
-    assert enc.inference_module() is enc
+    assert inference_form(enc) is enc
 
 
 @pytest.mark.parametrize("system, options", [("dtmt", dict(heads=2)), ("dtmt", dict(heads=4, depth=2)),
                                              ("rnnsearch-atr", {})])
 def test_fold_context_projection(system, options):
     """FusedRNMTDecoder folds multi-head attention's output projection into the decoder cell's input matrix and the
-    readout's context matrix (dk.functional.fold_context_projection): in float64 its steps give the unfolded
+    readout's context matrix (engine_ops.fold_context_projection): in float64 its steps give the unfolded
     decoder's log-probabilities, states and attention to 1e-12 over steps and a reorder, and a step reads one
     matrix fewer of the same shapes. Single-head attention has no projection: nothing changes."""
     torch.manual_seed(6)
@@ -574,14 +577,14 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     for dtype in (torch.float32, torch.float64):
         layer = layer.to(dtype)
         xs = x.to(dtype)
-        form = layer.inference_module()
-        assert type(form) is dk.nn.FrozenTransitionLayer
+        form = inference_form(layer)
+        assert type(form) is FrozenTransitionLayer
         with torch.no_grad():
             assert all(at_thread_counts(same_outputs, 1, 2))
     with pytest.raises(ValueError, match="float32"):
         form.int8()
     layer = layer.float()
-    int8 = layer.inference_module().int8()
+    int8 = inference_form(layer).int8()
     assert int8.int8() is int8 and int8.directions[0][1][2].dtype == torch.int8
     int8_linear = int8_linear_for([p.detach().clone() for n, p in layer.named_parameters() if "weight_hh" in n])
     with torch.no_grad():
@@ -593,10 +596,10 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     for a, b, c in zip(got, want, far):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert (a - c).abs().max() > 1e-4
-    assert layer.inference_module() is layer   # the reference backend keeps the module
+    assert inference_form(layer) is layer   # the reference backend keeps the module
     layer.backend = "cpp"
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):   # the layer's autocast rule: bf16 products
-        got, want = layer.inference_module()(x, None, lengths), layer(x, None, lengths)
+        got, want = inference_form(layer)(x, None, lengths), layer(x, None, lengths)
     assert got[0].dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -635,7 +638,7 @@ def test_sequence_layer_row_panels(layer_kind):
     x, lengths = torch.randn(9, 3, 6, generator=g), torch.tensor([9, 5, 1])
     D = 2 if layer.bidirectional else 1
     h0 = torch.randn(D, 1, 40, generator=g)
-    plain = layer.inference_module()
+    plain = inference_form(layer)
     panels = plain.with_row_panels()
     assert plain.panels is None and panels.panels is not None and panels.with_row_panels() is panels
     w_hh = plain.directions[0][1][2]
@@ -663,7 +666,7 @@ def test_sequence_layer_row_panels(layer_kind):
                            getattr(layer, "reverse", False), layer.eps))
     # the panels are what batch 1 reads, and only batch 1: panels of zeros leave the base cell's recurrent products
     # to the biases there, and change nothing for a batch of three
-    zeros = dk.nn.FrozenTransitionLayer(layer, plain.directions, [tuple(torch.zeros_like(t) for t in pair)
+    zeros = FrozenTransitionLayer(layer, plain.directions, [tuple(torch.zeros_like(t) for t in pair)
                                                                   for pair in panels.panels])
     with torch.no_grad():
         assert (zeros(x[:, :1])[0] - plain(x[:, :1])[0]).abs().max() > 1e-2
@@ -679,7 +682,7 @@ def test_sequence_layer_row_panels(layer_kind):
         with torch.no_grad():
             assert all(torch.equal(a, b) for a, b in zip(huge(x[:, :1]), panels(x[:, :1])))
     assert plain.int8().with_row_panels().panels is None
-    double = copy.deepcopy(layer).double().inference_module()
+    double = inference_form(copy.deepcopy(layer).double())
     assert double.with_row_panels() is double
 
 
@@ -695,7 +698,7 @@ def test_encoder_panels_search(system):
     with torch.no_grad():
         on = model.inference_decoder()
         off = FusedRNMTDecoder(on.prepared, on.layered, options=EngineOptions(encoder_panels=False))
-        encoders = lambda d: [m for m in d.model.modules() if isinstance(m, dk.nn.FrozenTransitionLayer)]  # noqa: E731
+        encoders = lambda d: [m for m in d.model.modules() if isinstance(m, FrozenTransitionLayer)]  # noqa: E731
         assert encoders(on) and all(m.panels is not None for m in encoders(on))
         assert all(m.panels is None for m in encoders(off))
         assert all(m.panels is None for m in encoders(on.inference_decoder(int8=True)))
@@ -730,7 +733,7 @@ def test_sequence_layer_encode_tokens(layer_kind):
         want_plain = reference(embedding.double()[tokens], lengths=lengths)
     w_ih = torch.cat([p for n, p in layer.named_parameters() if n.startswith("weight_ih")])
     for dtype in (torch.float64, torch.float32):
-        form = copy.deepcopy(layer).to(dtype).inference_module()
+        form = inference_form(copy.deepcopy(layer).to(dtype))
         if dtype == torch.float32:
             form = form.with_row_panels()
         E, P = embedding.to(dtype), positions.to(dtype)
@@ -929,7 +932,7 @@ def test_the_int8_form_of_a_fused_decoder_keeps_its_settings():
 
 @pytest.mark.parametrize("system, options", [("dtmt", dict(heads=2)), ("rnnsearch-atr", {})])
 def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
-    """EngineOptions(huge_pages=True), the default: the step's weights (dk.functional.step_weights_on_huge_pages)
+    """EngineOptions(huge_pages=True), the default: the step's weights (engine_ops.step_weights_on_huge_pages)
     and the encoder's sequence layers (FrozenTransitionLayer.on_huge_pages) are copies, in one 2 MiB-aligned buffer
     each where huge pages are offered (the previous token's tables too, each in its own), and the decoder's steps,
     its reorder and its whole C++ beam search give the 4 KiB-page decoder's results to the bit, in float32, also as
@@ -941,7 +944,7 @@ def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
     with torch.no_grad():
         huge = model.inference_decoder()
         plain = FusedRNMTDecoder(huge.prepared, huge.layered, options=EngineOptions(huge_pages=False))
-        layers = lambda d: [m for m in d.model.modules() if isinstance(m, dk.nn.FrozenTransitionLayer)]  # noqa: E731
+        layers = lambda d: [m for m in d.model.modules() if isinstance(m, FrozenTransitionLayer)]  # noqa: E731
         assert layers(huge) and layers(plain)
         if dk.ops.linear.huge_pages_offered():
             from dtmt_kernels.ops.linear.placement import HUGE_PAGE

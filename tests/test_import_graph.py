@@ -94,10 +94,12 @@ def test_a_cycle_is_found():
 
 
 def test_the_packages_are_layered():
-    """dtmt_kernels knows nothing of dtmt_models; within dtmt_models, the models import neither decoding, training
-    nor the command line, decoding does not import training or the command line, and the data layer none of them."""
+    """dtmt_kernels knows nothing of dtmt_models; within dtmt_models, the inference engine imports no model (the models
+    build their forms from it), the models import neither decoding, training nor the command line, decoding does not import training or the command line, and the data layer none of them."""
     edges = _graph()
     below = {"dtmt_kernels": ("dtmt_models",),
+             "dtmt_models.engine": ("dtmt_models.models", "dtmt_models.decoding", "dtmt_models.training",
+                                    "dtmt_models.cli"),
              "dtmt_models.models": ("dtmt_models.decoding", "dtmt_models.training", "dtmt_models.cli"),
              "dtmt_models.decoding": ("dtmt_models.training", "dtmt_models.cli"),
              "dtmt_models.data": ("dtmt_models.models", "dtmt_models.decoding", "dtmt_models.training",
@@ -105,3 +107,25 @@ def test_the_packages_are_layered():
     wrong = [(m, t) for m, targets in edges.items() for t in targets for layer, banned in below.items()
              if (m == layer or m.startswith(layer + ".")) and any(t == b or t.startswith(b + ".") for b in banned)]
     assert wrong == []
+
+
+# the inference engine's ops (dtmt_models/engine/ops.py, csrc/engine/registration.cpp)
+ENGINE_OPS = ("attention_step", "key_exps", "readout_features", "rnmt_step", "rnmt_beam_search", "memory_encoder")
+
+
+def test_the_kernels_know_nothing_of_nmt():
+    """Issue 75 item 2: no module of dtmt_kernels and not the kernels' registration (csrc/registration.cpp) names an
+    op of the inference engine; the engine registers them (csrc/engine/registration.cpp) and calls them."""
+    named = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "dtmt_kernels")):
+        named += [os.path.join(folder, f) for f in files if f.endswith(".py")]
+    named.append(os.path.join(ROOT, "csrc", "registration.cpp"))
+    found = []
+    for path in named:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        found += [(os.path.relpath(path, ROOT), op) for op in ENGINE_OPS if op in text]
+    assert found == []
+    with open(os.path.join(ROOT, "csrc", "engine", "registration.cpp"), encoding="utf-8") as f:
+        engine = f.read()
+    assert all(f'm.def("{op}(' in engine and f'm.impl("{op}",' in engine for op in ENGINE_OPS)

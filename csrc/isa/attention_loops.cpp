@@ -32,7 +32,7 @@ void scores_forward(const T* keys, const T* q, const T* v, T* out, int64_t S, in
   }
 }
 
-// scores_forward from exponentials (decode_step.h, key_exps_cpu): tanh(k + q) = 1 - 2 / (exp(2k) exp(2q) + 1), so
+// scores_forward from exponentials (engine/decode_step.h, key_exps_cpu): tanh(k + q) = 1 - 2 / (exp(2k) exp(2q) + 1), so
 //   scores[b, h, s] = sum_d v[h, d] - 2 sum_d v[h, d] / (ek[kb, h, d, s] * eq[b, h, d] + 1)        kb = b / group
 // with ek = exp(2 keys) laid out [., NH, D, Sp] (positions last, Sp a multiple of 16 >= S) and eq = exp(2 q) formed
 // here from q [B, NH, D]: no exp per position and feature, and the positions run along the vector lanes (no
@@ -141,7 +141,7 @@ void scores_backward(const T* grad, const T* keys, const T* q, const T* v, T* dk
   }
 }
 
-// The rows of SourceProducts (decode_step.h) weighed by the attention weights, columns [n0, n1):
+// The rows of SourceProducts (engine/decode_step.h) weighed by the attention weights, columns [n0, n1):
 //   out[r, n - n0] = bias[n] + sum_{k < W} alpha[r, k] * P[block[r] * W + k, n]        rows r in [0, M)
 // alpha [M, W] contiguous, P rows ldp apart, out rows ldo apart. Each row reads only its sentence's W rows of P.
 // Rows of one sentence go MR at a time through a chunk of columns (kWeighColumns; 96 in the AVX-512 copy, whose 32

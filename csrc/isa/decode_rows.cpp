@@ -1,4 +1,4 @@
-// The row loops of a decoding step and its search (decode_step_cpu.cpp, beam_search_cpu.cpp) besides the products:
+// The row loops of a decoding step and its search (engine/decode_step_cpu.cpp, engine/beam_search_cpu.cpp) besides the products:
 // the output's log-softmax over the vocabulary, the attention's masked softmax over the source positions, the
 // readout's layer norms and tanh, the previous token's products from TokenProducts' tables, and the search's best
 // candidates. One copy per instruction set (kernels.h).
@@ -114,7 +114,7 @@ void token_rows(const T* tokens, const T* positions, const T* bias, int64_t N, i
   }
 }
 
-// The K best candidates of one sentence (beam_search_cpu.cpp), as at::topk(scores[o] + lp[o, w] over (o, w)
+// The K best candidates of one sentence (engine/beam_search_cpu.cpp), as at::topk(scores[o] + lp[o, w] over (o, w)
 // flattened, K) gives them (values descending; index o * V + w), without forming the candidates: one pass keeps the
 // K + 1 best seen so far (a candidate enters only when it beats the last of them, tested kTopBlock at a time).
 // Returns false where the result could differ from at::topk's (ties at or above the K-th place, NaN, fewer than

@@ -35,7 +35,7 @@ class NonFiniteScores(ArithmeticError):
 
     @classmethod
     def from_op(cls, exc: ValueError) -> "NonFiniteScores":
-        """The fused search's error (csrc/beam_search_cpu.cpp: "... (score) at step t of sentence b ...")."""
+        """The fused search's error (csrc/engine/beam_search_cpu.cpp: "... (score) at step t of sentence b ...")."""
         m = re.search(r"\(([^)]*)\) at step (\d+) of sentence (\d+)", str(exc))
         if m is None:
             raise exc

@@ -1,6 +1,13 @@
-"""The inference engine (issue 75): what a trained model becomes for decoding, chosen once when it is exported for
-inference. So far the Decoder protocol every search drives (decoder.py: Decoder, as_decoder) and the fused decoder's
-switches (options.py: EngineOptions); the frozen forms, the decode-step ops and the searches are to move here."""
+"""The inference engine: what a trained model becomes for decoding, chosen once when it is exported for inference.
+
+    ops.py       the decode-step ops (attention step, readout features, a whole RNMT step, beam search, mce's memory
+                 encoder; C++ in csrc/engine/) and the weight structures they take
+    forms.py     the frozen forms that stand in for a model's modules, and inference_form(module)
+    decoder.py   the Decoder protocol every search drives, as_decoder
+    options.py   EngineOptions, the fused decoder's switches
+
+It sits between the kernels (dtmt_kernels, which know nothing of NMT) and the models, which build their forms
+from it (docs/design/decoding.md, "The engine as its own layer")."""
 from .decoder import AdaptedDecoder, Decoder, as_decoder
 from .options import EngineOptions
 

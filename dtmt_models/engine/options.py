@@ -11,11 +11,11 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineOptions:
     """fold: the attention's output projection (multi-head attention) folded into the decoder cell's input matrix and
-    the readout's context matrix (dk.functional.fold_context_projection; before int8 rounding), so that a step reads
+    the readout's context matrix (ops.fold_context_projection; before int8 rounding), so that a step reads
     two matrices instead of three; up to rounding.
 
     huge_pages: the step's weights copied, last, into one buffer of 2 MiB pages (dk.functional.
-    step_weights_on_huge_pages), the encoder's sequence layers' parameters likewise (dk.nn.FrozenTransitionLayer.
+    step_weights_on_huge_pages), the encoder's sequence layers' parameters likewise (forms.FrozenTransitionLayer.
     on_huge_pages, in a shallow copy of the model that `encode` runs), and the previous token's tables each in its
     own such buffer: the same values, fewer TLB misses.
 
@@ -23,11 +23,11 @@ class EngineOptions:
     rnmt_beam_search): per sentence, the context's products with the decoder cell's and readout's matrices where that
     pays (short sources, float weights, after `fold`) and the keys' exponentials for the attention scores; per
     decoder, tables of the previous token's products with the query cell's input matrix and the readout's y matrix
-    (dk.functional.token_products: float weights, up to its size bound), for every target token and, for a system
+    (ops.token_products: float weights, up to its size bound), for every target token and, for a system
     with positions, each position, and the two matrices that read the context split by head; up to rounding.
 
     encoder_panels: the encoder's sequence layers also hold their recurrent matrices in the row-panel layout
-    (dk.nn.FrozenTransitionLayer.with_row_panels; float weights), from which a batch of one sentence is encoded; up
+    (forms.FrozenTransitionLayer.with_row_panels; float weights), from which a batch of one sentence is encoded; up
     to rounding.
 
     source_tables: where the system encodes a source as its TokenEmbedding read by one FrozenTransitionLayer

@@ -13,7 +13,7 @@ The scores v·tanh(q + k_j) and the context Σ_j α_j h_j are `dtmt_kernels.func
 `attention_context`, run on the module's `backend` (switched with the model's recurrent layers by
 `Seq2Seq.set_backend`): the C++ kernels for CPU tensors under "auto"/"cpp", PyTorch ops under "reference"
 (and on the GPU). For decoding, `inference_module()` gives an `AttentionStep`: the whole step as one call,
-`dtmt_kernels.functional.attention_step` (the query's layer norm included), its weights gathered once.
+`dtmt_models.engine.ops.attention_step` (the query's layer norm included), its weights gathered once.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
-from dtmt_kernels.nn import runs_fused_inference
+from dtmt_models.engine import ops
+from dtmt_models.engine.forms import AttentionStep, plain_linear, runs_fused_inference
 
 
 def masked_softmax(scores: Tensor, src_mask: Tensor) -> Tensor:
@@ -51,14 +52,15 @@ class AdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
         """This module's form for decoding: an AttentionStep where the fused op can take it (the cpp backend, a
         plain query projection, no query norm or an affine nn.LayerNorm over the attention width), else itself."""
         ln, query = self.ln_q, self.query
-        if not (runs_fused_inference(self, query) and dk.nn.plain_linear(query) and dk.nn.plain_linear(self.v)):
+        if not (runs_fused_inference(self, query) and plain_linear(query) and plain_linear(self.v)):
             return self
         if type(ln) is nn.Identity:
-            return AttentionStep(self, dk.functional.AttentionWeights(query.weight, self.v.weight))
+            return AttentionStep(self, ops.AttentionWeights(query.weight, self.v.weight), single_head=True)
         if (type(ln) is nn.LayerNorm and tuple(ln.normalized_shape) == (query.out_features,)
                 and ln.weight is not None and ln.bias is not None):
-            return AttentionStep(self, dk.functional.AttentionWeights(query.weight, self.v.weight, ln_w=ln.weight,
-                                                                      ln_b=ln.bias, ln_eps=ln.eps))
+            return AttentionStep(self, ops.AttentionWeights(query.weight, self.v.weight, ln_w=ln.weight,
+                                                                      ln_b=ln.bias, ln_eps=ln.eps),
+                                 single_head=True)
         return self
 
     def extra_repr(self) -> str:
@@ -97,11 +99,11 @@ class MultiHeadAdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
     def inference_module(self) -> nn.Module:
         """This module's form for decoding: an AttentionStep on the cpp backend with plain projections, else
         itself."""
-        if not (runs_fused_inference(self, self.query, self.out) and dk.nn.plain_linear(self.query)
-                and dk.nn.plain_linear(self.out)):
+        if not (runs_fused_inference(self, self.query, self.out) and plain_linear(self.query)
+                and plain_linear(self.out)):
             return self
-        return AttentionStep(self, dk.functional.AttentionWeights(self.query.weight, self.v, self.out.weight,
-                                                                  self.out.bias))
+        return AttentionStep(self, ops.AttentionWeights(self.query.weight, self.v, self.out.weight,
+                                                                  self.out.bias), single_head=False)
 
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """Returns (context [B, C], weights [B, heads, S])."""
@@ -110,22 +112,3 @@ class MultiHeadAdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
         alpha = masked_softmax(scores, src_mask.unsqueeze(1))
         context = dk.nn.step_context(self, alpha, annotations, self.backend)  # head h: its own C/heads
         return self.out(context), alpha
-
-
-class AttentionStep(dk.nn.InferenceForm):
-    """An attention module for decoding (its `inference_module()`): the same forward(query, keys, annotations,
-    src_mask) -> (context, weights) as one C++ call, `dtmt_kernels.functional.attention_step`, with the weights
-    (`weights`, an AttentionWeights) gathered once; `precompute` and everything else is the module's own.
-    Inference only."""
-
-    def __init__(self, source: nn.Module, weights: "dk.functional.AttentionWeights"):
-        super().__init__(source)
-        self.weights = weights
-        self.single_head = not isinstance(source, MultiHeadAdditiveAttention)   # keys [B, S, A], weights [B, S]
-
-    def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
-        if self.single_head:
-            context, alpha = dk.functional.attention_step(query, keys.unsqueeze(2), annotations, src_mask,
-                                                          self.weights)
-            return context, alpha.squeeze(1)
-        return dk.functional.attention_step(query, keys, annotations, src_mask, self.weights)

@@ -11,7 +11,7 @@ Subclasses create src_embed, tgt_embed, init_state, query_cell, attention, decod
 with candidate dropout get one mask per sentence, drawn at `encode` and kept (batch first) in the state.
 
 For decoding, `inference_decoder()` (eval mode, cpp backend) gives a FusedRNMTDecoder whose step runs everything
-after the embedding lookup as one C++ call, `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the
+after the embedding lookup as one C++ call, `dtmt_models.engine.ops.rnmt_step`, the same arithmetic as the
 modules (why: docs/design/decoding.md, "The decoder step as one call"). Nematus' one-level cGRU decoder uses the
 same decoder.
 """
@@ -25,11 +25,10 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 from dtmt_models.data.vocabulary import BOS, EOS, never_output
-from dtmt_models.engine import EngineOptions
-from dtmt_models.models.attention import AttentionStep
+from dtmt_models.engine import EngineOptions, ops
+from dtmt_models.engine.forms import AttentionStep, FrozenReadout, FrozenTransitionCell, FrozenTransitionLayer
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.seq2seq import (
-    FrozenReadout,
     Seq2Seq,
     State,
     check_step_tokens,
@@ -102,14 +101,14 @@ def longer_table(table: Optional[Tensor], length: int, make) -> Optional[Tensor]
 class FusedRNMTDecoder:
     """The inference decoder (Seq2Seq.inference_decoder) of an attentional RNMT whose step is query cell -> attention ->
     decoder cell -> readout -> projection, nothing else: each `step` is one C++ call,
-    `dtmt_kernels.functional.rnmt_step`, the same arithmetic as the modules; `embed_step` and `reorder` are the
+    `dtmt_models.engine.ops.rnmt_step`, the same arithmetic as the modules; `embed_step` and `reorder` are the
     prepared model's, and so is `encode` but for the source tables (EngineOptions.source_tables). Built by
     `fused_rnmt_decoder`, from the model's inference forms: the two FrozenTransitionCells, the AttentionStep's
     AttentionWeights and the FrozenReadout's ReadoutWeights.
     `layered`: the state's s is [B, levels, H] (Nematus) rather than [B, H]. `int8`: the step's weight matrices
     (the cells', attention's, readout's and output projection's) as int8 rows with a float32 scale each, which
     the op multiplies by the activations quantized per row (dtmt_kernels.ops.linear.quantize.linear_int8), and
-    the encoder's recurrent matrices likewise (dk.nn.FrozenTransitionLayer.int8, in a shallow copy of the model
+    the encoder's recurrent matrices likewise (FrozenTransitionLayer.int8, in a shallow copy of the model
     that `encode` runs); biases, layer norms, the embeddings and the encoder's input matrices (one GEMM over all
     positions) stay float32. A copy of them is made here. `options`: the switches of dtmt_models.engine.EngineOptions
     (all on by default). `search`: beam search's whole loop in one C++ call (see `_search`), or None where the op
@@ -125,23 +124,23 @@ class FusedRNMTDecoder:
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
         if fold:   # the attention's output projection folded into the two matrices that read the context
-            self.attention, self.decoder_cell, self.readout = dk.functional.fold_context_projection(
+            self.attention, self.decoder_cell, self.readout = ops.fold_context_projection(
                 self.attention, self.decoder_cell, self.readout)
         if int8:
             # the encoder's recurrent matrices too: a copy of the model whose sequence layers are int8 forms
-            self.model = inference_copy(model, lambda m: m.int8() if isinstance(m, dk.nn.FrozenTransitionLayer)
+            self.model = inference_copy(model, lambda m: m.int8() if isinstance(m, FrozenTransitionLayer)
                                         else m)
-            self.query_cell = dk.functional.CellWeights.of(self.query_cell).int8()
-            self.decoder_cell = dk.functional.CellWeights.of(self.decoder_cell).int8()
+            self.query_cell = ops.CellWeights.of(self.query_cell).int8()
+            self.decoder_cell = ops.CellWeights.of(self.decoder_cell).int8()
             self.attention, self.readout = self.attention.int8(), self.readout.int8()
         if options.encoder_panels and not int8:   # the encoder's recurrent matrices for batch 1, in a shallow copy
             self.model = inference_copy(self.model, lambda m: m.with_row_panels()
-                                        if isinstance(m, dk.nn.FrozenTransitionLayer) else m)
+                                        if isinstance(m, FrozenTransitionLayer) else m)
         if huge_pages:   # the encoder's sequence layers too, in a shallow copy of the model (after int8's)
             self.model = inference_copy(self.model, lambda m: m.on_huge_pages()
-                                        if isinstance(m, dk.nn.FrozenTransitionLayer) else m)
+                                        if isinstance(m, FrozenTransitionLayer) else m)
             self.query_cell, self.decoder_cell, self.attention, self.readout = \
-                dk.functional.step_weights_on_huge_pages(self.query_cell, self.decoder_cell, self.attention,
+                ops.step_weights_on_huge_pages(self.query_cell, self.decoder_cell, self.attention,
                                                          self.readout)
         self.single_head = model.attention.single_head
         # the whole beam search as one C++ call (`search`), where the previous token's embedding is one the op
@@ -153,11 +152,11 @@ class FusedRNMTDecoder:
         # the previous token's products as tables for the search (step_tables; float weights): once here
         self.token_table = self._position_table = self.context_table = None
         if step_tables and self.search is not None:
-            self.token_table = self._placed(dk.functional.token_products(emb.weight, self.query_cell,
+            self.token_table = self._placed(ops.token_products(emb.weight, self.query_cell,
                                                                          self.readout))
             if self.attention.w_o is None:   # the context read only through the two matrices (fold)
                 heads = 1 if self.single_head else model.attention.heads
-                self.context_table = dk.functional.context_heads(self.decoder_cell, self.readout, heads)
+                self.context_table = ops.context_heads(self.decoder_cell, self.readout, heads)
         # what `encode` runs, decided here: where the system's encode is AttentionalRNMT's (check_batch,
         # encode_source, state_from), the source tables (source_tables)
         cls, encoder = type(model), getattr(self.model, "encoder", None)
@@ -166,7 +165,7 @@ class FusedRNMTDecoder:
         self.source_table = self._source_position_table = None
         if (options.source_tables and not int8 and self._own_encode
                 and cls.encode_source is AttentionalRNMT.encode_source and type(src_embed) is TokenEmbedding
-                and type(encoder) is dk.nn.FrozenTransitionLayer and encoder.batch_first):
+                and type(encoder) is FrozenTransitionLayer and encoder.batch_first):
             self.source_table = self._placed(encoder.input_products(src_embed.weight))
 
     @property
@@ -224,7 +223,7 @@ class FusedRNMTDecoder:
         y = self.model.embed_step(state, prev_tokens)
         s = state["s"][:, 0] if self.layered else state["s"]
         keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
-        log_probs, s, alpha = dk.functional.rnmt_step(y, s, keys, state["annotations"], state["src_mask"],
+        log_probs, s, alpha = ops.rnmt_step(y, s, keys, state["annotations"], state["src_mask"],
                                                       self.query_cell, self.decoder_cell, self.attention,
                                                       self.readout)
         updates = {"s": s.unsqueeze(1) if self.layered else s}
@@ -236,7 +235,7 @@ class FusedRNMTDecoder:
     def _search(self, state: State, beam: int, alpha: float, max_len: Tensor, early_stop: bool = False,
                 nbest: Optional[int] = None) -> List[List[Tuple[List[int], float, float]]]:
         """beam_search's loop (dtmt_models.decoding.beam_search, its reference) in one C++ call,
-        dk.functional.rnmt_beam_search, from the state `encode` made: for each sentence its finished hypotheses,
+        ops.rnmt_beam_search, from the state `encode` made: for each sentence its finished hypotheses,
         best first, as (tokens, score, log_prob): up to `beam` of them, of which the first `nbest` are what a search
         run to max length would give (beam_search's rule; nbest None: beam). `early_stop`: beam_search's."""
         if "drop_q" in state or "drop_d" in state:
@@ -248,7 +247,7 @@ class FusedRNMTDecoder:
         position_table = None if positions is None or self.token_table is None else self.position_table(steps)
         s = state["s"][:, 0] if self.layered else state["s"]
         keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]
-        counts, lengths, tokens, scores, log_probs = dk.functional.rnmt_beam_search(
+        counts, lengths, tokens, scores, log_probs = ops.rnmt_beam_search(
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
             self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.options.step_tables,
             early_stop, self.token_table, position_table, self.context_table, nbest,
@@ -265,11 +264,11 @@ class FusedRNMTDecoder:
 
     def position_table(self, steps: int) -> Optional[Tensor]:
         """The previous token's products with its scaled position for positions 0..steps-1 at least
-        (dk.functional.token_products of the target embedding's position rows; longer_table), or None where such a
+        (ops.token_products of the target embedding's position rows; longer_table), or None where such a
         table would pass token_products' size bound."""
         emb = self.model.tgt_embed
         table = longer_table(self._position_table, steps,
-                             lambda rows: self._placed(dk.functional.token_products(
+                             lambda rows: self._placed(ops.token_products(
                                  emb.scaled_positions(rows, emb.weight), self.query_cell, self.readout)))
         if table is not None:   # (else the shorter one is kept for the sentences it serves)
             self._position_table = table
@@ -297,7 +296,7 @@ def fused_rnmt_decoder(prepared: Seq2Seq, transition, layered: bool = False, int
             or len(getattr(prepared, "levels", ()))):
         return None
     q, d, att, r = prepared.query_cell, prepared.decoder_cell, prepared.attention, prepared.readout
-    if not (type(q) is type(d) is dk.nn.FrozenTransitionCell and q.eps == d.eps and type(att) is AttentionStep
+    if not (type(q) is type(d) is FrozenTransitionCell and q.eps == d.eps and type(att) is AttentionStep
             and type(r) is FrozenReadout and r.weights.w_out is not None):
         return None
     if int8 and (r.weights.w_out.dtype != torch.float32 or r.weights.w_out.device.type != "cpu"):

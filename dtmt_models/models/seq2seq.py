@@ -22,6 +22,8 @@ from torch import Tensor
 
 import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
+from dtmt_models.engine import ops
+from dtmt_models.engine.forms import FrozenReadout, inference_form, plain_linear, runs_fused_inference
 from dtmt_models.models.loss import float_log_softmax, smoothed_cross_entropy
 
 State = Dict[str, Tensor]
@@ -75,7 +77,7 @@ class Readout(nn.Module):
         else itself. The output projection joins its weights where the readout has no deep layers and a plain
         Projection (what the whole fused decoder step takes)."""
         lin = (self.from_y, self.from_s, self.from_c)
-        if not (dk.nn.runs_fused_inference(*lin) and all(dk.nn.plain_linear(m) for m in lin)):
+        if not (runs_fused_inference(*lin) and all(plain_linear(m) for m in lin)):
             return self
         norms = list(self.norms)
         R = self.from_y.out_features
@@ -90,10 +92,10 @@ class Readout(nn.Module):
             return self
         out = {}
         proj = self.output.proj
-        if (len(self.deep) == 0 and type(self.output) is Projection and dk.nn.plain_linear(proj)
-                and dk.nn.runs_fused_inference(proj)):
+        if (len(self.deep) == 0 and type(self.output) is Projection and plain_linear(proj)
+                and runs_fused_inference(proj)):
             out = dict(w_out=proj.weight, b_out=proj.bias)
-        weights = dk.functional.ReadoutWeights(self.from_y.weight, self.from_y.bias, self.from_s.weight,
+        weights = ops.ReadoutWeights(self.from_y.weight, self.from_y.bias, self.from_s.weight,
                                                self.from_s.bias, self.from_c.weight, self.from_c.bias, **ln, **out)
         return FrozenReadout(self, weights)
 
@@ -108,25 +110,6 @@ class Readout(nn.Module):
 
     def forward(self, features: Tensor) -> Tensor:
         return float_log_softmax(self.logits(features))
-
-
-class FrozenReadout(dk.nn.InferenceForm):
-    """A Readout for decoding (its `inference_module()`): `features` as one C++ call,
-    `dtmt_kernels.functional.readout_features`, with the weights (`weights`, a ReadoutWeights) gathered once;
-    the deep layers, projection and log-softmax are the readout's own. Inference only."""
-
-    def __init__(self, source: Readout, weights: "dk.functional.ReadoutWeights"):
-        super().__init__(source)
-        self.weights = weights
-
-    def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:
-        return dk.functional.readout_features(y, s, c, self.weights)
-
-    def logits(self, features: Tensor) -> Tensor:
-        return self.source.logits(features)
-
-    def forward(self, features: Tensor) -> Tensor:
-        return self.source(features)
 
 
 def check_step_tokens(name: str, prev_tokens: Tensor, B: int) -> None:
@@ -254,7 +237,7 @@ class Seq2Seq(nn.Module):
         """What beam search decodes with (`encode` / `step` / `reorder`, the same results as this model's): in
         eval mode a copy of the model, sharing its parameters, in which every submodule that has a fused
         inference form (`inference_module()`: the cells, attention, readout, mce's memory encoder; see
-        dtmt_kernels.nn.InferenceForm) stands in its place, and for the systems with one the whole step as one
+        dtmt_models.engine.forms) stands in its place, and for the systems with one the whole step as one
         C++ call (rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
         `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
@@ -330,12 +313,8 @@ class Seq2Seq(nn.Module):
                                  f"{'source' if arg == 'src' else 'target'} vocabulary's {size} ids")
 
 
-def _inference_form(module: nn.Module) -> nn.Module:
-    return module.inference_module() if hasattr(module, "inference_module") else module
-
-
-def inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module] = _inference_form) -> nn.Module:
-    """`module` with every submodule whose `form` (default: its `inference_module()`) is another module replaced
+def inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module] = inference_form) -> nn.Module:
+    """`module` with every submodule whose `form` (default: engine.forms.inference_form) is another module replaced
     by it, as shallow copies of the modules on the way (parameters, buffers and the untouched submodules shared);
     `module` itself where nothing is replaced."""
     replaced = form(module)

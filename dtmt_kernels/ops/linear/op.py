@@ -20,8 +20,8 @@ def _fake(x, weight, bias):
 def float64_products(rows: Tensor, matrices) -> Tensor:
     """rows [n, K] times the matrices [N_i, K] stacked, transposed: [n, sum N_i], each product summed in float64 and
     rounded once to the rows' dtype (1,024 rows at a time: no float64 copy of the whole table). The tables of
-    products with fixed rows that decoding reads instead of multiplying (decode_step.token_products,
-    nn.FrozenTransitionLayer.input_products)."""
+    products with fixed rows that decoding reads instead of multiplying (the inference engine's token_products,
+    FrozenTransitionLayer.input_products)."""
     w = torch.cat(list(matrices)).detach().double().t()
     table = rows.new_empty(rows.shape[0], w.shape[1])
     with torch.no_grad():

@@ -47,6 +47,9 @@ import torch.nn as nn
 from torch import Tensor
 
 import dtmt_kernels as dk
+from dtmt_models.engine import ops
+from dtmt_models.engine.forms import (FrozenMemoryEncoder, FrozenTransitionCell, inference_form, plain_linear,
+                                     runs_fused_inference)
 from dtmt_models.models.attention import AdditiveAttention, masked_softmax
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.registered import register_model
@@ -74,11 +77,11 @@ class MemoryGRUEncoderDirection(nn.Module):
         """This direction's form for decoding: a FrozenMemoryEncoder on the cpp backend with plain linears, else
         itself."""
         lin = (self.address_state, self.address_memory, self.address_v, self.read_gate, self.write_gate)
-        cell = self.cell.inference_module()
-        if type(cell) is not dk.nn.FrozenTransitionCell or not all(dk.nn.plain_linear(m) for m in lin) \
-                or not dk.nn.runs_fused_inference(*lin):
+        cell = inference_form(self.cell)
+        if type(cell) is not FrozenTransitionCell or not all(plain_linear(m) for m in lin) \
+                or not runs_fused_inference(*lin):
             return self
-        weights = dk.functional.MemoryWeights(
+        weights = ops.MemoryWeights(
             self.address_state.weight, self.address_memory.weight, self.address_memory.bias, self.address_v.weight,
             self.read_gate.weight, self.read_gate.bias, self.write_gate.weight, self.write_gate.bias)
         return FrozenMemoryEncoder(self, cell, weights)
@@ -102,20 +105,6 @@ class MemoryGRUEncoderDirection(nn.Module):
             memory = torch.where(valid.unsqueeze(-1), written, memory)
             states[t] = torch.where(valid, s_new, torch.zeros_like(s_new))
         return torch.stack(states, 1), memory
-
-
-class FrozenMemoryEncoder(dk.nn.InferenceForm):
-    """A MemoryGRUEncoderDirection for decoding (its `inference_module()`): the whole loop over the source as one
-    C++ call with the same arithmetic, `dtmt_kernels.functional.memory_encoder`, its weights gathered once.
-    Inference only."""
-
-    def __init__(self, source: MemoryGRUEncoderDirection, cell: "dk.nn.FrozenTransitionCell",
-                 weights: "dk.functional.MemoryWeights"):
-        super().__init__(source)
-        self.cell, self.weights = cell, weights
-
-    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool) -> Tuple[Tensor, Tensor]:
-        return dk.functional.memory_encoder(x, memory, src_mask, reverse, self.cell, self.weights)
 
 
 class Gate(nn.Module):

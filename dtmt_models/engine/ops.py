@@ -1,14 +1,19 @@
-"""The inference ops of a decoder step (beam search: no autograd; one call in place of a dozen small PyTorch ops) as
-torch.library custom ops with C++ CPU kernels (csrc/decode_step_cpu.cpp), their fakes, the named weight structures
-they take and the functions that call them (re-exported by dtmt_kernels.functional):
+"""The engine's ops: a decoder step's inference work (beam search: no autograd; one call in place of a dozen small
+PyTorch ops) as torch.library custom ops with C++ CPU kernels (csrc/engine/decode_step_cpu.cpp,
+csrc/engine/beam_search_cpu.cpp), their fakes, the named weight structures they take (each mirrors a struct of
+csrc/engine/decode_step.h) and the functions that call them:
 
     torch.ops.dtmt.attention_step     one (multi-head) additive attention step, query projection to output
     torch.ops.dtmt.readout_features   the readout's tanh(LN(.) + LN(.) + LN(.))
     torch.ops.dtmt.rnmt_step          one whole attentional RNMT decoder step, to the log-probabilities
     torch.ops.dtmt.rnmt_beam_search   beam search over rnmt_step, the whole loop of decoding.beam_search in one call
     torch.ops.dtmt.memory_encoder     one direction of mce's read-write-memory encoder
-Their references are the modules they stand in for (dtmt_models), against which tests/test_decode_kernels.py and
-the systems' tests hold them."""
+
+plus the weights' preparations: fold_context_projection (the attention's output projection folded into the two
+matrices that read the context), token_products and context_heads (rnmt_beam_search's tables) and
+step_weights_on_huge_pages. Their references are the modules they stand in for (dtmt_models.models), against which
+tests/test_decode_kernels.py and the systems' tests hold them. The kernels' general pieces they use (the small-row
+and int8 products, huge pages) are dtmt_kernels.ops.linear's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -17,11 +22,11 @@ from typing import ClassVar, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .._extension import built
-from .. import _autocast
-from ..linear.op import float64_products
-from ..linear.placement import huge_page_copies
-from ..linear.quantize import pack_int8_rows
+from dtmt_kernels.ops import _autocast
+from dtmt_kernels.ops._extension import built
+from dtmt_kernels.ops.linear.op import float64_products
+from dtmt_kernels.ops.linear.placement import huge_page_copies
+from dtmt_kernels.ops.linear.quantize import pack_int8_rows
 
 _ABSENT = torch.empty(0)   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
 
@@ -31,7 +36,7 @@ def _or_none(t: Optional[Tensor]) -> Tensor:
 
 
 class _InferenceWeights:
-    """Base of the named weight structures of the inference ops: each mirrors a struct of csrc/decode_step.h
+    """Base of the named weight structures of the inference ops: each mirrors a struct of csrc/engine/decode_step.h
     (its tensor fields in the same order: `tensor_fields()`, which a test holds equal to the extension's
     `_C.<NAME>_WEIGHT_FIELDS`), and keeps its tensors as the list the op takes (`tensors`, absent ones empty),
     made once. Fields named ...eps are the ops' float arguments, not tensors."""
@@ -46,9 +51,9 @@ class _InferenceWeights:
     MATRICES: ClassVar[Tuple[str, ...]] = ()   # the fields that are weight matrices (what int8() quantizes)
 
     def int8(self):
-        """A copy with every weight matrix (MATRICES) as int8 rows (linear.quantize.pack_int8_rows: one float32
-        scale per output row; the ops multiply them by int8 activations, linear.quantize.linear_int8); vectors
-        and layer norms stay float. For CPU float32 decoding."""
+        """A copy with every weight matrix (MATRICES) as int8 rows (dtmt_kernels.ops.linear.quantize.pack_int8_rows:
+        one float32 scale per output row; the ops multiply them by int8 activations, linear.quantize.linear_int8);
+        vectors and layer norms stay float. For CPU float32 decoding."""
         return replace(self, **{name: pack_int8_rows(getattr(self, name)) for name in self.MATRICES
                                 if getattr(self, name) is not None})
 
@@ -103,8 +108,8 @@ class MemoryWeights(_InferenceWeights):
 
 @dataclass(frozen=True, eq=False)
 class CellWeights:
-    """A recurrent cell as `rnmt_step` takes it, what dtmt_kernels.nn.FrozenTransitionCell gathers: the kernel's
-    cell `kind`, the ten flat kernel parameters (ops.transition.flat_params order, absent ones empty) and the
+    """A recurrent cell as `rnmt_step` takes it, what engine.forms.FrozenTransitionCell gathers: the kernel's
+    cell `kind`, the ten flat kernel parameters (dtmt_kernels.ops.transition.flat_params order, absent ones empty) and the
     layer norms' `eps`."""
     kind: int
     params: Sequence[Tensor]
@@ -158,7 +163,7 @@ TOKEN_TABLE_BYTES = 64 << 20
 
 
 def token_products(rows: Tensor, query_cell, readout: ReadoutWeights) -> Optional[Tensor]:
-    """The previous token's products as a table (csrc/decode_step.h, TokenProducts): for embedding rows [n, E] (the
+    """The previous token's products as a table (csrc/engine/decode_step.h, TokenProducts): for embedding rows [n, E] (the
     target embedding, or its position rows) the query cell's input products and the readout's y products,
     rows W^T [n, N_q + R] with W = [query cell's w_ih; readout's w_y] (no biases: the step adds them), computed in
     float64 and rounded once to the weights' dtype, for `rnmt_beam_search`'s token_products / position_products.
@@ -177,7 +182,7 @@ def token_products(rows: Tensor, query_cell, readout: ReadoutWeights) -> Optiona
 def context_heads(decoder_cell, readout: ReadoutWeights, heads: int) -> Optional[Tensor]:
     """The two matrices that read the context, per head, for `rnmt_beam_search`'s context_heads: W = [decoder cell's
     w_ih; readout's w_c] [N, C] as W[:, h] [heads, C / heads, N] (contiguous), made once per decoder. A search's
-    products of the annotations with them (csrc/decode_step.h, SourceProducts) are then one batched GEMM on this
+    products of the annotations with them (csrc/engine/decode_step.h, SourceProducts) are then one batched GEMM on this
     tensor, instead of a concatenation of the two matrices and a GEMM on a strided view of it every sentence.
     None where they do not apply: not float32 / float64 CPU matrices of one width and dtype (int8 rows), or a width
     the heads do not divide."""
@@ -235,7 +240,7 @@ def rnmt_step(y: Tensor, s: Tensor, keys: Tensor, annotations: Tensor, src_mask:
     FusedRNMTDecoder, for AttentionalRNMT and one-level Nematus): query cell, attention_step, decoder cell,
     readout_features, output projection (readout.w_out) and log-softmax. y [B, E] the embedded previous tokens,
     s [B, H]; keys [B, S, NH, D], annotations, src_mask as attention_step's; query_cell / decoder_cell:
-    dtmt_kernels.nn.FrozenTransitionCell (a cell's kernel parameters gathered once) or CellWeights, with the same
+    engine.forms.FrozenTransitionCell (a cell's kernel parameters gathered once) or CellWeights, with the same
     eps. Returns (log_probs [B, V], float32 at least; s' [B, H]; the attention weights averaged over the heads
     [B, S]). Any weight matrix may be int8 rows (the weights' int8(): CPU float32 only)."""
     log_probs, s_new, alpha = torch.ops.dtmt.rnmt_step(y, s, keys, annotations, src_mask, query_cell.kind, query_cell.params,
@@ -259,7 +264,7 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
     scores [N], log_probs [N]): sentence b's finished hypotheses, best first, are the counts[b] after those of the
     sentences before it, each `lengths` tokens long (without BOS and EOS); scores and log-probabilities float64.
     `step_tables`: the steps read what the search makes once per sentence instead of recomputing it
-    (csrc/decode_step.h, StepTables): where the attention has no output projection (after fold_context_projection)
+    (csrc/engine/decode_step.h, StepTables): where the attention has no output projection (after fold_context_projection)
     and the sources are short enough for it to pay (B * heads * S <= C / 2), the context through its products with
     the two matrices that multiply it (SourceProducts); the attention scores from the keys' exponentials where the
     keys and queries are within +-20 (key_exps); and with `token_table` (token_products(embed, ...)) and, exactly
@@ -281,7 +286,7 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
 def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
     """Inference only: one direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py) over the
     whole source in one C++ call. x [B, S, E], memory [B, S, H], src_mask [B, S] bool, cell: the direction's
-    dtmt_kernels.nn.FrozenTransitionCell. Returns (states [B, S, H], final memory [B, S, H])."""
+    engine.forms.FrozenTransitionCell. Returns (states [B, S, H], final memory [B, S, H])."""
     states, final = torch.ops.dtmt.memory_encoder(x.contiguous(), memory, src_mask, reverse, cell.kind, cell.params, cell.eps,
                                       addressing.tensors)
     return states, final

@@ -102,244 +102,324 @@ Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& index, Tensor& o
   return out;
 }
 
-}  // namespace
+// The search: the state carried from one step to the next (a sentence's beam rows together, the open sentences in
+// the order of the state's row groups) and the steps' own buffers, kept across steps (no allocation a step once
+// they have grown). Made once per call of rnmt_beam_search_cpu; it points into itself (tables.source), so it stays
+// where it was made.
+class BeamSearch {
+ public:
+  BeamSearch(const SearchSource& source, const SearchModel& model, const SearchSettings& settings);
+  BeamSearch(const BeamSearch&) = delete;
+  BeamSearch& operator=(const BeamSearch&) = delete;
 
-std::vector<Tensor> rnmt_beam_search_cpu(const Tensor& annotations0, const Tensor& keys0, const Tensor& src_mask0,
-                                         const Tensor& s0, const Tensor& embed, const Tensor& positions,
-                                         const TransitionWeights& query_cell, const TransitionWeights& decoder_cell,
-                                         double cell_eps, const AttentionWeights& attention,
-                                         const ReadoutWeights& readout, int64_t beam, double alpha,
-                                         const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
-                                         bool early_stop, const Tensor& token_products,
-                                         const Tensor& position_products, const Tensor& context_heads,
-                                         std::optional<int64_t> nbest_given, const std::vector<int64_t>& banned) {
-  DTMT_PHASE_START(search_phase, search);
+  // Every step, until each sentence has finished; the finished hypotheses as rnmt_beam_search_cpu returns them.
+  std::vector<Tensor> run();
+
+ private:
+  void check(const SearchSource& source);
+  void make_tables();
+  Tensor log_probs_of_step(int64_t t);
+  void mask(const Tensor& log_probs, int64_t t) const;
+  void rank(const Tensor& log_probs);
+  bool keep_best(int64_t t, int64_t V);
+  void drop_finished();
+  std::vector<Tensor> results() const;
+
+  const SearchModel& m_;
+  const SearchSettings& o_;
+  int64_t B_ = 0, nbest_ = 0, steps_ = 0, K_ = 0;
+  bool positional_ = false;
+  std::vector<int64_t> max_len_;
+  // the source tensors stay one row a sentence: a sentence's beam rows share them (rnmt_step_cpu's group)
+  Tensor annotations_, keys_, src_mask_, s_, embed_, positions_;
+  std::vector<float> scores_;            // each row's score (float, as the Python loop keeps them)
+  Tree tree_;
+  std::vector<int64_t> rows_, prev_;     // each row's node in the tree (all t tokens long at step t), its last word
+  std::vector<std::vector<Hyp>> finished_;
+  std::vector<int64_t> active_;          // the open sentences, in the order of the state's row groups
+  // what the steps read instead of recomputing it (decided once, for the whole search)
+  std::optional<SourceProducts> source_products_;
+  std::optional<TokenProducts> token_tables_;
+  StepTables tables_;
+  StepBuffers buffers_;
+  Tensor state_;   // the decoder state carried from one step to the next (gather_rows)
+  std::vector<float> top_scores_;
+  std::vector<int64_t> top_idx_;
+  // a step's decisions (cleared at each)
+  std::vector<int64_t> select_, next_words_, still_, next_rows_;
+  std::vector<float> next_scores_;
+  std::vector<double> new_scores_;
+  std::vector<int64_t> new_origin_, new_word_;
+};
+
+BeamSearch::BeamSearch(const SearchSource& source, const SearchModel& model, const SearchSettings& settings)
+    : m_(model), o_(settings) {
   DTMT_PHASE_START(setup_phase, search_setup);
-  TORCH_CHECK(s0.dim() == 2 && annotations0.dim() == 3 && keys0.dim() == 4 && src_mask0.dim() == 2 &&
-                  embed.dim() == 2 && max_len.dim() == 1,
+  check(source);
+  const int64_t beam = o_.beam;
+  // the decoder state repeated beam times; all beams start identical, so only the first one is open
+  const Tensor start = at::arange(B_, at::kLong).repeat_interleave(beam);
+  annotations_ = source.annotations.contiguous();
+  keys_ = source.keys.contiguous();
+  src_mask_ = source.src_mask.contiguous();
+  s_ = source.s.index_select(0, start);
+  embed_ = m_.embed.contiguous();
+  if (positional_) positions_ = m_.positions.contiguous();
+  scores_.assign(static_cast<size_t>(B_ * beam), -std::numeric_limits<float>::infinity());
+  for (int64_t b = 0; b < B_; ++b) scores_[b * beam] = 0.0f;
+  rows_.assign(B_ * beam, -1);
+  prev_.assign(B_ * beam, o_.bos);
+  finished_.resize(B_);
+  active_.resize(B_);
+  for (int64_t b = 0; b < B_; ++b) active_[b] = b;
+  make_tables();
+  new_scores_.resize(beam);
+  new_origin_.resize(beam);
+  new_word_.resize(beam);
+  DTMT_PHASE_END(setup_phase);
+}
+
+// The arguments against each other and the op's bounds (op_checks.h); max_len_ and steps_ (the longest).
+void BeamSearch::check(const SearchSource& source) {
+  const Tensor &s0 = source.s, &embed = m_.embed, &max_len = source.max_len;
+  TORCH_CHECK(s0.dim() == 2 && source.annotations.dim() == 3 && source.keys.dim() == 4 &&
+                  source.src_mask.dim() == 2 && embed.dim() == 2 && max_len.dim() == 1,
               "dtmt._C.rnmt_beam_search: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S], s [B, H], "
               "embed [V, E] and max_len [B] expected");
-  const int64_t B = s0.size(0);
-  TORCH_CHECK(annotations0.size(0) == B && keys0.size(0) == B && src_mask0.size(0) == B && max_len.size(0) == B,
+  B_ = s0.size(0);
+  TORCH_CHECK(source.annotations.size(0) == B_ && source.keys.size(0) == B_ && source.src_mask.size(0) == B_ &&
+                  max_len.size(0) == B_,
               "dtmt._C.rnmt_beam_search: the state's tensors and max_len must have the same batch size");
+  const int64_t beam = o_.beam;
   TORCH_CHECK(beam >= 1 && beam <= kMaxBeam, "dtmt._C.rnmt_beam_search: beam must be in [1, ", kMaxBeam, "], got ",
               beam);
-  const int64_t nbest = nbest_given.value_or(beam);
-  TORCH_CHECK(nbest >= 1 && nbest <= beam, "dtmt._C.rnmt_beam_search: need 1 <= nbest <= beam, got nbest=", nbest,
-              ", beam=", beam);
+  nbest_ = o_.nbest.value_or(beam);
+  TORCH_CHECK(nbest_ >= 1 && nbest_ <= beam, "dtmt._C.rnmt_beam_search: need 1 <= nbest <= beam, got nbest=",
+              nbest_, ", beam=", beam);
   const int64_t V = embed.size(0);
-  TORCH_CHECK(readout.w_out.size(0) == V, "dtmt._C.rnmt_beam_search: the output layer's ", readout.w_out.size(0),
-              " words and the target embedding's ", V, " must be the same");
-  TORCH_CHECK(bos >= 0 && bos < V && eos >= 0 && eos < V, "dtmt._C.rnmt_beam_search: bos ", bos, " and eos ", eos,
-              " must be words of the ", V);
-  for (const int64_t w : banned)   // (the step's output words are the target embedding's rows)
-    TORCH_CHECK(w >= 0 && w < embed.size(0) && w != eos, "dtmt._C.rnmt_beam_search: banned id ", w,
-                " must be a word of the ", embed.size(0), " other than EOS");
+  TORCH_CHECK(m_.readout.w_out.size(0) == V, "dtmt._C.rnmt_beam_search: the output layer's ",
+              m_.readout.w_out.size(0), " words and the target embedding's ", V, " must be the same");
+  TORCH_CHECK(o_.bos >= 0 && o_.bos < V && o_.eos >= 0 && o_.eos < V, "dtmt._C.rnmt_beam_search: bos ", o_.bos,
+              " and eos ", o_.eos, " must be words of the ", V);
+  for (const int64_t w : o_.banned)   // (the step's output words are the target embedding's rows)
+    TORCH_CHECK(w >= 0 && w < V && w != o_.eos, "dtmt._C.rnmt_beam_search: banned id ", w, " must be a word of the ",
+                V, " other than EOS");
   const Tensor max_len_cpu = max_len.to(at::kLong).contiguous();
-  const std::vector<int64_t> max_len_list(max_len_cpu.data_ptr<int64_t>(), max_len_cpu.data_ptr<int64_t>() + B);
-  int64_t steps = 0;
-  for (int64_t m : max_len_list) {
+  max_len_.assign(max_len_cpu.data_ptr<int64_t>(), max_len_cpu.data_ptr<int64_t>() + B_);
+  for (int64_t m : max_len_) {
     TORCH_CHECK(m >= 1 && m <= kMaxSearchSteps, "dtmt._C.rnmt_beam_search: max_len must be in [1, ",
                 kMaxSearchSteps, "] (op_checks.h), got ", m);
-    steps = std::max(steps, m);
+    steps_ = std::max(steps_, m);
   }
-  const bool positional = positions.defined() && positions.numel() > 0;
-  TORCH_CHECK(!positional || (positions.dim() == 2 && positions.size(0) >= steps && positions.size(1) == embed.size(1)),
+  const Tensor& positions = m_.positions;
+  positional_ = positions.defined() && positions.numel() > 0;
+  TORCH_CHECK(!positional_ ||
+                  (positions.dim() == 2 && positions.size(0) >= steps_ && positions.size(1) == embed.size(1)),
               "dtmt._C.rnmt_beam_search: positions must be [>= max(max_len), E]");
-  const double neg_inf = -std::numeric_limits<double>::infinity();
+}
 
-  // the decoder state repeated beam times; all beams start identical, so only the first one is open. The source
-  // tensors stay one row a sentence: a sentence's beam rows share them (rnmt_step_cpu's group).
-  const Tensor start = at::arange(B, at::kLong).repeat_interleave(beam);
-  Tensor annotations = annotations0.contiguous(), keys = keys0.contiguous(), src_mask = src_mask0.contiguous(),
-         s = s0.index_select(0, start);
-  // each row's score (float, as the Python loop keeps them), a sentence's beam rows together
-  std::vector<float> scores(static_cast<size_t>(B * beam), -std::numeric_limits<float>::infinity());
-  for (int64_t b = 0; b < B; ++b) scores[b * beam] = 0.0f;
-  Tree tree;
-  std::vector<int64_t> rows(B * beam, -1), next_rows;   // each row's node in the tree (all t tokens long at step t)
-  std::vector<int64_t> prev(B * beam, bos);
-  std::vector<std::vector<Hyp>> finished(B);
-  std::vector<int64_t> active(B);  // the open sentences, in the order of the state's row groups
-  for (int64_t b = 0; b < B; ++b) active[b] = b;
-  // what the steps read instead of recomputing it, made once per sentence where it applies (decided here, for the
-  // whole search): the context's products where they pay, the keys' exponentials
-  std::optional<SourceProducts> source;
-  StepTables tables;
-  const int64_t NH = keys.size(2);
-  if (step_tables && source_products_pay(annotations, NH, decoder_cell, attention, readout)) {
-    source = source_products_cpu(annotations, NH, decoder_cell.w_ih, decoder_cell.b_ih, readout.w_c, readout.b_c,
-                                 context_heads);
-    tables.source = &*source;
+// What the steps read instead of recomputing it, made once per sentence where it applies (step_tables): the
+// context's products where they pay, the keys' exponentials, and the previous token's products from the model's
+// tables where they were given for this model (and its positions).
+void BeamSearch::make_tables() {
+  if (!o_.step_tables) return;
+  const int64_t NH = keys_.size(2);
+  if (source_products_pay(annotations_, NH, m_.decoder_cell, m_.attention, m_.readout)) {
+    source_products_ = source_products_cpu(annotations_, NH, m_.decoder_cell.w_ih, m_.decoder_cell.b_ih,
+                                           m_.readout.w_c, m_.readout.b_c, m_.context_heads);
+    tables_.source = &*source_products_;
   }
-  if (step_tables) tables.key_exps = key_exps_cpu(keys);
-  // the previous token's products from the model's tables, where they were given for this model (and its positions)
-  std::optional<TokenProducts> token_tables;
-  const bool position_tables = position_products.defined() && position_products.numel() > 0;
-  if (step_tables && positional == position_tables && token_products.dim() == 2 &&
-      token_products.size(0) == embed.size(0))
-    token_tables = token_products_cpu(token_products, position_products, steps, query_cell, readout);
+  tables_.key_exps = key_exps_cpu(keys_);
+  const Tensor &tokens = m_.token_products, &positions = m_.position_products;
+  const bool position_tables = positions.defined() && positions.numel() > 0;
+  if (positional_ == position_tables && tokens.dim() == 2 && tokens.size(0) == m_.embed.size(0))
+    token_tables_ = token_products_cpu(tokens, positions, steps_, m_.query_cell, m_.readout);
+}
 
-  const Tensor table = embed.contiguous(), positions_c = positional ? positions.contiguous() : Tensor();
-  StepBuffers buffers;
-  Tensor state;   // the decoder state carried from one step to the next (gather_rows)
-  std::vector<float> top_scores;
-  std::vector<int64_t> top_idx;
-  // a step's decisions (kept across steps, cleared at each: no allocation a step once they have grown)
-  std::vector<int64_t> select, next_words, still;
-  std::vector<float> next_scores;
-  std::vector<double> new_scores(beam);
-  std::vector<int64_t> new_origin(beam), new_word(beam);
-  DTMT_PHASE_END(setup_phase);
-  for (int64_t t = 0; t < steps; ++t) {
-    buffers.scratch.rewind();   // (the state s carried from the last step is not in it: `state`)
-    DTMT_PHASE_START(rows_phase, token_rows);
-    Tensor y;
-    if (token_tables) {
-      std::vector<Tensor> y_products = token_tables->rows(prev, t, &buffers.scratch);
-      tables.y_cell = y_products[0];
-      tables.y_readout = y_products[1];
-    } else {
-      y = embed_previous(table, positions_c, prev, t);
-    }
-    DTMT_PHASE_END(rows_phase);
-    DTMT_PHASE_START(step_phase, step);
-    auto r = rnmt_step_cpu(y, s, keys, annotations, src_mask, query_cell, decoder_cell, cell_eps, attention, readout,
-                           beam, &tables, /*with_attention=*/false, &buffers);
-    DTMT_PHASE_END(step_phase);
+std::vector<Tensor> BeamSearch::run() {
+  for (int64_t t = 0; t < steps_; ++t) {
+    buffers_.scratch.rewind();   // (the state s carried from the last step is not in it: `state_`)
+    const Tensor log_probs = log_probs_of_step(t);
     DTMT_PHASE_START(eos_phase, eos_mask);
-    s = r[1];
-    const int64_t n = static_cast<int64_t>(active.size()), V = r[0].size(1);
-    // [n * beam, V] float32 (the step's own buffer for a float model: the masking below writes into it)
-    const Tensor log_probs = r[0].scalar_type() == at::kFloat ? r[0] : r[0].to(at::kFloat);
-    {  // ids never chosen; at the last step allowed for a sentence, only EOS may follow
-      float* lp = log_probs.data_ptr<float>();
-      for (const int64_t w : banned)
-        for (int64_t r = 0; r < n * beam; ++r) lp[r * V + w] = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < n; ++i) {
-        if (t + 1 < max_len_list[active[i]]) continue;
-        for (int64_t o = 0; o < beam; ++o) {
-          float* row = lp + (i * beam + o) * V;
-          const float keep = row[eos];
-          std::fill(row, row + V, -std::numeric_limits<float>::infinity());
-          row[eos] = keep;
-        }
-      }
-    }
+    mask(log_probs, t);
     DTMT_PHASE_END(eos_phase);
     DTMT_PHASE_START(top_phase, top_candidates);
-    // each sentence's 2 * beam best (beam score + word log-prob) candidates, as at::topk over them gives them
-    const int64_t K = std::min<int64_t>(2 * beam, beam * V);
-    top_scores.resize(static_cast<size_t>(n * K));
-    top_idx.resize(static_cast<size_t>(n * K));
-    {
-      const float* sc = scores.data();
-      const float* lp = log_probs.data_ptr<float>();
-      const auto top = cpu_kernels().top_candidates;   // (this CPU's copy of the one-pass loop)
-      // sentences split among threads, at least 64K candidates a task
-      at::parallel_for(0, n, std::max<int64_t>(1, 65536 / (beam * V)), [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) {
-          if (K <= kMaxTopCandidates &&
-              top(sc + i * beam, lp + i * beam * V, beam, V, K, &top_scores[i * K], &top_idx[i * K]))
-            continue;
-          const Tensor row_scores = at::from_blob(const_cast<float*>(sc + i * beam), {beam, 1}, at::kFloat);
-          const Tensor cand = (row_scores + log_probs.narrow(0, i * beam, beam)).view({beam * V});
-          auto top = at::topk(cand, K, 0);
-          const Tensor v = std::get<0>(top).contiguous(), j = std::get<1>(top).contiguous();
-          std::copy(v.data_ptr<float>(), v.data_ptr<float>() + K, &top_scores[i * K]);
-          std::copy(j.data_ptr<int64_t>(), j.data_ptr<int64_t>() + K, &top_idx[i * K]);
-        }
-      });
-    }
+    rank(log_probs);
     DTMT_PHASE_END(top_phase);
     DTMT_PHASE_START(bookkeeping_phase, bookkeeping);
-    const float* ts = top_scores.data();
-    const int64_t* ti = top_idx.data();
-
-    select.clear();
-    next_words.clear();
-    still.clear();
-    next_scores.clear();
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t b = active[i];
-      std::fill(new_scores.begin(), new_scores.end(), neg_inf);
-      std::fill(new_origin.begin(), new_origin.end(), 0);
-      std::fill(new_word.begin(), new_word.end(), eos);
-      // a NaN candidate comes first (at::topk ranks NaN above every number; top_candidates hands NaN to it), as
-      // does +inf: the model overflowed, and ranking on would give garbage (and NaN breaks the sort below)
-      TORCH_CHECK_VALUE(ts[i * K] < std::numeric_limits<float>::infinity(), "dtmt._C.rnmt_beam_search: ", kNonFiniteScore,
-                        " (", ts[i * K], ") at step ", t, " of sentence ", b, " of the batch");
-      int64_t k = 0;
-      std::vector<Hyp>& done = finished[b];
-      for (int64_t c = 0; c < K; ++c) {
-        const double sc = ts[i * K + c];
-        if (sc == neg_inf) break;
-        const int64_t j = ti[i * K + c], o = j / V, w = j % V;
-        if (w == eos) {
-          done.push_back({rows[i * beam + o], t, sc / length_penalty(t + 1, alpha), sc});
-        } else if (k < beam) {
-          new_scores[k] = sc;
-          new_origin[k] = o;
-          new_word[k] = w;
-          ++k;
-        }
-        if (k == beam && static_cast<int64_t>(done.size()) >= beam) break;
-      }
-      std::stable_sort(done.begin(), done.end(), [](const Hyp& x, const Hyp& y_) { return x.score > y_.score; });
-      if (static_cast<int64_t>(done.size()) > beam) done.resize(beam);
-      // finished when no open hypothesis can still enter the nbest (log-probs only decrease; the length penalty
-      // is at most that of the max length), or, with early_stop, as soon as it is full
-      const double best_open = *std::max_element(new_scores.begin(), new_scores.end());
-      const double bound = alpha > 0 ? best_open / length_penalty(max_len_list[b], alpha) : best_open;
-      const int64_t n_done = static_cast<int64_t>(done.size());
-      if (t + 1 >= max_len_list[b] || best_open == neg_inf ||
-          (early_stop ? n_done >= beam : n_done >= nbest && bound <= done[nbest - 1].score))
-        continue;
-      still.push_back(i);
-      for (int64_t o = 0; o < beam; ++o) {
-        select.push_back(i * beam + new_origin[o]);
-        next_words.push_back(new_word[o]);
-        next_scores.push_back(static_cast<float>(new_scores[o]));
-      }
-    }
-    if (still.empty()) {
-      DTMT_PHASE_END(bookkeeping_phase);
-      break;
-    }
-    prev = next_words;
-    s = gather_rows(s, select, state);   // (the step's s' is its scratch's: the state is kept apart)
-    if (static_cast<int64_t>(still.size()) < n) {  // finished sentences leave the state
-      const Tensor kept = to_tensor(still);
-      annotations = annotations.index_select(0, kept);
-      keys = keys.index_select(0, kept);
-      if (tables.key_exps.defined()) tables.key_exps = tables.key_exps.index_select(0, kept);
-      src_mask = src_mask.index_select(0, kept);
-      std::vector<int64_t> next_active;
-      for (int64_t i : still) next_active.push_back(active[i]);
-      active.swap(next_active);
-      if (source) source->block = active;
-    }
-    next_rows.clear();
-    for (size_t r_ = 0; r_ < select.size(); ++r_) next_rows.push_back(tree.add(next_words[r_], rows[select[r_]]));
-    rows.swap(next_rows);
-    scores.swap(next_scores);
+    const bool open = keep_best(t, log_probs.size(1));
     DTMT_PHASE_END(bookkeeping_phase);
+    if (!open) break;
   }
+  return results();
+}
 
+// The step from the previous tokens: the log-probabilities [n * beam, V] float32 (the step's own buffer for a float
+// model: the masking writes into it); s_ becomes the step's s'.
+Tensor BeamSearch::log_probs_of_step(int64_t t) {
+  DTMT_PHASE_START(rows_phase, token_rows);
+  Tensor y;
+  if (token_tables_) {
+    std::vector<Tensor> y_products = token_tables_->rows(prev_, t, &buffers_.scratch);
+    tables_.y_cell = y_products[0];
+    tables_.y_readout = y_products[1];
+  } else {
+    y = embed_previous(embed_, positions_, prev_, t);
+  }
+  DTMT_PHASE_END(rows_phase);
+  DTMT_PHASE_START(step_phase, step);
+  auto r = rnmt_step_cpu(y, s_, keys_, annotations_, src_mask_, m_.query_cell, m_.decoder_cell, m_.cell_eps,
+                         m_.attention, m_.readout, o_.beam, &tables_, /*with_attention=*/false, &buffers_);
+  DTMT_PHASE_END(step_phase);
+  s_ = r[1];
+  return r[0].scalar_type() == at::kFloat ? r[0] : r[0].to(at::kFloat);
+}
+
+// Ids never chosen; at the last step allowed for a sentence, only EOS may follow.
+void BeamSearch::mask(const Tensor& log_probs, int64_t t) const {
+  const int64_t n = static_cast<int64_t>(active_.size()), V = log_probs.size(1), beam = o_.beam;
+  float* lp = log_probs.data_ptr<float>();
+  for (const int64_t w : o_.banned)
+    for (int64_t r = 0; r < n * beam; ++r) lp[r * V + w] = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    if (t + 1 < max_len_[active_[i]]) continue;
+    for (int64_t o = 0; o < beam; ++o) {
+      float* row = lp + (i * beam + o) * V;
+      const float keep = row[o_.eos];
+      std::fill(row, row + V, -std::numeric_limits<float>::infinity());
+      row[o_.eos] = keep;
+    }
+  }
+}
+
+// Each sentence's K_ = 2 * beam best (beam score + word log-prob) candidates, as at::topk over them gives them.
+void BeamSearch::rank(const Tensor& log_probs) {
+  const int64_t n = static_cast<int64_t>(active_.size()), V = log_probs.size(1), beam = o_.beam;
+  K_ = std::min<int64_t>(2 * beam, beam * V);
+  const int64_t K = K_;
+  top_scores_.resize(static_cast<size_t>(n * K));
+  top_idx_.resize(static_cast<size_t>(n * K));
+  const float* sc = scores_.data();
+  const float* lp = log_probs.data_ptr<float>();
+  const auto top = cpu_kernels().top_candidates;   // (this CPU's copy of the one-pass loop)
+  // sentences split among threads, at least 64K candidates a task
+  at::parallel_for(0, n, std::max<int64_t>(1, 65536 / (beam * V)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (K <= kMaxTopCandidates &&
+          top(sc + i * beam, lp + i * beam * V, beam, V, K, &top_scores_[i * K], &top_idx_[i * K]))
+        continue;
+      const Tensor row_scores = at::from_blob(const_cast<float*>(sc + i * beam), {beam, 1}, at::kFloat);
+      const Tensor cand = (row_scores + log_probs.narrow(0, i * beam, beam)).view({beam * V});
+      auto best = at::topk(cand, K, 0);
+      const Tensor v = std::get<0>(best).contiguous(), j = std::get<1>(best).contiguous();
+      std::copy(v.data_ptr<float>(), v.data_ptr<float>() + K, &top_scores_[i * K]);
+      std::copy(j.data_ptr<int64_t>(), j.data_ptr<int64_t>() + K, &top_idx_[i * K]);
+    }
+  });
+}
+
+// Each open sentence's finished hypotheses and next beam from its ranked candidates; the state moves to the rows
+// kept. False when every sentence has finished.
+bool BeamSearch::keep_best(int64_t t, int64_t V) {
+  const int64_t n = static_cast<int64_t>(active_.size()), beam = o_.beam, K = K_, eos = o_.eos;
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  const float* ts = top_scores_.data();
+  const int64_t* ti = top_idx_.data();
+  select_.clear();
+  next_words_.clear();
+  still_.clear();
+  next_scores_.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = active_[i];
+    std::fill(new_scores_.begin(), new_scores_.end(), neg_inf);
+    std::fill(new_origin_.begin(), new_origin_.end(), 0);
+    std::fill(new_word_.begin(), new_word_.end(), eos);
+    // a NaN candidate comes first (at::topk ranks NaN above every number; top_candidates hands NaN to it), as
+    // does +inf: the model overflowed, and ranking on would give garbage (and NaN breaks the sort below)
+    TORCH_CHECK_VALUE(ts[i * K] < std::numeric_limits<float>::infinity(), "dtmt._C.rnmt_beam_search: ",
+                      kNonFiniteScore, " (", ts[i * K], ") at step ", t, " of sentence ", b, " of the batch");
+    int64_t k = 0;
+    std::vector<Hyp>& done = finished_[b];
+    for (int64_t c = 0; c < K; ++c) {
+      const double sc = ts[i * K + c];
+      if (sc == neg_inf) break;
+      const int64_t j = ti[i * K + c], o = j / V, w = j % V;
+      if (w == eos) {
+        done.push_back({rows_[i * beam + o], t, sc / length_penalty(t + 1, o_.alpha), sc});
+      } else if (k < beam) {
+        new_scores_[k] = sc;
+        new_origin_[k] = o;
+        new_word_[k] = w;
+        ++k;
+      }
+      if (k == beam && static_cast<int64_t>(done.size()) >= beam) break;
+    }
+    std::stable_sort(done.begin(), done.end(), [](const Hyp& x, const Hyp& y_) { return x.score > y_.score; });
+    if (static_cast<int64_t>(done.size()) > beam) done.resize(beam);
+    // finished when no open hypothesis can still enter the nbest (log-probs only decrease; the length penalty
+    // is at most that of the max length), or, with early_stop, as soon as it is full
+    const double best_open = *std::max_element(new_scores_.begin(), new_scores_.end());
+    const double bound = o_.alpha > 0 ? best_open / length_penalty(max_len_[b], o_.alpha) : best_open;
+    const int64_t n_done = static_cast<int64_t>(done.size());
+    if (t + 1 >= max_len_[b] || best_open == neg_inf ||
+        (o_.early_stop ? n_done >= beam : n_done >= nbest_ && bound <= done[nbest_ - 1].score))
+      continue;
+    still_.push_back(i);
+    for (int64_t o = 0; o < beam; ++o) {
+      select_.push_back(i * beam + new_origin_[o]);
+      next_words_.push_back(new_word_[o]);
+      next_scores_.push_back(static_cast<float>(new_scores_[o]));
+    }
+  }
+  if (still_.empty()) return false;
+  prev_ = next_words_;
+  s_ = gather_rows(s_, select_, state_);   // (the step's s' is its scratch's: the state is kept apart)
+  if (static_cast<int64_t>(still_.size()) < n) drop_finished();
+  next_rows_.clear();
+  for (size_t r = 0; r < select_.size(); ++r) next_rows_.push_back(tree_.add(next_words_[r], rows_[select_[r]]));
+  rows_.swap(next_rows_);
+  scores_.swap(next_scores_);
+  return true;
+}
+
+// The sentences that finished at this step leave the source tensors and the tables read per sentence.
+void BeamSearch::drop_finished() {
+  const Tensor kept = to_tensor(still_);
+  annotations_ = annotations_.index_select(0, kept);
+  keys_ = keys_.index_select(0, kept);
+  if (tables_.key_exps.defined()) tables_.key_exps = tables_.key_exps.index_select(0, kept);
+  src_mask_ = src_mask_.index_select(0, kept);
+  std::vector<int64_t> next_active;
+  for (int64_t i : still_) next_active.push_back(active_[i]);
+  active_.swap(next_active);
+  if (source_products_) source_products_->block = active_;
+}
+
+std::vector<Tensor> BeamSearch::results() const {
   std::vector<int64_t> counts, lengths, tokens;
   std::vector<double> hyp_scores, hyp_log_probs;
-  for (const auto& done : finished) {
+  for (const auto& done : finished_) {
     counts.push_back(static_cast<int64_t>(done.size()));
     for (const Hyp& h : done) {
       lengths.push_back(h.length);
-      tree.read(h.node, h.length, tokens);
+      tree_.read(h.node, h.length, tokens);
       hyp_scores.push_back(h.score);
       hyp_log_probs.push_back(h.log_prob);
     }
   }
-  DTMT_PHASE_END(search_phase);
   return {to_tensor(counts), to_tensor(lengths), to_tensor(tokens), to_tensor(hyp_scores),
           to_tensor(hyp_log_probs)};
+}
+
+}  // namespace
+
+std::vector<Tensor> rnmt_beam_search_cpu(const SearchSource& source, const SearchModel& model,
+                                         const SearchSettings& settings) {
+  DTMT_PHASE_START(search_phase, search);
+  BeamSearch search(source, model, settings);
+  auto out = search.run();
+  DTMT_PHASE_END(search_phase);
+  return out;
 }
 
 }  // namespace dtmt

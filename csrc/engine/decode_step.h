@@ -184,35 +184,49 @@ std::vector<at::Tensor> rnmt_step_cpu(const at::Tensor& y, const at::Tensor& s, 
                                       StepBuffers* buffers = nullptr);
 
 // Beam search over rnmt_step_cpu, the whole loop of dtmt_models/decoding/beam_search.py (its reference: the same
-// decisions in the same arithmetic) in one call. The state as the decoder's `encode` made it, one row a
-// sentence: annotations [B, S, C], keys [B, S, NH, D], src_mask [B, S] bool, s [B, H]. The previous token is
-// embedded as embed[token] + positions[t] at step t (positions [>= max(max_len), E], or empty: no positional
-// term). beam >= 1, alpha the GNMT length-penalty exponent, max_len [B] the steps each sentence may take (EOS
-// included). Returns {counts [B], lengths [N], tokens [sum lengths], scores [N], log_probs [N]}: sentence b's
-// finished hypotheses, best first, are the counts[b] after those of the sentences before it; a hypothesis'
-// tokens exclude BOS and EOS; scores (log_prob / lp) and log_probs in float64. step_tables: the steps read what the
-// search makes once per sentence (StepTables, each decided once for the whole search): the context's products where
-// source_products_pay says they pay, the keys' exponentials where key_exps_cpu applies; the same search up to the
-// rounding of those sums; and, given the model's token_products / position_products (TokenProducts' tables; the
-// latter exactly where the system adds positions), the previous token's products from them; context_heads: the
-// context's products made from it (source_products_cpu's heads).
-// false: rnmt_step_cpu's arithmetic exactly. early_stop: a
-// sentence ends as soon as it has `beam` finished hypotheses (fairseq's, CTranslate2's and Hugging Face's rule);
-// false (beam_search.py's default): once no open hypothesis can still enter its `nbest` best finished ones
-// (1 <= nbest <= beam; nullopt: beam), which are then exactly those a search run to max length returns.
-// banned: ids never chosen (PAD, BOS), their log-probabilities -inf before the candidates are ranked.
-std::vector<at::Tensor> rnmt_beam_search_cpu(const at::Tensor& annotations, const at::Tensor& keys,
-                                             const at::Tensor& src_mask, const at::Tensor& s, const at::Tensor& embed,
-                                             const at::Tensor& positions, const TransitionWeights& query_cell,
-                                             const TransitionWeights& decoder_cell, double cell_eps,
-                                             const AttentionWeights& attention, const ReadoutWeights& readout,
-                                             int64_t beam, double alpha, const at::Tensor& max_len, int64_t bos,
-                                             int64_t eos, bool step_tables = false, bool early_stop = false,
-                                             const at::Tensor& token_products = at::Tensor(),
-                                             const at::Tensor& position_products = at::Tensor(),
-                                             const at::Tensor& context_heads = at::Tensor(),
-                                             std::optional<int64_t> nbest = std::nullopt,
-                                             const std::vector<int64_t>& banned = {});
+// decisions in the same arithmetic) in one call: rnmt_beam_search_cpu(source, model, settings).
+//
+// SearchSource: the state as the decoder's `encode` made it, one row a sentence: annotations [B, S, C], keys
+// [B, S, NH, D], src_mask [B, S] bool, s [B, H]; max_len [B] the steps each sentence may take (EOS included).
+struct SearchSource {
+  at::Tensor annotations, keys, src_mask, s, max_len;
+};
+
+// SearchModel: the step's weights (rnmt_step_cpu's) and the target embedding. The previous token is embedded as
+// embed[token] + positions[t] at step t (positions [>= max(max_len), E], or empty: no positional term).
+// token_products / position_products: the model's TokenProducts tables (the latter exactly where the system adds
+// positions), context_heads: source_products_cpu's per-head matrices; each empty where the model has none.
+struct SearchModel {
+  TransitionWeights query_cell, decoder_cell;
+  double cell_eps;
+  AttentionWeights attention;
+  ReadoutWeights readout;
+  at::Tensor embed, positions, token_products, position_products, context_heads;
+};
+
+// SearchSettings: beam >= 1, alpha the GNMT length-penalty exponent, bos / eos the target's ids. step_tables: the
+// steps read what the search makes once per sentence (StepTables, each decided once for the whole search): the
+// context's products where source_products_pay says they pay, the keys' exponentials where key_exps_cpu applies;
+// the same search up to the rounding of those sums; and, given the model's token tables, the previous token's
+// products from them; with context_heads, the context's products made from it. false: rnmt_step_cpu's arithmetic
+// exactly. early_stop: a sentence ends as soon as it has `beam` finished hypotheses (fairseq's, CTranslate2's and
+// Hugging Face's rule); false (beam_search.py's default): once no open hypothesis can still enter its `nbest` best
+// finished ones (1 <= nbest <= beam; nullopt: beam), which are then exactly those a search run to max length
+// returns. banned: ids never chosen (PAD, BOS), their log-probabilities -inf before the candidates are ranked.
+struct SearchSettings {
+  int64_t beam;
+  double alpha;
+  int64_t bos, eos;
+  bool step_tables = false, early_stop = false;
+  std::optional<int64_t> nbest;
+  std::vector<int64_t> banned;
+};
+
+// Returns {counts [B], lengths [N], tokens [sum lengths], scores [N], log_probs [N]}: sentence b's finished
+// hypotheses, best first, are the counts[b] after those of the sentences before it; a hypothesis' tokens exclude
+// BOS and EOS; scores (log_prob / lp) and log_probs in float64.
+std::vector<at::Tensor> rnmt_beam_search_cpu(const SearchSource& source, const SearchModel& model,
+                                             const SearchSettings& settings);
 
 // One direction of mce's read-write-memory GRU encoder (dtmt_models/models/systems/mce.py), the whole loop over the
 // source in one call, the same ATen arithmetic per step as the module without its Python dispatch.

@@ -55,15 +55,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
     int64_t beam, double alpha, const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
     bool early_stop, const OptTensor& token_products, const OptTensor& position_products,
     const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned) {
-  auto r = dtmt::rnmt_beam_search_cpu(
-      last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), dense(embed), dense(positions, embed),
-      dtmt::cell_weights(q_kind, dense(q_params), "rnmt_beam_search", "q_params"),
-      dtmt::cell_weights(d_kind, dense(d_params), "rnmt_beam_search", "d_params"), cell_eps,
-      dtmt::AttentionWeights::from_list(dense(attention), att_eps),
-      dtmt::ReadoutWeights::from_list(dense(readout), readout_eps), beam, alpha, max_len, bos, eos, step_tables,
-      early_stop, dense(token_products, embed), dense(position_products, embed),
-      given(context_heads) ? context_heads->contiguous() : Tensor(), nbest,
-      banned.has_value() ? banned->vec() : std::vector<int64_t>());
+  const dtmt::SearchSource source{last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), max_len};
+  const dtmt::SearchModel model{dtmt::cell_weights(q_kind, dense(q_params), "rnmt_beam_search", "q_params"),
+                                dtmt::cell_weights(d_kind, dense(d_params), "rnmt_beam_search", "d_params"),
+                                cell_eps,
+                                dtmt::AttentionWeights::from_list(dense(attention), att_eps),
+                                dtmt::ReadoutWeights::from_list(dense(readout), readout_eps),
+                                dense(embed),
+                                dense(positions, embed),
+                                dense(token_products, embed),
+                                dense(position_products, embed),
+                                given(context_heads) ? context_heads->contiguous() : Tensor()};
+  const dtmt::SearchSettings settings{beam, alpha, bos, eos, step_tables, early_stop, nbest,
+                                      banned.has_value() ? banned->vec() : std::vector<int64_t>()};
+  auto r = dtmt::rnmt_beam_search_cpu(source, model, settings);
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 

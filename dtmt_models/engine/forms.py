@@ -92,8 +92,8 @@ class FrozenTransitionLayer(InferenceForm):
     `int8()`: a copy whose recurrent matrices are int8 rows (int8 decoding); `on_huge_pages()`: a copy whose
     parameters sit in 2 MiB pages; `with_row_panels()`: a copy that also holds each direction's recurrent matrices in
     the row-panel layout (`panels`: (w_hh, t_w) panels a direction, or None), which transition_encode multiplies at
-    batch 1 (dtmt_kernels.ops.linear.panels: the same outputs up to rounding). `input_products(rows)` and `encode_tokens`: the
-    layer over token ids, their inputs' products with the input matrices made once as tables
+    batch 1 (dtmt_kernels.ops.linear.panels: the same outputs up to rounding). `input_products(rows)` and
+    `encode_tokens`: the layer over token ids, their inputs' products with the input matrices made once as tables
     (torch.ops.dtmt.transition_encode_tokens: no input GEMM a call)."""
 
     def __init__(self, layer: "dk.nn.TransitionLayer", directions: Optional[List[Tuple[int, List[Tensor]]]] = None,
@@ -189,8 +189,8 @@ class FrozenTransitionLayer(InferenceForm):
 
     def on_huge_pages(self) -> "FrozenTransitionLayer":
         """A copy whose directions' parameters (float or int8) are copied, one direction after the other, into one
-        buffer of 2 MiB pages (dtmt_kernels.ops.linear.placement.huge_page_copies: the recurrent matrices are read at every
-        position; the same values, so the same results). The layer itself where huge pages are not offered."""
+        buffer of 2 MiB pages (dtmt_kernels.ops.linear.placement.huge_page_copies: the recurrent matrices are read at
+        every position; the same values, so the same results). The layer itself where huge pages are not offered."""
         from dtmt_kernels.ops.linear.placement import huge_page_copies, huge_pages_offered
 
         if not huge_pages_offered() or self._flat is None:
@@ -204,9 +204,9 @@ class FrozenTransitionLayer(InferenceForm):
 
     def with_row_panels(self) -> "FrozenTransitionLayer":
         """A copy holding, beside its parameters, each direction's w_hh and T-GRU matrices t_w in the row-panel
-        layout (dtmt_kernels.ops.linear.panels.row_panels: the same values, one more copy of the recurrent matrices), for
-        transition_encode's products at batch 1; the layer itself where its weights are not CPU float32 (int8
-        rows, another device or dtype) or it has panels already."""
+        layout (dtmt_kernels.ops.linear.panels.row_panels: the same values, one more copy of the recurrent matrices),
+        for transition_encode's products at batch 1; the layer itself where its weights are not CPU float32 (int8 rows,
+        another device or dtype) or it has panels already."""
         from dtmt_kernels.ops.linear.panels import row_panels
 
         w_hh = self.directions[0][1][self.RECURRENT[0]]

@@ -94,8 +94,8 @@ class ReadoutWeights(_InferenceWeights):
 
 @dataclass(frozen=True, eq=False)
 class MemoryWeights(_InferenceWeights):
-    """mce's memory addressing for `memory_encoder` (dtmt_models/models/systems/mce.py): w_state [H, H], w_memory [H, H],
-    b_memory [H], v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]."""
+    """mce's memory addressing for `memory_encoder` (dtmt_models/models/systems/mce.py): w_state [H, H],
+    w_memory [H, H], b_memory [H], v [1, H], w_read [H, H], b_read [H], w_write [H, H], b_write [H]."""
     w_state: Tensor
     w_memory: Tensor
     b_memory: Tensor
@@ -109,8 +109,8 @@ class MemoryWeights(_InferenceWeights):
 @dataclass(frozen=True, eq=False)
 class CellWeights:
     """A recurrent cell as `rnmt_step` takes it, what engine.forms.FrozenTransitionCell gathers: the kernel's
-    cell `kind`, the ten flat kernel parameters (dtmt_kernels.ops.transition.flat_params order, absent ones empty) and the
-    layer norms' `eps`."""
+    cell `kind`, the ten flat kernel parameters (dtmt_kernels.ops.transition.flat_params order, absent ones empty) and
+    the layer norms' `eps`."""
     kind: int
     params: Sequence[Tensor]
     eps: float
@@ -163,12 +163,12 @@ TOKEN_TABLE_BYTES = 64 << 20
 
 
 def token_products(rows: Tensor, query_cell, readout: ReadoutWeights) -> Optional[Tensor]:
-    """The previous token's products as a table (csrc/engine/decode_step.h, TokenProducts): for embedding rows [n, E] (the
-    target embedding, or its position rows) the query cell's input products and the readout's y products,
-    rows W^T [n, N_q + R] with W = [query cell's w_ih; readout's w_y] (no biases: the step adds them), computed in
-    float64 and rounded once to the weights' dtype, for `rnmt_beam_search`'s token_products / position_products.
-    None where they do not apply: weights that are not float32 / float64 CPU matrices of the rows' width (int8
-    rows), or a table past TOKEN_TABLE_BYTES."""
+    """The previous token's products as a table (csrc/engine/decode_step.h, TokenProducts): for embedding rows [n, E]
+    (the target embedding, or its position rows) the query cell's input products and the readout's y products, rows W^T
+    [n, N_q + R] with W = [query cell's w_ih; readout's w_y] (no biases: the step adds them), computed in float64 and
+    rounded once to the weights' dtype, for `rnmt_beam_search`'s token_products / position_products. None where they do
+    not apply: weights that are not float32 / float64 CPU matrices of the rows' width (int8 rows), or a table past
+    TOKEN_TABLE_BYTES."""
     cell = query_cell if isinstance(query_cell, CellWeights) else CellWeights.of(query_cell)
     w_ih, w_y = cell.params[0], readout.w_y
     if not all(w.dtype in (torch.float32, torch.float64) and w.dtype == rows.dtype and w.device.type == "cpu" and
@@ -264,18 +264,18 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
     scores [N], log_probs [N]): sentence b's finished hypotheses, best first, are the counts[b] after those of the
     sentences before it, each `lengths` tokens long (without BOS and EOS); scores and log-probabilities float64.
     `step_tables`: the steps read what the search makes once per sentence instead of recomputing it
-    (csrc/engine/decode_step.h, StepTables): where the attention has no output projection (after fold_context_projection)
-    and the sources are short enough for it to pay (B * heads * S <= C / 2), the context through its products with
-    the two matrices that multiply it (SourceProducts); the attention scores from the keys' exponentials where the
-    keys and queries are within +-20 (key_exps); and with `token_table` (token_products(embed, ...)) and, exactly
-    where `positions` is given, `position_table` (token_products(positions, ...), >= max(max_len) rows), the
-    previous token's products from those tables instead of its embedding (TokenProducts); with `context_table`
-    (context_heads(decoder_cell, readout, heads)), the context's products made from it. The same sums in another
-    order, so the same search up to rounding. False: rnmt_step's arithmetic exactly.
-    `early_stop`: a sentence ends as soon as it has `beam` finished hypotheses (beam_search's `early_stop`).
-    Otherwise it ends once no open hypothesis can enter its `nbest` best finished ones (1 <= nbest <= beam; None:
-    beam), so that those are exactly what a search run to max length would return (beam_search's `nbest`).
-    `banned`: ids never chosen; beam_search passes [pad_id, BOS] (its reference loop's mask), None bans nothing."""
+    (csrc/engine/decode_step.h, StepTables): where the attention has no output projection (after
+    fold_context_projection) and the sources are short enough for it to pay (B * heads * S <= C / 2), the context
+    through its products with the two matrices that multiply it (SourceProducts); the attention scores from the keys'
+    exponentials where the keys and queries are within +-20 (key_exps); and with `token_table` (token_products(embed,
+    ...)) and, exactly where `positions` is given, `position_table` (token_products(positions, ...), >= max(max_len)
+    rows), the previous token's products from those tables instead of its embedding (TokenProducts); with
+    `context_table` (context_heads(decoder_cell, readout, heads)), the context's products made from it. The same sums in
+    another order, so the same search up to rounding. False: rnmt_step's arithmetic exactly. `early_stop`: a sentence
+    ends as soon as it has `beam` finished hypotheses (beam_search's `early_stop`). Otherwise it ends once no open
+    hypothesis can enter its `nbest` best finished ones (1 <= nbest <= beam; None: beam), so that those are exactly what
+    a search run to max length would return (beam_search's `nbest`). `banned`: ids never chosen; beam_search passes
+    [pad_id, BOS] (its reference loop's mask), None bans nothing."""
     return torch.ops.dtmt.rnmt_beam_search(annotations, keys, src_mask, s, embed, positions, query_cell.kind,
                                            query_cell.params, decoder_cell.kind, decoder_cell.params, query_cell.eps,
                                            attention.tensors, attention.ln_eps, readout.tensors, readout.eps, beam,

@@ -64,7 +64,9 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     preset's model at embedding / hidden widths 16 / 32 (the transformer 16 / 64; --quick: the plumbing, not a
     figure). graphs: the timed updates replayed as CUDA graphs (dtmt_models.training.graphs, as `dtmt train
     --cuda-graphs`), after two passes over all the batches (each bucket's first batch eager, its second captured:
-    capture_s); on the CPU the capture is stood in for (the plumbing, not a figure)."""
+    capture_s); on the CPU the capture is stood in for (the plumbing, not a figure). A backend written
+    BACKEND+unrolled (e.g. cuda+unrolled) runs BACKEND with its step cells in `dk.nn.unrolled` blocks, their weight
+    gradients once over all steps (dk.nn.UNROLLED_BACKENDS extended for this process)."""
     import contextlib
 
     import torch
@@ -82,8 +84,14 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     if tiny:
         options = dict(options, embed_dim=16, hidden_size=64 if system == "transformer" else 32)
     model = build_model(system, vocab, vocab, **options).to(device)
+    base, _, variant = backend.partition("+")
+    if variant == "unrolled":
+        import dtmt_kernels as dk
+        dk.nn.UNROLLED_BACKENDS = dk.nn.UNROLLED_BACKENDS | {base}
+    elif variant:
+        raise SystemExit(f"bench_train.py: unknown backend variant {backend!r} (BACKEND+unrolled)")
     if backend != "-":
-        model.set_backend(backend)
+        model.set_backend(base)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     batches = [tuple(t.to(device) for t in collate(b))
@@ -194,7 +202,9 @@ def run(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
     p.add_argument("--fused", nargs="+", default=["auto"],
-                   help="the fused backend(s) to compare with the reference (auto: cpp on CPU, cuda on a GPU)")
+                   help="the fused backend(s) to compare with the reference (auto: cpp on CPU, cuda on a GPU); "
+                        "BACKEND+unrolled: BACKEND with its step cells' weight gradients once over all steps "
+                        "(dk.nn.unrolled), whose ratio to BACKEND is printed below the table")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--preset", default="small", choices=["small", "paper"], help="the systems' sizes")
     p.add_argument("--steps", type=int, default=8)
@@ -308,6 +318,14 @@ def run(argv=None):
         print(f"| {r['system']} | {r['backend']} |" + (f" {r['graphs']} |" if graphed else "")
               + f" {r['params']:,} | {r['tok_s']:,.0f} | {r['ms_per_update']:.0f} | {r['saved_MB']:.1f} | "
               f"{r['peak_rss_MB']:.0f} |{gpu} {sp} |{extra}")
+    for r in rows:   # a backend variant against its backend, round by round
+        base = r["backend"].partition("+")[0]
+        if base != r["backend"]:
+            vs = ratios(r, (r["system"], base, r["graphs"]))
+            if vs:
+                spread = f" ({min(vs):.2f}-{max(vs):.2f})" if len(vs) > 1 else ""
+                print(f"\n{r['system']}: {r['backend']} against {base}: {statistics.median(vs):.2f}× the target tok/s"
+                      f"{spread}")
     try:
         import matplotlib
         matplotlib.use("Agg")

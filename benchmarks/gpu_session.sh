@@ -15,6 +15,9 @@
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build graphs         # training updates as CUDA graphs: the tests, then graphed
 #                                                       # against eager updates in one run (paper presets)
+#   bash benchmarks/gpu_session.sh build unrolled       # the decoder cells' weight gradients once over all steps
+#                                                       # on the device (dk.nn.unrolled, cuda backend): the tests,
+#                                                       # then against per-step weight gradients, eager and graphed
 #   bash benchmarks/gpu_session.sh build amp            # bf16 autocast against float32: dev loss after 600 updates
 #                                                       # (two seeds each) and speed, dtmt small preset
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
@@ -27,15 +30,16 @@
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
 # persistent/bench_persistent.csv and persistent_tests.log (persistent), decode.md and decode/bench_decode.csv
-# (decode), graphs_tests.log and graphs/bench_train.csv (graphs), amp/quality-dtmt-cuda.json (amp); the tables
+# (decode), graphs_tests.log and graphs/bench_train.csv (graphs), unrolled_tests.log and unrolled/bench_train.csv
+# (unrolled), amp/quality-dtmt-cuda.json (amp); the tables
 # themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has
 # a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 300 s, decode 300 s, graphs 150 + 300 s, amp 480 s) so that a hang cannot eat the call. Seen on an H100
+# 180 + 300 s, decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s) so that a hang cannot eat the call. Seen on an H100
 # (2026-11-24): build 94 s, kernel tests 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32,
 # bf16). A device call is at most 10 minutes and a warm machine keeps its build, so run `build tests`, then `bench`,
 # then `persistent` (etc.) as separate calls. With a session's 15 minutes of device time (2026-11-29), in this
 # order of the issues: `build tests` (every GPU test, the graphed updates' among them), `persistent` (issue 72),
-# `graphs` (issue 73 item 1), then `decode` and `amp` if time is left.
+# `graphs` (issue 73 item 1), `unrolled` (item 3), then `decode` and `amp` if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -103,6 +107,17 @@ if want graphs; then
   echo "== bench_train --device cuda --preset paper --graphs off on"
   timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
     --systems dtmt rnnsearch-atr transformer --fused cuda --graphs off on --out "$OUT/graphs" || status=1
+fi
+if want unrolled; then
+  # issue 73 item 3: the decoder cells' weight gradients once over all steps on the device (dk.nn.unrolled with the
+  # cuda backend: transition_backward with weight_grads=False), first against the step-by-step path (the test),
+  # then cuda+unrolled against cuda in one run, eager and graphed (dtmt, paper preset)
+  echo "== GPU tests of the unrolled cells"
+  timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_unrolled.py 2>&1 \
+    | tee "$OUT/unrolled_tests.log" | tail -5 || status=1
+  echo "== bench_train --device cuda --preset paper --fused cuda cuda+unrolled --graphs off on"
+  timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
+    --systems dtmt --fused cuda cuda+unrolled --graphs off on --out "$OUT/unrolled" || status=1
 fi
 if want amp; then
   # issue 73 item 2: may bfloat16 autocast be the default on a GPU? the dev loss after 600 updates, float32 against

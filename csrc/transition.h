@@ -88,8 +88,8 @@ std::vector<at::Tensor> transition_backward_cpu(const at::Tensor& grad_out, cons
                                                 const at::Tensor& hpt, bool reverse, double eps,
                                                 bool weight_grads = true);
 
-// The CUDA kernels (csrc/transition_cuda.cu, built with a CUDA torch): the same contract, except that backward
-// always forms the weight gradients (weight_grads=false is refused).
+// The CUDA kernels (csrc/transition_cuda.cu, built with a CUDA torch): the same contract, weight_grads=false
+// included.
 std::vector<at::Tensor> transition_forward_cuda(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                                 const at::Tensor& drop, const TransitionWeights& w, bool reverse,
                                                 double eps);

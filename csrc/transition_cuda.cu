@@ -463,21 +463,26 @@ template <typename S> int64_t persistent_grid(const Tensor& x, const TransitionW
 }
 
 // What both backwards do after their loop: dx, the weight gradients as GEMMs over all steps, the layer-norm
-// gradients as column sums of the row accumulators (deterministic).
+// gradients as column sums of the row accumulators (deterministic). Without `weight_grads` (the caller forms the
+// weight and bias gradients itself, over many calls at once: dtmt_kernels.nn.unrolled), the pre-activation
+// gradients in the slots of dw_ih, dw_hh and dt_w and nothing in the bias slots, as the CPU backward returns them.
 std::vector<Tensor> backward_tail(const Tensor& x, const TransitionWeights& w, const Dims& d, const Tensor& hs_lp,
                                   const Tensor& dxp, const Tensor& dhp, const Tensor& dhpt, const Tensor& dh0,
                                   const Tensor& dln_rows, const Tensor& dlnb_rows, const Tensor& dtln_rows,
-                                  const Tensor& dtlnb_rows) {
+                                  const Tensor& dtlnb_rows, bool weight_grads) {
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, N = T_ * B;
   const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
   Tensor dxp2 = dxp.view({N, d.n_in * H});
   Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
-  const auto g = transition_weight_grads(x.reshape({N, d.I}), hs_lp.view({D + 1, N, H}), dxp2,
-                                         dhp.view({N, d.n_h * H}), dhpt.view({D, N, 3 * H}), acc_type(x.scalar_type()));
   Tensor dln_w = ln ? dln_rows.sum(0).to(x.scalar_type()) : Tensor();
   Tensor dln_b = ln ? dlnb_rows.sum(0).to(x.scalar_type()) : Tensor();
   Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(x.scalar_type()) : Tensor();
   Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(x.scalar_type()) : Tensor();
+  if (!weight_grads)
+    return {dx, dh0, dxp2, Tensor(), dhp.view({N, d.n_h * H}), Tensor(), dln_w, dln_b, dhpt.view({D, N, 3 * H}),
+            Tensor(), dt_ln_w, dt_ln_b};
+  const auto g = transition_weight_grads(x.reshape({N, d.I}), hs_lp.view({D + 1, N, H}), dxp2,
+                                         dhp.view({N, d.n_h * H}), dhpt.view({D, N, 3 * H}), acc_type(x.scalar_type()));
   return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
 }
 
@@ -485,7 +490,7 @@ template <typename S>
 std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
                                   const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
                                   const Tensor& xp, const Tensor& hs, const Tensor& hs_lp_saved, const Tensor& hp,
-                                  const Tensor& hpt, bool reverse, double eps) {
+                                  const Tensor& hpt, bool reverse, double eps, bool weight_grads) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
@@ -603,7 +608,8 @@ std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn,
     }
   }
   Tensor dh0 = (carry[c] + carry_g.to(acc)).to(grad_hn.scalar_type());
-  return backward_tail(x, w, d, hs_lp, dxp, dhp, dhpt, dh0, dln_rows, dlnb_rows, dtln_rows, dtlnb_rows);
+  return backward_tail(x, w, d, hs_lp, dxp, dhp, dhpt, dh0, dln_rows, dlnb_rows, dtln_rows, dtlnb_rows,
+                       weight_grads);
 }
 
 // The backward in one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh) on the forward's
@@ -613,7 +619,8 @@ std::vector<Tensor> backward_persistent_impl(const Tensor& grad_out, const Tenso
                                              const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
                                              const Tensor& xp, const Tensor& hs, const Tensor& hs_lp_saved,
                                              const Tensor& hp, const Tensor& hpt, bool reverse, double eps,
-                                             int64_t grid, int64_t threads, bool fallible = false) {
+                                             int64_t grid, int64_t threads, bool fallible = false,
+                                             bool weight_grads = true) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
@@ -671,7 +678,7 @@ std::vector<Tensor> backward_persistent_impl(const Tensor& grad_out, const Tenso
   }
   C10_CUDA_CHECK(err);
   return backward_tail(x, w, d, hs_lp, dxp, dhp, dhpt, dh0.to(grad_hn.scalar_type()), dln_rows, dlnb_rows,
-                       dtln_rows, dtlnb_rows);
+                       dtln_rows, dtlnb_rows, weight_grads);
 }
 
 }  // namespace
@@ -724,16 +731,17 @@ std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tenso
                                              const Tensor& xp, const Tensor& hs, const Tensor& hs_lp,
                                              const Tensor& hp, const Tensor& hpt, bool reverse, double eps,
                                              bool weight_grads) {
-  TORCH_CHECK(weight_grads, "dtmt::transition_backward: weight_grads=False is implemented on the CPU only");
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
     const int64_t grid = persistent_requested() && x.size(0) > 0 ? persistent_grid<scalar_t>(x, w) : 0;
     if (grid > 0)
       result = backward_persistent_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt,
-                                                  reverse, eps, grid, cuda::kPersistentThreads, /*fallible=*/true);
+                                                  reverse, eps, grid, cuda::kPersistentThreads, /*fallible=*/true,
+                                                  weight_grads);
     if (result.empty())
-      result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps);
+      result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps,
+                                       weight_grads);
   });
   return result;
 }

@@ -44,6 +44,13 @@ from .ops.transition import CELL_KINDS, CELL_ROWS, KINDS, flat_params
 from .reference import TransitionWeights
 
 
+# The backends whose step cells run an `unrolled` block as one sequence (their weight gradients once over all steps).
+# The CUDA kernels take it too (transition_backward with weight_grads=False): "cuda" joins this set once a GPU session
+# has held it to the step-by-step path (tests/test_unrolled.py, test_gpu_unrolled_matches_the_cuda_step_path) and
+# measured it (bench_train.py --fused cuda cuda+unrolled); until then a GPU update forms them step by step.
+UNROLLED_BACKENDS = frozenset({"cpp"})
+
+
 class Unrollable:
     """Mixin of the modules whose per-step work `unrolled` batches over the steps of a block (the step cells
     below; the attention modules of dtmt_models). While a block is open on the module, its sessions live in
@@ -309,13 +316,13 @@ class TransitionCell(Unrollable, _TransitionBase):
         return h_n[0, 0] if unbatched else h_n[0]
 
     def _unrolled_session(self, x: Tensor):
-        """(UnrolledSteps, token) when this call is a step in an `unrolled` block that the cpp backend runs with
-        autograd recording, else None."""
+        """(UnrolledSteps, token) when this call is a step in an `unrolled` block that a backend of UNROLLED_BACKENDS
+        runs with autograd recording, else None."""
         sessions = self._unrolled_sessions()
         if sessions is None:
             return None
         backend = resolve_backend(self.backend, x.device)
-        if backend.name != "cpp":
+        if backend.name not in UNROLLED_BACKENDS:
             return None
         check_dtype_for_backend(backend, x.dtype, "x")
         key = (x.device, x.dtype)
@@ -331,8 +338,9 @@ class TransitionCell(Unrollable, _TransitionBase):
 @contextlib.contextmanager
 def unrolled(*modules: nn.Module) -> Iterator[None]:
     """Within the block, the given modules that are `Unrollable` (DeepTransitionGRUCell / ATRCell, the
-    attention modules of dtmt_models; anything else is ignored) run their steps on the cpp backend as one
-    unrolled sequence for autograd. A cell's flat weights are assembled once, and each weight gradient is one
+    attention modules of dtmt_models; anything else is ignored) run their steps as one unrolled sequence for
+    autograd, the cells on the backends of UNROLLED_BACKENDS (cpp), the attention context on cpp. A cell's flat
+    weights are assembled once, and each weight gradient is one
     GEMM over every step's rows at backward instead of one GEMM and one accumulation per step
     (autograd.UnrolledSteps); an attention's context (`step_context`) forms the annotations' gradient once over
     all steps (autograd.UnrolledContext). Gradients are those of the plain step-by-step path up to float

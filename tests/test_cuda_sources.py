@@ -304,6 +304,14 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& g
   return dtmt::transition_backward_cuda(grad_out, grad_hn, x, mask, drop, weights(kind, params), saved[0],
                                         saved[1], saved[2], saved[3], saved[4], reverse, eps);
 }
+// the backward without the weight gradients (dk.nn.unrolled's steps): their slots hold the pre-activation gradients
+std::vector<at::Tensor> backward_rows(const at::Tensor& grad_out, const at::Tensor& grad_hn, const at::Tensor& x,
+                                      const at::Tensor& mask, const at::Tensor& drop, int64_t kind,
+                                      const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& saved,
+                                      bool reverse, double eps) {
+  return dtmt::transition_backward_cuda(grad_out, grad_hn, x, mask, drop, weights(kind, params), saved[0],
+                                        saved[1], saved[2], saved[3], saved[4], reverse, eps, /*weight_grads=*/false);
+}
 std::vector<at::Tensor> forward_persistent(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                            const at::Tensor& drop, int64_t kind, const std::vector<at::Tensor>& params,
                                            bool reverse, double eps, int64_t grid, int64_t threads) {
@@ -332,6 +340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_persistent", &forward_persistent);
   m.def("backward_persistent", &backward_persistent);
   m.def("backward", &backward);
+  m.def("backward_rows", &backward_rows);
   m.def("step_gemm_choice", &step_gemm_choice);
   m.def("persistent_recurrence", &persistent_recurrence);
 }
@@ -456,6 +465,47 @@ def test_cuda_kernels_emulated(emulated_cuda_ext, dtype):
     grid = ((False, True), (True, False)) if dtype == torch.float64 else ((True,), (True,))
     for (cell, depth), ln, full_features in itertools.product(EMULATED_CASES, *grid):
         _compare_emulated(run_emulated, cell, depth, ln, full_features, dtype)
+
+
+@pytest.mark.parametrize("cell,depth,ln", [("lgru", 2, True), ("gru", 0, False), ("atr", 0, True)])
+def test_cuda_backward_without_weight_grads_emulated(emulated_cuda_ext, cell, depth, ln):
+    """transition_backward_cuda with weight_grads=False (what dk.nn.unrolled's steps call on the device, issue 73
+    item 3): dx, dh0 and the layer-norm gradients as with weight_grads=True, and in the weight slots the
+    pre-activation gradients the weight gradients are made of (ops.transition.grads.weight_grads of them gives
+    weight_grads=True's), in float64, masked and with candidate dropout."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer, padding_mask
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+    from dtmt_kernels.ops.transition.grads import weight_grads
+
+    T, B, H, dtype = 3, 4, 9, torch.float64
+    layer = make_layer(cell, 3, H, depth=depth, layer_norm=ln, dtype=dtype)
+    gen = torch.Generator().manual_seed(4)
+    x, h0 = torch.randn(T, B, 3, generator=gen, dtype=dtype), torch.randn(B, H, generator=gen, dtype=dtype)
+    mask = padding_mask([3, 1, 2, 3], T, dtype)
+    drop = (torch.rand(depth + 1, B, H, generator=gen) > 0.3).to(dtype) / 0.7 if cell != "atr" else x.new_empty(0)
+    empty = x.new_empty(0)
+    params = [empty if t is None else t.detach().contiguous() for t in flat_params(layer.direction_weights(0))]
+    kind = KINDS[cell]
+    _, _, *saved = emulated_cuda_ext.forward(x, h0, mask, drop, kind, params, False, 1e-5)
+    g_out, g_h = torch.randn(T, B, H, generator=gen, dtype=dtype), torch.randn(B, H, generator=gen, dtype=dtype)
+    args = (g_out, g_h, x, mask, drop, kind, params, saved, False, 1e-5)
+    full, rows = emulated_cuda_ext.backward(*args), emulated_cuda_ext.backward_rows(*args)
+    def given(t):
+        return t is not None and t.numel() > 0
+
+    for i in (0, 1, 6, 7, 10, 11):   # dx, dh0, the layer norms' gradients
+        assert given(rows[i]) == given(full[i])
+        if given(full[i]):
+            torch.testing.assert_close(rows[i], full[i], rtol=0, atol=0)
+    D, N = depth, T * B
+    states = (saved[2] if saved[2].numel() else saved[1]).view(D + 1, N, H)
+    formed = weight_grads(x.reshape(N, 3), states, rows[2], rows[4], rows[8], (True,) * 4 + (D > 0,) * 2)
+    for got, i in zip(formed, (2, 3, 4, 5, 8, 9)):
+        assert given(full[i]) == (got is not None)
+        if given(full[i]):
+            torch.testing.assert_close(got, full[i], rtol=1e-12, atol=1e-12)
+    assert not any(given(rows[i]) for i in (3, 5, 9))   # the bias slots hold nothing
 
 
 @pytest.mark.slow

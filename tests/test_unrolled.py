@@ -273,3 +273,48 @@ def test_step_context_matches_the_reference(heads, dtype):
     with pytest.raises(ValueError, match="attention_context"):
         with dk.nn.unrolled(owner):
             dk.nn.step_context(owner, torch.softmax(logits[0], -1), enc.transpose(0, 1)[:, :4], "cpp")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or "cuda" not in dk.available_backends(),
+                    reason="needs a CUDA device and the extension's CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("cell_name,depth,ln", CASES)
+def test_gpu_unrolled_matches_the_cuda_step_path(cell_name, depth, ln, dtype, monkeypatch):
+    """The cuda backend's cells in an `unrolled` block (transition_backward with weight_grads=False on the device,
+    the weight gradients formed once over all steps) against the same cells step by step on the cuda backend
+    and against the reference: outputs, input / state gradients and every parameter gradient."""
+    monkeypatch.setattr(dk.nn, "UNROLLED_BACKENDS", dk.nn.UNROLLED_BACKENDS | {"cuda"})
+    cell = make_cell(cell_name, depth, ln, dtype).cuda().train()
+    g = torch.Generator().manual_seed(1)
+    T, B = 7, 3
+    xs, h0, weights = (torch.randn(*shape, generator=g, dtype=dtype).cuda() for shape in ((T, B, 5), (B, 6), (T, B, 6)))
+    torch.manual_seed(2)
+    drop = cell.sample_dropout_masks(B, xs) if cell_name != "atr" else None
+    steps = grads_of(cell, xs, h0, drop, weights, "cuda", False)
+    ref = grads_of(cell, xs, h0, drop, weights, "reference", False)
+    fused = grads_of(cell, xs, h0, drop, weights, "cuda", True)
+    cell.backend = "cuda"
+    with dk.nn.unrolled(cell):   # the block really takes the unrolled path on the device
+        assert type(cell(xs[0], h0, drop).grad_fn).__name__.startswith("CppTransitionStepFunction")
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+    for want in (steps, ref):
+        for a, b in zip(fused, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, **tol)
+
+
+def test_only_the_backends_named_run_unrolled(monkeypatch):
+    """UNROLLED_BACKENDS decides which backends' cells take an `unrolled` block's path: without "cpp" in it, a cpp
+    cell in a block runs its plain step (the op's own autograd), with the same gradients."""
+    cell = make_cell("lgru", 1, True, torch.float64).train()
+    g = torch.Generator().manual_seed(3)
+    xs, h0, weights = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((4, 2, 5), (2, 6), (4, 2, 6)))
+    drop = cell.sample_dropout_masks(2, xs)
+    unrolled = grads_of(cell, xs, h0, drop, weights, "cpp", True)
+    monkeypatch.setattr(dk.nn, "UNROLLED_BACKENDS", frozenset())
+    with dk.nn.unrolled(cell):
+        assert not type(cell(xs[0], h0, drop).grad_fn).__name__.startswith("CppTransitionStepFunction")
+    for a, b in zip(grads_of(cell, xs, h0, drop, weights, "cpp", True), unrolled):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
-from .ops._host_reads import host_reads_allowed
+from .ops._host_reads import host_list, host_reads_allowed
 from .ops.linear import small_rows_applicable, small_rows_linear
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._extension import built
@@ -22,7 +22,8 @@ from .reference import TransitionWeights
 
 __all__ = ["transition_sequence", "transition_step", "additive_scores", "attention_context", "linear",
            "small_rows_applicable", "small_rows_linear", "lengths_to_mask",
-           "check_attention_context", "check_dtype_for_backend", "smoothed_cross_entropy", "host_reads_allowed"]
+           "check_attention_context", "check_dtype_for_backend", "smoothed_cross_entropy", "host_reads_allowed",
+           "host_list"]
 
 LengthsLike = Union[Tensor, Sequence[int]]
 
@@ -174,7 +175,10 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
             torch._assert_async(((on_device >= 1) & (on_device <= T)).all(),
                                 f"{owner}: every length must be in [1, T={T}]")
             return (torch.arange(T, device=device).unsqueeze(1) < on_device.unsqueeze(0)).to(dtype)
-        lengths_cpu = lengths.detach().to("cpu", torch.long)
+        if lengths.numel() != B:
+            raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths.numel()}")
+        values = host_list(lengths)   # (read once a batch: host_list)
+        lengths_cpu = torch.tensor(values, dtype=torch.long)
     else:
         try:
             values = list(lengths)
@@ -186,7 +190,8 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and float(v).is_integer()
                    for v in values):
             raise ValueError(f"{owner}: lengths must hold integers, got {values}")
-        lengths_cpu = torch.tensor([int(v) for v in values], dtype=torch.long)
+        values = [int(v) for v in values]
+        lengths_cpu = torch.tensor(values, dtype=torch.long)
     if lengths_cpu.numel() != B:
         raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths_cpu.numel()}")
     if not host_reads_allowed():
@@ -195,7 +200,6 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         torch._assert_async(((lengths_cpu >= 1) & (lengths_cpu <= T)).all(),
                             f"{owner}: every length must be in [1, T={T}]")
     else:
-        values = lengths_cpu.tolist()   # (one copy out of the tensor for both checks)
         if B and (min(values) < 1 or max(values) > T):
             raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {min(values)}, max {max(values)}")
         if none_if_unpadded and all(v == T for v in values):

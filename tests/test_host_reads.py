@@ -11,6 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import dtmt_models as dm
+from dtmt_kernels.functional import host_list as host_list
 from dtmt_kernels.ops import _host_reads
 from dtmt_models.data.batching import collate
 
@@ -65,6 +66,27 @@ def test_an_update_reads_nothing_on_the_host_while_captured(system, monkeypatch)
     assert len(grads) == len(eager_grads)
     for g, e in zip(grads, eager_grads):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("system", RECURRENT + ["transformer"])
+def test_an_eager_update_reads_the_lengths_once(system, monkeypatch):
+    """Issue 75 item 5: an eager update reads the lengths on the host once (dk.functional.host_list), though the
+    input checks, the encoder's mask and the decoder's start all use them, and checks the batch once, though its
+    encode checks it too (checked_batch): a recurrent system's update makes three reads, the lengths, the ids'
+    range (both sides in one), the token count; the transformer a fourth, its attention mask's lengths."""
+    torch.manual_seed(0)
+    model = dm.build_model(system, 60, 60, embed_dim=16, hidden_size=24)
+    _, _, _, reads = _update(model, False, monkeypatch)
+    lengths = sum(n for where, n in reads.items() if "_host_reads.py" in where)
+    assert lengths == 1, dict(reads)
+    assert sum(reads.values()) == (4 if system == "transformer" else 3), dict(reads)
+
+
+def test_host_list_reads_a_tensor_again_after_an_in_place_change():
+    t = torch.tensor([3, 1, 2])
+    assert host_list(t) == [3, 1, 2] and host_list(t) is host_list(t)   # one read, kept on the tensor
+    t[1] = 5
+    assert host_list(t) == [3, 5, 2]
 
 
 def test_bad_input_still_fails_while_captured(monkeypatch):

@@ -77,7 +77,7 @@ def start_state(attention, init_state, annotations: Tensor, src_lengths: Tensor,
     S = annotations.shape[1]
     src_mask = lengths_mask(src_lengths, S)
     # with nothing padded (a sentence translated alone) the mean is the plain sum / S, the same values in fewer ops
-    unpadded = dk.functional.host_reads_allowed() and all(n == S for n in src_lengths.tolist())
+    unpadded = dk.functional.host_reads_allowed() and all(n == S for n in dk.functional.host_list(src_lengths))
     s = torch.tanh(init_state(annotations.sum(1) / S if unpadded else masked_mean(annotations, src_mask)))
     if layers is not None:
         s = s.view(s.shape[0], layers, -1)

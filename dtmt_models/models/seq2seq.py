@@ -13,6 +13,7 @@ embedding lookup, the readout features and the vocabulary projection applied onc
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable, Dict, Optional, Tuple
 
@@ -216,7 +217,8 @@ class Seq2Seq(nn.Module):
         run `dk.nn.unrolled` (their weight gradients formed once over all steps). A system that overrides
         `decoder_step` gets the same loop over its `decoder_step` instead."""
         self.check_batch(src, src_lengths, prev_tokens)
-        with dk.nn.unrolled(*self.modules()):  # the step cells' weight gradients: one GEMM each over all steps
+        # the step cells' weight gradients: one GEMM each over all steps; encode's check of the batch: done above
+        with dk.nn.unrolled(*self.modules()), checked_batch(self, src, src_lengths):
             state = self.encode(src, src_lengths)
             T = prev_tokens.shape[1]
             if type(self).decoder_step is not Seq2Seq.decoder_step:
@@ -275,6 +277,8 @@ class Seq2Seq(nn.Module):
         return self
 
     def check_batch(self, src: Tensor, src_lengths: Tensor, prev_tokens: Optional[Tensor] = None) -> None:
+        if prev_tokens is None and self.__dict__.get("_checked_batch") == (id(src), id(src_lengths)):
+            return   # (forward checked this batch, its target side too, before its encode: checked_batch)
         name = type(self).__name__
         if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
             raise ValueError(f"{name}: src must be a LongTensor [B, S], got "
@@ -289,7 +293,7 @@ class Seq2Seq(nn.Module):
         if not dk.functional.host_reads_allowed():   # (a data-dependent `if` would end a graph: an op in it)
             torch._assert_async(((src_lengths >= 1) & (src_lengths <= S)).all(), f"{name}: src_lengths must be in "
                                 f"[1, S={S}]")
-        elif not all(1 <= n <= S for n in src_lengths.tolist()):
+        elif not all(1 <= n <= S for n in dk.functional.host_list(src_lengths)):
             raise ValueError(f"{name}: src_lengths must be in [1, S={S}]")
         if prev_tokens is not None and (not isinstance(prev_tokens, Tensor) or prev_tokens.dim() != 2
                                         or prev_tokens.shape[0] != B or prev_tokens.shape[1] == 0
@@ -311,6 +315,18 @@ class Seq2Seq(nn.Module):
             if lo < 0 or hi >= size:
                 raise IndexError(f"{name}: {arg} holds the id {hi if hi >= size else lo}, outside the "
                                  f"{'source' if arg == 'src' else 'target'} vocabulary's {size} ids")
+
+
+@contextlib.contextmanager
+def checked_batch(model: nn.Module, src: Tensor, src_lengths: Tensor):
+    """Within the block, `model.check_batch(src, src_lengths)` of these very tensors returns at once: its caller
+    has checked them (Seq2Seq.forward, before its encode), and each check reads the lengths and ids on the host (a
+    synchronisation on a GPU). The tensors stay alive in the block, so their ids are not reused."""
+    model.__dict__["_checked_batch"] = (id(src), id(src_lengths))
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_checked_batch", None)
 
 
 def inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module] = inference_form) -> nn.Module:

@@ -22,7 +22,7 @@ from torch import Tensor
 from dtmt_kernels.functional import linear
 from dtmt_models.models.embeddings import sinusoidal_positions
 from dtmt_models.models.registered import register_model
-from dtmt_models.models.seq2seq import Projection, Seq2Seq, State, lengths_mask
+from dtmt_models.models.seq2seq import Projection, Seq2Seq, State, checked_batch, lengths_mask
 
 
 @register_model("transformer")
@@ -128,5 +128,6 @@ class TransformerNMT(Seq2Seq):
     def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Optional[Tensor] = None,
                 smoothing: float = 0.0):
         self.check_batch(src, src_lengths, prev_tokens)
-        state = self._encode(src, src_lengths)
+        with checked_batch(self, src, src_lengths):   # (_encode's check: done)
+            state = self._encode(src, src_lengths)
         return self.output(self._decode(state, prev_tokens), target, smoothing)

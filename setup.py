@@ -37,6 +37,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ISA_SOURCES = sorted(glob.glob(os.path.join("csrc", "isa", "*.cpp")))
 
 
+def write_cell_layout() -> None:
+    """csrc/cell_layout.inc from the cells' table (dtmt_kernels/ops/transition/layout.py, CELLS), where it differs:
+    the one table that Python, Triton, C++ and CUDA read. layout.py is loaded alone (torch only), not through the
+    package, which would load the extension being built."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_dtmt_layout", os.path.join(HERE, "dtmt_kernels", "ops", "transition", "layout.py"))
+    layout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout)
+    path, text = os.path.join(HERE, "csrc", "cell_layout.inc"), layout.cell_layout_header()
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
 
@@ -127,6 +146,7 @@ def _cublas_library_dir():
 
 
 def extension():
+    write_cell_layout()
     # csrc/ holds the kernels, csrc/engine/ the inference engine's ops (decoder step, beam search)
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "engine", "*.cpp")))
     cu_sources = sorted(glob.glob(os.path.join("csrc", "*.cu")))
@@ -141,7 +161,8 @@ def extension():
         define_macros=[(f"DTMT_ISA_{isa.upper()}", "1") for isa in cpu_isas()],
         # rebuild when a header or a copied source changes, not only the sources above
         depends=sorted(glob.glob(os.path.join("csrc", "*.h")) + glob.glob(os.path.join("csrc", "*.cuh")) +
-                       glob.glob(os.path.join("csrc", "isa", "*")) + glob.glob(os.path.join("csrc", "engine", "*.h"))),
+                       glob.glob(os.path.join("csrc", "isa", "*")) + glob.glob(os.path.join("csrc", "engine", "*.h")) +
+                       glob.glob(os.path.join("csrc", "*.inc"))),
         extra_link_args=["-fopenmp"] + sanitizers(),
     )
     if with_cuda:

@@ -17,11 +17,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("KIND_LGRU") = static_cast<int>(dtmt::kLGRU);
   m.attr("KIND_LAU") = static_cast<int>(dtmt::kLAU);
   m.attr("KIND_ATR") = static_cast<int>(dtmt::kATR);
-  {  // the row layout of cell_math.h, which tests hold equal to dtmt_kernels/ops/transition/layout.py
+  {  // the row layout as compiled (cell_layout.inc), which tests hold equal to dtmt_kernels/ops/transition/layout.py
     py::dict rows;
-    for (int kind : {dtmt::kGRU, dtmt::kLGRU, dtmt::kLAU, dtmt::kATR, dtmt::kTGRU})
-      rows[py::int_(kind)] =
-          py::make_tuple(dtmt::cell_input_rows(kind), dtmt::cell_hidden_rows(kind), dtmt::cell_ln_groups(kind));
+#define DTMT_ROW(K) \
+  rows[py::int_(static_cast<int>(dtmt::K))] =                                                                       \
+      py::make_tuple(dtmt::cell_input_rows(dtmt::K), dtmt::cell_hidden_rows(dtmt::K), dtmt::cell_ln_groups(dtmt::K));
+    DTMT_FOR_EACH_CELL_KIND(DTMT_ROW)
+#undef DTMT_ROW
     m.attr("CELL_ROWS") = rows;
   }
   m.attr("ATTENTION_WEIGHT_FIELDS") = std::string(dtmt::kAttentionWeightFields);

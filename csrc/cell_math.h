@@ -53,18 +53,9 @@
 namespace dtmt {
 inline namespace DTMT_CELL_MATH_NS {
 
-enum CellKind : int { kGRU = 0, kLGRU = 1, kLAU = 2, kATR = 3, kTGRU = 4 };
-
-// Rows of the input projection (W x), of the recurrent projection (U h) and number of normalised gates: the one
-// table of the C++ and CUDA kernels (constexpr: transition_cuda_kernels.cuh's Rows<KIND> reads it at compile time),
-// which tests hold equal to Python's (dtmt_kernels/ops/transition/layout.py, through _C.CELL_ROWS).
-DTMT_HD constexpr int cell_input_rows(int kind) {
-  return kind == kGRU ? 3 : (kind == kLGRU || kind == kLAU) ? 5 : kind == kATR ? 1 : 0;
-}
-DTMT_HD constexpr int cell_hidden_rows(int kind) {
-  return (kind == kGRU || kind == kTGRU) ? 3 : (kind == kLGRU || kind == kLAU) ? 4 : 1;
-}
-DTMT_HD constexpr int cell_ln_groups(int kind) { return (kind == kLGRU || kind == kLAU) ? 3 : 2; }
+// The cells' kind numbers and row counts: the one table of the row layout, dtmt_kernels/ops/transition/layout.py's
+// CELLS, which setup.py writes into cell_layout.inc (the C++ and CUDA kernels read it from there).
+#include "cell_layout.inc"
 
 // ---------------------------------------------------------------------------------------------------------
 // Scalar functions. On the host, float uses a branch-free exp (Cody-Waite reduction + degree-6 polynomial,
@@ -302,7 +293,7 @@ template <int KIND, bool DROP, typename T, typename A>
 DTMT_HD void gated_forward_elems(int H, const A* DTMT_RESTRICT g, const T* DTMT_RESTRICT xp,
                                  const T* DTMT_RESTRICT hp, const T* DTMT_RESTRICT h,
                                  const T* DTMT_RESTRICT drop, T* DTMT_RESTRICT out) {
-  constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
+  constexpr int NG = cell_ln_groups(KIND);
   const A* r = g;
   const A* z = g + H;
   const A* l = g + 2 * H;  // l (L-GRU) or g (LAU)
@@ -330,7 +321,7 @@ DTMT_HD void gated_forward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_R
                                const T* DTMT_RESTRICT h, const T* DTMT_RESTRICT lnw,
                                const T* DTMT_RESTRICT lnb, const T* DTMT_RESTRICT drop, A eps,
                                A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT out) {
-  constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
+  constexpr int NG = cell_ln_groups(KIND);
   A* g = scratch;
   gates_forward_row<T, A>(NG, H, KIND == kTGRU ? nullptr : xp, hp, lnw, lnb, eps, g, nullptr, nullptr);
   if (drop) {
@@ -347,7 +338,7 @@ DTMT_HD void gated_backward_elems(int H, const A* DTMT_RESTRICT g, const T* DTMT
                                   const T* DTMT_RESTRICT drop, const T* DTMT_RESTRICT dout,
                                   A* DTMT_RESTRICT dpre, T* DTMT_RESTRICT dxp, T* DTMT_RESTRICT dhp,
                                   T* DTMT_RESTRICT dh) {
-  constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
+  constexpr int NG = cell_ln_groups(KIND);
   const A* r = g;
   const A* z = g + H;
   const A* l = g + 2 * H;
@@ -392,7 +383,7 @@ DTMT_HD void gated_backward_row(int H, const T* DTMT_RESTRICT xp, const T* DTMT_
                                 const T* DTMT_RESTRICT dout, A* DTMT_RESTRICT scratch, T* DTMT_RESTRICT dxp,
                                 T* DTMT_RESTRICT dhp, T* DTMT_RESTRICT dh, T* DTMT_RESTRICT dlnw,
                                 T* DTMT_RESTRICT dlnb) {
-  constexpr int NG = (KIND == kLGRU || KIND == kLAU) ? 3 : 2;
+  constexpr int NG = cell_ln_groups(KIND);
   A* g = scratch;
   A* n = scratch + NG * H;
   A* dpre = scratch + 2 * NG * H;

@@ -57,8 +57,7 @@ void check_optional_sizes(const at::Tensor& t, std::initializer_list<int64_t> si
 
 int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* op, const char* what) {
   const int64_t kind = w.kind;
-  TORCH_CHECK(kind == kGRU || kind == kLGRU || kind == kLAU || kind == kATR, "dtmt::", op, ": ", what,
-              ": unknown cell kind ", kind, " (0 gru, 1 lgru, 2 lau, 3 atr)");
+  TORCH_CHECK(base_cell(kind), "dtmt::", op, ": ", what, ": unknown cell kind ", kind, " (", kBaseCellNames, ")");
   const int k = static_cast<int>(kind);
   const int64_t n_in = cell_input_rows(k), n_h = cell_hidden_rows(k), g = cell_ln_groups(k);
   TORCH_CHECK(w.w_hh.defined() && w.w_hh.dim() == 2 && w.w_hh.size(0) > 0 && w.w_hh.size(0) % n_h == 0, "dtmt::",

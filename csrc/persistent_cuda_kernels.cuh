@@ -608,13 +608,13 @@ cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& 
 template <typename T, typename A>
 cudaError_t launch_persistent_backward(int kind, const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                        cudaStream_t stream) {
+#define DTMT_CASE(K) \
+  case K: return launch_persistent_backward_kind<K, T, A>(a, grid, threads, stream);
   switch (kind) {
-    case kGRU: return launch_persistent_backward_kind<kGRU, T, A>(a, grid, threads, stream);
-    case kLGRU: return launch_persistent_backward_kind<kLGRU, T, A>(a, grid, threads, stream);
-    case kLAU: return launch_persistent_backward_kind<kLAU, T, A>(a, grid, threads, stream);
-    case kATR: return launch_persistent_backward_kind<kATR, T, A>(a, grid, threads, stream);
+    DTMT_FOR_EACH_BASE_CELL_KIND(DTMT_CASE)
     default: return cudaErrorInvalidValue;
   }
+#undef DTMT_CASE
 }
 
 template <int KIND, typename T, typename A>
@@ -639,13 +639,13 @@ cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a,
 template <typename T, typename A>
 cudaError_t launch_persistent_forward(int kind, const PersistentForwardArgs<T, A>& a, int grid, int threads,
                                       cudaStream_t stream) {
+#define DTMT_CASE(K) \
+  case K: return launch_persistent_forward_kind<K, T, A>(a, grid, threads, stream);
   switch (kind) {
-    case kGRU: return launch_persistent_forward_kind<kGRU, T, A>(a, grid, threads, stream);
-    case kLGRU: return launch_persistent_forward_kind<kLGRU, T, A>(a, grid, threads, stream);
-    case kLAU: return launch_persistent_forward_kind<kLAU, T, A>(a, grid, threads, stream);
-    case kATR: return launch_persistent_forward_kind<kATR, T, A>(a, grid, threads, stream);
+    DTMT_FOR_EACH_BASE_CELL_KIND(DTMT_CASE)
     default: return cudaErrorInvalidValue;
   }
+#undef DTMT_CASE
 }
 
 }  // namespace cuda

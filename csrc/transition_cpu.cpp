@@ -530,7 +530,7 @@ TransitionWeights with_tgru_slices(TransitionWeights w) {
 namespace {
 
 void check_kind(int64_t kind) {
-  TORCH_CHECK(kind == kGRU || kind == kLGRU || kind == kLAU || kind == kATR, "dtmt: unknown cell kind ", kind);
+  TORCH_CHECK(base_cell(kind), "dtmt: unknown cell kind ", kind, " (", kBaseCellNames, ")");
 }
 
 }  // namespace

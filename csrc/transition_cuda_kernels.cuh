@@ -503,26 +503,24 @@ inline cudaError_t launch_backward_kind(const StepBackwardArgs<T, A>& a, int B, 
 // kind: kGRU, kLGRU, kLAU, kATR (base cells) or kTGRU.
 template <typename T, typename A>
 cudaError_t launch_step_forward(int kind, const StepForwardArgs<T, A>& a, int B, cudaStream_t stream) {
+#define DTMT_CASE(K) \
+  case K: return launch_forward_kind<K, T, A>(a, B, stream);
   switch (kind) {
-    case kGRU: return launch_forward_kind<kGRU, T, A>(a, B, stream);
-    case kLGRU: return launch_forward_kind<kLGRU, T, A>(a, B, stream);
-    case kLAU: return launch_forward_kind<kLAU, T, A>(a, B, stream);
-    case kATR: return launch_forward_kind<kATR, T, A>(a, B, stream);
-    case kTGRU: return launch_forward_kind<kTGRU, T, A>(a, B, stream);
+    DTMT_FOR_EACH_CELL_KIND(DTMT_CASE)
     default: return cudaErrorInvalidValue;
   }
+#undef DTMT_CASE
 }
 
 template <typename T, typename A>
 cudaError_t launch_step_backward(int kind, const StepBackwardArgs<T, A>& a, int B, cudaStream_t stream) {
+#define DTMT_CASE(K) \
+  case K: return launch_backward_kind<K, T, A>(a, B, stream);
   switch (kind) {
-    case kGRU: return launch_backward_kind<kGRU, T, A>(a, B, stream);
-    case kLGRU: return launch_backward_kind<kLGRU, T, A>(a, B, stream);
-    case kLAU: return launch_backward_kind<kLAU, T, A>(a, B, stream);
-    case kATR: return launch_backward_kind<kATR, T, A>(a, B, stream);
-    case kTGRU: return launch_backward_kind<kTGRU, T, A>(a, B, stream);
+    DTMT_FOR_EACH_CELL_KIND(DTMT_CASE)
     default: return cudaErrorInvalidValue;
   }
+#undef DTMT_CASE
 }
 
 }  // namespace cuda

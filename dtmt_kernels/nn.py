@@ -40,7 +40,7 @@ from .backends import BackendSwitch, resolve_backend
 from .functional import (attention_context, check_attention_context, check_dtype_for_backend, lengths_to_mask,
                          linear)
 from .ops._autocast import autocast_mix
-from .ops.transition import CELL_KINDS, CELL_ROWS, KINDS, flat_params
+from .ops.transition import CELL_KINDS, CELL_ROWS, DEEP_TRANSITION_CELLS, KINDS, flat_params
 from .reference import TransitionWeights
 
 
@@ -366,6 +366,10 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
             c.__dict__["_unrolled"] = None
 
 
+# the base cells of a deep transition, for messages: 'gru', 'lgru' or 'lau'
+_DT_CELLS = ", ".join(map(repr, DEEP_TRANSITION_CELLS[:-1])) + f" or {DEEP_TRANSITION_CELLS[-1]!r}"
+
+
 class DeepTransitionGRU(TransitionLayer):
     """Deep transition RNN layer (DTMT / Nematus transition depth): a base cell (L-GRU, GRU or LAU) followed
     by `depth` T-GRUs at every step; the last T-GRU's output is the step's output and next state.
@@ -375,8 +379,8 @@ class DeepTransitionGRU(TransitionLayer):
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, bidirectional: bool = False, batch_first: bool = False,
                  candidate_dropout: float = 0.0, backend: str = "auto", reverse: bool = False):
-        if cell not in ("gru", "lgru", "lau"):
-            raise ValueError(f"DeepTransitionGRU: cell must be 'gru', 'lgru' or 'lau', got {cell!r}"
+        if cell not in DEEP_TRANSITION_CELLS:
+            raise ValueError(f"DeepTransitionGRU: cell must be {_DT_CELLS}, got {cell!r}"
                              + ("; use dtmt_kernels.nn.ATR" if cell == "atr" else ""))
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
                          candidate_dropout, backend, reverse)
@@ -418,8 +422,8 @@ class DeepTransitionGRUCell(TransitionCell):
 
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, candidate_dropout: float = 0.0, backend: str = "auto"):
-        if cell not in ("gru", "lgru", "lau"):
-            raise ValueError(f"DeepTransitionGRUCell: cell must be 'gru', 'lgru' or 'lau', got {cell!r}"
+        if cell not in DEEP_TRANSITION_CELLS:
+            raise ValueError(f"DeepTransitionGRUCell: cell must be {_DT_CELLS}, got {cell!r}"
                              + ("; use dtmt_kernels.nn.ATRCell" if cell == "atr" else ""))
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend)
 

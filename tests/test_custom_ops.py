@@ -4,12 +4,15 @@ dynamic shapes), the differentiable ops pass gradcheck in float64 through the op
 system compile with torch.compile(fullgraph=True) (no graph break) and export with torch.export, giving the eager
 outputs and gradients. CPU only (the CUDA kernels are registered under the same ops; tests/test_triton.py holds
 the Triton op to the same checks in triton's interpreter)."""
+import os
+
 import pytest
 import torch
 
 import dtmt_kernels as dk
 from conftest import RecordOps
 from dtmt_kernels.ops.transition import KINDS, flat_params
+import dtmt_models.engine.ops  # noqa: F401  (the engine's ops: their fakes and autocast rules)
 from dtmt_models import build_model
 from dtmt_models.decoding.beam_search import beam_search
 
@@ -29,18 +32,29 @@ def test_every_op_is_registered_in_the_dtmt_namespace():
 
 
 def test_the_row_layout_table_is_the_kernels_one():
-    """dtmt_kernels/ops/transition/layout.py (read by nn.py, the Triton launchers and the fakes) against
-    csrc/cell_math.h (read by the C++ and CUDA kernels), exported as _C.CELL_ROWS; and the layers' parameter shapes
-    follow it."""
+    """dtmt_kernels/ops/transition/layout.py's CELLS (read by nn.py, the Triton launchers and the fakes) against the
+    extension's compiled values (csrc/cell_layout.inc, read by the C++ and CUDA kernels), exported as _C.CELL_ROWS;
+    and the layers' parameter shapes follow it."""
     from dtmt_kernels import _C
-    from dtmt_kernels.ops.transition import CELL_ROWS, ROWS
+    from dtmt_kernels.ops.transition import CELL_ROWS, DEEP_TRANSITION_CELLS, ROWS
 
     assert {k: tuple(v) for k, v in _C.CELL_ROWS.items()} == ROWS
-    for cell in ("gru", "lgru", "lau"):
+    for cell in DEEP_TRANSITION_CELLS:
         layer = dk.nn.DeepTransitionGRU(3, 5, depth=1, cell=cell, layer_norm=True)
         n_in, n_h, n_g = CELL_ROWS[cell]
         assert layer.weight_ih.shape == (n_in * 5, 3) and layer.weight_hh.shape == (n_h * 5, 5)
         assert layer.ln_weight.shape == (n_g * 5,) and layer.tgru1_ln_weight.shape == (CELL_ROWS["tgru"][2] * 5,)
+
+
+def test_the_kernels_layout_header_is_generated_from_the_table():
+    """csrc/cell_layout.inc, the table as the C++ and CUDA kernels read it, is what setup.py writes from
+    layout.py's CELLS (it writes it before every build; committed, it must be current for the CUDA sources' own
+    compiles and a reader). Regenerate: python setup.py build_ext --inplace."""
+    from dtmt_kernels.ops.transition.layout import cell_layout_header
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cell_layout.inc"),
+              encoding="utf-8") as f:
+        assert f.read() == cell_layout_header()
 
 
 def _layer(cell, depth, ln, dtype=torch.float64, I=4, H=6):

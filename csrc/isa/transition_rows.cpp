@@ -45,23 +45,17 @@ template <int KIND, typename T> void backward_rows(const CellRows<T>& a, int64_t
 
 // The kind is checked by the caller (transition_cpu.cpp); an unknown one does nothing.
 template <typename T> void cell_forward_rows(const CellRows<T>& a, int64_t b0, int64_t b1, T* scratch) {
-  switch (a.kind) {
-    case kGRU: return forward_rows<kGRU, T>(a, b0, b1, scratch);
-    case kLGRU: return forward_rows<kLGRU, T>(a, b0, b1, scratch);
-    case kLAU: return forward_rows<kLAU, T>(a, b0, b1, scratch);
-    case kATR: return forward_rows<kATR, T>(a, b0, b1, scratch);
-    case kTGRU: return forward_rows<kTGRU, T>(a, b0, b1, scratch);
-  }
+#define DTMT_CASE(K) \
+  case K: return forward_rows<K, T>(a, b0, b1, scratch);
+  switch (a.kind) { DTMT_FOR_EACH_CELL_KIND(DTMT_CASE) }
+#undef DTMT_CASE
 }
 
 template <typename T> void cell_backward_rows(const CellRows<T>& a, int64_t b0, int64_t b1, T* scratch) {
-  switch (a.kind) {
-    case kGRU: return backward_rows<kGRU, T>(a, b0, b1, scratch);
-    case kLGRU: return backward_rows<kLGRU, T>(a, b0, b1, scratch);
-    case kLAU: return backward_rows<kLAU, T>(a, b0, b1, scratch);
-    case kATR: return backward_rows<kATR, T>(a, b0, b1, scratch);
-    case kTGRU: return backward_rows<kTGRU, T>(a, b0, b1, scratch);
-  }
+#define DTMT_CASE(K) \
+  case K: return backward_rows<K, T>(a, b0, b1, scratch);
+  switch (a.kind) { DTMT_FOR_EACH_CELL_KIND(DTMT_CASE) }
+#undef DTMT_CASE
 }
 
 template void cell_forward_rows<float>(const CellRows<float>&, int64_t, int64_t, float*);

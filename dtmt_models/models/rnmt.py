@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 import dtmt_kernels as dk
+from dtmt_kernels.ops.transition import DEEP_TRANSITION_CELLS
 from dtmt_models.data.vocabulary import BOS, EOS, never_output
 from dtmt_models.engine import EngineOptions, ops
 from dtmt_models.engine.forms import AttentionStep, FrozenReadout, FrozenTransitionCell, FrozenTransitionLayer
@@ -45,7 +46,7 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
-SWAPPABLE_CELLS = ("atr", "gru", "lgru", "lau")
+SWAPPABLE_CELLS = ("atr",) + DEEP_TRANSITION_CELLS   # (the order of the messages naming them)
 
 
 def _check_swappable(cell: str) -> None:

@@ -8,9 +8,9 @@
     reference.py        the pure-PyTorch reference, the executable spec (transition_sequence, the cells)
 The C++ kernels
 are csrc/transition_cpu.cpp and csrc/transition_cuda.cu, their per-element math csrc/cell_math.h."""
-from .layout import CELL_KINDS, CELL_ROWS, KIND_TGRU, KINDS, ROWS
+from .layout import CELL_KINDS, CELL_ROWS, CELLS, DEEP_TRANSITION_CELLS, KIND_TGRU, KINDS, ROWS
 from .op import PARAM_NAMES, flat_params, fused_sequence
 from .persistent import PersistentPlan, persistent_plan
 
-__all__ = ["CELL_KINDS", "CELL_ROWS", "KIND_TGRU", "KINDS", "ROWS", "PARAM_NAMES", "PersistentPlan", "flat_params",
+__all__ = ["CELL_KINDS", "CELL_ROWS", "CELLS", "DEEP_TRANSITION_CELLS", "KIND_TGRU", "KINDS", "ROWS", "PARAM_NAMES", "PersistentPlan", "flat_params",
            "fused_sequence", "persistent_plan"]

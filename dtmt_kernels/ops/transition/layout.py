@@ -13,19 +13,57 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-CELL_KINDS = ("gru", "lgru", "lau", "atr")          # the base cells a layer may have
-KINDS: Dict[str, int] = {"gru": 0, "lgru": 1, "lau": 2, "atr": 3, "tgru": 4}   # the kernels' `kind` numbers
+# The cells, one row each: the one table of the row layout. Python and Triton read it here; the C++ and CUDA kernels
+# read csrc/cell_layout.inc, which setup.py writes from it before every build (cell_layout_header; the file is
+# committed, and tests/test_custom_ops.py checks that it is current and that the extension's compiled values,
+# _C.CELL_ROWS, equal the table).
+#   name: (the kernels' `kind` number, input rows, recurrent rows, layer-normalised gates (in units of H), whether it
+#          may head a deep transition (T-GRUs after it))
+CELLS: Dict[str, Tuple[int, int, int, int, bool]] = {
+    "gru": (0, 3, 3, 2, True),      # W: r z c          U: r z c
+    "lgru": (1, 5, 4, 3, True),     # W: r z l c lin    U: r z l c
+    "lau": (2, 5, 4, 3, True),      # W: r z g c lin    U: r z g c
+    "atr": (3, 1, 1, 2, False),     # W: p              U: q          (LN on p and q separately)
+    "tgru": (4, 0, 3, 2, False),    # no input          U: r z c      (a deep transition's inner cells only)
+}
+KINDS: Dict[str, int] = {name: row[0] for name, row in CELLS.items()}   # the kernels' `kind` numbers
 KIND_TGRU = KINDS["tgru"]
+CELL_KINDS = tuple(name for name in CELLS if name != "tgru")          # the base cells a layer may have
+DEEP_TRANSITION_CELLS = tuple(name for name, row in CELLS.items() if row[4])   # DeepTransitionGRU's `cell`
 
 # kind -> (input rows, recurrent rows, layer-normalised gates), in units of H
-ROWS: Dict[int, Tuple[int, int, int]] = {
-    KINDS["gru"]: (3, 3, 2),    # W: r z c          U: r z c
-    KINDS["lgru"]: (5, 4, 3),   # W: r z l c lin    U: r z l c
-    KINDS["lau"]: (5, 4, 3),    # W: r z g c lin    U: r z g c
-    KINDS["atr"]: (1, 1, 2),    # W: p              U: q          (LN on p and q separately)
-    KINDS["tgru"]: (0, 3, 2),   # no input          U: r z c
-}
+ROWS: Dict[int, Tuple[int, int, int]] = {row[0]: row[1:4] for row in CELLS.values()}
 CELL_ROWS: Dict[str, Tuple[int, int, int]] = {name: ROWS[k] for name, k in KINDS.items()}
+
+
+def cell_layout_header() -> str:
+    """csrc/cell_layout.inc, the table above as C++: the CellKind enum and the constexpr row counts that
+    csrc/cell_math.h includes inside its namespace (each instruction set's copy has its own)."""
+    def chain(column: int) -> str:
+        *cases, last = [(f"k{name.upper()}", row[column]) for name, row in CELLS.items()]
+        return "".join(f"kind == {k} ? {v} : " for k, v in cases) + f"{last[1]}"
+
+    kinds = ", ".join(f"k{name.upper()} = {row[0]}" for name, row in CELLS.items())
+    every = " ".join(f"X(k{name.upper()})" for name in CELLS)
+    base = " ".join(f"X(k{name.upper()})" for name in CELL_KINDS)
+    names = ", ".join(f"{KINDS[name]} {name}" for name in CELL_KINDS)
+    return (
+        "// Generated from dtmt_kernels/ops/transition/layout.py (CELLS) by setup.py before every build: do not edit.\n"
+        "// Included by cell_math.h inside its namespace; tests/test_custom_ops.py checks that it is current.\n"
+        f"enum CellKind : int {{ {kinds} }};\n"
+        "\n"
+        "// Rows of the input projection (W x), of the recurrent projection (U h), in units of H, and the number of\n"
+        "// layer-normalised gates (constexpr: transition_cuda_kernels.cuh's Rows<KIND> reads them at compile time).\n"
+        + "".join(f"DTMT_HD constexpr int {fn}(int kind) {{\n  return {chain(column)};\n}}\n"
+                  for fn, column in (("cell_input_rows", 1), ("cell_hidden_rows", 2), ("cell_ln_groups", 3)))
+        + "\n// The base cells, those a layer may have (all but the T-GRU, a deep transition's inner cell), and their\n"
+        "// names for messages.\n"
+        f"DTMT_HD constexpr bool base_cell(long long kind) {{\n  return {' || '.join(f'kind == k{n.upper()}' for n in CELL_KINDS)};\n}}\n"
+        f'constexpr const char* kBaseCellNames = "{names}";\n'
+        "\n// X(kind) for every kind, and for the base cells' only: the kernels' dispatch from a kind number to code\n"
+        "// compiled for it (a switch of `case` lines), so that a new cell adds no case by hand.\n"
+        f"#define DTMT_FOR_EACH_CELL_KIND(X) {every}\n"
+        f"#define DTMT_FOR_EACH_BASE_CELL_KIND(X) {base}\n")
 
 
 def present(t: Optional[Tensor]) -> bool:
@@ -37,3 +75,4 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the kernels compute in and keep the states in (hs) for inputs of `dtype`: float64 for float64,
     float32 otherwise (16-bit inputs then also keep hs_lp, the states in their own dtype)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+

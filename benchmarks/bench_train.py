@@ -87,7 +87,7 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     base, _, variant = backend.partition("+")
     if variant == "unrolled":
         import dtmt_kernels as dk
-        dk.nn.UNROLLED_BACKENDS = dk.nn.UNROLLED_BACKENDS | {base}
+        dk.nn.UNROLLED_BACKENDS = dk.nn.UNROLLED_BACKENDS | {dk.resolve_backend(base, torch.device(device)).name}
     elif variant:
         raise SystemExit(f"bench_train.py: unknown backend variant {backend!r} (BACKEND+unrolled)")
     if backend != "-":

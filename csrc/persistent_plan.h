@@ -87,7 +87,7 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
                                       int multiprocessors, size_t smem_optin, bool mma, int threads) {
   PersistentPlan plan;
   const int blocks = multiprocessors < H ? multiprocessors : H;
-  if (blocks < 1 || B < 1) return plan;
+  if (blocks < 1 || B < 1 || !base_cell(kind)) return plan;   // (an unknown kind: no plan)
   plan.slice = (H + blocks - 1) / blocks;
   plan.grid = (H + plan.slice - 1) / plan.slice;
   plan.forward_bytes = persistent_forward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads);

@@ -181,8 +181,8 @@ Tensor additive_scores(const Tensor& keys, const Tensor& query, const Tensor& v)
   return dtmt::additive_scores_forward_cpu(dense(keys), dense(query), dense(v));
 }
 
-// values: a view whose last dimension is contiguous is read in place (e.g. a transposed encoder output)
-
+// values: a view whose last dimension is contiguous is read in place (e.g. a transposed encoder output;
+// last_dim_dense, op_args.h)
 Tensor attention_context(const Tensor& alpha, const Tensor& values) {
   return dtmt::attention_context_forward_cpu(dense(alpha), last_dim_dense(values));
 }

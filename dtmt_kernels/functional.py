@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
-from .ops._host_reads import host_list, host_reads_allowed
+from .ops._host_reads import host_list, host_reads_allowed, host_reads_kept
 from .ops.linear import small_rows_applicable, small_rows_linear
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._extension import built
@@ -23,7 +23,7 @@ from .reference import TransitionWeights
 __all__ = ["transition_sequence", "transition_step", "additive_scores", "attention_context", "linear",
            "small_rows_applicable", "small_rows_linear", "lengths_to_mask",
            "check_attention_context", "check_dtype_for_backend", "smoothed_cross_entropy", "host_reads_allowed",
-           "host_list"]
+           "host_list", "host_reads_kept"]
 
 LengthsLike = Union[Tensor, Sequence[int]]
 
@@ -177,7 +177,7 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
             return (torch.arange(T, device=device).unsqueeze(1) < on_device.unsqueeze(0)).to(dtype)
         if lengths.numel() != B:
             raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths.numel()}")
-        values = host_list(lengths)   # (read once a batch: host_list)
+        values = host_list(lengths)   # (once a batch inside host_reads_kept)
         lengths_cpu = torch.tensor(values, dtype=torch.long)
     else:
         try:

@@ -47,7 +47,8 @@ from .reference import TransitionWeights
 # The backends whose step cells run an `unrolled` block as one sequence (their weight gradients once over all steps).
 # The CUDA kernels take it too (transition_backward with weight_grads=False): "cuda" joins this set once a GPU session
 # has held it to the step-by-step path (tests/test_unrolled.py, test_gpu_unrolled_matches_the_cuda_step_path) and
-# measured it (bench_train.py --fused cuda cuda+unrolled); until then a GPU update forms them step by step.
+# measured it (bench_train.py --fused cuda cuda+unrolled); until then a GPU update forms them step by step. Only
+# "cpp" and "cuda" mean anything here: the steps call torch.ops.dtmt, whose kernels the tensors' device picks.
 UNROLLED_BACKENDS = frozenset({"cpp"})
 
 

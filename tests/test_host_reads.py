@@ -11,7 +11,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import dtmt_models as dm
-from dtmt_kernels.functional import host_list as host_list
+import dtmt_kernels as dk
+from dtmt_kernels.functional import host_list, host_reads_kept
 from dtmt_kernels.ops import _host_reads
 from dtmt_models.data.batching import collate
 
@@ -82,11 +83,24 @@ def test_an_eager_update_reads_the_lengths_once(system, monkeypatch):
     assert sum(reads.values()) == (4 if system == "transformer" else 3), dict(reads)
 
 
-def test_host_list_reads_a_tensor_again_after_an_in_place_change():
+def test_host_list_keeps_a_read_only_inside_a_block():
+    """host_list reads a tensor once inside host_reads_kept (one batch's forward), every time outside it, and works on
+    tensors without a version counter (made under torch.inference_mode)."""
     t = torch.tensor([3, 1, 2])
-    assert host_list(t) == [3, 1, 2] and host_list(t) is host_list(t)   # one read, kept on the tensor
+    with host_reads_kept():
+        reads = HostReads()
+        with reads:
+            assert host_list(t) == [3, 1, 2] and host_list(t) == [3, 1, 2]
+        assert sum(reads.where.values()) == 1
     t[1] = 5
     assert host_list(t) == [3, 5, 2]
+    with torch.inference_mode():
+        u = torch.tensor([4, 2])
+        with host_reads_kept():
+            assert host_list(u) == [4, 2]
+        layer = dk.nn.DeepTransitionGRU(3, 4, depth=1, batch_first=True)
+        out, _ = layer(torch.randn(2, 4, 3), lengths=u)
+        assert out[1, 2:].abs().max() == 0
 
 
 def test_bad_input_still_fails_while_captured(monkeypatch):

@@ -239,8 +239,11 @@ void BeamSearch::make_tables() {
 std::vector<Tensor> BeamSearch::run() {
   for (int64_t t = 0; t < steps_; ++t) {
     buffers_.scratch.rewind();   // (the state s carried from the last step is not in it: `state_`)
-    const Tensor log_probs = log_probs_of_step(t);
+    const Tensor step_log_probs = log_probs_of_step(t);
     DTMT_PHASE_START(eos_phase, eos_mask);
+    // [n * beam, V] float32 (the step's own buffer for a float model: the masking writes into it)
+    const Tensor log_probs =
+        step_log_probs.scalar_type() == at::kFloat ? step_log_probs : step_log_probs.to(at::kFloat);
     mask(log_probs, t);
     DTMT_PHASE_END(eos_phase);
     DTMT_PHASE_START(top_phase, top_candidates);
@@ -254,8 +257,8 @@ std::vector<Tensor> BeamSearch::run() {
   return results();
 }
 
-// The step from the previous tokens: the log-probabilities [n * beam, V] float32 (the step's own buffer for a float
-// model: the masking writes into it); s_ becomes the step's s'.
+// The step from the previous tokens: its log-probabilities [n * beam, V] (float32 for a float model, the step's own
+// buffer); s_ becomes the step's s'.
 Tensor BeamSearch::log_probs_of_step(int64_t t) {
   DTMT_PHASE_START(rows_phase, token_rows);
   Tensor y;
@@ -272,7 +275,7 @@ Tensor BeamSearch::log_probs_of_step(int64_t t) {
                          m_.attention, m_.readout, o_.beam, &tables_, /*with_attention=*/false, &buffers_);
   DTMT_PHASE_END(step_phase);
   s_ = r[1];
-  return r[0].scalar_type() == at::kFloat ? r[0] : r[0].to(at::kFloat);
+  return r[0];
 }
 
 // Ids never chosen; at the last step allowed for a sentence, only EOS may follow.

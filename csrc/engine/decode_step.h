@@ -2,7 +2,7 @@
 // PyTorch ops). See decode_step_cpu.cpp.
 //
 // The weights of a step are named structs, mirrored on the Python side by dataclasses of the same fields in
-// the same order (dtmt_kernels/functional.py: AttentionWeights, ReadoutWeights, MemoryWeights). They cross
+// the same order (dtmt_models/engine/ops.py: AttentionWeights, ReadoutWeights, MemoryWeights). They cross
 // the binding as a tensor list in that order (absent tensors empty) and are unpacked in one place, `from_list`;
 // the field names are exported (`_C.ATTENTION_WEIGHT_FIELDS`, ...) so that a test holds the two sides equal.
 #pragma once
@@ -80,8 +80,8 @@ bool source_products_pay(const at::Tensor& annotations, int64_t NH, const Transi
 
 // SourceProducts of annotations [B, S, C] with NH heads for the decoder cell's input matrix w_ih [N_ih, C] and the
 // readout's context matrix w_c [R, C] and their biases b_ih, b_c (empty: none); block = 0..B-1. heads: [w_ih; w_c]
-// per head, [NH, C / NH, N_ih + R] contiguous, of the annotations' dtype (dk.functional.context_heads, made once per
-// decoder), the GEMM's operand (another shape or dtype: an error); undefined: made here from w_ih and w_c.
+// per head, [NH, C / NH, N_ih + R] contiguous, of the annotations' dtype (dtmt_models.engine.ops.context_heads,
+// made once per decoder), the GEMM's operand (another shape or dtype: an error); undefined: made here from w_ih and w_c.
 SourceProducts source_products_cpu(const at::Tensor& annotations, int64_t NH, const at::Tensor& w_ih,
                                    const at::Tensor& b_ih, const at::Tensor& w_c, const at::Tensor& b_c,
                                    const at::Tensor& heads = at::Tensor());
@@ -198,7 +198,7 @@ struct SearchSource {
 // positions), context_heads: source_products_cpu's per-head matrices; each empty where the model has none.
 struct SearchModel {
   TransitionWeights query_cell, decoder_cell;
-  double cell_eps;
+  double cell_eps = 1e-5;
   AttentionWeights attention;
   ReadoutWeights readout;
   at::Tensor embed, positions, token_products, position_products, context_heads;
@@ -214,9 +214,9 @@ struct SearchModel {
 // finished ones (1 <= nbest <= beam; nullopt: beam), which are then exactly those a search run to max length
 // returns. banned: ids never chosen (PAD, BOS), their log-probabilities -inf before the candidates are ranked.
 struct SearchSettings {
-  int64_t beam;
-  double alpha;
-  int64_t bos, eos;
+  int64_t beam = 1;
+  double alpha = 0.0;
+  int64_t bos = 0, eos = 0;
   bool step_tables = false, early_stop = false;
   std::optional<int64_t> nbest;
   std::vector<int64_t> banned;

@@ -203,8 +203,8 @@ SourceProducts source_products_cpu(const Tensor& annotations, int64_t NH, const 
                                     heads.size(2) == N && heads.is_contiguous() &&
                                     heads.scalar_type() == annotations.scalar_type()),
               "dtmt._C.rnmt_beam_search: context_heads must be a contiguous [", NH, ", ", Dc, ", ", N,
-              "] of the annotations' dtype (dk.functional.context_heads of these weights), got ", heads.sizes(), " ",
-              heads.scalar_type());
+              "] of the annotations' dtype (dtmt_models.engine.ops.context_heads of these weights), got ",
+              heads.sizes(), " ", heads.scalar_type());
   const Tensor w = heads.defined() ? heads : at::cat({w_ih, w_c}, 0).view({N, NH, Dc}).permute({1, 2, 0});
   SourceProducts sp;
   sp.products = at::bmm(a, w).view({NH, B, S, N}).permute({1, 0, 2, 3}).contiguous().view({B * NH * S, N});

@@ -32,7 +32,8 @@ Tensor key_exps(const Tensor& keys) {
 }
 
 Tensor readout_features(const Tensor& y, const Tensor& s, const Tensor& c, at::TensorList weights, double eps) {
-  return dtmt::readout_features_cpu(dense(y), dense(s), dense(c), dtmt::ReadoutWeights::from_list(dense(weights), eps, /*with_output=*/false));
+  return dtmt::readout_features_cpu(dense(y), dense(s), dense(c),
+                                    dtmt::ReadoutWeights::from_list(dense(weights), eps, /*with_output=*/false));
 }
 
 std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, const Tensor& keys,

@@ -1,7 +1,9 @@
-"""Whether code may read tensor values on the host now (host_reads_allowed), and a tensor's values read once
-(host_list): a leaf module, read by the ops, the functional API and dtmt_models' checks alike. Re-exported by
+"""Whether code may read tensor values on the host now (host_reads_allowed), and a tensor's values read once a
+batch (host_list, host_reads_kept): a leaf module, read by the ops, the functional API and dtmt_models' checks alike. Re-exported by
 dtmt_kernels.functional."""
-from typing import List
+import contextlib
+import threading
+from typing import Iterator, List
 
 import torch
 
@@ -20,13 +22,31 @@ def host_reads_allowed() -> bool:
     return not (torch.compiler.is_compiling() or _capturing())
 
 
+_KEPT = threading.local()   # .values: {id(tensor): (tensor, its values)} inside host_reads_kept, else absent
+
+
+@contextlib.contextmanager
+def host_reads_kept() -> Iterator[None]:
+    """Within the block (one batch's forward, whose tensors do not change), host_list reads each tensor once: a
+    batch's lengths, which the input checks, the encoder's mask and the decoder's start all need, cost one read (one
+    synchronisation on a GPU) instead of one each. Blocks nest (the outer one holds); per thread."""
+    if torch.compiler.is_compiling() or getattr(_KEPT, "values", None) is not None:   # (no reads when compiling)
+        yield
+        return
+    _KEPT.values = {}
+    try:
+        yield
+    finally:
+        _KEPT.values = None
+
+
 def host_list(t: torch.Tensor) -> List:
-    """t.tolist(), read from its device once for as long as `t` is not changed in place (kept on the tensor itself,
-    with its version): a batch's lengths, which the input checks, the encoder's mask and the decoder's start all
-    need, cost one read (one synchronisation on a GPU) a batch instead of one each. Only where host_reads_allowed()."""
-    hit = t.__dict__.get("_dtmt_host_list")
-    if hit is not None and hit[0] == t._version:
-        return hit[1]
-    values = t.tolist()
-    t.__dict__["_dtmt_host_list"] = (t._version, values)
-    return values
+    """t.tolist(); inside host_reads_kept, read once for the block (the block keeps `t` alive, so its id is not
+    reused). Only where host_reads_allowed()."""
+    kept = getattr(_KEPT, "values", None)
+    if kept is None:
+        return t.tolist()
+    hit = kept.get(id(t))
+    if hit is None or hit[0] is not t:
+        hit = kept[id(t)] = (t, t.tolist())
+    return list(hit[1])

@@ -271,18 +271,22 @@ class FrozenMemoryEncoder(InferenceForm):
 
 @functools.singledispatch
 def inference_form(module: nn.Module) -> nn.Module:
-    """`module`'s form for decoding: what its `inference_module()` returns where it has one, a FrozenTransitionLayer /
-    FrozenTransitionCell for the kernels' layers and cells where the cpp backend runs their parameters
-    (runs_fused_inference), else the module itself."""
+    """`module`'s form for decoding: what its `inference_module()` returns where it has one (a subclass of the
+    kernels' layers too), a FrozenTransitionLayer / FrozenTransitionCell for the kernels' layers and cells where the
+    cpp backend runs their parameters (runs_fused_inference), else the module itself."""
     own = getattr(module, "inference_module", None)
     return own() if own is not None else module
 
 
 @inference_form.register
 def _(layer: dk.nn.TransitionLayer) -> nn.Module:
+    if hasattr(layer, "inference_module"):   # (a subclass that names its own)
+        return layer.inference_module()
     return FrozenTransitionLayer(layer) if runs_fused_inference(layer) else layer
 
 
 @inference_form.register
 def _(cell: dk.nn.TransitionCell) -> nn.Module:
+    if hasattr(cell, "inference_module"):
+        return cell.inference_module()
     return FrozenTransitionCell(cell) if runs_fused_inference(cell) else cell

@@ -292,7 +292,7 @@ def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, c
     return states, final
 
 
-def _attention_step_fake(query, keys, annotations, src_mask, weights, ln_eps):
+def _attention_step_fake(query, keys, annotations, src_mask, weights, ln_eps, key_exps=None):
     B, S, NH, _ = keys.shape
     w_o = weights[2]
     C = w_o.shape[0] if w_o.numel() else annotations.shape[2]

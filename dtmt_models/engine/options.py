@@ -14,12 +14,12 @@ class EngineOptions:
     the readout's context matrix (ops.fold_context_projection; before int8 rounding), so that a step reads
     two matrices instead of three; up to rounding.
 
-    huge_pages: the step's weights copied, last, into one buffer of 2 MiB pages (dk.functional.
+    huge_pages: the step's weights copied, last, into one buffer of 2 MiB pages (ops.
     step_weights_on_huge_pages), the encoder's sequence layers' parameters likewise (forms.FrozenTransitionLayer.
     on_huge_pages, in a shallow copy of the model that `encode` runs), and the previous token's tables each in its
     own such buffer: the same values, fewer TLB misses.
 
-    step_tables: the search's steps read what is made once instead of recomputing it (dk.functional.
+    step_tables: the search's steps read what is made once instead of recomputing it (ops.
     rnmt_beam_search): per sentence, the context's products with the decoder cell's and readout's matrices where that
     pays (short sources, float weights, after `fold`) and the keys' exponentials for the attention scores; per
     decoder, tables of the previous token's products with the query cell's input matrix and the readout's y matrix
@@ -32,7 +32,7 @@ class EngineOptions:
 
     source_tables: where the system encodes a source as its TokenEmbedding read by one FrozenTransitionLayer
     (AttentionalRNMT's encode_source), the embedding's products with the layer's input matrices as tables, one row
-    a source token (and one a position), from which `encode` reads each position's input products (dk.nn.
+    a source token (and one a position), from which `encode` reads each position's input products (forms.
     FrozenTransitionLayer.encode_tokens: no embedding lookup and no input GEMM a call; float weights, up to the
     layer's INPUT_TABLE_BYTES; not with int8, whose encoder quantizes its states); up to rounding."""
 

@@ -216,9 +216,9 @@ class Seq2Seq(nn.Module):
         readout features and vocabulary projection run once over [B, T, ...] after the loop; and the step cells
         run `dk.nn.unrolled` (their weight gradients formed once over all steps). A system that overrides
         `decoder_step` gets the same loop over its `decoder_step` instead."""
-        self.check_batch(src, src_lengths, prev_tokens)
-        # the step cells' weight gradients: one GEMM each over all steps; encode's check of the batch: done above
-        with dk.nn.unrolled(*self.modules()), checked_batch(self, src, src_lengths):
+        # the batch checked once (encode's check: done), its lengths read once; the step cells' weight gradients: one
+        # GEMM each over all steps
+        with checked_batch(self, src, src_lengths, prev_tokens), dk.nn.unrolled(*self.modules()):
             state = self.encode(src, src_lengths)
             T = prev_tokens.shape[1]
             if type(self).decoder_step is not Seq2Seq.decoder_step:
@@ -238,8 +238,8 @@ class Seq2Seq(nn.Module):
     def inference_decoder(self, int8: bool = False) -> "Seq2Seq":
         """What beam search decodes with (`encode` / `step` / `reorder`, the same results as this model's): in
         eval mode a copy of the model, sharing its parameters, in which every submodule that has a fused
-        inference form (`inference_module()`: the cells, attention, readout, mce's memory encoder; see
-        dtmt_models.engine.forms) stands in its place, and for the systems with one the whole step as one
+        inference form (dtmt_models.engine.forms.inference_form: the cells, attention, readout, mce's memory
+        encoder) stands in its place, and for the systems with one the whole step as one
         C++ call (rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
         `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
@@ -277,7 +277,8 @@ class Seq2Seq(nn.Module):
         return self
 
     def check_batch(self, src: Tensor, src_lengths: Tensor, prev_tokens: Optional[Tensor] = None) -> None:
-        if prev_tokens is None and self.__dict__.get("_checked_batch") == (id(src), id(src_lengths)):
+        if (prev_tokens is None and not torch.compiler.is_compiling()
+                and self.__dict__.get("_checked_batch") == (id(src), id(src_lengths))):
             return   # (forward checked this batch, its target side too, before its encode: checked_batch)
         name = type(self).__name__
         if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
@@ -318,15 +319,22 @@ class Seq2Seq(nn.Module):
 
 
 @contextlib.contextmanager
-def checked_batch(model: nn.Module, src: Tensor, src_lengths: Tensor):
-    """Within the block, `model.check_batch(src, src_lengths)` of these very tensors returns at once: its caller
-    has checked them (Seq2Seq.forward, before its encode), and each check reads the lengths and ids on the host (a
-    synchronisation on a GPU). The tensors stay alive in the block, so their ids are not reused."""
-    model.__dict__["_checked_batch"] = (id(src), id(src_lengths))
-    try:
-        yield
-    finally:
-        model.__dict__.pop("_checked_batch", None)
+def checked_batch(model: nn.Module, src: Tensor, src_lengths: Tensor, prev_tokens: Optional[Tensor] = None):
+    """`model.check_batch(src, src_lengths, prev_tokens)`, then a block (a training forward) in which the same check of
+    these very tensors returns at once (the forward's encode checks them again) and the lengths are read on the host
+    once (dk.functional.host_reads_kept: the checks, the encoder's mask and the first state read them): each read is
+    a synchronisation on a GPU. The tensors stay alive in the block, so their ids are not reused. Under torch.compile
+    (no host reads there) only the check: an id would guard the compiled graph on the batch's tensors."""
+    with dk.functional.host_reads_kept():
+        model.check_batch(src, src_lengths, prev_tokens)
+        if torch.compiler.is_compiling():
+            yield
+            return
+        model.__dict__["_checked_batch"] = (id(src), id(src_lengths))
+        try:
+            yield
+        finally:
+            model.__dict__.pop("_checked_batch", None)
 
 
 def inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module] = inference_form) -> nn.Module:

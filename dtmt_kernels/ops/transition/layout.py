@@ -39,9 +39,8 @@ CELL_ROWS: Dict[str, Tuple[int, int, int]] = {name: ROWS[k] for name, k in KINDS
 def cell_layout_header() -> str:
     """csrc/cell_layout.inc, the table above as C++: the CellKind enum and the constexpr row counts that
     csrc/cell_math.h includes inside its namespace (each instruction set's copy has its own)."""
-    def chain(column: int) -> str:
-        *cases, last = [(f"k{name.upper()}", row[column]) for name, row in CELLS.items()]
-        return "".join(f"kind == {k} ? {v} : " for k, v in cases) + f"{last[1]}"
+    def chain(column: int) -> str:   # (an unknown kind: 0 rows)
+        return "".join(f"kind == k{name.upper()} ? {row[column]} : " for name, row in CELLS.items()) + "0"
 
     kinds = ", ".join(f"k{name.upper()} = {row[0]}" for name, row in CELLS.items())
     every = " ".join(f"X(k{name.upper()})" for name in CELLS)

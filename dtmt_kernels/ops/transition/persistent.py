@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 
 from .._extension import _C
-from .layout import KINDS
+from .layout import CELL_KINDS, KINDS
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,8 +71,8 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     assumed where none is given)."""
     if _C is None:
         raise RuntimeError("dtmt_kernels: the compiled extension did not load; the persistent plan is its arithmetic")
-    if cell not in KINDS or cell == "tgru":
-        raise ValueError(f"cell must be one of gru, lgru, lau, atr, got {cell!r}")
+    if cell not in CELL_KINDS:
+        raise ValueError(f"cell must be one of {', '.join(CELL_KINDS)}, got {cell!r}")
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

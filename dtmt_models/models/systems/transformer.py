@@ -127,7 +127,6 @@ class TransformerNMT(Seq2Seq):
 
     def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Optional[Tensor] = None,
                 smoothing: float = 0.0):
-        self.check_batch(src, src_lengths, prev_tokens)
-        with checked_batch(self, src, src_lengths):   # (_encode's check: done)
+        with checked_batch(self, src, src_lengths, prev_tokens):   # (_encode's check: done)
             state = self._encode(src, src_lengths)
         return self.output(self._decode(state, prev_tokens), target, smoothing)

@@ -191,9 +191,9 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
                    for v in values):
             raise ValueError(f"{owner}: lengths must hold integers, got {values}")
         values = [int(v) for v in values]
+        if len(values) != B:
+            raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {len(values)}")
         lengths_cpu = torch.tensor(values, dtype=torch.long)
-    if lengths_cpu.numel() != B:
-        raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths_cpu.numel()}")
     if not host_reads_allowed():
         # under torch.compile / torch.export a data-dependent `if` would break the graph: the range check is an op
         # of the graph instead, failing at run time with the same message (without the values)

@@ -1,6 +1,6 @@
 """Whether code may read tensor values on the host now (host_reads_allowed), and a tensor's values read once a
-batch (host_list, host_reads_kept): a leaf module, read by the ops, the functional API and dtmt_models' checks alike. Re-exported by
-dtmt_kernels.functional."""
+batch (host_list, host_reads_kept): a leaf module, read by the ops, the functional API and dtmt_models' checks
+alike. Re-exported by dtmt_kernels.functional."""
 import contextlib
 import threading
 from typing import Iterator, List

@@ -59,8 +59,7 @@ class AdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
         if (type(ln) is nn.LayerNorm and tuple(ln.normalized_shape) == (query.out_features,)
                 and ln.weight is not None and ln.bias is not None):
             return AttentionStep(self, ops.AttentionWeights(query.weight, self.v.weight, ln_w=ln.weight,
-                                                                      ln_b=ln.bias, ln_eps=ln.eps),
-                                 single_head=True)
+                                                            ln_b=ln.bias, ln_eps=ln.eps), single_head=True)
         return self
 
     def extra_repr(self) -> str:
@@ -102,8 +101,8 @@ class MultiHeadAdditiveAttention(dk.nn.Unrollable, BackendSwitch, nn.Module):
         if not (runs_fused_inference(self, self.query, self.out) and plain_linear(self.query)
                 and plain_linear(self.out)):
             return self
-        return AttentionStep(self, ops.AttentionWeights(self.query.weight, self.v, self.out.weight,
-                                                                  self.out.bias), single_head=False)
+        return AttentionStep(self, ops.AttentionWeights(self.query.weight, self.v, self.out.weight, self.out.bias),
+                             single_head=False)
 
     def forward(self, query: Tensor, keys: Tensor, annotations: Tensor, src_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """Returns (context [B, C], weights [B, heads, S])."""

@@ -96,8 +96,8 @@ class Readout(nn.Module):
         if (len(self.deep) == 0 and type(self.output) is Projection and plain_linear(proj)
                 and runs_fused_inference(proj)):
             out = dict(w_out=proj.weight, b_out=proj.bias)
-        weights = ops.ReadoutWeights(self.from_y.weight, self.from_y.bias, self.from_s.weight,
-                                               self.from_s.bias, self.from_c.weight, self.from_c.bias, **ln, **out)
+        weights = ops.ReadoutWeights(self.from_y.weight, self.from_y.bias, self.from_s.weight, self.from_s.bias,
+                                     self.from_c.weight, self.from_c.bias, **ln, **out)
         return FrozenReadout(self, weights)
 
     def features(self, y: Tensor, s: Tensor, c: Tensor) -> Tensor:

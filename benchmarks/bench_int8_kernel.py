@@ -75,7 +75,7 @@ def _run(a, argv):
 
     from dtmt_kernels.ops.linear.quantize import pack_int8_rows
     from dtmt_models.models.checkpoint import load_model
-    from dtmt_models.models.rnmt import FusedRNMTDecoder
+    from dtmt_models.engine.rnmt import FusedRNMTDecoder
 
     from dtmt_kernels import _C
 

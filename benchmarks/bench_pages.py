@@ -65,7 +65,7 @@ def main(argv=None):
     from dtmt_models.data.corpus import corpus_paths, read_parallel
     from dtmt_models.decoding.translate import translate
     from dtmt_models.models.checkpoint import load_model
-    from dtmt_models.models.rnmt import FusedRNMTDecoder
+    from dtmt_models.engine.rnmt import FusedRNMTDecoder
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "dev_dtmt", "best.pt"))
@@ -93,7 +93,7 @@ def main(argv=None):
         if not isinstance(on, FusedRNMTDecoder):
             raise SystemExit(f"{a.checkpoint}: {ckpt['model_name']} has no fused decoder")
         if a.option == "context_table":   # an attribute made once, not a constructor option
-            off = FusedRNMTDecoder(on.prepared, on.layered, on.int8)
+            off = on.variant()
             if on.context_table is None:
                 raise SystemExit(f"{a.checkpoint}: its decoder makes no context_table")
             off.context_table = None
@@ -101,7 +101,7 @@ def main(argv=None):
             if on.token_table is None:
                 raise SystemExit(f"{a.checkpoint}: its decoder makes no token table (int8 weights, or a system "
                                  f"whose search embeds otherwise)")
-            off = FusedRNMTDecoder(on.prepared, on.layered, on.int8)
+            off = on.variant()
             # from here on its tables (a position table made longer too) stay ordinary
             off.options = replace(off.options, huge_pages=False)
             off.token_table, off._position_table = off.token_table.clone(), None
@@ -111,7 +111,7 @@ def main(argv=None):
         elif a.option == "nbest_stop":   # one decoder; the rule is the search's (its nbest)
             off = on
         else:
-            off = FusedRNMTDecoder(on.prepared, on.layered, on.int8, replace(on.options, **{a.option: False}))
+            off = on.variant(options=replace(on.options, **{a.option: False}))
         decoders = ({"2 MiB pages": on, "4 KiB pages": off} if a.option in ("huge_pages", "table_pages") else
                     {"nbest 1": on, "nbest 4": off} if a.option == "nbest_stop" else
                     {f"{a.option}=True": on, f"{a.option}=False": off})

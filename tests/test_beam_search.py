@@ -10,7 +10,6 @@ import dtmt_models as dm
 from dtmt_models.decoding.beam_search import beam_search, greedy, length_penalty
 from dtmt_models.data.vocabulary import BOS, EOS
 from dtmt_models.engine import EngineOptions
-from dtmt_models.models.rnmt import FusedRNMTDecoder
 
 
 class TableModel:
@@ -268,8 +267,7 @@ def _assert_same_hypotheses(result, expected, rtol):
 def _plain(decoder):
     """`decoder` (a FusedRNMTDecoder) with its steps reading no tables (step_tables=False): the search whose
     arithmetic is rnmt_step's, the Python loop's to the bit."""
-    return FusedRNMTDecoder(decoder.prepared, decoder.layered, int8=decoder.int8,
-                            options=replace(decoder.options, step_tables=False))
+    return decoder.variant(options=replace(decoder.options, step_tables=False))
 
 
 @pytest.mark.parametrize("system, options", [
@@ -468,8 +466,9 @@ def test_search_through_step_tables(system, options):
     int8 = model.inference_decoder(int8=True)
     assert int8.token_table is None   # (int8 weights: no token tables)
     alike(int8, src, lengths)
-    if heads > 1:
-        alike(FusedRNMTDecoder(int8.prepared, int8.layered, options=EngineOptions(fold=False)), src, lengths)
+    if heads > 1:   # the output projection kept (float32 weights, their tables), and int8 likewise
+        alike(model.inference_decoder().variant(options=EngineOptions(fold=False)), src, lengths)
+        alike(int8.variant(options=EngineOptions(fold=False)), src, lengths)
 
 
 def test_token_tables_hold_the_products_of_the_embeddings():
@@ -519,14 +518,13 @@ def test_context_table_holds_the_two_context_matrices_by_head():
     for h in range(heads):
         assert torch.equal(table[h], w[:, h * 64:(h + 1) * 64].t())
     assert model.inference_decoder(int8=True).context_table is None
-    assert FusedRNMTDecoder(decoder.prepared, decoder.layered, options=EngineOptions(fold=False)).context_table is None
-    assert FusedRNMTDecoder(decoder.prepared, decoder.layered,
-                            options=EngineOptions(step_tables=False)).context_table is None
+    assert decoder.variant(options=EngineOptions(fold=False)).context_table is None
+    assert decoder.variant(options=EngineOptions(step_tables=False)).context_table is None
     src, lengths = torch.randint(4, 24, (3, 6)), torch.tensor([6, 4, 5])
     assert 3 * heads * 6 * 2 <= 128   # the context's products pay for this batch
     kwargs = dict(beam=3, alpha=0.6, nbest=3, max_len_a=1.5, max_len_b=3)
     own = beam_search(decoder, src, lengths, **kwargs)
-    split = FusedRNMTDecoder(decoder.prepared, decoder.layered)
+    split = decoder.variant()
     split.context_table = None
     ref = beam_search(split, src, lengths, **kwargs)
     assert [[h.tokens for h in s] for s in own] == [[h.tokens for h in s] for s in ref]
@@ -549,7 +547,7 @@ def test_step_tables_weigh_each_sentence_on_its_own():
     heads = 2
     model = dm.build_model("dtmt", 24, 24, embed_dim=16, hidden_size=64, depth=1, heads=heads).eval()   # C = 128
     fast = model.inference_decoder()
-    plain = FusedRNMTDecoder(fast.prepared, fast.layered, options=EngineOptions(step_tables=False))
+    plain = fast.variant(options=EngineOptions(step_tables=False))
     src = torch.randint(4, 24, (3, 6))
     lengths = torch.tensor([6, 6])
     assert len(lengths) * heads * int(lengths.max()) * 2 <= 128   # both batches through the products

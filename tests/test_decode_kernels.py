@@ -18,7 +18,7 @@ from dtmt_models.engine.forms import (AttentionStep, FrozenMemoryEncoder, Frozen
                                      inference_form)
 from dtmt_models.models.attention import AdditiveAttention, MultiHeadAdditiveAttention
 from dtmt_models.models.registry import build_model
-from dtmt_models.models.rnmt import FusedRNMTDecoder
+from dtmt_models.engine.rnmt import FusedRNMTDecoder
 from dtmt_models.models.seq2seq import Readout
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
@@ -261,7 +261,7 @@ def test_readout_features_match_the_module(layer_norm, lead):
     assert inference_form(readout) is readout
 
 
-FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # rnmt.FusedRNMTDecoder
+FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # engine.rnmt.FusedRNMTDecoder
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -517,9 +517,9 @@ def test_fold_context_projection(system, options):
     torch.manual_seed(6)
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=24, **options).eval().double()
     with torch.no_grad():
-        prepared = model.inference_decoder().prepared   # both with the weights where they are (huge_pages=False)
-        folded = FusedRNMTDecoder(prepared, False, options=EngineOptions(huge_pages=False))
-        plain = FusedRNMTDecoder(prepared, False, options=EngineOptions(fold=False, huge_pages=False))
+        base = model.inference_decoder()   # both with the weights where they are (huge_pages=False)
+        folded = base.variant(options=EngineOptions(huge_pages=False))
+        plain = base.variant(options=EngineOptions(fold=False, huge_pages=False))
         has_projection = plain.attention.w_o is not None
         assert has_projection == (system == "dtmt") and folded.attention.w_o is None
         assert folded.decoder_cell.params[0].shape == plain.decoder_cell.params[0].shape
@@ -626,7 +626,7 @@ def test_row_panels_layout():
 
 @pytest.mark.parametrize("layer_kind", ["lgru-bi", "gru-reverse", "atr-bi", "lgru-shallow"])
 def test_sequence_layer_row_panels(layer_kind):
-    """FrozenTransitionLayer.with_row_panels (FusedRNMTDecoder(encoder_panels=True), the default): at batch 1 the
+    """FrozenTransitionLayer.with_row_panels (EngineOptions.encoder_panels, the default): at batch 1 the
     float32 products of the states with w_hh and the T-GRUs' t_w come from the row-panel layout (CpuKernels::
     row_panels: each output one multiply-add chain in k order): the layer's outputs, in float64, within float32
     rounding, as close to them as the row-major form's (with padding masks, time-major and unbatched, H = 40 so that
@@ -697,7 +697,7 @@ def test_encoder_panels_search(system):
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=40).eval()
     with torch.no_grad():
         on = model.inference_decoder()
-        off = FusedRNMTDecoder(on.prepared, on.layered, options=EngineOptions(encoder_panels=False))
+        off = on.variant(options=EngineOptions(encoder_panels=False))
         encoders = lambda d: [m for m in d.model.modules() if isinstance(m, FrozenTransitionLayer)]  # noqa: E731
         assert encoders(on) and all(m.panels is not None for m in encoders(on))
         assert all(m.panels is None for m in encoders(off))
@@ -806,7 +806,7 @@ def test_source_tables(system):
         model = model.to(dtype)
         with torch.no_grad():
             on = model.inference_decoder()
-            off = FusedRNMTDecoder(on.prepared, on.layered, options=EngineOptions(source_tables=False))
+            off = on.variant(options=EngineOptions(source_tables=False))
             assert (on.source_table is not None) == (system != "mce") and off.source_table is None
 
             def same(src, lengths):
@@ -844,9 +844,9 @@ def test_source_tables(system):
 
 
 def test_longer_table():
-    """rnmt.longer_table: the table itself while it is long enough; else one of max(length, 256, twice its rows)
+    """engine.rnmt.longer_table: the table itself while it is long enough; else one of max(length, 256, twice its rows)
     rows, or of `length` rows where that is refused, or None where both are."""
-    from dtmt_models.models.rnmt import longer_table
+    from dtmt_models.engine.rnmt import longer_table
 
     asked = []
 
@@ -921,12 +921,12 @@ def test_the_int8_form_of_a_fused_decoder_keeps_its_settings():
         base = model.inference_decoder()
         for fold, huge, products in ((False, False, False), (True, False, True), (False, True, True)):
             options = EngineOptions(fold=fold, huge_pages=huge, step_tables=products)
-            d = FusedRNMTDecoder(base.prepared, base.layered, options=options)
+            d = base.variant(options=options)
             q = d.inference_decoder(int8=True)
             assert q.int8 and q.options == options
             assert (q.attention.w_o is None) == fold   # folded, or kept for the step to apply
             assert q.inference_decoder(int8=True) is q and d.inference_decoder() is d
-            built = FusedRNMTDecoder(base.prepared, base.layered, int8=True, options=options)
+            built = base.variant(int8=True, options=options)
             assert beam_search(q, src, lengths, beam=3) == beam_search(built, src, lengths, beam=3)
 
 
@@ -943,7 +943,7 @@ def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
     model = build_model(system, 50, 60, embed_dim=16, hidden_size=24, **options).eval()
     with torch.no_grad():
         huge = model.inference_decoder()
-        plain = FusedRNMTDecoder(huge.prepared, huge.layered, options=EngineOptions(huge_pages=False))
+        plain = huge.variant(options=EngineOptions(huge_pages=False))
         layers = lambda d: [m for m in d.model.modules() if isinstance(m, FrozenTransitionLayer)]  # noqa: E731
         assert layers(huge) and layers(plain)
         if dk.ops.linear.huge_pages_offered():
@@ -968,7 +968,6 @@ def test_decoder_weights_on_huge_pages_give_the_same_results(system, options):
         prevs = [torch.randint(4, 60, (4,)) for _ in range(3)]
         assert_decoders_step_alike(huge, plain, src, lengths, prevs, torch.tensor([2, 0, 3, 1]), 0, 0, 0)
         for a, b in ((huge, plain), (huge.inference_decoder(int8=True),
-                                     FusedRNMTDecoder(huge.prepared, huge.layered, int8=True,
-                                                      options=EngineOptions(huge_pages=False)))):
+                                     huge.variant(int8=True, options=EngineOptions(huge_pages=False)))):
             assert a.search is not None
             assert beam_search(a, src, lengths, beam=3) == beam_search(b, src, lengths, beam=3)

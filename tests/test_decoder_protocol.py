@@ -100,3 +100,111 @@ def test_what_is_no_decoder_is_refused():
         as_decoder(StepsOnly(), int8=True)
     with pytest.raises(ValueError, match="int8"):   # the transformer has no int8 weight matrices
         as_decoder(_model("transformer"), int8=True)
+
+
+# what each system class states (Seq2Seq.fused_step): FusedRNMTDecoder for these, with or without its parts
+STATED = {"dtmt": (True, True), "shallow-rnmt": (True, True), "rnnsearch-atr": (True, True), "mce": (True, False),
+          "nematus": (True, False)}   # system: (one-call search, source tables)
+
+
+@pytest.mark.parametrize("system", list_models())
+def test_the_fused_step_is_what_the_class_states(system):
+    """The export takes the engine's one-call step exactly where the class states it (no method compared), with the
+    one-call search and the source tables as stated: mce redefines encode_source (no tables), Nematus encodes on
+    its own and embeds without positions."""
+    from dtmt_models.engine.rnmt import FusedRNMTDecoder
+
+    model = _model(system)
+    decoder = as_decoder(model)
+    assert isinstance(decoder, FusedRNMTDecoder) == (system in STATED)
+    assert (type(model).fused_step is not None) == (system in STATED)
+    if system in STATED:
+        search, tables = STATED[system]
+        assert (decoder.search is not None, decoder.source_table is not None) == (search, tables)
+        assert decoder.layered == (system == "nematus")
+
+
+def _stepped(model, src, lengths, tokens):
+    """log-probabilities [B, T, V] of `model`'s own steps (its modules) over `tokens` [B, T]."""
+    with torch.no_grad():
+        state, out = model.encode(src, lengths), []
+        for t in range(tokens.shape[1]):
+            lp, state = model.step(state, tokens[:, t])
+            out.append(lp)
+    return torch.stack(out, 1)
+
+
+def test_a_subclass_that_redefines_the_step_loses_the_fused_step():
+    """A subclass that redefines a method of the step (in its body or through a mixin), without stating
+    `fused_step`, decodes with its own methods (not the fused op, which would compute its base's step); one that
+    states it again keeps it; one that redefines an encode method keeps the step without the source tables, and
+    decodes as its modules do."""
+    from dtmt_models.engine.rnmt import FusedRNMTDecoder, FusedStep
+    from dtmt_models.models.systems.dtmt import DTMT
+
+    class Halved(DTMT):
+        def transition(self, state, y, keep_attention=True):
+            (s, c), state = super().transition(state, 0.5 * y, keep_attention)
+            return (s, c), state
+
+    class Stated(Halved):
+        fused_step = FusedStep()   # (wrongly, for the test: the statement is taken as given)
+
+    class Doubled(DTMT):
+        def encode_source(self, src, src_lengths):
+            return 2.0 * super().encode_source(src, src_lengths)
+
+    class HalvedMixin:   # the same step change from a mixin ahead of the system in the class's order
+        def transition(self, state, y, keep_attention=True):
+            return super().transition(state, 0.5 * y, keep_attention)
+
+    class Mixed(HalvedMixin, DTMT):
+        pass
+
+    assert Halved.fused_step is None and Stated.fused_step == FusedStep() and DTMT.fused_step is not None
+    assert Mixed.fused_step is None
+    assert Doubled.fused_step is not None and not Doubled.fused_step.tabled_encoder
+    src, lengths = _batch()
+    tokens = torch.randint(4, V, (3, 4), generator=torch.Generator().manual_seed(1))
+    for cls, fused in ((Halved, False), (Mixed, False), (Stated, True), (Doubled, True)):
+        torch.manual_seed(0)
+        model = cls(V, V, embed_dim=16, hidden_size=16).double().eval()
+        decoder = as_decoder(model)
+        assert isinstance(decoder, FusedRNMTDecoder) == fused
+        if cls is Stated:
+            continue
+        if fused:
+            assert decoder.source_table is None
+        reference = cls(V, V, embed_dim=16, hidden_size=16).double().eval()
+        reference.load_state_dict(model.state_dict())
+        reference.set_backend("reference")
+        torch.testing.assert_close(_stepped(decoder, src, lengths, tokens), _stepped(reference, src, lengths, tokens),
+                                   rtol=1e-10, atol=1e-10)
+
+
+def test_teacher_forcing_steps_through_a_redefined_decoder_step():
+    """Teacher forcing runs `transition` batched over the steps, or, for a class whose `decoder_step` is not
+    Seq2Seq's (here from a mixin; stated at class creation: stepwise_teacher_forcing), that method step by step:
+    its log-probabilities are its own steps'."""
+    from dtmt_models.models.systems.dtmt import DTMT
+
+    class ShiftedMixin:
+        def decoder_step(self, state, prev_tokens):
+            features, state = super().decoder_step(state, prev_tokens)
+            return features + 0.25, state
+
+    class Shifted(ShiftedMixin, DTMT):
+        pass
+
+    assert Shifted.stepwise_teacher_forcing and not DTMT.stepwise_teacher_forcing
+    torch.manual_seed(0)
+    model = Shifted(V, V, embed_dim=16, hidden_size=16).double().eval()
+    src, lengths = _batch()
+    tokens = torch.randint(4, V, (3, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        forced = model(src, lengths, tokens)
+    torch.testing.assert_close(forced, _stepped(model, src, lengths, tokens), rtol=1e-12, atol=1e-12)
+    plain = DTMT(V, V, embed_dim=16, hidden_size=16).double().eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(plain(src, lengths, tokens), forced)

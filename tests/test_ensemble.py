@@ -60,11 +60,10 @@ def test_ensemble_of_a_model_with_itself_is_the_model(checkpoints):
     members' steps; the model's default search reads tables made once, the same search up to rounding, so a near-tie
     of these random models may go the other way: tests/test_beam_search.py, test_search_through_step_tables)."""
     from dtmt_models.engine import EngineOptions
-    from dtmt_models.models.rnmt import FusedRNMTDecoder
     _, models, sv, tv = checkpoints
     for key in ("a", "b"):
         fast = models[key].inference_decoder()
-        plain = FusedRNMTDecoder(fast.prepared, fast.layered, options=EngineOptions(step_tables=False))
+        plain = fast.variant(options=EngineOptions(step_tables=False))
         alone = translate(models[key], sv, tv, INPUTS, beam=3, nbest=3, decoder=plain)
         doubled = translate(Ensemble([models[key], models[key]]), sv, tv, INPUTS, beam=3, nbest=3)
         assert doubled == alone                   # texts and scores, exactly

@@ -349,7 +349,7 @@ def test_int8_kernel_is_thread_count_independent_and_refuses_bad_input():
         torch.ops.dtmt.small_rows_linear(torch.randn(4, 63), packed, b)
 
 
-FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # rnmt.FusedRNMTDecoder
+FUSED_STEP_SYSTEMS = ("dtmt", "shallow-rnmt", "rnnsearch-atr", "mce", "nematus")   # engine.rnmt.FusedRNMTDecoder
 
 
 @needs_cpp
@@ -374,7 +374,7 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
     from benchmarks import bench_int8
     from dtmt_models.models.registry import build_model
     from dtmt_models.engine import EngineOptions
-    from dtmt_models.models.rnmt import FusedRNMTDecoder
+    from dtmt_models.engine.rnmt import FusedRNMTDecoder
 
     torch.manual_seed(0)
     model = spread_weights(build_model(system, 50, 60, embed_dim=16, hidden_size=24))
@@ -386,8 +386,7 @@ def test_int8_decoder_is_the_reference_with_int8_products(monkeypatch, system):
     with torch.no_grad():
         # fold=False: the step reads the modules' own matrices (the fold rounds W_ih W_o as one matrix instead)
         float_decoder = model.inference_decoder()
-        int8 = FusedRNMTDecoder(float_decoder.model, float_decoder.layered, int8=True,
-                                options=EngineOptions(fold=False))
+        int8 = float_decoder.variant(int8=True, options=EngineOptions(fold=False))
         assert isinstance(int8, FusedRNMTDecoder) and int8.int8
         assert int8.readout.w_out.dtype == torch.int8 and int8.query_cell.params[2].dtype == torch.int8
         assert model.readout.output.proj.weight.dtype == torch.float32     # the model itself is untouched

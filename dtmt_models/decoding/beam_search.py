@@ -16,7 +16,7 @@ rows of a sentence (the annotations, attention keys, source mask) may then be ke
 A decoder whose `search` is not None (FusedRNMTDecoder: the attentional RNMT systems) runs this whole loop as one
 C++ call, `search(state, beam, alpha, max_len, early_stop, nbest)`, after `encode`, without Python between steps: the same
 decisions in the same arithmetic (the loop here is its reference in tests/test_beam_search.py) with
-FusedRNMTDecoder(step_tables=False); by default its steps read tables made once (per model, per sentence) instead of
+EngineOptions(step_tables=False); by default its steps read tables made once (per model, per sentence) instead of
 recomputing their products, the same search up to the rounding of those sums.
 `fused=False` keeps the loop here. Without a fused search, off the CPU (a GPU), the loop is device_search's: the
 same decisions with the bookkeeping on the device, read every few steps instead of three times a step.

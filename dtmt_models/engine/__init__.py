@@ -4,6 +4,8 @@
                  encoder; C++ in csrc/engine/) and the weight structures they take
     forms.py     the frozen forms that stand in for a model's modules, and inference_form(module)
     decoder.py   the Decoder protocol every search drives, as_decoder
+    rnmt.py      FusedRNMTDecoder: the attentional systems' step and beam search as one C++ call each, and
+                 FusedStep, what a system class states to get it
     options.py   EngineOptions, the fused decoder's switches
 
 It sits between the kernels (dtmt_kernels, which know nothing of NMT) and the models, which build their forms

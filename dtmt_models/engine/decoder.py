@@ -19,11 +19,14 @@ checks every registered system.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from dtmt_models.data.vocabulary import PAD
+
+State = Dict[str, Tensor]
 
 
 @runtime_checkable
@@ -73,3 +76,20 @@ def as_decoder(model, int8: bool = False) -> Decoder:
         raise TypeError(f"{type(decoder).__name__} is not a decoder: it has no {', '.join(missing)} "
                         f"(dtmt_models.engine.decoder.Decoder)")
     return AdaptedDecoder(decoder)
+
+
+def check_step_tokens(name: str, prev_tokens: Tensor, B: int) -> None:
+    """`step`'s tokens: a LongTensor [B], one previous token for each of the state's B rows (ValueError)."""
+    if not isinstance(prev_tokens, Tensor) or prev_tokens.dtype != torch.long or tuple(prev_tokens.shape) != (B,):
+        raise ValueError(f"{name}.step: prev_tokens must be a LongTensor [B={B}] (one token for each of the state's "
+                         f"rows), got {getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "
+                         f"{list(getattr(prev_tokens, 'shape', []))}")
+
+
+def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:
+    """The state after a decoder step: `state` with `updates`, plus the step's attention weights as "attn" where
+    kept (for multi-head attention [B, heads, S], the head average)."""
+    new = {**state, **updates}
+    if keep_attention:
+        new["attn"] = alpha.mean(1) if alpha.dim() == 3 else alpha
+    return new

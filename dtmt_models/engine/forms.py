@@ -13,8 +13,9 @@ The kernels' layers (dtmt_kernels.nn) get their forms here; a model's own module
 `inference_module()` method, which builds one of these from its parameters where the fused ops can take it."""
 from __future__ import annotations
 
+import copy
 import functools
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -290,3 +291,19 @@ def _(cell: dk.nn.TransitionCell) -> nn.Module:
     if hasattr(cell, "inference_module"):
         return cell.inference_module()
     return FrozenTransitionCell(cell) if runs_fused_inference(cell) else cell
+
+
+def inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module] = inference_form) -> nn.Module:
+    """`module` with every submodule whose `form` (default: engine.forms.inference_form) is another module replaced
+    by it, as shallow copies of the modules on the way (parameters, buffers and the untouched submodules shared);
+    `module` itself where nothing is replaced."""
+    replaced = form(module)
+    if replaced is not module:
+        return replaced
+    children = {name: None if child is None else inference_copy(child, form)
+                for name, child in module._modules.items()}
+    if all(children[name] is child for name, child in module._modules.items()):
+        return module
+    new = copy.copy(module)
+    new.__dict__["_modules"] = children
+    return new

@@ -1,4 +1,4 @@
-"""The fused decoder's switches in one place (dtmt_models.models.rnmt.FusedRNMTDecoder). Each is on by default and
+"""The fused decoder's switches in one place (dtmt_models.engine.rnmt.FusedRNMTDecoder). Each is on by default and
 gives the same translations, to the bit or up to rounding as said; off only in tests (each against its plain
 counterpart) and benchmarks (`benchmarks/bench_pages.py --option NAME` times one on against off, alternated in one
 process). What each buys, measured: docs/design/decoding.md, "Engine options"; a switch whose gain measures under 3%

@@ -14,8 +14,8 @@ embedding lookup, the readout features and the vocabulary projection applied onc
 from __future__ import annotations
 
 import contextlib
-import copy
-from typing import Callable, Dict, Optional, Tuple
+from dataclasses import replace
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -24,10 +24,10 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
 from dtmt_models.engine import ops
-from dtmt_models.engine.forms import FrozenReadout, inference_form, plain_linear, runs_fused_inference
+from dtmt_models.engine.decoder import State, check_step_tokens
+from dtmt_models.engine.forms import FrozenReadout, inference_copy, plain_linear, runs_fused_inference
+from dtmt_models.engine.rnmt import FusedStep
 from dtmt_models.models.loss import float_log_softmax, smoothed_cross_entropy
-
-State = Dict[str, Tensor]
 
 
 class Projection(nn.Module):
@@ -113,23 +113,6 @@ class Readout(nn.Module):
         return float_log_softmax(self.logits(features))
 
 
-def check_step_tokens(name: str, prev_tokens: Tensor, B: int) -> None:
-    """`step`'s tokens: a LongTensor [B], one previous token for each of the state's B rows (ValueError)."""
-    if not isinstance(prev_tokens, Tensor) or prev_tokens.dtype != torch.long or tuple(prev_tokens.shape) != (B,):
-        raise ValueError(f"{name}.step: prev_tokens must be a LongTensor [B={B}] (one token for each of the state's "
-                         f"rows), got {getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "
-                         f"{list(getattr(prev_tokens, 'shape', []))}")
-
-
-def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:
-    """The state after a decoder step: `state` with `updates`, plus the step's attention weights as "attn" where
-    kept (for multi-head attention [B, heads, S], the head average)."""
-    new = {**state, **updates}
-    if keep_attention:
-        new["attn"] = alpha.mean(1) if alpha.dim() == 3 else alpha
-    return new
-
-
 def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:
     """[B, max_len] bool, True at real tokens."""
     return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
@@ -165,6 +148,44 @@ class Seq2Seq(nn.Module):
     # transformer has one), no one-call search (FusedRNMTDecoder has one)
     max_target_steps: Optional[int] = None
     search = None
+    # What a class states of its methods, read once (at export, at the first forward) instead of comparing methods
+    # there. A class that gets a method of what a statement covers from elsewhere than the class that made the
+    # statement (its own definition, a mixin's) and does not state it again loses what that method covers (set
+    # once, when the class is made: __init_subclass__).
+    # fused_step: the engine's one-call step computes this class's step (engine.rnmt.FusedStep; AttentionalRNMT and
+    #   Nematus state it); None: the step runs as the modules.
+    fused_step: Optional[FusedStep] = None
+    # stepwise_teacher_forcing: teacher forcing runs `decoder_step` step by step (a class whose decoder_step is not
+    #   Seq2Seq's) instead of `transition` with the embeddings and readout batched over all steps.
+    stepwise_teacher_forcing: bool = False
+    _STEP_METHODS = ("transition", "features", "decoder_step", "step")
+    _ENCODE_METHODS = ("encode", "encode_source", "state_from")
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's statements: its own, else those of the class that made them, less what the methods it gets
+        from elsewhere cover (a step method: the fused step; `embed_step`: the one-call search, whose op embeds the
+        previous token itself; an encode method: the source tables)."""
+        super().__init_subclass__(**kwargs)
+        own = vars(cls)
+        if "stepwise_teacher_forcing" not in own:
+            cls.stepwise_teacher_forcing = cls.decoder_step is not Seq2Seq.decoder_step
+        if "fused_step" in own or cls.fused_step is None:
+            return
+        stated = next(c for c in cls.__mro__ if "fused_step" in vars(c))
+
+        def changed(names):
+            return any(getattr(cls, n, None) is not getattr(stated, n, None) for n in names)
+
+        if changed(Seq2Seq._STEP_METHODS):
+            cls.fused_step = None
+            return
+        lost = {}
+        if changed(("embed_step",)):
+            lost["embeds"] = False
+        if changed(Seq2Seq._ENCODE_METHODS):
+            lost["tabled_encoder"] = False
+        if lost:
+            cls.fused_step = replace(cls.fused_step, **lost)
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, pad_id: int = 0):
         super().__init__()
@@ -221,7 +242,7 @@ class Seq2Seq(nn.Module):
         with checked_batch(self, src, src_lengths, prev_tokens), dk.nn.unrolled(*self.modules()):
             state = self.encode(src, src_lengths)
             T = prev_tokens.shape[1]
-            if type(self).decoder_step is not Seq2Seq.decoder_step:
+            if self.stepwise_teacher_forcing:
                 feats = []
                 for t in range(T):
                     f, state = self.decoder_step(state, prev_tokens[:, t])
@@ -240,11 +261,12 @@ class Seq2Seq(nn.Module):
         eval mode a copy of the model, sharing its parameters, in which every submodule that has a fused
         inference form (dtmt_models.engine.forms.inference_form: the cells, attention, readout, mce's memory
         encoder) stands in its place, and for the systems with one the whole step as one
-        C++ call (rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
+        C++ call (engine.rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
         `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
         optimizer step), build a new one. On a decoder, returns itself. `int8`: decode with int8 weight matrices,
-        which only the fused step of the attentional RNMT systems has (rnmt.FusedRNMTDecoder): ValueError here."""
+        which only the fused step of the attentional RNMT systems has (engine.rnmt.FusedRNMTDecoder): ValueError
+        here."""
         if int8:
             raise int8_unavailable(self)
         if self.training or self.__dict__.get("_inference_copy", False):
@@ -335,22 +357,6 @@ def checked_batch(model: nn.Module, src: Tensor, src_lengths: Tensor, prev_token
             yield
         finally:
             model.__dict__.pop("_checked_batch", None)
-
-
-def inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module] = inference_form) -> nn.Module:
-    """`module` with every submodule whose `form` (default: engine.forms.inference_form) is another module replaced
-    by it, as shallow copies of the modules on the way (parameters, buffers and the untouched submodules shared);
-    `module` itself where nothing is replaced."""
-    replaced = form(module)
-    if replaced is not module:
-        return replaced
-    children = {name: None if child is None else inference_copy(child, form)
-                for name, child in module._modules.items()}
-    if all(children[name] is child for name, child in module._modules.items()):
-        return module
-    new = copy.copy(module)
-    new.__dict__["_modules"] = children
-    return new
 
 
 def summary(model: nn.Module) -> str:

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch import Tensor
 
 import dtmt_kernels as dk
+from dtmt_models.engine.decoder import step_state
 from dtmt_models.models.attention import AdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.registered import register_model
@@ -42,7 +43,7 @@ from dtmt_models.models.rnmt import (
     recurrent_layer,
     start_state,
 )
-from dtmt_models.models.seq2seq import Readout, Seq2Seq, State, lengths_mask, step_state
+from dtmt_models.models.seq2seq import Readout, Seq2Seq, State, lengths_mask
 
 
 @register_model("rnnsearch-atr")

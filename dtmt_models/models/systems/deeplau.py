@@ -19,11 +19,12 @@ import torch.nn as nn
 from torch import Tensor
 
 import dtmt_kernels as dk
+from dtmt_models.engine.decoder import step_state
 from dtmt_models.models.attention import AdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.registered import register_model
 from dtmt_models.models.rnmt import recurrent_cell, recurrent_layer, start_state
-from dtmt_models.models.seq2seq import Projection, Seq2Seq, State, step_state
+from dtmt_models.models.seq2seq import Projection, Seq2Seq, State
 
 
 @register_model("deeplau")

@@ -36,11 +36,13 @@ import torch.nn as nn
 from torch import Tensor
 
 import dtmt_kernels as dk
+from dtmt_models.engine.decoder import step_state
+from dtmt_models.engine.rnmt import FusedStep
 from dtmt_models.models.attention import AdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.registered import register_model
 from dtmt_models.models.rnmt import fused_or_prepared, start_state
-from dtmt_models.models.seq2seq import Readout, Seq2Seq, State, step_state
+from dtmt_models.models.seq2seq import Readout, Seq2Seq, State
 
 ENCODERS = ("shallow", "deep-transition", "alternating", "biunidirectional", "bideep")
 DECODERS = ("shallow", "deep-transition", "gru", "rgru", "cgru", "crgru", "bideep")
@@ -78,6 +80,10 @@ class _Level(nn.Module):
 
 @register_model("nematus")
 class Nematus(Seq2Seq):
+    # its one-level step is the engine's one-call step, with s [B, levels, H] and the previous token's row alone;
+    # its own encode
+    fused_step = FusedStep(layered=True, positions=False, tabled_encoder=False)
+
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
                  encoder: str = "shallow", decoder: str = "shallow", enc_depth: int = 2,
                  enc_transition_depth: int = 2, dec_depth: int = 2, dec_base_transition_depth: int = 4,
@@ -175,5 +181,5 @@ class Nematus(Seq2Seq):
 
     def inference_decoder(self, int8: bool = False):
         """Seq2Seq.inference_decoder; a decoder of one level (the cGRU: shallow and deep-transition decoders) runs
-        the whole step as one C++ call (rnmt.FusedRNMTDecoder), with int8 weight matrices if asked."""
-        return fused_or_prepared(self, super().inference_decoder(), Nematus.transition, layered=True, int8=int8)
+        the whole step as one C++ call (engine.rnmt.FusedRNMTDecoder), with int8 weight matrices if asked."""
+        return fused_or_prepared(self, super().inference_decoder(), int8)

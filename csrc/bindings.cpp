@@ -13,10 +13,6 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "dtmt fused kernels: constants and CPU instruction-set choice (the ops are torch.ops.dtmt.*)";
-  m.attr("KIND_GRU") = static_cast<int>(dtmt::kGRU);
-  m.attr("KIND_LGRU") = static_cast<int>(dtmt::kLGRU);
-  m.attr("KIND_LAU") = static_cast<int>(dtmt::kLAU);
-  m.attr("KIND_ATR") = static_cast<int>(dtmt::kATR);
   {  // the row layout as compiled (cell_layout.inc), which tests hold equal to dtmt_kernels/ops/transition/layout.py
     py::dict rows;
 #define DTMT_ROW(K) \

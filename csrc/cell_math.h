@@ -171,6 +171,45 @@ DTMT_HD void lau_elem_backward(A r, A z, A g, A xc, A lin, A hc, A h, A m, A dhn
   dh = ds * (A(1) - z);
 }
 
+// A gated kind's element by its kind number: the one place a gated cell's element is chosen (the CPU rows below,
+// the CUDA per-step and persistent kernels all call these). What it reads beyond the gates r, z and the third gate
+// l (NG = 3): the candidate's input row xc, row NG of the input products (none for a T-GRU: 0), and, where the
+// input projection has a row more (L-GRU, LAU), the linear path's lin after it (else 0); gated_input_rows says
+// which. A new gated cell adds its branch to both functions.
+struct GatedInputRows {
+  bool xc, lin;
+};
+DTMT_HD constexpr GatedInputRows gated_input_rows(int kind) {
+  return {cell_input_rows(kind) > 0, cell_input_rows(kind) > cell_ln_groups(kind) + 1};
+}
+template <int KIND, typename A> DTMT_HD A gated_elem_forward(A r, A z, A l, A xc, A lin, A hc, A h, A m) {
+  if constexpr (KIND == kGRU || KIND == kTGRU) {
+    return gru_elem_forward<A>(r, z, xc, hc, h, m);
+  } else if constexpr (KIND == kLGRU) {
+    return lgru_elem_forward<A>(r, z, l, xc, lin, hc, h, m);
+  // (a new gated kind: its forward branch here)
+  } else {
+    static_assert(KIND == kLAU, "gated_elem_forward: a gated kind without its element");
+    return lau_elem_forward<A>(r, z, l, xc, lin, hc, h, m);
+  }
+}
+// dl_pre and dlin are left 0 for a kind without them.
+template <int KIND, typename A>
+DTMT_HD void gated_elem_backward(A r, A z, A l, A xc, A lin, A hc, A h, A m, A dhn, A& dr_pre, A& dz_pre,
+                                 A& dl_pre, A& dxc, A& dlin, A& dhc, A& dh) {
+  dl_pre = A(0);
+  dlin = A(0);
+  if constexpr (KIND == kGRU || KIND == kTGRU) {
+    gru_elem_backward<A>(r, z, xc, hc, h, m, dhn, dr_pre, dz_pre, dxc, dhc, dh);
+  } else if constexpr (KIND == kLGRU) {
+    lgru_elem_backward<A>(r, z, l, xc, lin, hc, h, m, dhn, dr_pre, dz_pre, dl_pre, dxc, dlin, dhc, dh);
+  // (a new gated kind: its backward branch here)
+  } else {
+    static_assert(KIND == kLAU, "gated_elem_backward: a gated kind without its element");
+    lau_elem_backward<A>(r, z, l, xc, lin, hc, h, m, dhn, dr_pre, dz_pre, dl_pre, dxc, dlin, dhc, dh);
+  }
+}
+
 // ATR: i = σ(p+q), f = σ(p-q), h' = i p + f h  (p, q after their optional layer norms)
 template <typename A> DTMT_HD A atr_elem_forward(A p, A q, A h) {
   return dt_sigmoid(p + q) * p + dt_sigmoid(p - q) * h;
@@ -298,20 +337,12 @@ DTMT_HD void gated_forward_elems(int H, const A* DTMT_RESTRICT g, const T* DTMT_
   const A* z = g + H;
   const A* l = g + 2 * H;  // l (L-GRU) or g (LAU)
   const T* hc = hp + (NG)*H;
+  constexpr GatedInputRows in = gated_input_rows(KIND);
   DTMT_SIMD   // no dependence between elements (without it GCC versions the loop on a runtime alias check)
   for (int j = 0; j < H; ++j) {
-    A m = DROP ? A(drop[j]) : A(1);
-    A hn;
-    if (KIND == kGRU) {
-      hn = gru_elem_forward<A>(r[j], z[j], A(xp[2 * H + j]), A(hc[j]), A(h[j]), m);
-    } else if (KIND == kTGRU) {
-      hn = gru_elem_forward<A>(r[j], z[j], A(0), A(hc[j]), A(h[j]), m);
-    } else if (KIND == kLGRU) {
-      hn = lgru_elem_forward<A>(r[j], z[j], l[j], A(xp[3 * H + j]), A(xp[4 * H + j]), A(hc[j]), A(h[j]), m);
-    } else {
-      hn = lau_elem_forward<A>(r[j], z[j], l[j], A(xp[3 * H + j]), A(xp[4 * H + j]), A(hc[j]), A(h[j]), m);
-    }
-    out[j] = T(hn);
+    const A m = DROP ? A(drop[j]) : A(1);
+    const A xc = in.xc ? A(xp[NG * H + j]) : A(0), lin = in.lin ? A(xp[(NG + 1) * H + j]) : A(0);
+    out[j] = T(gated_elem_forward<KIND, A>(r[j], z[j], NG == 3 ? l[j] : A(0), xc, lin, A(hc[j]), A(h[j]), m));
   }
 }
 
@@ -344,27 +375,16 @@ DTMT_HD void gated_backward_elems(int H, const A* DTMT_RESTRICT g, const T* DTMT
   const A* l = g + 2 * H;
   const T* hc = hp + NG * H;
   T* dhc = dhp + NG * H;
+  constexpr GatedInputRows in = gated_input_rows(KIND);
   DTMT_SIMD   // as in gated_forward_elems
   for (int j = 0; j < H; ++j) {
-    A m = DROP ? A(drop[j]) : A(1);
-    A dhn = A(dout[j]);
-    A dr, dz, dl = 0, dxc, dlin = 0, dhcj, dhj;
-    if (KIND == kGRU) {
-      gru_elem_backward<A>(r[j], z[j], A(xp[2 * H + j]), A(hc[j]), A(h[j]), m, dhn, dr, dz, dxc, dhcj, dhj);
-      dxp[2 * H + j] = T(dxc);
-    } else if (KIND == kTGRU) {
-      gru_elem_backward<A>(r[j], z[j], A(0), A(hc[j]), A(h[j]), m, dhn, dr, dz, dxc, dhcj, dhj);
-    } else if (KIND == kLGRU) {
-      lgru_elem_backward<A>(r[j], z[j], l[j], A(xp[3 * H + j]), A(xp[4 * H + j]), A(hc[j]), A(h[j]), m, dhn,
-                            dr, dz, dl, dxc, dlin, dhcj, dhj);
-      dxp[3 * H + j] = T(dxc);
-      dxp[4 * H + j] = T(dlin);
-    } else {
-      lau_elem_backward<A>(r[j], z[j], l[j], A(xp[3 * H + j]), A(xp[4 * H + j]), A(hc[j]), A(h[j]), m, dhn,
-                           dr, dz, dl, dxc, dlin, dhcj, dhj);
-      dxp[3 * H + j] = T(dxc);
-      dxp[4 * H + j] = T(dlin);
-    }
+    const A m = DROP ? A(drop[j]) : A(1);
+    const A xc = in.xc ? A(xp[NG * H + j]) : A(0), lin = in.lin ? A(xp[(NG + 1) * H + j]) : A(0);
+    A dr, dz, dl, dxc, dlin, dhcj, dhj;
+    gated_elem_backward<KIND, A>(r[j], z[j], NG == 3 ? l[j] : A(0), xc, lin, A(hc[j]), A(h[j]), m, A(dout[j]), dr,
+                                 dz, dl, dxc, dlin, dhcj, dhj);
+    if (in.xc) dxp[NG * H + j] = T(dxc);
+    if (in.lin) dxp[(NG + 1) * H + j] = T(dlin);
     dpre[j] = dr;
     dpre[H + j] = dz;
     if (NG == 3) dpre[2 * H + j] = dl;

@@ -105,28 +105,50 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
   __syncthreads();
 }
 
-// One sub-cell of one step for this block's units. K: the sub-cell's kind; u: its rows in shared memory
-// [NH][slice][H + 1]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
-template <int K, typename T, typename A>
-__device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,
-                                   const T* u, A* pre, A* stats, unsigned char* mma_buf) {
-  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid, NG = Rows<K>::groups;
-  const int H = p.H, B = p.B, S = p.slice, j0 = blockIdx.x * S;
-  const int n = (j0 + S <= H ? S : H - j0);  // this block's units (the last block's may be fewer)
-  const size_t BH = static_cast<size_t>(B) * H;
-  const size_t TBH = static_cast<size_t>(p.steps) * BH;
-  const A* hin = p.hs + k * TBH + t * BH;
-  const T* hin_lp = p.hs_lp ? p.hs_lp + k * TBH + t * BH : nullptr;
-  const T* xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
-  T* hp = k == 0 ? p.hp + static_cast<size_t>(t) * B * NH * H
-                 : p.hpt + (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
-  const T* bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
-  const T* lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
-  const T* lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+// Where sub-cell k of step t reads and writes, for this block's units: what persistent_subcell's phases share.
+template <typename T, typename A> struct SubcellSpan {
+  int j0, n;          // this block's first unit and its number of units (the last block's may be fewer)
+  size_t BH, TBH;     // B * H, steps * B * H
+  const A* hin;       // [B, H] the sub-cell's input state
+  const T* hin_lp;    // the same in T (16-bit storage), or nullptr
+  const T* xp;        // [B, NIN*H] the step's input products (base cells), or nullptr
+  T* hp;              // [B, NH*H] (base) or [B, 3H] (T-GRU) the recurrent products, written
+  const T* bh;
+  const T* lnw;       // the sub-cell's layer-norm gain and offset, or nullptr
+  const T* lnb;
+};
 
-  // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is: on
-  // tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (consecutive threads take consecutive
-  // batch rows of one matrix row: its shared-memory reads are broadcasts)
+template <int K, typename T, typename A>
+__device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwardArgs<T, A>& p, int t, int k) {
+  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid;
+  SubcellSpan<T, A> sp;
+  const int H = p.H, B = p.B, S = p.slice;
+  sp.j0 = blockIdx.x * S;
+  sp.n = sp.j0 + S <= H ? S : H - sp.j0;
+  sp.BH = static_cast<size_t>(B) * H;
+  sp.TBH = static_cast<size_t>(p.steps) * sp.BH;
+  sp.hin = p.hs + k * sp.TBH + t * sp.BH;
+  sp.hin_lp = p.hs_lp ? p.hs_lp + k * sp.TBH + t * sp.BH : nullptr;
+  sp.xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
+  sp.hp = k == 0 ? p.hp + static_cast<size_t>(t) * B * NH * H
+                 : p.hpt + (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
+  sp.bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
+  sp.lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+  sp.lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+  return sp;
+}
+
+// 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is: on
+// tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (consecutive threads take consecutive
+// batch rows of one matrix row: its shared-memory reads are broadcasts); into hp and pre [B][4][S].
+template <int K, typename T, typename A>
+__device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, A>& p, const SubcellSpan<T, A>& sp,
+                                                 int t, const T* u, A* pre, unsigned char* mma_buf) {
+  constexpr int NH = Rows<K>::hid;
+  const int H = p.H, B = p.B, S = p.slice, j0 = sp.j0, n = sp.n;
+  const A* hin = sp.hin;
+  const T* hin_lp = sp.hin_lp;
+  T* hp = sp.hp;
   const float* C = nullptr;
 #if defined(DTMT_MMA_DEVICE)
   if constexpr (Mma<T>::available) {
@@ -157,8 +179,16 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
     pre[(b * 4 + (K == kATR ? 1 : q)) * S + jj] = Cvt<A, T>::load(rounded);   // (ATR: its q's slot)
   }
   __syncthreads();
+}
 
-  // 2. gate pre-activations in place: groups g < NG (ATR: p from the input alone, q from the product)
+// 2. gate pre-activations in place: groups g < NG (ATR: p from the input alone, q from the product)
+template <int K, typename T, typename A>
+__device__ __forceinline__ void subcell_preactivations(const PersistentForwardArgs<T, A>& p,
+                                                       const SubcellSpan<T, A>& sp, A* pre) {
+  constexpr int NIN = Rows<K>::in, NG = Rows<K>::groups;
+  const int H = p.H, B = p.B, S = p.slice, j0 = sp.j0, n = sp.n;
+  const T* xp = sp.xp;
+  const T* bh = sp.bh;
   for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
     const int b = e / (NG * n), g = (e / n) % NG, jj = e % n, j = j0 + jj;
     A a;
@@ -171,12 +201,21 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
     pre[(b * 4 + g) * S + jj] = a;
   }
   __syncthreads();
+}
 
-  if (lnw) {
-    gate_statistics<A>(pre, 4, NG, B, H, S, n, p.eps, p.partials, stats);
-  }
-
-  // 3. the elementwise update of the block's units
+// 3. the elementwise update of the block's units: into the next sub-cell's input state, or (the last sub-cell) the
+// output and the next step's first state (h_last after the last step)
+template <int K, typename T, typename A>
+__device__ __forceinline__ void subcell_update(const PersistentForwardArgs<T, A>& p, const SubcellSpan<T, A>& sp,
+                                               int t, int k, bool last, int next_t, const A* pre, const A* stats) {
+  constexpr int NIN = Rows<K>::in, NG = Rows<K>::groups;
+  const int H = p.H, B = p.B, S = p.slice, j0 = sp.j0, n = sp.n;
+  const size_t BH = sp.BH, TBH = sp.TBH;
+  const A* hin = sp.hin;
+  const T* xp = sp.xp;
+  const T* bh = sp.bh;
+  const T* lnw = sp.lnw;
+  const T* lnb = sp.lnb;
   const T* drop = p.drop ? p.drop + static_cast<size_t>(k) * BH : nullptr;
   A* hout;
   T* hout_lp = nullptr;
@@ -207,24 +246,30 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
     } else if constexpr (K == kATR) {
       hn = atr_elem_forward<A>(gate[0], gate[1], h);
     } else {
+      constexpr GatedInputRows in = gated_input_rows(K);
       const A hc = pre[(b * 4 + NG) * S + jj] + ld<A>(bh, NG * H + j);
       const A m = drop ? ld<A>(drop, o) : A(1);
       const T* x = NIN ? xp + static_cast<size_t>(b) * NIN * H : nullptr;
-      if constexpr (K == kGRU) {
-        hn = gru_elem_forward<A>(gate[0], gate[1], ld<A>(x, 2 * H + j), hc, h, m);
-      } else if constexpr (K == kTGRU) {
-        hn = gru_elem_forward<A>(gate[0], gate[1], A(0), hc, h, m);
-      } else if constexpr (K == kLGRU) {
-        hn = lgru_elem_forward<A>(gate[0], gate[1], gate[2], ld<A>(x, 3 * H + j), ld<A>(x, 4 * H + j), hc, h, m);
-      } else {
-        hn = lau_elem_forward<A>(gate[0], gate[1], gate[2], ld<A>(x, 3 * H + j), ld<A>(x, 4 * H + j), hc, h, m);
-      }
+      const A xc = in.xc ? ld<A>(x, NG * H + j) : A(0), lin = in.lin ? ld<A>(x, (NG + 1) * H + j) : A(0);
+      hn = gated_elem_forward<K, A>(gate[0], gate[1], NG == 3 ? gate[2] : A(0), xc, lin, hc, h, m);
     }
     A state = hn;
     if (last) st<A>(p.out + t * BH, static_cast<int>(o), valid ? hn : A(0));
     hout[o] = state;
     if (hout_lp) st<A>(hout_lp, static_cast<int>(o), state);
   }
+}
+
+// One sub-cell of one step for this block's units. K: the sub-cell's kind; u: its rows in shared memory
+// [NH][slice][H + 1]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
+template <int K, typename T, typename A>
+__device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,
+                                   const T* u, A* pre, A* stats, unsigned char* mma_buf) {
+  const SubcellSpan<T, A> sp = subcell_span<K>(p, t, k);
+  subcell_products<K>(p, sp, t, u, pre, mma_buf);
+  subcell_preactivations<K>(p, sp, pre);
+  if (sp.lnw) gate_statistics<A>(pre, 4, Rows<K>::groups, p.B, p.H, p.slice, sp.n, p.eps, p.partials, stats);
+  subcell_update<K>(p, sp, t, k, last, next_t, pre, stats);
   DTMT_GRID_SYNC();
 }
 
@@ -356,27 +401,58 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
   }
 }
 
-template <int K, typename T, typename A>
-__device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& p, int t, int k, const BackwardBuffers<A>& m) {
-  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid, NG = Rows<K>::groups;
-  const int H = p.H, B = p.B, S = p.slice, j0 = blockIdx.x * S;
-  const int n = (j0 + S <= H ? S : H - j0);
-  const size_t BH = static_cast<size_t>(B) * H;
-  const size_t TBH = static_cast<size_t>(p.steps) * BH;
-  const bool top = k == p.D, base = k == 0;
-  const A* hin = p.hs + k * TBH + t * BH;
-  const T* xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
-  T* dxp = NIN ? p.dxp + static_cast<size_t>(t) * B * NIN * H : nullptr;
-  const size_t hoff = k == 0 ? static_cast<size_t>(t) * B * NH * H : (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
-  const T* hp = (k == 0 ? p.hp : p.hpt) + hoff;
-  T* dhp = (k == 0 ? p.dhp : p.dhpt) + hoff;
-  const T* bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
-  const T* lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
-  const T* lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
-  A* dlnw = k == 0 ? p.dln_rows : (p.dtln_rows ? p.dtln_rows + static_cast<size_t>(k - 1) * BH * 2 : nullptr);
-  A* dlnb = k == 0 ? p.dlnb_rows : (p.dtlnb_rows ? p.dtlnb_rows + static_cast<size_t>(k - 1) * BH * 2 : nullptr);
+// Where sub-cell k of step t reads and writes in the backward, for this block's units.
+template <typename T, typename A> struct BackwardSpan {
+  int j0, n;          // this block's first unit and its number of units
+  size_t BH;          // B * H
+  bool top, base;     // the block's last sub-cell (takes the carried and output gradients), its first (carries)
+  const A* hin;       // [B, H] the sub-cell's input state
+  const T* xp;        // [B, NIN*H] the step's input products (base cells), or nullptr
+  T* dxp;             // their gradients, or nullptr
+  const T* hp;        // the recurrent products (base [B, NH*H], T-GRU [B, 3H])
+  T* dhp;             // their gradients
+  const T* bh;
+  const T* lnw;       // the sub-cell's layer-norm gain and offset, or nullptr
+  const T* lnb;
+  A* dlnw;            // [B, NG*H] the row accumulators of their gradients, or nullptr
+  A* dlnb;
+};
 
-  // the (normalised) gate pre-activations, recomputed as the forward made them
+template <int K, typename T, typename A>
+__device__ __forceinline__ BackwardSpan<T, A> backward_span(const PersistentBackwardArgs<T, A>& p, int t, int k) {
+  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid;
+  BackwardSpan<T, A> sp;
+  const int H = p.H, B = p.B, S = p.slice;
+  sp.j0 = blockIdx.x * S;
+  sp.n = sp.j0 + S <= H ? S : H - sp.j0;
+  sp.BH = static_cast<size_t>(B) * H;
+  sp.top = k == p.D;
+  sp.base = k == 0;
+  sp.hin = p.hs + k * static_cast<size_t>(p.steps) * sp.BH + t * sp.BH;
+  sp.xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
+  sp.dxp = NIN ? p.dxp + static_cast<size_t>(t) * B * NIN * H : nullptr;
+  const size_t hoff =
+      k == 0 ? static_cast<size_t>(t) * B * NH * H : (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
+  sp.hp = (k == 0 ? p.hp : p.hpt) + hoff;
+  sp.dhp = (k == 0 ? p.dhp : p.dhpt) + hoff;
+  sp.bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
+  sp.lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+  sp.lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
+  sp.dlnw = k == 0 ? p.dln_rows : (p.dtln_rows ? p.dtln_rows + static_cast<size_t>(k - 1) * sp.BH * 2 : nullptr);
+  sp.dlnb = k == 0 ? p.dlnb_rows : (p.dtlnb_rows ? p.dtlnb_rows + static_cast<size_t>(k - 1) * sp.BH * 2 : nullptr);
+  return sp;
+}
+
+// the (normalised) gate pre-activations into m.n, recomputed as the forward made them
+template <int K, typename T, typename A>
+__device__ __forceinline__ void backward_gates(const PersistentBackwardArgs<T, A>& p, const BackwardSpan<T, A>& sp,
+                                               const BackwardBuffers<A>& m) {
+  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid, NG = Rows<K>::groups;
+  const int H = p.H, B = p.B, S = p.slice, j0 = sp.j0, n = sp.n;
+  const T* xp = sp.xp;
+  const T* hp = sp.hp;
+  const T* bh = sp.bh;
+  const T* lnw = sp.lnw;
   for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
     const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;
     A a;
@@ -398,8 +474,25 @@ __device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& 
     }
     __syncthreads();
   }
+}
 
-  // the elementwise backward of the block's units
+// the elementwise backward of the block's units at step t: the gates' gradients into m.d, the candidate's and the
+// input products' stored, the input state's gradient into m.carry (base) or m.inner
+template <int K, typename T, typename A>
+__device__ __forceinline__ void backward_elements(const PersistentBackwardArgs<T, A>& p, const BackwardSpan<T, A>& sp,
+                                                  int t, int k, const BackwardBuffers<A>& m) {
+  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid, NG = Rows<K>::groups;
+  const int H = p.H, B = p.B, S = p.slice, j0 = sp.j0, n = sp.n;
+  const size_t BH = sp.BH;
+  const bool top = sp.top, base = sp.base;
+  const A* hin = sp.hin;
+  const T* xp = sp.xp;
+  T* dxp = sp.dxp;
+  const T* hp = sp.hp;
+  T* dhp = sp.dhp;
+  const T* bh = sp.bh;
+  const T* lnw = sp.lnw;
+  const T* lnb = sp.lnb;
   const T* drop = p.drop ? p.drop + static_cast<size_t>(k) * BH : nullptr;
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
     const int b = e % B, jj = e / B, j = j0 + jj;
@@ -414,14 +507,15 @@ __device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& 
     };
     const A h = hin[o];
     A dh;
+    constexpr GatedInputRows in = gated_input_rows(K);
+    const size_t xrow = static_cast<size_t>(b) * NIN * H;   // this batch row's input products
     if (!valid) {   // an ended row: no gradient reaches its gates (the per-step backward's zeros, not computed)
       for (int g = 0; g < NG; ++g) m.d[(b * 3 + g) * S + jj] = A(0);
-      if constexpr (K == kGRU) st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 2 * H + j), A(0));
-      if constexpr (K == kLGRU || K == kLAU) {
-        st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 3 * H + j), A(0));
-        st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 4 * H + j), A(0));
+      if constexpr (K != kATR) {
+        if constexpr (in.xc) st<A>(dxp, static_cast<int>(xrow + NG * H + j), A(0));
+        if constexpr (in.lin) st<A>(dxp, static_cast<int>(xrow + (NG + 1) * H + j), A(0));
+        st<A>(dhp, static_cast<int>(static_cast<size_t>(b) * NH * H + NG * H + j), A(0));
       }
-      if constexpr (K != kATR) st<A>(dhp, static_cast<int>(static_cast<size_t>(b) * NH * H + NG * H + j), A(0));
       dh = A(0);
     } else if constexpr (K == kATR) {
       A dp, dq;
@@ -429,28 +523,16 @@ __device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& 
       m.d[(b * 3 + 0) * S + jj] = dp;
       m.d[(b * 3 + 1) * S + jj] = dq;
     } else {
-      const A r = dt_sigmoid(post(0)), z = dt_sigmoid(post(1));
+      const A r = dt_sigmoid(post(0)), z = dt_sigmoid(post(1)), l = NG == 3 ? dt_sigmoid(post(2)) : A(0);
       const A hc = ld<A>(hp, static_cast<size_t>(b) * NH * H + NG * H + j) + ld<A>(bh, NG * H + j);
       const A mult = drop ? ld<A>(drop, static_cast<int>(o)) : A(1);
-      A dr, dz, dxc, dhc;
-      if constexpr (K == kGRU || K == kTGRU) {
-        const A xc = K == kGRU ? ld<A>(xp, static_cast<size_t>(b) * NIN * H + 2 * H + j) : A(0);
-        gru_elem_backward<A>(r, z, xc, hc, h, mult, dout, dr, dz, dxc, dhc, dh);
-        if constexpr (K == kGRU) st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 2 * H + j), dxc);
-      } else {
-        const A l = dt_sigmoid(post(2));
-        const A xc = ld<A>(xp, static_cast<size_t>(b) * NIN * H + 3 * H + j);
-        const A lin = ld<A>(xp, static_cast<size_t>(b) * NIN * H + 4 * H + j);
-        A dl, dlin;
-        if constexpr (K == kLGRU) {
-          lgru_elem_backward<A>(r, z, l, xc, lin, hc, h, mult, dout, dr, dz, dl, dxc, dlin, dhc, dh);
-        } else {
-          lau_elem_backward<A>(r, z, l, xc, lin, hc, h, mult, dout, dr, dz, dl, dxc, dlin, dhc, dh);
-        }
-        m.d[(b * 3 + 2) * S + jj] = dl;
-        st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 3 * H + j), dxc);
-        st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + 4 * H + j), dlin);
-      }
+      const A xc = in.xc ? ld<A>(xp, xrow + NG * H + j) : A(0);
+      const A lin = in.lin ? ld<A>(xp, xrow + (NG + 1) * H + j) : A(0);
+      A dr, dz, dl, dxc, dlin, dhc;
+      gated_elem_backward<K, A>(r, z, l, xc, lin, hc, h, mult, dout, dr, dz, dl, dxc, dlin, dhc, dh);
+      if constexpr (NG == 3) m.d[(b * 3 + 2) * S + jj] = dl;
+      if constexpr (in.xc) st<A>(dxp, static_cast<int>(xrow + NG * H + j), dxc);
+      if constexpr (in.lin) st<A>(dxp, static_cast<int>(xrow + (NG + 1) * H + j), dlin);
       m.d[(b * 3 + 0) * S + jj] = dr;
       m.d[(b * 3 + 1) * S + jj] = dz;
       st<A>(dhp, static_cast<int>(static_cast<size_t>(b) * NH * H + NG * H + j), dhc);
@@ -463,51 +545,73 @@ __device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& 
     }
   }
   __syncthreads();
+}
 
-  if (lnw) {   // through the layer norms: the row accumulators, then the row sums over all H units
-    // (partials of their own: a block that gets here early must not overwrite statistics another still combines)
-    A* sums_partials = p.partials + static_cast<size_t>(gridDim.x) * B * 3 * 2;
-    for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
-      const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;
-      A& dv = m.d[(b * 3 + g) * S + jj];
-      const A v = m.n[(b * 3 + g) * S + jj];
-      dlnw[static_cast<size_t>(b) * NG * H + g * H + j] += dv * v;
-      dlnb[static_cast<size_t>(b) * NG * H + g * H + j] += dv;
-      dv *= ld<A>(lnw, g * H + j);
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
-      const int b = e / NG, g = e % NG;
-      A s1 = A(0), s2 = A(0);
-      for (int jj = 0; jj < n; ++jj) {
-        s1 += m.d[(b * 3 + g) * S + jj];
-        s2 += m.d[(b * 3 + g) * S + jj] * m.n[(b * 3 + g) * S + jj];
-      }
-      A* out = sums_partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
-      out[0] = s1;
-      out[1] = s2;
-    }
-    DTMT_GRID_SYNC();
-    for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
-      const int b = e / NG, g = e % NG;
-      A s1 = A(0), s2 = A(0);
-      for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
-        const A* in = sums_partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
-        s1 += in[0];
-        s2 += in[1];
-      }
-      m.sums[(b * 3 + g) * 2] = s1 / A(H);
-      m.sums[(b * 3 + g) * 2 + 1] = s2 / A(H);
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {   // d -> rstd (d - mean(d) - n mean(d n))
-      const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);
-      A& dv = m.d[(b * 3 + g) * S + jj];
-      dv = m.stats[(b * 3 + g) * 2 + 1] *
-           (dv - m.sums[(b * 3 + g) * 2] - m.n[(b * 3 + g) * S + jj] * m.sums[(b * 3 + g) * 2 + 1]);
-    }
-    __syncthreads();
+// the gates' gradients through the layer norms: the gain / offset row accumulators, then the row sums over all H
+// units (a grid barrier between)
+template <int K, typename T, typename A>
+__device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs<T, A>& p, const BackwardSpan<T, A>& sp,
+                                                    const BackwardBuffers<A>& m) {
+  constexpr int NG = Rows<K>::groups;
+  const int H = p.H, B = p.B, S = p.slice, j0 = sp.j0, n = sp.n;
+  const T* lnw = sp.lnw;
+  A* dlnw = sp.dlnw;
+  A* dlnb = sp.dlnb;
+  // (partials of their own: a block that gets here early must not overwrite statistics another still combines)
+  A* sums_partials = p.partials + static_cast<size_t>(gridDim.x) * B * 3 * 2;
+  for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
+    const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;
+    A& dv = m.d[(b * 3 + g) * S + jj];
+    const A v = m.n[(b * 3 + g) * S + jj];
+    dlnw[static_cast<size_t>(b) * NG * H + g * H + j] += dv * v;
+    dlnb[static_cast<size_t>(b) * NG * H + g * H + j] += dv;
+    dv *= ld<A>(lnw, g * H + j);
   }
+  __syncthreads();
+  for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+    const int b = e / NG, g = e % NG;
+    A s1 = A(0), s2 = A(0);
+    for (int jj = 0; jj < n; ++jj) {
+      s1 += m.d[(b * 3 + g) * S + jj];
+      s2 += m.d[(b * 3 + g) * S + jj] * m.n[(b * 3 + g) * S + jj];
+    }
+    A* out = sums_partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
+    out[0] = s1;
+    out[1] = s2;
+  }
+  DTMT_GRID_SYNC();
+  for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
+    const int b = e / NG, g = e % NG;
+    A s1 = A(0), s2 = A(0);
+    for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
+      const A* in = sums_partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
+      s1 += in[0];
+      s2 += in[1];
+    }
+    m.sums[(b * 3 + g) * 2] = s1 / A(H);
+    m.sums[(b * 3 + g) * 2 + 1] = s2 / A(H);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {   // d -> rstd (d - mean(d) - n mean(d n))
+    const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);
+    A& dv = m.d[(b * 3 + g) * S + jj];
+    dv = m.stats[(b * 3 + g) * 2 + 1] *
+         (dv - m.sums[(b * 3 + g) * 2] - m.n[(b * 3 + g) * S + jj] * m.sums[(b * 3 + g) * 2 + 1]);
+  }
+  __syncthreads();
+}
+
+template <int K, typename T, typename A>
+__device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& p, int t, int k,
+                                            const BackwardBuffers<A>& m) {
+  constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid, NG = Rows<K>::groups;
+  const BackwardSpan<T, A> sp = backward_span<K>(p, t, k);
+  const int H = p.H, B = p.B, S = p.slice, j0 = sp.j0, n = sp.n;
+  T* dxp = sp.dxp;
+  T* dhp = sp.dhp;
+  backward_gates<K>(p, sp, m);
+  backward_elements<K>(p, sp, t, k, m);
+  if (sp.lnw) backward_layer_norm<K>(p, sp, m);
   // the gate pre-activations' gradients, for every block's next U-path and for the weight gradients
   for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
     const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;

@@ -99,10 +99,8 @@ Forward transition_forward(const Tensor& x, const Tensor& h0, const OptTensor& m
 }
 
 // The backward op for the kernel `Kernel` of one device (transition_backward_cpu / _cuda): the same wrapper for both.
-using BackwardKernel = std::vector<Tensor> (*)(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                               const Tensor&, const dtmt::TransitionWeights&, const Tensor&,
-                                               const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, double,
-                                               bool);
+using BackwardKernel = std::vector<Tensor> (*)(const dtmt::BackwardInputs&, const dtmt::TransitionWeights&,
+                                               const dtmt::SavedForward&, bool, double, bool);
 
 template <BackwardKernel Kernel>
 std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
@@ -125,8 +123,9 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
   dtmt::check_optional_sizes(hs_lp, {D + 1, T, B, H}, op, "hs_lp");
   dtmt::check_sizes(hp, {T, B, dtmt::cell_hidden_rows(k) * H}, op, "hp");
   dtmt::check_sizes(hpt, {D, T, B, 3 * H}, op, "hpt");
-  auto g = Kernel(dense(grad_out), dense(grad_hn), dense(x), m, dr, w, dense(xp), dense(hs), dense(hs_lp), dense(hp),
-                  dense(hpt), reverse, eps, weight_grads);
+  auto g = Kernel(dtmt::BackwardInputs{dense(grad_out), dense(grad_hn), dense(x), m, dr}, w,
+                  dtmt::SavedForward{dense(xp), dense(hs), dense(hs_lp), dense(hp), dense(hpt)}, reverse, eps,
+                  weight_grads);
   // with weight_grads=false the slots of dw_ih, dw_hh and dt_w hold pre-activation gradients (transition.h)
   return grads_list(std::move(g), x, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
 }

@@ -28,6 +28,17 @@ struct TransitionWeights {
   at::Tensor w_hh_panels, t_w_panels;
 };
 
+// The backward's inputs besides the weights: the gradients reaching the forward's outputs (grad_out [T,B,H],
+// grad_hn [B,H]) and the forward's own inputs (x, and mask and drop, empty where absent).
+struct BackwardInputs {
+  at::Tensor grad_out, grad_hn, x, mask, drop;
+};
+
+// What the forward keeps for the backward: its outputs after out and h_n (see transition_forward_cpu).
+struct SavedForward {
+  at::Tensor xp, hs, hs_lp, hp, hpt;
+};
+
 // w with t_w_k / t_b_k filled.
 TransitionWeights with_tgru_slices(TransitionWeights w);
 
@@ -81,11 +92,8 @@ std::vector<at::Tensor> transition_encode_tokens_cpu(const at::Tensor& tokens, c
 // dhp [T*B, n_h*H], -, dln_w, dln_b, dhpt [D, T*B, 3H], -, dt_ln_w, dt_ln_b} (dW_ih = dxp^T x, db_ih = the column
 // sums of dxp, dW_hh = dhp^T hs[0], dt_w[k] = dhpt[k]^T hs[k+1]), for a caller that runs a cell one step per
 // call and forms the weight gradients of all its steps in one GEMM each (dtmt_kernels.nn.unrolled).
-std::vector<at::Tensor> transition_backward_cpu(const at::Tensor& grad_out, const at::Tensor& grad_hn,
-                                                const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
-                                                const TransitionWeights& w, const at::Tensor& xp,
-                                                const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
-                                                const at::Tensor& hpt, bool reverse, double eps,
+std::vector<at::Tensor> transition_backward_cpu(const BackwardInputs& in, const TransitionWeights& w,
+                                                const SavedForward& saved, bool reverse, double eps,
                                                 bool weight_grads = true);
 
 // The CUDA kernels (csrc/transition_cuda.cu, built with a CUDA torch): the same contract, weight_grads=false
@@ -93,11 +101,8 @@ std::vector<at::Tensor> transition_backward_cpu(const at::Tensor& grad_out, cons
 std::vector<at::Tensor> transition_forward_cuda(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                                 const at::Tensor& drop, const TransitionWeights& w, bool reverse,
                                                 double eps);
-std::vector<at::Tensor> transition_backward_cuda(const at::Tensor& grad_out, const at::Tensor& grad_hn,
-                                                 const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
-                                                 const TransitionWeights& w, const at::Tensor& xp,
-                                                 const at::Tensor& hs, const at::Tensor& hs_lp, const at::Tensor& hp,
-                                                 const at::Tensor& hpt, bool reverse, double eps,
+std::vector<at::Tensor> transition_backward_cuda(const BackwardInputs& in, const TransitionWeights& w,
+                                                 const SavedForward& saved, bool reverse, double eps,
                                                  bool weight_grads = true);
 
 // The epilogue of every backward (CPU and CUDA): the weight and bias gradients of one direction from its

@@ -243,129 +243,159 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   return {out, h_n.to(h0.scalar_type()), xp, hs, hs_lp, hp, hpt};
 }
 
+// The backward pass of one layer call over reversed time, as an object: its buffers are members, and a time step,
+// its two halves (the T-GRUs, then the base cell) and the gradients' assembly are methods. backward_impl runs it.
+// 16-bit inputs (LP) as in forward_impl: float rows of the current step, products in the input dtype.
 template <typename S>
-std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
-                                  const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
-                                  const Tensor& xp, const Tensor& hs, const Tensor& hs_lp, const Tensor& hp,
-                                  const Tensor& hpt, bool reverse, double eps, bool weight_grads) {
+class TransitionBackward {
   using A = typename Acc<S>::type;
-  constexpr bool LP = !std::is_same<S, A>::value;
-  const Dims d = dims_of(x, w);
-  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D;
-  const auto& kernels = typed_cpu_kernels<A>();
-  const auto opts = x.options();
-  const at::ScalarType acc = c10::CppTypeToScalarType<A>::value;
-  const auto acc_opts = opts.dtype(acc);
-  const int ng = cell_ln_groups(static_cast<int>(w.kind));
-  TORCH_CHECK(!LP || hs_lp.numel() == hs.numel(), "dtmt::transition_backward: 16-bit inputs need the forward's hs_lp");
-  const Tensor& hs_g = LP ? hs_lp : hs;  // the states as the GEMMs read them
+  static constexpr bool LP = !std::is_same<S, A>::value;
 
-  Tensor dxp = empty_large(xp.sizes(), opts);
-  Tensor dhp = empty_large(hp.sizes(), opts);
-  Tensor dhpt = empty_large(hpt.sizes(), opts);
-  const bool ln = w.ln_w.defined() && w.ln_w.numel() > 0;
-  const bool tln = w.t_ln_w.defined() && w.t_ln_w.numel() > 0;
-  Tensor dln_rows = at::zeros({ln ? B : 0, ng * H}, acc_opts);
-  Tensor dlnb_rows = at::zeros({ln ? B : 0, ng * H}, acc_opts);
-  Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
-  Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
-  Tensor d_cur = grad_hn.to(acc, /*non_blocking=*/false, /*copy=*/true);
-  Tensor dA = at::empty({B, H}, acc_opts);
-  Tensor dB = at::empty({B, H}, acc_opts);
-  const Tensor go_a = in_acc(grad_out, acc);
-  // float rows of the current step and the input-dtype product of the path through U (16-bit inputs only)
-  Tensor xp_a, hp_a, hpt_a, dxp_a, dhp_a, dhpt_a, through_u;
-  if (LP) {
-    xp_a = at::empty({B, d.n_in * H}, acc_opts);
-    hp_a = at::empty({B, d.n_h * H}, acc_opts);
-    hpt_a = at::empty({B, 3 * H}, acc_opts);
-    dxp_a = at::empty({B, d.n_in * H}, acc_opts);
-    dhp_a = at::empty({B, d.n_h * H}, acc_opts);
-    dhpt_a = at::empty({B, 3 * H}, acc_opts);
-    through_u = at::empty({B, H}, opts);
+ public:
+  TransitionBackward(const BackwardInputs& in, const TransitionWeights& w, const SavedForward& saved, double eps)
+      : x_(in.x), grad_hn_(in.grad_hn), w_(w), xp_(saved.xp), hs_(saved.hs), hs_lp_(saved.hs_lp), hp_(saved.hp),
+        hpt_(saved.hpt), d_(dims_of(in.x, w)), B_(d_.B), H_(d_.H), D_(d_.D), kernels_(typed_cpu_kernels<A>()),
+        opts_(in.x.options()), acc_(c10::CppTypeToScalarType<A>::value), set_(w, in.drop, in.mask, B_, H_, eps) {
+    const Tensor &xp = saved.xp, &hp = saved.hp, &hpt = saved.hpt;
+    TORCH_CHECK(!LP || saved.hs_lp.numel() == saved.hs.numel(),
+                "dtmt::transition_backward: 16-bit inputs need the forward's hs_lp");
+    const auto acc_opts = opts_.dtype(acc_);
+    const int ng = cell_ln_groups(static_cast<int>(w.kind));
+    dxp_ = empty_large(xp.sizes(), opts_);
+    dhp_ = empty_large(hp.sizes(), opts_);
+    dhpt_ = empty_large(hpt.sizes(), opts_);
+    ln_ = w.ln_w.defined() && w.ln_w.numel() > 0;
+    tln_ = w.t_ln_w.defined() && w.t_ln_w.numel() > 0;
+    dln_rows_ = at::zeros({ln_ ? B_ : 0, ng * H_}, acc_opts);
+    dlnb_rows_ = at::zeros({ln_ ? B_ : 0, ng * H_}, acc_opts);
+    dtln_rows_ = at::zeros({tln_ ? D_ : 0, B_, 2 * H_}, acc_opts);
+    dtlnb_rows_ = at::zeros({tln_ ? D_ : 0, B_, 2 * H_}, acc_opts);
+    d_cur_ = in.grad_hn.to(acc_, /*non_blocking=*/false, /*copy=*/true);
+    dA_ = at::empty({B_, H_}, acc_opts);
+    dB_ = at::empty({B_, H_}, acc_opts);
+    go_a_ = in_acc(in.grad_out, acc_);
+    if (LP) {   // float rows of the current step and the input-dtype product of the path through U
+      xp_a_ = at::empty({B_, d_.n_in * H_}, acc_opts);
+      hp_a_ = at::empty({B_, d_.n_h * H_}, acc_opts);
+      hpt_a_ = at::empty({B_, 3 * H_}, acc_opts);
+      dxp_a_ = at::empty({B_, d_.n_in * H_}, acc_opts);
+      dhp_a_ = at::empty({B_, d_.n_h * H_}, acc_opts);
+      dhpt_a_ = at::empty({B_, 3 * H_}, acc_opts);
+      through_u_ = at::empty({B_, H_}, opts_);
+    }
+    base_ = set_.base;
+    base_.dln_w = ln_ ? dln_rows_.data_ptr<A>() : nullptr;
+    base_.dln_b = ln_ ? dlnb_rows_.data_ptr<A>() : nullptr;
   }
-  auto grad_rows = [&](Tensor& buf, Tensor& rows) -> A* { return LP ? buf.data_ptr<A>() : rows.data_ptr<A>(); };
+
+  // Time step t: the gradient into the last sub-cell's output, back through the T-GRUs and the base cell; the
+  // carried gradient of the valid rows becomes the cell's input-state gradient (padded rows pass it untouched).
+  void step(int64_t t) {
+    const A* go = go_a_[t].data_ptr<A>();
+    const A* dc = d_cur_.data_ptr<A>();
+    A* da = dA_.data_ptr<A>();
+    for (int64_t b = 0; b < B_; ++b) {
+      const bool valid = set_.valid(t, b);
+      for (int64_t j = 0; j < H_; ++j) da[b * H_ + j] = valid ? dc[b * H_ + j] + go[b * H_ + j] : A(0);
+    }
+    for (int64_t k = D_; k >= 1; --k) tgru_step(t, k);
+    base_step(t);
+    const A* db = dB_.data_ptr<A>();
+    A* dcur = d_cur_.data_ptr<A>();
+    for (int64_t b = 0; b < B_; ++b)
+      if (set_.valid(t, b)) std::memcpy(dcur + b * H_, db + b * H_, sizeof(A) * H_);
+  }
+
+  // dx, dh0, the weight and bias gradients (or, without weight_grads, the pre-activation gradients in their
+  // places, for a caller that forms them over many calls at once), the layer norms' gradients: the op's 12 outputs.
+  std::vector<Tensor> result(bool weight_grads) const {
+    const int64_t N = d_.T * B_;
+    const auto st = x_.scalar_type();
+    Tensor dxp2 = dxp_.view({N, d_.n_in * H_});
+    Tensor dx = dxp2.mm(w_.w_ih).view({d_.T, B_, d_.I});
+    Tensor dh0 = d_cur_.to(grad_hn_.scalar_type());
+    Tensor dln_w = ln_ ? dln_rows_.sum(0).to(st) : Tensor();
+    Tensor dln_b = ln_ ? dlnb_rows_.sum(0).to(st) : Tensor();
+    Tensor dt_ln_w = tln_ ? dtln_rows_.sum(1).to(st) : Tensor();
+    Tensor dt_ln_b = tln_ ? dtlnb_rows_.sum(1).to(st) : Tensor();
+    Tensor dhp2 = dhp_.view({N, d_.n_h * H_}), dhpt2 = dhpt_.view({D_, N, 3 * H_});
+    if (!weight_grads)
+      return {dx, dh0, dxp2, Tensor(), dhp2, Tensor(), dln_w, dln_b, dhpt2, Tensor(), dt_ln_w, dt_ln_b};
+    const Tensor& hs_g = LP ? hs_lp_ : hs_;   // the states as the GEMMs read them
+    const auto g = transition_weight_grads(x_.reshape({N, d_.I}), hs_g.view({D_ + 1, N, H_}), dxp2, dhp2, dhpt2,
+                                           acc_);
+    return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
+  }
+
+ private:
+  // T-GRU k at step t: dA (its output's gradient) -> dB (its input state's), its pre-activation gradients stored
+  void tgru_step(int64_t t, int64_t k) {
+    Tensor dhpt_k = dhpt_[k - 1][t];
+    CellRows<A> tgru = set_.tgru(k);
+    tgru.hp = acc_rows<A>(hpt_a_, hpt_[k - 1][t]);
+    tgru.h = hs_[k][t].data_ptr<A>();
+    tgru.dout = dA_.data_ptr<A>();
+    tgru.dhp = grad_rows(dhpt_a_, dhpt_k);
+    tgru.dh = dB_.data_ptr<A>();
+    tgru.dln_w = tln_ ? dtln_rows_[k - 1].data_ptr<A>() : nullptr;
+    tgru.dln_b = tln_ ? dtlnb_rows_[k - 1].data_ptr<A>() : nullptr;
+    cell_rows(kernels_.cell_backward_rows, tgru, B_);
+    add_through_u(dhpt_a_, dhpt_k, w_.t_w[k - 1]);
+    std::swap(dA_, dB_);
+  }
+
+  // the base cell at step t: dA -> dB, its input and recurrent pre-activation gradients stored
+  void base_step(int64_t t) {
+    Tensor dxp_t = dxp_[t];
+    Tensor dhp_t = dhp_[t];
+    base_.xp = acc_rows<A>(xp_a_, xp_[t]);
+    base_.hp = acc_rows<A>(hp_a_, hp_[t]);
+    base_.h = hs_[0][t].data_ptr<A>();
+    base_.dout = dA_.data_ptr<A>();
+    base_.dxp = grad_rows(dxp_a_, dxp_t);
+    base_.dhp = grad_rows(dhp_a_, dhp_t);
+    base_.dh = dB_.data_ptr<A>();
+    cell_rows(kernels_.cell_backward_rows, base_, B_);
+    if (LP) dxp_t.copy_(dxp_a_);
+    add_through_u(dhp_a_, dhp_t, w_.w_hh);
+  }
+
+  A* grad_rows(Tensor& buf, Tensor& rows) { return LP ? buf.data_ptr<A>() : rows.data_ptr<A>(); }
+
   // dB += d(pre-activations) U, the pre-activation gradients first stored in their tensor's rows
-  auto add_through_u = [&](const Tensor& buf, Tensor& rows, const Tensor& u) {
+  void add_through_u(const Tensor& buf, Tensor& rows, const Tensor& u) {
     if (!LP) {
-      dB.addmm_(rows, u);
+      dB_.addmm_(rows, u);
       return;
     }
     rows.copy_(buf);
-    at::mm_out(through_u, rows, u);
-    dB.add_(through_u);
-  };
-
-  const StepSettings<A> set(w, drop, mask, B, H, eps);
-  CellRows<A> base = set.base;
-  base.dln_w = ln ? dln_rows.data_ptr<A>() : nullptr;
-  base.dln_b = ln ? dlnb_rows.data_ptr<A>() : nullptr;
-
-  for (int64_t step = T_ - 1; step >= 0; --step) {
-    const int64_t t = reverse ? T_ - 1 - step : step;
-    // Gradient w.r.t. the last sub-cell's output: carried gradient plus this step's output gradient.
-    {
-      const A* go = go_a[t].data_ptr<A>();
-      const A* dc = d_cur.data_ptr<A>();
-      A* da = dA.data_ptr<A>();
-      for (int64_t b = 0; b < B; ++b) {
-        const bool valid = set.valid(t, b);
-        for (int64_t j = 0; j < H; ++j) da[b * H + j] = valid ? dc[b * H + j] + go[b * H + j] : A(0);
-      }
-    }
-    for (int64_t k = D; k >= 1; --k) {
-      Tensor dhpt_k = dhpt[k - 1][t];
-      CellRows<A> tgru = set.tgru(k);
-      tgru.hp = acc_rows<A>(hpt_a, hpt[k - 1][t]);
-      tgru.h = hs[k][t].data_ptr<A>();
-      tgru.dout = dA.data_ptr<A>();
-      tgru.dhp = grad_rows(dhpt_a, dhpt_k);
-      tgru.dh = dB.data_ptr<A>();
-      tgru.dln_w = tln ? dtln_rows[k - 1].data_ptr<A>() : nullptr;
-      tgru.dln_b = tln ? dtlnb_rows[k - 1].data_ptr<A>() : nullptr;
-      cell_rows(kernels.cell_backward_rows, tgru, B);
-      add_through_u(dhpt_a, dhpt_k, w.t_w[k - 1]);
-      std::swap(dA, dB);
-    }
-    {
-      Tensor dxp_t = dxp[t];
-      Tensor dhp_t = dhp[t];
-      base.xp = acc_rows<A>(xp_a, xp[t]);
-      base.hp = acc_rows<A>(hp_a, hp[t]);
-      base.h = hs[0][t].data_ptr<A>();
-      base.dout = dA.data_ptr<A>();
-      base.dxp = grad_rows(dxp_a, dxp_t);
-      base.dhp = grad_rows(dhp_a, dhp_t);
-      base.dh = dB.data_ptr<A>();
-      cell_rows(kernels.cell_backward_rows, base, B);
-      if (LP) dxp_t.copy_(dxp_a);
-      add_through_u(dhp_a, dhp_t, w.w_hh);
-    }
-    // Padded rows pass the carried gradient through untouched; valid rows take the cell's input gradient.
-    {
-      const A* db = dB.data_ptr<A>();
-      A* dc = d_cur.data_ptr<A>();
-      for (int64_t b = 0; b < B; ++b) {
-        if (set.valid(t, b)) std::memcpy(dc + b * H, db + b * H, sizeof(A) * H);
-      }
-    }
+    at::mm_out(through_u_, rows, u);
+    dB_.add_(through_u_);
   }
 
-  const int64_t N = T_ * B;
-  const auto st = x.scalar_type();
-  Tensor dxp2 = dxp.view({N, d.n_in * H});
-  Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
-  Tensor dh0 = d_cur.to(grad_hn.scalar_type());
-  Tensor dln_w = ln ? dln_rows.sum(0).to(st) : Tensor();
-  Tensor dln_b = ln ? dlnb_rows.sum(0).to(st) : Tensor();
-  Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(st) : Tensor();
-  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(st) : Tensor();
-  if (!weight_grads)  // the caller forms the weight and bias gradients itself, over many calls at once
-    return {dx, dh0, dxp2, Tensor(), dhp.view({N, d.n_h * H}), Tensor(), dln_w, dln_b, dhpt.view({D, N, 3 * H}),
-            Tensor(), dt_ln_w, dt_ln_b};
-  const auto g = transition_weight_grads(x.reshape({N, d.I}), hs_g.view({D + 1, N, H}), dxp2,
-                                         dhp.view({N, d.n_h * H}), dhpt.view({D, N, 3 * H}), acc);
-  return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
+  const Tensor& x_;
+  const Tensor& grad_hn_;
+  const TransitionWeights& w_;
+  const Tensor &xp_, &hs_, &hs_lp_, &hp_, &hpt_;
+  const Dims d_;
+  const int64_t B_, H_, D_;
+  const TypedCpuKernels<A>& kernels_;
+  const at::TensorOptions opts_;
+  const at::ScalarType acc_;
+  const StepSettings<A> set_;
+  bool ln_ = false, tln_ = false;
+  Tensor dxp_, dhp_, dhpt_, dln_rows_, dlnb_rows_, dtln_rows_, dtlnb_rows_, d_cur_, dA_, dB_, go_a_;
+  Tensor xp_a_, hp_a_, hpt_a_, dxp_a_, dhp_a_, dhpt_a_, through_u_;
+  CellRows<A> base_;
+};
+
+template <typename S>
+std::vector<Tensor> backward_impl(const BackwardInputs& in, const TransitionWeights& w, const SavedForward& saved,
+                                  bool reverse, double eps, bool weight_grads) {
+  TransitionBackward<S> pass(in, w, saved, eps);
+  const int64_t T_ = in.x.size(0);
+  for (int64_t step = T_ - 1; step >= 0; --step) pass.step(reverse ? T_ - 1 - step : step);
+  return pass.result(weight_grads);
 }
 
 // One unmasked step without dropout and without what training keeps (decoding): forward_impl's arithmetic over a
@@ -714,15 +744,12 @@ std::vector<Tensor> transition_encode_tokens_cpu(const Tensor& tokens, const Ten
   });
 }
 
-std::vector<Tensor> transition_backward_cpu(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
-                                            const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
-                                            const Tensor& xp, const Tensor& hs, const Tensor& hs_lp, const Tensor& hp,
-                                            const Tensor& hpt, bool reverse, double eps, bool weight_grads) {
+std::vector<Tensor> transition_backward_cpu(const BackwardInputs& in, const TransitionWeights& w,
+                                            const SavedForward& saved, bool reverse, double eps, bool weight_grads) {
   check_kind(w.kind);
   std::vector<Tensor> result;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dtmt_transition", [&] {
-    result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps,
-                                     weight_grads);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "dtmt_transition", [&] {
+    result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
   });
   return result;
 }

@@ -203,109 +203,133 @@ template <typename A> void check_shared_memory(const Dims& d, int rows_per_group
 #endif
 }
 
+// The per-step forward of one layer call, as an object: for each time step and sub-cell, the recurrent product
+// (`product`) and one element-wise launch (`launch`), writing the tensors the backward reads. forward_impl runs it.
 template <typename S>
-std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
-                                 const TransitionWeights& w, bool reverse, double eps) {
+class StepForward {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
-  const Dims d = dims_of(x, w);
-  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S_ = D + 1, BH = B * H;
-  const auto opts = x.options();
-  const auto acc_opts = opts.dtype(acc_type(x.scalar_type()));
-  const bool lp = acc_type(x.scalar_type()) != x.scalar_type();
-  check_shared_memory<A>(d, 1, "forward");
 
-  Tensor xp = at::addmm(w.b_ih, x.reshape({T_ * B, d.I}), w.w_ih.t()).view({T_, B, d.n_in * H});
-  Tensor hs = at::empty({S_, T_, B, H}, acc_opts);
-  Tensor hs_lp = lp ? at::empty({S_, T_, B, H}, opts) : hs;
-  Tensor hp = at::empty({T_, B, d.n_h * H}, opts);
-  Tensor hpt = at::empty({D, T_, B, 3 * H}, opts);
-  Tensor out = at::empty({T_, B, H}, opts);
-  Tensor h_last = at::empty({B, H}, acc_opts);
-  const auto order = step_order(T_, reverse);
-  hs[0][order[0]].copy_(h0);
-  if (lp) hs_lp[0][order[0]].copy_(h0);
-
-  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const StepGemm gemm = step_gemm(B);
-  const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
-  const Tensor w_hh_t = w_hh.t();
-  std::vector<Tensor> t_w_t;
-  if (gemm == StepGemm::kAten)
-    for (int64_t k = 0; k < D; ++k) t_w_t.push_back(t_w[k].t());
+ public:
+  StepForward(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
+              bool reverse, double eps)
+      : w_(w), mask_(mask), drop_(drop), d_(dims_of(x, w)), eps_(eps),
+        lp_(acc_type(x.scalar_type()) != x.scalar_type()), ln_(present(w.ln_w)), tln_(present(w.t_ln_w)),
+        stream_(c10::cuda::getCurrentCUDAStream()), gemm_(step_gemm(d_.B)), order_(step_order(d_.T, reverse)) {
+    check_shared_memory<A>(d_, 1, "forward");
+    const int64_t T_ = d_.T, B = d_.B, H = d_.H, D = d_.D;
+    const auto opts = x.options();
+    const auto acc_opts = opts.dtype(acc_type(x.scalar_type()));
+    xp_ = at::addmm(w.b_ih, x.reshape({T_ * B, d_.I}), w.w_ih.t()).view({T_, B, d_.n_in * H});
+    hs_ = at::empty({D + 1, T_, B, H}, acc_opts);
+    hs_lp_ = lp_ ? at::empty({D + 1, T_, B, H}, opts) : hs_;
+    hp_ = at::empty({T_, B, d_.n_h * H}, opts);
+    hpt_ = at::empty({D, T_, B, 3 * H}, opts);
+    out_ = at::empty({T_, B, H}, opts);
+    h_last_ = at::empty({B, H}, acc_opts);
+    hs_[0][order_[0]].copy_(h0);
+    if (lp_) hs_lp_[0][order_[0]].copy_(h0);
+    w_hh_ = w.w_hh.contiguous();
+    t_w_ = D > 0 ? w.t_w.contiguous() : w.t_w;
+    u_t_.push_back(w_hh_.t());   // U^T of each sub-cell, for ATen's mm
+    if (gemm_ == StepGemm::kAten)
+      for (int64_t k = 0; k < D; ++k) u_t_.push_back(t_w_[k].t());
 #if defined(DTMT_CUBLAS_DIRECT_BUILT)
-  const cublasHandle_t handle = gemm == StepGemm::kCublas ? at::cuda::getCurrentCUDABlasHandle() : nullptr;
+    handle_ = gemm_ == StepGemm::kCublas ? at::cuda::getCurrentCUDABlasHandle() : nullptr;
 #endif
-  // hs_lp's rows [k][t] are the GEMMs' inputs (the state in the GEMM dtype)
-  auto gemm_forward = [&](int64_t k, int64_t t, const T* u, T* c, int64_t n) {
+  }
+
+  // {out, h_n, xp, hs, hs_lp (empty unless 16-bit), hp, hpt}: the op's outputs
+  std::vector<Tensor> run(const Tensor& h0) {
+    for (int64_t step = 0; step < d_.T; ++step) {
+      for (int64_t k = 0; k <= d_.D; ++k) {
+        product(k, order_[step]);
+        launch(step, k);
+      }
+    }
+    return {out_, h_last_.to(h0.scalar_type()), xp_, hs_, lp_ ? hs_lp_ : at::empty({0}, out_.options()), hp_, hpt_};
+  }
+
+ private:
+  // sub-cell k's recurrent products at time t: hp[t] (k = 0) or hpt[k - 1][t] = its state (hs_lp's row [k][t], the
+  // state in the GEMM dtype) . U^T
+  void product(int64_t k, int64_t t) {
+    const int64_t B = d_.B, H = d_.H, n = k == 0 ? d_.n_h * H : 3 * H;
+    const T* state = cptr<T, S>(hs_lp_, (k * d_.T + t) * B * H);
+    const T* u = k == 0 ? cptr<T, S>(w_hh_) : cptr<T, S>(t_w_, (k - 1) * 3 * H * H);
+    T* c = k == 0 ? mptr<T, S>(hp_, t * B * n) : mptr<T, S>(hpt_, ((k - 1) * d_.T + t) * B * n);
 #if defined(DTMT_CUBLAS_DIRECT_BUILT)
-    if (gemm == StepGemm::kCublas) {
-      cublas_gemm<T>(handle, cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B), static_cast<int>(n),
-                     static_cast<int>(H), /*w_transposed=*/true);
+    if (gemm_ == StepGemm::kCublas) {
+      cublas_gemm<T>(handle_, state, u, c, static_cast<int>(B), static_cast<int>(n), static_cast<int>(H),
+                     /*w_transposed=*/true);
       return;
     }
 #endif
-    if (gemm == StepGemm::kRows || gemm == StepGemm::kTiled) {
-      const cuda::GemmArgs<T> g{cptr<T, S>(hs_lp, (k * T_ + t) * BH), u, c, static_cast<int>(B),
-                                static_cast<int>(n), static_cast<int>(H)};
-      C10_CUDA_CHECK((gemm == StepGemm::kRows ? cuda::launch_rows_gemm<T, A>(g, stream)
-                                              : cuda::launch_tiled_gemm<true, T, A>(g, stream)));
+    if (gemm_ == StepGemm::kRows || gemm_ == StepGemm::kTiled) {
+      const cuda::GemmArgs<T> g{state, u, c, static_cast<int>(B), static_cast<int>(n), static_cast<int>(H)};
+      C10_CUDA_CHECK((gemm_ == StepGemm::kRows ? cuda::launch_rows_gemm<T, A>(g, stream_)
+                                               : cuda::launch_tiled_gemm<true, T, A>(g, stream_)));
     } else {
-      Tensor out_rows = k == 0 ? hp[t] : hpt[k - 1][t];
-      at::mm_out(out_rows, hs_lp[k][t], k == 0 ? w_hh_t : t_w_t[k - 1]);
-    }
-  };
-
-  for (int64_t step = 0; step < T_; ++step) {
-    const int64_t t = order[step];
-    for (int64_t k = 0; k <= D; ++k) {
-      cuda::StepForwardArgs<T, A> a{};
-      int kind;
-      if (k == 0) {
-        gemm_forward(0, t, cptr<T, S>(w_hh), mptr<T, S>(hp, t * B * d.n_h * H), d.n_h * H);
-        kind = static_cast<int>(w.kind);
-        a.xp = cptr<T, S>(xp, t * B * d.n_in * H);
-        a.hp = cptr<T, S>(hp, t * B * d.n_h * H);
-        a.bh = cptr<T, S>(w.b_hh);
-        a.lnw = ln ? cptr<T, S>(w.ln_w) : nullptr;
-        a.lnb = ln ? cptr<T, S>(w.ln_b) : nullptr;
-      } else {
-        gemm_forward(k, t, cptr<T, S>(t_w, (k - 1) * 3 * H * H), mptr<T, S>(hpt, ((k - 1) * T_ + t) * B * 3 * H),
-                     3 * H);
-        kind = kTGRU;
-        a.xp = nullptr;
-        a.hp = cptr<T, S>(hpt, ((k - 1) * T_ + t) * B * 3 * H);
-        a.bh = cptr<T, S>(w.t_b, (k - 1) * 3 * H);
-        a.lnw = tln ? cptr<T, S>(w.t_ln_w, (k - 1) * 2 * H) : nullptr;
-        a.lnb = tln ? cptr<T, S>(w.t_ln_b, (k - 1) * 2 * H) : nullptr;
-      }
-      a.hin = cptr<A, A>(hs, (k * T_ + t) * BH);
-      a.drop = kind != kATR ? cptr<T, S>(drop, k * BH) : nullptr;
-      const bool last = k == D;
-      if (!last) {
-        a.hout = mptr<A, A>(hs, ((k + 1) * T_ + t) * BH);
-        a.hlp = lp ? mptr<T, S>(hs_lp, ((k + 1) * T_ + t) * BH) : nullptr;
-        a.out = nullptr;
-      } else {
-        a.mask = cptr<T, S>(mask, t * B);
-        a.hblk = cptr<A, A>(hs, t * BH);
-        a.out = mptr<T, S>(out, t * BH);
-        if (step + 1 < T_) {
-          a.hout = mptr<A, A>(hs, order[step + 1] * BH);
-          a.hlp = lp ? mptr<T, S>(hs_lp, order[step + 1] * BH) : nullptr;
-        } else {
-          a.hout = mptr<A, A>(h_last);
-          a.hlp = nullptr;
-        }
-      }
-      a.H = static_cast<int>(H);
-      a.eps = static_cast<A>(eps);
-      const cudaError_t err = cuda::launch_step_forward<T, A>(kind, a, static_cast<int>(B), stream);
-      C10_CUDA_CHECK(err);
+      Tensor out_rows = k == 0 ? hp_[t] : hpt_[k - 1][t];
+      at::mm_out(out_rows, hs_lp_[k][t], u_t_[k]);
     }
   }
-  return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
+
+  // sub-cell k's element-wise kernel at the step-th time step: its state into the next sub-cell's (or, for the
+  // last, the output and the next step's first state, the last step's into h_last)
+  void launch(int64_t step, int64_t k) {
+    const int64_t t = order_[step], T_ = d_.T, B = d_.B, H = d_.H, BH = B * H;
+    cuda::StepForwardArgs<T, A> a{};
+    const int kind = k == 0 ? static_cast<int>(w_.kind) : kTGRU;
+    if (k == 0) {
+      a.xp = cptr<T, S>(xp_, t * B * d_.n_in * H);
+      a.hp = cptr<T, S>(hp_, t * B * d_.n_h * H);
+      a.bh = cptr<T, S>(w_.b_hh);
+      a.lnw = ln_ ? cptr<T, S>(w_.ln_w) : nullptr;
+      a.lnb = ln_ ? cptr<T, S>(w_.ln_b) : nullptr;
+    } else {
+      a.hp = cptr<T, S>(hpt_, ((k - 1) * T_ + t) * B * 3 * H);
+      a.bh = cptr<T, S>(w_.t_b, (k - 1) * 3 * H);
+      a.lnw = tln_ ? cptr<T, S>(w_.t_ln_w, (k - 1) * 2 * H) : nullptr;
+      a.lnb = tln_ ? cptr<T, S>(w_.t_ln_b, (k - 1) * 2 * H) : nullptr;
+    }
+    a.hin = cptr<A, A>(hs_, (k * T_ + t) * BH);
+    a.drop = kind != kATR ? cptr<T, S>(drop_, k * BH) : nullptr;
+    if (k < d_.D) {
+      a.hout = mptr<A, A>(hs_, ((k + 1) * T_ + t) * BH);
+      a.hlp = lp_ ? mptr<T, S>(hs_lp_, ((k + 1) * T_ + t) * BH) : nullptr;
+    } else {
+      a.mask = cptr<T, S>(mask_, t * B);
+      a.hblk = cptr<A, A>(hs_, t * BH);
+      a.out = mptr<T, S>(out_, t * BH);
+      const bool more = step + 1 < T_;
+      a.hout = more ? mptr<A, A>(hs_, order_[step + 1] * BH) : mptr<A, A>(h_last_);
+      a.hlp = more && lp_ ? mptr<T, S>(hs_lp_, order_[step + 1] * BH) : nullptr;
+    }
+    a.H = static_cast<int>(H);
+    a.eps = static_cast<A>(eps_);
+    C10_CUDA_CHECK((cuda::launch_step_forward<T, A>(kind, a, static_cast<int>(B), stream_)));
+  }
+
+  const TransitionWeights& w_;
+  const Tensor &mask_, &drop_;
+  const Dims d_;
+  const double eps_;
+  const bool lp_, ln_, tln_;
+  const cudaStream_t stream_;
+  const StepGemm gemm_;
+  const std::vector<int64_t> order_;
+  Tensor xp_, hs_, hs_lp_, hp_, hpt_, out_, h_last_, w_hh_, t_w_;
+  std::vector<Tensor> u_t_;
+#if defined(DTMT_CUBLAS_DIRECT_BUILT)
+  cublasHandle_t handle_ = nullptr;
+#endif
+};
+
+template <typename S>
+std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
+                                 const TransitionWeights& w, bool reverse, double eps) {
+  return StepForward<S>(x, h0, mask, drop, w, reverse, eps).run(h0);
 }
 
 // Whether the persistent launches' products run on tensor cores (docs/design/persistent_recurrence.md, "Products on
@@ -486,141 +510,176 @@ std::vector<Tensor> backward_tail(const Tensor& x, const TransitionWeights& w, c
   return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
 }
 
+// The per-step backward of one layer call over reversed time, as an object: for each time step and sub-cell, from
+// the top, one element-wise launch (`launch`) and the product of its pre-activation gradients with U (`product`),
+// which the next launch adds in. Two gradients are carried, each double-buffered: `carry` across time steps (with
+// its product `carry_g`), `inner` between the sub-cells of a step (with `inner_g`). backward_impl runs it.
 template <typename S>
-std::vector<Tensor> backward_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
-                                  const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
-                                  const Tensor& xp, const Tensor& hs, const Tensor& hs_lp_saved, const Tensor& hp,
-                                  const Tensor& hpt, bool reverse, double eps, bool weight_grads) {
+class StepBackward {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
-  const Dims d = dims_of(x, w);
-  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, BH = B * H;
-  check_shared_memory<A>(d, 2, "backward");
-  const auto opts = x.options();
-  const at::ScalarType acc = acc_type(x.scalar_type());
-  const auto acc_opts = opts.dtype(acc);
-  const Tensor hs_lp = present(hs_lp_saved) ? hs_lp_saved : hs;
-  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
 
-  Tensor dxp = at::empty_like(xp);
-  Tensor dhp = at::empty_like(hp);
-  Tensor dhpt = at::empty_like(hpt);
-  Tensor dln_rows = at::zeros({ln ? B : 0, d.n_g * H}, acc_opts);
-  Tensor dlnb_rows = at::zeros({ln ? B : 0, d.n_g * H}, acc_opts);
-  Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
-  Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
-  Tensor carry[2] = {grad_hn.to(acc, /*non_blocking=*/false, /*copy=*/true).contiguous(),
-                     at::empty({B, H}, acc_opts)};
-  Tensor carry_g = at::empty({B, H}, opts);
-  Tensor inner[2] = {at::empty({B, H}, acc_opts), at::empty({B, H}, acc_opts)};
-  Tensor inner_g = at::empty({B, H}, opts);
-  int c = 0;
-  bool has_cg = false;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto order = step_order(T_, reverse);
-  const StepGemm gemm = step_gemm(B);
-  const bool rows = gemm == StepGemm::kRows;
+ public:
+  StepBackward(const BackwardInputs& in, const TransitionWeights& w, const SavedForward& saved, bool reverse,
+               double eps)
+      : grad_out_(in.grad_out), mask_(in.mask), drop_(in.drop), w_(w), xp_(saved.xp), hs_(saved.hs), hp_(saved.hp),
+        hpt_(saved.hpt), d_(dims_of(in.x, w)), eps_(eps), ln_(present(w.ln_w)), tln_(present(w.t_ln_w)),
+        stream_(c10::cuda::getCurrentCUDAStream()), gemm_(step_gemm(d_.B)), order_(step_order(d_.T, reverse)) {
+    check_shared_memory<A>(d_, 2, "backward");
+    const int64_t B = d_.B, H = d_.H, D = d_.D;
+    const auto opts = in.x.options();
+    const at::ScalarType acc = acc_type(in.x.scalar_type());
+    const auto acc_opts = opts.dtype(acc);
+    hs_lp_ = present(saved.hs_lp) ? saved.hs_lp : saved.hs;
+    dxp_ = at::empty_like(saved.xp);
+    dhp_ = at::empty_like(saved.hp);
+    dhpt_ = at::empty_like(saved.hpt);
+    dln_rows_ = at::zeros({ln_ ? B : 0, d_.n_g * H}, acc_opts);
+    dlnb_rows_ = at::zeros({ln_ ? B : 0, d_.n_g * H}, acc_opts);
+    dtln_rows_ = at::zeros({tln_ ? D : 0, B, 2 * H}, acc_opts);
+    dtlnb_rows_ = at::zeros({tln_ ? D : 0, B, 2 * H}, acc_opts);
+    carry_[0] = in.grad_hn.to(acc, /*non_blocking=*/false, /*copy=*/true).contiguous();
+    carry_[1] = at::empty({B, H}, acc_opts);
+    carry_g_ = at::empty({B, H}, opts);
+    inner_[0] = at::empty({B, H}, acc_opts);
+    inner_[1] = at::empty({B, H}, acc_opts);
+    inner_g_ = at::empty({B, H}, opts);
+    const bool rows = gemm_ == StepGemm::kRows;
+    w_hh_ = w.w_hh.contiguous();
+    t_w_ = D > 0 ? w.t_w.contiguous() : w.t_w;
+    // the row GEMM multiplies by w^T with w [N, K] row-major: here U^T [H, n], made once for the loop
+    w_hh_rows_ = rows ? w_hh_.t().contiguous() : w_hh_;
+    t_w_rows_ = rows && D > 0 ? t_w_.transpose(1, 2).contiguous() : t_w_;
 #if defined(DTMT_CUBLAS_DIRECT_BUILT)
-  const cublasHandle_t handle = gemm == StepGemm::kCublas ? at::cuda::getCurrentCUDABlasHandle() : nullptr;
+    handle_ = gemm_ == StepGemm::kCublas ? at::cuda::getCurrentCUDABlasHandle() : nullptr;
 #endif
-  const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
-  // the row GEMM multiplies by w^T with w [N, K] row-major: here U^T [H, n], made once for the loop
-  const Tensor w_hh_rows = rows ? w_hh.t().contiguous() : w_hh;
-  const Tensor t_w_rows = rows && D > 0 ? t_w.transpose(1, 2).contiguous() : t_w;
-  // out[B, H] = d(pre-activations)[B, n] . U[n, H]; the pre-activation gradients and U are rows of `dpre`
-  // and `u` from the element offsets given (`u_rows`: the same matrix as U^T, same offset)
-  auto gemm_backward = [&](Tensor& out, const Tensor& dpre, int64_t dpre_off, const Tensor& u, const Tensor& u_rows,
-                           int64_t u_off, int64_t n) {
+  }
+
+  // the op's 12 outputs (backward_tail)
+  std::vector<Tensor> run(const Tensor& x, const Tensor& grad_hn, bool weight_grads) {
+    for (int64_t step = d_.T - 1; step >= 0; --step) {
+      const int64_t t = order_[step];
+      for (int64_t k = d_.D; k >= 0; --k) {
+        launch(t, k);
+        if (k == 0) {
+          product(carry_g_, dhp_, t * d_.B * d_.n_h * d_.H, w_hh_, w_hh_rows_, 0, d_.n_h * d_.H);
+          c_ = 1 - c_;
+          has_cg_ = true;
+        } else {
+          product(inner_g_, dhpt_, ((k - 1) * d_.T + t) * d_.B * 3 * d_.H, t_w_, t_w_rows_,
+                  (k - 1) * 3 * d_.H * d_.H, 3 * d_.H);
+          i_ = 1 - i_;
+        }
+      }
+      i_ = 0;
+    }
+    Tensor dh0 = (carry_[c_] + carry_g_.to(carry_[c_].scalar_type())).to(grad_hn.scalar_type());
+    return backward_tail(x, w_, d_, hs_lp_, dxp_, dhp_, dhpt_, dh0, dln_rows_, dlnb_rows_, dtln_rows_, dtlnb_rows_,
+                         weight_grads);
+  }
+
+ private:
+  // sub-cell k's backward kernel at time t: the base cell (k = 0) writes the carried gradient of the step before,
+  // a T-GRU the inner gradient of the sub-cell below
+  void launch(int64_t t, int64_t k) {
+    const int64_t T_ = d_.T, B = d_.B, H = d_.H, BH = B * H;
+    cuda::StepBackwardArgs<T, A> a{};
+    const bool base = k == 0;
+    const int kind = base ? static_cast<int>(w_.kind) : kTGRU;
+    if (base) {
+      a.xp = cptr<T, S>(xp_, t * B * d_.n_in * H);
+      a.hp = cptr<T, S>(hp_, t * B * d_.n_h * H);
+      a.bh = cptr<T, S>(w_.b_hh);
+      a.lnw = ln_ ? cptr<T, S>(w_.ln_w) : nullptr;
+      a.lnb = ln_ ? cptr<T, S>(w_.ln_b) : nullptr;
+      a.dxp = mptr<T, S>(dxp_, t * B * d_.n_in * H);
+      a.dhp = mptr<T, S>(dhp_, t * B * d_.n_h * H);
+      a.dlnw = ln_ ? mptr<A, A>(dln_rows_) : nullptr;
+      a.dlnb = ln_ ? mptr<A, A>(dlnb_rows_) : nullptr;
+      a.dh = mptr<A, A>(carry_[1 - c_]);
+    } else {
+      const int64_t off = ((k - 1) * T_ + t) * B * 3 * H;
+      a.hp = cptr<T, S>(hpt_, off);
+      a.bh = cptr<T, S>(w_.t_b, (k - 1) * 3 * H);
+      a.lnw = tln_ ? cptr<T, S>(w_.t_ln_w, (k - 1) * 2 * H) : nullptr;
+      a.lnb = tln_ ? cptr<T, S>(w_.t_ln_b, (k - 1) * 2 * H) : nullptr;
+      a.dhp = mptr<T, S>(dhpt_, off);
+      a.dlnw = tln_ ? mptr<A, A>(dtln_rows_, (k - 1) * BH * 2) : nullptr;
+      a.dlnb = tln_ ? mptr<A, A>(dtlnb_rows_, (k - 1) * BH * 2) : nullptr;
+      a.dh = mptr<A, A>(inner_[1 - i_]);
+    }
+    a.hin = cptr<A, A>(hs_, (k * T_ + t) * BH);
+    a.drop = kind != kATR ? cptr<T, S>(drop_, k * BH) : nullptr;
+    a.din = cptr<A, A>(inner_[i_]);
+    a.gin = cptr<T, S>(inner_g_);
+    a.cd = cptr<A, A>(carry_[c_]);
+    a.cg = has_cg_ ? cptr<T, S>(carry_g_) : nullptr;
+    a.go = cptr<T, S>(grad_out_, t * BH);
+    a.mask = cptr<T, S>(mask_, t * B);
+    a.H = static_cast<int>(H);
+    a.eps = static_cast<A>(eps_);
+    a.top = k == d_.D;
+    a.base = base;
+    C10_CUDA_CHECK((cuda::launch_step_backward<T, A>(kind, a, static_cast<int>(B), stream_)));
+  }
+
+  // out[B, H] = d(pre-activations)[B, n] . U[n, H]; the pre-activation gradients and U are rows of `dpre` and `u`
+  // from the element offsets given (`u_rows`: the same matrix as U^T, same offset)
+  void product(Tensor& out, const Tensor& dpre, int64_t dpre_off, const Tensor& u, const Tensor& u_rows,
+               int64_t u_off, int64_t n) {
+    const int64_t B = d_.B, H = d_.H;
+    const bool rows = gemm_ == StepGemm::kRows;
 #if defined(DTMT_CUBLAS_DIRECT_BUILT)
-    if (gemm == StepGemm::kCublas) {
-      cublas_gemm<T>(handle, cptr<T, S>(dpre, dpre_off), cptr<T, S>(u, u_off), mptr<T, S>(out), static_cast<int>(B),
-                     static_cast<int>(H), static_cast<int>(n), /*w_transposed=*/false);
+    if (gemm_ == StepGemm::kCublas) {
+      cublas_gemm<T>(handle_, cptr<T, S>(dpre, dpre_off), cptr<T, S>(u, u_off), mptr<T, S>(out),
+                     static_cast<int>(B), static_cast<int>(H), static_cast<int>(n), /*w_transposed=*/false);
       return;
     }
 #endif
-    if (gemm == StepGemm::kRows || gemm == StepGemm::kTiled) {
+    if (rows || gemm_ == StepGemm::kTiled) {
       const cuda::GemmArgs<T> g{cptr<T, S>(dpre, dpre_off), cptr<T, S>(rows ? u_rows : u, u_off), mptr<T, S>(out),
                                 static_cast<int>(B), static_cast<int>(H), static_cast<int>(n)};
       C10_CUDA_CHECK(
-          (rows ? cuda::launch_rows_gemm<T, A>(g, stream) : cuda::launch_tiled_gemm<false, T, A>(g, stream)));
+          (rows ? cuda::launch_rows_gemm<T, A>(g, stream_) : cuda::launch_tiled_gemm<false, T, A>(g, stream_)));
     } else {
       at::mm_out(out, dpre.view({-1}).narrow(0, dpre_off, B * n).view({B, n}),
                  u.view({-1}).narrow(0, u_off, n * H).view({n, H}));
     }
-  };
-
-  for (int64_t step = T_ - 1; step >= 0; --step) {
-    const int64_t t = order[step];
-    int i = 0;
-    for (int64_t k = D; k >= 0; --k) {
-      cuda::StepBackwardArgs<T, A> a{};
-      const bool base = k == 0;
-      int kind;
-      if (base) {
-        kind = static_cast<int>(w.kind);
-        a.xp = cptr<T, S>(xp, t * B * d.n_in * H);
-        a.hp = cptr<T, S>(hp, t * B * d.n_h * H);
-        a.bh = cptr<T, S>(w.b_hh);
-        a.lnw = ln ? cptr<T, S>(w.ln_w) : nullptr;
-        a.lnb = ln ? cptr<T, S>(w.ln_b) : nullptr;
-        a.dxp = mptr<T, S>(dxp, t * B * d.n_in * H);
-        a.dhp = mptr<T, S>(dhp, t * B * d.n_h * H);
-        a.dlnw = ln ? mptr<A, A>(dln_rows) : nullptr;
-        a.dlnb = ln ? mptr<A, A>(dlnb_rows) : nullptr;
-        a.dh = mptr<A, A>(carry[1 - c]);
-      } else {
-        kind = kTGRU;
-        const int64_t off = ((k - 1) * T_ + t) * B * 3 * H;
-        a.xp = nullptr;
-        a.hp = cptr<T, S>(hpt, off);
-        a.bh = cptr<T, S>(w.t_b, (k - 1) * 3 * H);
-        a.lnw = tln ? cptr<T, S>(w.t_ln_w, (k - 1) * 2 * H) : nullptr;
-        a.lnb = tln ? cptr<T, S>(w.t_ln_b, (k - 1) * 2 * H) : nullptr;
-        a.dxp = nullptr;
-        a.dhp = mptr<T, S>(dhpt, off);
-        a.dlnw = tln ? mptr<A, A>(dtln_rows, (k - 1) * BH * 2) : nullptr;
-        a.dlnb = tln ? mptr<A, A>(dtlnb_rows, (k - 1) * BH * 2) : nullptr;
-        a.dh = mptr<A, A>(inner[1 - i]);
-      }
-      a.hin = cptr<A, A>(hs, (k * T_ + t) * BH);
-      a.drop = kind != kATR ? cptr<T, S>(drop, k * BH) : nullptr;
-      a.din = cptr<A, A>(inner[i]);
-      a.gin = cptr<T, S>(inner_g);
-      a.cd = cptr<A, A>(carry[c]);
-      a.cg = has_cg ? cptr<T, S>(carry_g) : nullptr;
-      a.go = cptr<T, S>(grad_out, t * BH);
-      a.mask = cptr<T, S>(mask, t * B);
-      a.H = static_cast<int>(H);
-      a.eps = static_cast<A>(eps);
-      a.top = k == D;
-      a.base = base;
-      const cudaError_t err = cuda::launch_step_backward<T, A>(kind, a, static_cast<int>(B), stream);
-      C10_CUDA_CHECK(err);
-      if (base) {
-        gemm_backward(carry_g, dhp, t * B * d.n_h * H, w_hh, w_hh_rows, 0, d.n_h * H);
-        c = 1 - c;
-        has_cg = true;
-      } else {
-        gemm_backward(inner_g, dhpt, ((k - 1) * T_ + t) * B * 3 * H, t_w, t_w_rows, (k - 1) * 3 * H * H,
-                      3 * H);
-        i = 1 - i;
-      }
-    }
   }
-  Tensor dh0 = (carry[c] + carry_g.to(acc)).to(grad_hn.scalar_type());
-  return backward_tail(x, w, d, hs_lp, dxp, dhp, dhpt, dh0, dln_rows, dlnb_rows, dtln_rows, dtlnb_rows,
-                       weight_grads);
+
+  const Tensor &grad_out_, &mask_, &drop_;
+  const TransitionWeights& w_;
+  const Tensor &xp_, &hs_, &hp_, &hpt_;
+  const Dims d_;
+  const double eps_;
+  const bool ln_, tln_;
+  const cudaStream_t stream_;
+  const StepGemm gemm_;
+  const std::vector<int64_t> order_;
+  Tensor hs_lp_, dxp_, dhp_, dhpt_, dln_rows_, dlnb_rows_, dtln_rows_, dtlnb_rows_, carry_g_, inner_g_;
+  Tensor carry_[2], inner_[2];
+  Tensor w_hh_, t_w_, w_hh_rows_, t_w_rows_;
+  int c_ = 0, i_ = 0;      // the carry and inner buffers read now
+  bool has_cg_ = false;    // carry_g holds a product (from the step after this one)
+#if defined(DTMT_CUBLAS_DIRECT_BUILT)
+  cublasHandle_t handle_ = nullptr;
+#endif
+};
+
+template <typename S>
+std::vector<Tensor> backward_impl(const BackwardInputs& in, const TransitionWeights& w, const SavedForward& saved,
+                                  bool reverse, double eps, bool weight_grads) {
+  return StepBackward<S>(in, w, saved, reverse, eps).run(in.x, in.grad_hn, weight_grads);
 }
 
 // The backward in one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh) on the forward's
 // saved tensors (either forward's), then the same weight gradients; `fallible` as forward_persistent_impl's.
 template <typename S>
-std::vector<Tensor> backward_persistent_impl(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
-                                             const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
-                                             const Tensor& xp, const Tensor& hs, const Tensor& hs_lp_saved,
-                                             const Tensor& hp, const Tensor& hpt, bool reverse, double eps,
-                                             int64_t grid, int64_t threads, bool fallible = false,
-                                             bool weight_grads = true) {
+std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const TransitionWeights& w,
+                                             const SavedForward& saved, bool reverse, double eps, int64_t grid,
+                                             int64_t threads, bool fallible = false, bool weight_grads = true) {
+  const Tensor &grad_out = in.grad_out, &grad_hn = in.grad_hn, &x = in.x, &mask = in.mask, &drop = in.drop;
+  const Tensor &xp = saved.xp, &hs = saved.hs, &hs_lp_saved = saved.hs_lp, &hp = saved.hp, &hpt = saved.hpt;
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
@@ -711,37 +770,28 @@ std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Te
 }
 
 // The backward as one persistent launch of `grid` blocks of `threads` threads (backward_persistent_impl).
-std::vector<Tensor> transition_backward_persistent_cuda(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
-                                                        const Tensor& mask, const Tensor& drop,
-                                                        const TransitionWeights& w, const Tensor& xp, const Tensor& hs,
-                                                        const Tensor& hs_lp, const Tensor& hp, const Tensor& hpt,
-                                                        bool reverse, double eps, int64_t grid, int64_t threads) {
-  const c10::cuda::CUDAGuard guard(x.device());
+std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in, const TransitionWeights& w,
+                                                        const SavedForward& saved, bool reverse, double eps,
+                                                        int64_t grid, int64_t threads) {
+  const c10::cuda::CUDAGuard guard(in.x.device());
   std::vector<Tensor> result;
-  DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
-    result = backward_persistent_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse,
-                                                eps, grid, threads);
+  DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
+    result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads);
   });
   return result;
 }
 
 // Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b}.
-std::vector<Tensor> transition_backward_cuda(const Tensor& grad_out, const Tensor& grad_hn, const Tensor& x,
-                                             const Tensor& mask, const Tensor& drop, const TransitionWeights& w,
-                                             const Tensor& xp, const Tensor& hs, const Tensor& hs_lp,
-                                             const Tensor& hp, const Tensor& hpt, bool reverse, double eps,
-                                             bool weight_grads) {
-  const c10::cuda::CUDAGuard guard(x.device());
+std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const TransitionWeights& w,
+                                             const SavedForward& saved, bool reverse, double eps, bool weight_grads) {
+  const c10::cuda::CUDAGuard guard(in.x.device());
   std::vector<Tensor> result;
-  DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
-    const int64_t grid = persistent_requested() && x.size(0) > 0 ? persistent_grid<scalar_t>(x, w) : 0;
+  DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
+    const int64_t grid = persistent_requested() && in.x.size(0) > 0 ? persistent_grid<scalar_t>(in.x, w) : 0;
     if (grid > 0)
-      result = backward_persistent_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt,
-                                                  reverse, eps, grid, cuda::kPersistentThreads, /*fallible=*/true,
-                                                  weight_grads);
-    if (result.empty())
-      result = backward_impl<scalar_t>(grad_out, grad_hn, x, mask, drop, w, xp, hs, hs_lp, hp, hpt, reverse, eps,
-                                       weight_grads);
+      result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, cuda::kPersistentThreads,
+                                                  /*fallible=*/true, weight_grads);
+    if (result.empty()) result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
   });
   return result;
 }

@@ -223,19 +223,11 @@ template <int KIND, typename T, typename A> __global__ void step_forward_kernel(
     if constexpr (KIND == kATR) {
       hn = atr_elem_forward<A>(g[j], g[H + j], h[j]);
     } else {
+      constexpr GatedInputRows in = gated_input_rows(KIND);
       const A hc = ld<A>(hr, NG * H + j) + ld<A>(p.bh, NG * H + j);
       const A m = p.drop ? ld<A>(p.drop + o, j) : A(1);
-      if constexpr (KIND == kGRU) {
-        hn = gru_elem_forward<A>(g[j], g[H + j], ld<A>(xr, 2 * H + j), hc, h[j], m);
-      } else if constexpr (KIND == kTGRU) {
-        hn = gru_elem_forward<A>(g[j], g[H + j], A(0), hc, h[j], m);
-      } else if constexpr (KIND == kLGRU) {
-        hn = lgru_elem_forward<A>(g[j], g[H + j], g[2 * H + j], ld<A>(xr, 3 * H + j), ld<A>(xr, 4 * H + j), hc,
-                                  h[j], m);
-      } else {
-        hn = lau_elem_forward<A>(g[j], g[H + j], g[2 * H + j], ld<A>(xr, 3 * H + j), ld<A>(xr, 4 * H + j), hc,
-                                 h[j], m);
-      }
+      const A xc = in.xc ? ld<A>(xr, NG * H + j) : A(0), lin = in.lin ? ld<A>(xr, (NG + 1) * H + j) : A(0);
+      hn = gated_elem_forward<KIND, A>(g[j], g[H + j], NG == 3 ? g[2 * H + j] : A(0), xc, lin, hc, h[j], m);
     }
     A state = hn;
     if (p.out) {
@@ -248,24 +240,13 @@ template <int KIND, typename T, typename A> __global__ void step_forward_kernel(
 }
 
 // --------------------------------------------------------------------------------------------- backward
-template <int KIND, typename T, typename A> __global__ void step_backward_kernel(StepBackwardArgs<T, A> p) {
-  constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  A* red = reinterpret_cast<A*>(smem_raw);
-  const int row = blockIdx.x, H = p.H;
-  A* n = red + kRed;  // [NG*H] normalised (or raw) pre-activations
-  A* d = n + NG * H;  // [NG*H] their gradients
-  const size_t o = static_cast<size_t>(row) * H;
-  const T* xr = KIND == kTGRU ? nullptr : p.xp + static_cast<size_t>(row) * NIN * H;
-  const T* hr = p.hp + static_cast<size_t>(row) * NH * H;
-  T* dxr = KIND == kTGRU ? nullptr : p.dxp + static_cast<size_t>(row) * NIN * H;
-  T* dhr = p.dhp + static_cast<size_t>(row) * NH * H;
-  const A* h = p.hin + o;
-  const bool ln = p.lnw != nullptr;
-  const bool valid = !p.mask || ld<float>(p.mask, row) > 0.5f;
-
-  // Recompute the (normalised) pre-activations.
-  A rstd[NG];
+// The row's pre-activations recomputed into n [NG*H] and normalised where the cell has layer norm (rstd[k] of group
+// k; 1 without).
+template <int KIND, typename T, typename A>
+__device__ __forceinline__ void backward_preactivations(const StepBackwardArgs<T, A>& p, const T* xr, const T* hr,
+                                                        A* n, A* rstd, A* red) {
+  constexpr int NG = Rows<KIND>::groups;
+  const int H = p.H;
   for (int k = 0; k < NG; ++k) {
     for (int j = threadIdx.x; j < H; j += blockDim.x) {
       A a;
@@ -277,60 +258,60 @@ template <int KIND, typename T, typename A> __global__ void step_backward_kernel
       }
       n[k * H + j] = a;
     }
-    rstd[k] = ln ? row_normalise(n + k * H, H, p.eps, red) : A(1);
+    rstd[k] = p.lnw != nullptr ? row_normalise(n + k * H, H, p.eps, red) : A(1);
   }
-  auto post = [&](int k, int j) -> A {  // LN(a) * w + b (or a): the sigmoid's argument / ATR's p, q
-    return ln ? n[k * H + j] * ld<A>(p.lnw, k * H + j) + ld<A>(p.lnb, k * H + j) : n[k * H + j];
+}
+
+// Element j of the row: its output's gradient (top: the carried one plus this step's, 0 on a padded row; else the
+// sub-cell above's, direct plus through U) back through the cell's gates: the gates' gradients into d [NG*H], the
+// candidate's and the input pre-activations' stored, the input state's gradient into p.dh (a padded base row passes
+// the carried gradient through).
+template <int KIND, typename T, typename A>
+__device__ __forceinline__ void backward_element(const StepBackwardArgs<T, A>& p, int j, size_t o, bool valid,
+                                                 const T* xr, const T* hr, T* dxr, T* dhr, const A* n, A* d) {
+  constexpr int NG = Rows<KIND>::groups;
+  const int H = p.H;
+  const A* h = p.hin + o;
+  auto post = [&](int k) -> A {  // LN(a) * w + b (or a): the sigmoid's argument / ATR's p, q
+    return p.lnw != nullptr ? n[k * H + j] * ld<A>(p.lnw, k * H + j) + ld<A>(p.lnb, k * H + j) : n[k * H + j];
   };
-
-  for (int j = threadIdx.x; j < H; j += blockDim.x) {
-    A carry = A(0);
-    if (p.top || p.base) carry = p.cd[o + j] + (p.cg ? ld<A>(p.cg + o, j) : A(0));
-    A dout;
-    if (p.top) {
-      dout = valid ? carry + ld<A>(p.go + o, j) : A(0);
-    } else {
-      dout = p.din[o + j] + ld<A>(p.gin + o, j);
-    }
-    A dh;
-    if constexpr (KIND == kATR) {
-      A dp, dq;
-      atr_elem_backward<A>(post(0, j), post(1, j), h[j], dout, dp, dq, dh);
-      d[j] = dp;
-      d[H + j] = dq;
-    } else {
-      const A r = dt_sigmoid(post(0, j)), z = dt_sigmoid(post(1, j));
-      const A hc = ld<A>(hr, NG * H + j) + ld<A>(p.bh, NG * H + j);
-      const A m = p.drop ? ld<A>(p.drop + o, j) : A(1);
-      A dr, dz, dxc, dhc;
-      if constexpr (KIND == kGRU || KIND == kTGRU) {
-        const A xc = KIND == kGRU ? ld<A>(xr, 2 * H + j) : A(0);
-        gru_elem_backward<A>(r, z, xc, hc, h[j], m, dout, dr, dz, dxc, dhc, dh);
-        if constexpr (KIND == kGRU) st<A>(dxr, 2 * H + j, dxc);
-      } else {
-        const A l = dt_sigmoid(post(2, j));
-        const A xc = ld<A>(xr, 3 * H + j), lin = ld<A>(xr, 4 * H + j);
-        A dl, dlin;
-        if constexpr (KIND == kLGRU) {
-          lgru_elem_backward<A>(r, z, l, xc, lin, hc, h[j], m, dout, dr, dz, dl, dxc, dlin, dhc, dh);
-        } else {
-          lau_elem_backward<A>(r, z, l, xc, lin, hc, h[j], m, dout, dr, dz, dl, dxc, dlin, dhc, dh);
-        }
-        d[2 * H + j] = dl;
-        st<A>(dxr, 3 * H + j, dxc);
-        st<A>(dxr, 4 * H + j, dlin);
-      }
-      d[j] = dr;
-      d[H + j] = dz;
-      st<A>(dhr, NG * H + j, dhc);
-    }
-    if (p.base && !valid) dh = carry;
-    p.dh[o + j] = dh;
+  A carry = A(0);
+  if (p.top || p.base) carry = p.cd[o + j] + (p.cg ? ld<A>(p.cg + o, j) : A(0));
+  const A dout = p.top ? (valid ? carry + ld<A>(p.go + o, j) : A(0)) : p.din[o + j] + ld<A>(p.gin + o, j);
+  A dh;
+  if constexpr (KIND == kATR) {
+    A dp, dq;
+    atr_elem_backward<A>(post(0), post(1), h[j], dout, dp, dq, dh);
+    d[j] = dp;
+    d[H + j] = dq;
+  } else {
+    constexpr GatedInputRows in = gated_input_rows(KIND);
+    const A r = dt_sigmoid(post(0)), z = dt_sigmoid(post(1)), l = NG == 3 ? dt_sigmoid(post(2)) : A(0);
+    const A hc = ld<A>(hr, NG * H + j) + ld<A>(p.bh, NG * H + j);
+    const A m = p.drop ? ld<A>(p.drop + o, j) : A(1);
+    const A xc = in.xc ? ld<A>(xr, NG * H + j) : A(0), lin = in.lin ? ld<A>(xr, (NG + 1) * H + j) : A(0);
+    A dr, dz, dl, dxc, dlin, dhc;
+    gated_elem_backward<KIND, A>(r, z, l, xc, lin, hc, h[j], m, dout, dr, dz, dl, dxc, dlin, dhc, dh);
+    if constexpr (NG == 3) d[2 * H + j] = dl;
+    if constexpr (in.xc) st<A>(dxr, NG * H + j, dxc);
+    if constexpr (in.lin) st<A>(dxr, (NG + 1) * H + j, dlin);
+    d[j] = dr;
+    d[H + j] = dz;
+    st<A>(dhr, NG * H + j, dhc);
   }
+  if (p.base && !valid) dh = carry;
+  p.dh[o + j] = dh;
+}
 
-  // Through the layer norms (row-owned gain / offset accumulators: deterministic), then store.
+// The gates' gradients d [NG*H] through the layer norms (row-owned gain / offset accumulators: deterministic), then
+// stored as the recurrent (and input) pre-activations' gradients.
+template <int KIND, typename T, typename A>
+__device__ __forceinline__ void backward_store(const StepBackwardArgs<T, A>& p, int row, T* dxr, T* dhr,
+                                               const A* n, A* d, const A* rstd, A* red) {
+  constexpr int NG = Rows<KIND>::groups;
+  const int H = p.H;
   for (int k = 0; k < NG; ++k) {
-    if (ln) {
+    if (p.lnw != nullptr) {
       A* dw = p.dlnw + static_cast<size_t>(row) * NG * H + k * H;
       A* db = p.dlnb + static_cast<size_t>(row) * NG * H + k * H;
       for (int j = threadIdx.x; j < H; j += blockDim.x) {
@@ -351,6 +332,25 @@ template <int KIND, typename T, typename A> __global__ void step_backward_kernel
       }
     }
   }
+}
+
+template <int KIND, typename T, typename A> __global__ void step_backward_kernel(StepBackwardArgs<T, A> p) {
+  constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  A* red = reinterpret_cast<A*>(smem_raw);
+  const int row = blockIdx.x, H = p.H;
+  A* n = red + kRed;  // [NG*H] normalised (or raw) pre-activations
+  A* d = n + NG * H;  // [NG*H] their gradients
+  const size_t o = static_cast<size_t>(row) * H;
+  const T* xr = KIND == kTGRU ? nullptr : p.xp + static_cast<size_t>(row) * NIN * H;
+  const T* hr = p.hp + static_cast<size_t>(row) * NH * H;
+  T* dxr = KIND == kTGRU ? nullptr : p.dxp + static_cast<size_t>(row) * NIN * H;
+  T* dhr = p.dhp + static_cast<size_t>(row) * NH * H;
+  const bool valid = !p.mask || ld<float>(p.mask, row) > 0.5f;
+  A rstd[NG];
+  backward_preactivations<KIND>(p, xr, hr, n, rstd, red);
+  for (int j = threadIdx.x; j < H; j += blockDim.x) backward_element<KIND>(p, j, o, valid, xr, hr, dxr, dhr, n, d);
+  backward_store<KIND>(p, row, dxr, dhr, n, d, rstd, red);
 }
 
 // ------------------------------------------------------------------------------------------- row GEMM

@@ -292,6 +292,7 @@ namespace {
 dtmt::TransitionWeights weights(int64_t kind, const std::vector<at::Tensor>& p) {
   return dtmt::TransitionWeights{kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
 }
+dtmt::SavedForward saved_of(const std::vector<at::Tensor>& s) { return {s[0], s[1], s[2], s[3], s[4]}; }
 std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                 const at::Tensor& drop, int64_t kind, const std::vector<at::Tensor>& params,
                                 bool reverse, double eps) {
@@ -301,16 +302,16 @@ std::vector<at::Tensor> backward(const at::Tensor& grad_out, const at::Tensor& g
                                  const at::Tensor& mask, const at::Tensor& drop, int64_t kind,
                                  const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& saved,
                                  bool reverse, double eps) {
-  return dtmt::transition_backward_cuda(grad_out, grad_hn, x, mask, drop, weights(kind, params), saved[0],
-                                        saved[1], saved[2], saved[3], saved[4], reverse, eps);
+  return dtmt::transition_backward_cuda({grad_out, grad_hn, x, mask, drop}, weights(kind, params), saved_of(saved),
+                                        reverse, eps);
 }
 // the backward without the weight gradients (dk.nn.unrolled's steps): their slots hold the pre-activation gradients
 std::vector<at::Tensor> backward_rows(const at::Tensor& grad_out, const at::Tensor& grad_hn, const at::Tensor& x,
                                       const at::Tensor& mask, const at::Tensor& drop, int64_t kind,
                                       const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& saved,
                                       bool reverse, double eps) {
-  return dtmt::transition_backward_cuda(grad_out, grad_hn, x, mask, drop, weights(kind, params), saved[0],
-                                        saved[1], saved[2], saved[3], saved[4], reverse, eps, /*weight_grads=*/false);
+  return dtmt::transition_backward_cuda({grad_out, grad_hn, x, mask, drop}, weights(kind, params), saved_of(saved),
+                                        reverse, eps, /*weight_grads=*/false);
 }
 std::vector<at::Tensor> forward_persistent(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                            const at::Tensor& drop, int64_t kind, const std::vector<at::Tensor>& params,
@@ -323,9 +324,8 @@ std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at
                                             int64_t kind, const std::vector<at::Tensor>& params,
                                             const std::vector<at::Tensor>& saved, bool reverse, double eps,
                                             int64_t grid, int64_t threads) {
-  return dtmt::transition_backward_persistent_cuda(grad_out, grad_hn, x, mask, drop, weights(kind, params), saved[0],
-                                                   saved[1], saved[2], saved[3], saved[4], reverse, eps, grid,
-                                                   threads);
+  return dtmt::transition_backward_persistent_cuda({grad_out, grad_hn, x, mask, drop}, weights(kind, params),
+                                                   saved_of(saved), reverse, eps, grid, threads);
 }
 }  // namespace
 

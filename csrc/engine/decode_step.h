@@ -165,7 +165,7 @@ struct StepTables {
   at::Tensor y_cell, y_readout;
 };
 
-// One whole step of the attentional RNMT decoder (dtmt_models/models/rnmt.py, FusedRNMTDecoder):
+// One whole step of the attentional RNMT decoder (dtmt_models/engine/rnmt.py, FusedRNMTDecoder):
 //   s_q = query_cell(y, s); (c, alpha) = attention_step(s_q, ...); s' = decoder_cell(c, s_q);
 //   log_probs = log_softmax(readout_features(y, s', c) W_out^T + b_out) (float32 at least, as Projection).
 // y [B, E] (the embedded previous tokens), s [B, H]; keys / annotations / src_mask as attention_step's.

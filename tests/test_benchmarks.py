@@ -856,3 +856,17 @@ def test_bench_persistent_table_and_floor(capsys):
     assert "strict fp32 on every side" in out
     bench_persistent.report(results, barrier, 50, 512, [8], 10, "a GPU", "tf32")   # each table names its math mode
     assert "; TF32 on every side (torch's TF32 flags on" in capsys.readouterr().out
+
+
+def test_bench_forms_measures_its_two_parts():
+    """bench_forms.py (issue 75 item 5's decision): the weight forming is timed inside the updates (dtmt: the
+    encoder layer's and both decoder cells' forms, each update), and each batch-first layer call of an update is
+    compared with its time-major twin."""
+    from benchmarks import bench_forms
+
+    r = bench_forms.main(["--updates", "1", "--warmup", "1", "--repeats", "1", "--max-tokens", "200",
+                          "--threads", "1"])
+    assert r["system"] == "dtmt" and r["layer_calls"] == 1
+    assert 0 < r["forms_ms"] < r["update_ms"] and 0 < r["forms_share"] < 1
+    assert abs(r["transposes_share"] * r["update_ms"] - r["transposes_ms"]) < 1e-6 * r["update_ms"]
+

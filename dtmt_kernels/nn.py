@@ -1,7 +1,7 @@
 """Drop-in recurrent layers: `DeepTransitionGRU`, `DeepTransitionGRUCell`, `ATR`, `ATRCell`; `Linear`, the
-torch.nn.Linear of decoder steps (the small-row kernel at batch 1); and `unrolled`, a block in which step cells
-form their weight gradients once over all their steps (teacher forcing), with `step_context`, an attention
-step's context whose gradient to the annotations is formed the same way. Their forms for decoding (weights
+torch.nn.Linear of decoder steps (the small-row kernel at batch 1); and, from unrolled.py, `unrolled`, a block in
+which step cells form their weight gradients once over all their steps (teacher forcing), with `step_context`, an
+attention step's context whose gradient to the annotations is formed the same way. Their forms for decoding (weights
 gathered once, no autograd) are the inference engine's (dtmt_models.engine.forms); `TransitionLayer` and
 `TransitionCell` are the bases of the layers and the cells.
 
@@ -26,22 +26,20 @@ ln_weight / ln_bias [2H] for p and q (the q offset plays the role of b).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
-from typing import Iterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .autograd import (CppContextStepFunction, CppTransitionStepFunction, CppUnrolledValuesFunction,
-                       CppUnrolledWeightsFunction, UnrolledContext, UnrolledSteps)
+from .autograd import CppTransitionStepFunction, CppUnrolledWeightsFunction, UnrolledSteps
 from .backends import BackendSwitch, resolve_backend
-from .functional import (attention_context, check_attention_context, check_dtype_for_backend, lengths_to_mask,
-                         linear)
+from .functional import check_dtype_for_backend, lengths_to_mask, linear
 from .ops._autocast import autocast_mix
 from .ops.transition import CELL_KINDS, CELL_ROWS, DEEP_TRANSITION_CELLS, KINDS, flat_params
 from .reference import TransitionWeights
+from .unrolled import Unrollable, step_context, unrolled  # noqa: F401 (dk.nn's names for the block)
 
 
 # The backends whose step cells run an `unrolled` block as one sequence (their weight gradients once over all steps).
@@ -50,21 +48,6 @@ from .reference import TransitionWeights
 # measured it (bench_train.py --fused cuda cuda+unrolled); until then a GPU update forms them step by step. Only
 # "cpp" and "cuda" mean anything here: the steps call torch.ops.dtmt, whose kernels the tensors' device picks.
 UNROLLED_BACKENDS = frozenset({"cpp"})
-
-
-class Unrollable:
-    """Mixin of the modules whose per-step work `unrolled` batches over the steps of a block (the step cells
-    below; the attention modules of dtmt_models). While a block is open on the module, its sessions live in
-    its __dict__ under "_unrolled"."""
-
-    def _unrolled_sessions(self) -> Optional[dict]:
-        """The open block's sessions when autograd is recording, else None. Under torch.compile / torch.export the
-        block is ignored (its sessions are Python state that a graph cannot hold): each step is then the plain op,
-        whose gradients the compiled graph forms."""
-        sessions = self.__dict__.get("_unrolled")
-        if sessions is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return None
-        return sessions
 
 
 class _TransitionBase(BackendSwitch, nn.Module):
@@ -336,37 +319,6 @@ class TransitionCell(Unrollable, _TransitionBase):
         return hit
 
 
-@contextlib.contextmanager
-def unrolled(*modules: nn.Module) -> Iterator[None]:
-    """Within the block, the given modules that are `Unrollable` (DeepTransitionGRUCell / ATRCell, the
-    attention modules of dtmt_models; anything else is ignored) run their steps as one unrolled sequence for
-    autograd, the cells on the backends of UNROLLED_BACKENDS (cpp), the attention context on cpp. A cell's flat
-    weights are assembled once, and each weight gradient is one
-    GEMM over every step's rows at backward instead of one GEMM and one accumulation per step
-    (autograd.UnrolledSteps); an attention's context (`step_context`) forms the annotations' gradient once over
-    all steps (autograd.UnrolledContext). Gradients are those of the plain step-by-step path up to float
-    rounding. For teacher forcing, where a decoder cell runs once per target position:
-
-        with dk.nn.unrolled(model.query_cell, model.decoder_cell):
-            for t in range(T): ...
-
-    Other backends, inference (no autograd recording) and calls outside the block are unaffected. The backward
-    may run after the block has closed; a block may hold several forward / backward rounds (truncated
-    backpropagation: a session ends when its backward has run or a parameter has changed). Blocks nest (the
-    outer one holds). A block's sessions live on the modules: not for one module run by several threads."""
-    if torch.compiler.is_compiling():   # a compiled graph forms the weight gradients itself (_unrolled_sessions)
-        yield
-        return
-    opened = [c for c in modules if isinstance(c, Unrollable) and c.__dict__.get("_unrolled") is None]
-    for c in opened:
-        c.__dict__["_unrolled"] = {}
-    try:
-        yield
-    finally:
-        for c in opened:
-            c.__dict__["_unrolled"] = None
-
-
 # the base cells of a deep transition, for messages: 'gru', 'lgru' or 'lau'
 _DT_CELLS = ", ".join(map(repr, DEEP_TRANSITION_CELLS[:-1])) + f" or {DEEP_TRANSITION_CELLS[-1]!r}"
 
@@ -462,19 +414,3 @@ class Linear(BackendSwitch, nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend!r}"
-
-
-def step_context(owner: nn.Module, alpha: Tensor, values: Tensor, backend: str = "auto") -> Tensor:
-    """dtmt_kernels.functional.attention_context for one decoder step of the attention module `owner`: inside an
-    `unrolled` block open on `owner` (an Unrollable) with the cpp backend and autograd recording, the steps
-    against the same values share one UnrolledContext (the values' gradient formed once over all of them);
-    otherwise exactly functional.attention_context."""
-    sessions = owner._unrolled_sessions() if isinstance(owner, Unrollable) else None
-    if sessions is None or check_attention_context(alpha, values, backend).name != "cpp":
-        return attention_context(alpha, values, backend)
-    key = (id(values), alpha.shape[1])
-    hit = sessions.get(key)
-    if hit is None or hit[0].done or hit[0].version != values._version:
-        steps = UnrolledContext(values)   # it keeps `values` alive: the id is not reused
-        sessions[key] = hit = (steps, CppUnrolledValuesFunction.apply(steps, values))
-    return CppContextStepFunction.apply(alpha, hit[1], hit[0])

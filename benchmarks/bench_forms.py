@@ -43,7 +43,7 @@ def main(argv=None):
 
     import dtmt_kernels as dk
     from dtmt_kernels import _C
-    from benchmarks.bench_train import synthetic_batches
+    from benchmarks.bench_train import synthetic_batches, training_update
     from dtmt_models.data.batching import collate
     from dtmt_models.models.presets import get_preset
     from dtmt_models.models.registry import build_model
@@ -83,12 +83,8 @@ def main(argv=None):
     layers = [m for m in model.modules() if isinstance(m, dk.nn.TransitionLayer) and m.batch_first]
     hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in layers]
 
-    def update(src, lengths, prev, target):
-        loss, nll, n = model(src, lengths, prev, target=target, smoothing=0.1)
-        opt.zero_grad(set_to_none=True)
-        (loss / n).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+    def update(*batch):
+        training_update(model, opt, *batch)
 
     for b in batches[:a.warmup]:
         update(*b)

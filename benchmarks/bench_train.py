@@ -55,6 +55,19 @@ def synthetic_batches(n: int, max_tokens: int, vocab: int, seed: int = 0):
     return out
 
 
+def training_update(model, opt, src, lengths, prev, target):
+    """One training update as `dtmt train` makes it (forward with label smoothing 0.1, backward of the mean loss,
+    clipping at 1.0, the optimizer's step): (loss, nll) detached and the number of target tokens."""
+    import torch
+
+    loss, nll, n = model(src, lengths, prev, target=target, smoothing=0.1)
+    opt.zero_grad(set_to_none=True)
+    (loss / n).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach(), nll.detach(), n
+
+
 def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: int, vocab: int, threads: int,
                 profile: int = 0, device: str = "cpu", preset: str = "small", tiny: bool = False,
                 graphs: bool = False):
@@ -101,12 +114,7 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     runner, capture_s = None, None   # (graphs: GraphedUpdates, made after the warm-up)
 
     def update_parts(src, lengths, prev, target):
-        loss, nll, n = model(src, lengths, prev, target=target, smoothing=0.1)
-        opt.zero_grad(set_to_none=True)
-        (loss / n).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.detach(), nll.detach(), n
+        return training_update(model, opt, src, lengths, prev, target)
 
     def update(batch, saved=None):
         if runner is not None:

@@ -43,6 +43,16 @@ template <typename T> __device__ __forceinline__ bool row_valid(const T* mask, i
   return mask == nullptr || ld<float>(mask, t * B + b) > 0.5f;
 }
 
+// The units this block owns: H units in slices of S, block b the slice from j0 = b * S, of n units (S, or fewer
+// for the last block).
+struct BlockUnits {
+  int j0, n;
+};
+__device__ __forceinline__ BlockUnits block_units(int H, int S) {
+  const int j0 = blockIdx.x * S;
+  return {j0, j0 + S <= H ? S : H - j0};
+}
+
 template <typename T, typename A> struct PersistentForwardArgs {
   const T* xp;      // [T, B, NIN*H] input pre-activations x W_ih^T + b_ih
   const T* w_hh;    // [NH*H, H] base recurrent matrix
@@ -123,8 +133,9 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
   constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid;
   SubcellSpan<T, A> sp;
   const int H = p.H, B = p.B, S = p.slice;
-  sp.j0 = blockIdx.x * S;
-  sp.n = sp.j0 + S <= H ? S : H - sp.j0;
+  const BlockUnits units = block_units(H, S);
+  sp.j0 = units.j0;
+  sp.n = units.n;
   sp.BH = static_cast<size_t>(B) * H;
   sp.TBH = static_cast<size_t>(p.steps) * sp.BH;
   sp.hin = p.hs + k * sp.TBH + t * sp.BH;
@@ -277,8 +288,8 @@ template <int KIND, typename T, typename A>
 __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   constexpr int NH = Rows<KIND>::hid;
   DTMT_DYNAMIC_SMEM(smem);
-  const int H = p.H, S = p.slice, j0 = blockIdx.x * S;
-  const int n = (j0 + S <= H ? S : H - j0);
+  const int H = p.H, S = p.slice;
+  const auto [j0, n] = block_units(H, S);
   T* u = reinterpret_cast<T*>(smem);  // [NH][S][H + 1], then per T-GRU [3][S][H + 1]
   const size_t rows = static_cast<size_t>(NH + 3 * p.D) * S;
   A* pre = reinterpret_cast<A*>(smem + (rows * (H + 1) * sizeof(T) + 15) / 16 * 16);
@@ -423,8 +434,9 @@ __device__ __forceinline__ BackwardSpan<T, A> backward_span(const PersistentBack
   constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid;
   BackwardSpan<T, A> sp;
   const int H = p.H, B = p.B, S = p.slice;
-  sp.j0 = blockIdx.x * S;
-  sp.n = sp.j0 + S <= H ? S : H - sp.j0;
+  const BlockUnits units = block_units(H, S);
+  sp.j0 = units.j0;
+  sp.n = units.n;
   sp.BH = static_cast<size_t>(B) * H;
   sp.top = k == p.D;
   sp.base = k == 0;
@@ -634,8 +646,8 @@ template <int KIND, typename T, typename A>
 __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   constexpr int NH = Rows<KIND>::hid;
   DTMT_DYNAMIC_SMEM(smem);
-  const int H = p.H, B = p.B, S = p.slice, j0 = blockIdx.x * S;
-  const int n = (j0 + S <= H ? S : H - j0);
+  const int H = p.H, B = p.B, S = p.slice;
+  const auto [j0, n] = block_units(H, S);
   const int R0 = NH * H;   // a base column's length; a T-GRU's is 3H
   T* col0 = reinterpret_cast<T*>(smem);   // [S][R0 + 1], then per T-GRU [S][3H + 1]
   const size_t matrix = static_cast<size_t>(S) * (R0 + 1) + static_cast<size_t>(p.D) * S * (3 * H + 1);

@@ -87,15 +87,21 @@ def test_length_batches_respect_budget():
     assert batches[0] == [5]                                # longest first, alone (12 > 10)
     assert [len(b) for b in length_batches(lengths, 1)] == [1] * len(lengths)
     assert length_batches(lengths, 100) == [[5, 1, 3, 4, 0, 6, 2]]
+    # --batch-size: at most that many sentences as well, longest first still
+    assert length_batches(lengths, 100, max_sentences=3) == [[5, 1, 3], [4, 0, 6], [2]]
+    assert length_batches(lengths, 10, max_sentences=2) == [[5], [1], [3, 4], [0, 6], [2]]
+    with pytest.raises(ValueError, match="max_sentences must be >= 1"):
+        length_batches(lengths, 100, max_sentences=0)
 
 
 def test_translate_order_empty_lines_and_batching(system, reference):
     model, sv, tv, _ = system
     batched = translate(model, sv, tv, INPUTS, beam=3, nbest=2)
     tiny = translate(model, sv, tv, INPUTS, beam=3, nbest=2, max_tokens=1)
-    assert len(batched) == len(tiny) == len(INPUTS)
-    for got_all, got_tiny, want in zip(batched, tiny, reference):
-        for got in (got_all, got_tiny):
+    pairs = translate(model, sv, tv, INPUTS, beam=3, nbest=2, max_sentences=2)
+    assert len(batched) == len(tiny) == len(pairs) == len(INPUTS)
+    for got_all, got_tiny, got_pairs, want in zip(batched, tiny, pairs, reference):
+        for got in (got_all, got_tiny, got_pairs):
             assert [t for t, _ in got] == [t for t, _ in want]
             assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-4)
     assert batched[1] == [("", 0.0)] and batched[3] == [("", 0.0)]
@@ -425,6 +431,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, str(tmp_path)], 2, "is a directory, not an input file"),
         (["--checkpoint", ckpt, "--beam", "2", "--nbest", "3", good], 2, "--nbest"),
         (["--checkpoint", ckpt, "--max-tokens", "0", good], 2, "--max-tokens"),
+        (["--checkpoint", ckpt, "--batch-size", "0", good], 2, "--batch-size must be >= 1, got 0"),
         (["--checkpoint", ckpt, "--max-len-a", "nan", good], 2, "--max-len-a must be a finite number"),
         (["--checkpoint", ckpt, "--max-len-a", "inf", good], 2, "--max-len-a must be a finite number"),
         (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "0", good], 2, "every translation would be empty"),

@@ -111,9 +111,10 @@ def reporting_warnings(prog: str, call: Callable[[], T], seen: Optional[Set[str]
     return result
 
 
-def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True) -> None:
+def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True, batch_size: bool = True) -> None:
     """The options `dtmt translate`, `dtmt evaluate` and `dtmt serve` share; `quiet`: with --quiet (a server has
-    no progress to hide, and its few lines, the address among them, are its log)."""
+    no progress to hide, and its few lines, the address among them, are its log); `batch_size`: with --batch-size
+    (a server has its own --batch-sentences)."""
     from dtmt_kernels.backends import BACKEND_NAMES
 
     g = parser.add_argument_group("decoding")
@@ -122,6 +123,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True) 
                    help="length penalty exponent, ((5+|y|)/6)^alpha (default 0.6; 0: raw log-probability)")
     g.add_argument("--max-tokens", type=int, default=2000,
                    help="source subwords per batch, padding included (default 2000)")
+    if batch_size:
+        g.add_argument("--batch-size", type=int, default=None, metavar="N",
+                       help="at most N sentences per batch as well (default: --max-tokens alone)")
     g.add_argument("--max-src-len", type=int, default=250,
                    help="longer sources are truncated to this many subwords, with a warning (default 250)")
     g.add_argument("--max-len-a", type=float, default=2.0,
@@ -164,8 +168,9 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
     """The decoding options' values (UsageError)."""
-    for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0), ("threads", 0)):
-        if getattr(args, name) < low:
+    for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0), ("threads", 0),
+                      ("batch_size", 1)):
+        if getattr(args, name, None) is not None and getattr(args, name) < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.beam > MAX_BEAM:
         raise UsageError(f"--beam must be <= {MAX_BEAM}, got {args.beam}")
@@ -198,4 +203,5 @@ def build_decoder(model, int8: bool = False):
 
 def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
     return dict(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, max_len_a=args.max_len_a,
-                max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len, early_stop=args.early_stop)
+                max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len, early_stop=args.early_stop,
+                max_sentences=args.batch_size)

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--read-timeout", type=float, default=d.read_timeout,
                    help=f"seconds a client has to send a request's body (else 408); an idle connection is closed "
                         f"after as long (default {d.read_timeout:g})")
-    add_decoding_arguments(p, quiet=False)
+    add_decoding_arguments(p, quiet=False, batch_size=False)
     return p
 
 

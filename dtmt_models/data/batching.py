@@ -158,24 +158,31 @@ def _cut_bounds(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> np.n
     return np.asarray(bounds, dtype=np.int64)
 
 
-def length_batches(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
+def length_batches(lengths: Sequence[int], max_tokens: int,
+                   max_sentences: Optional[int] = None) -> List[List[int]]:
     """Indices of `lengths`, longest first, cut into batches of at most `max_tokens` padded source tokens
-    (number of sentences x longest length); a source longer than max_tokens is a batch by itself (decoding)."""
+    (number of sentences x longest length) and, unless None, at most `max_sentences` sentences; a source longer
+    than max_tokens is a batch by itself (decoding)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_sentences is not None and max_sentences < 1:
+        raise ValueError(f"max_sentences must be >= 1 or None, got {max_sentences}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])    # stable: ties keep the input order
-    return _cut(order, lambda i: lengths[i], max_tokens)
+    return _cut(order, lambda i: lengths[i], max_tokens, max_sentences)
 
 
-def _cut(order: Sequence[int], size: Callable[[int], int], max_tokens: int) -> List[List[int]]:
+def _cut(order: Sequence[int], size: Callable[[int], int], max_tokens: int,
+         max_items: Optional[int] = None) -> List[List[int]]:
     """`order` cut, in its order, into batches whose padded size (items x the largest size(i) among them) stays
-    within max_tokens; an item larger than max_tokens is a batch by itself."""
+    within max_tokens, of at most `max_items` items (None: no bound); an item larger than max_tokens is a batch by
+    itself."""
     batches: List[List[int]] = []
     current: List[int] = []
     longest = 0
     for i in order:
         s = size(i)
-        if current and max(longest, s) * (len(current) + 1) > max_tokens:
+        if current and (max(longest, s) * (len(current) + 1) > max_tokens
+                        or (max_items is not None and len(current) == max_items)):
             batches.append(current)
             current, longest = [], 0
         current.append(i)

@@ -90,8 +90,8 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary, sentences: Sequence[str],
               beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,
               max_len_b: int = 10, device=None, progress: Optional[Progress] = None,
-              max_src_len: Optional[int] = 250, decoder=None, early_stop: bool = False
-              ) -> List[List[Tuple[str, float]]]:
+              max_src_len: Optional[int] = 250, decoder=None, early_stop: bool = False,
+              max_sentences: Optional[int] = None) -> List[List[Tuple[str, float]]]:
     """Translates `sentences` (plain text, one sentence each); returns for every sentence, in input order, its
     up to `nbest` best (translation, length-normalised log-probability) pairs, best first.
 
@@ -102,8 +102,9 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     vocabulary give one `UnknownPiecesWarning` per call (the model would otherwise invent a fluent sentence
     without a word of notice). `decoder`: `model.inference_decoder()` built by a caller that translates many times
     with unchanging weights (a server); None builds it here, once per call. `early_stop`: beam_search's (a
-    sentence ends once it has `beam` finished hypotheses). A model that scores NaN or +inf raises NonFiniteScores
-    naming the sentence (1-based, in `sentences`) and the step."""
+    sentence ends once it has `beam` finished hypotheses). `max_sentences` (None: no bound) caps a batch's
+    sentences as `max_tokens` caps its padded source subwords (OpenNMT-py's and fairseq's --batch-size). A model
+    that scores NaN or +inf raises NonFiniteScores naming the sentence (1-based, in `sentences`) and the step."""
     check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
@@ -148,7 +149,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
         # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
         if decoder is None:
             decoder = as_decoder(model) if ids else model
-        for batch in length_batches([len(t) for t in ids], max_tokens):
+        for batch in length_batches([len(t) for t in ids], max_tokens, max_sentences):
             width = max(len(ids[j]) for j in batch)
             # the padded rows as one list (PAD = 0): one tensor made, not one row written at a time
             src = torch.tensor([ids[j] + [0] * (width - len(ids[j])) for j in batch], dtype=torch.long)

@@ -33,10 +33,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 
-def start(args, log):
-    """Starts `dtmt ARGS` with its output appended to `log`; returns (process, args, log)."""
+def start(args, log, runner=()):
+    """Starts `dtmt ARGS` with its output appended to `log` (through `runner`, a script that runs the module, where
+    given: bench_peers' strict_fp32.py); returns (process, args, log)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "dtmt_models.cli", *args]
+    cmd = [sys.executable, *runner, "-m", "dtmt_models.cli", *args]
     with open(log, "a") as f:
         f.write("$ dtmt " + " ".join(args) + "\n")
         f.flush()

@@ -20,6 +20,9 @@
 #                                                       # then against per-step weight gradients, eager and graphed
 #   bash benchmarks/gpu_session.sh build amp            # bf16 autocast against float32: dev loss after 600 updates
 #                                                       # (two seeds each) and speed, dtmt small preset
+#   bash benchmarks/gpu_session.sh peers                # OpenNMT-py on the same GPU (issue 73 item 7): decoding the
+#   bash benchmarks/gpu_session.sh peers-train          # CPU-trained checkpoints; training speed (each its own call
+#                                                       # on a machine already built; see the stage below)
 #   bash benchmarks/gpu_session.sh build gemm           # the cuda backend's step GEMMs: its row GEMM, its tiled
 #                                                       # GEMM, ATen's mm and cuBLAS called directly, each at
 #                                                       # every batch size (why: docs/design/gpu.md, "Step GEMMs",
@@ -31,15 +34,16 @@
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
 # persistent/bench_persistent.csv and persistent_tests.log (persistent), decode.md and decode/bench_decode.csv
 # (decode), graphs_tests.log and graphs/bench_train.csv (graphs), unrolled_tests.log and unrolled/bench_train.csv
-# (unrolled), amp/quality-dtmt-cuda.json (amp); the tables
+# (unrolled), amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables
 # themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has
 # a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 300 s, decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s) so that a hang cannot eat the call. Seen on an H100
+# 180 + 300 s, decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H100
 # (2026-11-24): build 94 s, kernel tests 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32,
 # bf16). A device call is at most 10 minutes and a warm machine keeps its build, so run `build tests`, then `bench`,
 # then `persistent` (etc.) as separate calls. With a session's 15 minutes of device time (2026-11-29), in this
 # order of the issues: `build tests` (every GPU test, the graphed updates' among them), `persistent` (issue 72),
-# `graphs` (issue 73 item 1), `unrolled` (item 3), then `decode` and `amp` if time is left.
+# `graphs` (issue 73 item 1), `unrolled` (item 3), then `decode`, `amp`, `peers` and `peers-train` (item 7;
+# carry benchmarks/out/gpu-carry) if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -164,5 +168,40 @@ if want decode; then
   timeout 300 "$PY" benchmarks/bench_decode.py --device cuda --loops host device graph --systems dtmt rnnsearch-atr \
     nematus transformer --no-match --beams 4 --sentences 32 --batch-size 32 --repeat 2 --out "$OUT/decode" \
     2>&1 | tee "$OUT/decode.md" || status=1
+fi
+if want peers || want peers-train; then
+  # issue 73 item 7: OpenNMT-py on the same GPU. The machine has no network: OpenNMT-py's wheels and the checkpoints
+  # trained on the CPU by the equal-time benchmark travel in benchmarks/out/gpu-carry, gathered beforehand on a
+  # machine with one and named in the device call's carry:
+  #   python benchmarks/bench_peers.py --carry benchmarks/out/gpu-carry --out benchmarks/out/peers-wall \
+  #     --systems dtmt onmt-lstm --checkpoints best --budget 30m --threads 2 --sequential
+  # CTranslate2 4.8.5 (the newest wheel) is built for CUDA 12's cuBLAS, which the CUDA 13 image lacks and which is
+  # too large to carry: it stays a CPU comparison (docs/design/gpu.md, "The peers on the GPU").
+  carry=benchmarks/out/gpu-carry
+  peerpath=/tmp/peer-site
+  if ! ls "$carry"/wheels/*.whl >/dev/null 2>&1; then
+    echo "== peers: no wheels in $carry (gather them first, see above, and carry $carry)"
+    status=1
+  elif "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$peerpath" \
+      "$carry"/wheels/*.whl; then
+    "$PY" -c "import spacy, fasttext" 2>/dev/null || peerpath="$peerpath:$PWD/benchmarks/peers/offline"
+    if want peers; then
+      echo "== peers: decoding the Bible test set on the GPU with the CPU-trained checkpoints (lowest dev loss; beam"
+      echo "   4, batches of 64 sentences; each translator's process from launch to exit; strict fp32 on both sides)"
+      PYTHONPATH="$peerpath${PYTHONPATH:+:$PYTHONPATH}" timeout 180 "$PY" benchmarks/bench_peers.py --no-train \
+        --device cuda --checkpoints best --decode-batch 64s --systems dtmt onmt-lstm --budget 30m --threads 2 \
+        --sequential --peer-python "$PY" --out "$carry/peers" 2>&1 | tee "$OUT/peers_decode.md" || status=1
+    fi
+    if want peers-train; then
+      echo "== peers-train: dtmt's paper preset against OpenNMT-py's LSTM of its parameter count on the GPU, the same"
+      echo "   batches of tokens, 120 s of wall time from each launch, one after the other, strict fp32 on both sides"
+      PYTHONPATH="$peerpath${PYTHONPATH:+:$PYTHONPATH}" timeout 420 "$PY" benchmarks/bench_peers.py --device cuda \
+        --preset paper --budget 120s --sequential --systems dtmt onmt-lstm --onmt-size match \
+        --valid-every 1000000 --no-decode --peer-python "$PY" --out /tmp/dtmt-peers-gpu 2>&1 \
+        | tee "$OUT/peers_train.md" || status=1
+    fi
+  else
+    status=1
+  fi
 fi
 exit $status

@@ -316,6 +316,138 @@ def test_bench_peers_parts_that_need_no_peer(tmp_path):
     assert not any(line.startswith(("rnn_type", "input_feed", "global_attention")) for line in text)
 
 
+def test_bench_peers_sizes_rates_and_batches(tmp_path):
+    """The LSTM's parameter count is OpenNMT-py 3.5.1's own report for its run of 2026-11-29 (4,035,368 at 128/256
+    with build_vocab files of 3,913 and 3,872 pieces), so `--onmt-size match` sizes it by the count OpenNMT-py will
+    print; dtmt's count comes from the model built on the meta device, equal to the one built for real; the rate in
+    the budget's second half is the tokens between its first and last log point over the time between them."""
+    from benchmarks import bench_peers
+    from dtmt_models.models.presets import get_preset
+    from dtmt_models.models.registry import build_model
+
+    assert bench_peers.onmt_lstm_params(128, 256, 3920, 3880) == 4_035_368
+    # build_vocab's files: the specials not among the pieces are added, then the size rounded up to 8
+    for pieces, specials, size in ((3913, [], 3920), (3872, [], 3880), (3916, [], 3920), (3917, [], 3928),
+                                   (3917, ["<unk>"], 3920), (3917, ["<unk>", "</s>"], 3920)):
+        vocab = tmp_path / f"vocab.{pieces}.{len(specials)}"
+        vocab.write_text("".join(f"{p}\t{9}\n" for p in specials + [f"p{i}" for i in range(pieces - len(specials))]))
+        assert bench_peers.onmt_vocab_size(str(vocab)) == size
+    assert bench_peers.matched_lstm_size(4_035_368, 128, 3920, 3880) == 256
+    small = bench_peers.dtmt_params_for("dtmt", "small", 4000, 3990)
+    torch.manual_seed(0)
+    assert small == sum(p.numel() for p in build_model("dtmt", 4000, 3990, **get_preset("dtmt", "small")["model"])
+                        .parameters())
+    hid = bench_peers.matched_lstm_size(small, 128, 3920, 3880)
+    assert hid == 316 and abs(bench_peers.onmt_lstm_params(128, hid, 3920, 3880) - small) < 0.01 * small
+    for h in (hid - 2, hid + 2):   # the nearest even size
+        assert (abs(bench_peers.onmt_lstm_params(128, h, 3920, 3880) - small)
+                >= abs(bench_peers.onmt_lstm_params(128, hid, 3920, 3880) - small))
+    points = [(10.0, 100), (40.0, 1000), (60.0, 1600), (90.0, 2500), (118.0, 3340)]
+    assert bench_peers.steady_rate(points, 120.0) == pytest.approx((3340 - 1600) / (118.0 - 60.0))
+    assert bench_peers.steady_rate(points[:3], 120.0) is None          # one point in the second half
+    assert bench_peers.decode_batch("2000") == (2000, "tokens") and bench_peers.decode_batch("64s") == (64, "sents")
+    for bad in ("0", "64x", "s", "-3"):
+        with pytest.raises(ValueError, match="--decode-batch"):
+            bench_peers.decode_batch(bad)
+    # strict_fp32.py runs a module or a script as `python -m` / `python SCRIPT` would (imports from the working
+    # directory, or from the script's folder), with TF32 off for cuBLAS and cuDNN
+    (tmp_path / "here_only.py").write_text("import sys, torch\nprint(__name__, sys.argv[1:], "
+                                           "torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)\n")
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "beside.py").write_text("VALUE = 7\n")
+    (tmp_path / "s" / "script.py").write_text("import beside\nprint(beside.VALUE)\nraise SystemExit(3)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runner = os.path.join(root, "benchmarks", "peers", "strict_fp32.py")
+    r = subprocess.run([sys.executable, runner, "-m", "here_only", "a", "b"], cwd=tmp_path, capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and r.stdout.split() == ["__main__", "['a',", "'b']", "False", "False"], r.stderr
+    r = subprocess.run([sys.executable, runner, str(tmp_path / "s" / "script.py")], cwd=root, capture_output=True,
+                       text=True)
+    assert r.returncode == 3 and r.stdout.strip() == "7", r.stderr
+
+
+def test_bench_peers_carry_decodes_elsewhere(tmp_path):
+    """--carry gathers what decoding runs on another machine needs: dtmt's checkpoint as it is with its trained
+    tokens and updates, OpenNMT-py's checkpoint without its optimizer state, the SentencePiece models and test
+    pieces, which a later run reuses instead of training them again; `--no-train` on the carried folder then
+    tabulates the run as trained (its record, tokens/s and updates) and decodes it, in batches of sentences, to the
+    translations `dtmt translate` gives with its default batches."""
+    import argparse
+
+    from test_train import TINY, make_toy_corpus, run_train
+
+    from benchmarks import bench_peers
+    from benchmarks.bench_quality import read_log
+    from dtmt_models.models.presets import get_preset
+
+    data = make_toy_corpus(tmp_path / "toy", n_train=300, n_dev=10, n_test=12)
+    runs = tmp_path / "runs"
+    r = run_train(["--data", data, "--out", str(runs / "dtmt"), "--max-steps", "30", "--log-every", "10",
+                   "--valid-every", "15", *TINY])
+    assert r.returncode == 0, r.stderr
+    setting = dict(threads=1, budget_s=60.0, sequential=False, valid_every=15, clock=bench_peers.CLOCK)
+    bench_peers.write_record(str(runs / "dtmt"), dict(setting, train_args="", preset="small", device="cpu"))
+    log = str(tmp_path / "log")
+    cfg = dict(get_preset("dtmt", "small")["train"])
+    pieces = bench_peers.write_pieces(data, str(runs / "pieces"), cfg["vocab_size"], cfg["max_len"], log)
+    onmt = runs / "onmt-lstm"
+    onmt.mkdir()
+    with open(onmt / "train.jsonl", "w") as f:
+        for row in ({"kind": "valid", "step": 10, "wall_s": 5.0, "dev_loss": 3.0},
+                    {"kind": "valid", "step": 20, "wall_s": 9.0, "dev_loss": 2.5},
+                    {"kind": "end", "step": 24, "wall_s": 60.0, "tokens": 5000}):
+            f.write(json.dumps(row) + "\n")
+    for step in (10, 20, 24):
+        torch.save({"model": {"w": torch.full((3,), float(step))}, "vocab": {"src": ["a"]}, "opt": argparse.Namespace(
+            layers=2), "optim": {"state": torch.zeros(1000)}}, onmt / f"model_step_{step}.pt")
+    a = argparse.Namespace(out=str(runs), carry=str(tmp_path / "carry"), systems=["dtmt", "onmt-lstm"],
+                           checkpoints=["best"], data=data, preset="small")
+    # pieces written before pieces.json was are described from their files as write_pieces describes them
+    with open(runs / "pieces" / "pieces.json") as f:
+        written = json.load(f)
+    os.rename(runs / "pieces" / "pieces.json", tmp_path / "pieces.json")
+    bench_peers.write_carry(a, log, wheels=False)
+    os.rename(tmp_path / "pieces.json", runs / "pieces" / "pieces.json")
+    carried = tmp_path / "carry" / "peers"
+    with open(carried / "pieces" / "pieces.json") as f:
+        described = json.load(f)
+    assert described == dict(written, paths=[p for p in written["paths"] if p[0] == "test" or p[1] == "n"])
+    sizes = bench_peers.write_carry(a, log, wheels=False)
+    assert sorted(os.listdir(carried / "onmt-lstm")) == ["model_step_20.pt", "train.jsonl"]   # the lowest dev loss
+    ck = torch.load(carried / "onmt-lstm" / "model_step_20.pt", weights_only=False)
+    assert "optim" not in ck and ck["opt"].layers == 2 and torch.equal(ck["model"]["w"], torch.full((3,), 20.0))
+    assert sorted(os.listdir(carried / "dtmt")) == ["bench_peers_machine.json", "best.pt", "config.yaml",
+                                                    "train_log.csv", "trained.json"]
+    with open(runs / "dtmt" / "best.pt", "rb") as f, open(carried / "dtmt" / "best.pt", "rb") as g:
+        assert f.read() == g.read()
+    rows = [r for r in read_log(str(runs / "dtmt" / "train_log.csv")) if r["kind"] == "train"]
+    tokens, updates = bench_peers.dtmt_trained(str(runs / "dtmt"), rows)
+    assert updates == 30 and bench_peers.dtmt_trained(str(carried / "dtmt"), rows) == (tokens, updates)
+    again = bench_peers.read_pieces(str(carried / "pieces"), cfg["vocab_size"], cfg["max_len"], data)
+    assert [v.proto for v in again["vocabs"]] == [v.proto for v in pieces["vocabs"]]
+    assert again["paths"][("train", "n")] == pieces["paths"][("train", "n")] and ("train", "en") not in again["paths"]
+    with open(again["paths"][("test", "es")]) as f, open(pieces["paths"][("test", "es")]) as g:
+        assert f.read() == g.read()
+    assert sum(sizes.values()) == sum(os.path.getsize(p) for p in sizes) and len(sizes) == 12
+    assert bench_peers.read_pieces(str(carried / "pieces"), 8000, cfg["max_len"], data) is None   # other settings
+    other = make_toy_corpus(tmp_path / "other", n_train=200, n_dev=10, n_test=12, seed=1)
+    assert bench_peers.read_pieces(str(carried / "pieces"), cfg["vocab_size"], cfg["max_len"], other) is None
+    table = bench_peers.main(["--no-train", "--systems", "dtmt", "--checkpoints", "best", "--decode-batch", "5s",
+                              "--data", data, "--out", str(carried), "--budget", "60s", "--threads", "1",
+                              "--valid-every", "15"])
+    best, trained = table
+    assert best["checkpoint"] == bench_peers.CHECKPOINT_RULES["best"] and 0 <= best["bleu"] <= 100
+    assert trained["checkpoint"] == "trained, not decoded" and trained.get("bleu") is None
+    assert trained["tok_s"] == pytest.approx(tokens / 60.0) and trained["updates"] == 30
+    ref = str(tmp_path / "ref.hyp")
+    bench_peers.dtmt_translate(str(runs / "dtmt" / "best.pt"), os.path.join(data, "test.es"), ref, 4, 1, log)
+    with open(ref) as f, open(carried / "dtmt" / "test_best.hyp") as g:
+        assert f.read() == g.read()
+    with open(carried / "bench_peers.md") as f:
+        text = f.read()
+    assert "batches of 5 sentences" in text and "| trained, not decoded, update 30 |" in text
+
+
 def test_bench_peers_stops_each_run_by_one_wall_clock(tmp_path):
     """stop_at_budget sends SIGTERM once a run's budget of wall time since its launch is spent (start-up, data
     reading and validation inside it); `dtmt train` then finishes its update, writes last.pt and exits with 143, and

@@ -15,9 +15,11 @@ the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a ch
 - times the forward alone and forward + backward (both persistent in the persistent mode), eager, median of
   --repeat, and the peak memory of forward + backward.
 The parent prints one table: the two modes side by side, steps / persistent (above 1: the persistent launch is
-faster), the persistent forward's floor (T x its grid barriers a step x the barrier's cost, bounded from above by
-timing a GRU of one unit per block at B = 1, whose step is a barrier and almost no work) and the share of it
-reached, and cuDNN's torch.nn.GRU in the same math mode beside the GRU rows.
+faster), the persistent forward's floor and the share of it reached: T x (its grid barriers a step x the barrier's
+cost + a step's recurrent products at the device's dense rate). The barrier's cost is bounded from above by timing a
+GRU of one unit per block at B = 1, whose step is a barrier and almost no work; the dense rate is a 4096^3 matrix
+product's in the same math mode (`torch.mm`, the most the device's multipliers give), so the floor is one no
+kernel can go under, and cuDNN's torch.nn.GRU in the same math mode beside the GRU rows.
 A persistent forward that does not fit the device falls back to the per-step one with a warning: the child reports
 it, and that row says so. Writes DIR/bench_persistent.csv when --out is given. Needs a CUDA device.
 """
@@ -94,7 +96,28 @@ def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
         x = torch.randn(512, 1, sms, device="cuda")   # (float32, TF32 or not: one unit, no product to speak of)
         seconds = time_fn(fwd_only(layer, x), repeat, "cuda")
         print(json.dumps(dict(case="barrier", units=sms, steps=512, step_us=1e6 * seconds / 512)), flush=True)
+        n = 4096   # the device's dense rate in this math mode: a step's products cannot run faster
+        a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+        seconds = time_fn(lambda: torch.mm(a, b), repeat, "cuda")
+        print(json.dumps(dict(case="mma", flops_per_s=2 * n ** 3 / seconds)), flush=True)
     return rows
+
+
+def step_flops(cell: str, depth: int, B: int, H: int) -> int:
+    """The recurrent products of one step of a layer's forward: B x H against the base cell's recurrent rows
+    (dtmt_kernels' layout: 3 a unit for GRU, 4 for L-GRU and LAU, 1 for ATR) and 3 a unit for each T-GRU, 2 flops a
+    multiply-add."""
+    from dtmt_kernels.ops.transition.layout import CELLS
+
+    rows = CELLS[cell][2] + depth * CELLS["tgru"][2]
+    return 2 * B * H * rows * H
+
+
+def floor_ms(cell: str, depth: int, ln: bool, T: int, B: int, H: int, barrier_us: float, flops_per_s) -> float:
+    """The persistent forward's floor: T x (its barriers a step x `barrier_us` + a step's recurrent products at
+    `flops_per_s`; None: the barriers alone)."""
+    products = step_flops(cell, depth, B, H) / flops_per_s if flops_per_s else 0.0
+    return 1e3 * T * (barriers_per_step(cell, depth, ln) * barrier_us * 1e-6 + products)
 
 
 def barriers_per_step(cell: str, depth: int, ln: bool) -> int:
@@ -108,15 +131,19 @@ MATH_NAMES = {"strict": "strict fp32 on every side (TF32 off for cuBLAS, cuDNN a
               "bf16": "bfloat16 storage on every side, float accumulation"}
 
 
-def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str, math: str = "strict") -> list:
+def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str, math: str = "strict",
+           mma=None) -> list:
     """Prints the table of both modes' rows in one math mode ({(case, B, mode): row}, the children's JSON) with the
-    floor column from the barrier probe (None: no floor); returns the rows joined per case for the CSV."""
+    floor column from the barrier probe and the dense rate (`mma`; None: no floor, or the barriers alone); returns
+    the rows joined per case for the CSV."""
     print(f"# {machine}; {MATH_NAMES[math]}; T={T}, H={H}; eager, median of "
           f"{repeat}; `python benchmarks/bench_persistent.py --math {math}`")
     if barrier:
         print(f"# grid barrier: at most {barrier['step_us']:.2f} us (a step of a GRU of one unit per block, "
               f"{barrier['units']} blocks, B=1, T={barrier['steps']}: one barrier and almost no work); the floor of a "
-              f"persistent forward is T x its barriers a step x that")
+              f"persistent forward is T x (its barriers a step x that"
+              + (f" + a step's recurrent products at {mma['flops_per_s'] / 1e12:.1f} TFLOP/s, a 4096^3 torch.mm's rate "
+                 f"here)" if mma else ")"))
     print("| case | B | steps fwd ms | persistent fwd ms | x fwd | floor ms (share) | steps fwd+bwd ms | persistent "
           "fwd+bwd ms | x fwd+bwd | cuDNN GRU fwd / fwd+bwd ms | rel. err (steps / persistent) | peak MB (steps / "
           "persistent) |")
@@ -129,7 +156,8 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
                 continue
             cudnn = (f"{s['cudnn_fwd_ms']:.2f} / {s['cudnn_fwd_bwd_ms']:.2f}" if "cudnn_fwd_ms" in s else "")
             note = " (fell back: does not fit)" if q["fell_back"] else ""
-            floor = T * barriers_per_step(cell, depth, ln) * barrier["step_us"] / 1e3 if barrier else float("nan")
+            floor = (floor_ms(cell, depth, ln, T, B, H, barrier["step_us"], mma and mma["flops_per_s"]) if barrier
+                     else float("nan"))
             print(f"| {name}{note} | {B} | {s['fwd_ms']:.2f} | {q['fwd_ms']:.2f} | {s['fwd_ms'] / q['fwd_ms']:.2f} | "
                   f"{floor:.2f} ({floor / q['fwd_ms']:.0%}) | "
                   f"{s['fwd_bwd_ms']:.2f} | {q['fwd_bwd_ms']:.2f} | {s['fwd_bwd_ms'] / q['fwd_bwd_ms']:.2f} | "
@@ -188,7 +216,7 @@ def main(argv=None) -> int:
 
     table, bad, barrier = [], [], None
     for math in a.math:
-        results = {}
+        results, mma = {}, None
         for mode in ("steps", "persistent"):
             env = dict(os.environ, DTMT_CUDA_RECURRENCE=mode)
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, "--math", math, "--T",
@@ -201,11 +229,11 @@ def main(argv=None) -> int:
             for line in r.stdout.splitlines():
                 if line.startswith("{"):
                     row = json.loads(line)
-                    if row["case"] == "barrier":
-                        barrier = row
+                    if row["case"] in ("barrier", "mma"):   # (the dense rate is this math mode's)
+                        barrier, mma = (row, mma) if row["case"] == "barrier" else (barrier, row)
                         continue
                     results[(row["case"], row["B"], mode)] = row
-        table += report(results, barrier, a.T, a.H, a.B, a.repeat, machine_name("cuda"), math)
+        table += report(results, barrier, a.T, a.H, a.B, a.repeat, machine_name("cuda"), math, mma)
         bad += [(math, *k) for k, row in results.items() if row["rel_err"] > TOLERANCE[math]]
     if a.out and table:
         write_csv(os.path.join(a.out, "bench_persistent.csv"), table, sorted({k for row in table for k in row}))

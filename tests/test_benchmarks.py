@@ -947,6 +947,22 @@ def test_bench_cells_math_mode_is_named_and_gpu_only():
     assert exc.value.code == 2
 
 
+def test_bench_persistent_floor():
+    """The floor a persistent forward is printed beside: T x (grid barriers a step x the barrier's cost + a step's
+    recurrent products at the dense rate), worked by hand: a GRU step is one barrier and B x H against 3H rows; the
+    deep transition (L-GRU + 4 T-GRUs, layer norm) ten barriers and 4H + 4 x 3H rows; ATR one barrier and H rows."""
+    from benchmarks import bench_persistent as bp
+
+    T, B, H, us, rate = 50, 64, 512, 3.0, 1e13
+    assert bp.step_flops("gru", 0, B, H) == 2 * 64 * 512 * 1536
+    assert bp.floor_ms("gru", 0, False, T, B, H, us, rate) == pytest.approx(50 * (3e-6 + 2 * 64 * 512 * 1536 / 1e13)
+                                                                            * 1e3)
+    assert bp.floor_ms("lgru", 4, True, T, B, H, us, rate) == pytest.approx(
+        50 * (10 * 3e-6 + 2 * 64 * 512 * (4 + 12) * 512 / 1e13) * 1e3)
+    assert bp.floor_ms("atr", 0, False, T, B, H, us, None) == pytest.approx(50 * 3e-6 * 1e3)   # barriers alone
+    assert bp.step_flops("atr", 0, B, H) == 2 * 64 * 512 * 512
+
+
 def test_bench_persistent_envelope_needs_no_gpu(capsys):
     """`bench_persistent.py --envelope` with a device's numbers prints the envelope table (dtmt_kernels' arithmetic,
     the driver's) without a GPU; without the numbers and without a GPU it asks for them, exit 2."""

@@ -439,7 +439,8 @@ def read_jsonl(path: str) -> list:
 RECORD = "bench_peers_machine.json"
 # What must be equal in every run of one table: the machine (common.machine_record) and the training setting.
 SAME = ("machine", "threads", "budget_s", "sequential", "clock")
-RECORDS_SAME = SAME + ("device", "preset")   # and between the runs themselves (runs recorded before: None alike)
+RECORDS_SAME = SAME + ("device", "preset")   # and between the runs themselves
+RECORD_DEFAULTS = {"device": "cpu", "preset": "small"}   # what runs recorded before these keys trained with
 CLOCK = "wall time from launch"   # the clock of this script's budgets (runs recorded before it had none)
 
 
@@ -552,7 +553,7 @@ def check_records(records: dict):
     (first, ref), *others = have.items()
     for name, r in others:
         for key in RECORDS_SAME:
-            if r.get(key) != ref.get(key):
+            if r.get(key, RECORD_DEFAULTS.get(key)) != ref.get(key, RECORD_DEFAULTS.get(key)):
                 what = "machines" if key == "machine" else f"settings ({key})"
                 raise SystemExit(f"bench_peers: {first} and {name} trained on different {what}: "
                                  f"{ref.get(key)} against {r.get(key)}; train them again on one")

@@ -518,6 +518,11 @@ def test_bench_peers_tabulates_only_runs_of_one_machine_and_setting(tmp_path):
     with pytest.raises(SystemExit, match="onmt-lstm has no bench_peers_machine.json"):
         bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": None})
     assert bench_peers.check_records({"dtmt": None, "onmt-lstm": None}) is None   # runs older than records
+    # a record made before `device` and `preset` were recorded trained on the CPU with the small preset
+    assert bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": dict(records["dtmt"], device="cpu",
+                                                                                 preset="small")})
+    with pytest.raises(SystemExit, match=r"different settings \(device\)"):
+        bench_peers.check_records({"dtmt": records["dtmt"], "onmt-lstm": dict(records["dtmt"], device="cuda")})
     # the speed probes: a real one, then records whose probes say the machine ran at different speeds
     assert 0 < bench_peers.speed_probe(1, seconds=0.5) < 1e5
     assert bench_peers.probe_lines(records) == []                                  # no probes recorded

@@ -1,10 +1,6 @@
 """Stands in for fasttext where it is not installed (a GPU machine without a network): OpenNMT-py 3.5.1 imports every
 transform module when it starts, and only its `clean` transform uses fasttext; bench_peers uses no transform.
 Put on PYTHONPATH by benchmarks/gpu_session.sh's peers stage only where `import fasttext` fails."""
+from _absent import absent
 
-
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise ImportError(f"fasttext.{name}: fasttext is not installed here (benchmarks/peers/offline stands in for it so "
-                      f"that OpenNMT-py starts)")
+__getattr__ = absent("fasttext")

@@ -20,7 +20,7 @@ the bytes of weights a step reads in float32 and in int8 (+ scales). Output: OUT
 `--isa all` (or a comma list) also decodes float32 and int8 with each instruction-set copy of the CPU loops this
 CPU runs (baseline, avx2, avx512: issue 70's bar, int8 within 0.1 BLEU of float32 in every copy), a table row
 each ("copies" in the .json).
-Speed at batch 1 and against CTranslate2 is bench_deploy.py's.
+Speed against CTranslate2 (int8 against int8) is bench_peers.py's.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ bias, over odd column ranges.
 It found that GCC had kept the float32 loop's sums in memory (stored and reloaded around every group of weight
 rows); `--against 8f6ee33~1` shows what that cost (a step's products at M = 4 took 1.14x the time on a Skylake-SP;
 docs/design/cpu_kernels.md, "Sums kept in registers"). x86-64 Linux with g++ and git; Diagnosis of the kernel
-alone, not a timing of the decoder (bench_step_phases.py, bench_deploy.py). Output: a table on stdout and, with
+alone, not a timing of the decoder (bench_step_phases.py, bench_decode.py). Output: a table on stdout and, with
 --out, OUT/bench_small_rows.md and .json.
 """
 from __future__ import annotations

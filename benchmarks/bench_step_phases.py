@@ -5,14 +5,14 @@
     python setup.py build_ext --inplace                           # back to the build without them
 
 Translates the first --sentences test sources of --data one at a time (`translate` with a decoder built once, as
-`dtmt translate` and bench_deploy's batch-1 rows do), after one untimed sentence, and reports for each phase of the
+`dtmt translate` does), after one untimed sentence, and reports for each phase of the
 C++ search (csrc/phase_timers.h) its time per sentence or per decoder step and its calls. Phases nest: a step holds
 the query cell, attention, weighing, decoder cell, readout, output product and log-softmax; a cell (query and
 decoder alike, so two calls a step, shown once under the query cell) holds its recurrent product, its row pass and
 its T-GRUs' product and row pass;
 the attention holds its query product, scores and softmax. Each timed scope costs two clock reads (tens of ns), so a
 timers build runs a little slower than a plain one: compare phases with each other, and time speed with the plain
-build (bench_pages, bench_deploy). Output: a table on stdout and, with --out, OUT/bench_step_phases.md and .json.
+build (bench_pages, bench_decode). Output: a table on stdout and, with --out, OUT/bench_step_phases.md and .json.
 """
 from __future__ import annotations
 

@@ -166,21 +166,24 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
     return table
 
 
-def envelope(multiprocessors, shared_memory, batch: int) -> int:
+def envelope(multiprocessors, shared_memory, l2_cache, batch: int) -> int:
     """--envelope: dtmt_kernels' envelope table (the CUDA driver's own arithmetic) for a device."""
     from dtmt_kernels.ops.transition import persistent
 
     if multiprocessors is None or shared_memory is None:
         try:
-            sms, optin, _ = persistent._device_limits(None)
+            sms, optin, _, l2 = persistent._device_limits(None)
         except ValueError as exc:
             print(f"bench_persistent: {exc}", file=sys.stderr)
             return 2
         multiprocessors, shared_memory = multiprocessors or sms, shared_memory or optin
+        l2_cache = l2 if l2_cache is None else l2_cache
+    l2_cache = l2_cache or 0
     print(f"# the persistent launches' envelope: {multiprocessors} SMs, {shared_memory} bytes of shared memory a block, "
-          f"B = {batch}, {persistent._C.PERSISTENT_THREADS} threads a block; the largest of H = "
-          f"{', '.join(map(str, persistent.ENVELOPE_HIDDEN))} that fits (forward / backward KB a block)")
-    print(persistent.envelope_table(multiprocessors, shared_memory, batch))
+          f"{l2_cache} bytes of L2, B = {batch}, {persistent._C.PERSISTENT_THREADS} threads a block; the largest of "
+          f"H = {', '.join(map(str, persistent.ENVELOPE_HIDDEN))} that fits (forward / backward KB a block; where "
+          f"some sub-cells' matrices are read from L2, how many, forward / backward)")
+    print(persistent.envelope_table(multiprocessors, shared_memory, batch, l2_cache))
     return 0
 
 
@@ -198,12 +201,14 @@ def main(argv=None) -> int:
                         "--B, on this GPU or on --multiprocessors / --shared-memory (no GPU needed), and stop")
     p.add_argument("--multiprocessors", type=int, help="with --envelope: SMs (an H100 / H200: 132)")
     p.add_argument("--shared-memory", type=int, help="with --envelope: bytes a block may opt into (H100 / H200: 232448)")
+    p.add_argument("--l2-cache", type=int, help="with --envelope: the L2's bytes (an H100: 52428800; given SMs and "
+                                                "shared memory without it: 0, no matrix read from L2)")
     p.add_argument("--child", choices=["steps", "persistent"], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     import torch
 
     if a.envelope:
-        return envelope(a.multiprocessors, a.shared_memory, a.B[0])
+        return envelope(a.multiprocessors, a.shared_memory, a.l2_cache, a.B[0])
 
     if not torch.cuda.is_available():
         print("bench_persistent: needs a CUDA device (the persistent kernels run on the GPU; the emulated tests in "

@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_session.sh build persistent     # the GPU tests with the persistent launches (issue 72),
 #                                                       # then they against the per-step ones and cuDNN, strict
 #                                                       # fp32 and TF32 on every side
+#   bash benchmarks/gpu_session.sh persistent-bf16      # bf16 on every side at B = 64, H = 512 and H = 1024 (where
+#                                                       # the deep transition reads two T-GRUs' matrices from L2)
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build graphs         # training updates as CUDA graphs: the tests, then graphed
 #                                                       # against eager updates in one run (paper presets)
@@ -32,18 +34,20 @@
 # all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
-# persistent/bench_persistent.csv and persistent_tests.log (persistent), decode.md and decode/bench_decode.csv
-# (decode), graphs_tests.log and graphs/bench_train.csv (graphs), unrolled_tests.log and unrolled/bench_train.csv
-# (unrolled), amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables
-# themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has
-# a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 300 s, decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H100
-# (2026-11-24): build 94 s, kernel tests 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32,
-# bf16). A device call is at most 10 minutes and a warm machine keeps its build, so run `build tests`, then `bench`,
-# then `persistent` (etc.) as separate calls. With a session's 15 minutes of device time (2026-11-29), in this
-# order of the issues: `build tests` (every GPU test, the graphed updates' among them), `persistent` (issue 72),
-# `graphs` (issue 73 item 1), `unrolled` (item 3), then `decode`, `amp`, `peers` and `peers-train` (item 7;
-# carry benchmarks/out/gpu-carry) if time is left.
+# persistent/bench_persistent.csv and persistent_tests.log (persistent), persistent_envelope.md,
+# persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv (persistent-bf16), decode.md and
+# decode/bench_decode.csv (decode), graphs_tests.log and graphs/bench_train.csv (graphs), unrolled_tests.log and
+# unrolled/bench_train.csv (unrolled), amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md
+# (peers-train); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line
+# they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm
+# 180 + 4 x 80 s, persistent 180 + 300 s, persistent-bf16 2 x 200 s, decode 300 s, graphs 150 + 300 s, unrolled 120 +
+# 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24):
+# build 94 s, kernel tests 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device
+# call is at most 10 minutes and a warm machine keeps its build, so run `build tests`, then `bench`, then `persistent`
+# (etc.) as separate calls. With a session's 15 minutes of device time (2026-11-29), in this order of the issues:
+# `build tests` (every GPU test, the graphed updates' among them), `persistent` (issue 72), `persistent-bf16` (issue
+# 72's H = 1024 goal), `graphs` (issue 73 item 1), `unrolled` (item 3), then `decode`, `amp`, `peers` and
+# `peers-train` (item 7; carry benchmarks/out/gpu-carry) if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -159,6 +163,18 @@ if want persistent; then
   echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32, then TF32, on every side)"
   timeout 300 "$PY" benchmarks/bench_persistent.py --math strict tf32 --out "$OUT/persistent" 2>&1 \
     | tee "$OUT/persistent.md" || status=1
+fi
+if want persistent-bf16; then
+  # issue 72: the deep transition at H = 1024 in bf16 within 2.5x its H = 512 time. At 1024 its matrices outgrow the
+  # shared memory of the whole GPU, and the plan reads the two top T-GRUs' from L2 (docs/design/
+  # persistent_recurrence.md, "Past shared memory: the L2"): the envelope on this device first, then both sizes
+  echo "== the persistent envelope on this device"
+  "$PY" benchmarks/bench_persistent.py --envelope --B 64 2>&1 | tee "$OUT/persistent_envelope.md" || status=1
+  for H in 512 1024; do
+    echo "== bench_persistent --math bf16 --B 64 --H $H"
+    timeout 200 "$PY" benchmarks/bench_persistent.py --math bf16 --B 64 --H "$H" --out "$OUT/persistent-bf16-$H" \
+      2>&1 | tee "$OUT/persistent_bf16_$H.md" || status=1
+  done
 fi
 if want decode; then
   # issue 73 item 4: beam search on the device (its bookkeeping on the GPU; and its steps a CUDA graph where the state

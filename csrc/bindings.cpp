@@ -44,17 +44,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "extension was built with DTMT_PHASE_TIMERS=1 (benchmarks/bench_step_phases.py)");
   m.def("reset_phase_times", &dtmt::reset_phase_times, "Sets every phase's seconds and calls to zero");
   m.attr("PERSISTENT_THREADS") = dtmt::cuda::kPersistentThreads;
+  m.attr("PERSISTENT_SPILL_L2_SHARE") = dtmt::cuda::kSpillL2Share;
   m.def(
       "persistent_plan",
       [](int kind, int depth, int batch, int hidden, int storage_bytes, int accumulation_bytes, int multiprocessors,
-         int64_t shared_memory, bool tensor_cores, int threads) {
+         int64_t shared_memory, bool tensor_cores, int threads, int64_t l2_bytes) {
         const auto p = dtmt::cuda::persistent_plan(kind, depth, batch, hidden, storage_bytes, accumulation_bytes,
                                                    multiprocessors, static_cast<size_t>(shared_memory), tensor_cores,
-                                                   threads);
-        return py::make_tuple(p.grid, p.slice, p.forward_bytes, p.backward_bytes, p.fits);
+                                                   threads, static_cast<size_t>(l2_bytes));
+        return py::make_tuple(p.grid, p.slice, p.forward_bytes, p.backward_bytes, p.fits, p.forward_resident,
+                              p.backward_resident, p.forward_spill, p.backward_spill);
       },
-      "(grid, slice, forward bytes, backward bytes, fits) of the persistent launches (csrc/persistent_plan.h: the CUDA "
-      "driver's own arithmetic); dtmt_kernels.persistent_plan is the Python face");
+      "(grid, slice, forward bytes, backward bytes, fits, forward resident, backward resident, forward spill bytes, "
+      "backward spill bytes) of the persistent launches (csrc/persistent_plan.h: the CUDA driver's own arithmetic); "
+      "dtmt_kernels.persistent_plan is the Python face");
   m.def(
       "persistent_tensor_cores",
       [](int storage_bytes, int capability_major) {

@@ -4,7 +4,8 @@
 //
 // Block b of the G blocks owns the hidden units [b*S, min(H, (b+1)*S)), S = ceil(H / G): its rows of every
 // sub-cell's recurrent matrix (base U: NH gates x S rows; each T-GRU: 3 x S) are copied into shared memory once and
-// stay there for the whole sequence. A sub-cell of a step is:
+// stay there for the whole sequence (where they do not all fit, the top sub-cells' go to the block's part of a spill
+// buffer in global memory instead, read through L2: persistent_plan.h's `resident`). A sub-cell of a step is:
 //   1. products: hp[b, q*H + j] = U[q*H + j, :] . h[b, :] for the block's rows, every batch row, h read whole from
 //      global memory (the state the previous sub-cell wrote: a grid barrier lies between);
 //   2. gate pre-activations a = hp + b_hh (+ x W_ih + b_ih) for the block's units; with layer norm, each block's
@@ -72,11 +73,28 @@ template <typename T, typename A> struct PersistentForwardArgs {
   T* out;           // [T, B, H]
   A* h_last;        // [B, H] the state after the last step
   A* partials;      // [G, B, 3, 2] layer-norm partial statistics (G = gridDim.x)
+  T* spill;         // [G, spill_elems] the rows of sub-cells resident..D (persistent_plan.h), or nullptr (none)
   int steps, B, H, D, slice;
+  int resident;     // sub-cells whose rows stay in shared memory (< 0: all D + 1)
   bool reverse;
   bool mma;         // products on tensor cores (block_mma.cuh; T has an MMA and the device compiled it)
   A eps;
 };
+
+// Where sub-cell k's matrix lies for this block (persistent_plan.h's layout; forward: its rows [rows][S][H + 1],
+// backward: its columns [S][rows * H + 1]): the first r (resident) sub-cells one after another in shared memory
+// (`smem`), the others in this block's part of the spill buffer (global memory, read through L2 at each use).
+// Two functions rather than one that chooses: a product whose rows come from the first keeps the compiler's
+// knowledge that they are in shared memory (shared loads in its inner loop, not generic ones).
+template <typename T>
+__device__ __forceinline__ T* resident_matrix(bool backward, int kind, int H, int S, int k, T* smem) {
+  return smem + subcell_elems(backward, kind, 0, k, H, S);
+}
+template <typename T>
+__device__ __forceinline__ T* spilled_matrix(bool backward, int kind, int D, int H, int S, int r, int k, T* spill) {
+  return spill + static_cast<size_t>(blockIdx.x) * spill_elems(backward, kind, D, H, S, r) +
+         subcell_elems(backward, kind, r, k, H, S);
+}
 
 // The (mean, 1/std) of every batch row's gate groups over all H units, in every block alike: this block's (mean, M2)
 // over its n units go to `partials` [G, B, 3, 2], a grid barrier, then each block combines all G of them in block
@@ -290,24 +308,21 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   DTMT_DYNAMIC_SMEM(smem);
   const int H = p.H, S = p.slice;
   const auto [j0, n] = block_units(H, S);
-  T* u = reinterpret_cast<T*>(smem);  // [NH][S][H + 1], then per T-GRU [3][S][H + 1]
-  const size_t rows = static_cast<size_t>(NH + 3 * p.D) * S;
-  A* pre = reinterpret_cast<A*>(smem + (rows * (H + 1) * sizeof(T) + 15) / 16 * 16);
+  const int r = resident_subcells(p.D, p.resident);
+  T* u = reinterpret_cast<T*>(smem);   // the resident sub-cells' rows [NH or 3][S][H + 1], one after another
+  auto spilled = [&](int k) { return spilled_matrix<T>(false, KIND, p.D, H, S, r, k, p.spill); };
+  A* pre = reinterpret_cast<A*>(smem + resident_matrix_bytes(false, KIND, p.D, H, S, sizeof(T), r));
   A* stats = pre + static_cast<size_t>(p.B) * 4 * S;
-  unsigned char* mma_buf = smem + round_bytes(persistent_forward_bytes(KIND, p.D, p.B, H, S, sizeof(T), sizeof(A)));
+  unsigned char* mma_buf = smem + round_bytes(persistent_forward_bytes(KIND, p.D, p.B, H, S, sizeof(T), sizeof(A),
+                                                                       false, 0, r));
   // the block's rows of every matrix, once (rows of units past H, in the last block, zero: the tensor-core
   // products read them)
   const T zero = Cvt<A, T>::store(A(0));
-  for (size_t e = threadIdx.x; e < static_cast<size_t>(NH) * S * H; e += blockDim.x) {
-    const int q = static_cast<int>(e / (static_cast<size_t>(S) * H)), jj = static_cast<int>((e / H) % S),
-              i = static_cast<int>(e % H);
-    u[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] =
-        jj < n ? p.w_hh[static_cast<size_t>(q * H + j0 + jj) * H + i] : zero;
-  }
-  for (int k = 0; k < p.D; ++k) {
-    T* uk = u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k) * 3 * S) * (H + 1);
-    const T* w = p.t_w + static_cast<size_t>(k) * 3 * H * H;
-    for (size_t e = threadIdx.x; e < static_cast<size_t>(3) * S * H; e += blockDim.x) {
+  for (int k = 0; k <= p.D; ++k) {
+    const int rows = k == 0 ? NH : 3;
+    T* uk = k < r ? resident_matrix<T>(false, KIND, H, S, k, u) : spilled(k);
+    const T* w = k == 0 ? p.w_hh : p.t_w + static_cast<size_t>(k - 1) * 3 * H * H;
+    for (size_t e = threadIdx.x; e < static_cast<size_t>(rows) * S * H; e += blockDim.x) {
       const int q = static_cast<int>(e / (static_cast<size_t>(S) * H)), jj = static_cast<int>((e / H) % S),
                 i = static_cast<int>(e % H);
       uk[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] =
@@ -318,11 +333,20 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   for (int step = 0; step < p.steps; ++step) {
     const int t = p.reverse ? p.steps - 1 - step : step;
     const int next_t = step + 1 < p.steps ? (p.reverse ? t - 1 : t + 1) : -1;
-    persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, u, pre, stats, mma_buf);
-    for (int k = 1; k <= p.D; ++k)
-      persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t,
-                                      u + (static_cast<size_t>(NH) * S + static_cast<size_t>(k - 1) * 3 * S) * (H + 1),
-                                      pre, stats, mma_buf);
+    for (int k = 0; k <= p.D; ++k) {
+      auto subcell = [&](const T* rows) {
+        if (k == 0) {
+          persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, rows, pre, stats, mma_buf);
+        } else {
+          persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t, rows, pre, stats, mma_buf);
+        }
+      };
+      if (k < r) {
+        subcell(resident_matrix<T>(false, KIND, H, S, k, u));
+      } else {
+        subcell(spilled(k));
+      }
+    }
   }
 }
 
@@ -361,7 +385,9 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   A* dtln_rows;       // [D, B, 2H], zeroed (or nullptr)
   A* dtlnb_rows;
   A* partials;        // [2, G, B, 3, 2]: the gate statistics' partials, then the layer-norm backward's
+  T* spill;           // [G, spill_elems] the columns of sub-cells resident..D (persistent_plan.h), or nullptr
   int steps, B, H, D, slice;
+  int resident;       // sub-cells whose columns stay in shared memory (< 0: all D + 1)
   bool reverse;
   bool mma;           // U-path products on tensor cores (block_mma.cuh), as the forward's
   A eps;
@@ -647,28 +673,34 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   constexpr int NH = Rows<KIND>::hid;
   DTMT_DYNAMIC_SMEM(smem);
   const int H = p.H, B = p.B, S = p.slice;
-  const auto [j0, n] = block_units(H, S);
+  const BlockUnits units = block_units(H, S);   // (not a structured binding: u_path captures n)
+  const int j0 = units.j0, n = units.n;
   const int R0 = NH * H;   // a base column's length; a T-GRU's is 3H
-  T* col0 = reinterpret_cast<T*>(smem);   // [S][R0 + 1], then per T-GRU [S][3H + 1]
-  const size_t matrix = static_cast<size_t>(S) * (R0 + 1) + static_cast<size_t>(p.D) * S * (3 * H + 1);
-  A* buf = reinterpret_cast<A*>(smem + (matrix * sizeof(T) + 15) / 16 * 16);
+  const int r = resident_subcells(p.D, p.resident);
+  T* cols = reinterpret_cast<T*>(smem);   // the resident sub-cells' columns [S][R + 1], one after another
+  auto spilled = [&](int k) { return spilled_matrix<T>(true, KIND, p.D, H, S, r, k, p.spill); };
+  A* buf = reinterpret_cast<A*>(smem + resident_matrix_bytes(true, KIND, p.D, H, S, sizeof(T), r));
   const size_t BS = static_cast<size_t>(B) * S;
   BackwardBuffers<A> m{buf, buf + 3 * BS, buf + 6 * BS, buf + 7 * BS, buf + 8 * BS, buf + 9 * BS,
                        buf + 10 * BS, buf + 10 * BS + 6 * B};
-  unsigned char* mma_buf = smem + round_bytes(persistent_backward_bytes(KIND, p.D, B, H, S, sizeof(T), sizeof(A)));
-  auto tcol = [&](int k) {   // T-GRU k's (0-based) columns
-    return col0 + static_cast<size_t>(S) * (R0 + 1) + static_cast<size_t>(k) * S * (3 * H + 1);
+  unsigned char* mma_buf = smem + round_bytes(persistent_backward_bytes(KIND, p.D, B, H, S, sizeof(T), sizeof(A),
+                                                                        false, 0, r));
+  // the U-path through sub-cell k's columns (R long): out[b][jj] = sum_r dpre[b, r] col_jj[r]
+  auto u_path = [&](int k, const T* dpre, int R, A* out, int t) {
+    if (k < r) {
+      persistent_u_path<T, A>(dpre, R, resident_matrix<T>(true, KIND, H, S, k, cols), R + 1, B, S, n, out, p.mask, t,
+                              p.mma, mma_buf);
+    } else {
+      persistent_u_path<T, A>(dpre, R, spilled(k), R + 1, B, S, n, out, p.mask, t, p.mma, mma_buf);
+    }
   };
-  for (size_t e = threadIdx.x; e < static_cast<size_t>(n) * R0; e += blockDim.x) {
-    const int jj = static_cast<int>(e / R0), r = static_cast<int>(e % R0);
-    col0[static_cast<size_t>(jj) * (R0 + 1) + r] = p.w_hh[static_cast<size_t>(r) * H + j0 + jj];
-  }
-  for (int k = 0; k < p.D; ++k) {
-    T* c = tcol(k);
-    const T* w = p.t_w + static_cast<size_t>(k) * 3 * H * H;
-    for (size_t e = threadIdx.x; e < static_cast<size_t>(n) * 3 * H; e += blockDim.x) {
-      const int jj = static_cast<int>(e / (3 * H)), r = static_cast<int>(e % (3 * H));
-      c[static_cast<size_t>(jj) * (3 * H + 1) + r] = w[static_cast<size_t>(r) * H + j0 + jj];
+  for (int k = 0; k <= p.D; ++k) {
+    const int R = (k == 0 ? NH : 3) * H;
+    T* c = k < r ? resident_matrix<T>(true, KIND, H, S, k, cols) : spilled(k);
+    const T* w = k == 0 ? p.w_hh : p.t_w + static_cast<size_t>(k - 1) * 3 * H * H;
+    for (size_t e = threadIdx.x; e < static_cast<size_t>(n) * R; e += blockDim.x) {
+      const int jj = static_cast<int>(e / R), r = static_cast<int>(e % R);
+      c[static_cast<size_t>(jj) * (R + 1) + r] = w[static_cast<size_t>(r) * H + j0 + jj];
     }
   }
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
@@ -681,8 +713,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
     const int t = p.reverse ? p.steps - 1 - step : step;
     for (int k = p.D; k >= 0; --k) {
       if (k < p.D)   // the U-path from T-GRU k + 1 of this step (its dhpt: every block's, before the last barrier)
-        persistent_u_path<T, A>(p.dhpt + (static_cast<size_t>(k) * p.steps + t) * B * 3 * H, 3 * H, tcol(k),
-                                3 * H + 1, B, S, n, m.gin, p.mask, t, p.mma, mma_buf);
+        u_path(k + 1, p.dhpt + (static_cast<size_t>(k) * p.steps + t) * B * 3 * H, 3 * H, m.gin, t);
       __syncthreads();
       if (k == 0) {
         persistent_subcell_backward<KIND, T, A>(p, t, 0, m);
@@ -691,8 +722,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
       }
     }
     // the U-path of this step's base gradients: into the previous step's state (the next one processed)
-    persistent_u_path<T, A>(p.dhp + static_cast<size_t>(t) * B * R0, R0, col0, R0 + 1, B, S, n, m.cg, p.mask, t,
-                            p.mma, mma_buf);
+    u_path(0, p.dhp + static_cast<size_t>(t) * B * R0, R0, m.cg, t);
     __syncthreads();
   }
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
@@ -705,7 +735,7 @@ template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                             cudaStream_t stream) {
   const size_t smem =
-      persistent_backward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads);
+      persistent_backward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
   ::dtmt_emu::launch_cooperative(persistent_backward_kernel<KIND, T, A>, grid, threads, smem, a);
@@ -736,7 +766,8 @@ cudaError_t launch_persistent_backward(int kind, const PersistentBackwardArgs<T,
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a, int grid, int threads,
                                            cudaStream_t stream) {
-  const size_t smem = persistent_forward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads);
+  const size_t smem =
+      persistent_forward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
   ::dtmt_emu::launch_cooperative(persistent_forward_kernel<KIND, T, A>, grid, threads, smem, a);

@@ -36,27 +36,55 @@ DTMT_HD size_t mma_buffer_bytes(int M, int B, int threads, size_t t_bytes) {
 }
 
 // ------------------------------------------------------------------------------------ the kernels' shared memory
-// Forward, a block of `slice` units: the matrix rows (each H + 1 long: consecutive rows start in different banks),
-// then the pre-activations [B][4][slice] and the row statistics [B][3][2] (accumulation type); with `mma`, at the
-// next multiple of 128 bytes, block_mma's buffers for products of the largest sub-cell's rows.
+// The sub-cells' matrices a block holds: sub-cell k (0 the base cell, k >= 1 T-GRU k) has `subcell_rows` gate rows a
+// unit. Forward, the block's rows of it: [rows][slice][H + 1] (each row H + 1 long: consecutive rows start in
+// different banks); backward, its columns: [slice][rows * H + 1]. The first `resident` sub-cells stay in shared
+// memory, one after another; the others (sub-cells resident..D) in the block's part of a spill buffer in global
+// memory, read through L2 at each use (docs/design/persistent_recurrence.md, "Past shared memory: the L2").
+// resident < 0: all D + 1.
+DTMT_HD constexpr int subcell_rows(int kind, int k) { return k == 0 ? cell_hidden_rows(kind) : 3; }
+DTMT_HD constexpr int resident_subcells(int D, int resident) { return resident < 0 || resident > D ? D + 1 : resident; }
+DTMT_HD constexpr size_t forward_subcell_elems(int kind, int k, int H, int slice) {
+  return static_cast<size_t>(subcell_rows(kind, k)) * slice * (H + 1);
+}
+DTMT_HD constexpr size_t backward_subcell_elems(int kind, int k, int H, int slice) {
+  return static_cast<size_t>(slice) * (static_cast<size_t>(subcell_rows(kind, k)) * H + 1);
+}
+// Elements of sub-cells [first, last) of one block, forward or backward.
+DTMT_HD size_t subcell_elems(bool backward, int kind, int first, int last, int H, int slice) {
+  size_t n = 0;
+  for (int k = first; k < last; ++k)
+    n += backward ? backward_subcell_elems(kind, k, H, slice) : forward_subcell_elems(kind, k, H, slice);
+  return n;
+}
+// Bytes of the resident sub-cells' matrices in shared memory (a multiple of 16), and elements of the spilled ones a
+// block (its part of the spill buffer; the buffer is grid x that).
+DTMT_HD size_t resident_matrix_bytes(bool backward, int kind, int D, int H, int slice, size_t t_bytes, int resident) {
+  return (subcell_elems(backward, kind, 0, resident_subcells(D, resident), H, slice) * t_bytes + 15) / 16 * 16;
+}
+DTMT_HD size_t spill_elems(bool backward, int kind, int D, int H, int slice, int resident) {
+  return subcell_elems(backward, kind, resident_subcells(D, resident), D + 1, H, slice);
+}
+
+// Forward, a block of `slice` units: the resident matrices, then the pre-activations [B][4][slice] and the row
+// statistics [B][3][2] (accumulation type); with `mma`, at the next multiple of 128 bytes, block_mma's buffers for
+// products of the largest sub-cell's rows.
 DTMT_HD size_t persistent_forward_bytes(int kind, int D, int B, int H, int slice, size_t t_bytes, size_t a_bytes,
-                                        bool mma = false, int threads = 0) {
-  const size_t rows = static_cast<size_t>(cell_hidden_rows(kind) + 3 * D) * slice;
-  const size_t matrix = (rows * (H + 1) * t_bytes + 15) / 16 * 16;
-  const size_t bytes = matrix + (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * a_bytes;
+                                        bool mma = false, int threads = 0, int resident = -1) {
+  const size_t bytes = resident_matrix_bytes(false, kind, D, H, slice, t_bytes, resident) +
+                       (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * a_bytes;
   if (!mma) return bytes;
   const int widest = cell_hidden_rows(kind) > 3 || D == 0 ? cell_hidden_rows(kind) : 3;
   return round_bytes(bytes) + mma_buffer_bytes(widest * slice, B, threads, t_bytes);
 }
 
-// Backward: the matrix columns, then 10 per-unit buffers [B][slice] (n and d three each, carry, cg, inner, gin) and
-// the row statistics and sums [B][3][2] each; with `mma`, at the next multiple of 128 bytes, block_mma's buffers for
-// products of `slice` columns.
+// Backward: the resident matrices' columns, then 10 per-unit buffers [B][slice] (n and d three each, carry, cg,
+// inner, gin) and the row statistics and sums [B][3][2] each; with `mma`, at the next multiple of 128 bytes,
+// block_mma's buffers for products of `slice` columns.
 DTMT_HD size_t persistent_backward_bytes(int kind, int D, int B, int H, int slice, size_t t_bytes, size_t a_bytes,
-                                         bool mma = false, int threads = 0) {
-  const size_t matrix = static_cast<size_t>(slice) * (cell_hidden_rows(kind) * H + 1) +
-                        static_cast<size_t>(D) * slice * (3 * H + 1);
-  const size_t bytes = (matrix * t_bytes + 15) / 16 * 16 + (static_cast<size_t>(B) * 10 * slice + B * 12) * a_bytes;
+                                         bool mma = false, int threads = 0, int resident = -1) {
+  const size_t bytes = resident_matrix_bytes(true, kind, D, H, slice, t_bytes, resident) +
+                       (static_cast<size_t>(B) * 10 * slice + B * 12) * a_bytes;
   return mma ? round_bytes(bytes) + mma_buffer_bytes(slice, B, threads, t_bytes) : bytes;
 }
 
@@ -74,25 +102,49 @@ inline bool persistent_tensor_cores(size_t t_bytes, bool tf32_allowed, int capab
 // Threads a block of the persistent launches (8 warps): a first choice, to be measured.
 constexpr int kPersistentThreads = 256;
 
+// The spill buffers may take at most 1 / kSpillL2Share of the device's L2: the rest holds what passes through each
+// step (the states, the products written, the layer-norm partials). A first choice, to be measured.
+constexpr int kSpillL2Share = 2;
+
 // Whether a layer fits the persistent launches on a device: one block per SM (at most one per hidden unit), each
-// holding its share of every recurrent matrix plus its buffers in the shared memory a block may opt into.
+// holding its share of every recurrent matrix plus its buffers in the shared memory a block may opt into; where the
+// matrices do not all fit, the top sub-cells' (T-GRU D first) are read from L2 (a spill buffer in global memory),
+// as many as needed and as the L2 budget allows (l2_bytes / kSpillL2Share in all; l2_bytes 0: none).
 // (Co-residency also depends on registers: a launch the device still refuses falls back, see transition_cuda.cu.)
 struct PersistentPlan {
   int grid = 0, slice = 0;
-  size_t forward_bytes = 0, backward_bytes = 0;
+  int forward_resident = 0, backward_resident = 0;   // sub-cells (of D + 1) whose matrices stay in shared memory
+  size_t forward_bytes = 0, backward_bytes = 0;      // shared memory a block
+  size_t forward_spill = 0, backward_spill = 0;      // bytes of the spill buffers (every block's), read through L2
   bool fits = false;
 };
 
 inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_bytes, size_t a_bytes,
-                                      int multiprocessors, size_t smem_optin, bool mma, int threads) {
+                                      int multiprocessors, size_t smem_optin, bool mma, int threads,
+                                      size_t l2_bytes = 0) {
   PersistentPlan plan;
   const int blocks = multiprocessors < H ? multiprocessors : H;
-  if (blocks < 1 || B < 1 || !base_cell(kind)) return plan;   // (an unknown kind: no plan)
+  if (blocks < 1 || B < 1 || D < 0 || !base_cell(kind)) return plan;   // (an unknown kind: no plan)
   plan.slice = (H + blocks - 1) / blocks;
   plan.grid = (H + plan.slice - 1) / plan.slice;
-  plan.forward_bytes = persistent_forward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads);
-  plan.backward_bytes = persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads);
-  plan.fits = plan.forward_bytes <= smem_optin && plan.backward_bytes <= smem_optin;
+  const size_t budget = l2_bytes / kSpillL2Share;
+  plan.fits = true;
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool backward = pass == 1;
+    auto bytes = [&](int resident) {
+      return backward ? persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident)
+                      : persistent_forward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident);
+    };
+    auto spill = [&](int resident) {
+      return static_cast<size_t>(plan.grid) * spill_elems(backward, kind, D, H, plan.slice, resident) * t_bytes;
+    };
+    int resident = D + 1;
+    while (resident > 0 && bytes(resident) > smem_optin && spill(resident - 1) <= budget) --resident;
+    (backward ? plan.backward_resident : plan.forward_resident) = resident;
+    (backward ? plan.backward_bytes : plan.forward_bytes) = bytes(resident);
+    (backward ? plan.backward_spill : plan.forward_spill) = spill(resident);
+    plan.fits = plan.fits && bytes(resident) <= smem_optin;
+  }
   return plan;
 }
 

@@ -379,12 +379,14 @@ template <typename Args> void set_persistent_sizes(Args& a, const Dims& d, int64
 }
 
 // The forward as one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh): the same
-// outputs and saved tensors as forward_impl, so backward_impl runs on them unchanged. `fallible`: a launch the device
-// refuses (too much shared memory, blocks that cannot all be resident) returns {} instead of throwing.
+// outputs and saved tensors as forward_impl, so backward_impl runs on them unchanged. The rows of the first
+// `resident` sub-cells stay in shared memory, the others' in a spill buffer read through L2 (< 0: all in shared
+// memory; persistent_plan chooses). `fallible`: a launch the device refuses (too much shared memory, blocks that
+// cannot all be resident) returns {} instead of throwing.
 template <typename S>
 std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                             const TransitionWeights& w, bool reverse, double eps, int64_t grid,
-                                            int64_t threads, bool fallible = false) {
+                                            int64_t threads, int64_t resident = -1, bool fallible = false) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
@@ -404,6 +406,11 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   Tensor out = at::empty({T_, B, H}, opts);
   Tensor h_last = at::empty({B, H}, acc_opts);
   Tensor partials = at::empty({grid, B, 3, 2}, acc_opts);
+  const int kept = cuda::resident_subcells(static_cast<int>(D), static_cast<int>(resident));
+  Tensor spill = at::empty({grid * static_cast<int64_t>(cuda::spill_elems(false, static_cast<int>(w.kind),
+                                                                          static_cast<int>(D), static_cast<int>(H),
+                                                                          static_cast<int>(slice), kept))},
+                           opts);
   const int64_t first = reverse ? T_ - 1 : 0;
   hs[0][first].copy_(h0);
   if (lp) hs_lp[0][first].copy_(h0);
@@ -419,6 +426,8 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   a.out = mptr<T, S>(out);
   a.h_last = mptr<A, A>(h_last);
   a.partials = mptr<A, A>(partials);
+  a.spill = spill.numel() ? mptr<T, S>(spill) : nullptr;
+  a.resident = kept;
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   if (T_ > 0) {
@@ -454,36 +463,47 @@ bool persistent_requested() {
   return requested;
 }
 
-// The device's SM count and the shared memory a block may opt into (the emulation: 4 SMs of an H100's 227 KB).
-std::pair<int, size_t> device_limits() {
+// The device's SM count, the shared memory a block may opt into and its L2 cache's bytes (the emulation: 4 SMs of
+// an H100's 227 KB, and its 50 MiB of L2).
+struct DeviceLimits {
+  int multiprocessors;
+  size_t smem_optin, l2_bytes;
+};
+DeviceLimits device_limits() {
 #if defined(DTMT_CUDA_EMULATION)
-  return {4, 232448};
+  return {4, 232448, 52428800};
 #else
-  int device = 0, count = 0, optin = 0;
+  int device = 0, count = 0, optin = 0, l2 = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return {count, static_cast<size_t>(optin)};
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  return {count, static_cast<size_t>(optin), static_cast<size_t>(l2)};
 #endif
 }
 
-// The persistent plan of a layer on this device (persistent_plan), or grid 0 with a warning once naming what does
-// not fit: the per-step path runs then.
-template <typename S> int64_t persistent_grid(const Tensor& x, const TransitionWeights& w) {
+// The persistent plan of a layer on this device (persistent_plan); where it does not fit, grid 0 and a warning
+// once naming what does not fit: the per-step path runs then.
+template <typename S> cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
-  const auto limits = device_limits();
-  const cuda::PersistentPlan plan =
+  const DeviceLimits limits = device_limits();
+  cuda::PersistentPlan plan =
       cuda::persistent_plan(static_cast<int>(w.kind), static_cast<int>(d.D), static_cast<int>(d.B),
-                            static_cast<int>(d.H), sizeof(T), sizeof(A), limits.first, limits.second,
-                            persistent_mma<T>(), cuda::kPersistentThreads);
-  if (!plan.fits)
+                            static_cast<int>(d.H), sizeof(T), sizeof(A), limits.multiprocessors, limits.smem_optin,
+                            persistent_mma<T>(), cuda::kPersistentThreads, limits.l2_bytes);
+  if (!plan.fits) {
     TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ", plan.forward_bytes / 1024,
                     " KB (forward) and ", plan.backward_bytes / 1024, " KB (backward) of shared memory a block in ",
-                    plan.grid, " blocks; this device allows ", limits.second / 1024,
+                    plan.grid, " blocks, with the matrices of ", d.D + 1 - plan.forward_resident, " / ",
+                    d.D + 1 - plan.backward_resident, " sub-cells read from L2 (", plan.forward_spill >> 20, " / ",
+                    plan.backward_spill >> 20, " MiB of the ", (limits.l2_bytes / cuda::kSpillL2Share) >> 20,
+                    " MiB allowed); this device allows ", limits.smem_optin / 1024,
                     " KB: the per-step path runs (DTMT_CUDA_RECURRENCE=persistent)");
-  return plan.fits ? plan.grid : 0;
+    plan.grid = 0;
+  }
+  return plan;
 }
 
 // What both backwards do after their loop: dx, the weight gradients as GEMMs over all steps, the layer-norm
@@ -677,7 +697,8 @@ std::vector<Tensor> backward_impl(const BackwardInputs& in, const TransitionWeig
 template <typename S>
 std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const TransitionWeights& w,
                                              const SavedForward& saved, bool reverse, double eps, int64_t grid,
-                                             int64_t threads, bool fallible = false, bool weight_grads = true) {
+                                             int64_t threads, int64_t resident = -1, bool fallible = false,
+                                             bool weight_grads = true) {
   const Tensor &grad_out = in.grad_out, &grad_hn = in.grad_hn, &x = in.x, &mask = in.mask, &drop = in.drop;
   const Tensor &xp = saved.xp, &hs = saved.hs, &hs_lp_saved = saved.hs_lp, &hp = saved.hp, &hpt = saved.hpt;
   using T = typename DeviceType<S>::type;
@@ -702,6 +723,11 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
   Tensor dh0 = at::empty({B, H}, acc_opts);
   Tensor partials = at::empty({2, grid, B, 3, 2}, acc_opts);
+  const int kept = cuda::resident_subcells(static_cast<int>(D), static_cast<int>(resident));
+  Tensor spill = at::empty({grid * static_cast<int64_t>(cuda::spill_elems(true, static_cast<int>(w.kind),
+                                                                          static_cast<int>(D), static_cast<int>(H),
+                                                                          static_cast<int>(slice), kept))},
+                           opts);
   const Tensor ghn = grad_hn.to(acc).contiguous(), gout = grad_out.contiguous();
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
 
@@ -722,6 +748,8 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   a.dtln_rows = tln ? mptr<A, A>(dtln_rows) : nullptr;
   a.dtlnb_rows = tln ? mptr<A, A>(dtlnb_rows) : nullptr;
   a.partials = mptr<A, A>(partials);
+  a.spill = spill.numel() ? mptr<T, S>(spill) : nullptr;
+  a.resident = kept;
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -748,35 +776,38 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
-    const int64_t grid = persistent_requested() && x.size(0) > 0 ? persistent_grid<scalar_t>(x, w) : 0;
-    if (grid > 0)
-      result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, cuda::kPersistentThreads,
-                                                 /*fallible=*/true);
+    const cuda::PersistentPlan plan =
+        persistent_requested() && x.size(0) > 0 ? device_plan<scalar_t>(x, w) : cuda::PersistentPlan{};
+    if (plan.grid > 0)
+      result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
+                                                 cuda::kPersistentThreads, plan.forward_resident, /*fallible=*/true);
     if (result.empty()) result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
   });
   return result;
 }
 
-// The same, as one persistent launch of `grid` blocks of `threads` threads (forward_persistent_impl).
+// The same, as one persistent launch of `grid` blocks of `threads` threads with the first `resident` sub-cells'
+// rows in shared memory (< 0: all; forward_persistent_impl).
 std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask,
                                                        const Tensor& drop, const TransitionWeights& w, bool reverse,
-                                                       double eps, int64_t grid, int64_t threads) {
+                                                       double eps, int64_t grid, int64_t threads, int64_t resident) {
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_persistent_cuda", [&] {
-    result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads);
+    result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads, resident);
   });
   return result;
 }
 
-// The backward as one persistent launch of `grid` blocks of `threads` threads (backward_persistent_impl).
+// The backward as one persistent launch of `grid` blocks of `threads` threads, `resident` as the forward's
+// (backward_persistent_impl).
 std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in, const TransitionWeights& w,
                                                         const SavedForward& saved, bool reverse, double eps,
-                                                        int64_t grid, int64_t threads) {
+                                                        int64_t grid, int64_t threads, int64_t resident) {
   const c10::cuda::CUDAGuard guard(in.x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
-    result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads);
+    result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads, resident);
   });
   return result;
 }
@@ -787,10 +818,11 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const Tra
   const c10::cuda::CUDAGuard guard(in.x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
-    const int64_t grid = persistent_requested() && in.x.size(0) > 0 ? persistent_grid<scalar_t>(in.x, w) : 0;
-    if (grid > 0)
-      result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, cuda::kPersistentThreads,
-                                                  /*fallible=*/true, weight_grads);
+    const cuda::PersistentPlan plan =
+        persistent_requested() && in.x.size(0) > 0 ? device_plan<scalar_t>(in.x, w) : cuda::PersistentPlan{};
+    if (plan.grid > 0)
+      result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
+                                                  plan.backward_resident, /*fallible=*/true, weight_grads);
     if (result.empty()) result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
   });
   return result;

@@ -34,6 +34,7 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -118,6 +119,13 @@ inline void grid_sync() {
 
 // This block's dynamic shared memory: its own in a cooperative launch, else the one array below.
 inline unsigned char* dynamic_smem();
+// A cooperative launch's block: its shared memory at the first 128-byte boundary of its allocation, then a guard of
+// kSmemGuard bytes of kGuardByte, checked after the launch (a write past the launch's shared memory throws).
+inline unsigned char* smem_base(unsigned char* p) {
+  return p + (128 - reinterpret_cast<uintptr_t>(p) % 128) % 128;
+}
+constexpr size_t kSmemGuard = 4096;
+constexpr unsigned char kGuardByte = 0xA5;
 
 }  // namespace dtmt_emu
 
@@ -131,8 +139,7 @@ alignas(128) inline unsigned char smem_raw[1 << 20];
 
 inline unsigned char* dtmt_emu::dynamic_smem() {
   Scheduler& s = *scheduler;
-  return s.cooperative ? s.block_smem[blockIdx.x].get() + (128 - reinterpret_cast<uintptr_t>(s.block_smem[blockIdx.x].get()) % 128) % 128
-                       : dtmt::cuda::smem_raw;
+  return s.cooperative ? smem_base(s.block_smem[blockIdx.x].get()) : dtmt::cuda::smem_raw;
 }
 
 namespace dtmt_emu {
@@ -211,7 +218,10 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
   s.at_grid.assign(fibers, 0);
   s.exchange.resize(fibers);
   s.block_smem.clear();
-  for (int b = 0; b < grid; ++b) s.block_smem.emplace_back(new unsigned char[smem + 128]());   // (aligned above)
+  for (int b = 0; b < grid; ++b) {   // (aligned in dynamic_smem), then kSmemGuard bytes of a pattern
+    s.block_smem.emplace_back(new unsigned char[smem + 128 + kSmemGuard]());
+    std::memset(smem_base(s.block_smem.back().get()) + smem, kGuardByte, kSmemGuard);
+  }
   while (stacks.size() < static_cast<size_t>(fibers)) stacks.emplace_back(new char[kStackBytes]);
   Scheduler* outer = scheduler;
   scheduler = &s;
@@ -252,6 +262,13 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
     std::fill(s.at_grid.begin(), s.at_grid.end(), 0);
   }
   scheduler = outer;
+  for (int b = 0; b < grid; ++b) {   // a write past the launch's shared memory would overrun it on a GPU
+    const unsigned char* guard = smem_base(s.block_smem[b].get()) + smem;
+    for (size_t i = 0; i < kSmemGuard; ++i)
+      if (guard[i] != kGuardByte)
+        throw std::runtime_error("emulated launch: block " + std::to_string(b) + " wrote past its " +
+                                 std::to_string(smem) + " bytes of shared memory");
+  }
 }
 
 }  // namespace dtmt_emu

@@ -826,10 +826,11 @@ def test_bench_persistent_envelope_needs_no_gpu(capsys):
     from dtmt_kernels.ops.transition.persistent import envelope_table
 
     assert bench_persistent.main(["--envelope", "--multiprocessors", "132", "--shared-memory", "232448",
-                                  "--B", "64"]) == 0
+                                  "--l2-cache", "52428800", "--B", "64"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# the persistent launches' envelope: 132 SMs, 232448 bytes") and envelope_table(
-        132, 232448, 64) in out
+        132, 232448, 64, 52428800) in out
+    assert envelope_table(132, 232448, 64, 52428800) != envelope_table(132, 232448, 64)   # the L2 widens it
     if not torch.cuda.is_available():
         assert bench_persistent.main(["--envelope"]) == 2
         assert "give multiprocessors and shared_memory" in capsys.readouterr().err

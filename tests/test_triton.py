@@ -437,6 +437,44 @@ def test_gpu_cuda_backend_follows_torchs_tf32_flag(compiled, cell, depth):
         assert not torch.equal(runs[True]["out"], runs[False]["out"]), "TF32 allowed, yet the products were fp32"
 
 
+def test_gpu_persistent_reads_matrices_from_l2(compiled):
+    """The deep transition at H = 1024 in bfloat16 (L-GRU + 4 T-GRUs, layer norm): its matrices outgrow an H100's
+    shared memory, and with DTMT_CUDA_RECURRENCE=persistent (gpu_session.sh's persistent stage) the plan reads the top
+    T-GRUs' from L2 (docs/design/persistent_recurrence.md, "Past shared memory: the L2"). The persistent launches run
+    (no fall-back warning) and give the float64 reference's outputs and gradients to bfloat16's precision."""
+    import copy
+    import warnings
+
+    if "cuda" not in dk.available_backends():
+        pytest.skip("the cuda backend is not built")
+    if os.environ.get("DTMT_CUDA_RECURRENCE") != "persistent":
+        pytest.skip("the persistent launches are not asked for (DTMT_CUDA_RECURRENCE=persistent)")
+    T, B, H = 6, 16, 1024
+    plan = dk.persistent_plan("lgru", 4, B, H, torch.bfloat16)
+    if not plan.fits or not plan.forward_spill:
+        pytest.skip(f"on this device: {plan}")
+    layer = make_layer("lgru", 64, H, depth=4, layer_norm=True, dtype=torch.float32)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(0.3)
+    gen = torch.Generator().manual_seed(12)
+    x, h0 = torch.randn(T, B, 64, generator=gen), torch.randn(B, H, generator=gen)
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).float()
+    ref, g = _run(copy.deepcopy(layer).double().cuda(), x.double().cuda(), h0.double().cuda(), mask.double().cuda(),
+                  None, True, "reference")
+    low = layer.to(torch.bfloat16).cuda()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _ = _run(low, x.bfloat16().cuda(), h0.bfloat16().cuda(), mask.bfloat16().cuda(), None, True, "cuda",
+                      g[0].bfloat16(), g[1].bfloat16())
+    assert not [w for w in caught if "does not fit" in str(w.message)], [str(w.message) for w in caught]
+    for name in ref:
+        scale = ref[name].abs().max().item() + 1e-3
+        err = (got[name].double() - ref[name]).abs().max().item() / scale
+        assert err <= 5e-2, f"{name}: relative error {err:.2e}"
+
+
 @needs_triton
 @pytest.mark.parametrize("cell,depth,dtype", [("lgru", 1, torch.float32), ("atr", 0, torch.bfloat16)],
                          ids=["lgru-fp32", "atr-bf16"])
@@ -450,3 +488,4 @@ for _mark in needs_gpu:
     test_gpu_compiled_matches_reference = _mark(test_gpu_compiled_matches_reference)
     test_gpu_compiled_hidden_sizes = _mark(test_gpu_compiled_hidden_sizes)
     test_gpu_cuda_backend_follows_torchs_tf32_flag = _mark(test_gpu_cuda_backend_follows_torchs_tf32_flag)
+    test_gpu_persistent_reads_matrices_from_l2 = _mark(test_gpu_persistent_reads_matrices_from_l2)

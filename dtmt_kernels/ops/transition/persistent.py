@@ -6,11 +6,15 @@ docs/design/persistent_recurrence.md, "The envelope", has the table for an H100 
     >>> import dtmt_kernels as dk
     >>> print(dk.persistent_plan("lgru", 4, 64, 512, multiprocessors=132, shared_memory=232448))
     persistent: 128 blocks of 4 units; 134 / 141 KB of shared memory a block (forward / backward) of 227 KB; FMA
+    >>> print(dk.persistent_plan("lgru", 4, 64, 1024, "bfloat16", multiprocessors=132, shared_memory=232448,
+    ...                          l2_cache=52428800))  # doctest: +NORMALIZE_WHITESPACE
+    persistent: 128 blocks of 8 units; 191 / 198 KB of shared memory a block (forward / backward) of 227 KB; the
+    matrices of 2 / 2 of 5 sub-cells read from L2 (12.0 / 12.0 MiB of the 25 MiB allowed); tensor cores
 
 The cuda backend takes the persistent launches where DTMT_CUDA_RECURRENCE=persistent (read once a process) and the
 plan fits; where it does not, the per-step path, with a warning naming the sizes.
-`python benchmarks/bench_persistent.py --envelope [--multiprocessors 132 --shared-memory 232448]` prints the
-envelope table (envelope_table) of the current GPU, or of the numbers given."""
+`python benchmarks/bench_persistent.py --envelope [--multiprocessors 132 --shared-memory 232448 --l2-cache 52428800]`
+prints the envelope table (envelope_table) of the current GPU, or of the numbers given."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,7 +32,11 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 class PersistentPlan:
     """A layer's persistent plan on a device: `fits` (else the per-step path runs), `grid` blocks of `slice` hidden
     units each (one block per SM, at most one per unit), the shared memory a block needs forward and backward
-    against what a block may opt into, and whether the products run on tensor cores (TF32 / f16 / bf16)."""
+    against what a block may opt into, and whether the products run on tensor cores (TF32 / f16 / bf16). Where the
+    matrices do not all fit in shared memory, those of the top sub-cells are read from L2 at each use: of the
+    `subcells` (depth + 1), `forward_resident` / `backward_resident` stay in shared memory, and the others take
+    `forward_spill` / `backward_spill` bytes of global memory (every block's), at most a share of `l2_cache` (the
+    driver's: half)."""
 
     fits: bool
     grid: int
@@ -38,11 +46,23 @@ class PersistentPlan:
     shared_memory: int
     multiprocessors: int
     tensor_cores: bool
+    subcells: int = 1
+    forward_resident: int = 1
+    backward_resident: int = 1
+    forward_spill: int = 0
+    backward_spill: int = 0
+    l2_cache: int = 0
 
     def __str__(self) -> str:
         kb = lambda n: f"{n / 1024:.0f}"   # noqa: E731
+        mib = lambda n: f"{n / 2 ** 20:.1f}"   # noqa: E731
         need = (f"{kb(self.forward_bytes)} / {kb(self.backward_bytes)} KB of shared memory a block (forward / "
                 f"backward) of {kb(self.shared_memory)} KB")
+        if self.forward_spill or self.backward_spill:
+            need += (f"; the matrices of {self.subcells - self.forward_resident} / "
+                     f"{self.subcells - self.backward_resident} of {self.subcells} sub-cells read from L2 "
+                     f"({mib(self.forward_spill)} / {mib(self.backward_spill)} MiB of the "
+                     f"{self.l2_cache // _C.PERSISTENT_SPILL_L2_SHARE // 2 ** 20} MiB allowed)")
         products = "tensor cores" if self.tensor_cores else "FMA"
         if self.fits:
             return f"persistent: {self.grid} blocks of {self.slice} units; {need}; {products}"
@@ -50,25 +70,28 @@ class PersistentPlan:
 
 
 def _device_limits(device) -> tuple:
-    """(SMs, shared memory a block may opt into, compute capability major) of a CUDA device (None: the current one)."""
+    """(SMs, shared memory a block may opt into, compute capability major, L2 bytes) of a CUDA device (None: the
+    current one)."""
     if not torch.cuda.is_available():
         raise ValueError("no CUDA device: give multiprocessors and shared_memory (an H100 / H200: 132 and 232448)")
     props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else torch.device(device))
     optin = getattr(props, "shared_memory_per_block_optin", None)
     if optin is None:
         raise ValueError("this torch does not report the device's opt-in shared memory: give shared_memory")
-    return props.multi_processor_count, optin, props.major
+    return props.multi_processor_count, optin, props.major, getattr(props, "L2_cache_size", 0)
 
 
 def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union[torch.dtype, str] = torch.float32,
                     *, device: Optional[Union[int, str, torch.device]] = None, multiprocessors: Optional[int] = None,
-                    shared_memory: Optional[int] = None, tensor_cores: Optional[bool] = None) -> PersistentPlan:
+                    shared_memory: Optional[int] = None, tensor_cores: Optional[bool] = None,
+                    l2_cache: Optional[int] = None) -> PersistentPlan:
     """The persistent plan of one direction of a layer: base `cell` ("gru", "lgru", "lau", "atr") with `depth`
     T-GRUs, `batch` rows, `hidden` units, `dtype` storage. The device's SM count and the shared memory a block may
     opt into come from `device` (a CUDA device; default the current one), or are given (`multiprocessors`,
-    `shared_memory` in bytes: an H100 / H200 has 132 and 232,448) where no GPU is at hand. `tensor_cores` defaults
-    to the driver's choice at this moment (torch's TF32 flag for float32; a device of compute capability 8.0 or up,
-    assumed where none is given)."""
+    `shared_memory` in bytes: an H100 / H200 has 132 and 232,448) where no GPU is at hand; so does the L2's size
+    (`l2_cache`, bytes: 52,428,800 on an H100; given numbers without it: 0, no matrix read from L2).
+    `tensor_cores` defaults to the driver's choice at this moment (torch's TF32 flag for float32; a device of compute
+    capability 8.0 or up, assumed where none is given)."""
     if _C is None:
         raise RuntimeError("dtmt_kernels: the compiled extension did not load; the persistent plan is its arithmetic")
     if cell not in CELL_KINDS:
@@ -84,17 +107,22 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
             raise ValueError(f"{name} must be an integer >= {0 if name == 'depth' else 1}, got {v!r}")
     major = 8
     if multiprocessors is None or shared_memory is None:
-        sms, optin, major = _device_limits(device)
+        sms, optin, major, l2 = _device_limits(device)
         multiprocessors = sms if multiprocessors is None else multiprocessors
         shared_memory = optin if shared_memory is None else shared_memory
+        l2_cache = l2 if l2_cache is None else l2_cache
+    l2_cache = 0 if l2_cache is None else l2_cache
+    if not isinstance(l2_cache, int) or l2_cache < 0:
+        raise ValueError(f"l2_cache must be an integer >= 0 (bytes), got {l2_cache!r}")
     storage = torch.empty((), dtype=dtype).element_size()
     if tensor_cores is None:   # the driver's rule (16-bit always, float32 where TF32 is allowed, float64 never)
         tensor_cores = _C.persistent_tensor_cores(storage, major)
     accumulation = 8 if dtype == torch.float64 else 4
-    grid, slice_, fwd, bwd, fits = _C.persistent_plan(KINDS[cell], depth, batch, hidden, storage, accumulation,
-                                                      multiprocessors, shared_memory, tensor_cores,
-                                                      _C.PERSISTENT_THREADS)
-    return PersistentPlan(bool(fits), grid, slice_, fwd, bwd, shared_memory, multiprocessors, tensor_cores)
+    grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill = _C.persistent_plan(
+        KINDS[cell], depth, batch, hidden, storage, accumulation, multiprocessors, shared_memory, tensor_cores,
+        _C.PERSISTENT_THREADS, l2_cache)
+    return PersistentPlan(bool(fits), grid, slice_, fwd, bwd, shared_memory, multiprocessors, tensor_cores, depth + 1,
+                          fres, bres, fspill, bspill, l2_cache)
 
 
 ENVELOPE_LAYERS = (("GRU", "gru", 0), ("ATR", "atr", 0), ("DT d4 (L-GRU + 4 T-GRUs)", "lgru", 4))
@@ -102,9 +130,10 @@ ENVELOPE_MODES = (("fp32 strict", torch.float32, False), ("TF32", torch.float32,
 ENVELOPE_HIDDEN = (256, 512, 768, 1024, 2048)
 
 
-def envelope_table(multiprocessors: int, shared_memory: int, batch: int = 64) -> str:
+def envelope_table(multiprocessors: int, shared_memory: int, batch: int = 64, l2_cache: int = 0) -> str:
     """A markdown table: for each layer and math mode, the largest of ENVELOPE_HIDDEN that fits the persistent
-    launches at `batch` rows, with its forward / backward KB a block (— where none does)."""
+    launches at `batch` rows, with its forward / backward KB a block and, where matrices are read from L2, the
+    sub-cells that are, forward / backward (— where none fits)."""
     lines = [f"| layer | {' | '.join(name for name, _, _ in ENVELOPE_MODES)} |",
              "|---|" + "---|" * len(ENVELOPE_MODES)]
     for label, cell, depth in ENVELOPE_LAYERS:
@@ -113,10 +142,15 @@ def envelope_table(multiprocessors: int, shared_memory: int, batch: int = 64) ->
             best = None
             for H in ENVELOPE_HIDDEN:
                 plan = persistent_plan(cell, depth, batch, H, dtype, multiprocessors=multiprocessors,
-                                       shared_memory=shared_memory, tensor_cores=tc)
+                                       shared_memory=shared_memory, tensor_cores=tc, l2_cache=l2_cache)
                 if plan.fits:
                     best = (H, plan)
-            cells.append("—" if best is None else
-                         f"H ≤ {best[0]} ({best[1].forward_bytes / 1024:.0f} / {best[1].backward_bytes / 1024:.0f} KB)")
+            if best is None:
+                cells.append("—")
+                continue
+            H, plan = best
+            spilled = (f"; {plan.subcells - plan.forward_resident} / {plan.subcells - plan.backward_resident} "
+                       f"from L2" if plan.forward_spill or plan.backward_spill else "")
+            cells.append(f"H ≤ {H} ({plan.forward_bytes / 1024:.0f} / {plan.backward_bytes / 1024:.0f} KB{spilled})")
         lines.append(f"| {label} | {' | '.join(cells)} |")
     return "\n".join(lines)

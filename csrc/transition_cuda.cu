@@ -368,6 +368,20 @@ void set_persistent_weights(Args& a, const TransitionWeights& w, const Tensor& w
   a.drop = static_cast<int>(w.kind) != kATR ? cptr<T, S>(drop) : nullptr;
   a.mask = cptr<T, S>(mask);
 }
+// The spill buffer of a persistent launch (persistent_plan.h: the matrices of sub-cells `resident`..D, every block's,
+// read through L2; empty where all are resident) for `grid` blocks of `slice` units, and the launch's arguments that
+// name it. The caller keeps the tensor alive through the launch.
+template <typename T, typename S, typename Args>
+Tensor set_persistent_spill(Args& a, bool backward, const TransitionWeights& w, const Dims& d, int64_t slice,
+                            int64_t grid, int64_t resident, const at::TensorOptions& opts) {
+  a.resident = cuda::resident_subcells(static_cast<int>(d.D), static_cast<int>(resident));
+  Tensor spill = at::empty({grid * static_cast<int64_t>(cuda::spill_elems(backward, static_cast<int>(w.kind),
+                                                                          static_cast<int>(d.D), static_cast<int>(d.H),
+                                                                          static_cast<int>(slice), a.resident))},
+                           opts);
+  a.spill = spill.numel() ? mptr<T, S>(spill) : nullptr;
+  return spill;
+}
 template <typename Args> void set_persistent_sizes(Args& a, const Dims& d, int64_t slice, bool reverse, double eps) {
   a.steps = static_cast<int>(d.T);
   a.B = static_cast<int>(d.B);
@@ -406,11 +420,6 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   Tensor out = at::empty({T_, B, H}, opts);
   Tensor h_last = at::empty({B, H}, acc_opts);
   Tensor partials = at::empty({grid, B, 3, 2}, acc_opts);
-  const int kept = cuda::resident_subcells(static_cast<int>(D), static_cast<int>(resident));
-  Tensor spill = at::empty({grid * static_cast<int64_t>(cuda::spill_elems(false, static_cast<int>(w.kind),
-                                                                          static_cast<int>(D), static_cast<int>(H),
-                                                                          static_cast<int>(slice), kept))},
-                           opts);
   const int64_t first = reverse ? T_ - 1 : 0;
   hs[0][first].copy_(h0);
   if (lp) hs_lp[0][first].copy_(h0);
@@ -426,8 +435,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   a.out = mptr<T, S>(out);
   a.h_last = mptr<A, A>(h_last);
   a.partials = mptr<A, A>(partials);
-  a.spill = spill.numel() ? mptr<T, S>(spill) : nullptr;
-  a.resident = kept;
+  const Tensor spill = set_persistent_spill<T, S>(a, false, w, d, slice, grid, resident, opts);
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   if (T_ > 0) {
@@ -723,11 +731,6 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
   Tensor dh0 = at::empty({B, H}, acc_opts);
   Tensor partials = at::empty({2, grid, B, 3, 2}, acc_opts);
-  const int kept = cuda::resident_subcells(static_cast<int>(D), static_cast<int>(resident));
-  Tensor spill = at::empty({grid * static_cast<int64_t>(cuda::spill_elems(true, static_cast<int>(w.kind),
-                                                                          static_cast<int>(D), static_cast<int>(H),
-                                                                          static_cast<int>(slice), kept))},
-                           opts);
   const Tensor ghn = grad_hn.to(acc).contiguous(), gout = grad_out.contiguous();
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
 
@@ -748,8 +751,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   a.dtln_rows = tln ? mptr<A, A>(dtln_rows) : nullptr;
   a.dtlnb_rows = tln ? mptr<A, A>(dtlnb_rows) : nullptr;
   a.partials = mptr<A, A>(partials);
-  a.spill = spill.numel() ? mptr<T, S>(spill) : nullptr;
-  a.resident = kept;
+  const Tensor spill = set_persistent_spill<T, S>(a, true, w, d, slice, grid, resident, opts);
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

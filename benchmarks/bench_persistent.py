@@ -2,7 +2,7 @@
 cuda backend's per-step path and cuDNN's GRU, on the GPU, each math mode the same on every side.
 
     python benchmarks/bench_persistent.py [--T 50] [--B 1 8 64 256] [--H 512] [--repeat 10]
-                                          [--math strict tf32 bf16] [--out DIR]
+                                          [--math strict tf32 bf16] [--forms grid cluster] [--out DIR]
 
 Math modes (--math, each a table): `strict`, float32 with TF32 off for cuBLAS, cuDNN and our kernels (FMA products);
 `tf32`, float32 with torch's TF32 flags on (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32): cuBLAS and
@@ -14,12 +14,15 @@ the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a ch
   reports the largest difference of the outputs (relative to their largest value);
 - times the forward alone and forward + backward (both persistent in the persistent mode), eager, median of
   --repeat, and the peak memory of forward + backward.
-The parent prints one table: the two modes side by side, steps / persistent (above 1: the persistent launch is
-faster), the persistent forward's floor and the share of it reached: T x (its grid barriers a step x the barrier's
-cost + a step's recurrent products at the device's dense rate). The barrier's cost is bounded from above by timing a
-GRU of one unit per block at B = 1, whose step is a barrier and almost no work; the dense rate is a 4096^3 matrix
-product's in the same math mode (`torch.mm`, the most the device's multipliers give), so the floor is one no
-kernel can go under, and cuDNN's torch.nn.GRU in the same math mode beside the GRU rows.
+The persistent launches come in two forms (--forms): `grid`, one cooperative launch of a block per SM with the grid's
+barrier (DTMT_CUDA_RECURRENCE=persistent), and `cluster`, one thread-block cluster of at most 16 blocks with the
+cluster's barrier (persistent-cluster; Hopper). The parent prints a table per form: the per-step path and that form
+side by side, steps / persistent (above 1: the persistent launch is faster), the persistent forward's floor and the
+share of it reached: T x (its barriers a step x the barrier's cost + a step's recurrent products at the device's dense
+rate). The barrier's cost is bounded from above by timing a GRU of one unit per block at B = 1 (as many units as the
+form has blocks), whose step is a barrier and almost no work; the dense rate is a 4096^3 matrix product's in the same
+math mode (`torch.mm`, the most the device's multipliers give), so the floor is one no kernel can go under, and
+cuDNN's torch.nn.GRU in the same math mode beside the GRU rows.
 A persistent forward that does not fit the device falls back to the per-step one with a warning: the child reports
 it, and that row says so. Writes DIR/bench_persistent.csv when --out is given. Needs a CUDA device.
 """
@@ -48,6 +51,8 @@ def build(cell: str, depth: int, ln: bool, H: int, backend: str):
 
 
 MATH = ("strict", "tf32", "bf16")
+FORMS = {"grid": "persistent", "cluster": "persistent-cluster"}   # --forms: the DTMT_CUDA_RECURRENCE of each
+CLUSTER_BLOCKS = 16   # the cluster form's blocks (csrc/persistent_plan.h's kClusterMaxBlocks)
 TOLERANCE = {"strict": 1e-4, "tf32": 2e-2, "bf16": 5e-2}   # the forward's largest error, relative to its largest value
 
 
@@ -90,12 +95,13 @@ def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
                 row["cudnn_fwd_bwd_ms"] = 1e3 * time_fn(fwd_bwd(gru, xg), repeat, "cuda")
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if mode == "persistent":   # the grid barrier's cost, bounded from above: a layer whose step is one barrier
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        layer = build("gru", 0, False, sms, "cuda").cuda()
-        x = torch.randn(512, 1, sms, device="cuda")   # (float32, TF32 or not: one unit, no product to speak of)
+    if mode != "steps":   # the barrier's cost, bounded from above: a layer whose step is one barrier
+        blocks = (CLUSTER_BLOCKS if mode == "persistent-cluster"
+                  else torch.cuda.get_device_properties(0).multi_processor_count)
+        layer = build("gru", 0, False, blocks, "cuda").cuda()
+        x = torch.randn(512, 1, blocks, device="cuda")   # (float32, TF32 or not: one unit, no product to speak of)
         seconds = time_fn(fwd_only(layer, x), repeat, "cuda")
-        print(json.dumps(dict(case="barrier", units=sms, steps=512, step_us=1e6 * seconds / 512)), flush=True)
+        print(json.dumps(dict(case="barrier", units=blocks, steps=512, step_us=1e6 * seconds / 512)), flush=True)
         n = 4096   # the device's dense rate in this math mode: a step's products cannot run faster
         a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
         seconds = time_fn(lambda: torch.mm(a, b), repeat, "cuda")
@@ -132,16 +138,18 @@ MATH_NAMES = {"strict": "strict fp32 on every side (TF32 off for cuBLAS, cuDNN a
 
 
 def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str, math: str = "strict",
-           mma=None) -> list:
-    """Prints the table of both modes' rows in one math mode ({(case, B, mode): row}, the children's JSON) with the
-    floor column from the barrier probe and the dense rate (`mma`; None: no floor, or the barriers alone); returns
-    the rows joined per case for the CSV."""
-    print(f"# {machine}; {MATH_NAMES[math]}; T={T}, H={H}; eager, median of "
-          f"{repeat}; `python benchmarks/bench_persistent.py --math {math}`")
+           mma=None, form: str = "grid") -> list:
+    """Prints the table of the per-step path's and one form's rows in one math mode ({(case, B, mode): row}, the
+    children's JSON; `form` grid or cluster) with the floor column from that form's barrier probe and the dense rate
+    (`mma`; None: no floor, or the barriers alone); returns the rows joined per case for the CSV."""
+    mode = FORMS[form]
+    print(f"# {machine}; {MATH_NAMES[math]}; T={T}, H={H}; the {form} form (DTMT_CUDA_RECURRENCE={mode}) against the "
+          f"per-step path; eager, median of {repeat}; `python benchmarks/bench_persistent.py --math {math} --forms "
+          f"{form}`")
     if barrier:
-        print(f"# grid barrier: at most {barrier['step_us']:.2f} us (a step of a GRU of one unit per block, "
-              f"{barrier['units']} blocks, B=1, T={barrier['steps']}: one barrier and almost no work); the floor of a "
-              f"persistent forward is T x (its barriers a step x that"
+        print(f"# {'cluster' if form == 'cluster' else 'grid'} barrier: at most {barrier['step_us']:.2f} us (a step of "
+              f"a GRU of one unit per block, {barrier['units']} blocks, B=1, T={barrier['steps']}: one barrier and "
+              f"almost no work); the floor of a persistent forward is T x (its barriers a step x that"
               + (f" + a step's recurrent products at {mma['flops_per_s'] / 1e12:.1f} TFLOP/s, a 4096^3 torch.mm's rate "
                  f"here)" if mma else ")"))
     print("| case | B | steps fwd ms | persistent fwd ms | x fwd | floor ms (share) | steps fwd+bwd ms | persistent "
@@ -151,7 +159,7 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
     table = []
     for name, cell, depth, ln in CASES:
         for B in Bs:
-            s, q = results.get((name, B, "steps")), results.get((name, B, "persistent"))
+            s, q = results.get((name, B, "steps")), results.get((name, B, mode))
             if s is None or q is None:
                 continue
             cudnn = (f"{s['cudnn_fwd_ms']:.2f} / {s['cudnn_fwd_bwd_ms']:.2f}" if "cudnn_fwd_ms" in s else "")
@@ -162,12 +170,13 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
                   f"{floor:.2f} ({floor / q['fwd_ms']:.0%}) | "
                   f"{s['fwd_bwd_ms']:.2f} | {q['fwd_bwd_ms']:.2f} | {s['fwd_bwd_ms'] / q['fwd_bwd_ms']:.2f} | "
                   f"{cudnn} | {s['rel_err']:.1e} / {q['rel_err']:.1e} | {s['peak_MB']:.0f} / {q['peak_MB']:.0f} |")
-            table.append({**{f"steps_{k}": v for k, v in s.items()}, **{f"persistent_{k}": v for k, v in q.items()}})
+            table.append({"form": form, **{f"steps_{k}": v for k, v in s.items()},
+                          **{f"persistent_{k}": v for k, v in q.items()}})
     return table
 
 
-def envelope(multiprocessors, shared_memory, l2_cache, batch: int) -> int:
-    """--envelope: dtmt_kernels' envelope table (the CUDA driver's own arithmetic) for a device."""
+def envelope(multiprocessors, shared_memory, l2_cache, batch: int, forms=("grid",)) -> int:
+    """--envelope: dtmt_kernels' envelope table (the CUDA driver's own arithmetic) for a device, a table per form."""
     from dtmt_kernels.ops.transition import persistent
 
     if multiprocessors is None or shared_memory is None:
@@ -179,11 +188,15 @@ def envelope(multiprocessors, shared_memory, l2_cache, batch: int) -> int:
         multiprocessors, shared_memory = multiprocessors or sms, shared_memory or optin
         l2_cache = l2 if l2_cache is None else l2_cache
     l2_cache = l2_cache or 0
-    print(f"# the persistent launches' envelope: {multiprocessors} SMs, {shared_memory} bytes of shared memory a block, "
-          f"{l2_cache} bytes of L2, B = {batch}, {persistent._C.PERSISTENT_THREADS} threads a block; the largest of "
-          f"H = {', '.join(map(str, persistent.ENVELOPE_HIDDEN))} that fits (forward / backward KB a block; where "
-          f"some sub-cells' matrices are read from L2, how many, forward / backward)")
-    print(persistent.envelope_table(multiprocessors, shared_memory, batch, l2_cache))
+    for form in forms:
+        where = (f"one cluster of at most {CLUSTER_BLOCKS} blocks" if form == "cluster"
+                 else f"{multiprocessors} SMs")
+        print(f"# the persistent launches' envelope: {where}, {shared_memory} bytes of shared memory a block, "
+              f"{l2_cache} bytes of L2, B = {batch}, {persistent._C.PERSISTENT_THREADS} threads a block; the largest "
+              f"of H = {', '.join(map(str, persistent.ENVELOPE_HIDDEN))} that fits (forward / backward KB a block; "
+              f"where some sub-cells' matrices are read from L2, how many, forward / backward)")
+        print(persistent.envelope_table(multiprocessors, shared_memory, batch, l2_cache,
+                                        CLUSTER_BLOCKS if form == "cluster" else 0))
     return 0
 
 
@@ -195,20 +208,25 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--math", nargs="+", choices=MATH, default=["strict", "tf32"],
                    help="math modes, a table each (default: strict tf32)")
+    p.add_argument("--forms", nargs="+", choices=sorted(FORMS), default=["grid"],
+                   help="the persistent launches' forms, a table each against the per-step path: grid (a block per "
+                        "SM, the grid's barrier) and cluster (one cluster of 16 blocks, the cluster's barrier; "
+                        "Hopper); default grid")
     p.add_argument("--out", default=None)
     p.add_argument("--envelope", action="store_true",
                    help="print the largest H that fits the persistent launches, per layer and math mode, at the first "
-                        "--B, on this GPU or on --multiprocessors / --shared-memory (no GPU needed), and stop")
+                        "--B, on this GPU or on --multiprocessors / --shared-memory (no GPU needed), a table per "
+                        "--forms, and stop")
     p.add_argument("--multiprocessors", type=int, help="with --envelope: SMs (an H100 / H200: 132)")
     p.add_argument("--shared-memory", type=int, help="with --envelope: bytes a block may opt into (H100 / H200: 232448)")
     p.add_argument("--l2-cache", type=int, help="with --envelope: the L2's bytes (an H100: 52428800; given SMs and "
                                                 "shared memory without it: 0, no matrix read from L2)")
-    p.add_argument("--child", choices=["steps", "persistent"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["steps", *FORMS.values()], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     import torch
 
     if a.envelope:
-        return envelope(a.multiprocessors, a.shared_memory, a.l2_cache, a.B[0])
+        return envelope(a.multiprocessors, a.shared_memory, a.l2_cache, a.B[0], a.forms)
 
     if not torch.cuda.is_available():
         print("bench_persistent: needs a CUDA device (the persistent kernels run on the GPU; the emulated tests in "
@@ -219,10 +237,10 @@ def main(argv=None) -> int:
         return 0
     from common import machine_name, write_csv
 
-    table, bad, barrier = [], [], None
+    table, bad, barriers = [], [], {}
     for math in a.math:
         results, mma = {}, None
-        for mode in ("steps", "persistent"):
+        for mode in ("steps", *(FORMS[f] for f in a.forms)):
             env = dict(os.environ, DTMT_CUDA_RECURRENCE=mode)
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, "--math", math, "--T",
                                 str(a.T), "--B", *map(str, a.B), "--H", str(a.H), "--repeat", str(a.repeat)], env=env,
@@ -234,11 +252,16 @@ def main(argv=None) -> int:
             for line in r.stdout.splitlines():
                 if line.startswith("{"):
                     row = json.loads(line)
-                    if row["case"] in ("barrier", "mma"):   # (the dense rate is this math mode's)
-                        barrier, mma = (row, mma) if row["case"] == "barrier" else (barrier, row)
+                    if row["case"] == "barrier":   # (each form's own)
+                        barriers[mode] = row
+                    elif row["case"] == "mma":   # (the dense rate is this math mode's)
+                        mma = row
+                    if row["case"] in ("barrier", "mma"):
                         continue
                     results[(row["case"], row["B"], mode)] = row
-        table += report(results, barrier, a.T, a.H, a.B, a.repeat, machine_name("cuda"), math, mma)
+        for form in a.forms:
+            table += report(results, barriers.get(FORMS[form]), a.T, a.H, a.B, a.repeat, machine_name("cuda"), math,
+                            mma, form)
         bad += [(math, *k) for k, row in results.items() if row["rel_err"] > TOLERANCE[math]]
     if a.out and table:
         write_csv(os.path.join(a.out, "bench_persistent.csv"), table, sorted({k for row in table for k in row}))

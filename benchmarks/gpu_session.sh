@@ -14,6 +14,8 @@
 #                                                       # fp32 and TF32 on every side
 #   bash benchmarks/gpu_session.sh persistent-bf16      # bf16 on every side at B = 64, H = 512 and H = 1024 (where
 #                                                       # the deep transition reads two T-GRUs' matrices from L2)
+#   bash benchmarks/gpu_session.sh persistent-cluster   # the cluster form (one cluster of 16 blocks) against the
+#                                                       # grid form and the per-step path, strict fp32, B = 1, 8, 64
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build graphs         # training updates as CUDA graphs: the tests, then graphed
 #                                                       # against eager updates in one run (paper presets)
@@ -35,19 +37,22 @@
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
 # persistent/bench_persistent.csv and persistent_tests.log (persistent), persistent_envelope.md,
-# persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv (persistent-bf16), decode.md and
-# decode/bench_decode.csv (decode), graphs_tests.log and graphs/bench_train.csv (graphs), unrolled_tests.log and
-# unrolled/bench_train.csv (unrolled), amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md
-# (peers-train); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line
-# they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm
-# 180 + 4 x 80 s, persistent 180 + 300 s, persistent-bf16 2 x 200 s, decode 300 s, graphs 150 + 300 s, unrolled 120 +
-# 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24):
+# persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv (persistent-bf16),
+# persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv (persistent-cluster),
+# decode.md and decode/bench_decode.csv (decode), graphs_tests.log and graphs/bench_train.csv (graphs),
+# unrolled_tests.log and unrolled/bench_train.csv (unrolled), amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers)
+# and peers_train.md (peers-train); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with
+# the device line they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s,
+# train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s,
+# decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang
+# cannot eat the call. Seen on an H100 (2026-11-24):
 # build 94 s, kernel tests 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device
 # call is at most 10 minutes and a warm machine keeps its build, so run `build tests`, then `bench`, then `persistent`
 # (etc.) as separate calls. With a session's 15 minutes of device time (2026-11-29), in this order of the issues:
 # `build tests` (every GPU test, the graphed updates' among them), `persistent` (issue 72), `persistent-bf16` (issue
-# 72's H = 1024 goal), `graphs` (issue 73 item 1), `unrolled` (item 3), then `decode`, `amp`, `peers` and
-# `peers-train` (item 7; carry benchmarks/out/gpu-carry) if time is left.
+# 72's H = 1024 goal), `persistent-cluster` (issue 72's barrier: grid against cluster), `graphs` (issue 73 item 1),
+# `unrolled` (item 3), then `decode`, `amp`, `peers` and `peers-train` (item 7; carry benchmarks/out/gpu-carry) if
+# time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -163,6 +168,18 @@ if want persistent; then
   echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32, then TF32, on every side)"
   timeout 300 "$PY" benchmarks/bench_persistent.py --math strict tf32 --out "$OUT/persistent" 2>&1 \
     | tee "$OUT/persistent.md" || status=1
+fi
+if want persistent-cluster; then
+  # issue 72: the cluster form of the persistent launches (one thread-block cluster of 16 blocks, the cluster's barrier
+  # instead of the grid's; Hopper; docs/design/persistent_recurrence.md, "One cluster"): the GPU kernel tests with it
+  # asked for (a layer that does not fit one cluster takes the grid form), then per-step, grid and cluster forms in one
+  # run, strict fp32, at the batch sizes where the barrier is most of a step
+  echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent-cluster"
+  DTMT_CUDA_RECURRENCE=persistent-cluster timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_triton.py 2>&1 | tee "$OUT/persistent_cluster_tests.log" | tail -5 || status=1
+  echo "== bench_persistent --forms grid cluster (strict fp32 on every side, B = 1, 8, 64)"
+  timeout 300 "$PY" benchmarks/bench_persistent.py --math strict --forms grid cluster --B 1 8 64 \
+    --out "$OUT/persistent-cluster" 2>&1 | tee "$OUT/persistent_cluster.md" || status=1
 fi
 if want persistent-bf16; then
   # issue 72: the deep transition at H = 1024 in bf16 within 2.5x its H = 512 time. At 1024 its matrices outgrow the

@@ -48,16 +48,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "persistent_plan",
       [](int kind, int depth, int batch, int hidden, int storage_bytes, int accumulation_bytes, int multiprocessors,
-         int64_t shared_memory, bool tensor_cores, int threads, int64_t l2_bytes) {
+         int64_t shared_memory, bool tensor_cores, int threads, int64_t l2_bytes, int cluster_blocks) {
         const auto p = dtmt::cuda::persistent_plan(kind, depth, batch, hidden, storage_bytes, accumulation_bytes,
                                                    multiprocessors, static_cast<size_t>(shared_memory), tensor_cores,
-                                                   threads, static_cast<size_t>(l2_bytes));
+                                                   threads, static_cast<size_t>(l2_bytes), cluster_blocks);
         return py::make_tuple(p.grid, p.slice, p.forward_bytes, p.backward_bytes, p.fits, p.forward_resident,
-                              p.backward_resident, p.forward_spill, p.backward_spill);
+                              p.backward_resident, p.forward_spill, p.backward_spill, p.cluster);
       },
       "(grid, slice, forward bytes, backward bytes, fits, forward resident, backward resident, forward spill bytes, "
-      "backward spill bytes) of the persistent launches (csrc/persistent_plan.h: the CUDA driver's own arithmetic); "
-      "dtmt_kernels.persistent_plan is the Python face");
+      "backward spill bytes, cluster) of the persistent launches (csrc/persistent_plan.h: the CUDA driver's own "
+      "arithmetic; cluster_blocks > 0: the cluster form); dtmt_kernels.persistent_plan is the Python face");
+  m.attr("PERSISTENT_CLUSTER_MAX_BLOCKS") = dtmt::cuda::kClusterMaxBlocks;
   m.def(
       "persistent_tensor_cores",
       [](int storage_bytes, int capability_major) {

@@ -13,9 +13,10 @@
 //      all G of them in block order (Chan's formula: deterministic, the same in every block);
 //   3. the cell's elementwise update (cell_math.h, as the step kernels), candidate dropout, and at the last
 //      sub-cell the length mask: the new state of the block's units to global memory; a grid barrier.
-// So (D + 1) x (1 + layer norm) grid barriers a step. The outputs and saved tensors are exactly those of the
-// per-step forward (transition_cuda.cu's forward_impl: out, h_n, hs, hs_lp, hp, hpt), so its backward runs on them
-// unchanged. Products, rounded to T as the per-step GEMM's output is: on tensor cores where the args say `mma`
+// So (D + 1) x (1 + layer norm) grid barriers a step. The cluster form (args.cluster) is the same kernel launched as
+// one thread-block cluster of at most 16 blocks on Hopper, each barrier the cluster's instead of the grid's. The
+// outputs and saved tensors are exactly those of the per-step forward (transition_cuda.cu's forward_impl: out, h_n,
+// hs, hs_lp, hp, hpt), so its backward runs on them unchanged. Products, rounded to T as the per-step GEMM's output is: on tensor cores where the args say `mma`
 // (block_mma.cuh: TF32 for float storage where torch allows it, f16 / bf16 for 16-bit storage), else FMA in the
 // accumulation type A over the GEMM dtype T (the stored state and matrix).
 //
@@ -28,16 +29,37 @@
 #include "transition_cuda_kernels.cuh"
 
 #if defined(DTMT_CUDA_EMULATION)
-#define DTMT_GRID_SYNC() ::dtmt_emu::grid_sync()
 #define DTMT_DYNAMIC_SMEM(name) unsigned char* name = ::dtmt_emu::dynamic_smem()
 #else
 #include <cooperative_groups.h>
-#define DTMT_GRID_SYNC() ::cooperative_groups::this_grid().sync()
 #define DTMT_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
 
 namespace dtmt {
 namespace cuda {
+
+// The barrier between dependent phases of a persistent launch, which also orders the global memory written before it
+// before what is read after it, in every block: the grid's (a cooperative launch, one block per SM), or in the
+// cluster form the cluster's (the launch is one thread-block cluster: barrier.cluster.arrive.release /
+// wait.acquire, compute capability 9.0 and up; the driver launches that form on such devices only).
+__device__ __forceinline__ void persistent_barrier(bool cluster) {
+#if defined(DTMT_CUDA_EMULATION)
+  if (cluster) {
+    ::dtmt_emu::cluster_sync();
+  } else {
+    ::dtmt_emu::grid_sync();
+  }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster) {
+    ::cooperative_groups::this_cluster().sync();
+  } else {
+    ::cooperative_groups::this_grid().sync();
+  }
+#else
+  (void)cluster;
+  ::cooperative_groups::this_grid().sync();
+#endif
+}
 
 // Whether batch row b is inside its sentence at step t (mask [T, B] 1 / 0, or nullptr: every row).
 template <typename T> __device__ __forceinline__ bool row_valid(const T* mask, int t, int B, int b) {
@@ -78,6 +100,7 @@ template <typename T, typename A> struct PersistentForwardArgs {
   int resident;     // sub-cells whose rows stay in shared memory (< 0: all D + 1)
   bool reverse;
   bool mma;         // products on tensor cores (block_mma.cuh; T has an MMA and the device compiled it)
+  bool cluster;     // the launch is one thread-block cluster: its barrier is the cluster's (persistent_barrier)
   A eps;
 };
 
@@ -99,10 +122,10 @@ __device__ __forceinline__ T* spilled_matrix(bool backward, int kind, int D, int
 // The (mean, 1/std) of every batch row's gate groups over all H units, in every block alike: this block's (mean, M2)
 // over its n units go to `partials` [G, B, 3, 2], a grid barrier, then each block combines all G of them in block
 // order (Chan's formula: deterministic). v: [B][slots][S] pre-activations; stats: [B][3][2]. Ends with a block
-// barrier (stats read by other threads).
+// barrier (stats read by other threads). `cluster`: the launch's barrier (persistent_barrier).
 template <typename A>
 __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int S, int n, A eps, A* partials,
-                                A* stats) {
+                                A* stats, bool cluster) {
   for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
     const int b = e / NG, g = e % NG;
     const A* row = v + (b * slots + g) * S;
@@ -115,7 +138,7 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
     out[0] = mean;
     out[1] = m2;
   }
-  DTMT_GRID_SYNC();
+  persistent_barrier(cluster);
   for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
     const int b = e / NG, g = e % NG;
     A count = A(0), mean = A(0), m2 = A(0);
@@ -297,9 +320,10 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
   const SubcellSpan<T, A> sp = subcell_span<K>(p, t, k);
   subcell_products<K>(p, sp, t, u, pre, mma_buf);
   subcell_preactivations<K>(p, sp, pre);
-  if (sp.lnw) gate_statistics<A>(pre, 4, Rows<K>::groups, p.B, p.H, p.slice, sp.n, p.eps, p.partials, stats);
+  if (sp.lnw)
+    gate_statistics<A>(pre, 4, Rows<K>::groups, p.B, p.H, p.slice, sp.n, p.eps, p.partials, stats, p.cluster);
   subcell_update<K>(p, sp, t, k, last, next_t, pre, stats);
-  DTMT_GRID_SYNC();
+  persistent_barrier(p.cluster);
 }
 
 template <int KIND, typename T, typename A>
@@ -390,6 +414,7 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   int resident;       // sub-cells whose columns stay in shared memory (< 0: all D + 1)
   bool reverse;
   bool mma;           // U-path products on tensor cores (block_mma.cuh), as the forward's
+  bool cluster;       // one thread-block cluster, as the forward's
   A eps;
 };
 
@@ -504,7 +529,7 @@ __device__ __forceinline__ void backward_gates(const PersistentBackwardArgs<T, A
   }
   __syncthreads();
   if (lnw) {
-    gate_statistics<A>(m.n, 3, NG, B, H, S, n, p.eps, p.partials, m.stats);
+    gate_statistics<A>(m.n, 3, NG, B, H, S, n, p.eps, p.partials, m.stats, p.cluster);
     for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
       const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);
       A& v = m.n[(b * 3 + g) * S + jj];
@@ -617,7 +642,7 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
     out[0] = s1;
     out[1] = s2;
   }
-  DTMT_GRID_SYNC();
+  persistent_barrier(p.cluster);
   for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
     const int b = e / NG, g = e % NG;
     A s1 = A(0), s2 = A(0);
@@ -665,7 +690,7 @@ __device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& 
       if constexpr (K != kTGRU) st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + g * H + j), v);
     }
   }
-  DTMT_GRID_SYNC();
+  persistent_barrier(p.cluster);
 }
 
 template <int KIND, typename T, typename A>
@@ -731,24 +756,61 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   }
 }
 
+// Launches kernel(a) as a persistent launch of `grid` blocks of `threads` threads with `smem` bytes of dynamic shared
+// memory each: a cooperative launch (one block per SM; the grid barrier), or with a.cluster one thread-block cluster
+// of `grid` blocks (at most kClusterMaxBlocks, above 8 with the non-portable attribute; the cluster barrier). A launch
+// the device cannot place (too much shared memory, blocks that cannot all be resident at once, a cluster it cannot
+// schedule with that shared memory) returns an error and nothing runs: the driver falls back (transition_cuda.cu).
+template <typename Arg>
+cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int threads, size_t smem,
+                              cudaStream_t stream) {
+#if defined(DTMT_CUDA_EMULATION)
+  (void)stream;
+  if (a.cluster) {
+    ::dtmt_emu::launch_cluster(kernel, grid, threads, smem, a);
+  } else {
+    ::dtmt_emu::launch_cooperative(kernel, grid, threads, smem, a);
+  }
+  return cudaSuccess;
+#else
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  Arg arg = a;
+  if (!a.cluster) {
+    void* args[] = {&arg};
+    return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), grid, threads, args, smem, stream);
+  }
+  if (grid < 1 || grid > kClusterMaxBlocks) return cudaErrorInvalidClusterSize;
+  if (grid > 8) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess) return err;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid, 1, 1);
+  config.blockDim = dim3(threads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = grid;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int clusters = 0;   // whether one such cluster can be placed at all (its blocks on the SMs of one GPC)
+  err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  if (err != cudaSuccess) return err;
+  if (clusters < 1) return cudaErrorInvalidClusterSize;
+  return cudaLaunchKernelEx(&config, kernel, arg);
+#endif
+}
+
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                             cudaStream_t stream) {
   const size_t smem =
       persistent_backward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident);
-#if defined(DTMT_CUDA_EMULATION)
-  (void)stream;
-  ::dtmt_emu::launch_cooperative(persistent_backward_kernel<KIND, T, A>, grid, threads, smem, a);
-  return cudaSuccess;
-#else
-  cudaError_t err = cudaFuncSetAttribute(persistent_backward_kernel<KIND, T, A>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  PersistentBackwardArgs<T, A> arg = a;
-  void* args[] = {&arg};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(persistent_backward_kernel<KIND, T, A>), grid,
-                                     threads, args, smem, stream);
-#endif
+  return launch_persistent(persistent_backward_kernel<KIND, T, A>, a, grid, threads, smem, stream);
 }
 
 template <typename T, typename A>
@@ -768,19 +830,7 @@ cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a,
                                            cudaStream_t stream) {
   const size_t smem =
       persistent_forward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident);
-#if defined(DTMT_CUDA_EMULATION)
-  (void)stream;
-  ::dtmt_emu::launch_cooperative(persistent_forward_kernel<KIND, T, A>, grid, threads, smem, a);
-  return cudaSuccess;
-#else
-  cudaError_t err = cudaFuncSetAttribute(persistent_forward_kernel<KIND, T, A>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return err;
-  PersistentForwardArgs<T, A> arg = a;
-  void* args[] = {&arg};
-  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(persistent_forward_kernel<KIND, T, A>), grid, threads,
-                                     args, smem, stream);
-#endif
+  return launch_persistent(persistent_forward_kernel<KIND, T, A>, a, grid, threads, smem, stream);
 }
 
 template <typename T, typename A>

@@ -102,6 +102,10 @@ inline bool persistent_tensor_cores(size_t t_bytes, bool tf32_allowed, int capab
 // Threads a block of the persistent launches (8 warps): a first choice, to be measured.
 constexpr int kPersistentThreads = 256;
 
+// The most blocks one thread-block cluster may hold (Hopper, compute capability 9.0: 16 with the non-portable
+// attribute, 8 portable); the cluster form of the persistent launches is one cluster of at most this many blocks.
+constexpr int kClusterMaxBlocks = 16;
+
 // The spill buffers may take at most 1 / kSpillL2Share of the device's L2: the rest holds what passes through each
 // step (the states, the products written, the layer-norm partials). A first choice, to be measured.
 constexpr int kSpillL2Share = 2;
@@ -111,8 +115,12 @@ constexpr int kSpillL2Share = 2;
 // matrices do not all fit, the top sub-cells' (T-GRU D first) are read from L2 (a spill buffer in global memory),
 // as many as needed and as the L2 budget allows (l2_bytes / kSpillL2Share in all; l2_bytes 0: none).
 // (Co-residency also depends on registers: a launch the device still refuses falls back, see transition_cuda.cu.)
+// The cluster form (cluster_blocks > 0; docs/design/persistent_recurrence.md, "One cluster"): the launch is one
+// thread-block cluster of at most cluster_blocks blocks (one per unit at most) instead of one block per SM, its
+// barrier the cluster's; the same kernels, the same arithmetic for the shared memory of a block of its slice.
 struct PersistentPlan {
   int grid = 0, slice = 0;
+  bool cluster = false;                              // one thread-block cluster of `grid` blocks (else a grid of them)
   int forward_resident = 0, backward_resident = 0;   // sub-cells (of D + 1) whose matrices stay in shared memory
   size_t forward_bytes = 0, backward_bytes = 0;      // shared memory a block
   size_t forward_spill = 0, backward_spill = 0;      // bytes of the spill buffers (every block's), read through L2
@@ -121,9 +129,11 @@ struct PersistentPlan {
 
 inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_bytes, size_t a_bytes,
                                       int multiprocessors, size_t smem_optin, bool mma, int threads,
-                                      size_t l2_bytes = 0) {
+                                      size_t l2_bytes = 0, int cluster_blocks = 0) {
   PersistentPlan plan;
-  const int blocks = multiprocessors < H ? multiprocessors : H;
+  plan.cluster = cluster_blocks > 0;
+  const int most = plan.cluster ? cluster_blocks : multiprocessors;
+  const int blocks = most < H ? most : H;
   if (blocks < 1 || B < 1 || D < 0 || !base_cell(kind)) return plan;   // (an unknown kind: no plan)
   plan.slice = (H + blocks - 1) / blocks;
   plan.grid = (H + plan.slice - 1) / plan.slice;

@@ -395,17 +395,22 @@ template <typename Args> void set_persistent_sizes(Args& a, const Dims& d, int64
 // The forward as one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh): the same
 // outputs and saved tensors as forward_impl, so backward_impl runs on them unchanged. The rows of the first
 // `resident` sub-cells stay in shared memory, the others' in a spill buffer read through L2 (< 0: all in shared
-// memory; persistent_plan chooses). `fallible`: a launch the device refuses (too much shared memory, blocks that
-// cannot all be resident) returns {} instead of throwing.
+// memory; persistent_plan chooses). `cluster`: the launch is one thread-block cluster of `grid` blocks (at most
+// kClusterMaxBlocks), its barrier the cluster's, instead of a cooperative grid. `fallible`: a launch the device
+// refuses (too much shared memory, blocks that cannot all be resident, a cluster it cannot place) returns {} instead
+// of throwing.
 template <typename S>
 std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                             const TransitionWeights& w, bool reverse, double eps, int64_t grid,
-                                            int64_t threads, int64_t resident = -1, bool fallible = false) {
+                                            int64_t threads, int64_t resident = -1, bool cluster = false,
+                                            bool fallible = false) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S_ = D + 1;
   TORCH_CHECK(grid >= 1 && grid <= H, "dtmt: the persistent forward needs 1 <= grid <= H, got grid ", grid, ", H ", H);
+  TORCH_CHECK(!cluster || grid <= cuda::kClusterMaxBlocks, "dtmt: the persistent forward's cluster form holds at most ",
+              cuda::kClusterMaxBlocks, " blocks, got grid ", grid);
   const int64_t slice = (H + grid - 1) / grid;
   grid = (H + slice - 1) / slice;   // every block owns at least one unit
   const auto opts = x.options();
@@ -438,6 +443,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   const Tensor spill = set_persistent_spill<T, S>(a, false, w, d, slice, grid, resident, opts);
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
+  a.cluster = cluster;
   if (T_ > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const cudaError_t err = cuda::launch_persistent_forward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
@@ -455,38 +461,46 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
 
-// DTMT_CUDA_RECURRENCE=persistent (read once a process; a benchmarks' setting until a GPU session has measured it,
-// issue 72): forward and backward as the persistent launches, one block per SM (at most one per hidden unit), where
-// the layer fits the device (persistent_plan); where it does not, the per-step path, with a warning once. Unset or
-// "steps": the per-step path.
-bool persistent_requested() {
-  static const bool requested = [] {
+// DTMT_CUDA_RECURRENCE (read once a process; a benchmarks' setting until a GPU session has measured it, issue 72):
+// "persistent", forward and backward as the persistent launches, one block per SM (at most one per hidden unit),
+// where the layer fits the device (persistent_plan); where it does not, the per-step path, with a warning once.
+// "persistent-cluster", the cluster form first (one thread-block cluster of at most 16 blocks, its barrier the
+// cluster's; devices of compute capability 9.0 and up), where it does not fit the grid form, with a warning once.
+// Unset or "steps": the per-step path.
+enum class Recurrence { kSteps, kPersistent, kPersistentCluster };
+Recurrence recurrence_requested() {
+  static const Recurrence requested = [] {
     const char* env = std::getenv("DTMT_CUDA_RECURRENCE");
     const std::string v = env != nullptr ? env : "";
-    if (v == "persistent") return true;
+    if (v == "persistent") return Recurrence::kPersistent;
+    if (v == "persistent-cluster") return Recurrence::kPersistentCluster;
     if (!v.empty() && v != "steps")
-      TORCH_WARN("dtmt: DTMT_CUDA_RECURRENCE=", v, " ignored: not one of steps, persistent");
-    return false;
+      TORCH_WARN("dtmt: DTMT_CUDA_RECURRENCE=", v, " ignored: not one of steps, persistent, persistent-cluster");
+    return Recurrence::kSteps;
   }();
   return requested;
 }
+bool persistent_requested() { return recurrence_requested() != Recurrence::kSteps; }
 
-// The device's SM count, the shared memory a block may opt into and its L2 cache's bytes (the emulation: 4 SMs of
-// an H100's 227 KB, and its 50 MiB of L2).
+// The device's SM count, the shared memory a block may opt into, its L2 cache's bytes and the most blocks of one
+// thread-block cluster (0 where it has no cluster launch; the emulation: 4 SMs of an H100's 227 KB, its 50 MiB of
+// L2 and clusters of 16).
 struct DeviceLimits {
   int multiprocessors;
   size_t smem_optin, l2_bytes;
+  int cluster_blocks;
 };
 DeviceLimits device_limits() {
 #if defined(DTMT_CUDA_EMULATION)
-  return {4, 232448, 52428800};
+  return {4, 232448, 52428800, cuda::kClusterMaxBlocks};
 #else
-  int device = 0, count = 0, optin = 0, l2 = 0;
+  int device = 0, count = 0, optin = 0, l2 = 0, clusters = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
-  return {count, static_cast<size_t>(optin), static_cast<size_t>(l2)};
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
+  return {count, static_cast<size_t>(optin), static_cast<size_t>(l2), clusters ? cuda::kClusterMaxBlocks : 0};
 #endif
 }
 
@@ -497,10 +511,21 @@ template <typename S> cuda::PersistentPlan device_plan(const Tensor& x, const Tr
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const DeviceLimits limits = device_limits();
-  cuda::PersistentPlan plan =
-      cuda::persistent_plan(static_cast<int>(w.kind), static_cast<int>(d.D), static_cast<int>(d.B),
-                            static_cast<int>(d.H), sizeof(T), sizeof(A), limits.multiprocessors, limits.smem_optin,
-                            persistent_mma<T>(), cuda::kPersistentThreads, limits.l2_bytes);
+  auto plan_of = [&](int cluster_blocks) {
+    return cuda::persistent_plan(static_cast<int>(w.kind), static_cast<int>(d.D), static_cast<int>(d.B),
+                                 static_cast<int>(d.H), sizeof(T), sizeof(A), limits.multiprocessors,
+                                 limits.smem_optin, persistent_mma<T>(), cuda::kPersistentThreads, limits.l2_bytes,
+                                 cluster_blocks);
+  };
+  if (recurrence_requested() == Recurrence::kPersistentCluster) {
+    const cuda::PersistentPlan cluster = limits.cluster_blocks > 0 ? plan_of(limits.cluster_blocks)
+                                                                    : cuda::PersistentPlan{};
+    if (cluster.fits) return cluster;
+    TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " does not fit one thread-block cluster",
+                    limits.cluster_blocks > 0 ? "" : " (this device has no cluster launch)",
+                    ": the grid form of the persistent launches is tried (DTMT_CUDA_RECURRENCE=persistent-cluster)");
+  }
+  cuda::PersistentPlan plan = plan_of(0);
   if (!plan.fits) {
     TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ", plan.forward_bytes / 1024,
                     " KB (forward) and ", plan.backward_bytes / 1024, " KB (backward) of shared memory a block in ",
@@ -512,6 +537,12 @@ template <typename S> cuda::PersistentPlan device_plan(const Tensor& x, const Tr
     plan.grid = 0;
   }
   return plan;
+}
+
+// The persistent plan the driver takes for a call on x (grid 0: the per-step path): device_plan's where
+// DTMT_CUDA_RECURRENCE asks for the persistent launches and there is a step to run.
+template <typename S> cuda::PersistentPlan recurrence_plan(const Tensor& x, const TransitionWeights& w) {
+  return persistent_requested() && x.size(0) > 0 ? device_plan<S>(x, w) : cuda::PersistentPlan{};
 }
 
 // What both backwards do after their loop: dx, the weight gradients as GEMMs over all steps, the layer-norm
@@ -705,8 +736,8 @@ std::vector<Tensor> backward_impl(const BackwardInputs& in, const TransitionWeig
 template <typename S>
 std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const TransitionWeights& w,
                                              const SavedForward& saved, bool reverse, double eps, int64_t grid,
-                                             int64_t threads, int64_t resident = -1, bool fallible = false,
-                                             bool weight_grads = true) {
+                                             int64_t threads, int64_t resident = -1, bool cluster = false,
+                                             bool fallible = false, bool weight_grads = true) {
   const Tensor &grad_out = in.grad_out, &grad_hn = in.grad_hn, &x = in.x, &mask = in.mask, &drop = in.drop;
   const Tensor &xp = saved.xp, &hs = saved.hs, &hs_lp_saved = saved.hs_lp, &hp = saved.hp, &hpt = saved.hpt;
   using T = typename DeviceType<S>::type;
@@ -715,6 +746,8 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   const int64_t B = d.B, H = d.H, D = d.D;
   TORCH_CHECK(grid >= 1 && grid <= H, "dtmt: the persistent backward needs 1 <= grid <= H, got grid ", grid, ", H ",
               H);
+  TORCH_CHECK(!cluster || grid <= cuda::kClusterMaxBlocks, "dtmt: the persistent backward's cluster form holds at "
+              "most ", cuda::kClusterMaxBlocks, " blocks, got grid ", grid);
   const int64_t slice = (H + grid - 1) / grid;
   grid = (H + slice - 1) / slice;
   const auto opts = x.options();
@@ -754,6 +787,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   const Tensor spill = set_persistent_spill<T, S>(a, true, w, d, slice, grid, resident, opts);
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
+  a.cluster = cluster;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
                                                                  static_cast<int>(threads), stream);
@@ -778,38 +812,40 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
-    const cuda::PersistentPlan plan =
-        persistent_requested() && x.size(0) > 0 ? device_plan<scalar_t>(x, w) : cuda::PersistentPlan{};
+    const cuda::PersistentPlan plan = recurrence_plan<scalar_t>(x, w);
     if (plan.grid > 0)
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
-                                                 cuda::kPersistentThreads, plan.forward_resident, /*fallible=*/true);
+                                                 cuda::kPersistentThreads, plan.forward_resident, plan.cluster,
+                                                 /*fallible=*/true);
     if (result.empty()) result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
   });
   return result;
 }
 
 // The same, as one persistent launch of `grid` blocks of `threads` threads with the first `resident` sub-cells'
-// rows in shared memory (< 0: all; forward_persistent_impl).
+// rows in shared memory (< 0: all), one thread-block cluster with `cluster` (forward_persistent_impl).
 std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask,
                                                        const Tensor& drop, const TransitionWeights& w, bool reverse,
-                                                       double eps, int64_t grid, int64_t threads, int64_t resident) {
+                                                       double eps, int64_t grid, int64_t threads, int64_t resident,
+                                                       bool cluster) {
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_persistent_cuda", [&] {
-    result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads, resident);
+    result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads, resident, cluster);
   });
   return result;
 }
 
-// The backward as one persistent launch of `grid` blocks of `threads` threads, `resident` as the forward's
-// (backward_persistent_impl).
+// The backward as one persistent launch of `grid` blocks of `threads` threads, `resident` and `cluster` as the
+// forward's (backward_persistent_impl).
 std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in, const TransitionWeights& w,
                                                         const SavedForward& saved, bool reverse, double eps,
-                                                        int64_t grid, int64_t threads, int64_t resident) {
+                                                        int64_t grid, int64_t threads, int64_t resident,
+                                                        bool cluster) {
   const c10::cuda::CUDAGuard guard(in.x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
-    result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads, resident);
+    result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads, resident, cluster);
   });
   return result;
 }
@@ -820,11 +856,11 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const Tra
   const c10::cuda::CUDAGuard guard(in.x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
-    const cuda::PersistentPlan plan =
-        persistent_requested() && in.x.size(0) > 0 ? device_plan<scalar_t>(in.x, w) : cuda::PersistentPlan{};
+    const cuda::PersistentPlan plan = recurrence_plan<scalar_t>(in.x, w);
     if (plan.grid > 0)
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
-                                                  plan.backward_resident, /*fallible=*/true, weight_grads);
+                                                  plan.backward_resident, plan.cluster, /*fallible=*/true,
+                                                  weight_grads);
     if (result.empty()) result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
   });
   return result;

@@ -24,6 +24,11 @@
 // with the phase: a block that reads what another writes in the same phase, without a grid barrier between, reads
 // stale values in one of the two orders. Threads of one block that meet different barriers (some a __syncthreads,
 // some the grid barrier), or blocks of which some end while others wait at the grid barrier, throw.
+//
+// Cluster launches (launch_cluster: the persistent kernels' cluster form, one thread-block cluster of at most 16
+// blocks) run the same way with cluster_sync() as the barrier of all the launch's blocks; a grid_sync() in a cluster
+// launch, a cluster_sync() in a cooperative one and a cluster of more than 16 blocks throw, as none of them is valid
+// on a GPU.
 #pragma once
 
 #include <ucontext.h>
@@ -70,10 +75,12 @@ struct Scheduler {
   // cooperative launches: fiber b * threads + t is thread t of block b; what each one waits at (0 a
   // __syncthreads, 1 the grid barrier), and each block's shared memory
   bool cooperative = false;
+  bool cluster = false;   // a cluster launch (its barrier cluster_sync), else a cooperative one (grid_sync)
   std::vector<char> at_grid;
   std::vector<std::unique_ptr<unsigned char[]>> block_smem;   // 128-byte aligned, zeroed
   void (*body)(const void*) = nullptr;   // runs the kernel with the launch's argument
   const void* arg = nullptr;
+  std::string error;   // a check that failed inside the kernel (fiber_fail), thrown by the launch
 };
 inline thread_local Scheduler* scheduler = nullptr;
 
@@ -90,6 +97,15 @@ inline void fiber_entry() {
 inline void yield_to_scheduler() {
   Scheduler& s = *scheduler;
   if (swapcontext(&s.contexts[s.current], &s.main) != 0) throw std::runtime_error("emulated barrier: swapcontext");
+}
+
+// A check that fails inside a kernel: an exception cannot leave a fiber (its stack has no caller to unwind into: it
+// would end the process), so the fiber keeps the message and parks for good, and the launch, back on the launching
+// thread's own stack, throws it (resume_fiber).
+[[noreturn]] inline void fiber_fail(const std::string& message) {
+  Scheduler& s = *scheduler;
+  if (s.error.empty()) s.error = message;
+  for (;;) yield_to_scheduler();
 }
 
 }  // namespace dtmt_emu
@@ -112,10 +128,23 @@ namespace dtmt_emu {
 // The grid-wide barrier of a cooperative launch.
 inline void grid_sync() {
   Scheduler& s = *scheduler;
-  if (!s.cooperative) throw std::runtime_error("emulated grid_sync outside a cooperative launch");
+  if (!s.cooperative || s.cluster)
+    fiber_fail(s.cluster ? "emulated grid_sync in a cluster launch (its barrier is cluster_sync)"
+                         : "emulated grid_sync outside a cooperative launch");
   s.at_grid[s.current] = 1;
   yield_to_scheduler();
 }
+
+// The barrier of a cluster launch's one cluster (all its blocks).
+inline void cluster_sync() {
+  Scheduler& s = *scheduler;
+  if (!s.cluster) fiber_fail("emulated cluster_sync outside a cluster launch");
+  s.at_grid[s.current] = 1;
+  yield_to_scheduler();
+}
+
+// The most blocks of one cluster (Hopper's, with the non-portable attribute).
+constexpr int kMaxClusterBlocks = 16;
 
 // This block's dynamic shared memory: its own in a cooperative launch, else the one array below.
 inline unsigned char* dynamic_smem();
@@ -164,6 +193,16 @@ inline void start_fiber(Scheduler& s, int f) {
   makecontext(&c, fiber_entry, 0);
 }
 
+// Runs fiber f of the launch in `s` until its next barrier or its end; a check that failed in it (fiber_fail) throws
+// here, on the launching thread's stack, with the scheduler of the enclosing launch (`outer`) back in place.
+inline void resume_fiber(Scheduler& s, int f, Scheduler* outer) {
+  if (swapcontext(&s.main, &s.contexts[f]) != 0) throw std::runtime_error("emulated launch: swapcontext");
+  if (!s.error.empty()) {
+    scheduler = outer;
+    throw std::runtime_error(s.error);
+  }
+}
+
 template <typename Kernel, typename Arg>
 inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
   if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
@@ -196,7 +235,7 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
         if (s.done[t]) continue;
         s.current = t;
         threadIdx.x = t;
-        if (swapcontext(&s.main, &s.contexts[t]) != 0) throw std::runtime_error("emulated launch: swapcontext");
+        resume_fiber(s, t, outer);
         running = running || !s.done[t];
       }
     }
@@ -204,14 +243,17 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
   scheduler = outer;
 }
 
+// A launch whose blocks wait at a barrier of them all: cooperative (grid_sync) or, with `cluster`, one cluster of the
+// whole grid (cluster_sync).
 template <typename Kernel, typename Arg>
-inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
+inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg, bool cluster) {
   if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
   const Call<Kernel, Arg> call{kernel, &arg};
   Scheduler s;
   s.body = &Call<Kernel, Arg>::run;
   s.arg = &call;
   s.cooperative = true;
+  s.cluster = cluster;
   const int fibers = grid * threads;
   s.contexts.resize(fibers);
   s.done.assign(fibers, 0);
@@ -243,7 +285,7 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
           if (s.done[f] || s.at_grid[f]) continue;
           s.current = f;
           threadIdx.x = t;
-          if (swapcontext(&s.main, &s.contexts[f]) != 0) throw std::runtime_error("emulated launch: swapcontext");
+          resume_fiber(s, f, outer);
           if (s.done[f]) continue;
           (s.at_grid[f] ? to_grid : to_block) += 1;
         }
@@ -269,6 +311,20 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
         throw std::runtime_error("emulated launch: block " + std::to_string(b) + " wrote past its " +
                                  std::to_string(smem) + " bytes of shared memory");
   }
+}
+
+template <typename Kernel, typename Arg>
+inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
+  launch_all_blocks(kernel, grid, threads, smem, arg, false);
+}
+
+// One thread-block cluster of `grid` blocks (cudaLaunchKernelEx with cudaLaunchAttributeClusterDimension = grid).
+template <typename Kernel, typename Arg>
+inline void launch_cluster(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
+  if (grid < 1 || grid > kMaxClusterBlocks)
+    throw std::runtime_error("emulated launch: a cluster of " + std::to_string(grid) + " blocks (at most " +
+                             std::to_string(kMaxClusterBlocks) + ")");
+  launch_all_blocks(kernel, grid, threads, smem, arg, true);
 }
 
 }  // namespace dtmt_emu
@@ -329,8 +385,8 @@ template <typename Use, int M, int N, int K, typename E, typename Layout = void>
 };
 
 inline void check_operand(const void* p, unsigned ldm, size_t element) {
-  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) throw std::runtime_error("emulated wmma: a pointer not 32-byte aligned");
-  if ((ldm * element) % 16 != 0) throw std::runtime_error("emulated wmma: a leading dimension not a multiple of 16 bytes");
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) dtmt_emu::fiber_fail("emulated wmma: a pointer not 32-byte aligned");
+  if ((ldm * element) % 16 != 0) dtmt_emu::fiber_fail("emulated wmma: a leading dimension not a multiple of 16 bytes");
 }
 
 template <typename Use, int M, int N, int K, typename E, typename L, typename P>

@@ -861,6 +861,14 @@ def test_bench_persistent_table_and_floor(capsys):
     assert "strict fp32 on every side" in out
     bench_persistent.report(results, barrier, 50, 512, [8], 10, "a GPU", "tf32")   # each table names its math mode
     assert "; TF32 on every side (torch's TF32 flags on" in capsys.readouterr().out
+    # the cluster form: its own rows against the same per-step rows, its own barrier's probe
+    results[("gru", 8, "persistent-cluster")] = row("gru", 8, "persistent-cluster", 0.25, 1.5)
+    cluster = dict(case="barrier", units=16, steps=512, step_us=0.6)
+    table = bench_persistent.report(results, cluster, 50, 512, [8], 10, "a GPU", form="cluster")
+    out = capsys.readouterr().out
+    assert "| gru | 8 | 2.00 | 0.25 | 8.00 | 0.03 (12%) | 6.00 | 1.50 | 4.00 | 1.00 / 3.00 |" in out, out
+    assert "cluster barrier: at most 0.60 us" in out and "16 blocks" in out and "--forms cluster" in out
+    assert len(table) == 1 and table[0]["form"] == "cluster"   # (no cluster row for the deep transition: none)
 
 
 def test_bench_forms_measures_its_two_parts():

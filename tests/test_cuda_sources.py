@@ -244,6 +244,44 @@ def test_persistent_kernels_link_without_rdc(tmp_path):
     assert (tmp_path / "main").stat().st_size > 0
 
 
+PERSISTENT_PTX_TU = r"""
+#include "persistent_cuda_kernels.cuh"
+namespace dtmt {
+namespace cuda {
+#define DTMT_INSTANTIATE(T, A)                                                                              \
+  template cudaError_t launch_persistent_forward<T, A>(int, const PersistentForwardArgs<T, A>&, int, int,   \
+                                                       cudaStream_t);                                        \
+  template cudaError_t launch_persistent_backward<T, A>(int, const PersistentBackwardArgs<T, A>&, int, int, \
+                                                        cudaStream_t);
+DTMT_INSTANTIATE(float, float)
+DTMT_INSTANTIATE(__nv_bfloat16, float)
+}  // namespace cuda
+}  // namespace dtmt
+"""
+
+
+@needs_nvcc
+def test_persistent_kernels_load_from_named_spaces(tmp_path):
+    """The persistent kernels reach a resident matrix and a spilled one through separate calls (resident_matrix,
+    spilled_matrix in persistent_cuda_kernels.cuh), so that the compiler knows the space of every load: in the PTX for
+    sm_90 of the float and bfloat16 kernels (every base cell, forward and backward), each scalar load is ld.shared,
+    ld.global or ld.param, never a generic ld (which would test the address's space at run time), apart from the
+    grid barrier's own ld.acquire.gpu; and the cluster form's barrier is there (barrier.cluster arrive and wait).
+    (The wmma loads of the staged operands are generic: the warp matrix API takes a plain pointer.)"""
+    src = tmp_path / "persistent_ptx.cu"
+    src.write_text(PERSISTENT_PTX_TU)
+    ptx = tmp_path / "persistent.ptx"
+    _run([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90", "-ptx", f"-I{CSRC}", str(src), "-o", str(ptx)])
+    loads = re.findall(r"^\s+(ld\.[\w.]+)", ptx.read_text(), flags=re.M)
+    spaces = {op.split(".")[1] for op in loads}
+    assert {"shared", "global", "param"} <= spaces, sorted(spaces)
+    generic = sorted({op for op in loads if op.split(".")[1] not in ("shared", "global", "param")
+                      and not op.startswith("ld.acquire.gpu")})
+    assert not generic, f"generic loads in the persistent kernels: {generic}"
+    text = ptx.read_text()
+    assert "barrier.cluster.arrive" in text and "barrier.cluster.wait" in text
+
+
 def _torch_includes():
     try:
         from torch.utils.cpp_extension import include_paths
@@ -315,17 +353,23 @@ std::vector<at::Tensor> backward_rows(const at::Tensor& grad_out, const at::Tens
 }
 std::vector<at::Tensor> forward_persistent(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                            const at::Tensor& drop, int64_t kind, const std::vector<at::Tensor>& params,
-                                           bool reverse, double eps, int64_t grid, int64_t threads, int64_t resident) {
+                                           bool reverse, double eps, int64_t grid, int64_t threads, int64_t resident,
+                                           bool cluster) {
   return dtmt::transition_forward_persistent_cuda(x, h0, mask, drop, weights(kind, params), reverse, eps, grid,
-                                                  threads, resident);
+                                                  threads, resident, cluster);
 }
 std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at::Tensor& grad_hn,
                                             const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
                                             int64_t kind, const std::vector<at::Tensor>& params,
                                             const std::vector<at::Tensor>& saved, bool reverse, double eps,
-                                            int64_t grid, int64_t threads, int64_t resident) {
+                                            int64_t grid, int64_t threads, int64_t resident, bool cluster) {
   return dtmt::transition_backward_persistent_cuda({grad_out, grad_hn, x, mask, drop}, weights(kind, params),
-                                                   saved_of(saved), reverse, eps, grid, threads, resident);
+                                                   saved_of(saved), reverse, eps, grid, threads, resident, cluster);
+}
+// the plan the driver takes for a float64 layer (grid 0: the per-step path), and whether it is the cluster form
+std::tuple<int64_t, bool> driver_plan(const at::Tensor& x, int64_t kind, const std::vector<at::Tensor>& params) {
+  const dtmt::cuda::PersistentPlan plan = dtmt::recurrence_plan<double>(x, weights(kind, params));
+  return {plan.grid, plan.cluster};
 }
 }  // namespace
 
@@ -343,6 +387,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_rows", &backward_rows);
   m.def("step_gemm_choice", &step_gemm_choice);
   m.def("persistent_recurrence", &persistent_recurrence);
+  m.def("driver_plan", &driver_plan);
 }
 """
 
@@ -385,9 +430,9 @@ def emulated_cuda_ext(tmp_path_factory):
 
 
 def _emulated_sequence(ext, persistent=None):
-    """The emulated driver as an autograd function; persistent=(grid, threads, resident): forward and backward as
-    the persistent launches (forward_persistent, backward_persistent) with the first `resident` sub-cells' matrices
-    in shared memory (-1: all)."""
+    """The emulated driver as an autograd function; persistent=(grid, threads, resident, cluster): forward and
+    backward as the persistent launches (forward_persistent, backward_persistent) with the first `resident` sub-cells'
+    matrices in shared memory (-1: all), one thread-block cluster where `cluster`."""
     from dtmt_kernels.ops.transition import KINDS, flat_params
 
     class Emulated(torch.autograd.Function):
@@ -520,9 +565,12 @@ def test_cuda_kernels_emulated_batch_sizes(emulated_cuda_ext, B):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("grid,threads,resident", [(4, 32, -1), (1, 64, -1), (37, 32, -1), (4, 32, 1), (3, 64, 0)],
-                         ids=["4-blocks", "1-block", "a-unit-each", "T-GRUs-from-L2", "all-from-L2"])
-def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident):
+@pytest.mark.parametrize("grid,threads,resident,cluster",
+                         [(4, 32, -1, False), (1, 64, -1, False), (37, 32, -1, False), (4, 32, 1, False),
+                          (3, 64, 0, False), (4, 32, -1, True), (16, 32, 1, True)],
+                         ids=["4-blocks", "1-block", "a-unit-each", "T-GRUs-from-L2", "all-from-L2", "one-cluster",
+                              "cluster-of-13-T-GRUs-from-L2"])
+def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident, cluster):
     """The persistent forward (csrc/persistent_cuda_kernels.cuh: one cooperative launch over every step and
     sub-cell, each block owning a slice of the H = 37 units, grid barriers between dependent phases, layer norm
     reduced across blocks) and the persistent backward (the same over reversed time, the matrices' columns held),
@@ -534,10 +582,12 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident)
     layer norm on and off, with mask + reverse + dropout and without; the others the deepest layer-normed case.
     Matrices past shared memory (persistent_plan.h's spill, read through L2 on a GPU): the base cell's in shared
     memory and the T-GRUs' in the spill buffer (resident 1), and every sub-cell's in it (resident 0, 3 blocks of 13
-    units, the last 11)."""
+    units, the last 11). The cluster form (one thread-block cluster, every barrier the cluster's: the emulation
+    throws at a grid barrier in a cluster launch) with 4 blocks, and with 16 asked for (13 blocks of 3 units) and
+    the T-GRUs' matrices from L2."""
     ext = emulated_cuda_ext
     cases = (itertools.product(EMULATED_CASES, (False, True), (True, False)) if grid == 4 and resident < 0
-             else [(("lgru", 2), True, True), (("atr", 0), True, True)])
+             and not cluster else [(("lgru", 2), True, True), (("atr", 0), True, True)])
     for (cell, depth), ln, full_features in cases:
         sys.path.insert(0, os.path.dirname(__file__))
         from conftest import make_layer, padding_mask
@@ -555,7 +605,7 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident)
                   for p in flat_params(layer.direction_weights(0))]
         args = (x, h0, mask, drop, KINDS[cell], params, full_features, 1e-5)
         steps = ext.forward(*args)
-        persistent = ext.forward_persistent(*args, grid, threads, resident)
+        persistent = ext.forward_persistent(*args, grid, threads, resident, cluster)
         # rows whose sentence has ended cost nothing in the persistent launches: their sub-cells' saved states and
         # products are not the per-step path's (the state carried through, products 0), and no gradient reads them
         valid = mask.bool() if full_features else torch.ones(T, B, dtype=torch.bool)
@@ -572,13 +622,13 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident)
         back = (g_out, g_hn, x, mask, drop, KINDS[cell], params, list(steps[2:]), full_features, 1e-5)
         for name, a, b in zip(["dx", "dh0", "dw_ih", "db_ih", "dw_hh", "db_hh", "dln_w", "dln_b", "dt_w", "dt_b",
                                "dt_ln_w", "dt_ln_b"], ext.backward(*back),
-                              ext.backward_persistent(*back, grid, threads, resident)):
+                              ext.backward_persistent(*back, grid, threads, resident, cluster)):
             if a is None or not a.numel():
                 assert b is None or not b.numel(), name
                 continue
             torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12,
                                        msg=lambda m: f"{cell}-d{depth} ln={ln} full={full_features} {name}: {m}")
-        _compare_emulated(_emulated_sequence(ext, (grid, threads, resident)), cell, depth, ln, full_features,
+        _compare_emulated(_emulated_sequence(ext, (grid, threads, resident, cluster)), cell, depth, ln, full_features,
                           torch.float64, B=3, T=3, H=37)
 
 
@@ -655,7 +705,7 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
         params = [x.new_empty(0) if p is None else p.detach().contiguous()
                   for p in flat_params(layer.direction_weights(0))]
         args = (x, h0, mask, drop, KINDS[cell], params, True, 1e-5)
-        out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads, resident)
+        out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads, resident, False)
         valid = mask.bool()
         w_hh, t_w = params[2], params[6]
         for t in range(T):
@@ -664,14 +714,14 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
                 assert torch.equal(hpt[k, t], _k_order_products(_tf32(t_w[k]), _tf32(hs[k + 1, t]), valid[t])), \
                     f"{cell} hpt {k} {t}"
         torch.backends.cuda.matmul.allow_tf32 = False
-        strict = ext.forward_persistent(*args, grid, threads, resident)
+        strict = ext.forward_persistent(*args, grid, threads, resident, False)
         torch.backends.cuda.matmul.allow_tf32 = True
         assert (strict[5] - hp).abs().max().item() > 1e-5 * hp.abs().max().item(), f"{cell}: TF32 not engaged"
         # forward + backward, both persistent with TF32, against the float64 reference
         gen = torch.Generator().manual_seed(4)
         g_out, g_hn = torch.randn(T, B, H, generator=gen), torch.randn(B, H, generator=gen)
         back = (g_out, g_hn, x, mask, drop, KINDS[cell], params, [xp, hs, hs_lp, hp, hpt], True, 1e-5)
-        grads = ext.backward_persistent(*back, grid, threads, resident)
+        grads = ext.backward_persistent(*back, grid, threads, resident, False)
         got = {"out": out, "h_n": h_n, "dx": grads[0], "dh0": grads[1], "dw_hh": grads[4]}
         _assert_near_reference(layer, x, h0, mask, drop, g_out, g_hn, got, 1e-2, f"{cell}-d{depth} H={H} B={B}")
 
@@ -710,7 +760,7 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resid
         params = [x.new_empty(0) if p is None else p.detach().contiguous()
                   for p in flat_params(layer.direction_weights(0))]
         args = (x, h0, mask, x.new_empty(0), KINDS[cell], params, True, 1e-5)
-        out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads, resident)
+        out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads, resident, False)
         assert hp.dtype == torch.bfloat16 and hs_lp.dtype == torch.bfloat16 and hs.dtype == torch.float32
         valid = mask.bool()
         products = lambda U, h, rows: _k_order_products(U.float(), h.float(), rows).bfloat16()  # noqa: E731
@@ -722,7 +772,7 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resid
         gen = torch.Generator().manual_seed(6)
         g_out, g_hn = torch.randn(T, B, H, generator=gen).bfloat16(), torch.randn(B, H, generator=gen).bfloat16()
         back = (g_out, g_hn, x, mask, x.new_empty(0), KINDS[cell], params, [xp, hs, hs_lp, hp, hpt], True, 1e-5)
-        grads = ext.backward_persistent(*back, grid, threads, resident)
+        grads = ext.backward_persistent(*back, grid, threads, resident, False)
         got = {"out": out, "h_n": h_n, "dx": grads[0], "dh0": grads[1], "dw_hh": grads[4]}
         _assert_near_reference(layer, x, h0, mask, x.new_empty(0), g_out, g_hn, got, 5e-2,
                                f"{cell}-d{depth} H={H} B={B}")
@@ -778,6 +828,15 @@ def test_persistent_envelope():
                        "allowed); tensor cores")
     for dtype in (torch.float32, torch.float64):
         assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100_l2).fits
+    # the cluster form: one cluster of at most 16 blocks, whatever the SMs; GRU H = 512, B = 8, fp32: 32 units a block,
+    # 3 x 32 rows x 513 x 4 B + (8 x 4 x 32 + 8 x 6) x 4 B = 201,280 B forward, 32 x 1,537 x 4 B +
+    # (8 x 10 x 32 + 8 x 12) x 4 B = 207,360 B backward; at H = 9, one block a unit
+    one = dk.persistent_plan("gru", 0, 8, 512, tensor_cores=False, cluster=16, **h100)
+    assert (one.fits, one.cluster, one.grid, one.slice, one.forward_bytes, one.backward_bytes) == (
+        True, True, 16, 32, 201280, 207360)
+    assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 197 / 202 KB")
+    assert (dk.persistent_plan("gru", 0, 8, 9, cluster=16, **h100).grid, plan.cluster) == (9, False)
+    assert not dk.persistent_plan("lgru", 4, 8, 1024, "bfloat16", cluster=16, **h100_l2).fits
     kept = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=False, **h100_l2)   # it fits: nothing from L2
     assert (kept.forward_bytes, kept.backward_bytes, kept.forward_resident, kept.forward_spill, str(kept)) == (
         plan.forward_bytes, plan.backward_bytes, 5, 0, str(plan))
@@ -798,7 +857,9 @@ def test_persistent_envelope():
     (("gru", 0, 8, 64, "int8"), {}, "dtype must be one of float32, float64, bfloat16, float16, got 'int8'"),
     (("gru", 0, 8, 64), {"device": None}, "no CUDA device: give multiprocessors and shared_memory"),
     (("gru", 0, 8, 64), {"l2_cache": -1}, "l2_cache must be an integer >= 0 (bytes), got -1"),
-], ids=["cell", "depth", "batch", "dtype", "no-device", "l2"])
+    (("gru", 0, 8, 64), {"cluster": 17}, "cluster must be an integer from 0 to 16 (blocks of one thread-block "
+                                         "cluster; 0: the grid form), got 17"),
+], ids=["cell", "depth", "batch", "dtype", "no-device", "l2", "cluster"])
 def test_persistent_plan_refuses_bad_arguments(args, kwargs, message):
     """One line naming the argument and the value; without a GPU, the device's numbers are asked for."""
     import dtmt_kernels as dk
@@ -814,11 +875,12 @@ def test_persistent_plan_refuses_bad_arguments(args, kwargs, message):
 def test_design_note_states_the_current_envelope():
     """docs/design/persistent_recurrence.md's envelope table is envelope_table's output for an H100/H200 at B = 64
     (`python benchmarks/bench_persistent.py --envelope --multiprocessors 132 --shared-memory 232448 --l2-cache
-    52428800 --B 64`)."""
+    52428800 --B 64`), and its cluster form's at B = 8 (the same with `--forms cluster --B 8`)."""
     from dtmt_kernels.ops.transition.persistent import envelope_table
 
     note = open(os.path.join(ROOT, "docs", "design", "persistent_recurrence.md"), encoding="utf-8").read()
     assert envelope_table(132, 232448, 64, 52428800) in note
+    assert envelope_table(132, 232448, 8, 52428800, cluster=16) in note   # "One cluster" (`--forms cluster --B 8`)
 
 
 _RECURRENCE_RUN = r"""
@@ -832,6 +894,12 @@ spec.loader.exec_module(ext)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     print("persistent:", ext.persistent_recurrence())
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+    layer = make_layer("lgru", 3, 9, depth=1, layer_norm=True, dtype=torch.float64)
+    params = [torch.empty(0, dtype=torch.float64) if p is None else p.detach().contiguous()
+              for p in flat_params(layer.direction_weights(0))]
+    print("plan:", ext.driver_plan(torch.zeros(3, 3, 3, dtype=torch.float64), KINDS["lgru"], params))
     for cell, depth in (("lgru", 1), ("atr", 0)):
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=3, T=3, H=9)
 for w in caught:
@@ -840,17 +908,22 @@ for w in caught:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("value", ["persistent", "steps", "sideways"])
+@pytest.mark.parametrize("value", ["persistent", "persistent-cluster", "steps", "sideways"])
 def test_recurrence_switch(emulated_cuda_ext, value):
     """DTMT_CUDA_RECURRENCE (read once a process): `persistent` makes the driver's own forward and backward the
-    persistent launches (4 blocks in the emulation, at most one a unit) and they still give the reference's outputs
-    and gradients; `steps` and an unknown value (ignored with a warning naming it) keep the per-step path."""
+    persistent launches (at most one block per emulated SM, of 4: 3 blocks of 3 units at H = 9), `persistent-cluster`
+    their cluster form (one cluster of at most 16 blocks: 9 at H = 9), and they still give the reference's outputs
+    and gradients; `steps`
+    and an unknown value (ignored with a warning naming it) keep the per-step path."""
     env = {**os.environ, "DTMT_CUDA_RECURRENCE": value}
     res = subprocess.run([sys.executable, "-c", _RECURRENCE_RUN, os.path.dirname(os.path.abspath(__file__)),
                           emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert f"persistent: {value == 'persistent'}" in res.stdout, res.stdout
-    warned = "DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent" in res.stdout + res.stderr
+    assert f"persistent: {value.startswith('persistent')}" in res.stdout, res.stdout
+    plan = {"persistent": (3, False), "persistent-cluster": (9, True)}.get(value, (0, False))
+    assert f"plan: {plan}" in res.stdout, res.stdout
+    warned = ("DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent, persistent-cluster"
+              in res.stdout + res.stderr)
     assert warned == (value == "sideways"), res.stdout + res.stderr
 
 

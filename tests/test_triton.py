@@ -475,6 +475,51 @@ def test_gpu_persistent_reads_matrices_from_l2(compiled):
         assert err <= 5e-2, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("cell,depth,H,B", [("gru", 0, 512, 8), ("lgru", 2, 256, 4)], ids=["gru-512", "lgru-d2-256"])
+def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B):
+    """With DTMT_CUDA_RECURRENCE=persistent-cluster (gpu_session.sh's persistent-cluster stage) a layer that fits one
+    thread-block cluster of 16 blocks runs as that cluster (docs/design/persistent_recurrence.md, "One cluster"):
+    the plan says so, nothing falls back (no warning), and forward and backward give the float64 reference's outputs
+    and gradients in strict fp32 (ragged lengths, layer norm)."""
+    import copy
+    import warnings
+
+    if "cuda" not in dk.available_backends():
+        pytest.skip("the cuda backend is not built")
+    if os.environ.get("DTMT_CUDA_RECURRENCE") != "persistent-cluster":
+        pytest.skip("the cluster form is not asked for (DTMT_CUDA_RECURRENCE=persistent-cluster)")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, cluster=16)
+    assert plan.fits and plan.cluster and plan.grid == 16, str(plan)
+    layer = make_layer(cell, 32, H, depth=depth, layer_norm=True, dtype=torch.float32)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(0.3)
+    gen = torch.Generator().manual_seed(13)
+    T = 7
+    x, h0 = torch.randn(T, B, 32, generator=gen), torch.randn(B, H, generator=gen)
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).float()
+    ref, g = _run(copy.deepcopy(layer).double().cuda(), x.double().cuda(), h0.double().cuda(), mask.double().cuda(),
+                  None, True, "reference")
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, _ = _run(layer.cuda(), x.cuda(), h0.cuda(), mask.cuda(), None, True, "cuda", g[0].float(),
+                          g[1].float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert not [w for w in caught if "does not fit" in str(w.message) or "cluster" in str(w.message)], \
+        [str(w.message) for w in caught]
+    for name in ref:
+        scale = ref[name].abs().max().item() + 1e-3
+        err = (got[name].double() - ref[name]).abs().max().item() / scale
+        assert err <= 1e-4, f"{name}: relative error {err:.2e}"
+
+
 @needs_triton
 @pytest.mark.parametrize("cell,depth,dtype", [("lgru", 1, torch.float32), ("atr", 0, torch.bfloat16)],
                          ids=["lgru-fp32", "atr-bf16"])
@@ -488,4 +533,5 @@ for _mark in needs_gpu:
     test_gpu_compiled_matches_reference = _mark(test_gpu_compiled_matches_reference)
     test_gpu_compiled_hidden_sizes = _mark(test_gpu_compiled_hidden_sizes)
     test_gpu_cuda_backend_follows_torchs_tf32_flag = _mark(test_gpu_cuda_backend_follows_torchs_tf32_flag)
+    test_gpu_persistent_cluster_form = _mark(test_gpu_persistent_cluster_form)
     test_gpu_persistent_reads_matrices_from_l2 = _mark(test_gpu_persistent_reads_matrices_from_l2)

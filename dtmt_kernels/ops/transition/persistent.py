@@ -12,7 +12,15 @@ docs/design/persistent_recurrence.md, "The envelope", has the table for an H100 
     matrices of 2 / 2 of 5 sub-cells read from L2 (12.0 / 12.0 MiB of the 25 MiB allowed); tensor cores
 
 The cuda backend takes the persistent launches where DTMT_CUDA_RECURRENCE=persistent (read once a process) and the
-plan fits; where it does not, the per-step path, with a warning naming the sizes.
+plan fits; where it does not, the per-step path, with a warning naming the sizes. DTMT_CUDA_RECURRENCE=
+persistent-cluster asks for the cluster form first (one thread-block cluster of at most 16 blocks, its barrier the
+cluster's; `cluster=16` here), and where that does not fit, the grid form:
+
+    >>> print(dk.persistent_plan("gru", 0, 8, 512, multiprocessors=132, shared_memory=232448,
+    ...                          cluster=16))  # doctest: +NORMALIZE_WHITESPACE
+    persistent, one cluster: 16 blocks of 32 units; 197 / 202 KB of shared memory a block (forward / backward) of
+    227 KB; FMA
+
 `python benchmarks/bench_persistent.py --envelope [--multiprocessors 132 --shared-memory 232448 --l2-cache 52428800]`
 prints the envelope table (envelope_table) of the current GPU, or of the numbers given."""
 from __future__ import annotations
@@ -36,7 +44,8 @@ class PersistentPlan:
     matrices do not all fit in shared memory, those of the top sub-cells are read from L2 at each use: of the
     `subcells` (depth + 1), `forward_resident` / `backward_resident` stay in shared memory, and the others take
     `forward_spill` / `backward_spill` bytes of global memory (every block's), at most a share of `l2_cache` (the
-    driver's: half)."""
+    driver's: half). `cluster`: the cluster form, one thread-block cluster of `grid` blocks whose barrier is the
+    cluster's (else one block per SM and the grid's barrier)."""
 
     fits: bool
     grid: int
@@ -52,6 +61,7 @@ class PersistentPlan:
     forward_spill: int = 0
     backward_spill: int = 0
     l2_cache: int = 0
+    cluster: bool = False
 
     def __str__(self) -> str:
         kb = lambda n: f"{n / 1024:.0f}"   # noqa: E731
@@ -64,8 +74,9 @@ class PersistentPlan:
                      f"({mib(self.forward_spill)} / {mib(self.backward_spill)} MiB of the "
                      f"{self.l2_cache // _C.PERSISTENT_SPILL_L2_SHARE // 2 ** 20} MiB allowed)")
         products = "tensor cores" if self.tensor_cores else "FMA"
+        form = ", one cluster" if self.cluster else ""
         if self.fits:
-            return f"persistent: {self.grid} blocks of {self.slice} units; {need}; {products}"
+            return f"persistent{form}: {self.grid} blocks of {self.slice} units; {need}; {products}"
         return f"per-step: {self.grid} blocks of {self.slice} units would need {need}; {products}"
 
 
@@ -84,14 +95,16 @@ def _device_limits(device) -> tuple:
 def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union[torch.dtype, str] = torch.float32,
                     *, device: Optional[Union[int, str, torch.device]] = None, multiprocessors: Optional[int] = None,
                     shared_memory: Optional[int] = None, tensor_cores: Optional[bool] = None,
-                    l2_cache: Optional[int] = None) -> PersistentPlan:
+                    l2_cache: Optional[int] = None, cluster: int = 0) -> PersistentPlan:
     """The persistent plan of one direction of a layer: base `cell` ("gru", "lgru", "lau", "atr") with `depth`
     T-GRUs, `batch` rows, `hidden` units, `dtype` storage. The device's SM count and the shared memory a block may
     opt into come from `device` (a CUDA device; default the current one), or are given (`multiprocessors`,
     `shared_memory` in bytes: an H100 / H200 has 132 and 232,448) where no GPU is at hand; so does the L2's size
     (`l2_cache`, bytes: 52,428,800 on an H100; given numbers without it: 0, no matrix read from L2).
     `tensor_cores` defaults to the driver's choice at this moment (torch's TF32 flag for float32; a device of compute
-    capability 8.0 or up, assumed where none is given)."""
+    capability 8.0 or up, assumed where none is given). `cluster` > 0: the cluster form, one thread-block cluster of
+    at most that many blocks (16 on an H100 / H200, the driver's choice under DTMT_CUDA_RECURRENCE=
+    persistent-cluster; compute capability 9.0 and up) instead of one block per SM."""
     if _C is None:
         raise RuntimeError("dtmt_kernels: the compiled extension did not load; the persistent plan is its arithmetic")
     if cell not in CELL_KINDS:
@@ -114,15 +127,18 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     l2_cache = 0 if l2_cache is None else l2_cache
     if not isinstance(l2_cache, int) or l2_cache < 0:
         raise ValueError(f"l2_cache must be an integer >= 0 (bytes), got {l2_cache!r}")
+    if not isinstance(cluster, int) or not 0 <= cluster <= _C.PERSISTENT_CLUSTER_MAX_BLOCKS:
+        raise ValueError(f"cluster must be an integer from 0 to {_C.PERSISTENT_CLUSTER_MAX_BLOCKS} (blocks of one "
+                         f"thread-block cluster; 0: the grid form), got {cluster!r}")
     storage = torch.empty((), dtype=dtype).element_size()
     if tensor_cores is None:   # the driver's rule (16-bit always, float32 where TF32 is allowed, float64 never)
         tensor_cores = _C.persistent_tensor_cores(storage, major)
     accumulation = 8 if dtype == torch.float64 else 4
-    grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill = _C.persistent_plan(
+    grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill, in_cluster = _C.persistent_plan(
         KINDS[cell], depth, batch, hidden, storage, accumulation, multiprocessors, shared_memory, tensor_cores,
-        _C.PERSISTENT_THREADS, l2_cache)
+        _C.PERSISTENT_THREADS, l2_cache, cluster)
     return PersistentPlan(bool(fits), grid, slice_, fwd, bwd, shared_memory, multiprocessors, tensor_cores, depth + 1,
-                          fres, bres, fspill, bspill, l2_cache)
+                          fres, bres, fspill, bspill, l2_cache, bool(in_cluster))
 
 
 ENVELOPE_LAYERS = (("GRU", "gru", 0), ("ATR", "atr", 0), ("DT d4 (L-GRU + 4 T-GRUs)", "lgru", 4))
@@ -130,10 +146,12 @@ ENVELOPE_MODES = (("fp32 strict", torch.float32, False), ("TF32", torch.float32,
 ENVELOPE_HIDDEN = (256, 512, 768, 1024, 2048)
 
 
-def envelope_table(multiprocessors: int, shared_memory: int, batch: int = 64, l2_cache: int = 0) -> str:
+def envelope_table(multiprocessors: int, shared_memory: int, batch: int = 64, l2_cache: int = 0,
+                   cluster: int = 0) -> str:
     """A markdown table: for each layer and math mode, the largest of ENVELOPE_HIDDEN that fits the persistent
-    launches at `batch` rows, with its forward / backward KB a block and, where matrices are read from L2, the
-    sub-cells that are, forward / backward (— where none fits)."""
+    launches at `batch` rows (`cluster` > 0: their cluster form, one cluster of at most that many blocks), with its
+    forward / backward KB a block and, where matrices are read from L2, the sub-cells that are, forward / backward
+    (— where none fits)."""
     lines = [f"| layer | {' | '.join(name for name, _, _ in ENVELOPE_MODES)} |",
              "|---|" + "---|" * len(ENVELOPE_MODES)]
     for label, cell, depth in ENVELOPE_LAYERS:
@@ -142,7 +160,8 @@ def envelope_table(multiprocessors: int, shared_memory: int, batch: int = 64, l2
             best = None
             for H in ENVELOPE_HIDDEN:
                 plan = persistent_plan(cell, depth, batch, H, dtype, multiprocessors=multiprocessors,
-                                       shared_memory=shared_memory, tensor_cores=tc, l2_cache=l2_cache)
+                                       shared_memory=shared_memory, tensor_cores=tc, l2_cache=l2_cache,
+                                       cluster=cluster)
                 if plan.fits:
                     best = (H, plan)
             if best is None:

@@ -402,17 +402,39 @@ def dtmt_translate(ckpt: str, src: str, out: str, beam: int, threads: int, log: 
         return {"seconds": seconds, "sentences": len(f.read().splitlines())}
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string (/proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD; "" where unknown)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def ct2_backends(vendor: str) -> list:
+    """CTranslate2's two CPU GEMM backends, as a user would switch between them: its default, which its runtime
+    picks by the CPU's vendor (Intel MKL on a GenuineIntel CPU, its own other backend elsewhere), and the other one,
+    forced by CT2_USE_MKL (0 on an Intel CPU, 1 elsewhere). [(label, extra environment)], the default first."""
+    intel = vendor == "GenuineIntel"
+    return [(f"default backend ({'MKL' if intel else 'not MKL'})", {}),
+            (f"CT2_USE_MKL={0 if intel else 1}", {"CT2_USE_MKL": "0" if intel else "1"})]
+
+
 def ct2_translate(py: str, model_dir: str, src: str, out: str, beam: int, threads: int, compute: str, log: str,
-                  vocab, batch=(2000, "tokens")) -> dict:
+                  vocab, batch=(2000, "tokens"), extra_env=None) -> dict:
     """CTranslate2's translator on the test subwords (benchmarks/peers/ct2_run.py: batches of `batch` as
     onmt_translate's, beam `beam`, its length penalty 0.6: scores divided by length^0.6, not GNMT's form),
-    detokenised into `out`; returns the process's wall time from launch to exit (the one clock of every
-    translator)."""
+    detokenised into `out`, with `extra_env` in its environment (ct2_backends'); returns the process's wall time
+    from launch to exit (the one clock of every translator)."""
     pieces = out + ".pieces"
     seconds = timed([py, os.path.join(HERE, "peers", "ct2_run.py"), "translate", "--model", model_dir, "--src", src,
                      "--out", pieces, "--beam", str(beam), "--batch", str(batch[0]), "--batch-type",
                      "tokens" if batch[1] == "tokens" else "examples",
-                     "--threads", str(threads), "--compute-type", compute], log, env=onmt_env(threads))
+                     "--threads", str(threads), "--compute-type", compute], log,
+                    env=dict(onmt_env(threads), **(extra_env or {})))
     n = detokenise(pieces, out, vocab)
     return {"seconds": seconds, "sentences": n}
 
@@ -617,8 +639,8 @@ def main(argv=None):
     p.add_argument("--onmt-transformer", default="256,1024,2,4,4000",
                    help="OpenNMT-py Transformer model size, feed-forward size, layers per side, heads and warm-up "
                         "updates (default 256,1024,2,4,4000: 5.7 M parameters at BPE 4,000, about dtmt's small "
-                        "preset; its CTranslate2 conversions are decoded too, float32 and int8, beside `dtmt "
-                        "translate` and `dtmt translate --int8`)")
+                        "preset; its CTranslate2 conversions are decoded too, float32 and int8, each with both of "
+                        "CTranslate2's CPU backends, beside `dtmt translate` and `dtmt translate --int8`)")
     p.add_argument("--train-args", default="", help="extra `dtmt train` arguments for every dtmt system")
     p.add_argument("--peer-env", default=os.path.join(HERE, "out", "peers", "env-onmt"))
     p.add_argument("--out", default=os.path.join(HERE, "out", "peers"))
@@ -876,15 +898,17 @@ def main(argv=None):
                 ct2_dir = os.path.join(onmt_dir, f"ct2-{compute}")
                 run([py, os.path.join(HERE, "peers", "ct2_run.py"), "convert-onmt", "--model", model, "--out",
                      ct2_dir, "--quantization", compute], log, env=onmt_env(a.threads))
-                hyp = os.path.join(onmt_dir, f"test_best_ct2_{compute}.hyp")
-                speed = ct2_translate(py, ct2_dir, test_src, hyp, a.beam, a.threads, compute, log,
-                                      pieces["vocabs"][1], batch)
-                sc = _scores(hyp, os.path.join(onmt_dir, f"eval_best_ct2_{compute}"), a.data, log)
-                rows.append(dict(best, **untrained(trained),
-                                 system=f"{name} → CTranslate2 {ct2_version(py)} {compute}",
-                                 checkpoint=CHECKPOINT_RULES["best"], own_decode_s=None, bleu=sc["bleu"],
-                                 chrf=sc["chrf"], translate_s=speed["seconds"],
-                                 sent_s=speed["sentences"] / speed["seconds"]))
+                for k, (backend, extra) in enumerate(ct2_backends(cpu_vendor())):   # both, as a user would try
+                    tag = compute if k == 0 else f"{compute}_other"
+                    hyp = os.path.join(onmt_dir, f"test_best_ct2_{tag}.hyp")
+                    speed = ct2_translate(py, ct2_dir, test_src, hyp, a.beam, a.threads, compute, log,
+                                          pieces["vocabs"][1], batch, extra)
+                    sc = _scores(hyp, os.path.join(onmt_dir, f"eval_best_ct2_{tag}"), a.data, log)
+                    rows.append(dict(best, **untrained(trained),
+                                     system=f"{name} → CTranslate2 {ct2_version(py)} {compute}, {backend}",
+                                     checkpoint=CHECKPOINT_RULES["best"], own_decode_s=None, bleu=sc["bleu"],
+                                     chrf=sc["chrf"], translate_s=speed["seconds"],
+                                     sent_s=speed["sentences"] / speed["seconds"]))
     # ---- tables
     command = "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
@@ -906,7 +930,9 @@ def main(argv=None):
              f"{train_cfg['max_tokens']:,} tokens, lr {train_cfg['lr']:g} with the RNMT+ schedule); test set "
              f"{pieces['paths'][('test', 'n')]:,} sentences, beam {a.beam}, GNMT's length penalty with α 0.6, "
              f"batches of {batches}, float32 unless a row says int8{math}, sacrebleu via `dtmt evaluate`; "
-             f"CTranslate2's length penalty is its own (scores over length^0.6); decoding one system at a "
+             f"CTranslate2's length penalty is its own (scores over length^0.6), each conversion decoded with both "
+             f"of its CPU backends (its default, which it picks by the CPU's vendor, and the other, forced by "
+             f"CT2_USE_MKL); decoding one system at a "
              f"time on {a.threads} thread(s), each translator timed by one clock: its process's wall time from launch "
              f"to exit, model loading and everything inside (`dtmt translate` on the raw sources, its SentencePiece "
              f"inside; `onmt_translate` and CTranslate2 on the subwords). Command: `{command}`", "",

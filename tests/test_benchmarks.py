@@ -320,7 +320,8 @@ def test_bench_peers_sizes_rates_and_batches(tmp_path):
     """The LSTM's parameter count is OpenNMT-py 3.5.1's own report for its run of 2026-11-29 (4,035,368 at 128/256
     with build_vocab files of 3,913 and 3,872 pieces), so `--onmt-size match` sizes it by the count OpenNMT-py will
     print; dtmt's count comes from the model built on the meta device, equal to the one built for real; the rate in
-    the budget's second half is the tokens between its first and last log point over the time between them."""
+    the budget's second half is the tokens between its first and last log point over the time between them;
+    CTranslate2's two CPU backends are its default and the one CT2_USE_MKL forces, by the CPU's vendor."""
     from benchmarks import bench_peers
     from dtmt_models.models.presets import get_preset
     from dtmt_models.models.registry import build_model
@@ -346,6 +347,12 @@ def test_bench_peers_sizes_rates_and_batches(tmp_path):
     assert bench_peers.steady_rate(points, 120.0) == pytest.approx((3340 - 1600) / (118.0 - 60.0))
     assert bench_peers.steady_rate(points[:3], 120.0) is None          # one point in the second half
     assert bench_peers.decode_batch("2000") == (2000, "tokens") and bench_peers.decode_batch("64s") == (64, "sents")
+    # CTranslate2's two CPU backends: its default (MKL on an Intel CPU only) and the other, forced by CT2_USE_MKL
+    assert bench_peers.ct2_backends("GenuineIntel") == [("default backend (MKL)", {}),
+                                                        ("CT2_USE_MKL=0", {"CT2_USE_MKL": "0"})]
+    assert bench_peers.ct2_backends("AuthenticAMD") == [("default backend (not MKL)", {}),
+                                                        ("CT2_USE_MKL=1", {"CT2_USE_MKL": "1"})]
+    assert bench_peers.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
     for bad in ("0", "64x", "s", "-3"):
         with pytest.raises(ValueError, match="--decode-batch"):
             bench_peers.decode_batch(bad)

@@ -239,8 +239,8 @@ def math_mode(math: str, dtype: str) -> str:
                 f"kernels)")
     if math == "strict":
         return "math: strict fp32 on every side (TF32 off for cuBLAS and cuDNN; our kernels fp32 FMA)"
-    return ("math: torch's fast mode (TF32 allowed): cuBLAS and cuDNN on TF32 tensor cores; our own kernels still "
-            "fp32 FMA, the ATen GEMMs they call TF32")
+    return ("math: torch's fast mode (TF32 allowed): cuBLAS and cuDNN on TF32 tensor cores; our per-step kernels "
+            "still fp32 FMA, the ATen GEMMs they call TF32, the persistent launches' products TF32")
 
 
 def print_table(rows, machine, device: str = "cpu"):

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_profile.py                       # on a CUDA machine: T=50, H=512, B 1 8 64, float32
     python benchmarks/gpu_profile.py --B 8 --backends cuda --dtype bfloat16
+    DTMT_CUDA_RECURRENCE=persistent python benchmarks/gpu_profile.py --backends cuda --math tf32
 
 For each layer (GRU: depth 0, no layer norm; DT: L-GRU depth 4 with layer norm; ATR) and batch size, one
 forward + backward (the output summed, as in bench_cells.py) with each backend, reported as:
@@ -15,8 +16,10 @@ forward + backward (the output summed, as in bench_cells.py) with each backend, 
   cudnn_ms    torch.nn.GRU (cuDNN) of the same size, fwd+bwd, eager and graphed, on the GRU rows
 With --kernels N, a second table follows: for each row, its N kernels of most device time in one fwd+bwd
 (name, calls, summed ms, share of kernel_ms), to tell which of a backend's kernels make its device time.
-The device is named in the first line. With --device cpu (a test of this script) the profiler sees no kernels
-and no graph is captured.
+The device is named in the first line, with the math mode of every side (--math: strict fp32, TF32 off for cuBLAS
+and cuDNN as for our kernels, the default; or torch's fast mode, TF32 allowed on every side) and the cuda
+backend's recurrence (DTMT_CUDA_RECURRENCE: the per-step path, or the persistent launches in either form). With
+--device cpu (a test of this script) the profiler sees no kernels and no graph is captured.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from bench_cells import build, fwd_bwd  # noqa: E402
+from bench_cells import build, fwd_bwd, math_mode  # noqa: E402
 from common import machine_name, time_fn  # noqa: E402
 
 KINDS = {"GRU": ("gru", 0), "DT": ("deep-transition", 4), "ATR": ("atr", 0)}   # -> bench_cells.build(kind, depth)
@@ -86,6 +89,10 @@ def main(argv=None):
     p.add_argument("--backends", nargs="+", default=None, help="default: every GPU backend built (cuda, triton)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--math", default="strict", choices=["strict", "tf32"],
+                   help="float32: strict fp32 on every side (TF32 off for cuBLAS and cuDNN; the default) or torch's "
+                        "fast mode (TF32 allowed: cuBLAS, cuDNN and the persistent launches' products on tensor "
+                        "cores)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list each row's N kernels of most device time (default 0: none)")
@@ -95,8 +102,10 @@ def main(argv=None):
     backends = a.backends or ([b for b in ("cuda", "triton") if b in dk.available_backends()] if a.device == "cuda"
                               else ["cpp"])
     dtype = getattr(torch, a.dtype)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    print(f"# {machine_name(a.device)}; T={a.T}, H={a.H}, {a.dtype}, fwd+bwd, median of {a.repeat}")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = a.math == "tf32"
+    recurrence = os.environ.get("DTMT_CUDA_RECURRENCE") or "steps"
+    print(f"# {machine_name(a.device)}; T={a.T}, H={a.H}, {a.dtype}, fwd+bwd, median of {a.repeat}; "
+          f"{math_mode(a.math, a.dtype)}; the cuda backend's recurrence: DTMT_CUDA_RECURRENCE={recurrence}")
     print("| layer | B | impl | eager_ms | kernel_ms | launches | host_us | graph_ms |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     top = []   # (row label, kernel_ms, {name: [calls, ms]}) for --kernels

@@ -16,6 +16,8 @@
 #                                                       # the deep transition reads two T-GRUs' matrices from L2)
 #   bash benchmarks/gpu_session.sh persistent-cluster   # the cluster form (one cluster of 16 blocks) against the
 #                                                       # grid form and the per-step path, strict fp32, B = 1, 8, 64
+#   bash benchmarks/gpu_session.sh persistent-profile   # eager, device and graphed time of the per-step path and
+#                                                       # both persistent forms beside cuDNN, strict fp32
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build graphs         # training updates as CUDA graphs: the tests, then graphed
 #                                                       # against eager updates in one run (paper presets)
@@ -39,20 +41,21 @@
 # persistent/bench_persistent.csv and persistent_tests.log (persistent), persistent_envelope.md,
 # persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv (persistent-bf16),
 # persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv (persistent-cluster),
+# persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
 # decode.md and decode/bench_decode.csv (decode), graphs_tests.log and graphs/bench_train.csv (graphs),
 # unrolled_tests.log and unrolled/bench_train.csv (unrolled), amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers)
-# and peers_train.md (peers-train); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md with
-# the device line they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile 120 s,
-# train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s,
-# decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang
-# cannot eat the call. Seen on an H100 (2026-11-24):
-# build 94 s, kernel tests 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device
-# call is at most 10 minutes and a warm machine keeps its build, so run `build tests`, then `bench`, then `persistent`
-# (etc.) as separate calls. With a session's 15 minutes of device time (2026-11-29), in this order of the issues:
-# `build tests` (every GPU test, the graphed updates' among them), `persistent` (issue 72), `persistent-bf16` (issue
-# 72's H = 1024 goal), `persistent-cluster` (issue 72's barrier: grid against cluster), `graphs` (issue 73 item 1),
-# `unrolled` (item 3), then `decode`, `amp`, `peers` and `peers-train` (item 7; carry benchmarks/out/gpu-carry) if
-# time is left.
+# and peers_train.md (peers-train); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md
+# with the device line they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile
+# 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster
+# 180 + 300 s, persistent-profile 3 x 100 s, decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s, peers
+# 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests
+# 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device call is at most 10
+# minutes and a warm machine keeps its build, so run `build tests`, then `bench`, then `persistent` (etc.) as separate
+# calls. With a session's 15 minutes of device time (2026-11-29), in this order of the issues: `build tests` (every
+# GPU test, the graphed updates' among them), `persistent` (issue 72), `persistent-bf16` (issue 72's H = 1024 goal),
+# `persistent-cluster` (issue 72's barrier: grid against cluster), `persistent-profile` (item 1's device and graphed
+# times), `graphs` (issue 73 item 1), `unrolled` (item 3), then `decode`, `amp`, `peers` and `peers-train` (item 7;
+# carry benchmarks/out/gpu-carry) if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -180,6 +183,15 @@ if want persistent-cluster; then
   echo "== bench_persistent --forms grid cluster (strict fp32 on every side, B = 1, 8, 64)"
   timeout 300 "$PY" benchmarks/bench_persistent.py --math strict --forms grid cluster --B 1 8 64 \
     --out "$OUT/persistent-cluster" 2>&1 | tee "$OUT/persistent_cluster.md" || status=1
+fi
+if want persistent-profile; then
+  # issue 72 item 1: eager, device (kernel) and graph-replayed time of the cuda backend's per-step path and both
+  # persistent forms, beside cuDNN's GRU, strict fp32 on every side (gpu_profile.py --math strict)
+  for rec in steps persistent persistent-cluster; do
+    echo "== gpu_profile, cuda backend, DTMT_CUDA_RECURRENCE=$rec, strict fp32"
+    DTMT_CUDA_RECURRENCE=$rec timeout 100 "$PY" benchmarks/gpu_profile.py --backends cuda --math strict 2>&1 \
+      | tee "$OUT/persistent_profile_$rec.md" || status=1
+  done
 fi
 if want persistent-bf16; then
   # issue 72: the deep transition at H = 1024 in bf16 within 2.5x its H = 512 time. At 1024 its matrices outgrow the

@@ -151,11 +151,19 @@ def test_gpu_profile_runs_on_the_cpu(capsys):
     """gpu_profile.py's own code (layers, timing, the profiler's event sums, the table), on CPU tensors: on a GPU
     machine only the CUDA graph column and the kernel counts are new."""
     from benchmarks import gpu_profile
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     gpu_profile.main(["--device", "cpu", "--B", "2", "--H", "8", "--T", "3", "--repeat", "1"])
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert [(r[0].strip(), r[2].strip()) for r in rows] == [("GRU", "cpp"), ("GRU", "cuDNN"), ("DT", "cpp"),
                                                             ("ATR", "cpp")]
     assert all(float(r[3]) > 0 and r[5].strip() == "0" for r in rows)   # eager ms; no kernels on the CPU
+    # the header names every side's math mode and the recurrence (issue 72 item 1: like for like, or said)
+    gpu_profile.main(["--device", "cpu", "--B", "2", "--H", "8", "--T", "3", "--repeat", "1", "--kinds", "ATR",
+                      "--math", "tf32"])
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "TF32 allowed" in head and "DTMT_CUDA_RECURRENCE=" in head, head
+    assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags   # (as before, for the tests after)
 
 
 def test_bench_decode_quick(tmp_path):

@@ -23,8 +23,9 @@ rate). The barrier's cost is bounded from above by timing a GRU of one unit per 
 form has blocks), whose step is a barrier and almost no work; the dense rate is a 4096^3 matrix product's in the same
 math mode (`torch.mm`, the most the device's multipliers give), so the floor is one no kernel can go under, and
 cuDNN's torch.nn.GRU in the same math mode beside the GRU rows.
-A persistent forward that does not fit the device falls back to the per-step one with a warning: the child reports
-it, and that row says so. Writes DIR/bench_persistent.csv when --out is given. Needs a CUDA device.
+A persistent forward that does not fit the device falls back (the cluster form to the grid form, the grid form to the
+per-step path) with a warning: the child reports which form ran (the driver's launch counts, persistent_launches),
+and that row says so. Writes DIR/bench_persistent.csv when --out is given. Needs a CUDA device.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def build(cell: str, depth: int, ln: bool, H: int, backend: str):
 
 MATH = ("strict", "tf32", "bf16")
 FORMS = {"grid": "persistent", "cluster": "persistent-cluster"}   # --forms: the DTMT_CUDA_RECURRENCE of each
+FORM_OF = {mode: form for form, mode in FORMS.items()}
 CLUSTER_BLOCKS = 16   # the cluster form's blocks (csrc/persistent_plan.h's kClusterMaxBlocks)
 TOLERANCE = {"strict": 1e-4, "tf32": 2e-2, "bf16": 5e-2}   # the forward's largest error, relative to its largest value
 
@@ -61,6 +63,7 @@ def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
 
     from bench_cells import fwd_bwd, fwd_only, peak_memory_mb
     from common import time_fn
+    from dtmt_kernels.ops.transition.persistent import persistent_launches
 
     torch.backends.cuda.matmul.allow_tf32 = math == "tf32"
     torch.backends.cudnn.allow_tf32 = math == "tf32"
@@ -76,16 +79,20 @@ def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
             x = torch.randn(T, B, H, device="cuda", dtype=dtype)
             lengths = torch.randint(1, T + 1, (B,), device="cuda")
             lengths[0] = T
-            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-                warnings.simplefilter("always")
+            launched = persistent_launches()
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore")   # (a fall-back's warning: the launch counts below say it)
                 out, h_n = layer(x, lengths=lengths)
-            fell_back = any("does not fit" in str(w.message) for w in caught)
+            ran = {k: v - launched[k] for k, v in persistent_launches().items()}
+            form = "cluster" if ran["cluster"] else "grid" if ran["grid"] else "steps"
+            fell_back = mode != "steps" and form != FORM_OF[mode]
             with torch.no_grad():
                 ref_out, ref_h = reference(x.double(), lengths=lengths)
             scale = max(ref_out.abs().max().item(), 1e-30)
             err = max((out.double() - ref_out).abs().max().item(), (h_n.double() - ref_h).abs().max().item()) / scale
             xg = x.clone().requires_grad_()
-            row = dict(case=name, T=T, B=B, H=H, mode=mode, math=math, fell_back=fell_back, rel_err=err,
+            row = dict(case=name, T=T, B=B, H=H, mode=mode, math=math, form=form, fell_back=fell_back,
+                       rel_err=err,
                        fwd_ms=1e3 * time_fn(fwd_only(layer, x), repeat, "cuda"),
                        fwd_bwd_ms=1e3 * time_fn(fwd_bwd(layer, xg), repeat, "cuda"),
                        peak_MB=peak_memory_mb(fwd_bwd(layer, xg)))
@@ -163,7 +170,7 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
             if s is None or q is None:
                 continue
             cudnn = (f"{s['cudnn_fwd_ms']:.2f} / {s['cudnn_fwd_bwd_ms']:.2f}" if "cudnn_fwd_ms" in s else "")
-            note = " (fell back: does not fit)" if q["fell_back"] else ""
+            note = f" (ran as {q.get('form', 'steps')}: did not fit)" if q["fell_back"] else ""
             floor = (floor_ms(cell, depth, ln, T, B, H, barrier["step_us"], mma and mma["flops_per_s"]) if barrier
                      else float("nan"))
             print(f"| {name}{note} | {B} | {s['fwd_ms']:.2f} | {q['fwd_ms']:.2f} | {s['fwd_ms'] / q['fwd_ms']:.2f} | "

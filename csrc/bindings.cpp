@@ -8,6 +8,9 @@
 #include "cpu_dispatch.h"
 #include "engine/decode_step.h"
 #include "persistent_plan.h"
+#ifdef DTMT_WITH_CUDA
+#include "transition.h"
+#endif
 #include "phase_timers.h"
 #include "small_gemm.h"
 
@@ -69,6 +72,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "capability, now (torch's TF32 flag for float32): the driver's rule");
 #ifdef DTMT_WITH_CUDA
   m.attr("has_cuda") = true;
+  m.def(
+      "persistent_launches",
+      [] {
+        const auto c = dtmt::persistent_launch_counts();
+        return py::make_tuple(c.grid, c.cluster, c.refused);
+      },
+      "(grid, cluster, refused): the cuda backend's forwards and backwards run as persistent launches in this "
+      "process, in the grid form and in the cluster form, and the persistent launches the device refused "
+      "(csrc/transition.h)");
 #else
   m.attr("has_cuda") = false;
 #endif

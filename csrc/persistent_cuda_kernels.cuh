@@ -56,7 +56,7 @@ __device__ __forceinline__ void persistent_barrier(bool cluster) {
     ::cooperative_groups::this_grid().sync();
   }
 #else
-  (void)cluster;
+  if (cluster) __trap();   // code compiled below sm_90 has no cluster barrier: launch_persistent refuses such a launch
   ::cooperative_groups::this_grid().sync();
 #endif
 }
@@ -775,12 +775,16 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
 #else
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  Arg arg = a;
   if (!a.cluster) {
+    Arg arg = a;
     void* args[] = {&arg};
     return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), grid, threads, args, smem, stream);
   }
   if (grid < 1 || grid > kClusterMaxBlocks) return cudaErrorInvalidClusterSize;
+  cudaFuncAttributes attributes{};   // code for this device made from PTX below 9.0 (a JIT) has no cluster barrier
+  err = cudaFuncGetAttributes(&attributes, kernel);
+  if (err != cudaSuccess) return err;
+  if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return cudaErrorNotSupported;
   if (grid > 8) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
@@ -801,7 +805,7 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
   if (err != cudaSuccess) return err;
   if (clusters < 1) return cudaErrorInvalidClusterSize;
-  return cudaLaunchKernelEx(&config, kernel, arg);
+  return cudaLaunchKernelEx(&config, kernel, a);
 #endif
 }
 

@@ -132,7 +132,8 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
                                       size_t l2_bytes = 0, int cluster_blocks = 0) {
   PersistentPlan plan;
   plan.cluster = cluster_blocks > 0;
-  const int most = plan.cluster ? cluster_blocks : multiprocessors;
+  const int most = !plan.cluster ? multiprocessors : cluster_blocks < kClusterMaxBlocks ? cluster_blocks
+                                                                                       : kClusterMaxBlocks;
   const int blocks = most < H ? most : H;
   if (blocks < 1 || B < 1 || D < 0 || !base_cell(kind)) return plan;   // (an unknown kind: no plan)
   plan.slice = (H + blocks - 1) / blocks;

@@ -105,6 +105,15 @@ std::vector<at::Tensor> transition_backward_cuda(const BackwardInputs& in, const
                                                  const SavedForward& saved, bool reverse, double eps,
                                                  bool weight_grads = true);
 
+// How many of this process's cuda-backend forwards and backwards ran as persistent launches, in the grid form and in
+// the cluster form, and how many persistent launches the device refused (the grid form or the per-step path ran
+// instead) (csrc/transition_cuda.cu; the per-step runs are not counted): which form ran, for the GPU tests and
+// benchmarks/bench_persistent.py.
+struct PersistentLaunchCounts {
+  int64_t grid = 0, cluster = 0, refused = 0;
+};
+PersistentLaunchCounts persistent_launch_counts();
+
 // The epilogue of every backward (CPU and CUDA): the weight and bias gradients of one direction from its
 // pre-activation gradients over N = T*B rows, dW_ih = dxp^T x, db_ih = dxp's column sums, dW_hh = dhp^T states[0],
 // db_hh, dt_w[k] = dhpt[k]^T states[k+1], dt_b[k]. x [N, I] and states [D+1, N, H] (the state entering each

@@ -31,6 +31,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -351,6 +352,18 @@ template <typename T> bool persistent_mma() {
   }
 }
 
+// The counts of persistent_launch_counts (transition.h).
+std::atomic<int64_t> launches_grid{0}, launches_cluster{0}, launches_refused{0};
+
+// Whether a persistent launch's error says the device cannot place it (too much shared memory, too many blocks to
+// be resident at once, a cluster it cannot schedule, a form its code was not compiled for): the caller then runs
+// another form. Any other error is a fault, raised.
+bool launch_refused(cudaError_t err) {
+  return err == cudaErrorCooperativeLaunchTooLarge || err == cudaErrorInvalidClusterSize ||
+         err == cudaErrorLaunchOutOfResources || err == cudaErrorInvalidConfiguration ||
+         err == cudaErrorInvalidValue || err == cudaErrorNotSupported;
+}
+
 // What both persistent launches' argument structs share: the weights' pointers (w_hh and t_w contiguous copies the
 // caller keeps alive through the launch), dropout and mask; and the sizes and settings.
 template <typename T, typename S, typename Args>
@@ -448,15 +461,16 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const cudaError_t err = cuda::launch_persistent_forward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
                                                                   static_cast<int>(threads), stream);
-    if (err != cudaSuccess && fallible) {   // did not fit the device (shared memory, co-residency): not launched
-#if !defined(DTMT_CUDA_EMULATION)
-      (void)cudaGetLastError();   // (the launch's error, cleared: nothing ran)
-      TORCH_WARN_ONCE("dtmt: the persistent forward does not fit this device at H=", H, ", depth ", D, ", B=", B,
-                      " (", cudaGetErrorString(err), "): the per-step forward runs instead");
-#endif
+    if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
+      (void)cudaGetLastError();   // (the launch's error, cleared)
+      ++launches_refused;
+      TORCH_WARN_ONCE("dtmt: the device refused the persistent forward", cluster ? " as one cluster" : "", " at H=", H,
+                      ", depth ", D, ", B=", B, " (", cudaGetErrorString(err), "): ",
+                      cluster ? "the grid form or " : "", "the per-step forward runs instead");
       return {};
     }
     C10_CUDA_CHECK(err);
+    ++(cluster ? launches_cluster : launches_grid);
   }
   return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
@@ -505,8 +519,10 @@ DeviceLimits device_limits() {
 }
 
 // The persistent plan of a layer on this device (persistent_plan); where it does not fit, grid 0 and a warning
-// once naming what does not fit: the per-step path runs then.
-template <typename S> cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w) {
+// once naming what does not fit: the per-step path runs then. Under DTMT_CUDA_RECURRENCE=persistent-cluster the
+// cluster form where it fits (`cluster` false: the grid form only, after the device refused a cluster).
+template <typename S>
+cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bool cluster = true) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
@@ -517,13 +533,17 @@ template <typename S> cuda::PersistentPlan device_plan(const Tensor& x, const Tr
                                  limits.smem_optin, persistent_mma<T>(), cuda::kPersistentThreads, limits.l2_bytes,
                                  cluster_blocks);
   };
-  if (recurrence_requested() == Recurrence::kPersistentCluster) {
-    const cuda::PersistentPlan cluster = limits.cluster_blocks > 0 ? plan_of(limits.cluster_blocks)
-                                                                    : cuda::PersistentPlan{};
-    if (cluster.fits) return cluster;
-    TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " does not fit one thread-block cluster",
-                    limits.cluster_blocks > 0 ? "" : " (this device has no cluster launch)",
-                    ": the grid form of the persistent launches is tried (DTMT_CUDA_RECURRENCE=persistent-cluster)");
+  if (cluster && recurrence_requested() == Recurrence::kPersistentCluster) {
+    if (limits.cluster_blocks == 0) {
+      TORCH_WARN_ONCE("dtmt: this device has no thread-block clusters: the grid form of the persistent launches is "
+                      "tried (DTMT_CUDA_RECURRENCE=persistent-cluster)");
+    } else {
+      const cuda::PersistentPlan one = plan_of(limits.cluster_blocks);
+      if (one.fits) return one;
+      TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " does not fit one thread-block "
+                      "cluster: the grid form of the persistent launches is tried (DTMT_CUDA_RECURRENCE="
+                      "persistent-cluster)");
+    }
   }
   cuda::PersistentPlan plan = plan_of(0);
   if (!plan.fits) {
@@ -791,15 +811,16 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
                                                                  static_cast<int>(threads), stream);
-  if (err != cudaSuccess && fallible) {
-#if !defined(DTMT_CUDA_EMULATION)
+  if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
     (void)cudaGetLastError();
-    TORCH_WARN_ONCE("dtmt: the persistent backward does not fit this device at H=", H, ", depth ", D, ", B=", B,
-                    " (", cudaGetErrorString(err), "): the per-step backward runs instead");
-#endif
+    ++launches_refused;
+    TORCH_WARN_ONCE("dtmt: the device refused the persistent backward", cluster ? " as one cluster" : "", " at H=", H,
+                    ", depth ", D, ", B=", B, " (", cudaGetErrorString(err), "): ",
+                    cluster ? "the grid form or " : "", "the per-step backward runs instead");
     return {};
   }
   C10_CUDA_CHECK(err);
+  ++(cluster ? launches_cluster : launches_grid);
   return backward_tail(x, w, d, hs_lp, dxp, dhp, dhpt, dh0.to(grad_hn.scalar_type()), dln_rows, dlnb_rows,
                        dtln_rows, dtlnb_rows, weight_grads);
 }
@@ -812,10 +833,14 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
-    const cuda::PersistentPlan plan = recurrence_plan<scalar_t>(x, w);
+    cuda::PersistentPlan plan = recurrence_plan<scalar_t>(x, w);
     if (plan.grid > 0)
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
                                                  cuda::kPersistentThreads, plan.forward_resident, plan.cluster,
+                                                 /*fallible=*/true);
+    if (result.empty() && plan.cluster && (plan = device_plan<scalar_t>(x, w, false)).grid > 0)   // the grid form
+      result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
+                                                 cuda::kPersistentThreads, plan.forward_resident, false,
                                                  /*fallible=*/true);
     if (result.empty()) result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
   });
@@ -856,14 +881,21 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const Tra
   const c10::cuda::CUDAGuard guard(in.x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
-    const cuda::PersistentPlan plan = recurrence_plan<scalar_t>(in.x, w);
+    cuda::PersistentPlan plan = recurrence_plan<scalar_t>(in.x, w);
     if (plan.grid > 0)
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
                                                   plan.backward_resident, plan.cluster, /*fallible=*/true,
                                                   weight_grads);
+    if (result.empty() && plan.cluster && (plan = device_plan<scalar_t>(in.x, w, false)).grid > 0)   // the grid form
+      result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
+                                                  plan.backward_resident, false, /*fallible=*/true, weight_grads);
     if (result.empty()) result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
   });
   return result;
+}
+
+PersistentLaunchCounts persistent_launch_counts() {
+  return {launches_grid.load(), launches_cluster.load(), launches_refused.load()};
 }
 
 }  // namespace dtmt

@@ -53,9 +53,15 @@
 typedef int cudaError_t;
 constexpr cudaError_t cudaSuccess = 0;
 constexpr cudaError_t cudaErrorInvalidValue = 1;
+constexpr cudaError_t cudaErrorLaunchOutOfResources = 701;   // (the runtime's values; none is returned here)
+constexpr cudaError_t cudaErrorInvalidConfiguration = 9;
+constexpr cudaError_t cudaErrorCooperativeLaunchTooLarge = 720;
+constexpr cudaError_t cudaErrorNotSupported = 801;
+constexpr cudaError_t cudaErrorInvalidClusterSize = 912;
 typedef void* cudaStream_t;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
 template <typename F> inline cudaError_t cudaFuncSetAttribute(F*, cudaFuncAttribute, int) { return cudaSuccess; }
 
 struct dim3 {
@@ -194,14 +200,20 @@ inline void start_fiber(Scheduler& s, int f) {
 }
 
 // Runs fiber f of the launch in `s` until its next barrier or its end; a check that failed in it (fiber_fail) throws
-// here, on the launching thread's stack, with the scheduler of the enclosing launch (`outer`) back in place.
-inline void resume_fiber(Scheduler& s, int f, Scheduler* outer) {
+// here, on the launching thread's stack (the launch's SchedulerScope puts the enclosing scheduler back).
+inline void resume_fiber(Scheduler& s, int f) {
   if (swapcontext(&s.main, &s.contexts[f]) != 0) throw std::runtime_error("emulated launch: swapcontext");
-  if (!s.error.empty()) {
-    scheduler = outer;
-    throw std::runtime_error(s.error);
-  }
+  if (!s.error.empty()) throw std::runtime_error(s.error);
 }
+
+// A launch's scheduler in place for its lifetime; the enclosing one back however the launch ends (a throw too).
+struct SchedulerScope {
+  Scheduler* outer;
+  explicit SchedulerScope(Scheduler* s) : outer(scheduler) { scheduler = s; }
+  ~SchedulerScope() { scheduler = outer; }
+  SchedulerScope(const SchedulerScope&) = delete;
+  SchedulerScope& operator=(const SchedulerScope&) = delete;
+};
 
 template <typename Kernel, typename Arg>
 inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
@@ -214,8 +226,7 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
   s.done.resize(threads);
   s.exchange.resize(threads);
   while (stacks.size() < static_cast<size_t>(threads)) stacks.emplace_back(new char[kStackBytes]);
-  Scheduler* outer = scheduler;
-  scheduler = &s;
+  const SchedulerScope scope(&s);
   blockDim.x = threads;
   gridDim.x = grid;
   for (int b = 0; b < grid; ++b) {
@@ -235,12 +246,11 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
         if (s.done[t]) continue;
         s.current = t;
         threadIdx.x = t;
-        resume_fiber(s, t, outer);
+        resume_fiber(s, t);
         running = running || !s.done[t];
       }
     }
   }
-  scheduler = outer;
 }
 
 // A launch whose blocks wait at a barrier of them all: cooperative (grid_sync) or, with `cluster`, one cluster of the
@@ -265,8 +275,7 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
     std::memset(smem_base(s.block_smem.back().get()) + smem, kGuardByte, kSmemGuard);
   }
   while (stacks.size() < static_cast<size_t>(fibers)) stacks.emplace_back(new char[kStackBytes]);
-  Scheduler* outer = scheduler;
-  scheduler = &s;
+  const SchedulerScope scope(&s);
   blockDim.x = threads;
   gridDim.x = grid;
   for (int f = 0; f < fibers; ++f) start_fiber(s, f);
@@ -285,7 +294,7 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
           if (s.done[f] || s.at_grid[f]) continue;
           s.current = f;
           threadIdx.x = t;
-          resume_fiber(s, f, outer);
+          resume_fiber(s, f);
           if (s.done[f]) continue;
           (s.at_grid[f] ? to_grid : to_block) += 1;
         }
@@ -303,7 +312,6 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
     if (waiting != fibers) throw std::runtime_error("emulated launch: some threads ended while others wait at the grid barrier");
     std::fill(s.at_grid.begin(), s.at_grid.end(), 0);
   }
-  scheduler = outer;
   for (int b = 0; b < grid; ++b) {   // a write past the launch's shared memory would overrun it on a GPU
     const unsigned char* guard = smem_base(s.block_smem[b].get()) + smem;
     for (size_t i = 0; i < kSmemGuard; ++i)

@@ -884,6 +884,9 @@ def test_bench_persistent_table_and_floor(capsys):
     assert "| gru | 8 | 2.00 | 0.25 | 8.00 | 0.03 (12%) | 6.00 | 1.50 | 4.00 | 1.00 / 3.00 |" in out, out
     assert "cluster barrier: at most 0.60 us" in out and "16 blocks" in out and "--forms cluster" in out
     assert len(table) == 1 and table[0]["form"] == "cluster"   # (no cluster row for the deep transition: none)
+    results[("gru", 8, "persistent-cluster")].update(fell_back=True, form="grid")   # did not fit one cluster
+    bench_persistent.report(results, cluster, 50, 512, [8], 10, "a GPU", form="cluster")
+    assert "| gru (ran as grid: did not fit) | 8 |" in capsys.readouterr().out
 
 
 def test_bench_forms_measures_its_two_parts():

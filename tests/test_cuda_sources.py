@@ -266,8 +266,10 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     spilled_matrix in persistent_cuda_kernels.cuh), so that the compiler knows the space of every load: in the PTX for
     sm_90 of the float and bfloat16 kernels (every base cell, forward and backward), each scalar load is ld.shared,
     ld.global or ld.param, never a generic ld (which would test the address's space at run time), apart from the
-    grid barrier's own ld.acquire.gpu; and the cluster form's barrier is there (barrier.cluster arrive and wait).
-    (The wmma loads of the staged operands are generic: the warp matrix API takes a plain pointer.)"""
+    grid barrier's own ld.acquire.gpu, and none non-coherent (.nc: what other blocks write must be read through the
+    coherent path); and the cluster form's barrier is there, arrive with its default release semantics (not
+    .relaxed) and wait. (The wmma loads of the staged operands are generic: the warp matrix API takes a plain
+    pointer.)"""
     src = tmp_path / "persistent_ptx.cu"
     src.write_text(PERSISTENT_PTX_TU)
     ptx = tmp_path / "persistent.ptx"
@@ -280,6 +282,8 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     assert not generic, f"generic loads in the persistent kernels: {generic}"
     text = ptx.read_text()
     assert "barrier.cluster.arrive" in text and "barrier.cluster.wait" in text
+    assert "barrier.cluster.arrive.relaxed" not in text   # (release / acquire: the global memory written before)
+    assert not [op for op in loads if ".nc" in op]   # (no non-coherent loads of what other blocks write)
 
 
 def _torch_includes():
@@ -366,6 +370,26 @@ std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at
   return dtmt::transition_backward_persistent_cuda({grad_out, grad_hn, x, mask, drop}, weights(kind, params),
                                                    saved_of(saved), reverse, eps, grid, threads, resident, cluster);
 }
+// A kernel misusing the emulation's barriers (test_emulation_refuses_misused_barriers): 0 a grid barrier in a
+// cluster launch, 1 a cluster barrier in a cooperative launch, 2 a cluster of 17 blocks.
+struct MisuseArg {
+  int which;
+};
+void misuse_kernel(MisuseArg a) {
+  if (a.which == 0) {
+    ::dtmt_emu::grid_sync();
+  } else {
+    ::dtmt_emu::cluster_sync();
+  }
+}
+void emulation_misuse(int64_t which) {
+  const MisuseArg a{static_cast<int>(which)};
+  if (which == 1) {
+    ::dtmt_emu::launch_cooperative(misuse_kernel, 2, 32, 0, a);
+  } else {
+    ::dtmt_emu::launch_cluster(misuse_kernel, which == 2 ? 17 : 2, 32, 0, a);
+  }
+}
 // the plan the driver takes for a float64 layer (grid 0: the per-step path), and whether it is the cluster form
 std::tuple<int64_t, bool> driver_plan(const at::Tensor& x, int64_t kind, const std::vector<at::Tensor>& params) {
   const dtmt::cuda::PersistentPlan plan = dtmt::recurrence_plan<double>(x, weights(kind, params));
@@ -375,6 +399,12 @@ std::tuple<int64_t, bool> driver_plan(const at::Tensor& x, int64_t kind, const s
 
 // whether DTMT_CUDA_RECURRENCE asked for the persistent launches (read once a process)
 bool persistent_recurrence() { return dtmt::persistent_requested(); }
+
+// (grid, cluster, refused): the persistent launches run in this process (transition.h)
+std::tuple<int64_t, int64_t, int64_t> persistent_launches() {
+  const auto c = dtmt::persistent_launch_counts();
+  return {c.grid, c.cluster, c.refused};
+}
 
 // the step GEMM the driver picks for B rows (0 row GEMM, 1 tiled GEMM, 2 ATen's mm / cuBLAS)
 int64_t step_gemm_choice(int64_t B) { return static_cast<int64_t>(dtmt::step_gemm(B)); }
@@ -388,6 +418,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step_gemm_choice", &step_gemm_choice);
   m.def("persistent_recurrence", &persistent_recurrence);
   m.def("driver_plan", &driver_plan);
+  m.def("persistent_launches", &persistent_launches);
+  m.def("emulation_misuse", &emulation_misuse);
 }
 """
 
@@ -632,6 +664,21 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident,
                           torch.float64, B=3, T=3, H=37)
 
 
+@pytest.mark.slow
+def test_emulation_refuses_misused_barriers(emulated_cuda_ext):
+    """tests/cuda_emulation.h refuses what a GPU would not run: a grid barrier in a cluster launch, a cluster barrier
+    in a cooperative launch (both from inside the kernel: fiber_fail keeps the message and the launch raises it), a
+    cluster of more than 16 blocks; each is the launch's RuntimeError, and the next launch runs as before (the
+    scheduler of the failed one is gone: the cluster form of a layer still matches the reference)."""
+    for which, message in ((0, "emulated grid_sync in a cluster launch (its barrier is cluster_sync)"),
+                           (1, "emulated cluster_sync outside a cluster launch"),
+                           (2, "emulated launch: a cluster of 17 blocks (at most 16)")):
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            emulated_cuda_ext.emulation_misuse(which)
+    _compare_emulated(_emulated_sequence(emulated_cuda_ext, (4, 32, -1, True)), "lgru", 1, True, True,
+                      torch.float64, B=2, T=2, H=9)
+
+
 def _tf32(v):
     """float32 rounded to TF32 (10 mantissa bits), to nearest, ties away from zero (cvt.rna.tf32.f32)."""
     bits = v.contiguous().view(torch.int32)
@@ -835,7 +882,8 @@ def test_persistent_envelope():
     assert (one.fits, one.cluster, one.grid, one.slice, one.forward_bytes, one.backward_bytes) == (
         True, True, 16, 32, 201280, 207360)
     assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 197 / 202 KB")
-    assert (dk.persistent_plan("gru", 0, 8, 9, cluster=16, **h100).grid, plan.cluster) == (9, False)
+    nine = dk.persistent_plan("gru", 0, 8, 9, cluster=16, **h100)
+    assert (nine.grid, nine.cluster, plan.cluster) == (9, True, False)
     assert not dk.persistent_plan("lgru", 4, 8, 1024, "bfloat16", cluster=16, **h100_l2).fits
     kept = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=False, **h100_l2)   # it fits: nothing from L2
     assert (kept.forward_bytes, kept.backward_bytes, kept.forward_resident, kept.forward_spill, str(kept)) == (
@@ -902,6 +950,7 @@ with warnings.catch_warnings(record=True) as caught:
     print("plan:", ext.driver_plan(torch.zeros(3, 3, 3, dtype=torch.float64), KINDS["lgru"], params))
     for cell, depth in (("lgru", 1), ("atr", 0)):
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=3, T=3, H=9)
+    print("launches:", ext.persistent_launches())
 for w in caught:
     print("warning:", w.message)
 """
@@ -922,6 +971,9 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     assert f"persistent: {value.startswith('persistent')}" in res.stdout, res.stdout
     plan = {"persistent": (3, False), "persistent-cluster": (9, True)}.get(value, (0, False))
     assert f"plan: {plan}" in res.stdout, res.stdout
+    # which form ran: two layers, forward and backward each (grid, cluster, refused)
+    ran = {"persistent": (4, 0, 0), "persistent-cluster": (0, 4, 0)}.get(value, (0, 0, 0))
+    assert f"launches: {ran}" in res.stdout, res.stdout
     warned = ("DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent, persistent-cluster"
               in res.stdout + res.stderr)
     assert warned == (value == "sideways"), res.stdout + res.stderr

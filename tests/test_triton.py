@@ -475,14 +475,19 @@ def test_gpu_persistent_reads_matrices_from_l2(compiled):
         assert err <= 5e-2, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("cell,depth,H,B", [("gru", 0, 512, 8), ("lgru", 2, 256, 4)], ids=["gru-512", "lgru-d2-256"])
-def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B):
+@pytest.mark.parametrize("cell,depth,H,B,T", [("gru", 0, 512, 8, 256), ("lgru", 2, 256, 4, 7), ("lgru", 1, 37, 5, 64)],
+                         ids=["gru-512-T256", "lgru-d2-256", "lgru-d1-37-13-blocks"])
+def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     """With DTMT_CUDA_RECURRENCE=persistent-cluster (gpu_session.sh's persistent-cluster stage) a layer that fits one
-    thread-block cluster of 16 blocks runs as that cluster (docs/design/persistent_recurrence.md, "One cluster"):
-    the plan says so, nothing falls back (no warning), and forward and backward give the float64 reference's outputs
-    and gradients in strict fp32 (ragged lengths, layer norm)."""
+    thread-block cluster runs as that cluster (docs/design/persistent_recurrence.md, "One cluster"): the plan says
+    so, the driver's launch counts (dk persistent_launches) show a cluster launch for the forward and one for the
+    backward and no other persistent launch, and forward and backward give the float64 reference's outputs and
+    gradients in strict fp32 (ragged lengths, layer norm; 256 steps of a GRU at H = 512: 16 blocks of 32 units, the
+    states and layer-norm partials passed between blocks through global memory across 256 x 2 cluster barriers each
+    way; 13 blocks of 3 units at H = 37)."""
     import copy
-    import warnings
+
+    from dtmt_kernels.ops.transition.persistent import persistent_launches
 
     if "cuda" not in dk.available_backends():
         pytest.skip("the cuda backend is not built")
@@ -491,13 +496,13 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need compute capability 9.0")
     plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, cluster=16)
-    assert plan.fits and plan.cluster and plan.grid == 16, str(plan)
+    blocks = -(-H // -(-H // 16))   # ceil(H / ceil(H / 16))
+    assert plan.fits and plan.cluster and plan.grid == blocks, str(plan)
     layer = make_layer(cell, 32, H, depth=depth, layer_norm=True, dtype=torch.float32)
     with torch.no_grad():
         for p in layer.parameters():
             p.mul_(0.3)
     gen = torch.Generator().manual_seed(13)
-    T = 7
     x, h0 = torch.randn(T, B, 32, generator=gen), torch.randn(B, H, generator=gen)
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).float()
@@ -505,15 +510,13 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B):
                   None, True, "reference")
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
+    launched = persistent_launches()
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got, _ = _run(layer.cuda(), x.cuda(), h0.cuda(), mask.cuda(), None, True, "cuda", g[0].float(),
-                          g[1].float())
+        got, _ = _run(layer.cuda(), x.cuda(), h0.cuda(), mask.cuda(), None, True, "cuda", g[0].float(), g[1].float())
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
-    assert not [w for w in caught if "does not fit" in str(w.message) or "cluster" in str(w.message)], \
-        [str(w.message) for w in caught]
+    now = persistent_launches()
+    assert {k: now[k] - launched[k] for k in now} == {"grid": 0, "cluster": 2, "refused": 0}, (launched, now)
     for name in ref:
         scale = ref[name].abs().max().item() + 1e-3
         err = (got[name].double() - ref[name]).abs().max().item() / scale

@@ -141,6 +141,17 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
                           fres, bres, fspill, bspill, l2_cache, bool(in_cluster))
 
 
+def persistent_launches() -> dict:
+    """How many of this process's cuda-backend forwards and backwards ran as persistent launches, in the grid form
+    (`grid`) and in the cluster form (`cluster`), and how many persistent launches the device refused (`refused`:
+    the grid form or the per-step path ran instead); the per-step runs are not counted. All zero where the extension
+    has no CUDA kernels. Which form ran, for the GPU tests and benchmarks/bench_persistent.py."""
+    if _C is None or not getattr(_C, "has_cuda", False):
+        return {"grid": 0, "cluster": 0, "refused": 0}
+    grid, cluster, refused = _C.persistent_launches()
+    return {"grid": grid, "cluster": cluster, "refused": refused}
+
+
 ENVELOPE_LAYERS = (("GRU", "gru", 0), ("ATR", "atr", 0), ("DT d4 (L-GRU + 4 T-GRUs)", "lgru", 4))
 ENVELOPE_MODES = (("fp32 strict", torch.float32, False), ("TF32", torch.float32, True), ("bf16", torch.bfloat16, True))
 ENVELOPE_HIDDEN = (256, 512, 768, 1024, 2048)

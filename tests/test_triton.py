@@ -346,6 +346,34 @@ def test_kernels_compile_for_gpu(compiled, case):
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
+def _assert_relative_errors(ref, got, tol, what=""):
+    """Every output and gradient of `got` within `tol` of the float64 reference `ref`, relative to each tensor's
+    largest entry (+1e-3); `what` prefixes the message."""
+    for name in ref:
+        scale = ref[name].abs().max().item() + 1e-3
+        err = (got[name].double() - ref[name]).abs().max().item() / scale
+        assert err <= tol, f"{what}{name}: relative error {err:.2e} > {tol}"
+
+
+def _ragged_case(cell, depth, I, H, B, T, seed):
+    """A layer-normed `cell` layer of depth `depth` (float32, on the CPU, its parameters scaled by 0.3), inputs
+    x [T, B, I] and h0 [B, H] and a padding mask [T, B] of random lengths, drawn from `seed`, and the float64
+    reference's outputs and gradients of the reverse direction on the GPU (_run's ref, g)."""
+    import copy
+
+    layer = make_layer(cell, I, H, depth=depth, layer_norm=True, dtype=torch.float32)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(0.3)
+    gen = torch.Generator().manual_seed(seed)
+    x, h0 = torch.randn(T, B, I, generator=gen), torch.randn(B, H, generator=gen)
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).float()
+    ref, g = _run(copy.deepcopy(layer).double().cuda(), x.double().cuda(), h0.double().cuda(), mask.double().cuda(),
+                  None, True, "reference")
+    return layer, x, h0, mask, ref, g
+
+
 def _gpu_check(cell, depth, dtype, T, B, I, H, drop_p=0.0, device="cuda"):
     """triton (and cuda, when built) on the GPU against the float64 reference on the GPU: outputs and all
     gradients, relative to each tensor's largest entry; also forward under no_grad."""
@@ -375,10 +403,7 @@ def _gpu_check(cell, depth, dtype, T, B, I, H, drop_p=0.0, device="cuda"):
             args = (x.to(dtype=dtype, **cuda), h0.to(dtype=dtype, **cuda), mask.to(dtype=dtype, **cuda),
                     None if drop is None else drop.to(dtype=dtype, **cuda))
             got, _ = _run(low, *args, True, backend, g[0].to(dtype), g[1].to(dtype))
-            for name in ref:
-                scale = ref[name].abs().max().item() + 1e-3
-                err = (got[name].double() - ref[name]).abs().max().item() / scale
-                assert err <= tol, f"{backend} {name}: relative error {err:.2e} > {tol}"
+            _assert_relative_errors(ref, got, tol, f"{backend} ")
             with torch.no_grad():
                 w = low.direction_weights(0)
                 out, h_n = Fn.transition_sequence(*args[:2], w, args[2], args[3], True, backend)
@@ -407,20 +432,10 @@ def test_gpu_cuda_backend_follows_torchs_tf32_flag(compiled, cell, depth):
     FMA): outputs and every gradient within TF32's precision of the float64 reference. With the persistent launches
     (DTMT_CUDA_RECURRENCE=persistent, gpu_session.sh's persistent stage) the products are TF32: the outputs differ
     from the strict-fp32 run's."""
-    import copy
-
     if "cuda" not in dk.available_backends():
         pytest.skip("the cuda backend is not built")
-    layer = make_layer(cell, 40, 200, depth=depth, layer_norm=True, dtype=torch.float32).cuda()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.mul_(0.3)
-    gen = torch.Generator().manual_seed(9)
-    T, B = 12, 16
-    x, h0 = torch.randn(T, B, 40, generator=gen).cuda(), torch.randn(B, 200, generator=gen).cuda()
-    lengths = torch.randint(1, T + 1, (B,), generator=gen)
-    mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).float().cuda()
-    ref, g = _run(copy.deepcopy(layer).double(), x.double(), h0.double(), mask.double(), None, True, "reference")
+    layer, x, h0, mask, ref, g = _ragged_case(cell, depth, 40, 200, B=16, T=12, seed=9)
+    layer, x, h0, mask = layer.cuda(), x.cuda(), h0.cuda(), mask.cuda()
     before = torch.backends.cuda.matmul.allow_tf32
     try:
         runs = {}
@@ -429,10 +444,7 @@ def test_gpu_cuda_backend_follows_torchs_tf32_flag(compiled, cell, depth):
             runs[tf32], _ = _run(layer, x, h0, mask, None, True, "cuda", g[0].float(), g[1].float())
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
-    for name in ref:
-        scale = ref[name].abs().max().item() + 1e-3
-        err = (runs[True][name].double() - ref[name]).abs().max().item() / scale
-        assert err <= 2e-2, f"{name}: relative error {err:.2e} with TF32 allowed"
+    _assert_relative_errors(ref, runs[True], 2e-2, "TF32 allowed: ")
     if os.environ.get("DTMT_CUDA_RECURRENCE") == "persistent":
         assert not torch.equal(runs[True]["out"], runs[False]["out"]), "TF32 allowed, yet the products were fp32"
 
@@ -442,7 +454,6 @@ def test_gpu_persistent_reads_matrices_from_l2(compiled):
     shared memory, and with DTMT_CUDA_RECURRENCE=persistent (gpu_session.sh's persistent stage) the plan reads the top
     T-GRUs' from L2 (docs/design/persistent_recurrence.md, "Past shared memory: the L2"). The persistent launches run
     (no fall-back warning) and give the float64 reference's outputs and gradients to bfloat16's precision."""
-    import copy
     import warnings
 
     if "cuda" not in dk.available_backends():
@@ -453,26 +464,14 @@ def test_gpu_persistent_reads_matrices_from_l2(compiled):
     plan = dk.persistent_plan("lgru", 4, B, H, torch.bfloat16)
     if not plan.fits or not plan.forward_spill:
         pytest.skip(f"on this device: {plan}")
-    layer = make_layer("lgru", 64, H, depth=4, layer_norm=True, dtype=torch.float32)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.mul_(0.3)
-    gen = torch.Generator().manual_seed(12)
-    x, h0 = torch.randn(T, B, 64, generator=gen), torch.randn(B, H, generator=gen)
-    lengths = torch.randint(1, T + 1, (B,), generator=gen)
-    mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).float()
-    ref, g = _run(copy.deepcopy(layer).double().cuda(), x.double().cuda(), h0.double().cuda(), mask.double().cuda(),
-                  None, True, "reference")
+    layer, x, h0, mask, ref, g = _ragged_case("lgru", 4, 64, H, B, T, seed=12)
     low = layer.to(torch.bfloat16).cuda()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, _ = _run(low, x.bfloat16().cuda(), h0.bfloat16().cuda(), mask.bfloat16().cuda(), None, True, "cuda",
                       g[0].bfloat16(), g[1].bfloat16())
     assert not [w for w in caught if "does not fit" in str(w.message)], [str(w.message) for w in caught]
-    for name in ref:
-        scale = ref[name].abs().max().item() + 1e-3
-        err = (got[name].double() - ref[name]).abs().max().item() / scale
-        assert err <= 5e-2, f"{name}: relative error {err:.2e}"
+    _assert_relative_errors(ref, got, 5e-2)
 
 
 @pytest.mark.parametrize("cell,depth,H,B,T", [("gru", 0, 512, 8, 256), ("lgru", 2, 256, 4, 7), ("lgru", 1, 37, 5, 64)],
@@ -485,8 +484,6 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     gradients in strict fp32 (ragged lengths, layer norm; 256 steps of a GRU at H = 512: 16 blocks of 32 units, the
     states and layer-norm partials passed between blocks through global memory across 256 x 2 cluster barriers each
     way; 13 blocks of 3 units at H = 37)."""
-    import copy
-
     from dtmt_kernels.ops.transition.persistent import persistent_launches
 
     if "cuda" not in dk.available_backends():
@@ -498,16 +495,7 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, cluster=16)
     blocks = -(-H // -(-H // 16))   # ceil(H / ceil(H / 16))
     assert plan.fits and plan.cluster and plan.grid == blocks, str(plan)
-    layer = make_layer(cell, 32, H, depth=depth, layer_norm=True, dtype=torch.float32)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.mul_(0.3)
-    gen = torch.Generator().manual_seed(13)
-    x, h0 = torch.randn(T, B, 32, generator=gen), torch.randn(B, H, generator=gen)
-    lengths = torch.randint(1, T + 1, (B,), generator=gen)
-    mask = (torch.arange(T).unsqueeze(1) < lengths.unsqueeze(0)).float()
-    ref, g = _run(copy.deepcopy(layer).double().cuda(), x.double().cuda(), h0.double().cuda(), mask.double().cuda(),
-                  None, True, "reference")
+    layer, x, h0, mask, ref, g = _ragged_case(cell, depth, 32, H, B, T, seed=13)
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     launched = persistent_launches()
@@ -517,10 +505,7 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
         torch.backends.cuda.matmul.allow_tf32 = before
     now = persistent_launches()
     assert {k: now[k] - launched[k] for k in now} == {"grid": 0, "cluster": 2, "refused": 0}, (launched, now)
-    for name in ref:
-        scale = ref[name].abs().max().item() + 1e-3
-        err = (got[name].double() - ref[name]).abs().max().item() / scale
-        assert err <= 1e-4, f"{name}: relative error {err:.2e}"
+    _assert_relative_errors(ref, got, 1e-4)
 
 
 @needs_triton

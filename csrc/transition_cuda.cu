@@ -63,6 +63,21 @@ namespace {
 
 using at::Tensor;
 
+// The messages of this file that hold numbers are made into one string here (numbers by std::to_string) before
+// TORCH_CHECK or TORCH_WARN sees them, so that c10::str streams nothing. On the H200 image of 2026-11-30 a number
+// streamed into c10::str's ostringstream from this nvcc-compiled unit crashed the process inside libstdc++
+// (ostream's integer insertion reached a locale facet of another type: device_plan's warning at H = 2500); the cause
+// (the two host compilers of that image, or its libstdc++) is unconfirmed, and gpu_session.sh's build stage prints
+// what it needs to tell (docs/design/gpu.md, "Messages from the CUDA unit").
+inline void append_text(std::string& s, const char* v) { s += v; }
+template <typename N, std::enable_if_t<std::is_arithmetic<N>::value, int> = 0>
+void append_text(std::string& s, N v) { s += std::to_string(v); }
+template <typename... Args> std::string message(const Args&... args) {
+  std::string s;
+  (append_text(s, args), ...);
+  return s;
+}
+
 template <typename S> struct DeviceType { using type = S; };
 template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
 #if !defined(DTMT_CUDA_EMULATION)
@@ -148,8 +163,8 @@ void cublas_gemm(cublasHandle_t handle, const T* a, const T* w, T* c, int rows, 
       handle, w_transposed ? CUBLAS_OP_T : CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one,
       w, Types::data, w_transposed ? k : n, a, Types::data, k, &zero, c, Types::data, n, Types::compute,
       CUBLAS_GEMM_DEFAULT);
-  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "dtmt: cublasGemmEx failed (status ", static_cast<int>(status),
-              ") in the cuda backend's step GEMM");
+  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, message("dtmt: cublasGemmEx failed (status ",
+                                                       static_cast<int>(status), ") in the cuda backend's step GEMM"));
 }
 #endif
 
@@ -196,9 +211,9 @@ template <typename A> void check_shared_memory(const Dims& d, int rows_per_group
   int device = 0, limit = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  TORCH_CHECK(bytes <= static_cast<size_t>(limit), "dtmt: the cuda backend's ", pass, " kernel needs ", bytes,
-              " bytes of shared memory per block at hidden size ", d.H, "; this device allows ", limit,
-              ". Use backend='triton' for this size.");
+  TORCH_CHECK(bytes <= static_cast<size_t>(limit),
+              message("dtmt: the cuda backend's ", pass, " kernel needs ", bytes, " bytes of shared memory per block "
+                      "at hidden size ", d.H, "; this device allows ", limit, ". Use backend='triton' for this size."));
 #else
   (void)d, (void)rows_per_group, (void)pass;
 #endif
@@ -421,9 +436,11 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S_ = D + 1;
-  TORCH_CHECK(grid >= 1 && grid <= H, "dtmt: the persistent forward needs 1 <= grid <= H, got grid ", grid, ", H ", H);
-  TORCH_CHECK(!cluster || grid <= cuda::kClusterMaxBlocks, "dtmt: the persistent forward's cluster form holds at most ",
-              cuda::kClusterMaxBlocks, " blocks, got grid ", grid);
+  TORCH_CHECK(grid >= 1 && grid <= H,
+              message("dtmt: the persistent forward needs 1 <= grid <= H, got grid ", grid, ", H ", H));
+  TORCH_CHECK(!cluster || grid <= cuda::kClusterMaxBlocks,
+              message("dtmt: the persistent forward's cluster form holds at most ", cuda::kClusterMaxBlocks,
+                      " blocks, got grid ", grid));
   const int64_t slice = (H + grid - 1) / grid;
   grid = (H + slice - 1) / slice;   // every block owns at least one unit
   const auto opts = x.options();
@@ -464,9 +481,9 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
     if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
       (void)cudaGetLastError();   // (the launch's error, cleared)
       ++launches_refused;
-      TORCH_WARN_ONCE("dtmt: the device refused the persistent forward", cluster ? " as one cluster" : "", " at H=", H,
-                      ", depth ", D, ", B=", B, " (", cudaGetErrorString(err), "): ",
-                      cluster ? "the grid form or " : "", "the per-step forward runs instead");
+      TORCH_WARN_ONCE(message("dtmt: the device refused the persistent forward", cluster ? " as one cluster" : "",
+                              " at H=", H, ", depth ", D, ", B=", B, " (", cudaGetErrorString(err), "): ",
+                              cluster ? "the grid form or " : "", "the per-step forward runs instead"));
       return {};
     }
     C10_CUDA_CHECK(err);
@@ -540,20 +557,21 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
     } else {
       const cuda::PersistentPlan one = plan_of(limits.cluster_blocks);
       if (one.fits) return one;
-      TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " does not fit one thread-block "
-                      "cluster: the grid form of the persistent launches is tried (DTMT_CUDA_RECURRENCE="
-                      "persistent-cluster)");
+      TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " does not fit one "
+                              "thread-block cluster: the grid form of the persistent launches is tried "
+                              "(DTMT_CUDA_RECURRENCE=persistent-cluster)"));
     }
   }
   cuda::PersistentPlan plan = plan_of(0);
   if (!plan.fits) {
-    TORCH_WARN_ONCE("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ", plan.forward_bytes / 1024,
-                    " KB (forward) and ", plan.backward_bytes / 1024, " KB (backward) of shared memory a block in ",
-                    plan.grid, " blocks, with the matrices of ", d.D + 1 - plan.forward_resident, " / ",
-                    d.D + 1 - plan.backward_resident, " sub-cells read from L2 (", plan.forward_spill >> 20, " / ",
-                    plan.backward_spill >> 20, " MiB of the ", (limits.l2_bytes / cuda::kSpillL2Share) >> 20,
-                    " MiB allowed); this device allows ", limits.smem_optin / 1024,
-                    " KB: the per-step path runs (DTMT_CUDA_RECURRENCE=persistent)");
+    TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ",
+                            plan.forward_bytes / 1024, " KB (forward) and ", plan.backward_bytes / 1024,
+                            " KB (backward) of shared memory a block in ", plan.grid, " blocks, with the matrices of ",
+                            d.D + 1 - plan.forward_resident, " / ", d.D + 1 - plan.backward_resident,
+                            " sub-cells read from L2 (", plan.forward_spill >> 20, " / ", plan.backward_spill >> 20,
+                            " MiB of the ", (limits.l2_bytes / cuda::kSpillL2Share) >> 20,
+                            " MiB allowed); this device allows ", limits.smem_optin / 1024,
+                            " KB: the per-step path runs (DTMT_CUDA_RECURRENCE=persistent)"));
     plan.grid = 0;
   }
   return plan;
@@ -764,10 +782,11 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const int64_t B = d.B, H = d.H, D = d.D;
-  TORCH_CHECK(grid >= 1 && grid <= H, "dtmt: the persistent backward needs 1 <= grid <= H, got grid ", grid, ", H ",
-              H);
-  TORCH_CHECK(!cluster || grid <= cuda::kClusterMaxBlocks, "dtmt: the persistent backward's cluster form holds at "
-              "most ", cuda::kClusterMaxBlocks, " blocks, got grid ", grid);
+  TORCH_CHECK(grid >= 1 && grid <= H,
+              message("dtmt: the persistent backward needs 1 <= grid <= H, got grid ", grid, ", H ", H));
+  TORCH_CHECK(!cluster || grid <= cuda::kClusterMaxBlocks,
+              message("dtmt: the persistent backward's cluster form holds at most ", cuda::kClusterMaxBlocks,
+                      " blocks, got grid ", grid));
   const int64_t slice = (H + grid - 1) / grid;
   grid = (H + slice - 1) / slice;
   const auto opts = x.options();
@@ -814,9 +833,9 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
     (void)cudaGetLastError();
     ++launches_refused;
-    TORCH_WARN_ONCE("dtmt: the device refused the persistent backward", cluster ? " as one cluster" : "", " at H=", H,
-                    ", depth ", D, ", B=", B, " (", cudaGetErrorString(err), "): ",
-                    cluster ? "the grid form or " : "", "the per-step backward runs instead");
+    TORCH_WARN_ONCE(message("dtmt: the device refused the persistent backward", cluster ? " as one cluster" : "",
+                            " at H=", H, ", depth ", D, ", B=", B, " (", cudaGetErrorString(err), "): ",
+                            cluster ? "the grid form or " : "", "the per-step backward runs instead"));
     return {};
   }
   C10_CUDA_CHECK(err);

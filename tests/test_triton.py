@@ -508,6 +508,44 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     _assert_relative_errors(ref, got, 1e-4)
 
 
+_UNFIT_LAYER = """
+import warnings, torch
+from conftest import make_layer
+from dtmt_kernels.ops.transition.persistent import persistent_launches
+layer = make_layer("lgru", 8, 2500, depth=1, layer_norm=True, dtype=torch.float32).cuda()
+layer.backend = "cuda"
+x = torch.randn(3, 2, 8, device="cuda", requires_grad=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out, h_n = layer(x)
+    out.sum().backward()
+torch.cuda.synchronize()
+assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+print(persistent_launches())
+for w in caught:
+    print("WARNING", w.message)
+"""
+
+
+@pytest.mark.parametrize("recurrence", ["persistent", "persistent-cluster"])
+def test_gpu_persistent_says_where_a_layer_does_not_fit(compiled, recurrence):
+    """A layer the persistent launches cannot hold (L-GRU at H = 2500 with layer norm, fp32: more than one cluster
+    and more than the device's shared memory) runs on the per-step path with a warning that names its sizes, in a
+    child process (the switch is read once a process; and a crash there fails this test instead of ending the run).
+    The warnings hold numbers: on the H200 image of 2026-11-30 that warning ended the process inside libstdc++
+    (docs/design/gpu.md, "Messages from the CUDA unit")."""
+    if "cuda" not in dk.available_backends():
+        pytest.skip("the cuda backend is not built")
+    env = {**os.environ, "DTMT_CUDA_RECURRENCE": recurrence}
+    run = subprocess.run([sys.executable, "-c", _UNFIT_LAYER], cwd=os.path.dirname(os.path.abspath(__file__)),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "'grid': 0, 'cluster': 0" in run.stdout, run.stdout
+    assert "a layer of H=2500, depth 1, B=2 needs " in run.stdout, run.stdout
+    if recurrence == "persistent-cluster" and torch.cuda.get_device_capability()[0] >= 9:
+        assert "a layer of H=2500, depth 1, B=2 does not fit one thread-block cluster" in run.stdout, run.stdout
+
+
 @needs_triton
 @pytest.mark.parametrize("cell,depth,dtype", [("lgru", 1, torch.float32), ("atr", 0, torch.bfloat16)],
                          ids=["lgru-fp32", "atr-bf16"])
@@ -522,4 +560,5 @@ for _mark in needs_gpu:
     test_gpu_compiled_hidden_sizes = _mark(test_gpu_compiled_hidden_sizes)
     test_gpu_cuda_backend_follows_torchs_tf32_flag = _mark(test_gpu_cuda_backend_follows_torchs_tf32_flag)
     test_gpu_persistent_cluster_form = _mark(test_gpu_persistent_cluster_form)
+    test_gpu_persistent_says_where_a_layer_does_not_fit = _mark(test_gpu_persistent_says_where_a_layer_does_not_fit)
     test_gpu_persistent_reads_matrices_from_l2 = _mark(test_gpu_persistent_reads_matrices_from_l2)

@@ -50,7 +50,7 @@ def _update(model, capturing, monkeypatch):
     return loss_sum.detach(), grads, ntok, reads.where
 
 
-@pytest.mark.parametrize("system", RECURRENT)
+@pytest.mark.parametrize("system", RECURRENT + ["transformer"])
 def test_an_update_reads_nothing_on_the_host_while_captured(system, monkeypatch):
     """Eager, the update reads the lengths and the ids' range on the host (its one-line errors for bad input need
     them); while captured, nothing: the checks are device-side asserts, the mask is made on the device, the token
@@ -74,13 +74,15 @@ def test_an_eager_update_reads_the_lengths_once(system, monkeypatch):
     """Issue 75 item 5: an eager update reads the lengths on the host once (dk.functional.host_list), though the
     input checks, the encoder's mask and the decoder's start all use them, and checks the batch once, though its
     encode checks it too (checked_batch): a recurrent system's update makes three reads, the lengths, the ids'
-    range (both sides in one), the token count; the transformer a fourth, its attention mask's lengths."""
+    range (both sides in one), the token count; the transformer too (its decoder's causal mask is declared causal,
+    so torch does not compare it with one on the host: a fourth read until 2026-11-30, which a CUDA graph's capture
+    refused on the GPU)."""
     torch.manual_seed(0)
     model = dm.build_model(system, 60, 60, embed_dim=16, hidden_size=24)
     _, _, _, reads = _update(model, False, monkeypatch)
     lengths = sum(n for where, n in reads.items() if "_host_reads.py" in where)
     assert lengths == 1, dict(reads)
-    assert sum(reads.values()) == (4 if system == "transformer" else 3), dict(reads)
+    assert sum(reads.values()) == 3, dict(reads)
 
 
 def test_host_list_keeps_a_read_only_inside_a_block():

@@ -96,8 +96,10 @@ class TransformerNMT(Seq2Seq):
     def _decode(self, state: State, prefix: Tensor) -> Tensor:
         T = prefix.shape[1]
         causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=prefix.device), 1)
+        # tgt_is_causal: the mask is causal by construction (else torch compares it with one on the host: on a GPU a
+        # synchronisation, which a CUDA graph's capture refuses)
         return self.transformer.decoder(self._embed(self.tgt_embed, prefix), state["memory"], tgt_mask=causal,
-                                        memory_key_padding_mask=state["src_pad"])
+                                        tgt_is_causal=True, memory_key_padding_mask=state["src_pad"])
 
     def decoder_step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
         """One position through every pre-norm decoder layer, as torch.nn.TransformerDecoderLayer computes it

@@ -381,3 +381,21 @@ def test_positional_encoding_is_the_formula_without_torch_transcendentals(monkey
     want = plain + (sinusoidal_positions(70, 8, dtype=torch.float64) / 8 ** 0.5).float()
     assert torch.allclose(got, want, rtol=0, atol=1e-6)
     assert torch.equal(got, plain + emb._table[:70])
+
+
+def test_a_decoder_steps_positions_off_the_cpu_are_not_read_on_the_host():
+    """A decoder step's positional encoding on a device other than the CPU reads no position on the host: sizing
+    the table by the largest position (the CPU's way) would synchronise a GPU every step, and the device search's
+    steps must not (tests/test_gpu_systems.py; its first GPU run, 2026-11-30, counted one per step). On the meta
+    device no value can be read, so the step's forward passing there shows it; on the CPU the rows of that path are
+    the table's."""
+    import copy
+
+    from dtmt_models.models.embeddings import TokenEmbedding, sinusoidal_at
+
+    emb = TokenEmbedding(11, 8, positional=True).eval()
+    tokens, positions = torch.tensor([3, 4, 5]), torch.tensor([0, 7, 300])
+    out = copy.deepcopy(emb).to("meta")(tokens.to("meta"), positions=positions.to("meta"))
+    assert out.shape == (3, 8) and out.device.type == "meta"
+    table = emb(tokens, positions=positions) - emb.embed.weight[tokens]
+    torch.testing.assert_close(table, (sinusoidal_at(positions, 8) / 8 ** 0.5).float(), rtol=0, atol=1e-7)

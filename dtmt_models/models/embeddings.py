@@ -33,10 +33,12 @@ def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32
 
 
 def sinusoidal_at(positions: Tensor, dim: int) -> Tensor:
-    """The PE rows of `positions` [...] -> [..., dim], in float64 on the positions' device, with torch's sin and
-    cos (the table's formula, for torch.compile, where no table may be sized by the data)."""
+    """The PE rows of `positions` [...] -> [..., dim], in float64 on the positions' device, with torch's sin, cos
+    and pow (the table's formula, where no table may be sized by the data: under torch.compile, in a CUDA graph, in a
+    decoder step on a GPU). Nothing comes from the host: the wavelengths too are made on the device."""
     pos = positions.to(torch.float64).unsqueeze(-1)
-    angle = pos / torch.tensor(_wavelengths(dim), dtype=torch.float64, device=positions.device)
+    pairs = torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device)
+    angle = pos / torch.pow(10000.0, pairs / dim)
     pe = torch.zeros(*positions.shape, dim, dtype=torch.float64, device=positions.device)
     pe[..., 0::2] = torch.sin(angle)
     pe[..., 1::2] = torch.cos(angle[..., : dim // 2])
@@ -78,7 +80,9 @@ class TokenEmbedding(nn.Module):
         if self.positional:
             if positions is None:
                 x = x + self.scaled_positions(tokens.shape[-1], x)
-            elif not dk.functional.host_reads_allowed():   # no table sized by the data: these positions' rows
+            elif positions.device.type != "cpu" or not dk.functional.host_reads_allowed():
+                # no table sized by the data (its size would be a read of the positions: on a GPU a synchronisation
+                # every decoder step): these positions' rows
                 x = x + (sinusoidal_at(positions, self.dim) / math.sqrt(self.dim)).to(x.dtype)
             else:
                 table = self.scaled_positions(int(positions.max()) + 1, x)

@@ -16,9 +16,10 @@
 // So (D + 1) x (1 + layer norm) grid barriers a step. The cluster form (args.cluster) is the same kernel launched as
 // one thread-block cluster of at most 16 blocks on Hopper, each barrier the cluster's instead of the grid's. The
 // outputs and saved tensors are exactly those of the per-step forward (transition_cuda.cu's forward_impl: out, h_n,
-// hs, hs_lp, hp, hpt), so its backward runs on them unchanged. Products, rounded to T as the per-step GEMM's output is: on tensor cores where the args say `mma`
-// (block_mma.cuh: TF32 for float storage where torch allows it, f16 / bf16 for 16-bit storage), else FMA in the
-// accumulation type A over the GEMM dtype T (the stored state and matrix).
+// hs, hs_lp, hp, hpt), so its backward runs on them unchanged. Products, rounded to T as the per-step GEMM's output
+// is: on tensor cores where the args say `mma` (block_mma.cuh: TF32 for float storage where torch allows it, f16 /
+// bf16 for 16-bit storage), else FMA in the accumulation type A over the GEMM dtype T (the stored state and matrix;
+// block_dots).
 //
 // Compiles with nvcc (host and device) and, with DTMT_CUDA_EMULATION, with a host compiler on the fibers of
 // tests/cuda_emulation.h (launch_cooperative: blocks of a grid, each with its own shared memory).
@@ -190,9 +191,38 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
   return sp;
 }
 
+// The FMA products of the persistent launches: `outputs` dot products of length K, output o the sum over i of
+// ld(a(o), i) * ld(v(o), i) (a: a matrix row in shared memory or L2, v: a batch row's vector), given by store(o, sum)
+// (0 where !live(o): a row whose sentence has ended costs nothing). Output o is summed by `lanes` consecutive
+// threads, each over every lanes-th i, combined by shuffles (a fixed tree: deterministic); lanes is the largest power
+// of two up to 32 that leaves no thread two outputs a pass: 1 where there are at least as many outputs as threads
+// (then each thread sums whole outputs in index order), 16 for a GRU's 12 outputs at B = 1. Callers number their
+// outputs units first, then gates, then batch rows, so that the threads of a warp read one or a few batch rows'
+// vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart (distinct banks). Ordered the other
+// way (batch rows first), a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at
+// B = 64 on an H200 (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the
+// same passes (the shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32.
+template <typename A, typename Live, typename RowOf, typename VecOf, typename Store>
+__device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf a, VecOf v, Store store) {
+  int lanes = 1;
+  while (lanes < 32 && outputs * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
+  const int groups = static_cast<int>(blockDim.x) / lanes, lane = static_cast<int>(threadIdx.x) % lanes;
+  const int passes = (outputs + groups - 1) / groups;
+  for (int pass = 0; pass < passes; ++pass) {
+    const int o = pass * groups + static_cast<int>(threadIdx.x) / lanes;
+    A acc = A(0);
+    if (o < outputs && live(o)) {
+      const auto* row = a(o);
+      const auto* vec = v(o);
+      for (int i = lane; i < K; i += lanes) acc += ld<A>(row, i) * ld<A>(vec, i);
+    }
+    for (int off = lanes / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (o < outputs && lane == 0) store(o, acc);
+  }
+}
+
 // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is: on
-// tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (consecutive threads take consecutive
-// batch rows of one matrix row: its shared-memory reads are broadcasts); into hp and pre [B][4][S].
+// tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (block_dots); into hp and pre [B][4][S].
 template <int K, typename T, typename A>
 __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, A>& p, const SubcellSpan<T, A>& sp,
                                                  int t, const T* u, A* pre, unsigned char* mma_buf) {
@@ -210,25 +240,27 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
     }
   }
 #endif
-  const int ldc = round16(NH * S);
-  for (int e = threadIdx.x; e < B * NH * n; e += blockDim.x) {
-    const int b = e % B, q = e / (B * n), jj = (e / B) % n;
-    const T* row = u + (static_cast<size_t>(q) * S + jj) * (H + 1);
-    A acc = A(0);
-    if (C != nullptr) {
-      acc = static_cast<A>(C[b * ldc + q * S + jj]);   // (0 for a row whose sentence has ended)
-    } else if (!row_valid(p.mask, t, B, b)) {
-      // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them)
-    } else if (hin_lp) {
-      const T* h = hin_lp + static_cast<size_t>(b) * H;
-      for (int i = 0; i < H; ++i) acc += ld<A>(row, i) * ld<A>(h, i);
-    } else {
-      const A* h = hin + static_cast<size_t>(b) * H;
-      for (int i = 0; i < H; ++i) acc += ld<A>(row, i) * h[i];
-    }
+  // output e: unit jj = e % n of gate q = (e / n) % NH, batch row b = e / (NH n)
+  auto store = [&](int e, A acc) {
+    const int jj = e % n, q = (e / n) % NH, b = e / (NH * n);
     const T rounded = Cvt<A, T>::store(acc);
     hp[static_cast<size_t>(b) * NH * H + q * H + j0 + jj] = rounded;
     pre[(b * 4 + (K == kATR ? 1 : q)) * S + jj] = Cvt<A, T>::load(rounded);   // (ATR: its q's slot)
+  };
+  if (C != nullptr) {
+    const int ldc = round16(NH * S);
+    for (int e = threadIdx.x; e < B * NH * n; e += blockDim.x)   // (0 for a row whose sentence has ended)
+      store(e, static_cast<A>(C[(e / (NH * n)) * ldc + ((e / n) % NH) * S + e % n]));
+  } else {
+    // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them)
+    auto live = [&](int e) { return row_valid(p.mask, t, B, e / (NH * n)); };
+    auto row = [&](int e) { return u + (static_cast<size_t>((e / n) % NH) * S + e % n) * (H + 1); };
+    if (hin_lp)
+      block_dots<A>(B * NH * n, H, live, row, [&](int e) { return hin_lp + static_cast<size_t>(e / (NH * n)) * H; },
+                    store);
+    else
+      block_dots<A>(B * NH * n, H, live, row, [&](int e) { return hin + static_cast<size_t>(e / (NH * n)) * H; },
+                    store);
   }
   __syncthreads();
 }
@@ -451,16 +483,12 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
 #endif
   (void)mma;
   (void)mma_buf;
-  for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
-    const int b = e % B, jj = e / B;
-    A acc = A(0);
-    if (row_valid(mask, t, B, b)) {
-      const T* g = dpre + static_cast<size_t>(b) * R;
-      const T* c = col + static_cast<size_t>(jj) * ldc;
-      for (int r = 0; r < R; ++r) acc += ld<A>(g, r) * ld<A>(c, r);
-    }
-    out[b * S + jj] = Cvt<A, T>::load(Cvt<A, T>::store(acc));
-  }
+  // output e: unit jj = e % n, batch row b = e / n (block_dots)
+  block_dots<A>(
+      B * n, R, [&](int e) { return row_valid(mask, t, B, e / n); },
+      [&](int e) { return col + static_cast<size_t>(e % n) * ldc; },
+      [&](int e) { return dpre + static_cast<size_t>(e / n) * R; },
+      [&](int e, A acc) { out[(e / n) * S + e % n] = Cvt<A, T>::load(Cvt<A, T>::store(acc)); });
 }
 
 // Where sub-cell k of step t reads and writes in the backward, for this block's units.

@@ -665,6 +665,20 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("B,grid,threads", [(1, 37, 32), (2, 37, 64), (1, 4, 64), (2, 4, 32)],
+                         ids=["B1-unit-each", "B2-unit-each-64-threads", "B1-4-blocks", "B2-4-blocks"])
+def test_persistent_products_spread_over_lanes_emulated(emulated_cuda_ext, B, grid, threads):
+    """The persistent launches' FMA products (block_dots in csrc/persistent_cuda_kernels.cuh) where a block has fewer
+    outputs than threads: each output summed by 2 to 32 threads over every lanes-th column, combined by shuffles. At
+    B = 1 with a unit a block, the forward's 3 outputs of an L-GRU's sub-cell take 8 threads each and the backward's
+    one output of a unit all 32; with 64 threads and 4 blocks, 2 to 16. Outputs and every gradient against the
+    float64 reference, ragged lengths (at B = 2), reverse direction, dropout and layer norm on."""
+    run = _emulated_sequence(emulated_cuda_ext, (grid, threads, -1, False))
+    for cell, depth in (("lgru", 2), ("atr", 0)):
+        _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=3, H=37)
+
+
+@pytest.mark.slow
 def test_emulation_refuses_misused_barriers(emulated_cuda_ext):
     """tests/cuda_emulation.h refuses what a GPU would not run: a grid barrier in a cluster launch, a cluster barrier
     in a cooperative launch (both from inside the kernel: fiber_fail keeps the message and the launch raises it), a

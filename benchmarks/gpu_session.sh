@@ -48,14 +48,15 @@
 # with the device line they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile
 # 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster
 # 180 + 300 s, persistent-profile 3 x 100 s, decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s, peers
-# 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H100 (2026-11-24): build 94 s, kernel tests
-# 85 s, one kernel benchmark 148 s (bench now runs three: strict fp32, TF32, bf16). A device call is at most 10
-# minutes and a warm machine keeps its build, so run `build tests`, then `bench`, then `persistent` (etc.) as separate
-# calls. With a session's 15 minutes of device time (2026-11-29), in this order of the issues: `build tests` (every
-# GPU test, the graphed updates' among them), `persistent` (issue 72), `persistent-bf16` (issue 72's H = 1024 goal),
-# `persistent-cluster` (issue 72's barrier: grid against cluster), `persistent-profile` (item 1's device and graphed
-# times), `graphs` (issue 73 item 1), `unrolled` (item 3), then `decode`, `amp`, `peers` and `peers-train` (item 7;
-# carry benchmarks/out/gpu-carry) if time is left.
+# 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the machine's start
+# about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s,
+# TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s;
+# a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
+# at most 10 minutes: with a session's 15 minutes of device time, in this order of the issues, three calls:
+# `build tests persistent` (every GPU test, then issue 72's persistent launches: their tests and tables),
+# `persistent-profile persistent-bf16 graphs` (item 1's device and graphed times; issue 72's H = 1024 goal; issue 73
+# item 1), then `decode unrolled` (issue 73 items 4 and 3), and `persistent-cluster`, `amp`, `peers`, `peers-train`
+# (item 7; carry benchmarks/out/gpu-carry) if time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}

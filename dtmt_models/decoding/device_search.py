@@ -8,10 +8,10 @@ it is done. A sentence that is done keeps its rows until the next check (its ste
 ignored: the state's rows stay where they are, its finished hypotheses do not change); every `check_every` steps
 one transfer reads which sentences are done, ends the search when all are, drops their rows from the state and
 takes their hypotheses, and raises NonFiniteScores for the first step and sentence (in batch order) where the model
-gave a non-finite score, as the Python loop does at that step. With GRAPHS on, on a CUDA device, the steps between
-two checks are replayed as a CUDA graph (StepGraph: one launch a step, no Python) where a step keeps the state's
-shapes, as the recurrent decoders' does; then the done sentences' rows leave only once half of the batch is done
-(a capture for each batch size), where eager steps drop them at every check.
+gave a non-finite score, as the Python loop does at that step. With GRAPHS on (the default), on a CUDA device, the
+steps between two checks are replayed as a CUDA graph (StepGraph: one launch a step, no Python) where a step keeps the
+state's shapes, as the recurrent decoders' does; then the done sentences' rows leave only once half of the batch is
+done (a capture for each batch size), where eager steps drop them at every check.
 
 The decisions are the Python loop's, decision for decision (its module docstring has the rules: the candidates of a
 step in rank order, EOS ones finishing, the first `beam` others open, the scan stopping once `beam` are open and
@@ -35,10 +35,12 @@ from dtmt_models.engine.decoder import as_decoder
 from dtmt_models.decoding.hypotheses import Hypothesis, NonFiniteScores, check_banned, length_penalty
 
 CHECK_EVERY = 8   # steps between two reads of which sentences are done (a transfer, on a GPU a synchronisation)
-# The steps as CUDA graphs on a CUDA device: off until a GPU session has run them (tests/test_gpu_systems.py,
-# `bench_decode.py --loops graph`); a capture that fails can leave the device's stream unusable, so it is not a
-# default to try blind.
-GRAPHS = False
+# The steps as CUDA graphs on a CUDA device (where a step keeps the state's shapes; a capture that fails warns and
+# leaves the steps eager). On by default since its first GPU run (H200, 2026-11-30, bench_decode.py, beam 4): the
+# graph loop 2.2-2.5x the host loop for rnnsearch-atr and nematus, the eager device loop 0.61-0.77x it (a step's
+# bookkeeping is some sixty small launches); hypotheses and scores those of the eager steps
+# (tests/test_gpu_systems.py). dtmt's step did not capture then (its positional encoding read the host), mended since.
+GRAPHS = True
 NEG_INF = float("-inf")
 Carry = Dict[str, object]   # the search's tensors between steps, the decoder's state under "state"
 

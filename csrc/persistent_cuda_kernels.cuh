@@ -120,10 +120,59 @@ __device__ __forceinline__ T* spilled_matrix(bool backward, int kind, int D, int
          subcell_elems(backward, kind, r, k, H, S);
 }
 
+// What join_blocks joins: a (count, mean, M2) of values (Chan's formula joins two, `a` the values before `b`'s),
+// or two sums (joined by adding); each with its warp shuffle.
+template <typename A> struct Moments {
+  A count, mean, m2;
+};
+template <typename A> __device__ __forceinline__ Moments<A> join(const Moments<A>& a, const Moments<A>& b) {
+  if (b.count == A(0)) return a;
+  if (a.count == A(0)) return b;
+  const A total = a.count + b.count, delta = b.mean - a.mean;
+  return {total, a.mean + delta * b.count / total, a.m2 + b.m2 + delta * delta * a.count * b.count / total};
+}
+template <typename A> __device__ __forceinline__ Moments<A> shfl_xor(const Moments<A>& v, int off) {
+  return {__shfl_xor_sync(0xffffffffu, v.count, off), __shfl_xor_sync(0xffffffffu, v.mean, off),
+          __shfl_xor_sync(0xffffffffu, v.m2, off)};
+}
+template <typename A> struct Sums {
+  A s1, s2;
+};
+template <typename A> __device__ __forceinline__ Sums<A> join(const Sums<A>& a, const Sums<A>& b) {
+  return {a.s1 + b.s1, a.s2 + b.s2};
+}
+template <typename A> __device__ __forceinline__ Sums<A> shfl_xor(const Sums<A>& v, int off) {
+  return {__shfl_xor_sync(0xffffffffu, v.s1, off), __shfl_xor_sync(0xffffffffu, v.s2, off)};
+}
+
+// Every block's partials of every (batch row, group) pair joined across the G blocks, the same bits in every block:
+// a warp a pair, lane l joining blocks l, l + 32, ... in order (part(blk, pair) gives one), then the lanes in a fixed
+// tree (at each level the lower lane's first, so the two lanes of a join compute the same bits), and store(pair,
+// all) by lane 0. Before, one thread joined all G in turn: a chain of G loads from L2, each waiting on the last,
+// with at most B x 3 threads of a block busy (docs/design/persistent_recurrence.md, "First run on a GPU"). Every
+// thread takes the same passes (the shuffles need whole warps).
+template <typename V, typename Part, typename Store>
+__device__ __forceinline__ void join_blocks(int pairs, Part part, Store store) {
+  const int warps = static_cast<int>(blockDim.x) / 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32, G = static_cast<int>(gridDim.x);
+  const int passes = (pairs + warps - 1) / warps;
+  for (int pass = 0; pass < passes; ++pass) {
+    const int pair = pass * warps + warp;
+    V acc{};
+    if (pair < pairs)
+      for (int blk = lane; blk < G; blk += 32) acc = join(acc, part(blk, pair));
+    for (int off = 1; off < 32; off <<= 1) {
+      const V other = shfl_xor(acc, off);
+      acc = lane & off ? join(other, acc) : join(acc, other);
+    }
+    if (pair < pairs && lane == 0) store(pair, acc);
+  }
+}
+
 // The (mean, 1/std) of every batch row's gate groups over all H units, in every block alike: this block's (mean, M2)
-// over its n units go to `partials` [G, B, 3, 2], a grid barrier, then each block combines all G of them in block
-// order (Chan's formula: deterministic). v: [B][slots][S] pre-activations; stats: [B][3][2]. Ends with a block
-// barrier (stats read by other threads). `cluster`: the launch's barrier (persistent_barrier).
+// over its n units go to `partials` [G, B, 3, 2], a grid barrier, then each block joins all G of them (join_blocks:
+// Chan's formula in a fixed order, deterministic). v: [B][slots][S] pre-activations; stats: [B][3][2]. Ends with a
+// block barrier (stats read by other threads). `cluster`: the launch's barrier (persistent_barrier).
 template <typename A>
 __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int S, int n, A eps, A* partials,
                                 A* stats, bool cluster) {
@@ -140,20 +189,17 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
     out[1] = m2;
   }
   persistent_barrier(cluster);
-  for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
-    const int b = e / NG, g = e % NG;
-    A count = A(0), mean = A(0), m2 = A(0);
-    for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
-      const A nb = A(blk * S + S <= H ? S : H - blk * S);
-      const A* in = partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
-      const A total = count + nb, delta = in[0] - mean;
-      mean += delta * nb / total;
-      m2 += in[1] + delta * delta * count * nb / total;
-      count = total;
-    }
-    stats[(b * 3 + g) * 2] = mean;
-    stats[(b * 3 + g) * 2 + 1] = dt_rsqrt(m2 / A(H) + eps);
-  }
+  // pair e: batch row e / NG, group e % NG
+  join_blocks<Moments<A>>(
+      B * NG,
+      [&](int blk, int e) {
+        const A* in = partials + ((static_cast<size_t>(blk) * B + e / NG) * 3 + e % NG) * 2;
+        return Moments<A>{A(blk * S + S <= H ? S : H - blk * S), in[0], in[1]};
+      },
+      [&](int e, const Moments<A>& all) {
+        stats[((e / NG) * 3 + e % NG) * 2] = all.mean;
+        stats[((e / NG) * 3 + e % NG) * 2 + 1] = dt_rsqrt(all.m2 / A(H) + eps);
+      });
   __syncthreads();
 }
 
@@ -671,17 +717,17 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
     out[1] = s2;
   }
   persistent_barrier(p.cluster);
-  for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
-    const int b = e / NG, g = e % NG;
-    A s1 = A(0), s2 = A(0);
-    for (int blk = 0; blk < static_cast<int>(gridDim.x); ++blk) {
-      const A* in = sums_partials + ((static_cast<size_t>(blk) * B + b) * 3 + g) * 2;
-      s1 += in[0];
-      s2 += in[1];
-    }
-    m.sums[(b * 3 + g) * 2] = s1 / A(H);
-    m.sums[(b * 3 + g) * 2 + 1] = s2 / A(H);
-  }
+  // pair e: batch row e / NG, group e % NG
+  join_blocks<Sums<A>>(
+      B * NG,
+      [&](int blk, int e) {
+        const A* in = sums_partials + ((static_cast<size_t>(blk) * B + e / NG) * 3 + e % NG) * 2;
+        return Sums<A>{in[0], in[1]};
+      },
+      [&](int e, const Sums<A>& all) {
+        m.sums[((e / NG) * 3 + e % NG) * 2] = all.s1 / A(H);
+        m.sums[((e / NG) * 3 + e % NG) * 2 + 1] = all.s2 / A(H);
+      });
   __syncthreads();
   for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {   // d -> rstd (d - mean(d) - n mean(d n))
     const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);

@@ -383,19 +383,21 @@ def test_positional_encoding_is_the_formula_without_torch_transcendentals(monkey
     assert torch.equal(got, plain + emb._table[:70])
 
 
-def test_a_decoder_steps_positions_off_the_cpu_are_not_read_on_the_host():
+def test_a_decoder_steps_positions_off_the_cpu_are_not_read_on_the_host(monkeypatch):
     """A decoder step's positional encoding on a device other than the CPU reads no position on the host: sizing
     the table by the largest position (the CPU's way) would synchronise a GPU every step, and the device search's
     steps must not (tests/test_gpu_systems.py; its first GPU run, 2026-11-30, counted one per step). On the meta
     device no value can be read, so the step's forward passing there shows it; on the CPU the rows of that path are
-    the table's."""
+    the table's, to the bit."""
     import copy
 
-    from dtmt_models.models.embeddings import TokenEmbedding, sinusoidal_at
+    import dtmt_kernels as dk
+    from dtmt_models.models.embeddings import TokenEmbedding
 
     emb = TokenEmbedding(11, 8, positional=True).eval()
     tokens, positions = torch.tensor([3, 4, 5]), torch.tensor([0, 7, 300])
     out = copy.deepcopy(emb).to("meta")(tokens.to("meta"), positions=positions.to("meta"))
     assert out.shape == (3, 8) and out.device.type == "meta"
-    table = emb(tokens, positions=positions) - emb.embed.weight[tokens]
-    torch.testing.assert_close(table, (sinusoidal_at(positions, 8) / 8 ** 0.5).float(), rtol=0, atol=1e-7)
+    table = emb(tokens, positions=positions)   # (the CPU's way)
+    monkeypatch.setattr(dk.functional, "host_reads_allowed", lambda: False)   # (the way off the CPU)
+    assert torch.equal(emb(tokens, positions=positions), table)   # rounded, then scaled, as the table

@@ -83,7 +83,9 @@ class TokenEmbedding(nn.Module):
             elif positions.device.type != "cpu" or not dk.functional.host_reads_allowed():
                 # no table sized by the data (its size would be a read of the positions: on a GPU a synchronisation
                 # every decoder step): these positions' rows
-                x = x + (sinusoidal_at(positions, self.dim) / math.sqrt(self.dim)).to(x.dtype)
+                # rounded to the model's dtype, then scaled, as the table is: the same rows as the CPU's table but
+                # where torch's sin and cos round a float64 ulp the other way than the C library's
+                x = x + sinusoidal_at(positions, self.dim).to(x.dtype) / math.sqrt(self.dim)
             else:
                 table = self.scaled_positions(int(positions.max()) + 1, x)
                 x = x + (table.index_select(0, positions) if positions.dim() == 1 else table[positions])

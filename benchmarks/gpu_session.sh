@@ -84,13 +84,14 @@ if want build; then
     exit 1
   fi
   echo "built in $((SECONDS - start)) s"
-  # the host compilers of the C++ sources (python's CXX) and of the CUDA unit (nvcc's: the g++ on PATH, no -ccbin),
-  # and whether the extension holds its own copies of libstdc++'s stream code (on the image of 2026-11-30 a number
-  # streamed into a message from the CUDA unit crashed inside libstdc++: docs/design/gpu.md, "Messages from the CUDA
-  # unit")
-  cxx=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("CXX").split()[0])')
-  echo "host compilers: the C++ sources' ${CXX:-$cxx} $(${CXX:-$cxx} -dumpfullversion 2>&1), nvcc's $(command -v g++)" \
-    "$(g++ -dumpfullversion 2>&1); libstdc++ stream inserters defined in the extension:" \
+  # the host compilers of the C++ sources (CXX, else python's) and of the CUDA unit (nvcc's: CC where set, torch passes
+  # it as -ccbin; else the g++ on PATH), and whether the extension holds its own copies of libstdc++'s stream code (on
+  # the image of 2026-11-30 a number streamed into a message from the CUDA unit crashed inside libstdc++:
+  # docs/design/gpu.md, "Messages from the CUDA unit")
+  cxx=${CXX:-$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("CXX").split()[0])')}
+  ccbin=${CC:-$(command -v g++)}
+  echo "host compilers: the C++ sources' $cxx $($cxx -dumpfullversion 2>&1), nvcc's $ccbin" \
+    "$($ccbin -dumpfullversion 2>&1); libstdc++ stream inserters defined in the extension:" \
     "$(nm -C --defined-only dtmt_kernels/_C*.so 2>/dev/null | grep -c 'std::basic_ostream<.*>::_M_insert<')"
 fi
 # both GPU backends must be there: otherwise the tests below would check only one and still pass

@@ -9,8 +9,8 @@
 //   1. products: hp[b, q*H + j] = U[q*H + j, :] . h[b, :] for the block's rows, every batch row, h read whole from
 //      global memory (the state the previous sub-cell wrote: a grid barrier lies between);
 //   2. gate pre-activations a = hp + b_hh (+ x W_ih + b_ih) for the block's units; with layer norm, each block's
-//      (mean, M2) over its units per row and gate go to global memory, a grid barrier, and every block combines
-//      all G of them in block order (Chan's formula: deterministic, the same in every block);
+//      (mean, M2) over its units per row and gate go to global memory, a grid barrier, and every block joins all G
+//      of them in a fixed order (join_blocks, Chan's formula: deterministic, the same in every block);
 //   3. the cell's elementwise update (cell_math.h, as the step kernels), candidate dropout, and at the last
 //      sub-cell the length mask: the new state of the block's units to global memory; a grid barrier.
 // So (D + 1) x (1 + layer norm) grid barriers a step. The cluster form (args.cluster) is the same kernel launched as
@@ -244,7 +244,8 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
 // of two up to 32 that leaves no thread two outputs a pass: 1 where there are at least as many outputs as threads
 // (then each thread sums whole outputs in index order), 16 for a GRU's 12 outputs at B = 1. Callers number their
 // outputs units first, then gates, then batch rows, so that the threads of a warp read one or a few batch rows'
-// vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart (distinct banks). Ordered the other
+// vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart (distinct banks for 4-byte values
+// and even H; 16-bit rows pair up in a bank). Ordered the other
 // way (batch rows first), a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at
 // B = 64 on an H200 (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the
 // same passes (the shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32.

@@ -63,15 +63,15 @@ namespace {
 
 using at::Tensor;
 
-// The messages of this file that hold numbers are made into one string here (numbers by std::to_string) before
-// TORCH_CHECK or TORCH_WARN sees them, so that c10::str streams nothing. On the H200 image of 2026-11-30 a number
-// streamed into c10::str's ostringstream from this nvcc-compiled unit crashed the process inside libstdc++
-// (ostream's integer insertion reached a locale facet of another type: device_plan's warning at H = 2500); the cause
-// (the two host compilers of that image, or its libstdc++) is unconfirmed, and gpu_session.sh's build stage prints
-// what it needs to tell (docs/design/gpu.md, "Messages from the CUDA unit").
+// The messages of this file that hold numbers or run-time strings are made into one string here (numbers by
+// std::to_string) before TORCH_CHECK or TORCH_WARN sees them, so that c10::str streams nothing. On the H200 image of
+// 2026-11-30 a number streamed into c10::str's ostringstream from this nvcc-compiled unit crashed the process inside
+// libstdc++ (ostream's integer insertion reached a locale facet of another type: device_plan's warning at H = 2500);
+// the cause (the two host compilers of that image, or its libstdc++) is unconfirmed, and gpu_session.sh's build
+// stage prints what it needs to tell (docs/design/gpu.md, "Messages from the CUDA unit").
 inline void append_text(std::string& s, const char* v) { s += v; }
-template <typename N, std::enable_if_t<std::is_arithmetic<N>::value, int> = 0>
-void append_text(std::string& s, N v) { s += std::to_string(v); }
+template <typename N, std::enable_if_t<std::is_integral<N>::value && !std::is_same<N, bool>::value, int> = 0>
+void append_text(std::string& s, N v) { s += std::to_string(v); }   // (integers only: printed as a stream would)
 template <typename... Args> std::string message(const Args&... args) {
   std::string s;
   (append_text(s, args), ...);
@@ -114,7 +114,8 @@ int forced_step_gemm() {
       return -1;
 #endif
     }
-    TORCH_WARN("dtmt: DTMT_CUDA_STEP_GEMM=", v, " ignored: not one of auto, rows, tiled, cublas, cublas-direct");
+    TORCH_WARN(message("dtmt: DTMT_CUDA_STEP_GEMM=", v.c_str(),
+                       " ignored: not one of auto, rows, tiled, cublas, cublas-direct"));
     return -1;
   }();
   return forced;
@@ -438,6 +439,9 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S_ = D + 1;
   TORCH_CHECK(grid >= 1 && grid <= H,
               message("dtmt: the persistent forward needs 1 <= grid <= H, got grid ", grid, ", H ", H));
+  TORCH_CHECK(threads >= 32 && threads % 32 == 0,   // (block_dots and join_blocks shuffle across whole warps)
+              message("dtmt: the persistent forward needs a whole number of warps a block, got ", threads,
+                      " threads"));
   TORCH_CHECK(!cluster || grid <= cuda::kClusterMaxBlocks,
               message("dtmt: the persistent forward's cluster form holds at most ", cuda::kClusterMaxBlocks,
                       " blocks, got grid ", grid));
@@ -506,7 +510,8 @@ Recurrence recurrence_requested() {
     if (v == "persistent") return Recurrence::kPersistent;
     if (v == "persistent-cluster") return Recurrence::kPersistentCluster;
     if (!v.empty() && v != "steps")
-      TORCH_WARN("dtmt: DTMT_CUDA_RECURRENCE=", v, " ignored: not one of steps, persistent, persistent-cluster");
+      TORCH_WARN(message("dtmt: DTMT_CUDA_RECURRENCE=", v.c_str(),
+                         " ignored: not one of steps, persistent, persistent-cluster"));
     return Recurrence::kSteps;
   }();
   return requested;
@@ -784,6 +789,9 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   const int64_t B = d.B, H = d.H, D = d.D;
   TORCH_CHECK(grid >= 1 && grid <= H,
               message("dtmt: the persistent backward needs 1 <= grid <= H, got grid ", grid, ", H ", H));
+  TORCH_CHECK(threads >= 32 && threads % 32 == 0,
+              message("dtmt: the persistent backward needs a whole number of warps a block, got ", threads,
+                      " threads"));
   TORCH_CHECK(!cluster || grid <= cuda::kClusterMaxBlocks,
               message("dtmt: the persistent backward's cluster form holds at most ", cuda::kClusterMaxBlocks,
                       " blocks, got grid ", grid));

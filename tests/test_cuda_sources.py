@@ -679,6 +679,30 @@ def test_persistent_products_spread_over_lanes_emulated(emulated_cuda_ext, B, gr
 
 
 @pytest.mark.slow
+def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
+    """block_dots and join_blocks shuffle across whole warps: a persistent launch of 16 or 48 threads a block is
+    refused, forward and backward, with a one-line error that names the count (the driver launches 256)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = make_layer("lgru", 3, 37, depth=1, layer_norm=True, dtype=torch.float64)
+    x, h0 = torch.randn(2, 3, 3, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
+    params = [x.new_empty(0) if p is None else p.detach().contiguous() for p in flat_params(layer.direction_weights(0))]
+    args = (x, h0, x.new_empty(0), x.new_empty(0), KINDS["lgru"], params, False, 1e-5)
+    saved = list(emulated_cuda_ext.forward(*args)[2:])
+    back = (torch.randn(2, 3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64), x, args[2], args[3],
+            KINDS["lgru"], params, saved, False, 1e-5)
+    for threads in (16, 48):
+        with pytest.raises(RuntimeError, match=f"persistent forward needs a whole number of warps a block, got "
+                                               f"{threads} threads"):
+            emulated_cuda_ext.forward_persistent(*args, 4, threads, -1, False)
+        with pytest.raises(RuntimeError, match=f"persistent backward needs a whole number of warps a block, got "
+                                               f"{threads} threads"):
+            emulated_cuda_ext.backward_persistent(*back, 4, threads, -1, False)
+
+
+@pytest.mark.slow
 def test_emulation_refuses_misused_barriers(emulated_cuda_ext):
     """tests/cuda_emulation.h refuses what a GPU would not run: a grid barrier in a cluster launch, a cluster barrier
     in a cooperative launch (both from inside the kernel: fiber_fail keeps the message and the launch raises it), a

@@ -127,6 +127,43 @@ def test_device_search_reads_the_device_only_at_its_checks(name, options, graphs
                                                                      for s in device]
 
 
+def test_device_search_keeps_a_step_that_reads_the_host_eager(monkeypatch):
+    """A decoder step that synchronises with the host (here a read of its tokens) is not captured as a CUDA graph:
+    the warm-up step under torch's sync debug mode shows it before any capture (a failed capture can leave torch's
+    random generator expecting a graph, which then fails every dropout of a training run that decodes its dev set).
+    With graphs asked for, the search warns, runs the steps eagerly, gives the Python loop's hypotheses, and the
+    device's random draws still work after it."""
+    import warnings
+
+    from dtmt_models.decoding import device_search
+
+    model = build("rnnsearch-atr").double().eval().to(DEVICE)
+    src, src_lengths = (t.to(DEVICE) for t in toy_batch(B=4)[:2])
+    kwargs = dict(beam=3, max_len_a=1.0, max_len_b=3, fused=False)
+    loop = beam_search(model, src, src_lengths, on_device=False, **kwargs)
+    decoder = model.inference_decoder()
+
+    class Reading:
+        encode, reorder = staticmethod(decoder.encode), staticmethod(decoder.reorder)
+        pad_id = getattr(decoder, "pad_id", 0)
+
+        @staticmethod
+        def step(state, prev):
+            prev.sum().item()   # a read of the host: what a capture refuses
+            return decoder.step(state, prev)
+
+    monkeypatch.setattr(device_search, "GRAPHS", True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = beam_search(Reading(), src, src_lengths, on_device=True, **kwargs)
+    assert [[h.tokens for h in s] for s in got] == [[h.tokens for h in s] for s in loop]
+    if DEVICE == "cuda":   # (off a CUDA device the steps are never captured)
+        assert any("synchronises with the host" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert torch.cuda.get_sync_debug_mode() == 0
+        drawn = torch.nn.functional.dropout(torch.ones(64, device=DEVICE), 0.5, training=True)
+        assert 0 < int((drawn == 0).sum()) < 64
+
+
 @pytest.mark.parametrize("name", ["dtmt", "nematus", "rnnsearch-atr"])
 def test_training_mode_on_gpu_is_finite(name):
     """Dropouts on (the fused kernels' candidate-dropout path on the GPU): loss and gradients finite."""

@@ -35,8 +35,8 @@ from dtmt_models.engine.decoder import as_decoder
 from dtmt_models.decoding.hypotheses import Hypothesis, NonFiniteScores, check_banned, length_penalty
 
 CHECK_EVERY = 8   # steps between two reads of which sentences are done (a transfer, on a GPU a synchronisation)
-# The steps as CUDA graphs on a CUDA device (where a step keeps the state's shapes; a capture that fails warns and
-# leaves the steps eager). On by default since its first GPU run (H200, 2026-11-30, bench_decode.py, beam 4): the
+# The steps as CUDA graphs on a CUDA device (where a step keeps the state's shapes and does not synchronise with the
+# host, both seen in a warm-up step before any capture; otherwise, with a warning, the steps stay eager). On by default since its first GPU run (H200, 2026-11-30, bench_decode.py, beam 4): the
 # graph loop 2.2-2.5x the host loop for rnnsearch-atr and nematus, the eager device loop 0.61-0.77x it (a step's
 # bookkeeping is some sixty small launches); hypotheses and scores those of the eager steps
 # (tests/test_gpu_systems.py). dtmt's step did not capture then (its positional encoding read the host), mended since.
@@ -228,8 +228,8 @@ class StepGraph:
     """`search.advance` captured as one CUDA graph (torch.cuda.CUDAGraph) for the shapes of a carry: a call
     replays it, reading the graph's own copy of the carry and writing the next carry into it, so the steps between
     two checks launch nothing from Python. `of` returns None (the steps stay eager) where a step changes the
-    state's shapes (the transformer's growing cache) or the capture fails (with a warning: what does not capture
-    is a decoder whose step reads the host)."""
+    state's shapes (the transformer's growing cache), synchronises with the host (a warm-up step under torch's sync
+    debug mode tells, before any capture), or the capture fails (each but the first with a warning)."""
 
     def __init__(self, graph, static: Carry):
         self.graph, self.static = graph, static
@@ -238,9 +238,24 @@ class StepGraph:
     def of(cls, search: DeviceSearch, c: Carry) -> Optional["StepGraph"]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # a warm-up step on copies (lazy initialisations) tells the shapes
-            steady = keeps_shapes(search, c)
-        torch.cuda.current_stream().wait_stream(side)
+        # a warm-up step on copies (lazy initialisations) tells the shapes, and, with torch's sync debug mode raising,
+        # whether the step synchronises with the host (a read, a copy from pageable memory): such a step would fail
+        # its capture, and a failed capture can leave torch's CUDA state behind (its random generator still
+        # expecting a graph: the transformer's training update on the H200, 2026-11-30), so it is not attempted
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):
+                steady = keeps_shapes(search, c)
+        except RuntimeError as exc:
+            if "synchroniz" not in str(exc):
+                raise
+            warnings.warn(f"dtmt: the decoder step synchronises with the host ({exc}); it runs eagerly, not as a "
+                          f"CUDA graph")
+            return None
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+            torch.cuda.current_stream().wait_stream(side)
         if not steady:
             return None
         static = {k: v.clone() for k, v in _flat(c).items()}

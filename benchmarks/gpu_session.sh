@@ -38,7 +38,7 @@
 # all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
-# persistent/bench_persistent.csv and persistent_tests.log (persistent), persistent_envelope.md,
+# persistent/bench_persistent.csv, persistent_tests.log and barrier_probe.md (persistent), persistent_envelope.md,
 # persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv (persistent-bf16),
 # persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv (persistent-cluster),
 # persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
@@ -182,6 +182,11 @@ if want persistent; then
   echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent"
   DTMT_CUDA_RECURRENCE=persistent timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py \
     2>&1 | tee "$OUT/persistent_tests.log" | tail -5 || status=1
+  echo "== the barrier alone (benchmarks/barrier_probe.cu: grid and cluster form, no work between barriers)"
+  nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  "$nvcc" -std=c++17 -O3 -arch=sm_"${TORCH_CUDA_ARCH_LIST//./}" -Icsrc benchmarks/barrier_probe.cu \
+    -o "$OUT/barrier_probe" && timeout 60 "$OUT/barrier_probe" | tee "$OUT/barrier_probe.md" || status=1
+  rm -f "$OUT/barrier_probe"
   echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32, then TF32, on every side)"
   timeout 300 "$PY" benchmarks/bench_persistent.py --math strict tf32 --out "$OUT/persistent" 2>&1 \
     | tee "$OUT/persistent.md" || status=1

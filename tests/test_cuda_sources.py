@@ -244,6 +244,15 @@ def test_persistent_kernels_link_without_rdc(tmp_path):
     assert (tmp_path / "main").stat().st_size > 0
 
 
+@needs_nvcc
+def test_barrier_probe_builds(tmp_path):
+    """benchmarks/barrier_probe.cu (the persistent kernels' barrier alone, grid and cluster form: gpu_session.sh's
+    persistent stage builds and runs it on the GPU) compiles and links for sm_90 as that stage builds it."""
+    probe = os.path.join(ROOT, "benchmarks", "barrier_probe.cu")
+    _run([NVCC, "-std=c++17", "-O3", "-arch=sm_90", f"-I{CSRC}", probe, "-o", str(tmp_path / "barrier_probe")])
+    assert (tmp_path / "barrier_probe").stat().st_size > 0
+
+
 PERSISTENT_PTX_TU = r"""
 #include "persistent_cuda_kernels.cuh"
 namespace dtmt {

@@ -245,10 +245,10 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
 // (then each thread sums whole outputs in index order), 16 for a GRU's 12 outputs at B = 1. Callers number their
 // outputs units first, then gates, then batch rows, so that the threads of a warp read one or a few batch rows'
 // vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart (distinct banks for 4-byte values
-// and even H; 16-bit rows pair up in a bank). Ordered the other
-// way (batch rows first), a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at
-// B = 64 on an H200 (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the
-// same passes (the shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32.
+// and even H; 16-bit rows pair up in a bank). Ordered the other way (batch rows first), a warp's load touched 32
+// rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
+// (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes
+// (the shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32.
 template <typename A, typename Live, typename RowOf, typename VecOf, typename Store>
 __device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf a, VecOf v, Store store) {
   int lanes = 1;

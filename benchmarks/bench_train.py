@@ -3,6 +3,8 @@
     python benchmarks/bench_train.py                  # every system, small preset sizes, table + CSV + PNG
     python benchmarks/bench_train.py --systems dtmt transformer --steps 5 --quick
     python benchmarks/bench_train.py --one dtmt cpp --profile 25   # one pair, where its time goes
+    python benchmarks/bench_train.py --one dtmt cuda --device cuda --preset paper --max-tokens 4000 --graphs on \
+        --profile 30                                                # where a graphed update's device time goes
     python benchmarks/bench_train.py --device cuda --preset paper --fused cuda triton --max-tokens 4000
 
 Each (system, backend) pair is measured in a fresh subprocess (so the peak resident memory belongs to that
@@ -72,8 +74,11 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
                 profile: int = 0, device: str = "cpu", preset: str = "small", tiny: bool = False,
                 graphs: bool = False):
     """One (system, backend) pair in this process. With profile > 0, the timed updates run under
-    torch.profiler and the `profile` ops with the most self CPU time are printed to stderr. On a CUDA device
-    the timed updates end with a synchronisation, and peak_gpu_MB is the device memory's peak. tiny: the
+    torch.profiler and the `profile` ops with the most self CPU time are printed to stderr; on a CUDA device, with
+    the device's activity too, the `profile` kernels with the most device time (a graphed update's kernels are
+    listed one by one, under no op: kernel names say what ran), and the device time of all of them over the timed
+    updates' wall time (`device_busy`). On a CUDA device the timed updates end with a synchronisation, and
+    peak_gpu_MB is the device memory's peak. tiny: the
     preset's model at embedding / hidden widths 16 / 32 (the transformer 16 / 64; --quick: the plumbing, not a
     figure). graphs: the timed updates replayed as CUDA graphs (dtmt_models.training.graphs, as `dtmt train
     --cuda-graphs`), after two passes over all the batches (each bucket's first batch eager, its second captured:
@@ -153,15 +158,22 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     sync()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    on_gpu = device.startswith("cuda")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    prof = torch.profiler.profile(activities=activities) if profile else None
     with prof if prof is not None else contextlib.nullcontext():
         tokens, t0 = 0, time.perf_counter()
         for b in batches[warmup:]:
             tokens += update(b)
         sync()
         elapsed = time.perf_counter() - t0
+    device_busy = None
     if prof is not None:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile), file=sys.stderr)
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=profile), file=sys.stderr)
+        if on_gpu:
+            print(device_time_table(prof, profile), file=sys.stderr)
+            device_busy = kernel_microseconds(prof) / 1e6 / elapsed
     return {"system": system, "backend": backend,
             "graphs": ("on" if device.startswith("cuda") else "stand-in") if graphs else "off",
             "params": sum(p.numel() for p in model.parameters()),
@@ -169,7 +181,44 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
             "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "peak_gpu_MB": torch.cuda.max_memory_allocated() / 2 ** 20 if device.startswith("cuda") else None,
             "captured": runner.captured if runner else None, "capture_s": capture_s,
-            "pool_MB": runner.capturer.pool_bytes() / 2 ** 20 if runner else None}
+            "pool_MB": runner.capturer.pool_bytes() / 2 ** 20 if runner else None, "device_busy": device_busy}
+
+
+def _kernel_events(prof) -> list:
+    """The device kernels a torch.profiler run recorded (name, µs), graph replays' kernels included."""
+    import torch
+
+    kernels = []
+    for e in prof.events():
+        kind = getattr(e, "device_type", None)
+        if kind is not None and kind != torch.autograd.DeviceType.CPU and e.name and not e.name.startswith(
+                ("Memcpy", "Memset")):
+            kernels.append((e.name, float(e.time_range.elapsed_us())))
+    return kernels
+
+
+def kernel_microseconds(prof) -> float:
+    """The device time of every kernel a torch.profiler run recorded, µs (copies and memsets apart)."""
+    return sum(us for _, us in _kernel_events(prof))
+
+
+def device_time_table(prof, rows: int) -> str:
+    """The `rows` kernel names with the most device time over a torch.profiler run, with their calls, total ms and
+    share of all kernels' time: where an update's device time goes (kernels launched eagerly and replayed from a
+    CUDA graph alike)."""
+    import collections
+
+    total, calls = collections.Counter(), collections.Counter()
+    for name, us in _kernel_events(prof):
+        short = name if len(name) <= 90 else name[:87] + "..."
+        total[short] += us
+        calls[short] += 1
+    everything = sum(total.values()) or 1.0
+    lines = [f"| kernel ({len(total)} names, {sum(calls.values())} launches, {everything / 1000:.1f} ms) | calls | "
+             "ms | share |", "|---|---:|---:|---:|"]
+    for name, us in total.most_common(rows):
+        lines.append(f"| `{name}` | {calls[name]} | {us / 1000:.2f} | {100 * us / everything:.1f}% |")
+    return "\n".join(lines)
 
 
 def bucket_table(data: str, vocab_size: int, max_len: int, budgets, steps) -> list:

@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build graphs         # training updates as CUDA graphs: the tests, then graphed
 #                                                       # against eager updates in one run (paper presets)
+#   bash benchmarks/gpu_session.sh train-profile        # where a graphed dtmt update's device time goes (kernels)
 #   bash benchmarks/gpu_session.sh build unrolled       # the decoder cells' weight gradients once over all steps
 #                                                       # on the device (dk.nn.unrolled, cuda backend): the tests,
 #                                                       # then against per-step weight gradients, eager and graphed
@@ -38,25 +39,28 @@
 # all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
-# persistent/bench_persistent.csv, persistent_tests.log and barrier_probe.md (persistent), persistent_envelope.md,
-# persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv (persistent-bf16),
-# persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv (persistent-cluster),
-# persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
+# persistent/bench_persistent.csv, persistent_tests.log and barrier_probe.md (persistent),
+# persistent_envelope.md, persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv
+# (persistent-bf16), persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv
+# (persistent-cluster), persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
 # decode.md and decode/bench_decode.csv (decode), graphs_tests.log and graphs/bench_train.csv (graphs),
-# unrolled_tests.log and unrolled/bench_train.csv (unrolled), amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers)
-# and peers_train.md (peers-train); the tables themselves go to stdout. Copy the tables into benchmarks/RESULTS.md
-# with the device line they print. Each stage has a time limit (tests 360 s, each kernel benchmark 150 s, profile
-# 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster
-# 180 + 300 s, persistent-profile 3 x 100 s, decode 300 s, graphs 150 + 300 s, unrolled 120 + 300 s, amp 480 s, peers
-# 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the machine's start
-# about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s,
-# TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s;
+# train_profile.md and .json (train-profile), unrolled_tests.log and unrolled/bench_train.csv (unrolled),
+# amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
+# go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
+# limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
+# 180 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-profile 3 x 100 s,
+# decode 300 s, graphs 150 + 300 s, train-profile 240 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train
+# 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
+# machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
+# B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training
+# benchmark 119 s;
 # a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
 # at most 10 minutes: with a session's 15 minutes of device time, in this order of the issues, three calls:
 # `build tests persistent` (every GPU test, then issue 72's persistent launches: their tests and tables),
 # `persistent-profile persistent-bf16 graphs` (item 1's device and graphed times; issue 72's H = 1024 goal; issue 73
-# item 1), then `decode unrolled` (issue 73 items 4 and 3), and `persistent-cluster`, `amp`, `peers`, `peers-train`
-# (item 7; carry benchmarks/out/gpu-carry) if time is left.
+# item 1), then `decode unrolled train-profile` (issue 73 items 4 and 3; where a graphed update's device time
+# goes), and `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry) if time
+# is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -137,6 +141,14 @@ if want graphs; then
   echo "== bench_train --device cuda --preset paper --graphs off on"
   timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
     --systems dtmt rnnsearch-atr transformer --fused cuda --graphs off on --out "$OUT/graphs" || status=1
+fi
+if want train-profile; then
+  # issue 73 items 3 and 5: where a graphed dtmt update's device time goes (paper preset, 4,000 tokens a batch): the
+  # kernels with the most device time, and the device's busy share of the wall time (bench_train.py --profile)
+  echo "== bench_train --one dtmt cuda --device cuda --preset paper --graphs on --profile 30"
+  timeout 240 "$PY" benchmarks/bench_train.py --one dtmt cuda --device cuda --preset paper --max-tokens 4000 \
+    --steps 4 --graphs on --profile 30 > "$OUT/train_profile.json" 2> "$OUT/train_profile.md" || status=1
+  grep -A 33 "^| kernel" "$OUT/train_profile.md"; cat "$OUT/train_profile.json"
 fi
 if want unrolled; then
   # issue 73 item 3: the decoder cells' weight gradients once over all steps on the device (dk.nn.unrolled with the

@@ -124,6 +124,30 @@ def test_bench_train_bucket_table(tmp_path):
     assert 1.0 < fine["padded_over_real"] <= coarse["padded_over_real"]
 
 
+def test_bench_train_device_time_table():
+    """bench_train's --profile on a GPU (gpu_session.sh's train-profile stage): the device kernels a profiler run
+    recorded, graph replays' included, grouped by name with their calls, ms and share, the most device time first;
+    CPU ops, copies and memsets left out. Events made by hand stand in for a CUDA run."""
+    import types
+
+    import torch
+
+    from benchmarks import bench_train
+
+    def event(name, kind, us):
+        span = types.SimpleNamespace(elapsed_us=lambda: us)
+        return types.SimpleNamespace(name=name, device_type=kind, time_range=span)
+
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    prof = types.SimpleNamespace(events=lambda: [event("aten::mm", cpu, 500.0), event("gemm_kernel", gpu, 300.0),
+                                                 event("step_kernel", gpu, 100.0), event("gemm_kernel", gpu, 300.0),
+                                                 event("Memcpy HtoD (Pageable -> Device)", gpu, 50.0)])
+    assert bench_train.kernel_microseconds(prof) == 700.0
+    table = bench_train.device_time_table(prof, 5).splitlines()
+    assert table[0].startswith("| kernel (2 names, 3 launches, 0.7 ms) |")
+    assert table[2:] == ["| `gemm_kernel` | 2 | 0.60 | 85.7% |", "| `step_kernel` | 1 | 0.10 | 14.3% |"]
+
+
 def test_bench_train_graphs_plumbing(tmp_path):
     """--graphs off on: each pair eager and graphed (the capture stood in for on the CPU), the ratio from one run."""
     from benchmarks import bench_train

@@ -39,7 +39,7 @@
 # all). Files written (at most two folders down): build.log, gpu_tests.log, per dtype
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
-# persistent/bench_persistent.csv, persistent_tests.log and barrier_probe.md (persistent),
+# persistent/bench_persistent.csv, persistent_tests.log, barrier_probe.md and phase_probe.md (persistent),
 # persistent_envelope.md, persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv
 # (persistent-bf16), persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv
 # (persistent-cluster), persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
@@ -48,12 +48,12 @@
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
 # limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-profile 3 x 100 s,
+# 180 + 60 + 120 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-profile 3 x 100 s,
 # decode 300 s, graphs 150 + 300 s, train-profile 240 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train
-# 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
-# machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
-# B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training
-# benchmark 119 s;
+# 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the machine's start about 30 s, build
+# 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, TF32 and bf16
+# at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
+# about 20 s to compile on 2 cores here; its run and train-profile are not yet timed);
 # a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
 # at most 10 minutes: with a session's 15 minutes of device time, in this order of the issues, three calls:
 # `build tests persistent` (every GPU test, then issue 72's persistent launches: their tests and tables),
@@ -199,6 +199,11 @@ if want persistent; then
   "$nvcc" -std=c++17 -O3 -arch=sm_"${TORCH_CUDA_ARCH_LIST//./}" -Icsrc benchmarks/barrier_probe.cu \
     -o "$OUT/barrier_probe" && timeout 60 "$OUT/barrier_probe" | tee "$OUT/barrier_probe.md" || status=1
   rm -f "$OUT/barrier_probe"
+  echo "== where a persistent step's time goes (benchmarks/phase_probe.cu: the kernels with their phase clock)"
+  "$nvcc" -std=c++17 -O3 --use_fast_math -arch=sm_"${TORCH_CUDA_ARCH_LIST//./}" -DDTMT_PERSISTENT_PHASES -Icsrc \
+    benchmarks/phase_probe.cu -o "$OUT/phase_probe" && timeout 120 "$OUT/phase_probe" | tee "$OUT/phase_probe.md" \
+    || status=1
+  rm -f "$OUT/phase_probe"
   echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32, then TF32, on every side)"
   timeout 300 "$PY" benchmarks/bench_persistent.py --math strict tf32 --out "$OUT/persistent" 2>&1 \
     | tee "$OUT/persistent.md" || status=1

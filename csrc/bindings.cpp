@@ -56,11 +56,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                    multiprocessors, static_cast<size_t>(shared_memory), tensor_cores,
                                                    threads, static_cast<size_t>(l2_bytes), cluster_blocks);
         return py::make_tuple(p.grid, p.slice, p.forward_bytes, p.backward_bytes, p.fits, p.forward_resident,
-                              p.backward_resident, p.forward_spill, p.backward_spill, p.cluster);
+                              p.backward_resident, p.forward_spill, p.backward_spill, p.cluster, p.forward_stage,
+                              p.backward_stage);
       },
       "(grid, slice, forward bytes, backward bytes, fits, forward resident, backward resident, forward spill bytes, "
-      "backward spill bytes, cluster) of the persistent launches (csrc/persistent_plan.h: the CUDA driver's own "
-      "arithmetic; cluster_blocks > 0: the cluster form); dtmt_kernels.persistent_plan is the Python face");
+      "backward spill bytes, cluster, forward stage columns, backward stage columns) of the persistent launches "
+      "(csrc/persistent_plan.h: the CUDA driver's own arithmetic; cluster_blocks > 0: the cluster form); "
+      "dtmt_kernels.persistent_plan is the Python face");
   m.attr("PERSISTENT_CLUSTER_MAX_BLOCKS") = dtmt::cuda::kClusterMaxBlocks;
   m.def(
       "persistent_tensor_cores",

@@ -39,10 +39,49 @@
 namespace dtmt {
 namespace cuda {
 
+// Where a persistent launch's time goes, for benchmarks/phase_probe.cu only: built with DTMT_PERSISTENT_PHASES, each
+// block's thread 0 adds the SM clock since the last mark to the phase a mark names (after a block barrier, so that
+// the phase is the whole block's), and the block's totals go to dtmt_phase_cycles[block] at the end. Otherwise
+// every mark is empty: the extension's kernels read no clock (tests/test_cuda_sources.py checks their PTX). Every
+// thread of the block passes every mark (each is a block barrier in the probe). The barrier's phase is the wait of
+// persistent_barrier (the slowest block's lag included): the work before a barrier is marked before it.
+enum PersistentPhase : int { kPhaseSetup, kPhaseProducts, kPhaseElements, kPhaseNorm, kPhaseBarrier, kPhaseCount };
+constexpr int kPhaseMaxBlocks = 1024;
+#if defined(DTMT_PERSISTENT_PHASES) && !defined(DTMT_CUDA_EMULATION)
+__device__ long long dtmt_phase_cycles[kPhaseMaxBlocks][kPhaseCount];
+struct PhaseClock {
+  long long last, total[kPhaseCount];
+};
+__shared__ PhaseClock dtmt_phase_clock;
+__device__ __forceinline__ void phase_begin() {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kPhaseCount; ++i) dtmt_phase_clock.total[i] = 0;
+    dtmt_phase_clock.last = clock64();
+  }
+}
+__device__ __forceinline__ void phase_mark(int phase) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const long long now = clock64();
+    dtmt_phase_clock.total[phase] += now - dtmt_phase_clock.last;
+    dtmt_phase_clock.last = now;
+  }
+}
+__device__ __forceinline__ void phase_end() {
+  if (threadIdx.x == 0 && blockIdx.x < kPhaseMaxBlocks)
+    for (int i = 0; i < kPhaseCount; ++i) dtmt_phase_cycles[blockIdx.x][i] = dtmt_phase_clock.total[i];
+}
+#else
+__device__ __forceinline__ void phase_begin() {}
+__device__ __forceinline__ void phase_mark(int) {}
+__device__ __forceinline__ void phase_end() {}
+#endif
+
 // The barrier between dependent phases of a persistent launch, which also orders the global memory written before it
 // before what is read after it, in every block: the grid's (a cooperative launch, one block per SM), or in the
 // cluster form the cluster's (the launch is one thread-block cluster: barrier.cluster.arrive.release /
-// wait.acquire, compute capability 9.0 and up; the driver launches that form on such devices only).
+// wait.acquire, compute capability 9.0 and up; the driver launches that form on such devices only). Its wait is the
+// barrier phase of the phase clock.
 __device__ __forceinline__ void persistent_barrier(bool cluster) {
 #if defined(DTMT_CUDA_EMULATION)
   if (cluster) {
@@ -60,6 +99,7 @@ __device__ __forceinline__ void persistent_barrier(bool cluster) {
   if (cluster) __trap();   // code compiled below sm_90 has no cluster barrier: launch_persistent refuses such a launch
   ::cooperative_groups::this_grid().sync();
 #endif
+  phase_mark(kPhaseBarrier);
 }
 
 // Whether batch row b is inside its sentence at step t (mask [T, B] 1 / 0, or nullptr: every row).
@@ -101,6 +141,9 @@ template <typename T, typename A> struct PersistentForwardArgs {
   int resident;     // sub-cells whose rows stay in shared memory (< 0: all D + 1)
   bool reverse;
   bool mma;         // products on tensor cores (block_mma.cuh; T has an MMA and the device compiled it)
+  int stage_cols;   // else (FMA) block_dots' stage of the state: columns of each batch row at a time, 0 none (the
+                    // plan's, in the shared memory the matrices leave; the buffers of block_mma or the stage,
+                    // persistent_forward_bytes)
   bool cluster;     // the launch is one thread-block cluster: its barrier is the cluster's (persistent_barrier)
   A eps;
 };
@@ -188,6 +231,7 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
     out[0] = mean;
     out[1] = m2;
   }
+  phase_mark(kPhaseNorm);
   persistent_barrier(cluster);
   // pair e: batch row e / NG, group e % NG
   join_blocks<Moments<A>>(
@@ -200,6 +244,7 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
         stats[((e / NG) * 3 + e % NG) * 2] = all.mean;
         stats[((e / NG) * 3 + e % NG) * 2 + 1] = dt_rsqrt(all.m2 / A(H) + eps);
       });
+  phase_mark(kPhaseNorm);
   __syncthreads();
 }
 
@@ -237,34 +282,105 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
   return sp;
 }
 
+// Rows [0, B) x columns [c0, c0 + cn) of the vectors v (row b at v + b * ldv) into stage [B][pitch], by the whole
+// block with up to kStageLoads loads a thread in flight, consecutive threads on consecutive columns (coalesced); 16
+// bytes a load where the rows, the columns and the stage allow it, else one value. The caller puts block barriers
+// around it.
+constexpr int kStageLoads = 8;
+struct alignas(16) Bytes16 {
+  unsigned int w[4];
+};
+template <typename V, typename T>
+__device__ __forceinline__ void stage_copy(const T* v, size_t ldv, int rows, int c0, int per_row, int pitch, T* stage) {
+  constexpr int kPer = static_cast<int>(sizeof(V) / sizeof(T));   // values a load
+  const int total = rows * per_row, threads = static_cast<int>(blockDim.x);
+  for (int base = static_cast<int>(threadIdx.x); base < total; base += threads * kStageLoads) {
+    V r[kStageLoads];
+#pragma unroll
+    for (int u = 0; u < kStageLoads; ++u) {
+      const int e = base + u * threads;
+      if (e < total)
+        r[u] = *reinterpret_cast<const V*>(v + (e / per_row) * ldv + c0 + (e % per_row) * kPer);
+    }
+#pragma unroll
+    for (int u = 0; u < kStageLoads; ++u) {
+      const int e = base + u * threads;
+      if (e < total) *reinterpret_cast<V*>(stage + (e / per_row) * pitch + (e % per_row) * kPer) = r[u];
+    }
+  }
+}
+template <typename T>
+__device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, T* stage) {
+  constexpr size_t kWide = sizeof(Bytes16) / sizeof(T);
+  if (ldv % kWide == 0 && c0 % kWide == 0 && cn % kWide == 0 && pitch % kWide == 0 &&
+      reinterpret_cast<size_t>(v) % sizeof(Bytes16) == 0) {
+    stage_copy<Bytes16>(v, ldv, rows, c0, cn / static_cast<int>(kWide), pitch, stage);
+  } else {
+    stage_copy<T>(v, ldv, rows, c0, cn, pitch, stage);
+  }
+}
+
 // The FMA products of the persistent launches: `outputs` dot products of length K, output o the sum over i of
-// ld(a(o), i) * ld(v(o), i) (a: a matrix row in shared memory or L2, v: a batch row's vector), given by store(o, sum)
-// (0 where !live(o): a row whose sentence has ended costs nothing). Output o is summed by `lanes` consecutive
-// threads, each over every lanes-th i, combined by shuffles (a fixed tree: deterministic); lanes is the largest power
-// of two up to 32 that leaves no thread two outputs a pass: 1 where there are at least as many outputs as threads
-// (then each thread sums whole outputs in index order), 16 for a GRU's 12 outputs at B = 1. Callers number their
-// outputs units first, then gates, then batch rows, so that the threads of a warp read one or a few batch rows'
-// vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart (distinct banks for 4-byte values
-// and even H; 16-bit rows pair up in a bank). Ordered the other way (batch rows first), a warp's load touched 32
-// rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
-// (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes
-// (the shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32.
-template <typename A, typename Live, typename RowOf, typename VecOf, typename Store>
-__device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf a, VecOf v, Store store) {
+// ld(a(o), i) * ld(v + vrow(o) * ldv, i) (a: a matrix row in shared memory or L2; v: B vectors every output shares,
+// the state or the gradients, in global memory), given by store(o, sum) (0 where !live(o): a row whose sentence has
+// ended costs nothing). With `stage` (shared memory of stage_bytes), the vectors are read from it (rows stage_pitch
+// apart), `cols` columns of every row at a time (stage_rows: the whole block, many loads in flight, coalesced);
+// without, each thread reads them from global memory as it sums, one L2 round trip after another
+// (docs/design/persistent_recurrence.md, "The products' stage"). Output o is summed by `lanes` consecutive threads,
+// each over every lanes-th i, combined by shuffles (a fixed tree: deterministic); lanes is the largest power of two up
+// to 32 that leaves no thread two outputs a pass: 1 where there are at least as many outputs as threads (then each
+// thread sums whole outputs in index order), 16 for a GRU's 12 outputs at B = 1. A thread's sum runs over its i in
+// increasing order whatever the stage's columns (a multiple of 32, or all K): the same sums, bit for bit, with the
+// stage and without. Callers number their outputs units first, then gates, then batch rows, so that the threads of a
+// warp read one or a few batch rows' vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart
+// (distinct banks for 4-byte values and even H; 16-bit rows pair up in a bank). Ordered the other way (batch rows
+// first), a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
+// (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
+// shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. Passes are taken
+// kDotPasses at a time, each chunk of the stage serving all of them.
+constexpr int kDotPasses = 4;
+template <typename A, typename T, typename Live, typename RowOf, typename VecRow, typename Store>
+__device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf a, const T* v, size_t ldv, int B,
+                                           VecRow vrow, T* stage, int cols, Store store) {
   int lanes = 1;
   while (lanes < 32 && outputs * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
   const int groups = static_cast<int>(blockDim.x) / lanes, lane = static_cast<int>(threadIdx.x) % lanes;
-  const int passes = (outputs + groups - 1) / groups;
-  for (int pass = 0; pass < passes; ++pass) {
-    const int o = pass * groups + static_cast<int>(threadIdx.x) / lanes;
-    A acc = A(0);
-    if (o < outputs && live(o)) {
-      const auto* row = a(o);
-      const auto* vec = v(o);
-      for (int i = lane; i < K; i += lanes) acc += ld<A>(row, i) * ld<A>(vec, i);
+  const int passes = (outputs + groups - 1) / groups, chunk = stage != nullptr ? cols : K;
+  const int pitch = stage_pitch(cols, sizeof(T));
+  auto dot = [&](A& acc, const auto* row, const auto* vec, int cn) {
+    for (int i = lane; i < cn; i += lanes) acc += ld<A>(row, i) * ld<A>(vec, i);
+  };
+  for (int p0 = 0; p0 < passes; p0 += kDotPasses) {
+    A acc[kDotPasses];
+#pragma unroll
+    for (int pp = 0; pp < kDotPasses; ++pp) acc[pp] = A(0);
+    for (int c0 = 0; c0 < K; c0 += chunk) {
+      const int cn = K - c0 < chunk ? K - c0 : chunk;
+      if (stage != nullptr) {
+        __syncthreads();   // (the last chunk's readers are done)
+        stage_rows(v, ldv, B, c0, cn, pitch, stage);
+        __syncthreads();
+      }
+#pragma unroll
+      for (int pp = 0; pp < kDotPasses; ++pp) {
+        const int o = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
+        if (p0 + pp < passes && o < outputs && live(o)) {
+          if (stage != nullptr) {
+            dot(acc[pp], a(o) + c0, stage + static_cast<size_t>(vrow(o)) * pitch, cn);
+          } else {
+            dot(acc[pp], a(o) + c0, v + static_cast<size_t>(vrow(o)) * ldv + c0, cn);
+          }
+        }
+      }
     }
-    for (int off = lanes / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (o < outputs && lane == 0) store(o, acc);
+#pragma unroll
+    for (int pp = 0; pp < kDotPasses; ++pp) {
+      if (p0 + pp >= passes) break;   // (the same for every thread)
+      const int o = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
+      A sum = acc[pp];
+      for (int off = lanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (o < outputs && lane == 0) store(o, sum);
+    }
   }
 }
 
@@ -272,7 +388,7 @@ __device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf 
 // tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (block_dots); into hp and pre [B][4][S].
 template <int K, typename T, typename A>
 __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, A>& p, const SubcellSpan<T, A>& sp,
-                                                 int t, const T* u, A* pre, unsigned char* mma_buf) {
+                                                 int t, const T* u, A* pre, unsigned char* products_buf) {
   constexpr int NH = Rows<K>::hid;
   const int H = p.H, B = p.B, S = p.slice, j0 = sp.j0, n = sp.n;
   const A* hin = sp.hin;
@@ -283,7 +399,7 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
   if constexpr (Mma<T>::available) {
     if (p.mma) {   // (without hs_lp, T is A)
       const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);
-      C = block_mma<T>(u, H + 1, NH * S, h, H, H, B, p.mask, t, mma_buf);
+      C = block_mma<T>(u, H + 1, NH * S, h, H, H, B, p.mask, t, products_buf);
     }
   }
 #endif
@@ -302,12 +418,10 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
     // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them)
     auto live = [&](int e) { return row_valid(p.mask, t, B, e / (NH * n)); };
     auto row = [&](int e) { return u + (static_cast<size_t>((e / n) % NH) * S + e % n) * (H + 1); };
-    if (hin_lp)
-      block_dots<A>(B * NH * n, H, live, row, [&](int e) { return hin_lp + static_cast<size_t>(e / (NH * n)) * H; },
-                    store);
-    else
-      block_dots<A>(B * NH * n, H, live, row, [&](int e) { return hin + static_cast<size_t>(e / (NH * n)) * H; },
-                    store);
+    const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);   // (without hs_lp, T is A)
+    T* stage = !p.mma && p.stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr;
+    block_dots<A>(B * NH * n, H, live, row, h, H, B, [&](int e) { return e / (NH * n); }, stage,
+                  H <= p.stage_cols ? H : p.stage_cols, store);
   }
   __syncthreads();
 }
@@ -395,13 +509,16 @@ __device__ __forceinline__ void subcell_update(const PersistentForwardArgs<T, A>
 // [NH][slice][H + 1]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
 template <int K, typename T, typename A>
 __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,
-                                   const T* u, A* pre, A* stats, unsigned char* mma_buf) {
+                                   const T* u, A* pre, A* stats, unsigned char* products_buf) {
   const SubcellSpan<T, A> sp = subcell_span<K>(p, t, k);
-  subcell_products<K>(p, sp, t, u, pre, mma_buf);
+  subcell_products<K>(p, sp, t, u, pre, products_buf);
+  phase_mark(kPhaseProducts);
   subcell_preactivations<K>(p, sp, pre);
+  phase_mark(kPhaseElements);
   if (sp.lnw)
     gate_statistics<A>(pre, 4, Rows<K>::groups, p.B, p.H, p.slice, sp.n, p.eps, p.partials, stats, p.cluster);
   subcell_update<K>(p, sp, t, k, last, next_t, pre, stats);
+  phase_mark(kPhaseElements);
   persistent_barrier(p.cluster);
 }
 
@@ -409,6 +526,7 @@ template <int KIND, typename T, typename A>
 __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   constexpr int NH = Rows<KIND>::hid;
   DTMT_DYNAMIC_SMEM(smem);
+  phase_begin();
   const int H = p.H, S = p.slice;
   const auto [j0, n] = block_units(H, S);
   const int r = resident_subcells(p.D, p.resident);
@@ -416,8 +534,8 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   auto spilled = [&](int k) { return spilled_matrix<T>(false, KIND, p.D, H, S, r, k, p.spill); };
   A* pre = reinterpret_cast<A*>(smem + resident_matrix_bytes(false, KIND, p.D, H, S, sizeof(T), r));
   A* stats = pre + static_cast<size_t>(p.B) * 4 * S;
-  unsigned char* mma_buf = smem + round_bytes(persistent_forward_bytes(KIND, p.D, p.B, H, S, sizeof(T), sizeof(A),
-                                                                       false, 0, r));
+  // block_mma's buffers, or block_dots' stage
+  unsigned char* products_buf = smem + round_bytes(forward_block_bytes(KIND, p.D, p.B, H, S, sizeof(T), sizeof(A), r));
   // the block's rows of every matrix, once (rows of units past H, in the last block, zero: the tensor-core
   // products read them)
   const T zero = Cvt<A, T>::store(A(0));
@@ -432,6 +550,7 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
           jj < n ? w[static_cast<size_t>(q * H + j0 + jj) * H + i] : zero;
     }
   }
+  phase_mark(kPhaseSetup);
   __syncthreads();
   for (int step = 0; step < p.steps; ++step) {
     const int t = p.reverse ? p.steps - 1 - step : step;
@@ -439,9 +558,9 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
     for (int k = 0; k <= p.D; ++k) {
       auto subcell = [&](const T* rows) {
         if (k == 0) {
-          persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, rows, pre, stats, mma_buf);
+          persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, rows, pre, stats, products_buf);
         } else {
-          persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t, rows, pre, stats, mma_buf);
+          persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t, rows, pre, stats, products_buf);
         }
       };
       if (k < r) {
@@ -451,6 +570,7 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
       }
     }
   }
+  phase_end();
 }
 
 // ------------------------------------------------------------------------------------------------ backward
@@ -493,6 +613,7 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   int resident;       // sub-cells whose columns stay in shared memory (< 0: all D + 1)
   bool reverse;
   bool mma;           // U-path products on tensor cores (block_mma.cuh), as the forward's
+  int stage_cols;     // else (FMA) block_dots' stage of the gradients, as the forward's
   bool cluster;       // one thread-block cluster, as the forward's
   A eps;
 };
@@ -510,15 +631,16 @@ template <typename A> struct BackwardBuffers {
 };
 
 // out[b][jj] = sum_r dpre[b, r] * col[jj][r] for the block's units, rounded to T (the per-step GEMM's output dtype),
-// on tensor cores with `mma` (block_mma.cuh), else FMA. Rows that had ended at `t` (the step whose gradients dpre
-// are) have dpre = 0: their result is 0 without a sum.
+// on tensor cores with `mma` (block_mma.cuh), else FMA (block_dots, through its stage where stage_cols > 0:
+// columns of each row the buffer holds at a time). Rows that had ended at `t` (the step whose gradients dpre are)
+// have dpre = 0: their result is 0 without a sum.
 template <typename T, typename A>
 __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, int B, int S, int n, A* out,
-                                  const T* mask, int t, bool mma, unsigned char* mma_buf) {
+                                  const T* mask, int t, bool mma, int stage_cols, unsigned char* products_buf) {
 #if defined(DTMT_MMA_DEVICE)
   if constexpr (Mma<T>::available) {
     if (mma) {
-      const float* C = block_mma<T>(col, ldc, n, dpre, R, R, B, mask, t, mma_buf);
+      const float* C = block_mma<T>(col, ldc, n, dpre, R, R, B, mask, t, products_buf);
       const int ldm = round16(n);
       for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
         const int b = e % B, jj = e / B;
@@ -528,13 +650,11 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
     }
   }
 #endif
-  (void)mma;
-  (void)mma_buf;
   // output e: unit jj = e % n, batch row b = e / n (block_dots)
   block_dots<A>(
       B * n, R, [&](int e) { return row_valid(mask, t, B, e / n); },
-      [&](int e) { return col + static_cast<size_t>(e % n) * ldc; },
-      [&](int e) { return dpre + static_cast<size_t>(e / n) * R; },
+      [&](int e) { return col + static_cast<size_t>(e % n) * ldc; }, dpre, R, B, [&](int e) { return e / n; },
+      !mma && stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr, R <= stage_cols ? R : stage_cols,
       [&](int e, A acc) { out[(e / n) * S + e % n] = Cvt<A, T>::load(Cvt<A, T>::store(acc)); });
 }
 
@@ -602,6 +722,7 @@ __device__ __forceinline__ void backward_gates(const PersistentBackwardArgs<T, A
     }
     m.n[(b * 3 + g) * S + jj] = a;
   }
+  phase_mark(kPhaseElements);
   __syncthreads();
   if (lnw) {
     gate_statistics<A>(m.n, 3, NG, B, H, S, n, p.eps, p.partials, m.stats, p.cluster);
@@ -610,6 +731,7 @@ __device__ __forceinline__ void backward_gates(const PersistentBackwardArgs<T, A
       A& v = m.n[(b * 3 + g) * S + jj];
       v = (v - m.stats[(b * 3 + g) * 2]) * m.stats[(b * 3 + g) * 2 + 1];
     }
+    phase_mark(kPhaseNorm);
     __syncthreads();
   }
 }
@@ -682,6 +804,7 @@ __device__ __forceinline__ void backward_elements(const PersistentBackwardArgs<T
       m.inner[b * S + jj] = dh;
     }
   }
+  phase_mark(kPhaseElements);
   __syncthreads();
 }
 
@@ -717,6 +840,7 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
     out[0] = s1;
     out[1] = s2;
   }
+  phase_mark(kPhaseNorm);
   persistent_barrier(p.cluster);
   // pair e: batch row e / NG, group e % NG
   join_blocks<Sums<A>>(
@@ -736,6 +860,7 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
     dv = m.stats[(b * 3 + g) * 2 + 1] *
          (dv - m.sums[(b * 3 + g) * 2] - m.n[(b * 3 + g) * S + jj] * m.sums[(b * 3 + g) * 2 + 1]);
   }
+  phase_mark(kPhaseNorm);
   __syncthreads();
 }
 
@@ -765,6 +890,7 @@ __device__ void persistent_subcell_backward(const PersistentBackwardArgs<T, A>& 
       if constexpr (K != kTGRU) st<A>(dxp, static_cast<int>(static_cast<size_t>(b) * NIN * H + g * H + j), v);
     }
   }
+  phase_mark(kPhaseElements);
   persistent_barrier(p.cluster);
 }
 
@@ -772,6 +898,7 @@ template <int KIND, typename T, typename A>
 __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   constexpr int NH = Rows<KIND>::hid;
   DTMT_DYNAMIC_SMEM(smem);
+  phase_begin();
   const int H = p.H, B = p.B, S = p.slice;
   const BlockUnits units = block_units(H, S);   // (not a structured binding: u_path captures n)
   const int j0 = units.j0, n = units.n;
@@ -783,15 +910,17 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   const size_t BS = static_cast<size_t>(B) * S;
   BackwardBuffers<A> m{buf, buf + 3 * BS, buf + 6 * BS, buf + 7 * BS, buf + 8 * BS, buf + 9 * BS,
                        buf + 10 * BS, buf + 10 * BS + 6 * B};
-  unsigned char* mma_buf = smem + round_bytes(persistent_backward_bytes(KIND, p.D, B, H, S, sizeof(T), sizeof(A),
-                                                                        false, 0, r));
+  // block_mma's buffers, or block_dots' stage
+  unsigned char* products_buf =
+      smem + round_bytes(backward_block_bytes(KIND, p.D, B, H, S, sizeof(T), sizeof(A), r));
   // the U-path through sub-cell k's columns (R long): out[b][jj] = sum_r dpre[b, r] col_jj[r]
   auto u_path = [&](int k, const T* dpre, int R, A* out, int t) {
     if (k < r) {
       persistent_u_path<T, A>(dpre, R, resident_matrix<T>(true, KIND, H, S, k, cols), R + 1, B, S, n, out, p.mask, t,
-                              p.mma, mma_buf);
+                              p.mma, p.stage_cols, products_buf);
     } else {
-      persistent_u_path<T, A>(dpre, R, spilled(k), R + 1, B, S, n, out, p.mask, t, p.mma, mma_buf);
+      persistent_u_path<T, A>(dpre, R, spilled(k), R + 1, B, S, n, out, p.mask, t, p.mma, p.stage_cols,
+                              products_buf);
     }
   };
   for (int k = 0; k <= p.D; ++k) {
@@ -808,12 +937,14 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
     m.carry[b * S + jj] = p.grad_hn[static_cast<size_t>(b) * H + j0 + jj];
     m.cg[b * S + jj] = A(0);
   }
+  phase_mark(kPhaseSetup);
   __syncthreads();
   for (int step = p.steps - 1; step >= 0; --step) {
     const int t = p.reverse ? p.steps - 1 - step : step;
     for (int k = p.D; k >= 0; --k) {
       if (k < p.D)   // the U-path from T-GRU k + 1 of this step (its dhpt: every block's, before the last barrier)
         u_path(k + 1, p.dhpt + (static_cast<size_t>(k) * p.steps + t) * B * 3 * H, 3 * H, m.gin, t);
+      phase_mark(kPhaseProducts);
       __syncthreads();
       if (k == 0) {
         persistent_subcell_backward<KIND, T, A>(p, t, 0, m);
@@ -823,12 +954,14 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
     }
     // the U-path of this step's base gradients: into the previous step's state (the next one processed)
     u_path(0, p.dhp + static_cast<size_t>(t) * B * R0, R0, m.cg, t);
+    phase_mark(kPhaseProducts);
     __syncthreads();
   }
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
     const int b = e % B, jj = e / B;
     p.dh0[static_cast<size_t>(b) * H + j0 + jj] = m.carry[b * S + jj] + m.cg[b * S + jj];
   }
+  phase_end();
 }
 
 // Launches kernel(a) as a persistent launch of `grid` blocks of `threads` threads with `smem` bytes of dynamic shared
@@ -888,7 +1021,8 @@ template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                             cudaStream_t stream) {
   const size_t smem =
-      persistent_backward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident);
+      persistent_backward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident,
+                                a.stage_cols);
   return launch_persistent(persistent_backward_kernel<KIND, T, A>, a, grid, threads, smem, stream);
 }
 
@@ -908,7 +1042,8 @@ template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a, int grid, int threads,
                                            cudaStream_t stream) {
   const size_t smem =
-      persistent_forward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident);
+      persistent_forward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident,
+                               a.stage_cols);
   return launch_persistent(persistent_forward_kernel<KIND, T, A>, a, grid, threads, smem, stream);
 }
 

@@ -35,6 +35,29 @@ DTMT_HD size_t mma_buffer_bytes(int M, int B, int threads, size_t t_bytes) {
   return c + sa + sb;
 }
 
+// ---------------------------------------------------------------------------- block_dots' stage (FMA products)
+// The FMA products read the vectors every output of a block shares (forward the state, backward the pre-activation
+// gradients: B rows of K) from a stage in shared memory, filled by the whole block with many loads in flight,
+// instead of each thread walking them in global memory, one L2 round trip after another
+// (docs/design/persistent_recurrence.md, "The products' stage"). The stage takes the shared memory the matrices
+// leave (`room`), at most kStageBytes of values: whole rows where they fit, else a multiple of 32 columns of every
+// row at a time; none where not even 32 columns fit (the products then read global memory). A staged row is `cols`
+// values and 16 bytes (stage_pitch), so that consecutive rows start 4 banks apart (the threads of a warp read up to
+// 8 rows without a bank conflict) and 16-byte copies stay aligned.
+constexpr size_t kStageBytes = 32 * 1024;
+DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes) { return cols + static_cast<int>(16 / t_bytes); }
+DTMT_HD int stage_columns(int B, int K, size_t t_bytes, size_t room) {
+  if (B < 1 || K < 1) return 0;
+  const size_t pad = static_cast<size_t>(stage_pitch(0, t_bytes)), budget = kStageBytes / t_bytes / B,
+               fits = room / t_bytes / B;   // values a row: kStageBytes' share, and the room's (with the pad)
+  if (fits < pad + 32) return 0;
+  const size_t cap = budget < fits - pad ? budget : fits - pad;
+  return cap >= static_cast<size_t>(K) ? K : static_cast<int>(cap / 32 * 32);
+}
+DTMT_HD size_t stage_bytes(int B, int cols, size_t t_bytes) {
+  return round_bytes(static_cast<size_t>(B) * stage_pitch(cols, t_bytes) * t_bytes);
+}
+
 // ------------------------------------------------------------------------------------ the kernels' shared memory
 // The sub-cells' matrices a block holds: sub-cell k (0 the base cell, k >= 1 T-GRU k) has `subcell_rows` gate rows a
 // unit. Forward, the block's rows of it: [rows][slice][H + 1] (each row H + 1 long: consecutive rows start in
@@ -67,25 +90,40 @@ DTMT_HD size_t spill_elems(bool backward, int kind, int D, int H, int slice, int
 }
 
 // Forward, a block of `slice` units: the resident matrices, then the pre-activations [B][4][slice] and the row
-// statistics [B][3][2] (accumulation type); with `mma`, at the next multiple of 128 bytes, block_mma's buffers for
-// products of the largest sub-cell's rows.
+// statistics [B][3][2] (accumulation type) ...
+DTMT_HD size_t forward_block_bytes(int kind, int D, int B, int H, int slice, size_t t_bytes, size_t a_bytes,
+                                   int resident) {
+  return resident_matrix_bytes(false, kind, D, H, slice, t_bytes, resident) +
+         (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * a_bytes;
+}
+// ... then, at the next multiple of 128 bytes, the products' buffers: with `mma` block_mma's for products of the
+// largest sub-cell's rows, else block_dots' stage of the state (B rows of `stage_cols` columns; none with 0).
 DTMT_HD size_t persistent_forward_bytes(int kind, int D, int B, int H, int slice, size_t t_bytes, size_t a_bytes,
-                                        bool mma = false, int threads = 0, int resident = -1) {
-  const size_t bytes = resident_matrix_bytes(false, kind, D, H, slice, t_bytes, resident) +
-                       (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * a_bytes;
-  if (!mma) return bytes;
+                                        bool mma = false, int threads = 0, int resident = -1, int stage_cols = 0) {
+  const size_t bytes = forward_block_bytes(kind, D, B, H, slice, t_bytes, a_bytes, resident);
   const int widest = cell_hidden_rows(kind) > 3 || D == 0 ? cell_hidden_rows(kind) : 3;
-  return round_bytes(bytes) + mma_buffer_bytes(widest * slice, B, threads, t_bytes);
+  if (mma) return round_bytes(bytes) + mma_buffer_bytes(widest * slice, B, threads, t_bytes);
+  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, stage_cols, t_bytes) : bytes;
 }
 
 // Backward: the resident matrices' columns, then 10 per-unit buffers [B][slice] (n and d three each, carry, cg,
-// inner, gin) and the row statistics and sums [B][3][2] each; with `mma`, at the next multiple of 128 bytes,
-// block_mma's buffers for products of `slice` columns.
+// inner, gin) and the row statistics and sums [B][3][2] each ...
+DTMT_HD size_t backward_block_bytes(int kind, int D, int B, int H, int slice, size_t t_bytes, size_t a_bytes,
+                                    int resident) {
+  return resident_matrix_bytes(true, kind, D, H, slice, t_bytes, resident) +
+         (static_cast<size_t>(B) * 10 * slice + B * 12) * a_bytes;
+}
+// The longest gradient row a backward's U-path reads (a column's length: the base cell's n_h x H, a T-GRU's 3H).
+DTMT_HD int backward_u_path_length(int kind, int D, int H) {
+  return (cell_hidden_rows(kind) > 3 || D == 0 ? cell_hidden_rows(kind) : 3) * H;
+}
+// ... then, at the next multiple of 128 bytes, with `mma` block_mma's buffers for products of `slice` columns, else
+// block_dots' stage of the gradients (B rows of `stage_cols` columns; none with 0).
 DTMT_HD size_t persistent_backward_bytes(int kind, int D, int B, int H, int slice, size_t t_bytes, size_t a_bytes,
-                                         bool mma = false, int threads = 0, int resident = -1) {
-  const size_t bytes = resident_matrix_bytes(true, kind, D, H, slice, t_bytes, resident) +
-                       (static_cast<size_t>(B) * 10 * slice + B * 12) * a_bytes;
-  return mma ? round_bytes(bytes) + mma_buffer_bytes(slice, B, threads, t_bytes) : bytes;
+                                         bool mma = false, int threads = 0, int resident = -1, int stage_cols = 0) {
+  const size_t bytes = backward_block_bytes(kind, D, B, H, slice, t_bytes, a_bytes, resident);
+  if (mma) return round_bytes(bytes) + mma_buffer_bytes(slice, B, threads, t_bytes);
+  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, stage_cols, t_bytes) : bytes;
 }
 
 // ------------------------------------------------------------------------------------------- tensor cores or FMA
@@ -124,6 +162,7 @@ struct PersistentPlan {
   int forward_resident = 0, backward_resident = 0;   // sub-cells (of D + 1) whose matrices stay in shared memory
   size_t forward_bytes = 0, backward_bytes = 0;      // shared memory a block
   size_t forward_spill = 0, backward_spill = 0;      // bytes of the spill buffers (every block's), read through L2
+  int forward_stage = 0, backward_stage = 0;         // FMA products: block_dots' stage, columns of each batch row
   bool fits = false;
 };
 
@@ -151,10 +190,17 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
     };
     int resident = D + 1;
     while (resident > 0 && bytes(resident) > smem_optin && spill(resident - 1) <= budget) --resident;
+    const size_t need = bytes(resident);
     (backward ? plan.backward_resident : plan.forward_resident) = resident;
-    (backward ? plan.backward_bytes : plan.forward_bytes) = bytes(resident);
     (backward ? plan.backward_spill : plan.forward_spill) = spill(resident);
-    plan.fits = plan.fits && bytes(resident) <= smem_optin;
+    plan.fits = plan.fits && need <= smem_optin;
+    // FMA products: block_dots' stage in the shared memory the matrices leave (none where they leave too little)
+    const size_t room = round_bytes(need) < smem_optin ? smem_optin - round_bytes(need) : 0;
+    const int stage = mma ? 0 : stage_columns(B, backward ? backward_u_path_length(kind, D, H) : H, t_bytes, room);
+    (backward ? plan.backward_stage : plan.forward_stage) = stage;
+    (backward ? plan.backward_bytes : plan.forward_bytes) =
+        backward ? persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage)
+                 : persistent_forward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage);
   }
   return plan;
 }

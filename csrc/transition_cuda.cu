@@ -427,12 +427,13 @@ template <typename Args> void set_persistent_sizes(Args& a, const Dims& d, int64
 // memory; persistent_plan chooses). `cluster`: the launch is one thread-block cluster of `grid` blocks (at most
 // kClusterMaxBlocks), its barrier the cluster's, instead of a cooperative grid. `fallible`: a launch the device
 // refuses (too much shared memory, blocks that cannot all be resident, a cluster it cannot place) returns {} instead
-// of throwing.
+// of throwing. `stage_cols`: the FMA products' stage (persistent_plan's, columns of each batch row; < 0: as much of
+// the rows as kStageBytes holds), none with tensor-core products.
 template <typename S>
 std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                             const TransitionWeights& w, bool reverse, double eps, int64_t grid,
                                             int64_t threads, int64_t resident = -1, bool cluster = false,
-                                            bool fallible = false) {
+                                            bool fallible = false, int64_t stage_cols = -1) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
@@ -477,6 +478,10 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   const Tensor spill = set_persistent_spill<T, S>(a, false, w, d, slice, grid, resident, opts);
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
+  a.stage_cols = a.mma ? 0
+                 : stage_cols >= 0 ? static_cast<int>(stage_cols)
+                                   : cuda::stage_columns(static_cast<int>(B), static_cast<int>(H), sizeof(T),
+                                                         cuda::kStageBytes);
   a.cluster = cluster;
   if (T_ > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -775,12 +780,14 @@ std::vector<Tensor> backward_impl(const BackwardInputs& in, const TransitionWeig
 }
 
 // The backward in one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh) on the forward's
-// saved tensors (either forward's), then the same weight gradients; `fallible` as forward_persistent_impl's.
+// saved tensors (either forward's), then the same weight gradients; `fallible` and `stage_cols` as
+// forward_persistent_impl's.
 template <typename S>
 std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const TransitionWeights& w,
                                              const SavedForward& saved, bool reverse, double eps, int64_t grid,
                                              int64_t threads, int64_t resident = -1, bool cluster = false,
-                                             bool fallible = false, bool weight_grads = true) {
+                                             bool fallible = false, bool weight_grads = true,
+                                             int64_t stage_cols = -1) {
   const Tensor &grad_out = in.grad_out, &grad_hn = in.grad_hn, &x = in.x, &mask = in.mask, &drop = in.drop;
   const Tensor &xp = saved.xp, &hs = saved.hs, &hs_lp_saved = saved.hs_lp, &hp = saved.hp, &hpt = saved.hpt;
   using T = typename DeviceType<S>::type;
@@ -834,6 +841,13 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   const Tensor spill = set_persistent_spill<T, S>(a, true, w, d, slice, grid, resident, opts);
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
+  a.stage_cols = a.mma ? 0
+                 : stage_cols >= 0 ? static_cast<int>(stage_cols)
+                                   : cuda::stage_columns(static_cast<int>(B),
+                                                         cuda::backward_u_path_length(static_cast<int>(w.kind),
+                                                                                      static_cast<int>(D),
+                                                                                      static_cast<int>(H)),
+                                                         sizeof(T), cuda::kStageBytes);
   a.cluster = cluster;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
@@ -864,11 +878,11 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
     if (plan.grid > 0)
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
                                                  cuda::kPersistentThreads, plan.forward_resident, plan.cluster,
-                                                 /*fallible=*/true);
+                                                 /*fallible=*/true, plan.forward_stage);
     if (result.empty() && plan.cluster && (plan = device_plan<scalar_t>(x, w, false)).grid > 0)   // the grid form
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
                                                  cuda::kPersistentThreads, plan.forward_resident, false,
-                                                 /*fallible=*/true);
+                                                 /*fallible=*/true, plan.forward_stage);
     if (result.empty()) result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
   });
   return result;
@@ -912,10 +926,11 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const Tra
     if (plan.grid > 0)
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
                                                   plan.backward_resident, plan.cluster, /*fallible=*/true,
-                                                  weight_grads);
+                                                  weight_grads, plan.backward_stage);
     if (result.empty() && plan.cluster && (plan = device_plan<scalar_t>(in.x, w, false)).grid > 0)   // the grid form
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
-                                                  plan.backward_resident, false, /*fallible=*/true, weight_grads);
+                                                  plan.backward_resident, false, /*fallible=*/true, weight_grads,
+                                                  plan.backward_stage);
     if (result.empty()) result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
   });
   return result;

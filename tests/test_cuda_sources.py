@@ -253,6 +253,25 @@ def test_barrier_probe_builds(tmp_path):
     assert (tmp_path / "barrier_probe").stat().st_size > 0
 
 
+@needs_nvcc
+def test_phase_probe_builds(tmp_path):
+    """benchmarks/phase_probe.cu (where a persistent launch's time goes: the kernels with their phase clock,
+    DTMT_PERSISTENT_PHASES; gpu_session.sh's persistent stage builds and runs it on the GPU) compiles and links for
+    sm_90 as that stage builds it, its kernels read the SM clock (the marks are compiled in: the extension's PTX has
+    none, test_persistent_kernels_load_from_named_spaces), and without the flag it refuses to build."""
+    probe = os.path.join(ROOT, "benchmarks", "phase_probe.cu")
+    flags = ["-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90", f"-I{CSRC}"]
+    _run([NVCC, *flags, "-DDTMT_PERSISTENT_PHASES", "-keep", f"-keep-dir={tmp_path}", probe, "-o",
+          str(tmp_path / "phase_probe")])
+    assert (tmp_path / "phase_probe").stat().st_size > 0
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    kernels = re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M)
+    assert len(kernels) == 12, kernels   # GRU, ATR, L-GRU x float, bf16 x forward, backward
+    assert ptx.count("%clock64") >= 12 * 4
+    res = subprocess.run([NVCC, *flags, "-E", probe], capture_output=True, text=True)
+    assert res.returncode != 0 and "DTMT_PERSISTENT_PHASES" in res.stderr
+
+
 PERSISTENT_PTX_TU = r"""
 #include "persistent_cuda_kernels.cuh"
 namespace dtmt {
@@ -293,6 +312,7 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     assert "barrier.cluster.arrive" in text and "barrier.cluster.wait" in text
     assert "barrier.cluster.arrive.relaxed" not in text   # (release / acquire: the global memory written before)
     assert not [op for op in loads if ".nc" in op]   # (no non-coherent loads of what other blocks write)
+    assert "%clock64" not in text   # (the phase clock of benchmarks/phase_probe.cu is compiled out)
 
 
 def _torch_includes():
@@ -688,6 +708,25 @@ def test_persistent_products_spread_over_lanes_emulated(emulated_cuda_ext, B, gr
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("B,H,grid,threads", [(2, 40, 4, 64), (64, 80, 4, 64), (64, 81, 3, 32)],
+                         ids=["whole-rows-16-byte-loads", "chunks-16-byte-loads", "chunks-odd-rows"])
+def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, B, H, grid, threads):
+    """The persistent launches' FMA products read the vectors every output shares (forward the state, backward the
+    pre-activation gradients) from block_dots' stage in shared memory (stage_rows in
+    csrc/persistent_cuda_kernels.cuh; the driver's choice wherever the products are not on tensor cores). B = 2,
+    H = 40 in float64: whole rows at once, 16-byte loads (two values); B = 64, H = 80: 64 x 80 x 8 bytes is past the
+    stage's 32 KB, so 64 columns at a time (forward: 64 + 16; backward up to 4H = 320: five chunks), 16-byte loads;
+    H = 81: the states' rows and ATR's gradients' are of odd length, one value a load (the last chunk 17 columns),
+    the L-GRU's base gradients (4H = 324) 16-byte loads. Outputs and every gradient against the float64 reference,
+    with ragged lengths, reverse direction, dropout and layer norm on. (Each path fails this test when broken: an
+    offset off in the 16-byte copy fails all three, in the one-value copy the third, a chunk's column offset
+    dropped the last two.)"""
+    run = _emulated_sequence(emulated_cuda_ext, (grid, threads, -1, False))
+    for cell, depth in (("lgru", 2), ("atr", 0)):
+        _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=2, H=H)
+
+
+@pytest.mark.slow
 def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
     """block_dots and join_blocks shuffle across whole warps: a persistent launch of 16 or 48 threads a block is
     refused, forward and backward, with a one-line error that names the count (the driver launches 256)."""
@@ -880,7 +919,10 @@ def test_persistent_envelope():
     of shared memory a block): every block's rows (forward) or columns (backward) of every recurrent matrix, H + 1
     long, plus its per-row buffers. Worked by hand: the deep transition at H = 512 (L-GRU + 4 T-GRUs, B = 64, fp32)
     takes 128 blocks of 4 units, 64 rows x 513 x 4 B + 64 x 22 x 4 B = 136,960 B forward and
-    (4 x 2,049 + 16 x 1,537) x 4 B + 64 x 52 x 4 B = 144,464 B backward: it fits; at H = 1024 (8 units a block)
+    (4 x 2,049 + 16 x 1,537) x 4 B + 64 x 52 x 4 B = 144,464 B backward: it fits; the FMA products' stage takes what
+    is left, at most 32 KB of values: 32,768 / (64 x 4 B) = 128 columns of every batch row, a row 16 B more (the
+    pitch): 64 x 132 x 4 B = 33,792 B, so 136,960 + 33,792 = 170,752 B and 144,512 (the next multiple of 128) +
+    33,792 = 178,304 B; at H = 1024 (8 units a block)
     the forward alone needs 524,800 B of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at
     B = 256. With the products on tensor cores (TF32, 256 threads) each adds, at the next multiple of 128 B,
     block_mma's buffers: C (64 x 16 x 4 B = 4,096), the matrix stage (16 x 72 x 4 B = 4,608) and the batch stage
@@ -898,12 +940,14 @@ def test_persistent_envelope():
 
     h100 = dict(multiprocessors=132, shared_memory=232448)
     plan = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=False, **h100)
-    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 136960,
-                                                                                            144464)
-    assert str(plan) == ("persistent: 128 blocks of 4 units; 134 / 141 KB of shared memory a block (forward / "
-                         "backward) of 227 KB; FMA")
+    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 170752,
+                                                                                            178304)
+    assert (plan.forward_stage, plan.backward_stage) == (128, 128)
+    assert str(plan) == ("persistent: 128 blocks of 4 units; 167 / 174 KB of shared memory a block (forward / "
+                         "backward) of 227 KB; FMA, staging 128 / 128 columns a row")
     tc = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=True, **h100)
-    assert (tc.fits, tc.forward_bytes, tc.backward_bytes) == (True, 164096, 171648)
+    assert (tc.fits, tc.forward_bytes, tc.backward_bytes, tc.forward_stage, tc.backward_stage) == (True, 164096,
+                                                                                                    171648, 0, 0)
     for dtype in (torch.float32, torch.float64):
         assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100).fits
     assert dk.persistent_plan("gru", 0, 256, 512, tensor_cores=False, **h100).fits
@@ -924,11 +968,14 @@ def test_persistent_envelope():
         assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100_l2).fits
     # the cluster form: one cluster of at most 16 blocks, whatever the SMs; GRU H = 512, B = 8, fp32: 32 units a block,
     # 3 x 32 rows x 513 x 4 B + (8 x 4 x 32 + 8 x 6) x 4 B = 201,280 B forward, 32 x 1,537 x 4 B +
-    # (8 x 10 x 32 + 8 x 12) x 4 B = 207,360 B backward; at H = 9, one block a unit
+    # (8 x 10 x 32 + 8 x 12) x 4 B = 207,360 B backward; the stage: forward whole rows (8 x (512 + 4) x 4 B =
+    # 16,512 B after 201,344), backward what is left of 232,448 - 207,360 = 25,088 B: 784 values a row, 780 after the
+    # pitch's 4, of 3H = 1,536: 768 columns at a time (8 x 772 x 4 B = 24,704 B); at H = 9, one block a unit
     one = dk.persistent_plan("gru", 0, 8, 512, tensor_cores=False, cluster=16, **h100)
     assert (one.fits, one.cluster, one.grid, one.slice, one.forward_bytes, one.backward_bytes) == (
-        True, True, 16, 32, 201280, 207360)
-    assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 197 / 202 KB")
+        True, True, 16, 32, 217856, 232064)
+    assert (one.forward_stage, one.backward_stage) == (512, 768)
+    assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 213 / 227 KB")
     nine = dk.persistent_plan("gru", 0, 8, 9, cluster=16, **h100)
     assert (nine.grid, nine.cluster, plan.cluster) == (9, True, False)
     assert not dk.persistent_plan("lgru", 4, 8, 1024, "bfloat16", cluster=16, **h100_l2).fits

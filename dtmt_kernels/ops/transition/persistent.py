@@ -4,8 +4,10 @@ the CPU extension too), so the decision stated here on any machine is the one th
 docs/design/persistent_recurrence.md, "The envelope", has the table for an H100 / H200.
 
     >>> import dtmt_kernels as dk
-    >>> print(dk.persistent_plan("lgru", 4, 64, 512, multiprocessors=132, shared_memory=232448))
-    persistent: 128 blocks of 4 units; 134 / 141 KB of shared memory a block (forward / backward) of 227 KB; FMA
+    >>> print(dk.persistent_plan("lgru", 4, 64, 512, multiprocessors=132,
+    ...                          shared_memory=232448))  # doctest: +NORMALIZE_WHITESPACE
+    persistent: 128 blocks of 4 units; 167 / 174 KB of shared memory a block (forward / backward) of 227 KB; FMA,
+    staging 128 / 128 columns a row
     >>> print(dk.persistent_plan("lgru", 4, 64, 1024, "bfloat16", multiprocessors=132, shared_memory=232448,
     ...                          l2_cache=52428800))  # doctest: +NORMALIZE_WHITESPACE
     persistent: 128 blocks of 8 units; 191 / 198 KB of shared memory a block (forward / backward) of 227 KB; the
@@ -18,8 +20,8 @@ cluster's; `cluster=16` here), and where that does not fit, the grid form:
 
     >>> print(dk.persistent_plan("gru", 0, 8, 512, multiprocessors=132, shared_memory=232448,
     ...                          cluster=16))  # doctest: +NORMALIZE_WHITESPACE
-    persistent, one cluster: 16 blocks of 32 units; 197 / 202 KB of shared memory a block (forward / backward) of
-    227 KB; FMA
+    persistent, one cluster: 16 blocks of 32 units; 213 / 227 KB of shared memory a block (forward / backward) of
+    227 KB; FMA, staging 512 / 768 columns a row
 
 `python benchmarks/bench_persistent.py --envelope [--multiprocessors 132 --shared-memory 232448 --l2-cache 52428800]`
 prints the envelope table (envelope_table) of the current GPU, or of the numbers given."""
@@ -45,7 +47,10 @@ class PersistentPlan:
     `subcells` (depth + 1), `forward_resident` / `backward_resident` stay in shared memory, and the others take
     `forward_spill` / `backward_spill` bytes of global memory (every block's), at most a share of `l2_cache` (the
     driver's: half). `cluster`: the cluster form, one thread-block cluster of `grid` blocks whose barrier is the
-    cluster's (else one block per SM and the grid's barrier)."""
+    cluster's (else one block per SM and the grid's barrier). `forward_stage` / `backward_stage`: with FMA products,
+    the columns of each batch row of the vectors every product reads (the state; the gradients, as long as the
+    longest U-path) that the block stages in the shared memory the matrices leave (at most 32 KB: whole rows, or a
+    multiple of 32 columns at a time; 0: none, the products read them from global memory)."""
 
     fits: bool
     grid: int
@@ -62,6 +67,8 @@ class PersistentPlan:
     backward_spill: int = 0
     l2_cache: int = 0
     cluster: bool = False
+    forward_stage: int = 0
+    backward_stage: int = 0
 
     def __str__(self) -> str:
         kb = lambda n: f"{n / 1024:.0f}"   # noqa: E731
@@ -73,7 +80,8 @@ class PersistentPlan:
                      f"{self.subcells - self.backward_resident} of {self.subcells} sub-cells read from L2 "
                      f"({mib(self.forward_spill)} / {mib(self.backward_spill)} MiB of the "
                      f"{self.l2_cache // _C.PERSISTENT_SPILL_L2_SHARE // 2 ** 20} MiB allowed)")
-        products = "tensor cores" if self.tensor_cores else "FMA"
+        products = ("tensor cores" if self.tensor_cores else
+                    f"FMA, staging {self.forward_stage} / {self.backward_stage} columns a row")
         form = ", one cluster" if self.cluster else ""
         if self.fits:
             return f"persistent{form}: {self.grid} blocks of {self.slice} units; {need}; {products}"
@@ -134,11 +142,11 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     if tensor_cores is None:   # the driver's rule (16-bit always, float32 where TF32 is allowed, float64 never)
         tensor_cores = _C.persistent_tensor_cores(storage, major)
     accumulation = 8 if dtype == torch.float64 else 4
-    grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill, in_cluster = _C.persistent_plan(
+    grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill, in_cluster, fstage, bstage = _C.persistent_plan(
         KINDS[cell], depth, batch, hidden, storage, accumulation, multiprocessors, shared_memory, tensor_cores,
         _C.PERSISTENT_THREADS, l2_cache, cluster)
     return PersistentPlan(bool(fits), grid, slice_, fwd, bwd, shared_memory, multiprocessors, tensor_cores, depth + 1,
-                          fres, bres, fspill, bspill, l2_cache, bool(in_cluster))
+                          fres, bres, fspill, bspill, l2_cache, bool(in_cluster), fstage, bstage)
 
 
 def persistent_launches() -> dict:

@@ -71,6 +71,7 @@ __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int 
   T* sb = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(sa) +
                                round_bytes(static_cast<size_t>(Mp) * kMmaStageLd * sizeof(T)));
   const T zero = Cvt<float, T>::store(0.0f);
+  constexpr int kLoads = 4;
   for (int first = 0; first < tiles; first += warps) {
     const int last = (first + warps < tiles ? first + warps : tiles) - 1;
     const int nt0 = first / Mt, rows_b = (last / Mt - nt0 + 1) * 16;   // this pass's batch tiles
@@ -86,10 +87,22 @@ __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int 
         const int m = e / kc, kk = e % kc, k = k0 + kk;
         sa[m * kMmaStageLd + kk] = m < M && k < K ? Mma<T>::round(a[static_cast<size_t>(m) * lda + k]) : zero;
       }
-      for (int e = threadIdx.x; e < rows_b * kc; e += blockDim.x) {
-        const int r = e / kc, kk = e % kc, k = k0 + kk, c = nt0 * 16 + r;
-        const bool live = c < B && k < K && (mask == nullptr || ld<float>(mask, t * B + c) > 0.5f);
-        sb[r * kMmaStageLd + kk] = live ? Mma<T>::round(src[static_cast<size_t>(c) * lds + k]) : zero;
+      // (kLoads values a thread in flight, each load of src beside its row's mask load rather than after it)
+      for (int base = threadIdx.x; base < rows_b * kc; base += blockDim.x * kLoads) {
+        T v[kLoads];
+        bool live[kLoads];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int e = base + u * blockDim.x, c = nt0 * 16 + e / kc, k = k0 + e % kc;
+          const bool in = e < rows_b * kc && c < B && k < K;
+          v[u] = in ? src[static_cast<size_t>(c) * lds + k] : zero;
+          live[u] = in && (mask == nullptr || ld<float>(mask, t * B + c) > 0.5f);
+        }
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int e = base + u * blockDim.x;
+          if (e < rows_b * kc) sb[(e / kc) * kMmaStageLd + e % kc] = live[u] ? Mma<T>::round(v[u]) : zero;
+        }
       }
       __syncthreads();
       if (mine) {

@@ -194,6 +194,7 @@ template <typename A> __device__ __forceinline__ Sums<A> shfl_xor(const Sums<A>&
 // all) by lane 0. Before, one thread joined all G in turn: a chain of G loads from L2, each waiting on the last,
 // with at most B x 3 threads of a block busy (docs/design/persistent_recurrence.md, "First run on a GPU"). Every
 // thread takes the same passes (the shuffles need whole warps).
+constexpr int kJoinLoads = 5;   // a lane's loads in flight at once (up to 160 blocks in one round: an H100 has 132 SMs)
 template <typename V, typename Part, typename Store>
 __device__ __forceinline__ void join_blocks(int pairs, Part part, Store store) {
   const int warps = static_cast<int>(blockDim.x) / 32, warp = static_cast<int>(threadIdx.x) / 32;
@@ -203,7 +204,15 @@ __device__ __forceinline__ void join_blocks(int pairs, Part part, Store store) {
     const int pair = pass * warps + warp;
     V acc{};
     if (pair < pairs)
-      for (int blk = lane; blk < G; blk += 32) acc = join(acc, part(blk, pair));
+      for (int first = lane; first < G; first += 32 * kJoinLoads) {   // (the loads first, then the joins in order)
+        V parts[kJoinLoads];
+#pragma unroll
+        for (int u = 0; u < kJoinLoads; ++u)
+          if (first + 32 * u < G) parts[u] = part(first + 32 * u, pair);
+#pragma unroll
+        for (int u = 0; u < kJoinLoads; ++u)
+          if (first + 32 * u < G) acc = join(acc, parts[u]);
+      }
     for (int off = 1; off < 32; off <<= 1) {
       const V other = shfl_xor(acc, off);
       acc = lane & off ? join(other, acc) : join(acc, other);

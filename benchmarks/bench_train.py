@@ -189,10 +189,9 @@ def _kernel_events(prof) -> list:
     import torch
 
     kernels = []
-    for e in prof.events():
-        kind = getattr(e, "device_type", None)
-        if kind is not None and kind != torch.autograd.DeviceType.CPU and e.name and not e.name.startswith(
-                ("Memcpy", "Memset")):
+    for e in prof.events():   # (not the ranges of record_function that torch also marks on the device's timeline)
+        if (getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.name
+                and not getattr(e, "is_user_annotation", False) and not e.name.startswith(("Memcpy", "Memset"))):
             kernels.append((e.name, float(e.time_range.elapsed_us())))
     return kernels
 
@@ -209,15 +208,15 @@ def device_time_table(prof, rows: int) -> str:
     import collections
 
     total, calls = collections.Counter(), collections.Counter()
-    for name, us in _kernel_events(prof):
-        short = name if len(name) <= 90 else name[:87] + "..."
-        total[short] += us
-        calls[short] += 1
+    for name, us in _kernel_events(prof):   # (grouped by the whole name, shortened only to print)
+        total[name] += us
+        calls[name] += 1
     everything = sum(total.values()) or 1.0
     lines = [f"| kernel ({len(total)} names, {sum(calls.values())} launches, {everything / 1000:.1f} ms) | calls | "
              "ms | share |", "|---|---:|---:|---:|"]
     for name, us in total.most_common(rows):
-        lines.append(f"| `{name}` | {calls[name]} | {us / 1000:.2f} | {100 * us / everything:.1f}% |")
+        short = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(f"| `{short}` | {calls[name]} | {us / 1000:.2f} | {100 * us / everything:.1f}% |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
 #   bash benchmarks/gpu_session.sh build graphs         # training updates as CUDA graphs: the tests, then graphed
 #                                                       # against eager updates in one run (paper presets)
-#   bash benchmarks/gpu_session.sh train-profile        # where a graphed dtmt update's device time goes (kernels)
+#   bash benchmarks/gpu_session.sh build train-profile  # where a graphed dtmt update's device time goes (kernels)
 #   bash benchmarks/gpu_session.sh build unrolled       # the decoder cells' weight gradients once over all steps
 #                                                       # on the device (dk.nn.unrolled, cuda backend): the tests,
 #                                                       # then against per-step weight gradients, eager and graphed

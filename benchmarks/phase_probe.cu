@@ -3,10 +3,11 @@
 // so that each block's thread 0 adds the SM clock between marks to the phase it names: products (the recurrent
 // products: FMA by block_dots, or tensor cores by block_mma), elements (pre-activations, the cell's update, the
 // backward's gate gradients, and the stores), norm (layer norm's partials and joins) and barrier
-// (persistent_barrier's wait, the slowest block's lag included). The launches are the driver's: the plan of
-// persistent_plan for this device (blocks, slice, sub-cells read from L2, the products' stage; 1 KB short of the
-// device's shared memory, which the clock takes), 256 threads a block, one cooperative launch each; the backward
-// runs on the forward's saved tensors. The marks add a block barrier each, which the extension's kernels do not
+// (persistent_barrier's wait, the slowest block's lag included). The launches are planned as the driver plans them
+// (persistent_plan for this device: blocks, slice, sub-cells read from L2, the products' stage), with 1 KB less
+// shared memory, kept for the clock's few static bytes (so where a plan is at the limit, its stage or the sub-cells
+// read from L2 may differ from the driver's); 256 threads a block, one cooperative launch each; the backward runs on
+// the forward's saved tensors. The marks add a block barrier each, which the extension's kernels do not
 // have: the probe's launches are a little slower than theirs (bench_persistent.py times those).
 //
 //   nvcc -std=c++17 -O3 --use_fast_math -arch=sm_90 -DDTMT_PERSISTENT_PHASES -Icsrc benchmarks/phase_probe.cu \

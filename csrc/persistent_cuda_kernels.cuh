@@ -354,18 +354,29 @@ __device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf 
   int lanes = 1;
   while (lanes < 32 && outputs * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
   const int groups = static_cast<int>(blockDim.x) / lanes, lane = static_cast<int>(threadIdx.x) % lanes;
-  const int passes = (outputs + groups - 1) / groups, chunk = stage != nullptr ? cols : K;
-  const int pitch = stage_pitch(cols, sizeof(T));
+  // a chunk: all K, or a multiple of 32 columns (so that every thread's columns keep their order: the same sums)
+  int chunk = stage == nullptr || cols >= K ? K : cols / 32 * 32;
+  if (chunk == 0) {   // (fewer than 32 columns: the direct reads)
+    stage = nullptr;
+    chunk = K;
+  }
+  const int passes = (outputs + groups - 1) / groups, pitch = stage_pitch(chunk, sizeof(T));
+  const bool whole = stage != nullptr && chunk == K;   // staged once for every pass
   auto dot = [&](A& acc, const auto* row, const auto* vec, int cn) {
     for (int i = lane; i < cn; i += lanes) acc += ld<A>(row, i) * ld<A>(vec, i);
   };
+  if (whole) {
+    __syncthreads();   // (the stage's last readers are done)
+    stage_rows(v, ldv, B, 0, K, pitch, stage);
+    __syncthreads();
+  }
   for (int p0 = 0; p0 < passes; p0 += kDotPasses) {
     A acc[kDotPasses];
 #pragma unroll
     for (int pp = 0; pp < kDotPasses; ++pp) acc[pp] = A(0);
     for (int c0 = 0; c0 < K; c0 += chunk) {
       const int cn = K - c0 < chunk ? K - c0 : chunk;
-      if (stage != nullptr) {
+      if (stage != nullptr && !whole) {
         __syncthreads();   // (the last chunk's readers are done)
         stage_rows(v, ldv, B, c0, cn, pitch, stage);
         __syncthreads();

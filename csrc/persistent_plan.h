@@ -40,10 +40,10 @@ DTMT_HD size_t mma_buffer_bytes(int M, int B, int threads, size_t t_bytes) {
 // gradients: B rows of K) from a stage in shared memory, filled by the whole block with many loads in flight,
 // instead of each thread walking them in global memory, one L2 round trip after another
 // (docs/design/persistent_recurrence.md, "The products' stage"). The stage takes the shared memory the matrices
-// leave (`room`), at most kStageBytes of values: whole rows where they fit, else a multiple of 32 columns of every
-// row at a time; none where not even 32 columns fit (the products then read global memory). A staged row is `cols`
-// values and 16 bytes (stage_pitch), so that consecutive rows start 4 banks apart (the threads of a warp read up to
-// 8 rows without a bank conflict) and 16-byte copies stay aligned.
+// leave (`room`), at most kStageBytes of values (and the pitch's 16 bytes a row): whole rows where they fit, else a
+// multiple of 32 columns of every row at a time; none where not even 32 columns fit (the products then read global
+// memory). A staged row is `cols` values and 16 bytes (stage_pitch), so that consecutive rows start 4 banks apart
+// (the threads of a warp read up to 8 rows without a bank conflict) and 16-byte copies stay aligned.
 constexpr size_t kStageBytes = 32 * 1024;
 DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes) { return cols + static_cast<int>(16 / t_bytes); }
 DTMT_HD int stage_columns(int B, int K, size_t t_bytes, size_t room) {
@@ -56,6 +56,10 @@ DTMT_HD int stage_columns(int B, int K, size_t t_bytes, size_t room) {
 }
 DTMT_HD size_t stage_bytes(int B, int cols, size_t t_bytes) {
   return round_bytes(static_cast<size_t>(B) * stage_pitch(cols, t_bytes) * t_bytes);
+}
+// The room a block's other buffers (`need` bytes) leave for the stage in `smem_optin` bytes, in whole 128 bytes.
+DTMT_HD size_t stage_room(size_t smem_optin, size_t need) {
+  return round_bytes(need) < smem_optin ? (smem_optin - round_bytes(need)) / 128 * 128 : 0;
 }
 
 // ------------------------------------------------------------------------------------ the kernels' shared memory
@@ -195,8 +199,9 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
     (backward ? plan.backward_spill : plan.forward_spill) = spill(resident);
     plan.fits = plan.fits && need <= smem_optin;
     // FMA products: block_dots' stage in the shared memory the matrices leave (none where they leave too little)
-    const size_t room = round_bytes(need) < smem_optin ? smem_optin - round_bytes(need) : 0;
-    const int stage = mma ? 0 : stage_columns(B, backward ? backward_u_path_length(kind, D, H) : H, t_bytes, room);
+    const int stage = mma ? 0
+                          : stage_columns(B, backward ? backward_u_path_length(kind, D, H) : H, t_bytes,
+                                          stage_room(smem_optin, need));
     (backward ? plan.backward_stage : plan.forward_stage) = stage;
     (backward ? plan.backward_bytes : plan.forward_bytes) =
         backward ? persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage)

@@ -421,14 +421,36 @@ template <typename Args> void set_persistent_sizes(Args& a, const Dims& d, int64
   a.eps = static_cast<decltype(a.eps)>(eps);
 }
 
+// The device's SM count, the shared memory a block may opt into, its L2 cache's bytes and the most blocks of one
+// thread-block cluster (0 where it has no cluster launch; the emulation: 4 SMs of an H100's 227 KB, its 50 MiB of
+// L2 and clusters of 16).
+struct DeviceLimits {
+  int multiprocessors;
+  size_t smem_optin, l2_bytes;
+  int cluster_blocks;
+};
+DeviceLimits device_limits() {
+#if defined(DTMT_CUDA_EMULATION)
+  return {4, 232448, 52428800, cuda::kClusterMaxBlocks};
+#else
+  int device = 0, count = 0, optin = 0, l2 = 0, clusters = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
+  return {count, static_cast<size_t>(optin), static_cast<size_t>(l2), clusters ? cuda::kClusterMaxBlocks : 0};
+#endif
+}
+
 // The forward as one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh): the same
 // outputs and saved tensors as forward_impl, so backward_impl runs on them unchanged. The rows of the first
 // `resident` sub-cells stay in shared memory, the others' in a spill buffer read through L2 (< 0: all in shared
 // memory; persistent_plan chooses). `cluster`: the launch is one thread-block cluster of `grid` blocks (at most
 // kClusterMaxBlocks), its barrier the cluster's, instead of a cooperative grid. `fallible`: a launch the device
 // refuses (too much shared memory, blocks that cannot all be resident, a cluster it cannot place) returns {} instead
-// of throwing. `stage_cols`: the FMA products' stage (persistent_plan's, columns of each batch row; < 0: as much of
-// the rows as kStageBytes holds), none with tensor-core products.
+// of throwing. `stage_cols`: the FMA products' stage (persistent_plan's, columns of each batch row; < 0: the plan's
+// rule, in the shared memory this device leaves the block), none with tensor-core products.
 template <typename S>
 std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                             const TransitionWeights& w, bool reverse, double eps, int64_t grid,
@@ -479,9 +501,15 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   a.stage_cols = a.mma ? 0
-                 : stage_cols >= 0 ? static_cast<int>(stage_cols)
-                                   : cuda::stage_columns(static_cast<int>(B), static_cast<int>(H), sizeof(T),
-                                                         cuda::kStageBytes);
+                 : stage_cols >= 0
+                     ? static_cast<int>(stage_cols)
+                     : cuda::stage_columns(static_cast<int>(B), static_cast<int>(H), sizeof(T),
+                                           cuda::stage_room(device_limits().smem_optin,
+                                                            cuda::forward_block_bytes(
+                                                                static_cast<int>(w.kind), static_cast<int>(D),
+                                                                static_cast<int>(B), static_cast<int>(H),
+                                                                static_cast<int>(slice), sizeof(T), sizeof(A),
+                                                                static_cast<int>(resident))));
   a.cluster = cluster;
   if (T_ > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -523,27 +551,6 @@ Recurrence recurrence_requested() {
 }
 bool persistent_requested() { return recurrence_requested() != Recurrence::kSteps; }
 
-// The device's SM count, the shared memory a block may opt into, its L2 cache's bytes and the most blocks of one
-// thread-block cluster (0 where it has no cluster launch; the emulation: 4 SMs of an H100's 227 KB, its 50 MiB of
-// L2 and clusters of 16).
-struct DeviceLimits {
-  int multiprocessors;
-  size_t smem_optin, l2_bytes;
-  int cluster_blocks;
-};
-DeviceLimits device_limits() {
-#if defined(DTMT_CUDA_EMULATION)
-  return {4, 232448, 52428800, cuda::kClusterMaxBlocks};
-#else
-  int device = 0, count = 0, optin = 0, l2 = 0, clusters = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device));
-  return {count, static_cast<size_t>(optin), static_cast<size_t>(l2), clusters ? cuda::kClusterMaxBlocks : 0};
-#endif
-}
 
 // The persistent plan of a layer on this device (persistent_plan); where it does not fit, grid 0 and a warning
 // once naming what does not fit: the per-step path runs then. Under DTMT_CUDA_RECURRENCE=persistent-cluster the
@@ -842,12 +849,18 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   a.stage_cols = a.mma ? 0
-                 : stage_cols >= 0 ? static_cast<int>(stage_cols)
-                                   : cuda::stage_columns(static_cast<int>(B),
-                                                         cuda::backward_u_path_length(static_cast<int>(w.kind),
-                                                                                      static_cast<int>(D),
-                                                                                      static_cast<int>(H)),
-                                                         sizeof(T), cuda::kStageBytes);
+                 : stage_cols >= 0
+                     ? static_cast<int>(stage_cols)
+                     : cuda::stage_columns(static_cast<int>(B),
+                                           cuda::backward_u_path_length(static_cast<int>(w.kind), static_cast<int>(D),
+                                                                        static_cast<int>(H)),
+                                           sizeof(T),
+                                           cuda::stage_room(device_limits().smem_optin,
+                                                            cuda::backward_block_bytes(
+                                                                static_cast<int>(w.kind), static_cast<int>(D),
+                                                                static_cast<int>(B), static_cast<int>(H),
+                                                                static_cast<int>(slice), sizeof(T), sizeof(A),
+                                                                static_cast<int>(resident))));
   a.cluster = cluster;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),

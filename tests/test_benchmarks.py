@@ -134,18 +134,22 @@ def test_bench_train_device_time_table():
 
     from benchmarks import bench_train
 
-    def event(name, kind, us):
+    def event(name, kind, us, annotation=False):
         span = types.SimpleNamespace(elapsed_us=lambda: us)
-        return types.SimpleNamespace(name=name, device_type=kind, time_range=span)
+        return types.SimpleNamespace(name=name, device_type=kind, time_range=span, is_user_annotation=annotation)
 
     cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     prof = types.SimpleNamespace(events=lambda: [event("aten::mm", cpu, 500.0), event("gemm_kernel", gpu, 300.0),
                                                  event("step_kernel", gpu, 100.0), event("gemm_kernel", gpu, 300.0),
-                                                 event("Memcpy HtoD (Pageable -> Device)", gpu, 50.0)])
-    assert bench_train.kernel_microseconds(prof) == 700.0
+                                                 event("Memcpy HtoD (Pageable -> Device)", gpu, 50.0),
+                                                 event("Optimizer.step#Adam.step", gpu, 400.0, annotation=True),
+                                                 event("k" * 100 + "a", gpu, 1.0), event("k" * 100 + "b", gpu, 2.0)])
+    assert bench_train.kernel_microseconds(prof) == 703.0   # (the annotation's range is no kernel)
     table = bench_train.device_time_table(prof, 5).splitlines()
-    assert table[0].startswith("| kernel (2 names, 3 launches, 0.7 ms) |")
-    assert table[2:] == ["| `gemm_kernel` | 2 | 0.60 | 85.7% |", "| `step_kernel` | 1 | 0.10 | 14.3% |"]
+    assert table[0].startswith("| kernel (4 names, 5 launches, 0.7 ms) |")
+    assert table[2:4] == ["| `gemm_kernel` | 2 | 0.60 | 85.3% |", "| `step_kernel` | 1 | 0.10 | 14.2% |"]
+    # two long names sharing their first 90 characters stay two rows
+    assert table[4:] == [f"| `{'k' * 87}...` | 1 | 0.00 | 0.3% |", f"| `{'k' * 87}...` | 1 | 0.00 | 0.1% |"]
 
 
 def test_bench_train_graphs_plumbing(tmp_path):

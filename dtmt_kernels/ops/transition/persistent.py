@@ -80,8 +80,9 @@ class PersistentPlan:
                      f"{self.subcells - self.backward_resident} of {self.subcells} sub-cells read from L2 "
                      f"({mib(self.forward_spill)} / {mib(self.backward_spill)} MiB of the "
                      f"{self.l2_cache // _C.PERSISTENT_SPILL_L2_SHARE // 2 ** 20} MiB allowed)")
-        products = ("tensor cores" if self.tensor_cores else
-                    f"FMA, staging {self.forward_stage} / {self.backward_stage} columns a row")
+        staged = self.forward_stage or self.backward_stage
+        products = ("tensor cores" if self.tensor_cores else "FMA" if not staged else
+                    f"FMA, staging {self.forward_stage or 'none'} / {self.backward_stage or 'none'} columns a row")
         form = ", one cluster" if self.cluster else ""
         if self.fits:
             return f"persistent{form}: {self.grid} blocks of {self.slice} units; {need}; {products}"

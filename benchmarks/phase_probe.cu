@@ -175,15 +175,18 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   f.h_last = buf.make<A>(BH, 0.0f);
   f.partials = buf.make<A>(2 * static_cast<size_t>(G) * B * 3 * 2, 0.0f);
   f.spill = plan.forward_spill ? buf.make<T>(plan.forward_spill / sizeof(T), 0.0f) : nullptr;
-  f.steps = Tn;
-  f.B = B;
-  f.H = H;
-  f.D = D;
-  f.slice = plan.slice;
-  f.resident = plan.forward_resident;
-  f.mma = mma;
-  f.stage_cols = staged ? plan.forward_stage : 0;
-  f.eps = 1e-5f;
+  auto sizes = [&](auto& a, int resident, int stage) {   // (what the forward's and backward's arguments share)
+    a.steps = Tn;
+    a.B = B;
+    a.H = H;
+    a.D = D;
+    a.slice = plan.slice;
+    a.resident = resident;
+    a.mma = mma;
+    a.stage_cols = staged ? stage : 0;
+    a.eps = 1e-5f;
+  };
+  sizes(f, plan.forward_resident, plan.forward_stage);
   if (f.xp == nullptr || f.out == nullptr) return;
   const Timing fwd = time_launch([&] { return launch_persistent_forward_kind<KIND, T, A>(f, G, kThreads, nullptr); },
                                  G);
@@ -216,15 +219,7 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   }
   g.partials = f.partials;
   g.spill = plan.backward_spill ? buf.make<T>(plan.backward_spill / sizeof(T), 0.0f) : nullptr;
-  g.steps = Tn;
-  g.B = B;
-  g.H = H;
-  g.D = D;
-  g.slice = plan.slice;
-  g.resident = plan.backward_resident;
-  g.mma = mma;
-  g.stage_cols = staged ? plan.backward_stage : 0;
-  g.eps = 1e-5f;
+  sizes(g, plan.backward_resident, plan.backward_stage);
   if (g.dhp == nullptr) return;
   const Timing bwd = time_launch([&] { return launch_persistent_backward_kind<KIND, T, A>(g, G, kThreads, nullptr); },
                                  G);

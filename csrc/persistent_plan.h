@@ -130,6 +130,16 @@ DTMT_HD size_t persistent_backward_bytes(int kind, int D, int B, int H, int slic
   return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, stage_cols, t_bytes) : bytes;
 }
 
+// The FMA products' stage of a block's forward (or backward) in `smem_optin` bytes: the columns of each batch row
+// (stage_columns) in the room the block's other buffers leave (stage_room). The plan's rule, and the driver's where a
+// launch is asked for without a plan.
+DTMT_HD int persistent_stage_columns(bool backward, int kind, int D, int B, int H, int slice, size_t t_bytes,
+                                     size_t a_bytes, int resident, size_t smem_optin) {
+  const size_t need = backward ? backward_block_bytes(kind, D, B, H, slice, t_bytes, a_bytes, resident)
+                               : forward_block_bytes(kind, D, B, H, slice, t_bytes, a_bytes, resident);
+  return stage_columns(B, backward ? backward_u_path_length(kind, D, H) : H, t_bytes, stage_room(smem_optin, need));
+}
+
 // ------------------------------------------------------------------------------------------- tensor cores or FMA
 // Whether the persistent products run on tensor cores (block_mma.cuh), for storage of t_bytes a value: 16-bit always
 // (f16 / bf16 MMA, float accumulation: the FMA products' math), float where TF32 is allowed in matmuls, double
@@ -200,8 +210,8 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
     plan.fits = plan.fits && need <= smem_optin;
     // FMA products: block_dots' stage in the shared memory the matrices leave (none where they leave too little)
     const int stage = mma ? 0
-                          : stage_columns(B, backward ? backward_u_path_length(kind, D, H) : H, t_bytes,
-                                          stage_room(smem_optin, need));
+                          : persistent_stage_columns(backward, kind, D, B, H, plan.slice, t_bytes, a_bytes, resident,
+                                                     smem_optin);
     (backward ? plan.backward_stage : plan.forward_stage) = stage;
     (backward ? plan.backward_bytes : plan.forward_bytes) =
         backward ? persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage)

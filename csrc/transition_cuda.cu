@@ -443,6 +443,15 @@ DeviceLimits device_limits() {
 #endif
 }
 
+// The FMA products' stage of a launch asked for without a plan (persistent_plan's rule in this device's shared
+// memory): columns of each batch row, forward or backward.
+template <typename T, typename A>
+int default_stage(bool backward, const TransitionWeights& w, const Dims& d, int64_t slice, int64_t resident) {
+  return cuda::persistent_stage_columns(backward, static_cast<int>(w.kind), static_cast<int>(d.D),
+                                        static_cast<int>(d.B), static_cast<int>(d.H), static_cast<int>(slice),
+                                        sizeof(T), sizeof(A), static_cast<int>(resident), device_limits().smem_optin);
+}
+
 // The forward as one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh): the same
 // outputs and saved tensors as forward_impl, so backward_impl runs on them unchanged. The rows of the first
 // `resident` sub-cells stay in shared memory, the others' in a spill buffer read through L2 (< 0: all in shared
@@ -501,15 +510,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   a.stage_cols = a.mma ? 0
-                 : stage_cols >= 0
-                     ? static_cast<int>(stage_cols)
-                     : cuda::stage_columns(static_cast<int>(B), static_cast<int>(H), sizeof(T),
-                                           cuda::stage_room(device_limits().smem_optin,
-                                                            cuda::forward_block_bytes(
-                                                                static_cast<int>(w.kind), static_cast<int>(D),
-                                                                static_cast<int>(B), static_cast<int>(H),
-                                                                static_cast<int>(slice), sizeof(T), sizeof(A),
-                                                                static_cast<int>(resident))));
+                 : stage_cols >= 0 ? static_cast<int>(stage_cols) : default_stage<T, A>(false, w, d, slice, resident);
   a.cluster = cluster;
   if (T_ > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -849,18 +850,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   a.stage_cols = a.mma ? 0
-                 : stage_cols >= 0
-                     ? static_cast<int>(stage_cols)
-                     : cuda::stage_columns(static_cast<int>(B),
-                                           cuda::backward_u_path_length(static_cast<int>(w.kind), static_cast<int>(D),
-                                                                        static_cast<int>(H)),
-                                           sizeof(T),
-                                           cuda::stage_room(device_limits().smem_optin,
-                                                            cuda::backward_block_bytes(
-                                                                static_cast<int>(w.kind), static_cast<int>(D),
-                                                                static_cast<int>(B), static_cast<int>(H),
-                                                                static_cast<int>(slice), sizeof(T), sizeof(A),
-                                                                static_cast<int>(resident))));
+                 : stage_cols >= 0 ? static_cast<int>(stage_cols) : default_stage<T, A>(true, w, d, slice, resident);
   a.cluster = cluster;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),

@@ -329,30 +329,34 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
   }
 }
 
-// The FMA products of the persistent launches: `outputs` dot products of length K, output o the sum over i of
-// ld(a(o), i) * ld(v + vrow(o) * ldv, i) (a: a matrix row in shared memory or L2; v: B vectors every output shares,
-// the state or the gradients, in global memory), given by store(o, sum) (0 where !live(o): a row whose sentence has
-// ended costs nothing). With `stage` (shared memory of stage_bytes), the vectors are read from it (rows stage_pitch
-// apart), `cols` columns of every row at a time (stage_rows: the whole block, many loads in flight, coalesced);
-// without, each thread reads them from global memory as it sums, one L2 round trip after another
-// (docs/design/persistent_recurrence.md, "The products' stage"). Output o is summed by `lanes` consecutive threads,
-// each over every lanes-th i, combined by shuffles (a fixed tree: deterministic); lanes is the largest power of two up
-// to 32 that leaves no thread two outputs a pass: 1 where there are at least as many outputs as threads (then each
-// thread sums whole outputs in index order), 16 for a GRU's 12 outputs at B = 1. A thread's sum runs over its i in
-// increasing order whatever the stage's columns (a multiple of 32, or all K): the same sums, bit for bit, with the
-// stage and without. Callers number their outputs units first, then gates, then batch rows, so that the threads of a
-// warp read one or a few batch rows' vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart
-// (distinct banks for 4-byte values and even H; 16-bit rows pair up in a bank). Ordered the other way (batch rows
-// first), a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
-// (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
-// shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. Passes are taken
-// kDotPasses at a time, each chunk of the stage serving all of them.
-constexpr int kDotPasses = 4;
-template <typename A, typename T, typename Live, typename RowOf, typename VecRow, typename Store>
-__device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf a, const T* v, size_t ldv, int B,
-                                           VecRow vrow, T* stage, int cols, Store store) {
+// The FMA products of the persistent launches: M x V dot products of length K, output (m, r) the sum over i of
+// ld(a(m), i) * ld(v + r * ldv, i) (a(m): a matrix row in shared memory or L2; v: V vectors every matrix row meets, the
+// state or the gradients, in global memory), given by store(m, r, sum) (0 where !live(r): a row whose sentence has
+// ended costs nothing). A thread sums a tile of kTileRows matrix rows by TC vectors (TC = 2, or 1 where V = 1), its
+// values loaded once for the tile's 4 (or 2) multiply-adds: one shared-memory load a multiply-add where one output a
+// thread took two, and the products are load-bound (an SM issues one warp-wide load a cycle, four warp-wide FMAs;
+// docs/design/persistent_recurrence.md, "Tiles of the FMA products"). A tile's rows
+// and vectors are consecutive; past M or V they repeat the last one, whose sums nobody stores. With `stage` (shared
+// memory of stage_bytes), the vectors are read from it (rows stage_pitch apart), `cols` columns of every row at a
+// time (stage_rows: the whole block, many loads in flight, coalesced); without, each thread reads them from global
+// memory as it sums, one L2 round trip after another (docs/design/persistent_recurrence.md, "The products' stage").
+// A tile is summed by `lanes` consecutive threads, each over every lanes-th i, combined by shuffles (a fixed tree:
+// deterministic); lanes is the largest power of two up to 32 that leaves no thread two tiles a pass. A thread's sum
+// runs over its i in increasing order whatever the stage's columns (a multiple of 32, or all K): the same sums, bit
+// for bit, with the stage and without. Tiles are numbered matrix rows first, so that the threads of a warp read one
+// or a few vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart (distinct banks for 4-byte
+// values and even H); ordered the other way, a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a
+// step of a GRU at B = 64 on an H200 (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of
+// the block takes the same passes (the shuffles need whole warps; the emulation's, the whole block); blockDim.x a
+// multiple of 32. Passes are taken kDotPasses at a time, each chunk of the stage serving all of them.
+constexpr int kDotPasses = 2, kTileRows = 2;
+template <int TC, typename A, typename T, typename Live, typename RowOf, typename Store>
+__device__ __forceinline__ void block_dots_tiled(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv,
+                                                 T* stage, int cols, Store store) {
+  constexpr int TR = kTileRows;
+  const int tm_count = (M + TR - 1) / TR, tiles = tm_count * ((V + TC - 1) / TC);
   int lanes = 1;
-  while (lanes < 32 && outputs * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
+  while (lanes < 32 && tiles * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
   const int groups = static_cast<int>(blockDim.x) / lanes, lane = static_cast<int>(threadIdx.x) % lanes;
   // a chunk: all K, or a multiple of 32 columns (so that every thread's columns keep their order: the same sums)
   int chunk = stage == nullptr || cols >= K ? K : cols / 32 * 32;
@@ -360,35 +364,71 @@ __device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf 
     stage = nullptr;
     chunk = K;
   }
-  const int passes = (outputs + groups - 1) / groups, pitch = stage_pitch(chunk, sizeof(T));
+  const int passes = (tiles + groups - 1) / groups, pitch = stage_pitch(chunk, sizeof(T));
   const bool whole = stage != nullptr && chunk == K;   // staged once for every pass
-  auto dot = [&](A& acc, const auto* row, const auto* vec, int cn) {
-    for (int i = lane; i < cn; i += lanes) acc += ld<A>(row, i) * ld<A>(vec, i);
-  };
   if (whole) {
     __syncthreads();   // (the stage's last readers are done)
-    stage_rows(v, ldv, B, 0, K, pitch, stage);
+    stage_rows(v, ldv, V, 0, K, pitch, stage);
     __syncthreads();
   }
-  for (int p0 = 0; p0 < passes; p0 += kDotPasses) {
-    A acc[kDotPasses];
+  // tile t of pass p: matrix rows m0 + r, vectors r0 + c (each clamped to the last), any of them live
+  auto tile_of = [&](int p, int& m0, int& r0) {
+    const int t = p * groups + static_cast<int>(threadIdx.x) / lanes;
+    m0 = t % tm_count * TR;
+    r0 = t / tm_count * TC;
+    if (t >= tiles) return false;
+    bool any = false;
 #pragma unroll
-    for (int pp = 0; pp < kDotPasses; ++pp) acc[pp] = A(0);
+    for (int c = 0; c < TC; ++c) any = any || (r0 + c < V && live(r0 + c));
+    return any;
+  };
+  auto last_vector = [&](int r) { return r < V ? r : V - 1; };
+  // a tile's sums over this thread's columns i of [c0, c0 + cn): acc[r][c] += a(m0 + r)[i] * vec(c)[i]
+  auto sum_tile = [&](A(&acc)[TR][TC], int m0, auto vec, int c0, int cn) {
+    const T* rows[TR];
+#pragma unroll
+    for (int r = 0; r < TR; ++r) rows[r] = a(m0 + r < M ? m0 + r : M - 1) + c0;
+    decltype(vec(0)) vecs[TC];
+#pragma unroll
+    for (int c = 0; c < TC; ++c) vecs[c] = vec(c);
+    for (int i = lane; i < cn; i += lanes) {
+      A x[TC];
+#pragma unroll
+      for (int c = 0; c < TC; ++c) x[c] = ld<A>(vecs[c], i);
+#pragma unroll
+      for (int r = 0; r < TR; ++r) {
+        const A w = ld<A>(rows[r], i);
+#pragma unroll
+        for (int c = 0; c < TC; ++c) acc[r][c] += w * x[c];
+      }
+    }
+  };
+  for (int p0 = 0; p0 < passes; p0 += kDotPasses) {
+    A acc[kDotPasses][TR][TC];
+#pragma unroll
+    for (int pp = 0; pp < kDotPasses; ++pp)
+#pragma unroll
+      for (int r = 0; r < TR; ++r)
+#pragma unroll
+        for (int c = 0; c < TC; ++c) acc[pp][r][c] = A(0);
     for (int c0 = 0; c0 < K; c0 += chunk) {
       const int cn = K - c0 < chunk ? K - c0 : chunk;
       if (stage != nullptr && !whole) {
         __syncthreads();   // (the last chunk's readers are done)
-        stage_rows(v, ldv, B, c0, cn, pitch, stage);
+        stage_rows(v, ldv, V, c0, cn, pitch, stage);
         __syncthreads();
       }
 #pragma unroll
       for (int pp = 0; pp < kDotPasses; ++pp) {
-        const int o = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
-        if (p0 + pp < passes && o < outputs && live(o)) {
+        int m0, r0;
+        if (p0 + pp < passes && tile_of(p0 + pp, m0, r0)) {
+          // (the stage's and global memory's vectors in separate branches: each load's space known to the compiler)
           if (stage != nullptr) {
-            dot(acc[pp], a(o) + c0, stage + static_cast<size_t>(vrow(o)) * pitch, cn);
+            sum_tile(acc[pp], m0, [&](int c) { return stage + static_cast<size_t>(last_vector(r0 + c)) * pitch; },
+                     c0, cn);
           } else {
-            dot(acc[pp], a(o) + c0, v + static_cast<size_t>(vrow(o)) * ldv + c0, cn);
+            sum_tile(acc[pp], m0, [&](int c) { return v + static_cast<size_t>(last_vector(r0 + c)) * ldv + c0; },
+                     c0, cn);
           }
         }
       }
@@ -396,11 +436,28 @@ __device__ __forceinline__ void block_dots(int outputs, int K, Live live, RowOf 
 #pragma unroll
     for (int pp = 0; pp < kDotPasses; ++pp) {
       if (p0 + pp >= passes) break;   // (the same for every thread)
-      const int o = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
-      A sum = acc[pp];
-      for (int off = lanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      if (o < outputs && lane == 0) store(o, sum);
+      int m0, r0;
+      const bool any = tile_of(p0 + pp, m0, r0);
+#pragma unroll
+      for (int r = 0; r < TR; ++r)
+#pragma unroll
+        for (int c = 0; c < TC; ++c) {
+          A sum = acc[pp][r][c];
+          for (int off = lanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+          const int t = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
+          if (t < tiles && lane == 0 && m0 + r < M && r0 + c < V)
+            store(m0 + r, r0 + c, any && live(r0 + c) ? sum : A(0));
+        }
     }
+  }
+}
+template <typename A, typename T, typename Live, typename RowOf, typename Store>
+__device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
+                                           int cols, Store store) {
+  if (V > 1) {
+    block_dots_tiled<2, A>(M, V, K, live, a, v, ldv, stage, cols, store);
+  } else {
+    block_dots_tiled<1, A>(M, V, K, live, a, v, ldv, stage, cols, store);
   }
 }
 
@@ -435,13 +492,14 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
     for (int e = threadIdx.x; e < B * NH * n; e += blockDim.x)   // (0 for a row whose sentence has ended)
       store(e, static_cast<A>(C[(e / (NH * n)) * ldc + ((e / n) % NH) * S + e % n]));
   } else {
-    // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them)
-    auto live = [&](int e) { return row_valid(p.mask, t, B, e / (NH * n)); };
-    auto row = [&](int e) { return u + (static_cast<size_t>((e / n) % NH) * S + e % n) * (H + 1); };
+    // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them); matrix row
+    // m = q n + jj (unit jj of gate q), output e = m + NH n b as store numbers them
+    auto live = [&](int b) { return row_valid(p.mask, t, B, b); };
+    auto row = [&](int m) { return u + (static_cast<size_t>(m / n) * S + m % n) * (H + 1); };
     const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);   // (without hs_lp, T is A)
     T* stage = !p.mma && p.stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr;
-    block_dots<A>(B * NH * n, H, live, row, h, H, B, [&](int e) { return e / (NH * n); }, stage,
-                  H <= p.stage_cols ? H : p.stage_cols, store);
+    block_dots<A>(NH * n, B, H, live, row, h, H, stage, H <= p.stage_cols ? H : p.stage_cols,
+                  [&](int m, int b, A acc) { store(m + NH * n * b, acc); });
   }
   __syncthreads();
 }
@@ -670,12 +728,12 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
     }
   }
 #endif
-  // output e: unit jj = e % n, batch row b = e / n (block_dots)
+  // matrix row jj: the column of unit jj; vector b: row b's gradients (block_dots)
   block_dots<A>(
-      B * n, R, [&](int e) { return row_valid(mask, t, B, e / n); },
-      [&](int e) { return col + static_cast<size_t>(e % n) * ldc; }, dpre, R, B, [&](int e) { return e / n; },
+      n, B, R, [&](int b) { return row_valid(mask, t, B, b); },
+      [&](int jj) { return col + static_cast<size_t>(jj) * ldc; }, dpre, R,
       !mma && stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr, R <= stage_cols ? R : stage_cols,
-      [&](int e, A acc) { out[(e / n) * S + e % n] = Cvt<A, T>::load(Cvt<A, T>::store(acc)); });
+      [&](int jj, int b, A acc) { out[b * S + jj] = Cvt<A, T>::load(Cvt<A, T>::store(acc)); });
 }
 
 // Where sub-cell k of step t reads and writes in the backward, for this block's units.

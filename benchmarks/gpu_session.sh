@@ -53,7 +53,7 @@
 # 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the machine's start about 30 s, build
 # 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, TF32 and bf16
 # at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
-# about 20 s to compile on 2 cores here; its run and train-profile are not yet timed);
+# 47 s to compile on 2 cores of an AMD EPYC here; its run and train-profile are not yet timed);
 # a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
 # at most 10 minutes: with a session's 15 minutes of device time, in this order of the issues, three calls:
 # `build tests persistent` (every GPU test, then issue 72's persistent launches: their tests and tables),

@@ -332,11 +332,12 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
 // The FMA products of the persistent launches: M x V dot products of length K, output (m, r) the sum over i of
 // ld(a(m), i) * ld(v + r * ldv, i) (a(m): a matrix row in shared memory or L2; v: V vectors every matrix row meets, the
 // state or the gradients, in global memory), given by store(m, r, sum) (0 where !live(r): a row whose sentence has
-// ended costs nothing). A thread sums a tile of kTileRows matrix rows by TC vectors (TC = 2, or 1 where V = 1), its
-// values loaded once for the tile's 4 (or 2) multiply-adds: one shared-memory load a multiply-add where one output a
+// ended costs nothing). A thread sums a tile of kTileRows matrix rows by kTileVectors vectors (2 x 2), its values
+// loaded once for the tile's 4 multiply-adds: one shared-memory load a multiply-add where one output a
 // thread took two, and the products are load-bound (an SM issues one warp-wide load a cycle, four warp-wide FMAs;
 // docs/design/persistent_recurrence.md, "Tiles of the FMA products"). A tile's rows
-// and vectors are consecutive; past M or V they repeat the last one, whose sums nobody stores. With `stage` (shared
+// and vectors are consecutive; past M or V they repeat the last one, whose sums nobody stores (at B = 1 the second
+// vector is the first again: one compiled form of the loop for every B, a load more than a 2 x 1 tile's). With `stage` (shared
 // memory of stage_bytes), the vectors are read from it (rows stage_pitch apart), `cols` columns of every row at a
 // time (stage_rows: the whole block, many loads in flight, coalesced); without, each thread reads them from global
 // memory as it sums, one L2 round trip after another (docs/design/persistent_recurrence.md, "The products' stage").
@@ -349,11 +350,11 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
 // step of a GRU at B = 64 on an H200 (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of
 // the block takes the same passes (the shuffles need whole warps; the emulation's, the whole block); blockDim.x a
 // multiple of 32. Passes are taken kDotPasses at a time, each chunk of the stage serving all of them.
-constexpr int kDotPasses = 2, kTileRows = 2;
-template <int TC, typename A, typename T, typename Live, typename RowOf, typename Store>
-__device__ __forceinline__ void block_dots_tiled(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv,
-                                                 T* stage, int cols, Store store) {
-  constexpr int TR = kTileRows;
+constexpr int kDotPasses = 2, kTileRows = 2, kTileVectors = 2;
+template <typename A, typename T, typename Live, typename RowOf, typename Store>
+__device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
+                                           int cols, Store store) {
+  constexpr int TR = kTileRows, TC = kTileVectors;
   const int tm_count = (M + TR - 1) / TR, tiles = tm_count * ((V + TC - 1) / TC);
   int lanes = 1;
   while (lanes < 32 && tiles * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
@@ -451,16 +452,6 @@ __device__ __forceinline__ void block_dots_tiled(int M, int V, int K, Live live,
     }
   }
 }
-template <typename A, typename T, typename Live, typename RowOf, typename Store>
-__device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
-                                           int cols, Store store) {
-  if (V > 1) {
-    block_dots_tiled<2, A>(M, V, K, live, a, v, ldv, stage, cols, store);
-  } else {
-    block_dots_tiled<1, A>(M, V, K, live, a, v, ldv, stage, cols, store);
-  }
-}
-
 // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is: on
 // tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (block_dots); into hp and pre [B][4][S].
 template <int K, typename T, typename A>

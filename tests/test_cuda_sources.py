@@ -698,10 +698,10 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident,
                          ids=["B1-unit-each", "B2-unit-each-64-threads", "B1-4-blocks", "B2-4-blocks"])
 def test_persistent_products_spread_over_lanes_emulated(emulated_cuda_ext, B, grid, threads):
     """The persistent launches' FMA products (block_dots in csrc/persistent_cuda_kernels.cuh) where a block has fewer
-    tiles (2 matrix rows by 2 batch rows, or by 1 at B = 1) than threads: each tile summed by 2 to 32 threads over
-    every lanes-th column, combined by shuffles. At B = 1 with a unit a block, the forward's 3 rows of an L-GRU's
-    sub-cell make 2 tiles of 16 threads (the second's row repeated past the third, its sums not stored), the
-    backward's one row a tile of all 32; at B = 2 the forward's 2 tiles take 32 threads each; with 4 blocks, 2 to 8.
+    tiles (2 matrix rows by 2 batch rows) than threads: each tile summed by 2 to 32 threads over every lanes-th
+    column, combined by shuffles. At B = 1 with a unit a block, the forward's 3 rows of an L-GRU's sub-cell make 2
+    tiles of 16 threads (rows and batch rows past the last repeated, their sums not stored), the backward's one row a
+    tile of all 32; at B = 2 the forward's 2 tiles take 32 threads each; with 4 blocks, 2 to 8.
     Outputs and every gradient against the float64 reference, ragged lengths (at B = 2: a tile of a live and an ended
     row), reverse direction, dropout and layer norm on."""
     run = _emulated_sequence(emulated_cuda_ext, (grid, threads, -1, False))

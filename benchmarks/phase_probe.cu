@@ -1,7 +1,9 @@
 // Where a persistent launch's time goes (issue 72; docs/design/persistent_recurrence.md, "Where a step's time goes"):
 // the persistent forward and backward kernels of csrc/persistent_cuda_kernels.cuh built with DTMT_PERSISTENT_PHASES,
 // so that each block's thread 0 adds the SM clock between marks to the phase it names: products (the recurrent
-// products: FMA by block_dots, or tensor cores by block_mma), elements (pre-activations, the cell's update, the
+// products: FMA by block_dots, or tensor cores by block_mma, its staging included), stage (block_dots' copies of
+// the state or the gradients into shared memory, which decide between overlapping them and wider loads: design
+// note, "Tiles of the FMA products"), elements (pre-activations, the cell's update, the
 // backward's gate gradients, and the stores), norm (layer norm's partials and joins) and barrier
 // (persistent_barrier's wait, the slowest block's lag included). The launches are planned as the driver plans them
 // (persistent_plan for this device: blocks, slice, sub-cells read from L2, the products' stage), with 1 KB less
@@ -120,7 +122,7 @@ template <typename Launch> Timing time_launch(Launch launch, int grid) {
 
 void print_row(const char* layer, int B, const char* products, const char* dir, const Timing& t, int barriers) {
   if (t.ms < 0) {
-    std::printf("| %s | %d | %s | %s | (failed) |||||||||\n", layer, B, products, dir);
+    std::printf("| %s | %d | %s | %s | (failed) ||||||||||\n", layer, B, products, dir);
     return;
   }
   const double step = t.ms * 1000.0 / kSteps;
@@ -252,9 +254,9 @@ int main() {
   std::printf("# %s, %d SMs: the persistent launches' phases, H = %d, T = %d, %d threads a block; µs a step (mean "
               "over blocks), launch time median of %d\n",
               prop.name, dev.sms, kHidden, kSteps, kThreads, kRuns);
-  std::printf("| layer | B | products | direction | ms | µs a step | products | elements | norm | barrier | "
+  std::printf("| layer | B | products | direction | ms | µs a step | products | stage | elements | norm | barrier | "
               "barriers a step × µs | slowest block's work | setup µs |\n");
-  std::printf("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   run_storage<float>(dev, false, true, "fp32 FMA, staged (strict)");
   run_storage<float>(dev, false, false, "fp32 FMA, direct (strict)");
   if (dev.major >= 8) {

@@ -45,7 +45,11 @@ namespace cuda {
 // every mark is empty: the extension's kernels read no clock (tests/test_cuda_sources.py checks their PTX). Every
 // thread of the block passes every mark (each is a block barrier in the probe). The barrier's phase is the wait of
 // persistent_barrier (the slowest block's lag included): the work before a barrier is marked before it.
-enum PersistentPhase : int { kPhaseSetup, kPhaseProducts, kPhaseElements, kPhaseNorm, kPhaseBarrier, kPhaseCount };
+// Stage: block_dots' copies of the vectors into shared memory (stage_rows), the rest of the FMA products being
+// products (block_mma's staging is products).
+enum PersistentPhase : int {
+  kPhaseSetup, kPhaseProducts, kPhaseStage, kPhaseElements, kPhaseNorm, kPhaseBarrier, kPhaseCount
+};
 constexpr int kPhaseMaxBlocks = 1024;
 #if defined(DTMT_PERSISTENT_PHASES) && !defined(DTMT_CUDA_EMULATION)
 __device__ long long dtmt_phase_cycles[kPhaseMaxBlocks][kPhaseCount];
@@ -369,8 +373,10 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
   const bool whole = stage != nullptr && chunk == K;   // staged once for every pass
   if (whole) {
     __syncthreads();   // (the stage's last readers are done)
+    phase_mark(kPhaseProducts);
     stage_rows(v, ldv, V, 0, K, pitch, stage);
     __syncthreads();
+    phase_mark(kPhaseStage);
   }
   // tile t of pass p: matrix rows m0 + r, vectors r0 + c (each clamped to the last), any of them live
   auto tile_of = [&](int p, int& m0, int& r0) {
@@ -416,8 +422,10 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
       const int cn = K - c0 < chunk ? K - c0 : chunk;
       if (stage != nullptr && !whole) {
         __syncthreads();   // (the last chunk's readers are done)
+        phase_mark(kPhaseProducts);
         stage_rows(v, ldv, V, c0, cn, pitch, stage);
         __syncthreads();
+        phase_mark(kPhaseStage);
       }
 #pragma unroll
       for (int pp = 0; pp < kDotPasses; ++pp) {

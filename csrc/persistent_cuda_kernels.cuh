@@ -33,7 +33,13 @@
 #define DTMT_DYNAMIC_SMEM(name) unsigned char* name = ::dtmt_emu::dynamic_smem()
 #else
 #include <cooperative_groups.h>
+#include <cuda_pipeline.h>
 #define DTMT_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+// Copies from global into shared memory without registers, all of a thread's in flight at once (cp.async: compute
+// capability 8.0 and up; tests/cuda_emulation.h makes each at its wait)
+#if defined(DTMT_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+#define DTMT_ASYNC_COPY 1
 #endif
 
 namespace dtmt {
@@ -296,9 +302,10 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
 }
 
 // Rows [0, B) x columns [c0, c0 + cn) of the vectors v (row b at v + b * ldv) into stage [B][pitch], by the whole
-// block with up to kStageLoads loads a thread in flight, consecutive threads on consecutive columns (coalesced); 16
-// bytes a load where the rows, the columns and the stage allow it, else one value. The caller puts block barriers
-// around it.
+// block, consecutive threads on consecutive columns (coalesced). 16 bytes a copy where the rows, the columns and the
+// stage allow it: asynchronous (cp.async, every copy of the block in flight at once, no registers; each thread waits
+// for its own before returning) where the device has it, else through registers, up to kStageLoads loads a thread in
+// flight; else one value a load, the same way. The caller puts block barriers around it.
 constexpr int kStageLoads = 8;
 struct alignas(16) Bytes16 {
   unsigned int w[4];
@@ -322,12 +329,29 @@ __device__ __forceinline__ void stage_copy(const T* v, size_t ldv, int rows, int
     }
   }
 }
+#if defined(DTMT_ASYNC_COPY)
+template <typename T>
+__device__ __forceinline__ void stage_copy_async(const T* v, size_t ldv, int rows, int c0, int per_row, int pitch,
+                                                 T* stage) {
+  constexpr int kPer = static_cast<int>(sizeof(Bytes16) / sizeof(T));   // values a copy
+  const int total = rows * per_row;
+  for (int e = static_cast<int>(threadIdx.x); e < total; e += static_cast<int>(blockDim.x))
+    __pipeline_memcpy_async(stage + (e / per_row) * pitch + (e % per_row) * kPer,
+                            v + (e / per_row) * ldv + c0 + (e % per_row) * kPer, sizeof(Bytes16));
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
+}
+#endif
 template <typename T>
 __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, T* stage) {
   constexpr size_t kWide = sizeof(Bytes16) / sizeof(T);
   if (ldv % kWide == 0 && c0 % kWide == 0 && cn % kWide == 0 && pitch % kWide == 0 &&
       reinterpret_cast<size_t>(v) % sizeof(Bytes16) == 0) {
+#if defined(DTMT_ASYNC_COPY)
+    stage_copy_async(v, ldv, rows, c0, cn / static_cast<int>(kWide), pitch, stage);
+#else
     stage_copy<Bytes16>(v, ldv, rows, c0, cn / static_cast<int>(kWide), pitch, stage);
+#endif
   } else {
     stage_copy<T>(v, ldv, rows, c0, cn, pitch, stage);
   }

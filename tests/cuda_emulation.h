@@ -17,6 +17,10 @@
 // as an FMA loop would; a GPU's MMA sums in an order of its own. TF32 (float in memory) and bf16 are emulated; loads
 // and stores check the API's alignment (32 bytes) and leading dimension (a multiple of 16 bytes).
 //
+// Asynchronous copies into shared memory (__pipeline_memcpy_async, commit, wait_prior: cp.async on a GPU) are made
+// when the thread that issued them waits for them, so a read before the wait (or, by another thread, before the
+// block barrier after it) reads the old values.
+//
 // Cooperative launches (launch_cooperative, for the persistent kernels of csrc/persistent_cuda_kernels.cuh): every
 // thread of every block is a fiber, each block has its own dynamic shared memory (dynamic_smem()), and
 // grid_sync() is the grid-wide barrier. Between two grid barriers the blocks run one after another, each until all
@@ -87,6 +91,15 @@ struct Scheduler {
   void (*body)(const void*) = nullptr;   // runs the kernel with the launch's argument
   const void* arg = nullptr;
   std::string error;   // a check that failed inside the kernel (fiber_fail), thrown by the launch
+  // asynchronous copies (__pipeline_memcpy_async) of each fiber not yet waited for: done at the wait that covers them
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t bytes;
+    long group;   // the commit that closed it, -1 while open
+  };
+  std::vector<std::vector<Copy>> copies;
+  std::vector<long> commits;
 };
 inline thread_local Scheduler* scheduler = nullptr;
 
@@ -117,6 +130,44 @@ inline void yield_to_scheduler() {
 }  // namespace dtmt_emu
 
 inline void __syncthreads() { dtmt_emu::yield_to_scheduler(); }
+
+// Asynchronous copies into shared memory (cuda_pipeline.h's primitives, cp.async on a GPU): a copy is made only when
+// its thread waits for it (__pipeline_wait_prior, once at most `prior` later commits are left), so a read of the
+// destination before that wait, or by another thread before the block barrier after it, reads what was there before.
+inline void __pipeline_memcpy_async(void* dst, const void* src, size_t bytes, size_t zfill = 0) {
+  auto& s = *dtmt_emu::scheduler;
+  if (zfill != 0) dtmt_emu::fiber_fail("emulated __pipeline_memcpy_async: zero fill is not emulated");
+  if (bytes != 4 && bytes != 8 && bytes != 16) dtmt_emu::fiber_fail("emulated __pipeline_memcpy_async: 4, 8 or 16 bytes");
+  if (reinterpret_cast<uintptr_t>(dst) % bytes || reinterpret_cast<uintptr_t>(src) % bytes)
+    dtmt_emu::fiber_fail("emulated __pipeline_memcpy_async: a misaligned copy");
+  if (s.copies.size() <= static_cast<size_t>(s.current)) {
+    s.copies.resize(s.current + 1);
+    s.commits.resize(s.current + 1, 0);
+  }
+  s.copies[s.current].push_back({dst, src, bytes, -1});
+}
+inline void __pipeline_commit() {
+  auto& s = *dtmt_emu::scheduler;
+  if (s.copies.size() <= static_cast<size_t>(s.current)) return;
+  for (auto& c : s.copies[s.current])
+    if (c.group < 0) c.group = s.commits[s.current];
+  ++s.commits[s.current];
+}
+inline void __pipeline_wait_prior(size_t prior) {
+  auto& s = *dtmt_emu::scheduler;
+  if (s.copies.size() <= static_cast<size_t>(s.current)) return;
+  auto& mine = s.copies[s.current];
+  const long done_below = s.commits[s.current] - static_cast<long>(prior);
+  std::vector<dtmt_emu::Scheduler::Copy> left;
+  for (const auto& c : mine) {
+    if (c.group >= 0 && c.group < done_below) {
+      std::memcpy(c.dst, c.src, c.bytes);
+    } else {
+      left.push_back(c);
+    }
+  }
+  mine.swap(left);
+}
 
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int offset) {
   auto& ex = dtmt_emu::scheduler->exchange;

@@ -295,7 +295,7 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     sm_90 of the float and bfloat16 kernels (every base cell, forward and backward), each scalar load is ld.shared,
     ld.global or ld.param, never a generic ld (which would test the address's space at run time), apart from the
     grid barrier's own ld.acquire.gpu, and none non-coherent (.nc: what other blocks write must be read through the
-    coherent path); and the cluster form's barrier is there, arrive with its default release semantics (not
+    coherent path); the stage's asynchronous copies (cp.async) likewise from L2 (.cg), not through the L1 (.ca); and the cluster form's barrier is there, arrive with its default release semantics (not
     .relaxed) and wait. (The wmma loads of the staged operands are generic: the warp matrix API takes a plain
     pointer.)"""
     src = tmp_path / "persistent_ptx.cu"
@@ -312,6 +312,8 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     assert "barrier.cluster.arrive" in text and "barrier.cluster.wait" in text
     assert "barrier.cluster.arrive.relaxed" not in text   # (release / acquire: the global memory written before)
     assert not [op for op in loads if ".nc" in op]   # (no non-coherent loads of what other blocks write)
+    copies = re.findall(r"^\s+(cp\.async\.c[ag][\w.]*)", text, flags=re.M)   # (the products' stage, sm_80 and up)
+    assert copies and all(op.startswith("cp.async.cg.") for op in copies), sorted(set(copies))   # (L2, not L1)
     assert "%clock64" not in text   # (the phase clock of benchmarks/phase_probe.cu is compiled out)
 
 

@@ -144,7 +144,7 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   const PersistentPlan plan = persistent_plan(KIND, D, B, H, sizeof(T), sizeof(A), dev.sms, dev.smem_optin, mma,
                                               kThreads, dev.l2);
   if (!plan.fits) {
-    std::printf("| %s | %d | %s | | (does not fit this device) |||||||||\n", layer, B, products);
+    std::printf("| %s | %d | %s | | (does not fit this device) ||||||||||\n", layer, B, products);
     return;
   }
   const int G = plan.grid;

@@ -301,8 +301,12 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
   return sp;
 }
 
-// Rows [0, B) x columns [c0, c0 + cn) of the vectors v (row b at v + b * ldv) into stage [B][pitch], by the whole
-// block, consecutive threads on consecutive columns (coalesced). 16 bytes a copy where the rows, the columns and the
+// The stage's row of vector r of V (block_dots): even vectors first, then odd ones, so that the first (second)
+// vectors of consecutive tiles lie in consecutive rows.
+__device__ __forceinline__ int stage_row(int r, int V) { return (r & 1) * ((V + 1) / 2) + (r >> 1); }
+
+// Rows [0, B) x columns [c0, c0 + cn) of the vectors v (row b at v + b * ldv) into stage [B][pitch] (row b at
+// stage_row(b, B)), by the whole block, consecutive threads on consecutive columns (coalesced). 16 bytes a copy where the rows, the columns and the
 // stage allow it: asynchronous (cp.async, every copy of the block in flight at once, no registers; each thread waits
 // for its own before returning) where the device has it, else through registers, up to kStageLoads loads a thread in
 // flight; else one value a load, the same way. The caller puts block barriers around it.
@@ -325,7 +329,8 @@ __device__ __forceinline__ void stage_copy(const T* v, size_t ldv, int rows, int
 #pragma unroll
     for (int u = 0; u < kStageLoads; ++u) {
       const int e = base + u * threads;
-      if (e < total) *reinterpret_cast<V*>(stage + (e / per_row) * pitch + (e % per_row) * kPer) = r[u];
+      if (e < total)
+        *reinterpret_cast<V*>(stage + stage_row(e / per_row, rows) * pitch + (e % per_row) * kPer) = r[u];
     }
   }
 }
@@ -336,7 +341,7 @@ __device__ __forceinline__ void stage_copy_async(const T* v, size_t ldv, int row
   constexpr int kPer = static_cast<int>(sizeof(Bytes16) / sizeof(T));   // values a copy
   const int total = rows * per_row;
   for (int e = static_cast<int>(threadIdx.x); e < total; e += static_cast<int>(blockDim.x))
-    __pipeline_memcpy_async(stage + (e / per_row) * pitch + (e % per_row) * kPer,
+    __pipeline_memcpy_async(stage + stage_row(e / per_row, rows) * pitch + (e % per_row) * kPer,
                             v + (e / per_row) * ldv + c0 + (e % per_row) * kPer, sizeof(Bytes16));
   __pipeline_commit();
   __pipeline_wait_prior(0);
@@ -361,29 +366,31 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
 // ld(a(m), i) * ld(v + r * ldv, i) (a(m): a matrix row in shared memory or L2; v: V vectors every matrix row meets, the
 // state or the gradients, in global memory), given by store(m, r, sum) (0 where !live(r): a row whose sentence has
 // ended costs nothing). A thread sums a tile of kTileRows matrix rows by kTileVectors vectors (2 x 2), its values
-// loaded once for the tile's 4 multiply-adds: one shared-memory load a multiply-add where one output a
-// thread took two, and the products are load-bound (an SM issues one warp-wide load a cycle, four warp-wide FMAs;
-// docs/design/persistent_recurrence.md, "Tiles of the FMA products"). A tile's rows
-// and vectors are consecutive; past M or V they repeat the last one, whose sums nobody stores (at B = 1 the second
-// vector is the first again: one compiled form of the loop for every B, a load more than a 2 x 1 tile's). With `stage` (shared
-// memory of stage_bytes), the vectors are read from it (rows stage_pitch apart), `cols` columns of every row at a
-// time (stage_rows: the whole block, many loads in flight, coalesced); without, each thread reads them from global
+// loaded once for the tile's 4 multiply-adds: one shared-memory load a multiply-add where one output a thread took
+// two, and the products are load-bound (an SM issues one warp-wide load a cycle, four warp-wide FMAs;
+// docs/design/persistent_recurrence.md, "Tiles of the FMA products"). Tile (tm, tv) takes matrix rows tm and
+// tm + tiles_m, and vectors 2 tv and 2 tv + 1 (a pair of batch rows: a tile whose rows have both ended is skipped);
+// past M or V they repeat the last one, whose sums nobody stores (at B = 1 the second vector is the first again: one
+// compiled form of the loop for every B). With `stage` (shared memory of stage_bytes), the vectors are read from it,
+// `cols` columns of every row at a time (stage_rows: the whole block, many copies in flight, coalesced), even rows in
+// the first half of its rows and odd ones in the second (stage_row); without, each thread reads them from global
 // memory as it sums, one L2 round trip after another (docs/design/persistent_recurrence.md, "The products' stage").
 // A tile is summed by `lanes` consecutive threads, each over every lanes-th i, combined by shuffles (a fixed tree:
 // deterministic); lanes is the largest power of two up to 32 that leaves no thread two tiles a pass. A thread's sum
 // runs over its i in increasing order whatever the stage's columns (a multiple of 32, or all K): the same sums, bit
 // for bit, with the stage and without. Tiles are numbered matrix rows first, so that the threads of a warp read one
-// or a few vectors (broadcasts, or whole lines for lanes > 1) and matrix rows H + 1 apart (distinct banks for 4-byte
-// values and even H); ordered the other way, a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a
-// step of a GRU at B = 64 on an H200 (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of
-// the block takes the same passes (the shuffles need whole warps; the emulation's, the whole block); blockDim.x a
-// multiple of 32. Passes are taken kDotPasses at a time, each chunk of the stage serving all of them.
+// or a few vector pairs and, for each of a tile's rows, consecutive matrix rows: H + 1 apart (distinct banks for
+// 4-byte values and even H), and stage rows a pitch apart (4 banks: 8 pairs without a conflict). Ordered the other
+// way, a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
+// (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
+// shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. Passes are taken
+// kDotPasses at a time, each chunk of the stage serving all of them.
 constexpr int kDotPasses = 2, kTileRows = 2, kTileVectors = 2;
 template <typename A, typename T, typename Live, typename RowOf, typename Store>
 __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
                                            int cols, Store store) {
   constexpr int TR = kTileRows, TC = kTileVectors;
-  const int tm_count = (M + TR - 1) / TR, tiles = tm_count * ((V + TC - 1) / TC);
+  const int tiles_m = (M + TR - 1) / TR, tiles = tiles_m * ((V + TC - 1) / TC);
   int lanes = 1;
   while (lanes < 32 && tiles * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
   const int groups = static_cast<int>(blockDim.x) / lanes, lane = static_cast<int>(threadIdx.x) % lanes;
@@ -402,23 +409,13 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     __syncthreads();
     phase_mark(kPhaseStage);
   }
-  // tile t of pass p: matrix rows m0 + r, vectors r0 + c (each clamped to the last), any of them live
-  auto tile_of = [&](int p, int& m0, int& r0) {
-    const int t = p * groups + static_cast<int>(threadIdx.x) / lanes;
-    m0 = t % tm_count * TR;
-    r0 = t / tm_count * TC;
-    if (t >= tiles) return false;
-    bool any = false;
-#pragma unroll
-    for (int c = 0; c < TC; ++c) any = any || (r0 + c < V && live(r0 + c));
-    return any;
-  };
-  auto last_vector = [&](int r) { return r < V ? r : V - 1; };
-  // a tile's sums over this thread's columns i of [c0, c0 + cn): acc[r][c] += a(m0 + r)[i] * vec(c)[i]
-  auto sum_tile = [&](A(&acc)[TR][TC], int m0, auto vec, int c0, int cn) {
+  auto matrix_row = [&](int tm, int r) { return tm + r * tiles_m < M ? tm + r * tiles_m : M - 1; };
+  auto vector = [&](int tv, int c) { return 2 * tv + c < V ? 2 * tv + c : V - 1; };
+  // a tile's sums over this thread's columns i of [c0, c0 + cn): acc[r][c] += a(row r)[i] * vec(c)[i]
+  auto sum_tile = [&](A(&acc)[TR][TC], int tm, auto vec, int c0, int cn) {
     const T* rows[TR];
 #pragma unroll
-    for (int r = 0; r < TR; ++r) rows[r] = a(m0 + r < M ? m0 + r : M - 1) + c0;
+    for (int r = 0; r < TR; ++r) rows[r] = a(matrix_row(tm, r)) + c0;
     decltype(vec(0)) vecs[TC];
 #pragma unroll
     for (int c = 0; c < TC; ++c) vecs[c] = vec(c);
@@ -435,13 +432,24 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     }
   };
   for (int p0 = 0; p0 < passes; p0 += kDotPasses) {
+    // this thread's tiles in the passes p0.., found once for every chunk: (tm, tv), and whether any vector is live
+    int tm[kDotPasses], tv[kDotPasses];
+    bool busy[kDotPasses];
     A acc[kDotPasses][TR][TC];
 #pragma unroll
-    for (int pp = 0; pp < kDotPasses; ++pp)
+    for (int pp = 0; pp < kDotPasses; ++pp) {
+      const int t = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
+      tm[pp] = t % tiles_m;
+      tv[pp] = t / tiles_m;
+      busy[pp] = false;
+      if (p0 + pp < passes && t < tiles)
+#pragma unroll
+        for (int c = 0; c < TC; ++c) busy[pp] = busy[pp] || (2 * tv[pp] + c < V && live(2 * tv[pp] + c));
 #pragma unroll
       for (int r = 0; r < TR; ++r)
 #pragma unroll
         for (int c = 0; c < TC; ++c) acc[pp][r][c] = A(0);
+    }
     for (int c0 = 0; c0 < K; c0 += chunk) {
       const int cn = K - c0 < chunk ? K - c0 : chunk;
       if (stage != nullptr && !whole) {
@@ -453,37 +461,34 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
       }
 #pragma unroll
       for (int pp = 0; pp < kDotPasses; ++pp) {
-        int m0, r0;
-        if (p0 + pp < passes && tile_of(p0 + pp, m0, r0)) {
-          // (the stage's and global memory's vectors in separate branches: each load's space known to the compiler)
-          if (stage != nullptr) {
-            sum_tile(acc[pp], m0, [&](int c) { return stage + static_cast<size_t>(last_vector(r0 + c)) * pitch; },
-                     c0, cn);
-          } else {
-            sum_tile(acc[pp], m0, [&](int c) { return v + static_cast<size_t>(last_vector(r0 + c)) * ldv + c0; },
-                     c0, cn);
-          }
+        if (!busy[pp]) continue;
+        // (the stage's and global memory's vectors in separate branches: each load's space known to the compiler)
+        if (stage != nullptr) {
+          sum_tile(acc[pp], tm[pp],
+                   [&](int c) { return stage + static_cast<size_t>(stage_row(vector(tv[pp], c), V)) * pitch; }, c0, cn);
+        } else {
+          sum_tile(acc[pp], tm[pp], [&](int c) { return v + static_cast<size_t>(vector(tv[pp], c)) * ldv + c0; }, c0,
+                   cn);
         }
       }
     }
 #pragma unroll
     for (int pp = 0; pp < kDotPasses; ++pp) {
       if (p0 + pp >= passes) break;   // (the same for every thread)
-      int m0, r0;
-      const bool any = tile_of(p0 + pp, m0, r0);
+      const int t = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
 #pragma unroll
       for (int r = 0; r < TR; ++r)
 #pragma unroll
         for (int c = 0; c < TC; ++c) {
           A sum = acc[pp][r][c];
           for (int off = lanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-          const int t = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
-          if (t < tiles && lane == 0 && m0 + r < M && r0 + c < V)
-            store(m0 + r, r0 + c, any && live(r0 + c) ? sum : A(0));
+          const int m = tm[pp] + r * tiles_m, b = 2 * tv[pp] + c;
+          if (t < tiles && lane == 0 && m < M && b < V) store(m, b, busy[pp] && live(b) ? sum : A(0));
         }
     }
   }
 }
+
 // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is: on
 // tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (block_dots); into hp and pre [B][4][S].
 template <int K, typename T, typename A>

@@ -110,6 +110,9 @@ inline thread_local std::vector<std::unique_ptr<char[]>> stacks;
 inline void fiber_entry() {
   Scheduler& s = *scheduler;
   s.body(s.arg);
+  // an asynchronous copy never waited for (on a GPU it may land after the kernel read the stage) fails the launch
+  if (static_cast<size_t>(s.current) < s.copies.size() && !s.copies[s.current].empty() && s.error.empty())
+    s.error = "emulated kernel ended with an asynchronous copy not waited for";
   s.done[s.current] = 1;   // returning resumes uc_link: the scheduler
 }
 
@@ -134,6 +137,7 @@ inline void __syncthreads() { dtmt_emu::yield_to_scheduler(); }
 // Asynchronous copies into shared memory (cuda_pipeline.h's primitives, cp.async on a GPU): a copy is made only when
 // its thread waits for it (__pipeline_wait_prior, once at most `prior` later commits are left), so a read of the
 // destination before that wait, or by another thread before the block barrier after it, reads what was there before.
+// (The emulation cannot tell that src is global memory and dst shared, as cp.async requires.)
 inline void __pipeline_memcpy_async(void* dst, const void* src, size_t bytes, size_t zfill = 0) {
   auto& s = *dtmt_emu::scheduler;
   if (zfill != 0) dtmt_emu::fiber_fail("emulated __pipeline_memcpy_async: zero fill is not emulated");

@@ -724,7 +724,8 @@ def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, B, H,
     the L-GRU's base gradients (4H = 324) 16-byte loads. Outputs and every gradient against the float64 reference,
     with ragged lengths, reverse direction, dropout and layer norm on. (Each path fails this test when broken: an
     offset off in the 16-byte copy fails all three, in the one-value copy the third, a chunk's column offset
-    dropped the last two.)"""
+    dropped the last two; without the wait on the asynchronous copies, whose emulation makes a copy at its wait,
+    the first.)"""
     run = _emulated_sequence(emulated_cuda_ext, (grid, threads, -1, False))
     for cell, depth in (("lgru", 2), ("atr", 0)):
         _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=2, H=H)

@@ -54,6 +54,7 @@ static float median_ms(ProbeArgs a, int grid) {
 }
 
 int main() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);   // (a row at a time through gpu_session.sh's tee: a timeout keeps them)
   int device = 0, sms = 0, major = 0;
   cudaDeviceProp prop{};
   if (!check(cudaGetDevice(&device), "device")) return 1;

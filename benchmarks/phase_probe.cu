@@ -239,6 +239,7 @@ template <typename T> void run_storage(const Device& dev, bool mma, bool staged,
 }  // namespace
 
 int main() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);   // (a row at a time through gpu_session.sh's tee: a timeout keeps them)
   int device = 0, smem = 0, l2 = 0;
   cudaDeviceProp prop{};
   Device dev;

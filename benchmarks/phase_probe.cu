@@ -17,8 +17,8 @@
 //
 // Prints a markdown table: per layer (GRU, ATR, the deep transition L-GRU + 4 T-GRUs with layer norm; H = 512,
 // T = 50, no mask, no dropout), batch (1, 8, 64), storage and products (float with FMA = strict fp32, through the
-// products' stage as the driver runs them and without it; float on tensor cores = TF32; bf16 with FMA through the
-// stage, and on tensor cores) and direction: the launch's time (CUDA events, median of 5 after a warm-up), then µs
+// products' stage as the driver runs them, without its 32 KB cap where that changes it, and without a stage; float on
+// tensor cores = TF32; bf16 with FMA through the stage, and on tensor cores) and direction: the launch's time (CUDA events, median of 5 after a warm-up), then µs
 // a step in each phase (the mean over blocks; cycles turned into µs by the blocks' clock over the launch's time), the
 // barriers a step and µs each, and the slowest block's work a step (all but the barrier). Needs a CUDA device of
 // compute capability 8.0 or later (gpu_session.sh's persistent stage runs it).
@@ -133,9 +133,21 @@ void print_row(const char* layer, int B, const char* products, const char* dir, 
 }
 
 // One layer at batch B in storage T (A = float) with products on tensor cores or FMA (through the plan's stage, or
-// without one where `staged` is false): forward, then backward on its saved tensors.
+// without one, or with one that only the device's shared memory bounds: `staging`): forward, then backward on its
+// saved tensors.
+// The stage's columns a row where only the device's shared memory bounds them (not persistent_plan.h's 32 KB of
+// values): all K where the block's bytes allow, else the most multiples of 32 that fit; bytes(cols) is the block's.
+template <typename Bytes> int uncapped_stage(int K, size_t smem_optin, Bytes bytes) {
+  if (bytes(K) <= smem_optin) return K;
+  for (int cols = (K - 1) / 32 * 32; cols >= 32; cols -= 32)
+    if (bytes(cols) <= smem_optin) return cols;
+  return 0;
+}
+
+enum class Stage { kPlan, kDirect, kUncapped };
+
 template <int KIND, typename T>
-void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool mma, bool staged,
+void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool mma, Stage staging,
               const char* products) {
   using A = float;
   using namespace dtmt::cuda;
@@ -148,6 +160,19 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
     return;
   }
   const int G = plan.grid;
+  int forward_stage = staging == Stage::kDirect ? 0 : plan.forward_stage;
+  int backward_stage = staging == Stage::kDirect ? 0 : plan.backward_stage;
+  if (staging == Stage::kUncapped) {   // (rows only where the cap binds)
+    forward_stage = uncapped_stage(H, dev.smem_optin, [&](int c) {
+      return persistent_forward_bytes(KIND, D, B, H, plan.slice, sizeof(T), sizeof(A), mma, kThreads,
+                                      plan.forward_resident, c);
+    });
+    backward_stage = uncapped_stage(backward_u_path_length(KIND, D, H), dev.smem_optin, [&](int c) {
+      return persistent_backward_bytes(KIND, D, B, H, plan.slice, sizeof(T), sizeof(A), mma, kThreads,
+                                       plan.backward_resident, c);
+    });
+    if (forward_stage == plan.forward_stage && backward_stage == plan.backward_stage) return;
+  }
   const size_t BH = static_cast<size_t>(B) * H, TBH = static_cast<size_t>(Tn) * BH;
   const bool low = sizeof(T) != sizeof(A);
   Buffers buf;
@@ -185,10 +210,10 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
     a.slice = plan.slice;
     a.resident = resident;
     a.mma = mma;
-    a.stage_cols = staged ? stage : 0;
+    a.stage_cols = stage;
     a.eps = 1e-5f;
   };
-  sizes(f, plan.forward_resident, plan.forward_stage);
+  sizes(f, plan.forward_resident, forward_stage);
   if (f.xp == nullptr || f.out == nullptr) return;
   const Timing fwd = time_launch([&] { return launch_persistent_forward_kind<KIND, T, A>(f, G, kThreads, nullptr); },
                                  G);
@@ -221,18 +246,18 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   }
   g.partials = f.partials;
   g.spill = plan.backward_spill ? buf.make<T>(plan.backward_spill / sizeof(T), 0.0f) : nullptr;
-  sizes(g, plan.backward_resident, plan.backward_stage);
+  sizes(g, plan.backward_resident, backward_stage);
   if (g.dhp == nullptr) return;
   const Timing bwd = time_launch([&] { return launch_persistent_backward_kind<KIND, T, A>(g, G, kThreads, nullptr); },
                                  G);
   print_row(layer, B, products, "backward", bwd, (D + 1) * (ln ? 3 : 1));
 }
 
-template <typename T> void run_storage(const Device& dev, bool mma, bool staged, const char* products) {
+template <typename T> void run_storage(const Device& dev, bool mma, Stage staging, const char* products) {
   for (int B : {1, 8, 64}) {
-    run_case<dtmt::kGRU, T>(dev, "GRU", 0, false, B, mma, staged, products);
-    run_case<dtmt::kATR, T>(dev, "ATR", 0, false, B, mma, staged, products);
-    run_case<dtmt::kLGRU, T>(dev, "DT d4 LN", 4, true, B, mma, staged, products);
+    run_case<dtmt::kGRU, T>(dev, "GRU", 0, false, B, mma, staging, products);
+    run_case<dtmt::kATR, T>(dev, "ATR", 0, false, B, mma, staging, products);
+    run_case<dtmt::kLGRU, T>(dev, "DT d4 LN", 4, true, B, mma, staging, products);
   }
 }
 
@@ -258,12 +283,13 @@ int main() {
   std::printf("| layer | B | products | direction | ms | µs a step | products | stage | elements | norm | barrier | "
               "barriers a step × µs | slowest block's work | setup µs |\n");
   std::printf("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-  run_storage<float>(dev, false, true, "fp32 FMA, staged (strict)");
-  run_storage<float>(dev, false, false, "fp32 FMA, direct (strict)");
+  run_storage<float>(dev, false, Stage::kPlan, "fp32 FMA, staged (strict)");
+  run_storage<float>(dev, false, Stage::kUncapped, "fp32 FMA, staged without the 32 KB cap (strict)");
+  run_storage<float>(dev, false, Stage::kDirect, "fp32 FMA, direct (strict)");
   if (dev.major >= 8) {
-    run_storage<float>(dev, true, false, "TF32 tensor cores");
-    run_storage<__nv_bfloat16>(dev, false, true, "bf16 FMA, staged");
-    run_storage<__nv_bfloat16>(dev, true, false, "bf16 tensor cores");
+    run_storage<float>(dev, true, Stage::kPlan, "TF32 tensor cores");
+    run_storage<__nv_bfloat16>(dev, false, Stage::kPlan, "bf16 FMA, staged");
+    run_storage<__nv_bfloat16>(dev, true, Stage::kPlan, "bf16 tensor cores");
   } else {
     std::printf("(compute capability %d: no tensor-core rows)\n", dev.major);
   }

@@ -55,12 +55,14 @@
 # at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
 # 47 s to compile on 2 cores of an AMD EPYC here; its run and train-profile are not yet timed);
 # a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
-# at most 10 minutes: with a session's 15 minutes of device time, in this order of the issues, three calls:
-# `build tests persistent` (every GPU test, then issue 72's persistent launches: their tests and tables),
-# `persistent-profile persistent-bf16 graphs` (item 1's device and graphed times; issue 72's H = 1024 goal; issue 73
-# item 1), then `decode unrolled train-profile` (issue 73 items 4 and 3; where a graphed update's device time
-# goes), and `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry) if time
-# is left.
+# at most 10 minutes, and a session has 15 minutes of device time in all, its start included: about two calls. In
+# this order of the issues: `build persistent` (about 400 s: issue 72's persistent launches, their GPU tests, the
+# barrier and phase probes, the tables against the per-step path and cuDNN), then at once `tests train-profile`
+# (about 280 s: every GPU test; where a graphed dtmt update's device time goes, issue 73 item 3; `build` first if
+# the machine was given back in between); then, in the sessions
+# after, `persistent-profile persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal;
+# issue 73 item 1), `decode unrolled`, `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry
+# benchmarks/out/gpu-carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}

@@ -6,6 +6,8 @@
     python benchmarks/bench_train.py --one dtmt cuda --device cuda --preset paper --max-tokens 4000 --graphs on \
         --profile 30                                                # where a graphed update's device time goes
     python benchmarks/bench_train.py --device cuda --preset paper --fused cuda triton --max-tokens 4000
+    python benchmarks/bench_train.py --device cuda --preset paper --systems dtmt --fused cuda --graphs on \
+        --math strict tf32 bf16                                     # each math mode, the ratios in one run
 
 Each (system, backend) pair is measured in a fresh subprocess (so the peak resident memory belongs to that
 pair alone) on the same synthetic batches: a token budget of --max-tokens target tokens, source and target
@@ -21,6 +23,10 @@ With --rounds N every pair is measured N times, each system's pairs one after th
 every other round (the VM's speed drifts by 20% over minutes: one round's ratios moved by as much between runs,
 2026-11-29); the table gives each pair's median tok/s and each ratio as the median of the rounds' ratios, with
 their range; the CSV has every round's row.
+Math (--math, each pair in every mode given): `strict`, float32 with TF32 off for cuBLAS and cuDNN (torch's default
+for matmuls; cuDNN's own default allows TF32); `tf32`, float32 with both allowing TF32 (a GPU mode; the persistent
+launches' products follow the same flag); `bf16`, strict float32 with each update's forward under torch.autocast in
+bfloat16, as `dtmt train --amp bf16` runs it. The table's "× strict" is a mode's tok/s over strict's, round by round.
 All systems are built from their `small` preset (`dtmt_models.models.presets`), so sizes are comparable to what
 `dtmt train` trains by default (--quick: at tiny widths instead). The transformer has no recurrent layers: it is
 listed once ("-" backend).
@@ -57,12 +63,19 @@ def synthetic_batches(n: int, max_tokens: int, vocab: int, seed: int = 0):
     return out
 
 
-def training_update(model, opt, src, lengths, prev, target):
+MATH = ("strict", "tf32", "bf16")
+
+
+def training_update(model, opt, src, lengths, prev, target, autocast=None):
     """One training update as `dtmt train` makes it (forward with label smoothing 0.1, backward of the mean loss,
-    clipping at 1.0, the optimizer's step): (loss, nll) detached and the number of target tokens."""
+    clipping at 1.0, the optimizer's step): (loss, nll) detached and the number of target tokens. autocast: a
+    callable giving the forward's context (the trainer's `--amp bf16`), or None."""
+    import contextlib
+
     import torch
 
-    loss, nll, n = model(src, lengths, prev, target=target, smoothing=0.1)
+    with autocast() if autocast is not None else contextlib.nullcontext():
+        loss, nll, n = model(src, lengths, prev, target=target, smoothing=0.1)
     opt.zero_grad(set_to_none=True)
     (loss / n).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -72,18 +85,18 @@ def training_update(model, opt, src, lengths, prev, target):
 
 def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: int, vocab: int, threads: int,
                 profile: int = 0, device: str = "cpu", preset: str = "small", tiny: bool = False,
-                graphs: bool = False):
-    """One (system, backend) pair in this process. With profile > 0, the timed updates run under
-    torch.profiler and the `profile` ops with the most self CPU time are printed to stderr; on a CUDA device, with
-    the device's activity too, the `profile` kernels with the most device time (a graphed update's kernels are
-    listed one by one, under no op: kernel names say what ran), and the device time of all of them over the timed
-    updates' wall time (`device_busy`). On a CUDA device the timed updates end with a synchronisation, and
-    peak_gpu_MB is the device memory's peak. tiny: the
-    preset's model at embedding / hidden widths 16 / 32 (the transformer 16 / 64; --quick: the plumbing, not a
-    figure). graphs: the timed updates replayed as CUDA graphs (dtmt_models.training.graphs, as `dtmt train
-    --cuda-graphs`), after two passes over all the batches (each bucket's first batch eager, its second captured:
-    capture_s); on the CPU the capture is stood in for (the plumbing, not a figure). A backend written
-    BACKEND+unrolled (e.g. cuda+unrolled) runs BACKEND with its step cells in `dk.nn.unrolled` blocks, their weight
+                graphs: bool = False, math: str = "strict"):
+    """One (system, backend) pair in this process, in math mode `math` (MATH; the module's docstring). With
+    profile > 0, the timed updates run under torch.profiler and the `profile` ops with the most self CPU time are
+    printed to stderr; on a CUDA device, with the device's activity too, the `profile` kernels with the most device
+    time (a graphed update's kernels are listed one by one, under no op: kernel names say what ran), and the device
+    time of all of them over the timed updates' wall time (`device_busy`). On a CUDA device the timed updates end
+    with a synchronisation, and peak_gpu_MB is the device memory's peak. tiny: the preset's model at embedding /
+    hidden widths 16 / 32 (the transformer 16 / 64; --quick: the plumbing, not a figure). graphs: the timed updates
+    replayed as CUDA graphs (dtmt_models.training.graphs, as `dtmt train --cuda-graphs`), after two passes over all
+    the batches (each bucket's first batch eager, its second captured: capture_s); on the CPU the capture is stood
+    in for (the plumbing, not a figure). A backend written BACKEND+unrolled (e.g. cuda+unrolled) runs BACKEND with
+    its step cells in `dk.nn.unrolled` blocks, their weight
     gradients once over all steps (dk.nn.UNROLLED_BACKENDS extended for this process)."""
     import contextlib
 
@@ -96,6 +109,13 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
 
     if threads:
         torch.set_num_threads(threads)
+    if math not in MATH or (math == "tf32" and not device.startswith("cuda")):
+        raise SystemExit(f"bench_train.py: --math {math} is not a mode on {device} (strict or bf16 there; tf32 is a "
+                         f"GPU mode)")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = math == "tf32"
+    # as the trainer's autocast (no cache of cast weights under graphs: a capture would keep stale ones)
+    autocast = ((lambda: torch.autocast(torch.device(device).type, dtype=torch.bfloat16, cache_enabled=not graphs))
+                if math == "bf16" else None)
     tune_malloc()   # as `dtmt train` (DTMT_MALLOC=default: glibc's own settings)
     torch.manual_seed(0)
     options = get_preset(system, preset)["model"]
@@ -119,7 +139,7 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     runner, capture_s = None, None   # (graphs: GraphedUpdates, made after the warm-up)
 
     def update_parts(src, lengths, prev, target):
-        return training_update(model, opt, src, lengths, prev, target)
+        return training_update(model, opt, src, lengths, prev, target, autocast)
 
     def update(batch, saved=None):
         if runner is not None:
@@ -175,7 +195,7 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
             print(device_time_table(prof, profile), file=sys.stderr)
             device_busy = kernel_microseconds(prof) / 1e6 / elapsed
     return {"system": system, "backend": backend,
-            "graphs": ("on" if device.startswith("cuda") else "stand-in") if graphs else "off",
+            "graphs": ("on" if device.startswith("cuda") else "stand-in") if graphs else "off", "math": math,
             "params": sum(p.numel() for p in model.parameters()),
             "tok_s": tokens / elapsed, "ms_per_update": 1000 * elapsed / steps, "saved_MB": saved.bytes / 2 ** 20,
             "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -274,6 +294,9 @@ def run(argv=None):
     p.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
                    help="eager updates (off) and/or updates replayed as CUDA graphs (on), each pair in both; on the "
                         "CPU 'on' stands the capture in (the plumbing, not a figure)")
+    p.add_argument("--math", nargs="+", choices=MATH, default=["strict"],
+                   help="math mode(s), each pair in every one given (strict, tf32, bf16: the module's docstring); "
+                        "tf32 on a GPU only")
     p.add_argument("--quick", action="store_true",
                    help="a tiny run of tiny models (for the tests: the plumbing, not a figure)")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
@@ -296,32 +319,37 @@ def run(argv=None):
         return rows
     if a.quick:
         a.steps, a.warmup, a.max_tokens, a.vocab = 2, 1, 300, 200
+    if "tf32" in a.math and not a.device.startswith("cuda"):
+        p.error("--math tf32 is a GPU mode (with --device cuda)")
     if a.one:
+        if len(a.math) > 1 or len(a.graphs) > 1:
+            p.error("--one measures one pair in one mode: one --math and one --graphs")
         print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads, a.profile,
-                                     a.device, a.preset, tiny=a.quick, graphs=a.graphs == ["on"])))
+                                     a.device, a.preset, tiny=a.quick, graphs=a.graphs == ["on"], math=a.math[0])))
         return []
     runs = []   # one row per pair and round
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    pairs = [(s, b, g) for s in a.systems for b in (("-",) if s == "transformer" else (*a.fused, "reference"))
-             for g in a.graphs]
+    pairs = [(s, b, g, m) for s in a.systems for b in (("-",) if s == "transformer" else (*a.fused, "reference"))
+             for g in a.graphs for m in a.math]
     for rnd in range(a.rounds):
         # each system's pairs one after the other, in the reverse order every other round (a machine whose speed
         # drifts favours neither side of a ratio)
         order = pairs if rnd % 2 == 0 else [p for s in a.systems for p in reversed([q for q in pairs if q[0] == s])]
-        for system, backend, graphs in order:
+        for system, backend, graphs, math in order:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
                    "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
                    "--threads", str(a.threads), "--device", a.device, "--preset", a.preset, "--graphs", graphs,
-                   *(["--quick"] if a.quick else [])]
+                   "--math", math, *(["--quick"] if a.quick else [])]
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode != 0:
-                raise RuntimeError(f"{system}/{backend} (graphs {graphs}) failed:\n{r.stderr}")
+                raise RuntimeError(f"{system}/{backend} (graphs {graphs}, math {math}) failed:\n{r.stderr}")
             row = dict(json.loads(r.stdout.strip().splitlines()[-1]), round=rnd + 1)
             runs.append(row)
             gpu = f"  {row['peak_gpu_MB']:7.0f} MB GPU peak" if row.get("peak_gpu_MB") is not None else ""
-            print(f"  round {rnd + 1}: {system:<14s} {backend:<9s} graphs {graphs:<3s} {row['tok_s']:9,.0f} tok/s  "
+            print(f"  round {rnd + 1}: {system:<14s} {backend:<9s} graphs {graphs:<3s} {math:<6s} "
+                  f"{row['tok_s']:9,.0f} tok/s  "
                   f"{row['saved_MB']:8.1f} MB saved  {row['peak_rss_MB']:7.0f} MB peak{gpu}", flush=True)
-    key = lambda r: (r["system"], r["backend"], r["graphs"])  # noqa: E731
+    key = lambda r: (r["system"], r["backend"], r["graphs"], r["math"])  # noqa: E731
     by_round = {(key(r), r["round"]): r for r in runs}
 
     def ratios(r, other):
@@ -337,29 +365,35 @@ def run(argv=None):
         row.pop("round")
         rows.append(row)
     for r in rows:   # the fused backend against the reference, and graphs against eager, round by round
-        ref = ratios(r, (r["system"], "reference", r["graphs"])) if r["backend"] not in ("reference", "-") else []
+        ref = (ratios(r, (r["system"], "reference", r["graphs"], r["math"])) if r["backend"] not in ("reference", "-")
+               else [])
         r["speedup"] = statistics.median(ref) if ref else None
         r["speedup_range"] = (min(ref), max(ref)) if len(ref) > 1 else None
-        eager = ratios(r, (r["system"], r["backend"], "off")) if r["graphs"] != "off" else []
+        eager = ratios(r, (r["system"], r["backend"], "off", r["math"])) if r["graphs"] != "off" else []
         r["graphs_vs_eager"] = statistics.median(eager) if eager else None
+        strict = ratios(r, (r["system"], r["backend"], r["graphs"], "strict")) if r["math"] != "strict" else []
+        r["vs_strict"] = statistics.median(strict) if strict else None
     by = {key(r): r for r in rows}
     os.makedirs(a.out, exist_ok=True)
-    fields = ["system", "backend", "graphs", "round", "params", "tok_s", "ms_per_update", "saved_MB", "peak_rss_MB",
-              "peak_gpu_MB", "captured", "capture_s", "pool_MB"]
+    fields = ["system", "backend", "graphs", "math", "round", "params", "tok_s", "ms_per_update", "saved_MB",
+              "peak_rss_MB", "peak_gpu_MB", "captured", "capture_s", "pool_MB"]
     write_csv(os.path.join(a.out, "bench_train.csv"), runs, fields)   # every round's measurement
     sizes = (f"{a.preset} presets at widths 16 / 32, the transformer 16 / 64 (--quick)" if a.quick
              else f"{a.preset} presets")
     print(f"\nTraining throughput ({machine_name(a.device)}; {sizes}, max_tokens {a.max_tokens}, "
-          f"vocab {a.vocab}, {a.steps} updates after {a.warmup} warm-up"
+          f"vocab {a.vocab}, math {' / '.join(a.math)}, {a.steps} updates after {a.warmup} warm-up"
           + (f"; {a.rounds} rounds, each pair's median, ratios the median of the rounds' (their range)"
              if a.rounds > 1 else "") + ")\n")
     on_gpu = a.device.startswith("cuda")
     graphed = a.graphs != ["off"]
-    print("| system | backend |" + (" graphs |" if graphed else "") + " params | target tok/s | ms/update | "
-          "saved MB | peak RSS MB |" + (" peak GPU MB |" if on_gpu else "") + " fused/ref |"
+    maths = a.math != ["strict"]
+    print("| system | backend |" + (" graphs |" if graphed else "") + (" math |" if maths else "")
+          + " params | target tok/s | ms/update | saved MB | peak RSS MB |" + (" peak GPU MB |" if on_gpu else "")
+          + " fused/ref |" + (" × strict |" if maths else "")
           + (" graphs/eager | captured | capture s | pool MB |" if graphed else ""))
-    print("|---|---|" + ("---|" if graphed else "") + "---:|---:|---:|---:|---:|" + ("---:|" if on_gpu else "")
-          + "---:|" + ("---:|---:|---:|---:|" if graphed else ""))
+    print("|---|---|" + ("---|" if graphed else "") + ("---|" if maths else "") + "---:|---:|---:|---:|---:|"
+          + ("---:|" if on_gpu else "") + "---:|" + ("---:|" if maths else "")
+          + ("---:|---:|---:|---:|" if graphed else ""))
     for r in rows:
         sp = f"{r['speedup']:.2f}×" if r["speedup"] else ""
         if r["speedup_range"]:
@@ -371,13 +405,15 @@ def run(argv=None):
             extra = (f" {ge} | {r['captured'] if r['captured'] is not None else ''} | "
                      f"{'' if r['capture_s'] is None else format(r['capture_s'], '.1f')} | "
                      f"{'' if r['pool_MB'] is None else format(r['pool_MB'], ',.0f')} |")
+        vs = (f" {r['vs_strict']:.2f}× |" if r["vs_strict"] else " |") if maths else ""
         print(f"| {r['system']} | {r['backend']} |" + (f" {r['graphs']} |" if graphed else "")
+              + (f" {r['math']} |" if maths else "")
               + f" {r['params']:,} | {r['tok_s']:,.0f} | {r['ms_per_update']:.0f} | {r['saved_MB']:.1f} | "
-              f"{r['peak_rss_MB']:.0f} |{gpu} {sp} |{extra}")
+              f"{r['peak_rss_MB']:.0f} |{gpu} {sp} |{vs}{extra}")
     for r in rows:   # a backend variant against its backend, round by round
         base = r["backend"].partition("+")[0]
         if base != r["backend"]:
-            vs = ratios(r, (r["system"], base, r["graphs"]))
+            vs = ratios(r, (r["system"], base, r["graphs"], r["math"]))
             if vs:
                 spread = f" ({min(vs):.2f}-{max(vs):.2f})" if len(vs) > 1 else ""
                 print(f"\n{r['system']}: {r['backend']} against {base}: {statistics.median(vs):.2f}× the target tok/s"
@@ -389,13 +425,14 @@ def run(argv=None):
 
         systems = list(dict.fromkeys(r["system"] for r in rows))
         fig, ax = plt.subplots(figsize=(8, 3.5))
-        series = list(dict.fromkeys((r["backend"], r["graphs"]) for r in rows))
+        series = list(dict.fromkeys((r["backend"], r["graphs"], r["math"]) for r in rows))
         width = 0.8 / len(series)
-        for i, (backend, graphs) in enumerate(series):
-            xs = [j + width * i for j, s in enumerate(systems) if (s, backend, graphs) in by]
-            ys = [by[(s, backend, graphs)]["tok_s"] for s in systems if (s, backend, graphs) in by]
+        for i, (backend, graphs, math) in enumerate(series):
+            xs = [j + width * i for j, s in enumerate(systems) if (s, backend, graphs, math) in by]
+            ys = [by[(s, backend, graphs, math)]["tok_s"] for s in systems if (s, backend, graphs, math) in by]
             name = backend if backend != "-" else "(no recurrent layers)"
-            ax.bar(xs, ys, width=width, label=name + (f", graphs {graphs}" if graphed else ""))
+            ax.bar(xs, ys, width=width, label=name + (f", graphs {graphs}" if graphed else "")
+                   + (f", {math}" if maths else ""))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(systems))], systems, rotation=20, fontsize=8)
         ax.set_ylabel("target tokens / s")
         ax.legend(fontsize=8)

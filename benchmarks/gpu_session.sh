@@ -44,12 +44,12 @@
 # (persistent-bf16), persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv
 # (persistent-cluster), persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
 # decode.md and decode/bench_decode.csv (decode), graphs_tests.log and graphs/bench_train.csv (graphs),
-# train_profile.md and .json (train-profile), unrolled_tests.log and unrolled/bench_train.csv (unrolled),
+# math.md, math/bench_train.csv, train_profile.md and .json (train-profile), unrolled_tests.log and unrolled/bench_train.csv (unrolled),
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
 # limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
 # 180 + 60 + 120 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-profile 3 x 100 s,
-# decode 300 s, graphs 150 + 300 s, train-profile 240 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train
+# decode 300 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train
 # 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the machine's start about 30 s, build
 # 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, TF32 and bf16
 # at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
@@ -58,10 +58,10 @@
 # at most 10 minutes, and a session has 15 minutes of device time in all, its start included: about two calls. In
 # this order of the issues: `build persistent` (about 400 s: issue 72's persistent launches, their GPU tests, the
 # barrier and phase probes, the tables against the per-step path and cuDNN), then at once `tests train-profile`
-# (about 280 s: every GPU test; where a graphed dtmt update's device time goes, issue 73 item 3; `build` first if
-# the machine was given back in between); then, in the sessions
-# after, `persistent-profile persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal;
-# issue 73 item 1), `decode unrolled`, `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry
+# (about 400 s: every GPU test; a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time goes,
+# issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the sessions after,
+# `persistent-profile persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal; issue
+# 73 item 1), `decode unrolled`, `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry
 # benchmarks/out/gpu-carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -145,8 +145,13 @@ if want graphs; then
     --systems dtmt rnnsearch-atr transformer --fused cuda --graphs off on --out "$OUT/graphs" || status=1
 fi
 if want train-profile; then
-  # issue 73 items 3 and 5: where a graphed dtmt update's device time goes (paper preset, 4,000 tokens a batch): the
-  # kernels with the most device time, and the device's busy share of the wall time (bench_train.py --profile)
+  # issue 73 items 2, 3 and 5: a graphed dtmt update's throughput in each math mode (strict fp32, TF32, bf16 autocast
+  # as `dtmt train --amp bf16`; the ratios in one run), then where its device time goes in strict fp32 (paper preset,
+  # 4,000 tokens a batch): the kernels with the most device time, and the device's busy share of the wall time
+  echo "== bench_train --systems dtmt --fused cuda --device cuda --preset paper --graphs on --math strict tf32 bf16"
+  timeout 240 "$PY" benchmarks/bench_train.py --systems dtmt --fused cuda --device cuda --preset paper \
+    --max-tokens 4000 --steps 4 --graphs on --math strict tf32 bf16 --out "$OUT/math" 2>&1 | tee "$OUT/math.md" \
+    | tail -8 || status=1
   echo "== bench_train --one dtmt cuda --device cuda --preset paper --graphs on --profile 30"
   timeout 240 "$PY" benchmarks/bench_train.py --one dtmt cuda --device cuda --preset paper --max-tokens 4000 \
     --steps 4 --graphs on --profile 30 > "$OUT/train_profile.json" 2> "$OUT/train_profile.md" || status=1

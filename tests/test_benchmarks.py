@@ -108,6 +108,35 @@ def test_bench_amp_quality_plumbing(tmp_path):
     assert os.path.isfile(tmp_path / "amp" / "quality-dtmt-cpu.json")
 
 
+def test_bench_train_math_modes(tmp_path):
+    """--math (gpu_session.sh's train-profile stage: the paper presets' throughput in strict fp32, TF32 and bf16, the
+    ratios in one run): every pair in each mode, "× strict" the mode's tok/s over strict's of the same pair; bf16 runs
+    the forward under autocast as `dtmt train --amp bf16` (its loss is not strict fp32's on the same batch), and tf32,
+    a GPU mode, is refused on the CPU with a one-line error."""
+    from benchmarks import bench_train
+    from dtmt_models.data.batching import collate
+    from dtmt_models.models.registry import build_model
+
+    rows = bench_train.main(["--quick", "--systems", "rnnsearch-atr", "--fused", "cpp", "--math", "strict", "bf16",
+                             "--out", str(tmp_path)])
+    assert [(r["backend"], r["math"]) for r in rows] == [("cpp", "strict"), ("cpp", "bf16"), ("reference", "strict"),
+                                                         ("reference", "bf16")]
+    assert rows[0]["vs_strict"] is None and rows[1]["vs_strict"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])
+    assert rows[1]["speedup"] == pytest.approx(rows[1]["tok_s"] / rows[3]["tok_s"])   # fused/ref within a mode
+    with open(tmp_path / "bench_train.csv", newline="") as f:
+        assert [r["math"] for r in csv.DictReader(f)] == ["strict", "bf16", "strict", "bf16"]
+    batch = [tuple(t for t in collate(b)) for b in bench_train.synthetic_batches(1, 200, 50)][0]
+    losses = {}
+    for mode, autocast in (("strict", None), ("bf16", lambda: torch.autocast("cpu", dtype=torch.bfloat16))):
+        torch.manual_seed(0)
+        model = build_model("rnnsearch-atr", 50, 50, embed_dim=16, hidden_size=32)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        losses[mode] = float(bench_train.training_update(model, opt, *batch, autocast)[0])
+    assert losses["strict"] != losses["bf16"] and losses["bf16"] == pytest.approx(losses["strict"], rel=0.05)
+    with pytest.raises(SystemExit):
+        bench_train.main(["--quick", "--systems", "rnnsearch-atr", "--math", "tf32", "--out", str(tmp_path)])
+
+
 def test_bench_train_bucket_table(tmp_path):
     """--buckets: with steps of 1 every batch is its own shape unpadded (ratio exactly 1, buckets = the distinct
     (B, S, T)); coarser steps never make more buckets, and pad more."""

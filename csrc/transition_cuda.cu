@@ -11,14 +11,15 @@
 //             pre-activations, then one GEMM d(hp) U for the path to the input state; weight gradients as
 //             GEMMs after the loop, bias and layer-norm gradients as column sums (deterministic)
 // The per-step GEMMs are kernels of the .cuh launched on raw pointers for small batches (the row GEMM up to
-// kRowGemmRows rows, the tiled GEMM up to kSmallGemmRows) and ATen's mm (cuBLAS) above. The choice is made once
-// per call, from B.
+// kRowGemmRows rows, the tiled GEMM up to kSmallGemmRows) and ATen's mm (cuBLAS) above, and ATen's mm at every B
+// while a CUDA graph is captured. The choice is made once per call, from B.
 // Storage in the input dtype (float, double, half, bfloat16), h0 / h_n also in float for 16-bit inputs (h_n in
 // h0's dtype, dh0 in grad_hn's); states, carried gradients and all kernel arithmetic in float (double for double
 // inputs). Nothing synchronises with the host inside the loops.
 #include <ATen/ATen.h>
 #if !defined(DTMT_CUDA_EMULATION)
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -87,8 +88,10 @@ template <> struct DeviceType<at::Half> { using type = __half; };
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // Batch rows up to which the time loops' GEMMs are kernels of the .cuh (a step: two kernel launches, no ATen
-// dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM up to kSmallGemmRows, cuBLAS above. Thresholds:
-// docs/design/gpu.md, "Step GEMMs" (measured on an H100 and an H200).
+// dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM up to kSmallGemmRows, cuBLAS above; cuBLAS at every B
+// while the stream is captured into a CUDA graph (a replay pays no host time a launch, which is what the own
+// kernels save; on the device cuBLAS is the faster). Thresholds and the rule under capture: docs/design/gpu.md,
+// "Step GEMMs" (measured on an H100 and an H200).
 constexpr int64_t kRowGemmRows = 8;
 constexpr int64_t kSmallGemmRows = 64;
 // kCublas: cublasGemmEx called here on raw pointers (no ATen dispatch; only through DTMT_CUDA_STEP_GEMM for now,
@@ -120,9 +123,18 @@ int forced_step_gemm() {
   }();
   return forced;
 }
+// Whether the current stream is being captured into a CUDA graph (never in the emulation).
+bool stream_capturing() {
+#if defined(DTMT_CUDA_EMULATION)
+  return false;
+#else
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#endif
+}
 StepGemm step_gemm(int64_t B) {
   const int forced = forced_step_gemm();
   if (forced >= 0) return static_cast<StepGemm>(forced);
+  if (stream_capturing()) return StepGemm::kAten;
   return B <= kRowGemmRows ? StepGemm::kRows : B <= kSmallGemmRows ? StepGemm::kTiled : StepGemm::kAten;
 }
 

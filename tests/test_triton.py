@@ -449,6 +449,47 @@ def test_gpu_cuda_backend_follows_torchs_tf32_flag(compiled, cell, depth):
         assert not torch.equal(runs[True]["out"], runs[False]["out"]), "TF32 allowed, yet the products were fp32"
 
 
+def test_gpu_captured_products_are_cublas(compiled):
+    """While a CUDA graph is captured the cuda backend's per-step products are ATen's mm (cuBLAS) at every B
+    (transition_cuda.cu's step_gemm; docs/design/gpu.md, "Step GEMMs"): at B = 16 an eager forward runs the tiled
+    GEMM, its replayed graph runs none of the own GEMM kernels, and the replay's outputs are the eager ones to
+    float32 rounding, not bit for bit (cuBLAS sums in another order)."""
+    if "cuda" not in dk.available_backends():
+        pytest.skip("the cuda backend is not built")
+    if os.environ.get("DTMT_CUDA_STEP_GEMM") or os.environ.get("DTMT_CUDA_RECURRENCE") == "persistent":
+        pytest.skip("a product or a recurrence forced for every call")
+    layer, x, h0, mask, _, _ = _ragged_case("lgru", 1, 40, 200, B=16, T=6, seed=5)
+    layer, x, h0, mask = layer.cuda(), x.cuda(), h0.cuda(), mask.cuda()
+    w = layer.direction_weights(0)
+
+    def forward():
+        with torch.no_grad():
+            return Fn.transition_sequence(x, h0, w, mask, None, True, "cuda")
+
+    def kernels(run):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            result = run()
+            torch.cuda.synchronize()
+        return result, {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+    (out, h_n), eager = kernels(forward)
+    assert any("tiled_gemm_kernel" in k for k in eager), sorted(eager)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # (torch's warm-up before a capture)
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_hn = forward()
+    _, replayed = kernels(graph.replay)
+    # (where the profiler lists a graph's kernels: none of the own GEMMs; in any case other sums than the tiled GEMM's)
+    assert not any("tiled_gemm_kernel" in k or "rows_gemm_kernel" in k for k in replayed), sorted(replayed)
+    assert not torch.equal(g_out, out), "the replay's products were summed as the tiled GEMM sums them"
+    torch.testing.assert_close(g_out, out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(g_hn, h_n, atol=1e-5, rtol=1e-4)
+
+
 def test_gpu_persistent_reads_matrices_from_l2(compiled):
     """The deep transition at H = 1024 in bfloat16 (L-GRU + 4 T-GRUs, layer norm): its matrices outgrow an H100's
     shared memory, and with DTMT_CUDA_RECURRENCE=persistent (gpu_session.sh's persistent stage) the plan reads the top

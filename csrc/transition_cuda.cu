@@ -91,7 +91,7 @@ bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 // dispatch): the row GEMM up to kRowGemmRows, the tiled GEMM up to kSmallGemmRows, cuBLAS above; cuBLAS at every B
 // while the stream is captured into a CUDA graph (a replay pays no host time a launch, which is what the own
 // kernels save; on the device cuBLAS is the faster). Thresholds and the rule under capture: docs/design/gpu.md,
-// "Step GEMMs" (measured on an H100 and an H200).
+// "Step GEMMs" (measured on an H100 and an H200; the rule itself not yet run on a GPU).
 constexpr int64_t kRowGemmRows = 8;
 constexpr int64_t kSmallGemmRows = 64;
 // kCublas: cublasGemmEx called here on raw pointers (no ATen dispatch; only through DTMT_CUDA_STEP_GEMM for now,

@@ -18,10 +18,11 @@
 // Prints a markdown table: per layer (GRU, ATR, the deep transition L-GRU + 4 T-GRUs with layer norm; H = 512,
 // T = 50, no mask, no dropout), batch (1, 8, 64), storage and products (float with FMA = strict fp32, through the
 // products' stage as the driver runs them, without its 32 KB cap where that changes it, and without a stage; float on
-// tensor cores = TF32; bf16 with FMA through the stage, and on tensor cores) and direction: the launch's time (CUDA events, median of 5 after a warm-up), then µs
-// a step in each phase (the mean over blocks; cycles turned into µs by the blocks' clock over the launch's time), the
-// barriers a step and µs each, and the slowest block's work a step (all but the barrier). Needs a CUDA device of
-// compute capability 8.0 or later (gpu_session.sh's persistent stage runs it).
+// tensor cores = TF32; bf16 with FMA through the stage, and on tensor cores) and direction: the launch's time (CUDA
+// events, median of 5 after a warm-up), then µs a step in each phase (the mean over blocks; cycles turned into µs by
+// the blocks' clock over the launch's time), the barriers a step and µs each, and the slowest block's work a step
+// (all but the barrier). Needs a CUDA device of compute capability 8.0 or later (gpu_session.sh's persistent stage
+// runs it).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>

@@ -306,10 +306,11 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
 __device__ __forceinline__ int stage_row(int r, int V) { return (r & 1) * ((V + 1) / 2) + (r >> 1); }
 
 // Rows [0, B) x columns [c0, c0 + cn) of the vectors v (row b at v + b * ldv) into stage [B][pitch] (row b at
-// stage_row(b, B)), by the whole block, consecutive threads on consecutive columns (coalesced). 16 bytes a copy where the rows, the columns and the
-// stage allow it: asynchronous (cp.async, every copy of the block in flight at once, no registers; each thread waits
-// for its own before returning) where the device has it, else through registers, up to kStageLoads loads a thread in
-// flight; else one value a load, the same way. The caller puts block barriers around it.
+// stage_row(b, B)), by the whole block, consecutive threads on consecutive columns (coalesced). 16 bytes a copy
+// where the rows, the columns and the stage allow it: asynchronous (cp.async, every copy of the block in flight at
+// once, no registers; each thread waits for its own before returning) where the device has it, else through
+// registers, up to kStageLoads loads a thread in flight; else one value a load, the same way. The caller puts block
+// barriers around it.
 constexpr int kStageLoads = 8;
 struct alignas(16) Bytes16 {
   unsigned int w[4];

@@ -134,6 +134,16 @@ inline void yield_to_scheduler() {
 
 inline void __syncthreads() { dtmt_emu::yield_to_scheduler(); }
 
+namespace dtmt_emu {
+// The running fiber's copies and commits, made on its first use.
+inline void pipeline_of_fiber(Scheduler& s) {
+  if (s.copies.size() <= static_cast<size_t>(s.current)) {
+    s.copies.resize(s.current + 1);
+    s.commits.resize(s.current + 1, 0);
+  }
+}
+}  // namespace dtmt_emu
+
 // Asynchronous copies into shared memory (cuda_pipeline.h's primitives, cp.async on a GPU): a copy is made only when
 // its thread waits for it (__pipeline_wait_prior, once at most `prior` later commits are left), so a read of the
 // destination before that wait, or by another thread before the block barrier after it, reads what was there before.
@@ -141,18 +151,16 @@ inline void __syncthreads() { dtmt_emu::yield_to_scheduler(); }
 inline void __pipeline_memcpy_async(void* dst, const void* src, size_t bytes, size_t zfill = 0) {
   auto& s = *dtmt_emu::scheduler;
   if (zfill != 0) dtmt_emu::fiber_fail("emulated __pipeline_memcpy_async: zero fill is not emulated");
-  if (bytes != 4 && bytes != 8 && bytes != 16) dtmt_emu::fiber_fail("emulated __pipeline_memcpy_async: 4, 8 or 16 bytes");
+  if (bytes != 4 && bytes != 8 && bytes != 16)
+    dtmt_emu::fiber_fail("emulated __pipeline_memcpy_async: 4, 8 or 16 bytes");
   if (reinterpret_cast<uintptr_t>(dst) % bytes || reinterpret_cast<uintptr_t>(src) % bytes)
     dtmt_emu::fiber_fail("emulated __pipeline_memcpy_async: a misaligned copy");
-  if (s.copies.size() <= static_cast<size_t>(s.current)) {
-    s.copies.resize(s.current + 1);
-    s.commits.resize(s.current + 1, 0);
-  }
+  dtmt_emu::pipeline_of_fiber(s);
   s.copies[s.current].push_back({dst, src, bytes, -1});
 }
-inline void __pipeline_commit() {
+inline void __pipeline_commit() {   // (a commit of no copies is a group too, as on a GPU)
   auto& s = *dtmt_emu::scheduler;
-  if (s.copies.size() <= static_cast<size_t>(s.current)) return;
+  dtmt_emu::pipeline_of_fiber(s);
   for (auto& c : s.copies[s.current])
     if (c.group < 0) c.group = s.commits[s.current];
   ++s.commits[s.current];

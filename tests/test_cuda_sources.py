@@ -295,9 +295,9 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     sm_90 of the float and bfloat16 kernels (every base cell, forward and backward), each scalar load is ld.shared,
     ld.global or ld.param, never a generic ld (which would test the address's space at run time), apart from the
     grid barrier's own ld.acquire.gpu, and none non-coherent (.nc: what other blocks write must be read through the
-    coherent path); the stage's asynchronous copies (cp.async) likewise from L2 (.cg), not through the L1 (.ca); and the cluster form's barrier is there, arrive with its default release semantics (not
-    .relaxed) and wait. (The wmma loads of the staged operands are generic: the warp matrix API takes a plain
-    pointer.)"""
+    coherent path); the stage's asynchronous copies (cp.async) likewise from L2 (.cg), not through the L1 (.ca);
+    and the cluster form's barrier is there, arrive with its default release semantics (not .relaxed) and wait.
+    (The wmma loads of the staged operands are generic: the warp matrix API takes a plain pointer.)"""
     src = tmp_path / "persistent_ptx.cu"
     src.write_text(PERSISTENT_PTX_TU)
     ptx = tmp_path / "persistent.ptx"

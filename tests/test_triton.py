@@ -603,3 +603,4 @@ for _mark in needs_gpu:
     test_gpu_persistent_cluster_form = _mark(test_gpu_persistent_cluster_form)
     test_gpu_persistent_says_where_a_layer_does_not_fit = _mark(test_gpu_persistent_says_where_a_layer_does_not_fit)
     test_gpu_persistent_reads_matrices_from_l2 = _mark(test_gpu_persistent_reads_matrices_from_l2)
+    test_gpu_captured_products_are_cublas = _mark(test_gpu_captured_products_are_cublas)

@@ -391,6 +391,7 @@ template <typename A, typename T, typename Live, typename RowOf, typename Store>
 __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
                                            int cols, Store store) {
   constexpr int TR = kTileRows, TC = kTileVectors;
+  static_assert(TC == 2, "stage_row puts a tile's first and second vectors in the stage's two halves");
   const int tiles_m = (M + TR - 1) / TR, tiles = tiles_m * ((V + TC - 1) / TC);
   int lanes = 1;
   while (lanes < 32 && tiles * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
@@ -411,7 +412,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     phase_mark(kPhaseStage);
   }
   auto matrix_row = [&](int tm, int r) { return tm + r * tiles_m < M ? tm + r * tiles_m : M - 1; };
-  auto vector = [&](int tv, int c) { return 2 * tv + c < V ? 2 * tv + c : V - 1; };
+  auto vector = [&](int tv, int c) { return TC * tv + c < V ? TC * tv + c : V - 1; };
   // a tile's sums over this thread's columns i of [c0, c0 + cn): acc[r][c] += a(row r)[i] * vec(c)[i]
   auto sum_tile = [&](A(&acc)[TR][TC], int tm, auto vec, int c0, int cn) {
     const T* rows[TR];
@@ -445,7 +446,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
       busy[pp] = false;
       if (p0 + pp < passes && t < tiles)
 #pragma unroll
-        for (int c = 0; c < TC; ++c) busy[pp] = busy[pp] || (2 * tv[pp] + c < V && live(2 * tv[pp] + c));
+        for (int c = 0; c < TC; ++c) busy[pp] = busy[pp] || (TC * tv[pp] + c < V && live(TC * tv[pp] + c));
 #pragma unroll
       for (int r = 0; r < TR; ++r)
 #pragma unroll
@@ -483,7 +484,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
         for (int c = 0; c < TC; ++c) {
           A sum = acc[pp][r][c];
           for (int off = lanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-          const int m = tm[pp] + r * tiles_m, b = 2 * tv[pp] + c;
+          const int m = tm[pp] + r * tiles_m, b = TC * tv[pp] + c;
           if (t < tiles && lane == 0 && m < M && b < V) store(m, b, busy[pp] && live(b) ? sum : A(0));
         }
     }

@@ -7,6 +7,23 @@
 
 namespace dtmt {
 
+// The shapes the ops take, whatever the device (each implementation checks its device, dtype and layout itself).
+// group: rows of q (of alpha) per row of the keys (of the values); the backward ops take 1.
+inline void check_scores_shapes(const at::Tensor& keys, const at::Tensor& q, const at::Tensor& v, int64_t group = 1) {
+  TORCH_CHECK(group >= 1, "dtmt._C: additive scores: group must be >= 1, got ", group);
+  TORCH_CHECK(keys.dim() == 4 && q.dim() == 3 && v.dim() == 2, "dtmt._C: additive scores take keys [B,S,NH,D], "
+              "q [B,NH,D], v [NH,D]");
+  TORCH_CHECK(q.size(0) == keys.size(0) * group && q.size(1) == keys.size(2) && q.size(2) == keys.size(3) &&
+                  v.size(0) == keys.size(2) && v.size(1) == keys.size(3),
+              "dtmt._C: additive scores: keys, q and v sizes do not match");
+}
+inline void check_context_shapes(const at::Tensor& alpha, const at::Tensor& values, int64_t group = 1) {
+  TORCH_CHECK(group >= 1, "dtmt._C: attention context: group must be >= 1, got ", group);
+  TORCH_CHECK(alpha.dim() == 3 && values.dim() == 3 && alpha.size(0) == values.size(0) * group &&
+                  alpha.size(2) == values.size(1) && alpha.size(1) > 0 && values.size(2) % alpha.size(1) == 0,
+              "dtmt._C: attention context takes alpha [B,NH,S] and values [B,S,C] with C divisible by NH");
+}
+
 // scores[b, h, s] = sum_d v[h, d] * tanh(keys[b, s, h, d] + q[b, h, d]).
 // keys [B, S, NH, D], q [B, NH, D], v [NH, D] (contiguous, one dtype) -> scores [B, NH, S].
 // group > 1: q [B * group, NH, D], row b of q against keys row b / group (a beam's rows share their sentence's
@@ -27,5 +44,14 @@ at::Tensor attention_context_forward_cpu(const at::Tensor& alpha, const at::Tens
 // values_grad false: only dalpha is formed, and the second tensor returned is empty
 std::vector<at::Tensor> attention_context_backward_cpu(const at::Tensor& grad, const at::Tensor& alpha,
                                                        const at::Tensor& values, bool values_grad = true);
+
+// The same four ops on CUDA tensors (attention_cuda.cu, built with the CUDA sources; float and double; one device):
+// the same shapes, results and layouts, no group.
+at::Tensor additive_scores_forward_cuda(const at::Tensor& keys, const at::Tensor& q, const at::Tensor& v);
+std::vector<at::Tensor> additive_scores_backward_cuda(const at::Tensor& grad, const at::Tensor& keys,
+                                                      const at::Tensor& q, const at::Tensor& v);
+at::Tensor attention_context_forward_cuda(const at::Tensor& alpha, const at::Tensor& values);
+std::vector<at::Tensor> attention_context_backward_cuda(const at::Tensor& grad, const at::Tensor& alpha,
+                                                        const at::Tensor& values, bool values_grad = true);
 
 }  // namespace dtmt

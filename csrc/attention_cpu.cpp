@@ -39,12 +39,8 @@ using at::Tensor;
 
 int64_t batch_grain(int64_t S, int64_t A) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(S * A, 1)); }
 
-// group: rows of alpha (of q) per row of the values (of the keys); backward takes 1
 void check_context(const Tensor& alpha, const Tensor& values, int64_t group = 1) {
-  TORCH_CHECK(group >= 1, "dtmt._C: attention context: group must be >= 1, got ", group);
-  TORCH_CHECK(alpha.dim() == 3 && values.dim() == 3 && alpha.size(0) == values.size(0) * group &&
-                  alpha.size(2) == values.size(1) && alpha.size(1) > 0 && values.size(2) % alpha.size(1) == 0,
-              "dtmt._C: attention context takes alpha [B,NH,S] and values [B,S,C] with C divisible by NH");
+  check_context_shapes(alpha, values, group);
   TORCH_CHECK(alpha.device().is_cpu() && values.device().is_cpu() && alpha.scalar_type() == values.scalar_type() &&
                   alpha.is_contiguous() && (values.size(2) <= 1 || values.stride(2) == 1),
               "dtmt._C: attention context takes CPU tensors of one dtype, alpha contiguous and the values' last "
@@ -52,12 +48,7 @@ void check_context(const Tensor& alpha, const Tensor& values, int64_t group = 1)
 }
 
 void check_shapes(const Tensor& keys, const Tensor& q, const Tensor& v, int64_t group = 1) {
-  TORCH_CHECK(group >= 1, "dtmt._C: additive scores: group must be >= 1, got ", group);
-  TORCH_CHECK(keys.dim() == 4 && q.dim() == 3 && v.dim() == 2, "dtmt._C: additive scores take keys [B,S,NH,D], "
-              "q [B,NH,D], v [NH,D]");
-  TORCH_CHECK(q.size(0) == keys.size(0) * group && q.size(1) == keys.size(2) && q.size(2) == keys.size(3) &&
-                  v.size(0) == keys.size(2) && v.size(1) == keys.size(3),
-              "dtmt._C: additive scores: keys, q and v sizes do not match");
+  check_scores_shapes(keys, q, v, group);
   for (const Tensor* t : {&keys, &q, &v})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == keys.scalar_type(),
                 "dtmt._C: additive scores take contiguous CPU tensors of one dtype");

@@ -202,6 +202,29 @@ std::tuple<Tensor, Tensor, Tensor> smoothed_cross_entropy(const Tensor& logits, 
   return {r[0], r[1], r[2]};
 }
 
+#ifdef DTMT_WITH_CUDA
+// The attention ops' CUDA kernels (attention_cuda.cu): the same layouts as the CPU wrappers above
+Tensor additive_scores_cuda(const Tensor& keys, const Tensor& query, const Tensor& v) {
+  return dtmt::additive_scores_forward_cuda(dense(keys), dense(query), dense(v));
+}
+
+std::tuple<Tensor, Tensor, Tensor> additive_scores_backward_cuda(const Tensor& grad, const Tensor& keys,
+                                                                const Tensor& query, const Tensor& v) {
+  auto g = dtmt::additive_scores_backward_cuda(dense(grad), dense(keys), dense(query), dense(v));
+  return {g[0], g[1], g[2]};
+}
+
+Tensor attention_context_cuda(const Tensor& alpha, const Tensor& values) {
+  return dtmt::attention_context_forward_cuda(dense(alpha), last_dim_dense(values));
+}
+
+std::tuple<Tensor, Tensor> attention_context_backward_cuda(const Tensor& grad, const Tensor& alpha,
+                                                           const Tensor& values, bool values_grad) {
+  auto g = dtmt::attention_context_backward_cuda(dense(grad), dense(alpha), last_dim_dense(values), values_grad);
+  return {g[0], g[1]};
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(dtmt, m) {
@@ -242,5 +265,9 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
 TORCH_LIBRARY_IMPL(dtmt, CUDA, m) {
   m.impl("transition_forward", &transition_forward<dtmt::transition_forward_cuda>);
   m.impl("transition_backward", &transition_backward<dtmt::transition_backward_cuda>);
+  m.impl("additive_scores", &additive_scores_cuda);
+  m.impl("additive_scores_backward", &additive_scores_backward_cuda);
+  m.impl("attention_context", &attention_context_cuda);
+  m.impl("attention_context_backward", &attention_context_backward_cuda);
 }
 #endif

@@ -44,15 +44,7 @@
 #include "transition_cuda_kernels.cuh"
 
 #if defined(DTMT_CUDA_EMULATION)  // tests only: host tensors, kernels on host fibers (see the .cuh)
-namespace c10 {
-namespace cuda {
-inline cudaStream_t getCurrentCUDAStream() { return nullptr; }
-struct CUDAGuard {
-  explicit CUDAGuard(const at::Device&) {}
-};
-}  // namespace cuda
-}  // namespace c10
-#define C10_CUDA_CHECK(err) TORCH_CHECK((err) == cudaSuccess, "dtmt: emulated launch failed")
+#include "cuda_emulation_aten.h"
 #define DTMT_DISPATCH_TYPES(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 #else
 #define DTMT_DISPATCH_TYPES(TYPE, NAME, ...) \

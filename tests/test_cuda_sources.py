@@ -84,10 +84,14 @@ def _cublas_flags():
     return ["-DDTMT_DIRECT_CUBLAS=1"] + [f"-I{f}" for f in dict.fromkeys(found.values())]
 
 
-def _aten_driver_cmd(out_dir):
+def _aten_driver_cmd(out_dir, source="transition_cuda.cu"):
     return [NVCC, "-std=c++17", "-O1", "-c", f"-I{CSRC}", *_torch_includes(), _abi_flag(), *_cublas_flags(),
             "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
-            "-DDTMT_WITH_CUDA=1", os.path.join(CSRC, "transition_cuda.cu"), "-o", os.path.join(out_dir, "t.o")]
+            "-DDTMT_WITH_CUDA=1", os.path.join(CSRC, source), "-o", os.path.join(out_dir, "t.o")]
+
+
+def _attention_driver_cmd(out_dir):
+    return _aten_driver_cmd(out_dir, "attention_cuda.cu")
 
 
 def _bindings_cmd(out_dir):
@@ -106,11 +110,12 @@ def start_background_compiles(names, tmp_root):
     import tempfile
 
     # (the emulated extension's tests are parametrized, and two use it: their names start with its key)
-    for name, make in (("test_aten_driver_compiles", _aten_driver_cmd), ("test_bindings_parse_with_cuda_enabled",
-                                                                         _bindings_cmd),
+    for name, make in (("test_aten_driver_compiles", _aten_driver_cmd),
+                       ("test_attention_driver_compiles", _attention_driver_cmd),
+                       ("test_bindings_parse_with_cuda_enabled", _bindings_cmd),
                        ("test_cuda_kernels_emulated", _emulated_build_cmd)):
         if (not any(n.startswith(name) for n in names) or name in BACKGROUND
-                or (make is _aten_driver_cmd and NVCC is None)):
+                or (make in (_aten_driver_cmd, _attention_driver_cmd) and NVCC is None)):
             continue
         out_dir = tempfile.mkdtemp(prefix="dtmt-compile-", dir=tmp_root)
         try:
@@ -169,6 +174,7 @@ def _run_or_wait(name, make, out_dir, timeout=900):
 
 
 KERNELS_TU = r"""
+#include "attention_cuda_kernels.cuh"
 #include "persistent_cuda_kernels.cuh"
 #include "transition_cuda_kernels.cuh"
 
@@ -197,6 +203,13 @@ DTMT_INSTANTIATE(float, float)
 DTMT_INSTANTIATE(double, double)
 DTMT_INSTANTIATE(__half, float)
 DTMT_INSTANTIATE(__nv_bfloat16, float)
+#define DTMT_INSTANTIATE_ATTENTION(A)                                                                   \
+  template cudaError_t launch_scores_forward<A>(const ScoresArgs<A>&, cudaStream_t);                    \
+  template cudaError_t launch_scores_backward<A>(const ScoresBackwardArgs<A>&, cudaStream_t);           \
+  template cudaError_t launch_context_forward<A>(const ContextArgs<A>&, cudaStream_t);                  \
+  template cudaError_t launch_context_backward<A>(const ContextBackwardArgs<A>&, cudaStream_t);
+DTMT_INSTANTIATE_ATTENTION(float)
+DTMT_INSTANTIATE_ATTENTION(double)
 }  // namespace cuda
 }  // namespace dtmt
 """
@@ -210,9 +223,10 @@ def test_nvcc_version():
 
 @needs_nvcc
 def test_device_kernels_compile_standalone(tmp_path):
-    """cell_math.h + transition_cuda_kernels.cuh + persistent_cuda_kernels.cuh + block_mma.cuh: every kernel (5
-    cell kinds x forward/backward x 4 storage types, and the persistent forward and backward of the 4 base cells x 4
-    storage types) compiled to an object, host and device code, with the flags setup.py passes to nvcc, for sm_90
+    """cell_math.h + transition_cuda_kernels.cuh + persistent_cuda_kernels.cuh + block_mma.cuh +
+    attention_cuda_kernels.cuh: every kernel (5 cell kinds x forward/backward x 4 storage types, the persistent
+    forward and backward of the 4 base cells x 4 storage types, the attention's 4 kernels x float and double)
+    compiled to an object, host and device code, with the flags setup.py passes to nvcc, for sm_90
     (the tensor-core products: TF32, f16, bf16) and sm_75 (below 8.0: without them)."""
     src = tmp_path / "kernels_tu.cu"
     src.write_text(KERNELS_TU)
@@ -283,6 +297,13 @@ namespace cuda {
                                                         cudaStream_t);
 DTMT_INSTANTIATE(float, float)
 DTMT_INSTANTIATE(__nv_bfloat16, float)
+#define DTMT_INSTANTIATE_ATTENTION(A)                                                                   \
+  template cudaError_t launch_scores_forward<A>(const ScoresArgs<A>&, cudaStream_t);                    \
+  template cudaError_t launch_scores_backward<A>(const ScoresBackwardArgs<A>&, cudaStream_t);           \
+  template cudaError_t launch_context_forward<A>(const ContextArgs<A>&, cudaStream_t);                  \
+  template cudaError_t launch_context_backward<A>(const ContextBackwardArgs<A>&, cudaStream_t);
+DTMT_INSTANTIATE_ATTENTION(float)
+DTMT_INSTANTIATE_ATTENTION(double)
 }  // namespace cuda
 }  // namespace dtmt
 """
@@ -349,6 +370,15 @@ def test_aten_driver_compiles(tmp_path):
 
 
 @pytest.mark.slow
+@needs_nvcc
+def test_attention_driver_compiles(tmp_path):
+    """csrc/attention_cuda.cu (the attention ops' CUDA driver) against the installed torch's headers, as setup.py
+    compiles it for a CUDA build (an object file)."""
+    cmd = _run_or_wait("test_attention_driver_compiles", _attention_driver_cmd, str(tmp_path))
+    assert os.path.getsize(cmd[cmd.index("-o") + 1]) > 0
+
+
+@pytest.mark.slow
 def test_bindings_parse_with_cuda_enabled(tmp_path):
     """registration.cpp (the CUDA kernels' op registration) as setup.py compiles it for a CUDA build
     (DTMT_WITH_CUDA), syntax and types only. (bindings.cpp's CUDA branch is one constant, has_cuda = true: not worth
@@ -360,6 +390,7 @@ EMULATION_EXT = r"""
 #define DTMT_CUDA_EMULATION 1
 #define DTMT_CUDA_MAX_THREADS 32  // several features per thread at H > 32
 #include "transition_cuda.cu"
+#include "attention_cuda.cu"
 
 namespace {
 dtmt::TransitionWeights weights(int64_t kind, const std::vector<at::Tensor>& p) {
@@ -441,6 +472,10 @@ std::tuple<int64_t, int64_t, int64_t> persistent_launches() {
 int64_t step_gemm_choice(int64_t B) { return static_cast<int64_t>(dtmt::step_gemm(B)); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("scores_forward", &dtmt::additive_scores_forward_cuda);
+  m.def("scores_backward", &dtmt::additive_scores_backward_cuda);
+  m.def("context_forward", &dtmt::attention_context_forward_cuda);
+  m.def("context_backward", &dtmt::attention_context_backward_cuda);
   m.def("forward", &forward);
   m.def("forward_persistent", &forward_persistent);
   m.def("backward_persistent", &backward_persistent);
@@ -615,6 +650,124 @@ def test_cuda_backward_without_weight_grads_emulated(emulated_cuda_ext, cell, de
         if given(full[i]):
             torch.testing.assert_close(got, full[i], rtol=1e-12, atol=1e-12)
     assert not any(given(rows[i]) for i in (3, 5, 9))   # the bias slots hold nothing
+
+
+# (B, S, NH, D): D over a warp and not a multiple of it (a lane walks 2-3 values), one head, one source position,
+# a block of warps only part filled (B·S·NH not a multiple of 8) and several blocks; D over a block (the scores'
+# backward: a thread walks 2 values of d) and C = NH·D over a block (the context's forward: 2 blocks a row, head 1
+# across their boundary)
+ATTENTION_SHAPES = [(3, 5, 2, 37), (2, 1, 1, 70), (1, 7, 3, 5), (4, 9, 1, 32), (5, 3, 4, 1), (2, 3, 1, 300),
+                    (2, 2, 2, 160)]
+
+
+def _attention_reference_grads(keys, q, v, g):
+    """The reference's scores for (keys, q, v) and their gradients for the output gradient g (float64 autograd)."""
+    from dtmt_kernels import reference
+    leaves = [t.detach().clone().requires_grad_() for t in (keys, q, v)]
+    out = reference.additive_scores(*leaves)
+    out.backward(g)
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("B,S,NH,D", ATTENTION_SHAPES)
+def test_attention_scores_kernels_emulated(emulated_cuda_ext, B, S, NH, D, dtype):
+    """csrc/attention_cuda.cu's scores, forward and backward (emulated on host fibers), against
+    reference.additive_scores and its autograd: float64 to 1e-12 (the same math in another order); float32 to float32 rounding (the kernels'
+    tanh is cell_math.h's, one exp, not torch's)."""
+    gen = torch.Generator().manual_seed(B * 100 + S * 10 + D)
+    keys, q, v = (torch.randn(*shape, generator=gen, dtype=dtype) * 1.5
+                  for shape in ((B, S, NH, D), (B, NH, D), (NH, D)))
+    g = torch.randn(B, NH, S, generator=gen, dtype=dtype)
+    want, (dk_want, dq_want, dv_want) = _attention_reference_grads(keys.double(), q.double(), v.double(), g.double())
+    out = emulated_cuda_ext.scores_forward(keys, q, v)
+    dkeys, dq, dv = emulated_cuda_ext.scores_backward(g, keys, q, v)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=2e-6 * (D * S * B) ** 0.5)
+    for label, got, ref in (("scores", out, want), ("dkeys", dkeys, dk_want), ("dq", dq, dq_want), ("dv", dv, dv_want)):
+        assert got.dtype == dtype and got.shape == ref.shape, label
+        torch.testing.assert_close(got.double(), ref, **tol, msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("layout", ["dense", "transposed", "sliced"])
+@pytest.mark.parametrize("B,S,NH,D", ATTENTION_SHAPES)
+def test_attention_context_kernels_emulated(emulated_cuda_ext, B, S, NH, D, layout, dtype):
+    """csrc/attention_cuda.cu's context, forward and backward (emulated), against reference.attention_context and its
+    autograd, with C = NH·D (2 column blocks a row at (2, 3, 1, 300) and (2, 2, 2, 160); (5, 3, 4, 1): four heads of
+    one column). The values as they come from the encoder, a transposed [S, B, C] tensor, are read in place, and
+    their gradient is laid out like them; values sliced out of wider rows are read in place too, and their gradient
+    is dense (as torch.empty_like lays it out: strides other than the values'). Without the values' gradient the
+    second result is empty and dalpha the same."""
+    from dtmt_kernels import reference
+    C = NH * D
+    gen = torch.Generator().manual_seed(B * 100 + S * 10 + D + 1)
+    alpha = torch.softmax(torch.randn(B, NH, S, generator=gen, dtype=dtype), -1)
+    values = {"dense": lambda: torch.randn(B, S, C, generator=gen, dtype=dtype),
+              "transposed": lambda: torch.randn(S, B, C, generator=gen, dtype=dtype).transpose(0, 1),
+              "sliced": lambda: torch.randn(B, S, C + 3, generator=gen, dtype=dtype)[:, :, 1:C + 1]}[layout]()
+    g = torch.randn(B, C, generator=gen, dtype=dtype)
+    leaves = [alpha.double().requires_grad_(), values.double().requires_grad_()]
+    want = reference.attention_context(*leaves)
+    want.backward(g.double())
+    out = emulated_cuda_ext.context_forward(alpha, values)
+    dalpha, dvalues = emulated_cuda_ext.context_backward(g, alpha, values, True)
+    dalpha_only, empty = emulated_cuda_ext.context_backward(g, alpha, values, False)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6 * (S * D) ** 0.5)
+    for label, got, ref in (("context", out, want), ("dalpha", dalpha, leaves[0].grad),
+                            ("dvalues", dvalues, leaves[1].grad)):
+        torch.testing.assert_close(got.double(), ref.detach(), **tol, msg=lambda m: f"{label}: {m}")
+    assert dvalues.stride() == torch.empty_like(values).stride()
+    assert (dvalues.stride() == values.stride()) == (layout != "sliced")
+    assert empty.numel() == 0
+    torch.testing.assert_close(dalpha_only, dalpha, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("B,S,NH,D", [(0, 3, 2, 4), (2, 0, 2, 4), (2, 3, 2, 0)])
+def test_attention_kernels_of_empty_sizes_emulated(emulated_cuda_ext, B, S, NH, D):
+    """No batch rows, no source positions, or heads of no width: the results' shapes, zeros where a sum is empty, as
+    the reference's (nothing launched where there is nothing to compute)."""
+    from dtmt_kernels import reference
+    keys, q, v = torch.randn(B, S, NH, D), torch.randn(B, NH, D), torch.randn(NH, D)
+    g = torch.randn(B, NH, S)
+    want, grads = _attention_reference_grads(keys.double(), q.double(), v.double(), g.double())
+    for got, ref in zip((emulated_cuda_ext.scores_forward(keys, q, v), *emulated_cuda_ext.scores_backward(g, keys, q, v)),
+                        (want, *grads)):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    alpha, values, gc = torch.rand(B, NH, S), torch.randn(B, S, NH * D), torch.randn(B, NH * D)
+    leaves = [alpha.double().requires_grad_(), values.double().requires_grad_()]
+    want = reference.attention_context(*leaves)
+    want.backward(gc.double())
+    got = (emulated_cuda_ext.context_forward(alpha, values),
+           *emulated_cuda_ext.context_backward(gc, alpha, values, True))
+    for a, ref in zip(got, (want, *(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves))):
+        assert a.shape == ref.shape
+        torch.testing.assert_close(a.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op,args,message", [
+    ("scores_forward", lambda: (torch.zeros(2, 3, 4, 5), torch.zeros(2, 4, 6), torch.zeros(4, 5)),
+     "sizes do not match"),
+    ("scores_forward", lambda: (torch.zeros(2, 3, 4, 5), torch.zeros(2, 4, 5, dtype=torch.float64),
+                                torch.zeros(4, 5)), "one device and one dtype"),
+    ("scores_forward", lambda: (torch.zeros(2, 3, 4, 5, dtype=torch.bfloat16),
+                                torch.zeros(2, 4, 5, dtype=torch.bfloat16), torch.zeros(4, 5, dtype=torch.bfloat16)),
+     "float32 or float64"),
+    ("scores_forward", lambda: (torch.zeros(2, 5, 4, 3).transpose(1, 3), torch.zeros(2, 4, 5), torch.zeros(4, 5)),
+     "contiguous"),
+    ("scores_backward", lambda: (torch.zeros(2, 4, 2), torch.zeros(2, 3, 4, 5), torch.zeros(2, 4, 5),
+                                 torch.zeros(4, 5)), "grad must be a contiguous [B,NH,S]"),
+    ("context_forward", lambda: (torch.zeros(2, 3, 4), torch.zeros(2, 4, 7)), "C divisible by NH"),
+    ("context_forward", lambda: (torch.zeros(2, 3, 4), torch.zeros(2, 6, 4).transpose(1, 2)),
+     "last dimension contiguous"),
+    ("context_backward", lambda: (torch.zeros(2, 5), torch.zeros(2, 3, 4), torch.zeros(2, 4, 6), True),
+     "grad must be a contiguous [B,C]"),
+])
+def test_attention_kernels_refuse_bad_arguments_emulated(emulated_cuda_ext, op, args, message):
+    """The CUDA ops' argument checks (the same driver code as on a GPU): a one-line error naming what is wrong,
+    before any launch."""
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        getattr(emulated_cuda_ext, op)(*args())
 
 
 @pytest.mark.slow

@@ -97,7 +97,9 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     the batches (each bucket's first batch eager, its second captured: capture_s); on the CPU the capture is stood
     in for (the plumbing, not a figure). A backend written BACKEND+unrolled (e.g. cuda+unrolled) runs BACKEND with
     its step cells in `dk.nn.unrolled` blocks, their weight
-    gradients once over all steps (dk.nn.UNROLLED_BACKENDS extended for this process)."""
+    gradients once over all steps (dk.nn.UNROLLED_BACKENDS extended for this process); BACKEND+attention runs its
+    attention on the attention ops' kernels (dk.functional.ATTENTION_KERNEL_BACKENDS extended: cuda's, not yet the
+    default); both may be given (cuda+unrolled+attention)."""
     import contextlib
 
     import torch
@@ -122,12 +124,16 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
     if tiny:
         options = dict(options, embed_dim=16, hidden_size=64 if system == "transformer" else 32)
     model = build_model(system, vocab, vocab, **options).to(device)
-    base, _, variant = backend.partition("+")
-    if variant == "unrolled":
+    base, *variants = backend.split("+")
+    if set(variants) - {"unrolled", "attention"}:
+        raise SystemExit(f"bench_train.py: unknown backend variant {backend!r} (BACKEND+unrolled, BACKEND+attention)")
+    if variants:
         import dtmt_kernels as dk
-        dk.nn.UNROLLED_BACKENDS = dk.nn.UNROLLED_BACKENDS | {dk.resolve_backend(base, torch.device(device)).name}
-    elif variant:
-        raise SystemExit(f"bench_train.py: unknown backend variant {backend!r} (BACKEND+unrolled)")
+        name = dk.resolve_backend(base, torch.device(device)).name
+        if "unrolled" in variants:
+            dk.nn.UNROLLED_BACKENDS = dk.nn.UNROLLED_BACKENDS | {name}
+        if "attention" in variants:
+            dk.functional.ATTENTION_KERNEL_BACKENDS = dk.functional.ATTENTION_KERNEL_BACKENDS | {name}
     if backend != "-":
         model.set_backend(base)
     model.train()
@@ -280,7 +286,9 @@ def run(argv=None):
     p.add_argument("--fused", nargs="+", default=["auto"],
                    help="the fused backend(s) to compare with the reference (auto: cpp on CPU, cuda on a GPU); "
                         "BACKEND+unrolled: BACKEND with its step cells' weight gradients once over all steps "
-                        "(dk.nn.unrolled), whose ratio to BACKEND is printed below the table")
+                        "(dk.nn.unrolled); BACKEND+attention: its attention on the attention ops' kernels (cuda's "
+                        "are not yet the default); both: BACKEND+unrolled+attention. A variant's ratio to BACKEND "
+                        "is printed below the table")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--preset", default="small", choices=["small", "paper"], help="the systems' sizes")
     p.add_argument("--steps", type=int, default=8)

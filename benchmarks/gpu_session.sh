@@ -25,6 +25,8 @@
 #   bash benchmarks/gpu_session.sh build unrolled       # the decoder cells' weight gradients once over all steps
 #                                                       # on the device (dk.nn.unrolled, cuda backend): the tests,
 #                                                       # then against per-step weight gradients, eager and graphed
+#   bash benchmarks/gpu_session.sh build attention      # the attention ops' CUDA kernels: their tests, one decoder
+#                                                       # step against the reference, a dtmt update with and without
 #   bash benchmarks/gpu_session.sh build amp            # bf16 autocast against float32: dev loss after 600 updates
 #                                                       # (two seeds each) and speed, dtmt small preset
 #   bash benchmarks/gpu_session.sh peers                # OpenNMT-py on the same GPU (issue 73 item 7): decoding the
@@ -45,12 +47,13 @@
 # (persistent-cluster), persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
 # decode.md and decode/bench_decode.csv (decode), graphs_tests.log and graphs/bench_train.csv (graphs),
 # math.md, math/bench_train.csv, train_profile.md and .json (train-profile), unrolled_tests.log and unrolled/bench_train.csv (unrolled),
+# attention_tests.log, attention.md, attention/bench_attention.csv and attention/bench_train.csv (attention),
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
 # limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
 # 180 + 60 + 120 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-profile 3 x 100 s,
-# decode 300 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, amp 480 s, peers 180 s, peers-train
-# 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the machine's start about 30 s, build
+# decode 300 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
+# amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the machine's start about 30 s, build
 # 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, TF32 and bf16
 # at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
 # 47 s to compile on 2 cores of an AMD EPYC here; its run and train-profile are not yet timed);
@@ -61,7 +64,7 @@
 # (about 400 s: every GPU test; a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time goes,
 # issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the sessions after,
 # `persistent-profile persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal; issue
-# 73 item 1), `decode unrolled`, `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry
+# 73 item 1), `decode unrolled`, `attention`, `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry
 # benchmarks/out/gpu-carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -167,6 +170,20 @@ if want unrolled; then
   echo "== bench_train --device cuda --preset paper --fused cuda cuda+unrolled --graphs off on"
   timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
     --systems dtmt --fused cuda cuda+unrolled --graphs off on --out "$OUT/unrolled" || status=1
+fi
+if want attention; then
+  # issue 73 item 3: the attention ops' CUDA kernels (csrc/attention_cuda.cu; not yet the default): their GPU tests
+  # against the float64 reference and in a captured graph, one decoder step against the reference's PyTorch ops,
+  # then a dtmt update with them against without, eager and graphed (strict fp32)
+  echo "== GPU tests of the attention kernels"
+  timeout 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_kernel.py 2>&1 \
+    | tee "$OUT/attention_tests.log" | tail -5 || status=1
+  echo "== bench_attention --device cuda"
+  timeout 90 "$PY" benchmarks/bench_attention.py --device cuda --out "$OUT/attention" | tee "$OUT/attention.md" \
+    || status=1
+  echo "== bench_train --device cuda --preset paper --fused cuda cuda+attention --graphs off on"
+  timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
+    --systems dtmt --fused cuda cuda+attention --graphs off on --out "$OUT/attention" || status=1
 fi
 if want amp; then
   # issue 73 item 2: may bfloat16 autocast be the default on a GPU? the dev loss after 600 updates, float32 against

@@ -27,6 +27,14 @@ __all__ = ["transition_sequence", "transition_step", "additive_scores", "attenti
 
 LengthsLike = Union[Tensor, Sequence[int]]
 
+# The backends whose attention (additive_scores, attention_context, and an `unrolled` block's contexts) runs the
+# fused kernels of torch.ops.dtmt; the others run the reference's PyTorch ops. The CUDA kernels exist
+# (csrc/attention_cuda.cu): "cuda" joins this set once a GPU session has held them to the reference
+# (tests/test_attention_kernel.py's GPU tests) and measured them (bench_attention.py --device cuda; bench_train.py
+# --fused cuda cuda+attention); until then GPU attention runs the reference's ops. Only "cpp" and "cuda" mean
+# anything here: the ops' kernels are picked by the tensors' device.
+ATTENTION_KERNEL_BACKENDS = frozenset({"cpp"})
+
 
 def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask: Optional[Tensor] = None,
                         drop: Optional[Tensor] = None, reverse: bool = False, backend: str = "auto",
@@ -52,8 +60,8 @@ def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto
     (see reference.additive_scores): keys [B, S, NH, D], query [B, NH, D], v [NH, D] -> [B, NH, S].
 
     The backend is resolved as for the recurrent layers; `cpp` has a fused kernel for it (one pass, nothing
-    kept for backward). The GPU backends have none: with them the scores are computed by the same PyTorch
-    ops as the reference, on the GPU."""
+    kept for backward), and so has `cuda` once it is in ATTENTION_KERNEL_BACKENDS (not yet: its kernels have not
+    run on a GPU). Other backends compute the scores by the same PyTorch ops as the reference, on their device."""
     if keys.dim() != 4 or query.dim() != 3 or v.dim() != 2:
         raise ValueError(f"additive_scores: keys must be [B, S, NH, D], query [B, NH, D] and v [NH, D]; got "
                          f"{list(keys.shape)}, {list(query.shape)}, {list(v.shape)}")
@@ -65,7 +73,7 @@ def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto
         raise ValueError("additive_scores: keys, query and v must share dtype and device")
     b = resolve_backend(backend, keys.device)
     check_dtype_for_backend(b, keys.dtype, "keys")
-    if b.name == "cpp" and _cpp_attention_runs(keys):
+    if attention_kernels_run(b, keys):
         return torch.ops.dtmt.additive_scores(keys, query, v)
     return reference.additive_scores(keys, query, v)
 
@@ -74,10 +82,11 @@ def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> T
     """The context of one decoder step, head h weighting its own C/NH columns of the values
     (see reference.attention_context): alpha [B, NH, S], values [B, S, C] -> [B, C].
 
-    Backends as for additive_scores: `cpp` has a fused kernel (values may be any view whose last dimension is
-    contiguous, e.g. the transposed encoder output); the others run the reference's PyTorch ops."""
+    Backends as for additive_scores: `cpp` (and `cuda` in ATTENTION_KERNEL_BACKENDS) has a fused kernel (values
+    may be any view whose last dimension is contiguous, e.g. the transposed encoder output); the others run the
+    reference's PyTorch ops."""
     b = check_attention_context(alpha, values, backend)
-    if b.name == "cpp" and _cpp_attention_runs(values):
+    if attention_kernels_run(b, values):
         return torch.ops.dtmt.attention_context(alpha, values)
     return reference.attention_context(alpha, values)
 
@@ -105,10 +114,12 @@ def _shared_dtype(*ts: Tensor) -> bool:
     return len(dtypes) == 1 or autocast_mix(dtypes, ts[0])
 
 
-def _cpp_attention_runs(t: Tensor) -> bool:
-    """Whether the C++ attention kernels take these tensors: float32 / float64, or any dtype under autocast (which
-    runs them in float32); 16-bit tensors outside autocast take the reference's PyTorch ops."""
-    return t.dtype in (torch.float32, torch.float64) or autocast_dtype(t) is not None
+def attention_kernels_run(b, t: Tensor) -> bool:
+    """Whether the resolved backend `b` runs the attention ops' fused kernels on tensors like t: a backend of
+    ATTENTION_KERNEL_BACKENDS, and t float32 / float64, or any dtype under autocast (which runs them in float32);
+    16-bit tensors outside autocast take the reference's PyTorch ops."""
+    return (b.name in ATTENTION_KERNEL_BACKENDS
+            and (t.dtype in (torch.float32, torch.float64) or autocast_dtype(t) is not None))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: str = "auto") -> Tensor:

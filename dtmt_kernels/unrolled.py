@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .autograd import CppContextStepFunction, CppUnrolledValuesFunction, UnrolledContext
-from .functional import attention_context, check_attention_context
+from .functional import attention_context, attention_kernels_run, check_attention_context
 
 
 class Unrollable:
@@ -34,7 +34,8 @@ class Unrollable:
 def unrolled(*modules: nn.Module) -> Iterator[None]:
     """Within the block, the given modules that are `Unrollable` (DeepTransitionGRUCell / ATRCell, the
     attention modules of dtmt_models; anything else is ignored) run their steps as one unrolled sequence for
-    autograd, the cells on the backends of UNROLLED_BACKENDS (cpp), the attention context on cpp. A cell's flat
+    autograd, the cells on the backends of UNROLLED_BACKENDS (cpp), the attention context on those of
+    functional.ATTENTION_KERNEL_BACKENDS (cpp). A cell's flat
     weights are assembled once, and each weight gradient is one
     GEMM over every step's rows at backward instead of one GEMM and one accumulation per step
     (autograd.UnrolledSteps); an attention's context (`step_context`) forms the annotations' gradient once over
@@ -63,11 +64,12 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
 
 def step_context(owner: nn.Module, alpha: Tensor, values: Tensor, backend: str = "auto") -> Tensor:
     """dtmt_kernels.functional.attention_context for one decoder step of the attention module `owner`: inside an
-    `unrolled` block open on `owner` (an Unrollable) with the cpp backend and autograd recording, the steps
-    against the same values share one UnrolledContext (the values' gradient formed once over all of them);
-    otherwise exactly functional.attention_context."""
+    `unrolled` block open on `owner` (an Unrollable) with autograd recording, on a backend that runs the attention
+    kernels (functional.ATTENTION_KERNEL_BACKENDS: cpp), the steps against the same values share one
+    UnrolledContext (the values' gradient formed once over all of them); otherwise exactly
+    functional.attention_context."""
     sessions = owner._unrolled_sessions() if isinstance(owner, Unrollable) else None
-    if sessions is None or check_attention_context(alpha, values, backend).name != "cpp":
+    if sessions is None or not attention_kernels_run(check_attention_context(alpha, values, backend), values):
         return attention_context(alpha, values, backend)
     key = (id(values), alpha.shape[1])
     hit = sessions.get(key)

@@ -251,3 +251,145 @@ def test_context_backward_without_the_values_gradient(dtype, transposed):
     assert torch.equal(dalpha, full[0])
     (expected,) = torch.autograd.grad(_context_per_head(alpha, values), alpha, grad)
     torch.testing.assert_close(dalpha, expected)
+
+
+def _ops_called(fn):
+    """The names of the ops `fn` dispatched (forward and backward), as a TorchDispatchMode sees them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def _attention_step(backend, dtype=torch.float32, device="cpu"):
+    """One multi-head attention step, forward and backward, in an `unrolled` block open on the module; returns
+    (the outputs and gradients, the context's autograd node's class name)."""
+    torch.manual_seed(4)
+    att = MultiHeadAdditiveAttention(6, 8, 8, heads=2, backend=backend).to(device, dtype)
+    ann = torch.randn(3, 5, 8, dtype=dtype, device=device, requires_grad=True)
+    query = torch.randn(3, 6, dtype=dtype, device=device, requires_grad=True)
+    mask = torch.arange(5, device=device).unsqueeze(0) < torch.tensor([5, 2, 4], device=device).unsqueeze(1)
+    with dk.nn.unrolled(att):
+        q = att.query(query).view(3, 2, -1)
+        alpha = torch.softmax(dk.functional.additive_scores(att.precompute(ann), q, att.v, backend), -1)
+        alpha = alpha.masked_fill(~mask.unsqueeze(1), 0.0)
+        ctx = dk.nn.step_context(att, alpha, ann, backend)
+        node = type(ctx.grad_fn).__name__
+        ctx.square().sum().backward()
+    return [ctx.detach(), ann.grad, query.grad, att.v.grad], node
+
+
+def test_attention_kernel_backends_decide_the_path(monkeypatch):
+    """functional.ATTENTION_KERNEL_BACKENDS decides which backends run the attention ops' kernels (the scores, the
+    context, and an `unrolled` block's contexts): with "cpp" in it (the default) the cpp backend calls
+    torch.ops.dtmt's ops and the block's UnrolledContext; without it the same calls run the reference's PyTorch ops
+    (tanh, bmm), with the same results."""
+    k, q, v = (t.detach() for t in _inputs(2, 4, 2, 5, torch.float64))
+    alpha, _, values = (t.detach() for t in _context_inputs(2, 4, 2, 6, torch.float64))
+    assert "cpp" in dk.functional.ATTENTION_KERNEL_BACKENDS and "cuda" not in dk.functional.ATTENTION_KERNEL_BACKENDS
+    fused = _ops_called(lambda: (dk.functional.additive_scores(k, q, v, "cpp"),
+                                 dk.functional.attention_context(alpha, values, "cpp")))
+    assert {"dtmt.additive_scores", "dtmt.attention_context"} <= fused and "aten.tanh" not in fused
+    kernels, kernels_node = _attention_step("cpp", torch.float64)
+    monkeypatch.setattr(dk.functional, "ATTENTION_KERNEL_BACKENDS", frozenset())
+    plain = _ops_called(lambda: (dk.functional.additive_scores(k, q, v, "cpp"),
+                                 dk.functional.attention_context(alpha, values, "cpp")))
+    assert not any(name.startswith("dtmt.") for name in plain) and {"aten.tanh", "aten.bmm"} <= plain
+    reference_ops, reference_node = _attention_step("cpp", torch.float64)
+    assert kernels_node == "CppContextStepFunctionBackward" and reference_node != kernels_node
+    for a, b in zip(kernels, reference_ops):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_unrolled_context_of_16_bit_values_outside_autocast_runs_the_reference():
+    """An `unrolled` block's context on cpp with bfloat16 tensors outside autocast: the kernels take float32 and
+    float64 only, so the step runs the reference's ops, as functional.attention_context does (the block's path would
+    call the C++ op, which refuses bfloat16), with the reference backend's results to the bit."""
+    kernels, node = _attention_step("cpp", torch.bfloat16)
+    reference_ops, _ = _attention_step("reference", torch.bfloat16)
+    assert node != "CppContextStepFunctionBackward"
+    for a, b in zip(kernels, reference_ops):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+needs_cuda_kernels = pytest.mark.skipif(not torch.cuda.is_available() or "cuda" not in dk.available_backends(),
+                                        reason="needs a CUDA device and the extension's CUDA kernels")
+
+
+@pytest.fixture
+def cuda_attention_kernels(monkeypatch):
+    """The cuda backend's attention on its kernels (csrc/attention_cuda.cu) for one test."""
+    monkeypatch.setattr(dk.functional, "ATTENTION_KERNEL_BACKENDS", dk.functional.ATTENTION_KERNEL_BACKENDS | {"cuda"})
+
+
+@pytest.mark.gpu
+@needs_cuda_kernels
+@pytest.mark.parametrize("B,S,NH,D", [(3, 5, 4, 8), (2, 7, 1, 37), (1, 3, 2, 70), (4, 2, 3, 1)])
+def test_gpu_attention_kernels_gradcheck(cuda_attention_kernels, B, S, NH, D):
+    """The CUDA scores and context (float64 on the device): gradcheck, and the reference's values to 1e-12; the ops
+    really are the kernels (torch.ops.dtmt's, not the reference's tanh)."""
+    k, q, v = (t.detach().cuda().requires_grad_() for t in _inputs(B, S, NH, D, torch.double))
+    scores = lambda k, q, v: dk.functional.additive_scores(k, q, v, "cuda")
+    assert "dtmt.additive_scores" in _ops_called(lambda: scores(k, q, v))
+    assert torch.autograd.gradcheck(scores, (k, q, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(scores(k, q, v), reference.additive_scores(k, q, v), rtol=1e-12, atol=1e-12)
+    alpha, leaf, _ = _context_inputs(B, S, NH, NH * D, torch.double, transposed=True)
+    alpha, leaf = alpha.detach().cuda().requires_grad_(), leaf.detach().cuda().requires_grad_()
+    context = lambda a, v: dk.functional.attention_context(a, v.transpose(0, 1), "cuda")
+    assert "dtmt.attention_context" in _ops_called(lambda: context(alpha, leaf))
+    assert torch.autograd.gradcheck(context, (alpha, leaf), eps=1e-6, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(context(alpha, leaf), _context_per_head(alpha, leaf.transpose(0, 1)),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@needs_cuda_kernels
+def test_gpu_attention_step_matches_the_reference(cuda_attention_kernels):
+    """A multi-head attention step in an `unrolled` block on the device (the context's values gradient formed once
+    over the block, as on the CPU) against the reference backend: float64 to 1e-12, float32 to its rounding."""
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        kernels, node = _attention_step("cuda", dtype, "cuda")
+        reference_ops, _ = _attention_step("reference", dtype, "cuda")
+        assert node == "CppContextStepFunctionBackward"
+        for a, b in zip(kernels, reference_ops):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@needs_cuda_kernels
+def test_gpu_attention_kernels_in_a_cuda_graph(cuda_attention_kernels):
+    """The CUDA attention ops synchronise nothing with the host: a forward and backward captured as a CUDA graph
+    and replayed on new inputs gives what the eager calls give."""
+    B, S, NH, D = 16, 12, 4, 64
+    k, q, v = (t.detach().float().cuda().requires_grad_() for t in _inputs(B, S, NH, D, torch.double))
+    values = torch.randn(B, S, NH * D, device="cuda", requires_grad=True)
+
+    def step():
+        alpha = torch.softmax(dk.functional.additive_scores(k, q, v, "cuda"), -1)
+        out = dk.functional.attention_context(alpha, values, "cuda")
+        return torch.autograd.grad(out.square().sum(), (k, q, v, values))
+
+    assert {"dtmt.additive_scores", "dtmt.attention_context_backward"} <= _ops_called(step)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()   # warm-up on a side stream, as torch asks before a capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        for t in (k, q, v, values):
+            t.copy_(torch.randn_like(t))
+    graph.replay()
+    for a, b in zip(captured, step()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -167,20 +167,35 @@ def test_loss_op_passes_opcheck_and_gradcheck():
     assert not torch.autograd.grad(nll, logits, allow_unused=True, materialize_grads=True)[0].any()
 
 
-def test_attention_ops_pass_opcheck_with_gradients():
+def _attention_ops_pass_opcheck_with_gradients(device):
+    """torch.library.opcheck and gradcheck of the scores and context ops on `device`'s kernels (float64)."""
     torch.manual_seed(1)
-    keys = torch.randn(2, 5, 3, 4, dtype=torch.float64, requires_grad=True)
-    query = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    keys = torch.randn(2, 5, 3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    query = torch.randn(2, 3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    v = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.dtmt.additive_scores.default, (keys, query, v))
     assert torch.autograd.gradcheck(torch.ops.dtmt.additive_scores, (keys, query, v))
-    alpha = torch.softmax(torch.randn(2, 3, 5, dtype=torch.float64), -1).requires_grad_()
+    alpha = torch.softmax(torch.randn(2, 3, 5, dtype=torch.float64, device=device), -1).requires_grad_()
     for transposed in (False, True):   # values read in place when only the last dimension is contiguous
-        values = torch.randn(5, 2, 6, dtype=torch.float64).transpose(0, 1) if transposed else \
-            torch.randn(2, 5, 6, dtype=torch.float64)
+        values = torch.randn(5, 2, 6, dtype=torch.float64, device=device).transpose(0, 1) if transposed else \
+            torch.randn(2, 5, 6, dtype=torch.float64, device=device)
         values.requires_grad_()
         torch.library.opcheck(torch.ops.dtmt.attention_context.default, (alpha, values))
         assert torch.autograd.gradcheck(torch.ops.dtmt.attention_context, (alpha, values))
+
+
+def test_attention_ops_pass_opcheck_with_gradients():
+    _attention_ops_pass_opcheck_with_gradients("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_attention_ops_pass_opcheck_with_gradients():
+    """The attention ops' CUDA kernels (csrc/attention_cuda.cu, registered under the CUDA key): schema, fake,
+    autograd, AOT dispatch and gradcheck on the device."""
+    if not dk.ops._C.has_cuda:
+        pytest.skip("the extension was built without CUDA kernels")
+    _attention_ops_pass_opcheck_with_gradients("cuda")
 
 
 def _compare_compiled(module, args, grads_of, backend="aot_eager", **kwargs):

@@ -52,7 +52,8 @@ class NoEOS(torch.nn.Module):
     def inference_decoder(self):
         """The wrapped model's decoder, wrapped (itself when it wraps a decoder already: beam_search then builds
         nothing)."""
-        decoder = self.model.inference_decoder()
+        build = getattr(self.model, "inference_decoder", None)   # (a decoder without one: an AutocastDecoder)
+        decoder = self.model if build is None else build()
         return self if decoder is self.model else NoEOS(decoder)
 
     def encode(self, src, lengths):
@@ -192,12 +193,23 @@ def main(argv=None):
                         "its steps replayed as CUDA graphs); default: beam_search's choice")
     p.add_argument("--bookkeeping", action="store_true",
                    help="time only the beam search's bookkeeping (a table model, no network): ms per step")
+    p.add_argument("--amp", nargs="+", choices=("off", "bf16", "fp16"), default=["off"],
+                   help="decode each model in each of these precisions in the same run, as `dtmt translate --amp` "
+                        "(a 16-bit copy under autocast; `dtmt translate` offers it on the GPU only): rows named "
+                        "MODEL [bf16], with × off, the ratio to the same model in float32")
     p.add_argument("--no-match", action="store_true", help="no size-matched transformers (synthetic mode)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     a = p.parse_args(argv)
     if a.quick:
         a.sentences, a.src_len, a.tgt_len, a.vocab, a.repeat, a.batch_size = 2, 5, 4, 100, 1, 2
+    amps = list(dict.fromkeys(a.amp))
+
+    def decoders(label, model):
+        """(label, the model's decoder) in each --amp precision, as `dtmt translate` builds it."""
+        from dtmt_models.engine import as_decoder
+        return [(label if amp == "off" else f"{label} [{amp}]", as_decoder(model, amp=None if amp == "off" else amp))
+                for amp in amps]
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.bookkeeping:
@@ -233,9 +245,9 @@ def main(argv=None):
             model = model.to(a.device)
             sents = [sv.encode(line)[:250] for line in lines]
             label = f"{ckpt['model_name']} ({os.path.basename(os.path.dirname(path))})"
-            params[label] = count_params(model)
-            models.append((label, model.inference_decoder() if hasattr(model, "inference_decoder") else model, sents,
-                           tv, 2.0, 10))
+            for named, decoder in decoders(label, model):
+                params[named] = count_params(model)
+                models.append((named, decoder, sents, tv, 2.0, 10))
         mode = f"trained checkpoints on {a.sentences} sentences of {a.input}"
     else:
         g = torch.Generator().manual_seed(0)
@@ -244,8 +256,9 @@ def main(argv=None):
         for name in a.systems:
             torch.manual_seed(0)
             model = build_model(name, a.vocab, a.vocab, **get_preset(name, "small")["model"]).eval().to(a.device)
-            params[name] = count_params(model)
-            models.append((name, NoEOS(model.inference_decoder()), sents, None, 0.0, a.tgt_len + 1))
+            for named, decoder in decoders(name, model):
+                params[named] = count_params(model)
+                models.append((named, NoEOS(decoder), sents, None, 0.0, a.tgt_len + 1))
             if name != "transformer" and not a.no_match:
                 width, options = matched_transformer(count_params(model), a.vocab)
                 if options == get_preset("transformer", "small")["model"] and "transformer" in a.systems:
@@ -256,9 +269,9 @@ def main(argv=None):
         for width, options in sorted(matched.items()):
             torch.manual_seed(0)
             model = build_model("transformer", a.vocab, a.vocab, **options).eval().to(a.device)
-            params[f"transformer d{width}"] = count_params(model)
-            models.append((f"transformer d{width}", NoEOS(model.inference_decoder()), sents, None, 0.0,
-                           a.tgt_len + 1))
+            for named, decoder in decoders(f"transformer d{width}", model):
+                params[named] = count_params(model)
+                models.append((named, NoEOS(decoder), sents, None, 0.0, a.tgt_len + 1))
         mode = (f"random weights, {a.sentences} sentences of {a.src_len} tokens, exactly {a.tgt_len} output tokens "
                 f"(EOS suppressed)")
     rows = []
@@ -283,12 +296,20 @@ def main(argv=None):
     order = {name: i for i, (name, *_) in enumerate(models)}
     rows.sort(key=lambda r: (order[r["model"]], r["beam"], r["batch"] != "1", r["loop"]))
     by = {(r["model"], r["beam"], r["batch"], r["loop"]): r for r in rows}
-    for r in rows:   # ratios within one loop
-        base = by.get(("transformer", r["beam"], r["batch"], r["loop"])) or next(
-            (q for q in rows if q["model"].startswith("transformer") and (q["beam"], q["batch"], q["loop"]) ==
-             (r["beam"], r["batch"], r["loop"])), None)
+    def precision(name):   # (the model's name without its [amp], that suffix or "")
+        plain, _, amp = name.partition(" [")
+        return plain, f" [{amp}" if amp else ""
+
+    for r in rows:   # ratios within one loop and one precision
+        plain, suffix = precision(r["model"])
+        amp = bool(suffix)
+        base = by.get(("transformer" + suffix, r["beam"], r["batch"], r["loop"])) or next(
+            (q for q in rows if q["model"].startswith("transformer") and precision(q["model"])[1] == suffix
+             and (q["beam"], q["batch"], q["loop"]) == (r["beam"], r["batch"], r["loop"])), None)
         r["vs_transformer"] = r["words_per_s"] / base["words_per_s"] if base else None
-        m = by.get((match_of.get(r["model"]), r["beam"], r["batch"], r["loop"]))
+        fp32 = by.get((plain, r["beam"], r["batch"], r["loop"])) if amp else None
+        r["vs_off"] = r["words_per_s"] / fp32["words_per_s"] if fp32 else None
+        m = by.get(((match_of.get(plain) or "") + suffix, r["beam"], r["batch"], r["loop"]))
         r["matched"] = m["model"] if m else None
         r["vs_matched"] = r["words_per_s"] / m["words_per_s"] if m else None
         host = by.get((r["model"], r["beam"], r["batch"], "host"))
@@ -298,14 +319,15 @@ def main(argv=None):
     where = machine_name() if a.device == "cpu" else f"{torch.cuda.get_device_name(a.device)}, {machine_name()}"
     print(f"\nDecoding speed ({where}; {a.device}; {mode})\n")
     print("| model | params | beam | batch | loop | words/s | ms/sentence | × transformer | × matched (which) "
-          "| × host loop |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+          "| × host loop |" + (" × off |" if len(amps) > 1 else ""))
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|" + ("---:|" if len(amps) > 1 else ""))
     for r in rows:
         vs = f"{r['vs_transformer']:.2f}×" if r["vs_transformer"] else ""
         vm = f"{r['vs_matched']:.2f}× ({r['matched']})" if r["vs_matched"] else ""
         vh = f"{r['vs_host_loop']:.2f}×" if r["vs_host_loop"] else ""
+        vo = (f" {r['vs_off']:.2f}× |" if r["vs_off"] else " |") if len(amps) > 1 else ""
         print(f"| {r['model']} | {r['params']:,} | {r['beam']} | {r['batch']} | {r['loop']} | "
-              f"{r['words_per_s']:,.0f} | {r['ms_per_sentence']:.1f} | {vs} | {vm} | {vh} |")
+              f"{r['words_per_s']:,.0f} | {r['ms_per_sentence']:.1f} | {vs} | {vm} | {vh} |{vo}")
     return rows
 
 

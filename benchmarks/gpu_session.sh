@@ -45,16 +45,17 @@
 # persistent_envelope.md, persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv
 # (persistent-bf16), persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv
 # (persistent-cluster), persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
-# decode.md and decode/bench_decode.csv (decode), graphs_tests.log and graphs/bench_train.csv (graphs),
-# math.md, math/bench_train.csv, train_profile.md and .json (train-profile), unrolled_tests.log and unrolled/bench_train.csv (unrolled),
+# decode.md, decode/bench_decode.csv, decode_amp.md and decode-amp/bench_decode.csv (decode), graphs_tests.log and
+# graphs/bench_train.csv (graphs), math.md, math/bench_train.csv, train_profile.md and .json (train-profile),
+# unrolled_tests.log and unrolled/bench_train.csv (unrolled),
 # attention_tests.log, attention.md, attention/bench_attention.csv and attention/bench_train.csv (attention),
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
 # limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
 # 180 + 60 + 120 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-profile 3 x 100 s,
-# decode 300 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
-# amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the machine's start about 30 s, build
-# 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, TF32 and bf16
+# decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
+# amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
+# machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, TF32 and bf16
 # at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
 # 47 s to compile on 2 cores of an AMD EPYC here; its run and train-profile are not yet timed);
 # a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
@@ -273,6 +274,12 @@ if want decode; then
   timeout 300 "$PY" benchmarks/bench_decode.py --device cuda --loops host device graph --systems dtmt rnnsearch-atr \
     nematus transformer --no-match --beams 4 --sentences 32 --batch-size 32 --repeat 2 --out "$OUT/decode" \
     2>&1 | tee "$OUT/decode.md" || status=1
+  # issue 73 item 5's bf16 (and fp16) figures: `dtmt translate --amp` (a 16-bit copy under autocast) against float32,
+  # the graph loop, every model in each precision in the same run
+  echo "== bench_decode --device cuda --loops graph --amp off bf16 fp16 (beam 4, batches of 1 and 32)"
+  timeout 200 "$PY" benchmarks/bench_decode.py --device cuda --loops graph --amp off bf16 fp16 --systems dtmt \
+    rnnsearch-atr nematus transformer --no-match --beams 4 --sentences 32 --batch-size 32 --repeat 2 \
+    --out "$OUT/decode-amp" 2>&1 | tee "$OUT/decode_amp.md" || status=1
 fi
 if want peers || want peers-train; then
   # issue 73 item 7: OpenNMT-py on the same GPU. The machine has no network: OpenNMT-py's wheels and the checkpoints

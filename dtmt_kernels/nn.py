@@ -181,7 +181,8 @@ class _TransitionBase(BackendSwitch, nn.Module):
         ref = self.weight_hh
         if not t.is_floating_point():
             raise ValueError(f"{name}: {arg} must be a floating-point Tensor {expected}, got dtype {t.dtype}")
-        if t.dtype != ref.dtype and not (ref.dtype == torch.float32 and autocast_mix((t.dtype,), t)):
+        # under autocast, float32 beside the autocast dtype either way (its rule casts them: ops/_autocast.py)
+        if t.dtype != ref.dtype and not autocast_mix((t.dtype, ref.dtype), t):
             raise ValueError(f"{name}: {arg} has dtype {t.dtype} but the parameters are {ref.dtype}; "
                              f"convert one of them (e.g. layer.to({t.dtype}))")
         if t.device != ref.device:

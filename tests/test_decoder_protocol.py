@@ -208,3 +208,53 @@ def test_teacher_forcing_steps_through_a_redefined_decoder_step():
     plain.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert not torch.allclose(plain(src, lengths, tokens), forced)
+
+
+def _ops_dtypes(fn):
+    """(the result of fn(), the (op name, dtype of its first tensor argument) pairs it dispatched)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            seen.add((str(func.overloadpacket), None if first is None else first.dtype))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        result = fn()
+    return result, seen
+
+
+@pytest.mark.parametrize("system", list_models())
+def test_16_bit_decoding_runs_a_copy_under_autocast(system):
+    """as_decoder(model, amp="bf16"): an AutocastDecoder of a bfloat16 copy (the model's own weights untouched, still
+    float32), whose steps multiply in bfloat16 and return float32 log-probabilities near the float32 decoder's (bf16
+    rounding of weights and activations: within 0.1 at these sizes), searched by the loops as any decoder. (On the
+    CPU here: the same code `dtmt translate --amp bf16 --device cuda` runs.)"""
+    model = _model(system)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    decoder = as_decoder(model, amp="bf16")
+    assert isinstance(decoder, Decoder) and decoder.search is None
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    full = as_decoder(model)
+    src, lengths = _batch()
+    with torch.no_grad():
+        (low, _), ops = _ops_dtypes(lambda: decoder.step(decoder.encode(src, lengths), torch.full((3,), 1)))
+        high, _ = full.step(full.encode(src, lengths), torch.full((3,), 1))
+    assert low.dtype == torch.float32 and torch.isfinite(low).all()
+    assert any(dtype == torch.bfloat16 for name, dtype in ops if name in ("aten.mm", "aten.addmm", "aten.bmm",
+                                                                          "aten.linear", "dtmt.transition_forward"))
+    torch.testing.assert_close(low, high, rtol=0, atol=0.1)
+    hyps = beam_search(decoder, src, lengths, beam=2, max_len_b=4)
+    assert len(hyps) == 3 and all(h and torch.isfinite(torch.tensor(float(h[0].score))) for h in hyps)
+
+
+def test_16_bit_decoding_refusals():
+    model = _model("dtmt")
+    with pytest.raises(ValueError, match="amp must be one of bf16, fp16, got 'fp8'"):
+        as_decoder(model, amp="fp8")
+    with pytest.raises(ValueError, match="int8 and 16-bit decoding exclude each other"):
+        as_decoder(model, int8=True, amp="bf16")

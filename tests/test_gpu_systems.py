@@ -132,6 +132,35 @@ def test_device_search_reads_the_device_only_at_its_checks(name, options, graphs
                                    rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["dtmt", "rnnsearch-atr", "nematus"])
+def test_16_bit_decoding_on_the_device(name, amp, monkeypatch):
+    """`dtmt translate --amp` (engine.decoder.AutocastDecoder: a 16-bit copy under torch.autocast) in the device
+    search: its steps are captured as CUDA graphs as the float32 decoder's are, and its log-probabilities and best
+    scores are near float32's (16-bit rounding: within 0.1 a step here)."""
+    from dtmt_models.decoding import device_search
+    from dtmt_models.engine import as_decoder
+
+    model = build(name).eval().to(DEVICE)
+    src, src_lengths = (t.to(DEVICE) for t in toy_batch(B=4)[:2])
+    captures = []
+    capture = device_search.StepGraph.of.__func__
+    monkeypatch.setattr(device_search.StepGraph, "of",
+                        classmethod(lambda cls, search, c: captures.append(capture(cls, search, c)) or captures[-1]))
+    low, full = as_decoder(model, amp=amp), as_decoder(model)
+    kwargs = dict(beam=3, max_len_a=1.0, max_len_b=3, on_device=True)
+    with torch.no_grad():
+        hyps = beam_search(low, src, src_lengths, **kwargs)
+        want = beam_search(full, src, src_lengths, **kwargs)
+        step_low, _ = low.step(low.encode(src, src_lengths), torch.full((4,), 1, device=DEVICE))
+        step_full, _ = full.step(full.encode(src, src_lengths), torch.full((4,), 1, device=DEVICE))
+    assert DEVICE != "cuda" or (captures and all(g is not None for g in captures)), captures
+    assert step_low.dtype == torch.float32
+    torch.testing.assert_close(step_low, step_full, rtol=0, atol=0.1)
+    torch.testing.assert_close(torch.tensor([s[0].score for s in hyps]), torch.tensor([s[0].score for s in want]),
+                               rtol=0, atol=0.1)
+
+
 def test_device_search_keeps_a_step_that_reads_the_host_eager(monkeypatch):
     """A decoder step that synchronises with the host (here a read of its tokens) is not captured as a CUDA graph:
     the warm-up step under torch's sync debug mode shows it before any capture (a failed capture can leave torch's
@@ -205,4 +234,10 @@ def test_command_line_on_gpu(tmp_path):
     dtmt("evaluate", "--checkpoint", os.path.join(run, "best.pt"), "--data", data, "--split", "test",
          "--out-dir", out, "--device", DEVICE)
     with open(os.path.join(out, "scores.json")) as f:
-        assert json.load(f)["bleu"] > 30
+        bleu = json.load(f)["bleu"]
+    assert bleu > 30
+    for amp in ("bf16", "fp16") if DEVICE == "cuda" else ():   # 16-bit decoding: BLEU within 2 of float32's
+        dtmt("evaluate", "--checkpoint", os.path.join(run, "best.pt"), "--data", data, "--split", "test",
+             "--out-dir", f"{out}-{amp}", "--device", DEVICE, "--amp", amp)
+        with open(os.path.join(f"{out}-{amp}", "scores.json")) as f:
+            assert abs(json.load(f)["bleu"] - bleu) < 2, amp

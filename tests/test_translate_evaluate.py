@@ -438,6 +438,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, "--alpha", "nan", good], 2, "--alpha must be a finite number"),
         (["--checkpoint", ckpt, "--threads", "-1", good], 2, "--threads must be >= 0, got -1"),
         (["--checkpoint", ckpt, "--int8", "--backend", "reference", good], 2, "--int8 decodes with the C++ decoder"),
+        (["--checkpoint", ckpt, "--amp", "bf16", good], 2, "--amp bf16 decodes in 16 bits on the GPU (--device cuda)"),
         (["--checkpoint", ckpt, good, good, "--output-dir", str(tmp_path / "o")], 2, "good.es.out"),
         (["--checkpoint", ckpt, good, "--output-dir", good], 2, "--output-dir " + good + ": exists and is not a dir"),
         (["--checkpoint", ckpt, good, "-o", str(tmp_path)], 2, "is a directory; give a file name"),

@@ -144,6 +144,9 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True, 
                    help="decode with the decoder step's matrices in int8, one scale per row, multiplied by its "
                         "activations quantized the same way (int8 dot products); dtmt, shallow-rnmt, rnnsearch-atr, "
                         "mce and one-level nematus on the CPU")
+    g.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off",
+                   help="16-bit decoding on the GPU: a copy of the model's weights in bfloat16 or float16, run under "
+                        "torch.autocast (log-probabilities and scores in float32; --device cuda; default off)")
     if quiet:
         g.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
 
@@ -183,6 +186,9 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
     if args.int8 and (args.backend not in ("auto", "cpp") or args.device != "cpu"):
         raise UsageError(f"--int8 decodes with the C++ decoder step on the CPU (--backend auto or cpp, --device cpu), "
                          f"got --backend {args.backend} --device {args.device}")
+    if getattr(args, "amp", "off") != "off" and not str(args.device).startswith("cuda"):
+        raise UsageError(f"--amp {args.amp} decodes in 16 bits on the GPU (--device cuda), got --device "
+                         f"{args.device} (on the CPU: --int8)")
 
 
 def use_threads(threads: int) -> None:
@@ -191,14 +197,14 @@ def use_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def build_decoder(model, int8: bool = False):
-    """`model`'s inference decoder, built once for the whole run (int8 weight matrices with --int8), the errors a
-    user can cause as UsageError."""
+def build_decoder(model, int8: bool = False, amp: str = "off"):
+    """`model`'s inference decoder, built once for the whole run (int8 weight matrices with --int8, a 16-bit copy
+    with --amp bf16 / fp16), the errors a user can cause as UsageError."""
     model.eval()
     try:
-        return as_decoder(model, int8)
+        return as_decoder(model, int8, None if amp == "off" else amp)
     except ValueError as exc:
-        raise UsageError(f"--int8: {one_line(exc)}") from None
+        raise UsageError(f"--{'int8' if int8 else 'amp'}: {one_line(exc)}") from None
 
 
 def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:

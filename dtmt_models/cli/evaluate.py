@@ -135,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
         device = check_device_and_backend(args.device, args.backend)
         model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
         kwargs = decoding_kwargs(args, device)
-        decoder = build_decoder(model, args.int8)
+        decoder = build_decoder(model, args.int8, args.amp)
         results, seconds = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sources,
                                               decoder=decoder, **kwargs)
         hyps = [r[0][0] if r else "" for r in results]

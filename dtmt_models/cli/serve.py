@@ -79,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
     use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
-    decoder = build_decoder(model, args.int8)
+    decoder = build_decoder(model, args.int8, args.amp)
     names = [c.get("model_name") for c in ckpts]
     info = {"checkpoints": args.checkpoint, "models": names,
             "parameters": sum(p.numel() for p in model.parameters()), "device": str(device),

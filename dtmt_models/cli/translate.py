@@ -132,7 +132,8 @@ def chunks_as_they_come(lines: Iterator[str], most: int = STREAM_LINES) -> Itera
 def stream_stdin(args: argparse.Namespace, model, src_vocab, tgt_vocab, device: torch.device) -> int:
     """Translates stdin to stdout group by group (chunks_as_they_come), writing and flushing each group's lines
     as soon as they are decoded; with --nbest the index counts stdin's lines from 0."""
-    kwargs = dict(nbest=args.nbest or 1, decoder=build_decoder(model, args.int8), **decoding_kwargs(args, device))
+    kwargs = dict(nbest=args.nbest or 1, decoder=build_decoder(model, args.int8, args.amp),
+                  **decoding_kwargs(args, device))
     seen: Set[str] = set()
     done, t0 = 0, time.perf_counter()
     for group in chunks_as_they_come(stdin_lines()):
@@ -209,7 +210,7 @@ def _run(args: argparse.Namespace) -> int:
 
     sentences = [line for lines in texts for line in lines]
     results, _ = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sentences, nbest=nbest or 1,
-                                    decoder=build_decoder(model, args.int8), **decoding_kwargs(args, device))
+                                    decoder=build_decoder(model, args.int8, args.amp), **decoding_kwargs(args, device))
     pieces, start = [], 0
     for lines in texts:
         pieces.append(format_output(results[start:start + len(lines)], nbest is not None))

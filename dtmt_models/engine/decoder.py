@@ -19,6 +19,7 @@ checks every registered system.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
@@ -57,10 +58,56 @@ class AdaptedDecoder:
         self.search = getattr(inner, "search", None)
 
 
-def as_decoder(model, int8: bool = False) -> Decoder:
+# --amp's names and the dtypes they decode in
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class AutocastDecoder:
+    """16-bit decoding: a copy of the model with its floating-point weights and buffers in `dtype` (bfloat16 or
+    float16; the model given keeps its own), whose encode and step run under torch.autocast(dtype) on the model's
+    device. So the products read 16-bit weights (half the bytes a step), what autocast keeps in float32 (softmax,
+    log-softmax, layer norm) stays float32, and the dtmt ops follow their autocast rules (recurrent states and
+    layer-norm statistics float32, attention in float32: dtmt_kernels/ops/_autocast.py). The log-probabilities a
+    step returns are float32, so the searches' sums are those of a float32 model's. No one-call search (the C++
+    loop is float32): the searches' loops drive it, on a GPU the device search with its steps as CUDA graphs (the
+    autocast cache off, so that a capture holds no cast made outside it)."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        if dtype not in AMP_DTYPES.values():
+            raise ValueError(f"16-bit decoding takes bfloat16 or float16, got {dtype}")
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        low = copy.deepcopy(model).to(dtype).eval()   # (weights of its own: the model given is untouched)
+        self.inner = as_decoder(low)
+        self.dtype, self.device_type = dtype, device.type
+        self.pad_id, self.max_target_steps = self.inner.pad_id, self.inner.max_target_steps
+        self.reorder, self.reorder_within = self.inner.reorder, self.inner.reorder_within
+        self.search = None
+
+    def _autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
+
+    def encode(self, src: Tensor, src_lengths: Tensor):
+        with self._autocast():
+            return self.inner.encode(src, src_lengths)
+
+    def step(self, state, prev_tokens: Tensor):
+        with self._autocast():
+            log_probs, state = self.inner.step(state, prev_tokens)
+        return log_probs.float(), state
+
+
+def as_decoder(model, int8: bool = False, amp: Optional[str] = None) -> Decoder:
     """What a search decodes `model` with: its `inference_decoder(int8)` where it has one (a system, an ensemble;
-    a decoder returns itself), else the model itself, adapted where it lacks members of the protocol. TypeError for
-    an object without encode / step / reorder; ValueError for `int8` where the model has no int8 decoder."""
+    a decoder returns itself), else the model itself, adapted where it lacks members of the protocol; with `amp`
+    ("bf16" or "fp16", AMP_DTYPES) an AutocastDecoder of a 16-bit copy of the model. TypeError for an object without
+    encode / step / reorder; ValueError for `int8` where the model has no int8 decoder, for int8 with amp, and for
+    another amp."""
+    if amp is not None:
+        if amp not in AMP_DTYPES:
+            raise ValueError(f"amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
+        if int8:
+            raise ValueError("int8 and 16-bit decoding exclude each other")
+        return AutocastDecoder(model, AMP_DTYPES[amp])
     build = getattr(model, "inference_decoder", None)
     if build is not None:
         decoder = build(int8=True) if int8 else build()

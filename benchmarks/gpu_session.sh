@@ -65,7 +65,8 @@
 # (about 400 s: every GPU test; a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time goes,
 # issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the sessions after,
 # `persistent-profile persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal; issue
-# 73 item 1), `decode unrolled`, `attention`, `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry
+# 73 item 1), `decode` (with 16-bit decoding: item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call
+# each: their caps are 420 and 480 s), `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry
 # benchmarks/out/gpu-carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -239,6 +239,11 @@ def test_16_bit_decoding_runs_a_copy_under_autocast(system):
     assert isinstance(decoder, Decoder) and decoder.search is None
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    copied = dict(decoder.model.named_parameters())
+    assert copied.keys() == dict(model.named_parameters()).keys()
+    assert all(p.dtype == torch.bfloat16 for p in copied.values())
+    if system == "nematus":   # its target embedding and output layer are one matrix: in the copy too
+        assert decoder.model.readout.output.proj.weight is decoder.model.tgt_embed.weight
     full = as_decoder(model)
     src, lengths = _batch()
     with torch.no_grad():
@@ -248,6 +253,7 @@ def test_16_bit_decoding_runs_a_copy_under_autocast(system):
     assert any(dtype == torch.bfloat16 for name, dtype in ops if name in ("aten.mm", "aten.addmm", "aten.bmm",
                                                                           "aten.linear", "dtmt.transition_forward"))
     torch.testing.assert_close(low, high, rtol=0, atol=0.1)
+    assert not torch.equal(low, high)   # (16-bit rounding shows: not the float32 decoder's numbers)
     hyps = beam_search(decoder, src, lengths, beam=2, max_len_b=4)
     assert len(hyps) == 3 and all(h and torch.isfinite(torch.tensor(float(h[0].score))) for h in hyps)
 

@@ -136,26 +136,33 @@ def test_device_search_reads_the_device_only_at_its_checks(name, options, graphs
 @pytest.mark.parametrize("name", ["dtmt", "rnnsearch-atr", "nematus"])
 def test_16_bit_decoding_on_the_device(name, amp, monkeypatch):
     """`dtmt translate --amp` (engine.decoder.AutocastDecoder: a 16-bit copy under torch.autocast) in the device
-    search: its steps are captured as CUDA graphs as the float32 decoder's are, and its log-probabilities and best
-    scores are near float32's (16-bit rounding: within 0.1 a step here)."""
+    search: its steps are captured as CUDA graphs as the float32 decoder's are, the graph's hypotheses and scores are
+    the eager 16-bit steps', and its log-probabilities and best scores are near float32's (16-bit rounding: within
+    0.1 a step here) without being float32's."""
     from dtmt_models.decoding import device_search
     from dtmt_models.engine import as_decoder
 
     model = build(name).eval().to(DEVICE)
     src, src_lengths = (t.to(DEVICE) for t in toy_batch(B=4)[:2])
+    low, full = as_decoder(model, amp=amp), as_decoder(model)
+    assert all(p.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[amp] for p in low.model.parameters())
     captures = []
     capture = device_search.StepGraph.of.__func__
     monkeypatch.setattr(device_search.StepGraph, "of",
                         classmethod(lambda cls, search, c: captures.append(capture(cls, search, c)) or captures[-1]))
-    low, full = as_decoder(model, amp=amp), as_decoder(model)
     kwargs = dict(beam=3, max_len_a=1.0, max_len_b=3, on_device=True)
     with torch.no_grad():
         hyps = beam_search(low, src, src_lengths, **kwargs)
+        monkeypatch.setattr(device_search, "GRAPHS", False)
+        eager = beam_search(low, src, src_lengths, **kwargs)
         want = beam_search(full, src, src_lengths, **kwargs)
         step_low, _ = low.step(low.encode(src, src_lengths), torch.full((4,), 1, device=DEVICE))
         step_full, _ = full.step(full.encode(src, src_lengths), torch.full((4,), 1, device=DEVICE))
     assert DEVICE != "cuda" or (captures and all(g is not None for g in captures)), captures
-    assert step_low.dtype == torch.float32
+    assert [[h.tokens for h in s] for s in hyps] == [[h.tokens for h in s] for s in eager]
+    torch.testing.assert_close(torch.tensor([h.score for s in hyps for h in s]),
+                               torch.tensor([h.score for s in eager for h in s]), rtol=1e-3, atol=1e-3)
+    assert step_low.dtype == torch.float32 and not torch.equal(step_low, step_full)
     torch.testing.assert_close(step_low, step_full, rtol=0, atol=0.1)
     torch.testing.assert_close(torch.tensor([s[0].score for s in hyps]), torch.tensor([s[0].score for s in want]),
                                rtol=0, atol=0.1)

@@ -189,6 +189,8 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
     if getattr(args, "amp", "off") != "off" and not str(args.device).startswith("cuda"):
         raise UsageError(f"--amp {args.amp} decodes in 16 bits on the GPU (--device cuda), got --device "
                          f"{args.device} (on the CPU: --int8)")
+    if getattr(args, "amp", "off") == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise UsageError(f"--amp bf16: this GPU ({torch.cuda.get_device_name()}) has no bfloat16; use --amp fp16")
 
 
 def use_threads(threads: int) -> None:

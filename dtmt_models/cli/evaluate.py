@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
         settings.update(model_name=names[0] if one else "+".join(map(str, names)),
                         model_options=options[0] if one else options,
                         **{k: (str(v) if k == "device" else v) for k, v in kwargs.items()}, backend=args.backend,
-                        int8=args.int8, threads=torch.get_num_threads())
+                        int8=args.int8, amp=args.amp, threads=torch.get_num_threads())
         decode = {"seconds": round(seconds, 3), "sentences_per_s": len(sources) / max(seconds, 1e-9),
                   "src_words_per_s": sum(len(s.split()) for s in sources) / max(seconds, 1e-9),
                   "hyp_words_per_s": sum(len(h.split()) for h in hyps) / max(seconds, 1e-9)}

@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     names = [c.get("model_name") for c in ckpts]
     info = {"checkpoints": args.checkpoint, "models": names,
             "parameters": sum(p.numel() for p in model.parameters()), "device": str(device),
-            "backend": args.backend, "int8": args.int8}
+            "backend": args.backend, "int8": args.int8, "amp": args.amp}
 
     def log(message: str) -> None:
         print(f"{PROG}: {message}", file=sys.stderr, flush=True)

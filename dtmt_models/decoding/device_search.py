@@ -285,16 +285,34 @@ def keeps_shapes(search: DeviceSearch, c: Carry) -> bool:
                                                  for k, v in before.items())
 
 
-def _flat(c: Carry) -> Dict[str, Tensor]:
-    out = {k: v for k, v in c.items() if k != "state"}
-    out.update({"state." + k: v for k, v in c["state"].items()})
+def _flat(c) -> Dict[tuple, Tensor]:
+    """The carry's tensors by their path (a tuple of dict keys and sequence indices): the decoder's state may nest
+    dicts in tuples (an ensemble's is a tuple of its models' states)."""
+    out: Dict[tuple, Tensor] = {}
+
+    def walk(v, path):
+        if isinstance(v, dict):
+            for k, item in v.items():
+                walk(item, path + (k,))
+        elif isinstance(v, (tuple, list)):
+            for i, item in enumerate(v):
+                walk(item, path + (i,))
+        else:
+            out[path] = v
+    walk(c, ())
     return out
 
 
-def _unflat(flat: Dict[str, Tensor]) -> Carry:
-    c: Carry = {k: v for k, v in flat.items() if not k.startswith("state.")}
-    c["state"] = {k[6:]: v for k, v in flat.items() if k.startswith("state.")}
-    return c
+def _unflat(flat: Dict[tuple, Tensor]):
+    """_flat's inverse: a level whose keys are all indices is a tuple, any other a dict."""
+    if list(flat) == [()]:
+        return flat[()]
+    groups: Dict[object, Dict[tuple, Tensor]] = {}
+    for path, v in flat.items():
+        groups.setdefault(path[0], {})[path[1:]] = v
+    if all(isinstance(k, int) for k in groups):
+        return tuple(_unflat(groups[i]) for i in sorted(groups))
+    return {k: _unflat(g) for k, g in groups.items()}
 
 
 def _first_non_finite(first: List[int], scores: List[float], ids: List[int]) -> NonFiniteScores:

@@ -62,22 +62,37 @@ class AdaptedDecoder:
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _in_16_bits(model: torch.nn.Module, dtype: torch.dtype) -> dict:
+    """A deepcopy memo in which each floating-point parameter and buffer of `model` is already its `dtype` copy, so
+    that the copy of the model never holds a float32 copy of the weights beside the model's own."""
+    memo = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        if b.is_floating_point():
+            memo[id(b)] = b.detach().to(dtype)
+    return memo
+
+
 class AutocastDecoder:
     """16-bit decoding: a copy of the model with its floating-point weights and buffers in `dtype` (bfloat16 or
     float16; the model given keeps its own), whose encode and step run under torch.autocast(dtype) on the model's
-    device. So the products read 16-bit weights (half the bytes a step), what autocast keeps in float32 (softmax,
-    log-softmax, layer norm) stays float32, and the dtmt ops follow their autocast rules (recurrent states and
-    layer-norm statistics float32, attention in float32: dtmt_kernels/ops/_autocast.py). The log-probabilities a
-    step returns are float32, so the searches' sums are those of a float32 model's. No one-call search (the C++
+    device. So the products read 16-bit weights (half the bytes a step), what autocast runs in float32 (softmax,
+    log-softmax, layer norm) does, the dtmt ops follow their autocast rules (recurrent states and layer-norm
+    statistics float32: dtmt_kernels/ops/_autocast.py), and the rest is 16-bit, as in a model converted with
+    .half(). The log-probabilities a step returns are float32, so the searches' sums are those of a float32 model's. No one-call search (the C++
     loop is float32): the searches' loops drive it, on a GPU the device search with its steps as CUDA graphs (the
-    autocast cache off, so that a capture holds no cast made outside it)."""
+    autocast cache off, so that a capture holds no cast made outside it). `model`: the 16-bit copy."""
 
     def __init__(self, model, dtype: torch.dtype):
         if dtype not in AMP_DTYPES.values():
             raise ValueError(f"16-bit decoding takes bfloat16 or float16, got {dtype}")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"16-bit decoding copies a model (a torch.nn.Module), got {type(model).__name__}")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        low = copy.deepcopy(model).to(dtype).eval()   # (weights of its own: the model given is untouched)
-        self.inner = as_decoder(low)
+        self.model = copy.deepcopy(model, _in_16_bits(model, dtype)).eval()   # (the model given is untouched)
+        self.inner = as_decoder(self.model)
         self.dtype, self.device_type = dtype, device.type
         self.pad_id, self.max_target_steps = self.inner.pad_id, self.inner.max_target_steps
         self.reorder, self.reorder_within = self.inner.reorder, self.inner.reorder_within

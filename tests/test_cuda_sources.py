@@ -84,14 +84,15 @@ def _cublas_flags():
     return ["-DDTMT_DIRECT_CUBLAS=1"] + [f"-I{f}" for f in dict.fromkeys(found.values())]
 
 
-def _aten_driver_cmd(out_dir, source="transition_cuda.cu"):
+def _aten_driver_cmd(out_dir):
+    """nvcc on the two ATen drivers in one unit (torch's headers parsed once, not twice: half a minute of a core),
+    attention_cuda.cu first, so that its own includes are shown to suffice."""
+    src = os.path.join(out_dir, "drivers.cu")
+    with open(src, "w") as f:
+        f.write('#include "attention_cuda.cu"\n#include "transition_cuda.cu"\n')
     return [NVCC, "-std=c++17", "-O1", "-c", f"-I{CSRC}", *_torch_includes(), _abi_flag(), *_cublas_flags(),
             "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
-            "-DDTMT_WITH_CUDA=1", os.path.join(CSRC, source), "-o", os.path.join(out_dir, "t.o")]
-
-
-def _attention_driver_cmd(out_dir):
-    return _aten_driver_cmd(out_dir, "attention_cuda.cu")
+            "-DDTMT_WITH_CUDA=1", src, "-o", os.path.join(out_dir, "t.o")]
 
 
 def _bindings_cmd(out_dir):
@@ -110,12 +111,11 @@ def start_background_compiles(names, tmp_root):
     import tempfile
 
     # (the emulated extension's tests are parametrized, and two use it: their names start with its key)
-    for name, make in (("test_aten_driver_compiles", _aten_driver_cmd),
-                       ("test_attention_driver_compiles", _attention_driver_cmd),
-                       ("test_bindings_parse_with_cuda_enabled", _bindings_cmd),
+    for name, make in (("test_aten_driver_compiles", _aten_driver_cmd), ("test_bindings_parse_with_cuda_enabled",
+                                                                         _bindings_cmd),
                        ("test_cuda_kernels_emulated", _emulated_build_cmd)):
         if (not any(n.startswith(name) for n in names) or name in BACKGROUND
-                or (make in (_aten_driver_cmd, _attention_driver_cmd) and NVCC is None)):
+                or (make is _aten_driver_cmd and NVCC is None)):
             continue
         out_dir = tempfile.mkdtemp(prefix="dtmt-compile-", dir=tmp_root)
         try:
@@ -297,13 +297,6 @@ namespace cuda {
                                                         cudaStream_t);
 DTMT_INSTANTIATE(float, float)
 DTMT_INSTANTIATE(__nv_bfloat16, float)
-#define DTMT_INSTANTIATE_ATTENTION(A)                                                                   \
-  template cudaError_t launch_scores_forward<A>(const ScoresArgs<A>&, cudaStream_t);                    \
-  template cudaError_t launch_scores_backward<A>(const ScoresBackwardArgs<A>&, cudaStream_t);           \
-  template cudaError_t launch_context_forward<A>(const ContextArgs<A>&, cudaStream_t);                  \
-  template cudaError_t launch_context_backward<A>(const ContextBackwardArgs<A>&, cudaStream_t);
-DTMT_INSTANTIATE_ATTENTION(float)
-DTMT_INSTANTIATE_ATTENTION(double)
 }  // namespace cuda
 }  // namespace dtmt
 """
@@ -358,8 +351,8 @@ def _abi_flag():
 @pytest.mark.slow
 @needs_nvcc
 def test_aten_driver_compiles(tmp_path):
-    """csrc/transition_cuda.cu against the installed torch's headers (an object file; linking needs a CUDA
-    torch); with its direct cuBLAS calls where cuBLAS's headers are found (_cublas_flags)."""
+    """csrc/attention_cuda.cu and csrc/transition_cuda.cu against the installed torch's headers (an object file;
+    linking needs a CUDA torch); with the direct cuBLAS calls where cuBLAS's headers are found (_cublas_flags)."""
     cmd = _run_or_wait("test_aten_driver_compiles", _aten_driver_cmd, str(tmp_path))
     obj = cmd[cmd.index("-o") + 1]
     assert os.path.getsize(obj) > 0
@@ -367,15 +360,6 @@ def test_aten_driver_compiles(tmp_path):
     if "-DDTMT_DIRECT_CUBLAS=1" in cmd and nm is not None:
         symbols = subprocess.run([nm, "-u", obj], capture_output=True, text=True, check=True).stdout
         assert "cublasGemmEx" in symbols and "getCurrentCUDABlasHandle" in symbols
-
-
-@pytest.mark.slow
-@needs_nvcc
-def test_attention_driver_compiles(tmp_path):
-    """csrc/attention_cuda.cu (the attention ops' CUDA driver) against the installed torch's headers, as setup.py
-    compiles it for a CUDA build (an object file)."""
-    cmd = _run_or_wait("test_attention_driver_compiles", _attention_driver_cmd, str(tmp_path))
-    assert os.path.getsize(cmd[cmd.index("-o") + 1]) > 0
 
 
 @pytest.mark.slow

@@ -283,7 +283,7 @@ def run(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
-    p.add_argument("--fused", nargs="+", default=["auto"],
+    p.add_argument("--fused", nargs="+", default=["auto"], type=backend_spec,
                    help="the fused backend(s) to compare with the reference (auto: cpp on CPU, cuda on a GPU); "
                         "BACKEND+unrolled: BACKEND with its step cells' weight gradients once over all steps "
                         "(dk.nn.unrolled); BACKEND+attention: its attention on the attention ops' kernels (cuda's "
@@ -450,6 +450,17 @@ def run(argv=None):
     except ImportError:
         pass
     return rows
+
+
+def backend_spec(value: str) -> str:
+    """--fused's values: a backend name, optionally with variants (BACKEND+unrolled, BACKEND+attention, both)."""
+    from dtmt_kernels.backends import BACKEND_NAMES
+
+    base, *variants = value.split("+")
+    if base not in BACKEND_NAMES or set(variants) - {"unrolled", "attention"} or len(set(variants)) < len(variants):
+        raise argparse.ArgumentTypeError(f"{value!r}: a backend ({', '.join(BACKEND_NAMES)}) with at most the "
+                                         f"variants +unrolled and +attention")
+    return value
 
 
 def main(argv=None):

@@ -958,3 +958,63 @@ def test_bench_forms_measures_its_two_parts():
     assert 0 < r["forms_ms"] < r["update_ms"] and 0 < r["forms_share"] < 1
     assert abs(r["transposes_share"] * r["update_ms"] - r["transposes_ms"]) < 1e-6 * r["update_ms"]
 
+
+
+def _gpu_session_calls():
+    """Every `"$PY" benchmarks/NAME.py ARGS` of benchmarks/gpu_session.sh: (line, NAME, the arguments), its shell
+    variables given sample values, its continuation lines joined, cut at the first pipe or redirection."""
+    import re
+    import shlex
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_session.sh")
+    with open(path) as f:
+        text = f.read()
+    values = {"OUT": "/tmp/gpu-out", "dtype": "float32", "math": "strict", "H": "512", "gemm": "rows",
+              "rec": "persistent", "carry": "/tmp/gpu-carry", "peerpath": "/tmp/peers", "PYTHONPATH": ""}
+    calls, joined, first = [], [], None
+    for number, raw in enumerate(text.splitlines(), 1):   # (continuation lines joined, numbered by their first)
+        first = number if not joined else first
+        joined.append(raw[:-1] if raw.endswith("\\") else raw)
+        if raw.endswith("\\"):
+            continue
+        line, number, joined = " ".join(part.strip() for part in joined), first, []
+        if line.startswith("#"):
+            continue
+        for m in re.finditer(r'"\$PY" benchmarks/(\w+)\.py([^\n]*)', line):
+            rest = re.sub(r"\$\{?(\w+)(?::[^}]*)?\}?", lambda v: values.get(v.group(1), "1"), m.group(2))
+            args = []
+            for token in shlex.split(rest):
+                if token in ("|", "||", "&&", ">", ";") or token.startswith((">", "2>", "1>")):
+                    break
+                args.append(token)
+            calls.append((number, m.group(1), args))
+    return calls
+
+
+def test_gpu_session_s_benchmark_calls_parse(monkeypatch):
+    """Each benchmark call of gpu_session.sh is accepted by its script's argument parser (parsed only, not run:
+    most are GPU runs), so that a renamed or misspelt option fails here, not in a device call of the 15 minutes a
+    GPU session has."""
+    import argparse
+    import importlib
+
+    class Parsed(Exception):
+        pass
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        parse(self, args, namespace)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    calls = _gpu_session_calls()
+    assert len(calls) >= 20 and {name for _, name, _ in calls} >= {"bench_train", "bench_decode", "bench_attention",
+                                                                     "bench_persistent", "gpu_profile"}
+    for number, name, args in calls:
+        module = importlib.import_module(f"benchmarks.{name}")
+        with pytest.raises(Parsed):   # (argparse's refusal is a SystemExit, which this does not catch)
+            try:
+                module.main(args)
+            except SystemExit as exc:
+                raise AssertionError(f"gpu_session.sh:{number}: {name}.py {' '.join(args)}: refused ({exc})")

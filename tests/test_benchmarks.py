@@ -993,10 +993,11 @@ def _gpu_session_calls():
 
 def test_gpu_session_s_benchmark_calls_parse(monkeypatch):
     """Each benchmark call of gpu_session.sh is accepted by its script's argument parser (parsed only, not run:
-    most are GPU runs), so that a renamed or misspelt option fails here, not in a device call of the 15 minutes a
-    GPU session has."""
+    most are GPU runs), and each test file it names exists, so that a renamed or misspelt option or file fails here,
+    not in a device call of the 15 minutes a GPU session has."""
     import argparse
     import importlib
+    import re
 
     class Parsed(Exception):
         pass
@@ -1009,6 +1010,10 @@ def test_gpu_session_s_benchmark_calls_parse(monkeypatch):
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
     calls = _gpu_session_calls()
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gpu_session.sh")) as f:
+        named = set(re.findall(r"tests/\w+\.py", f.read()))   # the test files its stages run
+    assert named and all(os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", t))
+                         for t in named), named
     assert len(calls) >= 20 and {name for _, name, _ in calls} >= {"bench_train", "bench_decode", "bench_attention",
                                                                      "bench_persistent", "gpu_profile"}
     for number, name, args in calls:

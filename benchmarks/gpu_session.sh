@@ -55,8 +55,8 @@
 # 180 + 60 + 120 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-profile 3 x 100 s,
 # decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
-# machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, TF32 and bf16
-# at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
+# machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
+# B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
 # 47 s to compile on 2 cores of an AMD EPYC here; its run and train-profile are not yet timed);
 # a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
 # at most 10 minutes, and a session has 15 minutes of device time in all, its start included: about two calls. In

@@ -81,8 +81,8 @@ class AutocastDecoder:
     device. So the products read 16-bit weights (half the bytes a step), what autocast runs in float32 (softmax,
     log-softmax, layer norm) does, the dtmt ops follow their autocast rules (recurrent states and layer-norm
     statistics float32: dtmt_kernels/ops/_autocast.py), and the rest is 16-bit, as in a model converted with
-    .half(). The log-probabilities a step returns are float32, so the searches' sums are those of a float32 model's. No one-call search (the C++
-    loop is float32): the searches' loops drive it, on a GPU the device search with its steps as CUDA graphs (the
+    .half(). The log-probabilities a step returns are float32, so the searches' sums are those of a float32
+    model's. No one-call search (the C++ loop is float32): the searches' loops drive it, on a GPU the device search with its steps as CUDA graphs (the
     autocast cache off, so that a capture holds no cast made outside it). `model`: the 16-bit copy."""
 
     def __init__(self, model, dtype: torch.dtype):

@@ -168,6 +168,25 @@ def test_16_bit_decoding_on_the_device(name, amp, monkeypatch):
                                rtol=0, atol=0.1)
 
 
+def test_an_ensemble_s_device_search_is_captured(monkeypatch):
+    """An ensemble (its state a tuple of its models' states) in the device search: its steps are captured as a CUDA
+    graph (before, the capture's first step ended in an AttributeError), with the Python loop's hypotheses."""
+    from dtmt_models.decoding import device_search
+    from dtmt_models.decoding.ensemble import Ensemble
+
+    ensemble = Ensemble([build(name).double().eval().to(DEVICE) for name in ("dtmt", "rnnsearch-atr")])
+    src, src_lengths = (t.to(DEVICE) for t in toy_batch(B=4)[:2])
+    captures = []
+    capture = device_search.StepGraph.of.__func__
+    monkeypatch.setattr(device_search.StepGraph, "of",
+                        classmethod(lambda cls, search, c: captures.append(capture(cls, search, c)) or captures[-1]))
+    kwargs = dict(beam=3, max_len_a=1.0, max_len_b=3, fused=False)
+    device = beam_search(ensemble, src, src_lengths, on_device=True, **kwargs)
+    loop = beam_search(ensemble, src, src_lengths, on_device=False, **kwargs)
+    assert DEVICE != "cuda" or (captures and all(g is not None for g in captures)), captures
+    assert [[h.tokens for h in s] for s in device] == [[h.tokens for h in s] for s in loop]
+
+
 def test_device_search_keeps_a_step_that_reads_the_host_eager(monkeypatch):
     """A decoder step that synchronises with the host (here a read of its tokens) is not captured as a CUDA graph:
     the warm-up step under torch's sync debug mode shows it before any capture (a failed capture can leave torch's

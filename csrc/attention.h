@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace dtmt {
@@ -22,6 +24,30 @@ inline void check_context_shapes(const at::Tensor& alpha, const at::Tensor& valu
   TORCH_CHECK(alpha.dim() == 3 && values.dim() == 3 && alpha.size(0) == values.size(0) * group &&
                   alpha.size(2) == values.size(1) && alpha.size(1) > 0 && values.size(2) % alpha.size(1) == 0,
               "dtmt._C: attention context takes alpha [B,NH,S] and values [B,S,C] with C divisible by NH");
+}
+
+// The backward ops' incoming gradients: [B,NH,S] of the keys' dtype (scores), [B,C] of the values' (context).
+inline void check_scores_grad(const at::Tensor& grad, const at::Tensor& keys) {
+  TORCH_CHECK(grad.sizes() == at::IntArrayRef({keys.size(0), keys.size(2), keys.size(1)}) && grad.is_contiguous() &&
+                  grad.scalar_type() == keys.scalar_type(),
+              "dtmt._C: additive scores backward: grad must be a contiguous [B,NH,S] tensor of the keys' dtype");
+}
+inline void check_context_grad(const at::Tensor& grad, const at::Tensor& values) {
+  TORCH_CHECK(grad.sizes() == at::IntArrayRef({values.size(0), values.size(2)}) && grad.is_contiguous() &&
+                  grad.scalar_type() == values.scalar_type(),
+              "dtmt._C: attention context backward: grad must be a contiguous [B,C] tensor of the values' dtype");
+}
+
+// The context backward's results, unfilled: dalpha like alpha, and with values_grad dvalues laid out like the
+// values where their last dimension is dense (else contiguous), without it an empty tensor.
+inline std::pair<at::Tensor, at::Tensor> context_backward_outputs(const at::Tensor& alpha, const at::Tensor& values,
+                                                                  bool values_grad) {
+  at::Tensor dvalues = at::empty({0}, values.options());
+  if (values_grad) {
+    dvalues = at::empty_like(values);
+    if (values.size(2) > 1 && dvalues.stride(2) != 1) dvalues = at::empty(values.sizes(), values.options());
+  }
+  return {at::empty_like(alpha), dvalues};
 }
 
 // scores[b, h, s] = sum_d v[h, d] * tanh(keys[b, s, h, d] + q[b, h, d]).

@@ -76,15 +76,9 @@ std::vector<Tensor> attention_context_backward_cpu(const Tensor& grad, const Ten
                                                    bool values_grad) {
   check_context(alpha, values);
   const int64_t B = values.size(0), S = values.size(1), C = values.size(2), NH = alpha.size(1);
-  TORCH_CHECK(grad.sizes() == at::IntArrayRef({B, C}) && grad.is_contiguous() &&
-                  grad.scalar_type() == values.scalar_type(),
-              "dtmt._C: attention context backward: grad must be a contiguous [B,C] tensor of the values' dtype");
-  Tensor dalpha = at::empty_like(alpha);
-  Tensor dvalues = at::empty({0}, values.options());  // same strides as the values when they are dense
-  if (values_grad) {
-    dvalues = at::empty_like(values);
-    if (C > 1 && dvalues.stride(2) != 1) dvalues = at::empty({B, S, C}, values.options());
-  }
+  check_context_grad(grad, values);
+  Tensor dalpha, dvalues;
+  std::tie(dalpha, dvalues) = context_backward_outputs(alpha, values, values_grad);
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "attention_context_backward_cpu", [&] {
     const auto loop = typed_cpu_kernels<scalar_t>().context_backward;
     const scalar_t* g = grad.data_ptr<scalar_t>();
@@ -121,9 +115,7 @@ std::vector<Tensor> additive_scores_backward_cpu(const Tensor& grad, const Tenso
                                                  const Tensor& v) {
   check_shapes(keys, q, v);
   const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
-  TORCH_CHECK(grad.sizes() == at::IntArrayRef({B, NH, S}) && grad.is_contiguous() &&
-                  grad.scalar_type() == keys.scalar_type(),
-              "dtmt._C: additive scores backward: grad must be a contiguous [B,NH,S] tensor of the keys' dtype");
+  check_scores_grad(grad, keys);
   Tensor dkeys = at::empty_like(keys);
   Tensor dq = at::empty_like(q);
   Tensor dv_rows = at::empty({B, NH, D}, keys.options());

@@ -94,8 +94,7 @@ std::vector<Tensor> additive_scores_backward_cuda(const Tensor& grad, const Tens
   check_scores(keys, q, v, "additive scores backward");
   const int64_t B = keys.size(0), S = keys.size(1), NH = keys.size(2), D = keys.size(3);
   check_attention_tensors({&keys, &grad}, "additive scores backward");
-  TORCH_CHECK(grad.sizes() == at::IntArrayRef({B, NH, S}) && grad.is_contiguous(),
-              "dtmt._C: additive scores backward: grad must be a contiguous [B,NH,S] tensor of the keys' dtype");
+  check_scores_grad(grad, keys);
   const c10::cuda::CUDAGuard guard(keys.device());
   Tensor dkeys = at::empty_like(keys);
   Tensor dq = at::empty_like(q);
@@ -129,15 +128,10 @@ std::vector<Tensor> attention_context_backward_cuda(const Tensor& grad, const Te
   check_context(alpha, values, "attention context backward");
   const int64_t B = values.size(0), S = values.size(1), C = values.size(2), NH = alpha.size(1);
   check_attention_tensors({&values, &grad}, "attention context backward");
-  TORCH_CHECK(grad.sizes() == at::IntArrayRef({B, C}) && grad.is_contiguous(),
-              "dtmt._C: attention context backward: grad must be a contiguous [B,C] tensor of the values' dtype");
+  check_context_grad(grad, values);
   const c10::cuda::CUDAGuard guard(values.device());
-  Tensor dalpha = at::empty_like(alpha);
-  Tensor dvalues = at::empty({0}, values.options());  // laid out like the values where they are dense
-  if (values_grad) {
-    dvalues = at::empty_like(values);
-    if (C > 1 && dvalues.stride(2) != 1) dvalues = at::empty({B, S, C}, values.options());
-  }
+  Tensor dalpha, dvalues;
+  std::tie(dalpha, dvalues) = context_backward_outputs(alpha, values, values_grad);
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "attention_context_backward_cuda", [&] {
     const cuda::ContextBackwardArgs<scalar_t> p{
         grad.data_ptr<scalar_t>(), alpha.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),

@@ -163,37 +163,31 @@ inline int attention_threads(int n) {
 // Blocks of kAttentionWarps warps for one warp an output (the driver keeps the count within an int).
 inline int warp_blocks(int64_t warps) { return static_cast<int>((warps + kAttentionWarps - 1) / kAttentionWarps); }
 
-template <typename A> cudaError_t launch_scores_forward(const ScoresArgs<A>& p, cudaStream_t stream) {
-  const int grid = warp_blocks(static_cast<int64_t>(p.B) * p.S * p.NH);
+// A launch of `grid` blocks (none for an empty grid: nothing to compute), then the launch's error.
+template <typename Kernel, typename Args>
+cudaError_t launch_blocks(Kernel* kernel, int grid, int threads, const Args& p, cudaStream_t stream) {
   if (grid == 0) return cudaSuccess;
-  auto* kernel = &scores_forward_kernel<A>;
-  DTMT_LAUNCH(kernel, grid, kAttentionThreads, 0, stream, p);
-  return cudaGetLastError();
-}
-
-template <typename A> cudaError_t launch_scores_backward(const ScoresBackwardArgs<A>& p, cudaStream_t stream) {
-  const int grid = p.B * p.NH;
-  if (grid == 0) return cudaSuccess;
-  auto* kernel = &scores_backward_kernel<A>;
-  DTMT_LAUNCH(kernel, grid, attention_threads(p.D), 0, stream, p);
-  return cudaGetLastError();
-}
-
-template <typename A> cudaError_t launch_context_forward(const ContextArgs<A>& p, cudaStream_t stream) {
-  const int threads = attention_threads(p.C);
-  const int grid = p.B * ((p.C + threads - 1) / threads);
-  if (grid == 0) return cudaSuccess;
-  auto* kernel = &context_forward_kernel<A>;
   DTMT_LAUNCH(kernel, grid, threads, 0, stream, p);
   return cudaGetLastError();
 }
 
+template <typename A> cudaError_t launch_scores_forward(const ScoresArgs<A>& p, cudaStream_t stream) {
+  return launch_blocks(&scores_forward_kernel<A>, warp_blocks(static_cast<int64_t>(p.B) * p.S * p.NH),
+                       kAttentionThreads, p, stream);
+}
+
+template <typename A> cudaError_t launch_scores_backward(const ScoresBackwardArgs<A>& p, cudaStream_t stream) {
+  return launch_blocks(&scores_backward_kernel<A>, p.B * p.NH, attention_threads(p.D), p, stream);
+}
+
+template <typename A> cudaError_t launch_context_forward(const ContextArgs<A>& p, cudaStream_t stream) {
+  const int threads = attention_threads(p.C);
+  return launch_blocks(&context_forward_kernel<A>, p.B * ((p.C + threads - 1) / threads), threads, p, stream);
+}
+
 template <typename A> cudaError_t launch_context_backward(const ContextBackwardArgs<A>& p, cudaStream_t stream) {
-  const int grid = warp_blocks(static_cast<int64_t>(p.B) * p.S * p.NH);
-  if (grid == 0) return cudaSuccess;
-  auto* kernel = &context_backward_kernel<A>;
-  DTMT_LAUNCH(kernel, grid, kAttentionThreads, 0, stream, p);
-  return cudaGetLastError();
+  return launch_blocks(&context_backward_kernel<A>, warp_blocks(static_cast<int64_t>(p.B) * p.S * p.NH),
+                       kAttentionThreads, p, stream);
 }
 
 }  // namespace cuda

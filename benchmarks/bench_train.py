@@ -64,6 +64,7 @@ def synthetic_batches(n: int, max_tokens: int, vocab: int, seed: int = 0):
 
 
 MATH = ("strict", "tf32", "bf16")
+VARIANTS = ("unrolled", "attention")   # BACKEND+VARIANT: measure_one's docstring
 
 
 def training_update(model, opt, src, lengths, prev, target, autocast=None):
@@ -125,7 +126,7 @@ def measure_one(system: str, backend: str, steps: int, warmup: int, max_tokens: 
         options = dict(options, embed_dim=16, hidden_size=64 if system == "transformer" else 32)
     model = build_model(system, vocab, vocab, **options).to(device)
     base, *variants = backend.split("+")
-    if set(variants) - {"unrolled", "attention"}:
+    if set(variants) - set(VARIANTS):
         raise SystemExit(f"bench_train.py: unknown backend variant {backend!r} (BACKEND+unrolled, BACKEND+attention)")
     if variants:
         import dtmt_kernels as dk
@@ -457,7 +458,7 @@ def backend_spec(value: str) -> str:
     from dtmt_kernels.backends import BACKEND_NAMES
 
     base, *variants = value.split("+")
-    if base not in BACKEND_NAMES or set(variants) - {"unrolled", "attention"} or len(set(variants)) < len(variants):
+    if base not in BACKEND_NAMES or set(variants) - set(VARIANTS) or len(set(variants)) < len(variants):
         raise argparse.ArgumentTypeError(f"{value!r}: a backend ({', '.join(BACKEND_NAMES)}) with at most the "
                                          f"variants +unrolled and +attention")
     return value

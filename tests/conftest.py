@@ -171,14 +171,17 @@ class RecordOps(TorchDispatchMode):
     """Records the dtmt ops called below autograd while it is active: `calls` {op: (args, kwargs)} of each op's
     first call, tensors detached and copied when called (a later in-place write cannot change them), and `counts`
     {op name: calls} of every call (test_custom_ops' opcheck of each op a system calls, op_fuzz.py's valid calls,
-    bench_op_checks' workload)."""
+    bench_op_checks' workload); and of every op, of any namespace, `dispatched` {(op as "namespace.name", the dtype
+    of its first tensor argument or None)} (which path a call took, in what precision)."""
 
     def __init__(self):
         super().__init__()
-        self.calls, self.counts = {}, {}
+        self.calls, self.counts, self.dispatched = {}, {}, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self.dispatched.add((str(func.overloadpacket), None if first is None else first.dtype))
         if func.namespace == "dtmt":
             name = func.__name__.split(".")[0]
             self.counts[name] = self.counts.get(name, 0) + 1

@@ -254,19 +254,12 @@ def test_context_backward_without_the_values_gradient(dtype, transposed):
 
 
 def _ops_called(fn):
-    """The names of the ops `fn` dispatched (forward and backward), as a TorchDispatchMode sees them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """The names ("namespace.name") of the ops `fn` dispatched, forward and backward (conftest.RecordOps)."""
+    from conftest import RecordOps
 
-    seen = set()
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
-    with Record():
+    with RecordOps() as record:
         fn()
-    return seen
+    return {name for name, _ in record.dispatched}
 
 
 def _attention_step(backend, dtype=torch.float32, device="cpu"):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dtmt_models as dm
+from conftest import RecordOps
 from dtmt_models.data.vocabulary import PAD
 from dtmt_models.decoding.beam_search import beam_search
 from dtmt_models.decoding.ensemble import Ensemble, EnsembleDecoder
@@ -210,23 +211,6 @@ def test_teacher_forcing_steps_through_a_redefined_decoder_step():
         assert not torch.allclose(plain(src, lengths, tokens), forced)
 
 
-def _ops_dtypes(fn):
-    """(the result of fn(), the (op name, dtype of its first tensor argument) pairs it dispatched)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen = set()
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            seen.add((str(func.overloadpacket), None if first is None else first.dtype))
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        result = fn()
-    return result, seen
-
-
 @pytest.mark.parametrize("system", list_models())
 def test_16_bit_decoding_runs_a_copy_under_autocast(system):
     """as_decoder(model, amp="bf16"): an AutocastDecoder of a bfloat16 copy (the model's own weights untouched, still
@@ -247,7 +231,9 @@ def test_16_bit_decoding_runs_a_copy_under_autocast(system):
     full = as_decoder(model)
     src, lengths = _batch()
     with torch.no_grad():
-        (low, _), ops = _ops_dtypes(lambda: decoder.step(decoder.encode(src, lengths), torch.full((3,), 1)))
+        with RecordOps() as record:
+            low, _ = decoder.step(decoder.encode(src, lengths), torch.full((3,), 1))
+        ops = record.dispatched
         high, _ = full.step(full.encode(src, lengths), torch.full((3,), 1))
     assert low.dtype == torch.float32 and torch.isfinite(low).all()
     assert any(dtype == torch.bfloat16 for name, dtype in ops if name in ("aten.mm", "aten.addmm", "aten.bmm",

@@ -250,3 +250,28 @@ def test_16_bit_decoding_refusals():
         as_decoder(model, amp="fp8")
     with pytest.raises(ValueError, match="int8 and 16-bit decoding exclude each other"):
         as_decoder(model, int8=True, amp="bf16")
+
+
+@pytest.mark.parametrize("system", ["dtmt", "nematus"])
+def test_the_commands_16_bit_decoder_keeps_no_float32_weights(system):
+    """`dtmt translate / evaluate / serve --amp bf16` (cli.common.build_decoder): the loaded model is converted in
+    place, so the decoder's 16-bit copy shares its storage and no float32 weights stay on the device beside it; the
+    decoder's log-probabilities are those of as_decoder's copy of the float32 model (the same bf16 rounding)."""
+    from dtmt_models.cli.common import build_decoder
+
+    model = _model(system)
+    reference = as_decoder(model, amp="bf16")       # a copy; the model stays float32
+    decoder = build_decoder(model, amp="bf16")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(b.dtype == torch.bfloat16 for b in model.buffers() if b.is_floating_point())
+    ours = dict(model.named_parameters())
+    assert {n: p.data_ptr() for n, p in decoder.model.named_parameters()} == {n: p.data_ptr() for n, p in ours.items()}
+    src, lengths = _batch()
+    with torch.no_grad():
+        low, _ = decoder.step(decoder.encode(src, lengths), torch.full((3,), 1))
+        ref, _ = reference.step(reference.encode(src, lengths), torch.full((3,), 1))
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low, ref, rtol=0, atol=0)
+    plain = _model(system)
+    build_decoder(plain)                             # --amp off: the model stays float32
+    assert all(p.dtype == torch.float32 for p in plain.parameters())

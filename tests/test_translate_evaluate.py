@@ -637,6 +637,10 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         (["--hyp", short, "--src", short, "--ref", str(tmp_path / "nope.en")], 2, "--ref " + str(tmp_path) +
          "/nope.en: no such file"),
         (["--hyp", str(tmp_path / "nope.out"), "--data", data], 2, "--hyp " + str(tmp_path / "nope.out")),
+        # with --hyp nothing is decoded: an option of the decoding is refused, not taken and ignored (--amp on the
+        # CPU was refused as needing a GPU for a decoding that does not happen)
+        (["--hyp", short, "--data", data, "--amp", "bf16", "--beam", "5", "--int8"], 2,
+         "--hyp scores a translation already made, and nothing is decoded: leave out --beam 5, --int8, --amp bf16"),
         (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], 2, "--threads must be >= 0, got -2"),
         (["--checkpoint", ckpt, "--data", data, "--bounds", "10,5"], 2, "--bounds: expected increasing"),
         (["--checkpoint", ckpt, "--data", data, "--out-dir", short], 2, "--out-dir " + short + ": exists and is not"),

@@ -15,7 +15,7 @@ import torch
 from dtmt_models.atomic import atomic_write
 from dtmt_models.decoding.beam_search import MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
-from dtmt_models.engine.decoder import as_decoder
+from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
 from dtmt_models.errors import UsageError, check_input_file, one_line
 from dtmt_models.progress import Progress
 
@@ -169,6 +169,19 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
         return 130
 
 
+def decoding_options_given(parser: argparse.ArgumentParser, args: argparse.Namespace) -> List[str]:
+    """The options of the "decoding" group (add_decoding_arguments; --quiet aside) whose values in `args` are not
+    their defaults, as `--name value` (a flag as `--name`), in the parser's order."""
+    group = next(g for g in parser._action_groups if g.title == "decoding")
+    given = []
+    for action in group._group_actions:
+        value = getattr(args, action.dest)
+        if action.dest != "quiet" and value != action.default:
+            flag = action.option_strings[0]
+            given.append(flag if isinstance(value, bool) else f"{flag} {value}")
+    return given
+
+
 def check_decoding_arguments(args: argparse.Namespace) -> None:
     """The decoding options' values (UsageError)."""
     for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0), ("threads", 0),
@@ -201,9 +214,13 @@ def use_threads(threads: int) -> None:
 
 def build_decoder(model, int8: bool = False, amp: str = "off"):
     """`model`'s inference decoder, built once for the whole run (int8 weight matrices with --int8, a 16-bit copy
-    with --amp bf16 / fp16), the errors a user can cause as UsageError."""
+    with --amp bf16 / fp16), the errors a user can cause as UsageError. With --amp the model itself is first
+    converted to the 16-bit dtype, in place: a command decodes with it and nothing else, so no float32 weights stay
+    on the device beside the 16-bit ones (the decoder's copy shares their storage)."""
     model.eval()
     try:
+        if amp in AMP_DTYPES and not int8:   # (int8 with amp: as_decoder's refusal, the model untouched)
+            model.to(AMP_DTYPES[amp])
         return as_decoder(model, int8, None if amp == "off" else amp)
     except ValueError as exc:
         raise UsageError(f"--{'int8' if int8 else 'amp'}: {one_line(exc)}") from None

@@ -18,6 +18,7 @@ from dtmt_models.atomic import WriteError
 from dtmt_models.cli.common import (
     add_decoding_arguments,
     check_decoding_arguments,
+    decoding_options_given,
     check_device_and_backend,
     decode_with_report,
     build_decoder,
@@ -83,6 +84,11 @@ def _stem(path: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.hyp:   # nothing is decoded: an option of how to decode would be taken and do nothing
+        given = decoding_options_given(build_parser(), args)
+        if given:
+            raise UsageError(f"--hyp scores a translation already made, and nothing is decoded: leave out "
+                             f"{', '.join(given)}")
     check_decoding_arguments(args)
     bounds = _parse_bounds(args.bounds)
     if args.data and (args.src or args.ref):

@@ -39,8 +39,11 @@ if EXPECT_CPU_ISA and "cpp" in dk.available_backends():
                            f"{', '.join(_C.supported_cpu_isas())})")
 
 # The test files that take longest, run first under pytest-xdist, so that none is left running alone at the end.
-LONGEST_FIRST = ("test_cuda_sources.py", "test_isa_copies.py", "test_benchmarks.py", "test_train.py", "test_pipeline.py", "test_models.py",
-                 "test_custom_ops.py", "test_triton.py", "test_cpp_kernels.py", "test_autocast.py")
+# (The nvcc checks are two files, the device kernels' and the drivers' with the emulation, so that two workers
+# share their minutes of one core each.)
+LONGEST_FIRST = ("test_cuda_compile.py", "test_cuda_sources.py", "test_isa_copies.py", "test_benchmarks.py",
+                 "test_train.py", "test_pipeline.py", "test_models.py", "test_custom_ops.py", "test_triton.py",
+                 "test_cpp_kernels.py", "test_autocast.py")
 
 
 @pytest.hookimpl(tryfirst=True)

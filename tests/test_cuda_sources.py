@@ -1,20 +1,18 @@
-"""The CUDA sources go through nvcc even where no GPU (or no CUDA torch) is present.
+"""The CUDA drivers go through nvcc, and the CUDA kernels run on the CPU, where no GPU (or no CUDA torch) is present.
+(The device kernels' own compile checks, and the probes': test_cuda_compile.py.)
 
-- csrc/cell_math.h and csrc/transition_cuda_kernels.cuh (the device kernels over raw pointers) depend only
-  on the CUDA runtime headers: a translation unit instantiating every kernel for float / double / half /
-  bfloat16 is compiled with `nvcc -std=c++17 -c` (host and device code), and a __global__ kernel calls the
-  shared per-element functions, which fails to compile unless DTMT_HD expands to __host__ __device__.
-- csrc/transition_cuda.cu (the ATen driver) needs torch's headers: it is compiled with nvcc against the
-  installed torch's include directories (a CPU wheel ships the ATen / c10 CUDA headers but not c10's
-  generated cuda_cmake_macros.h, which C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips); registration.cpp is
-  parsed with DTMT_WITH_CUDA defined. These two take a minute or more on two cores and are marked `slow`.
-- test_cuda_kernels_emulated: the same kernels and ATen driver compiled by the host compiler with
-  DTMT_CUDA_EMULATION (tests/cuda_emulation.h: each block's threads are fibers on the host thread, switched at
-  __syncthreads, an exchange buffer for the warp shuffles; float / double only) into a torch extension on
-  host tensors, checked against the reference (outputs and every gradient, float64). It needs no GPU and
-  no nvcc; it checks the indexing, reductions, masking and gradient bookkeeping, not device numerics.
-Each test skips with the reason when nvcc (or torch's headers) is absent. Running the real kernels needs a
-CUDA torch and a GPU: see tests/test_triton.py::test_gpu_compiled_matches_reference.
+- csrc/attention_cuda.cu and csrc/transition_cuda.cu (the ATen drivers) need torch's headers: they are compiled
+  with nvcc against the installed torch's include directories (a CPU wheel ships the ATen / c10 CUDA headers but not
+  c10's generated cuda_cmake_macros.h, which C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips); registration.cpp is parsed
+  with DTMT_WITH_CUDA defined. These two take minutes of a core and are marked `slow`.
+- test_cuda_kernels_emulated and the other *_emulated tests: the same kernels and ATen drivers compiled by the host
+  compiler with DTMT_CUDA_EMULATION (tests/cuda_emulation.h: each block's threads are fibers on the host thread,
+  switched at __syncthreads, an exchange buffer for the warp shuffles; float / double, and bf16 and TF32 products
+  rounded as the device rounds them) into a torch extension on host tensors, checked against the reference (outputs
+  and every gradient, float64). It needs no GPU and no nvcc; it checks the indexing, reductions, masking and
+  gradient bookkeeping, not device numerics.
+Each test skips with the reason when nvcc (or torch's headers) is absent. Running the real kernels needs a CUDA
+torch and a GPU: the gpu-marked tests (benchmarks/gpu_session.sh).
 """
 import glob
 import itertools
@@ -28,34 +26,7 @@ import sysconfig
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CSRC = os.path.join(ROOT, "csrc")
-
-
-def _nvcc():
-    path = shutil.which("nvcc")
-    if path is None:
-        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-        candidate = os.path.join(home, "bin", "nvcc")
-        path = candidate if os.path.exists(candidate) else None
-    return path
-
-
-NVCC = _nvcc()
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
-
-
-def _check(cmd, returncode, stdout, stderr):
-    assert returncode == 0, f"{' '.join(cmd)}\n{stdout}\n{stderr}"
-    # warnings from torch's own headers are not ours; any in csrc/ are
-    ours = [line for line in stderr.splitlines() if "warning" in line and CSRC in line]
-    assert not ours, "\n".join(ours)
-
-
-def _run(cmd, timeout=900):
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    _check(cmd, res.returncode, res.stdout, res.stderr)
-    return res
+from nvcc_tools import CSRC, NVCC, ROOT, check_compile, needs_nvcc, run_compile
 
 
 # The two slow compile checks start in the background as soon as pytest has collected them (conftest.py's
@@ -163,172 +134,16 @@ def _run_or_wait(name, make, out_dir, timeout=900):
     command."""
     if name not in BACKGROUND:
         cmd = make(out_dir)
-        _run(cmd, timeout)
+        run_compile(cmd, timeout)
         return cmd
     proc, cmd, out, err = BACKGROUND[name]
     proc.wait(timeout=timeout)
     out.seek(0)
     err.seek(0)
-    _check(cmd, proc.returncode, out.read(), err.read())
+    check_compile(cmd, proc.returncode, out.read(), err.read())
     return cmd
 
 
-KERNELS_TU = r"""
-#include "attention_cuda_kernels.cuh"
-#include "persistent_cuda_kernels.cuh"
-#include "transition_cuda_kernels.cuh"
-
-// DTMT_HD must be __host__ __device__ under nvcc: device code calling the shared functions proves it.
-__global__ void uses_cell_math(const float* in, float* out, double* out64) {
-  int j = threadIdx.x;
-  float r = dtmt::dt_sigmoid(in[j]), dr, dz, dxc, dhc, dh;
-  out[j] = dtmt::gru_elem_forward<float>(r, r, in[j], in[j], in[j], 1.0f) + dtmt::dt_tanh(in[j]);
-  dtmt::gru_elem_backward<float>(r, r, in[j], in[j], in[j], 1.0f, 1.0f, dr, dz, dxc, dhc, dh);
-  out[j] += dr + dz + dxc + dhc + dh + dtmt::atr_elem_forward<float>(in[j], in[j], in[j]);
-  double v = dtmt::lau_elem_forward<double>(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 1.0);
-  out64[j] = v + dtmt::dt_rsqrt<double>(2.0) + dtmt::dt_tanh(0.5);
-}
-static_assert(dtmt::cuda::Rows<dtmt::kLGRU>::in == 5 && dtmt::cuda::Rows<dtmt::kTGRU>::hid == 3, "row layout");
-
-namespace dtmt {
-namespace cuda {
-#define DTMT_INSTANTIATE(T, A)                                                                              \
-  template cudaError_t launch_step_forward<T, A>(int, const StepForwardArgs<T, A>&, int, cudaStream_t);   \
-  template cudaError_t launch_step_backward<T, A>(int, const StepBackwardArgs<T, A>&, int, cudaStream_t);   \
-  template cudaError_t launch_persistent_forward<T, A>(int, const PersistentForwardArgs<T, A>&, int, int,   \
-                                                       cudaStream_t);                                        \
-  template cudaError_t launch_persistent_backward<T, A>(int, const PersistentBackwardArgs<T, A>&, int, int, \
-                                                        cudaStream_t);
-DTMT_INSTANTIATE(float, float)
-DTMT_INSTANTIATE(double, double)
-DTMT_INSTANTIATE(__half, float)
-DTMT_INSTANTIATE(__nv_bfloat16, float)
-#define DTMT_INSTANTIATE_ATTENTION(A)                                                                   \
-  template cudaError_t launch_scores_forward<A>(const ScoresArgs<A>&, cudaStream_t);                    \
-  template cudaError_t launch_scores_backward<A>(const ScoresBackwardArgs<A>&, cudaStream_t);           \
-  template cudaError_t launch_context_forward<A>(const ContextArgs<A>&, cudaStream_t);                  \
-  template cudaError_t launch_context_backward<A>(const ContextBackwardArgs<A>&, cudaStream_t);
-DTMT_INSTANTIATE_ATTENTION(float)
-DTMT_INSTANTIATE_ATTENTION(double)
-}  // namespace cuda
-}  // namespace dtmt
-"""
-
-
-@needs_nvcc
-def test_nvcc_version():
-    res = _run([NVCC, "--version"])
-    assert re.search(r"release \d+\.\d+", res.stdout), res.stdout
-
-
-@needs_nvcc
-def test_device_kernels_compile_standalone(tmp_path):
-    """cell_math.h + transition_cuda_kernels.cuh + persistent_cuda_kernels.cuh + block_mma.cuh +
-    attention_cuda_kernels.cuh: every kernel (5 cell kinds x forward/backward x 4 storage types, the persistent
-    forward and backward of the 4 base cells x 4 storage types, the attention's 4 kernels x float and double)
-    compiled to an object, host and device code, with the flags setup.py passes to nvcc, for sm_90
-    (the tensor-core products: TF32, f16, bf16) and sm_75 (below 8.0: without them)."""
-    src = tmp_path / "kernels_tu.cu"
-    src.write_text(KERNELS_TU)
-    _run([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-gencode", "arch=compute_75,code=sm_75", "-gencode",
-          "arch=compute_90,code=sm_90", "-c", f"-I{CSRC}", str(src), "-o", str(tmp_path / "k.o")])
-    assert (tmp_path / "k.o").stat().st_size > 0
-
-
-PERSISTENT_MAIN = r"""
-#include "persistent_cuda_kernels.cuh"
-int main() {   // never run: linking it is the test
-  dtmt::cuda::PersistentForwardArgs<float, float> a{};
-  dtmt::cuda::PersistentBackwardArgs<float, float> b{};
-  cudaError_t e = dtmt::cuda::launch_persistent_forward<float, float>(dtmt::kLGRU, a, 1, 32, nullptr);
-  e = dtmt::cuda::launch_persistent_backward<float, float>(dtmt::kLGRU, b, 1, 32, nullptr);
-  return e == cudaSuccess ? 0 : 1;
-}
-"""
-
-
-@needs_nvcc
-def test_persistent_kernels_link_without_rdc(tmp_path):
-    """The persistent kernels' grid barrier (cooperative groups' this_grid().sync()) and cooperative launch link
-    into a program without relocatable device code (-rdc), as setup.py builds the extension; built for sm_90
-    (Hopper: the H100 / H200 the GPU sessions get)."""
-    src = tmp_path / "main.cu"
-    src.write_text(PERSISTENT_MAIN)
-    _run([NVCC, "-std=c++17", "-O3", "-arch=sm_90", f"-I{CSRC}", str(src), "-o", str(tmp_path / "main")])
-    assert (tmp_path / "main").stat().st_size > 0
-
-
-@needs_nvcc
-def test_barrier_probe_builds(tmp_path):
-    """benchmarks/barrier_probe.cu (the persistent kernels' barrier alone, grid and cluster form: gpu_session.sh's
-    persistent stage builds and runs it on the GPU) compiles and links for sm_90 as that stage builds it."""
-    probe = os.path.join(ROOT, "benchmarks", "barrier_probe.cu")
-    _run([NVCC, "-std=c++17", "-O3", "-arch=sm_90", f"-I{CSRC}", probe, "-o", str(tmp_path / "barrier_probe")])
-    assert (tmp_path / "barrier_probe").stat().st_size > 0
-
-
-@needs_nvcc
-def test_phase_probe_builds(tmp_path):
-    """benchmarks/phase_probe.cu (where a persistent launch's time goes: the kernels with their phase clock,
-    DTMT_PERSISTENT_PHASES; gpu_session.sh's persistent stage builds and runs it on the GPU) compiles and links for
-    sm_90 as that stage builds it, its kernels read the SM clock (the marks are compiled in: the extension's PTX has
-    none, test_persistent_kernels_load_from_named_spaces), and without the flag it refuses to build."""
-    probe = os.path.join(ROOT, "benchmarks", "phase_probe.cu")
-    flags = ["-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90", f"-I{CSRC}"]
-    _run([NVCC, *flags, "-DDTMT_PERSISTENT_PHASES", "-keep", f"-keep-dir={tmp_path}", probe, "-o",
-          str(tmp_path / "phase_probe")])
-    assert (tmp_path / "phase_probe").stat().st_size > 0
-    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
-    kernels = re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M)
-    assert len(kernels) == 12, kernels   # GRU, ATR, L-GRU x float, bf16 x forward, backward
-    assert ptx.count("%clock64") >= 12 * 4
-    res = subprocess.run([NVCC, *flags, "-E", probe], capture_output=True, text=True)
-    assert res.returncode != 0 and "DTMT_PERSISTENT_PHASES" in res.stderr
-
-
-PERSISTENT_PTX_TU = r"""
-#include "persistent_cuda_kernels.cuh"
-namespace dtmt {
-namespace cuda {
-#define DTMT_INSTANTIATE(T, A)                                                                              \
-  template cudaError_t launch_persistent_forward<T, A>(int, const PersistentForwardArgs<T, A>&, int, int,   \
-                                                       cudaStream_t);                                        \
-  template cudaError_t launch_persistent_backward<T, A>(int, const PersistentBackwardArgs<T, A>&, int, int, \
-                                                        cudaStream_t);
-DTMT_INSTANTIATE(float, float)
-DTMT_INSTANTIATE(__nv_bfloat16, float)
-}  // namespace cuda
-}  // namespace dtmt
-"""
-
-
-@needs_nvcc
-def test_persistent_kernels_load_from_named_spaces(tmp_path):
-    """The persistent kernels reach a resident matrix and a spilled one through separate calls (resident_matrix,
-    spilled_matrix in persistent_cuda_kernels.cuh), so that the compiler knows the space of every load: in the PTX for
-    sm_90 of the float and bfloat16 kernels (every base cell, forward and backward), each scalar load is ld.shared,
-    ld.global or ld.param, never a generic ld (which would test the address's space at run time), apart from the
-    grid barrier's own ld.acquire.gpu, and none non-coherent (.nc: what other blocks write must be read through the
-    coherent path); the stage's asynchronous copies (cp.async) likewise from L2 (.cg), not through the L1 (.ca);
-    and the cluster form's barrier is there, arrive with its default release semantics (not .relaxed) and wait.
-    (The wmma loads of the staged operands are generic: the warp matrix API takes a plain pointer.)"""
-    src = tmp_path / "persistent_ptx.cu"
-    src.write_text(PERSISTENT_PTX_TU)
-    ptx = tmp_path / "persistent.ptx"
-    _run([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90", "-ptx", f"-I{CSRC}", str(src), "-o", str(ptx)])
-    loads = re.findall(r"^\s+(ld\.[\w.]+)", ptx.read_text(), flags=re.M)
-    spaces = {op.split(".")[1] for op in loads}
-    assert {"shared", "global", "param"} <= spaces, sorted(spaces)
-    generic = sorted({op for op in loads if op.split(".")[1] not in ("shared", "global", "param")
-                      and not op.startswith("ld.acquire.gpu")})
-    assert not generic, f"generic loads in the persistent kernels: {generic}"
-    text = ptx.read_text()
-    assert "barrier.cluster.arrive" in text and "barrier.cluster.wait" in text
-    assert "barrier.cluster.arrive.relaxed" not in text   # (release / acquire: the global memory written before)
-    assert not [op for op in loads if ".nc" in op]   # (no non-coherent loads of what other blocks write)
-    copies = re.findall(r"^\s+(cp\.async\.c[ag][\w.]*)", text, flags=re.M)   # (the products' stage, sm_80 and up)
-    assert copies and all(op.startswith("cp.async.cg.") for op in copies), sorted(set(copies))   # (L2, not L1)
-    assert "%clock64" not in text   # (the phase clock of benchmarks/phase_probe.cu is compiled out)
 
 
 def _torch_includes():

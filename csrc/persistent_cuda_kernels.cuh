@@ -34,6 +34,8 @@
 #else
 #include <cooperative_groups.h>
 #include <cuda_pipeline.h>
+
+#include <mutex>
 #define DTMT_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
 #endif
 // Copies from global into shared memory without registers, all of a thread's in flight at once (cp.async: compute
@@ -1089,6 +1091,11 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   }
   return cudaSuccess;
 #else
+  // The kernel's allowance of dynamic shared memory is set to this launch's size and the launch issued under one lock:
+  // else another host thread launching the kernel with a smaller stage could lower the allowance between this set and
+  // this launch, which the device would then refuse (found in review; the launch is asynchronous, the lock short).
+  static std::mutex allowance;
+  const std::lock_guard<std::mutex> lock(allowance);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
   if (!a.cluster) {

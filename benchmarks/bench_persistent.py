@@ -13,7 +13,8 @@ the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a ch
 - checks its forward against the float64 reference on the device (ragged lengths, the reverse direction), and
   reports the largest difference of the outputs (relative to their largest value);
 - times the forward alone and forward + backward (both persistent in the persistent mode), eager, median of
-  --repeat, and the peak memory of forward + backward.
+  --repeat, and the peak memory of forward + backward (the per-step child also the reference backend's, in the
+  same dtype: issue 72 asks for at most it).
 The persistent launches come in two forms (--forms): `grid`, one cooperative launch of a block per SM with the grid's
 barrier (DTMT_CUDA_RECURRENCE=persistent), and `cluster`, one thread-block cluster of at most 16 blocks with the
 cluster's barrier (persistent-cluster; Hopper). The parent prints a table per form: the per-step path and that form
@@ -96,6 +97,10 @@ def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
                        fwd_ms=1e3 * time_fn(fwd_only(layer, x), repeat, "cuda"),
                        fwd_bwd_ms=1e3 * time_fn(fwd_bwd(layer, xg), repeat, "cuda"),
                        peak_MB=peak_memory_mb(fwd_bwd(layer, xg)))
+            if mode == "steps":   # the reference backend's peak in the same dtype (issue 72: at most it)
+                same = build(cell, depth, ln, H, "reference").cuda().to(dtype)
+                same.load_state_dict(layer.state_dict())
+                row["reference_peak_MB"] = peak_memory_mb(fwd_bwd(same, xg))
             if cell == "gru" and mode == "steps":   # cuDNN in the same math mode
                 gru = torch.nn.GRU(H, H).cuda().to(dtype)
                 row["cudnn_fwd_ms"] = 1e3 * time_fn(fwd_only(gru, x), repeat, "cuda")
@@ -161,7 +166,7 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
                  f"here)" if mma else ")"))
     print("| case | B | steps fwd ms | persistent fwd ms | x fwd | floor ms (share) | steps fwd+bwd ms | persistent "
           "fwd+bwd ms | x fwd+bwd | cuDNN GRU fwd / fwd+bwd ms | rel. err (steps / persistent) | peak MB (steps / "
-          "persistent) |")
+          "persistent / reference) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     table = []
     for name, cell, depth, ln in CASES:
@@ -176,7 +181,8 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
             print(f"| {name}{note} | {B} | {s['fwd_ms']:.2f} | {q['fwd_ms']:.2f} | {s['fwd_ms'] / q['fwd_ms']:.2f} | "
                   f"{floor:.2f} ({floor / q['fwd_ms']:.0%}) | "
                   f"{s['fwd_bwd_ms']:.2f} | {q['fwd_bwd_ms']:.2f} | {s['fwd_bwd_ms'] / q['fwd_bwd_ms']:.2f} | "
-                  f"{cudnn} | {s['rel_err']:.1e} / {q['rel_err']:.1e} | {s['peak_MB']:.0f} / {q['peak_MB']:.0f} |")
+                  f"{cudnn} | {s['rel_err']:.1e} / {q['rel_err']:.1e} | {s['peak_MB']:.0f} / {q['peak_MB']:.0f} / "
+                  f"{s.get('reference_peak_MB', float('nan')):.0f} |")
             table.append({"form": form, **{f"steps_{k}": v for k, v in s.items()},
                           **{f"persistent_{k}": v for k, v in q.items()}})
     return table

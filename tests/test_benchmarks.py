@@ -919,7 +919,8 @@ def test_bench_persistent_table_and_floor(capsys):
         return dict(case=case, B=B, mode=mode, fell_back=False, rel_err=1e-6, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd,
                     peak_MB=10.0, **extra)
 
-    results = {("gru", 8, "steps"): row("gru", 8, "steps", 2.0, 6.0, cudnn_fwd_ms=1.0, cudnn_fwd_bwd_ms=3.0),
+    results = {("gru", 8, "steps"): row("gru", 8, "steps", 2.0, 6.0, cudnn_fwd_ms=1.0, cudnn_fwd_bwd_ms=3.0,
+                                        reference_peak_MB=12.0),
                ("gru", 8, "persistent"): row("gru", 8, "persistent", 0.5, 2.0),
                ("deep-transition", 8, "steps"): row("deep-transition", 8, "steps", 10.0, 30.0),
                ("deep-transition", 8, "persistent"): row("deep-transition", 8, "persistent", 2.5, 9.0)}
@@ -928,6 +929,7 @@ def test_bench_persistent_table_and_floor(capsys):
     out = capsys.readouterr().out
     assert bench_persistent.barriers_per_step("lgru", 4, True) == 10
     assert "| gru | 8 | 2.00 | 0.50 | 4.00 | 0.10 (20%) | 6.00 | 2.00 | 3.00 | 1.00 / 3.00 |" in out, out
+    assert "1.0e-06 / 1.0e-06 | 10 / 10 / 12 |" in out and "peak MB (steps / persistent / reference)" in out
     assert "| deep-transition | 8 | 10.00 | 2.50 | 4.00 | 1.00 (40%) | 30.00 | 9.00 | 3.33 |" in out, out
     assert "grid barrier: at most 2.00 us" in out and len(table) == 2
     assert "strict fp32 on every side" in out

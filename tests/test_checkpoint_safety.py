@@ -69,3 +69,27 @@ def test_command_line_refuses_a_checkpoint_that_runs_code(crafted, tmp_path):
                   str(tmp_path / "eval")), path)
     _refused(_cli("train", "--data", data, "--model", "dtmt", "--out", os.path.dirname(path), "--resume"), path)
     assert not os.path.exists(marker)
+
+
+def test_a_checkpoint_write_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """torch.save reports a write that fails midway (a full disk) as a RuntimeError of its zip writer ("unexpected
+    pos 64 vs 0"), which `dtmt train` and `dtmt average` printed as a traceback. save_checkpoint turns it into the
+    WriteError they report in one line: the file named, nothing written, an earlier version intact."""
+    from dtmt_models.atomic import WriteError
+    from dtmt_models.models.checkpoint import save_checkpoint
+
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"the earlier checkpoint")
+
+    def failing_save(obj, f):
+        f.write(b"PK")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    payload = dict(model_name="dtmt", model_options={}, src_vocab=[], tgt_vocab=[], model={})
+    with pytest.raises(WriteError) as caught:
+        save_checkpoint(str(path), payload)
+    message = str(caught.value)
+    assert message.startswith(f"cannot write {path}: the write stopped with ") and "\n" not in message
+    assert "bytes free on its device" in message and "nothing written" in message
+    assert path.read_bytes() == b"the earlier checkpoint" and os.listdir(tmp_path) == ["last.pt"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import warnings
 from typing import Any, Dict, Optional, Tuple
 
@@ -34,7 +35,12 @@ def save_checkpoint(path: str, payload: Dict[str, Any]) -> None:
     if missing:
         raise ValueError(f"save_checkpoint: payload lacks {missing}")
     with atomic_write(path, "wb") as f:
-        torch.save({"format": FORMAT, **payload}, f)
+        try:
+            torch.save({"format": FORMAT, **payload}, f)
+        except RuntimeError as exc:   # torch's zip writer reports a failed write (a full disk) as its own error
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+            raise OSError(f"the write stopped with {free:,} bytes free on its device"
+                          + (" (the disk is full)" if free < (1 << 20) else f" ({one_line(exc)})")) from None
 
 
 def read_checkpoint(path: str) -> Dict[str, Any]:

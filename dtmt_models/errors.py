@@ -3,14 +3,31 @@ messages, and the commands' usage errors (UsageError: exit status 2) with the ch
 option names, made before any work."""
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Optional, Sequence
+
+
+# The largest values the commands take for a count (steps, tokens, lengths, vocabulary sizes: what the C++ ops and
+# SentencePiece hold in an int32) and for a number of threads (each a thread of the process: 100,000 crashed it).
+MAX_COUNT = 2 ** 31 - 1
+MAX_THREADS = 1024
 
 
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (its lines joined with " | "; the type's name if it has none)."""
     text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
     return text or type(exc).__name__
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The commands' argparse parser: an error in the command line (an unknown option, a value of the wrong type, a
+    missing argument) is one line, `dtmt <command>: message`, and exit status 2, as the commands' own checks are
+    (contract §6), instead of argparse's usage text before it; `--help` prints the usage as before. Subcommands'
+    parsers (add_subparsers) are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (--help: the options)\n")
 
 
 class UsageError(ValueError):

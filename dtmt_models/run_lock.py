@@ -17,7 +17,7 @@ LOCK_NAME = ".dtmt-train.lock"
 
 
 class RunLocked(ValueError):
-    """Another process holds the run directory's lock."""
+    """Another process holds the run directory's lock, or the directory cannot be written."""
 
 
 class RunLock:
@@ -28,11 +28,20 @@ class RunLock:
         self.path = os.path.join(self.directory, LOCK_NAME)
         self.fd: Optional[int] = None
         self.made_directory = False
+        self.made: list = []
 
     def acquire(self) -> "RunLock":
-        self.made_directory = not os.path.isdir(self.directory)
-        os.makedirs(self.directory, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.made = []   # the folders this makes, deepest first (removed again on a discarding release)
+        folder = self.directory
+        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+            self.made.append(folder)
+            folder = os.path.dirname(folder)
+        self.made_directory = bool(self.made)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:   # a read-only file system, no permission: before anything of the run is written
+            raise RunLocked(f"--out {self.directory}: cannot be written ({exc.strerror or exc})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -54,6 +63,7 @@ class RunLock:
             with contextlib.suppress(OSError):
                 if os.listdir(self.directory) == [LOCK_NAME]:
                     os.remove(self.path)
-                    os.rmdir(self.directory)
+                    for folder in self.made:   # (--out runs/x made runs/ too: it goes if still empty)
+                        os.rmdir(folder)
         os.close(self.fd)   # (closing the only descriptor of the lock releases it)
         self.fd = None

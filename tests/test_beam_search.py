@@ -94,6 +94,19 @@ def test_greedy_is_argmax_chain():
     assert out[0] == expect and out[1] == expect
 
 
+def test_the_largest_max_len_b_bounds_nothing_it_should_not():
+    """max_len = source length x max_len_a + max_len_b, reckoned in float64 and bounded before the cast to an
+    integer: with max_len_b = 2^63 - 1 the float32 cast overflowed to 1, and every translation came out empty
+    without a word. A chain that ends after 3 words is found whole at any bound from 4 up."""
+    a, b, c = 4, 5, 6
+    model = TableModel.by_hand(7, {BOS: {a: 0.9, EOS: 0.1}, a: {b: 0.9, EOS: 0.1}, b: {c: 0.9, EOS: 0.1},
+                                   c: {EOS: 1.0}})
+    src, lengths = torch.ones(2, 3, dtype=torch.long), torch.tensor([3, 1])
+    for max_len_b in (4, 2 ** 31, 2 ** 63 - 1):
+        out = greedy(model, src, lengths, max_len_a=0, max_len_b=max_len_b)
+        assert out == [[a, b, c], [a, b, c]], max_len_b
+
+
 def test_early_stop_ends_a_sentence_once_the_beam_is_finished():
     """A table worked by hand (beam 1, alpha 0.6, max length 5). From BOS: w 0.6, EOS 0.3, x 0.1; after w or x:
     EOS 0.9. Step 0 finishes the empty hypothesis (log 0.3 / lp(1) = -1.204) and keeps w open (log 0.6 =

@@ -272,6 +272,22 @@ def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, cap
     assert r.returncode == 2 and "--max-time" in r.stderr
     r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "z"), "--model", "nope"], capsys)
     assert r.returncode == 2 and "unknown model" in r.stderr
+    # values the training itself refused only later (a traceback, after --out was made), or that crashed the
+    # process (--threads 100000), or overflowed (a seed past int64): one line each before any work, and --out (with
+    # the folders made on the way to it) gone again
+    for args, message in [(["--warmup", "0"], "--warmup 0: the rnmt schedule needs at least 1 warm-up update"),
+                          (["--decay-start", "100", "--decay-end", "50"], "needs 0 <= --decay-start < --decay-end"),
+                          (["--schedule", "inverse-sqrt", "--warmup", "0"], "the inverse-sqrt schedule needs"),
+                          (["--valid-beam", "2000"], "--valid-beam 2000: must be an integer in [1, 1024]"),
+                          (["--seed", str(10 ** 20)], "must be an integer in [0, 2^63)"),
+                          (["--max-len", str(10 ** 20)], "must be an integer in [1, 2,147,483,647]"),
+                          (["--threads", "100000"], "--threads 100000: must be an integer in [0, 1024]"),
+                          (["--vocab-size", str(2 ** 31)], "--vocab-size 2147483648: must be an integer in [8, ")]:
+        r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "w" / "run"), *TINY, *args], capsys)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
+        assert not (tmp_path / "w").exists(), args
+    r = train_here(["--data", toy_nodev, "--out", "/proc/no/run", *TINY], capsys)   # (not writable even by root)
+    assert r.returncode == 2 and r.stderr.startswith("dtmt train: --out /proc/no/run: cannot be written"), r.stderr
 
 
 def test_one_run_per_directory(toy_nodev, tmp_path, capsys):
@@ -561,10 +577,10 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
                             "cell must be 'gru', 'lgru' or 'lau', got 'foo'"),
     (["--opt", "hidden_size=-5"], "option hidden_size=-5 for dtmt: expected an int >= 1"),
     (["--opt", "pad_id=5"], "--opt pad_id=5: dtmt train pads with the vocabularies' id 0"),
-    (["--valid-every", "0"], "--valid-every 0: must be an integer >= 1"),
-    (["--log-every", "0"], "--log-every 0: must be an integer >= 1"),
-    (["--threads", "-3"], "--threads -3: must be an integer >= 0"),
-    (["--vocab-size", "5"], "--vocab-size 5: must be an integer >= 8"),
+    (["--valid-every", "0"], "--valid-every 0: must be an integer in [1, 2,147,483,647]"),
+    (["--log-every", "0"], "--log-every 0: must be an integer in [1, 2,147,483,647]"),
+    (["--threads", "-3"], "--threads -3: must be an integer in [0, 1024]"),
+    (["--vocab-size", "5"], "--vocab-size 5: must be an integer in [8, 2,147,483,647]"),
     (["--max-time=-5m"], "--max-time -5m: must be a finite duration > 0"),
     (["--max-time", "nan"], "--max-time nan: must be a finite duration > 0"),
     (["--lr", "0"], "--lr 0.0: must be a finite number > 0"),

@@ -392,6 +392,28 @@ def test_dtmt_without_a_command_is_a_usage_error(capsys):
     assert cli.main(["--help"]) == 0 and "usage: dtmt <command>" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--data", "d", "--lr", "abc"], "dtmt train: argument --lr: invalid float value: 'abc'"),
+    (["translate", "--beam", "abc"], "dtmt translate: argument --beam: invalid int value: 'abc'"),
+    (["evaluate", "--max-len-a"], "dtmt evaluate: argument --max-len-a: expected one argument"),
+    (["average", "--last", "x"], "dtmt average: argument --last: invalid int value: 'x'"),
+    (["models", "--table", "foo"], "dtmt models: argument --table: invalid choice: 'foo'"),
+    (["train", "--data", "d", "--no-such-flag"], "dtmt train: unrecognized arguments: --no-such-flag")])
+def test_a_malformed_command_line_is_one_line(argv, message, capsys):
+    """What argparse itself refuses (a value of the wrong type, a missing value, an unknown option) is one line,
+    `dtmt <command>: message`, exit status 2, as the commands' own checks are (contract §6; it printed argparse's
+    usage text first, 10-18 lines); --help still prints the usage."""
+    with pytest.raises(SystemExit) as ended:
+        cli.main(argv)
+    assert ended.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(message), captured.err
+    assert captured.err.endswith("(--help: the options)\n") and captured.err.count("\n") == 1
+    with pytest.raises(SystemExit) as ended:
+        cli.main([argv[0], "--help"])
+    assert ended.value.code == 0 and capsys.readouterr().out.startswith(f"usage: dtmt {argv[0]}")
+
+
 def test_cli_translate_reads_a_pipe(system, tmp_path, capsys):
     """An input that is a named pipe (as `<(zcat x.gz)` gives) is read like a file: the checks made before any
     work refuse folders and missing paths only."""
@@ -437,6 +459,10 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "0", good], 2, "every translation would be empty"),
         (["--checkpoint", ckpt, "--alpha", "nan", good], 2, "--alpha must be a finite number"),
         (["--checkpoint", ckpt, "--threads", "-1", good], 2, "--threads must be >= 0, got -1"),
+        # (--threads 100000 crashed the process; an integer past int64 was a traceback)
+        (["--checkpoint", ckpt, "--threads", "100000", good], 2, "--threads must be <= 1,024, got 100000"),
+        (["--checkpoint", ckpt, "--max-len-b", str(10 ** 20), good], 2, "--max-len-b must be <= 2,147,483,647"),
+        (["--checkpoint", ckpt, "--max-src-len", str(2 ** 31), good], 2, "--max-src-len must be <= 2,147,483,647"),
         (["--checkpoint", ckpt, "--int8", "--backend", "reference", good], 2, "--int8 decodes with the C++ decoder"),
         (["--checkpoint", ckpt, "--amp", "bf16", good], 2, "--amp bf16 decodes in 16 bits on the GPU (--device cuda)"),
         (["--checkpoint", ckpt, good, good, "--output-dir", str(tmp_path / "o")], 2, "good.es.out"),

@@ -13,7 +13,8 @@ import sys
 from typing import List, Optional
 
 from dtmt_models.cli.common import reporting_warnings
-from dtmt_models.errors import UsageError, check_input_dir, check_input_file, check_output_file, one_line
+from dtmt_models.errors import (ArgumentParser, UsageError, check_input_dir, check_input_file, check_output_file,
+                                 one_line)
 from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
 from dtmt_models.training.trainer import step_checkpoints
 
@@ -21,7 +22,7 @@ PROG = "dtmt average"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("checkpoints", nargs="*", metavar="CKPT", help="checkpoints of one model")
     p.add_argument("--run", help="a run directory: average its step_<updates>.pt files (see --last)")
     p.add_argument("--last", type=int, default=None, metavar="N", help="with --run: the N latest (default: all)")

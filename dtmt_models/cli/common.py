@@ -16,7 +16,7 @@ from dtmt_models.atomic import atomic_write
 from dtmt_models.decoding.beam_search import MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
-from dtmt_models.errors import UsageError, check_input_file, one_line
+from dtmt_models.errors import MAX_COUNT, MAX_THREADS, UsageError, check_input_file, one_line
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -184,10 +184,13 @@ def decoding_options_given(parser: argparse.ArgumentParser, args: argparse.Names
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
     """The decoding options' values (UsageError)."""
-    for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_len_b", 0), ("threads", 0),
-                      ("batch_size", 1)):
-        if getattr(args, name, None) is not None and getattr(args, name) < low:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    for name, low, high in (("beam", 1, MAX_COUNT), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
+                            ("max_len_b", 0, MAX_COUNT), ("threads", 0, MAX_THREADS), ("batch_size", 1, MAX_COUNT)):
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+        if value is not None and value > high:   # (--threads 100000 crashed the process; an int past int64, a
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {high:,}, got {value}")   # traceback)
     if args.beam > MAX_BEAM:
         raise UsageError(f"--beam must be <= {MAX_BEAM}, got {args.beam}")
     if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too

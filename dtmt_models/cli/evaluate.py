@@ -41,12 +41,13 @@ from dtmt_models.decoding.evaluate import (
 )
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.decoding.translate import InputError
-from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file, one_line
+from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, check_output_dir, check_output_file,
+                                 one_line)
 
 
 # --------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG, description="Translate a test set with a checkpoint (or take existing translations with "
                                "--hyp) and score it: BLEU, chrF and BLEU by source length.")
     p.add_argument("--checkpoint", "-c", action="append", metavar="CKPT",

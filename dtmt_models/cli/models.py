@@ -1,17 +1,17 @@
 """`dtmt models`: prints dtmt_models.models.catalog.describe (systems, presets, the papers' table rows)."""
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import List, Optional
 
+from dtmt_models.errors import ArgumentParser
 from dtmt_models.models.catalog import describe
 from dtmt_models.models.presets import TABLES
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="dtmt models", description="List the systems, their presets and the papers' "
-                                "table rows (each a preset: dtmt train --preset ROW), with the papers' parameter counts.")
+    p = ArgumentParser(prog="dtmt models", description="List the systems, their presets and the papers' "
+                       "table rows (each a preset: dtmt train --preset ROW), with the papers' parameter counts.")
     p.add_argument("--count", action="store_true",
                    help="also count our parameters for every row with a count in the paper (Δ: against the table's "
                         "first such row; differences do not depend on the vocabulary)")

@@ -21,7 +21,7 @@ from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporarie
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD, Vocabulary
-from dtmt_models.errors import check_output_dir, one_line
+from dtmt_models.errors import ArgumentParser, MAX_COUNT, MAX_THREADS, check_output_dir, one_line
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models
@@ -48,7 +48,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     D = TrainConfig.defaults()   # the flags left None ("not given") take these, or the preset's
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dtmt train", description="Train an NMT system on a corpus prepared by `dtmt prepare`.",
         formatter_class=_HelpFormatter)
     p.add_argument("--config", default=None, metavar="YAML",
@@ -142,19 +142,27 @@ FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start",
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, before any work (ValueError, one line naming flag, value and range)."""
+    from dtmt_models.decoding.hypotheses import MAX_BEAM   # (a leaf: torch and the search's constants)
+
     def need(ok: bool, flag: str, allowed: str) -> None:
         if not ok:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be {allowed}")
 
-    for flag in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "valid_beam",
-                 "replicas"):
+    for flag in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "replicas"):
         if getattr(args, flag) is not None:
-            need(getattr(args, flag) >= 1, flag, "an integer >= 1")
-    for flag in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences", "threads", "keep_last"):
+            need(1 <= getattr(args, flag) <= MAX_COUNT, flag, f"an integer in [1, {MAX_COUNT:,}]")
+    for flag in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences", "keep_last"):
         if getattr(args, flag) is not None:
-            need(getattr(args, flag) >= 0, flag, "an integer >= 0")
+            need(0 <= getattr(args, flag) <= MAX_COUNT, flag, f"an integer in [0, {MAX_COUNT:,}]")
+    if args.valid_beam is not None:
+        need(1 <= args.valid_beam <= MAX_BEAM, "valid_beam", f"an integer in [1, {MAX_BEAM}]")
+    if args.threads is not None:
+        need(0 <= args.threads <= MAX_THREADS, "threads", f"an integer in [0, {MAX_THREADS}] (0: torch's default)")
+    if args.seed is not None:
+        need(0 <= args.seed < 2 ** 63, "seed", "an integer in [0, 2^63)")
     if args.vocab_size is not None:
-        need(args.vocab_size >= 8, "vocab_size", "an integer >= 8 (4 special pieces + at least the characters)")
+        need(8 <= args.vocab_size <= MAX_COUNT, "vocab_size",
+             f"an integer in [8, {MAX_COUNT:,}] (4 special pieces + at least the characters)")
     if args.lr is not None:
         need(0 < args.lr < math.inf, "lr", "a finite number > 0")
     if args.smoothing is not None:
@@ -173,6 +181,16 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.resume is not None and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or start it "
                          "again")
+
+
+def check_schedule(cfg: TrainConfig) -> None:
+    """The learning-rate schedule's settings as the run resolves them (the preset's where not given): ValueError in
+    one line naming the flags, before any work (the schedule itself refused them only once training started)."""
+    if cfg.schedule in ("rnmt", "inverse-sqrt") and cfg.warmup < 1:
+        raise ValueError(f"--warmup {cfg.warmup}: the {cfg.schedule} schedule needs at least 1 warm-up update")
+    if cfg.schedule == "rnmt" and not 0 <= cfg.decay_start < cfg.decay_end:
+        raise ValueError(f"--decay-start {cfg.decay_start} --decay-end {cfg.decay_end}: the rnmt schedule decays "
+                         f"between them, so it needs 0 <= --decay-start < --decay-end")
 
 
 def resume_conflicts(args: argparse.Namespace, explicit: set, run: TrainConfig) -> List[str]:
@@ -416,6 +434,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 raise ValueError(f"--opt pad_id={cfg.model_options['pad_id']}: dtmt train pads with the vocabularies' "
                                  f"id {PAD} (SentencePiece's pad); leave pad_id out")
             check_model_options(cfg.model, cfg.model_options)
+        check_schedule(cfg)
         # the run lives in --out and reads --data, wherever it was started from before
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint
         from dtmt_models.cli.common import check_device_and_backend   # (decoding's modules: only now)

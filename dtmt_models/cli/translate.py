@@ -21,7 +21,8 @@ from dtmt_models.cli.common import (add_decoding_arguments, build_decoder, check
                                     check_device_and_backend, decode_with_report, decoding_kwargs, load_for_decoding,
                                     reporting_warnings, run_command, use_threads, write_atomic)
 from dtmt_models.decoding.translate import PROG, InputError, translate
-from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file
+from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, check_output_dir,
+                                 check_output_file)
 
 
 # ------------------------------------------------------------------------------- command line helpers
@@ -153,7 +154,7 @@ def stream_stdin(args: argparse.Namespace, model, src_vocab, tgt_vocab, device: 
 
 # ------------------------------------------------------------------------------------------ main
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG, description="Translate text files (or stdin) with a dtmt checkpoint, one sentence a line.",
         epilog="Empty input lines give empty output lines. Several inputs are written, in order, to one output "
                "unless --output-dir is given; --nbest indices count the lines of each input from 0. Reading stdin "

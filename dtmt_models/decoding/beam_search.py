@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from dtmt_models.data.vocabulary import BOS, EOS, never_output
+from dtmt_models.errors import MAX_COUNT
 from dtmt_models.decoding.device_search import device_loop
 from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, NEG_INF, NON_FINITE_SCORE, Hypothesis,  # noqa: F401
                                              NonFiniteScores, check_banned, length_penalty)
@@ -92,7 +93,9 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
     model = as_decoder(model)
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
-    max_len = (src_lengths.float() * max_len_a + max_len_b).long().clamp_min(1)
+    # (in float64, bounded before the cast: max_len_b = 2^63 - 1 overflowed float32's cast to 1, so every translation
+    # came out empty without a word)
+    max_len = (src_lengths.double() * max_len_a + max_len_b).clamp(1, MAX_COUNT).long()
     most = model.max_target_steps   # a model whose target positions end (the transformer's)
     if most is not None:
         max_len = max_len.clamp_max(most)

@@ -58,26 +58,27 @@ def check_input_dir(path: str, option: str, noun: str) -> None:
 
 def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: Optional[str] = None) -> None:
     """An output file named by `option` that is a folder, lies under a file, or is one of the `inputs` (it would be
-    overwritten): UsageError, before any work. (Missing folders on its way are made when it is written; whether it
-    can be written at all, permissions say only then.)"""
+    overwritten), or whose folder (the nearest one that exists on its way) cannot be written: UsageError, before any
+    work. (Missing folders on its way are made when it is written.)"""
     if os.path.isdir(path):
         raise UsageError(f"{option} {path}: is a directory; give a file name" if what is None else
                          f"{option}: {path}, where {what} would go, is a directory")
-    _check_folder_on_the_way(os.path.dirname(os.path.abspath(path)), option, path)
+    device = os.path.exists(path) and not os.path.isfile(path)   # (-o /dev/null: written in place, no folder needed)
+    _check_folder_on_the_way(os.path.dirname(os.path.abspath(path)), option, path, writable=not device)
     for source in inputs:
         if source != "-" and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
             raise UsageError(f"{option} {path}: is also an input ({source}); the output would overwrite it")
 
 
 def check_output_dir(path: str, option: str) -> None:
-    """An output folder named by `option` (or a phrase for a default one) that is a file, or lies under one:
-    UsageError, before any work."""
+    """An output folder named by `option` (or a phrase for a default one) that is a file, lies under one, or cannot
+    be written (it or the nearest folder on its way that exists): UsageError, before any work."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"{option} {path}: exists and is not a directory")
     _check_folder_on_the_way(os.path.abspath(path), option, path)
 
 
-def _check_folder_on_the_way(folder: str, option: str, path: str) -> None:
+def _check_folder_on_the_way(folder: str, option: str, path: str, writable: bool = True) -> None:
     while not os.path.exists(folder):   # the nearest existing folder on the way must be a folder
         parent = os.path.dirname(folder)
         if parent == folder:
@@ -85,3 +86,7 @@ def _check_folder_on_the_way(folder: str, option: str, path: str) -> None:
         folder = parent
     if not os.path.isdir(folder):
         raise UsageError(f"{option} {path}: {folder} is a file, not a directory")
+    # (an output goes to a temporary file in its folder, then replaces the file: a folder that cannot be written
+    # refused the result only after all the work, translate's decoding of a whole file among it)
+    if writable and not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: {folder} cannot be written (no permission, or a read-only file system)")

@@ -392,6 +392,29 @@ def test_dtmt_without_a_command_is_a_usage_error(capsys):
     assert cli.main(["--help"]) == 0 and "usage: dtmt <command>" in capsys.readouterr().out
 
 
+def test_an_output_folder_that_cannot_be_written_is_refused_before_decoding(system, tmp_path, capsys, monkeypatch):
+    """`translate -o D/out.txt` where D cannot be written (no permission, a read-only file system) decoded the whole
+    input and failed only at the write; now it is refused first, one line, exit 2, nothing decoded (errors.
+    check_output_file / check_output_dir ask os.access of the nearest existing folder). /dev/null stays writable."""
+    import dtmt_models.errors as errors
+
+    _, _, _, ckpt = system
+    good = write(tmp_path / "good.es", "\n".join(INPUTS) + "\n")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(errors.os, "access", lambda p, mode: real_access(p, mode) and os.fspath(p) != str(locked))
+    for args, option in ((["-o", str(locked / "out.txt")], "--output"), (["-o", str(locked / "new" / "out.txt")],
+                                                                        "--output"),
+                         (["--output-dir", str(locked / "outs")], "--output-dir")):
+        assert cli.main(["translate", "--checkpoint", ckpt, good, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"dtmt translate: {option} {args[1]}: {locked} cannot be written"), err
+        assert err.count("\n") == 1 and "translated" not in err
+    assert cli.main(["translate", "--checkpoint", ckpt, "--quiet", good, "-o", os.devnull]) == 0
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["train", "--data", "d", "--lr", "abc"], "dtmt train: argument --lr: invalid float value: 'abc'"),
     (["translate", "--beam", "abc"], "dtmt translate: argument --beam: invalid int value: 'abc'"),

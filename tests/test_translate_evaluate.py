@@ -606,6 +606,28 @@ def corpus(tmp_path):
     return str(d), src, ref
 
 
+def test_cli_evaluate_refuses_a_model_of_another_language_pair(system, corpus, tmp_path, capsys):
+    """A checkpoint that `dtmt train` wrote records its corpus' languages ("langs"); `evaluate --data` of another
+    pair (en to es scored with an es-to-en model) is refused in one line, exit 2, nothing decoded or written (it
+    scored it, exit 0). A checkpoint of the same pair, or one without the record, is scored as before."""
+    from dtmt_models.models.checkpoint import read_checkpoint, save_checkpoint
+
+    data, _, _ = corpus
+    for langs, status in ((("en", "es"), 2), (("es", "en"), 0)):
+        ckpt = read_checkpoint(system[3])
+        path = str(tmp_path / f"{langs[0]}-{langs[1]}.pt")
+        save_checkpoint(path, {**ckpt, "langs": langs})
+        out_dir = tmp_path / f"scored-{langs[0]}"
+        assert cli.main(["evaluate", "-c", path, "--data", data, "--beam", "1", "--quiet", "--out-dir",
+                         str(out_dir)]) == status
+        err = capsys.readouterr().err
+        if status == 2:
+            assert err == f"dtmt evaluate: --checkpoint {path} translates en to es, but --data {data} is es to en\n"
+            assert not out_dir.exists()
+        else:
+            assert (out_dir / "scores.json").is_file()
+
+
 def test_cli_evaluate_writes_everything(system, corpus, tmp_path, capsys):
     model, sv, tv, ckpt = system
     data, src, ref = corpus

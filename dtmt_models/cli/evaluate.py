@@ -29,7 +29,7 @@ from dtmt_models.cli.common import (
     use_threads,
     write_atomic,
 )
-from dtmt_models.data.corpus import CorpusError, corpus_paths, read_lines, read_parallel
+from dtmt_models.data.corpus import CorpusError, corpus_paths, read_lines, read_manifest, read_parallel
 from dtmt_models.decoding.evaluate import (
     DEFAULT_BOUNDS,
     PROG,
@@ -141,6 +141,14 @@ def _run(args: argparse.Namespace) -> int:
         use_threads(args.threads)
         device = check_device_and_backend(args.device, args.backend)
         model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
+        if args.data:   # a model of another language pair would be scored, exit 0, on sentences it cannot translate
+            manifest = read_manifest(args.data)
+            corpus = (manifest.get("src_lang"), manifest.get("tgt_lang"))
+            for path, ckpt in zip(args.checkpoint, ckpts):
+                langs = tuple(ckpt.get("langs") or ())
+                if len(langs) == 2 and langs != corpus:
+                    raise UsageError(f"--checkpoint {path} translates {langs[0]} to {langs[1]}, but --data "
+                                     f"{args.data} is {corpus[0]} to {corpus[1]}")
         kwargs = decoding_kwargs(args, device)
         decoder = build_decoder(model, args.int8, args.amp)
         results, seconds = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sources,

@@ -12,6 +12,9 @@ from typing import Optional, Sequence
 # SentencePiece hold in an int32) and for a number of threads (each a thread of the process: 100,000 crashed it).
 MAX_COUNT = 2 ** 31 - 1
 MAX_THREADS = 1024
+# SentencePiece pieces per side: it reads the size as an int32, but a unigram model asked for 2^31 - 1 pieces of a
+# small corpus ran past two minutes where 1,000,000 took half a second; the papers use at most 90,000
+MAX_VOCAB_SIZE = 1_000_000
 
 
 def one_line(exc: BaseException) -> str:

@@ -390,6 +390,131 @@ def test_prepare_files_holdout_is_deterministic_and_disjoint(tmp_path):
     assert (tmp_path / "a" / "dev.es").read_text() == "x\n"
 
 
+
+def snapshot(folder):
+    """Every file under `folder` (links not followed) and its bytes: what "nothing written" compares."""
+    found = {}
+    for root, dirs, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, folder)] = b"" if os.path.islink(path) else open(path, "rb").read()
+    return found
+
+
+def test_prepare_files_never_overwrites_an_input(tmp_path, capsys):
+    """--out the folder of the inputs, whose names are the corpus's own: the 160-line train.es was replaced by the
+    140-line training split (exit 0). Any input that prepare would write, replace or remove is refused before any
+    work: exit 2, one line naming the option, nothing written (contract §6), through symlinks and hard links too."""
+    d = tmp_path / "D"
+    d.mkdir()
+    src, tgt = numbered(d, 160, stem="train")
+    before = snapshot(tmp_path)
+
+    def refused(argv, option, clash):
+        assert prepare.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("dtmt prepare files: error: " + option), err
+        assert "would overwrite" in err and clash in err, err
+        assert snapshot(tmp_path) == before, argv
+
+    refused(["files", "--src", src, "--tgt", tgt, "--out", str(d), "--holdout", "10", "--vocab-size", "60"],
+            f"--src {src}:", "train split's source file")
+    refused(["files", "--src", src, "--tgt", tgt, "--out", str(d), "--no-binarize"], f"--src {src}:", "train")
+    os.symlink(src, tmp_path / "link.es")
+    os.link(tgt, tmp_path / "hard.en")
+    before = snapshot(tmp_path)
+    refused(["files", "--src", str(tmp_path / "link.es"), "--tgt", str(tmp_path / "hard.en"), "--out", str(d)],
+            f"--src {tmp_path / 'link.es'}:", f"it is {os.path.join(str(d), 'train.es')}")
+    refused(["files", "--src", str(tmp_path / "link.es"), "--tgt", str(tmp_path / "hard.en"), "--out", str(d),
+             "--src-lang", "x"], f"--tgt {tmp_path / 'hard.en'}:", "train split's target file")
+    # dev and test files are inputs too, and a held-out split writes its files
+    a, b = numbered(tmp_path, 50, stem="c")
+    dev, dtgt = numbered(d, 5, stem="dev")
+    before = snapshot(tmp_path)
+    refused(["files", "--src", a, "--tgt", b, "--dev-src", dev, "--dev-tgt", dtgt, "--out", str(d)],
+            f"--dev-src {dev}:", "dev split's source file")
+    refused(["files", "--src", a, "--tgt", b, "--test-src", dev, "--test-tgt", dtgt, "--out", str(d),
+             "--holdout", "2"], f"--test-src {dev}:", "dev split's source file")   # dev is held out into D/dev.*
+    # a prepared corpus: its manifest and its binarized copy (replaced as a whole) are not inputs either
+    out = tmp_path / "out"
+    assert prepare.main(["files", "--src", a, "--tgt", b, "--out", str(out), "--vocab-size", "60",
+                         "--workers", "1"]) == 0
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    model = str(out / "bin-bpe60" / "src.model")
+    refused(["files", "--src", str(out / "corpus.json"), "--tgt", b, "--out", str(out)], "--src", "manifest")
+    refused(["files", "--src", a, "--tgt", model, "--out", str(out), "--vocab-size", "60"], f"--tgt {model}:",
+            "binarized corpus")
+    stale = write(out / ".notes.tmp999999999", "not ours")   # what remove_stale_temporaries would take
+    before = snapshot(tmp_path)
+    refused(["files", "--src", stale, "--tgt", b, "--out", str(out)], "--src", "temporary file")
+    # where nothing is in the way, the same folder works: the inputs' folder, names that are not the corpus's
+    assert prepare.main(["files", "--src", a, "--tgt", b, "--out", str(tmp_path), "--no-binarize"]) == 0
+    assert (tmp_path / "c.es").read_bytes() == before["c.es"] and (tmp_path / "train.es").exists()
+
+
+@pytest.mark.parametrize("source", ["files", "bible", "binarize"])
+@pytest.mark.parametrize("option, value, message", [
+    ("--vocab-size", "99999999999", "--vocab-size must be at most 1,000,000, not 99999999999"),
+    ("--vocab-size", "2147483648", "--vocab-size must be at most 1,000,000"),
+    ("--vocab-size", "7", "--vocab-size must be at least 8, not 7"),
+    ("--workers", "100000", "--workers must be at most "),
+    ("--workers", "-1", "--workers must be >= 0, not -1"),
+    ("--sample", "0", "--sample must be at least 1"),
+    ("--sample", "10000000000", "--sample must be at most 1,000,000,000"),
+    ("--sample-seed", "-1", "--sample-seed must be >= 0"),
+    ("--sample-seed", "4294967296", "--sample-seed must be at most 4,294,967,295"),
+    ("--holdout", "99999999999", "--holdout must be at most 1,000,000,000"),
+    ("--seed", "-1", "--seed must be >= 0"),
+    ("--seed", "18446744073709551616", "--seed must be at most 4,294,967,295"),
+])
+def test_prepare_numeric_options_are_bounded(tmp_path, capsys, monkeypatch, source, option, value, message):
+    """Every numeric option in a range, checked before any work: --vocab-size 99999999999 was a 60-line traceback
+    from a SentencePiece process after the text was written; --workers 100000 started over 1,100 processes and
+    hung. Now one line, exit 2, nothing written (and no process started)."""
+    import concurrent.futures
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a process pool was started for an option that cannot work")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", no_pool)
+    src, tgt = numbered(tmp_path, 40)
+    corpus = tmp_path / "corpus"
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(corpus), "--no-binarize"]) == 0
+    capsys.readouterr()
+    argv = {"files": ["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "out")],
+            "bible": ["bible", "--out", str(tmp_path / "out")],
+            "binarize": ["binarize", "--data", str(corpus)]}[source]
+    if option in ("--holdout", "--seed") and source != "files":
+        assert prepare.main(argv + [option, value]) == 2   # not an option of this subcommand: argparse says so
+        return
+    before = snapshot(tmp_path)
+    assert prepare.main(argv + [option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dtmt prepare {source}: error: {message}") and err.count("\n") == 1, err
+    assert snapshot(tmp_path) == before
+
+
+def test_prepare_workers_limit_is_in_the_help(capsys):
+    assert prepare.main(["files", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"at most {prepare.MAX_WORKERS} here" in text and "8 to 1,000,000" in text
+
+
+def test_prepare_checks_options_before_removing_leftovers(tmp_path, capsys):
+    """A refused option writes nothing, not even the removal of what an interrupted run left in --out."""
+    import subprocess as sp
+
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = sp.Popen(["true"])
+    gone.wait()
+    stale = write(out / f".train.es.tmp{gone.pid}", "left")
+    assert prepare.main(["files", "--src", str(tmp_path / "none.es"), "--tgt", str(tmp_path / "none.en"),
+                         "--out", str(out)]) == 2
+    assert "--src " + str(tmp_path / "none.es") + ": no such file" in capsys.readouterr().err
+    assert os.path.exists(stale)
+
 def test_prepare_removes_what_an_interrupted_run_left(tmp_path, capsys):
     """A prepare killed midway leaves its temporaries (.train.es.tmpPID, a binarized build folder .bin-*.tmp-PID);
     the next run removes those whose process is gone, and leaves a running process' own (issue 71 item 5)."""

@@ -15,25 +15,33 @@ from typing import List, Optional
 from dtmt_models.atomic import remove_stale_temporaries
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
-from dtmt_models.data.prepare import prepare_files
-from dtmt_models.errors import UsageError, check_input_dir, check_output_dir
+from dtmt_models.data.prepare import check_files_options, prepare_files
+from dtmt_models.errors import MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_input_dir, check_output_dir
 from dtmt_models.models.presets import TRAIN_DEFAULTS
+
+# the ranges of the numeric options, checked before any work (contract §6: one line, exit status 2)
+MAX_LINES = 1_000_000_000     # --sample and --holdout: more lines than a corpus this reads holds
+MAX_SEED = 2 ** 32 - 1        # Python's random takes |seed|: a negative seed would repeat a positive one's draw
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+MAX_WORKERS = max(16, 4 * CORES)   # more processes than that only cost memory (each holds both vocabularies)
 
 
 def add_binarize_arguments(p: argparse.ArgumentParser, optional: bool) -> None:
     """The options of the binarized corpus (dtmt_models.data.binarized), shared by the subcommands."""
     g = p.add_argument_group("binarized corpus (what dtmt train reads)")
     g.add_argument("--vocab-size", type=int, default=TRAIN_DEFAULTS["vocab_size"], metavar="N",
-                   help=f"SentencePiece pieces per side (default: {TRAIN_DEFAULTS['vocab_size']}, the small presets'; "
-                        f"dtmt train builds the copy for another size itself when it first needs it)")
+                   help=f"SentencePiece pieces per side, 8 to {MAX_VOCAB_SIZE:,} (default: "
+                        f"{TRAIN_DEFAULTS['vocab_size']}, the small presets'; dtmt train builds the copy for another "
+                        f"size itself when it first needs it)")
     g.add_argument("--vocab-type", choices=("bpe", "unigram"), default="bpe", help="SentencePiece model (default: bpe)")
     g.add_argument("--sample", type=int, default=binarized.DEFAULT_SAMPLE, metavar="N",
-                   help=f"training lines per side SentencePiece learns from, drawn at random (default: "
-                        f"{binarized.DEFAULT_SAMPLE:,}; all of them when the corpus has fewer, in order)")
+                   help=f"training lines per side SentencePiece learns from, drawn at random, 1 to {MAX_LINES:,} "
+                        f"(default: {binarized.DEFAULT_SAMPLE:,}; all of them when the corpus has fewer, in order)")
     g.add_argument("--sample-seed", type=int, default=binarized.DEFAULT_SEED, metavar="S",
-                   help=f"seed of that draw (default: {binarized.DEFAULT_SEED})")
+                   help=f"seed of that draw, 0 to {MAX_SEED} (default: {binarized.DEFAULT_SEED})")
     g.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="encoding processes (default 0: one per core, at most 16)")
+                   help=f"encoding processes, at most {MAX_WORKERS} here (4 per core, or 16 if that is more); "
+                        f"default 0: one per core, at most 16")
     if optional:
         g.add_argument("--no-binarize", action="store_true",
                        help="write the text only (dtmt train then binarizes it on its first run)")
@@ -47,12 +55,12 @@ def binarize_from_args(args: argparse.Namespace, directory: str, log) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dtmt prepare", description="Writes a corpus directory for dtmt train and "
-                                "dtmt evaluate: the embedded Bible (Spanish -> English) or your own parallel files, "
-                                "with the binarized corpus that training reads.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="run `dtmt prepare bible --help`, `dtmt prepare files --help` or `dtmt prepare "
-                                       "binarize --help` for the options")
+    p = ArgumentParser(prog="dtmt prepare", description="Writes a corpus directory for dtmt train and "
+                       "dtmt evaluate: the embedded Bible (Spanish -> English) or your own parallel files, "
+                       "with the binarized corpus that training reads.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="run `dtmt prepare bible --help`, `dtmt prepare files --help` or `dtmt prepare "
+                              "binarize --help` for the options")
     sub = p.add_subparsers(dest="source", metavar="{bible,files,binarize}", required=True)
 
     b = sub.add_parser("bible", help="the embedded Bible corpus (Spanish -> English)",
@@ -82,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         f.add_argument(f"--{split}-tgt", metavar="G", help=f"{split} target file")
     f.add_argument("--holdout", type=int, default=0, metavar="N",
                    help="hold N pairs out of the training files for each of dev and test (those not given as "
-                        "files); default 0: no held-out split")
-    f.add_argument("--seed", type=int, default=0, help="seed of the held-out selection (default: 0)")
+                        f"files), at most {MAX_LINES:,}; default 0: no held-out split")
+    f.add_argument("--seed", type=int, default=0, metavar="S",
+                   help=f"seed of the held-out selection, 0 to {MAX_SEED} (default: 0)")
     add_binarize_arguments(f, optional=True)
 
     z = sub.add_parser("binarize", help="(re)write the binarized corpus of a prepared directory",
@@ -97,38 +106,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric option of the subcommand in its range (UsageError naming it, the value and the range)."""
+    ranges = [("vocab_size", 8, MAX_VOCAB_SIZE), ("sample", 1, MAX_LINES), ("sample_seed", 0, MAX_SEED),
+              ("workers", 0, MAX_WORKERS), ("holdout", 0, MAX_LINES), ("seed", 0, MAX_SEED)]
+    for name, low, high in ranges:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value < low:
+            raise UsageError(f"{flag} must be at least {low}, not {value}" if low else
+                             f"{flag} must be >= 0, not {value}")
+        if value > high:
+            why = f" ({CORES} cores here)" if name == "workers" else ""
+            raise UsageError(f"{flag} must be at most {high:,}{why}, not {value}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exc:  # --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 1
-    for name, low in (("vocab_size", 8), ("sample", 1), ("workers", 0)):
-        if getattr(args, name) < low:
-            print(f"dtmt prepare {args.source}: error: --{name.replace('_', '-')} must be at least {low}, not "
-                  f"{getattr(args, name)}", file=sys.stderr)
-            return 2
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
     try:
-        # what an interrupted earlier run left (its process gone), where this one writes
-        for folder in {getattr(args, "out", None), getattr(args, "data", None)} - {None}:
-            for path in remove_stale_temporaries(folder):
-                log(f"removed {path} (left by an interrupted run)")
+        check_numbers(args)
+        # every option before any work (contract §6), then what an interrupted earlier run left (its process
+        # gone), where this one writes
         if args.source == "bible":
             check_output_dir(args.out, "--out")
-            bible.prepare_bible(args.out, log=log)
-            binarize_from_args(args, args.out, log)
         elif args.source == "files":
-            prepare_files(args, log=log)
-            binarize_from_args(args, args.out, log)
+            written = [] if args.no_binarize else [binarized.binarized_path(args.out, args.vocab_type,
+                                                                            args.vocab_size)]
+            check_files_options(args, written)
         else:
             check_input_dir(args.data, "--data", "corpus folder")
             if not os.path.isfile(os.path.join(args.data, data.MANIFEST)):
                 raise UsageError(f"--data {args.data}: not a corpus folder written by dtmt prepare (no "
                                  f"{data.MANIFEST})")
+        for folder in {getattr(args, "out", None), getattr(args, "data", None)} - {None}:
+            for path in remove_stale_temporaries(folder):
+                log(f"removed {path} (left by an interrupted run)")
+        if args.source == "bible":
+            bible.prepare_bible(args.out, log=log)
+            binarize_from_args(args, args.out, log)
+        elif args.source == "files":
+            prepare_files(args, log=log, written_dirs=written)
+            binarize_from_args(args, args.out, log)
+        else:
             binarize_from_args(args, args.data, log)
     except UsageError as exc:   # an option that cannot work: nothing was read or written
         print(f"dtmt prepare {args.source}: error: {exc}", file=sys.stderr)

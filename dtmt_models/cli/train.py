@@ -21,7 +21,7 @@ from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporarie
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD, Vocabulary
-from dtmt_models.errors import ArgumentParser, MAX_COUNT, MAX_THREADS, check_output_dir, one_line
+from dtmt_models.errors import MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_output_dir, one_line
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models
@@ -161,8 +161,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.seed is not None:
         need(0 <= args.seed < 2 ** 63, "seed", "an integer in [0, 2^63)")
     if args.vocab_size is not None:
-        need(8 <= args.vocab_size <= MAX_COUNT, "vocab_size",
-             f"an integer in [8, {MAX_COUNT:,}] (4 special pieces + at least the characters)")
+        need(8 <= args.vocab_size <= MAX_VOCAB_SIZE, "vocab_size",
+             f"an integer in [8, {MAX_VOCAB_SIZE:,}] (4 special pieces + at least the characters)")
     if args.lr is not None:
         need(0 < args.lr < math.inf, "lr", "a finite number > 0")
     if args.smoothing is not None:

@@ -22,9 +22,10 @@ import random
 import re
 from typing import Dict, Sequence
 
+from dtmt_models.atomic import _TMP_NAME as _TEMPORARY_NAME   # what remove_stale_temporaries removes
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import corpus as data
-from dtmt_models.errors import UsageError, check_input_file, check_output_dir
+from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file
 
 SPLITS = ("train", "dev", "test")
 _LANG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -43,10 +44,27 @@ def holdout_indices(n: int, holdout: int, splits: Sequence[str], seed: int) -> D
     return {j: split for i, split in enumerate(splits) for j in chosen[i * holdout:(i + 1) * holdout]}
 
 
-def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:
+def prepare_files(args: argparse.Namespace, log=print, written_dirs: Sequence[str] = ()) -> Dict[str, int]:
     """Validates and copies a user corpus (the `files` subcommand), streaming: memory does not grow with the
     files. Raises UsageError for options that cannot work (checked first: nothing is read or written) and
-    data.CorpusError for bad input; then no output file has changed and an --out folder made here is removed."""
+    data.CorpusError for bad input; then no output file has changed and an --out folder made here is removed.
+    `written_dirs`: folders the caller replaces afterwards (the binarized copy); an input inside one is refused
+    like an input that is one of the files written here."""
+    files, held = check_files_options(args, written_dirs)
+    made = not os.path.exists(args.out)
+    try:
+        return _write_files(args, files, held, log)
+    except BaseException:
+        if made:   # nothing of this corpus may stay: the folder made for it goes too, if nothing else is in it
+            with contextlib.suppress(OSError):
+                os.rmdir(args.out)
+        raise
+
+
+def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = ()):
+    """The checks of prepare_files, before any work: UsageError for an option that cannot work, including an
+    input that the corpus written to --out would overwrite or remove (contract §6: no input is ever overwritten).
+    Returns ({split: (src, tgt)} of the files given, [the splits held out of the training files])."""
     for option in ("src_lang", "tgt_lang"):
         lang = getattr(args, option)
         if not _LANG_RE.fullmatch(lang) or lang in ("ref", "json", "tmp"):
@@ -71,14 +89,39 @@ def prepare_files(args: argparse.Namespace, log=print) -> Dict[str, int]:
         raise UsageError(f"--holdout must be >= 0, not {args.holdout}")
     if args.holdout and not held:
         raise UsageError("--holdout: dev and test files are both given, there is nothing to hold out")
-    made = not os.path.exists(args.out)
-    try:
-        return _write_files(args, files, held, log)
-    except BaseException:
-        if made:   # nothing of this corpus may stay: the folder made for it goes too, if nothing else is in it
-            with contextlib.suppress(OSError):
-                os.rmdir(args.out)
-        raise
+    _check_inputs_survive(args, files, list(files) + (held if args.holdout else []), written_dirs)
+    return files, held
+
+
+def _check_inputs_survive(args: argparse.Namespace, files: Dict[str, tuple], splits: Sequence[str],
+                          written_dirs: Sequence[str]) -> None:
+    """UsageError naming the option when an input is a file this corpus writes into --out (DIR/{split}.{lang} of
+    the splits written, the manifest; the same file through a symlink or a hard link too), lies in a folder that
+    is replaced (the binarized copy), or is named like a temporary file an interrupted run left there (removed
+    before writing)."""
+    outputs = [(os.path.join(args.out, f"{split}.{lang}"), f"the {split} split's {side} file")
+               for split in splits for side, lang in (("source", args.src_lang), ("target", args.tgt_lang))]
+    outputs.append((os.path.join(args.out, data.MANIFEST), "the corpus manifest"))
+    for path, what in outputs:
+        check_output_file(path, "--out", what=what)   # a folder in the way of a file written
+    out_real = os.path.realpath(args.out)
+    replaced = [os.path.realpath(d) for d in written_dirs]
+    for split, pair in files.items():
+        for side, source in zip(("src", "tgt"), pair):
+            option = f"--{side}" if split == "train" else f"--{split}-{side}"
+            clash = None
+            for path, what in outputs:
+                if os.path.exists(path) and os.path.exists(source) and os.path.samefile(source, path):
+                    clash = f"it is {path}, {what} that prepare writes"
+            real = os.path.realpath(source)
+            for folder in replaced:
+                if real.startswith(folder + os.sep):
+                    clash = f"it lies in {folder}, the binarized corpus that prepare replaces"
+            if os.path.dirname(real) == out_real and _TEMPORARY_NAME.match(os.path.basename(real)):
+                clash = "it is named like a temporary file that an interrupted run left there, which prepare removes"
+            if clash:
+                raise UsageError(f"{option} {source}: an input that --out {args.out} would overwrite ({clash}); "
+                                 f"use another --out")
 
 
 def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequence[str], log) -> Dict[str, int]:

@@ -2,15 +2,19 @@
 
 - Translations equal the library's `translate` of the same sentences; /health and /info answer.
 - Every malformed request gets its status and a JSON message (400 bad JSON or shape, 413 too many or too long
-  sentences or too large a body, 404, 405), and the server goes on serving.
+  sentences or too large a body, 404, 405), and the server goes on serving; so does a body whose Content-Encoding
+  lies or is unknown (400, 415), and a gzip bomb (413).
+- Every numeric option has a finite range, checked before the model is loaded.
 - 48 concurrent clients: every request answered correctly, in fewer decoding batches than requests (requests
   were batched together).
-- SIGTERM while a request is in flight: that request is answered in full, then the process exits 0.
+- SIGTERM while a request is in flight: that request is answered in full, then the process exits 0; a second
+  signal, however late, exits at once with one line and no traceback.
 - In process (the Server class): a decoding failure answers that request 500 and the next one normally.
 """
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import queue
@@ -21,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 
 import pytest
 import torch
@@ -115,7 +120,7 @@ def server(system):
     (["--max-sentences", "0"], "--max-sentences must be >= 1, got 0"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a finite number >= 0, got -1.0"),
     (["--max-wait-ms", "nan"], "--max-wait-ms must be a finite number >= 0, got nan"),
-    (["--read-timeout", "0"], "--read-timeout must be a finite number > 0, got 0.0"),
+    (["--read-timeout", "0"], "--read-timeout must be a finite number >= 0.1, got 0.0"),
     (["--beam", "0"], "--beam must be >= 1, got 0"),
     (["--beam", "2000"], "--beam must be <= 1024, got 2000"),
 ])
@@ -127,6 +132,33 @@ def test_bad_options_exit_2_before_listening(system, capsys, flags, message):
     assert cli.main(["serve", "-c", system[3], *flags]) == 2
     err = capsys.readouterr().err
     assert err == f"dtmt serve: {message}\n", err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-wait-ms", "1e12"], "--max-wait-ms must be <= 60,000, got 1000000000000.0"),
+    (["--max-wait-ms", "inf"], "--max-wait-ms must be a finite number >= 0, got inf"),
+    (["--max-sentences", "10001"], "--max-sentences must be <= 10,000, got 10001"),
+    (["--max-chars", "100001"], "--max-chars must be <= 100,000, got 100001"),
+    (["--max-sentences", "10000", "--max-chars", "100000"],
+     "--max-sentences x --max-chars must be <= 100,000,000 (the largest request), got 1,000,000,000"),
+    (["--batch-sentences", "10001"], "--batch-sentences must be <= 10,000, got 10001"),
+    (["--shutdown-timeout", "1e9"], "--shutdown-timeout must be <= 86,400, got 1000000000.0"),
+    (["--read-timeout", "86401"], "--read-timeout must be <= 86,400, got 86401.0"),
+    (["--read-timeout", "1e-9"], "--read-timeout must be a finite number >= 0.1, got 1e-09"),
+    (["--port", "-1"], "--port must be in 0..65535, got -1"),
+])
+def test_numeric_options_are_bounded_before_loading(tmp_path, capsys, flags, message):
+    """Every numeric option has a finite range (`--max-wait-ms 1e12` was accepted, and a lone request then never got
+    its answer), checked before the model is loaded: the checkpoint named does not exist."""
+    from dtmt_models import cli
+    from dtmt_models.decoding.serve import ServeSettings
+
+    assert cli.main(["serve", "-c", str(tmp_path / "missing.pt"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dtmt serve: {message}\n", err
+    ServeSettings(max_sentences=10_000, max_chars=10_000, batch_sentences=10_000, max_wait_ms=60_000,
+                  shutdown_timeout=86_400, read_timeout=86_400).check()          # the bounds themselves are fine
+    ServeSettings(max_wait_ms=0, shutdown_timeout=0, read_timeout=0.1).check()
 
 
 def test_no_option_that_does_nothing(capsys):
@@ -182,6 +214,41 @@ def test_bad_requests_get_a_status_and_a_message(server):
     assert request(server.url, "/translate", method="GET") == (405, {"error": "Method Not Allowed"})
     status, reply = request(server.url, "/translate", {"sentences": ["el sol brilla"]})   # still serving
     assert status == 200 and len(reply["translations"]) == 1
+
+
+def test_content_encoding_is_checked(system, server):
+    """A body whose Content-Encoding says gzip or deflate but that is not gets a JSON 400 (it was a plain-text 500
+    and a traceback in the log); an unknown coding (br) a JSON 415 naming the ones accepted (it was a plain-text
+    400); a gzip bomb 413; real gzip and deflate bodies are translated as the plain one."""
+    model, sv, tv, _ = system
+    plain = json.dumps({"sentences": [SRC[0]]}).encode()
+    expected = request(server.url, "/translate", plain)
+    assert expected[0] == 200
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    for encoding, body in [("gzip", gzip.compress(plain)), ("x-gzip", gzip.compress(plain)),
+                           ("deflate", zlib.compress(plain)),
+                           ("deflate", raw_deflate.compress(plain) + raw_deflate.flush()),           # raw deflate
+                           ("GZIP", gzip.compress(plain[:10]) + gzip.compress(plain[10:])),     # two members
+                           ("identity", plain), ("gzip, identity", gzip.compress(plain))]:
+        assert request(server.url, "/translate", body, headers={"Content-Encoding": encoding}) == expected, encoding
+    cases = [
+        ("gzip", plain, 400, "the body is not valid gzip data"),
+        ("deflate", plain, 400, "the body is not valid deflate data"),
+        ("gzip", gzip.compress(plain)[:-12], 400, "not valid gzip data, as its Content-Encoding says (it ends early)"),
+        ("gzip", gzip.compress(plain) + b"junk", 400, "the body is not valid gzip data"),
+        ("gzip", gzip.compress(b" " * 5_000_000), 413, "the request body is too large"),
+        ("br", plain, 415, "Content-Encoding 'br' is not supported (supported: gzip, x-gzip, deflate, identity)"),
+        ("gzip, zstd", plain, 415, "Content-Encoding 'zstd' is not supported"),
+    ]
+    for encoding, body, status, message in cases:
+        got_status, reply = request(server.url, "/translate", body, headers={"Content-Encoding": encoding})
+        assert got_status == status and message in reply["error"], (encoding, got_status, reply)
+    req = urllib.request.Request(server.url + "/translate", data=plain, headers={"Content-Encoding": "br"})
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=60)
+    assert exc.value.code == 415 and exc.value.headers["Content-Type"].startswith("application/json")
+    assert exc.value.headers["Accept-Encoding"] == "gzip, x-gzip, deflate, identity"   # RFC 9110 section 12.5.3
+    assert request(server.url, "/translate", plain) == expected                        # still serving
 
 
 def test_concurrent_clients_are_batched(system, server):
@@ -270,6 +337,60 @@ def test_sigterm_finishes_the_request_in_flight(system):
         assert "SIGTERM: finishing the requests in flight" in err and "stopped: 1 requests, 400 sentences" in err
         with pytest.raises(urllib.error.URLError):                          # no longer listening
             request(proc.url, "/health")
+    finally:
+        proc.close()
+
+
+def test_two_signals_in_quick_succession_are_quiet(system):
+    """Two signals at once on an idle server: it stops (gracefully, or at once on the second), with no traceback
+    (the loop's wakeup fd, closed as the loop ended, printed `Exception ignored when trying to write to the signal
+    wakeup fd: ... BrokenPipeError`)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = ServerProcess(system[3])
+        try:
+            proc.proc.send_signal(sig)
+            proc.proc.send_signal(sig)
+            err = proc.rest_of_stderr()
+            assert proc.proc.returncode in (0, 1), err
+            assert "Traceback" not in err and "Exception ignored" not in err and "Error" not in err, err
+            if proc.proc.returncode == 1:
+                assert f"{sig.name} again: exiting without waiting" in err, err
+        finally:
+            proc.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_late_second_signal_exits_at_once_with_one_line(system, sig):
+    """A decoding still running when --shutdown-timeout is up holds the process's exit after `stopped`; a second
+    signal then (once the event loop is closed) exits at once with one line, exit status 1 (it was a
+    KeyboardInterrupt traceback for SIGINT, a kill for SIGTERM)."""
+    proc = ServerProcess(system[3], "--max-sentences", "400", "--max-chars", "1000", "--beam", "16",
+                         "--shutdown-timeout", "0")
+    try:
+        sentences = [" y ".join(SRC[(i >> (2 * k)) % len(SRC)] for k in range(6)) for i in range(400)]   # seconds
+        thread = threading.Thread(target=lambda: pytest.raises(Exception, request, proc.url, "/translate",
+                                                               {"sentences": sentences}), daemon=True)
+        thread.start()
+        deadline = time.time() + 60
+        while request(proc.url, "/info")[1]["counters"]["requests"] < 1:     # it has arrived
+            assert time.time() < deadline, "the request never reached the server"
+            time.sleep(0.02)
+        time.sleep(0.2)                                                     # and is being decoded
+        proc.proc.send_signal(sig)
+        while True:
+            line = proc.lines.get(timeout=60)
+            assert line is not None, "".join(proc.seen)
+            proc.seen.append(line)
+            if "stopped:" in line:
+                break
+        time.sleep(0.2)                                                     # the loop is closed by now
+        assert proc.proc.poll() is None, "the decoding ended already: make it longer"
+        signalled = time.time()
+        proc.proc.send_signal(sig)
+        err = proc.rest_of_stderr()
+        assert proc.proc.returncode == 1 and time.time() - signalled < 5, err
+        assert err.endswith(f"dtmt serve: {sig.name} again: exiting without waiting\n"), err
+        assert "Traceback" not in err and "Exception ignored" not in err, err
     finally:
         proc.close()
 

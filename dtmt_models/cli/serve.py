@@ -4,14 +4,17 @@
     curl -s localhost:8080/translate -d '{"sentences": ["En el principio creó Dios los cielos y la tierra."]}'
 
 Prints `dtmt serve: listening on http://HOST:PORT` on stderr once it accepts requests (with --port 0, the port
-the system chose); SIGINT or SIGTERM stop it after the requests in flight are answered (a second one at once). Needs aiohttp
+the system chose); SIGINT or SIGTERM stop it after the requests in flight are answered (a second one at once, with
+one line on stderr, however late it comes). Needs aiohttp
 (`pip install aiohttp`, in requirements.txt).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import re
 import signal
 import sys
 from typing import List, Optional
@@ -19,35 +22,41 @@ from typing import List, Optional
 from dtmt_models.cli.common import add_decoding_arguments, build_decoder, check_decoding_arguments, \
     check_device_and_backend, load_for_decoding, run_command, use_threads
 from dtmt_models.decoding.translate import InputError
-from dtmt_models.errors import UsageError, one_line
+from dtmt_models.errors import ArgumentParser, UsageError, one_line
 
 PROG = "dtmt serve"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dtmt_models.decoding.serve import ServeSettings
+    from dtmt_models.decoding.serve import MAX_BATCH_SENTENCES, MAX_CHARS, MAX_REQUEST_CHARS, MAX_SENTENCES, \
+        MAX_TIMEOUT, MAX_WAIT_MS, MIN_READ_TIMEOUT, ServeSettings
 
     d = ServeSettings()
-    p = argparse.ArgumentParser(prog=PROG, description="Serve translations over HTTP (JSON): POST /translate "
-                                "{\"sentences\": [...]}, GET /health, GET /info.")
+    p = ArgumentParser(prog=PROG, description="Serve translations over HTTP (JSON): POST /translate "
+                       "{\"sentences\": [...]}, GET /health, GET /info.")
     p.add_argument("--checkpoint", "-c", required=True, action="append", metavar="CKPT",
                    help="a checkpoint written by `dtmt train`; repeated, an ensemble")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port)")
+    p.add_argument("--port", type=int, default=8080, help="port, 0..65535 (default 8080; 0: any free port)")
     g = p.add_argument_group("requests and batching")
     g.add_argument("--max-sentences", type=int, default=d.max_sentences,
-                   help=f"sentences per request, more is refused with 413 (default {d.max_sentences})")
+                   help=f"sentences per request, more is refused with 413; 1..{MAX_SENTENCES:,}, and --max-sentences "
+                        f"x --max-chars at most {MAX_REQUEST_CHARS:,} (default {d.max_sentences})")
     g.add_argument("--max-chars", type=int, default=d.max_chars,
-                   help=f"characters per sentence, more is refused with 413 (default {d.max_chars})")
+                   help=f"characters per sentence, more is refused with 413; 1..{MAX_CHARS:,} "
+                        f"(default {d.max_chars})")
     g.add_argument("--batch-sentences", type=int, default=d.batch_sentences,
-                   help=f"decode as soon as this many sentences wait (default {d.batch_sentences})")
+                   help=f"decode as soon as this many sentences wait; 1..{MAX_BATCH_SENTENCES:,} "
+                        f"(default {d.batch_sentences})")
     g.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
-                   help=f"the longest a request waits for others to join its batch (default {d.max_wait_ms:g})")
+                   help=f"the longest a request waits for others to join its batch; 0..{MAX_WAIT_MS:,g} "
+                        f"(default {d.max_wait_ms:g})")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                   help=f"on shutdown, seconds left to the requests in flight (default {d.shutdown_timeout:g})")
+                   help=f"on shutdown, seconds left to the requests in flight; 0..{MAX_TIMEOUT:,g} (a day) "
+                        f"(default {d.shutdown_timeout:g})")
     g.add_argument("--read-timeout", type=float, default=d.read_timeout,
                    help=f"seconds a client has to send a request's body (else 408); an idle connection is closed "
-                        f"after as long (default {d.read_timeout:g})")
+                        f"after as long; {MIN_READ_TIMEOUT:g}..{MAX_TIMEOUT:,g} (default {d.read_timeout:g})")
     add_decoding_arguments(p, quiet=False, batch_size=False)
     return p
 
@@ -70,8 +79,10 @@ def _run(args: argparse.Namespace) -> int:
                              shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout)
     try:
         settings.check()
-    except ValueError as exc:
-        raise UsageError(f"--{one_line(exc).replace('_', '-')}") from None
+    except ValueError as exc:   # the settings' names, as the options that set them
+        names = "|".join(f.name for f in dataclasses.fields(settings))
+        raise UsageError(re.sub(rf"\b({names})\b", lambda m: "--" + m.group(1).replace("_", "-"),
+                                one_line(exc))) from None
     try:
         import aiohttp  # noqa: F401
     except ImportError:
@@ -97,14 +108,23 @@ def _run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         stopping = []
 
-        def on_signal(name: str) -> None:
-            if stopping:   # a second signal: stop now, requests in flight or not
-                log(f"{name} again: exiting without waiting")
+        def on_signal(signum, frame) -> None:
+            """Python-level handlers, not the loop's `add_signal_handler`: its wakeup fd, closed as the loop ends,
+            made a second signal a traceback (BrokenPipeError), and once the loop restored the default handlers, a
+            KeyboardInterrupt or a kill. These stay until the process ends (a decoding still running when
+            --shutdown-timeout is up holds the exit): a second signal always exits at once, with one line."""
+            name = signal.Signals(signum).name
+            if stopping or loop.is_closed():   # a second signal: stop now, requests in flight or not
+                os.write(2, f"{PROG}: {name} again: exiting without waiting\n".encode())   # (no lock: safe here)
                 os._exit(1)
+            stopping.append(name)
+            loop.call_soon_threadsafe(begin_stopping, name)
+
+        def begin_stopping(name: str) -> None:
             log(f"{name}: finishing the requests in flight, then stopping (again to exit at once)")
             stopping.append(loop.create_task(server.stop()))
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig.name)
+            signal.signal(sig, on_signal)
         log(f"listening on http://{args.host}:{server.port} ({'+'.join(map(str, names))}, "
             f"{info['parameters']:,} parameters, beam {settings.beam})")
         await server.wait_stopped()

@@ -10,17 +10,18 @@ in one `translate` call on one worker thread (the event loop stays free to take 
 answers each request with its own sentences' translations, in its order. Beam search treats every sentence
 independently, so a request's translations do not depend on what it was batched with.
 
-The body is read as JSON whatever its Content-Type says (`curl -d` sends a form type). Errors are JSON
-`{"error": "..."}` with a status: 400 for a body that is not JSON or not of that shape
-(`sentences` must be a list of strings; no other fields), 413 for more than `max_sentences` sentences or a
-sentence longer than `max_chars` characters (or a body too large to read), 404 / 405 for other paths and
-methods, 500 if decoding itself fails (when a batch fails, each of its requests is decoded again on its own,
-so only a request whose own sentences fail gets the 500; the server goes on). Shutdown (SIGINT / SIGTERM,
-or `Server.stop`) stops accepting connections, lets the requests in flight finish (at most `shutdown_timeout`
-seconds), then ends. A client gets `read_timeout` seconds to send a request's body (else 408, and the connection is
-closed); a connection on which no request has started for as long while none was in progress (silent since it
-opened, stalled in its headers, or idle between requests) is closed: a stalled or silent client holds no
-connection for longer.
+The body is read as JSON whatever its Content-Type says (`curl -d` sends a form type); a body sent with
+`Content-Encoding: gzip` (or `x-gzip`, `deflate`, `identity`) is decompressed first. Errors are JSON `{"error":
+"..."}` with a status: 400 for a body that is not JSON or not of that shape (`sentences` must be a list of strings;
+no other fields) or not valid data of its Content-Encoding, 413 for more than `max_sentences` sentences or a
+sentence longer than `max_chars` characters (or a body too large to read or to decompress), 415 for another
+Content-Encoding (`br`, `zstd`, ...), 404 / 405 for other paths and methods, 500 if decoding itself fails (when a
+batch fails, each of its requests is decoded again on its own, so only a request whose own sentences fail gets the
+500; the server goes on). Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
+requests in flight finish (at most `shutdown_timeout` seconds), then ends. A client gets `read_timeout` seconds to
+send a request's body (else 408, and the connection is closed); a connection on which no request has started for as
+long while none was in progress (silent since it opened, stalled in its headers, or idle between requests) is
+closed: a stalled or silent client holds no connection for longer.
 """
 from __future__ import annotations
 
@@ -28,11 +29,22 @@ import asyncio
 import concurrent.futures
 import json
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from dtmt_models.decoding.translate import input_warnings, translate
 from dtmt_models.engine.decoder import as_decoder
+
+
+# the largest values the settings take (`check`): beyond them a server would hold memory or a client for no use
+MAX_SENTENCES = 10_000            # per request
+MAX_CHARS = 100_000               # per sentence
+MAX_REQUEST_CHARS = 100_000_000   # max_sentences x max_chars: the largest request's text (its body ~12x as many bytes)
+MAX_BATCH_SENTENCES = 10_000
+MAX_WAIT_MS = 60_000.0            # a minute
+MAX_TIMEOUT = 86_400.0            # a day (shutdown_timeout, read_timeout)
+MIN_READ_TIMEOUT = 0.1            # (the idle-connection watchdog wakes every quarter of it)
 
 
 @dataclass
@@ -53,15 +65,24 @@ class ServeSettings:
     read_timeout: float = 30.0    # seconds to send a request's body; an idle connection is closed after as long
 
     def check(self) -> None:
-        for name, low in (("beam", 1), ("max_tokens", 1), ("max_src_len", 1), ("max_sentences", 1),
-                          ("max_chars", 1), ("batch_sentences", 1)):
+        """ValueError, naming the field, for a value out of its range (every bound is finite: a server that
+        accepted `max_wait_ms=1e12` would never answer a lone request)."""
+        for name, low, high in (("beam", 1, None), ("max_tokens", 1, None), ("max_src_len", 1, None),
+                                ("max_sentences", 1, MAX_SENTENCES), ("max_chars", 1, MAX_CHARS),
+                                ("batch_sentences", 1, MAX_BATCH_SENTENCES)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "shutdown_timeout"):
-            if not 0 <= getattr(self, name) < float("inf"):   # NaN fails this too
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if not 0 < self.read_timeout < float("inf"):
-            raise ValueError(f"read_timeout must be a finite number > 0, got {self.read_timeout}")
+            if high is not None and getattr(self, name) > high:
+                raise ValueError(f"{name} must be <= {high:,}, got {getattr(self, name)}")
+        if self.max_sentences * self.max_chars > MAX_REQUEST_CHARS:
+            raise ValueError(f"max_sentences x max_chars must be <= {MAX_REQUEST_CHARS:,} (the largest request), "
+                             f"got {self.max_sentences * self.max_chars:,}")
+        for name, low, high in (("max_wait_ms", 0, MAX_WAIT_MS), ("shutdown_timeout", 0, MAX_TIMEOUT),
+                                ("read_timeout", MIN_READ_TIMEOUT, MAX_TIMEOUT)):
+            if not low <= getattr(self, name) < float("inf"):   # NaN fails this too
+                raise ValueError(f"{name} must be a finite number >= {low:g}, got {getattr(self, name)}")
+            if getattr(self, name) > high:
+                raise ValueError(f"{name} must be <= {high:,g}, got {getattr(self, name)}")
 
 
 class RequestError(Exception):
@@ -98,6 +119,54 @@ def parse_request(body: bytes, settings: ServeSettings) -> List[str]:
         except UnicodeEncodeError:
             raise RequestError(400, f"sentence {i} is not valid Unicode (a lone surrogate)") from None
     return sentences
+
+
+CONTENT_CODINGS = ("gzip", "x-gzip", "deflate", "identity")   # the Content-Encodings a request's body may have
+
+
+def decode_body(body: bytes, content_encoding: str, limit: int) -> bytes:
+    """`body` with its Content-Encoding undone (`content_encoding` as sent, comma-separated codings undone last
+    first; empty: none), or RequestError: 415 for a coding not in CONTENT_CODINGS, 400 for a body that is not
+    valid data of its coding, 413 for one that decompresses to more than `limit` bytes (never more is made)."""
+    codings = [c.strip().lower() for c in content_encoding.split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    for coding in codings:
+        if coding not in CONTENT_CODINGS:
+            raise RequestError(415, f"Content-Encoding {coding!r} is not supported (supported: "
+                                    f"{', '.join(CONTENT_CODINGS)})")
+    for coding in reversed(codings):
+        body = _decompress(body, "deflate" if coding == "deflate" else "gzip", limit)
+    return body
+
+
+def _decompress(data: bytes, coding: str, limit: int) -> bytes:
+    """gzip (one member or several, concatenated) or deflate (zlib's format, or raw as some clients send it)."""
+    out: List[bytes] = []
+    size = 0
+    while True:
+        if coding == "gzip":
+            wbits = 16 + zlib.MAX_WBITS
+        else:   # a zlib header's first byte says method 8 (deflate); else raw deflate
+            wbits = zlib.MAX_WBITS if data[:1] and data[0] & 0x0F == 8 else -zlib.MAX_WBITS
+        decompressor = zlib.decompressobj(wbits)
+        try:
+            chunk = decompressor.decompress(data, limit + 1 - size)
+        except zlib.error as exc:
+            raise RequestError(400, f"the body is not valid {coding} data, as its Content-Encoding says "
+                                    f"({exc})") from None
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"the request body is too large (more than {limit:,} bytes decompressed)")
+        if not decompressor.eof:
+            raise RequestError(400, f"the body is not valid {coding} data, as its Content-Encoding says "
+                                    f"(it ends early)")
+        out.append(chunk)
+        data = decompressor.unused_data
+        if not data:
+            return b"".join(out)
+        if coding != "gzip":
+            raise RequestError(400, f"the body is not valid {coding} data, as its Content-Encoding says "
+                                    f"({len(data)} bytes after its end)")
 
 
 @dataclass
@@ -140,18 +209,18 @@ class Server:
             decoder = as_decoder(model)
         self.decoder = decoder
         self.log = log or (lambda message: None)
+        # a body larger than the largest acceptable request is refused with 413 once that much is read or
+        # decompressed (JSON's \uXXXX escapes: up to 12 bytes a character)
+        self.body_limit = settings.max_sentences * (12 * settings.max_chars + 16) + 65536
 
     # ------------------------------------------------------------------------------------------- app
     def app(self):
         from aiohttp import web
 
-        # a body larger than the largest acceptable request is refused with 413 once that much is read (JSON's
-        # \uXXXX escapes: up to 12 bytes a character)
-        limit = self.settings.max_sentences * (12 * self.settings.max_chars + 16) + 65536
         @web.middleware
         async def json_errors(request, handler):
             return await self._json_errors(request, handler)
-        app = web.Application(client_max_size=limit, middlewares=[json_errors])
+        app = web.Application(client_max_size=self.body_limit, middlewares=[json_errors])
         app.router.add_post("/translate", self._translate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
@@ -162,8 +231,12 @@ class Server:
         from aiohttp import web
 
         self._stopped = asyncio.Event()
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.settings.shutdown_timeout,
-                                     keepalive_timeout=self.settings.read_timeout)
+        # auto_decompress=False: `decode_body` undoes a body's Content-Encoding, its errors answered as JSON (aiohttp's
+        # own decompression answers a body that is not gzip with 500, and an unknown coding in plain text);
+        # a shutdown_timeout of 0 is 1 ms (aiohttp takes 0 for no limit at all)
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=max(self.settings.shutdown_timeout,
+                                                                                       0.001),
+                                     keepalive_timeout=self.settings.read_timeout, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -211,11 +284,11 @@ class Server:
         await self._stopped.wait()
 
     # -------------------------------------------------------------------------------------- handlers
-    def _error(self, status: int, message: str):
+    def _error(self, status: int, message: str, headers: Optional[Dict[str, str]] = None):
         from aiohttp import web
 
         self.counters.errors += 1
-        return web.json_response({"error": message}, status=status)
+        return web.json_response({"error": message}, status=status, headers=headers)
 
     async def _json_errors(self, request, handler):
         """aiohttp's own errors (404, 405, 413 for a body too large to read) as JSON, like the handlers' own."""
@@ -247,9 +320,11 @@ class Server:
             response.force_close()
             return response
         try:
+            body = decode_body(body, ", ".join(request.headers.getall("Content-Encoding", [])), self.body_limit)
             sentences = parse_request(body, self.settings)
-        except RequestError as exc:
-            return self._error(exc.status, str(exc))
+        except RequestError as exc:   # (415: RFC 9110 asks for the codings accepted)
+            headers = {"Accept-Encoding": ", ".join(CONTENT_CODINGS)} if exc.status == 415 else None
+            return self._error(exc.status, str(exc), headers)
         if not sentences:
             return web.json_response({"translations": [], "scores": []})
         future = asyncio.get_running_loop().create_future()

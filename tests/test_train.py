@@ -778,6 +778,16 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "not the same model" in err and "model_options" in err and "\n" not in err
     assert not os.path.exists(tmp_path / "bad.pt")
+    # a checkpoint with a NaN weight: the mean would hold it, and translate refuses such a file (it wrote one)
+    name = next(k for k, v in b["model"].items() if v.is_floating_point())
+    broken = dict(b, model={**b["model"], name: b["model"][name].clone().fill_(float("nan"))})
+    broken.pop("format")
+    save_checkpoint(str(tmp_path / "nan.pt"), broken)
+    assert average([p24, str(tmp_path / "nan.pt"), "-o", str(tmp_path / "bad.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"dtmt average: {tmp_path / 'nan.pt'}: {name} holds non-finite values (NaN or inf); the mean "
+                   f"would too\n")
+    assert not os.path.exists(tmp_path / "bad.pt")
 
 
 def test_inference_sees_the_optimizer_steps():

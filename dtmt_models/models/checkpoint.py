@@ -211,11 +211,20 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
     return model.to(device).eval(), src_vocab, tgt_vocab, ckpt
 
 
+def _check_finite(path: str, model: Dict[str, Any]) -> None:
+    """ValueError naming the first weight of `path` that holds NaN or inf: the mean would hold it too, and write a
+    checkpoint that translate refuses (found by a hostile-user review)."""
+    for k, v in model.items():
+        if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"average: {path}: {k} holds non-finite values (NaN or inf); the mean would too")
+
+
 def average_checkpoints(paths) -> Dict[str, Any]:
     """The element-wise mean of the weights of checkpoints of one model (same system, options, vocabularies and
     parameter shapes; floating-point tensors averaged in float64 and cast back, integer buffers must agree), as a
     translation checkpoint payload: everything else is the last file's, plus `averaged_from` (the file names).
-    Raises ValueError naming the first file that does not match the first one, or a file given twice; warns
+    Raises ValueError naming the first file that does not match the first one, a file given twice, or a weight
+    that is not finite; warns
     (UserWarning) when the files come from different training runs (their `config`s name another output folder or
     seed: the mean of separately trained weights is rarely a model that translates)."""
     paths = list(paths)
@@ -228,6 +237,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
             raise ValueError(f"average: {path} is given twice (as {seen[key]} too); each checkpoint counts once")
         seen[key] = path
     first = read_checkpoint(paths[0])
+    _check_finite(paths[0], first["model"])
     runs = {_run_of(first): paths[0]}
     sums = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
     last = first
@@ -238,6 +248,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                 raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs)")
         runs.setdefault(_run_of(ckpt), path)
         model = ckpt["model"]
+        _check_finite(path, model)
         if set(model) != set(sums):
             raise ValueError(f"average: {path} has other parameters than {paths[0]}")
         for k, v in model.items():

@@ -347,7 +347,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = ArgumentParser(prog="dtmt train", add_help=False)
     pre.add_argument("--config", default=None)
     config = pre.parse_known_args(argv)[0].config
     if config is not None:

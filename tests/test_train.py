@@ -785,8 +785,9 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     save_checkpoint(str(tmp_path / "nan.pt"), broken)
     assert average([p24, str(tmp_path / "nan.pt"), "-o", str(tmp_path / "bad.pt")]) == 2
     err = capsys.readouterr().err
-    assert err == (f"dtmt average: {tmp_path / 'nan.pt'}: {name} holds non-finite values (NaN or inf); the mean "
-                   f"would too\n")
+    count = b["model"][name].numel()
+    assert err == (f"dtmt average: {tmp_path / 'nan.pt'}: weight {name} holds {count:,} NaN or infinite "
+                   f"value{'s' if count != 1 else ''}; the checkpoint is corrupt (use an earlier one)\n")
     assert not os.path.exists(tmp_path / "bad.pt")
 
 

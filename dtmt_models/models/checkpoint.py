@@ -211,14 +211,6 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
     return model.to(device).eval(), src_vocab, tgt_vocab, ckpt
 
 
-def _check_finite(path: str, model: Dict[str, Any]) -> None:
-    """ValueError naming the first weight of `path` that holds NaN or inf: the mean would hold it too, and write a
-    checkpoint that translate refuses (found by a hostile-user review)."""
-    for k, v in model.items():
-        if torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise ValueError(f"average: {path}: {k} holds non-finite values (NaN or inf); the mean would too")
-
-
 def average_checkpoints(paths) -> Dict[str, Any]:
     """The element-wise mean of the weights of checkpoints of one model (same system, options, vocabularies and
     parameter shapes; floating-point tensors averaged in float64 and cast back, integer buffers must agree), as a
@@ -237,7 +229,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
             raise ValueError(f"average: {path} is given twice (as {seen[key]} too); each checkpoint counts once")
         seen[key] = path
     first = read_checkpoint(paths[0])
-    _check_finite(paths[0], first["model"])
+    check_finite_weights(paths[0], first["model"])   # (the mean would hold a NaN or an infinity too)
     runs = {_run_of(first): paths[0]}
     sums = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
     last = first
@@ -248,7 +240,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                 raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs)")
         runs.setdefault(_run_of(ckpt), path)
         model = ckpt["model"]
-        _check_finite(path, model)
+        check_finite_weights(path, model)
         if set(model) != set(sums):
             raise ValueError(f"average: {path} has other parameters than {paths[0]}")
         for k, v in model.items():

@@ -27,7 +27,6 @@ class RunLock:
         self.directory = os.path.abspath(directory)
         self.path = os.path.join(self.directory, LOCK_NAME)
         self.fd: Optional[int] = None
-        self.made_directory = False
         self.made: list = []
 
     def acquire(self) -> "RunLock":
@@ -36,7 +35,6 @@ class RunLock:
         while not os.path.exists(folder) and os.path.dirname(folder) != folder:
             self.made.append(folder)
             folder = os.path.dirname(folder)
-        self.made_directory = bool(self.made)
         try:
             os.makedirs(self.directory, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -59,7 +57,7 @@ class RunLock:
         is in it."""
         if self.fd is None:
             return
-        if discard and self.made_directory:
+        if discard and self.made:
             with contextlib.suppress(OSError):
                 if os.listdir(self.directory) == [LOCK_NAME]:
                     os.remove(self.path)

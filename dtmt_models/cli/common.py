@@ -184,14 +184,15 @@ def decoding_options_given(parser: argparse.ArgumentParser, args: argparse.Names
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
     """The decoding options' values (UsageError)."""
-    for name, low, high in (("beam", 1, MAX_COUNT), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
+    for name, low, high in (("beam", 1, None), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
                             ("max_len_b", 0, MAX_COUNT), ("threads", 0, MAX_THREADS), ("batch_size", 1, MAX_COUNT)):
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-        if value is not None and value > high:   # (--threads 100000 crashed the process; an int past int64, a
-            raise UsageError(f"--{name.replace('_', '-')} must be <= {high:,}, got {value}")   # traceback)
-    if args.beam > MAX_BEAM:
+        # (--threads 100000 crashed the process; an integer past int64 was a traceback)
+        if value is not None and high is not None and value > high:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {high:,}, got {value}")
+    if args.beam > MAX_BEAM:   # (its own bound, the search's)
         raise UsageError(f"--beam must be <= {MAX_BEAM}, got {args.beam}")
     if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too
         raise UsageError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")

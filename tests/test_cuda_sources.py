@@ -605,8 +605,8 @@ def _peak_bytes(fn):
 def test_driver_peak_allocations_against_the_reference(emulated_cuda_ext, cell, depth, ln, B, persistent, bound):
     """Issue 72's memory goal (peak memory of forward + backward at most the reference's), for what the CUDA driver
     allocates, counted on the CPU through the emulation at a B of the tiled step GEMM (as B = 64 on a GPU). The
-    deep transition's peak is under the reference's (0.85x: the reference keeps every sub-cell's gate activations);
-    the GRU's and ATR's are about 1.09x: the driver saves the input and recurrent pre-activations (xp, hp) and
+    deep transition's peak is under the reference's (the reference keeps every sub-cell's gate activations); the
+    GRU's and ATR's are above it: the driver saves the input and recurrent pre-activations (xp, hp) and
     allocates their gradients whole for the weight GEMMs after the loop, where the reference keeps the gates and
     frees step by step (docs/design/gpu.md, "Memory of the cuda backend"). A bound a new buffer would pass fails."""
     from conftest import make_layer

@@ -248,6 +248,10 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   g.partials = f.partials;
   g.spill = plan.backward_spill ? buf.make<T>(plan.backward_spill / sizeof(T), 0.0f) : nullptr;
   sizes(g, plan.backward_resident, backward_stage);
+  g.step_lo = 0;   // the whole sequence in one launch (the driver launches chunks of it: GradientChunks)
+  g.step_hi = Tn;
+  g.chunk_t0 = 0;
+  g.chunk_steps = Tn;
   if (g.dhp == nullptr) return;
   const Timing bwd = time_launch([&] { return launch_persistent_backward_kind<KIND, T, A>(g, G, kThreads, nullptr); },
                                  G);

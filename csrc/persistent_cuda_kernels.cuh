@@ -691,7 +691,9 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
 // since the gradient reaching a unit's state through a product is sum_r d(pre)[r] U[r, j]. The carried gradient,
 // the gradient from the sub-cell above and the gradients' U-paths are per unit, so they stay in the block's shared
 // memory; only the pre-activation gradients (dhp, dhpt: every block reads all of them) and the layer-norm sums go
-// through global memory, with a grid barrier after each.
+// through global memory, with a grid barrier after each. One launch runs the steps of one chunk (step_lo..step_hi;
+// the driver launches the chunks one after another, each from the last one's dh0), its pre-activation gradients in
+// the chunk's buffers, which the driver turns into weight gradients between the launches.
 template <typename T, typename A> struct PersistentBackwardArgs {
   const T* xp;      // saved by the forward: [T, B, NIN*H]
   const T* hp;      // [T, B, NH*H]
@@ -708,11 +710,11 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   const T* drop;    // [D+1, B, H] or nullptr
   const T* mask;    // [T, B] or nullptr
   const T* grad_out;  // [T, B, H]
-  const A* grad_hn;   // [B, H]
-  A* dh0;             // [B, H] out
-  T* dxp;             // [T, B, NIN*H] out
-  T* dhp;             // [T, B, NH*H] out
-  T* dhpt;            // [D, T, B, 3H] out
+  const A* grad_hn;   // [B, H] the gradient reaching the state after step_hi - 1
+  A* dh0;             // [B, H] out: the gradient reaching the state before step_lo
+  T* dxp;             // [C, B, NIN*H] out, C = chunk_steps: rows t - chunk_t0 for the times t run
+  T* dhp;             // [C, B, NH*H] out
+  T* dhpt;            // [D, C, B, 3H] out
   A* dln_rows;        // [B, NG*H] layer-norm gain / offset gradient accumulators, zeroed (or nullptr)
   A* dlnb_rows;
   A* dtln_rows;       // [D, B, 2H], zeroed (or nullptr)
@@ -720,6 +722,9 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   A* partials;        // [2, G, B, 3, 2]: the gate statistics' partials, then the layer-norm backward's
   T* spill;           // [G, spill_elems] the columns of sub-cells resident..D (persistent_plan.h), or nullptr
   int steps, B, H, D, slice;
+  int step_lo, step_hi;       // the steps run, step_hi - 1 down to step_lo (step s at time s, or steps-1-s reversed)
+  int chunk_t0, chunk_steps;  // the gradient buffers' first time and their steps (a chunk: transition_cuda.cu's
+                              // GradientChunks; 0 and `steps` for the whole sequence)
   int resident;       // sub-cells whose columns stay in shared memory (< 0: all D + 1)
   bool reverse;
   bool mma;           // U-path products on tensor cores (block_mma.cuh), as the forward's
@@ -798,11 +803,14 @@ __device__ __forceinline__ BackwardSpan<T, A> backward_span(const PersistentBack
   sp.base = k == 0;
   sp.hin = p.hs + k * static_cast<size_t>(p.steps) * sp.BH + t * sp.BH;
   sp.xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
-  sp.dxp = NIN ? p.dxp + static_cast<size_t>(t) * B * NIN * H : nullptr;
+  const int r = t - p.chunk_t0;   // t's rows in the gradient buffers
+  sp.dxp = NIN ? p.dxp + static_cast<size_t>(r) * B * NIN * H : nullptr;
   const size_t hoff =
       k == 0 ? static_cast<size_t>(t) * B * NH * H : (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
+  const size_t doff =
+      k == 0 ? static_cast<size_t>(r) * B * NH * H : (static_cast<size_t>(k - 1) * p.chunk_steps + r) * B * 3 * H;
   sp.hp = (k == 0 ? p.hp : p.hpt) + hoff;
-  sp.dhp = (k == 0 ? p.dhp : p.dhpt) + hoff;
+  sp.dhp = (k == 0 ? p.dhp : p.dhpt) + doff;
   sp.bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
   sp.lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
   sp.lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
@@ -1049,11 +1057,11 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   }
   phase_mark(kPhaseSetup);
   __syncthreads();
-  for (int step = p.steps - 1; step >= 0; --step) {
-    const int t = p.reverse ? p.steps - 1 - step : step;
+  for (int step = p.step_hi - 1; step >= p.step_lo; --step) {
+    const int t = p.reverse ? p.steps - 1 - step : step, rt = t - p.chunk_t0;
     for (int k = p.D; k >= 0; --k) {
       if (k < p.D)   // the U-path from T-GRU k + 1 of this step (its dhpt: every block's, before the last barrier)
-        u_path(k + 1, p.dhpt + (static_cast<size_t>(k) * p.steps + t) * B * 3 * H, 3 * H, m.gin, t);
+        u_path(k + 1, p.dhpt + (static_cast<size_t>(k) * p.chunk_steps + rt) * B * 3 * H, 3 * H, m.gin, t);
       phase_mark(kPhaseProducts);
       __syncthreads();
       if (k == 0) {
@@ -1063,7 +1071,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
       }
     }
     // the U-path of this step's base gradients: into the previous step's state (the next one processed)
-    u_path(0, p.dhp + static_cast<size_t>(t) * B * R0, R0, m.cg, t);
+    u_path(0, p.dhp + static_cast<size_t>(rt) * B * R0, R0, m.cg, t);
     phase_mark(kPhaseProducts);
     __syncthreads();
   }

@@ -605,34 +605,134 @@ template <typename S> cuda::PersistentPlan recurrence_plan(const Tensor& x, cons
   return persistent_requested() && x.size(0) > 0 ? device_plan<S>(x, w) : cuda::PersistentPlan{};
 }
 
-// What both backwards do after their loop: dx, the weight gradients as GEMMs over all steps, the layer-norm
-// gradients as column sums of the row accumulators (deterministic). Without `weight_grads` (the caller forms the
-// weight and bias gradients itself, over many calls at once: dtmt_kernels.nn.unrolled), the pre-activation
-// gradients in the slots of dw_ih, dw_hh and dt_w and nothing in the bias slots, as the CPU backward returns them.
-std::vector<Tensor> backward_tail(const Tensor& x, const TransitionWeights& w, const Dims& d, const Tensor& hs_lp,
-                                  const Tensor& dxp, const Tensor& dhp, const Tensor& dhpt, const Tensor& dh0,
-                                  const Tensor& dln_rows, const Tensor& dlnb_rows, const Tensor& dtln_rows,
-                                  const Tensor& dtlnb_rows, bool weight_grads) {
-  const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, N = T_ * B;
-  const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
-  Tensor dxp2 = dxp.view({N, d.n_in * H});
-  Tensor dx = dxp2.mm(w.w_ih).view({T_, B, d.I});
-  Tensor dln_w = ln ? dln_rows.sum(0).to(x.scalar_type()) : Tensor();
-  Tensor dln_b = ln ? dlnb_rows.sum(0).to(x.scalar_type()) : Tensor();
-  Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(x.scalar_type()) : Tensor();
-  Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(x.scalar_type()) : Tensor();
-  if (!weight_grads)
-    return {dx, dh0, dxp2, Tensor(), dhp.view({N, d.n_h * H}), Tensor(), dln_w, dln_b, dhpt.view({D, N, 3 * H}),
-            Tensor(), dt_ln_w, dt_ln_b};
-  const auto g = transition_weight_grads(x.reshape({N, d.I}), hs_lp.view({D + 1, N, H}), dxp2,
-                                         dhp.view({N, d.n_h * H}), dhpt.view({D, N, 3 * H}), acc_type(x.scalar_type()));
-  return {dx, dh0, g[0], g[1], g[2], g[3], dln_w, dln_b, g[4], g[5], dt_ln_w, dt_ln_b};
+// The backward's pre-activation gradients a chunk of time steps at a time (docs/design/gpu.md, "Memory of the cuda
+// backend"): buffers dxp, dhp, dhpt of `steps` time steps each (laid out as the saved xp, hp, hpt of those steps,
+// dhpt's sub-cells `steps` apart), which the kernels fill for one chunk; closing it forms that chunk's rows of dx and
+// its share of the weight and bias gradients (summed over the chunks in the accumulation type), and the buffers serve
+// the next chunk. So the backward's peak holds a chunk's gradients, not the whole sequence's. chunk_steps picks the
+// chunk; one chunk (steps = T) is the whole sequence at once, as is the backward without `weight_grads` (the caller
+// forms the weight and bias gradients itself from the whole buffers, over many calls at once:
+// dtmt_kernels.nn.unrolled). `each` runs the chunks in the backward's order; `outputs` gives the op's 12 outputs
+// (the layer-norm gradients as column sums of the row accumulators: deterministic).
+constexpr int64_t kChunkRows = 512;   // a chunk's weight GEMMs reduce over at least this many rows (B x steps)
+constexpr int64_t kMaxChunks = 4;     // and the gradients of at most a quarter of the sequence are held at once
+int64_t chunk_steps(const Dims& d, bool weight_grads) {
+  if (!weight_grads || d.T == 0) return d.T;
+  const int64_t chunks = std::max<int64_t>(1, std::min({kMaxChunks, d.T, d.T * d.B / kChunkRows}));
+  return (d.T + chunks - 1) / chunks;
 }
+
+class GradientChunks {
+ public:
+  GradientChunks(const Tensor& x, const TransitionWeights& w, const Dims& d, const Tensor& hs_lp, bool reverse,
+                 bool weight_grads, int64_t steps)
+      : x_(x), w_(w), d_(d), hs_lp_(hs_lp), reverse_(reverse), weight_grads_(weight_grads),
+        steps_(weight_grads ? std::max<int64_t>(1, std::min(steps, d.T)) : d.T),
+        acc_(acc_type(x.scalar_type())) {
+    const auto opts = x.options();
+    dxp_ = at::empty({steps_, d.B, d.n_in * d.H}, opts);
+    dhp_ = at::empty({steps_, d.B, d.n_h * d.H}, opts);
+    dhpt_ = at::empty({d.D, steps_, d.B, 3 * d.H}, opts);
+    dx_ = at::empty({d.T, d.B, d.I}, opts);
+  }
+
+  int64_t steps() const { return steps_; }
+  int64_t first_time() const { return t0_; }   // the time of the buffers' first rows (in the open chunk)
+  const Tensor& dxp() const { return dxp_; }
+  const Tensor& dhp() const { return dhp_; }
+  const Tensor& dhpt() const { return dhpt_; }
+
+  // f(lo, hi) fills the buffers for the steps lo..hi-1 (of the backward's order, step s at time s, or T-1-s where
+  // reversed), the chunks from the last steps back (once, with lo = hi = 0, where T = 0); f returning false stops
+  // there, that chunk not formed
+  template <typename F> void each(F&& f) {
+    int64_t hi = d_.T;
+    do {
+      const int64_t lo = std::max<int64_t>(0, hi - steps_);
+      t0_ = reverse_ ? d_.T - hi : lo;
+      if (!f(lo, hi)) return;
+      close(hi - lo);
+      hi = lo;
+    } while (hi > 0);
+  }
+
+  std::vector<Tensor> outputs(const Tensor& dh0, const Tensor& dln_rows, const Tensor& dlnb_rows,
+                              const Tensor& dtln_rows, const Tensor& dtlnb_rows) const {
+    const bool ln = present(w_.ln_w), tln = present(w_.t_ln_w);
+    const at::ScalarType st = x_.scalar_type();
+    Tensor dln_w = ln ? dln_rows.sum(0).to(st) : Tensor();
+    Tensor dln_b = ln ? dlnb_rows.sum(0).to(st) : Tensor();
+    Tensor dt_ln_w = tln ? dtln_rows.sum(1).to(st) : Tensor();
+    Tensor dt_ln_b = tln ? dtlnb_rows.sum(1).to(st) : Tensor();
+    const int64_t N = d_.T * d_.B;
+    if (!weight_grads_)
+      return {dx_, dh0, dxp_.view({N, d_.n_in * d_.H}), Tensor(), dhp_.view({N, d_.n_h * d_.H}), Tensor(), dln_w,
+              dln_b, dhpt_.view({d_.D, N, 3 * d_.H}), Tensor(), dt_ln_w, dt_ln_b};
+    return {dx_, dh0, g_[0].to(st), g_[1].to(st), g_[2].to(st), g_[3].to(st), dln_w, dln_b, g_[4].to(st),
+            g_[5].to(st), dt_ln_w, dt_ln_b};
+  }
+
+ private:
+  // the chunk's n steps from time t0_: its rows of dx, and its share of the weight and bias gradients
+  void close(int64_t n) {
+    const int64_t B = d_.B, H = d_.H, D = d_.D, N = n * B, t0 = t0_;
+    const Tensor dxp = dxp_.narrow(0, 0, n).view({N, d_.n_in * H});
+    Tensor dx = dx_.narrow(0, t0, n).view({N, d_.I});
+    at::mm_out(dx, dxp, w_.w_ih);
+    if (!weight_grads_) return;
+    const Tensor dhp = dhp_.narrow(0, 0, n).view({N, d_.n_h * H});
+    const Tensor dhpt = dhpt_.narrow(1, 0, n).view({D, N, 3 * H});
+    const Tensor states = hs_lp_.narrow(1, t0, n).view({D + 1, N, H});
+    add_product(g_[0], dxp.t(), x_.narrow(0, t0, n).reshape({N, d_.I}));
+    add_sum(g_[1], dxp, 0);
+    add_product(g_[2], dhp.t(), states[0]);
+    add_sum(g_[3], dhp, 0);
+    add_product(g_[4], dhpt.transpose(1, 2), states.narrow(0, 1, D));
+    add_sum(g_[5], dhpt, 1);
+  }
+  // g += a . b (matrices, or batches of them), in the accumulation type: the first chunk's product as it is (one
+  // chunk gives what one product over the whole sequence gives), then summed in place where the storage type is
+  // the accumulation type, else through the product in the storage type
+  void add_product(Tensor& g, const Tensor& a, const Tensor& b) const {
+    const bool batched = a.dim() == 3;
+    if (!g.defined()) {
+      g = (batched ? at::bmm(a, b) : a.mm(b)).to(acc_);
+    } else if (a.scalar_type() == acc_) {
+      if (batched) {
+        g.baddbmm_(a, b);
+      } else {
+        g.addmm_(a, b);
+      }
+    } else {
+      g.add_(batched ? at::bmm(a, b) : a.mm(b));
+    }
+  }
+  void add_sum(Tensor& g, const Tensor& v, int64_t dim) const {
+    Tensor s = v.sum(std::vector<int64_t>{dim}, false, acc_);
+    if (!g.defined()) {
+      g = s;
+    } else {
+      g.add_(s);
+    }
+  }
+
+  const Tensor& x_;
+  const TransitionWeights& w_;
+  const Dims d_;
+  const Tensor hs_lp_;
+  const bool reverse_, weight_grads_;
+  const int64_t steps_;
+  const at::ScalarType acc_;
+  Tensor dxp_, dhp_, dhpt_, dx_;
+  Tensor g_[6];   // dw_ih, db_ih, dw_hh, db_hh, dt_w, dt_b
+  int64_t t0_ = 0;
+};
 
 // The per-step backward of one layer call over reversed time, as an object: for each time step and sub-cell, from
 // the top, one element-wise launch (`launch`) and the product of its pre-activation gradients with U (`product`),
 // which the next launch adds in. Two gradients are carried, each double-buffered: `carry` across time steps (with
-// its product `carry_g`), `inner` between the sub-cells of a step (with `inner_g`). backward_impl runs it.
+// its product `carry_g`), `inner` between the sub-cells of a step (with `inner_g`). The pre-activation gradients go
+// to `chunks` (GradientChunks, chunks of `chunk` steps), which forms the weight gradients. backward_impl runs it.
 template <typename S>
 class StepBackward {
   using T = typename DeviceType<S>::type;
@@ -640,19 +740,16 @@ class StepBackward {
 
  public:
   StepBackward(const BackwardInputs& in, const TransitionWeights& w, const SavedForward& saved, bool reverse,
-               double eps)
+               double eps, bool weight_grads, int64_t chunk)
       : grad_out_(in.grad_out), mask_(in.mask), drop_(in.drop), w_(w), xp_(saved.xp), hs_(saved.hs), hp_(saved.hp),
         hpt_(saved.hpt), d_(dims_of(in.x, w)), eps_(eps), ln_(present(w.ln_w)), tln_(present(w.t_ln_w)),
-        stream_(c10::cuda::getCurrentCUDAStream()), gemm_(step_gemm(d_.B)), order_(step_order(d_.T, reverse)) {
+        stream_(c10::cuda::getCurrentCUDAStream()), gemm_(step_gemm(d_.B)), order_(step_order(d_.T, reverse)),
+        chunks_(in.x, w, d_, present(saved.hs_lp) ? saved.hs_lp : saved.hs, reverse, weight_grads, chunk) {
     check_shared_memory<A>(d_, 2, "backward");
     const int64_t B = d_.B, H = d_.H, D = d_.D;
     const auto opts = in.x.options();
     const at::ScalarType acc = acc_type(in.x.scalar_type());
     const auto acc_opts = opts.dtype(acc);
-    hs_lp_ = present(saved.hs_lp) ? saved.hs_lp : saved.hs;
-    dxp_ = at::empty_like(saved.xp);
-    dhp_ = at::empty_like(saved.hp);
-    dhpt_ = at::empty_like(saved.hpt);
     dln_rows_ = at::zeros({ln_ ? B : 0, d_.n_g * H}, acc_opts);
     dlnb_rows_ = at::zeros({ln_ ? B : 0, d_.n_g * H}, acc_opts);
     dtln_rows_ = at::zeros({tln_ ? D : 0, B, 2 * H}, acc_opts);
@@ -674,33 +771,35 @@ class StepBackward {
 #endif
   }
 
-  // the op's 12 outputs (backward_tail)
-  std::vector<Tensor> run(const Tensor& x, const Tensor& grad_hn, bool weight_grads) {
-    for (int64_t step = d_.T - 1; step >= 0; --step) {
-      const int64_t t = order_[step];
-      for (int64_t k = d_.D; k >= 0; --k) {
-        launch(t, k);
-        if (k == 0) {
-          product(carry_g_, dhp_, t * d_.B * d_.n_h * d_.H, w_hh_, w_hh_rows_, 0, d_.n_h * d_.H);
-          c_ = 1 - c_;
-          has_cg_ = true;
-        } else {
-          product(inner_g_, dhpt_, ((k - 1) * d_.T + t) * d_.B * 3 * d_.H, t_w_, t_w_rows_,
-                  (k - 1) * 3 * d_.H * d_.H, 3 * d_.H);
-          i_ = 1 - i_;
+  // the op's 12 outputs (GradientChunks::outputs)
+  std::vector<Tensor> run(const Tensor& grad_hn) {
+    chunks_.each([&](int64_t lo, int64_t hi) {
+      for (int64_t step = hi - 1; step >= lo; --step) {
+        const int64_t t = order_[step], r = t - chunks_.first_time();   // r: t's rows in the chunk's buffers
+        for (int64_t k = d_.D; k >= 0; --k) {
+          launch(t, r, k);
+          if (k == 0) {
+            product(carry_g_, chunks_.dhp(), r * d_.B * d_.n_h * d_.H, w_hh_, w_hh_rows_, 0, d_.n_h * d_.H);
+            c_ = 1 - c_;
+            has_cg_ = true;
+          } else {
+            product(inner_g_, chunks_.dhpt(), ((k - 1) * chunks_.steps() + r) * d_.B * 3 * d_.H, t_w_, t_w_rows_,
+                    (k - 1) * 3 * d_.H * d_.H, 3 * d_.H);
+            i_ = 1 - i_;
+          }
         }
+        i_ = 0;
       }
-      i_ = 0;
-    }
+      return true;
+    });
     Tensor dh0 = (carry_[c_] + carry_g_.to(carry_[c_].scalar_type())).to(grad_hn.scalar_type());
-    return backward_tail(x, w_, d_, hs_lp_, dxp_, dhp_, dhpt_, dh0, dln_rows_, dlnb_rows_, dtln_rows_, dtlnb_rows_,
-                         weight_grads);
+    return chunks_.outputs(dh0, dln_rows_, dlnb_rows_, dtln_rows_, dtlnb_rows_);
   }
 
  private:
-  // sub-cell k's backward kernel at time t: the base cell (k = 0) writes the carried gradient of the step before,
-  // a T-GRU the inner gradient of the sub-cell below
-  void launch(int64_t t, int64_t k) {
+  // sub-cell k's backward kernel at time t (rows r of the chunk's gradient buffers): the base cell (k = 0) writes the
+  // carried gradient of the step before, a T-GRU the inner gradient of the sub-cell below
+  void launch(int64_t t, int64_t r, int64_t k) {
     const int64_t T_ = d_.T, B = d_.B, H = d_.H, BH = B * H;
     cuda::StepBackwardArgs<T, A> a{};
     const bool base = k == 0;
@@ -711,8 +810,8 @@ class StepBackward {
       a.bh = cptr<T, S>(w_.b_hh);
       a.lnw = ln_ ? cptr<T, S>(w_.ln_w) : nullptr;
       a.lnb = ln_ ? cptr<T, S>(w_.ln_b) : nullptr;
-      a.dxp = mptr<T, S>(dxp_, t * B * d_.n_in * H);
-      a.dhp = mptr<T, S>(dhp_, t * B * d_.n_h * H);
+      a.dxp = mptr<T, S>(chunks_.dxp(), r * B * d_.n_in * H);
+      a.dhp = mptr<T, S>(chunks_.dhp(), r * B * d_.n_h * H);
       a.dlnw = ln_ ? mptr<A, A>(dln_rows_) : nullptr;
       a.dlnb = ln_ ? mptr<A, A>(dlnb_rows_) : nullptr;
       a.dh = mptr<A, A>(carry_[1 - c_]);
@@ -722,7 +821,7 @@ class StepBackward {
       a.bh = cptr<T, S>(w_.t_b, (k - 1) * 3 * H);
       a.lnw = tln_ ? cptr<T, S>(w_.t_ln_w, (k - 1) * 2 * H) : nullptr;
       a.lnb = tln_ ? cptr<T, S>(w_.t_ln_b, (k - 1) * 2 * H) : nullptr;
-      a.dhp = mptr<T, S>(dhpt_, off);
+      a.dhp = mptr<T, S>(chunks_.dhpt(), ((k - 1) * chunks_.steps() + r) * B * 3 * H);
       a.dlnw = tln_ ? mptr<A, A>(dtln_rows_, (k - 1) * BH * 2) : nullptr;
       a.dlnb = tln_ ? mptr<A, A>(dtlnb_rows_, (k - 1) * BH * 2) : nullptr;
       a.dh = mptr<A, A>(inner_[1 - i_]);
@@ -775,7 +874,8 @@ class StepBackward {
   const cudaStream_t stream_;
   const StepGemm gemm_;
   const std::vector<int64_t> order_;
-  Tensor hs_lp_, dxp_, dhp_, dhpt_, dln_rows_, dlnb_rows_, dtln_rows_, dtlnb_rows_, carry_g_, inner_g_;
+  GradientChunks chunks_;
+  Tensor dln_rows_, dlnb_rows_, dtln_rows_, dtlnb_rows_, carry_g_, inner_g_;
   Tensor carry_[2], inner_[2];
   Tensor w_hh_, t_w_, w_hh_rows_, t_w_rows_;
   int c_ = 0, i_ = 0;      // the carry and inner buffers read now
@@ -787,19 +887,20 @@ class StepBackward {
 
 template <typename S>
 std::vector<Tensor> backward_impl(const BackwardInputs& in, const TransitionWeights& w, const SavedForward& saved,
-                                  bool reverse, double eps, bool weight_grads) {
-  return StepBackward<S>(in, w, saved, reverse, eps).run(in.x, in.grad_hn, weight_grads);
+                                  bool reverse, double eps, bool weight_grads, int64_t chunk = -1) {
+  if (chunk < 0) chunk = chunk_steps(dims_of(in.x, w), weight_grads);
+  return StepBackward<S>(in, w, saved, reverse, eps, weight_grads, chunk).run(in.grad_hn);
 }
 
-// The backward in one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh) on the forward's
-// saved tensors (either forward's), then the same weight gradients; `fallible` and `stage_cols` as
-// forward_persistent_impl's.
+// The backward as persistent cooperative launches of `grid` blocks (persistent_cuda_kernels.cuh) on the forward's
+// saved tensors (either forward's), one a chunk of steps (GradientChunks, `chunk` steps; < 0: chunk_steps), each
+// followed by its chunk's share of the weight gradients; `fallible` and `stage_cols` as forward_persistent_impl's.
 template <typename S>
 std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const TransitionWeights& w,
                                              const SavedForward& saved, bool reverse, double eps, int64_t grid,
                                              int64_t threads, int64_t resident = -1, bool cluster = false,
                                              bool fallible = false, bool weight_grads = true,
-                                             int64_t stage_cols = -1) {
+                                             int64_t stage_cols = -1, int64_t chunk = -1) {
   const Tensor &grad_out = in.grad_out, &grad_hn = in.grad_hn, &x = in.x, &mask = in.mask, &drop = in.drop;
   const Tensor &xp = saved.xp, &hs = saved.hs, &hs_lp_saved = saved.hs_lp, &hp = saved.hp, &hpt = saved.hpt;
   using T = typename DeviceType<S>::type;
@@ -821,14 +922,12 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   const auto acc_opts = opts.dtype(acc);
   const Tensor hs_lp = present(hs_lp_saved) ? hs_lp_saved : hs;
   const bool ln = present(w.ln_w), tln = present(w.t_ln_w);
-  Tensor dxp = at::empty_like(xp);
-  Tensor dhp = at::empty_like(hp);
-  Tensor dhpt = at::empty_like(hpt);
+  GradientChunks chunks(x, w, d, hs_lp, reverse, weight_grads, chunk < 0 ? chunk_steps(d, weight_grads) : chunk);
   Tensor dln_rows = at::zeros({ln ? B : 0, d.n_g * H}, acc_opts);
   Tensor dlnb_rows = at::zeros({ln ? B : 0, d.n_g * H}, acc_opts);
   Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
   Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
-  Tensor dh0 = at::empty({B, H}, acc_opts);
+  Tensor dh[2] = {at::empty({B, H}, acc_opts), at::empty({B, H}, acc_opts)};   // each chunk's dh0, in turn
   Tensor partials = at::empty({2, grid, B, 3, 2}, acc_opts);
   const Tensor ghn = grad_hn.to(acc).contiguous(), gout = grad_out.contiguous();
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
@@ -840,11 +939,10 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   a.hs = cptr<A, A>(hs);
   set_persistent_weights<T, S>(a, w, w_hh, t_w, drop, mask);
   a.grad_out = cptr<T, S>(gout);
-  a.grad_hn = cptr<A, A>(ghn);
-  a.dh0 = mptr<A, A>(dh0);
-  a.dxp = mptr<T, S>(dxp);
-  a.dhp = mptr<T, S>(dhp);
-  a.dhpt = D > 0 ? mptr<T, S>(dhpt) : nullptr;
+  a.dxp = mptr<T, S>(chunks.dxp());
+  a.dhp = mptr<T, S>(chunks.dhp());
+  a.dhpt = D > 0 ? mptr<T, S>(chunks.dhpt()) : nullptr;
+  a.chunk_steps = static_cast<int>(chunks.steps());
   a.dln_rows = ln ? mptr<A, A>(dln_rows) : nullptr;
   a.dlnb_rows = ln ? mptr<A, A>(dlnb_rows) : nullptr;
   a.dtln_rows = tln ? mptr<A, A>(dtln_rows) : nullptr;
@@ -857,20 +955,34 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
                  : stage_cols >= 0 ? static_cast<int>(stage_cols) : default_stage<T, A>(true, w, d, slice, resident);
   a.cluster = cluster;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
-                                                                 static_cast<int>(threads), stream);
-  if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
-    (void)cudaGetLastError();
-    ++launches_refused;
+  int c = 0;   // the chunks launched
+  cudaError_t refused = cudaSuccess;
+  chunks.each([&](int64_t lo, int64_t hi) {
+    a.step_lo = static_cast<int>(lo);
+    a.step_hi = static_cast<int>(hi);
+    a.chunk_t0 = static_cast<int>(chunks.first_time());
+    a.grad_hn = c == 0 ? cptr<A, A>(ghn) : cptr<A, A>(dh[(c - 1) % 2]);
+    a.dh0 = mptr<A, A>(dh[c % 2]);
+    const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
+                                                                   static_cast<int>(threads), stream);
+    if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
+      (void)cudaGetLastError();
+      refused = err;
+      return false;
+    }
+    C10_CUDA_CHECK(err);
+    ++c;
+    return true;
+  });
+  if (refused != cudaSuccess) {   // (at the first chunk: every launch asks for the same; the per-step backward
+    ++launches_refused;           // starts afresh)
     TORCH_WARN_ONCE(message("dtmt: the device refused the persistent backward", cluster ? " as one cluster" : "",
-                            " at H=", H, ", depth ", D, ", B=", B, " (", cudaGetErrorString(err), "): ",
+                            " at H=", H, ", depth ", D, ", B=", B, " (", cudaGetErrorString(refused), "): ",
                             cluster ? "the grid form or " : "", "the per-step backward runs instead"));
     return {};
   }
-  C10_CUDA_CHECK(err);
   ++(cluster ? launches_cluster : launches_grid);
-  return backward_tail(x, w, d, hs_lp, dxp, dhp, dhpt, dh0.to(grad_hn.scalar_type()), dln_rows, dlnb_rows,
-                       dtln_rows, dtlnb_rows, weight_grads);
+  return chunks.outputs(dh[(c - 1) % 2].to(grad_hn.scalar_type()), dln_rows, dlnb_rows, dtln_rows, dtlnb_rows);
 }
 
 }  // namespace

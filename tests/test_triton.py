@@ -419,6 +419,15 @@ def test_gpu_compiled_matches_reference(compiled, cell, depth, dtype):
     _gpu_check(cell, depth, dtype, T=12, B=16, I=40, H=200, drop_p=0.2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cell,depth", [("lgru", 2), ("atr", 0)], ids=["lgru-d2", "atr"])
+def test_gpu_backward_in_chunks_matches_reference(compiled, cell, depth, dtype):
+    """B x T = 2,560 rows: the cuda backward forms its gradients in 4 chunks of 10 steps (transition_cuda.cu's
+    GradientChunks; one persistent launch a chunk under DTMT_CUDA_RECURRENCE=persistent), against the float64
+    reference, with ragged lengths and dropout."""
+    _gpu_check(cell, depth, dtype, T=40, B=64, I=24, H=96, drop_p=0.2)
+
+
 @pytest.mark.parametrize("H", [1, 1000, 2500])
 def test_gpu_compiled_hidden_sizes(compiled, H):
     """One row per program at BLOCK 1..4096 (several warps; 16 warps at 4096)."""
@@ -599,6 +608,7 @@ def test_gpu_check_itself_under_interpreter(cell, depth, dtype):
 for _mark in needs_gpu:
     test_gpu_compiled_matches_reference = _mark(test_gpu_compiled_matches_reference)
     test_gpu_compiled_hidden_sizes = _mark(test_gpu_compiled_hidden_sizes)
+    test_gpu_backward_in_chunks_matches_reference = _mark(test_gpu_backward_in_chunks_matches_reference)
     test_gpu_cuda_backend_follows_torchs_tf32_flag = _mark(test_gpu_cuda_backend_follows_torchs_tf32_flag)
     test_gpu_persistent_cluster_form = _mark(test_gpu_persistent_cluster_form)
     test_gpu_persistent_says_where_a_layer_does_not_fit = _mark(test_gpu_persistent_says_where_a_layer_does_not_fit)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -217,25 +218,105 @@ def test_vocabularies_of_another_size_than_the_model_s_are_refused(system):
 
 
 def test_load_model_names_the_file_when_the_weights_or_vocabularies_do_not_fit(system, tmp_path):
+    """A checkpoint whose weights are not those of the model its name and options describe is refused in one line
+    naming the file, before the model is built. Before, load_state_dict cast a bool, integer or complex weight to
+    float32 without a word and the model translated garbage (exit 0), a float64 one silently; a sparse, nested or meta
+    weight gave torch's 14 KB dispatch error; options asking for a huge model (hidden_size 50,000 beside weights of
+    12) allocated it first (40 GB) and only then found the weights did not fit."""
     from dtmt_models.models.checkpoint import read_checkpoint
 
     _, _, _, path = system
     ckpt = read_checkpoint(path)
-    cases = {"wrong_weights": dict(ckpt, model={k: v for k, v in list(ckpt["model"].items())[1:]}),
-             "wrong_size": dict(ckpt, model_options=dict(ckpt["model_options"], hidden_size=24)),
-             "no_vocab": {k: v for k, v in ckpt.items() if k != "src_vocab"},
-             "bad_vocab": dict(ckpt, src_vocab=b"not a sentencepiece model")}
-    messages = {"wrong_weights": "its weights do not fit a dtmt model with its options (Error(s) in loading",
-                "wrong_size": "its weights do not fit a dtmt model with its options",
-                "no_vocab": "not a translation checkpoint (it has no src_vocab)",
-                "bad_vocab": "its vocabularies cannot be read"}
-    for name, payload in cases.items():
-        bad = str(tmp_path / f"{name}.pt")
+    name = "src_embed.embed.weight"
+    w = ckpt["model"][name]
+
+    def weight(value):
+        return dict(ckpt, model={**ckpt["model"], name: value})
+
+    cases = {"wrong_weights": (dict(ckpt, model={k: v for k, v in list(ckpt["model"].items())[1:]}),
+                               f"(1 weights missing, e.g. ['{next(iter(ckpt['model']))}']; 0 unknown"),
+             "unknown_weight": (dict(ckpt, model={**ckpt["model"], 5: torch.zeros(1)}),
+                                "(0 weights missing, e.g. []; 1 unknown, e.g. [5])"),
+             "wrong_size": (dict(ckpt, model_options=dict(ckpt["model_options"], hidden_size=24)),
+                            "its weights do not fit a dtmt model with its options (weight "),
+             "huge_options": (dict(ckpt, model_options=dict(ckpt["model_options"], hidden_size=50000)),
+                              "its weights do not fit a dtmt model with its options (weight "),
+             "bool": (weight(w > 0), f"(weight {name} is torch.bool {list(w.shape)}, the model's torch.float32"),
+             "int64": (weight(torch.full(w.shape, 2 ** 62)), f"(weight {name} is torch.int64"),
+             "complex": (weight(w.to(torch.complex64)), f"(weight {name} is torch.complex64"),
+             "float64": (weight(w.double()), f"(weight {name} is torch.float64"),
+             "sparse": (weight(w.to_sparse()), f"(weight {name} is a sparse_coo tensor, not a dense one)"),
+             "nested": (weight(torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])),
+                        f"(weight {name} is a nested tensor, not a dense one)"),
+             "meta": (weight(torch.empty(w.shape, device="meta")), f"(weight {name} is a meta tensor"),
+             "not_a_tensor": (weight([1.0, 2.0]), f"(weight {name} is not a tensor (a Python list))"),
+             "weights_a_list": (dict(ckpt, model=[w]), "(a list where the weights should be)"),
+             "options_a_list": (dict(ckpt, model_options=[1, 2]), "its model cannot be built (its options are a list)"),
+             "no_vocab": ({k: v for k, v in ckpt.items() if k != "src_vocab"},
+                          "not a translation checkpoint (it has no src_vocab)"),
+             "bad_vocab": (dict(ckpt, src_vocab=b"not a sentencepiece model"), "its vocabularies cannot be read")}
+    for case, (payload, message) in cases.items():
+        bad = str(tmp_path / f"{case}.pt")
         torch.save(payload, bad)   # (save_checkpoint refuses a payload without its keys)
         with pytest.raises(ValueError) as caught:
             load_model(bad)
         text = str(caught.value)
-        assert text.startswith(f"{bad}: ") and messages[name] in text and "\n" not in text, (name, text)
+        assert text.startswith(f"{bad}: ") and message in text and "\n" not in text and len(text) < 600, (case, text)
+
+
+def test_average_refuses_crafted_checkpoints_in_one_line(system, tmp_path, capsys):
+    """dtmt average on a payload without weights, weights that are a list or hold a non-tensor gave a KeyError or
+    AttributeError traceback; a complex weight was called "the integer tensor ... differs". Each file's weights are
+    now checked against the first file's model (the checks load_model makes), in one line naming the file."""
+    from dtmt_models.cli.average import main as average
+    from dtmt_models.models.checkpoint import read_checkpoint
+
+    _, _, _, path = system
+    ckpt = read_checkpoint(path)
+    name = "src_embed.embed.weight"
+    cases = {"no_model": ({k: v for k, v in ckpt.items() if k != "model"}, "not a translation checkpoint (it has no "
+                                                                            "model)"),
+             "model_list": (dict(ckpt, model=[ckpt["model"][name]]), "(a list where the weights should be)"),
+             "non_tensor": (dict(ckpt, model={**ckpt["model"], name: 3}),
+                            f"(weight {name} is not a tensor (a Python int))"),
+             "complex": (dict(ckpt, model={**ckpt["model"], name: ckpt["model"][name].to(torch.complex64)}),
+                         f"(weight {name} is torch.complex64")}
+    out = str(tmp_path / "avg.pt")
+    for case, (payload, message) in cases.items():
+        bad = str(tmp_path / f"{case}.pt")
+        torch.save(payload, bad)
+        for files in ([path, bad], [bad, path]):
+            assert average([*files, "-o", out]) == 2, case
+            err = capsys.readouterr().err
+            assert err.startswith(f"dtmt average: {bad}: ") and message in err and err.count("\n") == 1, (case, err)
+            assert not os.path.exists(out)
+
+
+def test_a_checkpoint_loads_and_translates_in_a_fresh_process(system):
+    """load_model builds the checkpoint's model on the meta device first (to compare its weights before anything is
+    allocated). A module first imported inside that build made its module-level tensors there: the engine's empty
+    tensor for absent arguments became a meta tensor, and every later translation in the process failed. Here, in a
+    process that imports nothing first, a checkpoint loads and translates as in this one; and no module of the
+    package, imported under the meta device, keeps a tensor of that device."""
+    _, _, _, path = system
+    code = ("import sys, pkgutil, importlib, torch\n"
+            "from dtmt_models.models.checkpoint import load_model\n"
+            "from dtmt_models.decoding.translate import translate_best\n"
+            "m, sv, tv, _ = load_model(sys.argv[1])\n"
+            "print(translate_best(m, sv, tv, ['el perro come pan'], beam=2)[0])\n"
+            "import dtmt_models, dtmt_kernels\n"
+            "with torch.device('meta'):\n"
+            "    for pkg in (dtmt_models, dtmt_kernels):\n"
+            "        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+            "            if not info.name.endswith('__main__'):\n"
+            "                importlib.import_module(info.name)\n"
+            "print([f'{n}.{k}' for n, mod in list(sys.modules.items()) if n.startswith('dtmt')\n"
+            "       for k, v in vars(mod).items() if isinstance(v, torch.Tensor) and v.is_meta])\n")
+    done = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model, sv, tv, _ = system
+    expected = translate_best(model, sv, tv, ["el perro come pan"], beam=2)[0]
+    assert done.stdout.splitlines() == [expected, "[]"], done.stdout
 
 
 def test_empty_inputs_never_reach_the_model(system):

@@ -65,7 +65,7 @@ def load_for_decoding(checkpoints: Sequence[str], device: torch.device, backend:
         except (ValueError, KeyError, RuntimeError, OSError, TypeError) as exc:
             message = one_line(exc)   # read_checkpoint's messages start with the path already
             raise UsageError(f"--checkpoint {message}" if message.startswith(f"{checkpoint}: ") else
-                             f"--checkpoint {checkpoint}: cannot load it ({message})") from None
+                             f"--checkpoint {checkpoint}: cannot load it ({message[:300]})") from None
     models, src_vocabs, tgt_vocabs, ckpts = (list(x) for x in zip(*loaded))
     if len(models) == 1:
         return models[0], src_vocabs[0], tgt_vocabs[0], ckpts
@@ -129,7 +129,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True, 
     g.add_argument("--max-src-len", type=int, default=250,
                    help="longer sources are truncated to this many subwords, with a warning (default 250)")
     g.add_argument("--max-len-a", type=float, default=2.0,
-                   help="maximum output length = a * source length + b (default a=2.0)")
+                   help="maximum output length = a * source length + b, at most 16,384 (default a=2.0)")
     g.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a (default b=10)")
     g.add_argument("--early-stop", action="store_true",
                    help="end a sentence once it has --beam finished hypotheses (fairseq's and CTranslate2's rule, "

@@ -28,7 +28,7 @@ from dtmt_kernels.ops.linear.op import float64_products
 from dtmt_kernels.ops.linear.placement import huge_page_copies
 from dtmt_kernels.ops.linear.quantize import pack_int8_rows
 
-_ABSENT = torch.empty(0)   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
+_ABSENT = torch.empty(0, device="cpu")   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
 
 
 def _or_none(t: Optional[Tensor]) -> Tensor:

@@ -94,6 +94,31 @@ def check_finite_weights(path: str, state: Dict[str, Any]) -> None:
             raise CheckpointError(f"{path}: {problem}; the checkpoint is corrupt (use an earlier one)")
 
 
+def weights_problem(state: Any, own: Dict[str, torch.Tensor]) -> Optional[str]:
+    """What keeps a checkpoint's weights `state` from being a model's whose own state dict is `own` (the model built
+    on the meta device will do: only names, shapes and dtypes are read), in a few words, or None: every name of
+    `own` and no other, each a dense tensor in memory (not sparse, nested, quantized or meta) of its dtype and
+    shape. load_state_dict would cast a bool, integer or complex tensor to the weight's dtype without a word, and a
+    model built from a file's options before its weights are compared allocates what the options ask for."""
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__} where the weights should be"
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own), key=repr)
+    if missing or extra:
+        return f"{len(missing)} weights missing, e.g. {missing[:1]}; {len(extra)} unknown, e.g. {extra[:1]}"
+    for name, t in own.items():
+        w = state[name]
+        if not isinstance(w, torch.Tensor):
+            return f"weight {name} is not a tensor (a Python {type(w).__name__})"
+        if w.layout != torch.strided or w.is_nested or w.is_quantized or w.is_meta:
+            kind = ("nested" if w.is_nested else "quantized" if w.is_quantized else "meta" if w.is_meta
+                    else str(w.layout).replace("torch.", ""))
+            return f"weight {name} is a {kind} tensor, not a dense one"
+        if w.shape != t.shape or w.dtype != t.dtype:
+            return f"weight {name} is {w.dtype} {list(w.shape)}, the model's {t.dtype} {list(t.shape)}"
+    return None
+
+
 def _count(value: Any, low: float = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
@@ -114,18 +139,10 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
         raise CheckpointError(f"{path}: {what}; the checkpoint cannot be resumed")
 
     weights = ckpt.get("model")
-    if not isinstance(weights, dict):
-        fail("it holds no weights")
-    own = model.state_dict()
-    missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    if missing or extra:
-        fail(f"its weights are not this model's ({len(missing)} missing, e.g. {missing[:1]}; {len(extra)} unknown, "
-             f"e.g. {extra[:1]})")
-    for name, t in own.items():
-        w = weights[name]
-        if not isinstance(w, torch.Tensor) or w.shape != t.shape or w.dtype != t.dtype:
-            fail(f"weight {name} is {getattr(w, 'dtype', type(w).__name__)} {list(getattr(w, 'shape', []))}, the "
-                 f"model's {t.dtype} {list(t.shape)}")
+    problem = weights_problem(weights, model.state_dict())
+    if problem:
+        fail(f"its weights are not this model's ({problem})")
+    for name, w in weights.items():
         problem = _finite_problem(f"weight {name}", w)
         if problem:
             fail(problem)
@@ -182,11 +199,11 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
         fail("its random states are malformed")
 
 
-def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
-               ) -> Tuple[torch.nn.Module, Vocabulary, Vocabulary, Dict[str, Any]]:
-    """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict).
-    `backend` switches the fused recurrent layers (None keeps "auto")."""
-    ckpt = read_checkpoint(path)
+def translation_parts(path: str, ckpt: Dict[str, Any]) -> Tuple[Vocabulary, Vocabulary, Dict[str, torch.Tensor]]:
+    """(source vocabulary, target vocabulary, the state dict of the model the checkpoint's name and options describe,
+    built on the meta device: names, shapes and dtypes, nothing allocated whatever sizes the options ask for) of a
+    translation checkpoint; ValueError, one line naming the file, where it lacks one of them or they cannot be
+    read or built."""
     missing = [k for k in ("model_name", "model_options", "model", "src_vocab", "tgt_vocab") if k not in ckpt]
     if missing:
         raise ValueError(f"{path}: not a translation checkpoint (it has no {', '.join(missing)})")
@@ -194,18 +211,37 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
         src_vocab, tgt_vocab = Vocabulary(ckpt["src_vocab"]), Vocabulary(ckpt["tgt_vocab"])
     except (RuntimeError, ValueError, TypeError) as exc:   # SentencePiece's own message is C++ internals
         raise ValueError(f"{path}: its vocabularies cannot be read ({one_line(exc)[:200]})") from None
+    options = ckpt["model_options"]
+    if not isinstance(options, dict):
+        raise ValueError(f"{path}: its model cannot be built (its options are a {type(options).__name__})")
     try:
-        model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **ckpt["model_options"])
-    except (ValueError, TypeError) as exc:
+        with torch.device("meta"):
+            own = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **options).state_dict()
+    except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{path}: its model cannot be built ({one_line(exc)[:300]})") from None
-    if isinstance(ckpt["model"], dict):
-        check_finite_weights(path, ckpt["model"])
-    try:
-        model.load_state_dict(ckpt["model"])
-    except (RuntimeError, TypeError, AttributeError) as exc:   # torch lists every key and shape, one a line
-        detail = " ".join(str(exc).split())
+    return src_vocab, tgt_vocab, own
+
+
+def check_weights_fit(path: str, ckpt: Dict[str, Any], own: Dict[str, torch.Tensor]) -> None:
+    """ValueError, one line naming the file, unless the checkpoint's weights are the model's whose state dict is
+    `own` (weights_problem) and finite (CheckpointError)."""
+    problem = weights_problem(ckpt["model"], own)
+    if problem:
         raise ValueError(f"{path}: its weights do not fit a {ckpt['model_name']} model with its options "
-                         f"({detail[:300]}{' ...' if len(detail) > 300 else ''})") from None
+                         f"({problem[:300]})")
+    check_finite_weights(path, ckpt["model"])
+
+
+def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
+               ) -> Tuple[torch.nn.Module, Vocabulary, Vocabulary, Dict[str, Any]]:
+    """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict).
+    `backend` switches the fused recurrent layers (None keeps "auto"). The weights are checked against the model
+    before it is built (check_weights_fit)."""
+    ckpt = read_checkpoint(path)
+    src_vocab, tgt_vocab, own = translation_parts(path, ckpt)
+    check_weights_fit(path, ckpt, own)
+    model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **ckpt["model_options"])
+    model.load_state_dict(ckpt["model"])
     if backend is not None and hasattr(model, "set_backend"):
         model.set_backend(backend)
     return model.to(device).eval(), src_vocab, tgt_vocab, ckpt
@@ -229,7 +265,8 @@ def average_checkpoints(paths) -> Dict[str, Any]:
             raise ValueError(f"average: {path} is given twice (as {seen[key]} too); each checkpoint counts once")
         seen[key] = path
     first = read_checkpoint(paths[0])
-    check_finite_weights(paths[0], first["model"])   # (the mean would hold a NaN or an infinity too)
+    own = translation_parts(paths[0], first)[2]
+    check_weights_fit(paths[0], first, own)   # (the mean would hold a NaN or an infinity too)
     runs = {_run_of(first): paths[0]}
     sums = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
     last = first
@@ -238,14 +275,11 @@ def average_checkpoints(paths) -> Dict[str, Any]:
         for key in ("model_name", "model_options", "src_vocab", "tgt_vocab"):
             if ckpt.get(key) != first.get(key):
                 raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs)")
+        if "model" not in ckpt:
+            raise ValueError(f"{path}: not a translation checkpoint (it has no model)")
         runs.setdefault(_run_of(ckpt), path)
-        model = ckpt["model"]
-        check_finite_weights(path, model)
-        if set(model) != set(sums):
-            raise ValueError(f"average: {path} has other parameters than {paths[0]}")
-        for k, v in model.items():
-            if v.shape != sums[k].shape:
-                raise ValueError(f"average: {path}: {k} has shape {list(v.shape)}, {paths[0]} {list(sums[k].shape)}")
+        check_weights_fit(path, ckpt, own)   # (the first file's model: the same name, options and vocabularies)
+        for k, v in ckpt["model"].items():
             if v.is_floating_point():
                 sums[k] += v.double()
             elif not torch.equal(v, sums[k]):

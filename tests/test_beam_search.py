@@ -107,6 +107,22 @@ def test_the_largest_max_len_b_bounds_nothing_it_should_not():
         assert out == [[a, b, c], [a, b, c]], max_len_b
 
 
+def test_a_sentence_that_never_ends_stops_at_the_search_s_step_bound():
+    """A model that never ends a sentence (after `a`, `a` again) with max_len_b = 2^63 - 1 ran for ~2^31 steps
+    (hours) on the Python search, where the fused C++ searches refuse more than 16,384: max_len is bounded by
+    MAX_SEARCH_STEPS on every path, so the search returns a translation of that many steps (16,383 tokens and the
+    EOS the bound puts at the end) in about a second, the loop here and the device loop alike."""
+    from dtmt_models.decoding.hypotheses import MAX_SEARCH_STEPS
+
+    a = 4
+    model = TableModel.by_hand(7, {BOS: {a: 1.0}, a: {a: 1.0}})
+    src, lengths = torch.ones(1, 3, dtype=torch.long), torch.tensor([3])
+    assert MAX_SEARCH_STEPS == 16384
+    for on_device in (False, True):
+        hyp = beam_search(model, src, lengths, beam=1, max_len_a=0, max_len_b=2 ** 63 - 1, on_device=on_device)[0][0]
+        assert hyp.tokens == [a] * (MAX_SEARCH_STEPS - 1), (on_device, len(hyp.tokens))
+
+
 def test_early_stop_ends_a_sentence_once_the_beam_is_finished():
     """A table worked by hand (beam 1, alpha 0.6, max length 5). From BOS: w 0.6, EOS 0.3, x 0.1; after w or x:
     EOS 0.9. Step 0 finishes the empty hypothesis (log 0.3 / lp(1) = -1.204) and keeps w open (log 0.6 =
@@ -615,3 +631,18 @@ def test_pad_and_bos_are_never_chosen(name, pad):
         assert tokens and pad not in tokens and BOS not in tokens
     for other in results[1:]:
         assert [[h.tokens for h in s] for s in results[0]] == [[h.tokens for h in s] for s in other]
+
+
+@pytest.mark.parametrize("system", ["dtmt", "mce", "gnmt-atr"])
+def test_an_empty_batch_translates_to_nothing_and_a_meta_one_is_refused(system):
+    """beam_search on B = 0 sentences gave a RuntimeError from inside the fused search's length bound (mce) or a
+    ValueError from the encoder (dtmt); on `src` of the meta device (no values), torch's NotImplementedError from the
+    id check. Now an empty batch returns [] on every path (as translate() of no sentences), and a meta `src` is a
+    one-line ValueError."""
+    model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=16).eval()
+    src, lengths = torch.randint(4, 24, (2, 5)), torch.tensor([5, 3])
+    for fused, on_device in ((True, False), (False, False), (False, True)):
+        assert beam_search(model, src[:0], lengths[:0], beam=2, fused=fused, on_device=on_device) == []
+    assert len(beam_search(model, src, lengths, beam=2)) == 2
+    with pytest.raises(ValueError, match="^beam_search: src is on the meta device"):
+        beam_search(model, src.to("meta"), lengths, beam=2)

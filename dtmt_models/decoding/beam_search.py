@@ -40,10 +40,10 @@ import torch
 from torch import Tensor
 
 from dtmt_models.data.vocabulary import BOS, EOS, never_output
-from dtmt_models.errors import MAX_COUNT
 from dtmt_models.decoding.device_search import device_loop
-from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, NEG_INF, NON_FINITE_SCORE, Hypothesis,  # noqa: F401
-                                             NonFiniteScores, check_banned, length_penalty)
+from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, MAX_SEARCH_STEPS, NEG_INF,  # noqa: F401
+                                             NON_FINITE_SCORE, Hypothesis, NonFiniteScores, check_banned,
+                                             length_penalty)
 from dtmt_models.engine.decoder import as_decoder
 from dtmt_models.models.modes import eval_mode
 
@@ -73,14 +73,22 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
                 on_device: Optional[bool] = None) -> List[List[Hypothesis]]:
     """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first. `model`: a Seq2Seq
     (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
-    encode / step / reorder. `fused`: the decoder's one-call `search` where it has one (False: this loop).
+    encode / step / reorder. A sentence takes at most max_len_a x its source length + max_len_b steps, EOS
+    included, and never more than MAX_SEARCH_STEPS (16,384; fewer where the model's target positions end).
+    `fused`: the decoder's one-call `search` where it has one (False: this loop).
     `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can
     still win (usually fewer steps; the default keeps the check). Without it the `nbest` returned are exactly those
     a search run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner, even
     before `beam` are finished). `on_device`: without a fused search, the loop whose bookkeeping stays on the
     device (device_search: the same decisions, a read every few steps) instead of the one here; None takes it where
-    `src` is not on the CPU. A model in training mode decodes in eval mode (see the module docstring)."""
+    `src` is not on the CPU. A model in training mode decodes in eval mode (see the module docstring). An empty
+    batch (B = 0) translates to []."""
     beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
+    if isinstance(src, Tensor) and src.is_meta:
+        raise ValueError("beam_search: src is on the meta device, which holds no tokens to translate")
+    if isinstance(src, Tensor) and src.dim() == 2 and src.shape[0] == 0 and isinstance(src_lengths, Tensor) \
+            and tuple(src_lengths.shape) == (0,):
+        return []   # (an empty batch: nothing to translate, as translate() of no sentences)
     if on_device is None:
         on_device = src.device.type != "cpu"
     with eval_mode(model):
@@ -94,8 +102,8 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
     # (in float64, bounded before the cast: max_len_b = 2^63 - 1 overflowed float32's cast to 1, so every translation
-    # came out empty without a word)
-    max_len = (src_lengths.double() * max_len_a + max_len_b).clamp(1, MAX_COUNT).long()
+    # came out empty without a word; bounded by MAX_SEARCH_STEPS on every path, the fused searches' bound)
+    max_len = (src_lengths.double() * max_len_a + max_len_b).clamp(1, MAX_SEARCH_STEPS).long()
     most = model.max_target_steps   # a model whose target positions end (the transformer's)
     if most is not None:
         max_len = max_len.clamp_max(most)

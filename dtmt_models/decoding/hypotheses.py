@@ -19,6 +19,9 @@ class Hypothesis:
 NEG_INF = float("-inf")
 INF = float("inf")
 MAX_BEAM = 1024   # the widest beam (csrc/op_checks.h's kMaxBeam: memory grows with it, quality does not)
+# the most steps a search takes (csrc/op_checks.h's kMaxSearchSteps): max_len is bounded by it on every path, so a
+# model that rarely ends a sentence and a huge max_len_b make a long translation, not a search running for hours
+MAX_SEARCH_STEPS = 16384
 # the words that start the error (csrc/op_checks.h's kNonFiniteScore, which the fused search raises)
 NON_FINITE_SCORE = "the model gave a non-finite score"
 

@@ -30,6 +30,8 @@ std::vector<at::Tensor> smoothed_cross_entropy_cpu(const at::Tensor& logits, con
               "dtmt._C: smoothed_cross_entropy takes contiguous CPU tensors, the target int64");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
               "dtmt._C: smoothed_cross_entropy takes float32 or float64 logits");
+  TORCH_CHECK(smoothing >= 0 && smoothing < 1,   // (NaN fails this too)
+              "dtmt._C: smoothed_cross_entropy takes 0 <= smoothing < 1, got ", smoothing);
   const int64_t N = logits.size(0), V = logits.size(1);
   const int64_t* y = target.data_ptr<int64_t>();
   for (int64_t r = 0; r < N; ++r)

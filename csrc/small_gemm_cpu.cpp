@@ -174,6 +174,8 @@ at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const at:
               "[M, K] and w [N, K] (or int8 rows [N, K + 4]) expected, got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && (!bias.defined() || bias.device().is_cpu()),
               "dtmt._C.small_rows_linear takes CPU tensors");
+  TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.dim() == 1 && bias.size(0) == w.size(0)),
+              "dtmt._C.small_rows_linear: bias [N = ", w.size(0), "] or none expected, got ", bias.sizes());
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   linear_into(out, bias, x, w.is_contiguous() ? w : w.contiguous());
   return out;

@@ -41,6 +41,17 @@ def test_small_rows_linear_matches_float64(M, K, N, bias, seed):
     torch.testing.assert_close(out.double(), _f64_linear(x, w, b), rtol=1e-5, atol=1e-5 * K ** 0.5)
 
 
+def test_small_rows_linear_refuses_a_bias_of_another_shape():
+    """A bias of shape [1], [] or [M, 1] went through ATen's addmm broadcasting (a per-row bias with [M, 1]): the op
+    takes a bias [N] or none (empty)."""
+    x, w = torch.randn(2, 5), torch.randn(3, 5)
+    for bias in (torch.zeros(1), torch.zeros(()), torch.zeros(2, 1), torch.zeros(4)):
+        with pytest.raises(RuntimeError, match=r"bias \[N = 3\] or none expected"):
+            torch.ops.dtmt.small_rows_linear(x, w, bias)
+    torch.testing.assert_close(torch.ops.dtmt.small_rows_linear(x, w, torch.ones(3)), x @ w.T + 1)
+    torch.testing.assert_close(torch.ops.dtmt.small_rows_linear(x, w, x.new_empty(0)), x @ w.T)
+
+
 def test_small_rows_linear_strided_rows_threads_and_fallback():
     g = torch.Generator().manual_seed(1)
     big, w, b = torch.randn(8, 700, generator=g), torch.randn(3000, 300, generator=g), torch.randn(3000, generator=g)

@@ -122,6 +122,16 @@ def test_fused_loss_rejects_bad_smoothing():
         smoothed_cross_entropy(logits, target, 1.0)
 
 
+def test_the_loss_op_itself_refuses_smoothing_outside_its_range():
+    """torch.ops.dtmt.smoothed_cross_entropy called directly (not through the checking wrapper) returned NaN for a
+    NaN smoothing and a number for 5.0: the op checks 0 <= smoothing < 1 itself."""
+    logits, target = torch.randn(3, 5), torch.tensor([1, 4, 0])
+    for smoothing in (float("nan"), 5.0, 1.0, -0.1):
+        with pytest.raises(RuntimeError, match=r"takes 0 <= smoothing < 1, got"):
+            torch.ops.dtmt.smoothed_cross_entropy(logits, target, smoothing, -100)
+    assert torch.ops.dtmt.smoothed_cross_entropy(logits, target, 0.0, -100)[0].isfinite().all()
+
+
 @pytest.mark.parametrize("name,options", [("dtmt", {}), ("deeplau", {}), ("nematus", {}),
                                           ("transformer", dict(heads=2, encoder_layers=1, decoder_layers=1,
                                                                hidden_size=32))])

@@ -5,6 +5,7 @@ system compile with torch.compile(fullgraph=True) (no graph break) and export wi
 outputs and gradients. CPU only (the CUDA kernels are registered under the same ops; tests/test_triton.py holds
 the Triton op to the same checks in triton's interpreter)."""
 import os
+import re
 
 import pytest
 import torch
@@ -131,6 +132,39 @@ def _record_system_calls(system, dtype=torch.float64):
                 _, state = decoder.step(state, prev[:, t])
             beam_search(decoder, src, lengths, beam=2, max_len_a=0.0, max_len_b=3)
     return recorder.calls
+
+
+def test_the_transition_fakes_check_what_the_output_shapes_rest_on():
+    """The fake implementations (what torch.compile and torch.export trace through, and all that a call on meta
+    tensors runs) check the cell kind and the sizes the outputs' shapes come from, as the kernels do: a wrong kind
+    was a KeyError from inside the fake, an h0 [7, 9] beside weights of H = 6 gave outputs of H = 6 without a word,
+    and meta and CPU tensors mixed gave a meta result. The right arguments give the kernel's shapes."""
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = make_layer("lgru", 4, 6, depth=1, layer_norm=True, dtype=torch.float32)
+    params = [p.detach() if p is not None else None for p in flat_params(layer.direction_weights(0))]
+    meta = [p.to("meta") if p is not None else None for p in params]
+    x, h0 = torch.zeros(3, 2, 4, device="meta"), torch.zeros(2, 6, device="meta")
+    forward = torch.ops.dtmt.transition_forward
+    out, h_n, xp, hs, hs_lp, hp, hpt = forward(x, h0, None, None, KINDS["lgru"], *meta, False, 1e-5)
+    assert [list(t.shape) for t in (out, h_n, hs, hpt)] == [[3, 2, 6], [2, 6], [2, 3, 2, 6], [1, 3, 2, 18]]
+    bad = {"unknown cell kind 99": (x, h0, 99, meta),
+           "h0 must be [2, 6], got [7, 9]": (x, torch.zeros(7, 9, device="meta"), KINDS["lgru"], meta),
+           "w_ih must be [30, 5] (H = 6), got [30, 4]": (torch.zeros(3, 2, 5, device="meta"), h0, KINDS["lgru"], meta),
+           "w_hh must be [3 * H, H] for this cell": (x, h0, KINDS["gru"], meta),
+           "every tensor must be on one device": (x, h0, KINDS["lgru"], [meta[0], *params[1:]])}
+    for message, (xx, hh, kind, ps) in bad.items():
+        with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_forward: {message}")):
+            forward(xx, hh, None, None, kind, *ps, False, 1e-5)
+    encode = torch.ops.dtmt.transition_encode
+    flat = [p if p is not None else torch.empty(0, device="meta") for p in meta]
+    out, h_n = encode(x, h0.unsqueeze(0), None, KINDS["lgru"], flat, False, 1e-5)
+    assert list(out.shape) == [3, 2, 6] and list(h_n.shape) == [1, 2, 6]
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::transition_encode: params must be ten a direction")):
+        encode(x, h0.unsqueeze(0).expand(2, 2, 6), None, KINDS["lgru"], flat, False, 1e-5)
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::transition_encode: h0 must be [1, 2, 6], got [1, 2, 5]")):
+        encode(x, torch.zeros(1, 2, 5, device="meta"), None, KINDS["lgru"], flat, False, 1e-5)
 
 
 @pytest.mark.parametrize("system", ["dtmt", "nematus", "mce", "gnmt-atr"])

@@ -50,11 +50,46 @@ def flat_params(w: TransitionWeights) -> List[Optional[Tensor]]:
     return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, w.ln_w, w.ln_b, t_w, t_b, t_ln_w, t_ln_b]
 
 
+def _check_fake(op: str, x: Tensor, h0: Tensor, kind, w_ih: Tensor, w_hh: Tensor, t_w: Optional[Tensor],
+                h0_lead: tuple = (), tokens: bool = False) -> int:
+    """What the shapes of a forward's outputs rest on, checked as the kernels check it (csrc/op_checks.cpp's
+    check_cell and the states' sizes) for the fake implementations, through which torch.compile and torch.export trace
+    and which are all a meta call runs: the cell kind, x [T, B, I], w_hh [n_h H, H], w_ih [n_in H, I], t_w [D, 3H, H],
+    h0 [*h0_lead, B, H], every tensor on x's device (`tokens`: x is token ids [T, B], w_ih's columns not read).
+    RuntimeError naming the argument; returns H. (Without it a wrong kind was a KeyError and wrong sizes made
+    outputs of wrong shapes, found only when the kernel ran.)"""
+    def fail(what):
+        raise RuntimeError(f"dtmt::{op}: {what}")
+
+    def cols(w):   # a weight's input features: float [N, K], or int8 rows [N, K + 4] (quantize.py)
+        return w.shape[-1] - (4 if w.dtype == torch.int8 else 0)
+
+    if not isinstance(kind, int) or kind not in ROWS:
+        fail(f"unknown cell kind {kind!r} ({', '.join(f'{k} {name}' for name, k in KINDS.items())})")
+    n_in, n_h, _ = ROWS[kind]
+    if x.dim() != (2 if tokens else 3):
+        fail(f"{'tokens must be [T, B]' if tokens else 'x must be [T, B, I]'}, got {list(x.shape)}")
+    B, I = x.shape[1], None if tokens else x.shape[2]
+    if w_hh.dim() != 2 or w_hh.shape[0] == 0 or w_hh.shape[0] % n_h or cols(w_hh) != w_hh.shape[0] // n_h:
+        fail(f"w_hh must be [{n_h} * H, H] for this cell, got {list(w_hh.shape)}")
+    H = w_hh.shape[0] // n_h
+    if w_ih.dim() != 2 or w_ih.shape[0] != n_in * H or (I is not None and cols(w_ih) != I):
+        fail(f"w_ih must be [{n_in * H}, {'I' if I is None else I}] (H = {H}), got {list(w_ih.shape)}")
+    if present(t_w) and (t_w.dim() != 3 or t_w.shape[1] != 3 * H or cols(t_w) != H):
+        fail(f"t_w must be [D, {3 * H}, {H}], got {list(t_w.shape)}")
+    if tuple(h0.shape) != (*h0_lead, B, H):
+        fail(f"h0 must be {list((*h0_lead, B, H))}, got {list(h0.shape)}")
+    devices = {t.device for t in (x, h0, w_ih, w_hh, t_w) if present(t)}
+    if len(devices) > 1:
+        fail(f"every tensor must be on one device, got {sorted(str(d) for d in devices)}")
+    return H
+
+
 def _forward_fake(x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b, reverse,
                   eps):
+    H = _check_fake("transition_forward", x, h0, kind, w_ih, w_hh, t_w)
     T, B, _ = x.shape
     n_in, n_h, _ = ROWS[kind]
-    H = w_hh.shape[0] // n_h
     D = t_w.shape[0] if present(t_w) else 0
     acc = acc_dtype(x.dtype)
     hs = x.new_empty(D + 1, T, B, H, dtype=acc)
@@ -109,12 +144,28 @@ def _autograd_for(backward_op):
     return backward
 
 
+def _check_encode_fake(op: str, x: Tensor, h0: Tensor, kind, params, tokens: bool = False) -> None:
+    """_check_fake for each direction of an encode op (h0 [D, B, H], ten parameters a direction, or twelve with the
+    row panels of w_hh and t_w)."""
+    if h0.dim() != 3 or h0.shape[0] not in (1, 2):
+        raise RuntimeError(f"dtmt::{op}: h0 must be [D, B, H] with D = 1 or 2 directions, got {list(h0.shape)}")
+    D = h0.shape[0]
+    if len(params) not in (10 * D, 12 * D):
+        raise RuntimeError(f"dtmt::{op}: params must be ten a direction (twelve with row panels; {D} directions: "
+                           f"h0 {list(h0.shape)}), got {len(params)}")
+    per = len(params) // D
+    for d in range(D):
+        _check_fake(op, x, h0, kind, params[per * d], params[per * d + 2], params[per * d + 6], (D,), tokens)
+
+
 def _encode_fake(x, h0, mask, kind, params, reverse, eps):
+    _check_encode_fake("transition_encode", x, h0, kind, params)
     D, B, H = h0.shape
     return x.new_empty(x.shape[0], B, D * H), h0.new_empty(D, B, H)
 
 
 def _encode_tokens_fake(tokens, table, position_table, h0, mask, kind, params, reverse, eps):
+    _check_encode_fake("transition_encode_tokens", tokens, h0, kind, params, tokens=True)
     D, B, H = h0.shape
     return table.new_empty(tokens.shape[0], B, D * H), h0.new_empty(D, B, H)
 

@@ -312,7 +312,9 @@ def test_a_checkpoint_loads_and_translates_in_a_fresh_process(system):
             "                importlib.import_module(info.name)\n"
             "print([f'{n}.{k}' for n, mod in list(sys.modules.items()) if n.startswith('dtmt')\n"
             "       for k, v in vars(mod).items() if isinstance(v, torch.Tensor) and v.is_meta])\n")
-    done = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # (the package need not be installed)
+    done = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert done.returncode == 0, done.stderr[-2000:]
     model, sv, tv, _ = system
     expected = translate_best(model, sv, tv, ["el perro come pan"], beam=2)[0]

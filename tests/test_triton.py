@@ -586,7 +586,9 @@ def test_gpu_persistent_says_where_a_layer_does_not_fit(compiled, recurrence):
     (docs/design/gpu.md, "Messages from the CUDA unit")."""
     if "cuda" not in dk.available_backends():
         pytest.skip("the cuda backend is not built")
-    env = {**os.environ, "DTMT_CUDA_RECURRENCE": recurrence}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # (the package need not be installed)
+    env = {**os.environ, "DTMT_CUDA_RECURRENCE": recurrence,
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run = subprocess.run([sys.executable, "-c", _UNFIT_LAYER], cwd=os.path.dirname(os.path.abspath(__file__)),
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

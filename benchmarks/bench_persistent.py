@@ -135,12 +135,23 @@ def floor_ms(cell: str, depth: int, ln: bool, T: int, B: int, H: int, barrier_us
     """The persistent forward's floor: T x (its barriers a step x `barrier_us` + a step's recurrent products at
     `flops_per_s`; None: the barriers alone)."""
     products = step_flops(cell, depth, B, H) / flops_per_s if flops_per_s else 0.0
-    return 1e3 * T * (barriers_per_step(cell, depth, ln) * barrier_us * 1e-6 + products)
+    return 1e3 * T * (barriers_per_step(cell, depth, ln, B) * barrier_us * 1e-6 + products)
 
 
-def barriers_per_step(cell: str, depth: int, ln: bool) -> int:
-    """Grid barriers a step of the persistent forward waits at: one a sub-cell, two with layer norm."""
-    return (depth + 1) * (2 if ln else 1)
+# csrc/persistent_cuda_kernels.cuh's kSpreadJoinPasses and kPersistentThreads' warps: a layer norm's join is shared
+# out over the blocks, with one more barrier, where a block would take this many passes of its warps over the
+# B x groups (row, gate) pairs
+SPREAD_JOIN_PASSES, PERSISTENT_WARPS = 4, 8
+
+
+def barriers_per_step(cell: str, depth: int, ln: bool, B: int = 1) -> int:
+    """Grid barriers a step of the persistent forward waits at: one a sub-cell, two with layer norm, three where
+    the layer norm's join is shared out over the blocks (join_pairs)."""
+    from dtmt_kernels.ops.transition.layout import CELLS
+
+    def norm(groups: int) -> int:
+        return 0 if not ln else 2 if -(-B * groups // PERSISTENT_WARPS) >= SPREAD_JOIN_PASSES else 1
+    return 1 + norm(CELLS[cell][3]) + depth * (1 + norm(CELLS["tgru"][3]))
 
 
 MATH_NAMES = {"strict": "strict fp32 on every side (TF32 off for cuBLAS, cuDNN and our products)",

@@ -201,7 +201,7 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   f.hpt = buf.make<T>(std::max<size_t>(D, 1) * TBH * 3, 0.0f);
   f.out = buf.make<T>(TBH, 0.0f);
   f.h_last = buf.make<A>(BH, 0.0f);
-  f.partials = buf.make<A>(2 * static_cast<size_t>(G) * B * 3 * 2, 0.0f);
+  f.partials = buf.make<A>(2 * (static_cast<size_t>(G) + 1) * B * 3 * 2, 0.0f);   // (the backward's two regions)
   f.spill = plan.forward_spill ? buf.make<T>(plan.forward_spill / sizeof(T), 0.0f) : nullptr;
   auto sizes = [&](auto& a, int resident, int stage) {   // (what the forward's and backward's arguments share)
     a.steps = Tn;

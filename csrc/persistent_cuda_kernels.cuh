@@ -9,11 +9,12 @@
 //   1. products: hp[b, q*H + j] = U[q*H + j, :] . h[b, :] for the block's rows, every batch row, h read whole from
 //      global memory (the state the previous sub-cell wrote: a grid barrier lies between);
 //   2. gate pre-activations a = hp + b_hh (+ x W_ih + b_ih) for the block's units; with layer norm, each block's
-//      (mean, M2) over its units per row and gate go to global memory, a grid barrier, and every block joins all G
-//      of them in a fixed order (join_blocks, Chan's formula: deterministic, the same in every block);
+//      (mean, M2) over its units per row and gate go to global memory, a grid barrier, and the G of them are joined
+//      in a fixed order (Chan's formula: deterministic, the same in every block): by every block, or at larger B
+//      shared out over the blocks, another grid barrier, and read by all (join_pairs);
 //   3. the cell's elementwise update (cell_math.h, as the step kernels), candidate dropout, and at the last
 //      sub-cell the length mask: the new state of the block's units to global memory; a grid barrier.
-// So (D + 1) x (1 + layer norm) grid barriers a step. The cluster form (args.cluster) is the same kernel launched as
+// So (D + 1) x (1 + layer norm) grid barriers a step (one more a layer norm where its join is shared out). The cluster form (args.cluster) is the same kernel launched as
 // one thread-block cluster of at most 16 blocks on Hopper, each barrier the cluster's instead of the grid's. The
 // outputs and saved tensors are exactly those of the per-step forward (transition_cuda.cu's forward_impl: out, h_n,
 // hs, hs_lp, hp, hpt), so its backward runs on them unchanged. Products, rounded to T as the per-step GEMM's output
@@ -147,7 +148,7 @@ template <typename T, typename A> struct PersistentForwardArgs {
   T* hpt;           // [D, T, B, 3H] T-GRU recurrent products
   T* out;           // [T, B, H]
   A* h_last;        // [B, H] the state after the last step
-  A* partials;      // [G, B, 3, 2] layer-norm partial statistics (G = gridDim.x)
+  A* partials;      // [G + 1, B, 3, 2] layer-norm partial statistics (G = gridDim.x), the last the joined ones
   T* spill;         // [G, spill_elems] the rows of sub-cells resident..D (persistent_plan.h), or nullptr (none)
   int steps, B, H, D, slice;
   int resident;     // sub-cells whose rows stay in shared memory (< 0: all D + 1)
@@ -178,6 +179,7 @@ __device__ __forceinline__ T* spilled_matrix(bool backward, int kind, int D, int
 // What join_blocks joins: a (count, mean, M2) of values (Chan's formula joins two, `a` the values before `b`'s),
 // or two sums (joined by adding); each with its warp shuffle.
 template <typename A> struct Moments {
+  using Value = A;
   A count, mean, m2;
 };
 template <typename A> __device__ __forceinline__ Moments<A> join(const Moments<A>& a, const Moments<A>& b) {
@@ -191,6 +193,7 @@ template <typename A> __device__ __forceinline__ Moments<A> shfl_xor(const Momen
           __shfl_xor_sync(0xffffffffu, v.m2, off)};
 }
 template <typename A> struct Sums {
+  using Value = A;
   A s1, s2;
 };
 template <typename A> __device__ __forceinline__ Sums<A> join(const Sums<A>& a, const Sums<A>& b) {
@@ -206,16 +209,18 @@ template <typename A> __device__ __forceinline__ Sums<A> shfl_xor(const Sums<A>&
 // all) by lane 0. Before, one thread joined all G in turn: a chain of G loads from L2, each waiting on the last,
 // with at most B x 3 threads of a block busy (docs/design/persistent_recurrence.md, "First run on a GPU"). Every
 // thread takes the same passes (the shuffles need whole warps).
+// The pairs joined are first, first + step, ... below `pairs` (0, 1: all of them; a spread join: this block's share).
 constexpr int kJoinLoads = 5;   // a lane's loads in flight at once (up to 160 blocks in one round: an H100 has 132 SMs)
 template <typename V, typename Part, typename Store>
-__device__ __forceinline__ void join_blocks(int pairs, Part part, Store store) {
+__device__ __forceinline__ void join_blocks(int pairs, int first_pair, int step, Part part, Store store) {
   const int warps = static_cast<int>(blockDim.x) / 32, warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32, G = static_cast<int>(gridDim.x);
-  const int passes = (pairs + warps - 1) / warps;
+  const int mine = first_pair < pairs ? (pairs - first_pair + step - 1) / step : 0;
+  const int passes = (mine + warps - 1) / warps;
   for (int pass = 0; pass < passes; ++pass) {
-    const int pair = pass * warps + warp;
+    const int i = pass * warps + warp, pair = first_pair + i * step;
     V acc{};
-    if (pair < pairs)
+    if (i < mine)
       for (int first = lane; first < G; first += 32 * kJoinLoads) {   // (the loads first, then the joins in order)
         V parts[kJoinLoads];
 #pragma unroll
@@ -229,14 +234,43 @@ __device__ __forceinline__ void join_blocks(int pairs, Part part, Store store) {
       const V other = shfl_xor(acc, off);
       acc = lane & off ? join(other, acc) : join(acc, other);
     }
-    if (pair < pairs && lane == 0) store(pair, acc);
+    if (i < mine && lane == 0) store(pair, acc);
+  }
+}
+
+// Whether the blocks share the join of `pairs` pairs out (spread_join) instead of each joining all of them: where
+// each would take kSpreadJoinPasses passes or more. A spread join costs one more barrier; the whole join, a block's
+// passes over all pairs: at B = 64 the deep transition's statistics took 190 of a step's 345 µs on an H200, each
+// block joining 192 pairs of 132 partials (docs/design/persistent_recurrence.md, "Second run on a GPU").
+constexpr int kSpreadJoinPasses = 4;
+__device__ __forceinline__ bool spread_join_pays(int pairs) {
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  return (pairs + warps - 1) / warps >= kSpreadJoinPasses;
+}
+
+// The pairs' joins, the same bits in every block, into `local` (local(pair, all): this block's shared memory):
+// spread, block b joins pairs b, b + G, ... and writes them to `joined` (global memory, `width` values a pair:
+// put(pair, all, out) writes them, get(pair, in) reads them into local), a barrier, and every block reads all of
+// them; else every block joins every pair itself. The barrier is `cluster`'s (persistent_barrier).
+template <typename V, typename Part, typename Put, typename Get, typename Local>
+__device__ __forceinline__ void join_pairs(int pairs, Part part, typename V::Value* joined, int width, Put put,
+                                          Get get, Local local, bool cluster) {
+  if (spread_join_pays(pairs)) {
+    join_blocks<V>(pairs, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), part,
+                   [&](int pair, const V& all) { put(pair, all, joined + static_cast<size_t>(pair) * width); });
+    phase_mark(kPhaseNorm);
+    persistent_barrier(cluster);
+    for (int pair = threadIdx.x; pair < pairs; pair += blockDim.x) get(pair, joined + static_cast<size_t>(pair) * width);
+  } else {
+    join_blocks<V>(pairs, 0, 1, part, local);
   }
 }
 
 // The (mean, 1/std) of every batch row's gate groups over all H units, in every block alike: this block's (mean, M2)
-// over its n units go to `partials` [G, B, 3, 2], a grid barrier, then each block joins all G of them (join_blocks:
-// Chan's formula in a fixed order, deterministic). v: [B][slots][S] pre-activations; stats: [B][3][2]. Ends with a
-// block barrier (stats read by other threads). `cluster`: the launch's barrier (persistent_barrier).
+// over its n units go to `partials` [G + 1, B, 3, 2], a grid barrier, then the G of them are joined (join_pairs:
+// Chan's formula in a fixed order, deterministic; spread over the blocks through the last slot of `partials` where
+// that pays). v: [B][slots][S] pre-activations; stats: [B][3][2]. Ends with a block barrier (stats read by other
+// threads). `cluster`: the launch's barrier (persistent_barrier).
 template <typename A>
 __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int S, int n, A eps, A* partials,
                                 A* stats, bool cluster) {
@@ -255,16 +289,26 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
   phase_mark(kPhaseNorm);
   persistent_barrier(cluster);
   // pair e: batch row e / NG, group e % NG
-  join_blocks<Moments<A>>(
+  join_pairs<Moments<A>>(
       B * NG,
       [&](int blk, int e) {
         const A* in = partials + ((static_cast<size_t>(blk) * B + e / NG) * 3 + e % NG) * 2;
         return Moments<A>{A(blk * S + S <= H ? S : H - blk * S), in[0], in[1]};
       },
+      partials + static_cast<size_t>(gridDim.x) * B * 3 * 2, 2,
+      [&](int, const Moments<A>& all, A* out) {
+        out[0] = all.mean;
+        out[1] = dt_rsqrt(all.m2 / A(H) + eps);
+      },
+      [&](int e, const A* in) {
+        stats[((e / NG) * 3 + e % NG) * 2] = in[0];
+        stats[((e / NG) * 3 + e % NG) * 2 + 1] = in[1];
+      },
       [&](int e, const Moments<A>& all) {
         stats[((e / NG) * 3 + e % NG) * 2] = all.mean;
         stats[((e / NG) * 3 + e % NG) * 2 + 1] = dt_rsqrt(all.m2 / A(H) + eps);
-      });
+      },
+      cluster);
   phase_mark(kPhaseNorm);
   __syncthreads();
 }
@@ -719,7 +763,8 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   A* dlnb_rows;
   A* dtln_rows;       // [D, B, 2H], zeroed (or nullptr)
   A* dtlnb_rows;
-  A* partials;        // [2, G, B, 3, 2]: the gate statistics' partials, then the layer-norm backward's
+  A* partials;        // [2, G + 1, B, 3, 2]: the gate statistics' partials, then the layer-norm backward's (each
+                      // with its joined ones last)
   T* spill;           // [G, spill_elems] the columns of sub-cells resident..D (persistent_plan.h), or nullptr
   int steps, B, H, D, slice;
   int step_lo, step_hi;       // the steps run, step_hi - 1 down to step_lo (step s at time s, or steps-1-s reversed)
@@ -937,7 +982,7 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
   A* dlnw = sp.dlnw;
   A* dlnb = sp.dlnb;
   // (partials of their own: a block that gets here early must not overwrite statistics another still combines)
-  A* sums_partials = p.partials + static_cast<size_t>(gridDim.x) * B * 3 * 2;
+  A* sums_partials = p.partials + (static_cast<size_t>(gridDim.x) + 1) * B * 3 * 2;
   for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
     const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;
     A& dv = m.d[(b * 3 + g) * S + jj];
@@ -961,16 +1006,26 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
   phase_mark(kPhaseNorm);
   persistent_barrier(p.cluster);
   // pair e: batch row e / NG, group e % NG
-  join_blocks<Sums<A>>(
+  join_pairs<Sums<A>>(
       B * NG,
       [&](int blk, int e) {
         const A* in = sums_partials + ((static_cast<size_t>(blk) * B + e / NG) * 3 + e % NG) * 2;
         return Sums<A>{in[0], in[1]};
       },
+      sums_partials + static_cast<size_t>(gridDim.x) * B * 3 * 2, 2,
+      [&](int, const Sums<A>& all, A* out) {
+        out[0] = all.s1 / A(H);
+        out[1] = all.s2 / A(H);
+      },
+      [&](int e, const A* in) {
+        m.sums[((e / NG) * 3 + e % NG) * 2] = in[0];
+        m.sums[((e / NG) * 3 + e % NG) * 2 + 1] = in[1];
+      },
       [&](int e, const Sums<A>& all) {
         m.sums[((e / NG) * 3 + e % NG) * 2] = all.s1 / A(H);
         m.sums[((e / NG) * 3 + e % NG) * 2 + 1] = all.s2 / A(H);
-      });
+      },
+      p.cluster);
   __syncthreads();
   for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {   // d -> rstd (d - mean(d) - n mean(d n))
     const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);

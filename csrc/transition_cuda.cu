@@ -494,7 +494,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   Tensor hpt = at::empty({D, T_, B, 3 * H}, opts);
   Tensor out = at::empty({T_, B, H}, opts);
   Tensor h_last = at::empty({B, H}, acc_opts);
-  Tensor partials = at::empty({grid, B, 3, 2}, acc_opts);
+  Tensor partials = at::empty({grid + 1, B, 3, 2}, acc_opts);   // (the last: the joined statistics)
   const int64_t first = reverse ? T_ - 1 : 0;
   hs[0][first].copy_(h0);
   if (lp) hs_lp[0][first].copy_(h0);
@@ -614,7 +614,8 @@ template <typename S> cuda::PersistentPlan recurrence_plan(const Tensor& x, cons
 // forms the weight and bias gradients itself from the whole buffers, over many calls at once:
 // dtmt_kernels.nn.unrolled). `each` runs the chunks in the backward's order; `outputs` gives the op's 12 outputs
 // (the layer-norm gradients as column sums of the row accumulators: deterministic).
-constexpr int64_t kChunkRows = 512;   // a chunk's weight GEMMs reduce over at least this many rows (B x steps)
+constexpr int64_t kChunkRows = 512;   // a chunk's weight GEMMs reduce over at least this many rows (B x steps;
+                                      // the last chunk, what is left, may be shorter)
 constexpr int64_t kMaxChunks = 4;     // and the gradients of at most a quarter of the sequence are held at once
 int64_t chunk_steps(const Dims& d, bool weight_grads) {
   if (!weight_grads || d.T == 0) return d.T;
@@ -928,7 +929,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
   Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
   Tensor dh[2] = {at::empty({B, H}, acc_opts), at::empty({B, H}, acc_opts)};   // each chunk's dh0, in turn
-  Tensor partials = at::empty({2, grid, B, 3, 2}, acc_opts);
+  Tensor partials = at::empty({2, grid + 1, B, 3, 2}, acc_opts);
   const Tensor ghn = grad_hn.to(acc).contiguous(), gout = grad_out.contiguous();
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
 
@@ -965,7 +966,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
     a.dh0 = mptr<A, A>(dh[c % 2]);
     const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
                                                                    static_cast<int>(threads), stream);
-    if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
+    if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: this one not run
       (void)cudaGetLastError();
       refused = err;
       return false;
@@ -974,8 +975,10 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
     ++c;
     return true;
   });
-  if (refused != cudaSuccess) {   // (at the first chunk: every launch asks for the same; the per-step backward
-    ++launches_refused;           // starts afresh)
+  // A refusal comes at the first chunk (every launch asks for the same grid and memory; at a later one the chunks
+  // before it would have run for nothing): the per-step backward starts afresh. The counts are of backward calls.
+  if (refused != cudaSuccess) {
+    ++launches_refused;
     TORCH_WARN_ONCE(message("dtmt: the device refused the persistent backward", cluster ? " as one cluster" : "",
                             " at H=", H, ", depth ", D, ", B=", B, " (", cudaGetErrorString(refused), "): ",
                             cluster ? "the grid form or " : "", "the per-step backward runs instead"));

@@ -878,7 +878,8 @@ def test_bench_cells_math_mode_is_named_and_gpu_only():
 def test_bench_persistent_floor():
     """The floor a persistent forward is printed beside: T x (grid barriers a step x the barrier's cost + a step's
     recurrent products at the dense rate), worked by hand: a GRU step is one barrier and B x H against 3H rows; the
-    deep transition (L-GRU + 4 T-GRUs, layer norm) ten barriers and 4H + 4 x 3H rows; ATR one barrier and H rows."""
+    deep transition (L-GRU + 4 T-GRUs, layer norm) at B = 64 fifteen barriers (each layer norm's join shared out:
+    one more) and 4H + 4 x 3H rows; ATR one barrier and H rows."""
     from benchmarks import bench_persistent as bp
 
     T, B, H, us, rate = 50, 64, 512, 3.0, 1e13
@@ -886,7 +887,7 @@ def test_bench_persistent_floor():
     assert bp.floor_ms("gru", 0, False, T, B, H, us, rate) == pytest.approx(50 * (3e-6 + 2 * 64 * 512 * 1536 / 1e13)
                                                                             * 1e3)
     assert bp.floor_ms("lgru", 4, True, T, B, H, us, rate) == pytest.approx(
-        50 * (10 * 3e-6 + 2 * 64 * 512 * (4 + 12) * 512 / 1e13) * 1e3)
+        50 * (15 * 3e-6 + 2 * 64 * 512 * (4 + 12) * 512 / 1e13) * 1e3)
     assert bp.floor_ms("atr", 0, False, T, B, H, us, None) == pytest.approx(50 * 3e-6 * 1e3)   # barriers alone
     assert bp.step_flops("atr", 0, B, H) == 2 * 64 * 512 * 512
 
@@ -928,6 +929,10 @@ def test_bench_persistent_table_and_floor(capsys):
     table = bench_persistent.report(results, barrier, 50, 512, [8], 10, "a GPU")
     out = capsys.readouterr().out
     assert bench_persistent.barriers_per_step("lgru", 4, True) == 10
+    # at B = 64 every layer norm's join is shared out (192 and 128 pairs: 24 and 16 passes of 8 warps), one more
+    # barrier each; at B = 8 none (3 and 2 passes); at B = 11 the L-GRU's (33 pairs: 5 passes) but not the T-GRUs'
+    assert [bench_persistent.barriers_per_step("lgru", 4, True, B) for B in (8, 11, 64)] == [10, 11, 15]
+    assert bench_persistent.barriers_per_step("gru", 0, False, 64) == 1
     assert "| gru | 8 | 2.00 | 0.50 | 4.00 | 0.10 (20%) | 6.00 | 2.00 | 3.00 | 1.00 / 3.00 |" in out, out
     assert "1.0e-06 / 1.0e-06 | 10 / 10 / 12 |" in out and "peak MB (steps / persistent / reference)" in out
     assert "| deep-transition | 8 | 10.00 | 2.50 | 4.00 | 1.00 (40%) | 30.00 | 9.00 | 3.33 |" in out, out

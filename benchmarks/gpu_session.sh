@@ -60,10 +60,11 @@
 # 47 s to compile on 2 cores of an AMD EPYC here; its run and train-profile are not yet timed);
 # a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
 # at most 10 minutes, and a session has 15 minutes of device time in all, its start included: about two calls. In
-# this order of the issues: `build persistent` (about 400 s: issue 72's persistent launches, their GPU tests, the
-# barrier and phase probes, the tables against the per-step path and cuDNN), then at once `tests train-profile`
-# (about 400 s: every GPU test; a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time goes,
-# issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the sessions after,
+# this order of the issues: `build persistent` (issue 72's persistent launches, their GPU tests, the barrier and
+# phase probes, the tables against the per-step path and cuDNN; on 2026-11-30 at 4dec932 it ran past 560 s, the
+# strict table written, the TF32 one not: give it 560 s), then at once `tests` (193 s there: every GPU test); with
+# more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time
+# goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the sessions after,
 # `persistent-profile persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal; issue
 # 73 item 1), `decode` (with 16-bit decoding: item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call
 # each: their caps are 420 and 480 s), `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry

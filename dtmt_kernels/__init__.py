@@ -22,5 +22,7 @@ __version__ = "0.1.0"
 # MKL's vector math (torch.tanh, exp, sin, ... of CPU tensors) sets itself up on its first call. When that first call
 # runs on two threads at once, one of them can compute with another code path: results an ulp apart in some
 # processes, and translations that differed between runs (why: docs/design/decoding.md, "The first call of MKL's
-# vector math"). So a first call here, on one thread.
-torch.exp(torch.zeros(16))
+# vector math"). So a first call here, on one thread (on the CPU whatever device is the default where this module is
+# first imported: under `with torch.device("meta")`, as checkpoint loading builds a model to compare its weights,
+# it would run nothing).
+torch.exp(torch.zeros(16, device="cpu"))

@@ -43,13 +43,15 @@ def test_small_rows_linear_matches_float64(M, K, N, bias, seed):
 
 def test_small_rows_linear_refuses_a_bias_of_another_shape():
     """A bias of shape [1], [] or [M, 1] went through ATen's addmm broadcasting (a per-row bias with [M, 1]): the op
-    takes a bias [N] or none (empty)."""
+    takes a bias [N] or none (empty). dk.functional.linear, F.linear's stand-in, leaves such a bias to F.linear."""
     x, w = torch.randn(2, 5), torch.randn(3, 5)
     for bias in (torch.zeros(1), torch.zeros(()), torch.zeros(2, 1), torch.zeros(4)):
         with pytest.raises(RuntimeError, match=r"bias \[N = 3\] or none expected"):
             torch.ops.dtmt.small_rows_linear(x, w, bias)
     torch.testing.assert_close(torch.ops.dtmt.small_rows_linear(x, w, torch.ones(3)), x @ w.T + 1)
     torch.testing.assert_close(torch.ops.dtmt.small_rows_linear(x, w, x.new_empty(0)), x @ w.T)
+    for bias in (torch.zeros(1), torch.zeros(()), torch.ones(2, 1)):   # F.linear broadcasts them: so does linear
+        torch.testing.assert_close(dk.functional.linear(x, w, bias), F.linear(x, w, bias))
 
 
 def test_small_rows_linear_strided_rows_threads_and_fallback():

@@ -381,6 +381,17 @@ def test_positional_encoding_is_the_formula_without_torch_transcendentals(monkey
     want = plain + (sinusoidal_positions(70, 8, dtype=torch.float64) / 8 ** 0.5).float()
     assert torch.allclose(got, want, rtol=0, atol=1e-6)
     assert torch.equal(got, plain + emb._table[:70])
+    # on the meta device (a model built for its shapes, as loading a checkpoint does) nothing is computed: a
+    # transformer of max_len 10^6 took minutes of Python's sin and cos before its weights were even compared
+    for meta in (sinusoidal_positions(10 ** 6, 512, device="meta"), _meta_table(10 ** 6, 512)):
+        assert meta.is_meta and tuple(meta.shape) == (10 ** 6, 512)
+
+
+def _meta_table(length, dim):
+    from dtmt_models.models.embeddings import sinusoidal_positions
+
+    with torch.device("meta"):
+        return sinusoidal_positions(length, dim)
 
 
 def test_a_decoder_steps_positions_off_the_cpu_are_not_read_on_the_host(monkeypatch):

@@ -295,14 +295,20 @@ def test_average_refuses_crafted_checkpoints_in_one_line(system, tmp_path, capsy
 def test_a_checkpoint_loads_and_translates_in_a_fresh_process(system):
     """load_model builds the checkpoint's model on the meta device first (to compare its weights before anything is
     allocated). A module first imported inside that build made its module-level tensors there: the engine's empty
-    tensor for absent arguments became a meta tensor, and every later translation in the process failed. Here, in a
-    process that imports nothing first, a checkpoint loads and translates as in this one; and no module of the
-    package, imported under the meta device, keeps a tensor of that device."""
+    tensor for absent arguments became a meta tensor, and every later translation in the process failed; and
+    dtmt_kernels' first call of MKL's vector math, made on import so that it runs on one thread (docs/design/
+    decoding.md), ran on the meta device, that is not at all. Here, in a process that imports nothing first, a
+    checkpoint loads and translates as in this one, that first call runs on the CPU, and no module of the package,
+    imported under the meta device, keeps a tensor of that device."""
     _, _, _, path = system
     code = ("import sys, pkgutil, importlib, torch\n"
+            "first, exp = [], torch.exp\n"
+            "torch.exp = lambda t, *a, **k: first.append(t.device.type) or exp(t, *a, **k)\n"
             "from dtmt_models.models.checkpoint import load_model\n"
             "from dtmt_models.decoding.translate import translate_best\n"
             "m, sv, tv, _ = load_model(sys.argv[1])\n"
+            "torch.exp = exp\n"
+            "print(first[:1])\n"
             "print(translate_best(m, sv, tv, ['el perro come pan'], beam=2)[0])\n"
             "import dtmt_models, dtmt_kernels\n"
             "with torch.device('meta'):\n"
@@ -318,7 +324,7 @@ def test_a_checkpoint_loads_and_translates_in_a_fresh_process(system):
     assert done.returncode == 0, done.stderr[-2000:]
     model, sv, tv, _ = system
     expected = translate_best(model, sv, tv, ["el perro come pan"], beam=2)[0]
-    assert done.stdout.splitlines() == [expected, "[]"], done.stdout
+    assert done.stdout.splitlines() == ["['cpu']", expected, "[]"], done.stdout
 
 
 def test_empty_inputs_never_reach_the_model(system):

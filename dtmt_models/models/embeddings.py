@@ -22,7 +22,9 @@ def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32
     the table is the same on every device and in every process, and exact to the model's precision. (torch's own
     float64 sin on the CPU is MKL's on two threads, and its first call in a process has come out an ulp apart in
     some processes: translations then differed from run to run; docs/design/decoding.md, "The first call of MKL's
-    vector math".)"""
+    vector math".) On the meta device (a model built to read its shapes) nothing is computed."""
+    if torch.device(device if device is not None else torch.get_default_device()).type == "meta":
+        return torch.empty(length, dim, device="meta", dtype=dtype)
     columns = []
     for j, w in enumerate(_wavelengths(dim)):
         columns.append([math.sin(p / w) for p in range(length)])

@@ -55,10 +55,19 @@ def peak_memory_mb(fn) -> float:
 
 
 def fwd_bwd(layer, x):
+    """One forward and backward of `layer` on x, the output's gradient a dense tensor of ones made at the first call
+    and kept, as a network's loss gives it. (`out.sum().backward()`, as before, hands the layer a stride-0 expansion:
+    a layer whose kernels read dense gradients copies it whole, a tensor of the output's size that autograd's own
+    ops never make, so that the peak memory of forward + backward compared a copy with none: ATR at B = 256, 182
+    against the reference backend's 175 MB on an H200, 2026-11-30.)"""
+    grad = []
+
     def run():
         layer.zero_grad(set_to_none=True)
         out, h_n = layer(x)
-        out.sum().backward()
+        if not grad:
+            grad.append(torch.ones_like(out))
+        out.backward(grad[0])
     return run
 
 

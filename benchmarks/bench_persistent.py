@@ -14,7 +14,8 @@ the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a ch
   reports the largest difference of the outputs (relative to their largest value);
 - times the forward alone and forward + backward (both persistent in the persistent mode), eager, median of
   --repeat, and the peak memory of forward + backward (the per-step child also the reference backend's, in the
-  same dtype: issue 72 asks for at most it).
+  same dtype: issue 72 asks for at most it), the output's gradient a dense tensor made within it on every side
+  (bench_cells.fwd_bwd).
 The persistent launches come in two forms (--forms): `grid`, one cooperative launch of a block per SM with the grid's
 barrier (DTMT_CUDA_RECURRENCE=persistent), and `cluster`, one thread-block cluster of at most 16 blocks with the
 cluster's barrier (persistent-cluster; Hopper). The parent prints a table per form: the per-step path and that form

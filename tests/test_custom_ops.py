@@ -167,6 +167,45 @@ def test_the_transition_fakes_check_what_the_output_shapes_rest_on():
         encode(x, torch.zeros(1, 2, 5, device="meta"), None, KINDS["lgru"], flat, False, 1e-5)
 
 
+def test_the_engine_fakes_check_kinds_and_batches():
+    """The inference ops' fakes (dtmt_models/engine/ops.py) check the cell kinds and that their tensors share the
+    batch and source length, as the kernels do: a meta call with a wrong kind returned outputs without a word, and
+    a state of another batch gave outputs of src_mask's. The calls a system makes (recorded) pass on meta tensors;
+    attention_step (which the systems' fused steps do not call) on meta tensors made here."""
+    calls = {op.__name__.split(".")[0]: c for op, c in _record_system_calls("dtmt", torch.float32).items()}
+    calls.update({op.__name__.split(".")[0]: c for op, c in _record_system_calls("mce", torch.float32).items()})
+
+    def meta(tree):
+        return list(torch.utils._pytree.tree_map(lambda t: t.detach().to("meta") if isinstance(t, torch.Tensor) else t,
+                                                 list(tree)))
+
+    step = meta(calls["rnmt_step"][0])
+    log_probs, state, alpha = torch.ops.dtmt.rnmt_step(*step)
+    assert log_probs.is_meta and state.shape == step[1].shape and alpha.shape == step[4].shape
+    for index, name in ((5, "q_kind"), (7, "d_kind")):
+        bad = list(step)
+        bad[index] = 99
+        with pytest.raises(RuntimeError, match=f"dtmt::rnmt_step: unknown cell kind 99 for {name}"):
+            torch.ops.dtmt.rnmt_step(*bad)
+    bad = list(step)
+    bad[1] = torch.empty(step[1].shape[0] + 1, step[1].shape[1], device="meta")
+    with pytest.raises(RuntimeError, match=re.escape(f"dtmt::rnmt_step: s must be [{step[4].shape[0]}, ?], got")):
+        torch.ops.dtmt.rnmt_step(*bad)
+    encoder = meta(calls["memory_encoder"][0])
+    torch.ops.dtmt.memory_encoder(*encoder)
+    encoder[4] = -1
+    with pytest.raises(RuntimeError, match="dtmt::memory_encoder: unknown cell kind -1 for cell_kind"):
+        torch.ops.dtmt.memory_encoder(*encoder)
+    def m(*shape):
+        return torch.empty(*shape, device="meta")
+
+    keys, annotations, src_mask = m(2, 5, 2, 4), m(2, 5, 6), torch.empty(2, 5, dtype=torch.bool, device="meta")
+    context, alpha = torch.ops.dtmt.attention_step(m(2, 8), keys, annotations, src_mask, [m(0)] * 3, 1e-5)
+    assert list(context.shape) == [2, 6] and list(alpha.shape) == [2, 2, 5]
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::attention_step: query must be [2, ?], got [1, 8]")):
+        torch.ops.dtmt.attention_step(m(1, 8), keys, annotations, src_mask, [m(0)] * 3, 1e-5)
+
+
 @pytest.mark.parametrize("system", ["dtmt", "nematus", "mce", "gnmt-atr"])
 def test_every_op_a_system_calls_passes_opcheck(system):
     """Each op as a system calls it (training step and decoding: the attention, backward and inference ops),

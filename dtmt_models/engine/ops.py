@@ -292,7 +292,27 @@ def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, c
     return states, final
 
 
+def _fake_check(op: str, kinds=(), **shapes) -> None:
+    """The fakes' share of the kernels' checks (a fake is all that a meta call or a torch.compile / export trace
+    runs): every cell kind known, and each tensor of `shapes` (name=(tensor, [sizes]), None a size not checked) of
+    those sizes. RuntimeError naming the argument, as the kernels'."""
+    from dtmt_kernels.ops.transition.layout import KINDS, ROWS
+
+    for name, kind in kinds:
+        if not isinstance(kind, int) or kind not in ROWS:
+            raise RuntimeError(f"dtmt::{op}: unknown cell kind {kind!r} for {name} "
+                               f"({', '.join(f'{k} {n}' for n, k in KINDS.items())})")
+    for name, (t, sizes) in shapes.items():
+        if t.dim() != len(sizes) or any(want is not None and got != want for got, want in zip(t.shape, sizes)):
+            shown = ", ".join("?" if want is None else str(want) for want in sizes)
+            raise RuntimeError(f"dtmt::{op}: {name} must be [{shown}], got {list(t.shape)}")
+
+
 def _attention_step_fake(query, keys, annotations, src_mask, weights, ln_eps, key_exps=None):
+    _fake_check("attention_step", src_mask=(src_mask, [None, None]))
+    B, S = src_mask.shape
+    _fake_check("attention_step", query=(query, [B, None]), keys=(keys, [B, S, None, None]),
+                annotations=(annotations, [B, S, None]))
     B, S, NH, _ = keys.shape
     w_o = weights[2]
     C = w_o.shape[0] if w_o.numel() else annotations.shape[2]
@@ -300,12 +320,17 @@ def _attention_step_fake(query, keys, annotations, src_mask, weights, ln_eps, ke
 
 
 def _readout_fake(y, s, c, weights, eps):
+    _fake_check("readout_features", y=(y, [None, None]))
+    _fake_check("readout_features", s=(s, [y.shape[0], None]), c=(c, [y.shape[0], None]))
     return y.new_empty(y.shape[0], weights[0].shape[0])
 
 
 def _rnmt_step_fake(y, s, keys, annotations, src_mask, q_kind, q_params, d_kind, d_params, cell_eps, attention,
                     att_eps, readout, readout_eps):
+    _fake_check("rnmt_step", (("q_kind", q_kind), ("d_kind", d_kind)), src_mask=(src_mask, [None, None]))
     B, S = src_mask.shape
+    _fake_check("rnmt_step", y=(y, [B, None]), s=(s, [B, None]), keys=(keys, [B, S, None, None]),
+                annotations=(annotations, [B, S, None]))
     V = readout[8].shape[0]
     return (y.new_empty(B, V, dtype=torch.promote_types(y.dtype, torch.float32)), s.new_empty(s.shape),
             y.new_empty(B, S))
@@ -315,6 +340,10 @@ def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_k
                            cell_eps, attention, att_eps, readout, readout_eps, beam, alpha, max_len, bos, eos,
                            step_tables=False, early_stop=False, token_products=None, position_products=None,
                            context_heads=None, nbest=None, banned=None):
+    _fake_check("rnmt_beam_search", (("q_kind", q_kind), ("d_kind", d_kind)), src_mask=(src_mask, [None, None]))
+    B, S = src_mask.shape
+    _fake_check("rnmt_beam_search", s=(s, [B, None]), keys=(keys, [B, S, None, None]),
+                annotations=(annotations, [B, S, None]), max_len=(max_len, [B]))
     ctx = torch.library.get_ctx()
     n, tokens = ctx.new_dynamic_size(), ctx.new_dynamic_size()   # how many hypotheses and tokens: data-dependent
     long, double = dict(dtype=torch.long), dict(dtype=torch.float64)
@@ -323,6 +352,9 @@ def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_k
 
 
 def _memory_encoder_fake(x, memory, src_mask, reverse, cell_kind, cell, cell_eps, addressing):
+    _fake_check("memory_encoder", (("cell_kind", cell_kind),), src_mask=(src_mask, [None, None]))
+    B, S = src_mask.shape
+    _fake_check("memory_encoder", x=(x, [B, S, None]), memory=(memory, [B, S, None]))
     return x.new_empty(memory.shape), torch.empty_like(memory, memory_format=torch.contiguous_format)
 
 

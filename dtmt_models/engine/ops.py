@@ -296,12 +296,10 @@ def _fake_check(op: str, kinds=(), **shapes) -> None:
     """The fakes' share of the kernels' checks (a fake is all that a meta call or a torch.compile / export trace
     runs): every cell kind known, and each tensor of `shapes` (name=(tensor, [sizes]), None a size not checked) of
     those sizes. RuntimeError naming the argument, as the kernels'."""
-    from dtmt_kernels.ops.transition.layout import KINDS, ROWS
+    from dtmt_kernels.ops.transition.layout import check_kind
 
     for name, kind in kinds:
-        if not isinstance(kind, int) or kind not in ROWS:
-            raise RuntimeError(f"dtmt::{op}: unknown cell kind {kind!r} for {name} "
-                               f"({', '.join(f'{k} {n}' for n, k in KINDS.items())})")
+        check_kind(op, kind, name)
     for name, (t, sizes) in shapes.items():
         if t.dim() != len(sizes) or any(want is not None and got != want for got, want in zip(t.shape, sizes)):
             shown = ", ".join("?" if want is None else str(want) for want in sizes)

@@ -75,3 +75,11 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     float32 otherwise (16-bit inputs then also keep hs_lp, the states in their own dtype)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
+
+
+def check_kind(op: str, kind, name: str = "") -> None:
+    """RuntimeError unless `kind` is a cell kind of ROWS, naming the op and the argument (`name`), as the kernels'
+    checks do: the fake implementations' check (a fake is all a meta call or a torch.compile / export trace runs)."""
+    if not isinstance(kind, int) or kind not in ROWS:
+        raise RuntimeError(f"dtmt::{op}: unknown cell kind {kind!r}{f' for {name}' if name else ''} "
+                           f"({', '.join(f'{k} {n}' for n, k in KINDS.items())})")

@@ -28,7 +28,8 @@ from torch import Tensor
 from .._extension import built
 from .. import _autocast
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
-from .layout import KINDS, ROWS, acc_dtype, present
+from ..linear.quantize import ROW_TAIL
+from .layout import KINDS, ROWS, acc_dtype, check_kind, present
 from .reference import TransitionWeights
 
 PARAM_NAMES = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
@@ -61,11 +62,10 @@ def _check_fake(op: str, x: Tensor, h0: Tensor, kind, w_ih: Tensor, w_hh: Tensor
     def fail(what):
         raise RuntimeError(f"dtmt::{op}: {what}")
 
-    def cols(w):   # a weight's input features: float [N, K], or int8 rows [N, K + 4] (quantize.py)
-        return w.shape[-1] - (4 if w.dtype == torch.int8 else 0)
+    def cols(w):   # a weight's input features: float [N, K], or int8 rows [N, K + ROW_TAIL] (quantize.py)
+        return w.shape[-1] - (ROW_TAIL if w.dtype == torch.int8 else 0)
 
-    if not isinstance(kind, int) or kind not in ROWS:
-        fail(f"unknown cell kind {kind!r} ({', '.join(f'{k} {name}' for name, k in KINDS.items())})")
+    check_kind(op, kind)
     n_in, n_h, _ = ROWS[kind]
     if x.dim() != (2 if tokens else 3):
         fail(f"{'tokens must be [T, B]' if tokens else 'x must be [T, B, I]'}, got {list(x.shape)}")

@@ -432,7 +432,7 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
 // (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
 // shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. Passes are taken
 // kDotPasses at a time, each chunk of the stage serving all of them.
-constexpr int kDotPasses = 2, kTileRows = 2, kTileVectors = 2;
+constexpr int kDotPasses = 2, kTileRows = 2, kTileVectors = 2, kDotUnroll = 4;
 template <typename A, typename T, typename Live, typename RowOf, typename Store>
 __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
                                            int cols, Store store) {
@@ -467,7 +467,28 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     decltype(vec(0)) vecs[TC];
 #pragma unroll
     for (int c = 0; c < TC; ++c) vecs[c] = vec(c);
-    for (int i = lane; i < cn; i += lanes) {
+    // kDotUnroll of the thread's columns a round, every load of the round issued before its multiply-adds: one load
+    // latency a round instead of one a column (the loop with a runtime stride is not unrolled by the compiler: 4
+    // loads, 4 FMAs and 11 integer instructions a column, each FMA waiting on its loads, ptxas sm_90); each sum still
+    // runs over the columns in increasing order, so the sums are those of the loop below, bit for bit
+    int i = lane;
+    for (; i + (kDotUnroll - 1) * lanes < cn; i += kDotUnroll * lanes) {
+      A x[kDotUnroll][TC], w[kDotUnroll][TR];
+#pragma unroll
+      for (int u = 0; u < kDotUnroll; ++u) {
+#pragma unroll
+        for (int c = 0; c < TC; ++c) x[u][c] = ld<A>(vecs[c], i + u * lanes);
+#pragma unroll
+        for (int r = 0; r < TR; ++r) w[u][r] = ld<A>(rows[r], i + u * lanes);
+      }
+#pragma unroll
+      for (int u = 0; u < kDotUnroll; ++u)
+#pragma unroll
+        for (int r = 0; r < TR; ++r)
+#pragma unroll
+          for (int c = 0; c < TC; ++c) acc[r][c] += w[u][r] * x[u][c];
+    }
+    for (; i < cn; i += lanes) {
       A x[TC];
 #pragma unroll
       for (int c = 0; c < TC; ++c) x[c] = ld<A>(vecs[c], i);

@@ -17,7 +17,8 @@
 //
 // Prints a markdown table: per layer (GRU, ATR, the deep transition L-GRU + 4 T-GRUs with layer norm; H = 512,
 // T = 50, no mask, no dropout), batch (1, 8, 64), storage and products (float with FMA = strict fp32, through the
-// products' stage as the driver runs them, without its 32 KB cap where that changes it, and without a stage; float on
+// products' stage as the driver runs them, through whole rows copied at once where the driver chunks them, and
+// without a stage; float on
 // tensor cores = TF32; bf16 with FMA through the stage, and on tensor cores) and direction: the launch's time (CUDA
 // events, median of 5 after a warm-up), then µs a step in each phase (the mean over blocks; cycles turned into µs by
 // the blocks' clock over the launch's time), the barriers a step and µs each, and the slowest block's work a step
@@ -134,18 +135,10 @@ void print_row(const char* layer, int B, const char* products, const char* dir, 
 }
 
 // One layer at batch B in storage T (A = float) with products on tensor cores or FMA (through the plan's stage, or
-// without one, or with one that only the device's shared memory bounds: `staging`): forward, then backward on its
-// saved tensors.
-// The stage's columns a row where only the device's shared memory bounds them (not persistent_plan.h's 32 KB of
-// values): all K where the block's bytes allow, else the most multiples of 32 that fit; bytes(cols) is the block's.
-template <typename Bytes> int uncapped_stage(int K, size_t smem_optin, Bytes bytes) {
-  if (bytes(K) <= smem_optin) return K;
-  for (int cols = (K - 1) / 32 * 32; cols >= 32; cols -= 32)
-    if (bytes(cols) <= smem_optin) return cols;
-  return 0;
-}
-
-enum class Stage { kPlan, kDirect, kUncapped };
+// without one, or through whole rows staged at once: `staging`): forward, then backward on its saved tensors.
+// kWhole: the stage takes all K columns of every row in one copy, waited for once, where the block's shared memory
+// allows it and the plan chunks them (two buffers, the next chunk copied while one is summed): what the overlap gains.
+enum class Stage { kPlan, kDirect, kWhole };
 
 template <int KIND, typename T>
 void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool mma, Stage staging,
@@ -163,15 +156,14 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   const int G = plan.grid;
   int forward_stage = staging == Stage::kDirect ? 0 : plan.forward_stage;
   int backward_stage = staging == Stage::kDirect ? 0 : plan.backward_stage;
-  if (staging == Stage::kUncapped) {   // (rows only where the cap binds)
-    forward_stage = uncapped_stage(H, dev.smem_optin, [&](int c) {
-      return persistent_forward_bytes(KIND, D, B, H, plan.slice, sizeof(T), sizeof(A), mma, kThreads,
-                                      plan.forward_resident, c);
-    });
-    backward_stage = uncapped_stage(backward_u_path_length(KIND, D, H), dev.smem_optin, [&](int c) {
-      return persistent_backward_bytes(KIND, D, B, H, plan.slice, sizeof(T), sizeof(A), mma, kThreads,
-                                       plan.backward_resident, c);
-    });
+  if (staging == Stage::kWhole) {   // (rows only where it differs from the plan's)
+    const int R = backward_u_path_length(KIND, D, H);
+    if (persistent_forward_bytes(KIND, D, B, H, plan.slice, sizeof(T), sizeof(A), mma, kThreads,
+                                 plan.forward_resident, H) <= dev.smem_optin)
+      forward_stage = H;
+    if (persistent_backward_bytes(KIND, D, B, H, plan.slice, sizeof(T), sizeof(A), mma, kThreads,
+                                  plan.backward_resident, R) <= dev.smem_optin)
+      backward_stage = R;
     if (forward_stage == plan.forward_stage && backward_stage == plan.backward_stage) return;
   }
   const size_t BH = static_cast<size_t>(B) * H, TBH = static_cast<size_t>(Tn) * BH;
@@ -289,7 +281,7 @@ int main() {
               "barriers a step × µs | slowest block's work | setup µs |\n");
   std::printf("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   run_storage<float>(dev, false, Stage::kPlan, "fp32 FMA, staged (strict)");
-  run_storage<float>(dev, false, Stage::kUncapped, "fp32 FMA, staged without the 32 KB cap (strict)");
+  run_storage<float>(dev, false, Stage::kWhole, "fp32 FMA, whole rows staged at once (strict)");
   run_storage<float>(dev, false, Stage::kDirect, "fp32 FMA, direct (strict)");
   if (dev.major >= 8) {
     run_storage<float>(dev, true, Stage::kPlan, "TF32 tensor cores");

@@ -390,12 +390,13 @@ __device__ __forceinline__ void stage_copy_async(const T* v, size_t ldv, int row
   for (int e = static_cast<int>(threadIdx.x); e < total; e += static_cast<int>(blockDim.x))
     __pipeline_memcpy_async(stage + stage_row(e / per_row, rows) * pitch + (e % per_row) * kPer,
                             v + (e / per_row) * ldv + c0 + (e % per_row) * kPer, sizeof(Bytes16));
-  __pipeline_commit();
-  __pipeline_wait_prior(0);
 }
 #endif
+// stage_issue starts the copies (asynchronous ones are still in flight when it returns: one commit group a call,
+// also where the copies went through registers, so that stage_wait counts calls); stage_wait(pending) returns once
+// this thread's copies of all but the last `pending` calls are made. stage_rows is the two at once.
 template <typename T>
-__device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, T* stage) {
+__device__ __forceinline__ void stage_issue(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, T* stage) {
   constexpr size_t kWide = sizeof(Bytes16) / sizeof(T);
   if (ldv % kWide == 0 && c0 % kWide == 0 && cn % kWide == 0 && pitch % kWide == 0 &&
       reinterpret_cast<size_t>(v) % sizeof(Bytes16) == 0) {
@@ -407,6 +408,21 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
   } else {
     stage_copy<T>(v, ldv, rows, c0, cn, pitch, stage);
   }
+#if defined(DTMT_ASYNC_COPY)
+  __pipeline_commit();
+#endif
+}
+__device__ __forceinline__ void stage_wait(int pending) {
+#if defined(DTMT_ASYNC_COPY)
+  __pipeline_wait_prior(static_cast<size_t>(pending));
+#else
+  (void)pending;
+#endif
+}
+template <typename T>
+__device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, T* stage) {
+  stage_issue(v, ldv, rows, c0, cn, pitch, stage);
+  stage_wait(0);
 }
 
 // The FMA products of the persistent launches: M x V dot products of length K, output (m, r) the sum over i of
@@ -418,8 +434,9 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
 // docs/design/persistent_recurrence.md, "Tiles of the FMA products"). Tile (tm, tv) takes matrix rows tm and
 // tm + tiles_m, and vectors 2 tv and 2 tv + 1 (a pair of batch rows: a tile whose rows have both ended is skipped);
 // past M or V they repeat the last one, whose sums nobody stores (at B = 1 the second vector is the first again: one
-// compiled form of the loop for every B). With `stage` (shared memory of stage_bytes), the vectors are read from it,
-// `cols` columns of every row at a time (stage_rows: the whole block, many copies in flight, coalesced), even rows in
+// compiled form of the loop for every B). With `stage` (shared memory of stage_bytes), the vectors are read from it:
+// whole rows once, or `cols` columns of every row at a time in two buffers, chunk c + 1 copied into one while chunk c
+// is summed from the other (stage_issue / stage_wait: the whole block, many copies in flight, coalesced), even rows in
 // the first half of its rows and odd ones in the second (stage_row); without, each thread reads them from global
 // memory as it sums, one L2 round trip after another (docs/design/persistent_recurrence.md, "The products' stage").
 // A tile is summed by `lanes` consecutive threads, each over every lanes-th i, combined by shuffles (a fixed tree:
@@ -450,6 +467,8 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
   }
   const int passes = (tiles + groups - 1) / groups, pitch = stage_pitch(chunk, sizeof(T));
   const bool whole = stage != nullptr && chunk == K;   // staged once for every pass
+  // in chunks: two buffers of `chunk` columns (persistent_plan.h's stage_bytes)
+  T* const twin = stage != nullptr && !whole ? stage + static_cast<size_t>(V) * pitch : nullptr;
   if (whole) {
     __syncthreads();   // (the stage's last readers are done)
     phase_mark(kPhaseProducts);
@@ -519,12 +538,21 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
 #pragma unroll
         for (int c = 0; c < TC; ++c) acc[pp][r][c] = A(0);
     }
+    // chunks: chunk c in buffer c % 2, chunk c + 1 copied into the other while c is summed
+    const bool chunked = stage != nullptr && !whole;
+    if (chunked) {
+      __syncthreads();   // (the stage's last readers are done)
+      phase_mark(kPhaseProducts);
+      stage_issue(v, ldv, V, 0, chunk, pitch, stage);
+    }
     for (int c0 = 0; c0 < K; c0 += chunk) {
       const int cn = K - c0 < chunk ? K - c0 : chunk;
-      if (stage != nullptr && !whole) {
-        __syncthreads();   // (the last chunk's readers are done)
-        phase_mark(kPhaseProducts);
-        stage_rows(v, ldv, V, c0, cn, pitch, stage);
+      T* const buf = (c0 / chunk) % 2 == 0 ? stage : twin;
+      if (chunked) {
+        const int next = c0 + chunk;
+        if (next < K)
+          stage_issue(v, ldv, V, next, K - next < chunk ? K - next : chunk, pitch, buf == stage ? twin : stage);
+        stage_wait(next < K ? 1 : 0);
         __syncthreads();
         phase_mark(kPhaseStage);
       }
@@ -534,11 +562,15 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
         // (the stage's and global memory's vectors in separate branches: each load's space known to the compiler)
         if (stage != nullptr) {
           sum_tile(acc[pp], tm[pp],
-                   [&](int c) { return stage + static_cast<size_t>(stage_row(vector(tv[pp], c), V)) * pitch; }, c0, cn);
+                   [&](int c) { return buf + static_cast<size_t>(stage_row(vector(tv[pp], c), V)) * pitch; }, c0, cn);
         } else {
           sum_tile(acc[pp], tm[pp], [&](int c) { return v + static_cast<size_t>(vector(tv[pp], c)) * ldv + c0; }, c0,
                    cn);
         }
+      }
+      if (chunked) {
+        __syncthreads();   // (this chunk's readers are done before its buffer takes the chunk after next)
+        phase_mark(kPhaseProducts);
       }
     }
 #pragma unroll

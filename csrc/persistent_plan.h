@@ -40,22 +40,27 @@ DTMT_HD size_t mma_buffer_bytes(int M, int B, int threads, size_t t_bytes) {
 // gradients: B rows of K) from a stage in shared memory, filled by the whole block with many loads in flight,
 // instead of each thread walking them in global memory, one L2 round trip after another
 // (docs/design/persistent_recurrence.md, "The products' stage"). The stage takes the shared memory the matrices
-// leave (`room`), at most kStageBytes of values (and the pitch's 16 bytes a row): whole rows where they fit, else a
-// multiple of 32 columns of every row at a time; none where not even 32 columns fit (the products then read global
-// memory). A staged row is `cols` values and 16 bytes (stage_pitch), so that consecutive rows start 4 banks apart
-// (the threads of a warp read up to 8 rows without a bank conflict) and 16-byte copies stay aligned.
-constexpr size_t kStageBytes = 32 * 1024;
+// leave (`room`): whole rows, copied once, where they take at most kWholeStageBytes (small B: there a wait costs the
+// copies' latency more than their bytes); else two buffers of up to half the room each, a multiple of 32 columns of
+// every row and at most half a row (rounded up to 32), so that there are two chunks at least and each chunk after
+// the first is copied into one buffer while the other's is summed; none where not even two of 32 columns fit (the
+// products then read global memory). A staged row is `cols` values and 16 bytes (stage_pitch), so that consecutive
+// rows start 4 banks apart (the threads of a warp read up to 8 rows without a bank conflict) and 16-byte copies stay
+// aligned.
+constexpr size_t kWholeStageBytes = 32 * 1024;
 DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes) { return cols + static_cast<int>(16 / t_bytes); }
 DTMT_HD int stage_columns(int B, int K, size_t t_bytes, size_t room) {
   if (B < 1 || K < 1) return 0;
-  const size_t pad = static_cast<size_t>(stage_pitch(0, t_bytes)), budget = kStageBytes / t_bytes / B,
-               fits = room / t_bytes / B;   // values a row: kStageBytes' share, and the room's (with the pad)
-  if (fits < pad + 32) return 0;
-  const size_t cap = budget < fits - pad ? budget : fits - pad;
-  return cap >= static_cast<size_t>(K) ? K : static_cast<int>(cap / 32 * 32);
+  const size_t pad = static_cast<size_t>(stage_pitch(0, t_bytes)), whole = kWholeStageBytes / t_bytes / B,
+               fits = room / t_bytes / B;   // values a row: whole rows' share, and the room's (with the pad)
+  if (static_cast<size_t>(K) <= whole && K + pad <= fits) return K;
+  if (fits / 2 < pad + 32) return 0;
+  const size_t cap = (fits / 2 - pad) / 32 * 32, half = (static_cast<size_t>(K + 1) / 2 + 31) / 32 * 32;
+  return static_cast<int>(cap < half ? cap : half);
 }
-DTMT_HD size_t stage_bytes(int B, int cols, size_t t_bytes) {
-  return round_bytes(static_cast<size_t>(B) * stage_pitch(cols, t_bytes) * t_bytes);
+// The stage of `cols` columns for rows of K: one buffer of whole rows, or two of cols columns.
+DTMT_HD size_t stage_bytes(int B, int K, int cols, size_t t_bytes) {
+  return round_bytes(static_cast<size_t>(cols < K ? 2 : 1) * B * stage_pitch(cols, t_bytes) * t_bytes);
 }
 // The room a block's other buffers (`need` bytes) leave for the stage in `smem_optin` bytes, in whole 128 bytes.
 DTMT_HD size_t stage_room(size_t smem_optin, size_t need) {
@@ -107,7 +112,7 @@ DTMT_HD size_t persistent_forward_bytes(int kind, int D, int B, int H, int slice
   const size_t bytes = forward_block_bytes(kind, D, B, H, slice, t_bytes, a_bytes, resident);
   const int widest = cell_hidden_rows(kind) > 3 || D == 0 ? cell_hidden_rows(kind) : 3;
   if (mma) return round_bytes(bytes) + mma_buffer_bytes(widest * slice, B, threads, t_bytes);
-  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, stage_cols, t_bytes) : bytes;
+  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, H, stage_cols, t_bytes) : bytes;
 }
 
 // Backward: the resident matrices' columns, then 10 per-unit buffers [B][slice] (n and d three each, carry, cg,
@@ -127,7 +132,8 @@ DTMT_HD size_t persistent_backward_bytes(int kind, int D, int B, int H, int slic
                                          bool mma = false, int threads = 0, int resident = -1, int stage_cols = 0) {
   const size_t bytes = backward_block_bytes(kind, D, B, H, slice, t_bytes, a_bytes, resident);
   if (mma) return round_bytes(bytes) + mma_buffer_bytes(slice, B, threads, t_bytes);
-  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, stage_cols, t_bytes) : bytes;
+  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, backward_u_path_length(kind, D, H), stage_cols, t_bytes)
+                        : bytes;
 }
 
 // The FMA products' stage of a block's forward (or backward) in `smem_optin` bytes: the columns of each batch row

@@ -822,13 +822,14 @@ def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, B, H,
     pre-activation gradients) from block_dots' stage in shared memory (stage_rows in
     csrc/persistent_cuda_kernels.cuh; the driver's choice wherever the products are not on tensor cores). B = 2,
     H = 40 in float64: whole rows at once, 16-byte loads (two values); B = 64, H = 80: 64 x 80 x 8 bytes is past the
-    stage's 32 KB, so 64 columns at a time (forward: 64 + 16; backward up to 4H = 320: five chunks), 16-byte loads;
+    32 KB of whole rows, so two buffers of half a row rounded up to 32 columns, the next chunk copied while one is
+    summed (forward and ATR's backward, H: 64 + 16; the L-GRU's backward, 4H = 320: 160 + 160), 16-byte loads;
     H = 81: the states' rows and ATR's gradients' are of odd length, one value a load (the last chunk 17 columns),
-    the L-GRU's base gradients (4H = 324) 16-byte loads. Outputs and every gradient against the float64 reference,
-    with ragged lengths, reverse direction, dropout and layer norm on. (Each path fails this test when broken: an
-    offset off in the 16-byte copy fails all three, in the one-value copy the third, a chunk's column offset
-    dropped the last two; without the wait on the asynchronous copies, whose emulation makes a copy at its wait,
-    the first.)"""
+    the L-GRU's base gradients (4H = 324, as 192 + 132) 16-byte loads. Outputs and every gradient against the
+    float64 reference, with ragged lengths, reverse direction, dropout and layer norm on. (Each path fails this test
+    when broken: an offset off in the 16-byte copy fails all three, in the one-value copy the third, a chunk's column
+    offset dropped the last two; without the wait on the asynchronous copies, whose emulation makes a copy at its
+    wait, the first; the last chunk left in flight, stage_wait(1) for it too, the second.)"""
     run = _emulated_sequence(emulated_cuda_ext, (grid, threads, -1, False))
     for cell, depth in (("lgru", 2), ("atr", 0)):
         _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=2, H=H)
@@ -1028,9 +1029,11 @@ def test_persistent_envelope():
     long, plus its per-row buffers. Worked by hand: the deep transition at H = 512 (L-GRU + 4 T-GRUs, B = 64, fp32)
     takes 128 blocks of 4 units, 64 rows x 513 x 4 B + 64 x 22 x 4 B = 136,960 B forward and
     (4 x 2,049 + 16 x 1,537) x 4 B + 64 x 52 x 4 B = 144,464 B backward: it fits; the FMA products' stage takes what
-    is left, at most 32 KB of values: 32,768 / (64 x 4 B) = 128 columns of every batch row, a row 16 B more (the
-    pitch): 64 x 132 x 4 B = 33,792 B, so 136,960 + 33,792 = 170,752 B and 144,512 (the next multiple of 128) +
-    33,792 = 178,304 B; at H = 1024 (8 units a block)
+    is left: whole rows would take 64 x (512 + 4) x 4 B, over the 32 KB of a single copy, so two buffers of a multiple
+    of 32 columns a row, each a row 16 B more (the pitch), in half of what is left: forward (232,448 - 136,960) /
+    (64 x 4 B) = 373 values a row, 186 a buffer, 182 after the pitch: 160 columns, 2 x 64 x 164 x 4 B = 83,968 B,
+    so 220,928 B; backward from 144,512 (the next multiple of 128): 343, 171, 167: 160 columns again, 228,480 B; at
+    H = 1024 (8 units a block)
     the forward alone needs 524,800 B of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at
     B = 256. With the products on tensor cores (TF32, 256 threads) each adds, at the next multiple of 128 B,
     block_mma's buffers: C (64 x 16 x 4 B = 4,096), the matrix stage (16 x 72 x 4 B = 4,608) and the batch stage
@@ -1048,11 +1051,11 @@ def test_persistent_envelope():
 
     h100 = dict(multiprocessors=132, shared_memory=232448)
     plan = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=False, **h100)
-    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 170752,
-                                                                                            178304)
-    assert (plan.forward_stage, plan.backward_stage) == (128, 128)
-    assert str(plan) == ("persistent: 128 blocks of 4 units; 167 / 174 KB of shared memory a block (forward / "
-                         "backward) of 227 KB; FMA, staging 128 / 128 columns a row")
+    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 220928,
+                                                                                            228480)
+    assert (plan.forward_stage, plan.backward_stage) == (160, 160)
+    assert str(plan) == ("persistent: 128 blocks of 4 units; 216 / 223 KB of shared memory a block (forward / "
+                         "backward) of 227 KB; FMA, staging 160 / 160 columns a row")
     tc = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=True, **h100)
     assert (tc.fits, tc.forward_bytes, tc.backward_bytes, tc.forward_stage, tc.backward_stage) == (True, 164096,
                                                                                                     171648, 0, 0)
@@ -1077,12 +1080,13 @@ def test_persistent_envelope():
     # the cluster form: one cluster of at most 16 blocks, whatever the SMs; GRU H = 512, B = 8, fp32: 32 units a block,
     # 3 x 32 rows x 513 x 4 B + (8 x 4 x 32 + 8 x 6) x 4 B = 201,280 B forward, 32 x 1,537 x 4 B +
     # (8 x 10 x 32 + 8 x 12) x 4 B = 207,360 B backward; the stage: forward whole rows (8 x (512 + 4) x 4 B =
-    # 16,512 B after 201,344), backward what is left of 232,448 - 207,360 = 25,088 B: 784 values a row, 780 after the
-    # pitch's 4, of 3H = 1,536: 768 columns at a time (8 x 772 x 4 B = 24,704 B); at H = 9, one block a unit
+    # 16,512 B after 201,344), backward two buffers in what is left of 232,448 - 207,360 = 25,088 B: 784 values a
+    # row, 392 a buffer, 388 after the pitch's 4, of 3H = 1,536: 384 columns at a time (2 x 8 x 388 x 4 B =
+    # 24,832 B); at H = 9, one block a unit
     one = dk.persistent_plan("gru", 0, 8, 512, tensor_cores=False, cluster=16, **h100)
     assert (one.fits, one.cluster, one.grid, one.slice, one.forward_bytes, one.backward_bytes) == (
-        True, True, 16, 32, 217856, 232064)
-    assert (one.forward_stage, one.backward_stage) == (512, 768)
+        True, True, 16, 32, 217856, 232192)
+    assert (one.forward_stage, one.backward_stage) == (512, 384)
     assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 213 / 227 KB")
     nine = dk.persistent_plan("gru", 0, 8, 9, cluster=16, **h100)
     assert (nine.grid, nine.cluster, plan.cluster) == (9, True, False)

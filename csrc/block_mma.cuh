@@ -7,10 +7,10 @@
 // with the warp matrix API of the CUDA toolkit (nvcuda::wmma, <mma.h>): TF32 (m16n16k8) for float storage, f16 and
 // bf16 (m16n16k16) for __half / __nv_bfloat16; float accumulation. Double storage has none (the FMA products).
 // Both operands go through shared memory a chunk of kMmaChunk columns at a time, rounded to the MMA's input type
-// and zero past M, B and K, so the resident matrix keeps the FMA path's layout (rows H + 1 long) and the product has
-// no alignment demand on the caller. Tile (mt, nt) of C is warp (mt + nt * Mt) % warps's; with more tiles than
-// warps, passes of `warps` tiles, each staging only its own batch rows. C is column-major [Np][Mp] (Mp, Np: M and B
-// rounded up to 16), float.
+// and zero past M, B and K, so the resident matrix keeps the FMA path's layout (rows matrix_pitch(H) long) and the
+// product has no alignment demand on the caller. Tile (mt, nt) of C is warp (mt + nt * Mt) % warps's; with more
+// tiles than warps, passes of `warps` tiles, each staging only its own batch rows. C is column-major [Np][Mp] (Mp,
+// Np: M and B rounded up to 16), float.
 //
 // Compiled for devices of compute capability 8.0 and up (TF32 and bf16 MMA); below, the function is not there and
 // the kernels keep their FMA products (persistent_mma in transition_cuda.cu). DTMT_CUDA_EMULATION:

@@ -161,10 +161,10 @@ template <typename T, typename A> struct PersistentForwardArgs {
   A eps;
 };
 
-// Where sub-cell k's matrix lies for this block (persistent_plan.h's layout; forward: its rows [rows][S][H + 1],
-// backward: its columns [S][rows * H + 1]): the first r (resident) sub-cells one after another in shared memory
-// (`smem`), the others in this block's part of the spill buffer (global memory, read through L2 at each use).
-// Two functions rather than one that chooses: a product whose rows come from the first keeps the compiler's
+// Where sub-cell k's matrix lies for this block (persistent_plan.h's layout; forward: its rows [rows][S][P(H)],
+// backward: its columns [S][P(rows * H)], P = matrix_pitch): the first r (resident) sub-cells one after another in
+// shared memory (`smem`), the others in this block's part of the spill buffer (global memory, read through L2 at
+// each use). Two functions rather than one that chooses: a product whose rows come from the first keeps the compiler's
 // knowledge that they are in shared memory (shared loads in its inner loop, not generic ones).
 template <typename T>
 __device__ __forceinline__ T* resident_matrix(bool backward, int kind, int H, int S, int k, T* smem) {
@@ -443,8 +443,9 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
 // deterministic); lanes is the largest power of two up to 32 that leaves no thread two tiles a pass. A thread's sum
 // runs over its i in increasing order whatever the stage's columns (a multiple of 32, or all K): the same sums, bit
 // for bit, with the stage and without. Tiles are numbered matrix rows first, so that the threads of a warp read one
-// or a few vector pairs and, for each of a tile's rows, consecutive matrix rows: H + 1 apart (distinct banks for
-// 4-byte values and even H), and stage rows a pitch apart (4 banks: 8 pairs without a conflict). Ordered the other
+// or a few vector pairs and, for each of a tile's rows, consecutive matrix rows: matrix_pitch apart (4 banks for
+// 4-byte values: 8 rows of up to 4 lanes without a conflict), and stage rows a pitch apart (4 banks: 8 pairs
+// without a conflict). Ordered the other
 // way, a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
 // (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
 // shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. Passes are taken
@@ -605,7 +606,7 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
   if constexpr (Mma<T>::available) {
     if (p.mma) {   // (without hs_lp, T is A)
       const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);
-      C = block_mma<T>(u, H + 1, NH * S, h, H, H, B, p.mask, t, products_buf);
+      C = block_mma<T>(u, matrix_pitch(H), NH * S, h, H, H, B, p.mask, t, products_buf);
     }
   }
 #endif
@@ -624,7 +625,7 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
     // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them); matrix row
     // m = q n + jj (unit jj of gate q), output e = m + NH n b as store numbers them
     auto live = [&](int b) { return row_valid(p.mask, t, B, b); };
-    auto row = [&](int m) { return u + (static_cast<size_t>(m / n) * S + m % n) * (H + 1); };
+    auto row = [&](int m) { return u + (static_cast<size_t>(m / n) * S + m % n) * matrix_pitch(H); };
     const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);   // (without hs_lp, T is A)
     T* stage = !p.mma && p.stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr;
     block_dots<A>(NH * n, B, H, live, row, h, H, stage, H <= p.stage_cols ? H : p.stage_cols,
@@ -713,7 +714,7 @@ __device__ __forceinline__ void subcell_update(const PersistentForwardArgs<T, A>
 }
 
 // One sub-cell of one step for this block's units. K: the sub-cell's kind; u: its rows in shared memory
-// [NH][slice][H + 1]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
+// [NH][slice][matrix_pitch(H)]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
 template <int K, typename T, typename A>
 __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,
                                    const T* u, A* pre, A* stats, unsigned char* products_buf) {
@@ -737,7 +738,7 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   const int H = p.H, S = p.slice;
   const auto [j0, n] = block_units(H, S);
   const int r = resident_subcells(p.D, p.resident);
-  T* u = reinterpret_cast<T*>(smem);   // the resident sub-cells' rows [NH or 3][S][H + 1], one after another
+  T* u = reinterpret_cast<T*>(smem);   // the resident sub-cells' rows [NH or 3][S][matrix_pitch(H)], one after another
   auto spilled = [&](int k) { return spilled_matrix<T>(false, KIND, p.D, H, S, r, k, p.spill); };
   A* pre = reinterpret_cast<A*>(smem + resident_matrix_bytes(false, KIND, p.D, H, S, sizeof(T), r));
   A* stats = pre + static_cast<size_t>(p.B) * 4 * S;
@@ -753,7 +754,7 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
     for (size_t e = threadIdx.x; e < static_cast<size_t>(rows) * S * H; e += blockDim.x) {
       const int q = static_cast<int>(e / (static_cast<size_t>(S) * H)), jj = static_cast<int>((e / H) % S),
                 i = static_cast<int>(e % H);
-      uk[(static_cast<size_t>(q) * S + jj) * (H + 1) + i] =
+      uk[(static_cast<size_t>(q) * S + jj) * matrix_pitch(H) + i] =
           jj < n ? w[static_cast<size_t>(q * H + j0 + jj) * H + i] : zero;
     }
   }
@@ -784,13 +785,14 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
 // The backward over reversed time in one cooperative launch, on the forward's saved tensors, with the decisions
 // and roundings of the per-step backward (transition_cuda.cu's backward_impl with step_backward_kernel), so that
 // the two agree to rounding. Block b owns the same units as in the forward; it keeps the *columns* of every
-// recurrent matrix for its units (U[:, j] for j in its slice, a column of n_h*H, stored as a row of n_h*H + 1),
-// since the gradient reaching a unit's state through a product is sum_r d(pre)[r] U[r, j]. The carried gradient,
-// the gradient from the sub-cell above and the gradients' U-paths are per unit, so they stay in the block's shared
-// memory; only the pre-activation gradients (dhp, dhpt: every block reads all of them) and the layer-norm sums go
-// through global memory, with a grid barrier after each. One launch runs the steps of one chunk (step_lo..step_hi;
-// the driver launches the chunks one after another, each from the last one's dh0), its pre-activation gradients in
-// the chunk's buffers, which the driver turns into weight gradients between the launches.
+// recurrent matrix for its units (U[:, j] for j in its slice, a column of n_h*H, stored as a row of
+// matrix_pitch(n_h*H)), since the gradient reaching a unit's state through a product is sum_r d(pre)[r] U[r, j].
+// The carried gradient, the gradient from the sub-cell above and the gradients' U-paths are per unit, so they stay
+// in the block's shared memory; only the pre-activation gradients (dhp, dhpt: every block reads all of them) and
+// the layer-norm sums go through global memory, with a grid barrier after each. One launch runs the steps of one
+// chunk (step_lo..step_hi; the driver launches the chunks one after another, each from the last one's dh0), its
+// pre-activation gradients in the chunk's buffers, which the driver turns into weight gradients between the
+// launches.
 template <typename T, typename A> struct PersistentBackwardArgs {
   const T* xp;      // saved by the forward: [T, B, NIN*H]
   const T* hp;      // [T, B, NH*H]
@@ -1130,7 +1132,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   const int j0 = units.j0, n = units.n;
   const int R0 = NH * H;   // a base column's length; a T-GRU's is 3H
   const int r = resident_subcells(p.D, p.resident);
-  T* cols = reinterpret_cast<T*>(smem);   // the resident sub-cells' columns [S][R + 1], one after another
+  T* cols = reinterpret_cast<T*>(smem);   // the resident sub-cells' columns [S][matrix_pitch(R)], one after another
   auto spilled = [&](int k) { return spilled_matrix<T>(true, KIND, p.D, H, S, r, k, p.spill); };
   A* buf = reinterpret_cast<A*>(smem + resident_matrix_bytes(true, KIND, p.D, H, S, sizeof(T), r));
   const size_t BS = static_cast<size_t>(B) * S;
@@ -1142,10 +1144,10 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   // the U-path through sub-cell k's columns (R long): out[b][jj] = sum_r dpre[b, r] col_jj[r]
   auto u_path = [&](int k, const T* dpre, int R, A* out, int t) {
     if (k < r) {
-      persistent_u_path<T, A>(dpre, R, resident_matrix<T>(true, KIND, H, S, k, cols), R + 1, B, S, n, out, p.mask, t,
-                              p.mma, p.stage_cols, products_buf);
+      persistent_u_path<T, A>(dpre, R, resident_matrix<T>(true, KIND, H, S, k, cols), matrix_pitch(R), B, S, n, out,
+                              p.mask, t, p.mma, p.stage_cols, products_buf);
     } else {
-      persistent_u_path<T, A>(dpre, R, spilled(k), R + 1, B, S, n, out, p.mask, t, p.mma, p.stage_cols,
+      persistent_u_path<T, A>(dpre, R, spilled(k), matrix_pitch(R), B, S, n, out, p.mask, t, p.mma, p.stage_cols,
                               products_buf);
     }
   };
@@ -1155,7 +1157,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
     const T* w = k == 0 ? p.w_hh : p.t_w + static_cast<size_t>(k - 1) * 3 * H * H;
     for (size_t e = threadIdx.x; e < static_cast<size_t>(n) * R; e += blockDim.x) {
       const int jj = static_cast<int>(e / R), r = static_cast<int>(e % R);
-      c[static_cast<size_t>(jj) * (R + 1) + r] = w[static_cast<size_t>(r) * H + j0 + jj];
+      c[static_cast<size_t>(jj) * matrix_pitch(R) + r] = w[static_cast<size_t>(r) * H + j0 + jj];
     }
   }
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {

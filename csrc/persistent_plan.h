@@ -69,18 +69,23 @@ DTMT_HD size_t stage_room(size_t smem_optin, size_t need) {
 
 // ------------------------------------------------------------------------------------ the kernels' shared memory
 // The sub-cells' matrices a block holds: sub-cell k (0 the base cell, k >= 1 T-GRU k) has `subcell_rows` gate rows a
-// unit. Forward, the block's rows of it: [rows][slice][H + 1] (each row H + 1 long: consecutive rows start in
-// different banks); backward, its columns: [slice][rows * H + 1]. The first `resident` sub-cells stay in shared
-// memory, one after another; the others (sub-cells resident..D) in the block's part of a spill buffer in global
-// memory, read through L2 at each use (docs/design/persistent_recurrence.md, "Past shared memory: the L2").
+// unit. Forward, the block's rows of it: [rows][slice][matrix_pitch(H)]; backward, its columns:
+// [slice][matrix_pitch(rows * H)]. A row of K values takes K rounded up to 32, and 4 more: consecutive rows start 4
+// banks apart (4-byte values), so that up to 8 consecutive rows read at the same columns by L <= 4 lanes each hit
+// distinct banks (block_dots: 4 lanes a tile in the backward at B = 64, where rows H + 1 long met 2-way conflicts;
+// docs/design/persistent_recurrence.md, "Tiles of the FMA products"), and rows start 16-byte aligned. The first
+// `resident` sub-cells stay in shared memory, one after another; the others (sub-cells resident..D) in the block's
+// part of a spill buffer in global memory, read through L2 at each use (docs/design/persistent_recurrence.md, "Past
+// shared memory: the L2").
 // resident < 0: all D + 1.
 DTMT_HD constexpr int subcell_rows(int kind, int k) { return k == 0 ? cell_hidden_rows(kind) : 3; }
 DTMT_HD constexpr int resident_subcells(int D, int resident) { return resident < 0 || resident > D ? D + 1 : resident; }
+DTMT_HD constexpr int matrix_pitch(int K) { return (K + 31) / 32 * 32 + 4; }
 DTMT_HD constexpr size_t forward_subcell_elems(int kind, int k, int H, int slice) {
-  return static_cast<size_t>(subcell_rows(kind, k)) * slice * (H + 1);
+  return static_cast<size_t>(subcell_rows(kind, k)) * slice * matrix_pitch(H);
 }
 DTMT_HD constexpr size_t backward_subcell_elems(int kind, int k, int H, int slice) {
-  return static_cast<size_t>(slice) * (static_cast<size_t>(subcell_rows(kind, k)) * H + 1);
+  return static_cast<size_t>(slice) * matrix_pitch(subcell_rows(kind, k) * H);
 }
 // Elements of sub-cells [first, last) of one block, forward or backward.
 DTMT_HD size_t subcell_elems(bool backward, int kind, int first, int last, int H, int slice) {

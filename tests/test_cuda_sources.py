@@ -1025,69 +1025,69 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resid
 def test_persistent_envelope():
     """Which layers fit the persistent launches (issue 72 item 3), from sizes alone (csrc/persistent_plan.h, the CUDA
     driver's arithmetic, through the CPU extension: dtmt_kernels.persistent_plan), on an H100/H200 (132 SMs, 227 KB
-    of shared memory a block): every block's rows (forward) or columns (backward) of every recurrent matrix, H + 1
-    long, plus its per-row buffers. Worked by hand: the deep transition at H = 512 (L-GRU + 4 T-GRUs, B = 64, fp32)
-    takes 128 blocks of 4 units, 64 rows x 513 x 4 B + 64 x 22 x 4 B = 136,960 B forward and
-    (4 x 2,049 + 16 x 1,537) x 4 B + 64 x 52 x 4 B = 144,464 B backward: it fits; the FMA products' stage takes what
-    is left: whole rows would take 64 x (512 + 4) x 4 B, over the 32 KB of a single copy, so two buffers of a multiple
-    of 32 columns a row, each a row 16 B more (the pitch), in half of what is left: forward (232,448 - 136,960) /
-    (64 x 4 B) = 373 values a row, 186 a buffer, 182 after the pitch: 160 columns, 2 x 64 x 164 x 4 B = 83,968 B,
-    so 220,928 B; backward from 144,512 (the next multiple of 128): 343, 171, 167: 160 columns again, 228,480 B; at
-    H = 1024 (8 units a block)
-    the forward alone needs 524,800 B of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at
-    B = 256. With the products on tensor cores (TF32, 256 threads) each adds, at the next multiple of 128 B,
-    block_mma's buffers: C (64 x 16 x 4 B = 4,096), the matrix stage (16 x 72 x 4 B = 4,608) and the batch stage
-    (64 x 72 x 4 B = 18,432): 136,960 + 27,136 = 164,096 B and 144,512 + 27,136 = 171,648 B; it still fits. The
-    default for tensor cores follows torch's TF32 flag for float32 (off by default), and is on for bfloat16.
+    of shared memory a block): every block's rows (forward) or columns (backward) of every recurrent matrix, each
+    row its length rounded up to 32 and 4 more (matrix_pitch), plus its per-row buffers. Worked by hand: the deep
+    transition at H = 512 (L-GRU + 4 T-GRUs, B = 64, fp32) takes 128 blocks of 4 units, 64 rows x 516 x 4 B +
+    64 x 22 x 4 B = 137,728 B forward and (4 x 2,052 + 16 x 1,540) x 4 B + 64 x 52 x 4 B = 144,704 B backward: it
+    fits; the FMA products' stage takes what is left: whole rows would take 64 x (512 + 4) x 4 B, over the 32 KB of
+    a single copy, so two buffers of a multiple of 32 columns a row, each a row 16 B more (the pitch), in half of
+    what is left: forward (232,448 - 137,728) / (64 x 4 B) = 370 values a row, 185 a buffer, 181 after the pitch:
+    160 columns, 2 x 64 x 164 x 4 B = 83,968 B, so 221,696 B; backward from 144,768 (the next multiple of 128): 342,
+    171, 167: 160 columns again, 228,736 B; at H = 1024 (8 units a block) the forward alone needs 128 x 1,028 x 4 =
+    526,336 B of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at B = 256. With the products
+    on tensor cores (TF32, 256 threads) each adds, at the next multiple of 128 B, block_mma's buffers: C (64 x 16 x
+    4 B = 4,096), the matrix stage (16 x 72 x 4 B = 4,608) and the batch stage (64 x 72 x 4 B = 18,432): 137,728 +
+    27,136 = 164,864 B and 144,768 + 27,136 = 171,904 B; it still fits. The default for tensor cores follows torch's
+    TF32 flag for float32 (off by default), and is on for bfloat16.
     Past shared memory, with an H100's L2 (50 MiB, of which the spill may take half): the deep transition at H = 1024
-    in bf16 (8 units a block; forward, the L-GRU's 4 x 8 rows x 1,025 x 2 B = 65,600 B and each T-GRU's 49,200 B;
-    buffers 9,728 B; block_mma's 8,192 + 4,608 + 9,216 B) keeps 3 sub-cells in shared memory: 164,000 + 9,728 ->
-    173,824 (a multiple of 128) + 22,016 = 195,840 B (4 would need 244,992); the two top T-GRUs' rows,
-    2 x 24,600 x 2 B x 128 blocks = 12,595,200 B, are read from L2. Backward, columns 8 x (4,096 + 1) and
-    8 x (3,072 + 1), buffers 23,552 B, block_mma's 15,616 B: 3 kept, 163,888 + 23,552 -> 187,520 + 15,616 =
-    203,136 B, and 2 x 24,584 x 2 x 128 = 12,587,008 B from L2. In fp32 it would need 4 sub-cells from L2
-    (4 x 98,400 B x 128 = 50.4 MB), over the 25 MiB: it does not fit."""
+    in bf16 (8 units a block; forward, the L-GRU's 4 x 8 rows x 1,028 x 2 B = 65,792 B and each T-GRU's 49,344 B;
+    buffers 9,728 B; block_mma's 8,192 + 4,608 + 9,216 B) keeps 3 sub-cells in shared memory: 164,480 + 9,728 =
+    174,208 (a multiple of 128) + 22,016 = 196,224 B (4 would need 245,632); the two top T-GRUs' rows,
+    2 x 24,672 x 2 B x 128 blocks = 12,632,064 B, are read from L2. Backward, columns 8 x (4,096 + 4) and
+    8 x (3,072 + 4), buffers 23,552 B, block_mma's 15,616 B: 3 kept, 164,032 + 23,552 -> 187,648 + 15,616 =
+    203,264 B, and 2 x 24,608 x 2 x 128 = 12,599,296 B from L2. In fp32 it would need 4 sub-cells from L2
+    (4 x 98,688 B x 128 = 50.5 MB), over the 25 MiB: it does not fit."""
     import dtmt_kernels as dk
 
     h100 = dict(multiprocessors=132, shared_memory=232448)
     plan = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=False, **h100)
-    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 220928,
-                                                                                            228480)
+    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 221696,
+                                                                                            228736)
     assert (plan.forward_stage, plan.backward_stage) == (160, 160)
     assert str(plan) == ("persistent: 128 blocks of 4 units; 216 / 223 KB of shared memory a block (forward / "
                          "backward) of 227 KB; FMA, staging 160 / 160 columns a row")
     tc = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=True, **h100)
-    assert (tc.fits, tc.forward_bytes, tc.backward_bytes, tc.forward_stage, tc.backward_stage) == (True, 164096,
-                                                                                                    171648, 0, 0)
+    assert (tc.fits, tc.forward_bytes, tc.backward_bytes, tc.forward_stage, tc.backward_stage) == (True, 164864,
+                                                                                                    171904, 0, 0)
     for dtype in (torch.float32, torch.float64):
         assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100).fits
     assert dk.persistent_plan("gru", 0, 256, 512, tensor_cores=False, **h100).fits
     small = dk.persistent_plan("gru", 0, 8, 37, "float64", **h100)
     assert (small.grid, small.slice, small.tensor_cores) == (37, 1, False)
     assert str(dk.persistent_plan("lgru", 4, 64, 1024, "bfloat16", **h100)).startswith(
-        "per-step: 128 blocks of 8 units would need 287 / 294 KB")
+        "per-step: 128 blocks of 8 units would need 288 / 295 KB")
     h100_l2 = dict(h100, l2_cache=52428800)
     l2 = dk.persistent_plan("lgru", 4, 64, 1024, "bfloat16", **h100_l2)
     assert (l2.fits, l2.grid, l2.slice, l2.subcells, l2.forward_resident, l2.backward_resident) == (True, 128, 8, 5, 3,
                                                                                                     3)
-    assert (l2.forward_bytes, l2.backward_bytes, l2.forward_spill, l2.backward_spill) == (195840, 203136, 12595200,
-                                                                                          12587008)
-    assert str(l2) == ("persistent: 128 blocks of 8 units; 191 / 198 KB of shared memory a block (forward / backward) "
+    assert (l2.forward_bytes, l2.backward_bytes, l2.forward_spill, l2.backward_spill) == (196224, 203264, 12632064,
+                                                                                          12599296)
+    assert str(l2) == ("persistent: 128 blocks of 8 units; 192 / 198 KB of shared memory a block (forward / backward) "
                        "of 227 KB; the matrices of 2 / 2 of 5 sub-cells read from L2 (12.0 / 12.0 MiB of the 25 MiB "
                        "allowed); tensor cores")
     for dtype in (torch.float32, torch.float64):
         assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100_l2).fits
     # the cluster form: one cluster of at most 16 blocks, whatever the SMs; GRU H = 512, B = 8, fp32: 32 units a block,
-    # 3 x 32 rows x 513 x 4 B + (8 x 4 x 32 + 8 x 6) x 4 B = 201,280 B forward, 32 x 1,537 x 4 B +
-    # (8 x 10 x 32 + 8 x 12) x 4 B = 207,360 B backward; the stage: forward whole rows (8 x (512 + 4) x 4 B =
-    # 16,512 B after 201,344), backward two buffers in what is left of 232,448 - 207,360 = 25,088 B: 784 values a
-    # row, 392 a buffer, 388 after the pitch's 4, of 3H = 1,536: 384 columns at a time (2 x 8 x 388 x 4 B =
-    # 24,832 B); at H = 9, one block a unit
+    # 3 x 32 rows x 516 x 4 B + (8 x 4 x 32 + 8 x 6) x 4 B = 202,432 B forward, 32 x 1,540 x 4 B +
+    # (8 x 10 x 32 + 8 x 12) x 4 B = 207,744 B backward; the stage: forward whole rows (8 x (512 + 4) x 4 B =
+    # 16,512 B after 202,496), backward two buffers in what is left of 232,448 - 207,744 = 24,704 B: 772 values a
+    # row, 386 a buffer, 382 after the pitch's 4, of 3H = 1,536: 352 columns at a time (2 x 8 x 356 x 4 B =
+    # 22,784 B); at H = 9, one block a unit
     one = dk.persistent_plan("gru", 0, 8, 512, tensor_cores=False, cluster=16, **h100)
     assert (one.fits, one.cluster, one.grid, one.slice, one.forward_bytes, one.backward_bytes) == (
-        True, True, 16, 32, 217856, 232192)
-    assert (one.forward_stage, one.backward_stage) == (512, 384)
-    assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 213 / 227 KB")
+        True, True, 16, 32, 219008, 230528)
+    assert (one.forward_stage, one.backward_stage) == (512, 352)
+    assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 214 / 225 KB")
     nine = dk.persistent_plan("gru", 0, 8, 9, cluster=16, **h100)
     assert (nine.grid, nine.cluster, plan.cluster) == (9, True, False)
     assert not dk.persistent_plan("lgru", 4, 8, 1024, "bfloat16", cluster=16, **h100_l2).fits

@@ -347,12 +347,16 @@ __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwar
   return sp;
 }
 
-// The stage's row of vector r of V (block_dots): even vectors first, then odd ones, so that the first (second)
-// vectors of consecutive tiles lie in consecutive rows.
-__device__ __forceinline__ int stage_row(int r, int V) { return (r & 1) * ((V + 1) / 2) + (r >> 1); }
+// The stage's row of vector r of V (block_dots, tiles of tc vectors): vectors r = c (mod tc) together, in order, so
+// that vector c of consecutive tiles lies in consecutive rows; the V rows in [0, V) (slot c' < c holds V / tc
+// vectors, one more where c' < V % tc).
+__device__ __forceinline__ int stage_row(int r, int V, int tc) {
+  const int c = r % tc, q = V / tc, rem = V % tc;
+  return c * q + (c < rem ? c : rem) + r / tc;
+}
 
 // Rows [0, B) x columns [c0, c0 + cn) of the vectors v (row b at v + b * ldv) into stage [B][pitch] (row b at
-// stage_row(b, B)), by the whole block, consecutive threads on consecutive columns (coalesced). 16 bytes a copy
+// stage_row(b, B, tc)), by the whole block, consecutive threads on consecutive columns (coalesced). 16 bytes a copy
 // where the rows, the columns and the stage allow it: asynchronous (cp.async, every copy of the block in flight at
 // once, no registers; each thread waits for its own before returning) where the device has it, else through
 // registers, up to kStageLoads loads a thread in flight; else one value a load, the same way. The caller puts block
@@ -362,7 +366,8 @@ struct alignas(16) Bytes16 {
   unsigned int w[4];
 };
 template <typename V, typename T>
-__device__ __forceinline__ void stage_copy(const T* v, size_t ldv, int rows, int c0, int per_row, int pitch, T* stage) {
+__device__ __forceinline__ void stage_copy(const T* v, size_t ldv, int rows, int c0, int per_row, int pitch, int tc,
+                                           T* stage) {
   constexpr int kPer = static_cast<int>(sizeof(V) / sizeof(T));   // values a load
   const int total = rows * per_row, threads = static_cast<int>(blockDim.x);
   for (int base = static_cast<int>(threadIdx.x); base < total; base += threads * kStageLoads) {
@@ -377,18 +382,18 @@ __device__ __forceinline__ void stage_copy(const T* v, size_t ldv, int rows, int
     for (int u = 0; u < kStageLoads; ++u) {
       const int e = base + u * threads;
       if (e < total)
-        *reinterpret_cast<V*>(stage + stage_row(e / per_row, rows) * pitch + (e % per_row) * kPer) = r[u];
+        *reinterpret_cast<V*>(stage + stage_row(e / per_row, rows, tc) * pitch + (e % per_row) * kPer) = r[u];
     }
   }
 }
 #if defined(DTMT_ASYNC_COPY)
 template <typename T>
 __device__ __forceinline__ void stage_copy_async(const T* v, size_t ldv, int rows, int c0, int per_row, int pitch,
-                                                 T* stage) {
+                                                 int tc, T* stage) {
   constexpr int kPer = static_cast<int>(sizeof(Bytes16) / sizeof(T));   // values a copy
   const int total = rows * per_row;
   for (int e = static_cast<int>(threadIdx.x); e < total; e += static_cast<int>(blockDim.x))
-    __pipeline_memcpy_async(stage + stage_row(e / per_row, rows) * pitch + (e % per_row) * kPer,
+    __pipeline_memcpy_async(stage + stage_row(e / per_row, rows, tc) * pitch + (e % per_row) * kPer,
                             v + (e / per_row) * ldv + c0 + (e % per_row) * kPer, sizeof(Bytes16));
 }
 #endif
@@ -396,17 +401,18 @@ __device__ __forceinline__ void stage_copy_async(const T* v, size_t ldv, int row
 // also where the copies went through registers, so that stage_wait counts calls); stage_wait(pending) returns once
 // this thread's copies of all but the last `pending` calls are made. stage_rows is the two at once.
 template <typename T>
-__device__ __forceinline__ void stage_issue(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, T* stage) {
+__device__ __forceinline__ void stage_issue(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, int tc,
+                                            T* stage) {
   constexpr size_t kWide = sizeof(Bytes16) / sizeof(T);
   if (ldv % kWide == 0 && c0 % kWide == 0 && cn % kWide == 0 && pitch % kWide == 0 &&
       reinterpret_cast<size_t>(v) % sizeof(Bytes16) == 0) {
 #if defined(DTMT_ASYNC_COPY)
-    stage_copy_async(v, ldv, rows, c0, cn / static_cast<int>(kWide), pitch, stage);
+    stage_copy_async(v, ldv, rows, c0, cn / static_cast<int>(kWide), pitch, tc, stage);
 #else
-    stage_copy<Bytes16>(v, ldv, rows, c0, cn / static_cast<int>(kWide), pitch, stage);
+    stage_copy<Bytes16>(v, ldv, rows, c0, cn / static_cast<int>(kWide), pitch, tc, stage);
 #endif
   } else {
-    stage_copy<T>(v, ldv, rows, c0, cn, pitch, stage);
+    stage_copy<T>(v, ldv, rows, c0, cn, pitch, tc, stage);
   }
 #if defined(DTMT_ASYNC_COPY)
   __pipeline_commit();
@@ -420,43 +426,44 @@ __device__ __forceinline__ void stage_wait(int pending) {
 #endif
 }
 template <typename T>
-__device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, T* stage) {
-  stage_issue(v, ldv, rows, c0, cn, pitch, stage);
+__device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, int tc,
+                                           T* stage) {
+  stage_issue(v, ldv, rows, c0, cn, pitch, tc, stage);
   stage_wait(0);
 }
 
 // The FMA products of the persistent launches: M x V dot products of length K, output (m, r) the sum over i of
 // ld(a(m), i) * ld(v + r * ldv, i) (a(m): a matrix row in shared memory or L2; v: V vectors every matrix row meets, the
 // state or the gradients, in global memory), given by store(m, r, sum) (0 where !live(r): a row whose sentence has
-// ended costs nothing). A thread sums a tile of kTileRows matrix rows by kTileVectors vectors (2 x 2), its values
-// loaded once for the tile's 4 multiply-adds: one shared-memory load a multiply-add where one output a thread took
-// two, and the products are load-bound (an SM issues one warp-wide load a cycle, four warp-wide FMAs;
-// docs/design/persistent_recurrence.md, "Tiles of the FMA products"). Tile (tm, tv) takes matrix rows tm and
-// tm + tiles_m, and vectors 2 tv and 2 tv + 1 (a pair of batch rows: a tile whose rows have both ended is skipped);
-// past M or V they repeat the last one, whose sums nobody stores (at B = 1 the second vector is the first again: one
-// compiled form of the loop for every B). With `stage` (shared memory of stage_bytes), the vectors are read from it:
-// whole rows once, or `cols` columns of every row at a time in two buffers, chunk c + 1 copied into one while chunk c
-// is summed from the other (stage_issue / stage_wait: the whole block, many copies in flight, coalesced), even rows in
-// the first half of its rows and odd ones in the second (stage_row); without, each thread reads them from global
-// memory as it sums, one L2 round trip after another (docs/design/persistent_recurrence.md, "The products' stage").
-// A tile is summed by `lanes` consecutive threads, each over every lanes-th i, combined by shuffles (a fixed tree:
-// deterministic); lanes is the largest power of two up to 32 that leaves no thread two tiles a pass. A thread's sum
-// runs over its i in increasing order whatever the stage's columns (a multiple of 32, or all K): the same sums, bit
-// for bit, with the stage and without. Tiles are numbered matrix rows first, so that the threads of a warp read one
-// or a few vector pairs and, for each of a tile's rows, consecutive matrix rows: matrix_pitch apart (4 banks for
-// 4-byte values: 8 rows of up to 4 lanes without a conflict), and stage rows a pitch apart (4 banks: 8 pairs
-// without a conflict). Ordered the other
-// way, a warp's load touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
+// ended costs nothing). A thread sums a tile of kTileRows = 4 matrix rows by tc vectors (4 where V > 2, else V), its
+// values loaded once for the tile: 8 shared-memory loads for 16 multiply-adds, where one output a thread took two a
+// multiply-add, and the products are load-bound (an SM issues one warp-wide load a cycle, four warp-wide FMAs;
+// docs/design/persistent_recurrence.md, "Tiles of the FMA products"). Tile (tm, tv) takes matrix rows tm + r tiles_m
+// (r < 4) and vectors tc tv + c (c < tc: neighbouring batch rows, so that a tile whose rows have all ended is
+// skipped); past M or V they repeat the last one, whose sums nobody stores. One compiled form of the loop for every
+// B: tc is a value (the loads of vectors c >= tc are predicated off, their multiply-adds made on zeros). With `stage`
+// (shared memory of stage_bytes), the vectors are read from it: whole rows once, or `cols` columns of every row at a
+// time in two buffers, chunk c + 1 copied into one while chunk c is summed from the other (stage_issue / stage_wait:
+// the whole block, many copies in flight, coalesced), vector c of every tile together (stage_row); without, each
+// thread reads them from global memory as it sums, one L2 round trip after another
+// (docs/design/persistent_recurrence.md, "The products' stage"). A tile is summed by `lanes` consecutive threads,
+// each over every lanes-th i, combined by shuffles (a fixed tree: deterministic); lanes is the largest power of two
+// up to 32 that leaves no thread two tiles a pass. A thread's sum runs over its i in increasing order whatever the
+// stage's columns (a multiple of 32, or all K): the same sums, bit for bit, with the stage and without. Tiles are
+// numbered matrix rows first, so that the threads of a warp read, for each of a tile's rows, consecutive matrix rows
+// (matrix_pitch apart: 4 banks for 4-byte values, 8 rows of up to 4 lanes without a conflict) and, for each of its
+// vectors, a few consecutive stage rows (a pitch apart, 4 banks, the same). Ordered the other way, a warp's load
+// touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
 // (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
 // shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. Passes are taken
 // kDotPasses at a time, each chunk of the stage serving all of them.
-constexpr int kDotPasses = 2, kTileRows = 2, kTileVectors = 2, kDotUnroll = 4;
+constexpr int kDotPasses = 1, kTileRows = 4, kTileVectors = 4, kDotUnroll = 2;
 template <typename A, typename T, typename Live, typename RowOf, typename Store>
 __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
                                            int cols, Store store) {
   constexpr int TR = kTileRows, TC = kTileVectors;
-  static_assert(TC == 2, "stage_row puts a tile's first and second vectors in the stage's two halves");
-  const int tiles_m = (M + TR - 1) / TR, tiles = tiles_m * ((V + TC - 1) / TC);
+  const int tc = V > 2 ? TC : V;   // vectors a tile
+  const int tiles_m = (M + TR - 1) / TR, tiles = tiles_m * ((V + tc - 1) / tc);
   int lanes = 1;
   while (lanes < 32 && tiles * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
   const int groups = static_cast<int>(blockDim.x) / lanes, lane = static_cast<int>(threadIdx.x) % lanes;
@@ -473,12 +480,12 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
   if (whole) {
     __syncthreads();   // (the stage's last readers are done)
     phase_mark(kPhaseProducts);
-    stage_rows(v, ldv, V, 0, K, pitch, stage);
+    stage_rows(v, ldv, V, 0, K, pitch, tc, stage);
     __syncthreads();
     phase_mark(kPhaseStage);
   }
   auto matrix_row = [&](int tm, int r) { return tm + r * tiles_m < M ? tm + r * tiles_m : M - 1; };
-  auto vector = [&](int tv, int c) { return TC * tv + c < V ? TC * tv + c : V - 1; };
+  auto vector = [&](int tv, int c) { return tc * tv + c < V ? tc * tv + c : V - 1; };
   // a tile's sums over this thread's columns i of [c0, c0 + cn): acc[r][c] += a(row r)[i] * vec(c)[i]
   auto sum_tile = [&](A(&acc)[TR][TC], int tm, auto vec, int c0, int cn) {
     const T* rows[TR];
@@ -486,18 +493,18 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     for (int r = 0; r < TR; ++r) rows[r] = a(matrix_row(tm, r)) + c0;
     decltype(vec(0)) vecs[TC];
 #pragma unroll
-    for (int c = 0; c < TC; ++c) vecs[c] = vec(c);
+    for (int c = 0; c < TC; ++c) vecs[c] = vec(c < tc ? c : 0);
     // kDotUnroll of the thread's columns a round, every load of the round issued before its multiply-adds: one load
-    // latency a round instead of one a column (the loop with a runtime stride is not unrolled by the compiler: 4
-    // loads, 4 FMAs and 11 integer instructions a column, each FMA waiting on its loads, ptxas sm_90); each sum still
-    // runs over the columns in increasing order, so the sums are those of the loop below, bit for bit
+    // latency a round instead of one a column (the loop with a runtime stride is not unrolled by the compiler: each
+    // FMA waited on its loads, ptxas sm_90); each sum still runs over the columns in increasing order, so the sums
+    // are those of the loop below, bit for bit
     int i = lane;
     for (; i + (kDotUnroll - 1) * lanes < cn; i += kDotUnroll * lanes) {
       A x[kDotUnroll][TC], w[kDotUnroll][TR];
 #pragma unroll
       for (int u = 0; u < kDotUnroll; ++u) {
 #pragma unroll
-        for (int c = 0; c < TC; ++c) x[u][c] = ld<A>(vecs[c], i + u * lanes);
+        for (int c = 0; c < TC; ++c) x[u][c] = c < tc ? ld<A>(vecs[c], i + u * lanes) : A(0);
 #pragma unroll
         for (int r = 0; r < TR; ++r) w[u][r] = ld<A>(rows[r], i + u * lanes);
       }
@@ -511,7 +518,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     for (; i < cn; i += lanes) {
       A x[TC];
 #pragma unroll
-      for (int c = 0; c < TC; ++c) x[c] = ld<A>(vecs[c], i);
+      for (int c = 0; c < TC; ++c) x[c] = c < tc ? ld<A>(vecs[c], i) : A(0);
 #pragma unroll
       for (int r = 0; r < TR; ++r) {
         const A w = ld<A>(rows[r], i);
@@ -533,7 +540,8 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
       busy[pp] = false;
       if (p0 + pp < passes && t < tiles)
 #pragma unroll
-        for (int c = 0; c < TC; ++c) busy[pp] = busy[pp] || (TC * tv[pp] + c < V && live(TC * tv[pp] + c));
+        for (int c = 0; c < TC; ++c)
+          busy[pp] = busy[pp] || (c < tc && tc * tv[pp] + c < V && live(tc * tv[pp] + c));
 #pragma unroll
       for (int r = 0; r < TR; ++r)
 #pragma unroll
@@ -544,7 +552,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     if (chunked) {
       __syncthreads();   // (the stage's last readers are done)
       phase_mark(kPhaseProducts);
-      stage_issue(v, ldv, V, 0, chunk, pitch, stage);
+      stage_issue(v, ldv, V, 0, chunk, pitch, tc, stage);
     }
     for (int c0 = 0; c0 < K; c0 += chunk) {
       const int cn = K - c0 < chunk ? K - c0 : chunk;
@@ -552,7 +560,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
       if (chunked) {
         const int next = c0 + chunk;
         if (next < K)
-          stage_issue(v, ldv, V, next, K - next < chunk ? K - next : chunk, pitch, buf == stage ? twin : stage);
+          stage_issue(v, ldv, V, next, K - next < chunk ? K - next : chunk, pitch, tc, buf == stage ? twin : stage);
         stage_wait(next < K ? 1 : 0);
         __syncthreads();
         phase_mark(kPhaseStage);
@@ -563,7 +571,8 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
         // (the stage's and global memory's vectors in separate branches: each load's space known to the compiler)
         if (stage != nullptr) {
           sum_tile(acc[pp], tm[pp],
-                   [&](int c) { return buf + static_cast<size_t>(stage_row(vector(tv[pp], c), V)) * pitch; }, c0, cn);
+                   [&](int c) { return buf + static_cast<size_t>(stage_row(vector(tv[pp], c), V, tc)) * pitch; }, c0,
+                   cn);
         } else {
           sum_tile(acc[pp], tm[pp], [&](int c) { return v + static_cast<size_t>(vector(tv[pp], c)) * ldv + c0; }, c0,
                    cn);
@@ -582,9 +591,10 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
       for (int r = 0; r < TR; ++r)
 #pragma unroll
         for (int c = 0; c < TC; ++c) {
+          if (c >= tc) break;   // (the same for every thread)
           A sum = acc[pp][r][c];
           for (int off = lanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-          const int m = tm[pp] + r * tiles_m, b = TC * tv[pp] + c;
+          const int m = tm[pp] + r * tiles_m, b = tc * tv[pp] + c;
           if (t < tiles && lane == 0 && m < M && b < V) store(m, b, busy[pp] && live(b) ? sum : A(0));
         }
     }

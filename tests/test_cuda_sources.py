@@ -799,16 +799,16 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B,grid,threads", [(1, 37, 32), (2, 37, 64), (1, 4, 64), (2, 4, 32)],
-                         ids=["B1-unit-each", "B2-unit-each-64-threads", "B1-4-blocks", "B2-4-blocks"])
+@pytest.mark.parametrize("B,grid,threads", [(1, 37, 32), (2, 37, 64), (1, 4, 64), (2, 4, 32), (6, 4, 64)],
+                         ids=["B1-unit-each", "B2-unit-each-64-threads", "B1-4-blocks", "B2-4-blocks", "B6-4-blocks"])
 def test_persistent_products_spread_over_lanes_emulated(emulated_cuda_ext, B, grid, threads):
     """The persistent launches' FMA products (block_dots in csrc/persistent_cuda_kernels.cuh) where a block has fewer
-    tiles (2 matrix rows by 2 batch rows) than threads: each tile summed by 2 to 32 threads over every lanes-th
-    column, combined by shuffles. At B = 1 with a unit a block, the forward's 3 rows of an L-GRU's sub-cell make 2
-    tiles of 16 threads (rows and batch rows past the last repeated, their sums not stored), the backward's one row a
-    tile of all 32; at B = 2 the forward's 2 tiles take 32 threads each; with 4 blocks, 2 to 8.
-    Outputs and every gradient against the float64 reference, ragged lengths (at B = 2: a tile of a live and an ended
-    row), reverse direction, dropout and layer norm on."""
+    tiles (4 matrix rows by up to 4 batch rows: B where B <= 2) than threads: each tile summed by 2 to 32 threads
+    over every lanes-th column, combined by shuffles. At B = 1 and 2 with a unit a block, each sub-cell's rows (3 or
+    4 forward, 1 backward) make one tile of all 32 threads (rows past the last repeated, their sums not stored); with
+    4 blocks (10 units: 30 or 40 rows forward, 10 backward), 2 to 16 lanes a tile; at B = 6 two tiles of 4 batch
+    rows, the second's last two repeating row 5. Outputs and every gradient against the float64 reference, ragged
+    lengths (tiles of live and ended rows), reverse direction, dropout and layer norm on."""
     run = _emulated_sequence(emulated_cuda_ext, (grid, threads, -1, False))
     for cell, depth in (("lgru", 2), ("atr", 0)):
         _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=3, H=37)

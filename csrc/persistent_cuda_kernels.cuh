@@ -467,13 +467,18 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
   int lanes = 1;
   while (lanes < 32 && tiles * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
   const int groups = static_cast<int>(blockDim.x) / lanes, lane = static_cast<int>(threadIdx.x) % lanes;
-  // a chunk: all K, or a multiple of 32 columns (so that every thread's columns keep their order: the same sums)
-  int chunk = stage == nullptr || cols >= K ? K : cols / 32 * 32;
-  if (chunk == 0) {   // (fewer than 32 columns: the direct reads)
+  // a chunk: all K, or a multiple of the lanes' rounds (kDotUnroll x lanes columns: every thread's columns the same
+  // whatever the chunks, in the same order: the same sums)
+  int chunk = stage == nullptr || cols >= K ? K : cols / (kDotUnroll * lanes) * (kDotUnroll * lanes);
+  if (chunk == 0) {   // (fewer columns than a round: the direct reads)
     stage = nullptr;
     chunk = K;
   }
-  const int passes = (tiles + groups - 1) / groups, pitch = stage_pitch(chunk, sizeof(T));
+  // a staged row: chunk values and 16 bytes, or 32 where a round's columns of a warp's lanes take more than 16 bytes
+  // a row (consecutive rows then start 4 or 8 banks apart: distinct banks for the few rows a warp reads together;
+  // at most persistent_plan.h's stage_pitch)
+  const int pad = (kDotUnroll * lanes * static_cast<int>(sizeof(T)) <= 16 ? 16 : 32) / static_cast<int>(sizeof(T));
+  const int passes = (tiles + groups - 1) / groups, pitch = chunk + pad;
   const bool whole = stage != nullptr && chunk == K;   // staged once for every pass
   // in chunks: two buffers of `chunk` columns (persistent_plan.h's stage_bytes)
   T* const twin = stage != nullptr && !whole ? stage + static_cast<size_t>(V) * pitch : nullptr;
@@ -494,31 +499,44 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     decltype(vec(0)) vecs[TC];
 #pragma unroll
     for (int c = 0; c < TC; ++c) vecs[c] = vec(c < tc ? c : 0);
-    // kDotUnroll of the thread's columns a round, every load of the round issued before its multiply-adds: one load
-    // latency a round instead of one a column (the loop with a runtime stride is not unrolled by the compiler: each
-    // FMA waited on its loads, ptxas sm_90); each sum still runs over the columns in increasing order, so the sums
-    // are those of the loop below, bit for bit
-    int i = lane;
-    for (; i + (kDotUnroll - 1) * lanes < cn; i += kDotUnroll * lanes) {
-      A x[kDotUnroll][TC], w[kDotUnroll][TR];
+    // a round: kDotUnroll consecutive columns of each lane (lane l's i = k U lanes + l U + u, u < U), every load of
+    // the round issued before its multiply-adds (one load latency a round), through pointers that step a round at a
+    // time (the offsets u immediate); each sum runs over the thread's columns in increasing order. The vectors of
+    // slots c >= tc are vector 0's (loaded, summed, never stored: no predicate in the loop)
+    constexpr int U = kDotUnroll;
+    const int step = U * lanes;
+    int i = lane * U;
+    const T* pr[TR];
 #pragma unroll
-      for (int u = 0; u < kDotUnroll; ++u) {
+    for (int r = 0; r < TR; ++r) pr[r] = rows[r] + i;
+    decltype(vec(0)) pv[TC];
 #pragma unroll
-        for (int c = 0; c < TC; ++c) x[u][c] = c < tc ? ld<A>(vecs[c], i + u * lanes) : A(0);
+    for (int c = 0; c < TC; ++c) pv[c] = vecs[c] + i;
+    for (; i + U <= cn; i += step) {
+      A x[U][TC], w[U][TR];
 #pragma unroll
-        for (int r = 0; r < TR; ++r) w[u][r] = ld<A>(rows[r], i + u * lanes);
-      }
+      for (int c = 0; c < TC; ++c)
 #pragma unroll
-      for (int u = 0; u < kDotUnroll; ++u)
+        for (int u = 0; u < U; ++u) x[u][c] = ld<A>(pv[c], u);
+#pragma unroll
+      for (int r = 0; r < TR; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) w[u][r] = ld<A>(pr[r], u);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int r = 0; r < TR; ++r)
 #pragma unroll
           for (int c = 0; c < TC; ++c) acc[r][c] += w[u][r] * x[u][c];
+#pragma unroll
+      for (int r = 0; r < TR; ++r) pr[r] += step;
+#pragma unroll
+      for (int c = 0; c < TC; ++c) pv[c] += step;
     }
-    for (; i < cn; i += lanes) {
+    for (; i < cn; ++i) {   // (the last round's columns short of cn)
       A x[TC];
 #pragma unroll
-      for (int c = 0; c < TC; ++c) x[c] = c < tc ? ld<A>(vecs[c], i) : A(0);
+      for (int c = 0; c < TC; ++c) x[c] = ld<A>(vecs[c], i);
 #pragma unroll
       for (int r = 0; r < TR; ++r) {
         const A w = ld<A>(rows[r], i);

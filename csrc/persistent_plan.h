@@ -44,11 +44,11 @@ DTMT_HD size_t mma_buffer_bytes(int M, int B, int threads, size_t t_bytes) {
 // copies' latency more than their bytes); else two buffers of up to half the room each, a multiple of 32 columns of
 // every row and at most half a row (rounded up to 32), so that there are two chunks at least and each chunk after
 // the first is copied into one buffer while the other's is summed; none where not even two of 32 columns fit (the
-// products then read global memory). A staged row is `cols` values and 16 bytes (stage_pitch), so that consecutive
-// rows start 4 banks apart (the threads of a warp read up to 8 rows without a bank conflict) and 16-byte copies stay
-// aligned.
+// products then read global memory). A staged row is `cols` values and at most 32 bytes (stage_pitch: block_dots
+// pads 16 or 32 bytes, so that the rows a warp reads together start 4 or 8 banks apart, as its lanes' columns need)
+// and 16-byte copies stay aligned.
 constexpr size_t kWholeStageBytes = 32 * 1024;
-DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes) { return cols + static_cast<int>(16 / t_bytes); }
+DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes) { return cols + static_cast<int>(32 / t_bytes); }
 DTMT_HD int stage_columns(int B, int K, size_t t_bytes, size_t room) {
   if (B < 1 || K < 1) return 0;
   const size_t pad = static_cast<size_t>(stage_pitch(0, t_bytes)), whole = kWholeStageBytes / t_bytes / B,
@@ -70,9 +70,9 @@ DTMT_HD size_t stage_room(size_t smem_optin, size_t need) {
 // ------------------------------------------------------------------------------------ the kernels' shared memory
 // The sub-cells' matrices a block holds: sub-cell k (0 the base cell, k >= 1 T-GRU k) has `subcell_rows` gate rows a
 // unit. Forward, the block's rows of it: [rows][slice][matrix_pitch(H)]; backward, its columns:
-// [slice][matrix_pitch(rows * H)]. A row of K values takes K rounded up to 32, and 4 more: consecutive rows start 4
-// banks apart (4-byte values), so that up to 8 consecutive rows read at the same columns by L <= 4 lanes each hit
-// distinct banks (block_dots: 4 lanes a tile in the backward at B = 64, where rows H + 1 long met 2-way conflicts;
+// [slice][matrix_pitch(rows * H)]. A row of K values takes K rounded up to 32, and 8 more: consecutive rows start 8
+// banks apart (4-byte values), so that up to 4 consecutive rows read at the same columns by L <= 4 lanes of 2
+// consecutive columns each (block_dots' rounds) hit distinct banks (rows H + 1 long met 2- to 4-way conflicts;
 // docs/design/persistent_recurrence.md, "Tiles of the FMA products"), and rows start 16-byte aligned. The first
 // `resident` sub-cells stay in shared memory, one after another; the others (sub-cells resident..D) in the block's
 // part of a spill buffer in global memory, read through L2 at each use (docs/design/persistent_recurrence.md, "Past
@@ -80,7 +80,7 @@ DTMT_HD size_t stage_room(size_t smem_optin, size_t need) {
 // resident < 0: all D + 1.
 DTMT_HD constexpr int subcell_rows(int kind, int k) { return k == 0 ? cell_hidden_rows(kind) : 3; }
 DTMT_HD constexpr int resident_subcells(int D, int resident) { return resident < 0 || resident > D ? D + 1 : resident; }
-DTMT_HD constexpr int matrix_pitch(int K) { return (K + 31) / 32 * 32 + 4; }
+DTMT_HD constexpr int matrix_pitch(int K) { return (K + 31) / 32 * 32 + 8; }
 DTMT_HD constexpr size_t forward_subcell_elems(int kind, int k, int H, int slice) {
   return static_cast<size_t>(subcell_rows(kind, k)) * slice * matrix_pitch(H);
 }

@@ -1026,68 +1026,68 @@ def test_persistent_envelope():
     """Which layers fit the persistent launches (issue 72 item 3), from sizes alone (csrc/persistent_plan.h, the CUDA
     driver's arithmetic, through the CPU extension: dtmt_kernels.persistent_plan), on an H100/H200 (132 SMs, 227 KB
     of shared memory a block): every block's rows (forward) or columns (backward) of every recurrent matrix, each
-    row its length rounded up to 32 and 4 more (matrix_pitch), plus its per-row buffers. Worked by hand: the deep
-    transition at H = 512 (L-GRU + 4 T-GRUs, B = 64, fp32) takes 128 blocks of 4 units, 64 rows x 516 x 4 B +
-    64 x 22 x 4 B = 137,728 B forward and (4 x 2,052 + 16 x 1,540) x 4 B + 64 x 52 x 4 B = 144,704 B backward: it
-    fits; the FMA products' stage takes what is left: whole rows would take 64 x (512 + 4) x 4 B, over the 32 KB of
-    a single copy, so two buffers of a multiple of 32 columns a row, each a row 16 B more (the pitch), in half of
-    what is left: forward (232,448 - 137,728) / (64 x 4 B) = 370 values a row, 185 a buffer, 181 after the pitch:
-    160 columns, 2 x 64 x 164 x 4 B = 83,968 B, so 221,696 B; backward from 144,768 (the next multiple of 128): 342,
-    171, 167: 160 columns again, 228,736 B; at H = 1024 (8 units a block) the forward alone needs 128 x 1,028 x 4 =
-    526,336 B of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at B = 256. With the products
-    on tensor cores (TF32, 256 threads) each adds, at the next multiple of 128 B, block_mma's buffers: C (64 x 16 x
-    4 B = 4,096), the matrix stage (16 x 72 x 4 B = 4,608) and the batch stage (64 x 72 x 4 B = 18,432): 137,728 +
-    27,136 = 164,864 B and 144,768 + 27,136 = 171,904 B; it still fits. The default for tensor cores follows torch's
-    TF32 flag for float32 (off by default), and is on for bfloat16.
+    row its length rounded up to 32 and 8 more (matrix_pitch), plus its per-row buffers. Worked by hand: the deep
+    transition at H = 512 (L-GRU + 4 T-GRUs, B = 64, fp32) takes 128 blocks of 4 units, 64 rows x 520 x 4 B +
+    64 x 22 x 4 B = 138,752 B forward and (4 x 2,056 + 16 x 1,544) x 4 B + 64 x 52 x 4 B = 145,024 B backward: it
+    fits; the FMA products' stage takes what is left: whole rows would take 64 x (512 + 8) x 4 B, over the 32 KB of
+    a single copy, so two buffers of a multiple of 32 columns a row, each a row 32 B more (the pitch's most), in half
+    of what is left: forward (232,448 - 138,752) / (64 x 4 B) = 366 values a row, 183 a buffer, 175 after the pitch:
+    160 columns, 2 x 64 x 168 x 4 B = 86,016 B, so 224,768 B; backward (232,448 - 145,024) / 256 = 341, 170, 162:
+    160 columns again, 231,040 B; at H = 1024 (8 units a block) the forward alone needs 128 x 1,032 x 4 = 528,384 B
+    of matrix: it does not, in fp32 or fp64; one GRU layer at H = 512 fits at B = 256. With the products on tensor
+    cores (TF32, 256 threads) each adds, at the next multiple of 128 B, block_mma's buffers: C (64 x 16 x 4 B =
+    4,096), the matrix stage (16 x 72 x 4 B = 4,608) and the batch stage (64 x 72 x 4 B = 18,432): 138,752 + 27,136 =
+    165,888 B and 145,024 + 27,136 = 172,160 B; it still fits. The default for tensor cores follows torch's TF32 flag
+    for float32 (off by default), and is on for bfloat16.
     Past shared memory, with an H100's L2 (50 MiB, of which the spill may take half): the deep transition at H = 1024
-    in bf16 (8 units a block; forward, the L-GRU's 4 x 8 rows x 1,028 x 2 B = 65,792 B and each T-GRU's 49,344 B;
-    buffers 9,728 B; block_mma's 8,192 + 4,608 + 9,216 B) keeps 3 sub-cells in shared memory: 164,480 + 9,728 =
-    174,208 (a multiple of 128) + 22,016 = 196,224 B (4 would need 245,632); the two top T-GRUs' rows,
-    2 x 24,672 x 2 B x 128 blocks = 12,632,064 B, are read from L2. Backward, columns 8 x (4,096 + 4) and
-    8 x (3,072 + 4), buffers 23,552 B, block_mma's 15,616 B: 3 kept, 164,032 + 23,552 -> 187,648 + 15,616 =
-    203,264 B, and 2 x 24,608 x 2 x 128 = 12,599,296 B from L2. In fp32 it would need 4 sub-cells from L2
-    (4 x 98,688 B x 128 = 50.5 MB), over the 25 MiB: it does not fit."""
+    in bf16 (8 units a block; forward, the L-GRU's 4 x 8 rows x 1,032 x 2 B = 66,048 B and each T-GRU's 49,536 B;
+    buffers 9,728 B; block_mma's 8,192 + 4,608 + 9,216 B) keeps 3 sub-cells in shared memory: 165,120 + 9,728 =
+    174,848 (a multiple of 128) + 22,016 = 196,864 B (4 would need 246,400); the two top T-GRUs' rows,
+    2 x 24,768 x 2 B x 128 blocks = 12,681,216 B, are read from L2. Backward, columns 8 x (4,096 + 8) and
+    8 x (3,072 + 8), buffers 23,552 B, block_mma's 15,616 B: 3 kept, 164,224 + 23,552 = 187,776 + 15,616 =
+    203,392 B, and 2 x 24,640 x 2 x 128 = 12,615,680 B from L2. In fp32 it would need 4 sub-cells from L2
+    (4 x 99,072 B x 128 = 50.7 MB), over the 25 MiB: it does not fit."""
     import dtmt_kernels as dk
 
     h100 = dict(multiprocessors=132, shared_memory=232448)
     plan = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=False, **h100)
-    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 221696,
-                                                                                            228736)
+    assert (plan.fits, plan.grid, plan.slice, plan.forward_bytes, plan.backward_bytes) == (True, 128, 4, 224768,
+                                                                                            231040)
     assert (plan.forward_stage, plan.backward_stage) == (160, 160)
-    assert str(plan) == ("persistent: 128 blocks of 4 units; 216 / 223 KB of shared memory a block (forward / "
+    assert str(plan) == ("persistent: 128 blocks of 4 units; 220 / 226 KB of shared memory a block (forward / "
                          "backward) of 227 KB; FMA, staging 160 / 160 columns a row")
     tc = dk.persistent_plan("lgru", 4, 64, 512, tensor_cores=True, **h100)
-    assert (tc.fits, tc.forward_bytes, tc.backward_bytes, tc.forward_stage, tc.backward_stage) == (True, 164864,
-                                                                                                    171904, 0, 0)
+    assert (tc.fits, tc.forward_bytes, tc.backward_bytes, tc.forward_stage, tc.backward_stage) == (True, 165888,
+                                                                                                    172160, 0, 0)
     for dtype in (torch.float32, torch.float64):
         assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100).fits
     assert dk.persistent_plan("gru", 0, 256, 512, tensor_cores=False, **h100).fits
     small = dk.persistent_plan("gru", 0, 8, 37, "float64", **h100)
     assert (small.grid, small.slice, small.tensor_cores) == (37, 1, False)
     assert str(dk.persistent_plan("lgru", 4, 64, 1024, "bfloat16", **h100)).startswith(
-        "per-step: 128 blocks of 8 units would need 288 / 295 KB")
+        "per-step: 128 blocks of 8 units would need 289 / 295 KB")
     h100_l2 = dict(h100, l2_cache=52428800)
     l2 = dk.persistent_plan("lgru", 4, 64, 1024, "bfloat16", **h100_l2)
     assert (l2.fits, l2.grid, l2.slice, l2.subcells, l2.forward_resident, l2.backward_resident) == (True, 128, 8, 5, 3,
                                                                                                     3)
-    assert (l2.forward_bytes, l2.backward_bytes, l2.forward_spill, l2.backward_spill) == (196224, 203264, 12632064,
-                                                                                          12599296)
-    assert str(l2) == ("persistent: 128 blocks of 8 units; 192 / 198 KB of shared memory a block (forward / backward) "
-                       "of 227 KB; the matrices of 2 / 2 of 5 sub-cells read from L2 (12.0 / 12.0 MiB of the 25 MiB "
+    assert (l2.forward_bytes, l2.backward_bytes, l2.forward_spill, l2.backward_spill) == (196864, 203392, 12681216,
+                                                                                          12615680)
+    assert str(l2) == ("persistent: 128 blocks of 8 units; 192 / 199 KB of shared memory a block (forward / backward) "
+                       "of 227 KB; the matrices of 2 / 2 of 5 sub-cells read from L2 (12.1 / 12.0 MiB of the 25 MiB "
                        "allowed); tensor cores")
     for dtype in (torch.float32, torch.float64):
         assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100_l2).fits
     # the cluster form: one cluster of at most 16 blocks, whatever the SMs; GRU H = 512, B = 8, fp32: 32 units a block,
-    # 3 x 32 rows x 516 x 4 B + (8 x 4 x 32 + 8 x 6) x 4 B = 202,432 B forward, 32 x 1,540 x 4 B +
-    # (8 x 10 x 32 + 8 x 12) x 4 B = 207,744 B backward; the stage: forward whole rows (8 x (512 + 4) x 4 B =
-    # 16,512 B after 202,496), backward two buffers in what is left of 232,448 - 207,744 = 24,704 B: 772 values a
-    # row, 386 a buffer, 382 after the pitch's 4, of 3H = 1,536: 352 columns at a time (2 x 8 x 356 x 4 B =
-    # 22,784 B); at H = 9, one block a unit
+    # 3 x 32 rows x 520 x 4 B + (8 x 4 x 32 + 8 x 6) x 4 B = 203,968 B forward, 32 x 1,544 x 4 B +
+    # (8 x 10 x 32 + 8 x 12) x 4 B = 208,256 B backward; the stage: forward whole rows (8 x (512 + 8) x 4 B =
+    # 16,640 B after 204,032), backward two buffers in what is left of 232,448 - 208,256 = 24,192 B: 756 values a
+    # row, 378 a buffer, 370 after the pitch's 8, of 3H = 1,536: 352 columns at a time (2 x 8 x 360 x 4 B =
+    # 23,040 B); at H = 9, one block a unit
     one = dk.persistent_plan("gru", 0, 8, 512, tensor_cores=False, cluster=16, **h100)
     assert (one.fits, one.cluster, one.grid, one.slice, one.forward_bytes, one.backward_bytes) == (
-        True, True, 16, 32, 219008, 230528)
+        True, True, 16, 32, 220672, 231296)
     assert (one.forward_stage, one.backward_stage) == (512, 352)
-    assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 214 / 225 KB")
+    assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 216 / 226 KB")
     nine = dk.persistent_plan("gru", 0, 8, 9, cluster=16, **h100)
     assert (nine.grid, nine.cluster, plan.cluster) == (9, True, False)
     assert not dk.persistent_plan("lgru", 4, 8, 1024, "bfloat16", cluster=16, **h100_l2).fits

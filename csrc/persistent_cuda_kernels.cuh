@@ -30,6 +30,8 @@
 #include "persistent_plan.h"
 #include "transition_cuda_kernels.cuh"
 
+#include <type_traits>
+
 #if defined(DTMT_CUDA_EMULATION)
 #define DTMT_DYNAMIC_SMEM(name) unsigned char* name = ::dtmt_emu::dynamic_smem()
 #else
@@ -54,7 +56,8 @@ namespace cuda {
 // every mark is empty: the extension's kernels read no clock (tests/test_cuda_sources.py checks their PTX). Every
 // thread of the block passes every mark (each is a block barrier in the probe). The barrier's phase is the wait of
 // persistent_barrier (the slowest block's lag included): the work before a barrier is marked before it.
-// Stage: block_dots' copies of the vectors into shared memory (stage_rows), the rest of the FMA products being
+// Stage: block_dots' copies of the vectors into shared memory and their waits (stage_issue, stage_wait: with the
+// chunks overlapped, what a chunk's copy takes beyond the sums before it), the rest of the FMA products being
 // products (block_mma's staging is products).
 enum PersistentPhase : int {
   kPhaseSetup, kPhaseProducts, kPhaseStage, kPhaseElements, kPhaseNorm, kPhaseBarrier, kPhaseCount
@@ -358,7 +361,7 @@ __device__ __forceinline__ int stage_row(int r, int V, int tc) {
 // Rows [0, B) x columns [c0, c0 + cn) of the vectors v (row b at v + b * ldv) into stage [B][pitch] (row b at
 // stage_row(b, B, tc)), by the whole block, consecutive threads on consecutive columns (coalesced). 16 bytes a copy
 // where the rows, the columns and the stage allow it: asynchronous (cp.async, every copy of the block in flight at
-// once, no registers; each thread waits for its own before returning) where the device has it, else through
+// once, no registers; stage_wait waits for them) where the device has it, else through
 // registers, up to kStageLoads loads a thread in flight; else one value a load, the same way. The caller puts block
 // barriers around it.
 constexpr int kStageLoads = 8;
@@ -432,6 +435,17 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
   stage_wait(0);
 }
 
+// Values 0 and 1 of p (aligned to two values: an even offset in a matrix row or a staged row) in one load: 8 bytes
+// for float, 4 for bf16, 16 for double.
+template <typename A, typename T> __device__ __forceinline__ void ld_pair(const T* p, A& a, A& b) {
+  struct alignas(2 * sizeof(T)) Pair {
+    T v[2];
+  };
+  const Pair q = *reinterpret_cast<const Pair*>(p);
+  a = ld<A>(q.v, 0);
+  b = ld<A>(q.v, 1);
+}
+
 // The FMA products of the persistent launches: M x V dot products of length K, output (m, r) the sum over i of
 // ld(a(m), i) * ld(v + r * ldv, i) (a(m): a matrix row in shared memory or L2; v: V vectors every matrix row meets, the
 // state or the gradients, in global memory), given by store(m, r, sum) (0 where !live(r): a row whose sentence has
@@ -441,22 +455,25 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
 // docs/design/persistent_recurrence.md, "Tiles of the FMA products"). Tile (tm, tv) takes matrix rows tm + r tiles_m
 // (r < 4) and vectors tc tv + c (c < tc: neighbouring batch rows, so that a tile whose rows have all ended is
 // skipped); past M or V they repeat the last one, whose sums nobody stores. One compiled form of the loop for every
-// B: tc is a value (the loads of vectors c >= tc are predicated off, their multiply-adds made on zeros). With `stage`
+// B: tc is a value (slots c >= tc sum vector 0 again, never stored). With `stage`
 // (shared memory of stage_bytes), the vectors are read from it: whole rows once, or `cols` columns of every row at a
 // time in two buffers, chunk c + 1 copied into one while chunk c is summed from the other (stage_issue / stage_wait:
 // the whole block, many copies in flight, coalesced), vector c of every tile together (stage_row); without, each
 // thread reads them from global memory as it sums, one L2 round trip after another
 // (docs/design/persistent_recurrence.md, "The products' stage"). A tile is summed by `lanes` consecutive threads,
-// each over every lanes-th i, combined by shuffles (a fixed tree: deterministic); lanes is the largest power of two
-// up to 32 that leaves no thread two tiles a pass. A thread's sum runs over its i in increasing order whatever the
-// stage's columns (a multiple of 32, or all K): the same sums, bit for bit, with the stage and without. Tiles are
-// numbered matrix rows first, so that the threads of a warp read, for each of a tile's rows, consecutive matrix rows
-// (matrix_pitch apart: 4 banks for 4-byte values, 8 rows of up to 4 lanes without a conflict) and, for each of its
-// vectors, a few consecutive stage rows (a pitch apart, 4 banks, the same). Ordered the other way, a warp's load
+// each over pairs of columns lanes pairs apart, combined by shuffles (a fixed tree: deterministic); lanes is the
+// largest power of two up to 32 that leaves no thread two tiles a pass. A thread's sum runs over its i in increasing
+// order whatever the stage's chunks (a multiple of a round of 2 lanes columns, or all K): the same sums, bit for bit,
+// with the stage and without. Tiles are numbered matrix rows first, so that the threads of a warp read, for each of a
+// tile's rows, consecutive matrix rows (matrix_pitch apart: 8 banks for 4-byte values, 4 rows of up to 4 lanes
+// without a conflict) and, for each of its vectors, a few consecutive stage rows (a pitch apart, 4 or 8 banks, the
+// same). With more lanes a tile (B <= 8), a warp's lanes read 2 lanes consecutive values of one or two rows, which
+// is as many accesses as their bytes need (ld_pair). Ordered the other way, a warp's load
 // touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
 // (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
 // shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. Passes are taken
-// kDotPasses at a time, each chunk of the stage serving all of them.
+// kDotPasses at a time, each chunk of the stage serving all of them. Where the plan's stage has fewer columns than a
+// round (32 at 32 lanes a tile: rare, a tight block at small B), the products read global memory.
 constexpr int kDotPasses = 1, kTileRows = 4, kTileVectors = 4, kDotUnroll = 2;
 template <typename A, typename T, typename Live, typename RowOf, typename Store>
 __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
@@ -474,11 +491,11 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     stage = nullptr;
     chunk = K;
   }
-  // a staged row: chunk values and 16 bytes, or 32 where a round's columns of a warp's lanes take more than 16 bytes
-  // a row (consecutive rows then start 4 or 8 banks apart: distinct banks for the few rows a warp reads together;
-  // at most persistent_plan.h's stage_pitch)
+  // a staged row: chunk values rounded up to 32 (even: its pairs aligned), and 16 bytes, or 32 where a round's
+  // columns of a warp's lanes take more than 16 bytes a row (consecutive rows then start 4 or 8 banks apart: distinct
+  // banks for the few rows a warp reads together, up to 4 lanes a tile; at most persistent_plan.h's stage_pitch)
   const int pad = (kDotUnroll * lanes * static_cast<int>(sizeof(T)) <= 16 ? 16 : 32) / static_cast<int>(sizeof(T));
-  const int passes = (tiles + groups - 1) / groups, pitch = chunk + pad;
+  const int passes = (tiles + groups - 1) / groups, pitch = (chunk + 31) / 32 * 32 + pad;
   const bool whole = stage != nullptr && chunk == K;   // staged once for every pass
   // in chunks: two buffers of `chunk` columns (persistent_plan.h's stage_bytes)
   T* const twin = stage != nullptr && !whole ? stage + static_cast<size_t>(V) * pitch : nullptr;
@@ -491,19 +508,24 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
   }
   auto matrix_row = [&](int tm, int r) { return tm + r * tiles_m < M ? tm + r * tiles_m : M - 1; };
   auto vector = [&](int tv, int c) { return tc * tv + c < V ? tc * tv + c : V - 1; };
-  // a tile's sums over this thread's columns i of [c0, c0 + cn): acc[r][c] += a(row r)[i] * vec(c)[i]
-  auto sum_tile = [&](A(&acc)[TR][TC], int tm, auto vec, int c0, int cn) {
+  // a tile's sums over this thread's columns i of [c0, c0 + cn): acc[r][c] += a(row r)[i] * vec(c)[i]; the vectors'
+  // pairs in one load where `paired` (the stage's rows: an even pitch), else one value a load (global memory's rows
+  // may be of odd length)
+  auto sum_tile = [&](A(&acc)[TR][TC], int tm, auto vec, int c0, int cn, auto paired) {
     const T* rows[TR];
 #pragma unroll
     for (int r = 0; r < TR; ++r) rows[r] = a(matrix_row(tm, r)) + c0;
     decltype(vec(0)) vecs[TC];
 #pragma unroll
     for (int c = 0; c < TC; ++c) vecs[c] = vec(c < tc ? c : 0);
-    // a round: kDotUnroll consecutive columns of each lane (lane l's i = k U lanes + l U + u, u < U), every load of
-    // the round issued before its multiply-adds (one load latency a round), through pointers that step a round at a
-    // time (the offsets u immediate); each sum runs over the thread's columns in increasing order. The vectors of
-    // slots c >= tc are vector 0's (loaded, summed, never stored: no predicate in the loop)
+    // a round: a pair of consecutive columns of each lane (lane l's i = 2 k lanes + 2 l + u, u < 2), each pair one
+    // load (ld_pair: the lanes of a warp read 2 lanes consecutive values of a row, no bank conflict at any L), every
+    // load of the round issued before its multiply-adds (one load latency a round), through pointers that step a
+    // round at a time; each sum runs over the thread's columns in increasing order. The vectors of slots c >= tc are
+    // vector 0's (loaded, summed, never stored: no predicate in the loop; at B <= 2 a round loads 2 to 3 more
+    // vectors than it needs)
     constexpr int U = kDotUnroll;
+    static_assert(U == 2, "a round is a pair of columns a lane (ld_pair)");
     const int step = U * lanes;
     int i = lane * U;
     const T* pr[TR];
@@ -515,13 +537,16 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     for (; i + U <= cn; i += step) {
       A x[U][TC], w[U][TR];
 #pragma unroll
-      for (int c = 0; c < TC; ++c)
+      for (int c = 0; c < TC; ++c) {
+        if constexpr (decltype(paired)::value) {
+          ld_pair(pv[c], x[0][c], x[1][c]);
+        } else {
+          x[0][c] = ld<A>(pv[c], 0);
+          x[1][c] = ld<A>(pv[c], 1);
+        }
+      }
 #pragma unroll
-        for (int u = 0; u < U; ++u) x[u][c] = ld<A>(pv[c], u);
-#pragma unroll
-      for (int r = 0; r < TR; ++r)
-#pragma unroll
-        for (int u = 0; u < U; ++u) w[u][r] = ld<A>(pr[r], u);
+      for (int r = 0; r < TR; ++r) ld_pair(pr[r], w[0][r], w[1][r]);
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -590,10 +615,10 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
         if (stage != nullptr) {
           sum_tile(acc[pp], tm[pp],
                    [&](int c) { return buf + static_cast<size_t>(stage_row(vector(tv[pp], c), V, tc)) * pitch; }, c0,
-                   cn);
+                   cn, std::true_type{});
         } else {
           sum_tile(acc[pp], tm[pp], [&](int c) { return v + static_cast<size_t>(vector(tv[pp], c)) * ldv + c0; }, c0,
-                   cn);
+                   cn, std::false_type{});
         }
       }
       if (chunked) {

@@ -44,19 +44,22 @@ DTMT_HD size_t mma_buffer_bytes(int M, int B, int threads, size_t t_bytes) {
 // copies' latency more than their bytes); else two buffers of up to half the room each, a multiple of 32 columns of
 // every row and at most half a row (rounded up to 32), so that there are two chunks at least and each chunk after
 // the first is copied into one buffer while the other's is summed; none where not even two of 32 columns fit (the
-// products then read global memory). A staged row is `cols` values and at most 32 bytes (stage_pitch: block_dots
-// pads 16 or 32 bytes, so that the rows a warp reads together start 4 or 8 banks apart, as its lanes' columns need)
-// and 16-byte copies stay aligned.
+// products then read global memory). A staged row is `cols` values rounded up to 32 and at most 32 bytes more
+// (stage_pitch: block_dots pads 16 or 32 bytes, so that the rows a warp reads together start 4 or 8 banks apart, as
+// its lanes' columns need): its pairs of values and its 16-byte copies stay aligned.
 constexpr size_t kWholeStageBytes = 32 * 1024;
-DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes) { return cols + static_cast<int>(32 / t_bytes); }
+DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes) {
+  return (cols + 31) / 32 * 32 + static_cast<int>(32 / t_bytes);
+}
 DTMT_HD int stage_columns(int B, int K, size_t t_bytes, size_t room) {
   if (B < 1 || K < 1) return 0;
   const size_t pad = static_cast<size_t>(stage_pitch(0, t_bytes)), whole = kWholeStageBytes / t_bytes / B,
-               fits = room / t_bytes / B;   // values a row: whole rows' share, and the room's (with the pad)
-  if (static_cast<size_t>(K) <= whole && K + pad <= fits) return K;
+               fits = room / t_bytes / B;   // values a row: whole rows' share, and the room's (with the pitch)
+  if (static_cast<size_t>(K) <= whole && static_cast<size_t>(stage_pitch(K, t_bytes)) <= fits) return K;
   if (fits / 2 < pad + 32) return 0;
   const size_t cap = (fits / 2 - pad) / 32 * 32, half = (static_cast<size_t>(K + 1) / 2 + 31) / 32 * 32;
-  return static_cast<int>(cap < half ? cap : half);
+  const size_t cols = cap < half ? cap : half;
+  return cols < static_cast<size_t>(K) ? static_cast<int>(cols) : K;
 }
 // The stage of `cols` columns for rows of K: one buffer of whole rows, or two of cols columns.
 DTMT_HD size_t stage_bytes(int B, int K, int cols, size_t t_bytes) {

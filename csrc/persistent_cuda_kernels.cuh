@@ -558,7 +558,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
 #pragma unroll
       for (int c = 0; c < TC; ++c) pv[c] += step;
     }
-    for (; i < cn; ++i) {   // (the last round's columns short of cn)
+    if (i < cn) {   // (the last round's one column short of cn: a round is 2 columns)
       A x[TC];
 #pragma unroll
       for (int c = 0; c < TC; ++c) x[c] = ld<A>(vecs[c], i);

@@ -1126,6 +1126,17 @@ def test_persistent_plan_refuses_bad_arguments(args, kwargs, message):
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_persistent_module_examples_are_current():
+    """dtmt_kernels/ops/transition/persistent.py's examples (the plans it prints for an H100 / H200) are what
+    persistent_plan says now: run as doctests (they were stale once, after a change of the stage's sizes)."""
+    import doctest
+
+    import dtmt_kernels.ops.transition.persistent as persistent
+
+    result = doctest.testmod(persistent, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 3 and result.failed == 0
+
+
 def test_design_note_states_the_current_envelope():
     """docs/design/persistent_recurrence.md's envelope table is envelope_table's output for an H100/H200 at B = 64
     (`python benchmarks/bench_persistent.py --envelope --multiprocessors 132 --shared-memory 232448 --l2-cache

@@ -6,12 +6,12 @@ docs/design/persistent_recurrence.md, "The envelope", has the table for an H100 
     >>> import dtmt_kernels as dk
     >>> print(dk.persistent_plan("lgru", 4, 64, 512, multiprocessors=132,
     ...                          shared_memory=232448))  # doctest: +NORMALIZE_WHITESPACE
-    persistent: 128 blocks of 4 units; 167 / 174 KB of shared memory a block (forward / backward) of 227 KB; FMA,
-    staging 128 / 128 columns a row
+    persistent: 128 blocks of 4 units; 220 / 226 KB of shared memory a block (forward / backward) of 227 KB; FMA,
+    staging 160 / 160 columns a row
     >>> print(dk.persistent_plan("lgru", 4, 64, 1024, "bfloat16", multiprocessors=132, shared_memory=232448,
     ...                          l2_cache=52428800))  # doctest: +NORMALIZE_WHITESPACE
-    persistent: 128 blocks of 8 units; 191 / 198 KB of shared memory a block (forward / backward) of 227 KB; the
-    matrices of 2 / 2 of 5 sub-cells read from L2 (12.0 / 12.0 MiB of the 25 MiB allowed); tensor cores
+    persistent: 128 blocks of 8 units; 192 / 199 KB of shared memory a block (forward / backward) of 227 KB; the
+    matrices of 2 / 2 of 5 sub-cells read from L2 (12.1 / 12.0 MiB of the 25 MiB allowed); tensor cores
 
 The cuda backend takes the persistent launches where DTMT_CUDA_RECURRENCE=persistent (read once a process) and the
 plan fits; where it does not, the per-step path, with a warning naming the sizes. DTMT_CUDA_RECURRENCE=
@@ -20,8 +20,8 @@ cluster's; `cluster=16` here), and where that does not fit, the grid form:
 
     >>> print(dk.persistent_plan("gru", 0, 8, 512, multiprocessors=132, shared_memory=232448,
     ...                          cluster=16))  # doctest: +NORMALIZE_WHITESPACE
-    persistent, one cluster: 16 blocks of 32 units; 213 / 227 KB of shared memory a block (forward / backward) of
-    227 KB; FMA, staging 512 / 768 columns a row
+    persistent, one cluster: 16 blocks of 32 units; 216 / 226 KB of shared memory a block (forward / backward) of
+    227 KB; FMA, staging 512 / 352 columns a row
 
 `python benchmarks/bench_persistent.py --envelope [--multiprocessors 132 --shared-memory 232448 --l2-cache 52428800]`
 prints the envelope table (envelope_table) of the current GPU, or of the numbers given."""

@@ -475,11 +475,11 @@ template <typename A, typename T> __device__ __forceinline__ void ld_pair(const 
 // kDotPasses at a time, each chunk of the stage serving all of them. Where the plan's stage has fewer columns than a
 // round (32 at 32 lanes a tile: rare, a tight block at small B), the products read global memory.
 constexpr int kDotPasses = 1, kTileRows = 4, kTileVectors = 4, kDotUnroll = 2;
-template <typename A, typename T, typename Live, typename RowOf, typename Store>
+template <typename A, int TR = kTileRows, int TC = kTileVectors, typename T, typename Live, typename RowOf,
+          typename Store>
 __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
                                            int cols, Store store) {
-  constexpr int TR = kTileRows, TC = kTileVectors;
-  const int tc = V > 2 ? TC : V;   // vectors a tile
+  const int tc = TC == 1 ? 1 : V > 2 ? TC : V;   // vectors a tile
   const int tiles_m = (M + TR - 1) / TR, tiles = tiles_m * ((V + tc - 1) / tc);
   int lanes = 1;
   while (lanes < 32 && tiles * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
@@ -646,7 +646,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
 
 // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is: on
 // tensor cores (all NH x S rows, the last block's rows past n zero), or FMA (block_dots); into hp and pre [B][4][S].
-template <int K, typename T, typename A>
+template <int K, bool kSpilled, typename T, typename A>
 __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, A>& p, const SubcellSpan<T, A>& sp,
                                                  int t, const T* u, A* pre, unsigned char* products_buf) {
   constexpr int NH = Rows<K>::hid;
@@ -681,8 +681,9 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
     auto row = [&](int m) { return u + (static_cast<size_t>(m / n) * S + m % n) * matrix_pitch(H); };
     const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);   // (without hs_lp, T is A)
     T* stage = !p.mma && p.stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr;
-    block_dots<A>(NH * n, B, H, live, row, h, H, stage, H <= p.stage_cols ? H : p.stage_cols,
-                  [&](int m, int b, A acc) { store(m + NH * n * b, acc); });
+    block_dots<A, kSpilled ? 1 : kTileRows, kSpilled ? 1 : kTileVectors>(
+        NH * n, B, H, live, row, h, H, stage, H <= p.stage_cols ? H : p.stage_cols,
+        [&](int m, int b, A acc) { store(m + NH * n * b, acc); });
   }
   __syncthreads();
 }
@@ -766,13 +767,21 @@ __device__ __forceinline__ void subcell_update(const PersistentForwardArgs<T, A>
   }
 }
 
-// One sub-cell of one step for this block's units. K: the sub-cell's kind; u: its rows in shared memory
-// [NH][slice][matrix_pitch(H)]; pre: [B][4][slice]; stats: [B][3][2] (mean, rstd).
+// One sub-cell of one step for this block's units. K: the sub-cell's kind; its rows [NH][slice][matrix_pitch(H)]
+// in shared memory (`resident`) or, where it is nullptr, in the spill buffer (`spilled`, read through L2: products
+// in tiles of one row by one vector, a compact loop, so that the kernel does not carry a second copy of the
+// resident products' unrolled tiles; docs/design/persistent_recurrence.md, "The products' second form"); pre:
+// [B][4][slice]; stats: [B][3][2] (mean, rstd).
 template <int K, typename T, typename A>
 __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,
-                                   const T* u, A* pre, A* stats, unsigned char* products_buf) {
+                                   const T* resident, const T* spilled, A* pre, A* stats,
+                                   unsigned char* products_buf) {
   const SubcellSpan<T, A> sp = subcell_span<K>(p, t, k);
-  subcell_products<K>(p, sp, t, u, pre, products_buf);
+  if (resident != nullptr) {
+    subcell_products<K, false>(p, sp, t, resident, pre, products_buf);
+  } else {
+    subcell_products<K, true>(p, sp, t, spilled, pre, products_buf);
+  }
   phase_mark(kPhaseProducts);
   subcell_preactivations<K>(p, sp, pre);
   phase_mark(kPhaseElements);
@@ -817,17 +826,12 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
     const int t = p.reverse ? p.steps - 1 - step : step;
     const int next_t = step + 1 < p.steps ? (p.reverse ? t - 1 : t + 1) : -1;
     for (int k = 0; k <= p.D; ++k) {
-      auto subcell = [&](const T* rows) {
-        if (k == 0) {
-          persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, rows, pre, stats, products_buf);
-        } else {
-          persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t, rows, pre, stats, products_buf);
-        }
-      };
-      if (k < r) {
-        subcell(resident_matrix<T>(false, KIND, H, S, k, u));
+      const T* resident = k < r ? resident_matrix<T>(false, KIND, H, S, k, u) : nullptr;
+      const T* spill = k < r ? nullptr : spilled(k);
+      if (k == 0) {
+        persistent_subcell<KIND, T, A>(p, t, 0, p.D == 0, next_t, resident, spill, pre, stats, products_buf);
       } else {
-        subcell(spilled(k));
+        persistent_subcell<kTGRU, T, A>(p, t, k, k == p.D, next_t, resident, spill, pre, stats, products_buf);
       }
     }
   }
@@ -902,7 +906,7 @@ template <typename A> struct BackwardBuffers {
 // on tensor cores with `mma` (block_mma.cuh), else FMA (block_dots, through its stage where stage_cols > 0:
 // columns of each row the buffer holds at a time). Rows that had ended at `t` (the step whose gradients dpre are)
 // have dpre = 0: their result is 0 without a sum.
-template <typename T, typename A>
+template <bool kSpilled, typename T, typename A>
 __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, int B, int S, int n, A* out,
                                   const T* mask, int t, bool mma, int stage_cols, unsigned char* products_buf) {
 #if defined(DTMT_MMA_DEVICE)
@@ -918,8 +922,9 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
     }
   }
 #endif
-  // matrix row jj: the column of unit jj; vector b: row b's gradients (block_dots)
-  block_dots<A>(
+  // matrix row jj: the column of unit jj; vector b: row b's gradients (block_dots; spilled columns, read through L2:
+  // tiles of one column by one vector, as the forward's)
+  block_dots<A, kSpilled ? 1 : kTileRows, kSpilled ? 1 : kTileVectors>(
       n, B, R, [&](int b) { return row_valid(mask, t, B, b); },
       [&](int jj) { return col + static_cast<size_t>(jj) * ldc; }, dpre, R,
       !mma && stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr, R <= stage_cols ? R : stage_cols,
@@ -1197,10 +1202,10 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   // the U-path through sub-cell k's columns (R long): out[b][jj] = sum_r dpre[b, r] col_jj[r]
   auto u_path = [&](int k, const T* dpre, int R, A* out, int t) {
     if (k < r) {
-      persistent_u_path<T, A>(dpre, R, resident_matrix<T>(true, KIND, H, S, k, cols), matrix_pitch(R), B, S, n, out,
-                              p.mask, t, p.mma, p.stage_cols, products_buf);
+      persistent_u_path<false>(dpre, R, resident_matrix<T>(true, KIND, H, S, k, cols), matrix_pitch(R), B, S, n,
+                               out, p.mask, t, p.mma, p.stage_cols, products_buf);
     } else {
-      persistent_u_path<T, A>(dpre, R, spilled(k), matrix_pitch(R), B, S, n, out, p.mask, t, p.mma, p.stage_cols,
+      persistent_u_path<true>(dpre, R, spilled(k), matrix_pitch(R), B, S, n, out, p.mask, t, p.mma, p.stage_cols,
                               products_buf);
     }
   };

@@ -770,7 +770,7 @@ __device__ __forceinline__ void subcell_update(const PersistentForwardArgs<T, A>
 // One sub-cell of one step for this block's units. K: the sub-cell's kind; its rows [NH][slice][matrix_pitch(H)]
 // in shared memory (`resident`) or, where it is nullptr, in the spill buffer (`spilled`, read through L2: products
 // in tiles of one row by one vector, a compact loop, so that the kernel does not carry a second copy of the
-// resident products' unrolled tiles; docs/design/persistent_recurrence.md, "The products' second form"); pre:
+// resident products' unrolled tiles; docs/design/persistent_recurrence.md, "Tiles of the FMA products"); pre:
 // [B][4][slice]; stats: [B][3][2] (mean, rstd).
 template <int K, typename T, typename A>
 __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, int k, bool last, int next_t,

@@ -471,10 +471,10 @@ template <typename A, typename T> __device__ __forceinline__ void ld_pair(const 
 // is as many accesses as their bytes need (ld_pair). Ordered the other way, a warp's load
 // touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
 // (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
-// shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. Passes are taken
-// kDotPasses at a time, each chunk of the stage serving all of them. Where the plan's stage has fewer columns than a
-// round (32 at 32 lanes a tile: rare, a tight block at small B), the products read global memory.
-constexpr int kDotPasses = 1, kTileRows = 4, kTileVectors = 4, kDotUnroll = 2;
+// shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. A pass takes a tile a
+// thread, each staging the chunks again. Where the plan's stage has fewer columns than a round (32 at 32 lanes a
+// tile: rare, a tight block at small B), the products read global memory.
+constexpr int kTileRows = 4, kTileVectors = 4, kDotUnroll = 2;
 template <typename A, int TR = kTileRows, int TC = kTileVectors, typename T, typename Live, typename RowOf,
           typename Store>
 __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
@@ -493,9 +493,9 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
   }
   // a staged row: chunk values rounded up to 32 (even: its pairs aligned), and 16 bytes, or 32 where a round's
   // columns of a warp's lanes take more than 16 bytes a row (consecutive rows then start 4 or 8 banks apart: distinct
-  // banks for the few rows a warp reads together, up to 4 lanes a tile; at most persistent_plan.h's stage_pitch)
-  const int pad = (kDotUnroll * lanes * static_cast<int>(sizeof(T)) <= 16 ? 16 : 32) / static_cast<int>(sizeof(T));
-  const int passes = (tiles + groups - 1) / groups, pitch = (chunk + 31) / 32 * 32 + pad;
+  // banks for the few rows a warp reads together, up to 4 lanes a tile; the plan reserves stage_pitch's 32)
+  const int pad_bytes = kDotUnroll * lanes * static_cast<int>(sizeof(T)) <= 16 ? 16 : 32;
+  const int passes = (tiles + groups - 1) / groups, pitch = stage_pitch(chunk, sizeof(T), pad_bytes);
   const bool whole = stage != nullptr && chunk == K;   // staged once for every pass
   // in chunks: two buffers of `chunk` columns (persistent_plan.h's stage_bytes)
   T* const twin = stage != nullptr && !whole ? stage + static_cast<size_t>(V) * pitch : nullptr;
@@ -570,26 +570,18 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
       }
     }
   };
-  for (int p0 = 0; p0 < passes; p0 += kDotPasses) {
-    // this thread's tiles in the passes p0.., found once for every chunk: (tm, tv), and whether any vector is live
-    int tm[kDotPasses], tv[kDotPasses];
-    bool busy[kDotPasses];
-    A acc[kDotPasses][TR][TC];
+  for (int pass = 0; pass < passes; ++pass) {
+    // this thread's tile in this pass, found once for every chunk: (tm, tv), and whether any of its vectors is live
+    const int t = pass * groups + static_cast<int>(threadIdx.x) / lanes, tm = t % tiles_m, tv = t / tiles_m;
+    bool busy = false;
+    if (t < tiles)
 #pragma unroll
-    for (int pp = 0; pp < kDotPasses; ++pp) {
-      const int t = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
-      tm[pp] = t % tiles_m;
-      tv[pp] = t / tiles_m;
-      busy[pp] = false;
-      if (p0 + pp < passes && t < tiles)
+      for (int c = 0; c < TC; ++c) busy = busy || (c < tc && tc * tv + c < V && live(tc * tv + c));
+    A acc[TR][TC];
 #pragma unroll
-        for (int c = 0; c < TC; ++c)
-          busy[pp] = busy[pp] || (c < tc && tc * tv[pp] + c < V && live(tc * tv[pp] + c));
+    for (int r = 0; r < TR; ++r)
 #pragma unroll
-      for (int r = 0; r < TR; ++r)
-#pragma unroll
-        for (int c = 0; c < TC; ++c) acc[pp][r][c] = A(0);
-    }
+      for (int c = 0; c < TC; ++c) acc[r][c] = A(0);
     // chunks: chunk c in buffer c % 2, chunk c + 1 copied into the other while c is summed
     const bool chunked = stage != nullptr && !whole;
     if (chunked) {
@@ -608,17 +600,14 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
         __syncthreads();
         phase_mark(kPhaseStage);
       }
-#pragma unroll
-      for (int pp = 0; pp < kDotPasses; ++pp) {
-        if (!busy[pp]) continue;
+      if (busy) {
         // (the stage's and global memory's vectors in separate branches: each load's space known to the compiler)
         if (stage != nullptr) {
-          sum_tile(acc[pp], tm[pp],
-                   [&](int c) { return buf + static_cast<size_t>(stage_row(vector(tv[pp], c), V, tc)) * pitch; }, c0,
-                   cn, std::true_type{});
+          sum_tile(acc, tm, [&](int c) { return buf + static_cast<size_t>(stage_row(vector(tv, c), V, tc)) * pitch; },
+                   c0, cn, std::true_type{});
         } else {
-          sum_tile(acc[pp], tm[pp], [&](int c) { return v + static_cast<size_t>(vector(tv[pp], c)) * ldv + c0; }, c0,
-                   cn, std::false_type{});
+          sum_tile(acc, tm, [&](int c) { return v + static_cast<size_t>(vector(tv, c)) * ldv + c0; }, c0, cn,
+                   std::false_type{});
         }
       }
       if (chunked) {
@@ -627,20 +616,15 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
       }
     }
 #pragma unroll
-    for (int pp = 0; pp < kDotPasses; ++pp) {
-      if (p0 + pp >= passes) break;   // (the same for every thread)
-      const int t = (p0 + pp) * groups + static_cast<int>(threadIdx.x) / lanes;
+    for (int r = 0; r < TR; ++r)
 #pragma unroll
-      for (int r = 0; r < TR; ++r)
-#pragma unroll
-        for (int c = 0; c < TC; ++c) {
-          if (c >= tc) break;   // (the same for every thread)
-          A sum = acc[pp][r][c];
-          for (int off = lanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-          const int m = tm[pp] + r * tiles_m, b = tc * tv[pp] + c;
-          if (t < tiles && lane == 0 && m < M && b < V) store(m, b, busy[pp] && live(b) ? sum : A(0));
-        }
-    }
+      for (int c = 0; c < TC; ++c) {
+        if (c >= tc) break;   // (the same for every thread)
+        A sum = acc[r][c];
+        for (int off = lanes / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        const int m = tm + r * tiles_m, b = tc * tv + c;
+        if (t < tiles && lane == 0 && m < M && b < V) store(m, b, busy && live(b) ? sum : A(0));
+      }
   }
 }
 

@@ -17,6 +17,7 @@ namespace cuda {
 constexpr int kMmaChunk = 64;                    // columns of K staged at a time (a multiple of 16)
 constexpr int kMmaStageLd = kMmaChunk + 8;       // a staged row: 8 elements of padding (16 or 32 bytes)
 DTMT_HD constexpr int round16(int v) { return (v + 15) / 16 * 16; }
+DTMT_HD constexpr int round32(int v) { return (v + 31) / 32 * 32; }
 DTMT_HD constexpr size_t round_bytes(size_t v) { return (v + 127) / 128 * 128; }
 
 // Batch rows a pass of block_mma stages: at most one 16-row tile per warp, plus one (a pass's tiles may straddle two).
@@ -46,10 +47,10 @@ DTMT_HD size_t mma_buffer_bytes(int M, int B, int threads, size_t t_bytes) {
 // the first is copied into one buffer while the other's is summed; none where not even two of 32 columns fit (the
 // products then read global memory). A staged row is `cols` values rounded up to 32 and at most 32 bytes more
 // (stage_pitch: block_dots pads 16 or 32 bytes, so that the rows a warp reads together start 4 or 8 banks apart, as
-// its lanes' columns need): its pairs of values and its 16-byte copies stay aligned.
+// its lanes' columns need; the plan reserves 32): its pairs of values and its 16-byte copies stay aligned.
 constexpr size_t kWholeStageBytes = 32 * 1024;
-DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes) {
-  return (cols + 31) / 32 * 32 + static_cast<int>(32 / t_bytes);
+DTMT_HD constexpr int stage_pitch(int cols, size_t t_bytes, int pad_bytes = 32) {
+  return round32(cols) + pad_bytes / static_cast<int>(t_bytes);
 }
 DTMT_HD int stage_columns(int B, int K, size_t t_bytes, size_t room) {
   if (B < 1 || K < 1) return 0;
@@ -57,7 +58,7 @@ DTMT_HD int stage_columns(int B, int K, size_t t_bytes, size_t room) {
                fits = room / t_bytes / B;   // values a row: whole rows' share, and the room's (with the pitch)
   if (static_cast<size_t>(K) <= whole && static_cast<size_t>(stage_pitch(K, t_bytes)) <= fits) return K;
   if (fits / 2 < pad + 32) return 0;
-  const size_t cap = (fits / 2 - pad) / 32 * 32, half = (static_cast<size_t>(K + 1) / 2 + 31) / 32 * 32;
+  const size_t cap = (fits / 2 - pad) / 32 * 32, half = static_cast<size_t>(round32((K + 1) / 2));
   const size_t cols = cap < half ? cap : half;
   return cols < static_cast<size_t>(K) ? static_cast<int>(cols) : K;
 }
@@ -83,7 +84,7 @@ DTMT_HD size_t stage_room(size_t smem_optin, size_t need) {
 // resident < 0: all D + 1.
 DTMT_HD constexpr int subcell_rows(int kind, int k) { return k == 0 ? cell_hidden_rows(kind) : 3; }
 DTMT_HD constexpr int resident_subcells(int D, int resident) { return resident < 0 || resident > D ? D + 1 : resident; }
-DTMT_HD constexpr int matrix_pitch(int K) { return (K + 31) / 32 * 32 + 8; }
+DTMT_HD constexpr int matrix_pitch(int K) { return round32(K) + 8; }
 DTMT_HD constexpr size_t forward_subcell_elems(int kind, int k, int H, int slice) {
   return static_cast<size_t>(subcell_rows(kind, k)) * slice * matrix_pitch(H);
 }

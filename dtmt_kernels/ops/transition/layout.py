@@ -76,7 +76,6 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-
 def check_kind(op: str, kind, name: str = "") -> None:
     """RuntimeError unless `kind` is a cell kind of ROWS, naming the op and the argument (`name`), as the kernels'
     checks do: the fake implementations' check (a fake is all a meta call or a torch.compile / export trace runs)."""

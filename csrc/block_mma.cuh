@@ -9,8 +9,8 @@
 // Both operands go through shared memory a chunk of kMmaChunk columns at a time, rounded to the MMA's input type
 // and zero past M, B and K, so the resident matrix keeps the FMA path's layout (rows matrix_pitch(H) long) and the
 // product has no alignment demand on the caller. Tile (mt, nt) of C is warp (mt + nt * Mt) % warps's; with more
-// tiles than warps, passes of `warps` tiles, each staging only its own batch rows. C is column-major [Np][Mp] (Mp,
-// Np: M and B rounded up to 16), float.
+// tiles than warps, passes of `warps` tiles, each staging only its own batch rows; with at most half as many, K split
+// over several warps a tile (below). C is column-major [Np][Mp] (Mp, Np: M and B rounded up to 16), float.
 //
 // Compiled for devices of compute capability 8.0 and up (TF32 and bf16 MMA); below, the function is not there and
 // the kernels keep their FMA products (persistent_mma in transition_cuda.cu). DTMT_CUDA_EMULATION:
@@ -58,6 +58,15 @@ template <> struct Mma<__nv_bfloat16> : Mma16<__nv_bfloat16> {};
 // rows c whose mask is 0 at step t count as 0. `buf`: mma_buffer_bytes(M, B, blockDim.x, sizeof(T)) bytes, 128-byte
 // aligned; returns C (float, column-major, leading dimension round16(M)). Every thread of the block calls it; it
 // begins and ends with a block barrier. blockDim.x a multiple of 32.
+//
+// Where the tiles leave warps idle (tiles * 2 <= warps: B <= 64 for the GRU's 12 rows a block at H = 512), K is
+// split over `ks` warps a tile (the largest power of two with tiles * ks <= warps): warp slice s takes the k-steps
+// i with i % ks == s, each summed in its own accumulator, and the slices' sums are joined in slice order through C
+// (slice 0 stores, then each next slice adds its own to what C holds and stores it: a fixed order, deterministic).
+// Each chunk's values of src are loaded all at once where a thread's share is at most kLoads (rows_b * kMmaChunk <=
+// kLoads * blockDim.x: B <= 64 at 256 threads), and the next chunk's first kLoads a thread are loaded before this
+// chunk's products, so that their L2 round trip overlaps the products. src is staged as it is, ended rows too; C's
+// columns of the ended rows are set to 0 at the end (a column of C depends only on its own batch row).
 template <typename T>
 __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int lds, int K, int B, const T* mask,
                                   int t, unsigned char* buf) {
@@ -66,47 +75,63 @@ __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int 
   constexpr int KM = Mma<T>::k;
   const int Mp = round16(M), Np = round16(B), Mt = Mp / 16, tiles = Mt * (Np / 16);
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
+  int ks = 1;   // warps a tile (K split over them)
+  while (tiles * ks * 2 <= warps) ks *= 2;
+  const int per_pass = ks > 1 ? tiles : warps;   // tiles a pass (with ks > 1 a single pass)
   float* C = reinterpret_cast<float*>(buf);
   T* sa = reinterpret_cast<T*>(buf + round_bytes(static_cast<size_t>(Np) * Mp * sizeof(float)));
   T* sb = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(sa) +
                                round_bytes(static_cast<size_t>(Mp) * kMmaStageLd * sizeof(T)));
   const T zero = Cvt<float, T>::store(0.0f);
-  constexpr int kLoads = 4;
-  for (int first = 0; first < tiles; first += warps) {
-    const int last = (first + warps < tiles ? first + warps : tiles) - 1;
+  constexpr int kLoads = 16;
+  const int round = static_cast<int>(blockDim.x) * kLoads;   // values of src a round of the block's loads
+  T v[kLoads];   // a round of this thread's values of src, in flight
+  auto chunk_cols = [&](int k0) {
+    const int rest = (K - k0 + KM - 1) / KM * KM;
+    return rest < kMmaChunk ? rest : kMmaChunk;
+  };
+  for (int first = 0; first < tiles; first += per_pass) {
+    const int last = (first + per_pass < tiles ? first + per_pass : tiles) - 1;
     const int nt0 = first / Mt, rows_b = (last / Mt - nt0 + 1) * 16;   // this pass's batch tiles
-    const int tile = first + warp;
-    const bool mine = tile <= last;
+    const int tile = first + (ks > 1 ? warp % tiles : warp), slice = ks > 1 ? warp / tiles : 0;
+    const bool mine = ks > 1 ? warp < tiles * ks : tile <= last;
     const int mt = tile % Mt, nt = tile / Mt;
+    // a round of src's values from `base` of chunk (k0, kc): value e = base + u blockDim.x is batch row nt0 16 +
+    // e / kc, column k0 + e % kc (0 past B and K)
+    auto load_round = [&](int k0, int kc, int base) {
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = base + u * static_cast<int>(blockDim.x), c = nt0 * 16 + e / kc, k = k0 + e % kc;
+        v[u] = e < rows_b * kc && c < B && k < K ? src[static_cast<size_t>(c) * lds + k] : zero;
+      }
+    };
+    auto store_round = [&](int kc, int base) {
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int e = base + u * static_cast<int>(blockDim.x);
+        if (e < rows_b * kc) sb[(e / kc) * kMmaStageLd + e % kc] = Mma<T>::round(v[u]);
+      }
+    };
     wmma::fragment<wmma::accumulator, 16, 16, KM, float> acc;
     wmma::fill_fragment(acc, 0.0f);
+    __syncthreads();   // (what the block wrote before the call, src among it, is written; and C's last readers done)
+    load_round(0, chunk_cols(0), threadIdx.x);
     for (int k0 = 0; k0 < K; k0 += kMmaChunk) {
-      const int rest = (K - k0 + KM - 1) / KM * KM, kc = rest < kMmaChunk ? rest : kMmaChunk;
+      const int kc = chunk_cols(k0);
       __syncthreads();   // the previous chunk's (or pass's) products have read the stages
       for (int e = threadIdx.x; e < Mp * kc; e += blockDim.x) {
         const int m = e / kc, kk = e % kc, k = k0 + kk;
         sa[m * kMmaStageLd + kk] = m < M && k < K ? Mma<T>::round(a[static_cast<size_t>(m) * lda + k]) : zero;
       }
-      // (kLoads values a thread in flight, each load of src beside its row's mask load rather than after it)
-      for (int base = threadIdx.x; base < rows_b * kc; base += blockDim.x * kLoads) {
-        T v[kLoads];
-        bool live[kLoads];
-#pragma unroll
-        for (int u = 0; u < kLoads; ++u) {
-          const int e = base + u * blockDim.x, c = nt0 * 16 + e / kc, k = k0 + e % kc;
-          const bool in = e < rows_b * kc && c < B && k < K;
-          v[u] = in ? src[static_cast<size_t>(c) * lds + k] : zero;
-          live[u] = in && (mask == nullptr || ld<float>(mask, t * B + c) > 0.5f);
-        }
-#pragma unroll
-        for (int u = 0; u < kLoads; ++u) {
-          const int e = base + u * blockDim.x;
-          if (e < rows_b * kc) sb[(e / kc) * kMmaStageLd + e % kc] = live[u] ? Mma<T>::round(v[u]) : zero;
-        }
+      store_round(kc, threadIdx.x);   // (loaded before the last chunk's products)
+      for (int base = threadIdx.x + round; base < rows_b * kc; base += round) {
+        load_round(k0, kc, base);
+        store_round(kc, base);
       }
       __syncthreads();
+      if (k0 + kMmaChunk < K) load_round(k0 + kMmaChunk, chunk_cols(k0 + kMmaChunk), threadIdx.x);
       if (mine) {
-        for (int kk = 0; kk < kc; kk += KM) {
+        for (int kk = ((slice - k0 / KM) % ks + ks) % ks * KM; kk < kc; kk += ks * KM) {   // (its k-steps)
           wmma::fragment<wmma::matrix_a, 16, 16, KM, F, wmma::row_major> fa;
           wmma::fragment<wmma::matrix_b, 16, 16, KM, F, wmma::col_major> fb;
           wmma::load_matrix_sync(fa, sa + mt * 16 * kMmaStageLd + kk, kMmaStageLd);
@@ -119,8 +144,26 @@ __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int 
         }
       }
     }
-    if (mine) wmma::store_matrix_sync(C + nt * 16 * Mp + mt * 16, acc, Mp, wmma::mem_col_major);
+    // the slices' sums joined in slice order: slice 0 stores its own; slice s adds its own to what C holds (every
+    // load of the tile before any store: a block barrier between, where the emulation's fibers, each holding the
+    // whole tile, would otherwise read each other's stores)
+    float* const ct = C + nt * 16 * Mp + mt * 16;
+    if (mine && slice == 0) wmma::store_matrix_sync(ct, acc, Mp, wmma::mem_col_major);
+    for (int s = 1; s < ks; ++s) {
+      wmma::fragment<wmma::accumulator, 16, 16, KM, float> sum;
+      __syncthreads();
+      if (mine && slice == s) wmma::load_matrix_sync(sum, ct, Mp, wmma::mem_col_major);
+      __syncthreads();
+      if (mine && slice == s) {
+        for (int i = 0; i < acc.num_elements; ++i) acc.x[i] = sum.x[i] + acc.x[i];
+        wmma::store_matrix_sync(ct, acc, Mp, wmma::mem_col_major);
+      }
+    }
   }
+  __syncthreads();
+  if (mask != nullptr)   // the ended rows' products are 0
+    for (int e = threadIdx.x; e < B * Mp; e += blockDim.x)
+      if (!(ld<float>(mask, t * B + e / Mp) > 0.5f)) C[e] = 0.0f;
   __syncthreads();
   return C;
 }

@@ -469,6 +469,14 @@ inline void load_matrix_sync(fragment<Use, M, N, K, E, L>& f, const P* p, unsign
     for (int c = 0; c < F::cols; ++c) f.x[r * F::cols + c] = by_rows ? p[r * ldm + c] : p[c * ldm + r];
 }
 
+// An accumulator from memory, laid out as store_matrix_sync writes it.
+template <int M, int N, int K, typename C>
+inline void load_matrix_sync(fragment<accumulator, M, N, K, C>& f, const C* p, unsigned ldm, layout_t layout) {
+  check_operand(p, ldm, sizeof(C));
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) f.x[m * N + n] = layout == mem_row_major ? p[m * ldm + n] : p[n * ldm + m];
+}
+
 template <int M, int N, int K, typename E, typename V>
 inline void fill_fragment(fragment<accumulator, M, N, K, E>& f, V v) {
   for (int i = 0; i < M * N; ++i) f.x[i] = static_cast<E>(v);

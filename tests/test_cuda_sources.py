@@ -880,14 +880,31 @@ def _tf32(v):
     return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
 
-def _k_order_products(a, b, valid):
+def _mma_slices(rows, B, threads):
+    """Warps a tile of csrc/block_mma.cuh sums K over, for a block's `rows` matrix rows and B batch rows: the largest
+    power of two ks with tiles * ks <= warps (1 where the tiles fill the warps)."""
+    tiles, warps, ks = -(-rows // 16) * -(-B // 16), threads // 32, 1
+    while tiles * ks * 2 <= warps:
+        ks *= 2
+    return ks
+
+
+def _k_order_products(a, b, valid, slices=1, km=8):
     """a [R, H] @ b [B, H]^T of float32 operands holding TF32 or bf16 values, each output summed in k order in float32
     (what the emulated MMA does; a product of two such values is exact in float32): [B, R], 0 on the rows that are
-    not valid."""
-    acc = torch.zeros(b.shape[0], a.shape[0], dtype=torch.float32)
-    for i in range(a.shape[1]):
-        acc = acc + b[:, i:i + 1] * a[:, i].unsqueeze(0)
-    return torch.where(valid.unsqueeze(1), acc, torch.zeros_like(acc))
+    not valid. With `slices` > 1, block_mma's K split: slice s sums the k-steps of km columns i with i % slices == s,
+    in order, and the slices' sums are added in slice order."""
+    sums = []
+    for s in range(slices):
+        acc = torch.zeros(b.shape[0], a.shape[0], dtype=torch.float32)
+        for i in range(a.shape[1]):
+            if (i // km) % slices == s:
+                acc = acc + b[:, i:i + 1] * a[:, i].unsqueeze(0)
+        sums.append(acc)
+    total = sums[0]
+    for acc in sums[1:]:
+        total = total + acc
+    return torch.where(valid.unsqueeze(1), total, torch.zeros_like(total))
 
 
 def _assert_near_reference(layer, x, h0, mask, drop, g_out, g_hn, got, tol, label):
@@ -917,8 +934,8 @@ def allow_tf32():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("H,B,grid,threads,resident", [(37, 3, 4, 32, 0), (70, 20, 3, 64, -1)],
-                         ids=["H37-B3-from-L2", "H70-B20"])
+@pytest.mark.parametrize("H,B,grid,threads,resident", [(37, 3, 4, 32, 0), (70, 20, 3, 64, -1), (37, 3, 4, 128, -1)],
+                         ids=["H37-B3-from-L2", "H70-B20", "H37-B3-K-split"])
 def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, grid, threads, resident):
     """The persistent launches' products on tensor cores (csrc/block_mma.cuh), float32 storage with TF32 allowed
     (torch.backends.cuda.matmul.allow_tf32, read at each call as cuBLAS reads it), on the emulated grid:
@@ -929,7 +946,8 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
     H = 37, B = 3: the matrix in 3 (4-gate cells: 4 x 10 rows) or 2 row tiles for one warp, in passes; H = 70, B =
     20 (slices of 24 units, the last 22): two batch tiles, passes of two warps whose tiles straddle two batch tiles
     (5 row tiles of the T-GRUs), K in two chunks (three in the backward's 4H). At H = 37 every matrix is read from
-    the spill buffer (L2 on a GPU) instead of shared memory (resident 0)."""
+    the spill buffer (L2 on a GPU) instead of shared memory (resident 0). H = 37 on 4 warps: fewer tiles than warps,
+    so K is split over 2 warps a tile forward (4 backward), the slices' sums joined in slice order."""
     ext = emulated_cuda_ext
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_layer, padding_mask
@@ -950,10 +968,13 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
         out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads, resident, False)
         valid = mask.bool()
         w_hh, t_w = params[2], params[6]
+        slice_ = -(-H // grid)   # (a block's units; every block's products take all its rows)
+        base, tgru = (_mma_slices(rows * slice_, B, threads) for rows in (w_hh.shape[0] // H, 3))
         for t in range(T):
-            assert torch.equal(hp[t], _k_order_products(_tf32(w_hh), _tf32(hs[0, t]), valid[t])), f"{cell} hp {t}"
+            assert torch.equal(hp[t], _k_order_products(_tf32(w_hh), _tf32(hs[0, t]), valid[t], base)), \
+                f"{cell} hp {t}"
             for k in range(depth):
-                assert torch.equal(hpt[k, t], _k_order_products(_tf32(t_w[k]), _tf32(hs[k + 1, t]), valid[t])), \
+                assert torch.equal(hpt[k, t], _k_order_products(_tf32(t_w[k]), _tf32(hs[k + 1, t]), valid[t], tgru)), \
                     f"{cell} hpt {k} {t}"
         torch.backends.cuda.matmul.allow_tf32 = False
         strict = ext.forward_persistent(*args, grid, threads, resident, False)

@@ -57,7 +57,8 @@
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
 # machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
 # B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
-# 47 s to compile on 2 cores of an AMD EPYC here; its run and train-profile are not yet timed);
+# 47 s to compile on 2 cores of an AMD EPYC here, beside the build since 2026-11-30; its run and train-profile are not
+# yet timed);
 # a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
 # at most 10 minutes, and a session has 15 minutes of device time in all, its start included: about two calls. In
 # this order of the issues: `build persistent` (issue 72's persistent launches, their GPU tests, the barrier and
@@ -89,6 +90,26 @@ triton.__version__, torch.cuda.get_device_name(0))" || exit 1
 # compile the CUDA sources for this device only (a fraction of the build time of torch's default list)
 : "${TORCH_CUDA_ARCH_LIST:=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")}"
 export TORCH_CUDA_ARCH_LIST
+nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+probes=$(mktemp -d)
+if want persistent; then
+  # the persistent stage's two probes are standalone programs: they compile beside the build and the tests (an nvcc
+  # each, about 50 s for phase_probe.cu; the build leaves most of the device machine's cores idle), not after them
+  for probe in barrier_probe phase_probe; do
+    flags=(-std=c++17 -O3 -arch=sm_"${TORCH_CUDA_ARCH_LIST//./}" -Icsrc)
+    [ "$probe" = phase_probe ] && flags+=(--use_fast_math -DDTMT_PERSISTENT_PHASES)
+    "$nvcc" "${flags[@]}" "benchmarks/$probe.cu" -o "$probes/$probe" >"$probes/$probe.log" 2>&1 &
+    echo $! >"$probes/$probe.pid"
+  done
+fi
+# run_probe NAME SECONDS: wait for its compile, then run it (its output to stdout and $OUT/NAME.md)
+run_probe() {
+  if wait "$(cat "$probes/$1.pid")"; then
+    timeout "$2" "$probes/$1" | tee "$OUT/$1.md" || status=1
+  else
+    echo "$1.cu did not compile:"; tail -20 "$probes/$1.log"; status=1
+  fi
+}
 
 if want build; then
   echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)"
@@ -224,15 +245,9 @@ if want persistent; then
   DTMT_CUDA_RECURRENCE=persistent timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py \
     2>&1 | tee "$OUT/persistent_tests.log" | tail -5 || status=1
   echo "== the barrier alone (benchmarks/barrier_probe.cu: grid and cluster form, no work between barriers)"
-  nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
-  "$nvcc" -std=c++17 -O3 -arch=sm_"${TORCH_CUDA_ARCH_LIST//./}" -Icsrc benchmarks/barrier_probe.cu \
-    -o "$OUT/barrier_probe" && timeout 60 "$OUT/barrier_probe" | tee "$OUT/barrier_probe.md" || status=1
-  rm -f "$OUT/barrier_probe"
+  run_probe barrier_probe 60
   echo "== where a persistent step's time goes (benchmarks/phase_probe.cu: the kernels with their phase clock)"
-  "$nvcc" -std=c++17 -O3 --use_fast_math -arch=sm_"${TORCH_CUDA_ARCH_LIST//./}" -DDTMT_PERSISTENT_PHASES -Icsrc \
-    benchmarks/phase_probe.cu -o "$OUT/phase_probe" && timeout 120 "$OUT/phase_probe" | tee "$OUT/phase_probe.md" \
-    || status=1
-  rm -f "$OUT/phase_probe"
+  run_probe phase_probe 120
   echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32, then TF32, on every side)"
   timeout 300 "$PY" benchmarks/bench_persistent.py --math strict tf32 --out "$OUT/persistent" 2>&1 \
     | tee "$OUT/persistent.md" || status=1
@@ -320,4 +335,5 @@ if want peers || want peers-train; then
     status=1
   fi
 fi
+rm -rf "$probes"
 exit $status

@@ -34,6 +34,7 @@ namespace cuda {
 // The MMA a storage type T uses: its fragment element type and k (a tile is 16 x 16 x k). (Not in a device pass
 // below compute capability 8.0, whose <mma.h> has no TF32 or bf16: there no type has one.)
 template <typename T> struct Mma { static constexpr bool available = false; };
+constexpr int kMmaLoadsA = 8, kMmaLoadsB = 16;   // values of each operand a thread loads at once (block_mma)
 #if !defined(__CUDA_ARCH__) || defined(DTMT_MMA_DEVICE)
 template <> struct Mma<float> {
   static constexpr bool available = true;
@@ -63,9 +64,10 @@ template <> struct Mma<__nv_bfloat16> : Mma16<__nv_bfloat16> {};
 // split over `ks` warps a tile (the largest power of two with tiles * ks <= warps): warp slice s takes the k-steps
 // i with i % ks == s, each summed in its own accumulator, and the slices' sums are joined in slice order through C
 // (slice 0 stores, then each next slice adds its own to what C holds and stores it: a fixed order, deterministic).
-// Each chunk's values of src are loaded all at once where a thread's share is at most kLoads (rows_b * kMmaChunk <=
-// kLoads * blockDim.x: B <= 64 at 256 threads), and the next chunk's first kLoads a thread are loaded before this
-// chunk's products, so that their L2 round trip overlaps the products. src is staged as it is, ended rows too; C's
+// Each chunk's values of src are loaded all at once where a thread's share is at most kMmaLoadsB (rows_b * kMmaChunk
+// <= kMmaLoadsB * blockDim.x: B <= 64 at 256 threads), those of a where at most kMmaLoadsA (Mp <= 32), and the next
+// chunk's first round of both is loaded before this chunk's products, so that their round trip (L2 for src, and for
+// a matrix read from the spill buffer) overlaps the products. src is staged as it is, ended rows too; C's
 // columns of the ended rows are set to 0 at the end (a column of C depends only on its own batch row).
 template <typename T>
 __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int lds, int K, int B, const T* mask,
@@ -83,9 +85,26 @@ __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int 
   T* sb = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(sa) +
                                round_bytes(static_cast<size_t>(Mp) * kMmaStageLd * sizeof(T)));
   const T zero = Cvt<float, T>::store(0.0f);
-  constexpr int kLoads = 16;
-  const int round = static_cast<int>(blockDim.x) * kLoads;   // values of src a round of the block's loads
-  T v[kLoads];   // a round of this thread's values of src, in flight
+  // a round of a chunk (columns k0.. of kc, `rows` rows staged, the first `valid` of them from p's rows r0..) from
+  // `base`: value e = base + u blockDim.x is row e / kc, column k0 + e % kc (0 past the valid rows and K); then the
+  // round into the stage dst (rows kMmaStageLd apart), rounded to the MMA's input type
+  auto load_round = [&](auto& v, const T* p, int ld, int r0, int valid, int rows, int k0, int kc, int base) {
+    constexpr int N = sizeof(v) / sizeof(v[0]);
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      const int e = base + u * static_cast<int>(blockDim.x), r = e / kc, k = k0 + e % kc;
+      v[u] = e < rows * kc && r < valid && k < K ? p[static_cast<size_t>(r0 + r) * ld + k] : zero;
+    }
+  };
+  auto store_round = [&](const auto& v, T* dst, int rows, int kc, int base) {
+    constexpr int N = sizeof(v) / sizeof(v[0]);
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      const int e = base + u * static_cast<int>(blockDim.x);
+      if (e < rows * kc) dst[(e / kc) * kMmaStageLd + e % kc] = Mma<T>::round(v[u]);
+    }
+  };
+  T va[kMmaLoadsA], vb[kMmaLoadsB];   // a round of this thread's values of a and of src, in flight
   auto chunk_cols = [&](int k0) {
     const int rest = (K - k0 + KM - 1) / KM * KM;
     return rest < kMmaChunk ? rest : kMmaChunk;
@@ -96,40 +115,35 @@ __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int 
     const int tile = first + (ks > 1 ? warp % tiles : warp), slice = ks > 1 ? warp / tiles : 0;
     const bool mine = ks > 1 ? warp < tiles * ks : tile <= last;
     const int mt = tile % Mt, nt = tile / Mt;
-    // a round of src's values from `base` of chunk (k0, kc): value e = base + u blockDim.x is batch row nt0 16 +
-    // e / kc, column k0 + e % kc (0 past B and K)
-    auto load_round = [&](int k0, int kc, int base) {
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int e = base + u * static_cast<int>(blockDim.x), c = nt0 * 16 + e / kc, k = k0 + e % kc;
-        v[u] = e < rows_b * kc && c < B && k < K ? src[static_cast<size_t>(c) * lds + k] : zero;
-      }
+    // a chunk's first round of both operands (a: Mp rows, the first M; src: this pass's batch rows nt0 16.., those
+    // below B), and the whole chunk into the stages, its first round loaded before
+    auto load_first = [&](int k0) {
+      load_round(va, a, lda, 0, M, Mp, k0, chunk_cols(k0), threadIdx.x);
+      load_round(vb, src, lds, nt0 * 16, B - nt0 * 16, rows_b, k0, chunk_cols(k0), threadIdx.x);
     };
-    auto store_round = [&](int kc, int base) {
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int e = base + u * static_cast<int>(blockDim.x);
-        if (e < rows_b * kc) sb[(e / kc) * kMmaStageLd + e % kc] = Mma<T>::round(v[u]);
+    auto stage_chunk = [&](int k0) {
+      const int kc = chunk_cols(k0);
+      store_round(va, sa, Mp, kc, threadIdx.x);
+      for (int base = threadIdx.x + blockDim.x * kMmaLoadsA; base < Mp * kc; base += blockDim.x * kMmaLoadsA) {
+        load_round(va, a, lda, 0, M, Mp, k0, kc, base);
+        store_round(va, sa, Mp, kc, base);
+      }
+      store_round(vb, sb, rows_b, kc, threadIdx.x);
+      for (int base = threadIdx.x + blockDim.x * kMmaLoadsB; base < rows_b * kc; base += blockDim.x * kMmaLoadsB) {
+        load_round(vb, src, lds, nt0 * 16, B - nt0 * 16, rows_b, k0, kc, base);
+        store_round(vb, sb, rows_b, kc, base);
       }
     };
     wmma::fragment<wmma::accumulator, 16, 16, KM, float> acc;
     wmma::fill_fragment(acc, 0.0f);
     __syncthreads();   // (what the block wrote before the call, src among it, is written; and C's last readers done)
-    load_round(0, chunk_cols(0), threadIdx.x);
+    load_first(0);
     for (int k0 = 0; k0 < K; k0 += kMmaChunk) {
       const int kc = chunk_cols(k0);
       __syncthreads();   // the previous chunk's (or pass's) products have read the stages
-      for (int e = threadIdx.x; e < Mp * kc; e += blockDim.x) {
-        const int m = e / kc, kk = e % kc, k = k0 + kk;
-        sa[m * kMmaStageLd + kk] = m < M && k < K ? Mma<T>::round(a[static_cast<size_t>(m) * lda + k]) : zero;
-      }
-      store_round(kc, threadIdx.x);   // (loaded before the last chunk's products)
-      for (int base = threadIdx.x + round; base < rows_b * kc; base += round) {
-        load_round(k0, kc, base);
-        store_round(kc, base);
-      }
+      stage_chunk(k0);
       __syncthreads();
-      if (k0 + kMmaChunk < K) load_round(k0 + kMmaChunk, chunk_cols(k0 + kMmaChunk), threadIdx.x);
+      if (k0 + kMmaChunk < K) load_first(k0 + kMmaChunk);   // (in flight during this chunk's products)
       if (mine) {
         for (int kk = ((slice - k0 / KM) % ks + ks) % ks * KM; kk < kc; kk += ks * KM) {   // (its k-steps)
           wmma::fragment<wmma::matrix_a, 16, 16, KM, F, wmma::row_major> fa;

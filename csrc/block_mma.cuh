@@ -28,6 +28,15 @@
 #define DTMT_MMA_DEVICE 1   // this pass compiles the tensor-core products
 #endif
 
+// block_mma is a call, not inlined: the kernels call it from every sub-cell kind's products, forward and backward,
+// and each inlined copy was compiled apart (nvcc's time for the persistent kernels), for a product of microseconds
+// against a call's few instructions.
+#if defined(DTMT_CUDA_EMULATION)
+#define DTMT_NOINLINE __attribute__((noinline))
+#else
+#define DTMT_NOINLINE __noinline__
+#endif
+
 namespace dtmt {
 namespace cuda {
 
@@ -61,7 +70,8 @@ template <> struct Mma<__nv_bfloat16> : Mma16<__nv_bfloat16> {};
 // begins and ends with a block barrier. blockDim.x a multiple of 32.
 //
 // Where the tiles leave warps idle (tiles * 2 <= warps: B <= 64 for the GRU's 12 rows a block at H = 512), K is
-// split over `ks` warps a tile (the largest power of two with tiles * ks <= warps): warp slice s takes the k-steps
+// split over `ks` warps a tile (the largest power of two with tiles * ks <= warps, and at most a chunk's k-steps,
+// kMmaChunk / k: 8 in TF32, 4 in 16 bits): warp slice s takes the k-steps
 // i with i % ks == s, each summed in its own accumulator, and the slices' sums are joined in slice order through C
 // (slice 0 stores, then each next slice adds its own to what C holds and stores it: a fixed order, deterministic).
 // Each chunk's values of src are loaded all at once where a thread's share is at most kMmaLoadsB (rows_b * kMmaChunk
@@ -70,15 +80,15 @@ template <> struct Mma<__nv_bfloat16> : Mma16<__nv_bfloat16> {};
 // a matrix read from the spill buffer) overlaps the products. src is staged as it is, ended rows too; C's
 // columns of the ended rows are set to 0 at the end (a column of C depends only on its own batch row).
 template <typename T>
-__device__ const float* block_mma(const T* a, int lda, int M, const T* src, int lds, int K, int B, const T* mask,
-                                  int t, unsigned char* buf) {
+__device__ DTMT_NOINLINE const float* block_mma(const T* a, int lda, int M, const T* src, int lds, int K, int B,
+                                                const T* mask, int t, unsigned char* buf) {
   namespace wmma = nvcuda::wmma;
   using F = typename Mma<T>::fragment_type;
   constexpr int KM = Mma<T>::k;
   const int Mp = round16(M), Np = round16(B), Mt = Mp / 16, tiles = Mt * (Np / 16);
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
-  int ks = 1;   // warps a tile (K split over them)
-  while (tiles * ks * 2 <= warps) ks *= 2;
+  int ks = 1;   // warps a tile (K split over them; at most a chunk's k-steps: none idle in a chunk)
+  while (tiles * ks * 2 <= warps && ks * 2 <= kMmaChunk / KM) ks *= 2;
   const int per_pass = ks > 1 ? tiles : warps;   // tiles a pass (with ks > 1 a single pass)
   float* C = reinterpret_cast<float*>(buf);
   T* sa = reinterpret_cast<T*>(buf + round_bytes(static_cast<size_t>(Np) * Mp * sizeof(float)));
@@ -175,10 +185,11 @@ __device__ const float* block_mma(const T* a, int lda, int M, const T* src, int 
     }
   }
   __syncthreads();
-  if (mask != nullptr)   // the ended rows' products are 0
+  if (mask != nullptr) {   // the ended rows' products are 0
     for (int e = threadIdx.x; e < B * Mp; e += blockDim.x)
       if (!(ld<float>(mask, t * B + e / Mp) > 0.5f)) C[e] = 0.0f;
-  __syncthreads();
+    __syncthreads();
+  }
   return C;
 }
 #endif

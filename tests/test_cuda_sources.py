@@ -880,11 +880,12 @@ def _tf32(v):
     return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
 
-def _mma_slices(rows, B, threads):
+def _mma_slices(rows, B, threads, km=8):
     """Warps a tile of csrc/block_mma.cuh sums K over, for a block's `rows` matrix rows and B batch rows: the largest
-    power of two ks with tiles * ks <= warps (1 where the tiles fill the warps)."""
+    power of two ks with tiles * ks <= warps and ks <= a chunk's k-steps (64 / km); 1 where the tiles fill the
+    warps."""
     tiles, warps, ks = -(-rows // 16) * -(-B // 16), threads // 32, 1
-    while tiles * ks * 2 <= warps:
+    while tiles * ks * 2 <= warps and ks * 2 <= 64 // km:
         ks *= 2
     return ks
 
@@ -990,8 +991,8 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("H,B,grid,threads,resident", [(37, 3, 4, 32, 1), (70, 20, 3, 64, -1)],
-                         ids=["H37-B3-T-GRUs-from-L2", "H70-B20"])
+@pytest.mark.parametrize("H,B,grid,threads,resident", [(37, 3, 4, 32, 1), (70, 20, 3, 64, -1), (37, 3, 4, 128, 1)],
+                         ids=["H37-B3-T-GRUs-from-L2", "H70-B20", "H37-B3-K-split"])
 def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resident):
     """bfloat16 storage on the emulated grid (tests/cuda_emulation.h's bfloat16: the kernels convert through Cvt),
     the per-step path (its row or tiled GEMM in bf16 with float sums, the states kept in float and in bf16) and the
@@ -1002,7 +1003,8 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resid
     - both paths' outputs, and the persistent backward's gradients, are within bfloat16's precision of the float64
       reference; the two paths' outputs within it of each other.
     At H = 37 the T-GRUs' matrices are read from the spill buffer (L2 on a GPU; the layout of a deep transition at
-    H = 1024 in bf16 on an H100), the base cell's from shared memory (resident 1)."""
+    H = 1024 in bf16 on an H100), the base cell's from shared memory (resident 1). On 4 warps K is split over 2
+    warps a tile (k-steps of 16 columns), the slices' sums joined in slice order."""
     ext = emulated_cuda_ext
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_layer, padding_mask
@@ -1026,7 +1028,12 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resid
         out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads, resident, False)
         assert hp.dtype == torch.bfloat16 and hs_lp.dtype == torch.bfloat16 and hs.dtype == torch.float32
         valid = mask.bool()
-        products = lambda U, h, rows: _k_order_products(U.float(), h.float(), rows).bfloat16()  # noqa: E731
+        slice_ = -(-H // grid)   # (a block's units; every block's products take all its rows)
+
+        def products(U, h, rows):
+            ks = _mma_slices(U.shape[0] // H * slice_, B, threads, km=16)
+            return _k_order_products(U.float(), h.float(), rows, ks, km=16).bfloat16()
+
         for t in range(T):
             assert torch.equal(hp[t], products(params[2], hs_lp[0, t], valid[t])), f"{cell} hp step {t}"
             for k in range(depth):

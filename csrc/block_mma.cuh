@@ -30,11 +30,15 @@
 
 // block_mma is a call, not inlined: the kernels call it from every sub-cell kind's products, forward and backward,
 // and each inlined copy was compiled apart (nvcc's time for the persistent kernels), for a product of microseconds
-// against a call's few instructions.
+// against a call's few instructions. A call's pointers are generic, so it states each one's space
+// (DTMT_ASSUME_SPACE: __builtin_assume(__isShared(p)) or __isGlobal, which nvcc turns into loads of the named
+// space, as it infers them where the code is inlined; test_persistent_kernels_load_from_named_spaces).
 #if defined(DTMT_CUDA_EMULATION)
 #define DTMT_NOINLINE __attribute__((noinline))
+#define DTMT_ASSUME_SPACE(space, p) ((void)(p))
 #else
 #define DTMT_NOINLINE __noinline__
+#define DTMT_ASSUME_SPACE(space, p) __builtin_assume(__is##space(p))
 #endif
 
 namespace dtmt {
@@ -64,7 +68,8 @@ template <> struct Mma<__nv_bfloat16> : Mma16<__nv_bfloat16> {};
 #endif
 
 #if defined(DTMT_MMA_DEVICE)
-// C (see above) from a [m * lda + k] (shared memory, T) and src [c * lds + k] (global memory, T) on the tensor cores;
+// C (see above) from a [m * lda + k] (shared memory, T; global with kGlobalA: a matrix read from the spill buffer)
+// and src [c * lds + k] (global memory, T) on the tensor cores;
 // rows c whose mask is 0 at step t count as 0. `buf`: mma_buffer_bytes(M, B, blockDim.x, sizeof(T)) bytes, 128-byte
 // aligned; returns C (float, column-major, leading dimension round16(M)). Every thread of the block calls it; it
 // begins and ends with a block barrier. blockDim.x a multiple of 32.
@@ -79,9 +84,16 @@ template <> struct Mma<__nv_bfloat16> : Mma16<__nv_bfloat16> {};
 // chunk's first round of both is loaded before this chunk's products, so that their round trip (L2 for src, and for
 // a matrix read from the spill buffer) overlaps the products. src is staged as it is, ended rows too; C's
 // columns of the ended rows are set to 0 at the end (a column of C depends only on its own batch row).
-template <typename T>
+template <typename T, bool kGlobalA>
 __device__ DTMT_NOINLINE const float* block_mma(const T* a, int lda, int M, const T* src, int lds, int K, int B,
                                                 const T* mask, int t, unsigned char* buf) {
+  if constexpr (kGlobalA) {
+    DTMT_ASSUME_SPACE(Global, a);
+  } else {
+    DTMT_ASSUME_SPACE(Shared, a);
+  }
+  DTMT_ASSUME_SPACE(Global, src);
+  DTMT_ASSUME_SPACE(Shared, buf);
   namespace wmma = nvcuda::wmma;
   using F = typename Mma<T>::fragment_type;
   constexpr int KM = Mma<T>::k;
@@ -186,6 +198,7 @@ __device__ DTMT_NOINLINE const float* block_mma(const T* a, int lda, int M, cons
   }
   __syncthreads();
   if (mask != nullptr) {   // the ended rows' products are 0
+    DTMT_ASSUME_SPACE(Global, mask);
     for (int e = threadIdx.x; e < B * Mp; e += blockDim.x)
       if (!(ld<float>(mask, t * B + e / Mp) > 0.5f)) C[e] = 0.0f;
     __syncthreads();

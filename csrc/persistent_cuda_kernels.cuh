@@ -643,7 +643,7 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
   if constexpr (Mma<T>::available) {
     if (p.mma) {   // (without hs_lp, T is A)
       const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);
-      C = block_mma<T>(u, matrix_pitch(H), NH * S, h, H, H, B, p.mask, t, products_buf);
+      C = block_mma<T, kSpilled>(u, matrix_pitch(H), NH * S, h, H, H, B, p.mask, t, products_buf);
     }
   }
 #endif
@@ -896,7 +896,7 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
 #if defined(DTMT_MMA_DEVICE)
   if constexpr (Mma<T>::available) {
     if (mma) {
-      const float* C = block_mma<T>(col, ldc, n, dpre, R, R, B, mask, t, products_buf);
+      const float* C = block_mma<T, kSpilled>(col, ldc, n, dpre, R, R, B, mask, t, products_buf);
       const int ldm = round16(n);
       for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
         const int b = e % B, jj = e / B;

@@ -65,7 +65,8 @@
 # phase probes, the tables against the per-step path and cuDNN; on 2026-11-30 at 4dec932 it ran past 560 s, the
 # strict table written, the TF32 one not: give it 560 s; since then, unmeasured: the products' second form, the
 # stage's overlapped chunks, the spread layer-norm join: phase_probe.md's products, stage and norm columns against
-# RESULTS.md's sixth session), then at once `tests` (193 s there: every GPU test); with
+# RESULTS.md's sixth session; the tensor-core products' K split and loads a round ahead: its TF32 and bf16 rows
+# against its FMA rows), then at once `tests` (193 s there: every GPU test); with
 # more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time
 # goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the sessions after,
 # `persistent-profile persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal; issue

@@ -1334,5 +1334,15 @@ cudaError_t launch_persistent_forward(int kind, const PersistentForwardArgs<T, A
 #undef DTMT_CASE
 }
 
+// The launchers of storage type T (accumulating in A), named once: explicitly instantiated (EXTERN empty) in a unit
+// of their own a type (csrc/persistent_<type>.cu), so that a build compiles the four types' kernels in parallel
+// (setup.py's nvcc jobs; the build was one unit's minutes), and declared `extern` in the ATen driver
+// (transition_cuda.cu), which then compiles none of them.
+#define DTMT_PERSISTENT_LAUNCHERS(EXTERN, T, A)                                                                     \
+  EXTERN template cudaError_t launch_persistent_forward<T, A>(int, const PersistentForwardArgs<T, A>&, int, int,   \
+                                                              cudaStream_t);                                        \
+  EXTERN template cudaError_t launch_persistent_backward<T, A>(int, const PersistentBackwardArgs<T, A>&, int, int, \
+                                                               cudaStream_t);
+
 }  // namespace cuda
 }  // namespace dtmt

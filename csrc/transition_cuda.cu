@@ -51,6 +51,18 @@
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 #endif
 
+#if !defined(DTMT_CUDA_EMULATION)   // (the emulated extension is one unit: it instantiates them here)
+namespace dtmt {
+namespace cuda {
+// the persistent launchers, compiled in units of their own (csrc/persistent_<type>.cu)
+DTMT_PERSISTENT_LAUNCHERS(extern, float, float)
+DTMT_PERSISTENT_LAUNCHERS(extern, double, double)
+DTMT_PERSISTENT_LAUNCHERS(extern, __half, float)
+DTMT_PERSISTENT_LAUNCHERS(extern, __nv_bfloat16, float)
+}  // namespace cuda
+}  // namespace dtmt
+#endif
+
 namespace dtmt {
 namespace {
 

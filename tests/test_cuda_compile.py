@@ -34,10 +34,7 @@ namespace cuda {
 #define DTMT_INSTANTIATE(T, A)                                                                              \
   template cudaError_t launch_step_forward<T, A>(int, const StepForwardArgs<T, A>&, int, cudaStream_t);   \
   template cudaError_t launch_step_backward<T, A>(int, const StepBackwardArgs<T, A>&, int, cudaStream_t);   \
-  template cudaError_t launch_persistent_forward<T, A>(int, const PersistentForwardArgs<T, A>&, int, int,   \
-                                                       cudaStream_t);                                        \
-  template cudaError_t launch_persistent_backward<T, A>(int, const PersistentBackwardArgs<T, A>&, int, int, \
-                                                        cudaStream_t);
+  DTMT_PERSISTENT_LAUNCHERS(, T, A)
 DTMT_INSTANTIATE(float, float)
 DTMT_INSTANTIATE(double, double)
 DTMT_INSTANTIATE(__half, float)

@@ -144,8 +144,6 @@ def _run_or_wait(name, make, out_dir, timeout=900):
     return cmd
 
 
-
-
 def _torch_includes():
     try:
         from torch.utils.cpp_extension import include_paths
@@ -175,6 +173,38 @@ def test_aten_driver_compiles(tmp_path):
     if "-DDTMT_DIRECT_CUBLAS=1" in cmd and nm is not None:
         symbols = subprocess.run([nm, "-u", obj], capture_output=True, text=True, check=True).stdout
         assert "cublasGemmEx" in symbols and "getCurrentCUDABlasHandle" in symbols
+    if nm is not None:   # the persistent launchers are left to their own units (csrc/persistent_<type>.cu)
+        undefined = subprocess.run([nm, "-u", "-C", obj], capture_output=True, text=True, check=True).stdout
+        for pair in _persistent_units().values():
+            for launcher in ("forward", "backward"):
+                assert f"dtmt::cuda::launch_persistent_{launcher}<{pair}>(" in undefined, (launcher, pair)
+
+
+def _persistent_units():
+    """{csrc/persistent_<type>.cu: "T, A"}: the (storage, accumulation) pair whose launchers each unit defines."""
+    units = {}
+    for path in sorted(glob.glob(os.path.join(CSRC, "persistent_*.cu"))):
+        with open(path) as f:
+            pairs = re.findall(r"^DTMT_PERSISTENT_LAUNCHERS\(, *([\w:]+), *([\w:]+)\)", f.read(), flags=re.M)
+        assert len(pairs) == 1, (path, pairs)
+        units[os.path.basename(path)] = ", ".join(pairs[0])
+    return units
+
+
+def test_persistent_units_define_what_the_driver_declares():
+    """The persistent launchers are compiled in a unit of their own a storage type (csrc/persistent_<type>.cu, in
+    parallel in setup.py's build) and declared extern in the ATen driver (transition_cuda.cu): every pair the driver
+    declares is defined by exactly one unit, and every storage type the driver dispatches to (float, double, half,
+    bfloat16) has one. A pair declared but defined nowhere would fail only at the GPU machine's link."""
+    with open(os.path.join(CSRC, "transition_cuda.cu")) as f:
+        declared = re.findall(r"^DTMT_PERSISTENT_LAUNCHERS\(extern, *([\w:]+), *([\w:]+)\)", f.read(), flags=re.M)
+    defined = _persistent_units()
+    assert sorted(", ".join(p) for p in declared) == sorted(defined.values())
+    assert sorted(defined) == ["persistent_bfloat16.cu", "persistent_double.cu", "persistent_float.cu",
+                               "persistent_half.cu"]
+    assert defined["persistent_float.cu"] == "float, float" and defined["persistent_double.cu"] == "double, double"
+    assert defined["persistent_half.cu"] == "__half, float"
+    assert defined["persistent_bfloat16.cu"] == "__nv_bfloat16, float"
 
 
 @pytest.mark.slow

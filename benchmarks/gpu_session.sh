@@ -56,23 +56,22 @@
 # decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
 # machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
-# B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s (phase_probe.cu:
-# 47 s to compile on 2 cores of an AMD EPYC here, beside the build since 2026-11-30; its run and train-profile are not
-# yet timed);
-# a warm machine is given back after 30 s idle (its build with it), so send the next call at once. A device call is
-# at most 10 minutes, and a session has 15 minutes of device time in all, its start included: about two calls. In
-# this order of the issues: `build persistent` (issue 72's persistent launches, their GPU tests, the barrier and
-# phase probes, the tables against the per-step path and cuDNN; on 2026-11-30 at 4dec932 it ran past 560 s, the
-# strict table written, the TF32 one not: give it 560 s; since then, unmeasured: the products' second form, the
-# stage's overlapped chunks, the spread layer-norm join: phase_probe.md's products, stage and norm columns against
-# RESULTS.md's sixth session; the tensor-core products' K split and loads a round ahead: its TF32 and bf16 rows
-# against its FMA rows), then at once `tests` (193 s there: every GPU test); with
-# more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time
-# goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the sessions after,
-# `persistent-profile persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal; issue
-# 73 item 1), `decode` (with 16-bit decoding: item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call
-# each: their caps are 420 and 480 s), `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry
-# benchmarks/out/gpu-carry).
+# B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training
+# benchmark 119 s (phase_probe.cu: 47 s to compile on 2 cores of an AMD EPYC here, beside the build since 2026-11-30;
+# its run and train-profile are not yet timed); a warm machine is given back after 30 s idle (its build with it), so
+# send the next call at once. A device call is at most 10 minutes, and a session has 15 minutes of device time in all,
+# its start included: about two calls. In this order of the issues: `build persistent` (issue 72's persistent
+# launches, their GPU tests, the barrier and phase probes, the tables against the per-step path and cuDNN; on
+# 2026-11-30 at 4dec932 it ran past 560 s, the strict table written, the TF32 one not: give it 560 s; since then,
+# unmeasured: the products' second form, the stage's overlapped chunks, the spread layer-norm join: phase_probe.md's
+# products, stage and norm columns against RESULTS.md's sixth session; the tensor-core products' K split and loads a
+# round ahead: its TF32 and bf16 rows against its FMA rows; and the build's time against 133 s, the persistent kernels
+# now four units built in parallel), then at once `tests` (193 s there: every GPU test); with more time left,
+# `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time goes, issue 73 items
+# 2 and 3; `build` first if the machine was given back in between); then, in the sessions after, `persistent-profile
+# persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal; issue 73 item 1), `decode`
+# (with 16-bit decoding: item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420
+# and 480 s), `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}

@@ -143,18 +143,19 @@ __device__ DTMT_NOINLINE const float* block_mma(const T* a, int lda, int M, cons
       load_round(va, a, lda, 0, M, Mp, k0, chunk_cols(k0), threadIdx.x);
       load_round(vb, src, lds, nt0 * 16, B - nt0 * 16, rows_b, k0, chunk_cols(k0), threadIdx.x);
     };
+    // one operand's chunk into its stage: the round loaded before, then the others, a round at a time
+    auto stage_operand = [&](auto& v, const T* p, int ld, int r0, int valid, int rows, T* dst, int k0, int kc) {
+      const int per_round = static_cast<int>(blockDim.x * (sizeof(v) / sizeof(v[0])));
+      store_round(v, dst, rows, kc, threadIdx.x);
+      for (int base = threadIdx.x + per_round; base < rows * kc; base += per_round) {
+        load_round(v, p, ld, r0, valid, rows, k0, kc, base);
+        store_round(v, dst, rows, kc, base);
+      }
+    };
     auto stage_chunk = [&](int k0) {
       const int kc = chunk_cols(k0);
-      store_round(va, sa, Mp, kc, threadIdx.x);
-      for (int base = threadIdx.x + blockDim.x * kMmaLoadsA; base < Mp * kc; base += blockDim.x * kMmaLoadsA) {
-        load_round(va, a, lda, 0, M, Mp, k0, kc, base);
-        store_round(va, sa, Mp, kc, base);
-      }
-      store_round(vb, sb, rows_b, kc, threadIdx.x);
-      for (int base = threadIdx.x + blockDim.x * kMmaLoadsB; base < rows_b * kc; base += blockDim.x * kMmaLoadsB) {
-        load_round(vb, src, lds, nt0 * 16, B - nt0 * 16, rows_b, k0, kc, base);
-        store_round(vb, sb, rows_b, kc, base);
-      }
+      stage_operand(va, a, lda, 0, M, Mp, sa, k0, kc);
+      stage_operand(vb, src, lds, nt0 * 16, B - nt0 * 16, rows_b, sb, k0, kc);
     };
     wmma::fragment<wmma::accumulator, 16, 16, KM, float> acc;
     wmma::fill_fragment(acc, 0.0f);
@@ -200,7 +201,7 @@ __device__ DTMT_NOINLINE const float* block_mma(const T* a, int lda, int M, cons
   if (mask != nullptr) {   // the ended rows' products are 0
     DTMT_ASSUME_SPACE(Global, mask);
     for (int e = threadIdx.x; e < B * Mp; e += blockDim.x)
-      if (!(ld<float>(mask, t * B + e / Mp) > 0.5f)) C[e] = 0.0f;
+      if (!row_valid(mask, t, B, e / Mp)) C[e] = 0.0f;
     __syncthreads();
   }
   return C;

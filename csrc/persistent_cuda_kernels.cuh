@@ -118,10 +118,6 @@ __device__ __forceinline__ void persistent_barrier(bool cluster) {
   phase_mark(kPhaseBarrier);
 }
 
-// Whether batch row b is inside its sentence at step t (mask [T, B] 1 / 0, or nullptr: every row).
-template <typename T> __device__ __forceinline__ bool row_valid(const T* mask, int t, int B, int b) {
-  return mask == nullptr || ld<float>(mask, t * B + b) > 0.5f;
-}
 
 // The units this block owns: H units in slices of S, block b the slice from j0 = b * S, of n units (S, or fewer
 // for the last block).
@@ -1017,7 +1013,7 @@ __device__ __forceinline__ void backward_elements(const PersistentBackwardArgs<T
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
     const int b = e % B, jj = e / B, j = j0 + jj;
     const size_t o = static_cast<size_t>(b) * H + j;
-    const bool valid = !p.mask || ld<float>(p.mask, t * B + b) > 0.5f;
+    const bool valid = row_valid(p.mask, t, B, b);
     const A carry = (top || base) ? m.carry[b * S + jj] + m.cg[b * S + jj] : A(0);
     const A dout = top ? (valid ? carry + ld<A>(p.grad_out + t * BH, static_cast<int>(o)) : A(0))
                        : m.inner[b * S + jj] + m.gin[b * S + jj];

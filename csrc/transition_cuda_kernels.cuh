@@ -55,6 +55,10 @@ template <typename A, typename T> __device__ __forceinline__ A ld(const T* p, in
   return Cvt<A, T>::load(p[i]);
 }
 template <typename A, typename T> __device__ __forceinline__ void st(T* p, int i, A v) { p[i] = Cvt<A, T>::store(v); }
+// Whether batch row b is inside its sentence at step t (mask [T, B] 1 / 0, or nullptr: every row).
+template <typename T> __device__ __forceinline__ bool row_valid(const T* mask, int t, int B, int b) {
+  return mask == nullptr || ld<float>(mask, t * B + b) > 0.5f;
+}
 
 // ------------------------------------------------------------------------------------- row layouts
 template <int KIND> struct Rows {   // cell_math.h's table, at compile time

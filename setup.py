@@ -145,6 +145,14 @@ def _cublas_library_dir():
     return os.path.dirname(found[0]) if found else None
 
 
+def sm90a_only() -> bool:
+    """Whether TORCH_CUDA_ARCH_LIST asks for compute capability 9.0 only as its arch-specific code (9.0a), so that
+    every kernel the extension runs on a 9.0 device has the bulk copies' multicast (csrc/persistent_cuda_kernels.cuh:
+    DTMT_SM90A tells the host code that they do)."""
+    arches = [a.split("+")[0] for a in os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(" ", ";").split(";")]
+    return "9.0a" in arches and "9.0" not in arches
+
+
 def extension():
     write_cell_layout()
     # csrc/ holds the kernels, csrc/engine/ the inference engine's ops (decoder step, beam search)
@@ -167,6 +175,10 @@ def extension():
     )
     if with_cuda:
         macros = kwargs["define_macros"] + [("DTMT_WITH_CUDA", "1")]
+        if sm90a_only():
+            # the persistent launches' stage read once a cluster (bulk copies multicast: code for sm_90a only;
+            # docs/design/persistent_recurrence.md, "The stage read once a cluster")
+            macros.append(("DTMT_SM90A", "1"))
         libraries, library_dirs = [], []
         cublas_dir = _cublas_library_dir()
         if cublas_dir is not None:

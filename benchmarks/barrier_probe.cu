@@ -17,8 +17,9 @@
 
 struct ProbeArgs {
   int rounds;
-  bool cluster;   // (read by launch_persistent: the cluster form)
+  bool cluster;        // (read by launch_persistent: the cluster form)
   int* out;
+  int multicast = 1;   // (launch_persistent's clusters sharing the products' stage: none here)
 };
 
 __global__ void probe_kernel(ProbeArgs a) {

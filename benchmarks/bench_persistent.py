@@ -2,7 +2,7 @@
 cuda backend's per-step path and cuDNN's GRU, on the GPU, each math mode the same on every side.
 
     python benchmarks/bench_persistent.py [--T 50] [--B 1 8 64 256] [--H 512] [--repeat 10]
-                                          [--math strict tf32 bf16] [--forms grid cluster] [--out DIR]
+                                          [--math strict tf32 bf16] [--forms grid cluster multicast] [--out DIR]
 
 Math modes (--math, each a table): `strict`, float32 with TF32 off for cuBLAS, cuDNN and our kernels (FMA products);
 `tf32`, float32 with torch's TF32 flags on (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32): cuBLAS and
@@ -16,18 +16,20 @@ the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a ch
   --repeat, and the peak memory of forward + backward (the per-step child also the reference backend's, in the
   same dtype: issue 72 asks for at most it), the output's gradient a dense tensor made within it on every side
   (bench_cells.fwd_bwd).
-The persistent launches come in two forms (--forms): `grid`, one cooperative launch of a block per SM with the grid's
-barrier (DTMT_CUDA_RECURRENCE=persistent), and `cluster`, one thread-block cluster of at most 16 blocks with the
-cluster's barrier (persistent-cluster; Hopper). The parent prints a table per form: the per-step path and that form
-side by side, steps / persistent (above 1: the persistent launch is faster), the persistent forward's floor and the
-share of it reached: T x (its barriers a step x the barrier's cost + a step's recurrent products at the device's dense
-rate). The barrier's cost is bounded from above by timing a GRU of one unit per block at B = 1 (as many units as the
-form has blocks), whose step is a barrier and almost no work; the dense rate is a 4096^3 matrix product's in the same
-math mode (`torch.mm`, the most the device's multipliers give), so the floor is one no kernel can go under, and
-cuDNN's torch.nn.GRU in the same math mode beside the GRU rows.
-A persistent forward that does not fit the device falls back (the cluster form to the grid form, the grid form to the
-per-step path) with a warning: the child reports which form ran (the driver's launch counts, persistent_launches),
-and that row says so. Writes DIR/bench_persistent.csv when --out is given. Needs a CUDA device.
+The persistent launches come in three forms (--forms): `grid`, one cooperative launch of a block per SM with the grid's
+barrier (DTMT_CUDA_RECURRENCE=persistent); `cluster`, one thread-block cluster of at most 16 blocks with the cluster's
+barrier (persistent-cluster; Hopper); and `multicast`, the grid form in thread-block clusters of 2 whose blocks read the
+products' stage from L2 once a cluster (persistent-multicast; Hopper, code built for sm_90a: TORCH_CUDA_ARCH_LIST=9.0a,
+as gpu_session.sh builds it). The parent prints a table per form: the per-step path and that form side by side, steps /
+persistent (above 1: the persistent launch is faster), the persistent forward's floor and the share of it reached: T x
+(its barriers a step x the barrier's cost + a step's recurrent products at the device's dense rate). The barrier's cost
+is bounded from above by timing a GRU of one unit per block at B = 1 (as many units as the form has blocks), whose step
+is a barrier and almost no work; the dense rate is a 4096^3 matrix product's in the same math mode (`torch.mm`, the most
+the device's multipliers give), so the floor is one no kernel can go under, and cuDNN's torch.nn.GRU in the same math
+mode beside the GRU rows.
+A persistent forward that does not fit the device falls back (the cluster and multicast forms to the grid form, the grid
+form to the per-step path) with a warning: the child reports which form ran (the driver's launch counts,
+persistent_launches), and that row says so. Writes DIR/bench_persistent.csv when --out is given. Needs a CUDA device.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def build(cell: str, depth: int, ln: bool, H: int, backend: str):
 
 
 MATH = ("strict", "tf32", "bf16")
-FORMS = {"grid": "persistent", "cluster": "persistent-cluster"}   # --forms: the DTMT_CUDA_RECURRENCE of each
+FORMS = {"grid": "persistent", "cluster": "persistent-cluster",   # --forms: the DTMT_CUDA_RECURRENCE of each
+         "multicast": "persistent-multicast"}
 FORM_OF = {mode: form for form, mode in FORMS.items()}
 CLUSTER_BLOCKS = 16   # the cluster form's blocks (csrc/persistent_plan.h's kClusterMaxBlocks)
 TOLERANCE = {"strict": 1e-4, "tf32": 2e-2, "bf16": 5e-2}   # the forward's largest error, relative to its largest value
@@ -86,7 +89,8 @@ def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
                 warnings.simplefilter("ignore")   # (a fall-back's warning: the launch counts below say it)
                 out, h_n = layer(x, lengths=lengths)
             ran = {k: v - launched[k] for k, v in persistent_launches().items()}
-            form = "cluster" if ran["cluster"] else "grid" if ran["grid"] else "steps"
+            form = ("cluster" if ran["cluster"] else "multicast" if ran.get("multicast") else
+                    "grid" if ran["grid"] else "steps")
             fell_back = mode != "steps" and form != FORM_OF[mode]
             with torch.no_grad():
                 ref_out, ref_h = reference(x.double(), lengths=lengths)
@@ -235,8 +239,9 @@ def main(argv=None) -> int:
                    help="math modes, a table each (default: strict tf32)")
     p.add_argument("--forms", nargs="+", choices=sorted(FORMS), default=["grid"],
                    help="the persistent launches' forms, a table each against the per-step path: grid (a block per "
-                        "SM, the grid's barrier) and cluster (one cluster of 16 blocks, the cluster's barrier; "
-                        "Hopper); default grid")
+                        "SM, the grid's barrier), cluster (one cluster of 16 blocks, the cluster's barrier; "
+                        "Hopper) and multicast (the grid form in clusters of 2 that read the stage once a cluster; "
+                        "Hopper, built for sm_90a); default grid")
     p.add_argument("--out", default=None)
     p.add_argument("--envelope", action="store_true",
                    help="print the largest H that fits the persistent launches, per layer and math mode, at the first "

@@ -44,7 +44,9 @@
 # persistent/bench_persistent.csv, persistent_tests.log, barrier_probe.md and phase_probe.md (persistent),
 # persistent_envelope.md, persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv
 # (persistent-bf16), persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv
-# (persistent-cluster), persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
+# (persistent-cluster), persistent_multicast_tests.log, persistent_multicast.md and
+# persistent-multicast/bench_persistent.csv (persistent-multicast),
+# persistent_profile_{steps,persistent,persistent-cluster}.md (persistent-profile),
 # decode.md, decode/bench_decode.csv, decode_amp.md and decode-amp/bench_decode.csv (decode), graphs_tests.log and
 # graphs/bench_train.csv (graphs), math.md, math/bench_train.csv, train_profile.md and .json (train-profile),
 # unrolled_tests.log and unrolled/bench_train.csv (unrolled),
@@ -52,7 +54,8 @@
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
 # limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 60 + 120 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-profile 3 x 100 s,
+# 180 + 60 + 120 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-multicast
+# 180 + 300 s, persistent-profile 3 x 100 s,
 # decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
 # machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
@@ -65,13 +68,16 @@
 # 2026-11-30 at 4dec932 it ran past 560 s, the strict table written, the TF32 one not: give it 560 s; since then,
 # unmeasured: the products' second form, the stage's overlapped chunks, the spread layer-norm join: phase_probe.md's
 # products, stage and norm columns against RESULTS.md's sixth session; the tensor-core products' K split and loads a
-# round ahead: its TF32 and bf16 rows against its FMA rows; and the build's time against 133 s, the persistent kernels
-# now four units built in parallel), then at once `tests` (193 s there: every GPU test); with more time left,
-# `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time goes, issue 73 items
-# 2 and 3; `build` first if the machine was given back in between); then, in the sessions after, `persistent-profile
-# persistent-bf16 graphs` (issue 72 item 1's device and graphed times, the H = 1024 goal; issue 73 item 1), `decode`
-# (with 16-bit decoding: item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420
-# and 480 s), `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
+# round ahead: its TF32 and bf16 rows against its FMA rows; the stage read once a cluster of 2 or 4 (code for sm_90a,
+# the first build for 9.0a): its rows "staged once a cluster" against "staged"; and the build's time against 133 s,
+# the persistent kernels now four units built in parallel, for 9.0a), then at once `tests` (193 s there: every GPU
+# test); with more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its
+# device time goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the
+# sessions after, `persistent-multicast` (its GPU tests and its table against the grid form at B = 8, 64, 256; the
+# first launch of the cooperative form in clusters), `persistent-profile persistent-bf16 graphs` (issue 72 item 1's
+# device and graphed times, the H = 1024 goal; issue 73 item 1), `decode` (with 16-bit decoding: item 5's bf16),
+# `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s), `persistent-cluster`, `amp`,
+# `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -87,8 +93,11 @@ echo "== device"
 nvidia-smi -L || true
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
 triton.__version__, torch.cuda.get_device_name(0))" || exit 1
-# compile the CUDA sources for this device only (a fraction of the build time of torch's default list)
-: "${TORCH_CUDA_ARCH_LIST:=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability(0))")}"
+# compile the CUDA sources for this device only (a fraction of the build time of torch's default list); on compute
+# capability 9.0 its arch-specific code, 9.0a (the bulk copies' multicast of the stage read once a cluster, setup.py's
+# DTMT_SM90A; docs/design/persistent_recurrence.md, "The stage read once a cluster")
+: "${TORCH_CUDA_ARCH_LIST:=$("$PY" -c "import torch; c = torch.cuda.get_device_capability(0); \
+print('%d.%d%s' % (c[0], c[1], 'a' if c == (9, 0) else ''))")}"
 export TORCH_CUDA_ARCH_LIST
 nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
 probes=$(mktemp -d)
@@ -98,6 +107,7 @@ if want persistent; then
   for probe in barrier_probe phase_probe; do
     flags=(-std=c++17 -O3 -arch=sm_"${TORCH_CUDA_ARCH_LIST//./}" -Icsrc)
     [ "$probe" = phase_probe ] && flags+=(--use_fast_math -DDTMT_PERSISTENT_PHASES)
+    [[ "$TORCH_CUDA_ARCH_LIST" == 9.0a ]] && flags+=(-DDTMT_SM90A)
     "$nvcc" "${flags[@]}" "benchmarks/$probe.cu" -o "$probes/$probe" >"$probes/$probe.log" 2>&1 &
     echo $! >"$probes/$probe.pid"
   done
@@ -263,6 +273,18 @@ if want persistent-cluster; then
   echo "== bench_persistent --forms grid cluster (strict fp32 on every side, B = 1, 8, 64)"
   timeout 300 "$PY" benchmarks/bench_persistent.py --math strict --forms grid cluster --B 1 8 64 \
     --out "$OUT/persistent-cluster" 2>&1 | tee "$OUT/persistent_cluster.md" || status=1
+fi
+if want persistent-multicast; then
+  # issue 72: the grid form in thread-block clusters of 2 whose blocks read the products' stage from L2 once a cluster
+  # (bulk copies multicast: code for sm_90a, the build's TORCH_CUDA_ARCH_LIST=9.0a on an H100 / H200;
+  # docs/design/persistent_recurrence.md, "The stage read once a cluster"): the GPU kernel tests with it asked for,
+  # then per-step, grid and multicast forms in one run, strict fp32, at the batch sizes where the stage is largest
+  echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent-multicast"
+  DTMT_CUDA_RECURRENCE=persistent-multicast timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_triton.py 2>&1 | tee "$OUT/persistent_multicast_tests.log" | tail -5 || status=1
+  echo "== bench_persistent --forms grid multicast (strict fp32 on every side, B = 8, 64, 256)"
+  timeout 300 "$PY" benchmarks/bench_persistent.py --math strict --forms grid multicast --B 8 64 256 \
+    --out "$OUT/persistent-multicast" 2>&1 | tee "$OUT/persistent_multicast.md" || status=1
 fi
 if want persistent-profile; then
   # issue 72 item 1: eager, device (kernel) and graph-replayed time of the cuda backend's per-step path and both

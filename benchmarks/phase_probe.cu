@@ -12,13 +12,14 @@
 // the forward's saved tensors. The marks add a block barrier each, which the extension's kernels do not
 // have: the probe's launches are a little slower than theirs (bench_persistent.py times those).
 //
-//   nvcc -std=c++17 -O3 --use_fast_math -arch=sm_90 -DDTMT_PERSISTENT_PHASES -Icsrc benchmarks/phase_probe.cu \
-//     -o /tmp/phase_probe && /tmp/phase_probe
+//   nvcc -std=c++17 -O3 --use_fast_math -arch=sm_90a -DDTMT_SM90A -DDTMT_PERSISTENT_PHASES -Icsrc \
+//     benchmarks/phase_probe.cu -o /tmp/phase_probe && /tmp/phase_probe
 //
 // Prints a markdown table: per layer (GRU, ATR, the deep transition L-GRU + 4 T-GRUs with layer norm; H = 512,
 // T = 50, no mask, no dropout), batch (1, 8, 64), storage and products (float with FMA = strict fp32, through the
-// products' stage as the driver runs them, through whole rows copied at once where the driver chunks them, and
-// without a stage; float on
+// products' stage as the driver runs them; the same with the grid in clusters of 2 and of 4 blocks that read the
+// stage once a cluster, in code for sm_90a (DTMT_SM90A: the bulk copies' multicast; "The stage read once a cluster");
+// through whole rows copied at once where the driver chunks them; float on
 // tensor cores = TF32; bf16 with FMA through the stage, and on tensor cores) and direction: the launch's time (CUDA
 // events, median of 5 after a warm-up), then µs a step in each phase (the mean over blocks; cycles turned into µs by
 // the blocks' clock over the launch's time), the barriers a step and µs each, and the slowest block's work a step
@@ -135,27 +136,30 @@ void print_row(const char* layer, int B, const char* products, const char* dir, 
 }
 
 // One layer at batch B in storage T (A = float) with products on tensor cores or FMA (through the plan's stage, or
-// without one, or through whole rows staged at once: `staging`): forward, then backward on its saved tensors.
-// kWhole: the stage takes all K columns of every row in one copy, waited for once, where the block's shared memory
-// allows it and the plan chunks them (two buffers, the next chunk copied while one is summed): what the overlap gains.
-enum class Stage { kPlan, kDirect, kWhole };
+// through whole rows staged at once: `staging`; with `multicast` > 1 the grid in clusters of that many blocks that
+// read the stage once a cluster, where the code has the bulk copies: sm_90a): forward, then backward on its saved
+// tensors. kWhole: the stage takes all K columns of every row in one copy, waited for once, where the block's shared
+// memory allows it and the plan chunks them (two buffers, the next chunk copied while one is summed): what the
+// overlap gains.
+enum class Stage { kPlan, kWhole };
 
 template <int KIND, typename T>
 void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool mma, Stage staging,
-              const char* products) {
+              const char* products, int multicast) {
   using A = float;
   using namespace dtmt::cuda;
   constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
   const int H = kHidden, Tn = kSteps;
   const PersistentPlan plan = persistent_plan(KIND, D, B, H, sizeof(T), sizeof(A), dev.sms, dev.smem_optin, mma,
-                                              kThreads, dev.l2);
-  if (!plan.fits) {
-    std::printf("| %s | %d | %s | | (does not fit this device) ||||||||||\n", layer, B, products);
+                                              kThreads, dev.l2, 0, multicast);
+  if (!plan.fits || plan.multicast != multicast) {
+    std::printf("| %s | %d | %s | | (%s) ||||||||||\n", layer, B, products,
+                plan.fits ? "no grid of whole clusters" : "does not fit this device");
     return;
   }
   const int G = plan.grid;
-  int forward_stage = staging == Stage::kDirect ? 0 : plan.forward_stage;
-  int backward_stage = staging == Stage::kDirect ? 0 : plan.backward_stage;
+  int forward_stage = plan.forward_stage;
+  int backward_stage = plan.backward_stage;
   if (staging == Stage::kWhole) {   // (rows only where it differs from the plan's)
     const int R = backward_u_path_length(KIND, D, H);
     if (persistent_forward_bytes(KIND, D, B, H, plan.slice, sizeof(T), sizeof(A), mma, kThreads,
@@ -204,6 +208,7 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
     a.resident = resident;
     a.mma = mma;
     a.stage_cols = stage;
+    a.multicast = plan.multicast;
     a.eps = 1e-5f;
   };
   sizes(f, plan.forward_resident, forward_stage);
@@ -250,11 +255,12 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   print_row(layer, B, products, "backward", bwd, (D + 1) * (ln ? 3 : 1));
 }
 
-template <typename T> void run_storage(const Device& dev, bool mma, Stage staging, const char* products) {
+template <typename T>
+void run_storage(const Device& dev, bool mma, Stage staging, const char* products, int multicast = 1) {
   for (int B : {1, 8, 64}) {
-    run_case<dtmt::kGRU, T>(dev, "GRU", 0, false, B, mma, staging, products);
-    run_case<dtmt::kATR, T>(dev, "ATR", 0, false, B, mma, staging, products);
-    run_case<dtmt::kLGRU, T>(dev, "DT d4 LN", 4, true, B, mma, staging, products);
+    run_case<dtmt::kGRU, T>(dev, "GRU", 0, false, B, mma, staging, products, multicast);
+    run_case<dtmt::kATR, T>(dev, "ATR", 0, false, B, mma, staging, products, multicast);
+    run_case<dtmt::kLGRU, T>(dev, "DT d4 LN", 4, true, B, mma, staging, products, multicast);
   }
 }
 
@@ -281,8 +287,15 @@ int main() {
               "barriers a step × µs | slowest block's work | setup µs |\n");
   std::printf("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   run_storage<float>(dev, false, Stage::kPlan, "fp32 FMA, staged (strict)");
+#if defined(DTMT_SM90A)
+  if (dev.major == 9) {   // (code for sm_90a: the bulk copies multicast to a cluster)
+    run_storage<float>(dev, false, Stage::kPlan, "fp32 FMA, staged once a cluster of 2 (strict)", 2);
+    run_storage<float>(dev, false, Stage::kPlan, "fp32 FMA, staged once a cluster of 4 (strict)", 4);
+  }
+#else
+  std::printf("(built without -DDTMT_SM90A -arch=sm_90a: no rows of the stage read once a cluster)\n");
+#endif
   run_storage<float>(dev, false, Stage::kWhole, "fp32 FMA, whole rows staged at once (strict)");
-  run_storage<float>(dev, false, Stage::kDirect, "fp32 FMA, direct (strict)");
   if (dev.major >= 8) {
     run_storage<float>(dev, true, Stage::kPlan, "TF32 tensor cores");
     run_storage<__nv_bfloat16>(dev, false, Stage::kPlan, "bf16 FMA, staged");

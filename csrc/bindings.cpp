@@ -51,18 +51,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "persistent_plan",
       [](int kind, int depth, int batch, int hidden, int storage_bytes, int accumulation_bytes, int multiprocessors,
-         int64_t shared_memory, bool tensor_cores, int threads, int64_t l2_bytes, int cluster_blocks) {
+         int64_t shared_memory, bool tensor_cores, int threads, int64_t l2_bytes, int cluster_blocks,
+         int multicast) {
         const auto p = dtmt::cuda::persistent_plan(kind, depth, batch, hidden, storage_bytes, accumulation_bytes,
                                                    multiprocessors, static_cast<size_t>(shared_memory), tensor_cores,
-                                                   threads, static_cast<size_t>(l2_bytes), cluster_blocks);
+                                                   threads, static_cast<size_t>(l2_bytes), cluster_blocks, multicast);
         return py::make_tuple(p.grid, p.slice, p.forward_bytes, p.backward_bytes, p.fits, p.forward_resident,
                               p.backward_resident, p.forward_spill, p.backward_spill, p.cluster, p.forward_stage,
-                              p.backward_stage);
+                              p.backward_stage, p.multicast);
       },
       "(grid, slice, forward bytes, backward bytes, fits, forward resident, backward resident, forward spill bytes, "
-      "backward spill bytes, cluster, forward stage columns, backward stage columns) of the persistent launches "
-      "(csrc/persistent_plan.h: the CUDA driver's own arithmetic; cluster_blocks > 0: the cluster form); "
-      "dtmt_kernels.persistent_plan is the Python face");
+      "backward spill bytes, cluster, forward stage columns, backward stage columns, multicast) of the persistent "
+      "launches (csrc/persistent_plan.h: the CUDA driver's own arithmetic; cluster_blocks > 0: the cluster form; "
+      "multicast > 1: the grid form in clusters of that many blocks sharing the stage); dtmt_kernels.persistent_plan "
+      "is the Python face");
   m.attr("PERSISTENT_CLUSTER_MAX_BLOCKS") = dtmt::cuda::kClusterMaxBlocks;
   m.def(
       "persistent_tensor_cores",
@@ -78,11 +80,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "persistent_launches",
       [] {
         const auto c = dtmt::persistent_launch_counts();
-        return py::make_tuple(c.grid, c.cluster, c.refused);
+        return py::make_tuple(c.grid, c.cluster, c.refused, c.multicast);
       },
-      "(grid, cluster, refused): the cuda backend's forwards and backwards run as persistent launches in this "
-      "process, in the grid form and in the cluster form, and the persistent launches the device refused "
-      "(csrc/transition.h)");
+      "(grid, cluster, refused, multicast): the cuda backend's forwards and backwards run as persistent launches in "
+      "this process, in the grid form, in the cluster form and in the grid form's clusters sharing the stage, and the "
+      "persistent launches the device refused (csrc/transition.h)");
 #else
   m.attr("has_cuda") = false;
 #endif

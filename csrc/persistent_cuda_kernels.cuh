@@ -30,6 +30,7 @@
 #include "persistent_plan.h"
 #include "transition_cuda_kernels.cuh"
 
+#include <cstdint>
 #include <type_traits>
 
 #if defined(DTMT_CUDA_EMULATION)
@@ -37,6 +38,9 @@
 #else
 #include <cooperative_groups.h>
 #include <cuda_pipeline.h>
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include <cuda/ptx>
+#endif
 
 #include <mutex>
 #define DTMT_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
@@ -45,6 +49,11 @@
 // capability 8.0 and up; tests/cuda_emulation.h makes each at its wait)
 #if defined(DTMT_CUDA_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
 #define DTMT_ASYNC_COPY 1
+#endif
+// Bulk copies multicast to the blocks of a cluster, counted by mbarriers (cp.async.bulk ... multicast::cluster: code
+// for sm_90a, where PTX has it; tests/cuda_emulation.h emulates them): the stage read once a cluster (StageShare)
+#if defined(DTMT_CUDA_EMULATION) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DTMT_STAGE_MULTICAST 1
 #endif
 
 namespace dtmt {
@@ -157,6 +166,8 @@ template <typename T, typename A> struct PersistentForwardArgs {
                     // plan's, in the shared memory the matrices leave; the buffers of block_mma or the stage,
                     // persistent_forward_bytes)
   bool cluster;     // the launch is one thread-block cluster: its barrier is the cluster's (persistent_barrier)
+  int multicast;    // else: the grid in thread-block clusters of this many blocks that read the stage once
+                    // (StageShare; 1 or 0: none)
   A eps;
 };
 
@@ -431,6 +442,141 @@ __device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int
   stage_wait(0);
 }
 
+// ------------------------------------------------------------------------------ the stage shared by a cluster
+// Every block of the grid reads every vector the products share (the state forward, the gradients backward): at
+// B = 64, H = 512 in fp32 that is 17 MB of L2 reads a forward sub-cell and 52 MB a GRU's backward one
+// (docs/design/persistent_recurrence.md, "The stage read once a cluster"). Launched in thread-block clusters of
+// `blocks` (a cooperative launch with a cluster dimension), block r of a cluster copies the vectors r, r + blocks,
+// ... of a chunk with one bulk copy each, multicast to every block of the cluster at the same offset of its stage,
+// so that the L2 serves each chunk once a cluster. Each block's mbarrier of the buffer counts the bytes (all V rows,
+// from every block of the cluster) and its threads wait on it; a cluster barrier, not a block barrier, precedes a
+// buffer's refill, since the blocks of the cluster write into each other's buffers. The sums are those of the
+// block's own copies, bit for bit; the blocks of a cluster stage the same chunks, so the products' shape (lanes,
+// chunk, passes) comes from `rows`, the most rows a block has (the plan's slice), not the block's own.
+struct StageShare {
+  int blocks = 1;                         // blocks of a cluster sharing the stage's copies (1: each its own)
+  int rows = 0;                           // the products' rows the shape is taken from (every block's the same)
+  uint64_t* bars = nullptr;               // [2] an mbarrier a buffer, then [2] unsigned: their phases completed
+};
+
+__device__ __forceinline__ int stage_cluster_rank() {
+#if defined(DTMT_CUDA_EMULATION)
+  return ::dtmt_emu::cluster_rank();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return static_cast<int>(::cooperative_groups::this_cluster().block_rank());
+#else
+  return 0;
+#endif
+}
+// The barrier of the blocks of this block's cluster (barrier.cluster.arrive.release / wait.acquire).
+__device__ __forceinline__ void stage_cluster_sync() {
+#if defined(DTMT_CUDA_EMULATION)
+  ::dtmt_emu::cluster_sync();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  ::cooperative_groups::this_cluster().sync();
+#else
+  __trap();   // (no clusters below sm_90: the driver launches no clusters there)
+#endif
+}
+#if defined(DTMT_STAGE_MULTICAST)
+// The stage's two mbarriers, one arrival a phase (the block's own expect_tx), and their counts, by thread 0; the
+// caller then makes the initialization visible to the cluster (stage_cluster_sync) before any block copies.
+__device__ __forceinline__ void stage_share_init(const StageShare& share) {
+  if (threadIdx.x != 0) return;
+  unsigned* const done = reinterpret_cast<unsigned*>(share.bars + 2);
+#if defined(DTMT_CUDA_EMULATION)
+  ::dtmt_emu::mbar_init(share.bars, 1);
+  ::dtmt_emu::mbar_init(share.bars + 1, 1);
+#else
+  ::cuda::ptx::mbarrier_init(share.bars, 1);
+  ::cuda::ptx::mbarrier_init(share.bars + 1, 1);
+  ::cuda::ptx::fence_mbarrier_init(::cuda::ptx::sem_release, ::cuda::ptx::scope_cluster);
+#endif
+  done[0] = done[1] = 0;
+}
+// This block's part of the copies of columns [c0, c0 + cn) of the V vectors into `buf` (rows stage_row(r) x pitch),
+// counted by mbarrier `bar`, which thread 0 tells to expect every block's part (V rows of cn values).
+template <typename T>
+__device__ __forceinline__ void stage_issue_shared(const StageShare& share, int which, const T* v, size_t ldv, int V,
+                                                   int c0, int cn, int pitch, int tc, T* buf) {
+  uint64_t* const bar = share.bars + which;
+  const unsigned bytes = static_cast<unsigned>(cn * sizeof(T));
+  const unsigned short mask = static_cast<unsigned short>((1u << share.blocks) - 1u);
+  if (threadIdx.x == 0) {
+#if defined(DTMT_CUDA_EMULATION)
+    ::dtmt_emu::mbar_arrive_expect_tx(bar, static_cast<unsigned>(V) * bytes);
+#else
+    ::cuda::ptx::mbarrier_arrive_expect_tx(::cuda::ptx::sem_release, ::cuda::ptx::scope_cta,
+                                           ::cuda::ptx::space_shared, bar,
+                                           static_cast<unsigned>(V) * bytes);
+#endif
+  }
+  const int step = share.blocks * static_cast<int>(blockDim.x),
+            first = stage_cluster_rank() + share.blocks * static_cast<int>(threadIdx.x);
+#if !defined(DTMT_CUDA_EMULATION)
+  // (the vectors were written by other blocks' stores, the generic proxy; the bulk copies read them through the async
+  // proxy)
+  if (first < V) ::cuda::ptx::fence_proxy_async();
+#endif
+  for (int r = first; r < V; r += step) {
+    T* const dst = buf + static_cast<size_t>(stage_row(r, V, tc)) * pitch;
+    const T* const src = v + static_cast<size_t>(r) * ldv + c0;
+#if defined(DTMT_CUDA_EMULATION)
+    ::dtmt_emu::bulk_copy_multicast(dst, src, bytes, bar, mask);
+#else
+    ::cuda::ptx::cp_async_bulk(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, dst, src, bytes, bar, mask);
+#endif
+  }
+}
+// Waits for the next phase of mbarrier `which` (the copies of every block of the cluster into this block's buffer);
+// `done` counts the phases this block has waited for.
+__device__ __forceinline__ void stage_wait_shared(const StageShare& share, int which, unsigned& done) {
+  uint64_t* const bar = share.bars + which;
+#if defined(DTMT_CUDA_EMULATION)
+  ::dtmt_emu::mbar_wait_parity(bar, done & 1u);
+#else
+  while (!::cuda::ptx::mbarrier_try_wait_parity(bar, done & 1u)) {
+  }
+#endif
+  ++done;
+}
+#endif
+
+// A launch's StageShare: with `multicast` blocks a cluster, where the FMA products have a stage (`cols` columns of
+// rows of K, after `products_buf`), its mbarriers after the stage (persistent_plan.h's kStageShareBytes); else none
+// (also in code without the bulk copies, where the launch's clusters only group its blocks). `rows` for block_dots
+// is the caller's (the most rows of a sub-cell a block has).
+template <typename T>
+__device__ __forceinline__ StageShare stage_share(int multicast, bool mma, int cols, unsigned char* products_buf,
+                                                  int B, int K) {
+  StageShare share;
+#if defined(DTMT_STAGE_MULTICAST)
+  if (multicast > 1 && !mma && cols > 0) {
+    share.blocks = multicast;
+    share.bars = reinterpret_cast<uint64_t*>(products_buf + stage_bytes(B, K, cols, sizeof(T)));
+  }
+#else
+  (void)multicast, (void)mma, (void)cols, (void)products_buf, (void)B, (void)K;
+#endif
+  return share;
+}
+// At a persistent kernel's start, after its setup: the stage's mbarriers initialized and the cluster told (a block
+// must not copy into another whose mbarrier is not yet set); at its end, the cluster's barrier, so that no block ends
+// while copies it issued may still write into the others.
+__device__ __forceinline__ void stage_share_begin(const StageShare& share) {
+#if defined(DTMT_STAGE_MULTICAST)
+  if (share.blocks > 1) {
+    stage_share_init(share);
+    stage_cluster_sync();
+  }
+#else
+  (void)share;
+#endif
+}
+__device__ __forceinline__ void stage_share_end(const StageShare& share) {
+  if (share.blocks > 1) stage_cluster_sync();
+}
+
 // Values 0 and 1 of p (aligned to two values: an even offset in a matrix row or a staged row) in one load: 8 bytes
 // for float, 4 for bf16, 16 for double.
 template <typename A, typename T> __device__ __forceinline__ void ld_pair(const T* p, A& a, A& b) {
@@ -474,9 +620,12 @@ constexpr int kTileRows = 4, kTileVectors = 4, kDotUnroll = 2;
 template <typename A, int TR = kTileRows, int TC = kTileVectors, typename T, typename Live, typename RowOf,
           typename Store>
 __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf a, const T* v, size_t ldv, T* stage,
-                                           int cols, Store store) {
+                                           int cols, const StageShare& share, Store store) {
   const int tc = TC == 1 ? 1 : V > 2 ? TC : V;   // vectors a tile
-  const int tiles_m = (M + TR - 1) / TR, tiles = tiles_m * ((V + tc - 1) / tc);
+  // the shape (tiles, lanes, chunks, passes) from the rows of every block of a cluster sharing the stage; the rows
+  // past M repeat the last one (M >= 1), their sums never stored
+  const int shape_m = share.blocks > 1 && share.rows > M ? share.rows : M;
+  const int tiles_m = (shape_m + TR - 1) / TR, tiles = tiles_m * ((V + tc - 1) / tc);
   int lanes = 1;
   while (lanes < 32 && tiles * lanes * 2 <= static_cast<int>(blockDim.x)) lanes *= 2;
   const int groups = static_cast<int>(blockDim.x) / lanes, lane = static_cast<int>(threadIdx.x) % lanes;
@@ -495,10 +644,59 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
   const bool whole = stage != nullptr && chunk == K;   // staged once for every pass
   // in chunks: two buffers of `chunk` columns (persistent_plan.h's stage_bytes)
   T* const twin = stage != nullptr && !whole ? stage + static_cast<size_t>(V) * pitch : nullptr;
+  // the stage read once a cluster (StageShare: bulk copies of whole 16-byte rows of the chunks, the same in every
+  // block of the cluster), else each block's copies (stage_issue)
+  constexpr size_t kWide = sizeof(Bytes16) / sizeof(T);
+#if defined(DTMT_STAGE_MULTICAST)
+  const bool shared = share.blocks > 1 && stage != nullptr && ldv % kWide == 0 && K % kWide == 0 &&
+                      reinterpret_cast<size_t>(v) % sizeof(Bytes16) == 0;
+  // the phases of the two buffers' mbarriers this block has waited for: kept in shared memory between calls, read
+  // after the call's first cluster barrier (thread 0 writes them at the end, past a block barrier every thread meets
+  // after its read)
+  unsigned done0 = 0, done1 = 0;   // (two values, not an array indexed at run time: registers, not local memory)
+  bool counted = false;
+  auto barrier_before_refill = [&] {   // (the readers of a buffer, in every block of the cluster, are done)
+    if (shared) {
+      stage_cluster_sync();
+      if (!counted) {
+        const unsigned* counts = reinterpret_cast<const unsigned*>(share.bars + 2);
+        done0 = counts[0];
+        done1 = counts[1];
+        counted = true;
+      }
+    } else {
+      __syncthreads();
+    }
+  };
+  auto issue = [&](int c0, int cn, T* buf) {
+    if (shared) {
+      stage_issue_shared(share, buf == stage ? 0 : 1, v, ldv, V, c0, cn, pitch, tc, buf);
+    } else {
+      stage_issue(v, ldv, V, c0, cn, pitch, tc, buf);
+    }
+  };
+  auto wait = [&](T* buf, int pending) {
+    if (shared && buf == stage) {
+      stage_wait_shared(share, 0, done0);
+    } else if (shared) {
+      stage_wait_shared(share, 1, done1);
+    } else {
+      stage_wait(pending);
+    }
+  };
+#else
+  (void)share;
+  (void)kWide;
+  auto barrier_before_refill = [] { __syncthreads(); };
+  auto issue = [&](int c0, int cn, T* buf) { stage_issue(v, ldv, V, c0, cn, pitch, tc, buf); };
+  auto wait = [](T*, int pending) { stage_wait(pending); };
+#endif
+  // (the barriers before a refill are the stage's time in the phase clock: a cluster's wait for its slowest block)
   if (whole) {
-    __syncthreads();   // (the stage's last readers are done)
     phase_mark(kPhaseProducts);
-    stage_rows(v, ldv, V, 0, K, pitch, tc, stage);
+    barrier_before_refill();   // (the stage's last readers are done)
+    issue(0, K, stage);
+    wait(stage, 0);
     __syncthreads();
     phase_mark(kPhaseStage);
   }
@@ -581,18 +779,18 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     // chunks: chunk c in buffer c % 2, chunk c + 1 copied into the other while c is summed
     const bool chunked = stage != nullptr && !whole;
     if (chunked) {
-      __syncthreads();   // (the stage's last readers are done)
       phase_mark(kPhaseProducts);
-      stage_issue(v, ldv, V, 0, chunk, pitch, tc, stage);
+      barrier_before_refill();   // (the stage's last readers are done)
+      issue(0, chunk, stage);
+      phase_mark(kPhaseStage);
     }
     for (int c0 = 0; c0 < K; c0 += chunk) {
       const int cn = K - c0 < chunk ? K - c0 : chunk;
       T* const buf = (c0 / chunk) % 2 == 0 ? stage : twin;
       if (chunked) {
         const int next = c0 + chunk;
-        if (next < K)
-          stage_issue(v, ldv, V, next, K - next < chunk ? K - next : chunk, pitch, tc, buf == stage ? twin : stage);
-        stage_wait(next < K ? 1 : 0);
+        if (next < K) issue(next, K - next < chunk ? K - next : chunk, buf == stage ? twin : stage);
+        wait(buf, next < K ? 1 : 0);
         __syncthreads();
         phase_mark(kPhaseStage);
       }
@@ -607,8 +805,16 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
         }
       }
       if (chunked) {
-        __syncthreads();   // (this chunk's readers are done before its buffer takes the chunk after next)
-        phase_mark(kPhaseProducts);
+        // (this chunk's readers are done before its buffer takes the chunk after next: in the whole cluster where
+        // the blocks write into each other's buffers)
+        if (c0 + 2 * chunk < K) {
+          phase_mark(kPhaseProducts);
+          barrier_before_refill();
+          phase_mark(kPhaseStage);
+        } else {
+          __syncthreads();
+          phase_mark(kPhaseProducts);
+        }
       }
     }
 #pragma unroll
@@ -622,6 +828,13 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
         if (t < tiles && lane == 0 && m < M && b < V) store(m, b, busy && live(b) ? sum : A(0));
       }
   }
+#if defined(DTMT_STAGE_MULTICAST)
+  if (shared && threadIdx.x == 0) {   // (read by the next block_dots after its cluster barrier)
+    unsigned* counts = reinterpret_cast<unsigned*>(share.bars + 2);
+    counts[0] = done0;
+    counts[1] = done1;
+  }
+#endif
 }
 
 // 1. products of the block's NH x n rows with every batch row's state, rounded to T as a GEMM's output is: on
@@ -661,8 +874,10 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
     auto row = [&](int m) { return u + (static_cast<size_t>(m / n) * S + m % n) * matrix_pitch(H); };
     const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);   // (without hs_lp, T is A)
     T* stage = !p.mma && p.stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr;
+    StageShare share = stage_share<T>(p.multicast, p.mma, p.stage_cols, products_buf, B, H);
+    share.rows = NH * S;
     block_dots<A, kSpilled ? 1 : kTileRows, kSpilled ? 1 : kTileVectors>(
-        NH * n, B, H, live, row, h, H, stage, H <= p.stage_cols ? H : p.stage_cols,
+        NH * n, B, H, live, row, h, H, stage, H <= p.stage_cols ? H : p.stage_cols, share,
         [&](int m, int b, A acc) { store(m + NH * n * b, acc); });
   }
   __syncthreads();
@@ -802,6 +1017,8 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   }
   phase_mark(kPhaseSetup);
   __syncthreads();
+  const StageShare share = stage_share<T>(p.multicast, p.mma, p.stage_cols, products_buf, p.B, H);
+  stage_share_begin(share);
   for (int step = 0; step < p.steps; ++step) {
     const int t = p.reverse ? p.steps - 1 - step : step;
     const int next_t = step + 1 < p.steps ? (p.reverse ? t - 1 : t + 1) : -1;
@@ -815,6 +1032,7 @@ __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
       }
     }
   }
+  stage_share_end(share);
   phase_end();
 }
 
@@ -867,6 +1085,7 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   bool mma;           // U-path products on tensor cores (block_mma.cuh), as the forward's
   int stage_cols;     // else (FMA) block_dots' stage of the gradients, as the forward's
   bool cluster;       // one thread-block cluster, as the forward's
+  int multicast;      // clusters sharing the stage, as the forward's
   A eps;
 };
 
@@ -888,7 +1107,8 @@ template <typename A> struct BackwardBuffers {
 // have dpre = 0: their result is 0 without a sum.
 template <bool kSpilled, typename T, typename A>
 __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, int B, int S, int n, A* out,
-                                  const T* mask, int t, bool mma, int stage_cols, unsigned char* products_buf) {
+                                  const T* mask, int t, bool mma, int stage_cols, unsigned char* products_buf,
+                                  const StageShare& share) {
 #if defined(DTMT_MMA_DEVICE)
   if constexpr (Mma<T>::available) {
     if (mma) {
@@ -907,7 +1127,7 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
   block_dots<A, kSpilled ? 1 : kTileRows, kSpilled ? 1 : kTileVectors>(
       n, B, R, [&](int b) { return row_valid(mask, t, B, b); },
       [&](int jj) { return col + static_cast<size_t>(jj) * ldc; }, dpre, R,
-      !mma && stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr, R <= stage_cols ? R : stage_cols,
+      !mma && stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr, R <= stage_cols ? R : stage_cols, share,
       [&](int jj, int b, A acc) { out[b * S + jj] = Cvt<A, T>::load(Cvt<A, T>::store(acc)); });
 }
 
@@ -1179,14 +1399,18 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   // block_mma's buffers, or block_dots' stage
   unsigned char* products_buf =
       smem + round_bytes(backward_block_bytes(KIND, p.D, B, H, S, sizeof(T), sizeof(A), r));
+  // (the stage's mbarriers after a stage of the longest gradient rows; the products' shape from a block's S columns)
+  StageShare share = stage_share<T>(p.multicast, p.mma, p.stage_cols, products_buf, B,
+                                    backward_u_path_length(KIND, p.D, H));
+  share.rows = S;
   // the U-path through sub-cell k's columns (R long): out[b][jj] = sum_r dpre[b, r] col_jj[r]
   auto u_path = [&](int k, const T* dpre, int R, A* out, int t) {
     if (k < r) {
       persistent_u_path<false>(dpre, R, resident_matrix<T>(true, KIND, H, S, k, cols), matrix_pitch(R), B, S, n,
-                               out, p.mask, t, p.mma, p.stage_cols, products_buf);
+                               out, p.mask, t, p.mma, p.stage_cols, products_buf, share);
     } else {
       persistent_u_path<true>(dpre, R, spilled(k), matrix_pitch(R), B, S, n, out, p.mask, t, p.mma, p.stage_cols,
-                              products_buf);
+                              products_buf, share);
     }
   };
   for (int k = 0; k <= p.D; ++k) {
@@ -1205,6 +1429,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   }
   phase_mark(kPhaseSetup);
   __syncthreads();
+  stage_share_begin(share);
   for (int step = p.step_hi - 1; step >= p.step_lo; --step) {
     const int t = p.reverse ? p.steps - 1 - step : step, rt = t - p.chunk_t0;
     for (int k = p.D; k >= 0; --k) {
@@ -1227,8 +1452,55 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
     const int b = e % B, jj = e / B;
     p.dh0[static_cast<size_t>(b) * H + j0 + jj] = m.carry[b * S + jj] + m.cg[b * S + jj];
   }
+  stage_share_end(share);
   phase_end();
 }
+
+#if !defined(DTMT_CUDA_EMULATION)
+// The grid form in thread-block clusters of a.multicast blocks whose stage is read once a cluster (StageShare): a
+// cooperative launch with a cluster dimension (cudaLaunchKernelEx with both attributes). Refused (an error the caller
+// falls back from) where the code has no bulk multicast (built without sm_90a: DTMT_SM90A, which setup.py defines for
+// TORCH_CUDA_ARCH_LIST=9.0a), where its blocks do not make whole clusters, or where the device cannot hold that many
+// clusters at once (a cluster's blocks share a GPC).
+template <typename Kernel, typename Arg>
+cudaError_t launch_cooperative_in_clusters(Kernel* kernel, const Arg& a, int grid, int threads, size_t smem,
+                                           cudaStream_t stream) {
+#if !defined(DTMT_SM90A)
+  (void)kernel, (void)a, (void)grid, (void)threads, (void)smem, (void)stream;
+  return cudaErrorNotSupported;
+#else
+  if (a.multicast > kClusterMaxBlocks || grid % a.multicast != 0) return cudaErrorInvalidClusterSize;
+  cudaFuncAttributes attributes{};
+  cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+  if (err != cudaSuccess) return err;
+  if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return cudaErrorNotSupported;
+  if (a.multicast > 8) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess) return err;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid, 1, 1);
+  config.blockDim = dim3(threads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = a.multicast;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int clusters = 0;   // clusters the device holds at once: all of the grid's must be resident
+  err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  if (err != cudaSuccess) return err;
+  if (clusters < grid / a.multicast) return cudaErrorCooperativeLaunchTooLarge;
+  attribute[1].id = cudaLaunchAttributeCooperative;
+  attribute[1].val.cooperative = 1;
+  config.numAttrs = 2;
+  return cudaLaunchKernelEx(&config, kernel, a);
+#endif
+}
+#endif
 
 // Launches kernel(a) as a persistent launch of `grid` blocks of `threads` threads with `smem` bytes of dynamic shared
 // memory each: a cooperative launch (one block per SM; the grid barrier), or with a.cluster one thread-block cluster
@@ -1242,6 +1514,8 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   (void)stream;
   if (a.cluster) {
     ::dtmt_emu::launch_cluster(kernel, grid, threads, smem, a);
+  } else if (a.multicast > 1) {
+    ::dtmt_emu::launch_cooperative_clusters(kernel, grid, threads, smem, a, a.multicast);
   } else {
     ::dtmt_emu::launch_cooperative(kernel, grid, threads, smem, a);
   }
@@ -1254,6 +1528,7 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   const std::lock_guard<std::mutex> lock(allowance);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
+  if (!a.cluster && a.multicast > 1) return launch_cooperative_in_clusters(kernel, a, grid, threads, smem, stream);
   if (!a.cluster) {
     Arg arg = a;
     void* args[] = {&arg};
@@ -1293,7 +1568,7 @@ cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& 
                                             cudaStream_t stream) {
   const size_t smem =
       persistent_backward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident,
-                                a.stage_cols);
+                                a.stage_cols, a.multicast);
   return launch_persistent(persistent_backward_kernel<KIND, T, A>, a, grid, threads, smem, stream);
 }
 
@@ -1314,7 +1589,7 @@ cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a,
                                            cudaStream_t stream) {
   const size_t smem =
       persistent_forward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident,
-                               a.stage_cols);
+                               a.stage_cols, a.multicast);
   return launch_persistent(persistent_forward_kernel<KIND, T, A>, a, grid, threads, smem, stream);
 }
 

@@ -114,14 +114,25 @@ DTMT_HD size_t forward_block_bytes(int kind, int D, int B, int H, int slice, siz
   return resident_matrix_bytes(false, kind, D, H, slice, t_bytes, resident) +
          (static_cast<size_t>(B) * 4 * slice + static_cast<size_t>(B) * 3 * 2) * a_bytes;
 }
+// The stage read once a cluster (persistent_cuda_kernels.cuh's StageShare: blocks of a thread-block cluster copy
+// their part of each chunk into every block's stage): two mbarriers and their phases' counts, after the stage.
+constexpr size_t kStageShareBytes = 128;
+DTMT_HD size_t stage_share_bytes(int multicast, int stage_cols) {
+  return multicast > 1 && stage_cols > 0 ? kStageShareBytes : 0;
+}
+
 // ... then, at the next multiple of 128 bytes, the products' buffers: with `mma` block_mma's for products of the
-// largest sub-cell's rows, else block_dots' stage of the state (B rows of `stage_cols` columns; none with 0).
+// largest sub-cell's rows, else block_dots' stage of the state (B rows of `stage_cols` columns; none with 0), and
+// where clusters of `multicast` blocks share it, its mbarriers.
 DTMT_HD size_t persistent_forward_bytes(int kind, int D, int B, int H, int slice, size_t t_bytes, size_t a_bytes,
-                                        bool mma = false, int threads = 0, int resident = -1, int stage_cols = 0) {
+                                        bool mma = false, int threads = 0, int resident = -1, int stage_cols = 0,
+                                        int multicast = 1) {
   const size_t bytes = forward_block_bytes(kind, D, B, H, slice, t_bytes, a_bytes, resident);
   const int widest = cell_hidden_rows(kind) > 3 || D == 0 ? cell_hidden_rows(kind) : 3;
   if (mma) return round_bytes(bytes) + mma_buffer_bytes(widest * slice, B, threads, t_bytes);
-  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, H, stage_cols, t_bytes) : bytes;
+  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, H, stage_cols, t_bytes) +
+                              stage_share_bytes(multicast, stage_cols)
+                        : bytes;
 }
 
 // Backward: the resident matrices' columns, then 10 per-unit buffers [B][slice] (n and d three each, carry, cg,
@@ -138,10 +149,12 @@ DTMT_HD int backward_u_path_length(int kind, int D, int H) {
 // ... then, at the next multiple of 128 bytes, with `mma` block_mma's buffers for products of `slice` columns, else
 // block_dots' stage of the gradients (B rows of `stage_cols` columns; none with 0).
 DTMT_HD size_t persistent_backward_bytes(int kind, int D, int B, int H, int slice, size_t t_bytes, size_t a_bytes,
-                                         bool mma = false, int threads = 0, int resident = -1, int stage_cols = 0) {
+                                         bool mma = false, int threads = 0, int resident = -1, int stage_cols = 0,
+                                         int multicast = 1) {
   const size_t bytes = backward_block_bytes(kind, D, B, H, slice, t_bytes, a_bytes, resident);
   if (mma) return round_bytes(bytes) + mma_buffer_bytes(slice, B, threads, t_bytes);
-  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, backward_u_path_length(kind, D, H), stage_cols, t_bytes)
+  return stage_cols > 0 ? round_bytes(bytes) + stage_bytes(B, backward_u_path_length(kind, D, H), stage_cols, t_bytes) +
+                              stage_share_bytes(multicast, stage_cols)
                         : bytes;
 }
 
@@ -188,6 +201,7 @@ constexpr int kSpillL2Share = 2;
 struct PersistentPlan {
   int grid = 0, slice = 0;
   bool cluster = false;                              // one thread-block cluster of `grid` blocks (else a grid of them)
+  int multicast = 1;                                 // the grid form in clusters of this many blocks sharing the stage
   int forward_resident = 0, backward_resident = 0;   // sub-cells (of D + 1) whose matrices stay in shared memory
   size_t forward_bytes = 0, backward_bytes = 0;      // shared memory a block
   size_t forward_spill = 0, backward_spill = 0;      // bytes of the spill buffers (every block's), read through L2
@@ -195,9 +209,13 @@ struct PersistentPlan {
   bool fits = false;
 };
 
+// The stage read once a cluster (multicast > 1, the grid form with FMA products; docs/design/persistent_recurrence.md,
+// "The stage read once a cluster"): the grid in thread-block clusters of `multicast` blocks, so its blocks a multiple
+// of it (the most such grid up to the SMs whose slices leave no block empty), and the stage's mbarriers in each
+// block's shared memory; where no such grid exists, or the products are on tensor cores, multicast is 1.
 inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_bytes, size_t a_bytes,
                                       int multiprocessors, size_t smem_optin, bool mma, int threads,
-                                      size_t l2_bytes = 0, int cluster_blocks = 0) {
+                                      size_t l2_bytes = 0, int cluster_blocks = 0, int multicast = 1) {
   PersistentPlan plan;
   plan.cluster = cluster_blocks > 0;
   const int most = !plan.cluster ? multiprocessors : cluster_blocks < kClusterMaxBlocks ? cluster_blocks
@@ -206,6 +224,18 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
   if (blocks < 1 || B < 1 || D < 0 || !base_cell(kind)) return plan;   // (an unknown kind: no plan)
   plan.slice = (H + blocks - 1) / blocks;
   plan.grid = (H + plan.slice - 1) / plan.slice;
+  if (!plan.cluster && !mma && multicast > 1 && multicast <= kClusterMaxBlocks) {
+    for (int g = blocks / multicast * multicast; g >= multicast; g -= multicast) {
+      const int slice = (H + g - 1) / g;
+      if ((H + slice - 1) / slice == g) {   // (every block of the g owns units)
+        plan.slice = slice;
+        plan.grid = g;
+        plan.multicast = multicast;
+        break;
+      }
+    }
+  }
+  const size_t share = plan.multicast > 1 ? kStageShareBytes : 0;   // (the room the stage leaves its mbarriers)
   const size_t budget = l2_bytes / kSpillL2Share;
   plan.fits = true;
   for (int pass = 0; pass < 2; ++pass) {
@@ -224,13 +254,16 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
     (backward ? plan.backward_spill : plan.forward_spill) = spill(resident);
     plan.fits = plan.fits && need <= smem_optin;
     // FMA products: block_dots' stage in the shared memory the matrices leave (none where they leave too little)
-    const int stage = mma ? 0
+    const int stage = mma || smem_optin < share
+                          ? 0
                           : persistent_stage_columns(backward, kind, D, B, H, plan.slice, t_bytes, a_bytes, resident,
-                                                     smem_optin);
+                                                     smem_optin - share);
     (backward ? plan.backward_stage : plan.forward_stage) = stage;
     (backward ? plan.backward_bytes : plan.forward_bytes) =
-        backward ? persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage)
-                 : persistent_forward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage);
+        backward ? persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage,
+                                             plan.multicast)
+                 : persistent_forward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage,
+                                            plan.multicast);
   }
   return plan;
 }

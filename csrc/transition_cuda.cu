@@ -385,7 +385,7 @@ template <typename T> bool persistent_mma() {
 }
 
 // The counts of persistent_launch_counts (transition.h).
-std::atomic<int64_t> launches_grid{0}, launches_cluster{0}, launches_refused{0};
+std::atomic<int64_t> launches_grid{0}, launches_cluster{0}, launches_refused{0}, launches_multicast{0};
 
 // Whether a persistent launch's error says the device cannot place it (too much shared memory, too many blocks to
 // be resident at once, a cluster it cannot schedule, a form its code was not compiled for): the caller then runs
@@ -460,12 +460,30 @@ DeviceLimits device_limits() {
 }
 
 // The FMA products' stage of a launch asked for without a plan (persistent_plan's rule in this device's shared
-// memory): columns of each batch row, forward or backward.
+// memory, less the mbarriers of a stage shared by clusters of `multicast` blocks): columns of each batch row, forward
+// or backward.
 template <typename T, typename A>
-int default_stage(bool backward, const TransitionWeights& w, const Dims& d, int64_t slice, int64_t resident) {
+int default_stage(bool backward, const TransitionWeights& w, const Dims& d, int64_t slice, int64_t resident,
+                  int64_t multicast) {
+  const size_t optin = device_limits().smem_optin, share = cuda::stage_share_bytes(static_cast<int>(multicast), 1);
   return cuda::persistent_stage_columns(backward, static_cast<int>(w.kind), static_cast<int>(d.D),
                                         static_cast<int>(d.B), static_cast<int>(d.H), static_cast<int>(slice),
-                                        sizeof(T), sizeof(A), static_cast<int>(resident), device_limits().smem_optin);
+                                        sizeof(T), sizeof(A), static_cast<int>(resident), optin - share);
+}
+
+// A persistent launch's clusters that share the stage: 1 (none) up to kClusterMaxBlocks, dividing the grid, and
+// not with the cluster form (one cluster already); and the form's words in a warning.
+void check_multicast(const char* direction, int64_t multicast, bool cluster, int64_t grid) {
+  TORCH_CHECK(multicast >= 1 && multicast <= cuda::kClusterMaxBlocks && (multicast == 1 || !cluster) &&
+                  grid % multicast == 0,
+              message("dtmt: the persistent ", direction, "'s clusters sharing the stage must be 1 to ",
+                      cuda::kClusterMaxBlocks, " blocks dividing the grid, in the grid form; got ", multicast,
+                      " for a grid of ", grid, cluster ? " in the cluster form" : ""));
+}
+std::string form_name(bool cluster, int multicast) {
+  return cluster ? " as one cluster"
+         : multicast > 1 ? message(" in clusters of ", multicast, " sharing the stage")
+                         : std::string();
 }
 
 // The forward as one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh): the same
@@ -475,12 +493,14 @@ int default_stage(bool backward, const TransitionWeights& w, const Dims& d, int6
 // kClusterMaxBlocks), its barrier the cluster's, instead of a cooperative grid. `fallible`: a launch the device
 // refuses (too much shared memory, blocks that cannot all be resident, a cluster it cannot place) returns {} instead
 // of throwing. `stage_cols`: the FMA products' stage (persistent_plan's, columns of each batch row; < 0: the plan's
-// rule, in the shared memory this device leaves the block), none with tensor-core products.
+// rule, in the shared memory this device leaves the block), none with tensor-core products. `multicast` > 1: the
+// grid form in thread-block clusters of that many blocks (dividing the grid), each chunk of the stage read from L2
+// once a cluster (persistent_cuda_kernels.cuh's StageShare; only with a stage).
 template <typename S>
 std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                             const TransitionWeights& w, bool reverse, double eps, int64_t grid,
                                             int64_t threads, int64_t resident = -1, bool cluster = false,
-                                            bool fallible = false, int64_t stage_cols = -1) {
+                                            bool fallible = false, int64_t stage_cols = -1, int64_t multicast = 1) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
@@ -495,6 +515,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
                       " blocks, got grid ", grid));
   const int64_t slice = (H + grid - 1) / grid;
   grid = (H + slice - 1) / slice;   // every block owns at least one unit
+  check_multicast("forward", multicast, cluster, grid);
   const auto opts = x.options();
   const auto acc_opts = opts.dtype(acc_type(x.scalar_type()));
   const bool lp = acc_type(x.scalar_type()) != x.scalar_type();
@@ -526,8 +547,10 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   a.stage_cols = a.mma ? 0
-                 : stage_cols >= 0 ? static_cast<int>(stage_cols) : default_stage<T, A>(false, w, d, slice, resident);
+                 : stage_cols >= 0 ? static_cast<int>(stage_cols)
+                                   : default_stage<T, A>(false, w, d, slice, resident, multicast);
   a.cluster = cluster;
+  a.multicast = a.stage_cols > 0 ? static_cast<int>(multicast) : 1;
   if (T_ > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     const cudaError_t err = cuda::launch_persistent_forward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
@@ -535,13 +558,15 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
     if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
       (void)cudaGetLastError();   // (the launch's error, cleared)
       ++launches_refused;
-      TORCH_WARN_ONCE(message("dtmt: the device refused the persistent forward", cluster ? " as one cluster" : "",
-                              " at H=", H, ", depth ", D, ", B=", B, " (", cudaGetErrorString(err), "): ",
-                              cluster ? "the grid form or " : "", "the per-step forward runs instead"));
+      TORCH_WARN_ONCE(message("dtmt: the device refused the persistent forward",
+                              form_name(cluster, a.multicast).c_str(), " at H=", H, ", depth ", D, ", B=", B,
+                              " (", cudaGetErrorString(err), "): ",
+                              cluster || a.multicast > 1 ? "the grid form or " : "",
+                              "the per-step forward runs instead"));
       return {};
     }
     C10_CUDA_CHECK(err);
-    ++(cluster ? launches_cluster : launches_grid);
+    ++(cluster ? launches_cluster : a.multicast > 1 ? launches_multicast : launches_grid);
   }
   return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
@@ -551,17 +576,21 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
 // where the layer fits the device (persistent_plan); where it does not, the per-step path, with a warning once.
 // "persistent-cluster", the cluster form first (one thread-block cluster of at most 16 blocks, its barrier the
 // cluster's; devices of compute capability 9.0 and up), where it does not fit the grid form, with a warning once.
+// "persistent-multicast", the grid form in clusters of kStageMulticastBlocks blocks that read the products' stage
+// once a cluster (code for sm_90a), where the device refuses it the grid form, with a warning once.
 // Unset or "steps": the per-step path.
-enum class Recurrence { kSteps, kPersistent, kPersistentCluster };
+enum class Recurrence { kSteps, kPersistent, kPersistentCluster, kPersistentMulticast };
+constexpr int kStageMulticastBlocks = 2;   // a first choice, to be measured (benchmarks/phase_probe.cu: 2 and 4)
 Recurrence recurrence_requested() {
   static const Recurrence requested = [] {
     const char* env = std::getenv("DTMT_CUDA_RECURRENCE");
     const std::string v = env != nullptr ? env : "";
     if (v == "persistent") return Recurrence::kPersistent;
     if (v == "persistent-cluster") return Recurrence::kPersistentCluster;
+    if (v == "persistent-multicast") return Recurrence::kPersistentMulticast;
     if (!v.empty() && v != "steps")
       TORCH_WARN(message("dtmt: DTMT_CUDA_RECURRENCE=", v.c_str(),
-                         " ignored: not one of steps, persistent, persistent-cluster"));
+                         " ignored: not one of steps, persistent, persistent-cluster, persistent-multicast"));
     return Recurrence::kSteps;
   }();
   return requested;
@@ -571,18 +600,19 @@ bool persistent_requested() { return recurrence_requested() != Recurrence::kStep
 
 // The persistent plan of a layer on this device (persistent_plan); where it does not fit, grid 0 and a warning
 // once naming what does not fit: the per-step path runs then. Under DTMT_CUDA_RECURRENCE=persistent-cluster the
-// cluster form where it fits (`cluster` false: the grid form only, after the device refused a cluster).
+// cluster form where it fits, under persistent-multicast the grid form in clusters sharing the stage (`cluster`
+// false: the plain grid form only, after the device refused either).
 template <typename S>
 cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bool cluster = true) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const DeviceLimits limits = device_limits();
-  auto plan_of = [&](int cluster_blocks) {
+  auto plan_of = [&](int cluster_blocks, int multicast = 1) {
     return cuda::persistent_plan(static_cast<int>(w.kind), static_cast<int>(d.D), static_cast<int>(d.B),
                                  static_cast<int>(d.H), sizeof(T), sizeof(A), limits.multiprocessors,
                                  limits.smem_optin, persistent_mma<T>(), cuda::kPersistentThreads, limits.l2_bytes,
-                                 cluster_blocks);
+                                 cluster_blocks, multicast);
   };
   if (cluster && recurrence_requested() == Recurrence::kPersistentCluster) {
     if (limits.cluster_blocks == 0) {
@@ -596,7 +626,11 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
                               "(DTMT_CUDA_RECURRENCE=persistent-cluster)"));
     }
   }
-  cuda::PersistentPlan plan = plan_of(0);
+  const bool multicast = cluster && recurrence_requested() == Recurrence::kPersistentMulticast;
+  if (multicast && limits.cluster_blocks == 0)
+    TORCH_WARN_ONCE("dtmt: this device has no thread-block clusters: the grid form of the persistent launches is "
+                    "tried (DTMT_CUDA_RECURRENCE=persistent-multicast)");
+  cuda::PersistentPlan plan = plan_of(0, multicast && limits.cluster_blocks > 0 ? kStageMulticastBlocks : 1);
   if (!plan.fits) {
     TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ",
                             plan.forward_bytes / 1024, " KB (forward) and ", plan.backward_bytes / 1024,
@@ -913,7 +947,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
                                              const SavedForward& saved, bool reverse, double eps, int64_t grid,
                                              int64_t threads, int64_t resident = -1, bool cluster = false,
                                              bool fallible = false, bool weight_grads = true,
-                                             int64_t stage_cols = -1, int64_t chunk = -1) {
+                                             int64_t stage_cols = -1, int64_t chunk = -1, int64_t multicast = 1) {
   const Tensor &grad_out = in.grad_out, &grad_hn = in.grad_hn, &x = in.x, &mask = in.mask, &drop = in.drop;
   const Tensor &xp = saved.xp, &hs = saved.hs, &hs_lp_saved = saved.hs_lp, &hp = saved.hp, &hpt = saved.hpt;
   using T = typename DeviceType<S>::type;
@@ -930,6 +964,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
                       " blocks, got grid ", grid));
   const int64_t slice = (H + grid - 1) / grid;
   grid = (H + slice - 1) / slice;
+  check_multicast("backward", multicast, cluster, grid);
   const auto opts = x.options();
   const at::ScalarType acc = acc_type(x.scalar_type());
   const auto acc_opts = opts.dtype(acc);
@@ -965,8 +1000,10 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   set_persistent_sizes(a, d, slice, reverse, eps);
   a.mma = persistent_mma<T>();
   a.stage_cols = a.mma ? 0
-                 : stage_cols >= 0 ? static_cast<int>(stage_cols) : default_stage<T, A>(true, w, d, slice, resident);
+                 : stage_cols >= 0 ? static_cast<int>(stage_cols)
+                                   : default_stage<T, A>(true, w, d, slice, resident, multicast);
   a.cluster = cluster;
+  a.multicast = a.stage_cols > 0 ? static_cast<int>(multicast) : 1;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   int c = 0;   // the chunks launched
   cudaError_t refused = cudaSuccess;
@@ -991,12 +1028,14 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   // before it would have run for nothing): the per-step backward starts afresh. The counts are of backward calls.
   if (refused != cudaSuccess) {
     ++launches_refused;
-    TORCH_WARN_ONCE(message("dtmt: the device refused the persistent backward", cluster ? " as one cluster" : "",
-                            " at H=", H, ", depth ", D, ", B=", B, " (", cudaGetErrorString(refused), "): ",
-                            cluster ? "the grid form or " : "", "the per-step backward runs instead"));
+    TORCH_WARN_ONCE(message("dtmt: the device refused the persistent backward",
+                            form_name(cluster, a.multicast).c_str(), " at H=", H, ", depth ", D, ", B=", B,
+                            " (", cudaGetErrorString(refused), "): ",
+                            cluster || a.multicast > 1 ? "the grid form or " : "",
+                            "the per-step backward runs instead"));
     return {};
   }
-  ++(cluster ? launches_cluster : launches_grid);
+  ++(cluster ? launches_cluster : a.multicast > 1 ? launches_multicast : launches_grid);
   return chunks.outputs(dh[(c - 1) % 2].to(grad_hn.scalar_type()), dln_rows, dlnb_rows, dtln_rows, dtlnb_rows);
 }
 
@@ -1012,8 +1051,9 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
     if (plan.grid > 0)
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
                                                  cuda::kPersistentThreads, plan.forward_resident, plan.cluster,
-                                                 /*fallible=*/true, plan.forward_stage);
-    if (result.empty() && plan.cluster && (plan = device_plan<scalar_t>(x, w, false)).grid > 0)   // the grid form
+                                                 /*fallible=*/true, plan.forward_stage, plan.multicast);
+    if (result.empty() && (plan.cluster || plan.multicast > 1) &&
+        (plan = device_plan<scalar_t>(x, w, false)).grid > 0)   // the plain grid form
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
                                                  cuda::kPersistentThreads, plan.forward_resident, false,
                                                  /*fallible=*/true, plan.forward_stage);
@@ -1023,29 +1063,32 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
 }
 
 // The same, as one persistent launch of `grid` blocks of `threads` threads with the first `resident` sub-cells'
-// rows in shared memory (< 0: all), one thread-block cluster with `cluster` (forward_persistent_impl).
+// rows in shared memory (< 0: all), one thread-block cluster with `cluster`, clusters of `multicast` blocks sharing
+// the stage (forward_persistent_impl).
 std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask,
                                                        const Tensor& drop, const TransitionWeights& w, bool reverse,
                                                        double eps, int64_t grid, int64_t threads, int64_t resident,
-                                                       bool cluster) {
+                                                       bool cluster, int64_t multicast) {
   const c10::cuda::CUDAGuard guard(x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_persistent_cuda", [&] {
-    result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads, resident, cluster);
+    result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads, resident, cluster,
+                                               false, -1, multicast);
   });
   return result;
 }
 
-// The backward as one persistent launch of `grid` blocks of `threads` threads, `resident` and `cluster` as the
-// forward's (backward_persistent_impl).
+// The backward as one persistent launch of `grid` blocks of `threads` threads, `resident`, `cluster` and
+// `multicast` as the forward's (backward_persistent_impl).
 std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in, const TransitionWeights& w,
                                                         const SavedForward& saved, bool reverse, double eps,
                                                         int64_t grid, int64_t threads, int64_t resident,
-                                                        bool cluster) {
+                                                        bool cluster, int64_t multicast) {
   const c10::cuda::CUDAGuard guard(in.x.device());
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
-    result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads, resident, cluster);
+    result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads, resident, cluster, false,
+                                                true, -1, -1, multicast);
   });
   return result;
 }
@@ -1060,8 +1103,9 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const Tra
     if (plan.grid > 0)
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
                                                   plan.backward_resident, plan.cluster, /*fallible=*/true,
-                                                  weight_grads, plan.backward_stage);
-    if (result.empty() && plan.cluster && (plan = device_plan<scalar_t>(in.x, w, false)).grid > 0)   // the grid form
+                                                  weight_grads, plan.backward_stage, -1, plan.multicast);
+    if (result.empty() && (plan.cluster || plan.multicast > 1) &&
+        (plan = device_plan<scalar_t>(in.x, w, false)).grid > 0)   // the plain grid form
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
                                                   plan.backward_resident, false, /*fallible=*/true, weight_grads,
                                                   plan.backward_stage);
@@ -1071,7 +1115,7 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const Tra
 }
 
 PersistentLaunchCounts persistent_launch_counts() {
-  return {launches_grid.load(), launches_cluster.load(), launches_refused.load()};
+  return {launches_grid.load(), launches_cluster.load(), launches_refused.load(), launches_multicast.load()};
 }
 
 }  // namespace dtmt

@@ -82,11 +82,31 @@ struct Scheduler {
   std::vector<char> done;
   std::vector<double> exchange;
   int current = 0;
-  // cooperative launches: fiber b * threads + t is thread t of block b; what each one waits at (0 a
-  // __syncthreads, 1 the grid barrier), and each block's shared memory
+  // cooperative launches: fiber b * threads + t is thread t of block b; each block's shared memory
   bool cooperative = false;
   bool cluster = false;   // a cluster launch (its barrier cluster_sync), else a cooperative one (grid_sync)
-  std::vector<char> at_grid;
+  int cluster_blocks = 1; // a cooperative launch's clusters (launch_cooperative_clusters): cluster_sync their barrier
+  // cooperative launches: where each fiber waits (kRunning: it runs at its next resume; kSpinning: it polls, as an
+  // mbarrier wait does, and runs again at each round)
+  enum Wait : char { kRunning, kAtBlock, kAtCluster, kAtGrid, kSpinning };
+  std::vector<char> wait;
+  long grid_phase = 0;    // grid barriers passed: bulk copies land at their issue in odd phases, at the wait in even
+  long events = 0;        // a fiber that went on, a barrier released, an mbarrier's phase completed
+  // mbarriers (mbar_init) by (block, offset in its shared memory): arrivals left in the phase, the bytes it still
+  // expects (negative while copies are ahead of their expect_tx), its phase, and the copies that land when it completes
+  struct Mbar {
+    unsigned count = 0, pending = 0, phase = 0;
+    long long tx = 0;
+    struct Landing {
+      void* dst;
+      const void* src;
+      size_t bytes;
+      unsigned phase;   // the barrier's phase when the copy was issued
+    };
+    std::vector<Landing> landings;
+  };
+  std::vector<std::vector<std::pair<size_t, Mbar>>> mbars;   // [block] -> (offset, barrier)
+  size_t smem_bytes = 0;  // a cooperative launch's dynamic shared memory a block
   std::vector<std::unique_ptr<unsigned char[]>> block_smem;   // 128-byte aligned, zeroed
   void (*body)(const void*) = nullptr;   // runs the kernel with the launch's argument
   const void* arg = nullptr;
@@ -132,7 +152,11 @@ inline void yield_to_scheduler() {
 
 }  // namespace dtmt_emu
 
-inline void __syncthreads() { dtmt_emu::yield_to_scheduler(); }
+inline void __syncthreads() {
+  dtmt_emu::Scheduler& s = *dtmt_emu::scheduler;
+  if (s.cooperative) s.wait[s.current] = dtmt_emu::Scheduler::kAtBlock;
+  dtmt_emu::yield_to_scheduler();
+}
 
 namespace dtmt_emu {
 // The running fiber's copies and commits, made on its first use.
@@ -200,17 +224,25 @@ inline void grid_sync() {
   if (!s.cooperative || s.cluster)
     fiber_fail(s.cluster ? "emulated grid_sync in a cluster launch (its barrier is cluster_sync)"
                          : "emulated grid_sync outside a cooperative launch");
-  s.at_grid[s.current] = 1;
+  s.wait[s.current] = Scheduler::kAtGrid;
   yield_to_scheduler();
 }
 
-// The barrier of a cluster launch's one cluster (all its blocks).
+// The barrier of a cluster: of a cluster launch's one cluster (all its blocks), or of the blocks of this block's
+// cluster in a cooperative launch of clusters (launch_cooperative_clusters).
 inline void cluster_sync() {
   Scheduler& s = *scheduler;
-  if (!s.cluster) fiber_fail("emulated cluster_sync outside a cluster launch");
-  s.at_grid[s.current] = 1;
+  if (!s.cluster && s.cluster_blocks < 2) fiber_fail("emulated cluster_sync outside a cluster launch");
+  s.wait[s.current] = s.cluster ? Scheduler::kAtGrid : Scheduler::kAtCluster;
   yield_to_scheduler();
 }
+
+// This block's rank in its cluster, and the cluster's blocks (1 outside clusters; a cluster launch's: the grid).
+inline int cluster_blocks() {
+  const Scheduler& s = *scheduler;
+  return s.cluster ? static_cast<int>(gridDim.x) : s.cluster_blocks;
+}
+inline int cluster_rank() { return static_cast<int>(blockIdx.x) % cluster_blocks(); }
 
 // The most blocks of one cluster (Hopper's, with the non-portable attribute).
 constexpr int kMaxClusterBlocks = 16;
@@ -239,6 +271,110 @@ inline unsigned char* dtmt_emu::dynamic_smem() {
   Scheduler& s = *scheduler;
   return s.cooperative ? smem_base(s.block_smem[blockIdx.x].get()) : dtmt::cuda::smem_raw;
 }
+
+// ------------------------------------------------------------------------------ mbarriers and bulk copies
+// A cooperative launch's mbarriers (mbarrier.* on a GPU: a phase completes once its arrivals are in and the bytes it
+// was told to expect have landed) and bulk copies from global into shared memory multicast to blocks of the cluster
+// (cp.async.bulk ... multicast::cluster: the same offset in each destination block's shared memory, each one's
+// mbarrier at the offset of the issuer's told of the bytes). In odd grid phases a copy lands when it is issued, in
+// even ones when a thread of its destination block first sees the phase it counts toward complete (try_wait): a
+// copy into a buffer its block still reads (a cluster barrier missing) overwrites it in the one, and a read before
+// the wait (by its thread, or by another before a block barrier after it) sees the old values in the other. A copy to
+// a block whose mbarrier is not initialized, a misaligned one and a wait that can never end throw; so does a block
+// that ends with copies into it not waited for.
+namespace dtmt_emu {
+inline size_t smem_offset(const void* p, const char* what) {
+  Scheduler& s = *scheduler;
+  const unsigned char* base = dynamic_smem();
+  const auto* q = static_cast<const unsigned char*>(p);
+  if (!s.cooperative || q < base || q >= base + s.smem_bytes)
+    fiber_fail(std::string("emulated ") + what + ": not in this block's dynamic shared memory");
+  return static_cast<size_t>(q - base);
+}
+inline Scheduler::Mbar* find_mbar(int block, size_t offset) {
+  for (auto& [off, m] : scheduler->mbars[block])
+    if (off == offset) return &m;
+  return nullptr;
+}
+inline void mbar_settle(Scheduler::Mbar& m) {   // the phase completes, the next one begins
+  if (m.pending != 0 || m.tx != 0) return;
+  ++m.phase;
+  m.pending = m.count;
+  ++scheduler->events;
+}
+inline Scheduler::Mbar& own_mbar(const void* bar, const char* what) {
+  const size_t off = smem_offset(bar, what);
+  if (off % 8) fiber_fail(std::string("emulated ") + what + ": an mbarrier not 8-byte aligned");
+  Scheduler::Mbar* m = find_mbar(static_cast<int>(blockIdx.x), off);
+  if (m == nullptr) fiber_fail(std::string("emulated ") + what + ": an mbarrier never initialized");
+  return *m;
+}
+inline void mbar_init(uint64_t* bar, unsigned count) {
+  Scheduler& s = *scheduler;
+  const size_t off = smem_offset(bar, "mbarrier.init");
+  if (off % 8 || count == 0) fiber_fail("emulated mbarrier.init: misaligned, or no arrivals");
+  Scheduler::Mbar* m = find_mbar(static_cast<int>(blockIdx.x), off);
+  if (m == nullptr) m = &s.mbars[blockIdx.x].emplace_back(off, Scheduler::Mbar{}).second;
+  if (!m->landings.empty() || m->tx != 0) fiber_fail("emulated mbarrier.init: a barrier with copies in flight");
+  *m = Scheduler::Mbar{};
+  m->count = m->pending = count;
+}
+inline void mbar_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+  Scheduler::Mbar& m = own_mbar(bar, "mbarrier.arrive.expect_tx");
+  if (m.pending == 0) fiber_fail("emulated mbarrier.arrive.expect_tx: more arrivals than the phase takes");
+  m.tx += bytes;
+  --m.pending;
+  mbar_settle(m);
+}
+// Whether the phase of this parity has completed (try_wait.parity: the current phase is of the other parity); where
+// it has, the copies of the completed phases that have not landed yet land now, as the waiting thread sees them.
+inline bool mbar_try_wait_parity(uint64_t* bar, unsigned parity) {
+  Scheduler::Mbar& m = own_mbar(bar, "mbarrier.try_wait.parity");
+  if ((m.phase & 1u) == (parity & 1u)) return false;
+  std::vector<Scheduler::Mbar::Landing> later;
+  for (const auto& l : m.landings) {
+    if (l.phase < m.phase) {
+      std::memcpy(l.dst, l.src, l.bytes);
+    } else {
+      later.push_back(l);
+    }
+  }
+  m.landings.swap(later);
+  return true;
+}
+inline void mbar_wait_parity(uint64_t* bar, unsigned parity) {
+  Scheduler& s = *scheduler;
+  while (!mbar_try_wait_parity(bar, parity)) {
+    s.wait[s.current] = Scheduler::kSpinning;
+    yield_to_scheduler();
+  }
+}
+inline long bulk_copies = 0;   // bulk copies issued in this process (a test's check that the multicast path ran)
+inline void bulk_copy_multicast(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint16_t mask) {
+  Scheduler& s = *scheduler;
+  ++bulk_copies;
+  const size_t dst_off = smem_offset(dst, "cp.async.bulk"), bar_off = smem_offset(bar, "cp.async.bulk");
+  if (bytes == 0 || bytes % 16 || dst_off % 16 || reinterpret_cast<uintptr_t>(src) % 16 ||
+      dst_off + bytes > s.smem_bytes)
+    fiber_fail("emulated cp.async.bulk: 16-byte aligned addresses and sizes, inside shared memory");
+  const int first = static_cast<int>(blockIdx.x) - cluster_rank(), blocks = cluster_blocks();
+  if (mask == 0 || mask >> blocks) fiber_fail("emulated cp.async.bulk: a multicast mask past the cluster");
+  const bool now = s.grid_phase & 1;
+  for (int r = 0; r < blocks; ++r) {
+    if (!(mask >> r & 1u)) continue;
+    Scheduler::Mbar* m = find_mbar(first + r, bar_off);
+    if (m == nullptr) fiber_fail("emulated cp.async.bulk: to a block whose mbarrier is not initialized");
+    unsigned char* to = smem_base(s.block_smem[first + r].get()) + dst_off;
+    if (now) {
+      std::memcpy(to, src, bytes);
+    } else {
+      m->landings.push_back({to, src, bytes, m->phase});
+    }
+    m->tx -= bytes;
+    mbar_settle(*m);
+  }
+}
+}  // namespace dtmt_emu
 
 namespace dtmt_emu {
 
@@ -317,9 +453,16 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
 }
 
 // A launch whose blocks wait at a barrier of them all: cooperative (grid_sync) or, with `cluster`, one cluster of the
-// whole grid (cluster_sync).
+// whole grid (cluster_sync); a cooperative one in clusters of `cluster_blocks` (cluster_sync the barrier of a
+// cluster's blocks). Between two grid barriers the clusters run one after another (a block is a cluster of one),
+// in an order that alternates with the phase; a cluster's threads in rounds, each running thread going on to its
+// next barrier or wait, a polling one (an mbarrier's wait) again each round, in an order that alternates with the
+// round, the block and the phase (in odd phases one block of a cluster at a time, until it waits on the others);
+// a block barrier opens once every thread of the block that has not ended waits at it, a cluster's once all of the
+// cluster's do.
 template <typename Kernel, typename Arg>
-inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg, bool cluster) {
+inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg, bool cluster,
+                              int cluster_blocks = 1) {
   if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
   const Call<Kernel, Arg> call{kernel, &arg};
   Scheduler s;
@@ -327,11 +470,14 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
   s.arg = &call;
   s.cooperative = true;
   s.cluster = cluster;
+  s.cluster_blocks = cluster_blocks;
+  s.smem_bytes = smem;
   const int fibers = grid * threads;
   s.contexts.resize(fibers);
   s.done.assign(fibers, 0);
-  s.at_grid.assign(fibers, 0);
+  s.wait.assign(fibers, Scheduler::kRunning);
   s.exchange.resize(fibers);
+  s.mbars.assign(grid, {});
   s.block_smem.clear();
   for (int b = 0; b < grid; ++b) {   // (aligned in dynamic_smem), then kSmemGuard bytes of a pattern
     s.block_smem.emplace_back(new unsigned char[smem + 128 + kSmemGuard]());
@@ -342,38 +488,88 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
   blockDim.x = threads;
   gridDim.x = grid;
   for (int f = 0; f < fibers; ++f) start_fiber(s, f);
+  const int per = cluster ? 1 : cluster_blocks, clusters = grid / per;
   for (int phase = 0;; ++phase) {
-    for (int i = 0; i < grid; ++i) {
-      const int b = (phase & 1) ? grid - 1 - i : i;
-      blockIdx.x = b;
-      // this block's threads, round after round, until each has ended or waits at the grid barrier
-      for (int round = 0, running = 1; running; ++round) {
-        running = 0;
-        int to_grid = 0, to_block = 0;
-        const bool descending = (round + b + phase) & 1;
-        for (int k = 0; k < threads; ++k) {
-          const int t = descending ? threads - 1 - k : k;
-          const int f = b * threads + t;
-          if (s.done[f] || s.at_grid[f]) continue;
-          s.current = f;
-          threadIdx.x = t;
-          resume_fiber(s, f);
-          if (s.done[f]) continue;
-          (s.at_grid[f] ? to_grid : to_block) += 1;
+    s.grid_phase = phase;
+    for (int i = 0; i < clusters; ++i) {
+      const int c = (phase & 1) ? clusters - 1 - i : i;
+      // this cluster's threads, round after round, until each has ended or waits at the grid barrier; in odd phases
+      // one block of a cluster at a time, as far as it goes (until it waits on the others), so that a block runs
+      // ahead of the others as far as its barriers allow
+      const bool greedy = per > 1 && (phase & 1);
+      int current = (phase / 2) % per, idle = 0;
+      for (int round = 0;; ++round) {
+        const long before = s.events;
+        int polling = 0;
+        for (int j = 0; j < per; ++j) {
+          const int b = c * per + (((round + phase) & 1) ? per - 1 - j : j);
+          if (greedy && b != c * per + current) continue;
+          blockIdx.x = b;
+          const bool descending = (round + b + phase) & 1;
+          for (int k = 0; k < threads; ++k) {
+            const int t = descending ? threads - 1 - k : k;
+            const int f = b * threads + t;
+            const char w = s.wait[f];
+            if (s.done[f] || (w != Scheduler::kRunning && w != Scheduler::kSpinning)) continue;
+            s.current = f;
+            threadIdx.x = t;
+            s.wait[f] = Scheduler::kRunning;
+            resume_fiber(s, f);
+            if (s.done[f] || s.wait[f] != w) ++s.events;
+            polling += !s.done[f] && s.wait[f] == Scheduler::kSpinning;
+          }
         }
-        if (to_grid && to_block)
-          throw std::runtime_error("emulated launch: threads of one block met different barriers");
-        running = to_block > 0;
+        // the barriers that open: a block's, where all its threads left wait at it; the cluster's likewise
+        int at_cluster = 0, at_grid = 0, left = 0;
+        for (int j = 0; j < per; ++j) {
+          const int b = c * per + j;
+          int in_block = 0, at_block = 0, busy = 0;
+          for (int t = 0; t < threads; ++t) {
+            const int f = b * threads + t;
+            if (s.done[f]) continue;
+            ++in_block;
+            const char w = s.wait[f];
+            at_block += w == Scheduler::kAtBlock;
+            at_cluster += w == Scheduler::kAtCluster;
+            at_grid += w == Scheduler::kAtGrid;
+            busy += w == Scheduler::kRunning || w == Scheduler::kSpinning;
+          }
+          left += in_block;
+          if (busy == 0 && at_block > 0) {
+            if (at_block != in_block)
+              throw std::runtime_error("emulated launch: threads of one block met different barriers");
+            for (int t = 0; t < threads; ++t)
+              if (!s.done[b * threads + t]) s.wait[b * threads + t] = Scheduler::kRunning;
+            ++s.events;
+          }
+        }
+        if (at_cluster > 0 && at_cluster == left) {
+          for (int f = c * per * threads; f < (c + 1) * per * threads; ++f)
+            if (!s.done[f]) s.wait[f] = Scheduler::kRunning;
+          ++s.events;
+        } else if (at_cluster > 0 && at_grid > 0 && at_cluster + at_grid == left) {
+          throw std::runtime_error("emulated launch: threads of one cluster met different barriers");
+        }
+        if (at_grid == left) break;   // (all ended, or at the grid barrier)
+        if (s.events != before) {
+          idle = 0;
+        } else if (greedy && ++idle < per) {   // (this block waits on the others: the next one)
+          current = (current + 1) % per;
+        } else {
+          throw std::runtime_error(polling ? "emulated launch: an mbarrier wait that can never end"
+                                           : "emulated launch: threads wait at barriers that can never open");
+        }
       }
     }
     int ended = 0, waiting = 0;
     for (int f = 0; f < fibers; ++f) {
       ended += s.done[f];
-      waiting += s.at_grid[f];
+      waiting += !s.done[f] && s.wait[f] == Scheduler::kAtGrid;
     }
     if (ended == fibers) break;
-    if (waiting != fibers) throw std::runtime_error("emulated launch: some threads ended while others wait at the grid barrier");
-    std::fill(s.at_grid.begin(), s.at_grid.end(), 0);
+    if (waiting + ended != fibers || ended)
+      throw std::runtime_error("emulated launch: some threads ended while others wait at the grid barrier");
+    std::fill(s.wait.begin(), s.wait.end(), Scheduler::kRunning);
   }
   for (int b = 0; b < grid; ++b) {   // a write past the launch's shared memory would overrun it on a GPU
     const unsigned char* guard = smem_base(s.block_smem[b].get()) + smem;
@@ -381,12 +577,28 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
       if (guard[i] != kGuardByte)
         throw std::runtime_error("emulated launch: block " + std::to_string(b) + " wrote past its " +
                                  std::to_string(smem) + " bytes of shared memory");
+    for (const auto& [off, m] : s.mbars[b])   // a block that ended with copies into it in flight
+      if (!m.landings.empty() || m.tx != 0)
+        throw std::runtime_error("emulated launch: block " + std::to_string(b) + " ended with bulk copies into it "
+                                 "not waited for");
   }
 }
 
 template <typename Kernel, typename Arg>
 inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
   launch_all_blocks(kernel, grid, threads, smem, arg, false);
+}
+
+// A cooperative launch in thread-block clusters of `cluster_blocks` consecutive blocks (cudaLaunchKernelEx with both
+// the cooperative and the cluster-dimension attributes): grid_sync the grid's barrier, cluster_sync a cluster's.
+template <typename Kernel, typename Arg>
+inline void launch_cooperative_clusters(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg,
+                                        int cluster_blocks) {
+  if (cluster_blocks < 1 || cluster_blocks > kMaxClusterBlocks || grid % cluster_blocks != 0)
+    throw std::runtime_error("emulated launch: clusters of " + std::to_string(cluster_blocks) +
+                             " blocks in a grid of " + std::to_string(grid) + " (at most " +
+                             std::to_string(kMaxClusterBlocks) + ", dividing the grid)");
+  launch_all_blocks(kernel, grid, threads, smem, arg, false, cluster_blocks);
 }
 
 // One thread-block cluster of `grid` blocks (cudaLaunchKernelEx with cudaLaunchAttributeClusterDimension = grid).

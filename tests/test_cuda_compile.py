@@ -107,16 +107,17 @@ def test_barrier_probe_builds(tmp_path):
 def test_phase_probe_builds(tmp_path):
     """benchmarks/phase_probe.cu (where a persistent launch's time goes: the kernels with their phase clock,
     DTMT_PERSISTENT_PHASES; gpu_session.sh's persistent stage builds and runs it on the GPU) compiles and links for
-    sm_90 as that stage builds it, its kernels read the SM clock (the marks are compiled in: the extension's PTX has
+    sm_90a as that stage builds it on an H100 / H200 (DTMT_SM90A: its rows of the stage read once a cluster), its
+    kernels read the SM clock (the marks are compiled in: the extension's PTX has
     none, test_persistent_kernels_load_from_named_spaces), and without the flag it refuses to build."""
     probe = os.path.join(ROOT, "benchmarks", "phase_probe.cu")
-    flags = ["-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90", f"-I{CSRC}"]
+    flags = ["-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90a", "-DDTMT_SM90A", f"-I{CSRC}"]
     run_compile([NVCC, *flags, "-DDTMT_PERSISTENT_PHASES", "-keep", f"-keep-dir={tmp_path}", probe, "-o",
           str(tmp_path / "phase_probe")])
     assert (tmp_path / "phase_probe").stat().st_size > 0
     ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
     kernels = re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M)
-    assert len(kernels) == 12, kernels   # GRU, ATR, L-GRU x float, bf16 x forward, backward
+    assert len(set(kernels)) == 12, kernels   # GRU, ATR, L-GRU x float, bf16 x forward, backward
     assert ptx.count("%clock64") >= 12 * 4
     res = subprocess.run([NVCC, *flags, "-E", probe], capture_output=True, text=True)
     assert res.returncode != 0 and "DTMT_PERSISTENT_PHASES" in res.stderr
@@ -147,11 +148,15 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     grid barrier's own ld.acquire.gpu, and none non-coherent (.nc: what other blocks write must be read through the
     coherent path); the stage's asynchronous copies (cp.async) likewise from L2 (.cg), not through the L1 (.ca);
     and the cluster form's barrier is there, arrive with its default release semantics (not .relaxed) and wait.
-    (The wmma loads of the staged operands are generic: the warp matrix API takes a plain pointer.)"""
+    Compiled for sm_90a (DTMT_SM90A, as gpu_session.sh builds for an H100 / H200), so that the stage read once a
+    cluster is in it too: its bulk copies multicast to the cluster and counted by an mbarrier, each thread's after a
+    proxy fence, and no counter in local memory. (The wmma loads of the staged operands are generic: the warp
+    matrix API takes a plain pointer.)"""
     src = tmp_path / "persistent_ptx.cu"
     src.write_text(PERSISTENT_PTX_TU)
     ptx = tmp_path / "persistent.ptx"
-    run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90", "-ptx", f"-I{CSRC}", str(src), "-o", str(ptx)])
+    run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90a", "-DDTMT_SM90A", "-ptx", f"-I{CSRC}",
+                 str(src), "-o", str(ptx)])
     loads = re.findall(r"^\s+(ld\.[\w.]+)", ptx.read_text(), flags=re.M)
     spaces = {op.split(".")[1] for op in loads}
     assert {"shared", "global", "param"} <= spaces, sorted(spaces)
@@ -165,3 +170,7 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     copies = re.findall(r"^\s+(cp\.async\.c[ag][\w.]*)", text, flags=re.M)   # (the products' stage, sm_80 and up)
     assert copies and all(op.startswith("cp.async.cg.") for op in copies), sorted(set(copies))   # (L2, not L1)
     assert "%clock64" not in text   # (the phase clock of benchmarks/phase_probe.cu is compiled out)
+    multicast = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+    assert text.count(multicast) >= 12, text.count(multicast)   # (every kernel's stage, read once a cluster)
+    assert "mbarrier.try_wait.parity" in text and "mbarrier.arrive.expect_tx" in text
+    assert text.count("fence.proxy.async") >= text.count(multicast)   # (a fence before each kernel's copies)

@@ -246,20 +246,25 @@ std::vector<at::Tensor> backward_rows(const at::Tensor& grad_out, const at::Tens
   return dtmt::transition_backward_cuda({grad_out, grad_hn, x, mask, drop}, weights(kind, params), saved_of(saved),
                                         reverse, eps, /*weight_grads=*/false);
 }
+// `cluster` (the tests' tuples): 0 or False the grid form, 1 or True the cluster form (one thread-block cluster),
+// n >= 2 the grid form in clusters of n blocks that read the products' stage once a cluster (multicast)
+bool one_cluster(int64_t cluster) { return cluster == 1; }
+int64_t multicast_of(int64_t cluster) { return cluster >= 2 ? cluster : 1; }
 std::vector<at::Tensor> forward_persistent(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                            const at::Tensor& drop, int64_t kind, const std::vector<at::Tensor>& params,
                                            bool reverse, double eps, int64_t grid, int64_t threads, int64_t resident,
-                                           bool cluster) {
+                                           int64_t cluster) {
   return dtmt::transition_forward_persistent_cuda(x, h0, mask, drop, weights(kind, params), reverse, eps, grid,
-                                                  threads, resident, cluster);
+                                                  threads, resident, one_cluster(cluster), multicast_of(cluster));
 }
 std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at::Tensor& grad_hn,
                                             const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
                                             int64_t kind, const std::vector<at::Tensor>& params,
                                             const std::vector<at::Tensor>& saved, bool reverse, double eps,
-                                            int64_t grid, int64_t threads, int64_t resident, bool cluster) {
+                                            int64_t grid, int64_t threads, int64_t resident, int64_t cluster) {
   return dtmt::transition_backward_persistent_cuda({grad_out, grad_hn, x, mask, drop}, weights(kind, params),
-                                                   saved_of(saved), reverse, eps, grid, threads, resident, cluster);
+                                                   saved_of(saved), reverse, eps, grid, threads, resident,
+                                                   one_cluster(cluster), multicast_of(cluster));
 }
 // the backward (per-step, or persistent where grid > 0) with the gradients formed in chunks of `chunk` steps
 // (GradientChunks; < 0: the driver's rule, chunk_steps)
@@ -267,13 +272,13 @@ std::vector<at::Tensor> backward_chunked(const at::Tensor& grad_out, const at::T
                                          const at::Tensor& mask, const at::Tensor& drop, int64_t kind,
                                          const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& saved,
                                          bool reverse, double eps, int64_t grid, int64_t threads, int64_t resident,
-                                         bool cluster, int64_t chunk) {
+                                         int64_t cluster, int64_t chunk) {
   const dtmt::BackwardInputs in{grad_out, grad_hn, x, mask, drop};
   std::vector<at::Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "backward_chunked", [&] {
     result = grid > 0 ? dtmt::backward_persistent_impl<scalar_t>(in, weights(kind, params), saved_of(saved), reverse,
-                                                                 eps, grid, threads, resident, cluster, false, true,
-                                                                 -1, chunk)
+                                                                 eps, grid, threads, resident, one_cluster(cluster),
+                                                                 false, true, -1, chunk, multicast_of(cluster))
                       : dtmt::backward_impl<scalar_t>(in, weights(kind, params), saved_of(saved), reverse, eps, true,
                                                       chunk);
   });
@@ -303,20 +308,22 @@ void emulation_misuse(int64_t which) {
     ::dtmt_emu::launch_cluster(misuse_kernel, which == 2 ? 17 : 2, 32, 0, a);
   }
 }
-// the plan the driver takes for a float64 layer (grid 0: the per-step path), and whether it is the cluster form
-std::tuple<int64_t, bool> driver_plan(const at::Tensor& x, int64_t kind, const std::vector<at::Tensor>& params) {
+// the plan the driver takes for a float64 layer (grid 0: the per-step path), whether it is the cluster form, and its
+// clusters sharing the stage (1: none)
+std::tuple<int64_t, bool, int64_t> driver_plan(const at::Tensor& x, int64_t kind,
+                                               const std::vector<at::Tensor>& params) {
   const dtmt::cuda::PersistentPlan plan = dtmt::recurrence_plan<double>(x, weights(kind, params));
-  return {plan.grid, plan.cluster};
+  return {plan.grid, plan.cluster, plan.multicast};
 }
 }  // namespace
 
 // whether DTMT_CUDA_RECURRENCE asked for the persistent launches (read once a process)
 bool persistent_recurrence() { return dtmt::persistent_requested(); }
 
-// (grid, cluster, refused): the persistent launches run in this process (transition.h)
-std::tuple<int64_t, int64_t, int64_t> persistent_launches() {
+// (grid, cluster, refused, multicast): the persistent launches run in this process (transition.h)
+std::tuple<int64_t, int64_t, int64_t, int64_t> persistent_launches() {
   const auto c = dtmt::persistent_launch_counts();
-  return {c.grid, c.cluster, c.refused};
+  return {c.grid, c.cluster, c.refused, c.multicast};
 }
 
 // the step GEMM the driver picks for B rows (0 row GEMM, 1 tiled GEMM, 2 ATen's mm / cuBLAS)
@@ -338,6 +345,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("persistent_recurrence", &persistent_recurrence);
   m.def("driver_plan", &driver_plan);
   m.def("persistent_launches", &persistent_launches);
+  m.def("bulk_copies", [] { return ::dtmt_emu::bulk_copies; });
   m.def("emulation_misuse", &emulation_misuse);
 }
 """
@@ -866,6 +874,33 @@ def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, B, H,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("B,H,grid,threads,blocks", [(2, 40, 4, 64, 2), (64, 80, 4, 64, 2), (64, 80, 4, 32, 4),
+                                                     (5, 38, 4, 64, 2), (128, 80, 8, 32, 2)],
+                         ids=["whole-rows-pairs", "chunks-pairs", "chunks-one-cluster-of-4", "last-block-shorter",
+                              "buffers-refilled"])
+def test_persistent_stage_read_once_a_cluster_emulated(emulated_cuda_ext, B, H, grid, threads, blocks):
+    """The grid form in thread-block clusters whose blocks read the products' stage from global memory once a
+    cluster (StageShare in csrc/persistent_cuda_kernels.cuh: block r of a cluster bulk-copies rows r, r + blocks, ...
+    of each chunk into every block's stage, multicast, counted by each block's mbarrier; a cluster barrier before a
+    buffer's refill), emulated with cooperative launches in clusters (tests/cuda_emulation.h: the copies land at their
+    issue in odd grid phases, at the mbarrier's completion in even ones). Float64 rows of 16-byte multiples: B = 2,
+    H = 40, whole rows; B = 64, H = 80, two buffers (forward 64 + 16 columns, the L-GRU's backward 160 + 160), in
+    clusters of 2 and one cluster of all 4 blocks; H = 38 on 4 blocks (10, 10, 10 and 8 units: the last block's
+    products take the shape of the others', as the copies must be the same in every block); B = 128 on 8 blocks,
+    where the stage's room leaves 32 columns a buffer (the L-GRU's forward in chunks of 32, 32 and 16, ATR's
+    backward of 32 columns five times: a buffer refilled while the other block of the cluster may still read it).
+    Outputs and every gradient against the float64 reference, ragged lengths, reverse direction, dropout and layer
+    norm on; the bulk copies counted, so that the shared path is the one checked. (Without the mbarrier wait every
+    case fails; without the cluster barrier before a refill the last.)"""
+    ext = emulated_cuda_ext
+    before = ext.bulk_copies()
+    run = _emulated_sequence(ext, (grid, threads, -1, blocks))
+    for cell, depth in (("lgru", 2), ("atr", 0)):
+        _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=3, H=H)
+    assert ext.bulk_copies() > before
+
+
+@pytest.mark.slow
 def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
     """block_dots and join_blocks shuffle across whole warps: a persistent launch of 16 or 48 threads a block is
     refused, forward and backward, with a one-line error that names the count (the driver launches 256)."""
@@ -1162,6 +1197,31 @@ def test_persistent_envelope():
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def test_persistent_plan_of_the_stage_read_once_a_cluster():
+    """persistent_plan's multicast form (persistent_plan.h; the driver's under DTMT_CUDA_RECURRENCE=
+    persistent-multicast): the grid in whole clusters, every block owning units, the stage's two mbarriers (128 bytes)
+    after the stage and the stage's room less them; with tensor cores, or where no grid of whole clusters exists,
+    the plain grid form (multicast 1)."""
+    import dtmt_kernels as dk
+
+    h100 = dict(multiprocessors=132, shared_memory=232448, tensor_cores=False)
+    plain = dk.persistent_plan("gru", 0, 64, 512, **h100)
+    for blocks in (2, 4):
+        shared = dk.persistent_plan("gru", 0, 64, 512, multicast=blocks, **h100)
+        assert (shared.multicast, shared.grid, shared.slice) == (blocks, 128, 4)   # (128 = 512 / 4, whole clusters)
+        assert (shared.forward_stage, shared.backward_stage) == (plain.forward_stage, plain.backward_stage)
+        assert (shared.forward_bytes, shared.backward_bytes) == (plain.forward_bytes + 128, plain.backward_bytes + 128)
+        assert str(shared).startswith(f"persistent, in clusters of {blocks} reading the stage once: 128 blocks of 4 "
+                                      "units;")
+    # H = 9 (9 blocks of a unit in the grid form): grids of 8, 6 and 4 blocks would leave blocks without units
+    # (slices of 2, 2 and 3 fill 5, 5 and 3 blocks), so 2 blocks of 5 units
+    nine = dk.persistent_plan("gru", 0, 8, 9, multicast=2, **h100)
+    assert (nine.grid, nine.slice, nine.multicast) == (2, 5, 2), str(nine)
+    assert dk.persistent_plan("gru", 0, 8, 1, multicast=2, **h100).multicast == 1   # (one unit: no two blocks)
+    assert dk.persistent_plan("gru", 0, 64, 512, "bfloat16", multicast=2, multiprocessors=132,
+                              shared_memory=232448).multicast == 1   # (tensor cores: no stage to share)
+
+
 @pytest.mark.parametrize("args,kwargs,message", [
     (("sru", 0, 8, 64), {}, "cell must be one of gru, lgru, lau, atr, got 'sru'"),
     (("gru", -1, 8, 64), {}, "depth must be an integer >= 0, got -1"),
@@ -1171,7 +1231,10 @@ def test_persistent_envelope():
     (("gru", 0, 8, 64), {"l2_cache": -1}, "l2_cache must be an integer >= 0 (bytes), got -1"),
     (("gru", 0, 8, 64), {"cluster": 17}, "cluster must be an integer from 0 to 16 (blocks of one thread-block "
                                          "cluster; 0: the grid form), got 17"),
-], ids=["cell", "depth", "batch", "dtype", "no-device", "l2", "cluster"])
+    (("gru", 0, 8, 64), {"multicast": 0}, "multicast must be an integer from 1 to 16 (blocks of a cluster sharing "
+                                          "the stage, in the grid form: not with cluster), got 0"),
+    (("gru", 0, 8, 64), {"multicast": 2, "cluster": 16}, "multicast must be an integer from 1 to 16"),
+], ids=["cell", "depth", "batch", "dtype", "no-device", "l2", "cluster", "multicast", "multicast-in-a-cluster"])
 def test_persistent_plan_refuses_bad_arguments(args, kwargs, message):
     """One line naming the argument and the value; without a GPU, the device's numbers are asked for."""
     import dtmt_kernels as dk
@@ -1232,25 +1295,28 @@ for w in caught:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("value", ["persistent", "persistent-cluster", "steps", "sideways"])
+@pytest.mark.parametrize("value", ["persistent", "persistent-cluster", "persistent-multicast", "steps", "sideways"])
 def test_recurrence_switch(emulated_cuda_ext, value):
     """DTMT_CUDA_RECURRENCE (read once a process): `persistent` makes the driver's own forward and backward the
     persistent launches (at most one block per emulated SM, of 4: 3 blocks of 3 units at H = 9), `persistent-cluster`
-    their cluster form (one cluster of at most 16 blocks: 9 at H = 9), and they still give the reference's outputs
-    and gradients; `steps`
-    and an unknown value (ignored with a warning naming it) keep the per-step path."""
+    their cluster form (one cluster of at most 16 blocks: 9 at H = 9), `persistent-multicast` the grid form in
+    clusters of 2 blocks sharing the stage (whole clusters: 2 blocks of 5 units, since 4 would leave 3 of 3), and
+    they still give the reference's outputs and gradients; `steps` and an unknown value (ignored with a warning
+    naming it) keep the per-step path."""
     env = {**os.environ, "DTMT_CUDA_RECURRENCE": value}
     res = subprocess.run([sys.executable, "-c", _RECURRENCE_RUN, os.path.dirname(os.path.abspath(__file__)),
                           emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"persistent: {value.startswith('persistent')}" in res.stdout, res.stdout
-    plan = {"persistent": (3, False), "persistent-cluster": (9, True)}.get(value, (0, False))
+    plan = {"persistent": (3, False, 1), "persistent-cluster": (9, True, 1),
+            "persistent-multicast": (2, False, 2)}.get(value, (0, False, 1))
     assert f"plan: {plan}" in res.stdout, res.stdout
-    # which form ran: two layers, forward and backward each (grid, cluster, refused)
-    ran = {"persistent": (4, 0, 0), "persistent-cluster": (0, 4, 0)}.get(value, (0, 0, 0))
+    # which form ran: two layers, forward and backward each (grid, cluster, refused, multicast)
+    ran = {"persistent": (4, 0, 0, 0), "persistent-cluster": (0, 4, 0, 0),
+           "persistent-multicast": (0, 0, 0, 4)}.get(value, (0, 0, 0, 0))
     assert f"launches: {ran}" in res.stdout, res.stdout
-    warned = ("DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent, persistent-cluster"
-              in res.stdout + res.stderr)
+    warned = ("DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent, persistent-cluster, "
+              "persistent-multicast" in res.stdout + res.stderr)
     assert warned == (value == "sideways"), res.stdout + res.stderr
 
 

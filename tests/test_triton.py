@@ -554,7 +554,42 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     now = persistent_launches()
-    assert {k: now[k] - launched[k] for k in now} == {"grid": 0, "cluster": 2, "refused": 0}, (launched, now)
+    assert {k: now[k] - launched[k] for k in now} == {"grid": 0, "cluster": 2, "refused": 0, "multicast": 0}, (
+        launched, now)
+    _assert_relative_errors(ref, got, 1e-4)
+
+
+@pytest.mark.parametrize("cell,depth,H,B,T", [("gru", 0, 512, 8, 64), ("gru", 0, 512, 64, 32),
+                                              ("lgru", 2, 256, 128, 7)],
+                         ids=["gru-512-B8-whole-rows", "gru-512-B64-chunks", "lgru-d2-256-B128"])
+def test_gpu_persistent_stage_read_once_a_cluster(compiled, cell, depth, H, B, T):
+    """With DTMT_CUDA_RECURRENCE=persistent-multicast (gpu_session.sh's persistent-multicast stage, which builds for
+    sm_90a) the persistent launches run as the grid form in thread-block clusters of 2 whose blocks read the products'
+    stage from L2 once a cluster (docs/design/persistent_recurrence.md, "The stage read once a cluster"): the plan
+    says so, the launch counts show the forward and the backward in that form and no other, and forward and backward
+    give the float64 reference's outputs and gradients in strict fp32 (ragged lengths, layer norm where the cell has
+    it): whole rows staged at B = 8, chunks in two buffers at B = 64, and buffers refilled at B = 128."""
+    from dtmt_kernels.ops.transition.persistent import persistent_launches
+
+    if "cuda" not in dk.available_backends():
+        pytest.skip("the cuda backend is not built")
+    if os.environ.get("DTMT_CUDA_RECURRENCE") != "persistent-multicast":
+        pytest.skip("the stage read once a cluster is not asked for (DTMT_CUDA_RECURRENCE=persistent-multicast)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the bulk copies' multicast is code for sm_90a")
+    plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, multicast=2)
+    assert plan.fits and plan.multicast == 2 and plan.grid % 2 == 0, str(plan)
+    layer, x, h0, mask, ref, g = _ragged_case(cell, depth, 32, H, B, T, seed=17)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    launched = persistent_launches()
+    try:
+        got, _ = _run(layer.cuda(), x.cuda(), h0.cuda(), mask.cuda(), None, True, "cuda", g[0].float(), g[1].float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    now = persistent_launches()
+    assert {k: now[k] - launched[k] for k in now} == {"grid": 0, "cluster": 0, "refused": 0, "multicast": 2}, (
+        launched, now)
     _assert_relative_errors(ref, got, 1e-4)
 
 

@@ -50,7 +50,9 @@ class PersistentPlan:
     cluster's (else one block per SM and the grid's barrier). `forward_stage` / `backward_stage`: with FMA products,
     the columns of each batch row of the vectors every product reads (the state; the gradients, as long as the
     longest U-path) that the block stages in the shared memory the matrices leave (at most 32 KB: whole rows, or a
-    multiple of 32 columns at a time; 0: none, the products read them from global memory)."""
+    multiple of 32 columns at a time; 0: none, the products read them from global memory). `multicast` > 1: the grid
+    form in thread-block clusters of that many blocks, which read each chunk of the stage from L2 once a cluster
+    (docs/design/persistent_recurrence.md, "The stage read once a cluster"); 1: each block its own."""
 
     fits: bool
     grid: int
@@ -69,6 +71,7 @@ class PersistentPlan:
     cluster: bool = False
     forward_stage: int = 0
     backward_stage: int = 0
+    multicast: int = 1
 
     def __str__(self) -> str:
         kb = lambda n: f"{n / 1024:.0f}"   # noqa: E731
@@ -83,7 +86,8 @@ class PersistentPlan:
         staged = self.forward_stage or self.backward_stage
         products = ("tensor cores" if self.tensor_cores else "FMA" if not staged else
                     f"FMA, staging {self.forward_stage or 'none'} / {self.backward_stage or 'none'} columns a row")
-        form = ", one cluster" if self.cluster else ""
+        form = (", one cluster" if self.cluster else
+                f", in clusters of {self.multicast} reading the stage once" if self.multicast > 1 else "")
         if self.fits:
             return f"persistent{form}: {self.grid} blocks of {self.slice} units; {need}; {products}"
         return f"per-step: {self.grid} blocks of {self.slice} units would need {need}; {products}"
@@ -104,7 +108,7 @@ def _device_limits(device) -> tuple:
 def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union[torch.dtype, str] = torch.float32,
                     *, device: Optional[Union[int, str, torch.device]] = None, multiprocessors: Optional[int] = None,
                     shared_memory: Optional[int] = None, tensor_cores: Optional[bool] = None,
-                    l2_cache: Optional[int] = None, cluster: int = 0) -> PersistentPlan:
+                    l2_cache: Optional[int] = None, cluster: int = 0, multicast: int = 1) -> PersistentPlan:
     """The persistent plan of one direction of a layer: base `cell` ("gru", "lgru", "lau", "atr") with `depth`
     T-GRUs, `batch` rows, `hidden` units, `dtype` storage. The device's SM count and the shared memory a block may
     opt into come from `device` (a CUDA device; default the current one), or are given (`multiprocessors`,
@@ -113,7 +117,10 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     `tensor_cores` defaults to the driver's choice at this moment (torch's TF32 flag for float32; a device of compute
     capability 8.0 or up, assumed where none is given). `cluster` > 0: the cluster form, one thread-block cluster of
     at most that many blocks (16 on an H100 / H200, the driver's choice under DTMT_CUDA_RECURRENCE=
-    persistent-cluster; compute capability 9.0 and up) instead of one block per SM."""
+    persistent-cluster; compute capability 9.0 and up) instead of one block per SM. `multicast` > 1: the grid form in
+    thread-block clusters of that many blocks reading the FMA products' stage once a cluster (the driver's 2 under
+    DTMT_CUDA_RECURRENCE=persistent-multicast): a grid of whole clusters, every block owning units; 1 with tensor
+    cores, or where no such grid exists."""
     if _C is None:
         raise RuntimeError("dtmt_kernels: the compiled extension did not load; the persistent plan is its arithmetic")
     if cell not in CELL_KINDS:
@@ -139,26 +146,31 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     if not isinstance(cluster, int) or not 0 <= cluster <= _C.PERSISTENT_CLUSTER_MAX_BLOCKS:
         raise ValueError(f"cluster must be an integer from 0 to {_C.PERSISTENT_CLUSTER_MAX_BLOCKS} (blocks of one "
                          f"thread-block cluster; 0: the grid form), got {cluster!r}")
+    if not isinstance(multicast, int) or not 1 <= multicast <= _C.PERSISTENT_CLUSTER_MAX_BLOCKS or (
+            multicast > 1 and cluster):
+        raise ValueError(f"multicast must be an integer from 1 to {_C.PERSISTENT_CLUSTER_MAX_BLOCKS} (blocks of a "
+                         f"cluster sharing the stage, in the grid form: not with cluster), got {multicast!r}")
     storage = torch.empty((), dtype=dtype).element_size()
     if tensor_cores is None:   # the driver's rule (16-bit always, float32 where TF32 is allowed, float64 never)
         tensor_cores = _C.persistent_tensor_cores(storage, major)
     accumulation = 8 if dtype == torch.float64 else 4
-    grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill, in_cluster, fstage, bstage = _C.persistent_plan(
+    grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill, in_cluster, fstage, bstage, shared = _C.persistent_plan(
         KINDS[cell], depth, batch, hidden, storage, accumulation, multiprocessors, shared_memory, tensor_cores,
-        _C.PERSISTENT_THREADS, l2_cache, cluster)
+        _C.PERSISTENT_THREADS, l2_cache, cluster, multicast)
     return PersistentPlan(bool(fits), grid, slice_, fwd, bwd, shared_memory, multiprocessors, tensor_cores, depth + 1,
-                          fres, bres, fspill, bspill, l2_cache, bool(in_cluster), fstage, bstage)
+                          fres, bres, fspill, bspill, l2_cache, bool(in_cluster), fstage, bstage, shared)
 
 
 def persistent_launches() -> dict:
     """How many of this process's cuda-backend forwards and backwards ran as persistent launches, in the grid form
-    (`grid`) and in the cluster form (`cluster`), and how many persistent launches the device refused (`refused`:
-    the grid form or the per-step path ran instead); the per-step runs are not counted. All zero where the extension
+    (`grid`), in the cluster form (`cluster`) and in the grid form's clusters that read the stage once a cluster
+    (`multicast`), and how many persistent launches the device refused (`refused`: the grid form or the per-step
+    path ran instead); the per-step runs are not counted. All zero where the extension
     has no CUDA kernels. Which form ran, for the GPU tests and benchmarks/bench_persistent.py."""
     if _C is None or not getattr(_C, "has_cuda", False):
-        return {"grid": 0, "cluster": 0, "refused": 0}
-    grid, cluster, refused = _C.persistent_launches()
-    return {"grid": grid, "cluster": cluster, "refused": refused}
+        return {"grid": 0, "cluster": 0, "refused": 0, "multicast": 0}
+    grid, cluster, refused, multicast = _C.persistent_launches()
+    return {"grid": grid, "cluster": cluster, "refused": refused, "multicast": multicast}
 
 
 ENVELOPE_LAYERS = (("GRU", "gru", 0), ("ATR", "atr", 0), ("DT d4 (L-GRU + 4 T-GRUs)", "lgru", 4))

@@ -54,7 +54,7 @@
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
 # limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 60 + 120 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-multicast
+# 180 + 60 + 150 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-multicast
 # 180 + 300 s, persistent-profile 3 x 100 s,
 # decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
@@ -257,7 +257,7 @@ if want persistent; then
   echo "== the barrier alone (benchmarks/barrier_probe.cu: grid and cluster form, no work between barriers)"
   run_probe barrier_probe 60
   echo "== where a persistent step's time goes (benchmarks/phase_probe.cu: the kernels with their phase clock)"
-  run_probe phase_probe 120
+  run_probe phase_probe 150
   echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32, then TF32, on every side)"
   timeout 300 "$PY" benchmarks/bench_persistent.py --math strict tf32 --out "$OUT/persistent" 2>&1 \
     | tee "$OUT/persistent.md" || status=1

@@ -649,21 +649,28 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
   constexpr size_t kWide = sizeof(Bytes16) / sizeof(T);
 #if defined(DTMT_STAGE_MULTICAST)
   const bool shared = share.blocks > 1 && stage != nullptr && ldv % kWide == 0 && K % kWide == 0 &&
-                      reinterpret_cast<size_t>(v) % sizeof(Bytes16) == 0;
+                      chunk % kWide == 0 && reinterpret_cast<size_t>(v) % sizeof(Bytes16) == 0;
   // the phases of the two buffers' mbarriers this block has waited for: kept in shared memory between calls, read
-  // after the call's first cluster barrier (thread 0 writes them at the end, past a block barrier every thread meets
-  // after its read)
+  // at the call's first barrier (thread 0 writes them at the end, past a block barrier every thread meets after its
+  // read)
   unsigned done0 = 0, done1 = 0;   // (two values, not an array indexed at run time: registers, not local memory)
-  bool counted = false;
-  auto barrier_before_refill = [&] {   // (the readers of a buffer, in every block of the cluster, are done)
-    if (shared) {
+  {
+    const unsigned* counts = shared ? reinterpret_cast<const unsigned*>(share.bars + 2) : nullptr;
+    done0 = shared ? counts[0] : 0;
+    done1 = shared ? counts[1] : 0;
+  }
+  // Before a buffer takes new copies, its readers in every block of the cluster are done: a cluster barrier (block
+  // barriers where each block copies its own). Not before the call's first copy: the vectors a call reads are written
+  // by other blocks, so a grid barrier lies between every call and the one before it, in all blocks. Every thread
+  // fences its part of the block's generic shared-memory accesses before it (the buffer may have been filled by
+  // a call whose rows could not be bulk-copied, its own cp.async copies, before the bulk copies' async proxy writes
+  // into it).
+  auto barrier_before_refill = [&](bool first) {
+    if (shared && !first) {
+#if !defined(DTMT_CUDA_EMULATION)
+      ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);
+#endif
       stage_cluster_sync();
-      if (!counted) {
-        const unsigned* counts = reinterpret_cast<const unsigned*>(share.bars + 2);
-        done0 = counts[0];
-        done1 = counts[1];
-        counted = true;
-      }
     } else {
       __syncthreads();
     }
@@ -687,14 +694,14 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
 #else
   (void)share;
   (void)kWide;
-  auto barrier_before_refill = [] { __syncthreads(); };
+  auto barrier_before_refill = [](bool) { __syncthreads(); };
   auto issue = [&](int c0, int cn, T* buf) { stage_issue(v, ldv, V, c0, cn, pitch, tc, buf); };
   auto wait = [](T*, int pending) { stage_wait(pending); };
 #endif
   // (the barriers before a refill are the stage's time in the phase clock: a cluster's wait for its slowest block)
   if (whole) {
     phase_mark(kPhaseProducts);
-    barrier_before_refill();   // (the stage's last readers are done)
+    barrier_before_refill(true);   // (the stage's last readers are done)
     issue(0, K, stage);
     wait(stage, 0);
     __syncthreads();
@@ -780,7 +787,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
     const bool chunked = stage != nullptr && !whole;
     if (chunked) {
       phase_mark(kPhaseProducts);
-      barrier_before_refill();   // (the stage's last readers are done)
+      barrier_before_refill(pass == 0);   // (the stage's last readers are done)
       issue(0, chunk, stage);
       phase_mark(kPhaseStage);
     }
@@ -809,7 +816,7 @@ __device__ __forceinline__ void block_dots(int M, int V, int K, Live live, RowOf
         // the blocks write into each other's buffers)
         if (c0 + 2 * chunk < K) {
           phase_mark(kPhaseProducts);
-          barrier_before_refill();
+          barrier_before_refill(false);
           phase_mark(kPhaseStage);
         } else {
           __syncthreads();

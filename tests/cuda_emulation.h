@@ -90,7 +90,6 @@ struct Scheduler {
   // mbarrier wait does, and runs again at each round)
   enum Wait : char { kRunning, kAtBlock, kAtCluster, kAtGrid, kSpinning };
   std::vector<char> wait;
-  long grid_phase = 0;    // grid barriers passed: bulk copies land at their issue in odd phases, at the wait in even
   long events = 0;        // a fiber that went on, a barrier released, an mbarrier's phase completed
   // mbarriers (mbar_init) by (block, offset in its shared memory): arrivals left in the phase, the bytes it still
   // expects (negative while copies are ahead of their expect_tx), its phase, and the copies that land when it completes
@@ -276,10 +275,11 @@ inline unsigned char* dtmt_emu::dynamic_smem() {
 // A cooperative launch's mbarriers (mbarrier.* on a GPU: a phase completes once its arrivals are in and the bytes it
 // was told to expect have landed) and bulk copies from global into shared memory multicast to blocks of the cluster
 // (cp.async.bulk ... multicast::cluster: the same offset in each destination block's shared memory, each one's
-// mbarrier at the offset of the issuer's told of the bytes). In odd grid phases a copy lands when it is issued, in
-// even ones when a thread of its destination block first sees the phase it counts toward complete (try_wait): a
-// copy into a buffer its block still reads (a cluster barrier missing) overwrites it in the one, and a read before
-// the wait (by its thread, or by another before a block barrier after it) sees the old values in the other. A copy to
+// mbarrier at the offset of the issuer's told of the bytes). A copy toward an odd phase of its destination's mbarrier
+// lands when it is issued, toward an even one when a thread of the destination block first sees that phase complete
+// (try_wait): a copy into a buffer its block still reads (a cluster barrier missing; the scheduler runs one block of a
+// cluster as far as it goes) overwrites it in the one, and a read before the wait (by its thread, or by another
+// before a block barrier after it) sees the old values in the other; each buffer's mbarrier takes both in turn. A copy to
 // a block whose mbarrier is not initialized, a misaligned one and a wait that can never end throw; so does a block
 // that ends with copies into it not waited for.
 namespace dtmt_emu {
@@ -359,13 +359,12 @@ inline void bulk_copy_multicast(void* dst, const void* src, unsigned bytes, uint
     fiber_fail("emulated cp.async.bulk: 16-byte aligned addresses and sizes, inside shared memory");
   const int first = static_cast<int>(blockIdx.x) - cluster_rank(), blocks = cluster_blocks();
   if (mask == 0 || mask >> blocks) fiber_fail("emulated cp.async.bulk: a multicast mask past the cluster");
-  const bool now = s.grid_phase & 1;
   for (int r = 0; r < blocks; ++r) {
     if (!(mask >> r & 1u)) continue;
     Scheduler::Mbar* m = find_mbar(first + r, bar_off);
     if (m == nullptr) fiber_fail("emulated cp.async.bulk: to a block whose mbarrier is not initialized");
     unsigned char* to = smem_base(s.block_smem[first + r].get()) + dst_off;
-    if (now) {
+    if (m->phase & 1) {   // (odd phases of the destination's mbarrier: at the issue; even ones: at the wait)
       std::memcpy(to, src, bytes);
     } else {
       m->landings.push_back({to, src, bytes, m->phase});
@@ -457,7 +456,7 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
 // cluster's blocks). Between two grid barriers the clusters run one after another (a block is a cluster of one),
 // in an order that alternates with the phase; a cluster's threads in rounds, each running thread going on to its
 // next barrier or wait, a polling one (an mbarrier's wait) again each round, in an order that alternates with the
-// round, the block and the phase (in odd phases one block of a cluster at a time, until it waits on the others);
+// round, the block and the phase (a cluster's blocks one at a time, each until it waits on the others);
 // a block barrier opens once every thread of the block that has not ended waits at it, a cluster's once all of the
 // cluster's do.
 template <typename Kernel, typename Arg>
@@ -490,13 +489,12 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
   for (int f = 0; f < fibers; ++f) start_fiber(s, f);
   const int per = cluster ? 1 : cluster_blocks, clusters = grid / per;
   for (int phase = 0;; ++phase) {
-    s.grid_phase = phase;
     for (int i = 0; i < clusters; ++i) {
       const int c = (phase & 1) ? clusters - 1 - i : i;
-      // this cluster's threads, round after round, until each has ended or waits at the grid barrier; in odd phases
-      // one block of a cluster at a time, as far as it goes (until it waits on the others), so that a block runs
-      // ahead of the others as far as its barriers allow
-      const bool greedy = per > 1 && (phase & 1);
+      // this cluster's threads, round after round, until each has ended or waits at the grid barrier; one block of a
+      // cluster at a time, as far as it goes (until it waits on the others), so that a block runs ahead of the
+      // others as far as its barriers allow
+      const bool greedy = per > 1;
       int current = (phase / 2) % per, idle = 0;
       for (int round = 0;; ++round) {
         const long before = s.events;

@@ -1,11 +1,14 @@
 // The persistent kernels' barrier alone (issue 72; docs/design/persistent_recurrence.md, "First run on a GPU"):
 // persistent_barrier of csrc/persistent_cuda_kernels.cuh, launched by launch_persistent as the kernels are, in the
 // grid form (a cooperative launch, a block per SM) and the cluster form (one cluster of 16 blocks; compute capability
-// 9.0 and up), 256 threads a block, with no work between two barriers. bench_persistent.py bounds the barrier from
+// 9.0 and up), 256 threads a block, with no work between two barriers; and the launch of the stage read once a
+// cluster (a cooperative launch in clusters of 2: code for sm_90a, -DDTMT_SM90A; "The stage read once a cluster"),
+// each round a grid barrier and a cluster barrier, the first run of that launch on a device. bench_persistent.py bounds the barrier from
 // above by a GRU step of one unit a block; the difference between the two is the step's own latency (its loads of
 // what other blocks wrote, its products, its stores).
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc benchmarks/barrier_probe.cu -o /tmp/barrier_probe && /tmp/barrier_probe
+//   nvcc -std=c++17 -O3 -arch=sm_90a -DDTMT_SM90A -Icsrc benchmarks/barrier_probe.cu -o /tmp/barrier_probe && \
+//     /tmp/barrier_probe
 //
 // Prints, per form, µs a barrier: (time of a launch of 20,000 barriers - time of a launch of none) / 20,000, each
 // the median of 5 launches timed by CUDA events. Needs a CUDA device (gpu_session.sh's persistent stage runs it).
@@ -19,11 +22,14 @@ struct ProbeArgs {
   int rounds;
   bool cluster;        // (read by launch_persistent: the cluster form)
   int* out;
-  int multicast = 1;   // (launch_persistent's clusters sharing the products' stage: none here)
+  int multicast = 1;   // (launch_persistent's clusters of the stage read once a cluster: a cooperative launch in them)
 };
 
 __global__ void probe_kernel(ProbeArgs a) {
-  for (int i = 0; i < a.rounds; ++i) dtmt::cuda::persistent_barrier(a.cluster);
+  for (int i = 0; i < a.rounds; ++i) {
+    dtmt::cuda::persistent_barrier(a.cluster);
+    if (a.multicast > 1) dtmt::cuda::stage_cluster_sync();
+  }
   if (threadIdx.x == 0 && blockIdx.x == 0) *a.out = a.rounds;
 }
 
@@ -68,17 +74,23 @@ int main() {
   std::printf("# %s, %d SMs: persistent_barrier alone, 256 threads a block, %d barriers a launch, median of 5\n",
               prop.name, sms, rounds);
   std::printf("| form | blocks | µs a barrier |\n|---|---:|---:|\n");
-  for (int form = 0; form < 2; ++form) {
+  for (int form = 0; form < 3; ++form) {
     const bool cluster = form == 1;
-    if (cluster && major < 9) {
-      std::printf("| cluster | 16 | (compute capability %d: no clusters) |\n", major);
+    const int multicast = form == 2 ? 2 : 1;
+    const char* name = form == 0 ? "grid" : form == 1 ? "cluster" : "grid in clusters of 2 (grid + cluster barrier)";
+    if (form > 0 && major < 9) {
+      std::printf("| %s | | (compute capability %d: no clusters) |\n", name, major);
       continue;
     }
-    const int grid = cluster ? dtmt::cuda::kClusterMaxBlocks : sms;
-    const float none = median_ms(ProbeArgs{0, cluster, out}, grid);
-    const float all = median_ms(ProbeArgs{rounds, cluster, out}, grid);
-    if (none < 0 || all < 0) return 1;
-    std::printf("| %s | %d | %.2f |\n", cluster ? "cluster" : "grid", grid, (all - none) * 1000.0f / rounds);
+    const int grid = cluster ? dtmt::cuda::kClusterMaxBlocks : sms / multicast * multicast;
+    const float none = median_ms(ProbeArgs{0, cluster, out, multicast}, grid);
+    const float all = none < 0 ? -1.0f : median_ms(ProbeArgs{rounds, cluster, out, multicast}, grid);
+    if (none < 0 || all < 0) {
+      if (form < 2) return 1;
+      std::printf("| %s | %d | (the launch failed, above) |\n", name, grid);
+      continue;
+    }
+    std::printf("| %s | %d | %.2f |\n", name, grid, (all - none) * 1000.0f / rounds);
   }
   cudaFree(out);
   return 0;

@@ -69,7 +69,8 @@
 # unmeasured: the products' second form, the stage's overlapped chunks, the spread layer-norm join: phase_probe.md's
 # products, stage and norm columns against RESULTS.md's sixth session; the tensor-core products' K split and loads a
 # round ahead: its TF32 and bf16 rows against its FMA rows; the stage read once a cluster of 2 or 4 (code for sm_90a,
-# the first build for 9.0a): its rows "staged once a cluster" against "staged"; and the build's time against 133 s,
+# the first build for 9.0a): barrier_probe.md's row "grid in clusters of 2" says whether that cooperative launch in
+# clusters runs at all, phase_probe.md's rows "staged once a cluster" against "staged" what it gains; and the build's time against 133 s,
 # the persistent kernels now four units built in parallel, for 9.0a), then at once `tests` (193 s there: every GPU
 # test); with more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its
 # device time goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the

@@ -96,11 +96,13 @@ def test_persistent_kernels_link_without_rdc(tmp_path):
 
 @needs_nvcc
 def test_barrier_probe_builds(tmp_path):
-    """benchmarks/barrier_probe.cu (the persistent kernels' barrier alone, grid and cluster form: gpu_session.sh's
-    persistent stage builds and runs it on the GPU) compiles and links for sm_90 as that stage builds it."""
+    """benchmarks/barrier_probe.cu (the persistent kernels' barrier alone, grid and cluster form, and the cooperative
+    launch in clusters of the stage read once a cluster: gpu_session.sh's persistent stage builds and runs it on the
+    GPU) compiles and links for sm_90a as that stage builds it on an H100 / H200, and for sm_90."""
     probe = os.path.join(ROOT, "benchmarks", "barrier_probe.cu")
-    run_compile([NVCC, "-std=c++17", "-O3", "-arch=sm_90", f"-I{CSRC}", probe, "-o", str(tmp_path / "barrier_probe")])
-    assert (tmp_path / "barrier_probe").stat().st_size > 0
+    for arch in (["-arch=sm_90a", "-DDTMT_SM90A"], ["-arch=sm_90"]):
+        run_compile([NVCC, "-std=c++17", "-O3", *arch, f"-I{CSRC}", probe, "-o", str(tmp_path / "barrier_probe")])
+        assert (tmp_path / "barrier_probe").stat().st_size > 0
 
 
 @needs_nvcc

@@ -903,7 +903,8 @@ def test_persistent_stage_read_once_a_cluster_emulated(emulated_cuda_ext, B, H, 
 @pytest.mark.slow
 def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
     """block_dots and join_blocks shuffle across whole warps: a persistent launch of 16 or 48 threads a block is
-    refused, forward and backward, with a one-line error that names the count (the driver launches 256)."""
+    refused, forward and backward, with a one-line error that names the count (the driver launches 256); so are
+    clusters sharing the stage that do not divide the grid or pass a cluster's 16 blocks."""
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_layer
     from dtmt_kernels.ops.transition import KINDS, flat_params
@@ -922,6 +923,15 @@ def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
         with pytest.raises(RuntimeError, match=f"persistent backward needs a whole number of warps a block, got "
                                                f"{threads} threads"):
             emulated_cuda_ext.backward_persistent(*back, 4, threads, -1, False)
+    # clusters sharing the stage must divide the grid (4 blocks of 10 units at H = 37): 3 does not, 17 is past a
+    # cluster's most (the tests' `cluster` argument: n >= 2 asks for the grid form in clusters of n)
+    for blocks in (3, 17):
+        for direction, run in (("forward", lambda: emulated_cuda_ext.forward_persistent(*args, 4, 32, -1, blocks)),
+                               ("backward", lambda: emulated_cuda_ext.backward_persistent(*back, 4, 32, -1, blocks))):
+            with pytest.raises(RuntimeError, match=f"the persistent {direction}'s clusters sharing the stage must be 1 "
+                                                   f"to 16 blocks dividing the grid, in the grid form; got {blocks} "
+                                                   f"for a grid of 4"):
+                run()
 
 
 @pytest.mark.slow

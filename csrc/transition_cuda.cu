@@ -626,7 +626,14 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
                               "(DTMT_CUDA_RECURRENCE=persistent-cluster)"));
     }
   }
-  const bool multicast = cluster && recurrence_requested() == Recurrence::kPersistentMulticast;
+  bool multicast = cluster && recurrence_requested() == Recurrence::kPersistentMulticast;
+#if !defined(DTMT_SM90A) && !defined(DTMT_CUDA_EMULATION)
+  if (multicast) {   // (the bulk copies' multicast is code for sm_90a: setup.py's DTMT_SM90A)
+    TORCH_WARN_ONCE("dtmt: DTMT_CUDA_RECURRENCE=persistent-multicast needs the extension built for sm_90a "
+                    "(TORCH_CUDA_ARCH_LIST=9.0a): the grid form of the persistent launches is tried");
+    multicast = false;
+  }
+#endif
   if (multicast && limits.cluster_blocks == 0)
     TORCH_WARN_ONCE("dtmt: this device has no thread-block clusters: the grid form of the persistent launches is "
                     "tried (DTMT_CUDA_RECURRENCE=persistent-multicast)");

@@ -1,10 +1,10 @@
 // The persistent kernels' barrier alone (issue 72; docs/design/persistent_recurrence.md, "First run on a GPU"):
-// persistent_barrier of csrc/persistent_cuda_kernels.cuh, launched by launch_persistent as the kernels are, in the
-// grid form (a cooperative launch, a block per SM) and the cluster form (one cluster of 16 blocks; compute capability
-// 9.0 and up), 256 threads a block, with no work between two barriers; and the launch of the stage read once a
-// cluster (a cooperative launch in clusters of 2: code for sm_90a, -DDTMT_SM90A; "The stage read once a cluster"),
-// each round a grid barrier and a cluster barrier, the first run of that launch on a device. bench_persistent.py bounds the barrier from
-// above by a GRU step of one unit a block; the difference between the two is the step's own latency (its loads of
+// persistent_barrier of csrc/persistent_cuda_kernels.cuh, launched by launch_persistent as the kernels are, in the grid
+// form (a cooperative launch, a block per SM) and the cluster form (one cluster of 16 blocks; compute capability 9.0
+// and up), 256 threads a block, with no work between two barriers; and the launch of the stage read once a cluster (a
+// cooperative launch in clusters of 2: code for sm_90a, -DDTMT_SM90A; "The stage read once a cluster"), each round a
+// grid barrier and a cluster barrier, the first run of that launch on a device. bench_persistent.py bounds the barrier
+// from above by a GRU step of one unit a block; the difference between the two is the step's own latency (its loads of
 // what other blocks wrote, its products, its stores).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90a -DDTMT_SM90A -Icsrc benchmarks/barrier_probe.cu -o /tmp/barrier_probe && \

@@ -70,11 +70,11 @@
 # products, stage and norm columns against RESULTS.md's sixth session; the tensor-core products' K split and loads a
 # round ahead: its TF32 and bf16 rows against its FMA rows; the stage read once a cluster of 2 or 4 (code for sm_90a,
 # the first build for 9.0a): barrier_probe.md's row "grid in clusters of 2" says whether that cooperative launch in
-# clusters runs at all, phase_probe.md's rows "staged once a cluster" against "staged" what it gains; and the build's time against 133 s,
-# the persistent kernels now four units built in parallel, for 9.0a), then at once `tests` (193 s there: every GPU
-# test); with more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its
-# device time goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in the
-# sessions after, `persistent-multicast` (its GPU tests and its table against the grid form at B = 8, 64, 256; the
+# clusters runs at all, phase_probe.md's rows "staged once a cluster" against "staged" what it gains; and the build's
+# time against 133 s, the persistent kernels now four units built in parallel, for 9.0a), then at once `tests` (193 s
+# there: every GPU test); with more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and
+# where its device time goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in
+# the sessions after, `persistent-multicast` (its GPU tests and its table against the grid form at B = 8, 64, 256; the
 # first launch of the cooperative form in clusters), `persistent-profile persistent-bf16 graphs` (issue 72 item 1's
 # device and graphed times, the H = 1024 goal; issue 73 item 1), `decode` (with 16-bit decoding: item 5's bf16),
 # `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s), `persistent-cluster`, `amp`,

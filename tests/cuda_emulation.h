@@ -30,9 +30,11 @@
 // some the grid barrier), or blocks of which some end while others wait at the grid barrier, throw.
 //
 // Cluster launches (launch_cluster: the persistent kernels' cluster form, one thread-block cluster of at most 16
-// blocks) run the same way with cluster_sync() as the barrier of all the launch's blocks; a grid_sync() in a cluster
-// launch, a cluster_sync() in a cooperative one and a cluster of more than 16 blocks throw, as none of them is valid
-// on a GPU.
+// blocks) run the same way with cluster_sync() as the barrier of all the launch's blocks. Cooperative launches in
+// clusters (launch_cooperative_clusters: the stage read once a cluster) have both barriers, cluster_sync() a
+// cluster's, and mbarriers with bulk copies multicast to a cluster's blocks (below); a grid_sync() in a cluster
+// launch, a cluster_sync() in a cooperative one without clusters and a cluster of more than 16 blocks throw, as none
+// of them is valid on a GPU.
 #pragma once
 
 #include <ucontext.h>
@@ -92,7 +94,8 @@ struct Scheduler {
   std::vector<char> wait;
   long events = 0;        // a fiber that went on, a barrier released, an mbarrier's phase completed
   // mbarriers (mbar_init) by (block, offset in its shared memory): arrivals left in the phase, the bytes it still
-  // expects (negative while copies are ahead of their expect_tx), its phase, and the copies that land when it completes
+  // expects (negative while copies are ahead of their expect_tx), its phase, and the copies not landed yet (they land
+  // at a wait that sees their phase complete)
   struct Mbar {
     unsigned count = 0, pending = 0, phase = 0;
     long long tx = 0;
@@ -279,9 +282,9 @@ inline unsigned char* dtmt_emu::dynamic_smem() {
 // lands when it is issued, toward an even one when a thread of the destination block first sees that phase complete
 // (try_wait): a copy into a buffer its block still reads (a cluster barrier missing; the scheduler runs one block of a
 // cluster as far as it goes) overwrites it in the one, and a read before the wait (by its thread, or by another
-// before a block barrier after it) sees the old values in the other; each buffer's mbarrier takes both in turn. A copy to
-// a block whose mbarrier is not initialized, a misaligned one and a wait that can never end throw; so does a block
-// that ends with copies into it not waited for.
+// before a block barrier after it) sees the old values in the other; each buffer's mbarrier takes both in turn. A
+// copy to a block whose mbarrier is not initialized, a misaligned one and a wait that can never end throw; so does a
+// block that ends with copies into it not waited for.
 namespace dtmt_emu {
 inline size_t smem_offset(const void* p, const char* what) {
   Scheduler& s = *scheduler;

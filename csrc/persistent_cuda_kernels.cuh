@@ -409,7 +409,7 @@ __device__ __forceinline__ void stage_copy_async(const T* v, size_t ldv, int row
 #endif
 // stage_issue starts the copies (asynchronous ones are still in flight when it returns: one commit group a call,
 // also where the copies went through registers, so that stage_wait counts calls); stage_wait(pending) returns once
-// this thread's copies of all but the last `pending` calls are made. stage_rows is the two at once.
+// this thread's copies of all but the last `pending` calls are made.
 template <typename T>
 __device__ __forceinline__ void stage_issue(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, int tc,
                                             T* stage) {
@@ -434,12 +434,6 @@ __device__ __forceinline__ void stage_wait(int pending) {
 #else
   (void)pending;
 #endif
-}
-template <typename T>
-__device__ __forceinline__ void stage_rows(const T* v, size_t ldv, int rows, int c0, int cn, int pitch, int tc,
-                                           T* stage) {
-  stage_issue(v, ldv, rows, c0, cn, pitch, tc, stage);
-  stage_wait(0);
 }
 
 // ------------------------------------------------------------------------------ the stage shared by a cluster
@@ -1464,24 +1458,21 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
 }
 
 #if !defined(DTMT_CUDA_EMULATION)
-// The grid form in thread-block clusters of a.multicast blocks whose stage is read once a cluster (StageShare): a
-// cooperative launch with a cluster dimension (cudaLaunchKernelEx with both attributes). Refused (an error the caller
-// falls back from) where the code has no bulk multicast (built without sm_90a: DTMT_SM90A, which setup.py defines for
-// TORCH_CUDA_ARCH_LIST=9.0a), where its blocks do not make whole clusters, or where the device cannot hold that many
-// clusters at once (a cluster's blocks share a GPC).
+// A launch of `grid` blocks in thread-block clusters of `blocks` (cudaLaunchKernelEx with the cluster dimension; above
+// 8 blocks the non-portable attribute), `cooperative` where its grid barrier is needed too (both attributes: the grid
+// form's clusters that read the stage once a cluster). Refused (an error the caller falls back from) where the
+// clusters do not divide the grid or pass kClusterMaxBlocks, where the kernel's code has no clusters (made from PTX
+// below 9.0, a JIT), or where the device cannot hold all of the grid's clusters at once (a cluster's blocks share a
+// GPC).
 template <typename Kernel, typename Arg>
-cudaError_t launch_cooperative_in_clusters(Kernel* kernel, const Arg& a, int grid, int threads, size_t smem,
-                                           cudaStream_t stream) {
-#if !defined(DTMT_SM90A)
-  (void)kernel, (void)a, (void)grid, (void)threads, (void)smem, (void)stream;
-  return cudaErrorNotSupported;
-#else
-  if (a.multicast > kClusterMaxBlocks || grid % a.multicast != 0) return cudaErrorInvalidClusterSize;
+cudaError_t launch_in_clusters(Kernel* kernel, const Arg& a, int grid, int blocks, bool cooperative, int threads,
+                               size_t smem, cudaStream_t stream) {
+  if (blocks < 1 || blocks > kClusterMaxBlocks || grid % blocks != 0) return cudaErrorInvalidClusterSize;
   cudaFuncAttributes attributes{};
   cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
   if (err != cudaSuccess) return err;
   if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return cudaErrorNotSupported;
-  if (a.multicast > 8) {
+  if (blocks > 8) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
   }
@@ -1492,20 +1483,21 @@ cudaError_t launch_cooperative_in_clusters(Kernel* kernel, const Arg& a, int gri
   config.stream = stream;
   cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = a.multicast;
+  attribute[0].val.clusterDim.x = blocks;
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  int clusters = 0;   // clusters the device holds at once: all of the grid's must be resident
+  int clusters = 0;   // clusters of this shape the device holds at once: all of the grid's must be resident
   err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
   if (err != cudaSuccess) return err;
-  if (clusters < grid / a.multicast) return cudaErrorCooperativeLaunchTooLarge;
-  attribute[1].id = cudaLaunchAttributeCooperative;
-  attribute[1].val.cooperative = 1;
-  config.numAttrs = 2;
+  if (clusters < grid / blocks) return cooperative ? cudaErrorCooperativeLaunchTooLarge : cudaErrorInvalidClusterSize;
+  if (cooperative) {
+    attribute[1].id = cudaLaunchAttributeCooperative;
+    attribute[1].val.cooperative = 1;
+    config.numAttrs = 2;
+  }
   return cudaLaunchKernelEx(&config, kernel, a);
-#endif
 }
 #endif
 
@@ -1535,38 +1527,19 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   const std::lock_guard<std::mutex> lock(allowance);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  if (!a.cluster && a.multicast > 1) return launch_cooperative_in_clusters(kernel, a, grid, threads, smem, stream);
-  if (!a.cluster) {
-    Arg arg = a;
-    void* args[] = {&arg};
-    return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), grid, threads, args, smem, stream);
+  if (a.cluster) return launch_in_clusters(kernel, a, grid, grid, false, threads, smem, stream);   // (one cluster)
+  if (a.multicast > 1) {
+    // the grid form in clusters that read the stage once a cluster: code for sm_90a only (setup.py's DTMT_SM90A for
+    // TORCH_CUDA_ARCH_LIST=9.0a), whose bulk copies multicast
+#if defined(DTMT_SM90A)
+    return launch_in_clusters(kernel, a, grid, a.multicast, true, threads, smem, stream);
+#else
+    return cudaErrorNotSupported;
+#endif
   }
-  if (grid < 1 || grid > kClusterMaxBlocks) return cudaErrorInvalidClusterSize;
-  cudaFuncAttributes attributes{};   // code for this device made from PTX below 9.0 (a JIT) has no cluster barrier
-  err = cudaFuncGetAttributes(&attributes, kernel);
-  if (err != cudaSuccess) return err;
-  if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return cudaErrorNotSupported;
-  if (grid > 8) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (err != cudaSuccess) return err;
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid, 1, 1);
-  config.blockDim = dim3(threads, 1, 1);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = grid;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  int clusters = 0;   // whether one such cluster can be placed at all (its blocks on the SMs of one GPC)
-  err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-  if (err != cudaSuccess) return err;
-  if (clusters < 1) return cudaErrorInvalidClusterSize;
-  return cudaLaunchKernelEx(&config, kernel, a);
+  Arg arg = a;
+  void* args[] = {&arg};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), grid, threads, args, smem, stream);
 #endif
 }
 

@@ -857,7 +857,7 @@ def test_persistent_products_spread_over_lanes_emulated(emulated_cuda_ext, B, gr
                          ids=["whole-rows-16-byte-loads", "chunks-16-byte-loads", "chunks-odd-rows"])
 def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, B, H, grid, threads):
     """The persistent launches' FMA products read the vectors every output shares (forward the state, backward the
-    pre-activation gradients) from block_dots' stage in shared memory (stage_rows in
+    pre-activation gradients) from block_dots' stage in shared memory (stage_issue in
     csrc/persistent_cuda_kernels.cuh; the driver's choice wherever the products are not on tensor cores). B = 2,
     H = 40 in float64: whole rows at once, 16-byte loads (two values); B = 64, H = 80: 64 x 80 x 8 bytes is past the
     32 KB of whole rows, so two buffers of half a row rounded up to 32 columns, the next chunk copied while one is

@@ -524,6 +524,24 @@ def test_gpu_persistent_reads_matrices_from_l2(compiled):
     _assert_relative_errors(ref, got, 5e-2)
 
 
+def _strict_fp32_launches(cell, depth, H, B, T, seed):
+    """A ragged layer (_ragged_case) forward and backward on the cuda backend in strict fp32 (TF32 off, restored
+    after): the float64 reference's outputs and gradients, the layer's, and the persistent launches of each form it
+    made (dk persistent_launches, the difference over the run)."""
+    from dtmt_kernels.ops.transition.persistent import persistent_launches
+
+    layer, x, h0, mask, ref, g = _ragged_case(cell, depth, 32, H, B, T, seed=seed)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    launched = persistent_launches()
+    try:
+        got, _ = _run(layer.cuda(), x.cuda(), h0.cuda(), mask.cuda(), None, True, "cuda", g[0].float(), g[1].float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    now = persistent_launches()
+    return ref, got, {k: now[k] - launched[k] for k in now}
+
+
 @pytest.mark.parametrize("cell,depth,H,B,T", [("gru", 0, 512, 8, 256), ("lgru", 2, 256, 4, 7), ("lgru", 1, 37, 5, 64)],
                          ids=["gru-512-T256", "lgru-d2-256", "lgru-d1-37-13-blocks"])
 def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
@@ -534,8 +552,6 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     gradients in strict fp32 (ragged lengths, layer norm; 256 steps of a GRU at H = 512: 16 blocks of 32 units, the
     states and layer-norm partials passed between blocks through global memory across 256 x 2 cluster barriers each
     way; 13 blocks of 3 units at H = 37)."""
-    from dtmt_kernels.ops.transition.persistent import persistent_launches
-
     if "cuda" not in dk.available_backends():
         pytest.skip("the cuda backend is not built")
     if os.environ.get("DTMT_CUDA_RECURRENCE") != "persistent-cluster":
@@ -545,17 +561,8 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, cluster=16)
     blocks = -(-H // -(-H // 16))   # ceil(H / ceil(H / 16))
     assert plan.fits and plan.cluster and plan.grid == blocks, str(plan)
-    layer, x, h0, mask, ref, g = _ragged_case(cell, depth, 32, H, B, T, seed=13)
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    launched = persistent_launches()
-    try:
-        got, _ = _run(layer.cuda(), x.cuda(), h0.cuda(), mask.cuda(), None, True, "cuda", g[0].float(), g[1].float())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
-    now = persistent_launches()
-    assert {k: now[k] - launched[k] for k in now} == {"grid": 0, "cluster": 2, "refused": 0, "multicast": 0}, (
-        launched, now)
+    ref, got, ran = _strict_fp32_launches(cell, depth, H, B, T, seed=13)
+    assert ran == {"grid": 0, "cluster": 2, "refused": 0, "multicast": 0}, ran
     _assert_relative_errors(ref, got, 1e-4)
 
 
@@ -569,8 +576,6 @@ def test_gpu_persistent_stage_read_once_a_cluster(compiled, cell, depth, H, B, T
     says so, the launch counts show the forward and the backward in that form and no other, and forward and backward
     give the float64 reference's outputs and gradients in strict fp32 (ragged lengths, layer norm where the cell has
     it): whole rows staged at B = 8, chunks in two buffers at B = 64, and buffers refilled at B = 128."""
-    from dtmt_kernels.ops.transition.persistent import persistent_launches
-
     if "cuda" not in dk.available_backends():
         pytest.skip("the cuda backend is not built")
     if os.environ.get("DTMT_CUDA_RECURRENCE") != "persistent-multicast":
@@ -579,17 +584,8 @@ def test_gpu_persistent_stage_read_once_a_cluster(compiled, cell, depth, H, B, T
         pytest.skip("the bulk copies' multicast is code for sm_90a")
     plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, multicast=2)
     assert plan.fits and plan.multicast == 2 and plan.grid % 2 == 0, str(plan)
-    layer, x, h0, mask, ref, g = _ragged_case(cell, depth, 32, H, B, T, seed=17)
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    launched = persistent_launches()
-    try:
-        got, _ = _run(layer.cuda(), x.cuda(), h0.cuda(), mask.cuda(), None, True, "cuda", g[0].float(), g[1].float())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
-    now = persistent_launches()
-    assert {k: now[k] - launched[k] for k in now} == {"grid": 0, "cluster": 0, "refused": 0, "multicast": 2}, (
-        launched, now)
+    ref, got, ran = _strict_fp32_launches(cell, depth, H, B, T, seed=17)
+    assert ran == {"grid": 0, "cluster": 0, "refused": 0, "multicast": 2}, ran
     _assert_relative_errors(ref, got, 1e-4)
 
 

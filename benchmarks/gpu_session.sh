@@ -122,6 +122,20 @@ run_probe() {
   fi
 }
 
+# persistent_form FORM BATCHES: the GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent-FORM asked for, then the
+# per-step path, the grid form and FORM in one run (bench_persistent.py), strict fp32 on every side, at BATCHES
+persistent_form() {
+  local form=$1 batches=$2
+  echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent-$form"
+  DTMT_CUDA_RECURRENCE=persistent-$form timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_triton.py 2>&1 | tee "$OUT/persistent_${form}_tests.log" | tail -5 || status=1
+  echo "== bench_persistent --forms grid $form (strict fp32 on every side, B = $batches)"
+  # (the batches as words)
+  # shellcheck disable=SC2086
+  timeout 300 "$PY" benchmarks/bench_persistent.py --math strict --forms grid "$form" --B $batches \
+    --out "$OUT/persistent-$form" 2>&1 | tee "$OUT/persistent_$form.md" || status=1
+}
+
 if want build; then
   echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)"
   start=$SECONDS
@@ -265,27 +279,16 @@ if want persistent; then
 fi
 if want persistent-cluster; then
   # issue 72: the cluster form of the persistent launches (one thread-block cluster of 16 blocks, the cluster's barrier
-  # instead of the grid's; Hopper; docs/design/persistent_recurrence.md, "One cluster"): the GPU kernel tests with it
-  # asked for (a layer that does not fit one cluster takes the grid form), then per-step, grid and cluster forms in one
-  # run, strict fp32, at the batch sizes where the barrier is most of a step
-  echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent-cluster"
-  DTMT_CUDA_RECURRENCE=persistent-cluster timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_triton.py 2>&1 | tee "$OUT/persistent_cluster_tests.log" | tail -5 || status=1
-  echo "== bench_persistent --forms grid cluster (strict fp32 on every side, B = 1, 8, 64)"
-  timeout 300 "$PY" benchmarks/bench_persistent.py --math strict --forms grid cluster --B 1 8 64 \
-    --out "$OUT/persistent-cluster" 2>&1 | tee "$OUT/persistent_cluster.md" || status=1
+  # instead of the grid's; Hopper; docs/design/persistent_recurrence.md, "One cluster"; a layer that does not fit one
+  # cluster takes the grid form), at the batch sizes where the barrier is most of a step
+  persistent_form cluster "1 8 64"
 fi
 if want persistent-multicast; then
   # issue 72: the grid form in thread-block clusters of 2 whose blocks read the products' stage from L2 once a cluster
   # (bulk copies multicast: code for sm_90a, the build's TORCH_CUDA_ARCH_LIST=9.0a on an H100 / H200;
-  # docs/design/persistent_recurrence.md, "The stage read once a cluster"): the GPU kernel tests with it asked for,
-  # then per-step, grid and multicast forms in one run, strict fp32, at the batch sizes where the stage is largest
-  echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent-multicast"
-  DTMT_CUDA_RECURRENCE=persistent-multicast timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_triton.py 2>&1 | tee "$OUT/persistent_multicast_tests.log" | tail -5 || status=1
-  echo "== bench_persistent --forms grid multicast (strict fp32 on every side, B = 8, 64, 256)"
-  timeout 300 "$PY" benchmarks/bench_persistent.py --math strict --forms grid multicast --B 8 64 256 \
-    --out "$OUT/persistent-multicast" 2>&1 | tee "$OUT/persistent_multicast.md" || status=1
+  # docs/design/persistent_recurrence.md, "The stage read once a cluster"), at the batch sizes where the stage is
+  # largest
+  persistent_form multicast "8 64 256"
 fi
 if want persistent-profile; then
   # issue 72 item 1: eager, device (kernel) and graph-replayed time of the cuda backend's per-step path and both

@@ -977,7 +977,8 @@ def _gpu_session_calls():
     with open(path) as f:
         text = f.read()
     values = {"OUT": "/tmp/gpu-out", "dtype": "float32", "math": "strict", "H": "512", "gemm": "rows",
-              "rec": "persistent", "carry": "/tmp/gpu-carry", "peerpath": "/tmp/peers", "PYTHONPATH": ""}
+              "rec": "persistent", "carry": "/tmp/gpu-carry", "peerpath": "/tmp/peers", "PYTHONPATH": "",
+              "form": "cluster", "batches": "1 8 64"}
     calls, joined, first = [], [], None
     for number, raw in enumerate(text.splitlines(), 1):   # (continuation lines joined, numbered by their first)
         first = number if not joined else first

@@ -66,6 +66,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "multicast > 1: the grid form in clusters of that many blocks sharing the stage); dtmt_kernels.persistent_plan "
       "is the Python face");
   m.attr("PERSISTENT_CLUSTER_MAX_BLOCKS") = dtmt::cuda::kClusterMaxBlocks;
+  m.attr("PERSISTENT_PLAN_MAX_DEPTH") = dtmt::cuda::kPlanMaxDepth;
+  m.attr("PERSISTENT_PLAN_MAX_HIDDEN") = dtmt::cuda::kPlanMaxHidden;
+  m.attr("PERSISTENT_PLAN_MAX_ROWS") = dtmt::cuda::kPlanMaxRows;
   m.def(
       "persistent_tensor_cores",
       [](int storage_bytes, int capability_major) {

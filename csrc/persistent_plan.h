@@ -182,6 +182,13 @@ inline bool persistent_tensor_cores(size_t t_bytes, bool tf32_allowed, int capab
 // Threads a block of the persistent launches (8 warps): a first choice, to be measured.
 constexpr int kPersistentThreads = 256;
 
+// The largest sizes the plan takes: its sums stay within int (4 x H, 32-rounded), it runs in microseconds (a loop
+// over the sub-cells a resident count), and no device holds more on chip. A layer past them gets no plan and runs
+// per step; dtmt_kernels.persistent_plan refuses such sizes with their bound.
+constexpr int kPlanMaxDepth = 64;
+constexpr int kPlanMaxHidden = 1 << 20;
+constexpr int kPlanMaxRows = 1 << 24;
+
 // The most blocks one thread-block cluster may hold (Hopper, compute capability 9.0: 16 with the non-portable
 // attribute, 8 portable); the cluster form of the persistent launches is one cluster of at most this many blocks.
 constexpr int kClusterMaxBlocks = 16;
@@ -221,7 +228,9 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
   const int most = !plan.cluster ? multiprocessors : cluster_blocks < kClusterMaxBlocks ? cluster_blocks
                                                                                        : kClusterMaxBlocks;
   const int blocks = most < H ? most : H;
-  if (blocks < 1 || B < 1 || D < 0 || !base_cell(kind)) return plan;   // (an unknown kind: no plan)
+  if (blocks < 1 || B < 1 || D < 0 || !base_cell(kind) || D > kPlanMaxDepth || H > kPlanMaxHidden ||
+      B > kPlanMaxRows)
+    return plan;   // (an unknown kind, or sizes past the plan's: no plan)
   plan.slice = (H + blocks - 1) / blocks;
   plan.grid = (H + plan.slice - 1) / plan.slice;
   if (!plan.cluster && !mma && multicast > 1 && multicast <= kClusterMaxBlocks) {

@@ -1234,17 +1234,32 @@ def test_persistent_plan_of_the_stage_read_once_a_cluster():
 
 @pytest.mark.parametrize("args,kwargs,message", [
     (("sru", 0, 8, 64), {}, "cell must be one of gru, lgru, lau, atr, got 'sru'"),
-    (("gru", -1, 8, 64), {}, "depth must be an integer >= 0, got -1"),
-    (("gru", 0, 0, 64), {}, "batch must be an integer >= 1, got 0"),
+    (("gru", -1, 8, 64), {}, "depth must be an integer from 0 to 64 (deeper layers run per step), got -1"),
+    (("gru", 65, 8, 64), {}, "depth must be an integer from 0 to 64 (deeper layers run per step), got 65"),
+    (("gru", True, 8, 64), {}, "depth must be an integer from 0 to 64 (deeper layers run per step), got True"),
+    (("gru", 0, 0, 64), {}, "batch must be an integer from 1 to 16,777,216, got 0"),
+    (("gru", 0, 2 ** 62, 64), {}, "batch must be an integer from 1 to 16,777,216, got 4611686018427387904"),
+    (("gru", 0, 8, 2 ** 31 - 1), {}, "hidden must be an integer from 1 to 1,048,576, got 2147483647"),
+    (("gru", 0, 8, 64.0), {}, "hidden must be an integer from 1 to 1,048,576, got 64.0"),
+    (("gru", 0, 8, 64), {"multiprocessors": 0}, "multiprocessors must be an integer from 1 to 65,536, got 0"),
+    (("gru", 0, 8, 64), {"multiprocessors": 2 ** 40}, "multiprocessors must be an integer from 1 to 65,536, got "),
+    (("gru", 0, 8, 64), {"shared_memory": -1}, "shared_memory must be an integer from 0 to 281,474,976,710,656 "
+                                               "(bytes a block may opt into), got -1"),
+    (("gru", 0, 8, 64), {"tensor_cores": "yes"}, "tensor_cores must be True, False or None (the driver's choice), "
+                                                 "got 'yes'"),
     (("gru", 0, 8, 64, "int8"), {}, "dtype must be one of float32, float64, bfloat16, float16, got 'int8'"),
     (("gru", 0, 8, 64), {"device": None}, "no CUDA device: give multiprocessors and shared_memory"),
-    (("gru", 0, 8, 64), {"l2_cache": -1}, "l2_cache must be an integer >= 0 (bytes), got -1"),
+    (("gru", 0, 8, 64), {"l2_cache": -1}, "l2_cache must be an integer from 0 to 281,474,976,710,656 (bytes), "
+                                          "got -1"),
     (("gru", 0, 8, 64), {"cluster": 17}, "cluster must be an integer from 0 to 16 (blocks of one thread-block "
                                          "cluster; 0: the grid form), got 17"),
     (("gru", 0, 8, 64), {"multicast": 0}, "multicast must be an integer from 1 to 16 (blocks of a cluster sharing "
                                           "the stage, in the grid form: not with cluster), got 0"),
-    (("gru", 0, 8, 64), {"multicast": 2, "cluster": 16}, "multicast must be an integer from 1 to 16"),
-], ids=["cell", "depth", "batch", "dtype", "no-device", "l2", "cluster", "multicast", "multicast-in-a-cluster"])
+    (("gru", 0, 8, 64), {"multicast": 2, "cluster": 16}, "multicast must be 1 with cluster (the stage is shared in "
+                                                         "the grid form), got 2"),
+], ids=["cell", "depth", "too-deep", "depth-bool", "batch", "too-many-rows", "too-wide", "hidden-float", "no-sms",
+        "too-many-sms", "shared-negative", "tensor-cores-str", "dtype", "no-device", "l2", "cluster", "multicast",
+        "multicast-in-a-cluster"])
 def test_persistent_plan_refuses_bad_arguments(args, kwargs, message):
     """One line naming the argument and the value; without a GPU, the device's numbers are asked for."""
     import dtmt_kernels as dk
@@ -1253,7 +1268,7 @@ def test_persistent_plan_refuses_bad_arguments(args, kwargs, message):
     if "device" in kwargs and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     with pytest.raises(ValueError) as exc:
-        dk.persistent_plan(*args, **numbers, **{k: v for k, v in kwargs.items() if k != "device"})
+        dk.persistent_plan(*args, **{**numbers, **{k: v for k, v in kwargs.items() if k != "device"}})
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
@@ -1296,6 +1311,10 @@ with warnings.catch_warnings(record=True) as caught:
     params = [torch.empty(0, dtype=torch.float64) if p is None else p.detach().contiguous()
               for p in flat_params(layer.direction_weights(0))]
     print("plan:", ext.driver_plan(torch.zeros(3, 3, 3, dtype=torch.float64), KINDS["lgru"], params))
+    deep = make_layer("gru", 3, 2, depth=65, dtype=torch.float64)   # (deeper than the plan takes)
+    params = [torch.empty(0, dtype=torch.float64) if p is None else p.detach().contiguous()
+              for p in flat_params(deep.direction_weights(0))]
+    print("deep plan:", ext.driver_plan(torch.zeros(3, 3, 3, dtype=torch.float64), KINDS["gru"], params))
     for cell, depth in (("lgru", 1), ("atr", 0)):
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=3, T=3, H=9)
     print("launches:", ext.persistent_launches())
@@ -1312,7 +1331,8 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     their cluster form (one cluster of at most 16 blocks: 9 at H = 9), `persistent-multicast` the grid form in
     clusters of 2 blocks sharing the stage (whole clusters: 2 blocks of 5 units, since 4 would leave 3 of 3), and
     they still give the reference's outputs and gradients; `steps` and an unknown value (ignored with a warning
-    naming it) keep the per-step path."""
+    naming it) keep the per-step path; a layer deeper than the plan takes (65 T-GRUs) gets no plan, with a warning
+    under the persistent values."""
     env = {**os.environ, "DTMT_CUDA_RECURRENCE": value}
     res = subprocess.run([sys.executable, "-c", _RECURRENCE_RUN, os.path.dirname(os.path.abspath(__file__)),
                           emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
@@ -1328,6 +1348,11 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     warned = ("DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent, persistent-cluster, "
               "persistent-multicast" in res.stdout + res.stderr)
     assert warned == (value == "sideways"), res.stdout + res.stderr
+    # a layer past the plan's sizes: no plan, the per-step path, said once
+    assert "deep plan: (0, False, 1)" in res.stdout, res.stdout
+    past = ("a layer of H=2, depth 65, B=3 is past the persistent plan's sizes (depth <= 64, H <= 1048576, "
+            "B <= 16777216)")
+    assert (past in res.stdout + res.stderr) == value.startswith("persistent"), res.stdout + res.stderr
 
 
 _FORCED_GEMM_RUN = r"""

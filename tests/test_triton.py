@@ -593,15 +593,20 @@ _UNFIT_LAYER = """
 import warnings, torch
 from conftest import make_layer
 from dtmt_kernels.ops.transition.persistent import persistent_launches
-layer = make_layer("lgru", 8, 2500, depth=1, layer_norm=True, dtype=torch.float32).cuda()
-layer.backend = "cuda"
-x = torch.randn(3, 2, 8, device="cuda", requires_grad=True)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out, h_n = layer(x)
-    out.sum().backward()
-torch.cuda.synchronize()
-assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+caught = []
+# too wide for shared memory; deeper than the plan's bound
+for layer in (make_layer("lgru", 8, 2500, depth=1, layer_norm=True, dtype=torch.float32),
+              make_layer("gru", 8, 4, depth=65, dtype=torch.float32)):
+    layer = layer.cuda()
+    layer.backend = "cuda"
+    x = torch.randn(3, 2, 8, device="cuda", requires_grad=True)
+    with warnings.catch_warnings(record=True) as these:
+        warnings.simplefilter("always")
+        out, h_n = layer(x)
+        out.sum().backward()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    caught += these
 print(persistent_launches())
 for w in caught:
     print("WARNING", w.message)
@@ -611,7 +616,8 @@ for w in caught:
 @pytest.mark.parametrize("recurrence", ["persistent", "persistent-cluster"])
 def test_gpu_persistent_says_where_a_layer_does_not_fit(compiled, recurrence):
     """A layer the persistent launches cannot hold (L-GRU at H = 2500 with layer norm, fp32: more than one cluster
-    and more than the device's shared memory) runs on the per-step path with a warning that names its sizes, in a
+    and more than the device's shared memory; a GRU with 65 T-GRUs: deeper than the plan takes) runs on the
+    per-step path with a warning that names its sizes, in a
     child process (the switch is read once a process; and a crash there fails this test instead of ending the run).
     The warnings hold numbers: on the H200 image of 2026-11-30 that warning ended the process inside libstdc++
     (docs/design/gpu.md, "Messages from the CUDA unit")."""
@@ -625,6 +631,7 @@ def test_gpu_persistent_says_where_a_layer_does_not_fit(compiled, recurrence):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "'grid': 0, 'cluster': 0" in run.stdout, run.stdout
     assert "a layer of H=2500, depth 1, B=2 needs " in run.stdout, run.stdout
+    assert "a layer of H=4, depth 65, B=2 is past the persistent plan's sizes (depth <= 64" in run.stdout, run.stdout
     if recurrence == "persistent-cluster" and torch.cuda.get_device_capability()[0] >= 9:
         assert "a layer of H=2500, depth 1, B=2 does not fit one thread-block cluster" in run.stdout, run.stdout
 

@@ -105,6 +105,18 @@ def _device_limits(device) -> tuple:
     return props.multi_processor_count, optin, props.major, getattr(props, "L2_cache_size", 0)
 
 
+# Bounds of the numbers persistent_plan takes from the caller (the extension's own bounds for the layer's sizes):
+# beyond any device, and within the int64 arithmetic of the plan.
+_MOST_MULTIPROCESSORS = 1 << 16
+_MOST_BYTES = 1 << 48
+
+
+def _check_count(name: str, value, low: int, high: int, what: str = "") -> None:
+    """ValueError naming `name` unless `value` is an int (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer from {low:,} to {high:,}{what}, got {value!r}")
+
+
 def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union[torch.dtype, str] = torch.float32,
                     *, device: Optional[Union[int, str, torch.device]] = None, multiprocessors: Optional[int] = None,
                     shared_memory: Optional[int] = None, tensor_cores: Optional[bool] = None,
@@ -120,7 +132,8 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     persistent-cluster; compute capability 9.0 and up) instead of one block per SM. `multicast` > 1: the grid form in
     thread-block clusters of that many blocks reading the FMA products' stage once a cluster (the driver's 2 under
     DTMT_CUDA_RECURRENCE=persistent-multicast): a grid of whole clusters, every block owning units; 1 with tensor
-    cores, or where no such grid exists."""
+    cores, or where no such grid exists. A ValueError names an argument out of range: the plan covers depth <= 64,
+    batch <= 2^24, hidden <= 2^20 (the driver runs larger layers per step)."""
     if _C is None:
         raise RuntimeError("dtmt_kernels: the compiled extension did not load; the persistent plan is its arithmetic")
     if cell not in CELL_KINDS:
@@ -131,9 +144,9 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
         dtype = DTYPES[dtype]
     if dtype not in DTYPES.values():
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
-    for name, v in (("depth", depth), ("batch", batch), ("hidden", hidden)):
-        if not isinstance(v, int) or v < (0 if name == "depth" else 1):
-            raise ValueError(f"{name} must be an integer >= {0 if name == 'depth' else 1}, got {v!r}")
+    _check_count("depth", depth, 0, _C.PERSISTENT_PLAN_MAX_DEPTH, " (deeper layers run per step)")
+    _check_count("batch", batch, 1, _C.PERSISTENT_PLAN_MAX_ROWS)
+    _check_count("hidden", hidden, 1, _C.PERSISTENT_PLAN_MAX_HIDDEN)
     major = 8
     if multiprocessors is None or shared_memory is None:
         sms, optin, major, l2 = _device_limits(device)
@@ -141,15 +154,17 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
         shared_memory = optin if shared_memory is None else shared_memory
         l2_cache = l2 if l2_cache is None else l2_cache
     l2_cache = 0 if l2_cache is None else l2_cache
-    if not isinstance(l2_cache, int) or l2_cache < 0:
-        raise ValueError(f"l2_cache must be an integer >= 0 (bytes), got {l2_cache!r}")
-    if not isinstance(cluster, int) or not 0 <= cluster <= _C.PERSISTENT_CLUSTER_MAX_BLOCKS:
-        raise ValueError(f"cluster must be an integer from 0 to {_C.PERSISTENT_CLUSTER_MAX_BLOCKS} (blocks of one "
-                         f"thread-block cluster; 0: the grid form), got {cluster!r}")
-    if not isinstance(multicast, int) or not 1 <= multicast <= _C.PERSISTENT_CLUSTER_MAX_BLOCKS or (
-            multicast > 1 and cluster):
-        raise ValueError(f"multicast must be an integer from 1 to {_C.PERSISTENT_CLUSTER_MAX_BLOCKS} (blocks of a "
-                         f"cluster sharing the stage, in the grid form: not with cluster), got {multicast!r}")
+    _check_count("multiprocessors", multiprocessors, 1, _MOST_MULTIPROCESSORS)
+    _check_count("shared_memory", shared_memory, 0, _MOST_BYTES, " (bytes a block may opt into)")
+    _check_count("l2_cache", l2_cache, 0, _MOST_BYTES, " (bytes)")
+    _check_count("cluster", cluster, 0, _C.PERSISTENT_CLUSTER_MAX_BLOCKS,
+                 " (blocks of one thread-block cluster; 0: the grid form)")
+    _check_count("multicast", multicast, 1, _C.PERSISTENT_CLUSTER_MAX_BLOCKS,
+                 " (blocks of a cluster sharing the stage, in the grid form: not with cluster)")
+    if multicast > 1 and cluster:
+        raise ValueError(f"multicast must be 1 with cluster (the stage is shared in the grid form), got {multicast}")
+    if tensor_cores is not None and not isinstance(tensor_cores, bool):
+        raise ValueError(f"tensor_cores must be True, False or None (the driver's choice), got {tensor_cores!r}")
     storage = torch.empty((), dtype=dtype).element_size()
     if tensor_cores is None:   # the driver's rule (16-bit always, float32 where TF32 is allowed, float64 never)
         tensor_cores = _C.persistent_tensor_cores(storage, major)

@@ -50,6 +50,12 @@ from .unrolled import Unrollable, step_context, unrolled  # noqa: F401 (dk.nn's 
 UNROLLED_BACKENDS = frozenset({"cpp"})
 
 
+# The most T-GRUs a transition takes (the papers use up to 4; a million took minutes to build, parameter by
+# parameter), and the largest input or hidden size (the kernels' int32 sizes).
+MAX_DEPTH = 256
+MAX_SIZE = 2 ** 31 - 1
+
+
 class _TransitionBase(BackendSwitch, nn.Module):
     """Parameters, backend switch and input checks shared by the layers and cells of this module."""
 
@@ -57,9 +63,10 @@ class _TransitionBase(BackendSwitch, nn.Module):
                  num_directions: int, candidate_dropout: float, backend: str, eps: float = 1e-5):
         super().__init__()
         name = type(self).__name__
-        for arg, value, low in (("input_size", input_size, 1), ("hidden_size", hidden_size, 1), ("depth", depth, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name}: {arg} must be an int >= {low}, got {value!r}")
+        for arg, value, low, high in (("input_size", input_size, 1, MAX_SIZE),
+                                      ("hidden_size", hidden_size, 1, MAX_SIZE), ("depth", depth, 0, MAX_DEPTH)):
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"{name}: {arg} must be an int from {low} to {high:,}, got {value!r}")
         if cell not in CELL_KINDS:
             raise ValueError(f"{name}: cell must be one of {CELL_KINDS}, got {cell!r}")
         if (not isinstance(candidate_dropout, numbers.Real) or isinstance(candidate_dropout, bool)

@@ -17,10 +17,19 @@ MAX_THREADS = 1024
 MAX_VOCAB_SIZE = 1_000_000
 
 
+# The longest message one_line gives: a message that quotes a value (a model option from a file, a line of input)
+# is cut in the middle past it, so that a small file cannot print megabytes
+MAX_MESSAGE = 2000
+
+
 def one_line(exc: BaseException) -> str:
-    """An exception's message on one line (its lines joined with " | "; the type's name if it has none)."""
-    text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-    return text or type(exc).__name__
+    """An exception's message on one line (its lines joined with " | "; the type's name if it has none), cut in the
+    middle past MAX_MESSAGE characters."""
+    text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    if len(text) > MAX_MESSAGE:
+        half = MAX_MESSAGE // 2
+        text = f"{text[:half]} ... ({len(text) - 2 * half:,} characters cut) ... {text[-half:]}"
+    return text
 
 
 class ArgumentParser(argparse.ArgumentParser):

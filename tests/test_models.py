@@ -73,6 +73,8 @@ def test_registry():
         assert name in names
     with pytest.raises(ValueError, match="unknown model"):
         dm.build_model("no-such-model", 10, 10)
+    with pytest.raises(ValueError, match=r"unknown model \['dtmt'\]"):
+        dm.build_model(["dtmt"], 10, 10)
     with pytest.raises(ValueError, match="src_vocab_size"):
         dm.build_model("dtmt", 1, 10)
 
@@ -80,9 +82,15 @@ def test_registry():
 @pytest.mark.parametrize("name, options, message", [
     ("dtmt", dict(hiden_size=8), "unknown option 'hiden_size' for dtmt; its options are: "),
     ("dtmt", dict(embed_dim="8"), "option embed_dim='8' for dtmt: expected int"),
-    ("dtmt", dict(heads=0), "option heads=0 for dtmt: expected an int >= 1"),
-    ("mce", dict(hidden_size=-3), "option hidden_size=-3 for mce: expected an int >= 1"),
-    ("transformer", dict(hidden_size=0), "option hidden_size=0 for transformer: expected an int >= 1"),
+    ("dtmt", dict(heads=0), "option heads=0 for dtmt: expected an int from 1 to 1,024"),
+    ("mce", dict(hidden_size=-3), "option hidden_size=-3 for mce: expected an int from 1 to 65,536"),
+    ("transformer", dict(hidden_size=0), "option hidden_size=0 for transformer: expected an int from 1 to 65,536"),
+    ("transformer", dict(encoder_layers=10 ** 6), "option encoder_layers=1000000 for transformer: expected an int "
+                                                  "from 1 to 256"),
+    ("dtmt", dict(depth=10 ** 6), r"dtmt cannot be built with \{'depth': 1000000\}: .*depth must be an int from 0 "
+                                  "to 256"),
+    ("dtmt", dict(embed_dim=[8] * 1000), r"option embed_dim=\[8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8"
+                                         r"\.\.\. \(3,000 characters\) for dtmt: expected int"),
     ("dtmt", dict(pad_id=-1), "option pad_id=-1 for dtmt: expected an int >= 0"),
     ("dtmt", dict(pad_id=V_TGT), rf"option pad_id={V_TGT} for dtmt: expected an id of both vocabularies, in \[0, "
                                  rf"{V_TGT}\)"),

@@ -575,7 +575,12 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     (["--opt", "hidden_size=abc"], "option hidden_size='abc' for dtmt: expected int"),
     (["--opt", "cell=foo"], "'cell': 'foo', 'heads': 4, 'dropout': 0.2, 'candidate_dropout': 0.1}: DeepTransitionGRU: "
                             "cell must be 'gru', 'lgru' or 'lau', got 'foo'"),
-    (["--opt", "hidden_size=-5"], "option hidden_size=-5 for dtmt: expected an int >= 1"),
+    (["--opt", "hidden_size=-5"], "option hidden_size=-5 for dtmt: expected an int from 1 to 65,536"),
+    (["--max-len", "1"], "no training pairs left: 600 longer than --max-len 1 subwords, 0 empty after "
+                         "segmentation; raise --max-len"),
+    (["--model", "transformer", "--opt", "max_len=8", "--max-len", "8"],
+     "--max-len 8: transformer has 8 positions (its max_len option) and a pair of --max-len subwords needs 9 with "
+     "BOS; give --max-len 7 or less, or a larger --opt max_len"),
     (["--opt", "pad_id=5"], "--opt pad_id=5: dtmt train pads with the vocabularies' id 0"),
     (["--valid-every", "0"], "--valid-every 0: must be an integer in [1, 2,147,483,647]"),
     (["--log-every", "0"], "--log-every 0: must be an integer in [1, 2,147,483,647]"),
@@ -897,6 +902,15 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
     assert losses(b) == losses(a)
 
 
+def test_one_line_cuts_a_long_message_in_the_middle():
+    """A message that quotes a value from a file (an option, a line of input) stays short: its two ends kept."""
+    from dtmt_models.errors import MAX_MESSAGE, one_line
+
+    text = one_line(ValueError("head " + "x" * 100_000 + "\n tail"))
+    assert text.startswith("head xx") and text.endswith("xx | tail") and "(98,012 characters cut)" in text
+    assert len(text) < MAX_MESSAGE + 50 and one_line(ValueError("a\n b")) == "a | b"
+
+
 @pytest.mark.parametrize("text, message", [
     ("depht: 2\n", "unknown option 'depht'"),
     ("lr: abc\n", "argument --lr: invalid float value: 'abc'"),
@@ -905,6 +919,11 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
     ("opt: 3\n", "opt must be a mapping"),
     ("lr: [1, 2]\n", "lr takes one number or word"),
     ("resume: true\n", "unknown option 'resume'"),
+    # a model option is one value: a list of aliased lists (358 bytes of YAML) expanded to 36 MB of message before
+    ("opt: {depth: [&l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], &l1 [*l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0], "
+     "[*l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1]]}\n", "opt: depth takes one number, word or true/false, got a "
+                                                             "list"),
+    ("opt: {depth: {a: 1}}\n", "opt: depth takes one number, word or true/false, got a mapping"),
     ("lr: {\n", "not valid YAML"),
     (b"lr: 0.1\n# caf\xe9\n", "not UTF-8 text (byte 13)"),
     (b"lr: 0.1\n" + b"#" * 9000 + b"\xe9\n", "not UTF-8 text (byte 9008)"),   # past the first 8 KiB read

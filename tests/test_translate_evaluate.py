@@ -350,6 +350,28 @@ def test_long_source_is_truncated_with_a_warning(system):
     assert again == out[:1]
 
 
+def test_source_past_the_transformers_positions_is_truncated_with_a_warning(system):
+    """A transformer has positions up to its max_len: a longer source was a ValueError that lost the whole job
+    (and an HTTP 500 in serve); it is cut there, with the truncation warning, as max_src_len cuts, alone and in an
+    ensemble, and the cut source translates as the same source cut by hand."""
+    from dtmt_models.decoding.ensemble import Ensemble
+
+    _, sv, tv, _ = system
+    torch.manual_seed(0)
+    model = build_model("transformer", len(sv), len(tv), embed_dim=16, hidden_size=32, heads=2, encoder_layers=1,
+                        decoder_layers=1, dropout=0.0, max_len=12).eval()
+    long = " ".join(SRC)
+    assert len(sv.encode(long)) > 12 and model.max_source_steps == 12
+    cut = sv.decode(sv.encode(long)[:12])
+    assert sv.encode(cut) == sv.encode(long)[:12]
+    for decoded in (model, Ensemble([model])):
+        with pytest.warns(TruncationWarning, match="1 of 2 source sentence.* truncated to 12"):
+            out = translate(decoded, sv, tv, [long, "el sol"], beam=2, nbest=2)
+        assert out == translate(decoded, sv, tv, [cut, "el sol"], beam=2, nbest=2)   # (the same scores)
+    with pytest.warns(TruncationWarning, match="truncated to 10"):   # (a smaller max_src_len is kept)
+        translate_best(model, sv, tv, [long], beam=2, max_src_len=10)
+
+
 def test_progress_callback(system):
     model, sv, tv, _ = system
     calls = []

@@ -24,7 +24,7 @@ from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_output_dir, one_line
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
-from dtmt_models.models.registry import check_model_options, list_models
+from dtmt_models.models.registry import check_model_options, list_models, position_bound
 from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
@@ -248,7 +248,11 @@ def config_arguments(path: str) -> List[str]:
             if not isinstance(value, dict):
                 raise ValueError(f"--config {path}: opt must be a mapping of model option: value, e.g. "
                                  f"opt: {{depth: 2}}")
-            argv += [a for k, v in value.items() for a in ("--opt", f"{k}={json.dumps(v)}")]
+            for k, v in value.items():
+                if isinstance(v, (dict, list)):   # (a model option is one value; an aliased list may be huge)
+                    raise ValueError(f"--config {path}: opt: {k} takes one number, word or true/false, got a "
+                                     f"{'mapping' if isinstance(v, dict) else 'list'}")
+                argv += ["--opt", f"{k}={json.dumps(v)}"]
         elif dest in switches:   # (a switch: true or false)
             if not isinstance(value, bool):
                 raise ValueError(f"--config {path}: {key} takes true or false, got {value!r}")
@@ -433,7 +437,11 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             if cfg.model_options.get("pad_id", PAD) != PAD:
                 raise ValueError(f"--opt pad_id={cfg.model_options['pad_id']}: dtmt train pads with the vocabularies' "
                                  f"id {PAD} (SentencePiece's pad); leave pad_id out")
-            check_model_options(cfg.model, cfg.model_options)
+            bound = position_bound(check_model_options(cfg.model, cfg.model_options))
+            if bound is not None and cfg.max_len is not None and cfg.max_len + 1 > bound:
+                raise ValueError(f"--max-len {cfg.max_len}: {cfg.model} has {bound} positions (its max_len option) "
+                                 f"and a pair of --max-len subwords needs {cfg.max_len + 1} with BOS; give --max-len "
+                                 f"{bound - 1} or less, or a larger --opt max_len")
         check_schedule(cfg)
         # the run lives in --out and reads --data, wherever it was started from before
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint

@@ -69,6 +69,8 @@ class Ensemble(nn.Module):
             raise ValueError(f"Ensemble: the models' (source, target) vocabulary sizes differ: {sorted(vocab_sizes)}")
         self.members = nn.ModuleList(models)
         self.src_vocab_size, self.tgt_vocab_size = next(iter(vocab_sizes))   # (what translate checks)
+        bounds = [m.max_source_steps for m in models if getattr(m, "max_source_steps", None) is not None]
+        self.max_source_steps = min(bounds) if bounds else None   # (a transformer member's source positions)
 
     def inference_decoder(self, int8: bool = False) -> EnsembleDecoder:
         """Each member's inference decoder (`int8`: each with int8 weight matrices; ValueError if one cannot)."""

@@ -98,7 +98,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     An empty or whitespace-only sentence gives [("", 0.0)]. `device` is where the batches go (None: the
     model's device; the model itself is not moved). `progress(done, total)` is called after every batch with
     the number of sentences finished. `max_src_len` (None: no limit) cuts longer sources, with one
-    `TruncationWarning` per call; sources of which more than half the pieces are unknown to the source
+    `TruncationWarning` per call, as are sources longer than the model has positions for (`model.max_source_steps`,
+    the transformer's `max_len`); sources of which more than half the pieces are unknown to the source
     vocabulary give one `UnknownPiecesWarning` per call (the model would otherwise invent a fluent sentence
     without a word of notice). `decoder`: `model.inference_decoder()` built by a caller that translates many times
     with unchanging weights (a server); None builds it here, once per call. `early_stop`: beam_search's (a
@@ -114,6 +115,9 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
         raise ValueError(f"max_src_len must be >= 1 or None, got {max_src_len}")
     if isinstance(sentences, str):
         raise TypeError("translate: `sentences` must be a sequence of strings, not one string")
+    positions = getattr(model, "max_source_steps", None)
+    if positions is not None and (max_src_len is None or positions < max_src_len):
+        max_src_len = positions   # (the model's own bound: past it, its encoder has no position)
     device = _model_device(model) if device is None else torch.device(device)
     total = len(sentences)
     results: List[List[Tuple[str, float]]] = [[("", 0.0)] for _ in range(total)]

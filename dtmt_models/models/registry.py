@@ -1,7 +1,7 @@
 """The one registry of NMT systems: `build_model(name, src_vocab_size, tgt_vocab_size, **options)`."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -15,10 +15,12 @@ def list_models() -> List[str]:
     return sorted(_MODELS)
 
 
-# options that size a part of a system: a positive int (the transition depths, which may be 0 for the plain cell,
-# are not here: each system checks its own)
-SIZE_OPTIONS = ("embed_dim", "hidden_size", "heads", "attention_dim", "encoder_layers", "decoder_layers", "enc_depth",
-                "dec_depth", "max_len")
+# options that size a part of a system: a positive int up to a bound (widths 64x the papers' widest, 1,024; counts
+# of layers 32x their deepest, GNMT's 8: a value past it is a mistake, and a million layers took minutes to build).
+# The transition depths, which may be 0 for the plain cell, are not here: each system checks its own, and the layers
+# bound them (dtmt_kernels.nn.MAX_DEPTH).
+SIZE_OPTIONS = {"embed_dim": 65536, "hidden_size": 65536, "heads": 1024, "attention_dim": 65536,
+                "encoder_layers": 256, "decoder_layers": 256, "enc_depth": 256, "dec_depth": 256, "max_len": 65536}
 
 
 def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) -> nn.Module:
@@ -27,8 +29,8 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
     numbers count as ints and floats), a size below 1, a pad_id that is not an id of both vocabularies, or a value
     the system refuses."""
     _import_systems()
-    if name not in _MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {sorted(_MODELS)}")
+    if not isinstance(name, str) or name not in _MODELS:
+        raise ValueError(f"unknown model {_shown(name)}; choose one of {sorted(_MODELS)}")
     for arg, v in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 2:
             raise ValueError(f"{arg} must be an int >= 2, got {v!r}")
@@ -72,6 +74,12 @@ def _of_type(value, expected: type) -> bool:
     return isinstance(value, expected)
 
 
+def _shown(value) -> str:
+    """A value's repr for a message, cut short past 60 characters (an option's value may come from a file)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:50]}... ({len(text):,} characters)"
+
+
 def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
     """Unknown options, values of the wrong type for the option's default, sizes below 1, a pad_id that is not
     an id of both vocabularies (the smaller has `vocab_size` ids): ValueError in one line."""
@@ -84,10 +92,11 @@ def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
         default = params[key].default
         expected = type(default) if default is not inspect.Parameter.empty and default is not None else None
         if expected is not None and not _of_type(value, expected):
-            raise ValueError(f"option {key}={value!r} for {name}: expected {expected.__name__} "
+            raise ValueError(f"option {key}={_shown(value)} for {name}: expected {expected.__name__} "
                              f"(default {default!r})")
-        if key in SIZE_OPTIONS and value is not None and (not _of_type(value, int) or value < 1):
-            raise ValueError(f"option {key}={value!r} for {name}: expected an int >= 1")
+        most = SIZE_OPTIONS.get(key)
+        if most is not None and value is not None and (not _of_type(value, int) or not 1 <= value <= most):
+            raise ValueError(f"option {key}={_shown(value)} for {name}: expected an int from 1 to {most:,}")
     pad = options.get("pad_id", 0)
     if not _of_type(pad, int) or pad < 0:
         raise ValueError(f"option pad_id={pad!r} for {name}: expected an int >= 0 (an id of both vocabularies)")
@@ -100,13 +109,22 @@ def _import_systems() -> None:
     from . import systems  # noqa: F401
 
 
-def check_model_options(name: str, options: dict) -> None:
+def check_model_options(name: str, options: dict) -> nn.Module:
     """Raises ValueError, in one line, if `options` cannot build the system `name`: build_model's checks, the
     system built on the meta device (nothing allocated) with vocabularies large enough for the options' pad_id.
-    Call it before any expensive work (the vocabularies need not exist yet)."""
+    Call it before any expensive work (the vocabularies need not exist yet). Returns that meta-device system (for
+    what its options decide: `position_bound`)."""
     import torch
 
     pad = options.get("pad_id", 0)
     vocab = max(8, pad + 1) if isinstance(pad, int) and not isinstance(pad, bool) else 8
     with torch.device("meta"):
-        build_model(name, vocab, vocab, **options)
+        return build_model(name, vocab, vocab, **options)
+
+
+def position_bound(model) -> Optional[int]:
+    """The most positions a source or a target (BOS included) may have in `model` (the transformer's max_len), None
+    where neither has a bound."""
+    bounds = [b for b in (getattr(model, "max_source_steps", None), getattr(model, "max_target_steps", None))
+              if b is not None]
+    return min(bounds) if bounds else None

@@ -147,6 +147,8 @@ class Seq2Seq(nn.Module):
     # the Decoder protocol's other members (dtmt_models.engine.decoder): no bound on the target positions (the
     # transformer has one), no one-call search (FusedRNMTDecoder has one)
     max_target_steps: Optional[int] = None
+    # the most source positions (None: no bound; the transformer's position table): translate cuts longer sources
+    max_source_steps: Optional[int] = None
     search = None
     # What a class states of its methods, read once (at export, at the first forward) instead of comparing methods
     # there. A class that gets a method of what a statement covers from elsewhere than the class that made the

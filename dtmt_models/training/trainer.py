@@ -49,7 +49,7 @@ from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import check_training_state, save_checkpoint
-from dtmt_models.models.registry import build_model
+from dtmt_models.models.registry import build_model, position_bound
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
 from dtmt_models.training.config import TrainConfig
@@ -267,7 +267,8 @@ class Trainer:
                  f"dropped{f', {empty} empty after segmentation dropped' if empty else ''}); {len(self.dev_pairs):,} "
                  f"dev pairs; vocabularies {len(self.src_vocab):,} / {len(self.tgt_vocab):,} ({corpus.path})")
         if not n_kept:
-            raise CorpusError("no training pairs left after length filtering; raise --max-len")
+            raise CorpusError(f"no training pairs left: {n_long:,} longer than --max-len {cfg.max_len} subwords, "
+                              f"{empty:,} empty after segmentation" + ("; raise --max-len" if n_long else ""))
         if cfg.max_len + 1 > cfg.max_tokens:   # a kept pair can pass a batch's budget alone: it goes in a batch of one
             over = sum(int((self.lengths[kept[i:i + (1 << 20)]].max(axis=1) + 1 > cfg.max_tokens).sum())
                        for i in range(0, n_kept, 1 << 20))
@@ -278,6 +279,13 @@ class Trainer:
         # ---- model, optimizer, schedule
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, len(self.src_vocab), len(self.tgt_vocab), **cfg.model_options)
+        bound = position_bound(self.model)
+        if bound is not None and self.dev_ids:   # (the dev loss of a pair past the model's positions: none to score)
+            n_dev = len(self.dev_ids)
+            self.dev_ids = [(s, t) for s, t in self.dev_ids if len(s) <= bound and len(t) < bound]
+            if len(self.dev_ids) < n_dev:
+                self.log(f"note: {n_dev - len(self.dev_ids):,} dev pairs longer than {cfg.model}'s {bound} positions "
+                         f"are left out of the dev loss (dev BLEU cuts their sources there)")
         if cfg.backend != "auto":
             if not hasattr(self.model, "set_backend"):
                 raise ValueError(f"--backend: {cfg.model} has no fused recurrent layers")

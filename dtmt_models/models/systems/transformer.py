@@ -56,6 +56,11 @@ class TransformerNMT(Seq2Seq):
         """The most target positions (BOS included) it has encodings for: beam search stops there."""
         return self.pe.shape[0]
 
+    @property
+    def max_source_steps(self) -> int:
+        """The most source positions it has encodings for: translate cuts longer sources there, with its warning."""
+        return self.pe.shape[0]
+
     def _embed(self, emb: nn.Embedding, tokens: Tensor, offset: int = 0) -> Tensor:
         T = tokens.shape[1]
         if offset + T > self.pe.shape[0]:

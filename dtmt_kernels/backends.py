@@ -164,8 +164,10 @@ def _reference_sequence(x, h0, weights, mask, drop, reverse, eps):
     from . import reference
     from .ops._autocast import autocast_dtype
 
-    out, h_n = reference.transition_sequence(x, h0, weights, mask, drop, reverse, eps)
     low = autocast_dtype(x)
+    if low is not None:   # (the fused rule's: the state in float32, whatever h0 came in as)
+        h0 = h0.float()
+    out, h_n = reference.transition_sequence(x, h0, weights, mask, drop, reverse, eps)
     return (out if low is None else out.to(low)), h_n
 
 

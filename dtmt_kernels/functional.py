@@ -42,7 +42,9 @@ def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask:
     """Deep transition block (or ATR, `weights.cell == "atr"`) over x [T, B, I] from h0 [B, H].
 
     mask [T, B]: 1 for real tokens, 0 for padding (state carried, output 0). drop [depth+1, B, H]:
-    candidate-dropout multipliers, already scaled. Returns (out [T, B, H], h_n [B, H])."""
+    candidate-dropout multipliers, already scaled. Returns (out [T, B, H], h_n [B, H]). Arguments of the wrong
+    kind, shape, dtype or device are a ValueError naming them, the same on every backend."""
+    _check_sequence_arguments("transition_sequence", x, h0, weights, mask, drop, reverse, eps, "x", "h0")
     b = resolve_backend(backend, x.device)
     check_dtype_for_backend(b, x.dtype, "x")
     return b.run(x, h0, weights, mask, drop, reverse, eps)
@@ -51,8 +53,44 @@ def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask:
 def transition_step(x: Tensor, h: Tensor, weights: TransitionWeights, drop: Optional[Tensor] = None,
                     backend: str = "auto", eps: float = 1e-5) -> Tensor:
     """One step (decoder use): x [B, I], h [B, H] -> h' [B, H]."""
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        raise ValueError(f"transition_step: x must be a Tensor [B, input_size], got "
+                         f"{list(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    _check_sequence_arguments("transition_step", x.unsqueeze(0), h, weights, None, drop, False, eps, "x", "h")
     _, h1 = transition_sequence(x.unsqueeze(0), h, weights, None, drop, False, backend, eps)
     return h1
+
+
+def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps, x_name: str, h_name: str) -> None:
+    """transition_sequence's arguments (x [T, B, I]) against each other and `weights`: ValueError naming the first
+    that is of the wrong kind, shape, dtype or device (a few comparisons, nothing per element)."""
+    if not isinstance(weights, TransitionWeights):
+        raise ValueError(f"{op}: weights must be a TransitionWeights, got {type(weights).__name__}")
+    for name, t in ((x_name, x), (h_name, h0)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a floating-point Tensor, got "
+                             f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+    if x.dim() != 3 or x.shape[2] != weights.w_ih.shape[-1] or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{op}: {x_name} must be [T, B, input_size={weights.w_ih.shape[-1]}] with T, B >= 1, got "
+                         f"{list(x.shape)}")
+    T, B, H = x.shape[0], x.shape[1], weights.w_hh.shape[-1]
+    given = [(h_name, h0, (B, H), f"[B={B}, H={H}]")]
+    if mask is not None:
+        given.append(("mask", mask, (T, B), f"[T={T}, B={B}]"))
+    if drop is not None:
+        given.append(("drop", drop, (weights.depth + 1, B, H), f"[depth+1={weights.depth + 1}, B={B}, H={H}]"))
+    for name, t, shape, label in given:
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"{op}: {name} must be a Tensor {label}, got "
+                             f"{list(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {x_name} is on {x.device}")
+        if t.dtype != x.dtype and not autocast_mix((t.dtype, x.dtype), x):
+            raise ValueError(f"{op}: {name} has dtype {t.dtype} but {x_name} has {x.dtype}")
+    if not isinstance(reverse, bool):
+        raise ValueError(f"{op}: reverse must be True or False, got {reverse!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= float(eps) < float("inf"):
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 
 
 def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto") -> Tensor:
@@ -150,11 +188,22 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     CPU float32 / float64 logits run the C++ kernel (torch.ops.dtmt.smoothed_cross_entropy: the gradient formed in
     the forward, one pass over each row); other devices and dtypes one autograd node of PyTorch ops that keeps the
     log-probabilities (ops.loss.op.PortableSmoothedCrossEntropy)."""
+    if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
+        raise ValueError(f"smoothed_cross_entropy: logits and target must be Tensors, got "
+                         f"{type(logits).__name__} and {type(target).__name__}")
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"smoothed_cross_entropy: logits must be [N, V] and target [N]; got {list(logits.shape)} "
                          f"and {list(target.shape)}")
-    if not 0.0 <= smoothing < 1.0:
-        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    if not logits.is_floating_point():
+        raise ValueError(f"smoothed_cross_entropy: logits must be floating point, got {logits.dtype}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:   # (as torch's cross_entropy)
+        raise ValueError(f"smoothed_cross_entropy: target must hold integer ids, got {target.dtype}")
+    if (isinstance(smoothing, bool) or not isinstance(smoothing, numbers.Real)
+            or not 0.0 <= float(smoothing) < 1.0):
+        raise ValueError(f"smoothing must be a number in [0, 1), got {smoothing!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) or not (
+            -2 ** 63 <= int(ignore_index) < 2 ** 63):
+        raise ValueError(f"smoothed_cross_entropy: ignore_index must be an int64, got {ignore_index!r}")
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and built():
         loss, nll, _ = torch.ops.dtmt.smoothed_cross_entropy(logits, target.long(), float(smoothing), int(ignore_index))
         return loss, nll.detach()
@@ -191,6 +240,10 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         values = host_list(lengths)   # (once a batch inside host_reads_kept)
         lengths_cpu = torch.tensor(values, dtype=torch.long)
     else:
+        # a sequence in order (a list, a tuple, a numpy array); a set or a dict has no order of the batch's rows
+        if isinstance(lengths, (str, bytes)) or not (isinstance(lengths, Sequence) or hasattr(lengths, "__array__")):
+            raise ValueError(f"{owner}: lengths must be a 1-D tensor or sequence of ints [B={B}], "
+                             f"got {type(lengths).__name__}")
         try:
             values = list(lengths)
         except TypeError:
@@ -204,6 +257,8 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         values = [int(v) for v in values]
         if len(values) != B:
             raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {len(values)}")
+        if B and (min(values) < 1 or max(values) > T):   # (before a tensor: a value past int64 overflows there)
+            raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {min(values)}, max {max(values)}")
         lengths_cpu = torch.tensor(values, dtype=torch.long)
     if not host_reads_allowed():
         # under torch.compile / torch.export a data-dependent `if` would break the graph: the range check is an op

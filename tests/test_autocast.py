@@ -177,6 +177,23 @@ def test_layers_compute_in_bfloat16_under_autocast(kind, backend):
         assert (g - ref_grads[name]).abs().max().item() <= 5e-2 * scale, name
 
 
+def test_a_16_bit_input_under_autocast_gives_the_same_dtypes_on_both_backends():
+    """x already in float16 under torch.autocast("cpu", torch.float16): the fused rule turns the zero state into
+    float32, so h_n is float32; the reference backend returned h_n in float16 (the layer's h0 is made in x's
+    dtype). Now both give out in float16 and h_n in float32, within float16 precision of each other."""
+    torch.manual_seed(3)
+    layer = dk.nn.DeepTransitionGRU(3, 8, depth=1, layer_norm=True)
+    x = torch.randn(5, 2, 3).half()
+    results = {}
+    for backend in ("cpp", "reference"):
+        layer.backend = backend
+        with torch.autocast("cpu", dtype=torch.float16):
+            results[backend] = layer(x, lengths=[5, 3])
+        assert [t.dtype for t in results[backend]] == [torch.float16, torch.float32], backend
+    for a, b in zip(results["cpp"], results["reference"]):
+        assert (a.float() - b.float()).abs().max().item() <= 1e-2
+
+
 def test_attention_ops_run_in_float32_under_autocast():
     """Mixed bfloat16 / float32 inputs (as autocast's linear layers leave them) are accepted and computed in
     float32; bfloat16 inputs outside autocast take the reference's ops."""

@@ -52,6 +52,11 @@ def test_small_rows_linear_refuses_a_bias_of_another_shape():
     torch.testing.assert_close(torch.ops.dtmt.small_rows_linear(x, w, x.new_empty(0)), x @ w.T)
     for bias in (torch.zeros(1), torch.zeros(()), torch.ones(2, 1)):   # F.linear broadcasts them: so does linear
         torch.testing.assert_close(dk.functional.linear(x, w, bias), F.linear(x, w, bias))
+    # an empty bias is the op's "none", but F.linear refuses it: so does linear at every number of rows (at 8 rows
+    # or fewer it was dropped silently)
+    for rows in (1, 8, 9):
+        with pytest.raises(RuntimeError, match="expanded size"):
+            dk.functional.linear(torch.randn(rows, 5), w, x.new_empty(0))
 
 
 def test_small_rows_linear_strided_rows_threads_and_fallback():

@@ -116,6 +116,28 @@ def test_loss_kernel_rejects_a_target_outside_the_vocabulary():
         dk.functional.smoothed_cross_entropy(logits, target[:2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["kernel", "portable"])
+def test_loss_refuses_what_is_no_target_or_argument(dtype):
+    """A float or bool target is refused as torch's cross_entropy refuses it (the ids were truncated before: 0.9, 1.5
+    and 4.99 scored as 0, 1 and 4), on the kernel's path and the portable one, as are a list for logits, a smoothing
+    that is no number and an ignore_index past int64 (five lines of the op's schema before)."""
+    import dtmt_kernels as dk
+
+    logits = torch.randn(3, 5, dtype=dtype)
+    f = dk.functional.smoothed_cross_entropy
+    for target in (torch.tensor([0.9, 1.5, 4.99]), torch.tensor([True, False, True])):
+        with pytest.raises(ValueError, match=f"target must hold integer ids, got {target.dtype}$"):
+            f(logits, target)
+    with pytest.raises(ValueError, match="logits and target must be Tensors, got list and Tensor"):
+        f(logits.tolist(), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="logits must be floating point, got torch.int64"):
+        f(torch.ones(3, 5, dtype=torch.long), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"smoothing must be a number in \[0, 1\), got '0.1'"):
+        f(logits, torch.tensor([0, 1, 2]), "0.1")
+    with pytest.raises(ValueError, match="ignore_index must be an int64, got 9223372036854775808"):
+        f(logits, torch.tensor([0, 1, 2]), 0.1, ignore_index=2 ** 63)
+
+
 def test_fused_loss_rejects_bad_smoothing():
     logits, target = _random_case(0, torch.float32)
     with pytest.raises(ValueError, match="smoothing"):

@@ -202,6 +202,12 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: layer(x, lengths=[[5], [2]]), r"lengths must hold integers, got \[\[5\], \[2\]\]")
     _err(lambda: layer(x, lengths=[True, True]), "lengths must hold integers")
     _err(lambda: layer(x, lengths=5), "lengths must be a 1-D tensor or sequence of ints")
+    # no order of the rows: a set ({5, 3} was taken as [3, 5]) or a dict's keys
+    _err(lambda: layer(x, lengths={5, 3}), r"lengths must be a 1-D tensor or sequence of ints \[B=2\], got set")
+    _err(lambda: layer(x, lengths={5: 0, 3: 0}), "lengths must be a 1-D tensor or sequence of ints")
+    _err(lambda: layer(x, lengths="53"), "lengths must be a 1-D tensor or sequence of ints")
+    _err(lambda: layer(x, lengths=[2 ** 64, 5]), r"every length must be in \[1, T=5\], got min 5, max "
+                                                 "18446744073709551616")
     _err(lambda: layer(x, lengths=torch.tensor([5, 2], device="meta")), "meta tensor")
     import numpy as np   # numpy numbers and one-element tensors are lengths too
     expected = layer(x, lengths=[5, 2])[0]
@@ -212,6 +218,8 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: dk.nn.DeepTransitionGRUCell(3, 4, cell="atr"), "got 'atr'; use dtmt_kernels.nn.ATRCell")
     _err(lambda: dk.nn.DeepTransitionGRU(3, 0), "hidden_size")
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, depth=-1), "depth")
+    _err(lambda: dk.nn.DeepTransitionGRU(3, 4, depth=2 ** 40), "depth must be an int from 0 to 256, got 1099511627776")
+    _err(lambda: dk.nn.DeepTransitionGRU(2 ** 63, 4), "input_size must be an int from 1 to 2,147,483,647")
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=1.0), "candidate_dropout")
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, candidate_dropout="x"), "candidate_dropout must be a number")
     _err(lambda: dk.nn.DeepTransitionGRUCell(3, 4, candidate_dropout=None), "candidate_dropout must be a number")
@@ -227,6 +235,38 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: cell(torch.randn(2, 3), drop="none"), "drop must be a Tensor")
     h = torch.randn(2, 4)   # the state by its name in contract §3 (h1 = cell(x, h0))
     assert torch.equal(cell(x[0], h0=h), cell(x[0], h))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_functional_transition_refuses_bad_arguments_on_every_backend(backend):
+    """dk.functional.transition_sequence / transition_step check their arguments themselves, the same on every
+    backend: before, the cpp backend took an h0 of another dtype (and returned h_n in it) where the reference
+    refused, the reference took a 1-D mask, a drop of the wrong depth and reverse="no" (reading right to left)
+    where the cpp op refused them or printed its schema, and transition_step of a 3-D x returned [T, B, H]."""
+    F_ = dk.functional
+    layer = dk.nn.DeepTransitionGRU(3, 4, depth=1)
+    w = layer.direction_weights(0)
+    x, h0 = torch.randn(5, 2, 3), torch.zeros(2, 4)
+    expected = F_.transition_sequence(x, h0, w, backend=backend)
+    for args, kwargs, match in [
+            ((x, h0.double(), w), {}, "h0 has dtype torch.float64 but x has torch.float32"),
+            ((x, h0, w, torch.ones(5)), {}, r"mask must be a Tensor \[T=5, B=2\], got \[5\]"),
+            ((x, h0, w, None, torch.ones(1, 2, 4)), {}, r"drop must be a Tensor \[depth\+1=2, B=2, H=4\], got"),
+            ((x, h0, w), {"reverse": "no"}, "reverse must be True or False, got 'no'"),
+            ((x, h0, w), {"eps": float("nan")}, "eps must be a finite number >= 0, got nan"),
+            ((x, h0, w), {"eps": -1.0}, "eps must be a finite number >= 0"),
+            ((x, torch.zeros(3, 4), w), {}, r"h0 must be a Tensor \[B=2, H=4\], got \[3, 4\]"),
+            ((x[..., :2], h0, w), {}, r"x must be \[T, B, input_size=3\] with T, B >= 1, got \[5, 2, 2\]"),
+            ((x, h0, "w"), {}, "weights must be a TransitionWeights, got str"),
+            ((x.long(), h0, w), {}, "x must be a floating-point Tensor, got torch.int64")]:
+        _err(lambda: F_.transition_sequence(*args, backend=backend, **kwargs), f"transition_sequence: {match}")
+    _err(lambda: F_.transition_step(x, h0, w, backend=backend), r"transition_step: x must be a Tensor \[B, "
+                                                                 r"input_size\], got \[5, 2, 3\]")
+    _err(lambda: F_.transition_step(x[0], h0[:1], w, backend=backend), r"transition_step: h must be a Tensor")
+    # what passes is what the layer computes; a step is the sequence's first
+    layer.backend = backend
+    assert torch.equal(expected[0], layer(x)[0])
+    torch.testing.assert_close(F_.transition_step(x[0], h0, w, backend=backend), expected[0][0])
 
 
 def test_unavailable_backend_is_an_error_not_a_fallback():

@@ -38,8 +38,9 @@ def small_rows_applicable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> 
         return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2:
         return False
-    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) not in ((weight.shape[0],), (0,))):
-        return False   # (a bias F.linear broadcasts, [1] or [M, 1]: F.linear's own; the kernel takes [N] or none)
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (weight.shape[0],)):
+        return False   # (a bias F.linear broadcasts, [1] or [M, 1], or refuses, [0]: F.linear's own; the kernel
+        #                takes [N] or none)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                     (bias is not None and bias.requires_grad)):
         return False

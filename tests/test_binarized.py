@@ -198,6 +198,35 @@ def test_changed_text_is_noticed_and_a_touched_file_is_not(tmp_path):
         binarized.open_binarized(d, "bpe", 80)
 
 
+@pytest.mark.parametrize("damage", ["no text", "text a string", "file a number", "file in a folder", "bytes a string",
+                                    "languages a list"])
+def test_a_manifest_with_malformed_text_records_is_not_binarized(tmp_path, damage):
+    """A manifest whose records of the text files (what `stale` compares) are missing or of the wrong type is
+    NotBinarized, which dtmt train rebuilds; it was a KeyError or TypeError traceback."""
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    path = os.path.join(d, "bin-bpe80", "binarized.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    text = manifest["splits"]["train"]["text"]
+    if damage == "no text":
+        del manifest["splits"]["train"]["text"]
+    elif damage == "text a string":
+        manifest["splits"]["train"]["text"] = "x"
+    elif damage == "file a number":
+        text["src"]["file"] = 5
+    elif damage == "file in a folder":
+        text["src"]["file"] = "../elsewhere/train.es"
+    elif damage == "bytes a string":
+        text["tgt"]["bytes"] = "12"
+    else:
+        manifest["languages"] = ["es", "en"]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(binarized.NotBinarized, match=r"binarized\.json: malformed .*rebuild it"):
+        binarized.open_binarized(d, "bpe", 80)
+
+
 def test_a_copy_missing_a_file_is_not_binarized(tmp_path):
     """A binarized copy with a split's file deleted (or cut short) is NotBinarized when opened, which dtmt train
     rebuilds; it was a FileNotFoundError traceback when the split was read."""

@@ -38,6 +38,11 @@ def test_bad_inputs_are_reported_with_file_and_line(tmp_path):
         data.read_parallel(short, good)
     with pytest.raises(data.CorpusError, match="no such file"):
         data.read_parallel(str(tmp_path / "missing"), good)
+    # a device is read whole: refused by its kind, not called missing (/dev/zero never ends)
+    with pytest.raises(data.CorpusError, match=r"\n  /dev/zero: not a regular file$"):
+        data.read_parallel("/dev/zero", good)
+    with pytest.raises(data.CorpusError, match="^/dev/null: not a regular file$"):
+        data.scan_file("/dev/null")
 
 
 def test_write_parallel_round_trip_and_length_filter(tmp_path):

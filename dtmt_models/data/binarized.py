@@ -213,6 +213,18 @@ def _open_memmap(path: str, dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _text_record(rec) -> bool:
+    """Whether `rec` is a manifest's record of a text file (what `stale` reads): a file name of the corpus directory
+    (no folder), its size, modification time and SHA-1."""
+    return (isinstance(rec, dict) and isinstance(rec.get("file"), str) and rec["file"] not in ("", ".", "..")
+            and os.path.basename(rec["file"]) == rec["file"] and _count(rec.get("bytes"))
+            and isinstance(rec.get("mtime_ns"), int) and isinstance(rec.get("sha1"), str))
+
+
 class BinarizedCorpus:
     """A binarized corpus directory (DIR/bin-...): its manifest, vocabularies and splits."""
 
@@ -232,13 +244,15 @@ class BinarizedCorpus:
             raise CorpusError(f"{path}: binarized with format {self.manifest.get('format')}, this dtmt reads format "
                               f"{FORMAT}; rebuild it with `dtmt prepare binarize`")
         splits = self.manifest["splits"]
-        if (self.manifest["dtype"] not in ("uint16", "uint32") or not isinstance(splits, dict) or not all(
-                isinstance(v, dict) and isinstance(v.get("pairs"), int) and not isinstance(v["pairs"], bool)
-                and v["pairs"] >= 0 and isinstance(v.get("shards"), dict)
+        if (self.manifest["dtype"] not in ("uint16", "uint32") or not isinstance(splits, dict)
+                or not isinstance(self.manifest["languages"], dict) or not all(
+                isinstance(v, dict) and _count(v.get("pairs")) and isinstance(v.get("shards"), dict)
                 and all(isinstance(v["shards"].get(f"{side}.{ext}"), str) for side in SIDES for ext in ("bin", "idx"))
+                and isinstance(v.get("text"), dict) and all(_text_record(v["text"].get(side)) for side in SIDES)
                 for v in splits.values())):
-            raise CorpusError(f"{manifest}: malformed (dtype uint16 or uint32, splits {{name: {{\"pairs\": count, "
-                              f"\"shards\": {{file: SHA-1}}}}}} expected); rebuild it with `dtmt prepare binarize`")
+            raise CorpusError(f"{manifest}: malformed (dtype uint16 or uint32, languages, splits {{name: {{\"pairs\": "
+                              f"count, \"shards\": {{file: SHA-1}}, \"text\": {{side: record}}}}}} expected); rebuild "
+                              f"it with `dtmt prepare binarize`")
         self.dtype = np.dtype(self.manifest["dtype"])
         self.protos = []
         for side in SIDES:

@@ -46,11 +46,16 @@ class Problems:
             raise CorpusError(f"{what}: {self.count} problem(s)\n  " + "\n  ".join(self.listed) + more)
 
 
+def _check_regular_file(path: str) -> None:
+    """CorpusError unless `path` is a regular file (read whole: a device such as /dev/zero never ends)."""
+    if not os.path.isfile(path):
+        raise CorpusError(f"{path}: {'not a regular file' if os.path.exists(path) else 'no such file'}")
+
+
 def scan_file(path: str, *digests) -> int:
     """The number of lines `read_lines` would return (a final newline makes no extra line), counted without
     decoding in blocks of 1 MiB; every block also goes into each of `digests` (hashlib objects)."""
-    if not os.path.isfile(path):
-        raise CorpusError(f"{path}: no such file")
+    _check_regular_file(path)
     lines, last = 0, b"\n"
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -64,8 +69,7 @@ def scan_file(path: str, *digests) -> int:
 def read_lines(path: str, allow_empty: bool = False) -> List[str]:
     """The lines of a UTF-8 text file (without line ends; a final newline does not make an extra line; a
     byte-order mark at the start of the file is not part of the first line)."""
-    if not os.path.isfile(path):
-        raise CorpusError(f"{path}: no such file")
+    _check_regular_file(path)
     with open(path, "rb") as f:
         data = f.read()
     if data.startswith(BOM):   # as some editors on Windows write

@@ -608,13 +608,18 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const DeviceLimits limits = device_limits();
-  // (a size past the plan's bound stays past it as an int: no plan, the per-step path)
-  auto size = [](int64_t v, int most) { return v > most ? most + 1 : static_cast<int>(v); };
-  auto plan_of = [&](int cluster_blocks, int multicast = 1) {
-    return cuda::persistent_plan(static_cast<int>(w.kind), size(d.D, cuda::kPlanMaxDepth),
-                                 size(d.B, cuda::kPlanMaxRows), size(d.H, cuda::kPlanMaxHidden), sizeof(T),
-                                 sizeof(A), limits.multiprocessors, limits.smem_optin, persistent_mma<T>(),
-                                 cuda::kPersistentThreads, limits.l2_bytes, cluster_blocks, multicast);
+  if (d.D > cuda::kPlanMaxDepth || d.H > cuda::kPlanMaxHidden || d.B > cuda::kPlanMaxRows) {
+    TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " is past the persistent "
+                            "plan's sizes (depth <= ", cuda::kPlanMaxDepth, ", H <= ", cuda::kPlanMaxHidden,
+                            ", B <= ", cuda::kPlanMaxRows, "): the per-step path runs (DTMT_CUDA_RECURRENCE="
+                            "persistent)"));
+    return cuda::PersistentPlan{};
+  }
+  auto plan_of = [&](int cluster_blocks, int multicast = 1) {   // (the sizes within int: checked above)
+    return cuda::persistent_plan(static_cast<int>(w.kind), static_cast<int>(d.D), static_cast<int>(d.B),
+                                 static_cast<int>(d.H), sizeof(T), sizeof(A), limits.multiprocessors,
+                                 limits.smem_optin, persistent_mma<T>(), cuda::kPersistentThreads, limits.l2_bytes,
+                                 cluster_blocks, multicast);
   };
   if (cluster && recurrence_requested() == Recurrence::kPersistentCluster) {
     if (limits.cluster_blocks == 0) {
@@ -640,12 +645,7 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
     TORCH_WARN_ONCE("dtmt: this device has no thread-block clusters: the grid form of the persistent launches is "
                     "tried (DTMT_CUDA_RECURRENCE=persistent-multicast)");
   cuda::PersistentPlan plan = plan_of(0, multicast && limits.cluster_blocks > 0 ? kStageMulticastBlocks : 1);
-  if (plan.grid == 0) {
-    TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " is past the persistent "
-                            "plan's sizes (depth <= ", cuda::kPlanMaxDepth, ", H <= ", cuda::kPlanMaxHidden,
-                            ", B <= ", cuda::kPlanMaxRows, "): the per-step path runs (DTMT_CUDA_RECURRENCE="
-                            "persistent)"));
-  } else if (!plan.fits) {
+  if (!plan.fits) {
     TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ",
                             plan.forward_bytes / 1024, " KB (forward) and ", plan.backward_bytes / 1024,
                             " KB (backward) of shared memory a block in ", plan.grid, " blocks, with the matrices of ",

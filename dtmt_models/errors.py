@@ -22,14 +22,18 @@ MAX_VOCAB_SIZE = 1_000_000
 MAX_MESSAGE = 2000
 
 
+def cut(text: str) -> str:
+    """`text` cut in the middle past MAX_MESSAGE characters (its two ends kept)."""
+    if len(text) <= MAX_MESSAGE:
+        return text
+    half = MAX_MESSAGE // 2
+    return f"{text[:half]} ... ({len(text) - 2 * half:,} characters cut) ... {text[-half:]}"
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (its lines joined with " | "; the type's name if it has none), cut in the
     middle past MAX_MESSAGE characters."""
-    text = " | ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-    if len(text) > MAX_MESSAGE:
-        half = MAX_MESSAGE // 2
-        text = f"{text[:half]} ... ({len(text) - 2 * half:,} characters cut) ... {text[-half:]}"
-    return text
+    return cut(" | ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__)
 
 
 class ArgumentParser(argparse.ArgumentParser):

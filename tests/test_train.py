@@ -3,6 +3,7 @@ import copy
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -612,6 +613,21 @@ def test_bad_options_are_refused_before_any_work(toy_nodev, tmp_path, capsys, ba
     assert not out.exists()
 
 
+def test_dev_pairs_past_the_transformers_positions_leave_the_dev_loss(toy, tmp_path, capsys):
+    """A transformer of 8 positions trained with --max-len 7: the dev pairs longer than its positions are left out
+    of the dev loss with a note (their loss crashed the run at its first validation), and validation runs on the
+    rest."""
+    r = train_here(["--data", toy, "--out", str(tmp_path / "run"), "--max-steps", "2", "--valid-every", "2",
+                    "--max-len", "7", *TINY, "--model", "transformer", "--opt", "max_len=8", "--opt", "heads=2",
+                    "--opt", "encoder_layers=1", "--opt", "decoder_layers=1"], capsys)
+    assert r.returncode == 0, r.stderr
+    note = re.search(r"note: (\d+) dev pairs longer than transformer's 8 positions are left out of the dev loss",
+                     r.stdout)
+    assert note and 0 < int(note.group(1)) < 30, r.stdout
+    rows = [row for row in csv.DictReader(open(tmp_path / "run" / "train_log.csv")) if row["kind"] == "valid"]
+    assert len(rows) == 1 and float(rows[0]["dev_loss"]) > 0, rows
+
+
 def test_out_that_is_a_file_or_lies_under_one_is_refused(toy_nodev, tmp_path, capsys):
     """contract §6: --out naming a file, or a folder under a file, is one line and exit 2 before any work (it was a
     NotADirectoryError traceback when the log was opened)."""
@@ -924,6 +940,9 @@ def test_one_line_cuts_a_long_message_in_the_middle():
      "[*l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1]]}\n", "opt: depth takes one number, word or true/false, got a "
                                                              "list"),
     ("opt: {depth: {a: 1}}\n", "opt: depth takes one number, word or true/false, got a mapping"),
+    ("opt: {depth: 2024-01-01}\n", "opt: depth takes one number, word or true/false, got a date"),   # (a traceback)
+    ("max_steps: [&l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], &l1 [*l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0], "
+     "[*l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1]]\n", "max_steps takes one number or word, got a list"),
     ("lr: {\n", "not valid YAML"),
     (b"lr: 0.1\n# caf\xe9\n", "not UTF-8 text (byte 13)"),
     (b"lr: 0.1\n" + b"#" * 9000 + b"\xe9\n", "not UTF-8 text (byte 9008)"),   # past the first 8 KiB read

@@ -16,7 +16,7 @@ from dtmt_models.atomic import remove_stale_temporaries
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import check_files_options, prepare_files
-from dtmt_models.errors import MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_input_dir, check_output_dir
+from dtmt_models.errors import MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_input_dir, check_output_dir, cut
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 
 # the ranges of the numeric options, checked before any work (contract §6: one line, exit status 2)
@@ -160,10 +160,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             binarize_from_args(args, args.data, log)
     except UsageError as exc:   # an option that cannot work: nothing was read or written
-        print(f"dtmt prepare {args.source}: error: {exc}", file=sys.stderr)
+        print(f"dtmt prepare {args.source}: error: {cut(str(exc))}", file=sys.stderr)
         return 2
     except (data.CorpusError, bible.BibleError) as exc:
-        print(f"dtmt prepare {args.source}: error: {exc}", file=sys.stderr)
+        print(f"dtmt prepare {args.source}: error: {cut(str(exc))}", file=sys.stderr)
         return 1
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""

@@ -21,7 +21,8 @@ from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporarie
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD, Vocabulary
-from dtmt_models.errors import MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_output_dir, one_line
+from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_output_dir, cut,
+                                 one_line)
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models, position_bound
@@ -214,6 +215,14 @@ def _flags(parser: argparse.ArgumentParser) -> dict:
     return {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings and a.dest != "help"}
 
 
+def _yaml_kind(value) -> str:
+    """What a YAML value is, for a message: a short scalar as itself, else its kind (a list of aliased lists may
+    stand for millions of values)."""
+    kinds = {dict: "mapping", list: "list", bool: "true/false", bytes: "binary value"}
+    kind = next((name for t, name in kinds.items() if isinstance(value, t)), type(value).__name__)
+    return repr(value) if isinstance(value, (bool, int, float, str)) and len(repr(value)) <= 60 else f"a {kind}"
+
+
 def config_arguments(path: str) -> List[str]:
     """The command-line arguments that the run configuration `path` stands for (YAML: `dtmt train` flags without
     their dashes as keys, model options as the mapping `opt`), to go before the command line's own, which override
@@ -249,17 +258,18 @@ def config_arguments(path: str) -> List[str]:
                 raise ValueError(f"--config {path}: opt must be a mapping of model option: value, e.g. "
                                  f"opt: {{depth: 2}}")
             for k, v in value.items():
-                if isinstance(v, (dict, list)):   # (a model option is one value; an aliased list may be huge)
-                    raise ValueError(f"--config {path}: opt: {k} takes one number, word or true/false, got a "
-                                     f"{'mapping' if isinstance(v, dict) else 'list'}")
+                # one value (an aliased list may be huge; a date or bytes is no option's value)
+                if v is not None and not isinstance(v, (bool, int, float, str)):
+                    raise ValueError(f"--config {path}: opt: {k} takes one number, word or true/false, got "
+                                     f"{_yaml_kind(v)}")
                 argv += ["--opt", f"{k}={json.dumps(v)}"]
         elif dest in switches:   # (a switch: true or false)
             if not isinstance(value, bool):
-                raise ValueError(f"--config {path}: {key} takes true or false, got {value!r}")
+                raise ValueError(f"--config {path}: {key} takes true or false, got {_yaml_kind(value)}")
             argv.append(switches[dest][0 if value else 1])
-        elif isinstance(value, (dict, list, bool)):
+        elif isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError(f"--config {path}: {key} takes one {'number or word' if dest != 'data' else 'path'}, "
-                             f"got {value!r}")
+                             f"got {_yaml_kind(value)}")
         else:
             argv += [flags[dest], str(value)]
     check = build_parser()
@@ -358,7 +368,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         try:
             argv = config_arguments(config) + argv   # the command line's flags come last: they override
         except ValueError as exc:
-            print(f"dtmt train: {exc}", file=sys.stderr)
+            print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
     explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
@@ -458,7 +468,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         for held in lock:   # nothing written: a directory made for the lock goes too
             held.release(discard=True)
-        print(f"dtmt train: {exc}", file=sys.stderr)
+        print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
         return 2
     try:
         if cfg.threads:
@@ -474,11 +484,11 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     except (CorpusError, CheckpointError) as exc:   # (before anything was written)
         for held in lock:
             held.release(discard=True)
-        print(f"dtmt train: {exc}", file=sys.stderr)
+        print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
         return 2
     except (WriteError, TrainingDiverged) as exc:   # a checkpoint, log or figure unwritable (full disk, read-only
         # directory); a loss that became NaN
-        print(f"dtmt train: {exc}", file=sys.stderr)
+        print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started
         print(f"\ndtmt train: aborted ({exc or 'SIGINT'}); the last checkpoint written is "

@@ -20,7 +20,8 @@ def list_models() -> List[str]:
 # The transition depths, which may be 0 for the plain cell, are not here: each system checks its own, and the layers
 # bound them (dtmt_kernels.nn.MAX_DEPTH).
 SIZE_OPTIONS = {"embed_dim": 65536, "hidden_size": 65536, "heads": 1024, "attention_dim": 65536,
-                "encoder_layers": 256, "decoder_layers": 256, "enc_depth": 256, "dec_depth": 256, "max_len": 65536}
+                "encoder_layers": 256, "decoder_layers": 256, "enc_depth": 256, "dec_depth": 256, "output_depth": 256,
+                "max_len": 65536}
 
 
 def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) -> nn.Module:

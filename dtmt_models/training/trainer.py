@@ -283,7 +283,10 @@ class Trainer:
         if bound is not None and self.dev_ids:   # (the dev loss of a pair past the model's positions: none to score)
             n_dev = len(self.dev_ids)
             self.dev_ids = [(s, t) for s, t in self.dev_ids if len(s) <= bound and len(t) < bound]
-            if len(self.dev_ids) < n_dev:
+            if not self.dev_ids:   # (validation, early stopping and best.pt need a dev loss)
+                self.log(f"warning: every dev pair is longer than {cfg.model}'s {bound} positions: no validation, no "
+                         f"early stopping, no best.pt (raise --opt max_len)")
+            elif len(self.dev_ids) < n_dev:
                 self.log(f"note: {n_dev - len(self.dev_ids):,} dev pairs longer than {cfg.model}'s {bound} positions "
                          f"are left out of the dev loss (dev BLEU cuts their sources there)")
         if cfg.backend != "auto":

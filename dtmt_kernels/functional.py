@@ -5,8 +5,10 @@ engine's (dtmt_models.engine.ops)."""
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping, MappingView, Set as AbstractSet
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -41,10 +43,11 @@ def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask:
                         eps: float = 1e-5):
     """Deep transition block (or ATR, `weights.cell == "atr"`) over x [T, B, I] from h0 [B, H].
 
-    mask [T, B]: 1 for real tokens, 0 for padding (state carried, output 0). drop [depth+1, B, H]:
-    candidate-dropout multipliers, already scaled. Returns (out [T, B, H], h_n [B, H]). Arguments of the wrong
-    kind, shape, dtype or device are a ValueError naming them, the same on every backend."""
-    _check_sequence_arguments("transition_sequence", x, h0, weights, mask, drop, reverse, eps, "x", "h0")
+    mask [T, B]: 1 for real tokens, 0 for padding (state carried, output 0; bool or any floating dtype, taken in
+    x's). drop [depth+1, B, H]: candidate-dropout multipliers, already scaled. Returns (out [T, B, H], h_n [B, H]).
+    Arguments of the wrong kind, shape, dtype or device are a ValueError naming them, the same on every backend."""
+    mask, reverse = _check_sequence_arguments("transition_sequence", x, h0, weights, mask, drop, reverse, eps, "x",
+                                              "h0")
     b = resolve_backend(backend, x.device)
     check_dtype_for_backend(b, x.dtype, "x")
     return b.run(x, h0, weights, mask, drop, reverse, eps)
@@ -53,17 +56,21 @@ def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask:
 def transition_step(x: Tensor, h: Tensor, weights: TransitionWeights, drop: Optional[Tensor] = None,
                     backend: str = "auto", eps: float = 1e-5) -> Tensor:
     """One step (decoder use): x [B, I], h [B, H] -> h' [B, H]."""
-    if not isinstance(x, Tensor) or x.dim() != 2:
-        raise ValueError(f"transition_step: x must be a Tensor [B, input_size], got "
+    if not isinstance(weights, TransitionWeights):
+        raise ValueError(f"transition_step: weights must be a TransitionWeights, got {type(weights).__name__}")
+    width = weights.w_ih.shape[-1]
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != width or x.shape[0] == 0:
+        raise ValueError(f"transition_step: x must be a Tensor [B, input_size={width}] with B >= 1, got "
                          f"{list(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     _check_sequence_arguments("transition_step", x.unsqueeze(0), h, weights, None, drop, False, eps, "x", "h")
     _, h1 = transition_sequence(x.unsqueeze(0), h, weights, None, drop, False, backend, eps)
     return h1
 
 
-def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps, x_name: str, h_name: str) -> None:
+def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps, x_name: str, h_name: str):
     """transition_sequence's arguments (x [T, B, I]) against each other and `weights`: ValueError naming the first
-    that is of the wrong kind, shape, dtype or device (a few comparisons, nothing per element)."""
+    that is of the wrong kind, shape, dtype or device (a few comparisons, nothing per element). Returns the mask in
+    x's dtype (a bool or other floating mask cast) and reverse as a bool."""
     if not isinstance(weights, TransitionWeights):
         raise ValueError(f"{op}: weights must be a TransitionWeights, got {type(weights).__name__}")
     for name, t in ((x_name, x), (h_name, h0)):
@@ -85,12 +92,19 @@ def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps,
                              f"{list(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
         if t.device != x.device:
             raise ValueError(f"{op}: {name} is on {t.device} but {x_name} is on {x.device}")
-        if t.dtype != x.dtype and not autocast_mix((t.dtype, x.dtype), x):
+        if name == "mask":   # (1 or 0 a step: any floating dtype or bool says it)
+            if not (t.is_floating_point() or t.dtype == torch.bool):
+                raise ValueError(f"{op}: mask must be bool or floating point, got {t.dtype}")
+        elif t.dtype != x.dtype and not autocast_mix((t.dtype, x.dtype), x):
             raise ValueError(f"{op}: {name} has dtype {t.dtype} but {x_name} has {x.dtype}")
-    if not isinstance(reverse, bool):
+    if mask is not None and mask.dtype != x.dtype and not autocast_mix((mask.dtype, x.dtype), x):
+        mask = mask.to(x.dtype)
+    # True or False (numpy's bool and 0 / 1 too)
+    if not isinstance(reverse, (numbers.Integral, np.bool_)) or reverse not in (0, 1):
         raise ValueError(f"{op}: reverse must be True or False, got {reverse!r}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= float(eps) < float("inf"):
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+    return mask, bool(reverse)
 
 
 def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto") -> Tensor:
@@ -240,8 +254,8 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         values = host_list(lengths)   # (once a batch inside host_reads_kept)
         lengths_cpu = torch.tensor(values, dtype=torch.long)
     else:
-        # a sequence in order (a list, a tuple, a numpy array); a set or a dict has no order of the batch's rows
-        if isinstance(lengths, (str, bytes)) or not (isinstance(lengths, Sequence) or hasattr(lengths, "__array__")):
+        # values in the batch's order: a set, a mapping or a mapping's view has no order of the rows (a text none)
+        if isinstance(lengths, (str, bytes, AbstractSet, Mapping, MappingView)):
             raise ValueError(f"{owner}: lengths must be a 1-D tensor or sequence of ints [B={B}], "
                              f"got {type(lengths).__name__}")
         try:

@@ -206,6 +206,8 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: layer(x, lengths={5, 3}), r"lengths must be a 1-D tensor or sequence of ints \[B=2\], got set")
     _err(lambda: layer(x, lengths={5: 0, 3: 0}), "lengths must be a 1-D tensor or sequence of ints")
     _err(lambda: layer(x, lengths="53"), "lengths must be a 1-D tensor or sequence of ints")
+    _err(lambda: layer(x, lengths={5: 0, 3: 0}.keys()), "got dict_keys")
+    assert torch.equal(layer(x, lengths=(n for n in (5, 3)))[0], layer(x, lengths=[5, 3])[0])   # (an order: taken)
     _err(lambda: layer(x, lengths=[2 ** 64, 5]), r"every length must be in \[1, T=5\], got min 5, max "
                                                  "18446744073709551616")
     _err(lambda: layer(x, lengths=torch.tensor([5, 2], device="meta")), "meta tensor")
@@ -261,11 +263,23 @@ def test_functional_transition_refuses_bad_arguments_on_every_backend(backend):
             ((x.long(), h0, w), {}, "x must be a floating-point Tensor, got torch.int64")]:
         _err(lambda: F_.transition_sequence(*args, backend=backend, **kwargs), f"transition_sequence: {match}")
     _err(lambda: F_.transition_step(x, h0, w, backend=backend), r"transition_step: x must be a Tensor \[B, "
-                                                                 r"input_size\], got \[5, 2, 3\]")
+                                                                 r"input_size=3\] with B >= 1, got \[5, 2, 3\]")
+    _err(lambda: F_.transition_step(x[0, :, :2], h0, w, backend=backend), r"input_size=3\] with B >= 1, got \[2, 2\]")
     _err(lambda: F_.transition_step(x[0], h0[:1], w, backend=backend), r"transition_step: h must be a Tensor")
     # what passes is what the layer computes; a step is the sequence's first
     layer.backend = backend
     assert torch.equal(expected[0], layer(x)[0])
+    # a mask of bool or of another floating dtype says the same; numpy's bool and 1 are a reverse
+    import numpy as np
+    mask = torch.tensor([[1, 1]] * 3 + [[1, 0]] * 2)
+    masked = F_.transition_sequence(x, h0, w, mask.float(), backend=backend)
+    for other in (mask.bool(), mask.double()):
+        assert all(torch.equal(a, b) for a, b in zip(F_.transition_sequence(x, h0, w, other, backend=backend), masked))
+    _err(lambda: F_.transition_sequence(x, h0, w, mask, backend=backend), "mask must be bool or floating point, got "
+                                                                         "torch.int64")
+    backward = F_.transition_sequence(x, h0, w, reverse=True, backend=backend)
+    for flag in (np.bool_(True), 1):
+        assert torch.equal(F_.transition_sequence(x, h0, w, reverse=flag, backend=backend)[0], backward[0])
     torch.testing.assert_close(F_.transition_step(x[0], h0, w, backend=backend), expected[0][0])
 
 

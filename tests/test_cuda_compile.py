@@ -66,9 +66,8 @@ def test_device_kernels_compile_standalone(tmp_path, arch):
     attention_cuda_kernels.cuh: every kernel (5 cell kinds x forward/backward x 4 storage types, the persistent
     forward and backward of the 4 base cells x 4 storage types, the attention's 4 kernels x float and double)
     compiled to an object, host and device code, with the flags setup.py passes to nvcc, for sm_90
-    (the tensor-core products: TF32, f16, bf16) and sm_75 (below 8.0: without them). One architecture a test, so
-    that the suite's two workers can build them side by side (the two in one nvcc call passed 900 s on a busy 2-core
-    AMD EPYC Zen 3, 2026-12-01)."""
+    (the tensor-core products: TF32, f16, bf16) and sm_75 (below 8.0: without them). One architecture a test, each
+    nvcc call with its own timeout (the two in one call passed 900 s on a busy 2-core AMD EPYC Zen 3, 2026-12-01)."""
     src = tmp_path / "kernels_tu.cu"
     src.write_text(KERNELS_TU)
     run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-gencode", f"arch=compute_{arch},code=sm_{arch}",

@@ -48,6 +48,11 @@ def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask:
     Arguments of the wrong kind, shape, dtype or device are a ValueError naming them, the same on every backend."""
     mask, reverse = _check_sequence_arguments("transition_sequence", x, h0, weights, mask, drop, reverse, eps, "x",
                                               "h0")
+    return _run_sequence(x, h0, weights, mask, drop, reverse, backend, eps)
+
+
+def _run_sequence(x, h0, weights, mask, drop, reverse, backend, eps):
+    """transition_sequence on checked arguments: the backend resolved for x's device and dtype, then run."""
     b = resolve_backend(backend, x.device)
     check_dtype_for_backend(b, x.dtype, "x")
     return b.run(x, h0, weights, mask, drop, reverse, eps)
@@ -62,9 +67,9 @@ def transition_step(x: Tensor, h: Tensor, weights: TransitionWeights, drop: Opti
     if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != width or x.shape[0] == 0:
         raise ValueError(f"transition_step: x must be a Tensor [B, input_size={width}] with B >= 1, got "
                          f"{list(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-    _check_sequence_arguments("transition_step", x.unsqueeze(0), h, weights, None, drop, False, eps, "x", "h")
-    _, h1 = transition_sequence(x.unsqueeze(0), h, weights, None, drop, False, backend, eps)
-    return h1
+    x = x.unsqueeze(0)
+    _check_sequence_arguments("transition_step", x, h, weights, None, drop, False, eps, "x", "h")
+    return _run_sequence(x, h, weights, None, drop, False, backend, eps)[1]
 
 
 def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps, x_name: str, h_name: str):

@@ -1,10 +1,11 @@
 """The device kernels go through nvcc where no GPU (or no CUDA torch) is present: every kernel of csrc/'s CUDA headers
-compiled to an object for sm_75 and sm_90, the persistent kernels linked without relocatable device code and their
-PTX read for the memory spaces of its loads, and the two probes that gpu_session.sh builds on the GPU machine
-(benchmarks/barrier_probe.cu, benchmarks/phase_probe.cu) built as it builds them. Each test skips with the reason
-when nvcc is absent. The ATen drivers' compile and the kernels emulated on the CPU: test_cuda_sources.py. (A file of
-its own, so that under pytest-xdist, which gives a worker a file at a time, these minutes of nvcc run beside
-test_cuda_sources.py's, not after them.)"""
+built for sm_90a and linked without relocatable device code, its PTX read for the memory spaces of the persistent
+kernels' loads; the same kernels compiled to PTX for compute capability 8.0 and 7.5 (the preprocessor's other
+branches); and the two probes that gpu_session.sh builds on the GPU machine (benchmarks/barrier_probe.cu,
+benchmarks/phase_probe.cu) built with its flags. Each test skips with the reason when nvcc is absent. The ATen
+drivers' compile and the kernels emulated on the CPU: test_cuda_sources.py. (A file of its own, so that under
+pytest-xdist, which gives a worker a file at a time, these minutes of nvcc run beside test_cuda_sources.py's, not
+after them.)"""
 import os
 import re
 import subprocess
@@ -59,25 +60,14 @@ def test_nvcc_version():
     assert re.search(r"release \d+\.\d+", res.stdout), res.stdout
 
 
-@needs_nvcc
-@pytest.mark.parametrize("arch", ["75", "90"])
-def test_device_kernels_compile_standalone(tmp_path, arch):
-    """cell_math.h + transition_cuda_kernels.cuh + persistent_cuda_kernels.cuh + block_mma.cuh +
-    attention_cuda_kernels.cuh: every kernel (5 cell kinds x forward/backward x 4 storage types, the persistent
-    forward and backward of the 4 base cells x 4 storage types, the attention's 4 kernels x float and double)
-    compiled to an object, host and device code, with the flags setup.py passes to nvcc, for sm_90
-    (the tensor-core products: TF32, f16, bf16) and sm_75 (below 8.0: without them). One architecture a test, each
-    nvcc call with its own timeout (the two in one call passed 900 s on a busy 2-core AMD EPYC Zen 3, 2026-12-01)."""
-    src = tmp_path / "kernels_tu.cu"
-    src.write_text(KERNELS_TU)
-    run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-gencode", f"arch=compute_{arch},code=sm_{arch}",
-                 "-c", f"-I{CSRC}", str(src), "-o", str(tmp_path / "k.o")])
-    assert (tmp_path / "k.o").stat().st_size > 0
-
-
-PERSISTENT_MAIN = r"""
-#include "persistent_cuda_kernels.cuh"
-int main() {   // never run: linking it is the test
+# What each build covers: every preprocessor branch of the kernels once. sm_90a (H100 / H200, as gpu_session.sh builds
+# for them): tensor cores, cp.async, the cluster barrier and the stage's multicast, down to machine code (ptxas, the
+# linker). compute_80 (Ampere and Ada: A100, RTX 30 / 40, L4): the same without the cluster barrier and the multicast.
+# compute_75 (Turing and older): without tensor cores and cp.async. The last two stop at PTX (the form a driver
+# compiles on load): ptxas takes two thirds of a build's time, and their code differs from sm_90a's only in what the
+# preprocessor leaves out, which cicc has checked by then.
+KERNELS_MAIN = r"""
+int main() {   // never run: linking it, without relocatable device code (-rdc) as setup.py builds, is the test
   dtmt::cuda::PersistentForwardArgs<float, float> a{};
   dtmt::cuda::PersistentBackwardArgs<float, float> b{};
   cudaError_t e = dtmt::cuda::launch_persistent_forward<float, float>(dtmt::kLGRU, a, 1, 32, nullptr);
@@ -87,15 +77,51 @@ int main() {   // never run: linking it is the test
 """
 
 
+@pytest.fixture(scope="module")
+def sm90a_build(tmp_path_factory):
+    """Every kernel of csrc/'s CUDA headers (KERNELS_TU) with a main, built for sm_90a (-DDTMT_SM90A, as setup.py and
+    gpu_session.sh build for an H100 / H200) with the flags setup.py passes to nvcc, linked without -rdc; the PTX
+    kept. Returns (the program, the PTX's text). Built once for the tests that read it."""
+    out = tmp_path_factory.mktemp("sm90a")
+    src = out / "kernels_tu.cu"
+    src.write_text(KERNELS_TU + KERNELS_MAIN)
+    run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a",
+                 "-DDTMT_SM90A", "-keep", f"-keep-dir={out}", f"-I{CSRC}", str(src), "-o", str(out / "kernels")])
+    return out / "kernels", "".join(p.read_text() for p in out.glob("*.ptx"))
+
+
 @needs_nvcc
-def test_persistent_kernels_link_without_rdc(tmp_path):
-    """The persistent kernels' grid barrier (cooperative groups' this_grid().sync()) and cooperative launch link
-    into a program without relocatable device code (-rdc), as setup.py builds the extension; built for sm_90
-    (Hopper: the H100 / H200 the GPU sessions get)."""
-    src = tmp_path / "main.cu"
-    src.write_text(PERSISTENT_MAIN)
-    run_compile([NVCC, "-std=c++17", "-O3", "-arch=sm_90", f"-I{CSRC}", str(src), "-o", str(tmp_path / "main")])
-    assert (tmp_path / "main").stat().st_size > 0
+def test_device_kernels_build_and_link_for_sm90a(sm90a_build):
+    """cell_math.h + transition_cuda_kernels.cuh + persistent_cuda_kernels.cuh + block_mma.cuh +
+    attention_cuda_kernels.cuh: every kernel (5 cell kinds x forward/backward x 4 storage types, the persistent
+    forward and backward of the 4 base cells x 4 storage types, the attention's 4 kernels x float and double) built
+    to machine code for sm_90a (the tensor-core products: TF32, f16, bf16; the cluster barrier; the stage's
+    multicast), and linked into a program without relocatable device code: the persistent kernels' grid barrier
+    (cooperative groups' this_grid().sync()) and cooperative launch need no -rdc."""
+    program, ptx = sm90a_build
+    assert program.stat().st_size > 0
+    kernels = set(re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M))
+    assert len({k for k in kernels if "persistent_" in k}) == 4 * 2 * 4   # (base cells x directions x storage types)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["80", "75"])
+def test_device_kernels_compile_to_ptx(tmp_path, arch):
+    """The same kernels compiled for compute capability 8.0 (tensor cores and cp.async, without the cluster barrier
+    and the multicast: the code an A100 or an RTX 30 / 40 runs) and 7.5 (without tensor cores or cp.async), host code
+    and device code as PTX embedded in the object (the form the driver compiles on load), without DTMT_SM90A."""
+    src = tmp_path / "kernels_tu.cu"
+    src.write_text(KERNELS_TU)
+    run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-gencode", f"arch=compute_{arch},code=compute_{arch}",
+                 "-keep", f"-keep-dir={tmp_path}", "-c", f"-I{CSRC}", str(src), "-o", str(tmp_path / "k.o")])
+    assert (tmp_path / "k.o").stat().st_size > 0
+    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert re.search(rf"^\.target sm_{arch}\b", ptx, flags=re.M)
+    kernels = set(re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M))
+    assert len({k for k in kernels if "persistent_" in k}) == 4 * 2 * 4
+    assert ("wmma.mma.sync" in ptx) == (arch == "80")   # (tensor cores from compute capability 8.0)
+    assert ("cp.async.cg." in ptx) == (arch == "80")
+    assert "barrier.cluster" not in ptx and "multicast::cluster" not in ptx
 
 
 @needs_nvcc
@@ -112,12 +138,14 @@ def test_barrier_probe_builds(tmp_path):
 @needs_nvcc
 def test_phase_probe_builds(tmp_path):
     """benchmarks/phase_probe.cu (where a persistent launch's time goes: the kernels with their phase clock,
-    DTMT_PERSISTENT_PHASES; gpu_session.sh's persistent stage builds and runs it on the GPU) compiles and links for
-    sm_90a as that stage builds it on an H100 / H200 (DTMT_SM90A: its rows of the stage read once a cluster), its
-    kernels read the SM clock (the marks are compiled in: the extension's PTX has
-    none, test_persistent_kernels_load_from_named_spaces), and without the flag it refuses to build."""
+    DTMT_PERSISTENT_PHASES; gpu_session.sh's persistent stage builds and runs it on the GPU) compiles and links with
+    that stage's flags for an H100 / H200 (DTMT_SM90A: its rows of the stage read once a cluster), its device code
+    PTX for compute_90a (the same kernels' machine code: test_device_kernels_build_and_link_for_sm90a); its kernels
+    read the SM clock (the marks are compiled in: the extension's PTX has none,
+    test_persistent_kernels_load_from_named_spaces), and without the flag it refuses to build."""
     probe = os.path.join(ROOT, "benchmarks", "phase_probe.cu")
-    flags = ["-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90a", "-DDTMT_SM90A", f"-I{CSRC}"]
+    flags = ["-std=c++17", "-O3", "--use_fast_math", "-gencode", "arch=compute_90a,code=compute_90a", "-DDTMT_SM90A",
+             f"-I{CSRC}"]
     run_compile([NVCC, *flags, "-DDTMT_PERSISTENT_PHASES", "-keep", f"-keep-dir={tmp_path}", probe, "-o",
           str(tmp_path / "phase_probe")])
     assert (tmp_path / "phase_probe").stat().st_size > 0
@@ -129,47 +157,41 @@ def test_phase_probe_builds(tmp_path):
     assert res.returncode != 0 and "DTMT_PERSISTENT_PHASES" in res.stderr
 
 
-PERSISTENT_PTX_TU = r"""
-#include "persistent_cuda_kernels.cuh"
-namespace dtmt {
-namespace cuda {
-#define DTMT_INSTANTIATE(T, A)                                                                              \
-  template cudaError_t launch_persistent_forward<T, A>(int, const PersistentForwardArgs<T, A>&, int, int,   \
-                                                       cudaStream_t);                                        \
-  template cudaError_t launch_persistent_backward<T, A>(int, const PersistentBackwardArgs<T, A>&, int, int, \
-                                                        cudaStream_t);
-DTMT_INSTANTIATE(float, float)
-DTMT_INSTANTIATE(__nv_bfloat16, float)
-}  // namespace cuda
-}  // namespace dtmt
-"""
+def _persistent_ptx(ptx):
+    """The PTX of the persistent kernels (their entries) and of the functions they call (block_mma's), one text."""
+    parts, keep = [], False
+    for line in ptx.splitlines(keepends=True):
+        head = re.match(r"^(?:\.visible |\.weak )?\.(entry|func)\b", line)
+        if head:
+            keep = head.group(1) == "func" or "persistent_" in line
+        if keep:
+            parts.append(line)
+        if line.startswith("}"):
+            keep = False
+    return "".join(parts)
 
 
 @needs_nvcc
-def test_persistent_kernels_load_from_named_spaces(tmp_path):
+def test_persistent_kernels_load_from_named_spaces(sm90a_build):
     """The persistent kernels reach a resident matrix and a spilled one through separate calls (resident_matrix,
     spilled_matrix in persistent_cuda_kernels.cuh), so that the compiler knows the space of every load: in the PTX for
-    sm_90 of the float and bfloat16 kernels (every base cell, forward and backward), each scalar load is ld.shared,
-    ld.global or ld.param, never a generic ld (which would test the address's space at run time), apart from the
-    grid barrier's own ld.acquire.gpu, and none non-coherent (.nc: what other blocks write must be read through the
-    coherent path); the stage's asynchronous copies (cp.async) likewise from L2 (.cg), not through the L1 (.ca);
-    and the cluster form's barrier is there, arrive with its default release semantics (not .relaxed) and wait.
-    Compiled for sm_90a (DTMT_SM90A, as gpu_session.sh builds for an H100 / H200), so that the stage read once a
-    cluster is in it too: its bulk copies multicast to the cluster and counted by an mbarrier, each thread's after a
-    proxy fence, and no counter in local memory. (The wmma loads of the staged operands are generic: the warp
-    matrix API takes a plain pointer.)"""
-    src = tmp_path / "persistent_ptx.cu"
-    src.write_text(PERSISTENT_PTX_TU)
-    ptx = tmp_path / "persistent.ptx"
-    run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-arch=sm_90a", "-DDTMT_SM90A", "-ptx", f"-I{CSRC}",
-                 str(src), "-o", str(ptx)])
-    loads = re.findall(r"^\s+(ld\.[\w.]+)", ptx.read_text(), flags=re.M)
+    sm_90a of the persistent kernels (every base cell and storage type, forward and backward; the build of
+    test_device_kernels_build_and_link_for_sm90a), each scalar load is ld.shared, ld.global or ld.param, never a
+    generic ld (which would test the address's space at run time), apart from the grid barrier's own ld.acquire.gpu,
+    and none non-coherent (.nc: what other blocks write must be read through the coherent path); the stage's
+    asynchronous copies (cp.async) likewise from L2 (.cg), not through the L1 (.ca); and the cluster form's barrier
+    is there, arrive with its default release semantics (not .relaxed) and wait. Code for sm_90a (DTMT_SM90A, as
+    gpu_session.sh builds for an H100 / H200), so that the stage read once a cluster is in it too: its bulk copies
+    multicast to the cluster and counted by an mbarrier, each thread's after a proxy fence, and no counter in local
+    memory. (The wmma loads of the staged operands are generic: the warp matrix API takes a plain pointer.)"""
+    text = _persistent_ptx(sm90a_build[1])
+    assert text.count(".entry") == 4 * 2 * 4, text.count(".entry")
+    loads = re.findall(r"^\s+(ld\.[\w.]+)", text, flags=re.M)
     spaces = {op.split(".")[1] for op in loads}
     assert {"shared", "global", "param"} <= spaces, sorted(spaces)
     generic = sorted({op for op in loads if op.split(".")[1] not in ("shared", "global", "param")
                       and not op.startswith("ld.acquire.gpu")})
     assert not generic, f"generic loads in the persistent kernels: {generic}"
-    text = ptx.read_text()
     assert "barrier.cluster.arrive" in text and "barrier.cluster.wait" in text
     assert "barrier.cluster.arrive.relaxed" not in text   # (release / acquire: the global memory written before)
     assert not [op for op in loads if ".nc" in op]   # (no non-coherent loads of what other blocks write)
@@ -177,6 +199,6 @@ def test_persistent_kernels_load_from_named_spaces(tmp_path):
     assert copies and all(op.startswith("cp.async.cg.") for op in copies), sorted(set(copies))   # (L2, not L1)
     assert "%clock64" not in text   # (the phase clock of benchmarks/phase_probe.cu is compiled out)
     multicast = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-    assert text.count(multicast) >= 12, text.count(multicast)   # (every kernel's stage, read once a cluster)
+    assert text.count(multicast) >= 24, text.count(multicast)   # (every kernel's stage, read once a cluster)
     assert "mbarrier.try_wait.parity" in text and "mbarrier.arrive.expect_tx" in text
     assert text.count("fence.proxy.async") >= text.count(multicast)   # (a fence before each kernel's copies)

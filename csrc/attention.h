@@ -1,7 +1,7 @@
 // Declarations of the fused additive-attention ops: scores and context (see attention_cpu.cpp for the algorithm).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <tuple>
 #include <utility>

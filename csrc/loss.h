@@ -1,7 +1,7 @@
 // Declaration of the fused label-smoothed cross-entropy op (see loss_cpu.cpp for the algorithm).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <vector>
 

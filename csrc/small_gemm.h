@@ -6,7 +6,7 @@
 // (x itself stays in L1). See small_gemm_cpu.cpp and isa/small_gemm_rows.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 namespace dtmt {
 

@@ -5,7 +5,7 @@
 // taken again, in the next step: what a search carries from one step to the next (its state) must not come from here.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <vector>
 

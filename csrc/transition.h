@@ -3,7 +3,7 @@
 // saved tensors.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <vector>
 

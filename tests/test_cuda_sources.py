@@ -221,6 +221,8 @@ EMULATION_EXT = r"""
 #include "transition_cuda.cu"
 #include "attention_cuda.cu"
 
+#include <torch/extension.h>   // (the module: pybind11)
+
 namespace {
 dtmt::TransitionWeights weights(int64_t kind, const std::vector<at::Tensor>& p) {
   return dtmt::TransitionWeights{kind, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};

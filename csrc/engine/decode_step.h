@@ -7,7 +7,7 @@
 // the field names are exported (`_C.ATTENTION_WEIGHT_FIELDS`, ...) so that a test holds the two sides equal.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <optional>
 #include <vector>

@@ -77,6 +77,19 @@ int main() {   // never run: linking it, without relocatable device code (-rdc) 
 """
 
 
+PERSISTENT_KERNELS = 4 * 2 * 4   # (the base cells x forward, backward x the storage types)
+
+
+def _kept_ptx(folder):
+    """The text of the PTX files nvcc kept (-keep) in `folder`."""
+    return "".join(p.read_text() for p in folder.glob("*.ptx"))
+
+
+def _kernels(ptx):
+    """The names of the kernels (entries) in a PTX text."""
+    return set(re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M))
+
+
 @pytest.fixture(scope="module")
 def sm90a_build(tmp_path_factory):
     """Every kernel of csrc/'s CUDA headers (KERNELS_TU) with a main, built for sm_90a (-DDTMT_SM90A, as setup.py and
@@ -87,7 +100,7 @@ def sm90a_build(tmp_path_factory):
     src.write_text(KERNELS_TU + KERNELS_MAIN)
     run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a",
                  "-DDTMT_SM90A", "-keep", f"-keep-dir={out}", f"-I{CSRC}", str(src), "-o", str(out / "kernels")])
-    return out / "kernels", "".join(p.read_text() for p in out.glob("*.ptx"))
+    return out / "kernels", _kept_ptx(out)
 
 
 @needs_nvcc
@@ -100,8 +113,7 @@ def test_device_kernels_build_and_link_for_sm90a(sm90a_build):
     (cooperative groups' this_grid().sync()) and cooperative launch need no -rdc."""
     program, ptx = sm90a_build
     assert program.stat().st_size > 0
-    kernels = set(re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M))
-    assert len({k for k in kernels if "persistent_" in k}) == 4 * 2 * 4   # (base cells x directions x storage types)
+    assert len({k for k in _kernels(ptx) if "persistent_" in k}) == PERSISTENT_KERNELS
 
 
 @needs_nvcc
@@ -115,10 +127,9 @@ def test_device_kernels_compile_to_ptx(tmp_path, arch):
     run_compile([NVCC, "-std=c++17", "-O3", "--use_fast_math", "-gencode", f"arch=compute_{arch},code=compute_{arch}",
                  "-keep", f"-keep-dir={tmp_path}", "-c", f"-I{CSRC}", str(src), "-o", str(tmp_path / "k.o")])
     assert (tmp_path / "k.o").stat().st_size > 0
-    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    ptx = _kept_ptx(tmp_path)
     assert re.search(rf"^\.target sm_{arch}\b", ptx, flags=re.M)
-    kernels = set(re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M))
-    assert len({k for k in kernels if "persistent_" in k}) == 4 * 2 * 4
+    assert len({k for k in _kernels(ptx) if "persistent_" in k}) == PERSISTENT_KERNELS
     assert ("wmma.mma.sync" in ptx) == (arch == "80")   # (tensor cores from compute capability 8.0)
     assert ("cp.async.cg." in ptx) == (arch == "80")
     assert "barrier.cluster" not in ptx and "multicast::cluster" not in ptx
@@ -149,9 +160,9 @@ def test_phase_probe_builds(tmp_path):
     run_compile([NVCC, *flags, "-DDTMT_PERSISTENT_PHASES", "-keep", f"-keep-dir={tmp_path}", probe, "-o",
           str(tmp_path / "phase_probe")])
     assert (tmp_path / "phase_probe").stat().st_size > 0
-    ptx = "".join(p.read_text() for p in tmp_path.glob("*.ptx"))
-    kernels = re.findall(r"^\.visible \.entry (\w+)", ptx, flags=re.M)
-    assert len(set(kernels)) == 12, kernels   # GRU, ATR, L-GRU x float, bf16 x forward, backward
+    ptx = _kept_ptx(tmp_path)
+    kernels = _kernels(ptx)
+    assert len(kernels) == 12, sorted(kernels)   # GRU, ATR, L-GRU x float, bf16 x forward, backward
     assert ptx.count("%clock64") >= 12 * 4
     res = subprocess.run([NVCC, *flags, "-E", probe], capture_output=True, text=True)
     assert res.returncode != 0 and "DTMT_PERSISTENT_PHASES" in res.stderr
@@ -185,7 +196,7 @@ def test_persistent_kernels_load_from_named_spaces(sm90a_build):
     multicast to the cluster and counted by an mbarrier, each thread's after a proxy fence, and no counter in local
     memory. (The wmma loads of the staged operands are generic: the warp matrix API takes a plain pointer.)"""
     text = _persistent_ptx(sm90a_build[1])
-    assert text.count(".entry") == 4 * 2 * 4, text.count(".entry")
+    assert len(_kernels(text)) == PERSISTENT_KERNELS, sorted(_kernels(text))
     loads = re.findall(r"^\s+(ld\.[\w.]+)", text, flags=re.M)
     spaces = {op.split(".")[1] for op in loads}
     assert {"shared", "global", "param"} <= spaces, sorted(spaces)

@@ -1,6 +1,7 @@
 """What the CUDA source tests share (test_cuda_compile.py: nvcc on the device kernels and the probes;
 test_cuda_sources.py: nvcc on the ATen drivers and the emulated kernels): where csrc/ and nvcc are, and a compile run
 whose failure, or any warning it gives about csrc/, fails the test."""
+import functools
 import os
 import shutil
 import subprocess
@@ -36,3 +37,15 @@ def run_compile(cmd, timeout=900):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     check_compile(cmd, res.returncode, res.stdout, res.stderr)
     return res
+
+
+@functools.lru_cache(maxsize=None)
+def fastest(stage):
+    """nvcc's flags for its fastest level of `stage` ("ptxas": the assembler only; "all": cicc's optimizer too) where
+    this toolkit has it (--Ofast-compile, CUDA 12.8 and later), else none."""
+    if NVCC is None:
+        return []
+    usage = subprocess.run([NVCC, "--help"], capture_output=True, text=True).stdout
+    if "--Ofast-compile" not in usage:
+        return []
+    return ["-Xptxas", "--Ofast-compile=max"] if stage == "ptxas" else ["--Ofast-compile=max"]

@@ -26,7 +26,7 @@ import sysconfig
 import pytest
 import torch
 
-from nvcc_tools import CSRC, NVCC, ROOT, check_compile, needs_nvcc, run_compile
+from nvcc_tools import CSRC, NVCC, ROOT, check_compile, fastest, needs_nvcc, run_compile
 
 
 # The two slow compile checks start in the background as soon as pytest has collected them (conftest.py's
@@ -57,13 +57,14 @@ def _cublas_flags():
 
 def _aten_driver_cmd(out_dir):
     """nvcc on the two ATen drivers in one unit (torch's headers parsed once, not twice: half a minute of a core),
-    attention_cuda.cu first, so that its own includes are shown to suffice."""
+    attention_cuda.cu first, so that its own includes are shown to suffice; its device code (the step kernels, built
+    apart by test_cuda_compile.py) at nvcc's fastest level."""
     src = os.path.join(out_dir, "drivers.cu")
     with open(src, "w") as f:
         f.write('#include "attention_cuda.cu"\n#include "transition_cuda.cu"\n')
-    return [NVCC, "-std=c++17", "-O1", "-c", f"-I{CSRC}", *_torch_includes(), _abi_flag(), *_cublas_flags(),
-            "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
-            "-DDTMT_WITH_CUDA=1", src, "-o", os.path.join(out_dir, "t.o")]
+    return [NVCC, "-std=c++17", "-O1", *fastest("all"), "-c", f"-I{CSRC}", *_torch_includes(), _abi_flag(),
+            *_cublas_flags(), "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            "-DTORCH_EXTENSION_NAME=_C", "-DDTMT_WITH_CUDA=1", src, "-o", os.path.join(out_dir, "t.o")]
 
 
 def _bindings_cmd(out_dir):

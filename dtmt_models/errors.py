@@ -4,6 +4,7 @@ option names, made before any work."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Optional, Sequence
 
@@ -51,6 +52,32 @@ class UsageError(ValueError):
     command prints it as one line and exits with status 2 (contract §6), as argparse does for its own errors. Problems
     found in the data itself while working (a line that is not UTF-8, files of different lengths) are not this:
     those exit with status 1 (dtmt train, which checks its whole corpus before it trains, gives 2 for those too)."""
+
+
+def refuse(option: str, value, allowed: str) -> UsageError:
+    """The commands' one form for an option's value out of its range: `--option VALUE: must be ALLOWED` (the
+    value as the command read it, then what it may be)."""
+    return UsageError(f"{option} {value}: must be {allowed}")
+
+
+def check_count(option: str, value: Optional[int], low: int, high: int, note: str = "") -> None:
+    """An integer option in [low, high] (None: not given): else UsageError `--option VALUE: must be an integer in
+    [LOW, HIGH]` and `note` (why the bound, what 0 means)."""
+    if value is not None and not low <= value <= high:
+        raise refuse(option, value, f"an integer in [{low:,}, {high:,}]{note}")
+
+
+def check_finite(option: str, value: Optional[float], low: Optional[float] = None, high: float = math.inf,
+                 above: bool = False, note: str = "") -> None:
+    """A real option (None: not given), finite (NaN fails), >= low (> low with `above`; low None: any) and <= high:
+    else UsageError `--option VALUE: must be a finite number >= LOW` (and `<= HIGH` where high is finite)."""
+    if value is None:
+        return
+    if math.isfinite(value) and (low is None or (low < value if above else low <= value)) and value <= high:
+        return
+    bounds = ([] if low is None else [f"{'>' if above else '>='} {low:g}"]) + \
+        ([f"<= {high:,g}"] if math.isfinite(high) else [])
+    raise refuse(option, value, " ".join(["a finite number", " and ".join(bounds)]).strip() + note)
 
 
 def check_input_file(path: str, option: str = "", noun: str = "file") -> None:

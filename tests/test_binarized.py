@@ -319,7 +319,7 @@ def test_prepare_cli_binarize_and_options(tmp_path, capsys):
     with open(os.path.join(d, "bin-bpe80", "binarized.json")) as f:
         assert json.load(f)["splits"]["train"]["pairs"] == len(SRC)
     assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "2"]) == 2
-    assert "--vocab-size must be at least 8" in capsys.readouterr().err
+    assert "--vocab-size 2: must be an integer in [8, " in capsys.readouterr().err
     assert prepare_cli.main(["binarize", "--data", str(tmp_path / "none")]) == 2   # an option that cannot work
     assert "--data " + str(tmp_path / "none") + ": no such folder" in capsys.readouterr().err
     os.makedirs(tmp_path / "empty")

@@ -279,10 +279,10 @@ def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, cap
     for args, message in [(["--warmup", "0"], "--warmup 0: the rnmt schedule needs at least 1 warm-up update"),
                           (["--decay-start", "100", "--decay-end", "50"], "needs 0 <= --decay-start < --decay-end"),
                           (["--schedule", "inverse-sqrt", "--warmup", "0"], "the inverse-sqrt schedule needs"),
-                          (["--valid-beam", "2000"], "--valid-beam 2000: must be an integer in [1, 1024]"),
+                          (["--valid-beam", "2000"], "--valid-beam 2000: must be an integer in [1, 1,024]"),
                           (["--seed", str(10 ** 20)], "must be an integer in [0, 2^63)"),
                           (["--max-len", str(10 ** 20)], "must be an integer in [1, 2,147,483,647]"),
-                          (["--threads", "100000"], "--threads 100000: must be an integer in [0, 1024]"),
+                          (["--threads", "100000"], "--threads 100000: must be an integer in [0, 1,024]"),
                           (["--vocab-size", str(2 ** 31)], "--vocab-size 2147483648: must be an integer in [8, ")]:
         r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "w" / "run"), *TINY, *args], capsys)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
@@ -585,7 +585,7 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     (["--opt", "pad_id=5"], "--opt pad_id=5: dtmt train pads with the vocabularies' id 0"),
     (["--valid-every", "0"], "--valid-every 0: must be an integer in [1, 2,147,483,647]"),
     (["--log-every", "0"], "--log-every 0: must be an integer in [1, 2,147,483,647]"),
-    (["--threads", "-3"], "--threads -3: must be an integer in [0, 1024]"),
+    (["--threads", "-3"], "--threads -3: must be an integer in [0, 1,024]"),
     (["--vocab-size", "5"], "--vocab-size 5: must be an integer in [8, 1,000,000]"),
     (["--max-time=-5m"], "--max-time -5m: must be a finite duration > 0"),
     (["--max-time", "nan"], "--max-time nan: must be a finite duration > 0"),

@@ -5,7 +5,6 @@ and decoding a list of sentences with progress and a summary on stderr."""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from typing import Callable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
@@ -16,7 +15,7 @@ from dtmt_models.atomic import atomic_write
 from dtmt_models.decoding.beam_search import MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
-from dtmt_models.errors import MAX_COUNT, MAX_THREADS, UsageError, check_input_file, one_line
+from dtmt_models.errors import MAX_COUNT, MAX_THREADS, UsageError, check_count, check_finite, check_input_file, one_line
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -184,22 +183,14 @@ def decoding_options_given(parser: argparse.ArgumentParser, args: argparse.Names
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
     """The decoding options' values (UsageError)."""
-    for name, low, high in (("beam", 1, None), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
+    for name, low, high in (("beam", 1, MAX_BEAM), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
                             ("max_len_b", 0, MAX_COUNT), ("threads", 0, MAX_THREADS), ("batch_size", 1, MAX_COUNT)):
-        value = getattr(args, name, None)
-        if value is not None and value < low:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
         # (--threads 100000 crashed the process; an integer past int64 was a traceback)
-        if value is not None and high is not None and value > high:
-            raise UsageError(f"--{name.replace('_', '-')} must be <= {high:,}, got {value}")
-    if args.beam > MAX_BEAM:   # (its own bound, the search's)
-        raise UsageError(f"--beam must be <= {MAX_BEAM}, got {args.beam}")
-    if not 0 <= args.max_len_a < float("inf"):   # NaN fails this too
-        raise UsageError(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
+        check_count("--" + name.replace("_", "-"), getattr(args, name, None), low, high)
+    check_finite("--max-len-a", args.max_len_a, 0)
     if args.max_len_a == 0 and args.max_len_b == 0:
         raise UsageError("--max-len-a 0 --max-len-b 0: every translation would be empty; allow at least one token")
-    if not math.isfinite(args.alpha):
-        raise UsageError(f"--alpha must be a finite number, got {args.alpha}")
+    check_finite("--alpha", args.alpha)
     if args.int8 and (args.backend not in ("auto", "cpp") or args.device != "cpu"):
         raise UsageError(f"--int8 decodes with the C++ decoder step on the CPU (--backend auto or cpp, --device cpu), "
                          f"got --backend {args.backend} --device {args.device}")

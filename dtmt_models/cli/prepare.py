@@ -16,7 +16,8 @@ from dtmt_models.atomic import remove_stale_temporaries
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import check_files_options, prepare_files
-from dtmt_models.errors import MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_input_dir, check_output_dir, cut
+from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_count, check_input_dir,
+                                 check_output_dir, cut)
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 
 # the ranges of the numeric options, checked before any work (contract §6: one line, exit status 2)
@@ -111,16 +112,8 @@ def check_numbers(args: argparse.Namespace) -> None:
     ranges = [("vocab_size", 8, MAX_VOCAB_SIZE), ("sample", 1, MAX_LINES), ("sample_seed", 0, MAX_SEED),
               ("workers", 0, MAX_WORKERS), ("holdout", 0, MAX_LINES), ("seed", 0, MAX_SEED)]
     for name, low, high in ranges:
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if value < low:
-            raise UsageError(f"{flag} must be at least {low}, not {value}" if low else
-                             f"{flag} must be >= 0, not {value}")
-        if value > high:
-            why = f" ({CORES} cores here)" if name == "workers" else ""
-            raise UsageError(f"{flag} must be at most {high:,}{why}, not {value}")
+        check_count("--" + name.replace("_", "-"), getattr(args, name, None), low, high,
+                    f" ({CORES} cores here)" if name == "workers" else "")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

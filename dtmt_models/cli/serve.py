@@ -22,7 +22,7 @@ from typing import List, Optional
 from dtmt_models.cli.common import add_decoding_arguments, build_decoder, check_decoding_arguments, \
     check_device_and_backend, load_for_decoding, run_command, use_threads
 from dtmt_models.decoding.translate import InputError
-from dtmt_models.errors import ArgumentParser, UsageError, one_line
+from dtmt_models.errors import ArgumentParser, UsageError, check_count, one_line
 
 PROG = "dtmt serve"
 
@@ -69,8 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     from dtmt_models.decoding.serve import Server, ServeSettings
 
     check_decoding_arguments(args)
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    check_count("--port", args.port, 0, 65535)
     settings = ServeSettings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens,
                              max_src_len=args.max_src_len, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                              early_stop=args.early_stop,

@@ -21,8 +21,8 @@ from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporarie
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD, Vocabulary
-from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_output_dir, cut,
-                                 one_line)
+from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_count, check_finite,
+                                 check_output_dir, cut, one_line, refuse)
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models, position_bound
@@ -145,38 +145,29 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, before any work (ValueError, one line naming flag, value and range)."""
     from dtmt_models.decoding.hypotheses import MAX_BEAM   # (a leaf: torch and the search's constants)
 
-    def need(ok: bool, flag: str, allowed: str) -> None:
-        if not ok:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be {allowed}")
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
 
-    for flag in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "replicas"):
-        if getattr(args, flag) is not None:
-            need(1 <= getattr(args, flag) <= MAX_COUNT, flag, f"an integer in [1, {MAX_COUNT:,}]")
-    for flag in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences", "keep_last"):
-        if getattr(args, flag) is not None:
-            need(0 <= getattr(args, flag) <= MAX_COUNT, flag, f"an integer in [0, {MAX_COUNT:,}]")
-    if args.valid_beam is not None:
-        need(1 <= args.valid_beam <= MAX_BEAM, "valid_beam", f"an integer in [1, {MAX_BEAM}]")
-    if args.threads is not None:
-        need(0 <= args.threads <= MAX_THREADS, "threads", f"an integer in [0, {MAX_THREADS}] (0: torch's default)")
-    if args.seed is not None:
-        need(0 <= args.seed < 2 ** 63, "seed", "an integer in [0, 2^63)")
-    if args.vocab_size is not None:
-        need(8 <= args.vocab_size <= MAX_VOCAB_SIZE, "vocab_size",
-             f"an integer in [8, {MAX_VOCAB_SIZE:,}] (4 special pieces + at least the characters)")
-    if args.lr is not None:
-        need(0 < args.lr < math.inf, "lr", "a finite number > 0")
-    if args.smoothing is not None:
-        need(0 <= args.smoothing < 1, "smoothing", "in [0, 1)")
-    if args.clip is not None:
-        need(0 <= args.clip < math.inf, "clip", "a finite number >= 0 (0: off)")
+    for name in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "replicas"):
+        check_count(flag(name), getattr(args, name), 1, MAX_COUNT)
+    for name in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences", "keep_last"):
+        check_count(flag(name), getattr(args, name), 0, MAX_COUNT)
+    check_count("--valid-beam", args.valid_beam, 1, MAX_BEAM)
+    check_count("--threads", args.threads, 0, MAX_THREADS, " (0: torch's default)")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
+        raise refuse("--seed", args.seed, "an integer in [0, 2^63)")
+    check_count("--vocab-size", args.vocab_size, 8, MAX_VOCAB_SIZE, " (4 special pieces + at least the characters)")
+    check_finite("--lr", args.lr, 0, above=True)
+    if args.smoothing is not None and not 0 <= args.smoothing < 1:
+        raise refuse("--smoothing", args.smoothing, "in [0, 1)")
+    check_finite("--clip", args.clip, 0, note=" (0: off)")
     options = parse_options(args.opt)
     if "backend" in options:
         raise ValueError(f"--opt backend={options['backend']}: the recurrent kernels are not a model option; use "
                          f"--backend")
     seconds = parse_duration(args.max_time)
     if seconds is not None and not 0 < seconds < math.inf:
-        raise ValueError(f"--max-time {args.max_time}: must be a finite duration > 0, e.g. 90s, 30m or 2h")
+        raise refuse("--max-time", args.max_time, "a finite duration > 0, e.g. 90s, 30m or 2h")
     if args.allow_changed_data and args.resume is None:
         raise ValueError("--allow-changed-data applies to --resume only")
     if args.resume is not None and args.overwrite:

@@ -25,7 +25,7 @@ from typing import Dict, Sequence
 from dtmt_models.atomic import _TMP_NAME as _TEMPORARY_NAME   # what remove_stale_temporaries removes
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import corpus as data
-from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file
+from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file, refuse
 
 SPLITS = ("train", "dev", "test")
 _LANG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
@@ -36,7 +36,7 @@ def holdout_indices(n: int, holdout: int, splits: Sequence[str], seed: int) -> D
     random with `seed` (deterministic). CorpusError when at least one pair would not stay for training."""
     need = holdout * len(splits)
     if holdout < 0:
-        raise data.CorpusError(f"--holdout must be >= 0, not {holdout}")
+        raise data.CorpusError(f"--holdout {holdout}: must be an integer >= 0")
     if need >= n:
         raise data.CorpusError(f"--holdout {holdout} asks for {need} held-out pairs but the training files have only "
                                f"{n} (at least one must stay for training)")
@@ -86,7 +86,7 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
     check_output_dir(args.out, "--out")
     held = [split for split in ("dev", "test") if split not in files]
     if args.holdout < 0:
-        raise UsageError(f"--holdout must be >= 0, not {args.holdout}")
+        raise refuse("--holdout", args.holdout, "an integer >= 0")
     if args.holdout and not held:
         raise UsageError("--holdout: dev and test files are both given, there is nothing to hold out")
     _check_inputs_survive(args, files, list(files) + (held if args.holdout else []), written_dirs)

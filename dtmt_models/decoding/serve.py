@@ -33,8 +33,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from dtmt_models.decoding.hypotheses import MAX_BEAM
 from dtmt_models.decoding.translate import input_warnings, translate
 from dtmt_models.engine.decoder import as_decoder
+from dtmt_models.errors import MAX_COUNT, check_count, check_finite, refuse
 
 
 # the largest values the settings take (`check`): beyond them a server would hold memory or a client for no use
@@ -67,22 +69,16 @@ class ServeSettings:
     def check(self) -> None:
         """ValueError, naming the field, for a value out of its range (every bound is finite: a server that
         accepted `max_wait_ms=1e12` would never answer a lone request)."""
-        for name, low, high in (("beam", 1, None), ("max_tokens", 1, None), ("max_src_len", 1, None),
+        for name, low, high in (("beam", 1, MAX_BEAM), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
                                 ("max_sentences", 1, MAX_SENTENCES), ("max_chars", 1, MAX_CHARS),
                                 ("batch_sentences", 1, MAX_BATCH_SENTENCES)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-            if high is not None and getattr(self, name) > high:
-                raise ValueError(f"{name} must be <= {high:,}, got {getattr(self, name)}")
+            check_count(name, getattr(self, name), low, high)
         if self.max_sentences * self.max_chars > MAX_REQUEST_CHARS:
-            raise ValueError(f"max_sentences x max_chars must be <= {MAX_REQUEST_CHARS:,} (the largest request), "
-                             f"got {self.max_sentences * self.max_chars:,}")
+            raise refuse("max_sentences x max_chars", f"{self.max_sentences * self.max_chars:,}",
+                         f"at most {MAX_REQUEST_CHARS:,} (the largest request)")
         for name, low, high in (("max_wait_ms", 0, MAX_WAIT_MS), ("shutdown_timeout", 0, MAX_TIMEOUT),
                                 ("read_timeout", MIN_READ_TIMEOUT, MAX_TIMEOUT)):
-            if not low <= getattr(self, name) < float("inf"):   # NaN fails this too
-                raise ValueError(f"{name} must be a finite number >= {low:g}, got {getattr(self, name)}")
-            if getattr(self, name) > high:
-                raise ValueError(f"{name} must be <= {high:,g}, got {getattr(self, name)}")
+            check_finite(name, getattr(self, name), low, high)
 
 
 class RequestError(Exception):

@@ -1,6 +1,6 @@
 """How the package turns an exception from a library (torch, SentencePiece, the OS) into its own one-line
-messages, and the commands' usage errors (UsageError: exit status 2) with the checks of the files and folders an
-option names, made before any work."""
+messages, and the commands' usage errors (UsageError: exit status 2) with the checks of the numbers an option
+takes and of the files and folders it names, made before any work."""
 from __future__ import annotations
 
 import argparse

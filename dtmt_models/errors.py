@@ -67,6 +67,13 @@ def check_count(option: str, value: Optional[int], low: int, high: int, note: st
         raise refuse(option, value, f"an integer in [{low:,}, {high:,}]{note}")
 
 
+def check_counts(args: argparse.Namespace, ranges) -> None:
+    """check_count on each (dest, low, high[, note]) of `ranges`, the option `--dest` with dashes read from argparse's
+    `args` (a dest the command lacks: not given)."""
+    for dest, low, high, *note in ranges:
+        check_count("--" + dest.replace("_", "-"), getattr(args, dest, None), low, high, *note)
+
+
 def check_finite(option: str, value: Optional[float], low: Optional[float] = None, high: float = math.inf,
                  above: bool = False, note: str = "") -> None:
     """A real option (None: not given), finite (NaN fails), >= low (> low with `above`; low None: any) and <= high:

@@ -15,7 +15,7 @@ from dtmt_models.atomic import atomic_write
 from dtmt_models.decoding.beam_search import MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
-from dtmt_models.errors import MAX_COUNT, MAX_THREADS, UsageError, check_count, check_finite, check_input_file, one_line
+from dtmt_models.errors import MAX_COUNT, MAX_THREADS, UsageError, check_counts, check_finite, check_input_file, one_line
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -183,10 +183,9 @@ def decoding_options_given(parser: argparse.ArgumentParser, args: argparse.Names
 
 def check_decoding_arguments(args: argparse.Namespace) -> None:
     """The decoding options' values (UsageError)."""
-    for name, low, high in (("beam", 1, MAX_BEAM), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
-                            ("max_len_b", 0, MAX_COUNT), ("threads", 0, MAX_THREADS), ("batch_size", 1, MAX_COUNT)):
-        # (--threads 100000 crashed the process; an integer past int64 was a traceback)
-        check_count("--" + name.replace("_", "-"), getattr(args, name, None), low, high)
+    # (--threads 100000 crashed the process; an integer past int64 was a traceback)
+    check_counts(args, (("beam", 1, MAX_BEAM), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
+                        ("max_len_b", 0, MAX_COUNT), ("threads", 0, MAX_THREADS), ("batch_size", 1, MAX_COUNT)))
     check_finite("--max-len-a", args.max_len_a, 0)
     if args.max_len_a == 0 and args.max_len_b == 0:
         raise UsageError("--max-len-a 0 --max-len-b 0: every translation would be empty; allow at least one token")

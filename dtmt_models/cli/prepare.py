@@ -16,7 +16,7 @@ from dtmt_models.atomic import remove_stale_temporaries
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import check_files_options, prepare_files
-from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_count, check_input_dir,
+from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_counts, check_input_dir,
                                  check_output_dir, cut)
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 
@@ -109,11 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Every numeric option of the subcommand in its range (UsageError naming it, the value and the range)."""
-    ranges = [("vocab_size", 8, MAX_VOCAB_SIZE), ("sample", 1, MAX_LINES), ("sample_seed", 0, MAX_SEED),
-              ("workers", 0, MAX_WORKERS), ("holdout", 0, MAX_LINES), ("seed", 0, MAX_SEED)]
-    for name, low, high in ranges:
-        check_count("--" + name.replace("_", "-"), getattr(args, name, None), low, high,
-                    f" ({CORES} cores here)" if name == "workers" else "")
+    check_counts(args, (("vocab_size", 8, MAX_VOCAB_SIZE), ("sample", 1, MAX_LINES), ("sample_seed", 0, MAX_SEED),
+                        ("workers", 0, MAX_WORKERS, f" ({CORES} cores here)"), ("holdout", 0, MAX_LINES),
+                        ("seed", 0, MAX_SEED)))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -21,7 +21,7 @@ from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporarie
 from dtmt_models.data import binarized
 from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
 from dtmt_models.data.vocabulary import PAD, Vocabulary
-from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_count, check_finite,
+from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_counts, check_finite,
                                  check_output_dir, cut, one_line, refuse)
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
@@ -145,18 +145,14 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, before any work (ValueError, one line naming flag, value and range)."""
     from dtmt_models.decoding.hypotheses import MAX_BEAM   # (a leaf: torch and the search's constants)
 
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-
-    for name in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens", "max_len", "replicas"):
-        check_count(flag(name), getattr(args, name), 1, MAX_COUNT)
-    for name in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences", "keep_last"):
-        check_count(flag(name), getattr(args, name), 0, MAX_COUNT)
-    check_count("--valid-beam", args.valid_beam, 1, MAX_BEAM)
-    check_count("--threads", args.threads, 0, MAX_THREADS, " (0: torch's default)")
+    counts = [(name, 1, MAX_COUNT) for name in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens",
+                                                 "max_len", "replicas")]
+    counts += [(name, 0, MAX_COUNT) for name in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences",
+                                                  "keep_last")]
+    check_counts(args, counts + [("valid_beam", 1, MAX_BEAM), ("threads", 0, MAX_THREADS, " (0: torch's default)"),
+                                 ("vocab_size", 8, MAX_VOCAB_SIZE, " (4 special pieces + at least the characters)")])
     if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         raise refuse("--seed", args.seed, "an integer in [0, 2^63)")
-    check_count("--vocab-size", args.vocab_size, 8, MAX_VOCAB_SIZE, " (4 special pieces + at least the characters)")
     check_finite("--lr", args.lr, 0, above=True)
     if args.smoothing is not None and not 0 <= args.smoothing < 1:
         raise refuse("--smoothing", args.smoothing, "in [0, 1)")

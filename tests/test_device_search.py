@@ -11,6 +11,7 @@ from dtmt_models.data.vocabulary import BOS, EOS
 from dtmt_models.decoding import device_search
 from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search
 from test_beam_search import TableModel
+from test_host_reads import HostReads
 
 # (beam, alpha, nbest, max_len_a, max_len_b, early_stop): beam 1 to 6, with and without the length penalty, nbest up
 # to the beam, short and long limits, either stopping rule
@@ -112,7 +113,8 @@ class Counted:
 @pytest.mark.parametrize("check_every", [1, 2, 5])
 def test_reads_the_device_only_at_the_checks(check_every, monkeypatch):
     """One read before the loop (the longest max length) and at most two at each check (the done flags with the
-    first non-finite step; the done sentences' hypotheses), where the Python loop reads three a step; the steps
+    first non-finite step; the done sentences' hypotheses), and no read besides these (HostReads counts them all,
+    a direct .item() too), where the Python loop reads three a step; the steps
     it takes are the loop's plus at most check_every - 1 (a sentence found done at the next check), and the rows a
     step computes shrink only at the checks."""
     model = TableModel(V=9, seed=1)
@@ -129,7 +131,10 @@ def test_reads_the_device_only_at_the_checks(check_every, monkeypatch):
     loop, device = Counted(model), Counted(model)
     expected = beam_search(loop, src, lengths, fused=False, on_device=False, **kwargs)
     monkeypatch.setattr(device_search, "CHECK_EVERY", check_every)
-    got = beam_search(device, src, lengths, fused=False, on_device=True, **kwargs)
+    every = HostReads()   # (any read of a tensor's values, to_host's or not)
+    with every:
+        got = beam_search(device, src, lengths, fused=False, on_device=True, **kwargs)
+    assert sum(every.where.values()) == len(reads), (dict(every.where), len(reads))
     assert _hyps(got) == _hyps(expected)
     steps = len(device.rows)
     assert len(loop.rows) <= steps <= len(loop.rows) + check_every - 1
@@ -238,7 +243,21 @@ def test_a_step_keeps_the_carry_s_shapes_where_a_graph_can_replay_it(system):
     assert device_search.keeps_shapes(search, carry) == (system != "transformer")
     assert all(torch.equal(v, before[k]) for k, v in device_search._flat(carry).items())
     again = device_search._unflat(device_search._flat(carry))
-    assert again.keys() == carry.keys() and type(again["state"]) is type(carry["state"])
+    _assert_same_carry(again, carry)
     if system == "ensemble":
-        assert isinstance(carry["state"], tuple) and [s.keys() for s in again["state"]] == [
-            s.keys() for s in carry["state"]]
+        assert isinstance(carry["state"], tuple) and len(carry["state"]) == 2
+
+
+def _assert_same_carry(got, want, path=()):
+    """got, put together from want's tensors, is want: the same nesting of dicts (same keys, in order) and tuples
+    (same length, in order), and at every leaf the very tensor (not a copy, so its value too)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), path
+        for k in want:
+            _assert_same_carry(got[k], want[k], path + (k,))
+    elif isinstance(want, (tuple, list)):
+        assert isinstance(got, tuple) and len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same_carry(g, w, path + (i,))
+    else:
+        assert got is want, path

@@ -53,12 +53,12 @@ def test_system_on_gpu_matches_cpu_reference(name, options, ieee_float32):
     for n in ref_grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-7, atol=1e-9, msg=lambda m: f"{n}: {m}")
     # float32 on the GPU (the fused kernels' float path) against the float64 CPU loss
-    loss32, _ = _loss_and_grads(gpu.float(), tuple(t.to(DEVICE) for t in batch))
+    loss32, _ = _loss_and_grads(copy.deepcopy(gpu).float(), tuple(t.to(DEVICE) for t in batch))
     assert abs(loss32.item() - ref_loss.item()) <= 1e-4 * max(1.0, abs(ref_loss.item())), (loss32, ref_loss)
     # decoding: the same hypotheses (the float64 models' scores agree to far more than any tie)
     src, src_lengths = batch[0], batch[1]
     hyp_cpu = beam_search(cpu, src, src_lengths, beam=3, max_len_a=1.0, max_len_b=3)
-    hyp_gpu = beam_search(gpu.double(), src.to(DEVICE), src_lengths.to(DEVICE), beam=3, max_len_a=1.0, max_len_b=3)
+    hyp_gpu = beam_search(gpu, src.to(DEVICE), src_lengths.to(DEVICE), beam=3, max_len_a=1.0, max_len_b=3)
     assert [[h.tokens for h in s] for s in hyp_gpu] == [[h.tokens for h in s] for s in hyp_cpu]
 
 
@@ -70,8 +70,9 @@ def test_device_search_reads_the_device_only_at_its_checks(name, options, graphs
     float64: the same hypotheses; with GRAPHS a graph captured for every recurrent decoder, none for the
     transformer (its cache grows), and the same hypotheses as the eager steps, their scores to float64 rounding. With
     torch's sync debug mode on, a decoder step or reorder never synchronises,
-    and the search's own synchronisations are at most three a check (the done flags, the done sentences'
-    hypotheses, the index of the kept ones) and three a capture, besides those of encoding."""
+    and the search's own synchronisations are at most one before the loop (the longest max length), three a check
+    (the done flags, the done sentences' hypotheses, the index of the kept ones) and three a capture, besides
+    those of encoding; its checks are one every CHECK_EVERY steps of the longest sentence's, at most."""
     import warnings
 
     from dtmt_models.decoding import device_search
@@ -118,7 +119,9 @@ def test_device_search_reads_the_device_only_at_its_checks(name, options, graphs
     syncs["all"] = sum("synchroniz" in str(w.message) for w in caught)
     assert [[h.tokens for h in s] for s in device] == [[h.tokens for h in s] for s in loop]
     assert syncs["step"] == 0, syncs
-    assert syncs["all"] - syncs["encode"] <= 1 + 3 * len(reads) + 3 * len(captures), (syncs, len(reads))
+    checks = -(-int((src_lengths.float() * 1.0 + 3).long().max()) // device_search.CHECK_EVERY)
+    assert len(reads) <= 1 + 2 * checks, (len(reads), checks)
+    assert syncs["all"] - syncs["encode"] <= 1 + 3 * checks + 3 * len(captures), (syncs, checks, len(captures))
     if DEVICE == "cuda" and graphs:
         assert captures and all(g is None for g in captures) == (name == "transformer"), captures
         state = decoder.encode(src, src_lengths)
@@ -225,17 +228,27 @@ def test_device_search_keeps_a_step_that_reads_the_host_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["dtmt", "nematus", "rnnsearch-atr"])
-def test_training_mode_on_gpu_is_finite(name):
-    """Dropouts on (the fused kernels' candidate-dropout path on the GPU): loss and gradients finite."""
-    model = build(name, dropout=0.2).to(DEVICE).train()
-    src, src_lengths, prev, tgt = (t.to(DEVICE) for t in toy_batch(B=4))
-    loss, _, n = model.loss(src, src_lengths, prev, tgt, smoothing=0.1)
-    (loss / n).backward()
-    assert torch.isfinite(loss)
-    for pn, p in model.named_parameters():
-        if p.grad is not None:
-            assert torch.isfinite(p.grad).all(), pn
-    assert model(src, src_lengths, prev).shape == (4, prev.shape[1], V_TGT)
+def test_training_mode_on_gpu_matches_the_reference(name):
+    """Dropouts on (the fused kernels' candidate-dropout path on the GPU), float64: the loss and every gradient
+    are the reference backend's on the same device with the same seed (the masks are drawn in Python, in the same
+    order: sample_dropout_masks), and another seed gives another loss (the dropouts ran)."""
+    ref = build(name, dropout=0.2).double().to(DEVICE).train()
+    fast = copy.deepcopy(ref)
+    ref.set_backend("reference")
+    fast.set_backend("auto")
+    batch = tuple(t.to(DEVICE) for t in toy_batch(B=4))
+    torch.manual_seed(5)
+    ref_loss, ref_grads = _loss_and_grads(ref, batch)
+    torch.manual_seed(5)
+    loss, grads = _loss_and_grads(fast, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-9, atol=1e-9)
+    assert grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-7, atol=1e-9, msg=lambda m: f"{n}: {m}")
+    torch.manual_seed(6)   # other masks, another loss
+    other, _ = _loss_and_grads(fast, batch)
+    assert abs(other.item() - loss.item()) > 1e-6 * abs(loss.item()), (other, loss)
+    assert fast(*batch[:3]).shape == (4, batch[2].shape[1], V_TGT)
 
 
 def test_command_line_on_gpu(tmp_path):

@@ -144,7 +144,7 @@ def test_a_replayed_update_reads_nothing_on_the_host():
     reads = HostReads()
     with reads:
         runner.update(*collate(BATCHES[9]))  # replayed
-    assert runner.replayed == 2 and dict(reads.where) == {}
+    assert runner.replayed == 2 and dict(reads.where) == {} and dict(reads.syncs) == {}
 
 
 def test_a_cache_read_by_a_graph_stays_alive_with_it():
@@ -182,7 +182,8 @@ def test_buckets_past_the_limit_stay_eager():
 def test_a_checkpoint_keeps_the_learning_rate_as_a_number():
     model = _model("rnnsearch-atr")
     optimizer = build_optimizer(model, 1e-3)
-    graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"), capture=graphs.StandInCapture())
+    graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"),
+                          capture=graphs.StandInCapture())
     state = graphs.float_lrs(optimizer.state_dict())
     assert state["param_groups"][0]["lr"] == pytest.approx(1e-3) and type(state["param_groups"][0]["lr"]) is float
     assert torch.is_tensor(optimizer.param_groups[0]["lr"])
@@ -229,7 +230,7 @@ def test_the_trainer_with_graphs_trains_and_resumes_as_eager(tmp_path, capsys, m
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr", "transformer"])
+@pytest.mark.parametrize("system", list_models())
 def test_gpu_graphed_updates_train_as_eager_ones(system):
     """Real captures on the GPU: ten updates over three buckets, one memory pool shared by the graphs, against eager
     updates on the unpadded batches (float32, TF32 off): the losses to float32 rounding over ten updates, and each

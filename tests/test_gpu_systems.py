@@ -6,6 +6,7 @@ same code on the CPU (the cpp backend against the reference), to try this file w
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -252,7 +253,8 @@ def test_training_mode_on_gpu_matches_the_reference(name):
 
 
 def test_command_line_on_gpu(tmp_path):
-    """prepare -> train --device cuda -> translate / evaluate --device cuda, as a user with a GPU runs it."""
+    """prepare -> train --device cuda (eager, and with --cuda-graphs) -> translate / evaluate --device cuda, as a user
+    with a GPU runs it."""
     from test_pipeline import dtmt
     from test_train import make_toy_corpus
 
@@ -265,6 +267,13 @@ def test_command_line_on_gpu(tmp_path):
              "--opt", "hidden_size=64", "--max-tokens", "600", "--lr", "3e-3", "--max-steps", "300",
              "--valid-every", "100", "--log-every", "50", "--progress", "lines", "--device", DEVICE)
     assert "stopped: reached --max-steps 300" in r.stdout
+    if DEVICE == "cuda":   # the updates replayed as CUDA graphs, through the command line (on the CPU it refuses)
+        r = dtmt("train", "--data", data, "--model", "dtmt", "--out", str(tmp_path / "graphed"), "--vocab-size", "60",
+                 "--opt", "embed_dim=32", "--opt", "hidden_size=64", "--max-tokens", "600", "--lr", "3e-3",
+                 "--max-steps", "60", "--valid-every", "30", "--log-every", "10", "--progress", "lines", "--device",
+                 DEVICE, "--cuda-graphs")
+        replayed = re.search(r"(\d+) of (\d+) updates replayed", r.stdout)
+        assert replayed and int(replayed[1]) >= 30, r.stdout
     src_lines = open(os.path.join(data, "test.es"), encoding="utf-8").read().splitlines()
     r = dtmt("translate", "--checkpoint", os.path.join(run, "best.pt"), "--beam", "3", "--quiet", "--device", DEVICE,
              stdin="\n".join(src_lines[:3]) + "\n")

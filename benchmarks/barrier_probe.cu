@@ -1,4 +1,4 @@
-// The persistent kernels' barrier alone (issue 72; docs/design/persistent_recurrence.md, "First run on a GPU"):
+// The persistent kernels' barrier alone (issue 72; docs/design/persistent_recurrence.md, "Where a step's time goes"):
 // persistent_barrier of csrc/persistent_cuda_kernels.cuh, launched by launch_persistent as the kernels are, in the grid
 // form (a cooperative launch, a block per SM) and the cluster form (one cluster of 16 blocks; compute capability 9.0
 // and up), 256 threads a block, with no work between two barriers; and the launch of the stage read once a cluster (a

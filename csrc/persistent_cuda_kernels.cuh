@@ -217,7 +217,7 @@ template <typename A> __device__ __forceinline__ Sums<A> shfl_xor(const Sums<A>&
 // a warp a pair, lane l joining blocks l, l + 32, ... in order (part(blk, pair) gives one), then the lanes in a fixed
 // tree (at each level the lower lane's first, so the two lanes of a join compute the same bits), and store(pair,
 // all) by lane 0. Before, one thread joined all G in turn: a chain of G loads from L2, each waiting on the last,
-// with at most B x 3 threads of a block busy (docs/design/persistent_recurrence.md, "First run on a GPU"). Every
+// with at most B x 3 threads of a block busy (docs/design/persistent_recurrence.md, "The layer-norm join"). Every
 // thread takes the same passes (the shuffles need whole warps).
 // The pairs joined are first, first + step, ... below `pairs` (0, 1: all of them; a spread join: this block's share).
 constexpr int kJoinLoads = 5;   // a lane's loads in flight at once (up to 160 blocks in one round: an H100 has 132 SMs)
@@ -251,7 +251,7 @@ __device__ __forceinline__ void join_blocks(int pairs, int first_pair, int step,
 // Whether the blocks share the join of `pairs` pairs out (spread_join) instead of each joining all of them: where
 // each would take kSpreadJoinPasses passes or more. A spread join costs one more barrier; the whole join, a block's
 // passes over all pairs: at B = 64 the deep transition's statistics took 190 of a step's 345 µs on an H200, each
-// block joining 192 pairs of 132 partials (docs/design/persistent_recurrence.md, "Second run on a GPU").
+// block joining 192 pairs of 132 partials (docs/design/persistent_recurrence.md, "The layer-norm join").
 constexpr int kSpreadJoinPasses = 4;
 __device__ __forceinline__ bool spread_join_pays(int pairs) {
   const int warps = static_cast<int>(blockDim.x) / 32;
@@ -606,7 +606,7 @@ template <typename A, typename T> __device__ __forceinline__ void ld_pair(const 
 // same). With more lanes a tile (B <= 8), a warp's lanes read 2 lanes consecutive values of one or two rows, which
 // is as many accesses as their bytes need (ld_pair). Ordered the other way, a warp's load
 // touched 32 rows' lines: 32 L1 wavefronts a load, 240 µs a step of a GRU at B = 64 on an H200
-// (docs/design/persistent_recurrence.md, "First run on a GPU"). Every thread of the block takes the same passes (the
+// (docs/design/persistent_recurrence.md, "The products' order"). Every thread of the block takes the same passes (the
 // shuffles need whole warps; the emulation's, the whole block); blockDim.x a multiple of 32. A pass takes a tile a
 // thread, each staging the chunks again. Where the plan's stage has fewer columns than a round (32 at 32 lanes a
 // tile: rare, a tight block at small B), the products read global memory.

@@ -59,6 +59,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
+    # a test named test_gpu_* runs where `pytest -m gpu` selects it (gpu_session.sh) only if it carries the mark: one
+    # left without it ran nowhere (test_gpu_persistent_stage_read_once_a_cluster, until 2026-12-01)
+    unmarked = [item.nodeid for item in items if item.name.startswith("test_gpu_") and not item.get_closest_marker("gpu")]
+    if unmarked:
+        raise pytest.UsageError(f"tests named test_gpu_* without the gpu mark (gpu_session.sh would never run them): "
+                                f"{unmarked}")
     if XDIST_WORKER is None:
         return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}

@@ -204,7 +204,7 @@ def test_bench_train_graphs_plumbing(tmp_path):
                                                            for n in ("1", "2")) / 2)
 
 
-def test_gpu_profile_runs_on_the_cpu(capsys):
+def test_the_gpu_profile_runs_on_the_cpu(capsys):
     """gpu_profile.py's own code (layers, timing, the profiler's event sums, the table), on CPU tensors: on a GPU
     machine only the CUDA graph column and the kernel counts are new."""
     from benchmarks import gpu_profile
@@ -999,7 +999,7 @@ def _gpu_session_calls():
     return calls
 
 
-def test_gpu_session_s_benchmark_calls_parse(monkeypatch):
+def test_the_gpu_session_s_benchmark_calls_parse(monkeypatch):
     """Each benchmark call of gpu_session.sh is accepted by its script's argument parser (parsed only, not run:
     most are GPU runs), and each test file it names exists, so that a renamed or misspelt option or file fails here,
     not in a device call of the 15 minutes a GPU session has."""

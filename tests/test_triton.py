@@ -639,7 +639,7 @@ def test_gpu_persistent_says_where_a_layer_does_not_fit(compiled, recurrence):
 @needs_triton
 @pytest.mark.parametrize("cell,depth,dtype", [("lgru", 1, torch.float32), ("atr", 0, torch.bfloat16)],
                          ids=["lgru-fp32", "atr-bf16"])
-def test_gpu_check_itself_under_interpreter(cell, depth, dtype):
+def test_the_gpu_check_itself_under_interpreter(cell, depth, dtype):
     """The GPU tests' check, run here on CPU tensors through the interpreter, so that its own code has run
     before the first session with a GPU relies on it."""
     _gpu_check(cell, depth, dtype, T=3, B=2, I=5, H=7, drop_p=0.3, device="cpu")
@@ -654,3 +654,4 @@ for _mark in needs_gpu:
     test_gpu_persistent_says_where_a_layer_does_not_fit = _mark(test_gpu_persistent_says_where_a_layer_does_not_fit)
     test_gpu_persistent_reads_matrices_from_l2 = _mark(test_gpu_persistent_reads_matrices_from_l2)
     test_gpu_captured_products_are_cublas = _mark(test_gpu_captured_products_are_cublas)
+    test_gpu_persistent_stage_read_once_a_cluster = _mark(test_gpu_persistent_stage_read_once_a_cluster)

@@ -440,8 +440,8 @@ def _chunk_steps(ext, layer, x, weight_grads=True):
 
 
 def _compare_emulated(run_emulated, cell, depth, ln, full_features, dtype, B=3, T=3, H=37):
-    """The emulated CUDA backend against the reference: outputs and all gradients. full_features: padding mask
-    + reverse direction + candidate dropout together, or none of them."""
+    """The emulated CUDA backend against the reference in float64: outputs and all gradients. full_features: padding
+    mask + reverse direction + candidate dropout together, or none of them."""
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_layer, padding_mask
     from dtmt_kernels import reference as R
@@ -458,17 +458,18 @@ def _compare_emulated(run_emulated, cell, depth, ln, full_features, dtype, B=3, 
     g_out = torch.randn(T, B, H, generator=gen, dtype=dtype)
     g_h = torch.randn(B, H, generator=gen, dtype=dtype)
     results = []
-    for fn in (R.transition_sequence, run_emulated):
+    for fn, to in ((R.transition_sequence, torch.float64), (run_emulated, dtype)):   # (the reference in float64)
         names = [n for n, _ in layer.named_parameters()]
-        xi, hi = x.clone().requires_grad_(), h0.clone().requires_grad_()
-        ps = [p.detach().clone().requires_grad_() for p in layer.parameters()]
-        out, h_n = fn(xi, hi, layer.direction_weights(0, dict(zip(names, ps))), mask, drop, full_features)
-        ((out * g_out).sum() + (h_n * g_h).sum()).backward()
+        xi, hi = x.to(to).requires_grad_(), h0.to(to).requires_grad_()
+        ps = [p.detach().to(to).requires_grad_() for p in layer.parameters()]
+        out, h_n = fn(xi, hi, layer.direction_weights(0, dict(zip(names, ps))), *(
+            None if t is None else t.to(to) for t in (mask, drop)), full_features)
+        ((out * g_out.to(to)).sum() + (h_n * g_h.to(to)).sum()).backward()
         results.append([out, h_n, xi.grad, hi.grad] + [p.grad for p in ps])
     labels = ["out", "h_n", "dx", "dh0"] + [n for n, _ in layer.named_parameters()]
     for label, ref, got in zip(labels, *results):
         scale = max(1.0, ref.abs().max().item())
-        torch.testing.assert_close(got, ref, atol=tol * scale, rtol=tol,
+        torch.testing.assert_close(got.double(), ref, atol=tol * scale, rtol=tol,
                                    msg=lambda m: f"{cell}-d{depth} ln={ln} masked={full_features} B={B} {label}: {m}")
 
 
@@ -855,10 +856,22 @@ def test_persistent_products_spread_over_lanes_emulated(emulated_cuda_ext, B, gr
         _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=3, H=37)
 
 
+@pytest.fixture
+def strict_fp32():
+    """TF32 off for the products, whatever the environment asked for: the persistent launches' float products on FMA
+    (persistent_mma reads the flag at each call, as cuBLAS does)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("B,H,grid,threads", [(2, 40, 4, 64), (64, 80, 4, 64), (64, 81, 3, 32)],
                          ids=["whole-rows-16-byte-loads", "chunks-16-byte-loads", "chunks-odd-rows"])
-def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, B, H, grid, threads):
+def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, strict_fp32, B, H, grid, threads,
+                                                         dtype):
     """The persistent launches' FMA products read the vectors every output shares (forward the state, backward the
     pre-activation gradients) from block_dots' stage in shared memory (stage_issue in
     csrc/persistent_cuda_kernels.cuh; the driver's choice wherever the products are not on tensor cores). B = 2,
@@ -870,10 +883,12 @@ def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, B, H,
     float64 reference, with ragged lengths, reverse direction, dropout and layer norm on. (Each path fails this test
     when broken: an offset off in the 16-byte copy fails all three, in the one-value copy the third, a chunk's column
     offset dropped the last two; without the wait on the asynchronous copies, whose emulation makes a copy at its
-    wait, the first; the last chunk left in flight, stage_wait(1) for it too, the second.)"""
+    wait, the first; the last chunk left in flight, stage_wait(1) for it too, the second.) In float32 with TF32 off
+    (strict fp32, the products on FMA: the persistent launches' float path by default) the same against the float64
+    reference, 16-byte copies of four values, and rows of odd length at H = 81."""
     run = _emulated_sequence(emulated_cuda_ext, (grid, threads, -1, False))
     for cell, depth in (("lgru", 2), ("atr", 0)):
-        _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=2, H=H)
+        _compare_emulated(run, cell, depth, True, True, dtype, B=B, T=2, H=H)
 
 
 @pytest.mark.slow
@@ -881,7 +896,9 @@ def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, B, H,
                                                      (5, 38, 4, 64, 2), (128, 80, 8, 32, 2)],
                          ids=["whole-rows-pairs", "chunks-pairs", "chunks-one-cluster-of-4", "last-block-shorter",
                               "buffers-refilled"])
-def test_persistent_stage_read_once_a_cluster_emulated(emulated_cuda_ext, B, H, grid, threads, blocks):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_persistent_stage_read_once_a_cluster_emulated(emulated_cuda_ext, strict_fp32, B, H, grid, threads, blocks,
+                                                       dtype):
     """The grid form in thread-block clusters whose blocks read the products' stage from global memory once a
     cluster (StageShare in csrc/persistent_cuda_kernels.cuh: block r of a cluster bulk-copies rows r, r + blocks, ...
     of each chunk into every block's stage, multicast, counted by each block's mbarrier; a cluster barrier before a
@@ -894,12 +911,13 @@ def test_persistent_stage_read_once_a_cluster_emulated(emulated_cuda_ext, B, H, 
     backward of 32 columns five times: a buffer refilled while the other block of the cluster may still read it).
     Outputs and every gradient against the float64 reference, ragged lengths, reverse direction, dropout and layer
     norm on; the bulk copies counted, so that the shared path is the one checked. (Without the mbarrier wait every
-    case fails; without the cluster barrier before a refill the last.)"""
+    case fails; without the cluster barrier before a refill the last.) The same in strict fp32 (TF32 off: FMA
+    products, the multicast's default float path), against the float64 reference."""
     ext = emulated_cuda_ext
     before = ext.bulk_copies()
     run = _emulated_sequence(ext, (grid, threads, -1, blocks))
     for cell, depth in (("lgru", 2), ("atr", 0)):
-        _compare_emulated(run, cell, depth, True, True, torch.float64, B=B, T=3, H=H)
+        _compare_emulated(run, cell, depth, True, True, dtype, B=B, T=3, H=H)
     assert ext.bulk_copies() > before
 
 

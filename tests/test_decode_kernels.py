@@ -186,10 +186,11 @@ def test_attention_step_matches_the_module(kind, dtype, B, S, heads, seed):
         att = AdditiveAttention(Q, C, A, layer_norm=kind == "layer-norm")
     att = _randomise(att.to(dtype), seed).eval()
     query, annotations, mask = _attention_inputs(B, S, Q, C, A, heads, seed, dtype)
-    keys = att.precompute(annotations)
-    ctx_ref, alpha_ref = att(query, keys, annotations, mask)      # the module's ops
     step = inference_form(att)
     assert type(step) is AttentionStep
+    att.backend = "reference"   # (the module on its own ops would share the step's C++ scores)
+    keys = att.precompute(annotations)
+    ctx_ref, alpha_ref = att(query, keys, annotations, mask)      # the module's pure-PyTorch reference
     with torch.no_grad():
         ctx, alpha = step(query, step.precompute(annotations), annotations, mask)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
@@ -513,16 +514,16 @@ def test_memory_encoder_matches_the_module(reverse):
     g = torch.Generator().manual_seed(6)
     x, memory = torch.randn(3, 7, 6, generator=g), torch.randn(3, 7, 10, generator=g)
     mask = torch.arange(7).unsqueeze(0) < torch.tensor([7, 4, 1]).unsqueeze(1)
-    states_ref, memory_ref = enc(x, memory, mask, reverse)       # the module's ops
     form = inference_form(enc)
     assert type(form) is FrozenMemoryEncoder
     with torch.no_grad():
         states, final = form(x, memory, mask, reverse)
+    enc.cell.backend = "reference"
+    assert inference_form(enc) is enc
+    states_ref, memory_ref = enc(x, memory, mask, reverse)       # the module's pure-PyTorch reference
     torch.testing.assert_close(states, states_ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(final, memory_ref.detach(), rtol=1e-5, atol=1e-6)
     assert (states[~mask] == 0).all()
-    enc.cell.backend = "reference"
-    assert inference_form(enc) is enc
 
 
 @pytest.mark.parametrize("system, options", [("dtmt", dict(heads=2)), ("dtmt", dict(heads=4, depth=2)),

@@ -42,7 +42,11 @@ def test_gradcheck_float64(cell, depth, layer_norm, masked, reverse):
 
 @pytest.mark.parametrize("cell,depth", [("gru", 1), ("lgru", 2), ("lau", 1)])
 @pytest.mark.parametrize("layer_norm", [False, True], ids=["noln", "ln"])
-def test_gradcheck_candidate_dropout(cell, depth, layer_norm):
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+def test_gradcheck_candidate_dropout(cell, depth, layer_norm, reverse):
+    """Candidate dropout (a mask a sub-cell, fixed over time): gradcheck of the cpp backward against its forward,
+    and outputs and every gradient against the reference backend with the same mask (1e-12), so that a mask applied
+    to the wrong sub-cell fails here too."""
     T, B, I, H = 3, 2, 3, 4
     layer = make_layer(cell, I, H, depth=depth, layer_norm=layer_norm)
     torch.manual_seed(2)
@@ -50,8 +54,21 @@ def test_gradcheck_candidate_dropout(cell, depth, layer_norm):
     x = torch.randn(T, B, I, dtype=torch.double, requires_grad=True)
     h0 = torch.randn(B, H, dtype=torch.double, requires_grad=True)
     params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
-    f = _sequence_fn(layer, padding_mask([3, 2], T), drop, True, "cpp")
+    f = _sequence_fn(layer, padding_mask([3, 2], T), drop, reverse, "cpp")
     assert torch.autograd.gradcheck(f, (x, h0, *params), eps=1e-6, atol=1e-7, rtol=1e-5)
+    g = torch.Generator().manual_seed(3)
+    g_out, g_hn = torch.randn(T, B, H, generator=g, dtype=torch.double), torch.randn(B, H, generator=g,
+                                                                                      dtype=torch.double)
+    results = []
+    for backend in ("cpp", "reference"):
+        inputs = [t.detach().clone().requires_grad_() for t in (x, h0, *params)]
+        out, h_n = _sequence_fn(layer, padding_mask([3, 2], T), drop, reverse, backend)(*inputs)
+        ((out * g_out).sum() + (h_n * g_hn).sum()).backward()
+        results.append([out.detach(), h_n.detach()] + [t.grad for t in inputs])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(results[1][0], _sequence_fn(layer, padding_mask([3, 2], T), None, reverse, "reference")(
+        x, h0, *params)[0].detach())   # (the mask changes the result)
 
 
 @pytest.mark.parametrize("keep", [0, 1], ids=["out-only", "h_n-only"])

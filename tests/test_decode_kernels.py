@@ -309,7 +309,9 @@ def test_inference_decoder_steps_match_the_modules(system, dtype):
     slow, state_slow = model.step(state, prev)
     slow2, _ = model.step(model.reorder(state_slow, torch.tensor([1, 0, 3, 2])), prev)
     assert slow.requires_grad
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)  # model precision
+    # (float32: the fused step's log-probabilities within 1e-7 of float64's here, every system; 1e-5 leaves room for
+    # the other instruction-set copies' orders of the same sums)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(fast, slow.detach(), **tol)
     torch.testing.assert_close(fast2, slow2.detach(), **tol)
     if system != "transformer":   # the new state: s and the head-averaged attention
@@ -343,8 +345,8 @@ def _fused_against_reference(model, calls, fused, src, lengths, prev):
         slow, slow_state = model.step(model.encode(src, lengths), prev)
         slow2, _ = model.step(slow_state, prev)
         model.set_backend("auto")
-    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fast2, slow2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast2, slow2, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_state["s"], slow_state["s"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_state["attn"], slow_state["attn"], rtol=1e-5, atol=1e-6)
 

@@ -14,7 +14,7 @@
 //
 // Compiled for devices of compute capability 8.0 and up (TF32 and bf16 MMA); below, the function is not there and
 // the kernels keep their FMA products (persistent_mma in transition_cuda.cu). DTMT_CUDA_EMULATION:
-// tests/cuda_emulation.h's wmma (whole tiles per thread, TF32 and bf16).
+// tests/cuda_emulation.h's wmma (whole tiles per thread, TF32, f16 and bf16).
 #pragma once
 
 #include "persistent_plan.h"
@@ -61,9 +61,7 @@ template <typename H> struct Mma16 {   // f16 and bf16: m16n16k16, the stored va
   using fragment_type = H;
   static __device__ __forceinline__ H round(H v) { return v; }
 };
-#if !defined(DTMT_CUDA_EMULATION)
 template <> struct Mma<__half> : Mma16<__half> {};
-#endif
 template <> struct Mma<__nv_bfloat16> : Mma16<__nv_bfloat16> {};
 #endif
 

@@ -45,11 +45,9 @@
 
 #if defined(DTMT_CUDA_EMULATION)  // tests only: host tensors, kernels on host fibers (see the .cuh)
 #include "cuda_emulation_aten.h"
-#define DTMT_DISPATCH_TYPES(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, TYPE, NAME, __VA_ARGS__)
-#else
+#endif
 #define DTMT_DISPATCH_TYPES(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
-#endif
 
 #if !defined(DTMT_CUDA_EMULATION)   // (the emulated extension is one unit: it instantiates them here)
 namespace dtmt {
@@ -85,9 +83,7 @@ template <typename... Args> std::string message(const Args&... args) {
 
 template <typename S> struct DeviceType { using type = S; };
 template <> struct DeviceType<at::BFloat16> { using type = __nv_bfloat16; };
-#if !defined(DTMT_CUDA_EMULATION)
 template <> struct DeviceType<at::Half> { using type = __half; };
-#endif
 
 bool present(const Tensor& t) { return t.defined() && t.numel() > 0; }
 

@@ -41,13 +41,11 @@ template <typename A, typename T> struct Cvt {
   static __device__ __forceinline__ A load(T v) { return static_cast<A>(v); }
   static __device__ __forceinline__ T store(A v) { return static_cast<T>(v); }
 };
-#if !defined(DTMT_CUDA_EMULATION)
 template <typename A> struct Cvt<A, __half> {
   static __device__ __forceinline__ A load(__half v) { return static_cast<A>(__half2float(v)); }
   static __device__ __forceinline__ __half store(A v) { return __float2half_rn(static_cast<float>(v)); }
 };
-#endif
-template <typename A> struct Cvt<A, __nv_bfloat16> {   // (the emulation has bfloat16 too: tests/cuda_emulation.h)
+template <typename A> struct Cvt<A, __nv_bfloat16> {   // (the emulation has both 16-bit types: tests/cuda_emulation.h)
   static __device__ __forceinline__ A load(__nv_bfloat16 v) { return static_cast<A>(__bfloat162float(v)); }
   static __device__ __forceinline__ __nv_bfloat16 store(A v) { return __float2bfloat16_rn(static_cast<float>(v)); }
 };

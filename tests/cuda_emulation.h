@@ -634,6 +634,54 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   return __nv_bfloat16{static_cast<uint16_t>(bits >> 16)};
 }
 
+// ------------------------------------------------------------------------------------------ float16 storage
+// IEEE binary16, converted as __half2float and __float2half_rn do: to nearest even, subnormals kept, past the
+// largest finite value (65504) infinity, a NaN a quiet NaN.
+struct __half {
+  uint16_t x;
+  explicit operator float() const {
+    const uint32_t sign = static_cast<uint32_t>(x & 0x8000u) << 16;
+    const uint32_t exponent = (x >> 10) & 0x1fu, mantissa = x & 0x3ffu;
+    uint32_t bits;
+    if (exponent == 0x1fu) {
+      bits = sign | 0x7f800000u | (mantissa << 13);                       // inf, NaN
+    } else if (exponent != 0) {
+      bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);          // normal: rebias 15 -> 127
+    } else if (mantissa == 0) {
+      bits = sign;                                                         // +-0
+    } else {                                                               // subnormal: mantissa x 2^-24, exact
+      float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+      std::memcpy(&bits, &f, 4);
+      bits |= sign;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+};
+inline float __half2float(__half v) { return static_cast<float>(v); }
+inline __half __float2half_rn(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return __half{static_cast<uint16_t>(sign | 0x7e00u)};   // NaN
+  if (magnitude >= 0x477ff000u) return __half{static_cast<uint16_t>(sign | 0x7c00u)};  // rounds past 65504: inf
+  if (magnitude >= 0x38800000u) {                                         // normal in half (>= 2^-14)
+    uint32_t m = magnitude - (112u << 23);                                // rebias 127 -> 15
+    m += 0xfffu + ((m >> 13) & 1u);                                       // to nearest even on the 13 bits dropped
+    return __half{static_cast<uint16_t>(sign | (m >> 13))};
+  }
+  // subnormal in half (or 0): the value in units of 2^-24, to nearest even
+  float a;
+  std::memcpy(&a, &magnitude, 4);
+  const float units = a * 16777216.0f;                                    // exact: a power-of-two scale
+  float whole = static_cast<float>(static_cast<uint32_t>(units));
+  const float rest = units - whole;
+  if (rest > 0.5f || (rest == 0.5f && (static_cast<uint32_t>(whole) & 1u))) whole += 1.0f;
+  return __half{static_cast<uint16_t>(sign | static_cast<uint16_t>(whole))};   // (1024 units: the first normal)
+}
+
 // ------------------------------------------------------------------------------------------ warp matrix products
 namespace nvcuda {
 namespace wmma {

@@ -1120,14 +1120,16 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
 @pytest.mark.slow
 @pytest.mark.parametrize("H,B,grid,threads,resident", [(37, 3, 4, 32, 1), (70, 20, 3, 64, -1), (37, 3, 4, 128, 1)],
                          ids=["H37-B3-T-GRUs-from-L2", "H70-B20", "H37-B3-K-split"])
-def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resident):
-    """bfloat16 storage on the emulated grid (tests/cuda_emulation.h's bfloat16: the kernels convert through Cvt),
-    the per-step path (its row or tiled GEMM in bf16 with float sums, the states kept in float and in bf16) and the
-    persistent launches, whose products are bf16 MMA (csrc/block_mma.cuh):
-    - every product the persistent forward saved (hp, hpt) equals, to the bit, the bf16 operands (matrix and the
-      state in bf16, hs_lp) multiplied exactly and summed in k order in float32, then rounded to bf16; 0 on the
-      ended rows;
-    - both paths' outputs and every gradient of both backwards are within bfloat16's precision of the float64
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resident, dtype):
+    """bfloat16 and float16 storage on the emulated grid (tests/cuda_emulation.h's __nv_bfloat16 and __half, rounded
+    as the device's conversions: the kernels convert through Cvt), the per-step path (its row or tiled GEMM in 16
+    bits with float sums, the states kept in float and in 16 bits) and the persistent launches, whose products are
+    16-bit MMA (csrc/block_mma.cuh):
+    - every product the persistent forward saved (hp, hpt) equals, to the bit, the 16-bit operands (matrix and the
+      state in 16 bits, hs_lp) multiplied exactly and summed in k order in float32, then rounded to the storage type;
+      0 on the ended rows;
+    - both paths' outputs and every gradient of both backwards are within 16-bit precision of the float64
       reference (1e-2 of each tensor's largest value, the per-step path 2e-2: measured 3.7e-3 and 8.8e-3 at worst);
       the two paths' outputs within 1e-2 of each other.
     At H = 37 the T-GRUs' matrices are read from the spill buffer (L2 on a GPU; the layout of a deep transition at
@@ -1144,23 +1146,23 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resid
         with torch.no_grad():
             for p in layer.parameters():
                 p.mul_(0.5)
-        layer = layer.to(torch.bfloat16)
+        layer = layer.to(dtype)
         gen = torch.Generator().manual_seed(5)
-        x = torch.randn(T, B, 3, generator=gen).bfloat16()
-        h0 = torch.randn(B, H, generator=gen).bfloat16()
+        x = torch.randn(T, B, 3, generator=gen).to(dtype)
+        h0 = torch.randn(B, H, generator=gen).to(dtype)
         lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
-        mask = padding_mask(lengths, T, torch.float32).bfloat16()
+        mask = padding_mask(lengths, T, torch.float32).to(dtype)
         params = [x.new_empty(0) if p is None else p.detach().contiguous()
                   for p in flat_params(layer.direction_weights(0))]
         args = (x, h0, mask, x.new_empty(0), KINDS[cell], params, True, 1e-5)
         out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads, resident, False)
-        assert hp.dtype == torch.bfloat16 and hs_lp.dtype == torch.bfloat16 and hs.dtype == torch.float32
+        assert hp.dtype == dtype and hs_lp.dtype == dtype and hs.dtype == torch.float32
         valid = mask.bool()
         slice_ = -(-H // grid)   # (a block's units; every block's products take all its rows)
 
         def products(U, h, rows):
             ks = _mma_slices(U.shape[0] // H * slice_, B, threads, km=16)
-            return _k_order_products(U.float(), h.float(), rows, ks, km=16).bfloat16()
+            return _k_order_products(U.float(), h.float(), rows, ks, km=16).to(dtype)
 
         for t in range(T):
             assert torch.equal(hp[t], products(params[2], hs_lp[0, t], valid[t])), f"{cell} hp step {t}"
@@ -1168,12 +1170,12 @@ def test_bfloat16_storage_emulated(emulated_cuda_ext, H, B, grid, threads, resid
                 assert torch.equal(hpt[k, t], products(params[6][k], hs_lp[k + 1, t], valid[t])), f"{cell} hpt"
         steps = ext.forward(*args)
         gen = torch.Generator().manual_seed(6)
-        g_out, g_hn = torch.randn(T, B, H, generator=gen).bfloat16(), torch.randn(B, H, generator=gen).bfloat16()
+        g_out, g_hn = torch.randn(T, B, H, generator=gen).to(dtype), torch.randn(B, H, generator=gen).to(dtype)
         back = (g_out, g_hn, x, mask, x.new_empty(0), KINDS[cell], params, [xp, hs, hs_lp, hp, hpt], True, 1e-5)
         grads = ext.backward_persistent(*back, grid, threads, resident, False)
         _assert_near_reference(layer, x, h0, mask, x.new_empty(0), g_out, g_hn, out, h_n, grads, 1e-2,
                                f"{cell}-d{depth} H={H} B={B} persistent")
-        # the per-step path in bf16, forward and backward, against the same reference
+        # the per-step path in 16 bits, forward and backward, against the same reference
         step_grads = ext.backward(g_out, g_hn, x, mask, x.new_empty(0), KINDS[cell], params, steps[2:], True, 1e-5)
         _assert_near_reference(layer, x, h0, mask, x.new_empty(0), g_out, g_hn, steps[0], steps[1], step_grads, 2e-2,
                                f"{cell}-d{depth} H={H} B={B} per-step")

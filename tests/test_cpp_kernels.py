@@ -185,7 +185,9 @@ def test_single_step_cell(cell, depth):
     grads = {}
     for backend in ("reference", "cpp"):
         step.backend = backend
-        grads[backend] = torch.autograd.grad(step(x, h).pow(2).sum(), [x, h, *step.parameters()])
+        h1 = step(x, h)
+        torch.testing.assert_close(h1, out[0], rtol=1e-12, atol=1e-12)   # (the reference's step: the cpp layer's)
+        grads[backend] = torch.autograd.grad(h1.pow(2).sum(), [x, h, *step.parameters()])
     for a, b in zip(grads["reference"], grads["cpp"]):
         torch.testing.assert_close(a, b)
     params = [p.detach().clone().requires_grad_() for p in step.parameters()]

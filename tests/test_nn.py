@@ -31,10 +31,17 @@ def test_from_torch_reproduces_torch_gru(backend, bidirectional, batch_first):
     out_t, h_t = gru(x, h0)
     torch.testing.assert_close(out, out_t, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h_n, h_t, atol=1e-5, rtol=1e-5)
-    # gradients w.r.t. the input agree too
-    gx = torch.autograd.grad(out.sum(), x)[0]
-    gx_t = torch.autograd.grad(out_t.sum(), x)[0]
-    torch.testing.assert_close(gx, gx_t, atol=1e-5, rtol=1e-5)
+    # the gradients of the input and of every weight and bias agree too (ours of the update gate's rows negated,
+    # as from_torch negates the rows themselves)
+    g_out, g_h = torch.randn_like(out), torch.randn_like(h_n)
+    grads = torch.autograd.grad((out * g_out).sum() + (h_n * g_h).sum(), [x, *layer.parameters()])
+    grads_t = torch.autograd.grad((out_t * g_out).sum() + (h_t * g_h).sum(), [x, *gru.parameters()])
+    torch.testing.assert_close(grads[0], grads_t[0], atol=1e-5, rtol=1e-5)
+    assert len(grads) == len(grads_t)
+    for (name, _), g, g_t in zip(layer.named_parameters(), grads[1:], grads_t[1:]):
+        g_t = g_t.clone()
+        g_t[10:20] = -g_t[10:20]
+        torch.testing.assert_close(g, g_t, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

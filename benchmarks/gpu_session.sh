@@ -11,7 +11,9 @@
 #   bash benchmarks/gpu_session.sh bench train          # train, gemm), e.g. to split the work over device calls
 #   bash benchmarks/gpu_session.sh build persistent     # the GPU tests with the persistent launches (issue 72),
 #                                                       # then they against the per-step ones and cuDNN, strict
-#                                                       # fp32 and TF32 on every side
+#                                                       # fp32 on every side
+#   bash benchmarks/gpu_session.sh tests persistent-math  # every GPU test; the same tables in TF32 and in bf16 on
+#                                                       # every side (the second call of a session)
 #   bash benchmarks/gpu_session.sh persistent-bf16      # bf16 on every side at B = 64, H = 512 and H = 1024 (where
 #                                                       # the deep transition reads two T-GRUs' matrices from L2)
 #   bash benchmarks/gpu_session.sh persistent-cluster   # the cluster form (one cluster of 16 blocks) against the
@@ -42,6 +44,7 @@
 # <dtype>-<math>/bench_cells_cuda.csv and .png (bench), gpu_profile.md (profile), train/bench_train.csv and .png
 # (train), gemm_tests.log and gemm_{rows,tiled,cublas,cublas-direct}.md (gemm), persistent.md,
 # persistent/bench_persistent.csv, persistent_tests.log, barrier_probe.md and phase_probe.md (persistent),
+# persistent_math.md and persistent-math/bench_persistent.csv (persistent-math),
 # persistent_envelope.md, persistent_bf16_{512,1024}.md and persistent-bf16-{512,1024}/bench_persistent.csv
 # (persistent-bf16), persistent_cluster_tests.log, persistent_cluster.md and persistent-cluster/bench_persistent.csv
 # (persistent-cluster), persistent_multicast_tests.log, persistent_multicast.md and
@@ -54,9 +57,9 @@
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
 # limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 60 + 150 + 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s, persistent-multicast
-# 180 + 300 s, persistent-profile 3 x 100 s,
-# decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
+# 180 + 60 + 150 + 240 s, persistent-math 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s,
+# persistent-multicast 180 + 300 s, persistent-profile 3 x 100 s, decode 300 + 200 s, graphs 150 + 300 s,
+# train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
 # machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
 # B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training
@@ -64,16 +67,17 @@
 # its run and train-profile are not yet timed); a warm machine is given back after 30 s idle (its build with it), so
 # send the next call at once. A device call is at most 10 minutes, and a session has 15 minutes of device time in all,
 # its start included: about two calls. In this order of the issues: `build persistent` (issue 72's persistent
-# launches, their GPU tests, the barrier and phase probes, the tables against the per-step path and cuDNN; on
-# 2026-11-30 at 4dec932 it ran past 560 s, the strict table written, the TF32 one not: give it 560 s; since then,
+# launches, their GPU tests, the barrier and phase probes, the strict table against the per-step path and cuDNN; on
+# 2026-11-30 at 4dec932 it ran past 560 s with the TF32 table in it, now the persistent-math stage: give it 560 s;
 # unmeasured: the products' second form, the stage's overlapped chunks, the spread layer-norm join: phase_probe.md's
 # products, stage and norm columns against RESULTS.md's sixth session; the tensor-core products' K split and loads a
 # round ahead: its TF32 and bf16 rows against its FMA rows; the stage read once a cluster of 2 or 4 (code for sm_90a,
 # the first build for 9.0a): barrier_probe.md's row "grid in clusters of 2" says whether that cooperative launch in
 # clusters runs at all, phase_probe.md's rows "staged once a cluster" against "staged" what it gains; and the build's
-# time against 133 s, the persistent kernels now four units built in parallel, for 9.0a), then at once `tests` (193 s
-# there: every GPU test); with more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and
-# where its device time goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in
+# time against 133 s, the persistent kernels now four units built in parallel, for 9.0a), then at once `tests
+# persistent-math` (193 s there for every GPU test; then issue 72 item 1's TF32 and bf16 tables, up to 300 s); with
+# more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time
+# goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in
 # the sessions after, `persistent-multicast` (its GPU tests and its table against the grid form at B = 8, 64, 256; the
 # first launch of the cooperative form in clusters), `persistent-profile persistent-bf16 graphs` (issue 72 item 1's
 # device and graphed times, the H = 1024 goal; issue 73 item 1), `decode` (with 16-bit decoding: item 5's bf16),
@@ -265,7 +269,8 @@ fi
 if want persistent; then
   # issue 72: the GPU kernel tests with every recurrence persistent (fp32 strict and TF32, bf16 and fp16 products on
   # tensor cores), then the persistent launches (one cooperative launch per layer, forward and backward) against the
-  # per-step ones and cuDNN, in strict fp32 and in TF32 on every side
+  # per-step ones and cuDNN, in strict fp32 on every side (TF32 and bf16: the persistent-math stage, which fits the
+  # call after this one; here they ran past the call's 560 s at 4dec932)
   echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent"
   DTMT_CUDA_RECURRENCE=persistent timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py \
     2>&1 | tee "$OUT/persistent_tests.log" | tail -5 || status=1
@@ -273,9 +278,16 @@ if want persistent; then
   run_probe barrier_probe 60
   echo "== where a persistent step's time goes (benchmarks/phase_probe.cu: the kernels with their phase clock)"
   run_probe phase_probe 150
-  echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32, then TF32, on every side)"
-  timeout 300 "$PY" benchmarks/bench_persistent.py --math strict tf32 --out "$OUT/persistent" 2>&1 \
+  echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32 on every side)"
+  timeout 240 "$PY" benchmarks/bench_persistent.py --math strict --out "$OUT/persistent" 2>&1 \
     | tee "$OUT/persistent.md" || status=1
+fi
+if want persistent-math; then
+  # issue 72 item 1: the same tables in torch's fast mode (TF32 where torch allows it: cuBLAS, cuDNN and our products
+  # on tensor cores) and in bf16 storage on every side, each against cuDNN in the same mode
+  echo "== bench_persistent --math tf32 bf16 (DTMT_CUDA_RECURRENCE=steps vs persistent; each mode on every side)"
+  timeout 300 "$PY" benchmarks/bench_persistent.py --math tf32 bf16 --B 1 8 64 --out "$OUT/persistent-math" 2>&1 \
+    | tee "$OUT/persistent_math.md" || status=1
 fi
 if want persistent-cluster; then
   # issue 72: the cluster form of the persistent launches (one thread-block cluster of 16 blocks, the cluster's barrier

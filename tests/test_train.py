@@ -241,6 +241,31 @@ def test_sigint_saves_a_checkpoint_that_resumes_exactly(toy, uninterrupted, tmp_
     assert losses(out) == losses(uninterrupted)
 
 
+def test_the_log_shows_the_learning_rate_each_update_took(toy_nodev, tmp_path, capsys):
+    """train_log.csv's lr beside update k is the rate update k took: paper 000 eq. 17 at t = k - 1, written out here
+    (warm-up to n lr0, hold, exponential decay, the 0.05 lr0 floor), with n = 2 replicas, p = 2, s = 4, e = 8; the
+    log line the same. (Until 2026-12-01 the row showed the next update's rate: the scheduler had stepped before it
+    was read.)"""
+    out = tmp_path / "run"
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "9", "--log-every", "1",
+                    "--schedule", "rnmt", "--lr", "1e-3", "--warmup", "2", "--decay-start", "4", "--decay-end", "8",
+                    "--replicas", "2"], capsys)
+    assert r.returncode == 0, r.stderr
+
+    def eq17(t, n=2, p=2, s=4, e=8, lr0=1e-3):
+        return lr0 * max(min(1 + t * (n - 1) / (n * p), n, n * (2 * n) ** ((s - n * t) / (e - s))), 0.05)
+
+    with open(out / "train_log.csv", newline="") as f:
+        rows = [(int(row["step"]), float(row["lr"])) for row in csv.DictReader(f) if row["kind"] == "train"]
+    assert [k for k, _ in rows] == list(range(1, 10))
+    for k, lr in rows:
+        assert lr == pytest.approx(eq17(k - 1), rel=1e-12), (k, lr, eq17(k - 1))
+    # by hand: warm-up 1, 1.25, 1.5 (the hold at n = 2 cut by the decay from n t > s), decay 2 (2n)^((s - n t) / (e -
+    # s)) = 1, 0.5, ... halving, floored at 0.05
+    assert [round(lr / 1e-3, 4) for _, lr in rows] == [1.0, 1.25, 1.5, 1.0, 0.5, 0.25, 0.125, 0.0625, 0.05]
+    assert "step 1 loss" in r.stdout and "lr 1.00e-03" in r.stdout.split("step 2 loss")[0]
+
+
 def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",

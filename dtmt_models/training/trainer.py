@@ -460,6 +460,13 @@ class Trainer:
         self.scheduler.step()
         return float(loss_sum), float(nll_sum), float(ntok)
 
+    def update_lr(self) -> float:
+        """The learning rate the last update took, which the logs show beside its loss (the scheduler has already
+        stepped to the next update's; before any update, the first one's). Not read from the optimizer: under
+        --cuda-graphs its learning rate is a device tensor."""
+        s = self.scheduler
+        return float(s.base_lrs[0]) * s.lr_lambdas[0](max(s.last_epoch - 1, 0))
+
     def update(self, src, lengths, prev, target):
         """One update on a collated batch: forward, backward, clipping, Adam step; (loss sum, NLL sum, target
         tokens). With --cuda-graphs it is what a graph records (training.graphs), so it reads nothing on the host
@@ -521,7 +528,7 @@ class Trainer:
                     w = self.log_window = [a + b for a, b in zip(self.log_window, (loss, nll, ntok, dt))]
                     logged = self.step % c.log_every == 0
                     text = (f"epoch {self.epoch + 1} step {self.step:,} loss {loss / ntok:.3f} "
-                            f"lr {self.scheduler.get_last_lr()[0]:.2e} {w[2] / max(w[3], 1e-9):,.0f} tok/s "
+                            f"lr {self.update_lr():.2e} {w[2] / max(w[3], 1e-9):,.0f} tok/s "
                             f"time {format_time(self.elapsed)}")
                     self.progress.show(self.step, c.max_steps, status=text, line=text if logged else None)
                     if logged:
@@ -571,7 +578,7 @@ class Trainer:
         loss, nll, ntok, seconds = self.log_window
         if self.csv:
             self.csv.write(kind="train", step=self.step, epoch=self.epoch + 1, elapsed_s=f"{self.elapsed:.1f}",
-                           lr=self.scheduler.get_last_lr()[0], loss=repr(loss / ntok), nll=repr(nll / ntok),
+                           lr=self.update_lr(), loss=repr(loss / ntok), nll=repr(nll / ntok),
                            ppl=f"{math.exp(min(nll / ntok, 50)):.2f}", tokens=int(ntok),
                            tokens_per_s=f"{ntok / max(seconds, 1e-9):.0f}")
 
@@ -611,7 +618,7 @@ class Trainer:
             if self.cfg.keep_last:
                 self.keep_step_checkpoint()
             self.csv.write(kind="valid", step=self.step, epoch=self.epoch + 1, elapsed_s=f"{self.elapsed:.1f}",
-                           lr=self.scheduler.get_last_lr()[0], dev_loss=repr(loss),
+                           lr=self.update_lr(), dev_loss=repr(loss),
                            dev_ppl=f"{math.exp(min(loss, 50)):.2f}", dev_bleu=f"{bleu:.2f}", dev_chrf=f"{chrf:.2f}",
                            best_bleu=f"{self.best_bleu:.2f}")
             plot_curve(self.csv.rows, os.path.join(self.out, CURVE), f"{self.cfg.model} on {self.cfg.data}")

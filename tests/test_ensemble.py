@@ -20,7 +20,7 @@ import torch
 from conftest import save_model, spread_weights
 from dtmt_models import cli
 from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
-from dtmt_models.decoding.beam_search import beam_search, length_penalty
+from dtmt_models.decoding.beam_search import beam_search
 from dtmt_models.decoding.ensemble import Ensemble
 from dtmt_models.decoding.translate import translate
 from dtmt_models.models.registry import build_model
@@ -92,7 +92,7 @@ def _exhaustive(members, src, max_len, alpha):
                 per_member = [m(src, lengths, prev)[0] for m in members]            # [T, V] log-probabilities
             log_probs = torch.stack(per_member).double().mean(0)
             log_p = float(log_probs[torch.arange(len(seq)), torch.tensor(seq)].sum())
-            scored.append((log_p / length_penalty(len(seq), alpha), list(body)))
+            scored.append((log_p / ((5 + len(seq)) / 6) ** alpha, list(body)))   # GNMT's lp, written out
     return sorted(scored, key=lambda x: -x[0])
 
 

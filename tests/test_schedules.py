@@ -11,7 +11,10 @@ def test_rnmt_plus_shape():
     assert f(3000) == pytest.approx(2.0)
     assert f(4000) == pytest.approx(2.0)            # n·t = s: decay starts
     assert f(32000) == pytest.approx(0.5)           # n·t = e: lr0 / 2
-    assert f(40000) < f(32000)
+    assert f(40000) == pytest.approx(0.33648, abs=1e-5)   # 2 · 4^((8000 − 80000) / 56000), by hand
+    assert RNMTPlusSchedule(8, 800, 8000, n=4)(3800) == pytest.approx(4 * 8 ** -2)   # n (2n)^((s − n t) / (e − s))
+    floored = RNMTPlusSchedule(500, 8000, 64000, n=2, floor=0.05)
+    assert floored(40000) == pytest.approx(0.33648, abs=1e-5) and floored(10 ** 6) == 0.05   # the floor only below it
     assert RNMTPlusSchedule(n=1)(100) == pytest.approx(1.0)   # one replica: no warm-up
     assert RNMTPlusSchedule(n=1, floor=0.3)(10 ** 7) == pytest.approx(0.3)
     with pytest.raises(ValueError):

@@ -104,12 +104,12 @@ def test_translate_order_empty_lines_and_batching(system, reference):
     for got_all, got_tiny, got_pairs, want in zip(batched, tiny, pairs, reference):
         for got in (got_all, got_tiny, got_pairs):
             assert [t for t, _ in got] == [t for t, _ in want]
-            assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-4)
+            assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=2e-5)
     assert batched[1] == [("", 0.0)] and batched[3] == [("", 0.0)]
     # the same sentence twice in one batch: same hypotheses; scores equal up to rounding (rows of a batched
     # GEMM may go through different micro-kernels, so bit-equality is not promised)
     assert [t for t, _ in batched[0]] == [t for t, _ in batched[5]]
-    assert [s for _, s in batched[0]] == pytest.approx([s for _, s in batched[5]], abs=1e-4)
+    assert [s for _, s in batched[0]] == pytest.approx([s for _, s in batched[5]], abs=2e-5)
     nonempty = [batched[i][0][0] for i in (0, 2, 4, 6, 7)]
     assert all(nonempty) and len(set(nonempty)) >= 3        # real, varied translations
 

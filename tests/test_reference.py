@@ -37,10 +37,14 @@ def _sig(a):
 
 @pytest.mark.parametrize("cell", ["gru", "lgru", "lau", "atr"])
 @pytest.mark.parametrize("layer_norm", [False, True])
-def test_reference_step_matches_spec_equations(cell, layer_norm):
-    """One step of base cell + one T-GRU, written directly from contract §2 with per-gate slices."""
+@pytest.mark.parametrize("depth", [1, 3])
+def test_reference_step_matches_spec_equations(cell, layer_norm, depth):
+    """One step of base cell + `depth` T-GRUs (each its own weights, layer norm and dropout mask), written directly
+    from contract §2 with per-gate slices. (ATR has no transition: depth 0 both times.)"""
+    if cell == "atr" and depth > 1:
+        pytest.skip("ATR has no T-GRUs")
     H, I, B = 4, 3, 2
-    layer = make_layer(cell, I, H, depth=0 if cell == "atr" else 1, layer_norm=layer_norm)
+    layer = make_layer(cell, I, H, depth=0 if cell == "atr" else depth, layer_norm=layer_norm)
     w = layer.direction_weights(0)
     torch.manual_seed(1)
     x = torch.randn(B, I, dtype=torch.double)
@@ -81,14 +85,17 @@ def test_reference_step_matches_spec_equations(cell, layer_norm):
             g = _sig(pre(2, w.ln_w, w.ln_b, Wk(2), U(2)))
             c = torch.tanh((1 - r) * Wk(3) + r * U(3)) * drop[0]
             h1 = ((1 - z) * h + z * c) * (1 - g) + g * Wk(4)
-        # T-GRU on top
-        Ut = lambda k: Uk(k, w.t_w[0], w.t_b[0], h1)
-        zero = torch.zeros_like(h1)
-        rt = _sig(pre(0, w.t_ln_w[0], w.t_ln_b[0], zero, Ut(0)))
-        zt = _sig(pre(1, w.t_ln_w[0], w.t_ln_b[0], zero, Ut(1)))
-        ct = torch.tanh(rt * Ut(2)) * drop[1]
-        want = (1 - zt) * h1 + zt * ct
-    torch.testing.assert_close(got, want)
+        # the T-GRUs on top, each on the last one's output
+        assert w.depth == depth
+        for i in range(depth):
+            Ut = lambda k: Uk(k, w.t_w[i], w.t_b[i], h1)
+            zero = torch.zeros_like(h1)
+            rt = _sig(pre(0, w.t_ln_w[i], w.t_ln_b[i], zero, Ut(0)))
+            zt = _sig(pre(1, w.t_ln_w[i], w.t_ln_b[i], zero, Ut(1)))
+            ct = torch.tanh(rt * Ut(2)) * drop[i + 1]
+            h1 = (1 - zt) * h1 + zt * ct
+        want = h1
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_reference_masking_matches_unpadded_runs():

@@ -217,8 +217,9 @@ def test_attention_ops_run_in_float32_under_autocast():
 @pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr", "mce"])
 def test_systems_train_under_autocast(system):
     """A training forward and backward under autocast (the decoders' unrolled steps included): the loss within
-    1% of float32's, every parameter gets a float32 gradient, and the gradients point the same way as float32's
-    (cosine > 0.99 over all parameters)."""
+    0.2% of float32's, every parameter gets a float32 gradient, the gradients point the same way as float32's
+    (cosine > 0.9995 over all parameters) and each of weight (norm over 1e-3 of the largest) is within 8% of
+    float32's. Measured on Zen 4: loss 1.9e-4, 1 - cosine 4.8e-5, worst gradient 1.6% (dtmt)."""
     torch.manual_seed(4)
     model = build_model(system, 40, 50, embed_dim=24, hidden_size=24, dropout=0.0)
     model.train()
@@ -238,10 +239,14 @@ def test_systems_train_under_autocast(system):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, grads = loss_and_grads()
     assert loss.dtype == torch.float32
-    assert 0 < abs(loss.item() - ref_loss.item()) <= 1e-2 * ref_loss.item()
+    assert 0 < abs(loss.item() - ref_loss.item()) <= 2e-3 * ref_loss.item()
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
     flat, ref_flat = torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ref_grads])
-    assert torch.nn.functional.cosine_similarity(flat, ref_flat, dim=0).item() > 0.99
+    assert torch.nn.functional.cosine_similarity(flat, ref_flat, dim=0).item() > 0.9995
+    largest = max(g.norm().item() for g in ref_grads)
+    for (name, _), g, want in zip(model.named_parameters(), grads, ref_grads):
+        if want.norm() > 1e-3 * largest:   # each gradient of weight within a few bfloat16 roundings of float32's
+            assert (g - want).norm() <= 0.08 * want.norm(), name
 
 
 def test_train_amp_bf16(tmp_path, capsys):

@@ -266,6 +266,75 @@ def test_the_log_shows_the_learning_rate_each_update_took(toy_nodev, tmp_path, c
     assert "step 1 loss" in r.stdout and "lr 1.00e-03" in r.stdout.split("step 2 loss")[0]
 
 
+def test_three_updates_of_dtmt_train_are_the_papers_update_written_out(toy_nodev, tmp_path, capsys):
+    """`dtmt train` against its update written out here: the label-smoothed loss per target token from the model's
+    log-probabilities, the gradient norm clipped by hand, Adam (β = 0.9, 0.998, ε = 1e-9, bias-corrected) by hand
+    at the schedule's rate (paper 000 eq. 17), in float64 on the batches the run took. Three updates, with clipping
+    on (at 0.5 the norm is cut at every one); dropout off. Compared: each logged loss, Adam's moments in last.pt
+    (linear in the clipped gradients: they see the clipping, the 1/tokens, β1 and β2), and the parameters to 5e-7
+    (float32's rounding of them: 3.5e-8 measured; a rate 1% off moves them 1e-5) where Adam's step is well
+    conditioned (an element whose gradient is nonzero but within 1e-5 of the largest, float32's rounding of 0, has
+    a step of ± lr either way; 94% of them are checked)."""
+    from dtmt_models.data import binarized
+    from dtmt_models.data.batching import collate, kept_indices, length_dtype, token_batches
+    from dtmt_models.data.vocabulary import Vocabulary
+
+    out = tmp_path / "run"
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "3", "--log-every", "1",
+                    "--schedule", "rnmt", "--lr", "1e-3", "--warmup", "2", "--decay-start", "4", "--decay-end", "8",
+                    "--replicas", "2", "--smoothing", "0.1", "--clip", "0.5", "--opt", "dropout=0",
+                    "--opt", "candidate_dropout=0"], capsys)
+    assert r.returncode == 0, r.stderr
+    ckpt = torch.load(out / "last.pt", weights_only=False)
+    cfg = ckpt["config"]
+    corpus = binarized.open_binarized(toy_nodev, cfg["vocab_type"], cfg["vocab_size"])
+    train = corpus.split("train")
+    lengths = train.lengths(length_dtype(cfg["max_len"]))
+    batches = token_batches(lengths, cfg["max_tokens"], seed=cfg["seed"], epoch=0,
+                            keep=kept_indices(lengths, cfg["max_len"]))[:3]
+    torch.manual_seed(cfg["seed"])   # the run's initial weights
+    model = build_model("dtmt", len(Vocabulary(corpus.protos[0])), len(Vocabulary(corpus.protos[1])),
+                        **ckpt["model_options"]).double().train()
+    params = list(model.parameters())
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    ill = [torch.zeros_like(p, dtype=torch.bool) for p in params]
+    eps, b1, b2 = 0.1, 0.9, 0.998
+    logged = [float(loss) for _, loss, _ in losses(out)]
+    for t, batch in enumerate(batches, start=1):
+        src, src_lengths, prev, target = collate(train.pairs(batch))
+        log_probs = model(src, src_lengths, prev)                               # [B, T, V]
+        keep = target.ne(0)
+        nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        loss = (((1 - eps) * nll - eps * log_probs.mean(-1)) * keep).sum() / keep.sum()
+        assert logged[t - 1] == pytest.approx(loss.item(), rel=1e-5), t
+        grads = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum((g * g).sum() for g in grads))
+        assert norm > 0.5, "the clipping must act for the test to see it"
+        grads = [g * (0.5 / (norm + 1e-6)) for g in grads]                      # torch's clip_grad_norm_ rule
+        lr = 1e-3 * min(1 + (t - 1) * (2 - 1) / (2 * 2), 2, 2 * 4 ** ((4 - 2 * (t - 1)) / (8 - 4)))
+        largest = max(g.abs().max() for g in grads)
+        with torch.no_grad():
+            for p, g, mi, vi, bad in zip(params, grads, m, v, ill):
+                mi.mul_(b1).add_((1 - b1) * g)
+                vi.mul_(b2).add_((1 - b2) * g * g)
+                p -= lr * (mi / (1 - b1 ** t)) / ((vi / (1 - b2 ** t)).sqrt() + 1e-9)
+                bad |= (g != 0) & (g.abs() < 1e-5 * largest)
+    names = [n for n, _ in model.named_parameters()]
+    state = ckpt["training"]["optimizer"]["state"]
+    checked = total = 0
+    for i, (name, p) in enumerate(zip(names, params)):
+        got = ckpt["model"][name].double()
+        torch.testing.assert_close(state[i]["exp_avg"].double(), m[i], rtol=1e-4, atol=1e-4 * m[i].abs().max(),
+                                   msg=lambda e: f"{name} m: {e}")
+        torch.testing.assert_close(state[i]["exp_avg_sq"].double(), v[i], rtol=1e-3, atol=1e-3 * v[i].abs().max(),
+                                   msg=lambda e: f"{name} v: {e}")
+        good = ~ill[i]
+        torch.testing.assert_close(got[good], p.detach()[good], rtol=0, atol=5e-7, msg=lambda e: f"{name}: {e}")
+        checked, total = checked + int(good.sum()), total + p.numel()
+    assert checked > 0.9 * total, (checked, total)
+
+
 def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",

@@ -15,12 +15,37 @@ from dtmt_models.models.presets import PAPER_ROWS, TABLES, PaperRow, presets_of
 from dtmt_models.models.registry import _MODELS, build_model, list_models
 
 
+def _row_model(row: PaperRow) -> torch.nn.Module:
+    vocab = TABLES[row.table].vocab
+    with torch.device("meta"):   # (shapes only: nothing allocated at the papers' sizes)
+        return build_model(row.model, vocab, vocab, **row.options)
+
+
 def row_parameters(row: PaperRow) -> int:
     """Our parameter count for a paper row at the paper's sizes and its table's vocabulary (per side)."""
-    vocab = TABLES[row.table].vocab
-    with torch.device("meta"):
-        model = build_model(row.model, vocab, vocab, **row.options)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in _row_model(row).parameters())
+
+
+def layout_parameters(row: PaperRow) -> int:
+    """The parameters the paper's own implementation keeps for a row beyond ours, the same model in another
+    layout: what its count includes that ours folds away. Paper 002 counts Nematus' GRUs, whose layer norm
+    normalises the input's and the state's products apart (gates and proposal, a gain and an offset each) and keeps
+    the biases too: 15H a GRU with an input (ours, per-gate layer norm of contract §2 with the gates' biases in its
+    offsets: 6H), 9H a transition GRU (ours 5H). Counted from our model, cell by cell (each recurrent cell with
+    layer norm: Nematus' count less our biases, gains and offsets). 0 for the other papers' rows and for rows
+    without layer norm."""
+    if row.model != "nematus" or not row.table.startswith("002-"):
+        return 0
+    params = dict(_row_model(row).named_parameters())
+    extra = 0
+    for name in params:
+        prefix = name[:-len("ln_weight")]
+        if name.endswith("ln_weight") and prefix + "weight_hh" in params:   # a recurrent cell's (not attention's)
+            H = params[prefix + "weight_hh"].shape[1]
+            ours = sum(params[prefix + k].numel() for k in ("bias_ih", "bias_hh", "ln_weight", "ln_bias")
+                       if prefix + k in params)
+            extra += (15 if prefix + "weight_ih" in params else 9) * H - ours
+    return extra
 
 
 def _paper_count(row: PaperRow) -> str:
@@ -51,12 +76,13 @@ def describe(count: bool = False, table: Optional[str] = None) -> str:
         if table is not None and key != table:
             continue
         rows = [r for r in PAPER_ROWS if r.table == key]
-        lines.append(f"{t.title} (counts at {t.vocab:,} subwords per side)")
+        layout = "; ours in Nematus' layer-norm layout" if key.startswith("002-") else ""
+        lines.append(f"{t.title} (counts at {t.vocab:,} subwords per side{layout if count else ''})")
         base: Dict[str, float] = {}
         for r in rows:
             line = f"  {r.name:<27s} {r.model:<14s} {r.label:<58s} {_paper_count(r):>12s}"
             if count and r.params is not None:
-                ours = row_parameters(r)
+                ours = row_parameters(r) + layout_parameters(r)   # (in the paper's layout: same model)
                 if not base:
                     base = dict(paper=_millions(r.params), ours=ours / 1e6)
                 line += (f"   ours {ours / 1e6:8.3f} M   Δ paper {_millions(r.params) - base['paper']:+8.3f}"

@@ -247,7 +247,8 @@ def onmt_config(out: str, pieces: dict, train_cfg: dict, opts: dict, arch: str =
         "seed": train_cfg["seed"], "batch_type": "tokens", "batch_size": train_cfg["max_tokens"],
         "valid_batch_size": train_cfg["max_tokens"], "normalization": "tokens", "accum_count": "[1]",
         "num_workers": 0, "world_size": 1, "gpu_ranks": "[0]" if device == "cuda" else "[]", "bucket_size": 32768,
-        "label_smoothing": train_cfg["smoothing"], "optim": "adam", "adam_beta1": 0.9, "adam_beta2": 0.998,
+        "label_smoothing": train_cfg["smoothing"], "optim": "adam", "adam_beta1": 0.9,
+        "adam_beta2": train_cfg.get("adam_beta2", 0.998) if arch == "lstm" else 0.998,
     }
     if arch == "lstm":
         cfg.update({
@@ -1013,7 +1014,8 @@ def profile(a, py, ours, log) -> dict:
         model, sv, tv, ckpt = load_model(os.path.join(a.out, system, "last.pt"))
         cfg = ckpt["config"]
         model.train()
-        opt = build_optimizer(model, cfg["lr"])        # as dtmt train makes it
+        opt = build_optimizer(model, cfg["lr"], cfg.get("adam_beta2") or 0.998,   # as dtmt train makes it
+                              cfg.get("adam_eps") or 1e-9)
         data = []
         for idx in batches:
             pairs = [([sv.sp.piece_to_id(x) for x in sides[0][i]], [tv.sp.piece_to_id(x) for x in sides[1][i]])

@@ -335,6 +335,29 @@ def test_three_updates_of_dtmt_train_are_the_papers_update_written_out(toy_nodev
     assert checked > 0.9 * total, (checked, total)
 
 
+def test_adam_settings_reach_the_optimizer_and_the_presets_hold_the_papers(toy_nodev, tmp_path, capsys):
+    """--adam-beta2 and --adam-eps are the optimizer's (last.pt's param groups, config.yaml); the small presets keep
+    0.998 / 1e-9; the paper presets take each paper's own Adam: 000 l.194 (0.999, 1e-6), 003 l.227 (0.98, 1e-9),
+    004 §4.2 and Nematus for 002 (0.999, Kingma and Ba's 1e-8); paper 004 names no label smoothing."""
+    out = tmp_path / "run"
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "1", "--adam-beta2", "0.98",
+                    "--adam-eps", "1e-6"], capsys)
+    assert r.returncode == 0, r.stderr
+    group = torch.load(out / "last.pt", weights_only=False)["training"]["optimizer"]["param_groups"][0]
+    assert tuple(group["betas"]) == (0.9, 0.98) and group["eps"] == 1e-6
+    with open(out / "config.yaml") as f:
+        text = f.read()
+    assert "adam_beta2: 0.98" in text and "adam_eps: 1.0e-06" in text
+    adam = {name: (get_preset(model, preset)["train"]["adam_beta2"], get_preset(model, preset)["train"]["adam_eps"])
+            for name, model, preset in (("small", "dtmt", "small"), ("000", "dtmt", "000-T3-dtmt4"),
+                                        ("000-paper", "dtmt", "paper"), ("002", "nematus", "002-T4-bideep-4x2"),
+                                        ("003", "mce", "003-T1-ntm"), ("004", "rnnsearch-atr", "004-T4-rnnsearch-atr"),
+                                        ("004-gnmt", "gnmt-atr", "paper"))}
+    assert adam == {"small": (0.998, 1e-9), "000": (0.999, 1e-6), "000-paper": (0.999, 1e-6),
+                    "002": (0.999, 1e-8), "003": (0.98, 1e-9), "004": (0.999, 1e-8), "004-gnmt": (0.999, 1e-8)}
+    assert get_preset("rnnsearch-atr", "004-T2-rnnsearch-atr")["train"]["smoothing"] == 0.0
+
+
 def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
@@ -685,6 +708,8 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     (["--max-time", "nan"], "--max-time nan: must be a finite duration > 0"),
     (["--lr", "0"], "--lr 0.0: must be a finite number > 0"),
     (["--smoothing", "1"], "--smoothing 1.0: must be in [0, 1)"),
+    (["--adam-beta2", "1"], "--adam-beta2 1.0: must be in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps 0.0: must be a finite number > 0"),
     (["--allow-changed-data"], "--allow-changed-data applies to --resume only"),
     (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--opt", "backend=foo"], "--opt backend=foo: the recurrent kernels are not a model option; use --backend"),
@@ -836,8 +861,9 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     assert r.returncode == 2 and "is not the corpus this run was trained on (counts, train_sha1 differ)" in r.stderr
     # a fixed setting given with another value: refused, naming it; the same value is fine
     r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--lr", "0.5",
-                    "--opt", "hidden_size=64", "--max-steps", "5"], capsys)
+                    "--opt", "hidden_size=64", "--adam-beta2", "0.9", "--max-steps", "5"], capsys)
     assert r.returncode == 2 and "--lr 0.5 (the run's is" in r.stderr and "--opt hidden_size=64" in r.stderr
+    assert "--adam-beta2 0.9 (the run's is 0.998)" in r.stderr
     r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hidden_size=32",
                    "--max-steps", "5", "--progress", "lines"], capsys)
     assert r.returncode == 0, r.stderr

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the number of processes)")
     g.add_argument("--smoothing", type=float, default=None, help="label smoothing")
     g.add_argument("--clip", type=float, default=None, help="gradient-norm clipping (0: off)")
+    g.add_argument("--adam-beta2", type=float, default=None,
+                   help="Adam's β2 (β1 is 0.9; default: the preset's, each paper's own in its presets, else 0.998)")
+    g.add_argument("--adam-eps", type=float, default=None, help="Adam's ε (default: the preset's, else 1e-9)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
     g.add_argument("--vocab-size", type=int, default=None, help="SentencePiece size per side")
     g.add_argument("--vocab-type", choices=("bpe", "unigram"), default=None,
@@ -138,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # the settings that make a run what it is: on --resume a value given for one of them must equal the run's
 FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "replicas",
-                   "smoothing", "clip", "max_tokens", "vocab_size", "vocab_type", "max_len", "seed")
+                   "smoothing", "clip", "adam_beta2", "adam_eps", "max_tokens", "vocab_size", "vocab_type", "max_len",
+                   "seed")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -157,6 +161,9 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.smoothing is not None and not 0 <= args.smoothing < 1:
         raise refuse("--smoothing", args.smoothing, "in [0, 1)")
     check_finite("--clip", args.clip, 0, note=" (0: off)")
+    if args.adam_beta2 is not None and not 0 <= args.adam_beta2 < 1:   # (1: Adam's bias correction divides by 0)
+        raise refuse("--adam-beta2", args.adam_beta2, "in [0, 1)")
+    check_finite("--adam-eps", args.adam_eps, 0, above=True)
     options = parse_options(args.opt)
     if "backend" in options:
         raise ValueError(f"--opt backend={options['backend']}: the recurrent kernels are not a model option; use "
@@ -307,8 +314,8 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     is "not given")."""
     preset = get_preset(args.model, args.preset)
     train = dict(preset["train"])
-    for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "max_tokens",
-              "vocab_size", "max_len"):
+    for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "adam_beta2",
+              "adam_eps", "max_tokens", "vocab_size", "max_len"):
         v = getattr(args, k)
         if v is not None:
             train[k] = v

@@ -28,6 +28,8 @@ class TrainConfig:
     replicas: Optional[int] = None              # n of the schedules (None: the number of processes)
     smoothing: Optional[float] = None
     clip: Optional[float] = None                # gradient-norm clipping (0: off)
+    adam_beta2: Optional[float] = None          # Adam's β2 (β1 is 0.9 in every paper); None: 0.998, as runs before
+    adam_eps: Optional[float] = None            # Adam's ε; None: 1e-9, as runs before these were settings
     max_tokens: Optional[int] = None            # target-token budget per batch and process
     vocab_size: Optional[int] = None            # SentencePiece pieces per side
     vocab_type: str = "bpe"                     # bpe or unigram

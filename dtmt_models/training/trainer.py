@@ -173,15 +173,16 @@ def corpus_nll(model: torch.nn.Module, pairs: Sequence[Tuple[List[int], List[int
     return total / max(count, 1), count
 
 
-def build_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """Adam with β = (0.9, 0.998), ε = 1e-9, in torch's fused implementation (one kernel over all parameters;
+def build_optimizer(model: torch.nn.Module, lr: float, beta2: float = 0.998, eps: float = 1e-9) -> torch.optim.Optimizer:
+    """Adam with β = (0.9, beta2) and ε = eps (the run's --adam-beta2 and --adam-eps: each paper's in its presets,
+    0.998 and 1e-9 elsewhere), in torch's fused implementation (one kernel over all parameters;
     torch's default on CPU is a loop of per-tensor operators). The fused CPU step writes the parameters without
     bumping their version counters, which autograd's in-place checks and the unrolled sessions
     (dtmt_kernels.nn.unrolled) rely on, so a step hook bumps them (tests/test_train.py:
     `test_inference_sees_the_optimizer_steps`,
     `test_the_optimizer_bumps_the_parameters_versions_and_steps_as_torchs_adam`)."""
     params = list(model.parameters())
-    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.998), eps=1e-9, fused=True)
+    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, beta2), eps=eps, fused=True)
     trained = [p for p in params if p.requires_grad]
     opt.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(trained))
     return opt
@@ -295,7 +296,9 @@ class Trainer:
             self.model.set_backend(cfg.backend)
         self.model.to(self.device)
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = build_optimizer(self.model, cfg.lr)
+        # (None: a checkpoint's config from before these were settings, whose runs took 0.998 and 1e-9)
+        self.optimizer = build_optimizer(self.model, cfg.lr, 0.998 if cfg.adam_beta2 is None else cfg.adam_beta2,
+                                         1e-9 if cfg.adam_eps is None else cfg.adam_eps)
         self.replicas = cfg.replicas or dist.world   # the schedules' n: the processes, unless given
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule())
         self.net = self.model

@@ -260,7 +260,7 @@ def _layer_norm(norm, x):
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpp"])
-@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
+@pytest.mark.parametrize("system", ["dtmt", "dtmt-depths", "rnnsearch-atr"])
 def test_recomputed_from_the_paper_equations(system, backend):
     """dtmt's teacher-forced log-probabilities against a hand computation of paper 000 from the parameters, one
     sentence and one step at a time (only the cells' equations from the executable spec,
@@ -273,7 +273,8 @@ def test_recomputed_from_the_paper_equations(system, backend):
     queries, which positions the target embedding takes), which the self-consistency tests cannot.
     rnnsearch-atr the same way after paper 004 §4.1: ATR units, no positions, single-head additive attention
     (the context the plain weighted sum), readout tanh(W_y y + W_s s + b + W_c c), output tied to the target
-    embedding."""
+    embedding. dtmt-depths: the encoder, query and decoder transitions each of its own depth (1, 3, 2 T-GRUs: paper
+    000's encoder_depth, query_depth, decoder_depth), each module holding the depth it was given."""
     import math
 
     import dtmt_kernels as dk
@@ -281,9 +282,14 @@ def test_recomputed_from_the_paper_equations(system, backend):
         pytest.skip(f"{backend} not built")
     E, H, heads, V = 6, 8, 2, 13
     torch.manual_seed(2)
-    dtmt = system == "dtmt"
-    options = dict(depth=2, heads=heads) if dtmt else {}
-    m = build_model(system, V, V, embed_dim=E, hidden_size=H, backend=backend, **options).double().eval()
+    dtmt = system.startswith("dtmt")
+    depths = dict(encoder_depth=1, query_depth=3, decoder_depth=2) if system == "dtmt-depths" else dict(depth=2)
+    options = dict(heads=heads, **depths) if dtmt else {}
+    m = build_model(system[:4] if dtmt else system, V, V, embed_dim=E, hidden_size=H, backend=backend,
+                    **options).double().eval()
+    if dtmt:   # (the hand computation runs each module's own T-GRUs: that they are the ones asked for)
+        want = (1, 3, 2) if system == "dtmt-depths" else (2, 2, 2)
+        assert tuple(mod.direction_weights(0).depth for mod in (m.encoder, m.query_cell, m.decoder_cell)) == want
     _perturbed(m)
     src = torch.tensor([[5, 7, 3, 9, 4], [8, 6, 11, 0, 0]])
     src_len = torch.tensor([5, 3])
@@ -527,3 +533,53 @@ def test_mce_annotations_recomputed_from_paper_003(backend):
                 ntm = torch.cat([m_f[j], m_b[j]])
                 expected = gate(m.gate_emb, emb[j], gate(m.gate_ntm_rnn, ntm, rnn))
                 torch.testing.assert_close(got[b, j], expected, rtol=1e-10, atol=1e-10, msg=f"sentence {b}, {j}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+@pytest.mark.parametrize("encoder", ["ca", "gnmt"])
+def test_atr_encoders_recomputed_from_paper_004(encoder, backend):
+    """The annotations of paper 004's two other encoders against a hand computation from the parameters, one
+    sentence and step at a time (the ATR equations from dk.reference). ca (the context-aware encoder, as the
+    authors' code lays it out): a forward ATR →h_j over x, then right to left s̃_j = ATR_lo(x_j, ←h_{j+1}),
+    ←h_j = ATR_hi(→h_j, s̃_j), the annotations ←h_j (H wide). gnmt (GNMT §3, four layers): a bidirectional bottom
+    layer [→h; ←h], then left-to-right layers, the second reading the bottom's 2H, each from the third on reading
+    the sum of the two below's outputs (x^l = s^l + x^{l-1}); the annotations the top sum."""
+    import dtmt_kernels as dk
+    if backend not in dk.available_backends():
+        pytest.skip(f"{backend} not built")
+    E, H, V = 6, 5, 11
+    torch.manual_seed(5)
+    if encoder == "ca":
+        m = build_model("rnnsearch-atr", V, V, embed_dim=E, hidden_size=H, encoder="ca", backend=backend)
+    else:
+        m = build_model("gnmt-atr", V, V, embed_dim=E, hidden_size=H, encoder_layers=4, decoder_layers=2,
+                        backend=backend)
+    m = _perturbed(m.double().eval())
+    src, src_len = torch.tensor([[4, 9, 3, 7, 2], [5, 8, 6, 0, 0]]), torch.tensor([5, 3])
+    with torch.no_grad():
+        got = m.encode(src, src_len)["annotations"]
+    step = _cell_step
+
+    def run(module, xs, reverse=False, direction=0):
+        out, h = [None] * len(xs), torch.zeros(H, dtype=torch.float64)
+        for j in (reversed(range(len(xs))) if reverse else range(len(xs))):
+            h = out[j] = step(module, xs[j], h, direction)
+        return out
+
+    with torch.no_grad():
+        for b in range(2):
+            S = int(src_len[b])
+            x = [m.src_embed.embed.weight[src[b, j]] for j in range(S)]
+            if encoder == "ca":
+                ca = m.encoder
+                fwd = run(ca.forward_layer, x)
+                ann, h = [None] * S, torch.zeros(H, dtype=torch.float64)
+                for j in reversed(range(S)):
+                    h = ann[j] = step(ca.higher, fwd[j], step(ca.lower, x[j], h))
+            else:
+                fwd, bwd = run(m.encoder[0], x), run(m.encoder[0], x, reverse=True, direction=1)
+                ann = run(m.encoder[1], [torch.cat([f, r]) for f, r in zip(fwd, bwd)])
+                for layer in m.encoder[2:]:
+                    ann = [o + a for o, a in zip(run(layer, ann), ann)]
+            torch.testing.assert_close(got[b, :S], torch.stack(ann), rtol=1e-10, atol=1e-10, msg=f"sentence {b}")
+            assert torch.count_nonzero(got[b, S:]) == 0

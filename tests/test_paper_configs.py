@@ -583,3 +583,85 @@ def test_atr_encoders_recomputed_from_paper_004(encoder, backend):
                     ann = [o + a for o, a in zip(run(layer, ann), ann)]
             torch.testing.assert_close(got[b, :S], torch.stack(ann), rtol=1e-10, atol=1e-10, msg=f"sentence {b}")
             assert torch.count_nonzero(got[b, S:]) == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+@pytest.mark.parametrize("high", ["gru", "rgru", "cgru", "crgru"])
+def test_nematus_bideep_recomputed_from_paper_002(high, backend):
+    """nematus BiDeep (paper 002 §2.4): the encoder the alternating chains of test_nematus_deep_recomputed_..., each
+    level a deep-transition block of 2 GRU steps; the decoder 3 levels, the base cGRU of transition depth 3
+    (GRU(y, s), attention, then a block of 2 GRU steps on c_1), each higher level a cell of §2.3 made of
+    deep-transition blocks of depth 3: gru: DT(r_{k-1}, own state); rgru: DT([r_{k-1}; c_1], own state); cgru: a
+    conditional GRU with an attention of its own, s1_k = GRU(r_{k-1}, own state), c_k = ATT_k(s1_k) (its own
+    query, keys, v and layer norms), out_k = DT(c_k, s1_k) of 2 steps; crgru: the same with c_1 for c_k;
+    r_k = out_k + r_{k-1}. Teacher-forced log-probabilities against the hand computation, to 1e-10."""
+    import dtmt_kernels as dk
+    if backend not in dk.available_backends():
+        pytest.skip(f"{backend} not built")
+    E, H, V = 6, 5, 11
+    torch.manual_seed(6)
+    m = build_model("nematus", V, V, embed_dim=E, hidden_size=H, encoder="bideep", enc_depth=2, enc_transition_depth=2,
+                    decoder="bideep", dec_high_cell=high, dec_depth=3, dec_base_transition_depth=3,
+                    dec_high_transition_depth=3, backend=backend).double().eval()
+    _perturbed(m)
+    blocks = [m.encoder[0], m.decoder_cell] + [lv.cell if high in ("gru", "rgru") else lv.second for lv in m.levels]
+    assert [b.direction_weights(0).depth for b in blocks] == [1, 1] + [2 if high in ("gru", "rgru") else 1] * 2
+    src, src_len = torch.tensor([[4, 9, 3, 7], [5, 8, 6, 0]]), torch.tensor([4, 3])
+    prev = torch.tensor([[1, 6, 2, 9], [1, 3, 10, 5]])
+    with torch.no_grad():
+        got = m(src, src_len, prev)
+
+    step, ln = _cell_step, _layer_norm
+
+    def run(module, xs, reverse):
+        out, h = [None] * len(xs), torch.zeros(H, dtype=torch.float64)
+        for j in (reversed(range(len(xs))) if reverse else range(len(xs))):
+            h = out[j] = step(module, xs[j], h)
+        return out
+
+    def attend(att, keys, C, s):
+        q = ln(att.ln_q, att.query.weight @ s)
+        return torch.softmax(torch.stack([att.v.weight[0] @ torch.tanh(q + k) for k in keys]), 0) @ C
+
+    ro = m.readout
+    with torch.no_grad():
+        for b in range(2):
+            S = int(src_len[b])
+            x = [m.src_embed.embed.weight[src[b, i]] for i in range(S)]
+            tops = []
+            for chain in range(2):
+                w = x
+                for level in range(2):
+                    out = run(m.encoder[chain * 2 + level], w, reverse=(chain + level) % 2 == 1)
+                    w = [o + v for o, v in zip(out, w)] if level > 0 else out
+                tops.append(w)
+            C = torch.stack([torch.cat([f, r]) for f, r in zip(*tops)])                  # [S, 2H]
+            s0 = torch.tanh(m.init_state.weight @ C.mean(0) + m.init_state.bias)
+
+            def keys_of(att):
+                return [ln(att.ln_k, att.key.weight @ C[i] + att.key.bias) for i in range(S)]
+
+            states = [s0, s0, s0]
+            for t in range(prev.shape[1]):
+                y = m.tgt_embed.embed.weight[prev[b, t]]
+                s1 = step(m.query_cell, y, states[0])
+                c1 = attend(m.attention, keys_of(m.attention), C, s1)
+                new = [step(m.decoder_cell, c1, s1)]
+                r = new[0]
+                for k in (1, 2):
+                    level = m.levels[k - 1]
+                    if high in ("gru", "rgru"):
+                        out = step(level.cell, r if high == "gru" else torch.cat([r, c1]), states[k])
+                    else:
+                        s1k = step(level.first, r, states[k])
+                        ck = attend(level.attention, keys_of(level.attention), C, s1k) if high == "cgru" else c1
+                        out = step(level.second, ck, s1k)
+                    new.append(out)
+                    r = out + r
+                states = new
+                ny, ns, nc = ro.norms
+                o = torch.tanh(ln(ny, ro.from_y.weight @ y) + ln(ns, ro.from_s.weight @ r + ro.from_s.bias)
+                               + ln(nc, ro.from_c.weight @ c1))
+                logits = ro.output.proj.weight @ o + ro.output.proj.bias
+                torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
+                                           msg=f"sentence {b}, step {t}")

@@ -665,3 +665,41 @@ def test_nematus_bideep_recomputed_from_paper_002(high, backend):
                 logits = ro.output.proj.weight @ o + ro.output.proj.bias
                 torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
                                            msg=f"sentence {b}, step {t}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_mce_decoder_recomputed_from_paper_003(backend):
+    """mce's decoder (paper 003 eq. 1-6, RNNsearch's) against a hand computation from the parameters, from the
+    annotations the encoder gives (recomputed by test_mce_annotations_recomputed_from_paper_003): s_0 =
+    tanh(W mean_j C_j + b); per step s'_j = GRU(y_{j-1}, s_{j-1}), e = v . tanh(W_q s'_j + W_k C_i + b_k) in an
+    attention space H wide (not the annotations' 2H), c_j = sum alpha C, s_j = GRU(c_j, s'_j), t_j = tanh(W_y y +
+    W_s s_j + b + W_c c_j), softmax(W_o t_j + b_o), the output not tied (the paper's 30K target vocabulary has its
+    own). Teacher-forced log-probabilities to 1e-10."""
+    import dtmt_kernels as dk
+    if backend not in dk.available_backends():
+        pytest.skip(f"{backend} not built")
+    E, H, V = 6, 5, 11
+    torch.manual_seed(7)
+    m = _perturbed(build_model("mce", V, V, embed_dim=E, hidden_size=H, backend=backend).double().eval())
+    src, src_len = torch.tensor([[4, 9, 3, 7], [5, 8, 6, 0]]), torch.tensor([4, 3])
+    prev = torch.tensor([[1, 6, 2, 9, 3], [1, 3, 10, 5, 4]])
+    with torch.no_grad():
+        got = m(src, src_len, prev)
+        annotations = m.encode(src, src_len)["annotations"]
+    att, ro, step = m.attention, m.readout, _cell_step
+    assert att.key.weight.shape == (H, 2 * H) and ro.output.proj.weight is not m.tgt_embed.embed.weight
+    with torch.no_grad():
+        for b in range(2):
+            C = annotations[b, :int(src_len[b])]
+            s = torch.tanh(m.init_state.weight @ C.mean(0) + m.init_state.bias)
+            keys = C @ att.key.weight.T + att.key.bias
+            for t in range(prev.shape[1]):
+                y = m.tgt_embed.embed.weight[prev[b, t]]
+                s_q = step(m.query_cell, y, s)
+                alpha = torch.softmax(torch.tanh(att.query.weight @ s_q + keys) @ att.v.weight[0], 0)
+                c = alpha @ C
+                s = step(m.decoder_cell, c, s_q)
+                o = torch.tanh(ro.from_y.weight @ y + ro.from_s.weight @ s + ro.from_s.bias + ro.from_c.weight @ c)
+                logits = ro.output.proj.weight @ o + ro.output.proj.bias
+                torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
+                                           msg=f"sentence {b}, step {t}")

@@ -335,6 +335,48 @@ def test_three_updates_of_dtmt_train_are_the_papers_update_written_out(toy_nodev
     assert checked > 0.9 * total, (checked, total)
 
 
+def test_epoch_halving_halves_the_rate_after_each_epoch_and_resumes_exactly(toy_nodev, tmp_path, capsys,
+                                                                            monkeypatch):
+    """--schedule epoch-halving (paper 004 §4.2): every update of epoch k (from 1) takes lr0 / 2^(k-1), the first
+    update of an epoch included (torch's scheduler computes a rate when it steps, after an update: the trainer sets
+    the new epoch's before its first update), as Adam's step reads it and as the log shows it; last.pt holds the
+    next update's rate; a run stopped inside the second epoch and resumed writes the losses and rates of an
+    uninterrupted one."""
+    applied = []
+    adam_step = torch.optim.Adam.step
+
+    def recording_step(self, *a, **k):
+        applied.append(float(self.param_groups[0]["lr"]))
+        return adam_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    args = [*TINY, "--data", toy_nodev, "--log-every", "1", "--schedule", "epoch-halving", "--lr", "1e-3"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    r = train_here([*args, "--out", str(whole), "--max-steps", "40"], capsys)
+    assert r.returncode == 0, r.stderr
+
+    def rows(out):
+        with open(out / "train_log.csv", newline="") as f:
+            return [(int(row["step"]), int(row["epoch"]), float(row["lr"]), row["loss"])
+                    for row in csv.DictReader(f) if row["kind"] == "train"]
+
+    logged = rows(whole)
+    assert [s for s, _, _, _ in logged] == list(range(1, 41))
+    epochs = sorted({e for _, e, _, _ in logged})
+    assert epochs[:3] == [1, 2, 3], epochs                          # (the test needs two epoch boundaries)
+    assert len(applied) == 40
+    for step, epoch, lr, _ in logged:
+        assert lr == applied[step - 1] == 1e-3 * 0.5 ** (epoch - 1), (step, epoch, lr, applied[step - 1])
+    group = torch.load(whole / "last.pt", weights_only=False)["training"]["optimizer"]["param_groups"][0]
+    assert group["lr"] == 1e-3 * 0.5 ** (logged[-1][1] - 1)      # (40 is not an epoch's last update here)
+    first_of_2 = next(s for s, e, _, _ in logged if e == 2)
+    r = train_here([*args, "--out", str(part), "--max-steps", str(first_of_2 + 2)], capsys)
+    assert r.returncode == 0, r.stderr
+    r = train_here([*args, "--out", str(part), "--max-steps", "40", "--resume"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert [(s, e, lr, loss) for s, e, lr, loss in rows(part)] == logged
+
+
 def test_adam_settings_reach_the_optimizer_and_the_presets_hold_the_papers(toy_nodev, tmp_path, capsys):
     """--adam-beta2 and --adam-eps are the optimizer's (last.pt's param groups, config.yaml); the small presets keep
     0.998 / 1e-9; the paper presets take each paper's own Adam: 000 l.194 (0.999, 1e-6), 003 l.227 (0.98, 1e-9),

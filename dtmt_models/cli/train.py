@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="start afresh even if OUT has a checkpoint")
     g = p.add_argument_group("training (defaults come from the preset)")
     g.add_argument("--lr", type=float, default=None, help="base learning rate")
-    g.add_argument("--schedule", choices=("rnmt", "inverse-sqrt", "constant"), default=None)
+    g.add_argument("--schedule", choices=("rnmt", "inverse-sqrt", "constant", "epoch-halving"), default=None,
+                   help="rnmt: paper 000 eq. 17; inverse-sqrt: paper 003 eq. 26-27; epoch-halving: lr halved after "
+                        "each epoch (paper 004 §4.2)")
     g.add_argument("--warmup", type=int, default=None, help="warm-up updates")
     g.add_argument("--decay-start", type=int, default=None, help="RNMT+ schedule: decay start s")
     g.add_argument("--decay-end", type=int, default=None, help="RNMT+ schedule: decay end e")

@@ -21,7 +21,7 @@ class TrainConfig:
     model_options: Dict[str, Any] = field(default_factory=dict)   # the preset's, with --opt on top
     # training: the preset's values unless given
     lr: Optional[float] = None
-    schedule: Optional[str] = None              # rnmt, inverse-sqrt or constant
+    schedule: Optional[str] = None              # rnmt, inverse-sqrt, constant or epoch-halving
     warmup: Optional[int] = None
     decay_start: Optional[int] = None
     decay_end: Optional[int] = None

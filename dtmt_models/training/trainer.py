@@ -296,6 +296,8 @@ class Trainer:
             self.model.set_backend(cfg.backend)
         self.model.to(self.device)
         self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.step, self.epoch, self.batch_index, self.elapsed = 0, 0, 0, 0.0   # (epoch-halving's rate reads the epoch)
+        self._update_lr: Optional[float] = None   # the rate of this process's last update (update_lr)
         # (None: a checkpoint's config from before these were settings, whose runs took 0.998 and 1e-9)
         self.optimizer = build_optimizer(self.model, cfg.lr, 0.998 if cfg.adam_beta2 is None else cfg.adam_beta2,
                                          1e-9 if cfg.adam_eps is None else cfg.adam_eps)
@@ -306,8 +308,7 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.net = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        # ---- position
-        self.step, self.epoch, self.batch_index, self.elapsed = 0, 0, 0, 0.0
+        # ---- position (step, epoch, batch_index, elapsed: above)
         self.best_bleu, self.best_loss, self.bad_validations = -1.0, math.inf, 0
         # the log window in progress (loss, NLL and target tokens summed since the last train row, its seconds): kept
         # in last.pt, so that a run resumed after Ctrl-C writes the rows an uninterrupted run writes
@@ -377,6 +378,8 @@ class Trainer:
             return InverseSqrtSchedule(dim, c.warmup, num_gpu=n)
         if c.schedule == "constant":
             return lambda step: 1.0
+        if c.schedule == "epoch-halving":   # paper 004 §4.2: lr0 · 0.5^epoch (a function, not kept in last.pt)
+            return lambda step: 0.5 ** self.epoch
         raise ValueError(f"unknown schedule {c.schedule!r}")
 
     def _restore(self, ckpt: dict) -> None:
@@ -455,6 +458,7 @@ class Trainer:
 
     def train_step(self, batch: List[int]) -> Tuple[float, float, float]:
         self.net.train()
+        self._update_lr = self.next_lr()
         pairs = self.train_data.pairs(batch)
         if self.graphs is not None:   # (padded on the host, then copied into the bucket's tensors)
             loss_sum, nll_sum, ntok = self.graphs.update(*collate(pairs))
@@ -465,10 +469,30 @@ class Trainer:
 
     def update_lr(self) -> float:
         """The learning rate the last update took, which the logs show beside its loss (the scheduler has already
-        stepped to the next update's; before any update, the first one's). Not read from the optimizer: under
-        --cuda-graphs its learning rate is a device tensor."""
+        stepped to the next update's; before any update in this process, the rate the schedule gives the update
+        before the next). Not read from the optimizer: under --cuda-graphs its learning rate is a device tensor."""
+        if self._update_lr is not None:
+            return self._update_lr
         s = self.scheduler
         return float(s.base_lrs[0]) * s.lr_lambdas[0](max(s.last_epoch - 1, 0))
+
+    def next_lr(self) -> float:
+        """The rate the next update takes: the schedule's at the scheduler's count (and, for epoch-halving, the
+        epoch)."""
+        s = self.scheduler
+        return float(s.base_lrs[0]) * s.lr_lambdas[0](s.last_epoch)
+
+    def refresh_lr(self) -> None:
+        """The optimizer's rate set to next_lr() without counting a step: after a new epoch begins, whose rate
+        epoch-halving changes (torch's scheduler computes a rate only when it steps). A tensor rate (--cuda-graphs)
+        is filled in place, as the scheduler does."""
+        lr = self.next_lr()
+        for group in self.optimizer.param_groups:
+            if torch.is_tensor(group["lr"]):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self.scheduler._last_lr = [lr for _ in self.optimizer.param_groups]
 
     def update(self, src, lengths, prev, target):
         """One update on a collated batch: forward, backward, clipping, Adam step; (loss sum, NLL sum, target
@@ -551,6 +575,7 @@ class Trainer:
                 else:
                     self.epoch += 1
                     self.batch_index = 0
+                    self.refresh_lr()
             if not interrupted and self.step % c.log_every and self.log_window[2] and self.step > first_step:
                 # the window in progress at the end of the run: its row too (a run shorter than --log-every had none);
                 # the window stays in last.pt, so a run extended from here writes the rows of an uninterrupted one

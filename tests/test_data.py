@@ -107,6 +107,23 @@ def test_token_batches_respect_budget_and_seed():
     assert batches != batching.token_batches(lengths, max_tokens=64, seed=3, epoch=1)
 
 
+def test_token_batches_bounded_in_sentences_too():
+    """max_sentences (paper 004's batches of 80): no batch has more pairs, the token budget still holds, and with a
+    budget that any max_sentences pairs fit, every batch but the epoch's last of the sorted order has exactly that
+    many; without it the batches are those of the budget alone; below 1 it is refused."""
+    lengths = [(n % 17 + 1, n % 13 + 1) for n in range(200)]
+    for budget, k in ((64, 5), (10 ** 6, 7)):
+        batches = batching.token_batches(lengths, max_tokens=budget, seed=3, epoch=0, max_sentences=k)
+        assert sorted(i for b in batches for i in b) == list(range(200))
+        for b in batches:
+            assert len(b) <= k and (len(b) == 1 or max(max(lengths[i]) + 1 for i in b) * len(b) <= budget)
+    assert sorted(len(b) for b in batches) == [200 % 7] + [7] * (200 // 7)
+    assert batching.token_batches(lengths, 64, seed=3, max_sentences=None) == batching.token_batches(lengths, 64, seed=3)
+    assert max(len(b) for b in batching.token_batches(lengths, 64, seed=3)) > 5    # (the bound above did bind)
+    with pytest.raises(ValueError, match="max_sentences must be >= 1"):
+        batching.token_batches(lengths, 64, max_sentences=0)
+
+
 def test_collate():
     src, lengths, prev, target = batching.collate([([5, 6, 7], [8]), ([9], [10, 11])])
     assert src.tolist() == [[5, 6, 7], [9, PAD, PAD]] and lengths.tolist() == [3, 1]

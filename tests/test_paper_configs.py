@@ -219,7 +219,8 @@ def test_gnmt_decoder_layers_keep_their_own_output_as_state():
 def test_atr_paper_presets_follow_paper_004():
     """§4.2 (l.152): RNNSearch 620 / 1000 with 40K vocabularies, dropout 0.2 on the output layer; Adam (0.9, 0.999)
     at 5e-4 halved after each epoch, clipping 5.0, no label smoothing named; GNMT+ATR 512 / 512. What is not
-    followed (80-sentence batches, U(±0.08) initialisation) is listed in PAPER_DEVIATIONS and in docs/usage.md."""
+    followed (U(±0.08) initialisation) is listed in PAPER_DEVIATIONS and in docs/usage.md. Batches of 80 sentences,
+    under a token budget that lets the sentences bind (80 pairs of the longest kept)."""
     rnnsearch = get_preset("rnnsearch-atr", "paper")
     assert rnnsearch["model"] == PAPER_ROWS_BY_NAME["004-T4-rnnsearch-atr"].options
     assert rnnsearch["model"]["embed_dim"] == 620 and rnnsearch["model"]["hidden_size"] == 1000
@@ -228,6 +229,7 @@ def test_atr_paper_presets_follow_paper_004():
         train = get_preset(system, "paper")["train"]
         assert (train["vocab_size"], train["lr"], train["schedule"], train["clip"], train["smoothing"],
                 train["adam_beta2"]) == (40000, 5e-4, "epoch-halving", 5.0, 0.0, 0.999), system
+        assert train["max_sentences"] == 80 and train["max_tokens"] >= 80 * (train["max_len"] + 1), system
     gnmt = get_preset("gnmt-atr", "paper")["model"]
     assert gnmt == PAPER_ROWS_BY_NAME["004-T2-gnmt-atr"].options and gnmt["hidden_size"] == 512
     with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:

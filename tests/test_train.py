@@ -377,6 +377,32 @@ def test_epoch_halving_halves_the_rate_after_each_epoch_and_resumes_exactly(toy_
     assert [(s, e, lr, loss) for s, e, lr, loss in rows(part)] == logged
 
 
+def test_max_sentences_bounds_every_training_batch(toy_nodev, tmp_path, capsys, monkeypatch):
+    """--max-sentences N: no update sees more than N sentence pairs (the budget alone gives more), and the setting is
+    in config.yaml and fixed on --resume; 0 is refused in one line."""
+    from dtmt_models.training import trainer
+
+    sizes = []
+    collate = trainer.collate
+    monkeypatch.setattr(trainer, "collate", lambda pairs, *a: sizes.append(len(pairs)) or collate(pairs, *a))
+    out = tmp_path / "run"
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "6"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert max(sizes) > 5, sizes
+    sizes.clear()
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "6", "--max-sentences", "5",
+                    "--overwrite"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert len(sizes) == 6 and max(sizes) == 5, sizes
+    with open(out / "config.yaml") as f:
+        assert "max_sentences: 5" in f.read()
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "7", "--max-sentences", "6",
+                    "--resume"], capsys)
+    assert r.returncode == 2 and "--max-sentences 6 (the run's is 5)" in r.stderr
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(tmp_path / "bad"), "--max-sentences", "0"], capsys)
+    assert r.returncode == 2 and "--max-sentences 0: must be an integer in [1, " in r.stderr
+
+
 def test_adam_settings_reach_the_optimizer_and_the_presets_hold_the_papers(toy_nodev, tmp_path, capsys):
     """--adam-beta2 and --adam-eps are the optimizer's (last.pt's param groups, config.yaml); the small presets keep
     0.998 / 1e-9; the paper presets take each paper's own Adam: 000 l.194 (0.999, 1e-6), 003 l.227 (0.98, 1e-9),

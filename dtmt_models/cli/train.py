@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Adam's β2 (β1 is 0.9; default: the preset's, each paper's own in its presets, else 0.998)")
     g.add_argument("--adam-eps", type=float, default=None, help="Adam's ε (default: the preset's, else 1e-9)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
+    g.add_argument("--max-sentences", type=int, default=None,
+                   help="at most this many sentence pairs a batch (per process; default: the preset's, else no bound "
+                        "but the token budget)")
     g.add_argument("--vocab-size", type=int, default=None, help="SentencePiece size per side")
     g.add_argument("--vocab-type", choices=("bpe", "unigram"), default=None,
                    help=f"SentencePiece model (default {D['vocab_type']})")
@@ -143,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # the settings that make a run what it is: on --resume a value given for one of them must equal the run's
 FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "replicas",
-                   "smoothing", "clip", "adam_beta2", "adam_eps", "max_tokens", "vocab_size", "vocab_type", "max_len",
-                   "seed")
+                   "smoothing", "clip", "adam_beta2", "adam_eps", "max_tokens", "max_sentences", "vocab_size",
+                   "vocab_type", "max_len", "seed")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -152,7 +155,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     from dtmt_models.decoding.hypotheses import MAX_BEAM   # (a leaf: torch and the search's constants)
 
     counts = [(name, 1, MAX_COUNT) for name in ("max_steps", "max_epochs", "valid_every", "log_every", "max_tokens",
-                                                 "max_len", "replicas")]
+                                                 "max_sentences", "max_len", "replicas")]
     counts += [(name, 0, MAX_COUNT) for name in ("warmup", "decay_start", "decay_end", "patience", "bleu_sentences",
                                                   "keep_last")]
     check_counts(args, counts + [("valid_beam", 1, MAX_BEAM), ("threads", 0, MAX_THREADS, " (0: torch's default)"),
@@ -317,7 +320,7 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     preset = get_preset(args.model, args.preset)
     train = dict(preset["train"])
     for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "adam_beta2",
-              "adam_eps", "max_tokens", "vocab_size", "max_len"):
+              "adam_eps", "max_tokens", "max_sentences", "vocab_size", "max_len"):
         v = getattr(args, k)
         if v is not None:
             train[k] = v

@@ -12,17 +12,19 @@ from dtmt_models.data.vocabulary import BOS, EOS, PAD
 
 
 def token_batches(lengths, max_tokens: int, seed: int = 1, epoch: int = 0, shuffle: bool = True,
-                  keep: Optional[np.ndarray] = None) -> "Batches":
+                  keep: Optional[np.ndarray] = None, max_sentences: Optional[int] = None) -> "Batches":
     """Index batches whose padded size (longest side + 1 for BOS/EOS, times the number of pairs) stays within
-    max_tokens. The pairs (those in `keep`, original indices, if given) are put in a random order, sorted by
-    (longer side's length, target length) keeping that order among equals, cut into batches in that order, and the
-    batch order is shuffled; the randomness comes from (seed, epoch) alone, so the same seed and epoch always give
+    max_tokens, of at most `max_sentences` pairs unless None (paper 004's batches of 80 sentences). The pairs (those
+    in `keep`, original indices, if given) are put in a random order, sorted by (longer side's length, target
+    length) keeping that order among equals, cut into batches in that order, and the batch order is shuffled; the randomness comes from (seed, epoch) alone, so the same seed and epoch always give
     the same batches. Without shuffle: sorted by length in index order, batches in that order.
 
     `lengths`: (source, target) lengths, a sequence of pairs or an [N, 2] integer array. Memory is O(N) in compact
     arrays (4 bytes a pair for the order, transient buffers in chunks), whatever N is."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_sentences is not None and max_sentences < 1:
+        raise ValueError(f"max_sentences must be >= 1 or None, got {max_sentences}")
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         lengths = lengths.reshape(0, 2)
@@ -35,7 +37,7 @@ def token_batches(lengths, max_tokens: int, seed: int = 1, epoch: int = 0, shuff
     if shuffle:
         rng.shuffle(order)
     order = _stable_sort_by_lengths(order, lengths)
-    bounds = _cut_bounds(order, lengths, max_tokens)
+    bounds = _cut_bounds(order, lengths, max_tokens, max_sentences)
     sel = np.arange(len(bounds) - 1, dtype=np.int64)
     if shuffle:
         rng.shuffle(sel)
@@ -139,15 +141,18 @@ def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarra
     return out
 
 
-def _cut_bounds(order: np.ndarray, lengths: np.ndarray, max_tokens: int) -> np.ndarray:
+def _cut_bounds(order: np.ndarray, lengths: np.ndarray, max_tokens: int,
+                max_sentences: Optional[int] = None) -> np.ndarray:
     """Batch starts (and the end) of `order` cut, in its order, into batches whose padded size (pairs x the largest
-    max(source, target) + 1 among them) stays within max_tokens; a pair larger than max_tokens is a batch alone."""
+    max(source, target) + 1 among them) stays within max_tokens, of at most max_sentences pairs (None: no bound);
+    a pair larger than max_tokens is a batch alone."""
     bounds = [0]
     count = longest = pos = 0
+    most = max_sentences or len(order) + 1
     for start in range(0, len(order), _CHUNK):
         part = lengths[order[start:start + _CHUNK]]
         for s in (_longer_side(part) + 1).tolist():
-            if count and max(longest, s) * (count + 1) > max_tokens:
+            if count and (max(longest, s) * (count + 1) > max_tokens or count == most):
                 bounds.append(pos)
                 count = longest = 0
             count += 1

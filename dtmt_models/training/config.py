@@ -31,6 +31,7 @@ class TrainConfig:
     adam_beta2: Optional[float] = None          # Adam's β2 (β1 is 0.9 in every paper); None: 0.998, as runs before
     adam_eps: Optional[float] = None            # Adam's ε; None: 1e-9, as runs before these were settings
     max_tokens: Optional[int] = None            # target-token budget per batch and process
+    max_sentences: Optional[int] = None         # pairs per batch and process at most (None: the budget alone)
     vocab_size: Optional[int] = None            # SentencePiece pieces per side
     vocab_type: str = "bpe"                     # bpe or unigram
     max_len: Optional[int] = None               # training pairs longer than this (subwords) are dropped

@@ -173,7 +173,8 @@ def corpus_nll(model: torch.nn.Module, pairs: Sequence[Tuple[List[int], List[int
     return total / max(count, 1), count
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, beta2: float = 0.998, eps: float = 1e-9) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, lr: float, beta2: float = 0.998,
+                    eps: float = 1e-9) -> torch.optim.Optimizer:
     """Adam with β = (0.9, beta2) and ε = eps (the run's --adam-beta2 and --adam-eps: each paper's in its presets,
     0.998 and 1e-9 elsewhere), in torch's fused implementation (one kernel over all parameters;
     torch's default on CPU is a loop of per-tensor operators). The fused CPU step writes the parameters without
@@ -443,7 +444,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- training
     def epoch_batches(self) -> Batches:
         batches = token_batches(self.lengths, self.cfg.max_tokens, seed=self.cfg.seed, epoch=self.epoch,
-                                keep=kept_indices(self.lengths, self.cfg.max_len))
+                                keep=kept_indices(self.lengths, self.cfg.max_len), max_sentences=self.cfg.max_sentences)
         w = self.dist.world
         if w > 1:   # every process takes the same number of batches: the last (len % w) of the epoch are skipped
             batches = batches[:len(batches) - len(batches) % w][self.dist.rank::w]

@@ -219,8 +219,9 @@ def test_gnmt_decoder_layers_keep_their_own_output_as_state():
 def test_atr_paper_presets_follow_paper_004():
     """§4.2 (l.152): RNNSearch 620 / 1000 with 40K vocabularies, dropout 0.2 on the output layer; Adam (0.9, 0.999)
     at 5e-4 halved after each epoch, clipping 5.0, no label smoothing named; GNMT+ATR 512 / 512. What is not
-    followed (U(±0.08) initialisation) is listed in PAPER_DEVIATIONS and in docs/usage.md. Batches of 80 sentences,
-    under a token budget that lets the sentences bind (80 pairs of the longest kept)."""
+    followed is listed in PAPER_DEVIATIONS and in docs/usage.md (none of paper 004's now). Batches of 80 sentences,
+    under a token budget that lets the sentences bind (80 pairs of the longest kept); weights from U(±0.08), as
+    paper 000's presets (l.194)."""
     rnnsearch = get_preset("rnnsearch-atr", "paper")
     assert rnnsearch["model"] == PAPER_ROWS_BY_NAME["004-T4-rnnsearch-atr"].options
     assert rnnsearch["model"]["embed_dim"] == 620 and rnnsearch["model"]["hidden_size"] == 1000
@@ -230,6 +231,10 @@ def test_atr_paper_presets_follow_paper_004():
         assert (train["vocab_size"], train["lr"], train["schedule"], train["clip"], train["smoothing"],
                 train["adam_beta2"]) == (40000, 5e-4, "epoch-halving", 5.0, 0.0, 0.999), system
         assert train["max_sentences"] == 80 and train["max_tokens"] >= 80 * (train["max_len"] + 1), system
+    for system, preset in (("rnnsearch-atr", "paper"), ("gnmt-atr", "paper"), ("rnnsearch-atr", "004-T2-rnnsearch-atr"),
+                           ("dtmt", "paper"), ("shallow-rnmt", "paper"), ("dtmt", "000-T3-dtmt4")):
+        assert get_preset(system, preset)["train"]["init_uniform"] == 0.08, (system, preset)
+    assert get_preset("deeplau", "paper")["train"]["max_sentences"] == 128             # paper 001 l.177
     gnmt = get_preset("gnmt-atr", "paper")["model"]
     assert gnmt == PAPER_ROWS_BY_NAME["004-T2-gnmt-atr"].options and gnmt["hidden_size"] == 512
     with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:

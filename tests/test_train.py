@@ -403,6 +403,55 @@ def test_max_sentences_bounds_every_training_batch(toy_nodev, tmp_path, capsys, 
     assert r.returncode == 2 and "--max-sentences 0: must be an integer in [1, " in r.stderr
 
 
+@pytest.mark.parametrize("name", list_models())
+def test_init_uniform_draws_every_weight_but_layer_norms_and_padding(name):
+    """init_uniform (papers 000 l.194 and 004 §4.2: U(-0.08, 0.08)): every parameter but layer norm's is drawn (each
+    spans most of the interval and none leaves it), the layer norms keep gain 1 and offset 0, the embeddings' padding
+    rows stay 0; the same seed draws the same weights; a bound that is not a finite number > 0 is refused."""
+    from dtmt_models.models.registry import init_uniform
+
+    torch.manual_seed(0)
+    model = build_model(name, 30, 30, embed_dim=16, hidden_size=16)
+    norms = {n for n, p in model.named_parameters() if n.endswith(("ln_weight", "ln_bias"))}
+    norms |= {f"{m}.{n}" for m, mod in model.named_modules() if isinstance(mod, torch.nn.LayerNorm)
+              for n, _ in mod.named_parameters()}
+    torch.manual_seed(1)
+    drawn = init_uniform(model, 0.08)
+    params = dict(model.named_parameters())
+    assert drawn == len(params) - len(norms)
+    for n, p in params.items():
+        if n in norms:
+            assert torch.all(p == (1.0 if n.endswith("weight") else 0.0)), n
+        elif p.numel() >= 8:
+            assert p.abs().max() <= 0.08 and p.abs().max() > 0.04, n
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+            assert torch.all(m.weight[m.padding_idx] == 0)
+    again = build_model(name, 30, 30, embed_dim=16, hidden_size=16)
+    torch.manual_seed(1)
+    init_uniform(again, 0.08)
+    assert all(torch.equal(p, params[n]) for n, p in again.named_parameters())
+    for bad in (0, -0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="bound must be a finite number > 0"):
+            init_uniform(model, bad)
+
+
+def test_init_uniform_flag_reaches_the_model(toy_nodev, tmp_path, capsys):
+    """--init-uniform 0.05: the run's first weights are U(-0.05, 0.05) (one update at lr 1e-3 moves each by about
+    1e-3), the setting is in config.yaml; 0 is refused in one line."""
+    out = tmp_path / "run"
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "1", "--lr", "1e-3",
+                    "--init-uniform", "0.05"], capsys)
+    assert r.returncode == 0, r.stderr
+    weights = torch.load(out / "last.pt", weights_only=False)["model"]
+    w = weights["encoder.weight_hh"]
+    assert 0.04 < w.abs().max() <= 0.05 + 2e-3, w.abs().max()
+    with open(out / "config.yaml") as f:
+        assert "init_uniform: 0.05" in f.read()
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(tmp_path / "bad"), "--init-uniform", "0"], capsys)
+    assert r.returncode == 2 and "--init-uniform 0.0: must be a finite number > 0" in r.stderr
+
+
 def test_adam_settings_reach_the_optimizer_and_the_presets_hold_the_papers(toy_nodev, tmp_path, capsys):
     """--adam-beta2 and --adam-eps are the optimizer's (last.pt's param groups, config.yaml); the small presets keep
     0.998 / 1e-9; the paper presets take each paper's own Adam: 000 l.194 (0.999, 1e-6), 003 l.227 (0.98, 1e-9),

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=None,
                    help="Adam's β2 (β1 is 0.9; default: the preset's, each paper's own in its presets, else 0.998)")
     g.add_argument("--adam-eps", type=float, default=None, help="Adam's ε (default: the preset's, else 1e-9)")
+    g.add_argument("--init-uniform", type=float, default=None, metavar="R",
+                   help="draw every weight and bias from U(-R, R) (layer norm's gains and offsets keep 1 and 0; "
+                        "default: the preset's, 0.08 for papers 000 and 004, else each module's own)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
     g.add_argument("--max-sentences", type=int, default=None,
                    help="at most this many sentence pairs a batch (per process; default: the preset's, else no bound "
@@ -146,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # the settings that make a run what it is: on --resume a value given for one of them must equal the run's
 FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "replicas",
-                   "smoothing", "clip", "adam_beta2", "adam_eps", "max_tokens", "max_sentences", "vocab_size",
-                   "vocab_type", "max_len", "seed")
+                   "smoothing", "clip", "adam_beta2", "adam_eps", "init_uniform", "max_tokens", "max_sentences",
+                   "vocab_size", "vocab_type", "max_len", "seed")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -169,6 +172,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.adam_beta2 is not None and not 0 <= args.adam_beta2 < 1:   # (1: Adam's bias correction divides by 0)
         raise refuse("--adam-beta2", args.adam_beta2, "in [0, 1)")
     check_finite("--adam-eps", args.adam_eps, 0, above=True)
+    check_finite("--init-uniform", args.init_uniform, 0, above=True)
     options = parse_options(args.opt)
     if "backend" in options:
         raise ValueError(f"--opt backend={options['backend']}: the recurrent kernels are not a model option; use "
@@ -320,7 +324,7 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     preset = get_preset(args.model, args.preset)
     train = dict(preset["train"])
     for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "adam_beta2",
-              "adam_eps", "max_tokens", "max_sentences", "vocab_size", "max_len"):
+              "adam_eps", "init_uniform", "max_tokens", "max_sentences", "vocab_size", "max_len"):
         v = getattr(args, k)
         if v is not None:
             train[k] = v

@@ -47,6 +47,27 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
         raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from exc
 
 
+def init_uniform(model: nn.Module, bound: float) -> int:
+    """Every weight and bias of `model` drawn from U(-bound, bound) in place, as papers 000 (l.194) and 004 (§4.2)
+    initialise "all parameters" (torch's global generator); layer norm's gains and offsets keep 1 and 0 (a gain
+    drawn near 0 would silence what it normalises: our reading, as the authors' toolkits give layer norm its own
+    initialiser), and an embedding's padding row stays 0. Returns the number of tensors drawn."""
+    if not (isinstance(bound, (int, float)) and 0 < bound < float("inf")):
+        raise ValueError(f"init_uniform: bound must be a finite number > 0, got {bound!r}")
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)}
+    drawn = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) in norms or name.endswith(("ln_weight", "ln_bias")):
+                continue
+            p.uniform_(-bound, bound)
+            drawn += 1
+        for m in model.modules():
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                m.weight[m.padding_idx].zero_()
+    return drawn
+
+
 def _option_params(name: str) -> dict:
     """The keyword parameters of system `name`'s constructor (a subclass passing **kwargs on takes its base's)."""
     import inspect

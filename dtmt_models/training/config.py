@@ -30,6 +30,7 @@ class TrainConfig:
     clip: Optional[float] = None                # gradient-norm clipping (0: off)
     adam_beta2: Optional[float] = None          # Adam's β2 (β1 is 0.9 in every paper); None: 0.998, as runs before
     adam_eps: Optional[float] = None            # Adam's ε; None: 1e-9, as runs before these were settings
+    init_uniform: Optional[float] = None        # weights drawn from U(-r, r) (papers 000, 004); None: the modules' own
     max_tokens: Optional[int] = None            # target-token budget per batch and process
     max_sentences: Optional[int] = None         # pairs per batch and process at most (None: the budget alone)
     vocab_size: Optional[int] = None            # SentencePiece pieces per side

@@ -49,7 +49,7 @@ from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import check_training_state, save_checkpoint
-from dtmt_models.models.registry import build_model, position_bound
+from dtmt_models.models.registry import build_model, init_uniform, position_bound
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
 from dtmt_models.training.config import TrainConfig
@@ -281,6 +281,8 @@ class Trainer:
         # ---- model, optimizer, schedule
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, len(self.src_vocab), len(self.tgt_vocab), **cfg.model_options)
+        if cfg.init_uniform:   # (a resumed run's weights then come from last.pt)
+            init_uniform(self.model, cfg.init_uniform)
         bound = position_bound(self.model)
         if bound is not None and self.dev_ids:   # (the dev loss of a pair past the model's positions: none to score)
             n_dev = len(self.dev_ids)

@@ -16,8 +16,9 @@ def token_batches(lengths, max_tokens: int, seed: int = 1, epoch: int = 0, shuff
     """Index batches whose padded size (longest side + 1 for BOS/EOS, times the number of pairs) stays within
     max_tokens, of at most `max_sentences` pairs unless None (paper 004's batches of 80 sentences). The pairs (those
     in `keep`, original indices, if given) are put in a random order, sorted by (longer side's length, target
-    length) keeping that order among equals, cut into batches in that order, and the batch order is shuffled; the randomness comes from (seed, epoch) alone, so the same seed and epoch always give
-    the same batches. Without shuffle: sorted by length in index order, batches in that order.
+    length) keeping that order among equals, cut into batches in that order, and the batch order is shuffled; the
+    randomness comes from (seed, epoch) alone, so the same seed and epoch always give the same batches. Without
+    shuffle: sorted by length in index order, batches in that order.
 
     `lengths`: (source, target) lengths, a sequence of pairs or an [N, 2] integer array. Memory is O(N) in compact
     arrays (4 bytes a pair for the order, transient buffers in chunks), whatever N is."""

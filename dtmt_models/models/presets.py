@@ -99,7 +99,8 @@ PRESETS: Dict[str, Dict[str, dict]] = {
 }
 
 
-# What a paper's presets are known not to follow of its stated training, per paper (docs/usage.md lists them).
+# What a paper's presets are known not to follow of its stated training, per paper (docs/usage.md lists them;
+# why the presets follow the rest: docs/design/training.md, "The papers' training settings").
 PAPER_DEVIATIONS: Dict[str, List[str]] = {
     "001": ["Adam, not Adadelta (ε 1e-6, ρ 0.95; l.160-177)",
             "gradient clipping at 1.0 throughout, not halved until the dev BLEU settles (l.177)"],

@@ -375,6 +375,13 @@ def test_epoch_halving_halves_the_rate_after_each_epoch_and_resumes_exactly(toy_
     r = train_here([*args, "--out", str(part), "--max-steps", "40", "--resume"], capsys)
     assert r.returncode == 0, r.stderr
     assert [(s, e, lr, loss) for s, e, lr, loss in rows(part)] == logged
+    # a run that ends with its second epoch: its last row (the window in progress, written after the loop) is the
+    # second epoch's, at its rate (it read "epoch 3" until 2026-12-02)
+    ended = tmp_path / "ended"
+    r = train_here([*args, "--out", str(ended), "--max-epochs", "2", "--log-every", "7"], capsys)
+    assert r.returncode == 0, r.stderr
+    last = rows(ended)[-1]
+    assert last[1] == 2 and last[2] == 5e-4 and last[0] == max(s for s, e, _, _ in logged if e == 2), last
 
 
 def test_max_sentences_bounds_every_training_batch(toy_nodev, tmp_path, capsys, monkeypatch):
@@ -407,21 +414,26 @@ def test_max_sentences_bounds_every_training_batch(toy_nodev, tmp_path, capsys, 
 def test_init_uniform_draws_every_weight_but_layer_norms_and_padding(name):
     """init_uniform (papers 000 l.194 and 004 §4.2: U(-0.08, 0.08)): every parameter but layer norm's is drawn (each
     spans most of the interval and none leaves it), the layer norms keep gain 1 and offset 0, the embeddings' padding
-    rows stay 0; the same seed draws the same weights; a bound that is not a finite number > 0 is refused."""
+    rows stay 0; the same seed draws the same weights; a bound that is not a finite number > 0 is refused. The norms
+    are found by what they are, not by the code's rule: a gain is the one parameter a fresh model holds at all ones,
+    its offset the parameter of the same name with bias for weight (the reverse direction's too: a dtmt encoder's
+    ln_weight_reverse was drawn until 2026-12-02)."""
     from dtmt_models.models.registry import init_uniform
 
     torch.manual_seed(0)
     model = build_model(name, 30, 30, embed_dim=16, hidden_size=16)
-    norms = {n for n, p in model.named_parameters() if n.endswith(("ln_weight", "ln_bias"))}
-    norms |= {f"{m}.{n}" for m, mod in model.named_modules() if isinstance(mod, torch.nn.LayerNorm)
-              for n, _ in mod.named_parameters()}
+    gains = {n for n, p in model.named_parameters() if torch.all(p == 1)}
+    norms = gains | {n.replace("weight", "bias") for n in gains}
+    assert norms <= dict(model.named_parameters()).keys(), norms
+    if name == "dtmt":
+        assert {"encoder.ln_weight_reverse", "encoder.tgru1_ln_bias_reverse"} <= norms
     torch.manual_seed(1)
     drawn = init_uniform(model, 0.08)
     params = dict(model.named_parameters())
     assert drawn == len(params) - len(norms)
     for n, p in params.items():
         if n in norms:
-            assert torch.all(p == (1.0 if n.endswith("weight") else 0.0)), n
+            assert torch.all(p == (1.0 if n in gains else 0.0)), n
         elif p.numel() >= 8:
             assert p.abs().max() <= 0.08 and p.abs().max() > 0.04, n
     for m in model.modules():
@@ -438,7 +450,7 @@ def test_init_uniform_draws_every_weight_but_layer_norms_and_padding(name):
 
 def test_init_uniform_flag_reaches_the_model(toy_nodev, tmp_path, capsys):
     """--init-uniform 0.05: the run's first weights are U(-0.05, 0.05) (one update at lr 1e-3 moves each by about
-    1e-3), the setting is in config.yaml; 0 is refused in one line."""
+    1e-3), the setting is in config.yaml; 0 is each module's own, below 0 refused in one line."""
     out = tmp_path / "run"
     r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "1", "--lr", "1e-3",
                     "--init-uniform", "0.05"], capsys)
@@ -448,8 +460,8 @@ def test_init_uniform_flag_reaches_the_model(toy_nodev, tmp_path, capsys):
     assert 0.04 < w.abs().max() <= 0.05 + 2e-3, w.abs().max()
     with open(out / "config.yaml") as f:
         assert "init_uniform: 0.05" in f.read()
-    r = train_here([*TINY, "--data", toy_nodev, "--out", str(tmp_path / "bad"), "--init-uniform", "0"], capsys)
-    assert r.returncode == 2 and "--init-uniform 0.0: must be a finite number > 0" in r.stderr
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(tmp_path / "bad"), "--init-uniform", "-1"], capsys)
+    assert r.returncode == 2 and "--init-uniform -1.0: must be a finite number >= 0" in r.stderr
 
 
 def test_adam_settings_reach_the_optimizer_and_the_presets_hold_the_papers(toy_nodev, tmp_path, capsys):
@@ -1246,6 +1258,9 @@ def test_train_config_defaults_in_one_place_and_a_checkpoint_round_trip():
     d = cfg.to_dict()
     assert TrainConfig.from_dict({**d, "resume": True, "overwrite": False}) == cfg
     assert [f.name for f in dataclasses.fields(TrainConfig)] == list(d)
+    # a checkpoint's config from before Adam's settings: the values its run took, not None
+    old = TrainConfig.from_dict({k: v for k, v in d.items() if k not in ("adam_beta2", "adam_eps")})
+    assert (old.adam_beta2, old.adam_eps) == (0.998, 1e-9)
 
 
 def test_best_by_compares_the_chosen_dev_score_and_breaks_ties_with_the_other():

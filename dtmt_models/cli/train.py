@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=None, help="Adam's ε (default: the preset's, else 1e-9)")
     g.add_argument("--init-uniform", type=float, default=None, metavar="R",
                    help="draw every weight and bias from U(-R, R) (layer norm's gains and offsets keep 1 and 0; "
-                        "default: the preset's, 0.08 for papers 000 and 004, else each module's own)")
+                        "default: the preset's, 0.08 for papers 000 and 004; 0: each module's own)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
     g.add_argument("--max-sentences", type=int, default=None,
                    help="at most this many sentence pairs a batch (per process; default: the preset's, else no bound "
@@ -172,7 +172,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.adam_beta2 is not None and not 0 <= args.adam_beta2 < 1:   # (1: Adam's bias correction divides by 0)
         raise refuse("--adam-beta2", args.adam_beta2, "in [0, 1)")
     check_finite("--adam-eps", args.adam_eps, 0, above=True)
-    check_finite("--init-uniform", args.init_uniform, 0, above=True)
+    check_finite("--init-uniform", args.init_uniform, 0, note=" (0: each module's own initialisation)")
     options = parse_options(args.opt)
     if "backend" in options:
         raise ValueError(f"--opt backend={options['backend']}: the recurrent kernels are not a model option; use "

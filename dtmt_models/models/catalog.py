@@ -31,20 +31,24 @@ def layout_parameters(row: PaperRow) -> int:
     layout: what its count includes that ours folds away. Paper 002 counts Nematus' GRUs, whose layer norm
     normalises the input's and the state's products apart (gates and proposal, a gain and an offset each) and keeps
     the biases too: 15H a GRU with an input (ours, per-gate layer norm of contract §2 with the gates' biases in its
-    offsets: 6H), 9H a transition GRU (ours 5H). Counted from our model, cell by cell (each recurrent cell with
-    layer norm: Nematus' count less our biases, gains and offsets). 0 for the other papers' rows and for rows
-    without layer norm."""
+    offsets: 6H), 9H a transition GRU (ours 5H); without layer norm it keeps one bias a gate, 3H (ours 6H with an
+    input, torch's two biases, and 3H without). Counted from our model, cell by cell and direction by direction
+    (Nematus' count less our biases, gains and offsets); negative where ours has more. 0 for other papers' rows."""
     if row.model != "nematus" or not row.table.startswith("002-"):
         return 0
     params = dict(_row_model(row).named_parameters())
     extra = 0
-    for name in params:
-        prefix = name[:-len("ln_weight")]
-        if name.endswith("ln_weight") and prefix + "weight_hh" in params:   # a recurrent cell's (not attention's)
-            H = params[prefix + "weight_hh"].shape[1]
-            ours = sum(params[prefix + k].numel() for k in ("bias_ih", "bias_hh", "ln_weight", "ln_bias")
-                       if prefix + k in params)
-            extra += (15 if prefix + "weight_ih" in params else 9) * H - ours
+    for name, w in params.items():
+        if "weight_hh" not in name:   # one recurrent cell (a direction of a layer, or a T-GRU) per recurrent matrix
+            continue
+        prefix, suffix = name.split("weight_hh")
+        here = {k: params.get(prefix + k + suffix) for k in ("weight_ih", "bias_ih", "bias_hh", "ln_weight", "ln_bias")}
+        ours = sum(t.numel() for k, t in here.items() if t is not None and k != "weight_ih")
+        H = w.shape[1]
+        if here["ln_weight"] is None:
+            extra += 3 * H - ours
+        else:
+            extra += (15 if here["weight_ih"] is not None else 9) * H - ours
     return extra
 
 

@@ -47,7 +47,7 @@ PRESETS: Dict[str, Dict[str, dict]] = {
                                  vocab_size=32000, init_uniform=0.08, **_ADAM_000)),
     },
     # paper 001: 512-d embeddings and states (1000 in the paper's largest runs), 4+4 layers; batches of 128
-    # sentences up to 80 words (l.177); Adadelta in the paper, Adam here (PAPER_DEVIATIONS).
+    # sentences up to 80 words (l.177; 80 subwords here); Adadelta in the paper, Adam here (PAPER_DEVIATIONS).
     "deeplau": {
         "small": dict(model=dict(_SMALL, encoder_layers=2, decoder_layers=2, dropout=0.3), train=dict()),
         "paper": dict(model=dict(embed_dim=512, hidden_size=512, encoder_layers=4, decoder_layers=4, dropout=0.5),

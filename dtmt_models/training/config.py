@@ -69,6 +69,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
-        """From `to_dict`'s output, or a checkpoint's config (keys that are not fields are left out)."""
+        """From `to_dict`'s output, or a checkpoint's config (keys that are not fields are left out; a checkpoint
+        from before Adam's settings were settings gets the values its run took, 0.998 and 1e-9)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**{"adam_beta2": 0.998, "adam_eps": 1e-9, **{k: v for k, v in d.items() if k in names}})

@@ -301,6 +301,7 @@ class Trainer:
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.step, self.epoch, self.batch_index, self.elapsed = 0, 0, 0, 0.0   # (epoch-halving's rate reads the epoch)
         self._update_lr: Optional[float] = None   # the rate of this process's last update (update_lr)
+        self._update_epoch: Optional[int] = None  # and its epoch (update_epoch)
         # (None: a checkpoint's config from before these were settings, whose runs took 0.998 and 1e-9)
         self.optimizer = build_optimizer(self.model, cfg.lr, 0.998 if cfg.adam_beta2 is None else cfg.adam_beta2,
                                          1e-9 if cfg.adam_eps is None else cfg.adam_eps)
@@ -461,7 +462,7 @@ class Trainer:
 
     def train_step(self, batch: List[int]) -> Tuple[float, float, float]:
         self.net.train()
-        self._update_lr = self.next_lr()
+        self._update_lr, self._update_epoch = self.next_lr(), self.epoch
         pairs = self.train_data.pairs(batch)
         if self.graphs is not None:   # (padded on the host, then copied into the bucket's tensors)
             loss_sum, nll_sum, ntok = self.graphs.update(*collate(pairs))
@@ -478,6 +479,11 @@ class Trainer:
             return self._update_lr
         s = self.scheduler
         return float(s.base_lrs[0]) * s.lr_lambdas[0](max(s.last_epoch - 1, 0))
+
+    def update_epoch(self) -> int:
+        """The epoch (from 1) of the last update, which the logs show beside it: a run that ends with an epoch has
+        moved its counter on by the time its last rows are written."""
+        return (self.epoch if self._update_epoch is None else self._update_epoch) + 1
 
     def next_lr(self) -> float:
         """The rate the next update takes: the schedule's at the scheduler's count (and, for epoch-halving, the
@@ -608,7 +614,7 @@ class Trainer:
         """train_log.csv's (and TensorBoard's) train row for the log window: its mean loss and NLL per target token."""
         loss, nll, ntok, seconds = self.log_window
         if self.csv:
-            self.csv.write(kind="train", step=self.step, epoch=self.epoch + 1, elapsed_s=f"{self.elapsed:.1f}",
+            self.csv.write(kind="train", step=self.step, epoch=self.update_epoch(), elapsed_s=f"{self.elapsed:.1f}",
                            lr=self.update_lr(), loss=repr(loss / ntok), nll=repr(nll / ntok),
                            ppl=f"{math.exp(min(nll / ntok, 50)):.2f}", tokens=int(ntok),
                            tokens_per_s=f"{ntok / max(seconds, 1e-9):.0f}")
@@ -648,7 +654,7 @@ class Trainer:
                 self.bad_validations += 1
             if self.cfg.keep_last:
                 self.keep_step_checkpoint()
-            self.csv.write(kind="valid", step=self.step, epoch=self.epoch + 1, elapsed_s=f"{self.elapsed:.1f}",
+            self.csv.write(kind="valid", step=self.step, epoch=self.update_epoch(), elapsed_s=f"{self.elapsed:.1f}",
                            lr=self.update_lr(), dev_loss=repr(loss),
                            dev_ppl=f"{math.exp(min(loss, 50)):.2f}", dev_bleu=f"{bleu:.2f}", dev_chrf=f"{chrf:.2f}",
                            best_bleu=f"{self.best_bleu:.2f}")

@@ -270,6 +270,39 @@ def _layer_norm(norm, x):
     return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + norm.eps) * norm.weight + norm.bias
 
 
+def _run_direction(module, xs, reverse=False, direction=0):
+    """A recurrent module's direction over the vectors `xs` from a zero state, left to right (right to left with
+    `reverse`), one _cell_step at a time: its outputs in the order of xs."""
+    H = module.direction_weights(direction).w_hh.shape[1]
+    out, h = [None] * len(xs), torch.zeros(H, dtype=torch.float64)
+    for j in (reversed(range(len(xs))) if reverse else range(len(xs))):
+        h = out[j] = _cell_step(module, xs[j], h, direction)
+    return out
+
+
+def _alternating_annotations(m, x, levels):
+    """nematus' alternating (and BiDeep) encoder by hand over the embeddings `x`: two chains of `levels` levels,
+    chain 0 starting left to right and chain 1 right to left, each level reading the one below in the opposite
+    direction, with residual sums from the second level on; C_i = [top of chain 0; top of chain 1], [S, 2H]."""
+    tops = []
+    for chain in range(2):
+        w = x
+        for level in range(levels):
+            out = _run_direction(m.encoder[chain * levels + level], w, reverse=(chain + level) % 2 == 1)
+            w = [o + v for o, v in zip(out, w)] if level > 0 else out
+        tops.append(w)
+    return torch.stack([torch.cat([f, r]) for f, r in zip(*tops)])
+
+
+def _nematus_log_probs(m, y, r, c):
+    """nematus' readout by hand: tanh(LN(W_y y) + LN(W_s r + b) + LN(W_c c)) into the log-softmax."""
+    ro, ln = m.readout, _layer_norm
+    ny, ns, nc = ro.norms
+    o = torch.tanh(ln(ny, ro.from_y.weight @ y) + ln(ns, ro.from_s.weight @ r + ro.from_s.bias)
+                   + ln(nc, ro.from_c.weight @ c))
+    return torch.log_softmax(ro.output.proj.weight @ o + ro.output.proj.bias, 0)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpp"])
 @pytest.mark.parametrize("system", ["dtmt", "dtmt-depths", "rnnsearch-atr"])
 def test_recomputed_from_the_paper_equations(system, backend):
@@ -392,26 +425,12 @@ def test_nematus_deep_recomputed_from_paper_002(backend):
         got = m(src, src_len, prev)
 
     step, ln = _cell_step, _layer_norm
-
-    def run(module, xs, reverse):
-        out, h = [None] * len(xs), torch.zeros(H, dtype=torch.float64)
-        for j in (reversed(range(len(xs))) if reverse else range(len(xs))):
-            h = out[j] = step(module, xs[j], h)
-        return out
-
-    att, ro = m.attention, m.readout
+    att = m.attention
+    assert m.readout.output.proj.weight is m.tgt_embed.embed.weight                     # tied
     with torch.no_grad():
         for b in range(2):
             S = int(src_len[b])
-            x = [m.src_embed.embed.weight[src[b, i]] for i in range(S)]
-            tops = []
-            for chain in range(2):
-                w = x
-                for level in range(3):
-                    out = run(m.encoder[chain * 3 + level], w, reverse=(chain + level) % 2 == 1)
-                    w = [o + v for o, v in zip(out, w)] if level > 0 else out
-                tops.append(w)
-            C = torch.stack([torch.cat([f, r]) for f, r in zip(*tops)])                  # [S, 2H]
+            C = _alternating_annotations(m, [m.src_embed.embed.weight[src[b, i]] for i in range(S)], 3)
             s0 = torch.tanh(m.init_state.weight @ C.mean(0) + m.init_state.bias)
             keys = [ln(att.ln_k, att.key.weight @ C[i] + att.key.bias) for i in range(S)]
             states = [s0, s0, s0]
@@ -428,12 +447,7 @@ def test_nematus_deep_recomputed_from_paper_002(backend):
                     new.append(out)
                     r = out + r
                 states = new
-                ny, ns, nc = ro.norms
-                o = torch.tanh(ln(ny, ro.from_y.weight @ y) + ln(ns, ro.from_s.weight @ r + ro.from_s.bias)
-                               + ln(nc, ro.from_c.weight @ c))
-                assert ro.output.proj.weight is m.tgt_embed.embed.weight                     # tied
-                logits = ro.output.proj.weight @ o + ro.output.proj.bias
-                torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
+                torch.testing.assert_close(got[b, t], _nematus_log_probs(m, y, r, c), rtol=1e-10, atol=1e-10,
                                            msg=f"sentence {b}, step {t}")
 
 
@@ -569,14 +583,7 @@ def test_atr_encoders_recomputed_from_paper_004(encoder, backend):
     src, src_len = torch.tensor([[4, 9, 3, 7, 2], [5, 8, 6, 0, 0]]), torch.tensor([5, 3])
     with torch.no_grad():
         got = m.encode(src, src_len)["annotations"]
-    step = _cell_step
-
-    def run(module, xs, reverse=False, direction=0):
-        out, h = [None] * len(xs), torch.zeros(H, dtype=torch.float64)
-        for j in (reversed(range(len(xs))) if reverse else range(len(xs))):
-            h = out[j] = step(module, xs[j], h, direction)
-        return out
-
+    step, run = _cell_step, _run_direction
     with torch.no_grad():
         for b in range(2):
             S = int(src_len[b])
@@ -624,29 +631,14 @@ def test_nematus_bideep_recomputed_from_paper_002(high, backend):
 
     step, ln = _cell_step, _layer_norm
 
-    def run(module, xs, reverse):
-        out, h = [None] * len(xs), torch.zeros(H, dtype=torch.float64)
-        for j in (reversed(range(len(xs))) if reverse else range(len(xs))):
-            h = out[j] = step(module, xs[j], h)
-        return out
-
     def attend(att, keys, C, s):
         q = ln(att.ln_q, att.query.weight @ s)
         return torch.softmax(torch.stack([att.v.weight[0] @ torch.tanh(q + k) for k in keys]), 0) @ C
 
-    ro = m.readout
     with torch.no_grad():
         for b in range(2):
             S = int(src_len[b])
-            x = [m.src_embed.embed.weight[src[b, i]] for i in range(S)]
-            tops = []
-            for chain in range(2):
-                w = x
-                for level in range(2):
-                    out = run(m.encoder[chain * 2 + level], w, reverse=(chain + level) % 2 == 1)
-                    w = [o + v for o, v in zip(out, w)] if level > 0 else out
-                tops.append(w)
-            C = torch.stack([torch.cat([f, r]) for f, r in zip(*tops)])                  # [S, 2H]
+            C = _alternating_annotations(m, [m.src_embed.embed.weight[src[b, i]] for i in range(S)], 2)
             s0 = torch.tanh(m.init_state.weight @ C.mean(0) + m.init_state.bias)
 
             def keys_of(att):
@@ -670,11 +662,7 @@ def test_nematus_bideep_recomputed_from_paper_002(high, backend):
                     new.append(out)
                     r = out + r
                 states = new
-                ny, ns, nc = ro.norms
-                o = torch.tanh(ln(ny, ro.from_y.weight @ y) + ln(ns, ro.from_s.weight @ r + ro.from_s.bias)
-                               + ln(nc, ro.from_c.weight @ c1))
-                logits = ro.output.proj.weight @ o + ro.output.proj.bias
-                torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
+                torch.testing.assert_close(got[b, t], _nematus_log_probs(m, y, r, c1), rtol=1e-10, atol=1e-10,
                                            msg=f"sentence {b}, step {t}")
 
 

@@ -28,8 +28,8 @@ class TrainConfig:
     replicas: Optional[int] = None              # n of the schedules (None: the number of processes)
     smoothing: Optional[float] = None
     clip: Optional[float] = None                # gradient-norm clipping (0: off)
-    adam_beta2: Optional[float] = None          # Adam's β2 (β1 is 0.9 in every paper); None: 0.998, as runs before
-    adam_eps: Optional[float] = None            # Adam's ε; None: 1e-9, as runs before these were settings
+    adam_beta2: float = 0.998                   # Adam's β2 (β1 is 0.9 in every paper); the default is also what a
+    adam_eps: float = 1e-9                      # Adam's ε   checkpoint from before these were settings ran with
     init_uniform: Optional[float] = None        # weights drawn from U(-r, r) (papers 000, 004); None: the modules' own
     max_tokens: Optional[int] = None            # target-token budget per batch and process
     max_sentences: Optional[int] = None         # pairs per batch and process at most (None: the budget alone)
@@ -69,7 +69,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "TrainConfig":
-        """From `to_dict`'s output, or a checkpoint's config (keys that are not fields are left out; a checkpoint
-        from before Adam's settings were settings gets the values its run took, 0.998 and 1e-9)."""
+        """From `to_dict`'s output, or a checkpoint's config (keys that are not fields are left out; keys it lacks
+        take the fields' defaults)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{"adam_beta2": 0.998, "adam_eps": 1e-9, **{k: v for k, v in d.items() if k in names}})
+        return cls(**{k: v for k, v in d.items() if k in names})

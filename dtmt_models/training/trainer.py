@@ -302,9 +302,7 @@ class Trainer:
         self.step, self.epoch, self.batch_index, self.elapsed = 0, 0, 0, 0.0   # (epoch-halving's rate reads the epoch)
         self._update_lr: Optional[float] = None   # the rate of this process's last update (update_lr)
         self._update_epoch: Optional[int] = None  # and its epoch (update_epoch)
-        # (None: a checkpoint's config from before these were settings, whose runs took 0.998 and 1e-9)
-        self.optimizer = build_optimizer(self.model, cfg.lr, 0.998 if cfg.adam_beta2 is None else cfg.adam_beta2,
-                                         1e-9 if cfg.adam_eps is None else cfg.adam_eps)
+        self.optimizer = build_optimizer(self.model, cfg.lr, cfg.adam_beta2, cfg.adam_eps)
         self.replicas = cfg.replicas or dist.world   # the schedules' n: the processes, unless given
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule())
         self.net = self.model
@@ -475,10 +473,7 @@ class Trainer:
         """The learning rate the last update took, which the logs show beside its loss (the scheduler has already
         stepped to the next update's; before any update in this process, the rate the schedule gives the update
         before the next). Not read from the optimizer: under --cuda-graphs its learning rate is a device tensor."""
-        if self._update_lr is not None:
-            return self._update_lr
-        s = self.scheduler
-        return float(s.base_lrs[0]) * s.lr_lambdas[0](max(s.last_epoch - 1, 0))
+        return self._update_lr if self._update_lr is not None else self._lr_at(max(self.scheduler.last_epoch - 1, 0))
 
     def update_epoch(self) -> int:
         """The epoch (from 1) of the last update, which the logs show beside it: a run that ends with an epoch has
@@ -488,8 +483,12 @@ class Trainer:
     def next_lr(self) -> float:
         """The rate the next update takes: the schedule's at the scheduler's count (and, for epoch-halving, the
         epoch)."""
+        return self._lr_at(self.scheduler.last_epoch)
+
+    def _lr_at(self, count: int) -> float:
+        """The schedule's rate after `count` updates (read on the host: the scheduler's base rate and lambda)."""
         s = self.scheduler
-        return float(s.base_lrs[0]) * s.lr_lambdas[0](s.last_epoch)
+        return float(s.base_lrs[0]) * s.lr_lambdas[0](count)
 
     def refresh_lr(self) -> None:
         """The optimizer's rate set to next_lr() without counting a step: after a new epoch begins, whose rate

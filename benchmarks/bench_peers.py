@@ -993,7 +993,8 @@ def profile(a, py, ours, log) -> dict:
     from dtmt_models.models.checkpoint import load_model
     from dtmt_models.data.corpus import read_manifest
     from dtmt_models.models.presets import get_preset
-    from dtmt_models.training.trainer import build_optimizer
+    from dtmt_models.training.config import TrainConfig
+    from dtmt_models.training.trainer import run_optimizer
 
     torch.set_num_threads(a.threads)
     pdir = os.path.join(a.out, "pieces")
@@ -1014,8 +1015,7 @@ def profile(a, py, ours, log) -> dict:
         model, sv, tv, ckpt = load_model(os.path.join(a.out, system, "last.pt"))
         cfg = ckpt["config"]
         model.train()
-        opt = build_optimizer(model, cfg["lr"], cfg.get("adam_beta2") or 0.998,   # as dtmt train makes it
-                              cfg.get("adam_eps") or 1e-9)
+        opt = run_optimizer(model, TrainConfig.from_dict(cfg))   # as dtmt train makes it
         data = []
         for idx in batches:
             pairs = [([sv.sp.piece_to_id(x) for x in sides[0][i]], [tv.sp.piece_to_id(x) for x in sides[1][i]])

@@ -226,7 +226,8 @@ def test_atr_paper_presets_follow_paper_004():
     at 5e-4 halved after each epoch, clipping 5.0, no label smoothing named; GNMT+ATR 512 / 512. What is not
     followed is listed in PAPER_DEVIATIONS and in docs/usage.md (none of paper 004's now). Batches of 80 sentences,
     under a token budget that lets the sentences bind (80 pairs of the longest kept); weights from U(±0.08), as
-    paper 000's presets (l.194)."""
+    paper 000's presets (l.194). Paper 001's deeplau: Adadelta (ε 1e-6, ρ 0.95, at Zeiler's rate 1), N(0, 0.04²)
+    weights, clipping at 1.0, batches of 128."""
     rnnsearch = get_preset("rnnsearch-atr", "paper")
     assert rnnsearch["model"] == PAPER_ROWS_BY_NAME["004-T4-rnnsearch-atr"].options
     assert rnnsearch["model"]["embed_dim"] == 620 and rnnsearch["model"]["hidden_size"] == 1000
@@ -239,7 +240,11 @@ def test_atr_paper_presets_follow_paper_004():
     for system, preset in (("rnnsearch-atr", "paper"), ("gnmt-atr", "paper"), ("rnnsearch-atr", "004-T2-rnnsearch-atr"),
                            ("dtmt", "paper"), ("shallow-rnmt", "paper"), ("dtmt", "000-T3-dtmt4")):
         assert get_preset(system, preset)["train"]["init_uniform"] == 0.08, (system, preset)
-    assert get_preset("deeplau", "paper")["train"]["max_sentences"] == 128             # paper 001 l.177
+    deeplau = get_preset("deeplau", "paper")["train"]             # paper 001: l.157 (N(0, 0.04²)), l.160-177
+    assert (deeplau["max_sentences"], deeplau["optimizer"], deeplau["adadelta_rho"], deeplau["adadelta_eps"],
+            deeplau["lr"], deeplau["schedule"], deeplau["init_normal"], deeplau["clip"]) == (
+        128, "adadelta", 0.95, 1e-6, 1.0, "constant", 0.04, 1.0)
+    assert "init_uniform" not in deeplau
     gnmt = get_preset("gnmt-atr", "paper")["model"]
     assert gnmt == PAPER_ROWS_BY_NAME["004-T2-gnmt-atr"].options and gnmt["hidden_size"] == 512
     with open(os.path.join(ROOT, "docs", "usage.md"), encoding="utf-8") as f:

@@ -266,6 +266,46 @@ def test_the_log_shows_the_learning_rate_each_update_took(toy_nodev, tmp_path, c
     assert "step 1 loss" in r.stdout and "lr 1.00e-03" in r.stdout.split("step 2 loss")[0]
 
 
+def _replayed_run(toy_nodev, out, capsys, flags, updates=3):
+    """`dtmt train` for `updates` updates with `flags` (dropout off, a loss row each update), and what is needed to
+    write its updates out: (last.pt, the run's model at its initial weights in float64, the collated batches the run
+    took, the logged losses)."""
+    from dtmt_models.data import binarized
+    from dtmt_models.data.batching import collate, kept_indices, length_dtype, token_batches
+    from dtmt_models.data.vocabulary import Vocabulary
+
+    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", str(updates), "--log-every", "1",
+                    "--opt", "dropout=0", "--opt", "candidate_dropout=0", *flags], capsys)
+    assert r.returncode == 0, r.stderr
+    ckpt = torch.load(out / "last.pt", weights_only=False)
+    cfg = ckpt["config"]
+    corpus = binarized.open_binarized(toy_nodev, cfg["vocab_type"], cfg["vocab_size"])
+    train = corpus.split("train")
+    lengths = train.lengths(length_dtype(cfg["max_len"]))
+    batches = token_batches(lengths, cfg["max_tokens"], seed=cfg["seed"], epoch=0,
+                            keep=kept_indices(lengths, cfg["max_len"]))[:updates]
+    torch.manual_seed(cfg["seed"])   # the run's initial weights
+    model = build_model("dtmt", len(Vocabulary(corpus.protos[0])), len(Vocabulary(corpus.protos[1])),
+                        **ckpt["model_options"]).double().train()
+    return ckpt, model, [collate(train.pairs(batch)) for batch in batches], [float(loss) for _, loss, _ in losses(out)]
+
+
+def _smoothed_loss(model, batch, eps):
+    """The label-smoothed loss per target token of a collated batch, from the model's log-probabilities."""
+    src, src_lengths, prev, target = batch
+    log_probs = model(src, src_lengths, prev)                               # [B, T, V]
+    keep = target.ne(0)
+    nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return (((1 - eps) * nll - eps * log_probs.mean(-1)) * keep).sum() / keep.sum()
+
+
+def _clipped(grads, bound):
+    """The gradients clipped to global norm `bound` by torch's clip_grad_norm_ rule (the test needs it to act)."""
+    norm = torch.sqrt(sum((g * g).sum() for g in grads))
+    assert norm > bound, "the clipping must act for the test to see it"
+    return [g * (bound / (norm + 1e-6)) for g in grads]
+
+
 def test_three_updates_of_dtmt_train_are_the_papers_update_written_out(toy_nodev, tmp_path, capsys):
     """`dtmt train` against its update written out here: the label-smoothed loss per target token from the model's
     log-probabilities, the gradient norm clipped by hand, Adam (β = 0.9, 0.998, ε = 1e-9, bias-corrected) by hand
@@ -275,43 +315,19 @@ def test_three_updates_of_dtmt_train_are_the_papers_update_written_out(toy_nodev
     (float32's rounding of them: 3.5e-8 measured; a rate 1% off moves them 1e-5) where Adam's step is well
     conditioned (an element whose gradient is nonzero but within 1e-5 of the largest, float32's rounding of 0, has
     a step of ± lr either way; 94% of them are checked)."""
-    from dtmt_models.data import binarized
-    from dtmt_models.data.batching import collate, kept_indices, length_dtype, token_batches
-    from dtmt_models.data.vocabulary import Vocabulary
-
-    out = tmp_path / "run"
-    r = train_here([*TINY, "--data", toy_nodev, "--out", str(out), "--max-steps", "3", "--log-every", "1",
-                    "--schedule", "rnmt", "--lr", "1e-3", "--warmup", "2", "--decay-start", "4", "--decay-end", "8",
-                    "--replicas", "2", "--smoothing", "0.1", "--clip", "0.5", "--opt", "dropout=0",
-                    "--opt", "candidate_dropout=0"], capsys)
-    assert r.returncode == 0, r.stderr
-    ckpt = torch.load(out / "last.pt", weights_only=False)
-    cfg = ckpt["config"]
-    corpus = binarized.open_binarized(toy_nodev, cfg["vocab_type"], cfg["vocab_size"])
-    train = corpus.split("train")
-    lengths = train.lengths(length_dtype(cfg["max_len"]))
-    batches = token_batches(lengths, cfg["max_tokens"], seed=cfg["seed"], epoch=0,
-                            keep=kept_indices(lengths, cfg["max_len"]))[:3]
-    torch.manual_seed(cfg["seed"])   # the run's initial weights
-    model = build_model("dtmt", len(Vocabulary(corpus.protos[0])), len(Vocabulary(corpus.protos[1])),
-                        **ckpt["model_options"]).double().train()
+    ckpt, model, batches, logged = _replayed_run(
+        toy_nodev, tmp_path / "run", capsys, ["--schedule", "rnmt", "--lr", "1e-3", "--warmup", "2", "--decay-start",
+                                              "4", "--decay-end", "8", "--replicas", "2", "--smoothing", "0.1",
+                                              "--clip", "0.5"])
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     ill = [torch.zeros_like(p, dtype=torch.bool) for p in params]
-    eps, b1, b2 = 0.1, 0.9, 0.998
-    logged = [float(loss) for _, loss, _ in losses(out)]
+    b1, b2 = 0.9, 0.998
     for t, batch in enumerate(batches, start=1):
-        src, src_lengths, prev, target = collate(train.pairs(batch))
-        log_probs = model(src, src_lengths, prev)                               # [B, T, V]
-        keep = target.ne(0)
-        nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        loss = (((1 - eps) * nll - eps * log_probs.mean(-1)) * keep).sum() / keep.sum()
+        loss = _smoothed_loss(model, batch, 0.1)
         assert logged[t - 1] == pytest.approx(loss.item(), rel=1e-5), t
-        grads = torch.autograd.grad(loss, params)
-        norm = torch.sqrt(sum((g * g).sum() for g in grads))
-        assert norm > 0.5, "the clipping must act for the test to see it"
-        grads = [g * (0.5 / (norm + 1e-6)) for g in grads]                      # torch's clip_grad_norm_ rule
+        grads = _clipped(torch.autograd.grad(loss, params), 0.5)
         lr = 1e-3 * min(1 + (t - 1) * (2 - 1) / (2 * 2), 2, 2 * 4 ** ((4 - 2 * (t - 1)) / (8 - 4)))
         largest = max(g.abs().max() for g in grads)
         with torch.no_grad():
@@ -333,6 +349,43 @@ def test_three_updates_of_dtmt_train_are_the_papers_update_written_out(toy_nodev
         torch.testing.assert_close(got[good], p.detach()[good], rtol=0, atol=5e-7, msg=lambda e: f"{name}: {e}")
         checked, total = checked + int(good.sum()), total + p.numel()
     assert checked > 0.9 * total, (checked, total)
+
+
+def test_three_adadelta_updates_are_zeilers_algorithm_written_out(toy_nodev, tmp_path, capsys):
+    """--optimizer adadelta (paper 001 l.160-177) against Zeiler's Algorithm 1 written out here in float64:
+    E[g²] ← ρ E[g²] + (1 - ρ) g²; Δx = -√(E[Δx²] + ε) / √(E[g²] + ε) g; E[Δx²] ← ρ E[Δx²] + (1 - ρ) Δx²; x ← x +
+    lr Δx, on the clipped, label-smoothed gradients of the batches the run took (as the Adam test above). ρ, ε and
+    the rate are not the defaults (0.9, 1e-5, 0.5), so that each flag is seen to reach the update. Compared: each
+    logged loss, both accumulators in last.pt, and every parameter (Adadelta's step is smooth in the gradient: no
+    element is left out)."""
+    rho, eps, lr = 0.9, 1e-5, 0.5
+    ckpt, model, batches, logged = _replayed_run(
+        toy_nodev, tmp_path / "run", capsys, ["--optimizer", "adadelta", "--adadelta-rho", str(rho),
+                                              "--adadelta-eps", str(eps), "--lr", str(lr), "--schedule", "constant",
+                                              "--smoothing", "0.1", "--clip", "0.5"])
+    params = list(model.parameters())
+    sq = [torch.zeros_like(p) for p in params]
+    acc = [torch.zeros_like(p) for p in params]
+    for t, batch in enumerate(batches, start=1):
+        loss = _smoothed_loss(model, batch, 0.1)
+        assert logged[t - 1] == pytest.approx(loss.item(), rel=1e-5), t
+        grads = _clipped(torch.autograd.grad(loss, params), 0.5)
+        with torch.no_grad():
+            for p, g, s, a in zip(params, grads, sq, acc):
+                s.mul_(rho).add_((1 - rho) * g * g)
+                step = -((a + eps).sqrt() / (s + eps).sqrt()) * g
+                a.mul_(rho).add_((1 - rho) * step * step)
+                p += lr * step
+    group = ckpt["training"]["optimizer"]["param_groups"][0]
+    assert (group["rho"], group["eps"], group["lr"]) == (rho, eps, lr)
+    state = ckpt["training"]["optimizer"]["state"]
+    for i, (name, p) in enumerate(model.named_parameters()):
+        torch.testing.assert_close(state[i]["square_avg"].double(), sq[i], rtol=1e-4, atol=1e-4 * sq[i].abs().max(),
+                                   msg=lambda e: f"{name} E[g²]: {e}")
+        torch.testing.assert_close(state[i]["acc_delta"].double(), acc[i], rtol=1e-4, atol=1e-4 * acc[i].abs().max(),
+                                   msg=lambda e: f"{name} E[Δx²]: {e}")
+        torch.testing.assert_close(ckpt["model"][name].double(), p.detach(), rtol=0, atol=5e-7,
+                                   msg=lambda e: f"{name}: {e}")   # (1.6e-7 at most measured)
 
 
 def test_epoch_halving_halves_the_rate_after_each_epoch_and_resumes_exactly(toy_nodev, tmp_path, capsys,
@@ -411,14 +464,15 @@ def test_max_sentences_bounds_every_training_batch(toy_nodev, tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("name", list_models())
-def test_init_uniform_draws_every_weight_but_layer_norms_and_padding(name):
-    """init_uniform (papers 000 l.194 and 004 §4.2: U(-0.08, 0.08)): every parameter but layer norm's is drawn (each
-    spans most of the interval and none leaves it), the layer norms keep gain 1 and offset 0, the embeddings' padding
-    rows stay 0; the same seed draws the same weights; a bound that is not a finite number > 0 is refused. The norms
-    are found by what they are, not by the code's rule: a gain is the one parameter a fresh model holds at all ones,
-    its offset the parameter of the same name with bias for weight (the reverse direction's too: a dtmt encoder's
-    ln_weight_reverse was drawn until 2026-12-02)."""
-    from dtmt_models.models.registry import init_uniform
+def test_init_weights_draws_every_weight_but_layer_norms_and_padding(name):
+    """init_weights (papers 000 l.194 and 004 §4.2: U(-0.08, 0.08); paper 001 l.157: N(0, 0.04²)): every parameter
+    but layer norm's is drawn (uniform: each spans most of the interval and none leaves it; normal: the pooled draws'
+    standard deviation is the scale's and their mean 0), the layer norms keep gain 1 and offset 0, the embeddings'
+    padding rows stay 0; the same seed draws the same weights; a scale that is not a finite number > 0, or a law
+    other than these two, is refused. The norms are found by what they are, not by the code's rule: a gain is the
+    one parameter a fresh model holds at all ones, its offset the parameter of the same name with bias for weight
+    (the reverse direction's too: a dtmt encoder's ln_weight_reverse was drawn until 2026-12-02)."""
+    from dtmt_models.models.registry import init_weights
 
     torch.manual_seed(0)
     model = build_model(name, 30, 30, embed_dim=16, hidden_size=16)
@@ -427,25 +481,37 @@ def test_init_uniform_draws_every_weight_but_layer_norms_and_padding(name):
     assert norms <= dict(model.named_parameters()).keys(), norms
     if name == "dtmt":
         assert {"encoder.ln_weight_reverse", "encoder.tgru1_ln_bias_reverse"} <= norms
-    torch.manual_seed(1)
-    drawn = init_uniform(model, 0.08)
-    params = dict(model.named_parameters())
-    assert drawn == len(params) - len(norms)
-    for n, p in params.items():
-        if n in norms:
-            assert torch.all(p == (1.0 if n in gains else 0.0)), n
-        elif p.numel() >= 8:
-            assert p.abs().max() <= 0.08 and p.abs().max() > 0.04, n
-    for m in model.modules():
-        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
-            assert torch.all(m.weight[m.padding_idx] == 0)
-    again = build_model(name, 30, 30, embed_dim=16, hidden_size=16)
-    torch.manual_seed(1)
-    init_uniform(again, 0.08)
-    assert all(torch.equal(p, params[n]) for n, p in again.named_parameters())
+    for law, scale in (("uniform", 0.08), ("normal", 0.04)):
+        torch.manual_seed(1)
+        drawn = init_weights(model, law, scale)
+        params = dict(model.named_parameters())
+        assert drawn == len(params) - len(norms)
+        pooled = []
+        for n, p in params.items():
+            if n in norms:
+                assert torch.all(p == (1.0 if n in gains else 0.0)), n
+            elif law == "uniform" and p.numel() >= 8:
+                assert p.abs().max() <= 0.08 and p.abs().max() > 0.04, n
+            elif law == "normal":
+                pooled.append(p.detach().flatten())
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+                assert torch.all(m.weight[m.padding_idx] == 0)
+        if law == "normal":
+            x = torch.cat(pooled)
+            x = x[x.ne(0)]   # (the padding rows' zeros are not draws)
+            assert x.numel() > 5000, x.numel()
+            sd = 0.04 / (2 * x.numel()) ** 0.5   # (the standard error of the sample standard deviation)
+            assert abs(x.std().item() - 0.04) < 5 * sd and abs(x.mean().item()) < 5 * 0.04 / x.numel() ** 0.5
+        again = build_model(name, 30, 30, embed_dim=16, hidden_size=16)
+        torch.manual_seed(1)
+        init_weights(again, law, scale)
+        assert all(torch.equal(p, params[n]) for n, p in again.named_parameters())
     for bad in (0, -0.1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="bound must be a finite number > 0"):
-            init_uniform(model, bad)
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            init_weights(model, "normal", bad)
+    with pytest.raises(ValueError, match="law must be one of"):
+        init_weights(model, "xavier", 0.1)
 
 
 def test_init_uniform_flag_reaches_the_model(toy_nodev, tmp_path, capsys):
@@ -485,6 +551,68 @@ def test_adam_settings_reach_the_optimizer_and_the_presets_hold_the_papers(toy_n
     assert adam == {"small": (0.998, 1e-9), "000": (0.999, 1e-6), "000-paper": (0.999, 1e-6),
                     "002": (0.999, 1e-8), "003": (0.98, 1e-9), "004": (0.999, 1e-8), "004-gnmt": (0.999, 1e-8)}
     assert get_preset("rnnsearch-atr", "004-T2-rnnsearch-atr")["train"]["smoothing"] == 0.0
+
+
+def test_an_adadelta_run_resumes_exactly_and_its_config_reproduces_it(toy_nodev, tmp_path, capsys):
+    """--optimizer adadelta: a run stopped at update 2 and resumed writes the losses of an uninterrupted one and ends
+    on its weights (Adadelta's accumulators come back from last.pt); config.yaml holds Adadelta's settings and not
+    Adam's, and `--config` of it starts the same run again; --init-normal reaches the first weights."""
+    args = [*TINY, "--data", toy_nodev, "--log-every", "1", "--optimizer", "adadelta", "--lr", "1",
+            "--adadelta-rho", "0.9", "--init-normal", "0.05"]
+    whole, part, again = tmp_path / "whole", tmp_path / "part", tmp_path / "again"
+    assert train_here([*args, "--out", str(whole), "--max-steps", "4"], capsys).returncode == 0
+    assert train_here([*args, "--out", str(part), "--max-steps", "2"], capsys).returncode == 0
+    r = train_here([*args, "--out", str(part), "--max-steps", "4", "--resume"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert losses(part) == losses(whole)
+    a, b = (torch.load(d / "last.pt", weights_only=False) for d in (whole, part))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert set(a["training"]["optimizer"]["state"][0]) == {"step", "square_avg", "acc_delta"}
+    with open(whole / "config.yaml") as f:
+        text = f.read()
+    assert "optimizer: adadelta" in text and "adadelta_rho: 0.9" in text and "init_normal: 0.05" in text
+    assert "adam" not in text.replace("adadelta", ""), text
+    r = train_here(["--config", str(whole / "config.yaml"), "--out", str(again), "--max-steps", "4"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert losses(again) == losses(whole)
+    # the first weights: N(0, 0.05²) (an update at rate 1 moves a weight by about √ε / √(1 - ρ) = 3e-3 at most)
+    w = torch.load(part / "last.pt", weights_only=False)["model"]["encoder.weight_hh"]
+    assert 0.04 < w.std() < 0.06, w.std()
+
+
+def test_optimizer_flags_are_refused_where_they_cannot_apply(toy_nodev, tmp_path, capsys):
+    """One-line refusals before any work: an optimizer's setting for a run of the other one; --optimizer other than
+    the preset's without --lr (the preset's rate is its optimizer's); --cuda-graphs with Adadelta (the capture is
+    Adam's); ρ outside [0, 1), ε <= 0; --init-uniform and --init-normal together. A law given replaces the preset's
+    other law (paper 000's preset draws U(±0.08): --init-normal 0.04 leaves no uniform)."""
+    from dtmt_models.cli import train
+    from dtmt_models.training.config import TrainConfig
+
+    base = [*TINY, "--data", toy_nodev]
+    cases = [(["--optimizer", "adadelta", "--adam-eps", "1e-8"], "--adam-eps: adam's, and the run's optimizer is "
+                                                                  "adadelta"),
+             (["--adadelta-rho", "0.9"], "--adadelta-rho: adadelta's, and the run's optimizer is adam"),
+             (["--optimizer", "adadelta"], "--optimizer adadelta: the preset's --lr 0.002 is for adam; give the rate "
+                                           "for adadelta with --lr"),
+             (["--model", "deeplau", "--preset", "paper", "--optimizer", "adam"],
+              "--optimizer adam: the preset's --lr 1 is for adadelta"),
+             (["--optimizer", "adadelta", "--adadelta-rho", "1"], "--adadelta-rho 1.0: must be in [0, 1)"),
+             (["--optimizer", "adadelta", "--adadelta-eps", "0"], "--adadelta-eps 0.0: must be a finite number > 0"),
+             (["--init-uniform", "0.1", "--init-normal", "0.1"], "--init-uniform 0.1 and --init-normal 0.1: the "
+                                                                  "weights are drawn from one law; give one of them")]
+    for i, (flags, message) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        r = train_here([*base, "--out", str(out), *flags], capsys)
+        assert r.returncode == 2 and message in r.stderr, (flags, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and not (out / "last.pt").exists(), r.stderr
+    with pytest.raises(ValueError, match="--cuda-graphs: captures Adam's update only; train --optimizer adadelta"):
+        train.check_cuda_graphs(TrainConfig(data=".", device="cuda", cuda_graphs=True, optimizer="adadelta"))
+    args = train.build_parser().parse_args(["--data", ".", "--model", "dtmt", "--preset", "paper", "--seed", "1",
+                                            "--init-normal", "0.04"])
+    cfg = train.resolve_config(args)
+    assert (cfg.init_normal, cfg.init_uniform) == (0.04, None)
+    args = train.build_parser().parse_args(["--data", ".", "--model", "dtmt", "--preset", "paper", "--seed", "1"])
+    assert (train.resolve_config(args).init_uniform, train.resolve_config(args).init_normal) == (0.08, None)
 
 
 def test_two_processes_stay_in_sync(toy_nodev, tmp_path):

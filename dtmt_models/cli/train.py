@@ -84,12 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the number of processes)")
     g.add_argument("--smoothing", type=float, default=None, help="label smoothing")
     g.add_argument("--clip", type=float, default=None, help="gradient-norm clipping (0: off)")
+    g.add_argument("--optimizer", choices=("adam", "adadelta"), default=None,
+                   help="adam (the default of every preset but paper 001's), or adadelta (Zeiler 2012; paper 001 "
+                        "l.160-177: deeplau's paper preset, at --lr 1, Zeiler's, which has no rate)")
     g.add_argument("--adam-beta2", type=float, default=None,
                    help="Adam's β2 (β1 is 0.9; default: the preset's, each paper's own in its presets, else 0.998)")
     g.add_argument("--adam-eps", type=float, default=None, help="Adam's ε (default: the preset's, else 1e-9)")
+    g.add_argument("--adadelta-rho", type=float, default=None,
+                   help=f"Adadelta's decay ρ (default {D['adadelta_rho']}, paper 001's)")
+    g.add_argument("--adadelta-eps", type=float, default=None,
+                   help=f"Adadelta's ε (default {D['adadelta_eps']:g}, paper 001's)")
     g.add_argument("--init-uniform", type=float, default=None, metavar="R",
                    help="draw every weight and bias from U(-R, R) (layer norm's gains and offsets keep 1 and 0; "
                         "default: the preset's, 0.08 for papers 000 and 004; 0: each module's own)")
+    g.add_argument("--init-normal", type=float, default=None, metavar="S",
+                   help="draw every weight and bias from N(0, S²) instead (layer norm's as --init-uniform; default: "
+                        "the preset's, 0.04 for paper 001; 0: each module's own)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
     g.add_argument("--max-sentences", type=int, default=None,
                    help="at most this many sentence pairs a batch (per process; default: the preset's, else no bound "
@@ -148,9 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # the settings that make a run what it is: on --resume a value given for one of them must equal the run's
-FIXED_ON_RESUME = ("model", "preset", "lr", "schedule", "warmup", "decay_start", "decay_end", "replicas",
-                   "smoothing", "clip", "adam_beta2", "adam_eps", "init_uniform", "max_tokens", "max_sentences",
-                   "vocab_size", "vocab_type", "max_len", "seed")
+# the training settings a preset may hold (a flag given replaces the preset's value)
+PRESET_SETTINGS = ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "optimizer",
+                   "adam_beta2", "adam_eps", "adadelta_rho", "adadelta_eps", "init_uniform", "init_normal",
+                   "max_tokens", "max_sentences", "vocab_size", "max_len")
+FIXED_ON_RESUME = ("model", "preset", *PRESET_SETTINGS, "vocab_type", "seed")
+# each optimizer's own settings: given for the other one, an error; config.yaml holds the run's optimizer's only
+OPTIMIZER_SETTINGS = {"adam": ("adam_beta2", "adam_eps"), "adadelta": ("adadelta_rho", "adadelta_eps")}
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -172,7 +186,14 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.adam_beta2 is not None and not 0 <= args.adam_beta2 < 1:   # (1: Adam's bias correction divides by 0)
         raise refuse("--adam-beta2", args.adam_beta2, "in [0, 1)")
     check_finite("--adam-eps", args.adam_eps, 0, above=True)
+    if args.adadelta_rho is not None and not 0 <= args.adadelta_rho < 1:
+        raise refuse("--adadelta-rho", args.adadelta_rho, "in [0, 1)")
+    check_finite("--adadelta-eps", args.adadelta_eps, 0, above=True)
     check_finite("--init-uniform", args.init_uniform, 0, note=" (0: each module's own initialisation)")
+    check_finite("--init-normal", args.init_normal, 0, note=" (0: each module's own initialisation)")
+    if args.init_uniform and args.init_normal:
+        raise ValueError(f"--init-uniform {args.init_uniform:g} and --init-normal {args.init_normal:g}: the weights "
+                         f"are drawn from one law; give one of them")
     options = parse_options(args.opt)
     if "backend" in options:
         raise ValueError(f"--opt backend={options['backend']}: the recurrent kernels are not a model option; use "
@@ -287,8 +308,9 @@ def config_arguments(path: str) -> List[str]:
 
 def run_configuration(cfg: TrainConfig) -> dict:
     """The resolved configuration of a run as `--config` reads it (what config.yaml holds)."""
+    unused = {k for kind, keys in OPTIMIZER_SETTINGS.items() if kind != cfg.optimizer for k in keys}
     out = {k: getattr(cfg, k) for k in _flags(build_parser()) if k not in NOT_IN_CONFIG and k != "opt"
-           and getattr(cfg, k, None) is not None}
+           and k not in unused and getattr(cfg, k, None) is not None}
     out["opt"] = dict(cfg.model_options)
     return out
 
@@ -323,8 +345,10 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     is "not given")."""
     preset = get_preset(args.model, args.preset)
     train = dict(preset["train"])
-    for k in ("lr", "schedule", "warmup", "decay_start", "decay_end", "replicas", "smoothing", "clip", "adam_beta2",
-              "adam_eps", "init_uniform", "max_tokens", "max_sentences", "vocab_size", "max_len"):
+    for law, other in (("init_uniform", "init_normal"), ("init_normal", "init_uniform")):
+        if getattr(args, law) is not None and getattr(args, other) is None:
+            train.pop(other, None)   # (the law given replaces the preset's)
+    for k in PRESET_SETTINGS:
         v = getattr(args, k)
         if v is not None:
             train[k] = v
@@ -341,10 +365,27 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def check_cuda_graphs(cfg: TrainConfig) -> None:
-    """--cuda-graphs needs one process on a CUDA device (training/graphs.py)."""
+    """--cuda-graphs needs one process on a CUDA device and Adam (training/graphs.py captures its step)."""
     if cfg.cuda_graphs and (not resolve_auto(cfg.device).startswith("cuda") or world_size() > 1):
         raise ValueError("--cuda-graphs: needs one process on a CUDA device (--device cuda, no torchrun); leave it "
                          "out here")
+    if cfg.cuda_graphs and cfg.optimizer != "adam":
+        raise ValueError(f"--cuda-graphs: captures Adam's update only; train --optimizer {cfg.optimizer} without it")
+
+
+def check_optimizer(cfg: TrainConfig, explicit: set, preset_train: Optional[dict]) -> None:
+    """An optimizer's settings given for a run of the other one, and (preset_train: a new run's preset settings) an
+    --optimizer other than the preset's without an --lr (the preset's rate is its optimizer's: Adadelta's 1 would
+    throw Adam's weights out at the first update): ValueError in one line, before any work."""
+    for kind, keys in OPTIMIZER_SETTINGS.items():
+        given = [f"--{k.replace('_', '-')}" for k in keys if k in explicit]
+        if kind != cfg.optimizer and given:
+            raise ValueError(f"{' and '.join(given)}: {kind}'s, and the run's optimizer is {cfg.optimizer}")
+    if preset_train is not None and "optimizer" in explicit and "lr" not in explicit:
+        ours = preset_train.get("optimizer", TrainConfig.optimizer)
+        if ours != cfg.optimizer:
+            raise ValueError(f"--optimizer {cfg.optimizer}: the preset's --lr {cfg.lr:g} is for {ours}; give the "
+                             f"rate for {cfg.optimizer} with --lr")
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -456,6 +497,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                                  f"and a pair of --max-len subwords needs {cfg.max_len + 1} with BOS; give --max-len "
                                  f"{bound - 1} or less, or a larger --opt max_len")
         check_schedule(cfg)
+        check_optimizer(cfg, explicit,
+                        None if args.resume is not None else get_preset(args.model, args.preset)["train"])
         # the run lives in --out and reads --data, wherever it was started from before
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint
         from dtmt_models.cli.common import check_device_and_backend   # (decoding's modules: only now)

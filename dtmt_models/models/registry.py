@@ -47,20 +47,29 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
         raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from exc
 
 
-def init_uniform(model: nn.Module, bound: float) -> int:
-    """Every weight and bias of `model` drawn from U(-bound, bound) in place, as papers 000 (l.194) and 004 (§4.2)
-    initialise "all parameters" (torch's global generator); layer norm's gains and offsets keep 1 and 0 (a gain
-    drawn near 0 would silence what it normalises: our reading, as the authors' toolkits give layer norm its own
-    initialiser), and an embedding's padding row stays 0. Returns the number of tensors drawn."""
-    if not (isinstance(bound, (int, float)) and 0 < bound < float("inf")):
-        raise ValueError(f"init_uniform: bound must be a finite number > 0, got {bound!r}")
+INIT_LAWS = ("uniform", "normal")
+
+
+def init_weights(model: nn.Module, law: str, scale: float) -> int:
+    """Every weight and bias of `model` drawn in place (torch's global generator), as the papers initialise "all
+    parameters": law "uniform" from U(-scale, scale) (papers 000 l.194 and 004 §4.2: 0.08), law "normal" from
+    N(0, scale²) (paper 001 l.157: 0.04). Layer norm's gains and offsets keep 1 and 0 (a gain drawn near 0 would
+    silence what it normalises: our reading, as the authors' toolkits give layer norm its own initialiser), and an
+    embedding's padding row stays 0. Returns the number of tensors drawn."""
+    if law not in INIT_LAWS:
+        raise ValueError(f"init_weights: law must be one of {INIT_LAWS}, got {law!r}")
+    if not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        raise ValueError(f"init_weights: scale must be a finite number > 0, got {scale!r}")
     norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)}
     drawn = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if id(p) in norms or "ln_weight" in name or "ln_bias" in name:   # (the fused cells': *_reverse too)
                 continue
-            p.uniform_(-bound, bound)
+            if law == "uniform":
+                p.uniform_(-scale, scale)
+            else:
+                p.normal_(0.0, scale)
             drawn += 1
         for m in model.modules():
             if isinstance(m, nn.Embedding) and m.padding_idx is not None:

@@ -28,9 +28,13 @@ class TrainConfig:
     replicas: Optional[int] = None              # n of the schedules (None: the number of processes)
     smoothing: Optional[float] = None
     clip: Optional[float] = None                # gradient-norm clipping (0: off)
+    optimizer: str = "adam"                     # adam, or adadelta (paper 001, l.160-177)
     adam_beta2: float = 0.998                   # Adam's β2 (β1 is 0.9 in every paper); the default is also what a
     adam_eps: float = 1e-9                      # Adam's ε   checkpoint from before these were settings ran with
+    adadelta_rho: float = 0.95                  # Adadelta's ρ and ε (Zeiler 2012; paper 001's)
+    adadelta_eps: float = 1e-6
     init_uniform: Optional[float] = None        # weights drawn from U(-r, r) (papers 000, 004); None: the modules' own
+    init_normal: Optional[float] = None         # weights drawn from N(0, s²) (paper 001: s = 0.04); None: as above
     max_tokens: Optional[int] = None            # target-token budget per batch and process
     max_sentences: Optional[int] = None         # pairs per batch and process at most (None: the budget alone)
     vocab_size: Optional[int] = None            # SentencePiece pieces per side

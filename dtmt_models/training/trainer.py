@@ -10,8 +10,8 @@ What a run does, in order:
      writes it; a run that finds none builds it once), whose SentencePiece models were trained on the training
      side only; the token ids stay on disk and each batch's are read when it is trained on; pairs longer than
      --max-len subwords are left out (the count is printed);
-  2. trains with Adam, a learning-rate schedule (RNMT+ paper 000 eq. 17, inverse square root paper 003
-     eq. 26-27, or constant), label smoothing, the system's dropouts and gradient-norm clipping, on
+  2. trains with Adam (or Adadelta: paper 001), a learning-rate schedule (RNMT+ paper 000 eq. 17, inverse square
+     root paper 003 eq. 26-27, halved each epoch paper 004, or constant), label smoothing, the system's dropouts and gradient-norm clipping, on
      token-budget batches bucketed by length and shuffled per epoch with the seed;
   3. every --valid-every updates: validation loss on dev, dev BLEU (greedy by default) and chrF; `best.pt` is
      the model of the lowest dev loss (--best-by bleu: of the highest dev BLEU), and --patience validations
@@ -49,7 +49,7 @@ from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import check_training_state, save_checkpoint
-from dtmt_models.models.registry import build_model, init_uniform, position_bound
+from dtmt_models.models.registry import build_model, init_weights, position_bound
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
 from dtmt_models.training.config import TrainConfig
@@ -173,20 +173,35 @@ def corpus_nll(model: torch.nn.Module, pairs: Sequence[Tuple[List[int], List[int
     return total / max(count, 1), count
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, beta2: float = 0.998,
-                    eps: float = 1e-9) -> torch.optim.Optimizer:
-    """Adam with β = (0.9, beta2) and ε = eps (the run's --adam-beta2 and --adam-eps: each paper's in its presets,
-    0.998 and 1e-9 elsewhere), in torch's fused implementation (one kernel over all parameters;
-    torch's default on CPU is a loop of per-tensor operators). The fused CPU step writes the parameters without
-    bumping their version counters, which autograd's in-place checks and the unrolled sessions
-    (dtmt_kernels.nn.unrolled) rely on, so a step hook bumps them (tests/test_train.py:
-    `test_inference_sees_the_optimizer_steps`,
+def build_optimizer(model: torch.nn.Module, lr: float, beta2: float = 0.998, eps: float = 1e-9, *,
+                    kind: str = "adam", rho: float = 0.95) -> torch.optim.Optimizer:
+    """The run's optimizer over `model`'s parameters at rate `lr`:
+      - kind "adam": Adam with β = (0.9, beta2) and ε = eps (the run's --adam-beta2 and --adam-eps: each paper's in
+        its presets, 0.998 and 1e-9 elsewhere), in torch's fused implementation (one kernel over all parameters;
+        torch's default on CPU is a loop of per-tensor operators);
+      - kind "adadelta": Adadelta (Zeiler 2012, Algorithm 1; paper 001 l.160-177) with decay ρ = rho and ε = eps,
+        its update Δx scaled by `lr` (1 is Zeiler's, which has no rate), torch's multi-tensor implementation (it
+        has no fused one).
+    The fused CPU step writes the parameters without bumping their version counters, which autograd's in-place
+    checks and the unrolled sessions (dtmt_kernels.nn.unrolled) rely on, so a step hook bumps them (tests/
+    test_train.py: `test_inference_sees_the_optimizer_steps`,
     `test_the_optimizer_bumps_the_parameters_versions_and_steps_as_torchs_adam`)."""
     params = list(model.parameters())
-    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, beta2), eps=eps, fused=True)
+    if kind == "adam":
+        opt = torch.optim.Adam(params, lr=lr, betas=(0.9, beta2), eps=eps, fused=True)
+    elif kind == "adadelta":
+        opt = torch.optim.Adadelta(params, lr=lr, rho=rho, eps=eps, foreach=True)
+    else:
+        raise ValueError(f"unknown optimizer {kind!r}; choose adam or adadelta")
     trained = [p for p in params if p.requires_grad]
     opt.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(trained))
     return opt
+
+
+def run_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """build_optimizer with a run's settings (--optimizer, --lr and the chosen optimizer's own)."""
+    eps = cfg.adam_eps if cfg.optimizer == "adam" else cfg.adadelta_eps
+    return build_optimizer(model, cfg.lr, cfg.adam_beta2, eps, kind=cfg.optimizer, rho=cfg.adadelta_rho)
 
 
 IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")   # how an optimizer steps, not what it does
@@ -282,7 +297,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, len(self.src_vocab), len(self.tgt_vocab), **cfg.model_options)
         if cfg.init_uniform:   # (a resumed run's weights then come from last.pt)
-            init_uniform(self.model, cfg.init_uniform)
+            init_weights(self.model, "uniform", cfg.init_uniform)
+        elif cfg.init_normal:
+            init_weights(self.model, "normal", cfg.init_normal)
         bound = position_bound(self.model)
         if bound is not None and self.dev_ids:   # (the dev loss of a pair past the model's positions: none to score)
             n_dev = len(self.dev_ids)
@@ -302,7 +319,7 @@ class Trainer:
         self.step, self.epoch, self.batch_index, self.elapsed = 0, 0, 0, 0.0   # (epoch-halving's rate reads the epoch)
         self._update_lr: Optional[float] = None   # the rate of this process's last update (update_lr)
         self._update_epoch: Optional[int] = None  # and its epoch (update_epoch)
-        self.optimizer = build_optimizer(self.model, cfg.lr, cfg.adam_beta2, cfg.adam_eps)
+        self.optimizer = run_optimizer(self.model, cfg)
         self.replicas = cfg.replicas or dist.world   # the schedules' n: the processes, unless given
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._schedule())
         self.net = self.model
@@ -534,7 +551,7 @@ class Trainer:
         if self.dist.main:
             self.log(f"model {c.model} ({c.preset} preset): {self.n_params:,} parameters; options "
                      f"{c.model_options}; device {self.device}, backend {c.backend}, {self.dist.world} "
-                     f"process(es); schedule {c.schedule} (n = {self.replicas}); output {self.out}")
+                     f"process(es); {c.optimizer}, schedule {c.schedule} (n = {self.replicas}); output {self.out}")
             if c.amp == "bf16" and self.device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.log("warning: --amp bf16 on a CPU without bfloat16 dot products (AVX512_BF16 / AMX): PyTorch "
                          "runs bfloat16 GEMMs here by a fallback many times slower than float32 "

@@ -1,8 +1,10 @@
 // The checks at the ops' boundary (issue 71): what every op of registration.cpp verifies before a kernel indexes
 // into a tensor, so that a call from Python, C++ or a compiled graph with a weight slot short or empty, a gradient
 // or saved tensor of the wrong shape, or an id out of range gets a one-line error naming the op and the argument
-// instead of a crash. Shapes only: dtypes are checked where a kernel reads a tensor's data (data_ptr<T> refuses
-// another dtype), and the dispatcher keeps the devices apart. Each check is a few comparisons of sizes: nothing
+// instead of a crash. Shapes, and the kind of dtype of what a kernel would convert (check_floating: an integer or
+// complex h0, bias or layer-norm gain was cast without a word, found by a hostile-input probe, 2026-12-02); the
+// exact dtypes are checked where a kernel reads a tensor's data (data_ptr<T> refuses another dtype), and the
+// dispatcher keeps the devices apart. Each check is a few comparisons of sizes: nothing
 // per element, except the ids a search starts from (its BOS, EOS and banned words: a handful).
 #pragma once
 
@@ -45,5 +47,9 @@ void check_optional_sizes(const at::Tensor& t, std::initializer_list<int64_t> si
 
 // Whether an optional tensor is given (defined and not empty).
 inline bool given(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+// `t`, where given, holds real floating-point values (float64, float32, bfloat16, float16), or, with `int8_rows`,
+// int8 rows (small_gemm.h): not an integer, bool or complex tensor, which a kernel would convert.
+void check_floating(const at::Tensor& t, const char* op, const char* name, bool int8_rows = false);
 
 }  // namespace dtmt

@@ -50,6 +50,8 @@ std::array<int64_t, 5> check_sequence(const Tensor& x, const Tensor& h0, const T
   dtmt::check_sizes(h0, {B, H}, op, "h0");
   dtmt::check_optional_sizes(mask, {T, B}, op, "mask");
   dtmt::check_optional_sizes(drop, {D + 1, B, H}, op, "drop");
+  dtmt::check_floating(h0, op, "h0");
+  dtmt::check_floating(drop, op, "drop");
   return {T, B, I, H, D};
 }
 
@@ -123,6 +125,9 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
   dtmt::check_optional_sizes(hs_lp, {D + 1, T, B, H}, op, "hs_lp");
   dtmt::check_sizes(hp, {T, B, dtmt::cell_hidden_rows(k) * H}, op, "hp");
   dtmt::check_sizes(hpt, {D, T, B, 3 * H}, op, "hpt");
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{grad_out, "grad_out"}, {xp, "xp"}, {hs, "hs"},
+                                {hs_lp, "hs_lp"}, {hp, "hp"}, {hpt, "hpt"}})
+    dtmt::check_floating(t, op, name);
   auto g = Kernel(dtmt::BackwardInputs{dense(grad_out), dense(grad_hn), dense(x), m, dr}, w,
                   dtmt::SavedForward{dense(xp), dense(hs), dense(hs_lp), dense(hp), dense(hpt)}, reverse, eps,
                   weight_grads);
@@ -154,6 +159,7 @@ std::vector<dtmt::TransitionWeights> encode_directions(int64_t kind, at::TensorL
 std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, const OptTensor& mask, int64_t kind,
                                              at::TensorList params, bool reverse, double eps) {
   dtmt::check_sizes(x, {-1, -1, -1}, "transition_encode", "x ([T, B, I])");
+  dtmt::check_floating(h0, "transition_encode", "h0");
   auto r = dtmt::transition_encode_cpu(dense(x), dense(h0), dense(mask, x),
                                        encode_directions(kind, params, x.size(2), "transition_encode"), reverse, eps);
   return {r[0], r[1]};
@@ -163,6 +169,8 @@ std::tuple<Tensor, Tensor> transition_encode_tokens(const Tensor& tokens, const 
                                                     const OptTensor& position_table, const Tensor& h0,
                                                     const OptTensor& mask, int64_t kind, at::TensorList params,
                                                     bool reverse, double eps) {
+  dtmt::check_floating(h0, "transition_encode_tokens", "h0");
+  dtmt::check_floating(table, "transition_encode_tokens", "table");
   auto r = dtmt::transition_encode_tokens_cpu(dense(tokens), dense(table), dense(position_table, table), dense(h0),
                                               dense(mask, table), encode_directions(kind, params, -1,
                                                                                     "transition_encode_tokens"),

@@ -241,8 +241,10 @@ def test_int8_sums_exact_at_the_extremes(isa):
     form), all -127 (1) and alternating, both scales 1 (a row's peak is its int8 value), so that every output is
     float32 of the exact integer sum: for K with a tail past whole vectors, K = 133,000 (sums within 2^21 of
     int32's limit; the unsigned form twice past it), 1-8 rows and the panel loop's 9-17, in every instruction set
-    copy this machine runs (vpmaddubsw adds pairs into int16 with saturation: at most 2 * 127 * 127 = 32,258 there,
-    which the AVX2 and AVX-512 loops keep by multiplying |x| by w carrying x's sign)."""
+    copy this machine runs (vpmaddubsw adds pairs into int16 with saturation: at most 2 * 128 * 127 = 32,512 there,
+    which the AVX2 and AVX-512 loops keep by multiplying |w| by x carrying w's sign). Weights of -128, which
+    pack_int8_rows never writes but a crafted packed tensor can hold, are exact too (with the sign on the weights,
+    -(-128) wrapped to -128 and such rows came out negated against negative activations)."""
     from dtmt_kernels import _C
 
     before = _C.cpu_isa()
@@ -258,6 +260,13 @@ def test_int8_sums_exact_at_the_extremes(isa):
                 exact = (x.to(torch.int64) @ w.to(torch.int64).T)
                 assert exact.abs().max() < 2 ** 31
                 assert torch.equal(y, exact.to(torch.float32)), (isa, K, M)
+                if K < 10_000:   # (sums of 128 * 127 at K = 133,000 pass int32)
+                    crafted = pack_int8_rows(w)
+                    body = crafted[:, :K]
+                    body[body == -127] = -128                 # (the rows' scales stay 1)
+                    y = torch.ops.dtmt.small_rows_linear(x, crafted, None)
+                    exact = x.to(torch.int64) @ body.to(torch.int64).T
+                    assert (body == -128).any() and torch.equal(y, exact.to(torch.float32)), (isa, K, M, "-128")
     finally:
         _C.set_cpu_isa(before)
 
@@ -265,7 +274,7 @@ def test_int8_sums_exact_at_the_extremes(isa):
 @needs_cpp
 def test_int8_loops_of_every_instruction_set_agree_to_the_bit():
     """The int8 sums are exact integers and the scaling two roundings in every copy (AVX512-VNNI with unsigned
-    activations and a row-sum correction; AVX-512 without VNNI and AVX2 with the sign moved onto the weights;
+    activations and a row-sum correction; AVX-512 without VNNI and AVX2 with |w| and w's sign moved onto x;
     plain C++), so every instruction set this machine runs gives the
     same bits: for 1-8 rows, K with and without a tail past whole vectors, N not a multiple of the rows a loop
     takes together, and sums whose unsigned form passes 2^31 (K = 70,000 at 127 * 127). Past 8 rows the VNNI

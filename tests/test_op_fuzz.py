@@ -101,3 +101,45 @@ def test_search_refuses_ids_and_lengths_out_of_range(monkeypatch):
             call(**{key: value})
     with pytest.raises(RuntimeError, match=r"max_len must be in \[1, 16384\]"):
         call(max_len=torch.tensor([2 ** 31, 5]))
+    # (a float max_len was cut to an integer, a complex one lost its imaginary part: a hostile-input probe's)
+    for bad in (torch.tensor([4.7, 5.0]), torch.tensor([5 + 1j, 5 + 0j])):
+        with pytest.raises(RuntimeError, match=r"max_len must be an integer tensor, got (Float|ComplexFloat)"):
+            call(max_len=bad)
+    # a cell's layer-norm gain or bias of an integer or complex dtype (the weights' own are checked by the kernels)
+    q_params = list(bound["q_params"])
+    slots = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
+    i = next(i for i, t in enumerate(q_params) if t.dim() == 1 and t.numel())   # (the first bias or gain given)
+    q_params[i] = q_params[i].to(torch.int64)
+    with pytest.raises(RuntimeError, match=rf"q_params: {slots[i]} must be a floating-point tensor, got Long"):
+        call(q_params=q_params)
+
+
+def test_secondary_tensors_of_a_dtype_a_kernel_would_convert_are_refused():
+    """h0, the dropout masks, the biases and layer-norm parameters, the backward's saved tensors and gradient: an
+    integer, bool or complex tensor among them was converted without a word (a complex h0 ran as its real part, with
+    only C++'s warning; a hostile-input probe, 2026-12-02); now a one-line error naming the op and the argument.
+    Floating-point ones of another precision are still taken (autocast hands float32 gains beside bfloat16 inputs)."""
+    x, h0, kind, p = _gru_args()
+    fwd, bwd = torch.ops.dtmt.transition_forward, torch.ops.dtmt.transition_backward
+    out = fwd(x, h0, None, None, kind, *p, False, 1e-5)
+    with pytest.raises(RuntimeError, match=r"transition_forward: h0 must be a floating-point tensor, got ComplexFloat"):
+        fwd(x, torch.full_like(h0, 5j, dtype=torch.complex64), None, None, kind, *p, False, 1e-5)
+    with pytest.raises(RuntimeError, match=r"transition_forward: drop must be a floating-point tensor, got Bool"):
+        fwd(x, h0, None, torch.ones(2, 2, 6, dtype=torch.bool), kind, *p, False, 1e-5)
+    for slot, name in ((1, "b_ih"), (4, "ln_w"), (5, "ln_b")):
+        q = list(p)
+        q[slot] = q[slot].to(torch.int32)
+        with pytest.raises(RuntimeError, match=rf"transition_forward: the weights: {name} must be a floating-point "
+                                               rf"tensor, got Int"):
+            fwd(x, h0, None, None, kind, *q, False, 1e-5)
+    grad_out = torch.randn_like(out[0])
+    with pytest.raises(RuntimeError, match=r"transition_backward: grad_out must be a floating-point tensor, got Long"):
+        bwd(grad_out.long(), torch.randn(2, 6), x, None, None, kind, *p, *out[2:], False, 1e-5)
+    saved = list(out[2:])
+    saved[1] = saved[1].to(torch.complex64)   # hs
+    with pytest.raises(RuntimeError, match=r"transition_backward: hs must be a floating-point tensor, got Complex"):
+        bwd(grad_out, torch.randn(2, 6), x, None, None, kind, *p, *saved, False, 1e-5)
+    with pytest.raises(RuntimeError, match=r"transition_encode: h0 must be a floating-point tensor, got Int"):
+        torch.ops.dtmt.transition_encode(x, h0[None].int(), None, kind,
+                                         [t if t is not None else torch.empty(0) for t in p], False, 1e-5)
+    assert torch.equal(fwd(x, h0.double(), None, None, kind, *p, False, 1e-5)[0], out[0])

@@ -615,6 +615,27 @@ def test_optimizer_flags_are_refused_where_they_cannot_apply(toy_nodev, tmp_path
     assert (train.resolve_config(args).init_uniform, train.resolve_config(args).init_normal) == (0.08, None)
 
 
+def test_a_model_too_large_for_the_machine_is_one_line_not_the_options_fault(toy_nodev, tmp_path):
+    """Options that build a model larger than the memory the process may take: the CPU allocator's RuntimeError was
+    called the options' fault ("cannot be built with ...") and escaped `dtmt train` as a traceback. Now one line
+    saying it does not fit, exit 1, nothing left in --out (under a 6 GB address-space limit, in a child)."""
+    import resource
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    out = tmp_path / "huge"
+    cmd = [sys.executable, "-m", "dtmt_models.cli", "train", "--data", toy_nodev, "--out", str(out), *TINY,
+           "--opt", "embed_dim=16384", "--opt", "hidden_size=16384", "--max-steps", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=limited,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    err = r.stderr.strip().splitlines()
+    assert err[-1].startswith("dtmt train: out of memory: dtmt with {") and "does not fit in this machine's memory" \
+        in err[-1] and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (out / "last.pt").exists()
+
+
 def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
@@ -1323,6 +1344,12 @@ def test_one_line_cuts_a_long_message_in_the_middle():
     ("lr: {\n", "not valid YAML"),
     (b"lr: 0.1\n# caf\xe9\n", "not UTF-8 text (byte 13)"),
     (b"lr: 0.1\n" + b"#" * 9000 + b"\xe9\n", "not UTF-8 text (byte 9008)"),   # past the first 8 KiB read
+    # a hostile-input probe's (2026-12-02): the parser's RecursionError and Python's 4,300-digit limit were tracebacks
+    # or messages naming neither the file nor the key
+    ("opt: " + "[" * 2000 + "]" * 2000 + "\n", "nested too deeply to be a run configuration"),
+    ("max_steps: " + "9" * 5000 + "\n", "not a run configuration (Exceeds the limit (4300 digits)"),
+    ("max_steps: 0x" + "f" * 5000 + "\n", "max_steps: a number of 20,000 bits, past any option's range"),
+    ("opt: {depth: 0x" + "f" * 5000 + "}\n", "opt: a number of 20,000 bits"),
 ])
 def test_bad_config_files_are_one_line_errors(toy_nodev, tmp_path, capsys, text, message):
     from dtmt_models.cli import train

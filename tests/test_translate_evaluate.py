@@ -222,16 +222,22 @@ def test_load_model_names_the_file_when_the_weights_or_vocabularies_do_not_fit(s
     naming the file, before the model is built. Before, load_state_dict cast a bool, integer or complex weight to
     float32 without a word and the model translated garbage (exit 0), a float64 one silently; a sparse, nested or meta
     weight gave torch's 14 KB dispatch error; options asking for a huge model (hidden_size 50,000 beside weights of
-    12) allocated it first (40 GB) and only then found the weights did not fit."""
+    12) allocated it first (40 GB) and only then found the weights did not fit; weights of the huge model's shapes
+    that are expanded views of one value (a 380 KB file) passed the shape checks, took 72 s of finiteness checks and
+    then built the 15 GB model (a hostile-input probe, 2026-12-02)."""
     from dtmt_models.models.checkpoint import read_checkpoint
 
-    _, _, _, path = system
+    _, sv, tv, path = system
     ckpt = read_checkpoint(path)
     name = "src_embed.embed.weight"
     w = ckpt["model"][name]
 
     def weight(value):
         return dict(ckpt, model={**ckpt["model"], name: value})
+
+    with torch.device("meta"):   # (a 3.8-billion-parameter model's weights, each one expanded value: 400 KB a file)
+        huge = build_model("dtmt", len(sv), len(tv), **dict(ckpt["model_options"], embed_dim=4096,
+                                                            hidden_size=8192)).state_dict()
 
     cases = {"wrong_weights": (dict(ckpt, model={k: v for k, v in list(ckpt["model"].items())[1:]}),
                                f"(1 weights missing, e.g. ['{next(iter(ckpt['model']))}']; 0 unknown"),
@@ -249,6 +255,13 @@ def test_load_model_names_the_file_when_the_weights_or_vocabularies_do_not_fit(s
              "nested": (weight(torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])),
                         f"(weight {name} is a nested tensor, not a dense one)"),
              "meta": (weight(torch.empty(w.shape, device="meta")), f"(weight {name} is a meta tensor"),
+             "expanded": (weight(torch.zeros(1).expand(w.shape)),
+                          f"(weight {name} does not hold its elements (4 bytes stored for {w.numel():,} of 4 "
+                          f"bytes: strides [0, 0]))"),
+             "gaps": (weight(torch.zeros(w.shape[0], 2 * w.shape[1])[:, ::2]), None),   # (a view with gaps: whole)
+             "huge_expanded": (dict(ckpt, model_options=dict(ckpt["model_options"], embed_dim=4096, hidden_size=8192),
+                                    model={k: torch.zeros(1, dtype=t.dtype).expand(t.shape) for k, t in
+                                           huge.items()}), "does not hold its elements ("),
              "not_a_tensor": (weight([1.0, 2.0]), f"(weight {name} is not a tensor (a Python list))"),
              "weights_a_list": (dict(ckpt, model=[w]), "(a list where the weights should be)"),
              "options_a_list": (dict(ckpt, model_options=[1, 2]), "its model cannot be built (its options are a list)"),
@@ -258,6 +271,9 @@ def test_load_model_names_the_file_when_the_weights_or_vocabularies_do_not_fit(s
     for case, (payload, message) in cases.items():
         bad = str(tmp_path / f"{case}.pt")
         torch.save(payload, bad)   # (save_checkpoint refuses a payload without its keys)
+        if message is None:
+            load_model(bad)
+            continue
         with pytest.raises(ValueError) as caught:
             load_model(bad)
         text = str(caught.value)

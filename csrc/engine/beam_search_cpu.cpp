@@ -204,6 +204,8 @@ void BeamSearch::check(const SearchSource& source) {
   for (const int64_t w : o_.banned)   // (the step's output words are the target embedding's rows)
     TORCH_CHECK(w >= 0 && w < V && w != o_.eos, "dtmt._C.rnmt_beam_search: banned id ", w, " must be a word of the ",
                 V, " other than EOS");
+  TORCH_CHECK(at::isIntegralType(max_len.scalar_type(), /*includeBool=*/false),
+              "dtmt._C.rnmt_beam_search: max_len must be an integer tensor, got ", max_len.scalar_type());
   const Tensor max_len_cpu = max_len.to(at::kLong).contiguous();
   max_len_.assign(max_len_cpu.data_ptr<int64_t>(), max_len_cpu.data_ptr<int64_t>() + B_);
   for (int64_t m : max_len_) {

@@ -200,14 +200,17 @@ inline int32_t lane_sum_epi32(__m256i v) {
 }
 
 // The int8 walk: chunks of 32 int8 weights against 32 int8 activations of each of the M rows, multiplied and
-// summed exactly in int32. R weight rows at a time (R = 2 for M <= 4: each x chunk and its |x| serve both, and their
-// sums are reduced together). The multiply-add (dot_add_avx2(acc, xabs, wsigned)) adds to the int32 lanes of acc
-// the products of |x| (unsigned bytes) and w carrying x's sign (vpsignb), four adjacent ones a lane (|x|, |w| <=
-// 127): vpmaddubsw (pairs into int16: at most 2 * 127 * 127, no saturation) + vpmaddwd + vpaddd. The avx512 copy
+// summed exactly in int32. R weight rows at a time (R = 2 for M <= 4: each x chunk serves both, and their sums are
+// reduced together). The multiply-add (dot_add_avx2(acc, wabs, xsigned)) adds to the int32 lanes of acc the
+// products of |w| (unsigned bytes) and x carrying w's sign (vpsignb), four adjacent ones a lane: vpmaddubsw (pairs
+// into int16: at most 2 * 128 * 127, no saturation) + vpmaddwd + vpaddd. The sign goes onto x, which the
+// quantizer keeps within +-127, not onto w: any int8 weight is then exact, -128 too (|-128| is 128 as an unsigned
+// byte; -(-128) as a signed one wraps to -128, and a crafted weight row of them came out with the opposite sign
+// when the sign went onto w, found by a hostile-input probe, 2026-12-02). The avx512 copy
 // takes rows_block_int8_vnni below where the CPU has AVX512-VNNI, else rows_block_int8_bw (the same arithmetic on
 // 64-byte vectors; chosen at run time, see small_rows_int8); this loop is the avx2 copy's.
-inline __m256i dot_add_avx2(__m256i acc, __m256i xabs, __m256i w_signed) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, w_signed), _mm256_set1_epi16(1)));
+inline __m256i dot_add_avx2(__m256i acc, __m256i wabs, __m256i x_signed) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x_signed), _mm256_set1_epi16(1)));
 }
 
 template <int M, int R>
@@ -221,15 +224,15 @@ void rows_block_int8(const int8_t* xq, int64_t ldx, const float* x_scale, const 
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_si256();
     for (int64_t k = 0; k < K32; k += 32) {
-      __m256i wv[R];
+      __m256i wv[R], wabs[R];
       for (int r = 0; r < R; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(wr + r * ldw + k + kPrefetchInt8), _MM_HINT_T0);
         wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + r * ldw + k));
+        wabs[r] = _mm256_abs_epi8(wv[r]);
       }
       for (int m = 0; m < M; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * ldx + k));
-        const __m256i xabs = _mm256_sign_epi8(xv, xv);
-        for (int r = 0; r < R; ++r) acc[r][m] = dot_add_avx2(acc[r][m], xabs, _mm256_sign_epi8(wv[r], xv));
+        for (int r = 0; r < R; ++r) acc[r][m] = dot_add_avx2(acc[r][m], wabs[r], _mm256_sign_epi8(xv, wv[r]));
       }
     }
     for (int m = 0; m < M; ++m) {
@@ -356,15 +359,15 @@ DTMT_VNNI_TARGET void rows_block_int8_vnni(const uint8_t* xu, int64_t KP, const 
 }
 
 // The int8 walk on 64-byte vectors without VNNI (AVX512BW: Skylake-SP and the like): rows_block_int8's arithmetic,
-// |x| (unsigned bytes) times w carrying x's sign (AVX-512 has no vpsignb: w negated under x's sign mask) with
+// |w| (unsigned bytes) times x carrying w's sign (AVX-512 has no vpsignb: x negated under w's sign mask) with
 // vpmaddubsw + vpmaddwd + vpaddd, twice the bytes an instruction; the same exact int32 sums, so the same outputs to
-// the bit. |x| and x's sign masks come from bw_rows' buffer (rows of KP = K rounded up to whole vectors, zeros past
-// K), made once a call instead of once a block of weight rows; a weight row's K % 64 tail is a masked load.
+// the bit, for any int8 weight (rows_block_int8: why the sign goes onto x). The rows of x come from bw_rows'
+// buffer (rows of KP = K rounded up to whole vectors, zeros past K), made once a call instead of once a block of
+// weight rows; a weight row's K % 64 tail is a masked load.
 template <int M, int R>
-void rows_block_int8_bw(const uint8_t* xabs, const __mmask64* xneg, int64_t KP, const float* x_scale,
-                        const int8_t* w, int64_t K, int64_t ldw, const float* bias, float* out, int64_t ldo,
-                        int64_t n0, int64_t n1) {
-  const int64_t K64 = K - K % 64, chunks = KP / 64;
+void rows_block_int8_bw(const int8_t* xs, int64_t KP, const float* x_scale, const int8_t* w, int64_t K,
+                        int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t K64 = K - K % 64;
   const __mmask64 tail = K % 64 ? (~__mmask64{0}) >> (64 - K % 64) : 0;
   const __m512i ones = _mm512_set1_epi16(1);
   const __m512i zero = _mm512_setzero_si512();
@@ -375,12 +378,18 @@ void rows_block_int8_bw(const uint8_t* xabs, const __mmask64* xneg, int64_t KP, 
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = zero;
 #define DTMT_BW_CHUNK(k)                                                                                          \
+  __m512i wabs[R];                                                                                               \
+  __mmask64 wneg[R];                                                                                             \
+  for (int r = 0; r < R; ++r) {                                                                                  \
+    wabs[r] = _mm512_abs_epi8(wv[r]);                                                                            \
+    wneg[r] = _mm512_movepi8_mask(wv[r]);                                                                        \
+  }                                                                                                              \
   for (int m = 0; m < M; ++m) {                                                                                  \
-    const __m512i xa = _mm512_loadu_si512(xabs + m * KP + (k));                                                  \
-    const __mmask64 neg = xneg[m * chunks + (k) / 64];                                                           \
+    const __m512i xv = _mm512_loadu_si512(xs + m * KP + (k));                                                    \
     for (int r = 0; r < R; ++r)                                                                                  \
       acc[r][m] = _mm512_add_epi32(                                                                              \
-          acc[r][m], _mm512_madd_epi16(_mm512_maddubs_epi16(xa, _mm512_mask_sub_epi8(wv[r], neg, zero, wv[r])), ones)); \
+          acc[r][m], _mm512_madd_epi16(_mm512_maddubs_epi16(wabs[r], _mm512_mask_sub_epi8(xv, wneg[r], zero, xv)), \
+                                       ones));                                                                   \
   }
     DTMT_INT8_WALK64(DTMT_BW_CHUNK)
 #undef DTMT_BW_CHUNK
@@ -392,31 +401,17 @@ void rows_block_int8_bw(const uint8_t* xabs, const __mmask64* xneg, int64_t KP, 
       for (int r = 0; r < R; ++r)
         out[m * ldo + n + r] = int8_output(sums[m][r], x_scale[m], row_scale(wr + r * ldw, K), bias, n + r);
   }
-  if (R > 1 && n < n1) rows_block_int8_bw<M, 1>(xabs, xneg, KP, x_scale, w, K, ldw, bias, out, ldo, n, n1);
+  if (R > 1 && n < n1) rows_block_int8_bw<M, 1>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n, n1);
 }
 
-// The M rows of xq as rows_block_int8_bw reads them: |xq| padded with zeros to KP bytes a row, and a mask a
-// 64-byte chunk of the lanes where xq < 0; a buffer of this thread's, kept between calls.
-inline void bw_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP, const uint8_t** xabs,
-                    const __mmask64** xneg) {
-  thread_local std::vector<uint8_t> buf;
-  thread_local std::vector<__mmask64> masks;
-  const int64_t chunks = KP / 64;
-  buf.resize(static_cast<size_t>(M * KP));         // every byte and mask written below (zeros past K)
-  masks.resize(static_cast<size_t>(M * chunks));
-  uint8_t* dst = buf.data();
-  __mmask64* neg = masks.data();
-  for (int m = 0; m < M; ++m) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t k = c * 64, left = std::min<int64_t>(64, K - k);
-      const __mmask64 valid = left == 64 ? ~__mmask64{0} : (~__mmask64{0}) >> (64 - left);
-      const __m512i v = _mm512_maskz_loadu_epi8(valid, xq + m * ldx + k);
-      _mm512_storeu_si512(dst + m * KP + k, _mm512_abs_epi8(v));
-      neg[m * chunks + c] = _mm512_movepi8_mask(v);
-    }
-  }
-  *xabs = dst;
-  *xneg = neg;
+// The M rows of xq as rows_block_int8_bw reads them: each padded with zeros to KP bytes; a buffer of this
+// thread's, kept between calls.
+inline const int8_t* bw_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP) {
+  thread_local std::vector<int8_t> buf;
+  buf.assign(static_cast<size_t>(M * KP), 0);
+  int8_t* dst = buf.data();
+  for (int m = 0; m < M; ++m) std::memcpy(dst + m * KP, xq + m * ldx, static_cast<size_t>(K));
+  return dst;
 }
 
 // The M rows of xq as rows_block_int8_vnni reads them: xq xor 0x80 (xq + 128 read unsigned), each row padded with
@@ -746,18 +741,16 @@ void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale,
   }
   {   // AVX512BW without VNNI
     const int64_t KP = (K + 63) / 64 * 64;
-    const uint8_t* xa;
-    const __mmask64* xn;
-    bw_rows(M, xq, ldx, K, KP, &xa, &xn);
+    const int8_t* xs = bw_rows(M, xq, ldx, K, KP);
     switch (M) {
-      case 1: return rows_block_int8_bw<1, 4>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 2: return rows_block_int8_bw<2, 4>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 3: return rows_block_int8_bw<3, 4>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 4: return rows_block_int8_bw<4, 4>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 5: return rows_block_int8_bw<5, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 6: return rows_block_int8_bw<6, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 7: return rows_block_int8_bw<7, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 8: return rows_block_int8_bw<8, 2>(xa, xn, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 1: return rows_block_int8_bw<1, 4>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 2: return rows_block_int8_bw<2, 4>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 3: return rows_block_int8_bw<3, 4>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 4: return rows_block_int8_bw<4, 4>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 5: return rows_block_int8_bw<5, 2>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 6: return rows_block_int8_bw<6, 2>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 7: return rows_block_int8_bw<7, 2>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+      case 8: return rows_block_int8_bw<8, 2>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
     }
   }
   DTMT_INT8_CASES(rows_block_int8)   // (not reached: M is 1-8)

@@ -53,6 +53,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:   # Ctrl-C where a command has no handler of its own (importing torch, say)
         print(f"\ndtmt {name}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as exc:   # (a model too large for this machine: registry.build_model's, one line)
+        print(f"dtmt {name}: out of memory{f': {exc}' if str(exc) else ''}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

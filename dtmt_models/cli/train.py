@@ -263,6 +263,10 @@ def config_arguments(path: str) -> List[str]:
         raise ValueError(f"--config {path}: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"--config {path}: not valid YAML ({one_line(exc)})") from None
+    except RecursionError:   # (the parser's recursion on thousands of nested brackets: no YAMLError)
+        raise ValueError(f"--config {path}: nested too deeply to be a run configuration") from None
+    except ValueError as exc:   # (a decimal of over 4,300 digits: Python's int() refuses it inside the parser)
+        raise ValueError(f"--config {path}: not a run configuration ({one_line(exc)})") from None
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of option: value, got a {type(data).__name__}")
@@ -277,6 +281,10 @@ def config_arguments(path: str) -> List[str]:
                              f"dashes, e.g. max_time, and opt for the model options)")
         if value is None:
             continue
+        for v in (value.values() if dest == "opt" and isinstance(value, dict) else [value]):
+            if isinstance(v, int) and v.bit_length() > 256:   # (Python will not write one of over 4,300 digits)
+                raise ValueError(f"--config {path}: {key}: a number of {v.bit_length():,} bits, past any option's "
+                                 f"range")
         if dest == "opt":
             if not isinstance(value, dict):
                 raise ValueError(f"--config {path}: opt must be a mapping of model option: value, e.g. "
@@ -398,6 +406,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             held.release(discard=True)
         print("\ndtmt train: interrupted before training started", file=sys.stderr)
         return 130
+    except MemoryError as exc:   # (a model too large for this machine: registry.build_model's, one line)
+        for held in lock:
+            held.release(discard=True)
+        print(f"dtmt train: out of memory{f': {exc}' if str(exc) else ''}", file=sys.stderr)
+        return 1
     finally:
         for held in lock:
             held.release()

@@ -85,6 +85,16 @@ def _finite_problem(name: str, t: Any) -> Optional[str]:
     return None
 
 
+def _whole_problem(name: str, t: torch.Tensor) -> Optional[str]:
+    """A tensor from a file whose storage is smaller than its elements (an expanded view: strides 0, or overlapping
+    ones): a few bytes standing for any size, which the checks' passes and the model built from the file's options
+    would then spend in full (a 380 KB file stood for 3.8 billion parameters). A view with gaps holds its elements."""
+    if t.untyped_storage().nbytes() < t.numel() * t.element_size():
+        return (f"{name} does not hold its elements ({t.untyped_storage().nbytes():,} bytes stored for "
+                f"{t.numel():,} of {t.element_size()} bytes: strides {list(t.stride())})")
+    return None
+
+
 def check_finite_weights(path: str, state: Dict[str, Any]) -> None:
     """CheckpointError if a floating-point weight of `state` (a state dict) holds NaN or an infinity: such a model
     translates nothing (every score NaN), so it is refused when loaded, not decoded into empty lines."""
@@ -98,8 +108,9 @@ def weights_problem(state: Any, own: Dict[str, torch.Tensor]) -> Optional[str]:
     """What keeps a checkpoint's weights `state` from being a model's whose own state dict is `own` (the model built
     on the meta device will do: only names, shapes and dtypes are read), in a few words, or None: every name of
     `own` and no other, each a dense tensor in memory (not sparse, nested, quantized or meta) of its dtype and
-    shape. load_state_dict would cast a bool, integer or complex tensor to the weight's dtype without a word, and a
-    model built from a file's options before its weights are compared allocates what the options ask for."""
+    shape, holding each of its elements (not an expanded view). load_state_dict would cast a bool, integer or complex
+    tensor to the weight's dtype without a word, and a model built from a file's options before its weights are
+    compared allocates what the options ask for."""
     if not isinstance(state, dict):
         return f"a {type(state).__name__} where the weights should be"
     missing = sorted(set(own) - set(state))
@@ -116,6 +127,9 @@ def weights_problem(state: Any, own: Dict[str, torch.Tensor]) -> Optional[str]:
             return f"weight {name} is a {kind} tensor, not a dense one"
         if w.shape != t.shape or w.dtype != t.dtype:
             return f"weight {name} is {w.dtype} {list(w.shape)}, the model's {t.dtype} {list(t.shape)}"
+        problem = _whole_problem(f"weight {name}", w)
+        if problem:
+            return problem
     return None
 
 
@@ -175,7 +189,8 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
                 if value.shape != p.shape or value.dtype != p.dtype:
                     fail(f"the optimizer's {key} of parameter {index} is {value.dtype} {list(value.shape)}, the "
                          f"parameter {p.dtype} {list(p.shape)}")
-                problem = _finite_problem(f"the optimizer's {key} of parameter {index}", value)
+                problem = (_whole_problem(f"the optimizer's {key} of parameter {index}", value)
+                           or _finite_problem(f"the optimizer's {key} of parameter {index}", value))
                 if problem:
                     fail(problem)
     for key in ("step", "epoch", "batch_index", "bad_validations"):

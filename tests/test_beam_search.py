@@ -57,24 +57,31 @@ def counted(model):
     return decoder, steps
 
 
-def exhaustive_best(model, max_tokens, alpha):
+def exhaustive_best(model, max_tokens, alpha, penalty="gnmt"):
     best = None
     words = [w for w in range(model.table.shape[0]) if w not in (0, BOS, EOS)]
     for n in range(max_tokens + 1):
         for seq in itertools.product(words, repeat=n):
             lp = model.sequence_logprob(list(seq))
-            s = lp / ((5 + n + 1) / 6) ** alpha   # GNMT's lp(Y) = (5 + |Y|)^α / 6^α, |Y| counting EOS
+            if penalty == "gnmt":
+                s = lp / ((5 + n + 1) / 6) ** alpha   # GNMT's lp(Y) = (5 + |Y|)^α / 6^α, |Y| counting EOS
+            else:
+                s = lp / (n + 1)                       # the log-probability per word, EOS counted
             if best is None or s > best[0]:
                 best = (s, list(seq))
     return best
 
 
+@pytest.mark.parametrize("penalty", ["gnmt", "average"])
 @pytest.mark.parametrize("seed", range(4))
-def test_wide_beam_finds_the_exhaustive_best(seed):
+def test_wide_beam_finds_the_exhaustive_best(seed, penalty):
+    """A beam as wide as the table's choices finds the best sequence of every length by either penalty (paper 000's
+    GNMT penalty at alpha 0.6; papers 001, 003 and 004's log-probability per word), stopping by the bound that no
+    open hypothesis can still win."""
     model = TableModel(seed=seed)
     src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
-    hyps = beam_search(model, src, lengths, beam=12, alpha=0.6, nbest=3, max_len_a=0, max_len_b=4)[0]
-    score, seq = exhaustive_best(model, 3, 0.6)    # max_len 4 steps = up to 3 words + EOS
+    hyps = beam_search(model, src, lengths, beam=12, alpha=0.6, nbest=3, max_len_a=0, max_len_b=4, penalty=penalty)[0]
+    score, seq = exhaustive_best(model, 3, 0.6, penalty)    # max_len 4 steps = up to 3 words + EOS
     assert hyps[0].tokens == seq and math.isclose(hyps[0].score, score, rel_tol=1e-5)
     assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
     for h in hyps:
@@ -182,11 +189,13 @@ def test_a_smaller_nbest_returns_the_same_best_in_no_more_steps(seed):
     """The search ends once no open hypothesis can enter the nbest best finished ones, so the nbest it returns are
     those of a search that went on (nbest = beam: the most steps), tokens and scores alike; it never takes more
     steps than a larger nbest. (A small vocabulary, so that some seeds' beams finish hypotheses of close scores:
-    one that stopped on the best alone where nbest > 1 fails seeds 1, 7, 9 and 11.)"""
+    one that stopped on the best alone where nbest > 1 fails seeds 1, 7, 9 and 11.) The average penalty's bound too
+    (the log-probability per word at the max length)."""
     model = TableModel(V=6, seed=seed)
     src, lengths = torch.ones(3, 4, dtype=torch.long), torch.tensor([4, 2, 3])
-    for beam, alpha in ((2, 0.6), (4, 0.6), (4, 0.0), (5, 1.0)):
-        kwargs = dict(beam=beam, alpha=alpha, max_len_a=2.0, max_len_b=3)
+    for beam, alpha, penalty in ((2, 0.6, "gnmt"), (4, 0.6, "gnmt"), (4, 0.0, "gnmt"), (5, 1.0, "gnmt"),
+                                 (4, 0.0, "average")):
+        kwargs = dict(beam=beam, alpha=alpha, max_len_a=2.0, max_len_b=3, penalty=penalty)
         runs = []
         for nbest in range(beam, 0, -1):
             counting, steps = counted(model)
@@ -311,7 +320,8 @@ def test_fused_search_equals_the_python_loop(system, options):
     """The decoder's one-call search (FusedRNMTDecoder.search, C++; step_tables=False, rnmt_step's arithmetic)
     against the loop of beam_search over the same decoder's steps (fused=False, the reference): the same hypotheses
     in the same order, the same scores and log-probabilities to the bit, for batches whose sentences finish at
-    different steps, beams 1-5, with and without the length penalty, nbest up to the beam, either stopping rule; in
+    different steps, beams 1-5, with and without the GNMT length penalty and by the average (the log-probability per
+    word), nbest up to the beam, either stopping rule; in
     float32 and float64, and with int8 weights; on one thread and on two, each against the loop on as many.
     Past 8 rows (7 sentences, beams 2-5) the steps' products are ATen's GEMM, whose operands lie elsewhere in the
     two (the search's state in its own buffers): the two are the same to the bit where that GEMM gives the same
@@ -323,16 +333,19 @@ def test_fused_search_equals_the_python_loop(system, options):
 
     torch.manual_seed(3)
     model = dm.build_model(system, 24, 24, embed_dim=16, hidden_size=16, **options).eval()
-    cases = [(1, 0.0, 1, 2.0, 10, False), (3, 0.6, 3, 1.0, 2, False), (4, 0.6, 2, 2.0, 10, False),
-             (5, 1.0, 5, 0.5, 3, False), (3, 0.0, 1, 2.0, 10, False), (4, 0.6, 2, 2.0, 10, True),
-             (2, 1.0, 2, 2.0, 10, True)]
+    cases = [(1, 0.0, 1, 2.0, 10, False, "gnmt"), (3, 0.6, 3, 1.0, 2, False, "gnmt"),
+             (4, 0.6, 2, 2.0, 10, False, "gnmt"), (5, 1.0, 5, 0.5, 3, False, "gnmt"),
+             (3, 0.0, 1, 2.0, 10, False, "gnmt"), (4, 0.6, 2, 2.0, 10, True, "gnmt"),
+             (2, 1.0, 2, 2.0, 10, True, "gnmt"), (4, 0.6, 2, 2.0, 10, False, "average"),
+             (3, 0.0, 3, 1.0, 2, True, "average")]
     lengths = torch.tensor([6, 1, 4, 2, 5, 3, 6])
     src = torch.randint(4, 24, (7, 6))
     for dtype, int8 in ((torch.float32, False), (torch.float64, False), (torch.float32, True)):
         decoder = _plain(model.to(dtype).inference_decoder(int8=int8))
         assert decoder.search is not None, f"{system}: no fused search"
-        for beam, alpha, nbest, a, b, early_stop in cases:
-            kwargs = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b, early_stop=early_stop)
+        for beam, alpha, nbest, a, b, early_stop, penalty in cases:
+            kwargs = dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b, early_stop=early_stop,
+                          penalty=penalty)
             # the C++ search and the loop on 1 and 2 threads (the search's steps split the batch's rows)
             (one, loop_one), (two, loop_two) = at_thread_counts(
                 lambda: (beam_search(decoder, src, lengths, **kwargs),

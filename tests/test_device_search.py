@@ -13,11 +13,12 @@ from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search
 from test_beam_search import TableModel
 from test_host_reads import HostReads
 
-# (beam, alpha, nbest, max_len_a, max_len_b, early_stop): beam 1 to 6, with and without the length penalty, nbest up
-# to the beam, short and long limits, either stopping rule
+# (beam, alpha, nbest, max_len_a, max_len_b, early_stop[, penalty]): beam 1 to 6, with and without the GNMT length
+# penalty, nbest up to the beam, short and long limits, either stopping rule; the last two rank by the average
 CASES = [(1, 0.0, 1, 2.0, 10, False), (3, 0.6, 3, 1.0, 2, False), (4, 0.6, 2, 2.0, 10, False),
          (5, 1.0, 5, 0.5, 3, False), (3, 0.0, 1, 2.0, 10, False), (4, 0.6, 2, 2.0, 10, True),
-         (2, 1.0, 2, 2.0, 10, True), (6, 0.2, 1, 1.5, 4, False)]
+         (2, 1.0, 2, 2.0, 10, True), (6, 0.2, 1, 1.5, 4, False), (4, 0.0, 2, 2.0, 10, False, "average"),
+         (3, 0.0, 3, 1.0, 2, True, "average")]
 
 
 def _hyps(result):
@@ -25,8 +26,9 @@ def _hyps(result):
 
 
 def _kwargs(case):
-    beam, alpha, nbest, a, b, early_stop = case
-    return dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b, early_stop=early_stop)
+    beam, alpha, nbest, a, b, early_stop, *penalty = case
+    return dict(beam=beam, alpha=alpha, nbest=nbest, max_len_a=a, max_len_b=b, early_stop=early_stop,
+                penalty=penalty[0] if penalty else "gnmt")
 
 
 def _both(model, src, lengths, monkeypatch, check_every, **kwargs):
@@ -82,7 +84,7 @@ def test_equals_the_python_loop_on_every_system(system, options, monkeypatch):
     src = torch.randint(4, 24, (7, 6))
     for dtype in (torch.float64, torch.float32):
         model.to(dtype)
-        for case in CASES[:6]:
+        for case in CASES[:6] + CASES[-2:-1]:
             loop, device = _both(model, src, lengths, monkeypatch, 3, **_kwargs(case))
             if dtype == torch.float64:
                 assert _hyps(device) == _hyps(loop), (dtype, case)

@@ -105,6 +105,8 @@ def test_search_refuses_ids_and_lengths_out_of_range(monkeypatch):
     for bad in (torch.tensor([4.7, 5.0]), torch.tensor([5 + 1j, 5 + 0j])):
         with pytest.raises(RuntimeError, match=r"max_len must be an integer tensor, got (Float|ComplexFloat)"):
             call(max_len=bad)
+    with pytest.raises(ValueError, match=r"length_penalty must be gnmt or average, got wu"):
+        call(length_penalty="wu")
     # a cell's layer-norm gain or bias of an integer or complex dtype (the weights' own are checked by the kernels)
     q_params = list(bound["q_params"])
     slots = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")

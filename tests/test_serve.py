@@ -186,7 +186,8 @@ def test_translations_health_and_info(system, server):
     status, info = request(server.url, "/info")
     assert status == 200 and info["models"] == ["dtmt"] and info["checkpoints"] == [path]
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
-    assert info["decoding"]["beam"] == BEAM and info["limits"] == {"max_sentences": 10, "max_chars": 100}
+    assert info["decoding"]["beam"] == BEAM and info["decoding"]["length_penalty"] == "gnmt"
+    assert info["limits"] == {"max_sentences": 10, "max_chars": 100}
     assert info["target_vocabulary"] == len(tv) and info["counters"]["sentences"] >= 6
 
 

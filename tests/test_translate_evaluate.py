@@ -188,6 +188,7 @@ def test_decoding_leaves_each_module_in_its_mode_and_searches_in_eval_mode(syste
     (dict(beam=2.5), "beam and nbest must be integers"),
     (dict(beam=2, nbest=3), "need 1 <= beam <= 1024 and 1 <= nbest <= beam"),
     (dict(beam=1025), "need 1 <= beam <= 1024 "),
+    (dict(penalty="wu"), "penalty must be one of gnmt, average, got 'wu'"),
 ])
 def test_search_arguments_are_checked(system, kwargs, message):
     """NaN / inf alpha ranked by NaN scores; an infinite max_len_a overflowed to a negative bound and returned EOS
@@ -287,7 +288,7 @@ def test_average_refuses_crafted_checkpoints_in_one_line(system, tmp_path, capsy
     from dtmt_models.cli.average import main as average
     from dtmt_models.models.checkpoint import read_checkpoint
 
-    _, _, _, path = system
+    _, sv, tv, path = system
     ckpt = read_checkpoint(path)
     name = "src_embed.embed.weight"
     cases = {"no_model": ({k: v for k, v in ckpt.items() if k != "model"}, "not a translation checkpoint (it has no "
@@ -510,6 +511,30 @@ def test_cli_translate_stdin_and_nbest(system, reference, tmp_path, monkeypatch,
     assert "translated 8 sentences" in captured.err                     # summary unless --quiet
 
 
+def test_cli_translate_ranks_by_the_average_with_length_penalty_average(system, tmp_path, capsys):
+    """--length-penalty average (papers 001, 003 and 004: scores "normalized by sentence length"): every hypothesis'
+    score is its log-probability per word, EOS counted, and the CLI writes the n-best of beam_search ranked so, in
+    that order (the fused search's; its loop is checked against the fused search in test_beam_search.py)."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    model, sv, tv, ckpt = system
+    sentences = [s for s in INPUTS if s.strip()]
+    expected = []
+    for sentence in sentences:
+        src = torch.tensor([sv.encode(sentence)])
+        hyps = beam_search(model, src, torch.tensor([src.shape[1]]), beam=3, nbest=2, penalty="average")[0]
+        assert len(hyps) == 2 and hyps[0].score >= hyps[1].score
+        for h in hyps:
+            assert h.score == pytest.approx(h.log_prob / (len(h.tokens) + 1), rel=1e-12)
+        expected += [(tv.decode(h.tokens), h.score) for h in hyps]
+    a = write(tmp_path / "a.es", "\n".join(sentences) + "\n")
+    assert cli.main(["translate", "-c", ckpt, "--beam", "3", "--nbest", "2", "--length-penalty", "average",
+                     "--quiet", a]) == 0
+    lines = [line.split(" ||| ") for line in capsys.readouterr().out.splitlines()]
+    assert [p[1] for p in lines] == [text for text, _ in expected]
+    assert [float(p[2]) for p in lines] == pytest.approx([score for _, score in expected], abs=1e-4)
+
+
 def test_dtmt_without_a_command_is_a_usage_error(capsys):
     """`dtmt` alone prints the commands on stderr and exits 2 (argparse's status for a missing argument); asked for
     with --help, on stdout with 0."""
@@ -614,6 +639,8 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, "--max-len-a", "inf", good], 2, "--max-len-a inf: must be a finite number >= 0"),
         (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "0", good], 2, "every translation would be empty"),
         (["--checkpoint", ckpt, "--alpha", "nan", good], 2, "--alpha nan: must be a finite number"),
+        (["--checkpoint", ckpt, "--length-penalty", "average", "--alpha", "0.6", good], 2,
+         "--alpha 0.6: the gnmt length penalty's exponent; --length-penalty average has none"),
         (["--checkpoint", ckpt, "--threads", "-1", good], 2, "--threads -1: must be an integer in [0, 1,024]"),
         # (--threads 100000 crashed the process; an integer past int64 was a traceback)
         (["--checkpoint", ckpt, "--threads", "100000", good], 2,

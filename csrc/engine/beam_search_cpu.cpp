@@ -46,8 +46,10 @@ struct Tree {
   }
 };
 
-// GNMT's lp(y) = ((5 + |y|) / 6) ^ alpha, in double as Python's floats (beam_search.length_penalty).
-double length_penalty(int64_t length, double alpha) {
+// lp(y) for a hypothesis of `length` words (EOS included), in double as Python's floats (hypotheses.length_penalty):
+// GNMT's ((5 + |y|) / 6) ^ alpha, or |y| (kLengthAverage: the log-probability per word).
+double length_penalty(int64_t length, double alpha, int64_t kind) {
+  if (kind == kLengthAverage) return static_cast<double>(length);
   return std::pow((5.0 + static_cast<double>(length)) / 6.0, alpha);
 }
 
@@ -350,7 +352,7 @@ bool BeamSearch::keep_best(int64_t t, int64_t V) {
       if (sc == neg_inf) break;
       const int64_t j = ti[i * K + c], o = j / V, w = j % V;
       if (w == eos) {
-        done.push_back({rows_[i * beam + o], t, sc / length_penalty(t + 1, o_.alpha), sc});
+        done.push_back({rows_[i * beam + o], t, sc / length_penalty(t + 1, o_.alpha, o_.length_penalty), sc});
       } else if (k < beam) {
         new_scores_[k] = sc;
         new_origin_[k] = o;
@@ -361,10 +363,11 @@ bool BeamSearch::keep_best(int64_t t, int64_t V) {
     }
     std::stable_sort(done.begin(), done.end(), [](const Hyp& x, const Hyp& y_) { return x.score > y_.score; });
     if (static_cast<int64_t>(done.size()) > beam) done.resize(beam);
-    // finished when no open hypothesis can still enter the nbest (log-probs only decrease; the length penalty
-    // is at most that of the max length), or, with early_stop, as soon as it is full
+    // finished when no open hypothesis can still enter the nbest (log-probs only decrease, and a penalty that grows
+    // with the length is at most that of the max length; one that does not grow is taken as 1, an upper bound),
+    // or, with early_stop, as soon as it is full
     const double best_open = *std::max_element(new_scores_.begin(), new_scores_.end());
-    const double bound = o_.alpha > 0 ? best_open / length_penalty(max_len_[b], o_.alpha) : best_open;
+    const double bound = best_open / std::max(length_penalty(max_len_[b], o_.alpha, o_.length_penalty), 1.0);
     const int64_t n_done = static_cast<int64_t>(done.size());
     if (t + 1 >= max_len_[b] || best_open == neg_inf ||
         (o_.early_stop ? n_done >= beam : n_done >= nbest_ && bound <= done[nbest_ - 1].score))

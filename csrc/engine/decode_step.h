@@ -204,18 +204,21 @@ struct SearchModel {
   at::Tensor embed, positions, token_products, position_products, context_heads;
 };
 
-// SearchSettings: beam >= 1, alpha the GNMT length-penalty exponent, bos / eos the target's ids. step_tables: the
-// steps read what the search makes once per sentence (StepTables, each decided once for the whole search): the
-// context's products where source_products_pay says they pay, the keys' exponentials where key_exps_cpu applies;
-// the same search up to the rounding of those sums; and, given the model's token tables, the previous token's
-// products from them; with context_heads, the context's products made from it. false: rnmt_step_cpu's arithmetic
+// SearchSettings: beam >= 1, alpha the GNMT length-penalty exponent, length_penalty kLengthGnmt (GNMT's
+// ((5 + |y|) / 6) ^ alpha) or kLengthAverage (|y|: scores per word, alpha unused), bos / eos the target's ids.
+// step_tables: the steps read what the search makes once per sentence (StepTables, each decided once for the whole
+// search): the context's products where source_products_pay says they pay, the keys' exponentials where
+// key_exps_cpu applies; the same search up to the rounding of those sums; and, given the model's token tables, the
+// previous token's products from them; with context_heads, the context's products made from it. false: rnmt_step_cpu's arithmetic
 // exactly. early_stop: a sentence ends as soon as it has `beam` finished hypotheses (fairseq's, CTranslate2's and
 // Hugging Face's rule); false (beam_search.py's default): once no open hypothesis can still enter its `nbest` best
 // finished ones (1 <= nbest <= beam; nullopt: beam), which are then exactly those a search run to max length
 // returns. banned: ids never chosen (PAD, BOS), their log-probabilities -inf before the candidates are ranked.
+constexpr int64_t kLengthGnmt = 0, kLengthAverage = 1;
 struct SearchSettings {
   int64_t beam = 1;
   double alpha = 0.0;
+  int64_t length_penalty = kLengthGnmt;
   int64_t bos = 0, eos = 0;
   bool step_tables = false, early_stop = false;
   std::optional<int64_t> nbest;

@@ -55,7 +55,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
     double cell_eps, at::TensorList attention, double att_eps, at::TensorList readout, double readout_eps,
     int64_t beam, double alpha, const Tensor& max_len, int64_t bos, int64_t eos, bool step_tables,
     bool early_stop, const OptTensor& token_products, const OptTensor& position_products,
-    const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned) {
+    const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned,
+    c10::string_view length_penalty) {
   const dtmt::SearchSource source{last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), max_len};
   const dtmt::SearchModel model{dtmt::cell_weights(q_kind, dense(q_params), "rnmt_beam_search", "q_params"),
                                 dtmt::cell_weights(d_kind, dense(d_params), "rnmt_beam_search", "d_params"),
@@ -67,7 +68,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
                                 dense(token_products, embed),
                                 dense(position_products, embed),
                                 given(context_heads) ? context_heads->contiguous() : Tensor()};
-  const dtmt::SearchSettings settings{beam, alpha, bos, eos, step_tables, early_stop, nbest,
+  TORCH_CHECK_VALUE(length_penalty == "gnmt" || length_penalty == "average",
+                    "dtmt._C.rnmt_beam_search: length_penalty must be gnmt or average, got ", length_penalty);
+  const int64_t penalty = length_penalty == "average" ? dtmt::kLengthAverage : dtmt::kLengthGnmt;
+  const dtmt::SearchSettings settings{beam, alpha, penalty, bos, eos, step_tables, early_stop, nbest,
                                       banned.has_value() ? banned->vec() : std::vector<int64_t>()};
   auto r = dtmt::rnmt_beam_search_cpu(source, model, settings);
   return {r[0], r[1], r[2], r[3], r[4]};
@@ -99,7 +103,7 @@ TORCH_LIBRARY_FRAGMENT(dtmt, m) {
         "Tensor[] attention, float att_eps, Tensor[] readout, float readout_eps, int beam, float alpha, "
         "Tensor max_len, int bos, int eos, bool step_tables=False, bool early_stop=False, "
         "Tensor? token_products=None, Tensor? position_products=None, Tensor? context_heads=None, int? nbest=None, "
-        "int[]? banned=None) -> "
+        "int[]? banned=None, str length_penalty=\"gnmt\") -> "
         "(Tensor counts, Tensor lengths, Tensor tokens, Tensor scores, Tensor log_probs)");
   m.def("memory_encoder(Tensor x, Tensor memory, Tensor src_mask, bool reverse, int cell_kind, Tensor[] cell, "
         "float cell_eps, Tensor[] addressing) -> (Tensor states, Tensor memory_out)");

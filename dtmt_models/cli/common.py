@@ -118,8 +118,12 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True, 
 
     g = parser.add_argument_group("decoding")
     g.add_argument("--beam", type=int, default=4, help="beam size (1: greedy; default 4)")
-    g.add_argument("--alpha", type=float, default=0.6,
-                   help="length penalty exponent, ((5+|y|)/6)^alpha (default 0.6; 0: raw log-probability)")
+    g.add_argument("--length-penalty", choices=("gnmt", "average"), default="gnmt",
+                   help="what hypotheses are ranked by: gnmt, log P / ((5+|y|)/6)^alpha (paper 000's decoding; the "
+                        "default), or average, log P / |y| (papers 001, 003 and 004: 'normalized by sentence "
+                        "length', with --beam 10)")
+    g.add_argument("--alpha", type=float, default=None,
+                   help="the gnmt length penalty's exponent (default 0.6; 0: raw log-probability)")
     g.add_argument("--max-tokens", type=int, default=2000,
                    help="source subwords per batch, padding included (default 2000)")
     if batch_size:
@@ -190,6 +194,11 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
     if args.max_len_a == 0 and args.max_len_b == 0:
         raise UsageError("--max-len-a 0 --max-len-b 0: every translation would be empty; allow at least one token")
     check_finite("--alpha", args.alpha)
+    if args.alpha is not None and args.length_penalty != "gnmt":
+        raise UsageError(f"--alpha {args.alpha:g}: the gnmt length penalty's exponent; --length-penalty "
+                         f"{args.length_penalty} has none")
+    if args.alpha is None:   # (the default, resolved here once: a given --alpha is checked against the penalty)
+        args.alpha = 0.6
     if args.int8 and (args.backend not in ("auto", "cpp") or args.device != "cpu"):
         raise UsageError(f"--int8 decodes with the C++ decoder step on the CPU (--backend auto or cpp, --device cpu), "
                          f"got --backend {args.backend} --device {args.device}")
@@ -221,6 +230,6 @@ def build_decoder(model, int8: bool = False, amp: str = "off"):
 
 
 def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
-    return dict(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens, max_len_a=args.max_len_a,
-                max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len, early_stop=args.early_stop,
-                max_sentences=args.batch_size)
+    return dict(beam=args.beam, alpha=args.alpha, penalty=args.length_penalty, max_tokens=args.max_tokens,
+                max_len_a=args.max_len_a, max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len,
+                early_stop=args.early_stop, max_sentences=args.batch_size)

@@ -70,8 +70,8 @@ def _run(args: argparse.Namespace) -> int:
 
     check_decoding_arguments(args)
     check_count("--port", args.port, 0, 65535)
-    settings = ServeSettings(beam=args.beam, alpha=args.alpha, max_tokens=args.max_tokens,
-                             max_src_len=args.max_src_len, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+    settings = ServeSettings(beam=args.beam, alpha=args.alpha, penalty=args.length_penalty,
+                             max_tokens=args.max_tokens, max_src_len=args.max_src_len, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                              early_stop=args.early_stop,
                              max_sentences=args.max_sentences, max_chars=args.max_chars,
                              batch_sentences=args.batch_sentences, max_wait_ms=args.max_wait_ms,

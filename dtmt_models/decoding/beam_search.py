@@ -1,8 +1,9 @@
 """Batched beam search over the Seq2Seq interface (encode / step / reorder), greedy as beam 1.
 
 Hypotheses are ranked by log P(y|x) / lp(y) with the GNMT length penalty of paper 000's decoding,
-lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability). A sentence is finished when no open
-hypothesis can still enter the `nbest` best complete ones (it has `nbest` and no open one can beat the nbest-th:
+lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability), or with penalty "average" by the
+log-probability per word, lp(y) = |y| (papers 001, 003 and 004: hypotheses.length_penalty). A sentence is finished
+when no open hypothesis can still enter the `nbest` best complete ones (it has `nbest` and no open one can beat the nbest-th:
 log-probabilities only decrease and the length penalty is at most that of the max length, so what is returned is
 what running on would return), with `early_stop` as soon as it has `beam` complete hypotheses (the rule of
 fairseq, CTranslate2 and Hugging Face's `early_stopping=True`), or at max length (source length * max_len_a +
@@ -14,8 +15,8 @@ sentence finished, so that `index` keeps every row among its own sentence's rows
 rows of a sentence (the annotations, attention keys, source mask) may then be kept as it is.
 
 A decoder whose `search` is not None (FusedRNMTDecoder: the attentional RNMT systems) runs this whole loop as one
-C++ call, `search(state, beam, alpha, max_len, early_stop, nbest)`, after `encode`, without Python between steps: the same
-decisions in the same arithmetic (the loop here is its reference in tests/test_beam_search.py) with
+C++ call, `search(state, beam, alpha, max_len, early_stop, nbest, penalty)`, after `encode`, without Python between
+steps: the same decisions in the same arithmetic (the loop here is its reference in tests/test_beam_search.py) with
 EngineOptions(step_tables=False); by default its steps read tables made once (per model, per sentence) instead of
 recomputing their products, the same search up to the rounding of those sums.
 `fused=False` keeps the loop here. Without a fused search, off the CPU (a GPU), the loop is device_search's: the
@@ -43,14 +44,14 @@ from dtmt_models.data.vocabulary import BOS, EOS, never_output
 from dtmt_models.decoding.device_search import device_loop
 from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, MAX_SEARCH_STEPS, NEG_INF,  # noqa: F401
                                              NON_FINITE_SCORE, Hypothesis, NonFiniteScores, check_banned,
-                                             length_penalty)
+                                             LENGTH_PENALTIES, bound_penalty, length_penalty)
 from dtmt_models.engine.decoder import as_decoder
 from dtmt_models.models.modes import eval_mode
 
 
 
 
-def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> Tuple[int, int]:
+def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gnmt") -> Tuple[int, int]:
     """beam_search's numbers (ValueError naming the argument); returns (beam, nbest) as ints."""
     try:
         beam, nbest = operator.index(beam), operator.index(nbest)
@@ -60,6 +61,8 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> Tuple[in
         raise ValueError(f"need 1 <= beam <= {MAX_BEAM} and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
         raise ValueError(f"alpha must be a finite number, got {alpha!r}")
+    if penalty not in LENGTH_PENALTIES:
+        raise ValueError(f"penalty must be one of {', '.join(LENGTH_PENALTIES)}, got {penalty!r}")
     if not isinstance(max_len_a, numbers.Real) or not 0 <= max_len_a < math.inf:   # NaN fails this too
         raise ValueError(f"max_len_a must be a finite number >= 0, got {max_len_a!r}")
     if not isinstance(max_len_b, numbers.Integral) or max_len_b < 0:
@@ -70,7 +73,7 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b) -> Tuple[in
 @torch.no_grad()
 def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: float = 0.6, nbest: int = 1,
                 max_len_a: float = 2.0, max_len_b: int = 10, fused: bool = True, early_stop: bool = False,
-                on_device: Optional[bool] = None) -> List[List[Hypothesis]]:
+                on_device: Optional[bool] = None, penalty: str = "gnmt") -> List[List[Hypothesis]]:
     """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first. `model`: a Seq2Seq
     (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
     encode / step / reorder. A sentence takes at most max_len_a x its source length + max_len_b steps, EOS
@@ -81,9 +84,10 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     a search run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner, even
     before `beam` are finished). `on_device`: without a fused search, the loop whose bookkeeping stays on the
     device (device_search: the same decisions, a read every few steps) instead of the one here; None takes it where
-    `src` is not on the CPU. A model in training mode decodes in eval mode (see the module docstring). An empty
-    batch (B = 0) translates to []."""
-    beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
+    `src` is not on the CPU. `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (the module
+    docstring). A model in training mode decodes in eval mode (see the module docstring). An empty batch (B = 0)
+    translates to []."""
+    beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty)
     if isinstance(src, Tensor) and src.is_meta:
         raise ValueError("beam_search: src is on the meta device, which holds no tokens to translate")
     if isinstance(src, Tensor) and src.dim() == 2 and src.shape[0] == 0 and isinstance(src_lengths, Tensor) \
@@ -93,11 +97,12 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
         on_device = src.device.type != "cpu"
     with eval_mode(model):
         return _beam_search(model, src, src_lengths, beam, alpha, nbest, max_len_a, max_len_b, fused, early_stop,
-                            on_device)
+                            on_device, penalty)
 
 
 def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: float, nbest: int, max_len_a: float,
-                 max_len_b: int, fused: bool, early_stop: bool, on_device: bool) -> List[List[Hypothesis]]:
+                 max_len_b: int, fused: bool, early_stop: bool, on_device: bool,
+                 penalty: str) -> List[List[Hypothesis]]:
     model = as_decoder(model)
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
@@ -110,7 +115,7 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
     search = model.search if fused else None
     if search is not None:
         try:
-            found = search(state, beam, alpha, max_len, early_stop=early_stop, nbest=nbest)
+            found = search(state, beam, alpha, max_len, early_stop=early_stop, nbest=nbest, penalty=penalty)
         except ValueError as exc:
             if NON_FINITE_SCORE not in str(exc):
                 raise
@@ -118,7 +123,7 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
         return [[Hypothesis(*h) for h in hyps[:nbest]] for hyps in found]
     banned_ids = never_output(model.pad_id)
     if on_device:
-        return device_loop(model, state, max_len, beam, alpha, nbest, early_stop, banned_ids)
+        return device_loop(model, state, max_len, beam, alpha, nbest, early_stop, banned_ids, penalty=penalty)
     state = model.reorder(state, torch.arange(B, device=device).repeat_interleave(beam))
     scores = torch.full((B, beam), float("-inf"), device=device)
     scores[:, 0] = 0.0                                   # all beams start identical: keep one
@@ -166,7 +171,7 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
                 o, w = divmod(j, V)
                 if w == EOS:
                     hyp = rows[i * beam + o]
-                    finished[b].append(Hypothesis(hyp, s / length_penalty(len(hyp) + 1, alpha), s))
+                    finished[b].append(Hypothesis(hyp, s / length_penalty(len(hyp) + 1, alpha, penalty), s))
                 elif k < beam:
                     new_scores[k], new_origin[k], new_word[k] = s, o, w
                     k += 1
@@ -174,10 +179,10 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
                     break
             finished[b].sort(key=lambda h: -h.score)
             del finished[b][beam:]
-            # finished when no open hypothesis can still enter the nbest (log-probs only decrease; the length
-            # penalty is at most that of the max length), or with early_stop as soon as it is full
+            # finished when no open hypothesis can still enter the nbest (bound_penalty), or with early_stop as soon
+            # as it is full
             best_open = max(new_scores)
-            bound = best_open / length_penalty(max_len_list[b], alpha) if alpha > 0 else best_open
+            bound = best_open / bound_penalty(max_len_list[b], alpha, penalty)
             if t + 1 >= max_len_list[b] or best_open == NEG_INF or (
                     len(finished[b]) >= beam if early_stop else
                     len(finished[b]) >= nbest and bound <= finished[b][nbest - 1].score):

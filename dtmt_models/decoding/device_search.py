@@ -58,17 +58,17 @@ class DeviceSearch:
     (float32, the loop's sums); history [n K, steps] their words; fin_score / fin_logp [n, K] (float64, sorted, best
     first), fin_len, fin_tokens [n, K, steps], fin_count [n]: the finished ones; active [n]; bad_step / bad_score
     [n]: the first step whose best candidate was not finite (steps: none); max_len [n] and lp_bound [n], the
-    length penalty at max_len."""
+    length penalty at max_len (at least 1: hypotheses.bound_penalty)."""
 
     def __init__(self, model, beam: int, alpha: float, nbest: int, early_stop: bool, banned: Sequence[int],
-                 steps: int, device: torch.device):
+                 steps: int, device: torch.device, penalty: str = "gnmt"):
         model = as_decoder(model)
         self.model, self.K, self.alpha, self.nbest, self.early_stop = model, beam, alpha, nbest, early_stop
         self.banned, self.steps, self.device = list(banned), steps, device
         self.banned_t = torch.tensor(self.banned, dtype=torch.long, device=device)
         self.reorder_within = model.reorder_within
         # lp(n) for every length, by the function the Python loop calls (Python's pow, not the device's)
-        self.lp = torch.tensor([length_penalty(n, alpha) for n in range(steps + 1)], dtype=torch.float64,
+        self.lp = torch.tensor([length_penalty(n, alpha, penalty) for n in range(steps + 1)], dtype=torch.float64,
                                device=device)
 
     def start(self, state, max_len: Tensor) -> Carry:
@@ -88,7 +88,7 @@ class DeviceSearch:
             active=torch.ones((B,), dtype=torch.bool, device=dev),
             bad_step=torch.full((B,), steps, dtype=torch.long, device=dev),
             bad_score=torch.zeros((B,), device=dev),
-            max_len=max_len, lp_bound=self.lp[max_len])
+            max_len=max_len, lp_bound=self.lp[max_len].clamp_min(1.0))   # (hypotheses.bound_penalty)
 
     def advance(self, c: Carry) -> Carry:
         """One step of every sentence (a done one's results do not change; its rows stay where they are)."""
@@ -133,7 +133,7 @@ class DeviceSearch:
         fin_count = (fin_count + ends.sum(1)).clamp_max(K)
         # done when no open hypothesis can still enter the nbest, or with early_stop once `beam` are finished
         best_open = new_scores.max(1).values
-        bound = best_open.double() / c["lp_bound"] if self.alpha > 0 else best_open.double()
+        bound = best_open.double() / c["lp_bound"]
         nbest = self.nbest
         full = fin_count >= K if self.early_stop else (fin_count >= nbest) & (bound <= fin_score[:, nbest - 1])
         active = active & ~((t + 1 >= max_len) | (best_open == NEG_INF) | full)
@@ -178,14 +178,15 @@ class DeviceSearch:
 
 def device_loop(model, state, max_len: Tensor, beam: int, alpha: float, nbest: int, early_stop: bool,
                 banned: Sequence[int], check_every: Optional[int] = None,
-                host: Optional[Callable[[Tensor], list]] = None, graphs: Optional[bool] = None
-                ) -> List[List[Hypothesis]]:
+                host: Optional[Callable[[Tensor], list]] = None, graphs: Optional[bool] = None,
+                penalty: str = "gnmt") -> List[List[Hypothesis]]:
     """The search after `model.encode`: `state` (B rows), `max_len` [B] (long, on the state's device: the steps
     each sentence may take, EOS included), `banned` the words never chosen (PAD, BOS). Returns for each sentence its
     `nbest` best hypotheses, best first, as beam_search does. `check_every` >= 1: steps between two reads of the
     done flags (1 reads every step, as the Python loop does; None: CHECK_EVERY). `host`: the function that reads a
     tensor to a list (to_host). `graphs`: the steps between two checks replayed as a CUDA graph (StepGraph) where
-    the decoder's state keeps its shapes from step to step; None: GRAPHS, on a CUDA device."""
+    the decoder's state keeps its shapes from step to step; None: GRAPHS, on a CUDA device. `penalty`: the length
+    penalty (hypotheses.length_penalty)."""
     host = host or to_host
     check_every = CHECK_EVERY if check_every is None else check_every
     if check_every < 1:
@@ -193,7 +194,7 @@ def device_loop(model, state, max_len: Tensor, beam: int, alpha: float, nbest: i
     device = max_len.device
     graphs = GRAPHS and device.type == "cuda" if graphs is None else graphs
     steps = int(max(host(max_len)))   # one read before the loop
-    search = DeviceSearch(model, beam, alpha, nbest, early_stop, banned, steps, device)
+    search = DeviceSearch(model, beam, alpha, nbest, early_stop, banned, steps, device, penalty)
     c = search.start(state, max_len)
     ids = list(range(max_len.shape[0]))   # the sentence of each group of K rows
     results: List[List[Hypothesis]] = [[] for _ in ids]

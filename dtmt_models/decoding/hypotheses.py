@@ -51,6 +51,21 @@ def check_banned(banned: List[int], vocab_size: int) -> None:
         raise ValueError(f"beam_search: the model's pad_id {banned} is not one of its {vocab_size} words")
 
 
-def length_penalty(length: Union[int, Tensor], alpha: float) -> Union[float, Tensor]:
-    """lp(y) for a length (an int gives a float, a tensor of lengths a float tensor)."""
+# the length penalties a search ranks by (csrc/engine/decode_step.h: kLengthGnmt, kLengthAverage, in this order)
+LENGTH_PENALTIES = ("gnmt", "average")
+
+
+def length_penalty(length: Union[int, Tensor], alpha: float, penalty: str = "gnmt") -> Union[float, Tensor]:
+    """lp(y) for a hypothesis of `length` words, EOS included (an int gives a float, a tensor of lengths a float
+    tensor): "gnmt" ((5 + |y|) / 6) ** alpha, paper 000's decoding (l.203, alpha 0.6); "average" |y|, the
+    log-probability per word of papers 001 (l.177), 003 (l.237) and 004 (l.152), "normalized by sentence length"
+    (alpha unused)."""
+    if penalty == "average":
+        return length / 1.0
     return ((5.0 + length) / 6.0) ** alpha
+
+
+def bound_penalty(max_len: int, alpha: float, penalty: str = "gnmt") -> float:
+    """The divisor that bounds what an open hypothesis can still score, from the best open log-probability: lp at
+    the max length where lp grows with the length (log-probabilities only decrease), else 1 (an upper bound)."""
+    return max(length_penalty(max_len, alpha, penalty), 1.0)

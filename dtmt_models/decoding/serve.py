@@ -54,6 +54,7 @@ class ServeSettings:
     """What a server decodes with and what it accepts."""
     beam: int = 4
     alpha: float = 0.6
+    penalty: str = "gnmt"         # the length penalty: gnmt (with alpha) or average
     max_tokens: int = 2000        # source subwords per decoding batch (translate's batches)
     max_src_len: int = 250
     max_len_a: float = 2.0
@@ -346,7 +347,8 @@ class Server:
         return web.json_response({
             **self.info,
             "source_vocabulary": len(self.src_vocab), "target_vocabulary": len(self.tgt_vocab),
-            "decoding": {"beam": s.beam, "alpha": s.alpha, "max_tokens": s.max_tokens, "max_src_len": s.max_src_len,
+            "decoding": {"beam": s.beam, "alpha": s.alpha, "length_penalty": s.penalty, "max_tokens": s.max_tokens,
+                         "max_src_len": s.max_src_len,
                          "max_len_a": s.max_len_a, "max_len_b": s.max_len_b, "early_stop": s.early_stop},
             "limits": {"max_sentences": s.max_sentences, "max_chars": s.max_chars},
             "batching": {"batch_sentences": s.batch_sentences, "max_wait_ms": s.max_wait_ms},
@@ -419,7 +421,7 @@ class Server:
         results, messages = input_warnings(lambda: translate(
             self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha, max_tokens=s.max_tokens,
             max_src_len=s.max_src_len, max_len_a=s.max_len_a, max_len_b=s.max_len_b, decoder=self.decoder,
-            early_stop=s.early_stop))
+            early_stop=s.early_stop, penalty=s.penalty))
         for message in messages:
             if message not in self._seen_warnings:
                 self._seen_warnings.add(message)

@@ -91,7 +91,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
               beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,
               max_len_b: int = 10, device=None, progress: Optional[Progress] = None,
               max_src_len: Optional[int] = 250, decoder=None, early_stop: bool = False,
-              max_sentences: Optional[int] = None) -> List[List[Tuple[str, float]]]:
+              max_sentences: Optional[int] = None, penalty: str = "gnmt") -> List[List[Tuple[str, float]]]:
     """Translates `sentences` (plain text, one sentence each); returns for every sentence, in input order, its
     up to `nbest` best (translation, length-normalised log-probability) pairs, best first.
 
@@ -105,8 +105,9 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     with unchanging weights (a server); None builds it here, once per call. `early_stop`: beam_search's (a
     sentence ends once it has `beam` finished hypotheses). `max_sentences` (None: no bound) caps a batch's
     sentences as `max_tokens` caps its padded source subwords (OpenNMT-py's and fairseq's --batch-size). A model
-    that scores NaN or +inf raises NonFiniteScores naming the sentence (1-based, in `sentences`) and the step."""
-    check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b)
+    that scores NaN or +inf raises NonFiniteScores naming the sentence (1-based, in `sentences`) and the step.
+    `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (beam_search's)."""
+    check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty)
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
         if size is not None and len(vocab) != size:   # (decoded with another vocabulary: fluent nonsense)
@@ -160,7 +161,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
             lengths = torch.tensor([len(ids[j]) for j in batch], dtype=torch.long)
             try:
                 hyps = beam_search(decoder, src.to(device), lengths.to(device), beam=beam, alpha=alpha, nbest=nbest,
-                                   max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop)
+                                   max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop,
+                                   penalty=penalty)
             except NonFiniteScores as exc:   # named by its place in `sentences`, not in the batch
                 raise NonFiniteScores(exc.score, exc.step, exc.sentence,
                                       f"sentence {todo[batch[exc.sentence]] + 1}") from None

@@ -254,7 +254,7 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
                      readout: ReadoutWeights, beam: int, alpha: float, max_len: Tensor, bos: int, eos: int,
                      step_tables: bool = False, early_stop: bool = False, token_table: Optional[Tensor] = None,
                      position_table: Optional[Tensor] = None, context_table: Optional[Tensor] = None,
-                     nbest: Optional[int] = None, banned: Optional[List[int]] = None
+                     nbest: Optional[int] = None, banned: Optional[List[int]] = None, penalty: str = "gnmt"
                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Inference only: beam search over `rnmt_step` in one C++ call, the loop of dtmt_models.decoding.beam_search
     (its reference: the same hypotheses, scores and order) with no Python between steps. The decoder state as
@@ -275,12 +275,13 @@ def rnmt_beam_search(annotations: Tensor, keys: Tensor, src_mask: Tensor, s: Ten
     ends as soon as it has `beam` finished hypotheses (beam_search's `early_stop`). Otherwise it ends once no open
     hypothesis can enter its `nbest` best finished ones (1 <= nbest <= beam; None: beam), so that those are exactly what
     a search run to max length would return (beam_search's `nbest`). `banned`: ids never chosen; beam_search passes
-    [pad_id, BOS] (its reference loop's mask), None bans nothing."""
+    [pad_id, BOS] (its reference loop's mask), None bans nothing. `penalty`: the length penalty the scores are
+    ranked by, "gnmt" (with alpha) or "average" (dtmt_models.decoding.hypotheses.length_penalty)."""
     return torch.ops.dtmt.rnmt_beam_search(annotations, keys, src_mask, s, embed, positions, query_cell.kind,
                                            query_cell.params, decoder_cell.kind, decoder_cell.params, query_cell.eps,
                                            attention.tensors, attention.ln_eps, readout.tensors, readout.eps, beam,
                                            alpha, max_len, bos, eos, step_tables, early_stop, token_table,
-                                           position_table, context_table, nbest, banned)
+                                           position_table, context_table, nbest, banned, penalty)
 
 
 def memory_encoder(x: Tensor, memory: Tensor, src_mask: Tensor, reverse: bool, cell, addressing: MemoryWeights):
@@ -337,7 +338,7 @@ def _rnmt_step_fake(y, s, keys, annotations, src_mask, q_kind, q_params, d_kind,
 def _rnmt_beam_search_fake(annotations, keys, src_mask, s, embed, positions, q_kind, q_params, d_kind, d_params,
                            cell_eps, attention, att_eps, readout, readout_eps, beam, alpha, max_len, bos, eos,
                            step_tables=False, early_stop=False, token_products=None, position_products=None,
-                           context_heads=None, nbest=None, banned=None):
+                           context_heads=None, nbest=None, banned=None, length_penalty="gnmt"):
     _fake_check("rnmt_beam_search", (("q_kind", q_kind), ("d_kind", d_kind)), src_mask=(src_mask, [None, None]))
     B, S = src_mask.shape
     _fake_check("rnmt_beam_search", s=(s, [B, None]), keys=(keys, [B, S, None, None]),

@@ -182,11 +182,11 @@ class FusedRNMTDecoder:
 
     @torch.no_grad()   # inference only (the ops write into buffers: no autograd)
     def _search(self, state: State, beam: int, alpha: float, max_len: Tensor, early_stop: bool = False,
-                nbest: Optional[int] = None) -> List[List[Tuple[List[int], float, float]]]:
+                nbest: Optional[int] = None, penalty: str = "gnmt") -> List[List[Tuple[List[int], float, float]]]:
         """beam_search's loop (dtmt_models.decoding.beam_search, its reference) in one C++ call,
         ops.rnmt_beam_search, from the state `encode` made: for each sentence its finished hypotheses,
         best first, as (tokens, score, log_prob): up to `beam` of them, of which the first `nbest` are what a search
-        run to max length would give (beam_search's rule; nbest None: beam). `early_stop`: beam_search's."""
+        run to max length would give (beam_search's rule; nbest None: beam). `early_stop`, `penalty`: beam_search's."""
         if "drop_q" in state or "drop_d" in state:
             raise ValueError("FusedRNMTDecoder.search: the state has candidate-dropout masks (a model in training "
                              "mode); decode in eval mode")
@@ -200,7 +200,7 @@ class FusedRNMTDecoder:
             state["annotations"], keys, state["src_mask"], s, emb.weight, positions, self.query_cell,
             self.decoder_cell, self.attention, self.readout, beam, alpha, max_len, BOS, EOS, self.options.step_tables,
             early_stop, self.token_table, position_table, self.context_table, nbest,
-            never_output(self.pad_id))
+            never_output(self.pad_id), penalty)
         flat, sizes = tokens.tolist(), lengths.tolist()
         hyps = [(flat[end - n:end], score, lp) for n, end, score, lp in zip(sizes, accumulate(sizes), scores.tolist(),
                                                                            log_probs.tolist())]

@@ -57,22 +57,22 @@ void check_optional_sizes(const at::Tensor& t, std::initializer_list<int64_t> si
               ", got ", t.sizes());
 }
 
-void check_floating(const at::Tensor& t, const char* op, const char* name, bool int8_rows) {
+void check_floating(const at::Tensor& t, const char* op, const char* name, bool int8_rows, const char* what) {
   if (!given(t)) return;
   const at::ScalarType type = t.scalar_type();
-  TORCH_CHECK(at::isFloatingType(type) || (int8_rows && type == at::kChar), "dtmt::", op, ": ", name,
-              " must be a floating-point tensor", int8_rows ? " (or int8 rows)" : "", ", got ", type);
+  TORCH_CHECK(at::isFloatingType(type) || (int8_rows && type == at::kChar), "dtmt::", op, ": ", what ? what : "",
+              what ? ": " : "", name, " must be a floating-point tensor", int8_rows ? " (or int8 rows)" : "", ", got ",
+              type);
 }
 
 int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* op, const char* what) {
   const int64_t kind = w.kind;
-  const std::string prefix = std::string(what) + ": ";
   for (const auto& [t, name, rows] : {std::tuple<const at::Tensor&, const char*, bool>{w.w_ih, "w_ih", true},
                                       {w.w_hh, "w_hh", true}, {w.t_w, "t_w", true}, {w.b_ih, "b_ih", false},
                                       {w.b_hh, "b_hh", false}, {w.ln_w, "ln_w", false}, {w.ln_b, "ln_b", false},
                                       {w.t_b, "t_b", false}, {w.t_ln_w, "t_ln_w", false},
                                       {w.t_ln_b, "t_ln_b", false}})
-    check_floating(t, op, (prefix + name).c_str(), rows);
+    check_floating(t, op, name, rows, what);
   TORCH_CHECK(base_cell(kind), "dtmt::", op, ": ", what, ": unknown cell kind ", kind, " (", kBaseCellNames, ")");
   const int k = static_cast<int>(kind);
   const int64_t n_in = cell_input_rows(k), n_h = cell_hidden_rows(k), g = cell_ln_groups(k);

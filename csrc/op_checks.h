@@ -49,7 +49,9 @@ void check_optional_sizes(const at::Tensor& t, std::initializer_list<int64_t> si
 inline bool given(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // `t`, where given, holds real floating-point values (float64, float32, bfloat16, float16), or, with `int8_rows`,
-// int8 rows (small_gemm.h): not an integer, bool or complex tensor, which a kernel would convert.
-void check_floating(const at::Tensor& t, const char* op, const char* name, bool int8_rows = false);
+// int8 rows (small_gemm.h): not an integer, bool or complex tensor, which a kernel would convert. `what` (if not
+// null) goes before the name in the error, as check_cell's.
+void check_floating(const at::Tensor& t, const char* op, const char* name, bool int8_rows = false,
+                    const char* what = nullptr);
 
 }  // namespace dtmt

@@ -52,7 +52,8 @@ void linear_int8_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor&
               "dtmt: int8 weights are for the CPU");
   TORCH_CHECK(!has_bias || (bias.dim() == 1 && bias.size(0) == N),
               "dtmt: the bias of an int8 weight of ", N, " rows must be [", N, "], got ", bias.sizes());
-  TORCH_CHECK(K <= (int64_t{1} << 31) / (127 * 127), "dtmt: int8 rows of ", K, " values would overflow int32 sums");
+  // (a crafted weight of -128 against an activation of 127: 128 * 127 a product, so 132,104 values a row at most)
+  TORCH_CHECK(K <= (int64_t{1} << 31) / (128 * 127), "dtmt: int8 rows of ", K, " values would overflow int32 sums");
   const int64_t M = x_in.size(0);
   if (M == 0 || N == 0) return;
   const at::Tensor x = K > 1 && x_in.stride(1) != 1 ? x_in.contiguous() : x_in;

@@ -8,6 +8,7 @@ import torch
 
 import dtmt_models as dm
 from dtmt_models.decoding.beam_search import beam_search, greedy
+from dtmt_models.decoding.hypotheses import length_penalty
 from dtmt_models.data.vocabulary import BOS, EOS
 from dtmt_models.engine import EngineOptions
 
@@ -82,6 +83,8 @@ def test_wide_beam_finds_the_exhaustive_best(seed, penalty):
     src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
     hyps = beam_search(model, src, lengths, beam=12, alpha=0.6, nbest=3, max_len_a=0, max_len_b=4, penalty=penalty)[0]
     score, seq = exhaustive_best(model, 3, 0.6, penalty)    # max_len 4 steps = up to 3 words + EOS
+    with pytest.raises(ValueError, match="penalty must be one of gnmt, average, got 'avg'"):
+        length_penalty(3, 0.6, "avg")   # (the device loop's table is made by it: no name taken as GNMT's)
     assert hyps[0].tokens == seq and math.isclose(hyps[0].score, score, rel_tol=1e-5)
     assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
     for h in hyps:

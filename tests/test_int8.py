@@ -239,18 +239,20 @@ def test_int8_sums_exact_at_the_extremes(isa):
     """The int8 sums at the ends of the quantized ranges, where a saturating instruction would show: weight rows
     of all 127, all -127 and alternating signs against activation rows of all 127 (255 in the VNNI loops' unsigned
     form), all -127 (1) and alternating, both scales 1 (a row's peak is its int8 value), so that every output is
-    float32 of the exact integer sum: for K with a tail past whole vectors, K = 133,000 (sums within 2^21 of
-    int32's limit; the unsigned form twice past it), 1-8 rows and the panel loop's 9-17, in every instruction set
+    float32 of the exact integer sum: for K with a tail past whole vectors, K = 132,104, the most the op takes
+    (sums within 2^24 of int32's limit, and with the -128 weights below within 5,120 of it; the unsigned form twice
+    past it), 1-8 rows and the panel loop's 9-17, in every instruction set
     copy this machine runs (vpmaddubsw adds pairs into int16 with saturation: at most 2 * 128 * 127 = 32,512 there,
     which the AVX2 and AVX-512 loops keep by multiplying |w| by x carrying w's sign). Weights of -128, which
     pack_int8_rows never writes but a crafted packed tensor can hold, are exact too (with the sign on the weights,
-    -(-128) wrapped to -128 and such rows came out negated against negative activations)."""
+    -(-128) wrapped to -128 and such rows came out negated against negative activations); one value more a row is
+    refused (K = 133,144 was taken, where rows of -128 wrap int32)."""
     from dtmt_kernels import _C
 
     before = _C.cpu_isa()
     _C.set_cpu_isa(isa)
     try:
-        for K in (64, 97, 4096 + 33, 133_000):
+        for K in (64, 97, 4096 + 33, 132_104):
             signs = torch.where(torch.arange(K) % 2 == 0, 1.0, -1.0)
             rows = [torch.full((K,), 127.0), torch.full((K,), -127.0), 127.0 * signs, -127.0 * signs]
             w = torch.stack(rows * 2)                     # 8 weight rows: the loops' groups of 2 and 4, twice
@@ -260,13 +262,16 @@ def test_int8_sums_exact_at_the_extremes(isa):
                 exact = (x.to(torch.int64) @ w.to(torch.int64).T)
                 assert exact.abs().max() < 2 ** 31
                 assert torch.equal(y, exact.to(torch.float32)), (isa, K, M)
-                if K < 10_000:   # (sums of 128 * 127 at K = 133,000 pass int32)
-                    crafted = pack_int8_rows(w)
-                    body = crafted[:, :K]
-                    body[body == -127] = -128                 # (the rows' scales stay 1)
-                    y = torch.ops.dtmt.small_rows_linear(x, crafted, None)
-                    exact = x.to(torch.int64) @ body.to(torch.int64).T
-                    assert (body == -128).any() and torch.equal(y, exact.to(torch.float32)), (isa, K, M, "-128")
+                crafted = pack_int8_rows(w)
+                body = crafted[:, :K]
+                body[body == -127] = -128                     # (the rows' scales stay 1)
+                y = torch.ops.dtmt.small_rows_linear(x, crafted, None)
+                exact = x.to(torch.int64) @ body.to(torch.int64).T
+                assert exact.abs().max() < 2 ** 31
+                assert (body == -128).any() and torch.equal(y, exact.to(torch.float32)), (isa, K, M, "-128")
+        x, w = torch.ones(1, 132_105), torch.ones(3, 132_105)
+        with pytest.raises(RuntimeError, match="int8 rows of 132105 values would overflow int32 sums"):
+            torch.ops.dtmt.small_rows_linear(x, pack_int8_rows(w), None)
     finally:
         _C.set_cpu_isa(before)
 

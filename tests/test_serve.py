@@ -159,6 +159,10 @@ def test_numeric_options_are_bounded_before_loading(tmp_path, capsys, flags, mes
     ServeSettings(max_sentences=10_000, max_chars=10_000, batch_sentences=10_000, max_wait_ms=60_000,
                   shutdown_timeout=86_400, read_timeout=86_400).check()          # the bounds themselves are fine
     ServeSettings(max_wait_ms=0, shutdown_timeout=0, read_timeout=0.1).check()
+    # (a server built in Python with a penalty no search knows started, then failed every request: a review's)
+    with pytest.raises(ValueError, match="penalty must be one of gnmt, average, got 'avg'"):
+        ServeSettings(penalty="avg").check()
+    ServeSettings(penalty="average").check()
 
 
 def test_no_option_that_does_nothing(capsys):

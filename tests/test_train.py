@@ -636,6 +636,24 @@ def test_a_model_too_large_for_the_machine_is_one_line_not_the_options_fault(toy
     assert not (out / "last.pt").exists()
 
 
+def test_a_config_yaml_from_before_the_optimizer_setting_keeps_adam(tmp_path):
+    """A run configuration written before --optimizer (Adam's keys, no optimizer) of a preset that now trains with
+    Adadelta (deeplau's paper preset) still means Adam: it was refused as "adam's, and the run's optimizer is
+    adadelta" (a review's finding)."""
+    from dtmt_models.cli import train
+
+    path = tmp_path / "config.yaml"
+    path.write_text("model: deeplau\npreset: paper\nlr: 0.0005\nadam_beta2: 0.998\nadam_eps: 1.0e-09\n")
+    args = train.build_parser().parse_args([*train.config_arguments(str(path)), "--data", "."])
+    explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
+    cfg = train.resolve_config(args)
+    assert (cfg.optimizer, cfg.lr, cfg.adam_beta2) == ("adam", 5e-4, 0.998)
+    train.check_optimizer(cfg, explicit, get_preset("deeplau", "paper")["train"])   # (no refusal)
+    path.write_text("model: deeplau\npreset: paper\n")                              # (no Adam keys: the preset's)
+    args = train.build_parser().parse_args([*train.config_arguments(str(path)), "--data", "."])
+    assert train.resolve_config(args).optimizer == "adadelta"
+
+
 def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     out = str(tmp_path / "ddp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",

@@ -197,8 +197,6 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
     if args.alpha is not None and args.length_penalty != "gnmt":
         raise UsageError(f"--alpha {args.alpha:g}: the gnmt length penalty's exponent; --length-penalty "
                          f"{args.length_penalty} has none")
-    if args.alpha is None:   # (the default, resolved here once: a given --alpha is checked against the penalty)
-        args.alpha = 0.6
     if args.int8 and (args.backend not in ("auto", "cpp") or args.device != "cpu"):
         raise UsageError(f"--int8 decodes with the C++ decoder step on the CPU (--backend auto or cpp, --device cpu), "
                          f"got --backend {args.backend} --device {args.device}")
@@ -229,7 +227,15 @@ def build_decoder(model, int8: bool = False, amp: str = "off"):
         raise UsageError(f"--{'int8' if int8 else 'amp'}: {one_line(exc)}") from None
 
 
+DEFAULT_ALPHA = 0.6   # --alpha's default (None on the parser, so that a given one is told from it)
+
+
+def decoding_alpha(args: argparse.Namespace) -> float:
+    """--alpha as given, else its default (with --length-penalty average it is unused)."""
+    return DEFAULT_ALPHA if args.alpha is None else args.alpha
+
+
 def decoding_kwargs(args: argparse.Namespace, device: torch.device) -> dict:
-    return dict(beam=args.beam, alpha=args.alpha, penalty=args.length_penalty, max_tokens=args.max_tokens,
+    return dict(beam=args.beam, alpha=decoding_alpha(args), penalty=args.length_penalty, max_tokens=args.max_tokens,
                 max_len_a=args.max_len_a, max_len_b=args.max_len_b, device=device, max_src_len=args.max_src_len,
                 early_stop=args.early_stop, max_sentences=args.batch_size)

@@ -159,6 +159,8 @@ def _run(args: argparse.Namespace) -> int:
                         model_options=options[0] if one else options,
                         **{k: (str(v) if k == "device" else v) for k, v in kwargs.items()}, backend=args.backend,
                         int8=args.int8, amp=args.amp, threads=torch.get_num_threads())
+        if kwargs["penalty"] != "gnmt":   # (alpha is the GNMT penalty's: unused)
+            settings["alpha"] = None
         decode = {"seconds": round(seconds, 3), "sentences_per_s": len(sources) / max(seconds, 1e-9),
                   "src_words_per_s": sum(len(s.split()) for s in sources) / max(seconds, 1e-9),
                   "hyp_words_per_s": sum(len(h.split()) for h in hyps) / max(seconds, 1e-9)}

@@ -20,7 +20,7 @@ import sys
 from typing import List, Optional
 
 from dtmt_models.cli.common import add_decoding_arguments, build_decoder, check_decoding_arguments, \
-    check_device_and_backend, load_for_decoding, run_command, use_threads
+    check_device_and_backend, decoding_alpha, load_for_decoding, run_command, use_threads
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import ArgumentParser, UsageError, check_count, one_line
 
@@ -70,9 +70,9 @@ def _run(args: argparse.Namespace) -> int:
 
     check_decoding_arguments(args)
     check_count("--port", args.port, 0, 65535)
-    settings = ServeSettings(beam=args.beam, alpha=args.alpha, penalty=args.length_penalty,
-                             max_tokens=args.max_tokens, max_src_len=args.max_src_len, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                             early_stop=args.early_stop,
+    settings = ServeSettings(beam=args.beam, alpha=decoding_alpha(args), penalty=args.length_penalty,
+                             max_tokens=args.max_tokens, max_src_len=args.max_src_len, max_len_a=args.max_len_a,
+                             max_len_b=args.max_len_b, early_stop=args.early_stop,
                              max_sentences=args.max_sentences, max_chars=args.max_chars,
                              batch_sentences=args.batch_sentences, max_wait_ms=args.max_wait_ms,
                              shutdown_timeout=args.shutdown_timeout, read_timeout=args.read_timeout)

@@ -304,6 +304,8 @@ def config_arguments(path: str) -> List[str]:
                              f"got {_yaml_kind(value)}")
         else:
             argv += [flags[dest], str(value)]
+    if "optimizer" not in data and any(k in data for k in OPTIMIZER_SETTINGS["adam"]):
+        argv += ["--optimizer", "adam"]   # (a config.yaml from before --optimizer: its run trained with Adam)
     check = build_parser()
 
     def fail(message):

@@ -62,6 +62,8 @@ def length_penalty(length: Union[int, Tensor], alpha: float, penalty: str = "gnm
     (alpha unused)."""
     if penalty == "average":
         return length / 1.0
+    if penalty != "gnmt":
+        raise ValueError(f"penalty must be one of {', '.join(LENGTH_PENALTIES)}, got {penalty!r}")
     return ((5.0 + length) / 6.0) ** alpha
 
 

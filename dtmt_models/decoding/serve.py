@@ -33,6 +33,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from dtmt_models.decoding.beam_search import check_search_arguments
 from dtmt_models.decoding.hypotheses import MAX_BEAM
 from dtmt_models.decoding.translate import input_warnings, translate
 from dtmt_models.engine.decoder import as_decoder
@@ -80,6 +81,7 @@ class ServeSettings:
         for name, low, high in (("max_wait_ms", 0, MAX_WAIT_MS), ("shutdown_timeout", 0, MAX_TIMEOUT),
                                 ("read_timeout", MIN_READ_TIMEOUT, MAX_TIMEOUT)):
             check_finite(name, getattr(self, name), low, high)
+        check_search_arguments(self.beam, 1, self.alpha, self.max_len_a, self.max_len_b, self.penalty)
 
 
 class RequestError(Exception):
@@ -347,8 +349,8 @@ class Server:
         return web.json_response({
             **self.info,
             "source_vocabulary": len(self.src_vocab), "target_vocabulary": len(self.tgt_vocab),
-            "decoding": {"beam": s.beam, "alpha": s.alpha, "length_penalty": s.penalty, "max_tokens": s.max_tokens,
-                         "max_src_len": s.max_src_len,
+            "decoding": {"beam": s.beam, "alpha": s.alpha if s.penalty == "gnmt" else None,
+                         "length_penalty": s.penalty, "max_tokens": s.max_tokens, "max_src_len": s.max_src_len,
                          "max_len_a": s.max_len_a, "max_len_b": s.max_len_b, "early_stop": s.early_stop},
             "limits": {"max_sentences": s.max_sentences, "max_chars": s.max_chars},
             "batching": {"batch_sentences": s.batch_sentences, "max_wait_ms": s.max_wait_ms},

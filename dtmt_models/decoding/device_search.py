@@ -63,7 +63,7 @@ class DeviceSearch:
     def __init__(self, model, beam: int, alpha: float, nbest: int, early_stop: bool, banned: Sequence[int],
                  steps: int, device: torch.device, penalty: str = "gnmt"):
         model = as_decoder(model)
-        self.model, self.K, self.alpha, self.nbest, self.early_stop = model, beam, alpha, nbest, early_stop
+        self.model, self.K, self.nbest, self.early_stop = model, beam, nbest, early_stop
         self.banned, self.steps, self.device = list(banned), steps, device
         self.banned_t = torch.tensor(self.banned, dtype=torch.long, device=device)
         self.reorder_within = model.reorder_within

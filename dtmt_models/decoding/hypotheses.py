@@ -51,7 +51,7 @@ def check_banned(banned: List[int], vocab_size: int) -> None:
         raise ValueError(f"beam_search: the model's pad_id {banned} is not one of its {vocab_size} words")
 
 
-# the length penalties a search ranks by (csrc/engine/decode_step.h: kLengthGnmt, kLengthAverage, in this order)
+# the length penalties a search ranks by (the C++ search takes the same names: csrc/engine/registration.cpp)
 LENGTH_PENALTIES = ("gnmt", "average")
 
 

@@ -11,8 +11,8 @@ What a run does, in order:
      side only; the token ids stay on disk and each batch's are read when it is trained on; pairs longer than
      --max-len subwords are left out (the count is printed);
   2. trains with Adam (or Adadelta: paper 001), a learning-rate schedule (RNMT+ paper 000 eq. 17, inverse square
-     root paper 003 eq. 26-27, halved each epoch paper 004, or constant), label smoothing, the system's dropouts and gradient-norm clipping, on
-     token-budget batches bucketed by length and shuffled per epoch with the seed;
+     root paper 003 eq. 26-27, halved each epoch paper 004, or constant), label smoothing, the system's dropouts
+     and gradient-norm clipping, on token-budget batches bucketed by length and shuffled per epoch with the seed;
   3. every --valid-every updates: validation loss on dev, dev BLEU (greedy by default) and chrF; `best.pt` is
      the model of the lowest dev loss (--best-by bleu: of the highest dev BLEU), and --patience validations
      without a better one stop the run; `last.pt` written (atomically), and with --keep-last N the model of each

@@ -7,7 +7,7 @@
 #include <vector>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "intrinsics.h"
 #endif
 
 namespace dtmt {

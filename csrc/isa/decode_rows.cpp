@@ -124,6 +124,7 @@ constexpr int64_t kTopBlock = 16;
 bool top_candidates(const float* scores, const float* lp, int64_t beam, int64_t V, int64_t K, float* top_scores,
                     int64_t* top_idx) {
   const int64_t keep = std::min(K + 1, beam * V);
+  if (K < 1 || K > kMaxTopCandidates || keep < 1) return false;   // (outside the buffers: at::topk's)
   float best[kMaxTopCandidates + 1];
   int64_t where[kMaxTopCandidates + 1];
   for (int64_t p = 0; p < keep; ++p) {

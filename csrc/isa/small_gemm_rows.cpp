@@ -26,7 +26,7 @@
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "intrinsics.h"
 #define DTMT_SMALL_ROWS_AVX2 1
 #else
 #define DTMT_SMALL_ROWS_AVX2 0
@@ -299,7 +299,7 @@ inline __m128i lane_sums4(__m512i a, __m512i b, __m512i c, __m512i d) {
 }
 
 // The int8 walk with AVX512-VNNI on 64-byte vectors: vpdpbusd multiplies unsigned bytes by signed ones, so each row
-// of x goes in as xq + 128 (xu: vnni_rows' buffer, rows of KP = K rounded up to whole vectors) and
+// of x goes in as xq + 128 (xu: padded_rows' buffer, rows of KP = K rounded up to whole vectors) and
 // 128 * sum_k w[n, k] (the same vpdpbusd against bytes of 1) is taken off each sum: the int32 sums equal the
 // signed products' exactly (modulo 2^32 on the way, exact at the end, since the true sum fits in int32), so the
 // outputs are those of the other loops to the bit. R weight rows at a time (4 for M <= 4, else 2: within the 32
@@ -361,7 +361,7 @@ DTMT_VNNI_TARGET void rows_block_int8_vnni(const uint8_t* xu, int64_t KP, const 
 // The int8 walk on 64-byte vectors without VNNI (AVX512BW: Skylake-SP and the like): rows_block_int8's arithmetic,
 // |w| (unsigned bytes) times x carrying w's sign (AVX-512 has no vpsignb: x negated under w's sign mask) with
 // vpmaddubsw + vpmaddwd + vpaddd, twice the bytes an instruction; the same exact int32 sums, so the same outputs to
-// the bit, for any int8 weight (rows_block_int8: why the sign goes onto x). The rows of x come from bw_rows'
+// the bit, for any int8 weight (rows_block_int8: why the sign goes onto x). The rows of x come from padded_rows'
 // buffer (rows of KP = K rounded up to whole vectors, zeros past K), made once a call instead of once a block of
 // weight rows; a weight row's K % 64 tail is a masked load.
 template <int M, int R>
@@ -404,24 +404,15 @@ void rows_block_int8_bw(const int8_t* xs, int64_t KP, const float* x_scale, cons
   if (R > 1 && n < n1) rows_block_int8_bw<M, 1>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n, n1);
 }
 
-// The M rows of xq as rows_block_int8_bw reads them: each padded with zeros to KP bytes; a buffer of this
-// thread's, kept between calls.
-inline const int8_t* bw_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP) {
-  thread_local std::vector<int8_t> buf;
-  buf.assign(static_cast<size_t>(M * KP), 0);
-  int8_t* dst = buf.data();
-  for (int m = 0; m < M; ++m) std::memcpy(dst + m * KP, xq + m * ldx, static_cast<size_t>(K));
-  return dst;
-}
-
-// The M rows of xq as rows_block_int8_vnni reads them: xq xor 0x80 (xq + 128 read unsigned), each row padded with
-// zeros to KP = K rounded up to whole 64-byte vectors; a buffer of this thread's, kept between calls.
-inline const uint8_t* vnni_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP) {
+// The M rows of xq as the 64-byte int8 loops read them, each padded with zeros to KP = K rounded up to whole
+// vectors, its bytes xor `flip`: 0x80 for rows_block_int8_vnni (xq + 128 read unsigned), 0 for rows_block_int8_bw
+// (xq as it is). A buffer of this thread's, kept between calls; made once a call, not once a block of weight rows.
+inline const uint8_t* padded_rows(int M, const int8_t* xq, int64_t ldx, int64_t K, int64_t KP, uint8_t flip) {
   thread_local std::vector<uint8_t> buf;
   buf.assign(static_cast<size_t>(M * KP), 0);
   uint8_t* dst = buf.data();   // (once: each use of a thread_local in the loop would look its address up again)
   for (int m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) dst[m * KP + k] = static_cast<uint8_t>(xq[m * ldx + k]) ^ 0x80u;
+    for (int64_t k = 0; k < K; ++k) dst[m * KP + k] = static_cast<uint8_t>(xq[m * ldx + k]) ^ flip;
   return dst;
 }
 
@@ -713,49 +704,32 @@ void row_panels(const float* x, const float* panels, int64_t K, const float* bia
 
 void small_rows_int8(int M, const int8_t* xq, int64_t ldx, const float* x_scale, const int8_t* w, int64_t K,
                      int64_t ldw, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-#define DTMT_INT8_CASES(NAME)                                                                                      \
+// NAME<M, R> for M = 1..8 on the arguments X, LDX (the rows of x), R = R4 weight rows at a time for M <= 4, else R8
+#define DTMT_INT8_CASES(NAME, X, LDX, R4, R8)                                                                      \
   switch (M) {                                                                                                   \
-    case 1: return NAME<1, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
-    case 2: return NAME<2, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
-    case 3: return NAME<3, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
-    case 4: return NAME<4, 2>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
-    case 5: return NAME<5, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
-    case 6: return NAME<6, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
-    case 7: return NAME<7, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
-    case 8: return NAME<8, 1>(xq, ldx, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 1: return NAME<1, R4>(X, LDX, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 2: return NAME<2, R4>(X, LDX, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 3: return NAME<3, R4>(X, LDX, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 4: return NAME<4, R4>(X, LDX, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 5: return NAME<5, R8>(X, LDX, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 6: return NAME<6, R8>(X, LDX, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 7: return NAME<7, R8>(X, LDX, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
+    case 8: return NAME<8, R8>(X, LDX, x_scale, w, K, ldw, bias, out, ldo, n0, n1);                              \
   }
 #if DTMT_SMALL_ROWS_AVX2 && DTMT_INT8_VNNI
-  if (int8_vnni()) {
+  {
     const int64_t KP = (K + 63) / 64 * 64;
-    const uint8_t* xu = vnni_rows(M, xq, ldx, K, KP);
-    switch (M) {
-      case 1: return rows_block_int8_vnni<1, 4>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 2: return rows_block_int8_vnni<2, 4>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 3: return rows_block_int8_vnni<3, 4>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 4: return rows_block_int8_vnni<4, 4>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 5: return rows_block_int8_vnni<5, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 6: return rows_block_int8_vnni<6, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 7: return rows_block_int8_vnni<7, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 8: return rows_block_int8_vnni<8, 2>(xu, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
+    if (int8_vnni()) {
+      const uint8_t* xu = padded_rows(M, xq, ldx, K, KP, 0x80u);
+      DTMT_INT8_CASES(rows_block_int8_vnni, xu, KP, 4, 2)
     }
+    // AVX512BW without VNNI
+    const int8_t* xs = reinterpret_cast<const int8_t*>(padded_rows(M, xq, ldx, K, KP, 0));
+    DTMT_INT8_CASES(rows_block_int8_bw, xs, KP, 4, 2)
   }
-  {   // AVX512BW without VNNI
-    const int64_t KP = (K + 63) / 64 * 64;
-    const int8_t* xs = bw_rows(M, xq, ldx, K, KP);
-    switch (M) {
-      case 1: return rows_block_int8_bw<1, 4>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 2: return rows_block_int8_bw<2, 4>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 3: return rows_block_int8_bw<3, 4>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 4: return rows_block_int8_bw<4, 4>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 5: return rows_block_int8_bw<5, 2>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 6: return rows_block_int8_bw<6, 2>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 7: return rows_block_int8_bw<7, 2>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-      case 8: return rows_block_int8_bw<8, 2>(xs, KP, x_scale, w, K, ldw, bias, out, ldo, n0, n1);
-    }
-  }
-  DTMT_INT8_CASES(rows_block_int8)   // (not reached: M is 1-8)
+  DTMT_INT8_CASES(rows_block_int8, xq, ldx, 2, 1)   // (not reached: M is 1-8)
 #else
-  DTMT_INT8_CASES(rows_block_int8)
+  DTMT_INT8_CASES(rows_block_int8, xq, ldx, 2, 1)
 #endif
 #undef DTMT_INT8_CASES
 }

@@ -40,12 +40,13 @@ def run_compile(cmd, timeout=900):
 
 
 @functools.lru_cache(maxsize=None)
-def fastest(stage):
-    """nvcc's flags for its fastest level of `stage` ("ptxas": the assembler only; "all": cicc's optimizer too) where
-    this toolkit has it (--Ofast-compile, CUDA 12.8 and later), else none."""
+def fastest(stage, level="max"):
+    """nvcc's flags for a fast-compile level of `stage` ("ptxas": the assembler only; "all": cicc's optimizer too)
+    where this toolkit has it (--Ofast-compile, CUDA 12.8 and later), else none. `level`: "max" (the fastest),
+    "mid" or "min"."""
     if NVCC is None:
         return []
     usage = subprocess.run([NVCC, "--help"], capture_output=True, text=True).stdout
     if "--Ofast-compile" not in usage:
         return []
-    return ["-Xptxas", "--Ofast-compile=max"] if stage == "ptxas" else ["--Ofast-compile=max"]
+    return ["-Xptxas", f"--Ofast-compile={level}"] if stage == "ptxas" else [f"--Ofast-compile={level}"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -622,6 +623,10 @@ def test_cli_translate_errors(system, tmp_path, capsys):
     bad.write_bytes(b"el sol\nla \xff luna\n")
     foreign = write(tmp_path / "foreign.pt", "not a checkpoint\n")
     before = good_text = open(good).read()
+    os.makedirs(tmp_path / "od")
+    named_out = str(tmp_path / "od" / "good.es.out")   # a checkpoint where --output-dir would write good.es's lines
+    shutil.copyfile(ckpt, named_out)
+    checkpoint_bytes = open(ckpt, "rb").read()
     # (arguments, exit status: 2 an option that cannot work (contract §6), 1 what the data refused; message)
     cases = [
         (["--checkpoint", str(tmp_path / "missing.pt"), good], 2, "--checkpoint " + str(tmp_path / "missing.pt") +
@@ -657,6 +662,10 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, good, "-o", good], 2, "is also an input (" + good + "); the output would "
                                                       "overwrite it"),
         (["--checkpoint", ckpt, good, "-o", os.path.join(good, "x.txt")], 2, good + " is a file, not a directory"),
+        # (the checkpoint read is an input too: -o over it wrote the translation there, exit 0)
+        (["--checkpoint", ckpt, good, "-o", ckpt], 2, "is also an input (" + ckpt + "); the output would overwrite"),
+        (["--checkpoint", named_out, good, "--output-dir", os.path.dirname(named_out)], 2,
+         f"is also an input ({named_out}); the output would overwrite it"),
         (["--checkpoint", ckpt, good, "--output-dir", str(tmp_path / "taken")], 2,
          f"--output-dir {tmp_path / 'taken'}: {tmp_path / 'taken' / 'good.es.out'}, where the translation of {good} "
          "would go, is a directory"),
@@ -668,6 +677,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         assert err.startswith("dtmt translate: ") and message in err, (args, err)
         assert err.count("\n") == 1 and "Traceback" not in err and "translated" not in err
     assert not (tmp_path / "o").exists() and open(good).read() == before == good_text
+    assert open(ckpt, "rb").read() == checkpoint_bytes == open(named_out, "rb").read()
     with pytest.raises(SystemExit) as exc:                              # argparse: usage error, status 2
         cli.main(["translate", good])
     assert exc.value.code == 2

@@ -197,10 +197,10 @@ def _run(args: argparse.Namespace) -> int:
         check_output_dir(args.output_dir, "--output-dir")
         targets = [os.path.join(args.output_dir, n) for n in names]
         for target, path in zip(targets, inputs):
-            check_output_file(target, f"--output-dir {args.output_dir}", inputs,
+            check_output_file(target, f"--output-dir {args.output_dir}", [*inputs, *args.checkpoint],
                               what=f"the translation of {'stdin' if path == '-' else path}")
     elif args.output:
-        check_output_file(args.output, "--output", inputs)
+        check_output_file(args.output, "--output", [*inputs, *args.checkpoint])   # (nor a checkpoint it reads)
     use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     if inputs == ["-"] and not args.output and not args.output_dir:   # stdin to stdout: line groups as they come

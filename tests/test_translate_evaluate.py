@@ -545,6 +545,29 @@ def test_dtmt_without_a_command_is_a_usage_error(capsys):
     assert cli.main(["--help"]) == 0 and "usage: dtmt <command>" in capsys.readouterr().out
 
 
+def test_a_reader_gone_or_stdin_closed_is_one_line_not_a_traceback(system):
+    """`dtmt models | head` where head has left: no traceback (BrokenPipeError), nothing on stderr, the status of a
+    writer whose reader left (128 + SIGPIPE); `dtmt translate` started with stdin closed and no file: one line,
+    exit 2 (it was an AttributeError on None.readline)."""
+    import signal
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    read_end, write_end = os.pipe()
+    os.close(read_end)   # (the reader gone before the first write: EPIPE every time, not by timing)
+    try:
+        r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "models"], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    finally:
+        os.close(write_end)
+    assert r.returncode == 128 + signal.SIGPIPE and r.stderr == "", r.stderr
+    r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", system[3]], stdin=None,
+                       preexec_fn=lambda: os.close(0), capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and r.stderr == ("dtmt translate: no input file given and stdin is closed; name the "
+                                              "files to translate\n"), r.stderr
+
+
 def test_an_output_folder_that_cannot_be_written_is_refused_before_decoding(system, tmp_path, capsys, monkeypatch):
     """`translate -o D/out.txt` where D cannot be written (no permission, a read-only file system) decoded the whole
     input and failed only at the write; now it is refused first, one line, exit 2, nothing decoded (errors.

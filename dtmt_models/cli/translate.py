@@ -185,6 +185,8 @@ def _run(args: argparse.Namespace) -> int:
     inputs = args.inputs or ["-"]
     if inputs.count("-") > 1:
         raise UsageError("stdin ('-') can be read only once")
+    if "-" in inputs and sys.stdin is None:   # (started with stdin closed: `dtmt translate -c C <&-`)
+        raise UsageError("no input file given and stdin is closed; name the files to translate")
     for path in inputs:
         if path != "-":
             check_input_file(path, noun="input file")

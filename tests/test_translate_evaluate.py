@@ -693,6 +693,9 @@ def test_cli_translate_errors(system, tmp_path, capsys):
          f"--output-dir {tmp_path / 'taken'}: {tmp_path / 'taken' / 'good.es.out'}, where the translation of {good} "
          "would go, is a directory"),
     ]
+    if os.path.exists("/dev/zero"):   # (a stream without line ends was read without end: 8.7 GB in 7 s)
+        cases.append((["--checkpoint", ckpt, "/dev/zero"], 1, "/dev/zero:1: a line of more than 16 MiB with no line "
+                                                              "end; is it a text file?"))
     os.makedirs(tmp_path / "taken" / "good.es.out")
     for args, status, message in cases:
         assert cli.main(["translate", "--quiet"] + args) == status, args

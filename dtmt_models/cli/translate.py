@@ -26,26 +26,43 @@ from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, ch
 
 
 # ------------------------------------------------------------------------------- command line helpers
+MAX_LINE_BYTES = 16 << 20   # an input line longer than this is refused: no text has one, a device (/dev/zero) does
+
+
 def read_input(path: str) -> List[str]:
     """The lines of a UTF-8 input ('-': stdin), line ends and a leading byte-order mark removed; empty lines
-    are kept (they translate to empty lines). Raises InputError naming file:line for invalid UTF-8."""
+    are kept (they translate to empty lines). Raises InputError naming file:line for invalid UTF-8 or a line of more
+    than MAX_LINE_BYTES (a stream without line ends is not read without end: memory stays bounded by the text)."""
     if path == "-":
-        name, stream = "<stdin>", sys.stdin
-        buffer = getattr(stream, "buffer", None)
-        data = buffer.read() if buffer is not None else stream.read().encode("utf-8", "surrogateescape")
-    else:
-        name = path
-        if os.path.isdir(path):
-            raise InputError(f"{path}: is a directory, not an input file")
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    raw = data.split(b"\n")
-    if raw[-1] == b"":
-        raw.pop()
-    return [decode_line(line, name, number) for number, line in enumerate(raw, start=1)]
+        stream = sys.stdin.buffer if getattr(sys.stdin, "buffer", None) is not None else _encoded(sys.stdin)
+        return list(_decoded_lines(stream, "<stdin>"))
+    if os.path.isdir(path):
+        raise InputError(f"{path}: is a directory, not an input file")
+    try:
+        with open(path, "rb") as f:
+            return list(_decoded_lines(f, path))
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+class _encoded:
+    """A text stream read as UTF-8 bytes (surrogate escapes kept, so invalid input is reported as such): for a
+    stdin replaced by one without a byte buffer."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def readline(self, limit: int = -1) -> bytes:
+        return self.stream.readline(limit).encode("utf-8", "surrogateescape")
+
+
+def _decoded_lines(stream, name: str) -> Iterator[str]:
+    """The lines of a byte stream as decode_line decodes them, read one at a time (InputError naming name:line)."""
+    for number, raw in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise InputError(f"{name}:{number}: a line of more than {MAX_LINE_BYTES >> 20} MiB with no line end; "
+                             f"is it a text file?")
+        yield decode_line(raw, name, number)
 
 
 def decode_line(line: bytes, name: str, number: int) -> str:
@@ -85,15 +102,8 @@ STREAM_LINES = 1024   # at most this many lines per decoding call when streaming
 
 def stdin_lines() -> Iterator[str]:
     """stdin's lines as they arrive, decoded as read_input decodes them (InputError naming <stdin>:line)."""
-    stream = sys.stdin
-    buffer = getattr(stream, "buffer", None)
-    number = 0
-    while True:
-        raw = buffer.readline() if buffer is not None else stream.readline().encode("utf-8", "surrogateescape")
-        if not raw:
-            return
-        number += 1
-        yield decode_line(raw, "<stdin>", number)
+    stream = sys.stdin.buffer if getattr(sys.stdin, "buffer", None) is not None else _encoded(sys.stdin)
+    return _decoded_lines(stream, "<stdin>")
 
 
 def chunks_as_they_come(lines: Iterator[str], most: int = STREAM_LINES) -> Iterator[List[str]]:

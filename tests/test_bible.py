@@ -453,6 +453,34 @@ def test_prepare_files_never_overwrites_an_input(tmp_path, capsys):
     assert (tmp_path / "c.es").read_bytes() == before["c.es"] and (tmp_path / "train.es").exists()
 
 
+@pytest.mark.parametrize("source", ["files", "bible"])
+def test_prepare_never_overwrites_a_folder_that_is_not_a_corpus(tmp_path, capsys, source):
+    """--out a folder of the user's own that holds files named like a corpus's (train.es, test.en, corpus.json,
+    bin-bpe4000) but no manifest of dtmt prepare: the user's test.* were removed "left from an earlier corpus", and
+    train.* and corpus.json replaced, exit 0. Now refused before any work: exit 2, one line naming the files,
+    nothing changed; a folder that holds an earlier corpus is still replaced by the new one."""
+    a, b = numbered(tmp_path, 20, stem="c")
+    argv = {"files": ["files", "--src", a, "--tgt", b, "--no-binarize"], "bible": ["bible", "--no-binarize"]}[source]
+    for names in (["train.es", "train.en", "test.es", "test.en"], ["corpus.json"], ["dev.en"], ["bin-bpe4000/x"]):
+        proj = tmp_path / f"proj{len(os.listdir(tmp_path))}"
+        for name in names:
+            os.makedirs(os.path.dirname(proj / name), exist_ok=True)
+            write(proj / name, '{"my": "settings"}\n' if name == "corpus.json" else "mine\n")
+        before = snapshot(tmp_path)
+        run = argv + ["--out", str(proj)] if names != ["bin-bpe4000/x"] else [
+            arg for arg in argv if arg != "--no-binarize"] + ["--out", str(proj)]
+        assert prepare.main(run) == 2, names
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out {proj}: holds {names[0].split('/')[0]}" in err, err
+        assert "is not a corpus of dtmt prepare (no readable corpus.json)" in err
+        assert snapshot(tmp_path) == before
+    if source == "files":   # an earlier corpus of prepare: replaced, its stale test split removed
+        out = str(tmp_path / "corpus")
+        assert prepare.main(argv + ["--out", out, "--holdout", "2"]) == 0
+        assert prepare.main(argv + ["--out", out]) == 0
+        assert data.read_manifest(out)["counts"] == {"train": 20} and not os.path.exists(os.path.join(out, "test.es"))
+
+
 @pytest.mark.parametrize("source", ["files", "bible", "binarize"])
 @pytest.mark.parametrize("option, value, message", [
     ("--vocab-size", "99999999999", "--vocab-size 99999999999: must be an integer in [8, 1,000,000]"),

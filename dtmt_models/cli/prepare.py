@@ -15,7 +15,8 @@ from typing import List, Optional
 from dtmt_models.atomic import remove_stale_temporaries
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
-from dtmt_models.data.prepare import check_files_options, prepare_files
+from dtmt_models.data.prepare import (SPLITS, check_files_options, check_out_is_a_corpus_or_new, corpus_names,
+                                      prepare_files)
 from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_counts, check_input_dir,
                                  check_output_dir, cut)
 from dtmt_models.models.presets import TRAIN_DEFAULTS
@@ -130,6 +131,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # gone), where this one writes
         if args.source == "bible":
             check_output_dir(args.out, "--out")
+            check_out_is_a_corpus_or_new(args.out, corpus_names(
+                (bible.SRC_LANG, bible.TGT_LANG), [f"{split}.ref" for split in SPLITS] + (
+                    [] if args.no_binarize else [os.path.basename(binarized.binarized_path(
+                        args.out, args.vocab_type, args.vocab_size))])))
         elif args.source == "files":
             written = [] if args.no_binarize else [binarized.binarized_path(args.out, args.vocab_type,
                                                                             args.vocab_size)]

@@ -20,7 +20,7 @@ import contextlib
 import os
 import random
 import re
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 from dtmt_models.atomic import _TMP_NAME as _TEMPORARY_NAME   # what remove_stale_temporaries removes
 from dtmt_models.atomic import atomic_write
@@ -90,7 +90,32 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
     if args.holdout and not held:
         raise UsageError("--holdout: dev and test files are both given, there is nothing to hold out")
     _check_inputs_survive(args, files, list(files) + (held if args.holdout else []), written_dirs)
+    check_out_is_a_corpus_or_new(args.out, corpus_names((args.src_lang, args.tgt_lang),
+                                                        [os.path.basename(d) for d in written_dirs]))
     return files, held
+
+
+def check_out_is_a_corpus_or_new(out: str, names: Sequence[str]) -> None:
+    """UsageError when the folder --out holds any of `names` (what prepare writes, replaces or removes there) but no
+    manifest of a prepared corpus: those are someone's own files, not an earlier corpus's, and prepare never
+    overwrites or removes them (a folder that held e.g. the user's own train.es and test.es lost both, exit 0)."""
+    if not os.path.isdir(out):
+        return
+    present = [name for name in names if os.path.lexists(os.path.join(out, name))]
+    if not present:
+        return
+    with contextlib.suppress(data.CorpusError):
+        data.read_manifest(out)
+        return   # an earlier corpus of dtmt prepare: this one replaces it
+    listed = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
+    raise UsageError(f"--out {out}: holds {listed} but is not a corpus of dtmt prepare (no readable {data.MANIFEST}); "
+                     f"prepare would overwrite or remove them: use a new or empty folder")
+
+
+def corpus_names(langs: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
+    """The names prepare writes or removes in --out for languages `langs`: every split's files, the manifest and
+    `extra` (the binarized copy's folder, the Bible's references)."""
+    return [f"{split}.{lang}" for split in SPLITS for lang in langs] + [data.MANIFEST, *extra]
 
 
 def _check_inputs_survive(args: argparse.Namespace, files: Dict[str, tuple], splits: Sequence[str],
@@ -160,8 +185,8 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
             if not os.path.exists(path):
                 continue
             if os.path.realpath(path) in inputs:
-                log(f"warning: {path} is one of your input files, so it stays, but dtmt train and evaluate "
-                    f"will read it as the {split} split of {args.out}; better use another --out")
+                log(f"note: {path} is one of your input files, so it stays (this corpus has no {split} split: "
+                    f"dtmt train and evaluate do not read it)")
             else:
                 os.remove(path)
                 log(f"removed {path} (left from an earlier corpus; this one has no {split} split)")

@@ -1510,3 +1510,27 @@ def test_tune_malloc_keeps_freed_update_memory(env, tuned):
         assert r["mapped"] < r["size"] and r["heap_after_free"] >= r["size"]
     else:
         assert r["mapped"] >= r["size"] and r["heap_after_free"] < r["size"]
+
+
+def test_what_decoding_dev_warns_is_one_log_line_a_run(tmp_path, capsys):
+    """A dev source made of pieces the vocabulary does not know: dev BLEU's decoding warns, and that was Python's
+    two-line warning form (file:line, the warn call) amid the training log; now one `warning: dev BLEU:` line, once
+    a run however many validations, and no raw warning."""
+    import warnings
+
+    data = make_toy_corpus(tmp_path / "toy")
+    dev = os.path.join(data, "dev.es")
+    with open(dev, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    lines[0] = "\u0416\u0417\u0418 \u0419\u041a\u041b \u041c\u041d"   # (Cyrillic: not in the toy vocabulary)
+    with open(dev, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        r = train_here(["--data", data, "--out", str(tmp_path / "run"), "--max-steps", "4", "--valid-every", "2",
+                        *TINY], capsys)
+    assert r.returncode == 0, r.stderr
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "unknown to the model" in line]
+    assert said == ["warning: dev BLEU: 1 of 30 source sentence(s) are mostly pieces unknown to the model's source "
+                    "vocabulary (sentence 1): their translations are guesses, not translations"], said
+    assert not [w for w in raw if "unknown" in str(w.message)]

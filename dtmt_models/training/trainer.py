@@ -36,7 +36,7 @@ import shutil
 import signal
 import sys
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -247,6 +247,7 @@ class Trainer:
                                  line_stream=sys.stdout)
         self.stop_reason: Optional[str] = None
         self.log = self.progress.message
+        self._dev_warnings: Set[str] = set()   # what decoding dev said (validate): each said once
         # ---- data and vocabularies
         manifest = read_manifest(cfg.data)
         self.langs = (manifest["src_lang"], manifest["tgt_lang"])
@@ -644,7 +645,7 @@ class Trainer:
         decision = None
         if self.dist.main and self.dev_ids:
             from dtmt_models.decoding.evaluate import corpus_scores
-            from dtmt_models.decoding.translate import translate_best
+            from dtmt_models.decoding.translate import input_warnings, translate_best
 
             t0 = time.perf_counter()
             loss, _ = self.dev_loss()
@@ -652,8 +653,13 @@ class Trainer:
             sources = [s for s, _ in self.dev_pairs[:n]]
             refs = [t for _, t in self.dev_pairs[:n]]
             try:
-                hyps = translate_best(self.model, self.src_vocab, self.tgt_vocab, sources, beam=self.cfg.valid_beam,
-                                      alpha=0.6, device=self.device) if math.isfinite(loss) else None
+                hyps, said = input_warnings(lambda: translate_best(
+                    self.model, self.src_vocab, self.tgt_vocab, sources, beam=self.cfg.valid_beam, alpha=0.6,
+                    device=self.device)) if math.isfinite(loss) else (None, [])
+                for message in said:   # (about the dev sources: one log line each, once a run, not Python's form)
+                    if message not in self._dev_warnings:
+                        self._dev_warnings.add(message)
+                        self.log(f"warning: dev BLEU: {message}")
             except NonFiniteScores as exc:
                 hyps, loss = None, f"finite, but decoding dev {str(exc).split(': its weights')[0]}"
             if hyps is None:   # told to every process, which all stop

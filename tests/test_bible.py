@@ -310,6 +310,7 @@ def test_prepare_files_copies_and_writes_manifest(tmp_path, capsys):
 @pytest.mark.parametrize("src, tgt, message", [
     (b"uno\ndos \xff\xfe\ntres\n", b"one\ntwo\nthree\n", r"bad\.es:2: invalid UTF-8"),
     (b"uno\n  \ntres\n", b"one\ntwo\nthree\n", r"bad\.es:2: empty line"),
+    (b"uno\ntr\x00es\ntres\n", b"one\ntwo\nthree\n", r"bad\.es:2: a NUL byte at byte 2"),   # (was copied as text)
     (b"uno\ndos\ntres\n", b"one\n\nthree\n", r"bad\.en:2: empty line"),
     (b"uno\ndos\n", b"one\ntwo\nthree\n", r"bad\.es has 2 lines, .*bad\.en has 3"),
     (b"", b"", r"bad\.es and .*bad\.en hold no sentences"),   # 0-byte files: refused, not "0 pairs, valid"

@@ -312,6 +312,22 @@ def test_the_training_text_checksum_comes_from_a_fresh_copy(tmp_path):
     assert data.corpus_fingerprint(d)["train_sha1"] != known
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_vocabulary_sentencepiece_cannot_build_is_one_line(tmp_path, capsys, workers):
+    """--vocab-size below the text's characters, and a side of invisible characters only: one line, exit 1, in our
+    words (SentencePiece's advice named its own --character_coverage), no build left. With --workers 1 both were a
+    traceback: the except clause named concurrent.futures.process, a submodule only a process pool had loaded."""
+    small = write_corpus(tmp_path / "small", ["hola", "adios amigo", "uno dos"], ["hello", "bye friend", "one two"])
+    blank = write_corpus(tmp_path / "blank", ["\u200b"] * 3, ["hello", "bye friend", "one two"])
+    for d, message in ((small, f"--vocab-size 8: too small for the training text of {small}: SentencePiece needs "
+                                "at least 16 pieces there (one per character the text has, and 4 special ones)"),
+                       (blank, f"{blank}: a side's training text has no character SentencePiece keeps")):
+        assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "8", "--workers", workers]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"dtmt prepare binarize: error: {message}"), err
+        assert sorted(os.listdir(d)) == ["corpus.json", "train.en", "train.es"]
+
+
 def test_prepare_cli_binarize_and_options(tmp_path, capsys):
     d = write_corpus(tmp_path / "c", SRC, TGT)
     assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "80", "--workers", "1"]) == 0

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import concurrent.futures.process   # (BrokenProcessPool: the submodule is loaded only by a pool otherwise)
 import errno
 import hashlib
 import itertools
@@ -498,8 +499,17 @@ def _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_d
         raise CorpusError(f"a SentencePiece training process died ({one_line(exc)}); out of memory? A smaller "
                           f"--sample needs less") from None
     except RuntimeError as exc:   # SentencePiece: e.g. fewer pieces than the text has characters
+        said = one_line(exc)
+        if "all_chars_count" in said:   # (every sentence of a side is characters SentencePiece drops: U+200B...)
+            raise CorpusError(f"{corpus_dir}: a side's training text has no character SentencePiece keeps (only "
+                              f"spaces and invisible ones such as U+200B?): no vocabulary can be built") from None
+        need = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", said)
+        if need:   # (its advice names its own option, not ours)
+            raise CorpusError(f"--vocab-size {vocab_size}: too small for the training text of {corpus_dir}: "
+                              f"SentencePiece needs at least {need.group(2)} pieces there (one per character the "
+                              f"text has, and 4 special ones)") from None
         raise CorpusError(f"--vocab-size {vocab_size}: SentencePiece cannot build a vocabulary of that size "
-                          f"from {corpus_dir} ({one_line(exc)})") from None
+                          f"from {corpus_dir} ({said})") from None
 
 
 def _die_with_parent() -> None:

@@ -89,7 +89,8 @@ def read_lines(path: str, allow_empty: bool = False) -> List[str]:
 
 def decode_line(line: bytes, path: str, lineno: int, allow_empty: bool = False) -> Tuple[str, Optional[str]]:
     """One line of a corpus file (its bytes without the line feed; a final carriage return is dropped): the text,
-    stripped, and what is wrong with it (invalid UTF-8, or empty unless allow_empty) naming file and line, or None.
+    stripped, and what is wrong with it (invalid UTF-8, a NUL byte, or empty unless allow_empty) naming file and
+    line, or None.
     The one rule for lines, shared by `read_lines`, `iter_parallel` and the binarizer."""
     if line.endswith(b"\r"):
         line = line[:-1]
@@ -100,6 +101,9 @@ def decode_line(line: bytes, path: str, lineno: int, allow_empty: bool = False) 
         return "", f"{path}:{lineno}: invalid UTF-8 at byte {exc.start} ({near!r})"
     if not allow_empty and not text:
         return text, f"{path}:{lineno}: empty line"
+    if "\x00" in text:   # (valid UTF-8, but no text has it: a binary file, or UTF-16 read as bytes)
+        at = line.index(0)
+        return text, f"{path}:{lineno}: a NUL byte at byte {at}; is it a text file in UTF-8 (not UTF-16)?"
     return text, None
 
 

@@ -274,6 +274,39 @@ def test_prepare_bible_command_with_fake_mod2imp_on_path(tmp_path, monkeypatch, 
     assert json.loads((tmp_path / "c" / "corpus.json").read_text())["counts"] == {"train": 4, "dev": 4, "test": 4}
 
 
+def test_a_failed_prepare_leaves_the_earlier_corpus_whole(tmp_path, monkeypatch, capsys):
+    """A prepare that fails after its text is valid (a vocabulary SentencePiece cannot build) replaced the corpus in
+    --out by its new text anyway (the old dev/test removed, exit 1); now the corpus and its binarized copy are
+    written into a stage inside --out and moved into place only when all has worked: the earlier corpus stays
+    byte for byte, nothing of the stage is left, a new --out is not made; then a run that works replaces it."""
+    a, b = numbered(tmp_path, 30, stem="c")
+    out = tmp_path / "out"
+    assert prepare.main(["files", "--src", a, "--tgt", b, "--out", str(out), "--holdout", "3", "--vocab-size", "40",
+                         "--workers", "1"]) == 0
+    capsys.readouterr()
+    before = snapshot(out)
+    assert {"train.es", "dev.es", "test.en", "corpus.json", "bin-bpe40/binarized.json"} <= set(before)
+    c, d = numbered(tmp_path, 12, stem="d")
+    for extra in ([], ["--no-binarize", "--holdout", "40"]):   # (SentencePiece refuses; the text itself refused)
+        assert prepare.main(["files", "--src", c, "--tgt", d, "--out", str(out), "--vocab-size", "8", "--workers",
+                             "1", *extra]) == 1
+        err = capsys.readouterr().err
+        assert "error:" in err and ".prepare.tmp" not in err and "removed" not in err and "wrote" not in err, err
+        assert snapshot(out) == before
+    assert prepare.main(["files", "--src", c, "--tgt", d, "--out", str(tmp_path / "new"), "--vocab-size", "8"]) == 1
+    assert not (tmp_path / "new").exists()
+    capsys.readouterr()
+    fake_mod2imp(tmp_path, osis_dumps())   # the Bible too
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert cli.main(["prepare", "bible", "--out", str(tmp_path / "bible"), "--vocab-size", "8"]) == 1
+    assert "--vocab-size 8: too small for the training text of " + str(tmp_path / "bible") in capsys.readouterr().err
+    assert not (tmp_path / "bible").exists()
+    assert prepare.main(["files", "--src", c, "--tgt", d, "--out", str(out), "--vocab-size", "40"]) == 0
+    assert "wrote " + str(out) + ": train 12 pairs" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["bin-bpe40", "corpus.json", "train.en", "train.es"]
+    assert data.read_parallel(*data.corpus_paths(str(out), "train")) == data.read_parallel(c, d)
+
+
 # ------------------------------------------------------------------------------------------ prepare files
 def write(path, content):
     path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))

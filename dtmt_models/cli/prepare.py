@@ -16,7 +16,7 @@ from dtmt_models.atomic import remove_stale_temporaries
 from dtmt_models.data import bible, binarized
 from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import (SPLITS, check_files_options, check_out_is_a_corpus_or_new, corpus_names,
-                                      prepare_files)
+                                      prepare_files, staged_corpus)
 from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_counts, check_input_dir,
                                  check_output_dir, cut)
 from dtmt_models.models.presets import TRAIN_DEFAULTS
@@ -147,12 +147,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         for folder in {getattr(args, "out", None), getattr(args, "data", None)} - {None}:
             for path in remove_stale_temporaries(folder):
                 log(f"removed {path} (left by an interrupted run)")
-        if args.source == "bible":
-            bible.prepare_bible(args.out, log=log)
-            binarize_from_args(args, args.out, log)
+        if args.source == "bible":   # (the text and its binarized copy as a whole, or nothing: staged_corpus)
+            with staged_corpus(args.out, (), log) as (stage, say):
+                bible.prepare_bible(stage, log=say)
+                binarize_from_args(args, stage, say)
         elif args.source == "files":
-            prepare_files(args, log=log, written_dirs=written)
-            binarize_from_args(args, args.out, log)
+            inputs = [p for p in (args.src, args.tgt, args.dev_src, args.dev_tgt, args.test_src, args.test_tgt) if p]
+            with staged_corpus(args.out, inputs, log) as (stage, say):
+                prepare_files(args, stage, log=say, written_dirs=written)
+                binarize_from_args(args, stage, say)
         else:
             binarize_from_args(args, args.data, log)
     except UsageError as exc:   # an option that cannot work: nothing was read or written

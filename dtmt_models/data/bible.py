@@ -353,7 +353,8 @@ def _chapter(bc: Tuple[str, int]) -> str:
 
 
 def prepare_bible(out_dir: str, log: Callable[[str], None] = print, mod2imp: str = "mod2imp") -> Dict[str, int]:
-    """Writes the embedded corpus to out_dir and returns the pair count of each split.
+    """Writes the embedded corpus to out_dir and returns the pair count of each split (`dtmt prepare bible`: into
+    data.prepare.staged_corpus's stage, which says what it wrote).
 
     Files: {train,dev,test}.{es,en} (aligned, one verse a line, canonical book order), {split}.ref (the
     reference of each line, "Genesis 1:1") and corpus.json (dtmt_models.data.corpus manifest, origin "bible").
@@ -395,7 +396,7 @@ def prepare_bible(out_dir: str, log: Callable[[str], None] = print, mod2imp: str
         versification_mismatches=[{"chapter": f"{b} {c}", f"last_{SRC_LANG}": s, f"last_{TGT_LANG}": t}
                                   for b, c, s, t in al.mismatches],
         excluded_chapters=[_chapter(bc) for bc in al.excluded_chapters])
-    log(f"wrote {out_dir}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()) + " pairs")
+    log("split by book: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()) + " pairs")
     if counts != EXPECTED_COUNTS:
         log("note: docs/contract.md §5 expects " + ", ".join(f"{s} {n:,}" for s, n in EXPECTED_COUNTS.items())
             + " (with sword-text-sparv 2.60-1 and sword-text-web 426.0-1); the installed modules differ")

@@ -20,6 +20,7 @@ import contextlib
 import os
 import random
 import re
+import shutil
 from typing import Dict, List, Sequence
 
 from dtmt_models.atomic import _TMP_NAME as _TEMPORARY_NAME   # what remove_stale_temporaries removes
@@ -44,21 +45,14 @@ def holdout_indices(n: int, holdout: int, splits: Sequence[str], seed: int) -> D
     return {j: split for i, split in enumerate(splits) for j in chosen[i * holdout:(i + 1) * holdout]}
 
 
-def prepare_files(args: argparse.Namespace, log=print, written_dirs: Sequence[str] = ()) -> Dict[str, int]:
-    """Validates and copies a user corpus (the `files` subcommand), streaming: memory does not grow with the
-    files. Raises UsageError for options that cannot work (checked first: nothing is read or written) and
-    data.CorpusError for bad input; then no output file has changed and an --out folder made here is removed.
-    `written_dirs`: folders the caller replaces afterwards (the binarized copy); an input inside one is refused
-    like an input that is one of the files written here."""
+def prepare_files(args: argparse.Namespace, into: str, log=print, written_dirs: Sequence[str] = ()) -> Dict[str, int]:
+    """Validates and copies a user corpus (the `files` subcommand) into the folder `into` (new or empty: the
+    command line's staged_corpus folder, which becomes --out's corpus once everything has worked), streaming: memory
+    does not grow with the files. Raises UsageError for options that cannot work (checked first: nothing is read or
+    written) and data.CorpusError for bad input. `written_dirs`: folders the caller replaces afterwards (the
+    binarized copy); an input inside one is refused like an input that is one of the files written."""
     files, held = check_files_options(args, written_dirs)
-    made = not os.path.exists(args.out)
-    try:
-        return _write_files(args, files, held, log)
-    except BaseException:
-        if made:   # nothing of this corpus may stay: the folder made for it goes too, if nothing else is in it
-            with contextlib.suppress(OSError):
-                os.rmdir(args.out)
-        raise
+    return _write_files(args, files, held, log, into)
 
 
 def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = ()):
@@ -149,18 +143,18 @@ def _check_inputs_survive(args: argparse.Namespace, files: Dict[str, tuple], spl
                                  f"use another --out")
 
 
-def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequence[str], log) -> Dict[str, int]:
+def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequence[str], log,
+                 into: str) -> Dict[str, int]:
     where: Dict[int, str] = {}
     if args.holdout:
         n = data.scan_file(args.src)
         where = holdout_indices(n, args.holdout, held, args.seed)
     outputs = list(files) + (list(held) if args.holdout else [])
 
-    os.makedirs(args.out, exist_ok=True)
     langs = (args.src_lang, args.tgt_lang)
     counts = {split: 0 for split in SPLITS if split in outputs}
     with contextlib.ExitStack() as stack:   # every output is a temporary file until all inputs have been read
-        writers = {split: [stack.enter_context(atomic_write(os.path.join(args.out, f"{split}.{lang}")))
+        writers = {split: [stack.enter_context(atomic_write(os.path.join(into, f"{split}.{lang}")))
                            for lang in langs] for split in counts}
         for split, (src, tgt) in files.items():
             before = dict(counts)
@@ -170,17 +164,68 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
                 writers[dest][1].write(t + "\n")
                 counts[dest] += 1
             log(f"{split}: {src} + {tgt}: {sum(counts.values()) - sum(before.values()):,} pairs, valid")
-        # all read and valid: the files are renamed into place one by one as the block ends, so the manifest goes
-        # first; a kill between two renames leaves a directory that train and binarize refuse, not mixed text
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(args.out, data.MANIFEST))
     if args.holdout:
         log(f"held out {args.holdout:,} pairs each for {' and '.join(held)} (seed {args.seed})")
-    inputs = {os.path.realpath(p) for pair in files.values() for p in pair}
+    sources = {split: [os.path.abspath(p) for p in files[split]] for split in files}
+    data.write_manifest(into, args.src_lang, args.tgt_lang, counts, origin="files", sources=sources,
+                        holdout=args.holdout, seed=args.seed if args.holdout else None)
+    return counts
+
+
+_STAGE = ".prepare.tmp-{pid}"   # (a name remove_stale_temporaries takes once its process is gone)
+
+
+@contextlib.contextmanager
+def staged_corpus(out: str, inputs: Sequence[str], log):
+    """A corpus written as a whole or not at all: yields (stage, say), a new folder inside `out` to write the corpus
+    and its binarized copy into, and `log` with the stage's path shown as `out`'s. When the block ends without an
+    error, the stage's files and folders replace their namesakes in `out` (the manifest last, after the old one is
+    removed first: a kill between two renames leaves a folder that train and binarize refuse, not mixed text), and
+    the splits of an earlier corpus there that the new one lacks are removed, except `inputs` (files given to read).
+    When it fails (bad text, a vocabulary SentencePiece cannot build, Ctrl-C), `out` is as it was: an earlier
+    corpus there stays whole (one was replaced by text the failed run had written, exit 1), and a folder made for
+    this one goes. An error's message names `out`, not the stage."""
+    made = not os.path.exists(out)
+    os.makedirs(out, exist_ok=True)
+    stage = os.path.join(out, _STAGE.format(pid=os.getpid()))
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+
+    def say(message: str) -> None:
+        log(message.replace(stage, out))
+
+    try:
+        try:
+            yield stage, say
+        except data.CorpusError as exc:
+            raise data.CorpusError(str(exc).replace(stage, out)) from None
+        _commit(stage, out, {os.path.realpath(p) for p in inputs}, say)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if made:   # (a failure: nothing of this corpus may stay, the folder made for it goes if nothing else is in it)
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+
+
+def _commit(stage: str, out: str, inputs: set, log) -> None:
+    """staged_corpus's end: the stage's corpus into `out` (see there)."""
+    manifest = data.read_manifest(stage)
+    langs, counts = (manifest["src_lang"], manifest["tgt_lang"]), manifest["counts"]
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out, data.MANIFEST))
+    for name in sorted(os.listdir(stage), key=lambda n: n == data.MANIFEST):   # (the manifest last)
+        source, target = os.path.join(stage, name), os.path.join(out, name)
+        if os.path.isdir(source) and os.path.isdir(target):   # an earlier binarized copy: aside, then removed
+            aside = os.path.join(out, f".{name}.tmp-{os.getpid()}")
+            os.rename(target, aside)
+            os.rename(source, target)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(source, target)
     for split in SPLITS:
         if split in counts:
             continue
-        for path in (os.path.join(args.out, f"{split}.{lang}") for lang in langs):
+        for path in (os.path.join(out, f"{split}.{lang}") for lang in langs):
             # a split of an earlier corpus in the same directory would otherwise be read as this one's
             if not os.path.exists(path):
                 continue
@@ -190,8 +235,4 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
             else:
                 os.remove(path)
                 log(f"removed {path} (left from an earlier corpus; this one has no {split} split)")
-    sources = {split: [os.path.abspath(p) for p in files[split]] for split in files}
-    data.write_manifest(args.out, args.src_lang, args.tgt_lang, counts, origin="files", sources=sources,
-                        holdout=args.holdout, seed=args.seed if args.holdout else None)
-    log(f"wrote {args.out}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()) + " pairs")
-    return counts
+    log(f"wrote {out}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()) + " pairs")

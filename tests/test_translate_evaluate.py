@@ -25,7 +25,7 @@ from dtmt_models.decoding.evaluate import (LengthBucket, bleu_by_length, bucket_
                                   plot_bleu_by_length)
 from dtmt_models.models.registry import build_model
 from dtmt_models.data.batching import length_batches
-from dtmt_models.decoding.translate import TruncationWarning, translate, translate_best
+from dtmt_models.decoding.translate import InputError, TruncationWarning, translate, translate_best
 from dtmt_models.data.vocabulary import Vocabulary
 
 SRC = ["el perro come pan", "la casa es grande", "el gato duerme en la casa", "yo tengo un libro rojo",
@@ -545,6 +545,22 @@ def test_dtmt_without_a_command_is_a_usage_error(capsys):
     assert cli.main(["--help"]) == 0 and "usage: dtmt <command>" in capsys.readouterr().out
 
 
+def test_an_input_line_is_refused_only_past_the_limit_its_line_end_not_counted(monkeypatch):
+    """MAX_LINE_BYTES bounds a line's text: a line of exactly the limit is read with or without its line end (\\n,
+    \\r\\n), one byte more is refused, with file and line."""
+    import io
+
+    from dtmt_models.cli import translate as cli_translate
+
+    monkeypatch.setattr(cli_translate, "MAX_LINE_BYTES", 8)
+    read = lambda data: list(cli_translate._decoded_lines(io.BytesIO(data), "f"))   # noqa: E731
+    assert read(b"12345678\n1234567\r\n12345678\r\n\n12345678") == ["12345678", "1234567", "12345678", "",
+                                                                   "12345678"]
+    for data in (b"123456789\n", b"ok\n123456789", b"ok\n123456789\r\n", b"ok\n" + b"x" * 50):
+        with pytest.raises(InputError, match=r"f:\d: a line of more than 8 bytes; is it a text file\?"):
+            read(data)
+
+
 def test_a_reader_gone_or_stdin_closed_is_one_line_not_a_traceback(system):
     """`dtmt models | head` where head has left: no traceback (BrokenPipeError), nothing on stderr, the status of a
     writer whose reader left (128 + SIGPIPE); `dtmt translate` started with stdin closed and no file: one line,
@@ -562,6 +578,9 @@ def test_a_reader_gone_or_stdin_closed_is_one_line_not_a_traceback(system):
     finally:
         os.close(write_end)
     assert r.returncode == 128 + signal.SIGPIPE and r.stderr == "", r.stderr
+    r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "models"], stdout=subprocess.DEVNULL,
+                       preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr   # (stdout closed from the start: sys.stdout is None)
     r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", system[3]], stdin=None,
                        preexec_fn=lambda: os.close(0), capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and r.stderr == ("dtmt translate: no input file given and stdin is closed; name the "
@@ -694,8 +713,8 @@ def test_cli_translate_errors(system, tmp_path, capsys):
          "would go, is a directory"),
     ]
     if os.path.exists("/dev/zero"):   # (a stream without line ends was read without end: 8.7 GB in 7 s)
-        cases.append((["--checkpoint", ckpt, "/dev/zero"], 1, "/dev/zero:1: a line of more than 16 MiB with no line "
-                                                              "end; is it a text file?"))
+        cases.append((["--checkpoint", ckpt, "/dev/zero"], 1, "/dev/zero:1: a line of more than 16,777,216 bytes; is "
+                                                              "it a text file?"))
     os.makedirs(tmp_path / "taken" / "good.es.out")
     for args, status, message in cases:
         assert cli.main(["translate", "--quiet"] + args) == status, args

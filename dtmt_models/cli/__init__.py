@@ -52,10 +52,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         module = importlib.import_module(COMMANDS[name][0])
         status = int(module.main(argv[1:]) or 0)
-        sys.stdout.flush()   # (here, where a reader gone is caught, not at the interpreter's exit)
+        if sys.stdout is not None:   # (None: started with stdout closed, `dtmt models >&-`)
+            sys.stdout.flush()   # (here, where a reader gone is caught, not at the interpreter's exit)
         return status
     except BrokenPipeError:   # `dtmt models | head`: the reader of stdout left; quiet, with a writer's status then
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush goes nowhere)
+        if sys.stdout is not None:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush goes nowhere)
         return 128 + signal.SIGPIPE
     except KeyboardInterrupt:   # Ctrl-C where a command has no handler of its own (importing torch, say)
         print(f"\ndtmt {name}: interrupted", file=sys.stderr)

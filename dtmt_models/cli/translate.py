@@ -58,10 +58,9 @@ class _encoded:
 
 def _decoded_lines(stream, name: str) -> Iterator[str]:
     """The lines of a byte stream as decode_line decodes them, read one at a time (InputError naming name:line)."""
-    for number, raw in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 1), b""), start=1):
-        if len(raw) > MAX_LINE_BYTES:
-            raise InputError(f"{name}:{number}: a line of more than {MAX_LINE_BYTES >> 20} MiB with no line end; "
-                             f"is it a text file?")
+    for number, raw in enumerate(iter(lambda: stream.readline(MAX_LINE_BYTES + 3), b""), start=1):
+        if len(raw) > MAX_LINE_BYTES and len(raw.rstrip(b"\r\n")) > MAX_LINE_BYTES:   # (its line end not counted)
+            raise InputError(f"{name}:{number}: a line of more than {MAX_LINE_BYTES:,} bytes; is it a text file?")
         yield decode_line(raw, name, number)
 
 

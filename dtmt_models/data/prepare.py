@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from typing import Dict, List, Sequence
 
 from dtmt_models.atomic import _TMP_NAME as _TEMPORARY_NAME   # what remove_stale_temporaries removes
@@ -85,22 +86,29 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
         raise UsageError("--holdout: dev and test files are both given, there is nothing to hold out")
     _check_inputs_survive(args, files, list(files) + (held if args.holdout else []), written_dirs)
     check_out_is_a_corpus_or_new(args.out, corpus_names((args.src_lang, args.tgt_lang),
-                                                        [os.path.basename(d) for d in written_dirs]))
+                                                        [os.path.basename(d) for d in written_dirs]),
+                                 [p for pair in files.values() for p in pair])
     return files, held
 
 
-def check_out_is_a_corpus_or_new(out: str, names: Sequence[str]) -> None:
-    """UsageError when the folder --out holds any of `names` (what prepare writes, replaces or removes there) but no
-    manifest of a prepared corpus: those are someone's own files, not an earlier corpus's, and prepare never
-    overwrites or removes them (a folder that held e.g. the user's own train.es and test.es lost both, exit 0)."""
+def check_out_is_a_corpus_or_new(out: str, names: Sequence[str], inputs: Sequence[str] = ()) -> None:
+    """UsageError when the folder --out holds any of `names` (what prepare writes, replaces or removes there; not
+    `inputs`, the files given to read, which it never touches) but no manifest of a prepared corpus: those are
+    someone's own files, not an earlier corpus's, and prepare never overwrites or removes them (a folder that held
+    e.g. the user's own train.es and test.es lost both, exit 0). A stage of prepare's left there (a run killed while
+    it moved its corpus into place, the manifest not yet there) counts as a corpus: the next run replaces it."""
     if not os.path.isdir(out):
         return
-    present = [name for name in names if os.path.lexists(os.path.join(out, name))]
+    kept = {os.path.realpath(p) for p in inputs}
+    present = [name for name in names if os.path.lexists(os.path.join(out, name))
+               and os.path.realpath(os.path.join(out, name)) not in kept]
     if not present:
         return
     with contextlib.suppress(data.CorpusError):
         data.read_manifest(out)
         return   # an earlier corpus of dtmt prepare: this one replaces it
+    if any(_STAGE_NAME.fullmatch(name) for name in os.listdir(out)):
+        return
     listed = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
     raise UsageError(f"--out {out}: holds {listed} but is not a corpus of dtmt prepare (no readable {data.MANIFEST}); "
                      f"prepare would overwrite or remove them: use a new or empty folder")
@@ -173,6 +181,7 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
 
 
 _STAGE = ".prepare.tmp-{pid}"   # (a name remove_stale_temporaries takes once its process is gone)
+_STAGE_NAME = re.compile(r"\.prepare\.tmp-\d+")
 
 
 @contextlib.contextmanager
@@ -188,17 +197,22 @@ def staged_corpus(out: str, inputs: Sequence[str], log):
     made = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     stage = os.path.join(out, _STAGE.format(pid=os.getpid()))
+    shown = out.rstrip(os.sep) or out   # (--out c1/: c1/bin-bpe40, not c1//bin-bpe40)
     shutil.rmtree(stage, ignore_errors=True)
     os.makedirs(stage)
 
     def say(message: str) -> None:
-        log(message.replace(stage, out))
+        log(message.replace(stage, shown))
 
     try:
         try:
             yield stage, say
         except data.CorpusError as exc:
-            raise data.CorpusError(str(exc).replace(stage, out)) from None
+            raise data.CorpusError(str(exc).replace(stage, shown)) from None
+        except OSError as exc:   # (a full disk, a folder that cannot be written: named as --out's)
+            exc.filename = exc.filename.replace(stage, shown) if isinstance(exc.filename, str) else exc.filename
+            exc.args = tuple(a.replace(stage, shown) if isinstance(a, str) else a for a in exc.args)
+            raise
         _commit(stage, out, {os.path.realpath(p) for p in inputs}, say)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -208,31 +222,50 @@ def staged_corpus(out: str, inputs: Sequence[str], log):
 
 
 def _commit(stage: str, out: str, inputs: set, log) -> None:
-    """staged_corpus's end: the stage's corpus into `out` (see there)."""
+    """staged_corpus's end: the stage's corpus into `out` (see there). The renames run with SIGINT and SIGTERM held
+    back (milliseconds: a Ctrl-C then ends the command after them, not between two of them); an earlier binarized
+    copy moved aside is removed after the manifest is in place. Removed: the files of the earlier corpus's splits
+    (its manifest's languages and splits) that the new one does not write, never an input."""
     manifest = data.read_manifest(stage)
-    langs, counts = (manifest["src_lang"], manifest["tgt_lang"]), manifest["counts"]
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(out, data.MANIFEST))
-    for name in sorted(os.listdir(stage), key=lambda n: n == data.MANIFEST):   # (the manifest last)
-        source, target = os.path.join(stage, name), os.path.join(out, name)
-        if os.path.isdir(source) and os.path.isdir(target):   # an earlier binarized copy: aside, then removed
-            aside = os.path.join(out, f".{name}.tmp-{os.getpid()}")
-            os.rename(target, aside)
-            os.rename(source, target)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(source, target)
-    for split in SPLITS:
-        if split in counts:
-            continue
-        for path in (os.path.join(out, f"{split}.{lang}") for lang in langs):
-            # a split of an earlier corpus in the same directory would otherwise be read as this one's
-            if not os.path.exists(path):
-                continue
-            if os.path.realpath(path) in inputs:
-                log(f"note: {path} is one of your input files, so it stays (this corpus has no {split} split: "
-                    f"dtmt train and evaluate do not read it)")
+    counts = manifest["counts"]
+    written = set(os.listdir(stage))
+    stale = []
+    with contextlib.suppress(data.CorpusError):
+        old = data.read_manifest(out)
+        stale = [name for split in old["counts"] for lang in (old["src_lang"], old["tgt_lang"])
+                 for name in [f"{split}.{lang}"] if name not in written]
+    held = {signal.SIGINT, signal.SIGTERM}
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    asides = []
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, data.MANIFEST))
+        for name in sorted(written, key=lambda n: n == data.MANIFEST):   # (the manifest last)
+            source, target = os.path.join(stage, name), os.path.join(out, name)
+            if os.path.isdir(source) and os.path.isdir(target):   # an earlier binarized copy: aside, removed after
+                aside = os.path.join(out, f".{name}.tmp-{os.getpid()}")
+                os.rename(target, aside)
+                asides.append(aside)
+                os.rename(source, target)
             else:
-                os.remove(path)
-                log(f"removed {path} (left from an earlier corpus; this one has no {split} split)")
-    log(f"wrote {out}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items()) + " pairs")
+                os.replace(source, target)
+    finally:
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+    for aside in asides:
+        shutil.rmtree(aside, ignore_errors=True)
+    for name in stale:   # a split of the earlier corpus would otherwise be read as this one's
+        path = os.path.join(out, name)
+        if not os.path.exists(path):
+            continue
+        split = name.split(".", 1)[0]
+        why = f"this one has no {split} split" if split not in counts else "this one is of other languages"
+        if os.path.realpath(path) in inputs:
+            log(f"note: {path} is one of your input files, so it stays ({why}: dtmt train and evaluate do not read "
+                f"it)")
+        else:
+            os.remove(path)
+            log(f"removed {path} (left from an earlier corpus; {why})")
+    log(f"wrote {out.rstrip(os.sep) or out}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items())
+        + " pairs")

@@ -366,9 +366,14 @@ def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
     assert "dev.en:2: invalid UTF-8" in capsys.readouterr().err
     assert prepare.main(base + ["--holdout", "5"]) == 1  # 2 x 5 leaves no training pair
     assert "--holdout 5 asks for 10 held-out pairs" in capsys.readouterr().err
+    fifo = str(tmp_path / "fifo")   # (`--dev-tgt <(zcat x.gz)`: refused before it is opened, which would block)
+    os.mkfifo(fifo)
     # options that cannot work (contract §6): exit 2, one line, nothing read or written
     for bad, message in ((["--dev-src", dsrc], "--dev-src and --dev-tgt go together"),
                          (["--src-lang", "en"], "must differ"), (["--src-lang", "e s"], "not a language code"),
+                         (["--src-lang", "EN"], "are the same but for case, 'EN'"),   # (one file on macOS)
+                         (["--dev-src", dsrc, "--dev-tgt", fifo], f"--dev-tgt {fifo}: not a regular file (a pipe"),
+                         (["--dev-src", "/dev/null", "--dev-tgt", dtgt], "--dev-src /dev/null: not a regular file"),
                          (["--holdout", "-1"], "--holdout -1: must be an integer"),
                          (["--dev-src", dsrc, "--dev-tgt", dtgt, "--test-src", dsrc, "--test-tgt", dtgt, "--holdout",
                            "1"], "nothing to hold out"),

@@ -65,8 +65,9 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
         if not _LANG_RE.fullmatch(lang) or lang in ("ref", "json", "tmp"):
             raise UsageError(f"--{option.replace('_', '-')} {lang!r}: not a language code; use letters, digits, '-' "
                              f"or '_' (e.g. es, en)")
-    if args.src_lang == args.tgt_lang:
-        raise UsageError(f"--src-lang and --tgt-lang are both {args.src_lang!r}; they name the files, so they "
+    if args.src_lang.lower() == args.tgt_lang.lower():   # (train.EN and train.en: one file where case is folded)
+        same = "both" if args.src_lang == args.tgt_lang else "the same but for case,"
+        raise UsageError(f"--src-lang and --tgt-lang are {same} {args.src_lang!r}; they name the files, so they "
                          f"must differ")
     files = {"train": (args.src, args.tgt)}
     for split in ("dev", "test"):
@@ -77,7 +78,11 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
             files[split] = (src, tgt)
     for split, pair in files.items():
         for side, path in zip(("src", "tgt"), pair):
-            check_input_file(path, f"--{side}" if split == "train" else f"--{split}-{side}")
+            option = f"--{side}" if split == "train" else f"--{split}-{side}"
+            check_input_file(path, option)
+            if not os.path.isfile(path):   # (each input is read twice: its lines counted, then copied)
+                raise UsageError(f"{option} {path}: not a regular file (a pipe or a device); prepare reads each "
+                                 f"input twice, to count its lines and then to copy them: write it to a file first")
     check_output_dir(args.out, "--out")
     held = [split for split in ("dev", "test") if split not in files]
     if args.holdout < 0:

@@ -368,6 +368,28 @@ def test_long_source_is_truncated_with_a_warning(system):
     assert again == out[:1]
 
 
+def test_input_warnings_reports_its_category_and_shows_other_warnings_once():
+    """input_warnings gives back its category's messages, every call, and issues any other warning again once for
+    each text and place, as Python shows it outside catch_warnings (where every call showed it again: a library's
+    warning at every validation of a training run)."""
+    import uuid
+    import warnings
+    from dtmt_models.decoding.translate import InputWarning, input_warnings
+
+    text = f"a library's note {uuid.uuid4()}"   # (new to this process: what was shown is kept for the process)
+
+    def call():
+        warnings.warn("a source was cut", InputWarning)
+        warnings.warn(text, UserWarning)
+        return 7
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            assert input_warnings(call) == (7, ["a source was cut"])
+    assert [str(w.message) for w in shown] == [text] and shown[0].filename == __file__
+
+
 def test_source_past_the_transformers_positions_is_truncated_with_a_warning(system):
     """A transformer has positions up to its max_len: a longer source was a ValueError that lost the whole job
     (and an HTTP 500 in serve); it is cut there, with the truncation warning, as max_src_len cuts, alone and in an

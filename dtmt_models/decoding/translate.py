@@ -66,9 +66,16 @@ class InputError(Exception):
 
 
 # ------------------------------------------------------------------------------------------- library
+_REISSUED: set = set()   # (text, category, file, line) of the other warnings input_warnings has issued again
+_MAX_REISSUED = 1024
+
+
 def input_warnings(call: Callable[[], T], category: Type[Warning] = InputWarning) -> Tuple[T, List[str]]:
     """(call(), the messages of the warnings of `category` it raised, in order); any other warning it raised is
-    issued again. How `dtmt translate` and `dtmt serve` turn a call's warnings into their one-line reports."""
+    issued again, once a process for each text and place, as Python shows it by default (inside catch_warnings
+    Python forgets what it has shown: a library's warning came again at every validation of `dtmt train` and every
+    request of `dtmt serve`). How `dtmt translate`, `dtmt serve` and training's dev BLEU turn a call's warnings into
+    their one-line reports."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", category)
         result = call()
@@ -76,7 +83,11 @@ def input_warnings(call: Callable[[], T], category: Type[Warning] = InputWarning
     for w in caught:
         if issubclass(w.category, category):
             messages.append(str(w.message))
-        else:
+            continue
+        key = (str(w.message), w.category, w.filename, w.lineno)
+        if key not in _REISSUED:
+            if len(_REISSUED) < _MAX_REISSUED:   # (texts that vary, e.g. with a number, do not grow it for ever)
+                _REISSUED.add(key)
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return result, messages
 

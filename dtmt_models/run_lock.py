@@ -1,10 +1,13 @@
 """One run per directory (issue 71 item 6): `dtmt train` holds an exclusive lock on its --out for as long as it
 runs, so that a second run started on the same directory is refused in one line that names the first one's process,
-instead of both writing last.pt, best.pt and config.yaml and interleaving train_log.csv.
+instead of both writing last.pt, best.pt and config.yaml and interleaving train_log.csv. `dtmt prepare` holds its
+own on the corpus folder it writes (two prepares moving their corpora into one folder could leave one's text beside
+the other's binarized copy).
 
-The lock is flock(2) on OUT/.dtmt-train.lock, which holds the holder's process id. The kernel releases it when the
-process ends, however it ends (a kill, a crash), so a stale lock file never blocks a later run. A run refused before
-it wrote anything, in a directory it made itself, leaves no directory behind.
+The lock is flock(2) on OUT/.dtmt-train.lock (OUT/.dtmt-prepare.lock), which holds the holder's process id and is
+removed when the holder lets the directory go. The kernel releases the lock when the process ends, however it ends (a
+kill, a crash), so a lock file left by a killed run never blocks a later one. A run refused before it wrote
+anything, in a directory it made itself, leaves no directory behind.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import os
 from typing import Optional
 
 LOCK_NAME = ".dtmt-train.lock"
+PREPARE_LOCK_NAME = ".dtmt-prepare.lock"
 
 
 class RunLocked(ValueError):
@@ -21,11 +25,13 @@ class RunLocked(ValueError):
 
 
 class RunLock:
-    """The lock of one run directory: `acquire()` (makes the directory if needed), `release(discard)`."""
+    """The lock of one run directory: `acquire()` (makes the directory if needed), `release(discard)`. `option`
+    and `command` name the directory and its holder in the refusal; `name` is the lock file's."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, option: str = "--out", command: str = "dtmt train", name: str = LOCK_NAME):
         self.directory = os.path.abspath(directory)
-        self.path = os.path.join(self.directory, LOCK_NAME)
+        self.path = os.path.join(self.directory, name)
+        self.option, self.command = option, command
         self.fd: Optional[int] = None
         self.made: list = []
 
@@ -35,18 +41,27 @@ class RunLock:
         while not os.path.exists(folder) and os.path.dirname(folder) != folder:
             self.made.append(folder)
             folder = os.path.dirname(folder)
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:   # a read-only file system, no permission: before anything of the run is written
-            raise RunLocked(f"--out {self.directory}: cannot be written ({exc.strerror or exc})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        for _ in range(16):
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:   # a read-only file system, no permission: before anything of the run is written
+                raise RunLocked(f"{self.option} {self.directory}: cannot be written ({exc.strerror or exc})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise RunLocked(f"{self.option} {self.directory} is in use by another {self.command} (process "
+                                f"{holder}); wait for it to end or give another {self.option}") from None
+            try:   # (the file locked is still the one of that name, not one a holder removed as it let go)
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    break
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            raise RunLocked(f"--out {self.directory} is in use by another dtmt train (process {holder}); wait for it "
-                            "to end or give another --out") from None
+        else:
+            raise RunLocked(f"{self.option} {self.directory}: its lock file {self.path} keeps being replaced")
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
@@ -57,10 +72,11 @@ class RunLock:
         is in it."""
         if self.fd is None:
             return
+        with contextlib.suppress(OSError):   # (removed while held: one who opened it meanwhile sees it gone, above)
+            os.remove(self.path)
         if discard and self.made:
             with contextlib.suppress(OSError):
-                if os.listdir(self.directory) == [LOCK_NAME]:
-                    os.remove(self.path)
+                if not os.listdir(self.directory):
                     for folder in self.made:   # (--out runs/x made runs/ too: it goes if still empty)
                         os.rmdir(folder)
         os.close(self.fd)   # (closing the only descriptor of the lock releases it)

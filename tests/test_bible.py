@@ -397,6 +397,45 @@ def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
     assert "--holdout" in capsys.readouterr().out
 
 
+def test_one_prepare_at_a_time_writes_a_folder(tmp_path, capsys):
+    """A prepare on a folder that another one is writing (its lock held) is refused in one line naming that
+    process, exit 2, nothing written; once that one has ended, the folder is free. The lock file is there only while
+    a prepare holds the folder; a failed prepare leaves no folder of its own behind."""
+    import subprocess as sp
+
+    from dtmt_models.run_lock import PREPARE_LOCK_NAME
+
+    src, tgt = numbered(tmp_path, 12)
+    out = tmp_path / "out"
+    holder = sp.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from dtmt_models.run_lock import PREPARE_LOCK_NAME, RunLock
+        lock = RunLock({str(out)!r}, "--out", "dtmt prepare", PREPARE_LOCK_NAME).acquire()
+        print("held", flush=True)
+        sys.stdin.readline()
+        """)], stdin=sp.PIPE, stdout=sp.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for args in (["files", "--src", src, "--tgt", tgt, "--out", str(out), "--no-binarize"],
+                     ["binarize", "--data", str(out)]):
+            if args[0] == "binarize":
+                data.write_manifest(str(out), "es", "en", {"train": 0}, "files")   # (a corpus folder, as binarize asks)
+            assert prepare.main(args) == 2
+            err = capsys.readouterr().err
+            option = "--data" if args[0] == "binarize" else "--out"
+            assert err.count("\n") == 1 and f"{option} {out} is in use by another dtmt prepare (process " \
+                f"{holder.pid})" in err, err
+        assert sorted(os.listdir(out)) == sorted([PREPARE_LOCK_NAME, data.MANIFEST])
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--no-binarize"]) == 0
+    assert sorted(os.listdir(out)) == sorted([data.MANIFEST, "train.es", "train.en"])
+    bad = write(tmp_path / "bad.es", b"a\n\n")
+    assert prepare.main(["files", "--src", bad, "--tgt", bad, "--out", str(tmp_path / "new")]) == 1
+    assert not (tmp_path / "new").exists()
+    capsys.readouterr()
+
+
 def test_prepare_files_holdout_is_deterministic_and_disjoint(tmp_path):
     src, tgt = numbered(tmp_path, 50)
 

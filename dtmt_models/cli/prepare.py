@@ -20,6 +20,7 @@ from dtmt_models.data.prepare import (SPLITS, check_files_options, check_out_is_
 from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_counts, check_input_dir,
                                  check_output_dir, cut)
 from dtmt_models.models.presets import TRAIN_DEFAULTS
+from dtmt_models.run_lock import PREPARE_LOCK_NAME, RunLock, RunLocked
 
 # the ranges of the numeric options, checked before any work (contract §6: one line, exit status 2)
 MAX_LINES = 1_000_000_000     # --sample and --holdout: more lines than a corpus this reads holds
@@ -125,6 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    lock, done = None, False   # (the folder written is held until the end: one prepare at a time writes there)
     try:
         check_numbers(args)
         # every option before any work (contract §6), then what an interrupted earlier run left (its process
@@ -144,6 +146,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not os.path.isfile(os.path.join(args.data, data.MANIFEST)):
                 raise UsageError(f"--data {args.data}: not a corpus folder written by dtmt prepare (no "
                                  f"{data.MANIFEST})")
+        option = "--data" if args.source == "binarize" else "--out"
+        lock = RunLock(getattr(args, option[2:]), option, "dtmt prepare", PREPARE_LOCK_NAME).acquire()
         for folder in {getattr(args, "out", None), getattr(args, "data", None)} - {None}:
             for path in remove_stale_temporaries(folder):
                 log(f"removed {path} (left by an interrupted run)")
@@ -158,7 +162,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 binarize_from_args(args, stage, say)
         else:
             binarize_from_args(args, args.data, log)
-    except UsageError as exc:   # an option that cannot work: nothing was read or written
+        done = True
+    except (UsageError, RunLocked) as exc:   # an option that cannot work: nothing was read or written
         print(f"dtmt prepare {args.source}: error: {cut(str(exc))}", file=sys.stderr)
         return 2
     except (data.CorpusError, bible.BibleError) as exc:
@@ -168,6 +173,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"dtmt prepare {args.source}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
+    finally:
+        if lock is not None:   # (a folder that the lock made and nothing else filled goes with a failed prepare)
+            lock.release(discard=not done)
     return 0
 
 

@@ -739,6 +739,45 @@ def test_one_run_per_directory(toy_nodev, tmp_path, capsys):
     assert r.returncode == 2 and not (tmp_path / "new").exists(), r.stderr
 
 
+def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tmp_path, capsys):
+    """--resume keeps the rows of train_log.csv up to the checkpoint's step, cells a spreadsheet added dropped
+    (such a row was a traceback after the log had been emptied: every row lost); a log that cannot be read is one
+    line, exit 2, and stays as it was. A last.pt of another model copied into a run folder is refused, exit 2, where
+    it trained on and its first validation replaced the folder's own best.pt."""
+    import shutil
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    base = ["--data", toy, "--log-every", "1", "--valid-every", "2", *TINY]
+    assert train_here(["--out", str(run), "--max-steps", "2", *base], capsys).returncode == 0
+    log, best = run / "train_log.csv", run / "best.pt"
+    assert best.is_file()
+    lines = log.read_bytes().split(b"\r\n")
+    assert lines[0].startswith(b"kind,step,") and len(lines) >= 4, lines
+    rows = lines[1:-1]
+    lines[1] += b",EXTRA,cells"
+    log.write_bytes(b"\r\n".join(lines))
+    assert train_here(["--resume", str(run), "--max-steps", "3", *base], capsys).returncode == 0
+    kept = log.read_bytes().split(b"\r\n")
+    assert kept[1:1 + len(rows)] == rows and b"EXTRA" not in log.read_bytes()
+    assert any(line.startswith(b"train,3,") for line in kept), kept
+    for garbage, message in ((b"\xff\xfe\x00junk", "not a training log"), (b"hello\nworld\n", "no step column"),
+                             (b"kind,step\ntrain,four\n", "line 2: step 'four' is not a whole number")):
+        log.write_bytes(garbage)
+        r = train_here(["--resume", str(run), "--max-steps", "4", *base], capsys)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+        assert f"--resume: {log}: " in r.stderr and log.read_bytes() == garbage
+    log.unlink()   # (moved aside: the run goes on, its log starting here)
+    # a last.pt of another model (another hidden size) in the run folder
+    assert train_here(["--out", str(other), "--max-steps", "2", *base, "--opt", "hidden_size=48"],
+                      capsys).returncode == 0
+    before = best.read_bytes()
+    shutil.copy(other / "last.pt", run / "last.pt")
+    r = train_here(["--resume", str(run), "--data", toy, "--max-steps", "4", "--threads", "1"], capsys)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"not the model of {best} beside it (its model_options differs)" in r.stderr, r.stderr
+    assert best.read_bytes() == before
+
+
 def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsys):
     """A last.pt that the weights-only loader takes but whose contents do not fit (issue 71 item 3): an Adam moment
     of the wrong shape (it was a segfault in the fused Adam), NaN moments or weights (they trained on, writing NaN

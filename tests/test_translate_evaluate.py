@@ -308,6 +308,18 @@ def test_average_refuses_crafted_checkpoints_in_one_line(system, tmp_path, capsy
             err = capsys.readouterr().err
             assert err.startswith(f"dtmt average: {bad}: ") and message in err and err.count("\n") == 1, (case, err)
             assert not os.path.exists(out)
+    # the same file under another name, a hard link (was "the mean of 2 checkpoints"), counts once
+    os.link(path, str(tmp_path / "hard.pt"))
+    assert average([path, str(tmp_path / "hard.pt"), "-o", out]) == 2
+    assert "is given twice" in capsys.readouterr().err and not os.path.exists(out)
+    # a file cut short is not a checkpoint, whatever the reader's error (a 5,000-byte cut was "Invalid argument")
+    data = open(path, "rb").read()
+    for size in (5000, len(data) // 2, 100):
+        cut = tmp_path / f"cut{size}.pt"
+        cut.write_bytes(data[:size])
+        assert average([path, str(cut), "-o", out]) == 2
+        err = capsys.readouterr().err
+        assert f"{cut}: not a dtmt checkpoint (not a file torch.save wrote, or a truncated one" in err, err
 
 
 def test_a_checkpoint_loads_and_translates_in_a_fresh_process(system):

@@ -30,7 +30,7 @@ from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist, resolve_auto, world_size
-from dtmt_models.training.trainer import CONFIG, LAST, Trainer, TrainingDiverged
+from dtmt_models.training.trainer import BEST, CONFIG, LAST, Trainer, TrainingDiverged
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
@@ -398,6 +398,23 @@ def check_optimizer(cfg: TrainConfig, explicit: set, preset_train: Optional[dict
                              f"rate for {cfg.optimizer} with --lr")
 
 
+def check_best_is_of_the_run(best: str, source: str, ckpt: dict) -> None:
+    """ValueError when the run folder's best.pt is of another model than the checkpoint `source` resumed there
+    (another system, options or vocabularies: a last.pt copied in from another run), whose first better validation
+    would replace it; a best.pt that cannot be read is left to be replaced."""
+    if not os.path.isfile(best) or os.path.samefile(best, source):
+        return
+    try:
+        own = read_checkpoint(best, mmap=True)   # (its settings only: the weights stay on disk)
+    except ValueError:
+        return
+    differ = [k for k in ("model_name", "model_options", "src_vocab", "tgt_vocab") if own.get(k) != ckpt.get(k)]
+    if differ:
+        raise ValueError(f"--resume {source}: not the model of {best} beside it (its {', '.join(differ)} differ"
+                         f"{'s' if len(differ) == 1 else ''}), which the run's first better validation would "
+                         f"replace; resume it in a new --out")
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: Optional[List[str]] = None) -> int:
     lock: List[RunLock] = []   # the run directory's lock, once taken (held until the run ends)
@@ -472,6 +489,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             ckpt = read_checkpoint(source)
             if "training" not in ckpt:
                 raise ValueError(f"{source} has no training state (a run's last.pt has)")
+            check_best_is_of_the_run(os.path.join(args.out, BEST), source, ckpt)
             for key in ("src_vocab", "tgt_vocab"):   # (the rest is checked against the model: Trainer)
                 try:
                     Vocabulary(ckpt[key])

@@ -11,6 +11,7 @@ loading a file from someone else never runs code that the file carries (a plain 
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -43,8 +44,9 @@ def save_checkpoint(path: str, payload: Dict[str, Any]) -> None:
                           + (" (the disk is full)" if free < (1 << 20) else f" ({one_line(exc)})")) from None
 
 
-def read_checkpoint(path: str) -> Dict[str, Any]:
-    """The raw checkpoint dict; a clear error for a missing or foreign file."""
+def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
+    """The raw checkpoint dict; a clear error for a missing or foreign file. `mmap`: the tensors are mapped from the
+    file, not read (what a caller that needs only the settings asks)."""
     if os.path.isdir(path):
         raise ValueError(f"{path}: is a directory, not a checkpoint file")
     if not os.path.isfile(path):
@@ -52,7 +54,7 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     try:
         with warnings.catch_warnings():   # (torch's notes on old pickle formats: the file is refused or read here)
             warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:  # refused by the data-only loader: nothing of it has run
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         if found is None and "global" not in str(exc).lower():   # not an object it refused: not a pickle of ours
@@ -63,6 +65,9 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
                          f"checkpoint never does, and loading them could run code ({what})"
                          ) from None
     except OSError as exc:   # the file itself (permissions, a disk error): its reason
+        if exc.errno == errno.EINVAL:   # (torch's zip reader on a file cut short)
+            raise ValueError(f"{path}: not a dtmt checkpoint (not a file torch.save wrote, or a truncated one)"
+                             ) from None
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     except MemoryError:
         raise
@@ -275,7 +280,11 @@ def average_checkpoints(paths) -> Dict[str, Any]:
         raise ValueError("average: no checkpoints given")
     seen = {}
     for path in paths:
-        key = os.path.realpath(path)
+        try:   # (the file itself, however named: a symlink or a hard link to one given is the same checkpoint)
+            stat = os.stat(path)
+            key = (stat.st_dev, stat.st_ino)
+        except OSError:
+            key = os.path.realpath(path)   # (read_checkpoint below says what is wrong with it)
         if key in seen:
             raise ValueError(f"average: {path} is given twice (as {seen[key]} too); each checkpoint counts once")
         seen[key] = path

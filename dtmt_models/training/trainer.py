@@ -48,7 +48,7 @@ from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, re
 from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
-from dtmt_models.models.checkpoint import check_training_state, save_checkpoint
+from dtmt_models.models.checkpoint import CheckpointError, check_training_state, save_checkpoint
 from dtmt_models.models.registry import build_model, init_weights, position_bound
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
@@ -98,15 +98,38 @@ class CsvLog:
 
             self.events = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        rows = []
-        if resume_step is not None and os.path.isfile(source):
-            with open(source, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
-        with open(path, "w", newline="") as f:
+        rows = [] if resume_step is None or not os.path.lexists(source) else self._rows_until(source, resume_step)
+        with atomic_write(path) as f:   # (read whole first: a log that cannot be kept is never emptied)
             w = csv.DictWriter(f, LOG_FIELDS)
             w.writeheader()
             w.writerows(rows)
         self.rows = rows
+
+    @staticmethod
+    def _rows_until(source: str, step: int) -> List[dict]:
+        """The rows of the log `source` up to `step`, LOG_FIELDS only (cells a spreadsheet added are dropped, missing
+        ones empty). CheckpointError in one line for a log that cannot be read (not UTF-8 text, no step column, a
+        step that is not a whole number): the run resumes from its checkpoint, the log says what it did."""
+        def unreadable(why: str) -> CheckpointError:
+            return CheckpointError(f"--resume: {source}: {why}; mend it, or move it aside to resume with a log that "
+                                   f"starts here")
+        try:
+            with open(source, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                if "step" not in (reader.fieldnames or ()):
+                    raise unreadable("not a training log (no step column)")
+                rows = []
+                for r in reader:
+                    value = (r.get("step") or "").strip()
+                    if not (value.isascii() and value.isdigit()):
+                        raise unreadable(f"line {reader.line_num}: step {value[:20]!r} is not a whole number")
+                    if int(value) <= step:
+                        rows.append({k: r.get(k) or "" for k in LOG_FIELDS})
+                return rows
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise unreadable(f"not a training log ({one_line(exc)[:100]})") from None
+        except OSError as exc:
+            raise unreadable(f"cannot be read ({exc.strerror or exc})") from None
 
     def write(self, **row) -> None:
         row.setdefault("wall_s", f"{time.perf_counter() - dtmt_models.STARTED:.1f}")

@@ -123,6 +123,7 @@ def server(system):
     (["--read-timeout", "0"], "--read-timeout 0.0: must be a finite number >= 0.1 and <= 86,400"),
     (["--beam", "0"], "--beam 0: must be an integer in [1, 1,024]"),
     (["--beam", "2000"], "--beam 2000: must be an integer in [1, 1,024]"),
+    (["--host", " "], "--host ' ': give an address (0.0.0.0 or :: for every interface)"),
 ])
 def test_bad_options_exit_2_before_listening(system, capsys, flags, message):
     """contract §6: an option that cannot work is one line and exit status 2, and no server starts."""
@@ -209,12 +210,14 @@ def test_bad_requests_get_a_status_and_a_message(server):
         ({"sentences": ["el sol", "x" * 101]}, 413, "sentence 1 has 101 characters; the limit is 100"),
         (b"[" + b'"x",' * 400_000 + b'"x"]', 413, "the request body is too large"),
         (b"[" * 50_000, 400, "nested too deeply"),                                   # RecursionError
-        (b'{"sentences": ' + b"1" * 5000 + b"}", 400, "not JSON"),                     # int of too many digits
+        (b'{"sentences": ' + b"1" * 5000 + b"}", 400, "not JSON this server reads (a number of more than 4,300 "
+                                                      "digits)"),   # (was Python's advice on its int limit)
+        ({"sentences": [], "f" * 60_000: 1}, 400, "characters cut"),   # (the unknown name was echoed whole)
     ]
     for body, status, message in cases:
         got_status, reply = request(server.url, "/translate", body)
-        assert got_status == status and message in reply["error"], (body[:40], got_status, reply)
-        assert "\n" not in reply["error"]
+        assert got_status == status and message in reply["error"], (str(body)[:40], got_status, reply)
+        assert "\n" not in reply["error"] and len(reply["error"]) < 2200
     assert request(server.url, "/nowhere") == (404, {"error": "Not Found"})
     assert request(server.url, "/translate", method="GET") == (405, {"error": "Method Not Allowed"})
     status, reply = request(server.url, "/translate", {"sentences": ["el sol brilla"]})   # still serving
@@ -314,6 +317,39 @@ def test_stalled_and_idle_connections_time_out(system):
         proc.close()
 
 
+def test_requests_that_are_not_http_are_one_line_each_on_stderr(system):
+    """What aiohttp reports of a request it cannot parse (a negative or non-numeric Content-Length, two of them, a
+    header over 8 KiB) is one line on the server's stderr, repeats of a kind within a minute counted, not shown: each
+    was a ten-line traceback (a flood under a stream of them). A client that leaves in the middle of its body is
+    not reported at all (it was a ConnectionResetError traceback). The server goes on serving."""
+    import socket
+
+    proc = ServerProcess(system[3])
+    try:
+        host, port = proc.url.split("//")[1].split(":")
+        for raw in [b"Content-Length: -5\r\n\r\n", b"Content-Length: 1x\r\n\r\n",
+                    b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}", b"X-Big: " + b"a" * 9000 + b"\r\n\r\n",
+                    b"Content-Length: -5\r\n\r\n", b"Content-Length: 100\r\n\r\n{\"sentences\": ["]:
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\n" + raw)
+                sock.settimeout(1)
+                try:
+                    got = sock.recv(4096)
+                except socket.timeout:   # (the body cut short: the client leaves without an answer)
+                    got = b""
+            assert got == b"" or got.startswith(b"HTTP/1.0 400"), got
+        assert request(proc.url, "/translate", {"sentences": [SRC[0]]})[0] == 200
+        proc.proc.send_signal(signal.SIGTERM)
+        err = proc.rest_of_stderr()
+    finally:
+        proc.close()
+    lines = err.splitlines()
+    assert "Traceback" not in err and "Connection lost" not in err and all(
+        line.startswith("dtmt serve: ") for line in lines), err
+    reported = [line for line in lines if "Error handling request" in line]
+    assert len(reported) == 2 and "BadHttpMessage" in reported[0] and "LineTooLong" in reported[1], err
+
+
 def test_sigterm_finishes_the_request_in_flight(system):
     model, sv, tv, path = system
     proc = ServerProcess(path, "--max-sentences", "400")
@@ -368,9 +404,11 @@ def test_two_signals_in_quick_succession_are_quiet(system):
 def test_a_late_second_signal_exits_at_once_with_one_line(system, sig):
     """A decoding still running when --shutdown-timeout is up holds the process's exit after `stopped`; a second
     signal then (once the event loop is closed) exits at once with one line, exit status 1 (it was a
-    KeyboardInterrupt traceback for SIGINT, a kill for SIGTERM)."""
+    KeyboardInterrupt traceback for SIGINT, a kill for SIGTERM). (The request's sentences are one batch of
+    translate's: a decoding whose clients have gone, as this one's has once the shutdown closes its connection,
+    stops at its next batch.)"""
     proc = ServerProcess(system[3], "--max-sentences", "400", "--max-chars", "1000", "--beam", "16",
-                         "--shutdown-timeout", "0")
+                         "--shutdown-timeout", "0", "--max-tokens", "1000000")
     try:
         sentences = [" y ".join(SRC[(i >> (2 * k)) % len(SRC)] for k in range(6)) for i in range(400)]   # seconds
         thread = threading.Thread(target=lambda: pytest.raises(Exception, request, proc.url, "/translate",
@@ -409,11 +447,11 @@ def test_decoding_failure_is_a_500_for_that_request_only(system):
     server = Server(model, sv, tv, ServeSettings(beam=2, max_wait_ms=300))
     real, calls = server._decode, []
 
-    def failing_on_poison(sentences):
+    def failing_on_poison(sentences, batch=()):
         calls.append(list(sentences))
         if "veneno" in sentences:
             raise RuntimeError("out of memory (simulated)")
-        return real(sentences)
+        return real(sentences, batch)
     server._decode = failing_on_poison
 
     async def scenario():
@@ -434,3 +472,74 @@ def test_decoding_failure_is_a_500_for_that_request_only(system):
     assert after[0] == 200 and after[1]["translations"] == [translate(model, sv, tv, ["la luna"], beam=2)[0][0][0]]
     assert calls[0] in (["veneno", "el sol"], ["el sol", "veneno"])          # batched together first
     assert server.counters.errors == 1 and server.counters.batches == 2
+
+
+def test_clients_that_left_cost_no_decoding(system):
+    """In process: requests whose clients closed their connections while waiting for a batch are not decoded (a
+    client could send large requests and leave, and each was decoded in full before the next one's turn: 768
+    abandoned sentences delayed the next request 15 s); a decoding whose every client has left stops at its next
+    batch of sentences; the clients still there are answered as before."""
+    from dtmt_models.decoding.serve import ClientsGone, Server, ServeSettings, _Pending
+
+    model, sv, tv, _ = system
+    server = Server(model, sv, tv, ServeSettings(beam=2, max_wait_ms=20))
+    real, calls, release = server._decode, [], threading.Event()
+
+    def held_first(sentences, batch=()):
+        calls.append(list(sentences))
+        if len(calls) == 1:
+            release.wait(60)   # (the first batch decodes while the others arrive, and some leave)
+        return real(sentences, batch)
+    server._decode = held_first
+
+    async def scenario():
+        await server.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}/translate"
+        async with aiohttp.ClientSession() as session:
+            async def post(sentences):
+                async with session.post(url, json={"sentences": sentences}) as r:
+                    return r.status, await r.json()
+
+            async def post_and_leave(sentences):   # (gone once its request waits for a batch)
+                waiting = server._queue.qsize()
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                body = json.dumps({"sentences": sentences}).encode()
+                writer.write(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+                while server._queue.qsize() == waiting:
+                    await asyncio.sleep(0.01)
+                writer.close()
+            first = asyncio.ensure_future(post(["el sol"]))
+            while not calls:
+                await asyncio.sleep(0.01)
+            for gone in (["la tierra"], ["el agua", "la luz"]):
+                await post_and_leave(gone)
+            stays = asyncio.ensure_future(post(["la luna"]))
+            while server._queue.qsize() < 3:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)   # (the closed connections seen by the server)
+            release.set()
+            answers = await asyncio.gather(first, stays)
+        await server.stop()
+        return answers
+    (a, b) = asyncio.run(scenario())
+    assert a[0] == 200 and a[1]["translations"] == [translate(model, sv, tv, ["el sol"], beam=2)[0][0][0]]
+    assert b[0] == 200 and b[1]["translations"] == [translate(model, sv, tv, ["la luna"], beam=2)[0][0][0]]
+    assert calls == [["el sol"], ["la luna"]] and server.counters.sentences == 2
+
+    class Transport:   # a connection, closed after `after` looks
+        def __init__(self, after):
+            self.looks, self.after = 0, after
+
+        def is_closing(self):
+            self.looks += 1
+            return self.looks > self.after
+    many = ["el sol", "la luna", "la tierra", "el agua"]
+    server = Server(model, sv, tv, ServeSettings(beam=2, max_tokens=4))   # (one sentence a translate batch)
+    with pytest.raises(ClientsGone):   # every client gone before the second of its batches
+        server._decode(many, [_Pending(many, None, Transport(after=2))])
+    here = _Pending(many, None, Transport(after=10 ** 6))
+    assert server._decode(many, [here, _Pending([], None, Transport(after=0))]) == translate(
+        model, sv, tv, many, beam=2, max_tokens=4)   # (one client still there: decoded in full)
+    assert here.transport.looks == len(many) + 1   # (looked at before each batch and after the last)

@@ -66,10 +66,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dtmt_models.decoding.serve import Server, ServeSettings
+    from dtmt_models.decoding.serve import Server, ServeSettings, log_http_in_one_line
 
     check_decoding_arguments(args)
     check_count("--port", args.port, 0, 65535)
+    if not args.host.strip():   # (aiohttp takes '' for every interface, said as http://:PORT)
+        raise UsageError(f"--host {args.host!r}: give an address (0.0.0.0 or :: for every interface)")
     settings = ServeSettings(beam=args.beam, alpha=decoding_alpha(args), penalty=args.length_penalty,
                              max_tokens=args.max_tokens, max_src_len=args.max_src_len, max_len_a=args.max_len_a,
                              max_len_b=args.max_len_b, early_stop=args.early_stop,
@@ -97,6 +99,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def log(message: str) -> None:
         print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+    log_http_in_one_line(log)
 
     async def serve() -> None:
         server = Server(model, src_vocab, tgt_vocab, settings, info=info, log=log, decoder=decoder)

@@ -21,23 +21,28 @@ batch fails, each of its requests is decoded again on its own, so only a request
 requests in flight finish (at most `shutdown_timeout` seconds), then ends. A client gets `read_timeout` seconds to
 send a request's body (else 408, and the connection is closed); a connection on which no request has started for as
 long while none was in progress (silent since it opened, stalled in its headers, or idle between requests) is
-closed: a stalled or silent client holds no connection for longer.
+closed: a stalled or silent client holds no connection for longer. A client that leaves before its answer costs no
+more decoding: its request is dropped from the batch it waits for, and a decoding whose every client has left stops
+at translate's next batch. What the HTTP layer reports (a request that is not HTTP) is one line each
+(`log_http_in_one_line`, set by `dtmt serve`).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import json
+import logging
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dtmt_models.decoding.beam_search import check_search_arguments
 from dtmt_models.decoding.hypotheses import MAX_BEAM
 from dtmt_models.decoding.translate import input_warnings, translate
 from dtmt_models.engine.decoder import as_decoder
-from dtmt_models.errors import MAX_COUNT, check_count, check_finite, refuse
+from dtmt_models.errors import MAX_COUNT, check_count, check_finite, cut, one_line, refuse
 
 
 # the largest values the settings take (`check`): beyond them a server would hold memory or a client for no use
@@ -99,12 +104,13 @@ def parse_request(body: bytes, settings: ServeSettings) -> List[str]:
     except RecursionError:
         raise RequestError(400, "the body is not JSON this server reads (nested too deeply)") from None
     except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
-        raise RequestError(400, f"the body is not JSON ({exc})") from None
+        why = ("a number of more than 4,300 digits" if "int_max_str_digits" in str(exc) else cut(one_line(exc)))
+        raise RequestError(400, f"the body is not JSON this server reads ({why})") from None
     if not isinstance(data, dict) or "sentences" not in data:
         raise RequestError(400, 'expected a JSON object {"sentences": ["...", ...]}')
     unknown = sorted(set(data) - {"sentences"})
     if unknown:
-        raise RequestError(400, f"unknown field(s) {unknown}; the only field is \"sentences\"")
+        raise RequestError(400, f"unknown field(s) {cut(repr(unknown))}; the only field is \"sentences\"")
     sentences = data["sentences"]
     if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
         raise RequestError(400, '"sentences" must be a list of strings')
@@ -172,6 +178,62 @@ def _decompress(data: bytes, coding: str, limit: int) -> bytes:
 class _Pending:
     sentences: List[str]
     future: "asyncio.Future"
+    transport: Any = None   # the request's connection (None: none to watch)
+
+    def gone(self) -> bool:
+        """The client has left (its connection closed or closing): nobody reads this request's answer. (Read from
+        the decoding thread too: a flag, read without a lock, at worst a batch late.)"""
+        return self.transport is not None and self.transport.is_closing()
+
+
+class OneLineLog(logging.Handler):
+    """What the HTTP layer reports (aiohttp's and asyncio's loggers: a request that is not HTTP, a client gone in
+    its body, no file descriptors left to accept with), as one line each through `log`, without the traceback they
+    came with: a record of the same kind (logger, text and exception type) within `quiet_s` seconds of the last one
+    shown is counted, and the count goes with the next one shown. (A malformed request wrote ten lines of
+    traceback to stderr; 249 connections past the descriptor limit, 2,700 such blocks in 2 s.)"""
+
+    def __init__(self, log: Callable[[str], None], quiet_s: float = 60.0):
+        super().__init__(logging.WARNING)
+        self.say, self.quiet_s = log, quiet_s
+        self.last: Dict[tuple, Tuple[float, int]] = {}   # kind -> (when last shown, how many since not shown)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            exc = record.exc_info[1] if record.exc_info else None
+            key = (record.name, record.msg if isinstance(record.msg, str) else type(record.msg), type(exc))
+            now = time.monotonic()
+            shown, hidden = self.last.get(key, (-math.inf, 0))
+            if now - shown < self.quiet_s:
+                self.last[key] = (shown, hidden + 1)
+                return
+            self.last[key] = (now, 0)
+            text = " ".join(record.getMessage().split())
+            if exc is not None:
+                text += f": {type(exc).__name__}: {one_line(exc)}"
+            if hidden:
+                text += f" (and {hidden:,} more like it in the last {now - shown:,.0f} s)"
+            self.say(cut(text))
+        except Exception:   # noqa: BLE001 - logging's rule: a handler that fails says so and goes on
+            self.handleError(record)
+
+
+HTTP_LOGGERS = ("aiohttp", "asyncio")
+
+
+def log_http_in_one_line(log: Callable[[str], None]) -> OneLineLog:
+    """Sends what HTTP_LOGGERS report to `log`, one line each (OneLineLog), and only there. The application's
+    choice (`dtmt serve`), not the Server's: a program that embeds the Server keeps its own logging."""
+    handler = OneLineLog(log)
+    for name in HTTP_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
+    return handler
+
+
+class ClientsGone(Exception):
+    """Every client of the batch being decoded has left: the decoding stops at its next batch."""
 
 
 @dataclass
@@ -318,6 +380,8 @@ class Server:
             response = self._error(408, f"the request's body did not arrive within {self.settings.read_timeout:g} s")
             response.force_close()
             return response
+        except ConnectionError:   # the client left in the middle of its body (aiohttp's "Connection lost"): nobody
+            return web.Response(status=400)   # to answer, nothing to log (it was a traceback on stderr)
         try:
             body = decode_body(body, ", ".join(request.headers.getall("Content-Encoding", [])), self.body_limit)
             sentences = parse_request(body, self.settings)
@@ -327,9 +391,11 @@ class Server:
         if not sentences:
             return web.json_response({"translations": [], "scores": []})
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(sentences, future))
+        await self._queue.put(_Pending(sentences, future, request.transport))
         try:
             results = await future
+        except ClientsGone:
+            return web.Response(status=400)   # (not sent: the connection has closed)
         except Exception as exc:   # noqa: BLE001 - decoding failed: this request fails, the server goes on
             self.log(f"decoding failed: {type(exc).__name__}: {exc}")
             return self._error(500, f"decoding failed: {type(exc).__name__}: {exc}")
@@ -391,7 +457,10 @@ class Server:
                 item = self._queue.get_nowait()
                 batch.append(item)
                 waiting += len(item.sentences)
-            batch = [item for item in batch if not item.future.done()]   # a client that left: a cancelled future
+            for item in batch:   # a client that left before its batch: its sentences are not decoded
+                if item.gone() and not item.future.done():
+                    item.future.set_exception(ClientsGone())
+            batch = [item for item in batch if not item.future.done()]
             if batch:
                 await self._decode_batch(batch)
 
@@ -401,7 +470,12 @@ class Server:
         loop = asyncio.get_running_loop()
         sentences = [s for item in batch for s in item.sentences]
         try:
-            results = await loop.run_in_executor(self._worker, self._decode, sentences)
+            results = await loop.run_in_executor(self._worker, self._decode, sentences, batch)
+        except ClientsGone as exc:   # (every client left while its sentences were decoded: the rest not decoded)
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            return
         except Exception as exc:   # noqa: BLE001 - handed to the request, or each request retried alone
             if len(batch) == 1:
                 if not batch[0].future.done():
@@ -418,12 +492,18 @@ class Server:
                 item.future.set_result(results[start:start + len(item.sentences)])
             start += len(item.sentences)
 
-    def _decode(self, sentences: List[str]) -> List[List[Tuple[str, float]]]:
+    def _decode(self, sentences: List[str], batch: Sequence[_Pending] = ()) -> List[List[Tuple[str, float]]]:
+        """The translations of `sentences`; ClientsGone between two of translate's batches once every request of
+        `batch` (whose sentences these are) has lost its client."""
+        def watch(done: int, total: int) -> None:
+            if batch and all(item.gone() for item in batch):
+                raise ClientsGone()
+
         s = self.settings
         results, messages = input_warnings(lambda: translate(
             self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha, max_tokens=s.max_tokens,
             max_src_len=s.max_src_len, max_len_a=s.max_len_a, max_len_b=s.max_len_b, decoder=self.decoder,
-            early_stop=s.early_stop, penalty=s.penalty))
+            early_stop=s.early_stop, penalty=s.penalty, progress=watch))
         for message in messages:
             if message not in self._seen_warnings:
                 self._seen_warnings.add(message)

@@ -809,13 +809,35 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
     def vocab(c):
         c["src_vocab"] = b"not a sentencepiece model"
 
+    def setting(key, value):   # (each was a traceback: a crafted or hand-edited config)
+        def edit(c):
+            if value is KeyError:
+                del c[key]
+            elif key in ("config", "training"):
+                c[key] = value
+            elif key == "model_options":
+                c["config"][key] = dict(c["config"][key], **value)
+            else:
+                c["config"][key] = value
+        return edit
+
     cases = [(moment("exp_avg", lambda t: t.reshape(-1)[:-1].clone()), "the optimizer's exp_avg of parameter"),
              (moment("exp_avg_sq", lambda t: torch.full_like(t, float("nan"))), "NaN or infinite value"),
              (moment("step", lambda t: torch.tensor(-3.0)), "the optimizer's step of parameter"),
              (weight(lambda t: torch.full_like(t, float("nan"))), f"weight {name} holds"),
              (weight(lambda t: t[:-1].clone()), f"weight {name} is torch.float32"),
-             (counter("step", "abc"), "its step is 'abc', not a count >= 0"),
+             (counter("step", "abc"), "its step is 'abc', not a count in [0, "),
              (counter("step", -5), "its step is -5"),
+             (counter("step", 2 ** 62), "its step is 4611686018427387904, not a count in [0, 2,147,483,647]"),
+             (counter("rng", 5), "its training state is malformed"),
+             (setting("training", [1, 2]), "its training state is malformed"),
+             (setting("config", KeyError), "it holds no training settings (config)"),
+             (setting("config", None), "it holds no training settings (config)"),
+             (setting("lr", "abc"), "its setting lr is 'abc', not a float"),
+             (setting("patience", True), "its setting patience is True, not an int"),
+             (setting("model", "nope"), "its settings: unknown model 'nope'"),
+             (setting("model_options", {"hidden_size": -4}), "its settings: "),
+             (setting("max_tokens", -5), "its settings: --max-tokens -5: must be an integer in [1, "),
              (counter("elapsed", float("nan")), "its elapsed time is nan"),
              (vocab, "its src_vocab cannot be read")]
     for i, (edit, message) in enumerate(cases):

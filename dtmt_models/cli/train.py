@@ -8,6 +8,7 @@ dtmt_models.training.trainer.Trainer, which holds what a run does (see its docst
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -398,6 +399,39 @@ def check_optimizer(cfg: TrainConfig, explicit: set, preset_train: Optional[dict
                              f"rate for {cfg.optimizer} with --lr")
 
 
+_KINDS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "Dict[str, Any]": (dict,)}
+
+
+def resumed_config(source: str, config) -> TrainConfig:
+    """The TrainConfig of the checkpoint `source` (its `config`), held to what the flags are held to: each field of
+    its type, the numbers in the flags' ranges, a system of the registry its options can build. ValueError in one
+    line naming the checkpoint (a hand-edited or crafted one was a traceback: a TypeError from the optimizer for an
+    lr of 'abc', a KeyError for no config)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"--resume {source}: it holds no training settings (config); the checkpoint cannot be "
+                         f"resumed")
+    cfg = TrainConfig.from_dict(config)
+    for f in dataclasses.fields(TrainConfig):
+        value, kind = getattr(cfg, f.name), str(f.type)
+        optional = kind.startswith("Optional[")
+        kind = kind[len("Optional["):-1] if optional else kind
+        if not ((value is None and optional) or (isinstance(value, _KINDS.get(kind, object)) and not (
+                isinstance(value, bool) and kind in ("int", "float")))):
+            raise ValueError(f"--resume {source}: its setting {f.name} is {cut(repr(value))[:80]}, not "
+                             f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}; the checkpoint cannot be resumed")
+    given = argparse.Namespace(**{a.dest: None for a in build_parser()._actions})
+    vars(given).update({k: v for k, v in dataclasses.asdict(cfg).items() if k in vars(given)}, opt=[])
+    try:
+        check_arguments(given)
+        if cfg.model not in list_models():
+            raise ValueError(f"unknown model {cfg.model!r}")
+        check_model_options(cfg.model, cfg.model_options)
+    except ValueError as exc:
+        raise ValueError(f"--resume {source}: its settings: {one_line(exc)}; the checkpoint cannot be resumed"
+                         ) from None
+    return cfg
+
+
 def check_best_is_of_the_run(best: str, source: str, ckpt: dict) -> None:
     """ValueError when the run folder's best.pt is of another model than the checkpoint `source` resumed there
     (another system, options or vocabularies: a last.pt copied in from another run), whose first better validation
@@ -496,11 +530,14 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 except (KeyError, RuntimeError, ValueError, TypeError) as exc:
                     raise ValueError(f"{source}: its {key} cannot be read ({one_line(exc)[:200]}); the checkpoint "
                                      f"cannot be resumed") from None
-            processes = len(ckpt["training"].get("rng", ()))
-            if processes != world_size():   # (before the process group starts: Trainer checks it again, later)
-                raise ValueError(f"--resume: the run was trained by {processes} process(es); continue it with as many "
+            rngs = ckpt["training"].get("rng", ()) if isinstance(ckpt["training"], dict) else None
+            if not isinstance(rngs, (list, tuple)):
+                raise ValueError(f"--resume {source}: its training state is malformed; the checkpoint cannot be "
+                                 f"resumed")
+            if len(rngs) != world_size():   # (before the process group starts: Trainer checks it again, later)
+                raise ValueError(f"--resume: the run was trained by {len(rngs)} process(es); continue it with as many "
                                  f"(got {world_size()}) for an exact continuation")
-            cfg = TrainConfig.from_dict(ckpt["config"])
+            cfg = resumed_config(source, ckpt.get("config"))
             conflicts = resume_conflicts(args, explicit, cfg)
             if conflicts:
                 raise ValueError(f"--resume continues the run in {args.out} with its own settings, but "

@@ -23,7 +23,7 @@ import torch
 
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data.vocabulary import Vocabulary
-from dtmt_models.errors import one_line
+from dtmt_models.errors import MAX_COUNT, one_line
 from dtmt_models.models.registry import build_model
 
 FORMAT = "dtmt-checkpoint-1"
@@ -198,9 +198,9 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
                            or _finite_problem(f"the optimizer's {key} of parameter {index}", value))
                 if problem:
                     fail(problem)
-    for key in ("step", "epoch", "batch_index", "bad_validations"):
-        if not _count(t.get(key)):
-            fail(f"its {key} is {t.get(key)!r}, not a count >= 0")
+    for key in ("step", "epoch", "batch_index", "bad_validations"):   # (--max-steps's bound: no run counts past it)
+        if not _count(t.get(key)) or t[key] > MAX_COUNT:
+            fail(f"its {key} is {t.get(key)!r}, not a count in [0, {MAX_COUNT:,}]")
     if not _number(t.get("elapsed")) or t["elapsed"] < 0:
         fail(f"its elapsed time is {t.get('elapsed')!r}")
     for key in ("best_bleu", "best_loss"):

@@ -242,6 +242,29 @@ def test_a_copy_missing_a_file_is_not_binarized(tmp_path):
         binarized.open_binarized(d, "bpe", 80)
 
 
+def test_crafted_manifests_and_models_are_one_line(tmp_path):
+    """A corpus.json or binarized.json of brackets nested 100,000 deep was a RecursionError traceback (dtmt train,
+    dtmt evaluate); a src.model that SentencePiece cannot load, SentencePiece's own. Each is a CorpusError naming
+    the file (dtmt train and evaluate: one line)."""
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    copy = os.path.join(d, "bin-bpe80")
+    sv, tv = binarized.BinarizedCorpus(copy).vocabularies()
+    assert (len(sv), len(tv)) == (80, 80)
+    model = os.path.join(copy, "src.model")
+    with open(model, "wb") as f:
+        f.write(b"\x00garbage" * 10)
+    with pytest.raises(data.CorpusError, match=re_escape(f"{model}: not a SentencePiece model this reads (")):
+        binarized.BinarizedCorpus(copy).vocabularies()
+    deep = "[" * 100_000
+    for path in (os.path.join(copy, binarized.MANIFEST), os.path.join(d, data.MANIFEST)):
+        with open(path, "w") as f:
+            f.write(deep)
+        with pytest.raises(data.CorpusError, match=re_escape(f"{path}: unreadable (nested too deeply)")):
+            binarized.BinarizedCorpus(copy) if path.startswith(copy) else data.read_manifest(d)
+    assert binarized.known_train_sha1(d) is None
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_shard_checksums_are_the_files_and_any_changed_byte_is_refused(tmp_path, workers):
     """Each shard's SHA-1 in the manifest is hashlib's of the file as written (computed while writing, chunk by

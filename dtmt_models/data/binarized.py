@@ -239,6 +239,9 @@ class BinarizedCorpus:
                 self.manifest = json.load(f)
             if not isinstance(self.manifest, dict):
                 raise ValueError("not a JSON object")
+        except RecursionError:   # (a crafted file of nested brackets)
+            raise CorpusError(f"{manifest}: unreadable (nested too deeply); rebuild it with `dtmt prepare binarize`"
+                              ) from None
         except ValueError as exc:
             raise CorpusError(f"{manifest}: unreadable ({exc}); rebuild it with `dtmt prepare binarize`") from None
         if self.manifest.get("format") != FORMAT or not {"dtype", "splits", "languages"} <= set(self.manifest):
@@ -263,6 +266,21 @@ class BinarizedCorpus:
             except OSError as exc:
                 raise CorpusError(f"{os.path.join(path, f'{side}.model')}: {exc.strerror or exc}; rebuild the binarized "
                                   f"corpus with `dtmt prepare binarize`") from None
+
+    def vocabularies(self) -> Tuple[Vocabulary, Vocabulary]:
+        """The source and target vocabularies of its SentencePiece models; CorpusError naming the file of one that
+        SentencePiece cannot load (it was SentencePiece's own traceback)."""
+        from dtmt_models.errors import one_line
+
+        vocabularies = []
+        for side, proto in zip(SIDES, self.protos):
+            try:
+                vocabularies.append(Vocabulary(proto))
+            except (RuntimeError, ValueError) as exc:
+                raise CorpusError(f"{os.path.join(self.path, f'{side}.model')}: not a SentencePiece model this reads "
+                                  f"({one_line(exc)[:100]}); rebuild the binarized corpus with `dtmt prepare "
+                                  f"binarize`") from None
+        return vocabularies[0], vocabularies[1]
 
     @property
     def splits(self) -> List[str]:

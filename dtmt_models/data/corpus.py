@@ -207,6 +207,9 @@ def read_manifest(directory: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
+    except RecursionError:   # (a crafted file of nested brackets)
+        raise CorpusError(f"{path}: unreadable (nested too deeply); make the corpus again with `dtmt prepare`"
+                          ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorpusError(f"{path}: unreadable ({exc}); make the corpus again with `dtmt prepare`") from None
     counts = manifest.get("counts") if isinstance(manifest, dict) else None

@@ -45,7 +45,6 @@ from dtmt_models.atomic import atomic_write
 from dtmt_models.data import binarized
 from dtmt_models.data.batching import Batches, collate, kept_indices, length_dtype, token_batches
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
-from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import CheckpointError, check_training_state, save_checkpoint
@@ -285,7 +284,7 @@ class Trainer:
                 self.log(f"warning: {' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without a "
                          f"dev split")
         corpus = self._binarized(None if ckpt is None else (ckpt["src_vocab"], ckpt["tgt_vocab"]))
-        self.src_vocab, self.tgt_vocab = Vocabulary(corpus.protos[0]), Vocabulary(corpus.protos[1])
+        self.src_vocab, self.tgt_vocab = corpus.vocabularies()
         # the training pairs stay on disk; in memory: their lengths (2 bytes a pair with --max-len < 255), and
         # during an epoch its batches (4 bytes a pair)
         self.train_data = corpus.split("train")

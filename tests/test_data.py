@@ -1,4 +1,6 @@
 """Corpus reading and validation, vocabularies, batching."""
+import os
+
 import pytest
 
 from dtmt_models.data import batching
@@ -43,6 +45,13 @@ def test_bad_inputs_are_reported_with_file_and_line(tmp_path):
         data.read_parallel("/dev/zero", good)
     with pytest.raises(data.CorpusError, match="^/dev/null: not a regular file$"):
         data.scan_file("/dev/null")
+    # a split's source file that is a pipe is named so, as its target file is (it was called missing)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    data.write_manifest(str(corpus), "es", "en", {"test": 1}, origin="test")
+    os.mkfifo(corpus / "test.es")
+    with pytest.raises(data.CorpusError, match=r"test\.es: not a regular file \(the corpus lists a test split\)"):
+        data.corpus_paths(str(corpus), "test")
 
 
 def test_write_parallel_round_trip_and_length_filter(tmp_path):

@@ -338,6 +338,11 @@ def test_requests_that_are_not_http_are_one_line_each_on_stderr(system):
                 except socket.timeout:   # (the body cut short: the client leaves without an answer)
                     got = b""
             assert got == b"" or got.startswith(b"HTTP/1.0 400"), got
+        with socket.create_connection((host, int(port))) as sock:   # a length past the limit: 413 at once (it
+            sock.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Length: 900000000\r\n\r\n")   # was 408
+            sock.settimeout(5)                                               # once --read-timeout was up)
+            got = sock.recv(4096)
+        assert got.startswith(b"HTTP/1.1 413") and b"Content-Length 900,000,000; the limit is" in got, got
         assert request(proc.url, "/translate", {"sentences": [SRC[0]]})[0] == 200
         proc.proc.send_signal(signal.SIGTERM)
         err = proc.rest_of_stderr()

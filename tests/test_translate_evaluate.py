@@ -621,6 +621,21 @@ def test_a_reader_gone_or_stdin_closed_is_one_line_not_a_traceback(system):
                                               "files to translate\n"), r.stderr
 
 
+def test_version_is_the_installed_one(capsys):
+    """`dtmt --version` (and -V) says the installed distribution's version, pyproject.toml's (it was 'unknown
+    command'); the usage names it."""
+    import re as regex
+    from importlib import metadata
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as f:
+        declared = regex.search(r'^version = "([^"]+)"', f.read(), regex.M).group(1)
+    for flag in ("--version", "-V"):
+        assert cli.main([flag]) == 0
+        assert capsys.readouterr().out == f"dtmt {metadata.version('dtmt')}\n" == f"dtmt {declared}\n"
+    assert cli.main(["--help"]) == 0 and "dtmt --version" in capsys.readouterr().out
+
+
 def test_an_output_folder_that_cannot_be_written_is_refused_before_decoding(system, tmp_path, capsys, monkeypatch):
     """`translate -o D/out.txt` where D cannot be written (no permission, a read-only file system) decoded the whole
     input and failed only at the write; now it is refused first, one line, exit 2, nothing decoded (errors.

@@ -31,8 +31,19 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's), or 'unknown' for a checkout not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dtmt")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def usage() -> str:
-    lines = ["usage: dtmt <command> [options]   (dtmt <command> --help for the options)", "", "commands:"]
+    lines = ["usage: dtmt <command> [options]   (dtmt <command> --help for the options; dtmt --version)", "",
+             "commands:"]
     lines += [f"  {name:<10s} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -41,6 +52,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"dtmt {version()}")
         return 0
     if not argv:   # no command: the usage, as an error (argparse's status for a missing argument)
         print(usage(), file=sys.stderr)

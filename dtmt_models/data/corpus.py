@@ -246,6 +246,7 @@ def corpus_paths(directory: str, split: str) -> Tuple[str, str]:
     src, tgt = (os.path.join(directory, f"{split}.{m[k]}") for k in ("src_lang", "tgt_lang"))
     if split not in m.get("counts", {}):
         raise CorpusError(f"{directory}: no split {split!r}; splits: {sorted(m.get('counts', {}))}")
-    if not os.path.isfile(src):
-        raise CorpusError(f"{src}: no such file (the corpus lists a {split} split)")
+    if not os.path.isfile(src):   # (the target side: read_parallel says the same of it)
+        raise CorpusError(f"{src}: {'not a regular file' if os.path.exists(src) else 'no such file'} (the corpus "
+                          f"lists a {split} split)")
     return src, tgt

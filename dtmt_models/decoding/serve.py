@@ -374,6 +374,11 @@ class Server:
         from aiohttp import web
 
         self.counters.requests += 1
+        if request.content_length is not None and request.content_length > self.body_limit:   # (said at once, not
+            response = self._error(413, f"the request body is too large (Content-Length {request.content_length:,}; "
+                                        f"the limit is {self.body_limit:,} bytes)")   # once read_timeout is up)
+            response.force_close()
+            return response
         try:
             body = await asyncio.wait_for(request.read(), self.settings.read_timeout)
         except asyncio.TimeoutError:   # a client that stalls in its body: answered, and the connection closed

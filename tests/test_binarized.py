@@ -299,6 +299,21 @@ def test_shard_checksums_are_the_files_and_any_changed_byte_is_refused(tmp_path,
         split = binarized.BinarizedCorpus(str(copy)).split("train")
         with pytest.raises(data.CorpusError, match=rf"train\.{re_escape(name)}: its bytes are not those written"):
             split.verify(sizes)
+    # a control symbol where a piece should be (the checksum recorded anew, as a crafted copy would): refused by what
+    # it is (a pair of PAD ids trained on as a pair of nothing, silently)
+    for control in (0, 2, 3):
+        copy = tmp_path / f"copy-control-{control}"
+        shutil.copytree(path, copy)
+        values = np.fromfile(copy / "train.tgt.bin", dtype=corpus.dtype)
+        values[7] = control
+        values.tofile(copy / "train.tgt.bin")
+        info = corpus.manifest["splits"]["train"]
+        split = binarized.BinarizedSplit(str(copy), "train", corpus.dtype, info["pairs"], dict(
+            info["shards"], **{"tgt.bin": hashlib.sha1(values.tobytes()).hexdigest()}))
+        pair = int(np.searchsorted(split.memmap("tgt")[1], 7, side="right")) - 1
+        with pytest.raises(data.CorpusError, match=rf"train\.tgt\.bin: pair {pair} holds id {control}, a control "
+                                                   rf"symbol \(padding, BOS or EOS\)"):
+            split.verify(sizes)
     manifest = json.loads((tmp_path / "c" / "bin-bpe80" / "binarized.json").read_text())
     manifest["format"] = 1
     for info in manifest["splits"].values():

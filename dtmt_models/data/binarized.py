@@ -58,7 +58,7 @@ import numpy as np
 from dtmt_models.atomic import process_alive
 from dtmt_models.data.corpus import (CorpusError, Problems, count_mismatch, decode_file_line, read_manifest,
                                     scan_file)
-from dtmt_models.data.vocabulary import Vocabulary
+from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
 
 FORMAT = 2   # 2: the shards' SHA-1 in the manifest (a format-1 copy is rebuilt by the next `dtmt train`)
 MANIFEST = "binarized.json"
@@ -184,6 +184,13 @@ class BinarizedSplit:
                         pair = int(np.searchsorted(offsets, where, side="right")) - 1
                         raise CorpusError(f"{bin_path}: pair {pair} holds id {int(ids.max())}, beyond the {side} "
                                           f"vocabulary's {limit} (a corrupt or mismatched corpus); {rebuild}")
+                    special = (ids == PAD) | (ids == BOS) | (ids == EOS)   # (never a piece of a sentence;
+                    if special.any():   # trained on, a pair of PADs was a pair of nothing, silently)
+                        where = start + int(np.argmax(special))
+                        offsets = self.memmap(side)[1]
+                        pair = int(np.searchsorted(offsets, where, side="right")) - 1
+                        raise CorpusError(f"{bin_path}: pair {pair} holds id {int(ids[where - start])}, a control "
+                                          f"symbol (padding, BOS or EOS), not a piece (a corrupt corpus); {rebuild}")
                     digest.update(ids)
                     start += len(ids)
             self._compare(digest, f"{side}.bin", bin_path, rebuild)

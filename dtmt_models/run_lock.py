@@ -41,12 +41,18 @@ class RunLock:
         while not os.path.exists(folder) and os.path.dirname(folder) != folder:
             self.made.append(folder)
             folder = os.path.dirname(folder)
+        failed: Optional[OSError] = None
         for _ in range(16):
             try:
                 os.makedirs(self.directory, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                failed = None
+            except (FileNotFoundError, FileExistsError) as exc:   # (the folder removed meanwhile by a refused
+                failed = exc                                        # run: again; said below if it stays so)
+                continue
             except OSError as exc:   # a read-only file system, no permission: before anything of the run is written
-                raise RunLocked(f"{self.option} {self.directory}: cannot be written ({exc.strerror or exc})") from None
+                failed = exc
+                break
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -61,7 +67,9 @@ class RunLock:
                 pass
             os.close(fd)
         else:
-            raise RunLocked(f"{self.option} {self.directory}: its lock file {self.path} keeps being replaced")
+            failed = failed or OSError(f"its lock file {self.path} keeps being replaced")
+        if failed is not None:
+            raise RunLocked(f"{self.option} {self.directory}: cannot be written ({failed.strerror or failed})")
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
@@ -72,8 +80,9 @@ class RunLock:
         is in it."""
         if self.fd is None:
             return
-        with contextlib.suppress(OSError):   # (removed while held: one who opened it meanwhile sees it gone, above)
-            os.remove(self.path)
+        with contextlib.suppress(OSError):   # (removed while held: one who opened it meanwhile sees it gone, above;
+            if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):   # only its own: not one made after a user
+                os.remove(self.path)                                          # removed this one)
         if discard and self.made:
             with contextlib.suppress(OSError):
                 if not os.listdir(self.directory):

@@ -371,7 +371,7 @@ def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
     # options that cannot work (contract §6): exit 2, one line, nothing read or written
     for bad, message in ((["--dev-src", dsrc], "--dev-src and --dev-tgt go together"),
                          (["--src-lang", "en"], "must differ"), (["--src-lang", "e s"], "not a language code"),
-                         (["--src-lang", "EN"], "are the same but for case, 'EN'"),   # (one file on macOS)
+                         (["--src-lang", "EN"], "--src-lang EN and --tgt-lang en differ only in case"),   # (one file on macOS)
                          (["--dev-src", dsrc, "--dev-tgt", fifo], f"--dev-tgt {fifo}: not a regular file (a pipe"),
                          (["--dev-src", "/dev/null", "--dev-tgt", dtgt], "--dev-src /dev/null: not a regular file"),
                          (["--holdout", "-1"], "--holdout -1: must be an integer"),
@@ -430,6 +430,15 @@ def test_one_prepare_at_a_time_writes_a_folder(tmp_path, capsys):
         holder.communicate("\n", timeout=30)
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--no-binarize"]) == 0
     assert sorted(os.listdir(out)) == sorted([data.MANIFEST, "train.es", "train.en"])
+    # a holder lets go of its own lock file only: one made after a user removed its file stays its maker's
+    from dtmt_models.run_lock import RunLock
+    first = RunLock(str(out), "--out", "dtmt prepare", PREPARE_LOCK_NAME).acquire()
+    os.remove(out / PREPARE_LOCK_NAME)
+    second = RunLock(str(out), "--out", "dtmt prepare", PREPARE_LOCK_NAME).acquire()
+    first.release()
+    assert (out / PREPARE_LOCK_NAME).read_text() == f"{os.getpid()}\n"
+    second.release()
+    assert not (out / PREPARE_LOCK_NAME).exists()
     bad = write(tmp_path / "bad.es", b"a\n\n")
     assert prepare.main(["files", "--src", bad, "--tgt", bad, "--out", str(tmp_path / "new")]) == 1
     assert not (tmp_path / "new").exists()

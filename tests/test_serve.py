@@ -548,3 +548,46 @@ def test_clients_that_left_cost_no_decoding(system):
     assert server._decode(many, [here, _Pending([], None, Transport(after=0))]) == translate(
         model, sv, tv, many, beam=2, max_tokens=4)   # (one client still there: decoded in full)
     assert here.transport.looks == len(many) + 1   # (looked at before each batch and after the last)
+
+
+def test_the_http_layer_s_reports_are_one_line_unless_they_are_a_bug():
+    """OneLineLog: what a client can cause (aiohttp's parse errors, a lost connection) is one line without its
+    traceback, repeats of a kind within the quiet time counted and said with the next one shown; an exception that
+    is the server's own (a bug) keeps its traceback; installing it twice leaves one handler (each line said once)."""
+    import logging
+
+    from aiohttp.http_exceptions import BadHttpMessage
+    from dtmt_models.decoding.serve import HTTP_LOGGERS, OneLineLog, log_http_in_one_line
+
+    said = []
+    handler = OneLineLog(said.append, quiet_s=3600)
+    logger = logging.getLogger("test.one_line")
+
+    def report(exc):
+        try:
+            raise exc
+        except Exception:
+            record = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, "Error handling request from %s",
+                                       ("127.0.0.1",), sys.exc_info())
+        handler.handle(record)
+    for _ in range(3):
+        report(BadHttpMessage("Invalid character in Content-Length"))
+    report(ConnectionResetError("Connection lost"))
+    report(KeyError("a bug"))
+    assert said[0] == ("Error handling request from 127.0.0.1: BadHttpMessage: 400, message: | Invalid character in "
+                       "Content-Length")
+    assert said[1] == "Error handling request from 127.0.0.1: ConnectionResetError: Connection lost"
+    assert said[2].startswith("Error handling request from 127.0.0.1: KeyError: 'a bug'\nTraceback (most recent "
+                              "call last):") and "raise exc" in said[2]
+    assert len(said) == 3
+    handler.quiet_s = 0   # (the quiet time over: the next one shown says how many were not)
+    report(BadHttpMessage("Invalid character in Content-Length"))
+    assert said[3].endswith("(and 2 more like it in the last 0 s)") and "\n" not in said[3]
+    try:
+        first, again = log_http_in_one_line(said.append), log_http_in_one_line(said.append)
+        for name in HTTP_LOGGERS:
+            assert [h for h in logging.getLogger(name).handlers if isinstance(h, OneLineLog)] == [again] != [first]
+    finally:
+        for name in HTTP_LOGGERS:
+            logging.getLogger(name).removeHandler(again)
+            logging.getLogger(name).propagate = True

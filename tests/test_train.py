@@ -741,7 +741,8 @@ def test_one_run_per_directory(toy_nodev, tmp_path, capsys):
 
 def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tmp_path, capsys):
     """--resume keeps the rows of train_log.csv up to the checkpoint's step, cells a spreadsheet added dropped
-    (such a row was a traceback after the log had been emptied: every row lost); a log that cannot be read is one
+    (such a row was a traceback after the log had been emptied: every row lost; a byte-order mark is not part of
+    the first column's name); a log that cannot be read is one
     line, exit 2, and stays as it was. A last.pt of another model copied into a run folder is refused, exit 2, where
     it trained on and its first validation replaced the folder's own best.pt."""
     import shutil
@@ -755,7 +756,7 @@ def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tm
     assert lines[0].startswith(b"kind,step,") and len(lines) >= 4, lines
     rows = lines[1:-1]
     lines[1] += b",EXTRA,cells"
-    log.write_bytes(b"\r\n".join(lines))
+    log.write_bytes(b"\xef\xbb\xbf" + b"\r\n".join(lines))   # (and a byte-order mark, as Excel's "CSV UTF-8" saves)
     assert train_here(["--resume", str(run), "--max-steps", "3", *base], capsys).returncode == 0
     kept = log.read_bytes().split(b"\r\n")
     assert kept[1:1 + len(rows)] == rows and b"EXTRA" not in log.read_bytes()
@@ -776,6 +777,17 @@ def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tm
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"not the model of {best} beside it (its model_options differs)" in r.stderr, r.stderr
     assert best.read_bytes() == before
+
+
+def test_every_setting_of_a_run_has_a_kind_resume_checks():
+    """resumed_config checks each TrainConfig field by the kind its annotation names: a field of a kind its table
+    lacks would be refused on every resume (or, had it a fallback, never checked)."""
+    import dataclasses
+
+    from dtmt_models.cli.train import _KINDS, _kind
+    from dtmt_models.training.config import TrainConfig
+
+    assert {f.name: _kind(f)[0] for f in dataclasses.fields(TrainConfig) if _kind(f)[0] not in _KINDS} == {}
 
 
 def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsys):
@@ -815,7 +827,7 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
                 del c[key]
             elif key in ("config", "training"):
                 c[key] = value
-            elif key == "model_options":
+            elif key == "model_options" and value is not None:
                 c["config"][key] = dict(c["config"][key], **value)
             else:
                 c["config"][key] = value
@@ -838,6 +850,12 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
              (setting("model", "nope"), "its settings: unknown model 'nope'"),
              (setting("model_options", {"hidden_size": -4}), "its settings: "),
              (setting("max_tokens", -5), "its settings: --max-tokens -5: must be an integer in [1, "),
+             (setting("config", {}), "it holds no training settings (config) or not all of them"),
+             (setting("lr", None), "its settings lack lr"),
+             (setting("schedule", "nope"), "its setting schedule is 'nope', not one of rnmt, inverse-sqrt,"),
+             (setting("best_by", "nope"), "its setting best_by is 'nope', not one of loss, bleu"),
+             (setting("model_options", None), "its setting model_options is None, not a mapping"),
+             (setting("max_time_s", float("nan")), "its time budget max_time_s is nan"),
              (counter("elapsed", float("nan")), "its elapsed time is nan"),
              (vocab, "its src_vocab cannot be read")]
     for i, (edit, message) in enumerate(cases):

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import yaml
@@ -400,6 +400,15 @@ def check_optimizer(cfg: TrainConfig, explicit: set, preset_train: Optional[dict
 
 
 _KINDS = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "Dict[str, Any]": (dict,)}
+# what every preset sets and the trainer cannot go without (a None there was a TypeError in the optimizer or schedule)
+_REQUIRED = ("lr", "schedule", "warmup", "decay_start", "decay_end", "smoothing", "clip", "max_tokens", "vocab_size")
+
+
+def _kind(f: dataclasses.Field) -> Tuple[str, bool]:
+    """(the kind of a TrainConfig field, as _KINDS names it; whether it may be None)."""
+    kind = str(f.type)
+    optional = kind.startswith("Optional[")
+    return (kind[len("Optional["):-1] if optional else kind), optional
 
 
 def resumed_config(source: str, config) -> TrainConfig:
@@ -407,19 +416,32 @@ def resumed_config(source: str, config) -> TrainConfig:
     its type, the numbers in the flags' ranges, a system of the registry its options can build. ValueError in one
     line naming the checkpoint (a hand-edited or crafted one was a traceback: a TypeError from the optimizer for an
     lr of 'abc', a KeyError for no config)."""
-    if not isinstance(config, dict):
-        raise ValueError(f"--resume {source}: it holds no training settings (config); the checkpoint cannot be "
-                         f"resumed")
-    cfg = TrainConfig.from_dict(config)
+    def refused(why: str) -> ValueError:
+        return ValueError(f"--resume {source}: {why}; the checkpoint cannot be resumed")
+    try:
+        cfg = TrainConfig.from_dict(config) if isinstance(config, dict) else None
+    except TypeError:   # (a field without a default missing: data)
+        cfg = None
+    if cfg is None:
+        raise refused("it holds no training settings (config) or not all of them")
     for f in dataclasses.fields(TrainConfig):
-        value, kind = getattr(cfg, f.name), str(f.type)
-        optional = kind.startswith("Optional[")
-        kind = kind[len("Optional["):-1] if optional else kind
-        if not ((value is None and optional) or (isinstance(value, _KINDS.get(kind, object)) and not (
-                isinstance(value, bool) and kind in ("int", "float")))):
-            raise ValueError(f"--resume {source}: its setting {f.name} is {cut(repr(value))[:80]}, not "
-                             f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}; the checkpoint cannot be resumed")
-    given = argparse.Namespace(**{a.dest: None for a in build_parser()._actions})
+        value, (kind, optional) = getattr(cfg, f.name), _kind(f)
+        if value is None and not optional or value is not None and not isinstance(value, _KINDS[kind]) or (
+                isinstance(value, bool) and kind in ("int", "float")):
+            what = {"Dict[str, Any]": "a mapping"}.get(kind, f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}")
+            raise refused(f"its setting {f.name} is {cut(repr(value))[:80]}, not {what}")
+    missing = [k for k in _REQUIRED if getattr(cfg, k) is None]
+    if missing:
+        raise refused(f"its settings lack {', '.join(missing)}")
+    parser = build_parser()
+    for action in parser._actions:   # (a setting of a flag with choices: one of them)
+        value = getattr(cfg, action.dest, None)
+        if action.choices is not None and value is not None and value not in action.choices:
+            raise refused(f"its setting {action.dest} is {cut(repr(value))[:80]}, not one of "
+                          f"{', '.join(map(str, action.choices))}")
+    if cfg.max_time_s is not None and not (math.isfinite(cfg.max_time_s) and cfg.max_time_s > 0):
+        raise refused(f"its time budget max_time_s is {cfg.max_time_s!r}, not a number of seconds > 0")
+    given = argparse.Namespace(**{a.dest: None for a in parser._actions})
     vars(given).update({k: v for k, v in dataclasses.asdict(cfg).items() if k in vars(given)}, opt=[])
     try:
         check_arguments(given)
@@ -427,8 +449,7 @@ def resumed_config(source: str, config) -> TrainConfig:
             raise ValueError(f"unknown model {cfg.model!r}")
         check_model_options(cfg.model, cfg.model_options)
     except ValueError as exc:
-        raise ValueError(f"--resume {source}: its settings: {one_line(exc)}; the checkpoint cannot be resumed"
-                         ) from None
+        raise refused(f"its settings: {one_line(exc)}") from None
     return cfg
 
 

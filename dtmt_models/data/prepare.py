@@ -65,10 +65,13 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
         if not _LANG_RE.fullmatch(lang) or lang in ("ref", "json", "tmp"):
             raise UsageError(f"--{option.replace('_', '-')} {lang!r}: not a language code; use letters, digits, '-' "
                              f"or '_' (e.g. es, en)")
-    if args.src_lang.lower() == args.tgt_lang.lower():   # (train.EN and train.en: one file where case is folded)
-        same = "both" if args.src_lang == args.tgt_lang else "the same but for case,"
-        raise UsageError(f"--src-lang and --tgt-lang are {same} {args.src_lang!r}; they name the files, so they "
+    if args.src_lang == args.tgt_lang:
+        raise UsageError(f"--src-lang and --tgt-lang are both {args.src_lang!r}; they name the files, so they "
                          f"must differ")
+    if args.src_lang.lower() == args.tgt_lang.lower():
+        raise UsageError(f"--src-lang {args.src_lang} and --tgt-lang {args.tgt_lang} differ only in case: "
+                         f"train.{args.src_lang} and train.{args.tgt_lang} are one file on macOS and Windows; give "
+                         f"codes that differ in letters")
     files = {"train": (args.src, args.tgt)}
     for split in ("dev", "test"):
         src, tgt = getattr(args, f"{split}_src"), getattr(args, f"{split}_tgt")

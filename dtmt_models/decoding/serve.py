@@ -33,7 +33,9 @@ import concurrent.futures
 import json
 import logging
 import math
+import sys
 import time
+import traceback
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -104,7 +106,8 @@ def parse_request(body: bytes, settings: ServeSettings) -> List[str]:
     except RecursionError:
         raise RequestError(400, "the body is not JSON this server reads (nested too deeply)") from None
     except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
-        why = ("a number of more than 4,300 digits" if "int_max_str_digits" in str(exc) else cut(one_line(exc)))
+        why = (f"a number of more than {sys.get_int_max_str_digits():,} digits" if "int_max_str_digits" in str(exc)
+               else cut(one_line(exc)))
         raise RequestError(400, f"the body is not JSON this server reads ({why})") from None
     if not isinstance(data, dict) or "sentences" not in data:
         raise RequestError(400, 'expected a JSON object {"sentences": ["...", ...]}')
@@ -187,16 +190,25 @@ class _Pending:
 
 
 class OneLineLog(logging.Handler):
-    """What the HTTP layer reports (aiohttp's and asyncio's loggers: a request that is not HTTP, a client gone in
-    its body, no file descriptors left to accept with), as one line each through `log`, without the traceback they
-    came with: a record of the same kind (logger, text and exception type) within `quiet_s` seconds of the last one
-    shown is counted, and the count goes with the next one shown. (A malformed request wrote ten lines of
-    traceback to stderr; 249 connections past the descriptor limit, 2,700 such blocks in 2 s.)"""
+    """What the HTTP layer reports (aiohttp's and asyncio's loggers), through `log`: a record of the same kind
+    (logger, text and exception type) within `quiet_s` seconds of the last one shown is counted, and the count goes
+    with the next one shown. What a client can cause (a request that is not HTTP, a client gone, no file descriptors
+    left to accept with: `_client_made`) is one line, without its traceback; anything else (a bug of the server's,
+    a task that failed) keeps its traceback. (A malformed request wrote ten lines of traceback to stderr; 249
+    connections past the descriptor limit, 2,700 such blocks in 2 s.)"""
+
+    MAX_KINDS = 1024   # kinds counted at most (texts that vary, e.g. with an address, do not grow it for ever)
 
     def __init__(self, log: Callable[[str], None], quiet_s: float = 60.0):
         super().__init__(logging.WARNING)
         self.say, self.quiet_s = log, quiet_s
         self.last: Dict[tuple, Tuple[float, int]] = {}   # kind -> (when last shown, how many since not shown)
+
+    @staticmethod
+    def _client_made(exc: BaseException) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        return isinstance(exc, (HttpProcessingError, OSError, asyncio.CancelledError, asyncio.TimeoutError))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -207,13 +219,17 @@ class OneLineLog(logging.Handler):
             if now - shown < self.quiet_s:
                 self.last[key] = (shown, hidden + 1)
                 return
-            self.last[key] = (now, 0)
+            if key in self.last or len(self.last) < self.MAX_KINDS:
+                self.last[key] = (now, 0)
             text = " ".join(record.getMessage().split())
             if exc is not None:
                 text += f": {type(exc).__name__}: {one_line(exc)}"
             if hidden:
                 text += f" (and {hidden:,} more like it in the last {now - shown:,.0f} s)"
-            self.say(cut(text))
+            text = cut(text)
+            if exc is not None and not self._client_made(exc):
+                text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+            self.say(text)
         except Exception:   # noqa: BLE001 - logging's rule: a handler that fails says so and goes on
             self.handleError(record)
 
@@ -227,6 +243,8 @@ def log_http_in_one_line(log: Callable[[str], None]) -> OneLineLog:
     handler = OneLineLog(log)
     for name in HTTP_LOGGERS:
         logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if isinstance(h, OneLineLog)]:   # (one set, however often called)
+            logger.removeHandler(old)
         logger.addHandler(handler)
         logger.propagate = False
     return handler

@@ -113,7 +113,7 @@ class CsvLog:
             return CheckpointError(f"--resume: {source}: {why}; mend it, or move it aside to resume with a log that "
                                    f"starts here")
         try:
-            with open(source, newline="", encoding="utf-8") as f:
+            with open(source, newline="", encoding="utf-8-sig") as f:   # (a spreadsheet's save may begin with a BOM)
                 reader = csv.DictReader(f)
                 if "step" not in (reader.fieldnames or ()):
                     raise unreadable("not a training log (no step column)")

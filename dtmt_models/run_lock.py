@@ -70,9 +70,13 @@ class RunLock:
             failed = failed or OSError(f"its lock file {self.path} keeps being replaced")
         if failed is not None:
             raise RunLocked(f"{self.option} {self.directory}: cannot be written ({failed.strerror or failed})")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:   # (a full disk: the lock let go and its file removed, as a run's end does)
+            self.release()
+            raise RunLocked(f"{self.option} {self.directory}: cannot be written ({exc.strerror or exc})") from None
         return self
 
     def release(self, discard: bool = False) -> None:
@@ -90,3 +94,21 @@ class RunLock:
                         os.rmdir(folder)
         os.close(self.fd)   # (closing the only descriptor of the lock releases it)
         self.fd = None
+
+
+def holder(directory: str, name: str = LOCK_NAME) -> Optional[str]:
+    """The process id a run holding `directory`'s lock wrote in it ("unknown" if none), or None where no run holds
+    it (no lock file, or one whose run has ended): for commands that write into a run folder (`dtmt average -o`)."""
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)   # (taken: nobody holds it exclusively; let go at close)
+        return None
+    except BlockingIOError:
+        return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

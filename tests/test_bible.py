@@ -445,6 +445,20 @@ def test_one_prepare_at_a_time_writes_a_folder(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_a_write_error_inside_the_stage_keeps_its_message(tmp_path):
+    """An OSError without a file name (a full disk as the package's own WriteError says it) raised inside
+    staged_corpus keeps its message: setting its filename to None made it '[Errno None] None: None'."""
+    from dtmt_models.data.prepare import staged_corpus
+
+    for error, shown in ((OSError("cannot write x: No space left on device"), "cannot write x: No space left"),
+                         (OSError(28, "No space left on device"), "[Errno 28] No space left on device")):
+        with pytest.raises(OSError) as caught:
+            with staged_corpus(str(tmp_path / "out"), (), print):
+                raise error
+        assert str(caught.value) == shown or str(caught.value).startswith(shown), str(caught.value)
+        assert "None" not in str(caught.value)
+
+
 def test_prepare_files_holdout_is_deterministic_and_disjoint(tmp_path):
     src, tgt = numbered(tmp_path, 50)
 

@@ -779,6 +779,47 @@ def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tm
     assert best.read_bytes() == before
 
 
+def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
+    """A new run refuses an --out holding a best.pt (or step_N.pt) without last.pt, as it refuses one with last.pt
+    (it replaced a best.pt of someone's own); dtmt average refuses to write a run's last.pt (its training state was
+    lost) or a file a running dtmt train writes (its next validation replaced the mean), and writes beside them; a
+    corpus that changed between the run's fingerprint and its reads (a dtmt prepare moving another corpus into
+    --data as the run started) is refused, not trained on with the other's fingerprint recorded."""
+    from dtmt_models.cli import train as train_cli
+    from dtmt_models.cli.average import main as average
+    from dtmt_models.run_lock import RunLock
+
+    run = tmp_path / "run"
+    base = ["--data", toy, "--log-every", "1", "--valid-every", "2", *TINY]
+    assert train_here(["--out", str(run), "--max-steps", "2", "--keep-last", "1", *base], capsys).returncode == 0
+    for name in ("best.pt", "step_0000002.pt"):
+        only = tmp_path / f"only-{name}"
+        only.mkdir()
+        (only / name).write_bytes((run / name).read_bytes())
+        r = train_here(["--out", str(only), "--max-steps", "2", *base], capsys)
+        assert r.returncode == 2 and f"already holds a checkpoint ({name}); pass --resume" in r.stderr, r.stderr
+        assert sorted(os.listdir(only)) == [name]
+    last = (run / "last.pt").read_bytes()
+    assert average([str(run / "step_0000002.pt"), "-o", str(run / "last.pt")]) == 2
+    assert "a run's checkpoint with its training state" in capsys.readouterr().err
+    assert (run / "last.pt").read_bytes() == last
+    lock = RunLock(str(run)).acquire()   # (a dtmt train running there)
+    try:
+        best = (run / "best.pt").read_bytes()
+        assert average([str(run / "step_0000002.pt"), "-o", str(run / "best.pt")]) == 2
+        assert f"a file of the run in {run}, where a dtmt train runs (process {os.getpid()})" in \
+            capsys.readouterr().err
+        assert (run / "best.pt").read_bytes() == best
+        assert average([str(run / "step_0000002.pt"), "-o", str(run / "avg.pt")]) == 0   # (beside them: fine)
+    finally:
+        lock.release()
+    real = train_cli.corpus_fingerprint
+    monkeypatch.setattr(train_cli, "corpus_fingerprint", lambda *a, **k: dict(real(*a, **k), train_sha1="0" * 40))
+    r = train_here(["--out", str(tmp_path / "raced"), "--max-steps", "2", *base], capsys)
+    assert r.returncode == 2 and f"--data {toy} changed while the run started" in r.stderr, r.stderr
+    assert not (tmp_path / "raced").exists()   # (nothing written: the folder made for it goes)
+
+
 def test_every_setting_of_a_run_has_a_kind_resume_checks():
     """resumed_config checks each TrainConfig field by the kind its annotation names: a field of a kind its table
     lacks would be refused on every resume (or, had it a fallback, never checked)."""

@@ -9,14 +9,17 @@ training state, so it cannot be resumed.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from typing import List, Optional
 
 from dtmt_models.cli.common import reporting_warnings
 from dtmt_models.errors import (ArgumentParser, UsageError, check_input_dir, check_input_file, check_output_file,
                                  one_line)
-from dtmt_models.models.checkpoint import average_checkpoints, save_checkpoint
-from dtmt_models.training.trainer import step_checkpoints
+from dtmt_models.models.checkpoint import average_checkpoints, read_checkpoint, save_checkpoint
+from dtmt_models.run_lock import holder
+from dtmt_models.training.trainer import BEST, CONFIG, CURVE, LAST, LOG, step_checkpoints
 
 PROG = "dtmt average"
 
@@ -40,6 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         paths = _checkpoints(a)
         check_output_file(a.output, "--output", paths)
+        check_not_a_run_s(a.output)
         payload = reporting_warnings(PROG, lambda: average_checkpoints(paths), category=Warning)
         if len(paths) == 1:
             print(f"{PROG}: warning: one checkpoint: the output holds its weights as they are", file=sys.stderr)
@@ -66,6 +70,25 @@ def _checkpoints(a: argparse.Namespace) -> List[str]:
     if not kept:
         raise UsageError(f"--run {a.run}: holds no step_<updates>.pt checkpoints (train with --keep-last N)")
     return [path for _, path in kept[-(a.last or len(kept)):]]
+
+
+def check_not_a_run_s(output: str) -> None:
+    """UsageError for an --output that a training run owns: a file that a dtmt train running in its folder writes
+    (last.pt, best.pt, step_N.pt, ...: its next validation would replace the mean), or any run's checkpoint with
+    its training state (a last.pt), which the mean would lose (both were written, exit 0)."""
+    folder, name = os.path.split(os.path.abspath(output))
+    running = holder(folder)
+    if running is not None and (name in (LAST, BEST, LOG, CURVE, CONFIG) or re.fullmatch(r"step_\d+\.pt", name)):
+        raise UsageError(f"--output {output}: a file of the run in {folder}, where a dtmt train runs (process "
+                         f"{running}) and writes it; give another name")
+    if os.path.isfile(output):
+        try:
+            state = "training" in read_checkpoint(output, mmap=True)
+        except (ValueError, FileNotFoundError):   # (not a checkpoint: replaced, as any output file is)
+            state = False
+        if state:
+            raise UsageError(f"--output {output}: a run's checkpoint with its training state (what --resume "
+                             f"continues from), which the mean would replace; give another name")
 
 
 def _without_prefix(message: str) -> str:

@@ -169,9 +169,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (data.CorpusError, bible.BibleError) as exc:
         print(f"dtmt prepare {args.source}: error: {cut(str(exc))}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        print(f"dtmt prepare {args.source}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+    except OSError as exc:   # (numpy's writes name no file: the folder being written, then)
+        where = exc.filename or (f"writing {args.data if args.source == 'binarize' else args.out}" if exc.errno
+                                 else "")
+        print(f"dtmt prepare {args.source}: error: {exc.strerror or exc}{f' ({where})' if where else ''}",
+              file=sys.stderr)
         return 1
     finally:
         if lock is not None:   # (a folder that the lock made and nothing else filled goes with a failed prepare)

@@ -31,7 +31,7 @@ from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist, resolve_auto, world_size
-from dtmt_models.training.trainer import BEST, CONFIG, LAST, Trainer, TrainingDiverged
+from dtmt_models.training.trainer import BEST, CONFIG, LAST, Trainer, TrainingDiverged, step_checkpoints
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
@@ -575,9 +575,11 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             if args.max_time is not None:
                 cfg.max_time_s = given.max_time_s
         else:
-            if os.path.isfile(last) and not args.overwrite:
-                raise ValueError(f"{args.out} already holds a checkpoint; pass --resume to continue it or "
-                                 f"--overwrite to start again")
+            held = [name for name in (LAST, BEST) if os.path.isfile(os.path.join(args.out, name))] or [
+                path for _, path in (step_checkpoints(args.out) if os.path.isdir(args.out) else [])][:1]
+            if held and not args.overwrite:   # (a best.pt without last.pt: a run killed between the two, or one's
+                raise ValueError(f"{args.out} already holds a checkpoint ({os.path.basename(held[0])}); pass "
+                                 f"--resume to continue it or --overwrite to start again")   # own, which it replaced)
             cfg = resolve_config(args)
             if cfg.model_options.get("pad_id", PAD) != PAD:
                 raise ValueError(f"--opt pad_id={cfg.model_options['pad_id']}: dtmt train pads with the vocabularies' "

@@ -218,7 +218,8 @@ def staged_corpus(out: str, inputs: Sequence[str], log):
         except data.CorpusError as exc:
             raise data.CorpusError(str(exc).replace(stage, shown)) from None
         except OSError as exc:   # (a full disk, a folder that cannot be written: named as --out's)
-            exc.filename = exc.filename.replace(stage, shown) if isinstance(exc.filename, str) else exc.filename
+            if isinstance(exc.filename, str):   # (only then: an OSError given a filename of None, even None, says
+                exc.filename = exc.filename.replace(stage, shown)   # "[Errno None] None: None" of itself)
             exc.args = tuple(a.replace(stage, shown) if isinstance(a, str) else a for a in exc.args)
             raise
         _commit(stage, out, {os.path.realpath(p) for p in inputs}, say)

@@ -44,7 +44,7 @@ import dtmt_models
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import binarized
 from dtmt_models.data.batching import Batches, collate, kept_indices, length_dtype, token_batches
-from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
+from dtmt_models.data.corpus import CorpusError, corpus_fingerprint, corpus_paths, read_manifest, read_parallel
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import CheckpointError, check_training_state, save_checkpoint
@@ -303,6 +303,12 @@ class Trainer:
             dev = corpus.split("dev")
             dev.verify(sizes)
             self.dev_ids = [p for p in dev.pairs(range(len(dev))) if p[0]]
+        if cfg.data_fingerprint is not None and corpus_fingerprint(
+                cfg.data, binarized.known_train_sha1(cfg.data)) != cfg.data_fingerprint:
+            # (a dtmt prepare moved another corpus into --data between the run's fingerprint and its reads: the run
+            # would have trained on one corpus and recorded the other's, or scored dev BLEU on another dev split)
+            raise CorpusError(f"--data {cfg.data} changed while the run started (a dtmt prepare wrote it); start "
+                              f"again once it is done")
         self.log(f"data: {n_kept:,} training pairs ({n_long:,} longer than {cfg.max_len} subwords "
                  f"dropped{f', {empty} empty after segmentation dropped' if empty else ''}); {len(self.dev_pairs):,} "
                  f"dev pairs; vocabularies {len(self.src_vocab):,} / {len(self.tgt_vocab):,} ({corpus.path})")

@@ -958,7 +958,12 @@ def test_cli_evaluate_hyp_mode(corpus, tmp_path, capsys):
     # default directory next to the hypothesis file, named after the split
     assert cli.main(["evaluate", "--hyp", hyp_file, "--data", data]) == 0
     assert os.path.isfile(tmp_path / "system.test" / "scores.json")
-    capsys.readouterr()
+    assert "warning" not in capsys.readouterr().err
+    # a corpus whose manifest no longer counts its files (edited by hand): scored on the files, said so
+    write_manifest(data, "es", "en", {"test": 99999}, origin="test")
+    assert cli.main(["evaluate", "--hyp", hyp_file, "--data", data, "--out-dir", str(tmp_path / "edited")]) == 0
+    assert (f"dtmt evaluate: warning: {data}: its corpus.json lists 99,999 test pairs, its files hold 10; scored on "
+            f"the files") in capsys.readouterr().err
 
 
 def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):

@@ -115,6 +115,10 @@ def _run(args: argparse.Namespace) -> int:
     sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
     if not pairs:
         raise InputError(f"{src_path}: no sentences to score")
+    listed = read_manifest(args.data)["counts"].get(args.split) if args.data else len(pairs)
+    if listed != len(pairs):   # (files changed by hand since dtmt prepare: scored as they are, said so)
+        print(f"{PROG}: warning: {args.data}: its corpus.json lists {listed:,} {args.split} pairs, its files hold "
+              f"{len(pairs):,}; scored on the files", file=sys.stderr)
 
     anchor = args.checkpoint[0] if args.checkpoint else args.hyp
     if args.checkpoint and len(args.checkpoint) > 1:   # an ensemble: <dir>-<stem>+<dir>-<stem> (often all best.pt)

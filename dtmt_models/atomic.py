@@ -72,9 +72,10 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
     from it)."""
     path = os.fspath(path)
     if os.path.exists(path) and (not os.path.isfile(path) and not os.path.isdir(path)
-                                 or os.path.abspath(path).startswith(("/dev/", "/proc/"))):
+                                 or os.path.abspath(path).startswith(("/dev/", "/proc/")) and os.path.islink(path)):
         # a device or a pipe (-o /dev/null, a FIFO; /dev/stdout even where it leads to a file): written in place as a
-        # stream, nothing to rename (a rename would replace /dev/stdout's link itself)
+        # stream, nothing to rename (a rename would replace /dev/stdout's link itself). A file in a folder under /dev
+        # (/dev/shm's tmpfs) is a file: written atomically, as anywhere (checkpoints there were rewritten in place)
         try:
             yield path
         except WriteError:

@@ -115,9 +115,23 @@ def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: 
                          f"{option}: {path}, where {what} would go, is a directory")
     device = os.path.exists(path) and not os.path.isfile(path)   # (-o /dev/null: written in place, no folder needed)
     _check_folder_on_the_way(os.path.dirname(os.path.abspath(path)), option, path, writable=not device)
+    name = os.path.basename(os.path.abspath(path))
+    if not device and len(os.fsencode(name)) > _name_max(os.path.dirname(os.path.abspath(path))):
+        raise UsageError(f"{option} {path}: the file name is longer than the "
+                         f"{_name_max(os.path.dirname(os.path.abspath(path)))} bytes a name may have here")
     for source in inputs:
         if source != "-" and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
             raise UsageError(f"{option} {path}: is also an input ({source}); the output would overwrite it")
+
+
+def _name_max(folder: str) -> int:
+    """The longest file name (bytes) the file system of the existing `folder` (or its nearest existing parent) takes."""
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def check_output_dir(path: str, option: str) -> None:
@@ -133,6 +147,10 @@ def _check_folder_on_the_way(folder: str, option: str, path: str, writable: bool
         parent = os.path.dirname(folder)
         if parent == folder:
             return
+        name = os.path.basename(folder)   # (a folder to be made: a name the file system takes, before any work)
+        if len(os.fsencode(name)) > _name_max(parent):
+            raise UsageError(f"{option} {path}: the folder name {cut(name)[:60]}... is longer than the "
+                             f"{_name_max(parent)} bytes a name may have here")
         folder = parent
     if not os.path.isdir(folder):
         raise UsageError(f"{option} {path}: {folder} is a file, not a directory")

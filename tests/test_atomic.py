@@ -118,3 +118,20 @@ def test_translate_output_on_a_full_disk(tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 1 and err.startswith("dtmt translate: cannot write ") and "out.en" in err, err
     assert out.read_text() == "previous\n"
     _only(tmp_path, ["in.es", "m.pt", "out.en"])
+
+
+def test_a_file_in_a_folder_under_dev_is_written_atomically():
+    """A regular file under /dev (a run in /dev/shm's tmpfs) is replaced by a rename like any other: it was
+    rewritten in place, as a device is, so a kill or a full tmpfs during a checkpoint's save truncated it."""
+    import tempfile
+
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm here")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        path = os.path.join(folder, "last.pt")
+        with atomic.atomic_write(path) as f:
+            f.write("first\n")
+        inode = os.stat(path).st_ino
+        with atomic.atomic_write(path) as f:
+            f.write("second\n")
+        assert open(path).read() == "second\n" and os.stat(path).st_ino != inode

@@ -265,6 +265,27 @@ def test_crafted_manifests_and_models_are_one_line(tmp_path):
     assert binarized.known_train_sha1(d) is None
 
 
+def test_a_rebuild_never_removes_what_it_did_not_write(tmp_path, capsys):
+    """A binarized copy holding what binarize does not write (a run's folder given as dtmt train --out inside it) is
+    not rebuilt: the rebuild replaced the folder whole and the run went with it, exit 0. binarize says so
+    (CorpusError: dtmt train's own rebuild), dtmt prepare before any work (exit 2); nothing is changed."""
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    copy = binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    os.makedirs(os.path.join(copy, "myrun"))
+    with open(os.path.join(copy, "myrun", "last.pt"), "wb") as f:
+        f.write(b"a run's state")
+    before = sorted(os.listdir(copy))
+    with pytest.raises(data.CorpusError, match=re_escape(f"{copy} holds what dtmt prepare did not write there "
+                                                         f"(myrun), which rebuilding it would remove")):
+        binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "80", "--workers", "1"]) == 2
+    assert "move them out of it first" in capsys.readouterr().err
+    assert sorted(os.listdir(copy)) == before and os.path.isfile(os.path.join(copy, "myrun", "last.pt"))
+    os.remove(os.path.join(copy, "myrun", "last.pt"))
+    os.rmdir(os.path.join(copy, "myrun"))
+    assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "80", "--workers", "1"]) == 0
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_shard_checksums_are_the_files_and_any_changed_byte_is_refused(tmp_path, workers):
     """Each shard's SHA-1 in the manifest is hashlib's of the file as written (computed while writing, chunk by
@@ -460,11 +481,10 @@ def test_a_build_put_in_place_meanwhile_by_another_process_is_kept(tmp_path, mon
     tgt = [f"line {i}" for i in range(60)]
     d = write_corpus(tmp_path / "c", src, tgt)
     final = binarized.binarize(d, 30, workers=1, log=lambda m: None)
-    marker = os.path.join(final, "first")
-    open(marker, "w").close()
+    first = os.stat(final).st_ino   # (the first build, by its folder's inode)
     real_exists = os.path.exists
     monkeypatch.setattr(binarized.os.path, "exists", lambda p: False if p == final else real_exists(p))
     said = []
     assert binarized.binarize(d, 30, workers=1, log=said.append) == final
-    assert real_exists(marker) and "another process" in said[-1]
+    assert os.stat(final).st_ino == first and "another process" in said[-1]
     assert not [n for n in os.listdir(d) if ".tmp-" in n]

@@ -788,6 +788,7 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
     from dtmt_models.cli import train as train_cli
     from dtmt_models.cli.average import main as average
     from dtmt_models.run_lock import RunLock
+    from dtmt_models.training.trainer import step_checkpoints
 
     run = tmp_path / "run"
     base = ["--data", toy, "--log-every", "1", "--valid-every", "2", *TINY]
@@ -813,6 +814,11 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
         assert average([str(run / "step_0000002.pt"), "-o", str(run / "avg.pt")]) == 0   # (beside them: fine)
     finally:
         lock.release()
+    # --overwrite starts again without the earlier run's step checkpoints (average took them as this run's)
+    assert step_checkpoints(str(run))
+    r = train_here(["--out", str(run), "--max-steps", "1", "--overwrite", *base], capsys)
+    assert r.returncode == 0 and "--overwrite: removed the earlier run's 1 step checkpoint(s)" in r.stderr, r.stderr
+    assert step_checkpoints(str(run)) == []
     real = train_cli.corpus_fingerprint
     monkeypatch.setattr(train_cli, "corpus_fingerprint", lambda *a, **k: dict(real(*a, **k), train_sha1="0" * 40))
     r = train_here(["--out", str(tmp_path / "raced"), "--max-steps", "2", *base], capsys)
@@ -1502,6 +1508,21 @@ def test_bad_config_files_are_one_line_errors(toy_nodev, tmp_path, capsys, text,
     assert not out.exists()
     assert train.main(["--config", str(tmp_path / "absent.yaml"), "--data", toy_nodev]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+def test_config_files_read_as_yaml_writers_mean_them(tmp_path, capsys):
+    """--config /dev/zero (any endless or huge file) is one line, exit 2: it was read whole until the kernel killed
+    the process. A model option written 1e-1 (a string to YAML 1.1, a number to anyone writing it) is the number,
+    as --opt dropout=1e-1 is: it was refused as not a float."""
+    from dtmt_models.cli import train
+
+    assert train.main(["--config", "/dev/zero", "--data", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ("dtmt train: --config /dev/zero: more than 1,048,576 bytes, not a run "
+                                       "configuration\n")
+    path = tmp_path / "run.yaml"
+    path.write_text("opt: {dropout: 1e-1, embed_dim: 32}\nlr: 1e-3\n")
+    argv = train.config_arguments(str(path))
+    assert "dropout=0.1" in argv and "embed_dim=32" in argv, argv
 
 
 def _scalars(run_dir, tag):

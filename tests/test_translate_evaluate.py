@@ -988,6 +988,11 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
          "--threads -2: must be an integer in [0, 1,024]"),
         (["--checkpoint", ckpt, "--data", data, "--bounds", "10,5"], 2, "--bounds: expected increasing"),
         (["--checkpoint", ckpt, "--data", data, "--out-dir", short], 2, "--out-dir " + short + ": exists and is not"),
+        # --split with --src and --ref (it was ignored); a results folder of a name longer than a file name may be
+        # (it decoded everything, then could not write)
+        (["--hyp", short, "--src", short, "--ref", short, "--split", "dev"], 2, "--split dev: a split of --data"),
+        (["--hyp", short, "--src", short, "--ref", short, "--out-dir", str(tmp_path / ("d" * 300))], 2,
+         "is longer than the 255 bytes a name may have here"),
         # the default folder (next to --hyp, named after it and the split) is the --hyp file itself
         (["--hyp", str(tmp_path / "clash.test"), "--data", data], 2, "the results folder (default; set it with "
                                                                        "--out-dir)"),

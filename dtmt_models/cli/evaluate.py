@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", "-c", action="append", metavar="CKPT",
                    help="a checkpoint written by `dtmt train` (not needed with --hyp); repeated, an ensemble")
     p.add_argument("--data", help="a corpus directory written by `dtmt prepare`")
-    p.add_argument("--split", default="test", help="the split of --data to score (default test)")
+    p.add_argument("--split", default=None, help="the split of --data to score (default test)")
     p.add_argument("--src", help="source file (with --ref, instead of --data)")
     p.add_argument("--ref", help="reference file, aligned with --src")
     p.add_argument("--hyp", help="score this translation file instead of decoding")
@@ -94,7 +94,10 @@ def _run(args: argparse.Namespace) -> int:
     bounds = _parse_bounds(args.bounds)
     if args.data and (args.src or args.ref):
         raise UsageError("give either --data (with --split) or --src and --ref, not both")
+    if args.split is not None and not args.data:   # (it was ignored: the files given were scored)
+        raise UsageError(f"--split {args.split}: a split of --data; with --src and --ref the files given are scored")
     if args.data:
+        args.split = args.split or "test"
         try:
             src_path, ref_path = corpus_paths(args.data, args.split)
         except CorpusError as exc:

@@ -146,6 +146,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not os.path.isfile(os.path.join(args.data, data.MANIFEST)):
                 raise UsageError(f"--data {args.data}: not a corpus folder written by dtmt prepare (no "
                                  f"{data.MANIFEST})")
+        if not getattr(args, "no_binarize", False):   # (the binarized copy it replaces holds only its own files)
+            try:
+                binarized.check_only_ours(binarized.binarized_path(
+                    args.data if args.source == "binarize" else args.out, args.vocab_type, args.vocab_size))
+            except data.CorpusError as exc:
+                raise UsageError(str(exc)) from None
         option = "--data" if args.source == "binarize" else "--out"
         lock = RunLock(getattr(args, option[2:]), option, "dtmt prepare", PREPARE_LOCK_NAME).acquire()
         for folder in {getattr(args, "out", None), getattr(args, "data", None)} - {None}:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from typing import List, Optional, Sequence, Tuple
 
@@ -31,7 +32,8 @@ from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist, resolve_auto, world_size
-from dtmt_models.training.trainer import BEST, CONFIG, LAST, Trainer, TrainingDiverged, step_checkpoints
+from dtmt_models.training.trainer import (BEST, CONFIG, LAST, TENSORBOARD, Trainer, TrainingDiverged,
+                                          step_checkpoints)
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
@@ -248,6 +250,10 @@ def _yaml_kind(value) -> str:
     return repr(value) if isinstance(value, (bool, int, float, str)) and len(repr(value)) <= 60 else f"a {kind}"
 
 
+MAX_CONFIG_BYTES = 1 << 20   # a run configuration is a few hundred bytes
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")   # what YAML 1.1 leaves a string: 1e-1, 5E3
+
+
 def config_arguments(path: str) -> List[str]:
     """The command-line arguments that the run configuration `path` stands for (YAML: `dtmt train` flags without
     their dashes as keys, model options as the mapping `opt`), to go before the command line's own, which override
@@ -257,7 +263,10 @@ def config_arguments(path: str) -> List[str]:
 
     try:
         with open(path, "rb") as f:
-            data = yaml.safe_load(f.read().decode("utf-8"))   # (decoded whole: the offset below counts from its start)
+            text = f.read(MAX_CONFIG_BYTES + 1)   # (bounded: --config /dev/zero read until the kernel killed it)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"--config {path}: more than {MAX_CONFIG_BYTES:,} bytes, not a run configuration")
+        data = yaml.safe_load(text.decode("utf-8"))   # (decoded whole: the offset below counts from its start)
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
@@ -267,6 +276,8 @@ def config_arguments(path: str) -> List[str]:
     except RecursionError:   # (the parser's recursion on thousands of nested brackets: no YAMLError)
         raise ValueError(f"--config {path}: nested too deeply to be a run configuration") from None
     except ValueError as exc:   # (a decimal of over 4,300 digits: Python's int() refuses it inside the parser)
+        if str(exc).startswith(f"--config {path}: "):
+            raise
         raise ValueError(f"--config {path}: not a run configuration ({one_line(exc)})") from None
     data = {} if data is None else data
     if not isinstance(data, dict):
@@ -295,6 +306,8 @@ def config_arguments(path: str) -> List[str]:
                 if v is not None and not isinstance(v, (bool, int, float, str)):
                     raise ValueError(f"--config {path}: opt: {k} takes one number, word or true/false, got "
                                      f"{_yaml_kind(v)}")
+                if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):   # (YAML 1.1 reads 1e-1 as a string:
+                    v = float(v)                                          # a number, as --opt dropout=1e-1 is)
                 argv += ["--opt", f"{k}={json.dumps(v)}"]
         elif dest in switches:   # (a switch: true or false)
             if not isinstance(value, bool):
@@ -470,6 +483,21 @@ def check_best_is_of_the_run(best: str, source: str, ckpt: dict) -> None:
                          f"replace; resume it in a new --out")
 
 
+def forget_earlier_run(out: str) -> None:
+    """--overwrite: what the earlier run in `out` kept beside what this one replaces, removed (its step_N.pt, which
+    `dtmt average --run` averaged with this run's or instead of them; its TensorBoard events, drawn over this run's),
+    and said in one line."""
+    steps = [path for _, path in step_checkpoints(out)] if os.path.isdir(out) else []
+    board = os.path.join(out, TENSORBOARD)
+    events = [os.path.join(board, n) for n in os.listdir(board) if n.startswith("events.out.tfevents.")] \
+        if os.path.isdir(board) else []
+    for path in steps + events:
+        os.remove(path)
+    if steps or events:
+        print(f"dtmt train: --overwrite: removed the earlier run's {len(steps)} step checkpoint(s) and "
+              f"{len(events)} TensorBoard event file(s) in {out}", file=sys.stderr)
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: Optional[List[str]] = None) -> int:
     lock: List[RunLock] = []   # the run directory's lock, once taken (held until the run ends)
@@ -610,6 +638,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
         return 2
     try:
+        if args.resume is None and args.overwrite and dist.main:
+            forget_earlier_run(cfg.out)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         tune_malloc()   # freed update memory stays for the next update (DTMT_MALLOC=default: glibc's own)

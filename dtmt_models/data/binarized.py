@@ -80,6 +80,23 @@ def binarized_path(corpus_dir: str, vocab_type: str, vocab_size: int, protos: Op
     return os.path.join(corpus_dir, binarized_name(vocab_type, vocab_size))
 
 
+_OURS = re.compile(r"(binarized\.json|(src|tgt)\.model|[^.]+\.(src|tgt)\.(bin|idx))")
+
+
+def check_only_ours(path: str) -> None:
+    """CorpusError when the binarized copy `path` holds what binarize does not write (a run's folder given as
+    dtmt train --out inside it, a user's notes): rebuilding the copy replaces the folder whole, so those would go
+    with it (a run inside bin-bpe120 was lost, exit 0). Nothing is changed; the message names them."""
+    try:
+        foreign = sorted(name for name in os.listdir(path) if not _OURS.fullmatch(name))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise CorpusError(f"{path} holds what dtmt prepare did not write there ({shown}), which rebuilding it "
+                          f"would remove; move them out of it first")
+
+
 def token_dtype(pieces: int) -> np.dtype:
     return np.dtype(np.uint16 if pieces <= 1 << 16 else np.uint32)
 
@@ -422,6 +439,7 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
         raise CorpusError(f"{corpus_dir}: the manifest names no train split")
     workers = workers or min(len(os.sched_getaffinity(0)), 16)
     final = binarized_path(corpus_dir, vocab_type, vocab_size, protos)
+    check_only_ours(final)   # (before any work; and again as it is replaced)
     _remove_leftovers(corpus_dir, os.path.basename(final))
     tmp = os.path.join(corpus_dir, f".{os.path.basename(final)}.tmp-{os.getpid()}")
     t_start = time.perf_counter()
@@ -489,6 +507,7 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
         # 4. into place: one rename (an earlier copy is moved aside first and removed after)
         old = None
         if os.path.exists(final):
+            check_only_ours(final)
             old = os.path.join(corpus_dir, f".{os.path.basename(final)}.old-{os.getpid()}")
             os.rename(final, old)
         try:

@@ -62,9 +62,12 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
     Returns ({split: (src, tgt)} of the files given, [the splits held out of the training files])."""
     for option in ("src_lang", "tgt_lang"):
         lang = getattr(args, option)
-        if not _LANG_RE.fullmatch(lang) or lang in ("ref", "json", "tmp"):
+        if not _LANG_RE.fullmatch(lang):
             raise UsageError(f"--{option.replace('_', '-')} {lang!r}: not a language code; use letters, digits, '-' "
                              f"or '_' (e.g. es, en)")
+        if lang in ("ref", "json", "tmp"):   # (train.ref: the embedded corpus's verse references)
+            raise UsageError(f"--{option.replace('_', '-')} {lang!r}: a suffix dtmt prepare keeps for its own files; "
+                             f"give another code")
     if args.src_lang == args.tgt_lang:
         raise UsageError(f"--src-lang and --tgt-lang are both {args.src_lang!r}; they name the files, so they "
                          f"must differ")

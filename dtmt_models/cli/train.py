@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "model or training setting given with a value other than the run's, is an error")
     p.add_argument("--allow-changed-data", action="store_true",
                    help="with --resume: continue on a --data whose corpus differs from the run's")
-    p.add_argument("--overwrite", action="store_true", help="start afresh even if OUT has a checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="start afresh even if OUT has a checkpoint (the earlier "
+                   "run's step_N.pt and TensorBoard events are removed; its last.pt and best.pt replaced)")
     g = p.add_argument_group("training (defaults come from the preset)")
     g.add_argument("--lr", type=float, default=None, help="base learning rate")
     g.add_argument("--schedule", choices=("rnmt", "inverse-sqrt", "constant", "epoch-halving"), default=None,

@@ -647,6 +647,8 @@ def test_dtmt_bench_list_says_what_each_measures(tmp_path, monkeypatch, capsys):
     (read, not run: a script with side effects at import runs nothing); none found: one line, exit 2."""
     from dtmt_models.cli import bench
 
+    assert bench.main(["--list", "extra"]) == 2   # (it was ignored)
+    assert capsys.readouterr().err == "dtmt bench: --list takes nothing more (got extra)\n"
     assert bench.main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == bench.available() and len(lines) >= 15

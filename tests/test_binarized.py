@@ -265,6 +265,22 @@ def test_crafted_manifests_and_models_are_one_line(tmp_path):
     assert binarized.known_train_sha1(d) is None
 
 
+def test_a_vocabulary_smaller_than_asked_is_said(tmp_path):
+    """BPE stops when the sample's words are whole pieces: a --vocab-size past that gives fewer pieces, which the log
+    now warns of (the folder's name says the size asked for; it was said only in the pieces' count)."""
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    said = []
+    path = binarized.binarize(d, 5000, workers=1, log=said.append)
+    pieces = json.load(open(os.path.join(path, binarized.MANIFEST)))["pieces"]
+    assert max(pieces.values()) < 5000
+    warning = [m for m in said if m.startswith("warning: --vocab-size 5,000: the sample's text gives fewer pieces")]
+    assert warning == [f"warning: --vocab-size 5,000: the sample's text gives fewer pieces (src {pieces['src']:,}, "
+                       f"tgt {pieces['tgt']:,}); bin-bpe5000 holds those"], said
+    said.clear()
+    binarized.binarize(d, 80, workers=1, log=said.append)   # (80 pieces a side: as asked)
+    assert not [m for m in said if m.startswith("warning")], said
+
+
 def test_a_rebuild_never_removes_what_it_did_not_write(tmp_path, capsys):
     """A binarized copy holding what binarize does not write (a run's folder given as dtmt train --out inside it) is
     not rebuilt: the rebuild replaced the folder whole and the run went with it, exit 0. binarize says so

@@ -1513,7 +1513,7 @@ def test_bad_config_files_are_one_line_errors(toy_nodev, tmp_path, capsys, text,
 def test_config_files_read_as_yaml_writers_mean_them(tmp_path, capsys):
     """--config /dev/zero (any endless or huge file) is one line, exit 2: it was read whole until the kernel killed
     the process. A model option written 1e-1 (a string to YAML 1.1, a number to anyone writing it) is the number,
-    as --opt dropout=1e-1 is: it was refused as not a float."""
+    as --opt dropout=1e-1 is: it was refused as not a float. Two --config files are refused."""
     from dtmt_models.cli import train
 
     assert train.main(["--config", "/dev/zero", "--data", str(tmp_path)]) == 2
@@ -1523,6 +1523,9 @@ def test_config_files_read_as_yaml_writers_mean_them(tmp_path, capsys):
     path.write_text("opt: {dropout: 1e-1, embed_dim: 32}\nlr: 1e-3\n")
     argv = train.config_arguments(str(path))
     assert "dropout=0.1" in argv and "embed_dim=32" in argv, argv
+    # two files: refused (the last was read, the first ignored without a word)
+    assert train.main(["--config", str(path), "--config", str(path), "--data", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("dtmt train: --config given 2 times")
 
 
 def _scalars(run_dir, tag):

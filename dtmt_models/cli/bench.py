@@ -52,6 +52,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = available()
     if argv[:1] == ["--list"]:
+        if argv[1:]:   # (they were ignored)
+            print(f"dtmt bench: --list takes nothing more (got {' '.join(argv[1:])})", file=sys.stderr)
+            return 2
         if not names:
             print(f"dtmt bench: {NOT_FOUND}", file=sys.stderr)
             return 2

@@ -522,8 +522,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = ArgumentParser(prog="dtmt train", add_help=False)
-    pre.add_argument("--config", default=None)
-    config = pre.parse_known_args(argv)[0].config
+    pre.add_argument("--config", action="append", default=[])
+    configs = pre.parse_known_args(argv)[0].config
+    if len(configs) > 1:   # (the last one was read, the others ignored without a word)
+        print(f"dtmt train: --config given {len(configs)} times ({', '.join(configs)}); give one run "
+              f"configuration (the command line's flags override it)", file=sys.stderr)
+        return 2
+    config = configs[0] if configs else None
     if config is not None:
         try:
             argv = config_arguments(config) + argv   # the command line's flags come last: they override

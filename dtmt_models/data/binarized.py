@@ -479,6 +479,10 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
                 f"{'the word counts of ' if vocab_type == 'bpe' else ''}{used:,} of {n_train:,} training "
                 f"lines per side (seed {seed}) in {time.perf_counter() - t0:.1f}s: {pieces[0]:,} / {pieces[1]:,} "
                 f"pieces")
+            short = [f"{side} {n:,}" for side, n in zip(SIDES, pieces) if n < vocab_size]
+            if short:   # (BPE stops when the sample's words are whole pieces: the name says the size asked for)
+                log(f"warning: --vocab-size {vocab_size:,}: the sample's text gives fewer pieces ({', '.join(short)}); "
+                    f"{os.path.basename(final)} holds those")
         # 3. every split's ids, on `workers` processes
         split_info = {}
         for split in splits:

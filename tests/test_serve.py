@@ -108,6 +108,12 @@ def request(url, path, body=None, method=None, headers=None):
         return exc.code, json.loads(exc.read())
 
 
+async def post(session, url, sentences):
+    """(status, decoded JSON) of a /translate request through an aiohttp session (in-process servers)."""
+    async with session.post(url, json={"sentences": sentences}) as r:
+        return r.status, await r.json()
+
+
 @pytest.fixture(scope="module")
 def server(system):
     proc = ServerProcess(system[3], "--max-sentences", "10", "--max-chars", "100", "--max-wait-ms", "50")
@@ -265,13 +271,9 @@ def test_concurrent_clients_are_batched(system, server):
     expected = {s: h[0][0] for s, h in zip(sentences, translate(model, sv, tv, sentences, beam=BEAM))}
     before = request(server.url, "/info")[1]["counters"]
 
-    async def one(session, sentence):
-        async with session.post(server.url + "/translate", json={"sentences": [sentence]}) as response:
-            return response.status, await response.json()
-
     async def all_at_once():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            return await asyncio.gather(*(one(session, s) for s in sentences))
+            return await asyncio.gather(*(post(session, server.url + "/translate", [s]) for s in sentences))
     replies = asyncio.run(all_at_once())
     assert all(status == 200 for status, _ in replies)
     assert [reply["translations"][0] for _, reply in replies] == [expected[s] for s in sentences]
@@ -463,11 +465,8 @@ def test_decoding_failure_is_a_500_for_that_request_only(system):
         await server.start("127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.port}/translate"
         async with aiohttp.ClientSession() as session:
-            async def post(sentences):
-                async with session.post(url, json={"sentences": sentences}) as r:
-                    return r.status, await r.json()
-            both = await asyncio.gather(post(["veneno"]), post(["el sol"]))
-            after = await post(["la luna"])
+            both = await asyncio.gather(post(session, url, ["veneno"]), post(session, url, ["el sol"]))
+            after = await post(session, url, ["la luna"])
         await server.stop()
         return both, after
     (poisoned, good), after = asyncio.run(scenario())
@@ -501,10 +500,6 @@ def test_clients_that_left_cost_no_decoding(system):
         await server.start("127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.port}/translate"
         async with aiohttp.ClientSession() as session:
-            async def post(sentences):
-                async with session.post(url, json={"sentences": sentences}) as r:
-                    return r.status, await r.json()
-
             async def post_and_leave(sentences):   # (gone once its request waits for a batch)
                 waiting = server._queue.qsize()
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -515,12 +510,12 @@ def test_clients_that_left_cost_no_decoding(system):
                 while server._queue.qsize() == waiting:
                     await asyncio.sleep(0.01)
                 writer.close()
-            first = asyncio.ensure_future(post(["el sol"]))
+            first = asyncio.ensure_future(post(session, url, ["el sol"]))
             while not calls:
                 await asyncio.sleep(0.01)
             for gone in (["la tierra"], ["el agua", "la luz"]):
                 await post_and_leave(gone)
-            stays = asyncio.ensure_future(post(["la luna"]))
+            stays = asyncio.ensure_future(post(session, url, ["la luna"]))
             while server._queue.qsize() < 3:
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)   # (the closed connections seen by the server)

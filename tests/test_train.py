@@ -785,8 +785,8 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
     lost) or a file a running dtmt train writes (its next validation replaced the mean), and writes beside them; a
     corpus that changed between the run's fingerprint and its reads (a dtmt prepare moving another corpus into
     --data as the run started) is refused, not trained on with the other's fingerprint recorded."""
-    from dtmt_models.cli import train as train_cli
     from dtmt_models.cli.average import main as average
+    from dtmt_models.data import binarized
     from dtmt_models.run_lock import RunLock
     from dtmt_models.training.trainer import step_checkpoints
 
@@ -819,8 +819,12 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
     r = train_here(["--out", str(run), "--max-steps", "1", "--overwrite", *base], capsys)
     assert r.returncode == 0 and "--overwrite: removed the earlier run's 1 step checkpoint(s)" in r.stderr, r.stderr
     assert step_checkpoints(str(run)) == []
-    real = train_cli.corpus_fingerprint
-    monkeypatch.setattr(train_cli, "corpus_fingerprint", lambda *a, **k: dict(real(*a, **k), train_sha1="0" * 40))
+    real, calls = binarized.fingerprint, []
+
+    def first_of_another_corpus(data):   # (the run's first look: another corpus's; its reads: this one)
+        calls.append(data)
+        return dict(real(data), train_sha1="0" * 40) if len(calls) == 1 else real(data)
+    monkeypatch.setattr(binarized, "fingerprint", first_of_another_corpus)
     r = train_here(["--out", str(tmp_path / "raced"), "--max-steps", "2", *base], capsys)
     assert r.returncode == 2 and f"--data {toy} changed while the run started" in r.stderr, r.stderr
     assert not (tmp_path / "raced").exists()   # (nothing written: the folder made for it goes)

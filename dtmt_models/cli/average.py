@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from typing import List, Optional
 
@@ -19,7 +18,7 @@ from dtmt_models.errors import (ArgumentParser, UsageError, check_input_dir, che
                                  one_line)
 from dtmt_models.models.checkpoint import average_checkpoints, read_checkpoint, save_checkpoint
 from dtmt_models.run_lock import holder
-from dtmt_models.training.trainer import BEST, CONFIG, CURVE, LAST, LOG, step_checkpoints
+from dtmt_models.training.trainer import BEST, CONFIG, CURVE, LAST, LOG, STEP_NAME, step_checkpoints
 
 PROG = "dtmt average"
 
@@ -78,7 +77,7 @@ def check_not_a_run_s(output: str) -> None:
     its training state (a last.pt), which the mean would lose (both were written, exit 0)."""
     folder, name = os.path.split(os.path.abspath(output))
     running = holder(folder)
-    if running is not None and (name in (LAST, BEST, LOG, CURVE, CONFIG) or re.fullmatch(r"step_\d+\.pt", name)):
+    if running is not None and (name in (LAST, BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
         raise UsageError(f"--output {output}: a file of the run in {folder}, where a dtmt train runs (process "
                          f"{running}) and writes it; give another name")
     if os.path.isfile(output):

@@ -21,7 +21,7 @@ import yaml
 
 from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporaries
 from dtmt_models.data import binarized
-from dtmt_models.data.corpus import CorpusError, corpus_fingerprint
+from dtmt_models.data.corpus import CorpusError
 from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_counts, check_finite,
                                  check_output_dir, cut, one_line, refuse)
@@ -488,7 +488,7 @@ def forget_earlier_run(out: str) -> None:
     """--overwrite: what the earlier run in `out` kept beside what this one replaces, removed (its step_N.pt, which
     `dtmt average --run` averaged with this run's or instead of them; its TensorBoard events, drawn over this run's),
     and said in one line."""
-    steps = [path for _, path in step_checkpoints(out)] if os.path.isdir(out) else []
+    steps = [path for _, path in step_checkpoints(out)]
     board = os.path.join(out, TENSORBOARD)
     events = [os.path.join(board, n) for n in os.listdir(board) if n.startswith("events.out.tfevents.")] \
         if os.path.isdir(board) else []
@@ -565,7 +565,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                     print(f"dtmt train: removed {path} (left by an interrupted run)", file=sys.stderr)
         last = os.path.join(args.out, LAST)
         ckpt = source = None
-        fingerprint = corpus_fingerprint(args.data, train_sha1=binarized.known_train_sha1(args.data))
+        fingerprint = binarized.fingerprint(args.data)
         if args.resume is not None:
             source = resume_from or last
             if (resume_from is not None and os.path.isfile(last)
@@ -610,7 +610,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 cfg.max_time_s = given.max_time_s
         else:
             held = [name for name in (LAST, BEST) if os.path.isfile(os.path.join(args.out, name))] or [
-                path for _, path in (step_checkpoints(args.out) if os.path.isdir(args.out) else [])][:1]
+                path for _, path in step_checkpoints(args.out)][:1]
             if held and not args.overwrite:   # (a best.pt without last.pt: a run killed between the two, or one's
                 raise ValueError(f"{args.out} already holds a checkpoint ({os.path.basename(held[0])}); pass "
                                  f"--resume to continue it or --overwrite to start again")   # own, which it replaced)

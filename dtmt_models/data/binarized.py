@@ -56,8 +56,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dtmt_models.atomic import process_alive
-from dtmt_models.data.corpus import (CorpusError, Problems, count_mismatch, decode_file_line, read_manifest,
-                                    scan_file)
+from dtmt_models.data.corpus import (CorpusError, Problems, corpus_fingerprint, count_mismatch, decode_file_line,
+                                    read_manifest, scan_file)
 from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
 
 FORMAT = 2   # 2: the shards' SHA-1 in the manifest (a format-1 copy is rebuilt by the next `dtmt train`)
@@ -191,24 +191,24 @@ class BinarizedSplit:
                     prev, done = block[-1:], done + len(block)
             self._compare(digest, f"{side}.idx", idx_path, rebuild)
             limit, start, digest = vocab_sizes[k], 0, hashlib.sha1()
+
+            def refused(where: int, what: str, side=side, bin_path=bin_path) -> CorpusError:
+                """The error for the id at flat position `where` of the side's file: named by its pair."""
+                pair = int(np.searchsorted(self.memmap(side)[1], where, side="right")) - 1
+                return CorpusError(f"{bin_path}: pair {pair} holds {what}; {rebuild}")
             with open(bin_path, "rb") as f:
                 while True:
                     ids = np.fromfile(f, dtype=self.dtype, count=chunk)
                     if not len(ids):
                         break
                     if int(ids.max()) >= limit:
-                        where = start + int(np.argmax(ids >= limit))
-                        offsets = self.memmap(side)[1]
-                        pair = int(np.searchsorted(offsets, where, side="right")) - 1
-                        raise CorpusError(f"{bin_path}: pair {pair} holds id {int(ids.max())}, beyond the {side} "
-                                          f"vocabulary's {limit} (a corrupt or mismatched corpus); {rebuild}")
+                        raise refused(start + int(np.argmax(ids >= limit)), f"id {int(ids.max())}, beyond the {side} "
+                                      f"vocabulary's {limit} (a corrupt or mismatched corpus)")
                     special = (ids == PAD) | (ids == BOS) | (ids == EOS)   # (never a piece of a sentence;
                     if special.any():   # trained on, a pair of PADs was a pair of nothing, silently)
-                        where = start + int(np.argmax(special))
-                        offsets = self.memmap(side)[1]
-                        pair = int(np.searchsorted(offsets, where, side="right")) - 1
-                        raise CorpusError(f"{bin_path}: pair {pair} holds id {int(ids[where - start])}, a control "
-                                          f"symbol (padding, BOS or EOS), not a piece (a corrupt corpus); {rebuild}")
+                        where = int(np.argmax(special))
+                        raise refused(start + where, f"id {int(ids[where])}, a control symbol (padding, BOS or EOS), "
+                                      f"not a piece (a corrupt corpus)")
                     digest.update(ids)
                     start += len(ids)
             self._compare(digest, f"{side}.bin", bin_path, rebuild)
@@ -382,6 +382,12 @@ def known_train_sha1(corpus_dir: str) -> Optional[str]:
         except (OSError, KeyError, TypeError, CorpusError):
             continue
     return None
+
+
+def fingerprint(corpus_dir: str) -> dict:
+    """corpus.corpus_fingerprint of the prepared corpus `corpus_dir`, the training text's SHA-1 taken from a binarized
+    copy that vouches for it (known_train_sha1), else read from the text (what dtmt train records and compares)."""
+    return corpus_fingerprint(corpus_dir, train_sha1=known_train_sha1(corpus_dir))
 
 
 class NotBinarized(CorpusError):

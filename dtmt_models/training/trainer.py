@@ -44,7 +44,7 @@ import dtmt_models
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data import binarized
 from dtmt_models.data.batching import Batches, collate, kept_indices, length_dtype, token_batches
-from dtmt_models.data.corpus import CorpusError, corpus_fingerprint, corpus_paths, read_manifest, read_parallel
+from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import CheckpointError, check_training_state, save_checkpoint
@@ -59,6 +59,7 @@ from dtmt_models.training.schedules import InverseSqrtSchedule, RNMTPlusSchedule
 LAST, BEST, LOG, CURVE, CONFIG = "last.pt", "best.pt", "train_log.csv", "learning_curve.png", "config.yaml"
 TENSORBOARD = "tensorboard"            # the event files: tensorboard --logdir runs/
 STEP_CHECKPOINT = "step_{:07d}.pt"     # --keep-last: the model at a validation, by its number of updates
+STEP_NAME = re.compile(r"step_(\d+)\.pt")   # such a file's name (the updates however many digits)
 # elapsed_s: the time inside updates (what --max-time counts, carried over a resume); wall_s: this process's wall
 # time since it began (dtmt_models.STARTED), everything included
 LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", "tokens", "tokens_per_s",
@@ -66,10 +67,11 @@ LOG_FIELDS = ["kind", "step", "epoch", "elapsed_s", "lr", "loss", "nll", "ppl", 
 
 
 def step_checkpoints(run_dir: str) -> List[Tuple[int, str]]:
-    """The step_<updates>.pt files of a run directory (kept by --keep-last), oldest first, as (updates, path)."""
+    """The step_<updates>.pt files of a run directory (kept by --keep-last), oldest first, as (updates, path); none
+    for a folder that does not exist (yet)."""
     found = []
-    for name in os.listdir(run_dir):
-        m = re.fullmatch(r"step_(\d+)\.pt", name)
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else ():
+        m = STEP_NAME.fullmatch(name)
         if m:
             found.append((int(m.group(1)), os.path.join(run_dir, name)))
     return sorted(found)
@@ -303,8 +305,7 @@ class Trainer:
             dev = corpus.split("dev")
             dev.verify(sizes)
             self.dev_ids = [p for p in dev.pairs(range(len(dev))) if p[0]]
-        if cfg.data_fingerprint is not None and corpus_fingerprint(
-                cfg.data, binarized.known_train_sha1(cfg.data)) != cfg.data_fingerprint:
+        if cfg.data_fingerprint is not None and binarized.fingerprint(cfg.data) != cfg.data_fingerprint:
             # (a dtmt prepare moved another corpus into --data between the run's fingerprint and its reads: the run
             # would have trained on one corpus and recorded the other's, or scored dev BLEU on another dev split)
             raise CorpusError(f"--data {cfg.data} changed while the run started (a dtmt prepare wrote it); start "

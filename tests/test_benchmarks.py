@@ -633,6 +633,10 @@ def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_p
     # a script's refusal (SystemExit with a message) reaches the user, as when the script runs by itself
     assert bench.main(["pages", "--checkpoint", str(tmp_path / "none.pt"), "--chunk", "0"]) == 2
     assert "--chunk must be >= 1" in capsys.readouterr().err
+    main_module = sys.modules.get("__main__")
+    assert bench.main(["pages", "--no-such-option"]) == 2   # its usage names the command typed, not the script
+    assert "dtmt bench pages: error: unrecognized arguments: --no-such-option" in capsys.readouterr().err
+    assert sys.argv[0] != "dtmt bench pages" and sys.modules.get("__main__") is main_module   # both restored
     monkeypatch.setattr(sys, "argv", ["x"])
     script = tmp_path / "benchmarks" / "bench_refuses.py"
     script.parent.mkdir()

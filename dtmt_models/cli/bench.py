@@ -8,8 +8,8 @@ in the current directory's benchmarks/ (run it from the checkout). Elsewhere the
 from __future__ import annotations
 
 import os
-import runpy
 import sys
+import types
 from typing import List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # dtmt_models/cli/ -> the checkout
@@ -48,6 +48,25 @@ def summary(name: str, width: int = 100) -> str:
     return text if len(text) <= width else text[:text.rfind(" ", 0, width)] + " ..."
 
 
+def run_script(path: str, argv: List[str]) -> None:
+    """Runs the script at `path` as `__main__` with `sys.argv` = argv, as `python path ...` would but with argv[0]
+    kept: its usage and errors then name `dtmt bench NAME` (runpy.run_path sets argv[0] to the path)."""
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    saved_argv, saved_main = sys.argv, sys.modules.get("__main__")
+    sys.argv, sys.modules["__main__"] = argv, module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.argv = saved_argv
+        if saved_main is None:
+            del sys.modules["__main__"]
+        else:
+            sys.modules["__main__"] = saved_main
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     names = available()
@@ -75,15 +94,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"dtmt bench: no benchmark {name!r}; choose one of {names} "
               f"(run from a source checkout: the scripts are in benchmarks/)", file=sys.stderr)
         return 2
-    old = sys.argv
-    sys.argv = [f"dtmt bench {name}", *argv[1:]]
     try:
-        runpy.run_path(os.path.join(bench_dir(), f"bench_{name}.py"), run_name="__main__")
+        run_script(os.path.join(bench_dir(), f"bench_{name}.py"), [f"dtmt bench {name}", *argv[1:]])
     except SystemExit as exc:
         if isinstance(exc.code, str):   # a script's one-line refusal: shown, as Python shows it for a script
             print(exc.code, file=sys.stderr)
             return 1
         return int(exc.code or 0)
-    finally:
-        sys.argv = old
     return 0

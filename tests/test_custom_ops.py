@@ -206,6 +206,51 @@ def test_the_engine_fakes_check_kinds_and_batches():
         torch.ops.dtmt.attention_step(m(1, 8), keys, annotations, src_mask, [m(0)] * 3, 1e-5)
 
 
+def test_an_op_with_one_argument_on_the_meta_device_refuses_it():
+    """A call with one argument on the meta device and the others on the CPU dispatches to the op's fake, which gave
+    uninitialised CPU tensors as the result (a layer whose bias was loaded onto the meta device: values of 1e37,
+    different at every call). Every fake now checks that its tensors share one device first: each op a system
+    calls, with each of its non-empty tensor arguments in turn on the meta device, is refused, naming the op. And no
+    fake is registered past that check."""
+    calls = {}
+    for system in ("dtmt", "mce", "gnmt-atr"):
+        calls.update(_record_system_calls(system, torch.float32))
+    assert len(calls) >= 12
+    refused = 0
+    for op, (args, kwargs) in calls.items():
+        args = _detached(args)
+        name = op.__name__.split(".")[0]
+        for i, a in enumerate(args):
+            for j, t in ([(None, a)] if isinstance(a, torch.Tensor) else
+                         enumerate(a) if isinstance(a, (list, tuple)) else ()):
+                if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                    continue
+                bad = list(args)
+                if j is None:
+                    bad[i] = t.to("meta")
+                else:
+                    bad[i] = [u.to("meta") if k == j else u for k, u in enumerate(a)]
+                with pytest.raises(RuntimeError, match=re.escape(f"dtmt::{name}: every tensor must be on one device, "
+                                                                 "got ['cpu', 'meta']")):
+                    op(*bad, **kwargs)
+                refused += 1
+    assert refused >= 100
+    # the case found: a layer's state dict loaded with one tensor on the meta device
+    layer = dk.nn.DeepTransitionGRU(5, 6, depth=1, cell="gru", layer_norm=False)
+    state = layer.state_dict()
+    state["bias_ih"] = torch.empty(18, device="meta")
+    layer.load_state_dict(state, assign=True)
+    with pytest.raises(RuntimeError, match="one device"):
+        layer(torch.randn(4, 3, 5))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for package in ("dtmt_kernels", "dtmt_models"):
+        for folder, _, files in os.walk(os.path.join(root, package)):
+            for f in files:
+                if f.endswith(".py") and f != "_fakes.py":
+                    with open(os.path.join(folder, f), encoding="utf-8") as source:
+                        assert "library.register_fake" not in source.read(), os.path.join(folder, f)
+
+
 @pytest.mark.parametrize("system", ["dtmt", "nematus", "mce", "gnmt-atr"])
 def test_every_op_a_system_calls_passes_opcheck(system):
     """Each op as a system calls it (training step and decoding: the attention, backward and inference ops),

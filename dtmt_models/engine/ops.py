@@ -24,6 +24,7 @@ from torch import Tensor
 
 from dtmt_kernels.ops import _autocast
 from dtmt_kernels.ops._extension import built
+from dtmt_kernels.ops._fakes import register_fake
 from dtmt_kernels.ops.linear.op import float64_products
 from dtmt_kernels.ops.linear.placement import huge_page_copies
 from dtmt_kernels.ops.linear.quantize import pack_int8_rows
@@ -358,11 +359,11 @@ def _memory_encoder_fake(x, memory, src_mask, reverse, cell_kind, cell, cell_eps
 
 
 if built():
-    torch.library.register_fake("dtmt::attention_step")(_attention_step_fake)
-    torch.library.register_fake("dtmt::readout_features")(_readout_fake)
-    torch.library.register_fake("dtmt::rnmt_step")(_rnmt_step_fake)
-    torch.library.register_fake("dtmt::memory_encoder")(_memory_encoder_fake)
-    torch.library.register_fake("dtmt::rnmt_beam_search")(_rnmt_beam_search_fake)
+    register_fake("dtmt::attention_step", _attention_step_fake)
+    register_fake("dtmt::readout_features", _readout_fake)
+    register_fake("dtmt::rnmt_step", _rnmt_step_fake)
+    register_fake("dtmt::memory_encoder", _memory_encoder_fake)
+    register_fake("dtmt::rnmt_beam_search", _rnmt_beam_search_fake)
     for op in ("dtmt::attention_step", "dtmt::readout_features", "dtmt::rnmt_step", "dtmt::rnmt_beam_search",
                "dtmt::memory_encoder"):
         _autocast.register(op, _autocast.float32_rule)

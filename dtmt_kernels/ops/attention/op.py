@@ -13,6 +13,7 @@ import torch
 
 from .._extension import built
 from .. import _autocast
+from .._fakes import register_fake
 
 
 def _dense_like(t):
@@ -64,11 +65,11 @@ def _context_backward(ctx, grad):
 def _register() -> None:
     if not built():
         return
-    torch.library.register_fake("dtmt::additive_scores")(_scores_fake)
-    torch.library.register_fake("dtmt::additive_scores_backward")(_scores_backward_fake)
+    register_fake("dtmt::additive_scores", _scores_fake)
+    register_fake("dtmt::additive_scores_backward", _scores_backward_fake)
     torch.library.register_autograd("dtmt::additive_scores", _scores_backward, setup_context=_scores_setup)
-    torch.library.register_fake("dtmt::attention_context")(_context_fake)
-    torch.library.register_fake("dtmt::attention_context_backward")(_context_backward_fake)
+    register_fake("dtmt::attention_context", _context_fake)
+    register_fake("dtmt::attention_context_backward", _context_backward_fake)
     torch.library.register_autograd("dtmt::attention_context", _context_backward, setup_context=_context_setup)
     for op in ("dtmt::additive_scores", "dtmt::attention_context"):
         _autocast.register(op, _autocast.float32_rule)

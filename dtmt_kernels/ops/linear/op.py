@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .._extension import _C, built
 from .. import _autocast
+from .._fakes import register_fake
 
 
 def _fake(x, weight, bias):
@@ -57,5 +58,5 @@ def small_rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
 
 
 if built():
-    torch.library.register_fake("dtmt::small_rows_linear")(_fake)
+    register_fake("dtmt::small_rows_linear", _fake)
     _autocast.register("dtmt::small_rows_linear", _autocast.float32_rule)

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._extension import built
+from .._fakes import register_fake
 from .._host_reads import host_reads_allowed
 
 
@@ -44,7 +45,7 @@ def _backward(ctx, grad_loss, _grad_nll, _grad_grad):
 
 
 if built():
-    torch.library.register_fake("dtmt::smoothed_cross_entropy")(_fake)
+    register_fake("dtmt::smoothed_cross_entropy", _fake)
     torch.library.register_autograd("dtmt::smoothed_cross_entropy", _backward, setup_context=_setup)
 
 

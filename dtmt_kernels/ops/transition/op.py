@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .._extension import built
 from .. import _autocast
+from .._fakes import register_fake
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
 from ..linear.quantize import ROW_TAIL
 from .layout import KINDS, ROWS, acc_dtype, check_kind, present
@@ -56,7 +57,8 @@ def _check_fake(op: str, x: Tensor, h0: Tensor, kind, w_ih: Tensor, w_hh: Tensor
     """What the shapes of a forward's outputs rest on, checked as the kernels check it (csrc/op_checks.cpp's
     check_cell and the states' sizes) for the fake implementations, through which torch.compile and torch.export trace
     and which are all a meta call runs: the cell kind, x [T, B, I], w_hh [n_h H, H], w_ih [n_in H, I], t_w [D, 3H, H],
-    h0 [*h0_lead, B, H], every tensor on x's device (`tokens`: x is token ids [T, B], w_ih's columns not read).
+    h0 [*h0_lead, B, H] (`tokens`: x is token ids [T, B], w_ih's columns not read); every tensor on one device is
+    what every fake checks first (_fakes.register_fake).
     RuntimeError naming the argument; returns H. (Without it a wrong kind was a KeyError and wrong sizes made
     outputs of wrong shapes, found only when the kernel ran.)"""
     def fail(what):
@@ -79,9 +81,6 @@ def _check_fake(op: str, x: Tensor, h0: Tensor, kind, w_ih: Tensor, w_hh: Tensor
         fail(f"t_w must be [D, {3 * H}, {H}], got {list(t_w.shape)}")
     if tuple(h0.shape) != (*h0_lead, B, H):
         fail(f"h0 must be {list((*h0_lead, B, H))}, got {list(h0.shape)}")
-    devices = {t.device for t in (x, h0, w_ih, w_hh, t_w) if present(t)}
-    if len(devices) > 1:
-        fail(f"every tensor must be on one device, got {sorted(str(d) for d in devices)}")
     return H
 
 
@@ -175,13 +174,13 @@ def _register() -> None:
               torch.ops.dtmt.transition_backward_triton)]
     if built():
         pairs.append(("dtmt::transition_forward", "dtmt::transition_backward", torch.ops.dtmt.transition_backward))
-        torch.library.register_fake("dtmt::transition_encode")(_encode_fake)
+        register_fake("dtmt::transition_encode", _encode_fake)
         _autocast.register("dtmt::transition_encode", _autocast.low_precision_rule)   # as its per-direction op
-        torch.library.register_fake("dtmt::transition_encode_tokens")(_encode_tokens_fake)
+        register_fake("dtmt::transition_encode_tokens", _encode_tokens_fake)
         _autocast.register("dtmt::transition_encode_tokens", _autocast.float32_rule)   # tables made in float
     for forward, backward, backward_op in pairs:
-        torch.library.register_fake(forward)(_forward_fake)
-        torch.library.register_fake(backward)(_backward_fake)
+        register_fake(forward, _forward_fake)
+        register_fake(backward, _backward_fake)
         torch.library.register_autograd(forward, _autograd_for(backward_op), setup_context=_setup_context)
         _autocast.register(forward, _autocast.low_precision_rule)
 

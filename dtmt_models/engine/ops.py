@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dtmt_kernels.ops import _autocast
 from dtmt_kernels.ops._extension import built
-from dtmt_kernels.ops._fakes import register_fake
+from dtmt_kernels.ops._register import register_fake
 from dtmt_kernels.ops.linear.op import float64_products
 from dtmt_kernels.ops.linear.placement import huge_page_copies
 from dtmt_kernels.ops.linear.quantize import pack_int8_rows

@@ -13,7 +13,7 @@ import torch
 
 from .._extension import built
 from .. import _autocast
-from .._fakes import register_fake
+from .._register import refuse_double_backward, register_fake
 
 
 def _dense_like(t):
@@ -73,6 +73,7 @@ def _register() -> None:
     torch.library.register_autograd("dtmt::attention_context", _context_backward, setup_context=_context_setup)
     for op in ("dtmt::additive_scores", "dtmt::attention_context"):
         _autocast.register(op, _autocast.float32_rule)
+        refuse_double_backward(op + "_backward")
 
 
 _register()

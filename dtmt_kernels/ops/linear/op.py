@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._extension import _C, built
 from .. import _autocast
-from .._fakes import register_fake
+from .._register import register_fake
 
 
 def _fake(x, weight, bias):

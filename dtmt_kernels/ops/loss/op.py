@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._extension import built
-from .._fakes import register_fake
+from .._register import register_fake
 from .._host_reads import host_reads_allowed
 
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .._extension import built
 from .. import _autocast
-from .._fakes import register_fake
+from .._register import refuse_double_backward, register_fake
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
 from ..linear.quantize import ROW_TAIL
 from .layout import KINDS, ROWS, acc_dtype, check_kind, present
@@ -58,7 +58,7 @@ def _check_fake(op: str, x: Tensor, h0: Tensor, kind, w_ih: Tensor, w_hh: Tensor
     check_cell and the states' sizes) for the fake implementations, through which torch.compile and torch.export trace
     and which are all a meta call runs: the cell kind, x [T, B, I], w_hh [n_h H, H], w_ih [n_in H, I], t_w [D, 3H, H],
     h0 [*h0_lead, B, H] (`tokens`: x is token ids [T, B], w_ih's columns not read); every tensor on one device is
-    what every fake checks first (_fakes.register_fake).
+    what every fake checks first (_register.register_fake).
     RuntimeError naming the argument; returns H. (Without it a wrong kind was a KeyError and wrong sizes made
     outputs of wrong shapes, found only when the kernel ran.)"""
     def fail(what):
@@ -182,6 +182,7 @@ def _register() -> None:
         register_fake(forward, _forward_fake)
         register_fake(backward, _backward_fake)
         torch.library.register_autograd(forward, _autograd_for(backward_op), setup_context=_setup_context)
+        refuse_double_backward(backward)
         _autocast.register(forward, _autocast.low_precision_rule)
 
 

@@ -1,7 +1,7 @@
-"""Registration of the ops' fake implementations, with the one check every fake makes first: all its tensors on one
-device.
+"""What every op's registration shares: its fake implementation checks first that all its tensors are on one
+device (register_fake); a backward op refuses to be differentiated (refuse_double_backward).
 
-Why: a call with one argument on the meta device and the others on the CPU dispatches to the op's fake (the meta
+Why the device check: a call with one argument on the meta device and the others on the CPU dispatches to the op's fake (the meta
 key ranks first), which returned uninitialised tensors of the CPU arguments' device as the result (a layer with a
 bias loaded onto the meta device gave values of 1e37, different at each call). torch's own ops refuse it."""
 from __future__ import annotations
@@ -37,3 +37,18 @@ def register_fake(op: str, fake) -> None:
         return fake(*args, **kwargs)
 
     torch.library.register_fake(op)(checked)
+
+
+def refuse_double_backward(op: str) -> None:
+    """Registers an autograd formula for the backward op `op` that refuses, in one line naming the op, to be
+    differentiated: a gradient of a gradient through the fused kernels. Without one, torch ran the op under
+    create_graph=True with only a warning, and the second-order gradients were missing (None), with no error. A
+    backward called with create_graph=True still works; only differentiating its result is refused, as torch's cuDNN
+    RNN does. The reference backend (pure PyTorch) has second-order gradients."""
+    name = op.split("::", 1)[-1]
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"dtmt::{name}: a gradient of a gradient (double backward) is not supported by the fused "
+                           "kernels; run the layer with backend='reference' for second-order gradients")
+
+    torch.library.register_autograd(op, backward)

@@ -108,18 +108,21 @@ class UnrolledSteps(_UnrolledSession):
 
 class CppUnrolledWeightsFunction(torch.autograd.Function):
     """The flat parameters of an UnrolledSteps in, a token (an empty tensor) out; every step takes the token,
-    so the backward here runs once all the steps' backwards have, and returns the weight gradients of all."""
+    so the backward here runs once all the steps' backwards have, and returns the weight gradients of all.
+
+    It saves no tensor, so that more than one backward pass may run through it: two sequences run in one block
+    (micro-batches: two forwards, then a backward of each) share the session and its token, and the second
+    backward reached a node whose saved tensors the first had freed ("Trying to backward through the graph a
+    second time"). Each pass takes only its own steps' rows (_UnrolledSession)."""
 
     @staticmethod
     def forward(ctx, steps: UnrolledSteps, *flat):
-        ctx.steps = steps
-        ctx.save_for_backward(*flat)   # only so that autograd reports a parameter changed in place before backward
+        ctx.steps = steps   # nothing saved: every step saves the parameters, and unpacking checks their versions
         return flat[0].new_empty(0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, _grad_token):
-        ctx.saved_tensors  # noqa: B018 - the version check
         return (None, *ctx.steps.weight_grads())
 
 
@@ -191,14 +194,12 @@ class CppUnrolledValuesFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, steps: UnrolledContext, values):
-        ctx.steps = steps
-        ctx.save_for_backward(values)   # only for autograd's check that it was not changed in place
+        ctx.steps = steps   # nothing saved: every step saves the values, and unpacking checks their version
         return values.new_empty(0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, _grad_token):
-        ctx.saved_tensors  # noqa: B018 - the version check
         return None, ctx.steps.values_grad()
 
 

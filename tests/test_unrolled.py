@@ -181,6 +181,42 @@ def test_frozen_weights_and_several_rounds_in_one_block():
             opt.step()
 
 
+@pytest.mark.parametrize("order", ["first-first", "second-first"])
+def test_two_sequences_in_one_block_each_with_its_own_backward(order):
+    """Micro-batches: two sequences run in one block, then a backward of each (gradient accumulation). They share
+    the block's session and its weights' node, and the second backward failed ("Trying to backward through the
+    graph a second time": the node's saved tensors were freed by the first). Each backward now adds its own
+    sequence's gradients, the sum equal to the plain path's, for the cell and for the attention context; and a
+    backward run twice over the same steps is still an error, as on the plain path."""
+    cell = make_cell("lgru", 1, True, torch.float64, candidate_dropout=0.0)
+    owner = _Owner()
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(2, 4, 3, 5, generator=g, dtype=torch.float64)
+    values = torch.randn(3, 7, 6, generator=g, dtype=torch.float64)
+    logits = torch.randn(2, 4, 3, 1, 7, generator=g, dtype=torch.float64)
+
+    def sequence(s, backend, v):
+        cell.backend, h, out = backend, torch.zeros(3, 6, dtype=torch.float64), 0
+        for t in range(4):
+            h = cell(xs[s, t], h)
+            out = out + (h * dk.nn.step_context(owner, torch.softmax(logits[s, t], -1), v, backend)).sum()
+        return out * (s + 1)
+
+    v = values.clone().requires_grad_()
+    (sequence(0, "reference", v) + sequence(1, "reference", v)).backward()
+    expected = [p.grad.clone() for p in cell.parameters()] + [v.grad]
+    cell.zero_grad()
+    v = values.clone().requires_grad_()
+    with dk.nn.unrolled(cell, owner):
+        losses = [sequence(0, "cpp", v), sequence(1, "cpp", v)]
+    for loss in (losses if order == "first-first" else losses[::-1]):
+        loss.backward()
+    for got, want in zip([p.grad for p in cell.parameters()] + [v.grad], expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        losses[0].backward()
+
+
 def test_a_weight_changed_before_a_step_backward_is_reported():
     """The steps save the weights they read: an in-place change is caught even where the weights' node does not
     run (a gradient of the input only)."""

@@ -169,6 +169,19 @@ def test_ids_outside_the_vocabularies_are_an_index_error_naming_them(name):
     wrong[0, 2] = V_TGT
     with pytest.raises(IndexError, match=rf"prev_tokens holds the id {V_TGT}, outside the target vocabulary's 19"):
         model(src, src_lengths, wrong)
+    # one step and a reorder (the decoding interface, the model's and its inference decoder's): the ids and rows
+    # they take were torch's "index out of range in self" too
+    with torch.no_grad():
+        for decoder in (model, model.inference_decoder()):
+            state = decoder.encode(src, src_lengths)
+            for bad in (V_TGT, -1):
+                with pytest.raises(IndexError, match=rf"\.step: prev_tokens holds the id {bad}, outside the target "
+                                                     rf"vocabulary's {V_TGT} ids"):
+                    decoder.step(state, torch.full((3,), bad))
+            for bad in (3, -1):
+                with pytest.raises(IndexError, match=rf"\.reorder: index holds the row {bad}, outside the state's 3"):
+                    decoder.reorder(state, torch.tensor([0, bad]))
+            assert decoder.reorder(state, torch.tensor([2, 2, 0]))[next(iter(state))].shape[0] == 3
 
 
 @pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Protocol, Tuple, runtime_check
 import torch
 from torch import Tensor
 
+from dtmt_kernels.functional import host_reads_allowed
 from dtmt_models.data.vocabulary import PAD
 
 State = Dict[str, Tensor]
@@ -140,12 +141,33 @@ def as_decoder(model, int8: bool = False, amp: Optional[str] = None) -> Decoder:
     return AdaptedDecoder(decoder)
 
 
-def check_step_tokens(name: str, prev_tokens: Tensor, B: int) -> None:
-    """`step`'s tokens: a LongTensor [B], one previous token for each of the state's B rows (ValueError)."""
+def check_step_tokens(name: str, prev_tokens: Tensor, B: int, vocab: int) -> None:
+    """`step`'s tokens: a LongTensor [B], one previous token for each of the state's B rows (ValueError), each an id
+    of the target vocabulary's `vocab` (IndexError naming it, as the model's forward; it was nn.Embedding's "index
+    out of range in self"). The ids are read where they are on the CPU (a few µs a step); on a GPU that read would
+    wait for the device at every step, and the embedding's own check stands."""
     if not isinstance(prev_tokens, Tensor) or prev_tokens.dtype != torch.long or tuple(prev_tokens.shape) != (B,):
         raise ValueError(f"{name}.step: prev_tokens must be a LongTensor [B={B}] (one token for each of the state's "
                          f"rows), got {getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "
                          f"{list(getattr(prev_tokens, 'shape', []))}")
+    if prev_tokens.device.type == "cpu" and B and host_reads_allowed():
+        lo, hi = (int(v) for v in torch.aminmax(prev_tokens))
+        if lo < 0 or hi >= vocab:
+            raise IndexError(f"{name}.step: prev_tokens holds the id {hi if hi >= vocab else lo}, outside the target "
+                             f"vocabulary's {vocab} ids")
+
+
+def check_reorder_index(name: str, index: Tensor, B: int) -> None:
+    """`reorder`'s index: a LongTensor [N] of rows of the state's B (IndexError naming it; it was index_select's
+    "index out of range in self"). Read where it is on the CPU, as check_step_tokens."""
+    if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in (torch.long, torch.int):
+        raise ValueError(f"{name}.reorder: index must be a LongTensor [N] of the state's rows, got "
+                         f"{getattr(index, 'dtype', type(index).__name__)} {list(getattr(index, 'shape', []))}")
+    if index.device.type == "cpu" and index.numel() and host_reads_allowed():
+        lo, hi = (int(v) for v in torch.aminmax(index))
+        if lo < 0 or hi >= B:
+            raise IndexError(f"{name}.reorder: index holds the row {hi if hi >= B else lo}, outside the state's "
+                             f"{B} rows")
 
 
 def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:

@@ -157,7 +157,7 @@ class FusedRNMTDecoder:
         return table
 
     def reorder(self, state: State, index: Tensor) -> State:
-        return self.model.reorder(state, index)
+        return self.model.reorder(state, index)   # (which checks the index)
 
     # what AttentionalRNMT.encode / Nematus.encode make once per sentence (the candidate-dropout masks too)
     PER_SENTENCE = frozenset({"annotations", "keys", "src_mask", "drop_q", "drop_d"})
@@ -169,7 +169,7 @@ class FusedRNMTDecoder:
 
     @torch.no_grad()   # inference only (the ops write into buffers: no autograd)
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        check_step_tokens(type(self.model).__name__, prev_tokens, state["s"].shape[0])
+        check_step_tokens(type(self.model).__name__, prev_tokens, state["s"].shape[0], self.model.tgt_vocab_size)
         y = self.model.embed_step(state, prev_tokens)
         s = state["s"][:, 0] if self.layered else state["s"]
         keys = state["keys"].unsqueeze(2) if self.single_head else state["keys"]

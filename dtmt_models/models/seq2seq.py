@@ -24,7 +24,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
 from dtmt_models.engine import ops
-from dtmt_models.engine.decoder import State, check_step_tokens
+from dtmt_models.engine.decoder import State, check_reorder_index, check_step_tokens
 from dtmt_models.engine.forms import FrozenReadout, inference_copy, plain_linear, runs_fused_inference
 from dtmt_models.engine.rnmt import FusedStep
 from dtmt_models.models.loss import float_log_softmax, smoothed_cross_entropy
@@ -220,7 +220,7 @@ class Seq2Seq(nn.Module):
         return self.features(y, *parts), state
 
     def step(self, state: State, prev_tokens: Tensor) -> Tuple[Tensor, State]:
-        check_step_tokens(type(self).__name__, prev_tokens, next(iter(state.values())).shape[0])
+        check_step_tokens(type(self).__name__, prev_tokens, next(iter(state.values())).shape[0], self.tgt_vocab_size)
         features, state = self.decoder_step(state, prev_tokens)
         return self.readout(features), state
 
@@ -278,14 +278,14 @@ class Seq2Seq(nn.Module):
             prepared.__dict__["_inference_copy"] = True
         return prepared
 
-    @staticmethod
-    def reorder(state: State, index: Tensor) -> State:
+    def reorder(self, state: State, index: Tensor) -> State:
+        check_reorder_index(type(self).__name__, index, next(iter(state.values())).shape[0])
         return {k: v.index_select(0, index) for k, v in state.items()}
 
     def reorder_within(self, state: State, index: Tensor) -> State:
-        """`reorder` for an index that keeps every row among its sentence's rows (the Decoder protocol's): here the
-        same as `reorder`."""
-        return self.reorder(state, index)
+        """`reorder` for an index that keeps every row among its sentence's rows (the Decoder protocol's, which a
+        search calls at every step with rows it made: not checked again)."""
+        return {k: v.index_select(0, index) for k, v in state.items()}
 
     def loss(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Tensor,
              smoothing: float = 0.0) -> Tuple[Tensor, Tensor, int]:

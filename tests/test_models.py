@@ -96,6 +96,9 @@ def test_registry():
                                  rf"{V_TGT}\)"),
     ("dtmt", dict(hidden_size=10, heads=4), r"dtmt cannot be built with \{'hidden_size': 10, 'heads': 4\}: .*"
                                             "divisible by heads=4"),
+    # a rate of NaN passed every range check and failed at the first training forward
+    ("dtmt", dict(dropout=float("nan")), "option dropout=nan for dtmt: expected a finite number"),
+    ("transformer", dict(dropout=float("-inf")), "option dropout=-inf for transformer: expected a finite"),
 ])
 def test_bad_options_are_value_errors(name, options, message):
     """build_model refuses what cannot build the system in one ValueError naming the option (before, a misspelt
@@ -122,6 +125,8 @@ def test_numpy_numbers_are_options_like_python_ones():
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
     with pytest.raises(ValueError, match="option hidden_size=True for dtmt: expected int"):
         dm.build_model("dtmt", V_SRC, V_TGT, hidden_size=True)
+    c = dm.build_model("dtmt", np.int64(V_SRC), np.int32(V_TGT), embed_dim=8, hidden_size=8)   # the vocabularies
+    assert (c.src_vocab_size, c.tgt_vocab_size) == (V_SRC, V_TGT) and type(c.src_vocab_size) is int   # too
 
 
 def test_check_model_options_takes_a_pad_id_of_a_vocabulary_not_yet_built():
@@ -143,6 +148,10 @@ def test_bad_batches_and_step_tokens_are_value_errors(name, options):
         model(src, src_lengths.float(), prev)
     with pytest.raises(ValueError, match=r"prev_tokens must be a LongTensor \[B=3, T\] with T >= 1"):
         model(src, src_lengths, prev[:, :0])
+    for empty in (src[:0], src[:, :0]):   # no sentence, or none of a token
+        with pytest.raises(ValueError, match=rf"src must hold at least one sentence of at least one token, got "
+                                             rf"\[{empty.shape[0]}, {empty.shape[1]}\]"):
+            model(empty, src_lengths[:empty.shape[0]], prev[:empty.shape[0]])
     with torch.no_grad():
         for decoder in (model, model.inference_decoder()):
             state = decoder.encode(src, src_lengths)

@@ -1,6 +1,7 @@
 """The one registry of NMT systems: `build_model(name, src_vocab_size, tgt_vocab_size, **options)`."""
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -32,12 +33,12 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
     _import_systems()
     if not isinstance(name, str) or name not in _MODELS:
         raise ValueError(f"unknown model {_shown(name)}; choose one of {sorted(_MODELS)}")
+    # numpy numbers (a sweep's np.arange, a config read through numpy) as the Python numbers the systems take
+    src_vocab_size, tgt_vocab_size = _unwrapped(src_vocab_size), _unwrapped(tgt_vocab_size)
     for arg, v in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 2:
             raise ValueError(f"{arg} must be an int >= 2, got {v!r}")
-    # numpy numbers (a sweep's np.arange, a config read through numpy) as the Python numbers the systems take
-    options = {k: v.item() if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0 else v
-               for k, v in options.items()}
+    options = {k: _unwrapped(v) for k, v in options.items()}
     _check_option_values(name, options, min(src_vocab_size, tgt_vocab_size))
     try:
         return _MODELS[name](src_vocab_size, tgt_vocab_size, **options)
@@ -49,6 +50,11 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
             raise MemoryError(f"{name} with {options} does not fit in this machine's memory ({one_line(exc)})") \
                 from None
         raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from exc
+
+
+def _unwrapped(v):
+    """A numpy number as the Python number it holds; anything else as it is."""
+    return v.item() if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0 else v
 
 
 INIT_LAWS = ("uniform", "normal")
@@ -129,6 +135,9 @@ def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
         if expected is not None and not _of_type(value, expected):
             raise ValueError(f"option {key}={_shown(value)} for {name}: expected {expected.__name__} "
                              f"(default {default!r})")
+        if isinstance(value, float) and not math.isfinite(value):   # (NaN passed every range check: dropout=nan
+            # failed at the first training forward)
+            raise ValueError(f"option {key}={value!r} for {name}: expected a finite number")
         most = SIZE_OPTIONS.get(key)
         if most is not None and value is not None and (not _of_type(value, int) or not 1 <= value <= most):
             raise ValueError(f"option {key}={_shown(value)} for {name}: expected an int from 1 to {most:,}")

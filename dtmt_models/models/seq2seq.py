@@ -309,6 +309,8 @@ class Seq2Seq(nn.Module):
             raise ValueError(f"{name}: src must be a LongTensor [B, S], got "
                              f"{getattr(src, 'dtype', type(src).__name__)} {list(getattr(src, 'shape', []))}")
         B, S = src.shape
+        if B == 0 or S == 0:   # (the transformer failed inside a reshape, the RNN systems named an inner layer)
+            raise ValueError(f"{name}: src must hold at least one sentence of at least one token, got {[B, S]}")
         if not isinstance(src_lengths, Tensor):
             raise ValueError(f"{name}: src_lengths must be a LongTensor [B={B}], got {type(src_lengths).__name__}")
         if src_lengths.is_floating_point() or src_lengths.is_complex() or src_lengths.dtype == torch.bool:

@@ -56,6 +56,14 @@ MAX_DEPTH = 256
 MAX_SIZE = 2 ** 31 - 1
 
 
+def _check_flag(name: str, arg: str, value) -> None:
+    """A switch is a bool (numpy's too) or the int 0 or 1, as torch.nn.GRU's are taken: ValueError naming it otherwise
+    (layer_norm="no" had meant True)."""
+    if not (isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ == "bool")
+            or (isinstance(value, int) and value in (0, 1))):
+        raise ValueError(f"{name}: {arg} must be True or False, got {value!r}")
+
+
 class _TransitionBase(BackendSwitch, nn.Module):
     """Parameters, backend switch and input checks shared by the layers and cells of this module."""
 
@@ -69,6 +77,7 @@ class _TransitionBase(BackendSwitch, nn.Module):
                 raise ValueError(f"{name}: {arg} must be an int from {low} to {high:,}, got {value!r}")
         if cell not in CELL_KINDS:
             raise ValueError(f"{name}: cell must be one of {CELL_KINDS}, got {cell!r}")
+        _check_flag(name, "layer_norm", layer_norm)
         if (not isinstance(candidate_dropout, numbers.Real) or isinstance(candidate_dropout, bool)
                 or not 0.0 <= float(candidate_dropout) < 1.0):
             raise ValueError(f"{name}: candidate_dropout must be a number in [0, 1), got {candidate_dropout!r}")
@@ -225,6 +234,8 @@ class TransitionLayer(_TransitionBase):
                  candidate_dropout, backend, reverse=False):
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, 2 if bidirectional else 1,
                          candidate_dropout, backend)
+        for arg, value in (("bidirectional", bidirectional), ("batch_first", batch_first), ("reverse", reverse)):
+            _check_flag(type(self).__name__, arg, value)
         if reverse and bidirectional:
             raise ValueError(f"{type(self).__name__}: reverse=True is for a unidirectional layer (it reads each "
                              "sequence right to left); a bidirectional layer already has both directions")
@@ -349,7 +360,8 @@ class DeepTransitionGRU(TransitionLayer):
     @classmethod
     def from_torch(cls, gru: nn.GRU, backend: str = "auto") -> "DeepTransitionGRU":
         """A GRU layer (cell="gru", depth=0, no layer norm) holding a copy of a one-layer torch.nn.GRU's
-        weights; it reproduces the torch module's outputs."""
+        weights; it reproduces the torch module's outputs. It takes the GRU's mode (train / eval) and which weights
+        want gradients; a GRU without biases gives biases of zero that want none."""
         if not isinstance(gru, nn.GRU):
             raise ValueError(f"DeepTransitionGRU.from_torch: expected a torch.nn.GRU, got {type(gru).__name__}")
         if gru.num_layers != 1:
@@ -367,14 +379,16 @@ class DeepTransitionGRU(TransitionLayer):
                 for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
                     src = getattr(gru, f"{kind}_l0{sfx}", None)
                     dst = getattr(layer, f"{kind}{sfx}")
-                    if src is None:  # torch.nn.GRU(bias=False)
+                    if src is None:  # torch.nn.GRU(bias=False): zeros, kept at zero (no gradient)
                         dst.zero_()
+                        dst.requires_grad_(False)
                         continue
                     dst.copy_(src)
+                    dst.requires_grad_(src.requires_grad)   # (a frozen GRU gives a frozen layer)
                     # torch updates h' = (1-z) c + z h where contract §2 has h' = (1-z) h + z c: since
                     # 1 - σ(a) = σ(-a), negating the update-gate rows maps one onto the other exactly.
                     dst[H:2 * H].neg_()
-        return layer
+        return layer.train(gru.training)
 
 
 class DeepTransitionGRUCell(TransitionCell):

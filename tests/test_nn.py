@@ -64,6 +64,14 @@ def test_from_torch_without_bias_and_bad_inputs():
     layer = dk.nn.DeepTransitionGRU.from_torch(gru)
     x = torch.randn(5, 2, 3)
     torch.testing.assert_close(layer(x)[0], gru(x)[0], atol=1e-6, rtol=1e-5)
+    # the GRU's mode and frozen weights carry over (an eval() GRU gave a layer in training mode, every weight wanting
+    # a gradient), and the biases a bias-free GRU lacks stay zero under training (they want no gradient)
+    assert layer.training and layer.weight_hh.requires_grad and not layer.bias_ih.requires_grad
+    layer(x)[0].sum().backward()
+    assert layer.bias_ih.grad is None and layer.weight_ih.grad is not None
+    gru.eval().weight_ih_l0.requires_grad_(False)
+    frozen = dk.nn.DeepTransitionGRU.from_torch(gru)
+    assert not frozen.training and not frozen.weight_ih.requires_grad and frozen.weight_hh.requires_grad
     with pytest.raises(ValueError, match="num_layers=2"):
         dk.nn.DeepTransitionGRU.from_torch(torch.nn.GRU(3, 4, num_layers=2))
     with pytest.raises(ValueError, match="torch.nn.GRU"):
@@ -233,6 +241,12 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, candidate_dropout="x"), "candidate_dropout must be a number")
     _err(lambda: dk.nn.DeepTransitionGRUCell(3, 4, candidate_dropout=None), "candidate_dropout must be a number")
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, backend="fast"), "backend must be one of")
+    # switches: a bool, numpy's, or 0 / 1 as torch.nn.GRU takes them (layer_norm="no" had meant True)
+    _err(lambda: dk.nn.DeepTransitionGRU(3, 4, layer_norm="no"), "layer_norm must be True or False, got 'no'")
+    _err(lambda: dk.nn.ATRCell(3, 4, layer_norm=None), "ATRCell: layer_norm must be True or False, got None")
+    _err(lambda: dk.nn.ATR(3, 4, bidirectional="yes"), "bidirectional must be True or False")
+    _err(lambda: dk.nn.DeepTransitionGRU(3, 4, batch_first=2), "batch_first must be True or False, got 2")
+    assert not dk.nn.DeepTransitionGRU(3, 4, layer_norm=np.False_, bidirectional=1, batch_first=0).layer_norm
     _err(lambda: setattr(layer, "backend", "nope"), "backend must be one of")
     cell = dk.nn.DeepTransitionGRUCell(3, 4, depth=1)
     _err(lambda: cell(torch.randn(2, 5)), "input_size=3")

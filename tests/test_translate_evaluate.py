@@ -621,6 +621,45 @@ def test_a_reader_gone_or_stdin_closed_is_one_line_not_a_traceback(system):
                                               "files to translate\n"), r.stderr
 
 
+def test_streaming_ends_in_one_line_on_ctrl_c_and_quietly_when_the_reader_leaves(system, tmp_path):
+    """Stdin to stdout with stdin still open: Ctrl-C is `interrupted`, exit 130, and a reader of stdout gone is
+    quiet with a writer's status (128 + SIGPIPE). The first aborted the interpreter at its exit ("Fatal Python error:
+    _enter_buffered_busy", exit 134: the reader thread held stdin's lock), the second said "cannot write the output
+    (stdout: Broken pipe)", exit 1. A file translated to a reader that leaves part-way (`| head -c 10`) ended with
+    status 0, the rest of the output dropped unsaid."""
+    import signal
+    import subprocess
+
+    for leave in ("interrupt", "reader"):
+        proc = _translate_process(system[3])
+        try:
+            proc.stdin.write((INPUTS[0] + "\n").encode())
+            proc.stdin.flush()
+            assert proc.stdout.readline()   # its translation, stdin still open
+            if leave == "interrupt":
+                proc.send_signal(signal.SIGINT)
+                status = proc.wait(timeout=120)
+                assert (status, proc.stderr.read().decode()) == (130, "dtmt translate: interrupted\n")
+            else:
+                proc.stdout.close()
+                proc.stdin.write((INPUTS[2] + "\n").encode())
+                proc.stdin.flush()
+                status = proc.wait(timeout=120)
+                assert (status, proc.stderr.read().decode()) == (128 + signal.SIGPIPE, "")
+        finally:
+            proc.kill()
+    many = tmp_path / "many.es"
+    write(many, "\n".join(INPUTS * 300) + "\n")   # some 250 KB of 3-best lines: past a pipe's 64 KiB
+    proc = _translate_process(system[3], "--quiet", "--nbest", "3", str(many))
+    proc.stdin.close()
+    assert len(proc.stdout.read(10)) == 10
+    proc.stdout.close()
+    try:
+        assert (proc.wait(timeout=300), proc.stderr.read().decode()) == (128 + signal.SIGPIPE, "")
+    finally:
+        proc.kill()
+
+
 def test_version_is_the_installed_one(capsys):
     """`dtmt --version` (and -V) says the installed distribution's version, pyproject.toml's (it was 'unknown
     command'); the usage names it."""

@@ -99,9 +99,30 @@ def _single_line(text: str) -> str:
 STREAM_LINES = 1024   # at most this many lines per decoding call when streaming
 
 
+def write_stdout(text: str, piece: int = 1 << 16) -> None:
+    """text to stdout, flushed, in pieces of at most `piece` characters. In one write, a reader that left part-way
+    (`| head -c 10`) took a partial write that Python reported as whole: the rest was dropped and the status was 0.
+    A piece's write after the reader left raises BrokenPipeError, which dtmt's main turns into a writer's status."""
+    for i in range(0, len(text), piece):
+        sys.stdout.write(text[i:i + piece])
+    sys.stdout.flush()
+
+
 def stdin_lines() -> Iterator[str]:
-    """stdin's lines as they arrive, decoded as read_input decodes them (InputError naming <stdin>:line)."""
-    stream = sys.stdin.buffer if getattr(sys.stdin, "buffer", None) is not None else _encoded(sys.stdin)
+    """stdin's lines as they arrive, decoded as read_input decodes them (InputError naming <stdin>:line).
+
+    Read through a reader of its own on a duplicate of stdin's descriptor, not sys.stdin.buffer: chunks_as_they_come
+    reads in a daemon thread, which waits for the next line holding its reader's lock, and at interpreter shutdown
+    (Ctrl-C, an error, a reader of stdout gone, while stdin was still open) Python took sys.stdin's lock to close it
+    and aborted ("Fatal Python error: _enter_buffered_busy", exit 134). A reader nobody else touches is left alone."""
+    try:
+        fd = sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):   # (a stream without a descriptor: a test's, an embedding's)
+        fd = None
+    if fd is not None:
+        stream = open(os.dup(fd), "rb")
+    else:
+        stream = sys.stdin.buffer if getattr(sys.stdin, "buffer", None) is not None else _encoded(sys.stdin)
     return _decoded_lines(stream, "<stdin>")
 
 
@@ -149,8 +170,9 @@ def stream_stdin(args: argparse.Namespace, model, src_vocab, tgt_vocab, device: 
     for group in chunks_as_they_come(stdin_lines()):
         results = reporting_warnings(PROG, lambda: translate(model, src_vocab, tgt_vocab, group, **kwargs), seen)
         try:
-            sys.stdout.write(format_output(results, args.nbest is not None, start=done))
-            sys.stdout.flush()
+            write_stdout(format_output(results, args.nbest is not None, start=done))
+        except BrokenPipeError:   # the reader of stdout left: quiet, a writer's status (dtmt's main)
+            raise
         except OSError as exc:
             raise InputError(f"cannot write the output (stdout: {exc.strerror or exc})") from None
         done += len(group)
@@ -234,10 +256,11 @@ def _run(args: argparse.Namespace) -> int:
         elif args.output:
             write_atomic(args.output, "".join(pieces))
         else:
-            sys.stdout.write("".join(pieces))
-            sys.stdout.flush()
+            write_stdout("".join(pieces))
     except WriteError as exc:
         raise InputError(str(exc)) from None
+    except BrokenPipeError:   # the reader of stdout left: quiet, a writer's status (dtmt's main)
+        raise
     except OSError as exc:   # stdout
         raise InputError(f"cannot write the output ({exc.filename or 'stdout'}: {exc.strerror or exc})") from None
     return 0

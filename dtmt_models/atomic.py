@@ -3,7 +3,9 @@ reports, logs' companions, figures).
 
 The content goes to a temporary file in the target's directory, is flushed and fsynced, then renamed over the
 target: a reader sees the old file or the new one, never a half-written one, and a crash or a kill leaves the
-old file intact. A target that is a device or a pipe (/dev/null, /dev/stdout, a FIFO) is written in place. If writing fails (a full disk, a read-only directory, an exception in the caller's code), the
+old file intact. A target that is a device or a pipe (/dev/null, /dev/stdout, a FIFO) is written in place; one
+that is a symbolic link is written through it (its target replaced); a file replaced keeps its permissions. If
+writing fails (a full disk, a read-only directory, an exception in the caller's code), the
 temporary file is removed and the previous file is untouched; an OS error comes back as `WriteError`, whose
 message is one line naming the file and the system's reason.
 """
@@ -13,6 +15,7 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 from typing import IO, Iterator, List
 
 
@@ -83,10 +86,14 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
         except OSError as exc:
             raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
         return
+    if os.path.islink(path):   # written through, as a shell's `>` does (the rename had replaced the link itself)
+        path = os.path.realpath(path)
     tmp = _tmp_name(path, suffix)
     try:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         yield tmp
+        with contextlib.suppress(FileNotFoundError):   # the file's permissions kept (a private 600 file became 644)
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
     except WriteError:   # from a nested atomic write: already says which file and why
         raise

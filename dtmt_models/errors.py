@@ -124,6 +124,20 @@ def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: 
             raise UsageError(f"{option} {path}: is also an input ({source}); the output would overwrite it")
 
 
+def check_not_a_checkpoint(path: str, option: str) -> None:
+    """A text output named by `option` whose existing file is a checkpoint (a zip archive, as torch.save writes
+    one): UsageError, before any work. `dtmt translate -c runA/best.pt -o runB/best.pt` replaced runB's model with
+    text, exit 0; a run's last.pt lost its training state so."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4) if os.path.isfile(path) else b""
+    except OSError:   # (absent, or not readable: the write itself says what is wrong)
+        return
+    if head == b"PK\x03\x04":
+        raise UsageError(f"{option} {path}: is a checkpoint (a zip archive); the text output would replace it: "
+                         f"give another name")
+
+
 def _name_max(folder: str) -> int:
     """The longest file name (bytes) the file system of the existing `folder` (or its nearest existing parent) takes."""
     while not os.path.exists(folder) and os.path.dirname(folder) != folder:

@@ -756,6 +756,9 @@ def test_cli_translate_errors(system, tmp_path, capsys):
     os.makedirs(tmp_path / "od")
     named_out = str(tmp_path / "od" / "good.es.out")   # a checkpoint where --output-dir would write good.es's lines
     shutil.copyfile(ckpt, named_out)
+    other_run = str(tmp_path / "run" / "last.pt")   # a checkpoint translate does not read
+    os.makedirs(os.path.dirname(other_run))
+    shutil.copyfile(ckpt, other_run)
     checkpoint_bytes = open(ckpt, "rb").read()
     # (arguments, exit status: 2 an option that cannot work (contract §6), 1 what the data refused; message)
     cases = [
@@ -796,6 +799,11 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, good, "-o", ckpt], 2, "is also an input (" + ckpt + "); the output would overwrite"),
         (["--checkpoint", named_out, good, "--output-dir", os.path.dirname(named_out)], 2,
          f"is also an input ({named_out}); the output would overwrite it"),
+        # (nor any other checkpoint: -o over another run's last.pt replaced its training state with text, exit 0)
+        (["--checkpoint", ckpt, good, "-o", other_run], 2, f"--output {other_run}: is a checkpoint (a zip archive); "
+                                                           "the text output would replace it"),
+        (["--checkpoint", ckpt, good, "--output-dir", os.path.dirname(named_out)], 2,
+         f"{named_out}: is a checkpoint (a zip archive)"),
         (["--checkpoint", ckpt, good, "--output-dir", str(tmp_path / "taken")], 2,
          f"--output-dir {tmp_path / 'taken'}: {tmp_path / 'taken' / 'good.es.out'}, where the translation of {good} "
          "would go, is a directory"),
@@ -810,7 +818,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         assert err.startswith("dtmt translate: ") and message in err, (args, err)
         assert err.count("\n") == 1 and "Traceback" not in err and "translated" not in err
     assert not (tmp_path / "o").exists() and open(good).read() == before == good_text
-    assert open(ckpt, "rb").read() == checkpoint_bytes == open(named_out, "rb").read()
+    assert open(ckpt, "rb").read() == checkpoint_bytes == open(named_out, "rb").read() == open(other_run, "rb").read()
     with pytest.raises(SystemExit) as exc:                              # argparse: usage error, status 2
         cli.main(["translate", good])
     assert exc.value.code == 2

@@ -21,8 +21,8 @@ from dtmt_models.cli.common import (add_decoding_arguments, build_decoder, check
                                     check_device_and_backend, decode_with_report, decoding_kwargs, load_for_decoding,
                                     reporting_warnings, run_command, use_threads, write_atomic)
 from dtmt_models.decoding.translate import PROG, InputError, translate
-from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, check_output_dir,
-                                 check_output_file)
+from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, check_not_a_checkpoint,
+                                 check_output_dir, check_output_file)
 
 
 # ------------------------------------------------------------------------------- command line helpers
@@ -232,8 +232,10 @@ def _run(args: argparse.Namespace) -> int:
         for target, path in zip(targets, inputs):
             check_output_file(target, f"--output-dir {args.output_dir}", [*inputs, *args.checkpoint],
                               what=f"the translation of {'stdin' if path == '-' else path}")
+            check_not_a_checkpoint(target, f"--output-dir {args.output_dir}:")
     elif args.output:
         check_output_file(args.output, "--output", [*inputs, *args.checkpoint])   # (nor a checkpoint it reads)
+        check_not_a_checkpoint(args.output, "--output")   # (nor any other)
     use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
     if inputs == ["-"] and not args.output and not args.output_dir:   # stdin to stdout: line groups as they come

@@ -829,12 +829,12 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         assert err.startswith(f"dtmt {command[0]}: ") and "foreign.pt" in err and err.count("\n") == 1, err
 
 
-def test_mostly_unknown_source_is_flagged(system, capsys):
+def test_mostly_unknown_source_is_flagged(system, capsys, tmp_path):
     """A source the vocabulary does not know gets a warning (the model would still emit a fluent sentence)."""
     from dtmt_models.cli.common import decode_with_report
     from dtmt_models.decoding.translate import UnknownPiecesWarning
 
-    model, sv, tv, _ = system
+    model, sv, tv, ckpt = system
     alien = "\u0416\u0417\u0418 \u0419\u041a\u041b \u041c\u041d"      # Cyrillic: not in the toy vocabulary
     assert sum(t == 1 for t in sv.encode(alien)) == 3                 # three unknown pieces, three word boundaries
     with pytest.warns(UnknownPiecesWarning, match=r"1 of 2 .*\(sentence 2\)"):
@@ -845,6 +845,18 @@ def test_mostly_unknown_source_is_flagged(system, capsys):
         translate_best(model, sv, tv, ["el sol"], beam=2)
     decode_with_report("dtmt translate", True, model, sv, tv, [alien], beam=2)
     assert capsys.readouterr().err.startswith("dtmt translate: warning: 1 of 1 source sentence(s) are mostly")
+    # the command names each by file and line, counted in its own file (they were counted over all the inputs)
+    # and, reading stdin, from stdin's first line (they were counted in the group of lines decoded together)
+    first, second = tmp_path / "first.es", tmp_path / "second.es"
+    first.write_text("el sol\nla casa\n", encoding="utf-8")
+    second.write_text(f"el sol\n{alien}\n", encoding="utf-8")
+    assert cli.main(["translate", "-c", ckpt, "--quiet", "--beam", "2", str(first), str(second)]) == 0
+    assert (f"dtmt translate: warning: 1 source sentence(s) are mostly pieces unknown to the model's source "
+            f"vocabulary ({second}:2): their") in capsys.readouterr().err
+    proc = _translate_process(ckpt, "--quiet")
+    out, err = proc.communicate(("el sol\n" * 3 + alien + "\n").encode(), timeout=120)
+    assert proc.returncode == 0 and len(out.splitlines()) == 4
+    assert "(<stdin>:4): their translations are guesses" in err.decode(), err
 
 
 # -------------------------------------------------------------------------------------------- scores
@@ -1113,8 +1125,8 @@ def test_a_model_that_overflows_is_an_error_not_empty_lines(system, tmp_path, ca
                     ["evaluate", "--src", str(tmp_path / "in.es"), "--ref", str(tmp_path / "ref.en"), "--out-dir",
                      str(tmp_path / "scores")]):
         assert cli.main(command + ["-c", ckpt, "--quiet"]) == 1, command
-        err = capsys.readouterr().err
-        assert err == (f"dtmt {command[0]}: the model gave a non-finite score (nan) at step 0 of sentence 3: its "
-                       f"weights or activations overflow float32 (a diverged or damaged checkpoint?)\n"), err
+        err = capsys.readouterr().err   # (the sentence by file and line, as the input errors name it)
+        assert err == (f"dtmt {command[0]}: the model gave a non-finite score (nan) at step 0 of {tmp_path}/in.es:3: "
+                       f"its weights or activations overflow float32 (a diverged or damaged checkpoint?)\n"), err
     assert not (tmp_path / "out.en").exists()
     assert not (tmp_path / "scores").exists() or not os.listdir(tmp_path / "scores")

@@ -159,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
         kwargs = decoding_kwargs(args, device)
         decoder = build_decoder(model, args.int8, args.amp)
         results, seconds = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sources,
-                                              decoder=decoder, **kwargs)
+                                              decoder=decoder, where=lambda i: f"{src_path}:{i + 1}", **kwargs)
         hyps = [r[0][0] if r else "" for r in results]
         names, options = [c.get("model_name") for c in ckpts], [c.get("model_options") for c in ckpts]
         settings.update(model_name=names[0] if one else "+".join(map(str, names)),

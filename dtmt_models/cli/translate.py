@@ -168,7 +168,8 @@ def stream_stdin(args: argparse.Namespace, model, src_vocab, tgt_vocab, device: 
     seen: Set[str] = set()
     done, t0 = 0, time.perf_counter()
     for group in chunks_as_they_come(stdin_lines()):
-        results = reporting_warnings(PROG, lambda: translate(model, src_vocab, tgt_vocab, group, **kwargs), seen)
+        results = reporting_warnings(PROG, lambda: translate(model, src_vocab, tgt_vocab, group, **kwargs,
+                                                             where=lambda i: f"<stdin>:{done + i + 1}"), seen)
         try:
             write_stdout(format_output(results, args.nbest is not None, start=done))
         except BrokenPipeError:   # the reader of stdout left: quiet, a writer's status (dtmt's main)
@@ -245,8 +246,12 @@ def _run(args: argparse.Namespace) -> int:
     model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)
 
     sentences = [line for lines in texts for line in lines]
+    # each sentence named as file:line in the warnings and errors (they had counted the inputs as one list)
+    places = [(path if path != "-" else "<stdin>", n) for path, lines in zip(inputs, texts)
+              for n in range(1, len(lines) + 1)]
     results, _ = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sentences, nbest=nbest or 1,
-                                    decoder=build_decoder(model, args.int8, args.amp), **decoding_kwargs(args, device))
+                                    decoder=build_decoder(model, args.int8, args.amp),
+                                    where=lambda i: "{}:{}".format(*places[i]), **decoding_kwargs(args, device))
     pieces, start = [], 0
     for lines in texts:
         pieces.append(format_output(results[start:start + len(lines)], nbest is not None))

@@ -102,7 +102,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
               beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,
               max_len_b: int = 10, device=None, progress: Optional[Progress] = None,
               max_src_len: Optional[int] = 250, decoder=None, early_stop: bool = False,
-              max_sentences: Optional[int] = None, penalty: str = "gnmt") -> List[List[Tuple[str, float]]]:
+              max_sentences: Optional[int] = None, penalty: str = "gnmt",
+              where: Optional[Callable[[int], str]] = None) -> List[List[Tuple[str, float]]]:
     """Translates `sentences` (plain text, one sentence each); returns for every sentence, in input order, its
     up to `nbest` best (translation, length-normalised log-probability) pairs, best first.
 
@@ -117,7 +118,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     sentence ends once it has `beam` finished hypotheses). `max_sentences` (None: no bound) caps a batch's
     sentences as `max_tokens` caps its padded source subwords (OpenNMT-py's and fairseq's --batch-size). A model
     that scores NaN or +inf raises NonFiniteScores naming the sentence (1-based, in `sentences`) and the step.
-    `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (beam_search's)."""
+    `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (beam_search's). `where(i)` names sentence i
+    (0-based) in the warnings and that error, e.g. "file:line" for a command's inputs (None: "sentence i+1")."""
     check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty)
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
@@ -135,8 +137,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     results: List[List[Tuple[str, float]]] = [[("", 0.0)] for _ in range(total)]
     ids: List[List[int]] = []
     todo: List[int] = []                        # positions of the sentences that reach the model
-    truncated = 0
-    unknown: List[int] = []                     # (1-based) numbers of mostly-unknown sources
+    truncated: List[int] = []                   # positions of the sources cut
+    unknown: List[int] = []                     # positions of the mostly-unknown sources
     boundary = src_vocab.sp.piece_to_id("\u2581")
     for i, text in enumerate(sentences):
         tokens = src_vocab.encode(text) if text.strip() else []
@@ -144,19 +146,24 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
             continue
         pieces = [t for t in tokens if t != boundary]  # a bare word boundary says nothing about the words
         if 2 * sum(t == UNK for t in pieces) > len(pieces):
-            unknown.append(i + 1)
+            unknown.append(i)
         if max_src_len is not None and len(tokens) > max_src_len:
             tokens = tokens[:max_src_len]
-            truncated += 1
+            truncated.append(i)
         todo.append(i)
         ids.append(tokens)
+    name = where if where is not None else (lambda i: f"sentence {i + 1}")
+    of_total = "" if where is not None else f" of {total}"   # (a command's call may be one group of its input)
+
+    def shown(positions: List[int]) -> str:
+        return ", ".join(name(i) for i in positions[:5]) + (", ..." if len(positions) > 5 else "")
+
     if truncated:
-        warnings.warn(f"{truncated} of {total} source sentence(s) had more than {max_src_len} subwords and were "
-                      f"truncated to {max_src_len}", TruncationWarning, stacklevel=2)
+        warnings.warn(f"{len(truncated)}{of_total} source sentence(s) had more than {max_src_len} subwords and were "
+                      f"truncated to {max_src_len} ({shown(truncated)})", TruncationWarning, stacklevel=2)
     if unknown:
-        shown = ", ".join(map(str, unknown[:5])) + (", ..." if len(unknown) > 5 else "")
-        warnings.warn(f"{len(unknown)} of {total} source sentence(s) are mostly pieces unknown to the model's "
-                      f"source vocabulary (sentence {shown}): their translations are guesses, not translations",
+        warnings.warn(f"{len(unknown)}{of_total} source sentence(s) are mostly pieces unknown to the model's "
+                      f"source vocabulary ({shown(unknown)}): their translations are guesses, not translations",
                       UnknownPiecesWarning, stacklevel=2)
     done = total - len(todo)
     if progress is not None:
@@ -175,8 +182,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
                                    max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop,
                                    penalty=penalty)
             except NonFiniteScores as exc:   # named by its place in `sentences`, not in the batch
-                raise NonFiniteScores(exc.score, exc.step, exc.sentence,
-                                      f"sentence {todo[batch[exc.sentence]] + 1}") from None
+                raise NonFiniteScores(exc.score, exc.step, exc.sentence, name(todo[batch[exc.sentence]])) from None
             for j, sentence_hyps in zip(batch, hyps):
                 results[todo[j]] = [(tgt_vocab.decode(h.tokens), float(h.score)) for h in sentence_hyps]
             done += len(batch)

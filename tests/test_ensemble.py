@@ -149,6 +149,21 @@ def test_cli_translate_ensemble(checkpoints, tmp_path, capsys):
     assert err.count("\n") == 1 and not out.exists()
 
 
+def test_vocabularies_of_one_size_and_other_pieces_are_said_to_differ():
+    """Two vocabularies of the same size but other pieces (es-en against en-es) were named "4000 and 4000
+    pieces", which reads as equal; the message says the pieces differ, or the two sizes."""
+    from dtmt_models.decoding.ensemble import check_vocabularies
+
+    sv, tv = Vocabulary.train(SRC, vocab_size=50), Vocabulary.train(TGT, vocab_size=50)
+    assert len(sv) == len(tv) and sv.proto != tv.proto
+    with pytest.raises(ValueError, match=r"^b\.pt: its source vocabulary differs from a\.pt's \(50 pieces each, "
+                                         r"not the same ones\); an ensemble needs"):
+        check_vocabularies(["a.pt", "b.pt"], [(sv, tv), (tv, sv)])
+    other = Vocabulary.train(TGT + ["a completely different target side"], vocab_size=55)
+    with pytest.raises(ValueError, match=r"its target vocabulary differs from a\.pt's \(55 pieces against 50\)"):
+        check_vocabularies(["a.pt", "b.pt"], [(sv, tv), (sv, other)])
+
+
 def test_cli_evaluate_ensemble(checkpoints, tmp_path, capsys):
     from dtmt_models.data.corpus import write_manifest
 

@@ -1043,6 +1043,8 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         # CPU was refused as needing a GPU for a decoding that does not happen)
         (["--hyp", short, "--data", data, "--amp", "bf16", "--beam", "5", "--int8"], 2,
          "--hyp scores a translation already made, and nothing is decoded: leave out --beam 5, --int8, --amp bf16"),
+        (["--hyp", short, "--data", data, "-c", ckpt], 2, f"nothing is decoded: leave out --checkpoint {ckpt}"),
+        (["--hyp", short, "--ref", short], 2, "--src F --ref G (--hyp needs the source beside it"),
         (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], 2,
          "--threads -2: must be an integer in [0, 1,024]"),
         (["--checkpoint", ckpt, "--data", data, "--bounds", "10,5"], 2, "--bounds: expected increasing"),

@@ -87,6 +87,8 @@ def _stem(path: str) -> str:
 def _run(args: argparse.Namespace) -> int:
     if args.hyp:   # nothing is decoded: an option of how to decode would be taken and do nothing
         given = decoding_options_given(build_parser(), args)
+        if args.checkpoint:   # (it was read by nothing, exit 0)
+            given = [f"--checkpoint {args.checkpoint[0]}", *given]
         if given:
             raise UsageError(f"--hyp scores a translation already made, and nothing is decoded: leave out "
                              f"{', '.join(given)}")
@@ -109,7 +111,8 @@ def _run(args: argparse.Namespace) -> int:
         check_input_file(ref_path, "--ref")
         label = _stem(args.src)
     else:
-        raise UsageError("say what to score: --data DIR [--split test], or --src F --ref G")
+        raise UsageError("say what to score: --data DIR [--split test], or --src F --ref G"
+                         + (" (--hyp needs the source beside it, for BLEU by source length)" if args.hyp else ""))
     if not args.hyp and not args.checkpoint:
         raise UsageError("--checkpoint is required (or give --hyp to score an existing translation)")
     if args.hyp:

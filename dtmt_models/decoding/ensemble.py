@@ -93,5 +93,7 @@ def check_vocabularies(names: Sequence[str], vocabularies: Sequence[Tuple]) -> N
     for name, (src, tgt) in zip(names[1:], vocabularies[1:]):
         for side, a, b in (("source", first_src, src), ("target", first_tgt, tgt)):
             if a.proto != b.proto:
-                raise ValueError(f"{name}: its {side} vocabulary differs from {names[0]}'s ({len(b)} and "
-                                 f"{len(a)} pieces); an ensemble needs models trained on one prepared corpus")
+                size = (f"{len(b)} pieces against {len(a)}" if len(a) != len(b) else
+                        f"{len(a)} pieces each, not the same ones")   # ("4000 and 4000 pieces" read as equal)
+                raise ValueError(f"{name}: its {side} vocabulary differs from {names[0]}'s ({size}); an ensemble "
+                                 f"needs models trained on one prepared corpus")

@@ -6,6 +6,7 @@ batching, n-best, files, exit codes) and that every score equals sacrebleu calle
 """
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -1132,3 +1133,14 @@ def test_a_model_that_overflows_is_an_error_not_empty_lines(system, tmp_path, ca
                        f"its weights or activations overflow float32 (a diverged or damaged checkpoint?)\n"), err
     assert not (tmp_path / "out.en").exists()
     assert not (tmp_path / "scores").exists() or not os.listdir(tmp_path / "scores")
+    # every weight finite but huge: the int8 decoder's folded weights overflow, which is the checkpoint's fault
+    # (exit 1), not a usage error (it was exit 2, "--int8: quantize_rows: the weight has non-finite entries")
+    huge = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in huge.parameters():
+            p.mul_(1e30)
+    assert all(bool(p.isfinite().all()) for p in huge.parameters())
+    ckpt = save_model(tmp_path / "huge.pt", "dtmt", options, sv, tv, huge)
+    assert cli.main(["translate", str(tmp_path / "in.es"), "-c", ckpt, "--quiet", "--int8"]) == 1
+    assert capsys.readouterr().err == ("dtmt translate: --int8: a weight matrix made from the checkpoint's overflows "
+                                       "float32 (a diverged or damaged checkpoint?)\n")

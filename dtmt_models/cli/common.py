@@ -225,6 +225,9 @@ def build_decoder(model, int8: bool = False, amp: str = "off"):
         return as_decoder(model, int8, None if amp == "off" else amp)
     except ValueError as exc:
         raise UsageError(f"--{'int8' if int8 else 'amp'}: {one_line(exc)}") from None
+    except FloatingPointError:   # a weight the int8 decoder makes from the checkpoint's (a fold) overflowed
+        raise InputError("--int8: a weight matrix made from the checkpoint's overflows float32 (a diverged or "
+                         "damaged checkpoint?)") from None
 
 
 DEFAULT_ALPHA = 0.6   # --alpha's default (None on the parser, so that a given one is told from it)

@@ -747,6 +747,26 @@ def test_cli_translate_reads_a_pipe(system, tmp_path, capsys):
     assert piped == capsys.readouterr().out and piped.count("\n") == 1
 
 
+def test_the_python_api_refuses_what_the_command_refuses(system):
+    """translate() and load_model() as the command line: a sentence that is not a string (None was an
+    AttributeError on .strip), early_stop not a bool (a multi-line error from the op's schema), max_len_a =
+    max_len_b = 0 (every translation "", score -6.35, where the command refuses it), an unknown device (torch's
+    message after the whole checkpoint was read); each one line naming the argument."""
+    from dtmt_models.models.checkpoint import load_model
+
+    model, sv, tv, ckpt = system
+    for kwargs, error, message in (
+            (dict(sentences=["el sol", None]), TypeError, "must be strings, got NoneType at 1"),
+            (dict(sentences=["el sol"], early_stop="no"), TypeError, "early_stop must be True or False, got 'no'"),
+            (dict(sentences=["el sol"], max_len_a=0, max_len_b=0), ValueError, "every translation would be empty")):
+        with pytest.raises(error, match=message) as info:
+            translate(model, sv, tv, **kwargs)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="load_model: device 'foo' is not a device torch knows"):
+        load_model(ckpt, device="foo")
+    assert translate(model, sv, tv, ["el sol"], max_len_a=0, max_len_b=1)[0][0][0] is not None
+
+
 def test_cli_translate_errors(system, tmp_path, capsys):
     _, _, _, ckpt = system
     good = write(tmp_path / "good.es", "el sol\n")

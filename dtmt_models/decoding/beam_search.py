@@ -67,6 +67,8 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gn
         raise ValueError(f"max_len_a must be a finite number >= 0, got {max_len_a!r}")
     if not isinstance(max_len_b, numbers.Integral) or max_len_b < 0:
         raise ValueError(f"max_len_b must be an integer >= 0, got {max_len_b!r}")
+    if max_len_a == 0 and max_len_b == 0:   # (the command line refused it; the API gave every sentence "")
+        raise ValueError("max_len_a = max_len_b = 0: every translation would be empty; allow at least one token")
     return beam, nbest
 
 

@@ -129,6 +129,11 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
         raise ValueError(f"max_src_len must be >= 1 or None, got {max_src_len}")
     if isinstance(sentences, str):
         raise TypeError("translate: `sentences` must be a sequence of strings, not one string")
+    odd = next((i for i, text in enumerate(sentences) if not isinstance(text, str)), None)
+    if odd is not None:   # (None was an AttributeError on .strip)
+        raise TypeError(f"translate: `sentences` must be strings, got {type(sentences[odd]).__name__} at {odd}")
+    if not isinstance(early_stop, bool):   # (a string reached the op's schema: a multi-line RuntimeError)
+        raise TypeError(f"translate: early_stop must be True or False, got {early_stop!r}")
     positions = getattr(model, "max_source_steps", None)
     if positions is not None and (max_src_len is None or positions < max_src_len):
         max_src_len = positions   # (the model's own bound: past it, its encoder has no position)

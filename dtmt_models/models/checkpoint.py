@@ -257,6 +257,10 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
     """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict).
     `backend` switches the fused recurrent layers (None keeps "auto"). The weights are checked against the model
     before it is built (check_weights_fit)."""
+    try:
+        device = torch.device(device)   # (before the file is read: torch's own message came after all of it)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"load_model: device {device!r} is not a device torch knows ({one_line(exc)})") from None
     ckpt = read_checkpoint(path)
     src_vocab, tgt_vocab, own = translation_parts(path, ckpt)
     check_weights_fit(path, ckpt, own)

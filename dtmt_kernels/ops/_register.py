@@ -1,9 +1,10 @@
 """What every op's registration shares: its fake implementation checks first that all its tensors are on one
 device (register_fake); a backward op refuses to be differentiated (refuse_double_backward).
 
-Why the device check: a call with one argument on the meta device and the others on the CPU dispatches to the op's fake (the meta
-key ranks first), which returned uninitialised tensors of the CPU arguments' device as the result (a layer with a
-bias loaded onto the meta device gave values of 1e37, different at each call). torch's own ops refuse it."""
+Why the device check: a call with one argument on the meta device and the others on the CPU dispatches to the op's
+fake (the meta key ranks first), which returned uninitialised tensors of the CPU arguments' device as the result (a
+layer with a bias loaded onto the meta device gave values of 1e37, different at each call). torch's own ops refuse
+it."""
 from __future__ import annotations
 
 import functools

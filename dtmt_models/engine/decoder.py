@@ -150,11 +150,9 @@ def check_step_tokens(name: str, prev_tokens: Tensor, B: int, vocab: int) -> Non
         raise ValueError(f"{name}.step: prev_tokens must be a LongTensor [B={B}] (one token for each of the state's "
                          f"rows), got {getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "
                          f"{list(getattr(prev_tokens, 'shape', []))}")
-    if prev_tokens.device.type == "cpu" and B and host_reads_allowed():
-        lo, hi = (int(v) for v in torch.aminmax(prev_tokens))
-        if lo < 0 or hi >= vocab:
-            raise IndexError(f"{name}.step: prev_tokens holds the id {hi if hi >= vocab else lo}, outside the target "
-                             f"vocabulary's {vocab} ids")
+    bad = _outside(prev_tokens, vocab)
+    if bad is not None:
+        raise IndexError(f"{name}.step: prev_tokens holds the id {bad}, outside the target vocabulary's {vocab} ids")
 
 
 def check_reorder_index(name: str, index: Tensor, B: int) -> None:
@@ -163,11 +161,18 @@ def check_reorder_index(name: str, index: Tensor, B: int) -> None:
     if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype not in (torch.long, torch.int):
         raise ValueError(f"{name}.reorder: index must be a LongTensor [N] of the state's rows, got "
                          f"{getattr(index, 'dtype', type(index).__name__)} {list(getattr(index, 'shape', []))}")
-    if index.device.type == "cpu" and index.numel() and host_reads_allowed():
-        lo, hi = (int(v) for v in torch.aminmax(index))
-        if lo < 0 or hi >= B:
-            raise IndexError(f"{name}.reorder: index holds the row {hi if hi >= B else lo}, outside the state's "
-                             f"{B} rows")
+    bad = _outside(index, B)
+    if bad is not None:
+        raise IndexError(f"{name}.reorder: index holds the row {bad}, outside the state's {B} rows")
+
+
+def _outside(t: Tensor, bound: int) -> Optional[int]:
+    """A value of the integer tensor t outside [0, bound), read where t is on the CPU (a few µs); None where all are
+    inside, or where reading would wait for a device (or is not allowed now: a trace, a capture)."""
+    if t.device.type != "cpu" or not t.numel() or not host_reads_allowed():
+        return None
+    lo, hi = (int(v) for v in torch.aminmax(t))
+    return hi if hi >= bound else lo if lo < 0 else None
 
 
 def step_state(state: State, alpha: Tensor, keep_attention: bool, **updates: Tensor) -> State:

@@ -57,10 +57,10 @@ MAX_SIZE = 2 ** 31 - 1
 
 
 def _check_flag(name: str, arg: str, value) -> None:
-    """A switch is a bool (numpy's too) or the int 0 or 1, as torch.nn.GRU's are taken: ValueError naming it otherwise
+    """A switch is a bool (numpy's too) or an integer 0 or 1 (numpy's too): ValueError naming it otherwise
     (layer_norm="no" had meant True)."""
-    if not (isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ == "bool")
-            or (isinstance(value, int) and value in (0, 1))):
+    if not (isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+            or (isinstance(value, numbers.Integral) and value in (0, 1))):
         raise ValueError(f"{name}: {arg} must be True or False, got {value!r}")
 
 

@@ -3,9 +3,9 @@ reports, logs' companions, figures).
 
 The content goes to a temporary file in the target's directory, is flushed and fsynced, then renamed over the
 target: a reader sees the old file or the new one, never a half-written one, and a crash or a kill leaves the
-old file intact. A target that is a device or a pipe (/dev/null, /dev/stdout, a FIFO) is written in place; one
-that is a symbolic link is written through it (its target replaced); a file replaced keeps its permissions. If
-writing fails (a full disk, a read-only directory, an exception in the caller's code), the
+old file intact. A target that is a device or a pipe (/dev/null, /dev/stdout, a FIFO) is written in place; a
+command's output through a symbolic link replaces the link's target (`through_link`); a file replaced keeps its
+permissions. If writing fails (a full disk, a read-only directory, an exception in the caller's code), the
 temporary file is removed and the previous file is untouched; an OS error comes back as `WriteError`, whose
 message is one line naming the file and the system's reason.
 """
@@ -69,10 +69,12 @@ def _tmp_name(path: str, suffix: str) -> str:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
+def atomic_path(path: str, suffix: str = "", through_link: bool = False) -> Iterator[str]:
     """Yields a temporary path to write `path`'s new content to (by any means, e.g. `fig.savefig(tmp)`); on a
     normal exit it is renamed over `path`. `suffix` ends the temporary name (for writers that pick a format
-    from it)."""
+    from it). `through_link`: a `path` that is a symbolic link has its target replaced, as a shell's `>` does (a
+    command's output the user names); else the link itself is (a run's or a corpus' file linked to a shared copy
+    leaves the copy alone)."""
     path = os.fspath(path)
     if os.path.exists(path) and (not os.path.isfile(path) and not os.path.isdir(path)
                                  or os.path.abspath(path).startswith(("/dev/", "/proc/")) and os.path.islink(path)):
@@ -86,14 +88,14 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
         except OSError as exc:
             raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
         return
-    if os.path.islink(path):   # written through, as a shell's `>` does (the rename had replaced the link itself)
+    if through_link and os.path.islink(path):
         path = os.path.realpath(path)
     tmp = _tmp_name(path, suffix)
     try:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         yield tmp
-        with contextlib.suppress(FileNotFoundError):   # the file's permissions kept (a private 600 file became 644)
-            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+        with contextlib.suppress(OSError):   # the file's permissions kept (a private 600 file became 644), where
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))   # there is a file and the file system takes modes
         os.replace(tmp, path)
     except WriteError:   # from a nested atomic write: already says which file and why
         raise
@@ -107,12 +109,12 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str, mode: str = "w") -> Iterator[IO]:
+def atomic_write(path: str, mode: str = "w", through_link: bool = False) -> Iterator[IO]:
     """`with atomic_write(path) as f: f.write(...)`: text mode writes UTF-8 with "\\n" line ends; mode "wb"
-    gives a binary file. The file is fsynced before it replaces `path`."""
+    gives a binary file. The file is fsynced before it replaces `path` (`through_link`: atomic_path's)."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write: mode must be 'w' or 'wb', got {mode!r}")
-    with atomic_path(path) as tmp:
+    with atomic_path(path, through_link=through_link) as tmp:
         with open(tmp, mode, **({} if mode == "wb" else {"encoding": "utf-8", "newline": "\n"})) as f:
             yield f
             f.flush()

@@ -114,7 +114,9 @@ def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: 
         raise UsageError(f"{option} {path}: is a directory; give a file name" if what is None else
                          f"{option}: {path}, where {what} would go, is a directory")
     device = os.path.exists(path) and not os.path.isfile(path)   # (-o /dev/null: written in place, no folder needed)
-    _check_folder_on_the_way(os.path.dirname(os.path.abspath(path)), option, path, writable=not device)
+    # a link is written through (atomic's through_link): the folder written is its target's
+    written = os.path.realpath(path) if os.path.islink(path) and not device else path
+    _check_folder_on_the_way(os.path.dirname(os.path.abspath(written)), option, path, writable=not device)
     name = os.path.basename(os.path.abspath(path))
     if not device and len(os.fsencode(name)) > _name_max(os.path.dirname(os.path.abspath(path))):
         raise UsageError(f"{option} {path}: the file name is longer than the "
@@ -128,10 +130,12 @@ def check_not_a_checkpoint(path: str, option: str) -> None:
     """A text output named by `option` whose existing file is a checkpoint (a zip archive, as torch.save writes
     one): UsageError, before any work. `dtmt translate -c runA/best.pt -o runB/best.pt` replaced runB's model with
     text, exit 0; a run's last.pt lost its training state so."""
+    if not os.path.isfile(path):   # (absent; or a FIFO, whose opening would wait for a writer)
+        return
     try:
         with open(path, "rb") as f:
-            head = f.read(4) if os.path.isfile(path) else b""
-    except OSError:   # (absent, or not readable: the write itself says what is wrong)
+            head = f.read(4)
+    except OSError:   # (not readable: the write itself says what is wrong)
         return
     if head == b"PK\x03\x04":
         raise UsageError(f"{option} {path}: is a checkpoint (a zip archive); the text output would replace it: "

@@ -55,22 +55,29 @@ def test_atomic_write_commits_and_cleans_up_after_a_caller_error(tmp_path):
 
 
 def test_a_link_is_written_through_and_a_file_keeps_its_permissions(tmp_path):
-    """As a shell's `>` writes: through a symbolic link (the rename replaced the link with a file and left its
-    target as it was), into a file that keeps its mode (a private 600 output became 644); a dangling link makes
-    its target. A new file takes the umask's mode, as open() gives it."""
+    """A command's output (through_link) as a shell's `>` writes: through a symbolic link (the rename replaced the
+    link with a file and left its target as it was), into a file that keeps its mode (a private 600 output became
+    644); a dangling link makes its target. A new file takes the umask's mode, as open() gives it. Other writes (a
+    run's files, a corpus') replace a link and leave the shared copy it points to alone."""
     import stat
 
     target, link = tmp_path / "real.txt", tmp_path / "link.txt"
     target.write_text("old\n")
     target.chmod(0o600)
     link.symlink_to("real.txt")
-    with atomic.atomic_write(str(link)) as f:
+    with atomic.atomic_write(str(link), through_link=True) as f:
         f.write("new\n")
     assert link.is_symlink() and target.read_text() == "new\n"
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    shared, linked = tmp_path / "shared.pt", tmp_path / "last.pt"
+    shared.write_text("shared\n")
+    linked.symlink_to("shared.pt")
+    with atomic.atomic_write(str(linked)) as f:
+        f.write("own\n")
+    assert not linked.is_symlink() and linked.read_text() == "own\n" and shared.read_text() == "shared\n"
     dangling = tmp_path / "dangling"
     dangling.symlink_to("made.txt")
-    with atomic.atomic_write(str(dangling)) as f:
+    with atomic.atomic_write(str(dangling), through_link=True) as f:
         f.write("x")
     assert dangling.is_symlink() and (tmp_path / "made.txt").read_text() == "x"
     umask = os.umask(0o022)
@@ -78,7 +85,7 @@ def test_a_link_is_written_through_and_a_file_keeps_its_permissions(tmp_path):
     with atomic.atomic_write(str(tmp_path / "fresh.txt")) as f:
         f.write("y")
     assert stat.S_IMODE((tmp_path / "fresh.txt").stat().st_mode) == 0o666 & ~umask
-    _only(tmp_path, ["real.txt", "link.txt", "dangling", "made.txt", "fresh.txt"])
+    _only(tmp_path, ["real.txt", "link.txt", "shared.pt", "last.pt", "dangling", "made.txt", "fresh.txt"])
 
 
 def test_a_device_or_a_pipe_is_written_in_place(tmp_path):

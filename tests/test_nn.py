@@ -246,7 +246,7 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: dk.nn.ATRCell(3, 4, layer_norm=None), "ATRCell: layer_norm must be True or False, got None")
     _err(lambda: dk.nn.ATR(3, 4, bidirectional="yes"), "bidirectional must be True or False")
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, batch_first=2), "batch_first must be True or False, got 2")
-    assert not dk.nn.DeepTransitionGRU(3, 4, layer_norm=np.False_, bidirectional=1, batch_first=0).layer_norm
+    assert not dk.nn.DeepTransitionGRU(3, 4, layer_norm=np.False_, bidirectional=np.int64(1), batch_first=0).layer_norm
     _err(lambda: setattr(layer, "backend", "nope"), "backend must be one of")
     cell = dk.nn.DeepTransitionGRUCell(3, 4, depth=1)
     _err(lambda: cell(torch.randn(2, 5)), "input_size=3")

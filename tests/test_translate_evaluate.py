@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -697,6 +698,21 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_decoding(syst
         assert err.count("\n") == 1 and "translated" not in err
     assert cli.main(["translate", "--checkpoint", ckpt, "--quiet", good, "-o", os.devnull]) == 0
     capsys.readouterr()
+    # a link is written through: the folder that must be writable is its target's (a link into a locked folder
+    # passed the check, then failed after decoding)
+    (tmp_path / "link.txt").symlink_to(locked / "out.txt")
+    assert cli.main(["translate", "--checkpoint", ckpt, good, "-o", str(tmp_path / "link.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dtmt translate: --output {tmp_path / 'link.txt'}: {locked} cannot be written"), err
+    # a FIFO is written in place, its reader reading as it comes (the checkpoint check opened it to read: a hang)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, encoding="utf-8").read()), daemon=True)
+    reader.start()
+    assert cli.main(["translate", "--checkpoint", ckpt, "--quiet", good, "-o", str(fifo)]) == 0
+    reader.join(timeout=60)
+    assert len(got[0].splitlines()) == len(INPUTS)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -1064,7 +1080,6 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         # CPU was refused as needing a GPU for a decoding that does not happen)
         (["--hyp", short, "--data", data, "--amp", "bf16", "--beam", "5", "--int8"], 2,
          "--hyp scores a translation already made, and nothing is decoded: leave out --beam 5, --int8, --amp bf16"),
-        (["--hyp", short, "--data", data, "-c", ckpt], 2, f"nothing is decoded: leave out --checkpoint {ckpt}"),
         (["--hyp", short, "--ref", short], 2, "--src F --ref G (--hyp needs the source beside it"),
         (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], 2,
          "--threads -2: must be an integer in [0, 1,024]"),

@@ -22,8 +22,9 @@ T = TypeVar("T")
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Writes `text` (UTF-8) to `path` atomically (dtmt_models.atomic; WriteError on failure)."""
-    with atomic_write(path) as f:
+    """Writes `text` (UTF-8) to `path`, an output the user named, atomically and through a symbolic link
+    (dtmt_models.atomic; WriteError on failure)."""
+    with atomic_write(path, through_link=True) as f:
         f.write(text)
 
 

@@ -87,8 +87,6 @@ def _stem(path: str) -> str:
 def _run(args: argparse.Namespace) -> int:
     if args.hyp:   # nothing is decoded: an option of how to decode would be taken and do nothing
         given = decoding_options_given(build_parser(), args)
-        if args.checkpoint:   # (it was read by nothing, exit 0)
-            given = [f"--checkpoint {args.checkpoint[0]}", *given]
         if given:
             raise UsageError(f"--hyp scores a translation already made, and nothing is decoded: leave out "
                              f"{', '.join(given)}")

@@ -114,7 +114,9 @@ def stdin_lines() -> Iterator[str]:
     Read through a reader of its own on a duplicate of stdin's descriptor, not sys.stdin.buffer: chunks_as_they_come
     reads in a daemon thread, which waits for the next line holding its reader's lock, and at interpreter shutdown
     (Ctrl-C, an error, a reader of stdout gone, while stdin was still open) Python took sys.stdin's lock to close it
-    and aborted ("Fatal Python error: _enter_buffered_busy", exit 134). A reader nobody else touches is left alone."""
+    and aborted ("Fatal Python error: _enter_buffered_busy", exit 134). A reader nobody else touches is left alone;
+    it is not closed (its thread may still wait in it) and does not see what a caller in the same process read ahead
+    through sys.stdin before (the command itself reads nothing before)."""
     try:
         fd = sys.stdin.fileno()
     except (AttributeError, OSError, ValueError):   # (a stream without a descriptor: a test's, an embedding's)

@@ -36,7 +36,7 @@ def quantize_rows(weight: Tensor) -> Tuple[Tensor, Tensor]:
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"quantize_rows: a floating-point [N, K] weight, got {weight.dtype} {list(weight.shape)}")
     if not torch.isfinite(weight).all():   # (a weight made of others, a fold of two, can overflow: not a bad argument)
-        raise FloatingPointError("quantize_rows: the weight has non-finite entries (it overflows float32)")
+        raise FloatingPointError("quantize_rows: the weight has non-finite entries (NaN or infinite)")
     w = weight.detach().to(torch.float64)
     peak = w.abs().amax(dim=1)
     # the scale as stored (float32) is the one the weights are rounded with, so |error| <= scale / 2 holds for

@@ -814,6 +814,14 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
         assert average([str(run / "step_0000002.pt"), "-o", str(run / "avg.pt")]) == 0   # (beside them: fine)
     finally:
         lock.release()
+    # a finished run's best.pt or step_N.pt: replaced, exit 0, and the next --run average took the mean in its place
+    capsys.readouterr()
+    for name, kind, other in (("best.pt", "the best checkpoint", "step_0000002.pt"),
+                              ("step_0000002.pt", "the step checkpoint", "best.pt")):
+        before = (run / name).read_bytes()
+        assert average([str(run / other), str(run / "avg.pt"), "-o", str(run / name)]) == 2
+        assert f"--output {run / name}: {kind}" in capsys.readouterr().err
+        assert (run / name).read_bytes() == before
     # --overwrite starts again without the earlier run's step checkpoints (average took them as this run's)
     assert step_checkpoints(str(run))
     r = train_here(["--out", str(run), "--max-steps", "1", "--overwrite", *base], capsys)
@@ -1317,6 +1325,11 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
                                    rtol=0, atol=0, msg=name)
     model = load_model(out)[0]                               # an ordinary translation checkpoint
     assert sum(p.numel() for p in model.parameters()) > 0
+    crafted = read_checkpoint(p20)   # a config that is no mapping: it was an AttributeError's traceback
+    crafted["config"] = "x"
+    save_checkpoint(str(tmp_path / "crafted.pt"), crafted)
+    assert average([str(tmp_path / "crafted.pt"), p24, "-o", str(tmp_path / "avg2.pt")]) == 0
+    assert "come from different training runs" in capsys.readouterr().err
     same, copy = str(tmp_path / "same.pt"), str(tmp_path / "copy.pt")   # a checkpoint averaged with itself is itself
     shutil.copyfile(p24, copy)
     assert average([p24, copy, "-o", same]) == 0

@@ -74,12 +74,20 @@ def _checkpoints(a: argparse.Namespace) -> List[str]:
 def check_not_a_run_s(output: str) -> None:
     """UsageError for an --output that a training run owns: a file that a dtmt train running in its folder writes
     (last.pt, best.pt, step_N.pt, ...: its next validation would replace the mean), or any run's checkpoint with
-    its training state (a last.pt), which the mean would lose (both were written, exit 0)."""
+    its training state (a last.pt), which the mean would lose, or a finished run's best.pt or step_N.pt (all were
+    written, exit 0)."""
     folder, name = os.path.split(os.path.abspath(output))
     running = holder(folder)
     if running is not None and (name in (LAST, BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
         raise UsageError(f"--output {output}: a file of the run in {folder}, where a dtmt train runs (process "
                          f"{running}) and writes it; give another name")
+    run_folder = any(os.path.exists(os.path.join(folder, f)) for f in (LAST, CONFIG))
+    if run_folder and os.path.exists(output) and (name == BEST or STEP_NAME.fullmatch(name)):
+        # (a finished run's step_N.pt or best.pt was replaced, exit 0, and the next --run average took the mean in
+        # its place)
+        kind = "best checkpoint, which translate reads" if name == BEST else "step checkpoint, which --run averages"
+        raise UsageError(f"--output {output}: the {kind}, of the run in {folder}; the mean would replace it: give "
+                         f"another name")
     if os.path.isfile(output):
         try:
             state = "training" in read_checkpoint(output, mmap=True)

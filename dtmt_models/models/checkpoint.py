@@ -327,5 +327,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
 
 def _run_of(ckpt: Dict[str, Any]) -> Tuple[Any, Any]:
     """The training run a checkpoint comes from, as far as it says: (output folder, seed) of its config."""
-    config = ckpt.get("config") or {}
+    config = ckpt.get("config")
+    if not isinstance(config, dict):   # (a crafted or damaged field: a str was an AttributeError's traceback)
+        return None, None
     return config.get("out"), config.get("seed")

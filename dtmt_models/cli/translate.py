@@ -34,8 +34,7 @@ def read_input(path: str) -> List[str]:
     are kept (they translate to empty lines). Raises InputError naming file:line for invalid UTF-8 or a line of more
     than MAX_LINE_BYTES (a stream without line ends is not read without end: memory stays bounded by the text)."""
     if path == "-":
-        stream = sys.stdin.buffer if getattr(sys.stdin, "buffer", None) is not None else _encoded(sys.stdin)
-        return list(_decoded_lines(stream, "<stdin>"))
+        return list(_decoded_lines(_stdin_bytes(), "<stdin>"))
     if os.path.isdir(path):
         raise InputError(f"{path}: is a directory, not an input file")
     try:
@@ -102,10 +101,16 @@ STREAM_LINES = 1024   # at most this many lines per decoding call when streaming
 def write_stdout(text: str, piece: int = 1 << 16) -> None:
     """text to stdout, flushed, in pieces of at most `piece` characters. In one write, a reader that left part-way
     (`| head -c 10`) took a partial write that Python reported as whole: the rest was dropped and the status was 0.
-    A piece's write after the reader left raises BrokenPipeError, which dtmt's main turns into a writer's status."""
-    for i in range(0, len(text), piece):
-        sys.stdout.write(text[i:i + piece])
-    sys.stdout.flush()
+    A piece's write after the reader left raises BrokenPipeError, which dtmt's main turns into a writer's status;
+    another OSError (a full disk) is InputError."""
+    try:
+        for i in range(0, len(text), piece):
+            sys.stdout.write(text[i:i + piece])
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise InputError(f"cannot write the output (stdout: {exc.strerror or exc})") from None
 
 
 def stdin_lines() -> Iterator[str]:
@@ -121,11 +126,13 @@ def stdin_lines() -> Iterator[str]:
         fd = sys.stdin.fileno()
     except (AttributeError, OSError, ValueError):   # (a stream without a descriptor: a test's, an embedding's)
         fd = None
-    if fd is not None:
-        stream = open(os.dup(fd), "rb")
-    else:
-        stream = sys.stdin.buffer if getattr(sys.stdin, "buffer", None) is not None else _encoded(sys.stdin)
-    return _decoded_lines(stream, "<stdin>")
+    return _decoded_lines(open(os.dup(fd), "rb") if fd is not None else _stdin_bytes(), "<stdin>")
+
+
+def _stdin_bytes():
+    """sys.stdin as a byte stream: its buffer, or for a stdin replaced by one without a byte buffer, its text
+    encoded."""
+    return sys.stdin.buffer if getattr(sys.stdin, "buffer", None) is not None else _encoded(sys.stdin)
 
 
 def chunks_as_they_come(lines: Iterator[str], most: int = STREAM_LINES) -> Iterator[List[str]]:
@@ -172,12 +179,7 @@ def stream_stdin(args: argparse.Namespace, model, src_vocab, tgt_vocab, device: 
     for group in chunks_as_they_come(stdin_lines()):
         results = reporting_warnings(PROG, lambda: translate(model, src_vocab, tgt_vocab, group, **kwargs,
                                                              where=lambda i: f"<stdin>:{done + i + 1}"), seen)
-        try:
-            write_stdout(format_output(results, args.nbest is not None, start=done))
-        except BrokenPipeError:   # the reader of stdout left: quiet, a writer's status (dtmt's main)
-            raise
-        except OSError as exc:
-            raise InputError(f"cannot write the output (stdout: {exc.strerror or exc})") from None
+        write_stdout(format_output(results, args.nbest is not None, start=done))
         done += len(group)
     if not args.quiet:
         seconds = time.perf_counter() - t0
@@ -258,20 +260,14 @@ def _run(args: argparse.Namespace) -> int:
     for lines in texts:
         pieces.append(format_output(results[start:start + len(lines)], nbest is not None))
         start += len(lines)
+    if not (args.output_dir or args.output):
+        write_stdout("".join(pieces))
+        return 0
     try:
-        if args.output_dir:
-            for target, text in zip(targets, pieces):
-                write_atomic(target, text)
-        elif args.output:
-            write_atomic(args.output, "".join(pieces))
-        else:
-            write_stdout("".join(pieces))
+        for target, text in (zip(targets, pieces) if args.output_dir else [(args.output, "".join(pieces))]):
+            write_atomic(target, text)
     except WriteError as exc:
         raise InputError(str(exc)) from None
-    except BrokenPipeError:   # the reader of stdout left: quiet, a writer's status (dtmt's main)
-        raise
-    except OSError as exc:   # stdout
-        raise InputError(f"cannot write the output ({exc.filename or 'stdout'}: {exc.strerror or exc})") from None
     return 0
 
 

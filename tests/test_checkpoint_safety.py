@@ -93,3 +93,37 @@ def test_a_checkpoint_write_that_fails_midway_is_one_line_and_leaves_nothing(tmp
     assert message.startswith(f"cannot write {path}: the write stopped with ") and "\n" not in message
     assert "bytes free on its device" in message and "nothing written" in message
     assert path.read_bytes() == b"the earlier checkpoint" and os.listdir(tmp_path) == ["last.pt"]
+
+
+def test_a_changed_byte_in_a_checkpoint_is_refused(tmp_path):
+    """A byte changed inside a checkpoint's weights (a disk or copy error) was read as it was: torch.load does not
+    check the CRC-32 that torch.save writes with each record, and the model translated with the changed weight,
+    exit 0. read_checkpoint checks every record's, so load_model, translate, evaluate, average and a resume
+    refuse the file in one line naming it and the record. The payload's own `format` key cannot stand for the
+    file's format."""
+    from dtmt_models.models.checkpoint import CheckpointError, damaged_record, save_checkpoint
+
+    path = str(tmp_path / "best.pt")
+    weight = torch.arange(4096, dtype=torch.float32)
+    save_checkpoint(path, dict(model_name="dtmt", model_options={}, src_vocab=b"spm", tgt_vocab=b"spm",
+                               model={"w": weight}, format="dtmt-checkpoint-0"))
+    assert read_checkpoint(path)["format"] == FORMAT and damaged_record(path) is None
+    data = bytearray(open(path, "rb").read())
+    at = bytes(data).index(weight[1000:1002].numpy().tobytes())   # a byte inside the weight's record
+    data[at] ^= 0x40
+    damaged = str(tmp_path / "damaged.pt")
+    open(damaged, "wb").write(bytes(data))
+    changed = torch.load(damaged, weights_only=True)["model"]["w"]   # (what was read before: no error)
+    assert not torch.equal(changed, weight)
+    for load in (read_checkpoint, load_model):
+        with pytest.raises(CheckpointError) as info:
+            load(damaged)
+        assert str(info.value) == (f"{damaged}: damaged: its record {damaged_record(damaged)} does not match the "
+                                   f"check sum written with it (a disk or copy error); use another copy or an "
+                                   f"earlier checkpoint")
+    assert damaged_record(damaged).endswith("data/0")
+    assert read_checkpoint(damaged, mmap=True)["model_name"] == "dtmt"   # (settings only: not read, not checked)
+    for args in (["translate", "-c", damaged, "--quiet"], ["average", damaged, path, "-o", str(tmp_path / "a.pt")]):
+        r = _cli(*args, stdin="hola\n")
+        assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and "damaged: its record" in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "a.pt")

@@ -1372,6 +1372,59 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "bad.pt")
 
 
+def test_average_writes_a_checkpoint_that_loads(uninterrupted, tmp_path, capsys):
+    """Found by a probe: average compared the files' model descriptions with ==, so a last file whose options said
+    256.0 where the first said 256 (or True for 1) passed, and its options were the ones written: a checkpoint that
+    translate refuses, exit 0. The descriptions are compared with their types, and the one written is the first
+    file's (checked to build). The status line is on stderr (-o /dev/stdout had it among the checkpoint's bytes),
+    "1 checkpoint"; -o through a symbolic link writes its target, as translate -o does, and a link into a run's
+    files is refused as the files are; -o "" is a usage error; the API refuses one path given as a string (it was
+    read letter by letter)."""
+    from dtmt_models.cli.average import main as average
+    from dtmt_models.models.checkpoint import average_checkpoints, load_model, read_checkpoint, save_checkpoint
+    from dtmt_models.training.trainer import step_checkpoints
+
+    (_, p20), (_, p24) = step_checkpoints(uninterrupted)
+    a = read_checkpoint(p20)
+    key = next(k for k, v in a["model_options"].items() if type(v) is int and not isinstance(v, bool))
+    for value in (float(a["model_options"][key]), True if a["model_options"][key] == 1 else None):
+        if value is None:
+            continue
+        other = dict(a, model_options={**a["model_options"], key: value})
+        save_checkpoint(str(tmp_path / "typed.pt"), other)
+        for files in ([p24, str(tmp_path / "typed.pt")], [str(tmp_path / "typed.pt"), p24]):
+            status = average([*files, "-o", str(tmp_path / "bad.pt")])
+            err = capsys.readouterr().err
+            if files[0] == p24:   # (the typed file second: refused as another model)
+                assert status == 2 and "(its model_options differs)" in err, err
+            else:                 # (first: it is the one checked to build, and refused so)
+                assert status == 2 and "its model cannot be built" in err, err
+            assert not os.path.exists(tmp_path / "bad.pt")
+    # the description written is the first file's, the rest (its config, its step) the last's
+    payload = average_checkpoints([p20, p24])
+    b = read_checkpoint(p24)
+    assert payload["config"] == b["config"] and payload["model_options"] == a["model_options"]
+    with pytest.raises(TypeError, match="give a list of checkpoint paths, not one path"):
+        average_checkpoints(p24)
+    out = tmp_path / "one.pt"
+    assert average([p24, "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"dtmt average: wrote {out}: the mean of 1 checkpoint (" in captured.err
+    load_model(str(out))
+    target, link = tmp_path / "shared" / "avg.pt", tmp_path / "avg-link.pt"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert average([p20, p24, "-o", str(link)]) == 0
+    assert link.is_symlink() and load_model(str(target))[0] is not None
+    (tmp_path / "best-link.pt").symlink_to(os.path.join(uninterrupted, "best.pt"))
+    assert average([p20, p24, "-o", str(tmp_path / "best-link.pt")]) == 2
+    assert "the best checkpoint, which translate reads" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        average([p24, "-o", ""])
+    assert exit_.value.code == 2 and "--output: give a file name" in capsys.readouterr().err
+
+
 def test_inference_sees_the_optimizer_steps():
     """Validation after updates runs on the updated weights: the eval-mode paths' weight caches (keyed on the
     parameters' version counters) are refreshed by the optimizer `dtmt train` uses. (torch's fused CPU Adam does

@@ -6,7 +6,6 @@ batching, n-best, files, exit codes) and that every score equals sacrebleu calle
 """
 from __future__ import annotations
 
-import copy
 import io
 import json
 import os
@@ -600,7 +599,9 @@ def test_an_input_line_is_refused_only_past_the_limit_its_line_end_not_counted(m
 def test_a_reader_gone_or_stdin_closed_is_one_line_not_a_traceback(system):
     """`dtmt models | head` where head has left: no traceback (BrokenPipeError), nothing on stderr, the status of a
     writer whose reader left (128 + SIGPIPE); `dtmt translate` started with stdin closed and no file: one line,
-    exit 2 (it was an AttributeError on None.readline)."""
+    exit 2 (it was an AttributeError on None.readline). With stdout closed (`>&-`), `dtmt models` and `dtmt
+    translate` without -o say so, exit 2 (the list went nowhere, exit 0; translate decoded all, then an
+    AttributeError's traceback); stdout on a full disk is one line, exit 1 (a traceback)."""
     import signal
     import subprocess
 
@@ -616,7 +617,17 @@ def test_a_reader_gone_or_stdin_closed_is_one_line_not_a_traceback(system):
     assert r.returncode == 128 + signal.SIGPIPE and r.stderr == "", r.stderr
     r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "models"], stdout=subprocess.DEVNULL,
                        preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and r.stderr == "", r.stderr   # (stdout closed from the start: sys.stdout is None)
+    assert r.returncode == 2 and r.stderr == "dtmt models: stdout is closed; nowhere to print the list\n", r.stderr
+    r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", system[3], "-"],
+                       input="a b\n", stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1),
+                       stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and r.stderr == ("dtmt translate: no --output given and stdout is closed; name a file "
+                                              "to write with -o\n"), r.stderr
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "models"], stdout=full,
+                               stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+        assert r.returncode == 1 and r.stderr == "dtmt models: No space left on device\n", r.stderr
     r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", system[3]], stdin=None,
                        preexec_fn=lambda: os.close(0), capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and r.stderr == ("dtmt translate: no input file given and stdin is closed; name the "
@@ -630,7 +641,6 @@ def test_streaming_ends_in_one_line_on_ctrl_c_and_quietly_when_the_reader_leaves
     (stdout: Broken pipe)", exit 1. A file translated to a reader that leaves part-way (`| head -c 10`) ended with
     status 0, the rest of the output dropped unsaid."""
     import signal
-    import subprocess
 
     for leave in ("interrupt", "reader"):
         proc = _translate_process(system[3])
@@ -780,6 +790,9 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="load_model: device 'foo' is not a device torch knows"):
         load_model(ckpt, device="foo")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0   # (a device past this machine's: before
+    with pytest.raises(ValueError, match=rf"load_model: device 'cuda:{count}': this machine has "):   # the file)
+        load_model(os.devnull, device=f"cuda:{count}")
     assert translate(model, sv, tv, ["el sol"], max_len_a=0, max_len_b=1)[0][0][0] is not None
 
 
@@ -972,15 +985,17 @@ def corpus(tmp_path):
 def test_cli_evaluate_refuses_a_model_of_another_language_pair(system, corpus, tmp_path, capsys):
     """A checkpoint that `dtmt train` wrote records its corpus' languages ("langs"); `evaluate --data` of another
     pair (en to es scored with an es-to-en model) is refused in one line, exit 2, nothing decoded or written (it
-    scored it, exit 0). A checkpoint of the same pair, or one without the record, is scored as before."""
+    scored it, exit 0). A checkpoint of the same pair, or one without the record or with a record that is no pair
+    (a crafted 5 was a TypeError's traceback), is scored as before."""
     from dtmt_models.models.checkpoint import read_checkpoint, save_checkpoint
 
     data, _, _ = corpus
-    for langs, status in ((("en", "es"), 2), (("es", "en"), 0)):
+    for langs, status in ((("en", "es"), 2), (("es", "en"), 0), (5, 0)):
         ckpt = read_checkpoint(system[3])
-        path = str(tmp_path / f"{langs[0]}-{langs[1]}.pt")
+        name = "-".join(langs) if isinstance(langs, tuple) else str(langs)
+        path = str(tmp_path / f"{name}.pt")
         save_checkpoint(path, {**ckpt, "langs": langs})
-        out_dir = tmp_path / f"scored-{langs[0]}"
+        out_dir = tmp_path / f"scored-{name}"
         assert cli.main(["evaluate", "-c", path, "--data", data, "--beam", "1", "--quiet", "--out-dir",
                          str(out_dir)]) == status
         err = capsys.readouterr().err

@@ -50,6 +50,28 @@ def usage() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    name = argv[0] if argv else ""
+    try:
+        status = _dispatch(argv)
+        if sys.stdout is not None:   # (None: started with stdout closed, `dtmt models >&-`)
+            sys.stdout.flush()   # (here, where a reader gone is caught, not at the interpreter's exit)
+        return status
+    except BrokenPipeError:   # `dtmt models | head`: the reader of stdout left; quiet, with a writer's status then
+        if sys.stdout is not None:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush goes nowhere)
+        return 128 + signal.SIGPIPE
+    except OSError as exc:   # one no command catches: stdout on a full disk (`dtmt models > /dev/full`, a traceback)
+        print(f"dtmt{f' {name}' if name in COMMANDS else ''}: {_os_error(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:   # Ctrl-C where a command has no handler of its own (importing torch, say)
+        print(f"\ndtmt {name}: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError as exc:   # (a model too large for this machine: registry.build_model's, one line)
+        print(f"dtmt {name}: out of memory{f': {exc}' if str(exc) else ''}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(argv: List[str]) -> int:
     if argv and argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
@@ -59,26 +81,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv:   # no command: the usage, as an error (argparse's status for a missing argument)
         print(usage(), file=sys.stderr)
         return 2
-    name = argv[0]
-    if name not in COMMANDS:
-        print(f"dtmt: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+    if argv[0] not in COMMANDS:
+        print(f"dtmt: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    try:
-        module = importlib.import_module(COMMANDS[name][0])
-        status = int(module.main(argv[1:]) or 0)
-        if sys.stdout is not None:   # (None: started with stdout closed, `dtmt models >&-`)
-            sys.stdout.flush()   # (here, where a reader gone is caught, not at the interpreter's exit)
-        return status
-    except BrokenPipeError:   # `dtmt models | head`: the reader of stdout left; quiet, with a writer's status then
-        if sys.stdout is not None:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush goes nowhere)
-        return 128 + signal.SIGPIPE
-    except KeyboardInterrupt:   # Ctrl-C where a command has no handler of its own (importing torch, say)
-        print(f"\ndtmt {name}: interrupted", file=sys.stderr)
-        return 130
-    except MemoryError as exc:   # (a model too large for this machine: registry.build_model's, one line)
-        print(f"dtmt {name}: out of memory{f': {exc}' if str(exc) else ''}", file=sys.stderr)
-        return 1
+    return int(importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]) or 0)
+
+
+def _os_error(exc: OSError) -> str:
+    """An OSError that reached the dispatcher, in one line (its file where it names one). Where stdout's buffer
+    still holds data it cannot write (the error came at the final flush), stdout is pointed at /dev/null, or the
+    interpreter's exit would print the error again as a traceback."""
+    if sys.stdout is not None:
+        try:
+            sys.stdout.flush()
+        except OSError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    reason = exc.strerror or str(exc)
+    return f"{exc.filename}: {reason}" if exc.filename else reason
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("give either checkpoints or --run DIR")
     if a.last is not None and (not a.run or a.last < 1):
         p.error("--last N needs --run and N >= 1")
+    if not a.output:
+        p.error("--output: give a file name")
     try:
         paths = _checkpoints(a)
         check_output_file(a.output, "--output", paths)
@@ -50,11 +52,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{PROG}: {_without_prefix(one_line(exc))}", file=sys.stderr)
         return 2
     try:
-        save_checkpoint(a.output, payload)
+        save_checkpoint(a.output, payload, through_link=True)   # (a link named: its target, as translate -o)
     except (OSError, ValueError) as exc:
         print(f"{PROG}: {_without_prefix(one_line(exc))}", file=sys.stderr)
         return 1
-    print(f"wrote {a.output}: the mean of {len(paths)} checkpoints ({', '.join(payload['averaged_from'])})")
+    # (on stderr, as prepare's: an output of -o /dev/stdout had this line in its bytes)
+    print(f"{PROG}: wrote {a.output}: the mean of {len(paths)} checkpoint{'s' if len(paths) != 1 else ''} "
+          f"({', '.join(payload['averaged_from'])})", file=sys.stderr)
     return 0
 
 
@@ -76,7 +80,7 @@ def check_not_a_run_s(output: str) -> None:
     (last.pt, best.pt, step_N.pt, ...: its next validation would replace the mean), or any run's checkpoint with
     its training state (a last.pt), which the mean would lose, or a finished run's best.pt or step_N.pt (all were
     written, exit 0)."""
-    folder, name = os.path.split(os.path.abspath(output))
+    folder, name = os.path.split(os.path.realpath(output))   # (a link is written through: its target's)
     running = holder(folder)
     if running is not None and (name in (LAST, BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
         raise UsageError(f"--output {output}: a file of the run in {folder}, where a dtmt train runs (process "

@@ -153,7 +153,8 @@ def _run(args: argparse.Namespace) -> int:
             manifest = read_manifest(args.data)
             corpus = (manifest.get("src_lang"), manifest.get("tgt_lang"))
             for path, ckpt in zip(args.checkpoint, ckpts):
-                langs = tuple(ckpt.get("langs") or ())
+                langs = ckpt.get("langs")   # (a crafted value, an int say, was a TypeError's traceback: not read)
+                langs = tuple(langs) if isinstance(langs, (list, tuple)) else ()
                 if len(langs) == 2 and langs != corpus:
                     raise UsageError(f"--checkpoint {path} translates {langs[0]} to {langs[1]}, but --data "
                                      f"{args.data} is {corpus[0]} to {corpus[1]}")

@@ -17,6 +17,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "first such row; differences do not depend on the vocabulary)")
     p.add_argument("--table", choices=sorted(TABLES), help="one table only")
     args = p.parse_args(argv)
+    if sys.stdout is None:   # (started with stdout closed, `>&-`: the list went nowhere, exit 0)
+        print("dtmt models: stdout is closed; nowhere to print the list", file=sys.stderr)
+        return 2
     print(describe(args.count, args.table))
     return 0
 

@@ -17,6 +17,8 @@ import pickle
 import re
 import shutil
 import warnings
+import zipfile
+import zlib
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -29,28 +31,51 @@ from dtmt_models.models.registry import build_model
 FORMAT = "dtmt-checkpoint-1"
 
 
-def save_checkpoint(path: str, payload: Dict[str, Any]) -> None:
+def save_checkpoint(path: str, payload: Dict[str, Any], through_link: bool = False) -> None:
     """Writes `payload` (a dict with at least model_name, model_options, src_vocab, tgt_vocab, model)
-    atomically to `path`."""
+    atomically to `path` (through a symbolic link where `through_link`: an output the user names, see
+    dtmt_models.atomic). The file's format is this module's, whatever a `format` key of the payload says."""
     missing = [k for k in ("model_name", "model_options", "src_vocab", "tgt_vocab", "model") if k not in payload]
     if missing:
         raise ValueError(f"save_checkpoint: payload lacks {missing}")
-    with atomic_write(path, "wb") as f:
+    with atomic_write(path, "wb", through_link=through_link) as f:
         try:
-            torch.save({"format": FORMAT, **payload}, f)
+            torch.save({**payload, "format": FORMAT}, f)
         except RuntimeError as exc:   # torch's zip writer reports a failed write (a full disk) as its own error
             free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
             raise OSError(f"the write stopped with {free:,} bytes free on its device"
                           + (" (the disk is full)" if free < (1 << 20) else f" ({one_line(exc)})")) from None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint whose contents cannot be used as they are (a damaged record, non-finite weights, optimizer state
+    that does not fit the model, counters of the wrong type): its message is one line naming the file and what is
+    wrong."""
+
+
+def damaged_record(path: str) -> Optional[str]:
+    """The name of the first record of the zip file `path` whose bytes fail the CRC-32 that torch.save stored with
+    them (a changed byte: a disk or a copy error, which torch.load does not check: the weights were read as they
+    were), or None: all are whole, or `path` is no zip file read here (torch.load then says what it is)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip()
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError, OSError):
+        return None
+
+
 def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
-    """The raw checkpoint dict; a clear error for a missing or foreign file. `mmap`: the tensors are mapped from the
-    file, not read (what a caller that needs only the settings asks)."""
+    """The raw checkpoint dict; a clear error for a missing, foreign or damaged file (each record's CRC is checked,
+    a read of the whole file at GB/s). `mmap`: the tensors are mapped from the file, not read, nor checked (what a
+    caller that needs only the settings asks)."""
     if os.path.isdir(path):
         raise ValueError(f"{path}: is a directory, not a checkpoint file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    record = None if mmap else damaged_record(path)
+    if record is not None:
+        raise CheckpointError(f"{path}: damaged: its record {record} does not match the check sum written with it "
+                              f"(a disk or copy error); use another copy or an earlier checkpoint")
     try:
         with warnings.catch_warnings():   # (torch's notes on old pickle formats: the file is refused or read here)
             warnings.simplefilter("ignore")
@@ -76,11 +101,6 @@ def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path}: not a dtmt checkpoint (expected format {FORMAT!r})")
     return ckpt
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose contents cannot be used as they are (non-finite weights, optimizer state that does not fit
-    the model, counters of the wrong type): its message is one line naming the file and what is wrong."""
 
 
 def _finite_problem(name: str, t: Any) -> Optional[str]:
@@ -261,6 +281,10 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
         device = torch.device(device)   # (before the file is read: torch's own message came after all of it)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"load_model: device {device!r} is not a device torch knows ({one_line(exc)})") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        # (torch's own error came only after the file was read and the model built)
+        raise ValueError(f"load_model: device {str(device)!r}: this machine has "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices")
     ckpt = read_checkpoint(path)
     src_vocab, tgt_vocab, own = translation_parts(path, ckpt)
     check_weights_fit(path, ckpt, own)
@@ -272,13 +296,17 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
 
 
 def average_checkpoints(paths) -> Dict[str, Any]:
-    """The element-wise mean of the weights of checkpoints of one model (same system, options, vocabularies and
-    parameter shapes; floating-point tensors averaged in float64 and cast back, integer buffers must agree), as a
-    translation checkpoint payload: everything else is the last file's, plus `averaged_from` (the file names).
-    Raises ValueError naming the first file that does not match the first one, a file given twice, or a weight
-    that is not finite; warns
+    """The element-wise mean of the weights of checkpoints of one model (same system, options, vocabularies,
+    languages and parameter shapes, compared with their types: 256.0 is not 256; floating-point tensors averaged in
+    float64 and cast back, integer buffers must agree), as a translation checkpoint payload: the model's
+    description is the first file's (the one checked to build), the rest the last file's (its config, its step),
+    plus `averaged_from` (the file names). `paths`: a list of paths (a single string is refused, not read letter by
+    letter). Raises ValueError naming the first file that does not match the first one, a file given twice, or a
+    weight that is not finite; warns
     (UserWarning) when the files come from different training runs (their `config`s name another output folder or
     seed: the mean of separately trained weights is rarely a model that translates)."""
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise TypeError(f"average: give a list of checkpoint paths, not one path ({os.fsdecode(paths)!r})")
     paths = list(paths)
     if not paths:
         raise ValueError("average: no checkpoints given")
@@ -300,8 +328,8 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     last = first
     for path in paths[1:]:
         ckpt = read_checkpoint(path)
-        for key in ("model_name", "model_options", "src_vocab", "tgt_vocab"):
-            if ckpt.get(key) != first.get(key):
+        for key in MODEL_KEYS:
+            if not same_value(ckpt.get(key), first.get(key)):
                 raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs)")
         if "model" not in ckpt:
             raise ValueError(f"{path}: not a translation checkpoint (it has no model)")
@@ -319,10 +347,28 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                       f"mean of separately trained weights is rarely a model that translates", UserWarning)
     n = len(paths)
     averaged = {k: (s / n).to(first["model"][k].dtype) if s.is_floating_point() else s for k, s in sums.items()}
-    payload = {k: v for k, v in last.items() if k not in ("format", "training", "model")}
-    payload["model"] = averaged
+    payload = {k: v for k, v in last.items() if k not in ("format", "training", "model", *MODEL_KEYS)}
+    payload.update({k: first[k] for k in MODEL_KEYS if k in first}, model=averaged)
     payload["averaged_from"] = [os.path.basename(p) for p in paths]
     return payload
+
+
+# what describes a translation checkpoint's model: the files averaged must agree on each
+MODEL_KEYS = ("model_name", "model_options", "src_vocab", "tgt_vocab", "langs")
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two values of a checkpoint's plain data are the same, types included (256.0 == 256 and True == 1 in
+    Python, but a model built from them differs or is refused)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b) or a != a and b != b   # (NaN is NaN here)
 
 
 def _run_of(ckpt: Dict[str, Any]) -> Tuple[Any, Any]:

@@ -216,8 +216,23 @@ class _TransitionBase(BackendSwitch, nn.Module):
         """x [T, B, I] time-major, h0 [D, B, H] -> (out [T, B, D*H], h_n [D, B, H])."""
         backend = resolve_backend(self.backend, x.device)
         check_dtype_for_backend(backend, x.dtype, "x")
-        return each_direction(self, lambda d, reverse: backend.run(x, h0[d], self.direction_weights(d), mask,
-                                                                    drops[d], reverse, self.eps))
+        try:
+            return each_direction(self, lambda d, reverse: backend.run(x, h0[d], self.direction_weights(d), mask,
+                                                                        drops[d], reverse, self.eps))
+        except RuntimeError:   # (the ops' own message, where a parameter is apart, named none: contract §3's one)
+            self._check_parameters()
+            raise
+
+    def _check_parameters(self) -> None:
+        """ValueError naming the first parameter whose device or dtype is not weight_hh's (which the inputs are
+        checked against): one loaded onto the meta device, or converted alone. Called only once an op has failed,
+        so the checks cost nothing on a call that runs."""
+        ref = self.weight_hh
+        for n, p in self.named_parameters():
+            if p.device != ref.device or p.dtype != ref.dtype:
+                raise ValueError(f"{type(self).__name__}: parameter {n} is {p.dtype} on {p.device} but weight_hh "
+                                 f"is {ref.dtype} on {ref.device}; move or convert the whole layer (layer.to(...))"
+                                 ) from None
 
 
 def each_direction(layer, run) -> Tuple[Tensor, Tensor]:

@@ -1,4 +1,6 @@
 """The public layers: torch.nn.GRU-like behaviour, from_torch, backend switching, input validation."""
+import re
+
 import pytest
 import torch
 
@@ -195,6 +197,35 @@ def test_lengths_to_mask_and_unpadded_batches():
             w = layer.direction_weights(d, dict(layer.named_parameters()))
             out, h_n = masked(x, torch.zeros(2, 4), w, torch.ones(5, 2), None, reverse, layer.backend)
             assert torch.equal(out, unmasked[0][..., 4 * d:4 * d + 4]) and torch.equal(h_n, unmasked[1][d])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_a_parameter_apart_from_the_others_is_named(backend):
+    """Contract §3: a bad input is a ValueError naming it. The inputs are checked against weight_hh; a layer or cell
+    with one parameter loaded onto the meta device, or converted alone where the op then fails, failed with torch's
+    message, which names no parameter ("Tensor on device meta is not on the expected device cpu!", "self and mat2
+    must have the same dtype"). Each backend's layer and cell now names it. (The C++ ops take a layer norm's
+    float64 parameter as float32: the whole layer's result, to the bit.)"""
+    for make, x in ((lambda: dk.nn.DeepTransitionGRU(5, 6, depth=2, backend=backend), torch.randn(4, 3, 5)),
+                    (lambda: dk.nn.DeepTransitionGRUCell(5, 6, depth=2, backend=backend), torch.randn(3, 5)),
+                    (lambda: dk.nn.ATR(5, 6, backend=backend), torch.randn(4, 3, 5))):
+        for apart, said in ((lambda t: torch.empty(t.shape, device="meta"), "torch.float32 on meta"),
+                            (lambda t: t.detach().double(), "torch.float64 on cpu")):
+            torch.manual_seed(0)
+            layer = make()
+            whole = layer(x)
+            name = [n for n, _ in layer.named_parameters()][-1]
+            setattr(layer, name, torch.nn.Parameter(apart(getattr(layer, name))))
+            try:
+                out = layer(x)
+            except ValueError as exc:
+                assert re.fullmatch(rf"{type(layer).__name__}: parameter {name} is {said} but weight_hh is "
+                                    rf"torch.float32 on cpu; move or convert the whole layer \(layer.to\(...\)\)",
+                                    str(exc)), str(exc)
+                continue
+            assert said.endswith("cpu") and backend == "cpp" and "ln_" in name, (name, said)
+            for a, b in zip(out if isinstance(out, tuple) else [out], whole if isinstance(whole, tuple) else [whole]):
+                assert torch.equal(a, b)
 
 
 def test_bad_inputs_raise_value_errors():

@@ -241,6 +241,46 @@ def test_sigint_saves_a_checkpoint_that_resumes_exactly(toy, uninterrupted, tmp_
     assert losses(out) == losses(uninterrupted)
 
 
+def test_a_run_interrupted_at_an_update_due_for_validation_validates_it_when_resumed(toy, uninterrupted, tmp_path,
+                                                                                    capsys, monkeypatch):
+    """Found by a probe: a signal during an update due for validation (here update 10 of --valid-every 10) stopped
+    the run before that validation, and the resumed run went on from update 11: the validation, its step_N.pt and
+    its chance at best.pt were lost (11 of 12 validations with --valid-every 1). last.pt keeps the update of the
+    last validation, and the resumed run validates first: the log's validation rows, the kept step checkpoints and
+    best.pt are the uninterrupted run's."""
+    from dtmt_models.models.checkpoint import read_checkpoint
+    from dtmt_models.training import trainer
+    from dtmt_models.training.trainer import step_checkpoints
+
+    update = trainer.Trainer.train_step
+
+    def signalled(self, batch):   # SIGINT arriving during update 10
+        if self.step == 9:
+            os.kill(os.getpid(), signal.SIGINT)
+        return update(self, batch)
+
+    out = str(tmp_path / "run")
+    args = ["--data", toy, "--out", out, "--max-steps", "24", "--log-every", "1", "--valid-every", "10",
+            "--keep-last", "2", *TINY]
+    with monkeypatch.context() as m:
+        m.setattr(trainer.Trainer, "train_step", signalled)
+        assert train_here(args, capsys).returncode == 130
+    state = read_checkpoint(os.path.join(out, "last.pt"))["training"]
+    assert (state["step"], state["validated_step"]) == (10, 0)
+    r = train_here([*args, "--resume"], capsys)
+    assert r.returncode == 0, r.stderr
+
+    def validations(folder):
+        with open(os.path.join(folder, "train_log.csv"), newline="") as f:
+            return [(r["step"], r["dev_loss"], r["dev_bleu"]) for r in csv.DictReader(f) if r["kind"] == "valid"]
+
+    assert [v[0] for v in validations(out)] == ["10", "20", "24"]
+    assert validations(out) == validations(uninterrupted) and losses(out) == losses(uninterrupted)
+    assert [s for s, _ in step_checkpoints(out)] == [s for s, _ in step_checkpoints(uninterrupted)] == [20, 24]
+    mine, theirs = (read_checkpoint(os.path.join(f, "best.pt")) for f in (out, uninterrupted))
+    assert mine["step"] == theirs["step"] and all(torch.equal(mine["model"][k], v) for k, v in theirs["model"].items())
+
+
 def test_the_log_shows_the_learning_rate_each_update_took(toy_nodev, tmp_path, capsys):
     """train_log.csv's lr beside update k is the rate update k took: paper 000 eq. 17 at t = k - 1, written out here
     (warm-up to n lr0, hold, exponential decay, the 0.05 lr0 floor), with n = 2 replicas, p = 2, s = 4, e = 8; the
@@ -700,6 +740,10 @@ def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, cap
         r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "w" / "run"), *TINY, *args], capsys)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
         assert not (tmp_path / "w").exists(), args
+    # the largest seed taken trains (a seed past 2.3e15 overflowed manual_seed after the data was read: a traceback)
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "s"), "--max-steps", "1", "--seed", str(2 ** 63 - 1),
+                    *TINY], capsys)
+    assert r.returncode == 0, r.stderr
     r = train_here(["--data", toy_nodev, "--out", "/proc/no/run", *TINY], capsys)   # (not writable even by root)
     assert r.returncode == 2 and r.stderr.startswith("dtmt train: --out /proc/no/run: cannot be written"), r.stderr
 
@@ -880,6 +924,12 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
     def vocab(c):
         c["src_vocab"] = b"not a sentencepiece model"
 
+    def group(key, value):   # (found by a probe: maximize=True climbed the loss, exit 0; lr='abc' a traceback)
+        def edit(c):
+            for g in c["training"]["optimizer"]["param_groups"]:
+                g[key] = value
+        return edit
+
     def setting(key, value):   # (each was a traceback: a crafted or hand-edited config)
         def edit(c):
             if value is KeyError:
@@ -916,7 +966,14 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
              (setting("model_options", None), "its setting model_options is None, not a mapping"),
              (setting("max_time_s", float("nan")), "its time budget max_time_s is nan"),
              (counter("elapsed", float("nan")), "its elapsed time is nan"),
-             (vocab, "its src_vocab cannot be read")]
+             (vocab, "its src_vocab cannot be read"),
+             (group("maximize", True), "its optimizer's maximize of group 0 is True, the run's settings give False"),
+             (group("weight_decay", 10.0), "its optimizer's weight_decay of group 0 is 10.0, the run's settings give 0"),
+             (group("eps", -1e-9), "its optimizer's eps of group 0 is -1e-09, the run's settings give 1e-09"),
+             (group("betas", (0.9, 0.5)), "its optimizer's betas of group 0 is (0.9, 0.5)"),
+             (group("lr", "abc"), "its optimizer's lr of group 0 is 'abc', not a rate"),
+             (counter("validated_step", "x"), "its validated_step is 'x', not a count up to its step 2"),
+             (counter("validated_step", 3), "its validated_step is 3, not a count up to its step 2")]
     for i, (edit, message) in enumerate(cases):
         bad = read_checkpoint(str(run / "last.pt"))
         edit(bad)

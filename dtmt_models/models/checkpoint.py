@@ -29,6 +29,7 @@ from dtmt_models.errors import MAX_COUNT, one_line
 from dtmt_models.models.registry import build_model
 
 FORMAT = "dtmt-checkpoint-1"
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")   # how an optimizer steps, not what it does
 
 
 def save_checkpoint(path: str, payload: Dict[str, Any], through_link: bool = False) -> None:
@@ -201,6 +202,16 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
     if len(state["param_groups"]) != len(optimizer.param_groups) or sorted(indices) != list(range(len(params))):
         fail(f"its optimizer state is for {len(indices)} parameters in {len(state['param_groups'])} groups, the "
              f"model has {len(params)} in {len(optimizer.param_groups)}")
+    for i, (g, own) in enumerate(zip(state["param_groups"], optimizer.param_groups)):
+        # the hyperparameters are the run's settings, which a resume keeps (a crafted maximize=True climbed the loss,
+        # exit 0; weight_decay=10 was kept); the rate is the schedule's; how the step is computed is this machine's
+        for key, value in g.items():
+            if key in ("lr", "initial_lr"):
+                v = float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if not _number(v) or v < 0:
+                    fail(f"its optimizer's {key} of group {i} is {value!r}, not a rate")
+            elif key in own and key not in ("params", *IMPLEMENTATION) and not same_value(value, own[key]):
+                fail(f"its optimizer's {key} of group {i} is {value!r}, the run's settings give {own[key]!r}")
     for index, entry in state["state"].items():
         if not _count(index) or index >= len(params) or not isinstance(entry, dict):
             fail(f"its optimizer state has an entry {index!r} that is no parameter's")
@@ -221,6 +232,9 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
     for key in ("step", "epoch", "batch_index", "bad_validations"):   # (--max-steps's bound: no run counts past it)
         if not _count(t.get(key)) or t[key] > MAX_COUNT:
             fail(f"its {key} is {t.get(key)!r}, not a count in [0, {MAX_COUNT:,}]")
+    validated = t.get("validated_step", t["step"])   # (older last.pt: none)
+    if not _count(validated) or validated > t["step"]:
+        fail(f"its validated_step is {validated!r}, not a count up to its step {t['step']:,}")
     if not _number(t.get("elapsed")) or t["elapsed"] < 0:
         fail(f"its elapsed time is {t.get('elapsed')!r}")
     for key in ("best_bleu", "best_loss"):

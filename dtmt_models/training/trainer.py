@@ -47,7 +47,7 @@ from dtmt_models.data.batching import Batches, collate, kept_indices, length_dty
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
-from dtmt_models.models.checkpoint import CheckpointError, check_training_state, save_checkpoint
+from dtmt_models.models.checkpoint import IMPLEMENTATION, CheckpointError, check_training_state, save_checkpoint
 from dtmt_models.models.registry import build_model, init_weights, position_bound
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
@@ -228,9 +228,6 @@ def run_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optim
     return build_optimizer(model, cfg.lr, cfg.adam_beta2, eps, kind=cfg.optimizer, rho=cfg.adadelta_rho)
 
 
-IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")   # how an optimizer steps, not what it does
-
-
 def load_optimizer_state(opt: torch.optim.Optimizer, state: dict) -> None:
     """Loads a checkpoint's optimizer state into `opt` (build_optimizer's), keeping `opt`'s own implementation:
     torch's load_state_dict also takes each group's `fused`/`foreach` flags from the checkpoint, so a checkpoint
@@ -363,7 +360,11 @@ class Trainer:
         # in last.pt, so that a run resumed after Ctrl-C writes the rows an uninterrupted run writes
         self.log_window = [0.0, 0.0, 0.0, 0.0]
         self.stopped_early_by: Optional[str] = None   # the --best-by whose patience ran out, once it has
-        torch.manual_seed(cfg.seed * 7919 + 1 + dist.rank)   # dropout streams differ per process
+        # the update of the last validation (kept in last.pt: a run interrupted at an update due for one validates it
+        # when resumed, as the uninterrupted run did; it had lost that validation, its step_N.pt and its best.pt)
+        self.validated_step = self.step
+        # dropout streams differ per process; (mod 2^64, what manual_seed takes: a --seed past 2.3e15 overflowed)
+        torch.manual_seed((cfg.seed * 7919 + 1 + dist.rank) % 2 ** 64)
         if ckpt is not None:
             self._restore(ckpt)
         # --cuda-graphs (one process on a CUDA device, checked by the command line): updates replayed as graphs
@@ -441,6 +442,7 @@ class Trainer:
         self.best_bleu, self.best_loss, self.bad_validations = t["best_bleu"], t["best_loss"], t["bad_validations"]
         self.log_window = [float(x) for x in t.get("log_window", [0.0, 0.0, 0.0, 0.0])]   # (older last.pt: none)
         self.stopped_early_by = t.get("stopped_early_by")
+        self.validated_step = t.get("validated_step", self.step)   # (older last.pt: none due)
         rngs = t["rng"]
         if len(rngs) != self.dist.world:
             raise ValueError(f"the checkpoint was written by {len(rngs)} process(es); resume with the same number "
@@ -465,7 +467,7 @@ class Trainer:
                 "step": self.step, "epoch": self.epoch, "batch_index": self.batch_index, "elapsed": self.elapsed,
                 "best_bleu": self.best_bleu, "best_loss": self.best_loss, "bad_validations": self.bad_validations,
                 "log_window": list(self.log_window), "stopped_early_by": self.stopped_early_by,
-                "rng": self.dist.gather(rng)}
+                "validated_step": self.validated_step, "rng": self.dist.gather(rng)}
         return p
 
     def check_sync(self) -> Optional[str]:
@@ -588,9 +590,12 @@ class Trainer:
                          "(docs/design/training.md, 'bfloat16 on the CPU'); --amp off is the fast choice on this "
                          "machine")
         handlers = self._install_signals()
-        last_validated = first_step = self.step
+        first_step = self.step
         interrupted = False   # by a signal to any process (every rank sees it through the summed stop flag)
         try:
+            if self.step != self.validated_step and self.step % c.valid_every == 0:   # (due when it was interrupted)
+                self.validated_step = self.step
+                self.validate()
             while self.stop_reason is None:
                 self.stop_reason = self.should_stop()
                 if self.stop_reason:
@@ -621,7 +626,7 @@ class Trainer:
                         interrupted = True
                         break
                     if self.step % c.valid_every == 0:
-                        last_validated = self.step
+                        self.validated_step = self.step
                         if self.validate():
                             break
                     self.stop_reason = self.should_stop()
@@ -635,7 +640,8 @@ class Trainer:
                 # the window in progress at the end of the run: its row too (a run shorter than --log-every had none);
                 # the window stays in last.pt, so a run extended from here writes the rows of an uninterrupted one
                 self._write_train_row()
-            if self.step != last_validated and not interrupted and self.dev_ids:
+            if self.step != self.validated_step and not interrupted and self.dev_ids:
+                self.validated_step = self.step
                 self.validate()
             self.save_last()
             digest = self.check_sync()

@@ -545,6 +545,74 @@ def test_clients_that_left_cost_no_decoding(system):
     assert here.transport.looks == len(many) + 1   # (looked at before each batch and after the last)
 
 
+def test_an_ipv6_address_is_said_as_a_url(system):
+    """`--host ::1` said "listening on http://::1:PORT", not a URL (RFC 3986 puts the address in brackets); the URL
+    said is one a client opens."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = ServerProcess(system[3], "--host", "::1")
+    try:
+        assert proc.url.startswith("http://[::1]:"), proc.url
+        assert request(proc.url, "/health") == (200, {"status": "ok"})
+    finally:
+        proc.close()
+
+
+def test_bodies_in_flight_are_bounded_and_warnings_name_the_request(system, monkeypatch):
+    """Found by a probe: nothing bounded the bodies of the requests in progress together (300 clients each sending
+    the largest body, 6 MB, held 3.3 GB); a request past BODY_BYTES_IN_FLIGHT (or one largest body) is answered 503
+    with Retry-After, its body unread, and a small one still fits. Warnings about the sources named a sentence by
+    its place in the batch of several requests, once per distinct text (174 lines for 200 requests, the set of texts
+    growing): they name the request's number and its own sentence, and one of each kind is shown a minute."""
+    from dtmt_models.decoding import serve
+    from dtmt_models.decoding.serve import Server, ServeSettings, _Pending
+
+    model, sv, tv, _ = system
+    monkeypatch.setattr(serve, "BODY_BYTES_IN_FLIGHT", 1000)   # (so the cap is one largest body)
+    server = Server(model, sv, tv, ServeSettings(beam=2, max_sentences=2, max_chars=10))
+    cap = server.body_limit
+
+    async def scenario():
+        await server.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}/translate"
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)   # a body that is slow to come
+        writer.write(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{" % (cap - 100))
+        await writer.drain()
+        while not server._body_bytes:
+            await asyncio.sleep(0.01)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, data=b" " * 200) as r:   # (its 200 bytes past the cap)
+                refused = r.status, r.headers.get("Retry-After"), await r.json()
+            small = await post(session, url, ["el sol"])   # (its 20-odd bytes fit)
+        writer.close()
+        while server._body_bytes:
+            await asyncio.sleep(0.01)
+        await server.stop()
+        return refused, small
+    refused, small = asyncio.run(scenario())
+    assert refused[:2] == (503, "1") and refused[2]["error"].startswith(f"the server is reading {cap - 100:,} bytes")
+    assert small == (200, {"translations": [translate(model, sv, tv, ["el sol"], beam=2)[0][0][0]],
+                           "scores": [pytest.approx(translate(model, sv, tv, ["el sol"], beam=2)[0][0][1])]})
+    said, short, long = [], ["el sol", "la luna"], "el sol y la luna"
+    bound = max(len(sv.encode(x)) for x in short)
+    assert len(sv.encode(long)) > bound
+    server = Server(model, sv, tv, ServeSettings(beam=2, max_src_len=bound), log=said.append)
+    for first, second in ((short[:1], [long, short[1]]), ([long, long], short[:1]), ([long], short[:1])):
+        server._decode(first + second, [_Pending(first, None, None, 7), _Pending(second, None, None, 9)])
+    # (the second and third within the minute: counted, not shown)
+    assert said == [f"warning: 1 source sentence(s) had more than {bound} subwords and were truncated to {bound} "
+                    f"(request 9 sentence 1)"], said
+    server._warnings.last = {k: (t - 3600, n) for k, (t, n) in server._warnings.last.items()}   # (a minute on)
+    server._decode([long], [_Pending([long], None, None, 12)])
+    assert said[1].startswith(f"warning: 1 source sentence(s) had more than {bound} subwords and were truncated to "
+                              f"{bound} (request 12 sentence 1) (and 2 more like it in the last "), said
+
+
 def test_the_http_layer_s_reports_are_one_line_unless_they_are_a_bug():
     """OneLineLog: what a client can cause (aiohttp's parse errors, a lost connection) is one line without its
     traceback, repeats of a kind within the quiet time counted and said with the next one shown; an exception that

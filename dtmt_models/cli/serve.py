@@ -127,7 +127,8 @@ def _run(args: argparse.Namespace) -> int:
             stopping.append(loop.create_task(server.stop()))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
-        log(f"listening on http://{args.host}:{server.port} ({'+'.join(map(str, names))}, "
+        host = f"[{args.host}]" if ":" in args.host else args.host   # (an IPv6 address: in brackets, RFC 3986)
+        log(f"listening on http://{host}:{server.port} ({'+'.join(map(str, names))}, "
             f"{info['parameters']:,} parameters, beam {settings.beam})")
         await server.wait_stopped()
         c = server.counters

@@ -8,7 +8,11 @@ Requests that arrive together are decoded together: a batcher takes the sentence
 waits at most `max_wait_ms` for more after the first (or until `batch_sentences` are waiting), decodes them
 in one `translate` call on one worker thread (the event loop stays free to take requests meanwhile), and
 answers each request with its own sentences' translations, in its order. Beam search treats every sentence
-independently, so a request's translations do not depend on what it was batched with.
+independently, so a request's translations do not depend on what it was batched with, up to float rounding: the
+padding of a batch changes the order of some sums, so a score may differ in its fifth digit (1.7e-5 was seen), and
+a hypothesis that ties another to that digit could be ranked otherwise. Warnings about the sources (a sentence
+truncated, mostly unknown pieces) name the request by its number (`/info`'s counter when it came) and its
+sentence, and are shown once a minute of each kind, with the count of those not shown.
 
 The body is read as JSON whatever its Content-Type says (`curl -d` sends a form type); a body sent with
 `Content-Encoding: gzip` (or `x-gzip`, `deflate`, `identity`) is decompressed first. Errors are JSON `{"error":
@@ -18,8 +22,10 @@ sentence longer than `max_chars` characters (or a body too large to read or to d
 Content-Encoding (`br`, `zstd`, ...), 404 / 405 for other paths and methods, 500 if decoding itself fails (when a
 batch fails, each of its requests is decoded again on its own, so only a request whose own sentences fail gets the
 500; the server goes on). Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
-requests in flight finish (at most `shutdown_timeout` seconds), then ends. A client gets `read_timeout` seconds to
-send a request's body (else 408, and the connection is closed); a connection on which no request has started for as
+requests in flight finish (at most `shutdown_timeout` seconds), then ends. The bodies of the requests in
+progress hold at most BODY_BYTES_IN_FLIGHT bytes (or one largest body) together: a request beyond that is answered
+503 with Retry-After, its body unread (300 clients each sending the largest body took 3.3 GB). A client gets
+`read_timeout` seconds to send a request's body (else 408, and the connection is closed); a connection on which no request has started for as
 long while none was in progress (silent since it opened, stalled in its headers, or idle between requests) is
 closed: a stalled or silent client holds no connection for longer. A client that leaves before its answer costs no
 more decoding: its request is dropped from the batch it waits for, and a decoding whose every client has left stops
@@ -33,6 +39,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import re
 import sys
 import time
 import traceback
@@ -55,6 +62,7 @@ MAX_BATCH_SENTENCES = 10_000
 MAX_WAIT_MS = 60_000.0            # a minute
 MAX_TIMEOUT = 86_400.0            # a day (shutdown_timeout, read_timeout)
 MIN_READ_TIMEOUT = 0.1            # (the idle-connection watchdog wakes every quarter of it)
+BODY_BYTES_IN_FLIGHT = 256 << 20  # the bodies of the requests in progress together, at most (or one largest body)
 
 
 @dataclass
@@ -182,6 +190,7 @@ class _Pending:
     sentences: List[str]
     future: "asyncio.Future"
     transport: Any = None   # the request's connection (None: none to watch)
+    number: int = 0         # the request's, as the requests counter had it: what warnings name it by
 
     def gone(self) -> bool:
         """The client has left (its connection closed or closing): nobody reads this request's answer. (Read from
@@ -199,9 +208,10 @@ class OneLineLog(logging.Handler):
 
     MAX_KINDS = 1024   # kinds counted at most (texts that vary, e.g. with an address, do not grow it for ever)
 
-    def __init__(self, log: Callable[[str], None], quiet_s: float = 60.0):
+    def __init__(self, log: Callable[[str], None], quiet_s: float = 60.0,
+                 kind: Optional[Callable[[logging.LogRecord], Any]] = None):
         super().__init__(logging.WARNING)
-        self.say, self.quiet_s = log, quiet_s
+        self.say, self.quiet_s, self.kind = log, quiet_s, kind
         self.last: Dict[tuple, Tuple[float, int]] = {}   # kind -> (when last shown, how many since not shown)
 
     @staticmethod
@@ -213,7 +223,8 @@ class OneLineLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             exc = record.exc_info[1] if record.exc_info else None
-            key = (record.name, record.msg if isinstance(record.msg, str) else type(record.msg), type(exc))
+            key = (self.kind(record) if self.kind is not None else
+                   (record.name, record.msg if isinstance(record.msg, str) else type(record.msg), type(exc)))
             now = time.monotonic()
             shown, hidden = self.last.get(key, (-math.inf, 0))
             if now - shown < self.quiet_s:
@@ -250,6 +261,12 @@ def log_http_in_one_line(log: Callable[[str], None]) -> OneLineLog:
     return handler
 
 
+def _warning_kind(record: logging.LogRecord) -> str:
+    """A warning about the sources without its counts and places: "warning: # source sentence(s) had more than #
+    subwords and were truncated to #"."""
+    return re.sub(r"\d+", "#", record.msg.split(" (")[0])
+
+
 class ClientsGone(Exception):
     """Every client of the batch being decoded has left: the decoding stops at its next batch."""
 
@@ -281,7 +298,10 @@ class Server:
         self._watchdog: Optional[asyncio.Task] = None
         self._started: Dict[Any, int] = {}   # connection -> requests started on it
         self._busy: set = set()               # connections with a request in progress
-        self._seen_warnings: set = set()
+        # warnings about the sources, once a minute of each kind (the text with its numbers left out): they had
+        # been shown once per distinct text, which names counts and places, so nearly all, in a growing set
+        self._warnings = OneLineLog(lambda text: self.log(text), kind=_warning_kind)
+        self._body_bytes = 0   # what the bodies of the requests in progress may hold: BODY_BYTES_IN_FLIGHT's count
         # the inference decoder is built once (or by the caller: `decoder`): the weights never change while serving
         model.eval()
         if decoder is None:
@@ -389,14 +409,29 @@ class Server:
             self._busy.discard(conn)
 
     async def _translate(self, request):
-        from aiohttp import web
-
         self.counters.requests += 1
+        number = self.counters.requests
         if request.content_length is not None and request.content_length > self.body_limit:   # (said at once, not
             response = self._error(413, f"the request body is too large (Content-Length {request.content_length:,}; "
                                         f"the limit is {self.body_limit:,} bytes)")   # once read_timeout is up)
             response.force_close()
             return response
+        size = self.body_limit if request.content_length is None else request.content_length
+        if self._body_bytes and self._body_bytes + size > max(BODY_BYTES_IN_FLIGHT, self.body_limit):
+            response = self._error(503, f"the server is reading {self._body_bytes:,} bytes of other requests; try "
+                                        f"again", headers={"Retry-After": "1"})
+            response.force_close()   # (its body unread)
+            return response
+        self._body_bytes += size
+        try:
+            return await self._answer(request, number)
+        finally:
+            self._body_bytes -= size
+
+    async def _answer(self, request, number: int):
+        """_translate's work once the request's body may be read: read, parse, wait for its batch, answer."""
+        from aiohttp import web
+
         try:
             body = await asyncio.wait_for(request.read(), self.settings.read_timeout)
         except asyncio.TimeoutError:   # a client that stalls in its body: answered, and the connection closed
@@ -414,7 +449,7 @@ class Server:
         if not sentences:
             return web.json_response({"translations": [], "scores": []})
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(sentences, future, request.transport))
+        await self._queue.put(_Pending(sentences, future, request.transport, number))
         try:
             results = await future
         except ClientsGone:
@@ -523,12 +558,13 @@ class Server:
                 raise ClientsGone()
 
         s = self.settings
+        places = [(item.number, j + 1) for item in batch for j in range(len(item.sentences))]
         results, messages = input_warnings(lambda: translate(
             self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha, max_tokens=s.max_tokens,
             max_src_len=s.max_src_len, max_len_a=s.max_len_a, max_len_b=s.max_len_b, decoder=self.decoder,
-            early_stop=s.early_stop, penalty=s.penalty, progress=watch))
+            early_stop=s.early_stop, penalty=s.penalty, progress=watch,
+            where=(lambda i: "request {} sentence {}".format(*places[i])) if len(places) == len(sentences) else None))
         for message in messages:
-            if message not in self._seen_warnings:
-                self._seen_warnings.add(message)
-                self.log(f"warning: {message}")
+            self._warnings.handle(logging.makeLogRecord({"name": "dtmt.serve", "levelno": logging.WARNING,
+                                                         "levelname": "WARNING", "msg": f"warning: {message}"}))
         return results

@@ -162,6 +162,9 @@ def check_output_dir(path: str, option: str) -> None:
 
 def _check_folder_on_the_way(folder: str, option: str, path: str, writable: bool = True) -> None:
     while not os.path.exists(folder):   # the nearest existing folder on the way must be a folder
+        if os.path.islink(folder):   # (a link to nothing: making the folder failed with "File exists")
+            raise UsageError(f"{option} {path}: {folder} is a symbolic link to {os.readlink(folder)}, which does not "
+                             f"exist")
         parent = os.path.dirname(folder)
         if parent == folder:
             return

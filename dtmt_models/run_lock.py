@@ -68,7 +68,8 @@ class RunLock:
             os.close(fd)
         else:
             failed = failed or OSError(f"its lock file {self.path} keeps being replaced")
-        if failed is not None:
+        if failed is not None:   # (a full disk: the folders made for it went with the refusal, they had stayed)
+            self._remove_made()
             raise RunLocked(f"{self.option} {self.directory}: cannot be written ({failed.strerror or failed})")
         self.fd = fd
         try:
@@ -87,13 +88,18 @@ class RunLock:
         with contextlib.suppress(OSError):   # (removed while held: one who opened it meanwhile sees it gone, above;
             if os.path.samestat(os.fstat(self.fd), os.stat(self.path)):   # only its own: not one made after a user
                 os.remove(self.path)                                          # removed this one)
-        if discard and self.made:
-            with contextlib.suppress(OSError):
-                if not os.listdir(self.directory):
-                    for folder in self.made:   # (--out runs/x made runs/ too: it goes if still empty)
-                        os.rmdir(folder)
+        if discard:
+            self._remove_made()
         os.close(self.fd)   # (closing the only descriptor of the lock releases it)
         self.fd = None
+
+
+    def _remove_made(self) -> None:
+        """Removes the folders acquire made, if nothing is in them (--out runs/x made runs/ too: it goes if empty)."""
+        with contextlib.suppress(OSError):
+            if self.made and not os.listdir(self.directory):
+                for folder in self.made:
+                    os.rmdir(folder)
 
 
 def holder(directory: str, name: str = LOCK_NAME) -> Optional[str]:

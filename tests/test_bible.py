@@ -388,6 +388,12 @@ def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
     assert f"--out {src}: exists and is not a directory" in capsys.readouterr().err
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", os.path.join(src, "sub")]) == 2
     assert f"{src} is a file, not a directory" in capsys.readouterr().err
+    dangling = tmp_path / "dangling"   # (a link to nothing: "cannot be written (File exists)")
+    dangling.symlink_to(tmp_path / "gone")
+    for out in (dangling, dangling / "sub"):
+        assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out)]) == 2
+        assert (f"--out {out}: {dangling} is a symbolic link to {tmp_path / 'gone'}, which does not exist"
+                in capsys.readouterr().err)
     assert prepare.main(["binarize", "--data", str(tmp_path / "nowhere")]) == 2
     assert "--data " + str(tmp_path / "nowhere") + ": no such folder" in capsys.readouterr().err
     assert prepare.main(base + ["--holdout", "x"]) == 2  # argparse usage error

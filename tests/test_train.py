@@ -748,6 +748,26 @@ def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, cap
     assert r.returncode == 2 and r.stderr.startswith("dtmt train: --out /proc/no/run: cannot be written"), r.stderr
 
 
+def test_a_lock_that_cannot_be_made_leaves_no_folder(tmp_path, monkeypatch):
+    """Found by a probe on a full disk: when the lock file of a new --out could not be made, the refusal left the
+    folders made for it behind (empty); they go, as a run refused later leaves none. A folder that was there stays."""
+    import errno
+
+    from dtmt_models.run_lock import LOCK_NAME, RunLock, RunLocked
+
+    real = os.open
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith(LOCK_NAME):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(os, "open", full)
+    for out, kept in ((tmp_path / "runs" / "a", tmp_path), (tmp_path, tmp_path)):
+        with pytest.raises(RunLocked, match="cannot be written \\(No space left on device\\)"):
+            RunLock(str(out)).acquire()
+        assert kept.is_dir() and not (tmp_path / "runs").exists()
+
+
 def test_one_run_per_directory(toy_nodev, tmp_path, capsys):
     """A second dtmt train on a --out that a running one holds is refused in one line naming the first one's
     process, exit 2, with nothing written there (issue 71 item 6); once the first ends, the directory is free. A run
@@ -1247,6 +1267,13 @@ def test_out_that_is_a_file_or_lies_under_one_is_refused(toy_nodev, tmp_path, ca
         r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
     assert afile.read_text() == "x" and sorted(os.listdir(tmp_path)) == ["afile"]
+    # inside the corpus' binarized copy, which a rebuild replaces whole (it was refused later, blaming the lock file)
+    before = sorted(os.listdir(toy_nodev))
+    for out in (os.path.join(toy_nodev, "bin-bpe60"), os.path.join(toy_nodev, "bin-bpe60", "run")):
+        r = train_here(["--data", toy_nodev, "--out", out, "--max-steps", "1", *TINY], capsys)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"--out {out}: inside --data's binarized copy bin-bpe60, which dtmt prepare rebuilds" in r.stderr
+    assert sorted(os.listdir(toy_nodev)) == before
 
 
 def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nodev, tmp_path, capsys, monkeypatch):

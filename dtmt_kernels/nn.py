@@ -26,6 +26,7 @@ ln_weight / ln_bias [2H] for p and q (the q offset plays the role of b).
 """
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 from typing import List, Optional, Tuple
@@ -199,9 +200,11 @@ class _TransitionBase(BackendSwitch, nn.Module):
             raise ValueError(f"{name}: {arg} must be a floating-point Tensor {expected}, got dtype {t.dtype}")
         # under autocast, float32 beside the autocast dtype either way (its rule casts them: ops/_autocast.py)
         if t.dtype != ref.dtype and not autocast_mix((t.dtype, ref.dtype), t):
+            self._check_parameters()   # (weight_hh itself converted alone: named, not "the parameters")
             raise ValueError(f"{name}: {arg} has dtype {t.dtype} but the parameters are {ref.dtype}; "
                              f"convert one of them (e.g. layer.to({t.dtype}))")
         if t.device != ref.device:
+            self._check_parameters()
             raise ValueError(f"{name}: {arg} is on {t.device} but the parameters are on {ref.device}")
 
     def _check_h(self, h: Optional[Tensor], expected_shape: Tuple[int, ...], label: str) -> None:
@@ -224,15 +227,17 @@ class _TransitionBase(BackendSwitch, nn.Module):
             raise
 
     def _check_parameters(self) -> None:
-        """ValueError naming the first parameter whose device or dtype is not weight_hh's (which the inputs are
-        checked against): one loaded onto the meta device, or converted alone. Called only once an op has failed,
-        so the checks cost nothing on a call that runs."""
-        ref = self.weight_hh
+        """ValueError naming the first parameter whose device or dtype is not the others' (those of most of them):
+        one loaded onto the meta device, or converted alone. Called only once an op has failed, so the checks cost
+        nothing on a call that runs."""
+        kinds = collections.Counter((p.dtype, p.device) for p in self.parameters())
+        if len(kinds) < 2:
+            return
+        dtype, device = kinds.most_common(1)[0][0]
         for n, p in self.named_parameters():
-            if p.device != ref.device or p.dtype != ref.dtype:
-                raise ValueError(f"{type(self).__name__}: parameter {n} is {p.dtype} on {p.device} but weight_hh "
-                                 f"is {ref.dtype} on {ref.device}; move or convert the whole layer (layer.to(...))"
-                                 ) from None
+            if (p.dtype, p.device) != (dtype, device):
+                raise ValueError(f"{type(self).__name__}: parameter {n} is {p.dtype} on {p.device} but the others "
+                                 f"are {dtype} on {device}; move or convert the whole layer (layer.to(...))") from None
 
 
 def each_direction(layer, run) -> Tuple[Tensor, Tensor]:

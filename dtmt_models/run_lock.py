@@ -75,8 +75,8 @@ class RunLock:
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
-        except OSError as exc:   # (a full disk: the lock let go and its file removed, as a run's end does)
-            self.release()
+        except OSError as exc:   # (a full disk: the lock let go, its file and the folders made for it removed)
+            self.release(discard=True)
             raise RunLocked(f"{self.option} {self.directory}: cannot be written ({exc.strerror or exc})") from None
         return self
 

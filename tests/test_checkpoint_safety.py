@@ -127,3 +127,16 @@ def test_a_changed_byte_in_a_checkpoint_is_refused(tmp_path):
         r = _cli(*args, stdin="hola\n")
         assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and "damaged: its record" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "a.pt")
+    # torch told not to compute CRCs (its config) writes 0s: such a file is read unchecked, not called damaged; and
+    # save_checkpoint computes them whatever the config says
+    from torch.utils.serialization import config
+
+    with config.patch({"save.compute_crc32": False}):
+        torch.save({"format": FORMAT, "model": {"w": weight}}, str(tmp_path / "nocrc.pt"))
+        save_checkpoint(str(tmp_path / "ours.pt"), dict(model_name="dtmt", model_options={}, src_vocab=b"spm",
+                                                         tgt_vocab=b"spm", model={"w": weight}))
+    assert torch.equal(read_checkpoint(str(tmp_path / "nocrc.pt"))["model"]["w"], weight)
+    data = bytearray(open(tmp_path / "ours.pt", "rb").read())
+    data[bytes(data).index(weight[1000:1002].numpy().tobytes())] ^= 0x40
+    open(tmp_path / "ours.pt", "wb").write(bytes(data))
+    assert damaged_record(str(tmp_path / "ours.pt")).endswith("data/0")

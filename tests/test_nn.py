@@ -209,17 +209,18 @@ def test_a_parameter_apart_from_the_others_is_named(backend):
     for make, x in ((lambda: dk.nn.DeepTransitionGRU(5, 6, depth=2, backend=backend), torch.randn(4, 3, 5)),
                     (lambda: dk.nn.DeepTransitionGRUCell(5, 6, depth=2, backend=backend), torch.randn(3, 5)),
                     (lambda: dk.nn.ATR(5, 6, backend=backend), torch.randn(4, 3, 5))):
-        for apart, said in ((lambda t: torch.empty(t.shape, device="meta"), "torch.float32 on meta"),
-                            (lambda t: t.detach().double(), "torch.float64 on cpu")):
-            torch.manual_seed(0)
+        for apart, said, which in ((lambda t: torch.empty(t.shape, device="meta"), "torch.float32 on meta", -1),
+                                   (lambda t: t.detach().double(), "torch.float64 on cpu", -1),
+                                   (lambda t: t.detach().double(), "torch.float64 on cpu", 1)):   # (weight_hh: named
+            torch.manual_seed(0)                                                                # as the odd one)
             layer = make()
             whole = layer(x)
-            name = [n for n, _ in layer.named_parameters()][-1]
+            name = [n for n, _ in layer.named_parameters()][which]
             setattr(layer, name, torch.nn.Parameter(apart(getattr(layer, name))))
             try:
                 out = layer(x)
             except ValueError as exc:
-                assert re.fullmatch(rf"{type(layer).__name__}: parameter {name} is {said} but weight_hh is "
+                assert re.fullmatch(rf"{type(layer).__name__}: parameter {name} is {said} but the others are "
                                     rf"torch.float32 on cpu; move or convert the whole layer \(layer.to\(...\)\)",
                                     str(exc)), str(exc)
                 continue

@@ -749,8 +749,9 @@ def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, cap
 
 
 def test_a_lock_that_cannot_be_made_leaves_no_folder(tmp_path, monkeypatch):
-    """Found by a probe on a full disk: when the lock file of a new --out could not be made, the refusal left the
-    folders made for it behind (empty); they go, as a run refused later leaves none. A folder that was there stays."""
+    """Found by a probe on a full disk: when the lock file of a new --out could not be made or written, the refusal
+    left the folders made for it behind (empty); they go, as a run refused later leaves none, and so does the lock
+    file. A folder that was there stays."""
     import errno
 
     from dtmt_models.run_lock import LOCK_NAME, RunLock, RunLocked
@@ -761,11 +762,17 @@ def test_a_lock_that_cannot_be_made_leaves_no_folder(tmp_path, monkeypatch):
         if str(path).endswith(LOCK_NAME):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, *args, **kwargs)
-    monkeypatch.setattr(os, "open", full)
-    for out, kept in ((tmp_path / "runs" / "a", tmp_path), (tmp_path, tmp_path)):
-        with pytest.raises(RunLocked, match="cannot be written \\(No space left on device\\)"):
-            RunLock(str(out)).acquire()
-        assert kept.is_dir() and not (tmp_path / "runs").exists()
+
+    def full_write(fd, data):   # (the lock file made, its writing refused: the usual way of a full disk)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    for target, fake in ((os, "open"), (os, "write")):
+        with monkeypatch.context() as m:
+            m.setattr(target, fake, full if fake == "open" else full_write)
+            for out in (tmp_path / "runs" / "a", tmp_path):
+                with pytest.raises(RunLocked, match="cannot be written \\(No space left on device\\)"):
+                    RunLock(str(out)).acquire()
+                assert tmp_path.is_dir() and not (tmp_path / "runs").exists(), fake
+        assert os.listdir(tmp_path) == [], fake
 
 
 def test_one_run_per_directory(toy_nodev, tmp_path, capsys):
@@ -947,7 +954,10 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
     def group(key, value):   # (found by a probe: maximize=True climbed the loss, exit 0; lr='abc' a traceback)
         def edit(c):
             for g in c["training"]["optimizer"]["param_groups"]:
-                g[key] = value
+                if value is KeyError:
+                    del g[key]
+                else:
+                    g[key] = value
         return edit
 
     def setting(key, value):   # (each was a traceback: a crafted or hand-edited config)
@@ -988,10 +998,13 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
              (counter("elapsed", float("nan")), "its elapsed time is nan"),
              (vocab, "its src_vocab cannot be read"),
              (group("maximize", True), "its optimizer's maximize of group 0 is True, the run's settings give False"),
-             (group("weight_decay", 10.0), "its optimizer's weight_decay of group 0 is 10.0, the run's settings give 0"),
+             (group("weight_decay", 10.0), "its optimizer's weight_decay of group 0 is 10.0, the run's settings "
+                                           "give 0"),
              (group("eps", -1e-9), "its optimizer's eps of group 0 is -1e-09, the run's settings give 1e-09"),
              (group("betas", (0.9, 0.5)), "its optimizer's betas of group 0 is (0.9, 0.5)"),
              (group("lr", "abc"), "its optimizer's lr of group 0 is 'abc', not a rate"),
+             (group("betas", KeyError), "its optimizer's group 0 has no betas"),   # (a KeyError's traceback)
+             (group("weight_decay", KeyError), "its optimizer's group 0 has no weight_decay"),
              (counter("validated_step", "x"), "its validated_step is 'x', not a count up to its step 2"),
              (counter("validated_step", 3), "its validated_step is 3, not a count up to its step 2")]
     for i, (edit, message) in enumerate(cases):
@@ -1471,9 +1484,9 @@ def test_average_writes_a_checkpoint_that_loads(uninterrupted, tmp_path, capsys)
     (_, p20), (_, p24) = step_checkpoints(uninterrupted)
     a = read_checkpoint(p20)
     key = next(k for k, v in a["model_options"].items() if type(v) is int and not isinstance(v, bool))
-    for value in (float(a["model_options"][key]), True if a["model_options"][key] == 1 else None):
-        if value is None:
-            continue
+    ones = [k for k, v in a["model_options"].items() if type(v) is int and v == 1]
+    assert ones, a["model_options"]   # (True == 1: a bool where the options say 1)
+    for key, value in ((key, float(a["model_options"][key])), (ones[0], True)):
         other = dict(a, model_options={**a["model_options"], key: value})
         save_checkpoint(str(tmp_path / "typed.pt"), other)
         for files in ([p24, str(tmp_path / "typed.pt")], [str(tmp_path / "typed.pt"), p24]):

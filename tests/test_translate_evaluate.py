@@ -618,6 +618,9 @@ def test_a_reader_gone_or_stdin_closed_is_one_line_not_a_traceback(system):
     r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "models"], stdout=subprocess.DEVNULL,
                        preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True, env=env, timeout=300)
     assert r.returncode == 2 and r.stderr == "dtmt models: stdout is closed; nowhere to print the list\n", r.stderr
+    r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "--version"], stdout=subprocess.DEVNULL,
+                       preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and r.stderr == "dtmt --version: stdout is closed; nowhere to print\n", r.stderr
     r = subprocess.run([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", system[3], "-"],
                        input="a b\n", stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1),
                        stderr=subprocess.PIPE, text=True, env=env, timeout=300)

@@ -72,6 +72,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _dispatch(argv: List[str]) -> int:
+    if argv and argv[0] in ("-h", "--help", "help", "-V", "--version") and sys.stdout is None:   # (`>&-`: exit 0,
+        print(f"dtmt {argv[0]}: stdout is closed; nowhere to print", file=sys.stderr)             # nothing said)
+        return 2
     if argv and argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0

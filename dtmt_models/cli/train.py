@@ -557,8 +557,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 args.out = os.path.dirname(resume_from)
         args.out = os.path.abspath(args.out or os.path.join("runs", args.model))
         check_output_dir(args.out, "--out")
-        inside = os.path.relpath(os.path.realpath(args.out), os.path.realpath(args.data)).split(os.sep)[0]
-        if inside.startswith("bin-"):   # (the refusal came later, blaming the run's own lock file)
+        inside = binarized.copy_holding(args.data, args.out)
+        if inside is not None:   # (the refusal came later, blaming the run's own lock file)
             raise ValueError(f"--out {args.out}: inside --data's binarized copy {inside}, which dtmt prepare "
                              f"rebuilds whole; give a folder outside it")
         if int(os.environ.get("RANK", "0")) == 0:   # one run per directory (the main process holds it)

@@ -80,6 +80,17 @@ def binarized_path(corpus_dir: str, vocab_type: str, vocab_size: int, protos: Op
     return os.path.join(corpus_dir, binarized_name(vocab_type, vocab_size))
 
 
+# the folders binarized_path names: DIR/bin-<type><size>, DIR/bin-models-<12 hex digits>
+_COPY_NAME = re.compile(r"bin-(?:[a-z]+\d+|models-[0-9a-f]{12})")
+
+
+def copy_holding(corpus_dir: str, path: str) -> Optional[str]:
+    """The name of `corpus_dir`'s binarized copy (binarized_path's folder, made or to be made) that `path` is or
+    lies in, or None. A rebuild replaces that folder whole: no run's folder may be in it."""
+    first = os.path.relpath(os.path.realpath(path), os.path.realpath(corpus_dir)).split(os.sep)[0]
+    return first if _COPY_NAME.fullmatch(first) else None
+
+
 _OURS = re.compile(r"(binarized\.json|(src|tgt)\.model|[^.]+\.(src|tgt)\.(bin|idx))")
 
 

@@ -22,11 +22,12 @@ sentence longer than `max_chars` characters (or a body too large to read or to d
 Content-Encoding (`br`, `zstd`, ...), 404 / 405 for other paths and methods, 500 if decoding itself fails (when a
 batch fails, each of its requests is decoded again on its own, so only a request whose own sentences fail gets the
 500; the server goes on). Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
-requests in flight finish (at most `shutdown_timeout` seconds), then ends. The bodies of the requests in
-progress hold at most BODY_BYTES_IN_FLIGHT bytes (or one largest body) together: a request beyond that is answered
-503 with Retry-After, its body unread (300 clients each sending the largest body took 3.3 GB). A client gets
-`read_timeout` seconds to send a request's body (else 408, and the connection is closed); a connection on which no request has started for as
-long while none was in progress (silent since it opened, stalled in its headers, or idle between requests) is
+requests in flight finish (at most `shutdown_timeout` seconds), then ends. The bodies being read (each counted
+by its Content-Length, a chunked one as the largest body, until it is parsed) hold at most BODY_BYTES_IN_FLIGHT
+bytes (or one largest body) together: a request beyond that is answered 503 with Retry-After, its body unread (300
+clients each sending the largest body took 3.3 GB). A client gets `read_timeout` seconds to send a request's body
+(else 408, and the connection is closed); a connection on which no request has started for as long while none was
+in progress (silent since it opened, stalled in its headers, or idle between requests) is
 closed: a stalled or silent client holds no connection for longer. A client that leaves before its answer costs no
 more decoding: its request is dropped from the batch it waits for, and a decoding whose every client has left stops
 at translate's next batch. What the HTTP layer reports (a request that is not HTTP) is one line each
@@ -409,6 +410,8 @@ class Server:
             self._busy.discard(conn)
 
     async def _translate(self, request):
+        from aiohttp import web
+
         self.counters.requests += 1
         number = self.counters.requests
         if request.content_length is not None and request.content_length > self.body_limit:   # (said at once, not
@@ -416,36 +419,20 @@ class Server:
                                         f"the limit is {self.body_limit:,} bytes)")   # once read_timeout is up)
             response.force_close()
             return response
+        # the body's bytes while it is read and parsed (a chunked one: the largest body's), against the budget
         size = self.body_limit if request.content_length is None else request.content_length
         if self._body_bytes and self._body_bytes + size > max(BODY_BYTES_IN_FLIGHT, self.body_limit):
-            response = self._error(503, f"the server is reading {self._body_bytes:,} bytes of other requests; try "
-                                        f"again", headers={"Retry-After": "1"})
+            response = self._error(503, f"the server is reading the bodies of other requests (up to "
+                                        f"{self._body_bytes:,} bytes); try again", headers={"Retry-After": "1"})
             response.force_close()   # (its body unread)
             return response
         self._body_bytes += size
         try:
-            return await self._answer(request, number)
+            sentences = await self._read_sentences(request)
         finally:
             self._body_bytes -= size
-
-    async def _answer(self, request, number: int):
-        """_translate's work once the request's body may be read: read, parse, wait for its batch, answer."""
-        from aiohttp import web
-
-        try:
-            body = await asyncio.wait_for(request.read(), self.settings.read_timeout)
-        except asyncio.TimeoutError:   # a client that stalls in its body: answered, and the connection closed
-            response = self._error(408, f"the request's body did not arrive within {self.settings.read_timeout:g} s")
-            response.force_close()
-            return response
-        except ConnectionError:   # the client left in the middle of its body (aiohttp's "Connection lost"): nobody
-            return web.Response(status=400)   # to answer, nothing to log (it was a traceback on stderr)
-        try:
-            body = decode_body(body, ", ".join(request.headers.getall("Content-Encoding", [])), self.body_limit)
-            sentences = parse_request(body, self.settings)
-        except RequestError as exc:   # (415: RFC 9110 asks for the codings accepted)
-            headers = {"Accept-Encoding": ", ".join(CONTENT_CODINGS)} if exc.status == 415 else None
-            return self._error(exc.status, str(exc), headers)
+        if not isinstance(sentences, list):   # (a response: the body refused)
+            return sentences
         if not sentences:
             return web.json_response({"translations": [], "scores": []})
         future = asyncio.get_running_loop().create_future()
@@ -460,6 +447,25 @@ class Server:
         # (a sentence without a hypothesis: a model that gives every word -inf)
         return web.json_response({"translations": [hyps[0][0] if hyps else "" for hyps in results],
                                   "scores": [hyps[0][1] if hyps else None for hyps in results]})
+
+    async def _read_sentences(self, request):
+        """The request's sentences, its body read, decompressed and parsed; or the response that refuses it."""
+        from aiohttp import web
+
+        try:
+            body = await asyncio.wait_for(request.read(), self.settings.read_timeout)
+        except asyncio.TimeoutError:   # a client that stalls in its body: answered, and the connection closed
+            response = self._error(408, f"the request's body did not arrive within {self.settings.read_timeout:g} s")
+            response.force_close()
+            return response
+        except ConnectionError:   # the client left in the middle of its body (aiohttp's "Connection lost"): nobody
+            return web.Response(status=400)   # to answer, nothing to log (it was a traceback on stderr)
+        try:
+            body = decode_body(body, ", ".join(request.headers.getall("Content-Encoding", [])), self.body_limit)
+            return parse_request(body, self.settings)
+        except RequestError as exc:   # (415: RFC 9110 asks for the codings accepted)
+            headers = {"Accept-Encoding": ", ".join(CONTENT_CODINGS)} if exc.status == 415 else None
+            return self._error(exc.status, str(exc), headers)
 
     async def _health(self, request):
         from aiohttp import web

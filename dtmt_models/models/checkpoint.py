@@ -11,6 +11,7 @@ loading a file from someone else never runs code that the file carries (a plain 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -39,13 +40,23 @@ def save_checkpoint(path: str, payload: Dict[str, Any], through_link: bool = Fal
     missing = [k for k in ("model_name", "model_options", "src_vocab", "tgt_vocab", "model") if k not in payload]
     if missing:
         raise ValueError(f"save_checkpoint: payload lacks {missing}")
-    with atomic_write(path, "wb", through_link=through_link) as f:
+    with atomic_write(path, "wb", through_link=through_link) as f, _with_check_sums():
         try:
             torch.save({**payload, "format": FORMAT}, f)
         except RuntimeError as exc:   # torch's zip writer reports a failed write (a full disk) as its own error
             free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
             raise OSError(f"the write stopped with {free:,} bytes free on its device"
                           + (" (the disk is full)" if free < (1 << 20) else f" ({one_line(exc)})")) from None
+
+
+def _with_check_sums():
+    """A context in which torch.save stores each record's CRC-32 (what read_checkpoint checks), whatever a caller set
+    in torch's serialization config."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:   # (a torch before the config: it always computed them)
+        return contextlib.nullcontext()
+    return config.patch({"save.compute_crc32": True})
 
 
 class CheckpointError(ValueError):
@@ -57,12 +68,23 @@ class CheckpointError(ValueError):
 def damaged_record(path: str) -> Optional[str]:
     """The name of the first record of the zip file `path` whose bytes fail the CRC-32 that torch.save stored with
     them (a changed byte: a disk or a copy error, which torch.load does not check: the weights were read as they
-    were), or None: all are whole, or `path` is no zip file read here (torch.load then says what it is)."""
+    were), or None: all are whole, or `path` is no zip file read here (torch.load then says what it is). A record
+    whose stored CRC is 0 is not checked: torch writes 0 when told not to compute them (its serialization config's
+    save.compute_crc32; save_checkpoint always does)."""
     try:
         with zipfile.ZipFile(path) as z:
-            return z.testzip()
+            for record in z.infolist():
+                if record.CRC == 0 and record.file_size:
+                    continue
+                with z.open(record) as f:   # (read to its end, the stored CRC is compared: BadZipFile if it differs)
+                    try:
+                        while f.read(1 << 20):
+                            pass
+                    except zipfile.BadZipFile:
+                        return record.filename
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError, OSError):
         return None
+    return None
 
 
 def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
@@ -210,8 +232,11 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
                 v = float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
                 if not _number(v) or v < 0:
                     fail(f"its optimizer's {key} of group {i} is {value!r}, not a rate")
-            elif key in own and key not in ("params", *IMPLEMENTATION) and not same_value(value, own[key]):
+            elif key in own and key not in ("params", *IMPLEMENTATION) and not _same_number(value, own[key]):
                 fail(f"its optimizer's {key} of group {i} is {value!r}, the run's settings give {own[key]!r}")
+        for key, value in own.items():   # (torch fills in a missing flag, not a missing number: a KeyError later)
+            if key not in g and key not in ("params", *IMPLEMENTATION) and not isinstance(value, (bool, type(None))):
+                fail(f"its optimizer's group {i} has no {key}")
     for index, entry in state["state"].items():
         if not _count(index) or index >= len(params) or not isinstance(entry, dict):
             fail(f"its optimizer state has an entry {index!r} that is no parameter's")
@@ -383,6 +408,17 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
     return bool(a == b) or a != a and b != b   # (NaN is NaN here)
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    """same_value, but an int and a float of one value are the same number (an optimizer's 0 and 0.0 weight decay);
+    a bool is no number."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_number(x, y) for x, y in zip(a, b))
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+        return a == b
+    return same_value(a, b)
 
 
 def _run_of(ckpt: Dict[str, Any]) -> Tuple[Any, Any]:

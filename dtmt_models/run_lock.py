@@ -93,7 +93,6 @@ class RunLock:
         os.close(self.fd)   # (closing the only descriptor of the lock releases it)
         self.fd = None
 
-
     def _remove_made(self) -> None:
         """Removes the folders acquire made, if nothing is in them (--out runs/x made runs/ too: it goes if empty)."""
         with contextlib.suppress(OSError):

@@ -12,12 +12,12 @@ from typing import Dict, List, Optional
 import torch
 
 from dtmt_models.models.presets import PAPER_ROWS, TABLES, PaperRow, presets_of
-from dtmt_models.models.registry import _MODELS, build_model, list_models
+from dtmt_models.models.registry import _MODELS, build_model, list_models, shapes_only
 
 
 def _row_model(row: PaperRow) -> torch.nn.Module:
     vocab = TABLES[row.table].vocab
-    with torch.device("meta"):   # (shapes only: nothing allocated at the papers' sizes)
+    with shapes_only():   # (nothing allocated at the papers' sizes)
         return build_model(row.model, vocab, vocab, **row.options)
 
 

@@ -27,7 +27,7 @@ import torch
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.errors import MAX_COUNT, one_line
-from dtmt_models.models.registry import build_model
+from dtmt_models.models.registry import build_model, shapes_only
 
 FORMAT = "dtmt-checkpoint-1"
 IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")   # how an optimizer steps, not what it does
@@ -294,7 +294,7 @@ def translation_parts(path: str, ckpt: Dict[str, Any]) -> Tuple[Vocabulary, Voca
     if not isinstance(options, dict):
         raise ValueError(f"{path}: its model cannot be built (its options are a {type(options).__name__})")
     try:
-        with torch.device("meta"):
+        with shapes_only():
             own = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **options).state_dict()
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{path}: its model cannot be built ({one_line(exc)[:300]})") from None

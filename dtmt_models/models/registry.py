@@ -1,8 +1,9 @@
 """The one registry of NMT systems: `build_model(name, src_vocab_size, tgt_vocab_size, **options)`."""
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -153,16 +154,35 @@ def _import_systems() -> None:
     from . import systems  # noqa: F401
 
 
+class _SkipNormalInit(torch.overrides.TorchFunctionMode):
+    """Under shapes_only: a normal_ fill (nn.init.normal_, Tensor.normal_) leaves its tensor as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.normal_ or func is nn.init.normal_:
+            return args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """A context to build a system whose parameters' names, shapes and dtypes alone are wanted (a checkpoint's
+    weights compared before anything is allocated, options checked, the papers' counts): on the meta device, its
+    normal_ initialisations skipped. A normal_ on the meta device goes through torch._refs, whose first call imports
+    torch._dynamo: 1.3 s and 140 MiB more for every process that loaded a checkpoint (translate 1.34x the wall time
+    of 400 verses; a before / after check found it, RESULTS.md)."""
+    with torch.device("meta"), _SkipNormalInit():
+        yield
+
+
 def check_model_options(name: str, options: dict) -> nn.Module:
     """Raises ValueError, in one line, if `options` cannot build the system `name`: build_model's checks, the
     system built on the meta device (nothing allocated) with vocabularies large enough for the options' pad_id.
     Call it before any expensive work (the vocabularies need not exist yet). Returns that meta-device system (for
     what its options decide: `position_bound`)."""
-    import torch
-
     pad = options.get("pad_id", 0)
     vocab = max(8, pad + 1) if isinstance(pad, int) and not isinstance(pad, bool) else 8
-    with torch.device("meta"):
+    with shapes_only():
         return build_model(name, vocab, vocab, **options)
 
 

@@ -170,7 +170,7 @@ def shapes_only() -> Iterator[None]:
     weights compared before anything is allocated, options checked, the papers' counts): on the meta device, its
     normal_ initialisations skipped. A normal_ on the meta device goes through torch._refs, whose first call imports
     torch._dynamo: 1.3 s and 140 MiB more for every process that loaded a checkpoint (translate 1.34x the wall time
-    of 400 verses; a before / after check found it, RESULTS.md)."""
+    of 400 verses; why: docs/design/decoding.md, "A checkpoint checked before its model is built")."""
     with torch.device("meta"), _SkipNormalInit():
         yield
 

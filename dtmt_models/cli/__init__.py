@@ -58,7 +58,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return status
     except BrokenPipeError:   # `dtmt models | head`: the reader of stdout left; quiet, with a writer's status then
         if sys.stdout is not None:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush goes nowhere)
+            _stdout_to_devnull()
         return 128 + signal.SIGPIPE
     except OSError as exc:   # one no command catches: stdout on a full disk (`dtmt models > /dev/full`, a traceback)
         print(f"dtmt{f' {name}' if name in COMMANDS else ''}: {_os_error(exc)}", file=sys.stderr)
@@ -90,15 +90,20 @@ def _dispatch(argv: List[str]) -> int:
     return int(importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]) or 0)
 
 
+def _stdout_to_devnull() -> None:
+    """Points stdout's descriptor at /dev/null: what its buffer still holds, which could not be written, goes
+    nowhere at the interpreter's exit (which would otherwise print the error again as a traceback)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _os_error(exc: OSError) -> str:
     """An OSError that reached the dispatcher, in one line (its file where it names one). Where stdout's buffer
-    still holds data it cannot write (the error came at the final flush), stdout is pointed at /dev/null, or the
-    interpreter's exit would print the error again as a traceback."""
+    still holds data it cannot write (the error came at the final flush), stdout goes to /dev/null."""
     if sys.stdout is not None:
         try:
             sys.stdout.flush()
         except OSError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _stdout_to_devnull()
     reason = exc.strerror or str(exc)
     return f"{exc.filename}: {reason}" if exc.filename else reason
 

@@ -185,6 +185,12 @@ def _count(value: Any, low: float = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
+def _scalar(value: Any) -> Any:
+    """A one-element tensor's value (an optimizer's step or rate, kept as a tensor by some of torch's forms), else
+    `value` as it is."""
+    return float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
 def _number(value: Any, allow_inf: bool = False) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
@@ -224,18 +230,19 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
     if len(state["param_groups"]) != len(optimizer.param_groups) or sorted(indices) != list(range(len(params))):
         fail(f"its optimizer state is for {len(indices)} parameters in {len(state['param_groups'])} groups, the "
              f"model has {len(params)} in {len(optimizer.param_groups)}")
+    not_settings = ("params", *IMPLEMENTATION)
     for i, (g, own) in enumerate(zip(state["param_groups"], optimizer.param_groups)):
         # the hyperparameters are the run's settings, which a resume keeps (a crafted maximize=True climbed the loss,
         # exit 0; weight_decay=10 was kept); the rate is the schedule's; how the step is computed is this machine's
         for key, value in g.items():
             if key in ("lr", "initial_lr"):
-                v = float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                v = _scalar(value)
                 if not _number(v) or v < 0:
                     fail(f"its optimizer's {key} of group {i} is {value!r}, not a rate")
-            elif key in own and key not in ("params", *IMPLEMENTATION) and not _same_number(value, own[key]):
+            elif key in own and key not in not_settings and not _same_number(value, own[key]):
                 fail(f"its optimizer's {key} of group {i} is {value!r}, the run's settings give {own[key]!r}")
         for key, value in own.items():   # (torch fills in a missing flag, not a missing number: a KeyError later)
-            if key not in g and key not in ("params", *IMPLEMENTATION) and not isinstance(value, (bool, type(None))):
+            if key not in g and key not in not_settings and not isinstance(value, (bool, type(None))):
                 fail(f"its optimizer's group {i} has no {key}")
     for index, entry in state["state"].items():
         if not _count(index) or index >= len(params) or not isinstance(entry, dict):
@@ -243,7 +250,7 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
         p = params[index]
         for key, value in entry.items():
             if key == "step":
-                v = float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                v = _scalar(value)
                 if not _number(v) or v < 0 or v != int(v):
                     fail(f"the optimizer's step of parameter {index} is {value!r}, not a count")
             elif isinstance(value, torch.Tensor):

@@ -5,8 +5,8 @@ attention step's context whose gradient to the annotations is formed the same wa
 gathered once, no autograd) are the inference engine's (dtmt_models.engine.forms); `TransitionLayer` and
 `TransitionCell` are the bases of the layers and the cells.
 
-They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first`, `h0` of shape
-[num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and
+They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first` (or a PackedSequence),
+`h0` of shape [num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and
 `reverse=True` for a unidirectional layer that reads each sequence right to left (stacks with alternating
 directions).
 The parameters are the same for every backend; `layer.backend = "reference"` switches a live module.
@@ -33,6 +33,7 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from .autograd import CppTransitionStepFunction, CppUnrolledWeightsFunction, UnrolledSteps
 from .backends import BackendSwitch, resolve_backend
@@ -261,10 +262,16 @@ class TransitionLayer(_TransitionBase):
                              "sequence right to left); a bidirectional layer already has both directions")
         self.bidirectional, self.batch_first, self.reverse = bool(bidirectional), bool(batch_first), bool(reverse)
 
-    def forward(self, x: Tensor, h0: Optional[Tensor] = None, lengths=None) -> Tuple[Tensor, Tensor]:
+    def forward(self, x, h0: Optional[Tensor] = None, lengths=None):
         """x [T, B, I] ([B, T, I] if batch_first, [T, I] unbatched); h0 [D, B, H]; lengths: B ints in [1, T]
         (padding at the end of each sequence). Returns out [T, B, D*H] (zeros at padded steps), h_n [D, B, H]
-        (the state after each sequence's last real token, in each direction)."""
+        (the state after each sequence's last real token, in each direction).
+
+        x may be a PackedSequence (torch.nn.utils.rnn.pack_padded_sequence, sorted or not), as torch.nn.GRU takes
+        it: out is then a PackedSequence of the same batch_sizes and order, h0 and h_n in the batch's own order
+        (before packing), and lengths are the packed ones (the argument must be None)."""
+        if isinstance(x, PackedSequence):
+            return self._forward_packed(x, h0, lengths)
         name, I, H, D = type(self).__name__, self.input_size, self.hidden_size, self.num_directions
         layout = "[B, T, input_size]" if self.batch_first else "[T, B, input_size]"
         self._check_tensor(x, "x", layout)
@@ -281,22 +288,49 @@ class TransitionLayer(_TransitionBase):
                 raise ValueError(f"{name}: lengths is for batched input; an unbatched x has no padding")
         elif self.batch_first:
             x = x.transpose(0, 1)
+        out, h_n = self._time_major(x, h0, lengths, check_h0=not unbatched)
+        if unbatched:
+            return out.squeeze(1), h_n.squeeze(1)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        return out, h_n
+
+    def flatten_parameters(self) -> None:
+        """Nothing to do: torch.nn.GRU's gathers its weights into cuDNN's one buffer, and the ops here gather them
+        at each forward. Present so that code written for torch.nn.GRU runs unchanged."""
+
+    def _time_major(self, x: Tensor, h0: Optional[Tensor], lengths, check_h0: bool = True) -> Tuple[Tensor, Tensor]:
+        """The layer on a checked time-major x [T, B, I]: (out [T, B, D*H], h_n [D, B, H])."""
+        name, H, D = type(self).__name__, self.hidden_size, self.num_directions
         T, B = x.shape[0], x.shape[1]
         if T == 0 or B == 0:
             raise ValueError(f"{name}: x must have at least one step and one sequence, got shape {list(x.shape)}")
-        if not unbatched:
+        if check_h0:
             self._check_h(h0, (D, B, H), "[num_directions, B, hidden_size]")
         if h0 is None:
             h0 = x.new_zeros(D, B, H)
         mask = None if lengths is None else lengths_to_mask(lengths, T, B, x.dtype, x.device, name,
                                                             none_if_unpadded=True)
         drops = [self.sample_dropout_masks(B, x) for _ in range(D)]
-        out, h_n = self._run(x, h0, mask, drops)
-        if unbatched:
-            return out.squeeze(1), h_n.squeeze(1)
-        if self.batch_first:
-            out = out.transpose(0, 1)
-        return out, h_n
+        return self._run(x, h0, mask, drops)
+
+    def _forward_packed(self, x: PackedSequence, h0: Optional[Tensor], lengths) -> Tuple[PackedSequence, Tensor]:
+        """forward of a PackedSequence: padded time-major in the batch's own order, run with its lengths, and the
+        output packed again in x's order (the same batch_sizes, sorted_indices and unsorted_indices)."""
+        name, I = type(self).__name__, self.input_size
+        if lengths is not None:
+            raise ValueError(f"{name}: lengths is for a padded x; a PackedSequence holds its own lengths")
+        self._check_tensor(x.data, "x.data", "[sum of lengths, input_size] (a PackedSequence)")
+        if x.data.dim() != 2 or x.data.shape[-1] != I:
+            raise ValueError(f"{name}: a PackedSequence's data must have shape [sum of lengths, input_size] with "
+                             f"input_size={I}, got {list(x.data.shape)}")
+        padded, sizes = pad_packed_sequence(x)   # [T, B, I] in the batch's own order; sizes: int64 on the CPU
+        out, h_n = self._time_major(padded, h0, sizes)
+        order = x.sorted_indices
+        if order is not None:   # (the packed order: longest first)
+            out, sizes = out.index_select(1, order), sizes.index_select(0, order.cpu())
+        data = pack_padded_sequence(out, sizes).data
+        return PackedSequence(data, x.batch_sizes, x.sorted_indices, x.unsorted_indices), h_n
 
 
 class TransitionCell(Unrollable, _TransitionBase):

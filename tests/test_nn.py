@@ -61,6 +61,55 @@ def test_from_torch_with_lengths_matches_packed_sequence(backend):
     torch.testing.assert_close(h_n, h_p)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("enforce_sorted", [False, True])
+def test_takes_a_packed_sequence_as_torch_gru_does(backend, bidirectional, enforce_sorted):
+    """A PackedSequence in, a PackedSequence out of the same batch sizes and order; h0 and h_n in the batch's
+    own order; the output, h_n and every gradient those of torch.nn.GRU (float64)."""
+    torch.manual_seed(2)
+    gru = torch.nn.GRU(5, 7, bidirectional=bidirectional, batch_first=True).double()
+    layer = dk.nn.DeepTransitionGRU.from_torch(gru, backend=backend)   # (batch_first: a packed x has no layout)
+    D = 2 if bidirectional else 1
+    lengths = torch.tensor([6, 6, 4, 3, 1] if enforce_sorted else [4, 6, 1, 6, 3])
+    x = torch.randn(6, 5, 5, dtype=torch.double, requires_grad=True)
+    h0 = torch.randn(D, 5, 7, dtype=torch.double, requires_grad=True)
+    runs = []
+    for module in (layer, gru):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=enforce_sorted)
+        out, h_n = module(packed, h0)
+        assert isinstance(out, torch.nn.utils.rnn.PackedSequence)
+        assert torch.equal(out.batch_sizes, packed.batch_sizes)
+        for got, want in ((out.sorted_indices, packed.sorted_indices), (out.unsorted_indices, packed.unsorted_indices)):
+            assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+        g = torch.autograd.grad((out.data * torch.arange(out.data.numel(), dtype=torch.double).view_as(out.data)
+                                 .sin()).sum() + (h_n * h_n).sum(), [x, h0])
+        runs.append((out.data, h_n, *g))
+    for ours, torchs, what in zip(runs[0], runs[1], ("output", "h_n", "x's gradient", "h0's gradient")):
+        torch.testing.assert_close(ours, torchs, msg=lambda m: f"{what}: {m}")
+    # a deep transition layer: the packed run is the padded run with the lengths, in the batch's order
+    deep = make_layer("lgru", 4, 6, depth=2, layer_norm=True, bidirectional=bidirectional, backend=backend)
+    xs = torch.randn(6, 5, deep.input_size, dtype=torch.double)
+    out_p, h_p = deep(torch.nn.utils.rnn.pack_padded_sequence(xs, lengths, enforce_sorted=enforce_sorted))
+    out, h_n = deep(xs, lengths=lengths)
+    torch.testing.assert_close(torch.nn.utils.rnn.pad_packed_sequence(out_p, total_length=6)[0], out)
+    torch.testing.assert_close(h_p, h_n)
+
+
+def test_a_packed_sequence_with_lengths_or_bad_data_is_a_value_error():
+    layer = dk.nn.DeepTransitionGRU(4, 3, depth=1)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(3, 2, 4), torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match="PackedSequence holds its own lengths"):
+        layer(packed, lengths=[3, 2])
+    with pytest.raises(ValueError, match=r"input_size=4, got \[5, 5\]"):
+        layer(torch.nn.utils.rnn.pack_padded_sequence(torch.randn(3, 2, 5), torch.tensor([3, 2])))
+    with pytest.raises(ValueError, match="x.data has dtype torch.float64"):
+        layer(torch.nn.utils.rnn.pack_padded_sequence(torch.randn(3, 2, 4).double(), torch.tensor([3, 2])))
+    with pytest.raises(ValueError, match=r"h0 must have shape"):
+        layer(packed, torch.randn(1, 3, 3))
+    layer.flatten_parameters()   # (torch.nn.GRU's; nothing to do here: code written for it runs unchanged)
+
+
 def test_from_torch_without_bias_and_bad_inputs():
     gru = torch.nn.GRU(3, 4, bias=False)
     layer = dk.nn.DeepTransitionGRU.from_torch(gru)

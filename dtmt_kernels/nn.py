@@ -423,26 +423,33 @@ class DeepTransitionGRU(TransitionLayer):
                              "import each layer into its own DeepTransitionGRU")
         if getattr(gru, "proj_size", 0):
             raise ValueError("DeepTransitionGRU.from_torch: GRUs with proj_size are not supported")
-        ref = gru.weight_hh_l0
-        H = gru.hidden_size
-        layer = cls(gru.input_size, H, depth=0, cell="gru", layer_norm=False,
+        layer = cls(gru.input_size, gru.hidden_size, depth=0, cell="gru", layer_norm=False,
                     bidirectional=gru.bidirectional, batch_first=gru.batch_first, backend=backend)
-        layer = layer.to(device=ref.device, dtype=ref.dtype)
-        with torch.no_grad():
-            for sfx in layer._suffixes():
-                for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-                    src = getattr(gru, f"{kind}_l0{sfx}", None)
-                    dst = getattr(layer, f"{kind}{sfx}")
-                    if src is None:  # torch.nn.GRU(bias=False): zeros, kept at zero (no gradient)
-                        dst.zero_()
-                        dst.requires_grad_(False)
-                        continue
-                    dst.copy_(src)
-                    dst.requires_grad_(src.requires_grad)   # (a frozen GRU gives a frozen layer)
-                    # torch updates h' = (1-z) c + z h where contract §2 has h' = (1-z) h + z c: since
-                    # 1 - σ(a) = σ(-a), negating the update-gate rows maps one onto the other exactly.
-                    dst[H:2 * H].neg_()
-        return layer.train(gru.training)
+        return _copy_torch_gru(gru, layer, "_l0")
+
+
+def _copy_torch_gru(gru: nn.Module, layer: "_TransitionBase", torch_suffix: str):
+    """`layer` (a GRU: cell "gru", depth 0, no layer norm) on gru's device and dtype, holding a copy of its weights
+    (`weight_ih{torch_suffix}`, ...: "_l0" for torch.nn.GRU, "" for torch.nn.GRUCell), in its mode (train / eval),
+    each weight wanting a gradient where gru's does; absent biases (bias=False) are zeros that want none."""
+    ref = gru.weight_hh_l0 if torch_suffix else gru.weight_hh
+    H = gru.hidden_size
+    layer = layer.to(device=ref.device, dtype=ref.dtype)
+    with torch.no_grad():
+        for sfx in layer._suffixes():
+            for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                src = getattr(gru, f"{kind}{torch_suffix}{sfx}", None)
+                dst = getattr(layer, f"{kind}{sfx}")
+                if src is None:  # bias=False: zeros, kept at zero (no gradient)
+                    dst.zero_()
+                    dst.requires_grad_(False)
+                    continue
+                dst.copy_(src)
+                dst.requires_grad_(src.requires_grad)   # (a frozen GRU gives a frozen layer)
+                # torch updates h' = (1-z) c + z h where contract §2 has h' = (1-z) h + z c: since
+                # 1 - σ(a) = σ(-a), negating the update-gate rows maps one onto the other exactly.
+                dst[H:2 * H].neg_()
+    return layer.train(gru.training)
 
 
 class DeepTransitionGRUCell(TransitionCell):
@@ -455,6 +462,16 @@ class DeepTransitionGRUCell(TransitionCell):
             raise ValueError(f"DeepTransitionGRUCell: cell must be {_DT_CELLS}, got {cell!r}"
                              + ("; use dtmt_kernels.nn.ATRCell" if cell == "atr" else ""))
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend)
+
+    @classmethod
+    def from_torch(cls, cell: nn.GRUCell, backend: str = "auto") -> "DeepTransitionGRUCell":
+        """A GRU cell (cell="gru", depth=0, no layer norm) holding a copy of a torch.nn.GRUCell's weights; it
+        reproduces the torch module's outputs, as `DeepTransitionGRU.from_torch` does a GRU's."""
+        if not isinstance(cell, nn.GRUCell):
+            raise ValueError("DeepTransitionGRUCell.from_torch: expected a torch.nn.GRUCell, got "
+                             f"{type(cell).__name__}")
+        ours = cls(cell.input_size, cell.hidden_size, depth=0, cell="gru", layer_norm=False, backend=backend)
+        return _copy_torch_gru(cell, ours, "")
 
 
 class ATR(TransitionLayer):

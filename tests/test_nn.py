@@ -129,6 +129,31 @@ def test_from_torch_without_bias_and_bad_inputs():
         dk.nn.DeepTransitionGRU.from_torch(torch.nn.LSTM(3, 4))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_cell_from_torch_reproduces_torch_gru_cell(backend, bias):
+    torch.manual_seed(3)
+    torch_cell = torch.nn.GRUCell(6, 9, bias=bias).double()
+    cell = dk.nn.DeepTransitionGRUCell.from_torch(torch_cell, backend=backend)
+    assert (cell.cell, cell.depth, cell.layer_norm, cell.backend) == ("gru", 0, False, backend)
+    x = torch.randn(4, 6, dtype=torch.double, requires_grad=True)
+    h = torch.randn(4, 9, dtype=torch.double, requires_grad=True)
+    for ours, torchs in ((cell(x, h), torch_cell(x, h)), (cell(x), torch_cell(x)), (cell(x[0], h[0]),
+                                                                                    torch_cell(x[0], h[0]))):
+        torch.testing.assert_close(ours, torchs)
+    g = torch.randn(4, 9, dtype=torch.double)
+    grads = torch.autograd.grad((cell(x, h) * g).sum(), [x, h, cell.weight_ih, cell.weight_hh])
+    grads_t = torch.autograd.grad((torch_cell(x, h) * g).sum(), [x, h, torch_cell.weight_ih, torch_cell.weight_hh])
+    for ours, torchs in zip(grads, grads_t):
+        torchs = torchs.clone()
+        if torchs.dim() == 2 and torchs.shape[0] == 27:   # (the update gate's rows, negated as from_torch does)
+            torchs[9:18] = -torchs[9:18]
+        torch.testing.assert_close(ours, torchs)
+    assert cell.bias_ih.requires_grad == bias
+    with pytest.raises(ValueError, match="expected a torch.nn.GRUCell, got GRU"):
+        dk.nn.DeepTransitionGRUCell.from_torch(torch.nn.GRU(6, 9))
+
+
 @pytest.mark.parametrize("make", [
     lambda: make_layer("lgru", 5, 6, depth=2, layer_norm=True, bidirectional=True, dtype=torch.float32),
     lambda: make_layer("lau", 5, 6, depth=1, layer_norm=False, dtype=torch.float32),

@@ -832,12 +832,14 @@ def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tm
     kept = log.read_bytes().split(b"\r\n")
     assert kept[1:1 + len(rows)] == rows and b"EXTRA" not in log.read_bytes()
     assert any(line.startswith(b"train,3,") for line in kept), kept
+    events = sorted(os.listdir(run / "tensorboard"))
     for garbage, message in ((b"\xff\xfe\x00junk", "not a training log"), (b"hello\nworld\n", "no step column"),
                              (b"kind,step\ntrain,four\n", "line 2: step 'four' is not a whole number")):
         log.write_bytes(garbage)
         r = train_here(["--resume", str(run), "--max-steps", "4", *base], capsys)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
         assert f"--resume: {log}: " in r.stderr and log.read_bytes() == garbage
+        assert sorted(os.listdir(run / "tensorboard")) == events   # (a refused resume added an events file)
     log.unlink()   # (moved aside: the run goes on, its log starting here)
     # a last.pt of another model (another hidden size) in the run folder
     assert train_here(["--out", str(other), "--max-steps", "2", *base, "--opt", "hidden_size=48"],

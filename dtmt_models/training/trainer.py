@@ -93,13 +93,13 @@ class CsvLog:
         """source: the log whose rows up to resume_step start this one (default: `path` itself)."""
         self.path = path
         source = path if source is None else source
-        self.events = None
+        rows = [] if resume_step is None or not os.path.lexists(source) else self._rows_until(source, resume_step)
+        self.events = None   # (made once the log has been read: a log refused leaves no events file behind)
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.events = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        rows = [] if resume_step is None or not os.path.lexists(source) else self._rows_until(source, resume_step)
         with atomic_write(path) as f:   # (read whole first: a log that cannot be kept is never emptied)
             w = csv.DictWriter(f, LOG_FIELDS)
             w.writeheader()

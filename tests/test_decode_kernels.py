@@ -564,8 +564,8 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     where that GEMM gives the same bits wherever its operands lie and on any thread count, else to rounding
     (conftest.aten_gemm_reproducible; docs/design/reproducibility.md). Its int8() form computes the layer with the
     recurrent matrices as int8 products (the reference: the layer on the reference backend with quantize.linear_int8
-    in their place), refuses float64 weights and is its own int8 form. Under CPU autocast it computes as the layer
-    does (bf16 products, float32 state)."""
+    in their place), a PackedSequence's too, refuses float64 weights and is its own int8 form. Under CPU autocast it
+    computes as the layer does (bf16 products, float32 state)."""
     from conftest import aten_gemm_reproducible, at_thread_counts, int8_linear_for
 
     rest = layer_kind.split("-")[1]
@@ -610,6 +610,11 @@ def test_sequence_layer_form_is_the_layer(layer_kind, monkeypatch):
     int8_linear = int8_linear_for([p.detach().clone() for n, p in layer.named_parameters() if "weight_hh" in n])
     with torch.no_grad():
         got = int8(x, lengths=lengths)
+        # a PackedSequence through the form's own ops too (a method the form lacks is the layer's, on its weights)
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        got_packed, h_packed = int8(packed)
+        assert torch.equal(torch.nn.utils.rnn.pad_packed_sequence(got_packed, total_length=7)[0], got[0])
+        assert torch.equal(h_packed, got[1])
         layer.backend = "reference"
         far = layer(x, lengths=lengths)   # float32 products: a real difference, so the reference is not the float one
         monkeypatch.setattr(F, "linear", int8_linear)

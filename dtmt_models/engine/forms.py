@@ -117,6 +117,11 @@ class FrozenTransitionLayer(InferenceForm):
     def forward(self, x: Tensor, h0: Optional[Tensor] = None, lengths=None) -> Tuple[Tensor, Tensor]:
         return dk.nn.TransitionLayer.forward(self, x, h0, lengths)
 
+    # the layer's forward calls these on this form, so that they reach its _run (an attribute the form lacks is the
+    # source layer's, bound to it: its own ops on its own weights)
+    _time_major = dk.nn.TransitionLayer._time_major
+    _forward_packed = dk.nn.TransitionLayer._forward_packed
+
     def _run(self, x: Tensor, h0: Tensor, mask: Optional[Tensor], drops: List[Optional[Tensor]]):
         if self._flat is not None and drops[0] is None:
             return torch.ops.dtmt.transition_encode(x, h0, mask, self.directions[0][0], self._flat,

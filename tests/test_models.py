@@ -94,6 +94,10 @@ def test_registry():
     ("dtmt", dict(pad_id=-1), "option pad_id=-1 for dtmt: expected an int >= 0"),
     ("dtmt", dict(pad_id=V_TGT), rf"option pad_id={V_TGT} for dtmt: expected an id of both vocabularies, in \[0, "
                                  rf"{V_TGT}\)"),
+    # padding is masked out of the loss: with pad_id = EOS a model never learnt to end a sentence, and nothing said so
+    ("rnnsearch-atr", dict(pad_id=3), "option pad_id=3 for rnnsearch-atr: 3 is EOS, with which every search ends a "
+                                      "sentence; padding needs an id of its own"),
+    ("nematus", dict(pad_id=2), "option pad_id=2 for nematus: 2 is BOS, with which every search starts a sentence"),
     ("dtmt", dict(hidden_size=10, heads=4), r"dtmt cannot be built with \{'hidden_size': 10, 'heads': 4\}: .*"
                                             "divisible by heads=4"),
     # a rate of NaN passed every range check and failed at the first training forward
@@ -111,6 +115,19 @@ def test_bad_options_are_value_errors(name, options, message):
     if options.get("pad_id") != V_TGT:   # (check_model_options knows no vocabulary: the next test)
         with pytest.raises(ValueError, match=message):
             check_model_options(name, options)
+
+
+def test_a_target_vocabulary_holds_bos_and_eos():
+    """A target vocabulary of 2 or 3 ids built and failed only when decoded (BOS 2 and EOS 3 are no words of it); a
+    source vocabulary of 2 is enough (padding and one word)."""
+    for size in (2, 3):
+        with pytest.raises(ValueError, match=rf"tgt_vocab_size must be an int >= 4 \(BOS 2 and EOS 3 are target "
+                                             rf"words\), got {size}"):
+            dm.build_model("dtmt", V_SRC, size)
+    with pytest.raises(ValueError, match="src_vocab_size must be an int >= 2, got 1"):
+        dm.build_model("dtmt", 1, V_TGT)
+    model = dm.build_model("rnnsearch-atr", 2, 4, embed_dim=4, hidden_size=4)
+    assert model.tgt_vocab_size == 4 and model.src_vocab_size == 2
 
 
 def test_numpy_numbers_are_options_like_python_ones():

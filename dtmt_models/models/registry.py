@@ -8,6 +8,7 @@ from typing import Iterator, List, Optional
 import torch
 import torch.nn as nn
 
+from dtmt_models.data.vocabulary import BOS, EOS
 from dtmt_models.errors import one_line
 from dtmt_models.models.registered import MODELS as _MODELS, register_model  # noqa: F401  (the public name)
 
@@ -36,9 +37,11 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
         raise ValueError(f"unknown model {_shown(name)}; choose one of {sorted(_MODELS)}")
     # numpy numbers (a sweep's np.arange, a config read through numpy) as the Python numbers the systems take
     src_vocab_size, tgt_vocab_size = _unwrapped(src_vocab_size), _unwrapped(tgt_vocab_size)
-    for arg, v in (("src_vocab_size", src_vocab_size), ("tgt_vocab_size", tgt_vocab_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 2:
-            raise ValueError(f"{arg} must be an int >= 2, got {v!r}")
+    # (a target vocabulary holds BOS and EOS, with which every search starts and ends a sentence)
+    for arg, v, least in (("src_vocab_size", src_vocab_size, 2), ("tgt_vocab_size", tgt_vocab_size, EOS + 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"{arg} must be an int >= {least}"
+                             + (f" (BOS {BOS} and EOS {EOS} are target words)" if least > 2 else "") + f", got {v!r}")
     options = {k: _unwrapped(v) for k, v in options.items()}
     _check_option_values(name, options, min(src_vocab_size, tgt_vocab_size))
     try:
@@ -147,6 +150,11 @@ def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
         raise ValueError(f"option pad_id={pad!r} for {name}: expected an int >= 0 (an id of both vocabularies)")
     if pad >= vocab_size:
         raise ValueError(f"option pad_id={pad!r} for {name}: expected an id of both vocabularies, in [0, {vocab_size})")
+    if pad in (BOS, EOS):   # (padding is masked out of the loss and its embedding row kept at 0: EOS was never
+        # trained, so the model never learnt to end a sentence; BOS, every target's first input, was a zero vector)
+        which, does = ("BOS", "starts") if pad == BOS else ("EOS", "ends")
+        raise ValueError(f"option pad_id={pad} for {name}: {pad} is {which}, with which every search {does} a "
+                         f"sentence; padding needs an id of its own")
 
 
 def _import_systems() -> None:

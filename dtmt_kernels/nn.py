@@ -87,35 +87,40 @@ class _TransitionBase(BackendSwitch, nn.Module):
         self.layer_norm, self.num_directions = bool(layer_norm), num_directions
         self.candidate_dropout, self.eps = float(candidate_dropout), eps
         self.backend = backend
-        H, I = hidden_size, input_size
-        n_in, n_h, n_g = CELL_ROWS[cell]
         for sfx in self._suffixes():
-            self._param(f"weight_ih{sfx}", n_in * H, I)
-            self._param(f"weight_hh{sfx}", n_h * H, H)
-            if cell == "atr":
-                if not self.layer_norm:
-                    self._param(f"bias_hh{sfx}", H)
-            else:
-                skip = n_g if self.layer_norm else 0
-                self._param(f"bias_ih{sfx}", (n_in - skip) * H)
-                self._param(f"bias_hh{sfx}", (n_h - skip) * H)
-            if self.layer_norm:
-                self._param(f"ln_weight{sfx}", n_g * H)
-                self._param(f"ln_bias{sfx}", n_g * H)
-            for k in range(1, depth + 1):
-                self._param(f"tgru{k}_weight_hh{sfx}", 3 * H, H)
-                self._param(f"tgru{k}_bias_hh{sfx}", (3 - (2 if self.layer_norm else 0)) * H)
-                if self.layer_norm:
-                    self._param(f"tgru{k}_ln_weight{sfx}", 2 * H)
-                    self._param(f"tgru{k}_ln_bias{sfx}", 2 * H)
+            for pname, shape in self._parameter_shapes(sfx):
+                self.register_parameter(pname, nn.Parameter(torch.empty(*shape)))
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------------- setup
     def _suffixes(self) -> List[str]:
         return ["", "_reverse"][: self.num_directions]
 
-    def _param(self, name: str, *shape: int) -> None:
-        self.register_parameter(name, nn.Parameter(torch.empty(*shape)))
+    def _parameter_shapes(self, sfx: str = "") -> List[Tuple[str, Tuple[int, ...]]]:
+        """The parameters of one direction (suffix "" or "_reverse"): names and shapes, in the order registered."""
+        H, I = self.hidden_size, self.input_size
+        n_in, n_h, n_g = CELL_ROWS[self.cell]
+        shapes = [(f"weight_ih{sfx}", (n_in * H, I)), (f"weight_hh{sfx}", (n_h * H, H))]
+        if self.cell == "atr":
+            if not self.layer_norm:
+                shapes.append((f"bias_hh{sfx}", (H,)))
+        else:
+            skip = n_g if self.layer_norm else 0
+            shapes += [(f"bias_ih{sfx}", ((n_in - skip) * H,)), (f"bias_hh{sfx}", ((n_h - skip) * H,))]
+        if self.layer_norm:
+            shapes += [(f"ln_weight{sfx}", (n_g * H,)), (f"ln_bias{sfx}", (n_g * H,))]
+        for k in range(1, self.depth + 1):
+            shapes += [(f"tgru{k}_weight_hh{sfx}", (3 * H, H)),
+                       (f"tgru{k}_bias_hh{sfx}", ((3 - (2 if self.layer_norm else 0)) * H,))]
+            if self.layer_norm:
+                shapes += [(f"tgru{k}_ln_weight{sfx}", (2 * H,)), (f"tgru{k}_ln_bias{sfx}", (2 * H,))]
+        return shapes
+
+    def _weights_read(self, direction: int = 0) -> dict:
+        """Name -> the tensor a forward computes with, for each parameter of one direction: the module's attribute of
+        that name, as torch.nn.GRU reads its weights, so that a parametrization (weight_norm, spectral_norm, pruning)
+        or a replica's plain tensors (nn.DataParallel) is what runs, not the parameter behind it."""
+        return {name: getattr(self, name) for name, _ in self._parameter_shapes(self._suffixes()[direction])}
 
     def reset_parameters(self) -> None:
         """Weights and biases ~ U(-1/√H, 1/√H) as torch.nn.GRU; layer-norm gains 1, offsets 0."""
@@ -148,7 +153,7 @@ class _TransitionBase(BackendSwitch, nn.Module):
         """The flat, full-width parameters of one direction, as every backend takes them. `params` (name ->
         tensor, as `named_parameters()`) replaces the module's own, for functional use."""
         sfx = self._suffixes()[direction]
-        p = dict(self.named_parameters()) if params is None else params
+        p = self._weights_read(direction) if params is None else params
         H = self.hidden_size
         w_ih, w_hh = p[f"weight_ih{sfx}"], p[f"weight_hh{sfx}"]
         ln_w, ln_b = p.get(f"ln_weight{sfx}"), p.get(f"ln_bias{sfx}")
@@ -383,12 +388,14 @@ class TransitionCell(Unrollable, _TransitionBase):
             return None
         check_dtype_for_backend(backend, x.dtype, "x")
         key = (x.device, x.dtype)
-        versions = tuple(p._version for p in self._parameters.values())
+        weights = list(self._weights_read(0).values())   # (a parametrized weight is a new tensor at each read)
+        versions = tuple(w._version for w in weights)
         hit = sessions.get(key)
-        if hit is None or hit[0].done or hit[0].versions != versions:   # a new graph, or changed weights
+        if (hit is None or hit[0].done or hit[0].versions != versions   # a new graph, or changed weights
+                or any(a is not b for a, b in zip(hit[2], weights))):
             flat = self.kernel_params(0)
             steps = UnrolledSteps(KINDS[self.cell], flat, versions)
-            sessions[key] = hit = (steps, CppUnrolledWeightsFunction.apply(steps, *flat))
+            sessions[key] = hit = (steps, CppUnrolledWeightsFunction.apply(steps, *flat), weights)
         return hit
 
 

@@ -154,6 +154,64 @@ def test_cell_from_torch_reproduces_torch_gru_cell(backend, bias):
         dk.nn.DeepTransitionGRUCell.from_torch(torch.nn.GRU(6, 9))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parametrized_weights_and_replicas_run_as_torch_grus_do(backend):
+    """A layer computes with the weights its attributes give, as torch.nn.GRU does: a weight_norm parametrization,
+    pruning and nn.DataParallel's replicas (plain tensors where the parameters were) each raised a KeyError from
+    the parameter dictionary. Float64, against torch.nn.GRU with the same parametrization, and a step cell in an
+    `unrolled` block (new weights at each read) against the reference backend."""
+    import copy
+
+    import torch.nn.utils.prune
+
+    torch.manual_seed(4)
+    x = torch.randn(5, 2, 3, dtype=torch.double)
+    gru = torch.nn.GRU(3, 4).double()
+    layer = dk.nn.DeepTransitionGRU.from_torch(gru, backend=backend)
+    torch.nn.utils.parametrizations.weight_norm(gru, "weight_hh_l0")
+    torch.nn.utils.parametrizations.weight_norm(layer, "weight_hh")
+    runs = []
+    for module, name in ((layer, "weight_hh"), (gru, "weight_hh_l0")):
+        out, h_n = module(x)
+        originals = list(getattr(module.parametrizations, name).parameters())   # (the norms g and the directions v)
+        runs.append((out, h_n, *torch.autograd.grad(out.sin().sum() + h_n.sum(), originals)))
+    for ours, torchs in zip(runs[0], runs[1]):
+        if ours.shape == (12, 4):   # (v: the update gate's rows negated, as from_torch negates them; g, their norms,
+            torchs = torch.cat([torchs[:4], -torchs[4:8], torchs[8:]])   # the same)
+        torch.testing.assert_close(ours, torchs)
+    # pruning: the layer computes with its masked weight
+    pruned = make_layer("lgru", 3, 4, depth=1, layer_norm=True, backend=backend)
+    zeroed = copy.deepcopy(pruned)
+    torch.nn.utils.prune.l1_unstructured(pruned, "tgru1_weight_hh", amount=0.5)
+    with torch.no_grad():
+        zeroed.tgru1_weight_hh.mul_(pruned.tgru1_weight_hh_mask)
+    for a, b in zip(pruned(x), zeroed(x)):
+        torch.testing.assert_close(a, b)
+    # a replica as nn.DataParallel makes one: plain tensors in place of the parameters, gradients reaching them
+    source = make_layer("atr", 3, 4, layer_norm=True, bidirectional=True, backend=backend)
+    replica = source._replicate_for_data_parallel()
+    for name, p in source._parameters.items():
+        setattr(replica, name, p * 1)
+    for a, b in zip(replica(x), source(x)):
+        torch.testing.assert_close(a, b)
+    replica(x)[0].sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in source.parameters())
+    # a weight-normed step cell in an unrolled block: its weights are read anew at each step
+    cells = [dk.nn.DeepTransitionGRUCell(3, 4, depth=1, backend=b).double() for b in (backend, "reference")]
+    cells[1].load_state_dict(cells[0].state_dict())
+    grads = []
+    for cell in cells:
+        torch.nn.utils.parametrizations.weight_norm(cell, "weight_hh")
+        h, states = torch.zeros(2, 4, dtype=torch.double), []
+        with dk.nn.unrolled(cell):
+            for t in range(5):
+                h = cell(x[t], h)
+                states.append(h)
+        grads.append(torch.autograd.grad(torch.stack(states).sin().sum(), list(cell.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("make", [
     lambda: make_layer("lgru", 5, 6, depth=2, layer_norm=True, bidirectional=True, dtype=torch.float32),
     lambda: make_layer("lau", 5, 6, depth=1, layer_norm=False, dtype=torch.float32),

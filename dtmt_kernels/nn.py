@@ -70,9 +70,12 @@ class _TransitionBase(BackendSwitch, nn.Module):
     """Parameters, backend switch and input checks shared by the layers and cells of this module."""
 
     def __init__(self, input_size: int, hidden_size: int, cell: str, depth: int, layer_norm: bool,
-                 num_directions: int, candidate_dropout: float, backend: str, eps: float = 1e-5):
+                 num_directions: int, candidate_dropout: float, backend: str, eps: float = 1e-5, device=None,
+                 dtype=None):
         super().__init__()
         name = type(self).__name__
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"{name}: dtype must be a floating-point torch.dtype, got {dtype!r}")
         for arg, value, low, high in (("input_size", input_size, 1, MAX_SIZE),
                                       ("hidden_size", hidden_size, 1, MAX_SIZE), ("depth", depth, 0, MAX_DEPTH)):
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
@@ -89,7 +92,7 @@ class _TransitionBase(BackendSwitch, nn.Module):
         self.backend = backend
         for sfx in self._suffixes():
             for pname, shape in self._parameter_shapes(sfx):
-                self.register_parameter(pname, nn.Parameter(torch.empty(*shape)))
+                self.register_parameter(pname, nn.Parameter(torch.empty(*shape, device=device, dtype=dtype)))
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------------- setup
@@ -256,10 +259,12 @@ def each_direction(layer, run) -> Tuple[Tensor, Tensor]:
 class TransitionLayer(_TransitionBase):
     """Sequence layer: (x, h0=None, lengths=None) -> (out, h_n), like torch.nn.GRU."""
 
+    num_layers = 1   # (torch.nn.GRU's attribute, which code sizing h0 reads: a layer here is one layer)
+
     def __init__(self, input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
-                 candidate_dropout, backend, reverse=False):
+                 candidate_dropout, backend, reverse=False, device=None, dtype=None):
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, 2 if bidirectional else 1,
-                         candidate_dropout, backend)
+                         candidate_dropout, backend, device=device, dtype=dtype)
         for arg, value in (("bidirectional", bidirectional), ("batch_first", batch_first), ("reverse", reverse)):
             _check_flag(type(self).__name__, arg, value)
         if reverse and bidirectional:
@@ -329,6 +334,7 @@ class TransitionLayer(_TransitionBase):
         if x.data.dim() != 2 or x.data.shape[-1] != I:
             raise ValueError(f"{name}: a PackedSequence's data must have shape [sum of lengths, input_size] with "
                              f"input_size={I}, got {list(x.data.shape)}")
+        _check_packing(name, x)
         padded, sizes = pad_packed_sequence(x)   # [T, B, I] in the batch's own order; sizes: int64 on the CPU
         out, h_n = self._time_major(padded, h0, sizes)
         order = x.sorted_indices
@@ -338,11 +344,36 @@ class TransitionLayer(_TransitionBase):
         return PackedSequence(data, x.batch_sizes, x.sorted_indices, x.unsorted_indices), h_n
 
 
+def _check_packing(name: str, x: PackedSequence) -> None:
+    """ValueError unless x's batch sizes and orders are what pack_padded_sequence makes: batch_sizes a non-increasing
+    CPU int64 vector of positive sizes summing to data's rows, each order a permutation of the batch."""
+    sizes = x.batch_sizes
+    why = None
+    if not isinstance(sizes, Tensor) or sizes.dtype != torch.int64 or sizes.dim() != 1 or sizes.device.type != "cpu":
+        why = "batch_sizes must be a 1-D int64 CPU tensor"
+    elif sizes.numel() == 0 or sizes[-1] < 1 or bool((sizes[1:] > sizes[:-1]).any()):
+        why = f"batch_sizes must be positive and non-increasing, got {sizes.tolist()[:20]}"
+    elif int(sizes.sum()) != x.data.shape[0]:
+        why = f"batch_sizes sum to {int(sizes.sum())} but data has {x.data.shape[0]} rows"
+    else:
+        B = int(sizes[0])
+        for arg, order in (("sorted_indices", x.sorted_indices), ("unsorted_indices", x.unsorted_indices)):
+            if order is not None and (not isinstance(order, Tensor) or order.dtype != torch.int64
+                                      or tuple(order.shape) != (B,)
+                                      or not torch.equal(order.sort().values.cpu(), torch.arange(B))):
+                why = f"{arg} must be a permutation of the batch's {B} sequences"
+    if why is not None:
+        raise ValueError(f"{name}: x is no PackedSequence that torch.nn.utils.rnn.pack_padded_sequence or "
+                         f"pack_sequence makes: {why}")
+
+
 class TransitionCell(Unrollable, _TransitionBase):
     """One step (decoder use): (x [B, I], h0 [B, H] = None, drop=None) -> h' [B, H]."""
 
-    def __init__(self, input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend):
-        super().__init__(input_size, hidden_size, cell, depth, layer_norm, 1, candidate_dropout, backend)
+    def __init__(self, input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend, device=None,
+                 dtype=None):
+        super().__init__(input_size, hidden_size, cell, depth, layer_norm, 1, candidate_dropout, backend,
+                         device=device, dtype=dtype)
 
     def forward(self, x: Tensor, h0: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
         """In training with candidate_dropout > 0 and no `drop`, a fresh mask is drawn for this step; to
@@ -411,12 +442,13 @@ class DeepTransitionGRU(TransitionLayer):
 
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, bidirectional: bool = False, batch_first: bool = False,
-                 candidate_dropout: float = 0.0, backend: str = "auto", reverse: bool = False):
+                 candidate_dropout: float = 0.0, backend: str = "auto", reverse: bool = False, device=None,
+                 dtype=None):
         if cell not in DEEP_TRANSITION_CELLS:
             raise ValueError(f"DeepTransitionGRU: cell must be {_DT_CELLS}, got {cell!r}"
                              + ("; use dtmt_kernels.nn.ATR" if cell == "atr" else ""))
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
-                         candidate_dropout, backend, reverse)
+                         candidate_dropout, backend, reverse, device, dtype)
 
     @classmethod
     def from_torch(cls, gru: nn.GRU, backend: str = "auto") -> "DeepTransitionGRU":
@@ -464,11 +496,12 @@ class DeepTransitionGRUCell(TransitionCell):
     direction of DeepTransitionGRU (so a layer's forward-direction state_dict loads into it)."""
 
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
-                 layer_norm: bool = True, candidate_dropout: float = 0.0, backend: str = "auto"):
+                 layer_norm: bool = True, candidate_dropout: float = 0.0, backend: str = "auto", device=None,
+                 dtype=None):
         if cell not in DEEP_TRANSITION_CELLS:
             raise ValueError(f"DeepTransitionGRUCell: cell must be {_DT_CELLS}, got {cell!r}"
                              + ("; use dtmt_kernels.nn.ATRCell" if cell == "atr" else ""))
-        super().__init__(input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend)
+        super().__init__(input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend, device, dtype)
 
     @classmethod
     def from_torch(cls, cell: nn.GRUCell, backend: str = "auto") -> "DeepTransitionGRUCell":
@@ -486,16 +519,17 @@ class ATR(TransitionLayer):
     h' = σ(p+q) p + σ(p−q) h."""
 
     def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, bidirectional: bool = False,
-                 batch_first: bool = False, backend: str = "auto", reverse: bool = False):
+                 batch_first: bool = False, backend: str = "auto", reverse: bool = False, device=None, dtype=None):
         super().__init__(input_size, hidden_size, "atr", 0, layer_norm, bidirectional, batch_first, 0.0, backend,
-                         reverse)
+                         reverse, device, dtype)
 
 
 class ATRCell(TransitionCell):
     """One ATR step, for decoders: h1 = cell(x, h0)."""
 
-    def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, backend: str = "auto"):
-        super().__init__(input_size, hidden_size, "atr", 0, layer_norm, 0.0, backend)
+    def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, backend: str = "auto",
+                 device=None, dtype=None):
+        super().__init__(input_size, hidden_size, "atr", 0, layer_norm, 0.0, backend, device, dtype)
 
 
 class Linear(BackendSwitch, nn.Linear):

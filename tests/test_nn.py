@@ -108,6 +108,44 @@ def test_a_packed_sequence_with_lengths_or_bad_data_is_a_value_error():
     with pytest.raises(ValueError, match=r"h0 must have shape"):
         layer(packed, torch.randn(1, 3, 3))
     layer.flatten_parameters()   # (torch.nn.GRU's; nothing to do here: code written for it runs unchanged)
+    assert layer.num_layers == 1   # (torch.nn.GRU's, which code sizing h0 reads)
+    # a PackedSequence made by hand, not by pack_padded_sequence: a RuntimeError from deep inside, or a wrong run
+    P = torch.nn.utils.rnn.PackedSequence
+    for bad, message in (((packed.data[:-1], packed.batch_sizes), "batch_sizes sum to 5 but data has 4 rows"),
+                         ((packed.data, torch.tensor([1, 2, 2])), r"non-increasing, got \[1, 2, 2\]"),
+                         ((packed.data, torch.tensor([2, 2, 0, 1])), "positive and non-increasing"),
+                         ((packed.data, packed.batch_sizes.float()), "1-D int64 CPU tensor"),
+                         ((packed.data, packed.batch_sizes, torch.tensor([0, 0]), torch.tensor([0, 1])),
+                          "sorted_indices must be a permutation of the batch's 2 sequences"),
+                         ((packed.data, packed.batch_sizes, torch.tensor([1, 0]), torch.tensor([1, 0, 2])),
+                          "unsorted_indices must be a permutation")):
+        with pytest.raises(ValueError, match="x is no PackedSequence that torch.nn.utils.rnn.pack_padded_sequence "
+                                             "or pack_sequence makes: .*" + message):
+            layer(P(*bad))
+
+
+@pytest.mark.parametrize("cls, kwargs", [
+    (dk.nn.DeepTransitionGRU, dict(depth=1, bidirectional=True)), (dk.nn.DeepTransitionGRUCell, dict(depth=2)),
+    (dk.nn.ATR, dict(layer_norm=True)), (dk.nn.ATRCell, {}),
+], ids=["layer", "cell", "atr", "atr-cell"])
+def test_factory_arguments_as_torch_modules_take_them(cls, kwargs):
+    """device= and dtype= as every torch.nn module takes them (torch.nn.utils.skip_init and the meta device
+    build with them): the parameters made there, the same names and shapes; a dtype that is no floating point is
+    refused in one line."""
+    def make(**more):
+        return cls(3, 4, **kwargs, **more)
+
+    plain = make()
+    made = make(dtype=torch.float64)
+    assert all(p.dtype == torch.float64 for p in made.parameters())
+    meta = make(device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    assert [(n, p.shape) for n, p in meta.named_parameters()] == [(n, p.shape) for n, p in plain.named_parameters()]
+    skipped = torch.nn.utils.skip_init(cls, 3, 4, **kwargs)   # (made on the meta device, then left uninitialised)
+    assert [(n, p.shape) for n, p in skipped.named_parameters()] == [(n, p.shape) for n, p in plain.named_parameters()]
+    for bad in (torch.int64, "float64"):
+        with pytest.raises(ValueError, match=rf"dtype must be a floating-point torch.dtype, got {bad!r}"):
+            make(dtype=bad)
 
 
 def test_from_torch_without_bias_and_bad_inputs():

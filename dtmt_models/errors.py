@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import stat
 from typing import Optional, Sequence
 
 
@@ -122,8 +123,21 @@ def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: 
         raise UsageError(f"{option} {path}: the file name is longer than the "
                          f"{_name_max(os.path.dirname(os.path.abspath(path)))} bytes a name may have here")
     for source in inputs:
-        if source != "-" and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
+        if source == "-":   # (standard input redirected from the output's file: `translate -o f < f` emptied it)
+            if _stdin_is(path):
+                raise UsageError(f"{option} {path}: is also the input (standard input reads it); the output would "
+                                 f"overwrite it")
+        elif os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
             raise UsageError(f"{option} {path}: is also an input ({source}); the output would overwrite it")
+
+
+def _stdin_is(path: str) -> bool:
+    """Whether standard input reads the file `path` (its regular file, redirected with `<`)."""
+    try:
+        seen = os.fstat(0)
+        return stat.S_ISREG(seen.st_mode) and os.path.samestat(seen, os.stat(path))
+    except (OSError, ValueError):   # (stdin closed, or no such file: nothing to overwrite)
+        return False
 
 
 def check_not_a_checkpoint(path: str, option: str) -> None:

@@ -875,6 +875,20 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("dtmt translate: ") and message in err, (args, err)
         assert err.count("\n") == 1 and "Traceback" not in err and "translated" not in err
+    # standard input redirected from the output's file (`translate -o f < f`, with "-" or no input named) is an input
+    # too: the translations replaced the source text, exit 0
+    saved = os.dup(0)
+    try:
+        with open(good, "rb") as f:
+            os.dup2(f.fileno(), 0)
+        for named in ([], ["-"]):
+            assert cli.main(["translate", "--quiet", "--checkpoint", ckpt, *named, "-o", good]) == 2
+            err = capsys.readouterr().err
+            assert err == (f"dtmt translate: --output {good}: is also the input (standard input reads it); the output "
+                           f"would overwrite it\n"), err
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
     assert not (tmp_path / "o").exists() and open(good).read() == before == good_text
     assert open(ckpt, "rb").read() == checkpoint_bytes == open(named_out, "rb").read() == open(other_run, "rb").read()
     with pytest.raises(SystemExit) as exc:                              # argparse: usage error, status 2

@@ -126,14 +126,18 @@ def iter_parallel(src_path: str, tgt_path: str) -> Iterator[Tuple[str, str]]:
     """The aligned (source, target) pairs of two files, read line by line (memory does not grow with the files).
     The counts are checked first; the bad lines are collected while reading and raised as one CorpusError after
     the last pair, so a caller writing the pairs out must discard what it wrote when it gets one."""
-    counts = [scan_file(p) for p in (src_path, tgt_path)]
+    paths = (src_path, tgt_path)
+    states = [_file_state(p) for p in paths]
+    counts = [scan_file(p) for p in paths]
     if counts[0] != counts[1]:
         raise count_mismatch(src_path, counts[0], tgt_path, counts[1])
     if counts[0] == 0:
         raise CorpusError(f"{src_path} and {tgt_path} hold no sentences: a corpus needs at least one pair")
     problems = Problems()
+    read = 0
     with open(src_path, "rb") as fs, open(tgt_path, "rb") as ft:
         for i, (a, b) in enumerate(zip(fs, ft), start=1):
+            read = i
             texts = []
             for path, line in ((src_path, a), (tgt_path, b)):
                 text, problem = decode_file_line(line, path, i)
@@ -142,7 +146,19 @@ def iter_parallel(src_path: str, tgt_path: str) -> Iterator[Tuple[str, str]]:
                 texts.append(text)
             if not problems:
                 yield texts[0], texts[1]
+    # a file shortened, grown or replaced after it was counted: zip stopped at the shorter one, and the pairs from
+    # the change on were cut or misaligned, with nothing said
+    for path, state, count in zip(paths, states, counts):
+        if _file_state(path) != state or read != count:
+            raise CorpusError(f"{path} changed while it was read ({count:,} lines when counted, {read:,} pairs read); "
+                              f"read it again once it is complete")
     problems.raise_if_any("parallel corpus")
+
+
+def _file_state(path: str) -> Tuple[int, int, int, int]:
+    """What changes when a file is written or replaced: its device, inode, size and modification time."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:

@@ -860,6 +860,7 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
     --data as the run started) is refused, not trained on with the other's fingerprint recorded."""
     from dtmt_models.cli.average import main as average
     from dtmt_models.data import binarized
+    from dtmt_models.models.checkpoint import read_checkpoint
     from dtmt_models.run_lock import RunLock
     from dtmt_models.training.trainer import step_checkpoints
 
@@ -871,8 +872,14 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
         only.mkdir()
         (only / name).write_bytes((run / name).read_bytes())
         r = train_here(["--out", str(only), "--max-steps", "2", *base], capsys)
-        assert r.returncode == 2 and f"already holds a checkpoint ({name}); pass --resume" in r.stderr, r.stderr
+        # (--resume was offered too, and refused: no last.pt; a run killed between its first best.pt and last.pt)
+        assert r.returncode == 2 and (f"already holds a checkpoint ({name}); pass --overwrite to start again (it has "
+                                      f"no last.pt to resume)") in r.stderr, r.stderr
         assert sorted(os.listdir(only)) == [name]
+    r = train_here(["--out", str(run), "--max-steps", "2", *base], capsys)
+    assert r.returncode == 2, r.stderr
+    assert "already holds a checkpoint (last.pt); pass --resume to continue it or --overwrite to start again\n" \
+        in r.stderr, r.stderr
     last = (run / "last.pt").read_bytes()
     assert average([str(run / "step_0000002.pt"), "-o", str(run / "last.pt")]) == 2
     assert "a run's checkpoint with its training state" in capsys.readouterr().err
@@ -895,11 +902,15 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
         assert average([str(run / other), str(run / "avg.pt"), "-o", str(run / name)]) == 2
         assert f"--output {run / name}: {kind}" in capsys.readouterr().err
         assert (run / name).read_bytes() == before
-    # --overwrite starts again without the earlier run's step checkpoints (average took them as this run's)
-    assert step_checkpoints(str(run))
+    # --overwrite starts again without the earlier run's step checkpoints (average took them as this run's), nor its
+    # last.pt, best.pt and curve: a run stopped before its own replaced them left the earlier run's as its own (a
+    # resume refused, translate -c best.pt the old model)
+    assert step_checkpoints(str(run)) and (run / "best.pt").is_file() and (run / "learning_curve.png").is_file()
     r = train_here(["--out", str(run), "--max-steps", "1", "--overwrite", *base], capsys)
-    assert r.returncode == 0 and "--overwrite: removed the earlier run's 1 step checkpoint(s)" in r.stderr, r.stderr
+    assert r.returncode == 0 and ("--overwrite: removed the earlier run's last.pt, best.pt, learning_curve.png, 1 step "
+                                  "checkpoint(s) and ") in r.stderr, r.stderr
     assert step_checkpoints(str(run)) == []
+    assert all(read_checkpoint(str(run / name))["step"] == 1 for name in ("last.pt", "best.pt"))   # (this run's)
     real, calls = binarized.fingerprint, []
 
     def first_of_another_corpus(data):   # (the run's first look: another corpus's; its reads: this one)

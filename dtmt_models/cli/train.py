@@ -32,7 +32,7 @@ from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.distributed import Dist, resolve_auto, world_size
-from dtmt_models.training.trainer import (BEST, CONFIG, LAST, TENSORBOARD, Trainer, TrainingDiverged,
+from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, TENSORBOARD, Trainer, TrainingDiverged,
                                           step_checkpoints)
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-changed-data", action="store_true",
                    help="with --resume: continue on a --data whose corpus differs from the run's")
     p.add_argument("--overwrite", action="store_true", help="start afresh even if OUT has a checkpoint (the earlier "
-                   "run's step_N.pt and TensorBoard events are removed; its last.pt and best.pt replaced)")
+                   "run's last.pt, best.pt, step_N.pt, learning curve and TensorBoard events are removed first)")
     g = p.add_argument_group("training (defaults come from the preset)")
     g.add_argument("--lr", type=float, default=None, help="base learning rate")
     g.add_argument("--schedule", choices=("rnmt", "inverse-sqrt", "constant", "epoch-halving"), default=None,
@@ -485,17 +485,21 @@ def check_best_is_of_the_run(best: str, source: str, ckpt: dict) -> None:
 
 
 def forget_earlier_run(out: str) -> None:
-    """--overwrite: what the earlier run in `out` kept beside what this one replaces, removed (its step_N.pt, which
-    `dtmt average --run` averaged with this run's or instead of them; its TensorBoard events, drawn over this run's),
-    and said in one line."""
+    """--overwrite: the earlier run in `out` removed before this one starts, and said in one line: its last.pt and
+    best.pt (until this run wrote its own, an interrupted or unvalidated run left them, the earlier run's, as this
+    one's: a resume refused, `translate -c OUT/best.pt` the old model), its step_N.pt (which `dtmt average --run`
+    averaged with this run's or instead of them), its learning curve and its TensorBoard events (drawn over this
+    run's). Its log and config are rewritten at the start."""
+    files = [os.path.join(out, name) for name in (LAST, BEST, CURVE) if os.path.isfile(os.path.join(out, name))]
     steps = [path for _, path in step_checkpoints(out)]
     board = os.path.join(out, TENSORBOARD)
     events = [os.path.join(board, n) for n in os.listdir(board) if n.startswith("events.out.tfevents.")] \
         if os.path.isdir(board) else []
-    for path in steps + events:
+    for path in files + steps + events:
         os.remove(path)
-    if steps or events:
-        print(f"dtmt train: --overwrite: removed the earlier run's {len(steps)} step checkpoint(s) and "
+    if files or steps or events:
+        named = "".join(f"{os.path.basename(path)}, " for path in files)
+        print(f"dtmt train: --overwrite: removed the earlier run's {named}{len(steps)} step checkpoint(s) and "
               f"{len(events)} TensorBoard event file(s) in {out}", file=sys.stderr)
 
 
@@ -616,8 +620,11 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             held = [name for name in (LAST, BEST) if os.path.isfile(os.path.join(args.out, name))] or [
                 path for _, path in step_checkpoints(args.out)][:1]
             if held and not args.overwrite:   # (a best.pt without last.pt: a run killed between the two, or one's
+                # own, which it replaced; --resume needs last.pt, so it is offered only where there is one)
                 raise ValueError(f"{args.out} already holds a checkpoint ({os.path.basename(held[0])}); pass "
-                                 f"--resume to continue it or --overwrite to start again")   # own, which it replaced)
+                                 + ("--resume to continue it or " if held[0] == LAST else "")
+                                 + "--overwrite to start again" + ("" if held[0] == LAST else
+                                                                   f" (it has no {LAST} to resume)"))
             cfg = resolve_config(args)
             if cfg.model_options.get("pad_id", PAD) != PAD:
                 raise ValueError(f"--opt pad_id={cfg.model_options['pad_id']}: dtmt train pads with the vocabularies' "

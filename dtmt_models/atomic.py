@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import stat
-from typing import IO, Iterator, List
+from typing import IO, Iterator, List, Optional, Pattern
 
 
 class WriteError(OSError):
@@ -39,11 +39,11 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(directory: str) -> List[str]:
+def remove_stale_temporaries(directory: str, keep: Optional[Pattern[str]] = None) -> List[str]:
     """Removes the temporaries that an interrupted writer left in `directory` (an atomic write's file, a binarized
-    corpus' build folder: named after their process) whose process is gone; those of a running process stay.
-    A command calls it on the folders it writes before it writes them (`dtmt prepare` killed midway left tens of
-    MB that a later successful run kept). Returns the paths removed."""
+    corpus' build folder: named after their process) whose process is gone; those of a running process stay, and
+    those whose name `keep` matches whole. A command calls it on the folders it writes before it writes them (`dtmt
+    prepare` killed midway left tens of MB that a later successful run kept). Returns the paths removed."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -51,7 +51,7 @@ def remove_stale_temporaries(directory: str) -> List[str]:
         return removed
     for name in names:
         m = _TMP_NAME.match(name)
-        if m is None or process_alive(int(m.group(1))):
+        if m is None or process_alive(int(m.group(1))) or (keep is not None and keep.fullmatch(name)):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError):

@@ -742,7 +742,7 @@ def test_real_bible_counts_and_spot_checks(real_bible):
 def test_prepare_s_own_leftovers_and_the_user_s_files_beside_a_corpus(tmp_path, capsys):
     """A review's findings on the staged prepare: inputs kept in --out under split names are not the user's files
     in the way (refused since the check of foreign files, fine before); a run killed while it moved its corpus in
-    (no manifest yet, its stage left) does not lock the folder; a corpus of other languages removes only the earlier
+    (no manifest yet, its stage left) does not lock the folder, nor does a dtmt train refused there; a corpus of other languages removes only the earlier
     corpus's own files, not the user's test.de / test.fr beside it; an error of the file system names --out, not the
     stage."""
     from dtmt_models.data.prepare import staged_corpus
@@ -756,6 +756,12 @@ def test_prepare_s_own_leftovers_and_the_user_s_files_beside_a_corpus(tmp_path, 
     killed = tmp_path / "killed"   # (text of two runs, no manifest, the stage of a process long gone)
     os.makedirs(killed / ".prepare.tmp-999999999")
     write(killed / "train.es", "old\n"), write(killed / "train.en", "new\n")
+    capsys.readouterr()
+    # a dtmt train on it is refused and leaves the stage (it removed it as an interrupted run's leftover: prepare
+    # then took the folder for the user's own files and refused it too, with no way out but deleting by hand)
+    assert cli.main(["train", "--data", str(killed), "--out", str(tmp_path / "run")]) == 2
+    assert f"dtmt train: {killed}: no corpus.json" in capsys.readouterr().err
+    assert (killed / ".prepare.tmp-999999999").is_dir()
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(killed), "--no-binarize"]) == 0, \
         capsys.readouterr().err
     assert data.read_parallel(*data.corpus_paths(str(killed), "train")) == data.read_parallel(src, tgt)

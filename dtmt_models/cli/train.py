@@ -21,7 +21,7 @@ import yaml
 
 from dtmt_models.atomic import WriteError, atomic_write, remove_stale_temporaries
 from dtmt_models.data import binarized
-from dtmt_models.data.corpus import CorpusError
+from dtmt_models.data.corpus import PREPARE_STAGE, CorpusError
 from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_counts, check_finite,
                                  check_output_dir, cut, one_line, refuse)
@@ -567,9 +567,11 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                              f"rebuilds whole; give a folder outside it")
         if int(os.environ.get("RANK", "0")) == 0:   # one run per directory (the main process holds it)
             lock.append(RunLock(args.out).acquire())
-            # what an interrupted earlier run left (its process gone): in --out, and the corpus' binarized build
+            # what an interrupted earlier run left (its process gone): in --out, and the corpus' binarized build; not
+            # a dtmt prepare's stage, which says the corpus there was being replaced (prepare then takes the folder
+            # for a corpus of its own, not the user's files: without it prepare refused, and so did this)
             for folder in (args.out, args.data):
-                for path in remove_stale_temporaries(folder):
+                for path in remove_stale_temporaries(folder, keep=PREPARE_STAGE):
                     print(f"dtmt train: removed {path} (left by an interrupted run)", file=sys.stderr)
         last = os.path.join(args.out, LAST)
         ckpt = source = None

@@ -7,6 +7,7 @@ segmentation, with the count returned to the caller (see `filter_by_length`).
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from dtmt_models.atomic import atomic_write
@@ -199,6 +200,8 @@ def filter_by_length(pairs: Sequence[Tuple[List[int], List[int]]], max_len: int)
 # A prepared corpus is a directory with {split}.{src_lang} / {split}.{tgt_lang} files (split: train, dev,
 # test) and a manifest, corpus.json, naming the two languages, the line counts and where the text came from.
 MANIFEST = "corpus.json"
+# the folder dtmt prepare writes a corpus into before moving it into place (data.prepare.staged_corpus), by its pid
+PREPARE_STAGE = re.compile(r"\.prepare\.tmp-\d+")
 
 
 def write_manifest(directory: str, src_lang: str, tgt_lang: str, counts: dict, origin: str, **extra) -> str:

@@ -118,7 +118,7 @@ def check_out_is_a_corpus_or_new(out: str, names: Sequence[str], inputs: Sequenc
     with contextlib.suppress(data.CorpusError):
         data.read_manifest(out)
         return   # an earlier corpus of dtmt prepare: this one replaces it
-    if any(_STAGE_NAME.fullmatch(name) for name in os.listdir(out)):
+    if any(data.PREPARE_STAGE.fullmatch(name) for name in os.listdir(out)):
         return
     listed = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
     raise UsageError(f"--out {out}: holds {listed} but is not a corpus of dtmt prepare (no readable {data.MANIFEST}); "
@@ -191,8 +191,7 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
     return counts
 
 
-_STAGE = ".prepare.tmp-{pid}"   # (a name remove_stale_temporaries takes once its process is gone)
-_STAGE_NAME = re.compile(r"\.prepare\.tmp-\d+")
+_STAGE = ".prepare.tmp-{pid}"   # (data.PREPARE_STAGE; a name remove_stale_temporaries takes once its process is gone)
 
 
 @contextlib.contextmanager

@@ -902,6 +902,12 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
         assert average([str(run / other), str(run / "avg.pt"), "-o", str(run / name)]) == 2
         assert f"--output {run / name}: {kind}" in capsys.readouterr().err
         assert (run / name).read_bytes() == before
+    # a new step checkpoint's name in a run folder: the next --run average took the mean as the run's own, and a
+    # resumed run replaced it (or its --keep-last removed it)
+    assert average([str(run / "step_0000002.pt"), "-o", str(run / "step_0000050.pt")]) == 2
+    assert (f"--output {run / 'step_0000050.pt'}: the name of a step checkpoint, which --run averages, in the run "
+            f"folder {run}") in capsys.readouterr().err
+    assert not (run / "step_0000050.pt").exists()
     # --overwrite starts again without the earlier run's step checkpoints (average took them as this run's), nor its
     # last.pt, best.pt and curve: a run stopped before its own replaced them left the earlier run's as its own (a
     # resume refused, translate -c best.pt the old model)

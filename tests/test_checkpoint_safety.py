@@ -95,6 +95,29 @@ def test_a_checkpoint_write_that_fails_midway_is_one_line_and_leaves_nothing(tmp
     assert path.read_bytes() == b"the earlier checkpoint" and os.listdir(tmp_path) == ["last.pt"]
 
 
+def test_a_checkpoint_past_the_file_size_limit_is_said_so(tmp_path):
+    """Under `ulimit -f` (EFBIG; Python ignores SIGXFSZ) the message said "stopped with 74,163,220,480 bytes free
+    ... unexpected pos": the limit is named instead. In a child process, the limit set there."""
+    code = """if True:
+        import os, resource, sys, torch
+        from dtmt_models.models.checkpoint import save_checkpoint
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+        payload = dict(model_name="dtmt", model_options={}, src_vocab=[], tgt_vocab=[], model={"w": torch.ones(50_000)})
+        try:
+            save_checkpoint(sys.argv[1], payload)
+        except OSError as exc:
+            print(exc)
+    """
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"the earlier checkpoint")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.stdout == (f"cannot write {path}: the write stopped at this process's file size limit of 100,000 bytes "
+                           f"(ulimit -f); the checkpoint needs more (nothing written; any earlier version of the file "
+                           f"is intact)\n"), (done.stdout, done.stderr)
+    assert path.read_bytes() == b"the earlier checkpoint" and os.listdir(tmp_path) == ["last.pt"]
+
+
 def test_a_changed_byte_in_a_checkpoint_is_refused(tmp_path):
     """A byte changed inside a checkpoint's weights (a disk or copy error) was read as it was: torch.load does not
     check the CRC-32 that torch.save writes with each record, and the model translated with the changed weight,

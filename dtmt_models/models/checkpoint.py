@@ -44,9 +44,23 @@ def save_checkpoint(path: str, payload: Dict[str, Any], through_link: bool = Fal
         try:
             torch.save({**payload, "format": FORMAT}, f)
         except RuntimeError as exc:   # torch's zip writer reports a failed write (a full disk) as its own error
+            limit = _file_size_limit()
+            if limit is not None and f.tell() >= limit:   # (`ulimit -f`: EFBIG, Python ignoring SIGXFSZ)
+                raise OSError(f"the write stopped at this process's file size limit of {limit:,} bytes (ulimit -f); "
+                              f"the checkpoint needs more") from None
             free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
             raise OSError(f"the write stopped with {free:,} bytes free on its device"
                           + (" (the disk is full)" if free < (1 << 20) else f" ({one_line(exc)})")) from None
+
+
+def _file_size_limit() -> Optional[int]:
+    """The most bytes this process may write into a file (RLIMIT_FSIZE), None where unlimited or unknown."""
+    try:
+        import resource
+    except ImportError:   # (not a POSIX system)
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _with_check_sums():

@@ -852,6 +852,26 @@ def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tm
     assert best.read_bytes() == before
 
 
+def test_a_log_removed_under_the_run_is_written_whole_again(tmp_path):
+    """The run folder removed while a run trains (its checkpoint writes make the folder again): the log's next row
+    made a train_log.csv of the later rows without a header, which --resume then refused ("no step column"). The
+    log is written whole again, every row the run wrote, then the new row."""
+    import shutil
+
+    from dtmt_models.training.trainer import LOG_FIELDS, CsvLog
+
+    run = tmp_path / "run"
+    log = CsvLog(str(run / "train_log.csv"), None)
+    log.write(kind="train", step=1, loss=2.5)
+    log.write(kind="valid", step=1, dev_loss=3.0)
+    shutil.rmtree(run)
+    run.mkdir()   # (as the next checkpoint's write makes it)
+    log.write(kind="train", step=2, loss=2.25)
+    rows = CsvLog._rows_until(str(run / "train_log.csv"), 10)
+    assert [(r["kind"], r["step"]) for r in rows] == [("train", "1"), ("valid", "1"), ("train", "2")]
+    assert rows[1]["dev_loss"] == "3.0" and list(rows[0]) == list(LOG_FIELDS)
+
+
 def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
     """A new run refuses an --out holding a best.pt (or step_N.pt) without last.pt, as it refuses one with last.pt
     (it replaced a best.pt of someone's own); dtmt average refuses to write a run's last.pt (its training state was

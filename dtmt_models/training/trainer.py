@@ -99,12 +99,15 @@ class CsvLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.events = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with atomic_write(path) as f:   # (read whole first: a log that cannot be kept is never emptied)
+        self.rows = rows
+        self._write_all()   # (read whole first: a log that cannot be kept is never emptied)
+
+    def _write_all(self) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with atomic_write(self.path) as f:
             w = csv.DictWriter(f, LOG_FIELDS)
             w.writeheader()
-            w.writerows(rows)
-        self.rows = rows
+            w.writerows(self.rows)
 
     @staticmethod
     def _rows_until(source: str, step: int) -> List[dict]:
@@ -135,6 +138,8 @@ class CsvLog:
     def write(self, **row) -> None:
         row.setdefault("wall_s", f"{time.perf_counter() - dtmt_models.STARTED:.1f}")
         row = {k: ("" if row.get(k) is None else row[k]) for k in LOG_FIELDS}
+        if not os.path.exists(self.path):   # (removed under the run, its folder with it: appending made a log of
+            self._write_all()               # the later rows without a header, which --resume refused) whole again
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, LOG_FIELDS).writerow(row)
         self.rows.append({k: str(v) for k, v in row.items()})

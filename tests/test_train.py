@@ -932,6 +932,11 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
     # last.pt, best.pt and curve: a run stopped before its own replaced them left the earlier run's as its own (a
     # resume refused, translate -c best.pt the old model)
     assert step_checkpoints(str(run)) and (run / "best.pt").is_file() and (run / "learning_curve.png").is_file()
+    # (an --overwrite refused before its run started, here for its data, removes nothing)
+    kept = {name: (run / name).read_bytes() for name in ("last.pt", "best.pt", "step_0000002.pt")}
+    r = train_here(["--out", str(run), "--max-steps", "1", "--overwrite", "--max-len", "1", *base], capsys)
+    assert r.returncode == 2 and "removed" not in r.stderr, r.stderr
+    assert {name: (run / name).read_bytes() for name in kept} == kept
     r = train_here(["--out", str(run), "--max-steps", "1", "--overwrite", *base], capsys)
     assert r.returncode == 0 and ("--overwrite: removed the earlier run's last.pt, best.pt, learning_curve.png, 1 step "
                                   "checkpoint(s) and ") in r.stderr, r.stderr

@@ -8,6 +8,7 @@ dtmt_models.training.trainer.Trainer, which holds what a run does (see its docst
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -484,19 +485,27 @@ def check_best_is_of_the_run(best: str, source: str, ckpt: dict) -> None:
                          f"replace; resume it in a new --out")
 
 
-def forget_earlier_run(out: str) -> None:
-    """--overwrite: the earlier run in `out` removed before this one starts, and said in one line: its last.pt and
-    best.pt (until this run wrote its own, an interrupted or unvalidated run left them, the earlier run's, as this
-    one's: a resume refused, `translate -c OUT/best.pt` the old model), its step_N.pt (which `dtmt average --run`
-    averaged with this run's or instead of them), its learning curve and its TensorBoard events (drawn over this
-    run's). Its log and config are rewritten at the start."""
+def earlier_run_files(out: str) -> Tuple[List[str], List[str], List[str]]:
+    """--overwrite: what the earlier run in `out` left that this one does not rewrite at its start (its log and
+    config are): its last.pt, best.pt and learning curve (until this run wrote its own, an interrupted or unvalidated
+    run left them, the earlier run's, as this one's: a resume refused, `translate -c OUT/best.pt` the old model), its
+    step_N.pt (which `dtmt average --run` averaged with this run's or instead of them) and its TensorBoard events
+    (drawn over this run's). Listed before this run starts, removed by forget_earlier_run once it has started."""
     files = [os.path.join(out, name) for name in (LAST, BEST, CURVE) if os.path.isfile(os.path.join(out, name))]
     steps = [path for _, path in step_checkpoints(out)]
     board = os.path.join(out, TENSORBOARD)
     events = [os.path.join(board, n) for n in os.listdir(board) if n.startswith("events.out.tfevents.")] \
         if os.path.isdir(board) else []
+    return files, steps, events
+
+
+def forget_earlier_run(out: str, earlier: Tuple[List[str], List[str], List[str]]) -> None:
+    """Removes `earlier` (earlier_run_files), once this run has started (a run refused before it did, for its data
+    or a checkpoint, left them), and says so in one line."""
+    files, steps, events = earlier
     for path in files + steps + events:
-        os.remove(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     if files or steps or events:
         named = "".join(f"{os.path.basename(path)}, " for path in files)
         print(f"dtmt train: --overwrite: removed the earlier run's {named}{len(steps)} step checkpoint(s) and "
@@ -657,14 +666,15 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
         return 2
     try:
-        if args.resume is None and args.overwrite and dist.main:
-            forget_earlier_run(cfg.out)
+        earlier = earlier_run_files(cfg.out) if args.resume is None and args.overwrite and dist.main else None
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         tune_malloc()   # freed update memory stays for the next update (DTMT_MALLOC=default: glibc's own)
         # makes --out only once the data and the model are usable
         trainer = Trainer(cfg, dist, ckpt, resumed_from=os.path.dirname(resume_from) if resume_from else None,
                           ckpt_path=source)
+        if earlier is not None:
+            forget_earlier_run(cfg.out, earlier)
         if dist.main:   # once the corpus and the vocabularies are known to be usable
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)

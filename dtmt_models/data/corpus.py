@@ -156,10 +156,11 @@ def iter_parallel(src_path: str, tgt_path: str) -> Iterator[Tuple[str, str]]:
     problems.raise_if_any("parallel corpus")
 
 
-def _file_state(path: str) -> Tuple[int, int, int, int]:
-    """What changes when a file is written or replaced: its device, inode, size and modification time."""
+def _file_state(path: str) -> Tuple[int, int, int]:
+    """What changes when a file is shortened, grown or replaced: its device, inode and size. (Not its time, which a
+    `touch` or a backup tool changes alone; a rewrite of the same size in place, while read, goes unseen.)"""
     st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_dev, st.st_ino, st.st_size
 
 
 def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:

@@ -928,6 +928,10 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
     assert (f"--output {run / 'step_0000050.pt'}: the name of a step checkpoint, which --run averages, in the run "
             f"folder {run}") in capsys.readouterr().err
     assert not (run / "step_0000050.pt").exists()
+    mine = tmp_path / "mine"   # (a folder of one's own with a config.yaml is no run's: best.pt may be written there)
+    mine.mkdir()
+    (mine / "config.yaml").write_text("mine: true\n")
+    assert average([str(run / "step_0000002.pt"), "-o", str(mine / "best.pt")]) == 0, capsys.readouterr().err
     # --overwrite starts again without the earlier run's step checkpoints (average took them as this run's), nor its
     # last.pt, best.pt and curve: a run stopped before its own replaced them left the earlier run's as its own (a
     # resume refused, translate -c best.pt the old model)

@@ -805,6 +805,8 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
 
 
 def test_cli_translate_errors(system, tmp_path, capsys):
+    from dtmt_models.errors import check_output_file
+
     _, _, _, ckpt = system
     good = write(tmp_path / "good.es", "el sol\n")
     bad = tmp_path / "bad.es"
@@ -886,6 +888,12 @@ def test_cli_translate_errors(system, tmp_path, capsys):
             err = capsys.readouterr().err
             assert err == (f"dtmt translate: --output {good}: is also the input (standard input reads it); the output "
                            f"would overwrite it\n"), err
+        read_end, write_end = os.pipe()   # (stdin a pipe, or /dev/null: no file of its own, nothing refused)
+        for source in (read_end, os.open(os.devnull, os.O_RDONLY)):
+            os.dup2(source, 0)
+            os.close(source)
+            check_output_file(good, "--output", ["-"])
+        os.close(write_end)
     finally:
         os.dup2(saved, 0)
         os.close(saved)

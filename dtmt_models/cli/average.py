@@ -85,7 +85,9 @@ def check_not_a_run_s(output: str) -> None:
     if running is not None and (name in (LAST, BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
         raise UsageError(f"--output {output}: a file of the run in {folder}, where a dtmt train runs (process "
                          f"{running}) and writes it; give another name")
-    run_folder = any(os.path.exists(os.path.join(folder, f)) for f in (LAST, CONFIG))
+    # (a run's folder: its last.pt, or its config and log; a folder of the user's own with a config.yaml is none)
+    run_folder = os.path.exists(os.path.join(folder, LAST)) or all(os.path.exists(os.path.join(folder, f))
+                                                                   for f in (CONFIG, LOG))
     if run_folder and (name == BEST or STEP_NAME.fullmatch(name)):
         # (a finished run's step_N.pt or best.pt was replaced, exit 0, and the next --run average took the mean in
         # its place; a new step_N.pt was averaged by the next --run as the run's own, and a resumed run replaced it

@@ -122,8 +122,14 @@ class _TransitionBase(BackendSwitch, nn.Module):
     def _weights_read(self, direction: int = 0) -> dict:
         """Name -> the tensor a forward computes with, for each parameter of one direction: the module's attribute of
         that name, as torch.nn.GRU reads its weights, so that a parametrization (weight_norm, spectral_norm, pruning)
-        or a replica's plain tensors (nn.DataParallel) is what runs, not the parameter behind it."""
-        return {name: getattr(self, name) for name, _ in self._parameter_shapes(self._suffixes()[direction])}
+        or a replica's plain tensors (nn.DataParallel) is what runs, not the parameter behind it. (The parameter
+        itself where it is one: read so, a step costs no more than before; the names are listed once a module.)"""
+        names = self.__dict__.get("_weight_names")
+        if names is None:
+            names = self.__dict__["_weight_names"] = tuple(tuple(name for name, _ in self._parameter_shapes(sfx))
+                                                           for sfx in self._suffixes())
+        params = self._parameters
+        return {name: params[name] if name in params else getattr(self, name) for name in names[direction]}
 
     def reset_parameters(self) -> None:
         """Weights and biases ~ U(-1/√H, 1/√H) as torch.nn.GRU; layer-norm gains 1, offsets 0."""

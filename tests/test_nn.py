@@ -198,6 +198,7 @@ def test_parametrized_weights_and_replicas_run_as_torch_grus_do(backend):
     pruning and nn.DataParallel's replicas (plain tensors where the parameters were) each raised a KeyError from
     the parameter dictionary. Float64, against torch.nn.GRU with the same parametrization, and a step cell in an
     `unrolled` block (new weights at each read) against the reference backend."""
+    import contextlib
     import copy
 
     import torch.nn.utils.prune
@@ -248,6 +249,23 @@ def test_parametrized_weights_and_replicas_run_as_torch_grus_do(backend):
         grads.append(torch.autograd.grad(torch.stack(states).sin().sum(), list(cell.parameters())))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+    # its norms changed in place within the block: the steps after it read the new weights (the block's cached
+    # weights are those of the tensors read, whose versions a parametrization's new tensor does not carry)
+    cell = cells[0]
+    g = cell.parametrizations.weight_hh.original0
+    finals = []
+    for block in (dk.nn.unrolled(cell), contextlib.nullcontext()):
+        with torch.no_grad():
+            g.fill_(1.0)
+        h = torch.zeros(2, 4, dtype=torch.double)
+        with block:
+            for t in range(5):
+                if t == 2:
+                    with torch.no_grad():
+                        g.mul_(3.0)
+                h = cell(x[t], h)
+        finals.append(h)
+    torch.testing.assert_close(finals[0], finals[1])
 
 
 @pytest.mark.parametrize("make", [

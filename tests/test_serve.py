@@ -192,6 +192,13 @@ def test_translations_health_and_info(system, server):
     assert reply["translations"] == [h[0][0] for h in expected]
     assert reply["scores"] == pytest.approx([h[0][1] for h in expected], rel=1e-6, abs=1e-6)
     assert len({t for t in reply["translations"] if t}) >= 3      # real, differing translations
+    assert "warnings" not in reply
+    # what the server's log says of a request's sentences, its answer says too (only the log did)
+    alien = "\u0416\u0417\u0418 \u0419\u041a\u041b \u041c\u041d"   # (Cyrillic: not in the toy vocabulary)
+    status, reply = request(server.url, "/translate", {"sentences": ["el sol", alien]})
+    assert status == 200 and reply["warnings"] == [
+        "sentence 2: the source is mostly pieces unknown to the model's source vocabulary: the translation is a "
+        "guess"], reply
     assert request(server.url, "/translate", {"sentences": []}) == (200, {"translations": [], "scores": []})
     assert request(server.url, "/health") == (200, {"status": "ok"})
     status, info = request(server.url, "/info")
@@ -540,8 +547,8 @@ def test_clients_that_left_cost_no_decoding(system):
     with pytest.raises(ClientsGone):   # every client gone before the second of its batches
         server._decode(many, [_Pending(many, None, Transport(after=2))])
     here = _Pending(many, None, Transport(after=10 ** 6))
-    assert server._decode(many, [here, _Pending([], None, Transport(after=0))]) == translate(
-        model, sv, tv, many, beam=2, max_tokens=4)   # (one client still there: decoded in full)
+    assert server._decode(many, [here, _Pending([], None, Transport(after=0))]) == (translate(
+        model, sv, tv, many, beam=2, max_tokens=4), [[]] * len(many))   # (one client still there: decoded in full)
     assert here.transport.looks == len(many) + 1   # (looked at before each batch and after the last)
 
 
@@ -626,7 +633,10 @@ def test_bodies_in_flight_are_bounded_and_warnings_name_the_request(system, monk
     assert len(sv.encode(long)) > bound
     server = Server(model, sv, tv, ServeSettings(beam=2, max_src_len=bound), log=said.append)
     for first, second in ((short[:1], [long, short[1]]), ([long, long], short[:1]), ([long], short[:1])):
-        server._decode(first + second, [_Pending(first, None, None, 7), _Pending(second, None, None, 9)])
+        _, notes = server._decode(first + second, [_Pending(first, None, None, 7), _Pending(second, None, None, 9)])
+        # (each sentence's own notes: what a request's answer says of its sentences)
+        assert notes == [[f"the source had more than {bound} subwords and was truncated to {bound}"] if x == long
+                         else [] for x in first + second], notes
     # (the second and third within the minute: counted, not shown)
     assert said == [f"warning: 1 source sentence(s) had more than {bound} subwords and were truncated to {bound} "
                     f"(request 9 sentence 1)"], said

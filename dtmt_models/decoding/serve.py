@@ -1,6 +1,7 @@
 """A translation server: an HTTP JSON API over `translate`, built on aiohttp (`dtmt serve`).
 
     POST /translate   {"sentences": ["...", ...]}      -> {"translations": ["...", ...], "scores": [...]}
+                                                           (and "warnings": ["sentence N: ...", ...] where any)
     GET  /health                                        -> {"status": "ok"}
     GET  /info                                          -> the model, the decoding settings, the limits, counters
 
@@ -12,7 +13,8 @@ independently, so a request's translations do not depend on what it was batched 
 padding of a batch changes the order of some sums, so a score may differ in its fifth digit (1.7e-5 was seen), and
 a hypothesis that ties another to that digit could be ranked otherwise. Warnings about the sources (a sentence
 truncated, mostly unknown pieces) name the request by its number (`/info`'s counter when it came) and its
-sentence, and are shown once a minute of each kind, with the count of those not shown.
+sentence, and are shown once a minute of each kind, with the count of those not shown; the request's answer
+says them of its own sentences, by their place in it ("warnings", absent where there is none).
 
 The body is read as JSON whatever its Content-Type says (`curl -d` sends a form type); a body sent with
 `Content-Encoding: gzip` (or `x-gzip`, `deflate`, `identity`) is decompressed first. Errors are JSON `{"error":
@@ -444,9 +446,14 @@ class Server:
         except Exception as exc:   # noqa: BLE001 - decoding failed: this request fails, the server goes on
             self.log(f"decoding failed: {type(exc).__name__}: {exc}")
             return self._error(500, f"decoding failed: {type(exc).__name__}: {exc}")
+        results, notes = results
         # (a sentence without a hypothesis: a model that gives every word -inf)
-        return web.json_response({"translations": [hyps[0][0] if hyps else "" for hyps in results],
-                                  "scores": [hyps[0][1] if hyps else None for hyps in results]})
+        answer = {"translations": [hyps[0][0] if hyps else "" for hyps in results],
+                  "scores": [hyps[0][1] if hyps else None for hyps in results]}
+        said = [f"sentence {j + 1}: {note}" for j, own in enumerate(notes) for note in own]
+        if said:   # (what the server's log says of its sentences: a source cut, one the model cannot read)
+            answer["warnings"] = said
+        return web.json_response(answer)
 
     async def _read_sentences(self, request):
         """The request's sentences, its body read, decompressed and parsed; or the response that refuses it."""
@@ -550,27 +557,37 @@ class Server:
             return
         self.counters.batches += 1
         self.counters.sentences += len(sentences)
+        results, notes = results
         start = 0
         for item in batch:
+            end = start + len(item.sentences)
             if not item.future.done():
-                item.future.set_result(results[start:start + len(item.sentences)])
-            start += len(item.sentences)
+                item.future.set_result((results[start:end], notes[start:end]))
+            start = end
 
-    def _decode(self, sentences: List[str], batch: Sequence[_Pending] = ()) -> List[List[Tuple[str, float]]]:
-        """The translations of `sentences`; ClientsGone between two of translate's batches once every request of
-        `batch` (whose sentences these are) has lost its client."""
+    def _decode(self, sentences: List[str], batch: Sequence[_Pending] = ()
+                ) -> Tuple[List[List[Tuple[str, float]]], List[List[str]]]:
+        """The translations of `sentences`, and for each sentence the notes of the warnings about it (its source
+        cut, mostly unknown pieces); ClientsGone between two of translate's batches once every request of `batch`
+        (whose sentences these are) has lost its client."""
         def watch(done: int, total: int) -> None:
             if batch and all(item.gone() for item in batch):
                 raise ClientsGone()
 
         s = self.settings
         places = [(item.number, j + 1) for item in batch for j in range(len(item.sentences))]
+        caught: List[Warning] = []
         results, messages = input_warnings(lambda: translate(
             self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha, max_tokens=s.max_tokens,
             max_src_len=s.max_src_len, max_len_a=s.max_len_a, max_len_b=s.max_len_b, decoder=self.decoder,
             early_stop=s.early_stop, penalty=s.penalty, progress=watch,
-            where=(lambda i: "request {} sentence {}".format(*places[i])) if len(places) == len(sentences) else None))
+            where=(lambda i: "request {} sentence {}".format(*places[i])) if len(places) == len(sentences) else None),
+            caught=caught)
         for message in messages:
             self._warnings.handle(logging.makeLogRecord({"name": "dtmt.serve", "levelno": logging.WARNING,
                                                          "levelname": "WARNING", "msg": f"warning: {message}"}))
-        return results
+        notes: List[List[str]] = [[] for _ in sentences]
+        for warning in caught:
+            for i in getattr(warning, "positions", ()):
+                notes[i].append(warning.note)
+        return results, notes

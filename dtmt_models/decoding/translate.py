@@ -50,7 +50,13 @@ Progress = Callable[[int, int], None]
 
 
 class InputWarning(UserWarning):
-    """Something about the sources that the user should know; `dtmt translate` shows it as one line."""
+    """Something about the sources that the user should know; `dtmt translate` shows it as one line. `positions`:
+    the sentences it is about (0-based, in the call's `sentences`); `note`: what it says of each of them, without
+    naming it (`dtmt serve` answers a request with the notes of its own sentences)."""
+
+    def __init__(self, message: str, positions: Sequence[int] = (), note: str = ""):
+        super().__init__(message)
+        self.positions, self.note = tuple(positions), note
 
 
 class TruncationWarning(InputWarning):
@@ -70,19 +76,23 @@ _REISSUED: set = set()   # (text, category, file, line) of the other warnings in
 _MAX_REISSUED = 1024
 
 
-def input_warnings(call: Callable[[], T], category: Type[Warning] = InputWarning) -> Tuple[T, List[str]]:
-    """(call(), the messages of the warnings of `category` it raised, in order); any other warning it raised is
+def input_warnings(call: Callable[[], T], category: Type[Warning] = InputWarning,
+                   caught: Optional[List[Warning]] = None) -> Tuple[T, List[str]]:
+    """(call(), the messages of the warnings of `category` it raised, in order; the warnings themselves appended to
+    `caught` where it is given); any other warning it raised is
     issued again, once a process for each text and place, as Python shows it by default (inside catch_warnings
     Python forgets what it has shown: a library's warning came again at every validation of `dtmt train` and every
     request of `dtmt serve`). How `dtmt translate`, `dtmt serve` and training's dev BLEU turn a call's warnings into
     their one-line reports."""
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as recorded:
         warnings.simplefilter("always", category)
         result = call()
     messages = []
-    for w in caught:
+    for w in recorded:
         if issubclass(w.category, category):
             messages.append(str(w.message))
+            if caught is not None:
+                caught.append(w.message)
             continue
         key = (str(w.message), w.category, w.filename, w.lineno)
         if key not in _REISSUED:
@@ -164,12 +174,16 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
         return ", ".join(name(i) for i in positions[:5]) + (", ..." if len(positions) > 5 else "")
 
     if truncated:
-        warnings.warn(f"{len(truncated)}{of_total} source sentence(s) had more than {max_src_len} subwords and were "
-                      f"truncated to {max_src_len} ({shown(truncated)})", TruncationWarning, stacklevel=2)
+        warnings.warn(TruncationWarning(
+            f"{len(truncated)}{of_total} source sentence(s) had more than {max_src_len} subwords and were truncated "
+            f"to {max_src_len} ({shown(truncated)})", truncated,
+            f"the source had more than {max_src_len} subwords and was truncated to {max_src_len}"), stacklevel=2)
     if unknown:
-        warnings.warn(f"{len(unknown)}{of_total} source sentence(s) are mostly pieces unknown to the model's "
-                      f"source vocabulary ({shown(unknown)}): their translations are guesses, not translations",
-                      UnknownPiecesWarning, stacklevel=2)
+        warnings.warn(UnknownPiecesWarning(
+            f"{len(unknown)}{of_total} source sentence(s) are mostly pieces unknown to the model's source vocabulary "
+            f"({shown(unknown)}): their translations are guesses, not translations", unknown,
+            "the source is mostly pieces unknown to the model's source vocabulary: the translation is a guess"),
+            stacklevel=2)
     done = total - len(todo)
     if progress is not None:
         progress(done, total)

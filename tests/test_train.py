@@ -714,6 +714,37 @@ def test_two_processes_stay_in_sync(toy_nodev, tmp_path):
     assert len(ckpt["training"]["rng"]) == 2      # both processes' random states, for an exact resume
 
 
+def test_two_processes_stop_together_and_refuse_different_settings(toy_nodev, tmp_path):
+    """--max-time stopped each process by its own clock: one went on to its final validation while the other began
+    another update, and both waited for ever in collectives that did not match (3 of 3 runs of a probe); the
+    processes now count their mean time. Processes started with another --seed (or --lr, --data, --max-steps) trained
+    on silently, or were found at the end, or hung: each now refuses in the same one line before any work."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = str(tmp_path / "timed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29535",
+           "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out", out, "--max-steps", "100000", "--max-time",
+           "3s", "--valid-every", "100000", *TINY]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "stopped: reached --max-time 3s" in r.stdout and " processes in sync at step " in r.stdout, r.stdout
+    out = tmp_path / "apart"
+    procs = [subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out", str(out),
+                               "--max-steps", "5", *TINY, *(["--seed", "7"] if rank else [])],
+                              env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT="29537", WORLD_SIZE="2",
+                                       RANK=str(rank), LOCAL_RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        said = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, said):
+        assert p.returncode == 2 and err == ("dtmt train: the run's processes were started with different settings: "
+                                             "seed (1 in process 0, 7 in process 1); start every process with the "
+                                             "same options and corpus\n"), err
+    assert not out.exists()
+
+
 def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train_here(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY], capsys).returncode == 0

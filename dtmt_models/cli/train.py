@@ -485,6 +485,30 @@ def check_best_is_of_the_run(best: str, source: str, ckpt: dict) -> None:
                          f"replace; resume it in a new --out")
 
 
+# what each process of a run may set apart (where it runs and what it prints); every other setting, and the corpus's
+# fingerprint, must be the same in all: a process given another --seed or --data trained on, exit 0
+PER_PROCESS = ("data", "out", "threads", "progress")
+
+
+def check_processes_agree(dist: Dist, cfg: TrainConfig) -> None:
+    """ValueError in every process (the same one line) when the processes of a run were given different settings or
+    corpora: compared once, before any work (another --lr was found by the parameters' check at the end of the run,
+    a traceback; another --max-steps left one process waiting for the other's last update for half an hour)."""
+    if dist.world == 1:
+        return
+    every = dist.gather({k: v for k, v in cfg.to_dict().items() if k not in PER_PROCESS})
+    first = every[0]
+    for rank, other in enumerate(every[1:], start=1):   # (each against process 0's: the same message in all)
+        differ = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+        if differ:
+            shown = ", ".join(f"{k} ({first.get(k)!r} in process 0, {other.get(k)!r} in process {rank})"
+                              for k in differ[:3])
+            dist.close()   # (every process ends here alike; one gone before another's gather had finished broke it)
+            raise ValueError(f"the run's processes were started with different settings: {shown}"
+                             f"{' ...' if len(differ) > 3 else ''}; start every process with the same options and "
+                             f"corpus")
+
+
 def earlier_run_files(out: str) -> Tuple[List[str], List[str], List[str]]:
     """--overwrite: what the earlier run in `out` left that this one does not rewrite at its start (its log and
     config are): its last.pt, best.pt and learning curve (until this run wrote its own, an interrupted or unvalidated
@@ -660,11 +684,13 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             raise
         check_cuda_graphs(cfg)
         dist = Dist(cfg.device)
+        check_processes_agree(dist, cfg)
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         for held in lock:   # nothing written: a directory made for the lock goes too
             held.release(discard=True)
         print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
         return 2
+    finished = False   # (the run ended in every process alike: their last barrier is met)
     try:
         earlier = earlier_run_files(cfg.out) if args.resume is None and args.overwrite and dist.main else None
         if cfg.threads:
@@ -678,7 +704,9 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         if dist.main:   # once the corpus and the vocabularies are known to be usable
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
-        return trainer.run()
+        code = trainer.run()
+        finished = True
+        return code
     except (CorpusError, CheckpointError) as exc:   # (before anything was written)
         for held in lock:
             held.release(discard=True)
@@ -693,7 +721,9 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
               f"{os.path.join(cfg.out, LAST)} if it exists", file=sys.stderr)
         return 130
     finally:
-        dist.close()
+        # (after an error in one process the others still train: a barrier waited for them for ever, a full disk
+        # in process 0 hung the job; this one ends, and torchrun ends the others)
+        dist.close(barrier=finished)
 
 
 if __name__ == "__main__":

@@ -67,12 +67,15 @@ class Dist:
         self.td.all_reduce(t)
         return t.tolist()
 
-    def close(self):
-        """Ends the process group. First a barrier, then a pause that lets gloo's worker threads finish freeing
-        the last collectives' tensors: freeing one that Python created takes the GIL, and the process group's
-        destructor (run later, when DDP's reducer is freed, with the GIL held) joins those threads, so a thread
-        still freeing one then would wait for the GIL forever (seen as a hang at exit under load)."""
+    def close(self, barrier: bool = True):
+        """Ends the process group. First a barrier (`barrier`: where every process ends alike; after an error in
+        this one alone, the others are still in the run and would never meet it), then a pause that lets gloo's
+        worker threads finish freeing the last collectives' tensors: freeing one that Python created takes the GIL,
+        and the process group's destructor (run later, when DDP's reducer is freed, with the GIL held) joins those
+        threads, so a thread still freeing one then would wait for the GIL forever (seen as a hang at exit under
+        load)."""
         if self.world > 1 and self.td.is_initialized():
-            self.td.barrier()
+            if barrier:
+                self.td.barrier()
             time.sleep(0.2)   # releases the GIL
             self.td.destroy_process_group()

@@ -617,6 +617,9 @@ class Trainer:
                         raise TrainingDiverged(self._diverged(f"the training loss is {loss} at update {self.step:,}"))
                     dt = time.perf_counter() - t0
                     self.elapsed += dt
+                    if self.dist.world > 1:   # (the processes' mean: each counted its own time, so --max-time
+                        # stopped one an update before the others, which waited in their next all-reduce for ever)
+                        self.elapsed = self.dist.sum([self.elapsed])[0] / self.dist.world
                     w = self.log_window = [a + b for a, b in zip(self.log_window, (loss, nll, ntok, dt))]
                     logged = self.step % c.log_every == 0
                     text = (f"epoch {self.epoch + 1} step {self.step:,} loss {loss / ntok:.3f} "

@@ -477,7 +477,7 @@ def _copy_torch_gru(gru: nn.Module, layer: "_TransitionBase", torch_suffix: str)
     """`layer` (a GRU: cell "gru", depth 0, no layer norm) on gru's device and dtype, holding a copy of its weights
     (`weight_ih{torch_suffix}`, ...: "_l0" for torch.nn.GRU, "" for torch.nn.GRUCell), in its mode (train / eval),
     each weight wanting a gradient where gru's does; absent biases (bias=False) are zeros that want none."""
-    ref = gru.weight_hh_l0 if torch_suffix else gru.weight_hh
+    ref = getattr(gru, f"weight_hh{torch_suffix}")
     H = gru.hidden_size
     layer = layer.to(device=ref.device, dtype=ref.dtype)
     with torch.no_grad():

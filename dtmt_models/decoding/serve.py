@@ -440,13 +440,12 @@ class Server:
         future = asyncio.get_running_loop().create_future()
         await self._queue.put(_Pending(sentences, future, request.transport, number))
         try:
-            results = await future
+            results, notes = await future
         except ClientsGone:
             return web.Response(status=400)   # (not sent: the connection has closed)
         except Exception as exc:   # noqa: BLE001 - decoding failed: this request fails, the server goes on
             self.log(f"decoding failed: {type(exc).__name__}: {exc}")
             return self._error(500, f"decoding failed: {type(exc).__name__}: {exc}")
-        results, notes = results
         # (a sentence without a hypothesis: a model that gives every word -inf)
         answer = {"translations": [hyps[0][0] if hyps else "" for hyps in results],
                   "scores": [hyps[0][1] if hyps else None for hyps in results]}
@@ -541,7 +540,7 @@ class Server:
         loop = asyncio.get_running_loop()
         sentences = [s for item in batch for s in item.sentences]
         try:
-            results = await loop.run_in_executor(self._worker, self._decode, sentences, batch)
+            results, notes = await loop.run_in_executor(self._worker, self._decode, sentences, batch)
         except ClientsGone as exc:   # (every client left while its sentences were decoded: the rest not decoded)
             for item in batch:
                 if not item.future.done():
@@ -557,7 +556,6 @@ class Server:
             return
         self.counters.batches += 1
         self.counters.sentences += len(sentences)
-        results, notes = results
         start = 0
         for item in batch:
             end = start + len(item.sentences)

@@ -278,14 +278,15 @@ class TransitionLayer(_TransitionBase):
                              "sequence right to left); a bidirectional layer already has both directions")
         self.bidirectional, self.batch_first, self.reverse = bool(bidirectional), bool(batch_first), bool(reverse)
 
-    def forward(self, x, h0: Optional[Tensor] = None, lengths=None):
-        """x [T, B, I] ([B, T, I] if batch_first, [T, I] unbatched); h0 [D, B, H]; lengths: B ints in [1, T]
-        (padding at the end of each sequence). Returns out [T, B, D*H] (zeros at padded steps), h_n [D, B, H]
-        (the state after each sequence's last real token, in each direction).
+    def forward(self, x, h0: Optional[Tensor] = None, lengths=None, *, hx: Optional[Tensor] = None):
+        """x [T, B, I] ([B, T, I] if batch_first, [T, I] unbatched); h0 [D, B, H] (or hx=, torch.nn.GRU's name);
+        lengths: B ints in [1, T] (padding at the end of each sequence). Returns out [T, B, D*H] (zeros at padded
+        steps), h_n [D, B, H] (the state after each sequence's last real token, in each direction).
 
         x may be a PackedSequence (torch.nn.utils.rnn.pack_padded_sequence, sorted or not), as torch.nn.GRU takes
         it: out is then a PackedSequence of the same batch_sizes and order, h0 and h_n in the batch's own order
         (before packing), and lengths are the packed ones (the argument must be None)."""
+        h0 = _initial_state(type(self).__name__, h0, hx)
         if isinstance(x, PackedSequence):
             return self._forward_packed(x, h0, lengths)
         name, I, H, D = type(self).__name__, self.input_size, self.hidden_size, self.num_directions
@@ -350,6 +351,13 @@ class TransitionLayer(_TransitionBase):
         return PackedSequence(data, x.batch_sizes, x.sorted_indices, x.unsorted_indices), h_n
 
 
+def _initial_state(name: str, h0: Optional[Tensor], hx: Optional[Tensor]) -> Optional[Tensor]:
+    """The initial state given as h0 or, torch.nn.GRU's keyword, as hx=: ValueError where both are."""
+    if hx is not None and h0 is not None:
+        raise ValueError(f"{name}: give the initial state once, as h0 or as hx (torch.nn.GRU's name), not both")
+    return h0 if hx is None else hx
+
+
 def _check_packing(name: str, x: PackedSequence) -> None:
     """ValueError unless x's batch sizes and orders are what pack_padded_sequence makes: batch_sizes a non-increasing
     CPU int64 vector of positive sizes summing to data's rows, each order a permutation of the batch."""
@@ -381,10 +389,12 @@ class TransitionCell(Unrollable, _TransitionBase):
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, 1, candidate_dropout, backend,
                          device=device, dtype=dtype)
 
-    def forward(self, x: Tensor, h0: Optional[Tensor] = None, drop: Optional[Tensor] = None) -> Tensor:
-        """In training with candidate_dropout > 0 and no `drop`, a fresh mask is drawn for this step; to
-        keep one mask over a whole sequence, draw it once with `sample_dropout_masks(B)` and pass it."""
-        h = h0
+    def forward(self, x: Tensor, h0: Optional[Tensor] = None, drop: Optional[Tensor] = None, *,
+                hx: Optional[Tensor] = None) -> Tensor:
+        """x [B, I] (or [I]), h0 [B, H] (or hx=, torch.nn.GRUCell's name) -> h' [B, H]. In training with
+        candidate_dropout > 0 and no `drop`, a fresh mask is drawn for this step; to keep one mask over a whole
+        sequence, draw it once with `sample_dropout_masks(B)` and pass it."""
+        h = _initial_state(type(self).__name__, h0, hx)
         name, I, H = type(self).__name__, self.input_size, self.hidden_size
         self._check_tensor(x, "x", "[B, input_size]")
         if x.dim() not in (1, 2) or x.shape[-1] != I:

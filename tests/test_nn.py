@@ -33,6 +33,11 @@ def test_from_torch_reproduces_torch_gru(backend, bidirectional, batch_first):
     out_t, h_t = gru(x, h0)
     torch.testing.assert_close(out, out_t, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h_n, h_t, atol=1e-5, rtol=1e-5)
+    # the initial state by torch.nn.GRU's keyword too (code written for it says hx=)
+    out_k, h_k = layer(x, hx=h0)
+    assert torch.equal(out_k, out) and torch.equal(h_k, h_n)
+    with pytest.raises(ValueError, match="DeepTransitionGRU: give the initial state once, as h0 or as hx"):
+        layer(x, h0, hx=h0)
     # the gradients of the input and of every weight and bias agree too (ours of the update gate's rows negated,
     # as from_torch negates the rows themselves)
     g_out, g_h = torch.randn_like(out), torch.randn_like(h_n)
@@ -179,6 +184,9 @@ def test_cell_from_torch_reproduces_torch_gru_cell(backend, bias):
     for ours, torchs in ((cell(x, h), torch_cell(x, h)), (cell(x), torch_cell(x)), (cell(x[0], h[0]),
                                                                                     torch_cell(x[0], h[0]))):
         torch.testing.assert_close(ours, torchs)
+    torch.testing.assert_close(cell(x, hx=h), torch_cell(x, hx=h))   # (torch.nn.GRUCell's keyword)
+    with pytest.raises(ValueError, match="DeepTransitionGRUCell: give the initial state once"):
+        cell(x, h, hx=h)
     g = torch.randn(4, 9, dtype=torch.double)
     grads = torch.autograd.grad((cell(x, h) * g).sum(), [x, h, cell.weight_ih, cell.weight_hh])
     grads_t = torch.autograd.grad((torch_cell(x, h) * g).sum(), [x, h, torch_cell.weight_ih, torch_cell.weight_hh])

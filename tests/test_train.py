@@ -745,6 +745,36 @@ def test_two_processes_stop_together_and_refuse_different_settings(toy_nodev, tm
     assert not out.exists()
 
 
+def test_a_process_left_alone_says_so_in_one_line(toy_nodev, tmp_path):
+    """A process of a run killed while the run trains: the other's next collective fails, and it printed gloo's
+    traceback ("Connection closed by peer ... GLHF!"). It now says so in one line and exits 1, its checkpoint kept.
+    (Started without torchrun, which would end the survivor itself, so that it meets the closed connection.)"""
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29539", WORLD_SIZE="2")
+    out = tmp_path / "left"
+    procs = [subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out", str(out),
+                               "--max-steps", "100000", "--log-every", "1", "--valid-every", "100000", *TINY],
+                              env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        seen = []
+        for line in procs[0].stdout:   # (process 0 logs the updates: the run has begun once one is logged)
+            seen.append(line)
+            if line.startswith("epoch ") and " loss " in line:
+                break
+        assert procs[0].poll() is None and procs[1].poll() is None, "".join(seen)
+        procs[1].kill()
+        rest, err = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 1, "".join(seen) + rest + err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("dtmt train: process 0 of 2: another process of the run ended ("), err
+    assert "by peer" in err and "its own messages say why" in err   # (gloo's "Connection closed / reset by peer")
+    assert (out / "train_log.csv").is_file()
+
+
 def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train_here(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY], capsys).returncode == 0

@@ -32,7 +32,7 @@ from dtmt_models.models.registry import check_model_options, list_models, positi
 from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
-from dtmt_models.training.distributed import Dist, resolve_auto, world_size
+from dtmt_models.training.distributed import Dist, lost_peer, resolve_auto, world_size
 from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, TENSORBOARD, Trainer, TrainingDiverged,
                                           step_checkpoints)
 
@@ -550,6 +550,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         for held in lock:
             held.release(discard=True)
         print(f"dtmt train: out of memory{f': {exc}' if str(exc) else ''}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:   # another process of the run gone (killed, or its own error): gloo's traceback
+        reason = lost_peer(exc) if world_size() > 1 else None
+        if reason is None:
+            raise
+        print(f"dtmt train: process {os.environ.get('RANK', '?')} of {world_size()}: another process of the run "
+              f"ended ({reason}); its own messages say why. The last checkpoint written stands", file=sys.stderr)
         return 1
     finally:
         for held in lock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -17,6 +17,20 @@ def world_size() -> int:
 def resolve_auto(device_arg: str) -> str:
     """--device auto: cuda where a CUDA device is available, else cpu; any other value as it is."""
     return ("cuda" if torch.cuda.is_available() else "cpu") if device_arg == "auto" else device_arg
+
+
+def lost_peer(exc: BaseException) -> Optional[str]:
+    """Where `exc` is a collective's failure because another process of the run is gone (gloo's "Connection closed
+    by peer", torch's DistError), its reason in a line; else None."""
+    text = str(exc)
+    td = getattr(torch, "distributed", None)
+    dist_error = getattr(td, "DistError", None) if td is not None else None
+    if not ((dist_error is not None and isinstance(exc, dist_error))
+            or (isinstance(exc, RuntimeError) and "gloo" in text and ("peer" in text or "Connection" in text))):
+        return None
+    line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    line = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line   # (gloo's source file)
+    return line.split(". ", 1)[0].rstrip(".")
 
 
 class Dist:

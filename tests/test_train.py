@@ -775,6 +775,45 @@ def test_a_process_left_alone_says_so_in_one_line(toy_nodev, tmp_path):
     assert (out / "train_log.csv").is_file()
 
 
+def test_a_run_of_two_processes_interrupted_says_how_to_resume_it(toy_nodev, tmp_path):
+    """Ctrl-C reaching one process of two stops both after the update in progress, and the first process's last line
+    is a command that resumes the run: torchrun's with as many processes (it said `dtmt train ... --resume`, which
+    a run of two processes refuses, and said nothing where the signal had reached only another process)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29543", WORLD_SIZE="2")
+    out = tmp_path / "stopped"
+    procs = [subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out", str(out),
+                               "--max-steps", "100000", "--log-every", "1", "--valid-every", "100000", *TINY],
+                              env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        seen = []
+        for line in procs[0].stdout:
+            seen.append(line)
+            if line.startswith("epoch ") and " loss " in line:
+                break
+        procs[1].send_signal(signal.SIGINT)
+        said = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 130], said
+    stdout = "".join(seen) + said[0][0]
+    assert "stopped: interrupted by a signal in another process" in stdout, stdout
+    hint = [line for line in stdout.splitlines() if "resume with: " in line]
+    assert len(hint) == 1 and hint[0].split("resume with: ")[1] == (
+        f"torchrun --nproc_per_node 2 -m dtmt_models.cli.train --data {toy_nodev} --model dtmt --out {out} --resume")
+    from dtmt_models.models.checkpoint import read_checkpoint
+
+    stopped = read_checkpoint(str(out / "last.pt"))["training"]["step"]
+    command = hint[0].split("resume with: ")[1].split()   # run as it says (another port, and a near end)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        "29545", *command[3:], "--max-steps", str(stopped + 2), "--threads", "1"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed from step {stopped:,}" in r.stdout and "2 processes in sync at step" in r.stdout, r.stdout
+
+
 def test_refuses_to_overwrite_and_reports_bad_arguments(toy_nodev, tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train_here(["--data", toy_nodev, "--out", out, "--max-steps", "2", *TINY], capsys).returncode == 0

@@ -666,9 +666,17 @@ class Trainer:
                      + (f", {os.path.join(self.out, BEST)}" if os.path.isfile(os.path.join(self.out, BEST)) else ""))
             if self.graphs is not None:
                 self.log(self.graphs.summary())
-            if self._signal:
-                self.log(f"resume with: dtmt train --data {c.data} --model {c.model} --out {self.out} --resume")
+            if interrupted:
+                self.log(f"resume with: {self._command()} --data {c.data} --model {c.model} --out {self.out} --resume")
         return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0
+
+    def _command(self) -> str:
+        """The command that runs this training again: `dtmt train`, or torchrun's with as many processes."""
+        if self.dist.world == 1:
+            return "dtmt train"
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
+        nodes = f" --nnodes {self.dist.world // per_node}" if self.dist.world > per_node else ""
+        return f"torchrun{nodes} --nproc_per_node {per_node} -m dtmt_models.cli.train"
 
     def _write_train_row(self) -> None:
         """train_log.csv's (and TensorBoard's) train row for the log window: its mean loss and NLL per target token."""

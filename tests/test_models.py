@@ -100,6 +100,10 @@ def test_registry():
     ("nematus", dict(pad_id=2), "option pad_id=2 for nematus: 2 is BOS, with which every search starts a sentence"),
     ("dtmt", dict(hidden_size=10, heads=4), r"dtmt cannot be built with \{'hidden_size': 10, 'heads': 4\}: .*"
                                             "divisible by heads=4"),
+    # an option whose default is None took any value: readout_layer_norm='False' turned the layer norm on
+    ("dtmt", dict(readout_layer_norm="False"), "option readout_layer_norm='False' for dtmt: expected bool or None "
+                                               r"\(default None\)"),
+    ("dtmt", dict(encoder_depth=2.0), "option encoder_depth=2.0 for dtmt: expected int or None"),
     # a rate of NaN passed every range check and failed at the first training forward
     ("dtmt", dict(dropout=float("nan")), "option dropout=nan for dtmt: expected a finite number"),
     ("transformer", dict(dropout=float("-inf")), "option dropout=-inf for transformer: expected a finite"),
@@ -165,6 +169,14 @@ def test_bad_batches_and_step_tokens_are_value_errors(name, options):
         model(src, src_lengths.float(), prev)
     with pytest.raises(ValueError, match=r"prev_tokens must be a LongTensor \[B=3, T\] with T >= 1"):
         model(src, src_lengths, prev[:, :0])
+    # a target of another layout with as many ids (time-major, flat) was flattened against other positions'
+    # scores: a silently wrong loss (a probe's finding)
+    tgt = prev.roll(-1, 1)
+    for bad in (tgt.t(), tgt.reshape(-1), tgt.int()):
+        with pytest.raises(ValueError, match=rf"^{type(model).__name__}: target must be a LongTensor \[3, 6\] \(the "
+                                             rf"logits' shape without the vocabulary: \[B, T\], as prev_tokens"):
+            model.loss(src, src_lengths, prev, bad)
+    model.loss(src, src_lengths, prev, tgt)
     for empty in (src[:0], src[:, :0]):   # no sentence, or none of a token
         with pytest.raises(ValueError, match=rf"src must hold at least one sentence of at least one token, got "
                                              rf"\[{empty.shape[0]}, {empty.shape[1]}\]"):

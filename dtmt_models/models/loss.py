@@ -24,12 +24,23 @@ def _check_smoothing(smoothing: float) -> None:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
 
 
+def _check_target(scores: Tensor, target: Tensor, scored: str) -> None:
+    """ValueError unless `target` holds integer ids of the shape of `scores` without its last dimension ([B, T],
+    prev_tokens' shape, in a model's loss): a target of another layout with as many ids (time-major [T, B]) was
+    flattened and read against other positions' scores, a silently wrong loss."""
+    if not isinstance(target, Tensor) or target.dtype != torch.long or target.shape != scores.shape[:-1]:
+        raise ValueError(f"target must be a LongTensor {list(scores.shape[:-1])} (the {scored}' shape without the "
+                         f"vocabulary: [B, T], as prev_tokens, in a model's loss), got "
+                         f"{getattr(target, 'dtype', type(target).__name__)} {list(getattr(target, 'shape', []))}")
+
+
 def label_smoothed_nll(log_probs: Tensor, target: Tensor, smoothing: float = 0.0,
                        pad_id: int = 0) -> Tuple[Tensor, Tensor, int]:
     """log_probs [B, T, V], target [B, T] -> (smoothed loss summed over real tokens, plain NLL summed,
     number of real tokens). Smoothing spreads `smoothing` uniformly over the vocabulary:
     loss = (1 - ε) · (−log p_y) + ε · mean_v(−log p_v)."""
     _check_smoothing(smoothing)
+    _check_target(log_probs, target, "log-probabilities")
     keep = target.ne(pad_id)
     nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     smooth = -log_probs.mean(-1)
@@ -43,6 +54,7 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     (smoothed loss sum, NLL sum, number of real tokens: an int, a 0-dim tensor where host reads are not allowed,
     dk.functional.host_reads_allowed: under torch.compile or a CUDA graph's capture), with log-softmax and loss fused (dtmt_kernels.functional.smoothed_cross_entropy: on
     the CPU one C++ pass over each row of logits, which forms the gradient too; it checks `smoothing`)."""
+    _check_target(logits, target, "logits")
     V = logits.shape[-1]
     loss, nll = dk.functional.smoothed_cross_entropy(logits.reshape(-1, V), target.reshape(-1), smoothing, pad_id)
     n = target.ne(pad_id).sum()

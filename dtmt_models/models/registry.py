@@ -119,6 +119,16 @@ def _of_type(value, expected: type) -> bool:
     return isinstance(value, expected)
 
 
+def _optional_type(annotation) -> Optional[type]:
+    """X of an option annotated Optional[X] (bool, int, float or str; the annotation a string under postponed
+    evaluation or a typing object), else None."""
+    text = annotation if isinstance(annotation, str) else repr(annotation).replace("typing.", "")
+    for kind in (bool, int, float, str):
+        if text in (f"Optional[{kind.__name__}]", f"Union[{kind.__name__}, NoneType]", f"{kind.__name__} | None"):
+            return kind
+    return None
+
+
 def _shown(value) -> str:
     """A value's repr for a message, cut short past 60 characters (an option's value may come from a file)."""
     text = repr(value)
@@ -136,9 +146,11 @@ def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
             raise ValueError(f"unknown option {key!r} for {name}; its options are: {', '.join(sorted(params))}")
         default = params[key].default
         expected = type(default) if default is not inspect.Parameter.empty and default is not None else None
+        if default is None and value is not None:   # (an Optional option: its annotation's type; readout_layer_norm=
+            expected = _optional_type(params[key].annotation)   # 'False' had turned the layer norm on)
         if expected is not None and not _of_type(value, expected):
             raise ValueError(f"option {key}={_shown(value)} for {name}: expected {expected.__name__} "
-                             f"(default {default!r})")
+                             f"{'or None ' if default is None else ''}(default {default!r})")
         if isinstance(value, float) and not math.isfinite(value):   # (NaN passed every range check: dropout=nan
             # failed at the first training forward)
             raise ValueError(f"option {key}={value!r} for {name}: expected a finite number")

@@ -229,7 +229,11 @@ class Seq2Seq(nn.Module):
         logits, log-softmax and loss fused (`smoothed_cross_entropy`)."""
         if target is None:
             return self.readout(features)
-        return smoothed_cross_entropy(self.readout.logits(features), target, smoothing, self.pad_id)
+        logits = self.readout.logits(features)
+        try:
+            return smoothed_cross_entropy(logits, target, smoothing, self.pad_id)
+        except ValueError as exc:   # (the target's or smoothing's check: the argument of this model's call)
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
 
     def forward(self, src: Tensor, src_lengths: Tensor, prev_tokens: Tensor, target: Optional[Tensor] = None,
                 smoothing: float = 0.0):

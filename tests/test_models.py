@@ -188,6 +188,11 @@ def test_bad_batches_and_step_tokens_are_value_errors(name, options):
                 with pytest.raises(ValueError, match=r"\.step: prev_tokens must be a LongTensor \[B=3\]"):
                     decoder.step(state, bad)
             assert decoder.step(state, prev[:, 0])[0].shape == (3, V_TGT)
+            # a state reordered to no rows: some systems went on ([0, V]), others failed inside a layer or in
+            # torch's max(); one ValueError in each
+            empty = decoder.reorder(state, torch.empty(0, dtype=torch.long))
+            with pytest.raises(ValueError, match=r"\.step: the state has no rows \(reordered to an empty index\)"):
+                decoder.step(empty, prev[:0, 0])
 
 
 @pytest.mark.parametrize("name", sorted(dm.list_models()))

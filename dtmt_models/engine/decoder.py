@@ -6,8 +6,8 @@ decoders) drives an object with these members and nothing else:
     pad_id             the padding id, never output (with BOS)
     max_target_steps   the most target positions the model has (the transformer's position table), or None
     encode(src [B, S], src_lengths [B]) -> state
-    step(state, prev_tokens [rows]) -> (log-probabilities [rows, V], the next state)
-    reorder(state, index [rows']) -> the state's rows taken by `index` (any number of rows)
+    step(state, prev_tokens [rows]) -> (log-probabilities [rows, V], the next state); rows >= 1
+    reorder(state, index [rows']) -> the state's rows taken by `index` (any number of rows; none leaves no step)
     reorder_within(state, index) -> `reorder` for an index that keeps every row among its sentence's rows (a decoder
                        may keep what it made once per sentence as it is); else the same as `reorder`
     search             beam search in one call (FusedRNMTDecoder's C++ loop), or None: the searches' loop then
@@ -142,10 +142,12 @@ def as_decoder(model, int8: bool = False, amp: Optional[str] = None) -> Decoder:
 
 
 def check_step_tokens(name: str, prev_tokens: Tensor, B: int, vocab: int) -> None:
-    """`step`'s tokens: a LongTensor [B], one previous token for each of the state's B rows (ValueError), each an id
-    of the target vocabulary's `vocab` (IndexError naming it, as the model's forward; it was nn.Embedding's "index
+    """`step`'s tokens: a LongTensor [B], one previous token for each of the state's B >= 1 rows (ValueError), each an
+    id of the target vocabulary's `vocab` (IndexError naming it, as the model's forward; it was nn.Embedding's "index
     out of range in self"). The ids are read where they are on the CPU (a few µs a step); on a GPU that read would
     wait for the device at every step, and the embedding's own check stands."""
+    if B == 0:   # (a state reordered to no rows: each system failed its own way, or inside a layer, or went on)
+        raise ValueError(f"{name}.step: the state has no rows (reordered to an empty index): there is no step to take")
     if not isinstance(prev_tokens, Tensor) or prev_tokens.dtype != torch.long or tuple(prev_tokens.shape) != (B,):
         raise ValueError(f"{name}.step: prev_tokens must be a LongTensor [B={B}] (one token for each of the state's "
                          f"rows), got {getattr(prev_tokens, 'dtype', type(prev_tokens).__name__)} "

@@ -8,9 +8,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .ops._autocast import autocast_dtype
+from .ops._register import first_order_only
 from .ops.transition.grads import weight_grads
 from .ops.transition.layout import present
 
@@ -121,7 +121,7 @@ class CppUnrolledWeightsFunction(torch.autograd.Function):
         return flat[0].new_empty(0)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("transition_backward")
     def backward(ctx, _grad_token):
         return (None, *ctx.steps.weight_grads())
 
@@ -143,7 +143,7 @@ class CppTransitionStepFunction(torch.autograd.Function):
         return h_n
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("transition_backward")
     def backward(ctx, grad_h):
         x, drop, xp, hs, hs_lp, hp, hpt, *_ = ctx.saved_tensors   # unpacking the weights checks their versions
         steps = ctx.steps
@@ -198,7 +198,7 @@ class CppUnrolledValuesFunction(torch.autograd.Function):
         return values.new_empty(0)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("attention_context_backward")
     def backward(ctx, _grad_token):
         return None, ctx.steps.values_grad()
 
@@ -218,7 +218,7 @@ class CppContextStepFunction(torch.autograd.Function):
             return torch.ops.dtmt.attention_context(alpha, values)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("attention_context_backward")
     def backward(ctx, grad):
         alpha, _ = ctx.saved_tensors   # unpacking the values checks their version
         B, NH, _ = alpha.shape

@@ -17,7 +17,9 @@ from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
 from .ops._host_reads import host_list, host_reads_allowed, host_reads_kept
 from .ops.linear import small_rows_applicable, small_rows_linear
+from .ops.loss import reference as loss_reference
 from .ops.loss.op import PortableSmoothedCrossEntropy
+from .ops._register import check_transforms, transformed
 from .ops._extension import built
 from .backends import resolve_backend
 from .reference import TransitionWeights
@@ -131,6 +133,7 @@ def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto
     b = resolve_backend(backend, keys.device)
     check_dtype_for_backend(b, keys.dtype, "keys")
     if attention_kernels_run(b, keys):
+        check_transforms("additive_scores", keys, query, v)
         return torch.ops.dtmt.additive_scores(keys, query, v)
     return reference.additive_scores(keys, query, v)
 
@@ -144,6 +147,7 @@ def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> T
     reference's PyTorch ops."""
     b = check_attention_context(alpha, values, backend)
     if attention_kernels_run(b, values):
+        check_transforms("attention_context", alpha, values)
         return torch.ops.dtmt.attention_context(alpha, values)
     return reference.attention_context(alpha, values)
 
@@ -223,6 +227,9 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) or not (
             -2 ** 63 <= int(ignore_index) < 2 ** 63):
         raise ValueError(f"smoothed_cross_entropy: ignore_index must be an int64, got {ignore_index!r}")
+    if transformed(logits) is not None:   # (forward-mode AD, torch.func.grad: the same sums in PyTorch's own ops)
+        loss, nll = loss_reference.smoothed_cross_entropy(logits, target.long(), float(smoothing), int(ignore_index))
+        return loss, nll.detach()
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and built():
         loss, nll, _ = torch.ops.dtmt.smoothed_cross_entropy(logits, target.long(), float(smoothing), int(ignore_index))
         return loss, nll.detach()

@@ -39,6 +39,8 @@ from .autograd import CppTransitionStepFunction, CppUnrolledWeightsFunction, Unr
 from .backends import BackendSwitch, resolve_backend
 from .functional import check_dtype_for_backend, lengths_to_mask, linear
 from .ops._autocast import autocast_mix
+from .ops._register import check_transforms
+from .ops.transition.op import check_drop
 from .ops.transition import CELL_KINDS, CELL_ROWS, DEEP_TRANSITION_CELLS, KINDS, flat_params
 from .reference import TransitionWeights
 from .unrolled import Unrollable, step_context, unrolled  # noqa: F401 (dk.nn's names for the block)
@@ -419,6 +421,8 @@ class TransitionCell(Unrollable, _TransitionBase):
                                  f"{[self.depth + 1, B, H]}, got {list(drop.shape)}")
         session = self._unrolled_session(x2)
         if session is not None:
+            check_transforms("transition_forward", x2, h, drop, *session[2])
+            check_drop("transition_forward", drop)
             h1 = CppTransitionStepFunction.apply(x2, h, drop, session[1], session[0], self.eps)
             return h1[0] if unbatched else h1
         _, h_n = self._run(x2.unsqueeze(0), h.unsqueeze(0), None, [drop])

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .autograd import CppContextStepFunction, CppUnrolledValuesFunction, UnrolledContext
 from .functional import attention_context, attention_kernels_run, check_attention_context
+from .ops._register import check_transforms
 
 
 class Unrollable:
@@ -71,6 +72,7 @@ def step_context(owner: nn.Module, alpha: Tensor, values: Tensor, backend: str =
     sessions = owner._unrolled_sessions() if isinstance(owner, Unrollable) else None
     if sessions is None or not attention_kernels_run(check_attention_context(alpha, values, backend), values):
         return attention_context(alpha, values, backend)
+    check_transforms("attention_context", alpha, values)
     key = (id(values), alpha.shape[1])
     hit = sessions.get(key)
     if hit is None or hit[0].done or hit[0].version != values._version:

@@ -279,6 +279,101 @@ def test_a_gradient_of_a_gradient_through_the_fused_ops_is_refused():
             sum(g.square().sum() for g in grads if g is not None).backward()
 
 
+def test_a_gradient_of_a_gradient_through_unrolled_steps_is_refused():
+    """In an `unrolled` block (the decoder cells' and contexts' steps, autograd.Functions), a gradient taken with
+    create_graph=True and then differentiated gave a silently wrong second-order gradient where the gradient reaching
+    the steps was a constant (a loss linear in the states): torch's once_differentiable returned the steps' gradients
+    as constants (a probe: the embedding's gradient 1.05 against the reference's 3.31, the cell's none). Now refused
+    as outside the block; a backward with create_graph=True alone still runs."""
+    torch.manual_seed(0)
+    cell, embed = dk.nn.DeepTransitionGRUCell(3, 4, depth=1).double(), torch.nn.Linear(3, 3).double()
+    attention = dk.nn.DeepTransitionGRUCell(3, 4)   # (an Unrollable owner for the contexts' steps)
+    x = torch.randn(4, 2, 3, dtype=torch.float64, requires_grad=True)
+    values = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    with dk.nn.unrolled(cell, attention):
+        h = torch.zeros(2, 4, dtype=torch.float64)
+        for t in range(4):
+            h = cell(embed(x[t]), h)
+        first, = torch.autograd.grad(h.sum(), x, create_graph=True)
+        scores = torch.randn(2, 1, 5, dtype=torch.float64, requires_grad=True)
+        context = dk.nn.step_context(attention, torch.softmax(scores, -1), values)
+        first_values, = torch.autograd.grad(context.sum(), values, create_graph=True)
+    assert torch.isfinite(first).all() and first.abs().sum() > 0 and torch.isfinite(first_values).all()
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::transition_backward: a gradient of a gradient (double "
+                                                     "backward) is not supported by the fused kernels; run the layer "
+                                                     "with backend='reference'")):
+        first.square().sum().backward()
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::attention_context_backward: a gradient of a gradient")):
+        first_values.square().sum().backward()
+
+
+def test_forward_mode_and_torch_func_gradients_are_refused_not_zero():
+    """A forward-mode tangent (torch.func.jvp / jacfwd, torch.autograd.forward_ad) passed through the fused ops as
+    through a constant's: a silent zero or None where torch.nn.GRU gives the tangent (a probe's finding). The layers,
+    cells and attention ops now refuse it in one line naming the op, as torch.func.grad (torch's message about
+    autograd.Function before); the loss and the small-row linear, which have no backend to choose, compute it by
+    PyTorch's own ops: the tangents of torch.nn.Linear and of the loss's reference."""
+    import torch.autograd.forward_ad as forward_ad
+    from dtmt_kernels.ops.loss import reference as loss_reference
+
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(3, 4).double()
+    layer = dk.nn.DeepTransitionGRU.from_torch(gru)
+    x, t = torch.randn(5, 2, 3, dtype=torch.float64), torch.randn(5, 2, 3, dtype=torch.float64)
+    forward = re.escape("dtmt::transition_forward: forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) "
+                        "is not supported by the fused kernels; run the layer with backend='reference'")
+    with pytest.raises(RuntimeError, match=forward):
+        torch.func.jvp(lambda x: layer(x)[0], (x,), (t,))
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::transition_forward: torch.func's gradient transforms")):
+        torch.func.grad(lambda x: layer(x)[0].sum())(x)
+    layer.requires_grad_(False)   # (frozen: a tangent of None before)
+    with forward_ad.dual_level(), pytest.raises(RuntimeError, match=forward):
+        layer(forward_ad.make_dual(x, t))
+    cell = dk.nn.DeepTransitionGRUCell.from_torch(torch.nn.GRUCell(3, 4).double())
+    with pytest.raises(RuntimeError, match=forward):
+        torch.func.jvp(lambda x: cell(x), (x[0],), (t[0],))
+    keys, query, v = torch.randn(2, 5, 1, 4), torch.randn(2, 1, 4), torch.randn(1, 4)
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::additive_scores: forward-mode AD")):
+        torch.func.jvp(lambda q: dk.functional.additive_scores(keys, q, v), (query,), (query,))
+    # what vmap, the reference backend and torch.nn.GRU give is untouched: the reference's tangent is torch's
+    layer.backend = "reference"
+    torch.testing.assert_close(torch.func.jvp(lambda x: layer(x)[0], (x,), (t,))[1],
+                               torch.func.jvp(lambda x: gru(x)[0], (x,), (t,))[1])
+    layer.backend = "cpp"
+    torch.testing.assert_close(torch.func.vmap(lambda x: layer(x)[0], in_dims=1, out_dims=1)(x), layer(x)[0])
+    linear = dk.nn.Linear(3, 5).double().requires_grad_(False)
+    reference = torch.nn.Linear(3, 5).double()
+    reference.load_state_dict(linear.state_dict())
+    rows, tangent = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    assert torch.func.jvp(linear, (rows,), (tangent,))[1].abs().sum() > 0
+    torch.testing.assert_close(torch.func.jvp(linear, (rows,), (tangent,))[1],
+                               torch.func.jvp(reference, (rows,), (tangent,))[1])
+    logits, target = torch.randn(4, 7, dtype=torch.float64), torch.tensor([1, 0, 6, 2])
+    for transform in (lambda f: torch.func.grad(f)(logits), lambda f: torch.func.jvp(f, (logits,), (logits,))[1]):
+        torch.testing.assert_close(
+            transform(lambda z: dk.functional.smoothed_cross_entropy(z, target, 0.1, 0)[0]),
+            transform(lambda z: loss_reference.smoothed_cross_entropy(z, target, 0.1, 0)[0]))
+
+
+def test_a_dropout_mask_that_needs_a_gradient_is_refused():
+    """A caller's candidate-dropout mask with requires_grad got no gradient from the fused kernels (None) where the
+    reference backend gives one: a silent difference between backends (learned dropout). Now refused in one line;
+    a mask without a gradient runs as before."""
+    torch.manual_seed(0)
+    cell = dk.nn.DeepTransitionGRUCell(3, 4, depth=1).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    drop = torch.ones(2, 2, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::transition_forward: drop requires grad, but the fused "
+                                                     "kernels form no gradient for the dropout mask")):
+        cell(x, None, drop)
+    with dk.nn.unrolled(cell), pytest.raises(RuntimeError, match="drop requires grad"):
+        cell(x.requires_grad_(), None, drop)
+    torch.testing.assert_close(cell(x, None, drop.detach()), cell(x))
+    cell.backend = "reference"
+    cell(x, None, drop).sum().backward()
+    assert drop.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("system", ["dtmt", "nematus", "mce", "gnmt-atr"])
 def test_every_op_a_system_calls_passes_opcheck(system):
     """Each op as a system calls it (training step and decoding: the attention, backward and inference ops),

@@ -1,5 +1,6 @@
 """What every op's registration shares: its fake implementation checks first that all its tensors are on one
-device (register_fake); a backward op refuses to be differentiated (refuse_double_backward).
+device (register_fake); a backward op refuses to be differentiated (refuse_double_backward); a call under
+forward-mode AD or torch.func's gradient transforms is refused (check_transforms).
 
 Why the device check: a call with one argument on the meta device and the others on the CPU dispatches to the op's
 fake (the meta key ranks first), which returned uninitialised tensors of the CPU arguments' device as the result (a
@@ -8,8 +9,13 @@ it."""
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
+
+_GRAD, _JVP = torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp
 
 
 def _tensors(args):
@@ -46,10 +52,79 @@ def refuse_double_backward(op: str) -> None:
     create_graph=True with only a warning, and the second-order gradients were missing (None), with no error. A
     backward called with create_graph=True still works; only differentiating its result is refused, as torch's cuDNN
     RNN does. The reference backend (pure PyTorch) has second-order gradients."""
-    name = op.split("::", 1)[-1]
+    message = _double_backward_refused(op.split("::", 1)[-1])
 
     def backward(ctx, *grads):
-        raise RuntimeError(f"dtmt::{name}: a gradient of a gradient (double backward) is not supported by the fused "
-                           "kernels; run the layer with backend='reference' for second-order gradients")
+        raise RuntimeError(message)
 
     torch.library.register_autograd(op, backward)
+
+
+def _double_backward_refused(op: str) -> str:
+    return (f"dtmt::{op}: a gradient of a gradient (double backward) is not supported by the fused kernels; run the "
+            "layer with backend='reference' for second-order gradients")
+
+
+def first_order_only(op: str):
+    """An autograd.Function's backward decorator: torch's once_differentiable (the backward runs without recording),
+    with the refusal of refuse_double_backward. torch's attaches its error only where the incoming gradients require
+    grad, and otherwise returns the gradients as constants: a gradient taken with create_graph=True through a step of
+    an `unrolled` block (a loss linear in the states) lost its dependence on the weights and the inputs, and its
+    gradient (a gradient penalty's) was silently wrong. Here the error is attached wherever the Function had an
+    input that needed a gradient; a backward with create_graph=True still runs, and only differentiating its
+    result raises."""
+    message = _double_backward_refused(op).encode()
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(ctx, *args):
+            with torch.no_grad():
+                outputs = fn(ctx, *args)
+            if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
+                return outputs
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+
+            def failing(value):   # (an alias that requires grad, so that the error node has an input to hang on)
+                if value is None:
+                    return None
+                value = value.detach()
+                value.requires_grad = True
+                return value
+
+            return torch._C._functions.DelayedError(message, len(outputs))(*[failing(v) for v in outputs])
+
+        return wrapper
+
+    return decorate
+
+
+def transformed(*tensors) -> Optional[str]:
+    """What a call on `tensors` (None entries skipped) cannot give: "forward" where one carries a forward-mode tangent
+    (torch.autograd.forward_ad, torch.func.jvp / jacfwd), "grad" where torch.func's gradient transforms (grad, vjp,
+    jacrev, hessian) wrap one; else None. Nothing under torch.compile (the transforms are traced there, not here)."""
+    if torch.compiler.is_compiling():
+        return None
+    if _forward_ad._current_level >= 0 and any(t is not None and _forward_ad.unpack_dual(t).tangent is not None
+                                               for t in tensors):
+        return "forward"
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return None
+    if any(i.key() in (_GRAD, _JVP) for i in _interpreters()) and any(
+            t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return "grad"
+    return None
+
+
+def check_transforms(op: str, *tensors) -> None:
+    """RuntimeError naming `op` where `transformed(*tensors)`: the ops' autograd formulas are reverse-mode ones
+    (torch.library.register_autograd, autograd.Function without setup_context), so a forward-mode tangent passed
+    through an op as through a constant (a silent zero or None), and torch.func.grad failed with torch's message on
+    autograd.Function. The reference backend (pure PyTorch) supports both."""
+    kind = transformed(*tensors)
+    if kind == "forward":
+        raise RuntimeError(f"dtmt::{op}: forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) is not "
+                           "supported by the fused kernels; run the layer with backend='reference' for it")
+    if kind == "grad":
+        raise RuntimeError(f"dtmt::{op}: torch.func's gradient transforms (grad, vjp, jacrev, hessian) are not "
+                           "supported by the fused kernels; use torch.autograd.grad or .backward(), or run the layer "
+                           "with backend='reference'")

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._extension import _C, built
 from .. import _autocast
-from .._register import register_fake
+from .._register import register_fake, transformed
 
 
 def _fake(x, weight, bias):
@@ -34,7 +34,8 @@ def float64_products(rows: Tensor, matrices) -> Tensor:
 def small_rows_applicable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether `small_rows_linear` runs the weight-streaming kernel for F.linear(x, weight, bias): the extension
     built, CPU float32 tensors, at most _C.SMALL_ROWS_MAX rows (leading dims flattened) and nothing that needs a
-    gradient (the kernel has no backward: it is for decoding)."""
+    gradient (the kernel has no backward: it is for decoding), nor a forward-mode tangent or a torch.func transform
+    (F.linear then: the kernel passed a tangent through as a constant's, a silent zero)."""
     if _C is None or x.dim() == 0 or x.device.type != "cpu":
         return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2:
@@ -46,7 +47,7 @@ def small_rows_applicable(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> 
                                     (bias is not None and bias.requires_grad)):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    return 1 <= rows <= _C.SMALL_ROWS_MAX and x.shape[-1] == weight.shape[1]
+    return 1 <= rows <= _C.SMALL_ROWS_MAX and x.shape[-1] == weight.shape[1] and transformed(x, weight, bias) is None
 
 
 def small_rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

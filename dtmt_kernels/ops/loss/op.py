@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._extension import built
-from .._register import register_fake
+from .._register import first_order_only, register_fake
 from .._host_reads import host_reads_allowed
 
 
@@ -71,7 +70,7 @@ class PortableSmoothedCrossEntropy(torch.autograd.Function):
         return loss, nll_sum
 
     @staticmethod
-    @once_differentiable
+    @first_order_only("smoothed_cross_entropy_backward")
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
         log_probs, target, keep = ctx.saved_tensors
         eps = ctx.smoothing

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .._extension import built
 from .. import _autocast
-from .._register import refuse_double_backward, register_fake
+from .._register import check_transforms, refuse_double_backward, register_fake
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
 from ..linear.quantize import ROW_TAIL
 from .layout import KINDS, ROWS, acc_dtype, check_kind, present
@@ -189,12 +189,25 @@ def _register() -> None:
 _register()
 
 
+def check_drop(op: str, drop: Optional[Tensor]) -> None:
+    """RuntimeError naming `op` for a dropout mask that needs a gradient: the fused backwards form none for it (it
+    was None, where the reference backend gives c ⊙ dh', a silent difference between backends)."""
+    if drop is not None and drop.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"dtmt::{op}: drop requires grad, but the fused kernels form no gradient for the dropout "
+                           "mask; detach it, or run the layer with backend='reference' (learned dropout)")
+
+
 def fused_sequence(forward_op):
     """A transition_sequence (reference.transition_sequence's contract) computed by `forward_op`."""
 
+    name = forward_op._qualified_op_name.split("::")[-1]
+
     def transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optional[Tensor] = None,
                             drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
-        out, h_n, *_ = forward_op(x, h0, mask, drop, KINDS[w.cell], *flat_params(w), reverse, float(eps))
+        params = flat_params(w)
+        check_transforms(name, x, h0, drop, *params)
+        check_drop(name, drop)
+        out, h_n, *_ = forward_op(x, h0, mask, drop, KINDS[w.cell], *params, reverse, float(eps))
         return out, h_n
 
     return transition_sequence

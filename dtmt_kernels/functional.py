@@ -198,7 +198,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: st
         if backend != "cpp":
             return F.linear(x, weight, bias)
     if small_rows_applicable(x, weight, bias):  # false without the extension, off the CPU, or with gradients
-        return small_rows_linear(x, weight, bias)
+        out = small_rows_linear(x, weight, bias)   # (float32, its autocast rule's: under autocast the dtype F.linear
+        dtype = autocast_dtype(out)                # gives, so that it does not depend on the rows or grad mode)
+        return out if dtype is None else out.to(dtype)
     return F.linear(x, weight, bias)
 
 

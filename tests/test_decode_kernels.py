@@ -129,6 +129,15 @@ def test_nn_linear_is_a_drop_in_for_torch_linear():
         torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-6)
     lin(x).sum().backward()
     assert lin.weight.grad is not None and "backend='auto'" in repr(lin)
+    # under autocast the dtype torch.nn.Linear gives, whatever the rows and the grad mode (the small-row kernel's
+    # float32 result came out as it was: float32 for 8 rows without a gradient, bfloat16 for 9, a probe's finding)
+    for rows in (1, 8, 9):
+        x = torch.randn(rows, 32)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+                ours, theirs = lin(x), ref(x)
+            assert ours.dtype == theirs.dtype == torch.bfloat16, (rows, grad)
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2)
 
 
 def _attention_inputs(B, S, Q, C, A, heads, seed, dtype):

@@ -341,6 +341,13 @@ def test_forward_mode_and_torch_func_gradients_are_refused_not_zero():
                                torch.func.jvp(lambda x: gru(x)[0], (x,), (t,))[1])
     layer.backend = "cpp"
     torch.testing.assert_close(torch.func.vmap(lambda x: layer(x)[0], in_dims=1, out_dims=1)(x), layer(x)[0])
+    lengths = torch.tensor([5, 3])   # (the batch's lengths from outside: read on the host; vmapped over, refused
+    #                                   in one line, where torch said "Cannot access data pointer of Tensor ...")
+    torch.testing.assert_close(torch.func.vmap(lambda x: layer(x, lengths=lengths)[0])(x[None])[0],
+                               layer(x, lengths=lengths)[0])
+    with pytest.raises(ValueError, match="DeepTransitionGRU: lengths are read on the host, which a torch.func "
+                                         "transform"):
+        torch.func.vmap(lambda x, n: layer(x, lengths=n)[0])(x[None], lengths[None])
     linear = dk.nn.Linear(3, 5).double().requires_grad_(False)
     reference = torch.nn.Linear(3, 5).double()
     reference.load_state_dict(linear.state_dict())

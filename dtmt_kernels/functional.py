@@ -258,14 +258,15 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
             raise ValueError(f"{owner}: lengths must be 1-D [B={B}], got shape {tuple(lengths.shape)}")
         if lengths.device.type == "meta":
             raise ValueError(f"{owner}: lengths must hold values (a CPU or CUDA tensor), got a meta tensor")
-        if torch._C._functorch.is_functorch_wrapped_tensor(lengths) and host_reads_allowed():   # (vmapped over:
+        if host_reads_allowed() and torch._C._functorch.is_functorch_wrapped_tensor(lengths):   # (vmapped over:
             # torch's "Cannot access data pointer of Tensor that doesn't have storage" at the read below)
             raise ValueError(f"{owner}: lengths are read on the host, which a torch.func transform (vmap over them) "
                              "does not allow; pass one batch's lengths from outside the transform")
         if lengths.numel() == B and not host_reads_allowed():   # (a graph: no read, no host tensor to copy in)
             on_device = lengths.detach().to(device=device, dtype=torch.long)
-            torch._assert_async(((on_device >= 1) & (on_device <= T)).all(),
-                                f"{owner}: every length must be in [1, T={T}]")
+            torch._assert_async(((on_device >= 1) & (on_device <= T)).all(),   # (T a symbol when exported: s27)
+                                f"{owner}: every length must be in [1, T={T}]" if isinstance(T, int) else
+                                f"{owner}: every length must be in [1, T], T the steps of x")
             return (torch.arange(T, device=device).unsqueeze(1) < on_device.unsqueeze(0)).to(dtype)
         if lengths.numel() != B:
             raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths.numel()}")

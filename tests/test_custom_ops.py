@@ -530,6 +530,14 @@ def test_layer_exports_and_runs():
     x2, lengths2 = torch.randn(5, 3, 8), torch.tensor([4, 5, 1])
     for got, ref in zip(program.module()(x2, lengths=lengths2), layer(x2, lengths=lengths2)):
         torch.testing.assert_close(got, ref)
+    # the steps dynamic: a bad length's message names T, not the symbol the trace gave it ("T=s27")
+    steps = torch.export.Dim("steps", min=2, max=64)
+    program = torch.export.export(layer, (x,), dict(lengths=lengths), dynamic_shapes={"x": {0: steps}, "lengths": None})
+    x3 = torch.randn(7, 3, 8)
+    torch.testing.assert_close(program.module()(x3, lengths=torch.tensor([7, 3, 2]))[0],
+                               layer(x3, lengths=torch.tensor([7, 3, 2]))[0])
+    with pytest.raises(RuntimeError, match=re.escape("every length must be in [1, T], T the steps of x")):
+        program.module()(x3, lengths=torch.tensor([8, 3, 2]))
 
 
 class _Call(torch.nn.Module):

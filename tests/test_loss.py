@@ -4,6 +4,7 @@ same function as `label_smoothed_nll` of `torch.log_softmax`, values and gradien
 import pytest
 import torch
 
+import dtmt_kernels as dk
 from dtmt_models.models.loss import label_smoothed_nll, smoothed_cross_entropy
 
 from test_models import build, toy_batch
@@ -41,6 +42,32 @@ def test_fused_loss_equals_log_softmax_then_loss(seed, smoothing):
     torch.testing.assert_close(got[1], torch_nll, rtol=1e-12, atol=1e-12)
     g_torch, = torch.autograd.grad(torch_loss * 1.7, logits)
     torch.testing.assert_close(g_got, g_torch, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["kernel64", "kernel32",
+                                                                                      "portable"])
+def test_a_masked_logit_without_smoothing_is_torchs_loss_not_nan(dtype):
+    """A logit of -inf (a token masked out) made the loss NaN without label smoothing, in the kernel, the portable
+    function and both references: the smoothing term's mean log-probability is -inf, and 0 x inf is NaN (a probe's
+    finding). torch's cross_entropy gives the NLL; with smoothing the loss is inf (mass on an impossible token)."""
+    logits, target = _random_case(3, torch.float64)
+    logits = logits.detach().clone()
+    logits[..., -1] = float("-inf")
+    target = target.clamp(max=logits.shape[-1] - 2)   # (no target on the masked token)
+    V = logits.shape[-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ignore_index=0,
+                                                 reduction="sum")
+    z = logits.to(dtype).requires_grad_()
+    loss, nll, _ = smoothed_cross_entropy(z, target, 0.0)
+    tolerance = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(loss.double(), expected.to(torch.float64).to(loss.dtype).double(), **tolerance)
+    torch.testing.assert_close(nll, loss)
+    grad, = torch.autograd.grad(loss, z)
+    assert torch.isfinite(grad).all() and grad[..., -1].abs().max() < 1e-30   # (float32's exp floor: 1e-38)
+    for reference in (label_smoothed_nll(torch.log_softmax(logits, -1), target, 0.0),
+                      dk.ops.loss.reference.smoothed_cross_entropy(logits.reshape(-1, V), target.reshape(-1), 0.0, 0)):
+        torch.testing.assert_close(reference[0], expected)
+    assert smoothed_cross_entropy(logits, target, 0.1)[0] == float("inf")
 
 
 def test_fused_loss_float32_and_bfloat16_logits():

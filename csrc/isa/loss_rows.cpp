@@ -35,7 +35,8 @@ void smoothed_ce_rows(const T* logits, const int64_t* target, int64_t V, int64_t
     const T row_nll = log_z - z[y];     // -log p(y)
     const T row_smooth = log_z - sz / T(V);   // -mean_j log p(j)
     nll[r] = double(row_nll);
-    loss[r] = double((T(1) - smoothing) * row_nll + smoothing * row_smooth);
+    // without smoothing the NLL alone: a -inf logit (a masked token) makes row_smooth inf, and 0 * inf was NaN
+    loss[r] = smoothing == T(0) ? double(row_nll) : double((T(1) - smoothing) * row_nll + smoothing * row_smooth);
     DTMT_SIMD   // g and z do not overlap (GCC would otherwise check that at run time, per row)
     for (int64_t j = 0; j < V; ++j) g[j] = dt_exp(z[j] - m) * inv - uniform;
     g[y] -= T(1) - smoothing;

@@ -44,7 +44,7 @@ def label_smoothed_nll(log_probs: Tensor, target: Tensor, smoothing: float = 0.0
     keep = target.ne(pad_id)
     nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     smooth = -log_probs.mean(-1)
-    loss = ((1.0 - smoothing) * nll + smoothing * smooth).masked_fill(~keep, 0.0).sum()
+    loss = (nll if smoothing == 0 else (1.0 - smoothing) * nll + smoothing * smooth).masked_fill(~keep, 0.0).sum()
     return loss, nll.masked_fill(~keep, 0.0).sum(), int(keep.sum())
 
 

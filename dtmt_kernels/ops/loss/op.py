@@ -62,7 +62,7 @@ class PortableSmoothedCrossEntropy(torch.autograd.Function):
         safe = torch.where(keep, target, 0)
         nll = -log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
         smooth = -log_probs.mean(-1)
-        loss = torch.where(keep, (1.0 - smoothing) * nll + smoothing * smooth, 0.0).sum()
+        loss = torch.where(keep, nll if smoothing == 0 else (1.0 - smoothing) * nll + smoothing * smooth, 0.0).sum()
         ctx.save_for_backward(log_probs, safe, keep)
         ctx.smoothing, ctx.logits_dtype = smoothing, logits.dtype
         nll_sum = torch.where(keep, nll, 0.0).sum()

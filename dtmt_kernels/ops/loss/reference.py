@@ -15,5 +15,6 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     log_p = torch.log_softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
     keep = target.ne(ignore_index)
     nll = -log_p.gather(-1, target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    loss = (1.0 - smoothing) * nll + smoothing * -log_p.mean(-1)
+    # (without smoothing the NLL alone: a -inf logit, a masked token, makes the mean -inf, and 0 * inf was NaN)
+    loss = nll if smoothing == 0 else (1.0 - smoothing) * nll + smoothing * -log_p.mean(-1)
     return torch.where(keep, loss, 0.0).sum(), torch.where(keep, nll, 0.0).sum()

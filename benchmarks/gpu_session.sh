@@ -16,6 +16,8 @@
 #                                                       # every side (the second call of a session)
 #   bash benchmarks/gpu_session.sh persistent-bf16      # bf16 on every side at B = 64, H = 512 and H = 1024 (where
 #                                                       # the deep transition reads two T-GRUs' matrices from L2)
+#   bash benchmarks/gpu_session.sh persistent-multicast # the grid form in clusters of 2 that read the stage once a
+#                                                       # cluster (sm_90a) against the grid form, B = 8, 64, 256
 #   bash benchmarks/gpu_session.sh persistent-cluster   # the cluster form (one cluster of 16 blocks) against the
 #                                                       # grid form and the per-step path, strict fp32, B = 1, 8, 64
 #   bash benchmarks/gpu_session.sh persistent-profile   # eager, device and graphed time of the per-step path and
@@ -63,7 +65,8 @@
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
 # machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
 # B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training
-# benchmark 119 s (phase_probe.cu: 47 s to compile on 2 cores of an AMD EPYC here, beside the build since 2026-11-30;
+# benchmark 119 s (phase_probe.cu: 250-294 s to compile for sm_90a on 2 busy cores of an AMD EPYC here, 2026-12-03,
+# beside the build and the tests;
 # its run and train-profile are not yet timed); a warm machine is given back after 30 s idle (its build with it), so
 # send the next call at once. A device call is at most 10 minutes, and a session has 15 minutes of device time in all,
 # its start included: about two calls. In this order of the issues: `build persistent` (issue 72's persistent
@@ -79,12 +82,13 @@
 # more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time
 # goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in
 # the sessions after, `persistent-multicast` (its GPU tests and its table against the grid form at B = 8, 64, 256; the
-# first launch of the cooperative form in clusters), `persistent-profile persistent-bf16 graphs` (issue 72 item 1's
-# device and graphed times, the H = 1024 goal; issue 73 item 1), `decode` (with 16-bit decoding: item 5's bf16),
+# first launch of the cooperative form in clusters), `build persistent-profile persistent-bf16`, then `build graphs`
+# (a call each: at most 8 files of $OUT come back from a call; issue 72 item 1's device and graphed times, the
+# H = 1024 goal; issue 73 item 1), `decode` (with 16-bit decoding: item 5's bf16),
 # `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s), `persistent-cluster`, `amp`,
 # `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-benchmarks/out/gpu}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -93,6 +97,12 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 status=0
 STAGES=${*:-build tests bench}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+# a misspelt stage would otherwise run nothing and exit 0 (after the build, when asked for): refuse it before the GPU
+KNOWN="build tests bench profile train graphs train-profile unrolled attention amp gemm persistent persistent-math \
+persistent-cluster persistent-multicast persistent-profile persistent-bf16 decode peers peers-train"
+for stage in $STAGES; do
+  [[ " $KNOWN " == *" $stage "* ]] || { echo "gpu_session.sh: no stage '$stage' (the stages: $KNOWN)"; exit 2; }
+done
 
 echo "== device"
 nvidia-smi -L || true
@@ -108,7 +118,8 @@ nvcc=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
 probes=$(mktemp -d)
 if want persistent; then
   # the persistent stage's two probes are standalone programs: they compile beside the build and the tests (an nvcc
-  # each, about 50 s for phase_probe.cu; the build leaves most of the device machine's cores idle), not after them
+  # each, minutes for phase_probe.cu for sm_90a; the build leaves most of the device machine's cores idle), not
+  # after them
   for probe in barrier_probe phase_probe; do
     flags=(-std=c++17 -O3 -arch=sm_"${TORCH_CUDA_ARCH_LIST//./}" -Icsrc)
     [ "$probe" = phase_probe ] && flags+=(--use_fast_math -DDTMT_PERSISTENT_PHASES)
@@ -316,7 +327,7 @@ if want persistent-bf16; then
   # shared memory of the whole GPU, and the plan reads the two top T-GRUs' from L2 (docs/design/
   # persistent_recurrence.md, "Past shared memory: the L2"): the envelope on this device first, then both sizes
   echo "== the persistent envelope on this device"
-  "$PY" benchmarks/bench_persistent.py --envelope --B 64 2>&1 | tee "$OUT/persistent_envelope.md" || status=1
+  timeout 60 "$PY" benchmarks/bench_persistent.py --envelope --B 64 2>&1 | tee "$OUT/persistent_envelope.md" || status=1
   for H in 512 1024; do
     echo "== bench_persistent --math bf16 --B 64 --H $H"
     timeout 200 "$PY" benchmarks/bench_persistent.py --math bf16 --B 64 --H "$H" --out "$OUT/persistent-bf16-$H" \

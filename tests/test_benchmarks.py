@@ -1037,3 +1037,19 @@ def test_the_gpu_session_s_benchmark_calls_parse(monkeypatch):
                 module.main(args)
             except SystemExit as exc:
                 raise AssertionError(f"gpu_session.sh:{number}: {name}.py {' '.join(args)}: refused ({exc})")
+
+
+def test_the_gpu_session_s_stages_are_the_ones_it_knows():
+    """gpu_session.sh refuses a stage outside its KNOWN list before it takes the GPU (a misspelt stage ran nothing and
+    exited 0): KNOWN is every stage a `want` of the script tests, and its usage lines name each of them, no other."""
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_session.sh")
+    with open(path) as f:
+        text = f.read()
+    known = set(re.search(r'^KNOWN="([^"]*)"', text, re.M).group(1).replace("\\\n", " ").split())
+    wanted = set(re.findall(r"\bwant ([a-z0-9-]+)", text))
+    usage = {stage for line in re.findall(r"^#   bash benchmarks/gpu_session\.sh ([a-z0-9 -]*?) *(?:#|$)", text, re.M)
+             for stage in line.split()}
+    assert known == wanted, (known ^ wanted)
+    assert usage == known, (usage ^ known)

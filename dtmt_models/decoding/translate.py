@@ -17,7 +17,8 @@ How a list of sentences is decoded:
     Functions and callers that train afterwards, like the trainer's validation, must not have to care
     about); afterwards each module has its own train/eval mode again (eval_mode);
   * the results are put back in input order and detokenised with the target SentencePiece model.
-Beam search treats every sentence of a batch independently, so the output does not depend on max_tokens.
+Beam search treats every sentence of a batch independently, so the translations do not depend on max_tokens
+(the n-best scores only to float rounding).
 
 The command line reads every input first (so a bad file fails before any decoding), decodes all their lines
 together, and writes each output atomically (a temporary file renamed into place). The exception is stdin to

@@ -218,9 +218,9 @@ def test_bad_requests_get_a_status_and_a_message(server):
         ({"sentences": "hola"}, 400, "must be a list of strings"),
         ({"sentences": ["hola", 3]}, 400, "must be a list of strings"),
         ({"sentences": ["hola"], "beam": 9}, 400, "unknown field(s) ['beam']"),
-        (b'{"sentences": ["\\ud800"]}', 400, "sentence 0 is not valid Unicode"),
+        (b'{"sentences": ["\\ud800"]}', 400, "sentence 1 is not valid Unicode"),
         ({"sentences": ["el sol"] * 11}, 413, "11 sentences in one request; the limit is 10"),
-        ({"sentences": ["el sol", "x" * 101]}, 413, "sentence 1 has 101 characters; the limit is 100"),
+        ({"sentences": ["el sol", "x" * 101]}, 413, "sentence 2 has 101 characters; the limit is 100"),
         (b"[" + b'"x",' * 400_000 + b'"x"]', 413, "the request body is too large"),
         (b"[" * 50_000, 400, "nested too deeply"),                                   # RecursionError
         (b'{"sentences": ' + b"1" * 5000 + b"}", 400, "not JSON this server reads (a number of more than 4,300 "

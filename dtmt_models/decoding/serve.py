@@ -130,7 +130,7 @@ def parse_request(body: bytes, settings: ServeSettings) -> List[str]:
         raise RequestError(400, '"sentences" must be a list of strings')
     if len(sentences) > settings.max_sentences:
         raise RequestError(413, f"{len(sentences)} sentences in one request; the limit is {settings.max_sentences}")
-    for i, s in enumerate(sentences):
+    for i, s in enumerate(sentences, start=1):   # (counted from 1, as the answer's warnings count them)
         if len(s) > settings.max_chars:
             raise RequestError(413, f"sentence {i} has {len(s)} characters; the limit is {settings.max_chars}")
         try:

@@ -17,7 +17,6 @@ from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
 from .ops._host_reads import host_list, host_reads_allowed, host_reads_kept
 from .ops.linear import small_rows_applicable, small_rows_linear
-from .ops.loss import reference as loss_reference
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._register import check_transforms, transformed
 from .ops._extension import built
@@ -199,7 +198,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, backend: st
             return F.linear(x, weight, bias)
     if small_rows_applicable(x, weight, bias):  # false without the extension, off the CPU, or with gradients
         out = small_rows_linear(x, weight, bias)   # (float32, its autocast rule's: under autocast the dtype F.linear
-        dtype = autocast_dtype(out)                # gives, so that it does not depend on the rows or grad mode)
+        if not torch.is_autocast_enabled("cpu"):    # gives, so that it does not depend on the rows or grad mode)
+            return out
+        dtype = autocast_dtype(out)
         return out if dtype is None else out.to(dtype)
     return F.linear(x, weight, bias)
 
@@ -229,9 +230,11 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) or not (
             -2 ** 63 <= int(ignore_index) < 2 ** 63):
         raise ValueError(f"smoothed_cross_entropy: ignore_index must be an int64, got {ignore_index!r}")
-    if transformed(logits) is not None:   # (forward-mode AD, torch.func.grad: the same sums in PyTorch's own ops)
-        loss, nll = loss_reference.smoothed_cross_entropy(logits, target.long(), float(smoothing), int(ignore_index))
-        return loss, nll.detach()
+    if transformed(logits) is not None:   # (forward-mode AD, torch.func.grad: the same sums by torch's own loss,
+        z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()   # which checks the ids)
+        sums = [F.cross_entropy(z, target.long(), ignore_index=int(ignore_index), label_smoothing=eps,
+                                reduction="sum") for eps in (float(smoothing), 0.0)]
+        return sums[0], sums[1].detach()
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and built():
         loss, nll, _ = torch.ops.dtmt.smoothed_cross_entropy(logits, target.long(), float(smoothing), int(ignore_index))
         return loss, nll.detach()
@@ -243,6 +246,16 @@ def check_dtype_for_backend(backend, dtype: torch.dtype, name: str) -> None:
         names = ", ".join(str(d).replace("torch.", "") for d in backend.dtypes)
         raise ValueError(f"backend {backend.name!r} supports {names} inputs; {name} has dtype "
                          f"{str(dtype).replace('torch.', '')}")
+
+
+def _batched(t: Tensor) -> bool:
+    """Whether torch.vmap batches `t` at some level of its functorch wrapping."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, device: torch.device,
@@ -258,8 +271,8 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
             raise ValueError(f"{owner}: lengths must be 1-D [B={B}], got shape {tuple(lengths.shape)}")
         if lengths.device.type == "meta":
             raise ValueError(f"{owner}: lengths must hold values (a CPU or CUDA tensor), got a meta tensor")
-        if host_reads_allowed() and torch._C._functorch.is_functorch_wrapped_tensor(lengths):   # (vmapped over:
-            # torch's "Cannot access data pointer of Tensor that doesn't have storage" at the read below)
+        if host_reads_allowed() and _batched(lengths):   # (vmapped over: torch's "Cannot access data pointer of
+            # Tensor that doesn't have storage" at the read below; made inside torch.func.grad, they read)
             raise ValueError(f"{owner}: lengths are read on the host, which a torch.func transform (vmap over them) "
                              "does not allow; pass one batch's lengths from outside the transform")
         if lengths.numel() == B and not host_reads_allowed():   # (a graph: no read, no host tensor to copy in)

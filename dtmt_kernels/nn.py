@@ -421,7 +421,7 @@ class TransitionCell(Unrollable, _TransitionBase):
                                  f"{[self.depth + 1, B, H]}, got {list(drop.shape)}")
         session = self._unrolled_session(x2)
         if session is not None:
-            check_transforms("transition_forward", x2, h, drop, *session[2])
+            check_transforms("transition_forward", x2, h, drop)   # (the weights: in _unrolled_session)
             check_drop("transition_forward", drop)
             h1 = CppTransitionStepFunction.apply(x2, h, drop, session[1], session[0], self.eps)
             return h1[0] if unbatched else h1
@@ -440,6 +440,7 @@ class TransitionCell(Unrollable, _TransitionBase):
         check_dtype_for_backend(backend, x.dtype, "x")
         key = (x.device, x.dtype)
         weights = list(self._weights_read(0).values())   # (a parametrized weight is a new tensor at each read)
+        check_transforms("transition_forward", x, *weights)   # (before the session's Function sees them)
         versions = tuple(w._version for w in weights)
         hit = sessions.get(key)
         if (hit is None or hit[0].done or hit[0].versions != versions   # a new graph, or changed weights

@@ -326,6 +326,13 @@ def test_forward_mode_and_torch_func_gradients_are_refused_not_zero():
         torch.func.jvp(lambda x: layer(x)[0], (x,), (t,))
     with pytest.raises(RuntimeError, match=re.escape("dtmt::transition_forward: torch.func's gradient transforms")):
         torch.func.grad(lambda x: layer(x)[0].sum())(x)
+    # a layer the transform does not differentiate through runs (a frozen encoder beside the head that torch.func.grad
+    # trains; the review found the first check refused it, the tensors made inside a transform being wrapped too),
+    # its lengths made inside the transform with it
+    head = torch.randn(3, dtype=torch.float64)
+    frozen = dk.nn.DeepTransitionGRU.from_torch(gru).requires_grad_(False)
+    torch.testing.assert_close(torch.func.grad(lambda w: (w * w).sum() + frozen(
+        x, lengths=torch.tensor([5, 3]))[0].sum())(head), 2 * head)
     layer.requires_grad_(False)   # (frozen: a tangent of None before)
     with forward_ad.dual_level(), pytest.raises(RuntimeError, match=forward):
         layer(forward_ad.make_dual(x, t))

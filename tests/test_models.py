@@ -150,6 +150,18 @@ def test_numpy_numbers_are_options_like_python_ones():
     assert (c.src_vocab_size, c.tgt_vocab_size) == (V_SRC, V_TGT) and type(c.src_vocab_size) is int   # too
 
 
+def test_an_optional_option_is_typed_by_its_annotation_however_spelt():
+    import typing
+
+    from dtmt_models.models.registry import _optional_type
+
+    for spelling in ("Optional[bool]", "typing.Optional[bool]", "Union[bool, None]", "None | bool", "bool | None",
+                     typing.Optional[bool]):
+        assert _optional_type(spelling) is bool, spelling
+    assert _optional_type("Optional[int]") is int and _optional_type("Optional[List[int]]") is None
+    assert _optional_type("bool") is None
+
+
 def test_check_model_options_takes_a_pad_id_of_a_vocabulary_not_yet_built():
     """dtmt train checks options before the vocabularies exist: a pad_id past a toy size is not refused there."""
     from dtmt_models.models.registry import check_model_options

@@ -775,6 +775,23 @@ def test_a_process_left_alone_says_so_in_one_line(toy_nodev, tmp_path):
     assert (out / "train_log.csv").is_file()
 
 
+def test_only_a_gone_peer_is_reported_as_one():
+    """lost_peer names gloo's closed or reset connection only: a collective's other failures (NCCL's, a timeout,
+    this process's own CUDA fault) keep their traceback (the review found every DistError reported as a peer gone)."""
+    from dtmt_models.training.distributed import lost_peer
+
+    closed = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[127.0.0.1]:9947. This is typically caused by a remote worker crashing. GLHF!")
+    assert lost_peer(closed) == "Connection closed by peer [127.0.0.1]:9947"
+    reset = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Read error [127.0.0.1]:45722: Connection "
+                         "reset by peer")
+    assert lost_peer(reset) == "Read error [127.0.0.1]:45722: Connection reset by peer"
+    for other in (torch.distributed.DistBackendError("NCCL error in: ... unhandled cuda error"),
+                  RuntimeError("processes out of sync at step 30: parameter digests ['a', 'b']"),
+                  RuntimeError("CUDA error: an illegal memory access was encountered"), ValueError("gloo peer")):
+        assert lost_peer(other) is None, other
+
+
 def test_a_run_of_two_processes_interrupted_says_how_to_resume_it(toy_nodev, tmp_path):
     """Ctrl-C reaching one process of two stops both after the update in progress, and the first process's last line
     is a command that resumes the run: torchrun's with as many processes (it said `dtmt train ... --resume`, which

@@ -13,9 +13,6 @@ from typing import Optional
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _interpreters
-
-_GRAD, _JVP = torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp
 
 
 def _tensors(args):
@@ -109,10 +106,20 @@ def transformed(*tensors) -> Optional[str]:
         return "forward"
     if torch._C._functorch.peek_interpreter_stack() is None:
         return None
-    if any(i.key() in (_GRAD, _JVP) for i in _interpreters()) and any(
-            t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+    if any(t is not None and _tracked(t) for t in tensors):
         return "grad"
     return None
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    """Whether a torch.func gradient transform tracks `t` at some level of its wrapping (a tensor made inside the
+    transform, a frozen layer's state or biases, is wrapped too but tracked by none: the op is a constant there)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_gradtrackingtensor(t) and t.requires_grad:
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def check_transforms(op: str, *tensors) -> None:

@@ -122,9 +122,11 @@ def _of_type(value, expected: type) -> bool:
 def _optional_type(annotation) -> Optional[type]:
     """X of an option annotated Optional[X] (bool, int, float or str; the annotation a string under postponed
     evaluation or a typing object), else None."""
-    text = annotation if isinstance(annotation, str) else repr(annotation).replace("typing.", "")
+    text = (annotation if isinstance(annotation, str) else repr(annotation)).replace("typing.", "").replace(" ", "")
     for kind in (bool, int, float, str):
-        if text in (f"Optional[{kind.__name__}]", f"Union[{kind.__name__}, NoneType]", f"{kind.__name__} | None"):
+        k = kind.__name__
+        if text in (f"Optional[{k}]", f"Union[{k},None]", f"Union[None,{k}]", f"Union[{k},NoneType]",
+                    f"{k}|None", f"None|{k}"):
             return kind
     return None
 

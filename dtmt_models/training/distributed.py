@@ -21,13 +21,10 @@ def resolve_auto(device_arg: str) -> str:
 
 def lost_peer(exc: BaseException) -> Optional[str]:
     """Where `exc` is a collective's failure because another process of the run is gone (gloo's "Connection closed
-    by peer", torch's DistError), its reason in a line; else None."""
+    by peer" or "reset by peer"), its reason in a line; else None."""
     text = str(exc)
-    td = getattr(torch, "distributed", None)
-    dist_error = getattr(td, "DistError", None) if td is not None else None
-    if not ((dist_error is not None and isinstance(exc, dist_error))
-            or (isinstance(exc, RuntimeError) and "gloo" in text and ("peer" in text or "Connection" in text))):
-        return None
+    if not (isinstance(exc, RuntimeError) and "gloo" in text and ("closed by peer" in text or "reset by peer" in text)):
+        return None   # (another failure of a collective, NCCL's or this process's own, keeps its traceback)
     line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     line = line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line   # (gloo's source file)
     return line.split(". ", 1)[0].rstrip(".")

@@ -675,7 +675,8 @@ class Trainer:
         if self.dist.world == 1:
             return "dtmt train"
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
-        nodes = f" --nnodes {self.dist.world // per_node}" if self.dist.world > per_node else ""
+        nodes = (f" --nnodes {self.dist.world // per_node} (on each node, with its --node_rank and the run's "
+                 "rendezvous options)") if self.dist.world > per_node else ""
         return f"torchrun{nodes} --nproc_per_node {per_node} -m dtmt_models.cli.train"
 
     def _write_train_row(self) -> None:

@@ -666,7 +666,7 @@ class Trainer:
                      + (f", {os.path.join(self.out, BEST)}" if os.path.isfile(os.path.join(self.out, BEST)) else ""))
             if self.graphs is not None:
                 self.log(self.graphs.summary())
-            if interrupted:
+            if interrupted or self._signal:   # (a signal to any process, or to this one after the loop)
                 self.log(f"resume with: {self._command()} --data {c.data} --model {c.model} --out {self.out} --resume")
         return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0
 

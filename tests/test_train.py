@@ -66,6 +66,25 @@ def train_here(args, capsys):
     return subprocess.CompletedProcess(args, code, out, err)
 
 
+def two_processes(data, out, port, args, rank_args=lambda rank: []):
+    """`dtmt train` as the two processes of one run, started without torchrun (which would end one process itself
+    when the other ends): each with its RANK, stdout and stderr piped; `rank_args(rank)` added to its options."""
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    return [subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", data, "--out", str(out), *args,
+                              *rank_args(rank)], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+
+
+def until_an_update(proc):
+    """proc's stdout lines up to the first update's log line (a run of --log-every 1 has then begun)."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("epoch ") and " loss " in line:
+            break
+    return seen
+
+
 def losses(out_dir):
     with open(os.path.join(out_dir, "train_log.csv"), newline="") as f:
         return [(int(r["step"]), r["loss"], r["nll"]) for r in csv.DictReader(f) if r["kind"] == "train"]
@@ -728,11 +747,8 @@ def test_two_processes_stop_together_and_refuse_different_settings(toy_nodev, tm
     assert r.returncode == 0, r.stdout + r.stderr
     assert "stopped: reached --max-time 3s" in r.stdout and " processes in sync at step " in r.stdout, r.stdout
     out = tmp_path / "apart"
-    procs = [subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out", str(out),
-                               "--max-steps", "5", *TINY, *(["--seed", "7"] if rank else [])],
-                              env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT="29537", WORLD_SIZE="2",
-                                       RANK=str(rank), LOCAL_RANK=str(rank)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = two_processes(toy_nodev, out, 29537, ["--max-steps", "5", *TINY],
+                          rank_args=lambda rank: ["--seed", "7"] if rank else [])
     try:
         said = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -749,18 +765,11 @@ def test_a_process_left_alone_says_so_in_one_line(toy_nodev, tmp_path):
     """A process of a run killed while the run trains: the other's next collective fails, and it printed gloo's
     traceback ("Connection closed by peer ... GLHF!"). It now says so in one line and exits 1, its checkpoint kept.
     (Started without torchrun, which would end the survivor itself, so that it meets the closed connection.)"""
-    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29539", WORLD_SIZE="2")
     out = tmp_path / "left"
-    procs = [subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out", str(out),
-                               "--max-steps", "100000", "--log-every", "1", "--valid-every", "100000", *TINY],
-                              env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = two_processes(toy_nodev, out, 29539, ["--max-steps", "100000", "--log-every", "1", "--valid-every",
+                                                  "100000", *TINY])
     try:
-        seen = []
-        for line in procs[0].stdout:   # (process 0 logs the updates: the run has begun once one is logged)
-            seen.append(line)
-            if line.startswith("epoch ") and " loss " in line:
-                break
+        seen = until_an_update(procs[0])   # (process 0 logs the updates)
         assert procs[0].poll() is None and procs[1].poll() is None, "".join(seen)
         procs[1].kill()
         rest, err = procs[0].communicate(timeout=120)
@@ -796,18 +805,11 @@ def test_a_run_of_two_processes_interrupted_says_how_to_resume_it(toy_nodev, tmp
     """Ctrl-C reaching one process of two stops both after the update in progress, and the first process's last line
     is a command that resumes the run: torchrun's with as many processes (it said `dtmt train ... --resume`, which
     a run of two processes refuses, and said nothing where the signal had reached only another process)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29543", WORLD_SIZE="2")
     out = tmp_path / "stopped"
-    procs = [subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out", str(out),
-                               "--max-steps", "100000", "--log-every", "1", "--valid-every", "100000", *TINY],
-                              env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = two_processes(toy_nodev, out, 29543, ["--max-steps", "100000", "--log-every", "1", "--valid-every",
+                                                  "100000", *TINY])
     try:
-        seen = []
-        for line in procs[0].stdout:
-            seen.append(line)
-            if line.startswith("epoch ") and " loss " in line:
-                break
+        seen = until_an_update(procs[0])
         procs[1].send_signal(signal.SIGINT)
         said = [p.communicate(timeout=120) for p in procs]
     finally:

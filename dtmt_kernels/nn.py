@@ -421,7 +421,7 @@ class TransitionCell(Unrollable, _TransitionBase):
                                  f"{[self.depth + 1, B, H]}, got {list(drop.shape)}")
         session = self._unrolled_session(x2)
         if session is not None:
-            check_transforms("transition_forward", x2, h, drop)   # (the weights: in _unrolled_session)
+            check_transforms("transition_forward", h, drop)   # (x and the weights: in _unrolled_session)
             check_drop("transition_forward", drop)
             h1 = CppTransitionStepFunction.apply(x2, h, drop, session[1], session[0], self.eps)
             return h1[0] if unbatched else h1

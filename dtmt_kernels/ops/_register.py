@@ -98,7 +98,8 @@ def first_order_only(op: str):
 def transformed(*tensors) -> Optional[str]:
     """What a call on `tensors` (None entries skipped) cannot give: "forward" where one carries a forward-mode tangent
     (torch.autograd.forward_ad, torch.func.jvp / jacfwd), "grad" where torch.func's gradient transforms (grad, vjp,
-    jacrev, hessian) track one (_tracked); else None. Nothing under torch.compile (the transforms are traced there, not here)."""
+    jacrev, hessian) track one (_tracked); else None. Nothing under torch.compile (the transforms are traced there,
+    not here)."""
     if torch.compiler.is_compiling():
         return None
     if _forward_ad._current_level >= 0 and any(t is not None and _forward_ad.unpack_dual(t).tangent is not None

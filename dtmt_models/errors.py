@@ -57,7 +57,10 @@ class UsageError(ValueError):
 
 def refuse(option: str, value, allowed: str) -> UsageError:
     """The commands' one form for an option's value out of its range: `--option VALUE: must be ALLOWED` (the
-    value as the command read it, then what it may be)."""
+    value as the command read it, a whole float as the integer typed: `--read-timeout 0`, not `0.0`; then what it
+    may be)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+        value = int(value)
     return UsageError(f"{option} {value}: must be {allowed}")
 
 

@@ -20,6 +20,11 @@ from tqdm import tqdm
 MODES = ("auto", "bar", "lines", "none", "silent")
 
 
+def counted(n: int, noun: str, nouns: Optional[str] = None) -> str:
+    """`n` and its noun in number: "1 batch", "2 batches" (`nouns`: the plural, default noun + "s")."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
+
+
 class Progress:
     def __init__(self, mode: str = "auto", desc: str = "", unit: str = "it", every: float = 0.0,
                  stream: Optional[TextIO] = None, line_stream: Optional[TextIO] = None,

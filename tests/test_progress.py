@@ -3,7 +3,7 @@ import io
 
 import pytest
 
-from dtmt_models.progress import Progress
+from dtmt_models.progress import Progress, counted
 
 
 class Terminal(io.StringIO):
@@ -63,3 +63,9 @@ def test_none_keeps_the_messages_silent_nothing_and_modes_are_checked():
         assert term.getvalue() == "" and out.getvalue() == printed, mode
     with pytest.raises(ValueError, match="progress mode must be one of"):
         Progress("fancy")
+
+
+def test_counts_are_written_in_number():
+    assert [counted(n, "request") for n in (0, 1, 2, 1234)] == ["0 requests", "1 request", "2 requests",
+                                                                 "1,234 requests"]
+    assert counted(1, "batch", "batches") == "1 batch" and counted(3, "batch", "batches") == "3 batches"

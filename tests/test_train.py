@@ -586,7 +586,7 @@ def test_init_uniform_flag_reaches_the_model(toy_nodev, tmp_path, capsys):
     with open(out / "config.yaml") as f:
         assert "init_uniform: 0.05" in f.read()
     r = train_here([*TINY, "--data", toy_nodev, "--out", str(tmp_path / "bad"), "--init-uniform", "-1"], capsys)
-    assert r.returncode == 2 and "--init-uniform -1.0: must be a finite number >= 0" in r.stderr
+    assert r.returncode == 2 and "--init-uniform -1: must be a finite number >= 0" in r.stderr
 
 
 def test_adam_settings_reach_the_optimizer_and_the_presets_hold_the_papers(toy_nodev, tmp_path, capsys):
@@ -655,8 +655,8 @@ def test_optimizer_flags_are_refused_where_they_cannot_apply(toy_nodev, tmp_path
                                            "for adadelta with --lr"),
              (["--model", "deeplau", "--preset", "paper", "--optimizer", "adam"],
               "--optimizer adam: the preset's --lr 1 is for adadelta"),
-             (["--optimizer", "adadelta", "--adadelta-rho", "1"], "--adadelta-rho 1.0: must be in [0, 1)"),
-             (["--optimizer", "adadelta", "--adadelta-eps", "0"], "--adadelta-eps 0.0: must be a finite number > 0"),
+             (["--optimizer", "adadelta", "--adadelta-rho", "1"], "--adadelta-rho 1: must be in [0, 1)"),
+             (["--optimizer", "adadelta", "--adadelta-eps", "0"], "--adadelta-eps 0: must be a finite number > 0"),
              (["--init-uniform", "0.1", "--init-normal", "0.1"], "--init-uniform 0.1 and --init-normal 0.1: the "
                                                                   "weights are drawn from one law; give one of them")]
     for i, (flags, message) in enumerate(cases):
@@ -1396,10 +1396,10 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     (["--vocab-size", "5"], "--vocab-size 5: must be an integer in [8, 1,000,000]"),
     (["--max-time=-5m"], "--max-time -5m: must be a finite duration > 0"),
     (["--max-time", "nan"], "--max-time nan: must be a finite duration > 0"),
-    (["--lr", "0"], "--lr 0.0: must be a finite number > 0"),
-    (["--smoothing", "1"], "--smoothing 1.0: must be in [0, 1)"),
-    (["--adam-beta2", "1"], "--adam-beta2 1.0: must be in [0, 1)"),
-    (["--adam-eps", "0"], "--adam-eps 0.0: must be a finite number > 0"),
+    (["--lr", "0"], "--lr 0: must be a finite number > 0"),
+    (["--smoothing", "1"], "--smoothing 1: must be in [0, 1)"),
+    (["--adam-beta2", "1"], "--adam-beta2 1: must be in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps 0: must be a finite number > 0"),
     (["--allow-changed-data"], "--allow-changed-data applies to --resume only"),
     (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--opt", "backend=foo"], "--opt backend=foo: the recurrent kernels are not a model option; use --backend"),

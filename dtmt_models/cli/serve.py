@@ -23,6 +23,7 @@ from dtmt_models.cli.common import add_decoding_arguments, build_decoder, check_
     check_device_and_backend, decoding_alpha, load_for_decoding, run_command, use_threads
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import ArgumentParser, UsageError, check_count, one_line
+from dtmt_models.progress import counted
 
 PROG = "dtmt serve"
 
@@ -132,8 +133,8 @@ def _run(args: argparse.Namespace) -> int:
             f"{info['parameters']:,} parameters, beam {settings.beam})")
         await server.wait_stopped()
         c = server.counters
-        log(f"stopped: {c.requests:,} requests, {c.sentences:,} sentences in {c.batches:,} batches, "
-            f"{c.errors:,} errors")
+        log(f"stopped: {counted(c.requests, 'request')}, {counted(c.sentences, 'sentence')} in "
+            f"{counted(c.batches, 'batch', 'batches')}, {counted(c.errors, 'error')}")
 
     asyncio.run(serve())
     return 0

@@ -6,6 +6,8 @@ the same way. The autograd functions behind them are in autograd.py; dtmt_kernel
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -18,17 +20,23 @@ from .ops._register import check_transforms
 
 class Unrollable:
     """Mixin of the modules whose per-step work `unrolled` batches over the steps of a block (the step cells
-    below; the attention modules of dtmt_models). While a block is open on the module, its sessions live in
-    its __dict__ under "_unrolled"."""
+    below; the attention modules of dtmt_models)."""
 
     def _unrolled_sessions(self) -> Optional[dict]:
-        """The open block's sessions when autograd is recording, else None. Under torch.compile / torch.export the
-        block is ignored (its sessions are Python state that a graph cannot hold): each step is then the plain op,
-        whose gradients the compiled graph forms."""
-        sessions = self.__dict__.get("_unrolled")
-        if sessions is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        """The sessions of the block the calling thread has open on this module when autograd is recording, else
+        None. Under torch.compile / torch.export the block is ignored (its sessions are Python state that a graph
+        cannot hold): each step is then the plain op, whose gradients the compiled graph forms."""
+        blocks = _BLOCKS.get(self)
+        if not blocks or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
-        return sessions
+        return blocks.get(threading.get_ident())
+
+
+# The open blocks: module -> {thread id -> that thread's sessions on the module}. Kept off the modules, so that a
+# copy or pickle of a module never carries another thread's autograd state, and each thread's forward passes
+# through a shared module keep their own sessions. The lock guards opening and closing.
+_BLOCKS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_BLOCKS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -49,18 +57,29 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
     Other backends, inference (no autograd recording) and calls outside the block are unaffected. The backward
     may run after the block has closed; a block may hold several forward / backward rounds (truncated
     backpropagation: a session ends when its backward has run or a parameter has changed). Blocks nest (the
-    outer one holds). A block's sessions live on the modules: not for one module run by several threads."""
+    outer one holds). A block is the calling thread's: threads that run the same modules at once each have
+    their own, and the gradients of each are those it would have alone."""
     if torch.compiler.is_compiling():   # a compiled graph forms the weight gradients itself (_unrolled_sessions)
         yield
         return
-    opened = [c for c in modules if isinstance(c, Unrollable) and c.__dict__.get("_unrolled") is None]
-    for c in opened:
-        c.__dict__["_unrolled"] = {}
+    me = threading.get_ident()
+    opened = []
+    with _BLOCKS_LOCK:
+        for c in modules:
+            if isinstance(c, Unrollable):
+                blocks = _BLOCKS.setdefault(c, {})
+                if me not in blocks:
+                    blocks[me] = {}
+                    opened.append(c)
     try:
         yield
     finally:
-        for c in opened:
-            c.__dict__["_unrolled"] = None
+        with _BLOCKS_LOCK:
+            for c in opened:
+                blocks = _BLOCKS[c]
+                del blocks[me]
+                if not blocks:
+                    del _BLOCKS[c]
 
 
 def step_context(owner: nn.Module, alpha: Tensor, values: Tensor, backend: str = "auto") -> Tensor:

@@ -1,8 +1,11 @@
 """The NMT systems: every registered name and option combination builds and trains; padding, incremental
 decoding and backends do not change the function; each system can overfit a tiny corpus."""
+import threading
+
 import pytest
 import torch
 
+import dtmt_kernels as dk
 import dtmt_models as dm
 
 V_SRC, V_TGT = 23, 19
@@ -347,6 +350,55 @@ def test_cpp_and_reference_backends_agree(name, options):
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("name", ["dtmt", "nematus", "mce", "rnnsearch-atr", "gnmt-atr", "deeplau"])
+def test_threads_training_one_model_get_the_gradients_of_their_own_batches(name):
+    """Three threads take the training loss and its gradients of one model at once (a barrier at each decoder
+    step interleaves them): each thread's gradients are those of its batch alone. Before, the step cells'
+    `unrolled` sessions were shared by the threads and the gradients came out wrong or missing."""
+    model = build(name).double().eval()   # (eval: no dropout; autograd still records)
+    if not _has_fused_layers(model):
+        pytest.skip("no fused recurrent layer in this system")
+    model.set_backend("cpp")
+    batches = [toy_batch(seed=s) for s in range(3)]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradients(batch):
+        loss, _, _ = model.loss(*batch, smoothing=0.1)
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    alone = [gradients(b) for b in batches]
+    barrier = threading.Barrier(len(batches), timeout=60)
+    stepper = next(m for m in model.modules() if isinstance(m, dk.nn.Unrollable))   # runs at every decoder step
+
+    def meet(*_):   # (returns None: a pre-hook's result would replace the module's inputs)
+        barrier.wait()
+
+    hook = stepper.register_forward_pre_hook(meet)
+    got = [None] * len(batches)
+
+    def run(i):
+        try:
+            got[i] = gradients(batches[i])
+        except BaseException:
+            barrier.abort()
+            raise
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        hook.remove()
+    for i, (g_alone, g_threads) in enumerate(zip(alone, got)):
+        assert g_threads is not None, f"thread {i} failed"
+        for p_name, a, b in zip([n for n, p in model.named_parameters() if p.requires_grad], g_threads, g_alone):
+            assert (a is None) == (b is None), p_name
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{p_name}: {m}")
+
+
 OVERFIT = sorted({n for n, _ in CONFIGS})
 
 
@@ -411,7 +463,7 @@ def test_leaves_the_unigram_plateau_at_realistic_sizes(name):
         opt.zero_grad()
         (nll / ntok).backward()
         opt.step()
-    value = float(nll) / ntok
+    value = float(nll.detach()) / ntok
     assert value < 0.75 * unigram_entropy, (
         f"{name}: NLL {value:.2f} after 100 steps, unigram entropy {unigram_entropy:.2f} (stuck at the plateau)")
 

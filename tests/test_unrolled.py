@@ -2,6 +2,9 @@
 
 Checked against the pure-PyTorch reference backend (outputs, input / state / every parameter gradient), in
 float64 and float32, for every cell kind, with and without T-GRUs, layer norm and candidate dropout."""
+import contextlib
+import threading
+
 import pytest
 import torch
 
@@ -162,7 +165,7 @@ def test_frozen_weights_and_several_rounds_in_one_block():
     xs_ = xs.clone().requires_grad_()
     with dk.nn.unrolled(cell):
         loss, _ = unroll(cell, xs_, h0, None, w, "cpp", False)
-        steps = cell.__dict__["_unrolled"][(xs.device, xs.dtype)][0]
+        steps = cell._unrolled_sessions()[(xs.device, xs.dtype)][0]
     loss.backward()
     torch.testing.assert_close(xs_.grad, plain[1])
     assert steps.rows == {}
@@ -215,6 +218,60 @@ def test_two_sequences_in_one_block_each_with_its_own_backward(order):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         losses[0].backward()
+
+
+def test_threads_running_one_cell_each_have_their_own_block():
+    """Several threads run the same cell and attention owner at once, each in its own `unrolled` block (a
+    barrier makes their steps interleave; thread s leaves its block after s + 1 steps while the others step on).
+    Each thread's gradients equal its sequence's alone on the reference backend. Before, the block lived on the
+    module: the other threads joined the first's session, its close cut theirs short, and the gradients were
+    wrong (15 relative)."""
+    cell = make_cell("lgru", 2, True, torch.float64, candidate_dropout=0.0)
+    owner = _Owner()
+    n, T = 4, 5
+    g = torch.Generator().manual_seed(6)
+    xs = torch.randn(n, T, 3, 5, generator=g, dtype=torch.float64)
+    values = torch.randn(n, 3, 7, 6, generator=g, dtype=torch.float64)
+    logits = torch.randn(n, T, 3, 1, 7, generator=g, dtype=torch.float64)
+    barrier = threading.Barrier(n, timeout=60)
+
+    def gradients(s, backend, wait):
+        v = values[s].clone().requires_grad_()
+        with contextlib.ExitStack() as block:
+            if backend == "cpp":
+                block.enter_context(dk.nn.unrolled(cell, owner))
+            h, out = torch.zeros(3, 6, dtype=torch.float64), 0
+            for t in range(T):
+                wait()
+                if t == s + 1:
+                    block.close()   # thread s leaves its block after s + 1 steps, while the others step on
+                h = cell(xs[s, t], h)
+                out = out + (h * dk.nn.step_context(owner, torch.softmax(logits[s, t], -1), v, backend)).sum()
+        wait()
+        return torch.autograd.grad(out, [v, *cell.parameters()])
+
+    cell.backend = "reference"
+    expected = [gradients(s, "reference", lambda: None) for s in range(n)]
+    cell.backend = "cpp"
+    got = [None] * n
+
+    def run(s):
+        try:
+            got[s] = gradients(s, "cpp", barrier.wait)
+        except BaseException:
+            barrier.abort()   # (the others stop waiting)
+            raise
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for s in range(n):
+        assert got[s] is not None, f"thread {s} failed"
+        for a, b in zip(got[s], expected[s]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert cell._unrolled_sessions() is None and owner._unrolled_sessions() is None   # every block closed
 
 
 def test_a_weight_changed_before_a_step_backward_is_reported():
@@ -346,7 +403,8 @@ def test_only_the_backends_named_run_unrolled(monkeypatch):
     cell in a block runs its plain step (the op's own autograd), with the same gradients."""
     cell = make_cell("lgru", 1, True, torch.float64).train()
     g = torch.Generator().manual_seed(3)
-    xs, h0, weights = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((4, 2, 5), (2, 6), (4, 2, 6)))
+    xs, h0, weights = (torch.randn(*shape, generator=g, dtype=torch.float64)
+                       for shape in ((4, 2, 5), (2, 6), (4, 2, 6)))
     drop = cell.sample_dropout_masks(2, xs)
     unrolled = grads_of(cell, xs, h0, drop, weights, "cpp", True)
     monkeypatch.setattr(dk.nn, "UNROLLED_BACKENDS", frozenset())

@@ -20,6 +20,7 @@ from dtmt_models.models.attention import AdditiveAttention, MultiHeadAdditiveAtt
 from dtmt_models.models.registry import build_model
 from dtmt_models.engine.rnmt import FusedRNMTDecoder
 from dtmt_models.models.seq2seq import Readout
+from dtmt_models.models.modes import any_training
 
 pytestmark = pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 
@@ -478,15 +479,17 @@ def test_a_decoder_step_override_is_honoured(monkeypatch):
 
 
 def test_inference_decoder_where_it_does_not_apply():
-    """Training mode: the model itself (dropout, autograd); the reference backend: the model itself too (no part
-    has an inference form)."""
+    """Training mode: the model itself (dropout, autograd); the reference backend: an eval copy sharing the
+    parameters (no part has an inference form; a copy, so that it keeps eval mode when the model trains again)."""
     torch.manual_seed(0)
     model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24)
     assert model.inference_decoder() is model                   # training mode
     model.eval()
     assert isinstance(model.inference_decoder(), FusedRNMTDecoder)
     model.set_backend("reference")
-    assert model.inference_decoder() is model                   # nothing to stand in: the modules' step
+    copied = model.inference_decoder()                           # nothing to stand in: the modules' step
+    assert type(copied) is type(model) and copied is not model and not any_training(copied)
+    assert all(a is b for a, b in zip(copied.parameters(), model.parameters()))
     model.set_backend("auto")
     assert isinstance(model.inference_decoder(), FusedRNMTDecoder)   # asked afresh each time
 

@@ -1,5 +1,6 @@
 """The NMT systems: every registered name and option combination builds and trains; padding, incremental
 decoding and backends do not change the function; each system can overfit a tiny corpus."""
+import copy
 import threading
 
 import pytest
@@ -397,6 +398,90 @@ def test_threads_training_one_model_get_the_gradients_of_their_own_batches(name)
             assert (a is None) == (b is None), p_name
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{p_name}: {m}")
+
+
+def _noisy(name):
+    """A system with dropout (and dtmt's candidate dropout) on, in training mode, as built."""
+    return build(name, dropout=0.3, **(dict(candidate_dropout=0.3) if name == "dtmt" else {}))
+
+
+def _tokens(hyps):
+    return [[h.tokens for h in sentence] for sentence in hyps]
+
+
+@pytest.mark.parametrize("name", sorted({n for n, _ in CONFIGS}))
+def test_decoding_a_model_in_training_mode_never_switches_its_modes(name):
+    """beam_search on a model in training mode decodes an eval copy that shares its parameters (the results of the
+    model in eval mode): the model's own modules stay in training mode all through the search (read at every
+    module call by a hook the copy shares), so a thread training the model meanwhile keeps its dropout. Before,
+    the search switched the shared model to eval mode for the call: a helper's probe saw 178 of 180 updates of a
+    training thread run without dropout, and two searches at once leave modules in eval mode after both or decode
+    with dropout on."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    model = _noisy(name)
+    src, src_lengths, _, _ = toy_batch()
+    want = beam_search(copy.deepcopy(model).eval(), src, src_lengths, beam=2, nbest=2, fused=False)
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda *_: seen.append(all(m.training for m in model.modules())))
+             for m in model.modules()]
+    try:
+        got = beam_search(model, src, src_lengths, beam=2, nbest=2, fused=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen and all(seen)
+    assert all(m.training for m in model.modules())
+    assert _tokens(got) == _tokens(want)
+
+
+@pytest.mark.parametrize("name", sorted({n for n, _ in CONFIGS}))
+def test_a_decoder_keeps_eval_mode_when_its_model_trains_again(name):
+    """A decoder built from a model in eval mode (inference_decoder, as a validation or a server builds it once)
+    decodes the same after model.train(): its modules are an eval copy's. Before, the forms answered dropout from
+    the model's cells and unreplaced modules were the model's own: after model.train() nematus translated
+    otherwise and dtmt refused its state's candidate-dropout masks."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    model = _noisy(name).eval()
+    decoder = model.inference_decoder()
+    src, src_lengths, _, _ = toy_batch()
+    want = beam_search(decoder, src, src_lengths, beam=2, nbest=2, fused=False)
+    model.train()
+    torch.manual_seed(3)
+    assert _tokens(beam_search(decoder, src, src_lengths, beam=2, nbest=2, fused=False)) == _tokens(want)
+    assert all(m.training for m in model.modules())
+
+
+def test_a_batch_checked_is_the_calling_thread_s_and_no_copy_s():
+    """checked_batch marks its batch checked for the encode inside the block, and only there: another thread running
+    the model on the same tensors checks them, and so does a copy of the model made in the block, after it. Before,
+    the mark was the tensors' ids in the model's __dict__: copies kept it (a decoder made while another thread
+    trained skipped the check of a later batch whose tensors reused the ids) and other threads' checks were
+    skipped."""
+    from dtmt_models.models.seq2seq import checked_batch
+
+    model = build("mce")
+    src, src_lengths, _, _ = toy_batch()
+    errors = []
+
+    def check(m):
+        try:
+            m.check_batch(src, src_lengths)
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    with checked_batch(model, src, src_lengths):
+        copied = copy.deepcopy(model)
+        src_lengths[1] = 0   # (made wrong after the block's check: whoever checks again refuses it)
+        check(model)         # this thread, this model, these tensors: taken as checked
+        assert errors == []
+        other = threading.Thread(target=check, args=(model,))
+        other.start()
+        other.join()
+    check(copied)
+    check(model)
+    assert len(errors) == 3 and all("src_lengths must be in [1, S=7]" in e for e in errors), errors
 
 
 OVERFIT = sorted({n for n, _ in CONFIGS})

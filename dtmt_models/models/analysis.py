@@ -37,7 +37,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_kernels.functional import lengths_to_mask
 from dtmt_models.data.vocabulary import BOS
-from dtmt_models.models.modes import eval_mode
+from dtmt_models.models.modes import in_eval_mode
 from dtmt_models.plotting import figure, save
 
 __all__ = ["atr_gates", "GateStatistics", "gate_correlation", "gate_position_curves", "dependency_weights",
@@ -319,8 +319,8 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
     or None for all of S; columns past it are 0). tgt_tokens: the reference target ids without BOS; row t is the
     attention of the decoder step that predicts tgt_tokens[t] after reading BOS, tgt_tokens[:t] (append EOS to
     get the end-of-sentence row too). Each row sums to 1 over the real source positions. Multi-head attention
-    (dtmt's [B, heads, S]) is averaged over the heads. Runs `model.encode` and `model.step` in eval mode, without
-    gradients (the model's training flag is restored afterwards).
+    (dtmt's [B, heads, S]) is averaged over the heads. Runs `model.encode` and `model.step` in eval mode (an eval
+    copy of a model in training mode: its own modes untouched), without gradients.
 
     Needs a system whose decoder state carries "attn" (the recurrent systems: dtmt, shallow-rnmt, rnnsearch-atr,
     gnmt-atr, nematus, deeplau, ...). The `transformer` baseline does not expose its attention (it lives
@@ -344,19 +344,19 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
     prev = torch.cat([tgt.new_tensor([BOS]), tgt[:-1]])
 
     rows = []
-    with eval_mode(model):
-        with torch.no_grad():
-            state = model.encode(src, src_lengths)
-            for t in range(prev.numel()):
-                _, state = model.step(state, prev[t:t + 1])
-                attn = state.get("attn") if isinstance(state, dict) else None
-                if attn is None:
-                    raise ValueError(f"attention_matrix: {name} exposes no attention weights (its decoder state "
-                                     "has no 'attn'); the transformer keeps its attention inside "
-                                     "torch.nn.MultiheadAttention. Use a recurrent system.")
-                if attn.dim() == 3:
-                    attn = attn.mean(1)       # [B, heads, S] -> head average
-                rows.append(attn[0].float().cpu())
+    model = in_eval_mode(model)
+    with torch.no_grad():
+        state = model.encode(src, src_lengths)
+        for t in range(prev.numel()):
+            _, state = model.step(state, prev[t:t + 1])
+            attn = state.get("attn") if isinstance(state, dict) else None
+            if attn is None:
+                raise ValueError(f"attention_matrix: {name} exposes no attention weights (its decoder state "
+                                 "has no 'attn'); the transformer keeps its attention inside "
+                                 "torch.nn.MultiheadAttention. Use a recurrent system.")
+            if attn.dim() == 3:
+                attn = attn.mean(1)       # [B, heads, S] -> head average
+            rows.append(attn[0].float().cpu())
     return torch.stack(rows)
 
 

@@ -14,6 +14,7 @@ embedding lookup, the readout features and the vocabulary projection applied onc
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import replace
 from typing import Optional, Tuple
 
@@ -26,6 +27,7 @@ from dtmt_kernels.backends import BackendSwitch
 from dtmt_models.engine import ops
 from dtmt_models.engine.decoder import State, check_reorder_index, check_step_tokens
 from dtmt_models.engine.forms import FrozenReadout, inference_copy, plain_linear, runs_fused_inference
+from dtmt_models.models.modes import eval_copy
 from dtmt_models.engine.rnmt import FusedStep
 from dtmt_models.models.loss import float_log_softmax, smoothed_cross_entropy
 
@@ -277,9 +279,10 @@ class Seq2Seq(nn.Module):
             raise int8_unavailable(self)
         if self.training or self.__dict__.get("_inference_copy", False):
             return self
-        prepared = inference_copy(self)
-        if prepared is not self:
-            prepared.__dict__["_inference_copy"] = True
+        # (from an eval copy of every module: a form or a module left as it is would follow this model's mode when it
+        # trains again, the decoder with it)
+        prepared = inference_copy(eval_copy(self))
+        prepared.__dict__["_inference_copy"] = True
         return prepared
 
     def reorder(self, state: State, index: Tensor) -> State:
@@ -305,9 +308,10 @@ class Seq2Seq(nn.Module):
         return self
 
     def check_batch(self, src: Tensor, src_lengths: Tensor, prev_tokens: Optional[Tensor] = None) -> None:
-        if (prev_tokens is None and not torch.compiler.is_compiling()
-                and self.__dict__.get("_checked_batch") == (id(src), id(src_lengths))):
-            return   # (forward checked this batch, its target side too, before its encode: checked_batch)
+        if prev_tokens is None and not torch.compiler.is_compiling():
+            kept = getattr(_CHECKED, "batch", None)
+            if kept is not None and kept[0] is self and kept[1] is src and kept[2] is src_lengths:
+                return   # (forward checked this batch, its target side too, before its encode: checked_batch)
         name = type(self).__name__
         if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
             raise ValueError(f"{name}: src must be a LongTensor [B, S], got "
@@ -353,18 +357,23 @@ def checked_batch(model: nn.Module, src: Tensor, src_lengths: Tensor, prev_token
     """`model.check_batch(src, src_lengths, prev_tokens)`, then a block (a training forward) in which the same check of
     these very tensors returns at once (the forward's encode checks them again) and the lengths are read on the host
     once (dk.functional.host_reads_kept: the checks, the encoder's mask and the first state read them): each read is
-    a synchronisation on a GPU. The tensors stay alive in the block, so their ids are not reused. Under torch.compile
-    (no host reads there) only the check: an id would guard the compiled graph on the batch's tensors."""
+    a synchronisation on a GPU. The batch checked is the calling thread's, held by reference (not on the model: a
+    copy of the model made meanwhile, or another thread, never takes it for checked). Under torch.compile (no host
+    reads there) only the check: the batch's tensors would guard the compiled graph."""
     with dk.functional.host_reads_kept():
         model.check_batch(src, src_lengths, prev_tokens)
         if torch.compiler.is_compiling():
             yield
             return
-        model.__dict__["_checked_batch"] = (id(src), id(src_lengths))
+        outer = getattr(_CHECKED, "batch", None)
+        _CHECKED.batch = (model, src, src_lengths)
         try:
             yield
         finally:
-            model.__dict__.pop("_checked_batch", None)
+            _CHECKED.batch = outer
+
+
+_CHECKED = threading.local()   # .batch: (model, src, src_lengths) of the calling thread's checked_batch block
 
 
 def summary(model: nn.Module) -> str:

@@ -53,6 +53,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](int kind, int depth, int batch, int hidden, int storage_bytes, int accumulation_bytes, int multiprocessors,
          int64_t shared_memory, bool tensor_cores, int threads, int64_t l2_bytes, int cluster_blocks,
          int multicast) {
+        // (the plan divides by them: 0 was a SIGFPE)
+        TORCH_CHECK(storage_bytes == 2 || storage_bytes == 4 || storage_bytes == 8,
+                    "persistent_plan: storage_bytes must be 2, 4 or 8, got ", storage_bytes);
+        TORCH_CHECK(accumulation_bytes == 4 || accumulation_bytes == 8,
+                    "persistent_plan: accumulation_bytes must be 4 or 8, got ", accumulation_bytes);
         const auto p = dtmt::cuda::persistent_plan(kind, depth, batch, hidden, storage_bytes, accumulation_bytes,
                                                    multiprocessors, static_cast<size_t>(shared_memory), tensor_cores,
                                                    threads, static_cast<size_t>(l2_bytes), cluster_blocks, multicast);

@@ -128,6 +128,15 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
   for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{grad_out, "grad_out"}, {xp, "xp"}, {hs, "hs"},
                                 {hs_lp, "hs_lp"}, {hp, "hp"}, {hpt, "hpt"}})
     dtmt::check_floating(t, op, name);
+  // ... and in the dtypes the forward gives them: the kernels read them as such (a float64 xp beside a float32 x
+  // failed inside a kernel, naming nothing)
+  const at::ScalarType xt = x.scalar_type(), acc = xt == at::kDouble ? at::kDouble : at::kFloat;
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{xp, "xp"}, {hp, "hp"}, {hpt, "hpt"},
+                                {hs_lp, "hs_lp"}})
+    TORCH_CHECK(!dtmt::given(t) || t.scalar_type() == xt, "dtmt::", op, ": ", name, " must have x's dtype ", xt,
+                " (the forward's), got ", t.scalar_type());
+  TORCH_CHECK(!dtmt::given(hs) || hs.scalar_type() == acc, "dtmt::", op, ": hs must be ", acc,
+              " (the forward's states for x of ", xt, "), got ", hs.scalar_type());
   auto g = Kernel(dtmt::BackwardInputs{dense(grad_out), dense(grad_hn), dense(x), m, dr}, w,
                   dtmt::SavedForward{dense(xp), dense(hs), dense(hs_lp), dense(hp), dense(hpt)}, reverse, eps,
                   weight_grads);

@@ -32,6 +32,7 @@
 #endif
 
 #include <algorithm>
+#include <climits>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -204,6 +205,16 @@ Dims dims_of(const Tensor& x, const TransitionWeights& w) {
   d.H = w.w_hh.size(0) / d.n_h;
   d.D = present(w.t_w) ? w.t_w.size(0) : 0;
   return d;
+}
+
+// The kernels count steps and index a step's values with int (offsets of whole steps are 64-bit): a layer with more
+// than INT_MAX steps, or a step with more than INT_MAX values in its widest tensor (B rows of the pre-activations,
+// n x H values each, or of x), is refused here rather than wrapped. Every driver entry checks it first.
+void check_step_sizes(const Dims& d, const char* op) {
+  const int64_t widest = std::max<int64_t>({d.n_in, d.n_h, 3}) * d.H;
+  TORCH_CHECK(d.T <= INT_MAX && d.B * widest <= INT_MAX && d.B * d.I <= INT_MAX,
+              message("dtmt::", op, " on CUDA: T (", d.T, ") and a step's values (B x ", widest, " = ", d.B * widest,
+                      ", B x I = ", d.B * d.I, ") must be at most 2^31 - 1"));
 }
 
 std::vector<int64_t> step_order(int64_t T, bool reverse) {
@@ -1055,6 +1066,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
 std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                             const TransitionWeights& w, bool reverse, double eps) {
   const c10::cuda::CUDAGuard guard(x.device());
+  check_step_sizes(dims_of(x, w), "transition_forward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
     cuda::PersistentPlan plan = recurrence_plan<scalar_t>(x, w);
@@ -1080,6 +1092,7 @@ std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Te
                                                        double eps, int64_t grid, int64_t threads, int64_t resident,
                                                        bool cluster, int64_t multicast) {
   const c10::cuda::CUDAGuard guard(x.device());
+  check_step_sizes(dims_of(x, w), "transition_forward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_persistent_cuda", [&] {
     result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads, resident, cluster,
@@ -1095,6 +1108,7 @@ std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in
                                                         int64_t grid, int64_t threads, int64_t resident,
                                                         bool cluster, int64_t multicast) {
   const c10::cuda::CUDAGuard guard(in.x.device());
+  check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
     result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads, resident, cluster, false,
@@ -1107,6 +1121,7 @@ std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in
 std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const TransitionWeights& w,
                                              const SavedForward& saved, bool reverse, double eps, bool weight_grads) {
   const c10::cuda::CUDAGuard guard(in.x.device());
+  check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_cuda", [&] {
     cuda::PersistentPlan plan = recurrence_plan<scalar_t>(in.x, w);

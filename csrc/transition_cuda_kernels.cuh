@@ -54,8 +54,9 @@ template <typename A, typename T> __device__ __forceinline__ A ld(const T* p, in
 }
 template <typename A, typename T> __device__ __forceinline__ void st(T* p, int i, A v) { p[i] = Cvt<A, T>::store(v); }
 // Whether batch row b is inside its sentence at step t (mask [T, B] 1 / 0, or nullptr: every row).
+// (the step's row offset in size_t: T x B may pass INT_MAX where a step's values do not)
 template <typename T> __device__ __forceinline__ bool row_valid(const T* mask, int t, int B, int b) {
-  return mask == nullptr || ld<float>(mask, t * B + b) > 0.5f;
+  return mask == nullptr || ld<float>(mask + static_cast<size_t>(t) * B, b) > 0.5f;
 }
 
 // ------------------------------------------------------------------------------------- row layouts

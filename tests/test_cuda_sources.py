@@ -499,6 +499,29 @@ def test_cuda_kernels_emulated_at_one_row_and_one_step(emulated_cuda_ext):
         _compare_emulated(run_emulated, cell, depth, True, full_features, torch.float64, B=1, T=T)
 
 
+def test_cuda_driver_refuses_more_steps_than_int_counts_emulated(emulated_cuda_ext):
+    """The kernels count steps with int, and the persistent ones read the mask at t x B + b (int before: past 2^31
+    it wrapped, out of bounds): a layer of 2^31 steps is refused by every entry of the driver before any work (x of
+    no features: nothing allocated), forward and backward, per step and persistent."""
+    from dtmt_kernels.ops.transition import KINDS
+
+    empty = torch.empty(0)
+    params = [torch.zeros(6, 0), torch.zeros(6), torch.zeros(6, 2), torch.zeros(6)] + [empty] * 6   # GRU, H = 2, I = 0
+    x, h0 = torch.empty(2 ** 31, 1, 0), torch.zeros(1, 2)
+    kind = KINDS["gru"]
+    message = r"transition_forward on CUDA: T \(2147483648\) and a step's values .* must be at most 2\^31 - 1"
+    with pytest.raises(RuntimeError, match=message):
+        emulated_cuda_ext.forward(x, h0, empty, empty, kind, params, False, 1e-5)
+    with pytest.raises(RuntimeError, match=message):
+        emulated_cuda_ext.forward_persistent(x, h0, empty, empty, kind, params, False, 1e-5, 1, 32, -1, 0)
+    saved = [empty] * 5
+    with pytest.raises(RuntimeError, match=message.replace("forward", "backward")):
+        emulated_cuda_ext.backward(empty, h0, x, empty, empty, kind, params, saved, False, 1e-5)
+    with pytest.raises(RuntimeError, match=message.replace("forward", "backward")):
+        emulated_cuda_ext.backward_persistent(empty, h0, x, empty, empty, kind, params, saved, False, 1e-5, 1, 32, -1,
+                                              0)
+
+
 @pytest.mark.parametrize("cell,depth,ln", [("lgru", 2, True), ("gru", 0, False), ("atr", 0, True)])
 def test_cuda_backward_without_weight_grads_emulated(emulated_cuda_ext, cell, depth, ln):
     """transition_backward_cuda with weight_grads=False (what dk.nn.unrolled's steps call on the device, issue 73

@@ -1,6 +1,7 @@
 """Every torch.ops.dtmt op called with perturbed arguments (tests/op_fuzz.py, issue 71 item 2): no crash, no hang,
 only ordinary errors; and the ops' one-line errors for the cases the issue named."""
 import os
+import re
 import subprocess
 import sys
 
@@ -141,7 +142,34 @@ def test_secondary_tensors_of_a_dtype_a_kernel_would_convert_are_refused():
     saved[1] = saved[1].to(torch.complex64)   # hs
     with pytest.raises(RuntimeError, match=r"transition_backward: hs must be a floating-point tensor, got Complex"):
         bwd(grad_out, torch.randn(2, 6), x, None, None, kind, *p, *saved, False, 1e-5)
+    # the saved tensors of another floating dtype than the forward gives them (a float64 xp beside a float32 x
+    # failed inside the kernel with 'self is undefined', naming nothing; an audit of the ops' boundaries)
+    for slot, name, dtype, message in ((0, "xp", torch.float64, "xp must have x's dtype Float"),
+                                       (3, "hp", torch.bfloat16, "hp must have x's dtype Float"),
+                                       (4, "hpt", torch.float64, "hpt must have x's dtype Float"),
+                                       (1, "hs", torch.float64, "hs must be Float (the forward's states for x of "
+                                                                "Float), got Double")):
+        saved = list(out[2:])
+        saved[slot] = saved[slot].to(dtype)
+        with pytest.raises(RuntimeError, match=re.escape(f"transition_backward: {message}")):
+            bwd(grad_out, torch.randn(2, 6), x, None, None, kind, *p, *saved, False, 1e-5)
     with pytest.raises(RuntimeError, match=r"transition_encode: h0 must be a floating-point tensor, got Int"):
         torch.ops.dtmt.transition_encode(x, h0[None].int(), None, kind,
                                          [t if t is not None else torch.empty(0) for t in p], False, 1e-5)
     assert torch.equal(fwd(x, h0.double(), None, None, kind, *p, False, 1e-5)[0], out[0])
+
+
+def test_the_persistent_plan_binding_refuses_element_sizes_it_would_divide_by():
+    """_C.persistent_plan (the private binding under dk.persistent_plan) with an element size of 0 divided by it: the
+    process died of SIGFPE (an audit of the boundaries). Now a one-line error; the public face never passes one."""
+    from dtmt_kernels import _C
+
+    def plan(storage, accumulation):   # (a GRU of one unit and one row, FMA products, one SM of 64 KB)
+        return _C.persistent_plan(0, 0, 1, 1, storage, accumulation, 1, 1 << 16, False, 256, 0, 0, 1)
+
+    for storage, accumulation, message in ((0, 4, "storage_bytes must be 2, 4 or 8, got 0"),
+                                           (3, 4, "storage_bytes must be 2, 4 or 8, got 3"),
+                                           (4, 0, "accumulation_bytes must be 4 or 8, got 0")):
+        with pytest.raises(RuntimeError, match=re.escape(f"persistent_plan: {message}")):
+            plan(storage, accumulation)
+    assert plan(4, 4)[4]   # (fits)

@@ -26,17 +26,16 @@ class Unrollable:
         """The sessions of the block the calling thread has open on this module when autograd is recording, else
         None. Under torch.compile / torch.export the block is ignored (its sessions are Python state that a graph
         cannot hold): each step is then the plain op, whose gradients the compiled graph forms."""
-        blocks = _BLOCKS.get(self)
+        blocks = getattr(_THREAD, "blocks", None)
         if not blocks or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
-        return blocks.get(threading.get_ident())
+        return blocks.get(self)
 
 
-# The open blocks: module -> {thread id -> that thread's sessions on the module}. Kept off the modules, so that a
-# copy or pickle of a module never carries another thread's autograd state, and each thread's forward passes
-# through a shared module keep their own sessions. The lock guards opening and closing.
-_BLOCKS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-_BLOCKS_LOCK = threading.Lock()
+# .blocks: the calling thread's open blocks, module -> its sessions (a WeakKeyDictionary). Kept off the modules, so
+# that a copy or pickle of a module never carries autograd state, and each thread's forward passes through a shared
+# module keep their own sessions; a thread's dictionary is its own (no lock), and goes with the thread.
+_THREAD = threading.local()
 
 
 @contextlib.contextmanager
@@ -62,24 +61,19 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
     if torch.compiler.is_compiling():   # a compiled graph forms the weight gradients itself (_unrolled_sessions)
         yield
         return
-    me = threading.get_ident()
+    blocks = getattr(_THREAD, "blocks", None)
+    if blocks is None:
+        blocks = _THREAD.blocks = weakref.WeakKeyDictionary()
     opened = []
-    with _BLOCKS_LOCK:
-        for c in modules:
-            if isinstance(c, Unrollable):
-                blocks = _BLOCKS.setdefault(c, {})
-                if me not in blocks:
-                    blocks[me] = {}
-                    opened.append(c)
+    for c in modules:
+        if isinstance(c, Unrollable) and c not in blocks:
+            blocks[c] = {}
+            opened.append(c)
     try:
         yield
-    finally:
-        with _BLOCKS_LOCK:
-            for c in opened:
-                blocks = _BLOCKS[c]
-                del blocks[me]
-                if not blocks:
-                    del _BLOCKS[c]
+    finally:   # (from this block's own dictionary: a generator holding the block may be closed on another thread)
+        for c in opened:
+            blocks.pop(c, None)
 
 
 def step_context(owner: nn.Module, alpha: Tensor, values: Tensor, backend: str = "auto") -> Tensor:

@@ -2,6 +2,7 @@
 decoding and backends do not change the function; each system can overfit a tiny corpus."""
 import copy
 import threading
+import types
 
 import pytest
 import torch
@@ -433,6 +434,29 @@ def test_decoding_a_model_in_training_mode_never_switches_its_modes(name):
     assert seen and all(seen)
     assert all(m.training for m in model.modules())
     assert _tokens(got) == _tokens(want)
+
+
+@pytest.mark.parametrize("patch", ["wrapped", "bound"])
+def test_a_model_with_a_method_replaced_on_it_still_decodes_in_eval_mode(patch):
+    """A method set on the instance (a profiling wrapper, torch.compile of model.step) holds the model itself, which a
+    copy would run in training mode: such a model is switched to eval mode for the search and its modes restored
+    after (a review found the copy decoding with dropout on); a method bound to the module itself is rebound to the
+    copy, which leaves the model's modes alone."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    model = build("transformer", heads=2, encoder_layers=1, decoder_layers=1, hidden_size=32, dropout=0.5)
+    src, src_lengths, _, _ = toy_batch()
+    want = _tokens(beam_search(copy.deepcopy(model).eval(), src, src_lengths, beam=2, nbest=2))
+    calls, step = [], model.step
+    if patch == "wrapped":
+        model.step = lambda state, prev: calls.append(model.training) or step(state, prev)
+    else:
+        model.step = types.MethodType(lambda self, state, prev: calls.append(self.training) or step.__func__(
+            self, state, prev), model)
+    for _ in range(3):
+        assert _tokens(beam_search(model, src, src_lengths, beam=2, nbest=2)) == want
+        assert all(m.training for m in model.modules())
+    assert calls and not any(calls)   # (each step ran in eval mode: the model's own or the copy's)
 
 
 @pytest.mark.parametrize("name", sorted({n for n, _ in CONFIGS}))

@@ -221,11 +221,12 @@ def test_two_sequences_in_one_block_each_with_its_own_backward(order):
 
 
 def test_threads_running_one_cell_each_have_their_own_block():
-    """Several threads run the same cell and attention owner at once, each in its own `unrolled` block (a
-    barrier makes their steps interleave; thread s leaves its block after s + 1 steps while the others step on).
-    Each thread's gradients equal its sequence's alone on the reference backend. Before, the block lived on the
-    module: the other threads joined the first's session, its close cut theirs short, and the gradients were
-    wrong (15 relative)."""
+    """Several threads run the same cell and attention owner at once, each in its own `unrolled` block (opened in
+    thread order; a barrier makes their steps interleave; thread s leaves its block after s + 1 steps while the
+    others step on).
+    Each block has its own sessions, and each thread's gradients equal its sequence's alone on the reference
+    backend. Before, the block lived on the module: the other threads took the first's sessions, and where their
+    backward passes overlapped the gradients were wrong (15 to 31 relative, in about half the runs)."""
     cell = make_cell("lgru", 2, True, torch.float64, candidate_dropout=0.0)
     owner = _Owner()
     n, T = 4, 5
@@ -234,12 +235,18 @@ def test_threads_running_one_cell_each_have_their_own_block():
     values = torch.randn(n, 3, 7, 6, generator=g, dtype=torch.float64)
     logits = torch.randn(n, T, 3, 1, 7, generator=g, dtype=torch.float64)
     barrier = threading.Barrier(n, timeout=60)
+    turns = [threading.Event() for _ in range(n + 1)]   # thread s opens its block after thread s - 1
+    turns[0].set()
+    sessions = [None] * n   # each thread's sessions in its block (held: no id reused)
 
     def gradients(s, backend, wait):
         v = values[s].clone().requires_grad_()
         with contextlib.ExitStack() as block:
             if backend == "cpp":
+                assert turns[s].wait(60)
                 block.enter_context(dk.nn.unrolled(cell, owner))
+                sessions[s] = (cell._unrolled_sessions(), owner._unrolled_sessions())
+                turns[s + 1].set()
             h, out = torch.zeros(3, 6, dtype=torch.float64), 0
             for t in range(T):
                 wait()
@@ -267,11 +274,40 @@ def test_threads_running_one_cell_each_have_their_own_block():
         th.start()
     for th in threads:
         th.join()
+    for i in range(n):   # each block its own (before, every thread after the first took the first's)
+        assert all(a is not None for a in sessions[i]), i
+        assert all(sessions[i][k] is not sessions[j][k] for j in range(i) for k in (0, 1)), i
     for s in range(n):
         assert got[s] is not None, f"thread {s} failed"
         for a, b in zip(got[s], expected[s]):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert cell._unrolled_sessions() is None and owner._unrolled_sessions() is None   # every block closed
+
+
+def test_a_block_closed_on_another_thread_closes_the_opener_s():
+    """A generator that holds a block may be closed (or collected) on another thread: the block it closes is its
+    opener's, never the closing thread's own block on the same cell."""
+    cell = make_cell("gru", 0, False, torch.float64)
+
+    def holder():
+        with dk.nn.unrolled(cell):
+            yield
+
+    held = holder()
+    next(held)
+    assert cell._unrolled_sessions() is not None
+    seen = []
+
+    def other():
+        with dk.nn.unrolled(cell):
+            mine = cell._unrolled_sessions()
+            held.close()
+            seen.append(mine is not None and cell._unrolled_sessions() is mine)
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert seen == [True] and cell._unrolled_sessions() is None
 
 
 def test_a_weight_changed_before_a_step_backward_is_reported():

@@ -27,7 +27,7 @@ search with NonFiniteScores naming the step and sentence, in the loop here and i
 on, NaN scores gave empty or arbitrary translations without a word (issue 71 item 3).
 
 A model in training mode is decoded in eval mode (no dropout) as an eval copy sharing its parameters: its own
-modules keep their modes, also for another thread training it meanwhile (`in_eval_mode`). PAD (the model's
+modules keep their modes, also for another thread training it meanwhile (`evaluating`). PAD (the model's
 `pad_id`) and BOS are never chosen (fairseq masks PAD too): their log-probabilities are -inf before the candidates
 are ranked.
 """
@@ -47,7 +47,7 @@ from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, MAX_SEARCH_STEPS, NE
                                              NON_FINITE_SCORE, Hypothesis, NonFiniteScores, check_banned,
                                              LENGTH_PENALTIES, bound_penalty, length_penalty)
 from dtmt_models.engine.decoder import as_decoder
-from dtmt_models.models.modes import in_eval_mode
+from dtmt_models.models.modes import evaluating
 
 
 
@@ -98,8 +98,9 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
         return []   # (an empty batch: nothing to translate, as translate() of no sentences)
     if on_device is None:
         on_device = src.device.type != "cpu"
-    return _beam_search(in_eval_mode(model), src, src_lengths, beam, alpha, nbest, max_len_a, max_len_b, fused,
-                        early_stop, on_device, penalty)
+    with evaluating(model) as model:
+        return _beam_search(model, src, src_lengths, beam, alpha, nbest, max_len_a, max_len_b, fused, early_stop,
+                            on_device, penalty)
 
 
 def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: float, nbest: int, max_len_a: float,

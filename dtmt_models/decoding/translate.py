@@ -15,7 +15,7 @@ How a list of sentences is decoded:
   * every batch goes through `beam_search` with the model in eval mode under `torch.no_grad()` (not
     `torch.inference_mode()`: tensors it creates can never re-enter autograd, which custom autograd
     Functions and callers that train afterwards, like the trainer's validation, must not have to care
-    about); a model in training mode decodes as an eval copy, its own modules' modes untouched (in_eval_mode);
+    about); a model in training mode decodes as an eval copy, its own modules' modes untouched (evaluating);
   * the results are put back in input order and detokenised with the target SentencePiece model.
 Beam search treats every sentence of a batch independently, so the translations do not depend on max_tokens
 (the n-best scores only to float rounding).
@@ -43,7 +43,7 @@ from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search, check_search_arguments
 from dtmt_models.engine.decoder import as_decoder
-from dtmt_models.models.modes import in_eval_mode
+from dtmt_models.models.modes import evaluating
 
 PROG = "dtmt translate"
 T = TypeVar("T")
@@ -188,8 +188,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     done = total - len(todo)
     if progress is not None:
         progress(done, total)
-    model = in_eval_mode(model)   # (an eval copy of a model in training mode: the caller's modes untouched)
-    with torch.no_grad():
+    with evaluating(model) as model, torch.no_grad():   # (a model in training mode: an eval copy, its modes untouched)
         # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
         if decoder is None:
             decoder = as_decoder(model) if ids else model

@@ -37,7 +37,7 @@ from torch import Tensor
 import dtmt_kernels as dk
 from dtmt_kernels.functional import lengths_to_mask
 from dtmt_models.data.vocabulary import BOS
-from dtmt_models.models.modes import in_eval_mode
+from dtmt_models.models.modes import evaluating
 from dtmt_models.plotting import figure, save
 
 __all__ = ["atr_gates", "GateStatistics", "gate_correlation", "gate_position_curves", "dependency_weights",
@@ -344,8 +344,7 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
     prev = torch.cat([tgt.new_tensor([BOS]), tgt[:-1]])
 
     rows = []
-    model = in_eval_mode(model)
-    with torch.no_grad():
+    with evaluating(model) as model, torch.no_grad():
         state = model.encode(src, src_lengths)
         for t in range(prev.numel()):
             _, state = model.step(state, prev[t:t + 1])

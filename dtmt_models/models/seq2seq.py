@@ -27,7 +27,7 @@ from dtmt_kernels.backends import BackendSwitch
 from dtmt_models.engine import ops
 from dtmt_models.engine.decoder import State, check_reorder_index, check_step_tokens
 from dtmt_models.engine.forms import FrozenReadout, inference_copy, plain_linear, runs_fused_inference
-from dtmt_models.models.modes import eval_copy
+from dtmt_models.models.modes import copies_faithfully, eval_copy
 from dtmt_models.engine.rnmt import FusedStep
 from dtmt_models.models.loss import float_log_softmax, smoothed_cross_entropy
 
@@ -280,9 +280,10 @@ class Seq2Seq(nn.Module):
         if self.training or self.__dict__.get("_inference_copy", False):
             return self
         # (from an eval copy of every module: a form or a module left as it is would follow this model's mode when it
-        # trains again, the decoder with it)
-        prepared = inference_copy(eval_copy(self))
-        prepared.__dict__["_inference_copy"] = True
+        # trains again, the decoder with it; a model that does not copy faithfully follows it)
+        prepared = inference_copy(eval_copy(self) if copies_faithfully(self) else self)
+        if prepared is not self:
+            prepared.__dict__["_inference_copy"] = True
         return prepared
 
     def reorder(self, state: State, index: Tensor) -> State:

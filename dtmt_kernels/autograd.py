@@ -15,6 +15,12 @@ from .ops.transition.grads import weight_grads
 from .ops.transition.layout import present
 
 
+def _graph_task() -> Optional[int]:
+    """The running backward pass's graph task id (None where torch has no such call)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return None if task is None else task()
+
+
 class _UnrolledSession:
     """What the step Functions of an `unrolled` block share with their sink: the rows each step's backward keeps,
     under the step's index (running the backward of the same graph twice, with retain_graph, overwrites them
@@ -23,10 +29,11 @@ class _UnrolledSession:
     part-way) leaves nothing behind that a later pass would add in. Once the sink has run, the session is `done`
     and the next forward in the block starts a new one.
 
-    A pass is told from the next by the order of the steps' backwards: autograd runs a graph's nodes latest-created
-    first (every node's gradient comes from nodes made after it), so within one pass the kept indices only
-    decrease, and an index not below the last one kept starts a new pass. (Public behaviour only: no graph-task
-    id.)"""
+    A pass is told from the next by autograd's graph task (the id torch.utils.checkpoint reads too), and by the order
+    of the steps' backwards: autograd runs a graph's nodes latest-created first (every node's gradient comes from
+    nodes made after it), so within one pass the kept indices only decrease, and an index not below the last one
+    kept starts a new pass. The order alone missed a pass that began below a row a partial pass had left (the
+    backward of step 3 alone, then of steps 2 to 0: step 3's row was taken into the second pass's gradients)."""
 
     def __init__(self):
         self.rows: dict = {}
@@ -34,15 +41,17 @@ class _UnrolledSession:
         self.done = False
         self._pass = 0                     # the backward pass the latest rows belong to
         self._last: Optional[int] = None   # the index kept last in it
+        self._task: Optional[int] = None   # its graph task
 
     def next_index(self) -> int:
         self.n_steps += 1
         return self.n_steps - 1
 
     def keep(self, index: int, row: tuple) -> None:
-        if self._last is not None and index >= self._last:
+        task = _graph_task()
+        if self._last is not None and (index >= self._last or task != self._task):
             self._pass += 1
-        self._last = index
+        self._last, self._task = index, task
         self.rows[index] = (self._pass, row)
 
     def take(self) -> list:
@@ -71,7 +80,7 @@ class UnrolledSteps(_UnrolledSession):
         self.kind = kind
         self.live = flat                         # saved by every step: autograd's check for in-place changes
         self.flat = [t.detach() for t in flat]   # what the kernels read
-        self.versions = versions                 # the cell's parameters' versions when the session began
+        self.versions = versions                 # the cell's parameters' (versions, storages) when the session began
         self._cast: dict = {}
 
     def flat_in(self, dtype: torch.dtype) -> list:

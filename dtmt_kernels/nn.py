@@ -441,7 +441,8 @@ class TransitionCell(Unrollable, _TransitionBase):
         key = (x.device, x.dtype)
         weights = list(self._weights_read(0).values())   # (a parametrized weight is a new tensor at each read)
         check_transforms("transition_forward", x, *weights)   # (before the session's Function sees them)
-        versions = tuple(w._version for w in weights)
+        # (a weight's version moves with an in-place change, its storage with `.data =` or torch.utils.swap_tensors)
+        versions = tuple((w._version, w.data_ptr()) for w in weights)
         hit = sessions.get(key)
         if (hit is None or hit[0].done or hit[0].versions != versions   # a new graph, or changed weights
                 or any(a is not b for a, b in zip(hit[2], weights))):

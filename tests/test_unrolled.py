@@ -3,6 +3,7 @@
 Checked against the pure-PyTorch reference backend (outputs, input / state / every parameter gradient), in
 float64 and float32, for every cell kind, with and without T-GRUs, layer norm and candidate dropout."""
 import contextlib
+import copy
 import threading
 
 import pytest
@@ -308,6 +309,86 @@ def test_a_block_closed_on_another_thread_closes_the_opener_s():
     th.start()
     th.join()
     assert seen == [True] and cell._unrolled_sessions() is None
+
+
+@pytest.mark.parametrize("cell,depth,ln", [("gru", 0, False), ("lgru", 2, True)])
+def test_a_pass_that_starts_below_a_partial_pass_takes_only_its_own_rows(cell, depth, ln):
+    """A backward pass that never reaches the weights (the saliency of the last step: autograd.grad to its input)
+    leaves its step's rows; a later pass that starts below them (a loss on the earlier steps) is told apart by its
+    graph task. Before, only the order of the steps told passes apart, and the left rows went into the weight
+    gradients (up to 1.65 off the reference's; a probe of torch's machinery)."""
+    g = torch.Generator().manual_seed(5)
+    xs = torch.randn(4, 2, 5, generator=g, dtype=torch.float64)
+    h0 = torch.randn(2, 6, generator=g, dtype=torch.float64)
+    got = {}
+    for backend in ("reference", "cpp"):
+        c = make_cell(cell, depth, ln, torch.float64, candidate_dropout=0.0)
+        c.backend = backend
+        x = [xs[t].clone().requires_grad_() for t in range(4)]
+        with dk.nn.unrolled(c):
+            h, outs = h0, []
+            for t in range(4):
+                h = c(x[t], h)
+                outs.append(h)
+        saliency, = torch.autograd.grad(outs[3].sum(), [x[3]], retain_graph=True)
+        sum((o ** 2).sum() for o in outs[:3]).backward()
+        got[backend] = [saliency, *(p.grad for p in c.parameters())]
+    for a, b in zip(got["cpp"], got["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_vmap_over_an_ensemble_of_cells_in_a_block_runs_the_plain_steps():
+    """torch.func.vmap of functional_call over stacked cells inside an unrolled block (what vmap over a whole system
+    does: its forward opens the block): the steps run as the plain op, which vmap batches, and outputs and
+    gradients equal the reference's. Before, the session's Function had no vmap rule: torch's message about
+    setup_context, naming no op."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    cells = [make_cell("lgru", 1, True, torch.float64, seed=s, candidate_dropout=0.0) for s in range(3)]
+    params, _ = stack_module_state(cells)
+    base = copy.deepcopy(cells[0]).to("meta")
+    xs = torch.randn(3, 2, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def step(p, x, h):
+        return functional_call(base, p, (x, h))
+
+    got = {}
+    for backend in ("reference", "cpp"):
+        base.backend = backend
+        with dk.nn.unrolled(base):
+            h, outs = torch.zeros(3, 2, 6, dtype=torch.float64), []
+            for t in range(3):
+                h = vmap(step, in_dims=(0, None, 0))(params, xs[t], h)
+                outs.append(h)
+        out = torch.stack(outs)
+        got[backend] = [out, *torch.autograd.grad((out ** 2).sum(), list(params.values()))]
+    for a, b in zip(got["cpp"], got["reference"]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("change", ["data", "swap"])
+def test_weights_given_new_storage_in_a_block_are_read_anew(change):
+    """Inside an open block, weights given new values without an in-place op (`p.data = ...`, as weight averaging
+    writes it, or torch.utils.swap_tensors, whose version counters may agree): the next step reads them. Before,
+    the session's key was each weight's identity and version, which neither changes: the step computed with the
+    old weights (0.30 off torch.nn.GRUCell's)."""
+    torch.manual_seed(0)
+    gru = torch.nn.GRUCell(5, 6).double()
+    cell = dk.nn.DeepTransitionGRUCell.from_torch(gru, backend="cpp")
+    x = torch.randn(2, 5, dtype=torch.float64)
+    with dk.nn.unrolled(cell):
+        cell(x)   # (autograd recording: the session begins)
+        for module in (cell, gru):
+            for p in module.parameters():
+                if change == "data":
+                    p.data = p.data * 2
+                else:
+                    with torch.no_grad():
+                        twice = torch.nn.Parameter(p * 2)
+                        while twice._version < p._version:   # (equal counters, as a probe met them)
+                            twice.mul_(1)
+                    torch.utils.swap_tensors(p, twice)
+        torch.testing.assert_close(cell(x), gru(x), rtol=1e-10, atol=1e-12)
 
 
 def test_a_weight_changed_before_a_step_backward_is_reported():

@@ -81,6 +81,10 @@ class BackendSwitch:
     def backend(self, value: str) -> None:
         self._backend = check_backend_name(value)
 
+    def __prepare_scriptable__(self):   # (torch.jit.script asks every module before it compiles one)
+        raise RuntimeError(f"{type(self).__name__}: TorchScript (torch.jit.script) is not supported; use "
+                           "torch.compile or torch.export")
+
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
     """The backend that runs `name` for tensors on `device`, or a ValueError saying why none can."""

@@ -547,6 +547,37 @@ def test_layer_exports_and_runs():
         program.module()(x3, lengths=torch.tensor([8, 3, 2]))
 
 
+@pytest.mark.parametrize("cell,depth,ln", [("lgru", 1, True), ("atr", 0, False)])
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_a_traced_layer_takes_each_call_s_lengths(cell, depth, ln, backend):
+    """torch.jit.trace of a layer with lengths: the trace reads the lengths it is given, not the example's. Before,
+    the lengths were read on the host while tracing and became constants of the trace (no mask at all for full
+    example lengths): a padded step came out 0.567 where it is 0, and trace's own check did not see it."""
+    torch.manual_seed(0)
+    layer = _layer(cell, depth, ln).eval()
+    layer.backend = backend
+    x, h0 = torch.randn(5, 3, 4, dtype=torch.float64), torch.zeros(1, 3, 6, dtype=torch.float64)
+    for example in ([5, 5, 5], [5, 3, 2]):
+        traced = torch.jit.trace(layer, (x, h0, torch.tensor(example)), check_trace=False)
+        for lengths in ([2, 5, 4], [5, 5, 5], [1, 1, 3]):
+            lengths = torch.tensor(lengths)
+            with torch.no_grad():
+                for got, want in zip(traced(x, h0, lengths), layer(x, h0, lengths)):
+                    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_torchscript_is_refused_in_one_line_naming_the_module():
+    """torch.jit.script of a layer, a cell, the small-row linear or a system: a RuntimeError naming the module and
+    what to use instead. Before: errors from inside torch (a JoinedStr, `hx`, torch.cuda's module), and a second
+    try failed otherwise ("Can't redefine method")."""
+    for module in (dk.nn.DeepTransitionGRU(4, 6), dk.nn.ATRCell(4, 6), dk.nn.Linear(4, 6),
+                   build_model("dtmt", 20, 20, embed_dim=8, hidden_size=8)):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=rf"^{type(module).__name__}: TorchScript \(torch.jit.script\) is "
+                                                   r"not supported; use torch.compile or torch.export$"):
+                torch.jit.script(module)
+
+
 class _Call(torch.nn.Module):
     """A model's method as a module's forward (what torch.export takes)."""
 

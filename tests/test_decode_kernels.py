@@ -494,6 +494,24 @@ def test_inference_decoder_where_it_does_not_apply():
     assert isinstance(model.inference_decoder(), FusedRNMTDecoder)   # asked afresh each time
 
 
+@pytest.mark.parametrize("name", ["deeplau", "gnmt-atr", "transformer"])
+def test_converting_a_decoder_is_refused_before_anything_converts(name):
+    """.double() / .to() on an inference decoder: a TypeError saying to convert the model and build the decoder again,
+    raised before any parameter (the model's own, shared) is converted. Before, the decoder's parameters became
+    float64 while its gathered weights did not, and encoding failed with a message telling to convert the layer."""
+    torch.manual_seed(0)
+    model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+    decoder = model.inference_decoder()
+    assert decoder is not model
+    for convert in (lambda d: d.double(), lambda d: d.to(torch.float64), lambda d: d.half()):
+        with pytest.raises(TypeError, match="convert the model, then build its decoder again"):
+            convert(decoder)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.double()   # (the model itself converts, and its new decoder runs in float64)
+    state = model.inference_decoder().encode(_SRC, _LENGTHS)
+    assert all(v.dtype in (torch.float64, torch.long, torch.bool) for v in state.values() if torch.is_tensor(v))
+
+
 def test_a_decoder_built_after_an_optimizer_step_sees_it():
     """Weights are read when a decoder is built: one built after an in-place change (an optimizer step on the
     readout norms, which the decoder stacks, and on a cell) computes with the new weights."""

@@ -67,6 +67,17 @@ class InferenceForm(nn.Module):
         except AttributeError:
             return getattr(self.__dict__["_source"], name)
 
+    def _apply(self, fn, recurse=True):   # (.to(), .double(), .cuda(): its gathered weights would stay as they are)
+        raise inference_conversion(self)
+
+
+def inference_conversion(module: nn.Module) -> TypeError:
+    """The error for converting a decoder (.to(), .double(), .cuda()) of which `module` is a part: its weights were
+    gathered once, in the layouts the engine's ops take, and a conversion would not reach them."""
+    return TypeError(f"{type(module).__name__}: a decoder (inference_decoder()) holds its weights as gathered when it "
+                     "was built, which .to() / .double() / .cuda() do not reach; convert the model, then build its "
+                     "decoder again")
+
 
 class FrozenTransitionCell(InferenceForm):
     """A DeepTransitionGRUCell / ATRCell for decoding: h' = cell(x [B, I], h [B, H] = zeros) with its kernel

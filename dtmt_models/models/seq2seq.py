@@ -26,7 +26,8 @@ import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
 from dtmt_models.engine import ops
 from dtmt_models.engine.decoder import State, check_reorder_index, check_step_tokens
-from dtmt_models.engine.forms import FrozenReadout, inference_copy, plain_linear, runs_fused_inference
+from dtmt_models.engine.forms import (FrozenReadout, inference_conversion, inference_copy, plain_linear,
+                                     runs_fused_inference)
 from dtmt_models.models.modes import copies_faithfully, eval_copy
 from dtmt_models.engine.rnmt import FusedStep
 from dtmt_models.models.loss import float_log_softmax, smoothed_cross_entropy
@@ -301,6 +302,15 @@ class Seq2Seq(nn.Module):
         return self(src, src_lengths, prev_tokens, target=target, smoothing=smoothing)
 
     # -------------------------------------------------------------------------------------- utilities
+    def __prepare_scriptable__(self):   # (torch.jit.script asks every module before it compiles one)
+        raise RuntimeError(f"{type(self).__name__}: TorchScript (torch.jit.script) is not supported; use "
+                           "torch.compile or torch.export")
+
+    def _apply(self, fn, recurse=True):
+        if self.__dict__.get("_inference_copy", False):   # (before any parameter, shared with the model, is converted)
+            raise inference_conversion(self)
+        return super()._apply(fn, recurse)
+
     def set_backend(self, backend: str) -> "Seq2Seq":
         """Switches every fused recurrent layer and attention of the model (e.g. "cpp" <-> "reference")."""
         for m in self.modules():

@@ -17,9 +17,9 @@ def host_reads_allowed() -> bool:
     """Whether code may read tensor values on the host now: not while torch.compile traces (a data-dependent `if`
     would end the graph), nor while torch.jit.trace records (a value read would be a constant of the trace: the
     example's lengths, applied to every later batch), nor while a CUDA graph is captured (a read synchronises the
-    stream, which a capture refuses; issue 73, updates as CUDA graphs). Where not, the checks of the inputs are device-side asserts
-    (torch._assert_async, with the same messages but not the values) and no result depends on the values: a mask
-    is made even where nothing is padded, counts stay tensors."""
+    stream, which a capture refuses; issue 73, updates as CUDA graphs). Where not, the checks of the inputs are
+    device-side asserts (torch._assert_async, with the same messages but not the values) and no result depends on
+    the values: a mask is made even where nothing is padded, counts stay tensors."""
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or _capturing())
 
 

@@ -32,8 +32,8 @@
 #endif
 
 #include <algorithm>
-#include <climits>
 #include <atomic>
+#include <climits>
 #include <cstdlib>
 #include <string>
 #include <type_traits>

@@ -508,6 +508,29 @@ def test_a_batch_checked_is_the_calling_thread_s_and_no_copy_s():
     assert len(errors) == 3 and all("src_lengths must be in [1, S=7]" in e for e in errors), errors
 
 
+def test_vmap_over_stacked_systems_gives_each_its_own_loss_and_gradients():
+    """torch.func.vmap of functional_call over two stacked dtmt systems (an ensemble trained at once), cpp backend:
+    each loss and its gradients are those of the system alone. Before, the forward's unrolled block put its session's
+    Function under vmap, which failed with torch's message about setup_context (a probe of torch's machinery)."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    batch = toy_batch(B=2, S=4, T=3)
+    models = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        models.append(dm.build_model("dtmt", V_SRC, V_TGT, **SMALL).double().eval().set_backend("cpp"))
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    losses = vmap(lambda p, b: functional_call(base, (p, b), batch)[0])(params, buffers)
+    grads = torch.autograd.grad(losses.sum(), list(params.values()))
+    for i, model in enumerate(models):
+        loss = model.loss(*batch)[0]
+        torch.testing.assert_close(losses[i], loss, rtol=1e-10, atol=1e-12)
+        alone = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
+        for (name, _), g in zip(params.items(), grads):
+            torch.testing.assert_close(g[i], alone[name], rtol=1e-9, atol=1e-11, msg=lambda m: f"{name}: {m}")
+
+
 OVERFIT = sorted({n for n, _ in CONFIGS})
 
 

@@ -302,9 +302,7 @@ class Seq2Seq(nn.Module):
         return self(src, src_lengths, prev_tokens, target=target, smoothing=smoothing)
 
     # -------------------------------------------------------------------------------------- utilities
-    def __prepare_scriptable__(self):   # (torch.jit.script asks every module before it compiles one)
-        raise RuntimeError(f"{type(self).__name__}: TorchScript (torch.jit.script) is not supported; use "
-                           "torch.compile or torch.export")
+    __prepare_scriptable__ = BackendSwitch.__prepare_scriptable__   # (the same refusal as the layers')
 
     def _apply(self, fn, recurse=True):
         if self.__dict__.get("_inference_copy", False):   # (before any parameter, shared with the model, is converted)

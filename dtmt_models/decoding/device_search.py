@@ -45,6 +45,14 @@ NEG_INF = float("-inf")
 Carry = Dict[str, object]   # the search's tensors between steps, the decoder's state under "state"
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """`values` as a tensor on `device`, without waiting for the device: on a GPU copied from pinned memory in the
+    stream's order (`torch.tensor(values, device=...)` copies from pageable memory, which synchronises: the index
+    copies of a check did, seen with torch's sync debug mode on an H200, 2026-12-04)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
 def to_host(x: Tensor) -> list:
     """The search's only reads of device tensors (counted by the tests)."""
     return x.tolist()
@@ -65,11 +73,10 @@ class DeviceSearch:
         model = as_decoder(model)
         self.model, self.K, self.nbest, self.early_stop = model, beam, nbest, early_stop
         self.banned, self.steps, self.device = list(banned), steps, device
-        self.banned_t = torch.tensor(self.banned, dtype=torch.long, device=device)
+        self.banned_t = to_device(self.banned, torch.long, device)
         self.reorder_within = model.reorder_within
         # lp(n) for every length, by the function the Python loop calls (Python's pow, not the device's)
-        self.lp = torch.tensor([length_penalty(n, alpha, penalty) for n in range(steps + 1)], dtype=torch.float64,
-                               device=device)
+        self.lp = to_device([length_penalty(n, alpha, penalty) for n in range(steps + 1)], torch.float64, device)
 
     def start(self, state, max_len: Tensor) -> Carry:
         B, K, steps, dev = max_len.shape[0], self.K, self.steps, self.device
@@ -153,7 +160,7 @@ class DeviceSearch:
 
     def keep(self, c: Carry, groups: List[int]) -> Carry:
         """The carry of these sentences only (their rows taken from the state with the decoder's reorder)."""
-        g = torch.tensor(groups, device=self.device)
+        g = to_device(groups, torch.long, self.device)
         rows = (g.unsqueeze(1) * self.K + torch.arange(self.K, device=self.device)).view(-1)
         out = {k: (v if k == "t" else v[rows] if k in ("prev", "history") else v[g]) for k, v in c.items()
                if k != "state"}
@@ -162,7 +169,7 @@ class DeviceSearch:
 
     def hypotheses(self, c: Carry, groups: List[int], host: Callable[[Tensor], list]) -> List[List[Hypothesis]]:
         """The finished hypotheses of these groups, best first, nbest at most (one read)."""
-        g = torch.tensor(groups, device=self.device)
+        g = to_device(groups, torch.long, self.device)
         # count, then per hypothesis (score, log-prob, length, tokens), all exact in float64
         packed = host(torch.cat([c["fin_count"][g].unsqueeze(1).double(),
                                  torch.cat([c["fin_score"][g].unsqueeze(2), c["fin_logp"][g].unsqueeze(2),

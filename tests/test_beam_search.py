@@ -624,6 +624,24 @@ def test_the_transformer_s_target_bound_stops_at_its_positions():
         assert max(len(h[0].tokens) for h in hyps) == 15, [len(h[0].tokens) for h in hyps]   # 16 positions: BOS + 15
 
 
+
+def test_the_transformer_takes_a_batch_padded_past_its_positions():
+    """A batch padded past the transformer's positions (max_len), no sentence that long: the padding is cut, the
+    same hypotheses and scores as the batch padded to its longest sentence. It was refused as a "sequence longer
+    than max_len=12", which no sentence was; a sentence that long still is."""
+    torch.manual_seed(0)
+    model = dm.build_model("transformer", 30, 30, embed_dim=16, hidden_size=32, heads=2, encoder_layers=1,
+                           decoder_layers=1, max_len=12).eval()
+    src = torch.randint(4, 30, (2, 20), generator=torch.Generator().manual_seed(1))
+    src[0, 10:], src[1, 5:] = 0, 0
+    lengths = torch.tensor([10, 5])
+    padded = beam_search(model, src, lengths, beam=2, nbest=2, max_len_b=3)
+    tight = beam_search(model, src[:, :10].clone(), lengths, beam=2, nbest=2, max_len_b=3)
+    assert [[h.tokens for h in s] for s in padded] == [[h.tokens for h in s] for s in tight]
+    assert [h.score for s in padded for h in s] == pytest.approx([h.score for s in tight for h in s])
+    with pytest.raises(ValueError, match="transformer: sequence longer than max_len=12"):
+        beam_search(model, torch.randint(4, 30, (2, 13)), torch.tensor([13, 5]), beam=2)
+
 @pytest.mark.parametrize("name, pad", [("dtmt", 0), ("dtmt", 1), ("deeplau", 0), ("transformer", 0)])
 def test_pad_and_bos_are_never_chosen(name, pad):
     """An output layer that favours PAD (the model's pad_id) and BOS (an untrained model can): the search never

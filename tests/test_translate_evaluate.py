@@ -205,6 +205,25 @@ def test_search_arguments_are_checked(system, kwargs, message):
         translate(model, sv, sv, ["el perro come pan"], **kwargs)
 
 
+def test_an_unknown_piece_shows_in_the_translation(system):
+    """An UNK the search chooses (only PAD and BOS are banned) shows in the text as SentencePiece writes it
+    (" \u2047 ", as fairseq and OpenNMT-py show theirs); PAD, BOS and EOS do not. It was dropped: a translation of
+    UNKs came out as an empty line, and n-best entries that differ only in UNKs as the same text."""
+    import copy
+
+    from dtmt_models.data.vocabulary import BOS, EOS, PAD, UNK
+
+    model, sv, tv, _ = system
+    dog = tv.encode("the dog")
+    assert tv.decode([PAD, BOS] + dog + [EOS]) == "the dog"
+    assert tv.decode([UNK] + dog) == "\u2047 the dog" and tv.decode(dog + [UNK]) == "the dog \u2047"
+    biased = copy.deepcopy(model)
+    with torch.no_grad():   # (UNK the likeliest word at every step)
+        dict(biased.named_modules())["readout.output.proj"].bias[UNK] += 50.0
+    text = translate_best(biased, sv, tv, ["el perro come pan"], beam=2)[0]
+    assert text.startswith("\u2047") and set(text.split()) == {"\u2047"}, text
+
+
 def test_vocabularies_of_another_size_than_the_model_s_are_refused(system):
     """Decoding with a vocabulary the model was not trained with gave fluent nonsense (a target vocabulary of
     another size) or an error deep in the encoder (a source one)."""
@@ -783,16 +802,26 @@ def test_cli_translate_reads_a_pipe(system, tmp_path, capsys):
 
 def test_the_python_api_refuses_what_the_command_refuses(system):
     """translate() and load_model() as the command line: a sentence that is not a string (None was an
-    AttributeError on .strip), early_stop not a bool (a multi-line error from the op's schema), max_len_a =
-    max_len_b = 0 (every translation "", score -6.35, where the command refuses it), an unknown device (torch's
-    message after the whole checkpoint was read); each one line naming the argument."""
+    AttributeError on .strip) or not valid Unicode, early_stop not a bool (a multi-line error from the op's schema),
+    max_len_a = max_len_b = 0 (every translation "", score -6.35, where the command refuses it), batch bounds that
+    are not whole numbers, an unknown device (torch's message after the whole checkpoint was read); each one line
+    naming the argument."""
     from dtmt_models.models.checkpoint import load_model
 
     model, sv, tv, ckpt = system
     for kwargs, error, message in (
             (dict(sentences=["el sol", None]), TypeError, "must be strings, got NoneType at 1"),
             (dict(sentences=["el sol"], early_stop="no"), TypeError, "early_stop must be True or False, got 'no'"),
-            (dict(sentences=["el sol"], max_len_a=0, max_len_b=0), ValueError, "every translation would be empty")):
+            (dict(sentences=["el sol"], max_len_a=0, max_len_b=0), ValueError, "every translation would be empty"),
+            # a lone surrogate: SentencePiece's "Unable to cast Python instance of type str" (the server refused it)
+            (dict(sentences=["el sol", "el \ud800 perro"]), ValueError,
+             r"sentence 1 \(0-based\) is not valid Unicode"),
+            # batch bounds not whole numbers: a TypeError of a comparison or a slice, or 1.5 / 2.5 taken
+            (dict(sentences=["el sol"], max_tokens=None), ValueError, "max_tokens must be >= 1, a whole number, got N"),
+            (dict(sentences=["el sol"], max_tokens=1.5), ValueError, "max_tokens must be >= 1, a whole number, got 1."),
+            (dict(sentences=["el sol"], max_sentences=2.5), ValueError, "max_sentences must be >= 1 or None, a whole"),
+            (dict(sentences=["el sol"], max_src_len=2.5), ValueError, "max_src_len must be >= 1 or None, a whole"),
+            (dict(sentences=["el sol"], max_tokens=True), ValueError, "max_tokens must be >= 1, a whole number")):
         with pytest.raises(error, match=message) as info:
             translate(model, sv, tv, **kwargs)
         assert "\n" not in str(info.value)

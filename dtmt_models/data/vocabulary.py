@@ -60,7 +60,13 @@ class Vocabulary:
         return self.sp.encode(text, out_type=int)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.sp.decode([i for i in ids if i > EOS])
+        """The text of `ids` without PAD, BOS and EOS. An UNK shows as SentencePiece's mark "\u2047", one space
+        either side within the text, as fairseq and OpenNMT-py show theirs: not dropped, so a translation of
+        unknown pieces is not an empty line."""
+        kept = [i for i in ids if i == UNK or i > EOS]
+        text = self.sp.decode(kept)
+        # (SentencePiece writes an UNK as " \u2047 ", beside the word boundary of the piece after it)
+        return " ".join(filter(None, text.split(" "))) if UNK in kept else text
 
 
 def _train_proto(lines: Iterable[str], vocab_size: int, model_type: str, character_coverage: float,

@@ -74,13 +74,15 @@ class Ensemble(nn.Module):
 
     def inference_decoder(self, int8: bool = False) -> EnsembleDecoder:
         """Each member's inference decoder (`int8`: each with int8 weight matrices; ValueError if one cannot)."""
-        try:
-            return EnsembleDecoder([as_decoder(m, int8) for m in self.members])
-        except ValueError:
-            if not int8:
-                raise
-            raise ValueError("int8 decoding: every member of the ensemble must be a recurrent system with an "
-                             "inference decoder") from None
+        decoders = []
+        for i, m in enumerate(self.members, start=1):
+            try:
+                decoders.append(as_decoder(m, int8))
+            except ValueError as err:   # (the member's own reason: its system, or what int8 decoding needs)
+                if not int8:
+                    raise
+                raise ValueError(f"int8 decoding of an ensemble: member {i}: {err}") from None
+        return EnsembleDecoder(decoders)
 
     def forward(self, *args, **kwargs):
         raise TypeError("Ensemble decodes only (translate / beam_search); train its members one by one")

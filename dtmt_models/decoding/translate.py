@@ -34,6 +34,7 @@ working (unreadable input, invalid UTF-8 with file:line).
 """
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Callable, List, Optional, Sequence, Tuple, Type, TypeVar
 
@@ -109,6 +110,15 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+
+def _encodes(text: str) -> bool:
+    """Whether `text` is valid Unicode (UTF-8 has no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
 def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary, sentences: Sequence[str],
               beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,
               max_len_b: int = 10, device=None, progress: Optional[Progress] = None,
@@ -136,13 +146,21 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
         if size is not None and len(vocab) != size:   # (decoded with another vocabulary: fluent nonsense)
             raise ValueError(f"translate: the {side} vocabulary has {len(vocab)} pieces, the model's {size}")
-    if max_src_len is not None and max_src_len < 1:
-        raise ValueError(f"max_src_len must be >= 1 or None, got {max_src_len}")
+    for arg, value, optional in (("max_tokens", max_tokens, False), ("max_sentences", max_sentences, True),
+                                 ("max_src_len", max_src_len, True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            # (None or 2.5 failed later as a TypeError of a comparison or a slice; 1.5 passed)
+            raise ValueError(f"{arg} must be >= 1{' or None' if optional else ''}, a whole number, got {value!r}")
     if isinstance(sentences, str):
         raise TypeError("translate: `sentences` must be a sequence of strings, not one string")
     odd = next((i for i, text in enumerate(sentences) if not isinstance(text, str)), None)
     if odd is not None:   # (None was an AttributeError on .strip)
         raise TypeError(f"translate: `sentences` must be strings, got {type(sentences[odd]).__name__} at {odd}")
+    odd = next((i for i, text in enumerate(sentences) if not text.isascii() and not _encodes(text)), None)
+    if odd is not None:   # (SentencePiece's pybind cast failed: "Unable to cast Python instance of type str")
+        raise ValueError(f"translate: sentence {odd} (0-based) is not valid Unicode (a lone surrogate)")
     if not isinstance(early_stop, bool):   # (a string reached the op's schema: a multi-line RuntimeError)
         raise TypeError(f"translate: early_stop must be True or False, got {early_stop!r}")
     positions = getattr(model, "max_source_steps", None)

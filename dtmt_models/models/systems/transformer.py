@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from dtmt_kernels.functional import linear
+from dtmt_kernels.functional import host_list, host_reads_allowed, linear
 from dtmt_models.models.embeddings import sinusoidal_positions
 from dtmt_models.models.registered import register_model
 from dtmt_models.models.seq2seq import Projection, Seq2Seq, State, checked_batch, lengths_mask
@@ -69,6 +69,12 @@ class TransformerNMT(Seq2Seq):
 
     def _encode(self, src: Tensor, src_lengths: Tensor) -> State:
         self.check_batch(src, src_lengths)
+        if src.shape[1] > self.pe.shape[0] and host_reads_allowed():
+            # padded past the positions, but no sentence is as long: the padding is cut (it is masked anyway); it
+            # was refused as a sequence longer than max_len
+            longest = max(host_list(src_lengths))
+            if longest <= self.pe.shape[0]:
+                src = src[:, :longest]
         pad = ~lengths_mask(src_lengths, src.shape[1])
         memory = self.transformer.encoder(self._embed(self.src_embed, src), src_key_padding_mask=pad)
         return {"memory": memory, "src_pad": pad, "prefix": src.new_zeros(src.shape[0], 0)}

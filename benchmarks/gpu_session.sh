@@ -63,30 +63,23 @@
 # persistent-multicast 180 + 300 s, persistent-profile 3 x 100 s, decode 300 + 200 s, graphs 150 + 300 s,
 # train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
-# machine's start about 30 s, build 133 s, every GPU test 89 + 70 s, bench_persistent strict fp32 with both forms at
-# B = 1, 8, 64 42 s, TF32 and bf16 at B = 8, 64 25 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training
-# benchmark 119 s (phase_probe.cu: 250-294 s to compile for sm_90a on 2 busy cores of an AMD EPYC here, 2026-12-03,
-# beside the build and the tests;
-# its run and train-profile are not yet timed); a warm machine is given back after 30 s idle (its build with it), so
+# machine's start about 30 s, build 106-133 s (106 s for 9.0a at bd1af5e, 2026-12-04), every GPU test 175 s,
+# `build persistent` 299 s in all (its GPU tests 105 s), `persistent-math` about 60 s, bench_persistent strict fp32 with
+# both forms at B = 1, 8, 64 42 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s
+# (phase_probe.cu: 250-294 s to compile for sm_90a on 2 busy cores of an AMD EPYC here, 2026-12-03, beside the build
+# and the tests; train-profile not yet timed); a warm machine is given back after 30 s idle (its build with it), so
 # send the next call at once. A device call is at most 10 minutes, and a session has 15 minutes of device time in all,
-# its start included: about two calls. In this order of the issues: `build persistent` (issue 72's persistent
-# launches, their GPU tests, the barrier and phase probes, the strict table against the per-step path and cuDNN; on
-# 2026-11-30 at 4dec932 it ran past 560 s with the TF32 table in it, now the persistent-math stage: give it 560 s;
-# unmeasured: the products' second form, the stage's overlapped chunks, the spread layer-norm join: phase_probe.md's
-# products, stage and norm columns against RESULTS.md's sixth session; the tensor-core products' K split and loads a
-# round ahead: its TF32 and bf16 rows against its FMA rows; the stage read once a cluster of 2 or 4 (code for sm_90a,
-# the first build for 9.0a): barrier_probe.md's row "grid in clusters of 2" says whether that cooperative launch in
-# clusters runs at all, phase_probe.md's rows "staged once a cluster" against "staged" what it gains; and the build's
-# time against 133 s, the persistent kernels now four units built in parallel, for 9.0a), then at once `tests
-# persistent-math` (193 s there for every GPU test; then issue 72 item 1's TF32 and bf16 tables, up to 300 s); with
-# more time left, `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16, and where its device time
-# goes, issue 73 items 2 and 3; `build` first if the machine was given back in between); then, in
-# the sessions after, `persistent-multicast` (its GPU tests and its table against the grid form at B = 8, 64, 256; the
-# first launch of the cooperative form in clusters), `build persistent-profile persistent-bf16`, then `build graphs`
-# (a call each: at most 8 files of $OUT come back from a call; issue 72 item 1's device and graphed times, the
-# H = 1024 goal; issue 73 item 1), `decode` (with 16-bit decoding: item 5's bf16),
-# `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s), `persistent-cluster`, `amp`,
-# `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
+# its start included: two or three calls. In this order of the issues (at bd1af5e `build persistent`, then
+# `persistent-math` and `tests` ran: RESULTS.md, "Seventh GPU session"): `build persistent persistent-multicast`
+# (issue 72: phase_probe.md's tensor-core rows now split block_mma's time into its staging, the stage column, and its
+# MMAs, the products column, which says what its next form is, docs/design/persistent_recurrence.md, "Products on
+# tensor cores"; then the grid form in clusters of 2 against the grid form at B = 8, 64, 256, its GPU tests and its
+# table: whether it becomes the default on sm_90a; give it 590 s), then at once `persistent-bf16 train-profile` (the
+# H = 1024 goal; a graphed dtmt update in strict fp32, TF32 and bf16 and where its device time goes, issue 73 items 2
+# and 3); then, in the sessions after, `build persistent-profile`, then `build graphs` (a call each: at most 8 files
+# of $OUT come back from a call; issue 72 item 1's device and graphed times; issue 73 item 1), `decode` (with 16-bit
+# decoding: item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s),
+# `persistent-cluster`, `amp`, `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-benchmarks/out/gpu}

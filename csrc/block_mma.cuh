@@ -17,6 +17,7 @@
 // tests/cuda_emulation.h's wmma (whole tiles per thread, TF32, f16 and bf16).
 #pragma once
 
+#include "persistent_phases.cuh"
 #include "persistent_plan.h"
 #include "transition_cuda_kernels.cuh"
 
@@ -158,12 +159,14 @@ __device__ DTMT_NOINLINE const float* block_mma(const T* a, int lda, int M, cons
     wmma::fragment<wmma::accumulator, 16, 16, KM, float> acc;
     wmma::fill_fragment(acc, 0.0f);
     __syncthreads();   // (what the block wrote before the call, src among it, is written; and C's last readers done)
+    phase_mark(kPhaseProducts);   // (the phase clock: benchmarks/phase_probe.cu only; else empty)
     load_first(0);
     for (int k0 = 0; k0 < K; k0 += kMmaChunk) {
       const int kc = chunk_cols(k0);
       __syncthreads();   // the previous chunk's (or pass's) products have read the stages
       stage_chunk(k0);
       __syncthreads();
+      phase_mark(kPhaseStage);
       if (k0 + kMmaChunk < K) load_first(k0 + kMmaChunk);   // (in flight during this chunk's products)
       if (mine) {
         for (int kk = ((slice - k0 / KM) % ks + ks) % ks * KM; kk < kc; kk += ks * KM) {   // (its k-steps)
@@ -178,6 +181,7 @@ __device__ DTMT_NOINLINE const float* block_mma(const T* a, int lda, int M, cons
           wmma::mma_sync(acc, fa, fb, acc);
         }
       }
+      phase_mark(kPhaseProducts);
     }
     // the slices' sums joined in slice order: slice 0 stores its own; slice s adds its own to what C holds (every
     // load of the tile before any store: a block barrier between, where the emulation's fibers, each holding the

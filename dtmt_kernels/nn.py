@@ -85,17 +85,26 @@ class _TransitionBase(BackendSwitch, nn.Module):
         if cell not in CELL_KINDS:
             raise ValueError(f"{name}: cell must be one of {CELL_KINDS}, got {cell!r}")
         _check_flag(name, "layer_norm", layer_norm)
-        if (not isinstance(candidate_dropout, numbers.Real) or isinstance(candidate_dropout, bool)
-                or not 0.0 <= float(candidate_dropout) < 1.0):
-            raise ValueError(f"{name}: candidate_dropout must be a number in [0, 1), got {candidate_dropout!r}")
         self.input_size, self.hidden_size, self.cell, self.depth = input_size, hidden_size, cell, depth
         self.layer_norm, self.num_directions = bool(layer_norm), num_directions
-        self.candidate_dropout, self.eps = float(candidate_dropout), eps
+        self.candidate_dropout, self.eps = candidate_dropout, eps
         self.backend = backend
         for sfx in self._suffixes():
             for pname, shape in self._parameter_shapes(sfx):
                 self.register_parameter(pname, nn.Parameter(torch.empty(*shape, device=device, dtype=dtype)))
         self.reset_parameters()
+
+    @property
+    def candidate_dropout(self) -> float:
+        """The probability of dropping a candidate unit in training (DTMT's candidate dropout), in [0, 1): checked
+        whenever it is set, at construction or after (set to 1 afterwards, the outputs were NaN: 0 / 0)."""
+        return self._candidate_dropout
+
+    @candidate_dropout.setter
+    def candidate_dropout(self, value) -> None:
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0.0 <= float(value) < 1.0:
+            raise ValueError(f"{type(self).__name__}: candidate_dropout must be a number in [0, 1), got {value!r}")
+        self._candidate_dropout = float(value)
 
     # ----------------------------------------------------------------------------------------------- setup
     def _suffixes(self) -> List[str]:

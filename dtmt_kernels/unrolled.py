@@ -25,11 +25,14 @@ class Unrollable:
     def _unrolled_sessions(self) -> Optional[dict]:
         """The sessions of the block the calling thread has open on this module when autograd is recording, else
         None. Under torch.compile / torch.export the block is ignored (its sessions are Python state that a graph
-        cannot hold), and under torch.func's transforms (vmap: the sessions' Functions have no vmap rule): each
-        step is then the plain op, whose gradients the graph, or the transform, forms."""
+        cannot hold), under torch.func's transforms (vmap: the sessions' Functions have no vmap rule), and under
+        saved-tensor hooks (torch.utils.checkpoint's non-reentrant form recomputes a step at the backward, perhaps
+        after the block has closed, and refuses a recomputation that saves other tensors; save_on_cpu): each step
+        is then the plain op, whose gradients the graph, the transform or the checkpoint forms."""
         blocks = getattr(_THREAD, "blocks", None)
         if (not blocks or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or torch._C._functorch.peek_interpreter_stack() is not None):
+                or torch._C._functorch.peek_interpreter_stack() is not None
+                or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
             return None
         return blocks.get(self)
 
@@ -60,7 +63,7 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
     backpropagation: a session ends when its backward has run or a parameter has changed: in place, as autograd
     sees it, or given new storage; a change through `.data` in place, which autograd does not see, may not be seen
     here either: the steps may read copies made when the session began). Under torch.func's transforms (vmap)
-    the steps are the plain op. Blocks nest (the outer one holds). A block is the calling thread's: threads that
+    and saved-tensor hooks (a non-reentrant torch.utils.checkpoint, save_on_cpu) the steps are the plain op. Blocks nest (the outer one holds). A block is the calling thread's: threads that
     run the same modules at once each have their own, and the gradients of each are those it would have alone."""
     if torch.compiler.is_compiling():   # a compiled graph forms the weight gradients itself (_unrolled_sessions)
         yield

@@ -468,6 +468,15 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=1.0), "candidate_dropout")
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, candidate_dropout="x"), "candidate_dropout must be a number")
     _err(lambda: dk.nn.DeepTransitionGRUCell(3, 4, candidate_dropout=None), "candidate_dropout must be a number")
+    # set after construction too (1.0 made every output NaN in training: 0 / 0; 2.0 torch's bernoulli_ message)
+    for module in (dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=0.25), dk.nn.ATRCell(3, 4)):
+        before = module.candidate_dropout
+        for bad in (1.0, 2.0, -0.1, "0.5", True):
+            _err(lambda: setattr(module, "candidate_dropout", bad),
+                 f"{type(module).__name__}: candidate_dropout must be a number in \\[0, 1\\), got {bad!r}")
+            assert module.candidate_dropout == before
+        module.candidate_dropout = np.float32(0.5)
+        assert module.candidate_dropout == 0.5 and type(module.candidate_dropout) is float
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, backend="fast"), "backend must be one of")
     # switches: a bool, numpy's, or 0 / 1 as torch.nn.GRU takes them (layer_norm="no" had meant True)
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, layer_norm="no"), "layer_norm must be True or False, got 'no'")

@@ -366,6 +366,35 @@ def test_vmap_over_an_ensemble_of_cells_in_a_block_runs_the_plain_steps():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+
+@pytest.mark.parametrize("inside", [True, False], ids=["backward-in-block", "backward-after-block"])
+def test_non_reentrant_checkpoint_steps_in_a_block(inside):
+    """torch.utils.checkpoint (non-reentrant) of each step inside an unrolled block, its backward inside the block
+    or after it has closed: the gradients of the steps without a block, and of the reference. After the block,
+    the recomputation took the plain op where the forward had taken the unrolled one, and checkpoint refused it
+    ("Recomputed values ... have different metadata"); under saved-tensor hooks the steps are the plain op."""
+    from torch.utils.checkpoint import checkpoint
+
+    cell = make_cell("lgru", 1, True, torch.float64, seed=3, candidate_dropout=0.0)
+    xs = torch.randn(4, 2, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    got = {}
+    for backend, block in (("cpp", True), ("cpp", False), ("reference", False)):
+        cell.backend = backend
+        cell.zero_grad()
+        h0 = torch.zeros(2, 6, dtype=torch.float64, requires_grad=True)
+        with dk.nn.unrolled(cell) if block else contextlib.nullcontext():
+            h = h0
+            for t in range(4):
+                h = checkpoint(cell, xs[t], h, use_reentrant=False)
+            if inside:
+                (h ** 2).sum().backward()
+        if not inside:
+            (h ** 2).sum().backward()
+        got[backend, block] = [h0.grad, *(p.grad for p in cell.parameters())]
+    for key in (("cpp", False), ("reference", False)):
+        for a, b in zip(got["cpp", True], got[key]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
 @pytest.mark.parametrize("change", ["data", "swap"])
 def test_weights_given_new_storage_in_a_block_are_read_anew(change):
     """Inside an open block, weights given new values without an in-place op (`p.data = ...`, as weight averaging

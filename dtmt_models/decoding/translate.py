@@ -110,7 +110,6 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-
 def _encodes(text: str) -> bool:
     """Whether `text` is valid Unicode (UTF-8 has no lone surrogate)."""
     try:
@@ -118,6 +117,7 @@ def _encodes(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
 
 def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary, sentences: Sequence[str],
               beam: int = 4, alpha: float = 0.6, nbest: int = 1, max_tokens: int = 2000, max_len_a: float = 2.0,

@@ -200,6 +200,24 @@ def test_the_command_line_refuses_graphs_on_the_cpu(tmp_path, capsys):
                              "torchrun); leave it out here")
 
 
+def test_updates_are_graphed_by_default_wherever_they_can_be():
+    """No --cuda-graphs / --no-cuda-graphs (None): the updates are graphed with one process on a CUDA device and
+    Adam, eager elsewhere (the CPU, several processes, Adadelta, whose step is not captured); as asked otherwise
+    (an asked --cuda-graphs where it cannot run is the command line's refusal, above). None round-trips through a
+    checkpoint's config, so a run resumed on another device decides there."""
+    import dataclasses
+
+    from dtmt_models.training.config import TrainConfig
+
+    cfg = TrainConfig(data="d")
+    assert cfg.cuda_graphs is None
+    assert cfg.replays_updates("cuda", 1)
+    assert not cfg.replays_updates("cpu", 1) and not cfg.replays_updates("cuda", 2)
+    assert not dataclasses.replace(cfg, optimizer="adadelta").replays_updates("cuda", 1)
+    assert not dataclasses.replace(cfg, cuda_graphs=False).replays_updates("cuda", 1)
+    assert dataclasses.replace(cfg, cuda_graphs=True).replays_updates("cuda", 1)
+    assert TrainConfig.from_dict(cfg.to_dict()).cuda_graphs is None
+
 def test_the_trainer_with_graphs_trains_and_resumes_as_eager(tmp_path, capsys, monkeypatch):
     """`dtmt train --cuda-graphs` end to end with the capture stood in for (and the device check passed): the log's
     losses are those of the eager run with the same seed to float rounding where dropout draws the same masks...

@@ -372,9 +372,10 @@ class Trainer:
         torch.manual_seed((cfg.seed * 7919 + 1 + dist.rank) % 2 ** 64)
         if ckpt is not None:
             self._restore(ckpt)
-        # --cuda-graphs (one process on a CUDA device, checked by the command line): updates replayed as graphs
+        # updates replayed as graphs (cfg.replays_updates: --cuda-graphs, or by default one process on a CUDA device
+        # with Adam; an explicit --cuda-graphs elsewhere is refused by the command line)
         self.graphs = (graphs.GraphedUpdates(self.update, self.model, self.optimizer, self.device, log=self.log)
-                       if cfg.cuda_graphs else None)
+                       if cfg.replays_updates(self.device.type, dist.world) else None)
         self._saved_step = self.step if ckpt is not None else None   # the update last.pt holds (in its folder)
         carried = (ckpt is not None and resumed_from is not None
                    and os.path.abspath(resumed_from) != os.path.abspath(self.out))
@@ -509,7 +510,7 @@ class Trainer:
         """The context of an update's forward: torch.autocast in bfloat16 with --amp bf16 (contract §3: the fused ops'
         autocast rules keep states and layer-norm statistics in float32), else nothing."""
         if self.cfg.amp == "bf16":   # (no cache of cast weights under graphs: a capture would keep stale ones)
-            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not self.cfg.cuda_graphs)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=self.graphs is None)
         return contextlib.nullcontext()
 
     def train_step(self, batch: List[int]) -> Tuple[float, float, float]:

@@ -182,6 +182,9 @@ def test_decoding_leaves_each_module_in_its_mode_and_searches_in_eval_mode(syste
 @pytest.mark.parametrize("kwargs, message", [
     (dict(alpha=float("nan")), "alpha must be a finite number"),
     (dict(alpha=float("inf")), "alpha must be a finite number"),
+    # past 50 the penalty overflowed float64: the fused search scored all -0.0, the loop raised OverflowError
+    (dict(alpha=1000.0), r"alpha must be within \[-50, 50\] \(the length penalty's power\), got 1000.0"),
+    (dict(alpha=-60), r"alpha must be within \[-50, 50\]"),
     (dict(max_len_a=float("inf")), "max_len_a must be a finite number >= 0"),
     (dict(max_len_a=float("nan")), "max_len_a must be a finite number >= 0"),
     (dict(max_len_a=-1.0), "max_len_a must be a finite number >= 0"),

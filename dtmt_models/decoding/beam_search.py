@@ -43,7 +43,7 @@ from torch import Tensor
 
 from dtmt_models.data.vocabulary import BOS, EOS, never_output
 from dtmt_models.decoding.device_search import device_loop
-from dtmt_models.decoding.hypotheses import (INF, MAX_BEAM, MAX_SEARCH_STEPS, NEG_INF,  # noqa: F401
+from dtmt_models.decoding.hypotheses import (INF, MAX_ALPHA, MAX_BEAM, MAX_SEARCH_STEPS, NEG_INF,  # noqa: F401
                                              NON_FINITE_SCORE, Hypothesis, NonFiniteScores, check_banned,
                                              LENGTH_PENALTIES, bound_penalty, length_penalty)
 from dtmt_models.engine.decoder import as_decoder
@@ -62,6 +62,9 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gn
         raise ValueError(f"need 1 <= beam <= {MAX_BEAM} and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
     if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
         raise ValueError(f"alpha must be a finite number, got {alpha!r}")
+    if abs(alpha) > MAX_ALPHA:   # (the length penalty overflows float64 at long searches)
+        raise ValueError(f"alpha must be within [-{MAX_ALPHA:g}, {MAX_ALPHA:g}] (the length penalty's power), "
+                         f"got {alpha!r}")
     if penalty not in LENGTH_PENALTIES:
         raise ValueError(f"penalty must be one of {', '.join(LENGTH_PENALTIES)}, got {penalty!r}")
     if not isinstance(max_len_a, numbers.Real) or not 0 <= max_len_a < math.inf:   # NaN fails this too

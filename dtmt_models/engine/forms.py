@@ -50,8 +50,10 @@ class InferenceForm(nn.Module):
     the module itself where the C++ inference ops cannot take it), and Seq2Seq.inference_decoder swaps them into a
     copy of the model. It holds the weights gathered once, in the layout the C++ op takes, computes
     the same function as the module without autograd (inference only), and answers every other attribute from
-    the module it stands for (`source`). Its weights are taken when it is made: after the parameters change,
-    make a new one."""
+    the module it stands for (`source`). Its gathered weights are copies taken when it is made, while what it
+    answers from `source`, and the modules of the decoder it is not swapped for (the target embedding the step
+    reads), are the model's own tensors: after the parameters change, make a new decoder. An old one decodes
+    with a mix of old and new weights (its fused search and its step loop then differ too)."""
 
     def __init__(self, source: nn.Module):
         super().__init__()

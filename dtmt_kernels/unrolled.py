@@ -63,8 +63,9 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
     backpropagation: a session ends when its backward has run or a parameter has changed: in place, as autograd
     sees it, or given new storage; a change through `.data` in place, which autograd does not see, may not be seen
     here either: the steps may read copies made when the session began). Under torch.func's transforms (vmap)
-    and saved-tensor hooks (a non-reentrant torch.utils.checkpoint, save_on_cpu) the steps are the plain op. Blocks nest (the outer one holds). A block is the calling thread's: threads that
-    run the same modules at once each have their own, and the gradients of each are those it would have alone."""
+    and saved-tensor hooks (a non-reentrant torch.utils.checkpoint, save_on_cpu) the steps are the plain op.
+    Blocks nest (the outer one holds). A block is the calling thread's: threads that run the same modules at once
+    each have their own, and the gradients of each are those it would have alone."""
     if torch.compiler.is_compiling():   # a compiled graph forms the weight gradients itself (_unrolled_sessions)
         yield
         return

@@ -201,8 +201,9 @@ def test_the_command_line_refuses_graphs_on_the_cpu(tmp_path, capsys):
 
 
 def test_updates_are_graphed_by_default_wherever_they_can_be():
-    """No --cuda-graphs / --no-cuda-graphs (None): the updates are graphed with one process on a CUDA device and
-    Adam, eager elsewhere (the CPU, several processes, Adadelta, whose step is not captured); as asked otherwise
+    """No --cuda-graphs / --no-cuda-graphs (None): the updates are graphed with one process on a CUDA device, Adam,
+    the default backend and float32 (what a GPU run has tested), eager elsewhere (the CPU, several processes,
+    Adadelta, whose step is not captured, another backend, --amp bf16); as asked otherwise
     (an asked --cuda-graphs where it cannot run is the command line's refusal, above). None round-trips through a
     checkpoint's config, so a run resumed on another device decides there."""
     import dataclasses
@@ -214,6 +215,10 @@ def test_updates_are_graphed_by_default_wherever_they_can_be():
     assert cfg.replays_updates("cuda", 1)
     assert not cfg.replays_updates("cpu", 1) and not cfg.replays_updates("cuda", 2)
     assert not dataclasses.replace(cfg, optimizer="adadelta").replays_updates("cuda", 1)
+    assert dataclasses.replace(cfg, backend="cuda").replays_updates("cuda", 1)
+    assert not dataclasses.replace(cfg, backend="triton").replays_updates("cuda", 1)
+    assert not dataclasses.replace(cfg, amp="bf16").replays_updates("cuda", 1)
+    assert dataclasses.replace(cfg, amp="bf16", cuda_graphs=True).replays_updates("cuda", 1)
     assert not dataclasses.replace(cfg, cuda_graphs=False).replays_updates("cuda", 1)
     assert dataclasses.replace(cfg, cuda_graphs=True).replays_updates("cuda", 1)
     assert TrainConfig.from_dict(cfg.to_dict()).cuda_graphs is None

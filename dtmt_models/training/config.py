@@ -65,13 +65,15 @@ class TrainConfig:
     data_fingerprint: Optional[Dict[str, Any]] = None   # of the corpus trained on (checked on --resume)
 
     def replays_updates(self, device_type: str, processes: int) -> bool:
-        """Whether the updates are replayed as CUDA graphs: as asked (--cuda-graphs / --no-cuda-graphs), else
-        wherever they can be, one process on a CUDA device with Adam (whose step the graph captures). On by default
-        there since `tests/test_gpu_systems.py::test_command_line_on_gpu` first passed on a GPU with them (H200,
-        bd1af5e, 2026-12-04; docs/design/gpu.md, "Updates as CUDA graphs")."""
+        """Whether the updates are replayed as CUDA graphs: as asked (--cuda-graphs / --no-cuda-graphs), else where
+        a GPU run has tested them: one process on a CUDA device with Adam (whose step the graph captures), the
+        default backend (auto or cuda) and float32 (--amp off). On by default there since
+        `tests/test_gpu_systems.py::test_command_line_on_gpu` first passed on a GPU with them (H200, bd1af5e,
+        2026-12-04; docs/design/gpu.md, "Updates as CUDA graphs")."""
         if self.cuda_graphs is not None:
             return self.cuda_graphs
-        return device_type == "cuda" and processes == 1 and self.optimizer == "adam"
+        return (device_type == "cuda" and processes == 1 and self.optimizer == "adam"
+                and self.backend in ("auto", "cuda") and self.amp == "off")
 
     @classmethod
     def defaults(cls) -> Dict[str, Any]:

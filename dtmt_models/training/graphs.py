@@ -215,7 +215,7 @@ class GraphedUpdates:
             except RuntimeError as exc:   # (what does not capture: a host read, a copy from host memory)
                 # a failed capture can leave the stream unusable: the run stops here, last.pt is the previous one
                 raise RuntimeError(f"--cuda-graphs: the update of a batch of shape {shape} could not be captured "
-                                   f"as a CUDA graph ({one_line(exc)}); train without --cuda-graphs") from exc
+                                   f"as a CUDA graph ({one_line(exc)}); train with --no-cuda-graphs") from exc
             self.captured += 1
             bucket.replay()
             self.replayed += 1

@@ -106,6 +106,13 @@ class _TransitionBase(BackendSwitch, nn.Module):
             raise ValueError(f"{type(self).__name__}: candidate_dropout must be a number in [0, 1), got {value!r}")
         self._candidate_dropout = float(value)
 
+    def __setstate__(self, state: dict) -> None:
+        # a module pickled whole before the property (torch.save(module)) holds the value under its plain name
+        if "candidate_dropout" in state:
+            state = {**state, "_candidate_dropout": float(state["candidate_dropout"])}
+            del state["candidate_dropout"]
+        super().__setstate__(state)
+
     # ----------------------------------------------------------------------------------------------- setup
     def _suffixes(self) -> List[str]:
         return ["", "_reverse"][: self.num_directions]

@@ -32,9 +32,29 @@ class Unrollable:
         blocks = getattr(_THREAD, "blocks", None)
         if (not blocks or not torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or torch._C._functorch.peek_interpreter_stack() is not None
-                or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
+                or _saved_tensor_hooks_active()):
             return None
         return blocks.get(self)
+
+
+def _hooks_getter():
+    """torch's getter of the innermost saved-tensor hooks, as a function of no argument (private: it took none
+    before torch 2.7 or so, and may be absent; then no hooks are seen)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return lambda: None
+    try:
+        top(False)
+        return lambda: top(False)
+    except TypeError:
+        return top
+
+
+_TOP_HOOKS = _hooks_getter()
+
+
+def _saved_tensor_hooks_active() -> bool:
+    return _TOP_HOOKS() is not None
 
 
 # .blocks: the calling thread's open blocks, module -> its sessions (a WeakKeyDictionary). Kept off the modules, so

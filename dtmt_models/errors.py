@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
 import stat
 from typing import Optional, Sequence
@@ -67,7 +68,9 @@ def refuse(option: str, value, allowed: str) -> UsageError:
 def check_count(option: str, value: Optional[int], low: int, high: int, note: str = "") -> None:
     """An integer option in [low, high] (None: not given): else UsageError `--option VALUE: must be an integer in
     [LOW, HIGH]` and `note` (why the bound, what 0 means)."""
-    if value is not None and not low <= value <= high:
+    # (a float passed: ServeSettings(max_tokens=2000.0) was accepted, then every request refused by translate())
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                              or not low <= value <= high):
         raise refuse(option, value, f"an integer in [{low:,}, {high:,}]{note}")
 
 

@@ -197,8 +197,27 @@ def test_the_command_line_refuses_graphs_on_the_cpu(tmp_path, capsys):
                     "--max-steps", "1"], capsys)
     assert r.returncode == 2
     assert r.stderr.strip() == ("dtmt train: --cuda-graphs: needs one process on a CUDA device (--device cuda, no "
-                             "torchrun); leave it out here")
+                             "torchrun); leave it out here (--no-cuda-graphs to resume a run that had it)")
 
+
+def test_buckets_stay_within_the_model_s_positions():
+    """A transformer of 12 positions (max_len) and batches of sources of 11 and targets of 10 subwords (with BOS,
+    within them): the buckets' lengths are not rounded up past 12. Rounded to 16 (steps of 8), the eager first
+    update of the bucket refused the target ("sequence longer than max_len=12"), and the capture the source, which
+    the eager update had cut to its longest sentence. Graphs are the default on a GPU: every later update of the
+    bucket is a replay (the stand-in capture here), with the eager update's loss."""
+    torch.manual_seed(0)
+    model = dm.build_model("transformer", V, V, embed_dim=16, hidden_size=32, heads=2, encoder_layers=1,
+                           decoder_layers=1, max_len=12, dropout=0.0)
+    assert graphs.padded_shape(3, 11, 11, graphs.GraphOptions(), (12, 12)) == (16, 12, 12)
+    assert graphs.padded_shape(3, 11, 11, graphs.GraphOptions(), (None, None)) == (16, 16, 16)
+    optimizer = build_optimizer(model, 0.0)   # (a rate of 0: every update sees the same weights)
+    runner = graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"),
+                                   capture=graphs.StandInCapture(), log=lambda m: None)
+    pairs = _pairs(3, 11, 10, 1)
+    losses = [float(runner.update(*collate(pairs))[0]) for _ in range(3)]
+    assert runner.captured == 1 and runner.replayed == 2
+    assert losses == pytest.approx([losses[0]] * 3)
 
 def test_updates_are_graphed_by_default_wherever_they_can_be():
     """No --cuda-graphs / --no-cuda-graphs (None): the updates are graphed with one process on a CUDA device, Adam,

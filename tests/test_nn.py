@@ -477,6 +477,14 @@ def test_bad_inputs_raise_value_errors():
             assert module.candidate_dropout == before
         module.candidate_dropout = np.float32(0.5)
         assert module.candidate_dropout == 0.5 and type(module.candidate_dropout) is float
+    # a layer pickled whole before the property holds the value under its plain name: it loads and runs
+    old = dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=0.25)
+    state = dict(old.__dict__)
+    state["candidate_dropout"] = state.pop("_candidate_dropout")
+    loaded = object.__new__(type(old))
+    loaded.__setstate__(state)
+    assert loaded.candidate_dropout == 0.25 and "candidate_dropout" not in loaded.__dict__
+    assert torch.equal(loaded.eval()(torch.ones(2, 1, 3))[0], old.eval()(torch.ones(2, 1, 3))[0])
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, backend="fast"), "backend must be one of")
     # switches: a bool, numpy's, or 0 / 1 as torch.nn.GRU takes them (layer_norm="no" had meant True)
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, layer_norm="no"), "layer_norm must be True or False, got 'no'")

@@ -183,7 +183,8 @@ def test_decoding_leaves_each_module_in_its_mode_and_searches_in_eval_mode(syste
     (dict(alpha=float("nan")), "alpha must be a finite number"),
     (dict(alpha=float("inf")), "alpha must be a finite number"),
     # past 50 the penalty overflowed float64: the fused search scored all -0.0, the loop raised OverflowError
-    (dict(alpha=1000.0), r"alpha must be within \[-50, 50\] \(the length penalty's power\), got 1000.0"),
+    (dict(alpha=1000.0), r"alpha must be within \[-50, 50\] \(larger powers overflow float64 at long searches\), "
+                         r"got 1000.0"),
     (dict(alpha=-60), r"alpha must be within \[-50, 50\]"),
     (dict(max_len_a=float("inf")), "max_len_a must be a finite number >= 0"),
     (dict(max_len_a=float("nan")), "max_len_a must be a finite number >= 0"),
@@ -869,6 +870,8 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, "--max-len-a", "inf", good], 2, "--max-len-a inf: must be a finite number >= 0"),
         (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "0", good], 2, "every translation would be empty"),
         (["--checkpoint", ckpt, "--alpha", "nan", good], 2, "--alpha nan: must be a finite number"),
+        # (the library's bound: a traceback from translate(), exit 1, before the command checked it)
+        (["--checkpoint", ckpt, "--alpha", "100", good], 2, "--alpha 100: must be a finite number >= -50 and <= 50"),
         (["--checkpoint", ckpt, "--length-penalty", "average", "--alpha", "0.6", good], 2,
          "--alpha 0.6: the gnmt length penalty's exponent; --length-penalty average has none"),
         (["--checkpoint", ckpt, "--threads", "-1", good], 2, "--threads -1: must be an integer in [0, 1,024]"),

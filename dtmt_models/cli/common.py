@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 import torch
 
 from dtmt_models.atomic import atomic_write
-from dtmt_models.decoding.beam_search import MAX_BEAM, NonFiniteScores
+from dtmt_models.decoding.beam_search import MAX_ALPHA, MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
 from dtmt_models.errors import MAX_COUNT, MAX_THREADS, UsageError, check_counts, check_finite, check_input_file, one_line
@@ -194,7 +194,7 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
     check_finite("--max-len-a", args.max_len_a, 0)
     if args.max_len_a == 0 and args.max_len_b == 0:
         raise UsageError("--max-len-a 0 --max-len-b 0: every translation would be empty; allow at least one token")
-    check_finite("--alpha", args.alpha)
+    check_finite("--alpha", args.alpha, -MAX_ALPHA, MAX_ALPHA)
     if args.alpha is not None and args.length_penalty != "gnmt":
         raise UsageError(f"--alpha {args.alpha:g}: the gnmt length penalty's exponent; --length-penalty "
                          f"{args.length_penalty} has none")

@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the optimizer in float32). Faster only where the CPU has bfloat16 dot products (AVX512_BF16, "
                         "AMX) or on a GPU")
     d.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay each update as a CUDA graph (default: on wherever it can run, one process on a "
-                        "CUDA device with Adam; --no-cuda-graphs for eager updates): batches padded to buckets of "
+                   help="replay each update as a CUDA graph (default: on where a GPU run tested it, one process "
+                        "on a CUDA device with Adam, the default backend and --amp off; --no-cuda-graphs for eager "
+                        "updates): batches padded to buckets of "
                         "lengths in steps of 8 and rows in steps of 16, a "
                         "bucket's first batch eager, its second captured, every later one replayed with one launch "
                         "(docs/design/gpu.md, 'Updates as CUDA graphs')")
@@ -395,7 +396,7 @@ def check_cuda_graphs(cfg: TrainConfig) -> None:
     """--cuda-graphs needs one process on a CUDA device and Adam (training/graphs.py captures its step)."""
     if cfg.cuda_graphs and (not resolve_auto(cfg.device).startswith("cuda") or world_size() > 1):   # (True: asked)
         raise ValueError("--cuda-graphs: needs one process on a CUDA device (--device cuda, no torchrun); leave it "
-                         "out here")
+                         "out here (--no-cuda-graphs to resume a run that had it)")
     if cfg.cuda_graphs and cfg.optimizer != "adam":
         raise ValueError(f"--cuda-graphs: captures Adam's update only; train --optimizer {cfg.optimizer} without it")
 

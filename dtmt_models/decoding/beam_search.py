@@ -63,8 +63,8 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gn
     if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
         raise ValueError(f"alpha must be a finite number, got {alpha!r}")
     if abs(alpha) > MAX_ALPHA:   # (the length penalty overflows float64 at long searches)
-        raise ValueError(f"alpha must be within [-{MAX_ALPHA:g}, {MAX_ALPHA:g}] (the length penalty's power), "
-                         f"got {alpha!r}")
+        raise ValueError(f"alpha must be within [-{MAX_ALPHA:g}, {MAX_ALPHA:g}] (larger powers overflow float64 at "
+                         f"long searches), got {alpha!r}")
     if penalty not in LENGTH_PENALTIES:
         raise ValueError(f"penalty must be one of {', '.join(LENGTH_PENALTIES)}, got {penalty!r}")
     if not isinstance(max_len_a, numbers.Real) or not 0 <= max_len_a < math.inf:   # NaN fails this too

@@ -64,9 +64,17 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def padded_shape(B: int, S: int, T: int, options: GraphOptions) -> Shape:
-    """The bucket of a batch of B rows, source length S and target length T (with EOS)."""
-    return (_round_up(B, options.batch_step), _round_up(S, options.length_step), _round_up(T, options.length_step))
+def padded_shape(B: int, S: int, T: int, options: GraphOptions,
+                 most: Tuple[Optional[int], Optional[int]] = (None, None)) -> Shape:
+    """The bucket of a batch of B rows, source length S and target length T (with EOS); its lengths not rounded up
+    past `most`, the model's source and target positions (max_source_steps, max_target_steps; None: no bound): a
+    transformer of 12 positions refused a batch of 10 padded to 16."""
+    s, t = _round_up(S, options.length_step), _round_up(T, options.length_step)
+    if most[0] is not None:
+        s = max(S, min(s, most[0]))
+    if most[1] is not None:
+        t = max(T, min(t, most[1]))
+    return _round_up(B, options.batch_step), s, t
 
 
 def pad_batch(src: Tensor, lengths: Tensor, prev: Tensor, target: Tensor, shape: Shape):
@@ -192,7 +200,8 @@ class GraphedUpdates:
 
     def update(self, src: Tensor, lengths: Tensor, prev: Tensor, target: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """One update on a batch as `collate` makes it (on any device: it is padded there, then copied in)."""
-        shape = padded_shape(src.shape[0], src.shape[1], prev.shape[1], self.options)
+        most = getattr(self.model, "max_source_steps", None), getattr(self.model, "max_target_steps", None)
+        shape = padded_shape(src.shape[0], src.shape[1], prev.shape[1], self.options, most)
         padded = pad_batch(src, lengths, prev, target, shape)
         bucket = self.buckets.get(shape)
         if bucket is None:

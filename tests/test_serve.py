@@ -170,6 +170,11 @@ def test_numeric_options_are_bounded_before_loading(tmp_path, capsys, flags, mes
     with pytest.raises(ValueError, match="penalty must be one of gnmt, average, got 'avg'"):
         ServeSettings(penalty="avg").check()
     ServeSettings(penalty="average").check()
+    # (counts that are not integers: 2000.0 was taken, then translate() refused every request; a review's)
+    with pytest.raises(ValueError, match=r"max_tokens 2000(\.0)?: must be an integer in \[1, "):
+        ServeSettings(max_tokens=2000.0).check()
+    with pytest.raises(ValueError, match=r"beam True: must be an integer in \[1, "):
+        ServeSettings(beam=True).check()
 
 
 def test_no_option_that_does_nothing(capsys):

@@ -63,13 +63,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                    threads, static_cast<size_t>(l2_bytes), cluster_blocks, multicast);
         return py::make_tuple(p.grid, p.slice, p.forward_bytes, p.backward_bytes, p.fits, p.forward_resident,
                               p.backward_resident, p.forward_spill, p.backward_spill, p.cluster, p.forward_stage,
-                              p.backward_stage, p.multicast);
+                              p.backward_stage, p.multicast, p.groups);
       },
       "(grid, slice, forward bytes, backward bytes, fits, forward resident, backward resident, forward spill bytes, "
-      "backward spill bytes, cluster, forward stage columns, backward stage columns, multicast) of the persistent "
-      "launches (csrc/persistent_plan.h: the CUDA driver's own arithmetic; cluster_blocks > 0: the cluster form; "
-      "multicast > 1: the grid form in clusters of that many blocks sharing the stage); dtmt_kernels.persistent_plan "
-      "is the Python face");
+      "backward spill bytes, cluster, forward stage columns, backward stage columns, multicast, groups) of the "
+      "persistent launches (csrc/persistent_plan.h: the CUDA driver's own arithmetic; cluster_blocks > 0: the cluster "
+      "form, in `groups` clusters each its own batch rows; multicast > 1: the grid form in clusters of that many "
+      "blocks sharing the stage); dtmt_kernels.persistent_plan is the Python face");
   m.attr("PERSISTENT_CLUSTER_MAX_BLOCKS") = dtmt::cuda::kClusterMaxBlocks;
   m.attr("PERSISTENT_PLAN_MAX_DEPTH") = dtmt::cuda::kPlanMaxDepth;
   m.attr("PERSISTENT_PLAN_MAX_HIDDEN") = dtmt::cuda::kPlanMaxHidden;

@@ -86,14 +86,24 @@ __device__ __forceinline__ void persistent_barrier(bool cluster) {
 }
 
 
-// The units this block owns: H units in slices of S, block b the slice from j0 = b * S, of n units (S, or fewer
-// for the last block).
+// The units this block owns: H units in slices of S, the block of rank b in its group (below) the slice from
+// j0 = b * S, of n units (S, or fewer for the last block).
 struct BlockUnits {
   int j0, n;
 };
-__device__ __forceinline__ BlockUnits block_units(int H, int S) {
-  const int j0 = blockIdx.x * S;
+__device__ __forceinline__ BlockUnits block_units(int H, int S, int rank) {
+  const int j0 = rank * S;
   return {j0, j0 + S <= H ? S : H - j0};
+}
+
+// The blocks that share a layer's units and its barrier: the whole grid, or in the cluster form one thread-block
+// cluster of `blocks` consecutive blocks, each cluster its own rows of the batch (select_rows;
+// docs/design/persistent_recurrence.md, "Clusters of batch rows"). rank: this block's place among them.
+struct BlockGroup {
+  int rank, blocks;
+};
+__device__ __forceinline__ BlockGroup block_group(int blocks) {
+  return {static_cast<int>(blockIdx.x) % blocks, blocks};
 }
 
 template <typename T, typename A> struct PersistentForwardArgs {
@@ -114,33 +124,82 @@ template <typename T, typename A> struct PersistentForwardArgs {
   T* hpt;           // [D, T, B, 3H] T-GRU recurrent products
   T* out;           // [T, B, H]
   A* h_last;        // [B, H] the state after the last step
-  A* partials;      // [G + 1, B, 3, 2] layer-norm partial statistics (G = gridDim.x), the last the joined ones
-  T* spill;         // [G, spill_elems] the rows of sub-cells resident..D (persistent_plan.h), or nullptr (none)
+  A* partials;      // [groups][G + 1, B, 3, 2] layer-norm partial statistics (G = blocks), the last the joined ones
+  T* spill;         // [grid, spill_elems] the rows of sub-cells resident..D (persistent_plan.h), or nullptr (none)
   int steps, B, H, D, slice;
+  int ldb;          // the batch rows of the tensors above (their row stride; 0: B); B: the rows of one group
+                    // (select_rows)
+  int blocks;       // the blocks that share the units (a group): a cluster's in the cluster form (0: the grid)
   int resident;     // sub-cells whose rows stay in shared memory (< 0: all D + 1)
   bool reverse;
   bool mma;         // products on tensor cores (block_mma.cuh; T has an MMA and the device compiled it)
   int stage_cols;   // else (FMA) block_dots' stage of the state: columns of each batch row at a time, 0 none (the
                     // plan's, in the shared memory the matrices leave; the buffers of block_mma or the stage,
                     // persistent_forward_bytes)
-  bool cluster;     // the launch is one thread-block cluster: its barrier is the cluster's (persistent_barrier)
+  bool cluster;     // the launch is thread-block clusters, each a group: its barrier is the cluster's
+                    // (persistent_barrier)
   int multicast;    // else: the grid in thread-block clusters of this many blocks that read the stage once
                     // (StageShare; 1 or 0: none)
   A eps;
 };
 
+// The batch rows of this block's group: in the cluster form with several clusters, cluster g takes rows
+// [g B, min(ldb, (g + 1) B)) (B, the launch's rows a group; docs/design/persistent_recurrence.md, "Clusters of batch
+// rows"), else the one group all of them; rows 0 where the last clusters have none left.
+struct RowGroup {
+  int index, first, rows;
+};
+__device__ __forceinline__ RowGroup row_group(int B, int ldb, int blocks) {
+  const int g = static_cast<int>(blockIdx.x) / blocks, first = g * B;
+  return {g, first, first < ldb ? (ldb - first < B ? ldb - first : B) : 0};
+}
+// p moved by `rows` rows of `width` values (nullptr stays nullptr)
+template <typename P> __device__ __forceinline__ void shift_rows(P*& p, size_t rows, size_t width) {
+  if (p != nullptr) p += rows * width;
+}
+// The mask's row of step t ([B], rows ldb apart from one step to the next), or nullptr (every row valid).
+template <typename T> __device__ __forceinline__ const T* step_mask(const T* mask, int t, int ldb) {
+  return mask != nullptr ? mask + static_cast<size_t>(t) * ldb : nullptr;
+}
+
+// The forward's arguments for this block's group of batch rows (row_group): the row-indexed tensors from its first
+// row (their rows still ldb apart), the partials its own, B its rows. Returns false where it has none.
+template <int KIND, typename T, typename A>
+__device__ __forceinline__ bool select_rows(PersistentForwardArgs<T, A>& p) {
+  constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid;
+  if (p.blocks <= 0) p.blocks = static_cast<int>(gridDim.x);
+  if (p.ldb <= 0) p.ldb = p.B;
+  const RowGroup g = row_group(p.B, p.ldb, p.blocks);
+  const size_t r = static_cast<size_t>(g.first), H = static_cast<size_t>(p.H);
+  p.partials += static_cast<size_t>(g.index) * (p.blocks + 1) * p.B * 3 * 2;
+  p.B = g.rows;
+  shift_rows(p.xp, r, NIN * H);
+  shift_rows(p.drop, r, H);
+  shift_rows(p.mask, r, 1);
+  shift_rows(p.hs, r, H);
+  shift_rows(p.hs_lp, r, H);
+  shift_rows(p.hp, r, NH * H);
+  shift_rows(p.hpt, r, 3 * H);
+  shift_rows(p.out, r, H);
+  shift_rows(p.h_last, r, H);
+  return g.rows > 0;
+}
+
 // Where sub-cell k's matrix lies for this block (persistent_plan.h's layout; forward: its rows [rows][S][P(H)],
 // backward: its columns [S][P(rows * H)], P = matrix_pitch): the first r (resident) sub-cells one after another in
 // shared memory (`smem`), the others in this block's part of the spill buffer (global memory, read through L2 at
-// each use). Two functions rather than one that chooses: a product whose rows come from the first keeps the compiler's
+// each use; the part of its rank in its group: the clusters of batch rows share one buffer, each cluster's block of
+// rank b writing the same values into part b before its first read, and reading them through L2 at every step).
+// Two functions rather than one that chooses: a product whose rows come from the first keeps the compiler's
 // knowledge that they are in shared memory (shared loads in its inner loop, not generic ones).
 template <typename T>
 __device__ __forceinline__ T* resident_matrix(bool backward, int kind, int H, int S, int k, T* smem) {
   return smem + subcell_elems(backward, kind, 0, k, H, S);
 }
 template <typename T>
-__device__ __forceinline__ T* spilled_matrix(bool backward, int kind, int D, int H, int S, int r, int k, T* spill) {
-  return spill + static_cast<size_t>(blockIdx.x) * spill_elems(backward, kind, D, H, S, r) +
+__device__ __forceinline__ T* spilled_matrix(bool backward, int kind, int D, int H, int S, int r, int k, T* spill,
+                                             int rank) {
+  return spill + static_cast<size_t>(rank) * spill_elems(backward, kind, D, H, S, r) +
          subcell_elems(backward, kind, r, k, H, S);
 }
 
@@ -180,9 +239,9 @@ template <typename A> __device__ __forceinline__ Sums<A> shfl_xor(const Sums<A>&
 // The pairs joined are first, first + step, ... below `pairs` (0, 1: all of them; a spread join: this block's share).
 constexpr int kJoinLoads = 5;   // a lane's loads in flight at once (up to 160 blocks in one round: an H100 has 132 SMs)
 template <typename V, typename Part, typename Store>
-__device__ __forceinline__ void join_blocks(int pairs, int first_pair, int step, Part part, Store store) {
+__device__ __forceinline__ void join_blocks(int pairs, int first_pair, int step, int G, Part part, Store store) {
   const int warps = static_cast<int>(blockDim.x) / 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x) % 32, G = static_cast<int>(gridDim.x);
+  const int lane = static_cast<int>(threadIdx.x) % 32;
   const int mine = first_pair < pairs ? (pairs - first_pair + step - 1) / step : 0;
   const int passes = (mine + warps - 1) / warps;
   for (int pass = 0; pass < passes; ++pass) {
@@ -217,31 +276,33 @@ __device__ __forceinline__ bool spread_join_pays(int pairs) {
 }
 
 // The pairs' joins, the same bits in every block, into `local` (local(pair, all): this block's shared memory):
-// spread, block b joins pairs b, b + G, ... and writes them to `joined` (global memory, `width` values a pair:
-// put(pair, all, out) writes them, get(pair, in) reads them into local), a barrier, and every block reads all of
-// them; else every block joins every pair itself. The barrier is `cluster`'s (persistent_barrier).
+// spread, the block of rank b joins pairs b, b + G, ... (G: the group's blocks) and writes them to `joined`
+// (global memory, `width` values a pair: put(pair, all, out) writes them, get(pair, in) reads them into local), a
+// barrier, and every block reads all of them; else every block joins every pair itself. The barrier is `cluster`'s
+// (persistent_barrier).
 template <typename V, typename Part, typename Put, typename Get, typename Local>
 __device__ __forceinline__ void join_pairs(int pairs, Part part, typename V::Value* joined, int width, Put put,
-                                          Get get, Local local, bool cluster) {
+                                          Get get, Local local, BlockGroup group, bool cluster) {
   if (spread_join_pays(pairs)) {
-    join_blocks<V>(pairs, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), part,
+    join_blocks<V>(pairs, group.rank, group.blocks, group.blocks, part,
                    [&](int pair, const V& all) { put(pair, all, joined + static_cast<size_t>(pair) * width); });
     phase_mark(kPhaseNorm);
     persistent_barrier(cluster);
     for (int pair = threadIdx.x; pair < pairs; pair += blockDim.x) get(pair, joined + static_cast<size_t>(pair) * width);
   } else {
-    join_blocks<V>(pairs, 0, 1, part, local);
+    join_blocks<V>(pairs, 0, 1, group.blocks, part, local);
   }
 }
 
 // The (mean, 1/std) of every batch row's gate groups over all H units, in every block alike: this block's (mean, M2)
-// over its n units go to `partials` [G + 1, B, 3, 2], a grid barrier, then the G of them are joined (join_pairs:
+// over its n units go to `partials` [G + 1, B, 3, 2] (G: the group's blocks), a barrier, then the G of them are
+// joined (join_pairs:
 // Chan's formula in a fixed order, deterministic; spread over the blocks through the last slot of `partials` where
 // that pays). v: [B][slots][S] pre-activations; stats: [B][3][2]. Ends with a block barrier (stats read by other
 // threads). `cluster`: the launch's barrier (persistent_barrier).
 template <typename A>
 __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int S, int n, A eps, A* partials,
-                                A* stats, bool cluster) {
+                                A* stats, BlockGroup group, bool cluster) {
   for (int e = threadIdx.x; e < B * NG; e += blockDim.x) {
     const int b = e / NG, g = e % NG;
     const A* row = v + (b * slots + g) * S;
@@ -250,7 +311,7 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
     mean /= A(n);
     A m2 = A(0);
     for (int jj = 0; jj < n; ++jj) m2 += (row[jj] - mean) * (row[jj] - mean);
-    A* out = partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
+    A* out = partials + ((static_cast<size_t>(group.rank) * B + b) * 3 + g) * 2;
     out[0] = mean;
     out[1] = m2;
   }
@@ -263,7 +324,7 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
         const A* in = partials + ((static_cast<size_t>(blk) * B + e / NG) * 3 + e % NG) * 2;
         return Moments<A>{A(blk * S + S <= H ? S : H - blk * S), in[0], in[1]};
       },
-      partials + static_cast<size_t>(gridDim.x) * B * 3 * 2, 2,
+      partials + static_cast<size_t>(group.blocks) * B * 3 * 2, 2,
       [&](int, const Moments<A>& all, A* out) {
         out[0] = all.mean;
         out[1] = dt_rsqrt(all.m2 / A(H) + eps);
@@ -276,7 +337,7 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
         stats[((e / NG) * 3 + e % NG) * 2] = all.mean;
         stats[((e / NG) * 3 + e % NG) * 2 + 1] = dt_rsqrt(all.m2 / A(H) + eps);
       },
-      cluster);
+      group, cluster);
   phase_mark(kPhaseNorm);
   __syncthreads();
 }
@@ -284,7 +345,7 @@ __device__ void gate_statistics(const A* v, int slots, int NG, int B, int H, int
 // Where sub-cell k of step t reads and writes, for this block's units: what persistent_subcell's phases share.
 template <typename T, typename A> struct SubcellSpan {
   int j0, n;          // this block's first unit and its number of units (the last block's may be fewer)
-  size_t BH, TBH;     // B * H, steps * B * H
+  size_t BH, TBH;     // ldb * H, steps * ldb * H (a step's rows, a sub-cell's steps)
   const A* hin;       // [B, H] the sub-cell's input state
   const T* hin_lp;    // the same in T (16-bit storage), or nullptr
   const T* xp;        // [B, NIN*H] the step's input products (base cells), or nullptr
@@ -298,17 +359,17 @@ template <int K, typename T, typename A>
 __device__ __forceinline__ SubcellSpan<T, A> subcell_span(const PersistentForwardArgs<T, A>& p, int t, int k) {
   constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid;
   SubcellSpan<T, A> sp;
-  const int H = p.H, B = p.B, S = p.slice;
-  const BlockUnits units = block_units(H, S);
+  const int H = p.H, ldb = p.ldb, S = p.slice;
+  const BlockUnits units = block_units(H, S, block_group(p.blocks).rank);
   sp.j0 = units.j0;
   sp.n = units.n;
-  sp.BH = static_cast<size_t>(B) * H;
+  sp.BH = static_cast<size_t>(ldb) * H;
   sp.TBH = static_cast<size_t>(p.steps) * sp.BH;
   sp.hin = p.hs + k * sp.TBH + t * sp.BH;
   sp.hin_lp = p.hs_lp ? p.hs_lp + k * sp.TBH + t * sp.BH : nullptr;
-  sp.xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
-  sp.hp = k == 0 ? p.hp + static_cast<size_t>(t) * B * NH * H
-                 : p.hpt + (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
+  sp.xp = NIN ? p.xp + static_cast<size_t>(t) * ldb * NIN * H : nullptr;
+  sp.hp = k == 0 ? p.hp + static_cast<size_t>(t) * ldb * NH * H
+                 : p.hpt + (static_cast<size_t>(k - 1) * p.steps + t) * ldb * 3 * H;
   sp.bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
   sp.lnw = k == 0 ? p.ln_w : (p.t_ln_w ? p.t_ln_w + static_cast<size_t>(k - 1) * 2 * H : nullptr);
   sp.lnb = k == 0 ? p.ln_b : (p.t_ln_b ? p.t_ln_b + static_cast<size_t>(k - 1) * 2 * H : nullptr);
@@ -811,7 +872,8 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
   if constexpr (Mma<T>::available) {
     if (p.mma) {   // (without hs_lp, T is A)
       const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);
-      C = block_mma<T, kSpilled>(u, matrix_pitch(H), NH * S, h, H, H, B, p.mask, t, products_buf);
+      C = block_mma<T, kSpilled>(u, matrix_pitch(H), NH * S, h, H, H, B, step_mask(p.mask, t, p.ldb), 0,
+                                 products_buf);
     }
   }
 #endif
@@ -829,7 +891,7 @@ __device__ __forceinline__ void subcell_products(const PersistentForwardArgs<T, 
   } else {
     // a row whose sentence has ended costs nothing: its products are 0 (what the backward reads of them); matrix row
     // m = q n + jj (unit jj of gate q), output e = m + NH n b as store numbers them
-    auto live = [&](int b) { return row_valid(p.mask, t, B, b); };
+    auto live = [&](int b) { return row_valid(p.mask, t, p.ldb, b); };
     auto row = [&](int m) { return u + (static_cast<size_t>(m / n) * S + m % n) * matrix_pitch(H); };
     const T* h = hin_lp ? hin_lp : reinterpret_cast<const T*>(hin);   // (without hs_lp, T is A)
     T* stage = !p.mma && p.stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr;
@@ -900,7 +962,7 @@ __device__ __forceinline__ void subcell_update(const PersistentForwardArgs<T, A>
       gate[g] = K == kATR ? a : dt_sigmoid(a);
     }
     const A h = hin[o];
-    const bool valid = row_valid(p.mask, t, B, b);
+    const bool valid = row_valid(p.mask, t, p.ldb, b);
     A hn;
     if (!valid) {
       hn = h;   // an ended row keeps its state through every sub-cell (the block's input state at the last)
@@ -940,7 +1002,8 @@ __device__ void persistent_subcell(const PersistentForwardArgs<T, A>& p, int t, 
   subcell_preactivations<K>(p, sp, pre);
   phase_mark(kPhaseElements);
   if (sp.lnw)
-    gate_statistics<A>(pre, 4, Rows<K>::groups, p.B, p.H, p.slice, sp.n, p.eps, p.partials, stats, p.cluster);
+    gate_statistics<A>(pre, 4, Rows<K>::groups, p.B, p.H, p.slice, sp.n, p.eps, p.partials, stats,
+                       block_group(p.blocks), p.cluster);
   subcell_update<K>(p, sp, t, k, last, next_t, pre, stats);
   phase_mark(kPhaseElements);
   persistent_barrier(p.cluster);
@@ -950,12 +1013,15 @@ template <int KIND, typename T, typename A>
 __global__ void persistent_forward_kernel(PersistentForwardArgs<T, A> p) {
   constexpr int NH = Rows<KIND>::hid;
   DTMT_DYNAMIC_SMEM(smem);
+  if (!select_rows<KIND>(p)) return;   // (a cluster with no rows left: all its blocks)
   phase_begin();
   const int H = p.H, S = p.slice;
-  const auto [j0, n] = block_units(H, S);
+  const auto [j0, n] = block_units(H, S, block_group(p.blocks).rank);
   const int r = resident_subcells(p.D, p.resident);
   T* u = reinterpret_cast<T*>(smem);   // the resident sub-cells' rows [NH or 3][S][matrix_pitch(H)], one after another
-  auto spilled = [&](int k) { return spilled_matrix<T>(false, KIND, p.D, H, S, r, k, p.spill); };
+  auto spilled = [&](int k) {
+    return spilled_matrix<T>(false, KIND, p.D, H, S, r, k, p.spill, block_group(p.blocks).rank);
+  };
   A* pre = reinterpret_cast<A*>(smem + resident_matrix_bytes(false, KIND, p.D, H, S, sizeof(T), r));
   A* stats = pre + static_cast<size_t>(p.B) * 4 * S;
   // block_mma's buffers, or block_dots' stage
@@ -1032,10 +1098,11 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   A* dlnb_rows;
   A* dtln_rows;       // [D, B, 2H], zeroed (or nullptr)
   A* dtlnb_rows;
-  A* partials;        // [2, G + 1, B, 3, 2]: the gate statistics' partials, then the layer-norm backward's (each
-                      // with its joined ones last)
-  T* spill;           // [G, spill_elems] the columns of sub-cells resident..D (persistent_plan.h), or nullptr
+  A* partials;        // [groups][2, G + 1, B, 3, 2]: the gate statistics' partials, then the layer-norm backward's
+                      // (each with its joined ones last)
+  T* spill;           // [grid, spill_elems] the columns of sub-cells resident..D (persistent_plan.h), or nullptr
   int steps, B, H, D, slice;
+  int ldb, blocks;    // as the forward's
   int step_lo, step_hi;       // the steps run, step_hi - 1 down to step_lo (step s at time s, or steps-1-s reversed)
   int chunk_t0, chunk_steps;  // the gradient buffers' first time and their steps (a chunk: transition_cuda.cu's
                               // GradientChunks; 0 and `steps` for the whole sequence)
@@ -1043,10 +1110,39 @@ template <typename T, typename A> struct PersistentBackwardArgs {
   bool reverse;
   bool mma;           // U-path products on tensor cores (block_mma.cuh), as the forward's
   int stage_cols;     // else (FMA) block_dots' stage of the gradients, as the forward's
-  bool cluster;       // one thread-block cluster, as the forward's
+  bool cluster;       // thread-block clusters, as the forward's
   int multicast;      // clusters sharing the stage, as the forward's
   A eps;
 };
+
+// The backward's arguments for this block's group of batch rows, as the forward's select_rows.
+template <int KIND, typename T, typename A>
+__device__ __forceinline__ bool select_rows(PersistentBackwardArgs<T, A>& p) {
+  constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
+  if (p.blocks <= 0) p.blocks = static_cast<int>(gridDim.x);
+  if (p.ldb <= 0) p.ldb = p.B;
+  const RowGroup g = row_group(p.B, p.ldb, p.blocks);
+  const size_t r = static_cast<size_t>(g.first), H = static_cast<size_t>(p.H);
+  p.partials += static_cast<size_t>(g.index) * 2 * (p.blocks + 1) * p.B * 3 * 2;
+  p.B = g.rows;
+  shift_rows(p.xp, r, NIN * H);
+  shift_rows(p.hp, r, NH * H);
+  shift_rows(p.hpt, r, 3 * H);
+  shift_rows(p.hs, r, H);
+  shift_rows(p.drop, r, H);
+  shift_rows(p.mask, r, 1);
+  shift_rows(p.grad_out, r, H);
+  shift_rows(p.grad_hn, r, H);
+  shift_rows(p.dh0, r, H);
+  shift_rows(p.dxp, r, NIN * H);
+  shift_rows(p.dhp, r, NH * H);
+  shift_rows(p.dhpt, r, 3 * H);
+  shift_rows(p.dln_rows, r, NG * H);
+  shift_rows(p.dlnb_rows, r, NG * H);
+  shift_rows(p.dtln_rows, r, 2 * H);
+  shift_rows(p.dtlnb_rows, r, 2 * H);
+  return g.rows > 0;
+}
 
 // Per-unit buffers of the backward block, [B][S] each.
 template <typename A> struct BackwardBuffers {
@@ -1062,16 +1158,16 @@ template <typename A> struct BackwardBuffers {
 
 // out[b][jj] = sum_r dpre[b, r] * col[jj][r] for the block's units, rounded to T (the per-step GEMM's output dtype),
 // on tensor cores with `mma` (block_mma.cuh), else FMA (block_dots, through its stage where stage_cols > 0:
-// columns of each row the buffer holds at a time). Rows that had ended at `t` (the step whose gradients dpre are)
-// have dpre = 0: their result is 0 without a sum.
+// columns of each row the buffer holds at a time). Rows that had ended at the step whose gradients dpre are (`mask`:
+// that step's row of the mask, step_mask) have dpre = 0: their result is 0 without a sum.
 template <bool kSpilled, typename T, typename A>
 __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, int B, int S, int n, A* out,
-                                  const T* mask, int t, bool mma, int stage_cols, unsigned char* products_buf,
+                                  const T* mask, bool mma, int stage_cols, unsigned char* products_buf,
                                   const StageShare& share) {
 #if defined(DTMT_MMA_DEVICE)
   if constexpr (Mma<T>::available) {
     if (mma) {
-      const float* C = block_mma<T, kSpilled>(col, ldc, n, dpre, R, R, B, mask, t, products_buf);
+      const float* C = block_mma<T, kSpilled>(col, ldc, n, dpre, R, R, B, mask, 0, products_buf);
       const int ldm = round16(n);
       for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
         const int b = e % B, jj = e / B;
@@ -1084,7 +1180,7 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
   // matrix row jj: the column of unit jj; vector b: row b's gradients (block_dots; spilled columns, read through L2:
   // tiles of one column by one vector, as the forward's)
   block_dots<A, kSpilled ? 1 : kTileRows, kSpilled ? 1 : kTileVectors>(
-      n, B, R, [&](int b) { return row_valid(mask, t, B, b); },
+      n, B, R, [&](int b) { return row_valid(mask, 0, B, b); },
       [&](int jj) { return col + static_cast<size_t>(jj) * ldc; }, dpre, R,
       !mma && stage_cols > 0 ? reinterpret_cast<T*>(products_buf) : nullptr, R <= stage_cols ? R : stage_cols, share,
       [&](int jj, int b, A acc) { out[b * S + jj] = Cvt<A, T>::load(Cvt<A, T>::store(acc)); });
@@ -1093,7 +1189,7 @@ __device__ void persistent_u_path(const T* dpre, int R, const T* col, int ldc, i
 // Where sub-cell k of step t reads and writes in the backward, for this block's units.
 template <typename T, typename A> struct BackwardSpan {
   int j0, n;          // this block's first unit and its number of units
-  size_t BH;          // B * H
+  size_t BH;          // ldb * H (a step's rows)
   bool top, base;     // the block's last sub-cell (takes the carried and output gradients), its first (carries)
   const A* hin;       // [B, H] the sub-cell's input state
   const T* xp;        // [B, NIN*H] the step's input products (base cells), or nullptr
@@ -1111,21 +1207,21 @@ template <int K, typename T, typename A>
 __device__ __forceinline__ BackwardSpan<T, A> backward_span(const PersistentBackwardArgs<T, A>& p, int t, int k) {
   constexpr int NIN = Rows<K>::in, NH = Rows<K>::hid;
   BackwardSpan<T, A> sp;
-  const int H = p.H, B = p.B, S = p.slice;
-  const BlockUnits units = block_units(H, S);
+  const int H = p.H, ldb = p.ldb, S = p.slice;
+  const BlockUnits units = block_units(H, S, block_group(p.blocks).rank);
   sp.j0 = units.j0;
   sp.n = units.n;
-  sp.BH = static_cast<size_t>(B) * H;
+  sp.BH = static_cast<size_t>(ldb) * H;
   sp.top = k == p.D;
   sp.base = k == 0;
   sp.hin = p.hs + k * static_cast<size_t>(p.steps) * sp.BH + t * sp.BH;
-  sp.xp = NIN ? p.xp + static_cast<size_t>(t) * B * NIN * H : nullptr;
+  sp.xp = NIN ? p.xp + static_cast<size_t>(t) * ldb * NIN * H : nullptr;
   const int r = t - p.chunk_t0;   // t's rows in the gradient buffers
-  sp.dxp = NIN ? p.dxp + static_cast<size_t>(r) * B * NIN * H : nullptr;
+  sp.dxp = NIN ? p.dxp + static_cast<size_t>(r) * ldb * NIN * H : nullptr;
   const size_t hoff =
-      k == 0 ? static_cast<size_t>(t) * B * NH * H : (static_cast<size_t>(k - 1) * p.steps + t) * B * 3 * H;
-  const size_t doff =
-      k == 0 ? static_cast<size_t>(r) * B * NH * H : (static_cast<size_t>(k - 1) * p.chunk_steps + r) * B * 3 * H;
+      k == 0 ? static_cast<size_t>(t) * ldb * NH * H : (static_cast<size_t>(k - 1) * p.steps + t) * ldb * 3 * H;
+  const size_t doff = k == 0 ? static_cast<size_t>(r) * ldb * NH * H
+                             : (static_cast<size_t>(k - 1) * p.chunk_steps + r) * ldb * 3 * H;
   sp.hp = (k == 0 ? p.hp : p.hpt) + hoff;
   sp.dhp = (k == 0 ? p.dhp : p.dhpt) + doff;
   sp.bh = k == 0 ? p.b_hh : p.t_b + static_cast<size_t>(k - 1) * 3 * H;
@@ -1160,7 +1256,7 @@ __device__ __forceinline__ void backward_gates(const PersistentBackwardArgs<T, A
   phase_mark(kPhaseElements);
   __syncthreads();
   if (lnw) {
-    gate_statistics<A>(m.n, 3, NG, B, H, S, n, p.eps, p.partials, m.stats, p.cluster);
+    gate_statistics<A>(m.n, 3, NG, B, H, S, n, p.eps, p.partials, m.stats, block_group(p.blocks), p.cluster);
     for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
       const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);
       A& v = m.n[(b * 3 + g) * S + jj];
@@ -1192,7 +1288,7 @@ __device__ __forceinline__ void backward_elements(const PersistentBackwardArgs<T
   for (int e = threadIdx.x; e < B * n; e += blockDim.x) {
     const int b = e % B, jj = e / B, j = j0 + jj;
     const size_t o = static_cast<size_t>(b) * H + j;
-    const bool valid = row_valid(p.mask, t, B, b);
+    const bool valid = row_valid(p.mask, t, p.ldb, b);
     const A carry = (top || base) ? m.carry[b * S + jj] + m.cg[b * S + jj] : A(0);
     const A dout = top ? (valid ? carry + ld<A>(p.grad_out + t * BH, static_cast<int>(o)) : A(0))
                        : m.inner[b * S + jj] + m.gin[b * S + jj];
@@ -1254,7 +1350,8 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
   A* dlnw = sp.dlnw;
   A* dlnb = sp.dlnb;
   // (partials of their own: a block that gets here early must not overwrite statistics another still combines)
-  A* sums_partials = p.partials + (static_cast<size_t>(gridDim.x) + 1) * B * 3 * 2;
+  const BlockGroup group = block_group(p.blocks);
+  A* sums_partials = p.partials + (static_cast<size_t>(group.blocks) + 1) * B * 3 * 2;
   for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {
     const int b = e % B, g = (e / B) % NG, jj = e / (B * NG), j = j0 + jj;
     A& dv = m.d[(b * 3 + g) * S + jj];
@@ -1271,7 +1368,7 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
       s1 += m.d[(b * 3 + g) * S + jj];
       s2 += m.d[(b * 3 + g) * S + jj] * m.n[(b * 3 + g) * S + jj];
     }
-    A* out = sums_partials + ((static_cast<size_t>(blockIdx.x) * B + b) * 3 + g) * 2;
+    A* out = sums_partials + ((static_cast<size_t>(group.rank) * B + b) * 3 + g) * 2;
     out[0] = s1;
     out[1] = s2;
   }
@@ -1284,7 +1381,7 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
         const A* in = sums_partials + ((static_cast<size_t>(blk) * B + e / NG) * 3 + e % NG) * 2;
         return Sums<A>{in[0], in[1]};
       },
-      sums_partials + static_cast<size_t>(gridDim.x) * B * 3 * 2, 2,
+      sums_partials + static_cast<size_t>(group.blocks) * B * 3 * 2, 2,
       [&](int, const Sums<A>& all, A* out) {
         out[0] = all.s1 / A(H);
         out[1] = all.s2 / A(H);
@@ -1297,7 +1394,7 @@ __device__ __forceinline__ void backward_layer_norm(const PersistentBackwardArgs
         m.sums[((e / NG) * 3 + e % NG) * 2] = all.s1 / A(H);
         m.sums[((e / NG) * 3 + e % NG) * 2 + 1] = all.s2 / A(H);
       },
-      p.cluster);
+      group, p.cluster);
   __syncthreads();
   for (int e = threadIdx.x; e < B * NG * n; e += blockDim.x) {   // d -> rstd (d - mean(d) - n mean(d n))
     const int b = e % B, g = (e / B) % NG, jj = e / (B * NG);
@@ -1343,14 +1440,18 @@ template <int KIND, typename T, typename A>
 __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   constexpr int NH = Rows<KIND>::hid;
   DTMT_DYNAMIC_SMEM(smem);
+  if (!select_rows<KIND>(p)) return;   // (a cluster with no rows left: all its blocks)
   phase_begin();
   const int H = p.H, B = p.B, S = p.slice;
-  const BlockUnits units = block_units(H, S);   // (not a structured binding: u_path captures n)
+  // (not a structured binding: u_path captures n)
+  const BlockUnits units = block_units(H, S, block_group(p.blocks).rank);
   const int j0 = units.j0, n = units.n;
   const int R0 = NH * H;   // a base column's length; a T-GRU's is 3H
   const int r = resident_subcells(p.D, p.resident);
   T* cols = reinterpret_cast<T*>(smem);   // the resident sub-cells' columns [S][matrix_pitch(R)], one after another
-  auto spilled = [&](int k) { return spilled_matrix<T>(true, KIND, p.D, H, S, r, k, p.spill); };
+  auto spilled = [&](int k) {
+    return spilled_matrix<T>(true, KIND, p.D, H, S, r, k, p.spill, block_group(p.blocks).rank);
+  };
   A* buf = reinterpret_cast<A*>(smem + resident_matrix_bytes(true, KIND, p.D, H, S, sizeof(T), r));
   const size_t BS = static_cast<size_t>(B) * S;
   BackwardBuffers<A> m{buf, buf + 3 * BS, buf + 6 * BS, buf + 7 * BS, buf + 8 * BS, buf + 9 * BS,
@@ -1366,10 +1467,10 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
   auto u_path = [&](int k, const T* dpre, int R, A* out, int t) {
     if (k < r) {
       persistent_u_path<false>(dpre, R, resident_matrix<T>(true, KIND, H, S, k, cols), matrix_pitch(R), B, S, n,
-                               out, p.mask, t, p.mma, p.stage_cols, products_buf, share);
+                               out, step_mask(p.mask, t, p.ldb), p.mma, p.stage_cols, products_buf, share);
     } else {
-      persistent_u_path<true>(dpre, R, spilled(k), matrix_pitch(R), B, S, n, out, p.mask, t, p.mma, p.stage_cols,
-                              products_buf, share);
+      persistent_u_path<true>(dpre, R, spilled(k), matrix_pitch(R), B, S, n, out, step_mask(p.mask, t, p.ldb), p.mma,
+                              p.stage_cols, products_buf, share);
     }
   };
   for (int k = 0; k <= p.D; ++k) {
@@ -1393,7 +1494,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
     const int t = p.reverse ? p.steps - 1 - step : step, rt = t - p.chunk_t0;
     for (int k = p.D; k >= 0; --k) {
       if (k < p.D)   // the U-path from T-GRU k + 1 of this step (its dhpt: every block's, before the last barrier)
-        u_path(k + 1, p.dhpt + (static_cast<size_t>(k) * p.chunk_steps + rt) * B * 3 * H, 3 * H, m.gin, t);
+        u_path(k + 1, p.dhpt + (static_cast<size_t>(k) * p.chunk_steps + rt) * p.ldb * 3 * H, 3 * H, m.gin, t);
       phase_mark(kPhaseProducts);
       __syncthreads();
       if (k == 0) {
@@ -1403,7 +1504,7 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
       }
     }
     // the U-path of this step's base gradients: into the previous step's state (the next one processed)
-    u_path(0, p.dhp + static_cast<size_t>(rt) * B * R0, R0, m.cg, t);
+    u_path(0, p.dhp + static_cast<size_t>(rt) * p.ldb * R0, R0, m.cg, t);
     phase_mark(kPhaseProducts);
     __syncthreads();
   }
@@ -1459,18 +1560,22 @@ cudaError_t launch_in_clusters(Kernel* kernel, const Arg& a, int grid, int block
 }
 #endif
 
-// Launches kernel(a) as a persistent launch of `grid` blocks of `threads` threads with `smem` bytes of dynamic shared
-// memory each: a cooperative launch (one block per SM; the grid barrier), or with a.cluster one thread-block cluster
-// of `grid` blocks (at most kClusterMaxBlocks, above 8 with the non-portable attribute; the cluster barrier). A launch
-// the device cannot place (too much shared memory, blocks that cannot all be resident at once, a cluster it cannot
-// schedule with that shared memory) returns an error and nothing runs: the driver falls back (transition_cuda.cu).
-template <typename Arg>
-cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int threads, size_t smem,
+// Launches kernel(a) as a persistent launch of `grid` blocks of `threads` threads with smem_of(a) bytes of dynamic
+// shared memory each: a cooperative launch (one block per SM; the grid barrier), or with a.cluster thread-block
+// clusters of a.blocks (at most kClusterMaxBlocks, above 8 with the non-portable attribute; the cluster barrier), each
+// a.B rows of the batch (select_rows; docs/design/persistent_recurrence.md, "Clusters of batch rows"). Where the device
+// holds fewer of those clusters at once than the grid has, fewer clusters take more rows each (a.B and the shared
+// memory grow), so that none waits for another to end. A launch the device cannot place (too much shared memory,
+// blocks that cannot all be resident at once, a cluster it cannot schedule with that shared memory) returns an error
+// and nothing runs: the driver falls back (transition_cuda.cu).
+template <typename Arg, typename SmemOf>
+cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int threads, SmemOf smem_of,
                               cudaStream_t stream) {
+  const size_t smem = smem_of(a);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
   if (a.cluster) {
-    ::dtmt_emu::launch_cluster(kernel, grid, threads, smem, a);
+    ::dtmt_emu::launch_clusters(kernel, grid, threads, smem, a, a.blocks > 0 ? a.blocks : grid);
   } else if (a.multicast > 1) {
     ::dtmt_emu::launch_cooperative_clusters(kernel, grid, threads, smem, a, a.multicast);
   } else {
@@ -1485,7 +1590,41 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   const std::lock_guard<std::mutex> lock(allowance);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return err;
-  if (a.cluster) return launch_in_clusters(kernel, a, grid, grid, false, threads, smem, stream);   // (one cluster)
+  if (a.cluster) {
+    const int blocks = a.blocks > 0 ? a.blocks : grid;
+    if (blocks < 1 || grid % blocks != 0) return cudaErrorInvalidClusterSize;
+    int clusters = grid / blocks;
+    Arg b = a;
+    if (clusters > 1) {   // as many clusters as the device holds at once, each of ceil(ldb / clusters) rows
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(grid, 1, 1);
+      config.blockDim = dim3(threads, 1, 1);
+      config.dynamicSmemBytes = smem;
+      config.stream = stream;
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeClusterDimension;
+      attribute.val.clusterDim.x = blocks;
+      attribute.val.clusterDim.y = 1;
+      attribute.val.clusterDim.z = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      if (blocks > 8) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        if (err != cudaSuccess) return err;
+      }
+      int held = 0;
+      err = cudaOccupancyMaxActiveClusters(&held, kernel, &config);
+      if (err != cudaSuccess) return err;
+      if (held >= 1 && held < clusters) {
+        b.B = (b.ldb + held - 1) / held;
+        clusters = (b.ldb + b.B - 1) / b.B;
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(smem_of(b)));
+        if (err != cudaSuccess) return err;
+      }
+    }
+    return launch_in_clusters(kernel, b, clusters * blocks, blocks, false, threads, smem_of(b), stream);
+  }
   if (a.multicast > 1) {
     // the grid form in clusters that read the stage once a cluster: code for sm_90a only (setup.py's DTMT_SM90A for
     // TORCH_CUDA_ARCH_LIST=9.0a), whose bulk copies multicast
@@ -1504,10 +1643,11 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                             cudaStream_t stream) {
-  const size_t smem =
-      persistent_backward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident,
-                                a.stage_cols, a.multicast);
-  return launch_persistent(persistent_backward_kernel<KIND, T, A>, a, grid, threads, smem, stream);
+  auto smem_of = [threads](const PersistentBackwardArgs<T, A>& b) {
+    return persistent_backward_bytes(KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.mma, threads, b.resident,
+                                     b.stage_cols, b.multicast);
+  };
+  return launch_persistent(persistent_backward_kernel<KIND, T, A>, a, grid, threads, smem_of, stream);
 }
 
 template <typename T, typename A>
@@ -1525,10 +1665,11 @@ cudaError_t launch_persistent_backward(int kind, const PersistentBackwardArgs<T,
 template <int KIND, typename T, typename A>
 cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a, int grid, int threads,
                                            cudaStream_t stream) {
-  const size_t smem =
-      persistent_forward_bytes(KIND, a.D, a.B, a.H, a.slice, sizeof(T), sizeof(A), a.mma, threads, a.resident,
-                               a.stage_cols, a.multicast);
-  return launch_persistent(persistent_forward_kernel<KIND, T, A>, a, grid, threads, smem, stream);
+  auto smem_of = [threads](const PersistentForwardArgs<T, A>& b) {
+    return persistent_forward_bytes(KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.mma, threads, b.resident,
+                                    b.stage_cols, b.multicast);
+  };
+  return launch_persistent(persistent_forward_kernel<KIND, T, A>, a, grid, threads, smem_of, stream);
 }
 
 template <typename T, typename A>

@@ -190,7 +190,7 @@ constexpr int kPlanMaxHidden = 1 << 20;
 constexpr int kPlanMaxRows = 1 << 24;
 
 // The most blocks one thread-block cluster may hold (Hopper, compute capability 9.0: 16 with the non-portable
-// attribute, 8 portable); the cluster form of the persistent launches is one cluster of at most this many blocks.
+// attribute, 8 portable); the cluster form of the persistent launches is clusters of at most this many blocks.
 constexpr int kClusterMaxBlocks = 16;
 
 // The spill buffers may take at most 1 / kSpillL2Share of the device's L2: the rest holds what passes through each
@@ -202,12 +202,15 @@ constexpr int kSpillL2Share = 2;
 // matrices do not all fit, the top sub-cells' (T-GRU D first) are read from L2 (a spill buffer in global memory),
 // as many as needed and as the L2 budget allows (l2_bytes / kSpillL2Share in all; l2_bytes 0: none).
 // (Co-residency also depends on registers: a launch the device still refuses falls back, see transition_cuda.cu.)
-// The cluster form (cluster_blocks > 0; docs/design/persistent_recurrence.md, "One cluster"): the launch is one
-// thread-block cluster of at most cluster_blocks blocks (one per unit at most) instead of one block per SM, its
-// barrier the cluster's; the same kernels, the same arithmetic for the shared memory of a block of its slice.
+// The cluster form (cluster_blocks > 0; docs/design/persistent_recurrence.md, "One cluster" and "Clusters of batch
+// rows"): thread-block clusters of at most cluster_blocks blocks (one per unit at most) instead of one block per SM,
+// each cluster the whole layer for its own batch rows, its barrier the cluster's; as many clusters as the SMs hold and
+// the batch's rows allow (`groups`, each ceil(B / groups) rows); the same kernels, the same arithmetic for the shared
+// memory of a block of its slice and its rows.
 struct PersistentPlan {
   int grid = 0, slice = 0;
-  bool cluster = false;                              // one thread-block cluster of `grid` blocks (else a grid of them)
+  bool cluster = false;                              // thread-block clusters of `grid` blocks (else a grid of them)
+  int groups = 1;                                    // the cluster form's clusters, each its own batch rows
   int multicast = 1;                                 // the grid form in clusters of this many blocks sharing the stage
   int forward_resident = 0, backward_resident = 0;   // sub-cells (of D + 1) whose matrices stay in shared memory
   size_t forward_bytes = 0, backward_bytes = 0;      // shared memory a block
@@ -233,6 +236,13 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
     return plan;   // (an unknown kind, or sizes past the plan's: no plan)
   plan.slice = (H + blocks - 1) / blocks;
   plan.grid = (H + plan.slice - 1) / plan.slice;
+  int rows = B;   // a block's batch rows: the cluster form's clusters share the batch out
+  if (plan.cluster) {
+    const int held = multiprocessors / plan.grid;
+    const int groups = held < 1 ? 1 : held < B ? held : B;
+    rows = (B + groups - 1) / groups;
+    plan.groups = (B + rows - 1) / rows;
+  }
   if (!plan.cluster && !mma && multicast > 1 && multicast <= kClusterMaxBlocks) {
     for (int g = blocks / multicast * multicast; g >= multicast; g -= multicast) {
       const int slice = (H + g - 1) / g;
@@ -250,8 +260,9 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
   for (int pass = 0; pass < 2; ++pass) {
     const bool backward = pass == 1;
     auto bytes = [&](int resident) {
-      return backward ? persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident)
-                      : persistent_forward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident);
+      return backward
+                 ? persistent_backward_bytes(kind, D, rows, H, plan.slice, t_bytes, a_bytes, mma, threads, resident)
+                 : persistent_forward_bytes(kind, D, rows, H, plan.slice, t_bytes, a_bytes, mma, threads, resident);
     };
     auto spill = [&](int resident) {
       return static_cast<size_t>(plan.grid) * spill_elems(backward, kind, D, H, plan.slice, resident) * t_bytes;
@@ -265,14 +276,14 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
     // FMA products: block_dots' stage in the shared memory the matrices leave (none where they leave too little)
     const int stage = mma || smem_optin < share
                           ? 0
-                          : persistent_stage_columns(backward, kind, D, B, H, plan.slice, t_bytes, a_bytes, resident,
-                                                     smem_optin - share);
+                          : persistent_stage_columns(backward, kind, D, rows, H, plan.slice, t_bytes, a_bytes,
+                                                     resident, smem_optin - share);
     (backward ? plan.backward_stage : plan.forward_stage) = stage;
     (backward ? plan.backward_bytes : plan.forward_bytes) =
-        backward ? persistent_backward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage,
-                                             plan.multicast)
-                 : persistent_forward_bytes(kind, D, B, H, plan.slice, t_bytes, a_bytes, mma, threads, resident, stage,
-                                            plan.multicast);
+        backward ? persistent_backward_bytes(kind, D, rows, H, plan.slice, t_bytes, a_bytes, mma, threads, resident,
+                                             stage, plan.multicast)
+                 : persistent_forward_bytes(kind, D, rows, H, plan.slice, t_bytes, a_bytes, mma, threads, resident,
+                                            stage, plan.multicast);
   }
   return plan;
 }

@@ -434,9 +434,14 @@ Tensor set_persistent_spill(Args& a, bool backward, const TransitionWeights& w, 
   a.spill = spill.numel() ? mptr<T, S>(spill) : nullptr;
   return spill;
 }
-template <typename Args> void set_persistent_sizes(Args& a, const Dims& d, int64_t slice, bool reverse, double eps) {
+// (rows: the batch rows of one group of blocks, the cluster form's clusters each their own; the tensors' rows: d.B)
+template <typename Args>
+void set_persistent_sizes(Args& a, const Dims& d, int64_t slice, bool reverse, double eps, int64_t rows,
+                          int64_t blocks) {
   a.steps = static_cast<int>(d.T);
-  a.B = static_cast<int>(d.B);
+  a.B = static_cast<int>(rows);
+  a.ldb = static_cast<int>(d.B);
+  a.blocks = static_cast<int>(blocks);
   a.H = static_cast<int>(d.H);
   a.D = static_cast<int>(d.D);
   a.slice = static_cast<int>(slice);
@@ -467,14 +472,14 @@ DeviceLimits device_limits() {
 }
 
 // The FMA products' stage of a launch asked for without a plan (persistent_plan's rule in this device's shared
-// memory, less the mbarriers of a stage shared by clusters of `multicast` blocks): columns of each batch row, forward
-// or backward.
+// memory, less the mbarriers of a stage shared by clusters of `multicast` blocks): columns of each of a block's `rows`
+// batch rows, forward or backward.
 template <typename T, typename A>
 int default_stage(bool backward, const TransitionWeights& w, const Dims& d, int64_t slice, int64_t resident,
-                  int64_t multicast) {
+                  int64_t multicast, int64_t rows) {
   const size_t optin = device_limits().smem_optin, share = cuda::stage_share_bytes(static_cast<int>(multicast), 1);
   return cuda::persistent_stage_columns(backward, static_cast<int>(w.kind), static_cast<int>(d.D),
-                                        static_cast<int>(d.B), static_cast<int>(d.H), static_cast<int>(slice),
+                                        static_cast<int>(rows), static_cast<int>(d.H), static_cast<int>(slice),
                                         sizeof(T), sizeof(A), static_cast<int>(resident), optin - share);
 }
 
@@ -488,16 +493,36 @@ void check_multicast(const char* direction, int64_t multicast, bool cluster, int
                       " for a grid of ", grid, cluster ? " in the cluster form" : ""));
 }
 std::string form_name(bool cluster, int multicast) {
-  return cluster ? " as one cluster"
+  return cluster ? " in clusters"
          : multicast > 1 ? message(" in clusters of ", multicast, " sharing the stage")
                          : std::string();
+}
+
+// The cluster form's clusters of batch rows (docs/design/persistent_recurrence.md, "Clusters of batch rows"): `groups`
+// clusters (1 up to B; 1 outside the cluster form) of ceil(B / groups) rows each, as many as leave none empty; and the
+// layer-norm partials' elements of every group's blocks (`blocks` each), whatever fewer, larger groups the launch
+// takes where the device holds fewer clusters (launch_persistent: each group (blocks + 1) x rows x 3 x 2, `sets` of
+// them, and groups x rows <= B + groups - 1).
+struct RowGroups {
+  int64_t groups, rows;
+};
+RowGroups row_groups(const char* direction, int64_t groups, bool cluster, int64_t B) {
+  TORCH_CHECK(groups >= 1 && (groups == 1 || cluster) && (groups <= B || B == 0),
+              message("dtmt: the persistent ", direction, "'s clusters of batch rows must be 1 to B (", B,
+                      "), in the cluster form; got ", groups, cluster ? "" : " in the grid form"));
+  const int64_t rows = B > 0 ? (B + groups - 1) / groups : 0;
+  return {rows > 0 ? (B + rows - 1) / rows : 1, rows};
+}
+int64_t partials_elems(int64_t blocks, int64_t B, int64_t groups, int64_t sets) {
+  return sets * (blocks + 1) * (B + groups) * 3 * 2;
 }
 
 // The forward as one persistent cooperative launch of `grid` blocks (persistent_cuda_kernels.cuh): the same
 // outputs and saved tensors as forward_impl, so backward_impl runs on them unchanged. The rows of the first
 // `resident` sub-cells stay in shared memory, the others' in a spill buffer read through L2 (< 0: all in shared
-// memory; persistent_plan chooses). `cluster`: the launch is one thread-block cluster of `grid` blocks (at most
-// kClusterMaxBlocks), its barrier the cluster's, instead of a cooperative grid. `fallible`: a launch the device
+// memory; persistent_plan chooses). `cluster`: the launch is thread-block clusters of `grid` blocks (at most
+// kClusterMaxBlocks), `groups` of them each its own ceil(B / groups) batch rows (row_groups), their barrier the
+// cluster's, instead of a cooperative grid. `fallible`: a launch the device
 // refuses (too much shared memory, blocks that cannot all be resident, a cluster it cannot place) returns {} instead
 // of throwing. `stage_cols`: the FMA products' stage (persistent_plan's, columns of each batch row; < 0: the plan's
 // rule, in the shared memory this device leaves the block), none with tensor-core products. `multicast` > 1: the
@@ -507,10 +532,12 @@ template <typename S>
 std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                             const TransitionWeights& w, bool reverse, double eps, int64_t grid,
                                             int64_t threads, int64_t resident = -1, bool cluster = false,
-                                            bool fallible = false, int64_t stage_cols = -1, int64_t multicast = 1) {
+                                            bool fallible = false, int64_t stage_cols = -1, int64_t multicast = 1,
+                                            int64_t groups = 1) {
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
+  const RowGroups rg = row_groups("forward", groups, cluster, d.B);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S_ = D + 1;
   TORCH_CHECK(grid >= 1 && grid <= H,
               message("dtmt: the persistent forward needs 1 <= grid <= H, got grid ", grid, ", H ", H));
@@ -534,7 +561,8 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   Tensor hpt = at::empty({D, T_, B, 3 * H}, opts);
   Tensor out = at::empty({T_, B, H}, opts);
   Tensor h_last = at::empty({B, H}, acc_opts);
-  Tensor partials = at::empty({grid + 1, B, 3, 2}, acc_opts);   // (the last: the joined statistics)
+  // (each group's: its blocks', then the joined statistics)
+  Tensor partials = at::empty({partials_elems(grid, B, rg.groups, 1)}, acc_opts);
   const int64_t first = reverse ? T_ - 1 : 0;
   hs[0][first].copy_(h0);
   if (lp) hs_lp[0][first].copy_(h0);
@@ -550,18 +578,18 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   a.out = mptr<T, S>(out);
   a.h_last = mptr<A, A>(h_last);
   a.partials = mptr<A, A>(partials);
-  const Tensor spill = set_persistent_spill<T, S>(a, false, w, d, slice, grid, resident, opts);
-  set_persistent_sizes(a, d, slice, reverse, eps);
+  const Tensor spill = set_persistent_spill<T, S>(a, false, w, d, slice, grid, resident, opts);   // (shared by groups)
+  set_persistent_sizes(a, d, slice, reverse, eps, rg.rows, grid);
   a.mma = persistent_mma<T>();
   a.stage_cols = a.mma ? 0
                  : stage_cols >= 0 ? static_cast<int>(stage_cols)
-                                   : default_stage<T, A>(false, w, d, slice, resident, multicast);
+                                   : default_stage<T, A>(false, w, d, slice, resident, multicast, rg.rows);
   a.cluster = cluster;
   a.multicast = a.stage_cols > 0 ? static_cast<int>(multicast) : 1;
   if (T_ > 0) {
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const cudaError_t err = cuda::launch_persistent_forward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
-                                                                  static_cast<int>(threads), stream);
+    const cudaError_t err = cuda::launch_persistent_forward<T, A>(
+        static_cast<int>(w.kind), a, static_cast<int>(grid * rg.groups), static_cast<int>(threads), stream);
     if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
       (void)cudaGetLastError();   // (the launch's error, cleared)
       ++launches_refused;
@@ -971,12 +999,14 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
                                              const SavedForward& saved, bool reverse, double eps, int64_t grid,
                                              int64_t threads, int64_t resident = -1, bool cluster = false,
                                              bool fallible = false, bool weight_grads = true,
-                                             int64_t stage_cols = -1, int64_t chunk = -1, int64_t multicast = 1) {
+                                             int64_t stage_cols = -1, int64_t chunk = -1, int64_t multicast = 1,
+                                             int64_t groups = 1) {
   const Tensor &grad_out = in.grad_out, &grad_hn = in.grad_hn, &x = in.x, &mask = in.mask, &drop = in.drop;
   const Tensor &xp = saved.xp, &hs = saved.hs, &hs_lp_saved = saved.hs_lp, &hp = saved.hp, &hpt = saved.hpt;
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
+  const RowGroups rg = row_groups("backward", groups, cluster, d.B);
   const int64_t B = d.B, H = d.H, D = d.D;
   TORCH_CHECK(grid >= 1 && grid <= H,
               message("dtmt: the persistent backward needs 1 <= grid <= H, got grid ", grid, ", H ", H));
@@ -1000,7 +1030,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   Tensor dtln_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
   Tensor dtlnb_rows = at::zeros({tln ? D : 0, B, 2 * H}, acc_opts);
   Tensor dh[2] = {at::empty({B, H}, acc_opts), at::empty({B, H}, acc_opts)};   // each chunk's dh0, in turn
-  Tensor partials = at::empty({2, grid + 1, B, 3, 2}, acc_opts);
+  Tensor partials = at::empty({partials_elems(grid, B, rg.groups, 2)}, acc_opts);
   const Tensor ghn = grad_hn.to(acc).contiguous(), gout = grad_out.contiguous();
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
 
@@ -1020,12 +1050,12 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   a.dtln_rows = tln ? mptr<A, A>(dtln_rows) : nullptr;
   a.dtlnb_rows = tln ? mptr<A, A>(dtlnb_rows) : nullptr;
   a.partials = mptr<A, A>(partials);
-  const Tensor spill = set_persistent_spill<T, S>(a, true, w, d, slice, grid, resident, opts);
-  set_persistent_sizes(a, d, slice, reverse, eps);
+  const Tensor spill = set_persistent_spill<T, S>(a, true, w, d, slice, grid, resident, opts);   // (shared by groups)
+  set_persistent_sizes(a, d, slice, reverse, eps, rg.rows, grid);
   a.mma = persistent_mma<T>();
   a.stage_cols = a.mma ? 0
                  : stage_cols >= 0 ? static_cast<int>(stage_cols)
-                                   : default_stage<T, A>(true, w, d, slice, resident, multicast);
+                                   : default_stage<T, A>(true, w, d, slice, resident, multicast, rg.rows);
   a.cluster = cluster;
   a.multicast = a.stage_cols > 0 ? static_cast<int>(multicast) : 1;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -1037,8 +1067,8 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
     a.chunk_t0 = static_cast<int>(chunks.first_time());
     a.grad_hn = c == 0 ? cptr<A, A>(ghn) : cptr<A, A>(dh[(c - 1) % 2]);
     a.dh0 = mptr<A, A>(dh[c % 2]);
-    const cudaError_t err = cuda::launch_persistent_backward<T, A>(static_cast<int>(w.kind), a, static_cast<int>(grid),
-                                                                   static_cast<int>(threads), stream);
+    const cudaError_t err = cuda::launch_persistent_backward<T, A>(
+        static_cast<int>(w.kind), a, static_cast<int>(grid * rg.groups), static_cast<int>(threads), stream);
     if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: this one not run
       (void)cudaGetLastError();
       refused = err;
@@ -1076,7 +1106,7 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
     if (plan.grid > 0)
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
                                                  cuda::kPersistentThreads, plan.forward_resident, plan.cluster,
-                                                 /*fallible=*/true, plan.forward_stage, plan.multicast);
+                                                 /*fallible=*/true, plan.forward_stage, plan.multicast, plan.groups);
     if (result.empty() && (plan.cluster || plan.multicast > 1) &&
         (plan = device_plan<scalar_t>(x, w, false)).grid > 0)   // the plain grid form
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
@@ -1088,34 +1118,34 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
 }
 
 // The same, as one persistent launch of `grid` blocks of `threads` threads with the first `resident` sub-cells'
-// rows in shared memory (< 0: all), one thread-block cluster with `cluster`, clusters of `multicast` blocks sharing
-// the stage (forward_persistent_impl).
+// rows in shared memory (< 0: all), thread-block clusters with `cluster` (`groups` of them, each its batch rows),
+// clusters of `multicast` blocks sharing the stage (forward_persistent_impl).
 std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask,
                                                        const Tensor& drop, const TransitionWeights& w, bool reverse,
                                                        double eps, int64_t grid, int64_t threads, int64_t resident,
-                                                       bool cluster, int64_t multicast) {
+                                                       bool cluster, int64_t multicast, int64_t groups = 1) {
   const c10::cuda::CUDAGuard guard(x.device());
   check_step_sizes(dims_of(x, w), "transition_forward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_persistent_cuda", [&] {
     result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, grid, threads, resident, cluster,
-                                               false, -1, multicast);
+                                               false, -1, multicast, groups);
   });
   return result;
 }
 
-// The backward as one persistent launch of `grid` blocks of `threads` threads, `resident`, `cluster` and
-// `multicast` as the forward's (backward_persistent_impl).
+// The backward as one persistent launch of `grid` blocks of `threads` threads, `resident`, `cluster`, `multicast`
+// and `groups` as the forward's (backward_persistent_impl).
 std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in, const TransitionWeights& w,
                                                         const SavedForward& saved, bool reverse, double eps,
                                                         int64_t grid, int64_t threads, int64_t resident,
-                                                        bool cluster, int64_t multicast) {
+                                                        bool cluster, int64_t multicast, int64_t groups = 1) {
   const c10::cuda::CUDAGuard guard(in.x.device());
   check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
     result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, grid, threads, resident, cluster, false,
-                                                true, -1, -1, multicast);
+                                                true, -1, -1, multicast, groups);
   });
   return result;
 }
@@ -1131,7 +1161,7 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const Tra
     if (plan.grid > 0)
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
                                                   plan.backward_resident, plan.cluster, /*fallible=*/true,
-                                                  weight_grads, plan.backward_stage, -1, plan.multicast);
+                                                  weight_grads, plan.backward_stage, -1, plan.multicast, plan.groups);
     if (result.empty() && (plan.cluster || plan.multicast > 1) &&
         (plan = device_plan<scalar_t>(in.x, w, false)).grid > 0)   // the plain grid form
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,

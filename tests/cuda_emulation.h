@@ -29,8 +29,10 @@
 // stale values in one of the two orders. Threads of one block that meet different barriers (some a __syncthreads,
 // some the grid barrier), or blocks of which some end while others wait at the grid barrier, throw.
 //
-// Cluster launches (launch_cluster: the persistent kernels' cluster form, one thread-block cluster of at most 16
-// blocks) run the same way with cluster_sync() as the barrier of all the launch's blocks. Cooperative launches in
+// Cluster launches (launch_clusters: the persistent kernels' cluster form, thread-block clusters of at most 16
+// blocks, each its own batch rows; launch_cluster: one of the whole grid) run the same way with cluster_sync() as the
+// barrier of a cluster's blocks, the clusters in turn, each from one of its barriers to the next (in an order that
+// alternates), so that clusters that share what they should not (a buffer, a row) meet. Cooperative launches in
 // clusters (launch_cooperative_clusters: the stage read once a cluster) have both barriers, cluster_sync() a
 // cluster's, and mbarriers with bulk copies multicast to a cluster's blocks (below); a grid_sync() in a cluster
 // launch, a cluster_sync() in a cooperative one without clusters and a cluster of more than 16 blocks throw, as none
@@ -86,7 +88,8 @@ struct Scheduler {
   int current = 0;
   // cooperative launches: fiber b * threads + t is thread t of block b; each block's shared memory
   bool cooperative = false;
-  bool cluster = false;   // a cluster launch (its barrier cluster_sync), else a cooperative one (grid_sync)
+  bool cluster = false;   // a cluster launch (clusters of cluster_blocks, their barrier cluster_sync; no grid_sync),
+                          // else a cooperative one (grid_sync)
   int cluster_blocks = 1; // a cooperative launch's clusters (launch_cooperative_clusters): cluster_sync their barrier
   // cooperative launches: where each fiber waits (kRunning: it runs at its next resume; kSpinning: it polls, as an
   // mbarrier wait does, and runs again at each round)
@@ -235,15 +238,12 @@ inline void grid_sync() {
 inline void cluster_sync() {
   Scheduler& s = *scheduler;
   if (!s.cluster && s.cluster_blocks < 2) fiber_fail("emulated cluster_sync outside a cluster launch");
-  s.wait[s.current] = s.cluster ? Scheduler::kAtGrid : Scheduler::kAtCluster;
+  s.wait[s.current] = Scheduler::kAtCluster;
   yield_to_scheduler();
 }
 
-// This block's rank in its cluster, and the cluster's blocks (1 outside clusters; a cluster launch's: the grid).
-inline int cluster_blocks() {
-  const Scheduler& s = *scheduler;
-  return s.cluster ? static_cast<int>(gridDim.x) : s.cluster_blocks;
-}
+// This block's rank in its cluster, and the cluster's blocks (1 outside clusters).
+inline int cluster_blocks() { return scheduler->cluster_blocks; }
 inline int cluster_rank() { return static_cast<int>(blockIdx.x) % cluster_blocks(); }
 
 // The most blocks of one cluster (Hopper's, with the non-portable attribute).
@@ -454,11 +454,12 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
   }
 }
 
-// A launch whose blocks wait at a barrier of them all: cooperative (grid_sync) or, with `cluster`, one cluster of the
-// whole grid (cluster_sync); a cooperative one in clusters of `cluster_blocks` (cluster_sync the barrier of a
-// cluster's blocks). Between two grid barriers the clusters run one after another (a block is a cluster of one),
-// in an order that alternates with the phase; a cluster's threads in rounds, each running thread going on to its
-// next barrier or wait, a polling one (an mbarrier's wait) again each round, in an order that alternates with the
+// A launch whose blocks wait at a barrier of them all: cooperative (grid_sync); with `cluster`, clusters of
+// `cluster_blocks` and no grid barrier (cluster_sync the barrier of a cluster's blocks); a cooperative one in clusters
+// of `cluster_blocks` (both barriers). Between two grid barriers the clusters run one after another (a block is a
+// cluster of one), in an order that alternates with the phase; in a cluster launch of several clusters, each cluster
+// from one of its barriers to the next, in an order that alternates too; a cluster's threads in rounds, each
+// running thread going on to its next barrier or wait, a polling one (an mbarrier's wait) again each round, in an order that alternates with the
 // round, the block and the phase (a cluster's blocks one at a time, each until it waits on the others);
 // a block barrier opens once every thread of the block that has not ended waits at it, a cluster's once all of the
 // cluster's do.
@@ -490,7 +491,7 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
   blockDim.x = threads;
   gridDim.x = grid;
   for (int f = 0; f < fibers; ++f) start_fiber(s, f);
-  const int per = cluster ? 1 : cluster_blocks, clusters = grid / per;
+  const int per = cluster_blocks, clusters = grid / per;
   for (int phase = 0;; ++phase) {
     for (int i = 0; i < clusters; ++i) {
       const int c = (phase & 1) ? clusters - 1 - i : i;
@@ -548,6 +549,7 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
           for (int f = c * per * threads; f < (c + 1) * per * threads; ++f)
             if (!s.done[f]) s.wait[f] = Scheduler::kRunning;
           ++s.events;
+          if (s.cluster && clusters > 1) break;   // (the next cluster runs to its next barrier: clusters interleave)
         } else if (at_cluster > 0 && at_grid > 0 && at_cluster + at_grid == left) {
           throw std::runtime_error("emulated launch: threads of one cluster met different barriers");
         }
@@ -568,6 +570,7 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
       waiting += !s.done[f] && s.wait[f] == Scheduler::kAtGrid;
     }
     if (ended == fibers) break;
+    if (s.cluster) continue;   // (a cluster launch's clusters, interleaved at their barriers: no grid barrier)
     if (waiting + ended != fibers || ended)
       throw std::runtime_error("emulated launch: some threads ended while others wait at the grid barrier");
     std::fill(s.wait.begin(), s.wait.end(), Scheduler::kRunning);
@@ -590,25 +593,35 @@ inline void launch_cooperative(Kernel* kernel, int grid, int threads, size_t sme
   launch_all_blocks(kernel, grid, threads, smem, arg, false);
 }
 
+// A cluster launch's shape as the device takes it: clusters of 1 to kMaxClusterBlocks blocks that divide the grid.
+inline void check_cluster_blocks(int grid, int cluster_blocks) {
+  if (cluster_blocks < 1 || cluster_blocks > kMaxClusterBlocks || grid % cluster_blocks != 0)
+    throw std::runtime_error("emulated launch: clusters of " + std::to_string(cluster_blocks) +
+                             " blocks in a grid of " + std::to_string(grid) + " (at most " +
+                             std::to_string(kMaxClusterBlocks) + ", dividing the grid)");
+}
+
 // A cooperative launch in thread-block clusters of `cluster_blocks` consecutive blocks (cudaLaunchKernelEx with both
 // the cooperative and the cluster-dimension attributes): grid_sync the grid's barrier, cluster_sync a cluster's.
 template <typename Kernel, typename Arg>
 inline void launch_cooperative_clusters(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg,
                                         int cluster_blocks) {
-  if (cluster_blocks < 1 || cluster_blocks > kMaxClusterBlocks || grid % cluster_blocks != 0)
-    throw std::runtime_error("emulated launch: clusters of " + std::to_string(cluster_blocks) +
-                             " blocks in a grid of " + std::to_string(grid) + " (at most " +
-                             std::to_string(kMaxClusterBlocks) + ", dividing the grid)");
+  check_cluster_blocks(grid, cluster_blocks);
   launch_all_blocks(kernel, grid, threads, smem, arg, false, cluster_blocks);
 }
 
-// One thread-block cluster of `grid` blocks (cudaLaunchKernelEx with cudaLaunchAttributeClusterDimension = grid).
+// Thread-block clusters of `cluster_blocks` consecutive blocks (cudaLaunchKernelEx with
+// cudaLaunchAttributeClusterDimension, not cooperative): cluster_sync a cluster's barrier, no grid barrier.
+template <typename Kernel, typename Arg>
+inline void launch_clusters(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg, int cluster_blocks) {
+  check_cluster_blocks(grid, cluster_blocks);
+  launch_all_blocks(kernel, grid, threads, smem, arg, true, cluster_blocks);
+}
+
+// One thread-block cluster of `grid` blocks.
 template <typename Kernel, typename Arg>
 inline void launch_cluster(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
-  if (grid < 1 || grid > kMaxClusterBlocks)
-    throw std::runtime_error("emulated launch: a cluster of " + std::to_string(grid) + " blocks (at most " +
-                             std::to_string(kMaxClusterBlocks) + ")");
-  launch_all_blocks(kernel, grid, threads, smem, arg, true);
+  launch_clusters(kernel, grid, threads, smem, arg, grid);
 }
 
 }  // namespace dtmt_emu

@@ -251,15 +251,18 @@ std::vector<at::Tensor> backward_rows(const at::Tensor& grad_out, const at::Tens
                                         reverse, eps, /*weight_grads=*/false);
 }
 // `cluster` (the tests' tuples): 0 or False the grid form, 1 or True the cluster form (one thread-block cluster),
-// n >= 2 the grid form in clusters of n blocks that read the products' stage once a cluster (multicast)
-bool one_cluster(int64_t cluster) { return cluster == 1; }
+// -g the cluster form in g clusters each its own batch rows, n >= 2 the grid form in clusters of n blocks that read
+// the products' stage once a cluster (multicast)
+bool one_cluster(int64_t cluster) { return cluster == 1 || cluster < 0; }
 int64_t multicast_of(int64_t cluster) { return cluster >= 2 ? cluster : 1; }
+int64_t groups_of(int64_t cluster) { return cluster < 0 ? -cluster : 1; }
 std::vector<at::Tensor> forward_persistent(const at::Tensor& x, const at::Tensor& h0, const at::Tensor& mask,
                                            const at::Tensor& drop, int64_t kind, const std::vector<at::Tensor>& params,
                                            bool reverse, double eps, int64_t grid, int64_t threads, int64_t resident,
                                            int64_t cluster) {
   return dtmt::transition_forward_persistent_cuda(x, h0, mask, drop, weights(kind, params), reverse, eps, grid,
-                                                  threads, resident, one_cluster(cluster), multicast_of(cluster));
+                                                  threads, resident, one_cluster(cluster), multicast_of(cluster),
+                                                  groups_of(cluster));
 }
 std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at::Tensor& grad_hn,
                                             const at::Tensor& x, const at::Tensor& mask, const at::Tensor& drop,
@@ -268,7 +271,7 @@ std::vector<at::Tensor> backward_persistent(const at::Tensor& grad_out, const at
                                             int64_t grid, int64_t threads, int64_t resident, int64_t cluster) {
   return dtmt::transition_backward_persistent_cuda({grad_out, grad_hn, x, mask, drop}, weights(kind, params),
                                                    saved_of(saved), reverse, eps, grid, threads, resident,
-                                                   one_cluster(cluster), multicast_of(cluster));
+                                                   one_cluster(cluster), multicast_of(cluster), groups_of(cluster));
 }
 // the backward (per-step, or persistent where grid > 0) with the gradients formed in chunks of `chunk` steps
 // (GradientChunks; < 0: the driver's rule, chunk_steps)
@@ -282,7 +285,8 @@ std::vector<at::Tensor> backward_chunked(const at::Tensor& grad_out, const at::T
   DTMT_DISPATCH_TYPES(x.scalar_type(), "backward_chunked", [&] {
     result = grid > 0 ? dtmt::backward_persistent_impl<scalar_t>(in, weights(kind, params), saved_of(saved), reverse,
                                                                  eps, grid, threads, resident, one_cluster(cluster),
-                                                                 false, true, -1, chunk, multicast_of(cluster))
+                                                                 false, true, -1, chunk, multicast_of(cluster),
+                                                                 groups_of(cluster))
                       : dtmt::backward_impl<scalar_t>(in, weights(kind, params), saved_of(saved), reverse, eps, true,
                                                       chunk);
   });
@@ -803,22 +807,24 @@ def test_backward_gradient_chunks_emulated(emulated_cuda_ext):
                 torch.randn(B, H, generator=gen, dtype=torch.float64), x, mask, drop, KINDS[cell], params, saved,
                 reverse, 1e-5)
         whole = ext.backward_chunked(*back, 0, 32, -1, False, T)
-        for grid, chunk in itertools.product((0, 4), (2, 3)):
-            chunked = ext.backward_chunked(*back, grid, 32, -1, False, chunk)
+        for (grid, cluster), chunk in itertools.product(((0, False), (4, False), (4, -2)), (2, 3)):
+            chunked = ext.backward_chunked(*back, grid, 32, -1, cluster, chunk)
             for name, a, b in zip(names, whole, chunked):
                 if a is None or not a.numel():
                     assert b is None or not b.numel(), name
                     continue
                 torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12, msg=lambda m: (
-                    f"{cell}-d{depth} ln={ln} reverse={reverse} grid={grid} chunk={chunk} {name}: {m}"))
+                    f"{cell}-d{depth} ln={ln} reverse={reverse} grid={grid} cluster={cluster} chunk={chunk} "
+                    f"{name}: {m}"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("grid,threads,resident,cluster",
                          [(4, 32, -1, False), (1, 64, -1, False), (37, 32, -1, False), (4, 32, 1, False),
-                          (3, 64, 0, False), (4, 32, -1, True), (16, 32, 1, True)],
+                          (3, 64, 0, False), (4, 32, -1, True), (16, 32, 1, True), (4, 32, -1, -2),
+                          (16, 32, 1, -3)],
                          ids=["4-blocks", "1-block", "a-unit-each", "T-GRUs-from-L2", "all-from-L2", "one-cluster",
-                              "cluster-of-13-T-GRUs-from-L2"])
+                              "cluster-of-13-T-GRUs-from-L2", "2-clusters-of-rows", "3-clusters-of-13-from-L2"])
 def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident, cluster):
     """The persistent forward (csrc/persistent_cuda_kernels.cuh: one cooperative launch over every step and
     sub-cell, each block owning a slice of the H = 37 units, grid barriers between dependent phases, layer norm
@@ -833,7 +839,10 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident,
     memory and the T-GRUs' in the spill buffer (resident 1), and every sub-cell's in it (resident 0, 3 blocks of 13
     units, the last 11). The cluster form (one thread-block cluster, every barrier the cluster's: the emulation
     throws at a grid barrier in a cluster launch) with 4 blocks, and with 16 asked for (13 blocks of 3 units) and
-    the T-GRUs' matrices from L2."""
+    the T-GRUs' matrices from L2; and in several clusters, each the whole layer for its own batch rows (`cluster`
+    -g: g clusters of ceil(B / g) rows): 2 clusters of 4 blocks (rows 2 and 1), 3 clusters of 13 blocks (a row
+    each) with the T-GRUs' matrices from L2 (the blocks of one rank in the three clusters share a part of the spill
+    buffer, each writing the same values)."""
     ext = emulated_cuda_ext
     cases = (itertools.product(EMULATED_CASES, (False, True), (True, False)) if grid == 4 and resident < 0
              and not cluster else [(("lgru", 2), True, True), (("atr", 0), True, True)])
@@ -879,6 +888,27 @@ def test_persistent_forward_emulated(emulated_cuda_ext, grid, threads, resident,
                                        msg=lambda m: f"{cell}-d{depth} ln={ln} full={full_features} {name}: {m}")
         _compare_emulated(_emulated_sequence(ext, (grid, threads, resident, cluster)), cell, depth, ln, full_features,
                           torch.float64, B=3, T=3, H=37)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B,H,grid,groups,dtype",
+                         [(5, 37, 4, 2, torch.float64), (7, 37, 4, 7, torch.float64), (9, 37, 4, 4, torch.float64),
+                          (64, 80, 4, 2, torch.float64), (64, 80, 4, 3, torch.float32)],
+                         ids=["B5-2-clusters", "B7-a-row-each", "B9-4-clusters-of-3-3-3", "B64-2-clusters-staged",
+                              "B64-3-clusters-fp32"])
+def test_persistent_clusters_of_batch_rows_emulated(emulated_cuda_ext, strict_fp32, B, H, grid, groups, dtype):
+    """The cluster form in several thread-block clusters, each the whole layer (its blocks every unit, their barrier
+    the cluster's) for its own batch rows: cluster g the rows [g r, (g + 1) r), r = ceil(B / groups), as many clusters
+    as leave none empty (select_rows in csrc/persistent_cuda_kernels.cuh; docs/design/persistent_recurrence.md,
+    "Clusters of batch rows"). B = 5 in 2 clusters (3 and 2 rows), B = 7 in 7 (a row each), B = 9 asked in 4 (rows 3:
+    3 clusters, none empty), B = 64, H = 80 in 2 clusters of 32 rows (the stage in two buffers) and in 3 in float32
+    (22, 22, 20 rows; strict fp32, FMA products). The emulation runs the clusters one after another, each to its end,
+    and refuses a grid barrier in a cluster launch, so a row offset, a stride or a layer-norm partial left on the whole
+    batch, or a barrier of the grid, fails it. Outputs and every gradient against the float64 reference, ragged lengths,
+    reverse direction, dropout and layer norm on."""
+    run = _emulated_sequence(emulated_cuda_ext, (grid, 32, -1, -groups))
+    for cell, depth in (("lgru", 2), ("atr", 0)):
+        _compare_emulated(run, cell, depth, True, True, dtype, B=B, T=3, H=H)
 
 
 @pytest.mark.slow
@@ -1004,7 +1034,8 @@ def test_emulation_refuses_misused_barriers(emulated_cuda_ext):
     scheduler of the failed one is gone: the cluster form of a layer still matches the reference)."""
     for which, message in ((0, "emulated grid_sync in a cluster launch (its barrier is cluster_sync)"),
                            (1, "emulated cluster_sync outside a cluster launch"),
-                           (2, "emulated launch: a cluster of 17 blocks (at most 16)")):
+                           (2, "emulated launch: clusters of 17 blocks in a grid of 17 (at most 16, dividing the "
+                               "grid)")):
         with pytest.raises(RuntimeError, match=re.escape(message)):
             emulated_cuda_ext.emulation_misuse(which)
     _compare_emulated(_emulated_sequence(emulated_cuda_ext, (4, 32, -1, True)), "lgru", 1, True, True,
@@ -1261,17 +1292,36 @@ def test_persistent_envelope():
                        "allowed); tensor cores")
     for dtype in (torch.float32, torch.float64):
         assert not dk.persistent_plan("lgru", 4, 64, 1024, dtype, **h100_l2).fits
-    # the cluster form: one cluster of at most 16 blocks, whatever the SMs; GRU H = 512, B = 8, fp32: 32 units a block,
+    # the cluster form: clusters of at most 16 blocks, each the whole layer for its own batch rows, as many as the SMs
+    # hold (132 // 16 = 8) up to one a row. On 16 SMs, one cluster: GRU H = 512, B = 8, fp32: 32 units a block,
     # 3 x 32 rows x 520 x 4 B + (8 x 4 x 32 + 8 x 6) x 4 B = 203,968 B forward, 32 x 1,544 x 4 B +
     # (8 x 10 x 32 + 8 x 12) x 4 B = 208,256 B backward; the stage: forward whole rows (8 x (512 + 8) x 4 B =
     # 16,640 B after 204,032), backward two buffers in what is left of 232,448 - 208,256 = 24,192 B: 756 values a
     # row, 378 a buffer, 370 after the pitch's 8, of 3H = 1,536: 352 columns at a time (2 x 8 x 360 x 4 B =
     # 23,040 B); at H = 9, one block a unit
-    one = dk.persistent_plan("gru", 0, 8, 512, tensor_cores=False, cluster=16, **h100)
-    assert (one.fits, one.cluster, one.grid, one.slice, one.forward_bytes, one.backward_bytes) == (
-        True, True, 16, 32, 220672, 231296)
+    one = dk.persistent_plan("gru", 0, 8, 512, tensor_cores=False, cluster=16, **dict(h100, multiprocessors=16))
+    assert (one.fits, one.cluster, one.groups, one.grid, one.slice, one.forward_bytes, one.backward_bytes) == (
+        True, True, 1, 16, 32, 220672, 231296)
     assert (one.forward_stage, one.backward_stage) == (512, 352)
     assert str(one).startswith("persistent, one cluster: 16 blocks of 32 units; 216 / 226 KB")
+    # on 132 SMs, 8 clusters of one row: 199,680 B of rows + (4 x 32 + 6) x 4 B = 200,216 B forward, its whole row
+    # staged at 200,320: + (512 + 8) x 4 B rounded to 2,176 = 202,496; backward 197,632 + (10 x 32 + 12) x 4 B =
+    # 198,960, whole rows of 3H at 199,040: + (1,536 + 8) x 4 B rounded to 6,272 = 205,312
+    rows = dk.persistent_plan("gru", 0, 8, 512, tensor_cores=False, cluster=16, **h100)
+    assert (rows.fits, rows.cluster, rows.groups, rows.grid, rows.forward_bytes, rows.backward_bytes) == (
+        True, True, 8, 16, 202496, 205312)
+    assert (rows.forward_stage, rows.backward_stage) == (512, 1536)
+    assert str(rows).startswith(
+        "persistent, 8 clusters each of its own batch rows: 16 blocks of 32 units; 198 / 200 KB")
+    # B = 9 in 8 clusters would leave rows of 2 for 5 of them: 5 clusters; B = 1, one; B = 64, 8 of 8 rows
+    assert [dk.persistent_plan("gru", 0, b, 512, tensor_cores=False, cluster=16, **h100).groups
+            for b in (9, 1, 64)] == [5, 1, 8]
+    # B = 256, 32 rows a cluster: the backward's rows (234 KB) do not fit beside them, so its matrix is read from L2
+    # (16 blocks' columns of 3 x 512 + pitch, 3,162,112 B, one buffer the 8 clusters share); without L2 no plan
+    wide = dk.persistent_plan("gru", 0, 256, 512, tensor_cores=False, cluster=16, **h100_l2)
+    assert (wide.fits, wide.groups, wide.forward_resident, wide.backward_resident, wide.backward_spill) == (
+        True, 8, 1, 0, 3162112)
+    assert not dk.persistent_plan("gru", 0, 256, 512, tensor_cores=False, cluster=16, **h100).fits
     nine = dk.persistent_plan("gru", 0, 8, 9, cluster=16, **h100)
     assert (nine.grid, nine.cluster, plan.cluster) == (9, True, False)
     assert not dk.persistent_plan("lgru", 4, 8, 1024, "bfloat16", cluster=16, **h100_l2).fits

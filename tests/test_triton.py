@@ -542,16 +542,19 @@ def _strict_fp32_launches(cell, depth, H, B, T, seed):
     return ref, got, {k: now[k] - launched[k] for k in now}
 
 
-@pytest.mark.parametrize("cell,depth,H,B,T", [("gru", 0, 512, 8, 256), ("lgru", 2, 256, 4, 7), ("lgru", 1, 37, 5, 64)],
-                         ids=["gru-512-T256", "lgru-d2-256", "lgru-d1-37-13-blocks"])
+@pytest.mark.parametrize("cell,depth,H,B,T", [("gru", 0, 512, 8, 256), ("lgru", 2, 256, 4, 7), ("lgru", 1, 37, 5, 64),
+                                              ("gru", 0, 512, 64, 32), ("gru", 0, 512, 1, 16)],
+                         ids=["gru-512-T256", "lgru-d2-256", "lgru-d1-37-13-blocks", "gru-512-B64", "gru-512-B1"])
 def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     """With DTMT_CUDA_RECURRENCE=persistent-cluster (gpu_session.sh's persistent-cluster stage) a layer that fits one
-    thread-block cluster runs as that cluster (docs/design/persistent_recurrence.md, "One cluster"): the plan says
+    thread-block cluster runs in such clusters, each the whole layer for its own batch rows, as many as the SMs hold
+    up to one a row (docs/design/persistent_recurrence.md, "One cluster" and "Clusters of batch rows"): the plan says
     so, the driver's launch counts (dk persistent_launches) show a cluster launch for the forward and one for the
     backward and no other persistent launch, and forward and backward give the float64 reference's outputs and
-    gradients in strict fp32 (ragged lengths, layer norm; 256 steps of a GRU at H = 512: 16 blocks of 32 units, the
-    states and layer-norm partials passed between blocks through global memory across 256 x 2 cluster barriers each
-    way; 13 blocks of 3 units at H = 37)."""
+    gradients in strict fp32 (ragged lengths, layer norm; 256 steps of a GRU at H = 512: 16 blocks of 32 units, 8
+    clusters of a row, the states and layer-norm partials passed between a cluster's blocks through global memory
+    across 256 x 2 cluster barriers each way; 13 blocks of 3 units at H = 37; B = 64 in 8 clusters of 8 rows, the
+    stage in two buffers backward; B = 1, one cluster)."""
     if "cuda" not in dk.available_backends():
         pytest.skip("the cuda backend is not built")
     if os.environ.get("DTMT_CUDA_RECURRENCE") != "persistent-cluster":
@@ -560,7 +563,9 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
         pytest.skip("thread-block clusters need compute capability 9.0")
     plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, cluster=16)
     blocks = -(-H // -(-H // 16))   # ceil(H / ceil(H / 16))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert plan.fits and plan.cluster and plan.grid == blocks, str(plan)
+    assert plan.groups == -(-B // -(-B // max(1, min(B, sms // blocks)))), str(plan)
     ref, got, ran = _strict_fp32_launches(cell, depth, H, B, T, seed=13)
     assert ran == {"grid": 0, "cluster": 2, "refused": 0, "multicast": 0}, ran
     _assert_relative_errors(ref, got, 1e-4)

@@ -15,13 +15,14 @@ docs/design/persistent_recurrence.md, "The envelope", has the table for an H100 
 
 The cuda backend takes the persistent launches where DTMT_CUDA_RECURRENCE=persistent (read once a process) and the
 plan fits; where it does not, the per-step path, with a warning naming the sizes. DTMT_CUDA_RECURRENCE=
-persistent-cluster asks for the cluster form first (one thread-block cluster of at most 16 blocks, its barrier the
-cluster's; `cluster=16` here), and where that does not fit, the grid form:
+persistent-cluster asks for the cluster form first (thread-block clusters of at most 16 blocks, their barrier the
+cluster's, each cluster the whole layer for its own batch rows, as many clusters as the SMs hold; `cluster=16` here),
+and where that does not fit, the grid form:
 
     >>> print(dk.persistent_plan("gru", 0, 8, 512, multiprocessors=132, shared_memory=232448,
     ...                          cluster=16))  # doctest: +NORMALIZE_WHITESPACE
-    persistent, one cluster: 16 blocks of 32 units; 216 / 226 KB of shared memory a block (forward / backward) of
-    227 KB; FMA, staging 512 / 352 columns a row
+    persistent, 8 clusters each of its own batch rows: 16 blocks of 32 units; 198 / 200 KB of shared memory a block
+    (forward / backward) of 227 KB; FMA, staging 512 / 1536 columns a row
 
 `python benchmarks/bench_persistent.py --envelope [--multiprocessors 132 --shared-memory 232448 --l2-cache 52428800]`
 prints the envelope table (envelope_table) of the current GPU, or of the numbers given."""
@@ -46,10 +47,11 @@ class PersistentPlan:
     matrices do not all fit in shared memory, those of the top sub-cells are read from L2 at each use: of the
     `subcells` (depth + 1), `forward_resident` / `backward_resident` stay in shared memory, and the others take
     `forward_spill` / `backward_spill` bytes of global memory (every block's), at most a share of `l2_cache` (the
-    driver's: half). `cluster`: the cluster form, one thread-block cluster of `grid` blocks whose barrier is the
-    cluster's (else one block per SM and the grid's barrier). `forward_stage` / `backward_stage`: with FMA products,
-    the columns of each batch row of the vectors every product reads (the state; the gradients, as long as the
-    longest U-path) that the block stages in the shared memory the matrices leave (at most 32 KB: whole rows, or a
+    driver's: half). `cluster`: the cluster form, `groups` thread-block clusters of `grid` blocks each, whose barrier
+    is the cluster's, each cluster the whole layer for ceil(batch / groups) rows of the batch (else one block per SM
+    and the grid's barrier; docs/design/persistent_recurrence.md, "Clusters of batch rows"). `forward_stage` /
+    `backward_stage`: with FMA products, the columns of each batch row of the vectors every product reads (the
+    state; the gradients, as long as the longest U-path) that the block stages in the shared memory the matrices leave (at most 32 KB: whole rows, or a
     multiple of 32 columns at a time; 0: none, the products read them from global memory). `multicast` > 1: the grid
     form in thread-block clusters of that many blocks, which read each chunk of the stage from L2 once a cluster
     (docs/design/persistent_recurrence.md, "The stage read once a cluster"); 1: each block its own."""
@@ -72,6 +74,7 @@ class PersistentPlan:
     forward_stage: int = 0
     backward_stage: int = 0
     multicast: int = 1
+    groups: int = 1
 
     def __str__(self) -> str:
         kb = lambda n: f"{n / 1024:.0f}"   # noqa: E731
@@ -86,7 +89,8 @@ class PersistentPlan:
         staged = self.forward_stage or self.backward_stage
         products = ("tensor cores" if self.tensor_cores else "FMA" if not staged else
                     f"FMA, staging {self.forward_stage or 'none'} / {self.backward_stage or 'none'} columns a row")
-        form = (", one cluster" if self.cluster else
+        form = ((", one cluster" if self.groups == 1 else f", {self.groups} clusters each of its own batch rows")
+                if self.cluster else
                 f", in clusters of {self.multicast} reading the stage once" if self.multicast > 1 else "")
         if self.fits:
             return f"persistent{form}: {self.grid} blocks of {self.slice} units; {need}; {products}"
@@ -127,9 +131,10 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     `shared_memory` in bytes: an H100 / H200 has 132 and 232,448) where no GPU is at hand; so does the L2's size
     (`l2_cache`, bytes: 52,428,800 on an H100; given numbers without it: 0, no matrix read from L2).
     `tensor_cores` defaults to the driver's choice at this moment (torch's TF32 flag for float32; a device of compute
-    capability 8.0 or up, assumed where none is given). `cluster` > 0: the cluster form, one thread-block cluster of
-    at most that many blocks (16 on an H100 / H200, the driver's choice under DTMT_CUDA_RECURRENCE=
-    persistent-cluster; compute capability 9.0 and up) instead of one block per SM. `multicast` > 1: the grid form in
+    capability 8.0 or up, assumed where none is given). `cluster` > 0: the cluster form, thread-block clusters of at
+    most that many blocks (16 on an H100 / H200, the driver's choice under DTMT_CUDA_RECURRENCE=persistent-cluster;
+    compute capability 9.0 and up) instead of one block per SM, as many as `multiprocessors` hold up to one a batch
+    row, each cluster its own rows. `multicast` > 1: the grid form in
     thread-block clusters of that many blocks reading the FMA products' stage once a cluster (the driver's 2 under
     DTMT_CUDA_RECURRENCE=persistent-multicast): a grid of whole clusters, every block owning units; 1 with tensor
     cores, or where no such grid exists. A ValueError names an argument out of range: the plan covers depth <= 64,
@@ -169,11 +174,11 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     if tensor_cores is None:   # the driver's rule (16-bit always, float32 where TF32 is allowed, float64 never)
         tensor_cores = _C.persistent_tensor_cores(storage, major)
     accumulation = 8 if dtype == torch.float64 else 4
-    grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill, in_cluster, fstage, bstage, shared = _C.persistent_plan(
-        KINDS[cell], depth, batch, hidden, storage, accumulation, multiprocessors, shared_memory, tensor_cores,
-        _C.PERSISTENT_THREADS, l2_cache, cluster, multicast)
+    (grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill, in_cluster, fstage, bstage, shared,
+     groups) = _C.persistent_plan(KINDS[cell], depth, batch, hidden, storage, accumulation, multiprocessors,
+                                  shared_memory, tensor_cores, _C.PERSISTENT_THREADS, l2_cache, cluster, multicast)
     return PersistentPlan(bool(fits), grid, slice_, fwd, bwd, shared_memory, multiprocessors, tensor_cores, depth + 1,
-                          fres, bres, fspill, bspill, l2_cache, bool(in_cluster), fstage, bstage, shared)
+                          fres, bres, fspill, bspill, l2_cache, bool(in_cluster), fstage, bstage, shared, groups)
 
 
 def persistent_launches() -> dict:
@@ -196,7 +201,8 @@ ENVELOPE_HIDDEN = (256, 512, 768, 1024, 2048)
 def envelope_table(multiprocessors: int, shared_memory: int, batch: int = 64, l2_cache: int = 0,
                    cluster: int = 0) -> str:
     """A markdown table: for each layer and math mode, the largest of ENVELOPE_HIDDEN that fits the persistent
-    launches at `batch` rows (`cluster` > 0: their cluster form, one cluster of at most that many blocks), with its
+    launches at `batch` rows (`cluster` > 0: their cluster form, clusters of at most that many blocks each of its own
+    batch rows), with its
     forward / backward KB a block and, where matrices are read from L2, the sub-cells that are, forward / backward
     (— where none fits)."""
     lines = [f"| layer | {' | '.join(name for name, _, _ in ENVELOPE_MODES)} |",

@@ -17,11 +17,11 @@ the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a ch
   same dtype: issue 72 asks for at most it), the output's gradient a dense tensor made within it on every side
   (bench_cells.fwd_bwd).
 The persistent launches come in three forms (--forms): `grid`, one cooperative launch of a block per SM with the grid's
-barrier (DTMT_CUDA_RECURRENCE=persistent); `cluster`, one thread-block cluster of at most 16 blocks with the cluster's
-barrier (persistent-cluster; Hopper); and `multicast`, the grid form in thread-block clusters of 2 whose blocks read the
-products' stage from L2 once a cluster (persistent-multicast; Hopper, code built for sm_90a: TORCH_CUDA_ARCH_LIST=9.0a,
-as gpu_session.sh builds it). The parent prints a table per form: the per-step path and that form side by side, steps /
-persistent (above 1: the persistent launch is faster), the persistent forward's floor and the share of it reached: T x
+barrier (DTMT_CUDA_RECURRENCE=persistent); `cluster`, thread-block clusters of at most 16 blocks, each the whole layer
+for its own batch rows, with the cluster's barrier (persistent-cluster; Hopper); and `multicast`, the grid form in
+thread-block clusters of 2 whose blocks read the products' stage from L2 once a cluster (persistent-multicast; Hopper,
+code built for sm_90a: TORCH_CUDA_ARCH_LIST=9.0a, as gpu_session.sh builds it). The parent prints a table per form:
+the per-step path and that form side by side, steps / persistent (above 1: the persistent launch is faster), the persistent forward's floor and the share of it reached: T x
 (its barriers a step x the barrier's cost + a step's recurrent products at the device's dense rate). The barrier's cost
 is bounded from above by timing a GRU of one unit per block at B = 1 (as many units as the form has blocks), whose step
 is a barrier and almost no work; the dense rate is a 4096^3 matrix product's in the same math mode (`torch.mm`, the most
@@ -218,7 +218,7 @@ def envelope(multiprocessors, shared_memory, l2_cache, batch: int, forms=("grid"
         l2_cache = l2 if l2_cache is None else l2_cache
     l2_cache = l2_cache or 0
     for form in forms:
-        where = (f"one cluster of at most {CLUSTER_BLOCKS} blocks" if form == "cluster"
+        where = (f"clusters of at most {CLUSTER_BLOCKS} blocks, each of its own batch rows" if form == "cluster"
                  else f"{multiprocessors} SMs")
         print(f"# the persistent launches' envelope: {where}, {shared_memory} bytes of shared memory a block, "
               f"{l2_cache} bytes of L2, B = {batch}, {persistent._C.PERSISTENT_THREADS} threads a block; the largest "
@@ -239,9 +239,9 @@ def main(argv=None) -> int:
                    help="math modes, a table each (default: strict tf32)")
     p.add_argument("--forms", nargs="+", choices=sorted(FORMS), default=["grid"],
                    help="the persistent launches' forms, a table each against the per-step path: grid (a block per "
-                        "SM, the grid's barrier), cluster (one cluster of 16 blocks, the cluster's barrier; "
-                        "Hopper) and multicast (the grid form in clusters of 2 that read the stage once a cluster; "
-                        "Hopper, built for sm_90a); default grid")
+                        "SM, the grid's barrier), cluster (clusters of 16 blocks, each of its own batch rows, the "
+                        "cluster's barrier; Hopper) and multicast (the grid form in clusters of 2 that read the stage "
+                        "once a cluster; Hopper, built for sm_90a); default grid")
     p.add_argument("--out", default=None)
     p.add_argument("--envelope", action="store_true",
                    help="print the largest H that fits the persistent launches, per layer and math mode, at the first "

@@ -18,8 +18,9 @@
 #                                                       # the deep transition reads two T-GRUs' matrices from L2)
 #   bash benchmarks/gpu_session.sh persistent-multicast # the grid form in clusters of 2 that read the stage once a
 #                                                       # cluster (sm_90a) against the grid form, B = 8, 64, 256
-#   bash benchmarks/gpu_session.sh persistent-cluster   # the cluster form (one cluster of 16 blocks) against the
-#                                                       # grid form and the per-step path, strict fp32, B = 1, 8, 64
+#   bash benchmarks/gpu_session.sh persistent-cluster   # the cluster form (clusters of 16 blocks, each of its own
+#                                                       # batch rows) against the grid form and the per-step path,
+#                                                       # strict fp32, B = 1, 8, 64, 256
 #   bash benchmarks/gpu_session.sh persistent-profile   # eager, device and graphed time of the per-step path and
 #                                                       # both persistent forms beside cuDNN, strict fp32
 #   bash benchmarks/gpu_session.sh build decode         # beam search on the device against the Python loop
@@ -294,10 +295,11 @@ if want persistent-math; then
     | tee "$OUT/persistent_math.md" || status=1
 fi
 if want persistent-cluster; then
-  # issue 72: the cluster form of the persistent launches (one thread-block cluster of 16 blocks, the cluster's barrier
-  # instead of the grid's; Hopper; docs/design/persistent_recurrence.md, "One cluster"; a layer that does not fit one
-  # cluster takes the grid form), at the batch sizes where the barrier is most of a step
-  persistent_form cluster "1 8 64"
+  # issue 72: the cluster form of the persistent launches (thread-block clusters of 16 blocks, each cluster the whole
+  # layer for its own batch rows, the cluster's barrier instead of the grid's; Hopper; docs/design/
+  # persistent_recurrence.md, "One cluster" and "Clusters of batch rows"; a layer that does not fit a cluster takes
+  # the grid form): one cluster at B = 1, 8 clusters of B / 8 rows above, where the grid form's stage is largest
+  persistent_form cluster "1 8 64 256"
 fi
 if want persistent-multicast; then
   # issue 72: the grid form in thread-block clusters of 2 whose blocks read the products' stage from L2 once a cluster

@@ -250,6 +250,9 @@ class _TransitionBase(BackendSwitch, nn.Module):
 
     def _run(self, x: Tensor, h0: Tensor, mask: Optional[Tensor], drops: List[Optional[Tensor]]):
         """x [T, B, I] time-major, h0 [D, B, H] -> (out [T, B, D*H], h_n [D, B, H])."""
+        if x.shape[1] == 0:   # torch.nn.GRU's answer to a batch of no sequences: empty outputs, zero gradients
+            link = (x.sum() + sum(p.sum() for p in self.parameters())) * 0   # (in x's and the weights' graph)
+            return x.new_zeros(x.shape[0], 0, self.num_directions * self.hidden_size) + link, h0 + link
         backend = resolve_backend(self.backend, x.device)
         check_dtype_for_backend(backend, x.dtype, "x")
         try:
@@ -338,8 +341,8 @@ class TransitionLayer(_TransitionBase):
         """The layer on a checked time-major x [T, B, I]: (out [T, B, D*H], h_n [D, B, H])."""
         name, H, D = type(self).__name__, self.hidden_size, self.num_directions
         T, B = x.shape[0], x.shape[1]
-        if T == 0 or B == 0:
-            raise ValueError(f"{name}: x must have at least one step and one sequence, got shape {list(x.shape)}")
+        if T == 0:   # (torch.nn.GRU refuses it too; B = 0 is an empty batch, answered as torch's)
+            raise ValueError(f"{name}: x must have at least one step, got shape {list(x.shape)}")
         if check_h0:
             self._check_h(h0, (D, B, H), "[num_directions, B, hidden_size]")
         if h0 is None:
@@ -421,8 +424,6 @@ class TransitionCell(Unrollable, _TransitionBase):
         unbatched = x.dim() == 1
         x2 = x.unsqueeze(0) if unbatched else x
         B = x2.shape[0]
-        if B == 0:
-            raise ValueError(f"{name}: x must hold at least one row, got shape {list(x.shape)}")
         if h is not None:
             self._check_h(h, (H,) if unbatched else (B, H), "[hidden_size]" if unbatched else "[B, hidden_size]")
             h = h.unsqueeze(0) if unbatched else h
@@ -435,7 +436,7 @@ class TransitionCell(Unrollable, _TransitionBase):
             if tuple(drop.shape) != (self.depth + 1, B, H):
                 raise ValueError(f"{name}: drop must have shape [depth+1, B, hidden_size] = "
                                  f"{[self.depth + 1, B, H]}, got {list(drop.shape)}")
-        session = self._unrolled_session(x2)
+        session = self._unrolled_session(x2) if B > 0 else None   # (B = 0: _run's empty answer, as torch's)
         if session is not None:
             check_transforms("transition_forward", h, drop)   # (x and the weights: in _unrolled_session)
             check_drop("transition_forward", drop)

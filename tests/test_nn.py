@@ -52,6 +52,45 @@ def test_from_torch_reproduces_torch_gru(backend, bidirectional, batch_first):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_an_empty_batch_is_answered_as_torch_gru_answers_it(backend, bidirectional, batch_first):
+    """A batch of no sequences (B = 0: the last shard of an uneven split, a filter that kept nothing) gives what
+    torch.nn.GRU and torch.nn.GRUCell give: empty outputs of the same shapes and dtype, in the autograd graph, whose
+    backward leaves zero gradients on the input, h0 and every parameter (torch's too); also with lengths=[], in
+    training with candidate dropout, and for a cell inside an unrolled block. No step is refused as torch does
+    (T = 0)."""
+    torch.manual_seed(2)
+    gru = torch.nn.GRU(6, 10, bidirectional=bidirectional, batch_first=batch_first)
+    layer = dk.nn.DeepTransitionGRU.from_torch(gru, backend=backend)
+    D = 2 if bidirectional else 1
+    for h0 in (None, torch.randn(D, 0, 10, requires_grad=True)):
+        x = torch.randn((0, 7, 6) if batch_first else (7, 0, 6), requires_grad=True)
+        got, want = layer(x, h0), gru(x, h0)
+        for a, b in zip(got, want):
+            assert (a.shape, a.dtype, a.requires_grad) == (b.shape, b.dtype, True)
+        (got[0].sum() + got[1].sum()).backward()
+        (want[0].sum() + want[1].sum()).backward()
+        assert x.grad.shape == x.shape and (h0 is None or h0.grad.shape == h0.shape)
+        for (name, p), p_t in zip(layer.named_parameters(), gru.parameters()):
+            assert torch.equal(p.grad, torch.zeros_like(p)) and torch.equal(p_t.grad, torch.zeros_like(p_t)), name
+        layer.zero_grad(), gru.zero_grad()
+    assert layer(torch.randn((0, 7, 6) if batch_first else (7, 0, 6)), lengths=[])[0].shape == want[0].shape
+    with pytest.raises(ValueError, match="at least one step"):   # (torch: "Expected sequence length to be larger")
+        layer(torch.randn((3, 0, 6) if batch_first else (0, 3, 6)))
+    deep = dk.nn.DeepTransitionGRU(6, 10, depth=2, layer_norm=True, candidate_dropout=0.3, backend=backend).train()
+    assert deep(torch.randn(7, 0, 6))[0].shape == (7, 0, 10)
+    cell = dk.nn.DeepTransitionGRUCell(6, 10, depth=1, backend=backend)
+    ref = torch.nn.GRUCell(6, 10)
+    x = torch.randn(0, 6, requires_grad=True)
+    with dk.nn.unrolled(cell):
+        h = cell(x)
+        assert (h.shape, h.dtype) == (ref(x).shape, ref(x).dtype) == ((0, 10), torch.float32)
+        h.sum().backward()
+    assert x.grad.shape == (0, 6) and all(torch.equal(p.grad, torch.zeros_like(p)) for p in cell.parameters())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_from_torch_with_lengths_matches_packed_sequence(backend):
     torch.manual_seed(1)
     gru = torch.nn.GRU(5, 8, bidirectional=True).double()
@@ -434,7 +473,7 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: layer(torch.ones(5, 2, 3, dtype=torch.long)), "floating-point")
     _err(lambda: layer(x.to("meta")), "meta")
     _err(lambda: layer([[1.0]]), "must be a Tensor")
-    _err(lambda: layer(torch.randn(0, 2, 3)), "at least one step")
+    _err(lambda: layer(torch.randn(0, 2, 3)), "at least one step")   # (B = 0: torch.nn.GRU's empty answer)
     _err(lambda: layer(x, torch.randn(1, 2, 4)), r"h0 must have shape \[num_directions, B, hidden_size\]")
     _err(lambda: layer(x, lengths=[5, 0]), r"in \[1, T=5\]")
     _err(lambda: layer(x, lengths=[5, 6]), r"in \[1, T=5\]")

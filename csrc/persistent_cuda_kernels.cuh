@@ -1560,6 +1560,17 @@ cudaError_t launch_in_clusters(Kernel* kernel, const Arg& a, int grid, int block
 }
 #endif
 
+// The clusters of batch rows a cluster launch takes where the device holds only `held` of its clusters at once (0:
+// as many as it has): fewer clusters of more rows each (b.B, ceil(ldb / held), as many as leave none empty), so that
+// none waits for another to end. Returns the clusters; b.B is the rows of each.
+template <typename Arg> int regroup_rows(Arg& b, int clusters, int held) {
+  if (b.ldb > 0 && held >= 1 && held < clusters) {
+    b.B = (b.ldb + held - 1) / held;
+    clusters = (b.ldb + b.B - 1) / b.B;
+  }
+  return clusters;
+}
+
 // Launches kernel(a) as a persistent launch of `grid` blocks of `threads` threads with smem_of(a) bytes of dynamic
 // shared memory each: a cooperative launch (one block per SM; the grid barrier), or with a.cluster thread-block
 // clusters of a.blocks (at most kClusterMaxBlocks, above 8 with the non-portable attribute; the cluster barrier), each
@@ -1574,8 +1585,11 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   const size_t smem = smem_of(a);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
-  if (a.cluster) {
-    ::dtmt_emu::launch_clusters(kernel, grid, threads, smem, a, a.blocks > 0 ? a.blocks : grid);
+  if (a.cluster) {   // (the device's hold on clusters: the emulation's setting, so that the regrouping runs here)
+    const int blocks = a.blocks > 0 ? a.blocks : grid;
+    Arg b = a;
+    const int clusters = regroup_rows(b, grid / blocks, ::dtmt_emu::clusters_held);
+    ::dtmt_emu::launch_clusters(kernel, clusters * blocks, threads, smem_of(b), b, blocks);
   } else if (a.multicast > 1) {
     ::dtmt_emu::launch_cooperative_clusters(kernel, grid, threads, smem, a, a.multicast);
   } else {
@@ -1615,9 +1629,9 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
       int held = 0;
       err = cudaOccupancyMaxActiveClusters(&held, kernel, &config);
       if (err != cudaSuccess) return err;
-      if (held >= 1 && held < clusters) {
-        b.B = (b.ldb + held - 1) / held;
-        clusters = (b.ldb + b.B - 1) / b.B;
+      const int asked = clusters;
+      clusters = regroup_rows(b, clusters, held);
+      if (clusters != asked) {
         err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(smem_of(b)));
         if (err != cudaSuccess) return err;

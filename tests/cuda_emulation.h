@@ -352,6 +352,10 @@ inline void mbar_wait_parity(uint64_t* bar, unsigned parity) {
     yield_to_scheduler();
   }
 }
+// Clusters the emulated device holds at once (cudaOccupancyMaxActiveClusters; 0: every cluster launched): a test
+// sets it so that launch_persistent's regrouping into fewer clusters of more batch rows runs on the CPU.
+inline int clusters_held = 0;
+inline long cluster_launches = 0, clusters_launched = 0;   // launch_clusters' launches and their clusters
 inline long bulk_copies = 0;   // bulk copies issued in this process (a test's check that the multicast path ran)
 inline void bulk_copy_multicast(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint16_t mask) {
   Scheduler& s = *scheduler;
@@ -615,6 +619,8 @@ inline void launch_cooperative_clusters(Kernel* kernel, int grid, int threads, s
 template <typename Kernel, typename Arg>
 inline void launch_clusters(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg, int cluster_blocks) {
   check_cluster_blocks(grid, cluster_blocks);
+  ++cluster_launches;
+  clusters_launched += grid / cluster_blocks;
   launch_all_blocks(kernel, grid, threads, smem, arg, true, cluster_blocks);
 }
 

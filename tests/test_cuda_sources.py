@@ -354,6 +354,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("driver_plan", &driver_plan);
   m.def("persistent_launches", &persistent_launches);
   m.def("bulk_copies", [] { return ::dtmt_emu::bulk_copies; });
+  m.def("set_clusters_held", [](int64_t n) { ::dtmt_emu::clusters_held = static_cast<int>(n); });
+  m.def("cluster_launches", [] {
+    return std::make_tuple(::dtmt_emu::cluster_launches, ::dtmt_emu::clusters_launched);
+  });
   m.def("emulation_misuse", &emulation_misuse);
 }
 """
@@ -909,6 +913,34 @@ def test_persistent_clusters_of_batch_rows_emulated(emulated_cuda_ext, strict_fp
     run = _emulated_sequence(emulated_cuda_ext, (grid, 32, -1, -groups))
     for cell, depth in (("lgru", 2), ("atr", 0)):
         _compare_emulated(run, cell, depth, True, True, dtype, B=B, T=3, H=H)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("B,H,groups,held,dtype",
+                         [(9, 37, 4, 2, torch.float64), (5, 37, 2, 1, torch.float64), (64, 80, 3, 2, torch.float32)],
+                         ids=["B9-3-clusters-held-2", "B5-2-clusters-held-1", "B64-3-clusters-held-2-fp32"])
+def test_persistent_clusters_regrouped_where_the_device_holds_fewer_emulated(emulated_cuda_ext, strict_fp32, B, H,
+                                                                             groups, held, dtype):
+    """Where the device holds fewer clusters of batch rows at once than the plan has (cudaOccupancyMaxActiveClusters;
+    the emulation's clusters_held), launch_persistent takes fewer clusters of more rows each (regroup_rows in
+    csrc/persistent_cuda_kernels.cuh), their shared memory sized again for the rows, so that none waits for another
+    to end: B = 9 planned in 3 clusters of 3 rows, held 2: 2 of 5 and 4; B = 5 in 2, held 1: one cluster of every
+    row; B = 64 in 3 of 22 rows, held 2: 2 of 32 (the stage in two buffers, strict fp32). Every launch is counted at
+    the regrouped number of clusters, and outputs and every gradient match the float64 reference (ragged lengths,
+    reverse direction, dropout and layer norm on): rows, strides, layer-norm partials and the stage of a cluster
+    larger than planned."""
+    ext = emulated_cuda_ext
+    run = _emulated_sequence(ext, (4, 32, -1, -groups))
+    regrouped = -(-B // -(-B // held))
+    ext.set_clusters_held(held)
+    try:
+        launches, clusters = ext.cluster_launches()
+        for cell, depth in (("lgru", 2), ("atr", 0)):
+            _compare_emulated(run, cell, depth, True, True, dtype, B=B, T=3, H=H)
+        launches, clusters = (a - b for a, b in zip(ext.cluster_launches(), (launches, clusters)))
+    finally:
+        ext.set_clusters_held(0)
+    assert launches >= 4 and clusters == launches * regrouped, (launches, clusters, regrouped)
 
 
 @pytest.mark.slow

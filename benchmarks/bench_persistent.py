@@ -20,13 +20,13 @@ The persistent launches come in three forms (--forms): `grid`, one cooperative l
 barrier (DTMT_CUDA_RECURRENCE=persistent); `cluster`, thread-block clusters of at most 16 blocks, each the whole layer
 for its own batch rows, with the cluster's barrier (persistent-cluster; Hopper); and `multicast`, the grid form in
 thread-block clusters of 2 whose blocks read the products' stage from L2 once a cluster (persistent-multicast; Hopper,
-code built for sm_90a: TORCH_CUDA_ARCH_LIST=9.0a, as gpu_session.sh builds it). The parent prints a table per form:
-the per-step path and that form side by side, steps / persistent (above 1: the persistent launch is faster), the persistent forward's floor and the share of it reached: T x
-(its barriers a step x the barrier's cost + a step's recurrent products at the device's dense rate). The barrier's cost
-is bounded from above by timing a GRU of one unit per block at B = 1 (as many units as the form has blocks), whose step
-is a barrier and almost no work; the dense rate is a 4096^3 matrix product's in the same math mode (`torch.mm`, the most
-the device's multipliers give), so the floor is one no kernel can go under, and cuDNN's torch.nn.GRU in the same math
-mode beside the GRU rows.
+code built for sm_90a: TORCH_CUDA_ARCH_LIST=9.0a, as gpu_session.sh builds it). The parent prints a table per form: the
+per-step path and that form side by side, steps / persistent (above 1: the persistent launch is faster), the persistent
+forward's floor and the share of it reached: T x (its barriers a step x the barrier's cost + a step's recurrent products
+at the device's dense rate). The barrier's cost is bounded from above by timing a GRU of one unit per block at B = 1 (as
+many units as the form has blocks), whose step is a barrier and almost no work; the dense rate is a 4096^3 matrix
+product's in the same math mode (`torch.mm`, the most the device's multipliers give), so the floor is one no kernel can
+go under, and cuDNN's torch.nn.GRU in the same math mode beside the GRU rows.
 A persistent forward that does not fit the device falls back (the cluster and multicast forms to the grid form, the grid
 form to the per-step path) with a warning: the child reports which form ran (the driver's launch counts,
 persistent_launches), and that row says so. Writes DIR/bench_persistent.csv when --out is given. Needs a CUDA device.

@@ -47,14 +47,14 @@ class PersistentPlan:
     matrices do not all fit in shared memory, those of the top sub-cells are read from L2 at each use: of the
     `subcells` (depth + 1), `forward_resident` / `backward_resident` stay in shared memory, and the others take
     `forward_spill` / `backward_spill` bytes of global memory (every block's), at most a share of `l2_cache` (the
-    driver's: half). `cluster`: the cluster form, `groups` thread-block clusters of `grid` blocks each, whose barrier
-    is the cluster's, each cluster the whole layer for ceil(batch / groups) rows of the batch (else one block per SM
-    and the grid's barrier; docs/design/persistent_recurrence.md, "Clusters of batch rows"). `forward_stage` /
-    `backward_stage`: with FMA products, the columns of each batch row of the vectors every product reads (the
-    state; the gradients, as long as the longest U-path) that the block stages in the shared memory the matrices leave (at most 32 KB: whole rows, or a
-    multiple of 32 columns at a time; 0: none, the products read them from global memory). `multicast` > 1: the grid
-    form in thread-block clusters of that many blocks, which read each chunk of the stage from L2 once a cluster
-    (docs/design/persistent_recurrence.md, "The stage read once a cluster"); 1: each block its own."""
+    driver's: half). `cluster`: the cluster form, `groups` thread-block clusters of `grid` blocks each, whose barrier is
+    the cluster's, each cluster the whole layer for ceil(batch / groups) rows of the batch (else one block per SM and
+    the grid's barrier; docs/design/persistent_recurrence.md, "Clusters of batch rows"). `forward_stage` /
+    `backward_stage`: with FMA products, the columns of each batch row of the vectors every product reads (the state;
+    the gradients, as long as the longest U-path) that the block stages in the shared memory the matrices leave (at most
+    32 KB: whole rows, or a multiple of 32 columns at a time; 0: none, the products read them from global memory).
+    `multicast` > 1: the grid form in thread-block clusters of that many blocks, which read each chunk of the stage from
+    L2 once a cluster (docs/design/persistent_recurrence.md, "The stage read once a cluster"); 1: each block its own."""
 
     fits: bool
     grid: int

@@ -25,6 +25,7 @@ struct ProbeArgs {
   int multicast = 1;   // (launch_persistent's clusters of the stage read once a cluster: a cooperative launch in them)
   int blocks = 0;      // (launch_persistent's blocks a cluster: 0, the grid in one cluster)
   int B = 1, ldb = 1;  // (launch_persistent's rows a cluster and the batch's: one cluster, none to regroup)
+  int stage_cols = 0;  // (launch_persistent's stage to size again where it regroups: none)
 };
 
 __global__ void probe_kernel(ProbeArgs a) {
@@ -42,6 +43,7 @@ static bool check(cudaError_t err, const char* what) {
 }
 
 static size_t no_smem(const ProbeArgs&) { return 0; }
+static int no_stage(const ProbeArgs&) { return 0; }
 
 // Median ms of 5 launches of `rounds` barriers in `grid` blocks (-1: the launch failed).
 static float median_ms(ProbeArgs a, int grid) {
@@ -51,7 +53,8 @@ static float median_ms(ProbeArgs a, int grid) {
   std::vector<float> ms;
   for (int run = 0; run < 6; ++run) {   // (the first a warm-up)
     cudaEventRecord(start);
-    if (!check(dtmt::cuda::launch_persistent(probe_kernel, a, grid, 256, no_smem, nullptr), "launch")) return -1.0f;
+    if (!check(dtmt::cuda::launch_persistent(probe_kernel, a, grid, 256, no_smem, no_stage, nullptr), "launch"))
+      return -1.0f;
     cudaEventRecord(stop);
     if (!check(cudaEventSynchronize(stop), "run")) return -1.0f;
     float t = 0.0f;

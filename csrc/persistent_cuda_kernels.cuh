@@ -1523,14 +1523,21 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
 // clusters do not divide the grid or pass kClusterMaxBlocks, where the kernel's code has no clusters (made from PTX
 // below 9.0, a JIT), or where the device cannot hold all of the grid's clusters at once (a cluster's blocks share a
 // GPC).
+// Whether the kernel's code has clusters (compute capability 9.0 and up, not a JIT from older PTX): else
+// cudaErrorNotSupported, which the driver falls back from.
+template <typename Kernel> cudaError_t clusters_compiled(Kernel* kernel) {
+  cudaFuncAttributes attributes{};
+  const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+  if (err != cudaSuccess) return err;
+  return attributes.ptxVersion < 90 || attributes.binaryVersion < 90 ? cudaErrorNotSupported : cudaSuccess;
+}
+
 template <typename Kernel, typename Arg>
 cudaError_t launch_in_clusters(Kernel* kernel, const Arg& a, int grid, int blocks, bool cooperative, int threads,
                                size_t smem, cudaStream_t stream) {
   if (blocks < 1 || blocks > kClusterMaxBlocks || grid % blocks != 0) return cudaErrorInvalidClusterSize;
-  cudaFuncAttributes attributes{};
-  cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+  cudaError_t err = clusters_compiled(kernel);
   if (err != cudaSuccess) return err;
-  if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return cudaErrorNotSupported;
   if (blocks > 8) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
@@ -1560,13 +1567,30 @@ cudaError_t launch_in_clusters(Kernel* kernel, const Arg& a, int grid, int block
 }
 #endif
 
+// The shared memory a block may opt into on this device (the emulation's setting on the CPU; 0 where it cannot
+// be read).
+inline size_t device_smem_optin() {
+#if defined(DTMT_CUDA_EMULATION)
+  return ::dtmt_emu::smem_optin;
+#else
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 0;
+  return static_cast<size_t>(optin);
+#endif
+}
+
 // The clusters of batch rows a cluster launch takes where the device holds only `held` of its clusters at once (0:
 // as many as it has): fewer clusters of more rows each (b.B, ceil(ldb / held), as many as leave none empty), so that
-// none waits for another to end. Returns the clusters; b.B is the rows of each.
-template <typename Arg> int regroup_rows(Arg& b, int clusters, int held) {
+// none waits for another to end, and their FMA products' stage (b.stage_cols, where there is one) the plan's rule for
+// those rows, restage(b): the stage planned for fewer rows could take a block past its shared memory. Returns the
+// clusters; b.B is the rows of each.
+template <typename Arg, typename Restage> int regroup_rows(Arg& b, int clusters, int held, Restage restage) {
   if (b.ldb > 0 && held >= 1 && held < clusters) {
     b.B = (b.ldb + held - 1) / held;
     clusters = (b.ldb + b.B - 1) / b.B;
+    if (b.stage_cols > 0) b.stage_cols = restage(b);
   }
   return clusters;
 }
@@ -1579,16 +1603,17 @@ template <typename Arg> int regroup_rows(Arg& b, int clusters, int held) {
 // memory grow), so that none waits for another to end. A launch the device cannot place (too much shared memory,
 // blocks that cannot all be resident at once, a cluster it cannot schedule with that shared memory) returns an error
 // and nothing runs: the driver falls back (transition_cuda.cu).
-template <typename Arg, typename SmemOf>
+template <typename Arg, typename SmemOf, typename Restage>
 cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int threads, SmemOf smem_of,
-                              cudaStream_t stream) {
+                              Restage restage, cudaStream_t stream) {
   const size_t smem = smem_of(a);
 #if defined(DTMT_CUDA_EMULATION)
   (void)stream;
   if (a.cluster) {   // (the device's hold on clusters: the emulation's setting, so that the regrouping runs here)
     const int blocks = a.blocks > 0 ? a.blocks : grid;
     Arg b = a;
-    const int clusters = regroup_rows(b, grid / blocks, ::dtmt_emu::clusters_held);
+    const int clusters = regroup_rows(b, grid / blocks, ::dtmt_emu::clusters_held, restage);
+    if (smem_of(b) > device_smem_optin()) return cudaErrorInvalidValue;   // (as the device's allowance refuses it)
     ::dtmt_emu::launch_clusters(kernel, clusters * blocks, threads, smem_of(b), b, blocks);
   } else if (a.multicast > 1) {
     ::dtmt_emu::launch_cooperative_clusters(kernel, grid, threads, smem, a, a.multicast);
@@ -1607,6 +1632,8 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   if (a.cluster) {
     const int blocks = a.blocks > 0 ? a.blocks : grid;
     if (blocks < 1 || grid % blocks != 0) return cudaErrorInvalidClusterSize;
+    err = clusters_compiled(kernel);   // (before the cluster queries below, whose errors on such code vary)
+    if (err != cudaSuccess) return err;
     int clusters = grid / blocks;
     Arg b = a;
     if (clusters > 1) {   // as many clusters as the device holds at once, each of ceil(ldb / clusters) rows
@@ -1630,7 +1657,7 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
       err = cudaOccupancyMaxActiveClusters(&held, kernel, &config);
       if (err != cudaSuccess) return err;
       const int asked = clusters;
-      clusters = regroup_rows(b, clusters, held);
+      clusters = regroup_rows(b, clusters, held, restage);
       if (clusters != asked) {
         err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(smem_of(b)));
@@ -1661,7 +1688,11 @@ cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& 
     return persistent_backward_bytes(KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.mma, threads, b.resident,
                                      b.stage_cols, b.multicast);
   };
-  return launch_persistent(persistent_backward_kernel<KIND, T, A>, a, grid, threads, smem_of, stream);
+  auto restage = [](const PersistentBackwardArgs<T, A>& b) {
+    return persistent_stage_columns(true, KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.resident,
+                                    device_smem_optin());
+  };
+  return launch_persistent(persistent_backward_kernel<KIND, T, A>, a, grid, threads, smem_of, restage, stream);
 }
 
 template <typename T, typename A>
@@ -1683,7 +1714,11 @@ cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a,
     return persistent_forward_bytes(KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.mma, threads, b.resident,
                                     b.stage_cols, b.multicast);
   };
-  return launch_persistent(persistent_forward_kernel<KIND, T, A>, a, grid, threads, smem_of, stream);
+  auto restage = [](const PersistentForwardArgs<T, A>& b) {
+    return persistent_stage_columns(false, KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.resident,
+                                    device_smem_optin());
+  };
+  return launch_persistent(persistent_forward_kernel<KIND, T, A>, a, grid, threads, smem_of, restage, stream);
 }
 
 template <typename T, typename A>

@@ -355,6 +355,9 @@ inline void mbar_wait_parity(uint64_t* bar, unsigned parity) {
 // Clusters the emulated device holds at once (cudaOccupancyMaxActiveClusters; 0: every cluster launched): a test
 // sets it so that launch_persistent's regrouping into fewer clusters of more batch rows runs on the CPU.
 inline int clusters_held = 0;
+// The shared memory a block of the emulated device may opt into (an H100's / H200's; the driver's device_limits and
+// the persistent launches read it): a test lowers it so that the stages' rule meets a limit at small sizes.
+inline size_t smem_optin = 232448;
 inline long cluster_launches = 0, clusters_launched = 0;   // launch_clusters' launches and their clusters
 inline long bulk_copies = 0;   // bulk copies issued in this process (a test's check that the multicast path ran)
 inline void bulk_copy_multicast(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint16_t mask) {
@@ -462,11 +465,11 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
 // `cluster_blocks` and no grid barrier (cluster_sync the barrier of a cluster's blocks); a cooperative one in clusters
 // of `cluster_blocks` (both barriers). Between two grid barriers the clusters run one after another (a block is a
 // cluster of one), in an order that alternates with the phase; in a cluster launch of several clusters, each cluster
-// from one of its barriers to the next, in an order that alternates too; a cluster's threads in rounds, each
-// running thread going on to its next barrier or wait, a polling one (an mbarrier's wait) again each round, in an order that alternates with the
-// round, the block and the phase (a cluster's blocks one at a time, each until it waits on the others);
-// a block barrier opens once every thread of the block that has not ended waits at it, a cluster's once all of the
-// cluster's do.
+// from one of its barriers to the next, in an order that alternates too; a cluster's threads in rounds, each running
+// thread going on to its next barrier or wait, a polling one (an mbarrier's wait) again each round, in an order that
+// alternates with the round, the block and the phase (a cluster's blocks one at a time, each until it waits on the
+// others); a block barrier opens once every thread of the block that has not ended waits at it, a cluster's once all of
+// the cluster's do.
 template <typename Kernel, typename Arg>
 inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg, bool cluster,
                               int cluster_blocks = 1) {

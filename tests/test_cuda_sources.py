@@ -355,6 +355,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("persistent_launches", &persistent_launches);
   m.def("bulk_copies", [] { return ::dtmt_emu::bulk_copies; });
   m.def("set_clusters_held", [](int64_t n) { ::dtmt_emu::clusters_held = static_cast<int>(n); });
+  m.def("set_smem_optin", [](int64_t n) { ::dtmt_emu::smem_optin = static_cast<size_t>(n); });
   m.def("cluster_launches", [] {
     return std::make_tuple(::dtmt_emu::cluster_launches, ::dtmt_emu::clusters_launched);
   });
@@ -916,11 +917,13 @@ def test_persistent_clusters_of_batch_rows_emulated(emulated_cuda_ext, strict_fp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B,H,groups,held,dtype",
-                         [(9, 37, 4, 2, torch.float64), (5, 37, 2, 1, torch.float64), (64, 80, 3, 2, torch.float32)],
-                         ids=["B9-3-clusters-held-2", "B5-2-clusters-held-1", "B64-3-clusters-held-2-fp32"])
+@pytest.mark.parametrize("B,H,groups,held,dtype,optin",
+                         [(9, 37, 4, 2, torch.float64, None), (5, 37, 2, 1, torch.float64, None),
+                          (64, 80, 3, 2, torch.float32, None), (64, 80, 3, 2, torch.float32, 130000)],
+                         ids=["B9-3-clusters-held-2", "B5-2-clusters-held-1", "B64-3-clusters-held-2-fp32",
+                              "B64-3-clusters-held-2-stage-sized-again"])
 def test_persistent_clusters_regrouped_where_the_device_holds_fewer_emulated(emulated_cuda_ext, strict_fp32, B, H,
-                                                                             groups, held, dtype):
+                                                                             groups, held, dtype, optin):
     """Where the device holds fewer clusters of batch rows at once than the plan has (cudaOccupancyMaxActiveClusters;
     the emulation's clusters_held), launch_persistent takes fewer clusters of more rows each (regroup_rows in
     csrc/persistent_cuda_kernels.cuh), their shared memory sized again for the rows, so that none waits for another
@@ -928,11 +931,16 @@ def test_persistent_clusters_regrouped_where_the_device_holds_fewer_emulated(emu
     row; B = 64 in 3 of 22 rows, held 2: 2 of 32 (the stage in two buffers, strict fp32). Every launch is counted at
     the regrouped number of clusters, and outputs and every gradient match the float64 reference (ragged lengths,
     reverse direction, dropout and layer norm on): rows, strides, layer-norm partials and the stage of a cluster
-    larger than planned."""
+    larger than planned. With 130,000 B of shared memory a block (`optin`), the L-GRU's backward stage planned for 22
+    rows (whole rows of 320 columns, 116,096 B) would take 32 rows past it (about 137,600 B, which the emulated
+    launch refuses as the device does): the stage is sized again for the rows (two buffers of 96 columns, 122,240 B;
+    persistent_plan's figures)."""
     ext = emulated_cuda_ext
     run = _emulated_sequence(ext, (4, 32, -1, -groups))
     regrouped = -(-B // -(-B // held))
     ext.set_clusters_held(held)
+    if optin is not None:
+        ext.set_smem_optin(optin)
     try:
         launches, clusters = ext.cluster_launches()
         for cell, depth in (("lgru", 2), ("atr", 0)):
@@ -940,6 +948,7 @@ def test_persistent_clusters_regrouped_where_the_device_holds_fewer_emulated(emu
         launches, clusters = (a - b for a, b in zip(ext.cluster_launches(), (launches, clusters)))
     finally:
         ext.set_clusters_held(0)
+        ext.set_smem_optin(232448)
     assert launches >= 4 and clusters == launches * regrouped, (launches, clusters, regrouped)
 
 

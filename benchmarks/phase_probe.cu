@@ -213,8 +213,12 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   };
   sizes(f, plan.forward_resident, forward_stage);
   if (f.xp == nullptr || f.out == nullptr) return;
-  const Timing fwd = time_launch([&] { return launch_persistent_forward_kind<KIND, T, A>(f, G, kThreads, nullptr); },
-                                 G);
+  const Timing fwd = time_launch(
+      [&] {
+        return launch_persistent_kind<KIND, false, T, A>(persistent_forward_kernel<KIND, T, A>, f, G, kThreads,
+                                                         nullptr);
+      },
+      G);
   print_row(layer, B, products, "forward", fwd, (D + 1) * (ln ? 2 : 1));
 
   PersistentBackwardArgs<T, A> g{};
@@ -250,8 +254,12 @@ void run_case(const Device& dev, const char* layer, int D, bool ln, int B, bool 
   g.chunk_t0 = 0;
   g.chunk_steps = Tn;
   if (g.dhp == nullptr) return;
-  const Timing bwd = time_launch([&] { return launch_persistent_backward_kind<KIND, T, A>(g, G, kThreads, nullptr); },
-                                 G);
+  const Timing bwd = time_launch(
+      [&] {
+        return launch_persistent_kind<KIND, true, T, A>(persistent_backward_kernel<KIND, T, A>, g, G, kThreads,
+                                                        nullptr);
+      },
+      G);
   print_row(layer, B, products, "backward", bwd, (D + 1) * (ln ? 3 : 1));
 }
 

@@ -162,17 +162,25 @@ template <typename T> __device__ __forceinline__ const T* step_mask(const T* mas
   return mask != nullptr ? mask + static_cast<size_t>(t) * ldb : nullptr;
 }
 
-// The forward's arguments for this block's group of batch rows (row_group): the row-indexed tensors from its first
-// row (their rows still ldb apart), the partials its own, B its rows. Returns false where it has none.
-template <int KIND, typename T, typename A>
-__device__ __forceinline__ bool select_rows(PersistentForwardArgs<T, A>& p) {
-  constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid;
+// This block's group of batch rows (row_group) in a launch's arguments p (forward or backward): p.blocks and p.ldb
+// given their defaults (the grid; B), p.partials moved to the group's own `sets` sets of them ([G + 1, B, 3, 2] a
+// set), p.B its rows. What both select_rows share.
+template <typename Args> __device__ __forceinline__ RowGroup enter_row_group(Args& p, int sets) {
   if (p.blocks <= 0) p.blocks = static_cast<int>(gridDim.x);
   if (p.ldb <= 0) p.ldb = p.B;
   const RowGroup g = row_group(p.B, p.ldb, p.blocks);
-  const size_t r = static_cast<size_t>(g.first), H = static_cast<size_t>(p.H);
-  p.partials += static_cast<size_t>(g.index) * (p.blocks + 1) * p.B * 3 * 2;
+  p.partials += static_cast<size_t>(g.index) * sets * (p.blocks + 1) * p.B * 3 * 2;
   p.B = g.rows;
+  return g;
+}
+
+// The forward's arguments for this block's group of batch rows (enter_row_group): the row-indexed tensors from its
+// first row (their rows still ldb apart), the partials its own, B its rows. Returns false where it has none.
+template <int KIND, typename T, typename A>
+__device__ __forceinline__ bool select_rows(PersistentForwardArgs<T, A>& p) {
+  constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid;
+  const RowGroup g = enter_row_group(p, 1);
+  const size_t r = static_cast<size_t>(g.first), H = static_cast<size_t>(p.H);
   shift_rows(p.xp, r, NIN * H);
   shift_rows(p.drop, r, H);
   shift_rows(p.mask, r, 1);
@@ -1119,12 +1127,8 @@ template <typename T, typename A> struct PersistentBackwardArgs {
 template <int KIND, typename T, typename A>
 __device__ __forceinline__ bool select_rows(PersistentBackwardArgs<T, A>& p) {
   constexpr int NIN = Rows<KIND>::in, NH = Rows<KIND>::hid, NG = Rows<KIND>::groups;
-  if (p.blocks <= 0) p.blocks = static_cast<int>(gridDim.x);
-  if (p.ldb <= 0) p.ldb = p.B;
-  const RowGroup g = row_group(p.B, p.ldb, p.blocks);
+  const RowGroup g = enter_row_group(p, 2);
   const size_t r = static_cast<size_t>(g.first), H = static_cast<size_t>(p.H);
-  p.partials += static_cast<size_t>(g.index) * 2 * (p.blocks + 1) * p.B * 3 * 2;
-  p.B = g.rows;
   shift_rows(p.xp, r, NIN * H);
   shift_rows(p.hp, r, NH * H);
   shift_rows(p.hpt, r, 3 * H);
@@ -1517,45 +1521,48 @@ __global__ void persistent_backward_kernel(PersistentBackwardArgs<T, A> p) {
 }
 
 #if !defined(DTMT_CUDA_EMULATION)
-// A launch of `grid` blocks in thread-block clusters of `blocks` (cudaLaunchKernelEx with the cluster dimension; above
-// 8 blocks the non-portable attribute), `cooperative` where its grid barrier is needed too (both attributes: the grid
-// form's clusters that read the stage once a cluster). Refused (an error the caller falls back from) where the
-// clusters do not divide the grid or pass kClusterMaxBlocks, where the kernel's code has no clusters (made from PTX
-// below 9.0, a JIT), or where the device cannot hold all of the grid's clusters at once (a cluster's blocks share a
-// GPC).
-// Whether the kernel's code has clusters (compute capability 9.0 and up, not a JIT from older PTX): else
-// cudaErrorNotSupported, which the driver falls back from.
-template <typename Kernel> cudaError_t clusters_compiled(Kernel* kernel) {
-  cudaFuncAttributes attributes{};
-  const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
-  if (err != cudaSuccess) return err;
-  return attributes.ptxVersion < 90 || attributes.binaryVersion < 90 ? cudaErrorNotSupported : cudaSuccess;
-}
-
-template <typename Kernel, typename Arg>
-cudaError_t launch_in_clusters(Kernel* kernel, const Arg& a, int grid, int blocks, bool cooperative, int threads,
-                               size_t smem, cudaStream_t stream) {
+// The configuration of a launch of `grid` blocks in thread-block clusters of `blocks` (cudaLaunchKernelEx with the
+// cluster dimension in attribute[0], storage the caller keeps; above 8 blocks the non-portable attribute), and how
+// many such clusters the device holds at once (`held`). Refused (an error the caller falls back from) where the
+// clusters do not divide the grid or pass kClusterMaxBlocks, or where the kernel's code has no clusters (made from
+// PTX below 9.0, a JIT: checked before the cluster queries, whose errors on such code vary).
+template <typename Kernel>
+cudaError_t cluster_config(Kernel* kernel, int grid, int blocks, int threads, size_t smem, cudaStream_t stream,
+                           cudaLaunchAttribute* attribute, cudaLaunchConfig_t& config, int& held) {
   if (blocks < 1 || blocks > kClusterMaxBlocks || grid % blocks != 0) return cudaErrorInvalidClusterSize;
-  cudaError_t err = clusters_compiled(kernel);
+  cudaFuncAttributes attributes{};
+  cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
   if (err != cudaSuccess) return err;
+  if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) return cudaErrorNotSupported;
   if (blocks > 8) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
   }
-  cudaLaunchConfig_t config = {};
+  config = {};
   config.gridDim = dim3(grid, 1, 1);
   config.blockDim = dim3(threads, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
   attribute[0].val.clusterDim.x = blocks;
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
+  return cudaOccupancyMaxActiveClusters(&held, kernel, &config);
+}
+
+// A launch of `grid` blocks in thread-block clusters of `blocks` (cluster_config), `cooperative` where its grid
+// barrier is needed too (both attributes: the grid form's clusters that read the stage once a cluster). Refused where
+// cluster_config refuses it, or where the device cannot hold all of the grid's clusters at once (a cluster's blocks
+// share a GPC).
+template <typename Kernel, typename Arg>
+cudaError_t launch_in_clusters(Kernel* kernel, const Arg& a, int grid, int blocks, bool cooperative, int threads,
+                               size_t smem, cudaStream_t stream) {
+  cudaLaunchAttribute attribute[2];
+  cudaLaunchConfig_t config;
   int clusters = 0;   // clusters of this shape the device holds at once: all of the grid's must be resident
-  err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  const cudaError_t err = cluster_config(kernel, grid, blocks, threads, smem, stream, attribute, config, clusters);
   if (err != cudaSuccess) return err;
   if (clusters < grid / blocks) return cooperative ? cudaErrorCooperativeLaunchTooLarge : cudaErrorInvalidClusterSize;
   if (cooperative) {
@@ -1631,30 +1638,13 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
   if (err != cudaSuccess) return err;
   if (a.cluster) {
     const int blocks = a.blocks > 0 ? a.blocks : grid;
-    if (blocks < 1 || grid % blocks != 0) return cudaErrorInvalidClusterSize;
-    err = clusters_compiled(kernel);   // (before the cluster queries below, whose errors on such code vary)
-    if (err != cudaSuccess) return err;
     int clusters = grid / blocks;
     Arg b = a;
     if (clusters > 1) {   // as many clusters as the device holds at once, each of ceil(ldb / clusters) rows
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(grid, 1, 1);
-      config.blockDim = dim3(threads, 1, 1);
-      config.dynamicSmemBytes = smem;
-      config.stream = stream;
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = blocks;
-      attribute.val.clusterDim.y = 1;
-      attribute.val.clusterDim.z = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
-      if (blocks > 8) {
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-        if (err != cudaSuccess) return err;
-      }
+      cudaLaunchAttribute attribute[1];
+      cudaLaunchConfig_t config;
       int held = 0;
-      err = cudaOccupancyMaxActiveClusters(&held, kernel, &config);
+      err = cluster_config(kernel, grid, blocks, threads, smem, stream, attribute, config, held);
       if (err != cudaSuccess) return err;
       const int asked = clusters;
       clusters = regroup_rows(b, clusters, held, restage);
@@ -1681,25 +1671,27 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
 #endif
 }
 
-template <int KIND, typename T, typename A>
-cudaError_t launch_persistent_backward_kind(const PersistentBackwardArgs<T, A>& a, int grid, int threads,
-                                            cudaStream_t stream) {
-  auto smem_of = [threads](const PersistentBackwardArgs<T, A>& b) {
-    return persistent_backward_bytes(KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.mma, threads, b.resident,
-                                     b.stage_cols, b.multicast);
+// launch_persistent of a cell kind's forward or backward kernel, its shared memory and its stage's rule for a
+// regrouped launch the plan's arithmetic (persistent_plan.h) on the arguments' sizes.
+template <int KIND, bool BACKWARD, typename T, typename A, typename Arg>
+cudaError_t launch_persistent_kind(void (*kernel)(Arg), const Arg& a, int grid, int threads, cudaStream_t stream) {
+  auto smem_of = [threads](const Arg& b) {
+    constexpr auto bytes = BACKWARD ? &persistent_backward_bytes : &persistent_forward_bytes;
+    return bytes(KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.mma, threads, b.resident, b.stage_cols,
+                 b.multicast);
   };
-  auto restage = [](const PersistentBackwardArgs<T, A>& b) {
-    return persistent_stage_columns(true, KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.resident,
+  auto restage = [](const Arg& b) {
+    return persistent_stage_columns(BACKWARD, KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.resident,
                                     device_smem_optin());
   };
-  return launch_persistent(persistent_backward_kernel<KIND, T, A>, a, grid, threads, smem_of, restage, stream);
+  return launch_persistent(kernel, a, grid, threads, smem_of, restage, stream);
 }
 
 template <typename T, typename A>
 cudaError_t launch_persistent_backward(int kind, const PersistentBackwardArgs<T, A>& a, int grid, int threads,
                                        cudaStream_t stream) {
 #define DTMT_CASE(K) \
-  case K: return launch_persistent_backward_kind<K, T, A>(a, grid, threads, stream);
+  case K: return launch_persistent_kind<K, true, T, A>(persistent_backward_kernel<K, T, A>, a, grid, threads, stream);
   switch (kind) {
     DTMT_FOR_EACH_BASE_CELL_KIND(DTMT_CASE)
     default: return cudaErrorInvalidValue;
@@ -1707,25 +1699,11 @@ cudaError_t launch_persistent_backward(int kind, const PersistentBackwardArgs<T,
 #undef DTMT_CASE
 }
 
-template <int KIND, typename T, typename A>
-cudaError_t launch_persistent_forward_kind(const PersistentForwardArgs<T, A>& a, int grid, int threads,
-                                           cudaStream_t stream) {
-  auto smem_of = [threads](const PersistentForwardArgs<T, A>& b) {
-    return persistent_forward_bytes(KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.mma, threads, b.resident,
-                                    b.stage_cols, b.multicast);
-  };
-  auto restage = [](const PersistentForwardArgs<T, A>& b) {
-    return persistent_stage_columns(false, KIND, b.D, b.B, b.H, b.slice, sizeof(T), sizeof(A), b.resident,
-                                    device_smem_optin());
-  };
-  return launch_persistent(persistent_forward_kernel<KIND, T, A>, a, grid, threads, smem_of, restage, stream);
-}
-
 template <typename T, typename A>
 cudaError_t launch_persistent_forward(int kind, const PersistentForwardArgs<T, A>& a, int grid, int threads,
                                       cudaStream_t stream) {
 #define DTMT_CASE(K) \
-  case K: return launch_persistent_forward_kind<K, T, A>(a, grid, threads, stream);
+  case K: return launch_persistent_kind<K, false, T, A>(persistent_forward_kernel<K, T, A>, a, grid, threads, stream);
   switch (kind) {
     DTMT_FOR_EACH_BASE_CELL_KIND(DTMT_CASE)
     default: return cudaErrorInvalidValue;

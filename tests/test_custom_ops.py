@@ -279,6 +279,35 @@ def test_a_gradient_of_a_gradient_through_the_fused_ops_is_refused():
             sum(g.square().sum() for g in grads if g is not None).backward()
 
 
+def test_the_ops_autograd_kernels_fill_no_defaults_per_call(monkeypatch):
+    """The C++ ops' autograd kernels (_register.register_autograd) call setup_context with the call's own arguments:
+    torch's called fill_defaults on every recording forward, quadratic in the arguments (transition_forward has 17):
+    the largest piece of a small layer's host time a call. Counted here: no call on the ops of a layer, attention and the loss, and
+    their gradients still reach every input that asks for one (only those: a frozen weight gets none). An op with
+    defaults is refused at registration."""
+    from torch._library import utils
+    from dtmt_kernels.ops._register import register_autograd
+    calls = []
+    fill = utils.fill_defaults
+    monkeypatch.setattr(utils, "fill_defaults", lambda *a: calls.append(1) or fill(*a))
+    torch.manual_seed(0)
+    layer = dk.nn.DeepTransitionGRU(6, 7, depth=1).double()
+    layer.weight_hh.requires_grad_(False)
+    x = torch.randn(5, 3, 6, dtype=torch.float64, requires_grad=True)
+    keys, query = torch.randn(2, 5, 2, 4, requires_grad=True), torch.randn(2, 2, 4, requires_grad=True)
+    v, values = torch.randn(2, 4), torch.randn(2, 5, 6, requires_grad=True)
+    logits = torch.randn(4, 9, requires_grad=True)
+    alpha = torch.softmax(torch.ops.dtmt.additive_scores(keys, query, v), -1)   # [B, heads, S]
+    total = (layer(x)[0].sum() + torch.ops.dtmt.attention_context(alpha, values).sum()
+             + torch.ops.dtmt.smoothed_cross_entropy(logits, torch.tensor([1, 2, 3, 0]), 0.1, -100)[0])
+    total.backward()
+    assert calls == []
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (x, layer.weight_ih, keys, query, values, logits))
+    assert layer.weight_hh.grad is None and v.grad is None
+    with pytest.raises(AssertionError, match="positional without defaults"):
+        register_autograd("dtmt::transition_backward", lambda ctx, *g: g, lambda ctx, inputs, output: None)
+
+
 def test_a_gradient_of_a_gradient_through_unrolled_steps_is_refused():
     """In an `unrolled` block (the decoder cells' and contexts' steps, autograd.Functions), a gradient taken with
     create_graph=True and then differentiated gave a silently wrong second-order gradient where the gradient reaching

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
+from torch._library import custom_ops as _custom_ops
 
 
 def _tensors(args):
@@ -41,6 +42,60 @@ def register_fake(op: str, fake) -> None:
         return fake(*args, **kwargs)
 
     torch.library.register_fake(op)(checked)
+
+
+_libraries = []   # the fragments holding register_autograd's kernels (a Library unregisters when collected)
+
+
+def register_autograd(op: str, backward, setup_context) -> None:
+    """torch.library.register_autograd(op, backward, setup_context=setup_context); for an op defined in C++ (whose
+    arguments must then be positional, without defaults: checked here) the same autograd.Function without torch's
+    per-call overhead: the forward redispatched below autograd, `setup_context(ctx, inputs, output)`,
+    `backward(ctx, *grads)` with ctx.needs_input_grad over the op's arguments. An op defined in Python
+    (torch.library.custom_op: the Triton ones) has its own Autograd kernel, and gets torch's registration.
+
+    Why not torch's: its kernel calls torch._library.utils.fill_defaults on every forward that records a graph, which
+    reads schema.arguments (rebuilt at each access) once per argument, quadratic in their number: for
+    transition_forward's 17 it was the largest piece of a small layer's host time a call, which on a GPU is what an
+    eager forward at B = 1 waits on. With no defaults, what it fills is what the call passed."""
+    if op in _custom_ops.OPDEFS:
+        torch.library.register_autograd(op, backward, setup_context=setup_context)
+        return
+    overload = torch._library.utils.lookup_op(op)
+    arguments = overload._schema.arguments
+    if any(a.kwarg_only or a.has_default_value() for a in arguments):
+        raise AssertionError(f"{op}: register_autograd takes ops whose arguments are positional without defaults "
+                             f"(torch.library.register_autograd for the others): {overload._schema}")
+    namespace, name = op.split("::", 1)
+    below = torch._C._after_autograd_keyset
+
+    def forward(ctx, *args):   # the op's arguments, then the dispatch keys
+        with torch._C._AutoDispatchBelowAutograd():
+            output = overload.redispatch(args[-1] & below, *args[:-1])
+        setup_context(ctx, args[:-1], output)
+        return output
+
+    def backward_keys(ctx, *grads):
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[:-1]
+        try:
+            grads = backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs
+        return (*grads, None) if isinstance(grads, tuple) else (grads, None)
+
+    function = type(f"{namespace}_{name}_Backward", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_keys)})
+
+    def kernel(keys, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return function.apply(*args, keys)
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload.redispatch(keys & below, *args)
+
+    library = torch.library.Library(namespace, "FRAGMENT")
+    library.impl(name, kernel, "Autograd", with_keyset=True)
+    _libraries.append(library)
 
 
 def refuse_double_backward(op: str) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from .._extension import built
 from .. import _autocast
-from .._register import refuse_double_backward, register_fake
+from .._register import refuse_double_backward, register_autograd, register_fake
 
 
 def _dense_like(t):
@@ -67,10 +67,10 @@ def _register() -> None:
         return
     register_fake("dtmt::additive_scores", _scores_fake)
     register_fake("dtmt::additive_scores_backward", _scores_backward_fake)
-    torch.library.register_autograd("dtmt::additive_scores", _scores_backward, setup_context=_scores_setup)
+    register_autograd("dtmt::additive_scores", _scores_backward, setup_context=_scores_setup)
     register_fake("dtmt::attention_context", _context_fake)
     register_fake("dtmt::attention_context_backward", _context_backward_fake)
-    torch.library.register_autograd("dtmt::attention_context", _context_backward, setup_context=_context_setup)
+    register_autograd("dtmt::attention_context", _context_backward, setup_context=_context_setup)
     for op in ("dtmt::additive_scores", "dtmt::attention_context"):
         _autocast.register(op, _autocast.float32_rule)
         refuse_double_backward(op + "_backward")

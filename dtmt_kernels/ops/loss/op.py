@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .._extension import built
-from .._register import first_order_only, register_fake
+from .._register import first_order_only, register_autograd, register_fake
 from .._host_reads import host_reads_allowed
 
 
@@ -45,7 +45,7 @@ def _backward(ctx, grad_loss, _grad_nll, _grad_grad):
 
 if built():
     register_fake("dtmt::smoothed_cross_entropy", _fake)
-    torch.library.register_autograd("dtmt::smoothed_cross_entropy", _backward, setup_context=_setup)
+    register_autograd("dtmt::smoothed_cross_entropy", _backward, setup_context=_setup)
 
 
 class PortableSmoothedCrossEntropy(torch.autograd.Function):

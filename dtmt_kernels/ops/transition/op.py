@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .._extension import built
 from .. import _autocast
-from .._register import check_transforms, refuse_double_backward, register_fake
+from .._register import check_transforms, refuse_double_backward, register_autograd, register_fake
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
 from ..linear.quantize import ROW_TAIL
 from .layout import KINDS, ROWS, acc_dtype, check_kind, present
@@ -181,7 +181,7 @@ def _register() -> None:
     for forward, backward, backward_op in pairs:
         register_fake(forward, _forward_fake)
         register_fake(backward, _backward_fake)
-        torch.library.register_autograd(forward, _autograd_for(backward_op), setup_context=_setup_context)
+        register_autograd(forward, _autograd_for(backward_op), setup_context=_setup_context)
         refuse_double_backward(backward)
         _autocast.register(forward, _autocast.low_precision_rule)
 

@@ -282,9 +282,9 @@ def test_a_gradient_of_a_gradient_through_the_fused_ops_is_refused():
 def test_the_ops_autograd_kernels_fill_no_defaults_per_call(monkeypatch):
     """The C++ ops' autograd kernels (_register.register_autograd) call setup_context with the call's own arguments:
     torch's called fill_defaults on every recording forward, quadratic in the arguments (transition_forward has 17):
-    the largest piece of a small layer's host time a call. Counted here: no call on the ops of a layer, attention and the loss, and
-    their gradients still reach every input that asks for one (only those: a frozen weight gets none). An op with
-    defaults is refused at registration."""
+    the largest piece of a small layer's host time a call. Counted here: no call on the ops of a layer, attention
+    and the loss, and their gradients still reach every input that asks for one (only those: a frozen weight gets
+    none). An op with defaults is refused at registration."""
     from torch._library import utils
     from dtmt_kernels.ops._register import register_autograd
     calls = []

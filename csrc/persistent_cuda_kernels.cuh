@@ -1595,8 +1595,9 @@ inline size_t device_smem_optin() {
 // clusters; b.B is the rows of each.
 template <typename Arg, typename Restage> int regroup_rows(Arg& b, int clusters, int held, Restage restage) {
   if (b.ldb > 0 && held >= 1 && held < clusters) {
-    b.B = (b.ldb + held - 1) / held;
-    clusters = (b.ldb + b.B - 1) / b.B;
+    const RowSplit split = split_rows(b.ldb, held);
+    b.B = static_cast<int>(split.rows);
+    clusters = static_cast<int>(split.groups);
     if (b.stage_cols > 0) b.stage_cols = restage(b);
   }
   return clusters;

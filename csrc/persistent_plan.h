@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "cell_math.h"
 
@@ -168,6 +169,20 @@ DTMT_HD int persistent_stage_columns(bool backward, int kind, int D, int B, int 
   return stage_columns(B, backward ? backward_u_path_length(kind, D, H) : H, t_bytes, stage_room(smem_optin, need));
 }
 
+// ------------------------------------------------------------------------------------------- clusters of batch rows
+// B batch rows shared out among at most `most` clusters (below 1: one): ceil(B / most) rows each, and as many clusters
+// as leave none empty (groups x rows <= B + rows - 1); B 0 is one cluster of none. The plan's groups, the driver's
+// (transition_cuda.cu's row_groups) and the launch's fewer, larger ones where the device holds fewer (regroup_rows).
+struct RowSplit {
+  int64_t groups, rows;
+};
+DTMT_HD RowSplit split_rows(int64_t B, int64_t most) {
+  if (B < 1) return {1, 0};
+  const int64_t clusters = most < 1 ? 1 : most < B ? most : B;
+  const int64_t rows = (B + clusters - 1) / clusters;
+  return {(B + rows - 1) / rows, rows};
+}
+
 // ------------------------------------------------------------------------------------------- tensor cores or FMA
 // Whether the persistent products run on tensor cores (block_mma.cuh), for storage of t_bytes a value: 16-bit always
 // (f16 / bf16 MMA, float accumulation: the FMA products' math), float where TF32 is allowed in matmuls, double
@@ -238,10 +253,9 @@ inline PersistentPlan persistent_plan(int kind, int D, int B, int H, size_t t_by
   plan.grid = (H + plan.slice - 1) / plan.slice;
   int rows = B;   // a block's batch rows: the cluster form's clusters share the batch out
   if (plan.cluster) {
-    const int held = multiprocessors / plan.grid;
-    const int groups = held < 1 ? 1 : held < B ? held : B;
-    rows = (B + groups - 1) / groups;
-    plan.groups = (B + rows - 1) / rows;
+    const RowSplit split = split_rows(B, multiprocessors / plan.grid);
+    rows = static_cast<int>(split.rows);
+    plan.groups = static_cast<int>(split.groups);
   }
   if (!plan.cluster && !mma && multicast > 1 && multicast <= kClusterMaxBlocks) {
     for (int g = blocks / multicast * multicast; g >= multicast; g -= multicast) {

@@ -503,15 +503,11 @@ std::string form_name(bool cluster, int multicast) {
 // layer-norm partials' elements of every group's blocks (`blocks` each), whatever fewer, larger groups the launch
 // takes where the device holds fewer clusters (launch_persistent: each group (blocks + 1) x rows x 3 x 2, `sets` of
 // them, and groups x rows <= B + groups - 1).
-struct RowGroups {
-  int64_t groups, rows;
-};
-RowGroups row_groups(const char* direction, int64_t groups, bool cluster, int64_t B) {
+cuda::RowSplit row_groups(const char* direction, int64_t groups, bool cluster, int64_t B) {
   TORCH_CHECK(groups >= 1 && (groups == 1 || cluster) && (groups <= B || B == 0),
               message("dtmt: the persistent ", direction, "'s clusters of batch rows must be 1 to B (", B,
                       "), in the cluster form; got ", groups, cluster ? "" : " in the grid form"));
-  const int64_t rows = B > 0 ? (B + groups - 1) / groups : 0;
-  return {rows > 0 ? (B + rows - 1) / rows : 1, rows};
+  return cuda::split_rows(B, groups);
 }
 int64_t partials_elems(int64_t blocks, int64_t B, int64_t groups, int64_t sets) {
   return sets * (blocks + 1) * (B + groups) * 3 * 2;
@@ -537,7 +533,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
-  const RowGroups rg = row_groups("forward", groups, cluster, d.B);
+  const cuda::RowSplit rg = row_groups("forward", groups, cluster, d.B);
   const int64_t T_ = d.T, B = d.B, H = d.H, D = d.D, S_ = D + 1;
   TORCH_CHECK(grid >= 1 && grid <= H,
               message("dtmt: the persistent forward needs 1 <= grid <= H, got grid ", grid, ", H ", H));
@@ -1006,7 +1002,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   using T = typename DeviceType<S>::type;
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
-  const RowGroups rg = row_groups("backward", groups, cluster, d.B);
+  const cuda::RowSplit rg = row_groups("backward", groups, cluster, d.B);
   const int64_t B = d.B, H = d.H, D = d.D;
   TORCH_CHECK(grid >= 1 && grid <= H,
               message("dtmt: the persistent backward needs 1 <= grid <= H, got grid ", grid, ", H ", H));

@@ -2,12 +2,16 @@
 cuda backend's per-step path and cuDNN's GRU, on the GPU, each math mode the same on every side.
 
     python benchmarks/bench_persistent.py [--T 50] [--B 1 8 64 256] [--H 512] [--repeat 10]
-                                          [--math strict tf32 bf16] [--forms grid cluster multicast] [--out DIR]
+                                          [--math strict tf32 bf16 tf32-fma bf16-fma] [--forms grid cluster multicast]
+                                          [--out DIR]
 
 Math modes (--math, each a table): `strict`, float32 with TF32 off for cuBLAS, cuDNN and our kernels (FMA products);
 `tf32`, float32 with torch's TF32 flags on (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32): cuBLAS and
 cuDNN on TF32 tensor cores, and the persistent launches' products too (csrc/block_mma.cuh); `bf16`, bfloat16 storage
-on every side, float accumulation (the persistent products on bf16 tensor cores).
+on every side, float accumulation (the persistent products on bf16 tensor cores); `tf32-fma` and `bf16-fma`, the same
+with the persistent products on FMA (DTMT_CUDA_PRODUCTS=fma; the phase probe found FMA the faster at H = 512, B = 64:
+which products the rule should pick, docs/design/persistent_recurrence.md, "Products on tensor cores"). A row whose
+persistent launches ran on other products than its mode's says so.
 The switch is read once a process, so each mode runs in a child process of its own. For every case (one GRU layer;
 the deep transition, L-GRU + 4 T-GRUs with layer norm; ATR) and batch size, a child
 - checks its forward against the float64 reference on the device (ragged lengths, the reverse direction), and
@@ -55,12 +59,13 @@ def build(cell: str, depth: int, ln: bool, H: int, backend: str):
     return dk.nn.DeepTransitionGRU(H, H, depth=depth, cell=cell, layer_norm=ln, backend=backend)
 
 
-MATH = ("strict", "tf32", "bf16")
+MATH = ("strict", "tf32", "bf16", "tf32-fma", "bf16-fma")   # (-fma: the persistent products on FMA, DTMT_CUDA_PRODUCTS)
 FORMS = {"grid": "persistent", "cluster": "persistent-cluster",   # --forms: the DTMT_CUDA_RECURRENCE of each
          "multicast": "persistent-multicast"}
 FORM_OF = {mode: form for form, mode in FORMS.items()}
 CLUSTER_BLOCKS = 16   # the cluster form's blocks (csrc/persistent_plan.h's kClusterMaxBlocks)
 TOLERANCE = {"strict": 1e-4, "tf32": 2e-2, "bf16": 5e-2}   # the forward's largest error, relative to its largest value
+#                                                             (a -fma mode: its base mode's)
 
 
 def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
@@ -70,9 +75,10 @@ def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
     from common import time_fn
     from dtmt_kernels.ops.transition.persistent import persistent_launches
 
-    torch.backends.cuda.matmul.allow_tf32 = math == "tf32"
-    torch.backends.cudnn.allow_tf32 = math == "tf32"
-    dtype = torch.bfloat16 if math == "bf16" else torch.float32
+    base = math.split("-")[0]   # (tf32-fma, bf16-fma: the base mode on every side, the persistent products on FMA)
+    torch.backends.cuda.matmul.allow_tf32 = base == "tf32"
+    torch.backends.cudnn.allow_tf32 = base == "tf32"
+    dtype = torch.bfloat16 if base == "bf16" else torch.float32
     rows = []
     for name, cell, depth, ln in CASES:
         for B in Bs:
@@ -98,6 +104,7 @@ def child(mode: str, math: str, T: int, Bs, H: int, repeat: int) -> list:
             err = max((out.double() - ref_out).abs().max().item(), (h_n.double() - ref_h).abs().max().item()) / scale
             xg = x.clone().requires_grad_()
             row = dict(case=name, T=T, B=B, H=H, mode=mode, math=math, form=form, fell_back=fell_back,
+                       products="tensor cores" if ran["tensor_cores"] else "FMA" if form != "steps" else "",
                        rel_err=err,
                        fwd_ms=1e3 * time_fn(fwd_only(layer, x), repeat, "cuda"),
                        fwd_bwd_ms=1e3 * time_fn(fwd_bwd(layer, xg), repeat, "cuda"),
@@ -162,7 +169,11 @@ def barriers_per_step(cell: str, depth: int, ln: bool, B: int = 1) -> int:
 MATH_NAMES = {"strict": "strict fp32 on every side (TF32 off for cuBLAS, cuDNN and our products)",
               "tf32": "TF32 on every side (torch's TF32 flags on: cuBLAS, cuDNN and the persistent products on TF32 "
                       "tensor cores)",
-              "bf16": "bfloat16 storage on every side, float accumulation"}
+              "bf16": "bfloat16 storage on every side, float accumulation",
+              "tf32-fma": "TF32 on every side but the persistent products, on FMA in strict fp32 "
+                          "(DTMT_CUDA_PRODUCTS=fma)",
+              "bf16-fma": "bfloat16 storage on every side, float accumulation, the persistent products on FMA "
+                          "(DTMT_CUDA_PRODUCTS=fma)"}
 
 
 def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str, math: str = "strict",
@@ -192,6 +203,9 @@ def report(results: dict, barrier, T: int, H: int, Bs, repeat: int, machine: str
                 continue
             cudnn = (f"{s['cudnn_fwd_ms']:.2f} / {s['cudnn_fwd_bwd_ms']:.2f}" if "cudnn_fwd_ms" in s else "")
             note = f" (ran as {q.get('form', 'steps')}: did not fit)" if q["fell_back"] else ""
+            wanted = "FMA" if math == "strict" or math.endswith("-fma") else "tensor cores"
+            if q.get("products") and q["products"] != wanted:
+                note += f" (products on {q['products']})"
             floor = (floor_ms(cell, depth, ln, T, B, H, barrier["step_us"], mma and mma["flops_per_s"]) if barrier
                      else float("nan"))
             print(f"| {name}{note} | {B} | {s['fwd_ms']:.2f} | {q['fwd_ms']:.2f} | {s['fwd_ms'] / q['fwd_ms']:.2f} | "
@@ -271,7 +285,8 @@ def main(argv=None) -> int:
     for math in a.math:
         results, mma = {}, None
         for mode in ("steps", *(FORMS[f] for f in a.forms)):
-            env = dict(os.environ, DTMT_CUDA_RECURRENCE=mode)
+            env = dict(os.environ, DTMT_CUDA_RECURRENCE=mode,
+                       DTMT_CUDA_PRODUCTS="fma" if math.endswith("-fma") else "auto")
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", mode, "--math", math, "--T",
                                 str(a.T), "--B", *map(str, a.B), "--H", str(a.H), "--repeat", str(a.repeat)], env=env,
                                capture_output=True, text=True)
@@ -292,7 +307,7 @@ def main(argv=None) -> int:
         for form in a.forms:
             table += report(results, barriers.get(FORMS[form]), a.T, a.H, a.B, a.repeat, machine_name("cuda"), math,
                             mma, form)
-        bad += [(math, *k) for k, row in results.items() if row["rel_err"] > TOLERANCE[math]]
+        bad += [(math, *k) for k, row in results.items() if row["rel_err"] > TOLERANCE[math.split("-")[0]]]
     if a.out and table:
         write_csv(os.path.join(a.out, "bench_persistent.csv"), table, sorted({k for row in table for k in row}))
     if bad:

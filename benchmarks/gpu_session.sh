@@ -60,13 +60,13 @@
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
 # limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 60 + 150 + 240 s, persistent-math 300 s, persistent-bf16 2 x 200 s, persistent-cluster 180 + 300 s,
+# 180 + 60 + 150 + 240 s, persistent-math 300 s, persistent-bf16 60 + 2 x 240 s, persistent-cluster 180 + 300 s,
 # persistent-multicast 180 + 300 s, persistent-profile 3 x 100 s, decode 300 + 200 s, graphs 150 + 300 s,
 # train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
 # amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
 # machine's start about 30 s, build 106-133 s (106 s for 9.0a at bd1af5e, 2026-12-04), every GPU test 175 s,
-# `build persistent` 299 s in all (its GPU tests 105 s), `persistent-math` about 60 s, bench_persistent strict fp32 with
-# both forms at B = 1, 8, 64 42 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s
+# `build persistent` 299 s in all (its GPU tests 105 s), `persistent-math` about 60 s (two modes; four now),
+# bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, one gpu_profile 30-40 s, decode about 60 s, the graphed training benchmark 119 s
 # (phase_probe.cu: 250-294 s to compile for sm_90a on 2 busy cores of an AMD EPYC here, 2026-12-03, beside the build
 # and the tests; train-profile not yet timed); a warm machine is given back after 30 s idle (its build with it), so
 # send the next call at once. A device call is at most 10 minutes, and a session has 15 minutes of device time in all,
@@ -289,10 +289,12 @@ if want persistent; then
 fi
 if want persistent-math; then
   # issue 72 item 1: the same tables in torch's fast mode (TF32 where torch allows it: cuBLAS, cuDNN and our products
-  # on tensor cores) and in bf16 storage on every side, each against cuDNN in the same mode
-  echo "== bench_persistent --math tf32 bf16 (DTMT_CUDA_RECURRENCE=steps vs persistent; each mode on every side)"
-  timeout 300 "$PY" benchmarks/bench_persistent.py --math tf32 bf16 --B 1 8 64 --out "$OUT/persistent-math" 2>&1 \
-    | tee "$OUT/persistent_math.md" || status=1
+  # on tensor cores) and in bf16 storage on every side, each against cuDNN in the same mode; and each again with the
+  # persistent products on FMA (-fma: DTMT_CUDA_PRODUCTS=fma), which the phase probe found faster at H = 512, B = 64:
+  # the rule's choice of products (docs/design/persistent_recurrence.md, "Products on tensor cores")
+  echo "== bench_persistent --math tf32 tf32-fma bf16 bf16-fma (DTMT_CUDA_RECURRENCE=steps vs persistent)"
+  timeout 300 "$PY" benchmarks/bench_persistent.py --math tf32 tf32-fma bf16 bf16-fma --B 1 8 64 \
+    --out "$OUT/persistent-math" 2>&1 | tee "$OUT/persistent_math.md" || status=1
 fi
 if want persistent-cluster; then
   # issue 72: the cluster form of the persistent launches (thread-block clusters of 16 blocks, each cluster the whole
@@ -323,10 +325,10 @@ if want persistent-bf16; then
   # persistent_recurrence.md, "Past shared memory: the L2"): the envelope on this device first, then both sizes
   echo "== the persistent envelope on this device"
   timeout 60 "$PY" benchmarks/bench_persistent.py --envelope --B 64 2>&1 | tee "$OUT/persistent_envelope.md" || status=1
-  for H in 512 1024; do
-    echo "== bench_persistent --math bf16 --B 64 --H $H"
-    timeout 200 "$PY" benchmarks/bench_persistent.py --math bf16 --B 64 --H "$H" --out "$OUT/persistent-bf16-$H" \
-      2>&1 | tee "$OUT/persistent_bf16_$H.md" || status=1
+  for H in 512 1024; do   # (and the products on FMA: bf16-fma)
+    echo "== bench_persistent --math bf16 bf16-fma --B 64 --H $H"
+    timeout 240 "$PY" benchmarks/bench_persistent.py --math bf16 bf16-fma --B 64 --H "$H" \
+      --out "$OUT/persistent-bf16-$H" 2>&1 | tee "$OUT/persistent_bf16_$H.md" || status=1
   done
 fi
 if want decode; then

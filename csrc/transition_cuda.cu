@@ -372,14 +372,35 @@ std::vector<Tensor> forward_impl(const Tensor& x, const Tensor& h0, const Tensor
   return StepForward<S>(x, h0, mask, drop, w, reverse, eps).run(h0);
 }
 
+// DTMT_CUDA_PRODUCTS (a benchmarks' setting until a GPU session has compared the two end to end, issue 72): "fma",
+// the persistent launches' products on FMA in every math mode (16-bit storage widened to float, float sums, as the
+// MMA's; float32 with TF32 allowed: strict fp32 products); unset or "auto", persistent_mma's rule. Read once a
+// process on a GPU; at each call in the emulation, whose tests set it.
+bool fma_products_requested() {
+  auto read = [] {
+    const char* env = std::getenv("DTMT_CUDA_PRODUCTS");
+    const std::string v = env != nullptr ? env : "";
+    if (!v.empty() && v != "auto" && v != "fma")
+      TORCH_WARN(message("dtmt: DTMT_CUDA_PRODUCTS=", v.c_str(), " ignored: not one of auto, fma"));
+    return v == "fma";
+  };
+#if defined(DTMT_CUDA_EMULATION)
+  return read();
+#else
+  static const bool fma = read();
+  return fma;
+#endif
+}
+
 // Whether the persistent launches' products run on tensor cores (docs/design/persistent_recurrence.md, "Products on
 // tensor cores"): cuda::persistent_tensor_cores's rule, with torch's TF32 flag read at each call as cuBLAS reads it
 // (torch.backends.cuda.matmul.allow_tf32, or float32 matmul precision "high") and this device's compute capability
-// (the emulation counts as 8.0); never for a type without an MMA (double).
+// (the emulation counts as 8.0); never for a type without an MMA (double), nor under DTMT_CUDA_PRODUCTS=fma.
 template <typename T> bool persistent_mma() {
   if constexpr (!cuda::Mma<T>::available) {
     return false;
   } else {
+    if (fma_products_requested()) return false;
 #if defined(DTMT_CUDA_EMULATION)
     const int major = 8;
 #else
@@ -392,7 +413,8 @@ template <typename T> bool persistent_mma() {
 }
 
 // The counts of persistent_launch_counts (transition.h).
-std::atomic<int64_t> launches_grid{0}, launches_cluster{0}, launches_refused{0}, launches_multicast{0};
+std::atomic<int64_t> launches_grid{0}, launches_cluster{0}, launches_refused{0}, launches_multicast{0},
+    launches_mma{0};
 
 // Whether a persistent launch's error says the device cannot place it (too much shared memory, too many blocks to
 // be resident at once, a cluster it cannot schedule, a form its code was not compiled for): the caller then runs
@@ -598,6 +620,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
     }
     C10_CUDA_CHECK(err);
     ++(cluster ? launches_cluster : a.multicast > 1 ? launches_multicast : launches_grid);
+    if (a.mma) ++launches_mma;
   }
   return {out, h_last.to(h0.scalar_type()), xp, hs, lp ? hs_lp : at::empty({0}, opts), hp, hpt};
 }
@@ -1086,6 +1109,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
     return {};
   }
   ++(cluster ? launches_cluster : a.multicast > 1 ? launches_multicast : launches_grid);
+  if (a.mma) ++launches_mma;
   return chunks.outputs(dh[(c - 1) % 2].to(grad_hn.scalar_type()), dln_rows, dlnb_rows, dtln_rows, dtlnb_rows);
 }
 
@@ -1169,7 +1193,8 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const Tra
 }
 
 PersistentLaunchCounts persistent_launch_counts() {
-  return {launches_grid.load(), launches_cluster.load(), launches_refused.load(), launches_multicast.load()};
+  return {launches_grid.load(), launches_cluster.load(), launches_refused.load(), launches_multicast.load(),
+          launches_mma.load()};
 }
 
 }  // namespace dtmt

@@ -898,6 +898,25 @@ def test_bench_persistent_floor():
     assert bp.step_flops("atr", 0, B, H) == 2 * 64 * 512 * 512
 
 
+def test_bench_persistent_names_the_products_of_each_mode(capsys):
+    """bench_persistent's -fma modes (the persistent products on FMA, DTMT_CUDA_PRODUCTS=fma) run their base mode on
+    every side, say so in the table's header, and a row whose launches ran on other products than its mode asks for
+    says which (from the driver's launch counts)."""
+    from benchmarks import bench_persistent as bp
+
+    row = dict(fwd_ms=2.0, fwd_bwd_ms=5.0, rel_err=1e-3, peak_MB=10.0, fell_back=False)
+    results = {("gru", 64, "steps"): dict(row, form="steps", products=""),
+               ("gru", 64, "persistent"): dict(row, form="grid", products="FMA"),
+               ("atr", 64, "steps"): dict(row, form="steps", products=""),
+               ("atr", 64, "persistent"): dict(row, form="grid", products="tensor cores")}
+    for math, flagged in (("bf16-fma", "atr (products on tensor cores)"), ("bf16", "gru (products on FMA)")):
+        bp.report(results, None, 50, 512, [64], 3, "a GPU", math)
+        out = capsys.readouterr().out
+        assert bp.MATH_NAMES[math] in out and f"| {flagged} | 64 |" in out, out
+        assert out.count("(products on") == 1, out
+    assert "DTMT_CUDA_PRODUCTS=fma" in bp.MATH_NAMES["tf32-fma"]
+
+
 def test_bench_persistent_envelope_needs_no_gpu(capsys):
     """`bench_persistent.py --envelope` with a device's numbers prints the envelope table (dtmt_kernels' arithmetic,
     the driver's) without a GPU; without the numbers and without a GPU it asks for them, exit 2."""

@@ -328,10 +328,10 @@ std::tuple<int64_t, bool, int64_t> driver_plan(const at::Tensor& x, int64_t kind
 // whether DTMT_CUDA_RECURRENCE asked for the persistent launches (read once a process)
 bool persistent_recurrence() { return dtmt::persistent_requested(); }
 
-// (grid, cluster, refused, multicast): the persistent launches run in this process (transition.h)
-std::tuple<int64_t, int64_t, int64_t, int64_t> persistent_launches() {
+// (grid, cluster, refused, multicast, tensor_cores): the persistent launches run in this process (transition.h)
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> persistent_launches() {
   const auto c = dtmt::persistent_launch_counts();
-  return {c.grid, c.cluster, c.refused, c.multicast};
+  return {c.grid, c.cluster, c.refused, c.multicast, c.tensor_cores};
 }
 
 // the step GEMM the driver picks for B rows (0 row GEMM, 1 tiled GEMM, 2 ATen's mm / cuBLAS)
@@ -1278,6 +1278,75 @@ def test_16_bit_storage_emulated(emulated_cuda_ext, H, B, grid, threads, residen
                                    msg=lambda m: f"{cell}-d{depth}: the per-step path's out: {m}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("H,B,grid,threads", [(37, 3, 4, 64), (70, 20, 3, 32)], ids=["H37-B3", "H70-B20"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["tf32-allowed", "bf16", "fp16"])
+def test_persistent_fma_products_asked_for_emulated(emulated_cuda_ext, allow_tf32, monkeypatch, capfd, H, B, grid,
+                                                    threads, dtype):
+    """DTMT_CUDA_PRODUCTS=fma (csrc/transition_cuda.cu, a benchmarks' setting: bench_persistent.py's tf32-fma and
+    bf16-fma) puts the persistent launches' products on FMA where the rule puts them on tensor cores: float32 with
+    TF32 allowed, and 16-bit storage (a path the GPU's phase probe timed and nothing had checked).
+    - the driver's launch counts: without the setting the forward and backward ran with tensor-core products, with it
+      neither did; dk.persistent_plan's default says the same;
+    - float32: every product the forward saved (hp, hpt) equals, to the bit, the strict-fp32 launch's (TF32 off, FMA),
+      and differs from the TF32 launch's;
+    - outputs and every gradient against the float64 reference, ragged lengths, layer norm, the reverse direction:
+      within 1e-4 of each tensor's largest value in float32, 1e-2 in 16 bits;
+    - any other value than auto and fma is ignored with a warning naming it."""
+    import dtmt_kernels as dk
+
+    ext = emulated_cuda_ext
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer, padding_mask
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T = 3
+    for cell, depth in (("lgru", 2), ("gru", 0), ("atr", 0)):
+        layer = make_layer(cell, 3, H, depth=depth, layer_norm=True, dtype=torch.float32)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.mul_(0.5)
+        layer = layer.to(dtype)
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(T, B, 3, generator=gen).to(dtype)
+        h0 = torch.randn(B, H, generator=gen).to(dtype)
+        lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
+        mask = padding_mask(lengths, T, torch.float32).to(dtype)
+        params = [x.new_empty(0) if p is None else p.detach().contiguous()
+                  for p in flat_params(layer.direction_weights(0))]
+        args = (x, h0, mask, x.new_empty(0), KINDS[cell], params, True, 1e-5)
+        g_out, g_hn = torch.randn(T, B, H, generator=gen).to(dtype), torch.randn(B, H, generator=gen).to(dtype)
+
+        def both(products):
+            monkeypatch.setenv("DTMT_CUDA_PRODUCTS", products)
+            before = ext.persistent_launches()
+            fwd = ext.forward_persistent(*args, grid, threads, -1, False)
+            back = (g_out, g_hn, x, mask, x.new_empty(0), KINDS[cell], params, list(fwd[2:]), True, 1e-5)
+            grads = ext.backward_persistent(*back, grid, threads, -1, False)
+            ran = [now - then for now, then in zip(ext.persistent_launches(), before)]
+            return fwd, grads, (ran[0], ran[4])   # (launches in the grid form, those on tensor cores)
+
+        (_, _, _, _, _, hp_tc, hpt_tc), _, ran = both("auto")
+        assert ran == (2, 2), f"{cell}: without the setting the rule's tensor cores ({ran})"
+        assert dk.persistent_plan(cell, depth, B, H, dtype, multiprocessors=132, shared_memory=232448).tensor_cores
+        fwd, grads, ran = both("fma")
+        assert ran == (2, 0), f"{cell}: DTMT_CUDA_PRODUCTS=fma left tensor-core launches ({ran})"
+        assert not dk.persistent_plan(cell, depth, B, H, dtype, multiprocessors=132, shared_memory=232448).tensor_cores
+        out, h_n, _, _, _, hp, hpt = fwd
+        if dtype == torch.float32:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            strict = ext.forward_persistent(*args, grid, threads, -1, False)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            assert torch.equal(hp, strict[5]) and torch.equal(hpt, strict[6]), f"{cell}: not the FMA products"
+            assert not torch.equal(hp, hp_tc), f"{cell}: the TF32 launch's products"
+        _assert_near_reference(layer, x, h0, mask, x.new_empty(0), g_out, g_hn, out, h_n, grads,
+                               1e-4 if dtype == torch.float32 else 1e-2, f"{cell}-d{depth} H={H} B={B} {dtype}")
+    monkeypatch.setenv("DTMT_CUDA_PRODUCTS", "tensor")
+    capfd.readouterr()
+    ext.forward_persistent(*args, grid, threads, -1, False)   # (a plain binding's warning: on stderr)
+    assert "DTMT_CUDA_PRODUCTS=tensor ignored: not one of auto, fma" in capfd.readouterr().err
+
+
 def test_persistent_envelope():
     """Which layers fit the persistent launches (issue 72 item 3), from sizes alone (csrc/persistent_plan.h, the CUDA
     driver's arithmetic, through the CPU extension: dtmt_kernels.persistent_plan), on an H100/H200 (132 SMs, 227 KB
@@ -1513,9 +1582,10 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     plan = {"persistent": (3, False, 1), "persistent-cluster": (9, True, 1),
             "persistent-multicast": (2, False, 2)}.get(value, (0, False, 1))
     assert f"plan: {plan}" in res.stdout, res.stdout
-    # which form ran: two layers, forward and backward each (grid, cluster, refused, multicast)
-    ran = {"persistent": (4, 0, 0, 0), "persistent-cluster": (0, 4, 0, 0),
-           "persistent-multicast": (0, 0, 0, 4)}.get(value, (0, 0, 0, 0))
+    # which form ran: two layers, forward and backward each (grid, cluster, refused, multicast, and of them on tensor
+    # cores: none in float64)
+    ran = {"persistent": (4, 0, 0, 0, 0), "persistent-cluster": (0, 4, 0, 0, 0),
+           "persistent-multicast": (0, 0, 0, 4, 0)}.get(value, (0, 0, 0, 0, 0))
     assert f"launches: {ran}" in res.stdout, res.stdout
     warned = ("DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent, persistent-cluster, "
               "persistent-multicast" in res.stdout + res.stderr)

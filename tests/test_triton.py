@@ -567,7 +567,7 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     assert plan.fits and plan.cluster and plan.grid == blocks, str(plan)
     assert plan.groups == -(-B // -(-B // max(1, min(B, sms // blocks)))), str(plan)
     ref, got, ran = _strict_fp32_launches(cell, depth, H, B, T, seed=13)
-    assert ran == {"grid": 0, "cluster": 2, "refused": 0, "multicast": 0}, ran
+    assert ran == {"grid": 0, "cluster": 2, "refused": 0, "multicast": 0, "tensor_cores": 0}, ran
     _assert_relative_errors(ref, got, 1e-4)
 
 
@@ -590,7 +590,7 @@ def test_gpu_persistent_stage_read_once_a_cluster(compiled, cell, depth, H, B, T
     plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, multicast=2)
     assert plan.fits and plan.multicast == 2 and plan.grid % 2 == 0, str(plan)
     ref, got, ran = _strict_fp32_launches(cell, depth, H, B, T, seed=17)
-    assert ran == {"grid": 0, "cluster": 0, "refused": 0, "multicast": 2}, ran
+    assert ran == {"grid": 0, "cluster": 0, "refused": 0, "multicast": 2, "tensor_cores": 0}, ran
     _assert_relative_errors(ref, got, 1e-4)
 
 

@@ -28,6 +28,7 @@ and where that does not fit, the grid form:
 prints the envelope table (envelope_table) of the current GPU, or of the numbers given."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -131,7 +132,7 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
     `shared_memory` in bytes: an H100 / H200 has 132 and 232,448) where no GPU is at hand; so does the L2's size
     (`l2_cache`, bytes: 52,428,800 on an H100; given numbers without it: 0, no matrix read from L2).
     `tensor_cores` defaults to the driver's choice at this moment (torch's TF32 flag for float32; a device of compute
-    capability 8.0 or up, assumed where none is given). `cluster` > 0: the cluster form, thread-block clusters of at
+    capability 8.0 or up, assumed where none is given; never under DTMT_CUDA_PRODUCTS=fma, a benchmarks' setting). `cluster` > 0: the cluster form, thread-block clusters of at
     most that many blocks (16 on an H100 / H200, the driver's choice under DTMT_CUDA_RECURRENCE=persistent-cluster;
     compute capability 9.0 and up) instead of one block per SM, as many as `multiprocessors` hold up to one a batch
     row, each cluster its own rows. `multicast` > 1: the grid form in
@@ -172,7 +173,7 @@ def persistent_plan(cell: str, depth: int, batch: int, hidden: int, dtype: Union
         raise ValueError(f"tensor_cores must be True, False or None (the driver's choice), got {tensor_cores!r}")
     storage = torch.empty((), dtype=dtype).element_size()
     if tensor_cores is None:   # the driver's rule (16-bit always, float32 where TF32 is allowed, float64 never)
-        tensor_cores = _C.persistent_tensor_cores(storage, major)
+        tensor_cores = _C.persistent_tensor_cores(storage, major) and os.environ.get("DTMT_CUDA_PRODUCTS") != "fma"
     accumulation = 8 if dtype == torch.float64 else 4
     (grid, slice_, fwd, bwd, fits, fres, bres, fspill, bspill, in_cluster, fstage, bstage, shared,
      groups) = _C.persistent_plan(KINDS[cell], depth, batch, hidden, storage, accumulation, multiprocessors,
@@ -185,12 +186,13 @@ def persistent_launches() -> dict:
     """How many of this process's cuda-backend forwards and backwards ran as persistent launches, in the grid form
     (`grid`), in the cluster form (`cluster`) and in the grid form's clusters that read the stage once a cluster
     (`multicast`), and how many persistent launches the device refused (`refused`: the grid form or the per-step
-    path ran instead); the per-step runs are not counted. All zero where the extension
-    has no CUDA kernels. Which form ran, for the GPU tests and benchmarks/bench_persistent.py."""
+    path ran instead); of those that ran, how many had their products on tensor cores (`tensor_cores`; the others on
+    FMA). The per-step runs are not counted. All zero where the extension has no CUDA kernels. Which form and
+    products ran, for the GPU tests and benchmarks/bench_persistent.py."""
+    names = ("grid", "cluster", "refused", "multicast", "tensor_cores")
     if _C is None or not getattr(_C, "has_cuda", False):
-        return {"grid": 0, "cluster": 0, "refused": 0, "multicast": 0}
-    grid, cluster, refused, multicast = _C.persistent_launches()
-    return {"grid": grid, "cluster": cluster, "refused": refused, "multicast": multicast}
+        return dict.fromkeys(names, 0)
+    return dict(zip(names, _C.persistent_launches()))
 
 
 ENVELOPE_LAYERS = (("GRU", "gru", 0), ("ATR", "atr", 0), ("DT d4 (L-GRU + 4 T-GRUs)", "lgru", 4))

@@ -133,6 +133,16 @@ def test_a_sentence_that_never_ends_stops_at_the_search_s_step_bound():
         assert hyp.tokens == [a] * (MAX_SEARCH_STEPS - 1), (on_device, len(hyp.tokens))
 
 
+def test_early_stop_must_be_a_bool_on_every_path():
+    """early_stop="no" was truthy in the Python loop (an early stop) and a multi-line schema error in the fused
+    search; now one TypeError naming it on both (translate's, shared)."""
+    model = dm.build_model("dtmt", 20, 20, embed_dim=8, hidden_size=8).eval()
+    src, lengths = torch.randint(4, 20, (2, 5), generator=torch.Generator().manual_seed(0)), torch.tensor([5, 3])
+    for fused in (True, False):
+        with pytest.raises(TypeError, match="^early_stop must be True or False, got 'no'$"):
+            beam_search(model, src, lengths, beam=3, early_stop="no", fused=fused)
+
+
 def test_early_stop_ends_a_sentence_once_the_beam_is_finished():
     """A table worked by hand (beam 1, alpha 0.6, max length 5). From BOS: w 0.6, EOS 0.3, x 0.1; after w or x:
     EOS 0.9. Step 0 finishes the empty hypothesis (log 0.3 / lp(1) = -1.204) and keeps w open (log 0.6 =

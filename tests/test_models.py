@@ -176,14 +176,18 @@ def test_check_model_options_takes_a_pad_id_of_a_vocabulary_not_yet_built():
 
 @pytest.mark.parametrize("name,options", CONFIGS[::4], ids=IDS[::4])
 def test_bad_batches_and_step_tokens_are_value_errors(name, options):
-    """check_batch and step: wrong types, dtypes and shapes name the argument (before: a TypeError for an empty
-    target prefix, a RuntimeError for step tokens of another batch size, a misleading shape for a list)."""
+    """check_batch and step: wrong types, dtypes, shapes and devices name the argument (before: a TypeError for an
+    empty target prefix, a RuntimeError for step tokens of another batch size, a misleading shape for a list)."""
     model = build(name, **options).eval()
     src, src_lengths, prev, _ = toy_batch()
     with pytest.raises(ValueError, match=r"src_lengths must be a LongTensor \[B=3\], got list"):
         model(src, src_lengths.tolist(), prev)
     with pytest.raises(ValueError, match="src_lengths must hold integers, got dtype torch.float32"):
         model(src, src_lengths.float(), prev)
+    with torch.no_grad():   # (lengths on the meta device: torch's NotImplementedError from the copy of their values)
+        for decoder in (model, model.inference_decoder()):
+            with pytest.raises(ValueError, match=r"src_lengths must hold values \(a CPU or CUDA tensor\), got a meta"):
+                decoder.encode(src, src_lengths.to("meta"))
     with pytest.raises(ValueError, match=r"prev_tokens must be a LongTensor \[B=3, T\] with T >= 1"):
         model(src, src_lengths, prev[:, :0])
     # a target of another layout with as many ids (time-major, flat) was flattened against other positions'

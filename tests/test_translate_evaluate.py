@@ -191,6 +191,9 @@ def test_decoding_leaves_each_module_in_its_mode_and_searches_in_eval_mode(syste
     (dict(max_len_a=-1.0), "max_len_a must be a finite number >= 0"),
     (dict(max_len_b=-5), "max_len_b must be an integer >= 0"),
     (dict(max_len_b=2.5), "max_len_b must be an integer >= 0"),
+    # past int64 it was an OverflowError of the lengths' arithmetic (2^63 - 1 is bounded to the search's steps)
+    (dict(max_len_b=2 ** 64), r"max_len_b must be below 2\^63 \(a search takes at most 16,384 steps\), got "
+                              "18446744073709551616"),
     (dict(beam=2.5), "beam and nbest must be integers"),
     (dict(beam=2, nbest=3), "need 1 <= beam <= 1024 and 1 <= nbest <= beam"),
     (dict(beam=1025), "need 1 <= beam <= 1024 "),

@@ -52,8 +52,10 @@ from dtmt_models.models.modes import evaluating
 
 
 
-def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gnmt") -> Tuple[int, int]:
-    """beam_search's numbers (ValueError naming the argument); returns (beam, nbest) as ints."""
+def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gnmt",
+                           early_stop=False) -> Tuple[int, int]:
+    """beam_search's numbers and switches (ValueError naming the argument; TypeError for an early_stop not a bool);
+    returns (beam, nbest) as ints."""
     try:
         beam, nbest = operator.index(beam), operator.index(nbest)
     except TypeError:
@@ -71,6 +73,11 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gn
         raise ValueError(f"max_len_a must be a finite number >= 0, got {max_len_a!r}")
     if not isinstance(max_len_b, numbers.Integral) or max_len_b < 0:
         raise ValueError(f"max_len_b must be an integer >= 0, got {max_len_b!r}")
+    if max_len_b >= 2 ** 63:   # (past int64 the tensor arithmetic overflowed; the search's bound is far below)
+        raise ValueError(f"max_len_b must be below 2^63 (a search takes at most {MAX_SEARCH_STEPS:,} steps), got "
+                         f"{max_len_b}")
+    if not isinstance(early_stop, bool):   # (a string was truthy in the loop, and the fused op's schema refused it)
+        raise TypeError(f"early_stop must be True or False, got {early_stop!r}")
     if max_len_a == 0 and max_len_b == 0:   # (the command line refused it; the API gave every sentence "")
         raise ValueError("max_len_a = max_len_b = 0: every translation would be empty; allow at least one token")
     return beam, nbest
@@ -93,7 +100,7 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     `src` is not on the CPU. `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (the module
     docstring). A model in training mode decodes in eval mode (see the module docstring). An empty batch (B = 0)
     translates to []."""
-    beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty)
+    beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty, early_stop)
     if isinstance(src, Tensor) and src.is_meta:
         raise ValueError("beam_search: src is on the meta device, which holds no tokens to translate")
     if isinstance(src, Tensor) and src.dim() == 2 and src.shape[0] == 0 and isinstance(src_lengths, Tensor) \

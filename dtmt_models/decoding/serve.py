@@ -99,7 +99,7 @@ class ServeSettings:
         for name, low, high in (("max_wait_ms", 0, MAX_WAIT_MS), ("shutdown_timeout", 0, MAX_TIMEOUT),
                                 ("read_timeout", MIN_READ_TIMEOUT, MAX_TIMEOUT)):
             check_finite(name, getattr(self, name), low, high)
-        check_search_arguments(self.beam, 1, self.alpha, self.max_len_a, self.max_len_b, self.penalty)
+        check_search_arguments(self.beam, 1, self.alpha, self.max_len_a, self.max_len_b, self.penalty, self.early_stop)
 
 
 class RequestError(Exception):

@@ -141,7 +141,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     that scores NaN or +inf raises NonFiniteScores naming the sentence (1-based, in `sentences`) and the step.
     `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (beam_search's). `where(i)` names sentence i
     (0-based) in the warnings and that error, e.g. "file:line" for a command's inputs (None: "sentence i+1")."""
-    check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty)
+    check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty, early_stop)
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
         if size is not None and len(vocab) != size:   # (decoded with another vocabulary: fluent nonsense)
@@ -161,8 +161,6 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     odd = next((i for i, text in enumerate(sentences) if not text.isascii() and not _encodes(text)), None)
     if odd is not None:   # (SentencePiece's pybind cast failed: "Unable to cast Python instance of type str")
         raise ValueError(f"translate: sentence {odd} (0-based) is not valid Unicode (a lone surrogate)")
-    if not isinstance(early_stop, bool):   # (a string reached the op's schema: a multi-line RuntimeError)
-        raise TypeError(f"translate: early_stop must be True or False, got {early_stop!r}")
     positions = getattr(model, "max_source_steps", None)
     if positions is not None and (max_src_len is None or positions < max_src_len):
         max_src_len = positions   # (the model's own bound: past it, its encoder has no position)

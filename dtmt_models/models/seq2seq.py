@@ -334,6 +334,8 @@ class Seq2Seq(nn.Module):
             raise ValueError(f"{name}: src_lengths must hold integers, got dtype {src_lengths.dtype}")
         if tuple(src_lengths.shape) != (B,):
             raise ValueError(f"{name}: src_lengths must be a tensor [B={B}], got {list(src_lengths.shape)}")
+        if src_lengths.is_meta:   # (its values are read below: torch's NotImplementedError from the copy)
+            raise ValueError(f"{name}: src_lengths must hold values (a CPU or CUDA tensor), got a meta tensor")
         if not dk.functional.host_reads_allowed():   # (a data-dependent `if` would end a graph: an op in it)
             torch._assert_async(((src_lengths >= 1) & (src_lengths <= S)).all(), f"{name}: src_lengths must be in "
                                 f"[1, S={S}]")

@@ -68,8 +68,8 @@
 # `build persistent` 299 s in all (its GPU tests 105 s), `persistent-math` about 60 s (two modes; four now),
 # bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, one gpu_profile 30-40 s, decode about 60 s, the
 # graphed training benchmark 119 s (phase_probe.cu: 250-294 s to compile for sm_90a on 2 busy cores of an AMD EPYC
-# here, 2026-12-03, beside the build and the tests; train-profile not yet timed); a warm machine is given back after 30 s idle (its build with it), so
-# send the next call at once. A device call is at most 10 minutes, and a session has 15 minutes of device time in all,
+# here, 2026-12-03, beside the build and the tests; train-profile not yet timed); a warm machine is given back after
+# 30 s idle (its build with it), so send the next call at once. A device call is at most 10 minutes, and a session has 15 minutes of device time in all,
 # its start included: two or three calls. In this order of the issues (at bd1af5e `build persistent`, then
 # `persistent-math` and `tests` ran: RESULTS.md, "Seventh GPU session"): `build persistent-cluster` (issue 72: the
 # cluster form in clusters of batch rows, 1 to 8 clusters of 16 blocks, its GPU tests and its table at B = 1, 8, 64,

@@ -58,32 +58,31 @@
 # unrolled_tests.log and unrolled/bench_train.csv (unrolled),
 # attention_tests.log, attention.md, attention/bench_attention.csv and attention/bench_train.csv (attention),
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
-# go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time
-# limit (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent
-# 180 + 60 + 150 + 240 s, persistent-math 300 s, persistent-bf16 60 + 2 x 240 s, persistent-cluster 180 + 300 s,
-# persistent-multicast 180 + 300 s, persistent-profile 3 x 100 s, decode 300 + 200 s, graphs 150 + 300 s,
-# train-profile 240 + 240 s, unrolled 120 + 300 s, attention 90 + 90 + 300 s,
-# amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call. Seen on an H200 (2026-11-30): the
-# machine's start about 30 s, build 106-133 s (106 s for 9.0a at bd1af5e, 2026-12-04), every GPU test 175 s,
-# `build persistent` 299 s in all (its GPU tests 105 s), `persistent-math` about 60 s (two modes; four now),
-# bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, one gpu_profile 30-40 s, decode about 60 s, the
-# graphed training benchmark 119 s (phase_probe.cu: 250-294 s to compile for sm_90a on 2 busy cores of an AMD EPYC
-# here, 2026-12-03, beside the build and the tests; train-profile not yet timed); a warm machine is given back after
-# 30 s idle (its build with it), so send the next call at once. A device call is at most 10 minutes, and a session has 15 minutes of device time in all,
-# its start included: two or three calls. In this order of the issues (at bd1af5e `build persistent`, then
-# `persistent-math` and `tests` ran: RESULTS.md, "Seventh GPU session"): `build persistent-cluster` (issue 72: the
-# cluster form in clusters of batch rows, 1 to 8 clusters of 16 blocks, its GPU tests and its table at B = 1, 8, 64,
-# 256: whether it becomes the default at B >= 8; it has never run on a GPU with several clusters; give it 590 s),
-# then at once `persistent-math persistent-bf16` (TF32 and bf16 on every side, each again with the persistent products
-# on FMA, the -fma modes: which products the rule should pick, docs/design/persistent_recurrence.md, "Products on
-# tensor cores"; and the H = 1024 goal); then, in the sessions after, `build persistent persistent-multicast`
-# (phase_probe.md's tensor-core rows, which split block_mma's time into its staging and its MMAs; the grid form in
-# clusters of 2 against the grid form at B = 8, 64, 256: whether it becomes the default on sm_90a), `train-profile`
-# (a graphed dtmt update in strict fp32, TF32 and bf16 and where its device time goes, issue 73 items 2 and 3),
-# `build persistent-profile`, then `build graphs` (a call each: at most 8 files
-# of $OUT come back from a call; issue 72 item 1's device and graphed times; issue 73 item 1), `decode` (with 16-bit
-# decoding: item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s),
-# `amp`, `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
+# go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit
+# (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 60 + 150
+# + 240 s, persistent-math 300 s, persistent-bf16 60 + 2 x 240 s, persistent-cluster 180 + 300 s, persistent-multicast
+# 180 + 300 s, persistent-profile 3 x 100 s, decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled
+# 120 + 300 s, attention 90 + 90 + 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call.
+# Seen on an H200 (2026-11-30): the machine's start about 30 s, build 106-133 s (106 s for 9.0a at bd1af5e, 2026-12-04),
+# every GPU test 175 s, `build persistent` 299 s in all (its GPU tests 105 s), `persistent-math` about 60 s (two modes;
+# four now), bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, one gpu_profile 30-40 s, decode about 60
+# s, the graphed training benchmark 119 s (phase_probe.cu: 250-294 s to compile for sm_90a on 2 busy cores of an AMD
+# EPYC here, 2026-12-03, beside the build and the tests; train-profile not yet timed); a warm machine is given back
+# after 30 s idle (its build with it), so send the next call at once. A device call is at most 10 minutes, and a session
+# has 15 minutes of device time in all, its start included: two or three calls. In this order of the issues (at bd1af5e
+# `build persistent`, then `persistent-math` and `tests` ran: RESULTS.md, "Seventh GPU session"): `build
+# persistent-cluster` (issue 72: the cluster form in clusters of batch rows, 1 to 8 clusters of 16 blocks, its GPU tests
+# and its table at B = 1, 8, 64, 256: whether it becomes the default at B >= 8; it has never run on a GPU with several
+# clusters; give it 590 s), then at once `persistent-math persistent-bf16` (TF32 and bf16 on every side, each again with
+# the persistent products on FMA, the -fma modes: which products the rule should pick,
+# docs/design/persistent_recurrence.md, "Products on tensor cores"; and the H = 1024 goal); then, in the sessions after,
+# `build persistent persistent-multicast` (phase_probe.md's tensor-core rows, which split block_mma's time into its
+# staging and its MMAs; the grid form in clusters of 2 against the grid form at B = 8, 64, 256: whether it becomes the
+# default on sm_90a), `train-profile` (a graphed dtmt update in strict fp32, TF32 and bf16 and where its device time
+# goes, issue 73 items 2 and 3), `build persistent-profile`, then `build graphs` (a call each: at most 8 files of $OUT
+# come back from a call; issue 72 item 1's device and graphed times; issue 73 item 1), `decode` (with 16-bit decoding:
+# item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s), `amp`,
+# `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-benchmarks/out/gpu}

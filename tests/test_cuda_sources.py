@@ -1212,6 +1212,30 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
                                f"{cell}-d{depth} H={H} B={B}")
 
 
+def _halved_case(cell, depth, H, B, T, dtype, seed):
+    """A ragged reverse-direction case in `dtype` storage for the emulated launches' 16-bit and FMA tests: the layer
+    (layer norm on, weights halved), x [T, B, 3], h0, the mask, the ops' flat parameters, the forward's arguments
+    without dropout, and the generator that drew them (for the gradients that follow)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer, padding_mask
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = make_layer(cell, 3, H, depth=depth, layer_norm=True, dtype=torch.float32)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.mul_(0.5)
+    layer = layer.to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, B, 3, generator=gen).to(dtype)
+    h0 = torch.randn(B, H, generator=gen).to(dtype)
+    lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
+    mask = padding_mask(lengths, T, torch.float32).to(dtype)
+    params = [x.new_empty(0) if p is None else p.detach().contiguous()
+              for p in flat_params(layer.direction_weights(0))]
+    args = (x, h0, mask, x.new_empty(0), KINDS[cell], params, True, 1e-5)
+    return layer, x, h0, mask, params, args, gen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("H,B,grid,threads,resident", [(37, 3, 4, 32, 1), (70, 20, 3, 64, -1), (37, 3, 4, 128, 1)],
                          ids=["H37-B3-T-GRUs-from-L2", "H70-B20", "H37-B3-K-split"])
@@ -1232,24 +1256,11 @@ def test_16_bit_storage_emulated(emulated_cuda_ext, H, B, grid, threads, residen
     warps a tile (k-steps of 16 columns), the slices' sums joined in slice order."""
     ext = emulated_cuda_ext
     sys.path.insert(0, os.path.dirname(__file__))
-    from conftest import make_layer, padding_mask
-    from dtmt_kernels.ops.transition import KINDS, flat_params
+    from dtmt_kernels.ops.transition import KINDS
 
     T = 3
     for cell, depth in (("lgru", 2), ("gru", 0), ("atr", 0)):
-        layer = make_layer(cell, 3, H, depth=depth, layer_norm=True, dtype=torch.float32)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.mul_(0.5)
-        layer = layer.to(dtype)
-        gen = torch.Generator().manual_seed(5)
-        x = torch.randn(T, B, 3, generator=gen).to(dtype)
-        h0 = torch.randn(B, H, generator=gen).to(dtype)
-        lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
-        mask = padding_mask(lengths, T, torch.float32).to(dtype)
-        params = [x.new_empty(0) if p is None else p.detach().contiguous()
-                  for p in flat_params(layer.direction_weights(0))]
-        args = (x, h0, mask, x.new_empty(0), KINDS[cell], params, True, 1e-5)
+        layer, x, h0, mask, params, args, gen = _halved_case(cell, depth, H, B, T, dtype, 5)
         out, h_n, xp, hs, hs_lp, hp, hpt = ext.forward_persistent(*args, grid, threads, resident, False)
         assert hp.dtype == dtype and hs_lp.dtype == dtype and hs.dtype == torch.float32
         valid = mask.bool()
@@ -1297,24 +1308,11 @@ def test_persistent_fma_products_asked_for_emulated(emulated_cuda_ext, allow_tf3
 
     ext = emulated_cuda_ext
     sys.path.insert(0, os.path.dirname(__file__))
-    from conftest import make_layer, padding_mask
-    from dtmt_kernels.ops.transition import KINDS, flat_params
+    from dtmt_kernels.ops.transition import KINDS
 
     T = 3
     for cell, depth in (("lgru", 2), ("gru", 0), ("atr", 0)):
-        layer = make_layer(cell, 3, H, depth=depth, layer_norm=True, dtype=torch.float32)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.mul_(0.5)
-        layer = layer.to(dtype)
-        gen = torch.Generator().manual_seed(7)
-        x = torch.randn(T, B, 3, generator=gen).to(dtype)
-        h0 = torch.randn(B, H, generator=gen).to(dtype)
-        lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
-        mask = padding_mask(lengths, T, torch.float32).to(dtype)
-        params = [x.new_empty(0) if p is None else p.detach().contiguous()
-                  for p in flat_params(layer.direction_weights(0))]
-        args = (x, h0, mask, x.new_empty(0), KINDS[cell], params, True, 1e-5)
+        layer, x, h0, mask, params, args, gen = _halved_case(cell, depth, H, B, T, dtype, 7)
         g_out, g_hn = torch.randn(T, B, H, generator=gen).to(dtype), torch.randn(B, H, generator=gen).to(dtype)
 
         def both(products):

@@ -1483,8 +1483,24 @@ def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nod
     assert ((run_a / "last.pt").read_bytes(), (run_a / "train_log.csv").read_bytes()) == before
     r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(run_c), "--max-steps", "5", *args],
                    capsys)
-    assert r.returncode == 2 and f"--out {run_c} already holds a checkpoint of its own" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"--out {run_c} already holds a checkpoint of its own (last.pt)" in r.stderr, r.stderr
+    # a run's folder without its last.pt (another run of the same settings: its best.pt, or a step checkpoint, and
+    # its log) is refused alike: it was taken over, its best.pt and log replaced by the resumed run's
     shutil.copyfile(run_c / "last.pt", run_a / "backup.pt")
+    held = {"best.pt": b"not this run's", "step_7.pt": b"nor this"}
+    (run_c / "last.pt").unlink()
+    for name, content in held.items():
+        (run_c / name).write_bytes(content)
+        log = (run_c / "train_log.csv").read_bytes()
+        r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(run_c), "--max-steps", "5", *args],
+                       capsys)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"--out {run_c} already holds a checkpoint of its own ({name}); continue {run_a / 'last.pt'} in a new " \
+               f"--out" in r.stderr, r.stderr
+        assert (run_c / name).read_bytes() == content and (run_c / "train_log.csv").read_bytes() == log
+        assert not (run_c / "last.pt").exists()
+        if name == "best.pt":
+            (run_c / name).unlink()
     r = train_here(["--data", toy_nodev, "--resume", str(run_a / "backup.pt"), "--max-steps", "5", *args], capsys)
     assert r.returncode == 2 and "would replace the run's own last.pt there; give a new --out" in r.stderr, r.stderr
     weights_only = tmp_path / "weights.pt"

@@ -511,6 +511,18 @@ def check_processes_agree(dist: Dist, cfg: TrainConfig) -> None:
                              f"corpus")
 
 
+def held_checkpoints(out: str) -> List[str]:
+    """The checkpoints a run left in `out` that tell it is a run's folder: its last.pt and best.pt, or else its first
+    step_N.pt (a run killed between them, or one whose last.pt was removed)."""
+    return [os.path.join(out, name) for name in (LAST, BEST) if os.path.isfile(os.path.join(out, name))] or [
+        path for _, path in step_checkpoints(out)][:1]
+
+
+def same_folder(a: str, b: str) -> bool:
+    """Whether the folders `a` and `b` are one (through links too)."""
+    return a == b or os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)
+
+
 def earlier_run_files(out: str) -> Tuple[List[str], List[str], List[str]]:
     """--overwrite: what the earlier run in `out` left that this one does not rewrite at its start (its log and
     config are): its last.pt, best.pt and learning curve (until this run wrote its own, an interrupted or unvalidated
@@ -625,8 +637,12 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 if os.path.dirname(resume_from) == args.out:
                     raise ValueError(f"--resume {resume_from}: continuing it in {args.out} would replace the run's own "
                                      f"last.pt there; give a new --out")
-                raise ValueError(f"--out {args.out} already holds a checkpoint of its own; continue {resume_from} in "
-                                 f"a new --out")
+            held = held_checkpoints(args.out)
+            if resume_from is not None and held and not same_folder(os.path.dirname(resume_from), args.out):
+                # (continued elsewhere, the run takes --out as its own: another run's best.pt, step checkpoints and
+                # log there, without a last.pt, were replaced and mixed with this one's, as a new run's would be)
+                raise ValueError(f"--out {args.out} already holds a checkpoint of its own "
+                                 f"({os.path.basename(held[0])}); continue {resume_from} in a new --out")
             ckpt = read_checkpoint(source)
             if "training" not in ckpt:
                 raise ValueError(f"{source} has no training state (a run's last.pt has)")
@@ -661,13 +677,13 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             if args.max_time is not None:
                 cfg.max_time_s = given.max_time_s
         else:
-            held = [name for name in (LAST, BEST) if os.path.isfile(os.path.join(args.out, name))] or [
-                path for _, path in step_checkpoints(args.out)][:1]
+            held = held_checkpoints(args.out)
             if held and not args.overwrite:   # (a best.pt without last.pt: a run killed between the two, or one's
                 # own, which it replaced; --resume needs last.pt, so it is offered only where there is one)
-                raise ValueError(f"{args.out} already holds a checkpoint ({os.path.basename(held[0])}); pass "
-                                 + ("--resume to continue it or " if held[0] == LAST else "")
-                                 + "--overwrite to start again" + ("" if held[0] == LAST else
+                first = os.path.basename(held[0])
+                raise ValueError(f"{args.out} already holds a checkpoint ({first}); pass "
+                                 + ("--resume to continue it or " if first == LAST else "")
+                                 + "--overwrite to start again" + ("" if first == LAST else
                                                                    f" (it has no {LAST} to resume)"))
             cfg = resolve_config(args)
             if cfg.model_options.get("pad_id", PAD) != PAD:

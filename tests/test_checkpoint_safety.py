@@ -1,6 +1,7 @@
 """A checkpoint is data, never code (issue 20): a crafted .pt whose unpickling would run a command is refused
 by every entry point that reads checkpoints (translate, evaluate, train --resume, the Python API) with a
 one-line error, and the command never runs."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -92,6 +93,42 @@ def test_a_checkpoint_write_that_fails_midway_is_one_line_and_leaves_nothing(tmp
     message = str(caught.value)
     assert message.startswith(f"cannot write {path}: the write stopped with ") and "\n" not in message
     assert "bytes free on its device" in message and "nothing written" in message
+    assert path.read_bytes() == b"the earlier checkpoint" and os.listdir(tmp_path) == ["last.pt"]
+
+
+def test_a_signal_during_a_checkpoint_write_stays_an_interrupt(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised inside torch.save's writes (a second Ctrl-C while `dtmt train` saves) reaches the
+    caller as itself, not as the zip writer's RuntimeError that save_checkpoint reports as a failed disk (exit 1,
+    "the write stopped with N bytes free" instead of the interrupt's 130). Nothing written, the earlier file kept."""
+    from dtmt_models.models import checkpoint
+
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"the earlier checkpoint")
+    real = checkpoint.atomic_write
+
+    class Interrupted:   # the file torch writes to; the signal arrives at its third write
+        def __init__(self, f):
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                raise KeyboardInterrupt("SIGINT")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    @contextlib.contextmanager
+    def interrupted_write(*args, **kwargs):
+        with real(*args, **kwargs) as f:
+            yield Interrupted(f)
+
+    monkeypatch.setattr(checkpoint, "atomic_write", interrupted_write)
+    payload = dict(model_name="dtmt", model_options={}, src_vocab=[], tgt_vocab=[],
+                   model={"w": torch.zeros(1000), "v": torch.ones(50_000)})
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        checkpoint.save_checkpoint(str(path), payload)
     assert path.read_bytes() == b"the earlier checkpoint" and os.listdir(tmp_path) == ["last.pt"]
 
 

@@ -1378,6 +1378,76 @@ def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch,
     assert not [n for n in os.listdir(out) if ".tmp" in n], os.listdir(out)
 
 
+def test_full_disk_while_writing_the_log_or_the_tensorboard_events(toy_nodev, tmp_path, monkeypatch, capsys):
+    """The disk fills up as a row of train_log.csv, or of the TensorBoard events, is written: one line naming the
+    file (or the events' folder) and the reason, exit 1. It was a bare OSError (a traceback; "No space left on
+    device" naming no file), with the TensorBoard writer thread's own traceback before it. A part row is cut off:
+    the log keeps the rows written whole, which --resume reads."""
+    import errno
+
+    from tensorboard.summary.writer import record_writer
+
+    from dtmt_models.cli import train
+    from dtmt_models.training import trainer
+
+    def enospc():
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    class Filling:   # the log's file: its fourth row is written in part, then the disk is full
+        rows = 0
+
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            Filling.rows += 1
+            if Filling.rows == 4:
+                self.f.write(text[:7])
+                raise enospc()
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def filling_open(path, *args, **kwargs):
+        return Filling(open(path, *args, **kwargs))
+
+    for where in ("log", "events"):
+        out = tmp_path / where
+        with monkeypatch.context() as m:
+            if where == "log":
+                m.setattr(trainer, "open", filling_open, raising=False)
+            else:
+                real = record_writer.RecordWriter.write
+                writes = [0]
+
+                def write(self, data):   # (in the writer's thread)
+                    writes[0] += 1
+                    if writes[0] > 20:
+                        raise enospc()
+                    return real(self, data)
+                m.setattr(record_writer.RecordWriter, "write", write)
+            code = train.main(["--data", toy_nodev, "--out", str(out), "--max-steps", "30", "--log-every", "1",
+                               *TINY])
+        err = capsys.readouterr().err
+        assert code == 1 and len(err.splitlines()) == 1, err
+        if where == "log":
+            assert err == f"dtmt train: cannot write {out / 'train_log.csv'}: No space left on device (the log keeps " \
+                          f"its rows up to the last one written)\n"
+            rows = list(csv.DictReader(open(out / "train_log.csv")))
+            assert [r["step"] for r in rows] == ["1", "2", "3"] and all(r["wall_s"] for r in rows), rows
+        else:
+            assert err == f"dtmt train: cannot write the TensorBoard events in {out / 'tensorboard'}: No space " \
+                          f"left on device\n"
+        assert not [n for n in os.listdir(out) if ".tmp" in n], os.listdir(out)
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--opt", "frobnicate=3"], "unknown option 'frobnicate' for dtmt"),
     (["--opt", "hidden_size=abc"], "option hidden_size='abc' for dtmt: expected int"),

@@ -35,13 +35,14 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
 from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 
 import dtmt_models
-from dtmt_models.atomic import atomic_write
+from dtmt_models.atomic import WriteError, atomic_write
 from dtmt_models.data import binarized
 from dtmt_models.data.batching import Batches, collate, kept_indices, length_dtype, token_batches
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, read_parallel
@@ -95,10 +96,14 @@ class CsvLog:
         source = path if source is None else source
         rows = [] if resume_step is None or not os.path.lexists(source) else self._rows_until(source, resume_step)
         self.events = None   # (made once the log has been read: a log refused leaves no events file behind)
+        self.tensorboard_dir = tensorboard_dir
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.events = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
+            _quiet_event_writer_errors()
+            with self._writing_events():
+                self.events = SummaryWriter(tensorboard_dir,
+                                            purge_step=None if resume_step is None else resume_step + 1)
         self.rows = rows
         self._write_all()   # (read whole first: a log that cannot be kept is never emptied)
 
@@ -140,21 +145,71 @@ class CsvLog:
         row = {k: ("" if row.get(k) is None else row[k]) for k in LOG_FIELDS}
         if not os.path.exists(self.path):   # (removed under the run, its folder with it: appending made a log of
             self._write_all()               # the later rows without a header, which --resume refused) whole again
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, LOG_FIELDS).writerow(row)
+        self._append(row)
         self.rows.append({k: str(v) for k, v in row.items()})
         if self.events is not None:
-            for k in LOG_FIELDS[3:]:   # the numbers after kind, step and epoch
-                try:
-                    value = float(row[k])
-                except (TypeError, ValueError):
-                    continue   # not given for this kind of row
-                self.events.add_scalar(f"{row['kind']}/{k}", value, int(row["step"]))
-            self.events.flush()
+            with self._writing_events():
+                for k in LOG_FIELDS[3:]:   # the numbers after kind, step and epoch
+                    try:
+                        value = float(row[k])
+                    except (TypeError, ValueError):
+                        continue   # not given for this kind of row
+                    self.events.add_scalar(f"{row['kind']}/{k}", value, int(row["step"]))
+                self.events.flush()
 
-    def close(self) -> None:
+    def _append(self, row: dict) -> None:
+        """The row at the log's end; WriteError naming the log when it cannot be written (a full disk), the log cut
+        back to its earlier rows (a part row left there made the log one that --resume refuses)."""
+        try:
+            with open(self.path, "a", newline="") as f:
+                end = f.tell()
+                try:
+                    csv.DictWriter(f, LOG_FIELDS).writerow(row)
+                    f.flush()
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        f.truncate(end)
+                    raise
+        except OSError as exc:
+            raise WriteError(f"cannot write {self.path}: {exc.strerror or exc} (the log keeps its rows up to the "
+                             f"last one written)") from None
+
+    @contextlib.contextmanager
+    def _writing_events(self):
+        """WriteError naming the TensorBoard folder for an event file that cannot be written (a full disk: the
+        writer's thread and flush raised a bare OSError, a traceback)."""
+        try:
+            yield
+        except OSError as exc:
+            raise WriteError(f"cannot write the TensorBoard events in {self.tensorboard_dir}: "
+                             f"{exc.strerror or exc}") from None
+
+    def close(self, quiet: bool = False) -> None:
+        """Flushes and closes the event file; `quiet`: a failure to is ignored (another error is being reported)."""
         if self.events is not None:
-            self.events.close()
+            try:
+                with self._writing_events():
+                    self.events.close()
+            except WriteError:
+                if not quiet:
+                    raise
+
+
+def _quiet_event_writer_errors() -> None:
+    """The TensorBoard writer's thread, failing to write (a full disk), printed its traceback, then the main thread
+    raised its error again at the next flush, which the run reports in one line (CsvLog._writing_events). This
+    hook, installed once, leaves that thread's OSError unprinted; every other thread's exception as before."""
+    from tensorboard.summary.writer import event_file_writer as tb
+
+    writer, previous = getattr(tb, "_AsyncWriterThread", None), threading.excepthook
+    if writer is None or getattr(previous, "_dtmt_quiet", False):   # (another TensorBoard: its tracebacks stay)
+        return
+
+    def hook(args):
+        if not (isinstance(args.thread, writer) and issubclass(args.exc_type, OSError)):
+            previous(args)
+    hook._dtmt_quiet = True
+    threading.excepthook = hook
 
 
 def plot_curve(rows: List[dict], path: str, title: str) -> Optional[str]:
@@ -659,8 +714,8 @@ class Trainer:
         finally:
             self._restore_signals(handlers)
             self.progress.close()
-            if self.csv:
-                self.csv.close()
+            if self.csv:   # (its own error only where none is reported already)
+                self.csv.close(quiet=sys.exc_info()[0] is not None)
         if self.dist.main:
             self.log(f"stopped: {self.stop_reason}. {self.step:,} updates, {format_time(self.elapsed)} of training; "
                      f"best.pt: {self.best_description()}. Checkpoints: {os.path.join(self.out, LAST)}"

@@ -151,6 +151,15 @@ def test_resume_gives_the_same_losses(toy, uninterrupted, tmp_path):
     assert a == b                       # the strings of the float reprs: bitwise equal
     assert len({x[1] for x in a}) > 20  # and they do change from step to step
 
+    def validations(run):
+        with open(os.path.join(run, "train_log.csv"), newline="") as f:
+            return {int(r["step"]): r["dev_loss"] for r in csv.DictReader(f) if r["kind"] == "valid"}
+    # the first run validated at its end (13), which stays: the uninterrupted run's validations, and that one more
+    # (docs/usage.md, "Resume")
+    whole, extended = validations(uninterrupted), validations(out)
+    assert list(whole) == [10, 20, 24] and list(extended) == [10, 13, 20, 24]
+    assert {k: v for k, v in extended.items() if k != 13} == whole
+
 
 def test_log_windows_survive_a_resume_and_the_last_one_is_written(toy, tmp_path, capsys):
     """With --log-every 5 a row is the mean over its five updates: a run stopped at 13 and resumed writes at 15 the

@@ -296,7 +296,13 @@ def test_load_model_names_the_file_when_the_weights_or_vocabularies_do_not_fit(s
              "options_a_list": (dict(ckpt, model_options=[1, 2]), "its model cannot be built (its options are a list)"),
              "no_vocab": ({k: v for k, v in ckpt.items() if k != "src_vocab"},
                           "not a translation checkpoint (it has no src_vocab)"),
-             "bad_vocab": (dict(ckpt, src_vocab=b"not a sentencepiece model"), "its vocabularies cannot be read")}
+             "bad_vocab": (dict(ckpt, src_vocab=b"not a sentencepiece model"), "its vocabularies cannot be read"),
+             # (it was "Boolean value of Tensor with more than one value is ambiguous", and for None "the
+             # SentencePiece model must use pad=0, ...")
+             "tensor_vocab": (dict(ckpt, src_vocab=torch.zeros(3)), "its vocabularies cannot be read (Vocabulary: "
+                                                                    "expected a SentencePiece model's bytes, got "
+                                                                    "Tensor)"),
+             "none_vocab": (dict(ckpt, tgt_vocab=None), "got NoneType)")}
     for case, (payload, message) in cases.items():
         bad = str(tmp_path / f"{case}.pt")
         torch.save(payload, bad)   # (save_checkpoint refuses a payload without its keys)

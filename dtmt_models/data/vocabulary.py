@@ -15,8 +15,15 @@ def never_output(pad_id: int = PAD) -> List[int]:
 
 class Vocabulary:
     def __init__(self, model_proto: bytes):
+        """model_proto: a SentencePiece model's serialized bytes (as in a checkpoint, or a .model file). TypeError
+        for anything else, ValueError for none (0 bytes: SentencePiece read it as an empty model, refused for its
+        special ids), each in one line (SentencePiece's own was its binding's list of signatures)."""
         import sentencepiece as spm
 
+        if not isinstance(model_proto, bytes):
+            raise TypeError(f"Vocabulary: expected a SentencePiece model's bytes, got {type(model_proto).__name__}")
+        if not model_proto:
+            raise ValueError("Vocabulary: the SentencePiece model is empty (0 bytes)")
         self.proto = model_proto
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
         if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):

@@ -1582,6 +1582,11 @@ def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nod
             (run_c / name).unlink()
     r = train_here(["--data", toy_nodev, "--resume", str(run_a / "backup.pt"), "--max-steps", "5", *args], capsys)
     assert r.returncode == 2 and "would replace the run's own last.pt there; give a new --out" in r.stderr, r.stderr
+    (tmp_path / "link").symlink_to(run_a)   # (the same folder through a link: its last.pt is as much at stake)
+    r = train_here(["--data", toy_nodev, "--resume", str(tmp_path / "link" / "backup.pt"), "--out", str(run_a),
+                    "--max-steps", "5", *args], capsys)
+    assert r.returncode == 2 and "would replace the run's own last.pt there; give a new --out" in r.stderr, r.stderr
+    assert (run_a / "last.pt").read_bytes() == before[0]
     weights_only = tmp_path / "weights.pt"
     ckpt = read_checkpoint(str(run_a / "last.pt"))
     torch.save({k: v for k, v in ckpt.items() if k != "training"}, weights_only)

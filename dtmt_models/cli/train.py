@@ -632,17 +632,17 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         fingerprint = binarized.fingerprint(args.data)
         if args.resume is not None:
             source = resume_from or last
-            if (resume_from is not None and os.path.isfile(last)
-                    and not (os.path.exists(resume_from) and os.path.samefile(resume_from, last))):
-                if os.path.dirname(resume_from) == args.out:
-                    raise ValueError(f"--resume {resume_from}: continuing it in {args.out} would replace the run's own "
-                                     f"last.pt there; give a new --out")
-            held = held_checkpoints(args.out)
-            if resume_from is not None and held and not same_folder(os.path.dirname(resume_from), args.out):
-                # (continued elsewhere, the run takes --out as its own: another run's best.pt, step checkpoints and
-                # log there, without a last.pt, were replaced and mixed with this one's, as a new run's would be)
-                raise ValueError(f"--out {args.out} already holds a checkpoint of its own "
-                                 f"({os.path.basename(held[0])}); continue {resume_from} in a new --out")
+            if resume_from is not None and not (os.path.isfile(last) and os.path.exists(resume_from)
+                                                and os.path.samefile(resume_from, last)):   # (not --out's own last.pt)
+                here, held = same_folder(os.path.dirname(resume_from), args.out), held_checkpoints(args.out)
+                if here and os.path.isfile(last):
+                    raise ValueError(f"--resume {resume_from}: continuing it in {args.out} would replace the run's "
+                                     f"own last.pt there; give a new --out")
+                if not here and held:
+                    # (continued elsewhere, the run takes --out as its own: another run's best.pt, step checkpoints
+                    # and log there, without a last.pt, were replaced and mixed with this one's, as a new run's were)
+                    raise ValueError(f"--out {args.out} already holds a checkpoint of its own "
+                                     f"({os.path.basename(held[0])}); continue {resume_from} in a new --out")
             ckpt = read_checkpoint(source)
             if "training" not in ckpt:
                 raise ValueError(f"{source} has no training state (a run's last.pt has)")

@@ -1044,8 +1044,13 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
         lock.release()
     # a finished run's best.pt or step_N.pt: replaced, exit 0, and the next --run average took the mean in its place
     capsys.readouterr()
+    # (and its train_log.csv, config.yaml or learning_curve.png: replaced by a checkpoint, exit 0; the run could not be
+    # resumed nor its settings rerun)
     for name, kind, other in (("best.pt", "the best checkpoint", "step_0000002.pt"),
-                              ("step_0000002.pt", "the step checkpoint", "best.pt")):
+                              ("step_0000002.pt", "the step checkpoint", "best.pt"),
+                              ("train_log.csv", "the training log, which --resume reads", "best.pt"),
+                              ("config.yaml", "the settings, which --config reruns", "best.pt"),
+                              ("learning_curve.png", "the learning curve, of the run", "best.pt")):
         before = (run / name).read_bytes()
         assert average([str(run / other), str(run / "avg.pt"), "-o", str(run / name)]) == 2
         assert f"--output {run / name}: {kind}" in capsys.readouterr().err

@@ -78,8 +78,8 @@ def _checkpoints(a: argparse.Namespace) -> List[str]:
 def check_not_a_run_s(output: str) -> None:
     """UsageError for an --output that a training run owns: a file that a dtmt train running in its folder writes
     (last.pt, best.pt, step_N.pt, ...: its next validation would replace the mean), or any run's checkpoint with
-    its training state (a last.pt), which the mean would lose, or a finished run's best.pt or step_N.pt (all were
-    written, exit 0), or a new file of those names in a run's folder."""
+    its training state (a last.pt), which the mean would lose, or a finished run's best.pt, step_N.pt, train_log.csv,
+    learning_curve.png or config.yaml (all were written, exit 0), or a new file of those names in a run's folder."""
     folder, name = os.path.split(os.path.realpath(output))   # (a link is written through: its target's)
     running = holder(folder)
     if running is not None and (name in (LAST, BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
@@ -88,16 +88,19 @@ def check_not_a_run_s(output: str) -> None:
     # (a run's folder: its last.pt, or its config and log; a folder of the user's own with a config.yaml is none)
     run_folder = os.path.exists(os.path.join(folder, LAST)) or all(os.path.exists(os.path.join(folder, f))
                                                                    for f in (CONFIG, LOG))
-    if run_folder and (name == BEST or STEP_NAME.fullmatch(name)):
+    if run_folder and (name in (BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
         # (a finished run's step_N.pt or best.pt was replaced, exit 0, and the next --run average took the mean in
         # its place; a new step_N.pt was averaged by the next --run as the run's own, and a resumed run replaced it
-        # or its --keep-last removed it)
-        kind = "best checkpoint, which translate reads" if name == BEST else "step checkpoint, which --run averages"
+        # or its --keep-last removed it; its train_log.csv replaced, --resume refused the run)
+        kind = {BEST: "best checkpoint, which translate reads", LOG: "training log, which --resume reads",
+                CURVE: "learning curve", CONFIG: "settings, which --config reruns"
+                }.get(name, "step checkpoint, which --run averages")
         if os.path.exists(output):
             raise UsageError(f"--output {output}: the {kind}, of the run in {folder}; the mean would replace it: "
                              f"give another name")
+        also = " (or --run take the mean for one)" if STEP_NAME.fullmatch(name) else ""
         raise UsageError(f"--output {output}: the name of a {kind}, in the run folder {folder}, which the run's "
-                         f"own would replace (or --run take the mean for one); give another name")
+                         f"own would replace{also}; give another name")
     if os.path.isfile(output):
         try:
             state = "training" in read_checkpoint(output, mmap=True)

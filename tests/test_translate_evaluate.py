@@ -1191,6 +1191,15 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
     cases.append((["--checkpoint", ckpt, "--src", as_hyp, "--ref", refs, "--out-dir", str(inputs)], 2,
                   f"--out-dir {as_hyp}: is also an input ({as_hyp}); the output would overwrite it"))
     cases.append((["--hyp", as_hyp, "--src", as_hyp, "--ref", refs, "--out-dir", str(tmp_path / "fine")], 0, ""))
+    # a split's file missing, either side: the option and the file named, exit 2 (a missing reference was
+    # "parallel corpus: 1 problem(s)", exit 1)
+    for side in ("es", "en"):
+        partial = tmp_path / f"no-test-{side}"
+        shutil.copytree(data, partial)
+        os.remove(partial / f"test.{side}")
+        cases.append((["--checkpoint", ckpt, "--data", str(partial)], 2,
+                      f"--data {partial} --split test: {partial / f'test.{side}'}: no such file (the corpus lists a "
+                      f"test split)"))
     write(tmp_path / "clash.test", "one line\n")
     for args, status, message in cases:
         assert cli.main(["evaluate", "--quiet"] + args) == status, args

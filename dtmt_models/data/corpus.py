@@ -266,7 +266,8 @@ def corpus_paths(directory: str, split: str) -> Tuple[str, str]:
     src, tgt = (os.path.join(directory, f"{split}.{m[k]}") for k in ("src_lang", "tgt_lang"))
     if split not in m.get("counts", {}):
         raise CorpusError(f"{directory}: no split {split!r}; splits: {sorted(m.get('counts', {}))}")
-    if not os.path.isfile(src):   # (the target side: read_parallel says the same of it)
-        raise CorpusError(f"{src}: {'not a regular file' if os.path.exists(src) else 'no such file'} (the corpus "
-                          f"lists a {split} split)")
+    for path in (src, tgt):   # (a missing target was read_parallel's "1 problem(s)", exit 1, after the source's)
+        if not os.path.isfile(path):
+            raise CorpusError(f"{path}: {'not a regular file' if os.path.exists(path) else 'no such file'} (the "
+                              f"corpus lists a {split} split)")
     return src, tgt

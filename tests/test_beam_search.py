@@ -91,17 +91,51 @@ def test_wide_beam_finds_the_exhaustive_best(seed, penalty):
         assert math.isclose(h.log_prob, model.sequence_logprob(h.tokens), rel_tol=1e-5, abs_tol=1e-5)
 
 
-def test_greedy_is_argmax_chain():
-    model = TableModel(seed=5)
-    out = greedy(model, torch.ones(2, 3, dtype=torch.long), torch.tensor([3, 1]), max_len_a=0, max_len_b=6)
-    prev, expect = BOS, []
-    for _ in range(6):
-        w = int(model.table[prev].argmax())
-        if w == EOS:
-            break
-        expect.append(w)
-        prev = w
-    assert out[0] == expect and out[1] == expect
+@pytest.mark.parametrize("on_device", [False, True])
+def test_greedy_is_argmax_chain(on_device):
+    """Beam 1 is greedy decoding, by every length penalty and stopping rule: the argmax word at each step until EOS
+    (every peer's beam 1). It was not: an EOS ranked second was finished as well, so the search could end on an
+    earlier, shorter hypothesis, or go past the argmax EOS to a longer one."""
+    src, lengths = torch.ones(2, 3, dtype=torch.long), torch.tensor([3, 1])
+    differs = 0
+    for seed in range(40):
+        model = TableModel(V=6, seed=seed)
+        prev, expect = BOS, []
+        for _ in range(5):
+            w = int(model.table[prev].argmax())
+            if w == EOS:
+                break
+            expect.append(w)
+            prev = w
+        assert greedy(model, src, lengths, max_len_a=0, max_len_b=6, on_device=on_device) == [expect, expect], seed
+        for alpha, penalty, early_stop in ((0.6, "gnmt", False), (1.0, "average", False), (0.6, "gnmt", True)):
+            hyps = beam_search(model, src, lengths, beam=1, alpha=alpha, penalty=penalty, early_stop=early_stop,
+                               max_len_a=0, max_len_b=6, on_device=on_device)
+            assert [h[0].tokens for h in hyps] == [expect, expect], (seed, alpha, penalty, early_stop)
+        wide = beam_search(model, src, lengths, beam=3, alpha=0.0, max_len_a=0, max_len_b=6, on_device=on_device)
+        differs += wide[0][0].tokens != expect
+    assert differs > 0   # (tables on which search beyond greedy finds another best: the test can tell them apart)
+
+
+def test_an_eos_below_the_beam_best_candidates_finishes_nothing():
+    """A table worked by hand (beam 2, alpha 0, nbest 2, early_stop). From BOS: a 0.5, b 0.3, EOS 0.2; after a or b:
+    EOS 0.6, c 0.4; after c: EOS. Step 0 ranks a, b, EOS: the EOS ranks third, below the beam's two, and finishes
+    nothing (it finished [] before, which filled the beam at step 1 with [a] and ended the search there). Step 1
+    finishes a EOS (0.3, first) and keeps a c (0.2) and b c (0.12) open, its b EOS (0.18, third) again nothing;
+    step 2 finishes a c EOS (0.2): the beam is full."""
+    a, b, c = 4, 5, 6
+    after = {EOS: 0.6, c: 0.4}
+    counting, steps = counted(TableModel.by_hand(7, {BOS: {a: 0.5, b: 0.3, EOS: 0.2}, a: after, b: after,
+                                                     c: {EOS: 1.0}}))
+    src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
+    for on_device in (False, True):
+        steps.clear()
+        hyps = beam_search(counting, src, lengths, beam=2, alpha=0.0, nbest=2, early_stop=True, max_len_a=0,
+                           max_len_b=6, on_device=on_device)[0]
+        assert [h.tokens for h in hyps] == [[a], [a, c]], on_device
+        assert [round(math.exp(h.log_prob), 6) for h in hyps] == [0.3, 0.2]
+        if not on_device:   # (the device loop checks every few steps)
+            assert len(steps) == 3
 
 
 def test_the_largest_max_len_b_bounds_nothing_it_should_not():
@@ -144,21 +178,23 @@ def test_early_stop_must_be_a_bool_on_every_path():
 
 
 def test_early_stop_ends_a_sentence_once_the_beam_is_finished():
-    """A table worked by hand (beam 1, alpha 0.6, max length 5). From BOS: w 0.6, EOS 0.3, x 0.1; after w or x:
-    EOS 0.9. Step 0 finishes the empty hypothesis (log 0.3 / lp(1) = -1.204) and keeps w open (log 0.6 =
-    -0.511). early_stop ends there: the beam (1) is full. The default rule goes on, since w could still win
-    (-0.511 / lp(5) = -0.376 > -1.204), and at step 1 finishes w EOS: log 0.54 / lp(2) = -0.562, the better one."""
-    w, x = 4, 5
-    after = {EOS: 0.9, w: 0.05, x: 0.05}
-    counting, steps = counted(TableModel.by_hand(6, {BOS: {w: 0.6, EOS: 0.3, x: 0.1}, w: after, x: after}))
+    """A table worked by hand (beam 2, alpha 0.6, max length 5). From BOS: EOS 0.4, w 0.4, x 0.2; after w: y 0.96,
+    EOS 0.04; after x: EOS 0.9, y 0.1; after y: EOS. Step 0 finishes the empty hypothesis (log 0.4 / lp(1) =
+    -0.916; the EOS ranks first, topk's order among equals) and keeps w and x open. Step 1 keeps w y (0.384) open
+    and finishes x EOS (0.18, second: log 0.18 / lp(2) = -1.563): early_stop ends there, the beam (2) full, with [].
+    The default rule goes on, since w y could still win (log 0.384 / lp(5) = -0.704 > -0.916), and at step 2
+    finishes w y EOS: log 0.384 / lp(3) = -0.805, the better one."""
+    w, x, y = 4, 5, 6
+    counting, steps = counted(TableModel.by_hand(7, {BOS: {EOS: 0.4, w: 0.4, x: 0.2}, w: {y: 0.96, EOS: 0.04},
+                                                     x: {EOS: 0.9, y: 0.1}, y: {EOS: 1.0}}))
     src, lengths = torch.ones(1, 2, dtype=torch.long), torch.tensor([2])
-    kwargs = dict(beam=1, alpha=0.6, max_len_a=0, max_len_b=5)
+    kwargs = dict(beam=2, alpha=0.6, max_len_a=0, max_len_b=5)
     early = beam_search(counting, src, lengths, early_stop=True, **kwargs)[0]
-    assert len(steps) == 1 and early[0].tokens == [] and math.isclose(early[0].log_prob, math.log(0.3), rel_tol=1e-6)
+    assert len(steps) == 2 and early[0].tokens == [] and math.isclose(early[0].log_prob, math.log(0.4), rel_tol=1e-6)
     steps.clear()
     full = beam_search(counting, src, lengths, **kwargs)[0]
-    assert len(steps) == 2 and full[0].tokens == [w]
-    assert math.isclose(full[0].score, math.log(0.54) / (7 / 6) ** 0.6, rel_tol=1e-6)
+    assert len(steps) == 3 and full[0].tokens == [w, y]
+    assert math.isclose(full[0].score, math.log(0.384) / (8 / 6) ** 0.6, rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -388,7 +424,7 @@ def test_fused_search_stops_on_its_nbest():
     and each sentence's best is the one of the search with nbest = beam; an nbest of 0 or beyond the beam is
     refused in one line naming both (beam_search checks it before). (A seed whose untrained model puts enough
     weight on EOS for sentences to end early: 12 of the 16 with a single hypothesis.)"""
-    torch.manual_seed(6)
+    torch.manual_seed(0)
     model = dm.build_model("rnnsearch-atr", 20, 20, embed_dim=16, hidden_size=16).eval()
     decoder = model.inference_decoder()
     src, lengths = torch.randint(4, 20, (16, 6)), torch.randint(1, 7, (16,))
@@ -400,7 +436,10 @@ def test_fused_search_stops_on_its_nbest():
     assert len(one) == len(four) == 16
     assert all(1 <= len(a) <= len(b) == 4 for a, b in zip(one, four))
     assert any(len(a) < len(b) for a, b in zip(one, four))
-    assert [a[0] for a in one] == [b[0] for b in four]
+    # the same best, its scores within rounding (the rows decoded a step differ once sentences end at other steps)
+    assert [a[0][0] for a in one] == [b[0][0] for b in four]
+    for a, b in zip(one, four):
+        assert a[0][1:] == pytest.approx(b[0][1:], rel=1e-6, abs=1e-6)
     for bad in (0, 5):
         with torch.no_grad(), pytest.raises(RuntimeError, match=rf"need 1 <= nbest <= beam, got nbest={bad}, beam=4"):
             decoder.search(state, 4, 0.6, max_len, nbest=bad)

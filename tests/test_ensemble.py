@@ -98,8 +98,8 @@ def _exhaustive(members, src, max_len, alpha):
 
 def test_beam_search_over_an_ensemble_matches_exhaustive_search():
     """Target vocabulary of 8 (5 tokens besides EOS, PAD and BOS), at most 3 output tokens: 31 complete hypotheses;
-    a beam of 25 keeps every open one, so beam search must return the exhaustive top 25, in order, with their
-    scores."""
+    a beam of 30 holds every candidate of a step (at most 5 x 6: each an open one or, ranked among the beam, a
+    finished one), so beam search must return the exhaustive top 25, in order, with their scores."""
     torch.manual_seed(3)
     members = [_spread(build_model("dtmt", 9, 8, embed_dim=8, hidden_size=8, depth=1, heads=2, dropout=0.0,
                                    candidate_dropout=0.0), seed=1),
@@ -108,12 +108,12 @@ def test_beam_search_over_an_ensemble_matches_exhaustive_search():
     alpha = 0.6
     expected = _exhaustive(members, src, max_len=3, alpha=alpha)
     assert len(expected) == 1 + 5 + 25
-    hyps = beam_search(Ensemble(members), src, torch.tensor([4]), beam=25, nbest=25, alpha=alpha,
+    hyps = beam_search(Ensemble(members), src, torch.tensor([4]), beam=30, nbest=25, alpha=alpha,
                        max_len_a=0.0, max_len_b=3)[0]
     assert [h.tokens for h in hyps] == [tokens for _, tokens in expected[:25]]
     assert [h.score for h in hyps] == pytest.approx([s for s, _ in expected[:25]], rel=1e-5, abs=1e-5)
     # and the members alone rank differently (the average is not one member's ranking)
-    alone = [beam_search(m, src, torch.tensor([4]), beam=25, nbest=25, alpha=alpha, max_len_a=0.0,
+    alone = [beam_search(m, src, torch.tensor([4]), beam=30, nbest=25, alpha=alpha, max_len_a=0.0,
                          max_len_b=3)[0] for m in members]
     assert all([h.tokens for h in a] != [h.tokens for h in hyps] for a in alone)
 

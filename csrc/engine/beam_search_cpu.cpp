@@ -347,19 +347,20 @@ bool BeamSearch::keep_best(int64_t t, int64_t V) {
                       kNonFiniteScore, " (", ts[i * K], ") at step ", t, " of sentence ", b, " of the batch");
     int64_t k = 0;
     std::vector<Hyp>& done = finished_[b];
-    for (int64_t c = 0; c < K; ++c) {
+    // in rank order: the first `beam` words other than EOS stay open; an EOS finishes its hypothesis where it
+    // ranks among the `beam` best candidates (below them it is no hypothesis of the beam)
+    for (int64_t c = 0; c < K && k < beam; ++c) {
       const double sc = ts[i * K + c];
       if (sc == neg_inf) break;
       const int64_t j = ti[i * K + c], o = j / V, w = j % V;
-      if (w == eos) {
-        done.push_back({rows_[i * beam + o], t, sc / length_penalty(t + 1, o_.alpha, o_.length_penalty), sc});
-      } else if (k < beam) {
+      if (w != eos) {
         new_scores_[k] = sc;
         new_origin_[k] = o;
         new_word_[k] = w;
         ++k;
+      } else if (c < beam) {
+        done.push_back({rows_[i * beam + o], t, sc / length_penalty(t + 1, o_.alpha, o_.length_penalty), sc});
       }
-      if (k == beam && static_cast<int64_t>(done.size()) >= beam) break;
     }
     std::stable_sort(done.begin(), done.end(), [](const Hyp& x, const Hyp& y_) { return x.score > y_.score; });
     if (static_cast<int64_t>(done.size()) > beam) done.resize(beam);

@@ -1,5 +1,9 @@
-"""Batched beam search over the Seq2Seq interface (encode / step / reorder), greedy as beam 1.
+"""Batched beam search over the Seq2Seq interface (encode / step / reorder); beam 1 is greedy decoding.
 
+A step ranks the 2 x beam best continuations of a sentence's open hypotheses (log P summed): the first `beam` that
+are not EOS stay open; an EOS among the `beam` best finishes its hypothesis (fairseq's rule, as OpenNMT-py's,
+Marian's and CTranslate2's: an EOS ranked below them is no hypothesis of the beam). Beam 1 ends a sentence at its
+first finished hypothesis (`early_stop`): the argmax word at every step until EOS, as every peer's beam 1.
 Hypotheses are ranked by log P(y|x) / lp(y) with the GNMT length penalty of paper 000's decoding,
 lp(y) = ((5 + |y|) / 6) ** alpha (alpha = 0 ranks by raw log-probability), or with penalty "average" by the
 log-probability per word, lp(y) = |y| (papers 001, 003 and 004: hypotheses.length_penalty). A sentence is finished
@@ -92,13 +96,13 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     encode / step / reorder. A sentence takes at most max_len_a x its source length + max_len_b steps, EOS
     included, and never more than MAX_SEARCH_STEPS (16,384; fewer where the model's target positions end).
     `fused`: the decoder's one-call `search` where it has one (False: this loop).
-    `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can
-    still win (usually fewer steps; the default keeps the check). Without it the `nbest` returned are exactly those
-    a search run to max length would return (the check is on the nbest-th: a smaller nbest may end sooner, even
-    before `beam` are finished). `on_device`: without a fused search, the loop whose bookkeeping stays on the
-    device (device_search: the same decisions, a read every few steps) instead of the one here; None takes it where
-    `src` is not on the CPU. `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (the module
-    docstring). A model in training mode decodes in eval mode (see the module docstring). An empty batch (B = 0)
+    `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can still
+    win (usually fewer steps; the default keeps the check; beam 1 always stops so: greedy decoding). Without it the
+    `nbest` returned are exactly those a search run to max length would return (the check is on the nbest-th: a smaller
+    nbest may end sooner, even before `beam` are finished). `on_device`: without a fused search, the loop whose
+    bookkeeping stays on the device (device_search: the same decisions, a read every few steps) instead of the one here;
+    None takes it where `src` is not on the CPU. `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (the
+    module docstring). A model in training mode decodes in eval mode (see the module docstring). An empty batch (B = 0)
     translates to []."""
     beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty, early_stop)
     if isinstance(src, Tensor) and src.is_meta:
@@ -117,6 +121,7 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
                  max_len_b: int, fused: bool, early_stop: bool, on_device: bool,
                  penalty: str) -> List[List[Hypothesis]]:
     model = as_decoder(model)
+    early_stop = early_stop or beam == 1   # greedy decoding (the module docstring)
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
     # (in float64, bounded before the cast: max_len_b = 2^63 - 1 overflowed float32's cast to 1, so every translation
@@ -178,18 +183,16 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
                 raise NonFiniteScores(top_scores[i][0], t, b)
             new_scores, new_origin, new_word = [NEG_INF] * beam, [0] * beam, [EOS] * beam
             k = 0
-            for s, j in zip(top_scores[i], top_idx[i]):
-                if s == NEG_INF:
+            for r, (s, j) in enumerate(zip(top_scores[i], top_idx[i])):
+                if s == NEG_INF or k == beam:
                     break
                 o, w = divmod(j, V)
-                if w == EOS:
-                    hyp = rows[i * beam + o]
-                    finished[b].append(Hypothesis(hyp, s / length_penalty(len(hyp) + 1, alpha, penalty), s))
-                elif k < beam:
+                if w != EOS:
                     new_scores[k], new_origin[k], new_word[k] = s, o, w
                     k += 1
-                if k == beam and len(finished[b]) >= beam:
-                    break
+                elif r < beam:   # an EOS below the beam best candidates is not a hypothesis of the beam
+                    hyp = rows[i * beam + o]
+                    finished[b].append(Hypothesis(hyp, s / length_penalty(len(hyp) + 1, alpha, penalty), s))
             finished[b].sort(key=lambda h: -h.score)
             del finished[b][beam:]
             # finished when no open hypothesis can still enter the nbest (bound_penalty), or with early_stop as soon
@@ -217,5 +220,5 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
 
 
 def greedy(model, src: Tensor, src_lengths: Tensor, **kwargs) -> List[List[int]]:
-    """Beam 1; returns the token lists."""
+    """Greedy decoding (beam 1: the argmax word at every step until EOS or max length); returns the token lists."""
     return [h[0].tokens if h else [] for h in beam_search(model, src, src_lengths, beam=1, alpha=0.0, **kwargs)]

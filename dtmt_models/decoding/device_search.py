@@ -13,14 +13,14 @@ steps between two checks are replayed as a CUDA graph (StepGraph: one launch a s
 state's shapes, as the recurrent decoders' does; then the done sentences' rows leave only once half of the batch is
 done (a capture for each batch size), where eager steps drop them at every check.
 
-The decisions are the Python loop's, decision for decision (its module docstring has the rules: the candidates of a
-step in rank order, EOS ones finishing, the first `beam` others open, the scan stopping once `beam` are open and
-`beam` finished; the stopping rules, the last step allowing only EOS, PAD and BOS banned): the scores in the same
-float32 sums, normalised and compared in float64 as Python's floats are, the length penalty taken from a table made
-by the same function; ties broken the same way (topk's order, then a stable sort of the finished ones, those already
-finished first). Only the batch a step computes differs (rows of done sentences stay until the next check), which
-changes nothing for a model whose rows do not depend on each other, up to the rounding of a GEMM over another
-number of rows. tests/test_device_search.py checks it against the loop.
+The decisions are the Python loop's, decision for decision (its module docstring has the rules: the candidates of a step
+in rank order, the first `beam` other than EOS open, an EOS among the `beam` best finishing; the stopping rules, the
+last step allowing only EOS, PAD and BOS banned): the scores in the same float32 sums, normalised and compared in
+float64 as Python's floats are, the length penalty taken from a table made by the same function; ties broken the same
+way (topk's order, then a stable sort of the finished ones, those already finished first). Only the batch a step
+computes differs (rows of done sentences stay until the next check), which changes nothing for a model whose rows do not
+depend on each other, up to the rounding of a GEMM over another number of rows. tests/test_device_search.py checks it
+against the loop.
 """
 from __future__ import annotations
 
@@ -114,15 +114,12 @@ class DeviceSearch:
         first_bad = active & ~(top_s[:, 0] < float("inf")) & (bad_step == self.steps)   # NaN ranks first, as +inf
         origin, word = top_i // V, top_i % V
         is_eos = word == EOS
-        # the Python loop's scan in rank order: a candidate is looked at while no -inf came before it and the scan
-        # has not stopped (it stops after a candidate once `beam` are open and `beam` finished); both counts only
-        # grow, so the stop, once true, stays true
+        # the Python loop's scan in rank order: a candidate is looked at while no -inf came before it; the first
+        # `beam` words other than EOS stay open, an EOS among the `beam` best candidates finishes its hypothesis
         seen = torch.cumprod((top_s != NEG_INF).to(torch.long), 1).bool()
-        opens, eoses = torch.cumsum(~is_eos, 1), torch.cumsum(is_eos, 1)
-        stop = (opens >= K) & (fin_count.unsqueeze(1) + eoses >= K)
-        seen &= ~torch.cat([torch.zeros_like(stop[:, :1]), stop[:, :-1]], 1)
-        take = seen & ~is_eos & (opens <= K)                               # the first `beam` open, in rank order
-        ends = seen & is_eos & active.unsqueeze(1)
+        opens = torch.cumsum(~is_eos, 1)
+        take = seen & ~is_eos & (opens <= K)
+        ends = seen & is_eos & (torch.arange(is_eos.shape[1], device=dev) < K) & active.unsqueeze(1)
         slot = torch.where(take, opens - 1, K)                             # slot K: the discarded
         new_scores = torch.full((n, K + 1), NEG_INF, device=dev).scatter_(1, slot, top_s)[:, :K]
         new_origin = torch.zeros((n, K + 1), dtype=torch.long, device=dev).scatter_(1, slot, origin)[:, :K]

@@ -3,6 +3,7 @@ by every entry point that reads checkpoints (translate, evaluate, train --resume
 one-line error, and the command never runs."""
 import contextlib
 import os
+import re
 import subprocess
 import sys
 
@@ -70,6 +71,50 @@ def test_command_line_refuses_a_checkpoint_that_runs_code(crafted, tmp_path):
                   str(tmp_path / "eval")), path)
     _refused(_cli("train", "--data", data, "--model", "dtmt", "--out", os.path.dirname(path), "--resume"), path)
     assert not os.path.exists(marker)
+
+
+def test_save_checkpoint_writes_nothing_its_loader_refuses(tmp_path):
+    """save_checkpoint wrote a numpy number, a Path or an enum in the payload without a word, and the loader then
+    refused the file as one that "could run code": the checkpoint saved was lost. Now each is a ValueError naming
+    where it lies and its type, before anything is written; every kind of data it accepts is read back by the
+    weights-only loader as it was."""
+    import enum
+    import pathlib
+
+    import numpy as np
+
+    from dtmt_models.models.checkpoint import save_checkpoint
+
+    class Mode(enum.IntEnum):
+        ON = 1
+
+    base = dict(model_name="dtmt", model_options={}, src_vocab=b"s", tgt_vocab=b"t", model={"w": torch.ones(2)})
+    path = tmp_path / "c.pt"
+    for where, bad, name in ((["config", "bleu"], np.float64(1.5), "numpy.float64"),
+                             (["config", "steps"], [1, np.int64(2)], "numpy.int64"),
+                             (["out"], pathlib.Path("runs"), "pathlib.PosixPath"),
+                             (["config", "mode"], Mode.ON, "Mode"),
+                             (["config", "cut"], slice(1, 2), "builtins.slice")):
+        payload = {**base, "config": {}}
+        node = payload
+        for key in where[:-1]:
+            node = node[key]
+        node[where[-1]] = bad
+        at = "payload" + "".join(f"[{k!r}]" for k in where) + ("[1]" if isinstance(bad, list) else "")
+        with pytest.raises(ValueError, match=rf"^save_checkpoint: {re.escape(at)} is a \S*{name}, which a "
+                                             r"checkpoint cannot hold \(tensors, numbers"):
+            save_checkpoint(str(path), payload)
+        assert not path.exists() and os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match=r"^save_checkpoint: payload\['config'\] has a key of type "
+                                         r"builtins.tuple, which a checkpoint cannot hold"):
+        save_checkpoint(str(path), {**base, "config": {(1, 2): 3}})
+    from collections import OrderedDict
+    data = {"a": [1, 2.5, True, None, "x", b"y", (3, 4)], 5: OrderedDict(k=torch.zeros(3, dtype=torch.int64)),
+            "p": torch.nn.Parameter(torch.ones(2)), "f": float("inf")}
+    save_checkpoint(str(path), {**base, "config": data})
+    back = read_checkpoint(str(path))["config"]
+    assert back.keys() == data.keys() and back["a"] == data["a"] and back["f"] == float("inf")
+    assert torch.equal(back[5]["k"], data[5]["k"]) and torch.equal(back["p"], data["p"])
 
 
 def test_a_checkpoint_write_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ loading a file from someone else never runs code that the file carries (a plain 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import os
@@ -40,6 +41,7 @@ def save_checkpoint(path: str, payload: Dict[str, Any], through_link: bool = Fal
     missing = [k for k in ("model_name", "model_options", "src_vocab", "tgt_vocab", "model") if k not in payload]
     if missing:
         raise ValueError(f"save_checkpoint: payload lacks {missing}")
+    _check_plain(payload, "payload")   # (what the loader refuses is not written: a numpy number saved, then refused)
     with atomic_write(path, "wb", through_link=through_link) as f, _with_check_sums():
         try:
             torch.save({**payload, "format": FORMAT}, f)
@@ -53,6 +55,36 @@ def save_checkpoint(path: str, payload: Dict[str, Any], through_link: bool = Fal
             free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
             raise OSError(f"the write stopped with {free:,} bytes free on its device"
                           + (" (the disk is full)" if free < (1 << 20) else f" ({one_line(exc)})")) from None
+
+
+PLAIN = (str, bytes, int, float, bool, type(None))
+CONTAINERS = (dict, collections.OrderedDict, list, tuple)
+TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    """ValueError naming the first object under `obj` (at `where`, e.g. payload['config']['bleu']) that is not a
+    checkpoint's data (the module docstring): exact types, so a numpy number, a Path or an enum, which the
+    weights-only loader refuses, is refused here before anything is written."""
+    stack = [(obj, where)]
+    while stack:
+        x, at = stack.pop()
+        kind = type(x)
+        if kind in PLAIN or kind in TENSORS:
+            continue
+        if kind not in CONTAINERS:
+            raise ValueError(f"save_checkpoint: {at} is a {kind.__module__}.{kind.__qualname__}, which a checkpoint "
+                             f"cannot hold (tensors, numbers, strings, bytes, None and lists, tuples and dicts of "
+                             f"them: what its loader reads)")
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if type(k) not in PLAIN:
+                    raise ValueError(f"save_checkpoint: {at} has a key of type {type(k).__module__}."
+                                     f"{type(k).__qualname__}, which a checkpoint cannot hold (keys are strings "
+                                     f"or numbers)")
+                stack.append((v, f"{at}[{k!r}]"))
+        else:
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(x))
 
 
 def _file_size_limit() -> Optional[int]:

@@ -490,6 +490,51 @@ def test_decoding_failure_is_a_500_for_that_request_only(system):
     assert server.counters.errors == 1 and server.counters.batches == 2
 
 
+def test_a_request_not_translated_when_the_shutdown_timeout_ends_is_answered_503(system):
+    """In process: a request whose decoding outlasts shutdown_timeout gets 503 and a message when that time is up,
+    and stop() returns then. It waited twice the time and got no answer at all (aiohttp waits its timeout for a
+    handler, then as long again after cancelling the request's body, which a handler waiting for its translations
+    does not read). A request translated within the time is answered 200 as before."""
+    import threading
+
+    from dtmt_models.decoding.serve import Server, ServeSettings
+
+    model, sv, tv, _ = system
+    server = Server(model, sv, tv, ServeSettings(beam=2, max_wait_ms=0, shutdown_timeout=1.0))
+    real, release = server._decode, threading.Event()
+
+    def slow(sentences, batch=()):
+        if "despacio" in sentences:
+            release.wait(20)   # (a decoding of 20 s, unless the test ends it)
+        return real(sentences, batch)
+    server._decode = slow
+
+    async def scenario(slow_sentence):
+        await server.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}/translate"
+        async with aiohttp.ClientSession() as session:
+            reply = asyncio.ensure_future(post(session, url, [slow_sentence]))
+            while server.counters.requests < 1:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)   # (its decoding has begun)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await server.stop()
+            stopped = loop.time() - began
+            return await reply, stopped
+    try:
+        (status, body), stopped = asyncio.run(scenario("despacio"))
+    finally:
+        release.set()
+    assert status == 503 and body == {"error": "the server stopped before this request was translated (its "
+                                               "shutdown timeout of 1 s ran out)"}
+    assert 0.9 < stopped < 1.8, stopped
+    server = Server(model, sv, tv, ServeSettings(beam=2, max_wait_ms=0, shutdown_timeout=1.0))
+    (status, body), stopped = asyncio.run(scenario("el sol"))
+    assert status == 200 and body["translations"] == [translate(model, sv, tv, ["el sol"], beam=2)[0][0][0]]
+    assert stopped < 0.9
+
+
 def test_clients_that_left_cost_no_decoding(system):
     """In process: requests whose clients closed their connections while waiting for a batch are not decoded (a
     client could send large requests and leave, and each was decoded in full before the next one's turn: 768

@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the longest a request waits for others to join its batch; 0..{MAX_WAIT_MS:,g} "
                         f"(default {d.max_wait_ms:g})")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                   help=f"on shutdown, seconds left to the requests in flight; 0..{MAX_TIMEOUT:,g} (a day) "
-                        f"(default {d.shutdown_timeout:g})")
+                   help=f"on shutdown, seconds left to the requests in flight (then answered 503); "
+                        f"0..{MAX_TIMEOUT:,g} (a day) (default {d.shutdown_timeout:g})")
     g.add_argument("--read-timeout", type=float, default=d.read_timeout,
                    help=f"seconds a client has to send a request's body (else 408); an idle connection is closed "
                         f"after as long; {MIN_READ_TIMEOUT:g}..{MAX_TIMEOUT:,g} (default {d.read_timeout:g})")

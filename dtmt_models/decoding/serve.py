@@ -24,7 +24,8 @@ sentence longer than `max_chars` characters (or a body too large to read or to d
 Content-Encoding (`br`, `zstd`, ...), 404 / 405 for other paths and methods, 500 if decoding itself fails (when a
 batch fails, each of its requests is decoded again on its own, so only a request whose own sentences fail gets the
 500; the server goes on). Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
-requests in flight finish (at most `shutdown_timeout` seconds), then ends. The bodies being read (each counted
+requests in flight finish (at most `shutdown_timeout` seconds: one not translated by then is answered 503; a body
+still being read gets a second more), then ends. The bodies being read (each counted
 by its Content-Length, a chunked one as the largest body, until it is parsed) hold at most BODY_BYTES_IN_FLIGHT
 bytes (or one largest body) together: a request beyond that is answered 503 with Retry-After, its body unread (300
 clients each sending the largest body took 3.3 GB). A client gets `read_timeout` seconds to send a request's body
@@ -274,6 +275,10 @@ class ClientsGone(Exception):
     """Every client of the batch being decoded has left: the decoding stops at its next batch."""
 
 
+class ShutdownTimeUp(Exception):
+    """The server's shutdown_timeout ran out before the request was translated: it is answered 503."""
+
+
 @dataclass
 class Counters:
     requests: int = 0             # /translate requests received
@@ -304,6 +309,7 @@ class Server:
         # warnings about the sources, once a minute of each kind (the text with its numbers left out): they had
         # been shown once per distinct text, which names counts and places, so nearly all, in a growing set
         self._warnings = OneLineLog(lambda text: self.log(text), kind=_warning_kind)
+        self._waiting: set = set()   # the futures of the requests waiting for their translations
         self._body_bytes = 0   # what the bodies of the requests in progress may hold: BODY_BYTES_IN_FLIGHT's count
         # the inference decoder is built once (or by the caller: `decoder`): the weights never change while serving
         model.eval()
@@ -335,9 +341,11 @@ class Server:
         self._stopped = asyncio.Event()
         # auto_decompress=False: `decode_body` undoes a body's Content-Encoding, its errors answered as JSON (aiohttp's
         # own decompression answers a body that is not gzip with 500, and an unknown coding in plain text);
-        # a shutdown_timeout of 0 is 1 ms (aiohttp takes 0 for no limit at all)
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=max(self.settings.shutdown_timeout,
-                                                                                       0.001),
+        # aiohttp's shutdown_timeout is a second more than ours: at ours, `stop` answers the requests still waiting
+        # for their translations (aiohttp waits its timeout for a handler, then as long again once it has cancelled
+        # the request's body, which a handler waiting for a translation does not read: twice ours, ended without an
+        # answer); the second is for a body still being read then
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=self.settings.shutdown_timeout + 1,
                                      keepalive_timeout=self.settings.read_timeout, auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -370,17 +378,25 @@ class Server:
                     del table[conn]
 
     async def stop(self) -> None:
-        """Stops accepting connections, finishes the requests in flight (at most `shutdown_timeout` seconds),
+        """Stops accepting connections, finishes the requests in flight (at most `shutdown_timeout` seconds: a
+        request still waiting for its translations then is answered 503, a body still being read gets a second more),
         then releases the worker (a decoding still running when time is up finishes in the background)."""
         if self._runner is not None:
             runner, self._runner = self._runner, None
             if self._watchdog is not None:
                 self._watchdog.cancel()
+            time_up = asyncio.get_running_loop().call_later(self.settings.shutdown_timeout, self._time_up)
             try:
                 await runner.cleanup()
             finally:
+                time_up.cancel()
                 self._worker.shutdown(wait=False, cancel_futures=True)
                 self._stopped.set()
+
+    def _time_up(self) -> None:
+        for future in self._waiting:
+            if not future.done():
+                future.set_exception(ShutdownTimeUp())
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -438,14 +454,20 @@ class Server:
         if not sentences:
             return web.json_response({"translations": [], "scores": []})
         future = asyncio.get_running_loop().create_future()
+        self._waiting.add(future)
         await self._queue.put(_Pending(sentences, future, request.transport, number))
         try:
             results, notes = await future
         except ClientsGone:
             return web.Response(status=400)   # (not sent: the connection has closed)
+        except ShutdownTimeUp:
+            return self._error(503, f"the server stopped before this request was translated (its shutdown timeout of "
+                                    f"{self.settings.shutdown_timeout:g} s ran out)")
         except Exception as exc:   # noqa: BLE001 - decoding failed: this request fails, the server goes on
             self.log(f"decoding failed: {type(exc).__name__}: {exc}")
             return self._error(500, f"decoding failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._waiting.discard(future)
         # (a sentence without a hypothesis: a model that gives every word -inf)
         answer = {"translations": [hyps[0][0] if hyps else "" for hyps in results],
                   "scores": [hyps[0][1] if hyps else None for hyps in results]}

@@ -220,6 +220,8 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"smoothed_cross_entropy: logits must be [N, V] and target [N]; got {list(logits.shape)} "
                          f"and {list(target.shape)}")
+    if logits.shape[1] == 0:   # (the C++ op's message named the shapes it was given as the ones it takes)
+        raise ValueError(f"smoothed_cross_entropy: logits {list(logits.shape)} score no words: V must be >= 1")
     if not logits.is_floating_point():
         raise ValueError(f"smoothed_cross_entropy: logits must be floating point, got {logits.dtype}")
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:   # (as torch's cross_entropy)

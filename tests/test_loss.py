@@ -163,6 +163,9 @@ def test_loss_refuses_what_is_no_target_or_argument(dtype):
         f(logits, torch.tensor([0, 1, 2]), "0.1")
     with pytest.raises(ValueError, match="ignore_index must be an int64, got 9223372036854775808"):
         f(logits, torch.tensor([0, 1, 2]), 0.1, ignore_index=2 ** 63)
+    # no words: the op said it "takes logits [N, V] and target [N]", the shapes it was given
+    with pytest.raises(ValueError, match=r"^smoothed_cross_entropy: logits \[3, 0\] score no words: V must be >= 1$"):
+        f(torch.randn(3, 0, dtype=dtype), torch.zeros(3, dtype=torch.long))
 
 
 def test_fused_loss_rejects_bad_smoothing():

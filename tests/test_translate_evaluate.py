@@ -840,6 +840,13 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="load_model: device 'foo' is not a device torch knows"):
         load_model(ckpt, device="foo")
+    with pytest.raises(ValueError, match="^translate: device 'bogus' is not a device torch knows"):   # (torch's
+        translate(model, sv, tv, ["el sol"], device="bogus")                                      # own error)
+    import dtmt_kernels as dk
+    missing = next((b for b in ("cuda", "triton") if b not in dk.available_backends()), None)
+    if missing is not None:   # (accepted, and the first translation said it cannot run)
+        with pytest.raises(ValueError, match=f"^load_model: backend '{missing}' is not available: "):
+            load_model(ckpt, backend=missing)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0   # (a device past this machine's: before
     with pytest.raises(ValueError, match=rf"load_model: device 'cuda:{count}': this machine has "):   # the file)
         load_model(os.devnull, device=f"cuda:{count}")

@@ -44,6 +44,7 @@ from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search, check_search_arguments
 from dtmt_models.engine.decoder import as_decoder
+from dtmt_models.errors import one_line
 from dtmt_models.models.modes import evaluating
 
 PROG = "dtmt translate"
@@ -164,7 +165,10 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     positions = getattr(model, "max_source_steps", None)
     if positions is not None and (max_src_len is None or positions < max_src_len):
         max_src_len = positions   # (the model's own bound: past it, its encoder has no position)
-    device = _model_device(model) if device is None else torch.device(device)
+    try:
+        device = _model_device(model) if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as exc:   # (torch's own: "Expected one of cpu, cuda, ipu, xpu, ... at start")
+        raise ValueError(f"translate: device {device!r} is not a device torch knows ({one_line(exc)})") from None
     total = len(sentences)
     results: List[List[Tuple[str, float]]] = [[("", 0.0)] for _ in range(total)]
     ids: List[List[int]] = []

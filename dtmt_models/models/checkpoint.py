@@ -379,6 +379,12 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
         # (torch's own error came only after the file was read and the model built)
         raise ValueError(f"load_model: device {str(device)!r}: this machine has "
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices")
+    if backend is not None and backend != "auto":   # (it was taken, and the first translation said it cannot run)
+        from dtmt_kernels.backends import resolve_backend
+        try:
+            resolve_backend(backend, device)
+        except ValueError as exc:
+            raise ValueError(f"load_model: {one_line(exc)}") from None
     ckpt = read_checkpoint(path)
     src_vocab, tgt_vocab, own = translation_parts(path, ckpt)
     check_weights_fit(path, ckpt, own)

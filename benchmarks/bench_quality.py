@@ -10,7 +10,8 @@ A --systems entry is a system name, or LABEL=SYSTEM followed by extra `dtmt trai
 (preset variants side by side; the label names the run's folder and its row).
 
 For each system (its `small` preset) this runs `dtmt train --max-time BUDGET` on --data (default data/bible,
-prepared with `dtmt prepare bible` if missing), then `dtmt evaluate` of best.pt on dev and test with beam 4,
+prepared with `dtmt prepare bible` if missing; another --data must be a prepared corpus) into --out/LABEL (a run
+already there is refused, or replaced with --overwrite), then `dtmt evaluate` of best.pt on dev and test with beam 4,
 and reports parameters, training target tokens/s, decoding words/s (test, beam 4, batched), dev and test BLEU
 and chrF. Output in --out: bench_quality.md (the Markdown table, with machine and settings), bench_quality.csv,
 and bench_quality.png (dev BLEU against training time, from each run's validations). Training time excludes
@@ -104,8 +105,24 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="toy settings for the tests (use with a toy --data)")
     p.add_argument("--train-args", default="", help="extra `dtmt train` arguments, e.g. \"--vocab-size 2000\"")
     p.add_argument("--out", default=os.path.join(HERE, "out", "quality"))
+    p.add_argument("--overwrite", action="store_true", help="replace the runs already in --out (each LABEL's folder)")
     a = p.parse_args(argv)
-    parse_duration(a.budget)
+    from dtmt_models.decoding.hypotheses import MAX_BEAM
+    try:
+        budget = parse_duration(a.budget)
+    except ValueError as exc:
+        p.error(str(exc).replace("--max-time", "--budget"))
+    # (checked before any training: --beam 0 was refused by `dtmt evaluate` after every system's budget was spent)
+    for name, value, low, high in (("--budget", budget, 1e-3, float("inf")), ("--valid-every", a.valid_every, 1, None),
+                                   ("--beam", a.beam, 1, MAX_BEAM), ("--threads", a.threads, 0, None)):
+        if not value >= low or (high is not None and value > high):
+            p.error(f"{name} {value:g}: must be >= {low:g}" + (f" and <= {high:g}" if high not in (None, float("inf"))
+                                                                else ""))
+    default_data = os.path.join(ROOT, "data", "bible")
+    if not os.path.isfile(os.path.join(a.data, "corpus.json")) and \
+            os.path.abspath(a.data) != os.path.abspath(default_data):   # (a mistyped --data got a Bible built there)
+        p.error(f"--data {a.data}: no corpus.json; make the corpus with `dtmt prepare` (only the default, "
+                f"{default_data}, is prepared here)")
     os.makedirs(a.out, exist_ok=True)
     log = os.path.join(a.out, "bench_quality.log")
     if not os.path.isfile(os.path.join(a.data, "corpus.json")):
@@ -124,6 +141,12 @@ def main(argv=None):
                     f"{', '.join(sorted(PRESETS))}")
         runs[label] = (system, own)
     a.systems = list(runs)
+    if not (a.no_train or a.overwrite):   # (`dtmt train --overwrite` below replaced them without a word)
+        held = [label for label in a.systems for name in ("best.pt", "last.pt", "train_log.csv")
+                if os.path.exists(os.path.join(a.out, label, name))]
+        if held:
+            p.error(f"--out {a.out}: already holds the run of {', '.join(dict.fromkeys(held))}; add --overwrite to "
+                    f"replace it, --no-train to evaluate it, or choose another --out")
     threads = a.threads or (max(1, (os.cpu_count() or 1) // len(a.systems)) if a.parallel else 0)
 
     def train(label):

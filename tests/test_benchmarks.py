@@ -274,7 +274,7 @@ def test_bench_decode_bookkeeping_quick():
     assert all(r["ms_per_step"] > 0 for r in rows)
 
 
-def test_bench_quality_quick(tmp_path):
+def test_bench_quality_quick(tmp_path, capsys):
     from test_train import make_toy_corpus
 
     from benchmarks import bench_quality
@@ -310,6 +310,28 @@ def test_bench_quality_quick(tmp_path):
     for bad in ("x=nosuchsystem", "dtmt --opt dropout=0.1"):
         with pytest.raises(SystemExit):
             bench_quality.main(["--quick", "--systems", bad, "--data", data, "--out", str(tmp_path / "v")])
+    # refused in one line before anything is trained or written: a run already in --out (replaced without a word
+    # by `dtmt train --overwrite`), a --data that is no corpus (a Bible was built there), options `dtmt evaluate`
+    # refused once the whole budget was spent
+    best = (tmp_path / "v" / "nodrop" / "best.pt").read_bytes()
+    for flags, message in ((["--systems", "nodrop=rnnsearch-atr"], "already holds the run of nodrop; add --overwrite"),
+                           (["--data", str(tmp_path / "typo")], "no corpus.json; make the corpus with `dtmt prepare`"),
+                           (["--beam", "0"], "--beam 0: must be >= 1 and <= "), (["--budget", "0s"], "--budget 0: must"),
+                           (["--valid-every", "0"], "--valid-every 0: must be >= 1"),
+                           (["--budget", "soon"], "--budget: cannot read 'soon'")):
+        args = ["--quick", "--systems", "other=rnnsearch-atr", "--data", data, "--budget", "2s", "--out",
+                str(tmp_path / "v")]
+        for i in range(0, len(flags), 2):
+            at = args.index(flags[i]) if flags[i] in args else None
+            if at is None:
+                args += flags[i:i + 2]
+            else:
+                args[at + 1] = flags[i + 1]
+        with pytest.raises(SystemExit):
+            bench_quality.main(args)
+        assert message in capsys.readouterr().err, flags
+        assert not (tmp_path / "v" / "other").exists() and not (tmp_path / "typo").exists()
+    assert (tmp_path / "v" / "nodrop" / "best.pt").read_bytes() == best
 
 
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")

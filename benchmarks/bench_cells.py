@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from common import machine_name, time_fn, write_csv  # noqa: E402
+from common import check_options, machine_name, time_fn, write_csv  # noqa: E402
 from dtmt_kernels.nn import CELL_ROWS  # noqa: E402
 
 
@@ -331,7 +331,14 @@ def main(argv=None):
         args.BH = ["8x512", "64x512"] if args.device == "cuda" else ["16x128", "64x256"]
     if args.quick:
         args.T, args.BH, args.depths, args.repeat = [5], ["2x16"], [1], 1
-    grid = [(T, int(bh.split("x")[0]), int(bh.split("x")[1])) for T in args.T for bh in args.BH]
+    check_options(p, args, (("T", 1), ("depths", 0), ("repeat", 1)), device="device")
+    sizes = []
+    for bh in args.BH:   # (int()'s ValueError, or a reshape's RuntimeError for 0)
+        b, x, h = bh.partition("x")
+        if not (x and b.isdigit() and h.isdigit() and int(b) >= 1 and int(h) >= 1):
+            p.error(f"--BH {bh}: expected BATCHxHIDDEN, both >= 1, e.g. 64x256")
+        sizes.append((int(b), int(h)))
+    grid = [(T, b, h) for T in args.T for b, h in sizes]
     if args.device == "cuda":
         if not torch.cuda.is_available():
             p.error("--device cuda: no CUDA device is available")

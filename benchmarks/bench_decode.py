@@ -169,7 +169,7 @@ def make_batches(sentences, batch_size):
 
 
 def main(argv=None):
-    from common import machine_name, write_csv
+    from common import check_options, machine_name, write_csv
 
     from dtmt_models.models.presets import PRESETS, get_preset
     from dtmt_models.models.registry import build_model
@@ -201,6 +201,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     a = p.parse_args(argv)
+    check_options(p, a, (("sentences", 1), ("src_len", 1), ("tgt_len", 1), ("vocab", 5), ("beams", 1),
+                         ("batch_size", 1), ("repeat", 1), ("threads", 0)), systems=("systems", PRESETS),
+                  device="device")
     if a.quick:
         a.sentences, a.src_len, a.tgt_len, a.vocab, a.repeat, a.batch_size = 2, 5, 4, 100, 1, 2
     amps = list(dict.fromkeys(a.amp))
@@ -239,7 +242,10 @@ def main(argv=None):
 
         if not a.input:
             p.error("--checkpoints needs --input")
-        lines = read_lines(a.input)[:a.sentences]
+        # (an empty line was a CorpusError; `dtmt translate` writes an empty line for it, decoding nothing)
+        lines = [line for line in read_lines(a.input, allow_empty=True) if line.strip()][:a.sentences]
+        if not lines:   # (a division by zero after decoding)
+            p.error(f"--input {a.input}: no sentences")
         for path in a.checkpoints:
             model, sv, tv, ckpt = load_model(path)
             model = model.to(a.device)

@@ -278,7 +278,7 @@ def bucket_table(data: str, vocab_size: int, max_len: int, budgets, steps) -> li
 
 
 def run(argv=None):
-    from common import machine_name, write_csv  # noqa: E402  (same directory)
+    from common import check_options, machine_name, write_csv  # noqa: E402  (same directory)
 
     from dtmt_models.models.presets import PRESETS
 
@@ -297,7 +297,8 @@ def run(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every pair this many times, each system's pairs in turn and in the reverse order "
                         "every other round; the table gives medians, a ratio the median of the rounds' ratios")
-    p.add_argument("--max-tokens", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=2000,
+                   help="target tokens a batch (at least 81: a pair of the longest synthetic length)")
     p.add_argument("--vocab", type=int, default=4000)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
@@ -317,6 +318,8 @@ def run(argv=None):
                    help="instead: the bucket shapes and padding of --cuda-graphs on the prepared corpus DATA, one "
                         "epoch at 2,000 / 4,000 / 8,000 tokens a batch (BPE --vocab, pairs up to 100 subwords)")
     a = p.parse_args(argv)
+    check_options(p, a, (("steps", 1), ("warmup", 0), ("rounds", 1), ("max_tokens", 81), ("vocab", 5),
+                         ("threads", 0), ("profile", 0)), systems=("systems", PRESETS), device="device")
     if a.buckets:
         rows = bucket_table(a.buckets, a.vocab, 100, (2000, 4000, 8000), ((8, 8), (16, 8), (16, 16)))
         print(f"Buckets of --cuda-graphs, one epoch of {a.buckets} (BPE {a.vocab}, seed 1, epoch 0)\n\n"

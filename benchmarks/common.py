@@ -102,6 +102,33 @@ def commit() -> str:
     return out or "unknown"
 
 
+def check_options(parser, args, bounds=(), systems=None, device=None) -> None:
+    """A benchmark's options checked before anything runs or is written, each refused in one line by `parser.error`
+    (exit 2): `bounds`, (attribute, lowest) pairs, the value an int or a list of them (a count of 0 ended in a
+    division by zero or an empty median, after a CSV had been replaced); `systems`, (attribute, the known names);
+    `device`, the attribute naming a torch device (cuda without one: torch's assertion)."""
+    for name, low in bounds:
+        value = getattr(args, name)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v < low:
+                parser.error(f"--{name.replace('_', '-')} {v}: must be >= {low}")
+    if systems is not None:
+        name, known = systems
+        unknown = [s for s in getattr(args, name) if s not in known]
+        if unknown:
+            parser.error(f"--{name} {' '.join(unknown)}: not a system (one of {', '.join(sorted(known))})")
+    if device is not None:
+        text = getattr(args, device)
+        try:
+            dev = torch.device(text)
+        except (RuntimeError, TypeError):
+            parser.error(f"--{device} {text}: not a device (cpu or cuda)")
+        if dev.type not in ("cpu", "cuda"):
+            parser.error(f"--{device} {text}: use cpu or cuda")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            parser.error(f"--{device} {text}: no CUDA device is available here")
+
+
 def _sync(device: str = "cpu"):
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 

@@ -1094,3 +1094,36 @@ def test_the_gpu_session_s_stages_are_the_ones_it_knows():
              for stage in line.split()}
     assert known == wanted, (known ^ wanted)
     assert usage == known, (usage ^ known)
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("bench_train", ["--rounds", "0"], "--rounds 0: must be >= 1"),
+    ("bench_train", ["--steps", "0"], "--steps 0: must be >= 1"),
+    ("bench_train", ["--max-tokens", "5"], "--max-tokens 5: must be >= 81"),
+    ("bench_train", ["--systems", "foo"], "--systems foo: not a system (one of deeplau, dtmt,"),
+    ("bench_train", ["--device", "foo"], "--device foo: not a device (cpu or cuda)"),
+    ("bench_cells", ["--BH", "2x"], "--BH 2x: expected BATCHxHIDDEN, both >= 1, e.g. 64x256"),
+    ("bench_cells", ["--BH", "0x16"], "--BH 0x16: expected BATCHxHIDDEN"),
+    ("bench_cells", ["--repeat", "0"], "--repeat 0: must be >= 1"),
+    ("bench_cells", ["--T", "5", "0"], "--T 0: must be >= 1"),
+    ("bench_decode", ["--systems", "dtmt", "foo"], "--systems foo: not a system"),
+    ("bench_decode", ["--beams", "4", "0"], "--beams 0: must be >= 1"),
+    ("bench_decode", ["--checkpoints", "none.pt", "--input", "EMPTY"], "--input EMPTY: no sentences"),
+])
+def test_bad_benchmark_options_are_one_line_before_anything_runs(tmp_path, capsys, script, flags, message):
+    """Each is refused by argparse (exit 2, one line) before anything is measured or written: they were a
+    ZeroDivisionError, an empty median, a reshape's or int()'s error, a traceback of the child process, and
+    `bench_train --rounds 0` first replaced the CSV of earlier results by its header."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{script}")
+    (tmp_path / "EMPTY").write_text("\n\n")
+    (tmp_path / f"{script}.csv").write_text("earlier results\n")
+    flags = [str(tmp_path / "EMPTY") if f == "EMPTY" else f for f in flags]
+    message = message.replace("EMPTY", str(tmp_path / "EMPTY"))
+    with pytest.raises(SystemExit) as info:
+        module.main(flags + ["--out", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1] and "Traceback" not in err, err
+    assert (tmp_path / f"{script}.csv").read_text() == "earlier results\n"

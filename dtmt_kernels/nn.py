@@ -250,11 +250,11 @@ class _TransitionBase(BackendSwitch, nn.Module):
 
     def _run(self, x: Tensor, h0: Tensor, mask: Optional[Tensor], drops: List[Optional[Tensor]]):
         """x [T, B, I] time-major, h0 [D, B, H] -> (out [T, B, D*H], h_n [D, B, H])."""
+        backend = resolve_backend(self.backend, x.device)   # (also for no sequences: a backend that cannot run
+        check_dtype_for_backend(backend, x.dtype, "x")       # here is an error at any batch size)
         if x.shape[1] == 0:   # torch.nn.GRU's answer to a batch of no sequences: empty outputs, zero gradients
             link = (x.sum() + sum(p.sum() for p in self.parameters())) * 0   # (in x's and the weights' graph)
             return x.new_zeros(x.shape[0], 0, self.num_directions * self.hidden_size) + link, h0 + link
-        backend = resolve_backend(self.backend, x.device)
-        check_dtype_for_backend(backend, x.dtype, "x")
         try:
             return each_direction(self, lambda d, reverse: backend.run(x, h0[d], self.direction_weights(d), mask,
                                                                         drops[d], reverse, self.eps))

@@ -90,6 +90,19 @@ def test_an_empty_batch_is_answered_as_torch_gru_answers_it(backend, bidirection
     assert x.grad.shape == (0, 6) and all(torch.equal(p.grad, torch.zeros_like(p)) for p in cell.parameters())
 
 
+def test_a_backend_that_cannot_run_here_is_refused_at_any_batch_size():
+    """An unavailable backend is an error that says why, at B = 0 too (an empty batch returned empty tensors where
+    B = 1 refused), for the layer and the cell."""
+    missing = next((b for b in ("cuda", "triton") if b not in dk.available_backends()), None)
+    if missing is None:
+        pytest.skip("every backend is available here")
+    for module, x in ((dk.nn.DeepTransitionGRU(5, 4, backend=missing), torch.randn(3, 0, 5)),
+                      (dk.nn.DeepTransitionGRUCell(5, 4, backend=missing), torch.randn(0, 5))):
+        for batch in (x, torch.randn(*x.shape[:-2], 1, 5) if x.dim() == 3 else torch.randn(1, 5)):
+            with pytest.raises(ValueError, match=f"backend '{missing}' is not available"):
+                module(batch)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_from_torch_with_lengths_matches_packed_sequence(backend):
     torch.manual_seed(1)

@@ -17,8 +17,10 @@ How a list of sentences is decoded:
     Functions and callers that train afterwards, like the trainer's validation, must not have to care
     about); a model in training mode decodes as an eval copy, its own modules' modes untouched (evaluating);
   * the results are put back in input order and detokenised with the target SentencePiece model.
-Beam search treats every sentence of a batch independently, so the translations do not depend on max_tokens
-(the n-best scores only to float rounding).
+Beam search treats every sentence of a batch independently, so max_tokens changes the scores only by rounding:
+float rounding (float64 gives the same translations in any batches), which with int8 weights can move an
+activation across a quantization step (a score ~1e-3 apart, one sentence in some hundreds); in float32 or int8 that
+can flip a near tie between two hypotheses (docs/usage.md, "Translating").
 
 The command line reads every input first (so a bad file fails before any decoding), decodes all their lines
 together, and writes each output atomically (a temporary file renamed into place). The exception is stdin to

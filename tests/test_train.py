@@ -1677,6 +1677,13 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     assert r.returncode == 0, r.stderr
     assert "(with this run's vocabularies): building it now" in r.stdout and "the given SentencePiece" in r.stdout
     assert [e for e in os.listdir(other) if e.startswith("bin-")][0].startswith("bin-models-")
+    # a position past the other corpus's epoch: the next epoch begins, and the log says so (it went on silently)
+    tiny = make_toy_corpus(tmp_path / "tiny", n_train=4, n_dev=0, n_test=0, seed=4)
+    r = train_here(["--data", tiny, "--out", str(run_a), "--resume", "--max-steps", "3",   # (runA: step 2, batch 2)
+                   "--allow-changed-data", "--progress", "lines"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert f"the run stopped at batch 2 of epoch 1, past the 1 batches an epoch of {tiny} (--allow-changed-data): " \
+           "epoch 2 begins" in r.stdout, r.stdout
 
 
 def test_average_checkpoints(uninterrupted, tmp_path, capsys):

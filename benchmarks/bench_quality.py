@@ -82,7 +82,7 @@ def read_log(path):
 
 
 def main(argv=None):
-    from common import machine_name, write_csv
+    from common import check_options, machine_name, write_csv
 
     import dtmt_models.models.systems  # noqa: F401  (all model code loaded now, not hours later for the table)
     from dtmt_models.models.checkpoint import load_model
@@ -113,11 +113,9 @@ def main(argv=None):
     except ValueError as exc:
         p.error(str(exc).replace("--max-time", "--budget"))
     # (checked before any training: --beam 0 was refused by `dtmt evaluate` after every system's budget was spent)
-    for name, value, low, high in (("--budget", budget, 1e-3, float("inf")), ("--valid-every", a.valid_every, 1, None),
-                                   ("--beam", a.beam, 1, MAX_BEAM), ("--threads", a.threads, 0, None)):
-        if not value >= low or (high is not None and value > high):
-            p.error(f"{name} {value:g}: must be >= {low:g}" + (f" and <= {high:g}" if high not in (None, float("inf"))
-                                                                else ""))
+    if not budget >= 1e-3:
+        p.error(f"--budget {budget:g}: must be >= 0.001 (seconds)")
+    check_options(p, a, (("valid_every", 1), ("beam", 1, MAX_BEAM), ("threads", 0)))
     default_data = os.path.join(ROOT, "data", "bible")
     if not os.path.isfile(os.path.join(a.data, "corpus.json")) and \
             os.path.abspath(a.data) != os.path.abspath(default_data):   # (a mistyped --data got a Bible built there)

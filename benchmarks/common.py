@@ -104,14 +104,16 @@ def commit() -> str:
 
 def check_options(parser, args, bounds=(), systems=None, device=None) -> None:
     """A benchmark's options checked before anything runs or is written, each refused in one line by `parser.error`
-    (exit 2): `bounds`, (attribute, lowest) pairs, the value an int or a list of them (a count of 0 ended in a
-    division by zero or an empty median, after a CSV had been replaced); `systems`, (attribute, the known names);
-    `device`, the attribute naming a torch device (cuda without one: torch's assertion)."""
-    for name, low in bounds:
+    (exit 2): `bounds`, (attribute, lowest) or (attribute, lowest, highest), the value an int or a list of them (a
+    count of 0 ended in a division by zero or an empty median, after a CSV had been replaced); `systems`,
+    (attribute, the known names); `device`, the attribute naming a torch device (cuda without one: torch's
+    assertion)."""
+    for name, low, *high in bounds:
         value = getattr(args, name)
         for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if v < low:
-                parser.error(f"--{name.replace('_', '-')} {v}: must be >= {low}")
+            if v < low or (high and v > high[0]):
+                parser.error(f"--{name.replace('_', '-')} {v}: must be >= {low}" + (f" and <= {high[0]}" if high
+                                                                                    else ""))
     if systems is not None:
         name, known = systems
         unknown = [s for s in getattr(args, name) if s not in known]

@@ -653,10 +653,6 @@ class Trainer:
         handlers = self._install_signals()
         first_step = self.step
         interrupted = False   # by a signal to any process (every rank sees it through the summed stop flag)
-        count = len(self.epoch_batches()) if self.batch_index else 0   # (resumed)
-        if self.batch_index > count:   # (a corpus changed under --allow-changed-data: the epoch skipped without a word)
-            self.log(f"the run stopped at batch {self.batch_index:,} of epoch {self.epoch + 1}, past the "
-                     f"{count:,} batches an epoch of {c.data} (--allow-changed-data): epoch {self.epoch + 2} begins")
         try:
             if self.step != self.validated_step and self.step % c.valid_every == 0:   # (due when it was interrupted)
                 self.validated_step = self.step
@@ -666,6 +662,10 @@ class Trainer:
                 if self.stop_reason:
                     break
                 batches = self.epoch_batches()
+                if self.batch_index > len(batches):   # (resumed on a corpus changed under --allow-changed-data: the
+                    self.log(f"the run stopped at batch {self.batch_index:,} of epoch {self.epoch + 1}, past the "
+                             f"{len(batches):,} batches an epoch of {c.data} (--allow-changed-data): epoch "
+                             f"{self.epoch + 2} begins")   # epoch's rest was skipped without a word)
                 while self.batch_index < len(batches):
                     t0 = time.perf_counter()
                     loss, nll, ntok = self.train_step(batches[self.batch_index])

@@ -254,6 +254,13 @@ def test_crafted_manifests_and_models_are_one_line(tmp_path):
     model = os.path.join(copy, "src.model")
     with open(model, "wb") as f:
         f.write(b"\x00garbage" * 10)
+    with pytest.raises(data.CorpusError, match=re_escape(f"{model}: not the model the shards were encoded with")):
+        binarized.BinarizedCorpus(copy)
+    import hashlib
+    record = json.loads(open(os.path.join(copy, binarized.MANIFEST)).read())   # (its SHA-1 recorded as well)
+    record["models"]["src.model"] = hashlib.sha1(b"\x00garbage" * 10).hexdigest()
+    with open(os.path.join(copy, binarized.MANIFEST), "w") as f:
+        json.dump(record, f)
     with pytest.raises(data.CorpusError, match=re_escape(f"{model}: not a SentencePiece model this reads (")):
         binarized.BinarizedCorpus(copy).vocabularies()
     deep = "[" * 100_000
@@ -263,6 +270,32 @@ def test_crafted_manifests_and_models_are_one_line(tmp_path):
         with pytest.raises(data.CorpusError, match=re_escape(f"{path}: unreadable (nested too deeply)")):
             binarized.BinarizedCorpus(copy) if path.startswith(copy) else data.read_manifest(d)
     assert binarized.known_train_sha1(d) is None
+
+
+def test_models_swapped_or_replaced_are_refused(tmp_path):
+    """src.model and tgt.model swapped (or one replaced by another model of as many pieces) passed every id check:
+    dtmt train trained on ids that meant other pieces, and its checkpoint held the wrong models, without a word. The
+    copy records the models' SHA-1 and is NotBinarized naming the file (dtmt train rebuilds it); a copy of format 2
+    (no record) is rebuilt too."""
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    copy = binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    sv, tv = binarized.BinarizedCorpus(copy).vocabularies()
+    assert len(sv) == len(tv) and sv.proto != tv.proto
+    src, tgt = os.path.join(copy, "src.model"), os.path.join(copy, "tgt.model")
+    os.rename(src, src + ".x")
+    os.rename(tgt, src)
+    os.rename(src + ".x", tgt)
+    with pytest.raises(binarized.NotBinarized, match=re_escape(f"{src}: not the model the shards were encoded with")):
+        binarized.open_binarized(d, "bpe", 80)
+    binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    assert binarized.open_binarized(d, "bpe", 80).protos == [sv.proto, tv.proto]
+    manifest = json.loads(open(os.path.join(copy, binarized.MANIFEST)).read())
+    manifest["format"] = 2
+    del manifest["models"]
+    with open(os.path.join(copy, binarized.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(binarized.NotBinarized, match="format 2, this dtmt reads format 3"):
+        binarized.open_binarized(d, "bpe", 80)
 
 
 def test_a_vocabulary_smaller_than_asked_is_said(tmp_path):
@@ -356,7 +389,7 @@ def test_shard_checksums_are_the_files_and_any_changed_byte_is_refused(tmp_path,
     for info in manifest["splits"].values():
         del info["shards"]
     (tmp_path / "c" / "bin-bpe80" / "binarized.json").write_text(json.dumps(manifest))
-    with pytest.raises(binarized.NotBinarized, match="format 1, this dtmt reads format 2"):
+    with pytest.raises(binarized.NotBinarized, match=f"format 1, this dtmt reads format {binarized.FORMAT}"):
         binarized.open_binarized(d, "bpe", 80)
 
 

@@ -10,7 +10,7 @@ A prepared corpus directory DIR (dtmt_models.data.corpus) gets one binarized cop
                                    (size, seed, of how many pairs), the token dtype, and per split the number of
                                    pairs and tokens, the pairs empty after segmentation, the longest pair, each
                                    text file's size, modification time and SHA-1, and the SHA-1 of each of its
-                                   four shard files ("shards")
+                                   four shard files ("shards"); the SHA-1 of the two models ("models")
         src.model, tgt.model       the SentencePiece models (the bytes that go into checkpoints)
         {split}.src.bin            the source token ids of the split, one pair after the other, no separators:
         {split}.tgt.bin            uint16 where the vocabulary has at most 65,536 pieces, else uint32
@@ -19,7 +19,9 @@ A prepared corpus directory DIR (dtmt_models.data.corpus) gets one binarized cop
 
 The shards' checksums are verified whenever a run opens the corpus for training (BinarizedSplit.verify, which
 reads every byte anyway to check offsets and ids): a shard whose bytes changed after it was written, within the
-vocabulary or not, is refused before the first update. The rule is "every byte, every run" rather than "when size
+vocabulary or not, is refused before the first update. The models' are compared whenever the copy is opened: a
+src.model and tgt.model swapped or replaced by others of as many pieces passed every id check, and the run trained
+on ids that meant other pieces, without a word. The rule is "every byte, every run" rather than "when size
 or time change" because the time says nothing of a bit flipped on the disk; at 5 M pairs (680 MB of shards) the
 whole check costs about half a second (docs/design/data.md, "Shard checksums").
 
@@ -60,7 +62,7 @@ from dtmt_models.data.corpus import (CorpusError, Problems, corpus_fingerprint, 
                                     read_manifest, scan_file)
 from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
 
-FORMAT = 2   # 2: the shards' SHA-1 in the manifest (a format-1 copy is rebuilt by the next `dtmt train`)
+FORMAT = 3   # 2: the shards' SHA-1 in the manifest; 3: the models' too (an older copy: the next `dtmt train` rebuilds)
 MANIFEST = "binarized.json"
 DEFAULT_SAMPLE = 1_000_000   # sentences per side that SentencePiece is trained on
 DEFAULT_SEED = 1
@@ -293,15 +295,25 @@ class BinarizedCorpus:
             raise CorpusError(f"{manifest}: malformed (dtype uint16 or uint32, languages, splits {{name: {{\"pairs\": "
                               f"count, \"shards\": {{file: SHA-1}}, \"text\": {{side: record}}}}}} expected); rebuild "
                               f"it with `dtmt prepare binarize`")
+        models = self.manifest.get("models")
+        if not isinstance(models, dict) or not all(isinstance(models.get(f"{side}.model"), str) for side in SIDES):
+            raise CorpusError(f"{manifest}: malformed (models {{file: SHA-1}} expected); rebuild it with `dtmt prepare "
+                              f"binarize`")
         self.dtype = np.dtype(self.manifest["dtype"])
         self.protos = []
         for side in SIDES:
+            model = os.path.join(path, f"{side}.model")
             try:
-                with open(os.path.join(path, f"{side}.model"), "rb") as f:
+                with open(model, "rb") as f:
                     self.protos.append(f.read())
             except OSError as exc:
-                raise CorpusError(f"{os.path.join(path, f'{side}.model')}: {exc.strerror or exc}; rebuild the binarized "
-                                  f"corpus with `dtmt prepare binarize`") from None
+                raise CorpusError(f"{model}: {exc.strerror or exc}; rebuild the binarized corpus with `dtmt prepare "
+                                  f"binarize`") from None
+            sha1 = hashlib.sha1(self.protos[-1]).hexdigest()
+            if sha1 != models[f"{side}.model"]:   # (another model of as many pieces passed every id check)
+                raise CorpusError(f"{model}: not the model the shards were encoded with (SHA-1 {sha1[:12]}, recorded "
+                                  f"{models[f'{side}.model'][:12]}: replaced or changed since); rebuild the binarized "
+                                  f"corpus with `dtmt prepare binarize`")
 
     def vocabularies(self) -> Tuple[Vocabulary, Vocabulary]:
         """The source and target vocabularies of its SentencePiece models; CorpusError naming the file of one that
@@ -519,7 +531,8 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
         record = {"format": FORMAT, "vocab_type": vocab_type, "vocab_size": vocab_size,
                   "pieces": dict(zip(SIDES, pieces)), "languages": dict(zip(SIDES, langs)),
                   "sample": {"size": used, "of": n_train, "seed": seed}, "models_given": given, "dtype": dtype.name,
-                  "train_sha1": train_sha1, "splits": split_info}
+                  "train_sha1": train_sha1, "splits": split_info,
+                  "models": {f"{side}.model": hashlib.sha1(p).hexdigest() for side, p in zip(SIDES, protos)}}
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(record, f, indent=2)
             f.write("\n")

@@ -80,6 +80,34 @@ def test_bad_inputs_are_reported_with_file_and_line(tmp_path):
         data.corpus_paths(str(corpus), "test")
 
 
+def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, capsys):
+    """corpus.json's languages and splits name the folder's files {split}.{lang}; a crafted split "../victim/x" made
+    `dtmt prepare files --out` over that folder remove victim/x.es beside it, exit 0 (and train or evaluate read
+    files outside it). Now read_manifest refuses such a name in one line, and prepare refuses the folder as one it
+    did not write (exit 2): nothing is touched."""
+    import json
+
+    from dtmt_models.cli import prepare as prepare_cli
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "x.es").write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for langs, counts, odd in ((("es", "en"), {"train": 1, "../victim/x": 1}, "../victim/x"),
+                               (("es", "/../x"), {"train": 1}, "/../x"), (("es", "en"), {"": 1}, "")):
+        (out / data.MANIFEST).write_text(json.dumps({"src_lang": langs[0], "tgt_lang": langs[1], "counts": counts,
+                                                     "origin": "files"}))
+        with pytest.raises(data.CorpusError, match=f"{data.MANIFEST}: {odd!r} names no file of the folder"):
+            data.read_manifest(str(out))
+    (out / data.MANIFEST).write_text(json.dumps({"src_lang": "es", "tgt_lang": "en", "origin": "files",
+                                                 "counts": {"train": 1, "../victim/x": 1}}))
+    src, tgt = _write(tmp_path / "a.es", b"hola\n"), _write(tmp_path / "a.en", b"hello\n")
+    assert prepare_cli.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--no-binarize"]) == 2
+    assert "is not a corpus of dtmt prepare" in capsys.readouterr().err
+    assert (victim / "x.es").read_text() == "precious\n" and os.listdir(out) == [data.MANIFEST]
+
+
 def test_write_parallel_round_trip_and_length_filter(tmp_path):
     pairs = [("a b", "c"), ("d", "e f g")]
     data.write_parallel(pairs, str(tmp_path / "x.src"), str(tmp_path / "x.tgt"))

@@ -239,7 +239,18 @@ def read_manifest(directory: str) -> dict:
                 for k, v in counts.items())):
         raise CorpusError(f"{path}: malformed (src_lang and tgt_lang strings and counts {{split: pairs}} expected); "
                           f"make the corpus again with `dtmt prepare`")
+    # the languages and splits name the files {split}.{lang} of the folder, which prepare replaces or removes: a
+    # crafted "../x" split had a file outside the folder removed (and train or evaluate read one)
+    odd = [name for name in (manifest["src_lang"], manifest["tgt_lang"], *counts) if not _plain_name(name)]
+    if odd:
+        raise CorpusError(f"{path}: {odd[0]!r} names no file of the folder (a language or split name must be letters, "
+                          f"digits, '-' or '_'); make the corpus again with `dtmt prepare`")
     return manifest
+
+
+def _plain_name(name: str) -> bool:
+    """Whether `name` is a language or split name as dtmt prepare writes them: a part of a file name in the folder."""
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name) is not None
 
 
 def corpus_fingerprint(directory: str, train_sha1: Optional[str] = None) -> dict:

@@ -108,6 +108,35 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, capsys)
     assert (victim / "x.es").read_text() == "precious\n" and os.listdir(out) == [data.MANIFEST]
 
 
+def test_a_line_past_the_bound_is_refused_before_it_is_encoded(tmp_path, monkeypatch):
+    """A corpus line of more than MAX_LINE_BYTES (dtmt translate's bound) is refused naming file and line, by every
+    reader of corpus text: dtmt prepare files took a 50 MB line of words and encoded it (1.4 GB of memory; a 1 GB line
+    all of it), exit 0. A line of exactly the bound is read, with or without its \\r\\n."""
+    from dtmt_models.cli import prepare as prepare_cli
+    from dtmt_models.data import binarized
+
+    big = _write(tmp_path / "big.es", b"uno\n" + b"hola " * ((data.MAX_LINE_BYTES + 5) // 5) + b"\ntres\n")
+    tgt = _write(tmp_path / "t.en", b"one\ntwo\nthree\n")
+    assert prepare_cli.main(["files", "--src", big, "--tgt", tgt, "--out", str(tmp_path / "c"), "--workers", "1",
+                             "--vocab-size", "30"]) == 1
+    assert not os.path.exists(tmp_path / "c")
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", 8)
+    src = _write(tmp_path / "a.es", b"12345678\r\n123456789\n12345678\n")
+    message = r"a\.es:2: a line of more than 8 bytes; is it a text file\?"
+    for read in (data.read_parallel, lambda s, t: list(data.iter_parallel(s, t))):
+        with pytest.raises(data.CorpusError, match=message):
+            read(src, tgt)
+    corpus = tmp_path / "d"
+    corpus.mkdir()
+    for lang, path in (("es", src), ("en", tgt)):
+        (corpus / f"train.{lang}").write_bytes(open(path, "rb").read())
+    data.write_manifest(str(corpus), "es", "en", {"train": 3}, origin="test")
+    with pytest.raises(data.CorpusError, match=r"train\.es:2: a line of more than 8 bytes"):
+        binarized.binarize(str(corpus), 30, workers=1, log=lambda m: None)
+    (corpus / "train.es").write_bytes(b"12345678\r\n1234567\n12345678")
+    assert binarized.BinarizedCorpus(binarized.binarize(str(corpus), 30, workers=1, log=lambda m: None))
+
+
 def test_write_parallel_round_trip_and_length_filter(tmp_path):
     pairs = [("a b", "c"), ("d", "e f g")]
     data.write_parallel(pairs, str(tmp_path / "x.src"), str(tmp_path / "x.tgt"))

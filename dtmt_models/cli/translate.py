@@ -20,13 +20,14 @@ from dtmt_models.atomic import WriteError
 from dtmt_models.cli.common import (add_decoding_arguments, build_decoder, check_decoding_arguments,
                                     check_device_and_backend, decode_with_report, decoding_kwargs, load_for_decoding,
                                     reporting_warnings, run_command, use_threads, write_atomic)
+from dtmt_models.data.corpus import MAX_LINE_BYTES
 from dtmt_models.decoding.translate import PROG, InputError, translate
 from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, check_not_a_checkpoint,
                                  check_output_dir, check_output_file)
 
 
 # ------------------------------------------------------------------------------- command line helpers
-MAX_LINE_BYTES = 16 << 20   # an input line longer than this is refused: no text has one, a device (/dev/zero) does
+# an input line longer than MAX_LINE_BYTES is refused: no text has one, a device (/dev/zero) does (as in corpus files)
 
 
 def read_input(path: str) -> List[str]:

@@ -13,6 +13,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from dtmt_models.atomic import atomic_write
 
 MAX_LISTED = 10
+MAX_LINE_BYTES = 16 << 20   # a longer line is refused (no sentence has one; encoding one took ~28 bytes a byte)
 BOM = b"\xef\xbb\xbf"   # the UTF-8 byte-order mark; not part of a file's first line
 
 
@@ -90,11 +91,13 @@ def read_lines(path: str, allow_empty: bool = False) -> List[str]:
 
 def decode_line(line: bytes, path: str, lineno: int, allow_empty: bool = False) -> Tuple[str, Optional[str]]:
     """One line of a corpus file (its bytes without the line feed; a final carriage return is dropped): the text,
-    stripped, and what is wrong with it (invalid UTF-8, a NUL byte, or empty unless allow_empty) naming file and
-    line, or None.
+    stripped, and what is wrong with it (invalid UTF-8, a NUL byte, more than MAX_LINE_BYTES, or empty unless
+    allow_empty) naming file and line, or None.
     The one rule for lines, shared by `read_lines`, `iter_parallel` and the binarizer."""
     if line.endswith(b"\r"):
         line = line[:-1]
+    if len(line) > MAX_LINE_BYTES:   # (dtmt translate's bound: a 50 MB line took 1.4 GB to encode, 1 GB one all memory)
+        return "", f"{path}:{lineno}: a line of more than {MAX_LINE_BYTES:,} bytes; is it a text file?"
     try:
         text = line.decode("utf-8").strip()
     except UnicodeDecodeError as exc:

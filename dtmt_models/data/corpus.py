@@ -14,6 +14,7 @@ from dtmt_models.atomic import atomic_write
 
 MAX_LISTED = 10
 MAX_LINE_BYTES = 16 << 20   # a longer line is refused (no sentence has one; encoding one took ~28 bytes a byte)
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")   # a language or split name (plain_name)
 BOM = b"\xef\xbb\xbf"   # the UTF-8 byte-order mark; not part of a file's first line
 
 
@@ -244,16 +245,17 @@ def read_manifest(directory: str) -> dict:
                           f"make the corpus again with `dtmt prepare`")
     # the languages and splits name the files {split}.{lang} of the folder, which prepare replaces or removes: a
     # crafted "../x" split had a file outside the folder removed (and train or evaluate read one)
-    odd = [name for name in (manifest["src_lang"], manifest["tgt_lang"], *counts) if not _plain_name(name)]
+    odd = [name for name in (manifest["src_lang"], manifest["tgt_lang"], *counts) if not plain_name(name)]
     if odd:
         raise CorpusError(f"{path}: {odd[0]!r} names no file of the folder (a language or split name must be letters, "
                           f"digits, '-' or '_'); make the corpus again with `dtmt prepare`")
     return manifest
 
 
-def _plain_name(name: str) -> bool:
-    """Whether `name` is a language or split name as dtmt prepare writes them: a part of a file name in the folder."""
-    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name) is not None
+def plain_name(name: str) -> bool:
+    """Whether `name` may be a language or split name: a part of the folder's file names {split}.{lang}, which dtmt
+    prepare writes and removes (its --src-lang / --tgt-lang take these only)."""
+    return NAME_RE.fullmatch(name) is not None
 
 
 def corpus_fingerprint(directory: str, train_sha1: Optional[str] = None) -> dict:

@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import os
 import random
-import re
 import shutil
 import signal
 from typing import Dict, List, Sequence
@@ -30,7 +29,6 @@ from dtmt_models.data import corpus as data
 from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file, refuse
 
 SPLITS = ("train", "dev", "test")
-_LANG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 def holdout_indices(n: int, holdout: int, splits: Sequence[str], seed: int) -> Dict[int, str]:
@@ -62,7 +60,7 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
     Returns ({split: (src, tgt)} of the files given, [the splits held out of the training files])."""
     for option in ("src_lang", "tgt_lang"):
         lang = getattr(args, option)
-        if not _LANG_RE.fullmatch(lang):
+        if not data.plain_name(lang):
             raise UsageError(f"--{option.replace('_', '-')} {lang!r}: not a language code; use letters, digits, '-' "
                              f"or '_' (e.g. es, en)")
         if lang in ("ref", "json", "tmp"):   # (train.ref: the embedded corpus's verse references)

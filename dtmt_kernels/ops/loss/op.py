@@ -15,8 +15,8 @@ from .._register import first_order_only, register_autograd, register_fake
 from .._host_reads import host_reads_allowed
 
 
-def _fake(logits, target, smoothing, ignore_index):
-    return logits.new_empty(()), logits.new_empty(()), torch.empty_like(logits)
+def _fake(logits, target, smoothing, ignore_index):   # (the kernel's gradient is contiguous, as the logits it reads)
+    return logits.new_empty(()), logits.new_empty(()), torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _setup(ctx, inputs, output):

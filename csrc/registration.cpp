@@ -13,7 +13,11 @@
 //   - an optional input is `Tensor?` (None: absent); the kernels see an absent tensor as an empty one;
 //   - an op returns fresh tensors only (never an input or a view of one), and an absent result as an empty
 //     tensor [0] (e.g. the gradient of an absent layer-norm gain);
-//   - inputs need not be contiguous (the wrappers make them so; a no-op when they are).
+//   - inputs need not be contiguous (the wrappers make them so; a no-op when they are);
+//   - an op without a backward (inference: small_rows_linear, the encode ops) has torch's not-implemented autograd
+//     kernel: a gradient through it is an error naming it (torch's fallback ran the backward with only a warning,
+//     and the inputs' gradients were None).
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <array>
@@ -276,6 +280,11 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("attention_context_backward", &attention_context_backward);
   m.impl("small_rows_linear", &small_rows_linear);
   m.impl("smoothed_cross_entropy", &smoothed_cross_entropy);
+}
+
+TORCH_LIBRARY_IMPL(dtmt, Autograd, m) {
+  for (const char* op : {"transition_encode", "transition_encode_tokens", "small_rows_linear"})
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
 }
 
 #ifdef DTMT_WITH_CUDA

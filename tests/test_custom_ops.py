@@ -279,6 +279,34 @@ def test_a_gradient_of_a_gradient_through_the_fused_ops_is_refused():
             sum(g.square().sum() for g in grads if g is not None).backward()
 
 
+def test_the_inference_only_ops_refuse_a_gradient_instead_of_giving_none():
+    """The ops without a backward (the small-row linear, the encode and decoding ops), called on tensors that require
+    grad, ran their backward with only torch's warning that they had no autograd kernel, and the inputs' gradients
+    were None. Now they have torch's not-implemented autograd kernel: a gradient through their outputs is refused in
+    one line naming the op; without one needed, and under no_grad, they run as before."""
+    x, w = torch.randn(2, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    out = torch.ops.dtmt.small_rows_linear(x, w, None)
+    torch.testing.assert_close(out, x.detach() @ w.detach().t())
+    with pytest.raises(RuntimeError, match="derivative for dtmt::small_rows_linear is not implemented"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not torch.ops.dtmt.small_rows_linear(x, w, None).requires_grad
+    seen = set()
+    for func, (args, kwargs) in _record_system_calls("dtmt").items():
+        name = func.__name__.split(".")[0]
+        if name not in ("transition_encode", "transition_encode_tokens", "attention_step", "readout_features",
+                        "rnmt_step", "rnmt_beam_search", "memory_encoder"):
+            continue
+        args = list(args)
+        i = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel())
+        args[i] = args[i].detach().clone().requires_grad_()
+        outputs = [t for t in func(*args, **kwargs) if t.is_floating_point() and t.numel()]
+        with pytest.raises(RuntimeError, match=f"derivative for dtmt::{name} is not implemented"):
+            sum(t.sum() for t in outputs).backward()
+        seen.add(name)
+    assert seen >= {"transition_encode", "transition_encode_tokens", "rnmt_step", "rnmt_beam_search"}, seen
+
+
 def test_the_ops_autograd_kernels_fill_no_defaults_per_call(monkeypatch):
     """The C++ ops' autograd kernels (_register.register_autograd) call setup_context with the call's own arguments:
     torch's called fill_defaults on every recording forward, quadratic in the arguments (transition_forward has 17):

@@ -2,6 +2,7 @@
 // of csrc/registration.cpp (one schema each, CPU kernels, checks before any kernel reads a tensor; fresh results,
 // absent results as empty tensors). Their fakes and the Python functions that call them are
 // dtmt_models/engine/ops.py's; the kernels are decode_step_cpu.cpp and beam_search_cpu.cpp (decode_step.h).
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include "decode_step.h"
@@ -116,4 +117,10 @@ TORCH_LIBRARY_IMPL(dtmt, CPU, m) {
   m.impl("rnmt_step", &rnmt_step);
   m.impl("rnmt_beam_search", &rnmt_beam_search);
   m.impl("memory_encoder", &memory_encoder);
+}
+
+// no backward (inference): a gradient through them is an error naming the op (csrc/registration.cpp)
+TORCH_LIBRARY_IMPL(dtmt, Autograd, m) {
+  for (const char* op : {"attention_step", "readout_features", "rnmt_step", "rnmt_beam_search", "memory_encoder"})
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
 }

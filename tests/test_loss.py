@@ -184,6 +184,23 @@ def test_the_loss_op_itself_refuses_smoothing_outside_its_range():
     assert torch.ops.dtmt.smoothed_cross_entropy(logits, target, 0.0, -100)[0].isfinite().all()
 
 
+def test_the_loss_op_refuses_a_backward_after_its_grad_output_was_modified_in_place():
+    """The op returns the gradient its backward reads (and scales in place): a caller's in-place change of that output
+    was silently the logits' gradient (zero_() gave zero gradients). Now the backward refuses it; a second backward
+    (retain_graph) after the op's own scaling still works."""
+    logits, target = torch.randn(3, 5, dtype=torch.float64, requires_grad=True), torch.tensor([1, 4, 0])
+    loss, _, grad = torch.ops.dtmt.smoothed_cross_entropy(logits, target, 0.1, -100)
+    expected = grad.clone()
+    grad.zero_()
+    with pytest.raises(RuntimeError, match="grad output, which the backward reads, was modified in place"):
+        loss.backward()
+    loss, _, grad = torch.ops.dtmt.smoothed_cross_entropy(logits, target, 0.1, -100)
+    first, = torch.autograd.grad(2.0 * loss, logits, retain_graph=True)
+    second, = torch.autograd.grad(loss, logits)
+    torch.testing.assert_close(first, 2.0 * expected)
+    torch.testing.assert_close(second, expected)
+
+
 @pytest.mark.parametrize("name,options", [("dtmt", {}), ("deeplau", {}), ("nematus", {}),
                                           ("transformer", dict(heads=2, encoder_layers=1, decoder_layers=1,
                                                                hidden_size=32))])

@@ -21,6 +21,7 @@ def _fake(logits, target, smoothing, ignore_index):   # (the kernel's gradient i
 
 def _setup(ctx, inputs, output):
     ctx.grad = output[2].detach()   # not saved_tensors: the backward scales it in place, which their check forbids
+    ctx.version = ctx.grad._version   # ... so it checks itself that nothing else changed it (the op returns it)
     ctx.set_materialize_grads(False)   # the outputs with no gradient (NLL, grad) get no [N, V] of zeros
     ctx.scaled_by = None
 
@@ -33,10 +34,15 @@ def _backward(ctx, grad_loss, _grad_nll, _grad_grad):
     grad = ctx.grad
     if type(grad_loss) is not torch.Tensor or not host_reads_allowed():   # traced (torch.compile, export), captured
         return grad * grad_loss, None, None, None
+    if grad._version != ctx.version:   # (the op's third output, modified in place: the gradient was silently it)
+        raise RuntimeError("dtmt.smoothed_cross_entropy: its grad output, which the backward reads, was modified in "
+                           "place; clone it first")
     factor = float(grad_loss)
     if ctx.scaled_by is None:          # the first backward scales the saved gradient in place (no [N, V] copy)
         ctx.scaled_by = factor
-        return grad.mul_(factor), None, None, None
+        grad.mul_(factor)
+        ctx.version = grad._version
+        return grad, None, None, None
     if ctx.scaled_by == 0.0:
         raise RuntimeError("dtmt.smoothed_cross_entropy: a second backward (retain_graph) after one whose incoming "
                            "gradient was 0 is not supported")

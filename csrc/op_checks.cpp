@@ -1,6 +1,7 @@
 // The checks at the ops' boundary (see op_checks.h).
 #include "op_checks.h"
 
+#include <limits>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -45,6 +46,11 @@ bool is_matrix(const at::Tensor& t, int64_t rows, int64_t cols) {
 }
 
 }  // namespace
+
+void check_eps(double eps, const char* op, const char* name) {
+  TORCH_CHECK(eps >= 0 && eps < std::numeric_limits<double>::infinity(),   // (NaN fails this too)
+              "dtmt::", op, ": ", name, " must be a finite number >= 0, got ", eps);
+}
 
 void check_sizes(const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* op, const char* name) {
   TORCH_CHECK(has_sizes(t, sizes), "dtmt::", op, ": ", name, " must be ", sizes_text(sizes), ", got ",

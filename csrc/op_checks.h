@@ -24,6 +24,9 @@ constexpr int64_t kMaxSearchSteps = 16384;
 // translate worse, not better; a bound stated so that a wrong beam is an error, not an allocation that a large
 // machine may grant (beam_search.py's MAX_BEAM states the same one).
 constexpr int64_t kMaxBeam = 1024;
+// The largest |alpha| of the GNMT length penalty ((5 + n) / 6) ^ alpha a search takes: past about 90 the penalty
+// overflowed and every hypothesis scored -0.0, ranked by nothing (hypotheses.py's MAX_ALPHA states the same one).
+constexpr double kMaxAlpha = 50.0;
 
 // The words that start the error of a search whose model scored a candidate NaN or +inf (its weights or activations
 // overflow float32): the search stops with a ValueError instead of ranking garbage. Python's beam search
@@ -37,6 +40,10 @@ constexpr const char* kNonFiniteScore = "the model gave a non-finite score";
 // t_ln_w and t_ln_b both empty or both [D, 2H] (with T-GRUs). `what` names the weights in the error ("q_params",
 // "direction 1"). Returns H.
 int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* op, const char* what);
+
+// An op's eps (layer-norm, cell): a finite number >= 0, as the layers take it (a NaN or negative eps gave NaN
+// states without a word).
+void check_eps(double eps, const char* op, const char* name);
 
 // `t` has exactly these sizes (-1: any).
 void check_sizes(const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* op, const char* name);

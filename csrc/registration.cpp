@@ -101,6 +101,7 @@ Forward transition_forward(const Tensor& x, const Tensor& h0, const OptTensor& m
   const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
   const Tensor m = dense(mask, x), dr = dense(drop, x);
   check_sequence(x, h0, m, dr, w, "transition_forward");
+  dtmt::check_eps(eps, "transition_forward", "eps");
   return forward_tuple(Kernel(dense(x), dense(h0), m, dr, w, reverse, eps));
 }
 
@@ -120,6 +121,7 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
   const Tensor m = dense(mask, x), dr = dense(drop, x);
   constexpr const char* op = "transition_backward";
   const auto [T, B, I, H, D] = check_sequence(x, grad_hn, m, dr, w, op);   // (grad_hn has h0's shape)
+  dtmt::check_eps(eps, op, "eps");
   (void)I;
   const int k = static_cast<int>(kind);
   dtmt::check_sizes(grad_out, {T, B, H}, op, "grad_out");
@@ -173,6 +175,7 @@ std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, 
                                              at::TensorList params, bool reverse, double eps) {
   dtmt::check_sizes(x, {-1, -1, -1}, "transition_encode", "x ([T, B, I])");
   dtmt::check_floating(h0, "transition_encode", "h0");
+  dtmt::check_eps(eps, "transition_encode", "eps");
   auto r = dtmt::transition_encode_cpu(dense(x), dense(h0), dense(mask, x),
                                        encode_directions(kind, params, x.size(2), "transition_encode"), reverse, eps);
   return {r[0], r[1]};
@@ -184,6 +187,7 @@ std::tuple<Tensor, Tensor> transition_encode_tokens(const Tensor& tokens, const 
                                                     bool reverse, double eps) {
   dtmt::check_floating(h0, "transition_encode_tokens", "h0");
   dtmt::check_floating(table, "transition_encode_tokens", "table");
+  dtmt::check_eps(eps, "transition_encode_tokens", "eps");
   auto r = dtmt::transition_encode_tokens_cpu(dense(tokens), dense(table), dense(position_table, table), dense(h0),
                                               dense(mask, table), encode_directions(kind, params, -1,
                                                                                     "transition_encode_tokens"),

@@ -69,6 +69,24 @@ def test_the_ops_name_the_argument_that_is_wrong():
                                          False, 1e-5)
 
 
+def test_the_ops_refuse_an_eps_that_is_not_a_finite_number_at_least_0():
+    """A NaN or negative eps called directly (the layers check theirs) gave NaN states without a word: the ops check it
+    as the loss op checks its smoothing."""
+    x, h0, kind, p = _gru_args()
+    fwd = torch.ops.dtmt.transition_forward
+    out = fwd(x, h0, None, None, kind, *p, False, 0.0)
+    assert out[0].isfinite().all()
+    empty = [t if t is not None else torch.empty(0) for t in p]
+    for eps in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(RuntimeError, match=r"transition_forward: eps must be a finite number >= 0"):
+            fwd(x, h0, None, None, kind, *p, False, eps)
+        with pytest.raises(RuntimeError, match=r"transition_backward: eps must be a finite number >= 0"):
+            torch.ops.dtmt.transition_backward(torch.randn_like(out[0]), torch.randn_like(h0), x, None, None, kind,
+                                               *p, *out[2:], False, eps)
+        with pytest.raises(RuntimeError, match=r"transition_encode: eps must be a finite number >= 0"):
+            torch.ops.dtmt.transition_encode(x, h0[None], None, kind, empty, False, eps)
+
+
 def test_search_refuses_ids_and_lengths_out_of_range(monkeypatch):
     """bos / eos outside the vocabulary (2^31 was SIGSEGV, -1 silently gave no hypothesis) and a max_len past the
     stated bound (2^31 ran until killed): refused before the search starts. The op's arguments are those the
@@ -115,6 +133,12 @@ def test_search_refuses_ids_and_lengths_out_of_range(monkeypatch):
     q_params[i] = q_params[i].to(torch.int64)
     with pytest.raises(RuntimeError, match=rf"q_params: {slots[i]} must be a floating-point tensor, got Long"):
         call(q_params=q_params)
+    # an alpha past the bound (NaN scored every hypothesis NaN, 1e6 scored them -0.0: ranked by nothing), a NaN eps
+    for alpha in (float("nan"), float("inf"), 1e6, -51.0):
+        with pytest.raises(ValueError, match=r"alpha must be within \[-50, 50\]"):
+            call(alpha=alpha)
+    with pytest.raises(RuntimeError, match=r"rnmt_beam_search: cell_eps must be a finite number >= 0, got nan"):
+        call(cell_eps=float("nan"))
 
 
 def test_secondary_tensors_of_a_dtype_a_kernel_would_convert_are_refused():

@@ -5,6 +5,9 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <utility>
+
 #include "decode_step.h"
 #include "op_args.h"
 #include "op_checks.h"
@@ -20,6 +23,7 @@ using OptTensor = std::optional<Tensor>;
 std::tuple<Tensor, Tensor> attention_step(const Tensor& query, const Tensor& keys, const Tensor& annotations,
                                           const Tensor& src_mask, at::TensorList weights, double ln_eps,
                                           const OptTensor& key_exps) {
+  dtmt::check_eps(ln_eps, "attention_step", "ln_eps");
   auto r = dtmt::attention_step_cpu(dense(query), keys, last_dim_dense(annotations), src_mask,
                                     dtmt::AttentionWeights::from_list(dense(weights), ln_eps), 1, true,
                                     key_exps.has_value() && key_exps->numel() ? *key_exps : Tensor());
@@ -33,6 +37,7 @@ Tensor key_exps(const Tensor& keys) {
 }
 
 Tensor readout_features(const Tensor& y, const Tensor& s, const Tensor& c, at::TensorList weights, double eps) {
+  dtmt::check_eps(eps, "readout_features", "eps");
   return dtmt::readout_features_cpu(dense(y), dense(s), dense(c),
                                     dtmt::ReadoutWeights::from_list(dense(weights), eps, /*with_output=*/false));
 }
@@ -42,6 +47,9 @@ std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, c
                                              at::TensorList q_params, int64_t d_kind, at::TensorList d_params,
                                              double cell_eps, at::TensorList attention, double att_eps,
                                              at::TensorList readout, double readout_eps) {
+  for (const auto& [eps, name] : {std::pair<double, const char*>{cell_eps, "cell_eps"}, {att_eps, "att_eps"},
+                                  {readout_eps, "readout_eps"}})
+    dtmt::check_eps(eps, "rnmt_step", name);
   auto r = dtmt::rnmt_step_cpu(dense(y), dense(s), keys, last_dim_dense(annotations), src_mask,
                                dtmt::cell_weights(q_kind, dense(q_params), "rnmt_step", "q_params"),
                                dtmt::cell_weights(d_kind, dense(d_params), "rnmt_step", "d_params"), cell_eps,
@@ -58,6 +66,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
     bool early_stop, const OptTensor& token_products, const OptTensor& position_products,
     const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned,
     c10::string_view length_penalty) {
+  for (const auto& [eps, name] : {std::pair<double, const char*>{cell_eps, "cell_eps"}, {att_eps, "att_eps"},
+                                  {readout_eps, "readout_eps"}})
+    dtmt::check_eps(eps, "rnmt_beam_search", name);
+  TORCH_CHECK_VALUE(std::abs(alpha) <= dtmt::kMaxAlpha,   // (NaN fails this too)
+                    "dtmt::rnmt_beam_search: alpha must be within [-", dtmt::kMaxAlpha, ", ", dtmt::kMaxAlpha,
+                    "] (larger powers overflow float64 at long searches), got ", alpha);
   const dtmt::SearchSource source{last_dim_dense(annotations), dense(keys), dense(src_mask), dense(s), max_len};
   const dtmt::SearchModel model{dtmt::cell_weights(q_kind, dense(q_params), "rnmt_beam_search", "q_params"),
                                 dtmt::cell_weights(d_kind, dense(d_params), "rnmt_beam_search", "d_params"),
@@ -81,6 +95,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
 std::tuple<Tensor, Tensor> memory_encoder(const Tensor& x, const Tensor& memory, const Tensor& src_mask, bool reverse,
                                           int64_t cell_kind, at::TensorList cell, double cell_eps,
                                           at::TensorList addressing) {
+  dtmt::check_eps(cell_eps, "memory_encoder", "cell_eps");
   auto r = dtmt::memory_encoder_cpu(dense(x), memory, src_mask, reverse,
                                     dtmt::cell_weights(cell_kind, dense(cell), "memory_encoder", "cell"), cell_eps,
                                     dtmt::MemoryWeights::from_list(dense(addressing)));

@@ -25,7 +25,7 @@ MAX_SEARCH_STEPS = 16384
 # the largest |alpha| of the GNMT length penalty ((5 + n) / 6) ^ alpha: at MAX_SEARCH_STEPS words 2731.5 ^ 50 is
 # 1e172, so a score (log-probability / penalty) stays finite and non-zero in float64. Past about 90 the penalty
 # overflowed: the fused search scored every hypothesis -0.0 and ranked them by nothing, the Python loop raised
-# OverflowError. Toolkits' values are 0 to 2.
+# OverflowError. Toolkits' values are 0 to 2. (csrc/op_checks.h's kMaxAlpha states the same one.)
 MAX_ALPHA = 50.0
 # the words that start the error (csrc/op_checks.h's kNonFiniteScore, which the fused search raises)
 NON_FINITE_SCORE = "the model gave a non-finite score"

@@ -211,7 +211,7 @@ def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih,
     return dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b
 
 
-def _check_arguments(op: str, x, h0, mask, drop, kind, params, backward=None) -> None:
+def _check_arguments(op: str, x, h0, mask, drop, kind, params, eps, backward=None) -> None:
     """RuntimeError naming `op` and the argument, before any launch, for what the kernels would index past or misread:
     the C++ op's checks (csrc/op_checks.cpp). The launches index every tensor with the sizes x and w_hh give, unchecked
     (a short mask, bias or layer-norm gain was read past its end). `backward`: (grad_out, grad_hn, xp, hs, hs_lp, hp,
@@ -227,6 +227,8 @@ def _check_arguments(op: str, x, h0, mask, drop, kind, params, backward=None) ->
                  f"{list(t.shape) if isinstance(t, Tensor) else t!r}")
 
     check_kind(op, kind)
+    if not 0.0 <= eps < float("inf"):   # (NaN fails this too)
+        fail(f"eps must be a finite number >= 0, got {eps!r}")
     n_in, n_h, n_g = ROWS[kind]
     w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b = params
     if x.dim() != 3:
@@ -288,7 +290,7 @@ def transition_forward_triton(x: Tensor, h0: Tensor, mask: Optional[Tensor], dro
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dtmt::transition_forward by the Triton kernels (CUDA tensors; CPU ones under TRITON_INTERPRET=1)."""
     _check_arguments("transition_forward_triton", x, h0, mask, drop, kind,
-                     (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b))
+                     (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b), eps)
     params = [None if t is None else t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
                                                                t_ln_b)]
     x, h0 = x.contiguous(), h0.contiguous()
@@ -309,7 +311,7 @@ def transition_backward_triton(grad_out: Tensor, grad_hn: Tensor, x: Tensor, mas
         raise NotImplementedError("dtmt::transition_backward_triton: weight_grads=False is implemented on the CPU "
                                   "only")
     params = (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
-    _check_arguments("transition_backward_triton", x, None, mask, drop, kind, params,
+    _check_arguments("transition_backward_triton", x, None, mask, drop, kind, params, eps,
                      (grad_out, grad_hn, xp, hs, hs_lp, hp, hpt))
     with _on_device(x):
         grads = _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, *params, xp, hs, hs_lp, hp,

@@ -206,6 +206,38 @@ def test_the_engine_fakes_check_kinds_and_batches():
         torch.ops.dtmt.attention_step(m(1, 8), keys, annotations, src_mask, [m(0)] * 3, 1e-5)
 
 
+def test_the_attention_linear_and_loss_fakes_check_the_sizes_their_outputs_rest_on():
+    """The fakes of the attention ops, the small-row linear and the loss check the sizes the kernels check: a meta call
+    with a query, v, gradient, weight or target of other sizes gave outputs without a word (shaped by one of the
+    arguments), where the kernel refuses it."""
+    def m(*shape, dtype=torch.float32):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    ops = torch.ops.dtmt
+    assert ops.additive_scores(m(2, 5, 3, 4), m(2, 3, 4), m(3, 4)).shape == (2, 3, 5)
+    assert ops.attention_context(m(2, 3, 5), m(2, 5, 6)).shape == (2, 6)
+    assert ops.small_rows_linear(m(2, 8), m(4, 12, dtype=torch.int8), None).shape == (2, 4)
+    bad = [("additive_scores: query must be [2, 3, 4], got [7, 3, 4]", ops.additive_scores,
+            (m(2, 5, 3, 4), m(7, 3, 4), m(3, 4))),
+           ("additive_scores: keys must be [?, ?, ?, ?], got [2, 5, 3]", ops.additive_scores,
+            (m(2, 5, 3), m(2, 3, 4), m(3, 4))),
+           ("additive_scores_backward: grad must be [2, 3, 5], got [2, 5, 3]", ops.additive_scores_backward,
+            (m(2, 5, 3), m(2, 5, 3, 4), m(2, 3, 4), m(3, 4))),
+           ("attention_context: values must be [2, 7, ?], got [2, 5, 6]", ops.attention_context,
+            (m(2, 3, 7), m(2, 5, 6))),
+           ("attention_context: values' C = 6 must be a multiple of alpha's NH = 4", ops.attention_context,
+            (m(2, 4, 5), m(2, 5, 6))),
+           ("attention_context_backward: grad must be [2, 6], got [6, 2]", ops.attention_context_backward,
+            (m(6, 2), m(2, 3, 5), m(2, 5, 6), True)),
+           ("small_rows_linear: x must be [?, 9], got [2, 8]", ops.small_rows_linear, (m(2, 8), m(4, 9), None)),
+           ("small_rows_linear: bias must be [4], got [5]", ops.small_rows_linear, (m(2, 8), m(4, 8), m(5))),
+           ("smoothed_cross_entropy: target must be [5], got [4]", ops.smoothed_cross_entropy,
+            (m(5, 7), m(4, dtype=torch.long), 0.1, -100))]
+    for message, op, args in bad:
+        with pytest.raises(RuntimeError, match=re.escape(f"dtmt::{message}")):
+            op(*args)
+
+
 def test_an_op_with_one_argument_on_the_meta_device_refuses_it():
     """A call with one argument on the meta device and the others on the CPU dispatches to the op's fake, which gave
     uninitialised CPU tensors as the result (a layer whose bias was loaded onto the meta device: values of 1e37,

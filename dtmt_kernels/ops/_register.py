@@ -44,6 +44,16 @@ def register_fake(op: str, fake) -> None:
     torch.library.register_fake(op)(checked)
 
 
+def check_fake_sizes(op: str, **shapes) -> None:
+    """The fakes' share of the kernels' size checks (a fake is all that a meta call or a torch.compile / export trace
+    runs): each tensor of `shapes` (name=(tensor, [sizes]), None a size not checked) of those sizes. RuntimeError
+    naming the op and the argument, as the kernels' (dtmt_models/engine/ops.py's fakes check theirs alike)."""
+    for name, (t, sizes) in shapes.items():
+        if t.dim() != len(sizes) or any(want is not None and got != want for got, want in zip(t.shape, sizes)):
+            shown = ", ".join("?" if want is None else str(want) for want in sizes)
+            raise RuntimeError(f"dtmt::{op}: {name} must be [{shown}], got {list(t.shape)}")
+
+
 _libraries = []   # the fragments holding register_autograd's kernels (a Library unregisters when collected)
 
 

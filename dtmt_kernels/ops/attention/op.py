@@ -13,7 +13,7 @@ import torch
 
 from .._extension import built
 from .. import _autocast
-from .._register import refuse_double_backward, register_autograd, register_fake
+from .._register import check_fake_sizes, refuse_double_backward, register_autograd, register_fake
 
 
 def _dense_like(t):
@@ -24,12 +24,23 @@ def _dense_like(t):
     return torch.empty_like(t)
 
 
+def _check_scores(op, keys, query, v):
+    """What the scores' shapes rest on, checked as the kernel checks it (a meta call with a query or v of other
+    sizes gave scores of the keys' without a word). Returns (B, S, NH)."""
+    check_fake_sizes(op, keys=(keys, [None] * 4))
+    B, S, NH, D = keys.shape
+    check_fake_sizes(op, query=(query, [B, NH, D]), v=(v, [NH, D]))
+    return B, S, NH
+
+
 def _scores_fake(keys, query, v):
-    B, S, NH, _ = keys.shape
+    B, S, NH = _check_scores("additive_scores", keys, query, v)
     return keys.new_empty(B, NH, S)
 
 
 def _scores_backward_fake(grad, keys, query, v):
+    B, S, NH = _check_scores("additive_scores_backward", keys, query, v)
+    check_fake_sizes("additive_scores_backward", grad=(grad, [B, NH, S]))
     return (torch.empty_like(keys, memory_format=torch.contiguous_format),
             torch.empty_like(query, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -43,11 +54,24 @@ def _scores_backward(ctx, grad):
     return torch.ops.dtmt.additive_scores_backward(grad, *ctx.saved_tensors)
 
 
+def _check_context(op, alpha, values):
+    """What the context's shapes rest on, checked as the kernel checks it. Returns (B, C)."""
+    check_fake_sizes(op, alpha=(alpha, [None] * 3))
+    B, NH, S = alpha.shape
+    check_fake_sizes(op, values=(values, [B, S, None]))
+    if NH == 0 or values.shape[2] % NH:
+        raise RuntimeError(f"dtmt::{op}: values' C = {values.shape[2]} must be a multiple of alpha's NH = {NH}")
+    return B, values.shape[2]
+
+
 def _context_fake(alpha, values):
-    return values.new_empty(values.shape[0], values.shape[2])
+    B, C = _check_context("attention_context", alpha, values)
+    return values.new_empty(B, C)
 
 
 def _context_backward_fake(grad, alpha, values, values_grad=True):
+    B, C = _check_context("attention_context_backward", alpha, values)
+    check_fake_sizes("attention_context_backward", grad=(grad, [B, C]))
     dalpha = torch.empty_like(alpha, memory_format=torch.contiguous_format)
     return dalpha, (_dense_like(values) if values_grad else values.new_empty(0))
 

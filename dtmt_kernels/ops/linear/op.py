@@ -10,12 +10,18 @@ import torch
 from torch import Tensor
 
 from .._extension import _C, built
+from .quantize import ROW_TAIL
 from .. import _autocast
-from .._register import register_fake, transformed
+from .._register import check_fake_sizes, register_fake, transformed
 
 
-def _fake(x, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _fake(x, weight, bias):   # (the kernel's checks: a K or bias of other sizes gave a result without a word)
+    check_fake_sizes("small_rows_linear", x=(x, [None, None]), weight=(weight, [None, None]))
+    N, K = weight.shape[0], weight.shape[1] - (ROW_TAIL if weight.dtype == torch.int8 else 0)
+    check_fake_sizes("small_rows_linear", x=(x, [None, K]))
+    if bias is not None and bias.numel():
+        check_fake_sizes("small_rows_linear", bias=(bias, [N]))
+    return x.new_empty(x.shape[0], N)
 
 
 def float64_products(rows: Tensor, matrices) -> Tensor:

@@ -112,6 +112,12 @@ def test_registry():
     # a rate of NaN passed every range check and failed at the first training forward
     ("dtmt", dict(dropout=float("nan")), "option dropout=nan for dtmt: expected a finite number"),
     ("transformer", dict(dropout=float("-inf")), "option dropout=-inf for transformer: expected a finite"),
+    # a rate of 1 (nn.Dropout takes it) zeroed every embedding and readout feature in training, without a word
+    ("mce", dict(dropout=1.0), r"option dropout=1.0 for mce: expected a probability in \[0, 1\)"),
+    ("transformer", dict(dropout=1), r"option dropout=1 for transformer: expected a probability in \[0, 1\)"),
+    ("dtmt", dict(dropout=-0.1), r"option dropout=-0.1 for dtmt: expected a probability in \[0, 1\)"),
+    ("shallow-rnmt", dict(candidate_dropout=1.0), r"option candidate_dropout=1.0 for shallow-rnmt: expected a "
+                                                  r"probability in \[0, 1\)"),
 ])
 def test_bad_options_are_value_errors(name, options, message):
     """build_model refuses what cannot build the system in one ValueError naming the option (before, a misspelt

@@ -30,8 +30,8 @@ SIZE_OPTIONS = {"embed_dim": 65536, "hidden_size": 65536, "heads": 1024, "attent
 def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) -> nn.Module:
     """Builds the system `name` (see list_models()); options are the keyword arguments of its class. Bad input is
     a ValueError in one line: an unknown name or option, a value of the wrong type for the option's default (numpy
-    numbers count as ints and floats), a size below 1, a pad_id that is not an id of both vocabularies, or a value
-    the system refuses."""
+    numbers count as ints and floats), a size below 1, a dropout rate outside [0, 1), a pad_id that is not an id of
+    both vocabularies, or a value the system refuses."""
     _import_systems()
     if not isinstance(name, str) or name not in _MODELS:
         raise ValueError(f"unknown model {_shown(name)}; choose one of {sorted(_MODELS)}")
@@ -138,8 +138,9 @@ def _shown(value) -> str:
 
 
 def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
-    """Unknown options, values of the wrong type for the option's default, sizes below 1, a pad_id that is not
-    an id of both vocabularies (the smaller has `vocab_size` ids): ValueError in one line."""
+    """Unknown options, values of the wrong type for the option's default, sizes below 1, dropout rates outside
+    [0, 1), a pad_id that is not an id of both vocabularies (the smaller has `vocab_size` ids): ValueError in one
+    line."""
     import inspect
 
     params = _option_params(name)
@@ -156,6 +157,10 @@ def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
         if isinstance(value, float) and not math.isfinite(value):   # (NaN passed every range check: dropout=nan
             # failed at the first training forward)
             raise ValueError(f"option {key}={value!r} for {name}: expected a finite number")
+        if (key == "dropout" or key.endswith("_dropout")) and value is not None and not 0 <= value < 1:
+            # (a rate of 1 zeroed every embedding and readout feature in training: the model learnt the output bias
+            # alone, and nothing said so; torch's nn.Dropout takes 1)
+            raise ValueError(f"option {key}={value!r} for {name}: expected a probability in [0, 1)")
         most = SIZE_OPTIONS.get(key)
         if most is not None and value is not None and (not _of_type(value, int) or not 1 <= value <= most):
             raise ValueError(f"option {key}={_shown(value)} for {name}: expected an int from 1 to {most:,}")

@@ -118,6 +118,14 @@ def test_registry():
     ("dtmt", dict(dropout=-0.1), r"option dropout=-0.1 for dtmt: expected a probability in \[0, 1\)"),
     ("shallow-rnmt", dict(candidate_dropout=1.0), r"option candidate_dropout=1.0 for shallow-rnmt: expected a "
                                                   r"probability in \[0, 1\)"),
+    # what the deep_* switches leave unused was not checked: cell='zzz' and depth=-5 built a shallow dtmt silently
+    ("dtmt", dict(deep_encoder=False, deep_query=False, deep_decoder=False, cell="zzz", depth=1),
+     "dtmt: cell must be 'gru', 'lgru' or 'lau', got 'zzz'"),
+    ("dtmt", dict(deep_encoder=False, deep_query=False, deep_decoder=False, depth=-5),
+     "dtmt: depth must be an int from 0 to 256, got -5"),
+    ("dtmt", dict(deep_encoder=False, encoder_depth=10 ** 9), "dtmt: encoder_depth must be an int from 0 to 256"),
+    ("shallow-rnmt", dict(shallow_cell="zzz"), "shallow-rnmt: shallow_cell must be 'gru', 'lgru' or 'lau', got "
+                                               "'zzz'"),
 ])
 def test_bad_options_are_value_errors(name, options, message):
     """build_model refuses what cannot build the system in one ValueError naming the option (before, a misspelt

@@ -1465,7 +1465,7 @@ def test_full_disk_while_writing_the_log_or_the_tensorboard_events(toy_nodev, tm
 @pytest.mark.parametrize("bad, message", [
     (["--opt", "frobnicate=3"], "unknown option 'frobnicate' for dtmt"),
     (["--opt", "hidden_size=abc"], "option hidden_size='abc' for dtmt: expected int"),
-    (["--opt", "cell=foo"], "'cell': 'foo', 'heads': 4, 'dropout': 0.2, 'candidate_dropout': 0.1}: DeepTransitionGRU: "
+    (["--opt", "cell=foo"], "'cell': 'foo', 'heads': 4, 'dropout': 0.2, 'candidate_dropout': 0.1}: dtmt: "
                             "cell must be 'gru', 'lgru' or 'lau', got 'foo'"),
     (["--opt", "hidden_size=-5"], "option hidden_size=-5 for dtmt: expected an int from 1 to 65,536"),
     (["--max-len", "1"], "no training pairs left: 600 longer than --max-len 1 subwords, 0 empty after "

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Optional
 
 import dtmt_kernels as dk
+from dtmt_kernels.ops.transition import DEEP_TRANSITION_CELLS
 from dtmt_models.models.attention import MultiHeadAdditiveAttention
 from dtmt_models.models.embeddings import TokenEmbedding
 from dtmt_models.models.registered import register_model
@@ -46,6 +47,16 @@ class DTMT(AttentionalRNMT):
                  tie_embeddings: bool = False, readout_layer_norm: Optional[bool] = None, pad_id: int = 0,
                  backend: str = "auto"):
         super().__init__(src_vocab_size, tgt_vocab_size, pad_id)
+        # each one checked even where the deep_* switches leave it unused (cell='zzz' or depth=-5 with every module
+        # shallow built without a word)
+        for arg, value in (("cell", cell), ("shallow_cell", shallow_cell)):
+            if value not in DEEP_TRANSITION_CELLS:
+                kinds = ", ".join(map(repr, DEEP_TRANSITION_CELLS[:-1])) + f" or {DEEP_TRANSITION_CELLS[-1]!r}"
+                raise ValueError(f"{self.model_name}: {arg} must be {kinds}, got {value!r}")
+        for arg, value in (("depth", depth), ("encoder_depth", encoder_depth), ("query_depth", query_depth),
+                           ("decoder_depth", decoder_depth)):
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= dk.nn.MAX_DEPTH):
+                raise ValueError(f"{self.model_name}: {arg} must be an int from 0 to {dk.nn.MAX_DEPTH}, got {value!r}")
         H = hidden_size
         depths = [depth if d is None else d for d in (encoder_depth, query_depth, decoder_depth)]
         deep = (deep_encoder, deep_query, deep_decoder)

@@ -126,6 +126,12 @@ def test_registry():
     ("dtmt", dict(deep_encoder=False, encoder_depth=10 ** 9), "dtmt: encoder_depth must be an int from 0 to 256"),
     ("shallow-rnmt", dict(shallow_cell="zzz"), "shallow-rnmt: shallow_cell must be 'gru', 'lgru' or 'lau', got "
                                                "'zzz'"),
+    # nematus' transition depths had no upper bound where encoder / decoder leave them unused
+    ("nematus", dict(enc_transition_depth=10 ** 9), "nematus: enc_transition_depth must be at most 257 "
+                                                    r"\(256 T-GRUs\), got 1000000000"),
+    ("nematus", dict(decoder="gru", dec_base_transition_depth=259), "nematus: dec_base_transition_depth must be "
+                                                                    "at most 258"),
+    ("nematus", dict(dec_high_transition_depth=10 ** 9), "nematus: dec_high_transition_depth must be at most 258"),
 ])
 def test_bad_options_are_value_errors(name, options, message):
     """build_model refuses what cannot build the system in one ValueError naming the option (before, a misspelt

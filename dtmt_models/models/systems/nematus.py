@@ -104,6 +104,15 @@ class Nematus(Seq2Seq):
                 raise ValueError(f"nematus: {name} must be >= 1, got {v}")
         if dec_base_transition_depth < 2:
             raise ValueError("nematus: dec_base_transition_depth counts GRU1 and GRU2, so it must be >= 2")
+        # a block of transition depth L is one GRU (a cGRU level two) and T-GRUs, at most MAX_DEPTH of them: bounded
+        # here even where encoder / decoder leave it unused (enc_transition_depth=10**9 with the shallow encoder
+        # built without a word)
+        for name, v, grus in (("enc_transition_depth", enc_transition_depth, 1),
+                              ("dec_base_transition_depth", dec_base_transition_depth, 2),
+                              ("dec_high_transition_depth", dec_high_transition_depth, 2)):
+            if v > dk.nn.MAX_DEPTH + grus:
+                raise ValueError(f"nematus: {name} must be at most {dk.nn.MAX_DEPTH + grus} ({dk.nn.MAX_DEPTH} "
+                                 f"T-GRUs), got {v}")
         E, H = embed_dim, hidden_size
         self.encoder_kind, self.decoder_kind = encoder, decoder
         gru = dict(cell="gru", layer_norm=layer_norm, backend=backend, batch_first=True)

@@ -512,6 +512,32 @@ def test_converting_a_decoder_is_refused_before_anything_converts(name):
     assert all(v.dtype in (torch.float64, torch.long, torch.bool) for v in state.values() if torch.is_tensor(v))
 
 
+@pytest.mark.parametrize("name", ["mce", "dtmt", "nematus"])
+def test_a_fused_decoder_of_a_model_converted_since_is_refused(name):
+    """The model converted (.double()) after its FusedRNMTDecoder was built: the decoder's parameters shared with the
+    model convert in place, its gathered weights do not. Encoding (and a variant of the decoder) is a TypeError
+    saying to build the decoder again; before, the search failed deep inside an op (mce: 'dtmt::
+    cell_step_from_products: xp [B, 24] contiguous, of h's dtype', the others 'mat1 and mat2 must have the same
+    dtype'). A decoder built after the conversion decodes in float64."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    torch.manual_seed(0)
+    model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+    decoder = model.inference_decoder()
+    assert isinstance(decoder, FusedRNMTDecoder)
+    model.double()
+    for use in (lambda: beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3),
+                lambda: decoder.encode(_SRC, _LENGTHS), lambda: decoder.variant(int8=True)):
+        with pytest.raises(TypeError, match=r"FusedRNMTDecoder: its model was converted to torch.float64 on cpu after "
+                                            r"the decoder gathered its weights in torch.float32 on cpu, .*build its "
+                                            r"decoder again") as info:
+            use()
+        assert "\n" not in str(info.value)
+    fresh = model.inference_decoder()
+    assert fresh.encode(_SRC, _LENGTHS)["annotations"].dtype == torch.float64
+    assert len(beam_search(fresh, _SRC, _LENGTHS, beam=2, max_len_b=3)) == 3
+
+
 def test_a_decoder_built_after_an_optimizer_step_sees_it():
     """Weights are read when a decoder is built: one built after an in-place change (an optimizer step on the
     readout norms, which the decoder stacks, and on a cell) computes with the new weights."""

@@ -80,6 +80,8 @@ class FusedRNMTDecoder:
 
     def __init__(self, model, step: FusedStep, int8: bool = False, options: EngineOptions = EngineOptions()):
         self.prepared, self.model, self.step_form, self.int8, self.options = model, model, step, int8, options
+        weight = model.tgt_embed.weight   # (what a conversion of the model would change: `check_unconverted`)
+        self._built_as = (weight.dtype, weight.device)
         self.layered = step.layered
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
@@ -117,6 +119,7 @@ class FusedRNMTDecoder:
 
     def variant(self, int8: Optional[bool] = None, options: Optional[EngineOptions] = None) -> "FusedRNMTDecoder":
         """A decoder of the same model and step with `int8` and / or `options` changed (the others kept)."""
+        self.check_unconverted()   # (the prepared copy's forms hold the weights gathered from the model as it was)
         return FusedRNMTDecoder(self.prepared, self.step_form, self.int8 if int8 is None else int8,
                                 self.options if options is None else options)
 
@@ -132,6 +135,7 @@ class FusedRNMTDecoder:
     @torch.no_grad()   # inference only (the ops write into buffers: no autograd)
     def encode(self, src: Tensor, src_lengths: Tensor) -> State:
         """The model's encode: with source tables, the annotations from them (FrozenTransitionLayer.encode_tokens)."""
+        self.check_unconverted()
         m = self.model
         if self.source_table is None:
             return m.encode(src, src_lengths)
@@ -144,6 +148,18 @@ class FusedRNMTDecoder:
         else:
             annotations = m.encoder.encode_tokens(src, self.source_table, positions, lengths=src_lengths)[0]
         return m.state_from(annotations, src_lengths)
+
+    def check_unconverted(self) -> None:
+        """TypeError, in one line, where the model was converted (.to() / .double() / .cuda()) after this decoder was
+        built: the decoder's gathered weights keep the dtype and device they had while the parameters it shares with
+        the model have converted in place, and a search failed deep inside an op (mce's memory encoder: 'xp [B, 24]
+        contiguous, of h's dtype'; the others: 'mat1 and mat2 must have the same dtype')."""
+        weight = self.model.tgt_embed.weight
+        if (weight.dtype, weight.device) != self._built_as:
+            dtype, device = self._built_as
+            raise TypeError(f"FusedRNMTDecoder: its model was converted to {weight.dtype} on {weight.device} after "
+                            f"the decoder gathered its weights in {dtype} on {device}, which .to() / .double() / "
+                            f".cuda() do not reach; build its decoder again (model.inference_decoder())")
 
     def source_position_table(self, length: int) -> Optional[Tensor]:
         """The source positions' products with the encoder's input matrices (FrozenTransitionLayer.input_products

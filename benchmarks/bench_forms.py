@@ -38,6 +38,17 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the figures here too")
     a = p.parse_args(argv)
+    from benchmarks.common import check_options
+    from dtmt_models.models.presets import get_preset
+
+    # before anything runs: --updates 0 was a ZeroDivisionError, --repeats 0 an empty median, --warmup 0 timed no
+    # layer call without a word, --max-tokens 0 made no batch, --threads 0 torch's error, --system / --preset a
+    # traceback (the transposes are measured on the layer calls of the last warm-up update)
+    check_options(p, a, (("updates", 1), ("warmup", 1), ("repeats", 1), ("max_tokens", 81), ("threads", 1)))
+    try:
+        options = get_preset(a.system, a.preset)["model"]
+    except ValueError as exc:
+        p.error(f"--system {a.system} --preset {a.preset}: {exc}")
 
     import torch
 
@@ -45,14 +56,13 @@ def main(argv=None):
     from dtmt_kernels import _C
     from benchmarks.bench_train import synthetic_batches, training_update
     from dtmt_models.data.batching import collate
-    from dtmt_models.models.presets import get_preset
     from dtmt_models.models.registry import build_model
     from dtmt_models.training.allocator import tune_malloc
 
     torch.set_num_threads(a.threads)
     tune_malloc()
     torch.manual_seed(0)
-    model = build_model(a.system, 4000, 4000, **get_preset(a.system, a.preset)["model"])
+    model = build_model(a.system, 4000, 4000, **options)
     model.set_backend("cpp")
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)

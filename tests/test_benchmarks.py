@@ -1013,6 +1013,28 @@ def test_bench_forms_measures_its_two_parts():
     assert abs(r["transposes_share"] * r["update_ms"] - r["transposes_ms"]) < 1e-6 * r["update_ms"]
 
 
+def test_bench_forms_refuses_bad_options_before_running(capsys):
+    """bench_forms.py's counts, system and preset, each refused in one line before a model is built: --updates 0 was
+    a ZeroDivisionError after the whole run, --repeats 0 an empty median, --warmup 0 timed no layer call without a
+    word, --max-tokens 0 an empty max(), --threads 0 torch's RuntimeError, an unknown system or preset a
+    traceback."""
+    from benchmarks import bench_forms
+
+    for flags, message in ((["--updates", "0"], "--updates 0: must be >= 1"),
+                           (["--repeats", "0"], "--repeats 0: must be >= 1"),
+                           (["--warmup", "0"], "--warmup 0: must be >= 1"),
+                           (["--max-tokens", "0"], "--max-tokens 0: must be >= 81"),
+                           (["--threads", "0"], "--threads 0: must be >= 1"),
+                           (["--system", "nope"], "--system nope --preset small: unknown model 'nope'"),
+                           (["--system", "mce", "--preset", "002-T1-baseline"],
+                            "preset '002-T1-baseline' is a nematus configuration, not mce's")):
+        with pytest.raises(SystemExit) as info:
+            bench_forms.main(flags)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, flags
+
+
 
 def _gpu_session_calls():
     """Every `"$PY" benchmarks/NAME.py ARGS` of benchmarks/gpu_session.sh: (line, NAME, the arguments), its shell

@@ -98,6 +98,18 @@ def main(argv=None):
     p.add_argument("--isa", default="", help="'all' (every instruction-set copy of the CPU loops this CPU runs) or "
                    "a comma list: float32 and int8 decoded with each copy too (default: none)")
     a = p.parse_args(argv)
+    from common import check_options
+
+    from dtmt_models.data.corpus import corpus_paths
+    from dtmt_models.decoding.hypotheses import MAX_BEAM
+
+    # before any decoding: --beam 0 was beam_search's traceback after the checkpoint had loaded, --sentences -1
+    # left the last sentence out without a word, --threads 0 torch's error, a --data without the split a traceback
+    check_options(p, a, (("sentences", 0), ("beam", 1, MAX_BEAM), ("threads", 1)))
+    try:
+        corpus_paths(a.data, a.split)
+    except ValueError as exc:   # (CorpusError)
+        p.error(f"--data {a.data} --split {a.split}: {exc}")
     a.copies = _copies(a.isa)   # (checked before any decoding)
     with torch_threads(a.threads):
         return _run(a, argv)

@@ -1013,6 +1013,24 @@ def test_bench_forms_measures_its_two_parts():
     assert abs(r["transposes_share"] * r["update_ms"] - r["transposes_ms"]) < 1e-6 * r["update_ms"]
 
 
+def test_bench_int8_refuses_bad_options_before_decoding(tmp_path, capsys):
+    """bench_int8.py's counts and corpus, each refused in one line before a checkpoint is loaded: --beam 0 was
+    beam_search's traceback, --sentences -1 left the last sentence out without a word, --threads 0 torch's
+    RuntimeError, a --data that is no corpus (the default, where no Bible was prepared) a CorpusError's traceback."""
+    from benchmarks import bench_int8
+
+    for flags, message in ((["--beam", "0"], "--beam 0: must be >= 1 and <= 1024"),
+                           (["--sentences", "-1"], "--sentences -1: must be >= 0"),
+                           (["--threads", "0"], "--threads 0: must be >= 1"),
+                           (["--data", str(tmp_path / "typo")], "no corpus.json; make the corpus")):
+        with pytest.raises(SystemExit) as info:
+            bench_int8.main([*flags, "--checkpoint", str(tmp_path / "none.pt"), "--out", str(tmp_path / "o")])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, flags
+    assert not (tmp_path / "o").exists()
+
+
 def test_bench_forms_refuses_bad_options_before_running(capsys):
     """bench_forms.py's counts, system and preset, each refused in one line before a model is built: --updates 0 was
     a ZeroDivisionError after the whole run, --repeats 0 an empty median, --warmup 0 timed no layer call without a

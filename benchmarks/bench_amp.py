@@ -49,6 +49,22 @@ def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tgt-len", type=int, default=30)
 
 
+def check_batch_arguments(p: argparse.ArgumentParser, a) -> None:
+    """The options of add_batch_arguments, each refused in one line before anything runs: --rounds 0 or --batches 0
+    was an IndexError after the GEMMs had been timed, --batch-size 0 another, --src-len 1 or --tgt-len 1 drew
+    empty sentences (lengths from len // 2), --threads 0 torch's error, --model nope a traceback."""
+    from common import check_options
+
+    from dtmt_models.models.presets import get_preset
+
+    check_options(p, a, (("threads", 1), ("rounds", 1), ("batches", 1), ("batch_size", 1), ("src_len", 2),
+                         ("tgt_len", 2)))
+    try:
+        get_preset(a.model, "small")
+    except ValueError as exc:
+        p.error(f"--model {a.model}: {exc}")
+
+
 VOCAB = 4000   # the Bible's SentencePiece vocabularies, a side
 
 
@@ -182,6 +198,7 @@ def main(argv=None):
     add_batch_arguments(p)
     p.add_argument("--out", default=os.path.join(HERE, "out", "amp"))
     a = p.parse_args(argv)
+    check_batch_arguments(p, a)
     torch.set_num_threads(a.threads)
     bf16_isa = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     gemms = {}

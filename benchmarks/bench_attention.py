@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from common import machine_name, time_fn, write_csv  # noqa: E402
+from common import check_options, machine_name, time_fn, write_csv  # noqa: E402
 from dtmt_models.models.attention import MultiHeadAdditiveAttention  # noqa: E402
 
 # (name, B, S, query size H, annotation size C = 2H, attention size A, heads)
@@ -101,6 +101,7 @@ def main(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: cpp against reference; cuda: the cuda backend's kernels against reference on the GPU")
     a = p.parse_args(argv)
+    check_options(p, a, (("repeat", 1), ("threads", 0)))   # (--repeat 0 was an empty median after the first size)
     fused = "cpp" if a.device == "cpu" else "cuda"
     if fused not in dk.available_backends() or (a.device == "cuda" and not torch.cuda.is_available()):
         where = " on a machine with a GPU" if fused == "cuda" else ""

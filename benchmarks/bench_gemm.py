@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -67,6 +69,11 @@ def main(argv=None):
     p.add_argument("--inner", type=int, default=50)
     p.add_argument("--repeat", type=int, default=5)
     a = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # (common.py, beside this script)
+    from common import check_options
+
+    # (--repeat 0 was an empty median, --threads 0 torch's error, after the first shapes had run)
+    check_options(p, a, (("threads", 1), ("rows", 1), ("inner", 1), ("repeat", 1)))
     if a.decode:
         a.shapes = [f"{a.rows}x{kn}" for kn in ("128x4000", "512x1280", "256x1024", "256x768", "512x512")]
         a.cold = True

@@ -355,6 +355,30 @@ def test_bench_gemm_runs():
     assert cold[0]["read_gbs"] > 0
 
 
+def test_bench_amp_gemm_attention_refuse_bad_counts_before_running(tmp_path, capsys):
+    """bench_amp's, bench_gemm's and bench_attention's counts (and bench_amp's system), each refused in one line
+    before anything runs: bench_amp --rounds 0 / --batches 0 were IndexErrors after the GEMMs had been timed,
+    --src-len 1 drew empty sentences, --model nope a traceback; bench_gemm and bench_attention --repeat 0 an empty
+    median, --threads 0 torch's error."""
+    from benchmarks import bench_amp, bench_attention, bench_gemm
+
+    for main, flags, message in (
+            (bench_amp.main, ["--rounds", "0"], "--rounds 0: must be >= 1"),
+            (bench_amp.main, ["--batches", "0"], "--batches 0: must be >= 1"),
+            (bench_amp.main, ["--src-len", "1"], "--src-len 1: must be >= 2"),
+            (bench_amp.main, ["--model", "nope"], "--model nope: unknown model 'nope'"),
+            (bench_gemm.main, ["--repeat", "0"], "--repeat 0: must be >= 1"),
+            (bench_gemm.main, ["--threads", "1", "0"], "--threads 0: must be >= 1"),
+            (bench_attention.main, ["--repeat", "0"], "--repeat 0: must be >= 1")):
+        extra = ["--out", str(tmp_path / "o")] if main is not bench_gemm.main else []
+        with pytest.raises(SystemExit) as info:
+            main([*flags, *extra])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, flags
+    assert not (tmp_path / "o").exists()
+
+
 def test_bench_peers_parts_that_need_no_peer(tmp_path):
     """The peer's subwords are dtmt train's (same SentencePiece model, same filtered pairs), and the runner's
     learning-rate multiplier is dtmt's RNMT+ schedule. (The peer itself is never installed in CI.)"""

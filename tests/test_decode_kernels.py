@@ -538,6 +538,31 @@ def test_a_fused_decoder_of_a_model_converted_since_is_refused(name):
     assert len(beam_search(fresh, _SRC, _LENGTHS, beam=2, max_len_b=3)) == 3
 
 
+@pytest.mark.parametrize("name", ["gnmt-atr", "deeplau", "transformer"])
+def test_a_prepared_decoder_of_a_model_converted_since_is_refused(name):
+    """The same for the systems without the fused step, whose decoder is a prepared copy of the model with its
+    layers' frozen forms: a search with it after the model's .double() is a TypeError saying to build it again
+    (gnmt-atr failed inside transition_encode: 'self and mat2 must have the same dtype'). The transformer's copy
+    gathers no weights: it decodes in float64, as a new one does."""
+    from dtmt_models.decoding.beam_search import beam_search
+
+    torch.manual_seed(0)
+    model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+    decoder = model.inference_decoder()
+    assert decoder is not model and not isinstance(decoder, FusedRNMTDecoder)
+    model.double()
+    fresh = beam_search(model.inference_decoder(), _SRC, _LENGTHS, beam=2, max_len_b=3)
+    if name == "transformer":
+        assert beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3) == fresh
+        return
+    with pytest.raises(TypeError, match=rf"{type(model).__name__}: its model was converted to torch.float64 on cpu "
+                                        r"after the decoder gathered its weights in torch.float32 on cpu, .*build its "
+                                        r"decoder again") as info:
+        beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3)
+    assert "\n" not in str(info.value)
+    assert len(fresh) == 3
+
+
 def test_a_decoder_built_after_an_optimizer_step_sees_it():
     """Weights are read when a decoder is built: one built after an in-place change (an optimizer step on the
     readout norms, which the decoder stacks, and on a cell) computes with the new weights."""

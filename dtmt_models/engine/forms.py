@@ -81,6 +81,24 @@ def inference_conversion(module: nn.Module) -> TypeError:
                      "decoder again")
 
 
+def weights_kind(model: nn.Module) -> Tuple[Optional[torch.dtype], Optional[torch.device]]:
+    """The dtype and device of `model`'s first parameter: what a conversion (.to() / .double() / .cuda()) changes.
+    A decoder records it when built and compares it before a search (`check_unconverted`)."""
+    p = next(model.parameters(), None)
+    return (None, None) if p is None else (p.dtype, p.device)
+
+
+def check_unconverted(decoder, model: nn.Module, built_as) -> None:
+    """TypeError, in one line, where `model` (whose parameters `decoder` shares) was converted after `decoder` was
+    built (`built_as`: weights_kind then): the parameters converted in place, the weights the decoder gathered did
+    not, and its search failed deep inside an op ('mat1 and mat2 must have the same dtype')."""
+    now = weights_kind(model)
+    if now != built_as:
+        raise TypeError(f"{type(decoder).__name__}: its model was converted to {now[0]} on {now[1]} after the "
+                        f"decoder gathered its weights in {built_as[0]} on {built_as[1]}, which .to() / .double() / "
+                        f".cuda() do not reach; build its decoder again (model.inference_decoder())")
+
+
 class FrozenTransitionCell(InferenceForm):
     """A DeepTransitionGRUCell / ATRCell for decoding: h' = cell(x [B, I], h [B, H] = zeros) with its kernel
     parameters gathered once (`kind`, `params`, `eps`: what torch.ops.dtmt.transition_forward and rnmt_step take).

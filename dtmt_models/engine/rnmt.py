@@ -20,7 +20,7 @@ from dtmt_models.data.vocabulary import BOS, EOS, never_output
 
 from . import ops
 from .decoder import State, check_step_tokens, step_state
-from .forms import FrozenTransitionLayer, inference_copy
+from .forms import FrozenTransitionLayer, check_unconverted, inference_copy, weights_kind
 from .options import EngineOptions
 
 
@@ -80,8 +80,7 @@ class FusedRNMTDecoder:
 
     def __init__(self, model, step: FusedStep, int8: bool = False, options: EngineOptions = EngineOptions()):
         self.prepared, self.model, self.step_form, self.int8, self.options = model, model, step, int8, options
-        weight = model.tgt_embed.weight   # (what a conversion of the model would change: `check_unconverted`)
-        self._built_as = (weight.dtype, weight.device)
+        self._built_as = weights_kind(model)   # (what a conversion of the model would change: check_unconverted)
         self.layered = step.layered
         self.query_cell, self.decoder_cell = model.query_cell, model.decoder_cell
         self.attention, self.readout = model.attention.weights, model.readout.weights
@@ -150,16 +149,8 @@ class FusedRNMTDecoder:
         return m.state_from(annotations, src_lengths)
 
     def check_unconverted(self) -> None:
-        """TypeError, in one line, where the model was converted (.to() / .double() / .cuda()) after this decoder was
-        built: the decoder's gathered weights keep the dtype and device they had while the parameters it shares with
-        the model have converted in place, and a search failed deep inside an op (mce's memory encoder: 'xp [B, 24]
-        contiguous, of h's dtype'; the others: 'mat1 and mat2 must have the same dtype')."""
-        weight = self.model.tgt_embed.weight
-        if (weight.dtype, weight.device) != self._built_as:
-            dtype, device = self._built_as
-            raise TypeError(f"FusedRNMTDecoder: its model was converted to {weight.dtype} on {weight.device} after "
-                            f"the decoder gathered its weights in {dtype} on {device}, which .to() / .double() / "
-                            f".cuda() do not reach; build its decoder again (model.inference_decoder())")
+        """TypeError where the model was converted after this decoder was built (forms.check_unconverted)."""
+        check_unconverted(self, self.model, self._built_as)
 
     def source_position_table(self, length: int) -> Optional[Tensor]:
         """The source positions' products with the encoder's input matrices (FrozenTransitionLayer.input_products

@@ -26,8 +26,8 @@ import dtmt_kernels as dk
 from dtmt_kernels.backends import BackendSwitch
 from dtmt_models.engine import ops
 from dtmt_models.engine.decoder import State, check_reorder_index, check_step_tokens
-from dtmt_models.engine.forms import (FrozenReadout, inference_conversion, inference_copy, plain_linear,
-                                     runs_fused_inference)
+from dtmt_models.engine.forms import (FrozenReadout, InferenceForm, check_unconverted, inference_conversion,
+                                     inference_copy, plain_linear, runs_fused_inference, weights_kind)
 from dtmt_models.models.modes import copies_faithfully, eval_copy
 from dtmt_models.engine.rnmt import FusedStep
 from dtmt_models.models.loss import float_log_softmax, smoothed_cross_entropy
@@ -273,18 +273,26 @@ class Seq2Seq(nn.Module):
         C++ call (engine.rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
         `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
-        optimizer step), build a new one. On a decoder, returns itself. `int8`: decode with int8 weight matrices,
+        optimizer step), build a new one. On a decoder, returns itself, or TypeError where the model was converted
+        (.to() / .double() / .cuda()) after the decoder gathered its weights. `int8`: decode with int8 weight matrices,
         which only the fused step of the attentional RNMT systems has (engine.rnmt.FusedRNMTDecoder): ValueError
         here."""
         if int8:
             raise int8_unavailable(self)
-        if self.training or self.__dict__.get("_inference_copy", False):
+        if self.training:
+            return self
+        if self.__dict__.get("_inference_copy", False):
+            built_as = self.__dict__.get("_built_as")
+            if built_as is not None:   # (its forms' gathered weights against the parameters it shares with the model)
+                check_unconverted(self, self, built_as)
             return self
         # (from an eval copy of every module: a form or a module left as it is would follow this model's mode when it
         # trains again, the decoder with it; a model that does not copy faithfully follows it)
         prepared = inference_copy(eval_copy(self) if copies_faithfully(self) else self)
         if prepared is not self:
             prepared.__dict__["_inference_copy"] = True
+            if any(isinstance(m, InferenceForm) for m in prepared.modules()):
+                prepared.__dict__["_built_as"] = weights_kind(prepared)
         return prepared
 
     def reorder(self, state: State, index: Tensor) -> State:

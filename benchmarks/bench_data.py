@@ -169,8 +169,22 @@ def main(argv=None) -> int:
     p.add_argument("--prepare-args", default="", help="more options for dtmt prepare files, e.g. '--sample 300000'")
     p.add_argument("--keep", action="store_true", help="keep the generated corpora (they take ~0.5 GB per M pairs)")
     a = p.parse_args(argv)
-    sizes = [parse_size(s) for s in a.sizes.split(",")]
-    procs = [k for k in (int(x) for x in a.processes.split(",")) if k > 0]
+    from common import check_options
+
+    check_options(p, a, (("steps", 1),))
+    try:
+        sizes = [parse_size(s) for s in a.sizes.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--sizes: {exc}")
+    if any(n < 1 for n in sizes):
+        p.error(f"--sizes {a.sizes}: every size must be at least 1 pair")
+    try:
+        procs = [int(x) for x in a.processes.split(",")]
+    except ValueError:
+        p.error(f"--processes takes whole numbers separated by commas, got {a.processes!r}")
+    if any(k < 0 for k in procs):
+        p.error(f"--processes {a.processes}: a count must be >= 0 (0: prepare only)")
+    procs = [k for k in procs if k > 0]
     os.makedirs(a.out, exist_ok=True)
     from common import machine_name, write_json
 

@@ -103,13 +103,15 @@ def main(argv=None):
     p.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--op", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.workload:
+    if a.workload:   # (a child of the run below, whose options are checked)
         return workload(a.calls, a.op)
+    sys.path.insert(0, HERE)
+    from common import check_options, commit, machine_name, write_report
+
+    check_options(p, a, (("calls", 1),))
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
         print("bench_op_checks: valgrind (callgrind) is not installed", file=sys.stderr)
         return 2
-    sys.path.insert(0, HERE)
-    from common import commit, machine_name, write_report
 
     rows = [count(a.calls, op) for op in CHECKS]
     rev = commit()

@@ -82,8 +82,9 @@ def main(argv=None):
                         "tables copied into ordinary 4 KiB pages; nbest_stop: one decoder, searched with nbest 1 "
                         "and 4, the first translation of each kept)")
     a = p.parse_args(argv)
-    if a.chunk < 1:
-        p.error("--chunk must be >= 1")
+    from common import check_options
+
+    check_options(p, a, (("sentences", 0), ("chunk", 1), ("threads", 1)))
     model, sv, tv, ckpt = load_model(a.checkpoint)
     model.eval()
     sources = [s for s, _ in read_parallel(*corpus_paths(a.data, "test"))]

@@ -658,6 +658,10 @@ def main(argv=None):
                         "to check before training one system of a pair on another day")
     p.add_argument("--profile-batches", type=int, default=23, help="batches timed by --profile (3 warm up)")
     a = p.parse_args(argv)
+    from common import check_options
+    from dtmt_models.decoding.hypotheses import MAX_BEAM
+
+    check_options(p, a, (("threads", 1), ("valid_every", 1), ("beam", 1, MAX_BEAM), ("profile_batches", 4)))
     budget_s = parse_duration(a.budget)
     if a.no_train and a.no_eval:
         p.error("--no-train with --no-eval leaves nothing to do")

@@ -267,6 +267,9 @@ def main(argv=None) -> int:
                                                 "shared memory without it: 0, no matrix read from L2)")
     p.add_argument("--child", choices=["steps", *FORMS.values()], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    from common import check_options
+
+    check_options(p, a, (("T", 1), ("B", 1), ("H", 1), ("repeat", 1)))
     import torch
 
     if a.envelope:

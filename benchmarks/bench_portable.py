@@ -107,12 +107,15 @@ def main(argv=None):
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kernels", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    from benchmarks.common import check_options
+
+    check_options(p, args, (("T", 1), ("depths", 0), ("repeat", 1), ("rounds", 1)))
     if args.quick:
         args.T, args.BH, args.depths, args.repeat, args.rounds = [5], ["2x16"], [1], 1, 1
     if args.worker:
         return worker(args)
 
-    sys.path.insert(0, ROOT)
     from benchmarks.common import machine_name, write_csv
 
     native_so = args.native_so or build_native(os.path.join(args.out, "native_build"))

@@ -123,6 +123,11 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=300.0, help="a request without an answer after this is lost")
     p.add_argument("--out", default=os.path.join(HERE, "out", "serve"))
     a = p.parse_args(argv)
+    from common import check_options
+    from dtmt_models.decoding.hypotheses import MAX_BEAM
+
+    check_options(p, a, (("sentences", 0), ("clients", 1), ("beam", 1, MAX_BEAM), ("threads", 1), ("max_wait_ms", 0),
+                         ("batch_sentences", 1), ("max_seconds", 0), ("timeout", 0)))
 
     src_path, _ = corpus_paths(a.data, a.split)
     sentences = [s for s, _ in read_parallel(src_path, corpus_paths(a.data, a.split)[1])]

@@ -275,6 +275,9 @@ def main(argv=None) -> dict:
     p.add_argument("--passes", type=int, default=1000)
     p.add_argument("--out", default=None, help="write bench_small_rows.md and .json here")
     a = p.parse_args(argv)
+    from common import check_options
+
+    check_options(p, a, (("passes", 1),))
     try:
         rows = [int(m) for m in a.rows.split(",")]
     except ValueError:

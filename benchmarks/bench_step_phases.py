@@ -51,8 +51,10 @@ def main(argv=None) -> dict:
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--out", default=None, help="write bench_step_phases.md and .json here")
     a = p.parse_args(argv)
-    if a.sentences < 1:
-        p.error("--sentences must be >= 1")
+    from common import check_options
+    from dtmt_models.decoding.hypotheses import MAX_BEAM
+
+    check_options(p, a, (("sentences", 1), ("threads", 1), ("beam", 1, MAX_BEAM)))
     from dtmt_kernels import _C
 
     if not _C.PHASE_TIMERS:

@@ -379,6 +379,40 @@ def test_bench_amp_gemm_attention_refuse_bad_counts_before_running(tmp_path, cap
     assert not (tmp_path / "o").exists()
 
 
+def test_the_other_benchmarks_refuse_bad_counts_before_running(tmp_path, capsys):
+    """The counts of bench_serve, bench_peers, bench_persistent, bench_portable, bench_small_rows, bench_data,
+    bench_op_checks, bench_step_phases and bench_pages, each refused in one line (exit 2) before anything runs or is
+    written: they were tracebacks (bench_data --sizes 1x, --processes a), empty medians (--rounds 0), a zero-client
+    load (bench_serve --clients 0), a search's own error (--beam 0) or nothing at all (bench_op_checks --calls 0)."""
+    from benchmarks import (bench_data, bench_op_checks, bench_pages, bench_peers, bench_persistent, bench_portable,
+                            bench_serve, bench_small_rows, bench_step_phases)
+
+    out = str(tmp_path / "o")
+    for main, flags, message in (
+            (bench_serve.main, ["--clients", "0"], "--clients 0: must be >= 1"),
+            (bench_serve.main, ["--beam", "0"], "--beam 0: must be >= 1 and <= 1024"),
+            (bench_serve.main, ["--timeout", "-1"], "--timeout -1.0: must be >= 0"),
+            (bench_peers.main, ["--beam", "0", "--out", out], "--beam 0: must be >= 1 and <= 1024"),
+            (bench_peers.main, ["--valid-every", "0", "--out", out], "--valid-every 0: must be >= 1"),
+            (bench_persistent.main, ["--B", "8", "0"], "--B 0: must be >= 1"),
+            (bench_persistent.main, ["--repeat", "0"], "--repeat 0: must be >= 1"),
+            (bench_portable.main, ["--rounds", "0", "--out", out], "--rounds 0: must be >= 1"),
+            (bench_small_rows.main, ["--passes", "0", "--out", out], "--passes 0: must be >= 1"),
+            (bench_data.main, ["--sizes", "1x", "--out", out], "--sizes: bad size '1x'"),
+            (bench_data.main, ["--sizes", "0", "--out", out], "--sizes 0: every size must be at least 1 pair"),
+            (bench_data.main, ["--processes", "a", "--out", out], "--processes takes whole numbers"),
+            (bench_data.main, ["--steps", "0", "--out", out], "--steps 0: must be >= 1"),
+            (bench_op_checks.main, ["--calls", "0", "--out", out], "--calls 0: must be >= 1"),
+            (bench_step_phases.main, ["--beam", "0", "--out", out], "--beam 0: must be >= 1 and <= 1024"),
+            (bench_pages.main, ["--threads", "0"], "--threads 0: must be >= 1")):
+        with pytest.raises(SystemExit) as info:
+            main(flags)
+        assert info.value.code == 2, flags
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (flags, err)
+    assert not (tmp_path / "o").exists()
+
+
 def test_bench_peers_parts_that_need_no_peer(tmp_path):
     """The peer's subwords are dtmt train's (same SentencePiece model, same filtered pairs), and the runner's
     learning-rate multiplier is dtmt's RNMT+ schedule. (The peer itself is never installed in CI.)"""
@@ -678,7 +712,7 @@ def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_p
     assert "cells" in bench.available()
     # a script's refusal (SystemExit with a message) reaches the user, as when the script runs by itself
     assert bench.main(["pages", "--checkpoint", str(tmp_path / "none.pt"), "--chunk", "0"]) == 2
-    assert "--chunk must be >= 1" in capsys.readouterr().err
+    assert "--chunk 0: must be >= 1" in capsys.readouterr().err
     main_module = sys.modules.get("__main__")
     assert bench.main(["pages", "--no-such-option"]) == 2   # its usage names the command typed, not the script
     assert "dtmt bench pages: error: unrecognized arguments: --no-such-option" in capsys.readouterr().err

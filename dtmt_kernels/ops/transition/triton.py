@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .._triton_mode import triton_interpreting
 from .grads import weight_grads
-from .layout import KIND_TGRU, ROWS, acc_dtype, check_kind, present
+from .layout import KIND_TGRU, ROWS, acc_dtype, present
 
 _KERNELS = None
 
@@ -211,77 +211,6 @@ def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih,
     return dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b
 
 
-def _check_arguments(op: str, x, h0, mask, drop, kind, params, eps, backward=None) -> None:
-    """RuntimeError naming `op` and the argument, before any launch, for what the kernels would index past or misread:
-    the C++ op's checks (csrc/op_checks.cpp). The launches index every tensor with the sizes x and w_hh give, unchecked
-    (a short mask, bias or layer-norm gain was read past its end). `backward`: (grad_out, grad_hn, xp, hs, hs_lp, hp,
-    hpt), checked against the same sizes, with h0 None."""
-    def fail(what):
-        raise RuntimeError(f"dtmt::{op}: {what}")
-
-    def sizes(name, t, shape, optional=False):
-        if optional and not present(t):
-            return
-        if not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape):
-            fail(f"{name} must be {'empty or ' if optional else ''}{list(shape)}, got "
-                 f"{list(t.shape) if isinstance(t, Tensor) else t!r}")
-
-    check_kind(op, kind)
-    if not 0.0 <= eps < float("inf"):   # (NaN fails this too)
-        fail(f"eps must be a finite number >= 0, got {eps!r}")
-    n_in, n_h, n_g = ROWS[kind]
-    w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b = params
-    if x.dim() != 3:
-        fail(f"x must be [T, B, I], got {list(x.shape)}")
-    T, B, I = x.shape
-    if w_hh.dim() != 2 or w_hh.shape[0] == 0 or w_hh.shape[0] % n_h or w_hh.shape[1] != w_hh.shape[0] // n_h:
-        fail(f"w_hh must be [{n_h} * H, H] for this cell, got {list(w_hh.shape)}")
-    H = w_hh.shape[1]
-    D = t_w.shape[0] if present(t_w) else 0
-    sizes("w_ih", w_ih, (n_in * H, I))
-    sizes("b_ih", b_ih, (n_in * H,))
-    sizes("b_hh", b_hh, (n_h * H,))
-    if present(ln_w) != present(ln_b):
-        fail("ln_w and ln_b must both be given or both be absent")
-    sizes("ln_w", ln_w, (n_g * H,), True)
-    sizes("ln_b", ln_b, (n_g * H,), True)
-    if D:
-        sizes("t_w", t_w, (D, 3 * H, H))
-        sizes("t_b", t_b, (D, 3 * H))
-    if present(t_ln_w) != present(t_ln_b) or (present(t_ln_w) and not D):
-        fail("t_ln_w and t_ln_b must both be given, with t_w, or both be absent")
-    sizes("t_ln_w", t_ln_w, (D, 2 * H), True)
-    sizes("t_ln_b", t_ln_b, (D, 2 * H), True)
-    if h0 is not None:
-        sizes("h0", h0, (B, H))
-    sizes("mask", mask, (T, B), True)
-    sizes("drop", drop, (D + 1, B, H), True)
-    named = [("x", x), ("h0", h0), ("mask", mask), ("drop", drop), *zip(PARAM_NAMES, params)]
-    if backward is not None:
-        grad_out, grad_hn, xp, hs, hs_lp, hp, hpt = backward
-        sizes("grad_out", grad_out, (T, B, H))
-        sizes("grad_hn", grad_hn, (B, H))
-        sizes("xp", xp, (T, B, n_in * H))
-        sizes("hs", hs, (D + 1, T, B, H))
-        sizes("hs_lp", hs_lp, (D + 1, T, B, H), True)
-        sizes("hp", hp, (T, B, n_h * H))
-        sizes("hpt", hpt, (D, T, B, 3 * H))
-        for name, t, dtype in (("xp", xp, x.dtype), ("hp", hp, x.dtype), ("hpt", hpt, x.dtype),
-                               ("hs", hs, acc_dtype(x.dtype))):
-            if t.dtype != dtype:
-                fail(f"{name} must be {dtype} (the forward's for x of {x.dtype}), got {t.dtype}")
-        named += [("grad_out", grad_out), ("grad_hn", grad_hn), ("xp", xp), ("hs", hs), ("hs_lp", hs_lp),
-                  ("hp", hp), ("hpt", hpt)]
-    for name, t in named:
-        if name != "mask" and present(t) and not t.is_floating_point():
-            fail(f"{name} must be a floating-point tensor, got {t.dtype}")
-        if present(t) and t.device != x.device:
-            fail(f"{name} is on {t.device}, x on {x.device}")
-
-
-PARAM_NAMES = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
-
-
 @torch.library.custom_op("dtmt::transition_forward_triton", mutates_args=())
 def transition_forward_triton(x: Tensor, h0: Tensor, mask: Optional[Tensor], drop: Optional[Tensor], kind: int,
                               w_ih: Tensor, b_ih: Tensor, w_hh: Tensor, b_hh: Tensor, ln_w: Optional[Tensor],
@@ -289,8 +218,6 @@ def transition_forward_triton(x: Tensor, h0: Tensor, mask: Optional[Tensor], dro
                               t_ln_w: Optional[Tensor], t_ln_b: Optional[Tensor], reverse: bool, eps: float
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dtmt::transition_forward by the Triton kernels (CUDA tensors; CPU ones under TRITON_INTERPRET=1)."""
-    _check_arguments("transition_forward_triton", x, h0, mask, drop, kind,
-                     (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b), eps)
     params = [None if t is None else t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
                                                                t_ln_b)]
     x, h0 = x.contiguous(), h0.contiguous()
@@ -311,8 +238,6 @@ def transition_backward_triton(grad_out: Tensor, grad_hn: Tensor, x: Tensor, mas
         raise NotImplementedError("dtmt::transition_backward_triton: weight_grads=False is implemented on the CPU "
                                   "only")
     params = (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
-    _check_arguments("transition_backward_triton", x, None, mask, drop, kind, params, eps,
-                     (grad_out, grad_hn, xp, hs, hs_lp, hp, hpt))
     with _on_device(x):
         grads = _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, *params, xp, hs, hs_lp, hp,
                                  hpt, (True,) * 2 + tuple(present(p) for p in params))

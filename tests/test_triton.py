@@ -141,6 +141,23 @@ def test_candidate_dropout(cell, depth, layer_norm):
 
 
 @needs_triton
+def test_strided_mask_and_dropout():
+    """A mask [T, B] and a dropout mask [D+1, B, H] that are transposed views (not contiguous): the backward op got
+    them from autograd as the caller gave them and its kernels read them as contiguous, wrong gradients without a
+    word; now the reference's gradients."""
+    T, B, I, H = 4, 3, 3, 5
+    layer = make_layer("gru", I, H, depth=1, layer_norm=True)
+    torch.manual_seed(5)
+    x, h0 = torch.randn(T, B, I, dtype=torch.double), torch.randn(B, H, dtype=torch.double)
+    mask = padding_mask([4, 2, 1], T).t().contiguous().t()
+    drop = ((torch.rand(B, 2, H, dtype=torch.double) > 0.3).double() / 0.7).transpose(0, 1)
+    assert not mask.is_contiguous() and not drop.is_contiguous()
+    ref, g = _run(layer, x, h0, mask, drop, False, "reference")
+    got, _ = _run(layer, x, h0, mask, drop, False, "triton", *g)
+    _assert_matches(got, ref, atol=1e-12, rtol=1e-10)
+
+
+@needs_triton
 @pytest.mark.parametrize("cell,depth,layer_norm", [("lgru", 1, True), ("gru", 0, False), ("atr", 0, True)])
 @pytest.mark.parametrize("H", [1, 17])
 def test_float32_odd_hidden_sizes(cell, depth, layer_norm, H):

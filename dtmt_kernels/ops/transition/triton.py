@@ -237,7 +237,12 @@ def transition_backward_triton(grad_out: Tensor, grad_hn: Tensor, x: Tensor, mas
     if not weight_grads:
         raise NotImplementedError("dtmt::transition_backward_triton: weight_grads=False is implemented on the CPU "
                                   "only")
-    params = (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
+    # the kernels index every tensor as a contiguous one, as the forward op's (autograd hands this op the forward's
+    # inputs as the caller gave them: a transposed mask or dropout mask gave wrong gradients without a word)
+    params = [None if t is None else t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
+                                                               t_ln_b)]
+    grad_hn, x, xp, hs, hs_lp, hp, hpt = (t.contiguous() for t in (grad_hn, x, xp, hs, hs_lp, hp, hpt))
+    mask, drop = (None if t is None else t.contiguous() for t in (mask, drop))
     with _on_device(x):
         grads = _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, *params, xp, hs, hs_lp, hp,
                                  hpt, (True,) * 2 + tuple(present(p) for p in params))

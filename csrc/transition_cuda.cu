@@ -267,8 +267,12 @@ class StepForward {
     hpt_ = at::empty({D, T_, B, 3 * H}, opts);
     out_ = at::empty({T_, B, H}, opts);
     h_last_ = at::empty({B, H}, acc_opts);
-    hs_[0][order_[0]].copy_(h0);
-    if (lp_) hs_lp_[0][order_[0]].copy_(h0);
+    if (T_ == 0) {   // (no step: h_n is h0)
+      h_last_.copy_(h0);
+    } else {
+      hs_[0][order_[0]].copy_(h0);
+      if (lp_) hs_lp_[0][order_[0]].copy_(h0);
+    }
     w_hh_ = w.w_hh.contiguous();
     t_w_ = D > 0 ? w.t_w.contiguous() : w.t_w;
     u_t_.push_back(w_hh_.t());   // U^T of each sub-cell, for ATen's mm
@@ -582,8 +586,12 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
   // (each group's: its blocks', then the joined statistics)
   Tensor partials = at::empty({partials_elems(grid, B, rg.groups, 1)}, acc_opts);
   const int64_t first = reverse ? T_ - 1 : 0;
-  hs[0][first].copy_(h0);
-  if (lp) hs_lp[0][first].copy_(h0);
+  if (T_ == 0) {   // (no step: nothing is launched, h_n is h0)
+    h_last.copy_(h0);
+  } else {
+    hs[0][first].copy_(h0);
+    if (lp) hs_lp[0][first].copy_(h0);
+  }
   const Tensor w_hh = w.w_hh.contiguous(), t_w = D > 0 ? w.t_w.contiguous() : w.t_w;
 
   cuda::PersistentForwardArgs<T, A> a{};
@@ -910,7 +918,9 @@ class StepBackward {
       }
       return true;
     });
-    Tensor dh0 = (carry_[c_] + carry_g_.to(carry_[c_].scalar_type())).to(grad_hn.scalar_type());
+    // (carry_g holds a product only after a step: with T = 0, dh0 is grad_hn)
+    const Tensor carried = has_cg_ ? carry_[c_] + carry_g_.to(carry_[c_].scalar_type()) : carry_[c_];
+    Tensor dh0 = carried.to(grad_hn.scalar_type());
     return chunks_.outputs(dh0, dln_rows_, dlnb_rows_, dtln_rows_, dtlnb_rows_);
   }
 

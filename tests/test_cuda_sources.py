@@ -531,6 +531,38 @@ def test_cuda_driver_refuses_more_steps_than_int_counts_emulated(emulated_cuda_e
                                               0)
 
 
+@pytest.mark.parametrize("persistent", [None, (2, 32, -1, 0)], ids=["steps", "persistent"])
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+def test_cuda_driver_of_no_steps_emulated(emulated_cuda_ext, persistent, reverse):
+    """x of T = 0 steps (the op's checks take it; the CPU op returns h_n = h0, dh0 = grad_hn): the per-step forward
+    read the first of no steps (a crash), the persistent one indexed a state of no steps, and the per-step backward
+    added an unfilled product to dh0. Now out [0, B, H], h_n = h0, dx [0, B, I], dh0 = grad_hn, zero weight
+    gradients, as the CPU op gives."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    B, H, dtype = 3, 5, torch.float64
+    layer = make_layer("gru", 3, H, depth=1, layer_norm=True, dtype=dtype)
+    x, h0, g_h = torch.randn(0, B, 3, dtype=dtype), torch.randn(B, H, dtype=dtype), torch.randn(B, H, dtype=dtype)
+    empty = x.new_empty(0)
+    params = [empty if t is None else t.detach().contiguous() for t in flat_params(layer.direction_weights(0))]
+    kind = KINDS["gru"]
+    args = (x, h0, empty, empty, kind, params, reverse, 1e-5)
+    out, h_n, *saved = (emulated_cuda_ext.forward(*args) if persistent is None
+                        else emulated_cuda_ext.forward_persistent(*args, *persistent))
+    assert out.shape == (0, B, H)
+    torch.testing.assert_close(h_n, h0, rtol=0, atol=0)
+    args = (out, g_h, x, empty, empty, kind, params, saved, reverse, 1e-5)
+    grads = (emulated_cuda_ext.backward(*args) if persistent is None
+             else emulated_cuda_ext.backward_persistent(*args, *persistent))
+    assert grads[0].shape == (0, B, 3)
+    torch.testing.assert_close(grads[1], g_h, rtol=0, atol=0)
+    for g, p in zip(grads[2:], params):
+        if p.numel():
+            torch.testing.assert_close(g, torch.zeros_like(p), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cell,depth,ln", [("lgru", 2, True), ("gru", 0, False), ("atr", 0, True)])
 def test_cuda_backward_without_weight_grads_emulated(emulated_cuda_ext, cell, depth, ln):
     """transition_backward_cuda with weight_grads=False (what dk.nn.unrolled's steps call on the device, issue 73

@@ -140,6 +140,74 @@ def test_candidate_dropout(cell, depth, layer_norm):
     _assert_matches(got, ref, atol=1e-12, rtol=1e-10)
 
 
+def _short(t, dim=0):
+    return t.narrow(dim, 0, t.shape[dim] - 1)
+
+
+# (what is wrong, argument index in the forward op's arguments (x, h0, mask, drop, kind, ten parameters, reverse,
+# eps) -> its new value, the message)
+BAD_TRITON_ARGUMENTS = [
+    ("mask-batch", lambda a: {2: _short(a[2], 1)}, "mask must be [3, 3], got [3, 2]"),
+    ("drop-depth", lambda a: {3: _short(a[3])}, "drop must be [2, 3, 5], got [1, 3, 5]"),
+    ("drop-batch", lambda a: {3: _short(a[3], 1)}, "drop must be [2, 3, 5], got [2, 2, 5]"),
+    ("h0-batch", lambda a: {1: a[1][:1]}, "h0 must be [3, 5], got [1, 5]"),
+    ("h0-width", lambda a: {1: _short(a[1], 1)}, "h0 must be [3, 5], got [3, 4]"),
+    ("b_hh", lambda a: {8: _short(a[8])}, "b_hh must be [20], got [19]"),
+    ("b_hh-empty", lambda a: {8: a[8][:0]}, "b_hh must be [20], got [0]"),
+    ("ln_w", lambda a: {9: _short(a[9])}, "ln_w must be [15], got [14]"),
+    ("t_b", lambda a: {12: _short(a[12], 1)}, "t_b must be [1, 15], got [1, 14]"),
+    ("t_ln_b", lambda a: {14: _short(a[14], 1)}, "t_ln_b must be [1, 10], got [1, 9]"),
+    ("w_ih-width", lambda a: {5: _short(a[5], 1)}, "w_ih must be [25, 3], got [25, 2]"),
+    ("w_hh", lambda a: {7: _short(a[7])}, "w_hh must be [4 * H, H] for this cell, got [19, 5]"),
+    ("int-drop", lambda a: {3: a[3].long()}, "drop must be a floating-point tensor, got torch.int64"),
+    ("kind", lambda a: {4: 4}, "kind 4 (tgru) is not a base cell"),
+    ("x-rank", lambda a: {0: a[0][0]}, "x must be [T, B, I], got [3, 3]"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("what,change,message", BAD_TRITON_ARGUMENTS, ids=[c[0] for c in BAD_TRITON_ARGUMENTS])
+def test_triton_ops_refuse_bad_arguments(what, change, message):
+    """The Triton ops (public, as torch.ops.dtmt.transition_forward_triton / _backward_triton) check what the C++
+    op checks before a launch: a short mask, dropout mask, bias or layer-norm gain was read past its end and a short h0
+    broadcast, without a word. Now a RuntimeError naming the op and the argument, forward and backward."""
+    import re
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T, B, H = 3, 3, 5
+    layer = make_layer("lgru", 3, H, depth=1, layer_norm=True)
+    x, h0 = torch.randn(T, B, 3, dtype=torch.double), torch.randn(B, H, dtype=torch.double)
+    drop = torch.ones(2, B, H, dtype=torch.double)
+    args = [x, h0, padding_mask([3, 2, 1], T), drop, KINDS["lgru"], *flat_params(layer.direction_weights(0)),
+            False, 1e-5]
+    out, h_n, *saved = torch.ops.dtmt.transition_forward_triton(*args)
+    for i, v in change(args).items():
+        args[i] = v
+    with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_forward_triton: {message}")):
+        torch.ops.dtmt.transition_forward_triton(*args)
+    message = message.replace("h0 ", "grad_hn ")   # (the backward's grad_hn has h0's shape)
+    with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_backward_triton: {message}")):
+        torch.ops.dtmt.transition_backward_triton(out, args[1], *args[:1], *args[2:-2], *saved, False, 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("which", [0, 1, 4], ids=["xp", "hs", "hpt"])
+def test_triton_backward_refuses_saved_tensors_of_other_sizes(which):
+    """The backward op's saved tensors (xp, hs, hs_lp, hp, hpt) against x and the weights, as the C++ op's."""
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T, B, H = 3, 2, 4
+    layer = make_layer("gru", 3, H, depth=1)
+    x, h0 = torch.randn(T, B, 3, dtype=torch.double), torch.randn(B, H, dtype=torch.double)
+    params = flat_params(layer.direction_weights(0))
+    out, h_n, *saved = torch.ops.dtmt.transition_forward_triton(x, h0, None, None, KINDS["gru"], *params, False, 1e-5)
+    saved[which] = _short(saved[which], saved[which].dim() - 1)
+    name = ("xp", "hs", "hs_lp", "hp", "hpt")[which]
+    with pytest.raises(RuntimeError, match=f"dtmt::transition_backward_triton: {name} must be "):
+        torch.ops.dtmt.transition_backward_triton(out, h_n, x, None, None, KINDS["gru"], *params, *saved, False,
+                                                  1e-5)
+
+
 @needs_triton
 def test_strided_mask_and_dropout():
     """A mask [T, B] and a dropout mask [D+1, B, H] that are transposed views (not contiguous): the backward op got

@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <initializer_list>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -215,6 +216,28 @@ void check_step_sizes(const Dims& d, const char* op) {
   TORCH_CHECK(d.T <= INT_MAX && d.B * widest <= INT_MAX && d.B * d.I <= INT_MAX,
               message("dtmt::", op, " on CUDA: T (", d.T, ") and a step's values (B x ", widest, " = ", d.B * widest,
                       ", B x I = ", d.B * d.I, ") must be at most 2^31 - 1"));
+}
+
+// Every given tensor of a call on x's device: the dispatcher runs these kernels where any argument is a CUDA tensor,
+// and a kernel handed a host tensor's pointer (a mask, bias or grad_hn left on the CPU) reads or writes host memory
+// from the device. A one-line error naming the argument instead, before the device guard.
+void check_devices(const Tensor& x, std::initializer_list<std::pair<const Tensor*, const char*>> ts, const char* op) {
+  for (const auto& [t, name] : ts)
+    TORCH_CHECK(!present(*t) || t->device() == x.device(),
+                message("dtmt::", op, " on CUDA: ", name, " is on ", t->device().str().c_str(), " but x is on ",
+                        x.device().str().c_str()));
+}
+void check_devices(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
+                   const TransitionWeights& w, const char* op, const char* h_name = "h0") {
+  check_devices(x, {{&h0, h_name}, {&mask, "mask"}, {&drop, "drop"}, {&w.w_ih, "w_ih"}, {&w.b_ih, "b_ih"},
+                    {&w.w_hh, "w_hh"}, {&w.b_hh, "b_hh"}, {&w.ln_w, "ln_w"}, {&w.ln_b, "ln_b"}, {&w.t_w, "t_w"},
+                    {&w.t_b, "t_b"}, {&w.t_ln_w, "t_ln_w"}, {&w.t_ln_b, "t_ln_b"}}, op);
+}
+void check_devices(const BackwardInputs& in, const TransitionWeights& w, const SavedForward& saved) {
+  constexpr const char* op = "transition_backward";
+  check_devices(in.x, in.grad_hn, in.mask, in.drop, w, op, "grad_hn");
+  check_devices(in.x, {{&in.grad_out, "grad_out"}, {&saved.xp, "xp"}, {&saved.hs, "hs"}, {&saved.hs_lp, "hs_lp"},
+                       {&saved.hp, "hp"}, {&saved.hpt, "hpt"}}, op);
 }
 
 std::vector<int64_t> step_order(int64_t T, bool reverse) {
@@ -1128,6 +1151,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
 // Returns {out, h_n, xp, hs, hs_lp (empty for float / double), hp, hpt}.
 std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
                                             const TransitionWeights& w, bool reverse, double eps) {
+  check_devices(x, h0, mask, drop, w, "transition_forward");
   const c10::cuda::CUDAGuard guard(x.device());
   check_step_sizes(dims_of(x, w), "transition_forward");
   std::vector<Tensor> result;
@@ -1154,6 +1178,7 @@ std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Te
                                                        const Tensor& drop, const TransitionWeights& w, bool reverse,
                                                        double eps, int64_t grid, int64_t threads, int64_t resident,
                                                        bool cluster, int64_t multicast, int64_t groups = 1) {
+  check_devices(x, h0, mask, drop, w, "transition_forward");
   const c10::cuda::CUDAGuard guard(x.device());
   check_step_sizes(dims_of(x, w), "transition_forward");
   std::vector<Tensor> result;
@@ -1170,6 +1195,7 @@ std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in
                                                         const SavedForward& saved, bool reverse, double eps,
                                                         int64_t grid, int64_t threads, int64_t resident,
                                                         bool cluster, int64_t multicast, int64_t groups = 1) {
+  check_devices(in, w, saved);
   const c10::cuda::CUDAGuard guard(in.x.device());
   check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;
@@ -1183,6 +1209,7 @@ std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in
 // Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b}.
 std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const TransitionWeights& w,
                                              const SavedForward& saved, bool reverse, double eps, bool weight_grads) {
+  check_devices(in, w, saved);
   const c10::cuda::CUDAGuard guard(in.x.device());
   check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;

@@ -531,6 +531,40 @@ def test_cuda_driver_refuses_more_steps_than_int_counts_emulated(emulated_cuda_e
                                               0)
 
 
+@pytest.mark.parametrize("which", ["mask", "b_hh", "ln_w", "grad_hn", "hs"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["steps", "persistent"])
+def test_cuda_driver_refuses_tensors_on_another_device_emulated(emulated_cuda_ext, which, persistent):
+    """The dispatcher runs the CUDA kernels where any argument is a CUDA tensor, and the driver passed every tensor's
+    pointer to the kernels as it came: a mask, bias, layer-norm gain or grad_hn left on the CPU beside CUDA x was read
+    (or written) from the device at a host address. Each entry now refuses a tensor on another device than x's,
+    naming it; here the other device is the meta one (the emulation's tensors are host tensors)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T, B, H, dtype = 2, 3, 5, torch.float64
+    layer = make_layer("gru", 3, H, depth=1, layer_norm=True, dtype=dtype)
+    x, h0 = torch.randn(T, B, 3, dtype=dtype), torch.randn(B, H, dtype=dtype)
+    empty = x.new_empty(0)
+    params = [empty if t is None else t.detach().contiguous() for t in flat_params(layer.direction_weights(0))]
+    kind, mask, more = KINDS["gru"], torch.ones(T, B, dtype=dtype), (2, 32, -1, 0) if persistent else ()
+    out, h_n, *saved = emulated_cuda_ext.forward(x, h0, mask, empty, kind, params, False, 1e-5)
+
+    def moved(name, t):
+        return t.to("meta") if name == which else t
+
+    params = [moved(n, p) for n, p in zip(("w_ih", "b_ih", "w_hh", "b_hh", "ln_w"), params)] + params[5:]
+    saved = [moved(n, t) for n, t in zip(("xp", "hs", "hs_lp", "hp", "hpt"), saved)]
+    message = f" on CUDA: {which} is on meta but x is on cpu"
+    if which not in ("grad_hn", "hs"):
+        forward = emulated_cuda_ext.forward_persistent if persistent else emulated_cuda_ext.forward
+        with pytest.raises(RuntimeError, match="dtmt::transition_forward" + message):
+            forward(x, h0, moved("mask", mask), empty, kind, params, False, 1e-5, *more)
+    backward = emulated_cuda_ext.backward_persistent if persistent else emulated_cuda_ext.backward
+    with pytest.raises(RuntimeError, match="dtmt::transition_backward" + message):
+        backward(out, moved("grad_hn", h_n), x, moved("mask", mask), empty, kind, params, saved, False, 1e-5, *more)
+
+
 @pytest.mark.parametrize("persistent", [None, (2, 32, -1, 0)], ids=["steps", "persistent"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
 def test_cuda_driver_of_no_steps_emulated(emulated_cuda_ext, persistent, reverse):

@@ -209,6 +209,31 @@ def test_triton_backward_refuses_saved_tensors_of_other_sizes(which):
 
 
 @needs_triton
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+def test_triton_ops_of_no_steps(reverse):
+    """x of T = 0 steps (the C++ op returns h_n = h0 and dh0 = grad_hn): the forward indexed the first of no steps
+    (IndexError) and the backward added an unfilled product to dh0. Now the C++ op's results."""
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    B, H = 3, 5
+    layer = make_layer("lgru", 3, H, depth=1, layer_norm=True)
+    x, h0, g_h = torch.randn(0, B, 3, dtype=torch.double), torch.randn(B, H, dtype=torch.double), torch.randn(B, H)
+    params = flat_params(layer.direction_weights(0))
+    out, h_n, *saved = torch.ops.dtmt.transition_forward_triton(x, h0, None, None, KINDS["lgru"], *params, reverse,
+                                                                1e-5)
+    assert out.shape == (0, B, H)
+    torch.testing.assert_close(h_n, h0, rtol=0, atol=0)
+    g_h = g_h.double()
+    grads = torch.ops.dtmt.transition_backward_triton(out, g_h, x, None, None, KINDS["lgru"], *params, *saved,
+                                                      reverse, 1e-5)
+    assert grads[0].shape == (0, B, 3)
+    torch.testing.assert_close(grads[1], g_h, rtol=0, atol=0)
+    for g, p in zip(grads[2:], params):
+        if p is not None:
+            torch.testing.assert_close(g, torch.zeros_like(p), rtol=0, atol=0)
+
+
+@needs_triton
 def test_strided_mask_and_dropout():
     """A mask [T, B] and a dropout mask [D+1, B, H] that are transposed views (not contiguous): the backward op got
     them from autograd as the caller gave them and its kernels read them as contiguous, wrong gradients without a

@@ -143,9 +143,12 @@ def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_h
     h_last = torch.empty(B, H, dtype=acc, device=dev)
     lp_scratch = torch.empty(B, H, dtype=dtype, device=dev) if lp else h_last
     order = list(range(T - 1, -1, -1)) if reverse else list(range(T))
-    hs[0, order[0]].copy_(h0)
-    if lp:
-        hs_lp[0, order[0]].copy_(h0)
+    if T == 0:   # (no step: h_n is h0)
+        h_last.copy_(h0)
+    else:
+        hs[0, order[0]].copy_(h0)
+        if lp:
+            hs_lp[0, order[0]].copy_(h0)
 
     ln, tln = present(ln_w), present(t_ln_w)
     has_mask, has_drop = present(mask), present(drop)
@@ -244,7 +247,8 @@ def _triton_backward(grad_out, grad_hn, x, mask, drop, kind, reverse, eps, w_ih,
             else:
                 torch.mm(dhpt[k - 1, t], t_w[k - 1], out=inner_g)
                 i = 1 - i
-    dh0 = (carry[c] + carry_g.to(acc)).to(grad_hn.dtype) if needs[1] else None
+    carried = carry[c] + carry_g.to(acc) if has_cg else carry[c]   # (carry_g holds a product after a step only)
+    dh0 = carried.to(grad_hn.dtype) if needs[1] else None
 
     N = T * B
     dxp2 = dxp.view(N, n_in * H)

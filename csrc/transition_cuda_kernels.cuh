@@ -402,6 +402,7 @@ template <typename T, typename A> __global__ void rows_gemm_kernel(GemmArgs<T> p
 
 template <typename T, typename A> inline cudaError_t launch_rows_gemm(const GemmArgs<T>& g, cudaStream_t stream) {
   const int grid = (g.N + kGemmWarps - 1) / kGemmWarps;
+  if (grid == 0 || g.M == 0) return cudaSuccess;   // (nothing to compute; a GPU refuses a grid of no blocks)
   auto* kernel = &rows_gemm_kernel<T, A>;
   DTMT_LAUNCH(kernel, grid, kGemmThreads, 0, stream, g);
   return cudaGetLastError();
@@ -464,6 +465,7 @@ template <bool W_T, typename T, typename A> __global__ void tiled_gemm_kernel(Ge
 template <bool W_T, typename T, typename A>
 inline cudaError_t launch_tiled_gemm(const GemmArgs<T>& g, cudaStream_t stream) {
   const int grid = ((g.M + kGemmBM - 1) / kGemmBM) * ((g.N + kGemmBN - 1) / kGemmBN);
+  if (grid == 0) return cudaSuccess;   // (no rows, B = 0: a GPU refuses a grid of no blocks)
   const size_t smem = gemm_smem<A>();
   auto* kernel = &tiled_gemm_kernel<W_T, T, A>;
   DTMT_LAUNCH(kernel, grid, kTiledThreads, smem, stream, g);
@@ -485,6 +487,7 @@ template <typename F> inline cudaError_t allow_smem(F* kernel, size_t bytes) {
 
 template <int KIND, typename T, typename A>
 inline cudaError_t launch_forward_kind(const StepForwardArgs<T, A>& a, int B, cudaStream_t stream) {
+  if (B == 0) return cudaSuccess;   // (a block a batch row: none; a GPU refuses a grid of no blocks)
   const size_t smem = forward_smem<KIND, A>(a.H);
   auto* kernel = &step_forward_kernel<KIND, T, A>;
   cudaError_t err = allow_smem(kernel, smem);
@@ -495,6 +498,7 @@ inline cudaError_t launch_forward_kind(const StepForwardArgs<T, A>& a, int B, cu
 
 template <int KIND, typename T, typename A>
 inline cudaError_t launch_backward_kind(const StepBackwardArgs<T, A>& a, int B, cudaStream_t stream) {
+  if (B == 0) return cudaSuccess;
   const size_t smem = backward_smem<KIND, A>(a.H);
   auto* kernel = &step_backward_kernel<KIND, T, A>;
   cudaError_t err = allow_smem(kernel, smem);

@@ -423,8 +423,16 @@ struct SchedulerScope {
   SchedulerScope& operator=(const SchedulerScope&) = delete;
 };
 
+// A launch of no blocks or no threads: a GPU refuses it (cudaErrorInvalidConfiguration), so the emulation does too.
+inline void check_launch_shape(int grid, int threads) {
+  if (grid < 1 || threads < 1)
+    throw std::runtime_error("emulated launch: " + std::to_string(grid) + " blocks of " + std::to_string(threads) +
+                             " threads (a GPU refuses it: invalid configuration argument)");
+}
+
 template <typename Kernel, typename Arg>
 inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg) {
+  check_launch_shape(grid, threads);
   if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
   const Call<Kernel, Arg> call{kernel, &arg};
   Scheduler s;
@@ -473,6 +481,7 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
 template <typename Kernel, typename Arg>
 inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem, const Arg& arg, bool cluster,
                               int cluster_blocks = 1) {
+  check_launch_shape(grid, threads);
   if (smem > sizeof(dtmt::cuda::smem_raw)) throw std::runtime_error("emulated launch: too much shared memory");
   const Call<Kernel, Arg> call{kernel, &arg};
   Scheduler s;

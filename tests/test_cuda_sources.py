@@ -597,6 +597,32 @@ def test_cuda_driver_of_no_steps_emulated(emulated_cuda_ext, persistent, reverse
             torch.testing.assert_close(g, torch.zeros_like(p), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("gemm", ["auto", "tiled"])
+def test_cuda_driver_of_no_rows_emulated(emulated_cuda_ext, monkeypatch, gemm):
+    """x of B = 0 rows (the op's checks take it; the CPU op returns empty results): the per-step path launched its
+    kernels (a block a row) and the tiled GEMM (a block a tile of rows) on a grid of no blocks, which a GPU refuses
+    (invalid configuration argument; the emulation refuses it as a GPU does). Now nothing is launched where there is
+    nothing to compute: out [T, 0, H], dx [T, 0, I], zero weight gradients, as the CPU op gives."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    monkeypatch.setenv("DTMT_CUDA_STEP_GEMM", gemm)   # (read once a process: "tiled" where this test is the first)
+    T, H, dtype = 2, 5, torch.float64
+    layer = make_layer("lgru", 3, H, depth=1, layer_norm=True, dtype=dtype)
+    x, h0 = torch.randn(T, 0, 3, dtype=dtype), torch.randn(0, H, dtype=dtype)
+    empty = x.new_empty(0)
+    params = [empty if t is None else t.detach().contiguous() for t in flat_params(layer.direction_weights(0))]
+    kind = KINDS["lgru"]
+    out, h_n, *saved = emulated_cuda_ext.forward(x, h0, empty, empty, kind, params, False, 1e-5)
+    assert out.shape == (T, 0, H) and h_n.shape == (0, H)
+    grads = emulated_cuda_ext.backward(out, h_n, x, empty, empty, kind, params, saved, False, 1e-5)
+    assert grads[0].shape == (T, 0, 3) and grads[1].shape == (0, H)
+    for g, p in zip(grads[2:], params):
+        if p.numel():
+            torch.testing.assert_close(g, torch.zeros_like(p), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cell,depth,ln", [("lgru", 2, True), ("gru", 0, False), ("atr", 0, True)])
 def test_cuda_backward_without_weight_grads_emulated(emulated_cuda_ext, cell, depth, ln):
     """transition_backward_cuda with weight_grads=False (what dk.nn.unrolled's steps call on the device, issue 73

@@ -238,6 +238,10 @@ void check_devices(const BackwardInputs& in, const TransitionWeights& w, const S
   check_devices(in.x, in.grad_hn, in.mask, in.drop, w, op, "grad_hn");
   check_devices(in.x, {{&in.grad_out, "grad_out"}, {&saved.xp, "xp"}, {&saved.hs, "hs"}, {&saved.hs_lp, "hs_lp"},
                        {&saved.hp, "hp"}, {&saved.hpt, "hpt"}}, op);
+  // (the weight gradients multiply by the states in x's dtype; the op's checks take hs_lp as optional, and without
+  // it the float states met 16-bit gradients in an ATen product that named nothing; the CPU op refuses it so)
+  TORCH_CHECK(present(saved.hs_lp) || (in.x.scalar_type() != at::kHalf && in.x.scalar_type() != at::kBFloat16),
+              "dtmt::transition_backward on CUDA: 16-bit inputs need the forward's hs_lp");
 }
 
 std::vector<int64_t> step_order(int64_t T, bool reverse) {

@@ -565,6 +565,27 @@ def test_cuda_driver_refuses_tensors_on_another_device_emulated(emulated_cuda_ex
         backward(out, moved("grad_hn", h_n), x, moved("mask", mask), empty, kind, params, saved, False, 1e-5, *more)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["steps", "persistent"])
+def test_cuda_backward_refuses_16_bit_without_hs_lp_emulated(emulated_cuda_ext, persistent):
+    """The op's checks take hs_lp (the forward's states in x's dtype) as optional; a bfloat16 backward without it
+    failed in an ATen product naming nothing (the float states against 16-bit gradients). Now the CPU op's refusal."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    dtype = torch.bfloat16
+    layer = make_layer("gru", 3, 5, depth=1, layer_norm=True, dtype=dtype)
+    x, h0 = torch.randn(3, 2, 3, dtype=dtype), torch.randn(2, 5, dtype=dtype)
+    empty = x.new_empty(0)
+    params = [empty if t is None else t.detach().contiguous() for t in flat_params(layer.direction_weights(0))]
+    out, h_n, *saved = emulated_cuda_ext.forward(x, h0, empty, empty, KINDS["gru"], params, False, 1e-5)
+    saved[2] = empty
+    backward = emulated_cuda_ext.backward_persistent if persistent else emulated_cuda_ext.backward
+    more = (2, 32, -1, 0) if persistent else ()
+    with pytest.raises(RuntimeError, match="dtmt::transition_backward on CUDA: 16-bit inputs need the forward's hs_lp"):
+        backward(out, h_n, x, empty, empty, KINDS["gru"], params, saved, False, 1e-5, *more)
+
+
 @pytest.mark.parametrize("persistent", [None, (2, 32, -1, 0)], ids=["steps", "persistent"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
 def test_cuda_driver_of_no_steps_emulated(emulated_cuda_ext, persistent, reverse):

@@ -162,6 +162,8 @@ BAD_TRITON_ARGUMENTS = [
     ("int-drop", lambda a: {3: a[3].long()}, "drop must be a floating-point tensor, got torch.int64"),
     ("kind", lambda a: {4: 4}, "kind 4 (tgru) is not a base cell"),
     ("x-rank", lambda a: {0: a[0][0]}, "x must be [T, B, I], got [3, 3]"),
+    ("eps-nan", lambda a: {16: float("nan")}, "eps must be a finite number >= 0, got nan"),
+    ("eps-negative", lambda a: {16: -1e-5}, "eps must be a finite number >= 0, got -1e-05"),
 ]
 
 
@@ -187,7 +189,7 @@ def test_triton_ops_refuse_bad_arguments(what, change, message):
         torch.ops.dtmt.transition_forward_triton(*args)
     message = message.replace("h0 ", "grad_hn ")   # (the backward's grad_hn has h0's shape)
     with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_backward_triton: {message}")):
-        torch.ops.dtmt.transition_backward_triton(out, args[1], *args[:1], *args[2:-2], *saved, False, 1e-5)
+        torch.ops.dtmt.transition_backward_triton(out, args[1], *args[:1], *args[2:-2], *saved, *args[-2:])
 
 
 @needs_triton

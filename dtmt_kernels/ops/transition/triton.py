@@ -72,10 +72,11 @@ def _on_device(x: Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _check_sequence(op: str, x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
+def _check_sequence(op: str, x, h0, mask, drop, kind, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
                     t_ln_b, h_name: str = "h0") -> Tuple[int, int, int, int, int]:
-    """The C++ op's checks (csrc/registration.cpp's check_sequence, csrc/op_checks.cpp's check_cell) before any
-    launch: every weight slot against the cell, h0, mask and drop against x and the weights; a RuntimeError naming
+    """The C++ op's checks (csrc/registration.cpp's check_sequence, csrc/op_checks.cpp's check_cell and check_eps)
+    before any launch: every weight slot against the cell, h0, mask and drop against x and the weights, eps finite and
+    >= 0 (a NaN gave NaN states without a word); a RuntimeError naming
     the op and the argument (the kernels index them by the sizes x and w_hh give: a short mask, dropout mask, bias or
     layer-norm gain was read past its end, a short h0 broadcast, without a word). Returns (T, B, I, H, D)."""
     def fail(what):
@@ -85,6 +86,8 @@ def _check_sequence(op: str, x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln
         return list(t.shape) if isinstance(t, Tensor) else None
 
     check_kind(op, kind)
+    if not 0.0 <= eps < float("inf"):   # (NaN fails this too)
+        fail(f"eps must be a finite number >= 0, got {eps!r}")
     if kind == KIND_TGRU:   # (a deep transition's inner cell, never a layer's: csrc's base_cell)
         fail(f"kind {kind} (tgru) is not a base cell")
     for name, t in (("x", x), (h_name, h0), ("w_ih", w_ih), ("b_ih", b_ih), ("w_hh", w_hh), ("b_hh", b_hh),
@@ -274,7 +277,7 @@ def transition_forward_triton(x: Tensor, h0: Tensor, mask: Optional[Tensor], dro
                                                                t_ln_b)]
     x, h0 = x.contiguous(), h0.contiguous()
     mask, drop = (None if t is None else t.contiguous() for t in (mask, drop))
-    _check_sequence("transition_forward_triton", x, h0, mask, drop, kind, *params)
+    _check_sequence("transition_forward_triton", x, h0, mask, drop, kind, eps, *params)
     with _on_device(x):
         return _triton_forward(x, h0, mask, drop, kind, reverse, eps, *params)
 
@@ -297,7 +300,7 @@ def transition_backward_triton(grad_out: Tensor, grad_hn: Tensor, x: Tensor, mas
     grad_hn, x, xp, hs, hs_lp, hp, hpt = (t.contiguous() for t in (grad_hn, x, xp, hs, hs_lp, hp, hpt))
     mask, drop = (None if t is None else t.contiguous() for t in (mask, drop))
     op = "transition_backward_triton"
-    T, B, _, H, D = _check_sequence(op, x, grad_hn, mask, drop, kind, *params, h_name="grad_hn")
+    T, B, _, H, D = _check_sequence(op, x, grad_hn, mask, drop, kind, eps, *params, h_name="grad_hn")
     n_in, n_h, _ = ROWS[kind]
     acc = acc_dtype(x.dtype)
     for name, t, shape, dtype in (("grad_out", grad_out, [T, B, H], x.dtype), ("xp", xp, [T, B, n_in * H], x.dtype),

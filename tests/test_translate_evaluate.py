@@ -1176,6 +1176,10 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         # CPU was refused as needing a GPU for a decoding that does not happen)
         (["--hyp", short, "--data", data, "--amp", "bf16", "--beam", "5", "--int8"], 2,
          "--hyp scores a translation already made, and nothing is decoded: leave out --beam 5, --int8, --amp bf16"),
+        # ... a default's value as well (--beam 4, --device cpu, --amp off were taken and ignored)
+        (["--hyp", short, "--data", data, "--beam", "4", "--device", "cpu", "--amp", "off"], 2,
+         "nothing is decoded: leave out --beam 4, --device cpu, --amp off"),
+        (["--hyp", short, "--data", data, "--max-len-a=2"], 2, "nothing is decoded: leave out --max-len-a 2.0"),
         (["--hyp", short, "--ref", short], 2, "--src F --ref G (--hyp needs the source beside it"),
         (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], 2,
          "--threads -2: must be an integer in [0, 1,024]"),

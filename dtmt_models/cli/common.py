@@ -173,15 +173,24 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
         return 130
 
 
-def decoding_options_given(parser: argparse.ArgumentParser, args: argparse.Namespace) -> List[str]:
-    """The options of the "decoding" group (add_decoding_arguments; --quiet aside) whose values in `args` are not
-    their defaults, as `--name value` (a flag as `--name`), in the parser's order."""
+def decoding_options_given(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> List[str]:
+    """The options of the "decoding" group (add_decoding_arguments; --quiet aside) that the command line `argv`
+    gives, whatever their values (`--beam 4` is given though 4 is the default), as `--name value` (a flag as
+    `--name`), in the parser's order. `argv` is what `parser` parses (None: sys.argv[1:]); `parser` is left as it
+    was."""
     group = next(g for g in parser._action_groups if g.title == "decoding")
+    saved = [(action, action.default) for action in parser._actions]
+    try:   # parsed again with every default suppressed: the namespace holds only what the command line sets
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        seen = vars(parser.parse_args(argv))
+    finally:
+        for action, default in saved:
+            action.default = default
     given = []
     for action in group._group_actions:
-        value = getattr(args, action.dest)
-        if action.dest != "quiet" and value != action.default:
-            flag = action.option_strings[0]
+        if action.dest != "quiet" and action.dest in seen:
+            value, flag = seen[action.dest], action.option_strings[0]
             given.append(flag if isinstance(value, bool) else f"{flag} {value}")
     return given
 

@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return run_command(PROG, _run, build_parser().parse_args(argv), errors=(InputError, CorpusError, NonFiniteScores))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # which decoding options the command line names (with --hyp each is refused, a default's value as well)
+    args.decoding_given = decoding_options_given(parser, argv)
+    return run_command(PROG, _run, args, errors=(InputError, CorpusError, NonFiniteScores))
 
 
 def _parse_bounds(text: str) -> List[int]:
@@ -85,11 +89,9 @@ def _stem(path: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.hyp:   # nothing is decoded: an option of how to decode would be taken and do nothing
-        given = decoding_options_given(build_parser(), args)
-        if given:
-            raise UsageError(f"--hyp scores a translation already made, and nothing is decoded: leave out "
-                             f"{', '.join(given)}")
+    if args.hyp and args.decoding_given:   # nothing is decoded: an option of how to decode would do nothing
+        raise UsageError(f"--hyp scores a translation already made, and nothing is decoded: leave out "
+                         f"{', '.join(args.decoding_given)}")
     check_decoding_arguments(args)
     bounds = _parse_bounds(args.bounds)
     if args.data and (args.src or args.ref):

@@ -1699,6 +1699,13 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     for name, value in avg["model"].items():
         torch.testing.assert_close(value, (a["model"][name].double() + b["model"][name].double()).div(2).float(),
                                    rtol=0, atol=0, msg=name)
+    # more than the run holds: refused, nothing written (it averaged the two there were, as if 3 had been)
+    capsys.readouterr()
+    assert average(["--run", uninterrupted, "--last", "3", "-o", str(tmp_path / "avg3.pt")]) == 2
+    assert capsys.readouterr().err == (
+        f"dtmt average: --last 3: --run {uninterrupted} holds 2 step_<updates>.pt checkpoints "
+        f"({os.path.basename(p20)}, {os.path.basename(p24)}); ask for at most 2\n")
+    assert not (tmp_path / "avg3.pt").exists()
     model = load_model(out)[0]                               # an ordinary translation checkpoint
     assert sum(p.numel() for p in model.parameters()) > 0
     crafted = read_checkpoint(p20)   # a config that is no mapping: it was an AttributeError's traceback

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("checkpoints", nargs="*", metavar="CKPT", help="checkpoints of one model")
     p.add_argument("--run", help="a run directory: average its step_<updates>.pt files (see --last)")
-    p.add_argument("--last", type=int, default=None, metavar="N", help="with --run: the N latest (default: all)")
+    p.add_argument("--last", type=int, default=None, metavar="N",
+                   help="with --run: the N latest (default: all); more than the run holds is refused, nothing written")
     p.add_argument("--output", "-o", required=True, help="the averaged checkpoint to write")
     return p
 
@@ -72,6 +73,10 @@ def _checkpoints(a: argparse.Namespace) -> List[str]:
     kept = step_checkpoints(a.run)
     if not kept:
         raise UsageError(f"--run {a.run}: holds no step_<updates>.pt checkpoints (train with --keep-last N)")
+    if a.last is not None and a.last > len(kept):   # (it averaged the fewer there were, as if asked for them)
+        raise UsageError(f"--last {a.last}: --run {a.run} holds {len(kept)} step_<updates>.pt checkpoint"
+                         f"{'s' if len(kept) != 1 else ''} ({', '.join(os.path.basename(p) for _, p in kept)}); "
+                         f"ask for at most {len(kept)}")
     return [path for _, path in kept[-(a.last or len(kept)):]]
 
 

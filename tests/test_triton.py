@@ -157,7 +157,7 @@ BAD_TRITON_ARGUMENTS = [
     ("ln_w", lambda a: {9: _short(a[9])}, "ln_w must be [15], got [14]"),
     ("t_b", lambda a: {12: _short(a[12], 1)}, "t_b must be [1, 15], got [1, 14]"),
     ("t_ln_b", lambda a: {14: _short(a[14], 1)}, "t_ln_b must be [1, 10], got [1, 9]"),
-    ("w_ih-width", lambda a: {5: _short(a[5], 1)}, "w_ih must be [25, 3], got [25, 2]"),
+    ("w_ih-width", lambda a: {5: _short(a[5], 1)}, "w_ih must be [25, 3] (H = 5), got [25, 2]"),
     ("w_hh", lambda a: {7: _short(a[7])}, "w_hh must be [4 * H, H] for this cell, got [19, 5]"),
     ("int-drop", lambda a: {3: a[3].long()}, "drop must be a floating-point tensor, got torch.int64"),
     ("kind", lambda a: {4: 4}, "kind 4 (tgru) is not a base cell"),

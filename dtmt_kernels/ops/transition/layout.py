@@ -82,3 +82,37 @@ def check_kind(op: str, kind, name: str = "") -> None:
     if not isinstance(kind, int) or kind not in ROWS:
         raise RuntimeError(f"dtmt::{op}: unknown cell kind {kind!r}{f' for {name}' if name else ''} "
                            f"({', '.join(f'{k} {n}' for n, k in KINDS.items())})")
+
+
+def check_shapes(op: str, x: Tensor, h0: Tensor, kind, w_ih: Tensor, w_hh: Tensor, t_w: Optional[Tensor],
+                h0_lead: tuple = (), tokens: bool = False, h_name: str = "h0") -> int:
+    """What the shapes of a forward's outputs rest on, checked as the kernels check it (csrc/op_checks.cpp's
+    check_cell and the states' sizes) for the fake implementations, through which torch.compile and torch.export trace
+    and which are all a meta call runs: the cell kind, x [T, B, I], w_hh [n_h H, H], w_ih [n_in H, I], t_w [D, 3H, H],
+    h0 [*h0_lead, B, H] (named `h_name`; `tokens`: x is token ids [T, B], w_ih's columns not read); every tensor on
+    one device is what every fake checks first (_register.register_fake). RuntimeError naming the argument; returns H.
+    (Without it a wrong kind was a KeyError and wrong sizes made outputs of wrong shapes, found only when the kernel
+    ran.) The Triton ops check their arguments with it too."""
+    from ..linear.quantize import ROW_TAIL   # here: setup.py loads this file alone, outside the package
+
+    def fail(what):
+        raise RuntimeError(f"dtmt::{op}: {what}")
+
+    def cols(w):   # a weight's input features: float [N, K], or int8 rows [N, K + ROW_TAIL] (quantize.py)
+        return w.shape[-1] - (ROW_TAIL if w.dtype == torch.int8 else 0)
+
+    check_kind(op, kind)
+    n_in, n_h, _ = ROWS[kind]
+    if x.dim() != (2 if tokens else 3):
+        fail(f"{'tokens must be [T, B]' if tokens else 'x must be [T, B, I]'}, got {list(x.shape)}")
+    B, I = x.shape[1], None if tokens else x.shape[2]
+    if w_hh.dim() != 2 or w_hh.shape[0] == 0 or w_hh.shape[0] % n_h or cols(w_hh) != w_hh.shape[0] // n_h:
+        fail(f"w_hh must be [{n_h} * H, H] for this cell, got {list(w_hh.shape)}")
+    H = w_hh.shape[0] // n_h
+    if w_ih.dim() != 2 or w_ih.shape[0] != n_in * H or (I is not None and cols(w_ih) != I):
+        fail(f"w_ih must be [{n_in * H}, {'I' if I is None else I}] (H = {H}), got {list(w_ih.shape)}")
+    if present(t_w) and (t_w.dim() != 3 or t_w.shape[1] != 3 * H or cols(t_w) != H):
+        fail(f"t_w must be [D, {3 * H}, {H}], got {list(t_w.shape)}")
+    if tuple(h0.shape) != (*h0_lead, B, H):
+        fail(f"{h_name} must be {list((*h0_lead, B, H))}, got {list(h0.shape)}")
+    return H

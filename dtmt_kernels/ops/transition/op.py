@@ -29,8 +29,7 @@ from .._extension import built
 from .. import _autocast
 from .._register import check_transforms, refuse_double_backward, register_autograd, register_fake
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
-from ..linear.quantize import ROW_TAIL
-from .layout import KINDS, ROWS, acc_dtype, check_kind, present
+from .layout import KINDS, ROWS, acc_dtype, check_shapes, present
 from .reference import TransitionWeights
 
 PARAM_NAMES = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
@@ -52,41 +51,9 @@ def flat_params(w: TransitionWeights) -> List[Optional[Tensor]]:
     return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, w.ln_w, w.ln_b, t_w, t_b, t_ln_w, t_ln_b]
 
 
-def _check_fake(op: str, x: Tensor, h0: Tensor, kind, w_ih: Tensor, w_hh: Tensor, t_w: Optional[Tensor],
-                h0_lead: tuple = (), tokens: bool = False) -> int:
-    """What the shapes of a forward's outputs rest on, checked as the kernels check it (csrc/op_checks.cpp's
-    check_cell and the states' sizes) for the fake implementations, through which torch.compile and torch.export trace
-    and which are all a meta call runs: the cell kind, x [T, B, I], w_hh [n_h H, H], w_ih [n_in H, I], t_w [D, 3H, H],
-    h0 [*h0_lead, B, H] (`tokens`: x is token ids [T, B], w_ih's columns not read); every tensor on one device is
-    what every fake checks first (_register.register_fake).
-    RuntimeError naming the argument; returns H. (Without it a wrong kind was a KeyError and wrong sizes made
-    outputs of wrong shapes, found only when the kernel ran.)"""
-    def fail(what):
-        raise RuntimeError(f"dtmt::{op}: {what}")
-
-    def cols(w):   # a weight's input features: float [N, K], or int8 rows [N, K + ROW_TAIL] (quantize.py)
-        return w.shape[-1] - (ROW_TAIL if w.dtype == torch.int8 else 0)
-
-    check_kind(op, kind)
-    n_in, n_h, _ = ROWS[kind]
-    if x.dim() != (2 if tokens else 3):
-        fail(f"{'tokens must be [T, B]' if tokens else 'x must be [T, B, I]'}, got {list(x.shape)}")
-    B, I = x.shape[1], None if tokens else x.shape[2]
-    if w_hh.dim() != 2 or w_hh.shape[0] == 0 or w_hh.shape[0] % n_h or cols(w_hh) != w_hh.shape[0] // n_h:
-        fail(f"w_hh must be [{n_h} * H, H] for this cell, got {list(w_hh.shape)}")
-    H = w_hh.shape[0] // n_h
-    if w_ih.dim() != 2 or w_ih.shape[0] != n_in * H or (I is not None and cols(w_ih) != I):
-        fail(f"w_ih must be [{n_in * H}, {'I' if I is None else I}] (H = {H}), got {list(w_ih.shape)}")
-    if present(t_w) and (t_w.dim() != 3 or t_w.shape[1] != 3 * H or cols(t_w) != H):
-        fail(f"t_w must be [D, {3 * H}, {H}], got {list(t_w.shape)}")
-    if tuple(h0.shape) != (*h0_lead, B, H):
-        fail(f"h0 must be {list((*h0_lead, B, H))}, got {list(h0.shape)}")
-    return H
-
-
 def _forward_fake(x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b, reverse,
                   eps):
-    H = _check_fake("transition_forward", x, h0, kind, w_ih, w_hh, t_w)
+    H = check_shapes("transition_forward", x, h0, kind, w_ih, w_hh, t_w)
     T, B, _ = x.shape
     n_in, n_h, _ = ROWS[kind]
     D = t_w.shape[0] if present(t_w) else 0
@@ -144,7 +111,7 @@ def _autograd_for(backward_op):
 
 
 def _check_encode_fake(op: str, x: Tensor, h0: Tensor, kind, params, tokens: bool = False) -> None:
-    """_check_fake for each direction of an encode op (h0 [D, B, H], ten parameters a direction, or twelve with the
+    """check_shapes for each direction of an encode op (h0 [D, B, H], ten parameters a direction, or twelve with the
     row panels of w_hh and t_w)."""
     if h0.dim() != 3 or h0.shape[0] not in (1, 2):
         raise RuntimeError(f"dtmt::{op}: h0 must be [D, B, H] with D = 1 or 2 directions, got {list(h0.shape)}")
@@ -154,7 +121,7 @@ def _check_encode_fake(op: str, x: Tensor, h0: Tensor, kind, params, tokens: boo
                            f"h0 {list(h0.shape)}), got {len(params)}")
     per = len(params) // D
     for d in range(D):
-        _check_fake(op, x, h0, kind, params[per * d], params[per * d + 2], params[per * d + 6], (D,), tokens)
+        check_shapes(op, x, h0, kind, params[per * d], params[per * d + 2], params[per * d + 6], (D,), tokens)
 
 
 def _encode_fake(x, h0, mask, kind, params, reverse, eps):

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .._triton_mode import triton_interpreting
 from .grads import weight_grads
-from .layout import KIND_TGRU, ROWS, acc_dtype, check_kind, present
+from .layout import KIND_TGRU, ROWS, acc_dtype, check_kind, check_shapes, present
 
 _KERNELS = None
 
@@ -95,20 +95,16 @@ def _check_sequence(op: str, x, h0, mask, drop, kind, eps, w_ih, b_ih, w_hh, b_h
                     ("t_ln_b", t_ln_b), ("drop", drop)):
         if present(t) and not t.is_floating_point():
             fail(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if x.dim() != 3:
-        fail(f"x must be [T, B, I], got {sizes(x)}")
+    # the shapes the outputs rest on, as the fakes check them: x, w_hh, w_ih, t_w and h0
+    H = check_shapes(op, x, h0, kind, w_ih, w_hh, t_w, h_name=h_name)
     T, B, I = x.shape
     n_in, n_h, n_g = ROWS[kind]
-    if w_hh.dim() != 2 or w_hh.shape[0] == 0 or w_hh.shape[0] % n_h or w_hh.shape[1] != w_hh.shape[0] // n_h:
-        fail(f"w_hh must be [{n_h} * H, H] for this cell, got {sizes(w_hh)}")
-    H = w_hh.shape[1]
     D = t_w.shape[0] if present(t_w) else 0
-    want = [("w_ih", w_ih, [n_in * H, I]), ("b_ih", b_ih, [n_in * H]), ("b_hh", b_hh, [n_h * H]),
-            (h_name, h0, [B, H])]
+    want = [("b_ih", b_ih, [n_in * H]), ("b_hh", b_hh, [n_h * H])]
     if present(ln_w) or present(ln_b):
         want += [("ln_w", ln_w, [n_g * H]), ("ln_b", ln_b, [n_g * H])]
     if present(t_w) or present(t_b):
-        want += [("t_w", t_w, [D, 3 * H, H]), ("t_b", t_b, [D, 3 * H])]
+        want += [("t_w", t_w, [D, 3 * H, H]), ("t_b", t_b, [D, 3 * H])]   # (t_w absent, t_b given: refused)
     if present(t_ln_w) or present(t_ln_b):
         want += [("t_ln_w", t_ln_w, [D, 2 * H]), ("t_ln_b", t_ln_b, [D, 2 * H])]
     if present(mask):

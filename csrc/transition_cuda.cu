@@ -238,8 +238,12 @@ void check_devices(const BackwardInputs& in, const TransitionWeights& w, const S
   check_devices(in.x, in.grad_hn, in.mask, in.drop, w, op, "grad_hn");
   check_devices(in.x, {{&in.grad_out, "grad_out"}, {&saved.xp, "xp"}, {&saved.hs, "hs"}, {&saved.hs_lp, "hs_lp"},
                        {&saved.hp, "hp"}, {&saved.hpt, "hpt"}}, op);
-  // (the weight gradients multiply by the states in x's dtype; the op's checks take hs_lp as optional, and without
-  // it the float states met 16-bit gradients in an ATen product that named nothing; the CPU op refuses it so)
+}
+
+// The weight gradients multiply by the states in x's dtype: 16-bit inputs need the forward's 16-bit copy of them.
+// (The op's checks take hs_lp as optional; without it the float states met 16-bit gradients in an ATen product
+// whose error named nothing. The CPU op refuses it so.)
+void check_saved_low_precision(const BackwardInputs& in, const SavedForward& saved) {
   TORCH_CHECK(present(saved.hs_lp) || (in.x.scalar_type() != at::kHalf && in.x.scalar_type() != at::kBFloat16),
               "dtmt::transition_backward on CUDA: 16-bit inputs need the forward's hs_lp");
 }
@@ -1200,6 +1204,7 @@ std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in
                                                         int64_t grid, int64_t threads, int64_t resident,
                                                         bool cluster, int64_t multicast, int64_t groups = 1) {
   check_devices(in, w, saved);
+  check_saved_low_precision(in, saved);
   const c10::cuda::CUDAGuard guard(in.x.device());
   check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;
@@ -1214,6 +1219,7 @@ std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in
 std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const TransitionWeights& w,
                                              const SavedForward& saved, bool reverse, double eps, bool weight_grads) {
   check_devices(in, w, saved);
+  check_saved_low_precision(in, saved);
   const c10::cuda::CUDAGuard guard(in.x.device());
   check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;

@@ -20,6 +20,13 @@ using dtmt::args::given;
 using dtmt::args::last_dim_dense;
 using OptTensor = std::optional<Tensor>;
 
+// The three epsilons of a decoder step (its cells', the attention's and the readout's layer norms).
+void check_step_eps(const char* op, double cell_eps, double att_eps, double readout_eps) {
+  for (const auto& [eps, name] : {std::pair<double, const char*>{cell_eps, "cell_eps"}, {att_eps, "att_eps"},
+                                  {readout_eps, "readout_eps"}})
+    dtmt::check_eps(eps, op, name);
+}
+
 std::tuple<Tensor, Tensor> attention_step(const Tensor& query, const Tensor& keys, const Tensor& annotations,
                                           const Tensor& src_mask, at::TensorList weights, double ln_eps,
                                           const OptTensor& key_exps) {
@@ -47,9 +54,7 @@ std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, c
                                              at::TensorList q_params, int64_t d_kind, at::TensorList d_params,
                                              double cell_eps, at::TensorList attention, double att_eps,
                                              at::TensorList readout, double readout_eps) {
-  for (const auto& [eps, name] : {std::pair<double, const char*>{cell_eps, "cell_eps"}, {att_eps, "att_eps"},
-                                  {readout_eps, "readout_eps"}})
-    dtmt::check_eps(eps, "rnmt_step", name);
+  check_step_eps("rnmt_step", cell_eps, att_eps, readout_eps);
   auto r = dtmt::rnmt_step_cpu(dense(y), dense(s), keys, last_dim_dense(annotations), src_mask,
                                dtmt::cell_weights(q_kind, dense(q_params), "rnmt_step", "q_params"),
                                dtmt::cell_weights(d_kind, dense(d_params), "rnmt_step", "d_params"), cell_eps,
@@ -66,9 +71,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
     bool early_stop, const OptTensor& token_products, const OptTensor& position_products,
     const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned,
     c10::string_view length_penalty) {
-  for (const auto& [eps, name] : {std::pair<double, const char*>{cell_eps, "cell_eps"}, {att_eps, "att_eps"},
-                                  {readout_eps, "readout_eps"}})
-    dtmt::check_eps(eps, "rnmt_beam_search", name);
+  check_step_eps("rnmt_beam_search", cell_eps, att_eps, readout_eps);
   TORCH_CHECK_VALUE(std::abs(alpha) <= dtmt::kMaxAlpha,   // (NaN fails this too)
                     "dtmt::rnmt_beam_search: alpha must be within [-", dtmt::kMaxAlpha, ", ", dtmt::kMaxAlpha,
                     "] (larger powers overflow float64 at long searches), got ", alpha);

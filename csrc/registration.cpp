@@ -56,6 +56,15 @@ std::array<int64_t, 5> check_sequence(const Tensor& x, const Tensor& h0, const T
   dtmt::check_optional_sizes(drop, {D + 1, B, H}, op, "drop");
   dtmt::check_floating(h0, op, "h0");
   dtmt::check_floating(drop, op, "drop");
+  dtmt::check_floating(x, op, "x");
+  // the products' operands in x's dtype (the matrices may be int8 rows): before, ATen's "self and mat2 must have
+  // the same dtype" named no argument
+  const at::ScalarType xt = x.scalar_type();
+  for (const auto& [t, name, rows] : {std::tuple<const Tensor&, const char*, bool>{w.w_ih, "w_ih", true},
+                                      {w.b_ih, "b_ih", false}, {w.w_hh, "w_hh", true}, {w.b_hh, "b_hh", false},
+                                      {w.t_w, "t_w", true}, {w.t_b, "t_b", false}})
+    TORCH_CHECK(!given(t) || t.scalar_type() == xt || (rows && t.scalar_type() == at::kChar), "dtmt::", op, ": ",
+                name, " must have x's dtype ", xt, rows ? " (or be int8 rows)" : "", ", got ", t.scalar_type());
   return {T, B, I, H, D};
 }
 

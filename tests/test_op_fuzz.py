@@ -159,6 +159,21 @@ def test_secondary_tensors_of_a_dtype_a_kernel_would_convert_are_refused():
         with pytest.raises(RuntimeError, match=rf"transition_forward: the weights: {name} must be a floating-point "
                                                rf"tensor, got Int"):
             fwd(x, h0, None, None, kind, *q, False, 1e-5)
+    with pytest.raises(RuntimeError, match=r"transition_forward: x must be a floating-point tensor, got Long"):
+        fwd(x.long(), h0, None, None, kind, *p, False, 1e-5)
+    # the products' operands of another floating dtype than x (ATen's "self and mat2 must have the same dtype" named
+    # no argument; a hostile-input review, 2026-12-06)
+    for slot, dtype, message in ((0, torch.float64, "w_ih must have x's dtype Float (or be int8 rows), got Double"),
+                                 (1, torch.float64, "b_ih must have x's dtype Float, got Double"),
+                                 (2, torch.bfloat16, "w_hh must have x's dtype Float (or be int8 rows), got BFloat16"),
+                                 (3, torch.float16, "b_hh must have x's dtype Float, got Half")):
+        q = list(p)
+        q[slot] = q[slot].to(dtype)
+        for call in (lambda: fwd(x, h0, None, None, kind, *q, False, 1e-5),
+                     lambda: bwd(torch.randn_like(out[0]), torch.randn(2, 6), x, None, None, kind, *q, *out[2:],
+                                 False, 1e-5)):
+            with pytest.raises(RuntimeError, match=re.escape(message)):
+                call()
     grad_out = torch.randn_like(out[0])
     with pytest.raises(RuntimeError, match=r"transition_backward: grad_out must be a floating-point tensor, got Long"):
         bwd(grad_out.long(), torch.randn(2, 6), x, None, None, kind, *p, *out[2:], False, 1e-5)

@@ -248,6 +248,28 @@ void check_saved_low_precision(const BackwardInputs& in, const SavedForward& sav
               "dtmt::transition_backward on CUDA: 16-bit inputs need the forward's hs_lp");
 }
 
+// The per-call tensors in the dtype the kernels read them in, x's. A mask or dropout multipliers of another dtype
+// (a bool mask) and layer-norm parameters of another float dtype are converted, as the CPU op converts them (to its
+// accumulation dtype); the matrices and biases, which the GEMMs read as they are, must have x's dtype (int8 rows are
+// the CPU's inference form). Before, ATen's "expected scalar type" named no argument.
+Tensor in_x_dtype(const Tensor& t, const Tensor& x) {
+  return !present(t) || t.scalar_type() == x.scalar_type() ? t : t.to(x.scalar_type());
+}
+TransitionWeights in_x_dtype(const TransitionWeights& w, const Tensor& x, const char* op) {
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&w.w_ih, "w_ih"}, {&w.b_ih, "b_ih"},
+                                {&w.w_hh, "w_hh"}, {&w.b_hh, "b_hh"}, {&w.t_w, "t_w"}, {&w.t_b, "t_b"}})
+    TORCH_CHECK(!present(*t) || t->scalar_type() == x.scalar_type(),
+                message("dtmt::", op, " on CUDA: ", name, " must have x's dtype (", c10::toString(x.scalar_type()),
+                        "), got ", c10::toString(t->scalar_type())));
+  TransitionWeights c = w;
+  c.ln_w = in_x_dtype(w.ln_w, x), c.ln_b = in_x_dtype(w.ln_b, x);
+  c.t_ln_w = in_x_dtype(w.t_ln_w, x), c.t_ln_b = in_x_dtype(w.t_ln_b, x);
+  return c;
+}
+BackwardInputs in_x_dtype(const BackwardInputs& in) {
+  return {in.grad_out, in.grad_hn, in.x, in_x_dtype(in.mask, in.x), in_x_dtype(in.drop, in.x)};
+}
+
 std::vector<int64_t> step_order(int64_t T, bool reverse) {
   std::vector<int64_t> order(T);
   for (int64_t s = 0; s < T; ++s) order[s] = reverse ? T - 1 - s : s;
@@ -1157,10 +1179,13 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
 }  // namespace
 
 // Returns {out, h_n, xp, hs, hs_lp (empty for float / double), hp, hpt}.
-std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
-                                            const TransitionWeights& w, bool reverse, double eps) {
-  check_devices(x, h0, mask, drop, w, "transition_forward");
+std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask_in,
+                                            const Tensor& drop_in, const TransitionWeights& w_in, bool reverse,
+                                            double eps) {
+  check_devices(x, h0, mask_in, drop_in, w_in, "transition_forward");
   const c10::cuda::CUDAGuard guard(x.device());
+  const TransitionWeights w = in_x_dtype(w_in, x, "transition_forward");
+  const Tensor mask = in_x_dtype(mask_in, x), drop = in_x_dtype(drop_in, x);
   check_step_sizes(dims_of(x, w), "transition_forward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_cuda", [&] {
@@ -1182,12 +1207,15 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
 // The same, as one persistent launch of `grid` blocks of `threads` threads with the first `resident` sub-cells'
 // rows in shared memory (< 0: all), thread-block clusters with `cluster` (`groups` of them, each its batch rows),
 // clusters of `multicast` blocks sharing the stage (forward_persistent_impl).
-std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask,
-                                                       const Tensor& drop, const TransitionWeights& w, bool reverse,
-                                                       double eps, int64_t grid, int64_t threads, int64_t resident,
-                                                       bool cluster, int64_t multicast, int64_t groups = 1) {
-  check_devices(x, h0, mask, drop, w, "transition_forward");
+std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Tensor& h0, const Tensor& mask_in,
+                                                       const Tensor& drop_in, const TransitionWeights& w_in,
+                                                       bool reverse, double eps, int64_t grid, int64_t threads,
+                                                       int64_t resident, bool cluster, int64_t multicast,
+                                                       int64_t groups = 1) {
+  check_devices(x, h0, mask_in, drop_in, w_in, "transition_forward");
   const c10::cuda::CUDAGuard guard(x.device());
+  const TransitionWeights w = in_x_dtype(w_in, x, "transition_forward");
+  const Tensor mask = in_x_dtype(mask_in, x), drop = in_x_dtype(drop_in, x);
   check_step_sizes(dims_of(x, w), "transition_forward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(x.scalar_type(), "dtmt_transition_forward_persistent_cuda", [&] {
@@ -1199,13 +1227,16 @@ std::vector<Tensor> transition_forward_persistent_cuda(const Tensor& x, const Te
 
 // The backward as one persistent launch of `grid` blocks of `threads` threads, `resident`, `cluster`, `multicast`
 // and `groups` as the forward's (backward_persistent_impl).
-std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in, const TransitionWeights& w,
-                                                        const SavedForward& saved, bool reverse, double eps,
-                                                        int64_t grid, int64_t threads, int64_t resident,
-                                                        bool cluster, int64_t multicast, int64_t groups = 1) {
-  check_devices(in, w, saved);
-  check_saved_low_precision(in, saved);
-  const c10::cuda::CUDAGuard guard(in.x.device());
+std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in_given,
+                                                        const TransitionWeights& w_in, const SavedForward& saved,
+                                                        bool reverse, double eps, int64_t grid, int64_t threads,
+                                                        int64_t resident, bool cluster, int64_t multicast,
+                                                        int64_t groups = 1) {
+  check_devices(in_given, w_in, saved);
+  check_saved_low_precision(in_given, saved);
+  const c10::cuda::CUDAGuard guard(in_given.x.device());
+  const BackwardInputs in = in_x_dtype(in_given);
+  const TransitionWeights w = in_x_dtype(w_in, in.x, "transition_backward");
   check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_persistent_cuda", [&] {
@@ -1216,11 +1247,13 @@ std::vector<Tensor> transition_backward_persistent_cuda(const BackwardInputs& in
 }
 
 // Returns {dx, dh0, dw_ih, db_ih, dw_hh, db_hh, dln_w, dln_b, dt_w, dt_b, dt_ln_w, dt_ln_b}.
-std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in, const TransitionWeights& w,
+std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in_given, const TransitionWeights& w_in,
                                              const SavedForward& saved, bool reverse, double eps, bool weight_grads) {
-  check_devices(in, w, saved);
-  check_saved_low_precision(in, saved);
-  const c10::cuda::CUDAGuard guard(in.x.device());
+  check_devices(in_given, w_in, saved);
+  check_saved_low_precision(in_given, saved);
+  const c10::cuda::CUDAGuard guard(in_given.x.device());
+  const BackwardInputs in = in_x_dtype(in_given);
+  const TransitionWeights w = in_x_dtype(w_in, in.x, "transition_backward");
   check_step_sizes(dims_of(in.x, w), "transition_backward");
   std::vector<Tensor> result;
   DTMT_DISPATCH_TYPES(in.x.scalar_type(), "dtmt_transition_backward_cuda", [&] {

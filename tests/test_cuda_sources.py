@@ -566,6 +566,48 @@ def test_cuda_driver_refuses_tensors_on_another_device_emulated(emulated_cuda_ex
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["steps", "persistent"])
+def test_cuda_driver_takes_per_call_tensors_of_another_dtype_emulated(emulated_cuda_ext, persistent):
+    """A bool mask, dropout multipliers or layer-norm parameters of another float dtype than x's, handed straight to
+    the op: the CPU op converts them, and the CUDA driver read them in x's dtype, where ATen's "expected scalar type"
+    named no argument. Now converted as well: the outputs and gradients are those of the same call with them in x's
+    dtype (values exact in both dtypes, so to the bit). The matrices and biases, which the GEMMs read as they are, are
+    refused in another dtype, naming the argument."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T, B, H, dtype = 3, 2, 5, torch.float64
+    layer = make_layer("lgru", 3, H, depth=2, layer_norm=True, dtype=dtype)
+    x, h0 = torch.randn(T, B, 3, dtype=dtype), torch.randn(B, H, dtype=dtype)
+    empty = x.new_empty(0)
+    names = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
+    params = [empty if t is None else t.detach().float().to(dtype).contiguous()   # (exact in float32)
+              for t in flat_params(layer.direction_weights(0))]
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]], dtype=torch.bool)
+    drop = (torch.rand(3, B, H) > 0.5).to(dtype) * 2
+    kind, more = KINDS["lgru"], (2, 32, -1, 0) if persistent else ()
+    forward = emulated_cuda_ext.forward_persistent if persistent else emulated_cuda_ext.forward
+    backward = emulated_cuda_ext.backward_persistent if persistent else emulated_cuda_ext.backward
+    other = [p.float() if n in ("ln_w", "ln_b", "t_ln_w", "t_ln_b") else p for n, p in zip(names, params)]
+
+    def run(mask, drop, params):
+        out, h_n, *saved = forward(x, h0, mask, drop, kind, params, True, 1e-5, *more)
+        g = torch.Generator().manual_seed(1)
+        grads = backward(torch.randn(out.shape, generator=g, dtype=dtype), torch.randn(h_n.shape, generator=g,
+                         dtype=dtype), x, mask, drop, kind, params, saved, True, 1e-5, *more)
+        return [out, h_n, *grads]
+
+    for got, want in zip(run(mask, drop.float(), other), run(mask.to(dtype), drop, params)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name, to in (("w_ih", torch.float32), ("b_hh", torch.float32), ("t_w", torch.float16)):
+        bad = [p.to(to) if n == name else p for n, p in zip(names, params)]
+        got = {torch.float32: "Float", torch.float16: "Half"}[to]
+        with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_forward on CUDA: {name} must have x's "
+                                                         f"dtype (Double), got {got}")):
+            forward(x, h0, empty, empty, kind, bad, False, 1e-5, *more)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["steps", "persistent"])
 def test_cuda_backward_refuses_16_bit_without_hs_lp_emulated(emulated_cuda_ext, persistent):
     """The op's checks take hs_lp (the forward's states in x's dtype) as optional; a bfloat16 backward without it
     failed in an ATen product naming nothing (the float states against 16-bit gradients). Now the CPU op's refusal."""

@@ -8,7 +8,7 @@ import math
 import numbers
 import os
 import stat
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 
 # The largest values the commands take for a count (steps, tokens, lengths, vocabulary sizes: what the C++ ops and
@@ -47,6 +47,20 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (--help: the options)\n")
+
+
+def command_line_values(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> dict:
+    """dest -> value of the options that the command line `argv` gives, whatever their values (`--beam 4` is given
+    though 4 is the default), as `parser` parses them (None: sys.argv[1:]); a required option may be missing (it
+    comes from elsewhere, as a --config file's). `parser` is left as it was."""
+    saved = [(action, action.default, action.required) for action in parser._actions]
+    try:   # parsed again with every default suppressed: the namespace holds only what the command line sets
+        for action, _, _ in saved:
+            action.default, action.required = argparse.SUPPRESS, False
+        return vars(parser.parse_args(argv))
+    finally:
+        for action, default, required in saved:
+            action.default, action.required = default, required
 
 
 class UsageError(ValueError):

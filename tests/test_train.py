@@ -1914,6 +1914,37 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
     assert losses(b) == losses(a)
 
 
+def test_model_options_read_numbers_as_python_writes_them():
+    """--opt dropout=.1 (or 1., +0.1) was text to the JSON reader and refused as "expected float"; 010 is 10."""
+    from dtmt_models.cli.train import parse_options
+
+    got = parse_options(["a=.1", "b=1.", "c=+0.1", "d=010", "e=-2", "f=1e-1", "g=true", "h=abc", "i=1.2.3"])
+    assert got == {"a": 0.1, "b": 1.0, "c": 0.1, "d": 10, "e": -2, "f": 0.1, "g": True, "h": "abc", "i": "1.2.3"}
+    assert type(got["d"]) is int and type(got["b"]) is float
+
+
+def test_a_step_or_time_budget_lifts_the_epoch_bound_on_resume_and_over_a_config(toy_nodev, tmp_path, capsys):
+    """--max-steps / --max-time replace the epoch bound (a preset's or the run's), as --help says: a fresh run did so,
+    but a resumed run, or a run from a config.yaml that holds the epoch bound, stopped at it without a word
+    ("reached --max-epochs 1" after asking for more steps, exit 0)."""
+    import yaml
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = train_here(["--data", toy_nodev, "--out", str(a), "--max-epochs", "1", "--log-every", "1", *TINY], capsys)
+    assert r.returncode == 0 and "reached --max-epochs 1" in r.stdout, r.stdout
+    steps = len(losses(a))
+    assert yaml.safe_load((a / "config.yaml").read_text())["max_epochs"] == 1
+    r = train_here(["--config", str(a / "config.yaml"), "--out", str(b), "--max-steps", str(steps + 2)], capsys)
+    assert r.returncode == 0 and f"reached --max-steps {steps + 2}" in r.stdout, r.stdout
+    assert [s for s, *_ in losses(b)] == list(range(1, steps + 3))
+    r = train_here(["--data", toy_nodev, "--out", str(a), "--resume", "--max-steps", str(steps + 2)], capsys)
+    assert r.returncode == 0 and f"reached --max-steps {steps + 2}" in r.stdout, r.stdout
+    assert losses(a) == losses(b)   # (the same run, resumed past its epoch)
+    r = train_here(["--config", str(a / "config.yaml"), "--out", str(tmp_path / "c"), "--max-steps", "99",
+                    "--max-epochs", "1"], capsys)   # both given: the epoch bound holds
+    assert r.returncode == 0 and "reached --max-epochs 1" in r.stdout, r.stdout
+
+
 def test_one_line_cuts_a_long_message_in_the_middle():
     """A message that quotes a value from a file (an option, a line of input) stays short: its two ends kept."""
     from dtmt_models.errors import MAX_MESSAGE, one_line
@@ -1931,6 +1962,10 @@ def test_one_line_cuts_a_long_message_in_the_middle():
     ("opt: 3\n", "opt must be a mapping"),
     ("lr: [1, 2]\n", "lr takes one number or word"),
     ("resume: true\n", "unknown option 'resume'"),
+    # a key given twice (the last won without a word) and a key without a value (skipped: the preset's was taken)
+    ("lr: 0.1\nlr: 0.001\n", "not valid YAML ('lr' is given twice, the second time on line 2)"),
+    ("opt: {depth: 2, depth: 3}\n", "'depth' is given twice"),
+    ("max_steps:\n", "max_steps has no value; give one, or leave the key out"),
     # a model option is one value: a list of aliased lists (358 bytes of YAML) expanded to 36 MB of message before
     ("opt: {depth: [&l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], &l1 [*l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0, *l0], "
      "[*l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1, *l1]]}\n", "opt: depth takes one number, word or true/false, got a "
@@ -1976,6 +2011,13 @@ def test_config_files_read_as_yaml_writers_mean_them(tmp_path, capsys):
     path.write_text("opt: {dropout: 1e-1, embed_dim: 32}\nlr: 1e-3\n")
     argv = train.config_arguments(str(path))
     assert "dropout=0.1" in argv and "embed_dim=32" in argv, argv
+    # plain scalars as YAML 1.2 (and a person) reads them: 1.1 read `amp: off` as false (refused: "amp takes one
+    # number or word, got False"), `seed: 010` as octal 8, `max_time: 1:30` as 90 (base 60), `.1` in opt as text
+    path.write_text("amp: off\nseed: 010\nmax_time: 1:30\nmax_steps: 0x10\nopt: {dropout: .1, layer_norm: no}\n")
+    argv = train.config_arguments(str(path))
+    assert argv == ["--amp", "off", "--seed", "10", "--max-time", "1:30", "--max-steps", "16", "--opt", "dropout=0.1",
+                    "--opt", 'layer_norm="no"'], argv
+    path.write_text("opt: {dropout: 1e-1, embed_dim: 32}\nlr: 1e-3\n")
     # two files: refused (the last was read, the first ignored without a word)
     assert train.main(["--config", str(path), "--config", str(path), "--data", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("dtmt train: --config given 2 times")

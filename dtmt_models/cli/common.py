@@ -15,7 +15,8 @@ from dtmt_models.atomic import atomic_write
 from dtmt_models.decoding.beam_search import MAX_ALPHA, MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
-from dtmt_models.errors import MAX_COUNT, MAX_THREADS, UsageError, check_counts, check_finite, check_input_file, one_line
+from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, UsageError, check_counts, check_finite, check_input_file,
+                                command_line_values, one_line)
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -175,18 +176,9 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
 
 def decoding_options_given(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> List[str]:
     """The options of the "decoding" group (add_decoding_arguments; --quiet aside) that the command line `argv`
-    gives, whatever their values (`--beam 4` is given though 4 is the default), as `--name value` (a flag as
-    `--name`), in the parser's order. `argv` is what `parser` parses (None: sys.argv[1:]); `parser` is left as it
-    was."""
+    gives (command_line_values), as `--name value` (a flag as `--name`), in the parser's order."""
     group = next(g for g in parser._action_groups if g.title == "decoding")
-    saved = [(action, action.default) for action in parser._actions]
-    try:   # parsed again with every default suppressed: the namespace holds only what the command line sets
-        for action, _ in saved:
-            action.default = argparse.SUPPRESS
-        seen = vars(parser.parse_args(argv))
-    finally:
-        for action, default in saved:
-            action.default = default
+    seen = command_line_values(parser, argv)
     given = []
     for action in group._group_actions:
         if action.dest != "quiet" and action.dest in seen:

@@ -25,7 +25,7 @@ from dtmt_models.data import binarized
 from dtmt_models.data.corpus import PREPARE_STAGE, CorpusError
 from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_counts, check_finite,
-                                 check_output_dir, cut, one_line, refuse)
+                                 check_output_dir, command_line_values, cut, one_line, refuse)
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models, position_bound
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("stopping and reporting")
     s.add_argument("--max-epochs", type=int, default=None,
                    help="stop after this many epochs (default: the preset's, 6 for small, unless --max-steps or "
-                        "--max-time is given)")
+                        "--max-time is given, which also lifts a --config file's or, on --resume, the run's)")
     s.add_argument("--max-steps", type=int, default=None, help="stop after this many updates")
     s.add_argument("--max-time", default=None, help="stop after this much training time, e.g. 90s, 30m, 2h")
     s.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better "
@@ -255,7 +255,44 @@ def _yaml_kind(value) -> str:
 
 
 MAX_CONFIG_BYTES = 1 << 20   # a run configuration is a few hundred bytes
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")   # what YAML 1.1 leaves a string: 1e-1, 5E3
+_INT = re.compile(r"[-+]?\d+")
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _config_loader():
+    """PyYAML's safe loader read as YAML 1.2 reads plain scalars, which is how a person writing a run configuration
+    means them: true/false are the only booleans (1.1 also took yes/no/on/off, so `amp: off` was false), a number
+    with a leading 0 is decimal (1.1: `seed: 010` was 8), `1:30` is text (1.1: 90, base 60, taken as seconds where
+    --max-time 1:30 is refused), `1e-1` is a number (1.1: text). A key given twice is refused (1.1: the last won)."""
+    import yaml
+
+    tags = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float")}
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool)):
+                    continue   # (no option's name: refused later)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} is given twice, the second time on line {key_node.start_mark.line + 1}")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    Loader.yaml_implicit_resolvers = {c: [(t, rx) for t, rx in rs if t not in tags]
+                                      for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0x[0-9a-fA-F]+)$"),
+                                 list("-+0123456789"))
+    Loader.add_constructor("tag:yaml.org,2002:int",   # (decimal, or hexadecimal after 0x; 1.1 read 010 as octal)
+                           lambda loader, node: int(loader.construct_scalar(node), 0 if "x" in node.value else 10))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^(?:[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+0123456789."))
+    return Loader
 
 
 def config_arguments(path: str) -> List[str]:
@@ -270,7 +307,8 @@ def config_arguments(path: str) -> List[str]:
             text = f.read(MAX_CONFIG_BYTES + 1)   # (bounded: --config /dev/zero read until the kernel killed it)
         if len(text) > MAX_CONFIG_BYTES:
             raise ValueError(f"--config {path}: more than {MAX_CONFIG_BYTES:,} bytes, not a run configuration")
-        data = yaml.safe_load(text.decode("utf-8"))   # (decoded whole: the offset below counts from its start)
+        data = yaml.load(text.decode("utf-8"), Loader=_config_loader())   # (decoded whole: the offset below
+        # counts from its start)
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
@@ -295,8 +333,8 @@ def config_arguments(path: str) -> List[str]:
         if dest not in flags or dest in NOT_IN_CONFIG:
             raise ValueError(f"--config {path}: unknown option {key!r} (the keys are `dtmt train` flags without the "
                              f"dashes, e.g. max_time, and opt for the model options)")
-        if value is None:
-            continue
+        if value is None:   # (it was skipped: a forgotten value trained with the preset's)
+            raise ValueError(f"--config {path}: {key} has no value; give one, or leave the key out")
         for v in (value.values() if dest == "opt" and isinstance(value, dict) else [value]):
             if isinstance(v, int) and v.bit_length() > 256:   # (Python will not write one of over 4,300 digits)
                 raise ValueError(f"--config {path}: {key}: a number of {v.bit_length():,} bits, past any option's "
@@ -310,8 +348,6 @@ def config_arguments(path: str) -> List[str]:
                 if v is not None and not isinstance(v, (bool, int, float, str)):
                     raise ValueError(f"--config {path}: opt: {k} takes one number, word or true/false, got "
                                      f"{_yaml_kind(v)}")
-                if isinstance(v, str) and _NUMBER.fullmatch(v.strip()):   # (YAML 1.1 reads 1e-1 as a string:
-                    v = float(v)                                          # a number, as --opt dropout=1e-1 is)
                 argv += ["--opt", f"{k}={json.dumps(v)}"]
         elif dest in switches:   # (a switch: true or false)
             if not isinstance(value, bool):
@@ -363,8 +399,10 @@ def parse_options(items: Sequence[str]) -> dict:
         k, v = item.split("=", 1)
         try:
             out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k.strip()] = {"true": True, "false": False, "none": None}.get(v.lower(), v)
+        except json.JSONDecodeError:   # (numbers as Python writes them too: .1, 1., +0.1, 010)
+            text = v.strip()
+            out[k.strip()] = (int(text) if _INT.fullmatch(text) else float(text) if _FLOAT.fullmatch(text)
+                              else {"true": True, "false": False, "none": None}.get(v.lower(), v))
     return out
 
 
@@ -587,13 +625,18 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
               f"configuration (the command line's flags override it)", file=sys.stderr)
         return 2
     config = configs[0] if configs else None
+    budget_given = False   # the command line gives a step or time budget and no epoch bound
     if config is not None:
         try:
+            given = command_line_values(build_parser(), argv)
+            budget_given = "max_epochs" not in given and ("max_steps" in given or "max_time" in given)
             argv = config_arguments(config) + argv   # the command line's flags come last: they override
         except ValueError as exc:
             print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
+    if budget_given:   # it replaces the configuration's epoch bound, as it replaces a preset's (resolve_config)
+        args.max_epochs = None
     explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
     if args.model is None and args.preset in PAPER_ROWS_BY_NAME:   # a paper row names its system
         args.model = PAPER_ROWS_BY_NAME[args.preset].model
@@ -674,6 +717,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             for k in RESUMABLE:   # how long to go on and how to report may change; the rest is the checkpoint's
                 if getattr(args, k) is not None:
                     setattr(cfg, k, getattr(given, k))
+            if args.max_epochs is None and (args.max_steps is not None or args.max_time is not None):
+                cfg.max_epochs = None   # a step or time budget replaces the run's epoch bound, as a preset's
             if args.max_time is not None:
                 cfg.max_time_s = given.max_time_s
         else:

@@ -1912,6 +1912,43 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
     r = train_here(["--config", str(a / "config.yaml"), "--out", str(b)], capsys)
     assert r.returncode == 0, r.stderr
     assert losses(b) == losses(a)
+    # another preset over a run's config.yaml (which holds its preset's every value): refused, nothing written (it
+    # trained a mix of the two, labelled with the other)
+    r = train_here(["--config", str(a / "config.yaml"), "--out", str(tmp_path / "c"), "--preset", "paper"], capsys)
+    assert r.returncode == 2 and r.stderr == (f"dtmt train: --preset paper: --config {a / 'config.yaml'} holds the "
+                                              f"settings of preset small, which would override paper's; leave out "
+                                              f"--config, or change the file's preset and remove the settings it "
+                                              f"should take from it\n"), r.stderr
+    assert not (tmp_path / "c").exists()
+
+
+def test_resume_says_where_the_run_s_config_yaml_was_edited(toy_nodev, tmp_path, capsys):
+    """--resume reads the run's settings from last.pt: an edit of its config.yaml was neither taken nor mentioned,
+    and the file was rewritten without it. Now a warning names each edited setting beside last.pt's, and how to take
+    it; without an edit, no warning."""
+    import yaml
+
+    out = tmp_path / "run"
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "2", *TINY], capsys)
+    assert r.returncode == 0, r.stderr
+    text = (out / "config.yaml").read_text()
+    assert "max_steps: 2\n" in text and "patience: 5\n" in text and "amp: 'off'\n" in text
+    (out / "config.yaml").write_text(text.replace("max_steps: 2\n", "max_steps: 5\n").replace("patience: 5\n", "")
+                                     .replace("amp: 'off'\n", "amp: bf16\n"))
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--resume"], capsys)
+    assert r.returncode == 0 and "reached --max-steps 2" in r.stdout, r.stdout
+    warning = (f"warning: {out / 'config.yaml'} differs from the settings in last.pt (max_steps: 5 where last.pt has "
+               f"2; patience: none where last.pt has 5; amp: bf16 where last.pt has off); --resume continues with "
+               f"last.pt's and writes them there: give a change as a flag, or take the file's with --config "
+               f"config.yaml --resume")
+    assert warning in r.stdout, r.stdout
+    assert yaml.safe_load((out / "config.yaml").read_text())["max_steps"] == 2
+    (out / "config.yaml").write_text(text + "max_steps: 5\n")   # (a key twice: not readable)
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--resume"], capsys)
+    assert r.returncode == 0 and "last.pt (it is not a run configuration that can be read ('max_steps' is given " \
+                                 "twice, the second time on line " in r.stdout, r.stdout
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--resume", "--max-steps", "3"], capsys)
+    assert r.returncode == 0 and "warning" not in r.stdout, r.stdout
 
 
 def test_model_options_read_numbers_as_python_writes_them():

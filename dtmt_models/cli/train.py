@@ -379,6 +379,29 @@ def run_configuration(cfg: TrainConfig) -> dict:
     return out
 
 
+def config_edits(path: str, run: TrainConfig) -> List[str]:
+    """How the config.yaml at `path` differs from the run configuration `run` (its last.pt's), one entry a setting
+    ('key: the file's value where last.pt has its own'), or one saying the file cannot be read: an edit that --resume,
+    which reads last.pt, would not take. None where the file is absent."""
+    import yaml
+
+    loader = _config_loader()
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path, "rb") as f:
+            data = yaml.load(f.read(MAX_CONFIG_BYTES).decode("utf-8"), Loader=loader)
+        if not isinstance(data, dict):
+            raise ValueError("not a mapping")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, RecursionError) as exc:
+        return [f"it is not a run configuration that can be read ({one_line(exc)[:200]})"]
+    recorded = yaml.load(yaml.safe_dump(run_configuration(run), sort_keys=False), Loader=loader)   # (as read back)
+    missing = "none"
+    return [f"{k}: {data.get(k, missing)} where {LAST} has {recorded.get(k, missing)}"
+            for k in dict.fromkeys([*recorded, *data])
+            if k not in ("out", "data") and data.get(k, missing) != recorded.get(k, missing)]
+
+
 def parse_duration(text: Optional[str]) -> Optional[float]:
     """'90', '90s', '30m', '1.5h' -> seconds."""
     if text is None:
@@ -626,11 +649,19 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         return 2
     config = configs[0] if configs else None
     budget_given = False   # the command line gives a step or time budget and no epoch bound
+    edits = []   # on --resume, what the run's config.yaml says otherwise than its last.pt (config_edits)
     if config is not None:
         try:
             given = command_line_values(build_parser(), argv)
             budget_given = "max_epochs" not in given and ("max_steps" in given or "max_time" in given)
-            argv = config_arguments(config) + argv   # the command line's flags come last: they override
+            from_file = config_arguments(config)
+            held = from_file[from_file.index("--preset") + 1] if "--preset" in from_file else None
+            if held is not None and given.get("preset", held) != held:   # (a run's config.yaml holds its preset's
+                # every value, which override the other preset's: a mixed model labelled with the other preset)
+                raise ValueError(f"--preset {given['preset']}: --config {config} holds the settings of preset "
+                                 f"{held}, which would override {given['preset']}'s; leave out --config, or change "
+                                 f"the file's preset and remove the settings it should take from it")
+            argv = from_file + argv   # the command line's flags come last: they override
         except ValueError as exc:
             print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
             return 2
@@ -704,6 +735,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 raise ValueError(f"--resume: the run was trained by {len(rngs)} process(es); continue it with as many "
                                  f"(got {world_size()}) for an exact continuation")
             cfg = resumed_config(source, ckpt.get("config"))
+            edits = [] if config is not None else config_edits(os.path.join(args.out, CONFIG), cfg)
             conflicts = resume_conflicts(args, explicit, cfg)
             if conflicts:
                 raise ValueError(f"--resume continues the run in {args.out} with its own settings, but "
@@ -772,6 +804,10 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         if earlier is not None:
             forget_earlier_run(cfg.out, earlier)
         if dist.main:   # once the corpus and the vocabularies are known to be usable
+            if edits:   # (they were replaced without a word)
+                print(f"warning: {os.path.join(cfg.out, CONFIG)} differs from the settings in {LAST} "
+                      f"({'; '.join(edits)}); --resume continues with {LAST}'s and writes them there: give a change "
+                      f"as a flag, or take the file's with --config {CONFIG} --resume", flush=True)
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
         code = trainer.run()

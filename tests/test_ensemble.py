@@ -127,6 +127,36 @@ def test_ensemble_refuses_different_vocabulary_sizes():
         Ensemble([a])(torch.zeros(1, 1, dtype=torch.long))
 
 
+def test_vocabularies_of_the_model_s_size_but_not_its_own_are_refused(tmp_path):
+    """The library as the command line: translate and Ensemble compared the vocabularies' sizes only, so another
+    corpus's vocabularies of the same size (every corpus gets --vocab-size pieces), or the model's two swapped,
+    decoded fluent nonsense without a word. load_model's models now record which vocabularies they read and write."""
+    from dtmt_models.models.checkpoint import load_model
+
+    s1, t1 = Vocabulary.train(SRC, vocab_size=30), Vocabulary.train(TGT, vocab_size=30)
+    t2 = Vocabulary.train([" ".join(w[::-1] for w in line.split()) for line in TGT], vocab_size=30)
+    assert len(s1) == len(t1) == len(t2) == 30 and t1.proto != t2.proto
+    options = dict(embed_dim=8, hidden_size=8, dropout=0.0)
+    loaded = []
+    for key, t in (("a", t1), ("b", t2)):
+        model = build_model("rnnsearch-atr", 30, 30, **options)
+        loaded.append(load_model(save_model(tmp_path / f"{key}.pt", "rnnsearch-atr", options, s1, t, model))[0])
+    a, b = loaded
+    assert len(translate(a, s1, t1, ["el sol"], beam=2)) == 1
+    with pytest.raises(ValueError, match=r"^translate: the target vocabulary is not the model's \(the same size, "
+                                         r"other pieces\); pass the vocabularies load_model returned with it$"):
+        translate(a, s1, t2, ["el sol"])
+    with pytest.raises(ValueError, match=r"^translate: the source vocabulary is not the model's but its target one "
+                                         r"\(swapped\)"):
+        translate(a, t1, s1, ["el sol"])
+    with pytest.raises(ValueError, match=r"^Ensemble: model 2's target vocabulary is not model 1's \(the same size, "
+                                         r"other pieces\)"):
+        Ensemble([a, b])
+    with pytest.raises(ValueError, match="translate: the target vocabulary is not the model's"):
+        translate(Ensemble([build_model("rnnsearch-atr", 30, 30, **options), a]), s1, t2, ["el sol"])
+    assert len(translate(Ensemble([a, a]), s1, t1, ["el sol"], beam=2)) == 1
+
+
 def test_cli_translate_ensemble(checkpoints, tmp_path, capsys):
     paths, models, sv, tv = checkpoints
     src = tmp_path / "in.es"

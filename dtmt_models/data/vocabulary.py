@@ -29,6 +29,15 @@ class Vocabulary:
         if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
             raise ValueError("Vocabulary: the SentencePiece model must use pad=0, unk=1, bos=2, eos=3")
 
+    @property
+    def digest(self) -> str:
+        """The SHA-1 of the serialized model: which vocabulary this is (two of one size may number other pieces)."""
+        if getattr(self, "_digest", None) is None:
+            import hashlib
+
+            self._digest = hashlib.sha1(self.proto).hexdigest()
+        return self._digest
+
     @classmethod
     def train(cls, sentences: Iterable[str], vocab_size: int = 8000, model_type: str = "bpe",
               character_coverage: float = 1.0) -> "Vocabulary":

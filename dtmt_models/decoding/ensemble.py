@@ -67,8 +67,16 @@ class Ensemble(nn.Module):
         vocab_sizes = {(getattr(m, "src_vocab_size", None), getattr(m, "tgt_vocab_size", None)) for m in models}
         if len(vocab_sizes) > 1:
             raise ValueError(f"Ensemble: the models' (source, target) vocabulary sizes differ: {sorted(vocab_sizes)}")
+        digests = [getattr(m, "vocab_digests", None) for m in models]   # (load_model's: which vocabularies)
+        known = [(i, d) for i, d in enumerate(digests, start=1) if d is not None]
+        for i, d in known[1:]:
+            if d != known[0][1]:
+                side = "source" if d[0] != known[0][1][0] else "target"
+                raise ValueError(f"Ensemble: model {i}'s {side} vocabulary is not model {known[0][0]}'s (the same "
+                                 f"size, other pieces); an ensemble needs models trained on one prepared corpus")
         self.members = nn.ModuleList(models)
         self.src_vocab_size, self.tgt_vocab_size = next(iter(vocab_sizes))   # (what translate checks)
+        self.vocab_digests = known[0][1] if known else None
         bounds = [m.max_source_steps for m in models if getattr(m, "max_source_steps", None) is not None]
         self.max_source_steps = min(bounds) if bounds else None   # (a transformer member's source positions)
 

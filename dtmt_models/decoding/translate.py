@@ -149,6 +149,14 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
         if size is not None and len(vocab) != size:   # (decoded with another vocabulary: fluent nonsense)
             raise ValueError(f"translate: the {side} vocabulary has {len(vocab)} pieces, the model's {size}")
+    digests = getattr(model, "vocab_digests", None)   # (load_model's; a model built otherwise has none)
+    if digests is not None:
+        for side, vocab, own, other in (("source", src_vocab, *digests), ("target", tgt_vocab, *digests[::-1])):
+            if vocab.digest != own:   # (of the same size: another corpus's, or the two swapped)
+                raise ValueError(f"translate: the {side} vocabulary is not the model's"
+                                 + (f" but its {'target' if side == 'source' else 'source'} one (swapped)"
+                                    if vocab.digest == other else " (the same size, other pieces)")
+                                 + "; pass the vocabularies load_model returned with it")
     for arg, value, optional in (("max_tokens", max_tokens, False), ("max_sentences", max_sentences, True),
                                  ("max_src_len", max_src_len, True)):
         if value is None and optional:

@@ -368,8 +368,8 @@ def check_weights_fit(path: str, ckpt: Dict[str, Any], own: Dict[str, torch.Tens
 
 def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
                ) -> Tuple[torch.nn.Module, Vocabulary, Vocabulary, Dict[str, Any]]:
-    """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict).
-    `backend` switches the fused recurrent layers (None keeps "auto"). The weights are checked against the model
+    """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict). The model records its
+    vocabularies' digests (`vocab_digests`, Vocabulary.digest), which translate and Ensemble check. `backend` switches the fused recurrent layers (None keeps "auto"). The weights are checked against the model
     before it is built (check_weights_fit)."""
     try:
         device = torch.device(device)   # (before the file is read: torch's own message came after all of it)
@@ -392,6 +392,9 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
     model.load_state_dict(ckpt["model"])
     if backend is not None and hasattr(model, "set_backend"):
         model.set_backend(backend)
+    # which vocabularies the model reads and writes, for translate and Ensemble to check (sizes alone let another
+    # model's vocabularies of the same size through, or the two swapped: fluent nonsense)
+    model.vocab_digests = (src_vocab.digest, tgt_vocab.digest)
     return model.to(device).eval(), src_vocab, tgt_vocab, ckpt
 
 

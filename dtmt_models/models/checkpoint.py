@@ -369,8 +369,9 @@ def check_weights_fit(path: str, ckpt: Dict[str, Any], own: Dict[str, torch.Tens
 def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
                ) -> Tuple[torch.nn.Module, Vocabulary, Vocabulary, Dict[str, Any]]:
     """(model in eval mode on `device`, source vocabulary, target vocabulary, checkpoint dict). The model records its
-    vocabularies' digests (`vocab_digests`, Vocabulary.digest), which translate and Ensemble check. `backend` switches the fused recurrent layers (None keeps "auto"). The weights are checked against the model
-    before it is built (check_weights_fit)."""
+    vocabularies' digests (`vocab_digests`, Vocabulary.digest), which translate and Ensemble check. `backend`
+    switches the fused recurrent layers (None keeps "auto"). The weights are checked against the model before it is
+    built (check_weights_fit)."""
     try:
         device = torch.device(device)   # (before the file is read: torch's own message came after all of it)
     except (RuntimeError, TypeError) as exc:

@@ -86,9 +86,20 @@ class BackendSwitch:
                            "torch.compile or torch.export")
 
 
+def check_backend_available(name: str) -> str:
+    """`name` (check_backend_name), or a ValueError saying why it cannot run in this process, on any device ("auto"
+    always can: which backend it picks depends on the tensors' device)."""
+    check_backend_name(name)
+    b = _REGISTRY.get(name)
+    reason = None if name == "auto" else "it is not implemented in this build" if b is None else b.unavailable()
+    if reason is not None:
+        raise ValueError(f"backend {name!r} is not available: {reason}")
+    return name
+
+
 def resolve_backend(name: str, device: torch.device) -> Backend:
     """The backend that runs `name` for tensors on `device`, or a ValueError saying why none can."""
-    check_backend_name(name)
+    check_backend_available(name)
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device.type, ()):
             b = _REGISTRY.get(candidate)
@@ -97,10 +108,7 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
         raise ValueError(
             f"backend='auto' found no fused backend for {device.type} tensors "
             f"(available: {available_backends()}); pass backend='reference' to run the pure-PyTorch cells")
-    b = _REGISTRY.get(name)
-    reason = "it is not implemented in this build" if b is None else b.unavailable()
-    if reason is not None:
-        raise ValueError(f"backend {name!r} is not available: {reason}")
+    b = _REGISTRY[name]
     if device.type not in b.devices():
         raise ValueError(f"backend {name!r} runs on {'/'.join(b.devices())} tensors, got tensors on {device}")
     return b

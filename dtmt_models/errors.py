@@ -63,6 +63,17 @@ def command_line_values(parser: argparse.ArgumentParser, argv: Optional[List[str
             action.default, action.required = default, required
 
 
+def check_device_present(device, who: str) -> None:
+    """ValueError `who: device 'cuda:1': this machine has N CUDA devices` where the torch.device `device` is a CUDA
+    device this process cannot use (torch's own error was an AssertionError, "Torch not compiled with CUDA enabled",
+    or came only after the work before it)."""
+    import torch
+
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"{who}: device {str(device)!r}: this machine has "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices")
+
+
 class UsageError(ValueError):
     """A command-line option, its value or a file it names that cannot work, found before any work is done: a
     command prints it as one line and exits with status 2 (contract §6), as argparse does for its own errors. Problems

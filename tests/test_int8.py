@@ -454,6 +454,9 @@ def test_int8_decoding_is_refused_where_the_fused_step_is_not():
     with pytest.raises(ValueError, match="int8 decoding.*: its backend is reference$"):
         model.float().set_backend("reference").inference_decoder(int8=True)
     model.set_backend("auto")
+    deep = build_model("nematus", 30, 30, embed_dim=16, hidden_size=16, decoder="bideep", dec_depth=2).eval()
+    with pytest.raises(ValueError, match=r"int8 decoding.*: its decoder has 2 levels$"):   # (it gave no reason)
+        deep.inference_decoder(int8=True)
     # the member's own reason, numbered (it was "every member must be a recurrent system with an inference
     # decoder", also for a deeplau member, which is one)
     with pytest.raises(ValueError, match=r"int8 decoding of an ensemble: member 2: int8 decoding runs the fused "

@@ -566,6 +566,12 @@ def test_cli_translate_stdin_and_nbest(system, reference, tmp_path, monkeypatch,
     captured = capsys.readouterr()
     assert captured.out == "".join(r[0][0] + "\n" for r in reference)
     assert captured.err == ""
+    # -o - is stdout, as - is stdin (it wrote a file named '-')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(INPUTS) + "\n"))
+    assert cli.main(["translate", "--checkpoint", ckpt, "--beam", "3", "--quiet", "-o", "-"]) == 0
+    assert capsys.readouterr().out == "".join(r[0][0] + "\n" for r in reference)
+    assert not (tmp_path / "-").exists()
 
     a = write(tmp_path / "a.es", "\n".join(INPUTS[:3]) + "\n")
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(INPUTS[3:]) + "\n"))
@@ -847,9 +853,13 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
     if missing is not None:   # (accepted, and the first translation said it cannot run)
         with pytest.raises(ValueError, match=f"^load_model: backend '{missing}' is not available: "):
             load_model(ckpt, backend=missing)
+        with pytest.raises(ValueError, match=f"^backend '{missing}' is not available: "):   # (taken, and the
+            model.set_backend(missing)                                                  # first translation refused)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0   # (a device past this machine's: before
     with pytest.raises(ValueError, match=rf"load_model: device 'cuda:{count}': this machine has "):   # the file)
         load_model(os.devnull, device=f"cuda:{count}")
+    with pytest.raises(ValueError, match=rf"^translate: device 'cuda:{count}': this machine has "):   # (torch's
+        translate(model, sv, tv, ["el sol"], device=f"cuda:{count}")          # AssertionError on a CPU-only torch)
     assert translate(model, sv, tv, ["el sol"], max_len_a=0, max_len_b=1)[0][0][0] is not None
 
 

@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint written by `dtmt train`; repeated (-c A -c B), an ensemble of the models, "
                         "their log-probabilities averaged at each step (they must share the vocabularies)")
     out = p.add_mutually_exclusive_group()
-    out.add_argument("--output", "-o", help="output file (default stdout), written atomically at the end")
+    out.add_argument("--output", "-o", help="output file (default, or '-': stdout), written atomically at the end")
     out.add_argument("--output-dir", help="write each input's translation to DIR/<input basename>.out")
     p.add_argument("--nbest", type=int, default=None, metavar="N",
                    help="write the N best translations per line in Moses format: index ||| text ||| score")
@@ -227,6 +227,8 @@ def _run(args: argparse.Namespace) -> int:
     for path in inputs:
         if path != "-":
             check_input_file(path, noun="input file")
+    if args.output == "-":   # stdout, as '-' is stdin among the inputs (it wrote a file named '-')
+        args.output = None
     targets: List[Optional[str]] = [args.output] * len(inputs)
     if args.output_dir:
         names = ["stdin.out" if path == "-" else os.path.basename(path) + ".out" for path in inputs]

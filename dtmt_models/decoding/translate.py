@@ -46,7 +46,7 @@ from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search, check_search_arguments
 from dtmt_models.engine.decoder import as_decoder
-from dtmt_models.errors import one_line
+from dtmt_models.errors import check_device_present, one_line
 from dtmt_models.models.modes import evaluating
 
 PROG = "dtmt translate"
@@ -179,6 +179,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
         device = _model_device(model) if device is None else torch.device(device)
     except (RuntimeError, TypeError) as exc:   # (torch's own: "Expected one of cpu, cuda, ipu, xpu, ... at start")
         raise ValueError(f"translate: device {device!r} is not a device torch knows ({one_line(exc)})") from None
+    check_device_present(device, "translate")
     total = len(sentences)
     results: List[List[Tuple[str, float]]] = [[("", 0.0)] for _ in range(total)]
     ids: List[List[int]] = []

@@ -27,7 +27,7 @@ import torch
 
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data.vocabulary import Vocabulary
-from dtmt_models.errors import MAX_COUNT, one_line
+from dtmt_models.errors import MAX_COUNT, check_device_present, one_line
 from dtmt_models.models.registry import build_model, shapes_only
 
 FORMAT = "dtmt-checkpoint-1"
@@ -376,10 +376,7 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
         device = torch.device(device)   # (before the file is read: torch's own message came after all of it)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"load_model: device {device!r} is not a device torch knows ({one_line(exc)})") from None
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        # (torch's own error came only after the file was read and the model built)
-        raise ValueError(f"load_model: device {str(device)!r}: this machine has "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices")
+    check_device_present(device, "load_model")   # (torch's own error came after the file was read, the model built)
     if backend is not None and backend != "auto":   # (it was taken, and the first translation said it cannot run)
         from dtmt_kernels.backends import resolve_backend
         try:

@@ -137,6 +137,8 @@ def int8_unavailable(model) -> ValueError:
     backends = sorted({m.backend for m in model.modules() if isinstance(m, BackendSwitch)} - {"auto", "cpp"})
     if backends:
         why.append(f"its backend is {', '.join(backends)}")
+    if len(getattr(model, "levels", ())):   # (Nematus' higher decoder levels, a deep decoder: the step has one)
+        why.append(f"its decoder has {1 + len(model.levels)} levels")
     return ValueError(f"int8 decoding runs the fused decoder step of {INT8_SYSTEMS} (eval mode, cpp backend, CPU, "
                       f"float32); this {type(model).__name__} model does not decode with it"
                       + (f": {'; '.join(why)}" if why else ""))
@@ -318,7 +320,11 @@ class Seq2Seq(nn.Module):
         return super()._apply(fn, recurse)
 
     def set_backend(self, backend: str) -> "Seq2Seq":
-        """Switches every fused recurrent layer and attention of the model (e.g. "cpp" <-> "reference")."""
+        """Switches every fused recurrent layer and attention of the model (e.g. "cpp" <-> "reference"). ValueError
+        for a backend that cannot run in this process (it was taken, and the first translation refused it)."""
+        from dtmt_kernels.backends import check_backend_available
+
+        check_backend_available(backend)
         for m in self.modules():
             if isinstance(m, BackendSwitch):
                 m.backend = backend

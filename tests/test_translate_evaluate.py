@@ -1121,6 +1121,25 @@ def test_cli_evaluate_writes_everything(system, corpus, tmp_path, capsys):
     assert f"BLEU {expected['bleu']:.2f}" in stdout and "1-10" in stdout
 
 
+def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_path, capsys):
+    """An empty line is a sentence, translated as an empty line (dtmt translate) and scored as one (sacrebleu, the
+    other toolkits): a --src / --ref pair holding one was refused ("empty line", exit 1), with and without --hyp."""
+    model, sv, tv, ckpt = system
+    _, src, ref = corpus
+    src, ref = [src[0], "", *src[1:4]], [ref[0], "", *ref[1:4]]
+    s, r = write(tmp_path / "e.es", "\n".join(src) + "\n"), write(tmp_path / "e.en", "\n".join(ref) + "\n")
+    out = tmp_path / "scored"
+    assert cli.main(["evaluate", "-c", ckpt, "--src", s, "--ref", r, "--beam", "2", "--quiet", "--out-dir",
+                     str(out)]) == 0, capsys.readouterr().err
+    hyps = read(out / "hyp.txt").split("\n")[:-1]
+    assert hyps == translate_best(model, sv, tv, src, beam=2) and hyps[1] == ""
+    assert json.loads(read(out / "scores.json"))["bleu"] == pytest.approx(corpus_scores(hyps, ref)["bleu"])
+    assert cli.main(["evaluate", "--hyp", str(out / "hyp.txt"), "--src", s, "--ref", r, "--out-dir",
+                     str(tmp_path / "again")]) == 0
+    assert json.loads(read(tmp_path / "again" / "scores.json"))["bleu"] == pytest.approx(
+        corpus_scores(hyps, ref)["bleu"])
+
+
 def test_cli_decoding_threads(system, corpus, tmp_path, capsys):
     """--threads sets the threads decoding runs on (translate, evaluate), and scores.json records them."""
     _, _, _, ckpt = system

@@ -117,7 +117,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--checkpoint is required (or give --hyp to score an existing translation)")
     if args.hyp:
         check_input_file(args.hyp, "--hyp")
-    pairs = read_parallel(src_path, ref_path)
+    # (an empty line is a sentence: translate gives it an empty translation, as sacrebleu and the other toolkits
+    # score it; such a test set was refused)
+    pairs = read_parallel(src_path, ref_path, allow_empty=True)
     sources, refs = [s for s, _ in pairs], [t for _, t in pairs]
     if not pairs:
         raise InputError(f"{src_path}: no sentences to score")

@@ -167,13 +167,14 @@ def _file_state(path: str) -> Tuple[int, int, int]:
     return st.st_dev, st.st_ino, st.st_size
 
 
-def read_parallel(src_path: str, tgt_path: str) -> List[Tuple[str, str]]:
-    """Aligned (source, target) pairs; raises CorpusError on any malformed line or a count mismatch."""
+def read_parallel(src_path: str, tgt_path: str, allow_empty: bool = False) -> List[Tuple[str, str]]:
+    """Aligned (source, target) pairs; raises CorpusError on any malformed line (an empty one too, unless
+    `allow_empty`: a test set to score may hold some) or a count mismatch."""
     problems = Problems()
     sides = []
     for path in (src_path, tgt_path):
         try:
-            sides.append(read_lines(path))
+            sides.append(read_lines(path, allow_empty=allow_empty))
         except CorpusError as exc:
             problems.add(str(exc))
     problems.raise_if_any("parallel corpus")

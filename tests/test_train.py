@@ -1671,6 +1671,15 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
     r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hidden_size=32",
                    "--max-steps", "5", "--progress", "lines"], capsys)
     assert r.returncode == 0, r.stderr
+    # the values it ran with where its settings hold none (a model option's default, the processes' replicas): the
+    # same values too (they were refused: "the run's is unset", "the run's is None")
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "layer_norm=true",
+                    "--replicas", "1", "--max-steps", "5"], capsys)
+    assert r.returncode == 0, r.stderr
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "layer_norm=false",
+                    "--replicas", "2", "--max-steps", "5"], capsys)
+    assert r.returncode == 2 and "--replicas 2 (the run's is 1)" in r.stderr, r.stderr
+    assert "--opt layer_norm=False (the run's is the default, True)" in r.stderr, r.stderr
     # ... allowed, it goes on with the run's own vocabularies: the other text encoded with them, not retrained
     r = train_here(["--data", other, "--out", str(tmp_path / "runB"), "--resume", "--max-steps", "6",
                    "--allow-changed-data", "--progress", "lines"], capsys)

@@ -227,13 +227,21 @@ def check_schedule(cfg: TrainConfig) -> None:
 
 def resume_conflicts(args: argparse.Namespace, explicit: set, run: TrainConfig) -> List[str]:
     """The settings given on the command line with values other than those of the run being resumed."""
+    from dtmt_models.models.registry import option_defaults
+
     given = resolve_config(args)
-    out = [f"--{k.replace('_', '-')} {getattr(given, k)} (the run's is {getattr(run, k)})"
-           for k in FIXED_ON_RESUME if k in explicit and getattr(given, k) != getattr(run, k)]
-    missing = object()
+
+    def effective(cfg, k):   # (the run's None: the default it ran with, which a flag may name: --replicas 1)
+        return world_size() if k == "replicas" and cfg.replicas is None else getattr(cfg, k)
+    out = [f"--{k.replace('_', '-')} {getattr(given, k)} (the run's is {effective(run, k)})"
+           for k in FIXED_ON_RESUME if k in explicit and effective(given, k) != effective(run, k)]
+    missing, defaults = object(), option_defaults(run.model)
     for k, v in parse_options(args.opt).items():
-        if run.model_options.get(k, missing) != v:
-            out.append(f"--opt {k}={v} (the run's is {run.model_options.get(k, 'unset')})")
+        had = run.model_options.get(k, defaults.get(k, missing))   # (left out: the model's default)
+        if had is missing or had != v or type(had) is not type(v) and isinstance(had, bool):
+            shown = run.model_options[k] if k in run.model_options else (
+                f"the default, {defaults[k]}" if k in defaults else "unset")
+            out.append(f"--opt {k}={v} (the run's is {shown})")
     return out
 
 

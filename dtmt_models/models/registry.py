@@ -109,6 +109,12 @@ def _option_params(name: str) -> dict:
     return params
 
 
+def option_defaults(name: str) -> dict:
+    """System `name`'s model options that have a default, with it (what an option left out of a run's options is)."""
+    _import_systems()
+    return {k: p.default for k, p in _option_params(name).items() if p.default is not p.empty}
+
+
 def _of_type(value, expected: type) -> bool:
     """Whether `value` fits an option whose default is of type `expected`: an int an int but a bool, a float an int
     or a float but a bool, anything else its type."""

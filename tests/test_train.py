@@ -199,6 +199,10 @@ def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tm
     r = train_here(["--data", toy, "--out", out, "--resume", "--max-steps", "26", "--patience", "6"],   # goes on
                    capsys)
     assert r.returncode == 0 and "reached --max-steps 26" in r.stdout, r.stdout
+    # a --max-steps below the updates made: it says so (it read as if the run had stopped there)
+    r = train_here(["--data", toy, "--out", out, "--resume", "--max-steps", "10", "--patience", "6"], capsys)
+    assert r.returncode == 0 and ("reached --max-steps 10 (the run was past it, at update 26, before this resume)"
+                                  in r.stdout), r.stdout
 
 
 def test_pairs_over_the_batch_budget_are_announced(toy_nodev, tmp_path, capsys):

@@ -631,8 +631,9 @@ class Trainer:
             # a resumed run that had stopped early (not one given a lower --patience or another --best-by now)
             return (f"no better dev {self.best_by_name()} in {c.patience} validations (early stopping, before this "
                     f"resume; a larger --patience goes on)")
-        if c.max_steps is not None and self.step >= c.max_steps:
-            return f"reached --max-steps {c.max_steps}"
+        if c.max_steps is not None and self.step >= c.max_steps:   # (past it: a run resumed with a lower one)
+            return f"reached --max-steps {c.max_steps}" + (f" (the run was past it, at update {self.step:,}, before "
+                                                           f"this resume)" if self.step > c.max_steps else "")
         if c.max_time_s is not None and self.elapsed >= c.max_time_s:
             return f"reached --max-time {c.max_time}"
         if c.max_epochs is not None and self.epoch >= c.max_epochs:

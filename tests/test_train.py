@@ -205,6 +205,18 @@ def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tm
                                   in r.stdout), r.stdout
 
 
+def test_a_resume_without_the_run_s_log_says_the_earlier_rows_are_gone(uninterrupted, toy, tmp_path, capsys):
+    """A run whose train_log.csv was removed resumed with a log starting at the next update, without a word."""
+    out = str(tmp_path / "run")
+    shutil.copytree(uninterrupted, out)
+    os.remove(os.path.join(out, "train_log.csv"))
+    r = train_here(["--data", toy, "--out", out, "--resume", "--max-steps", "25"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert (f"warning: {os.path.join(out, 'train_log.csv')} is missing: the log goes on from update 25, without "
+            f"the rows of the updates before") in r.stdout, r.stdout
+    assert [s for s, *_ in losses(out)] == [25]
+
+
 def test_pairs_over_the_batch_budget_are_announced(toy_nodev, tmp_path, capsys):
     r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "a"), "--max-steps", "1", *TINY, "--max-tokens",
                     "6"], capsys)

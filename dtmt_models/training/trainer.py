@@ -439,6 +439,11 @@ class Trainer:
             best = os.path.join(self.out, BEST)
             with open(os.path.join(resumed_from, BEST), "rb") as src, atomic_write(best, "wb") as dst:
                 shutil.copyfileobj(src, dst)
+        kept_log = os.path.join(resumed_from if carried else self.out, LOG)
+        if ckpt is not None and dist.main and self.step > 0 and not os.path.lexists(kept_log):   # (it went on
+            # from the checkpoint's update without a word)
+            self.log(f"warning: {kept_log} is missing: the log goes on from update {self.step + 1:,}, without the "
+                     f"rows of the updates before")
         self.csv = (CsvLog(os.path.join(self.out, LOG), self.step if ckpt is not None else None,
                            os.path.join(self.out, TENSORBOARD),
                            source=os.path.join(resumed_from, LOG) if carried else None) if dist.main else None)

@@ -44,8 +44,8 @@ def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask:
                         eps: float = 1e-5):
     """Deep transition block (or ATR, `weights.cell == "atr"`) over x [T, B, I] from h0 [B, H].
 
-    mask [T, B]: 1 for real tokens, 0 for padding (state carried, output 0; bool or any floating dtype, taken in
-    x's). drop [depth+1, B, H]: candidate-dropout multipliers, already scaled. Returns (out [T, B, H], h_n [B, H]).
+    mask [T, B]: 1 for real tokens, 0 for padding (state carried, output 0, input never read: padding_zeroed; bool
+    or any floating dtype, taken in x's). drop [depth+1, B, H]: candidate-dropout multipliers, already scaled. Returns (out [T, B, H], h_n [B, H]).
     Arguments of the wrong kind, shape, dtype or device are a ValueError naming them, the same on every backend."""
     mask, reverse = _check_sequence_arguments("transition_sequence", x, h0, weights, mask, drop, reverse, eps, "x",
                                               "h0")
@@ -56,7 +56,15 @@ def _run_sequence(x, h0, weights, mask, drop, reverse, backend, eps):
     """transition_sequence on checked arguments: the backend resolved for x's device and dtype, then run."""
     b = resolve_backend(backend, x.device)
     check_dtype_for_backend(b, x.dtype, "x")
-    return b.run(x, h0, weights, mask, drop, reverse, eps)
+    return b.run(padding_zeroed(x, mask), h0, weights, mask, drop, reverse, eps)
+
+
+def padding_zeroed(x: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """x [T, B, I] with its padded steps (mask [T, B] <= 0.5) zero, what every backend runs. A padded step's input
+    reaches no output, but its products reached the backward: NaN or Inf padding (a batch built with torch.empty)
+    made every weight's gradient NaN, and on the reference backend the real tokens' too, where torch.nn.GRU over a
+    PackedSequence never reads it. Its gradient there is zero, as before."""
+    return x if mask is None else torch.where(mask.unsqueeze(-1) > 0.5, x, x.new_zeros(()))
 
 
 def transition_step(x: Tensor, h: Tensor, weights: TransitionWeights, drop: Optional[Tensor] = None,

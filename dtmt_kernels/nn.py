@@ -37,7 +37,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from .autograd import CppTransitionStepFunction, CppUnrolledWeightsFunction, UnrolledSteps
 from .backends import BackendSwitch, resolve_backend
-from .functional import check_dtype_for_backend, lengths_to_mask, linear
+from .functional import check_dtype_for_backend, lengths_to_mask, linear, padding_zeroed
 from .ops._autocast import autocast_mix
 from .ops._register import check_transforms
 from .ops.transition.op import check_drop
@@ -256,6 +256,7 @@ class _TransitionBase(BackendSwitch, nn.Module):
             link = (x.sum() + sum(p.sum() for p in self.parameters())) * 0   # (in x's and the weights' graph)
             return x.new_zeros(x.shape[0], 0, self.num_directions * self.hidden_size) + link, h0 + link
         try:
+            x = padding_zeroed(x, mask)   # (non-finite padding made the gradients NaN)
             return each_direction(self, lambda d, reverse: backend.run(x, h0[d], self.direction_weights(d), mask,
                                                                         drops[d], reverse, self.eps))
         except RuntimeError:   # (the ops' own message, where a parameter is apart, named none: contract §3's one)

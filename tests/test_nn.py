@@ -153,6 +153,36 @@ def test_takes_a_packed_sequence_as_torch_gru_does(backend, bidirectional, enfor
     torch.testing.assert_close(h_p, h_n)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layer", ["dt", "atr", "functional"])
+def test_padding_reaches_no_gradient_whatever_its_values(backend, layer):
+    """A padded step's input is never read (torch.nn.GRU over a PackedSequence): NaN or Inf padding (a batch built
+    with torch.empty), or 1e30 under layer norm, made every weight's gradient NaN, and on the reference backend the
+    real tokens' too (a hostile-input review, 2026-12-06). Now the outputs and every gradient are those of zero
+    padding, to the bit, on every backend: the layers and functional.transition_sequence."""
+    T, B, I, H = 4, 3, 3, 4
+    results = []
+    for pad in (0.0, float("nan"), float("inf"), -1e30):
+        torch.manual_seed(0)
+        m = (dk.nn.ATR(I, H, backend=backend) if layer == "atr" else
+             dk.nn.DeepTransitionGRU(I, H, depth=1, bidirectional=layer == "dt", backend=backend)).double()
+        x = torch.randn(T, B, I, dtype=torch.double)
+        x[2:, 1], x[1:, 2] = pad, pad
+        x.requires_grad_()
+        if layer == "functional":
+            mask = dk.functional.lengths_to_mask([4, 2, 1], T, B, torch.double, x.device)
+            out, h_n = dk.functional.transition_sequence(x, torch.zeros(B, H, dtype=torch.double),
+                                                         m.direction_weights(0), mask=mask, backend=backend)
+        else:
+            out, h_n = m(x, lengths=[4, 2, 1])
+        (out.square().sum() + h_n.sum()).backward()
+        results.append([out, h_n, x.grad] + [p.grad for p in m.parameters() if p.grad is not None])
+    assert all(t.isfinite().all() for t in results[0])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
 def test_a_packed_sequence_with_lengths_or_bad_data_is_a_value_error():
     layer = dk.nn.DeepTransitionGRU(4, 3, depth=1)
     packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(3, 2, 4), torch.tensor([3, 2]))

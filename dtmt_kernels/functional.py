@@ -45,8 +45,9 @@ def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask:
     """Deep transition block (or ATR, `weights.cell == "atr"`) over x [T, B, I] from h0 [B, H].
 
     mask [T, B]: 1 for real tokens, 0 for padding (state carried, output 0, input never read: padding_zeroed; bool
-    or any floating dtype, taken in x's). drop [depth+1, B, H]: candidate-dropout multipliers, already scaled. Returns (out [T, B, H], h_n [B, H]).
-    Arguments of the wrong kind, shape, dtype or device are a ValueError naming them, the same on every backend."""
+    or any floating dtype, taken in x's). drop [depth+1, B, H]: candidate-dropout multipliers, already scaled.
+    Returns (out [T, B, H], h_n [B, H]). Arguments of the wrong kind, shape, dtype or device are a ValueError naming
+    them, the same on every backend."""
     mask, reverse = _check_sequence_arguments("transition_sequence", x, h0, weights, mask, drop, reverse, eps, "x",
                                               "h0")
     return _run_sequence(x, h0, weights, mask, drop, reverse, backend, eps)

@@ -494,7 +494,9 @@ class DeepTransitionGRU(TransitionLayer):
     def from_torch(cls, gru: nn.GRU, backend: str = "auto") -> "DeepTransitionGRU":
         """A GRU layer (cell="gru", depth=0, no layer norm) holding a copy of a one-layer torch.nn.GRU's
         weights; it reproduces the torch module's outputs. It takes the GRU's mode (train / eval) and which weights
-        want gradients; a GRU without biases gives biases of zero that want none."""
+        want gradients; a GRU without biases gives biases of zero that want none. (They stay zero only while they
+        want none: the layer has parameters for them, so `requires_grad_(True)`, or its state_dict loaded into a
+        new layer, makes them train; keep them out of the optimizer for a bias-free GRU.)"""
         if not isinstance(gru, nn.GRU):
             raise ValueError(f"DeepTransitionGRU.from_torch: expected a torch.nn.GRU, got {type(gru).__name__}")
         if gru.num_layers != 1:

@@ -24,8 +24,25 @@ class WriteError(OSError):
     previous content, if any, is intact and no temporary file is left."""
 
 
-# the temporaries' names: _tmp_name's ".NAME.tmpPID[SUFFIX]", binarized's build folder ".NAME.tmp-PID"
-_TMP_NAME = re.compile(r"^\..+\.tmp-?(\d+)")
+# The temporaries this package's writers name, matched whole (nothing else is removed as one: the loose pattern
+# before took a user's `.backup.tmp-20240101` folder or `.notes.tmp1234.bak`): an atomic write's ".NAME.tmpPID", with
+# NAME's own extension after it for writers that pick the format from the name (".curve.png.tmp12.png"); prepare's
+# stage ".prepare.tmp-PID"; a binarized copy's build or set-aside folder ".bin-SETTINGS.tmp-PID". PID is a process
+# id Linux can give (at most PID_MAX_LIMIT, 2^22).
+_ATOMIC_TMP = re.compile(r"\.(?P<name>.+)\.tmp(?P<pid>[1-9][0-9]{0,6})(?P<ext>\.[A-Za-z0-9]+)?")
+_FOLDER_TMP = re.compile(r"\.(?:prepare|bin-.+)\.tmp-(?P<pid>[1-9][0-9]{0,6})")
+_PID_MAX_LIMIT = 1 << 22
+
+
+def temporary_pid(name: str) -> Optional[int]:
+    """The process id in `name` where it is the name of one of this package's temporaries (see above), else None."""
+    m = _FOLDER_TMP.fullmatch(name)
+    if m is None:
+        m = _ATOMIC_TMP.fullmatch(name)
+        if m is None or (m["ext"] is not None and m["ext"].lower() != os.path.splitext(m["name"])[1].lower()):
+            return None
+    pid = int(m["pid"])
+    return pid if pid <= _PID_MAX_LIMIT else None
 
 
 def process_alive(pid: int) -> bool:
@@ -50,8 +67,8 @@ def remove_stale_temporaries(directory: str, keep: Optional[Pattern[str]] = None
     except OSError:
         return removed
     for name in names:
-        m = _TMP_NAME.match(name)
-        if m is None or process_alive(int(m.group(1))) or (keep is not None and keep.fullmatch(name)):
+        pid = temporary_pid(name)
+        if pid is None or process_alive(pid) or (keep is not None and keep.fullmatch(name)):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError):

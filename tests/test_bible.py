@@ -9,6 +9,7 @@ import os
 import re
 import runpy
 import shutil
+import subprocess
 import sys
 import textwrap
 
@@ -552,7 +553,7 @@ def test_prepare_files_never_overwrites_an_input(tmp_path, capsys):
     refused(["files", "--src", str(out / "corpus.json"), "--tgt", b, "--out", str(out)], "--src", "manifest")
     refused(["files", "--src", a, "--tgt", model, "--out", str(out), "--vocab-size", "60"], f"--tgt {model}:",
             "binarized corpus")
-    stale = write(out / ".notes.tmp999999999", "not ours")   # what remove_stale_temporaries would take
+    stale = write(out / ".notes.tmp4000000", "not ours")   # what remove_stale_temporaries would take
     before = snapshot(tmp_path)
     refused(["files", "--src", stale, "--tgt", b, "--out", str(out)], "--src", "temporary file")
     # where nothing is in the way, the same folder works: the inputs' folder, names that are not the corpus's
@@ -662,16 +663,24 @@ def test_prepare_removes_what_an_interrupted_run_left(tmp_path, capsys):
     out.mkdir()
     gone = sp.Popen(["true"])
     gone.wait()   # a process id that no process has now
-    stale = [write(out / f".train.es.tmp{gone.pid}", "x" * 1000), write(out / f".corpus.json.tmp{gone.pid}.part", "x")]
+    stale = [write(out / f".train.es.tmp{gone.pid}", "x" * 1000), write(out / f".curve.png.tmp{gone.pid}.png", "x")]
     (out / f".bin-bpe4000.tmp-{gone.pid}").mkdir()
     write(out / f".bin-bpe4000.tmp-{gone.pid}" / "train.bin", "x")
     running = write(out / f".notes.txt.tmp{os.getppid()}", "a running process' own")
-    keep = write(out / ".hidden.tmpfile", "not a temporary of ours")
+    # names like a temporary's that none of the package's writers makes: a user's own, kept (the loose pattern
+    # before removed them all, and the last one's 20 digits were an OverflowError's traceback)
+    keep = [write(out / ".hidden.tmpfile", "x"), write(out / f".thesis.tmp{gone.pid}.bak", "x"),
+            write(out / f".notes.tmp{gone.pid}-old", "x"), write(out / ".x.tmp99999999999999999999", "x"),
+            write(out / ".big.tmp5000000", "x")]   # (past any process id Linux gives)
+    (out / ".backup.tmp-20240101").mkdir()
+    keep.append(write(out / ".backup.tmp-20240101" / "notes.txt", "a user's folder"))
+    (out / f".mine.tmp-{gone.pid}").mkdir()
+    keep.append(out / f".mine.tmp-{gone.pid}")
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert all(not os.path.exists(p) for p in stale) and not (out / f".bin-bpe4000.tmp-{gone.pid}").exists()
     assert err.count("left by an interrupted run") == 3, err
-    assert os.path.isfile(running) and os.path.isfile(keep)
+    assert os.path.isfile(running) and all(os.path.exists(p) for p in keep)
     assert data.read_manifest(str(out))["counts"] == {"train": 50}
     assert remove_stale_temporaries(str(tmp_path / "nowhere")) == []
 
@@ -754,18 +763,21 @@ def test_prepare_s_own_leftovers_and_the_user_s_files_beside_a_corpus(tmp_path, 
     assert (d / "test.es").read_text() == "".join(f"frase {i}\n" for i in range(20))
     assert data.read_manifest(str(d))["counts"] == {"train": 20} and "removed" not in capsys.readouterr().err
     killed = tmp_path / "killed"   # (text of two runs, no manifest, the stage of a process long gone)
-    os.makedirs(killed / ".prepare.tmp-999999999")
+    gone = subprocess.Popen(["true"])
+    gone.wait()   # a process id that no process has now
+    stage = killed / f".prepare.tmp-{gone.pid}"
+    os.makedirs(stage)
     write(killed / "train.es", "old\n"), write(killed / "train.en", "new\n")
     capsys.readouterr()
     # a dtmt train on it is refused and leaves the stage (it removed it as an interrupted run's leftover: prepare
     # then took the folder for the user's own files and refused it too, with no way out but deleting by hand)
     assert cli.main(["train", "--data", str(killed), "--out", str(tmp_path / "run")]) == 2
     assert f"dtmt train: {killed}: no corpus.json" in capsys.readouterr().err
-    assert (killed / ".prepare.tmp-999999999").is_dir()
+    assert stage.is_dir()
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(killed), "--no-binarize"]) == 0, \
         capsys.readouterr().err
     assert data.read_parallel(*data.corpus_paths(str(killed), "train")) == data.read_parallel(src, tgt)
-    assert not (killed / ".prepare.tmp-999999999").exists()
+    assert not stage.exists()
     c1 = tmp_path / "c1"
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(c1), "--holdout", "2",
                          "--no-binarize"]) == 0

@@ -23,8 +23,7 @@ import shutil
 import signal
 from typing import Dict, List, Sequence
 
-from dtmt_models.atomic import _TMP_NAME as _TEMPORARY_NAME   # what remove_stale_temporaries removes
-from dtmt_models.atomic import atomic_write
+from dtmt_models.atomic import atomic_write, temporary_pid
 from dtmt_models.data import corpus as data
 from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file, refuse
 
@@ -153,7 +152,7 @@ def _check_inputs_survive(args: argparse.Namespace, files: Dict[str, tuple], spl
             for folder in replaced:
                 if real.startswith(folder + os.sep):
                     clash = f"it lies in {folder}, the binarized corpus that prepare replaces"
-            if os.path.dirname(real) == out_real and _TEMPORARY_NAME.match(os.path.basename(real)):
+            if os.path.dirname(real) == out_real and temporary_pid(os.path.basename(real)) is not None:
                 clash = "it is named like a temporary file that an interrupted run left there, which prepare removes"
             if clash:
                 raise UsageError(f"{option} {source}: an input that --out {args.out} would overwrite ({clash}); "

@@ -685,6 +685,79 @@ def test_prepare_removes_what_an_interrupted_run_left(tmp_path, capsys):
     assert remove_stale_temporaries(str(tmp_path / "nowhere")) == []
 
 
+def test_prepare_over_a_binarized_copy_that_is_no_folder(tmp_path, capsys):
+    """A file (or a link to nothing) where the binarized copy's folder goes: prepare removed the earlier corpus's
+    manifest, then failed ("Not a directory", naming its stage), and every later run refused the folder as not a
+    corpus. Now refused before anything, the earlier corpus whole. A link to a folder elsewhere is replaced by the
+    new copy and the link goes, what it pointed to stays (a .bin-*.tmp-PID link was left behind)."""
+    src, tgt = numbered(tmp_path, 60)
+    out = tmp_path / "c"
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--vocab-size", "40",
+                         "--no-binarize"]) == 0
+    for make in (lambda p: p.write_text("notes\n"), lambda p: p.symlink_to(tmp_path / "nowhere")):
+        make(out / "bin-bpe40")
+        before = snapshot(out)
+        capsys.readouterr()
+        assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--vocab-size", "40",
+                             "--holdout", "5"]) == 2
+        kind = "a link to nothing" if (out / "bin-bpe40").is_symlink() else "a file"
+        assert capsys.readouterr().err == (f"dtmt prepare files: error: {out / 'bin-bpe40'} is {kind}, where dtmt "
+                                           f"prepare writes the binarized copy's folder; move it aside first\n")
+        assert snapshot(out) == before and data.read_manifest(str(out))["counts"] == {"train": 60}
+        (out / "bin-bpe40").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "bin-bpe40").symlink_to(elsewhere)
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--vocab-size", "40"]) == 0
+    assert (out / "bin-bpe40").is_dir() and not (out / "bin-bpe40").is_symlink()
+    assert sorted(os.listdir(out)) == ["bin-bpe40", "corpus.json", "train.en", "train.es"]
+    assert elsewhere.is_dir()
+
+
+def test_prepare_of_a_file_whose_name_is_not_utf8(tmp_path):
+    """An input whose name holds bytes that are not UTF-8 (a traceback writing the manifest, exit 1): prepared, its
+    path in the manifest with those bytes written as \\xNN."""
+    src, tgt = numbered(tmp_path, 20)
+    odd = os.path.join(os.fsencode(str(tmp_path)), b"bad\xffname.es")
+    shutil.copyfile(src, odd)
+    out = tmp_path / "c"
+    assert prepare.main(["files", "--src", os.fsdecode(odd), "--tgt", tgt, "--out", str(out), "--no-binarize"]) == 0
+    assert data.read_manifest(str(out))["sources"]["train"][0] == str(tmp_path / "bad\\xffname.es")
+    assert (out / "train.es").read_bytes() == open(src, "rb").read()
+
+
+def test_a_ctrl_c_while_prepare_puts_its_corpus_in_place(tmp_path):
+    """Ctrl-C while the corpus is put in place (its files renamed, an earlier corpus's other splits removed) is held
+    back until all of it is done: it left the earlier corpus's dev and test files beside the new one, and said
+    "interrupted" of a corpus that had been replaced. Now the new corpus is whole, said so, then exit 130."""
+    src, tgt = numbered(tmp_path, 60)
+    out = tmp_path / "c"
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--holdout", "5",
+                         "--no-binarize"]) == 0
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from dtmt_models.data import prepare as staging
+        real, commit = os.replace, staging._commit
+        def interrupted(*args, **kwargs):   # the commit's first rename: a Ctrl-C now
+            os.replace = real
+            os.kill(os.getpid(), signal.SIGINT)
+            return real(*args, **kwargs)
+        def committing(*args, **kwargs):
+            os.replace = interrupted
+            return commit(*args, **kwargs)
+        staging._commit = committing
+        from dtmt_models import cli
+        sys.exit(cli.main(["prepare", "files", "--src", {src!r}, "--tgt", {tgt!r}, "--out", {str(out)!r},
+                           "--src-lang", "xx", "--tgt-lang", "yy", "--no-binarize"]))
+        """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 130, r.stderr
+    assert sorted(os.listdir(out)) == ["corpus.json", "train.xx", "train.yy"], r.stderr
+    assert f"note: the interrupt came as {out} was put in place: it is written whole" in r.stderr, r.stderr
+    assert data.read_manifest(str(out))["counts"] == {"train": 60}
+
+
 def test_python_m_prepare_reports_errors_without_traceback(tmp_path, monkeypatch, capsys):
     bad = write(tmp_path / "x.es", b"ok\n\xff\n")
     good = write(tmp_path / "x.en", b"ok\nfine\n")

@@ -97,9 +97,14 @@ _OURS = re.compile(r"(binarized\.json|(src|tgt)\.model|[^.]+\.(src|tgt)\.(bin|id
 
 
 def check_only_ours(path: str) -> None:
-    """CorpusError when the binarized copy `path` holds what binarize does not write (a run's folder given as
-    dtmt train --out inside it, a user's notes): rebuilding the copy replaces the folder whole, so those would go
-    with it (a run inside bin-bpe120 was lost, exit 0). Nothing is changed; the message names them."""
+    """CorpusError when the binarized copy `path` is not a folder (a file, a link to nothing), or holds what binarize
+    does not write (a run's folder given as dtmt train --out inside it, a user's notes): rebuilding the copy
+    replaces the folder whole, so those would go with it (a run inside bin-bpe120 was lost, exit 0). Nothing is
+    changed; the message names them."""
+    if os.path.lexists(path) and not os.path.isdir(path):   # (prepare removed the earlier corpus's manifest, then
+        # failed to put its folder there, "Not a directory" naming its stage; every later run refused the folder)
+        raise CorpusError(f"{path} is {'a link to nothing' if os.path.islink(path) else 'a file'}, where dtmt "
+                          f"prepare writes the binarized copy's folder; move it aside first")
     try:
         foreign = sorted(name for name in os.listdir(path) if not _OURS.fullmatch(name))
     except (FileNotFoundError, NotADirectoryError):
@@ -554,7 +559,9 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
             shutil.rmtree(tmp, ignore_errors=True)
             log(f"{final} was written by another process meanwhile; using it")
             return final
-        if old:
+        if old and os.path.islink(old):   # (a link to a folder elsewhere: the link goes, what it points to stays)
+            os.remove(old)
+        elif old:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

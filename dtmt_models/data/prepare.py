@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 from typing import Dict, List, Sequence
 
 from dtmt_models.atomic import atomic_write, temporary_pid
@@ -182,7 +183,9 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
             log(f"{split}: {src} + {tgt}: {sum(counts.values()) - sum(before.values()):,} pairs, valid")
     if args.holdout:
         log(f"held out {args.holdout:,} pairs each for {' and '.join(held)} (seed {args.seed})")
-    sources = {split: [os.path.abspath(p) for p in files[split]] for split in files}
+    # (a path's bytes that are not UTF-8, as \xff: the manifest is UTF-8 JSON; its write was a traceback)
+    sources = {split: [os.path.abspath(p).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                       for p in files[split]] for split in files}
     data.write_manifest(into, args.src_lang, args.tgt_lang, counts, origin="files", sources=sources,
                         holdout=args.holdout, seed=args.seed if args.holdout else None)
     return counts
@@ -230,9 +233,9 @@ def staged_corpus(out: str, inputs: Sequence[str], log):
 
 
 def _commit(stage: str, out: str, inputs: set, log) -> None:
-    """staged_corpus's end: the stage's corpus into `out` (see there). The renames run with SIGINT and SIGTERM held
-    back (milliseconds: a Ctrl-C then ends the command after them, not between two of them); an earlier binarized
-    copy moved aside is removed after the manifest is in place. Removed: the files of the earlier corpus's splits
+    """staged_corpus's end: the stage's corpus into `out` (see there). It runs with SIGINT and SIGTERM held back (a
+    Ctrl-C then ends the command after it, not between two renames); an earlier binarized copy moved aside is
+    removed after the manifest is in place. Removed: the files of the earlier corpus's splits
     (its manifest's languages and splits) that the new one does not write, never an input."""
     manifest = data.read_manifest(stage)
     counts = manifest["counts"]
@@ -242,11 +245,16 @@ def _commit(stage: str, out: str, inputs: set, log) -> None:
         old = data.read_manifest(out)
         stale = [name for split in old["counts"] for lang in (old["src_lang"], old["tgt_lang"])
                  for name in [f"{split}.{lang}"] if name not in written]
-    held = {signal.SIGINT, signal.SIGTERM}
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    asides = []
-    try:
+    # SIGINT and SIGTERM held back by handlers that note them, given back after (Python runs handlers in the main
+    # thread whichever thread the signal reaches; a pthread_sigmask of this thread let one reach another: the
+    # interrupt came between the renames)
+    received: List[int] = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.signal(s, lambda signum, frame: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    asides, done = [], False
+    try:   # (all of it held back: a Ctrl-C between the renames and the removals left the earlier corpus's split
+        # files beside the new one, and said "interrupted" of a corpus replaced)
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out, data.MANIFEST))
         for name in sorted(written, key=lambda n: n == data.MANIFEST):   # (the manifest last)
@@ -258,22 +266,30 @@ def _commit(stage: str, out: str, inputs: set, log) -> None:
                 os.rename(source, target)
             else:
                 os.replace(source, target)
+        for aside in asides:   # (a link to a folder elsewhere: the link goes, what it points to stays)
+            if os.path.islink(aside):
+                os.remove(aside)
+            else:
+                shutil.rmtree(aside, ignore_errors=True)
+        for name in stale:   # a split of the earlier corpus would otherwise be read as this one's
+            path = os.path.join(out, name)
+            if not os.path.exists(path):
+                continue
+            split = name.split(".", 1)[0]
+            why = f"this one has no {split} split" if split not in counts else "this one is of other languages"
+            if os.path.realpath(path) in inputs:
+                log(f"note: {path} is one of your input files, so it stays ({why}: dtmt train and evaluate do not "
+                    f"read it)")
+            else:
+                os.remove(path)
+                log(f"removed {path} (left from an earlier corpus; {why})")
+        log(f"wrote {out.rstrip(os.sep) or out}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items())
+            + " pairs")
+        done = True
     finally:
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-    for aside in asides:
-        shutil.rmtree(aside, ignore_errors=True)
-    for name in stale:   # a split of the earlier corpus would otherwise be read as this one's
-        path = os.path.join(out, name)
-        if not os.path.exists(path):
-            continue
-        split = name.split(".", 1)[0]
-        why = f"this one has no {split} split" if split not in counts else "this one is of other languages"
-        if os.path.realpath(path) in inputs:
-            log(f"note: {path} is one of your input files, so it stays ({why}: dtmt train and evaluate do not read "
-                f"it)")
-        else:
-            os.remove(path)
-            log(f"removed {path} (left from an earlier corpus; {why})")
-    log(f"wrote {out.rstrip(os.sep) or out}: " + ", ".join(f"{split} {n:,}" for split, n in counts.items())
-        + " pairs")
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if received:   # (handled now as it would have been: KeyboardInterrupt for a Ctrl-C)
+            if done:
+                log(f"note: the interrupt came as {out.rstrip(os.sep) or out} was put in place: it is written whole")
+            signal.raise_signal(received[0])

@@ -175,10 +175,14 @@ def test_bpe_on_word_counts_is_the_bpe_on_sentences(tmp_path):
                                             "\t", "\r", "\x0b", "\x1c", "\x85", "\u2028", "\ufeff", "  "])
     lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))).strip() or "a" for _ in range(500)]
     lines += ["el perro come la manzana", "la casa es grande"] * 50
+    # SentencePiece leaves out a sentence of more than 4,192 bytes (not characters): the counts must too
+    lines += [("gato " * 1000)[:4191] + "x", "ñ" + ("zorro " * 1000)[:4190] + "x"]
+    assert [len(line.encode()) for line in lines[-2:]] == [4192, 4193]
     path = tmp_path / "train.es"
     path.write_bytes("".join(line + "\n" for line in lines).encode())
     counts = binarized._word_counts(str(path), None, block=64)
     assert counts["la"] == 100 and counts["perro"] == 50   # (the random lines have no l, p or r)
+    assert counts["gato"] == 838 and counts["zorro"] == 0
     for size in (80, 150, 400):
         expected = Vocabulary.train(lines, vocab_size=size, model_type="bpe")
         got = Vocabulary.train_bpe_on_word_counts(counts, vocab_size=size)

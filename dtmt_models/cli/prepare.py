@@ -39,7 +39,8 @@ def add_binarize_arguments(p: argparse.ArgumentParser, optional: bool) -> None:
     g.add_argument("--vocab-type", choices=("bpe", "unigram"), default="bpe", help="SentencePiece model (default: bpe)")
     g.add_argument("--sample", type=int, default=binarized.DEFAULT_SAMPLE, metavar="N",
                    help=f"training lines per side SentencePiece learns from, drawn at random, 1 to {MAX_LINES:,} "
-                        f"(default: {binarized.DEFAULT_SAMPLE:,}; all of them when the corpus has fewer, in order)")
+                        f"(default: {binarized.DEFAULT_SAMPLE:,}; all of them when the corpus has fewer, in order; "
+                        f"SentencePiece leaves out lines of more than 4,192 bytes)")
     g.add_argument("--sample-seed", type=int, default=binarized.DEFAULT_SEED, metavar="S",
                    help=f"seed of that draw, 0 to {MAX_SEED} (default: {binarized.DEFAULT_SEED})")
     g.add_argument("--workers", type=int, default=0, metavar="N",

@@ -617,15 +617,23 @@ def _train_vocabulary(path: str, chosen: Optional[List[int]], vocab_size: int, v
     return Vocabulary.train(list(_sample_lines(path, chosen)), vocab_size, vocab_type).proto
 
 
+# SentencePiece's trainer leaves out a sentence of more bytes than this (its max_sentence_length, at its default)
+SENTENCEPIECE_MAX_SENTENCE_BYTES = 4192
+
+
 def _word_counts(path: str, chosen: Optional[List[int]], block: int = 4096) -> collections.Counter:
     """How often each word occurs in the sampled lines, words as `Vocabulary.train_bpe_on_word_counts` takes
-    them (split at spaces, tabs and carriage returns; the empty string counted too and left out there)."""
+    them (split at spaces, tabs and carriage returns; the empty string counted too and left out there). A line of
+    more than SENTENCEPIECE_MAX_SENTENCE_BYTES is left out, as SentencePiece's trainer leaves it out of the sentences
+    (counted, its words made the model differ from the sentences' in every piece)."""
     counts: collections.Counter = collections.Counter()
     lines = _sample_lines(path, chosen)
+    longest = SENTENCEPIECE_MAX_SENTENCE_BYTES
     while True:
         part = list(itertools.islice(lines, block))
         if not part:
             return counts
+        part = [line for line in part if len(line) * 4 <= longest or len(line.encode("utf-8")) <= longest]
         counts.update(" ".join(part).replace("\t", " ").replace("\r", " ").split(" "))
 
 

@@ -726,6 +726,21 @@ def test_prepare_of_a_file_whose_name_is_not_utf8(tmp_path):
     assert (out / "train.es").read_bytes() == open(src, "rb").read()
 
 
+def test_prepare_warns_of_carriage_returns_inside_lines(tmp_path, capsys):
+    """Old Mac line ends (\\r alone) made a file one line, taken without a word (1 pair where 3 were meant); a \\r
+    inside a line is now counted and said, with how to convert. CRLF line ends are not (their \\r ends the line)."""
+    src = write(tmp_path / "mac.es", b"uno dos\rtres cuatro\rcinco seis\r")
+    tgt = write(tmp_path / "mac.en", b"one two\rthree four\rfive six\r")
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "m"), "--no-binarize"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: train: 1 pairs hold a carriage return (\\r) inside a line, read as a space; a file with old Mac "
+            "line ends (\\r alone) is one line to prepare: convert them to \\n first (tr '\\r' '\\n')") in err, err
+    src = write(tmp_path / "dos.es", b"uno dos\r\ntres cuatro\r\n")
+    tgt = write(tmp_path / "dos.en", b"one two\r\nthree four\r\n")
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "d"), "--no-binarize"]) == 0
+    assert "carriage return" not in capsys.readouterr().err
+
+
 def test_a_ctrl_c_while_prepare_puts_its_corpus_in_place(tmp_path):
     """Ctrl-C while the corpus is put in place (its files renamed, an earlier corpus's other splits removed) is held
     back until all of it is done: it left the earlier corpus's dev and test files beside the new one, and said

@@ -175,12 +175,18 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
                            for lang in langs] for split in counts}
         for split, (src, tgt) in files.items():
             before = dict(counts)
+            returns = 0   # pairs with a carriage return inside a line (old Mac line ends make a file one line)
             for j, (s, t) in enumerate(data.iter_parallel(src, tgt)):
                 dest = where.get(j, "train") if split == "train" else split
                 writers[dest][0].write(s + "\n")
                 writers[dest][1].write(t + "\n")
                 counts[dest] += 1
+                returns += "\r" in s or "\r" in t
             log(f"{split}: {src} + {tgt}: {sum(counts.values()) - sum(before.values()):,} pairs, valid")
+            if returns:   # (taken without a word: a file of \r line ends was one pair)
+                log(f"warning: {split}: {returns:,} pairs hold a carriage return (\\r) inside a line, read as a "
+                    f"space; a file with old Mac line ends (\\r alone) is one line to prepare: convert them to \\n "
+                    f"first (tr '\\r' '\\n')")
     if args.holdout:
         log(f"held out {args.holdout:,} pairs each for {' and '.join(held)} (seed {args.seed})")
     # (a path's bytes that are not UTF-8, as \xff: the manifest is UTF-8 JSON; its write was a traceback)

@@ -2192,7 +2192,7 @@ print(json.dumps({"tuned": tuned, "size": size, "mapped": mapped, "heap_after_fr
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 @pytest.mark.parametrize("env, tuned", [({}, True), ({"DTMT_MALLOC": "default"}, False),
-                                        ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False)])
+                                        ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False), ({"DTMT_MALLOC": "off"}, True)])
 def test_tune_malloc_keeps_freed_update_memory(env, tuned):
     """dtmt train's malloc settings (dtmt_models/training/allocator.py), observed through glibc's own accounting
     (mallinfo2): tuned, a 96 MiB block comes from the heap and the heap keeps it after free (the next update reuses
@@ -2208,6 +2208,8 @@ def test_tune_malloc_keeps_freed_update_memory(env, tuned):
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["tuned"] is tuned
+    # a value that is no setting is said (DTMT_MALLOC=off was taken as unset without a word)
+    assert ("DTMT_MALLOC='off' is not a setting" in out.stderr) is (env.get("DTMT_MALLOC") == "off"), out.stderr
     if tuned:
         assert r["mapped"] < r["size"] and r["heap_after_free"] >= r["size"]
     else:

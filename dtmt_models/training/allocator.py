@@ -42,8 +42,14 @@ def tune_malloc() -> bool:
     """Sets glibc's mmap and trim thresholds for training (module docstring); True where they were set, False
     where the environment opts out (DTMT_MALLOC=default, or the user's own MALLOC_* settings) or the C library is
     not glibc. Process-wide and not undone: for a process that trains."""
-    if os.environ.get("DTMT_MALLOC", "").strip().lower() == "default":
+    asked = os.environ.get("DTMT_MALLOC", "").strip().lower()
+    if asked == "default":
         return False
+    if asked:   # (DTMT_MALLOC=off was taken as unset without a word: the thresholds were set)
+        import warnings
+
+        warnings.warn(f"DTMT_MALLOC={os.environ['DTMT_MALLOC']!r} is not a setting: 'default' leaves glibc's own "
+                      f"behaviour; unset, training's thresholds are set (as now)", stacklevel=2)
     if any(name in os.environ for name in USER_VARIABLES):
         return False
     libc = _glibc()

@@ -741,6 +741,21 @@ def test_prepare_warns_of_carriage_returns_inside_lines(tmp_path, capsys):
     assert "carriage return" not in capsys.readouterr().err
 
 
+def test_prepare_warns_of_a_file_given_twice(tmp_path, capsys):
+    """A dev file that is the training file (dev scores of training text), or one file as both sides of a split,
+    was taken without a word."""
+    src, tgt = numbered(tmp_path, 30)
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--dev-src", src, "--dev-tgt", src, "--out",
+                         str(tmp_path / "c"), "--no-binarize"]) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: --dev-src and --dev-tgt are one file ({src}): the dev split translates a text into itself"
+            in err), err
+    assert (f"warning: --dev-src is --src ({src}): the dev split is training text, whose scores say nothing of new "
+            f"text") in err and "--dev-tgt is --tgt" not in err, err
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "d"), "--no-binarize"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_ctrl_c_while_prepare_puts_its_corpus_in_place(tmp_path):
     """Ctrl-C while the corpus is put in place (its files renamed, an earlier corpus's other splits removed) is held
     back until all of it is done: it left the earlier corpus's dev and test files beside the new one, and said

@@ -51,7 +51,27 @@ def prepare_files(args: argparse.Namespace, into: str, log=print, written_dirs: 
     written) and data.CorpusError for bad input. `written_dirs`: folders the caller replaces afterwards (the
     binarized copy); an input inside one is refused like an input that is one of the files written."""
     files, held = check_files_options(args, written_dirs)
+    for warning in _inputs_given_twice(files):
+        log(warning)
     return _write_files(args, files, held, log, into)
+
+
+def _inputs_given_twice(files: Dict[str, tuple]) -> List[str]:
+    """Warnings for one file given twice (taken without a word): a split's source and target (it translates a text
+    into itself), or a dev or test file that is the training file (its scores then say nothing of new text)."""
+    def option(split, side):
+        return f"--{side}" if split == "train" else f"--{split}-{side}"
+    out = []
+    for split, (src, tgt) in files.items():
+        if os.path.samefile(src, tgt):
+            out.append(f"warning: {option(split, 'src')} and {option(split, 'tgt')} are one file ({src}): the "
+                       f"{split} split translates a text into itself")
+    for split in ("dev", "test"):
+        for i, side in enumerate(("src", "tgt")):
+            if split in files and os.path.samefile(files[split][i], files["train"][i]):
+                out.append(f"warning: {option(split, side)} is {option('train', side)} ({files[split][i]}): the "
+                           f"{split} split is training text, whose scores say nothing of new text")
+    return out
 
 
 def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = ()):

@@ -275,8 +275,9 @@ class Seq2Seq(nn.Module):
         C++ call (engine.rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
         `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
-        optimizer step), build a new one. On a decoder, returns itself, or TypeError where the model was converted
-        (.to() / .double() / .cuda()) after the decoder gathered its weights. `int8`: decode with int8 weight matrices,
+        optimizer step), build a new one: a search with the old one is a RuntimeError. On a decoder, returns itself,
+        or TypeError where the model was converted (.to() / .double() / .cuda()) after the decoder gathered its
+        weights. `int8`: decode with int8 weight matrices,
         which only the fused step of the attentional RNMT systems has (engine.rnmt.FusedRNMTDecoder): ValueError
         here."""
         if int8:
@@ -293,6 +294,7 @@ class Seq2Seq(nn.Module):
         prepared = inference_copy(eval_copy(self) if copies_faithfully(self) else self)
         if prepared is not self:
             prepared.__dict__["_inference_copy"] = True
+            prepared.__dict__["_built_from"] = self   # (whose weights it reads: weights_kind's versions)
             if any(isinstance(m, InferenceForm) for m in prepared.modules()):
                 prepared.__dict__["_built_as"] = weights_kind(prepared)
         return prepared

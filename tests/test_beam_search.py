@@ -732,3 +732,14 @@ def test_an_empty_batch_translates_to_nothing_and_a_meta_one_is_refused(system):
     assert len(beam_search(model, src, lengths, beam=2)) == 2
     with pytest.raises(ValueError, match="^beam_search: src is on the meta device"):
         beam_search(model, src.to("meta"), lengths, beam=2)
+    # src that is no tensor (its .device was read first: "'list' object has no attribute 'device'"); greedy's fixed
+    # settings given again (beam_search's "got multiple values for keyword argument 'alpha'")
+    for bad in (src.tolist(), src.numpy()):
+        with pytest.raises(ValueError, match=rf"^beam_search: src must be a LongTensor \[B, S\], got "
+                                             rf"{type(bad).__name__}$"):
+            beam_search(model, bad, lengths, beam=2)
+    with pytest.raises(TypeError, match=r"^greedy: alpha and beam cannot be given: greedy decoding is beam 1 without "
+                                        r"a length penalty \(call beam_search for others\)$"):
+        greedy(model, src, lengths, beam=4, alpha=0.6)
+    assert greedy(model, src, lengths, max_len_b=3) == [h[0].tokens for h in beam_search(model, src, lengths,
+                                                                                           beam=1, max_len_b=3)]

@@ -105,10 +105,11 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     module docstring). A model in training mode decodes in eval mode (see the module docstring). An empty batch (B = 0)
     translates to []."""
     beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty, early_stop)
-    if isinstance(src, Tensor) and src.is_meta:
+    if not isinstance(src, Tensor):   # (its .device was read first: "'list' object has no attribute 'device'")
+        raise ValueError(f"beam_search: src must be a LongTensor [B, S], got {type(src).__name__}")
+    if src.is_meta:
         raise ValueError("beam_search: src is on the meta device, which holds no tokens to translate")
-    if isinstance(src, Tensor) and src.dim() == 2 and src.shape[0] == 0 and isinstance(src_lengths, Tensor) \
-            and tuple(src_lengths.shape) == (0,):
+    if src.dim() == 2 and src.shape[0] == 0 and isinstance(src_lengths, Tensor) and tuple(src_lengths.shape) == (0,):
         return []   # (an empty batch: nothing to translate, as translate() of no sentences)
     if on_device is None:
         on_device = src.device.type != "cpu"
@@ -220,5 +221,11 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
 
 
 def greedy(model, src: Tensor, src_lengths: Tensor, **kwargs) -> List[List[int]]:
-    """Greedy decoding (beam 1: the argmax word at every step until EOS or max length); returns the token lists."""
+    """Greedy decoding (beam 1: the argmax word at every step until EOS or max length); returns the token lists.
+    `kwargs`: beam_search's other settings (max_len_a, max_len_b, fused, on_device, ...); not beam or alpha, which
+    greedy decoding fixes (they were beam_search's "multiple values" TypeError)."""
+    fixed = sorted({"beam", "alpha"} & set(kwargs))
+    if fixed:
+        raise TypeError(f"greedy: {' and '.join(fixed)} cannot be given: greedy decoding is beam 1 without a length "
+                        f"penalty (call beam_search for others)")
     return [h[0].tokens if h else [] for h in beam_search(model, src, src_lengths, beam=1, alpha=0.0, **kwargs)]

@@ -809,6 +809,25 @@ def test_a_process_left_alone_says_so_in_one_line(toy_nodev, tmp_path):
     assert (out / "train_log.csv").is_file()
 
 
+def test_a_run_of_more_processes_than_an_epoch_has_batches_is_refused(toy_nodev, tmp_path):
+    """Each process takes every other batch of an epoch, the last odd one skipped: an epoch of one batch left none
+    to either process, and the run looped over empty epochs without end, deaf to SIGTERM (--max-epochs: exit 0 and
+    an untrained last.pt). Now both refuse in one line before anything is written, exit 2."""
+    out = tmp_path / "few"
+    procs = two_processes(toy_nodev, out, 29541, ["--max-steps", "4", *TINY, "--max-tokens", "100000"])
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    message = ("dtmt train: an epoch makes 1 batch(es) of --max-tokens 100,000 for 2 processes, which need one each; "
+               "lower --max-tokens (or --max-sentences), or train with fewer processes\n")
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 2 and err.endswith(message), err
+    assert not (out / "last.pt").exists()
+
+
 def test_only_a_gone_peer_is_reported_as_one():
     """lost_peer names gloo's closed or reset connection only: a collective's other failures (NCCL's, a timeout,
     this process's own CUDA fault) keep their traceback (the review found every DistError reported as a peer gone)."""

@@ -380,6 +380,13 @@ class Trainer:
                 self.log(f"warning: {over:,} training pairs are longer than --max-tokens {cfg.max_tokens} allows a "
                          f"batch (their longer side + 1); each is a batch of its own, over the budget (raise "
                          f"--max-tokens or lower --max-len {cfg.max_len})")
+        if dist.world > 1:   # each process takes every world-th batch of an epoch, the last (len % world) skipped
+            n_batches = len(token_batches(self.lengths, cfg.max_tokens, seed=cfg.seed, epoch=0, keep=kept,
+                                          max_sentences=cfg.max_sentences))
+            if n_batches < dist.world:   # (none for any process: the run looped over empty epochs, a signal unheard)
+                raise CorpusError(f"an epoch makes {n_batches:,} batch(es) of --max-tokens {cfg.max_tokens:,} for "
+                                  f"{dist.world} processes, which need one each; lower --max-tokens (or "
+                                  f"--max-sentences), or train with fewer processes")
         # ---- model, optimizer, schedule
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, len(self.src_vocab), len(self.tgt_vocab), **cfg.model_options)

@@ -741,7 +741,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                                  f"resumed")
             if len(rngs) != world_size():   # (before the process group starts: Trainer checks it again, later)
                 raise ValueError(f"--resume: the run was trained by {len(rngs)} process(es); continue it with as many "
-                                 f"(got {world_size()}) for an exact continuation")
+                                 f"(got {world_size()}): its batches and random streams are split among them")
             cfg = resumed_config(source, ckpt.get("config"))
             edits = [] if config is not None else config_edits(os.path.join(args.out, CONFIG), cfg)
             conflicts = resume_conflicts(args, explicit, cfg)

@@ -519,7 +519,7 @@ class Trainer:
         rngs = t["rng"]
         if len(rngs) != self.dist.world:
             raise ValueError(f"the checkpoint was written by {len(rngs)} process(es); resume with the same number "
-                             f"(got {self.dist.world}) for an exact continuation")
+                             f"(got {self.dist.world}): its batches and random streams are split among them")
         mine = rngs[self.dist.rank]
         torch.set_rng_state(mine["torch"])
         random.setstate(mine["python"])

@@ -195,6 +195,7 @@ def test_decoding_leaves_each_module_in_its_mode_and_searches_in_eval_mode(syste
     (dict(max_len_b=2 ** 64), r"max_len_b must be below 2\^63 \(a search takes at most 16,384 steps\), got "
                               "18446744073709551616"),
     (dict(beam=2.5), "beam and nbest must be integers"),
+    (dict(beam=True), "beam and nbest must be integers"),   # (it was taken as beam 1)
     (dict(beam=2, nbest=3), "need 1 <= beam <= 1024 and 1 <= nbest <= beam"),
     (dict(beam=1025), "need 1 <= beam <= 1024 "),
     (dict(penalty="wu"), "penalty must be one of gnmt, average, got 'wu'"),

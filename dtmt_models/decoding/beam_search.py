@@ -61,6 +61,8 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gn
     """beam_search's numbers and switches (ValueError naming the argument; TypeError for an early_stop not a bool);
     returns (beam, nbest) as ints."""
     try:
+        if isinstance(beam, bool) or isinstance(nbest, bool):   # (True was taken as beam 1)
+            raise TypeError
         beam, nbest = operator.index(beam), operator.index(nbest)
     except TypeError:
         raise ValueError(f"beam and nbest must be integers, got beam={beam!r}, nbest={nbest!r}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -238,7 +239,7 @@ def resume_conflicts(args: argparse.Namespace, explicit: set, run: TrainConfig) 
     missing, defaults = object(), option_defaults(run.model)
     for k, v in parse_options(args.opt).items():
         had = run.model_options.get(k, defaults.get(k, missing))   # (left out: the model's default)
-        if had is missing or had != v or type(had) is not type(v) and isinstance(had, bool):
+        if had is missing or had != v or (isinstance(had, bool) and type(had) is not type(v)):   # (True == 1)
             shown = run.model_options[k] if k in run.model_options else (
                 f"the default, {defaults[k]}" if k in defaults else "unset")
             out.append(f"--opt {k}={v} (the run's is {shown})")
@@ -267,6 +268,7 @@ _INT = re.compile(r"[-+]?\d+")
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
+@functools.lru_cache(maxsize=None)   # (one class, whichever reader asks)
 def _config_loader():
     """PyYAML's safe loader read as YAML 1.2 reads plain scalars, which is how a person writing a run configuration
     means them: true/false are the only booleans (1.1 also took yes/no/on/off, so `amp: off` was false), a number
@@ -303,6 +305,19 @@ def _config_loader():
     return Loader
 
 
+def _load_config(path: str):
+    """The YAML data of the run configuration `path` (config_arguments, config_edits), as _config_loader reads it:
+    at most MAX_CONFIG_BYTES (more is a ValueError naming the file), decoded whole, so that a parser's offset counts
+    from its start. The reader's and the parser's own errors are the caller's to word."""
+    import yaml
+
+    with open(path, "rb") as f:
+        text = f.read(MAX_CONFIG_BYTES + 1)   # (bounded: --config /dev/zero read until the kernel killed it)
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ValueError(f"--config {path}: more than {MAX_CONFIG_BYTES:,} bytes, not a run configuration")
+    return yaml.load(text.decode("utf-8"), Loader=_config_loader())
+
+
 def config_arguments(path: str) -> List[str]:
     """The command-line arguments that the run configuration `path` stands for (YAML: `dtmt train` flags without
     their dashes as keys, model options as the mapping `opt`), to go before the command line's own, which override
@@ -311,12 +326,7 @@ def config_arguments(path: str) -> List[str]:
     import yaml
 
     try:
-        with open(path, "rb") as f:
-            text = f.read(MAX_CONFIG_BYTES + 1)   # (bounded: --config /dev/zero read until the kernel killed it)
-        if len(text) > MAX_CONFIG_BYTES:
-            raise ValueError(f"--config {path}: more than {MAX_CONFIG_BYTES:,} bytes, not a run configuration")
-        data = yaml.load(text.decode("utf-8"), Loader=_config_loader())   # (decoded whole: the offset below
-        # counts from its start)
+        data = _load_config(path)
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
@@ -393,17 +403,16 @@ def config_edits(path: str, run: TrainConfig) -> List[str]:
     which reads last.pt, would not take. None where the file is absent."""
     import yaml
 
-    loader = _config_loader()
     if not os.path.exists(path):
         return []
     try:
-        with open(path, "rb") as f:
-            data = yaml.load(f.read(MAX_CONFIG_BYTES).decode("utf-8"), Loader=loader)
+        data = _load_config(path)
         if not isinstance(data, dict):
             raise ValueError("not a mapping")
     except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, RecursionError) as exc:
         return [f"it is not a run configuration that can be read ({one_line(exc)[:200]})"]
-    recorded = yaml.load(yaml.safe_dump(run_configuration(run), sort_keys=False), Loader=loader)   # (as read back)
+    recorded = yaml.load(yaml.safe_dump(run_configuration(run), sort_keys=False),   # (as the file reads back)
+                         Loader=_config_loader())
     missing = "none"
     return [f"{k}: {data.get(k, missing)} where {LAST} has {recorded.get(k, missing)}"
             for k in dict.fromkeys([*recorded, *data])
@@ -437,6 +446,13 @@ def parse_options(items: Sequence[str]) -> dict:
     return out
 
 
+def budget_lifts_epochs(values: dict) -> bool:
+    """Whether `values` (dest -> value, an absent key or None: not given) give a step or time budget and no epoch
+    bound: the budget then replaces the epoch bound of the preset, of a --config file, or, on --resume, of the run."""
+    return values.get("max_epochs") is None and (values.get("max_steps") is not None
+                                                 or values.get("max_time") is not None)
+
+
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     """The full run configuration: TrainConfig's defaults, the preset, then the values given (a flag's None
     is "not given")."""
@@ -449,7 +465,7 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         v = getattr(args, k)
         if v is not None:
             train[k] = v
-    if args.max_epochs is None and (args.max_steps is not None or args.max_time is not None):
+    if budget_lifts_epochs(vars(args)):
         train["max_epochs"] = None      # an explicit step or time budget replaces the preset's epoch bound
     elif args.max_epochs is not None:
         train["max_epochs"] = args.max_epochs
@@ -661,7 +677,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     if config is not None:
         try:
             given = command_line_values(build_parser(), argv)
-            budget_given = "max_epochs" not in given and ("max_steps" in given or "max_time" in given)
+            budget_given = budget_lifts_epochs(given)
             from_file = config_arguments(config)
             held = from_file[from_file.index("--preset") + 1] if "--preset" in from_file else None
             if held is not None and given.get("preset", held) != held:   # (a run's config.yaml holds its preset's
@@ -757,7 +773,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             for k in RESUMABLE:   # how long to go on and how to report may change; the rest is the checkpoint's
                 if getattr(args, k) is not None:
                     setattr(cfg, k, getattr(given, k))
-            if args.max_epochs is None and (args.max_steps is not None or args.max_time is not None):
+            if budget_lifts_epochs(vars(args)):
                 cfg.max_epochs = None   # a step or time budget replaces the run's epoch bound, as a preset's
             if args.max_time is not None:
                 cfg.max_time_s = given.max_time_s

@@ -261,8 +261,8 @@ def staged_corpus(out: str, inputs: Sequence[str], log):
 def _commit(stage: str, out: str, inputs: set, log) -> None:
     """staged_corpus's end: the stage's corpus into `out` (see there). It runs with SIGINT and SIGTERM held back (a
     Ctrl-C then ends the command after it, not between two renames); an earlier binarized copy moved aside is
-    removed after the manifest is in place. Removed: the files of the earlier corpus's splits
-    (its manifest's languages and splits) that the new one does not write, never an input."""
+    removed after the manifest is in place. Removed: the files of the earlier corpus's splits (its manifest's
+    languages and splits) that the new one does not write, never an input."""
     manifest = data.read_manifest(stage)
     counts = manifest["counts"]
     written = set(os.listdir(stage))

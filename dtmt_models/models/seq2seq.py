@@ -277,9 +277,8 @@ class Seq2Seq(nn.Module):
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
         optimizer step), build a new one: a search with the old one is a RuntimeError. On a decoder, returns itself,
         or TypeError where the model was converted (.to() / .double() / .cuda()) after the decoder gathered its
-        weights. `int8`: decode with int8 weight matrices,
-        which only the fused step of the attentional RNMT systems has (engine.rnmt.FusedRNMTDecoder): ValueError
-        here."""
+        weights. `int8`: decode with int8 weight matrices, which only the fused step of the attentional RNMT systems
+        has (engine.rnmt.FusedRNMTDecoder): ValueError here."""
         if int8:
             raise int8_unavailable(self)
         if self.training:

@@ -544,23 +544,32 @@ def test_a_prepared_decoder_of_a_model_converted_since_is_refused(name):
     layers' frozen forms: a search with it after the model's .double() is a TypeError saying to build it again
     (gnmt-atr failed inside transition_encode: 'self and mat2 must have the same dtype'). The transformer's copy
     gathers no weights: it decodes in float64, as a new one does."""
-    from dtmt_models.decoding.beam_search import beam_search
-
     torch.manual_seed(0)
     model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
     decoder = model.inference_decoder()
     assert decoder is not model and not isinstance(decoder, FusedRNMTDecoder)
     model.double()
+    fresh = _stale_decoder_refused(name, model, decoder, TypeError,
+                                   rf"{type(model).__name__}: its model was converted to torch.float64 on cpu after "
+                                   r"the decoder gathered its weights in torch.float32 on cpu, .*build its decoder "
+                                   r"again")
+    assert len(fresh) == 3
+
+
+def _stale_decoder_refused(name, model, decoder, error, message):
+    """A search with `decoder`, built before `model` changed: `error` matching `message`, in one line, except for the
+    transformer, whose decoder reads its weights live and decodes as a new one does. Returns a new decoder's
+    hypotheses."""
+    from dtmt_models.decoding.beam_search import beam_search
+
     fresh = beam_search(model.inference_decoder(), _SRC, _LENGTHS, beam=2, max_len_b=3)
     if name == "transformer":
         assert beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3) == fresh
-        return
-    with pytest.raises(TypeError, match=rf"{type(model).__name__}: its model was converted to torch.float64 on cpu "
-                                        r"after the decoder gathered its weights in torch.float32 on cpu, .*build its "
-                                        r"decoder again") as info:
+        return fresh
+    with pytest.raises(error, match=message) as info:
         beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3)
     assert "\n" not in str(info.value)
-    assert len(fresh) == 3
+    return fresh
 
 
 def test_a_decoder_built_after_an_optimizer_step_sees_it():
@@ -596,15 +605,9 @@ def test_a_decoder_of_weights_changed_since_is_refused(name):
     beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3)
     other = build_model(name, 50, 60, embed_dim=16, hidden_size=24)
     model.load_state_dict(other.state_dict())
-    fresh = beam_search(model.inference_decoder(), _SRC, _LENGTHS, beam=2, max_len_b=3)
-    if name == "transformer":
-        assert beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3) == fresh
-        return
-    with pytest.raises(RuntimeError, match=r"its model's weights changed in place \(an optimizer step, "
-                                           r"load_state_dict\) after the decoder gathered them, .*build its decoder "
-                                           r"again") as info:
-        beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3)
-    assert "\n" not in str(info.value)
+    fresh = _stale_decoder_refused(name, model, decoder, RuntimeError,
+                                   r"its model's weights changed in place \(an optimizer step, load_state_dict\) "
+                                   r"after the decoder gathered them, .*build its decoder again")
     assert fresh == beam_search(other.eval().inference_decoder(), _SRC, _LENGTHS, beam=2, max_len_b=3)
 
 

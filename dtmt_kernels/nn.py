@@ -23,6 +23,8 @@ Parameter names (one direction; the reverse direction repeats them with the suff
 
 ATR has weight_ih [H, I], weight_hh [H, H] and bias_hh [H] (the b of q = U h + b), or, with layer norm,
 ln_weight / ln_bias [2H] for p and q (the q offset plays the role of b).
+With `bias=False` (torch.nn.GRU's flag) a layer has no bias_ih, bias_hh or tgru{k}_bias_hh: those terms are zero;
+layer-norm gains and offsets stay.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class _TransitionBase(BackendSwitch, nn.Module):
 
     def __init__(self, input_size: int, hidden_size: int, cell: str, depth: int, layer_norm: bool,
                  num_directions: int, candidate_dropout: float, backend: str, eps: float = 1e-5, device=None,
-                 dtype=None):
+                 dtype=None, bias: bool = True):
         super().__init__()
         name = type(self).__name__
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -85,6 +87,8 @@ class _TransitionBase(BackendSwitch, nn.Module):
         if cell not in CELL_KINDS:
             raise ValueError(f"{name}: cell must be one of {CELL_KINDS}, got {cell!r}")
         _check_flag(name, "layer_norm", layer_norm)
+        _check_flag(name, "bias", bias)
+        self.bias = bool(bias)   # (False: no gate biases, as torch.nn.GRU(bias=False); layer-norm offsets stay)
         self.input_size, self.hidden_size, self.cell, self.depth = input_size, hidden_size, cell, depth
         self.layer_norm, self.num_directions = bool(layer_norm), num_directions
         self.candidate_dropout, self.eps = candidate_dropout, eps
@@ -123,16 +127,17 @@ class _TransitionBase(BackendSwitch, nn.Module):
         n_in, n_h, n_g = CELL_ROWS[self.cell]
         shapes = [(f"weight_ih{sfx}", (n_in * H, I)), (f"weight_hh{sfx}", (n_h * H, H))]
         if self.cell == "atr":
-            if not self.layer_norm:
+            if self.bias and not self.layer_norm:
                 shapes.append((f"bias_hh{sfx}", (H,)))
-        else:
+        elif self.bias:
             skip = n_g if self.layer_norm else 0
             shapes += [(f"bias_ih{sfx}", ((n_in - skip) * H,)), (f"bias_hh{sfx}", ((n_h - skip) * H,))]
         if self.layer_norm:
             shapes += [(f"ln_weight{sfx}", (n_g * H,)), (f"ln_bias{sfx}", (n_g * H,))]
         for k in range(1, self.depth + 1):
-            shapes += [(f"tgru{k}_weight_hh{sfx}", (3 * H, H)),
-                       (f"tgru{k}_bias_hh{sfx}", ((3 - (2 if self.layer_norm else 0)) * H,))]
+            shapes.append((f"tgru{k}_weight_hh{sfx}", (3 * H, H)))
+            if self.bias:
+                shapes.append((f"tgru{k}_bias_hh{sfx}", ((3 - (2 if self.layer_norm else 0)) * H,)))
             if self.layer_norm:
                 shapes += [(f"tgru{k}_ln_weight{sfx}", (2 * H,)), (f"tgru{k}_ln_bias{sfx}", (2 * H,))]
         return shapes
@@ -165,6 +170,8 @@ class _TransitionBase(BackendSwitch, nn.Module):
         if self.cell != "atr":
             s += f", cell={self.cell!r}, depth={self.depth}"
         s += f", layer_norm={self.layer_norm}"
+        if not self.bias:
+            s += ", bias=False"
         if self.num_directions == 2:
             s += ", bidirectional=True"
         if getattr(self, "batch_first", False):
@@ -188,14 +195,18 @@ class _TransitionBase(BackendSwitch, nn.Module):
             b_ih = w_ih.new_zeros(H)  # p = W x has no bias
             b_hh = p.get(f"bias_hh{sfx}", None)
             b_hh = w_hh.new_zeros(H) if b_hh is None else b_hh
+        elif not self.bias:   # (bias=False: the ops' zero biases)
+            b_ih, b_hh = w_ih.new_zeros(w_ih.shape[0]), w_hh.new_zeros(w_hh.shape[0])
         else:
             n_g = CELL_ROWS[self.cell][2]
             b_ih = self._full_bias(p[f"bias_ih{sfx}"], n_g)
             b_hh = self._full_bias(p[f"bias_hh{sfx}"], n_g)
         t_w, t_b, t_ln_w, t_ln_b = [], [], [], []
         for k in range(1, self.depth + 1):
-            t_w.append(p[f"tgru{k}_weight_hh{sfx}"])
-            t_b.append(self._full_bias(p[f"tgru{k}_bias_hh{sfx}"], CELL_ROWS["tgru"][2]))
+            w = p[f"tgru{k}_weight_hh{sfx}"]
+            t_w.append(w)
+            t_b.append(self._full_bias(p[f"tgru{k}_bias_hh{sfx}"], CELL_ROWS["tgru"][2]) if self.bias
+                       else w.new_zeros(w.shape[0]))
             t_ln_w.append(p.get(f"tgru{k}_ln_weight{sfx}"))
             t_ln_b.append(p.get(f"tgru{k}_ln_bias{sfx}"))
         return TransitionWeights(self.cell, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
@@ -290,9 +301,9 @@ class TransitionLayer(_TransitionBase):
     num_layers = 1   # (torch.nn.GRU's attribute, which code sizing h0 reads: a layer here is one layer)
 
     def __init__(self, input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
-                 candidate_dropout, backend, reverse=False, device=None, dtype=None):
+                 candidate_dropout, backend, reverse=False, device=None, dtype=None, bias=True):
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, 2 if bidirectional else 1,
-                         candidate_dropout, backend, device=device, dtype=dtype)
+                         candidate_dropout, backend, device=device, dtype=dtype, bias=bias)
         for arg, value in (("bidirectional", bidirectional), ("batch_first", batch_first), ("reverse", reverse)):
             _check_flag(type(self).__name__, arg, value)
         if reverse and bidirectional:
@@ -407,9 +418,9 @@ class TransitionCell(Unrollable, _TransitionBase):
     """One step (decoder use): (x [B, I], h0 [B, H] = None, drop=None) -> h' [B, H]."""
 
     def __init__(self, input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend, device=None,
-                 dtype=None):
+                 dtype=None, bias=True):
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, 1, candidate_dropout, backend,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, bias=bias)
 
     def forward(self, x: Tensor, h0: Optional[Tensor] = None, drop: Optional[Tensor] = None, *,
                 hx: Optional[Tensor] = None) -> Tensor:
@@ -483,20 +494,18 @@ class DeepTransitionGRU(TransitionLayer):
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, bidirectional: bool = False, batch_first: bool = False,
                  candidate_dropout: float = 0.0, backend: str = "auto", reverse: bool = False, device=None,
-                 dtype=None):
+                 dtype=None, bias: bool = True):
         if cell not in DEEP_TRANSITION_CELLS:
             raise ValueError(f"DeepTransitionGRU: cell must be {_DT_CELLS}, got {cell!r}"
                              + ("; use dtmt_kernels.nn.ATR" if cell == "atr" else ""))
         super().__init__(input_size, hidden_size, cell, depth, layer_norm, bidirectional, batch_first,
-                         candidate_dropout, backend, reverse, device, dtype)
+                         candidate_dropout, backend, reverse, device, dtype, bias)
 
     @classmethod
     def from_torch(cls, gru: nn.GRU, backend: str = "auto") -> "DeepTransitionGRU":
         """A GRU layer (cell="gru", depth=0, no layer norm) holding a copy of a one-layer torch.nn.GRU's
         weights; it reproduces the torch module's outputs. It takes the GRU's mode (train / eval) and which weights
-        want gradients; a GRU without biases gives biases of zero that want none. (They stay zero only while they
-        want none: the layer has parameters for them, so `requires_grad_(True)`, or its state_dict loaded into a
-        new layer, makes them train; keep them out of the optimizer for a bias-free GRU.)"""
+        want gradients; a GRU without biases (bias=False) gives a layer without biases.)"""
         if not isinstance(gru, nn.GRU):
             raise ValueError(f"DeepTransitionGRU.from_torch: expected a torch.nn.GRU, got {type(gru).__name__}")
         if gru.num_layers != 1:
@@ -505,26 +514,22 @@ class DeepTransitionGRU(TransitionLayer):
         if getattr(gru, "proj_size", 0):
             raise ValueError("DeepTransitionGRU.from_torch: GRUs with proj_size are not supported")
         layer = cls(gru.input_size, gru.hidden_size, depth=0, cell="gru", layer_norm=False,
-                    bidirectional=gru.bidirectional, batch_first=gru.batch_first, backend=backend)
+                    bidirectional=gru.bidirectional, batch_first=gru.batch_first, backend=backend, bias=gru.bias)
         return _copy_torch_gru(gru, layer, "_l0")
 
 
 def _copy_torch_gru(gru: nn.Module, layer: "_TransitionBase", torch_suffix: str):
     """`layer` (a GRU: cell "gru", depth 0, no layer norm) on gru's device and dtype, holding a copy of its weights
     (`weight_ih{torch_suffix}`, ...: "_l0" for torch.nn.GRU, "" for torch.nn.GRUCell), in its mode (train / eval),
-    each weight wanting a gradient where gru's does; absent biases (bias=False) are zeros that want none."""
+    each weight wanting a gradient where gru's does (a bias-free gru, bias=False, made a bias-free layer)."""
     ref = getattr(gru, f"weight_hh{torch_suffix}")
     H = gru.hidden_size
     layer = layer.to(device=ref.device, dtype=ref.dtype)
     with torch.no_grad():
         for sfx in layer._suffixes():
-            for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-                src = getattr(gru, f"{kind}{torch_suffix}{sfx}", None)
+            for kind in ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if layer.bias else ()):
+                src = getattr(gru, f"{kind}{torch_suffix}{sfx}")
                 dst = getattr(layer, f"{kind}{sfx}")
-                if src is None:  # bias=False: zeros, kept at zero (no gradient)
-                    dst.zero_()
-                    dst.requires_grad_(False)
-                    continue
                 dst.copy_(src)
                 dst.requires_grad_(src.requires_grad)   # (a frozen GRU gives a frozen layer)
                 # torch updates h' = (1-z) c + z h where contract §2 has h' = (1-z) h + z c: since
@@ -539,11 +544,12 @@ class DeepTransitionGRUCell(TransitionCell):
 
     def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, candidate_dropout: float = 0.0, backend: str = "auto", device=None,
-                 dtype=None):
+                 dtype=None, bias: bool = True):
         if cell not in DEEP_TRANSITION_CELLS:
             raise ValueError(f"DeepTransitionGRUCell: cell must be {_DT_CELLS}, got {cell!r}"
                              + ("; use dtmt_kernels.nn.ATRCell" if cell == "atr" else ""))
-        super().__init__(input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend, device, dtype)
+        super().__init__(input_size, hidden_size, cell, depth, layer_norm, candidate_dropout, backend, device, dtype,
+                         bias)
 
     @classmethod
     def from_torch(cls, cell: nn.GRUCell, backend: str = "auto") -> "DeepTransitionGRUCell":
@@ -552,7 +558,8 @@ class DeepTransitionGRUCell(TransitionCell):
         if not isinstance(cell, nn.GRUCell):
             raise ValueError("DeepTransitionGRUCell.from_torch: expected a torch.nn.GRUCell, got "
                              f"{type(cell).__name__}")
-        ours = cls(cell.input_size, cell.hidden_size, depth=0, cell="gru", layer_norm=False, backend=backend)
+        ours = cls(cell.input_size, cell.hidden_size, depth=0, cell="gru", layer_norm=False, backend=backend,
+                   bias=cell.bias)
         return _copy_torch_gru(cell, ours, "")
 
 
@@ -561,17 +568,18 @@ class ATR(TransitionLayer):
     h' = σ(p+q) p + σ(p−q) h."""
 
     def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, bidirectional: bool = False,
-                 batch_first: bool = False, backend: str = "auto", reverse: bool = False, device=None, dtype=None):
+                 batch_first: bool = False, backend: str = "auto", reverse: bool = False, device=None, dtype=None,
+                 bias: bool = True):
         super().__init__(input_size, hidden_size, "atr", 0, layer_norm, bidirectional, batch_first, 0.0, backend,
-                         reverse, device, dtype)
+                         reverse, device, dtype, bias)
 
 
 class ATRCell(TransitionCell):
     """One ATR step, for decoders: h1 = cell(x, h0)."""
 
     def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, backend: str = "auto",
-                 device=None, dtype=None):
-        super().__init__(input_size, hidden_size, "atr", 0, layer_norm, 0.0, backend, device, dtype)
+                 device=None, dtype=None, bias: bool = True):
+        super().__init__(input_size, hidden_size, "atr", 0, layer_norm, 0.0, backend, device, dtype, bias)
 
 
 class Linear(BackendSwitch, nn.Linear):

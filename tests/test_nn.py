@@ -235,16 +235,60 @@ def test_factory_arguments_as_torch_modules_take_them(cls, kwargs):
             make(dtype=bad)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cell,depth,layer_norm", [("gru", 0, False), ("lgru", 2, True), ("lau", 1, False),
+                                                   ("atr", 0, False), ("atr", 0, True)])
+def test_bias_false_is_the_layer_with_zero_biases(backend, cell, depth, layer_norm):
+    """bias=False (torch.nn.GRU's flag): no gate-bias parameters; outputs and the other parameters' gradients are
+    those of the same layer with its biases zero, to the bit, for a layer and a cell."""
+    torch.manual_seed(5)
+    make = (lambda **kw: dk.nn.ATR(5, 6, layer_norm=layer_norm, bidirectional=True, backend=backend, **kw)) \
+        if cell == "atr" else (lambda **kw: dk.nn.DeepTransitionGRU(5, 6, depth=depth, cell=cell, layer_norm=layer_norm,
+                                                                    bidirectional=True, backend=backend, **kw))
+    ours, full = make(bias=False).double(), make().double()
+    assert not any("bias" in n and "ln_" not in n for n, _ in ours.named_parameters())
+    with torch.no_grad():
+        for n, p in full.named_parameters():
+            p.copy_(getattr(ours, n)) if hasattr(ours, n) else p.zero_()
+    x, lengths = torch.randn(7, 3, 5, dtype=torch.double), torch.tensor([7, 4, 1])
+    g = torch.randn(7, 3, 12, dtype=torch.double)
+    (out, h), (out_f, h_f) = ours(x, lengths=lengths), full(x, lengths=lengths)
+    assert torch.equal(out, out_f) and torch.equal(h, h_f)
+    grads = torch.autograd.grad((out * g).sum(), list(ours.parameters()))
+    grads_f = torch.autograd.grad((out_f * g).sum(), [getattr(full, n) for n, _ in ours.named_parameters()])
+    for a, b in zip(grads, grads_f):
+        assert torch.equal(a, b)
+    one = (dk.nn.ATRCell(5, 6, layer_norm=layer_norm, backend=backend, bias=False) if cell == "atr" else
+           dk.nn.DeepTransitionGRUCell(5, 6, depth=depth, cell=cell, layer_norm=layer_norm, backend=backend,
+                                       bias=False)).double()
+    one.load_state_dict({n[:-len("_reverse")]: p for n, p in ours.state_dict().items() if n.endswith("_reverse")})
+    step = one(x[0], torch.zeros(3, 6, dtype=torch.double))
+    assert "bias=False" in repr(one)
+    back = ours(x[:1].flip(0))[0][0, :, 6:]   # (the reverse direction's one step over x[0])
+    torch.testing.assert_close(step, back)
+    with pytest.raises(ValueError, match="bias must be True or False"):
+        make(bias="no")
+
+
 def test_from_torch_without_bias_and_bad_inputs():
     gru = torch.nn.GRU(3, 4, bias=False)
     layer = dk.nn.DeepTransitionGRU.from_torch(gru)
     x = torch.randn(5, 2, 3)
     torch.testing.assert_close(layer(x)[0], gru(x)[0], atol=1e-6, rtol=1e-5)
     # the GRU's mode and frozen weights carry over (an eval() GRU gave a layer in training mode, every weight wanting
-    # a gradient), and the biases a bias-free GRU lacks stay zero under training (they want no gradient)
-    assert layer.training and layer.weight_hh.requires_grad and not layer.bias_ih.requires_grad
-    layer(x)[0].sum().backward()
-    assert layer.bias_ih.grad is None and layer.weight_ih.grad is not None
+    # a gradient); a bias-free GRU gives a bias-free layer: its zero biases had been parameters, which
+    # requires_grad_() or a state_dict loaded into a new layer made train, leaving the torch GRU's function
+    assert layer.training and layer.weight_hh.requires_grad and not layer.bias
+    assert [n for n, _ in layer.named_parameters()] == ["weight_ih", "weight_hh"]
+    layer.requires_grad_(True)
+    opt, opt_t = torch.optim.SGD(layer.parameters(), lr=0.5), torch.optim.SGD(gru.parameters(), lr=0.5)
+    for m, o in ((layer, opt), (gru, opt_t)):
+        m(x)[0].square().sum().backward()
+        o.step()
+    torch.testing.assert_close(layer(x)[0], gru(x)[0], atol=1e-6, rtol=1e-5)   # (trained alike, the same still)
+    copy = dk.nn.DeepTransitionGRU(3, 4, depth=0, cell="gru", layer_norm=False, bias=False)
+    copy.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(copy(x)[0], gru(x)[0], atol=1e-6, rtol=1e-5)
     gru.eval().weight_ih_l0.requires_grad_(False)
     frozen = dk.nn.DeepTransitionGRU.from_torch(gru)
     assert not frozen.training and not frozen.weight_ih.requires_grad and frozen.weight_hh.requires_grad
@@ -277,7 +321,7 @@ def test_cell_from_torch_reproduces_torch_gru_cell(backend, bias):
         if torchs.dim() == 2 and torchs.shape[0] == 27:   # (the update gate's rows, negated as from_torch does)
             torchs[9:18] = -torchs[9:18]
         torch.testing.assert_close(ours, torchs)
-    assert cell.bias_ih.requires_grad == bias
+    assert cell.bias == bias and hasattr(cell, "bias_ih") == bias
     with pytest.raises(ValueError, match="expected a torch.nn.GRUCell, got GRU"):
         dk.nn.DeepTransitionGRUCell.from_torch(torch.nn.GRU(6, 9))
 

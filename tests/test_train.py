@@ -1995,6 +1995,20 @@ def test_resume_says_where_the_run_s_config_yaml_was_edited(toy_nodev, tmp_path,
     assert r.returncode == 0 and "warning" not in r.stdout, r.stdout
 
 
+def test_resume_names_each_setting_it_changes(toy_nodev, tmp_path, capsys):
+    """A resume that changed how long to go on or how to report (--max-steps, --valid-every, ...) said nothing of it:
+    only the log's rows showed it later. It now names each one, old and new; a resume that changes none, nothing."""
+    out = tmp_path / "run"
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "2", *TINY], capsys)
+    assert r.returncode == 0, r.stderr
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--resume", "--max-steps", "3", "--log-every", "1",
+                    "--max-time", "1h", "--threads", "1"], capsys)
+    assert r.returncode == 0 and ("resumed with changed settings: max_steps 2 -> 3; max_time None -> '1h'; log_every "
+                                  "50 -> 1\n") in r.stdout, r.stdout
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--resume", "--max-steps", "3"], capsys)
+    assert r.returncode == 0 and "changed settings" not in r.stdout and "reached --max-steps 3" in r.stdout, r.stdout
+
+
 def test_model_options_read_numbers_as_python_writes_them():
     """--opt dropout=.1 (or 1., +0.1) was text to the JSON reader and refused as "expected float"; 010 is 10."""
     from dtmt_models.cli.train import parse_options

@@ -596,6 +596,13 @@ def check_processes_agree(dist: Dist, cfg: TrainConfig) -> None:
                              f"corpus")
 
 
+def resume_changes(before: dict, after: dict) -> List[str]:
+    """On --resume, each setting whose value the command line changed, as "name old -> new" (max_time_s, the seconds
+    of max_time, left out)."""
+    return [f"{k} {before.get(k)!r} -> {v!r}" for k, v in after.items()
+            if k != "max_time_s" and before.get(k) != v]
+
+
 def held_checkpoints(out: str) -> List[str]:
     """The checkpoints a run left in `out` that tell it is a run's folder: its last.pt and best.pt, or else its first
     step_N.pt (a run killed between them, or one whose last.pt was removed)."""
@@ -674,6 +681,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     config = configs[0] if configs else None
     budget_given = False   # the command line gives a step or time budget and no epoch bound
     edits = []   # on --resume, what the run's config.yaml says otherwise than its last.pt (config_edits)
+    changes = []   # on --resume, the run's settings this command changes (resume_changes)
     if config is not None:
         try:
             given = command_line_values(build_parser(), argv)
@@ -770,6 +778,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 raise ValueError(f"--data {args.data} is not the corpus this run was trained on ({', '.join(differ)} "
                                  f"differ); pass --allow-changed-data to continue on it anyway")
             given = resolve_config(args)
+            before = cfg.to_dict()
             for k in RESUMABLE:   # how long to go on and how to report may change; the rest is the checkpoint's
                 if getattr(args, k) is not None:
                     setattr(cfg, k, getattr(given, k))
@@ -777,6 +786,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 cfg.max_epochs = None   # a step or time budget replaces the run's epoch bound, as a preset's
             if args.max_time is not None:
                 cfg.max_time_s = given.max_time_s
+            changes = resume_changes(before, cfg.to_dict())
         else:
             held = held_checkpoints(args.out)
             if held and not args.overwrite:   # (a best.pt without last.pt: a run killed between the two, or one's
@@ -832,6 +842,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 print(f"warning: {os.path.join(cfg.out, CONFIG)} differs from the settings in {LAST} "
                       f"({'; '.join(edits)}); --resume continues with {LAST}'s and writes them there: give a change "
                       f"as a flag, or take the file's with --config {CONFIG} --resume", flush=True)
+            if changes:   # (said nowhere before: a run's log showed a changed --valid-every only by its rows)
+                print(f"resumed with changed settings: {'; '.join(changes)}", flush=True)
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
         code = trainer.run()

@@ -168,6 +168,33 @@ def test_loss_refuses_what_is_no_target_or_argument(dtype):
         f(torch.randn(3, 0, dtype=dtype), torch.zeros(3, dtype=torch.long))
 
 
+def test_an_ignore_index_beyond_an_int32_target_s_range_is_compared_as_int64():
+    """The portable path (16-bit logits, any device) and the reference compared an int32 target with ignore_index in
+    int32: 2**40 wrapped to 0, and the rows of target 0 were left out (1.97 where the kernel gives 9.44). Small integer
+    targets (int8) with 16-bit logits failed in gather. Every path now scores them as the kernel does."""
+    import dtmt_kernels as dk
+    from dtmt_kernels.ops.loss import reference
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 5, dtype=torch.float64)
+    for target in (torch.tensor([0, 4, 0, 2], dtype=torch.int32), torch.tensor([0, 4, 0, 2], dtype=torch.int8)):
+        expected = -torch.log_softmax(logits, -1)[torch.arange(4), target.long()].sum()   # (no row ignored)
+        for got in (dk.functional.smoothed_cross_entropy(logits, target, 0.0, 2 ** 40)[0],
+                    reference.smoothed_cross_entropy(logits, target, 0.0, 2 ** 40)[0],
+                    dk.functional.smoothed_cross_entropy(logits.bfloat16(), target, 0.0, 2 ** 40)[0].double()):
+            torch.testing.assert_close(got, expected, atol=0.1 if got.dtype != logits.dtype else 1e-12, rtol=1e-2)
+
+
+def test_the_loss_op_s_statistics_want_no_gradient():
+    """The op's NLL sum and gradient outputs wanted a gradient, and a backward from them completed leaving the logits'
+    None: they are marked as wanting none (nothing flows back through them, as the op's docstring says)."""
+    logits = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    loss, nll, grad = torch.ops.dtmt.smoothed_cross_entropy(logits, torch.tensor([1, 4, 0]), 0.1, -100)
+    assert loss.requires_grad and not nll.requires_grad and not grad.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        nll.backward()
+
+
 def test_fused_loss_rejects_bad_smoothing():
     logits, target = _random_case(0, torch.float32)
     with pytest.raises(ValueError, match="smoothing"):

@@ -98,6 +98,8 @@ def register_autograd(op: str, backward, setup_context) -> None:
                     {"forward": staticmethod(forward), "backward": staticmethod(backward_keys)})
 
     def kernel(keys, *args):
+        if _forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None:
+            check_transforms(name, *_tensors(args))   # (a direct call's tangent was dropped: a silent zero)
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return function.apply(*args, keys)
         with torch._C._AutoDispatchBelowAutograd():

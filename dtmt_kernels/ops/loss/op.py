@@ -25,6 +25,8 @@ def _setup(ctx, inputs, output):
     ctx.grad = output[2].detach()   # not saved_tensors: the backward scales it in place, which their check forbids
     ctx.version = ctx.grad._version   # ... so it checks itself that nothing else changed it (the op returns it)
     ctx.set_materialize_grads(False)   # the outputs with no gradient (NLL, grad) get no [N, V] of zeros
+    ctx.mark_non_differentiable(output[1], output[2])   # (they wanted a gradient, and a backward through them left
+    # the logits' None, without a word)
     ctx.scaled_by = None
 
 
@@ -66,6 +68,7 @@ class PortableSmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, smoothing: float, ignore_index: int):
         log_probs = torch.log_softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        target = target.long()   # (an int32 target compared an ignore_index beyond int32 wrapped: 2**40 as 0)
         keep = target.ne(ignore_index)
         safe = torch.where(keep, target, 0)
         nll = -log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)

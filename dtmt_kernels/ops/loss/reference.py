@@ -13,6 +13,7 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     with log p = log_softmax(logits) (in float32 at least) and per row (paper 000's label smoothing ε):
         loss = (1 - ε) · (−log p_y) + ε · mean_v(−log p_v)."""
     log_p = torch.log_softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    target = target.long()   # (ignore_index compared in int64: beyond an int32 target's range it wrapped)
     keep = target.ne(ignore_index)
     nll = -log_p.gather(-1, target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     # (without smoothing the NLL alone: a -inf logit, a masked token, makes the mean -inf, and 0 * inf was NaN)

@@ -1211,6 +1211,9 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
          "nothing is decoded: leave out --beam 4, --device cpu, --amp off"),
         (["--hyp", short, "--data", data, "--max-len-a=2"], 2, "nothing is decoded: leave out --max-len-a 2.0"),
         (["--hyp", short, "--ref", short], 2, "--src F --ref G (--hyp needs the source beside it"),
+        # a checkpoint beside --hyp was not used, but its results folder took the scores as its model's
+        (["--hyp", short, "--data", data, "--checkpoint", ckpt], 2, "--hyp scores a translation already made, and "
+         f"no model is used: leave out --checkpoint {ckpt} (name the results folder with --out-dir)"),
         (["--checkpoint", ckpt, "--data", data, "--threads", "-2"], 2,
          "--threads -2: must be an integer in [0, 1,024]"),
         (["--checkpoint", ckpt, "--data", data, "--bounds", "10,5"], 2, "--bounds: expected increasing"),

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description="Translate a test set with a checkpoint (or take existing translations with "
                                "--hyp) and score it: BLEU, chrF and BLEU by source length.")
     p.add_argument("--checkpoint", "-c", action="append", metavar="CKPT",
-                   help="a checkpoint written by `dtmt train` (not needed with --hyp); repeated, an ensemble")
+                   help="a checkpoint written by `dtmt train` (none with --hyp); repeated, an ensemble")
     p.add_argument("--data", help="a corpus directory written by `dtmt prepare`")
     p.add_argument("--split", default=None, help="the split of --data to score (default test)")
     p.add_argument("--src", help="source file (with --ref, instead of --data)")
@@ -92,6 +92,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.hyp and args.decoding_given:   # nothing is decoded: an option of how to decode would do nothing
         raise UsageError(f"--hyp scores a translation already made, and nothing is decoded: leave out "
                          f"{', '.join(args.decoding_given)}")
+    if args.hyp and args.checkpoint:   # (the scores went into the checkpoint's results folder, recorded as its
+        # model's, beside that model's own hyp.txt)
+        raise UsageError(f"--hyp scores a translation already made, and no model is used: leave out --checkpoint "
+                         f"{' '.join(args.checkpoint)} (name the results folder with --out-dir)")
     check_decoding_arguments(args)
     bounds = _parse_bounds(args.bounds)
     if args.data and (args.src or args.ref):

@@ -1757,12 +1757,15 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     save_checkpoint(str(tmp_path / "crafted.pt"), crafted)
     assert average([str(tmp_path / "crafted.pt"), p24, "-o", str(tmp_path / "avg2.pt")]) == 0
     assert "come from different training runs" in capsys.readouterr().err
-    same, copy = str(tmp_path / "same.pt"), str(tmp_path / "copy.pt")   # a checkpoint averaged with itself is itself
+    # a copy of a checkpoint under another name (a run's best.pt beside the step checkpoint of the same update, as
+    # `dtmt average run/best.pt run/step_*.pt` gives): its weights counted twice, without a word; now refused
+    same, copy = str(tmp_path / "same.pt"), str(tmp_path / "copy.pt")
     shutil.copyfile(p24, copy)
-    assert average([p24, copy, "-o", same]) == 0
-    for name, value in read_checkpoint(same)["model"].items():
-        assert torch.equal(value, b["model"][name]), name
     capsys.readouterr()
+    assert average([p20, p24, copy, "-o", same]) == 2 and not os.path.exists(same)
+    assert capsys.readouterr().err == (f"dtmt average: {copy} holds the same weights as {p24} (a copy, or "
+                                       f"best.pt or last.pt written at the same update as a step checkpoint); each "
+                                       f"checkpoint counts once\n")
     # the same file twice (a slip for another step, most likely), a folder, a missing file: refused, nothing written
     for bad, message in (([p24, p24], "is given twice"), ([uninterrupted], "is a directory"),
                          ([str(tmp_path / "nope.pt")], "no such checkpoint")):
@@ -1773,7 +1776,7 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     assert "is a directory; give a file name" in capsys.readouterr().err
     assert average([p24, "-o", str(tmp_path / "one.pt")]) == 0
     assert "one checkpoint: the output holds its weights as they are" in capsys.readouterr().err
-    foreign = dict(b, config={**b["config"], "out": "elsewhere"})   # another run's checkpoint: averaged, with a warning
+    foreign = dict(a, config={**a["config"], "out": "elsewhere"})   # another run's checkpoint: averaged, with a warning
     foreign.pop("format")
     save_checkpoint(str(tmp_path / "foreign.pt"), foreign)
     assert average([p24, str(tmp_path / "foreign.pt"), "-o", str(tmp_path / "mixed.pt")]) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import hashlib
 import os
 import pickle
 import re
@@ -402,8 +403,9 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     float64 and cast back, integer buffers must agree), as a translation checkpoint payload: the model's
     description is the first file's (the one checked to build), the rest the last file's (its config, its step),
     plus `averaged_from` (the file names). `paths`: a list of paths (a single string is refused, not read letter by
-    letter). Raises ValueError naming the first file that does not match the first one, a file given twice, or a
-    weight that is not finite; warns
+    letter). Raises ValueError naming the first file that does not match the first one, a file given twice (by
+    another name too, or a copy: the weights of two files equal, as a run's best.pt and its step checkpoint of the
+    same update), or a weight that is not finite; warns
     (UserWarning) when the files come from different training runs (their `config`s name another output folder or
     seed: the mean of separately trained weights is rarely a model that translates)."""
     if isinstance(paths, (str, bytes, os.PathLike)):
@@ -425,6 +427,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     own = translation_parts(paths[0], first)[2]
     check_weights_fit(paths[0], first, own)   # (the mean would hold a NaN or an infinity too)
     runs = {_run_of(first): paths[0]}
+    weights = {_weights_digest(first["model"]): paths[0]}
     sums = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
     last = first
     for path in paths[1:]:
@@ -436,6 +439,10 @@ def average_checkpoints(paths) -> Dict[str, Any]:
             raise ValueError(f"{path}: not a translation checkpoint (it has no model)")
         runs.setdefault(_run_of(ckpt), path)
         check_weights_fit(path, ckpt, own)   # (the first file's model: the same name, options and vocabularies)
+        twin = weights.setdefault(_weights_digest(ckpt["model"]), path)
+        if twin != path:   # (its weights counted twice: best.pt beside the step checkpoint it was written with)
+            raise ValueError(f"average: {path} holds the same weights as {twin} (a copy, or {BEST_OR_LAST} written at "
+                             f"the same update as a step checkpoint); each checkpoint counts once")
         for k, v in ckpt["model"].items():
             if v.is_floating_point():
                 sums[k] += v.double()
@@ -481,6 +488,19 @@ def _same_number(a: Any, b: Any) -> bool:
     if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
         return a == b
     return same_value(a, b)
+
+
+BEST_OR_LAST = "best.pt or last.pt"
+
+
+def _weights_digest(state: Dict[str, torch.Tensor]) -> bytes:
+    """A digest of a state dict's names, dtypes, shapes and values: equal for equal weights."""
+    h = hashlib.blake2b(digest_size=20)
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{tuple(state[name].shape)};".encode())
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return h.digest()
 
 
 def _run_of(ckpt: Dict[str, Any]) -> Tuple[Any, Any]:

@@ -413,16 +413,9 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     paths = list(paths)
     if not paths:
         raise ValueError("average: no checkpoints given")
-    seen = {}
-    for path in paths:
-        try:   # (the file itself, however named: a symlink or a hard link to one given is the same checkpoint)
-            stat = os.stat(path)
-            key = (stat.st_dev, stat.st_ino)
-        except OSError:
-            key = os.path.realpath(path)   # (read_checkpoint below says what is wrong with it)
-        if key in seen:
-            raise ValueError(f"average: {path} is given twice (as {seen[key]} too); each checkpoint counts once")
-        seen[key] = path
+    twice = given_twice(paths)
+    if twice:
+        raise ValueError(f"average: {twice[0]} is given twice (as {twice[1]} too); each checkpoint counts once")
     first = read_checkpoint(paths[0])
     own = translation_parts(paths[0], first)[2]
     check_weights_fit(paths[0], first, own)   # (the mean would hold a NaN or an infinity too)
@@ -491,6 +484,23 @@ def _same_number(a: Any, b: Any) -> bool:
 
 
 BEST_OR_LAST = "best.pt or last.pt"
+
+
+def given_twice(paths) -> Optional[Tuple[str, str]]:
+    """The first path of `paths` that names a file named before (however: a symlink or a hard link to it too), with
+    that earlier path; None where each is its own. A path that cannot be read counts by its real path (its reader
+    says what is wrong with it)."""
+    seen = {}
+    for path in paths:
+        try:
+            stat = os.stat(path)
+            key = (stat.st_dev, stat.st_ino)
+        except OSError:
+            key = os.path.realpath(path)
+        if key in seen:
+            return path, seen[key]
+        seen[key] = path
+    return None
 
 
 def _weights_digest(state: Dict[str, torch.Tensor]) -> bytes:

@@ -194,7 +194,7 @@ def main(argv=None):
         return quality(sys.argv[1:] if argv is None else argv)
     import torch
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_batch_arguments(p)
     p.add_argument("--out", default=os.path.join(HERE, "out", "amp"))
     a = p.parse_args(argv)

@@ -93,7 +93,7 @@ def measure(name, B, S, H, C, A, heads, repeat, device="cpu"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=20, help="timed repetitions (median reported)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repetition (smoke test)")

@@ -261,7 +261,7 @@ def table(r: dict, machine: str) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write bench_core_limits.md and .json here")
     a = p.parse_args(argv)
     from common import machine_name, write_report

@@ -174,7 +174,7 @@ def main(argv=None):
     from dtmt_models.models.presets import PRESETS, get_preset
     from dtmt_models.models.registry import build_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
     p.add_argument("--checkpoints", nargs="*", default=None)
     p.add_argument("--input", default=None, help="source sentences (checkpoint mode)")

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--system", default="dtmt")
     p.add_argument("--preset", default="small")
     p.add_argument("--updates", type=int, default=20)

@@ -57,10 +57,18 @@ def rate(f, flops: float, inner: int, repeat: int) -> float:
     return flops / statistics.median(times) / 1e9
 
 
+def _shape(text: str) -> str:
+    """--shapes' MxKxN, each a positive integer (foo was a ValueError's traceback after the first shapes ran)."""
+    parts = text.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected MxKxN of positive integers, e.g. 50x512x1024, got {text!r}")
+    return text
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", nargs="+", default=["50x128x1024", "50x256x768", "50x512x1024", "2050x512x1024"],
-                   help="M x K x N")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", type=_shape, default=["50x128x1024", "50x256x768", "50x512x1024",
+                                                                "2050x512x1024"], help="MxKxN, e.g. 50x512x1024")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--decode", action="store_true",
                    help="dtmt small preset's decoder shapes at beam 4, batch 1 (M = 4), with --cold")

@@ -87,7 +87,7 @@ def quantize_step_weights(model):
 def main(argv=None):
     from common import torch_threads
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt"))
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--split", default="test")

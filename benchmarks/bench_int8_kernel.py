@@ -54,7 +54,7 @@ def best_time(fn, calls: int, repeat: int) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "step_0001734.pt"))
     p.add_argument("--rows", default="1,4,8,32")
     p.add_argument("--calls", type=int, default=50)

@@ -97,7 +97,7 @@ def count(calls: int, op: str) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default=os.path.join(HERE, "out", "op_checks"))
     p.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)

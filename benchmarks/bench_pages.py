@@ -67,7 +67,7 @@ def main(argv=None):
     from dtmt_models.models.checkpoint import load_model
     from dtmt_models.engine.rnmt import FusedRNMTDecoder
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "dev_dtmt", "best.pt"))
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--sentences", type=int, default=0, help="the first N test sources (0: all)")

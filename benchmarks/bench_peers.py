@@ -601,7 +601,7 @@ def main(argv=None):
     from dtmt_models.models.presets import PRESETS, get_preset
     from dtmt_models.cli.train import parse_duration
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", nargs="+", default=["dtmt", "onmt-lstm"],
                    help=f"dtmt systems ({', '.join(sorted(PRESETS))}) and peers ({', '.join(sorted(PEERS))})")
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))

@@ -244,7 +244,7 @@ def envelope(multiprocessors, shared_memory, l2_cache, batch: int, forms=("grid"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--T", type=int, default=50)
     p.add_argument("--B", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--H", type=int, default=512)

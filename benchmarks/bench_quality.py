@@ -89,7 +89,7 @@ def main(argv=None):
     from dtmt_models.models.presets import PRESETS
     from dtmt_models.cli.train import parse_duration
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--budget", default="10m", help="training time per system (e.g. 90s, 10m, 1h)")

@@ -109,7 +109,7 @@ def main(argv=None):
     from dtmt_models.decoding.translate import translate
     from dtmt_models.models.checkpoint import load_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt"))
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--split", default="test")

@@ -267,7 +267,7 @@ def table(r: dict, machine: str) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", default=None, metavar="REV", help="also time (and check) the loops at git REV")
     p.add_argument("--isa", choices=sorted(MARCH), default=None,
                    help="the copy to build (default: the one the extension runs on this CPU)")

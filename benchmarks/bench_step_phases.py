@@ -43,7 +43,7 @@ NOTES = {"recurrent_product": "both cells: within query_cell and decoder_cell",
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=os.path.join(ROOT, "benchmarks", "out", "dev_dtmt", "best.pt"))
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--sentences", type=int, default=200, help="the first N test sources (default 200)")

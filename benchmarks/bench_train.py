@@ -282,7 +282,7 @@ def run(argv=None):
 
     from dtmt_models.models.presets import PRESETS
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", nargs="+", default=sorted(PRESETS))
     p.add_argument("--fused", nargs="+", default=["auto"], type=backend_spec,
                    help="the fused backend(s) to compare with the reference (auto: cpp on CPU, cuda on a GPU); "

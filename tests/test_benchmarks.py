@@ -369,6 +369,9 @@ def test_bench_amp_gemm_attention_refuse_bad_counts_before_running(tmp_path, cap
             (bench_amp.main, ["--model", "nope"], "--model nope: unknown model 'nope'"),
             (bench_gemm.main, ["--repeat", "0"], "--repeat 0: must be >= 1"),
             (bench_gemm.main, ["--threads", "1", "0"], "--threads 0: must be >= 1"),
+            (bench_gemm.main, ["--shapes", "4x8x16", "foo"], "--shapes: expected MxKxN of positive integers, e.g. "
+                                                              "50x512x1024, got 'foo'"),   # (a traceback, mid-run)
+            (bench_gemm.main, ["--shapes", "4x0x16"], "got '4x0x16'"),
             (bench_attention.main, ["--repeat", "0"], "--repeat 0: must be >= 1")):
         extra = ["--out", str(tmp_path / "o")] if main is not bench_gemm.main else []
         with pytest.raises(SystemExit) as info:
@@ -717,6 +720,10 @@ def test_dtmt_bench_finds_the_scripts_of_a_checkout_or_says_where_they_are(tmp_p
     assert bench.main(["pages", "--no-such-option"]) == 2   # its usage names the command typed, not the script
     assert "dtmt bench pages: error: unrecognized arguments: --no-such-option" in capsys.readouterr().err
     assert sys.argv[0] != "dtmt bench pages" and sys.modules.get("__main__") is main_module   # both restored
+    # a script's --help says what a run without options does (its docstring whole: it gave the first line, and
+    # `dtmt bench quality` trains every system for 10 minutes each)
+    assert bench.main(["quality", "--help"]) == 0
+    assert "# all systems, 10 min each, Bible" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", ["x"])
     script = tmp_path / "benchmarks" / "bench_refuses.py"
     script.parent.mkdir()

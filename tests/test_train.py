@@ -1633,6 +1633,12 @@ def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nod
     r = train_here(["--data", toy_nodev, "--resume", str(weights_only), "--out", str(tmp_path / "runD"),
                     "--max-steps", "5", *args], capsys)
     assert r.returncode == 2 and f"{weights_only} has no training state" in r.stderr, r.stderr
+    # ... the same in the run's own folder (an averaged checkpoint beside last.pt): it was first told to take a new
+    # --out, where it was refused for this
+    shutil.copyfile(weights_only, run_a / "avg.pt")
+    r = train_here(["--data", toy_nodev, "--resume", str(run_a / "avg.pt"), "--max-steps", "5", *args], capsys)
+    assert r.returncode == 2 and f"{run_a / 'avg.pt'} has no training state" in r.stderr, r.stderr
+    (run_a / "avg.pt").unlink()
     monkeypatch.setenv("WORLD_SIZE", "2")
     r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(tmp_path / "runD"), "--max-steps", "5",
                     *args], capsys)

@@ -738,6 +738,9 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         fingerprint = binarized.fingerprint(args.data)
         if args.resume is not None:
             source = resume_from or last
+            ckpt = read_checkpoint(source)   # (first: what cannot be resumed at all is said before where it may go)
+            if "training" not in ckpt:
+                raise ValueError(f"{source} has no training state (a run's last.pt has)")
             if resume_from is not None and not (os.path.isfile(last) and os.path.exists(resume_from)
                                                 and os.path.samefile(resume_from, last)):   # (not --out's own last.pt)
                 here, held = same_folder(os.path.dirname(resume_from), args.out), held_checkpoints(args.out)
@@ -749,9 +752,6 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                     # and log there, without a last.pt, were replaced and mixed with this one's, as a new run's were)
                     raise ValueError(f"--out {args.out} already holds a checkpoint of its own "
                                      f"({os.path.basename(held[0])}); continue {resume_from} in a new --out")
-            ckpt = read_checkpoint(source)
-            if "training" not in ckpt:
-                raise ValueError(f"{source} has no training state (a run's last.pt has)")
             check_best_is_of_the_run(os.path.join(args.out, BEST), source, ckpt)
             for key in ("src_vocab", "tgt_vocab"):   # (the rest is checked against the model: Trainer)
                 try:

@@ -17,7 +17,8 @@ inline void check_scores_shapes(const at::Tensor& keys, const at::Tensor& q, con
               "q [B,NH,D], v [NH,D]");
   TORCH_CHECK(q.size(0) == keys.size(0) * group && q.size(1) == keys.size(2) && q.size(2) == keys.size(3) &&
                   v.size(0) == keys.size(2) && v.size(1) == keys.size(3),
-              "dtmt._C: additive scores: keys, q and v sizes do not match");
+              "dtmt._C: additive scores take keys [B,S,NH,D], q [B,NH,D] and v [NH,D] of one NH and D; got keys ",
+              keys.sizes(), ", q ", q.sizes(), " and v ", v.sizes());
 }
 inline void check_context_shapes(const at::Tensor& alpha, const at::Tensor& values, int64_t group = 1) {
   TORCH_CHECK(group >= 1, "dtmt._C: attention context: group must be >= 1, got ", group);

@@ -39,8 +39,18 @@ using at::Tensor;
 
 int64_t batch_grain(int64_t S, int64_t A) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(S * A, 1)); }
 
+// (AT_DISPATCH's "not implemented for 'Half'" named a kernel, not the argument)
+void check_float_dtypes(const char* op, const char* first_name, const Tensor& first, const char* second_name,
+                        const Tensor& second) {
+  TORCH_CHECK(first.scalar_type() == second.scalar_type(), "dtmt._C: ", op, ": ", second_name, " is ",
+              second.scalar_type(), " but ", first_name, " is ", first.scalar_type(), "; give them one dtype");
+  TORCH_CHECK(first.scalar_type() == at::kFloat || first.scalar_type() == at::kDouble, "dtmt._C: ", op,
+              ": float32 or float64 tensors expected, got ", first.scalar_type());
+}
+
 void check_context(const Tensor& alpha, const Tensor& values, int64_t group = 1) {
   check_context_shapes(alpha, values, group);
+  check_float_dtypes("attention context", "alpha", alpha, "values", values);
   TORCH_CHECK(alpha.device().is_cpu() && values.device().is_cpu() && alpha.scalar_type() == values.scalar_type() &&
                   alpha.is_contiguous() && (values.size(2) <= 1 || values.stride(2) == 1),
               "dtmt._C: attention context takes CPU tensors of one dtype, alpha contiguous and the values' last "
@@ -49,6 +59,8 @@ void check_context(const Tensor& alpha, const Tensor& values, int64_t group = 1)
 
 void check_shapes(const Tensor& keys, const Tensor& q, const Tensor& v, int64_t group = 1) {
   check_scores_shapes(keys, q, v, group);
+  check_float_dtypes("additive scores", "keys", keys, "q", q);
+  check_float_dtypes("additive scores", "keys", keys, "v", v);
   for (const Tensor* t : {&keys, &q, &v})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == keys.scalar_type(),
                 "dtmt._C: additive scores take contiguous CPU tensors of one dtype");

@@ -44,9 +44,10 @@ void linear_int8_into(at::Tensor& out, const at::Tensor& bias, const at::Tensor&
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K && out.dim() == 2 && out.size(0) == x_in.size(0) &&
                   out.size(1) == N,
               "dtmt: int8 weight rows of ", K, " values take x [M, ", K, "], got x ", x_in.sizes());
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                  (!has_bias || bias.scalar_type() == at::kFloat),
-              "dtmt: int8 weights multiply float32 activations, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "dtmt: int8 weights multiply float32 activations, got x ", x_in.scalar_type());
+  TORCH_CHECK(!has_bias || bias.scalar_type() == at::kFloat,
+              "dtmt: the bias of an int8 weight is float32, got ", bias.scalar_type());
   TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu() &&
                   (!has_bias || bias.device().is_cpu()),
               "dtmt: int8 weights are for the CPU");
@@ -177,6 +178,15 @@ at::Tensor small_rows_linear(const at::Tensor& x, const at::Tensor& w, const at:
               "dtmt._C.small_rows_linear takes CPU tensors");
   TORCH_CHECK(!bias.defined() || bias.numel() == 0 || (bias.dim() == 1 && bias.size(0) == w.size(0)),
               "dtmt._C.small_rows_linear: bias [N = ", w.size(0), "] or none expected, got ", bias.sizes());
+  if (!is_int8_rows(w)) {   // (ATen's "mat1 and mat2 must have the same dtype" named neither argument)
+    TORCH_CHECK(at::isFloatingType(x.scalar_type()), "dtmt._C.small_rows_linear: x must be floating point, got ",
+                x.scalar_type());
+    TORCH_CHECK(w.scalar_type() == x.scalar_type(), "dtmt._C.small_rows_linear: w is ", w.scalar_type(),
+                " but x is ", x.scalar_type(), "; give them one dtype");
+    TORCH_CHECK(!bias.defined() || bias.numel() == 0 || bias.scalar_type() == x.scalar_type(),
+                "dtmt._C.small_rows_linear: bias is ", bias.scalar_type(), " but x is ", x.scalar_type(),
+                "; give them one dtype");
+  }
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   linear_into(out, bias, x, w.is_contiguous() ? w : w.contiguous());
   return out;

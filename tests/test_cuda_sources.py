@@ -830,7 +830,7 @@ def test_attention_kernels_of_empty_sizes_emulated(emulated_cuda_ext, B, S, NH, 
 
 @pytest.mark.parametrize("op,args,message", [
     ("scores_forward", lambda: (torch.zeros(2, 3, 4, 5), torch.zeros(2, 4, 6), torch.zeros(4, 5)),
-     "sizes do not match"),
+     "of one NH and D; got keys [2, 3, 4, 5], q [2, 4, 6] and v [4, 5]"),
     ("scores_forward", lambda: (torch.zeros(2, 3, 4, 5), torch.zeros(2, 4, 5, dtype=torch.float64),
                                 torch.zeros(4, 5)), "one device and one dtype"),
     ("scores_forward", lambda: (torch.zeros(2, 3, 4, 5, dtype=torch.bfloat16),

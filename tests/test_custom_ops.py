@@ -238,6 +238,46 @@ def test_the_attention_linear_and_loss_fakes_check_the_sizes_their_outputs_rest_
             op(*args)
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_attention_linear_and_loss_ops_refuse_dtypes_by_name_and_their_fakes_alike(device):
+    """What the kernels refuse for its dtype, the fakes refuse too (a meta call or a trace took float16 logits, an
+    int32 target, a smoothing of 5 or mixed dtypes, which failed only when run), and both name the argument: the
+    kernels' messages were ATen's ("mat1 and mat2 must have the same dtype", "not implemented for 'Half'") or named
+    x for a float64 bias."""
+    def t(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, device=device, dtype=dtype)
+
+    ops, f64, i8 = torch.ops.dtmt, torch.float64, torch.int8
+    packed = t(4, 12, dtype=i8)
+    if device == "cpu":
+        packed = dk.ops.linear.quantize.pack_int8_rows(torch.randn(4, 8))
+    cases = [(r"additive.scores: q is (torch\.float64|Double) but keys is (torch\.float32|Float); give them one dtype",
+              ops.additive_scores, (t(2, 5, 3, 4), t(2, 3, 4, dtype=f64), t(3, 4))),
+             (r"additive.scores: float32 or float64 tensors expected, got (torch\.float16|Half)|additive_scores: takes "
+              r"float32 or float64 tensors, got torch\.float16", ops.additive_scores,
+              (t(2, 5, 3, 4, dtype=torch.half), t(2, 3, 4, dtype=torch.half), t(3, 4, dtype=torch.half))),
+             (r"attention.context: values is (torch\.float32|Float) but alpha is (torch\.float64|Double)",
+              ops.attention_context, (t(2, 3, 5, dtype=f64), t(2, 5, 6))),
+             (r"attention.context(: float32 or float64 tensors expected|: takes float32 or float64 tensors), got "
+              r"(torch\.int64|Long)", ops.attention_context,
+              (t(2, 3, 5, dtype=torch.long), t(2, 5, 6, dtype=torch.long))),
+             (r"small_rows_linear: (w|weight) is (torch\.float32|Float) but x is (torch\.float64|Double)",
+              ops.small_rows_linear, (t(2, 8, dtype=f64), t(4, 8), None)),
+             (r"small_rows_linear: bias is (torch\.float64|Double) but x is (torch\.float32|Float)",
+              ops.small_rows_linear, (t(2, 8), t(4, 8), t(4, dtype=f64))),
+             (r"the bias of an int8 weight is float32, got Double|small_rows_linear: bias is torch\.float64 but x is",
+              ops.small_rows_linear, (t(2, 8), packed, t(4, dtype=f64))),
+             ("smoothed_cross_entropy takes float32 or float64 logits|smoothed_cross_entropy: takes float32 or float64",
+              ops.smoothed_cross_entropy, (t(3, 5, dtype=torch.half), t(3, dtype=torch.long), 0.1, -100)),
+             ("the target int64|smoothed_cross_entropy: takes int64 tensors, got torch.int32",
+              ops.smoothed_cross_entropy, (t(3, 5), t(3, dtype=torch.int32), 0.1, -100)),
+             ("takes 0 <= smoothing < 1, got 5", ops.smoothed_cross_entropy,
+              (t(3, 5), t(3, dtype=torch.long), 5.0, -100))]
+    for message, op, args in cases:
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
+
+
 def test_an_op_with_one_argument_on_the_meta_device_refuses_it():
     """A call with one argument on the meta device and the others on the CPU dispatches to the op's fake, which gave
     uninitialised CPU tensors as the result (a layer whose bias was loaded onto the meta device: values of 1e37,

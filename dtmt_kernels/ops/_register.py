@@ -54,6 +54,22 @@ def check_fake_sizes(op: str, **shapes) -> None:
             raise RuntimeError(f"dtmt::{op}: {name} must be [{shown}], got {list(t.shape)}")
 
 
+FLOAT32_64 = (torch.float32, torch.float64)
+
+
+def check_fake_dtypes(op: str, allowed, **tensors) -> None:
+    """The fakes' share of the kernels' dtype checks: every tensor of `tensors` (name=tensor) of the first one's
+    dtype, and that one of `allowed`. RuntimeError naming the op and the argument (a meta call or a trace took
+    dtypes the kernel refuses, which failed only when run)."""
+    (first, ref), *rest = tensors.items()
+    for name, t in rest:
+        if t.dtype != ref.dtype:
+            raise RuntimeError(f"dtmt::{op}: {name} is {t.dtype} but {first} is {ref.dtype}; give them one dtype")
+    if ref.dtype not in allowed:
+        raise RuntimeError(f"dtmt::{op}: takes {' or '.join(str(d).replace('torch.', '') for d in allowed)} "
+                           f"tensors, got {ref.dtype}")
+
+
 _libraries = []   # the fragments holding register_autograd's kernels (a Library unregisters when collected)
 
 

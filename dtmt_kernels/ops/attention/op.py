@@ -13,7 +13,8 @@ import torch
 
 from .._extension import built
 from .. import _autocast
-from .._register import check_fake_sizes, refuse_double_backward, register_autograd, register_fake
+from .._register import (FLOAT32_64, check_fake_dtypes, check_fake_sizes, refuse_double_backward, register_autograd,
+                         register_fake)
 
 
 def _dense_like(t):
@@ -30,6 +31,7 @@ def _check_scores(op, keys, query, v):
     check_fake_sizes(op, keys=(keys, [None] * 4))
     B, S, NH, D = keys.shape
     check_fake_sizes(op, query=(query, [B, NH, D]), v=(v, [NH, D]))
+    check_fake_dtypes(op, FLOAT32_64, keys=keys, q=query, v=v)
     return B, S, NH
 
 
@@ -41,6 +43,7 @@ def _scores_fake(keys, query, v):
 def _scores_backward_fake(grad, keys, query, v):
     B, S, NH = _check_scores("additive_scores_backward", keys, query, v)
     check_fake_sizes("additive_scores_backward", grad=(grad, [B, NH, S]))
+    check_fake_dtypes("additive_scores_backward", FLOAT32_64, keys=keys, grad=grad)
     return (torch.empty_like(keys, memory_format=torch.contiguous_format),
             torch.empty_like(query, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -61,6 +64,7 @@ def _check_context(op, alpha, values):
     check_fake_sizes(op, values=(values, [B, S, None]))
     if NH == 0 or values.shape[2] % NH:
         raise RuntimeError(f"dtmt::{op}: values' C = {values.shape[2]} must be a multiple of alpha's NH = {NH}")
+    check_fake_dtypes(op, FLOAT32_64, alpha=alpha, values=values)
     return B, values.shape[2]
 
 
@@ -72,6 +76,7 @@ def _context_fake(alpha, values):
 def _context_backward_fake(grad, alpha, values, values_grad=True):
     B, C = _check_context("attention_context_backward", alpha, values)
     check_fake_sizes("attention_context_backward", grad=(grad, [B, C]))
+    check_fake_dtypes("attention_context_backward", FLOAT32_64, values=values, grad=grad)
     dalpha = torch.empty_like(alpha, memory_format=torch.contiguous_format)
     return dalpha, (_dense_like(values) if values_grad else values.new_empty(0))
 

@@ -12,7 +12,7 @@ from torch import Tensor
 from .._extension import _C, built
 from .quantize import ROW_TAIL
 from .. import _autocast
-from .._register import check_fake_sizes, register_fake, transformed
+from .._register import check_fake_dtypes, check_fake_sizes, register_fake, transformed
 
 
 def _fake(x, weight, bias):   # (the kernel's checks: a K or bias of other sizes gave a result without a word)
@@ -21,6 +21,10 @@ def _fake(x, weight, bias):   # (the kernel's checks: a K or bias of other sizes
     check_fake_sizes("small_rows_linear", x=(x, [None, K]))
     if bias is not None and bias.numel():
         check_fake_sizes("small_rows_linear", bias=(bias, [N]))
+    int8 = weight.dtype == torch.int8
+    floats = (torch.float32,) if int8 else (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    check_fake_dtypes("small_rows_linear", floats, x=x, **({} if int8 else {"weight": weight}),
+                      **({"bias": bias} if bias is not None and bias.numel() else {}))
     return x.new_empty(x.shape[0], N)
 
 

@@ -11,13 +11,18 @@ import torch
 from torch import Tensor
 
 from .._extension import built
-from .._register import check_fake_sizes, first_order_only, register_autograd, register_fake
+from .._register import FLOAT32_64, check_fake_dtypes, check_fake_sizes, first_order_only, register_autograd, \
+    register_fake
 from .._host_reads import host_reads_allowed
 
 
 def _fake(logits, target, smoothing, ignore_index):   # (the kernel's gradient is contiguous, as the logits it reads)
     check_fake_sizes("smoothed_cross_entropy", logits=(logits, [None, None]))
     check_fake_sizes("smoothed_cross_entropy", target=(target, [logits.shape[0]]))
+    check_fake_dtypes("smoothed_cross_entropy", FLOAT32_64, logits=logits)
+    check_fake_dtypes("smoothed_cross_entropy", (torch.int64,), target=target)
+    if not 0.0 <= smoothing < 1.0:
+        raise RuntimeError(f"dtmt::smoothed_cross_entropy: takes 0 <= smoothing < 1, got {smoothing}")
     return logits.new_empty(()), logits.new_empty(()), torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 

@@ -36,6 +36,13 @@ def test_quantize_rows_bounds_and_exact_cases():
         quantize_rows(torch.tensor([[1.0, float("nan")]]))
     with pytest.raises(ValueError, match=r"\[N, K\]"):
         quantize_rows(torch.ones(3))
+    # a float64 row beyond float32's range: its scale was infinite and it dequantized to NaN, without a word
+    with pytest.raises(FloatingPointError, match=r"row 1's largest entry \(5e\+40\) is beyond what a float32 scale"):
+        quantize_rows(torch.tensor([[1.0, 2.0], [5e40, 1.0]], dtype=torch.float64))
+    # a row of subnormal entries only: its scale was 0 (the entries w / 0); the half-step bound holds for it too
+    tiny = torch.tensor([[1e-44, -3e-45, 0.0]])
+    q3, s3 = quantize_rows(tiny)
+    assert s3[0] > 0 and (dequantize_rows(q3, s3, torch.float64) - tiny.double()).abs().max() <= s3.double()[0] / 2
 
 
 def test_linear_with_int8_weights():

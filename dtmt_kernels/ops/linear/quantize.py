@@ -42,6 +42,13 @@ def quantize_rows(weight: Tensor) -> Tuple[Tensor, Tensor]:
     # the scale as stored (float32) is the one the weights are rounded with, so |error| <= scale / 2 holds for
     # what dequantize_rows computes
     scale = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak)).to(torch.float32)
+    # a float64 weight's row beyond float32 had an infinite scale (its entries dequantized to NaN); one of only
+    # subnormal entries a zero scale (w / 0): the least float32 scale above zero rounds it within scale / 2
+    if not torch.isfinite(scale).all():
+        row = int((~torch.isfinite(scale)).nonzero()[0])
+        raise FloatingPointError(f"quantize_rows: row {row}'s largest entry ({float(peak[row]):.3g}) is beyond what a "
+                                 f"float32 scale holds")
+    scale = scale.clamp_min(torch.finfo(torch.float32).smallest_normal * 2.0 ** -23)
     q = torch.round(w / scale.to(torch.float64)[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 

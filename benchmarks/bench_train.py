@@ -343,18 +343,25 @@ def run(argv=None):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     pairs = [(s, b, g, m) for s in a.systems for b in (("-",) if s == "transformer" else (*a.fused, "reference"))
              for g in a.graphs for m in a.math]
+    failed = {}   # a pair whose run failed: its message, the pair left out of later rounds and of the table (one
+    #               failed capture had lost every pair's measurements, the table never written)
     for rnd in range(a.rounds):
         # each system's pairs one after the other, in the reverse order every other round (a machine whose speed
         # drifts favours neither side of a ratio)
         order = pairs if rnd % 2 == 0 else [p for s in a.systems for p in reversed([q for q in pairs if q[0] == s])]
         for system, backend, graphs, math in order:
+            if (system, backend, graphs, math) in failed:
+                continue
             cmd = [sys.executable, os.path.abspath(__file__), "--one", system, backend, "--steps", str(a.steps),
                    "--warmup", str(a.warmup), "--max-tokens", str(a.max_tokens), "--vocab", str(a.vocab),
                    "--threads", str(a.threads), "--device", a.device, "--preset", a.preset, "--graphs", graphs,
                    "--math", math, *(["--quick"] if a.quick else [])]
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode != 0:
-                raise RuntimeError(f"{system}/{backend} (graphs {graphs}, math {math}) failed:\n{r.stderr}")
+                tail = "\n".join(r.stderr.strip().splitlines()[-12:])
+                failed[(system, backend, graphs, math)] = f"{system}/{backend} (graphs {graphs}, math {math}) failed"
+                print(f"  round {rnd + 1}: {failed[(system, backend, graphs, math)]} (left out):\n{tail}", flush=True)
+                continue
             row = dict(json.loads(r.stdout.strip().splitlines()[-1]), round=rnd + 1)
             runs.append(row)
             gpu = f"  {row['peak_gpu_MB']:7.0f} MB GPU peak" if row.get("peak_gpu_MB") is not None else ""
@@ -453,6 +460,8 @@ def run(argv=None):
         fig.savefig(os.path.join(a.out, "bench_train.png"), dpi=110)
     except ImportError:
         pass
+    if failed:   # (after the table of the others: exit status 1, each failure named)
+        raise SystemExit("bench_train: " + "; ".join(failed.values()) + " (their messages above)")
     return rows
 
 

@@ -91,6 +91,21 @@ def test_bench_train_quick(tmp_path):
     assert os.path.isfile(os.path.join(tmp_path, "bench_train.csv"))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a pair that cannot run here: the cuda backend without a GPU")
+def test_bench_train_keeps_the_table_of_the_pairs_that_ran(tmp_path, capsys):
+    """A pair that fails (on a GPU: a capture that has never run there) raised at once, and every other pair's
+    measurements were lost, the table never written. It is now left out, named, and the run exits 1 after the table of
+    the others."""
+    from benchmarks import bench_train
+    with pytest.raises(SystemExit, match=r"^bench_train: dtmt/cuda \(graphs off, math strict\) failed"):
+        bench_train.main(["--quick", "--systems", "dtmt", "--fused", "cpp", "cuda", "--steps", "1", "--warmup", "0",
+                          "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "dtmt/cuda (graphs off, math strict) failed (left out):" in out and "| dtmt | cpp |" in out
+    with open(tmp_path / "bench_train.csv") as f:
+        assert {row["backend"] for row in csv.DictReader(f)} == {"cpp", "reference"}
+
+
 def test_bench_amp_quality_plumbing(tmp_path):
     """bench_amp.py --quality (gpu_session.sh's amp stage) on the CPU at toy sizes: both modes per seed, the dev loss
     at each validation read back from `dtmt train`'s log, the table and the verdict."""

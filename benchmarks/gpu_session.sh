@@ -60,8 +60,8 @@
 # amp/quality-dtmt-cuda.json (amp), peers_decode.md (peers) and peers_train.md (peers-train); the tables themselves
 # go to stdout. Copy the tables into benchmarks/RESULTS.md with the device line they print. Each stage has a time limit
 # (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 60 + 150
-# + 240 s, persistent-math 300 s, persistent-bf16 60 + 2 x 240 s, persistent-cluster 180 + 300 s, persistent-multicast
-# 180 + 300 s, persistent-profile 3 x 100 s, decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled
+# + 240 s, persistent-math 300 s, persistent-bf16 60 + 2 x 240 s, persistent-cluster 180 + 240 s, persistent-multicast
+# 180 + 240 s, persistent-profile 3 x 100 s, decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled
 # 120 + 300 s, attention 90 + 90 + 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call.
 # Seen on an H200 (2026-11-30): the machine's start about 30 s, build 106-133 s (106 s for 9.0a at bd1af5e, 2026-12-04),
 # every GPU test 175 s, `build persistent` 299 s in all (its GPU tests 105 s), `persistent-math` about 60 s (two modes;
@@ -73,7 +73,7 @@
 # `build persistent`, then `persistent-math` and `tests` ran: RESULTS.md, "Seventh GPU session"): `build
 # persistent-cluster` (issue 72: the cluster form in clusters of batch rows, 1 to 8 clusters of 16 blocks, its GPU tests
 # and its table at B = 1, 8, 64, 256: whether it becomes the default at B >= 8; it has never run on a GPU with several
-# clusters; give it 590 s), then at once `persistent-math persistent-bf16` (TF32 and bf16 on every side, each again with
+# clusters; give it 560 s), then at once `persistent-math persistent-bf16` (TF32 and bf16 on every side, each again with
 # the persistent products on FMA, the -fma modes: which products the rule should pick,
 # docs/design/persistent_recurrence.md, "Products on tensor cores"; and the H = 1024 goal); then, in the sessions after,
 # `build persistent persistent-multicast` (phase_probe.md's tensor-core rows, which split block_mma's time into its
@@ -82,7 +82,10 @@
 # goes, issue 73 items 2 and 3), `build persistent-profile`, then `build graphs` (a call each: at most 8 files of $OUT
 # come back from a call; issue 72 item 1's device and graphed times; issue 73 item 1), `decode` (with 16-bit decoding:
 # item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s), `amp`,
-# `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry).
+# `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry). amp, peers and peers-train read data/bible: prepare
+# it here and carry it too (the script refuses them without it, before any work). A call without `build` builds first
+# where the machine has no build (a fresh one); a call that wrote more than 8 files packs them into
+# $OUT/gpu_session_files.tgz (8 come back).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-benchmarks/out/gpu}
@@ -99,6 +102,13 @@ persistent-cluster persistent-multicast persistent-profile persistent-bf16 decod
 for stage in $STAGES; do
   [[ " $KNOWN " == *" $stage "* ]] || { echo "gpu_session.sh: no stage '$stage' (the stages: $KNOWN)"; exit 2; }
 done
+# amp and the peers read the prepared Bible corpus, which the device machine cannot prepare (no SWORD modules, no
+# network) and which git ignores: it must travel in the call's carry, prepared here first
+if { want amp || want peers || want peers-train; } && [ ! -f data/bible/corpus.json ]; then
+  echo "gpu_session.sh: amp, peers and peers-train read data/bible: prepare it here (dtmt prepare bible --out" \
+    "data/bible) and name data/bible in the device call's carry"
+  exit 2
+fi
 
 echo "== device"
 nvidia-smi -L || true
@@ -143,10 +153,16 @@ persistent_form() {
   echo "== bench_persistent --forms grid $form (strict fp32 on every side, B = $batches)"
   # (the batches as words)
   # shellcheck disable=SC2086
-  timeout 300 "$PY" benchmarks/bench_persistent.py --math strict --forms grid "$form" --B $batches \
+  timeout 240 "$PY" benchmarks/bench_persistent.py --math strict --forms grid "$form" --B $batches \
     --out "$OUT/persistent-$form" 2>&1 | tee "$OUT/persistent_$form.md" || status=1
 }
 
+# a call without `build` on a fresh machine (a warm one goes back after 30 s idle, its build with it) builds first
+if ! want build && ! "$PY" -c "import dtmt_kernels as dk, sys; sys.exit(not {'triton', 'cuda'} <= \
+set(dk.available_backends()))" 2>/dev/null; then
+  echo "== no build with the GPU backends here: building first"
+  STAGES="build $STAGES"
+fi
 if want build; then
   echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $MAX_JOBS jobs)"
   start=$SECONDS
@@ -249,10 +265,11 @@ if want attention; then
 fi
 if want amp; then
   # issue 73 item 2: may bfloat16 autocast be the default on a GPU? the dev loss after 600 updates, float32 against
-  # bf16, two seeds each (the spread between seeds is the noise), and the speed of each
+  # bf16, two seeds each (the spread between seeds is the noise), and the speed of each, both eager (float32 alone
+  # replays its updates as CUDA graphs by default: the speeds would compare a graph with eager)
   echo "== bench_amp --quality --device cuda"
   timeout 480 "$PY" benchmarks/bench_amp.py --quality --device cuda --steps 600 --seeds 1 2 \
-    --out "$OUT/amp" --runs /tmp/dtmt-amp-runs || status=1
+    --out "$OUT/amp" --runs /tmp/dtmt-amp-runs --train-args "--no-cuda-graphs" || status=1
 fi
 if want gemm; then
   # cublas-direct: cublasGemmEx on torch's handle, built where the toolkit has cuBLAS's headers (else build.log says
@@ -270,7 +287,7 @@ if want gemm; then
   for gemm in $gemms; do
     echo "== gpu_profile, cuda backend, DTMT_CUDA_STEP_GEMM=$gemm"
     DTMT_CUDA_STEP_GEMM=$gemm timeout 80 "$PY" benchmarks/gpu_profile.py --backends cuda --B 1 8 16 64 \
-      --kernels 3 2>/dev/null | tee "$OUT/gemm_$gemm.md" || status=1
+      --kernels 3 2>"$probes/gemm.err" | tee "$OUT/gemm_$gemm.md" || { status=1; tail -20 "$probes/gemm.err"; }
   done
 fi
 if want persistent; then
@@ -384,4 +401,12 @@ if want peers || want peers-train; then
   fi
 fi
 rm -rf "$probes"
+# at most 8 files of $OUT come back from a device call: where a call wrote more, all of them travel as one archive
+# (untar it here), the tables being on stdout as well
+count=$(find "$OUT" -type f | wc -l)
+if [ "$count" -gt 8 ]; then
+  packed=$(mktemp)
+  tar -czf "$packed" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$packed" "$OUT/gpu_session_files.tgz"
+  echo "== $count files in $OUT: packed into $OUT/gpu_session_files.tgz (8 files come back from a device call)"
+fi
 exit $status

@@ -1216,6 +1216,20 @@ def test_the_gpu_session_s_stages_are_the_ones_it_knows():
     assert usage == known, (usage ^ known)
 
 
+def test_the_gpu_session_refuses_the_stages_that_read_the_corpus_without_it(tmp_path):
+    """amp, peers and peers-train read data/bible, which a device machine cannot prepare (no SWORD modules, no
+    network) and which git ignores: without it they failed there, after the build, in device time. The script now
+    refuses them at once, saying to carry it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "benchmarks").mkdir()
+    shutil.copy(os.path.join(root, "benchmarks", "gpu_session.sh"), tmp_path / "benchmarks")
+    for stages in (["amp"], ["build", "peers"], ["peers-train"]):
+        r = subprocess.run(["bash", str(tmp_path / "benchmarks" / "gpu_session.sh"), *stages], capture_output=True,
+                           text=True, env=dict(os.environ, OUT=str(tmp_path / "out"), PYTHON="false"), timeout=60)
+        assert r.returncode == 2 and "name data/bible in the device call's carry" in r.stdout, r.stdout + r.stderr
+        assert "== device" not in r.stdout
+
+
 @pytest.mark.parametrize("script, flags, message", [
     ("bench_train", ["--rounds", "0"], "--rounds 0: must be >= 1"),
     ("bench_train", ["--steps", "0"], "--steps 0: must be >= 1"),

@@ -269,7 +269,7 @@ if want amp; then
   # replays its updates as CUDA graphs by default: the speeds would compare a graph with eager)
   echo "== bench_amp --quality --device cuda"
   timeout 480 "$PY" benchmarks/bench_amp.py --quality --device cuda --steps 600 --seeds 1 2 \
-    --out "$OUT/amp" --runs /tmp/dtmt-amp-runs --train-args "--no-cuda-graphs" || status=1
+    --out "$OUT/amp" --runs /tmp/dtmt-amp-runs --train-args=--no-cuda-graphs || status=1
 fi
 if want gemm; then
   # cublas-direct: cublasGemmEx on torch's handle, built where the toolkit has cuBLAS's headers (else build.log says

@@ -54,11 +54,13 @@ def system(tmp_path_factory):
 class ServerProcess:
     """`dtmt serve --port 0` in a subprocess; `url` once it prints that it listens; stderr lines kept."""
 
-    def __init__(self, ckpt, *flags):
+    def __init__(self, ckpt, *flags, ignore_sigint=False):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen([sys.executable, "-m", "dtmt_models.cli", "serve", "-c", ckpt, "--port", "0",
                                       "--threads", "1", "--beam", str(BEAM), *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                                     preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                                     if ignore_sigint else None)
         self.lines: "queue.Queue[str]" = queue.Queue()
         self.seen = []
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -401,6 +403,22 @@ def test_sigterm_finishes_the_request_in_flight(system):
         proc.close()
 
 
+def test_an_inherited_ignored_sigint_stays_ignored(system):
+    """A server started with SIGINT ignored (`dtmt serve ... &` from a script: a non-interactive shell's background
+    job) was stopped by a Ctrl-C meant for the script's foreground job once it listened: its handler replaced the
+    ignore. It keeps ignoring SIGINT; SIGTERM stops it as before."""
+    proc = ServerProcess(system[3], ignore_sigint=True)
+    try:
+        proc.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.proc.poll() is None and request(proc.url, "/health") == (200, {"status": "ok"})
+        proc.proc.send_signal(signal.SIGTERM)
+        err = proc.rest_of_stderr()
+        assert proc.proc.returncode == 0 and "SIGINT" not in err and "SIGTERM: finishing" in err, err
+    finally:
+        proc.close()
+
+
 def test_two_signals_in_quick_succession_are_quiet(system):
     """Two signals at once on an idle server: it stops (gracefully, or at once on the second), with no traceback
     (the loop's wakeup fd, closed as the loop ended, printed `Exception ignored when trying to write to the signal
@@ -595,11 +613,56 @@ def test_clients_that_left_cost_no_decoding(system):
     many = ["el sol", "la luna", "la tierra", "el agua"]
     server = Server(model, sv, tv, ServeSettings(beam=2, max_tokens=4))   # (one sentence a translate batch)
     with pytest.raises(ClientsGone):   # every client gone before the second of its batches
-        server._decode(many, [_Pending(many, None, Transport(after=2))])
+        server._decode(many, [(_Pending(many, None, Transport(after=2)), 0, len(many))])
     here = _Pending(many, None, Transport(after=10 ** 6))
-    assert server._decode(many, [here, _Pending([], None, Transport(after=0))]) == (translate(
+    assert server._decode(many, [(here, 0, len(many)), (_Pending([], None, Transport(after=0)), 0, 0)]) == (translate(
         model, sv, tv, many, beam=2, max_tokens=4), [[]] * len(many))   # (one client still there: decoded in full)
     assert here.transport.looks == len(many) + 1   # (looked at before each batch and after the last)
+
+
+def test_a_large_request_is_decoded_a_batch_at_a_time_in_turn_and_the_queue_is_bounded(system, monkeypatch):
+    """A request of more sentences than a batch was decoded whole, first come first served: a one-word request behind
+    10,000 sentences waited 29 s (a review's). It is now decoded a batch at a time, in turn with the requests behind it,
+    each answered with the translations it gets alone; and the sentences waiting are bounded (QUEUED_BATCHES batches,
+    or one largest request): beyond that a request is answered 503 with Retry-After (the queue grew without bound)."""
+    from dtmt_models.decoding import serve as serve_module
+    from dtmt_models.decoding.serve import Server, ServeSettings
+
+    model, sv, tv, _ = system
+    monkeypatch.setattr(serve_module, "QUEUED_BATCHES", 3)   # (at most 3 x 2 sentences waiting)
+    server = Server(model, sv, tv, ServeSettings(beam=2, batch_sentences=2, max_wait_ms=0, max_sentences=6))
+    real, calls, release = server._decode, [], threading.Event()
+
+    def held_first(sentences, pieces=()):
+        calls.append(list(sentences))
+        if len(calls) == 1:
+            release.wait(60)   # (the first batch decodes while the others arrive)
+        return real(sentences, pieces)
+    server._decode = held_first
+    big = ["el sol", "la luna", "la tierra", "el agua", "la luz", "el mar"]
+
+    async def scenario():
+        await server.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.port}/translate"
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.ensure_future(post(session, url, big))
+            while not calls:
+                await asyncio.sleep(0.01)
+            small = asyncio.ensure_future(post(session, url, ["el cielo"]))
+            while server._queued < 5:   # (big's four left, then the small one)
+                await asyncio.sleep(0.01)
+            refused = await post(session, url, ["la noche", "el dia"])   # (5 + 2 > 6)
+            release.set()
+            answers = await asyncio.gather(first, small)
+        await server.stop()
+        return answers, refused
+    (a, b), refused = asyncio.run(scenario())
+    assert a[0] == 200 and a[1]["translations"] == [h[0][0] for h in translate(model, sv, tv, big, beam=2)]
+    assert b[0] == 200 and b[1]["translations"] == [translate(model, sv, tv, ["el cielo"], beam=2)[0][0][0]]
+    assert calls == [big[:2], big[2:4], ["el cielo", "la luz"], ["el mar"]], calls   # (in turn, a batch at a time)
+    assert refused[0] == 503 and refused[1]["error"] == ("the server has 5 sentences waiting to be translated; try "
+                                                        "again"), refused
+    assert server._queued == 0
 
 
 def test_an_ipv6_address_is_said_as_a_url(system):
@@ -683,7 +746,8 @@ def test_bodies_in_flight_are_bounded_and_warnings_name_the_request(system, monk
     assert len(sv.encode(long)) > bound
     server = Server(model, sv, tv, ServeSettings(beam=2, max_src_len=bound), log=said.append)
     for first, second in ((short[:1], [long, short[1]]), ([long, long], short[:1]), ([long], short[:1])):
-        _, notes = server._decode(first + second, [_Pending(first, None, None, 7), _Pending(second, None, None, 9)])
+        _, notes = server._decode(first + second, [(_Pending(first, None, None, 7), 0, len(first)),
+                                                   (_Pending(second, None, None, 9), 0, len(second))])
         # (each sentence's own notes: what a request's answer says of its sentences)
         assert notes == [[f"the source had more than {bound} subwords and was truncated to {bound}"] if x == long
                          else [] for x in first + second], notes
@@ -691,7 +755,7 @@ def test_bodies_in_flight_are_bounded_and_warnings_name_the_request(system, monk
     assert said == [f"warning: 1 source sentence(s) had more than {bound} subwords and were truncated to {bound} "
                     f"(request 9 sentence 1)"], said
     server._warnings.last = {k: (t - 3600, n) for k, (t, n) in server._warnings.last.items()}   # (a minute on)
-    server._decode([long], [_Pending([long], None, None, 12)])
+    server._decode([long], [(_Pending([long], None, None, 12), 0, 1)])
     assert said[1].startswith(f"warning: 1 source sentence(s) had more than {bound} subwords and were truncated to "
                               f"{bound} (request 12 sentence 1) (and 2 more like it in the last "), said
 

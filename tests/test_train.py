@@ -2018,6 +2018,24 @@ def test_resume_names_each_setting_it_changes(toy_nodev, tmp_path, capsys):
     assert r.returncode == 0 and "changed settings" not in r.stdout and "reached --max-steps 3" in r.stdout, r.stdout
 
 
+def test_an_inherited_ignored_sigint_stays_ignored_while_training():
+    """`dtmt train ... &` from a script starts with SIGINT ignored; the training loop's handler replaced that, so a
+    Ctrl-C meant for the script's foreground job stopped the background run. It stays ignored; SIGTERM is handled."""
+    import types
+
+    from dtmt_models.training.trainer import Trainer
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        old = Trainer._install_signals(types.SimpleNamespace())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and list(old) == [signal.SIGTERM]
+        assert callable(signal.getsignal(signal.SIGTERM)) and signal.getsignal(signal.SIGTERM) is not old[
+            signal.SIGTERM]
+        Trainer._restore_signals(old)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_model_options_read_numbers_as_python_writes_them():
     """--opt dropout=.1 (or 1., +0.1) was text to the JSON reader and refused as "expected float"; 010 is 10."""
     from dtmt_models.cli.train import parse_options

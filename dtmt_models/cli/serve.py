@@ -127,7 +127,8 @@ def _run(args: argparse.Namespace) -> int:
             log(f"{name}: finishing the requests in flight, then stopping (again to exit at once)")
             stopping.append(loop.create_task(server.stop()))
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
+            if signal.getsignal(sig) is not signal.SIG_IGN:   # (ignored from the start, as a non-interactive shell
+                signal.signal(sig, on_signal)                 # starts a job with &: a Ctrl-C is not for it)
         host = f"[{args.host}]" if ":" in args.host else args.host   # (an IPv6 address: in brackets, RFC 3986)
         log(f"listening on http://{host}:{server.port} ({'+'.join(map(str, names))}, "
             f"{info['parameters']:,} parameters, beam {settings.beam})")

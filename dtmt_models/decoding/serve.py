@@ -8,7 +8,10 @@
 Requests that arrive together are decoded together: a batcher takes the sentences of every request waiting,
 waits at most `max_wait_ms` for more after the first (or until `batch_sentences` are waiting), decodes them
 in one `translate` call on one worker thread (the event loop stays free to take requests meanwhile), and
-answers each request with its own sentences' translations, in its order. Beam search treats every sentence
+answers each request with its own sentences' translations, in its order. A request of more sentences than a batch
+is decoded a batch at a time, in turn with the requests behind it (it held them all until it was done); when more than
+QUEUED_BATCHES batches' sentences (or one largest request's) are waiting, a request is answered 503 with
+Retry-After (the queue had no bound: its memory, and every later request's wait). Beam search treats every sentence
 independently, so a request's translations do not depend on what it was batched with, up to float rounding: the
 padding of a batch changes the order of some sums, so a score may differ in its fifth digit (1.7e-5 was seen), and
 a hypothesis that ties another to that digit could be ranked otherwise. Warnings about the sources (a sentence
@@ -67,6 +70,7 @@ MAX_WAIT_MS = 60_000.0            # a minute
 MAX_TIMEOUT = 86_400.0            # a day (shutdown_timeout, read_timeout)
 MIN_READ_TIMEOUT = 0.1            # (the idle-connection watchdog wakes every quarter of it)
 BODY_BYTES_IN_FLIGHT = 256 << 20  # the bodies of the requests in progress together, at most (or one largest body)
+QUEUED_BATCHES = 16               # sentences waiting for a batch, at most: this many batches' (or one largest request)
 
 
 @dataclass
@@ -195,6 +199,13 @@ class _Pending:
     future: "asyncio.Future"
     transport: Any = None   # the request's connection (None: none to watch)
     number: int = 0         # the request's, as the requests counter had it: what warnings name it by
+    taken: int = 0          # its sentences given to batches so far (a request is decoded in pieces of a batch)
+    decoded: int = 0        # ... and translated
+    results: List[Any] = field(default_factory=list)   # each sentence's translations and notes, once decoded
+    notes: List[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.results, self.notes = [None] * len(self.sentences), [None] * len(self.sentences)
 
     def gone(self) -> bool:
         """The client has left (its connection closed or closing): nobody reads this request's answer. (Read from
@@ -311,6 +322,7 @@ class Server:
         self._warnings = OneLineLog(lambda text: self.log(text), kind=_warning_kind)
         self._waiting: set = set()   # the futures of the requests waiting for their translations
         self._body_bytes = 0   # what the bodies of the requests in progress may hold: BODY_BYTES_IN_FLIGHT's count
+        self._queued = 0   # sentences of the queue's requests not yet given to a batch: QUEUED_BATCHES's count
         # the inference decoder is built once (or by the caller: `decoder`): the weights never change while serving
         model.eval()
         if decoder is None:
@@ -453,8 +465,14 @@ class Server:
             return sentences
         if not sentences:
             return web.json_response({"translations": [], "scores": []})
+        limit = max(QUEUED_BATCHES * self.settings.batch_sentences, self.settings.max_sentences)
+        if self._queued and self._queued + len(sentences) > limit:   # (the queue grew without bound: its memory,
+            # and every later request's wait)
+            return self._error(503, f"the server has {self._queued:,} sentences waiting to be translated; try again",
+                               headers={"Retry-After": "1"})
         future = asyncio.get_running_loop().create_future()
         self._waiting.add(future)
+        self._queued += len(sentences)
         await self._queue.put(_Pending(sentences, future, request.transport, number))
         try:
             results, notes = await future
@@ -529,13 +547,35 @@ class Server:
         except asyncio.CancelledError:
             pass
 
+    def _take(self, item: _Pending, room: int, pieces: List[Tuple[_Pending, int, int]]) -> int:
+        """Up to `room` of `item`'s sentences not yet taken, as a piece of the batch being made; the request goes back
+        to the end of the queue while it has more (a request larger than a batch is decoded a batch at a time, in
+        turn with the requests behind it: it held them all until it was decoded whole). Returns how many."""
+        if item.gone() and not item.future.done():   # a client that left: its sentences are not decoded
+            item.future.set_exception(ClientsGone())
+        if item.future.done():   # (its client gone, or a piece of it failed)
+            self._queued -= len(item.sentences) - item.taken
+            item.taken = len(item.sentences)
+            return 0
+        start = item.taken
+        item.taken = min(len(item.sentences), start + room)
+        self._queued -= item.taken - start
+        pieces.append((item, start, item.taken))
+        if item.taken < len(item.sentences):
+            self._queue.put_nowait(item)
+        return item.taken - start
+
     async def _batcher(self) -> None:
         loop = asyncio.get_running_loop()
+        size = self.settings.batch_sentences
         while True:
-            batch = [await self._queue.get()]
-            waiting = len(batch[0].sentences)
+            pieces: List[Tuple[_Pending, int, int]] = []
+            waiting = self._take(await self._queue.get(), size, pieces)
             deadline = loop.time() + self.settings.max_wait_ms / 1000.0
-            while waiting < self.settings.batch_sentences:
+            while waiting < size:
+                if not self._queue.empty():
+                    waiting += self._take(self._queue.get_nowait(), size - waiting, pieces)
+                    continue
                 timeout = deadline - loop.time()
                 if timeout <= 0:
                     break
@@ -543,59 +583,55 @@ class Server:
                     item = await asyncio.wait_for(self._queue.get(), timeout)
                 except asyncio.TimeoutError:
                     break
-                batch.append(item)
-                waiting += len(item.sentences)
-            while not self._queue.empty() and waiting < self.settings.batch_sentences:
-                item = self._queue.get_nowait()
-                batch.append(item)
-                waiting += len(item.sentences)
-            for item in batch:   # a client that left before its batch: its sentences are not decoded
-                if item.gone() and not item.future.done():
-                    item.future.set_exception(ClientsGone())
-            batch = [item for item in batch if not item.future.done()]
-            if batch:
-                await self._decode_batch(batch)
+                waiting += self._take(item, size - waiting, pieces)
+            if pieces:
+                await self._decode_batch(pieces)
 
-    async def _decode_batch(self, batch: List[_Pending]) -> None:
-        """Decodes the batch's sentences in one call and answers each request; if that call fails and the batch
-        holds several requests, each is decoded again on its own, so that only a failing request fails."""
+    async def _decode_batch(self, pieces: List[Tuple[_Pending, int, int]]) -> None:
+        """Decodes the batch's pieces (a request's sentences start:end each) in one call, and answers each request
+        whose last piece this was; if that call fails and the batch holds several pieces, each is decoded again on
+        its own, so that only a failing request fails."""
         loop = asyncio.get_running_loop()
-        sentences = [s for item in batch for s in item.sentences]
+        pieces = [piece for piece in pieces if not piece[0].future.done()]   # (a client gone, or a piece failed)
+        if not pieces:
+            return
+        sentences = [s for item, start, end in pieces for s in item.sentences[start:end]]
         try:
-            results, notes = await loop.run_in_executor(self._worker, self._decode, sentences, batch)
+            results, notes = await loop.run_in_executor(self._worker, self._decode, sentences, pieces)
         except ClientsGone as exc:   # (every client left while its sentences were decoded: the rest not decoded)
-            for item in batch:
+            for item, _, _ in pieces:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
-        except Exception as exc:   # noqa: BLE001 - handed to the request, or each request retried alone
-            if len(batch) == 1:
-                if not batch[0].future.done():
-                    batch[0].future.set_exception(exc)
+        except Exception as exc:   # noqa: BLE001 - handed to the request, or each piece retried alone
+            if len(pieces) == 1:
+                if not pieces[0][0].future.done():
+                    pieces[0][0].future.set_exception(exc)
                 return
-            for item in batch:
-                await self._decode_batch([item])
+            for piece in pieces:
+                await self._decode_batch([piece])
             return
         self.counters.batches += 1
         self.counters.sentences += len(sentences)
-        start = 0
-        for item in batch:
-            end = start + len(item.sentences)
-            if not item.future.done():
-                item.future.set_result((results[start:end], notes[start:end]))
-            start = end
+        at = 0
+        for item, start, end in pieces:
+            item.results[start:end], item.notes[start:end] = results[at:at + end - start], notes[at:at + end - start]
+            at += end - start
+            item.decoded += end - start
+            if item.decoded == len(item.sentences) and not item.future.done():
+                item.future.set_result((item.results, item.notes))
 
-    def _decode(self, sentences: List[str], batch: Sequence[_Pending] = ()
+    def _decode(self, sentences: List[str], pieces: Sequence[Tuple[_Pending, int, int]] = ()
                 ) -> Tuple[List[List[Tuple[str, float]]], List[List[str]]]:
         """The translations of `sentences`, and for each sentence the notes of the warnings about it (its source
-        cut, mostly unknown pieces); ClientsGone between two of translate's batches once every request of `batch`
+        cut, mostly unknown pieces); ClientsGone between two of translate's batches once every request of `pieces`
         (whose sentences these are) has lost its client."""
         def watch(done: int, total: int) -> None:
-            if batch and all(item.gone() for item in batch):
+            if pieces and all(item.gone() for item, _, _ in pieces):
                 raise ClientsGone()
 
         s = self.settings
-        places = [(item.number, j + 1) for item in batch for j in range(len(item.sentences))]
+        places = [(item.number, j + 1) for item, start, end in pieces for j in range(start, end)]
         caught: List[Warning] = []
         results, messages = input_warnings(lambda: translate(
             self.model, self.src_vocab, self.tgt_vocab, sentences, beam=s.beam, alpha=s.alpha, max_tokens=s.max_tokens,

@@ -861,6 +861,8 @@ class Trainer:
                                   f"(again to abort without saving)")
         old = {}
         for s in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(s) is signal.SIG_IGN:   # (ignored from the start, as a non-interactive shell starts a
+                continue                                 # job with &: a Ctrl-C meant for another job is not for it)
             try:
                 old[s] = signal.signal(s, handler)
             except ValueError:   # not the main thread

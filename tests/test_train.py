@@ -237,9 +237,35 @@ def test_ctrl_c_before_training_is_one_line_and_130(toy_nodev, tmp_path, monkeyp
     r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
     assert r.returncode == 130 and r.stderr.strip() == "dtmt train: interrupted before training started", r.stderr
     assert not out.exists()
+    # ... while the trainer reads the corpus and builds the model: it said "aborted ()" and left the folder it made
+    from dtmt_models.training import trainer as trainer_module
+    monkeypatch.undo()
+    monkeypatch.setattr(trainer_module.Trainer, "_binarized", interrupted)
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+    assert r.returncode == 130 and r.stderr.strip() == "dtmt train: interrupted before training started", r.stderr
+    assert not out.exists()
     monkeypatch.setattr(train, "main", interrupted)   # a command without a handler of its own
     assert cli.main(["train", "--data", toy_nodev]) == 130
     assert capsys.readouterr().err.strip() == "dtmt train: interrupted"
+
+
+def test_a_signal_during_the_last_validation_leaves_a_complete_run(toy, tmp_path, monkeypatch, capsys):
+    """SIGINT during the validation at --max-steps: the run had reached its end and saved it, yet exited 130 saying
+    "resume with ...", and the resume did nothing. It now says the run is complete, exit 0."""
+    from dtmt_models.training.trainer import Trainer
+
+    validate = Trainer.validate
+
+    def signalled(self):
+        stop = validate(self)
+        if self.step == 4:
+            self._signal = "SIGINT"   # (what the handler records when the signal comes)
+        return stop
+    monkeypatch.setattr(Trainer, "validate", signalled)
+    r = train_here(["--data", toy, "--out", str(tmp_path / "run"), "--max-steps", "4", "--valid-every", "2", *TINY],
+                   capsys)
+    assert r.returncode == 0 and "SIGINT came as the run ended: it is complete, nothing to resume" in r.stdout, r.stdout
+    assert "resume with" not in r.stdout and "reached --max-steps 4" in r.stdout
 
 
 def test_dev_split_settings_and_a_missing_dev_file(toy, toy_nodev, tmp_path, capsys):
@@ -250,6 +276,13 @@ def test_dev_split_settings_and_a_missing_dev_file(toy, toy_nodev, tmp_path, cap
                     "--best-by", "bleu"], capsys)
     code, out, err = r.returncode, r.stdout, r.stderr
     assert code == 0 and "warning: --patience 3 and --best-by bleu have no effect without a dev split" in out, out
+    # ... nor --keep-last (no step checkpoints: a user planning to average them got none, without a word), nor the
+    # dev BLEU settings; and the learning curve is drawn from the training rows (there was none)
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "k"), "--max-steps", "2", *TINY, "--keep-last", "3",
+                    "--valid-beam", "4", "--valid-every", "1"], capsys)
+    assert r.returncode == 0 and ("warning: --keep-last 3 and --valid-beam 4 have no effect without a dev split"
+                                  in r.stdout), r.stdout
+    assert (tmp_path / "k" / "learning_curve.png").is_file() and not list((tmp_path / "k").glob("step_*.pt"))
     broken = str(tmp_path / "broken")
     shutil.copytree(toy, broken)
     os.remove(os.path.join(broken, "dev.en"))

@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                               f"dev score (0: never; default {D['patience']})")
     s.add_argument("--best-by", default=None, choices=("loss", "bleu"),
                    help=f"the dev score that picks best.pt and counts --patience: loss (lower) or bleu (higher, "
-                        f"of --bleu-sentences with --valid-beam) (default {D['best_by']})")
+                        f"of --bleu-sentences with --valid-beam); a tie goes to the other score, then to the "
+                        f"earlier model (default {D['best_by']})")
     s.add_argument("--valid-every", type=int, default=None,
                    help=f"validate every N updates (and at the end; default {D['valid_every']})")
     s.add_argument("--valid-beam", type=int, default=None,
@@ -827,6 +828,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
         return 2
     finished = False   # (the run ended in every process alike: their last barrier is met)
+    trainer = None
     try:
         earlier = earlier_run_files(cfg.out) if args.resume is None and args.overwrite and dist.main else None
         if cfg.threads:
@@ -859,7 +861,12 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
         print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started
-        print(f"\ndtmt train: aborted ({exc or 'SIGINT'}); the last checkpoint written is "
+        if not getattr(trainer, "started", False):   # (Python's own, the run's handlers not yet there: it said
+            for held in lock:                          # "aborted ()" and left the folder it had made)
+                held.release(discard=True)
+            print("\ndtmt train: interrupted before training started", file=sys.stderr)
+            return 130
+        print(f"\ndtmt train: aborted ({str(exc) or 'SIGINT'}); the last checkpoint written is "
               f"{os.path.join(cfg.out, LAST)} if it exists", file=sys.stderr)
         return 130
     finally:

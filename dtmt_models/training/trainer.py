@@ -337,11 +337,12 @@ class Trainer:
         else:
             self.dev_pairs = []
             self.log(f"note: {cfg.data} has no dev split: no validation, no early stopping, no best.pt")
-            unused = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in ("patience", "best_by")
-                      if getattr(cfg, k) != getattr(TrainConfig, k)]
+            unused = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in ("patience", "best_by", "keep_last",
+                                                                            "valid_beam", "bleu_sentences")
+                      if getattr(cfg, k) != getattr(TrainConfig, k)]   # (--keep-last: no step checkpoints either)
             if unused:
-                self.log(f"warning: {' and '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without a "
-                         f"dev split")
+                named = ", ".join(unused[:-1]) + " and " + unused[-1] if len(unused) > 1 else unused[0]
+                self.log(f"warning: {named} {'has' if len(unused) == 1 else 'have'} no effect without a dev split")
         corpus = self._binarized(None if ckpt is None else (ckpt["src_vocab"], ckpt["tgt_vocab"]))
         self.src_vocab, self.tgt_vocab = corpus.vocabularies()
         # the training pairs stay on disk; in memory: their lengths (2 bytes a pair with --max-len < 255), and
@@ -664,6 +665,7 @@ class Trainer:
                          "(docs/design/training.md, 'bfloat16 on the CPU'); --amp off is the fast choice on this "
                          "machine")
         handlers = self._install_signals()
+        self.started = True   # (a KeyboardInterrupt from here on is the run's own: its handlers')
         first_step = self.step
         interrupted = False   # by a signal to any process (every rank sees it through the summed stop flag)
         try:
@@ -725,6 +727,8 @@ class Trainer:
                 self.validated_step = self.step
                 self.validate()
             self.save_last()
+            if self.dist.main:   # (the rows after the last validation, or a run without a dev split: not drawn)
+                self._draw_curve()
             digest = self.check_sync()
             if digest and self.dist.main:
                 self.log(f"{self.dist.world} processes in sync at step {self.step}: parameters sha1 {digest[:12]}")
@@ -739,8 +743,13 @@ class Trainer:
                      + (f", {os.path.join(self.out, BEST)}" if os.path.isfile(os.path.join(self.out, BEST)) else ""))
             if self.graphs is not None:
                 self.log(self.graphs.summary())
-            if interrupted or self._signal:   # (a signal to any process, or to this one after the loop)
+            if interrupted:   # (a signal to any process)
                 self.log(f"resume with: {self._command()} --data {c.data} --model {c.model} --out {self.out} --resume")
+            elif self._signal:   # (during the last update's validation or saving: the run had reached its end,
+                # and was told to resume, exit 130)
+                self.log(f"{self._signal} came as the run ended: it is complete, nothing to resume")
+        if not interrupted:
+            return 0
         return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0
 
     def _command(self) -> str:
@@ -805,7 +814,7 @@ class Trainer:
                            lr=self.update_lr(), dev_loss=repr(loss),
                            dev_ppl=f"{math.exp(min(loss, 50)):.2f}", dev_bleu=f"{bleu:.2f}", dev_chrf=f"{chrf:.2f}",
                            best_bleu=f"{self.best_bleu:.2f}")
-            plot_curve(self.csv.rows, os.path.join(self.out, CURVE), f"{self.cfg.model} on {self.cfg.data}")
+            self._draw_curve()
             p = self.cfg.patience
             stop = bool(p) and self.bad_validations >= p
             self.log(f"step {self.step:,}: dev loss {loss:.3f} (ppl {math.exp(min(loss, 50)):.1f}), BLEU {bleu:.2f}, "
@@ -823,6 +832,14 @@ class Trainer:
             self.stop_reason = f"no better dev {self.best_by_name()} in {self.cfg.patience} validations (early stopping)"
             self.stopped_early_by = self.cfg.best_by
         return stop
+
+    _drawn_rows = 0   # the log's rows learning_curve.png shows
+
+    def _draw_curve(self) -> None:
+        """learning_curve.png from the log's rows, where it has rows the figure does not show yet."""
+        if self.csv and len(self.csv.rows) > self._drawn_rows:
+            plot_curve(self.csv.rows, os.path.join(self.out, CURVE), f"{self.cfg.model} on {self.cfg.data}")
+            self._drawn_rows = len(self.csv.rows)
 
     def _diverged(self, what: str) -> str:
         """TrainingDiverged's message: what became non-finite, what to change, what is kept."""
@@ -850,6 +867,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- signals
     _signal: Optional[str] = None
+    started = False   # run() has begun: the signal handlers are the run's
 
     def _install_signals(self):
         def handler(signum, frame):

@@ -108,6 +108,11 @@ def test_save_checkpoint_writes_nothing_its_loader_refuses(tmp_path):
     with pytest.raises(ValueError, match=r"^save_checkpoint: payload\['config'\] has a key of type "
                                          r"builtins.tuple, which a checkpoint cannot hold"):
         save_checkpoint(str(path), {**base, "config": {(1, 2): 3}})
+    # empty bytes: torch pickles them as a call of bytes(), which every reader then refused as code it would run
+    with pytest.raises(ValueError, match=r"^save_checkpoint: payload\['src_vocab'\] is empty bytes, which the "
+                                         r"weights-only loader cannot read back"):
+        save_checkpoint(str(path), {**base, "src_vocab": b""})
+    assert not path.exists()
     from collections import OrderedDict
     data = {"a": [1, 2.5, True, None, "x", b"y", (3, 4)], 5: OrderedDict(k=torch.zeros(3, dtype=torch.int64)),
             "p": torch.nn.Parameter(torch.ones(2)), "f": float("inf")}

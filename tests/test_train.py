@@ -1200,6 +1200,21 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
     def vocab(c):
         c["src_vocab"] = b"not a sentencepiece model"
 
+    def rng(key, change):
+        def edit(c):
+            c["training"]["rng"][0][key] = change(c["training"]["rng"][0][key])
+        return edit
+
+    def entry(change):
+        def edit(c):
+            change(c["training"]["optimizer"]["state"][first])
+        return edit
+
+    def sched(change):
+        def edit(c):
+            change(c["training"]["scheduler"])
+        return edit
+
     def group(key, value):   # (found by a probe: maximize=True climbed the loss, exit 0; lr='abc' a traceback)
         def edit(c):
             for g in c["training"]["optimizer"]["param_groups"]:
@@ -1255,7 +1270,22 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
              (group("betas", KeyError), "its optimizer's group 0 has no betas"),   # (a KeyError's traceback)
              (group("weight_decay", KeyError), "its optimizer's group 0 has no weight_decay"),
              (counter("validated_step", "x"), "its validated_step is 'x', not a count up to its step 2"),
-             (counter("validated_step", 3), "its validated_step is 3, not a count up to its step 2")]
+             (counter("validated_step", 3), "its validated_step is 3, not a count up to its step 2"),
+             # a review's crafted states, each a traceback at the resume (some after its files were written), or
+             # taken: random states a generator does not take, a moment missing or no tensor, negative sums of
+             # squares, a step counter past any run, a scheduler whose fields set the scheduler's attributes
+             (rng("torch", lambda t: t[:10].clone()), "its random state of process 0 is not a generator's"),
+             (rng("python", lambda t: ()), "its random state of process 0 is not a generator's"),
+             (entry(lambda e: e.pop("exp_avg")), f"the optimizer state of parameter {first} has no exp_avg"),
+             (entry(lambda e: e.pop("step")), f"the optimizer state of parameter {first} has no step"),
+             (entry(lambda e: e.update(exp_avg=[0.0])), f"the optimizer's exp_avg of parameter {first} is a list"),
+             (moment("exp_avg_sq", lambda t: torch.full_like(t, -1.0)), "holds negative values (a sum of squares)"),
+             (moment("step", lambda t: torch.tensor(1e30)), "the optimizer's step of parameter"),
+             (sched(lambda d: d.update(optimizer=5)), "its scheduler state has a field 'optimizer' a scheduler does"),
+             (sched(lambda d: d.update(base_lrs=["x"])), "its scheduler's base_lrs is ['x'], the run's settings give"),
+             (sched(lambda d: d["lr_lambdas"][0].update(s=1500, e=1500)), "its scheduler's lr_lambdas is"),
+             (sched(lambda d: d.update(last_epoch=10 ** 30)), "its scheduler state is malformed"),
+             (sched(lambda d: d.update(_last_lr=[float("nan")])), "its scheduler's last rates are [nan]")]
     for i, (edit, message) in enumerate(cases):
         bad = read_checkpoint(str(run / "last.pt"))
         edit(bad)

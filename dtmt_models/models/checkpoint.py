@@ -17,6 +17,7 @@ import errno
 import hashlib
 import os
 import pickle
+import random
 import re
 import shutil
 import warnings
@@ -71,6 +72,8 @@ def _check_plain(obj: Any, where: str) -> None:
     while stack:
         x, at = stack.pop()
         kind = type(x)
+        if kind is bytes and not x:   # (pickled as a call of bytes(), which the loader refuses as code it would run)
+            raise ValueError(f"save_checkpoint: {at} is empty bytes, which the weights-only loader cannot read back")
         if kind in PLAIN or kind in TENSORS:
             continue
         if kind not in CONTAINERS:
@@ -255,12 +258,19 @@ def _number(value: Any, allow_inf: bool = False) -> bool:
     return value == value and (allow_inf or abs(value) != float("inf"))
 
 
+# what each optimizer keeps a parameter (its step counter and moments), the moments that are sums of squares
+OPTIMIZER_STATE = {"Adam": ("step", "exp_avg", "exp_avg_sq"), "Adadelta": ("step", "square_avg", "acc_delta")}
+SQUARES = ("exp_avg_sq", "square_avg", "acc_delta", "max_exp_avg_sq")
+
+
 def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module,
-                         optimizer: torch.optim.Optimizer) -> None:
-    """A last.pt's training state checked against the model and optimizer built to continue it, before any of it
-    is loaded (issue 71 item 3): the weights' names, shapes and values (finite); the optimizer state's structure,
-    each moment's shape and dtype against its parameter and its values (finite), each step counter; the run's
-    counters (types and ranges) and random states. CheckpointError, one line naming the file and the field."""
+                         optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+    """A last.pt's training state checked against the model, optimizer and learning-rate scheduler built to continue
+    it, before any of it is loaded (issue 71 item 3): the weights' names, shapes and values (finite); the optimizer
+    state's structure, each parameter's step counter and moments (each there, of its parameter's shape and dtype,
+    finite, the sums of squares >= 0); the scheduler's state (the fields of `scheduler`'s, the run's schedule); the
+    run's counters (types and ranges) and random states (each one its generator takes). CheckpointError, one line
+    naming the file and the field. (A malformed field was a traceback at the resume, after its files were written.)"""
     def fail(what: str) -> None:
         raise CheckpointError(f"{path}: {what}; the checkpoint cannot be resumed")
 
@@ -306,11 +316,18 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
         if not _count(index) or index >= len(params) or not isinstance(entry, dict):
             fail(f"its optimizer state has an entry {index!r} that is no parameter's")
         p = params[index]
+        wanted = OPTIMIZER_STATE.get(type(optimizer).__name__, ())
+        wanted += ("max_exp_avg_sq",) if wanted and optimizer.param_groups[0].get("amsgrad") else ()
+        missing = [key for key in wanted if key not in entry]
+        if missing:
+            fail(f"the optimizer state of parameter {index} has no {', '.join(missing)}")
         for key, value in entry.items():
             if key == "step":
                 v = _scalar(value)
-                if not _number(v) or v < 0 or v != int(v):
+                if not _number(v) or v < 0 or v != int(v) or v > MAX_COUNT:
                     fail(f"the optimizer's step of parameter {index} is {value!r}, not a count")
+            elif key in wanted and not isinstance(value, torch.Tensor):
+                fail(f"the optimizer's {key} of parameter {index} is a {type(value).__name__}, not a tensor")
             elif isinstance(value, torch.Tensor):
                 if value.shape != p.shape or value.dtype != p.dtype:
                     fail(f"the optimizer's {key} of parameter {index} is {value.dtype} {list(value.shape)}, the "
@@ -319,6 +336,8 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
                            or _finite_problem(f"the optimizer's {key} of parameter {index}", value))
                 if problem:
                     fail(problem)
+                if key in SQUARES and value.is_floating_point() and bool((value < 0).any()):
+                    fail(f"the optimizer's {key} of parameter {index} holds negative values (a sum of squares)")
     for key in ("step", "epoch", "batch_index", "bad_validations"):   # (--max-steps's bound: no run counts past it)
         if not _count(t.get(key)) or t[key] > MAX_COUNT:
             fail(f"its {key} is {t.get(key)!r}, not a count in [0, {MAX_COUNT:,}]")
@@ -334,13 +353,45 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
     if not isinstance(window, (list, tuple)) or len(window) != 4 or not all(_number(x) for x in window):
         fail(f"its log window is {window!r}")
     sched = t.get("scheduler")
-    if not isinstance(sched, dict) or not _count(sched.get("last_epoch")):
+    if not isinstance(sched, dict) or not _count(sched.get("last_epoch")) or sched["last_epoch"] > MAX_COUNT:
         fail("its scheduler state is malformed")
+    if scheduler is not None:   # (loaded by updating the scheduler's attributes: any name, any value, the schedule's
+        _check_scheduler(sched, scheduler.state_dict(), fail)   # too)
     rngs = t.get("rng")
     if not isinstance(rngs, (list, tuple)) or not all(
             isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) and r["torch"].dtype == torch.uint8
             and isinstance(r.get("python"), tuple) for r in rngs):
         fail("its random states are malformed")
+    for i, r in enumerate(rngs):   # (each tried on a generator of its own: a wrong length was a traceback)
+        try:
+            torch.Generator().set_state(r["torch"])
+            random.Random().setstate(r["python"])
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            fail(f"its random state of process {i} is not a generator's ({one_line(exc)[:120]})")
+
+
+def _check_scheduler(state: Dict[str, Any], own: Dict[str, Any], fail) -> None:
+    """The scheduler state of a last.pt against `own`, the state of the one built to continue it: only its fields,
+    each of its type; the base rates and the schedule's parameters the run's (they are its settings); the last
+    rates numbers >= 0 and the counters counts."""
+    for key, value in state.items():
+        if key not in own:
+            fail(f"its scheduler state has a field {key!r} a scheduler does not")
+        mine = own[key]
+        if key in ("last_epoch", "_step_count"):
+            if not _count(value) or value > MAX_COUNT:
+                fail(f"its scheduler's {key} is {value!r}, not a count")
+        elif key == "base_lrs" and not _same_number(value, mine) or key == "lr_lambdas" and not (
+                isinstance(value, list) and len(value) == len(mine) and all(
+                    a is None and b is None or isinstance(a, dict) and isinstance(b, dict)
+                    and all(k in b and _same_number(v, b[k]) for k, v in a.items()) for a, b in zip(value, mine))):
+            fail(f"its scheduler's {key} is {value!r}, the run's settings give {mine!r}")
+        elif key == "_last_lr":
+            if not isinstance(value, list) or len(value) != len(mine) or not all(
+                    _number(_scalar(v)) and _scalar(v) >= 0 for v in value):
+                fail(f"its scheduler's last rates are {value!r}")
+        elif type(value) is not type(mine):
+            fail(f"its scheduler's {key} is {value!r}, not a {type(mine).__name__}")
 
 
 def translation_parts(path: str, ckpt: Dict[str, Any]) -> Tuple[Vocabulary, Vocabulary, Dict[str, torch.Tensor]]:

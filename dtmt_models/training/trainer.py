@@ -507,7 +507,7 @@ class Trainer:
         raise ValueError(f"unknown schedule {c.schedule!r}")
 
     def _restore(self, ckpt: dict) -> None:
-        check_training_state(self.resume_path, ckpt, self.model, self.optimizer)   # before anything is loaded
+        check_training_state(self.resume_path, ckpt, self.model, self.optimizer, self.scheduler)   # before any load
         self.model.load_state_dict(ckpt["model"])
         t = ckpt["training"]
         load_optimizer_state(self.optimizer, t["optimizer"])

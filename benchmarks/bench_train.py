@@ -437,6 +437,8 @@ def run(argv=None):
                 spread = f" ({min(vs):.2f}-{max(vs):.2f})" if len(vs) > 1 else ""
                 print(f"\n{r['system']}: {r['backend']} against {base}: {statistics.median(vs):.2f}× the target tok/s"
                       f"{spread}")
+    if failed and not rows:   # (no pair ran: no figure)
+        raise SystemExit("bench_train: " + "; ".join(failed.values()) + " (their messages above)")
     try:
         import matplotlib
         matplotlib.use("Agg")

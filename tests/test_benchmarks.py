@@ -106,6 +106,18 @@ def test_bench_train_keeps_the_table_of_the_pairs_that_ran(tmp_path, capsys):
         assert {row["backend"] for row in csv.DictReader(f)} == {"cpp", "reference"}
 
 
+def test_bench_train_names_the_failures_when_no_pair_ran(tmp_path, monkeypatch, capsys):
+    """Every pair failed (a broken build): the figure of no pairs divided by zero, a traceback that hid the
+    failures' message."""
+    from benchmarks import bench_train
+
+    monkeypatch.setattr(bench_train.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "",
+                                                                                                     "boom"))
+    with pytest.raises(SystemExit, match=r"^bench_train: dtmt/cpp \(graphs off, math strict\) failed; dtmt/reference"):
+        bench_train.main(["--quick", "--systems", "dtmt", "--fused", "cpp", "--out", str(tmp_path)])
+    assert "boom" in capsys.readouterr().out
+
+
 def test_bench_amp_quality_plumbing(tmp_path):
     """bench_amp.py --quality (gpu_session.sh's amp stage) on the CPU at toy sizes: both modes per seed, the dev loss
     at each validation read back from `dtmt train`'s log, the table and the verdict."""

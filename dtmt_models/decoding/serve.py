@@ -538,7 +538,7 @@ class Server:
     # --------------------------------------------------------------------------------------- batcher
     async def _batcher_context(self, app):
         """Runs the batcher for the application's life; it ends after the requests in flight have finished."""
-        self._queue = asyncio.Queue()
+        self._queue, self._queued = asyncio.Queue(), 0
         task = asyncio.get_running_loop().create_task(self._batcher())
         yield
         task.cancel()
@@ -592,6 +592,9 @@ class Server:
         whose last piece this was; if that call fails and the batch holds several pieces, each is decoded again on
         its own, so that only a failing request fails."""
         loop = asyncio.get_running_loop()
+        for item, _, _ in pieces:   # a client that left while its batch was made: its sentences are not decoded
+            if item.gone() and not item.future.done():
+                item.future.set_exception(ClientsGone())
         pieces = [piece for piece in pieces if not piece[0].future.done()]   # (a client gone, or a piece failed)
         if not pieces:
             return

@@ -370,11 +370,19 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
             fail(f"its random state of process {i} is not a generator's ({one_line(exc)[:120]})")
 
 
+# the scheduler's fields that torch's versions add or drop (verbose: torch 2.1 to 2.6; the rest newer), with their types
+VERSION_FIELDS = {"verbose": bool, "_is_initial": bool, "_get_lr_called_within_step": bool}
+
+
 def _check_scheduler(state: Dict[str, Any], own: Dict[str, Any], fail) -> None:
     """The scheduler state of a last.pt against `own`, the state of the one built to continue it: only its fields,
     each of its type; the base rates and the schedule's parameters the run's (they are its settings); the last
     rates numbers >= 0 and the counters counts."""
     for key, value in state.items():
+        if key not in own and key in VERSION_FIELDS:   # (another torch's: a last.pt written before an upgrade)
+            if type(value) is not VERSION_FIELDS[key]:
+                fail(f"its scheduler's {key} is {value!r}, not a {VERSION_FIELDS[key].__name__}")
+            continue
         if key not in own:
             fail(f"its scheduler state has a field {key!r} a scheduler does not")
         mine = own[key]

@@ -298,6 +298,8 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
     if len(state["param_groups"]) != len(optimizer.param_groups) or sorted(indices) != list(range(len(params))):
         fail(f"its optimizer state is for {len(indices)} parameters in {len(state['param_groups'])} groups, the "
              f"model has {len(params)} in {len(optimizer.param_groups)}")
+    wanted = OPTIMIZER_STATE.get(type(optimizer).__name__, ())   # (what each parameter's entry holds)
+    wanted += ("max_exp_avg_sq",) if wanted and optimizer.param_groups[0].get("amsgrad") else ()
     not_settings = ("params", *IMPLEMENTATION)
     for i, (g, own) in enumerate(zip(state["param_groups"], optimizer.param_groups)):
         # the hyperparameters are the run's settings, which a resume keeps (a crafted maximize=True climbed the loss,
@@ -316,8 +318,6 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
         if not _count(index) or index >= len(params) or not isinstance(entry, dict):
             fail(f"its optimizer state has an entry {index!r} that is no parameter's")
         p = params[index]
-        wanted = OPTIMIZER_STATE.get(type(optimizer).__name__, ())
-        wanted += ("max_exp_avg_sq",) if wanted and optimizer.param_groups[0].get("amsgrad") else ()
         missing = [key for key in wanted if key not in entry]
         if missing:
             fail(f"the optimizer state of parameter {index} has no {', '.join(missing)}")
@@ -370,6 +370,14 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
             fail(f"its random state of process {i} is not a generator's ({one_line(exc)[:120]})")
 
 
+def _same_schedules(value: Any, mine: list) -> bool:
+    """Whether a scheduler state's lr_lambdas are `mine`'s: a schedule object's fields (a dict each; a plain function
+    None), every field it has of the same value (an older one may lack a field added since)."""
+    return isinstance(value, list) and len(value) == len(mine) and all(
+        a is None and b is None or isinstance(a, dict) and isinstance(b, dict)
+        and all(k in b and _same_number(v, b[k]) for k, v in a.items()) for a, b in zip(value, mine))
+
+
 # the scheduler's fields that torch's versions add or drop (verbose: torch 2.1 to 2.6; the rest newer), with their types
 VERSION_FIELDS = {"verbose": bool, "_is_initial": bool, "_get_lr_called_within_step": bool}
 
@@ -389,11 +397,9 @@ def _check_scheduler(state: Dict[str, Any], own: Dict[str, Any], fail) -> None:
         if key in ("last_epoch", "_step_count"):
             if not _count(value) or value > MAX_COUNT:
                 fail(f"its scheduler's {key} is {value!r}, not a count")
-        elif key == "base_lrs" and not _same_number(value, mine) or key == "lr_lambdas" and not (
-                isinstance(value, list) and len(value) == len(mine) and all(
-                    a is None and b is None or isinstance(a, dict) and isinstance(b, dict)
-                    and all(k in b and _same_number(v, b[k]) for k, v in a.items()) for a, b in zip(value, mine))):
-            fail(f"its scheduler's {key} is {value!r}, the run's settings give {mine!r}")
+        elif key in ("base_lrs", "lr_lambdas"):
+            if not (_same_number(value, mine) if key == "base_lrs" else _same_schedules(value, mine)):
+                fail(f"its scheduler's {key} is {value!r}, the run's settings give {mine!r}")
         elif key == "_last_lr":
             if not isinstance(value, list) or len(value) != len(mine) or not all(
                     _number(_scalar(v)) and _scalar(v) >= 0 for v in value):
@@ -502,8 +508,8 @@ def average_checkpoints(paths) -> Dict[str, Any]:
         check_weights_fit(path, ckpt, own)   # (the first file's model: the same name, options and vocabularies)
         twin = weights.setdefault(_weights_digest(ckpt["model"]), path)
         if twin != path:   # (its weights counted twice: best.pt beside the step checkpoint it was written with)
-            raise ValueError(f"average: {path} holds the same weights as {twin} (a copy, or {BEST_OR_LAST} written at "
-                             f"the same update as a step checkpoint); each checkpoint counts once")
+            raise ValueError(f"average: {path} holds the same weights as {twin} (a copy, or best.pt or last.pt written "
+                             f"at the same update as a step checkpoint); each checkpoint counts once")
         for k, v in ckpt["model"].items():
             if v.is_floating_point():
                 sums[k] += v.double()
@@ -549,9 +555,6 @@ def _same_number(a: Any, b: Any) -> bool:
     if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
         return a == b
     return same_value(a, b)
-
-
-BEST_OR_LAST = "best.pt or last.pt"
 
 
 def given_twice(paths) -> Optional[Tuple[str, str]]:

@@ -437,34 +437,37 @@ def run(argv=None):
                 spread = f" ({min(vs):.2f}-{max(vs):.2f})" if len(vs) > 1 else ""
                 print(f"\n{r['system']}: {r['backend']} against {base}: {statistics.median(vs):.2f}× the target tok/s"
                       f"{spread}")
-    if failed and not rows:   # (no pair ran: no figure)
+    if rows:   # (no pair ran: no figure)
+        draw_throughput(rows, by, graphed, maths, os.path.join(a.out, "bench_train.png"))
+    if failed:   # (after the table of the others: exit status 1, each failure named)
         raise SystemExit("bench_train: " + "; ".join(failed.values()) + " (their messages above)")
+    return rows
+
+
+def draw_throughput(rows, by, graphed: bool, maths: bool, path: str) -> None:
+    """The throughput figure: target tokens/s of each pair, by system (nothing where matplotlib is absent)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        systems = list(dict.fromkeys(r["system"] for r in rows))
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        series = list(dict.fromkeys((r["backend"], r["graphs"], r["math"]) for r in rows))
-        width = 0.8 / len(series)
-        for i, (backend, graphs, math) in enumerate(series):
-            xs = [j + width * i for j, s in enumerate(systems) if (s, backend, graphs, math) in by]
-            ys = [by[(s, backend, graphs, math)]["tok_s"] for s in systems if (s, backend, graphs, math) in by]
-            name = backend if backend != "-" else "(no recurrent layers)"
-            ax.bar(xs, ys, width=width, label=name + (f", graphs {graphs}" if graphed else "")
-                   + (f", {math}" if maths else ""))
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(systems))], systems, rotation=20, fontsize=8)
-        ax.set_ylabel("target tokens / s")
-        ax.legend(fontsize=8)
-        ax.set_title("training throughput", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(os.path.join(a.out, "bench_train.png"), dpi=110)
     except ImportError:
-        pass
-    if failed:   # (after the table of the others: exit status 1, each failure named)
-        raise SystemExit("bench_train: " + "; ".join(failed.values()) + " (their messages above)")
-    return rows
+        return
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    series = list(dict.fromkeys((r["backend"], r["graphs"], r["math"]) for r in rows))
+    width = 0.8 / len(series)
+    for i, (backend, graphs, math) in enumerate(series):
+        xs = [j + width * i for j, s in enumerate(systems) if (s, backend, graphs, math) in by]
+        ys = [by[(s, backend, graphs, math)]["tok_s"] for s in systems if (s, backend, graphs, math) in by]
+        name = backend if backend != "-" else "(no recurrent layers)"
+        ax.bar(xs, ys, width=width, label=name + (f", graphs {graphs}" if graphed else "")
+               + (f", {math}" if maths else ""))
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(systems))], systems, rotation=20, fontsize=8)
+    ax.set_ylabel("target tokens / s")
+    ax.legend(fontsize=8)
+    ax.set_title("training throughput", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def backend_spec(value: str) -> str:

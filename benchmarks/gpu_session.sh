@@ -157,9 +157,13 @@ persistent_form() {
     --out "$OUT/persistent-$form" 2>&1 | tee "$OUT/persistent_$form.md" || status=1
 }
 
+# whether the extension here has both GPU backends (it prints them; fails naming what is missing)
+gpu_backends() {
+  "$PY" -c "import dtmt_kernels as dk; b = dk.available_backends(); print('backends:', b); \
+assert {'triton', 'cuda'} <= set(b), 'a GPU backend is missing (see build.log)'"
+}
 # a call without `build` on a fresh machine (a warm one goes back after 30 s idle, its build with it) builds first
-if ! want build && ! "$PY" -c "import dtmt_kernels as dk, sys; sys.exit(not {'triton', 'cuda'} <= \
-set(dk.available_backends()))" 2>/dev/null; then
+if ! want build && ! gpu_backends >/dev/null 2>&1; then
   echo "== no build with the GPU backends here: building first"
   STAGES="build $STAGES"
 fi
@@ -182,8 +186,7 @@ if want build; then
     "$(nm -C --defined-only dtmt_kernels/_C*.so 2>/dev/null | grep -c 'std::basic_ostream<.*>::_M_insert<')"
 fi
 # both GPU backends must be there: otherwise the tests below would check only one and still pass
-"$PY" -c "import dtmt_kernels as dk; b = dk.available_backends(); print('backends:', b); \
-assert {'triton', 'cuda'} <= set(b), 'a GPU backend is missing (see build.log)'" || exit 1
+gpu_backends || exit 1
 
 # deterministic mode (tests/conftest.py) with cuBLAS: older torch wants a fixed workspace
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}

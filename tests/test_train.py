@@ -268,6 +268,36 @@ def test_a_signal_during_the_last_validation_leaves_a_complete_run(toy, tmp_path
     assert "resume with" not in r.stdout and "reached --max-steps 4" in r.stdout
 
 
+def test_a_signal_during_a_validation_stops_before_the_next_update(toy, uninterrupted, tmp_path, monkeypatch,
+                                                                   capsys):
+    """SIGINT during the validation at update 10 of 24: the run trained update 11 before it stopped (what it had
+    said it would do: 'finishing this update'). It now stops at 10, and the resumed run writes the uninterrupted
+    run's losses and validations."""
+    from dtmt_models.models.checkpoint import read_checkpoint
+    from dtmt_models.training.trainer import Trainer
+
+    validate = Trainer.validate
+
+    def signalled(self):
+        stop = validate(self)
+        if self.step == 10:
+            self._signal = "SIGINT"   # (what the handler records when the signal comes)
+        return stop
+    out = str(tmp_path / "run")
+    args = ["--data", toy, "--out", out, "--max-steps", "24", "--log-every", "1", "--valid-every", "10",
+            "--keep-last", "2", *TINY]
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "validate", signalled)
+        r = train_here(args, capsys)
+    assert r.returncode == 130 and "interrupted by SIGINT" in r.stdout and "resume with" in r.stdout, r.stdout
+    state = read_checkpoint(os.path.join(out, "last.pt"))["training"]
+    assert (state["step"], state["validated_step"]) == (10, 10)
+    assert train_here([*args, "--resume"], capsys).returncode == 0
+    assert losses(out) == losses(uninterrupted)
+    with open(os.path.join(out, "train_log.csv"), newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f) if r["kind"] == "valid"] == ["10", "20", "24"]
+
+
 def test_dev_split_settings_and_a_missing_dev_file(toy, toy_nodev, tmp_path, capsys):
     """Without a dev split, --patience / --best-by that would change nothing get a warning; a dev split the manifest
     lists whose target file is gone is an error naming the file (it was taken for 'no dev split', then failed

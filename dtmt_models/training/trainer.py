@@ -682,6 +682,10 @@ class Trainer:
                              f"{len(batches):,} batches an epoch of {c.data} (--allow-changed-data): epoch "
                              f"{self.epoch + 2} begins")   # epoch's rest was skipped without a word)
                 while self.batch_index < len(batches):
+                    if self.step == self.validated_step and self._signalled():   # (came during the validation: the
+                        self.stop_reason = f"interrupted by {self._signal or 'a signal in another process'}"
+                        interrupted = True   # run trained one more update before it stopped)
+                        break
                     t0 = time.perf_counter()
                     loss, nll, ntok = self.train_step(batches[self.batch_index])
                     self.batch_index += 1
@@ -869,14 +873,18 @@ class Trainer:
     _signal: Optional[str] = None
     started = False   # run() has begun: the signal handlers are the run's
 
+    def _signalled(self) -> bool:
+        """Whether a signal came to any process (each calls this at the same update)."""
+        return self.dist.sum([1.0 if self._signal else 0.0])[0] > 0
+
     def _install_signals(self):
         def handler(signum, frame):
             name = signal.Signals(signum).name
             if self._signal:                      # a second signal: stop now
                 raise KeyboardInterrupt(name)
             self._signal = name
-            self.progress.message(f"{name}: finishing this update and saving {os.path.join(self.out, LAST)} "
-                                  f"(again to abort without saving)")
+            self.progress.message(f"{name}: finishing this update (or validation), then saving "
+                                  f"{os.path.join(self.out, LAST)} (again to abort without saving)")
         old = {}
         for s in (signal.SIGINT, signal.SIGTERM):
             if signal.getsignal(s) is signal.SIG_IGN:   # (ignored from the start, as a non-interactive shell starts a

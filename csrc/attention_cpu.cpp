@@ -51,10 +51,10 @@ void check_float_dtypes(const char* op, const char* first_name, const Tensor& fi
 void check_context(const Tensor& alpha, const Tensor& values, int64_t group = 1) {
   check_context_shapes(alpha, values, group);
   check_float_dtypes("attention context", "alpha", alpha, "values", values);
-  TORCH_CHECK(alpha.device().is_cpu() && values.device().is_cpu() && alpha.scalar_type() == values.scalar_type() &&
-                  alpha.is_contiguous() && (values.size(2) <= 1 || values.stride(2) == 1),
-              "dtmt._C: attention context takes CPU tensors of one dtype, alpha contiguous and the values' last "
-              "dimension contiguous");
+  TORCH_CHECK(alpha.device().is_cpu() && values.device().is_cpu() && alpha.is_contiguous() &&
+                  (values.size(2) <= 1 || values.stride(2) == 1),
+              "dtmt._C: attention context takes CPU tensors, alpha contiguous and the values' last dimension "
+              "contiguous");
 }
 
 void check_shapes(const Tensor& keys, const Tensor& q, const Tensor& v, int64_t group = 1) {
@@ -62,8 +62,7 @@ void check_shapes(const Tensor& keys, const Tensor& q, const Tensor& v, int64_t 
   check_float_dtypes("additive scores", "keys", keys, "q", q);
   check_float_dtypes("additive scores", "keys", keys, "v", v);
   for (const Tensor* t : {&keys, &q, &v})
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == keys.scalar_type(),
-                "dtmt._C: additive scores take contiguous CPU tensors of one dtype");
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "dtmt._C: additive scores take contiguous CPU tensors");
 }
 
 }  // namespace

@@ -381,9 +381,11 @@ class Trainer:
                 self.log(f"warning: {over:,} training pairs are longer than --max-tokens {cfg.max_tokens} allows a "
                          f"batch (their longer side + 1); each is a batch of its own, over the budget (raise "
                          f"--max-tokens or lower --max-len {cfg.max_len})")
+        self._made_batches: Optional[Tuple[int, Batches]] = None   # (epoch, its batches) made here: epoch_batches
         if dist.world > 1:   # each process takes every world-th batch of an epoch, the last (len % world) skipped
-            n_batches = len(token_batches(self.lengths, cfg.max_tokens, seed=cfg.seed, epoch=0, keep=kept,
-                                          max_sentences=cfg.max_sentences))
+            made = token_batches(self.lengths, cfg.max_tokens, seed=cfg.seed, epoch=0, keep=kept,
+                                 max_sentences=cfg.max_sentences)
+            self._made_batches, n_batches = (0, made), len(made)   # takes them (made twice, they delayed the start)
             if n_batches < dist.world:   # (none for any process: the run looped over empty epochs, a signal unheard)
                 raise CorpusError(f"an epoch makes {n_batches:,} batch(es) of --max-tokens {cfg.max_tokens:,} for "
                                   f"{dist.world} processes, which need one each; lower --max-tokens (or "
@@ -567,8 +569,13 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------- training
     def epoch_batches(self) -> Batches:
-        batches = token_batches(self.lengths, self.cfg.max_tokens, seed=self.cfg.seed, epoch=self.epoch,
-                                keep=kept_indices(self.lengths, self.cfg.max_len), max_sentences=self.cfg.max_sentences)
+        made, self._made_batches = self._made_batches, None
+        if made is not None and made[0] == self.epoch:
+            batches = made[1]
+        else:
+            batches = token_batches(self.lengths, self.cfg.max_tokens, seed=self.cfg.seed, epoch=self.epoch,
+                                    keep=kept_indices(self.lengths, self.cfg.max_len),
+                                    max_sentences=self.cfg.max_sentences)
         w = self.dist.world
         if w > 1:   # every process takes the same number of batches: the last (len % w) of the epoch are skipped
             batches = batches[:len(batches) - len(batches) % w][self.dist.rank::w]

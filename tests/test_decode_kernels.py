@@ -607,8 +607,42 @@ def test_a_decoder_of_weights_changed_since_is_refused(name):
     model.load_state_dict(other.state_dict())
     fresh = _stale_decoder_refused(name, model, decoder, RuntimeError,
                                    r"its model's weights changed in place \(an optimizer step, load_state_dict\) "
-                                   r"after the decoder gathered them, .*build its decoder again")
+                                   r"or were replaced after the decoder gathered them, .*build its decoder again")
     assert fresh == beam_search(other.eval().inference_decoder(), _SRC, _LENGTHS, beam=2, max_len_b=3)
+
+
+@pytest.mark.parametrize("name", ["dtmt", "mce", "gnmt-atr", "deeplau"])
+def test_a_decoder_of_weights_replaced_or_partly_converted_since_is_refused(name):
+    """Found by a review: the check compared the parameters' version counters and the first parameter's dtype, so
+    parameters replaced by new tensors (vector_to_parameters, load_state_dict with assign=True: counters of the
+    same values) decoded with a mix of old and new weights without a word (log-probabilities 0.14-0.82 from the
+    old model's), and a part converted alone (the target embedding .double()) failed inside an op ('x [B, I] and
+    h [B, H] of one dtype expected, got [1, 16] and [1, 16]'). Both are now refused in one line."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from dtmt_models.decoding.beam_search import beam_search
+
+    torch.manual_seed(0)
+    other = build_model(name, 50, 60, embed_dim=16, hidden_size=24)
+    for change in ("vector", "assign"):
+        model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+        decoder = model.inference_decoder()
+        if change == "vector":
+            vector_to_parameters(parameters_to_vector(other.parameters()).detach().clone(), model.parameters())
+        else:
+            model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+        fresh = _stale_decoder_refused(name, model, decoder, RuntimeError,
+                                       r"its model's weights changed in place \(an optimizer step, load_state_dict\) "
+                                       r"or were replaced after the decoder gathered them, .*build its decoder again")
+        assert fresh == beam_search(other.eval().inference_decoder(), _SRC, _LENGTHS, beam=2, max_len_b=3)
+    model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+    decoder = model.inference_decoder()
+    model.tgt_embed.double()
+    with pytest.raises(TypeError, match=r"its model was converted to torch.float64 on cpu after the decoder "
+                                        r"gathered its weights in torch.float32 on cpu, .* \(tgt_embed\.\S+\); build "
+                                        r"its decoder again") as info:
+        beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3)
+    assert "\n" not in str(info.value)
 
 
 def test_a_swapped_in_single_head_attention_is_fused(monkeypatch):

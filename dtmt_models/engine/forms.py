@@ -81,36 +81,38 @@ def inference_conversion(module: nn.Module) -> TypeError:
                      "decoder again")
 
 
-def weights_kind(model: nn.Module) -> Tuple[Optional[torch.dtype], Optional[torch.device], Optional[tuple]]:
-    """The dtype and device of `model`'s first parameter, what a conversion (.to() / .double() / .cuda()) changes,
-    and its parameters' version counters (those of the model an inference copy was built from, `_built_from`), which
-    a change in place (an optimizer step, load_state_dict) moves (None for inference tensors, which keep none). A
-    decoder records it when built and compares it before a search (`check_unconverted`)."""
-    params = list(model.parameters())
-    if not params:
-        return None, None, ()
-    try:   # (of the model an inference copy was made from: the copy's forms read its modules too)
-        versions = tuple(p._version for p in model.__dict__.get("_built_from", model).parameters())
-    except RuntimeError:   # ("Inference tensors do not track version counter")
-        versions = None
-    return params[0].dtype, params[0].device, versions
+def weights_kind(model: nn.Module) -> Tuple[tuple, tuple]:
+    """What a decoder records of `model` when built and compares before a search (`check_unconverted`): each
+    parameter's name, dtype and device, what a conversion (.to() / .double() / .cuda(), of the model or of a part)
+    changes; and where the values of the model an inference copy was built from (`_built_from`, whose parameters
+    the copy's forms read) are: each parameter's identity, its storage's address and its version counter, which a
+    change in place (an optimizer step, load_state_dict) moves, as a new tensor put in its place does (load_state_dict
+    with assign=True, `param.data = ...`, vector_to_parameters). Inference tensors keep no version counter (None);
+    a change through `param.data` moves none: neither is seen."""
+    kinds = tuple((name, p.dtype, p.device) for name, p in model.named_parameters())
+    places = tuple((id(p), p.data_ptr(), None if p.is_inference() else p._version)
+                   for p in model.__dict__.get("_built_from", model).parameters())
+    return kinds, places
 
 
 def check_unconverted(decoder, model: nn.Module, built_as) -> None:
-    """TypeError, in one line, where `model` (whose parameters `decoder` shares) was converted after `decoder` was
-    built (`built_as`: weights_kind then): the parameters converted in place, the weights the decoder gathered did
-    not, and its search failed deep inside an op ('mat1 and mat2 must have the same dtype'). RuntimeError where its
-    weights changed in place since (an optimizer step, load_state_dict): the decoder read the parameters it shares
-    as they are now and its gathered copies as they were, a model of neither, without a word."""
-    now = weights_kind(model)
-    if now[:2] != built_as[:2]:
-        raise TypeError(f"{type(decoder).__name__}: its model was converted to {now[0]} on {now[1]} after the "
-                        f"decoder gathered its weights in {built_as[0]} on {built_as[1]}, which .to() / .double() / "
-                        f".cuda() do not reach; build its decoder again (model.inference_decoder())")
-    if now[2] is not None and built_as[2] is not None and now[2] != built_as[2]:
+    """TypeError, in one line, where `model` (whose parameters `decoder` shares), or a part of it, was converted
+    after `decoder` was built (`built_as`: weights_kind then): the parameters converted in place, the weights the
+    decoder gathered did not, and its search failed deep inside an op ('mat1 and mat2 must have the same dtype').
+    RuntimeError where its weights changed since (an optimizer step, load_state_dict): the decoder read the
+    parameters it shares as they are now and its gathered copies as they were, a model of neither, without a
+    word."""
+    kinds, places = weights_kind(model)
+    for (name, dtype, device), (_, was_dtype, was_device) in zip(kinds, built_as[0]):
+        if (dtype, device) != (was_dtype, was_device):   # (the first parameter converted: a part converted alone
+            raise TypeError(                             # had been seen only where it was the first)
+                f"{type(decoder).__name__}: its model was converted to {dtype} on {device} after the decoder "
+                f"gathered its weights in {was_dtype} on {was_device}, which .to() / .double() / .cuda() do not "
+                f"reach ({name}); build its decoder again (model.inference_decoder())")
+    if places != built_as[1] or kinds != built_as[0]:
         raise RuntimeError(f"{type(decoder).__name__}: its model's weights changed in place (an optimizer step, "
-                           f"load_state_dict) after the decoder gathered them, and it would decode with a mix of the "
-                           f"old and the new; build its decoder again (model.inference_decoder())")
+                           f"load_state_dict) or were replaced after the decoder gathered them, and it would decode "
+                           f"with a mix of the old and the new; build its decoder again (model.inference_decoder())")
 
 
 class FrozenTransitionCell(InferenceForm):

@@ -60,12 +60,15 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
 
 def quantize_activations(x: Tensor) -> Tuple[Tensor, Tensor]:
     """(xq int8 [M, K], x_scale float32 [M]) for activations x [M, K]: per row, x_scale = max |x| / 127 (1 for an
-    all-zero row) and xq = round_half_even(x / x_scale) in [-127, 127], in float32 arithmetic (as the kernel)."""
+    all-zero row) and xq = round_half_even(x / x_scale) in [-127, 127], in float32 arithmetic (as the kernel). A row
+    with NaN or an infinity gets x_scale NaN (and xq 0), so its products are NaN, as the kernel's are: it had scale
+    1 and xq 0, and finite products where the kernel gives NaN."""
     x32 = x.detach().to(torch.float32)
-    peak = x32.abs().amax(dim=1)
-    x_scale = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
-    xq = torch.round(x32 / x_scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return xq, x_scale
+    peak = x32.abs().amax(dim=1)   # (NaN where the row has one)
+    finite = peak.isfinite()
+    x_scale = torch.where(finite & (peak > 0), peak / 127.0, torch.ones_like(peak))
+    xq = torch.round(torch.where(finite[:, None], x32, 0.0) / x_scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return xq, torch.where(finite, x_scale, torch.full_like(x_scale, float("nan")))
 
 
 def linear_int8(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:

@@ -1381,7 +1381,7 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
 def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path, capsys):
     """The binarized shards checked whole before training (issue 71 item 4): an id beyond the vocabulary in a
     training or a dev pair (the dev one was found only at the first validation, after the updates), offsets that
-    decrease (reported as long pairs dropped), an id changed to another inside the vocabulary (trained on silently
+    decrease (reported as long pairs dropped; or wrap around, seen as none decreasing), an id changed to another inside the vocabulary (trained on silently
     before the shards had checksums), a manifest field of the wrong type (a TypeError traceback): one line
     naming the file (and the pair), exit 2, nothing written."""
     import json
@@ -1420,6 +1420,11 @@ def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path,
         idx[5], idx[6] = idx[6], idx[5]
         idx.tofile(d / "train.src.idx")
 
+    def wrapping(d):   # steps of 2^62 that wrap around to the true offsets: a difference saw none decrease, and
+        idx = np.fromfile(d / "train.src.idx", dtype=np.int64)   # pair 5 was read at negative offsets, mid-training
+        idx[5:8] = [2 ** 62, -2 ** 63, -2 ** 62]
+        idx.tofile(d / "train.src.idx")
+
     def pairs_as_text(d):   # (in the corpus' own manifest, corpus.json)
         m = json.loads((d.parent / "corpus.json").read_text())
         m["counts"]["train"] = "200"
@@ -1428,6 +1433,7 @@ def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path,
     cases = [(big_id("train", "tgt", 37), "train.tgt.bin: pair 37 holds id 67, beyond the tgt vocabulary's 60"),
              (big_id("dev", "src", 3), "dev.src.bin: pair 3 holds id 67"),
              (decreasing, "train.src.idx: the offsets decrease at pair 5"),
+             (wrapping, "train.src.idx: the offsets decrease at pair 5"),
              (within_vocabulary, "train.src.bin: its bytes are not those written by `dtmt prepare binarize`"),
              (pairs_as_text, "corpus.json: malformed")]
     for i, (edit, message) in enumerate(cases):

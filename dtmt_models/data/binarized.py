@@ -201,9 +201,10 @@ class BinarizedSplit:
                 done = 0
                 while done < self.n:
                     block = np.fromfile(f, dtype=np.int64, count=min(chunk, self.n - done))
-                    steps = np.diff(np.concatenate((prev, block)))
-                    if (steps < 0).any():
-                        raise CorpusError(f"{idx_path}: the offsets decrease at pair {done + int(np.argmax(steps < 0))}"
+                    joined = np.concatenate((prev, block))
+                    falls = joined[1:] < joined[:-1]   # (compared, not subtracted: steps of 2^62 wrap around to
+                    if falls.any():                    # the file's length, negative offsets between)
+                        raise CorpusError(f"{idx_path}: the offsets decrease at pair {done + int(np.argmax(falls))}"
                                           f" (a corrupt index); {rebuild}")
                     digest.update(block)
                     prev, done = block[-1:], done + len(block)

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-normal", type=float, default=None, metavar="S",
                    help="draw every weight and bias from N(0, S²) instead (layer norm's as --init-uniform; default: "
                         "the preset's, 0.04 for paper 001; 0: each module's own)")
-    g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (per process)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="token budget per batch (per process), counted padded: pairs x (longer side + 1)")
     g.add_argument("--max-sentences", type=int, default=None,
                    help="at most this many sentence pairs a batch (per process; default: the preset's, else no bound "
                         "but the token budget)")

@@ -108,31 +108,28 @@ def _longer_side(part: np.ndarray) -> np.ndarray:
 
 def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """`order` sorted by (longer side, target length), equal keys keeping their order: a counting sort over the
-    keys, done in chunks so that the transient buffers stay small whatever the corpus size. The longer side is
-    what `_cut_bounds` pads to, so batches come out as full as the budget allows; the target length second
-    leaves little target padding inside a batch, where a padded position costs the most (every decoder step).
-    (Why: docs/design/data.md, "Batches".)"""
-    if len(order) == 0:
-        return order
-    top_m = top_t = 0   # over the pairs sorted only: a long pair left out must not size the counts
-    for start in range(0, len(order), _CHUNK):
-        part = lengths[order[start:start + _CHUNK]]
-        top_m, top_t = max(top_m, int(part.max())), max(top_t, int(part[:, 1].max()))
-    top_t += 1
-    n_keys = (top_m + 1) * top_t
-
+    keys present, done in chunks so that the transient buffers stay small whatever the corpus size (and the counts
+    as many as the distinct keys: counted over every key up to the largest, they had grown with the square of the
+    longest pair, 1.7 GB for one of 10,000 tokens). The longer side is what `_cut_bounds` pads to, so batches come
+    out as full as the budget allows; the target length second leaves little target padding inside a batch, where
+    a padded position costs the most (every decoder step). (Why: docs/design/data.md, "Batches".)"""
     def keys(idx):
         part = lengths[idx]
-        return _longer_side(part) * top_t + part[:, 1]
+        return _longer_side(part) * _KEY_BASE + part[:, 1]
 
-    counts = np.zeros(n_keys, dtype=np.int64)
+    present, counts = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)   # (the keys seen, sorted)
     for start in range(0, len(order), _CHUNK):
-        counts += np.bincount(keys(order[start:start + _CHUNK]), minlength=n_keys)
+        seen, seen_counts = np.unique(keys(order[start:start + _CHUNK]), return_counts=True)
+        merged = np.union1d(present, seen)
+        total = np.zeros(len(merged), dtype=np.int64)
+        total[np.searchsorted(merged, present)] = counts
+        total[np.searchsorted(merged, seen)] += seen_counts
+        present, counts = merged, total
     next_pos = np.cumsum(counts) - counts
     out = np.empty_like(order)
     for start in range(0, len(order), _CHUNK):
         part = order[start:start + _CHUNK]
-        k = keys(part)
+        k = np.searchsorted(present, keys(part))   # (each key's rank among those present)
         idx = np.argsort(k, kind="stable")
         k = k[idx]
         uniq, first, cnt = np.unique(k, return_index=True, return_counts=True)
@@ -140,6 +137,9 @@ def _stable_sort_by_lengths(order: np.ndarray, lengths: np.ndarray) -> np.ndarra
         out[pos] = part[idx]
         next_pos[uniq] += cnt
     return out
+
+
+_KEY_BASE = 1 << 32   # a sort key: longer side x this + target length (lengths below 2^31: the keys fit int64)
 
 
 def _cut_bounds(order: np.ndarray, lengths: np.ndarray, max_tokens: int,

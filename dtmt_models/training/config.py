@@ -35,7 +35,7 @@ class TrainConfig:
     adadelta_eps: float = 1e-6
     init_uniform: Optional[float] = None        # weights drawn from U(-r, r) (papers 000, 004); None: the modules' own
     init_normal: Optional[float] = None         # weights drawn from N(0, s²) (paper 001: s = 0.04); None: as above
-    max_tokens: Optional[int] = None            # target-token budget per batch and process
+    max_tokens: Optional[int] = None            # padded budget per batch and process: pairs x (longer side + 1)
     max_sentences: Optional[int] = None         # pairs per batch and process at most (None: the budget alone)
     vocab_size: Optional[int] = None            # SentencePiece pieces per side
     vocab_type: str = "bpe"                     # bpe or unigram

@@ -108,6 +108,9 @@ class _TransitionBase(BackendSwitch, nn.Module):
     def candidate_dropout(self, value) -> None:
         if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0.0 <= float(value) < 1.0:
             raise ValueError(f"{type(self).__name__}: candidate_dropout must be a number in [0, 1), got {value!r}")
+        if value and self.cell == "atr":   # (it was taken and did nothing: an ATR step has no candidate)
+            raise ValueError(f"{type(self).__name__}: ATR has no candidate to drop (contract §2); candidate_dropout "
+                             f"must be 0, got {value!r}")
         self._candidate_dropout = float(value)
 
     def __setstate__(self, state: dict) -> None:
@@ -443,6 +446,8 @@ class TransitionCell(Unrollable, _TransitionBase):
             h = x2.new_zeros(B, H)
         if drop is None:
             drop = self.sample_dropout_masks(B, x2)
+        elif self.cell == "atr":
+            raise ValueError(f"{name}: ATR has no candidate to drop (contract §2); pass no drop mask")
         else:
             self._check_tensor(drop, "drop", "[depth+1, B, hidden_size]")
             if tuple(drop.shape) != (self.depth + 1, B, H):

@@ -595,7 +595,7 @@ def test_bad_inputs_raise_value_errors():
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, candidate_dropout="x"), "candidate_dropout must be a number")
     _err(lambda: dk.nn.DeepTransitionGRUCell(3, 4, candidate_dropout=None), "candidate_dropout must be a number")
     # set after construction too (1.0 made every output NaN in training: 0 / 0; 2.0 torch's bernoulli_ message)
-    for module in (dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=0.25), dk.nn.ATRCell(3, 4)):
+    for module in (dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=0.25), dk.nn.DeepTransitionGRUCell(3, 4)):
         before = module.candidate_dropout
         for bad in (1.0, 2.0, -0.1, "0.5", True):
             _err(lambda: setattr(module, "candidate_dropout", bad),
@@ -603,6 +603,14 @@ def test_bad_inputs_raise_value_errors():
             assert module.candidate_dropout == before
         module.candidate_dropout = np.float32(0.5)
         assert module.candidate_dropout == 0.5 and type(module.candidate_dropout) is float
+    # ATR has no candidate: a rate, or a step's mask, was taken and changed nothing (a review found it); refused
+    for module in (dk.nn.ATR(3, 4), dk.nn.ATRCell(3, 4)):
+        _err(lambda: setattr(module, "candidate_dropout", 0.5), f"{type(module).__name__}: ATR has no candidate to "
+                                                                 f"drop \\(contract §2\\); candidate_dropout must be 0")
+        module.candidate_dropout = 0
+        assert module.candidate_dropout == 0.0
+    _err(lambda: dk.nn.ATRCell(3, 4)(torch.ones(2, 3), torch.zeros(2, 4), torch.zeros(1, 2, 4)),
+         "ATRCell: ATR has no candidate to drop \\(contract §2\\); pass no drop mask")
     # a layer pickled whole before the property holds the value under its plain name: it loads and runs
     old = dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=0.25)
     state = dict(old.__dict__)

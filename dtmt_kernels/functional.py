@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
-from .ops._host_reads import host_list, host_reads_allowed, host_reads_kept
+from .ops._host_reads import checked_lengths, host_list, host_reads_allowed, host_reads_kept
 from .ops.linear import small_rows_applicable, small_rows_linear
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._register import check_transforms, transformed
@@ -288,10 +288,14 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
                              "does not allow; pass one batch's lengths from outside the transform")
         if lengths.numel() == B and not host_reads_allowed():   # (a graph: no read, no host tensor to copy in)
             on_device = lengths.detach().to(device=device, dtype=torch.long)
-            torch._assert_async(((on_device >= 1) & (on_device <= T)).all(),   # (T a symbol when exported: s27)
-                                f"{owner}: every length must be in [1, T={T}]" if isinstance(T, int) else
-                                f"{owner}: every length must be in [1, T], T the steps of x")
-            return (torch.arange(T, device=device).unsqueeze(1) < on_device.unsqueeze(0)).to(dtype)
+            steps = torch.arange(T, device=device)
+            if torch.jit.is_tracing():   # (a trace drops the assert below: its result is read by nothing)
+                on_device = checked_lengths(on_device, steps, owner)
+            else:
+                torch._assert_async(((on_device >= 1) & (on_device <= T)).all(),   # (T a symbol when exported: s27)
+                                    f"{owner}: every length must be in [1, T={T}]" if isinstance(T, int) else
+                                    f"{owner}: every length must be in [1, T], T the steps of x")
+            return (steps.unsqueeze(1) < on_device.unsqueeze(0)).to(dtype)
         if lengths.numel() != B:
             raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {lengths.numel()}")
         values = host_list(lengths)   # (once a batch inside host_reads_kept)

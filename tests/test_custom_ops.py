@@ -710,6 +710,12 @@ def test_a_traced_layer_takes_each_call_s_lengths(cell, depth, ln, backend):
             with torch.no_grad():
                 for got, want in zip(traced(x, h0, lengths), layer(x, h0, lengths)):
                     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        # lengths outside [1, T] are refused by the trace as by the layer (a trace dropped the assert, whose result
+        # nothing read: a length 0 gave zeros, 7 ran as 5, without a word; a review found it)
+        for bad, shown in (([0, 5, 3], "min 0, max 5"), ([7, 5, 3], "min 3, max 7")):
+            with pytest.raises(RuntimeError, match=rf"{type(layer).__name__}: every length must be in \[1, T=5\], "
+                                                   rf"got {shown}"):
+                traced(x, h0, torch.tensor(bad))
 
 
 def test_torchscript_is_refused_in_one_line_naming_the_module():

@@ -18,9 +18,27 @@ def host_reads_allowed() -> bool:
     would end the graph), nor while torch.jit.trace records (a value read would be a constant of the trace: the
     example's lengths, applied to every later batch), nor while a CUDA graph is captured (a read synchronises the
     stream, which a capture refuses; issue 73, updates as CUDA graphs). Where not, the checks of the inputs are
-    device-side asserts (torch._assert_async, with the same messages but not the values) and no result depends on
-    the values: a mask is made even where nothing is padded, counts stay tensors."""
+    device-side asserts (torch._assert_async, with the same messages but not the values; under torch.jit.trace,
+    which drops such an assert, `checked_lengths`) and no result depends on the values: a mask is made even where
+    nothing is padded, counts stay tensors."""
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or _capturing())
+
+
+@torch.library.custom_op("dtmt::checked_lengths", mutates_args=())
+def checked_lengths(lengths: torch.Tensor, steps: torch.Tensor, owner: str) -> torch.Tensor:
+    """`lengths` [B] (int64) as they are, after a ValueError naming `owner` where one is outside [1, T], T =
+    steps.numel(). The lengths check of a torch.jit.trace: a trace drops an op whose result nothing reads (an
+    _assert_async: invalid lengths ran without a word, a length 0 giving zeros), and keeps this one, whose result
+    the mask reads; T comes from a tensor, so a trace called with another T checks against that one."""
+    T, values = steps.numel(), lengths.tolist()
+    if values and (min(values) < 1 or max(values) > T):
+        raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {min(values)}, max {max(values)}")
+    return lengths.clone()
+
+
+@checked_lengths.register_fake
+def _(lengths: torch.Tensor, steps: torch.Tensor, owner: str) -> torch.Tensor:
+    return torch.empty_like(lengths)
 
 
 _KEPT = threading.local()   # .values: {id(tensor): (tensor, its values)} inside host_reads_kept, else absent

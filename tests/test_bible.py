@@ -728,13 +728,22 @@ def test_prepare_of_a_file_whose_name_is_not_utf8(tmp_path):
 
 def test_prepare_warns_of_carriage_returns_inside_lines(tmp_path, capsys):
     """Old Mac line ends (\\r alone) made a file one line, taken without a word (1 pair where 3 were meant); a \\r
-    inside a line is now counted and said, with how to convert. CRLF line ends are not (their \\r ends the line)."""
-    src = write(tmp_path / "mac.es", b"uno dos\rtres cuatro\rcinco seis\r")
-    tgt = write(tmp_path / "mac.en", b"one two\rthree four\rfive six\r")
-    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "m"), "--no-binarize"]) == 0
+    inside a line is now counted and said, with how to convert. CRLF line ends are not (their \\r ends the line).
+    Two files of old Mac line ends, of 3 and 5 lines, were one pair with that warning, exit 0: a split of one
+    line holding a \\r is refused, naming the file, and nothing is written."""
+    src = write(tmp_path / "inner.es", b"uno dos\rtres cuatro\ncinco seis\n")
+    tgt = write(tmp_path / "inner.en", b"one two three four\nfive six\n")
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "i"), "--no-binarize"]) == 0
     err = capsys.readouterr().err
     assert ("warning: train: 1 pairs hold a carriage return (\\r) inside a line, read as a space; a file with old Mac "
             "line ends (\\r alone) is one line to prepare: convert them to \\n first (tr '\\r' '\\n')") in err, err
+    src = write(tmp_path / "mac.es", b"uno dos\rtres cuatro\rcinco seis\r")
+    tgt = write(tmp_path / "mac.en", b"one\rtwo\rthree\rfour\rfive\r")
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "m"), "--no-binarize"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"dtmt prepare files: error: {src}: one line holding carriage returns (\\r): a file of old Mac "
+                   f"line ends, which prepare splits at \\n only; convert them first (tr '\\r' '\\n')\n"), err
+    assert not (tmp_path / "m").exists()
     src = write(tmp_path / "dos.es", b"uno dos\r\ntres cuatro\r\n")
     tgt = write(tmp_path / "dos.en", b"one two\r\nthree four\r\n")
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "d"), "--no-binarize"]) == 0

@@ -202,7 +202,13 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
                 writers[dest][1].write(t + "\n")
                 counts[dest] += 1
                 returns += "\r" in s or "\r" in t
-            log(f"{split}: {src} + {tgt}: {sum(counts.values()) - sum(before.values()):,} pairs, valid")
+            pairs = sum(counts.values()) - sum(before.values())
+            if returns and pairs == 1:   # (a file of \r line ends is one line: two such files, of any counts of
+                # \r lines, were one pair, "valid", exit 0)
+                side = src if "\r" in s else tgt
+                raise data.CorpusError(f"{side}: one line holding carriage returns (\\r): a file of old Mac line ends, "
+                                  f"which prepare splits at \\n only; convert them first (tr '\\r' '\\n')")
+            log(f"{split}: {src} + {tgt}: {pairs:,} pairs, valid")
             if returns:   # (taken without a word: a file of \r line ends was one pair)
                 log(f"warning: {split}: {returns:,} pairs hold a carriage return (\\r) inside a line, read as a "
                     f"space; a file with old Mac line ends (\\r alone) is one line to prepare: convert them to \\n "

@@ -498,6 +498,32 @@ def test_prepare_files_holdout_is_deterministic_and_disjoint(tmp_path):
     assert (tmp_path / "a" / "dev.es").read_text() == "x\n"
 
 
+def test_replacing_a_bible_corpus_removes_its_verse_references(tmp_path, capsys):
+    """A corpus of `prepare files` in the folder of a `prepare bible` one: the Bible's {split}.ref files (its
+    manifest's references) stayed beside the new corpus's splits without a word (a review found 28,777 verse
+    references beside 300 pairs). They are removed with a line saying so; a name that is not a file of the folder
+    (a crafted manifest's) is not touched."""
+    import json
+
+    src, tgt = numbered(tmp_path, 30)
+    out = tmp_path / "c"
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--holdout", "5",
+                         "--no-binarize"]) == 0
+    manifest = json.loads((out / "corpus.json").read_text())   # as prepare_bible writes it
+    manifest["references"] = {split: f"{split}.ref" for split in ("train", "dev", "test")}
+    manifest["references"]["other"] = "../outside.ref"
+    (out / "corpus.json").write_text(json.dumps(manifest))
+    for split in ("train", "dev", "test"):
+        write(out / f"{split}.ref", "Genesis 1:1\n")
+    outside = write(tmp_path / "outside.ref", "mine\n")
+    capsys.readouterr()
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--no-binarize"]) == 0
+    err = capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["corpus.json", "train.en", "train.es"], os.listdir(out)
+    assert f"removed {out / 'train.ref'} (left from an earlier corpus; this one has no verse references)" in err, err
+    assert open(outside).read() == "mine\n"
+
+
 
 def snapshot(folder):
     """Every file under `folder` (links not followed) and its bytes: what "nothing written" compares."""

@@ -275,8 +275,14 @@ def _commit(stage: str, out: str, inputs: set, log) -> None:
     stale = []
     with contextlib.suppress(data.CorpusError):
         old = data.read_manifest(out)
-        stale = [name for split in old["counts"] for lang in (old["src_lang"], old["tgt_lang"])
-                 for name in [f"{split}.{lang}"] if name not in written]
+        stale = [(name, f"this one has no {split} split" if split not in counts else
+                  "this one is of other languages") for split in old["counts"]
+                 for lang in (old["src_lang"], old["tgt_lang"]) for name in [f"{split}.{lang}"] if name not in written]
+        references = old.get("references")   # (the Bible's verse references, {split}.ref: they had stayed beside
+        if isinstance(references, dict):     # another corpus's splits, without a word)
+            stale += [(name, "this one has no verse references") for name in references.values()
+                      if isinstance(name, str) and name == os.path.basename(name) and name not in written
+                      and name not in (".", "..")]
     # SIGINT and SIGTERM held back by handlers that note them, given back after (Python runs handlers in the main
     # thread whichever thread the signal reaches; a pthread_sigmask of this thread let one reach another: the
     # interrupt came between the renames)
@@ -303,12 +309,10 @@ def _commit(stage: str, out: str, inputs: set, log) -> None:
                 os.remove(aside)
             else:
                 shutil.rmtree(aside, ignore_errors=True)
-        for name in stale:   # a split of the earlier corpus would otherwise be read as this one's
+        for name, why in stale:   # a split of the earlier corpus would otherwise be read as this one's
             path = os.path.join(out, name)
-            if not os.path.exists(path):
+            if not os.path.isfile(path):
                 continue
-            split = name.split(".", 1)[0]
-            why = f"this one has no {split} split" if split not in counts else "this one is of other languages"
             if os.path.realpath(path) in inputs:
                 log(f"note: {path} is one of your input files, so it stays ({why}: dtmt train and evaluate do not "
                     f"read it)")

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -821,6 +822,40 @@ def test_a_ctrl_c_while_prepare_puts_its_corpus_in_place(tmp_path):
     assert sorted(os.listdir(out)) == ["corpus.json", "train.xx", "train.yy"], r.stderr
     assert f"note: the interrupt came as {out} was put in place: it is written whole" in r.stderr, r.stderr
     assert data.read_manifest(str(out))["counts"] == {"train": 60}
+
+
+def test_a_sigterm_while_prepare_works_removes_what_it_made(tmp_path):
+    """SIGTERM (`timeout`, Slurm, `docker stop`) while its worker processes encode: the process died on the spot and
+    left its staged copy of the corpus, its lock and the --out folder it had made, without a word (rc 143). Now it
+    ends as after Ctrl-C: its workers stopped (not waited for), nothing left, one line, exit 143."""
+    src, tgt = numbered(tmp_path, 60)
+    out, marker = tmp_path / "new" / "c", tmp_path / "worker.pid"
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        from dtmt_models.data import binarized
+        def stuck(*args):   # an encoding worker that would work for a minute
+            open({str(marker)!r}, "w").write(str(os.getpid()))
+            time.sleep(60)
+        binarized._encode_in_worker = stuck
+        def terminate():   # SIGTERM to the main process once a worker is at work
+            while not os.path.exists({str(marker)!r}) or not open({str(marker)!r}).read():
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=terminate, daemon=True).start()
+        from dtmt_models import cli
+        sys.exit(cli.main(["prepare", "files", "--src", {src!r}, "--tgt", {tgt!r}, "--out", {str(out)!r},
+                           "--vocab-size", "60", "--workers", "2"]))
+        """)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 143 and time.monotonic() - t0 < 40, r.stderr
+    assert r.stderr.endswith("dtmt prepare: terminated (SIGTERM); what this run had written is removed\n"), r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "new").exists(), r.stderr
+    with pytest.raises(ProcessLookupError):   # (the worker ended with it)
+        for _ in range(100):
+            os.kill(int(marker.read_text()), 0)
+            time.sleep(0.05)
 
 
 def test_python_m_prepare_reports_errors_without_traceback(tmp_path, monkeypatch, capsys):

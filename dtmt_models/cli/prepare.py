@@ -8,8 +8,11 @@ docstrings for what they write).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import signal
 import sys
+import threading
 from typing import List, Optional
 
 from dtmt_models.atomic import remove_stale_temporaries
@@ -117,7 +120,33 @@ def check_numbers(args: argparse.Namespace) -> None:
                         ("seed", 0, MAX_SEED)))
 
 
+class Terminated(BaseException):
+    """SIGTERM (`timeout`, Slurm, `docker stop`), raised in the main thread as a Ctrl-C is: what prepare made (the
+    staged copy, the lock, a folder it created) is removed on the way out. Before, the process died on the spot and
+    left them, without a word."""
+
+
+def _terminate(signum, frame) -> None:
+    for child in multiprocessing.active_children():   # (its worker processes, which a pool would wait for)
+        child.terminate()
+    raise Terminated()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) in (
+            signal.SIG_IGN, None):   # (a handler only in the main thread; an ignored SIGTERM stays ignored)
+        return _main(argv)
+    before = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(argv)
+    except Terminated:
+        print("dtmt prepare: terminated (SIGTERM); what this run had written is removed", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))

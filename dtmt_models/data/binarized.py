@@ -600,10 +600,13 @@ def _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_d
 
 
 def _die_with_parent() -> None:
-    """A worker process ends when the process that forked it does, even by SIGKILL (Linux's PR_SET_PDEATHSIG)."""
+    """A worker process ends when the process that forked it does, even by SIGKILL (Linux's PR_SET_PDEATHSIG), and
+    by a SIGTERM of its own (the parent's handler, inherited by the fork, is dtmt prepare's, not the worker's)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):

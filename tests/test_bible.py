@@ -869,6 +869,12 @@ def test_python_m_prepare_reports_errors_without_traceback(tmp_path, monkeypatch
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert "x.es:2: invalid UTF-8" in err and "Traceback" not in err
+    # the problems of a corpus in one line, as every error (contract §6): a line each had followed the count
+    bad = write(tmp_path / "y.es", b"ok\n\xff\n\n")
+    good = write(tmp_path / "y.en", b"ok\nfine\nthree\n")
+    assert prepare.main(["files", "--src", bad, "--tgt", good, "--out", str(tmp_path / "y"), "--no-binarize"]) == 1
+    assert capsys.readouterr().err == (f"dtmt prepare files: error: parallel corpus: 2 problem(s) | {bad}:2: invalid "
+                                       f"UTF-8 at byte 0 (b'\\xff') | {bad}:3: empty line\n")
 
 
 # -------------------------------------------------------------------------------- the real Debian modules

@@ -622,6 +622,11 @@ def test_dtmt_without_a_command_is_a_usage_error(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and "usage: dtmt <command>" in captured.err and "translate" in captured.err
     assert cli.main(["--help"]) == 0 and "usage: dtmt <command>" in capsys.readouterr().out
+    # an unknown command: one line, as every other error (the whole usage followed it: 13 lines), with the closest
+    assert cli.main(["model"]) == 2
+    assert capsys.readouterr().err == ("dtmt: unknown command 'model' (did you mean 'models'?); the commands: prepare, "
+                                       "train, translate, evaluate, average, serve, bench, models (dtmt --help)\n")
+    assert cli.main(["zzz", "--x"]) == 2 and "(did you mean" not in capsys.readouterr().err
 
 
 def test_an_input_line_is_refused_only_past_the_limit_its_line_end_not_counted(monkeypatch):

@@ -13,6 +13,7 @@ library functions of dtmt_models.data / training / decoding / models; this file 
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import signal
@@ -84,8 +85,10 @@ def _dispatch(argv: List[str]) -> int:
     if not argv:   # no command: the usage, as an error (argparse's status for a missing argument)
         print(usage(), file=sys.stderr)
         return 2
-    if argv[0] not in COMMANDS:
-        print(f"dtmt: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+    if argv[0] not in COMMANDS:   # (one line, as every other error: it was followed by the whole usage)
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        print(f"dtmt: unknown command {argv[0]!r}{f' (did you mean {close[0]!r}?)' if close else ''}; the commands: "
+              f"{', '.join(COMMANDS)} (dtmt --help)", file=sys.stderr)
         return 2
     return int(importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]) or 0)
 

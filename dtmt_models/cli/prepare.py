@@ -21,7 +21,7 @@ from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import (SPLITS, check_files_options, check_out_is_a_corpus_or_new, corpus_names,
                                       prepare_files, staged_corpus)
 from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_counts, check_input_dir,
-                                 check_output_dir, cut)
+                                 check_output_dir, one_line)
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 from dtmt_models.run_lock import PREPARE_LOCK_NAME, RunLock, RunLocked
 
@@ -200,10 +200,10 @@ def _main(argv: Optional[List[str]] = None) -> int:
             binarize_from_args(args, args.data, log)
         done = True
     except (UsageError, RunLocked) as exc:   # an option that cannot work: nothing was read or written
-        print(f"dtmt prepare {args.source}: error: {cut(str(exc))}", file=sys.stderr)
+        print(f"dtmt prepare {args.source}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except (data.CorpusError, bible.BibleError) as exc:
-        print(f"dtmt prepare {args.source}: error: {cut(str(exc))}", file=sys.stderr)
+        print(f"dtmt prepare {args.source}: error: {one_line(exc)}", file=sys.stderr)
         return 1
     except OSError as exc:   # (numpy's writes name no file: the folder being written, then)
         where = exc.filename or (f"writing {args.data if args.source == 'binarize' else args.out}" if exc.errno

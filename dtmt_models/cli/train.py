@@ -697,7 +697,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                                  f"the file's preset and remove the settings it should take from it")
             argv = from_file + argv   # the command line's flags come last: they override
         except ValueError as exc:
-            print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
+            print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
             return 2
     args = build_parser().parse_args(argv)
     if budget_given:   # it replaces the configuration's epoch bound, as it replaces a preset's (resolve_config)
@@ -826,7 +826,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         for held in lock:   # nothing written: a directory made for the lock goes too
             held.release(discard=True)
-        print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
+        print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
         return 2
     finished = False   # (the run ended in every process alike: their last barrier is met)
     trainer = None
@@ -855,11 +855,11 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
     except (CorpusError, CheckpointError) as exc:   # (before anything was written)
         for held in lock:
             held.release(discard=True)
-        print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
+        print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
         return 2
     except (WriteError, TrainingDiverged) as exc:   # a checkpoint, log or figure unwritable (full disk, read-only
         # directory); a loss that became NaN
-        print(f"dtmt train: {cut(str(exc))}", file=sys.stderr)
+        print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started
         if not getattr(trainer, "started", False):   # (Python's own, the run's handlers not yet there: it said

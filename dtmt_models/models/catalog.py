@@ -86,11 +86,14 @@ def describe(count: bool = False, table: Optional[str] = None) -> str:
         for r in rows:
             line = f"  {r.name:<27s} {r.model:<14s} {r.label:<58s} {_paper_count(r):>12s}"
             if count and r.params is not None:
-                ours = row_parameters(r) + layout_parameters(r)   # (in the paper's layout: same model)
+                built = row_parameters(r)
+                ours = built + layout_parameters(r)   # (in the paper's layout: same model)
                 if not base:
                     base = dict(paper=_millions(r.params), ours=ours / 1e6)
                 line += (f"   ours {ours / 1e6:8.3f} M   Δ paper {_millions(r.params) - base['paper']:+8.3f}"
                          f"  Δ ours {ours / 1e6 - base['ours']:+8.3f}")
+                if ours != built:   # (the figure dtmt train logs is the model's own count: said beside it)
+                    line += f"   (built: {built / 1e6:.3f} M, as dtmt train counts)"
             lines.append(line)
             if r.unmatched:
                 lines.append(f"  {'':<27s} count not reproduced: {r.unmatched}")

@@ -594,7 +594,8 @@ Tensor cell_step_from_products_cpu(const Tensor& xp, const Tensor& h, const Tran
 Tensor cell_step_cpu(const Tensor& x, const Tensor& h, const TransitionWeights& w, double eps, StepScratch* scratch) {
   check_kind(w.kind);
   TORCH_CHECK(x.dim() == 2 && h.dim() == 2 && x.size(0) == h.size(0) && x.scalar_type() == h.scalar_type(),
-              "dtmt::cell_step: x [B, I] and h [B, H] of one dtype expected, got ", x.sizes(), " and ", h.sizes());
+              "dtmt::cell_step: x [B, I] and h [B, H] of one dtype expected, got ", x.sizes(), " ", x.scalar_type(),
+              " and ", h.sizes(), " ", h.scalar_type());
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble)   // 16-bit: the sequence kernel's conversions
     return transition_forward_cpu(x.contiguous().unsqueeze(0), h.contiguous(), Tensor(), Tensor(), w, false, eps)[1];
   Tensor result;

@@ -870,6 +870,40 @@ def test_a_process_left_alone_says_so_in_one_line(toy_nodev, tmp_path):
     assert err.startswith("dtmt train: process 0 of 2: another process of the run ended ("), err
     assert "by peer" in err and "its own messages say why" in err   # (gloo's "Connection closed / reset by peer")
     assert (out / "train_log.csv").is_file()
+    assert err.endswith("No checkpoint was written\n") and not (out / "last.pt").exists(), err   # (it had said
+    # "The last checkpoint written stands" of none)
+
+
+def test_processes_resuming_different_checkpoints_are_refused(toy_nodev, tmp_path):
+    """Each process of a run reads the last.pt of its own --out: a process given an older copy trained other updates
+    than process 0 in the same all-reduces, and both waited for ever at the end, deaf to SIGTERM (a review found
+    it). The checkpoints are compared with the settings: one line in both, exit 2. A process given its own --data
+    without the binarized copy, which process 0 builds in its --data only, is told how to make one."""
+    def run(out, port, args, rank_args=lambda rank: []):
+        procs = two_processes(toy_nodev, out, port, ["--log-every", "1", *TINY, *args], rank_args)
+        try:
+            said = [p.communicate(timeout=300) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        return [(p.returncode, err) for p, (_, err) in zip(procs, said)]
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert [code for code, _ in run(a, 29547, ["--max-steps", "2"])] == [0, 0]
+    shutil.copytree(a, b)
+    assert [code for code, _ in run(a, 29549, ["--max-steps", "4", "--resume"])] == [0, 0]
+    apart = run(a, 29551, ["--max-steps", "6", "--resume"], lambda rank: ["--out", str(b)] if rank else [])
+    for code, err in apart:
+        assert code == 2 and err.startswith("dtmt train: the run's processes were started with different settings: "
+                                            "resumed checkpoint ('update 4, "), err
+        assert "in process 0, 'update 2, " in err and err.count("\n") == 1, err
+        assert err.endswith("and one --out (the checkpoint each resumes is its --out's last.pt)\n"), err
+    assert [r["step"] for r in csv.DictReader(open(a / "train_log.csv", newline=""))][-1] == "4"
+    copy = tmp_path / "copy"
+    shutil.copytree(toy_nodev, copy, ignore=shutil.ignore_patterns("bin-*"))
+    results = run(tmp_path / "c", 29553, ["--max-steps", "1"], lambda rank: ["--data", str(copy)] if rank else [])
+    assert results[1][0] == 2 and (f"(process 0 builds one in its own --data only: make it there with `dtmt prepare "
+                                   f"binarize --data {copy} --vocab-size 60") in results[1][1], results
 
 
 def test_a_run_of_more_processes_than_an_epoch_has_batches_is_refused(toy_nodev, tmp_path):
@@ -1381,9 +1415,9 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
 def test_a_corrupt_binarized_corpus_is_refused_before_the_first_update(tmp_path, capsys):
     """The binarized shards checked whole before training (issue 71 item 4): an id beyond the vocabulary in a
     training or a dev pair (the dev one was found only at the first validation, after the updates), offsets that
-    decrease (reported as long pairs dropped; or wrap around, seen as none decreasing), an id changed to another inside the vocabulary (trained on silently
-    before the shards had checksums), a manifest field of the wrong type (a TypeError traceback): one line
-    naming the file (and the pair), exit 2, nothing written."""
+    decrease (reported as long pairs dropped; or wrap around, seen as none decreasing), an id changed to another
+    inside the vocabulary (trained on silently before the shards had checksums), a manifest field of the wrong type
+    (a TypeError traceback): one line naming the file (and the pair), exit 2, nothing written."""
     import json
     import shutil
 

@@ -579,13 +579,20 @@ def check_best_is_of_the_run(best: str, source: str, ckpt: dict) -> None:
 PER_PROCESS = ("data", "out", "threads", "progress")
 
 
-def check_processes_agree(dist: Dist, cfg: TrainConfig) -> None:
+def check_processes_agree(dist: Dist, cfg: TrainConfig, resumed: Optional[dict] = None) -> None:
     """ValueError in every process (the same one line) when the processes of a run were given different settings or
-    corpora: compared once, before any work (another --lr was found by the parameters' check at the end of the run,
-    a traceback; another --max-steps left one process waiting for the other's last update for half an hour)."""
+    corpora, or resume different checkpoints (`resumed`: the training state each read; each reads the last.pt of
+    its own --out: an older one in one process trained other updates in the same all-reduces, and both waited for
+    ever at the end, deaf to signals): compared once, before any work (another --lr was found by the parameters'
+    check at the end of the run, a traceback; another --max-steps left one process waiting for the other's last
+    update for half an hour)."""
     if dist.world == 1:
         return
-    every = dist.gather({k: v for k, v in cfg.to_dict().items() if k not in PER_PROCESS})
+    settings = {k: v for k, v in cfg.to_dict().items() if k not in PER_PROCESS}
+    if resumed is not None:   # (the update it was saved at, and its training time: two saves share neither)
+        settings["resumed checkpoint"] = (f"update {resumed.get('step')}, "
+                                          f"{resumed.get('elapsed')} s of training")
+    every = dist.gather(settings)
     first = every[0]
     for rank, other in enumerate(every[1:], start=1):   # (each against process 0's: the same message in all)
         differ = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
@@ -595,7 +602,8 @@ def check_processes_agree(dist: Dist, cfg: TrainConfig) -> None:
             dist.close()   # (every process ends here alike; one gone before another's gather had finished broke it)
             raise ValueError(f"the run's processes were started with different settings: {shown}"
                              f"{' ...' if len(differ) > 3 else ''}; start every process with the same options and "
-                             f"corpus")
+                             f"corpus" + (", and one --out (the checkpoint each resumes is its --out's last.pt)"
+                                          if "resumed checkpoint" in differ else ""))
 
 
 def resume_changes(before: dict, after: dict) -> List[str]:
@@ -663,8 +671,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         reason = lost_peer(exc) if world_size() > 1 else None
         if reason is None:
             raise
+        # (process 0 writes the checkpoints and holds the lock of their folder: it says whether one stands; it had
+        # said so where none was written)
+        last = os.path.join(lock[0].directory, LAST) if lock else None
+        said = ("" if last is None else f" {last} stands" if os.path.isfile(last) else " No checkpoint was written")
         print(f"dtmt train: process {os.environ.get('RANK', '?')} of {world_size()}: another process of the run "
-              f"ended ({reason}); its own messages say why. The last checkpoint written stands", file=sys.stderr)
+              f"ended ({reason}); its own messages say why.{said}", file=sys.stderr)
         return 1
     finally:
         for held in lock:
@@ -822,7 +834,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
             raise
         check_cuda_graphs(cfg)
         dist = Dist(cfg.device)
-        check_processes_agree(dist, cfg)
+        check_processes_agree(dist, cfg, ckpt["training"] if ckpt is not None else None)
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         for held in lock:   # nothing written: a directory made for the lock goes too
             held.release(discard=True)

@@ -140,7 +140,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return _main(argv)
     except Terminated:
-        print("dtmt prepare: terminated (SIGTERM); what this run had written is removed", file=sys.stderr)
+        print("dtmt prepare: terminated (SIGTERM)", file=sys.stderr)   # (as Ctrl-C's "interrupted": a corpus put in
+        # place whole before the signal was handled says so itself; nothing else of the run stays)
         return 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, before)

@@ -203,11 +203,12 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
                 counts[dest] += 1
                 returns += "\r" in s or "\r" in t
             pairs = sum(counts.values()) - sum(before.values())
-            if returns and pairs == 1:   # (a file of \r line ends is one line: two such files, of any counts of
-                # \r lines, were one pair, "valid", exit 0)
-                side = src if "\r" in s else tgt
-                raise data.CorpusError(f"{side}: one line holding carriage returns (\\r): a file of old Mac line ends, "
-                                  f"which prepare splits at \\n only; convert them first (tr '\\r' '\\n')")
+            mac = [path for path in (src, tgt) if returns and pairs == 1 and _old_mac(path)]
+            if mac:   # (a file of \r line ends is one line: two such files, of any counts of \r lines, were one
+                # pair, "valid", exit 0)
+                raise data.CorpusError(f"{mac[0]}: one line holding carriage returns (\\r) and no line feed: a file "
+                                       f"of old Mac line ends, which prepare splits at \\n only; convert them first "
+                                       f"(tr '\\r' '\\n')")
             log(f"{split}: {src} + {tgt}: {pairs:,} pairs, valid")
             if returns:   # (taken without a word: a file of \r line ends was one pair)
                 log(f"warning: {split}: {returns:,} pairs hold a carriage return (\\r) inside a line, read as a "
@@ -264,11 +265,20 @@ def staged_corpus(out: str, inputs: Sequence[str], log):
                 os.rmdir(out)
 
 
+def _old_mac(path: str) -> bool:
+    """Whether the file (of one line) holds a carriage return and no line feed: old Mac line ends. A one-line file
+    ended by \\n whose line holds a \\r is text with a \\r in it (said in a warning, read as a space)."""
+    with open(path, "rb") as f:
+        head = f.read(data.MAX_LINE_BYTES + 2)
+    return b"\r" in head and b"\n" not in head
+
+
 def _commit(stage: str, out: str, inputs: set, log) -> None:
     """staged_corpus's end: the stage's corpus into `out` (see there). It runs with SIGINT and SIGTERM held back (a
     Ctrl-C then ends the command after it, not between two renames); an earlier binarized copy moved aside is
     removed after the manifest is in place. Removed: the files of the earlier corpus's splits (its manifest's
-    languages and splits) that the new one does not write, never an input."""
+    languages and splits) and its verse references (its manifest's `references`, files of `out`) that the new one
+    does not write, never an input."""
     manifest = data.read_manifest(stage)
     counts = manifest["counts"]
     written = set(os.listdir(stage))

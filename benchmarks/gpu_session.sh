@@ -409,12 +409,14 @@ rm -rf "$probes"
 count=$(find "$OUT" -type f | wc -l)
 if [ "$count" -gt 8 ]; then
   packed=$(mktemp)
-  if tar -czf "$packed" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$packed" "$OUT/gpu_session_files.tgz"
-  then
-    echo "== $count files in $OUT: packed into $OUT/gpu_session_files.tgz (8 files come back from a device call)"
-  else   # (the files stay as they are, the first 8 come back; the call fails)
+  if ! tar -czf "$packed" -C "$OUT" .; then   # (the files stay as they are, 8 of them come back; the call fails)
     rm -f "$packed"
     echo "== $count files in $OUT: packing them failed, they stay unpacked (only 8 come back)" >&2
+    status=1
+  elif find "$OUT" -mindepth 1 -delete && mv "$packed" "$OUT/gpu_session_files.tgz"; then
+    echo "== $count files in $OUT: packed into $OUT/gpu_session_files.tgz (8 files come back from a device call)"
+  else   # (packed, but not put in place: the archive, which holds them all, stays where it is)
+    echo "== $count files in $OUT: packed into $packed, which could not replace them in $OUT" >&2
     status=1
   fi
 fi

@@ -878,7 +878,7 @@ def test_processes_resuming_different_checkpoints_are_refused(toy_nodev, tmp_pat
     """Each process of a run reads the last.pt of its own --out: a process given an older copy trained other updates
     than process 0 in the same all-reduces, and both waited for ever at the end, deaf to SIGTERM (a review found
     it). The checkpoints are compared with the settings: one line in both, exit 2. A process given its own --data
-    without the binarized copy, which process 0 builds in its --data only, is told how to make one."""
+    without the binarized copy, which process 0 builds in its --data only, is told where to get one."""
     def run(out, port, args, rank_args=lambda rank: []):
         procs = two_processes(toy_nodev, out, port, ["--log-every", "1", *TINY, *args], rank_args)
         try:
@@ -897,13 +897,14 @@ def test_processes_resuming_different_checkpoints_are_refused(toy_nodev, tmp_pat
         assert code == 2 and err.startswith("dtmt train: the run's processes were started with different settings: "
                                             "resumed checkpoint ('update 4, "), err
         assert "in process 0, 'update 2, " in err and err.count("\n") == 1, err
-        assert err.endswith("and one --out (the checkpoint each resumes is its --out's last.pt)\n"), err
+        assert err.endswith("and the same checkpoint to resume (the same --resume and --out)\n"), err
     assert [r["step"] for r in csv.DictReader(open(a / "train_log.csv", newline=""))][-1] == "4"
     copy = tmp_path / "copy"
     shutil.copytree(toy_nodev, copy, ignore=shutil.ignore_patterns("bin-*"))
     results = run(tmp_path / "c", 29553, ["--max-steps", "1"], lambda rank: ["--data", str(copy)] if rank else [])
-    assert results[1][0] == 2 and (f"(process 0 builds one in its own --data only: make it there with `dtmt prepare "
-                                   f"binarize --data {copy} --vocab-size 60") in results[1][1], results
+    assert results[1][0] == 2 and (f"(process 0 builds one in its own --data only: copy the bin-* folders of "
+                                   f"process 0's --data into {copy}, or give every process one --data)"
+                                   in results[1][1]), results
 
 
 def test_a_run_of_more_processes_than_an_epoch_has_batches_is_refused(toy_nodev, tmp_path):

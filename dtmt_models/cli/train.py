@@ -602,7 +602,7 @@ def check_processes_agree(dist: Dist, cfg: TrainConfig, resumed: Optional[dict] 
             dist.close()   # (every process ends here alike; one gone before another's gather had finished broke it)
             raise ValueError(f"the run's processes were started with different settings: {shown}"
                              f"{' ...' if len(differ) > 3 else ''}; start every process with the same options and "
-                             f"corpus" + (", and one --out (the checkpoint each resumes is its --out's last.pt)"
+                             f"corpus" + (", and the same checkpoint to resume (the same --resume and --out)"
                                           if "resumed checkpoint" in differ else ""))
 
 

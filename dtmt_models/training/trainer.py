@@ -490,12 +490,11 @@ class Trainer:
                                       f"where it can be written with `dtmt prepare binarize`") from None
         self.dist.broadcast(None)   # the others wait for it
         corpus, reason = find()
-        if corpus is None:   # (process 0 builds the copy in its --data: another's own --data has none)
-            make = ("copy the bin-* folders of process 0's --data into this one's" if protos is not None else
-                    f"make it there with `dtmt prepare binarize --data {c.data} --vocab-size {c.vocab_size} "
-                    f"--vocab-type {c.vocab_type}`")
+        if corpus is None:   # (process 0 builds the copy in its --data: another's own --data has none; one built
+            # apart would have vocabularies of its own, which nothing compares)
             raise CorpusError(reason if self.dist.main else f"{reason} (process 0 builds one in its own --data "
-                              f"only: {make}, or give every process one --data)")
+                              f"only: copy the bin-* folders of process 0's --data into {c.data}, or give every "
+                              f"process one --data)")
         return corpus
 
     def _schedule(self):

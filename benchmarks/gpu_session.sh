@@ -413,10 +413,12 @@ if [ "$count" -gt 8 ]; then
     rm -f "$packed"
     echo "== $count files in $OUT: packing them failed, they stay unpacked (only 8 come back)" >&2
     status=1
-  elif find "$OUT" -mindepth 1 -delete && mv "$packed" "$OUT/gpu_session_files.tgz"; then
+  elif mv "$packed" "$OUT/gpu_session_files.tgz" \
+      && find "$OUT" -mindepth 1 ! -path "$OUT/gpu_session_files.tgz" -delete; then   # (the archive in $OUT first:
     echo "== $count files in $OUT: packed into $OUT/gpu_session_files.tgz (8 files come back from a device call)"
-  else   # (packed, but not put in place: the archive, which holds them all, stays where it is)
-    echo "== $count files in $OUT: packed into $packed, which could not replace them in $OUT" >&2
+  else   # only $OUT comes back, so a copy elsewhere would be lost with the machine)
+    rm -f "$packed"
+    echo "== $count files in $OUT: packing them failed part-way; what is left in $OUT comes back (8 files)" >&2
     status=1
   fi
 fi

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import reference
 from .ops._autocast import autocast_dtype, autocast_mix
-from .ops._host_reads import checked_lengths, host_list, host_reads_allowed, host_reads_kept
+from .ops._host_reads import check_length_values, checked_lengths, host_list, host_reads_allowed, host_reads_kept
 from .ops.linear import small_rows_applicable, small_rows_linear
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._register import check_transforms, transformed
@@ -318,8 +318,7 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         values = [int(v) for v in values]
         if len(values) != B:
             raise ValueError(f"{owner}: lengths must have one entry per sequence [B={B}], got {len(values)}")
-        if B and (min(values) < 1 or max(values) > T):   # (before a tensor: a value past int64 overflows there)
-            raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {min(values)}, max {max(values)}")
+        check_length_values(owner, values, T)   # (before a tensor: a value past int64 overflows there)
         lengths_cpu = torch.tensor(values, dtype=torch.long)
     if not host_reads_allowed():
         # under torch.compile / torch.export a data-dependent `if` would break the graph: the range check is an op
@@ -327,8 +326,7 @@ def lengths_to_mask(lengths: LengthsLike, T: int, B: int, dtype: torch.dtype, de
         torch._assert_async(((lengths_cpu >= 1) & (lengths_cpu <= T)).all(),
                             f"{owner}: every length must be in [1, T={T}]")
     else:
-        if B and (min(values) < 1 or max(values) > T):
-            raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {min(values)}, max {max(values)}")
+        check_length_values(owner, values, T)
         if none_if_unpadded and all(v == T for v in values):
             return None
     steps = torch.arange(T).unsqueeze(1)

@@ -24,15 +24,20 @@ def host_reads_allowed() -> bool:
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or _capturing())
 
 
+def check_length_values(owner: str, values: List[int], T: int) -> None:
+    """ValueError naming `owner` unless every one of the lengths `values` (read on the host) is in [1, T]: the one
+    check of lengths given as values, a tensor read or a list, and of a trace's `checked_lengths`."""
+    if values and (min(values) < 1 or max(values) > T):
+        raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {min(values)}, max {max(values)}")
+
+
 @torch.library.custom_op("dtmt::checked_lengths", mutates_args=())
 def checked_lengths(lengths: torch.Tensor, steps: torch.Tensor, owner: str) -> torch.Tensor:
     """`lengths` [B] (int64) as they are, after a ValueError naming `owner` where one is outside [1, T], T =
     steps.numel(). The lengths check of a torch.jit.trace: a trace drops an op whose result nothing reads (an
     _assert_async: invalid lengths ran without a word, a length 0 giving zeros), and keeps this one, whose result
     the mask reads; T comes from a tensor, so a trace called with another T checks against that one."""
-    T, values = steps.numel(), lengths.tolist()
-    if values and (min(values) < 1 or max(values) > T):
-        raise ValueError(f"{owner}: every length must be in [1, T={T}], got min {min(values)}, max {max(values)}")
+    check_length_values(owner, lengths.tolist(), steps.numel())
     return lengths.clone()
 
 

@@ -249,19 +249,27 @@ def test_ctrl_c_before_training_is_one_line_and_130(toy_nodev, tmp_path, monkeyp
     assert capsys.readouterr().err.strip() == "dtmt train: interrupted"
 
 
-def test_a_signal_during_the_last_validation_leaves_a_complete_run(toy, tmp_path, monkeypatch, capsys):
-    """SIGINT during the validation at --max-steps: the run had reached its end and saved it, yet exited 130 saying
-    "resume with ...", and the resume did nothing. It now says the run is complete, exit 0."""
+def signalled_in_validation(step):
+    """Trainer.validate, with a SIGINT coming during the validation at update `step` (recorded as the run's handler
+    records it)."""
     from dtmt_models.training.trainer import Trainer
 
     validate = Trainer.validate
 
     def signalled(self):
         stop = validate(self)
-        if self.step == 4:
-            self._signal = "SIGINT"   # (what the handler records when the signal comes)
+        if self.step == step:
+            self._signal = "SIGINT"
         return stop
-    monkeypatch.setattr(Trainer, "validate", signalled)
+    return signalled
+
+
+def test_a_signal_during_the_last_validation_leaves_a_complete_run(toy, tmp_path, monkeypatch, capsys):
+    """SIGINT during the validation at --max-steps: the run had reached its end and saved it, yet exited 130 saying
+    "resume with ...", and the resume did nothing. It now says the run is complete, exit 0."""
+    from dtmt_models.training.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "validate", signalled_in_validation(4))
     r = train_here(["--data", toy, "--out", str(tmp_path / "run"), "--max-steps", "4", "--valid-every", "2", *TINY],
                    capsys)
     assert r.returncode == 0 and "SIGINT came as the run ended: it is complete, nothing to resume" in r.stdout, r.stdout
@@ -276,18 +284,11 @@ def test_a_signal_during_a_validation_stops_before_the_next_update(toy, uninterr
     from dtmt_models.models.checkpoint import read_checkpoint
     from dtmt_models.training.trainer import Trainer
 
-    validate = Trainer.validate
-
-    def signalled(self):
-        stop = validate(self)
-        if self.step == 10:
-            self._signal = "SIGINT"   # (what the handler records when the signal comes)
-        return stop
     out = str(tmp_path / "run")
     args = ["--data", toy, "--out", out, "--max-steps", "24", "--log-every", "1", "--valid-every", "10",
             "--keep-last", "2", *TINY]
     with monkeypatch.context() as m:
-        m.setattr(Trainer, "validate", signalled)
+        m.setattr(Trainer, "validate", signalled_in_validation(10))
         r = train_here(args, capsys)
     assert r.returncode == 130 and "interrupted by SIGINT" in r.stdout and "resume with" in r.stdout, r.stdout
     state = read_checkpoint(os.path.join(out, "last.pt"))["training"]
@@ -940,16 +941,16 @@ def test_the_first_epoch_s_batches_are_made_once_for_several_processes(monkeypat
     lengths = np.random.default_rng(0).integers(1, 20, size=(500, 2)).astype(np.int16)
     cfg = SimpleNamespace(max_tokens=120, seed=3, max_len=15, max_sentences=None)
     made = token_batches(lengths, 120, seed=3, epoch=0, keep=kept_indices(lengths, 15))
-    stub = SimpleNamespace(lengths=lengths, cfg=cfg, epoch=0, _made_batches=(0, made),
+    stub = SimpleNamespace(lengths=lengths, cfg=cfg, epoch=0, _first_batches=made,
                            dist=SimpleNamespace(world=2, rank=1))
     calls = []
     monkeypatch.setattr(trainer_module, "token_batches", lambda *a, **k: calls.append(k["epoch"]) or made)
     first = trainer_module.Trainer.epoch_batches(stub)
-    assert calls == [] and stub._made_batches is None and first.sel is not made.sel   # (rank 1's share of them)
+    assert calls == [] and stub._first_batches is None and first.sel is not made.sel   # (rank 1's share of them)
     assert list(first) == list(made[:len(made) - len(made) % 2][1::2])
     monkeypatch.undo()
     assert list(trainer_module.Trainer.epoch_batches(stub)) == list(first)   # (made anew: the same)
-    stub.epoch, stub._made_batches = 1, (0, made)
+    stub.epoch, stub._first_batches = 1, made
     again = trainer_module.Trainer.epoch_batches(stub)
     fresh = token_batches(lengths, 120, seed=3, epoch=1, keep=kept_indices(lengths, 15))
     assert list(again) == list(fresh[:len(fresh) - len(fresh) % 2][1::2]) and list(again) != list(first)

@@ -381,11 +381,11 @@ class Trainer:
                 self.log(f"warning: {over:,} training pairs are longer than --max-tokens {cfg.max_tokens} allows a "
                          f"batch (their longer side + 1); each is a batch of its own, over the budget (raise "
                          f"--max-tokens or lower --max-len {cfg.max_len})")
-        self._made_batches: Optional[Tuple[int, Batches]] = None   # (epoch, its batches) made here: epoch_batches
+        self._first_batches: Optional[Batches] = None   # the first epoch's, made here: epoch_batches takes them
         if dist.world > 1:   # each process takes every world-th batch of an epoch, the last (len % world) skipped
-            made = token_batches(self.lengths, cfg.max_tokens, seed=cfg.seed, epoch=0, keep=kept,
-                                 max_sentences=cfg.max_sentences)
-            self._made_batches, n_batches = (0, made), len(made)   # takes them (made twice, they delayed the start)
+            self._first_batches = token_batches(self.lengths, cfg.max_tokens, seed=cfg.seed, epoch=0, keep=kept,
+                                                max_sentences=cfg.max_sentences)   # (made twice, they delayed it)
+            n_batches = len(self._first_batches)
             if n_batches < dist.world:   # (none for any process: the run looped over empty epochs, a signal unheard)
                 raise CorpusError(f"an epoch makes {n_batches:,} batch(es) of --max-tokens {cfg.max_tokens:,} for "
                                   f"{dist.world} processes, which need one each; lower --max-tokens (or "
@@ -572,9 +572,9 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------- training
     def epoch_batches(self) -> Batches:
-        made, self._made_batches = self._made_batches, None
-        if made is not None and made[0] == self.epoch:
-            batches = made[1]
+        made, self._first_batches = self._first_batches, None
+        if made is not None and self.epoch == 0:
+            batches = made
         else:
             batches = token_batches(self.lengths, self.cfg.max_tokens, seed=self.cfg.seed, epoch=self.epoch,
                                     keep=kept_indices(self.lengths, self.cfg.max_len),
@@ -693,7 +693,7 @@ class Trainer:
                              f"{self.epoch + 2} begins")   # epoch's rest was skipped without a word)
                 while self.batch_index < len(batches):
                     if self.step == self.validated_step and self._signalled():   # (came during the validation: the
-                        self.stop_reason = f"interrupted by {self._signal or 'a signal in another process'}"
+                        self.stop_reason = self._interruption()
                         interrupted = True   # run trained one more update before it stopped)
                         break
                     t0 = time.perf_counter()
@@ -719,7 +719,7 @@ class Trainer:
                         self._write_train_row()
                         self.log_window = [0.0, 0.0, 0.0, 0.0]
                     if stop:
-                        self.stop_reason = f"interrupted by {self._signal or 'a signal in another process'}"
+                        self.stop_reason = self._interruption()
                         interrupted = True
                         break
                     if self.step % c.valid_every == 0:
@@ -882,6 +882,10 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- signals
     _signal: Optional[str] = None
     started = False   # run() has begun: the signal handlers are the run's
+
+    def _interruption(self) -> str:
+        """The stop reason of a run that a signal to any process interrupted."""
+        return f"interrupted by {self._signal or 'a signal in another process'}"
 
     def _signalled(self) -> bool:
         """Whether a signal came to any process (each calls this at the same update)."""

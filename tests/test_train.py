@@ -2195,6 +2195,7 @@ def test_an_inherited_ignored_sigint_stays_ignored_while_training():
     Ctrl-C meant for the script's foreground job stopped the background run. It stays ignored; SIGTERM is handled."""
     import types
 
+    from dtmt_models.signals import give_back
     from dtmt_models.training.trainer import Trainer
 
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -2203,7 +2204,7 @@ def test_an_inherited_ignored_sigint_stays_ignored_while_training():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and list(old) == [signal.SIGTERM]
         assert callable(signal.getsignal(signal.SIGTERM)) and signal.getsignal(signal.SIGTERM) is not old[
             signal.SIGTERM]
-        Trainer._restore_signals(old)
+        give_back(old)
     finally:
         signal.signal(signal.SIGINT, before)
 

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import threading
 from typing import List, Optional
 
 from dtmt_models.atomic import remove_stale_temporaries
@@ -24,6 +23,7 @@ from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, chec
                                  check_output_dir, one_line)
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 from dtmt_models.run_lock import PREPARE_LOCK_NAME, RunLock, RunLocked
+from dtmt_models.signals import give_back, take_signals
 
 # the ranges of the numeric options, checked before any work (contract §6: one line, exit status 2)
 MAX_LINES = 1_000_000_000     # --sample and --holdout: more lines than a corpus this reads holds
@@ -133,10 +133,7 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) in (
-            signal.SIG_IGN, None):   # (a handler only in the main thread; an ignored SIGTERM stays ignored)
-        return _main(argv)
-    before = signal.signal(signal.SIGTERM, _terminate)
+    taken = take_signals((signal.SIGTERM,), _terminate)   # (in the main thread; an ignored SIGTERM stays ignored)
     try:
         return _main(argv)
     except Terminated:
@@ -144,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # place whole before the signal was handled says so itself; nothing else of the run stays)
         return 128 + signal.SIGTERM
     finally:
-        signal.signal(signal.SIGTERM, before)
+        give_back(taken)
 
 
 def _main(argv: Optional[List[str]] = None) -> int:

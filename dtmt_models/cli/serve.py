@@ -23,6 +23,7 @@ from dtmt_models.cli.common import add_decoding_arguments, build_decoder, check_
     check_device_and_backend, decoding_alpha, load_for_decoding, run_command, use_threads
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import ArgumentParser, UsageError, check_count, one_line
+from dtmt_models.signals import take_signals
 from dtmt_models.progress import counted
 
 PROG = "dtmt serve"
@@ -126,9 +127,7 @@ def _run(args: argparse.Namespace) -> int:
         def begin_stopping(name: str) -> None:
             log(f"{name}: finishing the requests in flight, then stopping (again to exit at once)")
             stopping.append(loop.create_task(server.stop()))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(sig) is not signal.SIG_IGN:   # (ignored from the start, as a non-interactive shell
-                signal.signal(sig, on_signal)                 # starts a job with &: a Ctrl-C is not for it)
+        take_signals((signal.SIGINT, signal.SIGTERM), on_signal)   # (not one ignored from the start: `&`)
         host = f"[{args.host}]" if ":" in args.host else args.host   # (an IPv6 address: in brackets, RFC 3986)
         log(f"listening on http://{host}:{server.port} ({'+'.join(map(str, names))}, "
             f"{info['parameters']:,} parameters, beam {settings.beam})")

@@ -52,6 +52,7 @@ from dtmt_models.models.checkpoint import IMPLEMENTATION, CheckpointError, check
 from dtmt_models.models.registry import build_model, init_weights, position_bound
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
+from dtmt_models.signals import give_back, take_signals
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training import graphs
 from dtmt_models.training.distributed import Dist
@@ -747,7 +748,7 @@ class Trainer:
             if digest and self.dist.main:
                 self.log(f"{self.dist.world} processes in sync at step {self.step}: parameters sha1 {digest[:12]}")
         finally:
-            self._restore_signals(handlers)
+            give_back(handlers)
             self.progress.close()
             if self.csv:   # (its own error only where none is reported already)
                 self.csv.close(quiet=sys.exc_info()[0] is not None)
@@ -899,17 +900,4 @@ class Trainer:
             self._signal = name
             self.progress.message(f"{name}: finishing this update (or validation), then saving "
                                   f"{os.path.join(self.out, LAST)} (again to abort without saving)")
-        old = {}
-        for s in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(s) is signal.SIG_IGN:   # (ignored from the start, as a non-interactive shell starts a
-                continue                                 # job with &: a Ctrl-C meant for another job is not for it)
-            try:
-                old[s] = signal.signal(s, handler)
-            except ValueError:   # not the main thread
-                pass
-        return old
-
-    @staticmethod
-    def _restore_signals(old) -> None:
-        for s, h in old.items():
-            signal.signal(s, h)
+        return take_signals((signal.SIGINT, signal.SIGTERM), handler)

@@ -843,11 +843,78 @@ def test_two_processes_stop_together_and_refuse_different_settings(toy_nodev, tm
     finally:
         for p in procs:
             p.kill()
-    for p, (_, err) in zip(procs, said):
-        assert p.returncode == 2 and err == ("dtmt train: the run's processes were started with different settings: "
-                                             "seed (1 in process 0, 7 in process 1); start every process with the "
-                                             "same options and corpus\n"), err
+    assert [p.returncode for p in procs] == [2, 2] and said[1][1] == "", said   # (said once, by process 0)
+    assert said[0][1] == ("dtmt train: the run's processes were started with different settings: seed (1 in process "
+                          "0, 7 in process 1); start every process with the same options and corpus\n"), said
     assert not out.exists()
+
+
+def test_a_refusal_of_one_process_stops_the_others_at_once(toy_nodev, tmp_path):
+    """The processes of a run meet, and tell each other whether their checks passed, before the process group is
+    started: a refusal that one process made alone (here process 1's --resume of a folder without last.pt, and
+    process 0's mistyped flag) had left the other waiting in init_process_group for torch's 30 minutes, deaf to
+    Ctrl-C. Now the other says which process refused, in one line, and both exit 2 within seconds; a refusal every
+    process makes is printed once, by process 0."""
+    def run(port, rank_args, data=toy_nodev):
+        procs = two_processes(data, tmp_path / "out", port, ["--max-steps", "2", *TINY], rank_args)
+        try:
+            said = [p.communicate(timeout=120) for p in procs]   # (it timed out here before)
+        finally:
+            for p in procs:
+                p.kill()
+        return [p.returncode for p in procs], [err for _, err in said]
+
+    codes, errs = run(29555, lambda rank: ["--resume", "--out", str(tmp_path / "none")] if rank else [])
+    assert codes == [2, 2] and errs[0] == ("dtmt train: process 0 of 2: not started: process 1 refused the run (its "
+                                           "own message says why)\n"), errs
+    assert errs[1].startswith("dtmt train: ") and errs[1].count("\n") == 1 and "none" in errs[1], errs
+    codes, errs = run(29557, lambda rank: [] if rank else ["--bogus"])
+    assert codes == [2, 2] and errs[0] == "dtmt train: unrecognized arguments: --bogus (--help: the options)\n", errs
+    assert errs[1] == ("dtmt train: process 1 of 2: not started: process 0 ended before the run started (its own "
+                       "message says why)\n"), errs
+    codes, errs = run(29559, lambda rank: [], data=str(tmp_path / "nowhere"))
+    assert codes == [2, 2] and errs[1] == "" and errs[0].startswith(f"dtmt train: {tmp_path / 'nowhere'}: "), errs
+    assert errs[0].count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_process_waiting_for_the_others_says_whom_it_waits_for(monkeypatch, capsys):
+    """A process of a run started by hand before process 0 (or without it) waits for it, saying so every
+    NOTE_AFTER_S, and gives up after TIMEOUT_S in one line (torch's own wait was silent and deaf to Ctrl-C); the
+    missing variables of a hand launch are named."""
+    import socket
+
+    from dtmt_models.training import distributed
+
+    with socket.socket() as s:   # (a port nobody listens on)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"^WORLD_SIZE=2: MASTER_ADDR and MASTER_PORT not set; start the run's "):
+        distributed.Meeting()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(distributed, "NOTE_AFTER_S", 0.3)
+    monkeypatch.setattr(distributed, "TIMEOUT_S", 1.0)
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=rf"^process 1 of 2: process 0 at 127.0.0.1:{port} not heard from in 1 s; "
+                                         r"start every process of the run$"):
+        distributed.Meeting()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) >= 2 and all(line.startswith(f"dtmt train: process 1 of 2: waiting for process 0 at "
+                                                 f"127.0.0.1:{port} (") for line in err), err
+
+
+def test_refusal_line_says_each_refusal_once():
+    from dtmt_models.training.distributed import ENDED, refusal_line
+
+    assert [refusal_line(["", "", ""], r) for r in range(3)] == [None, None, None]
+    assert [refusal_line(["x", "x", "y"], r) for r in range(3)] == ["x", None, "y"]
+    assert [refusal_line(["", "x"], r) for r in range(2)] == [
+        "process 0 of 2: not started: process 1 refused the run (its own message says why)", "x"]
+    assert [refusal_line([ENDED, ""], r) for r in range(2)] == [
+        None, "process 1 of 2: not started: process 0 ended before the run started (its own message says why)"]
 
 
 def test_a_process_left_alone_says_so_in_one_line(toy_nodev, tmp_path):
@@ -894,11 +961,12 @@ def test_processes_resuming_different_checkpoints_are_refused(toy_nodev, tmp_pat
     shutil.copytree(a, b)
     assert [code for code, _ in run(a, 29549, ["--max-steps", "4", "--resume"])] == [0, 0]
     apart = run(a, 29551, ["--max-steps", "6", "--resume"], lambda rank: ["--out", str(b)] if rank else [])
-    for code, err in apart:
-        assert code == 2 and err.startswith("dtmt train: the run's processes were started with different settings: "
-                                            "resumed checkpoint ('update 4, "), err
-        assert "in process 0, 'update 2, " in err and err.count("\n") == 1, err
-        assert err.endswith("and the same checkpoint to resume (the same --resume and --out)\n"), err
+    assert [code for code, _ in apart] == [2, 2] and apart[1][1] == "", apart   # (said once, by process 0)
+    err = apart[0][1]
+    assert err.startswith("dtmt train: the run's processes were started with different settings: resumed checkpoint "
+                          "('update 4, "), err
+    assert "in process 0, 'update 2, " in err and err.count("\n") == 1, err
+    assert err.endswith("and the same checkpoint to resume (the same --resume and --out)\n"), err
     assert [r["step"] for r in csv.DictReader(open(a / "train_log.csv", newline=""))][-1] == "4"
     copy = tmp_path / "copy"
     shutil.copytree(toy_nodev, copy, ignore=shutil.ignore_patterns("bin-*"))
@@ -1812,6 +1880,9 @@ def test_resume_names_a_checkpoint_and_continues_in_its_folder_or_in_out(toy_nod
     assert r.returncode == 2 and f"{run_a / 'avg.pt'} has no training state" in r.stderr, r.stderr
     (run_a / "avg.pt").unlink()
     monkeypatch.setenv("WORLD_SIZE", "2")
+    from dtmt_models.cli import train
+
+    monkeypatch.setattr(train, "meet_the_others", lambda: None)   # (a refusal of this process alone, before it meets)
     r = train_here(["--data", toy_nodev, "--resume", str(run_a), "--out", str(tmp_path / "runD"), "--max-steps", "5",
                     *args], capsys)
     assert r.returncode == 2 and "trained by 1 process(es); continue it with as many (got 2)" in r.stderr, r.stderr

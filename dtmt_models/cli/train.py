@@ -33,7 +33,8 @@ from dtmt_models.models.registry import check_model_options, list_models, positi
 from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
-from dtmt_models.training.distributed import Dist, lost_peer, resolve_auto, world_size
+from dtmt_models.training.distributed import (Dist, Meeting, RefusedByAll, lost_peer, refusal_line, resolve_auto,
+                                              world_size)
 from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, TENSORBOARD, Trainer, TrainingDiverged,
                                           step_checkpoints)
 
@@ -580,12 +581,12 @@ PER_PROCESS = ("data", "out", "threads", "progress")
 
 
 def check_processes_agree(dist: Dist, cfg: TrainConfig, resumed: Optional[dict] = None) -> None:
-    """ValueError in every process (the same one line) when the processes of a run were given different settings or
-    corpora, or resume different checkpoints (`resumed`: the training state each read; each reads the last.pt of
-    its own --out: an older one in one process trained other updates in the same all-reduces, and both waited for
-    ever at the end, deaf to signals): compared once, before any work (another --lr was found by the parameters'
-    check at the end of the run, a traceback; another --max-steps left one process waiting for the other's last
-    update for half an hour)."""
+    """RefusedByAll in every process (the same one line, printed by process 0) when the processes of a run were
+    given different settings or corpora, or resume different checkpoints (`resumed`: the training state each read;
+    each reads the last.pt of its own --out: an older one in one process trained other updates in the same
+    all-reduces, and both waited for ever at the end, deaf to signals): compared once, before any work (another --lr
+    was found by the parameters' check at the end of the run, a traceback; another --max-steps left one process
+    waiting for the other's last update for half an hour)."""
     if dist.world == 1:
         return
     settings = {k: v for k, v in cfg.to_dict().items() if k not in PER_PROCESS}
@@ -600,7 +601,7 @@ def check_processes_agree(dist: Dist, cfg: TrainConfig, resumed: Optional[dict] 
             shown = ", ".join(f"{k} ({first.get(k)!r} in process 0, {other.get(k)!r} in process {rank})"
                               for k in differ[:3])
             dist.close()   # (every process ends here alike; one gone before another's gather had finished broke it)
-            raise ValueError(f"the run's processes were started with different settings: {shown}"
+            raise RefusedByAll(f"the run's processes were started with different settings: {shown}"
                              f"{' ...' if len(differ) > 3 else ''}; start every process with the same options and "
                              f"corpus" + (", and the same checkpoint to resume (the same --resume and --out)"
                                           if "resumed checkpoint" in differ else ""))
@@ -653,10 +654,21 @@ def forget_earlier_run(out: str, earlier: Tuple[List[str], List[str], List[str]]
 
 
 # ------------------------------------------------------------------------------------------------ main
+def meet_the_others() -> Optional[Meeting]:
+    """With several processes, the run's Meeting, joined first thing (None with one)."""
+    return Meeting() if world_size() > 1 else None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     lock: List[RunLock] = []   # the run directory's lock, once taken (held until the run ends)
+    meeting = None
     try:
-        return _main(argv, lock)
+        try:
+            meeting = meet_the_others()
+        except ValueError as exc:
+            print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
+            return 2
+        return _main(argv, lock, meeting)
     except KeyboardInterrupt:   # Ctrl-C before training started (the training loop saves and says so itself)
         for held in lock:   # nothing written: a directory made for the lock goes too
             held.release(discard=True)
@@ -681,9 +693,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         for held in lock:
             held.release()
+        if meeting is not None:   # (ended before saying whether it would run: the others stop too)
+            meeting.leave()
 
 
-def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
+def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Meeting] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = ArgumentParser(prog="dtmt train", add_help=False)
     pre.add_argument("--config", action="append", default=[])
@@ -833,12 +847,23 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"]) -> int:
                 raise ValueError(f"{exc} (the run's setting: --device / --backend choose another)") from None
             raise
         check_cuda_graphs(cfg)
-        dist = Dist(cfg.device)
+        if meeting is not None:   # (every process's checks have passed, or none starts the process group)
+            line = refusal_line(meeting.settle(None), meeting.rank)
+            if line is not None:
+                raise ValueError(line)
+        dist = Dist(cfg.device, meeting)
         check_processes_agree(dist, cfg, ckpt["training"] if ckpt is not None else None)
     except (ValueError, FileNotFoundError, CorpusError) as exc:
         for held in lock:   # nothing written: a directory made for the lock goes too
             held.release(discard=True)
-        print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
+        line = None if isinstance(exc, RefusedByAll) and meeting is not None and meeting.rank else one_line(exc)
+        if meeting is not None and not meeting.settled:   # (this process refused: the others are told, and a refusal
+            try:                                           # they all made is printed once)
+                line = refusal_line(meeting.settle(line), meeting.rank)
+            except ValueError:   # (process 0 gone meanwhile: this one's own refusal is still the news)
+                pass
+        if line is not None:
+            print(f"dtmt train: {line}", file=sys.stderr)
         return 2
     finished = False   # (the run ended in every process alike: their last barrier is met)
     trainer = None

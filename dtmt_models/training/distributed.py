@@ -2,7 +2,10 @@
 device, and the few collectives the trainer uses."""
 from __future__ import annotations
 
+import datetime
 import os
+import socket
+import sys
 import time
 from typing import List, Optional
 
@@ -30,10 +33,141 @@ def lost_peer(exc: BaseException) -> Optional[str]:
     return line.split(". ", 1)[0].rstrip(".")
 
 
-class Dist:
-    """Process-group bookkeeping; a single process is rank 0 of 1 and every collective is a no-op."""
+ENDED = "\0ended"   # a process's outcome where it ended before saying one (Meeting.leave)
+NOTE_AFTER_S = 30.0   # a process still waiting for the others of the run says so after this long, and again as long
+TIMEOUT_S = 1800.0    # the longest wait for them (torch's own for a process group's setup)
 
-    def __init__(self, device_arg: str):
+
+class Meeting:
+    """The processes of a run meet first, on the store their process group is later made on (process 0 holds it,
+    or torchrun's agent), and tell each other the outcome of their checks (`settle`) before the group is started.
+    A refusal that one process made alone (process 0's run lock held, one --out without last.pt, one command line
+    mistyped) had left the others waiting in init_process_group, deaf to Ctrl-C, for half an hour; each had also
+    printed the refusal that all of them made. Waiting here is a poll (Ctrl-C ends it) that says after
+    NOTE_AFTER_S whom it waits for."""
+
+    def __init__(self):
+        self.rank, self.world = int(os.environ.get("RANK", "0")), world_size()
+        self.settled = False
+        self._noted = 0.0
+        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        if missing:
+            raise ValueError(f"WORLD_SIZE={self.world}: {' and '.join(missing)} not set; start the run's processes "
+                             f"with torchrun, or set RANK, MASTER_ADDR and MASTER_PORT in each")
+        host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        if not port.isdigit() or not 0 < int(port) < 65536 or not 0 <= self.rank < self.world:
+            raise ValueError(f"MASTER_PORT={port} RANK={self.rank} WORLD_SIZE={self.world}: a port in [1, 65535] "
+                             f"and a rank in [0, WORLD_SIZE) are needed")
+        import torch.distributed as td
+
+        holder = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"   # (torchrun's agent
+        # holds it otherwise)
+        started = time.monotonic()
+        while not holder and not self._reachable(host, int(port)):   # (a client's own connect loop is deaf to
+            self._waiting(started, f"process 0 at {host}:{port}")       # Ctrl-C and logs each failed try)
+            time.sleep(0.2)
+        try:
+            self.store = td.TCPStore(host, int(port), None, holder, datetime.timedelta(seconds=TIMEOUT_S),
+                                     wait_for_workers=False, multi_tenant=True)
+        except RuntimeError as exc:   # (a port in use, a host that does not resolve: c10d's message and frames)
+            raise ValueError(f"MASTER_ADDR={host} MASTER_PORT={port}: cannot "
+                             f"{'listen there' if holder else 'reach process 0 there'} "
+                             f"({str(exc).strip().splitlines()[0][:200]})") from None
+        # (torchrun's agent keeps its store over restarts: each attempt's keys apart)
+        self.keys = td.PrefixStore(f"dtmt-train/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", self.store)
+
+    @staticmethod
+    def _reachable(host: str, port: int) -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            return False
+
+    def _waiting(self, started: float, whom: str) -> None:
+        waited = time.monotonic() - started
+        if waited > TIMEOUT_S:
+            raise ValueError(f"process {self.rank} of {self.world}: {whom} not heard from in {TIMEOUT_S:.0f} s; "
+                             f"start every process of the run")
+        if waited >= self._noted + NOTE_AFTER_S:
+            self._noted = waited
+            print(f"dtmt train: process {self.rank} of {self.world}: waiting for {whom} ({waited:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    def _wait_for(self, keys: List[str], whom) -> None:
+        started, self._noted = time.monotonic(), 0.0
+        while True:
+            try:
+                missing = [k for k in keys if not self.keys.check([k])]
+            except RuntimeError:   # (the store's holder, process 0, is gone)
+                raise ValueError(f"process {self.rank} of {self.world}: process 0 ended before the run started; its "
+                                 f"own messages say why") from None
+            if not missing:
+                return
+            self._waiting(started, whom(missing))
+            time.sleep(0.05)
+
+    def settle(self, refusal: Optional[str]) -> List[str]:
+        """Says this process's outcome (`refusal`, one line, or None where its checks passed) and returns every
+        process's ("" where it passed, ENDED where it ended before saying one), once all have said theirs."""
+        self.settled = True
+        self.keys.set(f"outcome/{self.rank}", refusal or "")
+        ranks = range(self.world)
+        self._wait_for([f"outcome/{r}" for r in ranks], lambda missing: "process(es) " + ", ".join(
+            k.split("/")[1] for k in missing) + " to start")
+        outcomes = [v.decode("utf-8", "replace") for v in self.keys.multi_get([f"outcome/{r}" for r in ranks])]
+        self._read()
+        return outcomes
+
+    def _read(self) -> None:
+        """Says this process has read the outcomes; process 0 waits (a little) for the others to read them before
+        it may end, and its store with it."""
+        self.keys.set(f"read/{self.rank}", "")
+        if self.rank == 0:
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and not self.keys.check([f"read/{r}" for r in range(self.world)]):
+                time.sleep(0.05)
+
+    def leave(self) -> None:
+        """For a process that ends before its outcome was said (a usage error, --help, an interruption): says it
+        ended, so that the others stop too. Best effort."""
+        if self.settled:
+            return
+        self.settled = True
+        try:
+            self.keys.set(f"outcome/{self.rank}", ENDED)
+            self._read()
+        except (RuntimeError, KeyboardInterrupt):
+            pass
+
+
+class RefusedByAll(ValueError):
+    """A refusal that every process of the run makes alike, after they met (their settings compared): printed by
+    process 0 alone."""
+
+
+def refusal_line(outcomes: List[str], rank: int) -> Optional[str]:
+    """What process `rank` prints of the run's refusals (`outcomes`: Meeting.settle's): its own refusal where no
+    process before it made the same one (a refusal every process made is printed once, by process 0); where it
+    refused nothing, which process did; None where it has nothing to add."""
+    world, own = len(outcomes), outcomes[rank]
+    if own and own != ENDED:
+        return None if own in outcomes[:rank] else own
+    if own == ENDED:
+        return None
+    first = next((r for r, o in enumerate(outcomes) if o), None)
+    if first is None:
+        return None
+    did = "ended before the run started" if outcomes[first] == ENDED else "refused the run"
+    return f"process {rank} of {world}: not started: process {first} {did} (its own message says why)"
+
+
+class Dist:
+    """Process-group bookkeeping; a single process is rank 0 of 1 and every collective is a no-op. With several,
+    the group is made on the store of their `meeting`."""
+
+    def __init__(self, device_arg: str, meeting: Optional[Meeting] = None):
         self.world = world_size()
         self.rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -50,7 +184,12 @@ class Dist:
         if self.world > 1:
             import torch.distributed as td
 
-            td.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if meeting is None:
+                td.init_process_group(backend)
+            else:
+                td.init_process_group(backend, store=td.PrefixStore("default_pg", meeting.store), rank=meeting.rank,
+                                      world_size=meeting.world)
             self.td = td
 
     @property

@@ -28,11 +28,14 @@ class Unrollable:
         cannot hold), under torch.func's transforms (vmap: the sessions' Functions have no vmap rule), and under
         saved-tensor hooks (torch.utils.checkpoint's non-reentrant form recomputes a step at the backward, perhaps
         after the block has closed, and refuses a recomputation that saves other tensors; save_on_cpu): each step
-        is then the plain op, whose gradients the graph, the transform or the checkpoint forms."""
+        is then the plain op, whose gradients the graph, the transform or the checkpoint forms; and in a forward
+        that runs during a backward (torch.utils.checkpoint's reentrant form recomputes its steps there: joining the
+        block's sessions, their nested backward ran the shared weight sink and dropped the rows kept for the later
+        steps, weight gradients off by up to 1.8)."""
         blocks = getattr(_THREAD, "blocks", None)
         if (not blocks or not torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or torch._C._functorch.peek_interpreter_stack() is not None
-                or _saved_tensor_hooks_active()):
+                or _saved_tensor_hooks_active() or torch._C._current_graph_task_id() != -1):
             return None
         return blocks.get(self)
 
@@ -65,8 +68,9 @@ _THREAD = threading.local()
 
 @contextlib.contextmanager
 def unrolled(*modules: nn.Module) -> Iterator[None]:
-    """Within the block, the given modules that are `Unrollable` (DeepTransitionGRUCell / ATRCell, the
-    attention modules of dtmt_models; anything else is ignored) run their steps as one unrolled sequence for
+    """Within the block, the given modules and the modules inside them that are `Unrollable`
+    (DeepTransitionGRUCell / ATRCell, the attention modules of dtmt_models: `unrolled(model)` opens all of a model's;
+    anything else is ignored) run their steps as one unrolled sequence for
     autograd, the cells on the backends of UNROLLED_BACKENDS (cpp), the attention context on those of
     functional.ATTENTION_KERNEL_BACKENDS (cpp). A cell's flat
     weights are assembled once, and each weight gradient is one
@@ -93,10 +97,11 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
     if blocks is None:
         blocks = _THREAD.blocks = weakref.WeakKeyDictionary()
     opened = []
-    for c in modules:
-        if isinstance(c, Unrollable) and c not in blocks:
-            blocks[c] = {}
-            opened.append(c)
+    for given in modules:   # (a container given alone had opened nothing, without a word)
+        for c in given.modules() if isinstance(given, nn.Module) else (given,):
+            if isinstance(c, Unrollable) and c not in blocks:
+                blocks[c] = {}
+                opened.append(c)
     try:
         yield
     finally:   # (from this block's own dictionary: a generator holding the block may be closed on another thread)

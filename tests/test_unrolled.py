@@ -395,6 +395,59 @@ def test_non_reentrant_checkpoint_steps_in_a_block(inside):
         for a, b in zip(got["cpp", True], got[key]):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
+
+def test_a_block_given_a_model_opens_the_cells_inside_it():
+    """unrolled(model) opens every Unrollable module inside the model (a container given alone had opened nothing,
+    without a word: the steps ran the plain op); the steps' gradients are those of the plain steps."""
+    cell = make_cell("lgru", 1, True, torch.float64, seed=6, candidate_dropout=0.0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 5).double(), torch.nn.ModuleList([cell]))
+    xs = torch.randn(4, 2, 5, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    got = {}
+    for block in (True, False):
+        model.zero_grad()
+        with dk.nn.unrolled(model) if block else contextlib.nullcontext():
+            h, kinds = torch.zeros(2, 6, dtype=torch.float64), set()
+            for t in range(4):
+                h = cell(model[0](xs[t]), h)
+                kinds.add(type(h.grad_fn).__name__)
+            (h ** 2).sum().backward()
+        assert (kinds == {"CppTransitionStepFunctionBackward"}) == block, kinds
+        got[block] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(got[True], got[False]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_reentrant_checkpoint_steps_in_a_block():
+    """torch.utils.checkpoint's reentrant form recomputes a step during the backward, the block still open: the
+    recomputation joined the block's sessions, its nested backward ran their shared weight sink and dropped the rows
+    kept for the later steps (weight gradients off by up to 1.8, a review found it; the values' gradient of
+    step_context likewise). A forward during a backward is now the plain op: every gradient that of the steps
+    without a block."""
+    from torch.utils.checkpoint import checkpoint
+
+    cell = make_cell("gru", 1, False, torch.float64, seed=0, candidate_dropout=0.0)
+    owner = _Owner()
+    g = torch.Generator().manual_seed(5)
+    xs, enc = torch.randn(6, 2, 5, generator=g, dtype=torch.float64), torch.randn(2, 4, 6, generator=g,
+                                                                                   dtype=torch.float64)
+    got = {}
+    for block in (True, False):
+        cell.zero_grad()
+        enc_ = enc.clone().requires_grad_()
+        with dk.nn.unrolled(cell, owner) if block else contextlib.nullcontext():
+            h, loss = torch.zeros(2, 6, dtype=torch.float64), 0
+            for t in range(6):
+                h = checkpoint(cell, xs[t], h, use_reentrant=True) if t == 3 else cell(xs[t], h)
+                alpha = torch.softmax(h[:, :4], -1).unsqueeze(1)
+                ctx = (checkpoint(lambda a: dk.nn.step_context(owner, a, enc_, "cpp"), alpha, use_reentrant=True)
+                       if t == 2 else dk.nn.step_context(owner, alpha, enc_, "cpp"))
+                loss = loss + (h ** 2).sum() + (ctx ** 2).sum()
+            loss.backward()
+        got[block] = [enc_.grad, *(p.grad.clone() for p in cell.parameters())]
+    for a, b in zip(got[True], got[False]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("change", ["data", "swap"])
 def test_weights_given_new_storage_in_a_block_are_read_anew(change):
     """Inside an open block, weights given new values without an in-place op (`p.data = ...`, as weight averaging

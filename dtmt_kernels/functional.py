@@ -20,6 +20,7 @@ from .ops.linear import small_rows_applicable, small_rows_linear
 from .ops.loss.op import PortableSmoothedCrossEntropy
 from .ops._register import check_transforms, transformed
 from .ops._extension import built
+from .ops.transition.layout import CELL_KINDS, CELL_ROWS, DEEP_TRANSITION_CELLS
 from .backends import resolve_backend
 from .reference import TransitionWeights
 
@@ -71,8 +72,7 @@ def padding_zeroed(x: Tensor, mask: Optional[Tensor]) -> Tensor:
 def transition_step(x: Tensor, h: Tensor, weights: TransitionWeights, drop: Optional[Tensor] = None,
                     backend: str = "auto", eps: float = 1e-5) -> Tensor:
     """One step (decoder use): x [B, I], h [B, H] -> h' [B, H]."""
-    if not isinstance(weights, TransitionWeights):
-        raise ValueError(f"transition_step: weights must be a TransitionWeights, got {type(weights).__name__}")
+    check_weights("transition_step", weights)
     width = weights.w_ih.shape[-1]
     if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != width or x.shape[0] == 0:
         raise ValueError(f"transition_step: x must be a Tensor [B, input_size={width}] with B >= 1, got "
@@ -86,8 +86,7 @@ def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps,
     """transition_sequence's arguments (x [T, B, I]) against each other and `weights`: ValueError naming the first
     that is of the wrong kind, shape, dtype or device (a few comparisons, nothing per element). Returns the mask in
     x's dtype (a bool or other floating mask cast) and reverse as a bool."""
-    if not isinstance(weights, TransitionWeights):
-        raise ValueError(f"{op}: weights must be a TransitionWeights, got {type(weights).__name__}")
+    check_weights(op, weights)
     for name, t in ((x_name, x), (h_name, h0)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise ValueError(f"{op}: {name} must be a floating-point Tensor, got "
@@ -112,6 +111,13 @@ def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps,
                 raise ValueError(f"{op}: mask must be bool or floating point, got {t.dtype}")
         elif t.dtype != x.dtype and not autocast_mix((t.dtype, x.dtype), x):
             raise ValueError(f"{op}: {name} has dtype {t.dtype} but {x_name} has {x.dtype}")
+    for name, t in _weight_tensors(weights):   # (their shapes: check_weights)
+        if t.device != x.device:
+            raise ValueError(f"{op}: weights.{name} is on {t.device} but {x_name} is on {x.device}")
+        if t.dtype != x.dtype and not autocast_mix((t.dtype, x.dtype), x):
+            raise ValueError(f"{op}: weights.{name} has dtype {t.dtype} but {x_name} has {x.dtype}")
+    if drop is not None and weights.cell == "atr":   # (it was taken and changed nothing)
+        raise ValueError(f"{op}: ATR has no candidate to drop (contract §2); pass no drop mask")
     if mask is not None and mask.dtype != x.dtype and not autocast_mix((mask.dtype, x.dtype), x):
         mask = mask.to(x.dtype)
     # True or False (numpy's bool and 0 / 1 too)
@@ -120,6 +126,70 @@ def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps,
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= float(eps) < float("inf"):
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
     return mask, bool(reverse)
+
+
+def _weight_tensors(w: TransitionWeights):
+    """(name, tensor) of every tensor `w` holds (an absent layer norm left out)."""
+    yield from (("w_ih", w.w_ih), ("b_ih", w.b_ih), ("w_hh", w.w_hh), ("b_hh", w.b_hh))
+    if w.ln_w is not None:
+        yield from (("ln_w", w.ln_w), ("ln_b", w.ln_b))
+    for k in range(len(w.t_w)):
+        yield from ((f"t_w[{k}]", w.t_w[k]), (f"t_b[{k}]", w.t_b[k]))
+        if w.t_ln_w[k] is not None:
+            yield from ((f"t_ln_w[{k}]", w.t_ln_w[k]), (f"t_ln_b[{k}]", w.t_ln_b[k]))
+
+
+def check_weights(op: str, w: TransitionWeights) -> None:
+    """A TransitionWeights of the functional API against the cells' row layout (layout.CELLS): its cell, every
+    weight's and bias's shape, layer norms given in pairs (weight and bias), the T-GRUs' for all of them or none,
+    and T-GRUs only after a cell that may head a deep transition; ValueError naming the first that is wrong. (Malformed
+    weights had run: a T-GRU's lone layer norm on one backend and not the other, a layer-norm bias without its weight
+    skipped by the reference; or failed deep inside, differently per backend.) Their device and dtype are checked
+    against x (_check_sequence_arguments)."""
+    if not isinstance(w, TransitionWeights):
+        raise ValueError(f"{op}: weights must be a TransitionWeights, got {type(w).__name__}")
+    if w.cell not in CELL_KINDS:
+        raise ValueError(f"{op}: weights.cell must be one of {', '.join(CELL_KINDS)}, got {w.cell!r}")
+
+    def fail(name, t, shape):
+        shape = f"[{', '.join(map(str, shape))}]"
+        raise ValueError(f"{op}: weights.{name} must be a floating-point Tensor {shape} for cell {w.cell!r} "
+                         f"(H = {H}), got {list(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
+                         + (f" {t.dtype}" if isinstance(t, Tensor) and not t.is_floating_point() else ""))
+
+    n_in, n_h, n_g = CELL_ROWS[w.cell]
+    H = w.w_hh.shape[-1] if isinstance(w.w_hh, Tensor) and w.w_hh.dim() == 2 else "?"
+    lists = {name: getattr(w, name) for name in ("t_w", "t_b", "t_ln_w", "t_ln_b")}
+    for name, value in lists.items():
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{op}: weights.{name} must be a list, got {type(value).__name__}")
+    depth = len(w.t_w)
+    if any(len(v) != depth for v in lists.values()):
+        counts = ", ".join(str(len(v)) for v in lists.values())
+        raise ValueError(f"{op}: weights.t_w, t_b, t_ln_w and t_ln_b must have one entry per T-GRU ({depth}; a "
+                         f"layer norm's None where there is none), got {counts}")
+    if depth and w.cell not in DEEP_TRANSITION_CELLS:
+        raise ValueError(f"{op}: weights.cell {w.cell!r} takes no T-GRUs (t_w must be empty), got {depth}")
+    if not (isinstance(w.w_hh, Tensor) and w.w_hh.is_floating_point() and w.w_hh.dim() == 2 and H >= 1
+            and tuple(w.w_hh.shape) == (n_h * H, H)):
+        fail("w_hh", w.w_hh, (f"{n_h}H", "H"))
+    I = w.w_ih.shape[-1] if isinstance(w.w_ih, Tensor) and w.w_ih.dim() == 2 else "I"
+    expected = [("w_ih", w.w_ih, (n_in * H, I)), ("b_ih", w.b_ih, (n_in * H,)), ("b_hh", w.b_hh, (n_h * H,))]
+    layer_norms = [("ln_w", "ln_b", w.ln_w, w.ln_b, n_g * H)]
+    for k in range(depth):
+        expected += [(f"t_w[{k}]", w.t_w[k], (3 * H, H)), (f"t_b[{k}]", w.t_b[k], (3 * H,))]
+        layer_norms.append((f"t_ln_w[{k}]", f"t_ln_b[{k}]", w.t_ln_w[k], w.t_ln_b[k], CELL_ROWS["tgru"][2] * H))
+    for name_w, name_b, ln_w, ln_b, width in layer_norms:
+        if (ln_w is None) != (ln_b is None):
+            raise ValueError(f"{op}: weights.{name_w} and {name_b} must both be given or both be None")
+        if ln_w is not None:
+            expected += [(name_w, ln_w, (width,)), (name_b, ln_b, (width,))]
+    for name, t, shape in expected:
+        if not isinstance(t, Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+            fail(name, t, shape)
+    if len({t is None for t in w.t_ln_w}) > 1:   # (the kernels take the T-GRUs' layer norms stacked, or none)
+        raise ValueError(f"{op}: weights.t_ln_w must give a layer norm for every T-GRU or for none, got "
+                         f"{['None' if t is None else 'Tensor' for t in w.t_ln_w]}")
 
 
 def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto") -> Tensor:

@@ -666,6 +666,38 @@ def test_functional_transition_refuses_bad_arguments_on_every_backend(backend):
                                                                  r"input_size=3\] with B >= 1, got \[5, 2, 3\]")
     _err(lambda: F_.transition_step(x[0, :, :2], h0, w, backend=backend), r"input_size=3\] with B >= 1, got \[2, 2\]")
     _err(lambda: F_.transition_step(x[0], h0[:1], w, backend=backend), r"transition_step: h must be a Tensor")
+    # malformed weights: refused the same on every backend (a T-GRU's lone layer norm ran differently per backend,
+    # a layer-norm bias without its weight was skipped by the reference, a meta weight gave made-up values there,
+    # others failed deep inside: KeyError, IndexError, torch.stack's message)
+    from dataclasses import replace
+
+    normed = dk.nn.DeepTransitionGRU(3, 4, depth=2, cell="gru", layer_norm=True).direction_weights(0)
+    for bad, match in [
+            (replace(normed, t_ln_w=[None, normed.t_ln_w[1]], t_ln_b=[None, normed.t_ln_b[1]]),
+             r"weights.t_ln_w must give a layer norm for every T-GRU or for none"),
+            (replace(normed, ln_w=None), "weights.ln_w and ln_b must both be given or both be None"),
+            (replace(normed, cell="lstm"), "weights.cell must be one of gru, lgru, lau, atr, got 'lstm'"),
+            (replace(normed, t_b=normed.t_b[:1]), r"weights.t_w, t_b, t_ln_w and t_ln_b must have one entry "
+                                                  r"per T-GRU \(2; a layer norm's None where there is none\), got "
+                                                  r"2, 1, 2, 2"),
+            (replace(normed, t_w=[normed.t_w[0][:6], normed.t_w[1]]),
+             r"weights.t_w\[0\] must be a floating-point Tensor \[12, 4\] for cell 'gru' \(H = 4\), got \[6, 4\]"),
+            (replace(normed, b_ih=normed.b_ih[None]), r"weights.b_ih must be a floating-point Tensor \[12\]"),
+            (replace(normed, w_ih=normed.w_ih.to("meta")), "weights.w_ih is on meta but x is on cpu"),
+            (replace(normed, w_hh=normed.w_hh.double()), "weights.w_hh has dtype torch.float64 but x has "
+                                                         "torch.float32"),
+            (replace(normed, w_hh=normed.w_hh[:0, :0]), r"weights.w_hh must be a floating-point Tensor \[3H, H\]"),
+            (replace(normed, b_hh=None), r"weights.b_hh must be a floating-point Tensor \[12\] for cell 'gru' "
+                                         r"\(H = 4\), got NoneType")]:
+        _err(lambda: F_.transition_sequence(x, h0, bad, backend=backend), f"transition_sequence: {match}")
+        _err(lambda: F_.transition_step(x[0], h0, bad, backend=backend), f"transition_step: {match}")
+    atr = dk.nn.ATR(3, 4).direction_weights(0)   # (ATR's drop mask was taken and changed nothing, as in its layers)
+    for call in (lambda: F_.transition_sequence(x, h0, atr, drop=torch.ones(1, 2, 4), backend=backend),
+                 lambda: F_.transition_step(x[0], h0, atr, drop=torch.ones(1, 2, 4), backend=backend)):
+        _err(call, "ATR has no candidate to drop")
+    _err(lambda: F_.transition_sequence(x, h0, replace(atr, t_w=[normed.t_w[0]], t_b=[normed.t_b[0]],
+                                                       t_ln_w=[None], t_ln_b=[None]), backend=backend),
+         "weights.cell 'atr' takes no T-GRUs")
     # what passes is what the layer computes; a step is the sequence's first
     layer.backend = backend
     assert torch.equal(expected[0], layer(x)[0])

@@ -2037,7 +2037,23 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     assert average([p24, str(tmp_path / "other.pt"), "-o", str(tmp_path / "bad.pt")]) == 2
     err = capsys.readouterr().err.strip()
     assert "not the same model" in err and "model_options" in err and "\n" not in err
+    assert "(its model_options differs: hidden_size 64 against " in err, err   # (which option, both values)
     assert not os.path.exists(tmp_path / "bad.pt")
+    # an existing file that is not a checkpoint (a corpus file, a config: -o mistyped) is refused, kept as it was
+    text = tmp_path / "test.en"
+    text.write_text("a sentence\n")
+    assert average([p20, p24, "-o", str(text)]) == 2 and text.read_text() == "a sentence\n"
+    assert capsys.readouterr().err == (f"dtmt average: --output {text}: an existing file that is not a checkpoint, "
+                                       f"which the mean would replace; give another name (or remove it first)\n")
+    assert average([p20, p24, "-o", out]) == 0   # (an earlier mean is replaced, as before)
+    # files of two folders are named by their paths; the step and config are the latest file's, in any order
+    elsewhere = tmp_path / "b"
+    elsewhere.mkdir()
+    shutil.copyfile(p20, elsewhere / os.path.basename(p20))
+    assert average([p24, str(elsewhere / os.path.basename(p20)), "-o", out]) == 0
+    avg = read_checkpoint(out)
+    assert avg["averaged_from"] == [p24, str(elsewhere / os.path.basename(p20))] and avg["step"] == s24 == b["step"]
+    capsys.readouterr()
     # a checkpoint with a NaN weight: the mean would hold it, and translate refuses such a file (it wrote one)
     name = next(k for k, v in b["model"].items() if v.is_floating_point())
     broken = dict(b, model={**b["model"], name: b["model"][name].clone().fill_(float("nan"))})
@@ -2075,7 +2091,7 @@ def test_average_writes_a_checkpoint_that_loads(uninterrupted, tmp_path, capsys)
             status = average([*files, "-o", str(tmp_path / "bad.pt")])
             err = capsys.readouterr().err
             if files[0] == p24:   # (the typed file second: refused as another model)
-                assert status == 2 and "(its model_options differs)" in err, err
+                assert status == 2 and f"(its model_options differs: {key} " in err, err
             else:                 # (first: it is the one checked to build, and refused so)
                 assert status == 2 and "its model cannot be built" in err, err
             assert not os.path.exists(tmp_path / "bad.pt")
@@ -2092,7 +2108,7 @@ def test_average_writes_a_checkpoint_that_loads(uninterrupted, tmp_path, capsys)
     load_model(str(out))
     target, link = tmp_path / "shared" / "avg.pt", tmp_path / "avg-link.pt"
     target.parent.mkdir()
-    target.write_bytes(b"old")
+    shutil.copyfile(out, target)   # (an earlier mean: replaced through the link)
     link.symlink_to(target)
     assert average([p20, p24, "-o", str(link)]) == 0
     assert link.is_symlink() and load_model(str(target))[0] is not None

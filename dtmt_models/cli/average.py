@@ -84,7 +84,8 @@ def check_not_a_run_s(output: str) -> None:
     """UsageError for an --output that a training run owns: a file that a dtmt train running in its folder writes
     (last.pt, best.pt, step_N.pt, ...: its next validation would replace the mean), or any run's checkpoint with
     its training state (a last.pt), which the mean would lose, or a finished run's best.pt, step_N.pt, train_log.csv,
-    learning_curve.png or config.yaml (all were written, exit 0), or a new file of those names in a run's folder."""
+    learning_curve.png or config.yaml (all were written, exit 0), or a new file of those names in a run's folder;
+    or an existing file that is not a checkpoint (a mistyped -o replaced a corpus file or a config, exit 0)."""
     folder, name = os.path.split(os.path.realpath(output))   # (a link is written through: its target's)
     running = holder(folder)
     if running is not None and (name in (LAST, BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
@@ -109,8 +110,11 @@ def check_not_a_run_s(output: str) -> None:
     if os.path.isfile(output):
         try:
             state = "training" in read_checkpoint(output, mmap=True)
-        except (ValueError, FileNotFoundError):   # (not a checkpoint: replaced, as any output file is)
+        except FileNotFoundError:   # (gone meanwhile)
             state = False
+        except ValueError:   # (a corpus file, a config, a source file, mistyped: it was replaced, exit 0)
+            raise UsageError(f"--output {output}: an existing file that is not a checkpoint, which the mean would "
+                             f"replace; give another name (or remove it first)") from None
         if state:
             raise UsageError(f"--output {output}: a run's checkpoint with its training state (what --resume "
                              f"continues from), which the mean would replace; give another name")

@@ -475,8 +475,9 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     """The element-wise mean of the weights of checkpoints of one model (same system, options, vocabularies,
     languages and parameter shapes, compared with their types: 256.0 is not 256; floating-point tensors averaged in
     float64 and cast back, integer buffers must agree), as a translation checkpoint payload: the model's
-    description is the first file's (the one checked to build), the rest the last file's (its config, its step),
-    plus `averaged_from` (the file names). `paths`: a list of paths (a single string is refused, not read letter by
+    description is the first file's (the one checked to build), the rest the latest file's (its config, its step:
+    the file of the most updates, whatever the order given), plus `averaged_from` (the file names, or their paths
+    where the files are not of one folder). `paths`: a list of paths (a single string is refused, not read letter by
     letter). Raises ValueError naming the first file that does not match the first one, a file given twice (by
     another name too, or a copy: the weights of two files equal, as a run's best.pt and its step checkpoint of the
     same update), or a weight that is not finite; warns
@@ -501,7 +502,14 @@ def average_checkpoints(paths) -> Dict[str, Any]:
         ckpt = read_checkpoint(path)
         for key in MODEL_KEYS:
             if not same_value(ckpt.get(key), first.get(key)):
-                raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs)")
+                mine, theirs = ckpt.get(key), first.get(key)
+                shown = ""
+                if isinstance(mine, dict) and isinstance(theirs, dict):   # (which option, and the two values)
+                    differ = sorted((k for k in set(mine) | set(theirs)
+                                     if not same_value(mine.get(k), theirs.get(k))), key=str)
+                    shown = ": " + ", ".join(f"{k} {_short(mine.get(k))} against {_short(theirs.get(k))}"
+                                             for k in differ[:3]) + (" ..." if len(differ) > 3 else "")
+                raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs{shown})")
         if "model" not in ckpt:
             raise ValueError(f"{path}: not a translation checkpoint (it has no model)")
         runs.setdefault(_run_of(ckpt), path)
@@ -515,7 +523,8 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                 sums[k] += v.double()
             elif not torch.equal(v, sums[k]):
                 raise ValueError(f"average: {path}: the integer tensor {k} differs from {paths[0]}'s")
-        last = ckpt
+        if _updates(ckpt) >= _updates(last):
+            last = ckpt
     if len(runs) > 1:
         a, b = list(runs.values())[:2]
         warnings.warn(f"{a} and {b} come from different training runs (their output folder or seed differ): the "
@@ -524,8 +533,21 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     averaged = {k: (s / n).to(first["model"][k].dtype) if s.is_floating_point() else s for k, s in sums.items()}
     payload = {k: v for k, v in last.items() if k not in ("format", "training", "model", *MODEL_KEYS)}
     payload.update({k: first[k] for k in MODEL_KEYS if k in first}, model=averaged)
-    payload["averaged_from"] = [os.path.basename(p) for p in paths]
+    one_folder = len({os.path.dirname(os.path.abspath(p)) for p in paths}) == 1   # (runs/a/step_12.pt and
+    payload["averaged_from"] = [os.path.basename(p) if one_folder else os.fspath(p) for p in paths]   # runs/b/'s)
     return payload
+
+
+def _updates(ckpt: Dict[str, Any]) -> int:
+    """A checkpoint's `step` (its updates), -1 where it holds none that is a count."""
+    step = ckpt.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
+
+
+def _short(value: Any) -> str:
+    """A value of a checkpoint's description for a message: its repr, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # what describes a translation checkpoint's model: the files averaged must agree on each

@@ -1031,6 +1031,32 @@ def test_corpus_scores_match_sacrebleu():
         corpus_scores([], [])
 
 
+def test_bleu_is_tokenised_for_the_target_language():
+    """BLEU of Chinese, Japanese or Korean text takes sacrebleu's tokenizer for the language, as `sacrebleu -l
+    xx-zh` does: 13a read a Chinese sentence as one word (BLEU 0 where sacrebleu gives about 80), for dev BLEU and
+    --best-by bleu too. Without the Japanese tokenizer's extras, characters, said in a warning and the signature."""
+    import warnings
+
+    hyps, refs = ["我们今天去公园散步。", "他喜欢读书。"], ["我们今天去公园散步了。", "他很喜欢读书。"]
+    zh = corpus_scores(hyps, refs, "zh")
+    assert zh["bleu"] == pytest.approx(BLEU(trg_lang="zh").corpus_score(hyps, [refs]).score) and zh["bleu"] > 30
+    assert "tok:zh" in zh["bleu_signature"] and corpus_scores(hyps, refs)["bleu"] < 1   # (13a: one word each)
+    assert corpus_scores(HYPS, REFS, "en") == corpus_scores(HYPS, REFS)
+    rows = bleu_by_length(["a b", "c"], hyps, refs, tgt_lang="zh-Hans")
+    assert rows[0].bleu == pytest.approx(zh["bleu"])
+    try:
+        BLEU(trg_lang="ja")
+        pytest.skip("sacrebleu's Japanese extras are installed here")
+    except RuntimeError:
+        pass
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ja = corpus_scores(["今日は公園に行きました"], ["今日は公園に行った"], "ja")
+    assert "tok:char" in ja["bleu_signature"] and ja["bleu"] > 0
+    assert [str(w.message) for w in said] == ["BLEU of ja text: sacrebleu's ja-mecab tokenizer needs `pip install "
+                                              "sacrebleu[ja]`; scored with character tokenisation (tok:char) instead"]
+
+
 def test_bleu_by_length_buckets():
     words = lambda n: " ".join(f"w{i}" for i in range(n))         # noqa: E731
     lengths = [3, 10, 11, 20, 25, 60, 1]
@@ -1139,7 +1165,14 @@ def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_pat
                      str(out)]) == 0, capsys.readouterr().err
     hyps = read(out / "hyp.txt").split("\n")[:-1]
     assert hyps == translate_best(model, sv, tv, src, beam=2) and hyps[1] == ""
-    assert json.loads(read(out / "scores.json"))["bleu"] == pytest.approx(corpus_scores(hyps, ref)["bleu"])
+    report = json.loads(read(out / "scores.json"))
+    assert report["bleu"] == pytest.approx(corpus_scores(hyps, ref)["bleu"]) and report["settings"]["tgt_lang"] is None
+    from dtmt_models.models.checkpoint import read_checkpoint, save_checkpoint   # (a checkpoint that names its
+    save_checkpoint(str(tmp_path / "zh.pt"), {**read_checkpoint(ckpt), "langs": ["es", "zh"]})   # languages)
+    assert cli.main(["evaluate", "-c", str(tmp_path / "zh.pt"), "--src", s, "--ref", r, "--beam", "2", "--quiet",
+                     "--out-dir", str(tmp_path / "zh")]) == 0, capsys.readouterr().err
+    report = json.loads(read(tmp_path / "zh" / "scores.json"))
+    assert report["settings"]["tgt_lang"] == "zh" and "tok:zh" in report["bleu_signature"]
     assert cli.main(["evaluate", "--hyp", str(out / "hyp.txt"), "--src", s, "--ref", r, "--out-dir",
                      str(tmp_path / "again")]) == 0
     assert json.loads(read(tmp_path / "again" / "scores.json"))["bleu"] == pytest.approx(
@@ -1191,6 +1224,12 @@ def test_cli_evaluate_hyp_mode(corpus, tmp_path, capsys):
     assert cli.main(["evaluate", "--hyp", hyp_file, "--data", data, "--out-dir", str(tmp_path / "edited")]) == 0
     assert (f"dtmt evaluate: warning: {data}: its corpus.json lists 99,999 test pairs, its files hold 10; scored on "
             f"the files") in capsys.readouterr().err
+    # the references' language: --tgt-lang, else the corpus's (en here: 13a)
+    assert json.loads(read(tmp_path / "edited" / "scores.json"))["settings"]["tgt_lang"] == "en"
+    assert cli.main(["evaluate", "--hyp", hyp_file, "--src", s, "--ref", r, "--out-dir", str(tmp_path / "zh"),
+                     "--tgt-lang", "zh"]) == 0
+    report = json.loads(read(tmp_path / "zh" / "scores.json"))
+    assert "tok:zh" in report["bleu_signature"] and report["settings"]["tgt_lang"] == "zh"
 
 
 def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", help="where the results go (default: next to the checkpoint, <stem>.<split>/; for an "
                         "ensemble next to the first, <dir>-<stem>+<dir>-<stem>.<split>/; with --hyp alone, next to the "
                         "hypothesis file, <hyp stem>.<split>/)")
+    p.add_argument("--tgt-lang", metavar="LANG",
+                   help="the references' language, which picks sacrebleu's BLEU tokenizer as its -l does (zh, ja "
+                        "and ko have their own; default: --data's target language, else the checkpoint's, else 13a)")
     p.add_argument("--bounds", default=",".join(map(str, DEFAULT_BOUNDS)),
                    help="upper bounds of the length buckets, in words (default 10,20,30,40,50)")
     add_decoding_arguments(p)
@@ -182,8 +185,15 @@ def _run(args: argparse.Namespace) -> int:
                   "src_words_per_s": sum(len(s.split()) for s in sources) / max(seconds, 1e-9),
                   "hyp_words_per_s": sum(len(h.split()) for h in hyps) / max(seconds, 1e-9)}
 
-    scores = corpus_scores(hyps, refs)
-    rows = bleu_by_length(sources, hyps, refs, bounds)
+    tgt_lang = args.tgt_lang or (read_manifest(args.data).get("tgt_lang") if args.data else None)
+    if tgt_lang is None and not args.hyp:   # (the checkpoint's target language, where it says one)
+        langs = ckpts[0].get("langs")
+        tgt_lang = langs[1] if isinstance(langs, (list, tuple)) and len(langs) == 2 and isinstance(langs[1], str) \
+            else None
+    settings["tgt_lang"] = tgt_lang
+    scores, rows = reporting_warnings(PROG, lambda: (corpus_scores(hyps, refs, tgt_lang),
+                                                     bleu_by_length(sources, hyps, refs, bounds, tgt_lang=tgt_lang)),
+                                      seen=set(), category=UserWarning)
     report = {**scores, "by_length": [r._asdict() for r in rows], "settings": settings, "decode": decode,
               "hyp_file": os.path.abspath(args.hyp) if args.hyp else os.path.join(os.path.abspath(out_dir), "hyp.txt")}
     try:

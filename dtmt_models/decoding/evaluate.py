@@ -1,15 +1,16 @@
 """Scoring translations: corpus BLEU and chrF with sacrebleu, BLEU by source length, and `dtmt evaluate`.
 
-    corpus_scores(hyps, refs)                       -> {"bleu", "chrf", signatures, BLEU details}
-    bleu_by_length(sources, hyps, refs, bounds)     -> [LengthBucket(label, sentences, bleu), ...]
+    corpus_scores(hyps, refs, tgt_lang)             -> {"bleu", "chrf", signatures, BLEU details}
+    bleu_by_length(sources, hyps, refs, bounds, tgt_lang=tgt_lang) -> [LengthBucket(label, sentences, bleu), ...]
     plot_bleu_by_length(rows, path, title)          -> the PNG's path (None without matplotlib)
     dtmt evaluate --checkpoint C --data DIR [--split test] [--out-dir D]
     dtmt evaluate --checkpoint C --src F --ref G
     dtmt evaluate --hyp H (--data DIR [--split S] | --src F --ref G)      scores existing translations
 
-Scores are sacrebleu's defaults on detokenised text (BLEU: 13a tokenisation, mixed case, exponential
-smoothing; chrF: character 6-grams, beta 2), one reference, and come with sacrebleu's signature strings so
-a number can be reproduced. BLEU by length follows the papers' length figures: the test sentences are
+Scores are sacrebleu's defaults on detokenised text for the target language (BLEU: 13a tokenisation, `zh` for
+Chinese, `ja-mecab` / `ko-mecab` for Japanese / Korean where sacrebleu's extras are installed, else `char` with a
+warning; mixed case, exponential smoothing; chrF: character 6-grams, beta 2), one reference, and come with
+sacrebleu's signature strings so a number can be reproduced. BLEU by length follows the papers' length figures: the test sentences are
 grouped by source length in whitespace words ("1-10", "11-20", ..., "51+"; a sentence of 0 words counts in
 the first bucket) and each group gets its own corpus BLEU; an empty group is reported with 0 sentences and
 BLEU None (it is left out of the plot).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import io
+import warnings
 from typing import List, NamedTuple, Optional, Sequence
 
 from dtmt_models.plotting import figure, save
@@ -42,23 +44,39 @@ def _check_aligned(hyps: Sequence[str], refs: Sequence[str], what: str) -> None:
         raise ValueError(f"{what}: {len(hyps)} hypotheses but {len(refs)} references")
 
 
-def corpus_scores(hyps: Sequence[str], refs: Sequence[str]) -> dict:
-    """Corpus BLEU and chrF (sacrebleu defaults, detokenised text, one reference per sentence):
-    {"bleu", "chrf", "bleu_signature", "chrf_signature", "sentences", "bleu_detail": {precisions, bp, ratio,
-    hyp_len, ref_len}}. Raises ValueError for an empty corpus or unequal lengths."""
-    from sacrebleu.metrics import BLEU, CHRF
+def bleu_metric(tgt_lang: Optional[str] = None):
+    """sacrebleu's BLEU for text of the target language `tgt_lang` (an ISO code, or None: 13a), as `sacrebleu -l
+    xx-LANG` scores it: its tokenizer for zh, ja and ko (13a scored Chinese as one word a sentence: BLEU 0 where
+    sacrebleu gave 80). Where the Japanese or Korean tokenizer's extras are not installed, character tokenisation,
+    with a warning naming the install (the signature says which ran)."""
+    from sacrebleu.metrics import BLEU
+
+    lang = (tgt_lang or "").split("-")[0].split("_")[0].lower()
+    try:
+        return BLEU(trg_lang=lang)
+    except RuntimeError:   # (sacrebleu's ja-mecab / ko-mecab without their packages)
+        warnings.warn(f"BLEU of {tgt_lang} text: sacrebleu's {lang}-mecab tokenizer needs `pip install "
+                      f"sacrebleu[{lang}]`; scored with character tokenisation (tok:char) instead", UserWarning)
+        return BLEU(tokenize="char")
+
+
+def corpus_scores(hyps: Sequence[str], refs: Sequence[str], tgt_lang: Optional[str] = None) -> dict:
+    """Corpus BLEU and chrF (sacrebleu defaults for the target language `tgt_lang`, bleu_metric; detokenised text,
+    one reference per sentence): {"bleu", "chrf", "bleu_signature", "chrf_signature", "sentences", "bleu_detail":
+    {precisions, bp, ratio, hyp_len, ref_len}}. Raises ValueError for an empty corpus or unequal lengths."""
+    from sacrebleu.metrics import CHRF
 
     _check_aligned(hyps, refs, "corpus_scores")
     if not hyps:
         raise ValueError("corpus_scores: no sentences to score")
     hyps, refs = list(hyps), list(refs)
-    bleu_metric, chrf_metric = BLEU(), CHRF()
-    bleu = bleu_metric.corpus_score(hyps, [refs])
+    scorer, chrf_metric = bleu_metric(tgt_lang), CHRF()
+    bleu = scorer.corpus_score(hyps, [refs])
     chrf = chrf_metric.corpus_score(hyps, [refs])
     return {
         "bleu": float(bleu.score),
         "chrf": float(chrf.score),
-        "bleu_signature": str(bleu_metric.get_signature()),
+        "bleu_signature": str(scorer.get_signature()),
         "chrf_signature": str(chrf_metric.get_signature()),
         "sentences": len(hyps),
         "bleu_detail": {"precisions": [float(p) for p in bleu.precisions], "bp": float(bleu.bp),
@@ -90,12 +108,11 @@ def bucket_index(length: int, bounds: Sequence[int]) -> int:
 
 
 def bleu_by_length(sources: Sequence[str], hyps: Sequence[str], refs: Sequence[str],
-                   bounds: Sequence[int] = DEFAULT_BOUNDS, src_tokens: Optional[Sequence[int]] = None
-                   ) -> List[LengthBucket]:
+                   bounds: Sequence[int] = DEFAULT_BOUNDS, src_tokens: Optional[Sequence[int]] = None,
+                   tgt_lang: Optional[str] = None) -> List[LengthBucket]:
     """Corpus BLEU of the sentences grouped by source length: one LengthBucket per bucket, in order.
-    Lengths are whitespace words of `sources`, or `src_tokens` (one length per sentence) when given."""
-    from sacrebleu.metrics import BLEU
-
+    Lengths are whitespace words of `sources`, or `src_tokens` (one length per sentence) when given; BLEU is
+    bleu_metric(tgt_lang)'s."""
     bounds = [int(b) for b in bounds]
     if not bounds or bounds[0] < 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"bounds must be increasing positive integers, got {list(bounds)}")
@@ -106,11 +123,12 @@ def bleu_by_length(sources: Sequence[str], hyps: Sequence[str], refs: Sequence[s
     groups: List[List[int]] = [[] for _ in range(len(bounds) + 1)]
     for i, n in enumerate(lengths):
         groups[bucket_index(n, bounds)].append(i)
-    rows = []
+    rows, scorer = [], None
     for label, members in zip(bucket_labels(bounds), groups):
         score = None
         if members:
-            score = float(BLEU().corpus_score([hyps[i] for i in members], [[refs[i] for i in members]]).score)
+            scorer = scorer or bleu_metric(tgt_lang)
+            score = float(scorer.corpus_score([hyps[i] for i in members], [[refs[i] for i in members]]).score)
         rows.append(LengthBucket(label, len(members), score))
     return rows
 

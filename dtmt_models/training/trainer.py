@@ -815,7 +815,7 @@ class Trainer:
                 decision = self._diverged(f"the dev loss is {loss} at update {self.step:,}")
                 self.dist.broadcast(decision)
                 raise TrainingDiverged(decision)
-            scores = corpus_scores(hyps, refs)
+            scores = corpus_scores(hyps, refs, self.langs[1])   # (BLEU tokenised for the target language)
             bleu, chrf = scores["bleu"], scores["chrf"]
             improved = is_better(self.cfg.best_by, loss, bleu, self.best_loss, self.best_bleu)
             if improved:   # best_loss and best_bleu: best.pt's own dev loss and BLEU

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import stat
-from typing import IO, Iterator, List, Optional, Pattern
+from typing import IO, Iterator, List, Optional, Pattern, Sequence
 
 
 class WriteError(OSError):
@@ -123,6 +123,36 @@ def atomic_path(path: str, suffix: str = "", through_link: bool = False) -> Iter
         with contextlib.suppress(OSError):
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_paths(paths: Sequence[str], suffixes: Optional[Sequence[str]] = None,
+                 through_link: bool = False) -> Iterator[List[str]]:
+    """atomic_path for files written as one set (a command's results): yields their temporary paths; on a normal
+    exit each one written is renamed over its path, after all were written (a failure while writing any leaves
+    every earlier version in place, not a new file beside an old one). A temporary left unwritten leaves its path
+    as it was. `suffixes` end the temporary names; `through_link` as atomic_path's."""
+    targets = [os.path.realpath(p) if through_link and os.path.islink(p) else os.fspath(p) for p in paths]
+    temps = [_tmp_name(path, suffix) for path, suffix in zip(targets, suffixes or [""] * len(targets))]
+    path = targets[0] if targets else ""
+    try:
+        for path in targets:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        yield temps
+        for tmp, path in zip(temps, targets):
+            if os.path.exists(tmp):
+                with contextlib.suppress(OSError):   # (the file's permissions kept, as atomic_path keeps them)
+                    os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+                os.replace(tmp, path)
+    except WriteError:
+        raise
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        for tmp in temps:
+            with contextlib.suppress(OSError):
+                if os.path.exists(tmp):
+                    os.remove(tmp)
 
 
 @contextlib.contextmanager

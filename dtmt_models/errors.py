@@ -33,6 +33,12 @@ def cut(text: str) -> str:
     return f"{text[:half]} ... ({len(text) - 2 * half:,} characters cut) ... {text[-half:]}"
 
 
+def shown(text: str) -> str:
+    """`text` with the bytes of a file name that are not UTF-8 (kept by Python as lone surrogates) as U+FFFD: what
+    a JSON file, a plot or stdout can hold (they refused the surrogates with a traceback)."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (its lines joined with " | "; the type's name if it has none), cut in the
     middle past MAX_MESSAGE characters."""

@@ -54,6 +54,25 @@ def test_atomic_write_commits_and_cleans_up_after_a_caller_error(tmp_path):
     _only(tmp_path, ["out.txt", "sub"])
 
 
+def test_a_set_of_files_is_renamed_into_place_only_once_all_are_written(tmp_path):
+    """atomic_paths: a failure while writing any file of the set leaves every earlier version and no temporary; on
+    success each written file replaces its path (a temporary left unwritten leaves its path as it was)."""
+    a, b, c = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.png"
+    a.write_text("old a")
+    b.write_text("old b")
+    with pytest.raises(OSError, match="disk full"):
+        with atomic.atomic_paths([a, b, c], ["", "", ".png"]) as temps:
+            assert temps[2].endswith(".png") and all(os.path.dirname(t) == str(tmp_path) for t in temps)
+            open(temps[0], "w").write("new a")
+            raise OSError(errno.ENOSPC, "disk full")
+    assert (a.read_text(), b.read_text()) == ("old a", "old b") and sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt"]
+    with atomic.atomic_paths([a, b, c]) as temps:
+        open(temps[0], "w").write("new a")
+        open(temps[2], "w").write("c")
+    assert (a.read_text(), b.read_text(), c.read_text()) == ("new a", "old b", "c")
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.png"]
+
+
 def test_a_link_is_written_through_and_a_file_keeps_its_permissions(tmp_path):
     """A command's output (through_link) as a shell's `>` writes: through a symbolic link (the rename replaced the
     link with a file and left its target as it was), into a file that keeps its mode (a private 600 output became

@@ -1153,6 +1153,49 @@ def test_cli_evaluate_writes_everything(system, corpus, tmp_path, capsys):
     assert f"BLEU {expected['bleu']:.2f}" in stdout and "1-10" in stdout
 
 
+def test_cli_evaluate_writes_its_results_as_one_set(corpus, tmp_path, capsys, monkeypatch):
+    """The results are renamed into place only once all are written: a failure midway (a full disk) had left one
+    run's files beside another's (this hyp.txt, the last run's scores.json), and a rerun without matplotlib left
+    the last run's plot beside new scores; a file name of bytes that are not UTF-8 was a traceback at scores.json,
+    after hyp.txt had been replaced."""
+    import errno
+
+    from dtmt_models.cli import evaluate as cli_evaluate
+
+    data, src, ref = corpus
+    hyps = list(ref)
+    hyps[0] = "the dog"
+    hyp_file = write(tmp_path / "system.out", "\n".join(hyps) + "\n")
+    out = tmp_path / "scored"
+    assert cli.main(["evaluate", "--hyp", hyp_file, "--data", data, "--out-dir", str(out)]) == 0
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    assert sorted(before) == ["bleu_by_length.csv", "bleu_by_length.png", "scores.json"]
+    write(tmp_path / "system.out", "\n".join(ref) + "\n")   # (another translation, scored again)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli_evaluate, "plot_bleu_by_length", full_disk)
+    capsys.readouterr()
+    assert cli.main(["evaluate", "--hyp", hyp_file, "--data", data, "--out-dir", str(out)]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before   # (nothing new, nothing stray)
+    monkeypatch.setattr(cli_evaluate, "plot_bleu_by_length", lambda *args: None)   # (as without matplotlib)
+    assert cli.main(["evaluate", "--hyp", hyp_file, "--data", data, "--out-dir", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["bleu_by_length.csv", "scores.json"]
+    assert json.loads(read(out / "scores.json"))["bleu"] == pytest.approx(100.0)
+    odd = os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"\xfd.out"))   # (a name that is not UTF-8)
+    shutil.copyfile(hyp_file, odd)
+    monkeypatch.undo()   # (the plot drawn again: its title names the file)
+    capsys.readouterr()
+    assert cli.main(["evaluate", "--hyp", odd, "--data", data]) == 0   # (its default folder is named after it)
+    folder = odd[:-len(".out")] + ".test"
+    assert json.loads(read(os.path.join(folder, "scores.json")))["settings"]["hyp"] == os.path.join(str(tmp_path),
+                                                                                                   "\ufffd.out")
+    assert capsys.readouterr().out.endswith(f"wrote {tmp_path}{os.sep}\ufffd.test{os.sep}{{scores.json,"
+                                            f"bleu_by_length.csv,bleu_by_length.png}}\n")
+
+
 def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_path, capsys):
     """An empty line is a sentence, translated as an empty line (dtmt translate) and scored as one (sacrebleu, the
     other toolkits): a --src / --ref pair holding one was refused ("empty line", exit 1), with and without --hyp."""

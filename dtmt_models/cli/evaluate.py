@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from dtmt_models.atomic import WriteError
+from dtmt_models.atomic import WriteError, atomic_paths
 from dtmt_models.cli.common import (
     add_decoding_arguments,
     check_decoding_arguments,
@@ -27,7 +27,6 @@ from dtmt_models.cli.common import (
     reporting_warnings,
     run_command,
     use_threads,
-    write_atomic,
 )
 from dtmt_models.data.corpus import CorpusError, corpus_paths, read_lines, read_manifest, read_parallel
 from dtmt_models.decoding.evaluate import (
@@ -42,7 +41,7 @@ from dtmt_models.decoding.evaluate import (
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.decoding.translate import InputError
 from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, check_output_dir, check_output_file,
-                                 one_line)
+                                 one_line, shown)
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -196,14 +195,26 @@ def _run(args: argparse.Namespace) -> int:
                                       seen=set(), category=UserWarning)
     report = {**scores, "by_length": [r._asdict() for r in rows], "settings": settings, "decode": decode,
               "hyp_file": os.path.abspath(args.hyp) if args.hyp else os.path.join(os.path.abspath(out_dir), "hyp.txt")}
+    # (a file name of bytes that are not UTF-8 was a traceback, in the JSON, the plot's title and the last line)
+    text = shown(json.dumps(report, indent=2, ensure_ascii=False))
+    title = shown(f"{settings.get('model_name') or _stem(anchor)}: BLEU by source length ({label})")
+    png = os.path.join(out_dir, "bleu_by_length.png")
     try:
-        if not args.hyp:
-            write_atomic(os.path.join(out_dir, "hyp.txt"), "".join(h + "\n" for h in hyps))
-        write_atomic(os.path.join(out_dir, "scores.json"), json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-        write_atomic(os.path.join(out_dir, "bleu_by_length.csv"), rows_to_csv(rows))
-        title = f"{settings.get('model_name') or _stem(anchor)}: BLEU by source length ({label})"
-        plot = reporting_warnings(PROG, lambda: plot_bleu_by_length(rows, os.path.join(out_dir, "bleu_by_length.png"),
-                                                                    title), category=Warning)
+        # the results as one set: each written to a temporary file first, and all renamed into place only once every
+        # one is written (a failure midway had left this run's hyp.txt beside the scores.json of the run before)
+        contents = ([] if args.hyp else [("hyp.txt", "".join(h + "\n" for h in hyps))]) + [
+            ("scores.json", text + "\n"), ("bleu_by_length.csv", rows_to_csv(rows))]
+        names = [name for name, _ in contents] + ["bleu_by_length.png"]
+        with atomic_paths([os.path.join(out_dir, name) for name in names], [""] * len(contents) + [".png"],
+                          through_link=True) as temps:
+            for tmp, (_, content) in zip(temps, contents):
+                with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+                    f.write(content)
+                    f.flush()
+                    os.fsync(f.fileno())
+            plot = reporting_warnings(PROG, lambda: plot_bleu_by_length(rows, temps[-1], title), category=Warning)
+        if plot is None and os.path.lexists(png):   # (no matplotlib now: the earlier run's plot would stay beside
+            os.remove(png)                            # these scores)
     except WriteError as exc:
         raise InputError(str(exc)) from None
     except OSError as exc:
@@ -215,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
               f"{decode['hyp_words_per_s']:.0f} words/s")
     written = (["hyp.txt"] if not args.hyp else []) + ["scores.json", "bleu_by_length.csv"] + (["bleu_by_length.png"]
                                                                                                 if plot else [])
-    print(f"wrote {out_dir}{os.sep}{{{','.join(written)}}}")
+    print(shown(f"wrote {out_dir}{os.sep}{{{','.join(written)}}}"))
     sys.stdout.flush()
     return 0
 

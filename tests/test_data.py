@@ -251,3 +251,18 @@ def test_collate():
     assert src.tolist() == [[5, 6, 7], [9, PAD, PAD]] and lengths.tolist() == [3, 1]
     assert prev.tolist() == [[BOS, 8, PAD], [BOS, 10, 11]]
     assert target.tolist() == [[8, EOS, PAD], [10, 11, EOS]]
+
+
+def test_a_stream_is_read_as_a_file_is_and_a_line_without_end_is_bounded():
+    """read_stream_lines (`dtmt evaluate --hyp -`, a pipe) gives read_lines' lines for the same bytes, and stops at
+    a first line longer than MAX_LINE_BYTES (a device that never ends, /dev/zero) with read_lines' message."""
+    import io
+
+    body = data.BOM + "uno\r\n\ndos  \ntrés".encode()
+    assert data.read_stream_lines(io.BytesIO(body), "<stdin>", allow_empty=True) == ["uno", "", "dos", "trés"]
+    with pytest.raises(data.CorpusError, match=r"<stdin>:2: empty line"):
+        data.read_stream_lines(io.BytesIO(body), "<stdin>")
+    endless = io.BytesIO(b"\0" * (data.MAX_LINE_BYTES + 100) + b"\nnever read\n")
+    with pytest.raises(data.CorpusError, match=r"<stdin>:1: a line of more than 16,777,216 bytes; is it a text "):
+        data.read_stream_lines(endless, "<stdin>")
+    assert endless.tell() == data.MAX_LINE_BYTES + 2

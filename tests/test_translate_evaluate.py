@@ -1246,7 +1246,7 @@ def test_cli_decoding_threads(system, corpus, tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_cli_evaluate_hyp_mode(corpus, tmp_path, capsys):
+def test_cli_evaluate_hyp_mode(corpus, tmp_path, capsys, monkeypatch):
     data, src, ref = corpus
     hyps = list(ref)
     hyps[0], hyps[3] = "the dog eats", ""
@@ -1267,6 +1267,16 @@ def test_cli_evaluate_hyp_mode(corpus, tmp_path, capsys):
     assert cli.main(["evaluate", "--hyp", hyp_file, "--data", data, "--out-dir", str(tmp_path / "edited")]) == 0
     assert (f"dtmt evaluate: warning: {data}: its corpus.json lists 99,999 test pairs, its files hold 10; scored on "
             f"the files") in capsys.readouterr().err
+    # --hyp - reads standard input (sacrebleu's way: `... | dtmt evaluate --hyp -`), line by line; it needs --out-dir
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(hyps) + "\n").encode())))
+    assert cli.main(["evaluate", "--hyp", "-", "--src", s, "--ref", r, "--out-dir", str(tmp_path / "piped")]) == 0
+    piped = json.loads(read(tmp_path / "piped" / "scores.json"))
+    assert piped["bleu"] == report["bleu"] and piped["hyp_file"] == "<stdin>"
+    assert cli.main(["evaluate", "--hyp", "-", "--src", s, "--ref", r]) == 2
+    assert capsys.readouterr().err.endswith("--hyp - reads standard input, which has no folder for the results: give "
+                                            "--out-dir\n")
     # the references' language: --tgt-lang, else the corpus's (en here: 13a)
     assert json.loads(read(tmp_path / "edited" / "scores.json"))["settings"]["tgt_lang"] == "en"
     assert cli.main(["evaluate", "--hyp", hyp_file, "--src", s, "--ref", r, "--out-dir", str(tmp_path / "zh"),

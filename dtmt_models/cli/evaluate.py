@@ -7,6 +7,7 @@ what the command writes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,7 +29,8 @@ from dtmt_models.cli.common import (
     run_command,
     use_threads,
 )
-from dtmt_models.data.corpus import CorpusError, corpus_paths, read_lines, read_manifest, read_parallel
+from dtmt_models.data.corpus import (CorpusError, corpus_paths, read_lines, read_manifest, read_parallel,
+                                     read_stream_lines)
 from dtmt_models.decoding.evaluate import (
     DEFAULT_BOUNDS,
     PROG,
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default=None, help="the split of --data to score (default test)")
     p.add_argument("--src", help="source file (with --ref, instead of --data)")
     p.add_argument("--ref", help="reference file, aligned with --src")
-    p.add_argument("--hyp", help="score this translation file instead of decoding")
+    p.add_argument("--hyp", help="score this translation file instead of decoding (- or a pipe: read as a stream)")
     p.add_argument("--out-dir", help="where the results go (default: next to the checkpoint, <stem>.<split>/; for an "
                         "ensemble next to the first, <dir>-<stem>+<dir>-<stem>.<split>/; with --hyp alone, next to the "
                         "hypothesis file, <hyp stem>.<split>/)")
@@ -121,7 +123,9 @@ def _run(args: argparse.Namespace) -> int:
                          + (" (--hyp needs the source beside it, for BLEU by source length)" if args.hyp else ""))
     if not args.hyp and not args.checkpoint:
         raise UsageError("--checkpoint is required (or give --hyp to score an existing translation)")
-    if args.hyp:
+    if args.hyp == "-" and not args.out_dir:   # (the results go beside the hypothesis file by default)
+        raise UsageError("--hyp - reads standard input, which has no folder for the results: give --out-dir")
+    if args.hyp and args.hyp != "-":
         check_input_file(args.hyp, "--hyp")
     # (an empty line is a sentence: translate gives it an empty translation, as sacrebleu and the other toolkits
     # score it; such a test set was refused)
@@ -151,7 +155,12 @@ def _run(args: argparse.Namespace) -> int:
                 "checkpoint": args.checkpoint[0] if one else args.checkpoint, "bounds": bounds}
     decode = None
     if args.hyp:
-        hyps = read_lines(args.hyp, allow_empty=True)
+        if args.hyp == "-" or not os.path.isfile(args.hyp):   # standard input, a pipe (<(...), /dev/stdin)
+            with contextlib.ExitStack() as stack:
+                stream = sys.stdin.buffer if args.hyp == "-" else stack.enter_context(open(args.hyp, "rb"))
+                hyps = read_stream_lines(stream, "<stdin>" if args.hyp == "-" else args.hyp, allow_empty=True)
+        else:
+            hyps = read_lines(args.hyp, allow_empty=True)
         if len(hyps) != len(refs):
             raise InputError(f"{args.hyp} has {len(hyps)} lines but {ref_path} has {len(refs)}; they must be aligned")
         settings["hyp"] = args.hyp
@@ -194,10 +203,11 @@ def _run(args: argparse.Namespace) -> int:
                                                      bleu_by_length(sources, hyps, refs, bounds, tgt_lang=tgt_lang)),
                                       seen=set(), category=UserWarning)
     report = {**scores, "by_length": [r._asdict() for r in rows], "settings": settings, "decode": decode,
-              "hyp_file": os.path.abspath(args.hyp) if args.hyp else os.path.join(os.path.abspath(out_dir), "hyp.txt")}
+              "hyp_file": ("<stdin>" if args.hyp == "-" else os.path.abspath(args.hyp)) if args.hyp else os.path.join(os.path.abspath(out_dir), "hyp.txt")}
     # (a file name of bytes that are not UTF-8 was a traceback, in the JSON, the plot's title and the last line)
     text = shown(json.dumps(report, indent=2, ensure_ascii=False))
-    title = shown(f"{settings.get('model_name') or _stem(anchor)}: BLEU by source length ({label})")
+    title = shown(f"{settings.get('model_name') or ('stdin' if anchor == '-' else _stem(anchor))}: BLEU by source "
+                  f"length ({label})")
     png = os.path.join(out_dir, "bleu_by_length.png")
     try:
         # the results as one set: each written to a temporary file first, and all renamed into place only once every

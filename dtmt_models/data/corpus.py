@@ -6,6 +6,7 @@ segmentation, with the count returned to the caller (see `filter_by_length`).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -67,6 +68,26 @@ def scan_file(path: str, *digests) -> int:
             lines += block.count(b"\n")
             last = block[-1:]
     return lines + (last != b"\n")
+
+
+def read_stream_lines(stream, name: str, allow_empty: bool = False) -> List[str]:
+    """read_lines of a binary stream (standard input, a pipe) named `name` in messages: read a line at a time, each
+    bounded (a device that never ends, /dev/zero, is refused at its first MAX_LINE_BYTES)."""
+    lines, problems = [], Problems()
+    for lineno in itertools.count(1):
+        raw = stream.readline(MAX_LINE_BYTES + 2)
+        if not raw:
+            break
+        if lineno == 1 and raw.startswith(BOM):
+            raw = raw[3:]
+        text, problem = decode_line(raw[:-1] if raw.endswith(b"\n") else raw, name, lineno, allow_empty)
+        lines.append(text)
+        if problem:
+            problems.add(problem)
+            if len(raw) > MAX_LINE_BYTES:   # (not a text file: no more of it is read)
+                break
+    problems.raise_if_any(name)
+    return lines
 
 
 def read_lines(path: str, allow_empty: bool = False) -> List[str]:

@@ -203,7 +203,8 @@ def _run(args: argparse.Namespace) -> int:
                                                      bleu_by_length(sources, hyps, refs, bounds, tgt_lang=tgt_lang)),
                                       seen=set(), category=UserWarning)
     report = {**scores, "by_length": [r._asdict() for r in rows], "settings": settings, "decode": decode,
-              "hyp_file": ("<stdin>" if args.hyp == "-" else os.path.abspath(args.hyp)) if args.hyp else os.path.join(os.path.abspath(out_dir), "hyp.txt")}
+              "hyp_file": (("<stdin>" if args.hyp == "-" else os.path.abspath(args.hyp)) if args.hyp
+                           else os.path.join(os.path.abspath(out_dir), "hyp.txt"))}
     # (a file name of bytes that are not UTF-8 was a traceback, in the JSON, the plot's title and the last line)
     text = shown(json.dumps(report, indent=2, ensure_ascii=False))
     title = shown(f"{settings.get('model_name') or ('stdin' if anchor == '-' else _stem(anchor))}: BLEU by source "

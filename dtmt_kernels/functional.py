@@ -199,6 +199,9 @@ def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto
     The backend is resolved as for the recurrent layers; `cpp` has a fused kernel for it (one pass, nothing
     kept for backward), and so has `cuda` once it is in ATTENTION_KERNEL_BACKENDS (not yet: its kernels have not
     run on a GPU). Other backends compute the scores by the same PyTorch ops as the reference, on their device."""
+    if not all(isinstance(t, Tensor) for t in (keys, query, v)):
+        raise ValueError(f"additive_scores: keys, query and v must be Tensors, got "
+                         f"{', '.join(type(t).__name__ for t in (keys, query, v))}")
     if keys.dim() != 4 or query.dim() != 3 or v.dim() != 2:
         raise ValueError(f"additive_scores: keys must be [B, S, NH, D], query [B, NH, D] and v [NH, D]; got "
                          f"{list(keys.shape)}, {list(query.shape)}, {list(v.shape)}")
@@ -232,6 +235,9 @@ def attention_context(alpha: Tensor, values: Tensor, backend: str = "auto") -> T
 
 def check_attention_context(alpha: Tensor, values: Tensor, backend: str):
     """attention_context's argument checks; returns the resolved backend."""
+    if not isinstance(alpha, Tensor) or not isinstance(values, Tensor):
+        raise ValueError(f"attention_context: alpha and values must be Tensors, got {type(alpha).__name__} and "
+                         f"{type(values).__name__}")
     if alpha.dim() != 3 or values.dim() != 3:
         raise ValueError(f"attention_context: alpha must be [B, NH, S] and values [B, S, C]; got "
                          f"{list(alpha.shape)} and {list(values.shape)}")
@@ -307,7 +313,7 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
         raise ValueError(f"smoothed_cross_entropy: target must hold integer ids, got {target.dtype}")
     if (isinstance(smoothing, bool) or not isinstance(smoothing, numbers.Real)
             or not 0.0 <= float(smoothing) < 1.0):
-        raise ValueError(f"smoothing must be a number in [0, 1), got {smoothing!r}")
+        raise ValueError(f"smoothed_cross_entropy: smoothing must be a number in [0, 1), got {smoothing!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) or not (
             -2 ** 63 <= int(ignore_index) < 2 ** 63):
         raise ValueError(f"smoothed_cross_entropy: ignore_index must be an int64, got {ignore_index!r}")
@@ -319,6 +325,11 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and built():
         loss, nll, _ = torch.ops.dtmt.smoothed_cross_entropy(logits, target.long(), float(smoothing), int(ignore_index))
         return loss, nll.detach()
+    if target.device.type == "cpu" and host_reads_allowed():   # (as the kernel says it; gather's IndexError did)
+        outside = target.ne(int(ignore_index)) & (target.lt(0) | target.ge(logits.shape[1]))
+        if outside.any():
+            raise RuntimeError(f"smoothed_cross_entropy: target {int(target[outside][0])} is outside "
+                               f"[0, {logits.shape[1]})")
     return PortableSmoothedCrossEntropy.apply(logits, target, float(smoothing), int(ignore_index))
 
 

@@ -162,7 +162,7 @@ def test_context_gradients_are_deterministic():
     _grads_over_threads(lambda a, v: dk.functional.attention_context(a, v, "cpp"), [alpha, values])
 
 
-@pytest.mark.parametrize("bad", ["rank", "batch", "length", "heads", "dtype"])
+@pytest.mark.parametrize("bad", ["rank", "batch", "length", "heads", "dtype", "list"])
 def test_context_bad_inputs_are_value_errors(bad):
     alpha, values, _ = (t.detach() for t in _context_inputs(2, 3, 2, 4, torch.float32))
     if bad == "rank":
@@ -173,13 +173,15 @@ def test_context_bad_inputs_are_value_errors(bad):
         values = values[:, :2]
     elif bad == "heads":
         alpha = torch.softmax(torch.randn(2, 3, 3), -1)
+    elif bad == "list":   # (an AttributeError before)
+        values = values.tolist()
     else:
         alpha = alpha.double()
     with pytest.raises(ValueError, match="attention_context"):
         dk.functional.attention_context(alpha, values, "cpp")
 
 
-@pytest.mark.parametrize("bad", ["rank", "query", "v", "dtype"])
+@pytest.mark.parametrize("bad", ["rank", "query", "v", "dtype", "list"])
 def test_bad_inputs_are_value_errors(bad):
     k, q, v = (t.detach() for t in _inputs(2, 3, 2, 4, torch.float32))
     if bad == "rank":
@@ -188,6 +190,8 @@ def test_bad_inputs_are_value_errors(bad):
         q = q[:, :1]
     elif bad == "v":
         v = v[:, :3]
+    elif bad == "list":   # (an AttributeError before)
+        k = k.tolist()
     else:
         q = q.double()
     with pytest.raises(ValueError, match="additive_scores"):

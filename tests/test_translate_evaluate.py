@@ -1216,6 +1216,9 @@ def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_pat
                      "--out-dir", str(tmp_path / "zh")]) == 0, capsys.readouterr().err
     report = json.loads(read(tmp_path / "zh" / "scores.json"))
     assert report["settings"]["tgt_lang"] == "zh" and "tok:zh" in report["bleu_signature"]
+    # files named by language the other way round from the checkpoint's (e.es, e.en against es -> zh): said
+    assert (f"dtmt evaluate: warning: --checkpoint {tmp_path / 'zh.pt'} translates es to zh, but --src and --ref end "
+            f"in .es and .en; do they hold its languages?") in capsys.readouterr().err
     assert cli.main(["evaluate", "--hyp", str(out / "hyp.txt"), "--src", s, "--ref", r, "--out-dir",
                      str(tmp_path / "again")]) == 0
     assert json.loads(read(tmp_path / "again" / "scores.json"))["bleu"] == pytest.approx(

@@ -177,6 +177,15 @@ def _run(args: argparse.Namespace) -> int:
                 if len(langs) == 2 and langs != corpus:
                     raise UsageError(f"--checkpoint {path} translates {langs[0]} to {langs[1]}, but --data "
                                      f"{args.data} is {corpus[0]} to {corpus[1]}")
+        else:   # --src / --ref named by language (dtmt prepare's test.es, test.en): swapped files were scored silently
+            langs = ckpts[0].get("langs")
+            ends = tuple(os.path.splitext(p)[1][1:].lower() for p in (src_path, ref_path))
+            named = isinstance(langs, (list, tuple)) and len(langs) == 2 and all(isinstance(x, str) for x in langs)
+            if (named and all(e.isalpha() and 2 <= len(e) <= 3 for e in ends)
+                    and ends != tuple(x.lower() for x in langs)):
+                print(f"{PROG}: warning: --checkpoint {args.checkpoint[0]} translates {langs[0]} to {langs[1]}, but "
+                      f"--src and --ref end in .{ends[0]} and .{ends[1]}; do they hold its languages?",
+                      file=sys.stderr)
         kwargs = decoding_kwargs(args, device)
         decoder = build_decoder(model, args.int8, args.amp)
         results, seconds = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sources,

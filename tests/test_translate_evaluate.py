@@ -579,7 +579,7 @@ def test_cli_translate_stdin_and_nbest(system, reference, tmp_path, monkeypatch,
     assert cli.main(["translate", "-c", ckpt, "--beam", "3", "--nbest", "2", a, "-"]) == 0
     captured = capsys.readouterr()
     lines = [line.split(" ||| ") for line in captured.out.splitlines()]
-    assert all(len(parts) == 3 for parts in lines)
+    assert all(len(parts) == 4 and parts[2] == f"F0= {parts[3]}" for parts in lines)   # (Moses' four fields)
     expected = []
     for offset, chunk in ((0, reference[:3]), (3, reference[3:])):     # index counted per input from 0
         for i, hyps in enumerate(chunk):
@@ -587,7 +587,7 @@ def test_cli_translate_stdin_and_nbest(system, reference, tmp_path, monkeypatch,
             expected += [(str(i), text) for text, _ in wanted]
     assert [(p[0], p[1]) for p in lines] == expected
     flat = [h for i, hyps in enumerate(reference) for h in (hyps if INPUTS[i].strip() else [("", 0.0)])]
-    assert [float(p[2]) for p in lines] == pytest.approx([s for _, s in flat], abs=1e-4)
+    assert [float(p[3]) for p in lines] == pytest.approx([s for _, s in flat], abs=1e-4)
     assert "translated 8 sentences" in captured.err                     # summary unless --quiet
 
 
@@ -612,7 +612,7 @@ def test_cli_translate_ranks_by_the_average_with_length_penalty_average(system, 
                      "--quiet", a]) == 0
     lines = [line.split(" ||| ") for line in capsys.readouterr().out.splitlines()]
     assert [p[1] for p in lines] == [text for text, _ in expected]
-    assert [float(p[2]) for p in lines] == pytest.approx([score for _, score in expected], abs=1e-4)
+    assert [float(p[3]) for p in lines] == pytest.approx([score for _, score in expected], abs=1e-4)
 
 
 def test_dtmt_without_a_command_is_a_usage_error(capsys):
@@ -838,6 +838,9 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
             (dict(sentences=["el sol", None]), TypeError, "must be strings, got NoneType at 1"),
             (dict(sentences=["el sol"], early_stop="no"), TypeError, "early_stop must be True or False, got 'no'"),
             (dict(sentences=["el sol"], max_len_a=0, max_len_b=0), ValueError, "every translation would be empty"),
+            # (the bound counts EOS: 1 is EOS alone, every translation empty, without a word)
+            (dict(sentences=["el sol"], max_len_a=0, max_len_b=1), ValueError,
+             r"max_len_a = 0, max_len_b = 1: every translation would be empty \(the bound counts the end-of-sentence"),
             # a lone surrogate: SentencePiece's "Unable to cast Python instance of type str" (the server refused it)
             (dict(sentences=["el sol", "el \ud800 perro"]), ValueError,
              r"sentence 1 \(0-based\) is not valid Unicode"),
@@ -866,7 +869,45 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
         load_model(os.devnull, device=f"cuda:{count}")
     with pytest.raises(ValueError, match=rf"^translate: device 'cuda:{count}': this machine has "):   # (torch's
         translate(model, sv, tv, ["el sol"], device=f"cuda:{count}")          # AssertionError on a CPU-only torch)
-    assert translate(model, sv, tv, ["el sol"], max_len_a=0, max_len_b=1)[0][0][0] is not None
+    assert translate(model, sv, tv, ["el sol"], max_len_a=0, max_len_b=2)[0][0][0] is not None
+
+
+def test_a_wide_beam_decodes_fewer_sentences_a_batch_and_memory_runs_out_in_one_line(system, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """--max-tokens counts source subwords only: short lines at a wide beam made batches of 1,000 sentences whose
+    step scores took 5 GB (a review measured it). A batch holds no more sentences than keep sentences x beam x
+    target words within MAX_STEP_SCORES, and the translations are the same; running out of memory is one line
+    naming the options that make batches smaller (the CPU allocator's traceback before)."""
+    from dtmt_models.decoding import translate as tr
+
+    model, sv, tv, ckpt = system
+    sentences = ["el sol", "la casa", "el perro", "un libro", "la luna"] * 3
+    whole = translate(model, sv, tv, sentences, beam=3)
+    seen = []
+    search = tr.beam_search
+    monkeypatch.setattr(tr, "beam_search", lambda decoder, src, *a, **k: seen.append(len(src)) or search(
+        decoder, src, *a, **k))
+    monkeypatch.setattr(tr, "MAX_STEP_SCORES", 4 * 3 * len(tv))   # (room for 4 sentences at beam 3)
+    def same(results):   # (the texts; the scores up to the rounding of other batch shapes)
+        return all([t for t, _ in a] == [t for t, _ in b] and all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b))
+                   for a, b in zip(results, whole))
+
+    assert same(translate(model, sv, tv, sentences, beam=3)) and max(seen) == 4 and sum(seen) == 15
+    seen.clear()
+    assert same(translate(model, sv, tv, sentences, beam=3, max_sentences=2)) and max(seen) == 2
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 5368709120 bytes")
+
+    monkeypatch.setattr(tr, "beam_search", no_memory)
+    src = write(tmp_path / "in.es", "\n".join(sentences) + "\n")
+    capsys.readouterr()
+    assert cli.main(["translate", "-c", ckpt, src, "-o", str(tmp_path / "out.en")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dtmt translate: out of memory ([enforce fail at alloc_cpu.cpp:127] ") and err.endswith(
+        "; decode smaller batches: a lower --max-tokens or --batch-size, or a narrower --beam\n"), err
+    assert err.count("\n") == 1 and not (tmp_path / "out.en").exists()
 
 
 def test_cli_translate_errors(system, tmp_path, capsys):
@@ -901,6 +942,8 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", ckpt, "--max-len-a", "nan", good], 2, "--max-len-a nan: must be a finite number >= 0"),
         (["--checkpoint", ckpt, "--max-len-a", "inf", good], 2, "--max-len-a inf: must be a finite number >= 0"),
         (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "0", good], 2, "every translation would be empty"),
+        (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "1", good], 2,
+         "--max-len-a 0 --max-len-b 1: every translation would be empty (the bound counts the end-of-sentence token)"),
         (["--checkpoint", ckpt, "--alpha", "nan", good], 2, "--alpha nan: must be a finite number"),
         # (the library's bound: a traceback from translate(), exit 1, before the command checked it)
         (["--checkpoint", ckpt, "--alpha", "100", good], 2, "--alpha 100: must be a finite number >= -50 and <= 50"),

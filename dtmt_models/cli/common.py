@@ -134,7 +134,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True, 
     g.add_argument("--max-src-len", type=int, default=250,
                    help="longer sources are truncated to this many subwords, with a warning (default 250)")
     g.add_argument("--max-len-a", type=float, default=2.0,
-                   help="maximum output length = a * source length + b, at most 16,384 (default a=2.0)")
+                   help="maximum output length in subwords, the end-of-sentence token included = a * source "
+                        "length + b, at most 16,384 (default a=2.0)")
     g.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a (default b=10)")
     g.add_argument("--early-stop", action="store_true",
                    help="end a sentence once it has --beam finished hypotheses (fairseq's and CTranslate2's rule, "
@@ -157,10 +158,12 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True, 
 
 
 def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
-                errors: Tuple[type, ...] = (InputError, NonFiniteScores)) -> int:
+                errors: Tuple[type, ...] = (InputError, NonFiniteScores),
+                smaller: str = "a lower --max-tokens or --batch-size, or a narrower --beam") -> int:
     """run(args) as a decoding command's main: an error a user can cause is one `prog: message` line on stderr and
     exit status 2 for an option that cannot work (UsageError, contract §6), 1 for the others (`errors`: what the data
-    or the system refused while working); Ctrl-C `prog: interrupted` and 130."""
+    or the system refused while working; running out of memory, with `smaller`, the options that decode smaller
+    batches: a traceback before); Ctrl-C `prog: interrupted` and 130."""
     try:
         return run(args)
     except UsageError as exc:
@@ -172,6 +175,11 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as exc:   # (the CPU allocator's is a RuntimeError; CUDA's OutOfMemoryError one)
+        if not (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(exc)):
+            raise
+        print(f"{prog}: out of memory ({one_line(exc)[:160]}); decode smaller batches: {smaller}", file=sys.stderr)
+        return 1
 
 
 def decoding_options_given(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> List[str]:
@@ -193,8 +201,9 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
     check_counts(args, (("beam", 1, MAX_BEAM), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
                         ("max_len_b", 0, MAX_COUNT), ("threads", 0, MAX_THREADS), ("batch_size", 1, MAX_COUNT)))
     check_finite("--max-len-a", args.max_len_a, 0)
-    if args.max_len_a == 0 and args.max_len_b == 0:
-        raise UsageError("--max-len-a 0 --max-len-b 0: every translation would be empty; allow at least one token")
+    if args.max_len_a == 0 and args.max_len_b <= 1:   # (1 is EOS alone: 40 empty lines, exit 0, before)
+        raise UsageError(f"--max-len-a 0 --max-len-b {args.max_len_b}: every translation would be empty (the bound "
+                         f"counts the end-of-sentence token); allow at least two tokens")
     check_finite("--alpha", args.alpha, -MAX_ALPHA, MAX_ALPHA)
     if args.alpha is not None and args.length_penalty != "gnmt":
         raise UsageError(f"--alpha {args.alpha:g}: the gnmt length penalty's exponent; --length-penalty "

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return run_command(PROG, _run, build_parser().parse_args(argv))
+    return run_command(PROG, _run, build_parser().parse_args(argv),
+                       smaller="a lower --batch-sentences or --max-tokens, or a narrower --beam")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -80,12 +80,13 @@ def decode_line(line: bytes, name: str, number: int) -> str:
 
 
 def format_output(results: Iterable[List[Tuple[str, float]]], nbest: bool, start: int = 0) -> str:
-    """Plain one-best lines, or Moses n-best lines `index ||| text ||| score` (index from `start`)."""
+    """Plain one-best lines, or Moses n-best lines `index ||| text ||| F0= score ||| score` (index from `start`; its
+    four fields as Moses and Marian write them: the features, here the one score, then the total)."""
     out = []
     for index, hyps in enumerate(results, start=start):
         if nbest:
             for text, score in hyps:
-                out.append(f"{index} ||| {_single_line(text)} ||| {score:.6f}")
+                out.append(f"{index} ||| {_single_line(text)} ||| F0= {score:.6f} ||| {score:.6f}")
         else:
             out.append(_single_line(hyps[0][0] if hyps else ""))
     return "".join(line + "\n" for line in out)
@@ -205,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--output", "-o", help="output file (default, or '-': stdout), written atomically at the end")
     out.add_argument("--output-dir", help="write each input's translation to DIR/<input basename>.out")
     p.add_argument("--nbest", type=int, default=None, metavar="N",
-                   help="write the N best translations per line in Moses format: index ||| text ||| score")
+                   help="write the N best translations per line in Moses format: index ||| text ||| F0= score "
+                        "||| score")
     add_decoding_arguments(p)
     return p
 

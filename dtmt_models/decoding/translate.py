@@ -28,8 +28,8 @@ stdout, which streams: the lines that have arrived (up to 1,024) are decoded tog
 input order, while a reader thread takes in the next ones; a bad line then stops it after the lines before it.
 Several inputs go to one output (stdout or --output) in input order, or with --output-dir to
 `D/<input basename>.out` each. With --nbest N the output is in Moses n-best format, `index ||| translation |||
-score`, the index counting the lines of each input from 0 and the score the length-normalised log-probability
-that ranks the beam.
+F0= score ||| score` (the four fields Moses and Marian write), the index counting the lines of each input from 0
+and the score the length-normalised log-probability that ranks the beam.
 Errors a user can cause are one line on stderr: exit status 2 for what the options name (a missing, foreign or
 mismatched checkpoint, a missing input, an unavailable backend or device: contract §6), 1 for what is found while
 working (unreadable input, invalid UTF-8 with file:line).
@@ -79,6 +79,10 @@ class InputError(Exception):
 # ------------------------------------------------------------------------------------------- library
 _REISSUED: set = set()   # (text, category, file, line) of the other warnings input_warnings has issued again
 _MAX_REISSUED = 1024
+# The most scores a batch's search step holds, sentences x beam x target words (256 MB in float32): a batch holds no
+# more sentences than keep it there. --max-tokens counts source subwords only, so short lines at a wide beam made
+# batches of 1,000 sentences (5 GB at beam 64 and 4k words, against 0.6 GB in batches of 50, decoding as fast).
+MAX_STEP_SCORES = 1 << 26
 
 
 def input_warnings(call: Callable[[], T], category: Type[Warning] = InputWarning,
@@ -140,7 +144,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     without a word of notice). `decoder`: `model.inference_decoder()` built by a caller that translates many times
     with unchanging weights (a server); None builds it here, once per call. `early_stop`: beam_search's (a
     sentence ends once it has `beam` finished hypotheses). `max_sentences` (None: no bound) caps a batch's
-    sentences as `max_tokens` caps its padded source subwords (OpenNMT-py's and fairseq's --batch-size). A model
+    sentences as `max_tokens` caps its padded source subwords (OpenNMT-py's and fairseq's --batch-size), and a
+    batch's search keeps at most MAX_STEP_SCORES scores a step (fewer sentences at a wide beam). A model
     that scores NaN or +inf raises NonFiniteScores naming the sentence (1-based, in `sentences`) and the step.
     `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (beam_search's). `where(i)` names sentence i
     (0-based) in the warnings and that error, e.g. "file:line" for a command's inputs (None: "sentence i+1")."""
@@ -223,7 +228,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
         # built once for every batch (the weights do not change here); a duck-typed model decodes as it is
         if decoder is None:
             decoder = as_decoder(model) if ids else model
-        for batch in length_batches([len(t) for t in ids], max_tokens, max_sentences):
+        widest = max(1, MAX_STEP_SCORES // (beam * len(tgt_vocab)))   # (sentences whose step scores fit the bound)
+        for batch in length_batches([len(t) for t in ids], max_tokens, min(max_sentences or widest, widest)):
             width = max(len(ids[j]) for j in batch)
             # the padded rows as one list (PAD = 0): one tensor made, not one row written at a time
             src = torch.tensor([ids[j] + [0] * (width - len(ids[j])) for j in batch], dtype=torch.long)

@@ -541,6 +541,7 @@ def test_cli_translate_streams_stdin(system, reference):
         proc.stdin.close()
         out += iter(lambda: lines.get(timeout=120), None)
         assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()
+        assert proc.stderr.read() == b""   # (piped: no prompt for typed lines)
     finally:
         proc.kill()
     lines = [line.split(" ||| ") for line in b"".join(out).decode().splitlines()]
@@ -549,6 +550,28 @@ def test_cli_translate_streams_stdin(system, reference):
         wanted = hyps if INPUTS[i].strip() else [("", 0.0)]
         expected += [(str(i), text) for text, _ in wanted]
     assert [(p[0], p[1]) for p in lines] == expected
+
+
+def test_cli_translate_asks_a_terminal_for_sentences(system, reference):
+    """stdin a terminal: the command says it waits for typed lines (it waited without a word, as if it hung;
+    fairseq-interactive asks too), then answers each line; Ctrl-D ends it. Piped stdin gets no such line."""
+    import subprocess
+
+    _, _, _, ckpt = system
+    main_end, typed_end = os.openpty()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", ckpt, "--beam", "3",
+                             "--quiet"], stdin=typed_end, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    os.close(typed_end)
+    try:
+        os.write(main_end, (INPUTS[0] + "\n").encode() + b"\x04")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        os.close(main_end)
+    assert proc.returncode == 0 and out.decode() == reference[0][0][0] + "\n", (out, err)
+    assert err.decode() == "dtmt translate: type a sentence a line (Ctrl-D ends)\n"
 
 
 def test_cli_translate_stream_stops_at_a_bad_line_after_the_lines_before_it(system, reference):

@@ -216,6 +216,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run_command(PROG, _run, build_parser().parse_args(argv))
 
 
+def _typed() -> bool:
+    """Whether standard input is a terminal (a person types the sentences)."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):   # (closed)
+        return False
+
+
 def _run(args: argparse.Namespace) -> int:
     check_decoding_arguments(args)
     nbest = args.nbest
@@ -252,6 +260,8 @@ def _run(args: argparse.Namespace) -> int:
     device = check_device_and_backend(args.device, args.backend)
     if inputs == ["-"] and not args.output and not args.output_dir:   # stdin to stdout: line groups as they come
         model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)
+        if _typed():   # (it waited without a word, as if it hung; fairseq-interactive asks for a sentence)
+            print(f"{PROG}: type a sentence a line (Ctrl-D ends)", file=sys.stderr, flush=True)
         return stream_stdin(args, model, src_vocab, tgt_vocab, device)
     texts = [read_input(path) for path in inputs]            # every input before any decoding
     model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)

@@ -179,6 +179,23 @@ def test_numeric_options_are_bounded_before_loading(tmp_path, capsys, flags, mes
         ServeSettings(beam=True).check()
 
 
+def test_a_port_in_use_is_said_before_the_models_load(tmp_path, capsys):
+    """A port another program listens on (or a host of another machine) is said before the checkpoints load (here
+    one that does not exist, which would be refused otherwise): at paper sizes the load came first."""
+    import socket
+
+    from dtmt_models import cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "-c", str(tmp_path / "missing.pt"), "--port", str(port)]) == 1
+        assert capsys.readouterr().err == f"dtmt serve: cannot listen on 127.0.0.1:{port} (Address already in use)\n"
+    assert cli.main(["serve", "-c", str(tmp_path / "missing.pt"), "--host", "192.0.2.1", "--port", str(port)]) == 1
+    assert capsys.readouterr().err.startswith(f"dtmt serve: cannot listen on 192.0.2.1:{port} (")
+
+
 def test_no_option_that_does_nothing(capsys):
     """The decoding options serve shares with translate leave out --quiet: a server's lines (its address among
     them) are its log, and an option it would ignore is refused, as argparse refuses any unknown one."""

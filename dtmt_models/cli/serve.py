@@ -16,6 +16,7 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import sys
 from typing import List, Optional
 
@@ -68,6 +69,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                        smaller="a lower --batch-sentences or --max-tokens, or a narrower --beam")
 
 
+def check_listening(host: str, port: int) -> None:
+    """InputError where the server could not listen on host:port (a port in use, a host of another machine or none):
+    a socket bound there and closed, as the server binds it (SO_REUSEADDR, asyncio's default), before anything
+    loads. Port 0 (any free one) is left to the server."""
+    if not port:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:   # (socket.gaierror is one)
+        raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+
+
 def _run(args: argparse.Namespace) -> int:
     from dtmt_models.decoding.serve import Server, ServeSettings, log_http_in_one_line
 
@@ -93,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         raise InputError("needs aiohttp: pip install aiohttp") from None
     use_threads(args.threads)
     device = check_device_and_backend(args.device, args.backend)
+    check_listening(args.host, args.port)   # (before the models load: a port in use was said after a paper-size load)
     model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
     decoder = build_decoder(model, args.int8, args.amp)
     names = [c.get("model_name") for c in ckpts]

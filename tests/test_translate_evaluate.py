@@ -954,6 +954,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", str(tmp_path / "missing.pt"), good], 2, "--checkpoint " + str(tmp_path / "missing.pt") +
          ": no such checkpoint file"),
         (["--checkpoint", str(tmp_path), good], 2, "is a directory, not a checkpoint file"),
+        (["--checkpoint", os.devnull, good], 2, f"--checkpoint {os.devnull}: not a regular file, not a checkpoint"),
         (["--checkpoint", foreign, good], 2, "foreign.pt: not a dtmt checkpoint (not a file torch.save wrote"),
         (["--checkpoint", ckpt, str(bad)], 1, "bad.es:2: invalid UTF-8"),
         (["--checkpoint", ckpt, str(tmp_path / "nope.es")], 2, "nope.es: no such input file"),

@@ -154,6 +154,8 @@ def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
     caller that needs only the settings asks)."""
     if os.path.isdir(path):
         raise ValueError(f"{path}: is a directory, not a checkpoint file")
+    if os.path.exists(path) and not os.path.isfile(path):   # (/dev/null, a pipe: it said "does not exist")
+        raise ValueError(f"{path}: not a regular file, not a checkpoint")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     record = None if mmap else damaged_record(path)

@@ -898,12 +898,72 @@ def test_a_process_waiting_for_the_others_says_whom_it_waits_for(monkeypatch, ca
     monkeypatch.setattr(distributed, "NOTE_AFTER_S", 0.3)
     monkeypatch.setattr(distributed, "TIMEOUT_S", 1.0)
     capsys.readouterr()
-    with pytest.raises(ValueError, match=rf"^process 1 of 2: process 0 at 127.0.0.1:{port} not heard from in 1 s; "
+    with pytest.raises(ValueError, match=rf"^process 1 of 2: process 0 at 127.0.0.1:{port} did not start in 1 s; "
                                          r"start every process of the run$"):
         distributed.Meeting()
     err = capsys.readouterr().err.splitlines()
     assert len(err) >= 2 and all(line.startswith(f"dtmt train: process 1 of 2: waiting for process 0 at "
-                                                 f"127.0.0.1:{port} (") for line in err), err
+                                                 f"127.0.0.1:{port} to start (") for line in err), err
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")   # (a name that resolves to nothing: said at once)
+    with pytest.raises(ValueError, match=r"^MASTER_ADDR=no-such-host.invalid: "):
+        distributed.Meeting()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")   # (under torchrun, which ends the others itself: no meeting)
+    assert not distributed.by_hand()
+
+
+def test_a_process_interrupted_while_it_waits_to_start_is_not_counted_as_ready(monkeypatch):
+    """Ctrl-C (or the time out) in a process waiting for the others' outcomes leaves it said as ended: it had been
+    said to have passed, and the others then started the process group without it and waited there for half an
+    hour, deaf to Ctrl-C (a review found it)."""
+    import socket
+
+    from dtmt_models.training import distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(distributed, "READ_WAIT_S", 0.2)
+    monkeypatch.setenv("RANK", "0")
+    first = distributed.Meeting()
+    monkeypatch.setenv("RANK", "1")
+    second = distributed.Meeting()
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distributed.time, "sleep", interrupted)   # (Ctrl-C while process 1 waits for process 0)
+    with pytest.raises(KeyboardInterrupt):
+        second.settle(None)
+    monkeypatch.undo()
+    assert first.settle(None) == ["", distributed.ENDED]
+    assert distributed.refusal_line(["", distributed.ENDED], 0) == (
+        "process 0 of 2: not started: process 1 ended before the run started (its own message says why)")
+
+
+def test_process_0_says_its_refusal_at_once(toy_nodev, tmp_path):
+    """Process 0 refusing says why at once, before it waits for the others (it had said only that it waited for a
+    process not started; Ctrl-C then lost the refusal)."""
+    import queue
+    import threading
+
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", WORLD_SIZE="2", RANK="0",
+               LOCAL_RANK="0")
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", toy_nodev, "--out",
+                             str(tmp_path / "none"), "--resume", *TINY], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        first = lines.get(timeout=120)   # (process 1 is never started)
+        assert first.startswith("dtmt train: ") and "none" in first and proc.poll() is None, first
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
 
 
 def test_refusal_line_says_each_refusal_once():

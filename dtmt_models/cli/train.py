@@ -33,8 +33,8 @@ from dtmt_models.models.registry import check_model_options, list_models, positi
 from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
-from dtmt_models.training.distributed import (Dist, Meeting, RefusedByAll, lost_peer, refusal_line, resolve_auto,
-                                              world_size)
+from dtmt_models.training.distributed import (Dist, Meeting, RefusedByAll, by_hand, lost_peer, process_device,
+                                              refusal_line, resolve_auto, world_size)
 from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, TENSORBOARD, Trainer, TrainingDiverged,
                                           step_checkpoints)
 
@@ -655,8 +655,9 @@ def forget_earlier_run(out: str, earlier: Tuple[List[str], List[str], List[str]]
 
 # ------------------------------------------------------------------------------------------------ main
 def meet_the_others() -> Optional[Meeting]:
-    """With several processes, the run's Meeting, joined first thing (None with one)."""
-    return Meeting() if world_size() > 1 else None
+    """With several processes started by hand, the run's Meeting, joined first thing (None with one, or under
+    torchrun, which ends the others itself)."""
+    return Meeting() if by_hand() else None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -847,6 +848,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                 raise ValueError(f"{exc} (the run's setting: --device / --backend choose another)") from None
             raise
         check_cuda_graphs(cfg)
+        process_device(cfg.device)   # (before the processes meet: no such device is one process's refusal)
         if meeting is not None:   # (every process's checks have passed, or none starts the process group)
             line = refusal_line(meeting.settle(None), meeting.rank)
             if line is not None:
@@ -858,10 +860,17 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
             held.release(discard=True)
         line = None if isinstance(exc, RefusedByAll) and meeting is not None and meeting.rank else one_line(exc)
         if meeting is not None and not meeting.settled:   # (this process refused: the others are told, and a refusal
-            try:                                           # they all made is printed once)
-                line = refusal_line(meeting.settle(line), meeting.rank)
-            except ValueError:   # (process 0 gone meanwhile: this one's own refusal is still the news)
-                pass
+            if meeting.rank == 0:                          # they all made is printed once: by process 0, at once)
+                print(f"dtmt train: {line}", file=sys.stderr, flush=True)
+            try:
+                shown = refusal_line(meeting.settle(line), meeting.rank)
+            except (ValueError, KeyboardInterrupt) as stop:   # (the wait ended otherwise: this refusal is the news)
+                shown = line if meeting.rank else None
+                if isinstance(stop, KeyboardInterrupt):
+                    if shown is not None:
+                        print(f"dtmt train: {shown}", file=sys.stderr)
+                    raise
+            line = shown if meeting.rank else None
         if line is not None:
             print(f"dtmt train: {line}", file=sys.stderr)
         return 2

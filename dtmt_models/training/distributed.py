@@ -36,15 +36,24 @@ def lost_peer(exc: BaseException) -> Optional[str]:
 ENDED = "\0ended"   # a process's outcome where it ended before saying one (Meeting.leave)
 NOTE_AFTER_S = 30.0   # a process still waiting for the others of the run says so after this long, and again as long
 TIMEOUT_S = 1800.0    # the longest wait for them (torch's own for a process group's setup)
+READ_WAIT_S = 10.0    # how long process 0 keeps its store for the others to read the outcomes
+
+
+def by_hand() -> bool:
+    """Whether the run's processes were started by hand (each with RANK, MASTER_ADDR, ...: a Slurm script, say), not
+    by torchrun, which ends the others when one ends."""
+    return world_size() > 1 and not os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 class Meeting:
-    """The processes of a run meet first, on the store their process group is later made on (process 0 holds it,
-    or torchrun's agent), and tell each other the outcome of their checks (`settle`) before the group is started.
-    A refusal that one process made alone (process 0's run lock held, one --out without last.pt, one command line
-    mistyped) had left the others waiting in init_process_group, deaf to Ctrl-C, for half an hour; each had also
-    printed the refusal that all of them made. Waiting here is a poll (Ctrl-C ends it) that says after
-    NOTE_AFTER_S whom it waits for."""
+    """The processes of a run started by hand meet first, on the store their process group is later made on
+    (process 0 holds it, fresh each launch), and tell each other the outcome of their checks (`settle`) before the
+    group is started. A refusal that one process made alone (process 0's run lock held, one --out without last.pt,
+    one command line mistyped) had left the others waiting in init_process_group, deaf to Ctrl-C, for half an hour;
+    each had also printed the refusal that all of them made. Waiting here is a poll (Ctrl-C ends it) that says after
+    NOTE_AFTER_S whom it waits for. (Under torchrun there is no meeting: torchrun ends the others itself, and its
+    agent's store outlives a restart, whose count each node keeps apart: the attempts' keys could not be told
+    apart.)"""
 
     def __init__(self):
         self.rank, self.world = int(os.environ.get("RANK", "0")), world_size()
@@ -60,8 +69,7 @@ class Meeting:
                              f"and a rank in [0, WORLD_SIZE) are needed")
         import torch.distributed as td
 
-        holder = self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"   # (torchrun's agent
-        # holds it otherwise)
+        holder = self.rank == 0
         started = time.monotonic()
         while not holder and not self._reachable(host, int(port)):   # (a client's own connect loop is deaf to
             self._waiting(started, f"process 0 at {host}:{port}")       # Ctrl-C and logs each failed try)
@@ -73,26 +81,26 @@ class Meeting:
             raise ValueError(f"MASTER_ADDR={host} MASTER_PORT={port}: cannot "
                              f"{'listen there' if holder else 'reach process 0 there'} "
                              f"({str(exc).strip().splitlines()[0][:200]})") from None
-        # (torchrun's agent keeps its store over restarts: each attempt's keys apart)
-        self.keys = td.PrefixStore(f"dtmt-train/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-                                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", self.store)
+        self.keys = td.PrefixStore("dtmt-train", self.store)
 
     @staticmethod
     def _reachable(host: str, port: int) -> bool:
         try:
             with socket.create_connection((host, port), timeout=1.0):
                 return True
+        except socket.gaierror as exc:   # (a MASTER_ADDR that names no host: no use waiting for it)
+            raise ValueError(f"MASTER_ADDR={host}: {exc.strerror or exc}") from None
         except OSError:
             return False
 
     def _waiting(self, started: float, whom: str) -> None:
         waited = time.monotonic() - started
         if waited > TIMEOUT_S:
-            raise ValueError(f"process {self.rank} of {self.world}: {whom} not heard from in {TIMEOUT_S:.0f} s; "
+            raise ValueError(f"process {self.rank} of {self.world}: {whom} did not start in {TIMEOUT_S:.0f} s; "
                              f"start every process of the run")
         if waited >= self._noted + NOTE_AFTER_S:
             self._noted = waited
-            print(f"dtmt train: process {self.rank} of {self.world}: waiting for {whom} ({waited:.0f} s)",
+            print(f"dtmt train: process {self.rank} of {self.world}: waiting for {whom} to start ({waited:.0f} s)",
                   file=sys.stderr, flush=True)
 
     def _wait_for(self, keys: List[str], whom) -> None:
@@ -108,38 +116,63 @@ class Meeting:
             self._waiting(started, whom(missing))
             time.sleep(0.05)
 
+    def _outcomes(self) -> List[str]:
+        """Every process's outcome, once all have said theirs (a wait)."""
+        names = [f"outcome/{r}" for r in range(self.world)]
+        self._wait_for(names, lambda missing: "process(es) " + ", ".join(k.split("/")[1] for k in missing))
+        return [v.decode("utf-8", "replace") for v in self.keys.multi_get(names)]
+
     def settle(self, refusal: Optional[str]) -> List[str]:
         """Says this process's outcome (`refusal`, one line, or None where its checks passed) and returns every
-        process's ("" where it passed, ENDED where it ended before saying one), once all have said theirs."""
-        self.settled = True
+        process's ("" where it passed, ENDED where it ended before saying one), once all have said theirs. A wait
+        that ends otherwise (Ctrl-C, the time out, process 0 gone) leaves ENDED said for this process: the others
+        must not start without it."""
         self.keys.set(f"outcome/{self.rank}", refusal or "")
-        ranks = range(self.world)
-        self._wait_for([f"outcome/{r}" for r in ranks], lambda missing: "process(es) " + ", ".join(
-            k.split("/")[1] for k in missing) + " to start")
-        outcomes = [v.decode("utf-8", "replace") for v in self.keys.multi_get([f"outcome/{r}" for r in ranks])]
+        try:
+            outcomes = self._outcomes()
+        except BaseException:
+            self._say_ended()
+            raise
+        self.settled = True
         self._read()
         return outcomes
+
+    def _say_ended(self) -> None:
+        self.settled = True
+        try:
+            self.keys.set(f"outcome/{self.rank}", ENDED)
+        except RuntimeError:   # (process 0 gone: nobody left to tell)
+            pass
 
     def _read(self) -> None:
         """Says this process has read the outcomes; process 0 waits (a little) for the others to read them before
         it may end, and its store with it."""
         self.keys.set(f"read/{self.rank}", "")
         if self.rank == 0:
-            deadline = time.monotonic() + 10.0
+            deadline = time.monotonic() + READ_WAIT_S
             while time.monotonic() < deadline and not self.keys.check([f"read/{r}" for r in range(self.world)]):
                 time.sleep(0.05)
 
     def leave(self) -> None:
         """For a process that ends before its outcome was said (a usage error, --help, an interruption): says it
-        ended, so that the others stop too. Best effort."""
+        ended, so that the others stop too; process 0, which holds the store, first waits for the others to say
+        theirs and read it (they would otherwise wait for it for half an hour). Best effort."""
         if self.settled:
             return
-        self.settled = True
+        self._say_ended()
         try:
-            self.keys.set(f"outcome/{self.rank}", ENDED)
-            self._read()
-        except (RuntimeError, KeyboardInterrupt):
+            if self.rank == 0:
+                self._outcomes()
+                self._read()
+        except (RuntimeError, ValueError, KeyboardInterrupt):
             pass
+
+    def timeout_for(self, backend: str) -> None:
+        """The store's waits from here on as torch's own for `backend`'s process group (10 minutes for NCCL)."""
+        from torch.distributed import constants
+
+        self.store.set_timeout(constants.default_pg_nccl_timeout if backend == "nccl" and
+                               constants.default_pg_nccl_timeout is not None else constants.default_pg_timeout)
 
 
 class RefusedByAll(ValueError):
@@ -163,6 +196,27 @@ def refusal_line(outcomes: List[str], rank: int) -> Optional[str]:
     return f"process {rank} of {world}: not started: process {first} {did} (its own message says why)"
 
 
+def process_device(device_arg: str) -> torch.device:
+    """This process's device for --device `device_arg` (auto resolved; with several processes, cuda is the one of
+    LOCAL_RANK); ValueError where there is no such device (checked before the processes meet: a set_device of an
+    ordinal past the machine's GPUs failed after the others were told this one's checks had passed)."""
+    device_arg = resolve_auto(device_arg)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_arg == "cuda" and world_size() > 1:
+        device_arg = f"cuda:{local}"
+    device = torch.device(device_arg)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        if device.index is None:   # "cuda": the current device, named (set_device needs an index)
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+                             + (f" (LOCAL_RANK {local}: start at most that many processes on it)"
+                                if world_size() > 1 else ""))
+    return device
+
+
 class Dist:
     """Process-group bookkeeping; a single process is rank 0 of 1 and every collective is a no-op. With several,
     the group is made on the store of their `meeting`."""
@@ -170,16 +224,8 @@ class Dist:
     def __init__(self, device_arg: str, meeting: Optional[Meeting] = None):
         self.world = world_size()
         self.rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        device_arg = resolve_auto(device_arg)
-        if device_arg == "cuda" and self.world > 1:
-            device_arg = f"cuda:{local}"
-        self.device = torch.device(device_arg)
+        self.device = process_device(device_arg)
         if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError("--device cuda: no CUDA device is available")
-            if self.device.index is None:   # "cuda": the current device, named (set_device needs an index)
-                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         if self.world > 1:
             import torch.distributed as td
@@ -188,6 +234,7 @@ class Dist:
             if meeting is None:
                 td.init_process_group(backend)
             else:
+                meeting.timeout_for(backend)
                 td.init_process_group(backend, store=td.PrefixStore("default_pg", meeting.store), rank=meeting.rank,
                                       world_size=meeting.world)
             self.td = td

@@ -966,6 +966,38 @@ def test_process_0_says_its_refusal_at_once(toy_nodev, tmp_path):
         proc.kill()
 
 
+def test_a_lost_peer_before_this_run_saved_does_not_name_an_earlier_run_s_checkpoint(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """A process that meets a gone peer says whether process 0's last.pt stands: with --overwrite the earlier run's
+    last.pt is still there until the run starts, and it was named as this run's."""
+    from dtmt_models.cli import train
+    from dtmt_models.run_lock import RunLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "last.pt").write_bytes(b"the earlier run's")
+    os.utime(out / "last.pt", (time.time() - 3600, time.time() - 3600))
+
+    def lost(argv, lock, meeting=None, saved=False):
+        lock.append(RunLock(str(out)).acquire())
+        if saved:   # (written since the run began: it stands; dated a second on, past the file system's tick)
+            (out / "last.pt").write_bytes(b"this run's")
+            os.utime(out / "last.pt", (time.time() + 1, time.time() + 1))
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:29500")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(train, "meet_the_others", lambda: None)
+    monkeypatch.setattr(train, "_main", lost)
+    assert train.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("its own messages say why. No checkpoint was written\n"), err
+    monkeypatch.setattr(train, "_main", lambda *args: lost(*args, saved=True))
+    assert train.main([]) == 1
+    assert capsys.readouterr().err.endswith(f"its own messages say why. {out / 'last.pt'} stands\n")
+
+
 def test_refusal_line_says_each_refusal_once():
     from dtmt_models.training.distributed import ENDED, refusal_line
 

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -663,6 +664,7 @@ def meet_the_others() -> Optional[Meeting]:
 def main(argv: Optional[List[str]] = None) -> int:
     lock: List[RunLock] = []   # the run directory's lock, once taken (held until the run ends)
     meeting = None
+    started = time.time()   # (a last.pt older than this is an earlier run's: --overwrite removes it only later)
     try:
         try:
             meeting = meet_the_others()
@@ -687,7 +689,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         # (process 0 writes the checkpoints and holds the lock of their folder: it says whether one stands; it had
         # said so where none was written)
         last = os.path.join(lock[0].directory, LAST) if lock else None
-        said = ("" if last is None else f" {last} stands" if os.path.isfile(last) else " No checkpoint was written")
+        ours = last is not None and os.path.isfile(last) and os.path.getmtime(last) >= started   # (not an earlier
+        said = ("" if last is None else f" {last} stands" if ours else " No checkpoint was written")   # run's)
         print(f"dtmt train: process {os.environ.get('RANK', '?')} of {world_size()}: another process of the run "
               f"ended ({reason}); its own messages say why.{said}", file=sys.stderr)
         return 1

@@ -479,11 +479,12 @@ def test_a_decoder_step_override_is_honoured(monkeypatch):
 
 
 def test_inference_decoder_where_it_does_not_apply():
-    """Training mode: the model itself (dropout, autograd); the reference backend: an eval copy sharing the
-    parameters (no part has an inference form; a copy, so that it keeps eval mode when the model trains again)."""
+    """Training mode: the decoder of an eval copy (it was the model itself, dropout on); the reference backend: an
+    eval copy sharing the parameters (no part has an inference form; a copy, so that it keeps eval mode when the
+    model trains again)."""
     torch.manual_seed(0)
     model = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24)
-    assert model.inference_decoder() is model                   # training mode
+    assert isinstance(model.inference_decoder(), FusedRNMTDecoder) and model.training   # training mode
     model.eval()
     assert isinstance(model.inference_decoder(), FusedRNMTDecoder)
     model.set_backend("reference")

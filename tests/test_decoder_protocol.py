@@ -275,3 +275,36 @@ def test_the_commands_16_bit_decoder_keeps_no_float32_weights(system):
     plain = _model(system)
     build_decoder(plain)                             # --amp off: the model stays float32
     assert all(p.dtype == torch.float32 for p in plain.parameters())
+
+
+def test_the_engine_s_forms_decode_without_dropout_whatever_their_source_s_mode():
+    """A form (inference_form) answers what it lacks from the layer it stands for: a layer training again made the
+    form's candidate-dropout masks, and its outputs random (a review found it). A form draws none; inference_copy of
+    a model in training mode, whose copy would share its dropout, is refused in one line."""
+    import dtmt_kernels as dk
+    from dtmt_models.engine.forms import inference_copy, inference_form
+
+    torch.manual_seed(0)
+    layer = dk.nn.DeepTransitionGRU(8, 6, depth=1, candidate_dropout=0.5).eval()
+    cell = dk.nn.DeepTransitionGRUCell(8, 6, depth=1, candidate_dropout=0.5).eval()
+    x = torch.randn(3, 2, 8)
+    forms = inference_form(layer), inference_form(cell)
+    want = layer(x)[0], cell(x[0])
+    layer.train(), cell.train()
+    for _ in range(2):
+        torch.testing.assert_close(forms[0](x)[0], want[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(forms[1](x[0]), want[1], rtol=1e-6, atol=1e-6)
+    model = dm.build_model("dtmt", V, V, embed_dim=16, hidden_size=16, dropout=0.5, candidate_dropout=0.5)
+    with pytest.raises(ValueError, match=r"^inference_copy: DTMT is in training mode .* pass an eval copy"):
+        inference_copy(model.train())
+
+
+def test_a_decoder_s_own_search_refuses_a_max_len_past_the_bound_before_building_anything():
+    """FusedRNMTDecoder.search (a member of the protocol) with max_len 10^9 built a position table of that many rows
+    before the op's bound was checked: the process was killed for memory (a review found it)."""
+    decoder = _model("dtmt").inference_decoder()
+    src, lengths = _batch()
+    state = decoder.encode(src, lengths)
+    with pytest.raises(ValueError, match=r"^FusedRNMTDecoder.search: max_len must be in \[1, 16,384\], got "
+                                         r"1000000000$"):
+        decoder.search(state, 2, 0.6, torch.tensor([10 ** 9, 6, 6]))

@@ -460,6 +460,22 @@ def test_decoding_a_model_in_training_mode_never_switches_its_modes(name):
     assert _tokens(got) == _tokens(want)
 
 
+@pytest.mark.parametrize("name", sorted({n for n, _ in CONFIGS}))
+def test_the_inference_decoder_of_a_model_in_training_mode_decodes_in_eval_mode(name):
+    """inference_decoder() of a model in training mode is the decoder of an eval copy (contract §4): it had returned
+    the model itself, so a step loop of one's own (a custom validation) decoded with dropout on, each call other
+    scores. The model stays in training mode."""
+    model = _noisy(name)
+    src, src_lengths, _, _ = toy_batch()
+    decoder = model.inference_decoder()
+    assert decoder is not model and all(m.training for m in model.modules())
+    first = torch.full((src.shape[0],), 2, dtype=torch.long)   # (BOS)
+    steps = [decoder.step(decoder.encode(src, src_lengths), first)[0] for _ in range(2)]
+    want = copy.deepcopy(model).eval()
+    torch.testing.assert_close(steps[0], steps[1], rtol=0, atol=0)
+    torch.testing.assert_close(steps[0], want.step(want.encode(src, src_lengths), first)[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("patch", ["wrapped", "bound"])
 def test_a_model_with_a_method_replaced_on_it_still_decodes_in_eval_mode(patch):
     """A method set on the instance (a profiling wrapper, torch.compile of model.step) holds the model itself, which a

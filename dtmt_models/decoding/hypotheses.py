@@ -8,6 +8,8 @@ from typing import List, Union
 
 from torch import Tensor
 
+from dtmt_models.engine.ops import MAX_SEARCH_STEPS  # noqa: F401 (the fused search's bound, every search's)
+
 
 @dataclass
 class Hypothesis:
@@ -19,9 +21,6 @@ class Hypothesis:
 NEG_INF = float("-inf")
 INF = float("inf")
 MAX_BEAM = 1024   # the widest beam (csrc/op_checks.h's kMaxBeam: memory grows with it, quality does not)
-# the most steps a search takes (csrc/op_checks.h's kMaxSearchSteps): max_len is bounded by it on every path, so a
-# model that rarely ends a sentence and a huge max_len_b make a long translation, not a search running for hours
-MAX_SEARCH_STEPS = 16384
 # the largest |alpha| of the GNMT length penalty ((5 + n) / 6) ^ alpha: at MAX_SEARCH_STEPS words 2731.5 ^ 50 is
 # 1e172, so a score (log-probability / penalty) stays finite and non-zero in float64. Past about 90 the penalty
 # overflowed: the fused search scored every hypothesis -0.0 and ranked them by nothing, the Python loop raised

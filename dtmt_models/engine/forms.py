@@ -58,6 +58,7 @@ class InferenceForm(nn.Module):
     def __init__(self, source: nn.Module):
         super().__init__()
         self.__dict__["_source"] = source   # not a submodule: the form is not a parent of what it replaces
+        self.training = False   # (a form decodes in eval mode, whatever its source's mode)
 
     @property
     def source(self) -> nn.Module:
@@ -71,6 +72,11 @@ class InferenceForm(nn.Module):
 
     def _apply(self, fn, recurse=True):   # (.to(), .double(), .cuda(): its gathered weights would stay as they are)
         raise inference_conversion(self)
+
+    def sample_dropout_masks(self, batch_size: int, like: Optional[Tensor] = None) -> None:
+        """None: a form decodes without candidate dropout (answered from its source, the masks followed the
+        source's mode: a layer training again made the form's outputs random)."""
+        return None
 
 
 def inference_conversion(module: nn.Module) -> TypeError:
@@ -348,11 +354,20 @@ def _(cell: dk.nn.TransitionCell) -> nn.Module:
 def inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module] = inference_form) -> nn.Module:
     """`module` with every submodule whose `form` (default: engine.forms.inference_form) is another module replaced
     by it, as shallow copies of the modules on the way (parameters, buffers and the untouched submodules shared);
-    `module` itself where nothing is replaced."""
+    `module` itself where nothing is replaced. ValueError for a module with a submodule in training mode (its
+    dropout would run in the copy, which shares it: pass dtmt_models.models.modes.eval_copy(module))."""
+    if any(m.training for m in module.modules()):
+        raise ValueError(f"inference_copy: {type(module).__name__} is in training mode (a module under it is), and the "
+                         f"copy would decode with its dropout; pass an eval copy (dtmt_models.models.modes.eval_copy) "
+                         f"or call .eval() first")
+    return _inference_copy(module, form)
+
+
+def _inference_copy(module: nn.Module, form: Callable[[nn.Module], nn.Module]) -> nn.Module:
     replaced = form(module)
     if replaced is not module:
         return replaced
-    children = {name: None if child is None else inference_copy(child, form)
+    children = {name: None if child is None else _inference_copy(child, form)
                 for name, child in module._modules.items()}
     if all(children[name] is child for name, child in module._modules.items()):
         return module

@@ -30,6 +30,10 @@ from dtmt_kernels.ops.linear.placement import huge_page_copies
 from dtmt_kernels.ops.linear.quantize import pack_int8_rows
 
 _ABSENT = torch.empty(0, device="cpu")   # what the C++ inference ops take for an absent tensor (they test numel() == 0)
+# the most steps a search takes (csrc/op_checks.h's kMaxSearchSteps, which rnmt_beam_search checks): max_len is bounded
+# by it on every path, so a model that rarely ends a sentence and a huge max_len_b make a long translation, not a search
+# running for hours (dtmt_models.decoding re-exports it)
+MAX_SEARCH_STEPS = 16384
 
 
 def _or_none(t: Optional[Tensor]) -> Tensor:

@@ -199,6 +199,9 @@ class FusedRNMTDecoder:
                              "mode); decode in eval mode")
         emb = self.model.tgt_embed
         steps = int(max_len.max())
+        if not 1 <= steps <= ops.MAX_SEARCH_STEPS:   # (before the position table of that many rows: 10^9 of them
+            # filled the memory, where the op refuses them)
+            raise ValueError(f"FusedRNMTDecoder.search: max_len must be in [1, {ops.MAX_SEARCH_STEPS:,}], got {steps}")
         positions = emb.scaled_positions(steps, emb.weight) if emb.positional and "pos" in state else None
         position_table = None if positions is None or self.token_table is None else self.position_table(steps)
         s = state["s"][:, 0] if self.layered else state["s"]

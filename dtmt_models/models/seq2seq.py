@@ -126,9 +126,7 @@ INT8_SYSTEMS = "dtmt, shallow-rnmt, rnnsearch-atr, mce and one-level nematus"
 
 def int8_unavailable(model) -> ValueError:
     """The error for int8 decoding asked of a model that cannot have it, saying which of the conditions it fails."""
-    why = []
-    if model.training:
-        why.append("it is in training mode (call .eval())")
+    why = []   # (training mode is none: the decoder is built from an eval copy)
     weights = next(model.parameters(), None)
     if weights is not None and weights.dtype != torch.float32:
         why.append(f"its weights are {str(weights.dtype).replace('torch.', '')}")
@@ -139,8 +137,8 @@ def int8_unavailable(model) -> ValueError:
         why.append(f"its backend is {', '.join(backends)}")
     if len(getattr(model, "levels", ())):   # (Nematus' higher decoder levels, a deep decoder: the step has one)
         why.append(f"its decoder has {1 + len(model.levels)} levels")
-    return ValueError(f"int8 decoding runs the fused decoder step of {INT8_SYSTEMS} (eval mode, cpp backend, CPU, "
-                      f"float32); this {type(model).__name__} model does not decode with it"
+    return ValueError(f"int8 decoding runs the fused decoder step of {INT8_SYSTEMS} (cpp backend, CPU, float32); "
+                      f"this {type(model).__name__} model does not decode with it"
                       + (f": {'; '.join(why)}" if why else ""))
 
 
@@ -272,7 +270,8 @@ class Seq2Seq(nn.Module):
         eval mode a copy of the model, sharing its parameters, in which every submodule that has a fused
         inference form (dtmt_models.engine.forms.inference_form: the cells, attention, readout, mce's memory
         encoder) stands in its place, and for the systems with one the whole step as one
-        C++ call (engine.rnmt.FusedRNMTDecoder); in training mode the model itself. Built once per batch by
+        C++ call (engine.rnmt.FusedRNMTDecoder); of a model in training mode, the same, from an eval copy (it had
+        returned the model itself: a step loop of one's own decoded with dropout on). Built once per batch by
         `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
         optimizer step), build a new one: a search with the old one is a RuntimeError. On a decoder, returns itself,
@@ -281,8 +280,9 @@ class Seq2Seq(nn.Module):
         has (engine.rnmt.FusedRNMTDecoder): ValueError here."""
         if int8:
             raise int8_unavailable(self)
-        if self.training:
-            return self
+        if self.training and not copies_faithfully(self):   # (its forms would follow its mode: dropout in decoding)
+            raise ValueError(f"{type(self).__name__}.inference_decoder(): the model is in training mode and cannot be "
+                             f"copied in eval mode (copies_faithfully); call .eval() first")
         if self.__dict__.get("_inference_copy", False):
             built_as = self.__dict__.get("_built_as")
             if built_as is not None:   # (its forms' gathered weights against the parameters it shares with the model)

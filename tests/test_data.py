@@ -251,6 +251,14 @@ def test_collate():
     assert src.tolist() == [[5, 6, 7], [9, PAD, PAD]] and lengths.tolist() == [3, 1]
     assert prev.tolist() == [[BOS, 8, PAD], [BOS, 10, 11]]
     assert target.tolist() == [[8, EOS, PAD], [10, 11, EOS]]
+    # padded with a model's own pad_id where it is another (its loss counted PAD padding as targets: 12 tokens of 9)
+    from dtmt_models.models.registry import build_model
+
+    pairs = [([5, 6, 7], [8, 9]), ([5], [8, 9, 10, 11, 12])]
+    model = build_model("dtmt", 20, 20, embed_dim=16, hidden_size=16, pad_id=4)
+    src, lengths, prev, target = batching.collate(pairs, pad_id=4)
+    assert src.tolist()[1] == [5, 4, 4] and target.tolist()[0] == [8, 9, EOS, 4, 4, 4]
+    assert int(model.loss(src, lengths, prev, target)[2]) == 9
 
 
 def test_a_stream_is_read_as_a_file_is_and_a_line_without_end_is_bounded():

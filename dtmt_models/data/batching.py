@@ -198,15 +198,16 @@ def _cut(order: Sequence[int], size: Callable[[int], int], max_tokens: int,
     return batches
 
 
-def collate(pairs: Sequence[Tuple[List[int], List[int]]], device=None):
+def collate(pairs: Sequence[Tuple[List[int], List[int]]], device=None, pad_id: int = PAD):
     """(src ids, tgt ids) pairs -> src [B, S], src_lengths [B], prev_tokens [B, T] (BOS y), target [B, T]
-    (y EOS), all padded with PAD. Sources get no BOS/EOS."""
+    (y EOS), all padded with `pad_id` (the model's: a model built with another pad_id counted PAD padding as
+    targets). Sources get no BOS/EOS."""
     B = len(pairs)
     S = max(len(s) for s, _ in pairs)
     T = max(len(t) for _, t in pairs) + 1
-    src = torch.full((B, S), PAD, dtype=torch.long)
-    prev = torch.full((B, T), PAD, dtype=torch.long)
-    target = torch.full((B, T), PAD, dtype=torch.long)
+    src = torch.full((B, S), pad_id, dtype=torch.long)
+    prev = torch.full((B, T), pad_id, dtype=torch.long)
+    target = torch.full((B, T), pad_id, dtype=torch.long)
     for b, (s, t) in enumerate(pairs):
         if not s:
             raise ValueError(f"collate: pair {b} has an empty source")

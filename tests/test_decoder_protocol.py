@@ -308,3 +308,16 @@ def test_a_decoder_s_own_search_refuses_a_max_len_past_the_bound_before_building
     with pytest.raises(ValueError, match=r"^FusedRNMTDecoder.search: max_len must be in \[1, 16,384\], got "
                                          r"1000000000$"):
         decoder.search(state, 2, 0.6, torch.tensor([10 ** 9, 6, 6]))
+
+
+def test_a_fused_decoder_is_neither_copied_nor_pickled():
+    """A copy of a fused decoder read parameters other than its model's and was then refused as if the weights had
+    changed in place (a review found it): copying or pickling one says what to do instead."""
+    import copy
+    import pickle
+
+    decoder = _model("dtmt").inference_decoder()
+    for attempt in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"^FusedRNMTDecoder: a decoder holds weights .* copy or send the model, "
+                                            r"then build its decoder"):
+            attempt(decoder)

@@ -78,6 +78,11 @@ class FusedRNMTDecoder:
 
     max_target_steps: Optional[int] = None   # (the Decoder protocol's: no bound on the target positions)
 
+    def __reduce_ex__(self, protocol):   # (copy.copy, copy.deepcopy and pickle all come here)
+        raise TypeError("FusedRNMTDecoder: a decoder holds weights gathered from one model in this process and is "
+                        "neither copied nor pickled (a copy read other parameters than its model's and was refused "
+                        "as changed); copy or send the model, then build its decoder (model.inference_decoder())")
+
     def __init__(self, model, step: FusedStep, int8: bool = False, options: EngineOptions = EngineOptions()):
         self.prepared, self.model, self.step_form, self.int8, self.options = model, model, step, int8, options
         self._built_as = weights_kind(model)   # (what a conversion of the model would change: check_unconverted)

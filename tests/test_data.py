@@ -274,3 +274,27 @@ def test_a_stream_is_read_as_a_file_is_and_a_line_without_end_is_bounded():
     with pytest.raises(data.CorpusError, match=r"<stdin>:1: a line of more than 16,777,216 bytes; is it a text "):
         data.read_stream_lines(endless, "<stdin>")
     assert endless.tell() == data.MAX_LINE_BYTES + 2
+
+
+def test_vocabulary_refuses_in_one_line_what_sentencepiece_failed_on_deep_inside():
+    """Vocabulary: bytes that are no model, a string given as the sentences (trained on as its characters), no text
+    or a vocab_size below the special ids (SentencePiece's INTERNAL errors) are refused in one line; decode takes a
+    tensor (a TypeError) and refuses an id outside the vocabulary (a negative one was dropped without a word)."""
+    import torch
+
+    from dtmt_models.data.vocabulary import Vocabulary
+
+    with pytest.raises(ValueError, match=r"^Vocabulary: 4 bytes that are not a SentencePiece model$"):
+        Vocabulary(b"junk")
+    with pytest.raises(TypeError, match="give the sentences as a list of strings, not one string"):
+        Vocabulary.train("alpha beta gamma")
+    with pytest.raises(ValueError, match=r"no text to train on \(2 sentences, none with a word\)"):
+        Vocabulary.train(["", "  "], vocab_size=10)
+    with pytest.raises(ValueError, match=r"vocab_size must be an int >= 5 .*, got 3$"):
+        Vocabulary.train(["a b"], vocab_size=3)
+    v = Vocabulary.train(["hola mundo", "el sol sale", "la casa es grande"] * 20, vocab_size=40)
+    ids = v.encode("hola sol")
+    assert v.decode(torch.tensor(ids)) == v.decode(ids) == v.decode(iter(ids)) == "hola sol"
+    for bad in (-7, len(v)):
+        with pytest.raises(ValueError, match=rf"^Vocabulary.decode: ids must be in \[0, {len(v)}\), got {bad}$"):
+            v.decode([5, bad])

@@ -25,7 +25,10 @@ class Vocabulary:
         if not model_proto:
             raise ValueError("Vocabulary: the SentencePiece model is empty (0 bytes)")
         self.proto = model_proto
-        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        except RuntimeError:   # (SentencePiece's "INTERNAL ... ParseFromArray" and the C++ source line)
+            raise ValueError(f"Vocabulary: {len(model_proto):,} bytes that are not a SentencePiece model") from None
         if (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id()) != (PAD, UNK, BOS, EOS):
             raise ValueError("Vocabulary: the SentencePiece model must use pad=0, unk=1, bos=2, eos=3")
 
@@ -45,7 +48,16 @@ class Vocabulary:
         One training thread, so the same sentences always give the same model."""
         if model_type not in ("bpe", "unigram"):
             raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
-        return cls(_train_proto(iter(list(sentences)), vocab_size, model_type, character_coverage))
+        if isinstance(sentences, (str, bytes)):   # (a string was trained on as its characters, one a sentence)
+            raise TypeError("Vocabulary.train: give the sentences as a list of strings, not one string")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < EOS + 2:
+            raise ValueError(f"Vocabulary.train: vocab_size must be an int >= {EOS + 2} (pad, unk, bos, eos and a "
+                             f"piece), got {vocab_size!r}")
+        sentences = list(sentences)
+        if not any(isinstance(t, str) and t.strip() for t in sentences):
+            raise ValueError(f"Vocabulary.train: no text to train on ({len(sentences)} sentences, none with a "
+                             f"word)")
+        return cls(_train_proto(iter(sentences), vocab_size, model_type, character_coverage))
 
     @classmethod
     def train_bpe_on_word_counts(cls, counts: Mapping[str, int], vocab_size: int = 8000,
@@ -76,9 +88,16 @@ class Vocabulary:
         return self.sp.encode(text, out_type=int)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """The text of `ids` without PAD, BOS and EOS. An UNK shows as SentencePiece's mark "\u2047", one space
+        """The text of `ids` (a list, a tensor or an array; ValueError for an id outside the vocabulary) without PAD,
+        BOS and EOS. An UNK shows as SentencePiece's mark "\u2047", one space
         either side within the text, as fairseq and OpenNMT-py show theirs: not dropped, so a translation of
         unknown pieces is not an empty line."""
+        # (a tensor or an array: a model's output, as HF and fairseq users pass it; it was a TypeError)
+        ids = [int(i) for i in (ids.reshape(-1).tolist() if hasattr(ids, "tolist") else ids)]
+        size = len(self)
+        bad = next((i for i in ids if not 0 <= i < size), None)
+        if bad is not None:   # (a negative id was dropped without a word)
+            raise ValueError(f"Vocabulary.decode: ids must be in [0, {size}), got {bad}")
         kept = [i for i in ids if i == UNK or i > EOS]
         text = self.sp.decode(kept)
         # (SentencePiece writes an UNK as " \u2047 ", beside the word boundary of the piece after it)

@@ -876,6 +876,9 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
         with pytest.raises(error, match=message) as info:
             translate(model, sv, tv, **kwargs)
         assert "\n" not in str(info.value)
+    # a decoder given as the model (beam_search takes one): an AttributeError on .parameters before
+    with pytest.raises(TypeError, match=r"^translate: model must be the model .* got FusedRNMTDecoder; a decoder "):
+        translate(model.inference_decoder(), sv, tv, ["el sol"])
     with pytest.raises(ValueError, match="load_model: device 'foo' is not a device torch knows"):
         load_model(ckpt, device="foo")
     with pytest.raises(ValueError, match="^translate: device 'bogus' is not a device torch knows"):   # (torch's

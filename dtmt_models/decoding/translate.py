@@ -150,6 +150,9 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (beam_search's). `where(i)` names sentence i
     (0-based) in the warnings and that error, e.g. "file:line" for a command's inputs (None: "sentence i+1")."""
     check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty, early_stop)
+    if not isinstance(model, torch.nn.Module):   # (a decoder given as the model: an AttributeError on .parameters)
+        raise TypeError(f"translate: model must be the model (an nn.Module: load_model's or build_model's), got "
+                        f"{type(model).__name__}; a decoder built from it goes in decoder=")
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
         if size is not None and len(vocab) != size:   # (decoded with another vocabulary: fluent nonsense)

@@ -134,12 +134,13 @@ def atomic_paths(paths: Sequence[str], suffixes: Optional[Sequence[str]] = None,
     as it was. `suffixes` end the temporary names; `through_link` as atomic_path's."""
     targets = [os.path.realpath(p) if through_link and os.path.islink(p) else os.fspath(p) for p in paths]
     temps = [_tmp_name(path, suffix) for path, suffix in zip(targets, suffixes or [""] * len(targets))]
-    path = targets[0] if targets else ""
-    try:
+    what = ", ".join(os.path.basename(p) for p in targets)   # (which of them failed, the caller's writing does not
+    try:                                                      # say: all are named)
         for path in targets:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         yield temps
         for tmp, path in zip(temps, targets):
+            what = path
             if os.path.exists(tmp):
                 with contextlib.suppress(OSError):   # (the file's permissions kept, as atomic_path keeps them)
                     os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
@@ -147,7 +148,7 @@ def atomic_paths(paths: Sequence[str], suffixes: Optional[Sequence[str]] = None,
     except WriteError:
         raise
     except OSError as exc:
-        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise WriteError(f"cannot write {what}: {exc.strerror or exc}") from None
     finally:
         for tmp in temps:
             with contextlib.suppress(OSError):

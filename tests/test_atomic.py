@@ -66,6 +66,9 @@ def test_a_set_of_files_is_renamed_into_place_only_once_all_are_written(tmp_path
             open(temps[0], "w").write("new a")
             raise OSError(errno.ENOSPC, "disk full")
     assert (a.read_text(), b.read_text()) == ("old a", "old b") and sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt"]
+    with pytest.raises(atomic.WriteError, match=r"^cannot write a.txt, b.txt, c.png: disk full"):   # (all named: it
+        with atomic.atomic_paths([a, b, c]):                                  # said c.png, the last, of any failure)
+            raise OSError(errno.ENOSPC, "disk full")
     with atomic.atomic_paths([a, b, c]) as temps:
         open(temps[0], "w").write("new a")
         open(temps[2], "w").write("c")

@@ -298,3 +298,8 @@ def test_vocabulary_refuses_in_one_line_what_sentencepiece_failed_on_deep_inside
     for bad in (-7, len(v)):
         with pytest.raises(ValueError, match=rf"^Vocabulary.decode: ids must be in \[0, {len(v)}\), got {bad}$"):
             v.decode([5, bad])
+    with pytest.raises(ValueError, match=r"one sentence's ids, 1-D; got 2-D"):   # (a batch read as one sentence)
+        v.decode(torch.tensor([ids, ids]))
+    with pytest.raises(ValueError, match=r"^Vocabulary.train: SentencePiece refused it: Vocabulary size is smaller "
+                                         r"than required_chars"):
+        Vocabulary.train(["hola mundo grande", "xyzw qrst"], vocab_size=12)

@@ -34,7 +34,7 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from conftest import TOY_SRC as SRC, TOY_TGT as TGT, save_model, spread_weights  # noqa: E402
 from dtmt_models.data.vocabulary import Vocabulary  # noqa: E402
-from dtmt_models.decoding.translate import translate  # noqa: E402
+from dtmt_models.decoding.translate import InputError, translate  # noqa: E402
 from dtmt_models.models.registry import build_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +194,16 @@ def test_a_port_in_use_is_said_before_the_models_load(tmp_path, capsys):
         assert capsys.readouterr().err == f"dtmt serve: cannot listen on 127.0.0.1:{port} (Address already in use)\n"
     assert cli.main(["serve", "-c", str(tmp_path / "missing.pt"), "--host", "192.0.2.1", "--port", str(port)]) == 1
     assert capsys.readouterr().err.startswith(f"dtmt serve: cannot listen on 192.0.2.1:{port} (")
+    from dtmt_models.cli.serve import check_listening
+
+    if socket.has_ipv6:   # (an IPv6 host beside an IPv4 listener on the port: asyncio binds IPv6 alone, and so
+        with socket.socket() as taken:   # does the probe; it had refused the port)
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            try:
+                check_listening("::1", taken.getsockname()[1])
+            except InputError as exc:
+                assert "Cannot assign requested address" in str(exc), exc   # (a machine without IPv6 loopback)
 
 
 def test_no_option_that_does_nothing(capsys):

@@ -70,6 +70,7 @@ def two_processes(data, out, port, args, rank_args=lambda rank: []):
     """`dtmt train` as the two processes of one run, started without torchrun (which would end one process itself
     when the other ends): each with its RANK, stdout and stderr piped; `rank_args(rank)` added to its options."""
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    env.pop("TORCHELASTIC_RUN_ID", None)   # (started by hand, whatever launched the tests)
     return [subprocess.Popen([sys.executable, "-m", "dtmt_models.cli.train", "--data", data, "--out", str(out), *args,
                               *rank_args(rank)], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
@@ -889,20 +890,21 @@ def test_a_process_waiting_for_the_others_says_whom_it_waits_for(monkeypatch, ca
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):   # (whatever launched the tests)
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ValueError, match=r"^WORLD_SIZE=2: MASTER_ADDR and MASTER_PORT not set; start the run's "):
         distributed.Meeting()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.setattr(distributed, "NOTE_AFTER_S", 0.3)
+    monkeypatch.setattr(distributed, "NOTE_AFTER_S", 0.1)
     monkeypatch.setattr(distributed, "TIMEOUT_S", 1.0)
     capsys.readouterr()
     with pytest.raises(ValueError, match=rf"^process 1 of 2: process 0 at 127.0.0.1:{port} did not start in 1 s; "
                                          r"start every process of the run$"):
         distributed.Meeting()
     err = capsys.readouterr().err.splitlines()
-    assert len(err) >= 2 and all(line.startswith(f"dtmt train: process 1 of 2: waiting for process 0 at "
+    assert len(err) >= 1 and all(line.startswith(f"dtmt train: process 1 of 2: waiting for process 0 at "
                                                  f"127.0.0.1:{port} to start (") for line in err), err
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")   # (a name that resolves to nothing: said at once)
     with pytest.raises(ValueError, match=r"^MASTER_ADDR=no-such-host.invalid: "):
@@ -934,11 +936,12 @@ def test_a_process_interrupted_while_it_waits_to_start_is_not_counted_as_ready(m
     def interrupted(seconds):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(distributed.time, "sleep", interrupted)   # (Ctrl-C while process 1 waits for process 0)
-    with pytest.raises(KeyboardInterrupt):
-        second.settle(None)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:   # (Ctrl-C while process 1 waits for process 0)
+        patch.setattr(distributed.time, "sleep", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            second.settle(None)
     assert first.settle(None) == ["", distributed.ENDED]
+    del second, first   # (their store and its port)
     assert distributed.refusal_line(["", distributed.ENDED], 0) == (
         "process 0 of 2: not started: process 1 ended before the run started (its own message says why)")
 
@@ -992,7 +995,8 @@ def test_a_lost_peer_before_this_run_saved_does_not_name_an_earlier_run_s_checkp
     monkeypatch.setattr(train, "_main", lost)
     assert train.main([]) == 1
     err = capsys.readouterr().err
-    assert err.endswith("its own messages say why. No checkpoint was written\n"), err
+    assert err.endswith(f"its own messages say why. No checkpoint of this run was written ({out / 'last.pt'} is as "
+                        f"it was before it)\n"), err
     monkeypatch.setattr(train, "_main", lambda *args: lost(*args, saved=True))
     assert train.main([]) == 1
     assert capsys.readouterr().err.endswith(f"its own messages say why. {out / 'last.pt'} stands\n")
@@ -2138,6 +2142,9 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     assert capsys.readouterr().err == (f"dtmt average: --output {text}: an existing file that is not a checkpoint, "
                                        f"which the mean would replace; give another name (or remove it first)\n")
     assert average([p20, p24, "-o", out]) == 0   # (an earlier mean is replaced, as before)
+    empty = tmp_path / "made-first.pt"   # (an empty file made for the output, as mktemp makes it: replaced)
+    empty.write_bytes(b"")
+    assert average([p20, p24, "-o", str(empty)]) == 0 and empty.stat().st_size > 0
     # files of two folders are named by their paths; the step and config are the latest file's, in any order
     elsewhere = tmp_path / "b"
     elsewhere.mkdir()

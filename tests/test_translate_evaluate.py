@@ -877,8 +877,11 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
             translate(model, sv, tv, **kwargs)
         assert "\n" not in str(info.value)
     # a decoder given as the model (beam_search takes one): an AttributeError on .parameters before
-    with pytest.raises(TypeError, match=r"^translate: model must be the model .* got FusedRNMTDecoder; a decoder "):
+    with pytest.raises(TypeError, match=r"^translate: FusedRNMTDecoder has no parameters to take the device from: "
+                                        r"give device=, or pass the model itself"):
         translate(model.inference_decoder(), sv, tv, ["el sol"])
+    assert translate(model.inference_decoder(), sv, tv, ["el sol"], device="cpu") == translate(model, sv, tv,
+                                                                                               ["el sol"])
     with pytest.raises(ValueError, match="load_model: device 'foo' is not a device torch knows"):
         load_model(ckpt, device="foo")
     with pytest.raises(ValueError, match="^translate: device 'bogus' is not a device torch knows"):   # (torch's
@@ -1289,6 +1292,12 @@ def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_pat
     # files named by language the other way round from the checkpoint's (e.es, e.en against es -> zh): said
     assert (f"dtmt evaluate: warning: --checkpoint {tmp_path / 'zh.pt'} translates es to zh, but --src and --ref end "
             f"in .es and .en; do they hold its languages?") in capsys.readouterr().err
+    # ... but not of files named otherwise (.src / .ref are no languages)
+    shutil.copyfile(s, tmp_path / "e.src")
+    shutil.copyfile(r, tmp_path / "e.ref")
+    assert cli.main(["evaluate", "-c", str(tmp_path / "zh.pt"), "--src", str(tmp_path / "e.src"), "--ref",
+                     str(tmp_path / "e.ref"), "--beam", "2", "--quiet", "--out-dir", str(tmp_path / "named")]) == 0
+    assert "warning" not in capsys.readouterr().err
     assert cli.main(["evaluate", "--hyp", str(out / "hyp.txt"), "--src", s, "--ref", r, "--out-dir",
                      str(tmp_path / "again")]) == 0
     assert json.loads(read(tmp_path / "again" / "scores.json"))["bleu"] == pytest.approx(
@@ -1350,6 +1359,8 @@ def test_cli_evaluate_hyp_mode(corpus, tmp_path, capsys, monkeypatch):
     assert cli.main(["evaluate", "--hyp", "-", "--src", s, "--ref", r]) == 2
     assert capsys.readouterr().err.endswith("--hyp - reads standard input, which has no folder for the results: give "
                                             "--out-dir\n")
+    assert cli.main(["evaluate", "--hyp", "/dev/stdin", "--src", s, "--ref", r]) == 2   # (it wrote /dev/stdin.s/)
+    assert "--hyp /dev/stdin reads a pipe or a device, which has no folder" in capsys.readouterr().err
     # the references' language: --tgt-lang, else the corpus's (en here: 13a)
     assert json.loads(read(tmp_path / "edited" / "scores.json"))["settings"]["tgt_lang"] == "en"
     assert cli.main(["evaluate", "--hyp", hyp_file, "--src", s, "--ref", r, "--out-dir", str(tmp_path / "zh"),

@@ -107,7 +107,7 @@ def check_not_a_run_s(output: str) -> None:
         also = " (or --run take the mean for one)" if STEP_NAME.fullmatch(name) else ""
         raise UsageError(f"--output {output}: the name of a {kind}, in the run folder {folder}, which the run's "
                          f"own would replace{also}; give another name")
-    if os.path.isfile(output):
+    if os.path.isfile(output) and os.path.getsize(output):   # (an empty file: made for the output, mktemp's)
         try:
             state = "training" in read_checkpoint(output, mmap=True)
         except FileNotFoundError:   # (gone meanwhile)

@@ -176,7 +176,9 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except (MemoryError, RuntimeError) as exc:   # (the CPU allocator's is a RuntimeError; CUDA's OutOfMemoryError one)
-        if not (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(exc)):
+        text = str(exc)
+        if not (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
+                or "Cannot allocate memory" in text or "CUDA error: out of memory" in text):
             raise
         print(f"{prog}: out of memory ({one_line(exc)[:160]}); decode smaller batches: {smaller}", file=sys.stderr)
         return 1

@@ -123,8 +123,11 @@ def _run(args: argparse.Namespace) -> int:
                          + (" (--hyp needs the source beside it, for BLEU by source length)" if args.hyp else ""))
     if not args.hyp and not args.checkpoint:
         raise UsageError("--checkpoint is required (or give --hyp to score an existing translation)")
-    if args.hyp == "-" and not args.out_dir:   # (the results go beside the hypothesis file by default)
-        raise UsageError("--hyp - reads standard input, which has no folder for the results: give --out-dir")
+    if args.hyp and not args.out_dir and (args.hyp == "-" or os.path.exists(args.hyp)
+                                          and not os.path.isfile(args.hyp)):   # (the results go beside the
+        # hypothesis file by default: /dev/stdin.s/ was made, or /dev/fd/63.s/ failed after the scoring)
+        raise UsageError(f"--hyp {args.hyp} reads {'standard input' if args.hyp == '-' else 'a pipe or a device'}, "
+                         f"which has no folder for the results: give --out-dir")
     if args.hyp and args.hyp != "-":
         check_input_file(args.hyp, "--hyp")
     # (an empty line is a sentence: translate gives it an empty translation, as sacrebleu and the other toolkits
@@ -181,8 +184,9 @@ def _run(args: argparse.Namespace) -> int:
             langs = ckpts[0].get("langs")
             ends = tuple(os.path.splitext(p)[1][1:].lower() for p in (src_path, ref_path))
             named = isinstance(langs, (list, tuple)) and len(langs) == 2 and all(isinstance(x, str) for x in langs)
-            if (named and all(e.isalpha() and 2 <= len(e) <= 3 for e in ends)
-                    and ends != tuple(x.lower() for x in langs)):
+            pair = tuple(x.lower() for x in langs) if named else ()
+            # (files named by language: one of them ends in one of the pair's codes; .src / .ref / .txt are not)
+            if named and any(e in pair for e in ends) and ends != pair:
                 print(f"{PROG}: warning: --checkpoint {args.checkpoint[0]} translates {langs[0]} to {langs[1]}, but "
                       f"--src and --ref end in .{ends[0]} and .{ends[1]}; do they hold its languages?",
                       file=sys.stderr)

@@ -80,6 +80,8 @@ def check_listening(host: str, port: int) -> None:
                                                              flags=socket.AI_PASSIVE)[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:   # (as asyncio binds it: IPv6 alone, an IPv4 listener on the port aside)
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind(address)
     except OSError as exc:   # (socket.gaierror is one)
         raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None

@@ -689,8 +689,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # (process 0 writes the checkpoints and holds the lock of their folder: it says whether one stands; it had
         # said so where none was written)
         last = os.path.join(lock[0].directory, LAST) if lock else None
-        ours = last is not None and os.path.isfile(last) and os.path.getmtime(last) >= started   # (not an earlier
-        said = ("" if last is None else f" {last} stands" if ours else " No checkpoint was written")   # run's)
+        kept = last is not None and os.path.isfile(last)
+        said = ("" if last is None else f" {last} stands" if kept and os.path.getmtime(last) >= started
+                else f" No checkpoint of this run was written ({last} is as it was before it)" if kept
+                else " No checkpoint was written")   # (with --overwrite, an earlier run's: not this run's)
         print(f"dtmt train: process {os.environ.get('RANK', '?')} of {world_size()}: another process of the run "
               f"ended ({reason}); its own messages say why.{said}", file=sys.stderr)
         return 1

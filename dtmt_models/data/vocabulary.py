@@ -3,6 +3,7 @@ the model (the serialized model travels inside checkpoints). Ids: pad 0, unk 1, 
 from __future__ import annotations
 
 import io
+import numbers
 from typing import Iterable, List, Mapping
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -50,14 +51,19 @@ class Vocabulary:
             raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
         if isinstance(sentences, (str, bytes)):   # (a string was trained on as its characters, one a sentence)
             raise TypeError("Vocabulary.train: give the sentences as a list of strings, not one string")
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < EOS + 2:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < EOS + 2:
             raise ValueError(f"Vocabulary.train: vocab_size must be an int >= {EOS + 2} (pad, unk, bos, eos and a "
                              f"piece), got {vocab_size!r}")
         sentences = list(sentences)
         if not any(isinstance(t, str) and t.strip() for t in sentences):
             raise ValueError(f"Vocabulary.train: no text to train on ({len(sentences)} sentences, none with a "
                              f"word)")
-        return cls(_train_proto(iter(sentences), vocab_size, model_type, character_coverage))
+        try:
+            return cls(_train_proto(iter(sentences), int(vocab_size), model_type, character_coverage))
+        except RuntimeError as exc:   # (SentencePiece's INTERNAL errors: a size below the characters the text needs)
+            said = str(exc).strip().splitlines()[-1]
+            said = said.rsplit("] ", 1)[-1]   # (its source file and the failed condition)
+            raise ValueError(f"Vocabulary.train: SentencePiece refused it: {said[:200]}") from None
 
     @classmethod
     def train_bpe_on_word_counts(cls, counts: Mapping[str, int], vocab_size: int = 8000,
@@ -93,7 +99,9 @@ class Vocabulary:
         either side within the text, as fairseq and OpenNMT-py show theirs: not dropped, so a translation of
         unknown pieces is not an empty line."""
         # (a tensor or an array: a model's output, as HF and fairseq users pass it; it was a TypeError)
-        ids = [int(i) for i in (ids.reshape(-1).tolist() if hasattr(ids, "tolist") else ids)]
+        if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) != 1:   # (a batch flattened into one sentence)
+            raise ValueError(f"Vocabulary.decode: one sentence's ids, 1-D; got {ids.ndim}-D")
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
         size = len(self)
         bad = next((i for i in ids if not 0 <= i < size), None)
         if bad is not None:   # (a negative id was dropped without a word)

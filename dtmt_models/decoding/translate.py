@@ -79,9 +79,9 @@ class InputError(Exception):
 # ------------------------------------------------------------------------------------------- library
 _REISSUED: set = set()   # (text, category, file, line) of the other warnings input_warnings has issued again
 _MAX_REISSUED = 1024
-# The most scores a batch's search step holds, sentences x beam x target words (256 MB in float32): a batch holds no
-# more sentences than keep it there. --max-tokens counts source subwords only, so short lines at a wide beam made
-# batches of 1,000 sentences (5 GB at beam 64 and 4k words, against 0.6 GB in batches of 50, decoding as fast).
+# The most scores a batch's search step holds, sentences x beam x target vocabulary (256 MB in float32): a batch
+# holds no more sentences than keep it there. --max-tokens counts source subwords only, so short lines at a wide beam
+# made batches of 1,000 sentences (5 GB at beam 64 and 4k words, against 0.6 GB in batches of 50, decoding as fast).
 MAX_STEP_SCORES = 1 << 26
 
 
@@ -150,9 +150,10 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     `penalty`: the length penalty, "gnmt" (with `alpha`) or "average" (beam_search's). `where(i)` names sentence i
     (0-based) in the warnings and that error, e.g. "file:line" for a command's inputs (None: "sentence i+1")."""
     check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty, early_stop)
-    if not isinstance(model, torch.nn.Module):   # (a decoder given as the model: an AttributeError on .parameters)
-        raise TypeError(f"translate: model must be the model (an nn.Module: load_model's or build_model's), got "
-                        f"{type(model).__name__}; a decoder built from it goes in decoder=")
+    if device is None and not isinstance(model, torch.nn.Module):   # (a decoder given as the model: an
+        # AttributeError on .parameters, where the device is taken from them)
+        raise TypeError(f"translate: {type(model).__name__} has no parameters to take the device from: give "
+                        f"device=, or pass the model itself (a decoder built from it goes in decoder=)")
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
         if size is not None and len(vocab) != size:   # (decoded with another vocabulary: fluent nonsense)

@@ -89,6 +89,8 @@ class Meeting:
             with socket.create_connection((host, port), timeout=1.0):
                 return True
         except socket.gaierror as exc:   # (a MASTER_ADDR that names no host: no use waiting for it)
+            if exc.errno == socket.EAI_AGAIN:   # (the name server did not answer yet: try again)
+                return False
             raise ValueError(f"MASTER_ADDR={host}: {exc.strerror or exc}") from None
         except OSError:
             return False
@@ -106,8 +108,8 @@ class Meeting:
     def _wait_for(self, keys: List[str], whom) -> None:
         started, self._noted = time.monotonic(), 0.0
         while True:
-            try:
-                missing = [k for k in keys if not self.keys.check([k])]
+            try:   # (one request while all are there; one a key only to name those missing)
+                missing = [] if self.keys.check(keys) else [k for k in keys if not self.keys.check([k])]
             except RuntimeError:   # (the store's holder, process 0, is gone)
                 raise ValueError(f"process {self.rank} of {self.world}: process 0 ended before the run started; its "
                                  f"own messages say why") from None

@@ -1731,12 +1731,22 @@ def test_device_cuda_without_index_names_the_current_device(monkeypatch):
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.device(d)))
     for arg in ("cuda", "auto"):
         assert Dist(arg).device == torch.device("cuda", 0)
     assert Dist("cuda:0").device == torch.device("cuda", 0)
     assert chosen == [torch.device("cuda", 0)] * 3
+    # an ordinal past the machine's GPUs: refused before the processes meet (set_device failed after them)
+    with pytest.raises(ValueError, match=r"^--device cuda:1: this machine has 1 CUDA device\(s\)$"):
+        Dist("cuda:1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    from dtmt_models.training.distributed import process_device
+
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 1: start at most that many processes on it\)$"):
+        process_device("cuda")
 
 
 def test_full_disk_while_saving_the_checkpoint(toy_nodev, tmp_path, monkeypatch, capsys):

@@ -185,7 +185,7 @@ def test_every_configuration_trains_under_two_process_ddp():
     test_models.CONFIGS runs two updates and the processes stay equal (tests/ddp_every_config.py)."""
     from test_models import IDS
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29563",
            os.path.join(ROOT, "tests", "ddp_every_config.py")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, MappingView, Set as AbstractSet
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -49,8 +49,9 @@ def transition_sequence(x: Tensor, h0: Tensor, weights: TransitionWeights, mask:
     or any floating dtype, taken in x's). drop [depth+1, B, H]: candidate-dropout multipliers, already scaled.
     Returns (out [T, B, H], h_n [B, H]). Arguments of the wrong kind, shape, dtype or device are a ValueError naming
     them, the same on every backend."""
-    mask, reverse = _check_sequence_arguments("transition_sequence", x, h0, weights, mask, drop, reverse, eps, "x",
-                                              "h0")
+    held = check_weights("transition_sequence", weights)
+    mask, reverse = _check_sequence_arguments("transition_sequence", x, h0, weights, held, mask, drop, reverse, eps,
+                                              "x", "h0")
     return _run_sequence(x, h0, weights, mask, drop, reverse, backend, eps)
 
 
@@ -72,21 +73,21 @@ def padding_zeroed(x: Tensor, mask: Optional[Tensor]) -> Tensor:
 def transition_step(x: Tensor, h: Tensor, weights: TransitionWeights, drop: Optional[Tensor] = None,
                     backend: str = "auto", eps: float = 1e-5) -> Tensor:
     """One step (decoder use): x [B, I], h [B, H] -> h' [B, H]."""
-    check_weights("transition_step", weights)
+    held = check_weights("transition_step", weights)
     width = weights.w_ih.shape[-1]
     if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != width or x.shape[0] == 0:
         raise ValueError(f"transition_step: x must be a Tensor [B, input_size={width}] with B >= 1, got "
                          f"{list(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     x = x.unsqueeze(0)
-    _check_sequence_arguments("transition_step", x, h, weights, None, drop, False, eps, "x", "h")
+    _check_sequence_arguments("transition_step", x, h, weights, held, None, drop, False, eps, "x", "h")
     return _run_sequence(x, h, weights, None, drop, False, backend, eps)[1]
 
 
-def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps, x_name: str, h_name: str):
-    """transition_sequence's arguments (x [T, B, I]) against each other and `weights`: ValueError naming the first
-    that is of the wrong kind, shape, dtype or device (a few comparisons, nothing per element). Returns the mask in
-    x's dtype (a bool or other floating mask cast) and reverse as a bool."""
-    check_weights(op, weights)
+def _check_sequence_arguments(op: str, x, h0, weights, held, mask, drop, reverse, eps, x_name: str, h_name: str):
+    """transition_sequence's arguments (x [T, B, I]) against each other and `weights` (checked by check_weights,
+    which returned `held`, the tensors they hold): ValueError naming the first that is of the wrong kind, shape,
+    dtype or device (a few comparisons, nothing per element). Returns the mask in x's dtype (a bool or other
+    floating mask cast) and reverse as a bool."""
     for name, t in ((x_name, x), (h_name, h0)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise ValueError(f"{op}: {name} must be a floating-point Tensor, got "
@@ -111,7 +112,7 @@ def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps,
                 raise ValueError(f"{op}: mask must be bool or floating point, got {t.dtype}")
         elif t.dtype != x.dtype and not autocast_mix((t.dtype, x.dtype), x):
             raise ValueError(f"{op}: {name} has dtype {t.dtype} but {x_name} has {x.dtype}")
-    for name, t in _weight_tensors(weights):   # (their shapes: check_weights)
+    for name, t in held:   # (their shapes: check_weights)
         if t.device != x.device:
             raise ValueError(f"{op}: weights.{name} is on {t.device} but {x_name} is on {x.device}")
         if t.dtype != x.dtype and not autocast_mix((t.dtype, x.dtype), x):
@@ -128,24 +129,13 @@ def _check_sequence_arguments(op: str, x, h0, weights, mask, drop, reverse, eps,
     return mask, bool(reverse)
 
 
-def _weight_tensors(w: TransitionWeights):
-    """(name, tensor) of every tensor `w` holds (an absent layer norm left out)."""
-    yield from (("w_ih", w.w_ih), ("b_ih", w.b_ih), ("w_hh", w.w_hh), ("b_hh", w.b_hh))
-    if w.ln_w is not None:
-        yield from (("ln_w", w.ln_w), ("ln_b", w.ln_b))
-    for k in range(len(w.t_w)):
-        yield from ((f"t_w[{k}]", w.t_w[k]), (f"t_b[{k}]", w.t_b[k]))
-        if w.t_ln_w[k] is not None:
-            yield from ((f"t_ln_w[{k}]", w.t_ln_w[k]), (f"t_ln_b[{k}]", w.t_ln_b[k]))
-
-
-def check_weights(op: str, w: TransitionWeights) -> None:
+def check_weights(op: str, w: TransitionWeights) -> List[Tuple[str, Tensor]]:
     """A TransitionWeights of the functional API against the cells' row layout (layout.CELLS): its cell, every
     weight's and bias's shape, layer norms given in pairs (weight and bias), the T-GRUs' for all of them or none,
     and T-GRUs only after a cell that may head a deep transition; ValueError naming the first that is wrong. (Malformed
     weights had run: a T-GRU's lone layer norm on one backend and not the other, a layer-norm bias without its weight
-    skipped by the reference; or failed deep inside, differently per backend.) Their device and dtype are checked
-    against x (_check_sequence_arguments)."""
+    skipped by the reference; or failed deep inside, differently per backend.) Returns (name, tensor) of every tensor
+    `w` holds (an absent layer norm left out), whose device and dtype _check_sequence_arguments checks against x."""
     if not isinstance(w, TransitionWeights):
         raise ValueError(f"{op}: weights must be a TransitionWeights, got {type(w).__name__}")
     if w.cell not in CELL_KINDS:
@@ -190,6 +180,10 @@ def check_weights(op: str, w: TransitionWeights) -> None:
     if len({t is None for t in w.t_ln_w}) > 1:   # (the kernels take the T-GRUs' layer norms stacked, or none)
         raise ValueError(f"{op}: weights.t_ln_w must give a layer norm for every T-GRU or for none, got "
                          f"{['None' if t is None else 'Tensor' for t in w.t_ln_w]}")
+    held = {"w_hh": w.w_hh, **{name: t for name, t, _ in expected}}
+    order = ["w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b"] + [f"{n}[{k}]" for k in range(depth)
+                                                                for n in ("t_w", "t_b", "t_ln_w", "t_ln_b")]
+    return [(name, held[name]) for name in order if name in held]
 
 
 def additive_scores(keys: Tensor, query: Tensor, v: Tensor, backend: str = "auto") -> Tensor:

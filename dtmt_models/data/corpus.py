@@ -78,9 +78,7 @@ def read_stream_lines(stream, name: str, allow_empty: bool = False) -> List[str]
         raw = stream.readline(MAX_LINE_BYTES + 2)
         if not raw:
             break
-        if lineno == 1 and raw.startswith(BOM):
-            raw = raw[3:]
-        text, problem = decode_line(raw[:-1] if raw.endswith(b"\n") else raw, name, lineno, allow_empty)
+        text, problem = decode_file_line(raw, name, lineno, allow_empty)
         lines.append(text)
         if problem:
             problems.add(problem)
@@ -133,12 +131,12 @@ def decode_line(line: bytes, path: str, lineno: int, allow_empty: bool = False) 
     return text, None
 
 
-def decode_file_line(raw: bytes, path: str, lineno: int) -> Tuple[str, Optional[str]]:
+def decode_file_line(raw: bytes, path: str, lineno: int, allow_empty: bool = False) -> Tuple[str, Optional[str]]:
     """`decode_line` of a line as iterating a binary file gives it: with its line feed, and, on line 1, maybe the
     byte-order mark."""
     if lineno == 1 and raw.startswith(BOM):
         raw = raw[3:]
-    return decode_line(raw[:-1] if raw.endswith(b"\n") else raw, path, lineno)
+    return decode_line(raw[:-1] if raw.endswith(b"\n") else raw, path, lineno, allow_empty)
 
 
 def count_mismatch(src_path: str, n_src: int, tgt_path: str, n_tgt: int) -> CorpusError:

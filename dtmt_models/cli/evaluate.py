@@ -46,6 +46,13 @@ from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, ch
                                  one_line, shown)
 
 
+def _languages(ckpt: dict):
+    """A checkpoint's (source, target) languages as a pair, or None where it names none (a crafted value, an int
+    say, was a TypeError's traceback: not read)."""
+    langs = ckpt.get("langs")
+    return tuple(langs) if isinstance(langs, (list, tuple)) and len(langs) == 2 else None
+
+
 # --------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
@@ -175,15 +182,14 @@ def _run(args: argparse.Namespace) -> int:
             manifest = read_manifest(args.data)
             corpus = (manifest.get("src_lang"), manifest.get("tgt_lang"))
             for path, ckpt in zip(args.checkpoint, ckpts):
-                langs = ckpt.get("langs")   # (a crafted value, an int say, was a TypeError's traceback: not read)
-                langs = tuple(langs) if isinstance(langs, (list, tuple)) else ()
-                if len(langs) == 2 and langs != corpus:
+                langs = _languages(ckpt)
+                if langs is not None and langs != corpus:
                     raise UsageError(f"--checkpoint {path} translates {langs[0]} to {langs[1]}, but --data "
                                      f"{args.data} is {corpus[0]} to {corpus[1]}")
         else:   # --src / --ref named by language (dtmt prepare's test.es, test.en): swapped files were scored silently
-            langs = ckpts[0].get("langs")
+            langs = _languages(ckpts[0])
             ends = tuple(os.path.splitext(p)[1][1:].lower() for p in (src_path, ref_path))
-            named = isinstance(langs, (list, tuple)) and len(langs) == 2 and all(isinstance(x, str) for x in langs)
+            named = langs is not None and all(isinstance(x, str) for x in langs)
             pair = tuple(x.lower() for x in langs) if named else ()
             # (files named by language: one of them ends in one of the pair's codes; .src / .ref / .txt are not)
             if named and any(e in pair for e in ends) and ends != pair:
@@ -208,9 +214,8 @@ def _run(args: argparse.Namespace) -> int:
 
     tgt_lang = args.tgt_lang or (read_manifest(args.data).get("tgt_lang") if args.data else None)
     if tgt_lang is None and not args.hyp:   # (the checkpoint's target language, where it says one)
-        langs = ckpts[0].get("langs")
-        tgt_lang = langs[1] if isinstance(langs, (list, tuple)) and len(langs) == 2 and isinstance(langs[1], str) \
-            else None
+        langs = _languages(ckpts[0])
+        tgt_lang = langs[1] if langs is not None and isinstance(langs[1], str) else None
     settings["tgt_lang"] = tgt_lang
     scores, rows = reporting_warnings(PROG, lambda: (corpus_scores(hyps, refs, tgt_lang),
                                                      bleu_by_length(sources, hyps, refs, bounds, tgt_lang=tgt_lang)),

@@ -111,18 +111,29 @@ def atomic_path(path: str, suffix: str = "", through_link: bool = False) -> Iter
     try:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         yield tmp
-        with contextlib.suppress(OSError):   # the file's permissions kept (a private 600 file became 644), where
-            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))   # there is a file and the file system takes modes
-        os.replace(tmp, path)
+        _put_in_place(tmp, path)
     except WriteError:   # from a nested atomic write: already says which file and why
         raise
     except OSError as exc:
         raise WriteError(f"cannot write {path}: {exc.strerror or exc} (nothing written; any earlier version of "
                          f"the file is intact)") from None
     finally:
-        with contextlib.suppress(OSError):
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        _remove_left(tmp)
+
+
+def _put_in_place(tmp: str, path: str) -> None:
+    """The written temporary `tmp` renamed over `path`, with the permissions of the file it replaces (a private 600
+    file became 644), where there is one and the file system takes modes."""
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+    os.replace(tmp, path)
+
+
+def _remove_left(tmp: str) -> None:
+    """A temporary that was not put in place (a failure, or a caller that wrote none) removed, quietly."""
+    with contextlib.suppress(OSError):
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 @contextlib.contextmanager
@@ -142,18 +153,14 @@ def atomic_paths(paths: Sequence[str], suffixes: Optional[Sequence[str]] = None,
         for tmp, path in zip(temps, targets):
             what = path
             if os.path.exists(tmp):
-                with contextlib.suppress(OSError):   # (the file's permissions kept, as atomic_path keeps them)
-                    os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
-                os.replace(tmp, path)
+                _put_in_place(tmp, path)
     except WriteError:
         raise
     except OSError as exc:
         raise WriteError(f"cannot write {what}: {exc.strerror or exc}") from None
     finally:
         for tmp in temps:
-            with contextlib.suppress(OSError):
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+            _remove_left(tmp)
 
 
 @contextlib.contextmanager

@@ -10,10 +10,10 @@
 Scores are sacrebleu's defaults on detokenised text for the target language (BLEU: 13a tokenisation, `zh` for
 Chinese, `ja-mecab` / `ko-mecab` for Japanese / Korean where sacrebleu's extras are installed, else `char` with a
 warning; mixed case, exponential smoothing; chrF: character 6-grams, beta 2), one reference, and come with
-sacrebleu's signature strings so a number can be reproduced. BLEU by length follows the papers' length figures: the test sentences are
-grouped by source length in whitespace words ("1-10", "11-20", ..., "51+"; a sentence of 0 words counts in
-the first bucket) and each group gets its own corpus BLEU; an empty group is reported with 0 sentences and
-BLEU None (it is left out of the plot).
+sacrebleu's signature strings so a number can be reproduced. BLEU by length follows the papers' length figures: the
+test sentences are grouped by source length in whitespace words ("1-10", "11-20", ..., "51+"; a sentence of 0 words
+counts in the first bucket) and each group gets its own corpus BLEU; an empty group is reported with 0 sentences
+and BLEU None (it is left out of the plot).
 
 The command line writes to its output directory (default: next to the checkpoint, `<checkpoint stem>.<split>/`;
 with --hyp and no checkpoint, next to the hypothesis file, `<hyp stem>.<split>/`; the "split" of --src/--ref

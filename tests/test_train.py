@@ -946,6 +946,31 @@ def test_a_process_interrupted_while_it_waits_to_start_is_not_counted_as_ready(m
         "process 0 of 2: not started: process 1 ended before the run started (its own message says why)")
 
 
+def test_ctrl_c_before_the_meeting_is_settled_ends_process_0_at_once(monkeypatch, capsys):
+    """Ctrl-C in process 0 before its outcome was said (a race the test below met now and then): it waited on for
+    the others, never started, up to the meeting's time out. An interrupted process says it ended and leaves."""
+    import socket
+
+    from dtmt_models.cli import train
+    from dtmt_models.training import distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(distributed, "TIMEOUT_S", 5.0)
+
+    def interrupted(argv, lock, meeting=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_main", interrupted)
+    began = time.monotonic()
+    assert train.main([]) == 130 and time.monotonic() - began < 3.0
+    assert "interrupted before training started" in capsys.readouterr().err
+
+
 def test_process_0_says_its_refusal_at_once(toy_nodev, tmp_path):
     """Process 0 refusing says why at once, before it waits for the others (it had said only that it waited for a
     process not started; Ctrl-C then lost the refusal)."""

@@ -664,6 +664,7 @@ def meet_the_others() -> Optional[Meeting]:
 def main(argv: Optional[List[str]] = None) -> int:
     lock: List[RunLock] = []   # the run directory's lock, once taken (held until the run ends)
     meeting = None
+    interrupted = False   # (Ctrl-C: a process leaving the meeting does not wait for the others then)
     started = time.time()   # (a last.pt older than this is an earlier run's: --overwrite removes it only later)
     try:
         try:
@@ -673,6 +674,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         return _main(argv, lock, meeting)
     except KeyboardInterrupt:   # Ctrl-C before training started (the training loop saves and says so itself)
+        interrupted = True
         for held in lock:   # nothing written: a directory made for the lock goes too
             held.release(discard=True)
         print("\ndtmt train: interrupted before training started", file=sys.stderr)
@@ -700,7 +702,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for held in lock:
             held.release()
         if meeting is not None:   # (ended before saying whether it would run: the others stop too)
-            meeting.leave()
+            meeting.leave(wait=not interrupted)
 
 
 def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Meeting] = None) -> int:

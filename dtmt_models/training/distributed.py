@@ -129,8 +129,8 @@ class Meeting:
         process's ("" where it passed, ENDED where it ended before saying one), once all have said theirs. A wait
         that ends otherwise (Ctrl-C, the time out, process 0 gone) leaves ENDED said for this process: the others
         must not start without it."""
-        self.keys.set(f"outcome/{self.rank}", refusal or "")
-        try:
+        try:   # (an interruption as early as the saying leaves ENDED said, and this process settled)
+            self.keys.set(f"outcome/{self.rank}", refusal or "")
             outcomes = self._outcomes()
         except BaseException:
             self._say_ended()
@@ -155,15 +155,16 @@ class Meeting:
             while time.monotonic() < deadline and not self.keys.check([f"read/{r}" for r in range(self.world)]):
                 time.sleep(0.05)
 
-    def leave(self) -> None:
+    def leave(self, wait: bool = True) -> None:
         """For a process that ends before its outcome was said (a usage error, --help, an interruption): says it
         ended, so that the others stop too; process 0, which holds the store, first waits for the others to say
-        theirs and read it (they would otherwise wait for it for half an hour). Best effort."""
+        theirs and read it (they would otherwise wait for it for half an hour), unless not `wait` (Ctrl-C: it had
+        waited on for processes never started). Best effort."""
         if self.settled:
             return
         self._say_ended()
         try:
-            if self.rank == 0:
+            if self.rank == 0 and wait:
                 self._outcomes()
                 self._read()
         except (RuntimeError, ValueError, KeyboardInterrupt):

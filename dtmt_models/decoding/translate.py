@@ -197,7 +197,7 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     unknown: List[int] = []                     # positions of the mostly-unknown sources
     boundary = src_vocab.sp.piece_to_id("\u2581")
     for i, text in enumerate(sentences):
-        tokens = src_vocab.encode(text) if text.strip() else []
+        tokens = src_vocab.encode(text, most=max_src_len) if text.strip() else []   # (a head of a long line)
         if not tokens:
             continue
         pieces = [t for t in tokens if t != boundary]  # a bare word boundary says nothing about the words

@@ -321,3 +321,32 @@ def test_a_fused_decoder_is_neither_copied_nor_pickled():
         with pytest.raises(TypeError, match=r"^FusedRNMTDecoder: a decoder holds weights .* copy or send the model, "
                                             r"then build its decoder"):
             attempt(decoder)
+
+
+def test_an_inference_copy_of_forms_is_copied_and_pickled_as_a_decoder_of_its_own():
+    """A deep copy or an unpickled copy of a model's inference copy (deeplau's: its cells' forms gathered weights)
+    was refused at its first search as if its weights had changed in place (the record named the original's
+    tensors). It now decodes as the original does, and an optimizer step on the original leaves it valid; a copy of
+    an inference copy whose weights changed is refused, not copied as a fresh one."""
+    import copy
+    import io
+
+    model = _model("deeplau")
+    decoder = model.inference_decoder()
+    assert decoder is not model and decoder.__dict__.get("_built_as") is not None
+    src, lengths = _batch()
+    want = beam_search(decoder, src, lengths, beam=2, nbest=2)
+    buffer = io.BytesIO()
+    torch.save(decoder, buffer)
+    copies = [copy.deepcopy(decoder), torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)   # (the original's weights move: its own decoder is stale, the copies are not)
+    for copied in copies:
+        got = beam_search(copied, src, lengths, beam=2, nbest=2)
+        assert [[(h.tokens, h.score) for h in hyps] for hyps in got] == \
+            [[(h.tokens, h.score) for h in hyps] for hyps in want]
+    with pytest.raises(RuntimeError, match="weights changed in place"):
+        beam_search(decoder, src, lengths, beam=2)
+    with pytest.raises(RuntimeError, match="weights changed in place"):
+        copy.deepcopy(decoder)

@@ -265,6 +265,19 @@ class Seq2Seq(nn.Module):
                 steps.append(parts)
         return self.output(self.features(ys, *(torch.stack(p, 1) for p in zip(*steps))), target, smoothing)
 
+    def __getstate__(self):   # (copy.copy, copy.deepcopy, pickle)
+        built_as = self.__dict__.get("_built_as")
+        if built_as is not None:   # (an inference copy whose weights changed is refused, not copied as a fresh one)
+            check_unconverted(self, self, built_as)
+        return super().__getstate__()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.__dict__.get("_built_as") is not None:   # (a deep copy's or an unpickled one's parameters and
+            # gathered weights are new tensors, copied together: its own record; the copied one named the original's
+            # tensors and a copy was refused as if its weights had changed)
+            self.__dict__["_built_as"] = weights_kind(self)
+
     def inference_decoder(self, int8: bool = False) -> "Seq2Seq":
         """What beam search decodes with (`encode` / `step` / `reorder`, the same results as this model's): in
         eval mode a copy of the model, sharing its parameters, in which every submodule that has a fused

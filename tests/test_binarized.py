@@ -420,20 +420,49 @@ def test_the_training_text_checksum_comes_from_a_fresh_copy(tmp_path):
     assert data.corpus_fingerprint(d)["train_sha1"] != known
 
 
+@pytest.mark.parametrize("vocab_type", ["bpe", "unigram"])
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_a_vocabulary_sentencepiece_cannot_build_is_one_line(tmp_path, capsys, workers):
-    """--vocab-size below the text's characters, and a side of invisible characters only: one line, exit 1, in our
-    words (SentencePiece's advice named its own --character_coverage), no build left. With --workers 1 both were a
-    traceback: the except clause named concurrent.futures.process, a submodule only a process pool had loaded."""
+def test_a_vocabulary_sentencepiece_cannot_build_is_one_line(tmp_path, capsys, workers, vocab_type):
+    """--vocab-size below the text's characters, a side of invisible characters only, and a side of only lines
+    SentencePiece's trainer leaves out (over 4,192 bytes): one line, exit 1, in our words (SentencePiece's advice named
+    its own --character_coverage), no build left. With --workers 1 both were a traceback: the except clause named
+    concurrent.futures.process, a submodule only a process pool had loaded; unigram's were tracebacks too (a
+    review found it: Vocabulary.train's ValueError), and the long lines' blamed the size."""
     small = write_corpus(tmp_path / "small", ["hola", "adios amigo", "uno dos"], ["hello", "bye friend", "one two"])
     blank = write_corpus(tmp_path / "blank", ["\u200b"] * 3, ["hello", "bye friend", "one two"])
+    long = write_corpus(tmp_path / "long", ["hola amigo " * 400] * 3, ["hello", "bye friend", "one two"])
     for d, message in ((small, f"--vocab-size 8: too small for the training text of {small}: SentencePiece needs "
                                 "at least 16 pieces there (one per character the text has, and 4 special ones)"),
-                       (blank, f"{blank}: a side's training text has no character SentencePiece keeps")):
-        assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "8", "--workers", workers]) == 1
+                       (blank, f"{blank}: a side's training text has no character SentencePiece keeps"),
+                       (long, "every sampled line of the training text train.es is longer than 4,192 bytes, which "
+                              "SentencePiece's trainer leaves out: no vocabulary can be built")):
+        assert prepare_cli.main(["binarize", "--data", d, "--vocab-size", "8", "--workers", workers,
+                                 "--vocab-type", vocab_type]) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith(f"dtmt prepare binarize: error: {message}"), err
         assert sorted(os.listdir(d)) == ["corpus.json", "train.en", "train.es"]
+
+
+@pytest.mark.parametrize("vocab_type", ["bpe", "unigram"])
+def test_lines_sentencepiece_leaves_out_are_counted_in_the_log(tmp_path, vocab_type):
+    """The log said "trained on ... 51 of 51 training lines" where 50 of them, over 4,192 bytes, were left out by
+    SentencePiece's trainer (a review found it: a vocabulary of one line's characters, its text said to be all). The
+    lines left out are counted per side and the model is the one of the lines kept."""
+    long = [f"palabra{i} " * 500 for i in range(5)]   # (5,000+ bytes each)
+    src = SRC + long
+    d = write_corpus(tmp_path / "c", src, TGT + ["x"] * 5)
+    said = []
+    path = binarized.binarize(d, 60, vocab_type=vocab_type, workers=1, log=said.append)
+    warning = [m for m in said if m.startswith("warning: SentencePiece's trainer leaves out")]
+    assert warning == ["warning: SentencePiece's trainer leaves out a line of more than 4,192 bytes: the vocabularies "
+                       "were learnt without 5 of the src side's 15 sampled lines"], said
+    want = Vocabulary.train([line.strip() for line in SRC], 60, vocab_type) if vocab_type == "unigram" else \
+        Vocabulary.train_bpe_on_word_counts(binarized._count_words(line.strip() for line in SRC), 60)
+    assert open(os.path.join(path, "src.model"), "rb").read() == want.proto
+    said.clear()
+    binarized.binarize(write_corpus(tmp_path / "short", SRC, TGT), 60, vocab_type=vocab_type, workers=1,
+                       log=said.append)
+    assert not [m for m in said if "leaves out" in m], said
 
 
 def test_prepare_cli_binarize_and_options(tmp_path, capsys):

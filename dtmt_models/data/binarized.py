@@ -53,7 +53,7 @@ import re
 import shutil
 import time
 import unicodedata
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -498,8 +498,9 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
         chosen = None if n_train <= sample else sorted(random.Random(seed).sample(range(n_train), sample))
         t0 = time.perf_counter()
         given = protos is not None
+        left_out = [0, 0]
         if not given:
-            protos = _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_dir)
+            protos, left_out = _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_dir)
         protos = list(protos)
         for side, proto in zip(SIDES, protos):
             with open(os.path.join(tmp, f"{side}.model"), "wb") as f:
@@ -514,6 +515,13 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
                 f"{'the word counts of ' if vocab_type == 'bpe' else ''}{used:,} of {n_train:,} training "
                 f"lines per side (seed {seed}) in {time.perf_counter() - t0:.1f}s: {pieces[0]:,} / {pieces[1]:,} "
                 f"pieces")
+            if any(left_out):   # (the lines sampled are not the lines learnt from: a file of long lines had
+                # given a vocabulary of its few short ones, logged as trained on every line)
+                log(f"warning: SentencePiece's trainer leaves out a line of more than "
+                    f"{SENTENCEPIECE_MAX_SENTENCE_BYTES:,} bytes: the vocabularies were learnt without "
+                    + ", ".join(f"{n:,} of the {side} side's {used:,} sampled lines" for side, n in
+                                zip(SIDES, left_out) if n)
+                    + (" (most of them: is it one sentence a line?)" if 2 * max(left_out) > used else ""))
             short = [f"{side} {n:,}" for side, n in zip(SIDES, pieces) if n < vocab_size]
             if short:   # (BPE stops when the sample's words are whole pieces: the name says the size asked for)
                 log(f"warning: --vocab-size {vocab_size:,}: the sample's text gives fewer pieces ({', '.join(short)}); "
@@ -571,20 +579,26 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
     return final
 
 
-def _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_dir) -> List[bytes]:
-    """The two SentencePiece models, a process a side when workers >= 2 (the sample's memory goes with them)."""
+def _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_dir) -> Tuple[List[bytes], List[int]]:
+    """The two SentencePiece models, a process a side when workers >= 2 (the sample's memory goes with them), and
+    per side the number of sampled lines left out as too long (SENTENCEPIECE_MAX_SENTENCE_BYTES)."""
     from dtmt_models.errors import one_line
 
     jobs = [(texts["train"][side]["path"], chosen, vocab_size, vocab_type) for side in SIDES]
     try:
         if workers < 2:
-            return [_train_vocabulary(*job) for job in jobs]
-        with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"),
-                                                    initializer=_die_with_parent) as pool:
-            return list(pool.map(_train_vocabulary, *zip(*jobs)))
+            trained = [_train_vocabulary(*job) for job in jobs]
+        else:
+            with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"),
+                                                        initializer=_die_with_parent) as pool:
+                trained = list(pool.map(_train_vocabulary, *zip(*jobs)))
     except concurrent.futures.process.BrokenProcessPool as exc:
         raise CorpusError(f"a SentencePiece training process died ({one_line(exc)}); out of memory? A smaller "
                           f"--sample needs less") from None
+    except _NoShortLine as exc:
+        raise CorpusError(f"every sampled line of the training text {os.path.basename(exc.args[0])} is longer "
+                          f"than {SENTENCEPIECE_MAX_SENTENCE_BYTES:,} bytes, which SentencePiece's trainer leaves out: "
+                          f"no vocabulary can be built (is it one sentence a line?)") from None
     except RuntimeError as exc:   # SentencePiece: e.g. fewer pieces than the text has characters
         said = one_line(exc)
         if "all_chars_count" in said:   # (every sentence of a side is characters SentencePiece drops: U+200B...)
@@ -597,6 +611,11 @@ def _train_vocabularies(texts, chosen, vocab_size, vocab_type, workers, corpus_d
                               f"text has, and 4 special ones)") from None
         raise CorpusError(f"--vocab-size {vocab_size}: SentencePiece cannot build a vocabulary of that size "
                           f"from {corpus_dir} ({said})") from None
+    return [proto for proto, _ in trained], [left_out for _, left_out in trained]
+
+
+class _NoShortLine(Exception):
+    """Every sampled line of a side (its path, args[0]) is too long for SentencePiece's trainer."""
 
 
 def _die_with_parent() -> None:
@@ -613,31 +632,62 @@ def _die_with_parent() -> None:
         pass
 
 
-def _train_vocabulary(path: str, chosen: Optional[List[int]], vocab_size: int, vocab_type: str) -> bytes:
+def _train_vocabulary(path: str, chosen: Optional[List[int]], vocab_size: int,
+                      vocab_type: str) -> Tuple[bytes, int]:
     """BPE from the sample's word counts (the same model as from its sentences, faster), unigram from the
-    sentences."""
+    sentences; and the number of sampled lines left out as too long. The model is trained here with SentencePiece's
+    own errors (RuntimeError), which _train_vocabularies turns into one line (Vocabulary.train's ValueError had been
+    a traceback)."""
+    from dtmt_models.data.vocabulary import _train_proto
+
+    lines = _Kept(path, chosen)
     if vocab_type == "bpe":
-        return Vocabulary.train_bpe_on_word_counts(_word_counts(path, chosen), vocab_size).proto
-    return Vocabulary.train(list(_sample_lines(path, chosen)), vocab_size, vocab_type).proto
+        counts = _count_words(lines)
+        if not lines.kept and lines.left_out:
+            raise _NoShortLine(path)
+        return Vocabulary.train_bpe_on_word_counts(counts, vocab_size).proto, lines.left_out
+    kept = list(lines)
+    if not kept and lines.left_out:
+        raise _NoShortLine(path)
+    return _train_proto(iter(kept), int(vocab_size), vocab_type, 1.0), lines.left_out
 
 
 # SentencePiece's trainer leaves out a sentence of more bytes than this (its max_sentence_length, at its default)
 SENTENCEPIECE_MAX_SENTENCE_BYTES = 4192
 
 
+class _Kept:
+    """The sampled lines (_sample_lines) SentencePiece's trainer keeps, those of at most
+    SENTENCEPIECE_MAX_SENTENCE_BYTES, counting those it keeps and those it leaves out (their words, counted, had
+    made the model differ from the sentences' in every piece)."""
+
+    def __init__(self, path: str, chosen: Optional[List[int]]):
+        self.lines, self.kept, self.left_out = _sample_lines(path, chosen), 0, 0
+
+    def __iter__(self) -> Iterator[str]:
+        longest = SENTENCEPIECE_MAX_SENTENCE_BYTES
+        for line in self.lines:
+            if len(line) * 4 <= longest or len(line.encode("utf-8")) <= longest:
+                self.kept += 1
+                yield line
+            else:
+                self.left_out += 1
+
+
 def _word_counts(path: str, chosen: Optional[List[int]], block: int = 4096) -> collections.Counter:
-    """How often each word occurs in the sampled lines, words as `Vocabulary.train_bpe_on_word_counts` takes
-    them (split at spaces, tabs and carriage returns; the empty string counted too and left out there). A line of
-    more than SENTENCEPIECE_MAX_SENTENCE_BYTES is left out, as SentencePiece's trainer leaves it out of the sentences
-    (counted, its words made the model differ from the sentences' in every piece)."""
+    """How often each word occurs in the sampled lines SentencePiece's trainer keeps (_Kept), words as
+    `Vocabulary.train_bpe_on_word_counts` takes them (split at spaces, tabs and carriage returns; the empty string
+    counted too and left out there)."""
+    return _count_words(_Kept(path, chosen), block)
+
+
+def _count_words(lines: Iterable[str], block: int = 4096) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
-    lines = _sample_lines(path, chosen)
-    longest = SENTENCEPIECE_MAX_SENTENCE_BYTES
+    lines = iter(lines)
     while True:
         part = list(itertools.islice(lines, block))
         if not part:
             return counts
-        part = [line for line in part if len(line) * 4 <= longest or len(line.encode("utf-8")) <= longest]
         counts.update(" ".join(part).replace("\t", " ").replace("\r", " ").split(" "))
 
 

@@ -109,6 +109,34 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, capsys)
     assert (victim / "x.es").read_text() == "precious\n" and os.listdir(out) == [data.MANIFEST]
 
 
+def test_a_line_past_the_bound_is_read_in_pieces_and_the_lines_after_it_keep_their_numbers(tmp_path, monkeypatch):
+    """A line past the bound is not read whole (a file of old Mac line ends, \\r alone, is one line: 2 GB of it had
+    been read into memory before the bound refused it; a review found it): the readers take at most LINE_READ bytes
+    of it, skip the rest, and go on at the next line with its number; the message says what a \\r in it means."""
+    import tracemalloc
+
+    from dtmt_models.data import binarized
+
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(data, "LINE_READ", 1005)
+    src = _write(tmp_path / "a.es", b"uno\n" + b"hola\r" * 1_600_000 + b"\ntres\n\ncinco\n")   # (8 MB line 2; 4 empty)
+    tgt = _write(tmp_path / "t.en", b"one\ntwo\nthree\nfour\nfive\n")
+    with open(src, "rb") as f:
+        assert [len(raw) for raw in data.bounded_lines(f)] == [4, 1005, 5, 1, 6]
+    tracemalloc.start()
+    try:
+        with pytest.raises(data.CorpusError) as error:
+            list(data.iter_parallel(src, tgt))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3_000_000, peak   # (the line is 8 MB; counting the lines reads 1 MiB blocks)
+    assert str(error.value).splitlines()[1:] == [
+        f"  {src}:2: a line of more than 1,000 bytes; with carriage returns (\\r) in it: old Mac line ends? convert "
+        f"them first (tr '\\r' '\\n')", f"  {src}:4: empty line"], str(error.value)
+    assert list(binarized._sample_lines(src, [0, 2, 4])) == ["uno", "tres", "cinco"]   # (the vocabulary's sample)
+
+
 def test_a_line_past_the_bound_is_refused_before_it_is_encoded(tmp_path, monkeypatch):
     """A corpus line of more than MAX_LINE_BYTES (dtmt translate's bound) is refused naming file and line, by every
     reader of corpus text: dtmt prepare files took a 50 MB line of words and encoded it (1.4 GB of memory; a 1 GB line
@@ -304,7 +332,7 @@ def test_a_stream_is_read_as_a_file_is_and_a_line_without_end_is_bounded():
     endless = io.BytesIO(b"\0" * (data.MAX_LINE_BYTES + 100) + b"\nnever read\n")
     with pytest.raises(data.CorpusError, match=r"<stdin>:1: a line of more than 16,777,216 bytes; is it a text "):
         data.read_stream_lines(endless, "<stdin>")
-    assert endless.tell() == data.MAX_LINE_BYTES + 2
+    assert endless.tell() == data.LINE_READ
 
 
 def test_vocabulary_refuses_in_one_line_what_sentencepiece_failed_on_deep_inside():

@@ -58,8 +58,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import numpy as np
 
 from dtmt_models.atomic import process_alive
-from dtmt_models.data.corpus import (CorpusError, Problems, corpus_fingerprint, count_mismatch, decode_file_line,
-                                    read_manifest, scan_file)
+from dtmt_models.data.corpus import (CorpusError, Problems, bounded_lines, corpus_fingerprint, count_mismatch,
+                                     decode_file_line, read_manifest, scan_file)
 from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
 
 FORMAT = 3   # 2: the shards' SHA-1 in the manifest; 3: the models' too (an older copy: the next `dtmt train` rebuilds)
@@ -728,7 +728,7 @@ def _sample_lines(path: str, chosen: Optional[List[int]]) -> Iterator[str]:
     wanted = iter(chosen) if chosen is not None else None
     target = next(wanted, None) if wanted is not None else None
     with open(path, "rb") as f:
-        for i, raw in enumerate(f):
+        for i, raw in enumerate(bounded_lines(f)):
             if wanted is not None:
                 if i != target:
                     continue
@@ -742,9 +742,9 @@ def _sample_lines(path: str, chosen: Optional[List[int]]) -> Iterator[str]:
 
 def _read_chunks(src_path: str, tgt_path: str, lines: int) -> Iterator[Tuple[int, List[bytes], List[bytes]]]:
     with open(src_path, "rb") as fs, open(tgt_path, "rb") as ft:
-        start = 1
+        start, src_lines, tgt_lines = 1, bounded_lines(fs), bounded_lines(ft)
         while True:
-            a, b = list(itertools.islice(fs, lines)), list(itertools.islice(ft, lines))
+            a, b = list(itertools.islice(src_lines, lines)), list(itertools.islice(tgt_lines, lines))
             if not a and not b:
                 return
             yield start, a, b

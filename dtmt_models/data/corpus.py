@@ -15,6 +15,8 @@ from dtmt_models.atomic import atomic_write
 
 MAX_LISTED = 10
 MAX_LINE_BYTES = 16 << 20   # a longer line is refused (no sentence has one; encoding one took ~28 bytes a byte)
+LINE_READ = MAX_LINE_BYTES + 5   # a line's bytes read at most: a longer cut is a line decode_file_line refuses
+# (line 1's byte-order mark and a \r\n besides MAX_LINE_BYTES: a line of MAX_LINE_BYTES is read whole)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")   # a language or split name (plain_name)
 BOM = b"\xef\xbb\xbf"   # the UTF-8 byte-order mark; not part of a file's first line
 
@@ -75,7 +77,7 @@ def read_stream_lines(stream, name: str, allow_empty: bool = False) -> List[str]
     bounded (a device that never ends, /dev/zero, is refused at its first MAX_LINE_BYTES)."""
     lines, problems = [], Problems()
     for lineno in itertools.count(1):
-        raw = stream.readline(MAX_LINE_BYTES + 2)
+        raw = stream.readline(LINE_READ)
         if not raw:
             break
         text, problem = decode_file_line(raw, name, lineno, allow_empty)
@@ -86,6 +88,22 @@ def read_stream_lines(stream, name: str, allow_empty: bool = False) -> List[str]
                 break
     problems.raise_if_any(name)
     return lines
+
+
+def bounded_lines(f) -> Iterator[bytes]:
+    """The lines of a regular file open in binary mode, as iterating it gives them, each cut at LINE_READ bytes: the
+    rest of a longer line is read in pieces and skipped, so memory stays bounded and the lines after it keep their
+    numbers (a file of old Mac line ends, \\r alone, is one line; 2 GB of it had been read whole before the bound
+    refused it)."""
+    while True:
+        raw = f.readline(LINE_READ)
+        if not raw:
+            return
+        if len(raw) == LINE_READ and not raw.endswith(b"\n"):
+            for rest in iter(lambda: f.readline(LINE_READ), b""):
+                if rest.endswith(b"\n"):
+                    break
+        yield raw
 
 
 def read_lines(path: str, allow_empty: bool = False) -> List[str]:
@@ -117,7 +135,9 @@ def decode_line(line: bytes, path: str, lineno: int, allow_empty: bool = False) 
     if line.endswith(b"\r"):
         line = line[:-1]
     if len(line) > MAX_LINE_BYTES:   # (dtmt translate's bound: a 50 MB line took 1.4 GB to encode, 1 GB one all memory)
-        return "", f"{path}:{lineno}: a line of more than {MAX_LINE_BYTES:,} bytes; is it a text file?"
+        why = ("with carriage returns (\\r) in it: old Mac line ends? convert them first (tr '\\r' '\\n')"
+               if b"\r" in line else "is it a text file?")
+        return "", f"{path}:{lineno}: a line of more than {MAX_LINE_BYTES:,} bytes; {why}"
     try:
         text = line.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
@@ -160,7 +180,7 @@ def iter_parallel(src_path: str, tgt_path: str) -> Iterator[Tuple[str, str]]:
     problems = Problems()
     read = 0
     with open(src_path, "rb") as fs, open(tgt_path, "rb") as ft:
-        for i, (a, b) in enumerate(zip(fs, ft), start=1):
+        for i, (a, b) in enumerate(zip(bounded_lines(fs), bounded_lines(ft)), start=1):
             read = i
             texts = []
             for path, line in ((src_path, a), (tgt_path, b)):

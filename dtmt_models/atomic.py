@@ -56,18 +56,21 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(directory: str, keep: Optional[Pattern[str]] = None) -> List[str]:
+def remove_stale_temporaries(directory: str, keep: Optional[Pattern[str]] = None,
+                             folders_only: bool = False) -> List[str]:
     """Removes the temporaries that an interrupted writer left in `directory` (an atomic write's file, a binarized
     corpus' build folder: named after their process) whose process is gone; those of a running process stay, and
     those whose name `keep` matches whole. A command calls it on the folders it writes before it writes them (`dtmt
-    prepare` killed midway left tens of MB that a later successful run kept). Returns the paths removed."""
+    prepare` killed midway left tens of MB that a later successful run kept). `folders_only`: only prepare's stage
+    and binarized build folders, for a folder the caller writes no file into with an atomic write (a user's
+    `.backup.tmp99999` there had been removed). Returns the paths removed."""
     removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
-        pid = temporary_pid(name)
+        pid = temporary_pid(name) if not folders_only or _FOLDER_TMP.fullmatch(name) else None
         if pid is None or process_alive(pid) or (keep is not None and keep.fullmatch(name)):
             continue
         path = os.path.join(directory, name)

@@ -225,6 +225,29 @@ def test_pairs_over_the_batch_budget_are_announced(toy_nodev, tmp_path, capsys):
     assert "training pairs are longer than --max-tokens 6 allows a batch" in r.stdout, r.stdout
 
 
+def test_train_removes_what_an_interrupted_run_left_and_only_build_folders_in_data(toy_nodev, tmp_path, capsys):
+    """dtmt train removes its interrupted runs' temporaries in --out (an atomic write's file) and the build folders
+    of a binarized copy in --data; an atomic write's name in --data is no file of its (it writes none there): a
+    user's .backup.tmpPID there had been removed (a review found it)."""
+    import shutil
+    import subprocess as sp
+
+    gone = sp.Popen(["true"])
+    gone.wait()   # a process id that no process has now
+    data_dir, out = tmp_path / "data", tmp_path / "run"
+    shutil.copytree(toy_nodev, data_dir)
+    out.mkdir()
+    stale = [out / f".last.pt.tmp{gone.pid}", data_dir / f".bin-bpe40.tmp-{gone.pid}"]
+    stale[0].write_text("x")
+    stale[1].mkdir()
+    kept = data_dir / f".backup.tmp{gone.pid}"
+    kept.write_text("a user's")
+    r = train_here(["--data", str(data_dir), "--out", str(out), "--max-steps", "1", *TINY], capsys)
+    assert r.returncode == 0, r.stderr
+    assert not any(p.exists() for p in stale) and kept.read_text() == "a user's"
+    assert r.stderr.count("left by an interrupted run") == 2, r.stderr
+
+
 def test_ctrl_c_before_training_is_one_line_and_130(toy_nodev, tmp_path, monkeypatch, capsys):
     """Ctrl-C while the options and the model are checked (a second or two after starting): one line and 130, as
     for any dtmt command (it was a 90-line traceback and status 1)."""

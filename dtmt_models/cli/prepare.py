@@ -183,7 +183,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         option = "--data" if args.source == "binarize" else "--out"
         lock = RunLock(getattr(args, option[2:]), option, "dtmt prepare", PREPARE_LOCK_NAME).acquire()
         for folder in {getattr(args, "out", None), getattr(args, "data", None)} - {None}:
-            for path in remove_stale_temporaries(folder):
+            # (prepare writes its files in a stage folder, moved in whole: no atomic write's file is its own here)
+            for path in remove_stale_temporaries(folder, folders_only=True):
                 log(f"removed {path} (left by an interrupted run)")
         if args.source == "bible":   # (the text and its binarized copy as a whole, or nothing: staged_corpus)
             with staged_corpus(args.out, (), log) as (stage, say):

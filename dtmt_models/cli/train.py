@@ -766,8 +766,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
             # what an interrupted earlier run left (its process gone): in --out, and the corpus' binarized build; not
             # a dtmt prepare's stage, which says the corpus there was being replaced (prepare then takes the folder
             # for a corpus of its own, not the user's files: without it prepare refused, and so did this)
-            for folder in (args.out, args.data):
-                for path in remove_stale_temporaries(folder, keep=PREPARE_STAGE):
+            for folder in (args.out, args.data):   # (--data: only build folders; no file of its is written there)
+                for path in remove_stale_temporaries(folder, keep=PREPARE_STAGE, folders_only=folder == args.data):
                     print(f"dtmt train: removed {path} (left by an interrupted run)", file=sys.stderr)
         last = os.path.join(args.out, LAST)
         ckpt = source = None

@@ -2274,7 +2274,7 @@ def test_average_writes_a_checkpoint_that_loads(uninterrupted, tmp_path, capsys)
     assert "the best checkpoint, which translate reads" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         average([p24, "-o", ""])
-    assert exit_.value.code == 2 and "--output: give a file name" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--output: an empty value" in capsys.readouterr().err
 
 
 def test_inference_sees_the_optimizer_steps():

@@ -809,7 +809,14 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_decoding(syst
     (["train", "--data", "d", "--no-such-flag"], "dtmt train: unrecognized arguments: --no-such-flag"),
     (["prepare", "files", "--vocab-size", "x"], "dtmt prepare files: argument --vocab-size: invalid int value"),
     (["prepare", "nothing"], "dtmt prepare: argument {bible,files,binarize}: invalid choice: 'nothing'"),
-    (["serve", "-c", "x.pt", "--port", "http"], "dtmt serve: argument --port: invalid int value: 'http'")])
+    (["serve", "-c", "x.pt", "--port", "http"], "dtmt serve: argument --port: invalid int value: 'http'"),
+    # an empty value (an unset variable's "$OUT"): train's --out "" had written runs/dtmt; prepare failed "writing "
+    (["train", "--data", "d", "--out", ""], "dtmt train: --out: an empty value (an unset variable?)"),
+    (["prepare", "files", "--src", "a", "--tgt", "b", "--out", ""],
+     "dtmt prepare files: --out: an empty value (an unset variable?)"),
+    (["translate", "-c", "m.pt", "a.txt", ""], "dtmt translate: FILE: an empty value (an unset variable?)"),
+    (["evaluate", "-c", ""], "dtmt evaluate: --checkpoint: an empty value"),
+    (["average", "a.pt", "-o", ""], "dtmt average: --output: an empty value")])
 def test_a_malformed_command_line_is_one_line(argv, message, capsys):
     """What argparse itself refuses (a value of the wrong type, a missing value, an unknown option or subcommand)
     is one line, `dtmt <command>: message`, exit status 2, as the commands' own checks are (contract §6; it printed

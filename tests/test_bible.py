@@ -799,6 +799,15 @@ def test_prepare_warns_of_a_file_given_twice(tmp_path, capsys):
             in err), err
     assert (f"warning: --dev-src is --src ({src}): the dev split is training text, whose scores say nothing of new "
             f"text") in err and "--dev-tgt is --tgt" not in err, err
+    # the test files that are the dev files: test scores of the text the best checkpoint was chosen on (a review)
+    dev_src, dev_tgt = numbered(tmp_path, 5, stem="dev")
+    assert prepare.main(["files", "--src", src, "--tgt", tgt, "--dev-src", dev_src, "--dev-tgt", dev_tgt,
+                         "--test-src", dev_src, "--test-tgt", dev_tgt, "--out", str(tmp_path / "e"),
+                         "--no-binarize"]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("warning")] == [
+        f"warning: --test-{side} is --dev-{side} ({path}): the test split is the text the best checkpoint was chosen "
+        f"on, whose scores flatter it" for side, path in (("src", dev_src), ("tgt", dev_tgt))], err
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "d"), "--no-binarize"]) == 0
     assert "warning" not in capsys.readouterr().err
 

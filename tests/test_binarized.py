@@ -190,8 +190,13 @@ def test_changed_text_is_noticed_and_a_touched_file_is_not(tmp_path):
         text = f.read()
         f.seek(0)
         f.write(text.replace("child", "chilD"))
-    with pytest.raises(binarized.NotBinarized, match=r"train\.en changed.*dtmt prepare binarize"):
+    with pytest.raises(binarized.NotBinarized, match=r"\(changed: train\.en\); rebuild it with `dtmt prepare binarize"):
         binarized.open_binarized(d, "bpe", 80)
+    # (the note had read "the splits, now dev, train changed")
+    data.write_manifest(d, "es", "en", {"train": len(SRC), "dev": len(SRC)}, origin="test")
+    with pytest.raises(binarized.NotBinarized, match=r"\(changed: the splits, now dev, train\); "):
+        binarized.open_binarized(d, "bpe", 80)
+    data.write_manifest(d, "es", "en", {"train": len(SRC)}, origin="test")
     with open(os.path.join(d, "bin-bpe80", "binarized.json"), "w") as f:   # a damaged manifest: one line too
         f.write("{")
     with pytest.raises(binarized.NotBinarized, match=r"binarized\.json: unreadable"):

@@ -446,7 +446,7 @@ def open_binarized(corpus_dir: str, vocab_type: str, vocab_size: int,
         raise NotBinarized(str(exc), str(exc).split(";")[0]) from None
     changed = corpus.stale(corpus_dir)
     if changed:
-        reason = f"{path} was made from other text than {corpus_dir} now holds ({', '.join(changed)} changed)"
+        reason = f"{path} was made from other text than {corpus_dir} now holds (changed: {'; '.join(changed)})"
         raise NotBinarized(f"{reason}; rebuild it with `{command}`", reason)
     return corpus
 

@@ -58,7 +58,8 @@ def prepare_files(args: argparse.Namespace, into: str, log=print, written_dirs: 
 
 def _inputs_given_twice(files: Dict[str, tuple]) -> List[str]:
     """Warnings for one file given twice (taken without a word): a split's source and target (it translates a text
-    into itself), or a dev or test file that is the training file (its scores then say nothing of new text)."""
+    into itself), a dev or test file that is the training file (its scores then say nothing of new text), or a test
+    file that is the dev file."""
     def option(split, side):
         return f"--{side}" if split == "train" else f"--{split}-{side}"
     out = []
@@ -71,6 +72,10 @@ def _inputs_given_twice(files: Dict[str, tuple]) -> List[str]:
             if split in files and os.path.samefile(files[split][i], files["train"][i]):
                 out.append(f"warning: {option(split, side)} is {option('train', side)} ({files[split][i]}): the "
                            f"{split} split is training text, whose scores say nothing of new text")
+    for i, side in enumerate(("src", "tgt")):
+        if "dev" in files and "test" in files and os.path.samefile(files["dev"][i], files["test"][i]):
+            out.append(f"warning: {option('test', side)} is {option('dev', side)} ({files['test'][i]}): the test "
+                       f"split is the text the best checkpoint was chosen on, whose scores flatter it")
     return out
 
 

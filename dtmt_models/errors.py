@@ -54,17 +54,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (--help: the options)\n")
 
-    def parse_known_args(self, args=None, namespace=None):
-        """argparse's, refusing an empty value (`--out ""`, an unset shell variable's `--out "$OUT"`), which no option
-        takes: a path of "" had been the current folder or the option's default (`dtmt train --out ""` wrote
-        runs/dtmt), or an error naming no option."""
-        namespace, extras = super().parse_known_args(args, namespace)
-        for action in self._actions:
-            value = getattr(namespace, action.dest, None)
-            if value == "" or (isinstance(value, list) and "" in value):   # (no default is "")
-                name = max(action.option_strings, key=len) if action.option_strings else action.metavar or action.dest
-                self.error(f"{name}: an empty value (an unset variable?)")
-        return namespace, extras
+    def _get_values(self, action, arg_strings):
+        """argparse's, refusing an empty value given on the command line (`--out ""`, an unset shell variable's
+        `--out "$OUT"`), which no option takes: a path of "" had been the current folder or the option's default
+        (`dtmt train --out ""` wrote runs/dtmt), or an error naming no option. (An option's own constant, as
+        --resume's without a value, is not a value given.)"""
+        if "" in arg_strings and action.nargs not in (argparse.PARSER, argparse.REMAINDER):   # (a subcommand's
+            # strings are its parser's to read)
+            name = max(action.option_strings, key=len) if action.option_strings else action.metavar or action.dest
+            self.error(f"{name}: an empty value (an unset variable?)")
+        return super()._get_values(action, arg_strings)
 
 
 def command_line_values(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> dict:

@@ -303,3 +303,26 @@ def test_gpu_graphed_updates_train_as_eager_ones(system):
         for x, y, padded, x0 in zip(params[step], eager_params[step], padded_params[step], start):
             assert (x - y).norm() <= max(1e-3 * (y - x0).norm(), 2 * (padded - y).norm()) + 1e-7, step
     print(runner.summary())
+
+
+def test_an_update_that_does_not_capture_ends_the_run_in_one_line(tmp_path, capsys, monkeypatch):
+    """A capture that fails (a host read, a copy from host memory) ends the run with one line naming the batch's
+    shape and --no-cuda-graphs, exit 1: the CaptureFailed had escaped the command's handlers as a chained traceback
+    (a review found it), on the path a one-GPU run takes by default."""
+    from test_train import TINY, make_toy_corpus, train_here
+
+    from dtmt_models.cli import train as cli
+
+    class Refusing(graphs.StandInCapture):
+        def capture(self, run):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    data = make_toy_corpus(tmp_path / "data", n_train=40, n_dev=0, n_test=0)
+    monkeypatch.setattr(graphs, "CudaCapture", lambda device: Refusing())
+    monkeypatch.setattr(cli, "check_cuda_graphs", lambda cfg: None)   # (the run stays on the CPU)
+    r = train_here([*TINY, "--data", data, "--out", str(tmp_path / "run"), "--cuda-graphs", "--max-steps", "6"],
+                   capsys)
+    assert r.returncode == 1, r.stderr
+    assert re.fullmatch(r"dtmt train: --cuda-graphs: the update of a batch of shape \S.* could not be captured as a "
+                        r"CUDA graph \(operation not permitted when stream is capturing\); train with "
+                        r"--no-cuda-graphs\n", r.stderr), r.stderr

@@ -34,6 +34,7 @@ from dtmt_models.models.registry import check_model_options, list_models, positi
 from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
+from dtmt_models.training.graphs import CaptureFailed
 from dtmt_models.training.distributed import (Dist, Meeting, RefusedByAll, by_hand, lost_peer, process_device,
                                               refusal_line, resolve_auto, world_size)
 from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, TENSORBOARD, Trainer, TrainingDiverged,
@@ -910,8 +911,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
             held.release(discard=True)
         print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
         return 2
-    except (WriteError, TrainingDiverged) as exc:   # a checkpoint, log or figure unwritable (full disk, read-only
-        # directory); a loss that became NaN
+    except (WriteError, TrainingDiverged, CaptureFailed) as exc:   # a checkpoint, log or figure unwritable (full
+        # disk, read-only directory); a loss that became NaN; an update that did not capture (it had been a traceback)
         print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started

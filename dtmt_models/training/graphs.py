@@ -48,6 +48,11 @@ Shape = Tuple[int, int, int]   # (rows B, source length S, target length T) of a
 Body = Callable[[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor, Tensor]]
 
 
+class CaptureFailed(RuntimeError):
+    """An update that could not be captured as a CUDA graph: the run stops (the stream may be unusable), in one line
+    naming the batch's shape and --no-cuda-graphs; the last checkpoint written stands."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphOptions:
     """How batches are bucketed and how many graphs are kept (benchmarks set them; `dtmt train` uses the
@@ -223,8 +228,8 @@ class GraphedUpdates:
                 bucket.kept = cached_tensors(self.model)
             except RuntimeError as exc:   # (what does not capture: a host read, a copy from host memory)
                 # a failed capture can leave the stream unusable: the run stops here, last.pt is the previous one
-                raise RuntimeError(f"--cuda-graphs: the update of a batch of shape {shape} could not be captured "
-                                   f"as a CUDA graph ({one_line(exc)}); train with --no-cuda-graphs") from exc
+                raise CaptureFailed(f"--cuda-graphs: the update of a batch of shape {shape} could not be captured "
+                                    f"as a CUDA graph ({one_line(exc)}); train with --no-cuda-graphs") from exc
             self.captured += 1
             bucket.replay()
             self.replayed += 1

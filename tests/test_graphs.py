@@ -134,14 +134,18 @@ def test_graphed_updates_train_as_eager_ones(system):
 
 
 def test_a_replayed_update_reads_nothing_on_the_host():
-    """What a graph replays reads no tensor value on the host (else the capture fails on a GPU)."""
+    """What a graph replays reads no tensor value on the host (else the capture fails on a GPU), nor its warm-up."""
     model = _model("dtmt")
     optimizer = build_optimizer(model, 1e-3)
     runner = graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"),
                                    capture=graphs.StandInCapture(), log=lambda m: None)
-    runner.update(*collate(BATCHES[0]))      # eager: may read
-    runner.update(*collate(BATCHES[2]))      # captured, then replayed
     reads = HostReads()
+    # eager, the warm-up before a capture, on the path a capture takes (a review: it had read values and taken
+    # shortcuts that the capture then did not take, leaving lazy set-up to happen inside the capture)
+    with reads:
+        runner.update(*collate(BATCHES[0]))
+    assert runner.eager_updates == 1 and dict(reads.where) == {} and dict(reads.syncs) == {}
+    runner.update(*collate(BATCHES[2]))      # captured, then replayed
     with reads:
         runner.update(*collate(BATCHES[9]))  # replayed
     assert runner.replayed == 2 and dict(reads.where) == {} and dict(reads.syncs) == {}
@@ -326,3 +330,23 @@ def test_an_update_that_does_not_capture_ends_the_run_in_one_line(tmp_path, caps
     assert re.fullmatch(r"dtmt train: --cuda-graphs: the update of a batch of shape \S.* could not be captured as a "
                         r"CUDA graph \(operation not permitted when stream is capturing\); train with "
                         r"--no-cuda-graphs\n", r.stderr), r.stderr
+
+
+def test_a_replay_moves_the_parameters_versions():
+    """A replay changes the parameters in place without running Python: the optimizer's step hook, which bumps their
+    version counters, had run only at the capture, so a decoder built before a replayed update was not seen to be
+    stale (engine.forms.weights_kind; a review found it). Each update, replayed too, moves every trained
+    parameter's version."""
+    class Silent(graphs.StandInCapture):   # (a replay as a CUDA graph's: no Python of the update runs)
+        def capture(self, fn):
+            return lambda: None
+
+    model = _model("dtmt")
+    optimizer = build_optimizer(model, 1e-3)
+    runner = graphs.GraphedUpdates(_body(model, optimizer), model, optimizer, torch.device("cpu"),
+                                   capture=Silent(), log=lambda m: None)
+    for pairs in (BATCHES[0], BATCHES[2], BATCHES[9]):   # (one bucket: eager, captured and replayed, replayed)
+        before = [p._version for p in model.parameters()]
+        runner.update(*collate(pairs))
+        assert all(p._version > v for p, v in zip(model.parameters(), before))
+    assert runner.replayed == 2

@@ -34,8 +34,9 @@ inputs and the capture-safe code path are all checked without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -97,6 +98,19 @@ def pad_batch(src: Tensor, lengths: Tensor, prev: Tensor, target: Tensor, shape:
     return out_src, out_len, out_prev, out_target
 
 
+@contextlib.contextmanager
+def as_captured() -> Iterator[None]:
+    """Code run as under a capture: host reads forbidden (dtmt_kernels.ops._host_reads), so the shortcuts that read
+    values (no padding in a batch, a source trimmed to its longest sentence) are not taken. A bucket's eager first
+    update runs so: it had taken them and the capture met shapes and kernels no warm-up had set up (a review)."""
+    real = _host_reads._capturing
+    _host_reads._capturing = lambda: True
+    try:
+        yield
+    finally:
+        _host_reads._capturing = real
+
+
 class CudaCapture:
     """Captures on the current CUDA device, every graph in one memory pool."""
 
@@ -105,10 +119,11 @@ class CudaCapture:
         self.pool = torch.cuda.graph_pool_handle()
 
     def warm_up(self, fn: Callable[[], None]) -> None:
-        """fn run eagerly on a side stream (what torch.cuda.graph asks of the work before a capture)."""
+        """fn run eagerly on a side stream (what torch.cuda.graph asks of the work before a capture), on the path a
+        capture takes (as_captured): the kernels and their lazy set-up the capture will meet."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), as_captured():
             fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
 
@@ -134,16 +149,13 @@ class StandInCapture:
     buffers, not the launches."""
 
     def warm_up(self, fn: Callable[[], None]) -> None:
-        fn()
+        with as_captured():
+            fn()
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         def replay():
-            real = _host_reads._capturing
-            _host_reads._capturing = lambda: True
-            try:
+            with as_captured():
                 fn()
-            finally:
-                _host_reads._capturing = real
         return replay
 
     def pool_bytes(self) -> int:
@@ -186,6 +198,7 @@ class GraphedUpdates:
                  options: GraphOptions = GraphOptions(), capture=None, log: Callable[[str], None] = print):
         self.body, self.model, self.optimizer, self.device = body, model, optimizer, device
         self.options, self.log = options, log
+        self._trained = [p for p in model.parameters() if p.requires_grad]
         self.capturer = capture if capture is not None else CudaCapture(device)
         self.buckets: Dict[Shape, Bucket] = {}
         self.captured = 0
@@ -214,8 +227,7 @@ class GraphedUpdates:
         for static, value in zip(bucket.inputs, padded):
             static.copy_(value, non_blocking=True)
         if bucket.replay is not None:
-            bucket.replay()
-            self.replayed += 1
+            self._replay(bucket)
         elif bucket.seen == 0:
             self.capturer.warm_up(bucket.run)
             self.eager_updates += 1
@@ -231,11 +243,17 @@ class GraphedUpdates:
                 raise CaptureFailed(f"--cuda-graphs: the update of a batch of shape {shape} could not be captured "
                                     f"as a CUDA graph ({one_line(exc)}); train with --no-cuda-graphs") from exc
             self.captured += 1
-            bucket.replay()
-            self.replayed += 1
+            self._replay(bucket)
             self._check_memory()
         bucket.seen += 1
         return tuple(x.clone() for x in bucket.outputs)
+
+    def _replay(self, bucket: Bucket) -> None:
+        bucket.replay()
+        self.replayed += 1
+        # (the optimizer's step hook bumps the parameters' versions in Python, which ran once, at the capture: a
+        # decoder built before a replay would not have seen its weights change; engine.forms.weights_kind)
+        torch.autograd.graph.increment_version(self._trained)
 
     def _may_capture(self) -> bool:
         if self.capturing_stopped is None and self.captured >= self.options.max_graphs:

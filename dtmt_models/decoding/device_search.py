@@ -241,6 +241,11 @@ class StepGraph:
 
     @classmethod
     def of(cls, search: DeviceSearch, c: Carry) -> Optional["StepGraph"]:
+        with torch.cuda.device(search.device):   # (the streams below are the current device's: a search on cuda:1
+            return cls._of(search, c)              # had warmed up and captured on cuda:0's)
+
+    @classmethod
+    def _of(cls, search: DeviceSearch, c: Carry) -> Optional["StepGraph"]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         # a warm-up step on copies (lazy initialisations) tells the shapes, and, with torch's sync debug mode raising,

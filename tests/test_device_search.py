@@ -263,3 +263,52 @@ def _assert_same_carry(got, want, path=()):
             _assert_same_carry(g, w, path + (i,))
     else:
         assert got is want, path
+
+
+class CopyingStepGraph(device_search.StepGraph):
+    """StepGraph on the CPU: made where a CUDA graph would be (keeps_shapes), its replay runs `search.advance` on its
+    own copy of the carry and writes the next carry into it in place, as the graph does; so the loop's graph branch
+    (the done rows kept until half the batch is done, the sentences already read, a new graph after rows leave) runs
+    without a GPU."""
+    made = 0
+
+    @classmethod
+    def of(cls, search, c):
+        if not device_search.keeps_shapes(search, c):
+            return None
+        CopyingStepGraph.made += 1
+        static = {k: v.clone() for k, v in device_search._flat(c).items()}
+
+        def replay():
+            out = device_search._flat(search.advance(device_search._unflat(static)))
+            for k, v in static.items():
+                v.copy_(out[k])
+        return cls(type("Graph", (), {"replay": staticmethod(replay)})(), static)
+
+
+@pytest.mark.parametrize("check_every", [1, 3, 8])
+def test_the_graph_branch_equals_the_python_loop(check_every, monkeypatch):
+    """The device loop with its steps replayed as graphs (stood in for on the CPU by CopyingStepGraph): the Python
+    loop's hypotheses, scores and log-probabilities to the bit on the table models of every case, and on a recurrent
+    system (float64); the graph branch had never run without a GPU (a review ran this probe)."""
+    import functools
+
+    from dtmt_models.decoding import beam_search as beam_search_module
+
+    monkeypatch.setattr(device_search, "StepGraph", CopyingStepGraph)
+    monkeypatch.setattr(beam_search_module, "device_loop", functools.partial(device_search.device_loop, graphs=True))
+    CopyingStepGraph.made = 0
+    lengths = torch.tensor([6, 1, 4, 2, 5, 3, 6])
+    for seed in range(3):
+        model = TableModel(V=7 + seed, seed=seed)
+        for case in CASES:
+            loop, device = _both(model, torch.zeros(7, 6, dtype=torch.long), lengths, monkeypatch, check_every,
+                                 **_kwargs(case))
+            assert _hyps(device) == _hyps(loop), (seed, case)
+    torch.manual_seed(3)
+    model = dm.build_model("rnnsearch-atr", 24, 24, embed_dim=16, hidden_size=16).eval().double()
+    for case in CASES[:4]:
+        loop, device = _both(model, torch.randint(4, 24, (7, 6)), lengths, monkeypatch, check_every,
+                             **_kwargs(case))
+        assert _hyps(device) == _hyps(loop), case
+    assert CopyingStepGraph.made > 3 * len(CASES)   # (a graph per search at least, and again after rows left)

@@ -146,6 +146,47 @@ def test_bad_options_are_value_errors(name, options, message):
             check_model_options(name, options)
 
 
+@pytest.mark.parametrize("name, options, message", [
+    ("nematus", dict(enc_depth=4), "the shallow encoder has one level"),
+    ("nematus", dict(encoder="deep-transition", enc_depth=4), "the deep-transition encoder has one level"),
+    ("nematus", dict(enc_transition_depth=3, encoder="alternating"), "only the deep-transition and bideep encoders"),
+    ("nematus", dict(dec_depth=4, decoder="deep-transition"), "the deep-transition decoder has one level"),
+    ("nematus", dict(decoder="rgru", dec_base_transition_depth=8), "only the deep-transition and bideep decoders"),
+    ("nematus", dict(dec_high_cell="cgru", decoder="cgru"), "only the bideep decoder reads it"),
+    ("nematus", dict(dec_high_transition_depth=5), "only the bideep decoder reads it"),
+    ("dtmt", dict(deep_encoder=False, encoder_depth=4), "deep_encoder=False: the encoder is one shallow_cell"),
+    ("dtmt", dict(deep_encoder=False, deep_query=False, deep_decoder=False, cell="lau"), "no module is deep"),
+    ("dtmt", dict(shallow_cell="lau"), "every module is deep"),
+    ("dtmt", dict(depth=2, encoder_depth=1, query_depth=2, decoder_depth=3), "every deep module has its own depth"),
+    ("mce", dict(annotation="emb", backward_input="embeddings"), "annotation='emb' has no backward encoder")])
+def test_an_option_the_structure_leaves_unused_is_refused(name, options, message, tmp_path):
+    """An option given a value other than its default that the structure chosen builds nothing from (a review found
+    them): it had been taken without a word, its parameter count unchanged, and recorded in config.yaml as if the
+    model had it. Its default given is taken (a run's options may hold it), and a checkpoint written before the
+    refusal, holding such an option, loads as the model it is."""
+    from conftest import save_model
+    from dtmt_models.data.vocabulary import Vocabulary
+    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.models.registry import check_model_options, option_defaults, unused_options
+
+    option = next(k for k in unused_options(name, options))
+    for build in (lambda o: dm.build_model(name, V_SRC, V_TGT, embed_dim=8, hidden_size=8, **o),
+                  lambda o: check_model_options(name, o)):
+        with pytest.raises(ValueError, match=rf"^{name}: {option}=\S+ builds nothing here \(.*{message}.*\); "
+                                             rf"leave it out$"):
+            build(options)
+    as_default = {**options, option: option_defaults(name)[option]}
+    model = dm.build_model(name, V_SRC, V_TGT, embed_dim=8, hidden_size=8, **as_default)
+    without = {k: v for k, v in options.items() if k != option}
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in dm.build_model(name, V_SRC, V_TGT, embed_dim=8, hidden_size=8, **without).parameters())
+    vocab = Vocabulary.train(["el perro come la manzana", "la casa es grande"] * 20, vocab_size=V_SRC)
+    old = dm.build_model(name, len(vocab), len(vocab), embed_dim=8, hidden_size=8, **without)
+    path = save_model(tmp_path / "old.pt", name, dict(options, embed_dim=8, hidden_size=8), vocab, vocab, old)
+    loaded = load_model(path)[0]
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), old.state_dict().values()))
+
+
 def test_a_target_vocabulary_holds_bos_and_eos():
     """A target vocabulary of 2 or 3 ids built and failed only when decoded (BOS 2 and EOS 3 are no words of it); a
     source vocabulary of 2 is enough (padding and one word)."""

@@ -30,7 +30,7 @@ from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, Argument
                                  check_output_dir, command_line_values, cut, one_line, refuse)
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
-from dtmt_models.models.registry import check_model_options, list_models, position_bound
+from dtmt_models.models.registry import check_model_options, list_models, position_bound, used_options
 from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
@@ -554,6 +554,8 @@ def resumed_config(source: str, config) -> TrainConfig:
         check_arguments(given)
         if cfg.model not in list_models():
             raise ValueError(f"unknown model {cfg.model!r}")
+        if isinstance(cfg.model_options, dict):   # (a run of before their refusal: the same model without them)
+            cfg = dataclasses.replace(cfg, model_options=used_options(cfg.model, cfg.model_options))
         check_model_options(cfg.model, cfg.model_options)
     except ValueError as exc:
         raise refused(f"its settings: {one_line(exc)}") from None

@@ -30,7 +30,7 @@ import torch
 from dtmt_models.atomic import atomic_write
 from dtmt_models.data.vocabulary import Vocabulary
 from dtmt_models.errors import MAX_COUNT, check_device_present, one_line
-from dtmt_models.models.registry import build_model, shapes_only
+from dtmt_models.models.registry import build_model, shapes_only, used_options
 
 FORMAT = "dtmt-checkpoint-1"
 IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")   # how an optimizer steps, not what it does
@@ -427,7 +427,8 @@ def translation_parts(path: str, ckpt: Dict[str, Any]) -> Tuple[Vocabulary, Voca
         raise ValueError(f"{path}: its model cannot be built (its options are a {type(options).__name__})")
     try:
         with shapes_only():
-            own = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **options).state_dict()
+            own = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab),
+                              **used_options(ckpt["model_name"], options)).state_dict()
     except (ValueError, TypeError, RuntimeError) as exc:
         raise ValueError(f"{path}: its model cannot be built ({one_line(exc)[:300]})") from None
     return src_vocab, tgt_vocab, own
@@ -463,7 +464,8 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
     ckpt = read_checkpoint(path)
     src_vocab, tgt_vocab, own = translation_parts(path, ckpt)
     check_weights_fit(path, ckpt, own)
-    model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab), **ckpt["model_options"])
+    model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab),
+                        **used_options(ckpt["model_name"], ckpt["model_options"]))
     model.load_state_dict(ckpt["model"])
     if backend is not None and hasattr(model, "set_backend"):
         model.set_backend(backend)

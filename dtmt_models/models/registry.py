@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -45,7 +45,7 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
     options = {k: _unwrapped(v) for k, v in options.items()}
     _check_option_values(name, options, min(src_vocab_size, tgt_vocab_size))
     try:
-        return _MODELS[name](src_vocab_size, tgt_vocab_size, **options)
+        model = _MODELS[name](src_vocab_size, tgt_vocab_size, **options)
     except torch.OutOfMemoryError:   # (a RuntimeError, but not the options' fault)
         raise
     except (ValueError, TypeError, RuntimeError, AssertionError, ZeroDivisionError) as exc:
@@ -54,6 +54,11 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
             raise MemoryError(f"{name} with {options} does not fit in this machine's memory ({one_line(exc)})") \
                 from None
         raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from exc
+    defaults = option_defaults(name)   # (after the system's own checks of every value: theirs say more)
+    for option, why in unused_options(name, options).items():
+        if options[option] != defaults.get(option):   # (its default given, as a run's options hold it, is harmless)
+            raise ValueError(f"{name}: {option}={_shown(options[option])} builds nothing here ({why}); leave it out")
+    return model
 
 
 def _unwrapped(v):
@@ -107,6 +112,26 @@ def _option_params(name: str) -> dict:
         if not any(p.kind == p.VAR_KEYWORD for p in sig.values()):
             break
     return params
+
+
+def unused_options(name: str, options: dict) -> Dict[str, str]:
+    """The options given in `options` that system `name` builds nothing from, the others being what they are
+    (nematus's enc_depth with a one-level encoder), each with why: its class's `unused_options(all options, defaults
+    filled in)`. build_model refuses such an option given another value than its default (taken without a word, it
+    had been recorded in the run's config.yaml as if the model had it)."""
+    _import_systems()
+    find = getattr(_MODELS[name], "unused_options", None)
+    if find is None:
+        return {}
+    return {k: why for k, why in find({**option_defaults(name), **options}).items() if k in options}
+
+
+def used_options(name: str, options: dict) -> dict:
+    """`options` without its unused_options: the same model, which build_model takes. For the options a checkpoint
+    holds: one written before such options were refused builds as it did."""
+    _import_systems()
+    unused = unused_options(name, options) if name in _MODELS else {}
+    return {k: v for k, v in options.items() if k not in unused}
 
 
 def option_defaults(name: str) -> dict:

@@ -25,7 +25,7 @@ code uses 16 at d=1024; scale with the model), the multi-head context is project
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import dtmt_kernels as dk
 from dtmt_kernels.ops.transition import DEEP_TRANSITION_CELLS
@@ -38,6 +38,22 @@ from dtmt_models.models.seq2seq import Readout
 
 @register_model("dtmt")
 class DTMT(AttentionalRNMT):
+    @staticmethod
+    def unused_options(o: dict) -> Dict[str, str]:
+        """The options that the deep_* switches `o` gives leave unused, with why (registry.unused_options)."""
+        unused = {}
+        modules = (("encoder", "deep_encoder"), ("query", "deep_query"), ("decoder", "deep_decoder"))
+        for module, switch in modules:
+            if not o[switch]:
+                unused[f"{module}_depth"] = f"{switch}=False: the {module} is one shallow_cell"
+        if all(not o[switch] or o[f"{module}_depth"] is not None for module, switch in modules):
+            unused["depth"] = "every deep module has its own depth, or none is deep"
+        if not any(o[switch] for _, switch in modules):
+            unused["cell"] = "no module is deep: deep_encoder, deep_query and deep_decoder are False"
+        if all(o[switch] for _, switch in modules):
+            unused["shallow_cell"] = "every module is deep"
+        return unused
+
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
                  depth: int = 1, cell: str = "lgru", encoder_depth: Optional[int] = None,
                  query_depth: Optional[int] = None, decoder_depth: Optional[int] = None,

@@ -40,7 +40,7 @@ embed_dim != hidden_size: the embeddings are projected to H before initialising 
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.nn as nn
@@ -125,6 +125,11 @@ class Gate(nn.Module):
 
 @register_model("mce")
 class MultiChannelEncoderNMT(AttentionalRNMT):
+    @staticmethod
+    def unused_options(o: dict) -> Dict[str, str]:
+        """backward_input where the annotation has no recurrent encoder (registry.unused_options)."""
+        return {"backward_input": "annotation='emb' has no backward encoder"} if o["annotation"] == "emb" else {}
+
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
                  annotation: str = "ntm-rnn-emb", backward_input: str = "forward_states", dropout: float = 0.5,
                  tie_embeddings: bool = False, pad_id: int = 0, backend: str = "auto"):

@@ -29,7 +29,7 @@ cGRU levels feed GRU_{k,2} with their own s_{j,k,1}.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -83,6 +83,22 @@ class Nematus(Seq2Seq):
     # its one-level step is the engine's one-call step, with s [B, levels, H] and the previous token's row alone;
     # its own encode
     fused_step = FusedStep(layered=True, positions=False, tabled_encoder=False)
+
+    @staticmethod
+    def unused_options(o: dict) -> Dict[str, str]:
+        """The options that the encoder and decoder `o` names leave unused, with why (registry.unused_options)."""
+        enc, dec, unused = o["encoder"], o["decoder"], {}
+        if enc in ("shallow", "deep-transition"):
+            unused["enc_depth"] = f"the {enc} encoder has one level"
+        if enc not in ("deep-transition", "bideep"):
+            unused["enc_transition_depth"] = "only the deep-transition and bideep encoders read it"
+        if dec in ("shallow", "deep-transition"):
+            unused["dec_depth"] = f"the {dec} decoder has one level"
+        if dec not in ("deep-transition", "bideep"):
+            unused["dec_base_transition_depth"] = "only the deep-transition and bideep decoders read it"
+        if dec != "bideep":
+            unused["dec_high_cell"] = unused["dec_high_transition_depth"] = "only the bideep decoder reads it"
+        return unused
 
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 256,
                  encoder: str = "shallow", decoder: str = "shallow", enc_depth: int = 2,

@@ -2389,6 +2389,14 @@ def test_config_file_flags_override_it_and_the_written_config_reproduces_the_run
                                               f"--config, or change the file's preset and remove the settings it "
                                               f"should take from it\n"), r.stderr
     assert not (tmp_path / "c").exists()
+    # another model likewise (a review: a transformer had trained with the RNN run's learning rate, schedule and
+    # widths, logged as the transformer's small preset)
+    r = train_here(["--config", str(a / "config.yaml"), "--out", str(tmp_path / "c"), "--model", "transformer"],
+                   capsys)
+    assert r.returncode == 2 and r.stderr.startswith(
+        f"dtmt train: --model transformer: --config {a / 'config.yaml'} holds the settings of a dtmt run (its "
+        f"preset's and options), which would override transformer's; leave out --config"), r.stderr
+    assert not (tmp_path / "c").exists()
 
 
 def test_resume_says_where_the_run_s_config_yaml_was_edited(toy_nodev, tmp_path, capsys):

@@ -732,6 +732,14 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                 raise ValueError(f"--preset {given['preset']}: --config {config} holds the settings of preset "
                                  f"{held}, which would override {given['preset']}'s; leave out --config, or change "
                                  f"the file's preset and remove the settings it should take from it")
+            model = from_file[from_file.index("--model") + 1] if "--model" in from_file else None
+            specific = held is not None or "--opt" in from_file   # (settings of the file's model)
+            if model is not None and specific and given.get("model", model) != model:   # (likewise its preset's
+                # values and options: a transformer with an RNN's learning rate, schedule and widths, without a word)
+                raise ValueError(f"--model {given['model']}: --config {config} holds the settings of a {model} run "
+                                 f"(its preset's and options), which would override {given['model']}'s; leave out "
+                                 f"--config, or change the file's model and remove the settings it should take "
+                                 f"from it")
             argv = from_file + argv   # the command line's flags come last: they override
         except ValueError as exc:
             print(f"dtmt train: {one_line(exc)}", file=sys.stderr)

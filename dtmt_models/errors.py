@@ -45,6 +45,19 @@ def one_line(exc: BaseException) -> str:
     return cut(" | ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__)
 
 
+def did_you_mean(word, choices) -> str:
+    """" (did you mean 'X'?)" for the choice closest to a mistyped `word` (difflib's, case ignored), "" where none
+    is close: for the errors that name a thing by its name (a model, an option, a preset)."""
+    import difflib
+
+    if not isinstance(word, str):
+        return ""
+    choices = [str(c) for c in choices]
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.75)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The commands' argparse parser: an error in the command line (an unknown option, a value of the wrong type, a
     missing argument) is one line, `dtmt <command>: message`, and exit status 2, as the commands' own checks are

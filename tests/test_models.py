@@ -85,7 +85,8 @@ def test_registry():
 
 
 @pytest.mark.parametrize("name, options, message", [
-    ("dtmt", dict(hiden_size=8), "unknown option 'hiden_size' for dtmt; its options are: "),
+    ("dtmt", dict(hiden_size=8), r"unknown option 'hiden_size' for dtmt \(did you mean 'hidden_size'\?\); its "
+                                 r"options are: "),
     ("dtmt", dict(embed_dim="8"), "option embed_dim='8' for dtmt: expected int"),
     ("dtmt", dict(heads=0), "option heads=0 for dtmt: expected an int from 1 to 1,024"),
     ("mce", dict(hidden_size=-3), "option hidden_size=-3 for mce: expected an int from 1 to 65,536"),
@@ -754,3 +755,37 @@ def test_a_decoder_steps_positions_off_the_cpu_are_not_read_on_the_host(monkeypa
     table = emb(tokens, positions=positions)   # (the CPU's way)
     monkeypatch.setattr(dk.functional, "host_reads_allowed", lambda: False)   # (the way off the CPU)
     assert torch.equal(emb(tokens, positions=positions), table)   # rounded, then scaled, as the table
+
+
+def test_a_mistyped_name_is_answered_with_the_closest_one():
+    """A mistyped model, option, preset or paper row is named with the closest right one (difflib's), and a row's
+    name mistyped without --model says so rather than that the default model, dtmt, has no such preset (a review
+    found both). A system registered by its user takes only 'small' and 'paper' as preset names (any other had given
+    the defaults without a word)."""
+    from dtmt_models.models.presets import get_preset, presets_of
+    from dtmt_models.models.registered import MODELS, register_model
+
+    with pytest.raises(ValueError, match=r"^unknown model 'DTMTT' \(did you mean 'dtmt'\?\); choose one of "):
+        dm.build_model("DTMTT", V_SRC, V_TGT)
+    with pytest.raises(ValueError, match=r"^unknown option 'hiden_size' for dtmt \(did you mean 'hidden_size'\?\); "):
+        dm.build_model("dtmt", V_SRC, V_TGT, hiden_size=8)
+    with pytest.raises(ValueError, match=r"^no paper table row '002-T4-bideep-4x3' \(did you mean "
+                                         r"'002-T4-bideep-4x2'\?\) \(`dtmt models` lists them\)$"):
+        get_preset("dtmt", "002-T4-bideep-4x3")
+    with pytest.raises(ValueError, match=r"; not 'smal' \(did you mean 'small'\?\)$"):
+        get_preset("nematus", "smal")
+    with pytest.raises(ValueError, match=r"; not 'zzz'$"):   # (nothing close: no guess)
+        get_preset("nematus", "zzz")
+
+    @register_model("test-user-system")
+    class Mine(torch.nn.Module):
+        def __init__(self, src_vocab_size, tgt_vocab_size, width: int = 4):
+            super().__init__()
+    try:
+        assert get_preset("test-user-system", "paper") == get_preset("test-user-system", "small")
+        assert presets_of("test-user-system") == ["paper", "small"]
+        with pytest.raises(ValueError, match=r"^model 'test-user-system' has no presets of its own: 'small' and "
+                                             r"'paper' both give its own defaults and dtmt train's; not 'zzz-typo'$"):
+            get_preset("test-user-system", "zzz-typo")
+    finally:
+        del MODELS["test-user-system"]

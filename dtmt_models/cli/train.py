@@ -27,7 +27,7 @@ from dtmt_models.data import binarized
 from dtmt_models.data.corpus import PREPARE_STAGE, CorpusError
 from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_counts, check_finite,
-                                 check_output_dir, command_line_values, cut, one_line, refuse)
+                                 check_output_dir, command_line_values, cut, did_you_mean, one_line, refuse)
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import check_model_options, list_models, position_bound, used_options
@@ -354,8 +354,9 @@ def config_arguments(path: str) -> List[str]:
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest not in flags or dest in NOT_IN_CONFIG:
-            raise ValueError(f"--config {path}: unknown option {key!r} (the keys are `dtmt train` flags without the "
-                             f"dashes, e.g. max_time, and opt for the model options)")
+            raise ValueError(f"--config {path}: unknown option {key!r}{did_you_mean(dest, set(flags) - set(NOT_IN_CONFIG))} "
+                             f"(the keys are `dtmt train` flags without the dashes, e.g. max_time, and opt for the "
+                             f"model options)")
         if value is None:   # (it was skipped: a forgotten value trained with the preset's)
             raise ValueError(f"--config {path}: {key} has no value; give one, or leave the key out")
         for v in (value.values() if dest == "opt" and isinstance(value, dict) else [value]):
@@ -758,7 +759,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
         # everything the command line says is checked here, before any file is read or written
         check_arguments(args)
         if args.model not in list_models():
-            raise ValueError(f"unknown model {args.model!r}; choose one of {list_models()}")
+            raise ValueError(f"unknown model {args.model!r}{did_you_mean(args.model, list_models())}; choose one of "
+                             f"{list_models()}")
         resume_from = None   # the checkpoint --resume names, if it names one
         if args.resume:
             resume_from = os.path.abspath(args.resume)

@@ -9,8 +9,11 @@ model options, the flags for training settings).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from dtmt_models.errors import did_you_mean
 
 # Training settings shared by every preset unless a preset overrides them.
 # max_epochs bounds a run started without --max-epochs / --max-steps / --max-time (None: until early stopping).
@@ -275,7 +278,7 @@ PAPER_ROWS_BY_NAME: Dict[str, PaperRow] = {r.name: r for r in PAPER_ROWS}
 
 def presets_of(model: str) -> List[str]:
     """Every preset name `model` takes: small, paper, then its papers' rows."""
-    return sorted(PRESETS.get(model, {})) + [r.name for r in PAPER_ROWS if r.model == model]
+    return sorted(PRESETS.get(model, {"paper": None, "small": None})) + [r.name for r in PAPER_ROWS if r.model == model]
 
 
 def get_preset(model: str, preset: str = "small") -> dict:
@@ -284,18 +287,28 @@ def get_preset(model: str, preset: str = "small") -> dict:
     from dtmt_models.models.registry import list_models
 
     if model not in list_models():
-        raise ValueError(f"unknown model {model!r}; choose one of {list_models()}")
+        raise ValueError(f"unknown model {model!r}{did_you_mean(model, list_models())}; choose one of "
+                         f"{list_models()}")
     row = PAPER_ROWS_BY_NAME.get(preset)
+    if row is None and isinstance(preset, str) and re.match(r"\d{3}-", preset):   # (a row's name, mistyped: it
+        # had said that the default model, dtmt, has no such preset, naming its 20 others)
+        raise ValueError(f"no paper table row {preset!r}{did_you_mean(preset, PAPER_ROWS_BY_NAME)} (`dtmt models` "
+                         f"lists them)")
     if row is not None:
         if row.model != model:
             raise ValueError(f"preset {preset!r} is a {row.model} configuration, not {model}'s "
                              f"(use --model {row.model})")
         base = get_preset(model, "paper")
         return {"model": copy.deepcopy(row.options), "train": {**base["train"], **TABLES[row.table].train}}
-    if model not in PRESETS:
+    if model not in PRESETS:   # (a system registered by its user: its own defaults under the two names; any other
+        # name had been taken without a word)
+        if preset not in ("small", "paper"):
+            raise ValueError(f"model {model!r} has no presets of its own: 'small' and 'paper' both give its own "
+                             f"defaults and dtmt train's; not {preset!r}")
         return {"model": {}, "train": dict(TRAIN_DEFAULTS)}
     if preset not in PRESETS[model]:
-        raise ValueError(f"model {model!r} has presets {', '.join(presets_of(model))}; not {preset!r}")
+        raise ValueError(f"model {model!r} has presets {', '.join(presets_of(model))}; not {preset!r}"
+                         f"{did_you_mean(preset, presets_of(model))}")
     p = copy.deepcopy(PRESETS[model][preset])
     train = {**TRAIN_DEFAULTS, **({"max_epochs": None} if preset == "paper" else {}), **p["train"]}
     return {"model": p["model"], "train": train}

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from dtmt_models.data.vocabulary import BOS, EOS
-from dtmt_models.errors import one_line
+from dtmt_models.errors import did_you_mean, one_line
 from dtmt_models.models.registered import MODELS as _MODELS, register_model  # noqa: F401  (the public name)
 
 
@@ -34,7 +34,7 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
     both vocabularies, or a value the system refuses."""
     _import_systems()
     if not isinstance(name, str) or name not in _MODELS:
-        raise ValueError(f"unknown model {_shown(name)}; choose one of {sorted(_MODELS)}")
+        raise ValueError(f"unknown model {_shown(name)}{did_you_mean(name, _MODELS)}; choose one of {sorted(_MODELS)}")
     # numpy numbers (a sweep's np.arange, a config read through numpy) as the Python numbers the systems take
     src_vocab_size, tgt_vocab_size = _unwrapped(src_vocab_size), _unwrapped(tgt_vocab_size)
     # (a target vocabulary holds BOS and EOS, with which every search starts and ends a sentence)
@@ -177,7 +177,8 @@ def _check_option_values(name: str, options: dict, vocab_size: int) -> None:
     params = _option_params(name)
     for key, value in options.items():
         if key not in params:
-            raise ValueError(f"unknown option {key!r} for {name}; its options are: {', '.join(sorted(params))}")
+            raise ValueError(f"unknown option {key!r} for {name}{did_you_mean(key, params)}; its options are: "
+                             f"{', '.join(sorted(params))}")
         default = params[key].default
         expected = type(default) if default is not inspect.Parameter.empty and default is not None else None
         if default is None and value is not None:   # (an Optional option: its annotation's type; readout_layer_norm=

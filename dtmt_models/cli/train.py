@@ -354,9 +354,9 @@ def config_arguments(path: str) -> List[str]:
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         if dest not in flags or dest in NOT_IN_CONFIG:
-            raise ValueError(f"--config {path}: unknown option {key!r}{did_you_mean(dest, set(flags) - set(NOT_IN_CONFIG))} "
-                             f"(the keys are `dtmt train` flags without the dashes, e.g. max_time, and opt for the "
-                             f"model options)")
+            guess = did_you_mean(dest, set(flags) - set(NOT_IN_CONFIG))
+            raise ValueError(f"--config {path}: unknown option {key!r}{guess} (the keys are `dtmt train` flags "
+                             f"without the dashes, e.g. max_time, and opt for the model options)")
         if value is None:   # (it was skipped: a forgotten value trained with the preset's)
             raise ValueError(f"--config {path}: {key} has no value; give one, or leave the key out")
         for v in (value.values() if dest == "opt" and isinstance(value, dict) else [value]):

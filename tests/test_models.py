@@ -355,6 +355,8 @@ def test_forward_backward_finite_and_summary(name, options, capsys):
     model = build(name, **options)
     text = dm.summary(model)
     assert "total" in text and str(sum(p.numel() for p in model.parameters())) in text.replace(",", "")
+    rows = [int(line.split()[1].replace(",", "")) for line in text.splitlines()[1:]]
+    assert sum(rows[:-1]) == rows[-1], text   # (a tied embedding had been counted in two rows: a review found it)
     src, src_lengths, prev, tgt = toy_batch()
     log_probs = model(src, src_lengths, prev)
     assert log_probs.shape == (3, 6, V_TGT)

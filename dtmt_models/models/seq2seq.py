@@ -416,10 +416,20 @@ _CHECKED = threading.local()   # .batch: (model, src, src_lengths) of the callin
 
 
 def summary(model: nn.Module) -> str:
-    """Parameter counts by top-level submodule and in total, as a printable table (also printed)."""
+    """Parameter counts by top-level submodule and in total, as a printable table (also printed). A parameter that
+    several submodules share (tied embeddings) is counted in the first that holds it and named in the others' rows, so
+    that the rows add up to the total."""
     lines = [f"{type(model).__name__} ({getattr(model, 'model_name', '')})"]
+    owner = {}   # id of a parameter -> the submodule it is counted in
     for name, child in model.named_children():
-        lines.append(f"  {name:<24s} {sum(p.numel() for p in child.parameters()):>12,d}")
+        own, shared = 0, set()
+        for p in child.parameters():
+            if owner.setdefault(id(p), name) == name:
+                own += p.numel()
+            else:
+                shared.add(owner[id(p)])
+        note = f"  (and {', '.join(sorted(shared))}'s, tied)" if shared else ""
+        lines.append(f"  {name:<24s} {own:>12,d}{note}")
     total = sum(p.numel() for p in model.parameters())  # tied parameters counted once
     lines.append(f"  {'total':<24s} {total:>12,d}")
     text = "\n".join(lines)

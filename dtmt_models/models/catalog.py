@@ -72,7 +72,7 @@ def describe(count: bool = False, table: Optional[str] = None) -> str:
             lines.append(f"  {name:<14s} {first}")
             rows = sum(r.model == name for r in PAPER_ROWS)
             lines.append(f"  {'':<14s} presets: {', '.join(p for p in presets_of(name) if p in ('small', 'paper'))}"
-                         + (f", and {rows} paper table rows (below)" if rows else ""))
+                         + (f", and {rows} paper table row{'s' if rows > 1 else ''} (below)" if rows else ""))
         lines.append("")
         lines.append("the papers' table rows (a row is a preset of its system: dtmt train --preset ROW, the model "
                      "follows from the row):")

@@ -717,3 +717,11 @@ def test_mce_decoder_recomputed_from_paper_003(backend):
                 logits = ro.output.proj.weight @ o + ro.output.proj.bias
                 torch.testing.assert_close(got[b, t], torch.log_softmax(logits, 0), rtol=1e-10, atol=1e-10,
                                            msg=f"sentence {b}, step {t}")
+
+
+def test_every_row_trains_at_the_vocabulary_its_table_is_counted_at():
+    """A row's preset trains with the vocabulary size per side at which `dtmt models --count` counts it: paper 002's
+    rows had trained with the nematus paper preset's 90,000 (126 M for the baseline) while counted at 60,000
+    (95.3 M, against the paper's 98.0; a review found it)."""
+    assert {r.name: get_preset(r.model, r.name)["train"]["vocab_size"] for r in PAPER_ROWS} == \
+        {r.name: TABLES[r.table].vocab for r in PAPER_ROWS}

@@ -140,6 +140,23 @@ def quality(argv) -> dict:
     p.add_argument("--out", default=os.path.join(HERE, "out", "amp"))
     p.add_argument("--runs", default=None, help="where the training runs go (default OUT/quality-MODEL-DEVICE)")
     a = p.parse_args(argv)
+    # before any folder is made or run trained: --device cuda without a GPU and --steps -1 had been tracebacks of the
+    # first `dtmt train`, a mistyped --data got a Bible built there, an unknown --model failed in training
+    from common import check_options
+    from dtmt_models.models.presets import get_preset
+
+    check_options(p, a, (("steps", 1),), device="device")
+    if len(set(a.seeds)) < len(a.seeds):
+        p.error(f"--seeds {' '.join(map(str, a.seeds))}: a seed given twice (its runs would replace each other)")
+    try:
+        get_preset(a.model, "small")
+    except ValueError as exc:
+        p.error(f"--model {a.model}: {exc}")
+    default_data = os.path.join(os.path.dirname(HERE), "data", "bible")
+    if not os.path.isfile(os.path.join(a.data, "corpus.json")) and \
+            os.path.abspath(a.data) != os.path.abspath(default_data):
+        p.error(f"--data {a.data}: no corpus.json; make the corpus with `dtmt prepare` (only the default, "
+                f"{default_data}, is prepared here)")
     runs_dir = a.runs or os.path.join(a.out, f"quality-{a.model}-{a.device}")
     os.makedirs(runs_dir, exist_ok=True)
     log = os.path.join(runs_dir, "commands.log")   # every `dtmt` command and its output

@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from common import check_options, machine_name, time_fn, write_csv  # noqa: E402
+from common import (check_options, machine_name, make_out_dir, provenance, provenance_line, time_fn,  # noqa: E402
+                    write_csv)
 from dtmt_models.models.attention import MultiHeadAdditiveAttention  # noqa: E402
 
 # (name, B, S, query size H, annotation size C = 2H, attention size A, heads)
@@ -111,6 +112,9 @@ def main(argv=None):
     if a.device == "cuda":   # strict fp32 on both sides; the cuda kernels on for this process
         torch.backends.cuda.matmul.allow_tf32 = False
         dk.functional.ATTENTION_KERNEL_BACKENDS = dk.functional.ATTENTION_KERNEL_BACKENDS | {"cuda"}
+    make_out_dir(p, a.out)   # (a file there was a FileExistsError after every size had been timed)
+    record = provenance(__file__, argv, a.device)
+    print(provenance_line(record), flush=True)
     sizes, repeat = (QUICK, 1) if a.quick else (CUDA_SIZES if a.device == "cuda" else SIZES, a.repeat)
     rows = [r for size in sizes for r in measure(*size, repeat, a.device)]
     mode = ", strict fp32" if a.device == "cuda" else ""
@@ -121,7 +125,7 @@ def main(argv=None):
         print(f"| {r['size']} | {r['B']} | {r['S']} | {r['A']} | {r['heads']} | {r['backend']} | {r['fwd_ms']:.3f} | "
               f"{r['x_fwd']:.2f} | {r['fwd_bwd_ms']:.3f} | {r['x_fwd_bwd']:.2f} | {r['scores_fwd_bwd_ms']:.3f} | "
               f"{r['x_scores']:.2f} | {r['saved_KB']:.1f} |")
-    write_csv(os.path.join(a.out, "bench_attention.csv"), rows, list(rows[0]))
+    write_csv(os.path.join(a.out, "bench_attention.csv"), rows, list(rows[0]), comment=provenance_line(record))
     return rows
 
 

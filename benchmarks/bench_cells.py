@@ -10,7 +10,12 @@ For every (T, B, H) of the grid it times, in one run:
   - ATR on reference and cpp
 and it measures the machine's GEMM rate in the same run twice: a large square GEMM (peak) and exactly the
 GEMMs the fused kernel performs for that configuration, timed alone ("shape-matched"). `gemm_eff` is the
-fused run's GEMM FLOPs per second over the shape-matched rate: the share of the time that is GEMM work.
+shape-matched GEMMs' time over the layer's time (the layer's GEMM FLOPs per second over the shape-matched rate):
+what share of the layer's time its GEMMs would take at the rate they run alone. It is a ratio of two timings taken
+apart, not a measured share, and nothing bounds it by 100%: above 100% the GEMMs alone took longer than the whole
+layer, which says that one of the two timings was disturbed (a single repetition, as --quick takes, on a busy
+machine: 224 ms for GEMMs that take 0.2 ms, seen on a shared 2-core VM) or, at tiny sizes, that the GEMMs' own
+per-call costs outweigh the layer's; the table then says so below it.
 `saved_B` is the bytes autograd keeps for backward per step and sequence (parameters and the input not
 counted; tensors sharing storage counted once).
 
@@ -33,7 +38,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from common import check_options, machine_name, time_fn, write_csv  # noqa: E402
+from common import (check_options, machine_name, make_out_dir, provenance, provenance_line, time_fn,  # noqa: E402
+                    write_csv)
 from dtmt_kernels.nn import CELL_ROWS  # noqa: E402
 
 
@@ -266,6 +272,7 @@ def print_table(rows, machine, device: str = "cpu"):
         peak = rows[0]["peak_gflops"] if rows else float("nan")
         print(f"# dtype {rows[0]['dtype'] if rows else '-'}; peak GEMM rate (4096^3 in that dtype, same run): "
               f"{peak:.0f} GFLOP/s")
+        note_gemm_eff(rows)
         return
     header = ["kind", "depth", "T", "B", "H", "impl", "ms", "x_ref", "x_gru", "GFLOP/s", "gemm_eff", "saved B/step/seq"]
     print("| " + " | ".join(header) + " |")
@@ -276,6 +283,17 @@ def print_table(rows, machine, device: str = "cpu"):
               f"{r['saved_B']:.0f} |")
     peak = rows[0]["peak_gflops"] if rows else float("nan")
     print(f"# peak GEMM rate (1024^3 sgemm, same run): {peak:.1f} GFLOP/s")
+    note_gemm_eff(rows)
+
+
+def note_gemm_eff(rows) -> None:
+    """A line below the table where a row's gemm_eff is above 100%: not a share, a disturbed timing (the module's
+    docstring); nothing where every row is at most 100%."""
+    over = [r for r in rows if r["gemm_eff"] == r["gemm_eff"] and r["gemm_eff"] > 1]
+    if over:
+        print(f"# gemm_eff above 100% in {len(over)} row(s): the shape-matched GEMMs, timed apart, took longer than "
+              f"the whole layer (gemm_ms up to {max(r['gemm_ms'] for r in over):.1f}): one of the two timings was "
+              f"disturbed (repetitions: see --repeat), not a share of the time; rerun with more repetitions")
 
 
 def plot(rows, path, machine):
@@ -319,18 +337,26 @@ def main(argv=None):
                    help="--device cuda, float32: strict fp32 on every side (TF32 off for cuBLAS and cuDNN; the "
                         "default) or torch's fast mode (TF32 allowed: cuBLAS and cuDNN use tensor cores). The table "
                         "names the mode of each side.")
-    p.add_argument("--T", type=int, nargs="+", default=[50], help="sequence lengths")
+    p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 50; --quick: 5)")
     p.add_argument("--BH", nargs="+", default=None,
-                   help="batch x hidden sizes, e.g. 64x256 (default 16x128 64x256 on cpu, 8x512 64x512 on cuda)")
-    p.add_argument("--depths", type=int, nargs="+", default=[1, 4], help="T-GRU depths of the deep transition")
-    p.add_argument("--repeat", type=int, default=5, help="timed repetitions (median reported)")
-    p.add_argument("--quick", action="store_true", help="tiny grid, one repetition (smoke test)")
+                   help="batch x hidden sizes, e.g. 64x256 (default 16x128 64x256 on cpu, 8x512 64x512 on cuda; "
+                        "--quick: 2x16)")
+    p.add_argument("--depths", type=int, nargs="+", default=None,
+                   help="T-GRU depths of the deep transition (default 1 4; --quick: 1)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="timed repetitions, median reported (default 5; --quick: 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny grid, one repetition (smoke test): the defaults of --T, --BH, --depths and --repeat, "
+                        "which still apply where given")
     p.add_argument("--out", default=os.path.join(HERE, "out"), help="directory for bench_cells.csv/.png")
     args = p.parse_args(argv)
-    if args.BH is None:
-        args.BH = ["8x512", "64x512"] if args.device == "cuda" else ["16x128", "64x256"]
-    if args.quick:
-        args.T, args.BH, args.depths, args.repeat = [5], ["2x16"], [1], 1
+    # (--quick had replaced a --T, --BH, --depths or --repeat given with it, without a word)
+    defaults = (dict(T=[5], BH=["2x16"], depths=[1], repeat=1) if args.quick else
+                dict(T=[50], BH=["8x512", "64x512"] if args.device == "cuda" else ["16x128", "64x256"], depths=[1, 4],
+                     repeat=5))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     check_options(p, args, (("T", 1), ("depths", 0), ("repeat", 1)), device="device")
     sizes = []
     for bh in args.BH:   # (int()'s ValueError, or a reshape's RuntimeError for 0)
@@ -339,6 +365,14 @@ def main(argv=None):
             p.error(f"--BH {bh}: expected BATCHxHIDDEN, both >= 1, e.g. 64x256")
         sizes.append((int(b), int(h)))
     grid = [(T, b, h) for T in args.T for b, h in sizes]
+    if args.device == "cpu":   # (refused before anything runs, as the --out below)
+        if args.dtype != "float32":
+            p.error("--dtype applies to --device cuda (the cpu kernels take float32 / float64)")
+        if args.math != "strict":
+            p.error("--math applies to --device cuda")
+    make_out_dir(p, args.out)   # (a file there was a FileExistsError after the whole grid had been timed)
+    record = provenance(__file__, argv, args.device)
+    print(provenance_line(record), flush=True)
     if args.device == "cuda":   # (one with no CUDA device: refused by check_options)
         if not gpu_impls():
             print(f"# no GPU backend is available ({dk.available_backends()}): timing the reference and cuDNN only")
@@ -347,16 +381,11 @@ def main(argv=None):
         rows = add_ratios(run_grid_cuda(grid, args.depths, args.repeat, getattr(torch, args.dtype)), "cuda")
         columns, name = COLUMNS_CUDA, "bench_cells_cuda"
     else:
-        if args.dtype != "float32":
-            p.error("--dtype applies to --device cuda (the cpu kernels take float32 / float64)")
-        if args.math != "strict":
-            p.error("--math applies to --device cuda")
         machine = machine_name()
         rows = add_ratios(run_grid(grid, args.depths, args.repeat))
         columns, name = COLUMNS, "bench_cells"
     print_table(rows, machine, args.device)
-    os.makedirs(args.out, exist_ok=True)
-    write_csv(os.path.join(args.out, f"{name}.csv"), rows, columns)
+    write_csv(os.path.join(args.out, f"{name}.csv"), rows, columns, comment=provenance_line(record))
     plot(rows, os.path.join(args.out, f"{name}.png"), machine)
     print(f"# wrote {os.path.join(args.out, name + '.csv')} and {name}.png")
     return rows

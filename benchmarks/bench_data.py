@@ -14,7 +14,8 @@ times, as a user runs them:
     time from the launch to the end of the first update.
 Memory is sampled from /proc every 50 ms (VmRSS of every process of the run's tree; the mapped token files count
 there as the pages read so far). The dev split is 20 Bible dev verses, so the closing validation is quick.
-Output: OUT/bench_data.json, OUT/bench_data.md (the table) and OUT/bench_data.png (memory against corpus size).
+Output: OUT/bench_data.json, OUT/bench_data.md (the table, under the run's header: machine, commit, date, torch,
+command) and OUT/bench_data.png (memory against corpus size).
 """
 from __future__ import annotations
 
@@ -185,9 +186,18 @@ def main(argv=None) -> int:
     if any(k < 0 for k in procs):
         p.error(f"--processes {a.processes}: a count must be >= 0 (0: prepare only)")
     procs = [k for k in procs if k > 0]
-    os.makedirs(a.out, exist_ok=True)
-    from common import machine_name, write_json
+    from dtmt_models.data.corpus import CorpusError, corpus_paths
 
+    try:   # (a --data without the corpus was a CorpusError's traceback after OUT/synth-N/ and the log were made)
+        for split in ("train", "dev"):
+            corpus_paths(a.data, split)
+    except CorpusError as exc:
+        p.error(f"--data {a.data}: {exc}")
+    from common import machine_name, make_out_dir, provenance, provenance_line, write_json
+
+    make_out_dir(p, a.out)
+    a.run = provenance(__file__, argv)
+    print(provenance_line(a.run), flush=True)
     machine = machine_name()
     results = []
     log = open(os.path.join(a.out, "bench_data.log"), "w")
@@ -231,14 +241,17 @@ def main(argv=None) -> int:
         if not a.keep:
             for name in ("raw.es", "raw.en", "raw.n"):
                 os.remove(os.path.join(work, name))
-        write_json(os.path.join(a.out, "bench_data.json"), {"machine": machine, "model": a.model, "steps": a.steps,
-                                                             "rows": results})
+        write_json(os.path.join(a.out, "bench_data.json"), {"machine": machine, "run": a.run, "model": a.model,
+                                                             "steps": a.steps, "rows": results})
     report(results, machine, a, procs)
     return 0
 
 
 def report(results, machine, a, procs) -> None:
-    lines = [f"Machine: {machine}; `dtmt train --model {a.model}` (small preset), {a.steps} updates, one thread a "
+    from common import provenance_line
+
+    lines = [provenance_line(a.run), "",
+             f"Machine: {machine}; `dtmt train --model {a.model}` (small preset), {a.steps} updates, one thread a "
              f"process; prepare with the default settings (SentencePiece on a sample of up to 1 M lines a side, "
              f"one encoding process per core).", "",
              "| pairs | prepare s | pairs/s | prepare peak RSS MiB (main / all) | "

@@ -169,7 +169,8 @@ def make_batches(sentences, batch_size):
 
 
 def main(argv=None):
-    from common import check_options, machine_name, write_csv
+    from common import (check_checkpoint, check_options, machine_name, make_out_dir, provenance, provenance_line,
+                        write_csv)
 
     from dtmt_models.models.presets import PRESETS, get_preset
     from dtmt_models.models.registry import build_model
@@ -207,6 +208,25 @@ def main(argv=None):
     if a.quick:
         a.sentences, a.src_len, a.tgt_len, a.vocab, a.repeat, a.batch_size = 2, 5, 4, 100, 1, 2
     amps = list(dict.fromkeys(a.amp))
+    lines = None
+    if a.checkpoints:   # (each checked before anything runs: a missing one was a FileNotFoundError's traceback)
+        from dtmt_models.data.corpus import CorpusError, read_lines
+
+        if not a.input:
+            p.error("--checkpoints needs --input")
+        # (an empty line was a CorpusError; `dtmt translate` writes an empty line for it, decoding nothing)
+        try:
+            lines = [line for line in read_lines(a.input, allow_empty=True) if line.strip()][:a.sentences]
+        except CorpusError as exc:   # (a missing or unreadable file: a traceback)
+            p.error(f"--input {a.input}: {exc}")
+        if not lines:   # (a division by zero after decoding)
+            p.error(f"--input {a.input}: no sentences")
+        for path in a.checkpoints:
+            check_checkpoint(p, path, option="--checkpoints")
+    if not a.bookkeeping:   # (the table's CSV)
+        make_out_dir(p, a.out)
+    record = provenance(__file__, argv, a.device)
+    print(provenance_line(record), flush=True)
 
     def decoders(label, model):
         """(label, the model's decoder) in each --amp precision, as `dtmt translate` builds it."""
@@ -238,14 +258,7 @@ def main(argv=None):
     # at V = 4,000 that build, its tables included, costs ~125 ms, more than decoding a sentence)
     if a.checkpoints:
         from dtmt_models.models.checkpoint import load_model
-        from dtmt_models.data.corpus import read_lines
 
-        if not a.input:
-            p.error("--checkpoints needs --input")
-        # (an empty line was a CorpusError; `dtmt translate` writes an empty line for it, decoding nothing)
-        lines = [line for line in read_lines(a.input, allow_empty=True) if line.strip()][:a.sentences]
-        if not lines:   # (a division by zero after decoding)
-            p.error(f"--input {a.input}: no sentences")
         for path in a.checkpoints:
             model, sv, tv, ckpt = load_model(path)
             model = model.to(a.device)
@@ -321,7 +334,7 @@ def main(argv=None):
         host = by.get((r["model"], r["beam"], r["batch"], "host"))
         r["vs_host_loop"] = r["words_per_s"] / host["words_per_s"] if host and r["loop"] in ("device", "graph") \
             else None
-    write_csv(os.path.join(a.out, "bench_decode.csv"), rows, list(rows[0]))
+    write_csv(os.path.join(a.out, "bench_decode.csv"), rows, list(rows[0]), comment=provenance_line(record))
     where = machine_name() if a.device == "cpu" else f"{torch.cuda.get_device_name(a.device)}, {machine_name()}"
     print(f"\nDecoding speed ({where}; {a.device}; {mode})\n")
     print("| model | params | beam | batch | loop | words/s | ms/sentence | × transformer | × matched (which) "

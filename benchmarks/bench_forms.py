@@ -12,8 +12,13 @@ On `bench_train.py`'s synthetic batches (a 2,000-target-token budget, Bible-like
                 outermost call, forward only (their backward is a split of the gradients), per update
   transposes_ms for every batch-first sequence layer, forward + backward of the layer on its input as batch-first
                 minus the same on the same data time-major (the layer's transposes and the copies they cause),
-                medians over --repeats alternated pairs, summed over the layers' calls in an update
-and each as a share of the update. Both are measured in one process, the layouts alternated."""
+                medians over --repeats alternated pairs, summed over the layers' calls in an update: a
+                difference of two timings, each with its noise, so that it can come out negative where the
+                transposes cost less than that noise (few --repeats, a busy machine); it is reported as measured,
+                with `transposes_note` saying so, not clamped at 0
+and each as a share of the update. Both are measured in one process, the layouts alternated.
+The run's header (`common.provenance`: machine, commit, date, torch, command) goes to stderr first and into the
+JSON as `run` (stdout is the JSON alone)."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +32,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
+def transposes_note(transposes_s: float, repeats: int):
+    """What a negative transposes figure means, in words (None where it is not negative): the batch-first calls'
+    median ran faster than the time-major ones', so the transposes cost less than the two timings' noise; it is not a
+    saving. (A difference of two medians, reported as measured rather than clamped at 0.)"""
+    if transposes_s >= 0:
+        return None
+    return (f"negative: the batch-first calls' median ran faster than the time-major calls' over {repeats} "
+            f"repeat(s): the transposes cost less than the timings' noise here, not a saving (more --repeats narrow "
+            f"it)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--system", default="dtmt")
@@ -38,7 +54,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the figures here too")
     a = p.parse_args(argv)
-    from benchmarks.common import check_options
+    from benchmarks.common import check_options, provenance, provenance_line
     from dtmt_models.models.presets import get_preset
 
     # before anything runs: --updates 0 was a ZeroDivisionError, --repeats 0 an empty median, --warmup 0 timed no
@@ -49,6 +65,9 @@ def main(argv=None):
         options = get_preset(a.system, a.preset)["model"]
     except ValueError as exc:
         p.error(f"--system {a.system} --preset {a.preset}: {exc}")
+
+    run_record = provenance(__file__, argv)
+    print(provenance_line(run_record), file=sys.stderr, flush=True)
 
     import torch
 
@@ -140,7 +159,10 @@ def main(argv=None):
     result = {"system": a.system, "preset": a.preset, "threads": a.threads, "update_ms": 1e3 * update_s,
               "forms_ms": 1e3 * forms_s, "forms_share": forms_s / update_s,
               "transposes_ms": 1e3 * transposes_s, "transposes_share": transposes_s / update_s,
-              "layer_calls": len(one_update_calls), "cpu_isa": _C.cpu_isa()}
+              "layer_calls": len(one_update_calls), "cpu_isa": _C.cpu_isa(), "run": run_record}
+    note = transposes_note(transposes_s, a.repeats)
+    if note:
+        result["transposes_note"] = note
     print(json.dumps(result, indent=1))
     if a.json:
         with open(a.json, "w") as f:

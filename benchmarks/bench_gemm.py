@@ -78,7 +78,7 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=5)
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # (common.py, beside this script)
-    from common import check_options
+    from common import check_options, provenance, provenance_line
 
     # (--repeat 0 was an empty median, --threads 0 torch's error, after the first shapes had run)
     check_options(p, a, (("threads", 1), ("rows", 1), ("inner", 1), ("repeat", 1)))
@@ -86,6 +86,7 @@ def main(argv=None):
         a.shapes = [f"{a.rows}x{kn}" for kn in ("128x4000", "512x1280", "256x1024", "256x768", "512x512")]
         a.cold = True
     small_ok = _C is not None
+    print(provenance_line(provenance(__file__, argv)), flush=True)
     print(f"torch {torch.__version__}; GFLOP/s (x W^T | weight gradient), weight GB/s (x W^T | W.sum()"
           + (" | small-row kernel" if small_ok else "") + ")" + (", cold weights" if a.cold else ""))
     rows, before = [], torch.get_num_threads()

@@ -84,11 +84,14 @@ def quantize_step_weights(model):
     return f32, i8
 
 
+DEFAULT_CHECKPOINT = os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt")
+
+
 def main(argv=None):
     from common import torch_threads
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt"))
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--split", default="test")
     p.add_argument("--sentences", type=int, default=0, help="the first N (0: all)")
@@ -98,7 +101,7 @@ def main(argv=None):
     p.add_argument("--isa", default="", help="'all' (every instruction-set copy of the CPU loops this CPU runs) or "
                    "a comma list: float32 and int8 decoded with each copy too (default: none)")
     a = p.parse_args(argv)
-    from common import check_options
+    from common import PEERS_30M_MADE_BY, check_checkpoint, check_options
 
     from dtmt_models.data.corpus import corpus_paths
     from dtmt_models.decoding.hypotheses import MAX_BEAM
@@ -111,6 +114,7 @@ def main(argv=None):
     except ValueError as exc:   # (CorpusError)
         p.error(f"--data {a.data} --split {a.split}: {exc}")
     a.copies = _copies(a.isa)   # (checked before any decoding)
+    check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, PEERS_30M_MADE_BY)   # (a FileNotFoundError after the corpus)
     with torch_threads(a.threads):
         return _run(a, argv)
 

@@ -53,9 +53,12 @@ def best_time(fn, calls: int, repeat: int) -> float:
     return best
 
 
+DEFAULT_CHECKPOINT = os.path.join(HERE, "out", "peers_30m_b", "dtmt", "step_0001734.pt")   # (RESULTS.md's run)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "step_0001734.pt"))
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
     p.add_argument("--rows", default="1,4,8,32")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--repeat", type=int, default=5)
@@ -64,7 +67,10 @@ def main(argv=None):
                                              "loops; DTMT_INT8_VNNI=0 in the environment keeps the avx512 copy off "
                                              "its VNNI loops); default: the best this CPU runs")
     a = p.parse_args(argv)
-    from common import torch_threads
+    from common import PEERS_30M_MADE_BY, check_checkpoint, torch_threads
+
+    # (a missing checkpoint, the default one of a local run above all, was a FileNotFoundError's traceback)
+    check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, PEERS_30M_MADE_BY)
     with torch_threads(1):
         return _run(a, argv)
 

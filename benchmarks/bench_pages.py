@@ -58,6 +58,9 @@ def transparent_huge_pages() -> str:
     return chosen[0] if chosen else "unknown"
 
 
+DEFAULT_CHECKPOINT = os.path.join(HERE, "out", "dev_dtmt", "best.pt")
+
+
 def main(argv=None):
     import torch
     from common import machine_name, torch_threads
@@ -68,7 +71,7 @@ def main(argv=None):
     from dtmt_models.engine.rnmt import FusedRNMTDecoder
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "dev_dtmt", "best.pt"))
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--sentences", type=int, default=0, help="the first N test sources (0: all)")
     p.add_argument("--chunk", type=int, default=1, help="sentences a call (1: batch 1)")
@@ -82,12 +85,18 @@ def main(argv=None):
                         "tables copied into ordinary 4 KiB pages; nbest_stop: one decoder, searched with nbest 1 "
                         "and 4, the first translation of each kept)")
     a = p.parse_args(argv)
-    from common import check_options
+    from common import DEV_DTMT_MADE_BY, check_checkpoint, check_options
 
     check_options(p, a, (("sentences", 0), ("chunk", 1), ("threads", 1)))
+    # (a missing checkpoint, the default one of a local run above all, or corpus was a traceback)
+    check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, DEV_DTMT_MADE_BY)
+    try:
+        test = corpus_paths(a.data, "test")
+    except ValueError as exc:   # (CorpusError)
+        p.error(f"--data {a.data}: {exc}")
     model, sv, tv, ckpt = load_model(a.checkpoint)
     model.eval()
-    sources = [s for s, _ in read_parallel(*corpus_paths(a.data, "test"))]
+    sources = [s for s, _ in read_parallel(*test)]
     sources = sources[:a.sentences] if a.sentences else sources
     with torch_threads(a.threads), torch.no_grad():
         on = model.inference_decoder(int8=a.int8)

@@ -35,6 +35,9 @@ It writes DIR/bench_peers.md (the tables, machine and command), DIR/bench_peers.
 (dev loss against updates and against training time), and with --results appends the tables to
 benchmarks/RESULTS.md.
 
+A system whose run --out already holds (its record, checkpoints or log) is not trained again unless --overwrite
+says so: without it the script stops before any work, naming the runs.
+
 Budgets longer than one sitting train one system per invocation into the same --out, then tabulate together:
 
     python benchmarks/bench_peers.py --budget 2h --threads 2 --sequential --systems dtmt --out DIR --no-eval
@@ -467,6 +470,15 @@ RECORD_DEFAULTS = {"device": "cpu", "preset": "small"}   # what runs recorded be
 CLOCK = "wall time from launch"   # the clock of this script's budgets (runs recorded before it had none)
 
 
+def earlier_run(run_dir: str) -> bool:
+    """Whether `run_dir` holds a run that training a system there would replace: its record (RECORD), a dtmt run's
+    checkpoints or log, or OpenNMT-py's checkpoints or log."""
+    if not os.path.isdir(run_dir):
+        return False
+    return any(name in (RECORD, "best.pt", "last.pt", "train_log.csv", "train.jsonl") or name.startswith("model_step_")
+               for name in os.listdir(run_dir))
+
+
 def write_record(run_dir: str, setting: dict) -> None:
     """RUN/bench_peers_machine.json: the machine a run trained on and its setting, date and commit."""
     import datetime
@@ -645,6 +657,9 @@ def main(argv=None):
     p.add_argument("--train-args", default="", help="extra `dtmt train` arguments for every dtmt system")
     p.add_argument("--peer-env", default=os.path.join(HERE, "out", "peers", "env-onmt"))
     p.add_argument("--out", default=os.path.join(HERE, "out", "peers"))
+    p.add_argument("--overwrite", action="store_true",
+                   help="train again the systems whose runs --out already holds, replacing them (without it such an "
+                        "--out is refused before any work)")
     p.add_argument("--setup-only", action="store_true", help="make the peer environment and stop")
     p.add_argument("--no-train", action="store_true", help="evaluate and tabulate the runs already in --out")
     p.add_argument("--no-eval", action="store_true",
@@ -661,8 +676,16 @@ def main(argv=None):
     from common import check_options
     from dtmt_models.decoding.hypotheses import MAX_BEAM
 
-    check_options(p, a, (("threads", 1), ("valid_every", 1), ("beam", 1, MAX_BEAM), ("profile_batches", 4)))
-    budget_s = parse_duration(a.budget)
+    # every option checked before any work (a peer environment installed, a corpus built, a run replaced): --device
+    # cuda without a GPU had failed in training, after the install
+    check_options(p, a, (("threads", 1), ("valid_every", 1), ("beam", 1, MAX_BEAM), ("profile_batches", 4)),
+                  device="device")
+    try:
+        budget_s = parse_duration(a.budget)
+    except ValueError as exc:
+        p.error(str(exc).replace("--max-time", "--budget"))
+    if not budget_s > 0:
+        p.error(f"--budget {a.budget}: must be more than 0 seconds")
     if a.no_train and a.no_eval:
         p.error("--no-train with --no-eval leaves nothing to do")
     try:
@@ -671,9 +694,27 @@ def main(argv=None):
         p.error(str(exc))
     if a.onmt_size != "match" and not re.fullmatch(r"[1-9][0-9]*,([1-9][0-9]*[02468]|[2468])", a.onmt_size):
         p.error(f"--onmt-size {a.onmt_size!r}: EMBED,HIDDEN (HIDDEN even: a bidirectional encoder halves it) or match")
+    if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*){3},[0-9]+", a.onmt_transformer):
+        p.error(f"--onmt-transformer {a.onmt_transformer!r}: MODEL,FF,LAYERS,HEADS,WARMUP, whole numbers")
     unknown = [s for s in a.systems if s not in PRESETS and s not in PEERS]
     if unknown:
         p.error(f"--systems: unknown {', '.join(unknown)}")
+    for system in [s for s in a.systems if s in PRESETS] or ["dtmt"]:   # (the peers take the first one's settings)
+        try:
+            get_preset(system, a.preset)
+        except ValueError as exc:
+            p.error(f"--preset {a.preset}: {exc}")
+    default_data = os.path.join(ROOT, "data", "bible")
+    if not os.path.isfile(os.path.join(a.data, "corpus.json")) and \
+            os.path.abspath(a.data) != os.path.abspath(default_data):   # (a mistyped --data got a Bible built there)
+        p.error(f"--data {a.data}: no corpus.json; make the corpus with `dtmt prepare` (only the default, "
+                f"{default_data}, is prepared here)")
+    trains = not (a.no_train or a.carry or a.probe or a.setup_only or a.profile)
+    if trains and not a.overwrite:   # (their records were deleted and `dtmt train --overwrite` retrained, unasked)
+        held = [system for system in a.systems if earlier_run(os.path.join(a.out, system))]
+        if held:
+            p.error(f"--out {a.out}: already holds the run of {', '.join(held)}; add --overwrite to replace it, "
+                    f"--no-train to evaluate it, or choose another --out")
     os.makedirs(a.out, exist_ok=True)
     log = os.path.join(a.out, "bench_peers.log")
     peers = [s for s in a.systems if s in PEERS]

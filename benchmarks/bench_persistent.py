@@ -269,7 +269,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from common import check_options
 
-    check_options(p, a, (("T", 1), ("B", 1), ("H", 1), ("repeat", 1)))
+    # (--multiprocessors -1 and the like were the envelope's ValueError traceback; None: not given)
+    check_options(p, a, (("T", 1), ("B", 1), ("H", 1), ("repeat", 1), ("multiprocessors", 1, 65536),
+                         ("shared_memory", 0), ("l2_cache", 0)))
     import torch
 
     if a.envelope:

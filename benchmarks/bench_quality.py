@@ -121,10 +121,6 @@ def main(argv=None):
             os.path.abspath(a.data) != os.path.abspath(default_data):   # (a mistyped --data got a Bible built there)
         p.error(f"--data {a.data}: no corpus.json; make the corpus with `dtmt prepare` (only the default, "
                 f"{default_data}, is prepared here)")
-    os.makedirs(a.out, exist_ok=True)
-    log = os.path.join(a.out, "bench_quality.log")
-    if not os.path.isfile(os.path.join(a.data, "corpus.json")):
-        dtmt(["prepare", "bible", "--out", a.data], log)
     extra = a.train_args.split()
     if a.quick:
         extra += ["--vocab-size", "60", "--opt", "embed_dim=16", "--opt", "hidden_size=16", "--max-tokens", "300"]
@@ -145,6 +141,15 @@ def main(argv=None):
         if held:
             p.error(f"--out {a.out}: already holds the run of {', '.join(dict.fromkeys(held))}; add --overwrite to "
                     f"replace it, --no-train to evaluate it, or choose another --out")
+    if a.no_train:
+        missing = [s for s in a.systems if not os.path.isfile(os.path.join(a.out, s, "best.pt"))]
+        if missing:
+            p.error(f"--no-train: no best.pt in {a.out} for {', '.join(missing)}")
+    # (made after every check: a refused --systems had left an empty folder)
+    os.makedirs(a.out, exist_ok=True)
+    log = os.path.join(a.out, "bench_quality.log")
+    if not os.path.isfile(os.path.join(a.data, "corpus.json")):
+        dtmt(["prepare", "bible", "--out", a.data], log)
     threads = a.threads or (max(1, (os.cpu_count() or 1) // len(a.systems)) if a.parallel else 0)
 
     def train(label):
@@ -157,11 +162,7 @@ def main(argv=None):
                       "--log-every", "50", *(["--threads", str(threads)] if threads else []), *extra, *own],
                      os.path.join(a.out, f"train_{label}.log") if a.parallel else log)
 
-    if a.no_train:
-        missing = [s for s in a.systems if not os.path.isfile(os.path.join(a.out, s, "best.pt"))]
-        if missing:
-            p.error(f"--no-train: no best.pt in {a.out} for {', '.join(missing)}")
-    elif a.parallel:
+    if a.parallel and not a.no_train:
         jobs = [train(system) for system in a.systems]
         try:
             for job in jobs:

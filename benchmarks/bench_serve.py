@@ -102,6 +102,9 @@ async def load(url: str, sentences, expected, clients: int, max_seconds: float, 
     return answered, lost, latencies, time.perf_counter() - t0
 
 
+DEFAULT_CHECKPOINT = os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt")
+
+
 def main(argv=None):
     from common import machine_name, torch_threads, write_report
 
@@ -110,7 +113,7 @@ def main(argv=None):
     from dtmt_models.models.checkpoint import load_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=os.path.join(HERE, "out", "peers_30m_b", "dtmt", "best.pt"))
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--split", default="test")
     p.add_argument("--sentences", type=int, default=0, help="the first N sources of the split (0: all)")
@@ -123,14 +126,18 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=300.0, help="a request without an answer after this is lost")
     p.add_argument("--out", default=os.path.join(HERE, "out", "serve"))
     a = p.parse_args(argv)
-    from common import check_options
+    from common import PEERS_30M_MADE_BY, check_checkpoint, check_options
     from dtmt_models.decoding.hypotheses import MAX_BEAM
 
     check_options(p, a, (("sentences", 0), ("clients", 1), ("beam", 1, MAX_BEAM), ("threads", 1), ("max_wait_ms", 0),
                          ("batch_sentences", 1), ("max_seconds", 0), ("timeout", 0)))
-
-    src_path, _ = corpus_paths(a.data, a.split)
-    sentences = [s for s, _ in read_parallel(src_path, corpus_paths(a.data, a.split)[1])]
+    # (a missing checkpoint, the default one of a local run above all, or corpus was a traceback)
+    check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, PEERS_30M_MADE_BY)
+    try:
+        src_path, tgt_path = corpus_paths(a.data, a.split)
+    except ValueError as exc:   # (CorpusError)
+        p.error(f"--data {a.data} --split {a.split}: {exc}")
+    sentences = [s for s, _ in read_parallel(src_path, tgt_path)]
     if a.sentences:
         sentences = sentences[:a.sentences]
     with torch_threads(a.threads):

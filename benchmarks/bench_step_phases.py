@@ -42,9 +42,12 @@ NOTES = {"recurrent_product": "both cells: within query_cell and decoder_cell",
          "eos_mask": "with the log-probabilities as float32"}
 
 
+DEFAULT_CHECKPOINT = os.path.join(ROOT, "benchmarks", "out", "dev_dtmt", "best.pt")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=os.path.join(ROOT, "benchmarks", "out", "dev_dtmt", "best.pt"))
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT)
     p.add_argument("--data", default=os.path.join(ROOT, "data", "bible"))
     p.add_argument("--sentences", type=int, default=200, help="the first N test sources (default 200)")
     p.add_argument("--threads", type=int, default=1)
@@ -60,6 +63,9 @@ def main(argv=None) -> dict:
     if not _C.PHASE_TIMERS:
         raise SystemExit("bench_step_phases: this build of dtmt_kernels has no phase timers; build one with "
                          "`DTMT_PHASE_TIMERS=1 python setup.py build_ext --inplace` (and rebuild without it after)")
+    from common import DEV_DTMT_MADE_BY, check_checkpoint
+
+    check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, DEV_DTMT_MADE_BY)   # (a FileNotFoundError's traceback)
     import torch
     from common import machine_name, torch_threads, write_report
 

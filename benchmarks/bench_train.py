@@ -278,7 +278,8 @@ def bucket_table(data: str, vocab_size: int, max_len: int, budgets, steps) -> li
 
 
 def run(argv=None):
-    from common import check_options, machine_name, write_csv  # noqa: E402  (same directory)
+    from common import (check_options, machine_name, make_out_dir, provenance, provenance_line,  # noqa: E402
+                        write_csv)   # (same directory)
 
     from dtmt_models.models.presets import PRESETS
 
@@ -321,7 +322,14 @@ def run(argv=None):
     check_options(p, a, (("steps", 1), ("warmup", 0), ("rounds", 1), ("max_tokens", 81), ("vocab", 5),
                          ("threads", 0), ("profile", 0)), systems=("systems", PRESETS), device="device")
     if a.buckets:
-        rows = bucket_table(a.buckets, a.vocab, 100, (2000, 4000, 8000), ((8, 8), (16, 8), (16, 16)))
+        from dtmt_models.data.corpus import CorpusError, corpus_paths
+
+        try:   # (a corpus that is not there, or not binarized at --vocab: a traceback)
+            corpus_paths(a.buckets, "train")
+            rows = bucket_table(a.buckets, a.vocab, 100, (2000, 4000, 8000), ((8, 8), (16, 8), (16, 16)))
+        except CorpusError as exc:
+            p.error(f"--buckets {a.buckets}: {exc}")
+        print(provenance_line(provenance(__file__, argv, a.device)))
         print(f"Buckets of --cuda-graphs, one epoch of {a.buckets} (BPE {a.vocab}, seed 1, epoch 0)\n\n"
               "| tokens a batch | rows / lengths step | batches | buckets | padded tokens over real ones |\n"
               "|---:|---|---:|---:|---:|")
@@ -336,9 +344,14 @@ def run(argv=None):
     if a.one:
         if len(a.math) > 1 or len(a.graphs) > 1:
             p.error("--one measures one pair in one mode: one --math and one --graphs")
+        # (the header to stderr: this mode's stdout is one JSON row, which the table's run and a profile's file read)
+        print(provenance_line(provenance(__file__, argv, a.device)), file=sys.stderr, flush=True)
         print(json.dumps(measure_one(*a.one, a.steps, a.warmup, a.max_tokens, a.vocab, a.threads, a.profile,
                                      a.device, a.preset, tiny=a.quick, graphs=a.graphs == ["on"], math=a.math[0])))
         return []
+    make_out_dir(p, a.out)
+    record = provenance(__file__, argv, a.device)
+    print(provenance_line(record), flush=True)
     runs = []   # one row per pair and round
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     pairs = [(s, b, g, m) for s in a.systems for b in (("-",) if s == "transformer" else (*a.fused, "reference"))
@@ -393,10 +406,10 @@ def run(argv=None):
         strict = ratios(r, (r["system"], r["backend"], r["graphs"], "strict")) if r["math"] != "strict" else []
         r["vs_strict"] = statistics.median(strict) if strict else None
     by = {key(r): r for r in rows}
-    os.makedirs(a.out, exist_ok=True)
     fields = ["system", "backend", "graphs", "math", "round", "params", "tok_s", "ms_per_update", "saved_MB",
               "peak_rss_MB", "peak_gpu_MB", "captured", "capture_s", "pool_MB"]
-    write_csv(os.path.join(a.out, "bench_train.csv"), runs, fields)   # every round's measurement
+    write_csv(os.path.join(a.out, "bench_train.csv"), runs, fields,   # every round's measurement
+              comment=provenance_line(record))
     sizes = (f"{a.preset} presets at widths 16 / 32, the transformer 16 / 64 (--quick)" if a.quick
              else f"{a.preset} presets")
     print(f"\nTraining throughput ({machine_name(a.device)}; {sizes}, max_tokens {a.max_tokens}, "

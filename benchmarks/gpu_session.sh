@@ -6,9 +6,10 @@
 # layer's time goes (gpu_profile.py: host launches against device work, CUDA-graph replay), and whole systems'
 # training throughput on the GPU (bench_train.py --device cuda, paper presets).
 #
-#   bash benchmarks/gpu_session.sh                      # stages build tests bench; results under $OUT
-#   bash benchmarks/gpu_session.sh build tests profile  # only these stages (build, tests, bench, profile,
-#   bash benchmarks/gpu_session.sh bench train          # train, gemm), e.g. to split the work over device calls
+#   bash benchmarks/gpu_session.sh                      # stages build tests bench; results under $OUT (--help or
+#                                                       # -h: this text and the stages)
+#   bash benchmarks/gpu_session.sh build tests profile  # only the stages named (any of those on these lines),
+#   bash benchmarks/gpu_session.sh bench train          # e.g. to split the work over device calls
 #   bash benchmarks/gpu_session.sh build persistent     # the GPU tests with the persistent launches (issue 72),
 #                                                       # then they against the per-step ones and cuDNN, strict
 #                                                       # fp32 on every side
@@ -85,35 +86,59 @@
 # `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry). amp, peers and peers-train read data/bible: prepare
 # it here and carry it too (the script refuses them without it, before any work). A call without `build` builds first
 # where the machine has no build (a fresh one); a call that wrote more than 8 files packs them into
-# $OUT/gpu_session_files.tgz (8 come back).
+# $OUT/gpu_session_files.tgz (8 come back): only the files this call wrote, files already in $OUT staying as they are
+# (an archive of an earlier call is not replaced: the new one is gpu_session_files-2.tgz, -3, ...).
 set -uo pipefail
+KNOWN="build tests bench profile train graphs train-profile unrolled attention amp gemm persistent persistent-math \
+persistent-cluster persistent-multicast persistent-profile persistent-bf16 decode peers peers-train"
+if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then   # the comment above, the usage, without its #s
+  sed -n '2,/^set -uo pipefail/{/^set /d;s/^# \{0,1\}//;p;}' "$0"
+  echo "The stages: $KNOWN"
+  exit 0
+fi
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-benchmarks/out/gpu}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 status=0
 STAGES=${*:-build tests bench}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 # a misspelt stage would otherwise run nothing and exit 0 (after the build, when asked for): refuse it before the GPU
-KNOWN="build tests bench profile train graphs train-profile unrolled attention amp gemm persistent persistent-math \
-persistent-cluster persistent-multicast persistent-profile persistent-bf16 decode peers peers-train"
 for stage in $STAGES; do
-  [[ " $KNOWN " == *" $stage "* ]] || { echo "gpu_session.sh: no stage '$stage' (the stages: $KNOWN)"; exit 2; }
+  [[ " $KNOWN " == *" $stage "* ]] || { echo "gpu_session.sh: no stage '$stage' (the stages: $KNOWN)" >&2; exit 2; }
 done
 # amp and the peers read the prepared Bible corpus, which the device machine cannot prepare (no SWORD modules, no
 # network) and which git ignores: it must travel in the call's carry, prepared here first
 if { want amp || want peers || want peers-train; } && [ ! -f data/bible/corpus.json ]; then
   echo "gpu_session.sh: amp, peers and peers-train read data/bible: prepare it here (dtmt prepare bible --out" \
-    "data/bible) and name data/bible in the device call's carry"
+    "data/bible) and name data/bible in the device call's carry" >&2
   exit 2
 fi
+mkdir -p "$OUT" || exit 1
+# what $OUT holds before this call (each file's modification time, size, inode and path): the packing at the end takes
+# only the files this call wrote or replaced, never one it found there
+scratch=$(mktemp -d) || exit 1
+trap 'rm -rf "$scratch"' EXIT
+found_in_out() { find "$OUT" -mindepth 1 -type "$1" -printf "$2" | LC_ALL=C sort; }
+found_in_out f '%T@ %s %i %P\n' >"$scratch/files_before"
+found_in_out d '%P\n' >"$scratch/dirs_before"
 
 echo "== device"
 nvidia-smi -L || true
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
-triton.__version__, torch.cuda.get_device_name(0))" || exit 1
+# (one line where there is no GPU or no triton, not torch's AssertionError traceback)
+"$PY" -c "
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit('gpu_session.sh: no CUDA device here (torch ' + torch.__version__ + ', CUDA ' + str(torch.version.cuda)
+             + '): run it on a machine with a GPU')
+try:
+    import triton
+except ImportError:
+    sys.exit('gpu_session.sh: triton is not installed for ' + sys.executable)
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__,
+      torch.cuda.get_device_name(0))" || exit 1
 # compile the CUDA sources for this device only (a fraction of the build time of torch's default list); on compute
 # capability 9.0 its arch-specific code, 9.0a (the bulk copies' multicast of the stage read once a cluster, setup.py's
 # DTMT_SM90A; docs/design/persistent_recurrence.md, "The stage read once a cluster")
@@ -396,7 +421,7 @@ if want peers || want peers-train; then
       echo "   batches of tokens, 120 s of wall time from each launch, one after the other, strict fp32 on both sides"
       PYTHONPATH="$peerpath${PYTHONPATH:+:$PYTHONPATH}" timeout 420 "$PY" benchmarks/bench_peers.py --device cuda \
         --preset paper --budget 120s --sequential --systems dtmt onmt-lstm --onmt-size match \
-        --valid-every 1000000 --no-decode --peer-python "$PY" --out /tmp/dtmt-peers-gpu 2>&1 \
+        --valid-every 1000000 --no-decode --peer-python "$PY" --out /tmp/dtmt-peers-gpu --overwrite 2>&1 \
         | tee "$OUT/peers_train.md" || status=1
     fi
   else
@@ -404,21 +429,30 @@ if want peers || want peers-train; then
   fi
 fi
 rm -rf "$probes"
-# at most 8 files of $OUT come back from a device call: where a call wrote more, all of them travel as one archive
-# (untar it here), the tables being on stdout as well
-count=$(find "$OUT" -type f | wc -l)
+# at most 8 files of $OUT come back from a device call: where this call wrote more, they travel as one archive (untar
+# it here), the tables being on stdout as well. Only this call's files (new, or changed since the listing above) are
+# packed and removed: files and folders that were in $OUT before stay as they were (a pre-existing folder had gone
+# into the archive and been deleted)
+found_in_out f '%T@ %s %i %P\n' | LC_ALL=C comm -13 "$scratch/files_before" - | cut -d' ' -f4- >"$scratch/written"
+count=$(wc -l <"$scratch/written")
 if [ "$count" -gt 8 ]; then
+  archive=gpu_session_files.tgz n=1
+  while [ -e "$OUT/$archive" ]; do n=$((n + 1)); archive=gpu_session_files-$n.tgz; done
   packed=$(mktemp)
-  if ! tar -czf "$packed" -C "$OUT" .; then   # (the files stay as they are, 8 of them come back; the call fails)
+  # (packing failed: the files stay as they are, 8 of them come back, the call fails; the archive is made in $OUT
+  # before any file goes: only $OUT comes back, so a copy elsewhere would be lost with the machine)
+  if ! tar -czf "$packed" -C "$OUT" --verbatim-files-from -T "$scratch/written"; then
     rm -f "$packed"
-    echo "== $count files in $OUT: packing them failed, they stay unpacked (only 8 come back)" >&2
+    echo "== $count files written in $OUT: packing them failed, they stay unpacked (only 8 come back)" >&2
     status=1
-  elif mv "$packed" "$OUT/gpu_session_files.tgz" \
-      && find "$OUT" -mindepth 1 ! -path "$OUT/gpu_session_files.tgz" -delete; then   # (the archive in $OUT first:
-    echo "== $count files in $OUT: packed into $OUT/gpu_session_files.tgz (8 files come back from a device call)"
-  else   # only $OUT comes back, so a copy elsewhere would be lost with the machine)
+  elif mv "$packed" "$OUT/$archive" && (cd "$OUT" && xargs -d '\n' rm -f -- <"$scratch/written"); then
+    # the folders this call made and left empty go too (deepest first); the others stay
+    found_in_out d '%P\n' | LC_ALL=C comm -13 "$scratch/dirs_before" - | LC_ALL=C sort -r \
+      | (cd "$OUT" && xargs -r -d '\n' rmdir --ignore-fail-on-non-empty --)
+    echo "== $count files written in $OUT: packed into $OUT/$archive (8 files come back from a device call)"
+  else
     rm -f "$packed"
-    echo "== $count files in $OUT: packing them failed part-way; what is left in $OUT comes back (8 files)" >&2
+    echo "== $count files written in $OUT: packing them failed part-way; what is left in $OUT comes back (8 files)" >&2
     status=1
   fi
 fi

@@ -68,6 +68,14 @@ def parse_args(argv=None):
         ap.error("--sentences must be >= 1")
     if args.example < 0 or args.batch_size < 1:
         ap.error("--example must be >= 0 and --batch-size >= 1")
+    # before anything loads: a missing checkpoint or corpus, or cuda without a GPU, had been tracebacks
+    from benchmarks.common import check_checkpoint, check_options
+    check_options(ap, args, device="device")
+    check_checkpoint(ap, args.checkpoint)
+    try:
+        corpus_paths(args.data, args.split)
+    except ValueError as exc:   # (CorpusError)
+        ap.error(f"--data {args.data} --split {args.split}: {exc}")
     return args
 
 

@@ -32,14 +32,22 @@ def tiny_checkpoint(tmp_path, system: str, n_test: int = 8, **options):
     return ckpt, make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=n_test)
 
 
+def csv_rows(path) -> list:
+    """The rows of a benchmark's CSV file, its "# run: ..." comment line (common.provenance_line) above the header
+    checked and skipped."""
+    with open(path, newline="") as f:
+        first = f.readline()
+        assert first.startswith("# run: ") and "; commit " in first and " UTC; torch " in first, first
+        return list(csv.DictReader(f))
+
+
 @pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
 def test_bench_cells_quick(tmp_path):
     from benchmarks import bench_cells
     rows = bench_cells.main(["--quick", "--out", str(tmp_path)])
     impls = {(r["kind"], r["impl"]) for r in rows}
     assert ("deep-transition", "cpp") in impls and ("gru", "torch.nn.GRU") in impls and ("atr", "reference") in impls
-    with open(os.path.join(tmp_path, "bench_cells.csv")) as f:
-        table = list(csv.DictReader(f))
+    table = csv_rows(os.path.join(tmp_path, "bench_cells.csv"))
     assert len(table) == len(rows)
     assert all(float(r["ms"]) > 0 and float(r["saved_B"]) > 0 for r in table)
 
@@ -102,8 +110,7 @@ def test_bench_train_keeps_the_table_of_the_pairs_that_ran(tmp_path, capsys):
                           "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "dtmt/cuda (graphs off, math strict) failed (left out):" in out and "| dtmt | cpp |" in out
-    with open(tmp_path / "bench_train.csv") as f:
-        assert {row["backend"] for row in csv.DictReader(f)} == {"cpp", "reference"}
+    assert {row["backend"] for row in csv_rows(tmp_path / "bench_train.csv")} == {"cpp", "reference"}
 
 
 def test_bench_train_names_the_failures_when_no_pair_ran(tmp_path, monkeypatch, capsys):
@@ -150,8 +157,7 @@ def test_bench_train_math_modes(tmp_path):
                                                          ("reference", "bf16")]
     assert rows[0]["vs_strict"] is None and rows[1]["vs_strict"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])
     assert rows[1]["speedup"] == pytest.approx(rows[1]["tok_s"] / rows[3]["tok_s"])   # fused/ref within a mode
-    with open(tmp_path / "bench_train.csv", newline="") as f:
-        assert [r["math"] for r in csv.DictReader(f)] == ["strict", "bf16", "strict", "bf16"]
+    assert [r["math"] for r in csv_rows(tmp_path / "bench_train.csv")] == ["strict", "bf16", "strict", "bf16"]
     batch = [tuple(t for t in collate(b)) for b in bench_train.synthetic_batches(1, 200, 50)][0]
     losses = {}
     for mode, autocast in (("strict", None), ("bf16", lambda: torch.autocast("cpu", dtype=torch.bfloat16))):
@@ -217,8 +223,7 @@ def test_bench_train_graphs_plumbing(tmp_path):
                                                             ("reference", "stand-in")]
     assert rows[1]["captured"] >= 1 and rows[0]["graphs_vs_eager"] is None and rows[0]["captured"] is None
     # --rounds 2: every round's row in the CSV (the second round in the reverse order); the medians of the rounds
-    with open(tmp_path / "bench_train.csv", newline="") as f:
-        runs = list(csv.DictReader(f))
+    runs = csv_rows(tmp_path / "bench_train.csv")
     assert [(r["round"], r["backend"], r["graphs"]) for r in runs] == [
         ("1", "cpp", "off"), ("1", "cpp", "stand-in"), ("1", "reference", "off"), ("1", "reference", "stand-in"),
         ("2", "reference", "stand-in"), ("2", "reference", "off"), ("2", "cpp", "stand-in"), ("2", "cpp", "off")]
@@ -1231,15 +1236,15 @@ def test_the_gpu_session_s_stages_are_the_ones_it_knows():
 def test_the_gpu_session_refuses_the_stages_that_read_the_corpus_without_it(tmp_path):
     """amp, peers and peers-train read data/bible, which a device machine cannot prepare (no SWORD modules, no
     network) and which git ignores: without it they failed there, after the build, in device time. The script now
-    refuses them at once, saying to carry it."""
+    refuses them at once, on stderr, saying to carry it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (tmp_path / "benchmarks").mkdir()
     shutil.copy(os.path.join(root, "benchmarks", "gpu_session.sh"), tmp_path / "benchmarks")
     for stages in (["amp"], ["build", "peers"], ["peers-train"]):
         r = subprocess.run(["bash", str(tmp_path / "benchmarks" / "gpu_session.sh"), *stages], capture_output=True,
                            text=True, env=dict(os.environ, OUT=str(tmp_path / "out"), PYTHON="false"), timeout=60)
-        assert r.returncode == 2 and "name data/bible in the device call's carry" in r.stdout, r.stdout + r.stderr
-        assert "== device" not in r.stdout
+        assert r.returncode == 2 and "name data/bible in the device call's carry" in r.stderr, r.stdout + r.stderr
+        assert "== device" not in r.stdout and not (tmp_path / "out").exists()   # (refused before $OUT is made)
 
 
 @pytest.mark.parametrize("script, flags, message", [
@@ -1273,3 +1278,229 @@ def test_bad_benchmark_options_are_one_line_before_anything_runs(tmp_path, capsy
     err = capsys.readouterr().err
     assert message in err.splitlines()[-1] and "Traceback" not in err, err
     assert (tmp_path / f"{script}.csv").read_text() == "earlier results\n"
+
+
+def test_a_run_names_its_machine_commit_date_torch_and_command(tmp_path, monkeypatch, capsys):
+    """Each of bench_train, bench_decode, bench_cells, bench_attention, bench_data, bench_forms and bench_gemm prints
+    one header first and writes it into its files (common.provenance: most had recorded neither commit nor date);
+    the commit says "+dirty" where tracked files differ from it."""
+    from benchmarks import bench_decode, bench_gemm, common
+
+    record = common.provenance(os.path.join(common.HERE, "bench_x.py"), ["--a", "b c"])
+    assert record["command"] == "python benchmarks/bench_x.py --a 'b c'" and record["torch"] == torch.__version__
+    assert record["date"].endswith(" UTC") and record["machine"].startswith(common.machine_record()["model name"])
+    line = common.provenance_line(record)
+    assert line.startswith("# run: ") and "\n" not in line and f"commit {record['commit']}; " in line
+    path = common.write_csv(tmp_path / "t.csv", [{"a": 1}], comment=line)
+    assert csv_rows(path) == [{"a": "1"}]
+    with pytest.raises(ValueError):
+        common.write_csv(tmp_path / "u.csv", [{"a": 1}], comment="no hash")
+    bench_gemm.main(["--shapes", "4x8x16", "--threads", "1", "--inner", "1", "--repeat", "1"])
+    assert capsys.readouterr().out.startswith("# run: ")
+    bench_decode.main(["--quick", "--bookkeeping", "--beams", "1"])
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        "command: python benchmarks/bench_decode.py --quick --bookkeeping --beams 1")
+    if shutil.which("git") is None:
+        return
+    repo = tmp_path / "repo"   # commit(): "+dirty" for a changed tracked file, not for an untracked one
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    (repo / "f").write_text("1\n")
+    for args in (["init", "-q"], ["add", "f"], ["commit", "-q", "-m", "m"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    monkeypatch.setattr(common, "ROOT", str(repo))
+    clean = common.commit()
+    assert len(clean) >= 7 and "+" not in clean
+    (repo / "untracked").write_text("x\n")
+    assert common.commit() == clean
+    (repo / "f").write_text("2\n")
+    assert common.commit() == clean + "+dirty"
+    monkeypatch.setattr(common, "ROOT", str(tmp_path / "nowhere"))
+    assert common.commit() == "unknown"
+
+
+@pytest.mark.skipif("cpp" not in dk.available_backends(), reason="C++ extension not built")
+def test_bench_cells_quick_keeps_the_grid_given_and_says_what_gemm_eff_above_100_means(tmp_path, capsys):
+    """--quick had replaced a --T, --BH, --depths or --repeat given with it without a word: it now sets only the
+    ones not given. gemm_eff, two timings taken apart, came out at 2079% on a busy machine (one repetition): a row
+    above 100% is said to be a disturbed timing, below the table."""
+    from benchmarks import bench_cells
+
+    rows = bench_cells.main(["--quick", "--T", "3", "--depths", "0", "--out", str(tmp_path)])
+    assert {r["T"] for r in rows} == {3} and {r["depth"] for r in rows} == {0}
+    assert {(r["B"], r["H"]) for r in rows} == {(2, 16)}   # (--quick's, not given)
+    out = capsys.readouterr().out
+    assert out.startswith("# run: ") and "command: python benchmarks/bench_cells.py --quick --T 3" in out
+    row = dict(rows[0], gemm_eff=20.79, gemm_ms=224.0)
+    bench_cells.note_gemm_eff([row, dict(rows[0], gemm_eff=0.5)])
+    note = capsys.readouterr().out
+    assert "gemm_eff above 100% in 1 row(s)" in note and "disturbed" in note and "224.0" in note
+    bench_cells.note_gemm_eff([dict(rows[0], gemm_eff=0.5), dict(rows[0], gemm_eff=float("nan"))])
+    assert capsys.readouterr().out == ""
+
+
+def test_bench_forms_says_what_a_negative_transposes_figure_is():
+    """transposes_ms is a difference of two medians: a negative one (seen at --repeats 1) is reported as measured,
+    with a note that it is the timings' noise, not a saving."""
+    from benchmarks import bench_forms
+
+    assert bench_forms.transposes_note(0.002, 1) is None and bench_forms.transposes_note(0.0, 3) is None
+    note = bench_forms.transposes_note(-0.001, 1)
+    assert note.startswith("negative") and "noise" in note and "1 repeat(s)" in note
+
+
+def _one_line_refusal(capsys, main, flags, message):
+    with pytest.raises(SystemExit) as info:
+        main(flags)
+    assert info.value.code == 2, flags
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1] and "Traceback" not in err, (flags, err)
+
+
+def test_missing_inputs_are_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """A missing corpus or checkpoint (a default one above all: they come from local runs, which a checkout lacks),
+    an --out that cannot be a folder, an envelope's negative count and bench_amp --quality's options, each refused
+    in one line (exit 2) before anything is measured, trained or written: they had been tracebacks, some after the
+    whole run (--out) or after folders were made."""
+    from benchmarks import (bench_amp, bench_attention, bench_cells, bench_data, bench_decode, bench_int8,
+                            bench_int8_kernel, bench_pages, bench_persistent, bench_quality, bench_serve, bench_train,
+                            interpret)
+
+    none, out = str(tmp_path / "none.pt"), tmp_path / "o"
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "in.txt").write_text("una frase\n")
+    for module in (bench_int8, bench_int8_kernel, bench_pages, bench_serve):   # their defaults: missing here
+        monkeypatch.setattr(module, "DEFAULT_CHECKPOINT", none)
+    for main, flags, message in (
+            (bench_data.main, ["--data", str(tmp_path / "nowhere"), "--sizes", "1k", "--processes", "0", "--out",
+                               str(out)], f"--data {tmp_path / 'nowhere'}: {tmp_path / 'nowhere'}: no corpus.json"),
+            (bench_train.main, ["--buckets", str(tmp_path / "nowhere"), "--out", str(out)], "no corpus.json"),
+            (bench_decode.main, ["--checkpoints", none, "--input", str(tmp_path / "in.txt"), "--out", str(out)],
+             f"--checkpoints {none}: no such file"),
+            (bench_decode.main, ["--checkpoints", str(tmp_path / "in.txt"), "--input", str(tmp_path / "in.txt"),
+                                 "--out", str(out)], "not a dtmt checkpoint"),
+            (interpret.main, ["--checkpoint", none, "--data", str(tmp_path), "--out", str(out)],
+             f"--checkpoint {none}: no such file"),
+            (bench_int8.main, ["--out", str(out)], "no such file (the default, a local run's, which this checkout "
+                                                   "lacks: `python benchmarks/bench_peers.py --systems dtmt"),
+            (bench_int8_kernel.main, ["--out", str(out)], "trains that run (best.pt, last.pt, step_NNNNNNN.pt); or "
+                                                          "give --checkpoint"),
+            (bench_pages.main, [], "`dtmt train --data data/bible --model dtmt --out benchmarks/out/dev_dtmt` trains "
+                                   "that run"),
+            (bench_serve.main, ["--out", str(out)], f"--checkpoint {none}: no such file (the default"),
+            (bench_persistent.main, ["--envelope", "--multiprocessors", "-1"], "--multiprocessors -1: must be >= 1"),
+            (bench_persistent.main, ["--envelope", "--multiprocessors", "132", "--shared-memory", "-5"],
+             "--shared-memory -5: must be >= 0"),
+            (bench_amp.main, ["--quality", "--device", "cpu", "--steps", "-1", "--out", str(out)],
+             "--steps -1: must be >= 1"),
+            (bench_amp.main, ["--quality", "--device", "cpu", "--seeds", "1", "1", "--out", str(out)],
+             "--seeds 1 1: a seed given twice"),
+            (bench_amp.main, ["--quality", "--device", "cpu", "--data", str(tmp_path / "typo"), "--out", str(out)],
+             "no corpus.json; make the corpus with `dtmt prepare`"),
+            (bench_quality.main, ["--systems", "nosuch", "--out", str(out)], "--systems 'nosuch': expected SYSTEM"),
+            (bench_cells.main, ["--quick", "--out", str(tmp_path / "a_file")], "cannot make this folder"),
+            (bench_attention.main, ["--quick", "--out", str(tmp_path / "a_file" / "x")], "cannot make this folder")):
+        _one_line_refusal(capsys, main, flags, message)
+    if not torch.cuda.is_available():
+        _one_line_refusal(capsys, bench_amp.main, ["--quality", "--device", "cuda", "--out", str(out)],
+                          "--device cuda: no CUDA device is available here")
+        _one_line_refusal(capsys, interpret.main, ["--checkpoint", none, "--data", str(tmp_path), "--device", "cuda",
+                                                   "--out", str(out)], "--device cuda: no CUDA device")
+    assert not out.exists()
+
+
+def test_bench_peers_checks_everything_before_any_work(tmp_path, monkeypatch, capsys):
+    """bench_peers refuses, before a peer is installed, a corpus built or a run replaced: --device cuda without a
+    GPU (it had installed OpenNMT-py and started training), a mistyped --data (a Bible was built there), and an --out
+    that holds an earlier run of a system to train (its record was deleted and `dtmt train --overwrite` retrained,
+    unasked) unless --overwrite is given."""
+    from benchmarks import bench_peers
+
+    def no_install(*args, **kwargs):
+        raise AssertionError("the peer's environment was made")
+
+    monkeypatch.setattr(bench_peers, "ensure_env", no_install)
+    out = tmp_path / "peers"
+    flags = ["--out", str(out), "--data", str(tmp_path / "typo")]
+    _one_line_refusal(capsys, bench_peers.main, flags, f"--data {tmp_path / 'typo'}: no corpus.json")
+    _one_line_refusal(capsys, bench_peers.main, ["--onmt-transformer", "256,1024", "--out", str(out)],
+                      "--onmt-transformer '256,1024': MODEL,FF,LAYERS,HEADS,WARMUP")
+    _one_line_refusal(capsys, bench_peers.main, ["--budget", "0s", "--out", str(out)], "--budget 0s: must be more")
+    if not torch.cuda.is_available():
+        _one_line_refusal(capsys, bench_peers.main, ["--device", "cuda", "--out", str(out)],
+                          "--device cuda: no CUDA device is available here")
+    assert not out.exists()
+    from test_train import make_toy_corpus
+
+    data = make_toy_corpus(tmp_path / "toy", n_train=20, n_dev=5, n_test=5)
+    (out / "dtmt").mkdir(parents=True)
+    (out / "dtmt" / "last.pt").write_bytes(b"")
+    (out / "onmt-lstm").mkdir()
+    (out / "onmt-lstm" / "model_step_250.pt").write_bytes(b"")
+    assert bench_peers.earlier_run(str(out / "dtmt")) and not bench_peers.earlier_run(str(tmp_path / "none"))
+    flags = ["--systems", "dtmt", "onmt-lstm", "--data", data, "--out", str(out)]
+    _one_line_refusal(capsys, bench_peers.main, flags,
+                      f"--out {out}: already holds the run of dtmt, onmt-lstm; add --overwrite to replace it")
+
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(bench_peers, "write_pieces", started)   # (the first work of a training run)
+    with pytest.raises(Started):
+        bench_peers.main(flags[:2] + flags[3:] + ["--overwrite", "--peer-python", sys.executable])
+    assert (out / "dtmt" / "last.pt").exists()   # (nothing replaced before the work)
+
+
+def _fake_python(tmp_path) -> str:
+    """A stand-in for gpu_session.sh's python: exits 0, and makes each --out folder with one file in it."""
+    path = tmp_path / "fake-python"
+    path.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do\n'
+                    '  if [ "$1" = --out ]; then mkdir -p "$2" && echo x > "$2/t.csv"; fi\n'
+                    '  shift\ndone\nexit 0\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_gpu_session_packs_only_what_it_wrote_and_says_its_usage(tmp_path):
+    """gpu_session.sh had packed every file of $OUT into its archive and deleted them, those it found there too
+    (OUT=/tmp/p with a folder in it: lost into the archive). It now packs and removes only the files this call wrote
+    (and the folders it made), never replaces an earlier archive; --help / -h print the usage, every stage named;
+    without a GPU the device check is one line, not torch's traceback."""
+    import re
+    import tarfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "benchmarks", "gpu_session.sh")
+    for flag in ("--help", "-h"):
+        r = subprocess.run(["bash", script, flag], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and r.stdout.startswith("Everything a GPU machine is wanted for"), r.stderr
+        stages = set(r.stdout.rsplit("The stages: ", 1)[1].split())
+        usage = {stage for line in re.findall(r"^  bash benchmarks/gpu_session\.sh ([a-z0-9 -]*?) *(?:#|$)", r.stdout,
+                                              re.M) for stage in line.split()}
+        assert usage == stages and "peers-train" in stages, usage ^ stages
+    out = tmp_path / "p"
+    (out / "keep").mkdir(parents=True)
+    (out / "keep" / "a.txt").write_text("mine\n")
+    (out / "old.md").write_text("mine\n")
+    (out / "gpu_session_files.tgz").write_text("an earlier call's\n")
+    env = dict(os.environ, OUT=str(out), PYTHON=_fake_python(tmp_path), TORCH_CUDA_ARCH_LIST="9.0")
+    r = subprocess.run(["bash", script, "gemm", "persistent-profile", "decode"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "12 files written in" in r.stdout and "gpu_session_files-2.tgz" in r.stdout, r.stdout
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert left == ["gpu_session_files-2.tgz", "gpu_session_files.tgz", "keep", "keep/a.txt", "old.md"], left
+    assert (out / "keep" / "a.txt").read_text() == "mine\n" and (out / "gpu_session_files.tgz").read_text() == (
+        "an earlier call's\n")
+    with tarfile.open(out / "gpu_session_files-2.tgz") as tar:
+        packed = sorted(tar.getnames())
+    assert "decode/t.csv" in packed and "gemm_rows.md" in packed and len(packed) == 12, packed
+    assert not any(name.startswith(("keep", "old.md")) for name in packed)
+    if not torch.cuda.is_available():
+        r = subprocess.run(["bash", script, "profile"], capture_output=True, text=True, timeout=120,
+                           env=dict(env, PYTHON=sys.executable, OUT=str(tmp_path / "q")))
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "gpu_session.sh: no CUDA device here" in r.stderr.splitlines()[-1], r.stderr

@@ -2118,6 +2118,10 @@ def test_resume_continues_in_out_and_checks_the_data_and_settings(toy_nodev, tmp
                     "--replicas", "2", "--max-steps", "5"], capsys)
     assert r.returncode == 2 and "--replicas 2 (the run's is 1)" in r.stderr, r.stderr
     assert "--opt layer_norm=False (the run's is the default, True)" in r.stderr, r.stderr
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "runB"), "--resume", "--opt", "hiden_size=32",
+                    "--max-steps", "5"], capsys)   # (no option: it had read "the run's is unset")
+    assert r.returncode == 2 and "--opt hiden_size=32 (dtmt has no option 'hiden_size' (did you mean " \
+        "'hidden_size'?))" in r.stderr, r.stderr
     # ... allowed, it goes on with the run's own vocabularies: the other text encoded with them, not retrained
     r = train_here(["--data", other, "--out", str(tmp_path / "runB"), "--resume", "--max-steps", "6",
                    "--allow-changed-data", "--progress", "lines"], capsys)

@@ -245,8 +245,10 @@ def resume_conflicts(args: argparse.Namespace, explicit: set, run: TrainConfig) 
     for k, v in parse_options(args.opt).items():
         had = run.model_options.get(k, defaults.get(k, missing))   # (left out: the model's default)
         if had is missing or had != v or (isinstance(had, bool) and type(had) is not type(v)):   # (True == 1)
-            shown = run.model_options[k] if k in run.model_options else (
-                f"the default, {defaults[k]}" if k in defaults else "unset")
+            if k not in run.model_options and k not in defaults:   # (it had read "the run's is unset")
+                out.append(f"--opt {k}={v} ({run.model} has no option {k!r}{did_you_mean(k, defaults)})")
+                continue
+            shown = run.model_options[k] if k in run.model_options else f"the default, {defaults[k]}"
             out.append(f"--opt {k}={v} (the run's is {shown})")
     return out
 

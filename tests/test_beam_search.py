@@ -362,7 +362,7 @@ def _plain(decoder):
     ("dtmt", dict(depth=2, heads=1, positional_encoding=False)),
     ("rnnsearch-atr", {}),
     ("shallow-rnmt", {}),
-    ("nematus", dict(dec_depth=1)),                         # one-level cGRU: the layered state [B, 1, H]
+    ("nematus", {}),                                        # one-level cGRU (shallow): the layered state [B, 1, H]
     ("mce", {}),
 ])
 def test_fused_search_equals_the_python_loop(system, options):

@@ -791,3 +791,28 @@ def test_a_mistyped_name_is_answered_with_the_closest_one():
             get_preset("test-user-system", "zzz-typo")
     finally:
         del MODELS["test-user-system"]
+
+
+@pytest.mark.parametrize("name", ["dtmt", "transformer"])
+def test_a_left_padded_batch_is_refused(name):
+    """The padding id inside a sentence's length (a left-padded batch, as some toolkits make them) is a ValueError
+    naming it: it had been read with its padding as words and its last words cut, without a word. The same check
+    under a capture (no host reads) is a device assertion; a right-padded batch passes both."""
+    from dtmt_kernels.ops import _host_reads
+
+    model = build(name).eval()
+    src, src_lengths, _, _ = toy_batch()
+    model.encode(src, src_lengths)
+    shift = torch.stack([torch.roll(row, int(src.shape[1] - n)) for row, n in zip(src, src_lengths)])
+    assert not torch.equal(shift, src)   # (some sentence shorter than the batch: its padding now comes first)
+    with pytest.raises(ValueError, match=rf"^{type(model).__name__}: src holds the padding id 0 inside a sentence's "
+                                         r"length \(src_lengths\): a batch is padded on the right"):
+        model.encode(shift, src_lengths)
+    real = _host_reads._capturing
+    _host_reads._capturing = lambda: True
+    try:
+        model.encode(src, src_lengths)
+        with pytest.raises(RuntimeError, match="padding id 0 inside a sentence's length"):
+            model.encode(shift, src_lengths)
+    finally:
+        _host_reads._capturing = real

@@ -379,12 +379,21 @@ class Seq2Seq(nn.Module):
         given = [(arg, ids, size) for arg, ids, size in (("src", src, self.src_vocab_size),
                                                          ("prev_tokens", prev_tokens, self.tgt_vocab_size))
                  if ids is not None and ids.numel()]
+        # the padding id inside a sentence's length: a left-padded batch (as some toolkits make them) had been read
+        # with its padding as words and its last words cut, without a word
+        inside = torch.arange(S, device=src.device) < src_lengths.to(src.device)[:, None]
+        padded = ((src == self.pad_id) & inside).any()
+        padding_inside = (f"{name}: src holds the padding id {self.pad_id} inside a sentence's length (src_lengths): "
+                          f"a batch is padded on the right, each sentence from position 0")
         if not dk.functional.host_reads_allowed():
             for arg, ids, size in given:
                 torch._assert_async(((ids >= 0) & (ids < size)).all(), f"{name}: {arg} holds an id outside the "
                                     f"vocabulary's {size}")
+            torch._assert_async(~padded, padding_inside)
             return
-        bounds = torch.stack([v for _, ids, _ in given for v in torch.aminmax(ids)]).tolist() if given else []
+        bounds = torch.stack([v for _, ids, _ in given for v in torch.aminmax(ids)] + [padded.long()]).tolist()
+        if bounds.pop():
+            raise ValueError(padding_inside)
         for (arg, _, size), lo, hi in zip(given, bounds[0::2], bounds[1::2]):
             if lo < 0 or hi >= size:
                 raise IndexError(f"{name}: {arg} holds the id {hi if hi >= size else lo}, outside the "

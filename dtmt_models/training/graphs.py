@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from dtmt_kernels.ops import _host_reads
-from dtmt_models.data.vocabulary import PAD
+from dtmt_models.data.vocabulary import EOS, PAD
 from dtmt_models.errors import one_line
 
 Shape = Tuple[int, int, int]   # (rows B, source length S, target length T) of a padded batch
@@ -84,13 +84,15 @@ def padded_shape(B: int, S: int, T: int, options: GraphOptions,
 
 
 def pad_batch(src: Tensor, lengths: Tensor, prev: Tensor, target: Tensor, shape: Shape):
-    """collate's tensors padded to `shape`: new positions and rows are PAD, a new row's source length is 1."""
+    """collate's tensors padded to `shape`: new positions are PAD; a new row's source is one EOS (its length 1: the
+    padding id inside a length is refused by check_batch), its target all PAD (it adds nothing to the loss)."""
     B, S, T = shape
     b, s, t = src.shape[0], src.shape[1], prev.shape[1]
     if b > B or s > S or t > T:
         raise ValueError(f"a batch of shape {(b, s, t)} does not fit the bucket {shape}")
     out_src = src.new_full((B, S), PAD)
     out_src[:b, :s] = src
+    out_src[b:, 0] = EOS
     out_len = lengths.new_ones(B)
     out_len[:b] = lengths
     out_prev, out_target = prev.new_full((B, T), PAD), target.new_full((B, T), PAD)

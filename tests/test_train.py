@@ -180,6 +180,27 @@ def test_log_windows_survive_a_resume_and_the_last_one_is_written(toy, tmp_path,
     assert [s for s, *_ in losses(short)] == [3]
 
 
+def test_a_run_resumed_at_its_last_update_writes_the_row_its_interruption_left_out(toy, tmp_path, capsys):
+    """Interrupted during its last update, a run saves the window of that update unwritten; the resumed run, with no
+    update left to make, had left its row out of the log (a review found it). It writes it where the log lacks it,
+    and a finished run resumed writes no second one."""
+    part = str(tmp_path / "part")
+    args = ["--data", toy, "--out", part, "--log-every", "5", "--valid-every", "100", "--max-steps", "13"]
+    assert train_here([*args, *TINY], capsys).returncode == 0
+    rows = losses(part)
+    assert [s for s, *_ in rows] == [5, 10, 13]
+    log = os.path.join(part, "train_log.csv")
+    with open(log) as f:
+        lines = f.readlines()
+    with open(log, "w") as f:   # (as the interrupted run left it: the row of 11-13 not written)
+        f.writelines(line for line in lines if not line.startswith("train,13,"))
+    r = train_here([*args, "--resume"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert losses(part) == rows
+    r = train_here([*args, "--resume"], capsys)   # (finished, its row there: not written again)
+    assert r.returncode == 0 and losses(part) == rows, r.stderr
+
+
 def test_a_run_that_stopped_early_stays_stopped_on_resume(uninterrupted, toy, tmp_path, capsys):
     """Resuming a run whose patience ran out stops at once, saying so (it trained another --valid-every updates
     before stopping again); no new rows."""
@@ -1740,7 +1761,7 @@ def test_the_binarized_corpus_is_built_once_reused_and_rebuilt_when_the_text_cha
     with open(os.path.join(data, "train.es"), "a", encoding="utf-8") as f:
         f.write("el perro\n")
     changed = train_here(["--data", data, "--out", str(tmp_path / "c"), *args], capsys)
-    assert changed.returncode == 0 and "train.es, train.en changed" in changed.stdout
+    assert changed.returncode == 0 and "(changed: train.es; train.en)" in changed.stdout
     assert "data: 201 training pairs" in changed.stdout
 
 
@@ -2727,3 +2748,58 @@ def test_what_decoding_dev_warns_is_one_log_line_a_run(tmp_path, capsys):
     assert said == ["warning: dev BLEU: 1 of 30 source sentence(s) are mostly pieces unknown to the model's source "
                     "vocabulary (sentence 1): their translations are guesses, not translations"], said
     assert not [w for w in raw if "unknown" in str(w.message)]
+
+
+def test_schedule_flags_the_schedule_does_not_read_and_a_rate_of_another_schedule(toy_nodev, tmp_path, capsys):
+    """Flags the schedule does not read are refused (the constant schedule's --warmup had been taken without a
+    word); a --schedule whose --lr means another thing than the preset's, without an --lr, is refused (an RNN at
+    inverse-sqrt with the rnmt rate trained at 1e-7, a transformer at constant 1.0 diverged); --warmup given to the
+    rnmt schedule of one replica is warned of (eq. 17 warms up from lr0 to n lr0: not at all at n = 1). All from a
+    review; nothing is written for a refusal."""
+    out = tmp_path / "run"
+    for extra, message in (
+            (["--schedule", "constant", "--lr", "1e-3", "--warmup", "10"],
+             "--warmup: the constant schedule reads none of them"),
+            (["--schedule", "inverse-sqrt", "--lr", "1", "--decay-start", "5", "--decay-end", "9"],
+             "--decay-start and --decay-end: the inverse-sqrt schedule reads --warmup of them"),
+            (["--schedule", "inverse-sqrt"], "--schedule inverse-sqrt: the preset's --lr 0.002 is for rnmt, where it "
+                                             "is the rate itself; give --lr for inverse-sqrt"),
+            (["--init-uniform", "3.5e38"], "--init-uniform 3.5e+38: must be a finite number >= 0 and <= 10")):
+        r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY, *extra], capsys)
+        assert r.returncode == 2 and r.stderr.startswith(f"dtmt train: {message}"), (extra, r.stderr)
+        assert not out.exists()
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY, "--warmup", "50"], capsys)
+    assert r.returncode == 0, r.stderr
+    assert "warning: --warmup 50: the rnmt schedule (paper 000 eq. 17) warms up from lr0 to n lr0 with n = " \
+           "--replicas, 1 here: there is no warm-up" in r.stdout, r.stdout
+    r = train_here(["--data", toy_nodev, "--out", str(tmp_path / "b"), "--max-steps", "1", *TINY,
+                    "--schedule", "constant"], capsys)   # (the rate means the same: taken)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_new_run_refuses_out_files_that_are_no_run_s(toy_nodev, tmp_path, capsys):
+    """A new run writes config.yaml and train_log.csv at its start and best.pt at its first validation: a user's own
+    config.yaml in --out had been replaced without a word, the --config file itself overwritten when it was --out's
+    config.yaml, and a folder named best.pt ended the run at its first validation (its updates lost). Each is
+    refused in one line before any work (a review found them); a run's own files are taken."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.yaml").write_text("my: precious\n")
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+    assert r.returncode == 2 and "its config.yaml is not a dtmt run's" in r.stderr, r.stderr
+    assert (out / "config.yaml").read_text() == "my: precious\n"
+    (out / "config.yaml").unlink()
+    (out / "train_log.csv").write_text("date,weight\n")
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+    assert r.returncode == 2 and "its train_log.csv is not a dtmt run's log" in r.stderr, r.stderr
+    (out / "train_log.csv").unlink()
+    (out / "best.pt").mkdir()
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+    assert r.returncode == 2 and "best.pt there is not a file" in r.stderr, r.stderr
+    (out / "best.pt").rmdir()
+    run = tmp_path / "run"
+    assert train_here(["--data", toy_nodev, "--out", str(run), "--max-steps", "1", *TINY], capsys).returncode == 0
+    r = train_here(["--config", str(run / "config.yaml"), "--out", str(run), "--overwrite"], capsys)
+    assert r.returncode == 2 and "it is --out's config.yaml, which the run replaces" in r.stderr, r.stderr
+    (run / "last.pt").unlink()   # (a run's own config.yaml and log, its checkpoint gone: taken again)
+    assert train_here(["--data", toy_nodev, "--out", str(run), "--max-steps", "1", *TINY], capsys).returncode == 0

@@ -37,8 +37,8 @@ from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.graphs import CaptureFailed
 from dtmt_models.training.distributed import (Dist, Meeting, RefusedByAll, by_hand, lost_peer, process_device,
                                               refusal_line, resolve_auto, world_size)
-from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, TENSORBOARD, Trainer, TrainingDiverged,
-                                          step_checkpoints)
+from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, LOG, LOG_FIELDS, TENSORBOARD, Trainer,
+                                          TrainingDiverged, step_checkpoints)
 
 # training settings that may be changed when resuming (how long to go on, how often to report)
 RESUMABLE = ("max_steps", "max_epochs", "max_time", "patience", "valid_every", "valid_beam", "log_every", "progress",
@@ -202,8 +202,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.adadelta_rho is not None and not 0 <= args.adadelta_rho < 1:
         raise refuse("--adadelta-rho", args.adadelta_rho, "in [0, 1)")
     check_finite("--adadelta-eps", args.adadelta_eps, 0, above=True)
-    check_finite("--init-uniform", args.init_uniform, 0, note=" (0: each module's own initialisation)")
-    check_finite("--init-normal", args.init_normal, 0, note=" (0: each module's own initialisation)")
+    # (at most 10: the papers draw from 0.04 to 0.1; 3.5e38 had been a traceback from the draw, 1e30 a divergence at
+    # the first update, each after the run's folder was made)
+    check_finite("--init-uniform", args.init_uniform, 0, 10.0, note=" (0: each module's own initialisation)")
+    check_finite("--init-normal", args.init_normal, 0, 10.0, note=" (0: each module's own initialisation)")
     if args.init_uniform and args.init_normal:
         raise ValueError(f"--init-uniform {args.init_uniform:g} and --init-normal {args.init_normal:g}: the weights "
                          f"are drawn from one law; give one of them")
@@ -221,14 +223,42 @@ def check_arguments(args: argparse.Namespace) -> None:
                          "again")
 
 
-def check_schedule(cfg: TrainConfig) -> None:
+# the schedule flags each schedule reads (the others' values, a preset's, stay unread)
+SCHEDULE_READS = {"rnmt": ("warmup", "decay_start", "decay_end"), "inverse-sqrt": ("warmup",), "constant": (),
+                  "epoch-halving": ()}
+
+
+def check_schedule(cfg: TrainConfig, explicit: set = frozenset(), preset_train: Optional[dict] = None) -> List[str]:
     """The learning-rate schedule's settings as the run resolves them (the preset's where not given): ValueError in
-    one line naming the flags, before any work (the schedule itself refused them only once training started)."""
+    one line naming the flags, before any work (the schedule itself refused them only once training started). Given
+    flags (`explicit`) that the schedule does not read are refused (taken without a word before), and, for a new run
+    (`preset_train`: its preset's settings), a --schedule whose --lr means another thing than the preset's without an
+    --lr: inverse-sqrt's is a multiplier of d^-0.5 (the presets give 1 or 2), the others' the rate itself (a
+    transformer at constant 1.0 had diverged, an RNN at inverse-sqrt 2e-3 trained at 1e-7). Returns warnings: --warmup
+    given to the rnmt schedule of one replica, which (eq. 17) warms up from lr0 to n lr0 and so not at all."""
+    unread = [f"--{k.replace('_', '-')}" for k in ("warmup", "decay_start", "decay_end")
+              if k in explicit and k not in SCHEDULE_READS.get(cfg.schedule, ())]
+    if unread:
+        raise ValueError(f"{' and '.join(unread)}: the {cfg.schedule} schedule reads "
+                         + (" and ".join(f"--{k.replace('_', '-')}" for k in SCHEDULE_READS[cfg.schedule]) or "none")
+                         + " of them")
+    warnings = []
+    replicas = cfg.replicas if cfg.replicas is not None else world_size()
+    if cfg.schedule == "rnmt" and "warmup" in explicit and replicas == 1:
+        warnings.append(f"warning: --warmup {cfg.warmup}: the rnmt schedule (paper 000 eq. 17) warms up from lr0 to "
+                        f"n lr0 with n = --replicas, 1 here: there is no warm-up")
     if cfg.schedule in ("rnmt", "inverse-sqrt") and cfg.warmup < 1:
         raise ValueError(f"--warmup {cfg.warmup}: the {cfg.schedule} schedule needs at least 1 warm-up update")
     if cfg.schedule == "rnmt" and not 0 <= cfg.decay_start < cfg.decay_end:
         raise ValueError(f"--decay-start {cfg.decay_start} --decay-end {cfg.decay_end}: the rnmt schedule decays "
                          f"between them, so it needs 0 <= --decay-start < --decay-end")
+    if preset_train is not None and "schedule" in explicit and "lr" not in explicit:
+        ours = preset_train.get("schedule", TrainConfig.schedule)
+        if (ours == "inverse-sqrt") != (cfg.schedule == "inverse-sqrt"):
+            raise ValueError(f"--schedule {cfg.schedule}: the preset's --lr {cfg.lr:g} is for {ours}, where it is "
+                             + ("a multiplier of d^-0.5" if ours == "inverse-sqrt" else "the rate itself")
+                             + f"; give --lr for {cfg.schedule}")
+    return warnings
 
 
 def resume_conflicts(args: argparse.Namespace, explicit: set, run: TrainConfig) -> List[str]:
@@ -628,6 +658,42 @@ def held_checkpoints(out: str) -> List[str]:
         path for _, path in step_checkpoints(out)][:1]
 
 
+def check_run_files(out: str, config: Optional[str]) -> None:
+    """ValueError, in one line, before a new run writes into `out` (no checkpoint there, or --overwrite): where one of
+    the names the run writes is something else than a file (a folder best.pt had ended the run at its first
+    validation, its updates lost), where config.yaml is the --config file `config` itself (the run writes its
+    resolved settings over it), and where config.yaml or train_log.csv are not a dtmt run's (a user's own config.yaml
+    in `--out .` had been replaced without a word)."""
+    for name in (LAST, BEST, LOG, CURVE, CONFIG):
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise ValueError(f"--out {out}: {name} there is not a file, and the run writes its {name} there; move it "
+                             f"or give another --out")
+    own = os.path.join(out, CONFIG)
+    if config is not None and os.path.isfile(own) and os.path.samefile(config, own):
+        raise ValueError(f"--config {config}: it is --out's {CONFIG}, which the run replaces with its resolved "
+                         f"settings; copy it elsewhere or give another --out")
+    if os.path.isfile(own):
+        try:
+            with open(own, encoding="utf-8") as f:
+                held = yaml.safe_load(f)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            held = None
+        if not (isinstance(held, dict) and {"model", "vocab_size", "opt"} <= set(held)):
+            raise ValueError(f"--out {out}: its {CONFIG} is not a dtmt run's, and the run writes its own there; move "
+                             f"it or give another --out")
+    log = os.path.join(out, LOG)
+    if os.path.isfile(log):
+        try:
+            with open(log, encoding="utf-8-sig") as f:
+                header = f.readline().strip()
+        except (OSError, UnicodeDecodeError):
+            header = ""
+        if header.split(",")[:2] != LOG_FIELDS[:2]:
+            raise ValueError(f"--out {out}: its {LOG} is not a dtmt run's log, and the run writes its own there; move "
+                             f"it or give another --out")
+
+
 def same_folder(a: str, b: str) -> bool:
     """Whether the folders `a` and `b` are one (through links too)."""
     return a == b or os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)
@@ -847,6 +913,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                                  + ("--resume to continue it or " if first == LAST else "")
                                  + "--overwrite to start again" + ("" if first == LAST else
                                                                    f" (it has no {LAST} to resume)"))
+            check_run_files(args.out, args.config)
             cfg = resolve_config(args)
             if cfg.model_options.get("pad_id", PAD) != PAD:
                 raise ValueError(f"--opt pad_id={cfg.model_options['pad_id']}: dtmt train pads with the vocabularies' "
@@ -856,9 +923,9 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                 raise ValueError(f"--max-len {cfg.max_len}: {cfg.model} has {bound} positions (its max_len option) "
                                  f"and a pair of --max-len subwords needs {cfg.max_len + 1} with BOS; give --max-len "
                                  f"{bound - 1} or less, or a larger --opt max_len")
-        check_schedule(cfg)
-        check_optimizer(cfg, explicit,
-                        None if args.resume is not None else get_preset(args.model, args.preset)["train"])
+        preset_train = None if args.resume is not None else get_preset(args.model, args.preset)["train"]
+        schedule_warnings = check_schedule(cfg, explicit, preset_train)
+        check_optimizer(cfg, explicit, preset_train)
         # the run lives in --out and reads --data, wherever it was started from before
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint
         from dtmt_models.cli.common import check_device_and_backend   # (decoding's modules: only now)
@@ -915,6 +982,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                       f"as a flag, or take the file's with --config {CONFIG} --resume", flush=True)
             if changes:   # (said nowhere before: a run's log showed a changed --valid-every only by its rows)
                 print(f"resumed with changed settings: {'; '.join(changes)}", flush=True)
+            for line in schedule_warnings:
+                print(line, flush=True)
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
         code = trainer.run()

@@ -734,9 +734,12 @@ class Trainer:
                     self.epoch += 1
                     self.batch_index = 0
                     self.refresh_lr()
-            if not interrupted and self.step % c.log_every and self.log_window[2] and self.step > first_step:
+            if not interrupted and self.step % c.log_every and self.log_window[2] and (
+                    self.step > first_step or not self._train_row_written()):
                 # the window in progress at the end of the run: its row too (a run shorter than --log-every had none);
-                # the window stays in last.pt, so a run extended from here writes the rows of an uninterrupted one
+                # the window stays in last.pt, so a run extended from here writes the rows of an uninterrupted one. A
+                # run resumed at its last update writes it where the log lacks it (interrupted during that update,
+                # the run had saved the window unwritten, and the resumed one, with no update to make, left it out)
                 self._write_train_row()
             if self.step != self.validated_step and not interrupted and self.dev_ids:
                 self.validated_step = self.step
@@ -775,6 +778,11 @@ class Trainer:
         nodes = (f" --nnodes {self.dist.world // per_node} (on each node, with its --node_rank and the run's "
                  "rendezvous options)") if self.dist.world > per_node else ""
         return f"torchrun{nodes} --nproc_per_node {per_node} -m dtmt_models.cli.train"
+
+    def _train_row_written(self) -> bool:
+        """Whether the log holds a train row at this update (a resumed run's, written before it was saved)."""
+        return bool(self.csv) and any(r.get("kind") == "train" and r.get("step") == str(self.step)
+                                      for r in self.csv.rows)
 
     def _write_train_row(self) -> None:
         """train_log.csv's (and TensorBoard's) train row for the log window: its mean loss and NLL per target token."""

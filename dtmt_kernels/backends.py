@@ -98,8 +98,18 @@ def check_backend_available(name: str) -> str:
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
-    """The backend that runs `name` for tensors on `device`, or a ValueError saying why none can."""
+    """The backend that runs `name` for tensors on `device` (a torch.device or its name, "cpu", "cuda:0"), or a
+    ValueError saying why none can."""
+    if not isinstance(device, torch.device):   # (a name had been an AttributeError on .type)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            said = str(exc).strip().splitlines()[0] if isinstance(exc, RuntimeError) else "not a device name"
+            raise ValueError(f"resolve_backend: device {device!r} is not a device torch knows ({said})") from None
     check_backend_available(name)
+    if device.type == "meta":   # (the advice below sent it to the reference backend, which refused meta too)
+        raise ValueError("no backend runs meta tensors (shapes only, no values): move the module to cpu or cuda "
+                         "(.to_empty(device=...) and load its weights) to run it")
     if name == "auto":
         for candidate in _AUTO_ORDER.get(device.type, ()):
             b = _REGISTRY.get(candidate)

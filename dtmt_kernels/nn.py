@@ -412,6 +412,9 @@ def _check_packing(name: str, x: PackedSequence) -> None:
                                       or tuple(order.shape) != (B,)
                                       or not torch.equal(order.sort().values.cpu(), torch.arange(B))):
                 why = f"{arg} must be a permutation of the batch's {B} sequences"
+        if why is None and x.sorted_indices is not None and x.unsorted_indices is not None and not torch.equal(
+                x.sorted_indices.cpu()[x.unsorted_indices.cpu()], torch.arange(B)):   # (a traceback deep inside)
+            why = "unsorted_indices must be the inverse of sorted_indices"
     if why is not None:
         raise ValueError(f"{name}: x is no PackedSequence that torch.nn.utils.rnn.pack_padded_sequence or "
                          f"pack_sequence makes: {why}")

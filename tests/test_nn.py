@@ -18,6 +18,32 @@ def test_available_backends_tell_the_truth():
     assert dk.resolve_backend("auto", torch.device("cpu")).name == "cpp"
 
 
+def test_what_a_review_found_at_the_public_surface_is_one_line():
+    """resolve_backend takes a device's name (a string had been an AttributeError) and refuses a bad one or None in
+    one line; a layer on the meta device says no backend runs meta tensors (it had advised the reference backend,
+    which refused them too); a PackedSequence whose two index orders are not each other's inverse is refused as a
+    packing (a traceback deep inside); checked_lengths refuses lengths that are no 1-D integers (1.5 had passed)."""
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+    assert dk.resolve_backend("auto", "cpu").name == "cpp"
+    for device, message in ((None, r"device None is not a device torch knows \(not a device name\)$"),
+                            ("nonsense", "device 'nonsense' is not a device torch knows"),
+                            ("meta", "^no backend runs meta tensors")):
+        with pytest.raises(ValueError, match=message):
+            dk.resolve_backend("auto", device)
+    layer = dk.nn.DeepTransitionGRU(4, 3)
+    with pytest.raises(ValueError, match="^no backend runs meta tensors"):
+        dk.nn.DeepTransitionGRU(4, 3).to("meta")(torch.randn(5, 2, 4, device="meta"))
+    packed = pack_padded_sequence(torch.randn(5, 3, 4), torch.tensor([2, 5, 3]), enforce_sorted=False)
+    forged = PackedSequence(packed.data, packed.batch_sizes, packed.sorted_indices, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="unsorted_indices must be the inverse of sorted_indices$"):
+        layer(forged)
+    assert layer(packed)[0].data.shape == (10, 3)
+    for lengths in (torch.tensor([1.5, 2.0]), torch.tensor([[1, 2]]), torch.tensor(2)):
+        with pytest.raises(ValueError, match="^owner: lengths must be a 1-D tensor of integers"):
+            torch.ops.dtmt.checked_lengths(lengths, torch.empty(5), "owner")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("batch_first", [False, True])

@@ -37,6 +37,10 @@ def checked_lengths(lengths: torch.Tensor, steps: torch.Tensor, owner: str) -> t
     steps.numel(). The lengths check of a torch.jit.trace: a trace drops an op whose result nothing reads (an
     _assert_async: invalid lengths ran without a word, a length 0 giving zeros), and keeps this one, whose result
     the mask reads; T comes from a tensor, so a trace called with another T checks against that one."""
+    if lengths.dim() != 1 or lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+        # (1.5 had passed, a 2-D or 0-d tensor had been a TypeError of a comparison)
+        raise ValueError(f"{owner}: lengths must be a 1-D tensor of integers, got {lengths.dtype} "
+                         f"{list(lengths.shape)}")
     check_length_values(owner, lengths.tolist(), steps.numel())
     return lengths.clone()
 

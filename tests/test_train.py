@@ -2779,9 +2779,9 @@ def test_schedule_flags_the_schedule_does_not_read_and_a_rate_of_another_schedul
 
 def test_a_new_run_refuses_out_files_that_are_no_run_s(toy_nodev, tmp_path, capsys):
     """A new run writes config.yaml and train_log.csv at its start and best.pt at its first validation: a user's own
-    config.yaml in --out had been replaced without a word, the --config file itself overwritten when it was --out's
-    config.yaml, and a folder named best.pt ended the run at its first validation (its updates lost). Each is
-    refused in one line before any work (a review found them); a run's own files are taken."""
+    config.yaml in --out had been replaced without a word, and a folder named best.pt ended the run at its first
+    validation (its updates lost). Each is refused in one line before any work (a review found them); a run's own
+    files are taken, its config.yaml given back as --config too."""
     out = tmp_path / "mine"
     out.mkdir()
     (out / "config.yaml").write_text("my: precious\n")
@@ -2800,6 +2800,71 @@ def test_a_new_run_refuses_out_files_that_are_no_run_s(toy_nodev, tmp_path, caps
     run = tmp_path / "run"
     assert train_here(["--data", toy_nodev, "--out", str(run), "--max-steps", "1", *TINY], capsys).returncode == 0
     r = train_here(["--config", str(run / "config.yaml"), "--out", str(run), "--overwrite"], capsys)
-    assert r.returncode == 2 and "it is --out's config.yaml, which the run replaces" in r.stderr, r.stderr
+    assert r.returncode == 0, r.stderr   # (a run restarted from its own config.yaml: rewritten with its settings)
     (run / "last.pt").unlink()   # (a run's own config.yaml and log, its checkpoint gone: taken again)
     assert train_here(["--data", toy_nodev, "--out", str(run), "--max-steps", "1", *TINY], capsys).returncode == 0
+
+
+def test_a_run_file_s_settings_are_taken_back_whatever_its_schedule_reads(toy_nodev, tmp_path, capsys):
+    """A run's config.yaml holds every schedule setting, read or not: given back as --config (a transformer's, whose
+    inverse-sqrt schedule reads no decay), it is taken, without the warning of a --warmup typed for one replica; the
+    refusals and the warning are for the flags of the command line itself (the final review found it)."""
+    tiny = ["--vocab-size", "60", "--opt", "embed_dim=32", "--opt", "hidden_size=32", "--opt", "heads=2",
+            "--max-tokens", "400", "--progress", "lines", "--threads", "1", "--max-steps", "1"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = train_here(["--data", toy_nodev, "--out", str(a), "--model", "transformer", *tiny], capsys)
+    assert r.returncode == 0, r.stderr
+    r = train_here(["--config", str(a / "config.yaml"), "--out", str(b)], capsys)
+    assert r.returncode == 0, r.stderr
+    r = train_here(["--config", str(a / "config.yaml"), "--out", str(tmp_path / "c"), "--decay-end", "9"], capsys)
+    assert r.returncode == 2 and "--decay-end: the inverse-sqrt schedule reads --warmup" in r.stderr, r.stderr
+    d = tmp_path / "d"
+    assert train_here(["--data", toy_nodev, "--out", str(d), *TINY, "--max-steps", "1"], capsys).returncode == 0
+    r = train_here(["--config", str(d / "config.yaml"), "--out", str(tmp_path / "e")], capsys)
+    assert r.returncode == 0 and "no warm-up" not in r.stdout, r.stdout
+
+
+def test_options_the_structure_given_leaves_unused_are_left_out_where_they_are_not_typed(tmp_path):
+    """A preset's or a --config file's option that the structure given with --opt leaves unused is left out (the
+    paper preset's encoder_depth with --opt deep_encoder=False had been refused, naming an option the user never
+    gave), and one typed with --opt is refused (the final review found it)."""
+    from dtmt_models.cli.train import build_parser, resolve_config
+    from dtmt_models.models.registry import check_model_options
+
+    def options(argv, typed):
+        args = build_parser().parse_args(["--data", str(tmp_path), *argv])
+        args.typed_opt = typed
+        return resolve_config(args).model_options
+
+    got = options(["--model", "dtmt", "--preset", "paper", "--opt", "deep_encoder=False"], ["deep_encoder"])
+    assert got["deep_encoder"] is False and "encoder_depth" not in got
+    check_model_options("dtmt", got)
+    got = options(["--model", "nematus", "--preset", "small", "--opt", "decoder=shallow"], ["decoder"])
+    assert "dec_base_transition_depth" not in got
+    check_model_options("nematus", got)
+    typed = options(["--model", "nematus", "--preset", "small", "--opt", "decoder=shallow", "--opt",
+                     "dec_base_transition_depth=3"], ["decoder", "dec_base_transition_depth"])
+    with pytest.raises(ValueError, match="dec_base_transition_depth=3 builds nothing here"):
+        check_model_options("nematus", typed)
+
+
+def test_a_run_holding_an_unused_option_resumes_again_and_again(toy, tmp_path, capsys):
+    """A run of before the unused options' refusal may hold one (shallow_cell with every module deep): it resumes,
+    built without it, and resumes again, its best.pt compared with last.pt by the options as they are (resumed once,
+    they had been stored without it and the second resume was refused; the final review found it)."""
+    from dtmt_models.models.checkpoint import read_checkpoint, save_checkpoint
+
+    out = tmp_path / "old"
+    args = ["--data", toy, "--out", str(out), "--valid-every", "1", *TINY]
+    assert train_here([*args, "--max-steps", "2"], capsys).returncode == 0
+    for name in ("last.pt", "best.pt"):   # (as a run of before the refusal wrote them)
+        ckpt = read_checkpoint(str(out / name))
+        ckpt.pop("format")
+        ckpt["model_options"]["shallow_cell"] = "lgru"
+        if "config" in ckpt:
+            ckpt["config"]["model_options"]["shallow_cell"] = "lgru"
+        save_checkpoint(str(out / name), ckpt)
+    for steps in ("3", "4"):
+        r = train_here(["--data", toy, "--out", str(out), "--resume", "--max-steps", steps], capsys)
+        assert r.returncode == 0, (steps, r.stderr)
+    assert read_checkpoint(str(out / "last.pt"))["model_options"]["shallow_cell"] == "lgru"

@@ -30,7 +30,8 @@ from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, Argument
                                  check_output_dir, command_line_values, cut, did_you_mean, one_line, refuse)
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
-from dtmt_models.models.registry import check_model_options, list_models, position_bound, used_options
+from dtmt_models.models.registry import (check_model_options, list_models, position_bound, unused_options,
+                                         used_options)
 from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
@@ -228,23 +229,27 @@ SCHEDULE_READS = {"rnmt": ("warmup", "decay_start", "decay_end"), "inverse-sqrt"
                   "epoch-halving": ()}
 
 
-def check_schedule(cfg: TrainConfig, explicit: set = frozenset(), preset_train: Optional[dict] = None) -> List[str]:
+def check_schedule(cfg: TrainConfig, explicit: set = frozenset(), preset_train: Optional[dict] = None,
+                   typed: Optional[set] = None) -> List[str]:
     """The learning-rate schedule's settings as the run resolves them (the preset's where not given): ValueError in
     one line naming the flags, before any work (the schedule itself refused them only once training started). Given
     flags (`explicit`) that the schedule does not read are refused (taken without a word before), and, for a new run
     (`preset_train`: its preset's settings), a --schedule whose --lr means another thing than the preset's without an
     --lr: inverse-sqrt's is a multiplier of d^-0.5 (the presets give 1 or 2), the others' the rate itself (a
     transformer at constant 1.0 had diverged, an RNN at inverse-sqrt 2e-3 trained at 1e-7). Returns warnings: --warmup
-    given to the rnmt schedule of one replica, which (eq. 17) warms up from lr0 to n lr0 and so not at all."""
+    given to the rnmt schedule of one replica, which (eq. 17) warms up from lr0 to n lr0 and so not at all. The
+    refusal of unread flags and the warning look at `typed`, the flags of the command line itself (None: `explicit`):
+    a --config run file holds every schedule setting, read or not."""
+    typed = explicit if typed is None else typed
     unread = [f"--{k.replace('_', '-')}" for k in ("warmup", "decay_start", "decay_end")
-              if k in explicit and k not in SCHEDULE_READS.get(cfg.schedule, ())]
+              if k in typed and k not in SCHEDULE_READS.get(cfg.schedule, ())]
     if unread:
         raise ValueError(f"{' and '.join(unread)}: the {cfg.schedule} schedule reads "
                          + (" and ".join(f"--{k.replace('_', '-')}" for k in SCHEDULE_READS[cfg.schedule]) or "none")
                          + " of them")
     warnings = []
     replicas = cfg.replicas if cfg.replicas is not None else world_size()
-    if cfg.schedule == "rnmt" and "warmup" in explicit and replicas == 1:
+    if cfg.schedule == "rnmt" and "warmup" in typed and replicas == 1:
         warnings.append(f"warning: --warmup {cfg.warmup}: the rnmt schedule (paper 000 eq. 17) warms up from lr0 to "
                         f"n lr0 with n = --replicas, 1 here: there is no warm-up")
     if cfg.schedule in ("rnmt", "inverse-sqrt") and cfg.warmup < 1:
@@ -507,8 +512,15 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         train["max_epochs"] = None      # an explicit step or time budget replaces the preset's epoch bound
     elif args.max_epochs is not None:
         train["max_epochs"] = args.max_epochs
-    model_options = {**preset["model"], **parse_options(args.opt)}
+    given_options = parse_options(args.opt)
+    model_options = {**preset["model"], **given_options}
     model_options.pop("backend", None)   # (a preset's: --backend chooses the kernels; check_arguments refuses --opt's)
+    # the options the structure given leaves unused are left out, but for those typed with --opt, which build_model
+    # refuses (the preset's encoder_depth with --opt deep_encoder=False had been refused, naming an option the user
+    # never gave; a --config run file's likewise)
+    typed = set(given_options) if getattr(args, "typed_opt", None) is None else set(args.typed_opt)
+    unused = unused_options(args.model, model_options) if args.model in list_models() else {}
+    model_options = {k: v for k, v in model_options.items() if k not in unused or k in typed}
     fields = set(TrainConfig.defaults()) | {"data", "model_options"}
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     return TrainConfig(**{**given, **train, "model_options": model_options,
@@ -587,9 +599,10 @@ def resumed_config(source: str, config) -> TrainConfig:
         check_arguments(given)
         if cfg.model not in list_models():
             raise ValueError(f"unknown model {cfg.model!r}")
-        if isinstance(cfg.model_options, dict):   # (a run of before their refusal: the same model without them)
-            cfg = dataclasses.replace(cfg, model_options=used_options(cfg.model, cfg.model_options))
-        check_model_options(cfg.model, cfg.model_options)
+        # (a run of before their refusal may hold unused options: checked and built without them, kept as they are
+        # in its settings, which its best.pt and step files are compared by)
+        check_model_options(cfg.model, used_options(cfg.model, cfg.model_options)
+                            if isinstance(cfg.model_options, dict) else cfg.model_options)
     except ValueError as exc:
         raise refused(f"its settings: {one_line(exc)}") from None
     return cfg
@@ -658,21 +671,18 @@ def held_checkpoints(out: str) -> List[str]:
         path for _, path in step_checkpoints(out)][:1]
 
 
-def check_run_files(out: str, config: Optional[str]) -> None:
+def check_run_files(out: str) -> None:
     """ValueError, in one line, before a new run writes into `out` (no checkpoint there, or --overwrite): where one of
     the names the run writes is something else than a file (a folder best.pt had ended the run at its first
-    validation, its updates lost), where config.yaml is the --config file `config` itself (the run writes its
-    resolved settings over it), and where config.yaml or train_log.csv are not a dtmt run's (a user's own config.yaml
-    in `--out .` had been replaced without a word)."""
+    validation, its updates lost), and where config.yaml or train_log.csv are not a dtmt run's (a user's own
+    config.yaml in `--out .` had been replaced without a word; a run's own, even the --config file, is rewritten with
+    the settings resolved)."""
     for name in (LAST, BEST, LOG, CURVE, CONFIG):
         path = os.path.join(out, name)
         if os.path.lexists(path) and not os.path.isfile(path):
             raise ValueError(f"--out {out}: {name} there is not a file, and the run writes its {name} there; move it "
                              f"or give another --out")
     own = os.path.join(out, CONFIG)
-    if config is not None and os.path.isfile(own) and os.path.samefile(config, own):
-        raise ValueError(f"--config {config}: it is --out's {CONFIG}, which the run replaces with its resolved "
-                         f"settings; copy it elsewhere or give another --out")
     if os.path.isfile(own):
         try:
             with open(own, encoding="utf-8") as f:
@@ -813,10 +823,14 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
         except ValueError as exc:
             print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
             return 2
+    typed_argv = argv[len(from_file):] if config is not None else argv
     args = build_parser().parse_args(argv)
     if budget_given:   # it replaces the configuration's epoch bound, as it replaces a preset's (resolve_config)
         args.max_epochs = None
     explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
+    # what this command line itself gives, not a --config file (whose run wrote every setting, read or not)
+    typed = command_line_values(build_parser(), typed_argv)
+    args.typed_opt = list(parse_options(typed.get("opt") or []))
     if args.model is None and args.preset in PAPER_ROWS_BY_NAME:   # a paper row names its system
         args.model = PAPER_ROWS_BY_NAME[args.preset].model
     defaults = TrainConfig.defaults()
@@ -913,7 +927,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                                  + ("--resume to continue it or " if first == LAST else "")
                                  + "--overwrite to start again" + ("" if first == LAST else
                                                                    f" (it has no {LAST} to resume)"))
-            check_run_files(args.out, args.config)
+            check_run_files(args.out)
             cfg = resolve_config(args)
             if cfg.model_options.get("pad_id", PAD) != PAD:
                 raise ValueError(f"--opt pad_id={cfg.model_options['pad_id']}: dtmt train pads with the vocabularies' "
@@ -924,7 +938,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                                  f"and a pair of --max-len subwords needs {cfg.max_len + 1} with BOS; give --max-len "
                                  f"{bound - 1} or less, or a larger --opt max_len")
         preset_train = None if args.resume is not None else get_preset(args.model, args.preset)["train"]
-        schedule_warnings = check_schedule(cfg, explicit, preset_train)
+        schedule_warnings = check_schedule(cfg, explicit, preset_train, set(typed) - {"opt", "config"})
         check_optimizer(cfg, explicit, preset_train)
         # the run lives in --out and reads --data, wherever it was started from before
         cfg.out, cfg.data, cfg.data_fingerprint = args.out, os.path.abspath(args.data), fingerprint

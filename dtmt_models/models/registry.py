@@ -123,7 +123,11 @@ def unused_options(name: str, options: dict) -> Dict[str, str]:
     find = getattr(_MODELS[name], "unused_options", None)
     if find is None:
         return {}
-    return {k: why for k, why in find({**option_defaults(name), **options}).items() if k in options}
+    try:
+        unused = find({**option_defaults(name), **options})
+    except KeyError:   # (a user's subclass of a system, with a constructor of its own that lacks the base's options)
+        return {}
+    return {k: why for k, why in unused.items() if k in options}
 
 
 def used_options(name: str, options: dict) -> dict:

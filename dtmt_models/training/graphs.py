@@ -255,7 +255,8 @@ class GraphedUpdates:
         self.replayed += 1
         # (the optimizer's step hook bumps the parameters' versions in Python, which ran once, at the capture: a
         # decoder built before a replay would not have seen its weights change; engine.forms.weights_kind)
-        torch.autograd.graph.increment_version(self._trained)
+        for p in self._trained:   # (one tensor a call: torch 2.4's takes no list)
+            torch.autograd.graph.increment_version(p)
 
     def _may_capture(self) -> bool:
         if self.capturing_stopped is None and self.captured >= self.options.max_graphs:

@@ -49,7 +49,7 @@ from dtmt_models.data.corpus import CorpusError, corpus_paths, read_manifest, re
 from dtmt_models.decoding.beam_search import NonFiniteScores
 from dtmt_models.errors import one_line
 from dtmt_models.models.checkpoint import IMPLEMENTATION, CheckpointError, check_training_state, save_checkpoint
-from dtmt_models.models.registry import build_model, init_weights, position_bound
+from dtmt_models.models.registry import build_model, init_weights, position_bound, used_options
 from dtmt_models.plotting import figure, save
 from dtmt_models.progress import Progress
 from dtmt_models.signals import give_back, take_signals
@@ -393,7 +393,9 @@ class Trainer:
                                   f"--max-sentences), or train with fewer processes")
         # ---- model, optimizer, schedule
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model, len(self.src_vocab), len(self.tgt_vocab), **cfg.model_options)
+        # (a run of before the unused options' refusal may hold some: built without them, the same model)
+        self.model = build_model(cfg.model, len(self.src_vocab), len(self.tgt_vocab),
+                                 **used_options(cfg.model, cfg.model_options))
         if cfg.init_uniform:   # (a resumed run's weights then come from last.pt)
             init_weights(self.model, "uniform", cfg.init_uniform)
         elif cfg.init_normal:

@@ -1115,13 +1115,20 @@ def test_bench_int8_refuses_bad_options_before_decoding(tmp_path, capsys):
     beam_search's traceback, --sentences -1 left the last sentence out without a word, --threads 0 torch's
     RuntimeError, a --data that is no corpus (the default, where no Bible was prepared) a CorpusError's traceback."""
     from benchmarks import bench_int8
+    from conftest import save_model
+    from dtmt_models.data.vocabulary import Vocabulary
 
+    vocab = Vocabulary.train(["el perro come la manzana", "la casa es grande"] * 20, vocab_size=40)
+    model = dm.build_model("rnnsearch-atr", len(vocab), len(vocab), embed_dim=8, hidden_size=8)
+    real = save_model(tmp_path / "m.pt", "rnnsearch-atr", dict(embed_dim=8, hidden_size=8), vocab, vocab, model)
     for flags, message in ((["--beam", "0"], "--beam 0: must be >= 1 and <= 1024"),
                            (["--sentences", "-1"], "--sentences -1: must be >= 0"),
                            (["--threads", "0"], "--threads 0: must be >= 1"),
-                           (["--data", str(tmp_path / "typo")], "no corpus.json; make the corpus")):
+                           # (the checkpoint is checked first: a real one, for the corpus's refusal to be reached)
+                           (["--data", str(tmp_path / "typo"), "--checkpoint", real],
+                            "no corpus.json; make the corpus")):
         with pytest.raises(SystemExit) as info:
-            bench_int8.main([*flags, "--checkpoint", str(tmp_path / "none.pt"), "--out", str(tmp_path / "o")])
+            bench_int8.main(["--checkpoint", str(tmp_path / "none.pt"), *flags, "--out", str(tmp_path / "o")])
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, flags

@@ -684,10 +684,9 @@ def check_run_files(out: str) -> None:
                              f"or give another --out")
     own = os.path.join(out, CONFIG)
     if os.path.isfile(own):
-        try:
-            with open(own, encoding="utf-8") as f:
-                held = yaml.safe_load(f)
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        try:   # (read as a --config file is: bounded, the run configurations' loader)
+            held = _load_config(own)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError, RecursionError):
             held = None
         if not (isinstance(held, dict) and {"model", "vocab_size", "opt"} <= set(held)):
             raise ValueError(f"--out {out}: its {CONFIG} is not a dtmt run's, and the run writes its own there; move "
@@ -696,7 +695,7 @@ def check_run_files(out: str) -> None:
     if os.path.isfile(log):
         try:
             with open(log, encoding="utf-8-sig") as f:
-                header = f.readline().strip()
+                header = f.readline(1024).strip()   # (the header, bounded: a file of one long line is no log)
         except (OSError, UnicodeDecodeError):
             header = ""
         if header.split(",")[:2] != LOG_FIELDS[:2]:
@@ -800,36 +799,34 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
     budget_given = False   # the command line gives a step or time budget and no epoch bound
     edits = []   # on --resume, what the run's config.yaml says otherwise than its last.pt (config_edits)
     changes = []   # on --resume, the run's settings this command changes (resume_changes)
+    # what this command line itself gives, not a --config file (whose run wrote every setting, read or not)
+    typed = command_line_values(build_parser(), argv)
     if config is not None:
         try:
-            given = command_line_values(build_parser(), argv)
-            budget_given = budget_lifts_epochs(given)
+            budget_given = budget_lifts_epochs(typed)
             from_file = config_arguments(config)
             held = from_file[from_file.index("--preset") + 1] if "--preset" in from_file else None
-            if held is not None and given.get("preset", held) != held:   # (a run's config.yaml holds its preset's
+            if held is not None and typed.get("preset", held) != held:   # (a run's config.yaml holds its preset's
                 # every value, which override the other preset's: a mixed model labelled with the other preset)
-                raise ValueError(f"--preset {given['preset']}: --config {config} holds the settings of preset "
-                                 f"{held}, which would override {given['preset']}'s; leave out --config, or change "
+                raise ValueError(f"--preset {typed['preset']}: --config {config} holds the settings of preset "
+                                 f"{held}, which would override {typed['preset']}'s; leave out --config, or change "
                                  f"the file's preset and remove the settings it should take from it")
             model = from_file[from_file.index("--model") + 1] if "--model" in from_file else None
             specific = held is not None or "--opt" in from_file   # (settings of the file's model)
-            if model is not None and specific and given.get("model", model) != model:   # (likewise its preset's
+            if model is not None and specific and typed.get("model", model) != model:   # (likewise its preset's
                 # values and options: a transformer with an RNN's learning rate, schedule and widths, without a word)
-                raise ValueError(f"--model {given['model']}: --config {config} holds the settings of a {model} run "
-                                 f"(its preset's and options), which would override {given['model']}'s; leave out "
+                raise ValueError(f"--model {typed['model']}: --config {config} holds the settings of a {model} run "
+                                 f"(its preset's and options), which would override {typed['model']}'s; leave out "
                                  f"--config, or change the file's model and remove the settings it should take "
                                  f"from it")
             argv = from_file + argv   # the command line's flags come last: they override
         except ValueError as exc:
             print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
             return 2
-    typed_argv = argv[len(from_file):] if config is not None else argv
     args = build_parser().parse_args(argv)
     if budget_given:   # it replaces the configuration's epoch bound, as it replaces a preset's (resolve_config)
         args.max_epochs = None
     explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
-    # what this command line itself gives, not a --config file (whose run wrote every setting, read or not)
-    typed = command_line_values(build_parser(), typed_argv)
     args.typed_opt = list(parse_options(typed.get("opt") or []))
     if args.model is None and args.preset in PAPER_ROWS_BY_NAME:   # a paper row names its system
         args.model = PAPER_ROWS_BY_NAME[args.preset].model

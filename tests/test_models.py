@@ -808,11 +808,7 @@ def test_a_left_padded_batch_is_refused(name):
     with pytest.raises(ValueError, match=rf"^{type(model).__name__}: src holds the padding id 0 inside a sentence's "
                                          r"length \(src_lengths\): a batch is padded on the right"):
         model.encode(shift, src_lengths)
-    real = _host_reads._capturing
-    _host_reads._capturing = lambda: True
-    try:
+    with _host_reads.as_captured():
         model.encode(src, src_lengths)
         with pytest.raises(RuntimeError, match="padding id 0 inside a sentence's length"):
             model.encode(shift, src_lengths)
-    finally:
-        _host_reads._capturing = real

@@ -8,9 +8,27 @@ from typing import Iterator, List
 import torch
 
 
+_AS_CAPTURED = threading.local()   # .on: inside as_captured, in this thread
+
+
 def _capturing() -> bool:
-    """Whether a CUDA graph is being captured on the current stream (tests stand in for a GPU by replacing this)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA graph is being captured on the current stream, or the code runs as if one were (as_captured)."""
+    return getattr(_AS_CAPTURED, "on", False) or (torch.cuda.is_available()
+                                                  and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def as_captured() -> Iterator[None]:
+    """The block runs as under a CUDA graph capture, in this thread: host reads forbidden (host_reads_allowed), so
+    the shortcuts that read values (no padding in a batch, a source trimmed to its longest sentence) are not taken.
+    For the eager warm-up before a capture (it had taken them, and the capture met shapes and kernels no warm-up had
+    set up), and for the CPU's stand-in for a capture (training.graphs.StandInCapture, the tests)."""
+    was = getattr(_AS_CAPTURED, "on", False)
+    _AS_CAPTURED.on = True
+    try:
+        yield
+    finally:
+        _AS_CAPTURED.on = was
 
 
 def host_reads_allowed() -> bool:

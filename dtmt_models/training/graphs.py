@@ -34,14 +34,13 @@ inputs and the capture-safe code path are all checked without a GPU.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from dtmt_kernels.ops import _host_reads
+from dtmt_kernels.ops._host_reads import as_captured
 from dtmt_models.data.vocabulary import EOS, PAD
 from dtmt_models.errors import one_line
 
@@ -98,19 +97,6 @@ def pad_batch(src: Tensor, lengths: Tensor, prev: Tensor, target: Tensor, shape:
     out_prev, out_target = prev.new_full((B, T), PAD), target.new_full((B, T), PAD)
     out_prev[:b, :t], out_target[:b, :t] = prev, target
     return out_src, out_len, out_prev, out_target
-
-
-@contextlib.contextmanager
-def as_captured() -> Iterator[None]:
-    """Code run as under a capture: host reads forbidden (dtmt_kernels.ops._host_reads), so the shortcuts that read
-    values (no padding in a batch, a source trimmed to its longest sentence) are not taken. A bucket's eager first
-    update runs so: it had taken them and the capture met shapes and kernels no warm-up had set up (a review)."""
-    real = _host_reads._capturing
-    _host_reads._capturing = lambda: True
-    try:
-        yield
-    finally:
-        _host_reads._capturing = real
 
 
 class CudaCapture:

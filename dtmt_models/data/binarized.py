@@ -641,15 +641,12 @@ def _train_vocabulary(path: str, chosen: Optional[List[int]], vocab_size: int,
     from dtmt_models.data.vocabulary import _train_proto
 
     lines = _Kept(path, chosen)
-    if vocab_type == "bpe":
-        counts = _count_words(lines)
-        if not lines.kept and lines.left_out:
-            raise _NoShortLine(path)
-        return Vocabulary.train_bpe_on_word_counts(counts, vocab_size).proto, lines.left_out
-    kept = list(lines)
-    if not kept and lines.left_out:
+    sample = _count_words(lines) if vocab_type == "bpe" else list(lines)   # (read whole: `lines` counted)
+    if not lines.kept and lines.left_out:
         raise _NoShortLine(path)
-    return _train_proto(iter(kept), int(vocab_size), vocab_type, 1.0), lines.left_out
+    if vocab_type == "bpe":
+        return Vocabulary.train_bpe_on_word_counts(sample, vocab_size).proto, lines.left_out
+    return _train_proto(iter(sample), int(vocab_size), vocab_type, 1.0), lines.left_out
 
 
 # SentencePiece's trainer leaves out a sentence of more bytes than this (its max_sentence_length, at its default)

@@ -305,7 +305,7 @@ def get_preset(model: str, preset: str = "small") -> dict:
         return {"model": copy.deepcopy(row.options), "train": {**base["train"], **TABLES[row.table].train}}
     if model not in PRESETS:   # (a system registered by its user: its own defaults under the two names; any other
         # name had been taken without a word)
-        if preset not in ("small", "paper"):
+        if preset not in presets_of(model):
             raise ValueError(f"model {model!r} has no presets of its own: 'small' and 'paper' both give its own "
                              f"defaults and dtmt train's; not {preset!r}")
         return {"model": {}, "train": dict(TRAIN_DEFAULTS)}

@@ -1729,6 +1729,15 @@ def test_a_diverged_run_stops_in_one_line_without_saving_nan_weights(tmp_path, c
             f"dtmt train: {what}: the run diverged and stops without saving it (nothing was saved); a new run with "
             f"a lower --lr, a longer --warmup or --clip may not\n"), r.stderr
         assert not (out / "last.pt").exists() and not (out / "best.pt").exists()
+    # the run's last update overflowing where no validation follows it (no dev split): its loss was taken before the
+    # step, finite, and last.pt saved the infinite weights, exit 0
+    nodev = make_toy_corpus(tmp_path / "nodev", n_train=200, n_dev=0, n_test=0)
+    out = tmp_path / "last_update"
+    r = train_here(["--data", nodev, "--out", str(out), "--max-steps", "1", "--lr", "1e39", *TINY], capsys)
+    assert r.returncode == 1 and r.stderr == (
+        "dtmt train: the weights after update 1 are not finite: the run diverged and stops without saving it "
+        "(nothing was saved); a new run with a lower --lr, a longer --warmup or --clip may not\n"), r.stderr
+    assert not (out / "last.pt").exists()
     # diverging after a validation: a run resumed from a last.pt whose Adam moments are huge but finite (they pass
     # the resume checks) overflows at its first update; last.pt keeps the update it was saved at, as it was
     out = tmp_path / "later"
@@ -2868,3 +2877,4 @@ def test_a_run_holding_an_unused_option_resumes_again_and_again(toy, tmp_path, c
         r = train_here(["--data", toy, "--out", str(out), "--resume", "--max-steps", steps], capsys)
         assert r.returncode == 0, (steps, r.stderr)
     assert read_checkpoint(str(out / "last.pt"))["model_options"]["shallow_cell"] == "lgru"
+

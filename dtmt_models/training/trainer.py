@@ -568,6 +568,13 @@ class Trainer:
         return digests[0]
 
     def save_last(self) -> None:
+        """last.pt, once its weights are checked finite: an update's loss is taken before its step, so the last
+        update of a run without a dev split (no validation after it) had saved infinite weights, exit 0, which
+        translate then refused. (Every process holds the same weights: all raise together.)"""
+        with torch.no_grad():
+            finite = bool(torch.stack([p.isfinite().all() for p in self.model.parameters()]).all())
+        if not finite:
+            raise TrainingDiverged(self._diverged(f"the weights after update {self.step:,} are not finite"))
         payload = self.payload(full=True)     # every rank takes part in gathering the random states
         if self.dist.main:
             save_checkpoint(os.path.join(self.out, LAST), payload)

@@ -20,6 +20,21 @@ MAX_THREADS = 1024
 MAX_VOCAB_SIZE = 1_000_000
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or taskset's share, not the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads_warning(threads: Optional[int]) -> Optional[str]:
+    """The warning for --threads above the CPUs this process may use (they take turns on the same cores: slower,
+    not faster; 1,024 on 2 cores had been taken silently), or None."""
+    cpus = usable_cpus()
+    if not threads or threads <= cpus:
+        return None
+    return (f"warning: --threads {threads} is more than the {cpus} CPU{'s' if cpus > 1 else ''} this process may use: "
+            f"the threads take turns on them (slower, not faster)")
+
+
 # The longest message one_line gives: a message that quotes a value (a model option from a file, a line of input)
 # is cut in the middle past it, so that a small file cannot print megabytes
 MAX_MESSAGE = 2000

@@ -2878,3 +2878,30 @@ def test_a_run_holding_an_unused_option_resumes_again_and_again(toy, tmp_path, c
         assert r.returncode == 0, (steps, r.stderr)
     assert read_checkpoint(str(out / "last.pt"))["model_options"]["shallow_cell"] == "lgru"
 
+
+def test_more_threads_than_the_process_may_use_are_warned_of(tmp_path, capsys, monkeypatch):
+    """--threads above the CPUs of the process's affinity (1,024 on 2 cores had been taken without a word): one
+    warning line, in train's log and on the decoding commands' stderr; the run goes on with them. At or below the
+    CPUs, nothing."""
+    import torch
+
+    from dtmt_models import errors
+    from dtmt_models.cli.common import use_threads
+
+    monkeypatch.setattr(errors, "usable_cpus", lambda: 1)
+    data = make_toy_corpus(tmp_path / "c", n_train=60, n_dev=0, n_test=0)
+    before = torch.get_num_threads()
+    try:
+        for threads, warned in (("2", True), ("1", False)):
+            r = train_here(["--data", data, "--out", str(tmp_path / f"t{threads}"), "--max-steps", "1", *TINY,
+                            "--threads", threads], capsys)   # (after TINY's --threads 1)
+            line = (f"warning: --threads {threads} is more than the 1 CPU this process may use: the threads take "
+                    f"turns on them (slower, not faster)")
+            assert r.returncode == 0 and (line in r.stdout.splitlines()) == warned and "--threads" not in r.stderr, \
+                (r.stdout, r.stderr)
+        use_threads(3, "dtmt translate")
+        assert capsys.readouterr().err == ("dtmt translate: warning: --threads 3 is more than the 1 CPU this process "
+                                           "may use: the threads take turns on them (slower, not faster)\n")
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -16,7 +16,7 @@ from dtmt_models.decoding.beam_search import MAX_ALPHA, MAX_BEAM, NonFiniteScore
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, UsageError, check_counts, check_finite, check_input_file,
-                                command_line_values, one_line)
+                                command_line_values, one_line, threads_warning)
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -220,9 +220,13 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--amp bf16: this GPU ({torch.cuda.get_device_name()}) has no bfloat16; use --amp fp16")
 
 
-def use_threads(threads: int) -> None:
-    """--threads: decode on this many CPU threads (0 leaves torch's default)."""
+def use_threads(threads: int, prog: str) -> None:
+    """--threads: decode on this many CPU threads (0 leaves torch's default); more than the process may use is
+    warned of, one `prog: warning:` line."""
     if threads:
+        warning = threads_warning(threads)
+        if warning:
+            print(f"{prog}: {warning}", file=sys.stderr)
         torch.set_num_threads(threads)
 
 

@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
             raise InputError(f"{args.hyp} has {len(hyps)} lines but {ref_path} has {len(refs)}; they must be aligned")
         settings["hyp"] = args.hyp
     else:
-        use_threads(args.threads)
+        use_threads(args.threads, "dtmt evaluate")
         device = check_device_and_backend(args.device, args.backend)
         model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
         if args.data:   # a model of another language pair would be scored, exit 0, on sentences it cannot translate

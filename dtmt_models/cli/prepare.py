@@ -20,7 +20,7 @@ from dtmt_models.data import corpus as data
 from dtmt_models.data.prepare import (SPLITS, check_files_options, check_out_is_a_corpus_or_new, corpus_names,
                                       prepare_files, staged_corpus)
 from dtmt_models.errors import (MAX_VOCAB_SIZE, ArgumentParser, UsageError, check_counts, check_input_dir,
-                                 check_output_dir, one_line)
+                                 check_output_dir, one_line, usable_cpus)
 from dtmt_models.models.presets import TRAIN_DEFAULTS
 from dtmt_models.run_lock import PREPARE_LOCK_NAME, RunLock, RunLocked
 from dtmt_models.signals import give_back, take_signals
@@ -28,7 +28,7 @@ from dtmt_models.signals import give_back, take_signals
 # the ranges of the numeric options, checked before any work (contract §6: one line, exit status 2)
 MAX_LINES = 1_000_000_000     # --sample and --holdout: more lines than a corpus this reads holds
 MAX_SEED = 2 ** 32 - 1        # Python's random takes |seed|: a negative seed would repeat a positive one's draw
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+CORES = usable_cpus()
 MAX_WORKERS = max(16, 4 * CORES)   # more processes than that only cost memory (each holds both vocabularies)
 
 

@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         import aiohttp  # noqa: F401
     except ImportError:
         raise InputError("needs aiohttp: pip install aiohttp") from None
-    use_threads(args.threads)
+    use_threads(args.threads, PROG)
     device = check_device_and_backend(args.device, args.backend)
     check_listening(args.host, args.port)   # (before the models load: a port in use was said after a paper-size load)
     model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)

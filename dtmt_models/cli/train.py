@@ -27,7 +27,8 @@ from dtmt_models.data import binarized
 from dtmt_models.data.corpus import PREPARE_STAGE, CorpusError
 from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_counts, check_finite,
-                                 check_output_dir, command_line_values, cut, did_you_mean, one_line, refuse)
+                                 check_output_dir, command_line_values, cut, did_you_mean, one_line, refuse,
+                                 threads_warning)
 from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import (check_model_options, list_models, position_bound, unused_options,
@@ -993,8 +994,9 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                       f"as a flag, or take the file's with --config {CONFIG} --resume", flush=True)
             if changes:   # (said nowhere before: a run's log showed a changed --valid-every only by its rows)
                 print(f"resumed with changed settings: {'; '.join(changes)}", flush=True)
-            for line in schedule_warnings:
-                print(line, flush=True)
+            for line in [*schedule_warnings, threads_warning(cfg.threads)]:
+                if line:
+                    print(line, flush=True)
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:
                 yaml.safe_dump(run_configuration(cfg), f, sort_keys=False, allow_unicode=True)
         code = trainer.run()

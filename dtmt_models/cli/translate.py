@@ -256,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
         check_not_a_checkpoint(args.output, "--output")   # (nor any other)
     elif sys.stdout is None:   # (started with stdout closed, `>&-`: all was decoded, then an AttributeError)
         raise UsageError("no --output given and stdout is closed; name a file to write with -o")
-    use_threads(args.threads)
+    use_threads(args.threads, "dtmt translate")
     device = check_device_and_backend(args.device, args.backend)
     if inputs == ["-"] and not args.output and not args.output_dir:   # stdin to stdout: line groups as they come
         model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)

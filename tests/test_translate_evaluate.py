@@ -1276,7 +1276,7 @@ def test_cli_evaluate_writes_its_results_as_one_set(corpus, tmp_path, capsys, mo
                                             f"bleu_by_length.csv,bleu_by_length.png}}\n")
 
 
-def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_path, capsys):
+def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_path, capsys, monkeypatch):
     """An empty line is a sentence, translated as an empty line (dtmt translate) and scored as one (sacrebleu, the
     other toolkits): a --src / --ref pair holding one was refused ("empty line", exit 1), with and without --hyp."""
     model, sv, tv, ckpt = system
@@ -1309,6 +1309,19 @@ def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_pat
                      str(tmp_path / "again")]) == 0
     assert json.loads(read(tmp_path / "again" / "scores.json"))["bleu"] == pytest.approx(
         corpus_scores(hyps, ref)["bleu"])
+    # --hyp into the folder of a checkpoint's run: its hyp.txt scored in place stays; another file's scores remove
+    # it (it had stayed beside scores.json of other translations), and a short stdin is named as stdin
+    assert cli.main(["evaluate", "--hyp", str(out / "hyp.txt"), "--src", s, "--ref", r, "--out-dir", str(out)]) == 0
+    assert (out / "hyp.txt").exists()
+    write(tmp_path / "mine.txt", "".join(line + "\n" for line in ref))
+    assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",
+                     str(out)]) == 0
+    assert not (out / "hyp.txt").exists() and json.loads(read(out / "scores.json"))["bleu"] == pytest.approx(100)
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"one line\n")))
+    assert cli.main(["evaluate", "--hyp", "-", "--src", s, "--ref", r, "--out-dir", str(tmp_path / "stdin")]) == 1
+    assert capsys.readouterr().err == (f"dtmt evaluate: stdin has 1 lines but {r} has {len(ref)}; they must be "
+                                       f"aligned\n")
 
 
 def test_cli_decoding_threads(system, corpus, tmp_path, capsys):

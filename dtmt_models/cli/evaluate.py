@@ -46,6 +46,14 @@ from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, ch
                                  one_line, shown)
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether the paths name one file (False where either is missing, or b is "-")."""
+    try:
+        return b != "-" and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _languages(ckpt: dict):
     """A checkpoint's (source, target) languages as a pair, or None where it names none (a crafted value, an int
     say, was a TypeError's traceback: not read)."""
@@ -172,7 +180,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             hyps = read_lines(args.hyp, allow_empty=True)
         if len(hyps) != len(refs):
-            raise InputError(f"{args.hyp} has {len(hyps)} lines but {ref_path} has {len(refs)}; they must be aligned")
+            raise InputError(f"{'stdin' if args.hyp == '-' else args.hyp} has {len(hyps)} lines but {ref_path} has "
+                             f"{len(refs)}; they must be aligned")
         settings["hyp"] = args.hyp
     else:
         use_threads(args.threads, "dtmt evaluate")
@@ -244,6 +253,9 @@ def _run(args: argparse.Namespace) -> int:
             plot = reporting_warnings(PROG, lambda: plot_bleu_by_length(rows, temps[-1], title), category=Warning)
         if plot is None and os.path.lexists(png):   # (no matplotlib now: the earlier run's plot would stay beside
             os.remove(png)                            # these scores)
+        stale = os.path.join(out_dir, "hyp.txt")
+        if args.hyp and os.path.lexists(stale) and not _same_file(stale, args.hyp):
+            os.remove(stale)   # (an earlier run's translations, left beside scores of other ones: --hyp writes none)
     except WriteError as exc:
         raise InputError(str(exc)) from None
     except OSError as exc:

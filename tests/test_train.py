@@ -2256,6 +2256,38 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     assert err == (f"dtmt average: {tmp_path / 'nan.pt'}: weight {name} holds {count:,} NaN or infinite "
                    f"value{'s' if count != 1 else ''}; the checkpoint is corrupt (use an earlier one)\n")
     assert not os.path.exists(tmp_path / "bad.pt")
+    # an average beside one of the files it is the mean of (or two averages sharing one): that file's weights had
+    # counted more than once (0.25 a + 0.75 b), exit 0; refused, nothing written
+    assert average([p20, p24, "-o", out]) == 0
+    assert read_checkpoint(out)["averaged_sources"] == sorted(os.path.realpath(p) for p in (p20, p24))
+    shutil.copyfile(out, tmp_path / "moved.pt")   # (by real paths: wherever the average is kept)
+    for files in ([out, p24], [p20, str(tmp_path / "moved.pt")]):
+        capsys.readouterr()
+        assert average([*files, "-o", str(tmp_path / "again.pt")]) == 2, files
+        err = capsys.readouterr().err
+        assert err == (f"dtmt average: {files[1]} and {files[0]} both hold the weights of "
+                       f"{os.path.realpath(files[0] if files[1].endswith('moved.pt') else files[1])} (one is an "
+                       f"average of it); each checkpoint counts once: average the files themselves\n"), err
+        assert not os.path.exists(tmp_path / "again.pt")
+    # a config whose output folder or seed is a list or a mapping: a TypeError traceback ("unhashable type")
+    listed = dict(a, config={**a["config"], "out": ["x"], "seed": {"a": 1}})
+    listed.pop("format")
+    save_checkpoint(str(tmp_path / "listed.pt"), listed)
+    assert average([str(tmp_path / "listed.pt"), p24, "-o", str(tmp_path / "l.pt")]) == 0
+    assert "come from different training runs" in capsys.readouterr().err
+    # -o - (translate's stdout) had written a file named "-"; -o RUN/last.pt in a run folder without one had written
+    # a mean that --resume then refused ("no training state")
+    with pytest.raises(SystemExit):
+        average([p20, p24, "-o", "-"])
+    assert "give a file name (a checkpoint is written to a file, not to stdout)" in capsys.readouterr().err
+    run = tmp_path / "run_without_last"
+    run.mkdir()
+    for name in ("config.yaml", "train_log.csv"):
+        shutil.copyfile(os.path.join(uninterrupted, name), run / name)
+    assert average([p20, p24, "-o", str(run / "last.pt")]) == 2 and not (run / "last.pt").exists()
+    assert capsys.readouterr().err == (f"dtmt average: --output {run / 'last.pt'}: the name of a last checkpoint, "
+                                       f"which --resume continues from, in the run folder {run}, which the run's own "
+                                       f"would replace; give another name\n")
 
 
 def test_average_writes_a_checkpoint_that_loads(uninterrupted, tmp_path, capsys):

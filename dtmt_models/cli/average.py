@@ -40,8 +40,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("give either checkpoints or --run DIR")
     if a.last is not None and (not a.run or a.last < 1):
         p.error("--last N needs --run and N >= 1")
-    if not a.output:
-        p.error("--output: give a file name")
+    if not a.output or a.output == "-":   # (translate's -o - is stdout; here it made a file named "-")
+        p.error("--output: give a file name (a checkpoint is written to a file, not to stdout)")
     try:
         paths = _checkpoints(a)
         check_output_file(a.output, "--output", paths)
@@ -94,11 +94,12 @@ def check_not_a_run_s(output: str) -> None:
     # (a run's folder: its last.pt, or its config and log; a folder of the user's own with a config.yaml is none)
     run_folder = os.path.exists(os.path.join(folder, LAST)) or all(os.path.exists(os.path.join(folder, f))
                                                                    for f in (CONFIG, LOG))
-    if run_folder and (name in (BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
+    if run_folder and (name in (LAST, BEST, LOG, CURVE, CONFIG) or STEP_NAME.fullmatch(name)):
         # (a finished run's step_N.pt or best.pt was replaced, exit 0, and the next --run average took the mean in
         # its place; a new step_N.pt was averaged by the next --run as the run's own, and a resumed run replaced it
         # or its --keep-last removed it; its train_log.csv replaced, --resume refused the run)
-        kind = {BEST: "best checkpoint, which translate reads", LOG: "training log, which --resume reads",
+        kind = {LAST: "last checkpoint, which --resume continues from", BEST: "best checkpoint, which translate reads",
+                LOG: "training log, which --resume reads",
                 CURVE: "learning curve", CONFIG: "settings, which --config reruns"
                 }.get(name, "step checkpoint, which --run averages")
         if os.path.exists(output):

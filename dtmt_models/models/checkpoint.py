@@ -23,7 +23,7 @@ import shutil
 import warnings
 import zipfile
 import zlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 
@@ -481,10 +481,11 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     float64 and cast back, integer buffers must agree), as a translation checkpoint payload: the model's
     description is the first file's (the one checked to build), the rest the latest file's (its config, its step:
     the file of the most updates, whatever the order given), plus `averaged_from` (the file names, or their paths
-    where the files are not of one folder). `paths`: a list of paths (a single string is refused, not read letter by
-    letter). Raises ValueError naming the first file that does not match the first one, a file given twice (by
-    another name too, or a copy: the weights of two files equal, as a run's best.pt and its step checkpoint of the
-    same update), or a weight that is not finite; warns
+    where the files are not of one folder) and `averaged_sources` (the real paths of the files whose weights the
+    mean holds). `paths`: a list of paths (a single string is refused, not read letter by letter). Raises ValueError
+    naming the first file that does not match the first one, a file given twice (by another name too, or a copy:
+    the weights of two files equal, as a run's best.pt and its step checkpoint of the same update; or an average
+    beside one of the files it is the mean of), or a weight that is not finite; warns
     (UserWarning) when the files come from different training runs (their `config`s name another output folder or
     seed: the mean of separately trained weights is rarely a model that translates)."""
     if isinstance(paths, (str, bytes, os.PathLike)):
@@ -500,6 +501,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     check_weights_fit(paths[0], first, own)   # (the mean would hold a NaN or an infinity too)
     runs = {_run_of(first): paths[0]}
     weights = {_weights_digest(first["model"]): paths[0]}
+    sources = {source: paths[0] for source in _sources(paths[0], first)}
     sums = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
     last = first
     for path in paths[1:]:
@@ -522,6 +524,11 @@ def average_checkpoints(paths) -> Dict[str, Any]:
         if twin != path:   # (its weights counted twice: best.pt beside the step checkpoint it was written with)
             raise ValueError(f"average: {path} holds the same weights as {twin} (a copy, or best.pt or last.pt written "
                              f"at the same update as a step checkpoint); each checkpoint counts once")
+        for source in _sources(path, ckpt):   # (an average given with one of the files it is the mean of)
+            held = sources.setdefault(source, path)
+            if held != path:
+                raise ValueError(f"average: {path} and {held} both hold the weights of {source} (one is an average "
+                                 f"of it); each checkpoint counts once: average the files themselves")
         for k, v in ckpt["model"].items():
             if v.is_floating_point():
                 sums[k] += v.double()
@@ -539,6 +546,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     payload.update({k: first[k] for k in MODEL_KEYS if k in first}, model=averaged)
     one_folder = len({os.path.dirname(os.path.abspath(p)) for p in paths}) == 1   # (runs/a/step_12.pt and
     payload["averaged_from"] = [os.path.basename(p) if one_folder else os.fspath(p) for p in paths]   # runs/b/'s)
+    payload["averaged_sources"] = sorted(sources)   # (the real paths of the files whose weights the mean holds)
     return payload
 
 
@@ -615,4 +623,15 @@ def _run_of(ckpt: Dict[str, Any]) -> Tuple[Any, Any]:
     config = ckpt.get("config")
     if not isinstance(config, dict):   # (a crafted or damaged field: a str was an AttributeError's traceback)
         return None, None
-    return config.get("out"), config.get("seed")
+    # (a value of another type as its repr: a list was "unhashable type", a traceback)
+    return tuple(v if isinstance(v, (str, int, float, type(None))) else repr(v)
+                 for v in (config.get("out"), config.get("seed")))
+
+
+def _sources(path: str, ckpt: Dict[str, Any]) -> Set[str]:
+    """The files whose weights a checkpoint holds, as real paths: an average's `averaged_sources`, or the file
+    itself (an average written before that key: itself too)."""
+    names = ckpt.get("averaged_sources")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return {os.path.realpath(path)}
+    return set(names)

@@ -1322,6 +1322,17 @@ def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_pat
     assert cli.main(["evaluate", "--hyp", "-", "--src", s, "--ref", r, "--out-dir", str(tmp_path / "stdin")]) == 1
     assert capsys.readouterr().err == (f"dtmt evaluate: stdin has 1 lines but {r} has {len(ref)}; they must be "
                                        f"aligned\n")
+    # --ref as a pipe: "parallel corpus: 1 problem(s)", exit 1, naming no option; now a usage error naming it
+    read_end, write_end = os.pipe()
+    try:
+        fifo = f"/dev/fd/{read_end}"
+        assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", fifo, "--out-dir",
+                         str(tmp_path / "pipe")]) == 2
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert capsys.readouterr().err == (f"dtmt evaluate: --ref {fifo}: not a regular file (a pipe or a device); give a "
+                                       f"file (--hyp alone may be a pipe)\n")
 
 
 def test_cli_decoding_threads(system, corpus, tmp_path, capsys):

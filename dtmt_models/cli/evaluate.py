@@ -130,8 +130,11 @@ def _run(args: argparse.Namespace) -> int:
         label = args.split
     elif args.src and args.ref:
         src_path, ref_path = args.src, args.ref
-        check_input_file(src_path, "--src")
-        check_input_file(ref_path, "--ref")
+        for path, option in ((src_path, "--src"), (ref_path, "--ref")):
+            check_input_file(path, option)
+            if not os.path.isfile(path):   # (a pipe, <(...): "parallel corpus: 1 problem(s)", naming no option)
+                raise UsageError(f"{option} {path}: not a regular file (a pipe or a device); give a file (--hyp "
+                                 f"alone may be a pipe)")
         label = _stem(args.src)
     else:
         raise UsageError("say what to score: --data DIR [--split test], or --src F --ref G"

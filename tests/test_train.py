@@ -2937,3 +2937,15 @@ def test_more_threads_than_the_process_may_use_are_warned_of(tmp_path, capsys, m
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_mistyped_preset_is_named_before_the_out_folder_s_refusals(tmp_path, capsys):
+    """--preset smal with an --out that holds a run: it had answered "already holds a checkpoint (last.pt)", the
+    typo never named; the preset is now checked with the model, before --out."""
+    data = make_toy_corpus(tmp_path / "c", n_train=60, n_dev=0, n_test=0)
+    out = tmp_path / "run"
+    assert train_here(["--data", data, "--out", str(out), "--max-steps", "1", *TINY], capsys).returncode == 0
+    before = sorted(os.listdir(out))
+    r = train_here(["--data", data, "--out", str(out), "--max-steps", "1", *TINY, "--preset", "smal"], capsys)
+    assert r.returncode == 2 and "'smal' (did you mean 'small'?)" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "already holds" not in r.stderr and sorted(os.listdir(out)) == before

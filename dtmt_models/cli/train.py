@@ -841,6 +841,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
         if args.model not in list_models():
             raise ValueError(f"unknown model {args.model!r}{did_you_mean(args.model, list_models())}; choose one of "
                              f"{list_models()}")
+        if args.resume is None:   # (a mistyped preset, named before --out's refusals: an --out holding a run had
+            get_preset(args.model, args.preset)   # answered "already holds a checkpoint", the typo unsaid)
         resume_from = None   # the checkpoint --resume names, if it names one
         if args.resume:
             resume_from = os.path.abspath(args.resume)

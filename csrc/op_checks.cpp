@@ -45,6 +45,15 @@ bool is_matrix(const at::Tensor& t, int64_t rows, int64_t cols) {
   return t.defined() && t.dim() == 2 && t.size(0) == rows && (cols < 0 || weight_in_features(t) == cols);
 }
 
+// A matrix's sizes as an error gives them: "[20, 9]", or "[20, 9] int8 rows" (whose width holds 4 bytes more than
+// its columns: without the word, "must be [20, 9] ..., got [20, 9]" read as a contradiction).
+std::string matrix_text(const at::Tensor& t) {
+  if (!t.defined()) return "[]";
+  std::ostringstream s;
+  s << t.sizes() << (t.scalar_type() == at::kChar ? " int8 rows" : "");
+  return s.str();
+}
+
 }  // namespace
 
 void check_eps(double eps, const char* op, const char* name) {
@@ -84,13 +93,13 @@ int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* o
   const int64_t n_in = cell_input_rows(k), n_h = cell_hidden_rows(k), g = cell_ln_groups(k);
   TORCH_CHECK(w.w_hh.defined() && w.w_hh.dim() == 2 && w.w_hh.size(0) > 0 && w.w_hh.size(0) % n_h == 0, "dtmt::",
               op, ": ", what, ": w_hh must be [", n_h, " * H, H] for this cell, got ",
-              w.w_hh.defined() ? w.w_hh.sizes() : at::IntArrayRef{});
+              matrix_text(w.w_hh));
   const int64_t H = w.w_hh.size(0) / n_h;
   TORCH_CHECK(is_matrix(w.w_hh, n_h * H, H), "dtmt::", op, ": ", what, ": w_hh must be [", n_h * H, ", ", H,
-              "] (int8 rows: [", n_h * H, ", ", H + kInt8RowTail, "]), got ", w.w_hh.sizes());
+              "] (int8 rows: [", n_h * H, ", ", H + kInt8RowTail, "]), got ", matrix_text(w.w_hh));
   TORCH_CHECK(is_matrix(w.w_ih, n_in * H, input_size), "dtmt::", op, ": ", what, ": w_ih must be [", n_in * H, ", ",
-              input_size < 0 ? std::string("input size") : std::to_string(input_size), "] (H = ", H, "), got ",
-              w.w_ih.defined() ? w.w_ih.sizes() : at::IntArrayRef{});
+              input_size < 0 ? std::string("input size") : std::to_string(input_size), "] (H = ", H,
+              "; int8 rows: 4 bytes wider), got ", matrix_text(w.w_ih));
   TORCH_CHECK(!given(w.b_ih) || (w.b_ih.dim() == 1 && w.b_ih.size(0) == n_in * H), "dtmt::", op, ": ", what,
               ": b_ih must be empty or [", n_in * H, "], got ", w.b_ih.sizes());
   TORCH_CHECK(!given(w.b_hh) || (w.b_hh.dim() == 1 && w.b_hh.size(0) == n_h * H), "dtmt::", op, ": ", what,
@@ -107,7 +116,7 @@ int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* o
   if (D > 0) {
     TORCH_CHECK(w.t_w.dim() == 3 && w.t_w.size(1) == 3 * H && weight_in_features(w.t_w) == H, "dtmt::", op, ": ",
                 what, ": t_w must be [D, ", 3 * H, ", ", H, "] (int8 rows: ", H + kInt8RowTail, " bytes), got ",
-                w.t_w.sizes());
+                matrix_text(w.t_w));
     TORCH_CHECK(w.t_b.dim() == 2 && w.t_b.size(0) == D && w.t_b.size(1) == 3 * H, "dtmt::", op, ": ", what,
                 ": t_b must be [", D, ", ", 3 * H, "], got ", w.t_b.sizes());
   }
@@ -120,6 +129,31 @@ int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* o
               "dtmt::", op, ": ", what, ": t_ln_w and t_ln_b must be [D = ", D, ", ", 2 * H,
               "] (and given only with T-GRUs), got ", w.t_ln_w.sizes(), " and ", w.t_ln_b.sizes());
   return H;
+}
+
+void check_dtype(const at::Tensor& t, at::ScalarType type, const char* op, const char* name, const char* of,
+                 bool int8_rows) {
+  if (!given(t)) return;
+  const at::ScalarType got = t.scalar_type();
+  TORCH_CHECK(got == type || (int8_rows && got == at::kChar), "dtmt::", op, ": ", name, " must have ", of,
+              "'s dtype ", type, int8_rows ? " (or be int8 rows)" : "", ", got ", got);
+}
+
+void check_list_dtype(at::TensorList ts, at::ScalarType type, const char* op, const char* list, const char* of) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    if (!given(t) || !at::isFloatingType(t.scalar_type())) continue;
+    TORCH_CHECK(t.scalar_type() == type, "dtmt::", op, ": ", list, "[", i, "] must have ", of, "'s dtype ", type,
+                ", got ", t.scalar_type());
+  }
+}
+
+void check_state_dtype(const at::Tensor& h, at::ScalarType type, const char* op, const char* name, const char* of) {
+  if (!given(h)) return;
+  const bool half = type == at::kHalf || type == at::kBFloat16;
+  TORCH_CHECK(h.scalar_type() == type || (half && h.scalar_type() == at::kFloat), "dtmt::", op, ": ", name,
+              " must have ", of, "'s dtype ", type, half ? " (or float32, the state under autocast)" : "", ", got ",
+              h.scalar_type());
 }
 
 }  // namespace dtmt

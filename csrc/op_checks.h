@@ -1,9 +1,9 @@
 // The checks at the ops' boundary (issue 71): what every op of registration.cpp verifies before a kernel indexes
 // into a tensor, so that a call from Python, C++ or a compiled graph with a weight slot short or empty, a gradient
 // or saved tensor of the wrong shape, or an id out of range gets a one-line error naming the op and the argument
-// instead of a crash. Shapes, and the kind of dtype of what a kernel would convert (check_floating: an integer or
-// complex h0, bias or layer-norm gain was cast without a word, found by a hostile-input probe, 2026-12-02); the
-// exact dtypes are checked where a kernel reads a tensor's data (data_ptr<T> refuses another dtype), and the
+// instead of a crash. Shapes; the kind of dtype of what a kernel would convert (check_floating: an integer or
+// complex h0, bias or layer-norm gain was cast without a word, found by a hostile-input probe, 2026-12-02); every
+// floating tensor in the dtype of the op's activation (check_dtype, check_list_dtype, check_state_dtype); and the
 // dispatcher keeps the devices apart. Each check is a few comparisons of sizes: nothing
 // per element, except the ids a search starts from (its BOS, EOS and banned words: a handful).
 #pragma once
@@ -60,5 +60,19 @@ inline bool given(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 // null) goes before the name in the error, as check_cell's.
 void check_floating(const at::Tensor& t, const char* op, const char* name, bool int8_rows = false,
                     const char* what = nullptr);
+
+// `t`, where given, has dtype `type`, the dtype of the argument named `of` ("x"), or is int8 rows where
+// `int8_rows`. Mixed dtypes had reached ATen's products, whose "self and mat2 must have the same dtype" names no op
+// or argument, or been converted by one backend where another refused them.
+void check_dtype(const at::Tensor& t, at::ScalarType type, const char* op, const char* name, const char* of,
+                 bool int8_rows = false);
+
+// Every given floating-point tensor of the Tensor[] argument `list` has dtype `type` (as check_dtype); int8 tensors
+// pass (the weights' rows, whose places the list's own checks know).
+void check_list_dtype(at::TensorList ts, at::ScalarType type, const char* op, const char* list, const char* of);
+
+// A state (h0, or the gradient in its place) has the dtype `type` of the argument `of`, or float32 where that is
+// 16-bit: autocast runs the products in bfloat16 or float16 and keeps the state float32 (ops/_autocast.py).
+void check_state_dtype(const at::Tensor& h, at::ScalarType type, const char* op, const char* name, const char* of);
 
 }  // namespace dtmt

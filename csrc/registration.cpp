@@ -46,25 +46,28 @@ using OptTensor = std::optional<Tensor>;
 // x [T, B, I] and what the weights w give: H, the T-GRUs' D; h0 [B, H], mask [T, B] and drop [D + 1, B, H] (both
 // optional) checked against them. Returns {T, B, I, H, D}.
 std::array<int64_t, 5> check_sequence(const Tensor& x, const Tensor& h0, const Tensor& mask, const Tensor& drop,
-                                      const dtmt::TransitionWeights& w, const char* op) {
+                                      const dtmt::TransitionWeights& w, const char* op, const char* h_name = "h0") {
   dtmt::check_sizes(x, {-1, -1, -1}, op, "x ([T, B, I])");
   const int64_t T = x.size(0), B = x.size(1), I = x.size(2);
   const int64_t H = dtmt::check_cell(w, I, op, "the weights");
   const int64_t D = dtmt::given(w.t_w) ? w.t_w.size(0) : 0;
-  dtmt::check_sizes(h0, {B, H}, op, "h0");
+  dtmt::check_sizes(h0, {B, H}, op, h_name);
   dtmt::check_optional_sizes(mask, {T, B}, op, "mask");
   dtmt::check_optional_sizes(drop, {D + 1, B, H}, op, "drop");
-  dtmt::check_floating(h0, op, "h0");
+  dtmt::check_floating(h0, op, h_name);
   dtmt::check_floating(drop, op, "drop");
   dtmt::check_floating(x, op, "x");
-  // the products' operands in x's dtype (the matrices may be int8 rows): before, ATen's "self and mat2 must have
-  // the same dtype" named no argument
+  // every floating operand in x's dtype (the matrices may be int8 rows; the state float32 under autocast): ATen's
+  // "self and mat2 must have the same dtype" had named no argument, and a float16 layer-norm gain or a float64 h0
+  // beside a float32 x was converted here where the reference backend refuses it
   const at::ScalarType xt = x.scalar_type();
   for (const auto& [t, name, rows] : {std::tuple<const Tensor&, const char*, bool>{w.w_ih, "w_ih", true},
                                       {w.b_ih, "b_ih", false}, {w.w_hh, "w_hh", true}, {w.b_hh, "b_hh", false},
-                                      {w.t_w, "t_w", true}, {w.t_b, "t_b", false}})
-    TORCH_CHECK(!given(t) || t.scalar_type() == xt || (rows && t.scalar_type() == at::kChar), "dtmt::", op, ": ",
-                name, " must have x's dtype ", xt, rows ? " (or be int8 rows)" : "", ", got ", t.scalar_type());
+                                      {w.t_w, "t_w", true}, {w.t_b, "t_b", false}, {w.ln_w, "ln_w", false},
+                                      {w.ln_b, "ln_b", false}, {w.t_ln_w, "t_ln_w", false},
+                                      {w.t_ln_b, "t_ln_b", false}, {drop, "drop", false}})
+    dtmt::check_dtype(t, xt, op, name, "x", rows);
+  dtmt::check_state_dtype(h0, xt, op, h_name, "x");
   return {T, B, I, H, D};
 }
 
@@ -129,7 +132,11 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
   const auto w = weights(kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b);
   const Tensor m = dense(mask, x), dr = dense(drop, x);
   constexpr const char* op = "transition_backward";
-  const auto [T, B, I, H, D] = check_sequence(x, grad_hn, m, dr, w, op);   // (grad_hn has h0's shape)
+  const Tensor tw = t_w.value_or(Tensor());
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{w_ih, "w_ih"}, {w_hh, "w_hh"}, {tw, "t_w"}})
+    TORCH_CHECK(!dtmt::given(t) || t.scalar_type() != at::kChar, "dtmt::", op, ": ", name,
+                " is int8 rows, which are for inference: no gradient flows through them (train the float weights)");
+  const auto [T, B, I, H, D] = check_sequence(x, grad_hn, m, dr, w, op, "grad_hn");   // (h0's shape)
   dtmt::check_eps(eps, op, "eps");
   (void)I;
   const int k = static_cast<int>(kind);
@@ -150,6 +157,7 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
                                 {hs_lp, "hs_lp"}})
     TORCH_CHECK(!dtmt::given(t) || t.scalar_type() == xt, "dtmt::", op, ": ", name, " must have x's dtype ", xt,
                 " (the forward's), got ", t.scalar_type());
+  dtmt::check_dtype(grad_out, xt, op, "grad_out", "x");   // (autograd gives it in out's dtype, x's)
   TORCH_CHECK(!dtmt::given(hs) || hs.scalar_type() == acc, "dtmt::", op, ": hs must be ", acc,
               " (the forward's states for x of ", xt, "), got ", hs.scalar_type());
   auto g = Kernel(dtmt::BackwardInputs{dense(grad_out), dense(grad_hn), dense(x), m, dr}, w,
@@ -161,11 +169,13 @@ std::vector<Tensor> transition_backward(const Tensor& grad_out, const Tensor& gr
 
 // ten parameters a direction, or twelve: the ten, then w_hh and t_w in the row-panel layout (small_gemm.h)
 // (input_size: x's I, or -1 where the input products come from a table)
+// (type: the dtype of the argument `of`, which every floating parameter has)
 std::vector<dtmt::TransitionWeights> encode_directions(int64_t kind, at::TensorList params, int64_t input_size,
-                                                       const char* op) {
+                                                       at::ScalarType type, const char* of, const char* op) {
   const size_t n = params.size(), per = n == 12 || n == 24 ? 12 : 10;
   TORCH_CHECK(n == 10 || n == 20 || n == 12 || n == 24,
               "dtmt::", op, ": ten parameter tensors a direction (twelve with row panels), got ", n);
+  dtmt::check_list_dtype(params, type, op, "params", of);
   std::vector<dtmt::TransitionWeights> dirs;
   for (size_t d = 0; d < n; d += per) {
     const at::TensorList p = params.slice(d, per);
@@ -184,9 +194,12 @@ std::tuple<Tensor, Tensor> transition_encode(const Tensor& x, const Tensor& h0, 
                                              at::TensorList params, bool reverse, double eps) {
   dtmt::check_sizes(x, {-1, -1, -1}, "transition_encode", "x ([T, B, I])");
   dtmt::check_floating(h0, "transition_encode", "h0");
+  dtmt::check_floating(x, "transition_encode", "x");
+  dtmt::check_state_dtype(h0, x.scalar_type(), "transition_encode", "h0", "x");
   dtmt::check_eps(eps, "transition_encode", "eps");
-  auto r = dtmt::transition_encode_cpu(dense(x), dense(h0), dense(mask, x),
-                                       encode_directions(kind, params, x.size(2), "transition_encode"), reverse, eps);
+  auto r = dtmt::transition_encode_cpu(
+      dense(x), dense(h0), dense(mask, x),
+      encode_directions(kind, params, x.size(2), x.scalar_type(), "x", "transition_encode"), reverse, eps);
   return {r[0], r[1]};
 }
 
@@ -196,11 +209,13 @@ std::tuple<Tensor, Tensor> transition_encode_tokens(const Tensor& tokens, const 
                                                     bool reverse, double eps) {
   dtmt::check_floating(h0, "transition_encode_tokens", "h0");
   dtmt::check_floating(table, "transition_encode_tokens", "table");
+  const at::ScalarType type = table.scalar_type();
+  dtmt::check_state_dtype(h0, type, "transition_encode_tokens", "h0", "table");
+  dtmt::check_dtype(position_table.value_or(Tensor()), type, "transition_encode_tokens", "position_table", "table");
   dtmt::check_eps(eps, "transition_encode_tokens", "eps");
-  auto r = dtmt::transition_encode_tokens_cpu(dense(tokens), dense(table), dense(position_table, table), dense(h0),
-                                              dense(mask, table), encode_directions(kind, params, -1,
-                                                                                    "transition_encode_tokens"),
-                                              reverse, eps);
+  auto r = dtmt::transition_encode_tokens_cpu(
+      dense(tokens), dense(table), dense(position_table, table), dense(h0), dense(mask, table),
+      encode_directions(kind, params, -1, type, "table", "transition_encode_tokens"), reverse, eps);
   return {r[0], r[1]};
 }
 

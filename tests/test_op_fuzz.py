@@ -55,7 +55,7 @@ def test_the_ops_name_the_argument_that_is_wrong():
         fwd(x, h0, None, None, 1, *p, False, 1e-5)
     # grad_hn of [B, H - 1] (was free(): invalid next size)
     grad_out = torch.randn_like(out[0])
-    with pytest.raises(RuntimeError, match=r"transition_backward: h0 must be \[2, 6\], got \[2, 5\]"):
+    with pytest.raises(RuntimeError, match=r"transition_backward: grad_hn must be \[2, 6\], got \[2, 5\]"):
         torch.ops.dtmt.transition_backward(grad_out, torch.randn(2, 5), x, None, None, kind, *p, *out[2:], False,
                                            1e-5)
     with pytest.raises(RuntimeError, match=r"transition_backward: hpt must be \[1, 3, 2, 18\]"):
@@ -145,7 +145,9 @@ def test_secondary_tensors_of_a_dtype_a_kernel_would_convert_are_refused():
     """h0, the dropout masks, the biases and layer-norm parameters, the backward's saved tensors and gradient: an
     integer, bool or complex tensor among them was converted without a word (a complex h0 ran as its real part, with
     only C++'s warning; a hostile-input probe, 2026-12-02); now a one-line error naming the op and the argument.
-    Floating-point ones of another precision are still taken (autocast hands float32 gains beside bfloat16 inputs)."""
+    So is a floating-point one of another precision than x (a float16 layer-norm gain, a float64 h0: converted
+    here, refused by the reference backend), except h0 (or grad_hn) in float32 beside a 16-bit x: autocast's
+    state."""
     x, h0, kind, p = _gru_args()
     fwd, bwd = torch.ops.dtmt.transition_forward, torch.ops.dtmt.transition_backward
     out = fwd(x, h0, None, None, kind, *p, False, 1e-5)
@@ -195,7 +197,104 @@ def test_secondary_tensors_of_a_dtype_a_kernel_would_convert_are_refused():
     with pytest.raises(RuntimeError, match=r"transition_encode: h0 must be a floating-point tensor, got Int"):
         torch.ops.dtmt.transition_encode(x, h0[None].int(), None, kind,
                                          [t if t is not None else torch.empty(0) for t in p], False, 1e-5)
-    assert torch.equal(fwd(x, h0.double(), None, None, kind, *p, False, 1e-5)[0], out[0])
+    for slot, name, dtype in ((4, "ln_w", torch.float16), (5, "ln_b", torch.float64), (6, "t_w", torch.float64),
+                              (7, "t_b", torch.bfloat16), (8, "t_ln_w", torch.float64), (9, "t_ln_b", torch.float16)):
+        q = list(p)
+        q[slot] = q[slot].to(dtype)
+        with pytest.raises(RuntimeError, match=re.escape(f"transition_forward: {name} must have x's dtype Float")):
+            fwd(x, h0, None, None, kind, *q, False, 1e-5)
+    drop = torch.ones(2, 2, 6)
+    for args, message in (((x, h0.double(), None, None), "h0 must have x's dtype Float, got Double"),
+                          ((x, h0, None, drop.half()), "transition_forward: drop must have x's dtype Float, got Half"),
+                          ((x.half(), h0.double(), None, None),
+                           "h0 must have x's dtype Half (or float32, the state under autocast), got Double")):
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            fwd(*args, kind, *[t.to(args[0].dtype) for t in p], False, 1e-5)
+    with pytest.raises(RuntimeError, match=r"transition_backward: grad_out must have x's dtype Float, got Double"):
+        bwd(grad_out.double(), torch.randn(2, 6), x, None, None, kind, *p, *out[2:], False, 1e-5)
+    with pytest.raises(RuntimeError, match=r"transition_backward: grad_hn must have x's dtype Float, got Double"):
+        bwd(grad_out, torch.randn(2, 6).double(), x, None, None, kind, *p, *out[2:], False, 1e-5)
+    # the state in float32 beside 16-bit inputs (autocast's rule) still runs, its dtype kept
+    half = fwd(x.bfloat16(), h0, None, None, kind, *[t.bfloat16() for t in p], False, 1e-5)
+    assert half[1].dtype == torch.float32 and torch.allclose(half[0].float(), out[0], atol=0.05)
+    empty = [t if t is not None else torch.empty(0) for t in p]
+    with pytest.raises(RuntimeError, match=r"transition_encode: h0 must have x's dtype Float, got Double"):
+        torch.ops.dtmt.transition_encode(x, h0[None].double(), None, kind, empty, False, 1e-5)
+    with pytest.raises(RuntimeError, match=re.escape("transition_encode: params[4] must have x's dtype Float, got "
+                                                     "Half")):
+        torch.ops.dtmt.transition_encode(x, h0[None], None, kind, [*empty[:4], empty[4].half(), *empty[5:]], False,
+                                         1e-5)
+
+
+def test_int8_rows_are_named_in_the_width_error_and_refused_by_the_backward():
+    """int8 weight rows hold 4 bytes more than their columns: a w_ih of the wrong width read "must be [12, 3] ...,
+    got [12, 3]"; a gradient through int8 rows failed in the backward with ATen's "self and mat2 must have the same
+    dtype". Both now name the op, the argument and the int8 rows."""
+    from dtmt_models.engine.ops import pack_int8_rows
+
+    x, h0, kind, p = _gru_args(H=4, I=3, ln=False, depth=0)
+    q = list(p)
+    q[0], q[2] = pack_int8_rows(p[0]), pack_int8_rows(p[2])
+    fwd = torch.ops.dtmt.transition_forward
+    wide = list(q)
+    wide[0] = pack_int8_rows(torch.randn(12, 4))
+    with pytest.raises(RuntimeError, match=re.escape("w_ih must be [12, 3] (H = 4; int8 rows: 4 bytes wider), got "
+                                                     "[12, 8] int8 rows")):
+        fwd(x, h0, None, None, kind, *wide, False, 1e-5)
+    xg = x.clone().requires_grad_()
+    out = fwd(xg, h0, None, None, kind, *q, False, 1e-5)
+    with torch.no_grad():   # the int8 forward runs, close to the float one
+        assert torch.allclose(out[0], fwd(x, h0, None, None, kind, *p, False, 1e-5)[0], atol=0.05)
+    with pytest.raises(RuntimeError, match=r"transition_backward: w_ih is int8 rows, which are for inference: no "
+                                           r"gradient flows through them"):
+        out[0].sum().backward()
+
+
+@pytest.fixture(scope="module")
+def recorded_calls():
+    sys.path.insert(0, HERE)
+    import op_fuzz
+
+    return op_fuzz.record_calls()
+
+
+ENGINE_OPS = ("attention_step", "readout_features", "rnmt_step", "rnmt_beam_search", "memory_encoder",
+              "transition_encode", "transition_encode_tokens")
+
+
+def test_the_engine_ops_name_a_tensor_of_another_floating_dtype(recorded_calls):
+    """Every floating tensor of a recorded engine-op call (float32 and int8 decoding of five systems), one at a time
+    in float64 or float16: a one-line RuntimeError naming the op and the argument (the tensor's name, or its list
+    and index), where ATen's "self and mat2 must have the same dtype" had named neither, or the tensor was
+    converted. (A mask of any floating dtype stays taken: its 1s and 0s are exact in each.)"""
+    checked = 0
+    for name in ENGINE_OPS:
+        for func, args, kwargs in recorded_calls[name]:
+            for i, value in enumerate(args):
+                slots = [(None, value)] if isinstance(value, torch.Tensor) else \
+                    list(enumerate(value)) if isinstance(value, (list, tuple)) else []
+                for j, t in slots:
+                    if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
+                        continue
+                    if func._schema.arguments[i].name == "mask":
+                        continue
+                    for dtype in (torch.float64, torch.float16):
+                        if t.dtype == dtype:
+                            continue
+                        a = list(args)
+                        if j is None:
+                            a[i] = t.to(dtype)
+                        else:
+                            a[i] = [*value[:j], t.to(dtype), *value[j + 1:]]
+                        with pytest.raises(RuntimeError) as e, torch.no_grad():
+                            func(*a, **kwargs)
+                        message = str(e.value).splitlines()[0]
+                        arg = func._schema.arguments[i].name
+                        assert f"dtmt::{name}: " in message and "dtype" in message, message
+                        assert (arg if j is None else f"{arg}[{j}]") in message or f"{arg}'s dtype" in message, \
+                            message
+                        checked += 1
+    assert checked > 500, checked
 
 
 def test_the_persistent_plan_binding_refuses_element_sizes_it_would_divide_by():

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <utility>
 
 #include "decode_step.h"
@@ -27,10 +28,29 @@ void check_step_eps(const char* op, double cell_eps, double att_eps, double read
     dtmt::check_eps(eps, op, name);
 }
 
+// Every floating tensor of an op in the dtype of its activation `of` (the matrices may be int8 rows): mixed dtypes
+// had reached ATen's products, whose "self and mat2 must have the same dtype" names no op or argument.
+void check_dtypes(const char* op, const Tensor& like, const char* of,
+                  std::initializer_list<std::pair<const Tensor*, const char*>> tensors,
+                  std::initializer_list<std::pair<at::TensorList, const char*>> lists) {
+  dtmt::check_floating(like, op, of);
+  const at::ScalarType type = like.scalar_type();
+  for (const auto& [t, name] : tensors) dtmt::check_dtype(*t, type, op, name, of);
+  for (const auto& [ts, name] : lists) dtmt::check_list_dtype(ts, type, op, name, of);
+}
+
+const Tensor& or_undefined(const OptTensor& t) {
+  static const Tensor undefined;
+  return t.has_value() ? *t : undefined;
+}
+
 std::tuple<Tensor, Tensor> attention_step(const Tensor& query, const Tensor& keys, const Tensor& annotations,
                                           const Tensor& src_mask, at::TensorList weights, double ln_eps,
                                           const OptTensor& key_exps) {
   dtmt::check_eps(ln_eps, "attention_step", "ln_eps");
+  check_dtypes("attention_step", query, "query",
+               {{&keys, "keys"}, {&annotations, "annotations"}, {&or_undefined(key_exps), "key_exps"}},
+               {{weights, "weights"}});
   auto r = dtmt::attention_step_cpu(dense(query), keys, last_dim_dense(annotations), src_mask,
                                     dtmt::AttentionWeights::from_list(dense(weights), ln_eps), 1, true,
                                     key_exps.has_value() && key_exps->numel() ? *key_exps : Tensor());
@@ -45,6 +65,7 @@ Tensor key_exps(const Tensor& keys) {
 
 Tensor readout_features(const Tensor& y, const Tensor& s, const Tensor& c, at::TensorList weights, double eps) {
   dtmt::check_eps(eps, "readout_features", "eps");
+  check_dtypes("readout_features", s, "s", {{&y, "y"}, {&c, "c"}}, {{weights, "weights"}});
   return dtmt::readout_features_cpu(dense(y), dense(s), dense(c),
                                     dtmt::ReadoutWeights::from_list(dense(weights), eps, /*with_output=*/false));
 }
@@ -55,6 +76,8 @@ std::tuple<Tensor, Tensor, Tensor> rnmt_step(const Tensor& y, const Tensor& s, c
                                              double cell_eps, at::TensorList attention, double att_eps,
                                              at::TensorList readout, double readout_eps) {
   check_step_eps("rnmt_step", cell_eps, att_eps, readout_eps);
+  check_dtypes("rnmt_step", s, "s", {{&y, "y"}, {&keys, "keys"}, {&annotations, "annotations"}},
+               {{q_params, "q_params"}, {d_params, "d_params"}, {attention, "attention"}, {readout, "readout"}});
   auto r = dtmt::rnmt_step_cpu(dense(y), dense(s), keys, last_dim_dense(annotations), src_mask,
                                dtmt::cell_weights(q_kind, dense(q_params), "rnmt_step", "q_params"),
                                dtmt::cell_weights(d_kind, dense(d_params), "rnmt_step", "d_params"), cell_eps,
@@ -72,6 +95,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> rnmt_beam_search(
     const OptTensor& context_heads, std::optional<int64_t> nbest, at::OptionalIntArrayRef banned,
     c10::string_view length_penalty) {
   check_step_eps("rnmt_beam_search", cell_eps, att_eps, readout_eps);
+  check_dtypes("rnmt_beam_search", s, "s",
+               {{&annotations, "annotations"}, {&keys, "keys"}, {&embed, "embed"},
+                {&or_undefined(positions), "positions"}, {&or_undefined(token_products), "token_products"},
+                {&or_undefined(position_products), "position_products"},
+                {&or_undefined(context_heads), "context_heads"}},
+               {{q_params, "q_params"}, {d_params, "d_params"}, {attention, "attention"}, {readout, "readout"}});
   TORCH_CHECK_VALUE(std::abs(alpha) <= dtmt::kMaxAlpha,   // (NaN fails this too)
                     "dtmt::rnmt_beam_search: alpha must be within [-", dtmt::kMaxAlpha, ", ", dtmt::kMaxAlpha,
                     "] (larger powers overflow float64 at long searches), got ", alpha);
@@ -99,6 +128,7 @@ std::tuple<Tensor, Tensor> memory_encoder(const Tensor& x, const Tensor& memory,
                                           int64_t cell_kind, at::TensorList cell, double cell_eps,
                                           at::TensorList addressing) {
   dtmt::check_eps(cell_eps, "memory_encoder", "cell_eps");
+  check_dtypes("memory_encoder", x, "x", {{&memory, "memory"}}, {{cell, "cell"}, {addressing, "addressing"}});
   auto r = dtmt::memory_encoder_cpu(dense(x), memory, src_mask, reverse,
                                     dtmt::cell_weights(cell_kind, dense(cell), "memory_encoder", "cell"), cell_eps,
                                     dtmt::MemoryWeights::from_list(dense(addressing)));

@@ -568,8 +568,8 @@ def test_cuda_driver_refuses_tensors_on_another_device_emulated(emulated_cuda_ex
 @pytest.mark.parametrize("persistent", [False, True], ids=["steps", "persistent"])
 def test_cuda_driver_takes_per_call_tensors_of_another_dtype_emulated(emulated_cuda_ext, persistent):
     """A bool mask, dropout multipliers or layer-norm parameters of another float dtype than x's, handed straight to
-    the op: the CPU op converts them, and the CUDA driver read them in x's dtype, where ATen's "expected scalar type"
-    named no argument. Now converted as well: the outputs and gradients are those of the same call with them in x's
+    the CUDA driver (the ops' check_sequence now refuses the floating ones before it): it read them in x's dtype,
+    where ATen's "expected scalar type" named no argument. Now converted: the outputs and gradients are those of the same call with them in x's
     dtype (values exact in both dtypes, so to the bit). The matrices and biases, which the GEMMs read as they are, are
     refused in another dtype, naming the argument."""
     sys.path.insert(0, os.path.dirname(__file__))

@@ -163,6 +163,11 @@ BAD_TRITON_ARGUMENTS = [
     ("w_ih-dtype", lambda a: {5: a[5].float()}, "w_ih must have x's dtype torch.float64, got torch.float32"),
     ("b_hh-dtype", lambda a: {8: a[8].float()}, "b_hh must have x's dtype torch.float64, got torch.float32"),
     ("t_w-dtype", lambda a: {11: a[11].half()}, "t_w must have x's dtype torch.float64, got torch.float16"),
+    # (the layer norms, the dropout mask and h0 too, as the C++ op: converted there, refused by the reference)
+    ("ln_w-dtype", lambda a: {9: a[9].half()}, "ln_w must have x's dtype torch.float64, got torch.float16"),
+    ("t_ln_b-dtype", lambda a: {14: a[14].float()}, "t_ln_b must have x's dtype torch.float64, got torch.float32"),
+    ("drop-dtype", lambda a: {3: a[3].float()}, "drop must have x's dtype torch.float64, got torch.float32"),
+    ("h0-dtype", lambda a: {1: a[1].float()}, "h0 must have x's dtype torch.float64, got torch.float32"),
     ("kind", lambda a: {4: 4}, "kind 4 (tgru) is not a base cell"),
     ("x-rank", lambda a: {0: a[0][0]}, "x must be [T, B, I], got [3, 3]"),
     ("eps-nan", lambda a: {16: float("nan")}, "eps must be a finite number >= 0, got nan"),

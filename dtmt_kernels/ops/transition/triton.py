@@ -76,8 +76,8 @@ def _check_sequence(op: str, x, h0, mask, drop, kind, eps, w_ih, b_ih, w_hh, b_h
                     t_ln_b, h_name: str = "h0") -> Tuple[int, int, int, int, int]:
     """The C++ op's checks (csrc/registration.cpp's check_sequence, csrc/op_checks.cpp's check_cell and check_eps)
     before any launch: every weight slot against the cell, h0, mask and drop against x and the weights, eps finite and
-    >= 0 (a NaN gave NaN states without a word), the matrices and biases in x's dtype (the products' operands; int8
-    rows are the CPU's form); a RuntimeError naming the op and the argument (the kernels index them by the sizes x and
+    >= 0 (a NaN gave NaN states without a word), every floating tensor in x's dtype (h0 float32 beside a 16-bit x,
+    autocast's state; int8 rows are the CPU's form); a RuntimeError naming the op and the argument (the kernels index them by the sizes x and
     w_hh give: a short mask, dropout mask, bias or layer-norm gain was read past its end, a short h0 broadcast, without
     a word). Returns (T, B, I, H, D)."""
     def fail(what):
@@ -96,9 +96,14 @@ def _check_sequence(op: str, x, h0, mask, drop, kind, eps, w_ih, b_ih, w_hh, b_h
                     ("t_ln_b", t_ln_b), ("drop", drop)):
         if present(t) and not t.is_floating_point():
             fail(f"{name} must be a floating-point tensor, got {t.dtype}")
-    for name, t in (("w_ih", w_ih), ("b_ih", b_ih), ("w_hh", w_hh), ("b_hh", b_hh), ("t_w", t_w), ("t_b", t_b)):
+    for name, t in (("w_ih", w_ih), ("b_ih", b_ih), ("w_hh", w_hh), ("b_hh", b_hh), ("t_w", t_w), ("t_b", t_b),
+                    ("ln_w", ln_w), ("ln_b", ln_b), ("t_ln_w", t_ln_w), ("t_ln_b", t_ln_b), ("drop", drop)):
         if present(t) and t.dtype != x.dtype:
             fail(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    # (the state: x's dtype, or float32 beside a 16-bit x, autocast's)
+    if present(h0) and h0.dtype != x.dtype and not (x.dtype in (torch.float16, torch.bfloat16)
+                                                    and h0.dtype == torch.float32):
+        fail(f"{h_name} must have x's dtype {x.dtype}, got {h0.dtype}")
     # the shapes the outputs rest on, as the fakes check them: x, w_hh, w_ih, t_w and h0
     H = check_shapes(op, x, h0, kind, w_ih, w_hh, t_w, h_name=h_name)
     T, B, I = x.shape

@@ -1426,8 +1426,14 @@ def test_a_run_folder_s_files_are_its_own(toy, tmp_path, capsys, monkeypatch):
         in r.stderr, r.stderr
     last = (run / "last.pt").read_bytes()
     assert average([str(run / "step_0000002.pt"), "-o", str(run / "last.pt")]) == 2
-    assert "a run's checkpoint with its training state" in capsys.readouterr().err
+    assert (f"--output {run / 'last.pt'}: the last checkpoint, which --resume continues from, of the run in "
+            f"{os.path.realpath(run)}; the mean would replace it") in capsys.readouterr().err
     assert (run / "last.pt").read_bytes() == last
+    copy = tmp_path / "copy.pt"   # (a run's last.pt outside its folder: its training state, refused as well)
+    copy.write_bytes(last)
+    assert average([str(run / "step_0000002.pt"), "-o", str(copy)]) == 2
+    assert "a run's checkpoint with its training state" in capsys.readouterr().err
+    assert copy.read_bytes() == last
     lock = RunLock(str(run)).acquire()   # (a dtmt train running there)
     try:
         best = (run / "best.pt").read_bytes()

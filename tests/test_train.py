@@ -1605,6 +1605,7 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
              (group("weight_decay", KeyError), "its optimizer's group 0 has no weight_decay"),
              (counter("validated_step", "x"), "its validated_step is 'x', not a count up to its step 2"),
              (counter("validated_step", 3), "its validated_step is 3, not a count up to its step 2"),
+             (lambda c: c.update(run_id=["x"]), "its run_id is ['x'], not a run's identity (hexadecimal digits)"),
              # a review's crafted states, each a traceback at the resume (some after its files were written), or
              # taken: random states a generator does not take, a moment missing or no tensor, negative sums of
              # squares, a step counter past any run, a scheduler whose fields set the scheduler's attributes
@@ -2197,6 +2198,7 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     assert sum(p.numel() for p in model.parameters()) > 0
     crafted = read_checkpoint(p20)   # a config that is no mapping: it was an AttributeError's traceback
     crafted["config"] = "x"
+    crafted.pop("run_id")   # (a file written before run ids: its run told by its config's folder and seed)
     save_checkpoint(str(tmp_path / "crafted.pt"), crafted)
     assert average([str(tmp_path / "crafted.pt"), p24, "-o", str(tmp_path / "avg2.pt")]) == 0
     assert "come from different training runs" in capsys.readouterr().err
@@ -2219,7 +2221,7 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     assert "is a directory; give a file name" in capsys.readouterr().err
     assert average([p24, "-o", str(tmp_path / "one.pt")]) == 0
     assert "one checkpoint: the output holds its weights as they are" in capsys.readouterr().err
-    foreign = dict(a, config={**a["config"], "out": "elsewhere"})   # another run's checkpoint: averaged, with a warning
+    foreign = dict(a, run_id="f" * 16)   # another run's checkpoint: averaged, with a warning
     foreign.pop("format")
     save_checkpoint(str(tmp_path / "foreign.pt"), foreign)
     assert average([p24, str(tmp_path / "foreign.pt"), "-o", str(tmp_path / "mixed.pt")]) == 0
@@ -2278,6 +2280,7 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     # a config whose output folder or seed is a list or a mapping: a TypeError traceback ("unhashable type")
     listed = dict(a, config={**a["config"], "out": ["x"], "seed": {"a": 1}})
     listed.pop("format")
+    listed.pop("run_id")
     save_checkpoint(str(tmp_path / "listed.pt"), listed)
     assert average([str(tmp_path / "listed.pt"), p24, "-o", str(tmp_path / "l.pt")]) == 0
     assert "come from different training runs" in capsys.readouterr().err
@@ -2294,6 +2297,34 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
     assert capsys.readouterr().err == (f"dtmt average: --output {run / 'last.pt'}: the name of a last checkpoint, "
                                        f"which --resume continues from, in the run folder {run}, which the run's own "
                                        f"would replace; give another name\n")
+
+
+def test_average_tells_runs_apart_by_their_run_id(toy, tmp_path, capsys):
+    """Every checkpoint of a run carries its run id, which --resume keeps: a run copied to another folder and resumed
+    there is one run (its output folder differs: it had been warned of as two), and a run started again with
+    --overwrite in the same folder with the same seed is another (it had been averaged with the first's files
+    without a word)."""
+    import warnings
+
+    from dtmt_models.models.checkpoint import average_checkpoints, read_checkpoint
+
+    base = ["--data", toy, "--valid-every", "1", "--keep-last", "4", *TINY]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert train_here(["--out", str(a), "--max-steps", "2", *base], capsys).returncode == 0
+    shutil.copytree(a, b)
+    assert train_here(["--out", str(b), "--resume", "--max-steps", "4", *base], capsys).returncode == 0
+    ids = {read_checkpoint(str(f))["run_id"] for f in (a / "step_0000002.pt", b / "last.pt", b / "step_0000004.pt")}
+    assert len(ids) == 1 and re.fullmatch(r"[0-9a-f]{16}", ids.pop())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # (one run: no warning)
+        average_checkpoints([str(a / "step_0000002.pt"), str(b / "step_0000004.pt")])
+    first = tmp_path / "first.pt"
+    shutil.copyfile(a / "step_0000002.pt", first)
+    # (the same seed: the same weights at update 2, which average refuses as a copy; update 3 is another's)
+    assert train_here(["--out", str(a), "--overwrite", "--max-steps", "3", *base], capsys).returncode == 0
+    with pytest.warns(UserWarning, match=f"{first} and {a / 'step_0000003.pt'} come from different training runs "
+                                         r"\(their run ids differ\)"):
+        average_checkpoints([str(first), str(a / "step_0000003.pt")])
 
 
 def test_average_writes_a_checkpoint_that_loads(uninterrupted, tmp_path, capsys):

@@ -343,6 +343,9 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
     for key in ("step", "epoch", "batch_index", "bad_validations"):   # (--max-steps's bound: no run counts past it)
         if not _count(t.get(key)) or t[key] > MAX_COUNT:
             fail(f"its {key} is {t.get(key)!r}, not a count in [0, {MAX_COUNT:,}]")
+    run_id = ckpt.get("run_id", "0")   # (older last.pt: none)
+    if not isinstance(run_id, str) or not re.fullmatch(r"[0-9a-f]{1,64}", run_id):
+        fail(f"its run_id is {_short(run_id)}, not a run's identity (hexadecimal digits)")
     validated = t.get("validated_step", t["step"])   # (older last.pt: none)
     if not _count(validated) or validated > t["step"]:
         fail(f"its validated_step is {validated!r}, not a count up to its step {t['step']:,}")
@@ -486,8 +489,9 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     naming the first file that does not match the first one, a file given twice (by another name too, or a copy:
     the weights of two files equal, as a run's best.pt and its step checkpoint of the same update; or an average
     beside one of the files it is the mean of), or a weight that is not finite; warns
-    (UserWarning) when the files come from different training runs (their `config`s name another output folder or
-    seed: the mean of separately trained weights is rarely a model that translates)."""
+    (UserWarning) when the files come from different training runs (their `run_id`s differ, which --resume keeps
+    and a new run renews; files written before run ids: their `config`s name another output folder or seed): the
+    mean of separately trained weights is rarely a model that translates."""
     if isinstance(paths, (str, bytes, os.PathLike)):
         raise TypeError(f"average: give a list of checkpoint paths, not one path ({os.fsdecode(paths)!r})")
     paths = list(paths)
@@ -499,7 +503,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     first = read_checkpoint(paths[0])
     own = translation_parts(paths[0], first)[2]
     check_weights_fit(paths[0], first, own)   # (the mean would hold a NaN or an infinity too)
-    runs = {_run_of(first): paths[0]}
+    runs = [(paths[0], _run_of(first, True), _run_of(first, False))]   # (by its id, by its folder and seed)
     weights = {_weights_digest(first["model"]): paths[0]}
     sources = {source: paths[0] for source in _sources(paths[0], first)}
     sums = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
@@ -518,7 +522,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                 raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs{shown})")
         if "model" not in ckpt:
             raise ValueError(f"{path}: not a translation checkpoint (it has no model)")
-        runs.setdefault(_run_of(ckpt), path)
+        runs.append((path, _run_of(ckpt, True), _run_of(ckpt, False)))
         check_weights_fit(path, ckpt, own)   # (the first file's model: the same name, options and vocabularies)
         twin = weights.setdefault(_weights_digest(ckpt["model"]), path)
         if twin != path:   # (its weights counted twice: best.pt beside the step checkpoint it was written with)
@@ -536,10 +540,15 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                 raise ValueError(f"average: {path}: the integer tensor {k} differs from {paths[0]}'s")
         if _updates(ckpt) >= _updates(last):
             last = ckpt
-    if len(runs) > 1:
-        a, b = list(runs.values())[:2]
-        warnings.warn(f"{a} and {b} come from different training runs (their output folder or seed differ): the "
-                      f"mean of separately trained weights is rarely a model that translates", UserWarning)
+    by_id = all(by is not None for _, by, _ in runs)   # (else a file written before run ids: folder and seed)
+    firsts = {}
+    for path, by, legacy in runs:
+        firsts.setdefault(by if by_id else legacy, path)
+    if len(firsts) > 1:
+        a, b = list(firsts.values())[:2]
+        why = "their run ids differ" if by_id else "their output folder or seed differ"
+        warnings.warn(f"{a} and {b} come from different training runs ({why}): the mean of separately trained "
+                      f"weights is rarely a model that translates", UserWarning)
     n = len(paths)
     averaged = {k: (s / n).to(first["model"][k].dtype) if s.is_floating_point() else s for k, s in sums.items()}
     payload = {k: v for k, v in last.items() if k not in ("format", "training", "model", *MODEL_KEYS)}
@@ -618,14 +627,21 @@ def _weights_digest(state: Dict[str, torch.Tensor]) -> bytes:
     return h.digest()
 
 
-def _run_of(ckpt: Dict[str, Any]) -> Tuple[Any, Any]:
-    """The training run a checkpoint comes from, as far as it says: (output folder, seed) of its config."""
+def _run_of(ckpt: Dict[str, Any], by_id: bool) -> Tuple[Any, ...]:
+    """The training run a checkpoint comes from, as far as it says: its `run_id` (`by_id`: every file averaged has
+    one), else (output folder, seed) of its config (files written before run ids)."""
+    if by_id:   # (None where it has none)
+        return None if ckpt.get("run_id") is None else ("run", _hashable(ckpt["run_id"]))
     config = ckpt.get("config")
     if not isinstance(config, dict):   # (a crafted or damaged field: a str was an AttributeError's traceback)
         return None, None
-    # (a value of another type as its repr: a list was "unhashable type", a traceback)
-    return tuple(v if isinstance(v, (str, int, float, type(None))) else repr(v)
-                 for v in (config.get("out"), config.get("seed")))
+    return tuple(_hashable(config.get(k)) for k in ("out", "seed"))
+
+
+def _hashable(value: Any) -> Any:
+    """A value of a checkpoint's plain data as a key: itself, or its repr (a list was "unhashable type", a
+    traceback)."""
+    return value if isinstance(value, (str, int, float, type(None))) else repr(value)
 
 
 def _sources(path: str, ckpt: Dict[str, Any]) -> Set[str]:

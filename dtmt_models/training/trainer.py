@@ -436,6 +436,10 @@ class Trainer:
         # the update of the last validation (kept in last.pt: a run interrupted at an update due for one validates it
         # when resumed, as the uninterrupted run did; it had lost that validation, its step_N.pt and its best.pt)
         self.validated_step = self.step
+        # the run's identity, in every checkpoint it writes and kept by --resume: dtmt average warns of files of two
+        # runs by it (the output folder and seed had missed a run started again with --overwrite, and had named a
+        # run copied to another folder and resumed there as two); from the OS, not the seeded streams
+        self.run_id = os.urandom(8).hex()
         # dropout streams differ per process; (mod 2^64, what manual_seed takes: a --seed past 2.3e15 overflowed)
         torch.manual_seed((cfg.seed * 7919 + 1 + dist.rank) % 2 ** 64)
         if ckpt is not None:
@@ -525,6 +529,7 @@ class Trainer:
         self.log_window = [float(x) for x in t.get("log_window", [0.0, 0.0, 0.0, 0.0])]   # (older last.pt: none)
         self.stopped_early_by = t.get("stopped_early_by")
         self.validated_step = t.get("validated_step", self.step)   # (older last.pt: none due)
+        self.run_id = ckpt.get("run_id", self.run_id)   # (older last.pt: none; its files are told apart as before)
         rngs = t["rng"]
         if len(rngs) != self.dist.world:
             raise ValueError(f"the checkpoint was written by {len(rngs)} process(es); resume with the same number "
@@ -540,7 +545,7 @@ class Trainer:
         c = self.cfg
         p = {"model_name": c.model, "model_options": c.model_options, "src_vocab": self.src_vocab.proto,
              "tgt_vocab": self.tgt_vocab.proto, "model": self.model.state_dict(), "langs": self.langs,
-             "config": c.to_dict(), "step": self.step}
+             "config": c.to_dict(), "step": self.step, "run_id": self.run_id}
         if full:
             rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
                    "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}

@@ -2299,6 +2299,43 @@ def test_average_checkpoints(uninterrupted, tmp_path, capsys):
                                        f"would replace; give another name\n")
 
 
+def test_a_resumed_run_names_a_changed_dev_set(toy, tmp_path, capsys):
+    """The corpus fingerprint holds the dev set's SHA-1 (best.pt is chosen on it): a dev set edited in place, of as
+    many lines, is refused on --resume as a changed corpus (it went on silently, comparing scores of two dev sets);
+    with --allow-changed-data the log says best.pt was chosen on the other one. A run recorded before the dev set's
+    SHA-1 resumes as it did."""
+    from dtmt_models.data.corpus import corpus_paths
+    from dtmt_models.models.checkpoint import read_checkpoint, save_checkpoint
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    base = ["--valid-every", "1", *TINY]
+    assert train_here(["--data", toy, "--out", str(run), "--max-steps", "1", *base], capsys).returncode == 0
+    shutil.copytree(toy, other)
+    tgt = corpus_paths(str(other), "dev")[1]
+    with open(tgt, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    with open(tgt, "w", encoding="utf-8") as f:
+        f.write("\n".join([lines[0] + " x", *lines[1:]]) + "\n")
+    r = train_here(["--data", str(other), "--out", str(run), "--resume", "--max-steps", "2", *base], capsys)
+    assert r.returncode == 2 and f"--data {other} is not the corpus this run was trained on (dev_sha1 differ)" \
+        in r.stderr, r.stderr
+    r = train_here(["--data", str(other), "--out", str(run), "--resume", "--max-steps", "2", "--allow-changed-data",
+                    *base], capsys)
+    assert r.returncode == 0, r.stderr
+    assert "warning: the dev set differs from the one this run validated on; best.pt was chosen there (dev loss " \
+        in r.stdout, r.stdout
+    # the same dev set again (the run now records the edited one's): no warning
+    r = train_here(["--data", str(other), "--out", str(run), "--resume", "--max-steps", "3", *base], capsys)
+    assert r.returncode == 0 and "dev set differs" not in r.stdout, r.stderr
+    # a run recorded before the dev set's SHA-1: the rest compared, as before
+    last = read_checkpoint(str(run / "last.pt"))
+    last["config"]["data_fingerprint"].pop("dev_sha1")
+    last.pop("format")
+    save_checkpoint(str(run / "last.pt"), last)
+    r = train_here(["--data", str(other), "--out", str(run), "--resume", "--max-steps", "4", *base], capsys)
+    assert r.returncode == 0 and "dev set differs" not in r.stdout, r.stderr
+
+
 def test_average_tells_runs_apart_by_their_run_id(toy, tmp_path, capsys):
     """Every checkpoint of a run carries its run id, which --resume keeps: a run copied to another folder and resumed
     there is one run (its output folder differs: it had been warned of as two), and a run started again with

@@ -658,6 +658,22 @@ def check_processes_agree(dist: Dist, cfg: TrainConfig, resumed: Optional[dict] 
                                           if "resumed checkpoint" in differ else ""))
 
 
+def changed_dev_warning(best_by: str, training: dict) -> Optional[str]:
+    """The log's warning for a run resumed (--allow-changed-data) on a dev set other than the one it validated on,
+    where its best.pt was chosen by a score on that one (`training`: last.pt's training state); None before any
+    validation chose one."""
+    bleu, loss = training["best_bleu"], training["best_loss"]
+    if best_by == "bleu" and bleu >= 0:
+        score = f"dev BLEU {bleu:.2f}"
+    elif best_by == "loss" and math.isfinite(loss):
+        score = f"dev loss {loss:.4f}"
+    else:
+        return None
+    return (f"warning: the dev set differs from the one this run validated on; best.pt was chosen there ({score}) "
+            f"and a validation on this one replaces it only by a better score than that (--patience counts on too): "
+            f"scores of two dev sets compared")
+
+
 def resume_changes(before: dict, after: dict) -> List[str]:
     """On --resume, each setting whose value the command line changed, as "name old -> new" (max_time_s, the seconds
     of max_time, left out)."""
@@ -865,7 +881,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                 for path in remove_stale_temporaries(folder, keep=PREPARE_STAGE, folders_only=folder == args.data):
                     print(f"dtmt train: removed {path} (left by an interrupted run)", file=sys.stderr)
         last = os.path.join(args.out, LAST)
-        ckpt = source = None
+        ckpt = source = dev_warning = None
         fingerprint = binarized.fingerprint(args.data)
         if args.resume is not None:
             source = resume_from or last
@@ -903,11 +919,13 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
             if conflicts:
                 raise ValueError(f"--resume continues the run in {args.out} with its own settings, but "
                                  + "; ".join(conflicts) + " (start a new run with another --out to change them)")
-            recorded = cfg.data_fingerprint
-            if recorded is not None and recorded != fingerprint and not args.allow_changed_data:
-                differ = [k for k in fingerprint if fingerprint[k] != recorded.get(k)]
+            recorded = cfg.data_fingerprint or {}   # (a run of before the dev set's SHA-1: the rest compared)
+            differ = [k for k in fingerprint if k in recorded and fingerprint[k] != recorded[k]]
+            if differ and not args.allow_changed_data:
                 raise ValueError(f"--data {args.data} is not the corpus this run was trained on ({', '.join(differ)} "
                                  f"differ); pass --allow-changed-data to continue on it anyway")
+            if "dev_sha1" in differ:
+                dev_warning = changed_dev_warning(cfg.best_by, ckpt["training"])
             given = resolve_config(args)
             before = cfg.to_dict()
             for k in RESUMABLE:   # how long to go on and how to report may change; the rest is the checkpoint's
@@ -996,7 +1014,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                       f"as a flag, or take the file's with --config {CONFIG} --resume", flush=True)
             if changes:   # (said nowhere before: a run's log showed a changed --valid-every only by its rows)
                 print(f"resumed with changed settings: {'; '.join(changes)}", flush=True)
-            for line in [*schedule_warnings, threads_warning(cfg.threads)]:
+            for line in [*schedule_warnings, threads_warning(cfg.threads), dev_warning]:
                 if line:
                     print(line, flush=True)
             with atomic_write(os.path.join(cfg.out, CONFIG)) as f:

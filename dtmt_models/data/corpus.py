@@ -300,20 +300,25 @@ def plain_name(name: str) -> bool:
 
 def corpus_fingerprint(directory: str, train_sha1: Optional[str] = None) -> dict:
     """What identifies a prepared corpus: its languages, its split sizes and the SHA-1 of its training files, the
-    two one after the other, each followed by a NUL (`dtmt train --resume` compares it with the run's).
+    two one after the other, each followed by a NUL, and of its dev files likewise where it has a dev split
+    (`dtmt train --resume` compares it with the run's; the dev set's, because best.pt is chosen on it).
     `train_sha1`, when the caller knows it (binarized.known_train_sha1), saves reading the files.
     CorpusError if `directory` is not a prepared corpus."""
     import hashlib
 
-    manifest = read_manifest(directory)
-    if train_sha1 is None:
+    def sha1(split: str) -> str:
         digest = hashlib.sha1()
-        for path in corpus_paths(directory, "train"):
+        for path in corpus_paths(directory, split):
             scan_file(path, digest)
             digest.update(b"\0")
-        train_sha1 = digest.hexdigest()
-    return {"languages": f"{manifest['src_lang']}-{manifest['tgt_lang']}", "counts": manifest["counts"],
-            "train_sha1": train_sha1}
+        return digest.hexdigest()
+
+    manifest = read_manifest(directory)
+    found = {"languages": f"{manifest['src_lang']}-{manifest['tgt_lang']}", "counts": manifest["counts"],
+             "train_sha1": train_sha1 if train_sha1 is not None else sha1("train")}
+    if "dev" in manifest["counts"]:
+        found["dev_sha1"] = sha1("dev")
+    return found
 
 
 def corpus_paths(directory: str, split: str) -> Tuple[str, str]:

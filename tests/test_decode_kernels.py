@@ -647,6 +647,38 @@ def test_a_decoder_of_weights_replaced_or_partly_converted_since_is_refused(name
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["dtmt", "nematus", "deeplau"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_decoder_of_weights_pruned_again_or_changed_under_inference_mode_is_refused(name, int8):
+    """Found by a review: the check read the parameters' version counters only, so a pruning step after the decoder
+    was built (torch.nn.utils.prune: the weight is its unchanged `_orig` parameter times a mask buffer, replaced)
+    and weights changed under torch.inference_mode (inference tensors keep no version counter: a server reloading
+    weights) decoded with the old weights, or with old int8 matrices beside new embeddings, without a word. Buffers
+    are now recorded as parameters are, and inference tensors by a sample of their values."""
+    import torch.nn.utils.prune as prune
+
+    from dtmt_models.decoding.beam_search import beam_search
+
+    if int8 and name == "deeplau":
+        pytest.skip("deeplau has no int8 decoder")
+    torch.manual_seed(0)
+    model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+    projection = model.readout.output.proj if name != "deeplau" else model.readout.proj
+    prune.l1_unstructured(projection, "weight", amount=0.3)
+    decoder = model.inference_decoder(int8=int8)
+    prune.l1_unstructured(projection, "weight", amount=0.9)   # (iterative pruning: a new mask, the same _orig)
+    _stale_decoder_refused(name, model, decoder, RuntimeError, r"its model's weights changed in place")
+    other = build_model(name, 50, 60, embed_dim=16, hidden_size=24).state_dict()
+    with torch.inference_mode():
+        model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+        decoder = model.inference_decoder(int8=int8)
+        unchanged = beam_search(decoder, _SRC, _LENGTHS, beam=2, max_len_b=3)   # (no change: decodes, as before)
+        assert unchanged == beam_search(model.inference_decoder(int8=int8), _SRC, _LENGTHS, beam=2, max_len_b=3)
+        model.load_state_dict(other)
+        fresh = _stale_decoder_refused(name, model, decoder, RuntimeError, r"its model's weights changed in place")
+    assert fresh != unchanged
+
+
 def test_a_swapped_in_single_head_attention_is_fused(monkeypatch):
     """dtmt with an AdditiveAttention (one head, with a query norm) swapped in: the fused decoder takes it."""
     torch.manual_seed(0)

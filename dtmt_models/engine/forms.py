@@ -93,12 +93,25 @@ def weights_kind(model: nn.Module) -> Tuple[tuple, tuple]:
     changes; and where the values of the model an inference copy was built from (`_built_from`, whose parameters
     the copy's forms read) are: each parameter's identity, its storage's address and its version counter, which a
     change in place (an optimizer step, load_state_dict) moves, as a new tensor put in its place does (load_state_dict
-    with assign=True, `param.data = ...`, vector_to_parameters). Inference tensors keep no version counter (None);
-    a change through `param.data` moves none: neither is seen."""
+    with assign=True, `param.data = ...`, vector_to_parameters); the same of each buffer (a pruning mask, which a
+    pruning step replaces: torch.nn.utils.prune's weight is its parameter times the mask). Inference tensors
+    (made under torch.inference_mode) keep no version counter: theirs are told by a sample of their values (up to 64
+    a tensor, evenly spread, read in one transfer), which a change of every value (load_state_dict) moves and a
+    change of a few may not. A change through `param.data` moves no version counter and is not seen."""
     kinds = tuple((name, p.dtype, p.device) for name, p in model.named_parameters())
-    places = tuple((id(p), p.data_ptr(), None if p.is_inference() else p._version)
-                   for p in model.__dict__.get("_built_from", model).parameters())
-    return kinds, places
+    source = model.__dict__.get("_built_from", model)
+    tensors = [*source.parameters(), *source.buffers()]
+    places = tuple((id(t), t.data_ptr(), None if t.is_inference() else t._version) for t in tensors)
+    return kinds, places + (_inference_sample(tensors),)
+
+
+def _inference_sample(tensors) -> bytes:
+    """Up to 64 values of each inference tensor of `tensors`, evenly spread, as bytes (b"" where none is one): what
+    weights_kind compares for the tensors without a version counter."""
+    with torch.inference_mode():   # (reading inference tensors: no autograd, no version counter)
+        parts = [t.detach().reshape(-1)[::max(1, t.numel() // 64)].contiguous().view(-1).view(torch.uint8)
+                 for t in tensors if t.is_inference() and t.numel()]
+        return torch.cat([p.to(parts[0].device) for p in parts]).cpu().numpy().tobytes() if parts else b""
 
 
 def check_unconverted(decoder, model: nn.Module, built_as) -> None:

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -214,3 +215,30 @@ def test_cli_evaluate_ensemble(checkpoints, tmp_path, capsys):
     with open(os.path.join(out_dir, "hyp.txt"), encoding="utf-8") as f:
         hyps = f.read().split("\n")[:-1]
     assert hyps == [h[0][0] for h in translate(Ensemble([models["a"], models["b"]]), sv, tv, SRC, beam=2)]
+
+
+def test_a_decoder_of_another_model_is_refused_by_translate(checkpoints):
+    """translate(model, decoder=D) with D built from another model had decoded with that model's weights, its
+    vocabularies checked against `model`'s, without a word (a review found it). Each kind of decoder says which
+    model it was built from (engine.decoder.built_from): the system's, its variants and int8 copy, 16-bit copies,
+    an ensemble's; one of another model is refused in one line, one of its own model decodes as before."""
+    from dtmt_models.engine import EngineOptions, as_decoder
+
+    _, models, sv, tv = checkpoints
+    a, b = models["a"], models["b"]
+    both = Ensemble([a, b])
+    own = translate(a, sv, tv, INPUTS, beam=2)
+    for decoder in (a.inference_decoder(), a.inference_decoder().variant(options=EngineOptions(step_tables=False))):
+        # (the variant without step tables: the same search up to rounding, so the texts are compared)
+        assert [h[0][0] for h in translate(a, sv, tv, INPUTS, beam=2, decoder=decoder)] == [h[0][0] for h in own]
+    assert translate(a, sv, tv, INPUTS, beam=2, decoder=a.inference_decoder(int8=True))   # (its own: decodes)
+    assert translate(a, sv, tv, INPUTS, beam=2, decoder=as_decoder(a, amp="bf16"))
+    assert translate(both, sv, tv, INPUTS, beam=2, decoder=both.inference_decoder()) == translate(both, sv, tv,
+                                                                                                   INPUTS, beam=2)
+    for decoder, kind in ((b.inference_decoder(), "RNNSearchATR"), (b.inference_decoder(int8=True), "RNNSearchATR"),
+                          (as_decoder(b, amp="bf16"), "RNNSearchATR"), (both.inference_decoder(), "Ensemble"),
+                          (copy.deepcopy(a).inference_decoder(), "DTMT")):
+        with pytest.raises(ValueError) as info:
+            translate(a, sv, tv, INPUTS, beam=2, decoder=decoder)
+        assert str(info.value) == (f"translate: decoder= was built from another {kind} than the model given; build "
+                                   f"it from this one (model.inference_decoder()) or leave it out"), kind

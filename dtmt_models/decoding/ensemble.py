@@ -90,7 +90,9 @@ class Ensemble(nn.Module):
                 if not int8:
                     raise
                 raise ValueError(f"int8 decoding of an ensemble: member {i}: {err}") from None
-        return EnsembleDecoder(decoders)
+        decoder = EnsembleDecoder(decoders)
+        decoder.built_from = self   # (engine.decoder.built_from's answer, which translate checks)
+        return decoder
 
     def forward(self, *args, **kwargs):
         raise TypeError("Ensemble decodes only (translate / beam_search); train its members one by one")

@@ -45,7 +45,7 @@ import torch
 from dtmt_models.data.batching import length_batches
 from dtmt_models.data.vocabulary import UNK, Vocabulary
 from dtmt_models.decoding.beam_search import NonFiniteScores, beam_search, check_search_arguments
-from dtmt_models.engine.decoder import as_decoder
+from dtmt_models.engine.decoder import as_decoder, built_from
 from dtmt_models.errors import check_device_present, one_line
 from dtmt_models.models.modes import evaluating
 
@@ -142,7 +142,8 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
     the transformer's `max_len`); sources of which more than half the pieces are unknown to the source
     vocabulary give one `UnknownPiecesWarning` per call (the model would otherwise invent a fluent sentence
     without a word of notice). `decoder`: `model.inference_decoder()` built by a caller that translates many times
-    with unchanging weights (a server); None builds it here, once per call. `early_stop`: beam_search's (a
+    with unchanging weights (a server), of this model (ValueError where it says it was built from another:
+    engine.decoder.built_from); None builds it here, once per call. `early_stop`: beam_search's (a
     sentence ends once it has `beam` finished hypotheses). `max_sentences` (None: no bound) caps a batch's
     sentences as `max_tokens` caps its padded source subwords (OpenNMT-py's and fairseq's --batch-size), and a
     batch's search keeps at most MAX_STEP_SCORES scores a step (fewer sentences at a wide beam). A model
@@ -154,6 +155,11 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
         # AttributeError on .parameters, where the device is taken from them)
         raise TypeError(f"translate: {type(model).__name__} has no parameters to take the device from: give "
                         f"device=, or pass the model itself (a decoder built from it goes in decoder=)")
+    if decoder is not None and isinstance(model, torch.nn.Module):
+        source = built_from(decoder)
+        if source is not None and source is not model:   # (it decoded with the other model's weights, unsaid)
+            raise ValueError(f"translate: decoder= was built from another {type(source).__name__} than the model "
+                             f"given; build it from this one (model.inference_decoder()) or leave it out")
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),
                               ("target", tgt_vocab, getattr(model, "tgt_vocab_size", None))):
         if size is not None and len(vocab) != size:   # (decoded with another vocabulary: fluent nonsense)

@@ -93,6 +93,7 @@ class AutocastDecoder:
             raise TypeError(f"16-bit decoding copies a model (a torch.nn.Module), got {type(model).__name__}")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.model = copy.deepcopy(model, _in_16_bits(model, dtype)).eval()   # (the model given is untouched)
+        self.built_from = model   # (built_from's answer: the model given, not the copy)
         self.inner = as_decoder(self.model)
         self.dtype, self.device_type = dtype, device.type
         self.pad_id, self.max_target_steps = self.inner.pad_id, self.inner.max_target_steps
@@ -110,6 +111,22 @@ class AutocastDecoder:
         with self._autocast():
             log_probs, state = self.inner.step(state, prev_tokens)
         return log_probs.float(), state
+
+
+def built_from(decoder) -> Optional[torch.nn.Module]:
+    """The model `decoder` was built from (inference_decoder, as_decoder, AutocastDecoder; a model that decodes as it
+    is: itself), or None where it does not say (a decoder of one's own). What `translate` compares with the model it
+    is given: a decoder of another model had decoded with that model's weights, checked against this one's
+    vocabularies, without a word."""
+    if isinstance(decoder, AdaptedDecoder):
+        decoder = decoder.inner
+    if isinstance(decoder, torch.nn.Module):   # (a system's prepared copy records its model; a model is its own)
+        return decoder.__dict__.get("_built_from", decoder)
+    prepared = getattr(decoder, "prepared", None)   # (FusedRNMTDecoder: the prepared copy it was made from)
+    if isinstance(prepared, torch.nn.Module):
+        return built_from(prepared)
+    source = getattr(decoder, "built_from", None)   # (AutocastDecoder, an Ensemble's EnsembleDecoder)
+    return source if isinstance(source, torch.nn.Module) else None
 
 
 def as_decoder(model, int8: bool = False, amp: Optional[str] = None) -> Decoder:

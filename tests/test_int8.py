@@ -480,6 +480,45 @@ def test_int8_decoding_is_refused_where_the_fused_step_is_not():
 
 
 @needs_cpp
+def test_an_int8_decoder_names_the_weights_it_cannot_quantize_and_its_search_s_bad_arguments():
+    """A review's findings: a NaN weight, or a finite one whose fold with the attention's output projection overflows
+    float32, was quantize_rows' 'the weight has non-finite entries', naming no part of the model (the model's own
+    weights finite); the decoder's own search took an int max_len to an AttributeError and a batch of no sentences
+    to torch's 'max(): Expected reduction dim'."""
+    from dtmt_models.models.registry import build_model
+
+    for weight, value, part in (("readout.output.proj.weight", float("nan"), "readout"),
+                                ("decoder_cell.weight_ih", 3e38, "decoder cell")):
+        model = build_model("dtmt", 30, 30, embed_dim=16, hidden_size=16).eval()
+        with torch.no_grad():   # (the decoder cell's input is the context: its row times W_o's columns, 32 x 3e38)
+            model.get_parameter(weight)[0] = value
+            model.attention.out.weight.fill_(1.0)
+        assert part == "readout" or all(p.isfinite().all() for p in model.parameters())
+        with pytest.raises(FloatingPointError) as info:
+            model.inference_decoder(int8=True)
+        assert str(info.value) == (f"int8 decoding of DTMT: the {part}'s weight matrices (with the attention's output "
+                                   f"projection folded in): quantize_rows: the weight has non-finite entries (NaN or "
+                                   f"infinite)"), str(info.value)
+    model = build_model("rnnsearch-atr", 30, 30, embed_dim=16, hidden_size=16).eval()   # (no output projection)
+    with torch.no_grad():
+        model.readout.output.proj.weight[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"^int8 decoding of RNNSearchATR: the readout's weight matrices: "
+                                                 r"quantize_rows: "):
+        model.inference_decoder(int8=True)
+    decoder = build_model("dtmt", 30, 30, embed_dim=16, hidden_size=16).eval().inference_decoder(int8=True)
+    src, lengths = torch.randint(4, 30, (2, 5)), torch.tensor([5, 3])
+    state = decoder.encode(src, lengths)
+    for bad, got in ((5, "int"), (torch.tensor([4.0, 4.0]), "torch.float32 [2]"), (torch.tensor(4), "torch.int64 []")):
+        with pytest.raises(ValueError) as info:
+            decoder.search(state, 4, 0.6, bad)
+        assert str(info.value) == (f"FusedRNMTDecoder.search: max_len is an integer tensor [B] (each sentence's "
+                                   f"bound), got {got}")
+    empty = {k: v[:0] for k, v in state.items()}   # (a state of no sentences: no search)
+    assert decoder.search(empty, 4, 0.6, torch.zeros(0, dtype=torch.long)) == []
+    assert len(decoder.search(state, 4, 0.6, torch.tensor([4, 4]))) == 2
+
+
+@needs_cpp
 def test_cli_int8(tmp_path, capsys):
     """`dtmt translate --int8` writes what translate() gives with the int8 decoder (which differs from float32
     decoding only by the rounded weights), alone and in an ensemble; `dtmt evaluate --int8` records it; a

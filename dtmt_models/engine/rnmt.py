@@ -93,11 +93,24 @@ class FusedRNMTDecoder:
             self.attention, self.decoder_cell, self.readout = ops.fold_context_projection(
                 self.attention, self.decoder_cell, self.readout)
         if int8:
-            # the encoder's recurrent matrices too: a copy of the model whose sequence layers are int8 forms
-            self.model = _layers_copy(model, FrozenTransitionLayer.int8)
-            self.query_cell = ops.CellWeights.of(self.query_cell).int8()
-            self.decoder_cell = ops.CellWeights.of(self.decoder_cell).int8()
-            self.attention, self.readout = self.attention.int8(), self.readout.int8()
+            part = "encoder"   # (which one a weight that quantize_rows refuses is of, for its message)
+            try:
+                # the encoder's recurrent matrices too: a copy of the model whose sequence layers are int8 forms
+                self.model = _layers_copy(model, FrozenTransitionLayer.int8)
+                part = "query cell"
+                self.query_cell = ops.CellWeights.of(self.query_cell).int8()
+                part = "decoder cell"
+                self.decoder_cell = ops.CellWeights.of(self.decoder_cell).int8()
+                part = "attention"
+                self.attention = self.attention.int8()
+                part = "readout"
+                self.readout = self.readout.int8()
+            except FloatingPointError as err:   # (a NaN weight, or a fold's product beyond float32)
+                folded = (" (with the attention's output projection folded in)"
+                          if part in ("decoder cell", "readout") and self.attention.w_o is None
+                          and model.attention.weights.w_o is not None else "")
+                raise FloatingPointError(f"int8 decoding of {type(model).__name__}: the {part}'s weight "
+                                         f"matrices{folded}: {err}") from None
         if options.encoder_panels and not int8:   # the encoder's recurrent matrices for batch 1, in a shallow copy
             self.model = _layers_copy(self.model, FrozenTransitionLayer.with_row_panels)
         if options.huge_pages:   # the encoder's sequence layers too, in a shallow copy of the model (after int8's)
@@ -202,6 +215,13 @@ class FusedRNMTDecoder:
         if "drop_q" in state or "drop_d" in state:
             raise ValueError("FusedRNMTDecoder.search: the state has candidate-dropout masks (a model in training "
                              "mode); decode in eval mode")
+        if not isinstance(max_len, torch.Tensor) or max_len.dim() != 1 or max_len.is_floating_point():
+            got = (f"{max_len.dtype} {list(max_len.shape)}" if isinstance(max_len, torch.Tensor)
+                   else type(max_len).__name__)
+            raise ValueError(f"FusedRNMTDecoder.search: max_len is an integer tensor [B] (each sentence's bound), got "
+                             f"{got}")
+        if max_len.numel() == 0:   # (a batch of no sentences: no search; the op's check of B comes after)
+            return []
         emb = self.model.tgt_embed
         steps = int(max_len.max())
         if not 1 <= steps <= ops.MAX_SEARCH_STEPS:   # (before the position table of that many rows: 10^9 of them

@@ -45,16 +45,15 @@ bool is_matrix(const at::Tensor& t, int64_t rows, int64_t cols) {
   return t.defined() && t.dim() == 2 && t.size(0) == rows && (cols < 0 || weight_in_features(t) == cols);
 }
 
-// A matrix's sizes as an error gives them: "[20, 9]", or "[20, 9] int8 rows" (whose width holds 4 bytes more than
-// its columns: without the word, "must be [20, 9] ..., got [20, 9]" read as a contradiction).
+}  // namespace
+
+// (without the word, "must be [20, 9] ..., got [20, 9]" read as a contradiction)
 std::string matrix_text(const at::Tensor& t) {
   if (!t.defined()) return "[]";
   std::ostringstream s;
   s << t.sizes() << (t.scalar_type() == at::kChar ? " int8 rows" : "");
   return s.str();
 }
-
-}  // namespace
 
 void check_eps(double eps, const char* op, const char* name) {
   TORCH_CHECK(eps >= 0 && eps < std::numeric_limits<double>::infinity(),   // (NaN fails this too)

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <initializer_list>
+#include <string>
 
 #include "transition.h"
 
@@ -40,6 +41,10 @@ constexpr const char* kNonFiniteScore = "the model gave a non-finite score";
 // t_ln_w and t_ln_b both empty or both [D, 2H] (with T-GRUs). `what` names the weights in the error ("q_params",
 // "direction 1"). Returns H.
 int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* op, const char* what);
+
+// A matrix's sizes as an error gives them: "[20, 9]", or "[20, 9] int8 rows" (whose width holds 4 bytes more than
+// its columns).
+std::string matrix_text(const at::Tensor& t);
 
 // An op's eps (layer-norm, cell): a finite number >= 0, as the layers take it (a NaN or negative eps gave NaN
 // states without a word).

@@ -33,6 +33,7 @@
 #endif
 
 #include "cell_math.h"
+#include "op_checks.h"
 #include "cpu_dispatch.h"
 #include "phase_timers.h"
 #include "small_gemm.h"
@@ -415,7 +416,7 @@ Tensor step_impl(const Tensor& x, const Tensor& xp_given, const Tensor& h_in, co
                                     weight_in_features(w.w_ih) == x.size(1))),
               "dtmt::cell_step: the state [B, ", H, "]", x.defined() ? " and input [B, " : "",
               x.defined() ? std::to_string(x.size(1)) + "]" : std::string(), " do not fit the cell's weights (w_hh ",
-              w.w_hh.sizes(), ", w_ih ", w.w_ih.sizes(), ")");
+              matrix_text(w.w_hh), ", w_ih ", matrix_text(w.w_ih), ")");
   const auto& kernels = typed_cpu_kernels<T>();
   const auto opts = h.options();
   Tensor xp = xp_given;

@@ -516,6 +516,11 @@ def test_an_int8_decoder_names_the_weights_it_cannot_quantize_and_its_search_s_b
     empty = {k: v[:0] for k, v in state.items()}   # (a state of no sentences: no search)
     assert decoder.search(empty, 4, 0.6, torch.zeros(0, dtype=torch.long)) == []
     assert len(decoder.search(state, 4, 0.6, torch.tensor([4, 4]))) == 2
+    # a state of another width: the packed widths named as int8 rows (H + 4 bytes: "[64, 20]" read as H = 20)
+    cut = dict(state, s=state["s"][:, :5])
+    with pytest.raises(RuntimeError, match=r"the state \[B, 5\] .* do not fit the cell's weights \(w_hh \[64, 20\] "
+                                           r"int8 rows, w_ih \[\d+, \d+\] int8 rows\)"):
+        decoder.step(cut, torch.full((2,), 1))
 
 
 @needs_cpp

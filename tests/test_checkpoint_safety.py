@@ -266,3 +266,24 @@ def test_a_changed_byte_in_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"its record archive/bomb is compressed, which torch.save never writes"):
         read_checkpoint(bomb)
     assert time.perf_counter() - start < 1.0
+
+
+def test_a_checkpoint_written_to_a_closed_pipe_says_so(tmp_path, monkeypatch):
+    """`dtmt average -o /dev/stdout | head` (a reader that stops early): torch's zip writer reports the file's own
+    error (a broken pipe) as 'unexpected pos', which was answered with the disk's free space; now with that error."""
+    from dtmt_models.atomic import WriteError
+    from dtmt_models.models.checkpoint import save_checkpoint
+
+    def failing_save(obj, f):   # (as torch's writer does: the file's OSError the RuntimeError's context)
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except BrokenPipeError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    payload = dict(model_name="dtmt", model_options={}, src_vocab=[], tgt_vocab=[], model={})
+    with pytest.raises(WriteError) as caught:
+        save_checkpoint(str(tmp_path / "avg.pt"), payload)
+    assert str(caught.value) == (f"cannot write {tmp_path / 'avg.pt'}: Broken pipe (nothing written; any earlier "
+                                 f"version of the file is intact)")
+    assert os.listdir(tmp_path) == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Union
+from typing import List, Optional, Union
 
 from torch import Tensor
 
@@ -32,12 +32,14 @@ NON_FINITE_SCORE = "the model gave a non-finite score"
 
 class NonFiniteScores(ArithmeticError):
     """The model scored a candidate NaN or +inf while decoding: its weights or activations overflow. `step` and
-    `sentence` (the sentence's place in the batch) say where; `translate` names the input sentence instead."""
+    `sentence` (the sentence's place in the batch) say where; `translate` names the input sentence instead, and
+    the ensemble's `member` (from 1) that scores it so alone, where one does."""
 
-    def __init__(self, score: float, step: int, sentence: int, where: str = ""):
-        self.score, self.step, self.sentence = score, step, sentence
+    def __init__(self, score: float, step: int, sentence: int, where: str = "", member: Optional[int] = None):
+        self.score, self.step, self.sentence, self.member = score, step, sentence, member
+        whose = "its weights" if member is None else f"member {member} of the ensemble scores it so alone: its weights"
         super().__init__(f"{NON_FINITE_SCORE} ({score}) at step {step} of "
-                         f"{where or f'sentence {sentence} of the batch'}: its weights or activations overflow "
+                         f"{where or f'sentence {sentence} of the batch'}: {whose} or activations overflow "
                          f"float32 (a diverged or damaged checkpoint?)")
 
     @classmethod

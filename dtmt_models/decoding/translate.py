@@ -249,13 +249,29 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
                                    max_len_a=max_len_a, max_len_b=max_len_b, early_stop=early_stop,
                                    penalty=penalty)
             except NonFiniteScores as exc:   # named by its place in `sentences`, not in the batch
-                raise NonFiniteScores(exc.score, exc.step, exc.sentence, name(todo[batch[exc.sentence]])) from None
+                s, n = exc.sentence, int(lengths[exc.sentence])
+                member = non_finite_member(decoder, src[s:s + 1, :n].to(device), lengths[s:s + 1].to(device),
+                                           beam=beam, alpha=alpha, nbest=nbest, max_len_a=max_len_a,
+                                           max_len_b=max_len_b, early_stop=early_stop, penalty=penalty)
+                raise NonFiniteScores(exc.score, exc.step, s, name(todo[batch[s]]), member) from None
             for j, sentence_hyps in zip(batch, hyps):
                 results[todo[j]] = [(tgt_vocab.decode(h.tokens), float(h.score)) for h in sentence_hyps]
             done += len(batch)
             if progress is not None:
                 progress(done, total)
     return results
+
+
+def non_finite_member(decoder, src: torch.Tensor, lengths: torch.Tensor, **search) -> Optional[int]:
+    """The first member (from 1) of an ensemble's `decoder` whose own search of the sentence `src` [1, S] scores a
+    candidate NaN or +inf, which an ensemble's error names (the mean of the members' scores had named no member);
+    None for a decoder of one model, or where no member alone does (the mean overflowed). The error's path only."""
+    for i, member in enumerate(getattr(decoder, "decoders", None) or [], start=1):
+        try:
+            beam_search(member, src, lengths, **search)
+        except NonFiniteScores:
+            return i
+    return None
 
 
 def translate_best(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabulary,

@@ -50,12 +50,12 @@ def save_checkpoint(path: str, payload: Dict[str, Any], through_link: bool = Fal
         except RuntimeError as exc:   # torch's zip writer reports a failed write (a full disk) as its own error
             if isinstance(exc.__context__, KeyboardInterrupt):   # and a signal's in the write as one too (a second
                 raise exc.__context__ from None                  # Ctrl-C while `dtmt train` saved: not the disk)
-            if isinstance(exc.__context__, OSError):   # the file's own error (a pipe closed by its reader, -o
-                raise exc.__context__ from None         # /dev/stdout | head: it was blamed on the disk's free space)
             limit = _file_size_limit()
             if limit is not None and f.tell() >= limit:   # (`ulimit -f`: EFBIG, Python ignoring SIGXFSZ)
                 raise OSError(f"the write stopped at this process's file size limit of {limit:,} bytes (ulimit -f); "
                               f"the checkpoint needs more") from None
+            if isinstance(exc.__context__, OSError):   # the file's own error (a pipe closed by its reader, -o
+                raise exc.__context__ from None         # /dev/stdout | head: it was blamed on the disk's free space)
             free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
             raise OSError(f"the write stopped with {free:,} bytes free on its device"
                           + (" (the disk is full)" if free < (1 << 20) else f" ({one_line(exc)})")) from None

@@ -4,11 +4,13 @@ takes and of the files and folders it names, made before any work."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import numbers
 import os
 import stat
-from typing import List, Optional, Sequence
+import sys
+from typing import Iterator, List, Optional, Sequence
 
 
 # The largest values the commands take for a count (steps, tokens, lengths, vocabulary sizes: what the C++ ops and
@@ -18,6 +20,48 @@ MAX_THREADS = 1024
 # SentencePiece pieces per side: it reads the size as an int32, but a unigram model asked for 2^31 - 1 pieces of a
 # small corpus ran past two minutes where 1,000,000 took half a second; the papers use at most 90,000
 MAX_VOCAB_SIZE = 1_000_000
+
+
+class _Diagnostics:
+    """A command's stderr (`diagnostics_never_fail`): writes go to the stream it stands for; one that fails there (the
+    reader of a pipe gone, a full disk, a closed descriptor) is dropped. Everything else is the stream's."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            return len(text)
+        except ValueError as exc:   # (a closed file's; an encoding's error is the caller's to see)
+            if getattr(self.stream, "closed", False) and not isinstance(exc, UnicodeError):
+                return len(text)
+            raise
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.flush()
+
+    def __getattr__(self, name):   # (isatty, fileno, encoding, buffer: the stream's)
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def diagnostics_never_fail() -> Iterator[None]:
+    """Within it, sys.stderr drops what it cannot write instead of raising: a warning, a progress line or a summary
+    on a stderr whose reader left (`2>&1 | grep -m1 listening`, a dead log pipe, 2>/dev/full) had cost a command its
+    output (translate wrote nothing, exit 1 or 141) or its shutdown (serve ignored SIGTERM: the stop was scheduled
+    after a log line that raised)."""
+    if sys.stderr is None or isinstance(sys.stderr, _Diagnostics):
+        yield
+        return
+    stream, sys.stderr = sys.stderr, _Diagnostics(sys.stderr)
+    try:
+        yield
+    finally:
+        if isinstance(sys.stderr, _Diagnostics) and sys.stderr.stream is stream:   # (unless replaced meanwhile)
+            sys.stderr = stream
 
 
 def usable_cpus() -> int:

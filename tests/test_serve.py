@@ -828,3 +828,34 @@ def test_the_http_layer_s_reports_are_one_line_unless_they_are_a_bug():
         for name in HTTP_LOGGERS:
             logging.getLogger(name).removeHandler(again)
             logging.getLogger(name).propagate = True
+
+
+def test_a_server_whose_stderr_reader_left_still_stops_on_sigterm(system):
+    """`dtmt serve ... 2>&1 | grep -m1 listening` (a launcher that reads the first line, or a log pipe that died):
+    the log line a SIGTERM writes raised BrokenPipeError before the stop was scheduled, and the server went on
+    serving; a second signal failed in its own write before exiting, so only SIGKILL ended it. A diagnostic that
+    cannot be written is now dropped: it answers, then stops with status 0."""
+    path = system[3]
+    read, write = os.pipe()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "dtmt_models.cli", "serve", "-c", path, "--port", "0",
+                             "--threads", "1"], stderr=write, stdout=subprocess.DEVNULL, env=env)
+    os.close(write)
+    try:
+        seen, deadline = b"", time.time() + 120
+        while not (b"listening on http://" in seen and seen.endswith(b"\n")):
+            assert time.time() < deadline and proc.poll() is None, seen
+            seen += os.read(read, 4096)
+        url = seen.split(b"listening on ")[1].split()[0].decode()
+        os.close(read)   # (the reader leaves)
+        read = None
+        status, reply = request(url, "/translate", {"sentences": [SRC[0]]})
+        assert status == 200 and len(reply["translations"]) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if read is not None:
+            os.close(read)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

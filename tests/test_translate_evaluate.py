@@ -1536,3 +1536,74 @@ def test_a_model_that_overflows_is_an_error_not_empty_lines(system, tmp_path, ca
     assert cli.main(["translate", str(tmp_path / "in.es"), "-c", ckpt, "--quiet", "--int8"]) == 1
     assert capsys.readouterr().err == ("dtmt translate: --int8: a weight matrix made from the checkpoint's overflows "
                                        "float32 (a diverged or damaged checkpoint?)\n")
+
+
+def _dtmt(args, **kwargs):
+    """`python -m dtmt_models.cli ARGS` in a child process (its own stdin, stdout and stderr)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), **kwargs.pop("env", {}))
+    return subprocess.run([sys.executable, "-m", "dtmt_models.cli", *args], env=env, timeout=300, **kwargs)
+
+
+def test_translate_s_outputs_survive_a_stderr_that_cannot_be_written(system, tmp_path):
+    """A review found a finished translation thrown away when stderr could not be written (2>/dev/full, a log pipe
+    whose reader left): the closing summary is printed before the output is written, and its failure ended the
+    command (exit 1 or 141, nothing written). Diagnostics that cannot be written are dropped; the output is
+    written and the status is 0."""
+    model, sv, tv, path = system
+    source = write(tmp_path / "in.es", "\n".join(SRC[:4]) + "\n")
+    expected = "".join(h[0][0] + "\n" for h in translate(model, sv, tv, SRC[:4], beam=4))
+    with open("/dev/full", "w") as full:
+        done = _dtmt(["translate", "-c", path, source, "-o", str(tmp_path / "out.en"), "--threads", "1"],
+                     stderr=full)
+        assert done.returncode == 0
+        assert (tmp_path / "out.en").read_text(encoding="utf-8") == expected
+        done = _dtmt(["translate", "-c", path, source, "--threads", "1"], stderr=full, stdout=subprocess.PIPE)
+        assert done.returncode == 0 and done.stdout.decode("utf-8") == expected
+
+
+def test_translate_writes_utf8_to_a_stdout_of_another_encoding(monkeypatch):
+    """PYTHONIOENCODING=ascii (or a C locale): the first non-ASCII piece ('⁇', an accent) was UnicodeEncodeError's
+    traceback, nothing written; stdout gets UTF-8, as the files -o writes."""
+    from dtmt_models.cli.translate import write_stdout
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    print("first", end=" ", file=out)   # (text written before: it goes first)
+    write_stdout("¿qué tal? ⁇\n" * 3, piece=7)   # (pieces that cut a character's bytes: whole in the end)
+    assert raw.getvalue().decode("utf-8") == "first " + "¿qué tal? ⁇\n" * 3
+
+
+def test_stdin_under_another_name_beside_dash_is_refused(system, tmp_path):
+    """`cat in | dtmt translate -c C - /dev/stdin`: the second read of the pipe was empty, exit 0 with its output
+    empty; refused as '- -' is. A regular file redirected with < is read anew by each name: translated twice."""
+    path = system[3]
+    source = write(tmp_path / "in.es", "\n".join(SRC[:2]) + "\n")
+    for names in (["-", "/dev/stdin"], ["/dev/stdin", "/dev/fd/0"]):
+        done = _dtmt(["translate", "-c", path, *names, "--output-dir", str(tmp_path / "od")], input=b"el perro\n",
+                     capture_output=True)
+        assert done.returncode == 2 and done.stderr.decode() == "dtmt translate: stdin ('-') can be read only once\n"
+    with open(source, "rb") as f:
+        done = _dtmt(["translate", "-c", path, "-", "/dev/stdin", "--threads", "1"], stdin=f, capture_output=True)
+    assert done.returncode == 0 and len(done.stdout.decode().splitlines()) == 4, done.stderr
+
+
+def test_output_dir_files_are_written_as_one_set(system, tmp_path):
+    """Under `ulimit -f` the first input's output was written, then the second's failed with '(nothing written ...)':
+    a partial set, said as none. Now each is renamed into place only once all are written: none is, and the
+    message says so."""
+    import resource
+
+    path = system[3]
+    small = write(tmp_path / "a.es", "el perro\n")
+    large = write(tmp_path / "b.es", "la casa es grande\n" * 300)
+    limit = 2000   # (a.es's translation fits it, b.es's does not)
+    done = _dtmt(["translate", "-c", path, small, large, "--output-dir", str(tmp_path / "od"), "--threads", "1"],
+                 capture_output=True, text=True,
+                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)))
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.splitlines()[-1]   # (after the closing summary)
+    assert last.startswith(f"dtmt translate: cannot write {tmp_path / 'od' / 'b.es.out'}: "), last
+    assert last.endswith("(none of --output-dir's files was written; any earlier versions are intact)"), last
+    assert os.listdir(tmp_path / "od") == []

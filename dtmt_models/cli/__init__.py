@@ -20,6 +20,8 @@ import signal
 import sys
 from typing import List, Optional
 
+from dtmt_models.errors import diagnostics_never_fail
+
 COMMANDS = {
     "prepare": ("dtmt_models.cli.prepare", "write a corpus (the embedded Bible, or your own files) to DIR"),
     "train": ("dtmt_models.cli.train", "train a system on a prepared corpus"),
@@ -53,7 +55,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv else ""
     try:
-        status = _dispatch(argv)
+        with diagnostics_never_fail():   # (a stderr that cannot be written costs no output, no shutdown)
+            status = _dispatch(argv)
         if sys.stdout is not None:   # (None: started with stdout closed, `dtmt models >&-`)
             sys.stdout.flush()   # (here, where a reader gone is caught, not at the interpreter's exit)
         return status

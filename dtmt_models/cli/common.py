@@ -11,22 +11,14 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple, Type, TypeVar
 
 import torch
 
-from dtmt_models.atomic import atomic_write
 from dtmt_models.decoding.beam_search import MAX_ALPHA, MAX_BEAM, NonFiniteScores
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, UsageError, check_counts, check_finite, check_input_file,
-                                command_line_values, one_line, threads_warning)
+                                command_line_values, diagnostics_never_fail, one_line, threads_warning)
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Writes `text` (UTF-8) to `path`, an output the user named, atomically and through a symbolic link
-    (dtmt_models.atomic; WriteError on failure)."""
-    with atomic_write(path, through_link=True) as f:
-        f.write(text)
 
 
 def check_device_and_backend(device: str, backend: str) -> torch.device:
@@ -163,7 +155,14 @@ def run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argpa
     """run(args) as a decoding command's main: an error a user can cause is one `prog: message` line on stderr and
     exit status 2 for an option that cannot work (UsageError, contract §6), 1 for the others (`errors`: what the data
     or the system refused while working; running out of memory, with `smaller`, the options that decode smaller
-    batches: a traceback before); Ctrl-C `prog: interrupted` and 130."""
+    batches: a traceback before); Ctrl-C `prog: interrupted` and 130. A stderr that cannot be written costs nothing
+    else (errors.diagnostics_never_fail)."""
+    with diagnostics_never_fail():
+        return _run_command(prog, run, args, errors, smaller)
+
+
+def _run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+                 errors: Tuple[type, ...], smaller: str) -> int:
     try:
         return run(args)
     except UsageError as exc:

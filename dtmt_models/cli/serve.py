@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import re
@@ -140,7 +141,8 @@ def _run(args: argparse.Namespace) -> int:
             --shutdown-timeout is up holds the exit): a second signal always exits at once, with one line."""
             name = signal.Signals(signum).name
             if stopping or loop.is_closed():   # a second signal: stop now, requests in flight or not
-                os.write(2, f"{PROG}: {name} again: exiting without waiting\n".encode())   # (no lock: safe here)
+                with contextlib.suppress(OSError):   # (a stderr whose reader left: the exit all the same)
+                    os.write(2, f"{PROG}: {name} again: exiting without waiting\n".encode())   # (no lock: safe here)
                 os._exit(1)
             stopping.append(name)
             loop.call_soon_threadsafe(begin_stopping, name)

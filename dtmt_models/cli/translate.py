@@ -7,8 +7,10 @@ sentences is decoded and what the command writes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
+import stat
 import sys
 import threading
 import time
@@ -16,10 +18,10 @@ from typing import Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from dtmt_models.atomic import WriteError
+from dtmt_models.atomic import WriteError, atomic_write
 from dtmt_models.cli.common import (add_decoding_arguments, build_decoder, check_decoding_arguments,
                                     check_device_and_backend, decode_with_report, decoding_kwargs, load_for_decoding,
-                                    reporting_warnings, run_command, use_threads, write_atomic)
+                                    reporting_warnings, run_command, use_threads)
 from dtmt_models.data.corpus import MAX_LINE_BYTES
 from dtmt_models.decoding.translate import PROG, InputError, translate
 from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, check_not_a_checkpoint,
@@ -101,14 +103,24 @@ STREAM_LINES = 1024   # at most this many lines per decoding call when streaming
 
 
 def write_stdout(text: str, piece: int = 1 << 16) -> None:
-    """text to stdout, flushed, in pieces of at most `piece` characters. In one write, a reader that left part-way
-    (`| head -c 10`) took a partial write that Python reported as whole: the rest was dropped and the status was 0.
-    A piece's write after the reader left raises BrokenPipeError, which dtmt's main turns into a writer's status;
-    another OSError (a full disk) is InputError."""
+    """text to stdout in UTF-8, as the files -o writes (a stdout of another encoding, PYTHONIOENCODING=ascii or a
+    C locale, had raised UnicodeEncodeError's traceback at the first non-ASCII piece, '⁇' included, and written
+    nothing), flushed, in pieces of at most `piece` bytes. In one write, a reader that left part-way (`| head -c
+    10`) took a partial write that Python reported as whole: the rest was dropped and the status was 0. A piece's
+    write after the reader left raises BrokenPipeError, which dtmt's main turns into a writer's status; another
+    OSError (a full disk) is InputError. A stdout without bytes beneath (an embedding program's) takes the text."""
     try:
-        for i in range(0, len(text), piece):
-            sys.stdout.write(text[i:i + piece])
-        sys.stdout.flush()
+        out = getattr(sys.stdout, "buffer", None)
+        if out is None:
+            for i in range(0, len(text), piece):
+                sys.stdout.write(text[i:i + piece])
+            sys.stdout.flush()
+            return
+        sys.stdout.flush()   # (what was written to it as text goes first)
+        data = text.encode("utf-8")
+        for i in range(0, len(data), piece):
+            out.write(data[i:i + piece])
+        out.flush()
     except BrokenPipeError:
         raise
     except OSError as exc:
@@ -224,14 +236,24 @@ def _typed() -> bool:
         return False
 
 
+def _reads_stdin_s_stream(path: str) -> bool:
+    """Whether `path` reads standard input's stream (/dev/stdin, /dev/fd/0, the FIFO it is): a pipe, a FIFO or a
+    terminal, read once; a regular file is read anew by each name, which is fine."""
+    try:
+        seen = os.fstat(0)
+        return not stat.S_ISREG(seen.st_mode) and os.path.samestat(seen, os.stat(path))
+    except (OSError, ValueError):   # (stdin closed, or no such file: check_input_file says so)
+        return False
+
+
 def _run(args: argparse.Namespace) -> int:
     check_decoding_arguments(args)
     nbest = args.nbest
     if nbest is not None and not 1 <= nbest <= args.beam:
         raise UsageError(f"--nbest must be between 1 and --beam ({args.beam}), got {nbest}")
     inputs = args.inputs or ["-"]
-    if inputs.count("-") > 1:
-        raise UsageError("stdin ('-') can be read only once")
+    if inputs.count("-") + sum(_reads_stdin_s_stream(p) for p in inputs if p != "-") > 1:   # (/dev/stdin, /dev/fd/0
+        raise UsageError("stdin ('-') can be read only once")                               # beside '-': it was empty)
     if "-" in inputs and sys.stdin is None:   # (started with stdin closed: `dtmt translate -c C <&-`)
         raise UsageError("no input file given and stdin is closed; name the files to translate")
     for path in inputs:
@@ -280,11 +302,18 @@ def _run(args: argparse.Namespace) -> int:
     if not (args.output_dir or args.output):
         write_stdout("".join(pieces))
         return 0
-    try:
-        for target, text in (zip(targets, pieces) if args.output_dir else [(args.output, "".join(pieces))]):
-            write_atomic(target, text)
+    outputs = list(zip(targets, pieces)) if args.output_dir else [(args.output, "".join(pieces))]
+    try:   # (as one set: each renamed into place once all are written; a failure midway had left the first ones)
+        with contextlib.ExitStack() as files:
+            for target, text in outputs:
+                files.enter_context(atomic_write(target, through_link=True)).write(text)
     except WriteError as exc:
-        raise InputError(str(exc)) from None
+        message = str(exc)
+        if len(outputs) > 1:   # (the file's "(nothing written ...)" said of the set)
+            one = " (nothing written; any earlier version of the file is intact)"
+            message = (message[:-len(one)] if message.endswith(one) else message) + (
+                " (none of --output-dir's files was written; any earlier versions are intact)")
+        raise InputError(message) from None
     return 0
 
 

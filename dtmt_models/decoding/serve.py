@@ -26,7 +26,8 @@ no other fields) or not valid data of its Content-Encoding, 413 for more than `m
 sentence longer than `max_chars` characters (or a body too large to read or to decompress), 415 for another
 Content-Encoding (`br`, `zstd`, ...), 404 / 405 for other paths and methods, 500 if decoding itself fails (when a
 batch fails, each of its requests is decoded again on its own, so only a request whose own sentences fail gets the
-500; the server goes on). Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
+500; the server goes on). Bytes that are no HTTP request (a negative Content-Length, a garbled request line) are
+answered by aiohttp's parser before any handler, 400 in plain text. Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
 requests in flight finish (at most `shutdown_timeout` seconds: one not translated by then is answered 503; a body
 still being read gets a second more), then ends. The bodies being read (each counted
 by its Content-Length, a chunked one as the largest body, until it is parsed) hold at most BODY_BYTES_IN_FLIGHT

@@ -88,6 +88,15 @@ def _tmp_name(path: str, suffix: str) -> str:
     return os.path.join(directory, f".{name}.tmp{os.getpid()}{suffix}")
 
 
+def is_stream(path: str) -> bool:
+    """Whether `path` is written in place as a stream, not atomically: a device or a pipe (-o /dev/null, a FIFO;
+    /dev/stdout even where it leads to a file), where there is nothing to rename (a rename would replace
+    /dev/stdout's link itself). A file in a folder under /dev (/dev/shm's tmpfs) is a file: written atomically, as
+    anywhere (checkpoints there were rewritten in place)."""
+    return os.path.exists(path) and (not os.path.isfile(path) and not os.path.isdir(path)
+                                     or os.path.abspath(path).startswith(("/dev/", "/proc/")) and os.path.islink(path))
+
+
 @contextlib.contextmanager
 def atomic_path(path: str, suffix: str = "", through_link: bool = False) -> Iterator[str]:
     """Yields a temporary path to write `path`'s new content to (by any means, e.g. `fig.savefig(tmp)`); on a
@@ -96,11 +105,7 @@ def atomic_path(path: str, suffix: str = "", through_link: bool = False) -> Iter
     command's output the user names); else the link itself is (a run's or a corpus' file linked to a shared copy
     leaves the copy alone)."""
     path = os.fspath(path)
-    if os.path.exists(path) and (not os.path.isfile(path) and not os.path.isdir(path)
-                                 or os.path.abspath(path).startswith(("/dev/", "/proc/")) and os.path.islink(path)):
-        # a device or a pipe (-o /dev/null, a FIFO; /dev/stdout even where it leads to a file): written in place as a
-        # stream, nothing to rename (a rename would replace /dev/stdout's link itself). A file in a folder under /dev
-        # (/dev/shm's tmpfs) is a file: written atomically, as anywhere (checkpoints there were rewritten in place)
+    if is_stream(path):   # (written in place, nothing to rename)
         try:
             yield path
         except WriteError:

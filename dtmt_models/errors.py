@@ -244,19 +244,21 @@ def check_output_file(path: str, option: str, inputs: Sequence[str] = (), what: 
                          f"{_name_max(os.path.dirname(os.path.abspath(path)))} bytes a name may have here")
     for source in inputs:
         if source == "-":   # (standard input redirected from the output's file: `translate -o f < f` emptied it)
-            if _stdin_is(path):
+            if stdin_is(path):
                 raise UsageError(f"{option} {path}: is also the input (standard input reads it); the output would "
                                  f"overwrite it")
         elif os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
             raise UsageError(f"{option} {path}: is also an input ({source}); the output would overwrite it")
 
 
-def _stdin_is(path: str) -> bool:
-    """Whether standard input reads the file `path` (its regular file, redirected with `<`)."""
+def stdin_is(path: str, regular: bool = True) -> bool:
+    """Whether standard input reads `path`: its regular file, redirected with `<` (`regular`), or else its stream
+    (/dev/stdin, /dev/fd/0 or the FIFO itself of a pipe, a FIFO or a terminal: read once, where a regular file is
+    read anew by each name). False where stdin is closed or `path` is not there."""
     try:
         seen = os.fstat(0)
-        return stat.S_ISREG(seen.st_mode) and os.path.samestat(seen, os.stat(path))
-    except (OSError, ValueError):   # (stdin closed, or no such file: nothing to overwrite)
+        return stat.S_ISREG(seen.st_mode) == regular and os.path.samestat(seen, os.stat(path))
+    except (OSError, ValueError):
         return False
 
 

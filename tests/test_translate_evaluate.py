@@ -1595,15 +1595,29 @@ def test_output_dir_files_are_written_as_one_set(system, tmp_path):
     message says so."""
     import resource
 
+    from dtmt_models.cli.translate import write_output_set
+
     path = system[3]
     small = write(tmp_path / "a.es", "el perro\n")
     large = write(tmp_path / "b.es", "la casa es grande\n" * 300)
     limit = 2000   # (a.es's translation fits it, b.es's does not)
-    done = _dtmt(["translate", "-c", path, small, large, "--output-dir", str(tmp_path / "od"), "--threads", "1"],
-                 capture_output=True, text=True,
-                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)))
-    assert done.returncode == 1, done.stderr
-    last = done.stderr.splitlines()[-1]   # (after the closing summary)
-    assert last.startswith(f"dtmt translate: cannot write {tmp_path / 'od' / 'b.es.out'}: "), last
-    assert last.endswith("(none of --output-dir's files was written; any earlier versions are intact)"), last
-    assert os.listdir(tmp_path / "od") == []
+    for order in ([small, large], [large, small]):   # (either order: a review found the large one first left the other)
+        done = _dtmt(["translate", "-c", path, *order, "--output-dir", str(tmp_path / "od"), "--threads", "1"],
+                     capture_output=True, text=True,
+                     preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY)))
+        assert done.returncode == 1, done.stderr
+        last = done.stderr.splitlines()[-1]   # (after the closing summary)
+        assert last.startswith(f"dtmt translate: cannot write {tmp_path / 'od' / 'b.es.out'}: "), last
+        assert last.endswith("(none of --output-dir's files was written; any earlier versions are intact)"), last
+        assert os.listdir(tmp_path / "od") == []
+    # FIFOs among the outputs are written in place, one after the other (all held open together, a reader of the two
+    # in turn waited for ever), after the files; the files as one set beside them
+    fifos = [str(tmp_path / "f1"), str(tmp_path / "f2")]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    read = []
+    reader = threading.Thread(target=lambda: read.extend(open(f, encoding="utf-8").read() for f in fifos), daemon=True)
+    reader.start()
+    write_output_set([(fifos[0], "uno\n"), (str(tmp_path / "file.out"), "dos\n"), (fifos[1], "tres\n")])
+    reader.join(timeout=30)
+    assert read == ["uno\n", "tres\n"] and (tmp_path / "file.out").read_text() == "dos\n"

@@ -7,10 +7,8 @@ sentences is decoded and what the command writes).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import queue
-import stat
 import sys
 import threading
 import time
@@ -18,14 +16,14 @@ from typing import Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from dtmt_models.atomic import WriteError, atomic_write
+from dtmt_models.atomic import WriteError, atomic_paths, atomic_write, is_stream
 from dtmt_models.cli.common import (add_decoding_arguments, build_decoder, check_decoding_arguments,
                                     check_device_and_backend, decode_with_report, decoding_kwargs, load_for_decoding,
                                     reporting_warnings, run_command, use_threads)
 from dtmt_models.data.corpus import MAX_LINE_BYTES
 from dtmt_models.decoding.translate import PROG, InputError, translate
 from dtmt_models.errors import (ArgumentParser, UsageError, check_input_file, check_not_a_checkpoint,
-                                 check_output_dir, check_output_file)
+                                 check_output_dir, check_output_file, stdin_is)
 
 
 # ------------------------------------------------------------------------------- command line helpers
@@ -236,24 +234,14 @@ def _typed() -> bool:
         return False
 
 
-def _reads_stdin_s_stream(path: str) -> bool:
-    """Whether `path` reads standard input's stream (/dev/stdin, /dev/fd/0, the FIFO it is): a pipe, a FIFO or a
-    terminal, read once; a regular file is read anew by each name, which is fine."""
-    try:
-        seen = os.fstat(0)
-        return not stat.S_ISREG(seen.st_mode) and os.path.samestat(seen, os.stat(path))
-    except (OSError, ValueError):   # (stdin closed, or no such file: check_input_file says so)
-        return False
-
-
 def _run(args: argparse.Namespace) -> int:
     check_decoding_arguments(args)
     nbest = args.nbest
     if nbest is not None and not 1 <= nbest <= args.beam:
         raise UsageError(f"--nbest must be between 1 and --beam ({args.beam}), got {nbest}")
     inputs = args.inputs or ["-"]
-    if inputs.count("-") + sum(_reads_stdin_s_stream(p) for p in inputs if p != "-") > 1:   # (/dev/stdin, /dev/fd/0
-        raise UsageError("stdin ('-') can be read only once")                               # beside '-': it was empty)
+    if inputs.count("-") + sum(stdin_is(p, regular=False) for p in inputs if p != "-") > 1:   # (/dev/stdin beside
+        raise UsageError("stdin ('-') can be read only once")                                 # '-': it read empty)
     if "-" in inputs and sys.stdin is None:   # (started with stdin closed: `dtmt translate -c C <&-`)
         raise UsageError("no input file given and stdin is closed; name the files to translate")
     for path in inputs:
@@ -302,19 +290,43 @@ def _run(args: argparse.Namespace) -> int:
     if not (args.output_dir or args.output):
         write_stdout("".join(pieces))
         return 0
-    outputs = list(zip(targets, pieces)) if args.output_dir else [(args.output, "".join(pieces))]
-    try:   # (as one set: each renamed into place once all are written; a failure midway had left the first ones)
-        with contextlib.ExitStack() as files:
-            for target, text in outputs:
-                files.enter_context(atomic_write(target, through_link=True)).write(text)
-    except WriteError as exc:
-        message = str(exc)
-        if len(outputs) > 1:   # (the file's "(nothing written ...)" said of the set)
-            one = " (nothing written; any earlier version of the file is intact)"
-            message = (message[:-len(one)] if message.endswith(one) else message) + (
-                " (none of --output-dir's files was written; any earlier versions are intact)")
-        raise InputError(message) from None
+    if not args.output_dir:
+        try:
+            with atomic_write(args.output, through_link=True) as f:
+                f.write("".join(pieces))
+        except WriteError as exc:
+            raise InputError(str(exc)) from None
+        return 0
+    write_output_set(list(zip(targets, pieces)))
     return 0
+
+
+def write_output_set(outputs: List[Tuple[str, str]]) -> None:
+    """--output-dir's (path, text) outputs, UTF-8: the files as one set (atomic.atomic_paths: each written whole and
+    closed, then all renamed into place; a failure midway had left the first ones, said as "nothing written"), then
+    any that is a device or a FIFO written in place, one after the other (held open together, a reader of two FIFOs
+    in turn waited for ever). InputError naming the file that failed."""
+    files = [(path, text) for path, text in outputs if not is_stream(path)]
+    try:
+        with atomic_paths([path for path, _ in files], through_link=True) as temps:
+            for tmp, (path, text) in zip(temps, files):
+                try:
+                    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+                        f.write(text)
+                        f.flush()
+                        os.fsync(f.fileno())
+                except OSError as exc:   # (named here: atomic_paths knows only the set)
+                    raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except WriteError as exc:
+        raise InputError(f"{exc} (none of --output-dir's files was written; any earlier versions are intact)"
+                         ) from None
+    try:
+        for path, text in outputs:
+            if is_stream(path):
+                with atomic_write(path, through_link=True) as f:
+                    f.write(text)
+    except WriteError as exc:
+        raise InputError(str(exc)) from None
 
 
 if __name__ == "__main__":

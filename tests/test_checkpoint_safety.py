@@ -123,9 +123,11 @@ def test_save_checkpoint_writes_nothing_its_loader_refuses(tmp_path):
 
 
 def test_a_checkpoint_write_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    """torch.save reports a write that fails midway (a full disk) as a RuntimeError of its zip writer ("unexpected
-    pos 64 vs 0"), which `dtmt train` and `dtmt average` printed as a traceback. save_checkpoint turns it into the
-    WriteError they report in one line: the file named, nothing written, an earlier version intact."""
+    """torch.save reports a write that fails midway as a RuntimeError of its zip writer ("unexpected pos 64 vs 0"),
+    which `dtmt train` and `dtmt average` printed as a traceback. save_checkpoint turns it into the WriteError they
+    report in one line: the file named, nothing written, an earlier version intact. (A full disk's error comes as
+    the RuntimeError's context and is said as such: the next test; one without a context, as here, is said by the
+    device's free space.)"""
     from dtmt_models.atomic import WriteError
     from dtmt_models.models.checkpoint import save_checkpoint
 

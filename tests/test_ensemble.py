@@ -235,6 +235,9 @@ def test_a_decoder_of_another_model_is_refused_by_translate(checkpoints):
     assert translate(a, sv, tv, INPUTS, beam=2, decoder=as_decoder(a, amp="bf16"))
     assert translate(both, sv, tv, INPUTS, beam=2, decoder=both.inference_decoder()) == translate(both, sv, tv,
                                                                                                    INPUTS, beam=2)
+    prepared = a.inference_decoder().prepared   # (a prepared copy decoding itself: of the model it came from)
+    assert translate(prepared, sv, tv, INPUTS, beam=2, decoder=prepared) == translate(prepared, sv, tv, INPUTS, beam=2)
+    assert translate(prepared, sv, tv, INPUTS, beam=2, decoder=a.inference_decoder())
     for decoder, kind in ((b.inference_decoder(), "RNNSearchATR"), (b.inference_decoder(int8=True), "RNNSearchATR"),
                           (as_decoder(b, amp="bf16"), "RNNSearchATR"), (both.inference_decoder(), "Ensemble"),
                           (copy.deepcopy(a).inference_decoder(), "DTMT")):

@@ -515,6 +515,10 @@ def test_an_int8_decoder_names_the_weights_it_cannot_quantize_and_its_search_s_b
                                    f"bound), got {got}")
     empty = {k: v[:0] for k, v in state.items()}   # (a state of no sentences: no search)
     assert decoder.search(empty, 4, 0.6, torch.zeros(0, dtype=torch.long)) == []
+    for bounds in (torch.zeros(0, dtype=torch.long), torch.tensor([4])):   # (of another batch: named)
+        with pytest.raises(ValueError, match=rf"^FusedRNMTDecoder.search: max_len holds {len(bounds)} bounds for a "
+                                             rf"state of 2 sentences$"):
+            decoder.search(state, 4, 0.6, bounds)
     assert len(decoder.search(state, 4, 0.6, torch.tensor([4, 4]))) == 2
     # a state of another width: the packed widths named as int8 rows (H + 4 bytes: "[64, 20]" read as H = 20)
     cut = dict(state, s=state["s"][:, :5])

@@ -2343,7 +2343,7 @@ def test_average_tells_runs_apart_by_their_run_id(toy, tmp_path, capsys):
     without a word)."""
     import warnings
 
-    from dtmt_models.models.checkpoint import average_checkpoints, read_checkpoint
+    from dtmt_models.models.checkpoint import average_checkpoints, read_checkpoint, save_checkpoint
 
     base = ["--data", toy, "--valid-every", "1", "--keep-last", "4", *TINY]
     a, b = tmp_path / "a", tmp_path / "b"
@@ -2357,6 +2357,20 @@ def test_average_tells_runs_apart_by_their_run_id(toy, tmp_path, capsys):
         average_checkpoints([str(a / "step_0000002.pt"), str(b / "step_0000004.pt")])
     first = tmp_path / "first.pt"
     shutil.copyfile(a / "step_0000002.pt", first)
+    # a file written before run ids beside files of two runs (same folder and seed): the ids of those that have one
+    # still tell them apart (one file without an id had turned every comparison to folder and seed)
+    older = read_checkpoint(str(a / "step_0000001.pt"))
+    older.pop("run_id")
+    older.pop("format")
+    other = dict(read_checkpoint(str(b / "step_0000004.pt")), run_id="e" * 16)
+    other.pop("format")
+    save_checkpoint(str(tmp_path / "older.pt"), older)
+    save_checkpoint(str(tmp_path / "other.pt"), other)
+    with pytest.warns(UserWarning, match=r"come from different training runs \(their run ids differ\)"):
+        average_checkpoints([str(tmp_path / "older.pt"), str(a / "step_0000002.pt"), str(tmp_path / "other.pt")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # (and the older file with its own run's: one run)
+        average_checkpoints([str(tmp_path / "older.pt"), str(a / "step_0000002.pt")])
     # (the same seed: the same weights at update 2, which average refuses as a copy; update 3 is another's)
     assert train_here(["--out", str(a), "--overwrite", "--max-steps", "3", *base], capsys).returncode == 0
     with pytest.warns(UserWarning, match=f"{first} and {a / 'step_0000003.pt'} come from different training runs "

@@ -53,10 +53,14 @@ def usage() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    with diagnostics_never_fail():   # (a stderr that cannot be written costs no output, no shutdown, no status)
+        return _main(argv)
+
+
+def _main(argv: List[str]) -> int:
     name = argv[0] if argv else ""
     try:
-        with diagnostics_never_fail():   # (a stderr that cannot be written costs no output, no shutdown)
-            status = _dispatch(argv)
+        status = _dispatch(argv)
         if sys.stdout is not None:   # (None: started with stdout closed, `dtmt models >&-`)
             sys.stdout.flush()   # (here, where a reader gone is caught, not at the interpreter's exit)
         return status

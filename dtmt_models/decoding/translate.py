@@ -155,9 +155,9 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
         # AttributeError on .parameters, where the device is taken from them)
         raise TypeError(f"translate: {type(model).__name__} has no parameters to take the device from: give "
                         f"device=, or pass the model itself (a decoder built from it goes in decoder=)")
-    if decoder is not None and isinstance(model, torch.nn.Module):
-        source = built_from(decoder)
-        if source is not None and source is not model:   # (it decoded with the other model's weights, unsaid)
+    if decoder is not None and isinstance(model, torch.nn.Module):   # (the model's own: of the model it was built
+        source = built_from(decoder)                                   # from, where it is itself a prepared copy)
+        if source is not None and source is not built_from(model):   # (it decoded with the other's weights, unsaid)
             raise ValueError(f"translate: decoder= was built from another {type(source).__name__} than the model "
                              f"given; build it from this one (model.inference_decoder()) or leave it out")
     for side, vocab, size in (("source", src_vocab, getattr(model, "src_vocab_size", None)),

@@ -109,7 +109,7 @@ def _inference_sample(tensors) -> bytes:
     """Up to 64 values of each inference tensor of `tensors`, evenly spread, as bytes (b"" where none is one): what
     weights_kind compares for the tensors without a version counter."""
     with torch.inference_mode():   # (reading inference tensors: no autograd, no version counter)
-        parts = [t.detach().reshape(-1)[::max(1, t.numel() // 64)].contiguous().view(-1).view(torch.uint8)
+        parts = [t.detach().reshape(-1)[::-(-t.numel() // 64)].contiguous().view(-1).view(torch.uint8)
                  for t in tensors if t.is_inference() and t.numel()]
         return torch.cat([p.to(parts[0].device) for p in parts]).cpu().numpy().tobytes() if parts else b""
 

@@ -220,7 +220,11 @@ class FusedRNMTDecoder:
                    else type(max_len).__name__)
             raise ValueError(f"FusedRNMTDecoder.search: max_len is an integer tensor [B] (each sentence's bound), got "
                              f"{got}")
-        if max_len.numel() == 0:   # (a batch of no sentences: no search; the op's check of B comes after)
+        B = state["s"].shape[0]
+        if max_len.shape[0] != B:   # (an empty one beside sentences had been torch's "max(): Expected reduction dim")
+            raise ValueError(f"FusedRNMTDecoder.search: max_len holds {max_len.shape[0]} bounds for a state of {B} "
+                             f"sentences")
+        if B == 0:   # (a state of no sentences: no search)
             return []
         emb = self.model.tgt_embed
         steps = int(max_len.max())

@@ -542,13 +542,17 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                 raise ValueError(f"average: {path}: the integer tensor {k} differs from {paths[0]}'s")
         if _updates(ckpt) >= _updates(last):
             last = ckpt
-    by_id = all(by is not None for _, by, _ in runs)   # (else a file written before run ids: folder and seed)
-    firsts = {}
-    for path, by, legacy in runs:
-        firsts.setdefault(by if by_id else legacy, path)
-    if len(firsts) > 1:
+    # by run id among the files that have one; where one has none (written before run ids), also by output folder
+    # and seed among all (a run copied elsewhere and resumed is then told as two, as before run ids)
+    by_id = [(by, path) for path, by, _ in runs if by is not None]
+    by_folder = [] if len(by_id) == len(runs) else [(legacy, path) for path, _, legacy in runs]
+    differ = next((pairs for pairs in (by_id, by_folder) if len(dict(pairs)) > 1), None)
+    if differ is not None:
+        firsts = {}
+        for key, path in differ:
+            firsts.setdefault(key, path)
         a, b = list(firsts.values())[:2]
-        why = "their run ids differ" if by_id else "their output folder or seed differ"
+        why = "their run ids differ" if differ is by_id else "their output folder or seed differ"
         warnings.warn(f"{a} and {b} come from different training runs ({why}): the mean of separately trained "
                       f"weights is rarely a model that translates", UserWarning)
     n = len(paths)

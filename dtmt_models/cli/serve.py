@@ -85,7 +85,12 @@ def check_listening(host: str, port: int) -> None:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind(address)
     except OSError as exc:   # (socket.gaierror is one)
-        raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        raise cannot_listen(host, port, exc) from None
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> InputError:
+    """The one line for a server that cannot listen on host:port (before loading, or at the server's own bind)."""
+    return InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc})")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -130,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             await server.start(args.host, args.port)
         except OSError as exc:
-            raise InputError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc})") from None
+            raise cannot_listen(args.host, args.port, exc) from None
         loop = asyncio.get_running_loop()
         stopping = []
 

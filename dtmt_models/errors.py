@@ -64,6 +64,18 @@ def diagnostics_never_fail() -> Iterator[None]:
             sys.stderr = stream
 
 
+# what the allocators say when memory runs out: the CPU's (a RuntimeError: torch raises no OutOfMemoryError there),
+# the OS's, CUDA's outside the caching allocator
+OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "Cannot allocate memory", "CUDA error: out of memory")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says memory ran out (MemoryError, torch's OutOfMemoryError, or an allocator's RuntimeError:
+    OUT_OF_MEMORY_TEXTS), which a command says in one line instead of a traceback."""
+    return (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+            or isinstance(exc, RuntimeError) and any(text in str(exc) for text in OUT_OF_MEMORY_TEXTS))
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity: a container's or taskset's share, not the machine's)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1621,3 +1621,16 @@ def test_output_dir_files_are_written_as_one_set(system, tmp_path):
     write_output_set([(fifos[0], "uno\n"), (str(tmp_path / "file.out"), "dos\n"), (fifos[1], "tres\n")])
     reader.join(timeout=30)
     assert read == ["uno\n", "tres\n"] and (tmp_path / "file.out").read_text() == "dos\n"
+
+
+def test_out_of_memory_is_told_by_one_rule():
+    """errors.out_of_memory, what run_command and build_model read as memory running out (they had two lists of
+    texts, and build_model knew only the CPU allocator's): MemoryError, torch's OutOfMemoryError, an allocator's
+    RuntimeError; another RuntimeError, or a ValueError naming memory, is not."""
+    from dtmt_models.errors import out_of_memory
+
+    said = [MemoryError(), torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+            RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory"),
+            RuntimeError("mmap: Cannot allocate memory"), RuntimeError("CUDA error: out of memory")]
+    assert all(out_of_memory(exc) for exc in said)
+    assert not any(out_of_memory(exc) for exc in (RuntimeError("shape mismatch"), ValueError("can't allocate memory")))

@@ -15,7 +15,8 @@ from dtmt_models.decoding.beam_search import MAX_ALPHA, MAX_BEAM, NonFiniteScore
 from dtmt_models.decoding.translate import InputError, InputWarning, input_warnings, translate
 from dtmt_models.engine.decoder import AMP_DTYPES, as_decoder
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, UsageError, check_counts, check_finite, check_input_file,
-                                command_line_values, diagnostics_never_fail, one_line, threads_warning)
+                                command_line_values, diagnostics_never_fail, one_line, out_of_memory,
+                                threads_warning)
 from dtmt_models.progress import Progress
 
 T = TypeVar("T")
@@ -175,9 +176,7 @@ def _run_command(prog: str, run: Callable[[argparse.Namespace], int], args: argp
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except (MemoryError, RuntimeError) as exc:   # (the CPU allocator's is a RuntimeError; CUDA's OutOfMemoryError one)
-        text = str(exc)
-        if not (isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
-                or "Cannot allocate memory" in text or "CUDA error: out of memory" in text):
+        if not out_of_memory(exc):
             raise
         print(f"{prog}: out of memory ({one_line(exc)[:160]}); decode smaller batches: {smaller}", file=sys.stderr)
         return 1

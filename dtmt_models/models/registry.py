@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from dtmt_models.data.vocabulary import BOS, EOS
-from dtmt_models.errors import did_you_mean, one_line
+from dtmt_models.errors import did_you_mean, one_line, out_of_memory
 from dtmt_models.models.registered import MODELS as _MODELS, register_model  # noqa: F401  (the public name)
 
 
@@ -49,8 +49,8 @@ def build_model(name: str, src_vocab_size: int, tgt_vocab_size: int, **options) 
     except torch.OutOfMemoryError:   # (a RuntimeError, but not the options' fault)
         raise
     except (ValueError, TypeError, RuntimeError, AssertionError, ZeroDivisionError) as exc:
-        if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):   # (the CPU allocator's: torch
-            # raises no OutOfMemoryError there, and the options are valid, only too large for this machine)
+        if out_of_memory(exc):   # (the CPU allocator's RuntimeError: the options are valid, only too large for
+            # this machine)
             raise MemoryError(f"{name} with {options} does not fit in this machine's memory ({one_line(exc)})") \
                 from None
         raise ValueError(f"{name} cannot be built with {options}: {one_line(exc)}") from exc

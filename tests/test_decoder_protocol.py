@@ -101,6 +101,11 @@ def test_what_is_no_decoder_is_refused():
         as_decoder(StepsOnly(), int8=True)
     with pytest.raises(ValueError, match="int8"):   # the transformer has no int8 weight matrices
         as_decoder(_model("transformer"), int8=True)
+    # a model in DataParallel: the model it wraps is named (what to decode instead)
+    with pytest.raises(TypeError, match=r"^DataParallel is not a decoder: it has no encode, step, reorder "
+                                        r"\(dtmt_models.engine.decoder.Decoder\); it wraps a DTMT: decode its "
+                                        r"\.module$"):
+        beam_search(torch.nn.DataParallel(_model("dtmt")), *_batch())
 
 
 # what each system class states (Seq2Seq.fused_step): FusedRNMTDecoder for these, with or without its parts

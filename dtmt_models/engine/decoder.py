@@ -153,8 +153,11 @@ def as_decoder(model, int8: bool = False, amp: Optional[str] = None) -> Decoder:
         return decoder
     missing = [m for m in ("encode", "step", "reorder") if not callable(getattr(decoder, m, None))]
     if missing:
+        inner = getattr(decoder, "module", None)   # (DataParallel, DistributedDataParallel: the model they wrap)
+        wraps = (f"; it wraps a {type(inner).__name__}: decode its .module"
+                 if isinstance(inner, torch.nn.Module) and callable(getattr(inner, "encode", None)) else "")
         raise TypeError(f"{type(decoder).__name__} is not a decoder: it has no {', '.join(missing)} "
-                        f"(dtmt_models.engine.decoder.Decoder)")
+                        f"(dtmt_models.engine.decoder.Decoder){wraps}")
     return AdaptedDecoder(decoder)
 
 

@@ -5,7 +5,8 @@ attention step's context whose gradient to the annotations is formed the same wa
 gathered once, no autograd) are the inference engine's (dtmt_models.engine.forms); `TransitionLayer` and
 `TransitionCell` are the bases of the layers and the cells.
 
-They behave like `torch.nn.GRU` / `torch.nn.GRUCell`: time-major input unless `batch_first` (or a PackedSequence),
+They are called like `torch.nn.GRU` / `torch.nn.GRUCell` (their constructors differ: options after the sizes are
+keywords only, docs/usage.md): time-major input unless `batch_first` (or a PackedSequence),
 `h0` of shape [num_directions, B, H], outputs `(out [T, B, D*H], h_n [D, B, H])`, plus `lengths` for padded batches and
 `reverse=True` for a unidirectional layer that reads each sequence right to left (stacks with alternating
 directions).
@@ -499,7 +500,7 @@ class DeepTransitionGRU(TransitionLayer):
 
     With cell="gru", depth=0, layer_norm=False it is a GRU (see `from_torch`)."""
 
-    def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
+    def __init__(self, input_size: int, hidden_size: int, *, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, bidirectional: bool = False, batch_first: bool = False,
                  candidate_dropout: float = 0.0, backend: str = "auto", reverse: bool = False, device=None,
                  dtype=None, bias: bool = True):
@@ -550,7 +551,7 @@ class DeepTransitionGRUCell(TransitionCell):
     """One step of a deep transition block, for decoders: h1 = cell(x, h0). Same parameters as one
     direction of DeepTransitionGRU (so a layer's forward-direction state_dict loads into it)."""
 
-    def __init__(self, input_size: int, hidden_size: int, depth: int = 4, cell: str = "lgru",
+    def __init__(self, input_size: int, hidden_size: int, *, depth: int = 4, cell: str = "lgru",
                  layer_norm: bool = True, candidate_dropout: float = 0.0, backend: str = "auto", device=None,
                  dtype=None, bias: bool = True):
         if cell not in DEEP_TRANSITION_CELLS:
@@ -575,7 +576,7 @@ class ATR(TransitionLayer):
     """Addition-subtraction twin-gated recurrent layer (paper 004): p = W x, q = U h + b,
     h' = σ(p+q) p + σ(p−q) h."""
 
-    def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, bidirectional: bool = False,
+    def __init__(self, input_size: int, hidden_size: int, *, layer_norm: bool = False, bidirectional: bool = False,
                  batch_first: bool = False, backend: str = "auto", reverse: bool = False, device=None, dtype=None,
                  bias: bool = True):
         super().__init__(input_size, hidden_size, "atr", 0, layer_norm, bidirectional, batch_first, 0.0, backend,
@@ -585,7 +586,7 @@ class ATR(TransitionLayer):
 class ATRCell(TransitionCell):
     """One ATR step, for decoders: h1 = cell(x, h0)."""
 
-    def __init__(self, input_size: int, hidden_size: int, layer_norm: bool = False, backend: str = "auto",
+    def __init__(self, input_size: int, hidden_size: int, *, layer_norm: bool = False, backend: str = "auto",
                  device=None, dtype=None, bias: bool = True):
         super().__init__(input_size, hidden_size, "atr", 0, layer_norm, 0.0, backend, device, dtype, bias)
 

@@ -792,3 +792,15 @@ def test_inference_path_matches_autograd_path_and_sees_weight_updates():
         first = lambda r: r[0] if isinstance(r, tuple) else r  # noqa: E731
         assert not torch.equal(first(before), first(after))
         assert torch.equal(first(after), first(layer(x)).detach())
+
+
+def test_options_after_the_sizes_are_keywords_only():
+    """A review: torch.nn.GRU(4, 5, 2) is num_layers=2, and the layers read the same call as depth=2 (ATR(4, 5, 1,
+    False, True) as layer_norm and bidirectional), without a word. The options after input_size and hidden_size are
+    keywords only, so a torch.nn.GRU call is refused, not read as other options."""
+    for make in (lambda: dk.nn.DeepTransitionGRU(4, 5, 2), lambda: dk.nn.DeepTransitionGRUCell(4, 5, True),
+                 lambda: dk.nn.ATR(4, 5, 1, False, True), lambda: dk.nn.ATRCell(4, 5, False)):
+        with pytest.raises(TypeError, match="positional argument"):
+            make()
+    layer = dk.nn.DeepTransitionGRU(4, 5, depth=2, cell="gru", layer_norm=False)
+    assert layer.depth == 2 and not layer.layer_norm

@@ -306,7 +306,9 @@ def write_output_set(outputs: List[Tuple[str, str]]) -> None:
     closed, then all renamed into place; a failure midway had left the first ones, said as "nothing written"), then
     any that is a device or a FIFO written in place, one after the other (held open together, a reader of two FIFOs
     in turn waited for ever). InputError naming the file that failed."""
-    files = [(path, text) for path, text in outputs if not is_stream(path)]
+    streaming = [is_stream(path) for path, _ in outputs]
+    files = [output for output, stream in zip(outputs, streaming) if not stream]
+    streams = [output for output, stream in zip(outputs, streaming) if stream]
     try:
         with atomic_paths([path for path, _ in files], through_link=True) as temps:
             for tmp, (path, text) in zip(temps, files):
@@ -321,10 +323,9 @@ def write_output_set(outputs: List[Tuple[str, str]]) -> None:
         raise InputError(f"{exc} (none of --output-dir's files was written; any earlier versions are intact)"
                          ) from None
     try:
-        for path, text in outputs:
-            if is_stream(path):
-                with atomic_write(path, through_link=True) as f:
-                    f.write(text)
+        for path, text in streams:
+            with atomic_write(path, through_link=True) as f:
+                f.write(text)
     except WriteError as exc:
         raise InputError(str(exc)) from None
 

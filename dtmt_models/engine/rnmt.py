@@ -107,7 +107,7 @@ class FusedRNMTDecoder:
                 self.readout = self.readout.int8()
             except FloatingPointError as err:   # (a NaN weight, or a fold's product beyond float32)
                 folded = (" (with the attention's output projection folded in)"
-                          if part in ("decoder cell", "readout") and self.attention.w_o is None
+                          if part in ("decoder cell", "readout") and options.fold
                           and model.attention.weights.w_o is not None else "")
                 raise FloatingPointError(f"int8 decoding of {type(model).__name__}: the {part}'s weight "
                                          f"matrices{folded}: {err}") from None

@@ -505,7 +505,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
     first = read_checkpoint(paths[0])
     own = translation_parts(paths[0], first)[2]
     check_weights_fit(paths[0], first, own)   # (the mean would hold a NaN or an infinity too)
-    runs = [(paths[0], _run_of(first, True), _run_of(first, False))]   # (by its id, by its folder and seed)
+    runs = [(paths[0], _run_id(first), _run_folder(first))]
     weights = {_weights_digest(first["model"]): paths[0]}
     sources = {source: paths[0] for source in _sources(paths[0], first)}
     sums = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
@@ -524,7 +524,7 @@ def average_checkpoints(paths) -> Dict[str, Any]:
                 raise ValueError(f"average: {path} is not the same model as {paths[0]} (its {key} differs{shown})")
         if "model" not in ckpt:
             raise ValueError(f"{path}: not a translation checkpoint (it has no model)")
-        runs.append((path, _run_of(ckpt, True), _run_of(ckpt, False)))
+        runs.append((path, _run_id(ckpt), _run_folder(ckpt)))
         check_weights_fit(path, ckpt, own)   # (the first file's model: the same name, options and vocabularies)
         twin = weights.setdefault(_weights_digest(ckpt["model"]), path)
         if twin != path:   # (its weights counted twice: best.pt beside the step checkpoint it was written with)
@@ -544,17 +544,17 @@ def average_checkpoints(paths) -> Dict[str, Any]:
             last = ckpt
     # by run id among the files that have one; where one has none (written before run ids), also by output folder
     # and seed among all (a run copied elsewhere and resumed is then told as two, as before run ids)
-    by_id = [(by, path) for path, by, _ in runs if by is not None]
-    by_folder = [] if len(by_id) == len(runs) else [(legacy, path) for path, _, legacy in runs]
-    differ = next((pairs for pairs in (by_id, by_folder) if len(dict(pairs)) > 1), None)
-    if differ is not None:
-        firsts = {}
-        for key, path in differ:
+    by_id = [(run_id, path) for path, run_id, _ in runs if run_id is not None]
+    by_folder = [] if len(by_id) == len(runs) else [(folder, path) for path, _, folder in runs]
+    for pairs, why in ((by_id, "their run ids differ"), (by_folder, "their output folder or seed differ")):
+        firsts = {}   # (each run's first file)
+        for key, path in pairs:
             firsts.setdefault(key, path)
-        a, b = list(firsts.values())[:2]
-        why = "their run ids differ" if differ is by_id else "their output folder or seed differ"
-        warnings.warn(f"{a} and {b} come from different training runs ({why}): the mean of separately trained "
-                      f"weights is rarely a model that translates", UserWarning)
+        if len(firsts) > 1:
+            a, b = list(firsts.values())[:2]
+            warnings.warn(f"{a} and {b} come from different training runs ({why}): the mean of separately trained "
+                          f"weights is rarely a model that translates", UserWarning)
+            break
     n = len(paths)
     averaged = {k: (s / n).to(first["model"][k].dtype) if s.is_floating_point() else s for k, s in sums.items()}
     payload = {k: v for k, v in last.items() if k not in ("format", "training", "model", *MODEL_KEYS)}
@@ -633,11 +633,14 @@ def _weights_digest(state: Dict[str, torch.Tensor]) -> bytes:
     return h.digest()
 
 
-def _run_of(ckpt: Dict[str, Any], by_id: bool) -> Tuple[Any, ...]:
-    """The training run a checkpoint comes from, as far as it says: its `run_id` (`by_id`: every file averaged has
-    one), else (output folder, seed) of its config (files written before run ids)."""
-    if by_id:   # (None where it has none)
-        return None if ckpt.get("run_id") is None else ("run", _hashable(ckpt["run_id"]))
+def _run_id(ckpt: Dict[str, Any]) -> Any:
+    """The training run a checkpoint comes from: its `run_id` (as a key), None for a file written before run ids."""
+    return None if ckpt.get("run_id") is None else _hashable(ckpt["run_id"])
+
+
+def _run_folder(ckpt: Dict[str, Any]) -> Tuple[Any, Any]:
+    """The training run a checkpoint comes from as files written before run ids tell it: (output folder, seed) of
+    its config."""
     config = ckpt.get("config")
     if not isinstance(config, dict):   # (a crafted or damaged field: a str was an AttributeError's traceback)
         return None, None

@@ -922,6 +922,39 @@ def test_a_refusal_of_one_process_stops_the_others_at_once(toy_nodev, tmp_path):
     assert errs[0].count("\n") == 1 and not (tmp_path / "out").exists()
 
 
+def test_the_launch_variables_are_checked_first(toy_nodev, tmp_path, monkeypatch, capsys):
+    """A RANK left in the shell without WORLD_SIZE had made a single process a follower of a main process that did
+    not exist: it trained, wrote nothing and exited 0; WORLD_SIZE=0 failed in a traceback after making --out, and
+    a variable that is not a number was int()'s message without its name. Each is one line naming it, exit 2, before
+    anything is written; torchrun's processes of one machine given one GPU (--device cuda:1) are refused too."""
+    from dtmt_models.cli import train
+    from dtmt_models.training import distributed
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "out"
+    for env, said in [(dict(RANK="1"), "RANK=1 with WORLD_SIZE=1: a rank in [0, 1) is needed (a single process is "
+                                       "rank 0: unset RANK, or start the run's processes with torchrun)"),
+                      (dict(WORLD_SIZE="0"), "WORLD_SIZE=0: the number of processes is at least 1"),
+                      (dict(WORLD_SIZE="2", RANK="2"), "RANK=2 with WORLD_SIZE=2: a rank in [0, 2) is needed"),
+                      (dict(RANK="abc"), "RANK=abc: not a whole number (torchrun sets it; unset it to train in one "
+                                         "process)"),
+                      (dict(LOCAL_RANK="-1"), "LOCAL_RANK=-1: a process's rank on its machine is at least 0")]:
+        with monkeypatch.context() as patch:
+            for k, v in env.items():
+                patch.setenv(k, v)
+            capsys.readouterr()
+            code = train.main(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY])
+            assert (code, capsys.readouterr().err) == (2, f"dtmt train: {said}\n"), env
+            assert not out.exists()
+    for k, v in dict(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=r"^--device cuda:0 with 2 processes a machine: each would take that one "
+                                         r"GPU; give --device cuda \(each process takes the GPU of its LOCAL_RANK"):
+        distributed.process_device("cuda:0")
+    assert distributed.process_device("cpu") == torch.device("cpu")
+
+
 def test_a_process_waiting_for_the_others_says_whom_it_waits_for(monkeypatch, capsys):
     """A process of a run started by hand before process 0 (or without it) waits for it, saying so every
     NOTE_AFTER_S, and gives up after TIMEOUT_S in one line (torch's own wait was silent and deaf to Ctrl-C); the
@@ -1209,7 +1242,8 @@ def test_only_a_gone_peer_is_reported_as_one():
 def test_a_run_of_two_processes_interrupted_says_how_to_resume_it(toy_nodev, tmp_path):
     """Ctrl-C reaching one process of two stops both after the update in progress, and the first process's last line
     is a command that resumes the run: torchrun's with as many processes (it said `dtmt train ... --resume`, which
-    a run of two processes refuses, and said nothing where the signal had reached only another process)."""
+    a run of two processes refuses, and said nothing where the signal had reached only another process); every
+    process exits with the signal's status."""
     out = tmp_path / "stopped"
     procs = two_processes(toy_nodev, out, 29543, ["--max-steps", "100000", "--log-every", "1", "--valid-every",
                                                   "100000", *TINY])
@@ -1221,9 +1255,9 @@ def test_a_run_of_two_processes_interrupted_says_how_to_resume_it(toy_nodev, tmp
         for p in procs:
             p.kill()
             p.wait()
-    assert [p.returncode for p in procs] == [0, 130], said
+    assert [p.returncode for p in procs] == [130, 130], said   # (the other's exit 0 had said the run finished)
     stdout = "".join(seen) + said[0][0]
-    assert "stopped: interrupted by a signal in another process" in stdout, stdout
+    assert "stopped: interrupted by SIGINT in another process" in stdout, stdout
     hint = [line for line in stdout.splitlines() if "resume with: " in line]
     assert len(hint) == 1 and hint[0].split("resume with: ")[1] == (
         f"torchrun --nproc_per_node 2 -m dtmt_models.cli.train --data {toy_nodev} --model dtmt --out {out} --resume")

@@ -37,8 +37,8 @@ from dtmt_models.run_lock import RunLock
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.graphs import CaptureFailed
-from dtmt_models.training.distributed import (Dist, Meeting, RefusedByAll, by_hand, lost_peer, process_device,
-                                              refusal_line, resolve_auto, world_size)
+from dtmt_models.training.distributed import (Dist, Meeting, RefusedByAll, by_hand, check_environment, lost_peer,
+                                              process_device, refusal_line, resolve_auto, world_size)
 from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, LOG, LOG_FIELDS, TENSORBOARD, Trainer,
                                           TrainingDiverged, step_checkpoints)
 
@@ -755,7 +755,8 @@ def forget_earlier_run(out: str, earlier: Tuple[List[str], List[str], List[str]]
 # ------------------------------------------------------------------------------------------------ main
 def meet_the_others() -> Optional[Meeting]:
     """With several processes started by hand, the run's Meeting, joined first thing (None with one, or under
-    torchrun, which ends the others itself)."""
+    torchrun, which ends the others itself); the launch variables are checked first."""
+    check_environment()
     return Meeting() if by_hand() else None
 
 

@@ -12,9 +12,35 @@ from typing import List, Optional
 import torch
 
 
+def _count(name: str, default: str) -> int:
+    """The whole number in environment variable `name` (`default` where unset); ValueError naming it otherwise."""
+    value = os.environ.get(name, default)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value}: not a whole number (torchrun sets it; unset it to train in one "
+                         f"process)") from None
+
+
 def world_size() -> int:
     """The number of training processes (torchrun's WORLD_SIZE; 1 without it)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return _count("WORLD_SIZE", "1")
+
+
+def check_environment() -> None:
+    """The launch variables checked before anything else: WORLD_SIZE at least 1, RANK in [0, WORLD_SIZE),
+    LOCAL_RANK at least 0, each a whole number; ValueError naming the variable. A RANK left in the shell without
+    WORLD_SIZE (a single process, rank 0) had made the run a follower of a main process that did not exist: it
+    trained and wrote nothing, exit 0; WORLD_SIZE=0 had failed in a traceback."""
+    world, rank, local = world_size(), _count("RANK", "0"), _count("LOCAL_RANK", "0")
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE={world}: the number of processes is at least 1")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} with WORLD_SIZE={world}: a rank in [0, {world}) is needed"
+                         + ("" if "WORLD_SIZE" in os.environ else " (a single process is rank 0: unset RANK, or "
+                            "start the run's processes with torchrun)"))
+    if local < 0:
+        raise ValueError(f"LOCAL_RANK={local}: a process's rank on its machine is at least 0")
 
 
 def resolve_auto(device_arg: str) -> str:
@@ -205,6 +231,13 @@ def process_device(device_arg: str) -> torch.device:
     ordinal past the machine's GPUs failed after the others were told this one's checks had passed)."""
     device_arg = resolve_auto(device_arg)
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device_arg.startswith("cuda:") and per_node > 1 and not by_hand():
+        # (torchrun gives every process of a machine the same command line: all had taken that one GPU, and NCCL
+        # failed at the first collective in a traceback)
+        raise ValueError(f"--device {device_arg} with {per_node} processes a machine: each would take that one GPU; "
+                         f"give --device cuda (each process takes the GPU of its LOCAL_RANK; CUDA_VISIBLE_DEVICES "
+                         f"chooses which)")
     if device_arg == "cuda" and world_size() > 1:
         device_arg = f"cuda:{local}"
     device = torch.device(device_arg)

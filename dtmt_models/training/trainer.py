@@ -715,8 +715,8 @@ class Trainer:
                     loss, nll, ntok = self.train_step(batches[self.batch_index])
                     self.batch_index += 1
                     self.step += 1
-                    local_stop = 1.0 if self._signal else 0.0
-                    loss, nll, ntok, stop = self.dist.sum([loss, nll, ntok, local_stop])
+                    loss, nll, ntok, *signals = self.dist.sum([loss, nll, ntok, *self._signal_flags()])
+                    stop = self._note_signals(signals)
                     if not math.isfinite(loss):   # (every process sees the same sum: all stop here)
                         raise TrainingDiverged(self._diverged(f"the training loss is {loss} at update {self.step:,}"))
                     dt = time.perf_counter() - t0
@@ -782,7 +782,8 @@ class Trainer:
                 self.log(f"{self._signal} came as the run ended: it is complete, nothing to resume")
         if not interrupted:
             return 0
-        return 130 if self._signal == "SIGINT" else 143 if self._signal == "SIGTERM" else 0
+        # (this process's signal; else another's, SIGTERM before SIGINT: exit 0 had said an interrupted run finished)
+        return 130 if (self._signal or self._run_signal) == "SIGINT" else 143
 
     def _command(self) -> str:
         """The command that runs this training again: `dtmt train`, or torchrun's with as many processes."""
@@ -905,14 +906,24 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- signals
     _signal: Optional[str] = None
     started = False   # run() has begun: the signal handlers are the run's
+    _run_signal: Optional[str] = None   # a signal that came to any process of the run (SIGTERM before SIGINT)
 
     def _interruption(self) -> str:
         """The stop reason of a run that a signal to any process interrupted."""
-        return f"interrupted by {self._signal or 'a signal in another process'}"
+        return f"interrupted by {self._signal or f'{self._run_signal} in another process'}"
+
+    def _signal_flags(self) -> List[float]:
+        """This process's signal as (SIGINT, SIGTERM) flags, for the processes' sum."""
+        return [float(self._signal == "SIGINT"), float(self._signal == "SIGTERM")]
+
+    def _note_signals(self, summed: List[float]) -> bool:
+        """Whether the summed flags say a signal came to any process (kept in _run_signal)."""
+        self._run_signal = "SIGTERM" if summed[1] else "SIGINT" if summed[0] else None
+        return self._run_signal is not None
 
     def _signalled(self) -> bool:
         """Whether a signal came to any process (each calls this at the same update)."""
-        return self.dist.sum([1.0 if self._signal else 0.0])[0] > 0
+        return self._note_signals(self.dist.sum(self._signal_flags()))
 
     def _install_signals(self):
         def handler(signum, frame):

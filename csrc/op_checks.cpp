@@ -79,6 +79,13 @@ void check_floating(const at::Tensor& t, const char* op, const char* name, bool 
               type);
 }
 
+void check_mask(const at::Tensor& mask, const char* op) {
+  if (!given(mask)) return;
+  const at::ScalarType type = mask.scalar_type();
+  TORCH_CHECK(type == at::kBool || at::isFloatingType(type), "dtmt::", op,
+              ": mask must be bool or floating point (1 a real step, 0 padding), got ", type);
+}
+
 int64_t check_cell(const TransitionWeights& w, int64_t input_size, const char* op, const char* what) {
   const int64_t kind = w.kind;
   for (const auto& [t, name, rows] : {std::tuple<const at::Tensor&, const char*, bool>{w.w_ih, "w_ih", true},

@@ -66,6 +66,10 @@ inline bool given(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 void check_floating(const at::Tensor& t, const char* op, const char* name, bool int8_rows = false,
                     const char* what = nullptr);
 
+// A step mask (1 a real step, 0 padding), where given, is bool or real floating point: a complex one had been read
+// as its real part (every step padding for 1j), an integer one converted.
+void check_mask(const at::Tensor& mask, const char* op);
+
 // `t`, where given, has dtype `type`, the dtype of the argument named `of` ("x"), or is int8 rows where
 // `int8_rows`. Mixed dtypes had reached ATen's products, whose "self and mat2 must have the same dtype" names no op
 // or argument, or been converted by one backend where another refused them.

@@ -53,6 +53,7 @@ std::array<int64_t, 5> check_sequence(const Tensor& x, const Tensor& h0, const T
   const int64_t D = dtmt::given(w.t_w) ? w.t_w.size(0) : 0;
   dtmt::check_sizes(h0, {B, H}, op, h_name);
   dtmt::check_optional_sizes(mask, {T, B}, op, "mask");
+  dtmt::check_mask(mask, op);
   dtmt::check_optional_sizes(drop, {D + 1, B, H}, op, "drop");
   dtmt::check_floating(h0, op, h_name);
   dtmt::check_floating(drop, op, "drop");

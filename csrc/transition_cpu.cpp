@@ -683,6 +683,7 @@ void check_encode(const std::vector<TransitionWeights>& dirs, const Tensor& h0, 
               ", ", B, ", ", H, "] expected, got ", h0.sizes());
   TORCH_CHECK(!mask.defined() || mask.numel() == 0 || (mask.dim() == 2 && mask.size(0) == T_ && mask.size(1) == B),
               "dtmt::", op, ": mask [", T_, ", ", B, "] expected, got ", mask.sizes());
+  check_mask(mask, op);
 }
 
 }  // namespace

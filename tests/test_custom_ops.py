@@ -167,6 +167,27 @@ def test_the_transition_fakes_check_what_the_output_shapes_rest_on():
         encode(x, torch.zeros(1, 2, 5, device="meta"), None, KINDS["lgru"], flat, False, 1e-5)
 
 
+def test_the_encode_ops_refuse_a_mask_that_is_not_bool_or_real():
+    """transition_encode (the C++ kernel and its fake) read a complex mask as its real part: 1j made every step
+    padding, without a word; an integer one was converted. Refused, naming the op; bool and floating masks run."""
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = make_layer("lgru", 4, 6, depth=1, layer_norm=True, dtype=torch.float32)
+    flat = [p.detach() if p is not None else torch.empty(0) for p in flat_params(layer.direction_weights(0))]
+    x, h0 = torch.randn(3, 2, 4), torch.randn(1, 2, 6)
+    encode = torch.ops.dtmt.transition_encode
+    ones = torch.ones(3, 2)
+    for device in ("cpu", "meta"):
+        on = [t.to(device) for t in flat]
+        for bad in (ones.to(torch.complex64) * 1j, ones.long()):
+            with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_encode: mask must be bool or "
+                                                             f"floating point (1 a real step, 0 padding), got")):
+                encode(x.to(device), h0.to(device), bad.to(device), KINDS["lgru"], on, False, 1e-5)
+    out = encode(x, h0, ones.bool(), KINDS["lgru"], flat, False, 1e-5)[0]
+    torch.testing.assert_close(out, encode(x, h0, ones, KINDS["lgru"], flat, False, 1e-5)[0])
+
+
 def test_the_engine_fakes_check_kinds_and_batches():
     """The inference ops' fakes (dtmt_models/engine/ops.py) check the cell kinds and that their tensors share the
     batch and source length, as the kernels do: a meta call with a wrong kind returned outputs without a word, and

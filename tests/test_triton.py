@@ -172,6 +172,8 @@ BAD_TRITON_ARGUMENTS = [
     ("x-rank", lambda a: {0: a[0][0]}, "x must be [T, B, I], got [3, 3]"),
     ("eps-nan", lambda a: {16: float("nan")}, "eps must be a finite number >= 0, got nan"),
     ("eps-negative", lambda a: {16: -1e-5}, "eps must be a finite number >= 0, got -1e-05"),
+    ("complex-mask", lambda a: {2: a[2].to(torch.complex128)},   # (Triton's KeyError; the C++ op read its real part)
+     "mask must be bool or floating point (1 a real step, 0 padding), got torch.complex128"),
 ]
 
 
@@ -198,6 +200,59 @@ def test_triton_ops_refuse_bad_arguments(what, change, message):
     message = message.replace("h0 ", "grad_hn ")   # (the backward's grad_hn has h0's shape)
     with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_backward_triton: {message}")):
         torch.ops.dtmt.transition_backward_triton(out, args[1], *args[:1], *args[2:-2], *saved, *args[-2:])
+
+
+@needs_triton
+@pytest.mark.parametrize("what,change,message", BAD_TRITON_ARGUMENTS, ids=[c[0] for c in BAD_TRITON_ARGUMENTS])
+def test_the_forward_fakes_refuse_what_the_kernels_refuse(what, change, message):
+    """A meta call (or a torch.compile / export trace) runs only the op's fake: the forward ops' fakes had checked
+    the shapes of the outputs alone, and took a short mask or dropout mask, a float32 weight beside a float64 x, an
+    int64 x or a NaN eps that the kernels refuse (found only when the traced program ran). Both fakes now refuse each
+    bad argument as their kernels do: the Triton op's with its own message, the C++ op's as its CPU kernel."""
+    import re
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T, B, H = 3, 3, 5
+    layer = make_layer("lgru", 3, H, depth=1, layer_norm=True)
+    x, h0 = torch.randn(T, B, 3, dtype=torch.double), torch.randn(B, H, dtype=torch.double)
+    args = [x, h0, padding_mask([3, 2, 1], T), torch.ones(2, B, H, dtype=torch.double), KINDS["lgru"],
+            *[p.detach() for p in flat_params(layer.direction_weights(0))], False, 1e-5]
+    for i, v in change(args).items():
+        args[i] = v
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_forward_triton: {message}")):
+        torch.ops.dtmt.transition_forward_triton(*meta)
+    for call in (args, meta):   # (the C++ op: its CPU kernel, and its fake)
+        if what == "b_hh-empty":   # (the C++ op's form of no bias: taken by both)
+            assert list(torch.ops.dtmt.transition_forward(*call)[0].shape) == [T, B, H]
+            continue
+        with pytest.raises(RuntimeError, match=r"^dtmt::transition_forward: "):
+            torch.ops.dtmt.transition_forward(*call)
+
+
+@needs_triton
+def test_a_mask_that_needs_a_gradient_is_refused_by_the_raw_ops():
+    """The ops' backwards form no gradient for the mask or the dropout mask: a raw op's call with one that requires
+    grad left its .grad None without a word (the layers refused it; the reference backend gives one). Both forward
+    ops refuse it where a graph is recorded, and run it without one."""
+    import re
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    T, B, H = 3, 2, 4
+    layer = make_layer("lgru", 3, H, depth=1, layer_norm=True)
+    params = [p.detach() for p in flat_params(layer.direction_weights(0))]
+    x, h0 = torch.randn(T, B, 3, dtype=torch.double, requires_grad=True), torch.randn(B, H, dtype=torch.double)
+    mask, drop = padding_mask([3, 2], T), torch.ones(2, B, H, dtype=torch.double)
+    for op in ("transition_forward", "transition_forward_triton"):
+        f = getattr(torch.ops.dtmt, op)
+        for name, m, d in (("mask", mask.clone().requires_grad_(), drop),
+                           ("drop", mask, drop.clone().requires_grad_())):
+            with pytest.raises(RuntimeError, match=re.escape(f"dtmt::{op}: {name} requires grad, but the fused "
+                                                             f"kernels form no gradient for the")):
+                f(x, h0, m, d, KINDS["lgru"], *params, False, 1e-5)
+            with torch.no_grad():
+                out = f(x, h0, m, d, KINDS["lgru"], *params, False, 1e-5)[0]
+            torch.testing.assert_close(out, f(x, h0, mask, drop, KINDS["lgru"], *params, False, 1e-5)[0])
 
 
 @needs_triton

@@ -116,3 +116,75 @@ def check_shapes(op: str, x: Tensor, h0: Tensor, kind, w_ih: Tensor, w_hh: Tenso
     if tuple(h0.shape) != (*h0_lead, B, H):
         fail(f"{h_name} must be {list((*h0_lead, B, H))}, got {list(h0.shape)}")
     return H
+
+
+def check_mask(op: str, mask: Optional[Tensor]) -> None:
+    """RuntimeError naming `op` unless a step mask (1 a real step, 0 padding), where given, is bool or real floating
+    point (csrc/op_checks.cpp's check_mask): a complex one had been read as its real part (every step padding for
+    1j), or failed inside Triton."""
+    if present(mask) and not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise RuntimeError(f"dtmt::{op}: mask must be bool or floating point (1 a real step, 0 padding), got "
+                           f"{mask.dtype}")
+
+
+def check_sequence(op: str, x, h0, mask, drop, kind, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
+                   t_ln_b, h_name: str = "h0", cpp: bool = False) -> Tuple[int, int, int, int, int]:
+    """The transition op's argument checks (csrc/registration.cpp's check_sequence, csrc/op_checks.cpp's check_cell
+    and check_eps), made by the Triton ops before any launch and by the forward ops' fakes (a fake is all a meta call or
+    a torch.compile / export trace runs: they had taken a short mask, a float32 weight beside a float64 x, an int64 x
+    or a NaN eps that the kernels refuse): every weight slot against the cell, h0, mask and drop against x and the
+    weights, eps finite and >= 0 (a NaN gave NaN states without a word), the mask bool or real floating point (a
+    complex one had been read as its real part, or failed inside Triton), every floating tensor in x's dtype (h0
+    float32 beside a 16-bit x, autocast's state). `cpp`: the C++ op's forms too, int8 rows for the matrices (the CPU's
+    form) and empty biases (zero); the Triton kernels read the biases. RuntimeError naming the op and the argument
+    (the kernels index them by the sizes x and w_hh give: a short mask, dropout mask, bias or layer-norm gain was read
+    past its end, a short h0 broadcast, without a word). Returns (T, B, I, H, D)."""
+    def fail(what):
+        raise RuntimeError(f"dtmt::{op}: {what}")
+
+    def sizes(t):
+        return list(t.shape) if isinstance(t, Tensor) else None
+
+    matrices = ("w_ih", "w_hh", "t_w")
+    check_kind(op, kind)
+    if not 0.0 <= eps < float("inf"):   # (NaN fails this too)
+        fail(f"eps must be a finite number >= 0, got {eps!r}")
+    if kind == KIND_TGRU:   # (a deep transition's inner cell, never a layer's: csrc's base_cell)
+        fail(f"kind {kind} (tgru) is not a base cell")
+    for name, t in (("x", x), (h_name, h0), ("w_ih", w_ih), ("b_ih", b_ih), ("w_hh", w_hh), ("b_hh", b_hh),
+                    ("ln_w", ln_w), ("ln_b", ln_b), ("t_w", t_w), ("t_b", t_b), ("t_ln_w", t_ln_w),
+                    ("t_ln_b", t_ln_b), ("drop", drop)):
+        if present(t) and not t.is_floating_point() and not (cpp and name in matrices and t.dtype == torch.int8):
+            fail(f"{name} must be a floating-point tensor, got {t.dtype}")
+    check_mask(op, mask)
+    for name, t in (("w_ih", w_ih), ("b_ih", b_ih), ("w_hh", w_hh), ("b_hh", b_hh), ("t_w", t_w), ("t_b", t_b),
+                    ("ln_w", ln_w), ("ln_b", ln_b), ("t_ln_w", t_ln_w), ("t_ln_b", t_ln_b), ("drop", drop)):
+        if present(t) and t.dtype != x.dtype and not (cpp and name in matrices and t.dtype == torch.int8):
+            fail(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    # (the state: x's dtype, or float32 beside a 16-bit x, autocast's)
+    if present(h0) and h0.dtype != x.dtype and not (x.dtype in (torch.float16, torch.bfloat16)
+                                                    and h0.dtype == torch.float32):
+        fail(f"{h_name} must have x's dtype {x.dtype}, got {h0.dtype}")
+    # the shapes the outputs rest on, as the fakes check them: x, w_hh, w_ih, t_w and h0
+    H = check_shapes(op, x, h0, kind, w_ih, w_hh, t_w, h_name=h_name)
+    T, B, I = x.shape
+    n_in, n_h, n_g = ROWS[kind]
+    D = t_w.shape[0] if present(t_w) else 0
+    want = [(name, t, shape) for name, t, shape in (("b_ih", b_ih, [n_in * H]), ("b_hh", b_hh, [n_h * H]))
+            if not (cpp and t is not None and t.numel() == 0)]
+    if present(ln_w) or present(ln_b):
+        want += [("ln_w", ln_w, [n_g * H]), ("ln_b", ln_b, [n_g * H])]
+    if present(t_w) or present(t_b):
+        want += [("t_w", t_w, [D, 3 * H, H]), ("t_b", t_b, [D, 3 * H])]   # (t_w absent, t_b given: refused)
+    if present(t_ln_w) or present(t_ln_b):
+        want += [("t_ln_w", t_ln_w, [D, 2 * H]), ("t_ln_b", t_ln_b, [D, 2 * H])]
+    if present(mask):
+        want.append(("mask", mask, [T, B]))
+    if present(drop):
+        want.append(("drop", drop, [D + 1, B, H]))
+    for name, t, shape in want:   # (Triton's kernels read the biases: empty ones, which the C++ op takes, are refused)
+        if t is None or list(t.shape) != shape:
+            fail(f"{name} must be {shape}, got {sizes(t)}")
+    if present(t_ln_w) and not D:
+        fail("t_ln_w and t_ln_b are given only with T-GRUs (t_w)")
+    return T, B, I, H, D

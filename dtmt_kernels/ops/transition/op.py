@@ -29,7 +29,7 @@ from .._extension import built
 from .. import _autocast
 from .._register import check_transforms, refuse_double_backward, register_autograd, register_fake
 from . import triton as _triton_launchers  # noqa: F401 - registers dtmt::transition_*_triton
-from .layout import KINDS, ROWS, acc_dtype, check_shapes, present
+from .layout import KINDS, ROWS, acc_dtype, check_mask, check_sequence, check_shapes, present
 from .reference import TransitionWeights
 
 PARAM_NAMES = ("w_ih", "b_ih", "w_hh", "b_hh", "ln_w", "ln_b", "t_w", "t_b", "t_ln_w", "t_ln_b")
@@ -51,11 +51,23 @@ def flat_params(w: TransitionWeights) -> List[Optional[Tensor]]:
     return [w.w_ih, w.b_ih, w.w_hh, w.b_hh, w.ln_w, w.ln_b, t_w, t_b, t_ln_w, t_ln_b]
 
 
-def _forward_fake(x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b, reverse,
-                  eps):
-    H = check_shapes("transition_forward", x, h0, kind, w_ih, w_hh, t_w)
+def _forward_fake_for(op: str):
+    """The fake of forward op `op`: its kernels' argument checks (check_sequence, the C++ op's forms for the C++ op),
+    then outputs of the kernels' shapes."""
+    name, cpp = op.split("::")[-1], not op.endswith("_triton")
+
+    def fake(x, h0, mask, drop, kind, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b, reverse, eps):
+        check_sequence(name, x, h0, mask, drop, kind, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
+                       t_ln_b, cpp=cpp)
+        return _forward_outputs(x, h0, kind, w_hh, t_w)
+
+    return fake
+
+
+def _forward_outputs(x, h0, kind, w_hh, t_w):
     T, B, _ = x.shape
     n_in, n_h, _ = ROWS[kind]
+    H = w_hh.shape[0] // n_h
     D = t_w.shape[0] if present(t_w) else 0
     acc = acc_dtype(x.dtype)
     hs = x.new_empty(D + 1, T, B, H, dtype=acc)
@@ -78,6 +90,17 @@ def _backward_fake(grad_out, grad_hn, x, mask, drop, kind, w_ih, b_ih, w_hh, b_h
             grads[8] = x.new_empty(t_w.shape[0], N, hpt.shape[-1])
         grads[9] = x.new_empty(0)
     return grads
+
+
+def _setup_context_for(op: str):
+    """The setup_context of forward op `op` (one definition for every backend)."""
+    name = op.split("::")[-1]
+
+    def setup_context(ctx, inputs, output):
+        refuse_mask_gradients(name, inputs[2], inputs[3])   # (a graph is being recorded: called only then)
+        _setup_context(ctx, inputs, output)
+
+    return setup_context
 
 
 def _setup_context(ctx, inputs, output):
@@ -126,12 +149,14 @@ def _check_encode_fake(op: str, x: Tensor, h0: Tensor, kind, params, tokens: boo
 
 def _encode_fake(x, h0, mask, kind, params, reverse, eps):
     _check_encode_fake("transition_encode", x, h0, kind, params)
+    check_mask("transition_encode", mask)
     D, B, H = h0.shape
     return x.new_empty(x.shape[0], B, D * H), h0.new_empty(D, B, H)
 
 
 def _encode_tokens_fake(tokens, table, position_table, h0, mask, kind, params, reverse, eps):
     _check_encode_fake("transition_encode_tokens", tokens, h0, kind, params, tokens=True)
+    check_mask("transition_encode_tokens", mask)
     D, B, H = h0.shape
     return table.new_empty(tokens.shape[0], B, D * H), h0.new_empty(D, B, H)
 
@@ -146,9 +171,9 @@ def _register() -> None:
         register_fake("dtmt::transition_encode_tokens", _encode_tokens_fake)
         _autocast.register("dtmt::transition_encode_tokens", _autocast.float32_rule)   # tables made in float
     for forward, backward, backward_op in pairs:
-        register_fake(forward, _forward_fake)
+        register_fake(forward, _forward_fake_for(forward))
         register_fake(backward, _backward_fake)
-        register_autograd(forward, _autograd_for(backward_op), setup_context=_setup_context)
+        register_autograd(forward, _autograd_for(backward_op), setup_context=_setup_context_for(forward))
         refuse_double_backward(backward)
         _autocast.register(forward, _autocast.low_precision_rule)
 
@@ -156,12 +181,20 @@ def _register() -> None:
 _register()
 
 
+def refuse_mask_gradients(op: str, mask: Optional[Tensor], drop: Optional[Tensor]) -> None:
+    """RuntimeError naming `op` for a mask or dropout mask that needs a gradient: the fused backwards form none for
+    them (it was None, where the reference backend gives one, c ⊙ dh' for the dropout mask: a silent difference
+    between backends; a raw op's call had it too)."""
+    for name, t, what in (("mask", mask, "mask"), ("drop", drop, "dropout mask")):
+        if t is not None and t.requires_grad:
+            raise RuntimeError(f"dtmt::{op}: {name} requires grad, but the fused kernels form no gradient for the "
+                               f"{what}; detach it, or run the layer with backend='reference' (learned {what})")
+
+
 def check_drop(op: str, drop: Optional[Tensor]) -> None:
-    """RuntimeError naming `op` for a dropout mask that needs a gradient: the fused backwards form none for it (it
-    was None, where the reference backend gives c ⊙ dh', a silent difference between backends)."""
-    if drop is not None and drop.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(f"dtmt::{op}: drop requires grad, but the fused kernels form no gradient for the dropout "
-                           "mask; detach it, or run the layer with backend='reference' (learned dropout)")
+    """refuse_mask_gradients for a dropout mask given to a step, before it runs (where a graph is recorded)."""
+    if torch.is_grad_enabled():
+        refuse_mask_gradients(op, None, drop)
 
 
 def fused_sequence(forward_op):
@@ -173,7 +206,7 @@ def fused_sequence(forward_op):
                             drop: Optional[Tensor] = None, reverse: bool = False, eps: float = 1e-5):
         params = flat_params(w)
         check_transforms(name, x, h0, drop, *params)
-        check_drop(name, drop)
+        check_drop(name, drop)   # (before the kernels run; the op's setup_context checks the masks again)
         out, h_n, *_ = forward_op(x, h0, mask, drop, KINDS[w.cell], *params, reverse, float(eps))
         return out, h_n
 

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .._triton_mode import triton_interpreting
 from .grads import weight_grads
-from .layout import KIND_TGRU, ROWS, acc_dtype, check_kind, check_shapes, present
+from .layout import KIND_TGRU, ROWS, acc_dtype, check_sequence, present
 
 _KERNELS = None
 
@@ -70,62 +70,6 @@ def _num_warps(block: int) -> int:
 def _on_device(x: Tensor):
     """Triton launches on the current CUDA device: make it the tensors' one."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
-def _check_sequence(op: str, x, h0, mask, drop, kind, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
-                    t_ln_b, h_name: str = "h0") -> Tuple[int, int, int, int, int]:
-    """The C++ op's checks (csrc/registration.cpp's check_sequence, csrc/op_checks.cpp's check_cell and check_eps)
-    before any launch: every weight slot against the cell, h0, mask and drop against x and the weights, eps finite and
-    >= 0 (a NaN gave NaN states without a word), every floating tensor in x's dtype (h0 float32 beside a 16-bit x,
-    autocast's state; int8 rows are the CPU's form); a RuntimeError naming the op and the argument (the kernels index them by the sizes x and
-    w_hh give: a short mask, dropout mask, bias or layer-norm gain was read past its end, a short h0 broadcast, without
-    a word). Returns (T, B, I, H, D)."""
-    def fail(what):
-        raise RuntimeError(f"dtmt::{op}: {what}")
-
-    def sizes(t):
-        return list(t.shape) if isinstance(t, Tensor) else None
-
-    check_kind(op, kind)
-    if not 0.0 <= eps < float("inf"):   # (NaN fails this too)
-        fail(f"eps must be a finite number >= 0, got {eps!r}")
-    if kind == KIND_TGRU:   # (a deep transition's inner cell, never a layer's: csrc's base_cell)
-        fail(f"kind {kind} (tgru) is not a base cell")
-    for name, t in (("x", x), (h_name, h0), ("w_ih", w_ih), ("b_ih", b_ih), ("w_hh", w_hh), ("b_hh", b_hh),
-                    ("ln_w", ln_w), ("ln_b", ln_b), ("t_w", t_w), ("t_b", t_b), ("t_ln_w", t_ln_w),
-                    ("t_ln_b", t_ln_b), ("drop", drop)):
-        if present(t) and not t.is_floating_point():
-            fail(f"{name} must be a floating-point tensor, got {t.dtype}")
-    for name, t in (("w_ih", w_ih), ("b_ih", b_ih), ("w_hh", w_hh), ("b_hh", b_hh), ("t_w", t_w), ("t_b", t_b),
-                    ("ln_w", ln_w), ("ln_b", ln_b), ("t_ln_w", t_ln_w), ("t_ln_b", t_ln_b), ("drop", drop)):
-        if present(t) and t.dtype != x.dtype:
-            fail(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
-    # (the state: x's dtype, or float32 beside a 16-bit x, autocast's)
-    if present(h0) and h0.dtype != x.dtype and not (x.dtype in (torch.float16, torch.bfloat16)
-                                                    and h0.dtype == torch.float32):
-        fail(f"{h_name} must have x's dtype {x.dtype}, got {h0.dtype}")
-    # the shapes the outputs rest on, as the fakes check them: x, w_hh, w_ih, t_w and h0
-    H = check_shapes(op, x, h0, kind, w_ih, w_hh, t_w, h_name=h_name)
-    T, B, I = x.shape
-    n_in, n_h, n_g = ROWS[kind]
-    D = t_w.shape[0] if present(t_w) else 0
-    want = [("b_ih", b_ih, [n_in * H]), ("b_hh", b_hh, [n_h * H])]
-    if present(ln_w) or present(ln_b):
-        want += [("ln_w", ln_w, [n_g * H]), ("ln_b", ln_b, [n_g * H])]
-    if present(t_w) or present(t_b):
-        want += [("t_w", t_w, [D, 3 * H, H]), ("t_b", t_b, [D, 3 * H])]   # (t_w absent, t_b given: refused)
-    if present(t_ln_w) or present(t_ln_b):
-        want += [("t_ln_w", t_ln_w, [D, 2 * H]), ("t_ln_b", t_ln_b, [D, 2 * H])]
-    if present(mask):
-        want.append(("mask", mask, [T, B]))
-    if present(drop):
-        want.append(("drop", drop, [D + 1, B, H]))
-    for name, t, shape in want:   # (the kernels read the biases: empty ones, which the C++ op takes, are refused)
-        if t is None or list(t.shape) != shape:
-            fail(f"{name} must be {shape}, got {sizes(t)}")
-    if present(t_ln_w) and not D:
-        fail("t_ln_w and t_ln_b are given only with T-GRUs (t_w)")
-    return T, B, I, H, D
 
 
 def _triton_forward(x, h0, mask, drop, kind, reverse, eps, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
@@ -282,7 +226,7 @@ def transition_forward_triton(x: Tensor, h0: Tensor, mask: Optional[Tensor], dro
                                                                t_ln_b)]
     x, h0 = x.contiguous(), h0.contiguous()
     mask, drop = (None if t is None else t.contiguous() for t in (mask, drop))
-    _check_sequence("transition_forward_triton", x, h0, mask, drop, kind, eps, *params)
+    check_sequence("transition_forward_triton", x, h0, mask, drop, kind, eps, *params)
     with _on_device(x):
         return _triton_forward(x, h0, mask, drop, kind, reverse, eps, *params)
 
@@ -305,7 +249,7 @@ def transition_backward_triton(grad_out: Tensor, grad_hn: Tensor, x: Tensor, mas
     grad_hn, x, xp, hs, hs_lp, hp, hpt = (t.contiguous() for t in (grad_hn, x, xp, hs, hs_lp, hp, hpt))
     mask, drop = (None if t is None else t.contiguous() for t in (mask, drop))
     op = "transition_backward_triton"
-    T, B, _, H, D = _check_sequence(op, x, grad_hn, mask, drop, kind, eps, *params, h_name="grad_hn")
+    T, B, _, H, D = check_sequence(op, x, grad_hn, mask, drop, kind, eps, *params, h_name="grad_hn")
     n_in, n_h, _ = ROWS[kind]
     acc = acc_dtype(x.dtype)
     for name, t, shape, dtype in (("grad_out", grad_out, [T, B, H], x.dtype), ("xp", xp, [T, B, n_in * H], x.dtype),

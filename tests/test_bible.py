@@ -9,6 +9,7 @@ import os
 import re
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -847,7 +848,8 @@ def test_a_ctrl_c_while_prepare_puts_its_corpus_in_place(tmp_path):
 def test_a_sigterm_while_prepare_works_removes_what_it_made(tmp_path):
     """SIGTERM (`timeout`, Slurm, `docker stop`) while its worker processes encode: the process died on the spot and
     left its staged copy of the corpus, its lock and the --out folder it had made, without a word (rc 143). Now it
-    ends as after Ctrl-C: its workers stopped (not waited for), nothing left, one line, exit 143."""
+    ends as after Ctrl-C: its workers stopped (a chunk at work is waited for STOP_WAIT_S at most, this one's for a
+    minute: its worker killed), nothing left, one line, exit 143."""
     src, tgt = numbered(tmp_path, 60)
     out, marker = tmp_path / "new" / "c", tmp_path / "worker.pid"
     script = textwrap.dedent(f"""
@@ -876,6 +878,46 @@ def test_a_sigterm_while_prepare_works_removes_what_it_made(tmp_path):
         for _ in range(100):
             os.kill(int(marker.read_text()), 0)
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_prepare_s_process_group_ends_it_cleanly(tmp_path, sig):
+    """Ctrl-C or `timeout` signal the whole process group, encoding workers included: an idle worker interrupted
+    printed its traceback, and a worker ended by SIGTERM part-way through sending its chunk left the pool waiting
+    for the rest for ever (prepare hung, its lock held; 2 runs in 10). The workers leave the signals to prepare,
+    which lets the chunks at work finish and stops them: one line, nothing left, the signal's status."""
+    src, tgt = numbered(tmp_path, 60)
+    out, marker = tmp_path / "new" / "c", tmp_path / "worker.pid"
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from dtmt_models.data import binarized
+        encode = binarized._encode_in_worker
+        def slow(*args):   # a chunk that takes a second
+            open({str(marker)!r}, "w").write(str(os.getpid()))
+            time.sleep(1.0)
+            return encode(*args)
+        binarized._encode_in_worker = slow
+        from dtmt_models import cli
+        sys.exit(cli.main(["prepare", "files", "--src", {src!r}, "--tgt", {tgt!r}, "--out", {str(out)!r},
+                           "--vocab-size", "60", "--workers", "2"]))
+        """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)), start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 60
+        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.killpg(p.pid, getattr(signal, sig))
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 128 + getattr(signal, sig), err
+    assert "Traceback" not in err and err.endswith("\ndtmt prepare: interrupted\n" if sig == "SIGINT" else
+                                                   "dtmt prepare: terminated (SIGTERM)\n"), err
+    assert not (tmp_path / "new").exists()
 
 
 def test_python_m_prepare_reports_errors_without_traceback(tmp_path, monkeypatch, capsys):
@@ -950,7 +992,7 @@ def test_real_bible_counts_and_spot_checks(real_bible):
 def test_prepare_s_own_leftovers_and_the_user_s_files_beside_a_corpus(tmp_path, capsys):
     """A review's findings on the staged prepare: inputs kept in --out under split names are not the user's files
     in the way (refused since the check of foreign files, fine before); a run killed while it moved its corpus in
-    (no manifest yet, its stage left) does not lock the folder, nor does a dtmt train refused there; a corpus of other languages removes only the earlier
+    (its manifest still in its stage, left) does not lock the folder, nor does a dtmt train refused there; a corpus of other languages removes only the earlier
     corpus's own files, not the user's test.de / test.fr beside it; an error of the file system names --out, not the
     stage."""
     from dtmt_models.data.prepare import staged_corpus
@@ -961,11 +1003,12 @@ def test_prepare_s_own_leftovers_and_the_user_s_files_beside_a_corpus(tmp_path, 
     assert prepare.main(["files", "--src", src, "--tgt", tgt, "--out", str(d), "--no-binarize"]) == 0
     assert (d / "test.es").read_text() == "".join(f"frase {i}\n" for i in range(20))
     assert data.read_manifest(str(d))["counts"] == {"train": 20} and "removed" not in capsys.readouterr().err
-    killed = tmp_path / "killed"   # (text of two runs, no manifest, the stage of a process long gone)
-    gone = subprocess.Popen(["true"])
+    killed = tmp_path / "killed"   # (text of two runs, no manifest there, the stage of a process long gone, its
+    gone = subprocess.Popen(["true"])   # manifest not yet moved)
     gone.wait()   # a process id that no process has now
     stage = killed / f".prepare.tmp-{gone.pid}"
     os.makedirs(stage)
+    data.write_manifest(str(stage), "es", "en", {"train": 1}, "files")
     write(killed / "train.es", "old\n"), write(killed / "train.en", "new\n")
     capsys.readouterr()
     # a dtmt train on it is refused and leaves the stage (it removed it as an interrupted run's leftover: prepare

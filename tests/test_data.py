@@ -109,6 +109,40 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, capsys)
     assert (victim / "x.es").read_text() == "precious\n" and os.listdir(out) == [data.MANIFEST]
 
 
+def test_files_a_prepared_corpus_does_not_name_are_the_users(tmp_path, capsys):
+    """Once --out held a prepared corpus, every name prepare writes counted as its own: the user's dev.es and dev.en
+    beside a corpus without a dev split were replaced by --holdout's, and files of another language pair beside a
+    stage a killed run left were overwritten, exit 0. Only the files a manifest (the folder's, or a stage's) names
+    are an earlier corpus's: the others are refused, untouched; the corpus's own are replaced as before."""
+    from dtmt_models.cli import prepare as prepare_cli
+
+    lines = b"".join(b"w%d x%d\n" % (i, i % 7) for i in range(30))
+    src, tgt = _write(tmp_path / "a.es", lines), _write(tmp_path / "a.en", lines.upper())
+    out = tmp_path / "out"
+    out.mkdir()
+    own = {name: _write(out / name, lines) for name in ("dev.es", "dev.en")}   # (read from there: a corpus of them)
+    assert prepare_cli.main(["files", "--src", own["dev.es"], "--tgt", own["dev.en"], "--out", str(out),
+                             "--no-binarize"]) == 0
+    capsys.readouterr()
+    code = prepare_cli.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--holdout", "5",
+                             "--no-binarize"])
+    assert code == 2 and capsys.readouterr().err == (
+        f"dtmt prepare files: error: --out {out}: holds dev.es, dev.en beside a corpus of dtmt prepare, whose "
+        f"{data.MANIFEST} does not name them; prepare would overwrite or remove them: use a new or empty folder\n")
+    assert all(open(p, "rb").read() == lines for p in own.values())
+    for p in own.values():   # (the user's files gone: the corpus's own are replaced, as before)
+        os.remove(p)
+    assert prepare_cli.main(["files", "--src", src, "--tgt", tgt, "--out", str(out), "--no-binarize"]) == 0
+    assert (out / "train.es").read_bytes() == lines
+    (out / ".prepare.tmp-999999").mkdir()   # (a run killed before it moved anything: no manifest there)
+    theirs = {name: _write(out / name, b"mine\n") for name in ("train.de", "train.fr")}
+    capsys.readouterr()
+    code = prepare_cli.main(["files", "--src", src, "--tgt", tgt, "--src-lang", "de", "--tgt-lang", "fr",
+                             "--out", str(out), "--no-binarize"])
+    assert code == 2 and "holds train.de, train.fr beside a corpus of dtmt prepare" in capsys.readouterr().err
+    assert all(open(p, "rb").read() == b"mine\n" for p in theirs.values())
+
+
 def test_a_line_past_the_bound_is_read_in_pieces_and_the_lines_after_it_keep_their_numbers(tmp_path, monkeypatch):
     """A line past the bound is not read whole (a file of old Mac line ends, \\r alone, is one line: 2 GB of it had
     been read into memory before the bound refused it; a review found it): the readers take at most LINE_READ bytes

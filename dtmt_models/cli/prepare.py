@@ -168,7 +168,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         elif args.source == "files":
             written = [] if args.no_binarize else [binarized.binarized_path(args.out, args.vocab_type,
                                                                             args.vocab_size)]
-            check_files_options(args, written)
+            checked = check_files_options(args, written)
         else:
             check_input_dir(args.data, "--data", "corpus folder")
             if not os.path.isfile(os.path.join(args.data, data.MANIFEST)):
@@ -193,7 +193,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         elif args.source == "files":
             inputs = [p for p in (args.src, args.tgt, args.dev_src, args.dev_tgt, args.test_src, args.test_tgt) if p]
             with staged_corpus(args.out, inputs, log) as (stage, say):
-                prepare_files(args, stage, log=say, written_dirs=written)
+                prepare_files(args, stage, log=say, written_dirs=written, checked=checked)
                 binarize_from_args(args, stage, say)
         else:
             binarize_from_args(args, args.data, log)

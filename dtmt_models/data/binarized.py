@@ -67,6 +67,7 @@ MANIFEST = "binarized.json"
 DEFAULT_SAMPLE = 1_000_000   # sentences per side that SentencePiece is trained on
 DEFAULT_SEED = 1
 CHUNK_LINES = 4096           # pairs per encoding task
+STOP_WAIT_S = 5.0            # an interrupted encoding waits this long for the chunks at work, then kills their workers
 SIDES = ("src", "tgt")
 
 
@@ -803,29 +804,54 @@ def _map_chunks(chunks, paths, protos, dtype, workers):
     # Python, numpy (no BLAS) and SentencePiece, none of which waits on a lock that another thread of this process
     # (torch's, gloo's, OpenBLAS's) might have held at the fork.
     ctx = multiprocessing.get_context("fork")
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                  initargs=(tuple(protos),))
+    finished, pending = False, collections.deque()   # (a chunk leaves `pending` once its result is in)
+
+    def first():
+        result = pending[0].result()
+        pending.popleft()
+        return result
+
     try:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                                    initargs=(tuple(protos),)) as pool:
-            pending = collections.deque()
-            for chunk in chunks:
-                pending.append(pool.submit(_encode_in_worker, chunk, paths, dtype))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
+        for chunk in chunks:
+            pending.append(pool.submit(_encode_in_worker, chunk, paths, dtype))
+            if len(pending) >= 2 * workers:
+                yield first()
+        while pending:
+            yield first()
+        finished = True
     except concurrent.futures.process.BrokenProcessPool as exc:
         from dtmt_models.errors import one_line
 
         raise CorpusError(f"an encoding process died ({one_line(exc)}); out of memory? Fewer --workers need "
                           f"less") from None
+    finally:   # interrupted, or an error: the chunks not begun are dropped; those at work finish (a worker ended
+        # part-way through sending its result had left the pool's reader waiting for the rest for ever), or past
+        # STOP_WAIT_S their workers are killed
+        if not finished:
+            running = [f for f in pending if not f.cancel()]
+            if concurrent.futures.wait(running, timeout=STOP_WAIT_S).not_done:
+                for child in multiprocessing.active_children():
+                    child.kill()
+        pool.shutdown(wait=True, cancel_futures=not finished)
 
 
 _WORKER: Optional["_PairEncoder"] = None
 
 
 def _init_worker(protos) -> None:
+    """An encoding worker: ends with its parent (_die_with_parent) and otherwise when the parent ends the pool, which
+    finishes the chunks running: it ignores SIGINT and SIGTERM, which reach the whole process group (Ctrl-C,
+    `timeout`, Slurm) and which the parent handles. (A worker ended by SIGTERM part-way through sending a chunk had
+    left the pool's reader waiting for the rest for ever: prepare hung, its lock held; one interrupted by SIGINT
+    printed its traceback.)"""
+    import signal
+
     global _WORKER
     _die_with_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER = _PairEncoder(protos)
 
 

@@ -22,7 +22,7 @@ import random
 import shutil
 import signal
 import threading
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from dtmt_models.atomic import atomic_write, temporary_pid
 from dtmt_models.data import corpus as data
@@ -44,13 +44,16 @@ def holdout_indices(n: int, holdout: int, splits: Sequence[str], seed: int) -> D
     return {j: split for i, split in enumerate(splits) for j in chosen[i * holdout:(i + 1) * holdout]}
 
 
-def prepare_files(args: argparse.Namespace, into: str, log=print, written_dirs: Sequence[str] = ()) -> Dict[str, int]:
+def prepare_files(args: argparse.Namespace, into: str, log=print, written_dirs: Sequence[str] = (),
+                  checked: Optional[tuple] = None) -> Dict[str, int]:
     """Validates and copies a user corpus (the `files` subcommand) into the folder `into` (new or empty: the
     command line's staged_corpus folder, which becomes --out's corpus once everything has worked), streaming: memory
     does not grow with the files. Raises UsageError for options that cannot work (checked first: nothing is read or
     written) and data.CorpusError for bad input. `written_dirs`: folders the caller replaces afterwards (the
-    binarized copy); an input inside one is refused like an input that is one of the files written."""
-    files, held = check_files_options(args, written_dirs)
+    binarized copy); an input inside one is refused like an input that is one of the files written. `checked`:
+    check_files_options's answer where the caller made those checks (the command line, before it cleared what an
+    interrupted run left in --out, which they read)."""
+    files, held = checked if checked is not None else check_files_options(args, written_dirs)
     for warning in _inputs_given_twice(files):
         log(warning)
     return _write_files(args, files, held, log, into)
@@ -118,19 +121,25 @@ def check_files_options(args: argparse.Namespace, written_dirs: Sequence[str] = 
         raise refuse("--holdout", args.holdout, "an integer >= 0")
     if args.holdout and not held:
         raise UsageError("--holdout: dev and test files are both given, there is nothing to hold out")
-    _check_inputs_survive(args, files, list(files) + (held if args.holdout else []), written_dirs)
+    splits = list(files) + (held if args.holdout else [])
+    _check_inputs_survive(args, files, splits, written_dirs)
     check_out_is_a_corpus_or_new(args.out, corpus_names((args.src_lang, args.tgt_lang),
                                                         [os.path.basename(d) for d in written_dirs]),
-                                 [p for pair in files.values() for p in pair])
+                                 [p for pair in files.values() for p in pair], splits)
     return files, held
 
 
-def check_out_is_a_corpus_or_new(out: str, names: Sequence[str], inputs: Sequence[str] = ()) -> None:
+def check_out_is_a_corpus_or_new(out: str, names: Sequence[str], inputs: Sequence[str] = (),
+                                 splits: Sequence[str] = SPLITS) -> None:
     """UsageError when the folder --out holds any of `names` (what prepare writes, replaces or removes there; not
-    `inputs`, the files given to read, which it never touches) but no manifest of a prepared corpus: those are
-    someone's own files, not an earlier corpus's, and prepare never overwrites or removes them (a folder that held
-    e.g. the user's own train.es and test.es lost both, exit 0). A stage of prepare's left there (a run killed while
-    it moved its corpus into place, the manifest not yet there) counts as a corpus: the next run replaces it."""
+    `inputs`, the files given to read, which it never touches) that no manifest of a prepared corpus accounts for:
+    those are someone's own files, not an earlier corpus's, and prepare never overwrites or removes them (a folder
+    that held e.g. the user's own train.es and test.es lost both, exit 0; so did one holding a corpus of other
+    languages or splits beside them, or a stage left by a killed run). An earlier corpus's files are those its
+    manifest names, or those a stage's names (a run killed while it moved its corpus into place: the manifest
+    there not yet moved); the next run replaces them. Beside a corpus, only the files of the `splits` this run
+    writes are in its way (it removes only what a manifest names); other names (the binarized copies' folders) are
+    checked where they are written."""
     if not os.path.isdir(out):
         return
     kept = {os.path.realpath(p) for p in inputs}
@@ -138,14 +147,31 @@ def check_out_is_a_corpus_or_new(out: str, names: Sequence[str], inputs: Sequenc
                and os.path.realpath(os.path.join(out, name)) not in kept]
     if not present:
         return
-    with contextlib.suppress(data.CorpusError):
-        data.read_manifest(out)
-        return   # an earlier corpus of dtmt prepare: this one replaces it
-    if any(data.PREPARE_STAGE.fullmatch(name) for name in os.listdir(out)):
+    owned, manifests = set(), 0
+    for folder in [out] + [os.path.join(out, n) for n in os.listdir(out) if data.PREPARE_STAGE.fullmatch(n)]:
+        with contextlib.suppress(data.CorpusError, KeyError, TypeError):
+            owned |= _manifest_names(data.read_manifest(folder))
+            manifests += 1
+    foreign = [name for name in present if name not in owned and (not manifests or name.split(".")[0] in splits)]
+    if not foreign:
         return
-    listed = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
-    raise UsageError(f"--out {out}: holds {listed} but is not a corpus of dtmt prepare (no readable {data.MANIFEST}); "
-                     f"prepare would overwrite or remove them: use a new or empty folder")
+    listed = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+    them = "it" if len(foreign) == 1 else "them"
+    what = (f"but is not a corpus of dtmt prepare (no readable {data.MANIFEST})" if not manifests else
+            f"beside a corpus of dtmt prepare, whose {data.MANIFEST} does not name {them}")
+    raise UsageError(f"--out {out}: holds {listed} {what}; prepare would overwrite or remove {them}: use a new or "
+                     f"empty folder")
+
+
+def _manifest_names(manifest: dict) -> set:
+    """The names of a prepared corpus's files its manifest accounts for: every split's text of both languages,
+    the references (the Bible's), the manifest."""
+    langs = (manifest["src_lang"], manifest["tgt_lang"])
+    names = {data.MANIFEST} | {f"{split}.{lang}" for split in manifest["counts"] for lang in langs}
+    references = manifest.get("references")
+    if isinstance(references, dict):
+        names |= {name for name in references.values() if isinstance(name, str)}
+    return names
 
 
 def corpus_names(langs: Sequence[str], extra: Sequence[str] = ()) -> List[str]:

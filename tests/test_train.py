@@ -1376,6 +1376,8 @@ def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tm
     it trained on and its first validation replaced the folder's own best.pt."""
     import shutil
 
+    from dtmt_models.models.checkpoint import read_checkpoint
+
     run, other = tmp_path / "run", tmp_path / "other"
     base = ["--data", toy, "--log-every", "1", "--valid-every", "2", *TINY]
     assert train_here(["--out", str(run), "--max-steps", "2", *base], capsys).returncode == 0
@@ -1402,12 +1404,18 @@ def test_a_run_folder_s_log_and_best_checkpoint_are_never_lost_on_resume(toy, tm
     # a last.pt of another model (another hidden size) in the run folder
     assert train_here(["--out", str(other), "--max-steps", "2", *base, "--opt", "hidden_size=48"],
                       capsys).returncode == 0
-    before = best.read_bytes()
+    before, own_last = best.read_bytes(), (run / "last.pt").read_bytes()
     shutil.copy(other / "last.pt", run / "last.pt")
     r = train_here(["--resume", str(run), "--data", toy, "--max-steps", "4", "--threads", "1"], capsys)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"not the model of {best} beside it (its model_options differs)" in r.stderr, r.stderr
     assert best.read_bytes() == before
+    (run / "last.pt").write_bytes(own_last)   # (its own last.pt; best.pt's options crafted: an option that is a
+    crafted = read_checkpoint(str(best))        # tensor, where `!=` had been "Boolean value of Tensor ... ambiguous")
+    crafted["model_options"] = dict(crafted["model_options"], depth=torch.tensor([1, 1]))
+    torch.save(crafted, best)
+    r = train_here(["--resume", str(run), "--data", toy, "--max-steps", "4", "--threads", "1"], capsys)
+    assert r.returncode == 2 and f"not the model of {best} beside it" in r.stderr, r.stderr
 
 
 def test_a_log_removed_under_the_run_is_written_whole_again(tmp_path):
@@ -1654,7 +1662,20 @@ def test_corrupt_training_state_is_refused_before_use(toy_nodev, tmp_path, capsy
              (sched(lambda d: d.update(base_lrs=["x"])), "its scheduler's base_lrs is ['x'], the run's settings give"),
              (sched(lambda d: d["lr_lambdas"][0].update(s=1500, e=1500)), "its scheduler's lr_lambdas is"),
              (sched(lambda d: d.update(last_epoch=10 ** 30)), "its scheduler state is malformed"),
-             (sched(lambda d: d.update(_last_lr=[float("nan")])), "its scheduler's last rates are [nan]")]
+             (sched(lambda d: d.update(_last_lr=[float("nan")])), "its scheduler's last rates are [nan]"),
+             # another review's, each a traceback at the resume or taken: a moment sparse or on the meta device
+             # (inside the checks), numbers past a float's range (an OverflowError once the run used them), a
+             # stopped_early_by not a --best-by (found when saving, after best.pt), two moments in one storage
+             (moment("exp_avg", lambda t: t.to_sparse()), f"the optimizer's exp_avg of parameter {first} is a "
+                                                         f"sparse_coo tensor, not a dense one"),
+             (moment("exp_avg", lambda t: torch.empty_like(t, device="meta")), "is a meta tensor, not a dense one"),
+             (moment("step", lambda t: torch.empty_like(t, device="meta")), "the optimizer's step of parameter"),
+             (counter("log_window", [10 ** 400, 0, 0, 0]), "its log window is [1000000000000"),
+             (counter("elapsed", 10 ** 400), "its elapsed time is 1000000000000"),
+             (group("lr", 10 ** 400), "its optimizer's lr of group 0 is 1000000000000"),
+             (counter("stopped_early_by", 5), "its stopped_early_by is 5, not a --best-by"),
+             (entry(lambda e: e.update(exp_avg=e["exp_avg_sq"])), f"the optimizer's exp_avg_sq of parameter {first} "
+                                                                  f"shares its storage with its exp_avg of parameter")]
     for i, (edit, message) in enumerate(cases):
         bad = read_checkpoint(str(run / "last.pt"))
         edit(bad)

@@ -303,7 +303,13 @@ def test_load_model_names_the_file_when_the_weights_or_vocabularies_do_not_fit(s
              "tensor_vocab": (dict(ckpt, src_vocab=torch.zeros(3)), "its vocabularies cannot be read (Vocabulary: "
                                                                     "expected a SentencePiece model's bytes, got "
                                                                     "Tensor)"),
-             "none_vocab": (dict(ckpt, tgt_vocab=None), "got NoneType)")}
+             "none_vocab": (dict(ckpt, tgt_vocab=None), "got NoneType)"),
+             # (a review's: a pad_id other than the vocabularies' was a traceback for a sentence holding that id as
+             # a word, never written otherwise; tie_embeddings turned on kept the output matrix of the file's two)
+             "pad_id": (dict(ckpt, model_options=dict(ckpt["model_options"], pad_id=4)),
+                        "its model's pad_id is 4, but its vocabularies pad with id 0; the file is inconsistent"),
+             "tied": (dict(ckpt, model_options=dict(ckpt["model_options"], tie_embeddings=True)),
+                      "are one tied weight of the model, but differ in the file)")}
     for case, (payload, message) in cases.items():
         bad = str(tmp_path / f"{case}.pt")
         torch.save(payload, bad)   # (save_checkpoint refuses a payload without its keys)

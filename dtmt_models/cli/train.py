@@ -29,7 +29,7 @@ from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import (MAX_COUNT, MAX_THREADS, MAX_VOCAB_SIZE, ArgumentParser, check_counts, check_finite,
                                  check_output_dir, command_line_values, cut, did_you_mean, one_line, refuse,
                                  threads_warning)
-from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint
+from dtmt_models.models.checkpoint import CheckpointError, read_checkpoint, same_value
 from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import (check_model_options, list_models, position_bound, unused_options,
                                          used_options)
@@ -619,7 +619,8 @@ def check_best_is_of_the_run(best: str, source: str, ckpt: dict) -> None:
         own = read_checkpoint(best, mmap=True)   # (its settings only: the weights stay on disk)
     except ValueError:
         return
-    differ = [k for k in ("model_name", "model_options", "src_vocab", "tgt_vocab") if own.get(k) != ckpt.get(k)]
+    differ = [k for k in ("model_name", "model_options", "src_vocab", "tgt_vocab")   # (a tensor among the options:
+              if not same_value(own.get(k), ckpt.get(k))]                           # != had been a traceback)
     if differ:
         raise ValueError(f"--resume {source}: not the model of {best} beside it (its {', '.join(differ)} differ"
                          f"{'s' if len(differ) == 1 else ''}), which the run's first better validation would "

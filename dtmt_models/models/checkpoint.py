@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 import torch
 
 from dtmt_models.atomic import atomic_write
-from dtmt_models.data.vocabulary import Vocabulary
+from dtmt_models.data.vocabulary import PAD, Vocabulary
 from dtmt_models.errors import MAX_COUNT, check_device_present, one_line
 from dtmt_models.models.registry import build_model, shapes_only, used_options
 
@@ -198,6 +198,16 @@ def _finite_problem(name: str, t: Any) -> Optional[str]:
     return None
 
 
+def _dense_problem(name: str, t: torch.Tensor) -> Optional[str]:
+    """A tensor from a file that is not a dense one in memory (sparse, nested, quantized or meta): the checks read
+    its values, and a model or optimizer takes it as one."""
+    if t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_meta:
+        kind = ("nested" if t.is_nested else "quantized" if t.is_quantized else "meta" if t.is_meta
+                else str(t.layout).replace("torch.", ""))
+        return f"{name} is a {kind} tensor, not a dense one"
+    return None
+
+
 def _whole_problem(name: str, t: torch.Tensor) -> Optional[str]:
     """A tensor from a file whose storage is smaller than its elements (an expanded view: strides 0, or overlapping
     ones): a few bytes standing for any size, which the checks' passes and the model built from the file's options
@@ -234,10 +244,9 @@ def weights_problem(state: Any, own: Dict[str, torch.Tensor]) -> Optional[str]:
         w = state[name]
         if not isinstance(w, torch.Tensor):
             return f"weight {name} is not a tensor (a Python {type(w).__name__})"
-        if w.layout != torch.strided or w.is_nested or w.is_quantized or w.is_meta:
-            kind = ("nested" if w.is_nested else "quantized" if w.is_quantized else "meta" if w.is_meta
-                    else str(w.layout).replace("torch.", ""))
-            return f"weight {name} is a {kind} tensor, not a dense one"
+        problem = _dense_problem(f"weight {name}", w)
+        if problem:
+            return problem
         if w.shape != t.shape or w.dtype != t.dtype:
             return f"weight {name} is {w.dtype} {list(w.shape)}, the model's {t.dtype} {list(t.shape)}"
         problem = _whole_problem(f"weight {name}", w)
@@ -246,18 +255,43 @@ def weights_problem(state: Any, own: Dict[str, torch.Tensor]) -> Optional[str]:
     return None
 
 
+def tied_problem(model: torch.nn.Module, state: Dict[str, Any]) -> Optional[str]:
+    """Where `model` ties parameters (one tensor under two names: the target embedding and the output matrix),
+    whether the file's weights `state` differ under those names, in a few words, or None. load_state_dict copies
+    each name into the one tensor, the last winning: a file whose two differ (tie_embeddings turned on in its
+    options) lost one of them without a word."""
+    names: Dict[int, list] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for first, *rest in names.values():
+        for other in rest:
+            a, b = state.get(first), state.get(other)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not (
+                    a.shape == b.shape and bool(torch.equal(a, b))):
+                return f"weights {first} and {other} are one tied weight of the model, but differ in the file"
+    return None
+
+
 def _count(value: Any, low: float = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _scalar(value: Any) -> Any:
-    """A one-element tensor's value (an optimizer's step or rate, kept as a tensor by some of torch's forms), else
-    `value` as it is."""
-    return float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    """A one-element dense tensor's value (an optimizer's step or rate, kept as a tensor by some of torch's forms),
+    else `value` as it is (a meta or sparse one is no number)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and _dense_problem("", value) is None:
+        return float(value)
+    return value
 
 
 def _number(value: Any, allow_inf: bool = False) -> bool:
+    """A number a float holds: not a bool, not NaN, infinite only where `allow_inf` (an int past a float's range,
+    10**400, had been an OverflowError's traceback once the run used it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        value = float(value)
+    except OverflowError:
         return False
     return value == value and (allow_inf or abs(value) != float("inf"))
 
@@ -279,7 +313,7 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
         raise CheckpointError(f"{path}: {what}; the checkpoint cannot be resumed")
 
     weights = ckpt.get("model")
-    problem = weights_problem(weights, model.state_dict())
+    problem = weights_problem(weights, model.state_dict()) or tied_problem(model, weights)
     if problem:
         fail(f"its weights are not this model's ({problem})")
     for name, w in weights.items():
@@ -312,15 +346,16 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
             if key in ("lr", "initial_lr"):
                 v = _scalar(value)
                 if not _number(v) or v < 0:
-                    fail(f"its optimizer's {key} of group {i} is {value!r}, not a rate")
+                    fail(f"its optimizer's {key} of group {i} is {_short(value)}, not a rate")
             elif key in own and key not in not_settings and not _same_number(value, own[key]):
-                fail(f"its optimizer's {key} of group {i} is {value!r}, the run's settings give {own[key]!r}")
+                fail(f"its optimizer's {key} of group {i} is {_short(value)}, the run's settings give {own[key]!r}")
         for key, value in own.items():   # (torch fills in a missing flag, not a missing number: a KeyError later)
             if key not in g and key not in not_settings and not isinstance(value, (bool, type(None))):
                 fail(f"its optimizer's group {i} has no {key}")
+    storages: Dict[int, str] = {}   # each moment's storage, by address: what holds it
     for index, entry in state["state"].items():
         if not _count(index) or index >= len(params) or not isinstance(entry, dict):
-            fail(f"its optimizer state has an entry {index!r} that is no parameter's")
+            fail(f"its optimizer state has an entry {_short(index)} that is no parameter's")
         p = params[index]
         missing = [key for key in wanted if key not in entry]
         if missing:
@@ -329,10 +364,17 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
             if key == "step":
                 v = _scalar(value)
                 if not _number(v) or v < 0 or v != int(v) or v > MAX_COUNT:
-                    fail(f"the optimizer's step of parameter {index} is {value!r}, not a count")
+                    fail(f"the optimizer's step of parameter {index} is {_short(value)}, not a count")
             elif key in wanted and not isinstance(value, torch.Tensor):
                 fail(f"the optimizer's {key} of parameter {index} is a {type(value).__name__}, not a tensor")
             elif isinstance(value, torch.Tensor):
+                problem = _dense_problem(f"the optimizer's {key} of parameter {index}", value)
+                if problem:
+                    fail(problem)
+                if value.untyped_storage().nbytes():   # (two moments in one storage: each step overwrote the other)
+                    shared = storages.setdefault(value.untyped_storage().data_ptr(), f"{key} of parameter {index}")
+                    if shared != f"{key} of parameter {index}":
+                        fail(f"the optimizer's {key} of parameter {index} shares its storage with its {shared}")
                 if value.shape != p.shape or value.dtype != p.dtype:
                     fail(f"the optimizer's {key} of parameter {index} is {value.dtype} {list(value.shape)}, the "
                          f"parameter {p.dtype} {list(p.shape)}")
@@ -344,21 +386,24 @@ def check_training_state(path: str, ckpt: Dict[str, Any], model: torch.nn.Module
                     fail(f"the optimizer's {key} of parameter {index} holds negative values (a sum of squares)")
     for key in ("step", "epoch", "batch_index", "bad_validations"):   # (--max-steps's bound: no run counts past it)
         if not _count(t.get(key)) or t[key] > MAX_COUNT:
-            fail(f"its {key} is {t.get(key)!r}, not a count in [0, {MAX_COUNT:,}]")
+            fail(f"its {key} is {_short(t.get(key))}, not a count in [0, {MAX_COUNT:,}]")
     run_id = ckpt.get("run_id", "0")   # (older last.pt: none)
     if not isinstance(run_id, str) or not re.fullmatch(r"[0-9a-f]{1,64}", run_id):
         fail(f"its run_id is {_short(run_id)}, not a run's identity (hexadecimal digits)")
     validated = t.get("validated_step", t["step"])   # (older last.pt: none)
     if not _count(validated) or validated > t["step"]:
-        fail(f"its validated_step is {validated!r}, not a count up to its step {t['step']:,}")
+        fail(f"its validated_step is {_short(validated)}, not a count up to its step {t['step']:,}")
     if not _number(t.get("elapsed")) or t["elapsed"] < 0:
-        fail(f"its elapsed time is {t.get('elapsed')!r}")
+        fail(f"its elapsed time is {_short(t.get('elapsed'))}")
     for key in ("best_bleu", "best_loss"):
         if not _number(t.get(key), allow_inf=True):
-            fail(f"its {key} is {t.get(key)!r}, not a number")
+            fail(f"its {key} is {_short(t.get(key))}, not a number")
+    stopped = t.get("stopped_early_by")   # (read when the run stops, saved again at its end: a set was a traceback
+    if stopped is not None and not (type(stopped) is str and stopped in ("loss", "bleu")):   # there, after best.pt)
+        fail(f"its stopped_early_by is {_short(stopped)}, not a --best-by")
     window = t.get("log_window", [0.0] * 4)
     if not isinstance(window, (list, tuple)) or len(window) != 4 or not all(_number(x) for x in window):
-        fail(f"its log window is {window!r}")
+        fail(f"its log window is {_short(window)}")
     sched = t.get("scheduler")
     if not isinstance(sched, dict) or not _count(sched.get("last_epoch")) or sched["last_epoch"] > MAX_COUNT:
         fail("its scheduler state is malformed")
@@ -396,14 +441,14 @@ def _check_scheduler(state: Dict[str, Any], own: Dict[str, Any], fail) -> None:
     for key, value in state.items():
         if key not in own and key in VERSION_FIELDS:   # (another torch's: a last.pt written before an upgrade)
             if type(value) is not VERSION_FIELDS[key]:
-                fail(f"its scheduler's {key} is {value!r}, not a {VERSION_FIELDS[key].__name__}")
+                fail(f"its scheduler's {key} is {_short(value)}, not a {VERSION_FIELDS[key].__name__}")
             continue
         if key not in own:
-            fail(f"its scheduler state has a field {key!r} a scheduler does not")
+            fail(f"its scheduler state has a field {_short(key)} a scheduler does not")
         mine = own[key]
         if key in ("last_epoch", "_step_count"):
             if not _count(value) or value > MAX_COUNT:
-                fail(f"its scheduler's {key} is {value!r}, not a count")
+                fail(f"its scheduler's {key} is {_short(value)}, not a count")
         elif key in ("base_lrs", "lr_lambdas"):
             if not (_same_number(value, mine) if key == "base_lrs" else _same_schedules(value, mine)):
                 fail(f"its scheduler's {key} is {value!r}, the run's settings give {mine!r}")
@@ -430,6 +475,11 @@ def translation_parts(path: str, ckpt: Dict[str, Any]) -> Tuple[Vocabulary, Voca
     options = ckpt["model_options"]
     if not isinstance(options, dict):
         raise ValueError(f"{path}: its model cannot be built (its options are a {type(options).__name__})")
+    pad = options.get("pad_id", PAD)
+    if not (type(pad) is int and pad == PAD):   # (its vocabularies pad with PAD: a sentence holding the model's pad
+        # id as a word was a traceback, and the word was never written)
+        raise ValueError(f"{path}: its model's pad_id is {_short(pad)}, but its vocabularies pad with id {PAD}; the "
+                         f"file is inconsistent")
     try:
         with shapes_only():
             own = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab),
@@ -471,6 +521,9 @@ def load_model(path: str, device: str = "cpu", backend: Optional[str] = None
     check_weights_fit(path, ckpt, own)
     model = build_model(ckpt["model_name"], len(src_vocab), len(tgt_vocab),
                         **used_options(ckpt["model_name"], ckpt["model_options"]))
+    problem = tied_problem(model, ckpt["model"])
+    if problem:
+        raise ValueError(f"{path}: its weights do not fit a {ckpt['model_name']} model with its options ({problem})")
     model.load_state_dict(ckpt["model"])
     if backend is not None and hasattr(model, "set_backend"):
         model.set_backend(backend)

@@ -366,7 +366,9 @@ def test_prepare_files_bad_dev_file_and_bad_options(tmp_path, capsys):
     dsrc, dtgt = write(tmp_path / "dev.es", b"a\nb\n"), write(tmp_path / "dev.en", b"a\n\xc3\n")
     base = ["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "out")]
     assert prepare.main(base + ["--dev-src", dsrc, "--dev-tgt", dtgt]) == 1
-    assert "dev.en:2: invalid UTF-8" in capsys.readouterr().err
+    err = capsys.readouterr().err   # (named by its options, and found before the training text is copied: it had
+    assert "error: --dev-src / --dev-tgt: parallel corpus: 1 problem(s) | " in err, err   # come after the whole of it)
+    assert "dev.en:2: invalid UTF-8" in err and "train: " not in err, err
     assert prepare.main(base + ["--holdout", "5"]) == 1  # 2 x 5 leaves no training pair
     assert "--holdout 5 asks for 10 held-out pairs" in capsys.readouterr().err
     fifo = str(tmp_path / "fifo")   # (`--dev-tgt <(zcat x.gz)`: refused before it is opened, which would block)

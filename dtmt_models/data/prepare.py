@@ -224,15 +224,22 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
     with contextlib.ExitStack() as stack:   # every output is a temporary file until all inputs have been read
         writers = {split: [stack.enter_context(atomic_write(os.path.join(into, f"{split}.{lang}")))
                            for lang in langs] for split in counts}
-        for split, (src, tgt) in files.items():
+        # the dev and test files first (small: a problem there had been found after the whole training text was
+        # copied), their errors naming their options
+        for split, (src, tgt) in sorted(files.items(), key=lambda item: item[0] == "train"):
             before = dict(counts)
             returns = 0   # pairs with a carriage return inside a line (old Mac line ends make a file one line)
-            for j, (s, t) in enumerate(data.iter_parallel(src, tgt)):
-                dest = where.get(j, "train") if split == "train" else split
-                writers[dest][0].write(s + "\n")
-                writers[dest][1].write(t + "\n")
-                counts[dest] += 1
-                returns += "\r" in s or "\r" in t
+            try:
+                for j, (s, t) in enumerate(data.iter_parallel(src, tgt)):
+                    dest = where.get(j, "train") if split == "train" else split
+                    writers[dest][0].write(s + "\n")
+                    writers[dest][1].write(t + "\n")
+                    counts[dest] += 1
+                    returns += "\r" in s or "\r" in t
+            except data.CorpusError as exc:
+                if split == "train":
+                    raise
+                raise data.CorpusError(f"--{split}-src / --{split}-tgt: {exc}") from None
             pairs = sum(counts.values()) - sum(before.values())
             mac = [path for path in (src, tgt) if returns and pairs == 1 and _old_mac(path)]
             if mac:   # (a file of \r line ends is one line: two such files, of any counts of \r lines, were one

@@ -73,3 +73,26 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+TICK_S = 30.0   # a Ticker's lines, at most one every this many seconds
+
+
+class Ticker:
+    """Progress of long work as log lines, at most one every TICK_S seconds (shorter work says nothing more):
+    `tick(done)` logs "{what}: {done:,} of {total:,} {unit} ({percent}%)" (without a total, "{done:,} {unit}").
+    For prepare's phases that read a whole corpus (copying it, encoding it): silent, they had looked hung for minutes
+    on corpora of millions of pairs."""
+
+    def __init__(self, log, what: str, total: Optional[int] = None, unit: str = "pairs"):
+        self.log, self.what, self.total, self.unit, self.seconds = log, what, total, unit, TICK_S
+        self.next = time.monotonic() + self.seconds
+
+    def tick(self, done: int) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + self.seconds
+        of = f" of {self.total:,}" if self.total else ""
+        share = f" ({100 * done / self.total:.0f}%)" if self.total else ""
+        self.log(f"{self.what}: {done:,}{of} {self.unit}{share}")

@@ -143,6 +143,26 @@ def test_files_a_prepared_corpus_does_not_name_are_the_users(tmp_path, capsys):
     assert all(open(p, "rb").read() == b"mine\n" for p in theirs.values())
 
 
+def test_prepare_says_how_far_it_is_in_long_work(tmp_path, capsys, monkeypatch):
+    """Copying and encoding a corpus of millions of pairs printed one line each at its end: minutes without a word.
+    Both say how far they are, at most once every TICK_S seconds (here 0: every 65,536 pairs copied, every chunk
+    encoded)."""
+    from dtmt_models import progress
+    from dtmt_models.cli import prepare as prepare_cli
+
+    monkeypatch.setattr(progress, "TICK_S", 0.0)
+    n = 70_000
+    src = _write(tmp_path / "a.es", b"".join(b"w%d x\n" % (i % 50) for i in range(n)))
+    tgt = _write(tmp_path / "a.en", b"".join(b"W%d X\n" % (i % 50) for i in range(n)))
+    assert prepare_cli.main(["files", "--src", src, "--tgt", tgt, "--out", str(tmp_path / "out"),
+                             "--vocab-size", "60", "--workers", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "train: copying: 65,536 pairs copied" in err, err
+    encoded = [line for line in err if line.startswith("train: encoding: ")]
+    assert encoded[0] == f"train: encoding: 4,096 of {n:,} pairs (6%)" and encoded[-1] == (
+        f"train: encoding: {n:,} of {n:,} pairs (100%)"), encoded
+
+
 def test_a_line_past_the_bound_is_read_in_pieces_and_the_lines_after_it_keep_their_numbers(tmp_path, monkeypatch):
     """A line past the bound is not read whole (a file of old Mac line ends, \\r alone, is one line: 2 GB of it had
     been read into memory before the bound refused it; a review found it): the readers take at most LINE_READ bytes

@@ -61,6 +61,7 @@ from dtmt_models.atomic import process_alive
 from dtmt_models.data.corpus import (CorpusError, Problems, bounded_lines, corpus_fingerprint, count_mismatch,
                                      decode_file_line, read_manifest, scan_file)
 from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
+from dtmt_models.progress import Ticker
 
 FORMAT = 3   # 2: the shards' SHA-1 in the manifest; 3: the models' too (an older copy: the next `dtmt train` rebuilds)
 MANIFEST = "binarized.json"
@@ -531,7 +532,8 @@ def binarize(corpus_dir: str, vocab_size: int, vocab_type: str = "bpe", sample: 
         split_info = {}
         for split in splits:
             t0 = time.perf_counter()
-            stats = _encode_split(texts[split], tmp, split, protos, dtype, workers)
+            stats = _encode_split(texts[split], tmp, split, protos, dtype, workers,
+                                  Ticker(log, f"{split}: encoding", texts[split]["src"]["lines"]))
             split_info[split] = {
                 "pairs": stats["pairs"], "tokens": stats["tokens"], "empty_after_segmentation": stats["empty"],
                 "longest": stats["longest"], "shards": stats["shards"],
@@ -750,9 +752,9 @@ def _read_chunks(src_path: str, tgt_path: str, lines: int) -> Iterator[Tuple[int
 
 
 def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Sequence[bytes], dtype: np.dtype,
-                  workers: int) -> dict:
+                  workers: int, ticker: Optional[Ticker] = None) -> dict:
     """Encodes one split into out_dir/{split}.{side}.bin/.idx; CorpusError listing the bad lines (up to
-    MAX_LISTED, with the total) once the whole split has been read."""
+    MAX_LISTED, with the total) once the whole split has been read. `ticker` is told the pairs encoded."""
     paths = (text["src"]["path"], text["tgt"]["path"])
     chunks = _read_chunks(*paths, CHUNK_LINES)
     problems = Problems()
@@ -784,6 +786,8 @@ def _encode_split(text: Dict[str, dict], out_dir: str, split: str, protos: Seque
                     stats["longest"][side] = max(stats["longest"][side], int(lens.max()))
             stats["pairs"] += len(result["lengths"][0])
             stats["empty"] += int(((result["lengths"][0] == 0) | (result["lengths"][1] == 0)).sum())
+            if ticker is not None:
+                ticker.tick(stats["pairs"])
     finally:
         for f in files + idx:
             f.close()

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence
 from dtmt_models.atomic import atomic_write, temporary_pid
 from dtmt_models.data import corpus as data
 from dtmt_models.errors import UsageError, check_input_file, check_output_dir, check_output_file, refuse
+from dtmt_models.progress import Ticker
 
 SPLITS = ("train", "dev", "test")
 
@@ -229,6 +230,7 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
         for split, (src, tgt) in sorted(files.items(), key=lambda item: item[0] == "train"):
             before = dict(counts)
             returns = 0   # pairs with a carriage return inside a line (old Mac line ends make a file one line)
+            ticker = Ticker(log, f"{split}: copying", unit="pairs copied")
             try:
                 for j, (s, t) in enumerate(data.iter_parallel(src, tgt)):
                     dest = where.get(j, "train") if split == "train" else split
@@ -236,6 +238,8 @@ def _write_files(args: argparse.Namespace, files: Dict[str, tuple], held: Sequen
                     writers[dest][1].write(t + "\n")
                     counts[dest] += 1
                     returns += "\r" in s or "\r" in t
+                    if not (j + 1) & 0xFFFF:
+                        ticker.tick(j + 1)
             except data.CorpusError as exc:
                 if split == "train":
                     raise

@@ -188,6 +188,21 @@ def test_the_encode_ops_refuse_a_mask_that_is_not_bool_or_real():
     torch.testing.assert_close(out, encode(x, h0, ones, KINDS["lgru"], flat, False, 1e-5)[0])
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_reference_of_no_steps_answers_as_the_op(reverse):
+    """T = 0 (a raw call; the layers refuse it as torch.nn.GRU does): the C++ op answers an empty output and h0
+    as h_n; the reference, the spec it is tested against, failed in torch.stack's "expects a non-empty TensorList"."""
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = _layer("lgru", 2, True, torch.float64)
+    w = layer.direction_weights()
+    x, h0 = torch.randn(0, 3, 4, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    out, h_n = dk.reference.transition_sequence(x, h0, w, torch.ones(0, 3, dtype=torch.float64), reverse=reverse)
+    op_out, op_hn, *_ = torch.ops.dtmt.transition_forward(x, h0, None, None, KINDS["lgru"], *flat_params(w),
+                                                          reverse, 1e-5)
+    assert out.shape == op_out.shape == (0, 3, 6) and torch.equal(h_n, h0) and torch.equal(op_hn, h0)
+
+
 def test_the_engine_fakes_check_kinds_and_batches():
     """The inference ops' fakes (dtmt_models/engine/ops.py) check the cell kinds and that their tensors share the
     batch and source length, as the kernels do: a meta call with a wrong kind returned outputs without a word, and

@@ -148,6 +148,11 @@ def test_loss_kernel_rejects_a_target_outside_the_vocabulary(dtype):
                                                                       reduction="sum"), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match=r"logits must be \[N, V\]"):
         dk.functional.smoothed_cross_entropy(logits, target[:2])
+    # the reference too (the executable spec: it scored an id past the vocabulary as the last one, without a word)
+    with pytest.raises(RuntimeError, match=r"smoothed_cross_entropy: target 5 is outside \[0, 5\)"):
+        dk.reference.smoothed_cross_entropy(logits, target, 0.1, ignore_index=0)
+    torch.testing.assert_close(dk.reference.smoothed_cross_entropy(logits, target, 0.1, ignore_index=5),
+                               (loss, nll), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["kernel", "portable"])

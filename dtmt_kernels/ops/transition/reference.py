@@ -153,4 +153,6 @@ def transition_sequence(x: Tensor, h0: Tensor, w: TransitionWeights, mask: Optio
             valid = mask[t].unsqueeze(-1) > 0.5
             out[t] = torch.where(valid, h_new, torch.zeros_like(h_new))
             h = torch.where(valid, h_new, h)
+    if not out:   # (T = 0: no step, the state as it came; torch.stack had refused the empty list)
+        return x.new_zeros(0, *h0.shape[-2:]), h0
     return torch.stack(out), h

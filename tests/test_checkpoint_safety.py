@@ -120,6 +120,13 @@ def test_save_checkpoint_writes_nothing_its_loader_refuses(tmp_path):
     back = read_checkpoint(str(path))["config"]
     assert back.keys() == data.keys() and back["a"] == data["a"] and back["f"] == float("inf")
     assert torch.equal(back[5]["k"], data[5]["k"]) and torch.equal(back["p"], data["p"])
+    # what the weights-only loader takes but a checkpoint never holds, in a crafted file: refused when read, naming
+    # the file (dtmt average had said "save_checkpoint: payload['junk'] is a builtins.set" as it wrote its output)
+    for junk, name in (({1, 2}, "builtins.set"), (torch.Size([2, 3]), "torch.Size")):
+        torch.save({**base, "config": {}, "junk": junk, "format": "dtmt-checkpoint-1"}, path)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: checkpoint\['junk'\] is a {name}, which a "
+                                             r"checkpoint cannot hold"):
+            read_checkpoint(str(path))
 
 
 def test_a_checkpoint_write_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):

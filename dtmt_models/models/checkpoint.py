@@ -66,26 +66,27 @@ CONTAINERS = (dict, collections.OrderedDict, list, tuple)
 TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _check_plain(obj: Any, where: str) -> None:
-    """ValueError naming the first object under `obj` (at `where`, e.g. payload['config']['bleu']) that is not a
-    checkpoint's data (the module docstring): exact types, so a numpy number, a Path or an enum, which the
-    weights-only loader refuses, is refused here before anything is written."""
+def _check_plain(obj: Any, where: str, owner: str = "save_checkpoint") -> None:
+    """ValueError naming `owner` and the first object under `obj` (at `where`, e.g. payload['config']['bleu']) that
+    is not a checkpoint's data (the module docstring): exact types, so a numpy number, a Path or an enum, which the
+    weights-only loader refuses, is refused here before anything is written; and what that loader takes but a
+    checkpoint never holds (a set, a torch.Size: a crafted file's) when one is read."""
     stack = [(obj, where)]
     while stack:
         x, at = stack.pop()
         kind = type(x)
         if kind is bytes and not x:   # (pickled as a call of bytes(), which the loader refuses as code it would run)
-            raise ValueError(f"save_checkpoint: {at} is empty bytes, which the weights-only loader cannot read back")
+            raise ValueError(f"{owner}: {at} is empty bytes, which the weights-only loader cannot read back")
         if kind in PLAIN or kind in TENSORS:
             continue
         if kind not in CONTAINERS:
-            raise ValueError(f"save_checkpoint: {at} is a {kind.__module__}.{kind.__qualname__}, which a checkpoint "
+            raise ValueError(f"{owner}: {at} is a {kind.__module__}.{kind.__qualname__}, which a checkpoint "
                              f"cannot hold (tensors, numbers, strings, bytes, None and lists, tuples and dicts of "
                              f"them: what its loader reads)")
         if isinstance(x, dict):
             for k, v in x.items():
                 if type(k) not in PLAIN:
-                    raise ValueError(f"save_checkpoint: {at} has a key of type {type(k).__module__}."
+                    raise ValueError(f"{owner}: {at} has a key of type {type(k).__module__}."
                                      f"{type(k).__qualname__}, which a checkpoint cannot hold (keys are strings "
                                      f"or numbers)")
                 stack.append((v, f"{at}[{k!r}]"))
@@ -188,7 +189,8 @@ def read_checkpoint(path: str, mmap: bool = False) -> Dict[str, Any]:
         raise ValueError(f"{path}: not a dtmt checkpoint (not a file torch.save wrote, or a truncated one)") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(f"{path}: not a dtmt checkpoint (expected format {FORMAT!r})")
-    return ckpt
+    _check_plain(ckpt, "checkpoint", owner=path)   # (a crafted field had been found when a copy was written: dtmt
+    return ckpt                                     # average's error named save_checkpoint, not the file)
 
 
 def _finite_problem(name: str, t: Any) -> Optional[str]:

@@ -255,6 +255,15 @@ def test_16_bit_decoding_refusals():
         as_decoder(model, amp="fp8")
     with pytest.raises(ValueError, match="int8 and 16-bit decoding exclude each other"):
         as_decoder(model, int8=True, amp="bf16")
+    # the model's weights changed after its 16-bit copy was made: refused, as a fused or int8 decoder's change is
+    # (the copy had decoded the old weights without a word)
+    decoder = as_decoder(model, amp="bf16")
+    src, lengths = _batch()
+    beam_search(decoder, src, lengths, beam=2, max_len_b=3)
+    with torch.no_grad():
+        next(model.parameters()).mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"^AutocastDecoder: its model's weights changed in place"):
+        beam_search(decoder, src, lengths, beam=2, max_len_b=3)
 
 
 @pytest.mark.parametrize("system", ["dtmt", "nematus"])

@@ -885,10 +885,21 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
             (dict(sentences=["el sol"], max_tokens=1.5), ValueError, "max_tokens must be >= 1, a whole number, got 1."),
             (dict(sentences=["el sol"], max_sentences=2.5), ValueError, "max_sentences must be >= 1 or None, a whole"),
             (dict(sentences=["el sol"], max_src_len=2.5), ValueError, "max_src_len must be >= 1 or None, a whole"),
-            (dict(sentences=["el sol"], max_tokens=True), ValueError, "max_tokens must be >= 1, a whole number")):
+            (dict(sentences=["el sol"], max_tokens=True), ValueError, "max_tokens must be >= 1, a whole number"),
+            # sentences not in a sequence: a dict translated its keys, a set in no order; a generator failed on len()
+            # once used up, None was "'NoneType' object is not iterable"
+            *[(dict(sentences=bad), TypeError, rf"^translate: `sentences` must be a sequence of strings \(a list\), "
+               rf"got {type(bad).__name__}$") for bad in ({"el sol": 1}, {"el sol"}, (s for s in ["el sol"]), None)]):
         with pytest.raises(error, match=message) as info:
             translate(model, sv, tv, **kwargs)
         assert "\n" not in str(info.value)
+    from dtmt_models.decoding.ensemble import Ensemble
+
+    # an ensemble of a generator had used it up in its checks (no member: a KeyError at the search); a member that is
+    # no model failed in sorting the vocabulary sizes
+    assert len(Ensemble(m for m in [model, model]).members) == 2
+    with pytest.raises(TypeError, match=r"^Ensemble: model 2 is a NoneType, not a model \(a torch.nn.Module"):
+        Ensemble([model, None])
     # a decoder given as the model (beam_search takes one): an AttributeError on .parameters before
     with pytest.raises(TypeError, match=r"^translate: FusedRNMTDecoder has no parameters to take the device from: "
                                         r"give device=, or pass the model itself"):

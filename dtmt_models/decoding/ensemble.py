@@ -62,8 +62,13 @@ class Ensemble(nn.Module):
 
     def __init__(self, models: Sequence[nn.Module]):
         super().__init__()
+        models = list(models)   # (a generator had been used up by the checks: an ensemble of no member)
         if not models:
             raise ValueError("Ensemble: give at least one model")
+        odd = next((i for i, m in enumerate(models, start=1) if not isinstance(m, nn.Module)), None)
+        if odd is not None:   # (None had failed in sorting the vocabulary sizes: "'<' not supported ...")
+            raise TypeError(f"Ensemble: model {odd} is a {type(models[odd - 1]).__name__}, not a model "
+                            f"(a torch.nn.Module, e.g. load_model's)")
         vocab_sizes = {(getattr(m, "src_vocab_size", None), getattr(m, "tgt_vocab_size", None)) for m in models}
         if len(vocab_sizes) > 1:
             raise ValueError(f"Ensemble: the models' (source, target) vocabulary sizes differ: {sorted(vocab_sizes)}")

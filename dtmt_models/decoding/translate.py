@@ -36,6 +36,7 @@ working (unreadable input, invalid UTF-8 with file:line).
 """
 from __future__ import annotations
 
+import collections.abc
 import numbers
 import warnings
 from typing import Callable, List, Optional, Sequence, Tuple, Type, TypeVar
@@ -181,6 +182,9 @@ def translate(model: torch.nn.Module, src_vocab: Vocabulary, tgt_vocab: Vocabula
             raise ValueError(f"{arg} must be >= 1{' or None' if optional else ''}, a whole number, got {value!r}")
     if isinstance(sentences, str):
         raise TypeError("translate: `sentences` must be a sequence of strings, not one string")
+    if not isinstance(sentences, collections.abc.Sequence):   # (a dict translated its keys, a set in no order; a
+        raise TypeError(f"translate: `sentences` must be a sequence of strings (a list), got "   # generator failed
+                        f"{type(sentences).__name__}")                                         # once used up)
     odd = next((i for i, text in enumerate(sentences) if not isinstance(text, str)), None)
     if odd is not None:   # (None was an AttributeError on .strip)
         raise TypeError(f"translate: `sentences` must be strings, got {type(sentences[odd]).__name__} at {odd}")

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from dtmt_kernels.functional import host_reads_allowed
 from dtmt_models.data.vocabulary import PAD
+from dtmt_models.engine.forms import check_unconverted, weights_kind
 
 State = Dict[str, Tensor]
 
@@ -92,6 +93,7 @@ class AutocastDecoder:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"16-bit decoding copies a model (a torch.nn.Module), got {type(model).__name__}")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.built_as = weights_kind(model)   # (the model given, changed after: the copy decoded its old weights)
         self.model = copy.deepcopy(model, _in_16_bits(model, dtype)).eval()   # (the model given is untouched)
         self.built_from = model   # (built_from's answer: the model given, not the copy)
         self.inner = as_decoder(self.model)
@@ -104,6 +106,7 @@ class AutocastDecoder:
         return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
 
     def encode(self, src: Tensor, src_lengths: Tensor):
+        check_unconverted(self, self.built_from, self.built_as)   # (a search's start: its copy is of the model now)
         with self._autocast():
             return self.inner.encode(src, src_lengths)
 

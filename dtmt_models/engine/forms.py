@@ -131,7 +131,7 @@ def check_unconverted(decoder, model: nn.Module, built_as) -> None:
     if places != built_as[1] or kinds != built_as[0]:
         raise RuntimeError(f"{type(decoder).__name__}: its model's weights changed in place (an optimizer step, "
                            f"load_state_dict) or were replaced after the decoder gathered them, and it would decode "
-                           f"with a mix of the old and the new; build its decoder again (model.inference_decoder())")
+                           f"with weights the model no longer has; build its decoder again")
 
 
 class FrozenTransitionCell(InferenceForm):

@@ -167,9 +167,11 @@ def command_line_values(parser: argparse.ArgumentParser, argv: Optional[List[str
 def check_device_present(device, who: str) -> None:
     """ValueError `who: device 'cuda:1': this machine has N CUDA devices` where the torch.device `device` is a CUDA
     device this process cannot use (torch's own error was an AssertionError, "Torch not compiled with CUDA enabled",
-    or came only after the work before it)."""
+    or came only after the work before it), or of a type dtmt does not run on (mps, xla)."""
     import torch
 
+    if device.type not in ("cpu", "cuda", "meta"):   # (mps, xla: torch's RuntimeError "not linked with support")
+        raise ValueError(f"{who}: device {str(device)!r}: dtmt runs on the CPU or a CUDA device")
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
         raise ValueError(f"{who}: device {str(device)!r}: this machine has "
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices")

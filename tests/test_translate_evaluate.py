@@ -910,6 +910,11 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
         load_model(ckpt, device="foo")
     with pytest.raises(ValueError, match="^translate: device 'bogus' is not a device torch knows"):   # (torch's
         translate(model, sv, tv, ["el sol"], device="bogus")                                      # own error)
+    for device in ("mps", "xla"):   # (torch's RuntimeError "not linked with support", not a ValueError)
+        with pytest.raises(ValueError, match=f"^translate: device '{device}': dtmt runs on the CPU or a CUDA device"):
+            translate(model, sv, tv, ["el sol"], device=device)
+        with pytest.raises(ValueError, match=f"^load_model: device '{device}': dtmt runs on the CPU or a CUDA"):
+            load_model(ckpt, device=device)
     import dtmt_kernels as dk
     missing = next((b for b in ("cuda", "triton") if b not in dk.available_backends()), None)
     if missing is not None:   # (accepted, and the first translation said it cannot run)

@@ -910,6 +910,22 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
         load_model(ckpt, device="foo")
     with pytest.raises(ValueError, match="^translate: device 'bogus' is not a device torch knows"):   # (torch's
         translate(model, sv, tv, ["el sol"], device="bogus")                                      # own error)
+    # switches and numbers given as what they are not: a string was truthy (int8="no" built an int8 decoder, fused="no"
+    # searched fused), a bool was taken as 1
+    from dtmt_models.decoding.beam_search import beam_search
+    from dtmt_models.engine.decoder import as_decoder
+
+    with pytest.raises(TypeError, match=r"^as_decoder: int8 must be True or False, got 'no'$"):
+        as_decoder(model, int8="no")
+    with pytest.raises(TypeError, match=r"\.inference_decoder\(\): int8 must be True or False, got 'no'$"):
+        model.inference_decoder(int8="no")
+    src, lengths = torch.tensor([[5, 6]]), torch.tensor([2])
+    with pytest.raises(TypeError, match=r"^fused must be True or False and on_device True, False or None, got "
+                                        r"fused='no', on_device=None$"):
+        beam_search(model, src, lengths, fused="no")
+    for bad in (dict(alpha=True), dict(max_len_a=True), dict(max_len_b=True)):
+        with pytest.raises(ValueError, match=f"^{next(iter(bad))} must be"):
+            translate(model, sv, tv, ["el sol"], **bad)
     for device in ("mps", "xla"):   # (torch's RuntimeError "not linked with support", not a ValueError)
         with pytest.raises(ValueError, match=f"^translate: device '{device}': dtmt runs on the CPU or a CUDA device"):
             translate(model, sv, tv, ["el sol"], device=device)

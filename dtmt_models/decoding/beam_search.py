@@ -68,16 +68,17 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gn
         raise ValueError(f"beam and nbest must be integers, got beam={beam!r}, nbest={nbest!r}") from None
     if not 1 <= beam <= MAX_BEAM or not 1 <= nbest <= beam:
         raise ValueError(f"need 1 <= beam <= {MAX_BEAM} and 1 <= nbest <= beam, got beam={beam}, nbest={nbest}")
-    if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
         raise ValueError(f"alpha must be a finite number, got {alpha!r}")
     if abs(alpha) > MAX_ALPHA:   # (the length penalty overflows float64 at long searches)
         raise ValueError(f"alpha must be within [-{MAX_ALPHA:g}, {MAX_ALPHA:g}] (larger powers overflow float64 at "
                          f"long searches), got {alpha!r}")
     if penalty not in LENGTH_PENALTIES:
         raise ValueError(f"penalty must be one of {', '.join(LENGTH_PENALTIES)}, got {penalty!r}")
-    if not isinstance(max_len_a, numbers.Real) or not 0 <= max_len_a < math.inf:   # NaN fails this too
+    # (NaN fails the range; a bool, taken as 1, is no bound)
+    if isinstance(max_len_a, bool) or not isinstance(max_len_a, numbers.Real) or not 0 <= max_len_a < math.inf:
         raise ValueError(f"max_len_a must be a finite number >= 0, got {max_len_a!r}")
-    if not isinstance(max_len_b, numbers.Integral) or max_len_b < 0:
+    if isinstance(max_len_b, bool) or not isinstance(max_len_b, numbers.Integral) or max_len_b < 0:
         raise ValueError(f"max_len_b must be an integer >= 0, got {max_len_b!r}")
     if max_len_b >= 2 ** 63:   # (past int64 the tensor arithmetic overflowed; the search's bound is far below)
         raise ValueError(f"max_len_b must be below 2^63 (a search takes at most {MAX_SEARCH_STEPS:,} steps), got "
@@ -108,6 +109,9 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     module docstring). A model in training mode decodes in eval mode (see the module docstring). An empty batch (B = 0)
     translates to []."""
     beam, nbest = check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty, early_stop)
+    if not isinstance(fused, bool) or not (on_device is None or isinstance(on_device, bool)):   # (a string was truthy)
+        raise TypeError(f"fused must be True or False and on_device True, False or None, got fused={fused!r}, "
+                        f"on_device={on_device!r}")
     if not isinstance(src, Tensor):   # (its .device was read first: "'list' object has no attribute 'device'")
         raise ValueError(f"beam_search: src must be a LongTensor [B, S], got {type(src).__name__}")
     if src.is_meta:

@@ -137,7 +137,9 @@ def as_decoder(model, int8: bool = False, amp: Optional[str] = None) -> Decoder:
     a decoder returns itself), else the model itself, adapted where it lacks members of the protocol; with `amp`
     ("bf16" or "fp16", AMP_DTYPES) an AutocastDecoder of a 16-bit copy of the model. TypeError for an object without
     encode / step / reorder; ValueError for `int8` where the model has no int8 decoder, for int8 with amp, and for
-    another amp."""
+    another amp; TypeError for an int8 that is not a bool."""
+    if not isinstance(int8, bool):   # (a string was truthy: int8="no" built an int8 decoder)
+        raise TypeError(f"as_decoder: int8 must be True or False, got {int8!r}")
     if amp is not None:
         if amp not in AMP_DTYPES:
             raise ValueError(f"amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")

@@ -108,6 +108,8 @@ def fused_or_prepared(model: Seq2Seq, prepared: Seq2Seq, int8: bool = False):
     """What `model.inference_decoder(int8)` returns for a system that states a fused step: `fused_rnmt_decoder(
     prepared, int8)` where it applies, else `prepared` (model's inference copy); int8 decoding where it does not
     apply is a ValueError (int8_unavailable)."""
+    if not isinstance(int8, bool):   # (a string was truthy: int8="no" built an int8 decoder)
+        raise TypeError(f"{type(model).__name__}.inference_decoder(): int8 must be True or False, got {int8!r}")
     fused = fused_rnmt_decoder(prepared, int8)
     if int8 and fused is None:
         raise int8_unavailable(model)

@@ -291,6 +291,8 @@ class Seq2Seq(nn.Module):
         or TypeError where the model was converted (.to() / .double() / .cuda()) after the decoder gathered its
         weights. `int8`: decode with int8 weight matrices, which only the fused step of the attentional RNMT systems
         has (engine.rnmt.FusedRNMTDecoder): ValueError here."""
+        if not isinstance(int8, bool):   # (a string was truthy: int8="no" built an int8 decoder)
+            raise TypeError(f"{type(self).__name__}.inference_decoder(): int8 must be True or False, got {int8!r}")
         if int8:
             raise int8_unavailable(self)
         if self.training and not copies_faithfully(self):   # (its forms would follow its mode: dropout in decoding)

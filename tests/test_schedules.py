@@ -19,6 +19,11 @@ def test_rnmt_plus_shape():
     assert RNMTPlusSchedule(n=1, floor=0.3)(10 ** 7) == pytest.approx(0.3)
     with pytest.raises(ValueError):
         RNMTPlusSchedule(decay_start=10, decay_end=5)
+    # a short decay window: (2n)^((s − n t) / (e − s)) before the decay overflowed a float (2^1100 at update 0, an
+    # OverflowError's traceback at dtmt train's start), where the min is the other two terms
+    short = RNMTPlusSchedule(500, 1100, 1101, n=1)
+    assert [short(t) for t in (0, 1100, 1101, 1102)] == [1.0, 1.0, 0.5, 0.25]
+    assert RNMTPlusSchedule(500, 1100, 1101, n=4)(10) == pytest.approx(1 + 10 * 3 / 2000)
 
 
 def test_inverse_sqrt_peak_at_warmup():

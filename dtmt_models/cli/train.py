@@ -458,7 +458,12 @@ def config_edits(path: str, run: TrainConfig) -> List[str]:
     recorded = yaml.load(yaml.safe_dump(run_configuration(run), sort_keys=False),   # (as the file reads back)
                          Loader=_config_loader())
     missing = "none"
-    return [f"{k}: {data.get(k, missing)} where {LAST} has {recorded.get(k, missing)}"
+    # (the file's values as _yaml_kind says them: a value of nested aliases, a few hundred bytes, had been written out
+    # whole, a warning line of megabytes)
+    def shown(value) -> str:
+        return str(value) if isinstance(value, (bool, int, float, str)) and len(str(value)) <= 60 else _yaml_kind(value)
+
+    return [f"{shown(k)}: {shown(data.get(k, missing))} where {LAST} has {recorded.get(k, missing)}"
             for k in dict.fromkeys([*recorded, *data])
             if k not in ("out", "data") and data.get(k, missing) != recorded.get(k, missing)]
 
@@ -476,18 +481,27 @@ def parse_duration(text: Optional[str]) -> Optional[float]:
 
 
 def parse_options(items: Sequence[str]) -> dict:
+    """--opt KEY=VALUE items as {key: value} (the value as JSON, or a number as Python writes it, true / false /
+    none, else the text); ValueError naming the item that is none (no '=', no key, a number past Python's digits)."""
     out = {}
     for item in items:
-        if "=" not in item:
+        k, v = item.split("=", 1) if "=" in item else ("", None)
+        if not k.strip():
             raise ValueError(f"--opt expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
         try:
-            out[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:   # (numbers as Python writes them too: .1, 1., +0.1, 010)
-            text = v.strip()
-            out[k.strip()] = (int(text) if _INT.fullmatch(text) else float(text) if _FLOAT.fullmatch(text)
-                              else {"true": True, "false": False, "none": None}.get(v.lower(), v))
+            out[k.strip()] = _option_value(v)
+        except ValueError as exc:   # (a number of 5,000 digits: the conversion's own limit, a traceback)
+            raise ValueError(f"--opt {k.strip()}: its value cannot be read ({one_line(exc)[:120]})") from None
     return out
+
+
+def _option_value(v: str):
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:   # (numbers as Python writes them too: .1, 1., +0.1, 010)
+        text = v.strip()
+        return (int(text) if _INT.fullmatch(text) else float(text) if _FLOAT.fullmatch(text)
+                else {"true": True, "false": False, "none": None}.get(v.lower(), v))
 
 
 def budget_lifts_epochs(values: dict) -> bool:
@@ -846,7 +860,11 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
     if budget_given:   # it replaces the configuration's epoch bound, as it replaces a preset's (resolve_config)
         args.max_epochs = None
     explicit = {k for k, v in vars(args).items() if v is not None and k not in ("opt", "config")}
-    args.typed_opt = list(parse_options(typed.get("opt") or []))
+    try:   # (before the checks below: a mistyped --opt had been a traceback)
+        args.typed_opt = list(parse_options(typed.get("opt") or []))
+    except ValueError as exc:
+        print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
+        return 2
     if args.model is None and args.preset in PAPER_ROWS_BY_NAME:   # a paper row names its system
         args.model = PAPER_ROWS_BY_NAME[args.preset].model
     defaults = TrainConfig.defaults()
@@ -856,6 +874,14 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
     try:
         # everything the command line says is checked here, before any file is read or written
         check_arguments(args)
+        if config is not None and args.resume == "" and "out" not in typed and args.out is not None:
+            # (a run folder copied with its config.yaml: the file records the original's --out, which --resume then
+            # continued, the copy untouched)
+            here = os.path.dirname(os.path.abspath(config))
+            if os.path.isfile(os.path.join(here, LAST)) and not same_folder(here, os.path.abspath(args.out)):
+                raise ValueError(f"--config {config} --resume: the file records the run in {args.out}, not in {here} "
+                                 f"where it lies (a copied run folder?); give --out {here} to resume the run there, "
+                                 f"or --out {args.out}")
         if args.model not in list_models():
             raise ValueError(f"unknown model {args.model!r}{did_you_mean(args.model, list_models())}; choose one of "
                              f"{list_models()}")
@@ -1013,7 +1039,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
             if edits:   # (they were replaced without a word)
                 print(f"warning: {os.path.join(cfg.out, CONFIG)} differs from the settings in {LAST} "
                       f"({'; '.join(edits)}); --resume continues with {LAST}'s and writes them there: give a change "
-                      f"as a flag, or take the file's with --config {CONFIG} --resume", flush=True)
+                      f"as a flag, or take the file's with --config {os.path.join(cfg.out, CONFIG)} --resume",
+                      flush=True)
             if changes:   # (said nowhere before: a run's log showed a changed --valid-every only by its rows)
                 print(f"resumed with changed settings: {'; '.join(changes)}", flush=True)
             for line in [*schedule_warnings, threads_warning(cfg.threads), dev_warning]:

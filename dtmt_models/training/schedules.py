@@ -17,9 +17,11 @@ class RNMTPlusSchedule:
 
     def __call__(self, step: int) -> float:
         n, t = self.n, step
-        value = min(1.0 + t * (n - 1) / (n * self.p), float(n),
-                    n * (2.0 * n) ** ((self.s - n * t) / (self.e - self.s)))
-        return max(value, self.floor)
+        x = (self.s - n * t) / (self.e - self.s)
+        # (before the decay, x >= 0: the third term is at least n and the min is the first two; computed, it overflowed
+        # a float for a short decay window, 2^1100 at update 0 of --decay-start 1100 --decay-end 1101)
+        decay = n * (2.0 * n) ** x if x < 0 else float(n)
+        return max(min(1.0 + t * (n - 1) / (n * self.p), float(n), decay), self.floor)
 
 
 class InverseSqrtSchedule:

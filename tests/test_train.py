@@ -2972,7 +2972,9 @@ def test_schedule_flags_the_schedule_does_not_read_and_a_rate_of_another_schedul
             (["--schedule", "constant", "--lr", "1e-3", "--warmup", "10"],
              "--warmup: the constant schedule reads none of them"),
             (["--schedule", "inverse-sqrt", "--lr", "1", "--decay-start", "5", "--decay-end", "9"],
-             "--decay-start and --decay-end: the inverse-sqrt schedule reads --warmup of them"),
+             "--decay-start and --decay-end: the inverse-sqrt schedule reads --warmup and --replicas of them"),
+            (["--schedule", "constant", "--lr", "1e-3", "--replicas", "8"],   # (taken, logged as "n = 8", unread)
+             "--replicas: the constant schedule reads none of them"),
             (["--schedule", "inverse-sqrt"], "--schedule inverse-sqrt: the preset's --lr 0.002 is for rnmt, where it "
                                              "is the rate itself; give --lr for inverse-sqrt"),
             (["--init-uniform", "3.5e38"], "--init-uniform 3.5e+38: must be a finite number >= 0 and <= 10")):

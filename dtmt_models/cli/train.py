@@ -226,8 +226,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 # the schedule flags each schedule reads (the others' values, a preset's, stay unread)
-SCHEDULE_READS = {"rnmt": ("warmup", "decay_start", "decay_end"), "inverse-sqrt": ("warmup",), "constant": (),
-                  "epoch-halving": ()}
+SCHEDULE_READS = {"rnmt": ("warmup", "decay_start", "decay_end", "replicas"), "inverse-sqrt": ("warmup", "replicas"),
+                  "constant": (), "epoch-halving": ()}
 
 
 def check_schedule(cfg: TrainConfig, explicit: set = frozenset(), preset_train: Optional[dict] = None,
@@ -242,7 +242,7 @@ def check_schedule(cfg: TrainConfig, explicit: set = frozenset(), preset_train: 
     refusal of unread flags and the warning look at `typed`, the flags of the command line itself (None: `explicit`):
     a --config run file holds every schedule setting, read or not."""
     typed = explicit if typed is None else typed
-    unread = [f"--{k.replace('_', '-')}" for k in ("warmup", "decay_start", "decay_end")
+    unread = [f"--{k.replace('_', '-')}" for k in ("warmup", "decay_start", "decay_end", "replicas")
               if k in typed and k not in SCHEDULE_READS.get(cfg.schedule, ())]
     if unread:
         raise ValueError(f"{' and '.join(unread)}: the {cfg.schedule} schedule reads "

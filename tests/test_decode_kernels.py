@@ -682,12 +682,12 @@ def test_a_decoder_of_weights_pruned_again_or_changed_under_inference_mode_is_re
 def test_an_inference_tensor_is_told_by_at_most_64_of_its_values():
     """weights_kind's sample of a tensor without a version counter: up to 64 values, evenly spread (a stride of
     numel // 64 had taken up to 127); tensors with one add nothing."""
-    from dtmt_models.engine.forms import _inference_sample
+    from dtmt_models.engine.forms import inference_sample
 
     with torch.inference_mode():
         tensors = [torch.arange(n, dtype=torch.float32) for n in (1, 63, 64, 65, 127, 10_000)]
-    assert [len(_inference_sample([t])) // 4 for t in tensors] == [1, 63, 64, 33, 64, 64]
-    assert _inference_sample([torch.ones(5)]) == b""
+    assert [len(inference_sample([t])) // 4 for t in tensors] == [1, 63, 64, 33, 64, 64]
+    assert inference_sample([torch.ones(5)]) == b""
 
 
 def test_a_swapped_in_single_head_attention_is_fused(monkeypatch):

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from dtmt_kernels.functional import host_reads_allowed
 from dtmt_models.data.vocabulary import PAD
-from dtmt_models.engine.forms import check_unconverted, weights_kind
+from dtmt_models.engine.forms import inference_sample
 
 State = Dict[str, Tensor]
 
@@ -93,7 +93,7 @@ class AutocastDecoder:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"16-bit decoding copies a model (a torch.nn.Module), got {type(model).__name__}")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.built_as = weights_kind(model)   # (the model given, changed after: the copy decoded its old weights)
+        self.built_as = _weight_versions(model)   # (the model given, changed after: the copy decoded its old weights)
         self.model = copy.deepcopy(model, _in_16_bits(model, dtype)).eval()   # (the model given is untouched)
         self.built_from = model   # (built_from's answer: the model given, not the copy)
         self.inner = as_decoder(self.model)
@@ -106,7 +106,10 @@ class AutocastDecoder:
         return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
 
     def encode(self, src: Tensor, src_lengths: Tensor):
-        check_unconverted(self, self.built_from, self.built_as)   # (a search's start: its copy is of the model now)
+        if _weight_versions(self.built_from) != self.built_as:   # (a search's start: its copy is of the model now)
+            raise RuntimeError("AutocastDecoder: its model's weights changed (an optimizer step, load_state_dict) or "
+                               "were replaced after its 16-bit copy was made, which holds the old ones; build the "
+                               "decoder again")
         with self._autocast():
             return self.inner.encode(src, src_lengths)
 
@@ -114,6 +117,15 @@ class AutocastDecoder:
         with self._autocast():
             log_probs, state = self.inner.step(state, prev_tokens)
         return log_probs.float(), state
+
+
+def _weight_versions(model: torch.nn.Module) -> tuple:
+    """What AutocastDecoder compares of the model it copied: each parameter's and buffer's identity and version
+    counter, which a change in place (an optimizer step, load_state_dict) or a tensor put in its place moves, and a
+    sample of each inference tensor's values (forms.inference_sample); not their dtype or device: a conversion
+    (.to(), as `dtmt translate --amp` makes of the model after its copy) leaves the copy the model's weights."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return tuple((id(t), None if t.is_inference() else t._version) for t in tensors), inference_sample(tensors)
 
 
 def built_from(decoder) -> Optional[torch.nn.Module]:

@@ -102,10 +102,10 @@ def weights_kind(model: nn.Module) -> Tuple[tuple, tuple]:
     source = model.__dict__.get("_built_from", model)
     tensors = [*source.parameters(), *source.buffers()]
     places = tuple((id(t), t.data_ptr(), None if t.is_inference() else t._version) for t in tensors)
-    return kinds, places + (_inference_sample(tensors),)
+    return kinds, places + (inference_sample(tensors),)
 
 
-def _inference_sample(tensors) -> bytes:
+def inference_sample(tensors) -> bytes:
     """Up to 64 values of each inference tensor of `tensors`, evenly spread, as bytes (b"" where none is one): what
     weights_kind compares for the tensors without a version counter."""
     with torch.inference_mode():   # (reading inference tensors: no autograd, no version counter)

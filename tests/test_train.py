@@ -2662,6 +2662,14 @@ def test_resume_says_where_the_run_s_config_yaml_was_edited(toy_nodev, tmp_path,
     assert (out / "last.pt").read_bytes() == before
     r = train_here(["--config", str(copy / "config.yaml"), "--resume", "--max-steps", "4", "--out", str(copy)], capsys)
     assert r.returncode == 0 and "reached --max-steps 4" in r.stdout and (out / "last.pt").read_bytes() == before
+    # a config.yaml that is a folder: found only when the resumed run wrote it, after its start (a new events file)
+    (copy / "config.yaml").unlink()
+    (copy / "config.yaml").mkdir()
+    events = sorted(os.listdir(copy / "tensorboard")) if (copy / "tensorboard").exists() else None
+    r = train_here(["--out", str(copy), "--data", toy_nodev, "--resume", "--max-steps", "5"], capsys)
+    assert r.returncode == 2 and r.stderr == (f"dtmt train: --out {copy}: config.yaml there is not a file, and the "
+                                              f"run writes its config.yaml there; move it or give another --out\n")
+    assert events == (sorted(os.listdir(copy / "tensorboard")) if (copy / "tensorboard").exists() else None)
 
 
 def test_resume_names_each_setting_it_changes(toy_nodev, tmp_path, capsys):

@@ -703,17 +703,24 @@ def held_checkpoints(out: str) -> List[str]:
         path for _, path in step_checkpoints(out)][:1]
 
 
+def check_run_names(out: str) -> None:
+    """ValueError, in one line, where one of the names a run writes in `out` is something else than a file (a folder
+    best.pt had ended a run at its first validation, its updates lost; a folder config.yaml a resumed one after its
+    start, a new events file written): before a new run, and before a resumed one."""
+    for name in (LAST, BEST, LOG, CURVE, CONFIG):
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise ValueError(f"--out {out}: {name} there is not a file, and the run writes its {name} there; move it "
+                             f"or give another --out")
+
+
 def check_run_files(out: str) -> None:
     """ValueError, in one line, before a new run writes into `out` (no checkpoint there, or --overwrite): where one of
     the names the run writes is something else than a file (a folder best.pt had ended the run at its first
     validation, its updates lost), and where config.yaml or train_log.csv are not a dtmt run's (a user's own
     config.yaml in `--out .` had been replaced without a word; a run's own, even the --config file, is rewritten with
     the settings resolved)."""
-    for name in (LAST, BEST, LOG, CURVE, CONFIG):
-        path = os.path.join(out, name)
-        if os.path.lexists(path) and not os.path.isfile(path):
-            raise ValueError(f"--out {out}: {name} there is not a file, and the run writes its {name} there; move it "
-                             f"or give another --out")
+    check_run_names(out)
     own = os.path.join(out, CONFIG)
     if os.path.isfile(own):
         try:   # (read as a --config file is: bounded, the run configurations' loader)
@@ -928,6 +935,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
                     raise ValueError(f"--out {args.out} already holds a checkpoint of its own "
                                      f"({os.path.basename(held[0])}); continue {resume_from} in a new --out")
             check_best_is_of_the_run(os.path.join(args.out, BEST), source, ckpt)
+            check_run_names(args.out)
             for key in ("src_vocab", "tgt_vocab"):   # (the rest is checked against the model: Trainer)
                 try:
                     Vocabulary(ckpt[key])

@@ -2808,6 +2808,10 @@ def test_config_files_read_as_yaml_writers_mean_them(tmp_path, capsys):
     argv = train.config_arguments(str(path))
     assert argv == ["--amp", "off", "--seed", "10", "--max-time", "1:30", "--max-steps", "16", "--opt", "dropout=0.1",
                     "--opt", 'layer_norm="no"'], argv
+    # ~ in a path, as the shell expands it in a flag (a folder named ~ had been made in the current one)
+    path.write_text("out: ~/runs/x\ndata: ~/corpus\n")
+    assert train.config_arguments(str(path)) == ["--out", os.path.expanduser("~/runs/x"), "--data",
+                                                 os.path.expanduser("~/corpus")]
     path.write_text("opt: {dropout: 1e-1, embed_dim: 32}\nlr: 1e-3\n")
     # two files: refused (the last was read, the first ignored without a word)
     assert train.main(["--config", str(path), "--config", str(path), "--data", str(tmp_path)]) == 2

@@ -418,6 +418,8 @@ def config_arguments(path: str) -> List[str]:
         elif isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ValueError(f"--config {path}: {key} takes one {'number or word' if dest != 'data' else 'path'}, "
                              f"got {_yaml_kind(value)}")
+        elif dest in ("out", "data") and isinstance(value, str):   # (~ as the shell expands it in a flag: a folder
+            argv += [flags[dest], os.path.expanduser(value)]          # named ~ had been made in the current one)
         else:
             argv += [flags[dest], str(value)]
     if "optimizer" not in data and any(k in data for k in OPTIMIZER_SETTINGS["adam"]):

@@ -29,7 +29,7 @@ from dtmt_models.engine.decoder import step_state
 from dtmt_models.engine.forms import AttentionStep, FrozenReadout, FrozenTransitionCell, FrozenTransitionLayer
 from dtmt_models.engine.rnmt import FusedRNMTDecoder, FusedStep
 from dtmt_models.models.embeddings import TokenEmbedding
-from dtmt_models.models.seq2seq import Seq2Seq, State, int8_unavailable, lengths_mask
+from dtmt_models.models.seq2seq import Seq2Seq, State, check_int8_flag, int8_unavailable, lengths_mask
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -108,8 +108,7 @@ def fused_or_prepared(model: Seq2Seq, prepared: Seq2Seq, int8: bool = False):
     """What `model.inference_decoder(int8)` returns for a system that states a fused step: `fused_rnmt_decoder(
     prepared, int8)` where it applies, else `prepared` (model's inference copy); int8 decoding where it does not
     apply is a ValueError (int8_unavailable)."""
-    if not isinstance(int8, bool):   # (a string was truthy: int8="no" built an int8 decoder)
-        raise TypeError(f"{type(model).__name__}.inference_decoder(): int8 must be True or False, got {int8!r}")
+    check_int8_flag(model, int8)
     fused = fused_rnmt_decoder(prepared, int8)
     if int8 and fused is None:
         raise int8_unavailable(model)

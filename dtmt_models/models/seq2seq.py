@@ -124,6 +124,13 @@ def lengths_mask(lengths: Tensor, max_len: int) -> Tensor:
 INT8_SYSTEMS = "dtmt, shallow-rnmt, rnnsearch-atr, mce and one-level nematus"
 
 
+def check_int8_flag(model, int8) -> None:
+    """TypeError unless `int8`, given to `model`'s inference_decoder, is a bool (a string was truthy: int8="no" built
+    an int8 decoder)."""
+    if not isinstance(int8, bool):
+        raise TypeError(f"{type(model).__name__}.inference_decoder(): int8 must be True or False, got {int8!r}")
+
+
 def int8_unavailable(model) -> ValueError:
     """The error for int8 decoding asked of a model that cannot have it, saying which of the conditions it fails."""
     why = []   # (training mode is none: the decoder is built from an eval copy)
@@ -291,8 +298,7 @@ class Seq2Seq(nn.Module):
         or TypeError where the model was converted (.to() / .double() / .cuda()) after the decoder gathered its
         weights. `int8`: decode with int8 weight matrices, which only the fused step of the attentional RNMT systems
         has (engine.rnmt.FusedRNMTDecoder): ValueError here."""
-        if not isinstance(int8, bool):   # (a string was truthy: int8="no" built an int8 decoder)
-            raise TypeError(f"{type(self).__name__}.inference_decoder(): int8 must be True or False, got {int8!r}")
+        check_int8_flag(self, int8)
         if int8:
             raise int8_unavailable(self)
         if self.training and not copies_faithfully(self):   # (its forms would follow its mode: dropout in decoding)

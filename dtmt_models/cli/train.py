@@ -38,7 +38,7 @@ from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.graphs import CaptureFailed
 from dtmt_models.training.distributed import (Dist, Meeting, RefusedByAll, by_hand, check_environment, lost_peer,
-                                              process_device, refusal_line, resolve_auto, world_size)
+                                              process_device, rank, refusal_line, resolve_auto, world_size)
 from dtmt_models.training.trainer import (BEST, CONFIG, CURVE, LAST, LOG, LOG_FIELDS, TENSORBOARD, Trainer,
                                           TrainingDiverged, step_checkpoints)
 
@@ -663,10 +663,10 @@ def check_processes_agree(dist: Dist, cfg: TrainConfig, resumed: Optional[dict] 
                                           f"{resumed.get('elapsed')} s of training")
     every = dist.gather(settings)
     first = every[0]
-    for rank, other in enumerate(every[1:], start=1):   # (each against process 0's: the same message in all)
+    for number, other in enumerate(every[1:], start=1):   # (each against process 0's: the same message in all)
         differ = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
         if differ:
-            shown = ", ".join(f"{k} ({first.get(k)!r} in process 0, {other.get(k)!r} in process {rank})"
+            shown = ", ".join(f"{k} ({first.get(k)!r} in process 0, {other.get(k)!r} in process {number})"
                               for k in differ[:3])
             dist.close()   # (every process ends here alike; one gone before another's gather had finished broke it)
             raise RefusedByAll(f"the run's processes were started with different settings: {shown}"
@@ -909,7 +909,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
         if inside is not None:   # (the refusal came later, blaming the run's own lock file)
             raise ValueError(f"--out {args.out}: inside --data's binarized copy {inside}, which dtmt prepare "
                              f"rebuilds whole; give a folder outside it")
-        if int(os.environ.get("RANK", "0")) == 0:   # one run per directory (the main process holds it)
+        if rank() == 0:   # one run per directory (the main process holds it)
             lock.append(RunLock(args.out).acquire())
             # what an interrupted earlier run left (its process gone): in --out, and the corpus' binarized build; not
             # a dtmt prepare's stage, which says the corpus there was being replaced (prepare then takes the folder

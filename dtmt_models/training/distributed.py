@@ -27,16 +27,21 @@ def world_size() -> int:
     return _count("WORLD_SIZE", "1")
 
 
+def rank() -> int:
+    """This process's rank in the run (torchrun's RANK; 0 without it)."""
+    return _count("RANK", "0")
+
+
 def check_environment() -> None:
     """The launch variables checked before anything else: WORLD_SIZE at least 1, RANK in [0, WORLD_SIZE),
     LOCAL_RANK at least 0, each a whole number; ValueError naming the variable. A RANK left in the shell without
     WORLD_SIZE (a single process, rank 0) had made the run a follower of a main process that did not exist: it
     trained and wrote nothing, exit 0; WORLD_SIZE=0 had failed in a traceback."""
-    world, rank, local = world_size(), _count("RANK", "0"), _count("LOCAL_RANK", "0")
+    world, own, local = world_size(), rank(), _count("LOCAL_RANK", "0")
     if world < 1:
         raise ValueError(f"WORLD_SIZE={world}: the number of processes is at least 1")
-    if not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} with WORLD_SIZE={world}: a rank in [0, {world}) is needed"
+    if not 0 <= own < world:
+        raise ValueError(f"RANK={own} with WORLD_SIZE={world}: a rank in [0, {world}) is needed"
                          + ("" if "WORLD_SIZE" in os.environ else " (a single process is rank 0: unset RANK, or "
                             "start the run's processes with torchrun)"))
     if local < 0:
@@ -82,7 +87,7 @@ class Meeting:
     apart.)"""
 
     def __init__(self):
-        self.rank, self.world = int(os.environ.get("RANK", "0")), world_size()
+        self.rank, self.world = rank(), world_size()
         self.settled = False
         self._noted = 0.0
         missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
@@ -230,8 +235,7 @@ def process_device(device_arg: str) -> torch.device:
     LOCAL_RANK); ValueError where there is no such device (checked before the processes meet: a set_device of an
     ordinal past the machine's GPUs failed after the others were told this one's checks had passed)."""
     device_arg = resolve_auto(device_arg)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local, per_node = _count("LOCAL_RANK", "0"), _count("LOCAL_WORLD_SIZE", "1")
     if device_arg.startswith("cuda:") and per_node > 1 and not by_hand():
         # (torchrun gives every process of a machine the same command line: all had taken that one GPU, and NCCL
         # failed at the first collective in a traceback)
@@ -259,7 +263,7 @@ class Dist:
 
     def __init__(self, device_arg: str, meeting: Optional[Meeting] = None):
         self.world = world_size()
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank = rank()
         self.device = process_device(device_arg)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

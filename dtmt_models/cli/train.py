@@ -228,6 +228,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 # the schedule flags each schedule reads (the others' values, a preset's, stay unread)
 SCHEDULE_READS = {"rnmt": ("warmup", "decay_start", "decay_end", "replicas"), "inverse-sqrt": ("warmup", "replicas"),
                   "constant": (), "epoch-halving": ()}
+SCHEDULE_FLAGS = tuple(dict.fromkeys(k for read in SCHEDULE_READS.values() for k in read))   # (warmup, ..., replicas)
 
 
 def check_schedule(cfg: TrainConfig, explicit: set = frozenset(), preset_train: Optional[dict] = None,
@@ -242,7 +243,7 @@ def check_schedule(cfg: TrainConfig, explicit: set = frozenset(), preset_train: 
     refusal of unread flags and the warning look at `typed`, the flags of the command line itself (None: `explicit`):
     a --config run file holds every schedule setting, read or not."""
     typed = explicit if typed is None else typed
-    unread = [f"--{k.replace('_', '-')}" for k in ("warmup", "decay_start", "decay_end", "replicas")
+    unread = [f"--{k.replace('_', '-')}" for k in SCHEDULE_FLAGS
               if k in typed and k not in SCHEDULE_READS.get(cfg.schedule, ())]
     if unread:
         raise ValueError(f"{' and '.join(unread)}: the {cfg.schedule} schedule reads "

@@ -55,6 +55,9 @@ std::array<int64_t, 5> check_sequence(const Tensor& x, const Tensor& h0, const T
   dtmt::check_optional_sizes(mask, {T, B}, op, "mask");
   dtmt::check_mask(mask, op);
   dtmt::check_optional_sizes(drop, {D + 1, B, H}, op, "drop");
+  // (an ATR step has no candidate: a dropout mask was taken and did nothing, where the layers refuse it)
+  TORCH_CHECK(!dtmt::given(drop) || w.kind != dtmt::kATR, "dtmt::", op,
+              ": drop must be None for ATR, which has no candidate to drop (contract §2)");
   dtmt::check_floating(h0, op, h_name);
   dtmt::check_floating(drop, op, "drop");
   dtmt::check_floating(x, op, "x");

@@ -188,6 +188,28 @@ def test_the_encode_ops_refuse_a_mask_that_is_not_bool_or_real():
     torch.testing.assert_close(out, encode(x, h0, ones, KINDS["lgru"], flat, False, 1e-5)[0])
 
 
+def test_the_transition_ops_refuse_a_dropout_mask_for_atr():
+    """An ATR step has no candidate (contract §2): the raw ops took a dropout mask and ignored it, where the layers
+    refuse candidate_dropout for ATR. Refused by the C++ ops (forward and backward) and by their fakes (the Triton
+    ops' check, csrc's check_sequence on the meta device), naming the op; without the mask they run."""
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = _layer("atr", 0, True)
+    p = [t.detach() if t is not None else None for t in flat_params(layer.direction_weights())]
+    x, h0 = torch.randn(3, 2, 4, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
+    drop = torch.full((1, 2, 6), 2.0, dtype=torch.float64)
+    out, h_n, *saved = torch.ops.dtmt.transition_forward(x, h0, None, None, KINDS["atr"], *p, False, 1e-5)
+    message = "drop must be None for ATR, which has no candidate to drop (contract §2)"
+    for device in ("cpu", "meta"):
+        on = [t.to(device) if isinstance(t, torch.Tensor) else t for t in p]
+        with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_forward: {message}")):
+            torch.ops.dtmt.transition_forward(x.to(device), h0.to(device), None, drop.to(device), KINDS["atr"],
+                                              *on, False, 1e-5)
+    with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_backward: {message}")):
+        torch.ops.dtmt.transition_backward(torch.ones_like(out), torch.ones_like(h_n), x, None, drop, KINDS["atr"],
+                                           *p, *saved[:5], False, 1e-5, True)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_the_reference_of_no_steps_answers_as_the_op(reverse):
     """T = 0 (a raw call; the layers refuse it as torch.nn.GRU does): the C++ op answers an empty output and h0

@@ -181,6 +181,8 @@ def check_sequence(op: str, x, h0, mask, drop, kind, eps, w_ih, b_ih, w_hh, b_hh
     if present(mask):
         want.append(("mask", mask, [T, B]))
     if present(drop):
+        if kind == KINDS["atr"]:   # (taken and unused, where the layers refuse it)
+            fail("drop must be None for ATR, which has no candidate to drop (contract §2)")
         want.append(("drop", drop, [D + 1, B, H]))
     for name, t, shape in want:   # (Triton's kernels read the biases: empty ones, which the C++ op takes, are refused)
         if t is None or list(t.shape) != shape:

@@ -716,8 +716,9 @@ std::vector<Tensor> transition_encode_tokens_cpu(const Tensor& tokens, const Ten
   check_encode(dirs, h0, mask, tokens.size(0), tokens.size(1), "transition_encode_tokens");
   const auto st = table.scalar_type();
   const int64_t N = dirs[0].w_ih.size(0);
-  TORCH_CHECK(h0.scalar_type() == st && (!mask.defined() || mask.numel() == 0 || mask.scalar_type() == st),
-              "dtmt::transition_encode_tokens: h0 and the mask of the table's dtype (", st, ") expected");
+  // (the mask, bool or floating point as transition_encode's, is converted by the step's settings)
+  TORCH_CHECK(h0.scalar_type() == st, "dtmt::transition_encode_tokens: h0 of the table's dtype (", st,
+              ") expected, got ", h0.scalar_type());
   TORCH_CHECK((st == at::kFloat || st == at::kDouble) && table.dim() == 2 && table.size(1) == D * N,
               "dtmt::transition_encode_tokens: a float or double table [V, ", D * N, "] (each direction's ", N,
               " input products) expected, got ", table.sizes(), " ", st);

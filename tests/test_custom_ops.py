@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dtmt_kernels as dk
-from conftest import RecordOps
+from conftest import RecordOps, padding_mask
 from dtmt_kernels.ops.transition import KINDS, flat_params
 import dtmt_models.engine.ops  # noqa: F401  (the engine's ops: their fakes and autocast rules)
 from dtmt_models import build_model
@@ -208,6 +208,26 @@ def test_the_transition_ops_refuse_a_dropout_mask_for_atr():
     with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_backward: {message}")):
         torch.ops.dtmt.transition_backward(torch.ones_like(out), torch.ones_like(h_n), x, None, drop, KINDS["atr"],
                                            *p, *saved[:5], False, 1e-5, True)
+
+
+def test_encode_tokens_takes_the_masks_encode_takes():
+    """transition_encode_tokens refused a bool mask ("the mask of the table's dtype expected") where transition_encode,
+    its fake and every other op take bool or floating masks: it takes both, and gives transition_encode's outputs on
+    the embedded tokens (float64, ragged lengths), bool mask or float."""
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = _layer("lgru", 1, True)
+    p = [t.detach() if t is not None else torch.empty(0, dtype=torch.float64)
+         for t in flat_params(layer.direction_weights())]
+    g = torch.Generator().manual_seed(3)
+    E, tokens = torch.randn(10, 4, dtype=torch.float64, generator=g), torch.randint(0, 10, (3, 2), generator=g)
+    mask, h0 = padding_mask([3, 1], 3).bool(), torch.randn(1, 2, 6, dtype=torch.float64, generator=g)
+    want = torch.ops.dtmt.transition_encode(E[tokens], h0, mask, KINDS["lgru"], p, False, 1e-5)
+    for m in (mask, mask.double()):
+        got = torch.ops.dtmt.transition_encode_tokens(tokens, E @ p[0].t(), None, h0, m, KINDS["lgru"], p, False,
+                                                      1e-5)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("reverse", [False, True])

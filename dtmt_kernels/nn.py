@@ -115,10 +115,14 @@ class _TransitionBase(BackendSwitch, nn.Module):
         self._candidate_dropout = float(value)
 
     def __setstate__(self, state: dict) -> None:
-        # a module pickled whole before the property (torch.save(module)) holds the value under its plain name
-        if "candidate_dropout" in state:
-            state = {**state, "_candidate_dropout": float(state["candidate_dropout"])}
-            del state["candidate_dropout"]
+        # a module pickled whole (torch.save(module)) by an earlier version: candidate_dropout and backend, now
+        # properties, under their plain names; no `bias` flag (every layer had its biases then)
+        state = dict(state)
+        for plain in ("candidate_dropout", "backend"):
+            if plain in state:
+                state.setdefault(f"_{plain}", state.pop(plain))
+        state["_candidate_dropout"] = float(state.get("_candidate_dropout", 0.0))
+        state.setdefault("bias", True)
         super().__setstate__(state)
 
     # ----------------------------------------------------------------------------------------------- setup
@@ -190,7 +194,7 @@ class _TransitionBase(BackendSwitch, nn.Module):
     def direction_weights(self, direction: int = 0, params: Optional[dict] = None) -> TransitionWeights:
         """The flat, full-width parameters of one direction, as every backend takes them. `params` (name ->
         tensor, as `named_parameters()`) replaces the module's own, for functional use."""
-        sfx = self._suffixes()[direction]
+        sfx = self._suffixes()[self._check_direction(direction)]
         p = self._weights_read(direction) if params is None else params
         H = self.hidden_size
         w_ih, w_hh = p[f"weight_ih{sfx}"], p[f"weight_hh{sfx}"]
@@ -215,6 +219,15 @@ class _TransitionBase(BackendSwitch, nn.Module):
             t_ln_b.append(p.get(f"tgru{k}_ln_bias{sfx}"))
         return TransitionWeights(self.cell, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w, t_ln_b)
 
+    def _check_direction(self, direction) -> int:
+        """`direction`, an int from 0 to num_directions - 1: ValueError otherwise (-1 had read the reverse
+        direction's weights, 2 was an IndexError)."""
+        if not isinstance(direction, int) or isinstance(direction, bool) \
+                or not 0 <= direction < self.num_directions:
+            raise ValueError(f"{type(self).__name__}: direction must be an int from 0 to {self.num_directions - 1}, "
+                             f"got {direction!r}")
+        return direction
+
     def kernel_params(self, direction: int = 0) -> List[Tensor]:
         """The ten flat, contiguous parameter tensors of one direction in the ops' order (ops.transition.flat_params:
         T-GRU weights stacked, a copy where depth > 1; absent ones empty, as the ops' tensor lists take them), made
@@ -231,6 +244,9 @@ class _TransitionBase(BackendSwitch, nn.Module):
     def sample_dropout_masks(self, batch_size: int, like: Optional[Tensor] = None) -> Optional[Tensor]:
         """Candidate-dropout multipliers [depth+1, B, H] for one direction (None when dropout is off or in
         eval mode). Pass the result to a cell's every step to keep the mask fixed over time."""
+        if not isinstance(batch_size, (int, torch.SymInt)) or isinstance(batch_size, bool) \
+                or (isinstance(batch_size, int) and batch_size < 0):   # (a traced batch: a SymInt)
+            raise ValueError(f"{type(self).__name__}: batch_size must be an int >= 0, got {batch_size!r}")
         if not (self.training and self.candidate_dropout > 0):
             return None
         ref = like if like is not None else self.weight_hh
@@ -270,13 +286,29 @@ class _TransitionBase(BackendSwitch, nn.Module):
         if x.shape[1] == 0:   # torch.nn.GRU's answer to a batch of no sequences: empty outputs, zero gradients
             link = (x.sum() + sum(p.sum() for p in self.parameters())) * 0   # (in x's and the weights' graph)
             return x.new_zeros(x.shape[0], 0, self.num_directions * self.hidden_size) + link, h0 + link
+        if backend.name == "reference":   # (it broadcasts a short bias where the ops refuse it; the checks cost
+            self._check_parameter_shapes()   # nothing beside the reference's steps)
         try:
             x = padding_zeroed(x, mask)   # (non-finite padding made the gradients NaN)
             return each_direction(self, lambda d, reverse: backend.run(x, h0[d], self.direction_weights(d), mask,
                                                                         drops[d], reverse, self.eps))
         except RuntimeError:   # (the ops' own message, where a parameter is apart, named none: contract §3's one)
+            self._check_parameter_shapes()
             self._check_parameters()
             raise
+
+    def _check_parameter_shapes(self, direction: Optional[int] = None) -> None:
+        """ValueError naming the first tensor a forward reads (`_weights_read`: a parameter, a parametrization's
+        tensor, or one that torch.func.functional_call or an assignment put in its place) whose shape is not the one
+        the layer's sizes give (the ops had refused it in their own names, b_hh for bias_hh, the reference had
+        broadcast a bias of one value)."""
+        for d in range(self.num_directions) if direction is None else (direction,):
+            read = self._weights_read(d)
+            for n, shape in self._parameter_shapes(self._suffixes()[d]):
+                if tuple(read[n].shape) != shape:
+                    raise ValueError(f"{type(self).__name__}: parameter {n} must be {list(shape)} (input_size "
+                                     f"{self.input_size}, hidden_size {self.hidden_size}), got "
+                                     f"{list(read[n].shape)}") from None
 
     def _check_parameters(self) -> None:
         """ValueError naming the first parameter whose device or dtype is not the others' (those of most of them):
@@ -484,6 +516,7 @@ class TransitionCell(Unrollable, _TransitionBase):
         hit = sessions.get(key)
         if (hit is None or hit[0].done or hit[0].versions != versions   # a new graph, or changed weights
                 or any(a is not b for a, b in zip(hit[2], weights))):
+            self._check_parameter_shapes(0)
             flat = self.kernel_params(0)
             steps = UnrolledSteps(KINDS[self.cell], flat, versions)
             sessions[key] = hit = (steps, CppUnrolledWeightsFunction.apply(steps, *flat), weights)

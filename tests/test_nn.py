@@ -577,6 +577,47 @@ def test_a_parameter_apart_from_the_others_is_named(backend):
                 assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_a_parameter_of_the_wrong_shape_is_named(backend):
+    """A parameter whose shape is not the layer's (put by torch.func.functional_call or an assignment) ran on the
+    reference backend, a bias of one value broadcast over H, and failed inside the C++ op in its own names (b_hh
+    for bias_hh) after a dozen frames: the same ValueError on both, naming the parameter and its shape, for the
+    layers and cells, both directions, and the unrolled steps."""
+    from torch.func import functional_call
+    from dtmt_kernels.unrolled import unrolled
+
+    cases = [(dk.nn.ATR(4, 5), "bias_hh", torch.randn(2, 3, 4)),
+             (dk.nn.DeepTransitionGRU(4, 5, depth=2, bidirectional=True), "tgru2_bias_hh_reverse",
+              torch.randn(2, 3, 4)),
+             (dk.nn.DeepTransitionGRUCell(4, 5, depth=1), "tgru1_bias_hh", torch.randn(3, 4)),
+             (dk.nn.ATRCell(4, 5, layer_norm=False), "bias_hh", torch.randn(3, 4)),
+             (dk.nn.DeepTransitionGRU(4, 5, depth=0, layer_norm=False), "weight_ih", torch.randn(2, 3, 4))]
+    for module, name, x in cases:
+        module.backend = backend
+        want = dict(module.named_parameters())[name].shape
+        bad = torch.full((1,), 0.7) if "bias" in name else torch.randn(want[0], want[1] + 1)
+        message = f"{type(module).__name__}: parameter {name} must be {list(want)} (input_size 4, hidden_size 5), " \
+                  f"got {list(bad.shape)}"
+        _err(lambda: functional_call(module, {**dict(module.named_parameters()), name: bad}, (x,)), re.escape(message))
+        setattr(module, name, torch.nn.Parameter(bad))
+        _err(lambda: module(x), re.escape(message))
+        if isinstance(module, dk.nn.ATRCell) or isinstance(module, dk.nn.DeepTransitionGRUCell):
+            with unrolled(module):
+                _err(lambda: module(x.requires_grad_()), re.escape(message))
+    # the helpers' arguments: direction_weights(-1) had read the reverse direction, 2 was an IndexError;
+    # sample_dropout_masks(True) a mask for batch 1, -1 and 2.5 torch's errors
+    layer = dk.nn.DeepTransitionGRU(4, 5, depth=1, candidate_dropout=0.1, bidirectional=True)
+    for bad in (-1, 2, 1.0, True):
+        _err(lambda: layer.direction_weights(bad), f"DeepTransitionGRU: direction must be an int from 0 to 1, got "
+                                                   f"{bad!r}")
+        _err(lambda: layer.kernel_params(bad), "direction must be an int from 0 to 1")
+    for bad in (-1, 2.5, True, "2"):
+        _err(lambda: layer.sample_dropout_masks(bad), re.escape(f"DeepTransitionGRU: batch_size must be an int >= 0, "
+                                                                f"got {bad!r}"))
+    assert layer.sample_dropout_masks(3).shape == (2, 3, 5)
+    assert torch.equal(layer.direction_weights(1).w_hh, layer.weight_hh_reverse)
+
+
 def test_bad_inputs_raise_value_errors():
     layer = dk.nn.DeepTransitionGRU(3, 4, depth=1, bidirectional=True)
     x = torch.randn(5, 2, 3)
@@ -637,14 +678,20 @@ def test_bad_inputs_raise_value_errors():
         assert module.candidate_dropout == 0.0
     _err(lambda: dk.nn.ATRCell(3, 4)(torch.ones(2, 3), torch.zeros(2, 4), torch.zeros(1, 2, 4)),
          "ATRCell: ATR has no candidate to drop \\(contract §2\\); pass no drop mask")
-    # a layer pickled whole before the property holds the value under its plain name: it loads and runs
-    old = dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=0.25)
-    state = dict(old.__dict__)
-    state["candidate_dropout"] = state.pop("_candidate_dropout")
-    loaded = object.__new__(type(old))
-    loaded.__setstate__(state)
-    assert loaded.candidate_dropout == 0.25 and "candidate_dropout" not in loaded.__dict__
-    assert torch.equal(loaded.eval()(torch.ones(2, 1, 3))[0], old.eval()(torch.ones(2, 1, 3))[0])
+    # a layer pickled whole by an earlier version: candidate_dropout (and backend, before BackendSwitch) under their
+    # plain names, no `bias` flag (before bias=False; forward and repr were an AttributeError): it loads and runs
+    old = dk.nn.DeepTransitionGRU(3, 4, candidate_dropout=0.25, backend="reference")
+    for renamed, unbiased in ((("candidate_dropout",), False), (("candidate_dropout", "backend"), True)):
+        state = dict(old.__dict__)
+        for name in renamed:
+            state[name] = state.pop(f"_{name}")
+        if unbiased:
+            del state["bias"]
+        loaded = object.__new__(type(old))
+        loaded.__setstate__(state)
+        assert loaded.candidate_dropout == 0.25 and loaded.backend == "reference" and loaded.bias is True
+        assert not {"candidate_dropout", "backend"} & set(loaded.__dict__) and repr(loaded) == repr(old)
+        assert torch.equal(loaded.eval()(torch.ones(2, 1, 3))[0], old.eval()(torch.ones(2, 1, 3))[0])
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, backend="fast"), "backend must be one of")
     # switches: a bool, numpy's, or 0 / 1 as torch.nn.GRU takes them (layer_norm="no" had meant True)
     _err(lambda: dk.nn.DeepTransitionGRU(3, 4, layer_norm="no"), "layer_norm must be True or False, got 'no'")

@@ -73,12 +73,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 def check_listening(host: str, port: int) -> None:
     """InputError where the server could not listen on host:port (a port in use, a host of another machine or none):
     a socket bound there and closed, as the server binds it (SO_REUSEADDR, asyncio's default), before anything
-    loads. Port 0 (any free one) is left to the server."""
-    if not port:
-        return
+    loads (port 0 too: the host is checked, the port any free one). UsageError for a host that is no address or name
+    this machine resolves (`localhost:8080`, `http://...`: it had been said after the model loaded, exit 1)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: not an address or a host name this machine resolves "
+                         f"({exc.strerror or exc})") from None
+    try:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:   # (as asyncio binds it: IPv6 alone, an IPv4 listener on the port aside)

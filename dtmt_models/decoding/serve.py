@@ -30,9 +30,10 @@ batch fails, each of its requests is decoded again on its own, so only a request
 answered by aiohttp's parser before any handler, 400 in plain text. Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
 requests in flight finish (at most `shutdown_timeout` seconds: one not translated by then is answered 503; a body
 still being read gets a second more), then ends. The bodies being read (each counted
-by its Content-Length, a chunked one as the largest body, until it is parsed) hold at most BODY_BYTES_IN_FLIGHT
-bytes (or one largest body) together: a request beyond that is answered 503 with Retry-After, its body unread (300
-clients each sending the largest body took 3.3 GB). A client gets `read_timeout` seconds to send a request's body
+by the bytes received, until it is parsed) hold at most BODY_BYTES_IN_FLIGHT bytes (or one largest body) together:
+a request whose next bytes would pass that is answered 503 with Retry-After, the rest of its body unread (300
+clients each sending the largest body took 3.3 GB); a Content-Length past the largest body is answered 413 at once
+(before the body, to `Expect: 100-continue`). A body is decompressed and parsed on a thread, the event loop free. A client gets `read_timeout` seconds to send a request's body
 (else 408, and the connection is closed); a connection on which no request has started for as long while none was
 in progress (silent since it opened, stalled in its headers, or idle between requests) is
 closed: a stalled or silent client holds no connection for longer. A client that leaves before its answer costs no
@@ -71,6 +72,8 @@ MAX_WAIT_MS = 60_000.0            # a minute
 MAX_TIMEOUT = 86_400.0            # a day (shutdown_timeout, read_timeout)
 MIN_READ_TIMEOUT = 0.1            # (the idle-connection watchdog wakes every quarter of it)
 BODY_BYTES_IN_FLIGHT = 256 << 20  # the bodies of the requests in progress together, at most (or one largest body)
+MAX_MEMBERS = 1_000               # gzip members of one body (a client sends one; 300,000 empty ones took 40 s)
+DECOMPRESS_PIECE = 64 << 10       # the input given to zlib at a time
 QUEUED_BATCHES = 16               # sentences waiting for a batch, at most: this many batches' (or one largest request)
 
 
@@ -165,33 +168,40 @@ def decode_body(body: bytes, content_encoding: str, limit: int) -> bytes:
 
 
 def _decompress(data: bytes, coding: str, limit: int) -> bytes:
-    """gzip (one member or several, concatenated) or deflate (zlib's format, or raw as some clients send it)."""
-    out: List[bytes] = []
-    size = 0
+    """gzip (one member or several, concatenated: at most MAX_MEMBERS) or deflate (zlib's format, or raw as some
+    clients send it). The input is given to zlib DECOMPRESS_PIECE bytes at a time: what follows a member's end is
+    never copied whole (a copy per member had made a body of many empty members quadratic in its size)."""
+    view, out, size, pos, members = memoryview(data), [], 0, 0, 0
     while True:
+        members += 1
+        if members > MAX_MEMBERS:
+            raise RequestError(400, f"the body is not {coding} data this server reads (more than {MAX_MEMBERS:,} "
+                                    f"gzip members)")
         if coding == "gzip":
             wbits = 16 + zlib.MAX_WBITS
         else:   # a zlib header's first byte says method 8 (deflate); else raw deflate
-            wbits = zlib.MAX_WBITS if data[:1] and data[0] & 0x0F == 8 else -zlib.MAX_WBITS
+            wbits = zlib.MAX_WBITS if pos < len(view) and view[pos] & 0x0F == 8 else -zlib.MAX_WBITS
         decompressor = zlib.decompressobj(wbits)
-        try:
-            chunk = decompressor.decompress(data, limit + 1 - size)
-        except zlib.error as exc:
-            raise RequestError(400, f"the body is not valid {coding} data, as its Content-Encoding says "
-                                    f"({exc})") from None
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(413, f"the request body is too large (more than {limit:,} bytes decompressed)")
+        while not decompressor.eof and pos < len(view):
+            piece = view[pos:pos + DECOMPRESS_PIECE]
+            try:
+                chunk = decompressor.decompress(piece, limit + 1 - size)
+            except zlib.error as exc:
+                raise RequestError(400, f"the body is not valid {coding} data, as its Content-Encoding says "
+                                        f"({exc})") from None
+            size += len(chunk)
+            if size > limit:   # (else the output stopped short of max_length: the piece was read to its end or eof)
+                raise RequestError(413, f"the request body is too large (more than {limit:,} bytes decompressed)")
+            out.append(chunk)
+            pos += len(piece) - len(decompressor.unused_data)
         if not decompressor.eof:
             raise RequestError(400, f"the body is not valid {coding} data, as its Content-Encoding says "
                                     f"(it ends early)")
-        out.append(chunk)
-        data = decompressor.unused_data
-        if not data:
+        if pos == len(view):
             return b"".join(out)
         if coding != "gzip":
             raise RequestError(400, f"the body is not valid {coding} data, as its Content-Encoding says "
-                                    f"({len(data)} bytes after its end)")
+                                    f"({len(view) - pos} bytes after its end)")
 
 
 @dataclass
@@ -342,7 +352,7 @@ class Server:
         async def json_errors(request, handler):
             return await self._json_errors(request, handler)
         app = web.Application(client_max_size=self.body_limit, middlewares=[json_errors])
-        app.router.add_post("/translate", self._translate)
+        app.router.add_post("/translate", self._translate, expect_handler=self._expect)
         app.router.add_get("/health", self._health)
         app.router.add_get("/info", self._info)
         app.cleanup_ctx.append(self._batcher_context)
@@ -436,7 +446,10 @@ class Server:
             message = exc.reason if not exc.text or exc.text.startswith(f"{exc.status}:") else exc.text
             if exc.status == 413:
                 message = f"the request body is too large ({message})"
-            return self._error(exc.status, message)
+            allow = exc.headers.get("Allow")   # (405: RFC 9110 asks for the methods allowed; it had been dropped)
+            if exc.status == 405 and allow is not None:
+                message = f"method {request.method} is not allowed on {request.path} (allowed: {allow})"
+            return self._error(exc.status, message, None if allow is None else {"Allow": allow})
         finally:
             self._busy.discard(conn)
 
@@ -445,23 +458,10 @@ class Server:
 
         self.counters.requests += 1
         number = self.counters.requests
-        if request.content_length is not None and request.content_length > self.body_limit:   # (said at once, not
-            response = self._error(413, f"the request body is too large (Content-Length {request.content_length:,}; "
-                                        f"the limit is {self.body_limit:,} bytes)")   # once read_timeout is up)
-            response.force_close()
-            return response
-        # the body's bytes while it is read and parsed (a chunked one: the largest body's), against the budget
-        size = self.body_limit if request.content_length is None else request.content_length
-        if self._body_bytes and self._body_bytes + size > max(BODY_BYTES_IN_FLIGHT, self.body_limit):
-            response = self._error(503, f"the server is reading the bodies of other requests (up to "
-                                        f"{self._body_bytes:,} bytes); try again", headers={"Retry-After": "1"})
-            response.force_close()   # (its body unread)
-            return response
-        self._body_bytes += size
-        try:
-            sentences = await self._read_sentences(request)
-        finally:
-            self._body_bytes -= size
+        too_large = self._too_large(request)   # (said at once, not once read_timeout is up)
+        if too_large is not None:
+            return too_large
+        sentences = await self._read_sentences(request)
         if not isinstance(sentences, list):   # (a response: the body refused)
             return sentences
         if not sentences:
@@ -495,24 +495,72 @@ class Server:
             answer["warnings"] = said
         return web.json_response(answer)
 
+    def _too_large(self, request):
+        """A 413 response (the connection closed) where the request's Content-Length is past body_limit, else
+        None."""
+        if request.content_length is None or request.content_length <= self.body_limit:
+            return None
+        response = self._error(413, f"the request body is too large (Content-Length {request.content_length:,}; "
+                                    f"the limit is {self.body_limit:,} bytes)")
+        response.force_close()
+        return response
+
+    async def _expect(self, request):
+        """`Expect: 100-continue`: a body past body_limit is refused before the client sends it (aiohttp's own
+        handler had said "100 Continue" first, and the client sent its body for a 413)."""
+        from aiohttp.web_urldispatcher import _default_expect_handler
+
+        too_large = self._too_large(request)
+        return too_large if too_large is not None else await _default_expect_handler(request)
+
     async def _read_sentences(self, request):
-        """The request's sentences, its body read, decompressed and parsed; or the response that refuses it."""
+        """The request's sentences, its body read, decompressed and parsed; or the response that refuses it. The
+        bytes received count against the bodies' budget until it is parsed (the bytes a Content-Length promised had
+        counted from the headers on: 44 connections sending headers only turned every client away for read_timeout
+        seconds); decompressing and parsing run on a thread, not on the event loop that serves the others."""
         from aiohttp import web
 
+        held = [0]
         try:
-            body = await asyncio.wait_for(request.read(), self.settings.read_timeout)
+            body = await asyncio.wait_for(self._read_body(request, held), self.settings.read_timeout)
+            encoding = ", ".join(request.headers.getall("Content-Encoding", []))
+            return await asyncio.get_running_loop().run_in_executor(
+                None, lambda: parse_request(decode_body(body, encoding, self.body_limit), self.settings))
         except asyncio.TimeoutError:   # a client that stalls in its body: answered, and the connection closed
             response = self._error(408, f"the request's body did not arrive within {self.settings.read_timeout:g} s")
             response.force_close()
             return response
         except ConnectionError:   # the client left in the middle of its body (aiohttp's "Connection lost"): nobody
             return web.Response(status=400)   # to answer, nothing to log (it was a traceback on stderr)
-        try:
-            body = decode_body(body, ", ".join(request.headers.getall("Content-Encoding", [])), self.body_limit)
-            return parse_request(body, self.settings)
         except RequestError as exc:   # (415: RFC 9110 asks for the codings accepted)
             headers = {"Accept-Encoding": ", ".join(CONTENT_CODINGS)} if exc.status == 415 else None
-            return self._error(exc.status, str(exc), headers)
+            if exc.status == 503:
+                headers = {"Retry-After": "1"}
+            response = self._error(exc.status, str(exc), headers)
+            if exc.status in (413, 503):   # (its body unread)
+                response.force_close()
+            return response
+        finally:
+            self._body_bytes -= held[0]
+
+    async def _read_body(self, request, held: List[int]) -> bytes:
+        """The body as it arrives, each piece counted in `held` and in the bodies' budget: RequestError 413 past
+        body_limit, 503 (Retry-After) where the bodies being read would hold more than BODY_BYTES_IN_FLIGHT together
+        (or one largest body) with this piece."""
+        pieces, cap = [], max(BODY_BYTES_IN_FLIGHT, self.body_limit)
+        while True:
+            piece = await request.content.readany()
+            if not piece:
+                return b"".join(pieces)
+            if held[0] + len(piece) > self.body_limit:
+                raise RequestError(413, f"the request body is too large (more than {self.body_limit:,} bytes)")
+            others = self._body_bytes - held[0]
+            if others and self._body_bytes + len(piece) > cap:
+                raise RequestError(503, f"the server is reading the bodies of other requests ({others:,} bytes); "
+                                        f"try again")
+            pieces.append(piece)
+            held[0] += len(piece)
+            self._body_bytes += len(piece)
 
     async def _health(self, request):
         from aiohttp import web

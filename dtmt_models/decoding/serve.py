@@ -27,13 +27,15 @@ sentence longer than `max_chars` characters (or a body too large to read or to d
 Content-Encoding (`br`, `zstd`, ...), 404 / 405 for other paths and methods, 500 if decoding itself fails (when a
 batch fails, each of its requests is decoded again on its own, so only a request whose own sentences fail gets the
 500; the server goes on). Bytes that are no HTTP request (a negative Content-Length, a garbled request line) are
-answered by aiohttp's parser before any handler, 400 in plain text. Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
+answered by aiohttp's parser before any handler, 400 in plain text.
+Shutdown (SIGINT / SIGTERM, or `Server.stop`) stops accepting connections, lets the
 requests in flight finish (at most `shutdown_timeout` seconds: one not translated by then is answered 503; a body
 still being read gets a second more), then ends. The bodies being read (each counted
 by the bytes received, until it is parsed) hold at most BODY_BYTES_IN_FLIGHT bytes (or one largest body) together:
 a request whose next bytes would pass that is answered 503 with Retry-After, the rest of its body unread (300
 clients each sending the largest body took 3.3 GB); a Content-Length past the largest body is answered 413 at once
-(before the body, to `Expect: 100-continue`). A body is decompressed and parsed on a thread, the event loop free. A client gets `read_timeout` seconds to send a request's body
+(before the body, to `Expect: 100-continue`). A body is decompressed and parsed on a thread, the event loop free.
+A client gets `read_timeout` seconds to send a request's body
 (else 408, and the connection is closed); a connection on which no request has started for as long while none was
 in progress (silent since it opened, stalled in its headers, or idle between requests) is
 closed: a stalled or silent client holds no connection for longer. A client that leaves before its answer costs no

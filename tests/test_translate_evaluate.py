@@ -991,6 +991,8 @@ def test_cli_translate_errors(system, tmp_path, capsys):
     good = write(tmp_path / "good.es", "el sol\n")
     bad = tmp_path / "bad.es"
     bad.write_bytes(b"el sol\nla \xff luna\n")
+    utf16 = tmp_path / "utf16.es"   # (translated into three lines for its two, exit 0: a NUL byte is refused)
+    utf16.write_bytes("el sol\nla luna\n".encode("utf-16-le"))
     foreign = write(tmp_path / "foreign.pt", "not a checkpoint\n")
     before = good_text = open(good).read()
     os.makedirs(tmp_path / "od")
@@ -1008,6 +1010,8 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         (["--checkpoint", os.devnull, good], 2, f"--checkpoint {os.devnull}: not a regular file, not a checkpoint"),
         (["--checkpoint", foreign, good], 2, "foreign.pt: not a dtmt checkpoint (not a file torch.save wrote"),
         (["--checkpoint", ckpt, str(bad)], 1, "bad.es:2: invalid UTF-8"),
+        (["--checkpoint", ckpt, str(utf16)], 1, "utf16.es:1: a NUL byte at byte 1 of the line; is it a text file in "
+                                                "UTF-8 (not UTF-16)?"),
         (["--checkpoint", ckpt, str(tmp_path / "nope.es")], 2, "nope.es: no such input file"),
         (["--checkpoint", ckpt, str(tmp_path)], 2, "is a directory, not an input file"),
         (["--checkpoint", ckpt, "--beam", "2", "--nbest", "3", good], 2, "--nbest"),
@@ -1347,19 +1351,40 @@ def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_pat
                      str(tmp_path / "again")]) == 0
     assert json.loads(read(tmp_path / "again" / "scores.json"))["bleu"] == pytest.approx(
         corpus_scores(hyps, ref)["bleu"])
-    # --hyp into the folder of a checkpoint's run: its hyp.txt scored in place stays; another file's scores remove
-    # it (it had stayed beside scores.json of other translations), and a short stdin is named as stdin
-    assert cli.main(["evaluate", "--hyp", str(out / "hyp.txt"), "--src", s, "--ref", r, "--out-dir", str(out)]) == 0
-    assert (out / "hyp.txt").exists()
+    # --hyp into the folder of a checkpoint's run: another file's scores remove the hyp.txt that run wrote (it had
+    # stayed beside scores.json of other translations); a hyp.txt no model's run wrote, or that is an input, stays
+    # (a review's: --ref D/hyp.txt --out-dir D had deleted the reference, and any user's own hyp.txt went too)
     write(tmp_path / "mine.txt", "".join(line + "\n" for line in ref))
+    shutil.copytree(out, tmp_path / "scored_copy")
     assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",
                      str(out)]) == 0
     assert not (out / "hyp.txt").exists() and json.loads(read(out / "scores.json"))["bleu"] == pytest.approx(100)
+    out = tmp_path / "scored_copy"   # (its hyp.txt scored in place: it stays, and is the user's from then on)
+    assert cli.main(["evaluate", "--hyp", str(out / "hyp.txt"), "--src", s, "--ref", r, "--out-dir", str(out)]) == 0
+    assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",
+                     str(out)]) == 0
+    assert read(out / "hyp.txt").split("\n")[:-1] == hyps
+    users = tmp_path / "users"
+    users.mkdir()
+    write(users / "hyp.txt", read(r))   # the reference, as the folder's hyp.txt
+    assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", str(users / "hyp.txt"),
+                     "--out-dir", str(users)]) == 0
+    assert read(users / "hyp.txt") == read(r)
     capsys.readouterr()
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"one line\n")))
     assert cli.main(["evaluate", "--hyp", "-", "--src", s, "--ref", r, "--out-dir", str(tmp_path / "stdin")]) == 1
     assert capsys.readouterr().err == (f"dtmt evaluate: stdin has 1 lines but {r} has {len(ref)}; they must be "
                                        f"aligned\n")
+    # started with stdin or stdout closed (`<&-`, `>&-`): AttributeError tracebacks, the second after the results
+    # were written; one line, exit 2, nothing written
+    for stream, message in (("stdin", "--hyp - reads stdin, which is closed; name the file of translations"),
+                            ("stdout", "stdout is closed; the scores are printed there (run with > FILE to keep "
+                                       "them)")):
+        with monkeypatch.context() as m:
+            m.setattr(sys, stream, None)
+            assert cli.main(["evaluate", "--hyp", "-", "--src", s, "--ref", r, "--out-dir",
+                             str(tmp_path / "closed")]) == 2
+        assert capsys.readouterr().err == f"dtmt evaluate: {message}\n" and not (tmp_path / "closed").exists()
     # --ref as a pipe: "parallel corpus: 1 problem(s)", exit 1, naming no option; now a usage error naming it
     read_end, write_end = os.pipe()
     try:

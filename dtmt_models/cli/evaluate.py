@@ -54,6 +54,18 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
+def _written_by_a_run(out_dir: str) -> bool:
+    """Whether the results folder's scores.json (read before this run writes its own) is of a model's run (it
+    decoded) that scored the folder's hyp.txt: the file that run wrote."""
+    try:
+        with open(os.path.join(out_dir, "scores.json"), encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (isinstance(report, dict) and isinstance(report.get("decode"), dict)
+            and report.get("hyp_file") == os.path.join(os.path.abspath(out_dir), "hyp.txt"))
+
+
 def _languages(ckpt: dict):
     """A checkpoint's (source, target) languages as a pair, or None where it names none (a crafted value, an int
     say, was a TypeError's traceback: not read)."""
@@ -116,6 +128,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--hyp scores a translation already made, and no model is used: leave out --checkpoint "
                          f"{' '.join(args.checkpoint)} (name the results folder with --out-dir)")
     check_decoding_arguments(args)
+    if args.hyp == "-" and sys.stdin is None:   # (started with stdin closed, `<&-`: an AttributeError's traceback)
+        raise UsageError("--hyp - reads stdin, which is closed; name the file of translations")
+    if sys.stdout is None:   # (`>&-`: the results were written, then an AttributeError's traceback, exit 1)
+        raise UsageError("stdout is closed; the scores are printed there (run with > FILE to keep them)")
     bounds = _parse_bounds(args.bounds)
     if args.data and (args.src or args.ref):
         raise UsageError("give either --data (with --split) or --src and --ref, not both")
@@ -240,6 +256,12 @@ def _run(args: argparse.Namespace) -> int:
     title = shown(f"{settings.get('model_name') or ('stdin' if anchor == '-' else _stem(anchor))}: BLEU by source "
                   f"length ({label})")
     png = os.path.join(out_dir, "bleu_by_length.png")
+    # --hyp writes no hyp.txt: an earlier run's in the folder would stand beside scores of other translations. It
+    # is removed only where the folder's scores.json says a model's run wrote it, and it is none of the inputs (any
+    # hyp.txt there had been removed: a --ref D/hyp.txt with --out-dir D, a user's own file scored in place)
+    stale = os.path.join(out_dir, "hyp.txt")
+    remove_stale = (args.hyp and os.path.lexists(stale) and not any(_same_file(stale, p) for p in inputs)
+                    and _written_by_a_run(out_dir))
     try:
         # the results as one set: each written to a temporary file first, and all renamed into place only once every
         # one is written (a failure midway had left this run's hyp.txt beside the scores.json of the run before)
@@ -256,9 +278,8 @@ def _run(args: argparse.Namespace) -> int:
             plot = reporting_warnings(PROG, lambda: plot_bleu_by_length(rows, temps[-1], title), category=Warning)
         if plot is None and os.path.lexists(png):   # (no matplotlib now: the earlier run's plot would stay beside
             os.remove(png)                            # these scores)
-        stale = os.path.join(out_dir, "hyp.txt")
-        if args.hyp and os.path.lexists(stale) and not _same_file(stale, args.hyp):
-            os.remove(stale)   # (an earlier run's translations, left beside scores of other ones: --hyp writes none)
+        if remove_stale:
+            os.remove(stale)
     except WriteError as exc:
         raise InputError(str(exc)) from None
     except OSError as exc:

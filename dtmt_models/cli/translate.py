@@ -66,7 +66,8 @@ def _decoded_lines(stream, name: str) -> Iterator[str]:
 
 def decode_line(line: bytes, name: str, number: int) -> str:
     """One input line as text: its line end (\\n, \\r\\n) and, on line 1, a byte-order mark removed. InputError naming
-    name:number for invalid UTF-8."""
+    name:number for invalid UTF-8 or a NUL byte (as the corpus readers refuse it: UTF-16 read as bytes was translated
+    into more lines than its text has, exit 0)."""
     if line.endswith(b"\n"):
         line = line[:-1]
     if line.endswith(b"\r"):
@@ -76,6 +77,9 @@ def decode_line(line: bytes, name: str, number: int) -> str:
     except UnicodeDecodeError as exc:
         raise InputError(f"{name}:{number}: invalid UTF-8 at byte {exc.start} of the line "
                          f"({line[max(0, exc.start - 10):exc.start + 10]!r})") from None
+    if "\x00" in text:
+        raise InputError(f"{name}:{number}: a NUL byte at byte {line.index(0)} of the line; is it a text file in "
+                         f"UTF-8 (not UTF-16)?")
     return text[1:] if number == 1 and text.startswith("\ufeff") else text
 
 

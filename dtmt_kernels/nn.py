@@ -244,8 +244,9 @@ class _TransitionBase(BackendSwitch, nn.Module):
     def sample_dropout_masks(self, batch_size: int, like: Optional[Tensor] = None) -> Optional[Tensor]:
         """Candidate-dropout multipliers [depth+1, B, H] for one direction (None when dropout is off or in
         eval mode). Pass the result to a cell's every step to keep the mask fixed over time."""
-        if not isinstance(batch_size, (int, torch.SymInt)) or isinstance(batch_size, bool) \
-                or (isinstance(batch_size, int) and batch_size < 0):   # (a traced batch: a SymInt)
+        traced = isinstance(batch_size, torch.SymInt) or (   # (a size traced by torch.compile / torch.jit.trace)
+            isinstance(batch_size, Tensor) and batch_size.dim() == 0 and not batch_size.is_floating_point())
+        if not traced and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0):
             raise ValueError(f"{type(self).__name__}: batch_size must be an int >= 0, got {batch_size!r}")
         if not (self.training and self.candidate_dropout > 0):
             return None

@@ -14,6 +14,7 @@ import copy
 import itertools
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -163,7 +164,8 @@ def test_cli_translate_ensemble(checkpoints, tmp_path, capsys):
     src = tmp_path / "in.es"
     src.write_text("\n".join(INPUTS) + "\n", encoding="utf-8")
     outputs = {}
-    for label, flags in (("a", ["-c", paths["a"]]), ("aa", ["-c", paths["a"], "-c", paths["a"]]),
+    shutil.copyfile(paths["a"], tmp_path / "copy.pt")   # (a copy: a member of its own; the same file is refused)
+    for label, flags in (("a", ["-c", paths["a"]]), ("aa", ["-c", paths["a"], "-c", str(tmp_path / "copy.pt")]),
                          ("ab", ["-c", paths["a"], "-c", paths["b"]])):
         out = tmp_path / f"{label}.en"
         assert cli.main(["translate", "--quiet", "--beam", "3", *flags, str(src), "-o", str(out)]) == 0
@@ -178,6 +180,12 @@ def test_cli_translate_ensemble(checkpoints, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dtmt translate: ensemble: ") and "foreign.pt: its target vocabulary differs" in err
     assert err.count("\n") == 1 and not out.exists()
+    # one file given twice, by its name or a link (a review's: decoded twice over, the same translations): refused
+    os.symlink(paths["a"], tmp_path / "link.pt")
+    for again in (paths["a"], str(tmp_path / "link.pt")):
+        assert cli.main(["translate", "--quiet", "-c", paths["a"], "-c", again, str(src), "-o", str(out)]) == 2
+        assert capsys.readouterr().err == (f"dtmt translate: --checkpoint {again} is given twice (as {paths['a']} "
+                                           f"too); each ensemble member counts once\n") and not out.exists()
 
 
 def test_vocabularies_of_one_size_and_other_pieces_are_said_to_differ():

@@ -49,8 +49,12 @@ def load_for_decoding(checkpoints: Sequence[str], device: torch.device, backend:
     Ensemble of their models (decoding/ensemble.py; their vocabularies must be the same); a checkpoint that is
     missing, a directory or not a dtmt checkpoint, and models that cannot form an ensemble, are UsageErrors."""
     from dtmt_models.decoding.ensemble import Ensemble, check_vocabularies
-    from dtmt_models.models.checkpoint import load_model
+    from dtmt_models.models.checkpoint import given_twice, load_model
 
+    twice = given_twice(checkpoints)   # (the same model decoded twice over: the cost, the same translations)
+    if twice:
+        raise UsageError(f"--checkpoint {twice[0]} is given twice (as {twice[1]} too); each ensemble member counts "
+                         f"once")
     loaded = []
     for checkpoint in checkpoints:
         check_input_file(checkpoint, "--checkpoint", "checkpoint file")

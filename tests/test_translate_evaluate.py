@@ -558,26 +558,33 @@ def test_cli_translate_streams_stdin(system, reference):
     assert [(p[0], p[1]) for p in lines] == expected
 
 
-def test_cli_translate_asks_a_terminal_for_sentences(system, reference):
+def test_cli_translate_asks_a_terminal_for_sentences(system, reference, tmp_path):
     """stdin a terminal: the command says it waits for typed lines (it waited without a word, as if it hung;
-    fairseq-interactive asks too), then answers each line; Ctrl-D ends it. Piped stdin gets no such line."""
+    fairseq-interactive asks too), then answers each line; Ctrl-D ends it. Piped stdin gets no such line. With -o
+    FILE the lines are translated once Ctrl-D ends them, and it says so (it had waited without a word there)."""
     import subprocess
 
     _, _, _, ckpt = system
-    main_end, typed_end = os.openpty()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", ckpt, "--beam", "3",
-                             "--quiet"], stdin=typed_end, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    os.close(typed_end)
-    try:
-        os.write(main_end, (INPUTS[0] + "\n").encode() + b"\x04")
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        os.close(main_end)
-    assert proc.returncode == 0 and out.decode() == reference[0][0][0] + "\n", (out, err)
-    assert err.decode() == "dtmt translate: type a sentence a line (Ctrl-D ends)\n"
+    for flags, said in (([], "type a sentence a line (Ctrl-D ends)"),
+                        (["-o", str(tmp_path / "out.en")], "type the sentences, a line each (Ctrl-D ends; they are "
+                                                           "translated then)")):
+        main_end, typed_end = os.openpty()
+        proc = subprocess.Popen([sys.executable, "-m", "dtmt_models.cli", "translate", "-c", ckpt, "--beam", "3",
+                                 "--quiet", *flags], stdin=typed_end, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env)
+        os.close(typed_end)
+        try:
+            os.write(main_end, (INPUTS[0] + "\n").encode() + b"\x04")
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            os.close(main_end)
+        if flags:
+            out = (tmp_path / "out.en").read_bytes()
+        assert proc.returncode == 0 and out.decode() == reference[0][0][0] + "\n", (out, err)
+        assert err.decode() == f"dtmt translate: {said}\n"
 
 
 def test_cli_translate_stream_stops_at_a_bad_line_after_the_lines_before_it(system, reference):

@@ -277,6 +277,9 @@ def _run(args: argparse.Namespace) -> int:
         if _typed():   # (it waited without a word, as if it hung; fairseq-interactive asks for a sentence)
             print(f"{PROG}: type a sentence a line (Ctrl-D ends)", file=sys.stderr, flush=True)
         return stream_stdin(args, model, src_vocab, tgt_vocab, device)
+    if "-" in inputs and _typed():   # (-o FILE or --output-dir with typed lines: as quiet as the stream had been)
+        print(f"{PROG}: type the sentences, a line each (Ctrl-D ends; they are translated then)", file=sys.stderr,
+              flush=True)
     texts = [read_input(path) for path in inputs]            # every input before any decoding
     model, src_vocab, tgt_vocab, _ = load_for_decoding(args.checkpoint, device, args.backend)
 

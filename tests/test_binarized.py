@@ -277,6 +277,76 @@ def test_crafted_manifests_and_models_are_one_line(tmp_path):
     assert binarized.known_train_sha1(d) is None
 
 
+def test_files_that_are_no_regular_files_are_refused_without_reading_them(tmp_path):
+    """A review's: a src.model that is a FIFO hung `dtmt train` before its first line (open waited for a writer, in
+    the fingerprint of every bin-* copy), one linked to /dev/zero read until memory ran out; a corpus.json or shard
+    that is a FIFO was said as missing. Each is a CorpusError naming the file as not a regular file (dtmt train
+    rebuilds a copy: NotBinarized); a model past MAX_SMALL_FILE_BYTES is not read whole. A split named "../x" in
+    binarized.json named a file outside the folder; the id named by verify() is the one refused (it named the
+    largest of its chunk)."""
+    import threading
+
+    d = write_corpus(tmp_path / "c", SRC, TGT)
+    copy = binarized.binarize(d, 80, workers=1, log=lambda m: None)
+    model = os.path.join(copy, "src.model")
+    os.rename(model, model + ".kept")
+    os.mkfifo(model)
+    # (without the check, the open waits for a writer: this one comes after 3 s, the read gets nothing)
+    writer = threading.Timer(3, lambda: os.close(os.open(model, os.O_WRONLY | os.O_NONBLOCK)))
+    writer.start()
+    try:
+        with pytest.raises(binarized.NotBinarized, match=re_escape(f"{model}: not a regular file (a pipe or a "
+                                                                   f"device); rebuild")):
+            binarized.open_binarized(d, "bpe", 80)
+    finally:
+        writer.cancel()
+        writer.join()
+    os.remove(model)
+    os.symlink("/dev/zero", model)
+    with pytest.raises(data.CorpusError, match=re_escape(f"{model}: not a regular file (a pipe or a device)")):
+        binarized.BinarizedCorpus(copy)
+    os.remove(model)
+    with open(model, "wb") as f:   # (sparse: no disk)
+        f.truncate(data.MAX_SMALL_FILE_BYTES + 1)
+    with pytest.raises(data.CorpusError, match=re_escape(f"{model}: more than {data.MAX_SMALL_FILE_BYTES:,} bytes")):
+        binarized.BinarizedCorpus(copy)
+    os.replace(model + ".kept", model)
+    shard = os.path.join(copy, "train.src.bin")
+    os.rename(shard, shard + ".kept")
+    os.mkfifo(shard)
+    with pytest.raises(binarized.NotBinarized, match=re_escape(f"{shard} is not a regular file (a pipe or a device)")):
+        binarized.open_binarized(d, "bpe", 80)
+    os.replace(shard + ".kept", shard)
+    manifest = os.path.join(d, data.MANIFEST)
+    os.rename(manifest, manifest + ".kept")
+    os.mkfifo(manifest)
+    with pytest.raises(data.CorpusError, match=re_escape(f"{manifest}: not a regular file (a pipe or a device)")):
+        data.read_manifest(d)
+    os.replace(manifest + ".kept", manifest)
+    record_path = os.path.join(copy, binarized.MANIFEST)
+    record = json.loads(open(record_path).read())
+    for bad in ({"../x": record["splits"]["train"]}, {**record["splits"], "dev": 1}):
+        with open(record_path, "w") as f:
+            json.dump({**record, "splits": bad}, f)
+        with pytest.raises(data.CorpusError, match=re_escape(f"{record_path}: malformed (") + ".*names letters"):
+            binarized.BinarizedCorpus(copy)
+    for key in ("splits", "dtype", "languages"):   # (said as "format 3, this dtmt reads format 3")
+        with open(record_path, "w") as f:
+            json.dump({k: v for k, v in record.items() if k != key}, f)
+        with pytest.raises(data.CorpusError, match=re_escape(f"{record_path}: malformed (")):
+            binarized.BinarizedCorpus(copy)
+    with open(record_path, "w") as f:
+        json.dump(record, f)
+    split = binarized.BinarizedCorpus(copy).split("train")
+    ids = np.fromfile(shard, dtype=split.dtype)
+    ids[:5], ids[5], ids[9] = 4, 60, 79   # (of a vocabulary of 80, not of 50: the first past 50 is the one said)
+    ids.tofile(shard)
+    pair = int(np.searchsorted(split.memmap("src")[1], 5, side="right")) - 1
+    with pytest.raises(data.CorpusError, match=re_escape(f"{shard}: pair {pair} holds id 60, beyond the src "
+                                                         f"vocabulary's 50")):
+        split.verify([50, 80])
+
+
 def test_models_swapped_or_replaced_are_refused(tmp_path):
     """src.model and tgt.model swapped (or one replaced by another model of as many pieces) passed every id check:
     dtmt train trained on ids that meant other pieces, and its checkpoint held the wrong models, without a word. The

@@ -59,7 +59,7 @@ import numpy as np
 
 from dtmt_models.atomic import process_alive
 from dtmt_models.data.corpus import (CorpusError, Problems, bounded_lines, corpus_fingerprint, count_mismatch,
-                                     decode_file_line, read_manifest, scan_file)
+                                     decode_file_line, plain_name, read_manifest, read_small_file, scan_file)
 from dtmt_models.data.vocabulary import BOS, EOS, PAD, Vocabulary
 from dtmt_models.progress import Ticker
 
@@ -140,7 +140,8 @@ class BinarizedSplit:
         self._fds: List[int] = []
         for path in (p for pair in self._paths.values() for p in pair):
             if not os.path.isfile(path):
-                raise CorpusError(f"{path} is missing; rebuild the binarized corpus with `dtmt prepare binarize`")
+                what = "is not a regular file (a pipe or a device)" if os.path.exists(path) else "is missing"
+                raise CorpusError(f"{path} {what}; rebuild the binarized corpus with `dtmt prepare binarize`")
         for side, (_, idx) in self._paths.items():
             if os.path.getsize(idx) != 8 * (n + 1):
                 raise CorpusError(f"{directory}: the index of split {split} has {os.path.getsize(idx) // 8 - 1} "
@@ -222,9 +223,10 @@ class BinarizedSplit:
                     ids = np.fromfile(f, dtype=self.dtype, count=chunk)
                     if not len(ids):
                         break
-                    if int(ids.max()) >= limit:
-                        raise refused(start + int(np.argmax(ids >= limit)), f"id {int(ids.max())}, beyond the {side} "
-                                      f"vocabulary's {limit} (a corrupt or mismatched corpus)")
+                    if int(ids.max()) >= limit:   # (the first such id, by its pair: the message had named the max)
+                        where = int(np.argmax(ids >= limit))
+                        raise refused(start + where, f"id {int(ids[where])}, beyond the {side} vocabulary's {limit} "
+                                      f"(a corrupt or mismatched corpus)")
                     special = (ids == PAD) | (ids == BOS) | (ids == EOS)   # (never a piece of a sentence;
                     if special.any():   # trained on, a pair of PADs was a pair of nothing, silently)
                         where = int(np.argmax(special))
@@ -278,11 +280,11 @@ class BinarizedCorpus:
     def __init__(self, path: str):
         self.path = path
         manifest = os.path.join(path, MANIFEST)
-        if not os.path.isfile(manifest):
+        if not os.path.exists(manifest):
             raise CorpusError(f"{path}: not a binarized corpus (no {MANIFEST}); make it with `dtmt prepare binarize`")
+        rebuild = "rebuild the binarized corpus with `dtmt prepare binarize`"
         try:
-            with open(manifest, encoding="utf-8") as f:
-                self.manifest = json.load(f)
+            self.manifest = json.loads(read_small_file(manifest, rebuild).decode("utf-8"))
             if not isinstance(self.manifest, dict):
                 raise ValueError("not a JSON object")
         except RecursionError:   # (a crafted file of nested brackets)
@@ -290,19 +292,22 @@ class BinarizedCorpus:
                               ) from None
         except ValueError as exc:
             raise CorpusError(f"{manifest}: unreadable ({exc}); rebuild it with `dtmt prepare binarize`") from None
-        if self.manifest.get("format") != FORMAT or not {"dtype", "splits", "languages"} <= set(self.manifest):
+        if self.manifest.get("format") != FORMAT:
             raise CorpusError(f"{path}: binarized with format {self.manifest.get('format')}, this dtmt reads format "
                               f"{FORMAT}; rebuild it with `dtmt prepare binarize`")
-        splits = self.manifest["splits"]
-        if (self.manifest["dtype"] not in ("uint16", "uint32") or not isinstance(splits, dict)
-                or not isinstance(self.manifest["languages"], dict) or not all(
+        splits = self.manifest.get("splits")
+        # (a missing key had been said as "format 3, this dtmt reads format 3"; a split name is a part of the
+        # folder's file names: "../x" had named a file outside it)
+        if (self.manifest.get("dtype") not in ("uint16", "uint32") or not isinstance(splits, dict)
+                or not all(isinstance(name, str) and plain_name(name) for name in splits)
+                or not isinstance(self.manifest.get("languages"), dict) or not all(
                 isinstance(v, dict) and _count(v.get("pairs")) and isinstance(v.get("shards"), dict)
                 and all(isinstance(v["shards"].get(f"{side}.{ext}"), str) for side in SIDES for ext in ("bin", "idx"))
                 and isinstance(v.get("text"), dict) and all(_text_record(v["text"].get(side)) for side in SIDES)
                 for v in splits.values())):
             raise CorpusError(f"{manifest}: malformed (dtype uint16 or uint32, languages, splits {{name: {{\"pairs\": "
-                              f"count, \"shards\": {{file: SHA-1}}, \"text\": {{side: record}}}}}} expected); rebuild "
-                              f"it with `dtmt prepare binarize`")
+                              f"count, \"shards\": {{file: SHA-1}}, \"text\": {{side: record}}}}}} expected, the "
+                              f"names letters, digits, '-' or '_'); rebuild it with `dtmt prepare binarize`")
         models = self.manifest.get("models")
         if not isinstance(models, dict) or not all(isinstance(models.get(f"{side}.model"), str) for side in SIDES):
             raise CorpusError(f"{manifest}: malformed (models {{file: SHA-1}} expected); rebuild it with `dtmt prepare "
@@ -311,12 +316,7 @@ class BinarizedCorpus:
         self.protos = []
         for side in SIDES:
             model = os.path.join(path, f"{side}.model")
-            try:
-                with open(model, "rb") as f:
-                    self.protos.append(f.read())
-            except OSError as exc:
-                raise CorpusError(f"{model}: {exc.strerror or exc}; rebuild the binarized corpus with `dtmt prepare "
-                                  f"binarize`") from None
+            self.protos.append(read_small_file(model, rebuild))
             sha1 = hashlib.sha1(self.protos[-1]).hexdigest()
             if sha1 != models[f"{side}.model"]:   # (another model of as many pieces passed every id check)
                 raise CorpusError(f"{model}: not the model the shards were encoded with (SHA-1 {sha1[:12]}, recorded "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import stat
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from dtmt_models.atomic import atomic_write
@@ -56,6 +57,27 @@ def _check_regular_file(path: str) -> None:
     """CorpusError unless `path` is a regular file (read whole: a device such as /dev/zero never ends)."""
     if not os.path.isfile(path):
         raise CorpusError(f"{path}: {'not a regular file' if os.path.exists(path) else 'no such file'}")
+
+
+MAX_SMALL_FILE_BYTES = 256 << 20   # a manifest or a SentencePiece model (a few MB at most)
+
+
+def read_small_file(path: str, fix: str) -> bytes:
+    """The bytes of a small file of a prepared corpus (a manifest, a SentencePiece model). CorpusError naming it,
+    with `fix` after, where it cannot be opened, is not a regular file (a FIFO there had hung `dtmt train` before
+    its first line, a link to /dev/zero read until memory ran out) or holds more than MAX_SMALL_FILE_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # (a FIFO's open waits for a writer without it)
+    except OSError as exc:
+        raise CorpusError(f"{path}: {exc.strerror or exc}; {fix}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorpusError(f"{path}: not a regular file (a pipe or a device); {fix}")
+        data = f.read(MAX_SMALL_FILE_BYTES + 1)
+    if len(data) > MAX_SMALL_FILE_BYTES:
+        raise CorpusError(f"{path}: more than {MAX_SMALL_FILE_BYTES:,} bytes, not a file dtmt prepare wrote; {fix}")
+    return data
 
 
 def scan_file(path: str, *digests) -> int:
@@ -265,12 +287,11 @@ def read_manifest(directory: str) -> dict:
     import json
 
     path = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise CorpusError(f"{directory}: no {MANIFEST}; make the corpus with `dtmt prepare bible --out {directory}` "
                           f"or `dtmt prepare files --src F --tgt G --out {directory}`")
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = json.loads(read_small_file(path, "make the corpus again with `dtmt prepare`").decode("utf-8"))
     except RecursionError:   # (a crafted file of nested brackets)
         raise CorpusError(f"{path}: unreadable (nested too deeply); make the corpus again with `dtmt prepare`"
                           ) from None

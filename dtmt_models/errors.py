@@ -138,6 +138,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (--help: the options)\n")
 
+    def _print_message(self, message: str, file=None) -> None:
+        """argparse's, without swallowing an OSError: a --help past the buffer on a full disk (`> /dev/full`) was
+        lost with exit status 0; the error reaches `dtmt`'s one line and status 1. (A closed stream, None, is
+        still nothing to write to.)"""
+        if message:
+            try:
+                (file or sys.stderr).write(message)
+            except AttributeError:
+                pass
+
     def _get_values(self, action, arg_strings):
         """argparse's, refusing an empty value given on the command line (`--out ""`, an unset shell variable's
         `--out "$OUT"`), which no option takes: a path of "" had been the current folder or the option's default

@@ -847,6 +847,17 @@ def test_a_malformed_command_line_is_one_line(argv, message, capsys):
     assert status([argv[0], "--help"]) == 0 and capsys.readouterr().out.startswith(f"usage: dtmt {argv[0]}")
 
 
+@pytest.mark.parametrize("command", ["translate", "train", "evaluate", "average", "serve"])
+def test_a_command_s_help_on_a_full_disk_says_so(command, monkeypatch, capsys):
+    """`dtmt translate --help > /dev/full` exited 0 with nothing written (argparse's exit passed the flush that
+    `dtmt --help > /dev/full` goes through): one line, exit 1."""
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert cli.main([command, "--help"]) == 1
+        monkeypatch.undo()
+    assert capsys.readouterr().err == f"dtmt {command}: No space left on device\n"
+
+
 def test_cli_translate_reads_a_pipe(system, tmp_path, capsys):
     """An input that is a named pipe (as `<(zcat x.gz)` gives) is read like a file: the checks made before any
     work refuse folders and missing paths only."""

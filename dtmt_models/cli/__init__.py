@@ -60,7 +60,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _main(argv: List[str]) -> int:
     name = argv[0] if argv else ""
     try:
-        status = _dispatch(argv)
+        try:
+            status = _dispatch(argv)
+        except SystemExit as exc:   # argparse's, a command's --help (0) or usage error (2): its output flushed
+            if exc.code is not None and not isinstance(exc.code, int):   # below too (`--help > /dev/full` was 0)
+                raise
+            status = exc.code or 0
         if sys.stdout is not None:   # (None: started with stdout closed, `dtmt models >&-`)
             sys.stdout.flush()   # (here, where a reader gone is caught, not at the interpreter's exit)
         return status

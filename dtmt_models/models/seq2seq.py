@@ -353,6 +353,10 @@ class Seq2Seq(nn.Module):
         return self
 
     def check_batch(self, src: Tensor, src_lengths: Tensor, prev_tokens: Optional[Tensor] = None) -> None:
+        built_as = self.__dict__.get("_built_as")
+        if built_as is not None:   # an inference copy's encode (every system's calls this): its forms' gathered
+            check_unconverted(self, self, built_as)   # weights against the model's (a direct encode / step had
+            # decoded with the old ones after the model's changed, or failed inside a kernel after a conversion)
         if prev_tokens is None and not torch.compiler.is_compiling():
             kept = getattr(_CHECKED, "batch", None)
             if kept is not None and kept[0] is self and kept[1] is src and kept[2] is src_lengths:

@@ -812,3 +812,28 @@ def test_a_left_padded_batch_is_refused(name):
         model.encode(src, src_lengths)
         with pytest.raises(RuntimeError, match="padding id 0 inside a sentence's length"):
             model.encode(shift, src_lengths)
+
+
+@pytest.mark.parametrize("name", ["transformer", "dtmt", "nematus"])
+def test_a_model_built_on_the_meta_device_then_loaded_is_the_model(name):
+    """A review's: the transformer built on the meta device (to read its shapes, or to load without a first
+    initialisation), then to_empty() and load_state_dict, gave NaN outputs (its positional table, a buffer not saved,
+    left uninitialised), and load_state_dict(assign=True) a device error (the table left on the meta device). Both
+    ways give the model's outputs, as the RNN systems' do; the table follows a conversion (.double(): float64)."""
+    torch.manual_seed(0)
+    kw = dict(embed_dim=8, hidden_size=16, heads=2, encoder_layers=1, decoder_layers=1) \
+        if name == "transformer" else dict(embed_dim=8, hidden_size=8)
+    model = dm.build_model(name, 11, 13, **kw).eval()
+    src, lengths = torch.tensor([[4, 5, 6], [7, 8, 0]]), torch.tensor([3, 2])
+    prev = torch.tensor([[2, 4, 5], [2, 6, 0]])
+    want = model(src, lengths, prev)
+    for assign in (False, True):
+        with torch.device("meta"):
+            built = dm.build_model(name, 11, 13, **kw)
+        if not assign:
+            built = built.to_empty(device="cpu")
+        built.load_state_dict(model.state_dict(), assign=assign)
+        torch.testing.assert_close(built.eval()(src, lengths, prev), want, rtol=0, atol=0)
+    if name == "transformer":
+        from dtmt_models.models.embeddings import sinusoidal_positions
+        assert torch.equal(model.double().pe, sinusoidal_positions(model.pe.shape[0], 8, dtype=torch.float64))

@@ -11,6 +11,7 @@ batch 1 both use the package's small-row kernel.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -23,6 +24,12 @@ from dtmt_kernels.functional import host_list, host_reads_allowed, linear
 from dtmt_models.models.embeddings import sinusoidal_positions
 from dtmt_models.models.registered import register_model
 from dtmt_models.models.seq2seq import Projection, Seq2Seq, State, checked_batch, lengths_mask
+
+
+@functools.lru_cache(maxsize=8)
+def _pe_table(length: int, dim: int) -> Tensor:
+    """The PE table [length, dim] in float64 on the CPU, made once a size (its copies are rounded from it)."""
+    return sinusoidal_positions(length, dim, device="cpu", dtype=torch.float64)
 
 
 @register_model("transformer")
@@ -51,6 +58,14 @@ class TransformerNMT(Seq2Seq):
         self.transformer.decoder = nn.TransformerDecoder(dec_layer, decoder_layers, nn.LayerNorm(embed_dim))
         self.readout = Projection(embed_dim, tgt_vocab_size, 0.0, self.tgt_embed.weight)
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # the PE table is a function of the sizes, not state: made again wherever a conversion puts it (a model
+        # built on the meta device never computed it, and to_empty left it uninitialised: NaN outputs)
+        if self.pe.device.type != "meta":
+            self.pe = _pe_table(self.pe.shape[0], self.embed_dim).to(self.pe.device, self.pe.dtype, copy=True)
+        return self
+
     @property
     def max_target_steps(self) -> int:
         """The most target positions (BOS included) it has encodings for: beam search stops there."""
@@ -63,6 +78,8 @@ class TransformerNMT(Seq2Seq):
 
     def _embed(self, emb: nn.Embedding, tokens: Tensor, offset: int = 0) -> Tensor:
         T = tokens.shape[1]
+        if self.pe.is_meta:   # (load_state_dict(assign=True) into a model built there: a buffer not saved stays)
+            self.pe = _pe_table(self.pe.shape[0], self.embed_dim).to(emb.weight.device, emb.weight.dtype, copy=True)
         if offset + T > self.pe.shape[0]:
             raise ValueError(f"transformer: sequence longer than max_len={self.pe.shape[0]}")
         return self.dropout(emb(tokens) * math.sqrt(self.embed_dim) + self.pe[offset:offset + T])

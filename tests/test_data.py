@@ -1,5 +1,6 @@
 """Corpus reading and validation, vocabularies, batching."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -355,8 +356,24 @@ def test_token_batches_bounded_in_sentences_too():
     assert sorted(len(b) for b in batches) == [200 % 7] + [7] * (200 // 7)
     assert batching.token_batches(lengths, 64, seed=3, max_sentences=None) == batching.token_batches(lengths, 64, seed=3)
     assert max(len(b) for b in batching.token_batches(lengths, 64, seed=3)) > 5    # (the bound above did bind)
-    with pytest.raises(ValueError, match="max_sentences must be >= 1"):
+    with pytest.raises(ValueError, match="max_sentences must be an integer >= 1 or None, got 0"):
         batching.token_batches(lengths, 64, max_sentences=0)
+    # a review's: a NaN or infinite budget made one batch of everything, a fractional max_sentences turned the bound
+    # off, a negative kept index read a pair from the end; each is refused, by both batchers
+    for kwargs, message in ((dict(max_tokens=float("nan")), "max_tokens must be an integer >= 1, got nan"),
+                            (dict(max_tokens=float("inf")), "max_tokens must be an integer >= 1, got inf"),
+                            (dict(max_tokens=True), "max_tokens must be an integer >= 1, got True"),
+                            (dict(max_tokens=64, max_sentences=1.5), "max_sentences must be an integer >= 1 or None, "
+                                                                     "got 1.5")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            batching.token_batches(lengths, **kwargs)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            batching.length_batches([n for n, _ in lengths], **kwargs)
+    for keep in ([-1], [200], [0.5]):
+        with pytest.raises(ValueError, match=re.escape("keep must hold pair indices in [0, 200)")):
+            batching.token_batches(lengths, 64, keep=keep)
+    assert batching.token_batches(lengths, np.int64(64), seed=3, max_sentences=np.int32(5)) == \
+        batching.token_batches(lengths, 64, seed=3, max_sentences=5)
 
 
 def test_collate():

@@ -3,6 +3,7 @@ for decoding, longest first (`length_batches`); and the padded tensors of a trai
 from __future__ import annotations
 
 import hashlib
+import numbers
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -22,10 +23,7 @@ def token_batches(lengths, max_tokens: int, seed: int = 1, epoch: int = 0, shuff
 
     `lengths`: (source, target) lengths, a sequence of pairs or an [N, 2] integer array. Memory is O(N) in compact
     arrays (4 bytes a pair for the order, transient buffers in chunks), whatever N is."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if max_sentences is not None and max_sentences < 1:
-        raise ValueError(f"max_sentences must be >= 1 or None, got {max_sentences}")
+    _check_bounds(max_tokens, max_sentences)
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         lengths = lengths.reshape(0, 2)
@@ -33,6 +31,11 @@ def token_batches(lengths, max_tokens: int, seed: int = 1, epoch: int = 0, shuff
         raise ValueError(f"lengths must be (source, target) pairs, got shape {lengths.shape}")
     n = len(lengths)
     index_type = np.int32 if n < 2 ** 31 else np.int64
+    if keep is not None:   # (a negative index had read a pair from the end, one past n an IndexError later)
+        keep = np.asarray(keep)
+        if keep.size and (keep.dtype.kind not in "iu" or keep.min() < 0 or keep.max() >= n):
+            raise ValueError(f"keep must hold pair indices in [0, {n}), got {keep.dtype} in "
+                             f"[{keep.min()}, {keep.max()}]")
     order = (np.arange(n, dtype=index_type) if keep is None else np.array(keep, dtype=index_type))
     rng = np.random.Generator(np.random.PCG64(_seed_of(seed, epoch)))
     if shuffle:
@@ -70,6 +73,17 @@ class Batches:
 
     def __repr__(self) -> str:
         return f"Batches({len(self)} batches of {len(self.order)} pairs)"
+
+
+def _check_bounds(max_tokens, max_sentences) -> None:
+    """ValueError unless max_tokens is an integer >= 1 and max_sentences one or None (numpy's too): a NaN or an
+    infinite bound had made one batch of everything, a fractional max_sentences turned the bound off."""
+    for name, value in (("max_tokens", max_tokens), ("max_sentences", max_sentences)):
+        if value is None and name == "max_sentences":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1{' or None' if name == 'max_sentences' else ''}, got "
+                             f"{value!r}")
 
 
 def _seed_of(seed: int, epoch: int) -> int:
@@ -169,10 +183,7 @@ def length_batches(lengths: Sequence[int], max_tokens: int,
     """Indices of `lengths`, longest first, cut into batches of at most `max_tokens` padded source tokens
     (number of sentences x longest length) and, unless None, at most `max_sentences` sentences; a source longer
     than max_tokens is a batch by itself (decoding)."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if max_sentences is not None and max_sentences < 1:
-        raise ValueError(f"max_sentences must be >= 1 or None, got {max_sentences}")
+    _check_bounds(max_tokens, max_sentences)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])    # stable: ties keep the input order
     return _cut(order, lambda i: lengths[i], max_tokens, max_sentences)
 

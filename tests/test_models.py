@@ -1,6 +1,7 @@
 """The NMT systems: every registered name and option combination builds and trains; padding, incremental
 decoding and backends do not change the function; each system can overfit a tiny corpus."""
 import copy
+import re
 import threading
 import types
 
@@ -791,6 +792,11 @@ def test_a_mistyped_name_is_answered_with_the_closest_one():
             get_preset("test-user-system", "zzz-typo")
     finally:
         del MODELS["test-user-system"]
+    for bad in (5, "", None):   # (5 was taken, and every later list_models() failed in sorting the names)
+        with pytest.raises(ValueError, match=re.escape(f"register_model: the name must be a non-empty str, got "
+                                                       f"{bad!r}")):
+            register_model(bad)
+    assert "dtmt" in dm.list_models()
 
 
 @pytest.mark.parametrize("name", ["dtmt", "transformer"])

@@ -11,7 +11,11 @@ MODELS: Dict[str, Callable[..., nn.Module]] = {}
 
 
 def register_model(name: str):
-    """Class decorator: makes the system buildable by name."""
+    """Class decorator: makes the system buildable by name (a non-empty str: another had been taken, and every later
+    list_models() and get_preset() failed in sorting the names)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"register_model: the name must be a non-empty str, got {name!r}")
+
     def wrap(cls):
         if name in MODELS:
             raise ValueError(f"model {name!r} registered twice")

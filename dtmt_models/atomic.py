@@ -57,13 +57,16 @@ def process_alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(directory: str, keep: Optional[Pattern[str]] = None,
-                             folders_only: bool = False) -> List[str]:
+                             folders_only: bool = False, files: Optional[Pattern[str]] = None) -> List[str]:
     """Removes the temporaries that an interrupted writer left in `directory` (an atomic write's file, a binarized
     corpus' build folder: named after their process) whose process is gone; those of a running process stay, and
     those whose name `keep` matches whole. A command calls it on the folders it writes before it writes them (`dtmt
     prepare` killed midway left tens of MB that a later successful run kept). `folders_only`: only prepare's stage
     and binarized build folders, for a folder the caller writes no file into with an atomic write (a user's
-    `.backup.tmp99999` there had been removed). Returns the paths removed."""
+    `.backup.tmp99999` there had been removed). `files`: an atomic write's temporary only of a file whose name it
+    matches whole (the files the caller writes there: a user's `.thesis.tmp4000000` in a run's folder had been
+    removed). An atomic write's temporary is a file: a folder of such a name is never removed (one was, whole).
+    Returns the paths removed."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -74,6 +77,10 @@ def remove_stale_temporaries(directory: str, keep: Optional[Pattern[str]] = None
         if pid is None or process_alive(pid) or (keep is not None and keep.fullmatch(name)):
             continue
         path = os.path.join(directory, name)
+        atomic = _FOLDER_TMP.fullmatch(name) is None
+        if atomic and (os.path.isdir(path) and not os.path.islink(path)
+                       or files is not None and not files.fullmatch(_ATOMIC_TMP.fullmatch(name)["name"])):
+            continue
         with contextlib.suppress(OSError):
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)

@@ -12,8 +12,10 @@ anything, in a directory it made itself, leaves no directory behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 from typing import Optional
 
 LOCK_NAME = ".dtmt-train.lock"
@@ -45,13 +47,18 @@ class RunLock:
         for _ in range(16):
             try:
                 os.makedirs(self.directory, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                # (not through a link: one planted in a shared folder had its target truncated to the process id)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
                 failed = None
             except (FileNotFoundError, FileExistsError) as exc:   # (the folder removed meanwhile by a refused
                 failed = exc                                        # run: again; said below if it stays so)
                 continue
             except OSError as exc:   # a read-only file system, no permission: before anything of the run is written
-                failed = exc
+                failed = OSError(f"its lock file {self.path} is a symbolic link") if exc.errno == errno.ELOOP else exc
+                break
+            if not stat.S_ISREG(os.fstat(fd).st_mode):   # (a FIFO or a device of that name: not written)
+                os.close(fd)
+                failed = OSError(f"its lock file {self.path} is not a regular file")
                 break
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

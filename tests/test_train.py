@@ -263,10 +263,58 @@ def test_train_removes_what_an_interrupted_run_left_and_only_build_folders_in_da
     stale[1].mkdir()
     kept = data_dir / f".backup.tmp{gone.pid}"
     kept.write_text("a user's")
+    # in --out only the temporaries of the run's own files go: a user's `.thesis.tmpPID` folder had been removed
+    # whole, a `.notes.tmpPID` file too (a review's)
+    users = [out / f".notes.tmp{gone.pid}", out / f".thesis.tmp{gone.pid}" / "ch1.tex",
+             out / f".curve.png.tmp{gone.pid}.png"]
+    users[1].parent.mkdir()
+    for path in users:
+        path.write_text("a user's")
+    stale.append(out / f".step_0000040.pt.tmp{gone.pid}")
+    stale[-1].write_text("x")
     r = train_here(["--data", str(data_dir), "--out", str(out), "--max-steps", "1", *TINY], capsys)
     assert r.returncode == 0, r.stderr
     assert not any(p.exists() for p in stale) and kept.read_text() == "a user's"
-    assert r.stderr.count("left by an interrupted run") == 2, r.stderr
+    assert all(p.read_text() == "a user's" for p in users)
+    assert r.stderr.count("left by an interrupted run") == 3, r.stderr
+
+
+def test_a_run_s_folder_holding_what_is_not_a_run_s_is_refused_before_any_work(toy_nodev, tmp_path, capsys):
+    """A review's, each refused in one line, exit 2, before any work: a user's own learning_curve.png (no checkpoint
+    beside it) had been replaced without a word; a file named tensorboard ended the run after its data was read
+    (exit 1); a lock file that is a link (planted in a shared folder) had its target truncated to the process id.
+    With --overwrite, a TensorBoard folder that is a link keeps the event files there (another run's were removed)."""
+    for case in ("curve", "board", "lock"):
+        out = tmp_path / case
+        out.mkdir()
+        victim = tmp_path / f"{case}.txt"
+        victim.write_text("a user's")
+        if case == "curve":
+            (out / "learning_curve.png").write_text("a user's")
+            said = f"--out {out}: its learning_curve.png is not a dtmt run's (no run's checkpoint or config.yaml"
+        elif case == "board":
+            (out / "tensorboard").write_text("a user's")
+            said = f"--out {out}: tensorboard there is not a folder"
+        else:
+            os.symlink(victim, out / ".dtmt-train.lock")
+            said = f"--out {out}: cannot be written (its lock file {out / '.dtmt-train.lock'} is a symbolic link)"
+        r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+        assert r.returncode == 2 and r.stderr.startswith(f"dtmt train: {said}"), r.stderr
+        assert r.stderr.count("\n") == 1 and victim.read_text() == "a user's"
+        assert sorted(os.listdir(out)) == [{"curve": "learning_curve.png", "board": "tensorboard",
+                                            "lock": ".dtmt-train.lock"}[case]]
+    shared = tmp_path / "shared_board"
+    shared.mkdir()
+    theirs = shared / "events.out.tfevents.1.other"
+    theirs.write_text("another run's")
+    out = tmp_path / "linked"
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+    assert r.returncode == 0, r.stderr
+    import shutil
+    shutil.rmtree(out / "tensorboard")
+    os.symlink(shared, out / "tensorboard")
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", "--overwrite", *TINY], capsys)
+    assert r.returncode == 0 and theirs.read_text() == "another run's", r.stderr
 
 
 def test_ctrl_c_before_training_is_one_line_and_130(toy_nodev, tmp_path, monkeypatch, capsys):

@@ -706,15 +706,25 @@ def held_checkpoints(out: str) -> List[str]:
         path for _, path in step_checkpoints(out)][:1]
 
 
+# the files a run writes in its folder, each through an atomic write (the temporaries of theirs that an interrupted
+# run left are removed; no other file of the folder is)
+RUN_FILES = re.compile("|".join(re.escape(name) for name in (LAST, BEST, LOG, CURVE, CONFIG)) + r"|step_\d+\.pt")
+
+
 def check_run_names(out: str) -> None:
     """ValueError, in one line, where one of the names a run writes in `out` is something else than a file (a folder
     best.pt had ended a run at its first validation, its updates lost; a folder config.yaml a resumed one after its
-    start, a new events file written): before a new run, and before a resumed one."""
+    start, a new events file written), or its TensorBoard folder something else than a folder (a file there had
+    ended the run after its data was read, exit 1): before a new run, and before a resumed one."""
     for name in (LAST, BEST, LOG, CURVE, CONFIG):
         path = os.path.join(out, name)
         if os.path.lexists(path) and not os.path.isfile(path):
             raise ValueError(f"--out {out}: {name} there is not a file, and the run writes its {name} there; move it "
                              f"or give another --out")
+    board = os.path.join(out, TENSORBOARD)
+    if os.path.lexists(board) and not os.path.isdir(board):
+        raise ValueError(f"--out {out}: {TENSORBOARD} there is not a folder, and the run writes its TensorBoard "
+                         f"events in one of that name; move it or give another --out")
 
 
 def check_run_files(out: str) -> None:
@@ -733,6 +743,11 @@ def check_run_files(out: str) -> None:
         if not (isinstance(held, dict) and {"model", "vocab_size", "opt"} <= set(held)):
             raise ValueError(f"--out {out}: its {CONFIG} is not a dtmt run's, and the run writes its own there; move "
                              f"it or give another --out")
+    # (a run draws it beside its config.yaml and log, checked above as a run's: a user's own picture of that name
+    # had been replaced without a word)
+    if os.path.isfile(os.path.join(out, CURVE)) and not held_checkpoints(out) and not os.path.isfile(own):
+        raise ValueError(f"--out {out}: its {CURVE} is not a dtmt run's (no run's checkpoint or {CONFIG} beside it), "
+                         f"and the run draws its own there; move it or give another --out")
     log = os.path.join(out, LOG)
     if os.path.isfile(log):
         try:
@@ -758,9 +773,9 @@ def earlier_run_files(out: str) -> Tuple[List[str], List[str], List[str]]:
     (drawn over this run's). Listed before this run starts, removed by forget_earlier_run once it has started."""
     files = [os.path.join(out, name) for name in (LAST, BEST, CURVE) if os.path.isfile(os.path.join(out, name))]
     steps = [path for _, path in step_checkpoints(out)]
-    board = os.path.join(out, TENSORBOARD)
+    board = os.path.join(out, TENSORBOARD)   # (not through a link: a folder shared with other runs lost their events)
     events = [os.path.join(board, n) for n in os.listdir(board) if n.startswith("events.out.tfevents.")] \
-        if os.path.isdir(board) else []
+        if os.path.isdir(board) and not os.path.islink(board) else []
     return files, steps, events
 
 
@@ -916,7 +931,8 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
             # a dtmt prepare's stage, which says the corpus there was being replaced (prepare then takes the folder
             # for a corpus of its own, not the user's files: without it prepare refused, and so did this)
             for folder in (args.out, args.data):   # (--data: only build folders; no file of its is written there)
-                for path in remove_stale_temporaries(folder, keep=PREPARE_STAGE, folders_only=folder == args.data):
+                for path in remove_stale_temporaries(folder, keep=PREPARE_STAGE, folders_only=folder == args.data,
+                                                     files=RUN_FILES if folder == args.out else None):
                     print(f"dtmt train: removed {path} (left by an interrupted run)", file=sys.stderr)
         last = os.path.join(args.out, LAST)
         ckpt = source = dev_warning = None

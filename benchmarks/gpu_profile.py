@@ -109,6 +109,7 @@ def main(argv=None):
     print("| layer | B | impl | eager_ms | kernel_ms | launches | host_us | graph_ms |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     top = []   # (row label, kernel_ms, {name: [calls, ms]}) for --kernels
+    failed = 0   # rows that failed: said in the table, and the exit status (every row failing had exited 0)
     for kind in a.kinds:
         for B in a.B:
             torch.manual_seed(0)
@@ -127,8 +128,9 @@ def main(argv=None):
                     print(f"| {kind} | {B} | {name} | {eager:.2f} | {kern:.2f} | {n} | {host:.1f} | {graph} |",
                           flush=True)
                 except Exception as e:
-                    print(f"| {kind} | {B} | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} |||||",
-                          flush=True)
+                    failed += 1
+                    first = (str(e).splitlines() or [""])[0][:80]
+                    print(f"| {kind} | {B} | {name} | failed: {type(e).__name__}: {first} |||||", flush=True)
     if a.kernels > 0 and top:
         print(f"\n## The {a.kernels} kernels of most device time in each row (one fwd+bwd)")
         print("| row | kernel | calls | ms | share |")
@@ -138,6 +140,8 @@ def main(argv=None):
             for kname, (calls, ms) in ranked:
                 share = f"{100 * ms / kern:.0f}%" if kern else "-"
                 print(f"| {label} | {kname[:90]} | {calls} | {ms:.2f} | {share} |")
+    if failed:
+        raise SystemExit(f"gpu_profile: {failed} row(s) failed (said in the table)")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,9 @@
 # (tests 360 s, each kernel benchmark 150 s, profile 120 s, train 240 s, gemm 180 + 4 x 80 s, persistent 180 + 60 + 150
 # + 240 s, persistent-math 300 s, persistent-bf16 60 + 2 x 240 s, persistent-cluster 180 + 240 s, persistent-multicast
 # 180 + 240 s, persistent-profile 3 x 100 s, decode 300 + 200 s, graphs 150 + 300 s, train-profile 240 + 240 s, unrolled
-# 120 + 300 s, attention 90 + 90 + 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call.
+# 120 + 300 s, attention 90 + 90 + 300 s, amp 480 s, peers 180 s, peers-train 420 s) so that a hang cannot eat the call,
+# each cut to what is left of the call's GPU_CALL_S seconds (530 by default, from the script's start, the build's time
+# included; a step with under 20 s left is skipped, said and counted a failure): the packing at the end always runs.
 # Seen on an H200 (2026-11-30): the machine's start about 30 s, build 106-133 s (106 s for 9.0a at bd1af5e, 2026-12-04),
 # every GPU test 175 s, `build persistent` 299 s in all (its GPU tests 105 s), `persistent-math` about 60 s (two modes;
 # four now), bench_persistent strict fp32 with both forms at B = 1, 8, 64 42 s, one gpu_profile 30-40 s, decode about 60
@@ -104,6 +106,20 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 status=0
 STAGES=${*:-build tests bench}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+# the call's own deadline (a device call is killed at 10 minutes, before the packing at the end: every file of the
+# call lost): each step's time limit is cut to what is left of GPU_CALL_S (default 530 s from the script's start, the
+# build's time included), and a step with less than 20 s left is skipped, said, and counts as a failure
+CALL_S=${GPU_CALL_S:-530}
+limit() {   # limit SECONDS COMMAND...: `timeout`, capped at the call's time left
+  local cap=$1 left=$((CALL_S - SECONDS))
+  shift
+  if ((left < 20)); then
+    echo "gpu_session.sh: skipped, ${left} s left of the call's ${CALL_S} s (GPU_CALL_S): $*" >&2
+    return 124
+  fi
+  ((cap > left)) && cap=$left
+  timeout "$cap" "$@"
+}
 # a misspelt stage would otherwise run nothing and exit 0 (after the build, when asked for): refuse it before the GPU
 for stage in $STAGES; do
   [[ " $KNOWN " == *" $stage "* ]] || { echo "gpu_session.sh: no stage '$stage' (the stages: $KNOWN)" >&2; exit 2; }
@@ -162,7 +178,7 @@ fi
 # run_probe NAME SECONDS: wait for its compile, then run it (its output to stdout and $OUT/NAME.md)
 run_probe() {
   if wait "$(cat "$probes/$1.pid")"; then
-    timeout "$2" "$probes/$1" | tee "$OUT/$1.md" || status=1
+    limit "$2" "$probes/$1" | tee "$OUT/$1.md" || status=1
   else
     echo "$1.cu did not compile:"; tail -20 "$probes/$1.log"; status=1
   fi
@@ -173,12 +189,12 @@ run_probe() {
 persistent_form() {
   local form=$1 batches=$2
   echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent-$form"
-  DTMT_CUDA_RECURRENCE=persistent-$form timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+  DTMT_CUDA_RECURRENCE=persistent-$form limit 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_triton.py 2>&1 | tee "$OUT/persistent_${form}_tests.log" | tail -5 || status=1
   echo "== bench_persistent --forms grid $form (strict fp32 on every side, B = $batches)"
   # (the batches as words)
   # shellcheck disable=SC2086
-  timeout 240 "$PY" benchmarks/bench_persistent.py --math strict --forms grid "$form" --B $batches \
+  limit 240 "$PY" benchmarks/bench_persistent.py --math strict --forms grid "$form" --B $batches \
     --out "$OUT/persistent-$form" 2>&1 | tee "$OUT/persistent_$form.md" || status=1
 }
 
@@ -217,7 +233,7 @@ gpu_backends || exit 1
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 if want tests; then
   echo "== GPU tests"
-  timeout 360 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  limit 360 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   # a skip on a GPU machine is a failure, but for the tests of a recurrence this stage does not ask for (the
   # persistent stages run them under DTMT_CUDA_RECURRENCE)
@@ -230,16 +246,16 @@ fi
 want bench && for mode in float32:strict float32:tf32 bfloat16:strict; do
   dtype=${mode%%:*}; math=${mode##*:}
   echo "== bench_cells --device cuda --dtype $dtype --math $math"
-  timeout 150 "$PY" benchmarks/bench_cells.py --device cuda --dtype "$dtype" --math "$math" --T 50 \
+  limit 150 "$PY" benchmarks/bench_cells.py --device cuda --dtype "$dtype" --math "$math" --T 50 \
     --BH 1x512 8x512 64x512 --depths 1 4 --repeat 10 --out "$OUT/$dtype-$math" || status=1
 done
 if want profile; then
   echo "== gpu_profile (float32)"
-  timeout 120 "$PY" benchmarks/gpu_profile.py 2>&1 | tee "$OUT/gpu_profile.md" || status=1
+  limit 120 "$PY" benchmarks/gpu_profile.py 2>&1 | tee "$OUT/gpu_profile.md" || status=1
 fi
 if want train; then
   echo "== bench_train --device cuda --preset paper"
-  timeout 240 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 6 \
+  limit 240 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 6 \
     --systems dtmt nematus rnnsearch-atr transformer --fused cuda triton --out "$OUT/train" || status=1
 fi
 if want graphs; then
@@ -247,10 +263,10 @@ if want graphs; then
   # test), then their throughput against eager in one run (paper presets; each bucket eager once, captured once,
   # before the timed updates)
   echo "== GPU tests of the graphed updates"
-  timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py -s 2>&1 \
+  limit 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_graphs.py -s 2>&1 \
     | tee "$OUT/graphs_tests.log" | tail -8 || status=1
   echo "== bench_train --device cuda --preset paper --graphs off on"
-  timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
+  limit 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
     --systems dtmt rnnsearch-atr transformer --fused cuda --graphs off on --out "$OUT/graphs" || status=1
 fi
 if want train-profile; then
@@ -258,11 +274,11 @@ if want train-profile; then
   # as `dtmt train --amp bf16`; the ratios in one run), then where its device time goes in strict fp32 (paper preset,
   # 4,000 tokens a batch): the kernels with the most device time, and the device's busy share of the wall time
   echo "== bench_train --systems dtmt --fused cuda --device cuda --preset paper --graphs on --math strict tf32 bf16"
-  timeout 240 "$PY" benchmarks/bench_train.py --systems dtmt --fused cuda --device cuda --preset paper \
+  limit 240 "$PY" benchmarks/bench_train.py --systems dtmt --fused cuda --device cuda --preset paper \
     --max-tokens 4000 --steps 4 --graphs on --math strict tf32 bf16 --out "$OUT/math" 2>&1 | tee "$OUT/math.md" \
     | tail -8 || status=1
   echo "== bench_train --one dtmt cuda --device cuda --preset paper --graphs on --profile 30"
-  timeout 240 "$PY" benchmarks/bench_train.py --one dtmt cuda --device cuda --preset paper --max-tokens 4000 \
+  limit 240 "$PY" benchmarks/bench_train.py --one dtmt cuda --device cuda --preset paper --max-tokens 4000 \
     --steps 4 --graphs on --profile 30 > "$OUT/train_profile.json" 2> "$OUT/train_profile.md" || status=1
   grep -A 33 "^| kernel" "$OUT/train_profile.md"; cat "$OUT/train_profile.json"
 fi
@@ -271,10 +287,10 @@ if want unrolled; then
   # cuda backend: transition_backward with weight_grads=False), first against the step-by-step path (the test),
   # then cuda+unrolled against cuda in one run, eager and graphed (dtmt, paper preset)
   echo "== GPU tests of the unrolled cells"
-  timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_unrolled.py 2>&1 \
+  limit 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_unrolled.py 2>&1 \
     | tee "$OUT/unrolled_tests.log" | tail -5 || status=1
   echo "== bench_train --device cuda --preset paper --fused cuda cuda+unrolled --graphs off on"
-  timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
+  limit 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
     --systems dtmt --fused cuda cuda+unrolled --graphs off on --out "$OUT/unrolled" || status=1
 fi
 if want attention; then
@@ -282,13 +298,13 @@ if want attention; then
   # against the float64 reference and in a captured graph, one decoder step against the reference's PyTorch ops,
   # then a dtmt update with them against without, eager and graphed (strict fp32)
   echo "== GPU tests of the attention kernels"
-  timeout 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_kernel.py 2>&1 \
+  limit 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_kernel.py 2>&1 \
     | tee "$OUT/attention_tests.log" | tail -5 || status=1
   echo "== bench_attention --device cuda"
-  timeout 90 "$PY" benchmarks/bench_attention.py --device cuda --out "$OUT/attention" | tee "$OUT/attention.md" \
+  limit 90 "$PY" benchmarks/bench_attention.py --device cuda --out "$OUT/attention" | tee "$OUT/attention.md" \
     || status=1
   echo "== bench_train --device cuda --preset paper --fused cuda cuda+attention --graphs off on"
-  timeout 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
+  limit 300 "$PY" benchmarks/bench_train.py --device cuda --preset paper --max-tokens 4000 --steps 8 \
     --systems dtmt --fused cuda cuda+attention --graphs off on --out "$OUT/attention" || status=1
 fi
 if want amp; then
@@ -296,7 +312,7 @@ if want amp; then
   # bf16, two seeds each (the spread between seeds is the noise), and the speed of each, both eager (float32 alone
   # replays its updates as CUDA graphs by default: the speeds would compare a graph with eager)
   echo "== bench_amp --quality --device cuda"
-  timeout 480 "$PY" benchmarks/bench_amp.py --quality --device cuda --steps 600 --seeds 1 2 \
+  limit 480 "$PY" benchmarks/bench_amp.py --quality --device cuda --steps 600 --seeds 1 2 \
     --out "$OUT/amp" --runs /tmp/dtmt-amp-runs --train-args=--no-cuda-graphs || status=1
 fi
 if want gemm; then
@@ -309,12 +325,12 @@ if want gemm; then
     echo "   (so no cublas-direct tests or profile)"
   else
     echo "== GPU kernel tests with direct cuBLAS calls for every step GEMM (DTMT_CUDA_STEP_GEMM=cublas-direct)"
-    DTMT_CUDA_STEP_GEMM=cublas-direct timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    DTMT_CUDA_STEP_GEMM=cublas-direct limit 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_triton.py 2>&1 | tee "$OUT/gemm_tests.log" | tail -5 || status=1
   fi
   for gemm in $gemms; do
     echo "== gpu_profile, cuda backend, DTMT_CUDA_STEP_GEMM=$gemm"
-    DTMT_CUDA_STEP_GEMM=$gemm timeout 80 "$PY" benchmarks/gpu_profile.py --backends cuda --B 1 8 16 64 \
+    DTMT_CUDA_STEP_GEMM=$gemm limit 80 "$PY" benchmarks/gpu_profile.py --backends cuda --B 1 8 16 64 \
       --kernels 3 2>"$probes/gemm.err" | tee "$OUT/gemm_$gemm.md" || { status=1; tail -20 "$probes/gemm.err"; }
   done
 fi
@@ -324,14 +340,14 @@ if want persistent; then
   # per-step ones and cuDNN, in strict fp32 on every side (TF32 and bf16: the persistent-math stage, which fits the
   # call after this one; here they ran past the call's 560 s at 4dec932)
   echo "== GPU kernel tests with DTMT_CUDA_RECURRENCE=persistent"
-  DTMT_CUDA_RECURRENCE=persistent timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py \
+  DTMT_CUDA_RECURRENCE=persistent limit 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_triton.py \
     2>&1 | tee "$OUT/persistent_tests.log" | tail -5 || status=1
   echo "== the barrier alone (benchmarks/barrier_probe.cu: grid and cluster form, no work between barriers)"
   run_probe barrier_probe 60
   echo "== where a persistent step's time goes (benchmarks/phase_probe.cu: the kernels with their phase clock)"
   run_probe phase_probe 150
   echo "== bench_persistent (DTMT_CUDA_RECURRENCE=steps vs persistent; strict fp32 on every side)"
-  timeout 240 "$PY" benchmarks/bench_persistent.py --math strict --out "$OUT/persistent" 2>&1 \
+  limit 240 "$PY" benchmarks/bench_persistent.py --math strict --out "$OUT/persistent" 2>&1 \
     | tee "$OUT/persistent.md" || status=1
 fi
 if want persistent-math; then
@@ -340,7 +356,7 @@ if want persistent-math; then
   # persistent products on FMA (-fma: DTMT_CUDA_PRODUCTS=fma), which the phase probe found faster at H = 512, B = 64:
   # the rule's choice of products (docs/design/persistent_recurrence.md, "Products on tensor cores")
   echo "== bench_persistent --math tf32 tf32-fma bf16 bf16-fma (DTMT_CUDA_RECURRENCE=steps vs persistent)"
-  timeout 300 "$PY" benchmarks/bench_persistent.py --math tf32 tf32-fma bf16 bf16-fma --B 1 8 64 \
+  limit 300 "$PY" benchmarks/bench_persistent.py --math tf32 tf32-fma bf16 bf16-fma --B 1 8 64 \
     --out "$OUT/persistent-math" 2>&1 | tee "$OUT/persistent_math.md" || status=1
 fi
 if want persistent-cluster; then
@@ -362,7 +378,7 @@ if want persistent-profile; then
   # persistent forms, beside cuDNN's GRU, strict fp32 on every side (gpu_profile.py --math strict)
   for rec in steps persistent persistent-cluster; do
     echo "== gpu_profile, cuda backend, DTMT_CUDA_RECURRENCE=$rec, strict fp32"
-    DTMT_CUDA_RECURRENCE=$rec timeout 100 "$PY" benchmarks/gpu_profile.py --backends cuda --math strict 2>&1 \
+    DTMT_CUDA_RECURRENCE=$rec limit 100 "$PY" benchmarks/gpu_profile.py --backends cuda --math strict 2>&1 \
       | tee "$OUT/persistent_profile_$rec.md" || status=1
   done
 fi
@@ -371,10 +387,10 @@ if want persistent-bf16; then
   # shared memory of the whole GPU, and the plan reads the two top T-GRUs' from L2 (docs/design/
   # persistent_recurrence.md, "Past shared memory: the L2"): the envelope on this device first, then both sizes
   echo "== the persistent envelope on this device"
-  timeout 60 "$PY" benchmarks/bench_persistent.py --envelope --B 64 2>&1 | tee "$OUT/persistent_envelope.md" || status=1
+  limit 60 "$PY" benchmarks/bench_persistent.py --envelope --B 64 2>&1 | tee "$OUT/persistent_envelope.md" || status=1
   for H in 512 1024; do   # (and the products on FMA: bf16-fma)
     echo "== bench_persistent --math bf16 bf16-fma --B 64 --H $H"
-    timeout 240 "$PY" benchmarks/bench_persistent.py --math bf16 bf16-fma --B 64 --H "$H" \
+    limit 240 "$PY" benchmarks/bench_persistent.py --math bf16 bf16-fma --B 64 --H "$H" \
       --out "$OUT/persistent-bf16-$H" 2>&1 | tee "$OUT/persistent_bf16_$H.md" || status=1
   done
 fi
@@ -383,13 +399,13 @@ if want decode; then
   # keeps its shapes) against the Python loop (three reads a step), all in this run; float32 with torch's default
   # for matmul (TF32 off)
   echo "== bench_decode --device cuda --loops host device graph (beam 4, batches of 1 and 32)"
-  timeout 300 "$PY" benchmarks/bench_decode.py --device cuda --loops host device graph --systems dtmt rnnsearch-atr \
+  limit 300 "$PY" benchmarks/bench_decode.py --device cuda --loops host device graph --systems dtmt rnnsearch-atr \
     nematus transformer --no-match --beams 4 --sentences 32 --batch-size 32 --repeat 2 --out "$OUT/decode" \
     2>&1 | tee "$OUT/decode.md" || status=1
   # issue 73 item 5's bf16 (and fp16) figures: `dtmt translate --amp` (a 16-bit copy under autocast) against float32,
   # the graph loop, every model in each precision in the same run
   echo "== bench_decode --device cuda --loops graph --amp off bf16 fp16 (beam 4, batches of 1 and 32)"
-  timeout 200 "$PY" benchmarks/bench_decode.py --device cuda --loops graph --amp off bf16 fp16 --systems dtmt \
+  limit 200 "$PY" benchmarks/bench_decode.py --device cuda --loops graph --amp off bf16 fp16 --systems dtmt \
     rnnsearch-atr nematus transformer --no-match --beams 4 --sentences 32 --batch-size 32 --repeat 2 \
     --out "$OUT/decode-amp" 2>&1 | tee "$OUT/decode_amp.md" || status=1
 fi
@@ -412,14 +428,14 @@ if want peers || want peers-train; then
     if want peers; then
       echo "== peers: decoding the Bible test set on the GPU with the CPU-trained checkpoints (lowest dev loss; beam"
       echo "   4, batches of 64 sentences; each translator's process from launch to exit; strict fp32 on both sides)"
-      PYTHONPATH="$peerpath${PYTHONPATH:+:$PYTHONPATH}" timeout 180 "$PY" benchmarks/bench_peers.py --no-train \
+      PYTHONPATH="$peerpath${PYTHONPATH:+:$PYTHONPATH}" limit 180 "$PY" benchmarks/bench_peers.py --no-train \
         --device cuda --checkpoints best --decode-batch 64s --systems dtmt onmt-lstm --budget 30m --threads 2 \
         --sequential --peer-python "$PY" --out "$carry/peers" 2>&1 | tee "$OUT/peers_decode.md" || status=1
     fi
     if want peers-train; then
       echo "== peers-train: dtmt's paper preset against OpenNMT-py's LSTM of its parameter count on the GPU, the same"
       echo "   batches of tokens, 120 s of wall time from each launch, one after the other, strict fp32 on both sides"
-      PYTHONPATH="$peerpath${PYTHONPATH:+:$PYTHONPATH}" timeout 420 "$PY" benchmarks/bench_peers.py --device cuda \
+      PYTHONPATH="$peerpath${PYTHONPATH:+:$PYTHONPATH}" limit 420 "$PY" benchmarks/bench_peers.py --device cuda \
         --preset paper --budget 120s --sequential --systems dtmt onmt-lstm --onmt-size match \
         --valid-every 1000000 --no-decode --peer-python "$PY" --out /tmp/dtmt-peers-gpu --overwrite 2>&1 \
         | tee "$OUT/peers_train.md" || status=1

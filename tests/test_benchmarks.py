@@ -255,6 +255,20 @@ def test_the_gpu_profile_runs_on_the_cpu(capsys):
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags   # (as before, for the tests after)
 
 
+def test_the_gpu_profile_fails_where_a_row_fails(capsys, monkeypatch):
+    """A row that fails is said in the table, and the run's status is a failure (a review's: every row failing, as
+    after a poisoned CUDA context, exited 0, and the session's stage stayed green)."""
+    from benchmarks import gpu_profile
+
+    def broken(kind, H, backend):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+    monkeypatch.setattr(gpu_profile, "layer_for", broken)
+    with pytest.raises(SystemExit, match=r"^gpu_profile: 2 row\(s\) failed \(said in the table\)$"):
+        gpu_profile.main(["--device", "cpu", "--B", "2", "--H", "8", "--T", "3", "--repeat", "1", "--kinds", "GRU"])
+    out = capsys.readouterr().out
+    assert out.count("failed: RuntimeError: CUDA error: an illegal memory access was encountered |") == 2, out
+
+
 def test_bench_decode_quick(tmp_path):
     from benchmarks import bench_decode
     rows = bench_decode.main(["--quick", "--systems", "rnnsearch-atr", "transformer", "--out", str(tmp_path)])
@@ -1506,6 +1520,13 @@ def test_the_gpu_session_packs_only_what_it_wrote_and_says_its_usage(tmp_path):
         packed = sorted(tar.getnames())
     assert "decode/t.csv" in packed and "gemm_rows.md" in packed and len(packed) == 12, packed
     assert not any(name.startswith(("keep", "old.md")) for name in packed)
+    # the call's deadline (GPU_CALL_S): a step with under 20 s left is skipped and said, a failure; the script ends
+    # itself (a device call killed at its limit loses every file of the call, the packing never run)
+    r = subprocess.run(["bash", script, "decode"], capture_output=True, text=True, timeout=120,
+                       env=dict(env, OUT=str(tmp_path / "late"), GPU_CALL_S="10"))
+    said = r.stdout + r.stderr   # (a step's stderr goes where its output goes: its table's file, and stdout)
+    assert r.returncode == 1 and said.count("gpu_session.sh: skipped, ") == 2, said
+    assert "s left of the call's 10 s (GPU_CALL_S): " in said and "Traceback" not in said, said
     if not torch.cuda.is_available():
         r = subprocess.run(["bash", script, "profile"], capture_output=True, text=True, timeout=120,
                            env=dict(env, PYTHON=sys.executable, OUT=str(tmp_path / "q")))

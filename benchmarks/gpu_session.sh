@@ -86,7 +86,10 @@
 # come back from a call; issue 72 item 1's device and graphed times; issue 73 item 1), `decode` (with 16-bit decoding:
 # item 5's bf16), `unrolled` and `attention` (item 3's pieces, a call each: their caps are 420 and 480 s), `amp`,
 # `peers`, `peers-train` (item 7; carry benchmarks/out/gpu-carry). amp, peers and peers-train read data/bible: prepare
-# it here and carry it too (the script refuses them without it, before any work). A call without `build` builds first
+# it here and carry it too (the script refuses them without it, before any work); a call's carry is at most 64 MiB in
+# all, which gpu-carry (about 58 MB) and the whole of data/bible (13 MB) pass together: with `peers`, carry only
+# data/bible/corpus.json and data/bible/test.es, test.en (what it scores with); with `peers-train`,
+# benchmarks/out/gpu-carry/wheels and data/bible (about 38 MB). A call without `build` builds first
 # where the machine has no build (a fresh one); a call that wrote more than 8 files packs them into
 # $OUT/gpu_session_files.tgz (8 come back): only the files this call wrote, files already in $OUT staying as they are
 # (an archive of an earlier call is not replaced: the new one is gpu_session_files-2.tgz, -3, ...).

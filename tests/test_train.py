@@ -337,6 +337,20 @@ def test_ctrl_c_before_training_is_one_line_and_130(toy_nodev, tmp_path, monkeyp
     r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
     assert r.returncode == 130 and r.stderr.strip() == "dtmt train: interrupted before training started", r.stderr
     assert not out.exists()
+    # SIGTERM then (a review's: the process died without a word, exit 143, the new --out left holding the lock file):
+    # as Ctrl-C, its own line and status
+    import signal
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)   # (the handler runs at once: never slept through)
+        raise AssertionError("SIGTERM did not stop the run")
+    monkeypatch.setattr(trainer_module.Trainer, "_binarized", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "1", *TINY], capsys)
+    assert r.returncode == 143 and r.stderr.strip() == "dtmt train: terminated (SIGTERM) before training started", \
+        r.stderr
+    assert not out.exists() and signal.getsignal(signal.SIGTERM) is before   # (the handler given back)
     monkeypatch.setattr(train, "main", interrupted)   # a command without a handler of its own
     assert cli.main(["train", "--data", toy_nodev]) == 130
     assert capsys.readouterr().err.strip() == "dtmt train: interrupted"

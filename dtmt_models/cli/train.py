@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import time
 from typing import List, Optional, Sequence, Tuple
@@ -34,6 +35,7 @@ from dtmt_models.models.presets import PAPER_ROWS_BY_NAME, get_preset
 from dtmt_models.models.registry import (check_model_options, list_models, position_bound, unused_options,
                                          used_options)
 from dtmt_models.run_lock import RunLock
+from dtmt_models.signals import give_back, take_signals
 from dtmt_models.training.allocator import tune_malloc
 from dtmt_models.training.config import TrainConfig
 from dtmt_models.training.graphs import CaptureFailed
@@ -800,11 +802,28 @@ def meet_the_others() -> Optional[Meeting]:
     return Meeting() if by_hand() else None
 
 
+def _stopped_before_training(exc: KeyboardInterrupt, lock: List[RunLock]) -> int:
+    """Ctrl-C or SIGTERM before training started (the trainer's own handlers not yet there): nothing written stays
+    (a folder made for the lock goes too), one line, 130 or 143."""
+    for held in lock:
+        held.release(discard=True)
+    if str(exc) == "SIGTERM":
+        print("\ndtmt train: terminated (SIGTERM) before training started", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    print("\ndtmt train: interrupted before training started", file=sys.stderr)
+    return 130
+
+
+def _terminated(signum, frame):   # SIGTERM before the trainer takes it: as Ctrl-C (it killed the process without a
+    raise KeyboardInterrupt("SIGTERM")   # word, exit 143, a new --out left holding only the lock file)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     lock: List[RunLock] = []   # the run directory's lock, once taken (held until the run ends)
     meeting = None
     interrupted = False   # (Ctrl-C: a process leaving the meeting does not wait for the others then)
     started = time.time()   # (a last.pt older than this is an earlier run's: --overwrite removes it only later)
+    taken = take_signals((signal.SIGTERM,), _terminated)
     try:
         try:
             meeting = meet_the_others()
@@ -812,12 +831,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
             return 2
         return _main(argv, lock, meeting)
-    except KeyboardInterrupt:   # Ctrl-C before training started (the training loop saves and says so itself)
+    except KeyboardInterrupt as exc:   # Ctrl-C before training started (the training loop saves and says so itself)
         interrupted = True
-        for held in lock:   # nothing written: a directory made for the lock goes too
-            held.release(discard=True)
-        print("\ndtmt train: interrupted before training started", file=sys.stderr)
-        return 130
+        return _stopped_before_training(exc, lock)
     except MemoryError as exc:   # (a model too large for this machine: registry.build_model's, one line)
         for held in lock:
             held.release(discard=True)
@@ -842,6 +858,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             held.release()
         if meeting is not None:   # (ended before saying whether it would run: the others stop too)
             meeting.leave(wait=not interrupted)
+        give_back(taken)
 
 
 def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Meeting] = None) -> int:
@@ -1089,10 +1106,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
         return 1
     except KeyboardInterrupt as exc:   # a second SIGINT/SIGTERM while saving, or one before training started
         if not getattr(trainer, "started", False):   # (Python's own, the run's handlers not yet there: it said
-            for held in lock:                          # "aborted ()" and left the folder it had made)
-                held.release(discard=True)
-            print("\ndtmt train: interrupted before training started", file=sys.stderr)
-            return 130
+            return _stopped_before_training(exc, lock)   # "aborted ()" and left the folder it had made)
         print(f"\ndtmt train: aborted ({str(exc) or 'SIGINT'}); the last checkpoint written is "
               f"{os.path.join(cfg.out, LAST)} if it exists", file=sys.stderr)
         return 130

@@ -356,6 +356,35 @@ def test_ctrl_c_before_training_is_one_line_and_130(toy_nodev, tmp_path, monkeyp
     assert capsys.readouterr().err.strip() == "dtmt train: interrupted"
 
 
+def test_a_log_that_cannot_be_written_saves_last_pt_first(toy_nodev, tmp_path, monkeypatch, capsys):
+    """A review's: the log becoming unwritable (a read-only file, a full disk, a file-size limit) ended the run with
+    its updates since the last last.pt lost (up to a validation interval's; none at all in a run without a dev
+    split). last.pt is saved at the update the log failed at, the error says so in one line (exit 1), and --resume
+    goes on to the end."""
+    from dtmt_models.models.checkpoint import read_checkpoint
+    from dtmt_models.training import trainer as trainer_module
+
+    append = trainer_module.CsvLog._append
+
+    def failing(self, row):
+        if row.get("kind") == "train" and str(row.get("step")) == "3":
+            raise trainer_module.LogWriteError(f"cannot write {self.path}: File too large (the log keeps its rows up "
+                                               f"to the last one written)")
+        return append(self, row)
+    monkeypatch.setattr(trainer_module.CsvLog, "_append", failing)
+    out = tmp_path / "run"
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "5", "--log-every", "1", *TINY], capsys)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"dtmt train: cannot write {out / 'train_log.csv'}: File too large") and \
+        r.stderr.rstrip().endswith(f"{out / 'last.pt'} saved at update 3: resume with --resume once the log can be "
+                                   f"written"), r.stderr
+    assert read_checkpoint(str(out / "last.pt"))["training"]["step"] == 3
+    monkeypatch.undo()
+    r = train_here(["--data", toy_nodev, "--out", str(out), "--max-steps", "5", "--log-every", "1", "--resume",
+                    *TINY], capsys)
+    assert r.returncode == 0 and read_checkpoint(str(out / "last.pt"))["training"]["step"] == 5, r.stderr
+
+
 def signalled_in_validation(step):
     """Trainer.validate, with a SIGINT coming during the validation at update `step` (recorded as the run's handler
     records it)."""
@@ -2036,12 +2065,13 @@ def test_full_disk_while_writing_the_log_or_the_tensorboard_events(toy_nodev, tm
         assert code == 1 and len(err.splitlines()) == 1, err
         if where == "log":
             assert err == f"dtmt train: cannot write {out / 'train_log.csv'}: No space left on device (the log keeps " \
-                          f"its rows up to the last one written)\n"
+                          f"its rows up to the last one written); {out / 'last.pt'} saved at update 4: resume with " \
+                          f"--resume once the log can be written\n"
             rows = list(csv.DictReader(open(out / "train_log.csv")))
             assert [r["step"] for r in rows] == ["1", "2", "3"] and all(r["wall_s"] for r in rows), rows
         else:
-            assert err == f"dtmt train: cannot write the TensorBoard events in {out / 'tensorboard'}: No space " \
-                          f"left on device\n"
+            assert err.startswith(f"dtmt train: cannot write the TensorBoard events in {out / 'tensorboard'}: No "
+                                  f"space left on device; {out / 'last.pt'} saved at update "), err
         assert not [n for n in os.listdir(out) if ".tmp" in n], os.listdir(out)
 
 

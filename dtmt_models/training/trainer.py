@@ -172,8 +172,8 @@ class CsvLog:
                         f.truncate(end)
                     raise
         except OSError as exc:
-            raise WriteError(f"cannot write {self.path}: {exc.strerror or exc} (the log keeps its rows up to the "
-                             f"last one written)") from None
+            raise LogWriteError(f"cannot write {self.path}: {exc.strerror or exc} (the log keeps its rows up to "
+                                f"the last one written)") from None
 
     @contextlib.contextmanager
     def _writing_events(self):
@@ -182,8 +182,8 @@ class CsvLog:
         try:
             yield
         except OSError as exc:
-            raise WriteError(f"cannot write the TensorBoard events in {self.tensorboard_dir}: "
-                             f"{exc.strerror or exc}") from None
+            raise LogWriteError(f"cannot write the TensorBoard events in {self.tensorboard_dir}: "
+                                f"{exc.strerror or exc}") from None
 
     def close(self, quiet: bool = False) -> None:
         """Flushes and closes the event file; `quiet`: a failure to is ignored (another error is being reported)."""
@@ -194,6 +194,11 @@ class CsvLog:
             except WriteError:
                 if not quiet:
                     raise
+
+
+class LogWriteError(WriteError):
+    """The log or the TensorBoard events could not be written (a full disk, a read-only file): the run then saves
+    last.pt where it can, its updates since the last one not lost (Trainer.run)."""
 
 
 def _quiet_event_writer_errors() -> None:
@@ -764,6 +769,16 @@ class Trainer:
             digest = self.check_sync()
             if digest and self.dist.main:
                 self.log(f"{self.dist.world} processes in sync at step {self.step}: parameters sha1 {digest[:12]}")
+        except LogWriteError as exc:   # (the run ended with the updates since its last.pt unsaved: up to a validation
+            # interval's; one process only, where saving is no collective the others would wait in)
+            if self.dist.world > 1 or self._saved_step == self.step:
+                raise
+            try:
+                self.save_last()
+            except (WriteError, OSError, TrainingDiverged):
+                raise exc from None
+            raise LogWriteError(f"{exc}; {os.path.join(self.out, LAST)} saved at update {self.step:,}: resume with "
+                                f"--resume once the log can be written") from None
         finally:
             give_back(handlers)
             self.progress.close()

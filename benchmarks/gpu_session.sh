@@ -219,6 +219,9 @@ if want build; then
     exit 1
   fi
   echo "built in $((SECONDS - start)) s"
+  # (kept beside the build, which a warm machine keeps for the calls after: gemm reads what it says of cuBLAS, and a
+  # call without `build` finds no build.log in its own $OUT)
+  mkdir -p build && cp "$OUT/build.log" build/gpu_session_build.log
   # the host compilers of the C++ sources (CXX, else python's) and of the CUDA unit (nvcc's: CC where set, torch passes
   # it as -ccbin; else the g++ on PATH), and whether the extension holds its own copies of libstdc++'s stream code (on
   # the image of 2026-11-30 a number streamed into a message from the CUDA unit crashed inside libstdc++:
@@ -323,7 +326,8 @@ if want gemm; then
   # so, and the value would only run the default GEMMs: skipped); cublas: ATen's mm. (pipefail, set above: a
   # failed command before `| tee` counts)
   gemms="rows tiled cublas cublas-direct"
-  if grep -h "built without the step GEMMs' direct cuBLAS" "$OUT/build.log" 2>/dev/null; then
+  if grep -h -m1 "built without the step GEMMs' direct cuBLAS" "$OUT/build.log" build/gpu_session_build.log \
+    2>/dev/null; then
     gemms="rows tiled cublas"
     echo "   (so no cublas-direct tests or profile)"
   else

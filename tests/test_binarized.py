@@ -295,17 +295,21 @@ def test_files_that_are_no_regular_files_are_refused_without_reading_them(tmp_pa
     writer = threading.Timer(3, lambda: os.close(os.open(model, os.O_WRONLY | os.O_NONBLOCK)))
     writer.start()
     try:
-        with pytest.raises(binarized.NotBinarized, match=re_escape(f"{model}: not a regular file (a pipe or a "
-                                                                   f"device); rebuild")):
+        with pytest.raises(binarized.NotBinarized, match=re_escape(f"{model}: not a regular file (a folder, a pipe "
+                                                                   f"or a device); rebuild")):
             binarized.open_binarized(d, "bpe", 80)
     finally:
         writer.cancel()
         writer.join()
     os.remove(model)
     os.symlink("/dev/zero", model)
-    with pytest.raises(data.CorpusError, match=re_escape(f"{model}: not a regular file (a pipe or a device)")):
+    with pytest.raises(data.CorpusError, match=re_escape(f"{model}: not a regular file (a folder, a pipe or a")):
         binarized.BinarizedCorpus(copy)
     os.remove(model)
+    os.mkdir(model)   # (a folder: the descriptor's own error, "Is a directory: 3", and the descriptor leaked)
+    with pytest.raises(data.CorpusError, match=re_escape(f"{model}: not a regular file (a folder, a pipe or a")):
+        binarized.BinarizedCorpus(copy)
+    os.rmdir(model)
     with open(model, "wb") as f:   # (sparse: no disk)
         f.truncate(data.MAX_SMALL_FILE_BYTES + 1)
     with pytest.raises(data.CorpusError, match=re_escape(f"{model}: more than {data.MAX_SMALL_FILE_BYTES:,} bytes")):
@@ -314,14 +318,20 @@ def test_files_that_are_no_regular_files_are_refused_without_reading_them(tmp_pa
     shard = os.path.join(copy, "train.src.bin")
     os.rename(shard, shard + ".kept")
     os.mkfifo(shard)
-    with pytest.raises(binarized.NotBinarized, match=re_escape(f"{shard} is not a regular file (a pipe or a device)")):
+    with pytest.raises(binarized.NotBinarized, match=re_escape(f"{shard} is not a regular file (a folder, a pipe")):
         binarized.open_binarized(d, "bpe", 80)
     os.replace(shard + ".kept", shard)
     manifest = os.path.join(d, data.MANIFEST)
     os.rename(manifest, manifest + ".kept")
     os.mkfifo(manifest)
-    with pytest.raises(data.CorpusError, match=re_escape(f"{manifest}: not a regular file (a pipe or a device)")):
+    with pytest.raises(data.CorpusError, match=re_escape(f"{manifest}: not a regular file (a folder, a pipe or a ")):
         data.read_manifest(d)
+    record_path = os.path.join(copy, binarized.MANIFEST)   # (a FIFO binarized.json had been "no binarized corpus yet")
+    os.rename(record_path, record_path + ".kept")
+    os.mkfifo(record_path)
+    with pytest.raises(binarized.NotBinarized, match=re_escape(f"{record_path}: not a regular file")):
+        binarized.open_binarized(d, "bpe", 80)
+    os.replace(record_path + ".kept", record_path)
     os.replace(manifest + ".kept", manifest)
     record_path = os.path.join(copy, binarized.MANIFEST)
     record = json.loads(open(record_path).read())

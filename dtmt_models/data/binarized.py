@@ -140,7 +140,7 @@ class BinarizedSplit:
         self._fds: List[int] = []
         for path in (p for pair in self._paths.values() for p in pair):
             if not os.path.isfile(path):
-                what = "is not a regular file (a pipe or a device)" if os.path.exists(path) else "is missing"
+                what = "is not a regular file (a folder, a pipe or a device)" if os.path.exists(path) else "is missing"
                 raise CorpusError(f"{path} {what}; rebuild the binarized corpus with `dtmt prepare binarize`")
         for side, (_, idx) in self._paths.items():
             if os.path.getsize(idx) != 8 * (n + 1):
@@ -437,7 +437,7 @@ def open_binarized(corpus_dir: str, vocab_type: str, vocab_size: int,
     how to make it)."""
     path = binarized_path(corpus_dir, vocab_type, vocab_size, protos)
     command = f"dtmt prepare binarize --data {corpus_dir} --vocab-type {vocab_type} --vocab-size {vocab_size}"
-    if not os.path.isfile(os.path.join(path, MANIFEST)):
+    if not os.path.lexists(os.path.join(path, MANIFEST)):   # (one that is no file: said by BinarizedCorpus)
         reason = f"{corpus_dir} has no binarized corpus for {vocab_type} {vocab_size} yet"
         raise NotBinarized(f"{reason}; make it with `{command}`", reason)
     try:

@@ -70,10 +70,10 @@ def read_small_file(path: str, fix: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # (a FIFO's open waits for a writer without it)
     except OSError as exc:
         raise CorpusError(f"{path}: {exc.strerror or exc}; {fix}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorpusError(f"{path}: not a regular file (a folder, a pipe or a device); {fix}")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorpusError(f"{path}: not a regular file (a pipe or a device); {fix}")
         data = f.read(MAX_SMALL_FILE_BYTES + 1)
     if len(data) > MAX_SMALL_FILE_BYTES:
         raise CorpusError(f"{path}: more than {MAX_SMALL_FILE_BYTES:,} bytes, not a file dtmt prepare wrote; {fix}")

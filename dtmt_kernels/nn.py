@@ -222,11 +222,11 @@ class _TransitionBase(BackendSwitch, nn.Module):
     def _check_direction(self, direction) -> int:
         """`direction`, an int from 0 to num_directions - 1: ValueError otherwise (-1 had read the reverse
         direction's weights, 2 was an IndexError)."""
-        if not isinstance(direction, int) or isinstance(direction, bool) \
+        if not isinstance(direction, numbers.Integral) or isinstance(direction, bool) \
                 or not 0 <= direction < self.num_directions:
-            raise ValueError(f"{type(self).__name__}: direction must be an int from 0 to {self.num_directions - 1}, "
-                             f"got {direction!r}")
-        return direction
+            allowed = "0 or 1" if self.num_directions == 2 else "0 (the layer has one direction)"
+            raise ValueError(f"{type(self).__name__}: direction must be {allowed}, got {direction!r}")
+        return int(direction)
 
     def kernel_params(self, direction: int = 0) -> List[Tensor]:
         """The ten flat, contiguous parameter tensors of one direction in the ops' order (ops.transition.flat_params:
@@ -245,8 +245,10 @@ class _TransitionBase(BackendSwitch, nn.Module):
         """Candidate-dropout multipliers [depth+1, B, H] for one direction (None when dropout is off or in
         eval mode). Pass the result to a cell's every step to keep the mask fixed over time."""
         traced = isinstance(batch_size, torch.SymInt) or (   # (a size traced by torch.compile / torch.jit.trace)
-            isinstance(batch_size, Tensor) and batch_size.dim() == 0 and not batch_size.is_floating_point())
-        if not traced and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0):
+            isinstance(batch_size, Tensor) and batch_size.dim() == 0 and not batch_size.is_floating_point()
+            and not batch_size.is_complex() and batch_size.dtype != torch.bool)
+        if not traced and (not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool)
+                           or batch_size < 0):
             raise ValueError(f"{type(self).__name__}: batch_size must be an int >= 0, got {batch_size!r}")
         if not (self.training and self.candidate_dropout > 0):
             return None

@@ -608,13 +608,15 @@ def test_a_parameter_of_the_wrong_shape_is_named(backend):
     # sample_dropout_masks(True) a mask for batch 1, -1 and 2.5 torch's errors
     layer = dk.nn.DeepTransitionGRU(4, 5, depth=1, candidate_dropout=0.1, bidirectional=True)
     for bad in (-1, 2, 1.0, True):
-        _err(lambda: layer.direction_weights(bad), f"DeepTransitionGRU: direction must be an int from 0 to 1, got "
-                                                   f"{bad!r}")
-        _err(lambda: layer.kernel_params(bad), "direction must be an int from 0 to 1")
-    for bad in (-1, 2.5, True, "2"):
+        _err(lambda: layer.direction_weights(bad), f"DeepTransitionGRU: direction must be 0 or 1, got {bad!r}")
+        _err(lambda: layer.kernel_params(bad), "direction must be 0 or 1")
+    _err(lambda: dk.nn.ATR(4, 5).direction_weights(1), r"ATR: direction must be 0 \(the layer has one direction\)")
+    for bad in (-1, 2.5, True, "2", torch.tensor(True), torch.tensor(2.0)):
         _err(lambda: layer.sample_dropout_masks(bad), re.escape(f"DeepTransitionGRU: batch_size must be an int >= 0, "
                                                                 f"got {bad!r}"))
-    assert layer.sample_dropout_masks(3).shape == (2, 3, 5)
+    import numpy as np   # (numpy's integers, as torch.nn takes them)
+    assert layer.sample_dropout_masks(np.int64(3)).shape == (2, 3, 5) == layer.sample_dropout_masks(3).shape
+    assert torch.equal(layer.direction_weights(np.int64(1)).w_hh, layer.weight_hh_reverse)
     assert torch.equal(layer.direction_weights(1).w_hh, layer.weight_hh_reverse)
 
 

@@ -180,12 +180,19 @@ def test_cli_translate_ensemble(checkpoints, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dtmt translate: ensemble: ") and "foreign.pt: its target vocabulary differs" in err
     assert err.count("\n") == 1 and not out.exists()
-    # one file given twice, by its name or a link (a review's: decoded twice over, the same translations): refused
+    # one file given for every member, by its name or a link (a review's: that model decoded twice over, for its own
+    # translations): refused; repeated beside another, it weights the average (2/3 a, 1/3 b), and stays
     os.symlink(paths["a"], tmp_path / "link.pt")
     for again in (paths["a"], str(tmp_path / "link.pt")):
         assert cli.main(["translate", "--quiet", "-c", paths["a"], "-c", again, str(src), "-o", str(out)]) == 2
         assert capsys.readouterr().err == (f"dtmt translate: --checkpoint {again} is given twice (as {paths['a']} "
-                                           f"too); each ensemble member counts once\n") and not out.exists()
+                                           f"too), and no other: an ensemble of one model decodes as that model, 2 "
+                                           f"times over; give it once\n") and not out.exists()
+    for again in (paths["a"], str(tmp_path / "copy.pt")):   # (the same file twice or a copy: one ensemble)
+        assert cli.main(["translate", "--quiet", "-c", paths["a"], "-c", again, "-c", paths["b"], str(src), "-o",
+                         str(out)]) == 0
+        outputs[again] = out.read_text(encoding="utf-8").split("\n")[:-1]
+    assert outputs[paths["a"]] == outputs[str(tmp_path / "copy.pt")] != outputs["ab"]
 
 
 def test_vocabularies_of_one_size_and_other_pieces_are_said_to_differ():

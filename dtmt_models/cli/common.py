@@ -51,10 +51,12 @@ def load_for_decoding(checkpoints: Sequence[str], device: torch.device, backend:
     from dtmt_models.decoding.ensemble import Ensemble, check_vocabularies
     from dtmt_models.models.checkpoint import given_twice, load_model
 
-    twice = given_twice(checkpoints)   # (the same model decoded twice over: the cost, the same translations)
-    if twice:
-        raise UsageError(f"--checkpoint {twice[0]} is given twice (as {twice[1]} too); each ensemble member counts "
-                         f"once")
+    # one file given for every member (by its name or a link): that model decoded as many times over, for its own
+    # translations; a file repeated beside others weights it in the average (-c a -c a -c b), and stays
+    twice = given_twice(checkpoints) if len(checkpoints) > 1 else None
+    if twice and all(given_twice([checkpoints[0], c]) for c in checkpoints[1:]):
+        raise UsageError(f"--checkpoint {twice[0]} is given twice (as {twice[1]} too), and no other: an ensemble "
+                         f"of one model decodes as that model, {len(checkpoints)} times over; give it once")
     loaded = []
     for checkpoint in checkpoints:
         check_input_file(checkpoint, "--checkpoint", "checkpoint file")

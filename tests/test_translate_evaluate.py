@@ -93,7 +93,7 @@ def test_length_batches_respect_budget():
     # --batch-size: at most that many sentences as well, longest first still
     assert length_batches(lengths, 100, max_sentences=3) == [[5, 1, 3], [4, 0, 6], [2]]
     assert length_batches(lengths, 10, max_sentences=2) == [[5], [1], [3, 4], [0, 6], [2]]
-    with pytest.raises(ValueError, match="max_sentences must be >= 1"):
+    with pytest.raises(ValueError, match="max_sentences must be an integer >= 1 or None, got 0"):
         length_batches(lengths, 100, max_sentences=0)
 
 
@@ -1106,9 +1106,7 @@ def test_cli_translate_errors(system, tmp_path, capsys):
         os.close(saved)
     assert not (tmp_path / "o").exists() and open(good).read() == before == good_text
     assert open(ckpt, "rb").read() == checkpoint_bytes == open(named_out, "rb").read() == open(other_run, "rb").read()
-    with pytest.raises(SystemExit) as exc:                              # argparse: usage error, status 2
-        cli.main(["translate", good])
-    assert exc.value.code == 2
+    assert cli.main(["translate", good]) == 2   # argparse's usage error, status 2 (its exit taken as the status)
     capsys.readouterr()
     for command in (["translate", good], ["evaluate", "--src", good, "--ref", good]):   # -c twice: an ensemble
         assert cli.main(command + ["--quiet", "-c", ckpt, "-c", foreign]) == 2         # of both, not "the last"
@@ -1374,6 +1372,10 @@ def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_pat
     # (a review's: --ref D/hyp.txt --out-dir D had deleted the reference, and any user's own hyp.txt went too)
     write(tmp_path / "mine.txt", "".join(line + "\n" for line in ref))
     shutil.copytree(out, tmp_path / "scored_copy")
+    shutil.copytree(out, tmp_path / "moved")   # (a run's results folder moved: its scores.json names the old place)
+    assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",
+                     str(tmp_path / "moved")]) == 0
+    assert not (tmp_path / "moved" / "hyp.txt").exists()
     assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",
                      str(out)]) == 0
     assert not (out / "hyp.txt").exists() and json.loads(read(out / "scores.json"))["bleu"] == pytest.approx(100)

@@ -62,8 +62,9 @@ def _written_by_a_run(out_dir: str) -> bool:
             report = json.load(f)
     except (OSError, ValueError):
         return False
+    # (by its name: a results folder moved or copied with its files keeps its scores.json's path of the old place)
     return (isinstance(report, dict) and isinstance(report.get("decode"), dict)
-            and report.get("hyp_file") == os.path.join(os.path.abspath(out_dir), "hyp.txt"))
+            and isinstance(report.get("hyp_file"), str) and os.path.basename(report["hyp_file"]) == "hyp.txt")
 
 
 def _languages(ckpt: dict):

@@ -831,7 +831,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"dtmt train: {one_line(exc)}", file=sys.stderr)
             return 2
         return _main(argv, lock, meeting)
-    except KeyboardInterrupt as exc:   # Ctrl-C before training started (the training loop saves and says so itself)
+    except KeyboardInterrupt as exc:   # Ctrl-C or SIGTERM before training started (the training loop saves itself)
         interrupted = True
         return _stopped_before_training(exc, lock)
     except MemoryError as exc:   # (a model too large for this machine: registry.build_model's, one line)
@@ -1109,7 +1109,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
             return _stopped_before_training(exc, lock)   # "aborted ()" and left the folder it had made)
         print(f"\ndtmt train: aborted ({str(exc) or 'SIGINT'}); the last checkpoint written is "
               f"{os.path.join(cfg.out, LAST)} if it exists", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if str(exc) == "SIGTERM" else 130
     finally:
         # (after an error in one process the others still train: a barrier waited for them for ever, a full disk
         # in process 0 hung the job; this one ends, and torchrun ends the others)

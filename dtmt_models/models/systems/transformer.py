@@ -59,12 +59,17 @@ class TransformerNMT(Seq2Seq):
         self.readout = Projection(embed_dim, tgt_vocab_size, 0.0, self.tgt_embed.weight)
 
     def _apply(self, fn, recurse=True):
+        before = self.pe
         super()._apply(fn, recurse)
         # the PE table is a function of the sizes, not state: made again wherever a conversion puts it (a model
-        # built on the meta device never computed it, and to_empty left it uninitialised: NaN outputs)
-        if self.pe.device.type != "meta":
-            self.pe = _pe_table(self.pe.shape[0], self.embed_dim).to(self.pe.device, self.pe.dtype, copy=True)
+        # built on the meta device never computed it, and to_empty left it uninitialised: NaN outputs); a call that
+        # left it in place (.to() of its own device and dtype) keeps it
+        if self.pe is not before and self.pe.device.type != "meta":
+            self.pe = self._fresh_pe(self.pe.device, self.pe.dtype)
         return self
+
+    def _fresh_pe(self, device, dtype) -> Tensor:
+        return _pe_table(self.pe.shape[0], self.embed_dim).to(device, dtype, copy=True)
 
     @property
     def max_target_steps(self) -> int:
@@ -79,7 +84,7 @@ class TransformerNMT(Seq2Seq):
     def _embed(self, emb: nn.Embedding, tokens: Tensor, offset: int = 0) -> Tensor:
         T = tokens.shape[1]
         if self.pe.is_meta:   # (load_state_dict(assign=True) into a model built there: a buffer not saved stays)
-            self.pe = _pe_table(self.pe.shape[0], self.embed_dim).to(emb.weight.device, emb.weight.dtype, copy=True)
+            self.pe = self._fresh_pe(emb.weight.device, emb.weight.dtype)
         if offset + T > self.pe.shape[0]:
             raise ValueError(f"transformer: sequence longer than max_len={self.pe.shape[0]}")
         return self.dropout(emb(tokens) * math.sqrt(self.embed_dim) + self.pe[offset:offset + T])

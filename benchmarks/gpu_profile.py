@@ -77,7 +77,7 @@ def graphed_ms(kind: str, H: int, backend: str, x, repeat: int) -> str:
         graphed = torch.cuda.make_graphed_callables(layer, (x,))
         return f"{wall_ms(fwd_bwd(graphed, x), repeat, 'cuda'):.2f}"
     except Exception as e:  # reported in the table: a layer that cannot be captured is a finding too
-        return f"- ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
+        return f"- ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:60]})"
 
 
 def main(argv=None):

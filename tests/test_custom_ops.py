@@ -181,8 +181,8 @@ def test_the_encode_ops_refuse_a_mask_that_is_not_bool_or_real():
     for device in ("cpu", "meta"):
         on = [t.to(device) for t in flat]
         for bad in (ones.to(torch.complex64) * 1j, ones.long()):
-            with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_encode: mask must be bool or "
-                                                             f"floating point (1 a real step, 0 padding), got")):
+            with pytest.raises(RuntimeError, match=re.escape("dtmt::transition_encode: mask must be bool or "
+                                                             "floating point (1 a real step, 0 padding), got")):
                 encode(x.to(device), h0.to(device), bad.to(device), KINDS["lgru"], on, False, 1e-5)
     out = encode(x, h0, ones.bool(), KINDS["lgru"], flat, False, 1e-5)[0]
     torch.testing.assert_close(out, encode(x, h0, ones, KINDS["lgru"], flat, False, 1e-5)[0])

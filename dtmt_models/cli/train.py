@@ -802,16 +802,21 @@ def meet_the_others() -> Optional[Meeting]:
     return Meeting() if by_hand() else None
 
 
+def _interrupt_status(exc: KeyboardInterrupt) -> int:
+    """The exit status of a run a KeyboardInterrupt stopped: 143 where SIGTERM raised it (the handlers name it),
+    130 for Ctrl-C."""
+    return 128 + signal.SIGTERM if str(exc) == "SIGTERM" else 130
+
+
 def _stopped_before_training(exc: KeyboardInterrupt, lock: List[RunLock]) -> int:
     """Ctrl-C or SIGTERM before training started (the trainer's own handlers not yet there): nothing written stays
     (a folder made for the lock goes too), one line, 130 or 143."""
     for held in lock:
         held.release(discard=True)
-    if str(exc) == "SIGTERM":
-        print("\ndtmt train: terminated (SIGTERM) before training started", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    print("\ndtmt train: interrupted before training started", file=sys.stderr)
-    return 130
+    status = _interrupt_status(exc)
+    said = "terminated (SIGTERM)" if status != 130 else "interrupted"
+    print(f"\ndtmt train: {said} before training started", file=sys.stderr)
+    return status
 
 
 def _terminated(signum, frame):   # SIGTERM before the trainer takes it: as Ctrl-C (it killed the process without a
@@ -1109,7 +1114,7 @@ def _main(argv: Optional[List[str]], lock: List["RunLock"], meeting: Optional[Me
             return _stopped_before_training(exc, lock)   # "aborted ()" and left the folder it had made)
         print(f"\ndtmt train: aborted ({str(exc) or 'SIGINT'}); the last checkpoint written is "
               f"{os.path.join(cfg.out, LAST)} if it exists", file=sys.stderr)
-        return 128 + signal.SIGTERM if str(exc) == "SIGTERM" else 130
+        return _interrupt_status(exc)
     finally:
         # (after an error in one process the others still train: a barrier waited for them for ever, a full disk
         # in process 0 hung the job; this one ends, and torchrun ends the others)

@@ -213,6 +213,18 @@ def test_fused_loss_rejects_bad_smoothing():
         smoothed_cross_entropy(logits, target, 1.0)
 
 
+def test_both_losses_refuse_a_pad_id_that_is_no_integer_id():
+    """label_smoothed_nll took pad_id=1.5 (no target equals it: every padding position was scored) and True (read as
+    id 1); both losses say the argument."""
+    logits, target = torch.randn(2, 3, 5), torch.tensor([[1, 2, 0], [0, 0, 0]])
+    for pad_id in (1.5, True, None):
+        with pytest.raises(ValueError, match="pad_id must be an integer token id"):
+            label_smoothed_nll(logits.log_softmax(-1), target, 0.1, pad_id)
+        with pytest.raises(ValueError, match="pad_id must be an integer token id"):
+            smoothed_cross_entropy(logits, target, 0.1, pad_id)
+    assert label_smoothed_nll(logits.log_softmax(-1), target, 0.1, torch.tensor(0).item())[2] == 2
+
+
 def test_the_loss_op_itself_refuses_smoothing_outside_its_range():
     """torch.ops.dtmt.smoothed_cross_entropy called directly (not through the checking wrapper) returned NaN for a
     NaN smoothing and a number for 5.0: the op checks 0 <= smoothing < 1 itself."""

@@ -6,6 +6,7 @@ and computes the same three numbers with log-softmax and loss fused, which is wh
 """
 from __future__ import annotations
 
+import numbers
 from typing import Tuple
 
 import torch
@@ -34,6 +35,13 @@ def _check_target(scores: Tensor, target: Tensor, scored: str) -> None:
                          f"{getattr(target, 'dtype', type(target).__name__)} {list(getattr(target, 'shape', []))}")
 
 
+def _check_pad_id(pad_id: int) -> None:
+    """ValueError unless `pad_id` is an integer id: 1.5 matched no target (every padding position was scored) and
+    True was read as id 1."""
+    if isinstance(pad_id, bool) or not isinstance(pad_id, numbers.Integral):
+        raise ValueError(f"pad_id must be an integer token id, got {pad_id!r}")
+
+
 def label_smoothed_nll(log_probs: Tensor, target: Tensor, smoothing: float = 0.0,
                        pad_id: int = 0) -> Tuple[Tensor, Tensor, int]:
     """log_probs [B, T, V], target [B, T] -> (smoothed loss summed over real tokens, plain NLL summed,
@@ -41,6 +49,7 @@ def label_smoothed_nll(log_probs: Tensor, target: Tensor, smoothing: float = 0.0
     loss = (1 - ε) · (−log p_y) + ε · mean_v(−log p_v)."""
     _check_smoothing(smoothing)
     _check_target(log_probs, target, "log-probabilities")
+    _check_pad_id(pad_id)
     keep = target.ne(pad_id)
     nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     smooth = -log_probs.mean(-1)
@@ -55,6 +64,7 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, smoothing: float = 0.
     dk.functional.host_reads_allowed: under torch.compile or a CUDA graph's capture), with log-softmax and loss fused (dtmt_kernels.functional.smoothed_cross_entropy: on
     the CPU one C++ pass over each row of logits, which forms the gradient too; it checks `smoothing`)."""
     _check_target(logits, target, "logits")
+    _check_pad_id(pad_id)
     V = logits.shape[-1]
     loss, nll = dk.functional.smoothed_cross_entropy(logits.reshape(-1, V), target.reshape(-1), smoothing, pad_id)
     n = target.ne(pad_id).sum()

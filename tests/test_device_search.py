@@ -214,11 +214,26 @@ def test_the_cpu_default_is_the_python_loop(monkeypatch):
     assert len(result) == 2 and all(result)
 
 
-def test_check_every_must_be_positive():
-    with pytest.raises(ValueError, match="check_every must be >= 1"):
-        device_search.device_loop(TableModel(), {"x": torch.zeros(1, 1)}, torch.tensor([3]), 2, 0.0, 1, False,
-                                  [0, BOS], check_every=0)
+def test_check_every_must_be_a_positive_integer():
+    """0 is refused; NaN was taken and never checked before the last step (every sentence ran to max_len), True was
+    read as 1."""
+    for check_every in (0, -1, float("nan"), 2.5, True):
+        with pytest.raises(ValueError, match="check_every must be an integer >= 1"):
+            device_search.device_loop(TableModel(), {"x": torch.zeros(1, 1)}, torch.tensor([3]), 2, 0.0, 1, False,
+                                      [0, BOS], check_every=check_every)
     assert EOS not in (0, BOS)
+
+
+def test_graphs_asked_for_off_a_cuda_device_are_refused_in_one_line():
+    """graphs=True on a CPU search was torch.cuda's traceback at the first step; graphs=None there is the eager
+    loop (the default), and graphs=False too."""
+    model = TableModel(V=7, seed=0)
+    state = model.encode(torch.zeros(2, 3, dtype=torch.long), torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match="graphs=True replays the steps as CUDA graphs: the search is on cpu"):
+        device_search.device_loop(model, state, torch.tensor([4, 4]), 2, 0.0, 1, False, [0, BOS], graphs=True)
+    for graphs in (None, False):
+        assert len(device_search.device_loop(model, state, torch.tensor([4, 4]), 2, 0.0, 1, False, [0, BOS],
+                                             graphs=graphs)) == 2
 
 
 @pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr", "nematus", "deeplau", "mce", "transformer",

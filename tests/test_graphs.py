@@ -204,6 +204,23 @@ def test_the_command_line_refuses_graphs_on_the_cpu(tmp_path, capsys):
                              "torchrun); leave it out here (--no-cuda-graphs to resume a run that had it)")
 
 
+def test_graph_options_refuse_sizes_that_make_no_bucket():
+    """A length step of 0 divided by zero in padded_shape, a negative one made a bucket smaller than its batch (refused
+    mid-training by pad_batch), a NaN memory fraction never stopped the captures, max_graphs 0 none made."""
+    for bad in (dict(length_step=0), dict(length_step=-8), dict(batch_step=2.5), dict(max_graphs=0),
+                dict(length_step=True), dict(max_memory_fraction=float("nan")), dict(max_memory_fraction=0.0),
+                dict(max_memory_fraction=1.5)):
+        with pytest.raises(ValueError, match=f"GraphOptions.{next(iter(bad))} must be"):
+            graphs.GraphOptions(**bad)
+    assert graphs.padded_shape(10, 10, 10, graphs.GraphOptions(length_step=4, max_memory_fraction=1)) == (16, 12, 12)
+
+
+def test_cuda_capture_off_a_cuda_device_is_one_line():
+    """GraphedUpdates on the CPU without a stand-in capture said torch's "dummy base class _graph_pool_handle"."""
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got cpu"):
+        graphs.CudaCapture(torch.device("cpu"))
+
+
 def test_buckets_stay_within_the_model_s_positions():
     """A transformer of 12 positions (max_len) and batches of sources of 11 and targets of 10 subwords (with BOS,
     within them): the buckets' lengths are not rounded up past 12. Rounded to 16 (steps of 8), the eager first

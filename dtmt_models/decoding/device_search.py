@@ -193,8 +193,8 @@ def device_loop(model, state, max_len: Tensor, beam: int, alpha: float, nbest: i
     penalty (hypotheses.length_penalty)."""
     host = host or to_host
     check_every = CHECK_EVERY if check_every is None else check_every
-    if check_every < 1:
-        raise ValueError(f"check_every must be >= 1, got {check_every}")
+    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every must be an integer >= 1, got {check_every!r}")   # (NaN never checked)
     device = max_len.device
     graphs = GRAPHS and device.type == "cuda" if graphs is None else graphs
     steps = int(max(host(max_len)))   # one read before the loop
@@ -241,6 +241,9 @@ class StepGraph:
 
     @classmethod
     def of(cls, search: DeviceSearch, c: Carry) -> Optional["StepGraph"]:
+        if torch.device(search.device).type != "cuda":   # (device_loop(graphs=True) on the CPU: torch.cuda's traceback)
+            raise ValueError(f"graphs=True replays the steps as CUDA graphs: the search is on {search.device}, not a "
+                             f"CUDA device")
         with torch.cuda.device(search.device):   # (the streams below are the current device's: a search on cuda:1
             return cls._of(search, c)              # had warmed up and captured on cuda:0's)
 

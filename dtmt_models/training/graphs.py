@@ -7,7 +7,7 @@ records the whole update once (forward, backward, gradient clipping, the Adam st
 A graph replays fixed shapes at fixed addresses, so:
   - each batch is padded to a bucket shape (padded_shape: source and target lengths up to a multiple of
     `length_step`, rows up to a multiple of `batch_step`) and copied into that bucket's input tensors. A padding
-    row has a one-token source of PAD and a target of PAD only: it adds nothing to the loss, to the token count or
+    row has a one-token source of EOS and a target of PAD only: it adds nothing to the loss, to the token count or
     to any gradient (tests/test_graphs.py checks every system), as padding positions add nothing today;
   - a bucket's first batch is an eager update (on a side stream, as torch.cuda.graph requires: it makes the lazy
     initialisations, cuBLAS's workspaces, the optimizer's state); its second is captured and then replayed, and so
@@ -64,6 +64,17 @@ class GraphOptions:
     max_graphs: int = 64              # captures kept; a bucket past them runs eagerly
     max_memory_fraction: float = 0.5  # of the device's memory the graphs' pool may hold before captures stop
 
+    def __post_init__(self) -> None:
+        # (a step of 0 divided by zero, a negative one made buckets smaller than their batches, refused mid-training;
+        # a NaN fraction never stopped the captures)
+        for name in ("length_step", "batch_step", "max_graphs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GraphOptions.{name} must be an integer >= 1, got {value!r}")
+        fraction = self.max_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"GraphOptions.max_memory_fraction must be a number in (0, 1], got {fraction!r}")
+
 
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
@@ -103,6 +114,8 @@ class CudaCapture:
     """Captures on the current CUDA device, every graph in one memory pool."""
 
     def __init__(self, device: torch.device):
+        if torch.device(device).type != "cuda":   # (torch's own error named a dummy class _graph_pool_handle)
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
 

@@ -360,20 +360,21 @@ def test_an_op_with_one_argument_on_the_meta_device_refuses_it():
     """A call with one argument on the meta device and the others on the CPU dispatches to the op's fake, which gave
     uninitialised CPU tensors as the result (a layer whose bias was loaded onto the meta device: values of 1e37,
     different at every call). Every fake now checks that its tensors share one device first: each op a system
-    calls, with each of its non-empty tensor arguments in turn on the meta device, is refused, naming the op. And no
-    fake is registered past that check."""
+    calls, with each of its tensor arguments in turn on the meta device, is refused, naming the op: the empty ones
+    too (an absent bias given as an empty meta tensor passed the check, which skipped empty tensors, and the result
+    was uninitialised CPU memory). And no fake is registered past that check."""
     calls = {}
     for system in ("dtmt", "mce", "gnmt-atr"):
         calls.update(_record_system_calls(system, torch.float32))
     assert len(calls) >= 12
-    refused = 0
+    refused = refused_empty = 0
     for op, (args, kwargs) in calls.items():
         args = _detached(args)
         name = op.__name__.split(".")[0]
         for i, a in enumerate(args):
             for j, t in ([(None, a)] if isinstance(a, torch.Tensor) else
                          enumerate(a) if isinstance(a, (list, tuple)) else ()):
-                if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                if not isinstance(t, torch.Tensor):
                     continue
                 bad = list(args)
                 if j is None:
@@ -384,7 +385,11 @@ def test_an_op_with_one_argument_on_the_meta_device_refuses_it():
                                                                  "got ['cpu', 'meta']")):
                     op(*bad, **kwargs)
                 refused += 1
-    assert refused >= 100
+                refused_empty += t.numel() == 0
+    assert refused >= 100 and refused_empty >= 5
+    # an op whose CPU tensors are all empty, with an empty meta one: its output (not empty) was CPU heap bytes
+    with pytest.raises(RuntimeError, match=re.escape("dtmt::additive_scores: every tensor must be on one device")):
+        torch.ops.dtmt.additive_scores(torch.randn(2, 3, 2, 0), torch.randn(2, 2, 0), torch.empty(2, 0, device="meta"))
     # the case found: a layer's state dict loaded with one tensor on the meta device
     layer = dk.nn.DeepTransitionGRU(5, 6, depth=1, cell="gru", layer_norm=False)
     state = layer.state_dict()

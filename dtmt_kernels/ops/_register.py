@@ -26,8 +26,12 @@ def _tensors(args):
 
 def check_one_device(op: str, args) -> None:
     """RuntimeError naming `op` unless every non-empty tensor of `args` (lists and tuples looked into) is on one device.
-    Empty tensors are skipped: they stand for absent arguments, read by no kernel."""
-    devices = {t.device for t in _tensors(args) if t.numel()}
+    Empty tensors are skipped (they stand for absent arguments, read by no kernel), except where one is on the meta
+    device: then every tensor counts (an empty meta bias, or a meta tensor among CPU tensors all empty, sent a CPU
+    call to the fake, which returned uninitialised CPU tensors as the result)."""
+    tensors = list(_tensors(args))
+    meta = any(t.device.type == "meta" for t in tensors)
+    devices = {t.device for t in tensors if meta or t.numel()}
     if len(devices) > 1:
         raise RuntimeError(f"dtmt::{op}: every tensor must be on one device, got {sorted(str(d) for d in devices)}")
 

@@ -519,6 +519,30 @@ def test_a_gradient_of_a_gradient_through_unrolled_steps_is_refused():
         first_values.square().sum().backward()
 
 
+def test_a_gradient_of_a_gradient_taken_with_autograd_grad_is_refused_not_none():
+    """torch.autograd.grad of an unrolled block's gradient with respect to the weights or the inputs (not .backward()
+    to every leaf) never reached the refusal, which hung on detached aliases only: the second-order gradient came back
+    None with allow_unused=True (the reference backend's abs sum 0.51), else torch's "appears to not have been used".
+    The refusal hangs on what the gradients depend on: the incoming gradients, the saved tensors, the session's
+    weights or values."""
+    torch.manual_seed(0)
+    cell = dk.nn.DeepTransitionGRUCell(5, 4, depth=1).double()
+    attention = dk.nn.DeepTransitionGRUCell(3, 4)
+    x = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    values = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    refused = re.escape("a gradient of a gradient (double backward) is not supported by the fused kernels")
+    with dk.nn.unrolled(cell, attention):
+        h = cell(x, cell(x))
+        first_x, = torch.autograd.grad(h.pow(2).sum(), x, create_graph=True)
+        first_w, = torch.autograd.grad(cell(x, cell(x)).sum(), cell.weight_hh, create_graph=True)
+        scores = torch.randn(2, 1, 5, dtype=torch.float64, requires_grad=True)
+        context = dk.nn.step_context(attention, torch.softmax(scores, -1), values)
+        first_scores, = torch.autograd.grad(context.pow(2).sum(), scores, create_graph=True)
+    for first, wrt in ((first_x, cell.weight_hh), (first_x, x), (first_w, x), (first_scores, values)):
+        with pytest.raises(RuntimeError, match=refused):
+            torch.autograd.grad(first.pow(2).sum(), wrt, allow_unused=True)
+
+
 def test_forward_mode_and_torch_func_gradients_are_refused_not_zero():
     """A forward-mode tangent (torch.func.jvp / jacfwd, torch.autograd.forward_ad) passed through the fused ops as
     through a constant's: a silent zero or None where torch.nn.GRU gives the tangent (a probe's finding). The layers,

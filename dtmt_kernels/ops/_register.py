@@ -175,7 +175,14 @@ def first_order_only(op: str):
                 value.requires_grad = True
                 return value
 
-            return torch._C._functions.DelayedError(message, len(outputs))(*[failing(v) for v in outputs])
+            # the node hangs on what the gradients depend on too (the incoming gradients, the tensors the Function
+            # saved, an unrolled session's live weights or values): on the aliases alone, torch.autograd.grad of a
+            # gradient with respect to the weights or inputs never reached it and answered None (allow_unused)
+            session = getattr(ctx, "steps", None)
+            extra = [t for t in _tensors((args, ctx.saved_tensors, getattr(session, "live", ())))
+                     if t.requires_grad]
+            return torch._C._functions.DelayedError(message, len(outputs) + len(extra))(
+                *[failing(v) for v in outputs], *extra)[:len(outputs)]
 
         return wrapper
 

@@ -696,6 +696,27 @@ def test_attention_ops_pass_opcheck_with_gradients():
     _attention_ops_pass_opcheck_with_gradients("cpu")
 
 
+def test_an_export_leaves_no_fake_table_behind():
+    """The inference decoder's encode exported before any eager call (dtmt: positional source embeddings) kept the
+    tables it made while traced, fake tensors, in the decoder (its source positions' products) and in the model's
+    embedding (its positions): every later encode returned a FakeTensor and beam search failed. Caches are not kept
+    while torch traces: after the export the decoder decodes as a fresh one, and the program gives its encode."""
+    def built():
+        torch.manual_seed(0)
+        return build_model("dtmt", 60, 60, embed_dim=32, hidden_size=48, heads=4).eval()
+
+    src, lengths = torch.randint(4, 60, (2, 5)), torch.tensor([5, 3])
+    fresh = beam_search(built().inference_decoder(), src, lengths)
+    model = built()
+    decoder = model.inference_decoder()
+    program = torch.export.export(_Call(decoder, "encode"), (src, lengths))
+    tables = [decoder._source_position_table, model.src_embed._table, model.tgt_embed._table]
+    assert not any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) for t in tables)
+    assert type(decoder.encode(src, lengths)["s"]) is torch.Tensor
+    assert beam_search(decoder, src, lengths) == fresh
+    torch.testing.assert_close(program.module()(src, lengths)["s"], decoder.encode(src, lengths)["s"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_attention_ops_pass_opcheck_with_gradients():

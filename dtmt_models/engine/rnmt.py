@@ -173,12 +173,13 @@ class FusedRNMTDecoder:
     def source_position_table(self, length: int) -> Optional[Tensor]:
         """The source positions' products with the encoder's input matrices (FrozenTransitionLayer.input_products
         of the source embedding's scaled position rows) for positions 0..length-1 at least (longer_table), or None
-        where such a table would pass the layer's size bound."""
+        where such a table would pass the layer's size bound. Kept for the next calls, but for one made while
+        torch.compile or torch.export traces (fake tensors: an export left every later encode broken)."""
         emb, encoder = self.model.src_embed, self.model.encoder
         table = longer_table(self._source_position_table, length,
                              lambda rows: self._placed(encoder.input_products(emb.scaled_positions(rows, emb.weight))))
-        if table is not None:   # (else the shorter one is kept for the sentences it serves)
-            self._source_position_table = table
+        if table is not None and not torch.compiler.is_compiling():   # (else the shorter one is kept for the
+            self._source_position_table = table                         # sentences it serves; no fake one kept)
         return table
 
     def reorder(self, state: State, index: Tensor) -> State:
@@ -257,8 +258,8 @@ class FusedRNMTDecoder:
         table = longer_table(self._position_table, steps,
                              lambda rows: self._placed(ops.token_products(
                                  emb.scaled_positions(rows, emb.weight), self.query_cell, self.readout)))
-        if table is not None:   # (else the shorter one is kept for the sentences it serves)
-            self._position_table = table
+        if table is not None and not torch.compiler.is_compiling():   # (else the shorter one is kept for the
+            self._position_table = table                                # sentences it serves; no fake one kept)
         return table
 
     def _placed(self, table: Optional[Tensor]) -> Optional[Tensor]:

@@ -62,11 +62,14 @@ class TokenEmbedding(nn.Module):
         self._table = torch.empty(0, dim)   # PE / sqrt(dim), grown on demand (not a parameter, not saved)
 
     def scaled_positions(self, length: int, like: Tensor) -> Tensor:
-        """[length, dim] rows of PE / sqrt(dim), cached on the module."""
+        """[length, dim] rows of PE / sqrt(dim), cached on the module (not while torch.compile or torch.export
+        traces: a table of fake tensors kept after an export broke every later call)."""
         t = self._table
         if t.shape[0] < length or t.device != like.device or t.dtype != like.dtype:
             n = max(length, 2 * t.shape[0], 64)
-            t = self._table = sinusoidal_positions(n, self.dim, like.device, like.dtype) / math.sqrt(self.dim)
+            t = sinusoidal_positions(n, self.dim, like.device, like.dtype) / math.sqrt(self.dim)
+            if not torch.compiler.is_compiling():
+                self._table = t
         return t[:length]
 
     @property

@@ -514,6 +514,30 @@ def test_converting_a_decoder_is_refused_before_anything_converts(name):
     assert all(v.dtype in (torch.float64, torch.long, torch.bool) for v in state.values() if torch.is_tensor(v))
 
 
+@pytest.mark.parametrize("name", ["dtmt", "deeplau", "transformer"])
+def test_a_part_of_a_decoder_is_not_converted_saved_or_loaded(name):
+    """A part of an inference copy converted (decoder.model.src_embed.double()) converted the model's own parameters,
+    which the copy shares (the model then refused its own batches), and the copy's state_dict held 4 of dtmt's 62
+    entries (saved without a word) while load_state_dict(strict=False) wrote into the model: each is a TypeError,
+    the model left as it was."""
+    torch.manual_seed(0)
+    model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+    copy = getattr(model.inference_decoder(), "model", model.inference_decoder())
+    assert copy is not model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match="convert the model, then build its decoder again"):
+        copy.src_embed.double()
+    for call in (lambda: copy.state_dict(), lambda: copy.load_state_dict(before, strict=False)):
+        with pytest.raises(TypeError, match=r"\.(load_)?state_dict: a decoder \(inference_decoder\(\)\) shares the "
+                                            r"model's parameters .* save or load the model"):
+            call()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.src_embed.double()   # (the model's own parts still convert)
+    assert model.src_embed.weight.dtype == torch.float64
+
+
 @pytest.mark.parametrize("name", ["mce", "dtmt", "nematus"])
 def test_a_fused_decoder_of_a_model_converted_since_is_refused(name):
     """The model converted (.double()) after its FusedRNMTDecoder was built: the decoder's parameters shared with the

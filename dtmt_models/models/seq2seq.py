@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from dataclasses import replace
 from typing import Optional, Tuple
 
@@ -147,6 +148,18 @@ def int8_unavailable(model) -> ValueError:
     return ValueError(f"int8 decoding runs the fused decoder step of {INT8_SYSTEMS} (cpp backend, CPU, float32); "
                       f"this {type(model).__name__} model does not decode with it"
                       + (f": {'; '.join(why)}" if why else ""))
+
+
+
+def _conversion_refused(module: nn.Module, fn, recurse: bool = True):
+    """A part of an inference copy's _apply: refused (inference_conversion) as the copy's own is."""
+    raise inference_conversion(module)
+
+
+def _no_state_dict(model: nn.Module, method: str) -> TypeError:
+    return TypeError(f"{type(model).__name__}.{method}: a decoder (inference_decoder()) shares the model's parameters "
+                     f"and holds weights it gathered outside them; save or load the model, then build its decoder "
+                     f"again")
 
 
 class Seq2Seq(nn.Module):
@@ -315,6 +328,10 @@ class Seq2Seq(nn.Module):
         if prepared is not self:
             prepared.__dict__["_inference_copy"] = True
             prepared.__dict__["_built_from"] = self   # (whose weights it reads: weights_kind's versions)
+            originals = {id(m) for m in self.modules()}
+            for m in prepared.modules():   # (a part of the copy converted, d.model.src_embed.double(), converted the
+                if m is not prepared and id(m) not in originals:   # model's parameters, which it shares)
+                    m.__dict__["_apply"] = types.MethodType(_conversion_refused, m)
             if any(isinstance(m, InferenceForm) for m in prepared.modules()):
                 prepared.__dict__["_built_as"] = weights_kind(prepared)
         return prepared
@@ -340,6 +357,16 @@ class Seq2Seq(nn.Module):
         if self.__dict__.get("_inference_copy", False):   # (before any parameter, shared with the model, is converted)
             raise inference_conversion(self)
         return super()._apply(fn, recurse)
+
+    def state_dict(self, *args, **kwargs):
+        if self.__dict__.get("_inference_copy", False):   # (its forms hold the weights outside parameters: 4 entries
+            raise _no_state_dict(self, "state_dict")        # of dtmt's 62 were saved, without a word)
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        if self.__dict__.get("_inference_copy", False):   # (strict=False wrote into the model's shared parameters,
+            raise _no_state_dict(self, "load_state_dict")   # and the forms kept the weights they had gathered)
+        return super().load_state_dict(*args, **kwargs)
 
     def set_backend(self, backend: str) -> "Seq2Seq":
         """Switches every fused recurrent layer and attention of the model (e.g. "cpp" <-> "reference"). ValueError

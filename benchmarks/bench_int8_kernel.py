@@ -67,8 +67,15 @@ def main(argv=None):
                                              "loops; DTMT_INT8_VNNI=0 in the environment keeps the avx512 copy off "
                                              "its VNNI loops); default: the best this CPU runs")
     a = p.parse_args(argv)
-    from common import PEERS_30M_MADE_BY, check_checkpoint, torch_threads
+    from common import PEERS_30M_MADE_BY, check_checkpoint, check_options, make_out_dir, torch_threads
 
+    # (negative calls printed negative µs, 0 a ZeroDivisionError, "--rows a" a ValueError's traceback)
+    try:
+        a.rows = [int(m) for m in a.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows {a.rows}: must be integers separated by commas, e.g. 1,4,8,32")
+    check_options(p, a, (("rows", 1), ("calls", 1), ("repeat", 1)))
+    make_out_dir(p, a.out)
     # (a missing checkpoint, the default one of a local run above all, was a FileNotFoundError's traceback)
     check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, PEERS_30M_MADE_BY)
     with torch_threads(1):
@@ -101,7 +108,7 @@ def _run(a, argv):
                   for name, w in matrices]
         flat = torch.cat([w.reshape(-1) for _, w, _, _ in packed])
         stream = best_time(lambda: flat.sum(), a.calls, a.repeat)
-        for M in (int(m) for m in a.rows.split(",")):
+        for M in a.rows:
             f32 = i8 = 0.0
             xs = []
             for name, w, q, b in packed:

@@ -684,8 +684,8 @@ def main(argv=None):
         budget_s = parse_duration(a.budget)
     except ValueError as exc:
         p.error(str(exc).replace("--max-time", "--budget"))
-    if not budget_s > 0:
-        p.error(f"--budget {a.budget}: must be more than 0 seconds")
+    if not 0 < budget_s < float("inf"):   # (inf trained with --max-steps 10^9, never stopping)
+        p.error(f"--budget {a.budget}: must be a finite duration of more than 0 seconds")
     if a.no_train and a.no_eval:
         p.error("--no-train with --no-eval leaves nothing to do")
     try:

@@ -113,8 +113,8 @@ def main(argv=None):
     except ValueError as exc:
         p.error(str(exc).replace("--max-time", "--budget"))
     # (checked before any training: --beam 0 was refused by `dtmt evaluate` after every system's budget was spent)
-    if not budget >= 1e-3:
-        p.error(f"--budget {budget:g}: must be >= 0.001 (seconds)")
+    if not 1e-3 <= budget < float("inf"):   # (inf passed here, and `dtmt train` refused it in a traceback)
+        p.error(f"--budget {budget:g}: must be a finite duration >= 0.001 (seconds)")
     check_options(p, a, (("valid_every", 1), ("beam", 1, MAX_BEAM), ("threads", 0)))
     default_data = os.path.join(ROOT, "data", "bible")
     if not os.path.isfile(os.path.join(a.data, "corpus.json")) and \

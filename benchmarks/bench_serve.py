@@ -55,8 +55,12 @@ def start_server(checkpoint: str, flags) -> tuple:
     deadline = time.time() + 300
     while True:
         try:
-            line = lines.get(timeout=max(0.1, deadline - time.time()))
+            line = lines.get(timeout=max(0.1, min(1.0, deadline - time.time())))
         except queue.Empty:
+            if proc.poll() is not None:   # (it refused an option and exited: waited for the 300 s before)
+                raise RuntimeError(f"dtmt serve exited ({proc.returncode}) before it listened") from None
+            if time.time() < deadline:
+                continue
             proc.kill()
             raise RuntimeError("dtmt serve did not start within 300 s") from None
         sys.stderr.write(line)
@@ -128,8 +132,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     from common import PEERS_30M_MADE_BY, check_checkpoint, check_options
     from dtmt_models.decoding.hypotheses import MAX_BEAM
+    from dtmt_models.decoding.serve import MAX_WAIT_MS
 
-    check_options(p, a, (("sentences", 0), ("clients", 1), ("beam", 1, MAX_BEAM), ("threads", 1), ("max_wait_ms", 0),
+    check_options(p, a, (("sentences", 0), ("clients", 1), ("beam", 1, MAX_BEAM), ("threads", 1),
+                         ("max_wait_ms", 0, MAX_WAIT_MS),
                          ("batch_sentences", 1), ("max_seconds", 0), ("timeout", 0)))
     # (a missing checkpoint, the default one of a local run above all, or corpus was a traceback)
     check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, PEERS_30M_MADE_BY)

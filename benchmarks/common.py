@@ -138,14 +138,15 @@ def check_options(parser, args, bounds=(), systems=None, device=None) -> None:
     """A benchmark's options checked before anything runs or is written, each refused in one line by `parser.error`
     (exit 2): `bounds`, (attribute, lowest) or (attribute, lowest, highest), the value an int or a list of them (a
     count of 0 ended in a division by zero or an empty median, after a CSV had been replaced); `systems`,
-    (attribute, the known names); `device`, the attribute naming a torch device (cuda without one: torch's
+    (attribute, the known names); NaN and infinities are refused as out of bounds; `device`, the attribute naming a torch device (cuda without one: torch's
     assertion). A bound's value None (an option not given, without a default) is not checked."""
     for name, low, *high in bounds:
         value = getattr(args, name)
         for v in (value if isinstance(value, (list, tuple)) else [value]):
             if v is None:
                 continue
-            if v < low or (high and v > high[0]):
+            if not v >= low or (high and not v <= high[0]) or v != v or v in (float("inf"), float("-inf")):
+                # (NaN passed both comparisons: a NaN time limit sent no request and printed NaN latencies)
                 parser.error(f"--{name.replace('_', '-')} {v}: must be >= {low}" + (f" and <= {high[0]}" if high
                                                                                     else ""))
     if systems is not None:

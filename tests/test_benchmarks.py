@@ -1281,6 +1281,15 @@ def test_the_gpu_session_refuses_the_stages_that_read_the_corpus_without_it(tmp_
     ("bench_decode", ["--systems", "dtmt", "foo"], "--systems foo: not a system"),
     ("bench_decode", ["--beams", "4", "0"], "--beams 0: must be >= 1"),
     ("bench_decode", ["--checkpoints", "none.pt", "--input", "EMPTY"], "--input EMPTY: no sentences"),
+    # (NaN passed both comparisons: bench_serve sent no request and printed NaN latencies; inf trained without end)
+    ("bench_serve", ["--max-seconds", "nan"], "--max-seconds nan: must be >= 0"),
+    ("bench_serve", ["--max-wait-ms", "100000"], "--max-wait-ms 100000.0: must be >= 0 and <= 60000.0"),
+    ("bench_quality", ["--budget", "inf"], "--budget inf: must be a finite duration >= 0.001 (seconds)"),
+    ("bench_peers", ["--budget", "inf"], "--budget inf: must be a finite duration of more than 0 seconds"),
+    ("bench_int8_kernel", ["--calls", "0"], "--calls 0: must be >= 1"),
+    ("bench_int8_kernel", ["--repeat", "-3"], "--repeat -3: must be >= 1"),
+    ("bench_int8_kernel", ["--rows", "1,"], "--rows 1,: must be integers separated by commas"),
+    ("bench_int8_kernel", ["--rows", "4,0"], "--rows 0: must be >= 1"),
 ])
 def test_bad_benchmark_options_are_one_line_before_anything_runs(tmp_path, capsys, script, flags, message):
     """Each is refused by argparse (exit 2, one line) before anything is measured or written: they were a

@@ -1541,3 +1541,15 @@ def test_the_gpu_session_packs_only_what_it_wrote_and_says_its_usage(tmp_path):
                            env=dict(env, PYTHON=sys.executable, OUT=str(tmp_path / "q")))
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert "gpu_session.sh: no CUDA device here" in r.stderr.splitlines()[-1], r.stderr
+
+
+def test_bench_serve_stops_waiting_for_a_server_that_exited(tmp_path):
+    """`dtmt serve` refusing an option exits at once; start_server waited for its "listening" line for 300 s."""
+    import importlib
+    import time
+
+    module = importlib.import_module("benchmarks.bench_serve")
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"dtmt serve exited \(2\) before it listened"):
+        module.start_server(str(tmp_path / "none.pt"), ["--beam", "0"])
+    assert time.time() - t0 < 120

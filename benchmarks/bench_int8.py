@@ -109,13 +109,16 @@ def main(argv=None):
     # before any decoding: --beam 0 was beam_search's traceback after the checkpoint had loaded, --sentences -1
     # left the last sentence out without a word, --threads 0 torch's error, a --data without the split a traceback
     check_options(p, a, (("sentences", 0), ("beam", 1, MAX_BEAM), ("threads", 1)))
+    try:
+        a.copies = _copies(a.isa)   # (checked before any decoding)
+    except ValueError as exc:   # (a bad option: exit 2, as argparse's)
+        p.error(str(exc))
     # (the checkpoint first, as the other decoding benchmarks check it: a FileNotFoundError after the corpus before)
     check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, PEERS_30M_MADE_BY)
     try:
         corpus_paths(a.data, a.split)
     except ValueError as exc:   # (CorpusError)
         p.error(f"--data {a.data} --split {a.split}: {exc}")
-    a.copies = _copies(a.isa)   # (checked before any decoding)
     with torch_threads(a.threads):
         return _run(a, argv)
 
@@ -217,7 +220,7 @@ def _copies(spec: str):
     wanted = [s.strip() for s in spec.split(",") if s.strip()]
     bad = [w for w in wanted if w not in runs]
     if bad:
-        raise SystemExit(f"bench_int8: --isa {','.join(bad)}: not a copy this CPU runs (choices: {', '.join(runs)})")
+        raise ValueError(f"--isa {','.join(bad)}: not a copy this CPU runs (choices: {', '.join(runs)})")
     return wanted
 
 

@@ -75,6 +75,11 @@ def main(argv=None):
     except ValueError:
         p.error(f"--rows {a.rows}: must be integers separated by commas, e.g. 1,4,8,32")
     check_options(p, a, (("rows", 1), ("calls", 1), ("repeat", 1)))
+    if a.isa:
+        from dtmt_kernels import _C
+
+        if a.isa not in _C.supported_cpu_isas():   # (a bad option: exit 2, as argparse's)
+            p.error(f"--isa {a.isa}: this CPU runs {', '.join(_C.supported_cpu_isas())}")
     make_out_dir(p, a.out)
     # (a missing checkpoint, the default one of a local run above all, was a FileNotFoundError's traceback)
     check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, PEERS_30M_MADE_BY)
@@ -92,9 +97,7 @@ def _run(a, argv):
 
     from dtmt_kernels import _C
 
-    if a.isa:
-        if a.isa not in _C.supported_cpu_isas():
-            raise SystemExit(f"--isa {a.isa}: this CPU runs {', '.join(_C.supported_cpu_isas())}")
+    if a.isa:   # (checked in main)
         _C.set_cpu_isa(a.isa)
     model, _, _, ckpt = load_model(a.checkpoint)
     decoder = model.eval().inference_decoder()

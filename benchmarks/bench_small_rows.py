@@ -278,6 +278,8 @@ def main(argv=None) -> dict:
     from common import check_options
 
     check_options(p, a, (("passes", 1),))
+    if a.against is not None and (not a.against or a.against.startswith("-")):   # (read by git as an option:
+        p.error(f"--against {a.against}: not a git revision")                   # --output=FILE wrote a file)
     try:
         rows = [int(m) for m in a.rows.split(",")]
     except ValueError:

@@ -1290,6 +1290,9 @@ def test_the_gpu_session_refuses_the_stages_that_read_the_corpus_without_it(tmp_
     ("bench_int8_kernel", ["--repeat", "-3"], "--repeat -3: must be >= 1"),
     ("bench_int8_kernel", ["--rows", "1,"], "--rows 1,: must be integers separated by commas"),
     ("bench_int8_kernel", ["--rows", "4,0"], "--rows 0: must be >= 1"),
+    ("bench_int8_kernel", ["--isa", "bogus"], "--isa bogus: this CPU runs"),   # (exit 1 before, after loading)
+    ("bench_int8", ["--isa", "bogus"], "--isa bogus: not a copy this CPU runs"),
+    ("bench_small_rows", ["--against=--output=OUT"], "--against --output=OUT: not a git revision"),
 ])
 def test_bad_benchmark_options_are_one_line_before_anything_runs(tmp_path, capsys, script, flags, message):
     """Each is refused by argparse (exit 2, one line) before anything is measured or written: they were a

@@ -641,6 +641,36 @@ def test_a_decoder_of_weights_changed_since_is_refused(name):
     assert fresh == beam_search(other.eval().inference_decoder(), _SRC, _LENGTHS, beam=2, max_len_b=3)
 
 
+@pytest.mark.parametrize("name", ["dtmt", "mce"])
+def test_a_state_kept_while_the_weights_changed_is_not_searched(name):
+    """A state encoded before an in-place change of the model's weights (a service's hot reload) and searched after:
+    the fused search read the new embedding and the old gathered weights without a word (only encode checked)."""
+    torch.manual_seed(0)
+    model = build_model(name, 50, 60, embed_dim=16, hidden_size=24).eval()
+    decoder = model.inference_decoder()
+    assert isinstance(decoder, FusedRNMTDecoder)
+    state = decoder.encode(_SRC, _LENGTHS)
+    assert len(decoder._search(state, 2, 0.6, torch.tensor([4, 4, 4]))) == 3
+    with torch.no_grad():
+        model.tgt_embed.weight.add_(0.5)
+    with pytest.raises(RuntimeError, match=r"its model's weights changed in place .*build its decoder again"):
+        decoder._search(state, 2, 0.6, torch.tensor([4, 4, 4]))
+
+
+def test_engine_options_take_booleans_only():
+    """EngineOptions(fold="no") folded (a truthy string), and variant(options={...}) was an AttributeError."""
+    from dtmt_models.engine import EngineOptions
+
+    with pytest.raises(TypeError, match="EngineOptions.fold must be True or False, got 'no'"):
+        EngineOptions(fold="no")
+    with pytest.raises(TypeError, match="EngineOptions.huge_pages must be True or False, got 1"):
+        EngineOptions(huge_pages=1)
+    decoder = build_model("dtmt", 50, 60, embed_dim=16, hidden_size=24).eval().inference_decoder()
+    with pytest.raises(TypeError, match="options must be an EngineOptions, got dict"):
+        decoder.variant(options={"fold": False})
+    assert decoder.variant(options=EngineOptions(fold=False)).options.fold is False
+
+
 @pytest.mark.parametrize("name", ["dtmt", "mce", "gnmt-atr", "deeplau"])
 def test_a_decoder_of_weights_replaced_or_partly_converted_since_is_refused(name):
     """Found by a review: the check compared the parameters' version counters and the first parameter's dtype, so

@@ -5,7 +5,7 @@ process). What each buys, measured: docs/design/decoding.md, "Engine options"; a
 goes, with its code."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -41,3 +41,9 @@ class EngineOptions:
     step_tables: bool = True
     encoder_panels: bool = True
     source_tables: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):   # (fold="no" folded: any truthy value switched it on)
+            value = getattr(self, f.name)
+            if not isinstance(value, bool):
+                raise TypeError(f"EngineOptions.{f.name} must be True or False, got {value!r}")

@@ -84,6 +84,8 @@ class FusedRNMTDecoder:
                         "as changed); copy or send the model, then build its decoder (model.inference_decoder())")
 
     def __init__(self, model, step: FusedStep, int8: bool = False, options: EngineOptions = EngineOptions()):
+        if not isinstance(options, EngineOptions):   # (a dict was an AttributeError: 'dict' object has no 'fold')
+            raise TypeError(f"FusedRNMTDecoder: options must be an EngineOptions, got {type(options).__name__}")
         self.prepared, self.model, self.step_form, self.int8, self.options = model, model, step, int8, options
         self._built_as = weights_kind(model)   # (what a conversion of the model would change: check_unconverted)
         self.layered = step.layered
@@ -213,6 +215,7 @@ class FusedRNMTDecoder:
         ops.rnmt_beam_search, from the state `encode` made: for each sentence its finished hypotheses,
         best first, as (tokens, score, log_prob): up to `beam` of them, of which the first `nbest` are what a search
         run to max length would give (beam_search's rule; nbest None: beam). `early_stop`, `penalty`: beam_search's."""
+        self.check_unconverted()   # (a state kept while the model's weights changed: the search read them mixed)
         if "drop_q" in state or "drop_d" in state:
             raise ValueError("FusedRNMTDecoder.search: the state has candidate-dropout masks (a model in training "
                              "mode); decode in eval mode")

@@ -24,8 +24,8 @@ class Unrollable:
 
     def _unrolled_sessions(self) -> Optional[dict]:
         """The sessions of the block the calling thread has open on this module when autograd is recording, else
-        None. Under torch.compile / torch.export the block is ignored (its sessions are Python state that a graph
-        cannot hold), under torch.func's transforms (vmap: the sessions' Functions have no vmap rule), and under
+        None. Under torch.compile / torch.export / torch.jit.trace the block is ignored (its sessions are Python
+        state that a graph cannot hold; a trace failed with "unordered_map::at"), under torch.func's transforms (vmap: the sessions' Functions have no vmap rule), and under
         saved-tensor hooks (torch.utils.checkpoint's non-reentrant form recomputes a step at the backward, perhaps
         after the block has closed, and refuses a recomputation that saves other tensors; save_on_cpu): each step
         is then the plain op, whose gradients the graph, the transform or the checkpoint forms; and in a forward
@@ -33,7 +33,7 @@ class Unrollable:
         block's sessions, their nested backward ran the shared weight sink and dropped the rows kept for the later
         steps, weight gradients off by up to 1.8)."""
         blocks = getattr(_THREAD, "blocks", None)
-        if (not blocks or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+        if (not blocks or not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing()
                 or torch._C._functorch.peek_interpreter_stack() is not None
                 or _saved_tensor_hooks_active() or torch._C._current_graph_task_id() != -1):
             return None
@@ -90,7 +90,8 @@ def unrolled(*modules: nn.Module) -> Iterator[None]:
     and saved-tensor hooks (a non-reentrant torch.utils.checkpoint, save_on_cpu) the steps are the plain op.
     Blocks nest (the outer one holds). A block is the calling thread's: threads that run the same modules at once
     each have their own, and the gradients of each are those it would have alone."""
-    if torch.compiler.is_compiling():   # a compiled graph forms the weight gradients itself (_unrolled_sessions)
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():   # a compiled graph or a trace forms the weight
+        # gradients itself (_unrolled_sessions)
         yield
         return
     blocks = getattr(_THREAD, "blocks", None)

@@ -821,6 +821,26 @@ def test_layer_exports_and_runs():
         program.module()(x3, lengths=torch.tensor([8, 3, 2]))
 
 
+@pytest.mark.parametrize("system", ["dtmt", "rnnsearch-atr"])
+def test_a_system_traces_with_autograd_recording(system):
+    """torch.jit.trace of a recurrent system's forward with gradients on failed with the bare "unordered_map::at":
+    its teacher-forced decoder runs its steps in an `unrolled` block, whose autograd.Functions take Python objects a
+    trace cannot hold. A trace now runs each step as the plain op: the traced forward gives the model's logits, and
+    its backward the model's gradients."""
+    torch.manual_seed(0)
+    model = build_model(system, 40, 50, embed_dim=16, hidden_size=16).eval()
+    src, lengths, prev = torch.randint(4, 40, (2, 5)), torch.tensor([5, 3]), torch.randint(4, 50, (2, 4))
+    traced = torch.jit.trace(model, (src, lengths, prev), check_trace=False)
+    traced(src, lengths, prev).square().sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model(src, lengths, prev).square().sum().backward()
+    assert got.keys() == {n for n, p in model.named_parameters() if p.grad is not None} and got
+    for n, p in model.named_parameters():
+        if n in got:
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("cell,depth,ln", [("lgru", 1, True), ("atr", 0, False)])
 @pytest.mark.parametrize("backend", ["cpp", "reference"])
 def test_a_traced_layer_takes_each_call_s_lengths(cell, depth, ln, backend):

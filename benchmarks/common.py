@@ -138,8 +138,9 @@ def check_options(parser, args, bounds=(), systems=None, device=None) -> None:
     """A benchmark's options checked before anything runs or is written, each refused in one line by `parser.error`
     (exit 2): `bounds`, (attribute, lowest) or (attribute, lowest, highest), the value an int or a list of them (a
     count of 0 ended in a division by zero or an empty median, after a CSV had been replaced); `systems`,
-    (attribute, the known names); NaN and infinities are refused as out of bounds; `device`, the attribute naming a torch device (cuda without one: torch's
-    assertion). A bound's value None (an option not given, without a default) is not checked."""
+    (attribute, the known names); `device`, the attribute naming a torch device (cuda without one: torch's
+    assertion). NaN and infinities are out of every bound. A bound's value None (an option not given, without a
+    default) is not checked."""
     for name, low, *high in bounds:
         value = getattr(args, name)
         for v in (value if isinstance(value, (list, tuple)) else [value]):

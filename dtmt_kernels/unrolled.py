@@ -25,13 +25,14 @@ class Unrollable:
     def _unrolled_sessions(self) -> Optional[dict]:
         """The sessions of the block the calling thread has open on this module when autograd is recording, else
         None. Under torch.compile / torch.export / torch.jit.trace the block is ignored (its sessions are Python
-        state that a graph cannot hold; a trace failed with "unordered_map::at"), under torch.func's transforms (vmap: the sessions' Functions have no vmap rule), and under
-        saved-tensor hooks (torch.utils.checkpoint's non-reentrant form recomputes a step at the backward, perhaps
-        after the block has closed, and refuses a recomputation that saves other tensors; save_on_cpu): each step
-        is then the plain op, whose gradients the graph, the transform or the checkpoint forms; and in a forward
-        that runs during a backward (torch.utils.checkpoint's reentrant form recomputes its steps there: joining the
-        block's sessions, their nested backward ran the shared weight sink and dropped the rows kept for the later
-        steps, weight gradients off by up to 1.8)."""
+        state that a graph cannot hold; a trace failed with "unordered_map::at"), under torch.func's transforms
+        (vmap: the sessions' Functions have no vmap rule), and under saved-tensor hooks (torch.utils.checkpoint's
+        non-reentrant form recomputes a step at the backward, perhaps after the block has closed, and refuses a
+        recomputation that saves other tensors; save_on_cpu): each step is then the plain op, whose gradients the
+        graph, the transform or the checkpoint forms; and in a forward that runs during a backward
+        (torch.utils.checkpoint's reentrant form recomputes its steps there: joining the block's sessions, their
+        nested backward ran the shared weight sink and dropped the rows kept for the later steps, weight gradients
+        off by up to 1.8)."""
         blocks = getattr(_THREAD, "blocks", None)
         if (not blocks or not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing()
                 or torch._C._functorch.peek_interpreter_stack() is not None

@@ -173,6 +173,10 @@ def main(argv=None) -> int:
     from common import check_options
 
     check_options(p, a, (("steps", 1),))
+    from dtmt_models import list_models
+
+    if a.model not in list_models():   # (refused by `dtmt train` after the corpora were generated and prepared)
+        p.error(f"--model {a.model}: not a system (one of {', '.join(list_models())})")
     try:
         sizes = [parse_size(s) for s in a.sizes.split(",")]
     except argparse.ArgumentTypeError as exc:

@@ -205,6 +205,8 @@ def main(argv=None):
     check_options(p, a, (("sentences", 1), ("src_len", 1), ("tgt_len", 1), ("vocab", 5), ("beams", 1),
                          ("batch_size", 1), ("repeat", 1), ("threads", 0)), systems=("systems", PRESETS),
                   device="device")
+    if "graph" in (a.loops or []) and not a.device.startswith("cuda"):   # (labelled "graph", it ran the eager loop)
+        p.error("--loops graph replays CUDA graphs: with --device cuda")
     if a.quick:
         a.sentences, a.src_len, a.tgt_len, a.vocab, a.repeat, a.batch_size = 2, 5, 4, 100, 1, 2
     amps = list(dict.fromkeys(a.amp))

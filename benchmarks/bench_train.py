@@ -342,6 +342,13 @@ def run(argv=None):
     if "tf32" in a.math and not a.device.startswith("cuda"):
         p.error("--math tf32 is a GPU mode (with --device cuda)")
     if a.one:
+        if a.one[0] not in PRESETS:   # (a KeyError's traceback in the build)
+            p.error(f"--one {a.one[0]}: not a system (one of {', '.join(sorted(PRESETS))})")
+        if a.one[1] != "-":
+            try:
+                backend_spec(a.one[1])
+            except argparse.ArgumentTypeError as exc:
+                p.error(f"--one {' '.join(a.one)}: {exc} (or - for a system without recurrent layers)")
         if len(a.math) > 1 or len(a.graphs) > 1:
             p.error("--one measures one pair in one mode: one --math and one --graphs")
         # (the header to stderr: this mode's stdout is one JSON row, which the table's run and a profile's file read)

@@ -1293,6 +1293,10 @@ def test_the_gpu_session_refuses_the_stages_that_read_the_corpus_without_it(tmp_
     ("bench_int8_kernel", ["--isa", "bogus"], "--isa bogus: this CPU runs"),   # (exit 1 before, after loading)
     ("bench_int8", ["--isa", "bogus"], "--isa bogus: not a copy this CPU runs"),
     ("bench_small_rows", ["--against=--output=OUT"], "--against --output=OUT: not a git revision"),
+    ("bench_train", ["--quick", "--one", "dtmt", "foo"], "--one dtmt foo: 'foo': a backend"),   # (KeyError,
+    ("bench_train", ["--quick", "--one", "foo", "cpp"], "--one foo: not a system"),              # SystemExit)
+    ("bench_data", ["--model", "foo", "--sizes", "300"], "--model foo: not a system"),   # (after the corpus was made)
+    ("bench_decode", ["--quick", "--loops", "graph"], "--loops graph replays CUDA graphs: with --device cuda"),
 ])
 def test_bad_benchmark_options_are_one_line_before_anything_runs(tmp_path, capsys, script, flags, message):
     """Each is refused by argparse (exit 2, one line) before anything is measured or written: they were a

@@ -264,8 +264,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write bench_core_limits.md and .json here")
     a = p.parse_args(argv)
-    from common import machine_name, write_report
+    from common import machine_name, make_out_dir, write_report
 
+    if a.out:   # (before the measurement: an --out that cannot be made failed after it)
+        make_out_dir(p, a.out)
     r = measure()
     text = table(r, machine_name(threads=False))
     print(text, end="")

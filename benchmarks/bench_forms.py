@@ -65,6 +65,10 @@ def main(argv=None):
         options = get_preset(a.system, a.preset)["model"]
     except ValueError as exc:
         p.error(f"--system {a.system} --preset {a.preset}: {exc}")
+    if a.json:   # (before the measurement: a --json in a missing folder failed after it)
+        folder = os.path.dirname(os.path.abspath(a.json))
+        if not os.path.isdir(folder) or os.path.isdir(a.json):
+            p.error(f"--json {a.json}: " + ("a folder" if os.path.isdir(a.json) else f"no folder {folder}"))
 
     run_record = provenance(__file__, argv)
     print(provenance_line(run_record), file=sys.stderr, flush=True)

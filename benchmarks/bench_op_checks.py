@@ -106,12 +106,13 @@ def main(argv=None):
     if a.workload:   # (a child of the run below, whose options are checked)
         return workload(a.calls, a.op)
     sys.path.insert(0, HERE)
-    from common import check_options, commit, machine_name, write_report
+    from common import check_options, commit, machine_name, make_out_dir, write_report
 
     check_options(p, a, (("calls", 1),))
     if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
         print("bench_op_checks: valgrind (callgrind) is not installed", file=sys.stderr)
         return 2
+    make_out_dir(p, a.out)   # (before the measurement: an --out that cannot be made failed after it)
 
     rows = [count(a.calls, op) for op in CHECKS]
     rev = commit()

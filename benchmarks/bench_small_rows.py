@@ -278,6 +278,10 @@ def main(argv=None) -> dict:
     from common import check_options
 
     check_options(p, a, (("passes", 1),))
+    if a.out:   # (before the measurement: an --out that cannot be made failed after it)
+        from common import make_out_dir
+
+        make_out_dir(p, a.out)
     if a.against is not None and (not a.against or a.against.startswith("-")):   # (read by git as an option:
         p.error(f"--against {a.against}: not a git revision")                   # --output=FILE wrote a file)
     try:

@@ -1299,6 +1299,19 @@ def test_the_gpu_session_refuses_the_stages_that_read_the_corpus_without_it(tmp_
     ("bench_decode", ["--quick", "--loops", "graph"], "--loops graph replays CUDA graphs: with --device cuda"),
 ])
 def test_bad_benchmark_options_are_one_line_before_anything_runs(tmp_path, capsys, script, flags, message):
+    _refused_before_running(tmp_path, capsys, script, flags, message)
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("bench_core_limits", ["--out", "/dev/null/x"], "--out /dev/null/x: cannot make this folder"),
+    ("bench_small_rows", ["--out", "/dev/null/x"], "--out /dev/null/x: cannot make this folder"),
+    ("bench_forms", ["--json", "/dev/null/x/f.json"], "--json /dev/null/x/f.json: no folder /dev/null/x"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_the_measurement(tmp_path, capsys, script, flags,
+                                                                             message):
+    """They measured everything (core_limits a minute), then failed writing (exit 1, the figures lost)."""
+    _refused_before_running(tmp_path, capsys, script, flags, message, out=False)
+def _refused_before_running(tmp_path, capsys, script, flags, message, out=True):
     """Each is refused by argparse (exit 2, one line) before anything is measured or written: they were a
     ZeroDivisionError, an empty median, a reshape's or int()'s error, a traceback of the child process, and
     `bench_train --rounds 0` first replaced the CSV of earlier results by its header."""
@@ -1310,7 +1323,7 @@ def test_bad_benchmark_options_are_one_line_before_anything_runs(tmp_path, capsy
     flags = [str(tmp_path / "EMPTY") if f == "EMPTY" else f for f in flags]
     message = message.replace("EMPTY", str(tmp_path / "EMPTY"))
     with pytest.raises(SystemExit) as info:
-        module.main(flags + ["--out", str(tmp_path)])
+        module.main(flags + (["--out", str(tmp_path)] if out else []))
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err.splitlines()[-1] and "Traceback" not in err, err

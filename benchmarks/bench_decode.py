@@ -207,8 +207,10 @@ def main(argv=None):
                   device="device")
     if "graph" in (a.loops or []) and not a.device.startswith("cuda"):   # (labelled "graph", it ran the eager loop)
         p.error("--loops graph replays CUDA graphs: with --device cuda")
-    if a.quick:
-        a.sentences, a.src_len, a.tgt_len, a.vocab, a.repeat, a.batch_size = 2, 5, 4, 100, 1, 2
+    if a.quick:   # (the options not given: a --sentences or --repeat given with it had been replaced without a word)
+        for name, value in dict(sentences=2, src_len=5, tgt_len=4, vocab=100, repeat=1, batch_size=2).items():
+            if getattr(a, name) == p.get_default(name):
+                setattr(a, name, value)
     amps = list(dict.fromkeys(a.amp))
     lines = None
     if a.checkpoints:   # (each checked before anything runs: a missing one was a FileNotFoundError's traceback)

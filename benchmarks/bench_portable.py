@@ -111,8 +111,10 @@ def main(argv=None):
     from benchmarks.common import check_options
 
     check_options(p, args, (("T", 1), ("depths", 0), ("repeat", 1), ("rounds", 1)))
-    if args.quick:
-        args.T, args.BH, args.depths, args.repeat, args.rounds = [5], ["2x16"], [1], 1, 1
+    if args.quick:   # (the options not given: one given with it had been replaced without a word)
+        for name, value in dict(T=[5], BH=["2x16"], depths=[1], repeat=1, rounds=1).items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     if args.worker:
         return worker(args)
 

@@ -292,6 +292,14 @@ def test_bench_decode_quick(tmp_path):
     assert abs(size(width) - target) <= min(abs(size(max(8, width - 8)) - target), abs(size(width + 8) - target))
 
 
+def test_bench_decode_quick_keeps_the_options_given_with_it(tmp_path):
+    """--quick sets the sizes not given: --sentences 3 and --tgt-len 6 with it were replaced by 2 and 4."""
+    from benchmarks import bench_decode
+    rows = bench_decode.main(["--quick", "--systems", "rnnsearch-atr", "--no-match", "--sentences", "3", "--tgt-len",
+                              "6", "--beams", "1", "--out", str(tmp_path)])
+    assert rows and all(r["words"] == 6 * 3 for r in rows)
+
+
 def test_bench_decode_times_both_loops_in_one_run(tmp_path):
     """--loops host device: every model decoded by both beam-search loops in the same run (the GPU session's
     decode stage), the same words from both, the device loop's speed as a ratio to the host loop's."""

@@ -274,7 +274,9 @@ class TransitionBackward {
     d_cur_ = in.grad_hn.to(acc_, /*non_blocking=*/false, /*copy=*/true);
     dA_ = at::empty({B_, H_}, acc_opts);
     dB_ = at::empty({B_, H_}, acc_opts);
-    go_a_ = in_acc(in.grad_out, acc_);
+    // (always converted, empty too: in_acc leaves empty tensors, absent arguments, as they are, and a batch of no
+    // rows then read a 16-bit grad_out as A)
+    go_a_ = in.grad_out.scalar_type() == acc_ ? in.grad_out : in.grad_out.to(acc_);
     if (LP) {   // float rows of the current step and the input-dtype product of the path through U
       xp_a_ = at::empty({B_, d_.n_in * H_}, acc_opts);
       hp_a_ = at::empty({B_, d_.n_h * H_}, acc_opts);

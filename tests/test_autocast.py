@@ -101,6 +101,23 @@ def test_cpu_op_with_16_bit_inputs_matches_the_float64_reference(dtype, case, st
         assert err <= TOL[dtype], f"{name}: relative error {err:.2e} > {TOL[dtype]}"
 
 
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", [("lgru", 1, True), ("atr", 0, False)], ids=["lgru-d1-ln", "atr"])
+def test_a_16_bit_batch_of_no_rows_has_empty_gradients(dtype, case):
+    """B = 0 in 16 bits: the forward ran, the backward failed with "expected scalar type Float but found BFloat16"
+    (its gradient of the outputs left unconverted, being empty), where float32 gave empty gradients. Now every
+    gradient is empty, of its input's shape and dtype (dh0 zero-size too), as in float32."""
+    cell, depth, ln = case
+    layer = _layer(cell, depth, ln)
+    x, h0 = torch.randn(3, 0, layer.input_size), torch.zeros(0, layer.hidden_size)
+    got, _ = _op_results(layer, x, h0, None, None, False, dtype, dtype)
+    assert got[0].shape == (3, 0, layer.hidden_size) and got[2].shape == x.shape and got[2].dtype == dtype
+    assert got[3].shape == h0.shape
+    params = [p for p in flat_params(layer.direction_weights()) if p is not None]
+    for g, p in zip(got[4:], params):
+        assert g.shape == p.shape and g.dtype == dtype and not g.any()
+
+
 @pytest.mark.parametrize("case", [("lgru", 1, True), ("atr", 0, True)], ids=["lgru-d1-ln", "atr-ln"])
 def test_16_bit_op_passes_opcheck(case):
     """Schema, fake (dtypes of every result, h_n in h0's dtype), autograd registration and AOT dispatch with

@@ -122,8 +122,9 @@ def main(argv=None):
         p.error(f"--data {a.data}: no corpus.json; make the corpus with `dtmt prepare` (only the default, "
                 f"{default_data}, is prepared here)")
     extra = a.train_args.split()
-    if a.quick:
-        extra += ["--vocab-size", "60", "--opt", "embed_dim=16", "--opt", "hidden_size=16", "--max-tokens", "300"]
+    if a.quick:   # (first: a --train-args given with it overrides them, as the last of a flag given twice wins)
+        extra = ["--vocab-size", "60", "--opt", "embed_dim=16", "--opt", "hidden_size=16", "--max-tokens", "300",
+                 *extra]
     runs = {}
     for entry in a.systems:
         head, *own = entry.split() or [""]
@@ -203,7 +204,7 @@ def main(argv=None):
     write_csv(os.path.join(a.out, "bench_quality.csv"), rows, fields)
     lines = [f"Quality at equal training time ({machine_name()}); budget {a.budget} of training per system"
              + (f", all trained at once on {threads} thread(s) each" if a.parallel else "") + ", "
-             f"small presets, data {a.data}, beam {a.beam}; command: `python benchmarks/bench_quality.py "
+             f"small presets{' with ' + ' '.join(extra) if extra else ''}, data {a.data}, beam {a.beam}; command: `python benchmarks/bench_quality.py "
              f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              "| system | params | updates | train tok/s | decode words/s | dev BLEU | dev chrF | test BLEU | test chrF |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

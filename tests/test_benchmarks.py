@@ -338,6 +338,7 @@ def test_bench_quality_quick(tmp_path, capsys):
     assert len(rows) == 2 and all(r["steps"] > 0 and 0 <= r["test_bleu"] <= 100 for r in rows)
     with open(os.path.join(tmp_path, "q", "bench_quality.md")) as f:
         table = f.read()
+    assert "small presets with --vocab-size 60 --opt embed_dim=16" in table   # (said "small presets" alone)
     assert "| dtmt |" in table and "| rnnsearch-atr |" in table and \
         f"all trained at once on {max(1, (os.cpu_count() or 1) // 2)} thread(s) each" in table
     assert all(os.path.getsize(tmp_path / "q" / f"train_{s}.log") > 0 for s in ("dtmt", "rnnsearch-atr"))

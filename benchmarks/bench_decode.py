@@ -326,9 +326,9 @@ def main(argv=None):
     for r in rows:   # ratios within one loop and one precision
         plain, suffix = precision(r["model"])
         amp = bool(suffix)
-        base = by.get(("transformer" + suffix, r["beam"], r["batch"], r["loop"])) or next(
-            (q for q in rows if q["model"].startswith("transformer") and precision(q["model"])[1] == suffix
-             and (q["beam"], q["batch"], q["loop"]) == (r["beam"], r["batch"], r["loop"])), None)
+        # (the small preset's only: without it in --systems the column had compared with the first size-matched
+        # transformer under the same heading)
+        base = by.get(("transformer" + suffix, r["beam"], r["batch"], r["loop"]))
         r["vs_transformer"] = r["words_per_s"] / base["words_per_s"] if base else None
         fp32 = by.get((plain, r["beam"], r["batch"], r["loop"])) if amp else None
         r["vs_off"] = r["words_per_s"] / fp32["words_per_s"] if fp32 else None

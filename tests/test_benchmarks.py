@@ -293,11 +293,14 @@ def test_bench_decode_quick(tmp_path):
 
 
 def test_bench_decode_quick_keeps_the_options_given_with_it(tmp_path):
-    """--quick sets the sizes not given: --sentences 3 and --tgt-len 6 with it were replaced by 2 and 4."""
+    """--quick sets the sizes not given: --sentences 3 and --tgt-len 6 with it were replaced by 2 and 4. And the
+    "× transformer" column is the small preset's ratio only."""
     from benchmarks import bench_decode
-    rows = bench_decode.main(["--quick", "--systems", "rnnsearch-atr", "--no-match", "--sentences", "3", "--tgt-len",
-                              "6", "--beams", "1", "--out", str(tmp_path)])
+    rows = bench_decode.main(["--quick", "--systems", "rnnsearch-atr", "--sentences", "3", "--tgt-len", "6",
+                              "--beams", "1", "--out", str(tmp_path)])
     assert rows and all(r["words"] == 6 * 3 for r in rows)
+    # without the transformer in --systems, no "× transformer" (it had been the size-matched one's ratio)
+    assert any(r["matched"] for r in rows) and all(r["vs_transformer"] is None for r in rows)
 
 
 def test_bench_decode_times_both_loops_in_one_run(tmp_path):

@@ -3225,3 +3225,20 @@ def test_a_mistyped_preset_is_named_before_the_out_folder_s_refusals(tmp_path, c
     r = train_here(["--data", data, "--out", str(out), "--max-steps", "1", *TINY, "--preset", "smal"], capsys)
     assert r.returncode == 2 and "'smal' (did you mean 'small'?)" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert "already holds" not in r.stderr and sorted(os.listdir(out)) == before
+
+
+def test_the_learning_curve_skips_cells_edited_by_hand(tmp_path):
+    """A train_log.csv cell edited by hand ("abc", a spreadsheet's "8,43") passed --resume's check (the steps only)
+    and plot_curve's ValueError ended every resumed run at its first validation, best.pt saved and last.pt not: the
+    figure leaves such a cell out. A single training row is drawn as a point (a line of one point drew nothing)."""
+    pytest.importorskip("matplotlib")
+    from dtmt_models.training.trainer import _points, plot_curve
+
+    rows = [dict(kind="train", step="1", loss="8.4"), dict(kind="train", step="2", loss="abc"),
+            dict(kind="train", step="3", loss="8,43"), dict(kind="valid", step="3", dev_loss="7.9", dev_bleu="#N/A"),
+            dict(kind="valid", step="x", dev_loss="7.5", dev_bleu="1.0")]
+    assert _points(rows, "train", "loss") == [(1, 8.4)]
+    assert _points(rows, "valid", "dev_loss") == [(3, 7.9)] and _points(rows, "valid", "dev_bleu") == []
+    path = str(tmp_path / "curve.png")
+    plot_curve(rows, path, "edited")
+    assert os.path.getsize(path) > 0

@@ -218,18 +218,31 @@ def _quiet_event_writer_errors() -> None:
     threading.excepthook = hook
 
 
+def _points(rows: List[dict], kind: str, key: str) -> List[Tuple[int, float]]:
+    """(step, value) of the log's rows of `kind` whose `key` and step read as numbers: a cell edited by hand ("abc",
+    a spreadsheet's "8,43") is left out of the figure (it had ended every resumed run at its first validation, with
+    best.pt saved and last.pt not)."""
+    out = []
+    for r in rows:
+        if r.get("kind") == kind and r.get(key, "") != "":
+            try:
+                out.append((int(r["step"]), float(r[key])))
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
 def plot_curve(rows: List[dict], path: str, title: str) -> Optional[str]:
     """Training and dev loss against updates, dev BLEU on a second axis, written to `path`. None (and a
     warning) when matplotlib is absent."""
     fig = figure(7, 4, what="the learning curve")
     if fig is None:
         return None
-    tr = [(int(r["step"]), float(r["loss"])) for r in rows if r["kind"] == "train" and r["loss"] != ""]
-    dv = [(int(r["step"]), float(r["dev_loss"])) for r in rows if r["kind"] == "valid" and r["dev_loss"] != ""]
-    bl = [(int(r["step"]), float(r["dev_bleu"])) for r in rows if r["kind"] == "valid" and r["dev_bleu"] != ""]
+    tr, dv, bl = (_points(rows, kind, key) for kind, key in (("train", "loss"), ("valid", "dev_loss"),
+                                                               ("valid", "dev_bleu")))
     ax = fig.add_subplot(1, 1, 1)
-    if tr:
-        ax.plot(*zip(*tr), label="train loss (smoothed CE / token)", lw=1)
+    if tr:   # (one row, a run shorter than --log-every: a point, where a line of one point drew nothing)
+        ax.plot(*zip(*tr), label="train loss (smoothed CE / token)", lw=1, marker="o" if len(tr) == 1 else None)
     if dv:
         ax.plot(*zip(*dv), "o-", label="dev loss (NLL / token)")
     ax.set_xlabel("updates")

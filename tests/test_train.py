@@ -1081,6 +1081,45 @@ def test_a_process_waiting_for_the_others_says_whom_it_waits_for(monkeypatch, ca
     assert not distributed.by_hand()
 
 
+def test_a_process_meeting_another_program_s_port_gives_up_in_one_line(monkeypatch):
+    """Something that accepts connections at MASTER_ADDR:MASTER_PORT but is no store (another program's port): the
+    store's client handshake waited in c10d for half an hour, deaf to Ctrl-C and SIGTERM (a review's probe needed
+    kill -9). It is made on a thread this one polls, and given CONNECT_S."""
+    import socket
+    import threading
+    import time
+
+    from dtmt_models.training import distributed
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted = []
+
+    def accept():
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                return
+    threading.Thread(target=accept, daemon=True).start()
+    port = server.getsockname()[1]
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(distributed, "CONNECT_S", 1.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match=rf"^MASTER_ADDR=127.0.0.1 MASTER_PORT={port}: something accepts "
+                                             r"connections there but did not answer as process 0's store in 1 s"):
+            distributed.Meeting()
+        assert time.monotonic() - started < 30
+    finally:   # (the handshake's thread ends when its connection closes)
+        server.close()
+        for c in accepted:
+            c.close()
+
+
 def test_a_process_interrupted_while_it_waits_to_start_is_not_counted_as_ready(monkeypatch):
     """Ctrl-C (or the time out) in a process waiting for the others' outcomes leaves it said as ended: it had been
     said to have passed, and the others then started the process group without it and waited there for half an

@@ -6,6 +6,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -68,6 +69,7 @@ ENDED = "\0ended"   # a process's outcome where it ended before saying one (Meet
 NOTE_AFTER_S = 30.0   # a process still waiting for the others of the run says so after this long, and again as long
 TIMEOUT_S = 1800.0    # the longest wait for them (torch's own for a process group's setup)
 READ_WAIT_S = 10.0    # how long process 0 keeps its store for the others to read the outcomes
+CONNECT_S = 60.0      # how long a process gives process 0's store to answer once something accepts at its address
 
 
 def by_hand() -> bool:
@@ -106,13 +108,39 @@ class Meeting:
             self._waiting(started, f"process 0 at {host}:{port}")       # Ctrl-C and logs each failed try)
             time.sleep(0.2)
         try:
-            self.store = td.TCPStore(host, int(port), None, holder, datetime.timedelta(seconds=TIMEOUT_S),
-                                     wait_for_workers=False, multi_tenant=True)
+            self.store = self._connect(td, host, int(port), holder)
         except RuntimeError as exc:   # (a port in use, a host that does not resolve: c10d's message and frames)
             raise ValueError(f"MASTER_ADDR={host} MASTER_PORT={port}: cannot "
                              f"{'listen there' if holder else 'reach process 0 there'} "
                              f"({str(exc).strip().splitlines()[0][:200]})") from None
         self.keys = td.PrefixStore("dtmt-train", self.store)
+
+    @staticmethod
+    def _connect(td, host: str, port: int, holder: bool):
+        """The TCPStore, made on a thread that this one waits for in a poll (Ctrl-C ends it): a client's handshake
+        with something at the address that is not a store (another program's port) waited in c10d for half an hour,
+        deaf to Ctrl-C and SIGTERM and to its own time-out. ValueError after CONNECT_S without an answer."""
+        made: dict = {}
+
+        def connect():
+            try:
+                made["store"] = td.TCPStore(host, port, None, holder, datetime.timedelta(seconds=TIMEOUT_S),
+                                            wait_for_workers=False, multi_tenant=True)
+            except BaseException as exc:   # (given to the waiting thread)
+                made["error"] = exc
+
+        thread = threading.Thread(target=connect, name="dtmt-store-connect", daemon=True)
+        thread.start()
+        started = time.monotonic()
+        while thread.is_alive():
+            thread.join(0.2)
+            if thread.is_alive() and time.monotonic() - started > CONNECT_S:
+                raise ValueError(f"MASTER_ADDR={host} MASTER_PORT={port}: something accepts connections there but "
+                                 f"did not answer as process 0's store in {CONNECT_S:.0f} s (another program's "
+                                 f"port?)")
+        if "error" in made:
+            raise made["error"]
+        return made["store"]
 
     @staticmethod
     def _reachable(host: str, port: int) -> bool:

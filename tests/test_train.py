@@ -3281,3 +3281,26 @@ def test_the_learning_curve_skips_cells_edited_by_hand(tmp_path):
     path = str(tmp_path / "curve.png")
     plot_curve(rows, path, "edited")
     assert os.path.getsize(path) > 0
+
+
+def test_a_run_whose_stdout_reader_left_saves_its_updates(toy, tmp_path):
+    """`dtmt train | tee log` with tee gone: the next progress line met a broken pipe and the run ended in silence
+    (exit 141), last.pt a validation interval behind the log. It still ends with 141 (as SIGPIPE would end it), but
+    saves last.pt at its update first and says so on stderr."""
+    import torch
+
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "dtmt_models.cli", "train", "--data", toy, "--out", out, "--max-steps", "400",
+           "--log-every", "1", "--valid-every", "10000", "--progress", "lines", *TINY]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:   # (the reader leaves at the third update's line)
+        if " step 3 " in line:
+            break
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    saved = re.search(r"dtmt train: stdout was closed \(its reader left\); .*last\.pt saved at update (\d+): resume "
+                      r"with --resume", err)
+    assert saved and 3 <= int(saved.group(1)) < 400, err
+    assert torch.load(os.path.join(out, "last.pt"), weights_only=True)["step"] == int(saved.group(1))

@@ -792,6 +792,16 @@ class Trainer:
                 raise exc from None
             raise LogWriteError(f"{exc}; {os.path.join(self.out, LAST)} saved at update {self.step:,}: resume with "
                                 f"--resume once the log can be written") from None
+        except BrokenPipeError:   # stdout's reader left (`dtmt train | tee log`, tee killed): the run ends, as SIGPIPE
+            # would end it, but with its updates saved (it had ended in silence, last.pt up to a validation behind)
+            if self.dist.world == 1 and self._saved_step != self.step:
+                try:
+                    self.save_last()
+                    print(f"dtmt train: stdout was closed (its reader left); {os.path.join(self.out, LAST)} saved "
+                          f"at update {self.step:,}: resume with --resume", file=sys.stderr, flush=True)
+                except (WriteError, OSError, TrainingDiverged):
+                    pass
+            raise
         finally:
             give_back(handlers)
             self.progress.close()

@@ -316,8 +316,9 @@ def run(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="with --one: profile the timed updates and print the N ops with most self CPU time")
     p.add_argument("--buckets", metavar="DATA", default=None,
-                   help="instead: the bucket shapes and padding of --cuda-graphs on the prepared corpus DATA, one "
-                        "epoch at 2,000 / 4,000 / 8,000 tokens a batch (BPE --vocab, pairs up to 100 subwords)")
+                   help="instead: the bucket shapes and padding of `dtmt train --cuda-graphs` on the prepared "
+                        "corpus DATA, one epoch at 2,000 / 4,000 / 8,000 tokens a batch (BPE --vocab, pairs up to "
+                        "100 subwords)")
     a = p.parse_args(argv)
     check_options(p, a, (("steps", 1), ("warmup", 0), ("rounds", 1), ("max_tokens", 81), ("vocab", 5),
                          ("threads", 0), ("profile", 0)), systems=("systems", PRESETS), device="device")

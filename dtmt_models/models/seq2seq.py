@@ -307,7 +307,8 @@ class Seq2Seq(nn.Module):
         returned the model itself: a step loop of one's own decoded with dropout on). Built once per batch by
         `beam_search`, or once per run by a caller that decodes many batches with the same weights (translate,
         validation); inference only (no autograd). Weights are read when it is built: after they change (an
-        optimizer step), build a new one: a search with the old one is a RuntimeError. On a decoder, returns itself,
+        optimizer step), build a new one: a search with the old one is a RuntimeError (where it gathered weights:
+        the transformer's copy reads them all live and decodes the new model). On a decoder, returns itself,
         or TypeError where the model was converted (.to() / .double() / .cuda()) after the decoder gathered its
         weights. `int8`: decode with int8 weight matrices, which only the fused step of the attentional RNMT systems
         has (engine.rnmt.FusedRNMTDecoder): ValueError here."""

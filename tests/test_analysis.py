@@ -212,6 +212,20 @@ def test_attention_matrix_transformer_is_a_clear_error():
         an.attention_matrix(model, [4, 5, 6], 3, [7, 3])
 
 
+def test_attention_matrix_refuses_an_ensemble_and_target_ids_outside_the_vocabulary():
+    """An ensemble was an AttributeError ('Ensemble' object has no attribute 'encode'); the last target id, which no
+    step reads, was taken whatever it was (99999)."""
+    from dtmt_models.decoding.ensemble import Ensemble
+
+    model = build_model("rnnsearch-atr", 20, 20, embed_dim=8, hidden_size=8)
+    with pytest.raises(ValueError, match=r"attention_matrix: takes one model with encode and step, got Ensemble"):
+        an.attention_matrix(Ensemble([model, model]), [4, 5, 6], 3, [7, 3])
+    for bad in ([7, 99999], [-1, 3], [20]):
+        with pytest.raises(ValueError, match=r"attention_matrix: tgt_tokens must be ids in \[0, 20\)"):
+            an.attention_matrix(model, [4, 5, 6], 3, bad)
+    assert an.attention_matrix(model, [4, 5, 6], 3, [7, 19]).shape == (2, 3)
+
+
 def test_find_atr_layer():
     bi = build_model("rnnsearch-atr", 20, 20, embed_dim=8, hidden_size=8)
     assert an.find_atr_layer(bi)[:1] == ("encoder",)

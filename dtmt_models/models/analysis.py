@@ -326,6 +326,9 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
     gnmt-atr, nematus, deeplau, ...). The `transformer` baseline does not expose its attention (it lives
     inside torch.nn.MultiheadAttention layers): a ValueError says so."""
     name = f"{type(model).__name__} ({getattr(model, 'model_name', '?')})"
+    if not callable(getattr(model, "encode", None)) or not callable(getattr(model, "step", None)):
+        raise ValueError(f"attention_matrix: takes one model with encode and step, got {type(model).__name__} (an "
+                         f"ensemble's models each attend on their own: pass one of them)")   # (an AttributeError)
     device = next(model.parameters()).device
     src = torch.as_tensor(src, dtype=torch.long, device=device)
     if src.dim() == 1:
@@ -341,6 +344,9 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
     tgt = torch.as_tensor(tgt_tokens if tgt_tokens is not None else [], dtype=torch.long, device=device).reshape(-1)
     if tgt.numel() == 0:
         raise ValueError("attention_matrix: tgt_tokens must hold at least one token")
+    V = getattr(model, "tgt_vocab_size", None)
+    if V is not None and not bool(((tgt >= 0) & (tgt < V)).all()):   # (the last id, never read by a step, was taken)
+        raise ValueError(f"attention_matrix: tgt_tokens must be ids in [0, {V}), got {tgt.tolist()}")
     prev = torch.cat([tgt.new_tensor([BOS]), tgt[:-1]])
 
     rows = []

@@ -500,6 +500,10 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
   s.block_smem.clear();
   for (int b = 0; b < grid; ++b) {   // (aligned in dynamic_smem), then kSmemGuard bytes of a pattern
     s.block_smem.emplace_back(new unsigned char[smem + 128 + kSmemGuard]());
+    // the block's shared memory starts as 0xFF bytes, NaN in every float type, as a GPU's holds whatever the last
+    // launch left: zeros had hidden a read of what no thread wrote (a tile's padding past K left unwritten passed;
+    // a review's mutant, 2026-12-07)
+    std::memset(smem_base(s.block_smem.back().get()), 0xFF, smem);
     std::memset(smem_base(s.block_smem.back().get()) + smem, kGuardByte, kSmemGuard);
   }
   while (stacks.size() < static_cast<size_t>(fibers)) stacks.emplace_back(new char[kStackBytes]);

@@ -543,6 +543,27 @@ def test_a_gradient_of_a_gradient_taken_with_autograd_grad_is_refused_not_none()
             torch.autograd.grad(first.pow(2).sum(), wrt, allow_unused=True)
 
 
+def test_a_first_order_gradient_with_create_graph_runs_inside_a_non_reentrant_checkpoint():
+    """The refusal's node read the Function's saved tensors a second time, which a non-reentrant checkpoint refuses
+    ("Unpack is being triggered for a tensor that was already unpacked once"): the portable loss (CUDA, 16-bit)
+    under torch.utils.checkpoint with create_graph=True failed where it had run. Its gradients are the plain ones,
+    and differentiating them is still refused."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dtmt_kernels.ops.loss.op import PortableSmoothedCrossEntropy
+
+    torch.manual_seed(0)
+    target = torch.tensor([1, 4, 0])
+    logits = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    plain, = torch.autograd.grad(PortableSmoothedCrossEntropy.apply(logits * 2, target, 0.1, -100)[0], logits)
+    loss = checkpoint(lambda z: PortableSmoothedCrossEntropy.apply(z * 2, target, 0.1, -100)[0], logits,
+                      use_reentrant=False)
+    first, = torch.autograd.grad(loss, logits, create_graph=True)
+    torch.testing.assert_close(first, plain)
+    with pytest.raises(RuntimeError, match="a gradient of a gradient"):
+        first.square().sum().backward()
+
+
 def test_forward_mode_and_torch_func_gradients_are_refused_not_zero():
     """A forward-mode tangent (torch.func.jvp / jacfwd, torch.autograd.forward_ad) passed through the fused ops as
     through a constant's: a silent zero or None where torch.nn.GRU gives the tangent (a probe's finding). The layers,

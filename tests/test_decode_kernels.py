@@ -3,6 +3,7 @@ inference-only fused attention step, readout features and memory encoder (csrc/e
 modules' inference forms, against the modules themselves, and the systems' inference decoders
 (`Seq2Seq.inference_decoder`, the fused whole step among them) against the models on the reference backend."""
 import copy
+import pickle
 
 import pytest
 import torch
@@ -528,12 +529,16 @@ def test_a_part_of_a_decoder_is_not_converted_saved_or_loaded(name):
     with pytest.raises(TypeError, match="convert the model, then build its decoder again"):
         copy.src_embed.double()
     for call in (lambda: copy.state_dict(), lambda: copy.load_state_dict(before, strict=False)):
-        with pytest.raises(TypeError, match=r"\.(load_)?state_dict: a decoder \(inference_decoder\(\)\) shares the "
-                                            r"model's parameters .* save or load the model"):
+        with pytest.raises(TypeError, match=r"\.(load_)?state_dict: a decoder \(inference_decoder\(\)\) is a copy for "
+                                            r"decoding that shares the model's parameters .* save or load the model"):
             call()
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    # a copy pickled and loaded keeps the refusal (a method bound to the part did not pickle: an AttributeError)
+    loaded = pickle.loads(pickle.dumps(copy))
+    with pytest.raises(TypeError, match="convert the model, then build its decoder again"):
+        loaded.src_embed.double()
     model.src_embed.double()   # (the model's own parts still convert)
     assert model.src_embed.weight.dtype == torch.float64
 

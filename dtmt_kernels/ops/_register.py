@@ -178,9 +178,11 @@ def first_order_only(op: str):
             # the node hangs on what the gradients depend on too (the incoming gradients, the tensors the Function
             # saved, an unrolled session's live weights or values): on the aliases alone, torch.autograd.grad of a
             # gradient with respect to the weights or inputs never reached it and answered None (allow_unused)
+            # (the saved tensors read again only for an unrolled session's Functions, which saved-tensor hooks turn
+            # off: under a non-reentrant checkpoint a second read is refused, and the loss's saves need no gradient)
             session = getattr(ctx, "steps", None)
-            extra = [t for t in _tensors((args, ctx.saved_tensors, getattr(session, "live", ())))
-                     if t.requires_grad]
+            saved = ctx.saved_tensors if session is not None else ()
+            extra = [t for t in _tensors((args, saved, getattr(session, "live", ()))) if t.requires_grad]
             return torch._C._functions.DelayedError(message, len(outputs) + len(extra))(
                 *[failing(v) for v in outputs], *extra)[:len(outputs)]
 

@@ -79,10 +79,12 @@ class InferenceForm(nn.Module):
         return None
 
 
-def inference_conversion(module: nn.Module) -> TypeError:
-    """The error for converting a decoder (.to(), .double(), .cuda()) of which `module` is a part: its weights were
-    gathered once, in the layouts the engine's ops take, and a conversion would not reach them."""
-    return TypeError(f"{type(module).__name__}: a decoder (inference_decoder()) holds its weights as gathered when it "
+def inference_conversion(module) -> TypeError:
+    """The error for converting a decoder (.to(), .double(), .cuda()) of which `module` (or a module of that class
+    name) is a part: its weights were gathered once, in the layouts the engine's ops take, and a conversion would
+    not reach them."""
+    name = module if isinstance(module, str) else type(module).__name__
+    return TypeError(f"{name}: a decoder (inference_decoder()) holds its weights as gathered when it "
                      "was built, which .to() / .double() / .cuda() do not reach; convert the model, then build its "
                      "decoder again")
 

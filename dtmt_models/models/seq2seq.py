@@ -14,8 +14,8 @@ embedding lookup, the readout features and the vocabulary projection applied onc
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-import types
 from dataclasses import replace
 from typing import Optional, Tuple
 
@@ -150,16 +150,16 @@ def int8_unavailable(model) -> ValueError:
                       + (f": {'; '.join(why)}" if why else ""))
 
 
-
-def _conversion_refused(module: nn.Module, fn, recurse: bool = True):
-    """A part of an inference copy's _apply: refused (inference_conversion) as the copy's own is."""
-    raise inference_conversion(module)
+def _conversion_refused(name: str, fn, recurse: bool = True):
+    """A part of an inference copy's _apply: refused (inference_conversion) as the copy's own is. (A partial of the
+    part's class name: a method bound to the part did not pickle, and held the part in a cycle.)"""
+    raise inference_conversion(name)
 
 
 def _no_state_dict(model: nn.Module, method: str) -> TypeError:
-    return TypeError(f"{type(model).__name__}.{method}: a decoder (inference_decoder()) shares the model's parameters "
-                     f"and holds weights it gathered outside them; save or load the model, then build its decoder "
-                     f"again")
+    return TypeError(f"{type(model).__name__}.{method}: a decoder (inference_decoder()) is a copy for decoding that "
+                     f"shares the model's parameters (and may hold weights gathered from them); save or load the "
+                     f"model, then build its decoder again")
 
 
 class Seq2Seq(nn.Module):
@@ -332,7 +332,7 @@ class Seq2Seq(nn.Module):
             originals = {id(m) for m in self.modules()}
             for m in prepared.modules():   # (a part of the copy converted, d.model.src_embed.double(), converted the
                 if m is not prepared and id(m) not in originals:   # model's parameters, which it shares)
-                    m.__dict__["_apply"] = types.MethodType(_conversion_refused, m)
+                    m.__dict__["_apply"] = functools.partial(_conversion_refused, type(m).__name__)
             if any(isinstance(m, InferenceForm) for m in prepared.modules()):
                 prepared.__dict__["_built_as"] = weights_kind(prepared)
         return prepared

@@ -80,9 +80,9 @@ def main(argv=None):
 
         if a.isa not in _C.supported_cpu_isas():   # (a bad option: exit 2, as argparse's)
             p.error(f"--isa {a.isa}: this CPU runs {', '.join(_C.supported_cpu_isas())}")
-    make_out_dir(p, a.out)
     # (a missing checkpoint, the default one of a local run above all, was a FileNotFoundError's traceback)
     check_checkpoint(p, a.checkpoint, DEFAULT_CHECKPOINT, PEERS_30M_MADE_BY)
+    make_out_dir(p, a.out)   # (after every check: nothing written for a refusal)
     with torch_threads(1):
         return _run(a, argv)
 

@@ -204,8 +204,8 @@ def main(argv=None):
     write_csv(os.path.join(a.out, "bench_quality.csv"), rows, fields)
     lines = [f"Quality at equal training time ({machine_name()}); budget {a.budget} of training per system"
              + (f", all trained at once on {threads} thread(s) each" if a.parallel else "") + ", "
-             f"small presets{' with ' + ' '.join(extra) if extra else ''}, data {a.data}, beam {a.beam}; command: `python benchmarks/bench_quality.py "
-             f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
+             f"small presets{' with ' + ' '.join(extra) if extra else ''}, data {a.data}, beam {a.beam}; command: "
+             f"`python benchmarks/bench_quality.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              "| system | params | updates | train tok/s | decode words/s | dev BLEU | dev chrF | test BLEU | test chrF |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -278,10 +278,6 @@ def main(argv=None) -> dict:
     from common import check_options
 
     check_options(p, a, (("passes", 1),))
-    if a.out:   # (before the measurement: an --out that cannot be made failed after it)
-        from common import make_out_dir
-
-        make_out_dir(p, a.out)
     if a.against is not None and (not a.against or a.against.startswith("-")):   # (read by git as an option:
         p.error(f"--against {a.against}: not a git revision")                   # --output=FILE wrote a file)
     try:
@@ -292,7 +288,10 @@ def main(argv=None) -> dict:
         p.error(f"--rows must be between 1 and 8, got {a.rows!r}")
     if a.passes < 1:
         p.error("--passes must be >= 1")
-    from common import machine_name, write_report
+    from common import machine_name, make_out_dir, write_report
+
+    if a.out:   # (after the checks, before the measurement: an --out that cannot be made failed after it)
+        make_out_dir(p, a.out)
 
     isa = a.isa
     if isa is None:

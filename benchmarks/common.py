@@ -148,8 +148,9 @@ def check_options(parser, args, bounds=(), systems=None, device=None) -> None:
                 continue
             if not v >= low or (high and not v <= high[0]) or v != v or v in (float("inf"), float("-inf")):
                 # (NaN passed both comparisons: a NaN time limit sent no request and printed NaN latencies)
-                parser.error(f"--{name.replace('_', '-')} {v}: must be >= {low}" + (f" and <= {high[0]}" if high
-                                                                                    else ""))
+                finite = "a finite number " if v != v or v in (float("inf"), float("-inf")) else ""
+                parser.error(f"--{name.replace('_', '-')} {v}: must be {finite}>= {low}"
+                             + (f" and <= {high[0]}" if high else ""))
     if systems is not None:
         name, known = systems
         unknown = [s for s in getattr(args, name) if s not in known]

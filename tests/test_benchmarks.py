@@ -1294,7 +1294,7 @@ def test_the_gpu_session_refuses_the_stages_that_read_the_corpus_without_it(tmp_
     ("bench_decode", ["--beams", "4", "0"], "--beams 0: must be >= 1"),
     ("bench_decode", ["--checkpoints", "none.pt", "--input", "EMPTY"], "--input EMPTY: no sentences"),
     # (NaN passed both comparisons: bench_serve sent no request and printed NaN latencies; inf trained without end)
-    ("bench_serve", ["--max-seconds", "nan"], "--max-seconds nan: must be >= 0"),
+    ("bench_serve", ["--max-seconds", "nan"], "--max-seconds nan: must be a finite number >= 0"),
     ("bench_serve", ["--max-wait-ms", "100000"], "--max-wait-ms 100000.0: must be >= 0 and <= 60000.0"),
     ("bench_quality", ["--budget", "inf"], "--budget inf: must be a finite duration >= 0.001 (seconds)"),
     ("bench_peers", ["--budget", "inf"], "--budget inf: must be a finite duration of more than 0 seconds"),
@@ -1323,6 +1323,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_measurement(tmp_
                                                                              message):
     """They measured everything (core_limits a minute), then failed writing (exit 1, the figures lost)."""
     _refused_before_running(tmp_path, capsys, script, flags, message, out=False)
+
+
 def _refused_before_running(tmp_path, capsys, script, flags, message, out=True):
     """Each is refused by argparse (exit 2, one line) before anything is measured or written: they were a
     ZeroDivisionError, an empty median, a reshape's or int()'s error, a traceback of the child process, and

@@ -169,7 +169,8 @@ class FusedRNMTDecoder:
         return m.state_from(annotations, src_lengths)
 
     def check_unconverted(self) -> None:
-        """TypeError where the model was converted after this decoder was built (forms.check_unconverted)."""
+        """TypeError where the model was converted after this decoder was built, RuntimeError where its weights
+        changed in place or were replaced (forms.check_unconverted)."""
         check_unconverted(self, self.model, self._built_as)
 
     def source_position_table(self, length: int) -> Optional[Tensor]:

@@ -346,7 +346,9 @@ def attention_matrix(model, src, src_lengths=None, tgt_tokens=None) -> Tensor:
         raise ValueError("attention_matrix: tgt_tokens must hold at least one token")
     V = getattr(model, "tgt_vocab_size", None)
     if V is not None and not bool(((tgt >= 0) & (tgt < V)).all()):   # (the last id, never read by a step, was taken)
-        raise ValueError(f"attention_matrix: tgt_tokens must be ids in [0, {V}), got {tgt.tolist()}")
+        outside = tgt[(tgt < 0) | (tgt >= V)]
+        raise ValueError(f"attention_matrix: tgt_tokens must be ids in [0, {V}), got {int(outside[0])} (of "
+                         f"{tgt.numel()} ids)")
     prev = torch.cat([tgt.new_tensor([BOS]), tgt[:-1]])
 
     rows = []

@@ -1489,7 +1489,8 @@ def test_bench_peers_checks_everything_before_any_work(tmp_path, monkeypatch, ca
     _one_line_refusal(capsys, bench_peers.main, flags, f"--data {tmp_path / 'typo'}: no corpus.json")
     _one_line_refusal(capsys, bench_peers.main, ["--onmt-transformer", "256,1024", "--out", str(out)],
                       "--onmt-transformer '256,1024': MODEL,FF,LAYERS,HEADS,WARMUP")
-    _one_line_refusal(capsys, bench_peers.main, ["--budget", "0s", "--out", str(out)], "--budget 0s: must be more")
+    _one_line_refusal(capsys, bench_peers.main, ["--budget", "0s", "--out", str(out)],
+                      "--budget 0s: must be a finite duration of more than 0 seconds")
     if not torch.cuda.is_available():
         _one_line_refusal(capsys, bench_peers.main, ["--device", "cuda", "--out", str(out)],
                           "--device cuda: no CUDA device is available here")

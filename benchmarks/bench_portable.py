@@ -115,6 +115,12 @@ def main(argv=None):
         for name, value in dict(T=[5], BH=["2x16"], depths=[1], repeat=1, rounds=1).items():
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)
+    for bh in args.BH:   # (each process's int() failed, after the native build: a CalledProcessError's traceback)
+        b, x, h = bh.partition("x")
+        if not (x and b.isdigit() and h.isdigit() and int(b) >= 1 and int(h) >= 1):
+            p.error(f"--BH {bh}: expected BATCHxHIDDEN, both >= 1, e.g. 64x256")
+    if args.native_so is not None and not os.path.isfile(args.native_so):
+        p.error(f"--native-so {args.native_so}: no such file")
     if args.worker:
         return worker(args)
 

@@ -1309,6 +1309,8 @@ def test_the_gpu_session_refuses_the_stages_that_read_the_corpus_without_it(tmp_
     ("bench_train", ["--quick", "--one", "foo", "cpp"], "--one foo: not a system"),              # SystemExit)
     ("bench_data", ["--model", "foo", "--sizes", "300"], "--model foo: not a system"),   # (after the corpus was made)
     ("bench_decode", ["--quick", "--loops", "graph"], "--loops graph replays CUDA graphs: with --device cuda"),
+    ("bench_portable", ["--BH", "abc"], "--BH abc: expected BATCHxHIDDEN"),   # (after the native build's minutes)
+    ("bench_portable", ["--native-so", "/nonexistent.so"], "--native-so /nonexistent.so: no such file"),
 ])
 def test_bad_benchmark_options_are_one_line_before_anything_runs(tmp_path, capsys, script, flags, message):
     _refused_before_running(tmp_path, capsys, script, flags, message)

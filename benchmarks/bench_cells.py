@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import dtmt_kernels as dk  # noqa: E402
-from common import (check_options, machine_name, make_out_dir, provenance, provenance_line, time_fn,  # noqa: E402
-                    write_csv)
+from common import (batch_hidden_sizes, check_options, machine_name, make_out_dir, provenance,  # noqa: E402
+                    provenance_line, time_fn, write_csv)
 from dtmt_kernels.nn import CELL_ROWS  # noqa: E402
 
 
@@ -358,12 +358,7 @@ def main(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     check_options(p, args, (("T", 1), ("depths", 0), ("repeat", 1)), device="device")
-    sizes = []
-    for bh in args.BH:   # (int()'s ValueError, or a reshape's RuntimeError for 0)
-        b, x, h = bh.partition("x")
-        if not (x and b.isdigit() and h.isdigit() and int(b) >= 1 and int(h) >= 1):
-            p.error(f"--BH {bh}: expected BATCHxHIDDEN, both >= 1, e.g. 64x256")
-        sizes.append((int(b), int(h)))
+    sizes = batch_hidden_sizes(p, args.BH)
     grid = [(T, b, h) for T in args.T for b, h in sizes]
     if args.device == "cpu":   # (refused before anything runs, as the --out below)
         if args.dtype != "float32":

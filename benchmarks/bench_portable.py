@@ -108,17 +108,14 @@ def main(argv=None):
     p.add_argument("--kernels", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
-    from benchmarks.common import check_options
+    from benchmarks.common import batch_hidden_sizes, check_options
 
     check_options(p, args, (("T", 1), ("depths", 0), ("repeat", 1), ("rounds", 1)))
     if args.quick:   # (the options not given: one given with it had been replaced without a word)
         for name, value in dict(T=[5], BH=["2x16"], depths=[1], repeat=1, rounds=1).items():
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)
-    for bh in args.BH:   # (each process's int() failed, after the native build: a CalledProcessError's traceback)
-        b, x, h = bh.partition("x")
-        if not (x and b.isdigit() and h.isdigit() and int(b) >= 1 and int(h) >= 1):
-            p.error(f"--BH {bh}: expected BATCHxHIDDEN, both >= 1, e.g. 64x256")
+    batch_hidden_sizes(p, args.BH)   # (each process's int() failed after the native build: a traceback)
     if args.native_so is not None and not os.path.isfile(args.native_so):
         p.error(f"--native-so {args.native_so}: no such file")
     if args.worker:

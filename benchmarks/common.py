@@ -13,6 +13,7 @@ import contextlib
 import csv
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -146,10 +147,9 @@ def check_options(parser, args, bounds=(), systems=None, device=None) -> None:
         for v in (value if isinstance(value, (list, tuple)) else [value]):
             if v is None:
                 continue
-            if not v >= low or (high and not v <= high[0]) or v != v or v in (float("inf"), float("-inf")):
-                # (NaN passed both comparisons: a NaN time limit sent no request and printed NaN latencies)
-                finite = "a finite number " if v != v or v in (float("inf"), float("-inf")) else ""
-                parser.error(f"--{name.replace('_', '-')} {v}: must be {finite}>= {low}"
+            finite = math.isfinite(v)   # (NaN passed both comparisons: a NaN time limit sent no request)
+            if not (finite and v >= low and (not high or v <= high[0])):
+                parser.error(f"--{name.replace('_', '-')} {v}: must be {'' if finite else 'a finite number '}>= {low}"
                              + (f" and <= {high[0]}" if high else ""))
     if systems is not None:
         name, known = systems
@@ -166,6 +166,18 @@ def check_options(parser, args, bounds=(), systems=None, device=None) -> None:
             parser.error(f"--{device} {text}: use cpu or cuda")
         if dev.type == "cuda" and not torch.cuda.is_available():
             parser.error(f"--{device} {text}: no CUDA device is available here")
+
+
+def batch_hidden_sizes(parser, values) -> list:
+    """--BH's values (BATCHxHIDDEN, e.g. 64x256) as [(B, H)], each refused in one line by `parser.error` (exit 2)
+    unless both are integers >= 1 (int()'s ValueError, a reshape's error for 0, or a child process's traceback)."""
+    sizes = []
+    for bh in values:
+        b, x, h = bh.partition("x")
+        if not (x and b.isdigit() and h.isdigit() and int(b) >= 1 and int(h) >= 1):
+            parser.error(f"--BH {bh}: expected BATCHxHIDDEN, both >= 1, e.g. 64x256")
+        sizes.append((int(b), int(h)))
+    return sizes
 
 
 def make_out_dir(parser, path: str, option: str = "--out") -> str:

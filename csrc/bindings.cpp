@@ -88,12 +88,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "persistent_launches",
       [] {
         const auto c = dtmt::persistent_launch_counts();
-        return py::make_tuple(c.grid, c.cluster, c.refused, c.multicast, c.tensor_cores);
+        return py::make_tuple(c.grid, c.cluster, c.refused, c.multicast, c.tensor_cores, c.steps);
       },
-      "(grid, cluster, refused, multicast, tensor_cores): the cuda backend's forwards and backwards run as persistent "
-      "launches in this process, in the grid form, in the cluster form and in the grid form's clusters sharing the "
-      "stage, the persistent launches the device refused, and of those run the ones with tensor-core products "
-      "(csrc/transition.h)");
+      "(grid, cluster, refused, multicast, tensor_cores, steps): the cuda backend's forwards and backwards run as "
+      "persistent launches in this process, in the grid form, in the cluster form and in the grid form's clusters "
+      "sharing the stage, the persistent launches the device refused, of those run the ones with tensor-core "
+      "products, and the per-step runs where the persistent launches were asked for (csrc/transition.h)");
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -108,10 +108,11 @@ std::vector<at::Tensor> transition_backward_cuda(const BackwardInputs& in, const
 // How many of this process's cuda-backend forwards and backwards ran as persistent launches, in the grid form, in
 // the cluster form and in the grid form's clusters sharing the stage (multicast), and how many persistent launches
 // the device refused (the grid form or the per-step path ran instead); of those that ran, how many had their products
-// on tensor cores (csrc/transition_cuda.cu; the per-step runs are not counted): which form and products ran, for the
-// GPU tests and benchmarks/bench_persistent.py.
+// on tensor cores; and how many ran the per-step path although DTMT_CUDA_RECURRENCE asked for the persistent launches
+// (`steps`: the layer past the plan or refused; csrc/transition_cuda.cu): which form and products ran, for the GPU
+// tests and benchmarks/bench_persistent.py.
 struct PersistentLaunchCounts {
-  int64_t grid = 0, cluster = 0, refused = 0, multicast = 0, tensor_cores = 0;
+  int64_t grid = 0, cluster = 0, refused = 0, multicast = 0, tensor_cores = 0, steps = 0;
 };
 PersistentLaunchCounts persistent_launch_counts();
 

@@ -36,7 +36,10 @@
 #include <climits>
 #include <initializer_list>
 #include <cstdlib>
+#include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -471,7 +474,18 @@ template <typename T> bool persistent_mma() {
 
 // The counts of persistent_launch_counts (transition.h).
 std::atomic<int64_t> launches_grid{0}, launches_cluster{0}, launches_refused{0}, launches_multicast{0},
-    launches_mma{0};
+    launches_mma{0}, launches_steps{0};
+
+// Whether this process has not yet said `what` (why the persistent launches do not run, or not in the form asked for)
+// of a layer of this cell, H, depth and storage type: said once a layer shape, not once a process (a model whose two
+// layer shapes are both past the plan names both) nor once a batch size (a training run's batches vary in B: the
+// first B is named, and persistent_launch_counts' `steps` counts every per-step run).
+bool first_said(const std::string& what, int64_t kind, int64_t H, int64_t D, size_t storage) {
+  static std::mutex lock;
+  static std::set<std::tuple<std::string, int64_t, int64_t, int64_t, size_t>> said;
+  const std::lock_guard<std::mutex> guard(lock);
+  return said.emplace(what, kind, H, D, storage).second;
+}
 
 // Whether a persistent launch's error says the device cannot place it (too much shared memory, too many blocks to
 // be resident at once, a cluster it cannot schedule, a form its code was not compiled for): the caller then runs
@@ -672,11 +686,11 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
     if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
       (void)cudaGetLastError();   // (the launch's error, cleared)
       ++launches_refused;
-      TORCH_WARN_ONCE(message("dtmt: the device refused the persistent forward",
-                              form_name(cluster, a.multicast).c_str(), " at H=", H, ", depth ", D, ", B=", B,
-                              " (", cudaGetErrorString(err), "): ",
-                              cluster || a.multicast > 1 ? "the grid form or " : "",
-                              "the per-step forward runs instead"));
+      const std::string form = form_name(cluster, a.multicast);
+      if (first_said("forward refused" + form, static_cast<int64_t>(w.kind), H, D, sizeof(T)))
+        TORCH_WARN(message("dtmt: the device refused the persistent forward", form.c_str(), " at H=", H, ", depth ",
+                           D, ", B=", B, " (", cudaGetErrorString(err), "): ",
+                           cluster || a.multicast > 1 ? "the grid form or " : "", "the per-step forward runs instead"));
       return {};
     }
     C10_CUDA_CHECK(err);
@@ -688,11 +702,12 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
 
 // DTMT_CUDA_RECURRENCE (read once a process; a benchmarks' setting until a GPU session has measured it, issue 72):
 // "persistent", forward and backward as the persistent launches, one block per SM (at most one per hidden unit),
-// where the layer fits the device (persistent_plan); where it does not, the per-step path, with a warning once.
+// where the layer fits the device (persistent_plan); where it does not, the per-step path, with a warning once a
+// layer shape (first_said) and persistent_launch_counts' `steps` counting each such run.
 // "persistent-cluster", the cluster form first (one thread-block cluster of at most 16 blocks, its barrier the
-// cluster's; devices of compute capability 9.0 and up), where it does not fit the grid form, with a warning once.
-// "persistent-multicast", the grid form in clusters of kStageMulticastBlocks blocks that read the products' stage
-// once a cluster (code for sm_90a), where the device refuses it the grid form, with a warning once.
+// cluster's; devices of compute capability 9.0 and up), where it does not fit the grid form, with a warning (once a
+// layer shape). "persistent-multicast", the grid form in clusters of kStageMulticastBlocks blocks that read the
+// products' stage once a cluster (code for sm_90a), where the device refuses it the grid form, with a warning.
 // Unset or "steps": the per-step path.
 enum class Recurrence { kSteps, kPersistent, kPersistentCluster, kPersistentMulticast };
 constexpr int kStageMulticastBlocks = 2;   // a first choice, to be measured (benchmarks/phase_probe.cu: 2 and 4)
@@ -714,7 +729,7 @@ bool persistent_requested() { return recurrence_requested() != Recurrence::kStep
 
 
 // The persistent plan of a layer on this device (persistent_plan); where it does not fit, grid 0 and a warning
-// once naming what does not fit: the per-step path runs then. Under DTMT_CUDA_RECURRENCE=persistent-cluster the
+// naming what does not fit, once a layer shape (first_said): the per-step path runs then. Under DTMT_CUDA_RECURRENCE=persistent-cluster the
 // cluster form where it fits, under persistent-multicast the grid form in clusters sharing the stage (`cluster`
 // false: the plain grid form only, after the device refused either).
 template <typename S>
@@ -723,11 +738,14 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
   using A = std::conditional_t<std::is_same<S, double>::value, double, float>;
   const Dims d = dims_of(x, w);
   const DeviceLimits limits = device_limits();
+  const auto said_first = [&](const char* what) {
+    return first_said(what, static_cast<int64_t>(w.kind), d.H, d.D, sizeof(T));
+  };
   if (d.D > cuda::kPlanMaxDepth || d.H > cuda::kPlanMaxHidden || d.B > cuda::kPlanMaxRows) {
-    TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " is past the persistent "
-                            "plan's sizes (depth <= ", cuda::kPlanMaxDepth, ", H <= ", cuda::kPlanMaxHidden,
-                            ", B <= ", cuda::kPlanMaxRows, "): the per-step path runs (DTMT_CUDA_RECURRENCE="
-                            "persistent)"));
+    if (said_first("past the plan's sizes"))
+      TORCH_WARN(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " is past the persistent plan's "
+                         "sizes (depth <= ", cuda::kPlanMaxDepth, ", H <= ", cuda::kPlanMaxHidden, ", B <= ",
+                         cuda::kPlanMaxRows, "): the per-step path runs (DTMT_CUDA_RECURRENCE=persistent)"));
     return cuda::PersistentPlan{};
   }
   auto plan_of = [&](int cluster_blocks, int multicast = 1) {   // (the sizes within int: checked above)
@@ -743,9 +761,10 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
     } else {
       const cuda::PersistentPlan one = plan_of(limits.cluster_blocks);
       if (one.fits) return one;
-      TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " does not fit one "
-                              "thread-block cluster: the grid form of the persistent launches is tried "
-                              "(DTMT_CUDA_RECURRENCE=persistent-cluster)"));
+      if (said_first("past one cluster"))
+        TORCH_WARN(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " does not fit one "
+                           "thread-block cluster: the grid form of the persistent launches is tried "
+                           "(DTMT_CUDA_RECURRENCE=persistent-cluster)"));
     }
   }
   bool multicast = cluster && recurrence_requested() == Recurrence::kPersistentMulticast;
@@ -761,14 +780,15 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
                     "tried (DTMT_CUDA_RECURRENCE=persistent-multicast)");
   cuda::PersistentPlan plan = plan_of(0, multicast && limits.cluster_blocks > 0 ? kStageMulticastBlocks : 1);
   if (!plan.fits) {
-    TORCH_WARN_ONCE(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ",
-                            plan.forward_bytes / 1024, " KB (forward) and ", plan.backward_bytes / 1024,
-                            " KB (backward) of shared memory a block in ", plan.grid, " blocks, with the matrices of ",
-                            d.D + 1 - plan.forward_resident, " / ", d.D + 1 - plan.backward_resident,
-                            " sub-cells read from L2 (", plan.forward_spill >> 20, " / ", plan.backward_spill >> 20,
-                            " MiB of the ", (limits.l2_bytes / cuda::kSpillL2Share) >> 20,
-                            " MiB allowed); this device allows ", limits.smem_optin / 1024,
-                            " KB: the per-step path runs (DTMT_CUDA_RECURRENCE=persistent)"));
+    if (said_first("past the device"))
+      TORCH_WARN(message("dtmt: a layer of H=", d.H, ", depth ", d.D, ", B=", d.B, " needs ",
+                         plan.forward_bytes / 1024, " KB (forward) and ", plan.backward_bytes / 1024,
+                         " KB (backward) of shared memory a block in ", plan.grid, " blocks, with the matrices of ",
+                         d.D + 1 - plan.forward_resident, " / ", d.D + 1 - plan.backward_resident,
+                         " sub-cells read from L2 (", plan.forward_spill >> 20, " / ", plan.backward_spill >> 20,
+                         " MiB of the ", (limits.l2_bytes / cuda::kSpillL2Share) >> 20,
+                         " MiB allowed); this device allows ", limits.smem_optin / 1024,
+                         " KB: the per-step path runs (DTMT_CUDA_RECURRENCE=persistent)"));
     plan.grid = 0;
   }
   return plan;
@@ -1164,11 +1184,11 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   // before it would have run for nothing): the per-step backward starts afresh. The counts are of backward calls.
   if (refused != cudaSuccess) {
     ++launches_refused;
-    TORCH_WARN_ONCE(message("dtmt: the device refused the persistent backward",
-                            form_name(cluster, a.multicast).c_str(), " at H=", H, ", depth ", D, ", B=", B,
-                            " (", cudaGetErrorString(refused), "): ",
-                            cluster || a.multicast > 1 ? "the grid form or " : "",
-                            "the per-step backward runs instead"));
+    const std::string form = form_name(cluster, a.multicast);
+    if (first_said("backward refused" + form, static_cast<int64_t>(w.kind), H, D, sizeof(T)))
+      TORCH_WARN(message("dtmt: the device refused the persistent backward", form.c_str(), " at H=", H, ", depth ", D,
+                         ", B=", B, " (", cudaGetErrorString(refused), "): ",
+                         cluster || a.multicast > 1 ? "the grid form or " : "", "the per-step backward runs instead"));
     return {};
   }
   ++(cluster ? launches_cluster : a.multicast > 1 ? launches_multicast : launches_grid);
@@ -1199,7 +1219,10 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
       result = forward_persistent_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps, plan.grid,
                                                  cuda::kPersistentThreads, plan.forward_resident, false,
                                                  /*fallible=*/true, plan.forward_stage);
-    if (result.empty()) result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
+    if (result.empty()) {
+      if (persistent_requested() && x.size(0) > 0) ++launches_steps;   // (asked for, not run: counted)
+      result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
+    }
   });
   return result;
 }
@@ -1267,14 +1290,17 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in_given, con
       result = backward_persistent_impl<scalar_t>(in, w, saved, reverse, eps, plan.grid, cuda::kPersistentThreads,
                                                   plan.backward_resident, false, /*fallible=*/true, weight_grads,
                                                   plan.backward_stage);
-    if (result.empty()) result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
+    if (result.empty()) {
+      if (persistent_requested() && in.x.size(0) > 0) ++launches_steps;
+      result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
+    }
   });
   return result;
 }
 
 PersistentLaunchCounts persistent_launch_counts() {
   return {launches_grid.load(), launches_cluster.load(), launches_refused.load(), launches_multicast.load(),
-          launches_mma.load()};
+          launches_mma.load(), launches_steps.load()};
 }
 
 }  // namespace dtmt

@@ -328,10 +328,11 @@ std::tuple<int64_t, bool, int64_t> driver_plan(const at::Tensor& x, int64_t kind
 // whether DTMT_CUDA_RECURRENCE asked for the persistent launches (read once a process)
 bool persistent_recurrence() { return dtmt::persistent_requested(); }
 
-// (grid, cluster, refused, multicast, tensor_cores): the persistent launches run in this process (transition.h)
-std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> persistent_launches() {
+// (grid, cluster, refused, multicast, tensor_cores, steps): the persistent launches run in this process, and the
+// per-step runs where they were asked for (transition.h)
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> persistent_launches() {
   const auto c = dtmt::persistent_launch_counts();
-  return {c.grid, c.cluster, c.refused, c.multicast, c.tensor_cores};
+  return {c.grid, c.cluster, c.refused, c.multicast, c.tensor_cores, c.steps};
 }
 
 // the step GEMM the driver picks for B rows (0 row GEMM, 1 tiled GEMM, 2 ATen's mm / cuBLAS)
@@ -1712,6 +1713,10 @@ with warnings.catch_warnings(record=True) as caught:
     for cell, depth in (("lgru", 1), ("atr", 0)):
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=3, T=3, H=9)
     print("launches:", ext.persistent_launches())
+    ext.set_smem_optin(256)   # (a device whose blocks hold 256 bytes: no layer fits, its matrices read from L2 too)
+    for cell, depth, B, H in (("lgru", 1, 3, 9), ("lgru", 1, 2, 9), ("gru", 0, 3, 12)):
+        t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=B, T=3, H=H)
+    print("past the device:", ext.persistent_launches())
 for w in caught:
     print("warning:", w.message)
 """
@@ -1726,7 +1731,10 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     clusters of 2 blocks sharing the stage (whole clusters: 2 blocks of 5 units, since 4 would leave 3 of 3), and
     they still give the reference's outputs and gradients; `steps` and an unknown value (ignored with a warning
     naming it) keep the per-step path; a layer deeper than the plan takes (65 T-GRUs) gets no plan, with a warning
-    under the persistent values."""
+    under the persistent values. On a device whose blocks hold 256 bytes of shared memory, no layer fits: the per-step
+    path runs (the reference's results), each run counted (persistent_launches' `steps`), and each layer shape named
+    once in a warning, two shapes in one process both (the warning had been once a process: the second shape ran
+    unannounced), a shape seen again at another batch size not again."""
     env = {**os.environ, "DTMT_CUDA_RECURRENCE": value}
     res = subprocess.run([sys.executable, "-c", _RECURRENCE_RUN, os.path.dirname(os.path.abspath(__file__)),
                           emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
@@ -1739,7 +1747,16 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     # cores: none in float64)
     ran = {"persistent": (4, 0, 0, 0, 0), "persistent-cluster": (0, 4, 0, 0, 0),
            "persistent-multicast": (0, 0, 0, 4, 0)}.get(value, (0, 0, 0, 0, 0))
-    assert f"launches: {ran}" in res.stdout, res.stdout
+    assert f"launches: {(*ran, 0)}" in res.stdout, res.stdout
+    # past the device's shared memory: three layers of two shapes on the per-step path, forward and backward each,
+    # counted as such (`steps`), and each shape named once, at its first batch size (not again at B = 2)
+    asked = value.startswith("persistent")
+    assert f"past the device: {(*ran, 6 if asked else 0)}" in res.stdout, res.stdout
+    said = res.stdout + res.stderr
+    for shape, times in (("H=9, depth 1, B=3", 1), ("H=9, depth 1, B=2", 0), ("H=12, depth 0, B=3", 1)):
+        assert said.count(f"a layer of {shape} needs ") == (times if asked else 0), said
+        assert said.count(f"a layer of {shape} does not fit one thread-block cluster") == (
+            times if value == "persistent-cluster" else 0), said
     warned = ("DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent, persistent-cluster, "
               "persistent-multicast" in res.stdout + res.stderr)
     assert warned == (value == "sideways"), res.stdout + res.stderr

@@ -742,7 +742,7 @@ def test_gpu_persistent_cluster_form(compiled, cell, depth, H, B, T):
     assert plan.fits and plan.cluster and plan.grid == blocks, str(plan)
     assert plan.groups == -(-B // -(-B // max(1, min(B, sms // blocks)))), str(plan)
     ref, got, ran = _strict_fp32_launches(cell, depth, H, B, T, seed=13)
-    assert ran == {"grid": 0, "cluster": 2, "refused": 0, "multicast": 0, "tensor_cores": 0}, ran
+    assert ran == {"grid": 0, "cluster": 2, "refused": 0, "multicast": 0, "tensor_cores": 0, "steps": 0}, ran
     _assert_relative_errors(ref, got, 1e-4)
 
 
@@ -765,7 +765,7 @@ def test_gpu_persistent_stage_read_once_a_cluster(compiled, cell, depth, H, B, T
     plan = dk.persistent_plan(cell, depth, B, H, torch.float32, tensor_cores=False, multicast=2)
     assert plan.fits and plan.multicast == 2 and plan.grid % 2 == 0, str(plan)
     ref, got, ran = _strict_fp32_launches(cell, depth, H, B, T, seed=17)
-    assert ran == {"grid": 0, "cluster": 0, "refused": 0, "multicast": 2, "tensor_cores": 0}, ran
+    assert ran == {"grid": 0, "cluster": 0, "refused": 0, "multicast": 2, "tensor_cores": 0, "steps": 0}, ran
     _assert_relative_errors(ref, got, 1e-4)
 
 
@@ -809,7 +809,7 @@ def test_gpu_persistent_says_where_a_layer_does_not_fit(compiled, recurrence):
     run = subprocess.run([sys.executable, "-c", _UNFIT_LAYER], cwd=os.path.dirname(os.path.abspath(__file__)),
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "'grid': 0, 'cluster': 0" in run.stdout, run.stdout
+    assert "'grid': 0, 'cluster': 0" in run.stdout and "'steps': 4}" in run.stdout, run.stdout   # (2 layers, 2 ways)
     assert "a layer of H=2500, depth 1, B=2 needs " in run.stdout, run.stdout
     assert "a layer of H=4, depth 65, B=2 is past the persistent plan's sizes (depth <= 64" in run.stdout, run.stdout
     if recurrence == "persistent-cluster" and torch.cuda.get_device_capability()[0] >= 9:

@@ -187,9 +187,11 @@ def persistent_launches() -> dict:
     (`grid`), in the cluster form (`cluster`) and in the grid form's clusters that read the stage once a cluster
     (`multicast`), and how many persistent launches the device refused (`refused`: the grid form or the per-step
     path ran instead); of those that ran, how many had their products on tensor cores (`tensor_cores`; the others on
-    FMA). The per-step runs are not counted. All zero where the extension has no CUDA kernels. Which form and
-    products ran, for the GPU tests and benchmarks/bench_persistent.py."""
-    names = ("grid", "cluster", "refused", "multicast", "tensor_cores")
+    FMA); and how many ran the per-step path although DTMT_CUDA_RECURRENCE asked for the persistent launches
+    (`steps`: a layer past the plan, or one the device refused; each such layer shape is also named once in a
+    warning). Without DTMT_CUDA_RECURRENCE the per-step runs are not counted. All zero where the extension has no
+    CUDA kernels. Which form and products ran, for the GPU tests and benchmarks/bench_persistent.py."""
+    names = ("grid", "cluster", "refused", "multicast", "tensor_cores", "steps")
     if _C is None or not getattr(_C, "has_cuda", False):
         return dict.fromkeys(names, 0)
     return dict(zip(names, _C.persistent_launches()))

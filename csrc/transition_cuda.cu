@@ -729,9 +729,9 @@ bool persistent_requested() { return recurrence_requested() != Recurrence::kStep
 
 
 // The persistent plan of a layer on this device (persistent_plan); where it does not fit, grid 0 and a warning
-// naming what does not fit, once a layer shape (first_said): the per-step path runs then. Under DTMT_CUDA_RECURRENCE=persistent-cluster the
-// cluster form where it fits, under persistent-multicast the grid form in clusters sharing the stage (`cluster`
-// false: the plain grid form only, after the device refused either).
+// naming what does not fit, once a layer shape (first_said): the per-step path runs then. Under
+// DTMT_CUDA_RECURRENCE=persistent-cluster the cluster form where it fits, under persistent-multicast the grid form in
+// clusters sharing the stage (`cluster` false: the plain grid form only, after the device refused either).
 template <typename S>
 cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bool cluster = true) {
   using T = typename DeviceType<S>::type;

@@ -1623,7 +1623,13 @@ cudaError_t launch_persistent(void (*kernel)(Arg), const Arg& a, int grid, int t
     const int clusters = regroup_rows(b, grid / blocks, ::dtmt_emu::clusters_held, restage);
     if (smem_of(b) > device_smem_optin()) return cudaErrorInvalidValue;   // (as the device's allowance refuses it)
     ::dtmt_emu::launch_clusters(kernel, clusters * blocks, threads, smem_of(b), b, blocks);
-  } else if (a.multicast > 1) {
+    return cudaSuccess;
+  }
+  // (as a GPU refuses them: shared memory past the opt-in at cudaFuncSetAttribute, more blocks than it holds at once
+  // at the cooperative launch)
+  if (smem > device_smem_optin()) return cudaErrorInvalidValue;
+  if (grid > ::dtmt_emu::cooperative_blocks(threads, smem)) return cudaErrorCooperativeLaunchTooLarge;
+  if (a.multicast > 1) {
     ::dtmt_emu::launch_cooperative_clusters(kernel, grid, threads, smem, a, a.multicast);
   } else {
     ::dtmt_emu::launch_cooperative(kernel, grid, threads, smem, a);

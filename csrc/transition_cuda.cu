@@ -552,7 +552,7 @@ struct DeviceLimits {
 };
 DeviceLimits device_limits() {
 #if defined(DTMT_CUDA_EMULATION)
-  return {4, ::dtmt_emu::smem_optin, 52428800, cuda::kClusterMaxBlocks};
+  return {::dtmt_emu::multiprocessors, ::dtmt_emu::smem_optin, 52428800, cuda::kClusterMaxBlocks};
 #else
   int device = 0, count = 0, optin = 0, l2 = 0, clusters = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));

@@ -7,7 +7,8 @@
 // __syncthreads, then hands over to the next one; once every fiber of the block has reached the barrier (or
 // returned) they all go on, so a barrier orders memory as CUDA's does. __shfl_xor_sync exchanges through a
 // per-block buffer between two barriers (every use in the kernels is reached by all threads of the block, as
-// CUDA requires for full-mask shuffles and barriers). Fibers instead of OS threads: a barrier costs a context
+// CUDA requires for full-mask shuffles and barriers); in a cooperative launch between two rendezvous of the warp's
+// lanes only, which order nothing for the block's other warps. Fibers instead of OS threads: a barrier costs a context
 // switch in user space, not a round of 32 kernel wake-ups on a 2-core machine. Not a general CUDA emulator:
 // one dimension, no atomics, no streams.
 //
@@ -27,7 +28,9 @@
 // its threads reach the next grid barrier (its __syncthreads are block barriers only), in an order that alternates
 // with the phase: a block that reads what another writes in the same phase, without a grid barrier between, reads
 // stale values in one of the two orders. Threads of one block that meet different barriers (some a __syncthreads,
-// some the grid barrier), or blocks of which some end while others wait at the grid barrier, throw.
+// some the grid barrier), or blocks of which some end while others wait at the grid barrier, throw. The emulated
+// device has 4 SMs with an H100's limits a SM (cooperative_blocks): launch_persistent refuses a cooperative launch
+// of more blocks than it holds at once, or of more shared memory a block than the opt-in, as a GPU does.
 //
 // Cluster launches (launch_clusters: the persistent kernels' cluster form, thread-block clusters of at most 16
 // blocks, each its own batch rows; launch_cluster: one of the whole grid) run the same way with cluster_sync() as the
@@ -69,7 +72,16 @@ constexpr cudaError_t cudaErrorInvalidClusterSize = 912;
 typedef void* cudaStream_t;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
-inline const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
+inline const char* cudaGetErrorString(cudaError_t err) {   // (the runtime's words for the errors returned here)
+  switch (err) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorCooperativeLaunchTooLarge: return "too many blocks in cooperative launch";
+    case cudaErrorNotSupported: return "operation not supported";
+    case cudaErrorInvalidClusterSize: return "invalid cluster size";
+    default: return "emulated error";
+  }
+}
 template <typename F> inline cudaError_t cudaFuncSetAttribute(F*, cudaFuncAttribute, int) { return cudaSuccess; }
 
 struct dim3 {
@@ -92,8 +104,8 @@ struct Scheduler {
                           // else a cooperative one (grid_sync)
   int cluster_blocks = 1; // a cooperative launch's clusters (launch_cooperative_clusters): cluster_sync their barrier
   // cooperative launches: where each fiber waits (kRunning: it runs at its next resume; kSpinning: it polls, as an
-  // mbarrier wait does, and runs again at each round)
-  enum Wait : char { kRunning, kAtBlock, kAtCluster, kAtGrid, kSpinning };
+  // mbarrier wait does, and runs again at each round; kAtWarp: at a shuffle, until every lane of its warp is)
+  enum Wait : char { kRunning, kAtBlock, kAtCluster, kAtGrid, kSpinning, kAtWarp };
   std::vector<char> wait;
   long events = 0;        // a fiber that went on, a barrier released, an mbarrier's phase completed
   // mbarriers (mbar_init) by (block, offset in its shared memory): arrivals left in the phase, the bytes it still
@@ -210,13 +222,26 @@ inline void __pipeline_wait_prior(size_t prior) {
   mine.swap(left);
 }
 
+// In a cooperative launch, a rendezvous of the warp's lanes only (the scheduler opens it once every lane of the warp
+// that has not ended waits at it), as on a GPU: a shuffle orders nothing for the block's other warps (a block-wide
+// barrier here had hidden a missing __syncthreads between warps). In a plain launch, between two block barriers.
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int offset) {
-  auto& ex = dtmt_emu::scheduler->exchange;
-  const unsigned base = dtmt_emu::scheduler->cooperative ? blockIdx.x * blockDim.x : 0;
-  const unsigned i = threadIdx.x;
-  ex[base + i] = static_cast<double>(v);
+  dtmt_emu::Scheduler& s = *dtmt_emu::scheduler;
+  auto& ex = s.exchange;
+  const unsigned i = threadIdx.x, from = (i & ~31u) | ((i & 31u) ^ static_cast<unsigned>(offset));
+  if (s.cooperative) {
+    const int f = s.current, base = f - static_cast<int>(i);
+    ex[f] = static_cast<double>(v);
+    s.wait[f] = dtmt_emu::Scheduler::kAtWarp;   // (every lane has written its value)
+    dtmt_emu::yield_to_scheduler();
+    const T r = static_cast<T>(ex[base + from]);
+    s.wait[s.current] = dtmt_emu::Scheduler::kAtWarp;   // (every lane has read, before any writes again)
+    dtmt_emu::yield_to_scheduler();
+    return r;
+  }
+  ex[i] = static_cast<double>(v);
   __syncthreads();
-  const T r = static_cast<T>(ex[base + ((i & ~31u) | ((i & 31u) ^ static_cast<unsigned>(offset)))]);
+  const T r = static_cast<T>(ex[from]);
   __syncthreads();
   return r;
 }
@@ -358,6 +383,26 @@ inline int clusters_held = 0;
 // The shared memory a block of the emulated device may opt into (an H100's / H200's; the driver's device_limits and
 // the persistent launches read it): a test lowers it so that the stages' rule meets a limit at small sizes.
 inline size_t smem_optin = 232448;
+// The emulated device: 4 SMs (the driver's device_limits; a test of a wider launch sets more), each with an H100's
+// limits on the blocks it holds at once (2,048 threads, 32 blocks, 233,472 bytes of shared memory of which 1,024
+// reserved a block; registers aside).
+inline int multiprocessors = 4;
+constexpr int kThreadsPerMultiprocessor = 2048, kBlocksPerMultiprocessor = 32;
+constexpr size_t kSmemPerMultiprocessor = 233472, kSmemReservedPerBlock = 1024;
+// Blocks the device holds at once where other work holds some of its SMs (0: none held; cf. clusters_held): a test
+// sets it so that the driver's fallback from a refused cooperative launch runs on the CPU.
+inline int blocks_held = 0;
+// The blocks of `threads` threads and `smem` bytes of dynamic shared memory a cooperative launch may have on the
+// emulated device (cudaOccupancyMaxActiveBlocksPerMultiprocessor times the SMs, or blocks_held): a GPU refuses a
+// cooperative launch of more (cudaErrorCooperativeLaunchTooLarge), since its blocks must all be resident at once.
+inline int cooperative_blocks(int threads, size_t smem) {
+  if (threads < 1) return 0;
+  const size_t by_smem = kSmemPerMultiprocessor / (smem + kSmemReservedPerBlock);
+  const int per = static_cast<int>(std::min<size_t>({static_cast<size_t>(kBlocksPerMultiprocessor),
+                                                     static_cast<size_t>(kThreadsPerMultiprocessor / threads),
+                                                     by_smem}));
+  return blocks_held > 0 ? std::min(blocks_held, per * multiprocessors) : per * multiprocessors;
+}
 inline long cluster_launches = 0, clusters_launched = 0;   // launch_clusters' launches and their clusters
 inline long bulk_copies = 0;   // bulk copies issued in this process (a test's check that the multicast path ran)
 inline void bulk_copy_multicast(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint16_t mask) {
@@ -528,17 +573,36 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
           if (greedy && b != c * per + current) continue;
           blockIdx.x = b;
           const bool descending = (round + b + phase) & 1;
-          for (int k = 0; k < threads; ++k) {
-            const int t = descending ? threads - 1 - k : k;
-            const int f = b * threads + t;
-            const char w = s.wait[f];
-            if (s.done[f] || (w != Scheduler::kRunning && w != Scheduler::kSpinning)) continue;
-            s.current = f;
-            threadIdx.x = t;
-            s.wait[f] = Scheduler::kRunning;
-            resume_fiber(s, f);
-            if (s.done[f] || s.wait[f] != w) ++s.events;
-            polling += !s.done[f] && s.wait[f] == Scheduler::kSpinning;
+          const int warps = (threads + 31) / 32;
+          for (int v = 0; v < warps; ++v) {
+            const int w0 = 32 * (descending ? warps - 1 - v : v), lanes = std::min(32, threads - w0);
+            // this warp's lanes, then again each time its shuffle opens (every live lane waits at it): the warp runs
+            // ahead of the block's other warps as far as its block barriers let it, as it may on a GPU
+            for (bool again = true; again;) {
+              for (int k = 0; k < lanes; ++k) {
+                const int t = w0 + (descending ? lanes - 1 - k : k);
+                const int f = b * threads + t;
+                const char w = s.wait[f];
+                if (s.done[f] || (w != Scheduler::kRunning && w != Scheduler::kSpinning)) continue;
+                s.current = f;
+                threadIdx.x = t;
+                s.wait[f] = Scheduler::kRunning;
+                resume_fiber(s, f);
+                if (s.done[f] || s.wait[f] != w) ++s.events;
+                polling += !s.done[f] && s.wait[f] == Scheduler::kSpinning;
+              }
+              int live = 0, at_warp = 0;
+              for (int t = w0; t < w0 + lanes; ++t) {
+                live += !s.done[b * threads + t];
+                at_warp += !s.done[b * threads + t] && s.wait[b * threads + t] == Scheduler::kAtWarp;
+              }
+              again = at_warp > 0 && at_warp == live;
+              if (again) {
+                for (int t = w0; t < w0 + lanes; ++t)
+                  if (!s.done[b * threads + t]) s.wait[b * threads + t] = Scheduler::kRunning;
+                ++s.events;
+              }
+            }
           }
         }
         // the barriers that open: a block's, where all its threads left wait at it; the cluster's likewise
@@ -554,7 +618,7 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
             at_block += w == Scheduler::kAtBlock;
             at_cluster += w == Scheduler::kAtCluster;
             at_grid += w == Scheduler::kAtGrid;
-            busy += w == Scheduler::kRunning || w == Scheduler::kSpinning;
+            busy += w == Scheduler::kRunning || w == Scheduler::kSpinning || w == Scheduler::kAtWarp;
           }
           left += in_block;
           if (busy == 0 && at_block > 0) {

@@ -15,4 +15,9 @@ struct CUDAGuard {
 };
 }  // namespace cuda
 }  // namespace c10
-#define C10_CUDA_CHECK(err) TORCH_CHECK((err) == cudaSuccess, "dtmt: emulated launch failed")
+namespace dtmt_emu {
+inline void cuda_check(cudaError_t err) {   // (the error named, as C10_CUDA_CHECK names a GPU's)
+  TORCH_CHECK(err == cudaSuccess, "dtmt: emulated launch failed: ", cudaGetErrorString(err));
+}
+}  // namespace dtmt_emu
+#define C10_CUDA_CHECK(err) ::dtmt_emu::cuda_check(err)

@@ -17,6 +17,7 @@ torch and a GPU: the gpu-marked tests (benchmarks/gpu_session.sh).
 import dataclasses
 import glob
 import itertools
+import math
 import os
 import re
 import shutil
@@ -316,6 +317,26 @@ void emulation_misuse(int64_t which) {
     ::dtmt_emu::launch_cluster(misuse_kernel, which == 2 ? 17 : 2, 32, 0, a);
   }
 }
+// A cooperative launch of one block of 64 threads (test_emulated_shuffle_is_a_warp_rendezvous): thread 32 writes
+// 7 to shared memory, every thread shuffles with its neighbour lane (with `sync`, a block barrier after), then thread
+// 0 reads shared memory: what it read, and lane 1's shuffled value (lane 0's index).
+struct ShuffleArg {
+  int sync;
+  float* read;
+};
+void shuffle_kernel(ShuffleArg a) {
+  float* shared = reinterpret_cast<float*>(::dtmt_emu::dynamic_smem());
+  if (threadIdx.x == 32) shared[0] = 7.f;
+  const float v = __shfl_xor_sync(0xffffffffu, static_cast<float>(threadIdx.x), 1);
+  if (a.sync) __syncthreads();
+  if (threadIdx.x == 0) a.read[0] = shared[0];
+  if (threadIdx.x == 1) a.read[1] = v;
+}
+std::vector<double> shuffle_order(bool sync) {
+  float read[2] = {0.f, 0.f};
+  ::dtmt_emu::launch_cooperative(shuffle_kernel, 1, 64, 16, ShuffleArg{sync ? 1 : 0, read});
+  return {read[0], read[1]};
+}
 // the plan the driver takes for a float64 layer (grid 0: the per-step path), whether it is the cluster form, and its
 // clusters sharing the stage (1: none)
 std::tuple<int64_t, bool, int64_t> driver_plan(const at::Tensor& x, int64_t kind,
@@ -357,6 +378,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bulk_copies", [] { return ::dtmt_emu::bulk_copies; });
   m.def("set_clusters_held", [](int64_t n) { ::dtmt_emu::clusters_held = static_cast<int>(n); });
   m.def("set_smem_optin", [](int64_t n) { ::dtmt_emu::smem_optin = static_cast<size_t>(n); });
+  m.def("set_blocks_held", [](int64_t n) { ::dtmt_emu::blocks_held = static_cast<int>(n); });
+  m.def("set_multiprocessors", [](int64_t n) { ::dtmt_emu::multiprocessors = static_cast<int>(n); });
+  m.def("shuffle_order", &shuffle_order);
   m.def("cluster_launches", [] {
     return std::make_tuple(::dtmt_emu::cluster_launches, ::dtmt_emu::clusters_launched);
   });
@@ -1136,10 +1160,10 @@ def strict_fp32():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("B,H,grid,threads", [(2, 40, 4, 64), (64, 80, 4, 64), (64, 81, 3, 32)],
+@pytest.mark.parametrize("B,H,grid,threads,resident", [(2, 40, 4, 64, -1), (64, 80, 4, 64, 2), (64, 81, 3, 32, 1)],
                          ids=["whole-rows-16-byte-loads", "chunks-16-byte-loads", "chunks-odd-rows"])
 def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, strict_fp32, B, H, grid, threads,
-                                                         dtype):
+                                                         resident, dtype):
     """The persistent launches' FMA products read the vectors every output shares (forward the state, backward the
     pre-activation gradients) from block_dots' stage in shared memory (stage_issue in
     csrc/persistent_cuda_kernels.cuh; the driver's choice wherever the products are not on tensor cores). B = 2,
@@ -1153,20 +1177,24 @@ def test_persistent_products_through_the_stage_emulated(emulated_cuda_ext, stric
     offset dropped the last two; without the wait on the asynchronous copies, whose emulation makes a copy at its
     wait, the first; the last chunk left in flight, stage_wait(1) for it too, the second.) In float32 with TF32 off
     (strict fp32, the products on FMA: the persistent launches' float path by default) the same against the float64
-    reference, 16-byte copies of four values, and rows of odd length at H = 81."""
-    run = _emulated_sequence(emulated_cuda_ext, (grid, threads, -1, False))
+    reference, 16-byte copies of four values, and rows of odd length at H = 81. At B = 64 the L-GRU's top sub-cells'
+    matrices are read from L2 (`resident` 2 and 1 of 3, as the plan has them in float64): all of them in shared
+    memory, a block would need more than a GPU's 227 KB (the emulated launch refuses it as the device does; it had
+    run it, the backward's stage squeezed out)."""
+    run = _emulated_sequence(emulated_cuda_ext, (grid, threads, resident, False))
     for cell, depth in (("lgru", 2), ("atr", 0)):
         _compare_emulated(run, cell, depth, True, True, dtype, B=B, T=2, H=H)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B,H,grid,threads,blocks", [(2, 40, 4, 64, 2), (64, 80, 4, 64, 2), (64, 80, 4, 32, 4),
-                                                     (5, 38, 4, 64, 2), (128, 80, 8, 32, 2)],
+@pytest.mark.parametrize("B,H,grid,threads,blocks,resident", [(2, 40, 4, 64, 2, -1), (64, 80, 4, 64, 2, 2),
+                                                              (64, 80, 4, 32, 4, 2), (5, 38, 4, 64, 2, -1),
+                                                              (128, 80, 8, 32, 2, -1)],
                          ids=["whole-rows-pairs", "chunks-pairs", "chunks-one-cluster-of-4", "last-block-shorter",
                               "buffers-refilled"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_persistent_stage_read_once_a_cluster_emulated(emulated_cuda_ext, strict_fp32, B, H, grid, threads, blocks,
-                                                       dtype):
+                                                       resident, dtype):
     """The grid form in thread-block clusters whose blocks read the products' stage from global memory once a
     cluster (StageShare in csrc/persistent_cuda_kernels.cuh: block r of a cluster bulk-copies rows r, r + blocks, ...
     of each chunk into every block's stage, multicast, counted by each block's mbarrier; a cluster barrier before a
@@ -1180,12 +1208,19 @@ def test_persistent_stage_read_once_a_cluster_emulated(emulated_cuda_ext, strict
     Outputs and every gradient against the float64 reference, ragged lengths, reverse direction, dropout and layer
     norm on; the bulk copies counted, so that the shared path is the one checked. (Without the mbarrier wait every
     case fails; without the cluster barrier before a refill the last.) The same in strict fp32 (TF32 off: FMA
-    products, the multicast's default float path), against the float64 reference."""
+    products, the multicast's default float path), against the float64 reference. At B = 64 the L-GRU's top T-GRU's
+    matrices are read from L2 (`resident` 2 of 3: all in shared memory is past a GPU's 227 KB a block in float64,
+    which the emulated launch refuses as the device does); the 8 blocks of about 200 KB at B = 128 need a device of
+    8 SMs (one such block an SM: the emulated device's 4 refuse the cooperative launch)."""
     ext = emulated_cuda_ext
     before = ext.bulk_copies()
-    run = _emulated_sequence(ext, (grid, threads, -1, blocks))
-    for cell, depth in (("lgru", 2), ("atr", 0)):
-        _compare_emulated(run, cell, depth, True, True, dtype, B=B, T=3, H=H)
+    run = _emulated_sequence(ext, (grid, threads, resident, blocks))
+    ext.set_multiprocessors(max(4, grid))
+    try:
+        for cell, depth in (("lgru", 2), ("atr", 0)):
+            _compare_emulated(run, cell, depth, True, True, dtype, B=B, T=3, H=H)
+    finally:
+        ext.set_multiprocessors(4)
     assert ext.bulk_copies() > before
 
 
@@ -1221,6 +1256,46 @@ def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
                                                    f"to 16 blocks dividing the grid, in the grid form; got {blocks} "
                                                    f"for a grid of 4"):
                 run()
+
+
+def test_persistent_launch_past_the_device_refused_emulated(emulated_cuda_ext):
+    """A cooperative launch the device cannot hold is refused as a GPU refuses it, forward and backward, with the
+    runtime's words: 37 blocks of 256 threads on the emulated device of 4 SMs (8 such blocks an SM: 32 at once) is
+    "too many blocks in cooperative launch"; all of an L-GRU's matrices in shared memory at H = 37 where a block may
+    opt into 2 KB is "invalid argument". (The emulation had run both: a launch planned past the device passed here
+    and would fail on a GPU.) 37 blocks of 64 threads (32 an SM) run (test_persistent_products_spread_over_lanes)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from conftest import make_layer
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+
+    layer = make_layer("lgru", 3, 37, depth=1, layer_norm=True, dtype=torch.float64)
+    x, h0 = torch.randn(2, 3, 3, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
+    params = [x.new_empty(0) if p is None else p.detach().contiguous() for p in flat_params(layer.direction_weights(0))]
+    args = (x, h0, x.new_empty(0), x.new_empty(0), KINDS["lgru"], params, False, 1e-5)
+    saved = list(emulated_cuda_ext.forward(*args)[2:])
+    back = (torch.randn(2, 3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64), x, args[2], args[3],
+            KINDS["lgru"], params, saved, False, 1e-5)
+    for grid, threads, optin, error in ((37, 256, 232448, "too many blocks in cooperative launch"),
+                                        (4, 32, 2048, "invalid argument")):
+        emulated_cuda_ext.set_smem_optin(optin)
+        try:
+            with pytest.raises(RuntimeError, match=f"emulated launch failed: {error}"):
+                emulated_cuda_ext.forward_persistent(*args, grid, threads, -1, False)
+            with pytest.raises(RuntimeError, match=f"emulated launch failed: {error}"):
+                emulated_cuda_ext.backward_persistent(*back, grid, threads, -1, False)
+        finally:
+            emulated_cuda_ext.set_smem_optin(232448)
+
+
+def test_emulated_shuffle_is_a_warp_rendezvous(emulated_cuda_ext):
+    """In a cooperative launch a shuffle waits for its own warp's lanes only (tests/cuda_emulation.h), and a warp runs
+    on past it ahead of the block's other warps: a thread of warp 0 that reads shared memory after a shuffle, written
+    by warp 1 before the shuffle without a block barrier between, reads what was there before (the emulated launch's
+    0xFF bytes: NaN), as it may on a GPU; with the barrier, warp 1's 7. (The shuffle had been a block-wide barrier
+    here, which hid such a missing __syncthreads: it read 7 either way.) The shuffle's value is lane 0's either way."""
+    stale, shuffled = emulated_cuda_ext.shuffle_order(False)
+    assert math.isnan(stale) and shuffled == 0.0, (stale, shuffled)
+    assert emulated_cuda_ext.shuffle_order(True) == [7.0, 0.0]
 
 
 @pytest.mark.slow
@@ -1717,6 +1792,10 @@ with warnings.catch_warnings(record=True) as caught:
     for cell, depth, B, H in (("lgru", 1, 3, 9), ("lgru", 1, 2, 9), ("gru", 0, 3, 12)):
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=B, T=3, H=H)
     print("past the device:", ext.persistent_launches())
+    ext.set_smem_optin(232448)
+    ext.set_blocks_held(2)   # (other work holds the device: it takes 2 blocks of a cooperative launch at once)
+    t._compare_emulated(t._emulated_sequence(ext), "lgru", 1, True, True, torch.float64, B=3, T=3, H=9)
+    print("held:", ext.persistent_launches())
 for w in caught:
     print("warning:", w.message)
 """
@@ -1734,7 +1813,9 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     under the persistent values. On a device whose blocks hold 256 bytes of shared memory, no layer fits: the per-step
     path runs (the reference's results), each run counted (persistent_launches' `steps`), and each layer shape named
     once in a warning, two shapes in one process both (the warning had been once a process: the second shape ran
-    unannounced), a shape seen again at another batch size not again."""
+    unannounced), a shape seen again at another batch size not again. On a device that holds 2 blocks at once (other
+    work on it), the grid form's cooperative launch of 3 blocks is refused at launch as a GPU refuses it: the per-step
+    path runs, the refusals counted and named once."""
     env = {**os.environ, "DTMT_CUDA_RECURRENCE": value}
     res = subprocess.run([sys.executable, "-c", _RECURRENCE_RUN, os.path.dirname(os.path.abspath(__file__)),
                           emulated_cuda_ext.__file__], capture_output=True, text=True, env=env, timeout=300)
@@ -1757,6 +1838,15 @@ def test_recurrence_switch(emulated_cuda_ext, value):
         assert said.count(f"a layer of {shape} needs ") == (times if asked else 0), said
         assert said.count(f"a layer of {shape} does not fit one thread-block cluster") == (
             times if value == "persistent-cluster" else 0), said
+    # a device that holds 2 blocks at once refuses the grid form's 3 (the cluster form and the multicast form's 2
+    # blocks run): forward and backward refused, counted, and run per step
+    held = {"persistent": (4, 0, 2, 0, 0, 8), "persistent-cluster": (0, 6, 0, 0, 0, 6),
+            "persistent-multicast": (0, 0, 0, 6, 0, 6)}.get(value, (0,) * 6)
+    assert f"held: {held}" in res.stdout, res.stdout
+    for direction in ("forward", "backward"):
+        refused = (f"the device refused the persistent {direction} at H=9, depth 1, B=3 (too many blocks in "
+                   f"cooperative launch): the per-step {direction} runs instead")
+        assert said.count(refused) == (value == "persistent"), said
     warned = ("DTMT_CUDA_RECURRENCE=sideways ignored: not one of steps, persistent, persistent-cluster, "
               "persistent-multicast" in res.stdout + res.stderr)
     assert warned == (value == "sideways"), res.stdout + res.stderr

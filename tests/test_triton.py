@@ -231,6 +231,30 @@ def test_the_forward_fakes_refuse_what_the_kernels_refuse(what, change, message)
 
 
 @needs_triton
+def test_triton_ops_refuse_tensors_on_two_devices():
+    """The Triton ops' own bodies check that every tensor is on one device, as their fakes and the C++ op do (a call
+    with a meta tensor among CPU ones reaches the fake; a CUDA x with a CPU mask reaches the body, which had gone on to
+    the launch): a mask on another device than x is a one-line RuntimeError naming the op, forward and backward."""
+    import re
+    from dtmt_kernels.ops.transition import KINDS, flat_params
+    from dtmt_kernels.ops.transition.triton import transition_backward_triton, transition_forward_triton
+
+    T, B, H = 3, 3, 5
+    layer = make_layer("lgru", 3, H, depth=1, layer_norm=True)
+    x, h0 = torch.randn(T, B, 3, dtype=torch.double), torch.randn(B, H, dtype=torch.double)
+    params = [None if p is None else p.detach() for p in flat_params(layer.direction_weights(0))]
+    args = [x, h0, padding_mask([3, 2, 1], T), None, KINDS["lgru"], *params, False, 1e-5]
+    out, h_n, *saved = torch.ops.dtmt.transition_forward_triton(*args)
+    args[2] = args[2].to("meta")   # (the op's body, as the dispatcher runs it for a CUDA x beside a CPU mask)
+    for op, call in (("forward", lambda: transition_forward_triton._init_fn(*args)),
+                     ("backward", lambda: transition_backward_triton._init_fn(out, h_n, *args[:1], *args[2:-2],
+                                                                              *saved, *args[-2:]))):
+        with pytest.raises(RuntimeError, match=re.escape(f"dtmt::transition_{op}_triton: every tensor must be on "
+                                                         f"one device, got ['cpu', 'meta']")):
+            call()
+
+
+@needs_triton
 def test_a_mask_that_needs_a_gradient_is_refused_by_the_raw_ops():
     """The ops' backwards form no gradient for the mask or the dropout mask: a raw op's call with one that requires
     grad left its .grad None without a word (the layers refused it; the reference backend gives one). Both forward

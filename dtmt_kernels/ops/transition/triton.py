@@ -37,6 +37,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._register import check_one_device
 from .._triton_mode import triton_interpreting
 from .grads import weight_grads
 from .layout import KIND_TGRU, ROWS, acc_dtype, check_sequence, present
@@ -222,6 +223,10 @@ def transition_forward_triton(x: Tensor, h0: Tensor, mask: Optional[Tensor], dro
                               t_ln_w: Optional[Tensor], t_ln_b: Optional[Tensor], reverse: bool, eps: float
                               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dtmt::transition_forward by the Triton kernels (CUDA tensors; CPU ones under TRITON_INTERPRET=1)."""
+    # (as the op's fake and the C++ op: a mask on another device had reached the launch, refused there in Triton's
+    # words, or under the interpreter a copy's)
+    check_one_device("transition_forward_triton", (x, h0, mask, drop, w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b,
+                                                   t_ln_w, t_ln_b))
     params = [None if t is None else t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,
                                                                t_ln_b)]
     x, h0 = x.contiguous(), h0.contiguous()
@@ -242,6 +247,8 @@ def transition_backward_triton(grad_out: Tensor, grad_hn: Tensor, x: Tensor, mas
     if not weight_grads:
         raise NotImplementedError("dtmt::transition_backward_triton: weight_grads=False is implemented on the CPU "
                                   "only")
+    check_one_device("transition_backward_triton", (grad_out, grad_hn, x, mask, drop, w_ih, b_ih, w_hh, b_hh, ln_w,
+                                                    ln_b, t_w, t_b, t_ln_w, t_ln_b, xp, hs, hs_lp, hp, hpt))
     # the kernels index every tensor as a contiguous one, as the forward op's (autograd hands this op the forward's
     # inputs as the caller gave them: a transposed mask or dropout mask gave wrong gradients without a word)
     params = [None if t is None else t.contiguous() for t in (w_ih, b_ih, w_hh, b_hh, ln_w, ln_b, t_w, t_b, t_ln_w,

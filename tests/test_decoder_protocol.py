@@ -76,6 +76,18 @@ def test_an_object_with_encode_step_reorder_is_adapted_and_searched_as_the_syste
     assert beam_search(own, src, lengths, beam=3) == expected
 
 
+def test_a_compiled_model_is_decoded_as_the_model_with_a_warning():
+    """beam_search(torch.compile(model)): torch.compile compiles forward, which a search never calls; its encode and
+    step are the model's, uncompiled. Said in one warning (it had decoded without a word, as if compiled), and the
+    hypotheses are the model's own."""
+    model = _model("rnnsearch-atr")
+    src, lengths = _batch()
+    expected = beam_search(model, src, lengths, beam=3)
+    with pytest.warns(UserWarning, match="decoding the RNNSearchATR that torch.compile wraps, uncompiled"):
+        got = beam_search(torch.compile(model), src, lengths, beam=3)
+    assert got == expected
+
+
 def test_an_ensemble_is_a_decoder_of_decoders():
     ensemble = Ensemble([_model("dtmt"), _model("transformer", seed=1)])
     decoder = as_decoder(ensemble)

@@ -20,6 +20,7 @@ checks every registered system.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
@@ -152,6 +153,14 @@ def as_decoder(model, int8: bool = False, amp: Optional[str] = None) -> Decoder:
     another amp; TypeError for an int8 that is not a bool."""
     if not isinstance(int8, bool):   # (a string was truthy: int8="no" built an int8 decoder)
         raise TypeError(f"as_decoder: int8 must be True or False, got {int8!r}")
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module):
+        # torch.compile(model) compiles its forward; a search calls encode and step, which reached the model's
+        # uncompiled ones through the wrapper without a word
+        warnings.warn(f"decoding the {type(inner).__name__} that torch.compile wraps, uncompiled: torch.compile "
+                      f"compiles forward, which a search does not call (the inference decoder is already fused)",
+                      stacklevel=3)
+        model = inner
     if amp is not None:
         if amp not in AMP_DTYPES:
             raise ValueError(f"amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")

@@ -492,6 +492,9 @@ inline void launch(Kernel* kernel, int grid, int threads, size_t smem, const Arg
   gridDim.x = grid;
   for (int b = 0; b < grid; ++b) {
     blockIdx.x = b;
+    // each block's shared memory starts as 0xFF bytes (NaN in every float type), as a GPU's holds whatever was there:
+    // not the zeros of the first block, nor the last block's values
+    std::memset(dtmt::cuda::smem_raw, 0xFF, smem);
     for (int t = 0; t < threads; ++t) {
       start_fiber(s, t);
       s.done[t] = 0;

@@ -1360,7 +1360,7 @@ def _assert_near_reference(layer, x, h0, mask, drop, g_out, g_hn, out, h_n, grad
         return [each(t, f) for t in v] if isinstance(v, list) else None if v is None else f(v)
 
     # the weights as the kernels take them (full-width biases: a layer-normed gate's leading zeros too), each a leaf
-    xr, hr = x.double().requires_grad_(), h0.double().requires_grad_()
+    xr, hr = x.detach().double().requires_grad_(), h0.detach().double().requires_grad_()   # (a leaf of its own)
     w0 = layer.direction_weights(0)
     fields = [f.name for f in dataclasses.fields(w0) if f.name != "cell"]
     w = dataclasses.replace(w0, **{k: each(getattr(w0, k), lambda t: t.detach().double().requires_grad_())
@@ -1443,15 +1443,16 @@ def test_persistent_tf32_products_emulated(emulated_cuda_ext, allow_tf32, H, B, 
                                f"{cell}-d{depth} H={H} B={B}")
 
 
-def _halved_case(cell, depth, H, B, T, dtype, seed):
+def _halved_case(cell, depth, H, B, T, dtype, seed, layer_norm=True, lengths=None):
     """A ragged reverse-direction case in `dtype` storage for the emulated launches' 16-bit and FMA tests: the layer
-    (layer norm on, weights halved), x [T, B, 3], h0, the mask, the ops' flat parameters, the forward's arguments
-    without dropout, and the generator that drew them (for the gradients that follow)."""
+    (layer norm on unless told, weights halved), x [T, B, 3], h0, the mask (of `lengths`, or the first row T steps
+    and the others drawn), the ops' flat parameters, the forward's arguments without dropout, and the generator that
+    drew them (for the gradients that follow)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_layer, padding_mask
     from dtmt_kernels.ops.transition import KINDS, flat_params
 
-    layer = make_layer(cell, 3, H, depth=depth, layer_norm=True, dtype=torch.float32)
+    layer = make_layer(cell, 3, H, depth=depth, layer_norm=layer_norm, dtype=torch.float32)
     with torch.no_grad():
         for p in layer.parameters():
             p.mul_(0.5)
@@ -1459,7 +1460,8 @@ def _halved_case(cell, depth, H, B, T, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, B, 3, generator=gen).to(dtype)
     h0 = torch.randn(B, H, generator=gen).to(dtype)
-    lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
+    if lengths is None:
+        lengths = [T] + torch.randint(1, T + 1, (B - 1,), generator=gen).tolist()
     mask = padding_mask(lengths, T, torch.float32).to(dtype)
     params = [x.new_empty(0) if p is None else p.detach().contiguous()
               for p in flat_params(layer.direction_weights(0))]
@@ -1574,6 +1576,53 @@ def test_persistent_fma_products_asked_for_emulated(emulated_cuda_ext, allow_tf3
     capfd.readouterr()
     ext.forward_persistent(*args, grid, threads, -1, False)   # (a plain binding's warning: on stderr)
     assert "DTMT_CUDA_PRODUCTS=tensor ignored: not one of auto, fma" in capfd.readouterr().err
+
+
+# (cell, depth, layer norm, the rows' lengths of T = 3 steps, blocks, threads a block) for the matrix test below
+MATRIX_CASES = [("lau", 0, False, [3, 1, 2], 4, 32), ("lau", 1, True, [3, 1, 2], 4, 256),
+                ("lgru", 4, False, [1], 4, 256), ("lgru", 1, True, [3], 1, 256), ("gru", 0, False, [2, 3], 37, 32),
+                ("atr", 0, False, [3, 2], 4, 64)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,products,tol", [(torch.float32, "strict", 2e-5), (torch.float32, "tf32", 3e-3),
+                                                (torch.bfloat16, "auto", 1.5e-2), (torch.float16, "auto", 3e-3),
+                                                (torch.bfloat16, "fma", 1.5e-2), (torch.float16, "fma", 3e-3)],
+                         ids=["fp32-strict", "tf32", "bf16", "fp16", "bf16-fma", "fp16-fma"])
+def test_persistent_launches_across_the_matrix_emulated(emulated_cuda_ext, strict_fp32, monkeypatch, dtype,
+                                                        products, tol):
+    """Issue 72 item 4's matrix where the other persistent tests leave it out: the LAU cell, layer norm off, depth 1
+    and 4 (L-GRU + T-GRUs), B = 1, 256 threads a block (8 warps: the MMA's K split over more warps, block_dots'
+    lanes), and candidate dropout, in float32 (strict: FMA products; TF32 allowed: tensor cores), and bf16 and fp16
+    storage with the products on tensor cores and on FMA (DTMT_CUDA_PRODUCTS=fma). Each case is ragged (a row that
+    ends before T = 3 steps; at B = 1 the only row ends after the first step, so that two steps have no live row),
+    the reverse direction, H = 37 (not a multiple of any tile). Both launches (persistent forward and backward) ran,
+    on tensor cores or not as asked; the ended rows' outputs are exactly 0 at forward time; outputs and every
+    gradient are within tol of each tensor's largest value from the float64 reference (measured at worst: 4.9e-7
+    strict fp32, 6.8e-4 TF32, 1.1e-3 fp16, 6.4e-3 bf16; the deep transitions the largest). Small on purpose: six
+    cases of 1 to 3 rows a storage type, every cell's layer norm off once, the LAU's on and off. (In 16 bits the FMA
+    and MMA products round mostly to the same values at H = 37: the launch counts are what tell the two apart.)"""
+    ext = emulated_cuda_ext
+    from dtmt_kernels.ops.transition import KINDS
+
+    torch.backends.cuda.matmul.allow_tf32 = products == "tf32"   # (strict_fp32 puts the flag back)
+    monkeypatch.setenv("DTMT_CUDA_PRODUCTS", "fma" if products == "fma" else "auto")
+    for cell, depth, ln, lengths, grid, threads in MATRIX_CASES:
+        B, T, H = len(lengths), 3, 37
+        layer, x, h0, mask, params, args, gen = _halved_case(cell, depth, H, B, T, dtype, 9, ln, lengths)
+        drop = ((torch.rand(depth + 1, B, H, generator=gen) > 0.3).float() / 0.7).to(dtype) if cell != "atr" \
+            else x.new_empty(0)
+        args = args[:3] + (drop,) + args[4:]
+        g_out, g_hn = torch.randn(T, B, H, generator=gen).to(dtype), torch.randn(B, H, generator=gen).to(dtype)
+        label = f"{cell}-d{depth} ln={ln} lengths={lengths} {grid}x{threads} {dtype} {products}"
+        before = ext.persistent_launches()
+        out, h_n, *saved = ext.forward_persistent(*args, grid, threads, -1, False)
+        assert not bool(out[~mask.bool()].any()), f"{label}: an ended row's output"
+        back = (g_out, g_hn, x, mask, drop, KINDS[cell], params, saved, True, 1e-5)
+        grads = ext.backward_persistent(*back, grid, threads, -1, False)
+        ran = [now - then for now, then in zip(ext.persistent_launches(), before)]
+        assert (ran[0], ran[4]) == (2, 2 if products in ("tf32", "auto") else 0), f"{label}: launches {ran}"
+        _assert_near_reference(layer, x, h0, mask, drop, g_out, g_hn, out, h_n, grads, tol, label)
 
 
 def test_persistent_envelope():

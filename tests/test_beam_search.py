@@ -292,7 +292,8 @@ def test_finished_sentences_leave_the_batch():
     src = torch.randint(4, 20, (6, 6))
     batched = beam_search(Counting(), src, lengths, beam=3, nbest=3, max_len_a=1.0, max_len_b=0)
     assert rows[0] == 6 * 3 and rows[-1] < rows[0] and all(a >= b for a, b in zip(rows, rows[1:]))
-    assert len(rows) == 6 and rows[1] <= 5 * 3                           # the 1-step sentence is gone at step 2
+    # the sentences of 1 and 2 subwords (2 steps: a bound is at least 2) are gone at step 3
+    assert len(rows) == 6 and rows[1] == 6 * 3 and rows[2] <= 4 * 3
     for b in range(6):
         alone = beam_search(decoder, src[b:b + 1, :int(lengths[b])], lengths[b:b + 1], beam=3, nbest=3,
                             max_len_a=1.0, max_len_b=0)[0]
@@ -743,3 +744,28 @@ def test_an_empty_batch_translates_to_nothing_and_a_meta_one_is_refused(system):
         greedy(model, src, lengths, beam=4, alpha=0.6)
     assert greedy(model, src, lengths, max_len_b=3) == [h[0].tokens for h in beam_search(model, src, lengths,
                                                                                            beam=1, max_len_b=3)]
+
+
+def test_a_one_subword_source_may_always_give_a_word():
+    """The bound a * source length + b counts EOS; it is at least 2 steps (a word and EOS): with max_len_a = 1.2 and
+    max_len_b = 0 (a common setting) a source of one subword had a bound of 1, EOS alone, and came out empty without
+    a word. A decoder that prefers word 5 to EOS at every step gives [5] for it, in the Python loop and on the device
+    loop, and an empty source still its bound of 2."""
+    V = 8
+
+    class PrefersFive:
+        def encode(self, src, lengths):
+            return torch.zeros(src.shape[0], 1)
+
+        def step(self, state, prev):
+            scores = torch.full((prev.shape[0], V), -10.0)
+            scores[:, 5], scores[:, EOS] = 0.0, -4.0
+            return scores.log_softmax(-1), state
+
+        def reorder(self, state, index):
+            return state[index]
+
+    src, lengths = torch.tensor([[7, 0], [7, 7]]), torch.tensor([1, 2])
+    for on_device in (False, True):
+        found = beam_search(PrefersFive(), src, lengths, beam=2, max_len_a=1.2, max_len_b=0, on_device=on_device)
+        assert [h[0].tokens for h in found] == [[5], [5]], on_device   # (2 and 2.4 steps: one word, then EOS)

@@ -134,7 +134,7 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, quiet: bool = True, 
                    help="longer sources are truncated to this many subwords, with a warning (default 250)")
     g.add_argument("--max-len-a", type=float, default=2.0,
                    help="maximum output length in subwords, the end-of-sentence token included = a * source "
-                        "length + b, at most 16,384 (default a=2.0)")
+                        "length + b, at least 2, at most 16,384 (default a=2.0)")
     g.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a (default b=10)")
     g.add_argument("--early-stop", action="store_true",
                    help="end a sentence once it has --beam finished hypotheses (fairseq's and CTranslate2's rule, "

@@ -11,7 +11,7 @@ when no open hypothesis can still enter the `nbest` best complete ones (it has `
 log-probabilities only decrease and the length penalty is at most that of the max length, so what is returned is
 what running on would return), with `early_stop` as soon as it has `beam` complete hypotheses (the rule of
 fairseq, CTranslate2 and Hugging Face's `early_stopping=True`), or at max length (source length * max_len_a +
-max_len_b steps, EOS included), where only EOS may follow the open hypotheses.
+max_len_b steps, EOS included, at least 2), where only EOS may follow the open hypotheses.
 
 The decoder's state is reordered after every step: `reorder(state, index)` (rows taken by `index`, which drops
 the rows of finished sentences). A decoder may also have `reorder_within(state, index)`, called instead when no
@@ -98,7 +98,8 @@ def beam_search(model, src: Tensor, src_lengths: Tensor, beam: int = 4, alpha: f
     """Translates a batch; returns for each sentence its `nbest` best hypotheses, best first. `model`: a Seq2Seq
     (decoded through its `inference_decoder()`, built here, or already built by the caller) or any object with
     encode / step / reorder. A sentence takes at most max_len_a x its source length + max_len_b steps, EOS
-    included, and never more than MAX_SEARCH_STEPS (16,384; fewer where the model's target positions end).
+    included, at least 2 (a word and EOS), and never more than MAX_SEARCH_STEPS (16,384; fewer where the model's
+    target positions end).
     `fused`: the decoder's one-call `search` where it has one (False: this loop).
     `early_stop`: end a sentence once it has `beam` finished hypotheses, without the check that no open one can still
     win (usually fewer steps; the default keeps the check; beam 1 always stops so: greedy decoding). Without it the
@@ -133,8 +134,10 @@ def _beam_search(model, src: Tensor, src_lengths: Tensor, beam: int, alpha: floa
     B, device = src.shape[0], src.device
     state = model.encode(src, src_lengths)
     # (in float64, bounded before the cast: max_len_b = 2^63 - 1 overflowed float32's cast to 1, so every translation
-    # came out empty without a word; bounded by MAX_SEARCH_STEPS on every path, the fused searches' bound)
-    max_len = (src_lengths.double() * max_len_a + max_len_b).clamp(1, MAX_SEARCH_STEPS).long()
+    # came out empty without a word; bounded by MAX_SEARCH_STEPS on every path, the fused searches' bound). At least
+    # 2 steps, a word and EOS: a bound of 1 is EOS alone, so max_len_a = 1.2, max_len_b = 0 (a common setting) gave a
+    # source of one subword an empty translation without a word.
+    max_len = (src_lengths.double() * max_len_a + max_len_b).clamp(2, MAX_SEARCH_STEPS).long()
     most = model.max_target_steps   # a model whose target positions end (the transformer's)
     if most is not None:
         max_len = max_len.clamp_max(most)

@@ -1367,18 +1367,22 @@ def test_cli_evaluate_scores_a_test_set_with_empty_lines(system, corpus, tmp_pat
                      str(tmp_path / "again")]) == 0
     assert json.loads(read(tmp_path / "again" / "scores.json"))["bleu"] == pytest.approx(
         corpus_scores(hyps, ref)["bleu"])
-    # --hyp into the folder of a checkpoint's run: another file's scores remove the hyp.txt that run wrote (it had
-    # stayed beside scores.json of other translations); a hyp.txt no model's run wrote, or that is an input, stays
-    # (a review's: --ref D/hyp.txt --out-dir D had deleted the reference, and any user's own hyp.txt went too)
+    # --hyp into the folder of a checkpoint's run: refused before anything is written, the run's hyp.txt and scores
+    # kept (its scores would have stood beside another file's scores; then that hyp.txt was removed, the run's
+    # translations lost: a review's, a hyp.txt post-processed into another file and scored into the same folder); a
+    # hyp.txt no model's run wrote, or that is an input, stays (--ref D/hyp.txt --out-dir D had deleted the reference)
     write(tmp_path / "mine.txt", "".join(line + "\n" for line in ref))
     shutil.copytree(out, tmp_path / "scored_copy")
     shutil.copytree(out, tmp_path / "moved")   # (a run's results folder moved: its scores.json names the old place)
-    assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",
-                     str(tmp_path / "moved")]) == 0
-    assert not (tmp_path / "moved" / "hyp.txt").exists()
-    assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",
-                     str(out)]) == 0
-    assert not (out / "hyp.txt").exists() and json.loads(read(out / "scores.json"))["bleu"] == pytest.approx(100)
+    for folder in (tmp_path / "moved", out):
+        kept = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+        capsys.readouterr()
+        assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",
+                         str(folder)]) == 2
+        assert (f"--out-dir {folder} holds hyp.txt, the translations a model's run scored there; the scores of --hyp "
+                f"{tmp_path / 'mine.txt'} would replace theirs beside it: give another --out-dir (or move "
+                f"{folder / 'hyp.txt'} away first)") in capsys.readouterr().err
+        assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == kept
     out = tmp_path / "scored_copy"   # (its hyp.txt scored in place: it stays, and is the user's from then on)
     assert cli.main(["evaluate", "--hyp", str(out / "hyp.txt"), "--src", s, "--ref", r, "--out-dir", str(out)]) == 0
     assert cli.main(["evaluate", "--hyp", str(tmp_path / "mine.txt"), "--src", s, "--ref", r, "--out-dir",

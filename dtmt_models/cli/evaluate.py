@@ -188,6 +188,16 @@ def _run(args: argparse.Namespace) -> int:
     inputs = [src_path, ref_path, *(args.checkpoint or []), *([args.hyp] if args.hyp else [])]
     for name in (() if args.hyp else ("hyp.txt",)) + ("scores.json", "bleu_by_length.csv", "bleu_by_length.png"):
         check_output_file(os.path.join(out_dir, name), "--out-dir" if args.out_dir else "the results folder", inputs)
+    # --hyp writes no hyp.txt: a model's run's hyp.txt in the folder would stand beside scores of other translations,
+    # and removing it lost that run's translations (a review's: hyp.txt post-processed into another file and scored
+    # into the same folder had its original deleted without a word). Refused instead; a hyp.txt no model's run wrote
+    # (by the folder's scores.json), or that is an input (the file scored in place), is the user's and stays.
+    stale = os.path.join(out_dir, "hyp.txt")
+    if (args.hyp and os.path.lexists(stale) and not any(_same_file(stale, p) for p in inputs)
+            and _written_by_a_run(out_dir)):
+        raise UsageError(f"{'--out-dir' if args.out_dir else 'the results folder'} {out_dir} holds hyp.txt, the "
+                         f"translations a model's run scored there; the scores of --hyp {args.hyp} would replace "
+                         f"theirs beside it: give another --out-dir (or move {stale} away first)")
     one = args.checkpoint is not None and len(args.checkpoint) == 1
     settings = {"data": args.data, "split": args.split if args.data else None, "src": src_path, "ref": ref_path,
                 "checkpoint": args.checkpoint[0] if one else args.checkpoint, "bounds": bounds}
@@ -257,12 +267,6 @@ def _run(args: argparse.Namespace) -> int:
     title = shown(f"{settings.get('model_name') or ('stdin' if anchor == '-' else _stem(anchor))}: BLEU by source "
                   f"length ({label})")
     png = os.path.join(out_dir, "bleu_by_length.png")
-    # --hyp writes no hyp.txt: an earlier run's in the folder would stand beside scores of other translations. It
-    # is removed only where the folder's scores.json says a model's run wrote it, and it is none of the inputs (any
-    # hyp.txt there had been removed: a --ref D/hyp.txt with --out-dir D, a user's own file scored in place)
-    stale = os.path.join(out_dir, "hyp.txt")
-    remove_stale = (args.hyp and os.path.lexists(stale) and not any(_same_file(stale, p) for p in inputs)
-                    and _written_by_a_run(out_dir))
     try:
         # the results as one set: each written to a temporary file first, and all renamed into place only once every
         # one is written (a failure midway had left this run's hyp.txt beside the scores.json of the run before)
@@ -279,8 +283,6 @@ def _run(args: argparse.Namespace) -> int:
             plot = reporting_warnings(PROG, lambda: plot_bleu_by_length(rows, temps[-1], title), category=Warning)
         if plot is None and os.path.lexists(png):   # (no matplotlib now: the earlier run's plot would stay beside
             os.remove(png)                            # these scores)
-        if remove_stale:
-            os.remove(stale)
     except WriteError as exc:
         raise InputError(str(exc)) from None
     except OSError as exc:

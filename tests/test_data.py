@@ -82,6 +82,19 @@ def test_bad_inputs_are_reported_with_file_and_line(tmp_path):
         data.corpus_paths(str(corpus), "test")
 
 
+def test_a_missing_corpus_folder_is_named_as_missing(tmp_path):
+    """A --data folder that is not there (a typo) is said to be missing, after the advice to make a corpus there; a
+    folder that is there without corpus.json (a run's folder) gets the advice alone."""
+    typo = str(tmp_path / "bilbe")
+    with pytest.raises(data.CorpusError, match=re.escape(f"{typo}: no corpus.json; make the corpus with `dtmt prepare "
+                                                         f"bible --out {typo}`")) as exc:
+        data.read_manifest(typo)
+    assert str(exc.value).endswith(f" (there is no folder {typo})")
+    with pytest.raises(data.CorpusError) as exc:
+        data.read_manifest(str(tmp_path))
+    assert str(exc.value).endswith(f"--out {tmp_path}`")
+
+
 def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, capsys):
     """corpus.json's languages and splits name the folder's files {split}.{lang}; a crafted split "../victim/x" made
     `dtmt prepare files --out` over that folder remove victim/x.es beside it, exit 0 (and train or evaluate read

@@ -287,9 +287,10 @@ def read_manifest(directory: str) -> dict:
     import json
 
     path = os.path.join(directory, MANIFEST)
-    if not os.path.exists(path):
+    if not os.path.exists(path):   # (a folder that is not there is named as such: a typo, more often than not)
+        missing = "" if os.path.isdir(directory) else f" (there is no folder {directory})"
         raise CorpusError(f"{directory}: no {MANIFEST}; make the corpus with `dtmt prepare bible --out {directory}` "
-                          f"or `dtmt prepare files --src F --tgt G --out {directory}`")
+                          f"or `dtmt prepare files --src F --tgt G --out {directory}`{missing}")
     try:
         manifest = json.loads(read_small_file(path, "make the corpus again with `dtmt prepare`").decode("utf-8"))
     except RecursionError:   # (a crafted file of nested brackets)

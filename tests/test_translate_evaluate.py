@@ -1509,7 +1509,11 @@ def test_cli_evaluate_errors(system, corpus, tmp_path, capsys):
         (["--hyp", short, "--data", data, "--beam", "4", "--device", "cpu", "--amp", "off"], 2,
          "nothing is decoded: leave out --beam 4, --device cpu, --amp off"),
         (["--hyp", short, "--data", data, "--max-len-a=2"], 2, "nothing is decoded: leave out --max-len-a 2.0"),
-        (["--hyp", short, "--ref", short], 2, "--src F --ref G (--hyp needs the source beside it"),
+        (["--hyp", short], 2, "--src F --ref G (--hyp needs the source beside it"),
+        # one of --src and --ref: the other named (the general advice had not said which was missing)
+        (["--hyp", short, "--ref", short], 2, "--ref needs --src beside it (or give --data DIR [--split test] "
+         "instead)"),
+        (["--checkpoint", ckpt, "--src", short], 2, "--src needs --ref beside it"),
         # a checkpoint beside --hyp was not used, but its results folder took the scores as its model's
         (["--hyp", short, "--data", data, "--checkpoint", ckpt], 2, "--hyp scores a translation already made, and "
          f"no model is used: leave out --checkpoint {ckpt} (name the results folder with --out-dir)"),

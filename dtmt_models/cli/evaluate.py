@@ -153,6 +153,9 @@ def _run(args: argparse.Namespace) -> int:
                 raise UsageError(f"{option} {path}: not a regular file (a pipe or a device); give a file (--hyp "
                                  f"alone may be a pipe)")
         label = _stem(args.src)
+    elif args.src or args.ref:   # (one of the pair: named, rather than the general advice)
+        given, lacking = ("--src", "--ref") if args.src else ("--ref", "--src")
+        raise UsageError(f"{given} needs {lacking} beside it (or give --data DIR [--split test] instead)")
     else:
         raise UsageError("say what to score: --data DIR [--split test], or --src F --ref G"
                          + (" (--hyp needs the source beside it, for BLEU by source length)" if args.hyp else ""))

@@ -249,7 +249,9 @@ def test_translations_health_and_info(system, server):
     assert request(server.url, "/translate", {"sentences": []}) == (200, {"translations": [], "scores": []})
     assert request(server.url, "/health") == (200, {"status": "ok"})
     status, info = request(server.url, "/info")
-    assert status == 200 and info["models"] == ["dtmt"] and info["checkpoints"] == [path]
+    # (the checkpoint's file name, not its path: /info answers any client, and the path named the server's folders)
+    assert status == 200 and info["models"] == ["dtmt"] and info["checkpoints"] == [os.path.basename(path)]
+    assert os.path.dirname(path) and os.path.dirname(path) not in json.dumps(info)
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
     assert info["decoding"]["beam"] == BEAM and info["decoding"]["length_penalty"] == "gnmt"
     assert info["limits"] == {"max_sentences": 10, "max_chars": 100}

@@ -125,7 +125,9 @@ def _run(args: argparse.Namespace) -> int:
     model, src_vocab, tgt_vocab, ckpts = load_for_decoding(args.checkpoint, device, args.backend)
     decoder = build_decoder(model, args.int8, args.amp)
     names = [c.get("model_name") for c in ckpts]
-    info = {"checkpoints": args.checkpoint, "models": names,
+    # (the checkpoints' file names, not their paths: /info answers any client, --host 0.0.0.0 the network's, and
+    # the paths had told it the server's folders)
+    info = {"checkpoints": [os.path.basename(path) for path in args.checkpoint], "models": names,
             "parameters": sum(p.numel() for p in model.parameters()), "device": str(device),
             "backend": args.backend, "int8": args.int8, "amp": args.amp}
 

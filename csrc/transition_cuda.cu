@@ -477,14 +477,15 @@ std::atomic<int64_t> launches_grid{0}, launches_cluster{0}, launches_refused{0},
     launches_mma{0}, launches_steps{0};
 
 // Whether this process has not yet said `what` (why the persistent launches do not run, or not in the form asked for)
-// of a layer of this cell, H, depth and storage type: said once a layer shape, not once a process (a model whose two
-// layer shapes are both past the plan names both) nor once a batch size (a training run's batches vary in B: the
-// first B is named, and persistent_launch_counts' `steps` counts every per-step run).
-bool first_said(const std::string& what, int64_t kind, int64_t H, int64_t D, size_t storage) {
+// of a layer of this cell, H, depth and dtype, with the products on tensor cores or not (`mma`: TF32 on or off makes
+// another plan): said once a layer shape, not once a process (a model whose two layer shapes are both past the plan
+// names both) nor once a batch size (a training run's batches vary in B: the first B is named, and
+// persistent_launch_counts' `steps` counts every per-step run).
+bool first_said(const std::string& what, int64_t kind, int64_t H, int64_t D, at::ScalarType dtype, bool mma) {
   static std::mutex lock;
-  static std::set<std::tuple<std::string, int64_t, int64_t, int64_t, size_t>> said;
+  static std::set<std::tuple<std::string, int64_t, int64_t, int64_t, int, bool>> said;
   const std::lock_guard<std::mutex> guard(lock);
-  return said.emplace(what, kind, H, D, storage).second;
+  return said.emplace(what, kind, H, D, static_cast<int>(dtype), mma).second;
 }
 
 // Whether a persistent launch's error says the device cannot place it (too much shared memory, too many blocks to
@@ -543,8 +544,8 @@ void set_persistent_sizes(Args& a, const Dims& d, int64_t slice, bool reverse, d
 }
 
 // The device's SM count, the shared memory a block may opt into, its L2 cache's bytes and the most blocks of one
-// thread-block cluster (0 where it has no cluster launch; the emulation: 4 SMs of an H100's 227 KB, its 50 MiB of
-// L2 and clusters of 16).
+// thread-block cluster (0 where it has no cluster launch; the emulation: its SMs, 4 unless a test sets more, of an
+// H100's 227 KB, its 50 MiB of L2 and clusters of 16).
 struct DeviceLimits {
   int multiprocessors;
   size_t smem_optin, l2_bytes;
@@ -687,7 +688,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
       (void)cudaGetLastError();   // (the launch's error, cleared)
       ++launches_refused;
       const std::string form = form_name(cluster, a.multicast);
-      if (first_said("forward refused" + form, static_cast<int64_t>(w.kind), H, D, sizeof(T)))
+      if (first_said("forward refused" + form, static_cast<int64_t>(w.kind), H, D, x.scalar_type(), a.mma))
         TORCH_WARN(message("dtmt: the device refused the persistent forward", form.c_str(), " at H=", H, ", depth ",
                            D, ", B=", B, " (", cudaGetErrorString(err), "): ",
                            cluster || a.multicast > 1 ? "the grid form or " : "", "the per-step forward runs instead"));
@@ -739,7 +740,7 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
   const Dims d = dims_of(x, w);
   const DeviceLimits limits = device_limits();
   const auto said_first = [&](const char* what) {
-    return first_said(what, static_cast<int64_t>(w.kind), d.H, d.D, sizeof(T));
+    return first_said(what, static_cast<int64_t>(w.kind), d.H, d.D, x.scalar_type(), persistent_mma<T>());
   };
   if (d.D > cuda::kPlanMaxDepth || d.H > cuda::kPlanMaxHidden || d.B > cuda::kPlanMaxRows) {
     if (said_first("past the plan's sizes"))
@@ -794,10 +795,14 @@ cuda::PersistentPlan device_plan(const Tensor& x, const TransitionWeights& w, bo
   return plan;
 }
 
+// Whether DTMT_CUDA_RECURRENCE asks for the persistent launches and a call on x has work for them: a step and a row
+// (an empty batch had been planned, "needing 0 KB", its warning taking the place of a real one, and counted).
+bool persistent_asked_for(const Tensor& x) { return persistent_requested() && x.size(0) > 0 && x.size(1) > 0; }
+
 // The persistent plan the driver takes for a call on x (grid 0: the per-step path): device_plan's where
 // DTMT_CUDA_RECURRENCE asks for the persistent launches and there is a step to run.
 template <typename S> cuda::PersistentPlan recurrence_plan(const Tensor& x, const TransitionWeights& w) {
-  return persistent_requested() && x.size(0) > 0 ? device_plan<S>(x, w) : cuda::PersistentPlan{};
+  return persistent_asked_for(x) ? device_plan<S>(x, w) : cuda::PersistentPlan{};
 }
 
 // The backward's pre-activation gradients a chunk of time steps at a time (docs/design/gpu.md, "Memory of the cuda
@@ -1185,7 +1190,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   if (refused != cudaSuccess) {
     ++launches_refused;
     const std::string form = form_name(cluster, a.multicast);
-    if (first_said("backward refused" + form, static_cast<int64_t>(w.kind), H, D, sizeof(T)))
+    if (first_said("backward refused" + form, static_cast<int64_t>(w.kind), H, D, x.scalar_type(), a.mma))
       TORCH_WARN(message("dtmt: the device refused the persistent backward", form.c_str(), " at H=", H, ", depth ", D,
                          ", B=", B, " (", cudaGetErrorString(refused), "): ",
                          cluster || a.multicast > 1 ? "the grid form or " : "", "the per-step backward runs instead"));
@@ -1220,7 +1225,7 @@ std::vector<Tensor> transition_forward_cuda(const Tensor& x, const Tensor& h0, c
                                                  cuda::kPersistentThreads, plan.forward_resident, false,
                                                  /*fallible=*/true, plan.forward_stage);
     if (result.empty()) {
-      if (persistent_requested() && x.size(0) > 0) ++launches_steps;   // (asked for, not run: counted)
+      if (persistent_asked_for(x)) ++launches_steps;   // (asked for, not run: counted)
       result = forward_impl<scalar_t>(x, h0, mask, drop, w, reverse, eps);
     }
   });
@@ -1291,7 +1296,7 @@ std::vector<Tensor> transition_backward_cuda(const BackwardInputs& in_given, con
                                                   plan.backward_resident, false, /*fallible=*/true, weight_grads,
                                                   plan.backward_stage);
     if (result.empty()) {
-      if (persistent_requested() && in.x.size(0) > 0) ++launches_steps;
+      if (persistent_asked_for(in.x)) ++launches_steps;
       result = backward_impl<scalar_t>(in, w, saved, reverse, eps, weight_grads);
     }
   });

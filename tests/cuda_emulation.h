@@ -392,6 +392,9 @@ constexpr size_t kSmemPerMultiprocessor = 233472, kSmemReservedPerBlock = 1024;
 // Blocks the device holds at once where other work holds some of its SMs (0: none held; cf. clusters_held): a test
 // sets it so that the driver's fallback from a refused cooperative launch runs on the CPU.
 inline int blocks_held = 0;
+// The shuffles a warp may open between two of its block's barriers in the emulation (far past any kernel's: a warp
+// that would go on without end, polling with shuffles, fails the launch rather than hang it).
+constexpr long kMaxShufflesARound = 1L << 24;
 // The blocks of `threads` threads and `smem` bytes of dynamic shared memory a cooperative launch may have on the
 // emulated device (cudaOccupancyMaxActiveBlocksPerMultiprocessor times the SMs, or blocks_held): a GPU refuses a
 // cooperative launch of more (cudaErrorCooperativeLaunchTooLarge), since its blocks must all be resident at once.
@@ -579,6 +582,7 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
           const int warps = (threads + 31) / 32;
           for (int v = 0; v < warps; ++v) {
             const int w0 = 32 * (descending ? warps - 1 - v : v), lanes = std::min(32, threads - w0);
+            long openings = 0;
             // this warp's lanes, then again each time its shuffle opens (every live lane waits at it): the warp runs
             // ahead of the block's other warps as far as its block barriers let it, as it may on a GPU
             for (bool again = true; again;) {
@@ -600,6 +604,10 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
                 at_warp += !s.done[b * threads + t] && s.wait[b * threads + t] == Scheduler::kAtWarp;
               }
               again = at_warp > 0 && at_warp == live;
+              if (again && live < lanes)   // (a full-mask shuffle needs every lane: undefined on a GPU)
+                throw std::runtime_error("emulated launch: a shuffle of a warp whose other lanes have ended");
+              if (again && ++openings > kMaxShufflesARound)
+                throw std::runtime_error("emulated launch: a warp shuffles without end (no barrier between)");
               if (again) {
                 for (int t = w0; t < w0 + lanes; ++t)
                   if (!s.done[b * threads + t]) s.wait[b * threads + t] = Scheduler::kRunning;

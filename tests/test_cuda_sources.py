@@ -318,23 +318,25 @@ void emulation_misuse(int64_t which) {
   }
 }
 // A cooperative launch of one block of 64 threads (test_emulated_shuffle_is_a_warp_rendezvous): thread 32 writes
-// 7 to shared memory, every thread shuffles with its neighbour lane (with `sync`, a block barrier after), then thread
-// 0 reads shared memory: what it read, and lane 1's shuffled value (lane 0's index).
+// 7 to shared memory, every thread shuffles with its neighbour lane (with `mode` 1, a block barrier after), then
+// thread 0 reads shared memory: what it read, and lane 1's shuffled value (lane 0's index). Mode 2: the upper half
+// of each warp returns first, and the others shuffle (undefined on a GPU: the emulated launch fails).
 struct ShuffleArg {
-  int sync;
+  int mode;
   float* read;
 };
 void shuffle_kernel(ShuffleArg a) {
+  if (a.mode == 2 && threadIdx.x % 32 >= 16) return;
   float* shared = reinterpret_cast<float*>(::dtmt_emu::dynamic_smem());
   if (threadIdx.x == 32) shared[0] = 7.f;
   const float v = __shfl_xor_sync(0xffffffffu, static_cast<float>(threadIdx.x), 1);
-  if (a.sync) __syncthreads();
+  if (a.mode == 1) __syncthreads();
   if (threadIdx.x == 0) a.read[0] = shared[0];
   if (threadIdx.x == 1) a.read[1] = v;
 }
-std::vector<double> shuffle_order(bool sync) {
+std::vector<double> shuffle_order(int64_t mode) {
   float read[2] = {0.f, 0.f};
-  ::dtmt_emu::launch_cooperative(shuffle_kernel, 1, 64, 16, ShuffleArg{sync ? 1 : 0, read});
+  ::dtmt_emu::launch_cooperative(shuffle_kernel, 1, 64, 16, ShuffleArg{static_cast<int>(mode), read});
   return {read[0], read[1]};
 }
 // the plan the driver takes for a float64 layer (grid 0: the per-step path), whether it is the cluster form, and its
@@ -1292,10 +1294,13 @@ def test_emulated_shuffle_is_a_warp_rendezvous(emulated_cuda_ext):
     on past it ahead of the block's other warps: a thread of warp 0 that reads shared memory after a shuffle, written
     by warp 1 before the shuffle without a block barrier between, reads what was there before (the emulated launch's
     0xFF bytes: NaN), as it may on a GPU; with the barrier, warp 1's 7. (The shuffle had been a block-wide barrier
-    here, which hid such a missing __syncthreads: it read 7 either way.) The shuffle's value is lane 0's either way."""
-    stale, shuffled = emulated_cuda_ext.shuffle_order(False)
+    here, which hid such a missing __syncthreads: it read 7 either way.) The shuffle's value is lane 0's either way.
+    A shuffle of a warp whose other lanes have returned (undefined on a GPU for a full mask) fails the launch."""
+    stale, shuffled = emulated_cuda_ext.shuffle_order(0)
     assert math.isnan(stale) and shuffled == 0.0, (stale, shuffled)
-    assert emulated_cuda_ext.shuffle_order(True) == [7.0, 0.0]
+    assert emulated_cuda_ext.shuffle_order(1) == [7.0, 0.0]
+    with pytest.raises(RuntimeError, match="emulated launch: a shuffle of a warp whose other lanes have ended"):
+        emulated_cuda_ext.shuffle_order(2)
 
 
 @pytest.mark.slow
@@ -1838,6 +1843,9 @@ with warnings.catch_warnings(record=True) as caught:
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=3, T=3, H=9)
     print("launches:", ext.persistent_launches())
     ext.set_smem_optin(256)   # (a device whose blocks hold 256 bytes: no layer fits, its matrices read from L2 too)
+    params = [torch.empty(0, dtype=torch.float64) if p is None else p.detach().contiguous()
+              for p in flat_params(layer.direction_weights(0))]
+    print("empty batch:", ext.driver_plan(torch.zeros(3, 0, 3, dtype=torch.float64), KINDS["lgru"], params))
     for cell, depth, B, H in (("lgru", 1, 3, 9), ("lgru", 1, 2, 9), ("gru", 0, 3, 12)):
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=B, T=3, H=H)
     print("past the device:", ext.persistent_launches())
@@ -1862,7 +1870,8 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     under the persistent values. On a device whose blocks hold 256 bytes of shared memory, no layer fits: the per-step
     path runs (the reference's results), each run counted (persistent_launches' `steps`), and each layer shape named
     once in a warning, two shapes in one process both (the warning had been once a process: the second shape ran
-    unannounced), a shape seen again at another batch size not again. On a device that holds 2 blocks at once (other
+    unannounced), a shape seen again at another batch size not again; an empty batch before them is no plan and no
+    warning (it had been "needs 0 KB", taking the shape's one warning). On a device that holds 2 blocks at once (other
     work on it), the grid form's cooperative launch of 3 blocks is refused at launch as a GPU refuses it: the per-step
     path runs, the refusals counted and named once."""
     env = {**os.environ, "DTMT_CUDA_RECURRENCE": value}
@@ -1881,6 +1890,7 @@ def test_recurrence_switch(emulated_cuda_ext, value):
     # past the device's shared memory: three layers of two shapes on the per-step path, forward and backward each,
     # counted as such (`steps`), and each shape named once, at its first batch size (not again at B = 2)
     asked = value.startswith("persistent")
+    assert "empty batch: (0, False, 1)" in res.stdout, res.stdout   # (no plan, no warning: nothing to launch)
     assert f"past the device: {(*ran, 6 if asked else 0)}" in res.stdout, res.stdout
     said = res.stdout + res.stderr
     for shape, times in (("H=9, depth 1, B=3", 1), ("H=9, depth 1, B=2", 0), ("H=12, depth 0, B=3", 1)):

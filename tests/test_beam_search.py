@@ -750,7 +750,7 @@ def test_a_one_subword_source_may_always_give_a_word():
     """The bound a * source length + b counts EOS; it is at least 2 steps (a word and EOS): with max_len_a = 1.2 and
     max_len_b = 0 (a common setting) a source of one subword had a bound of 1, EOS alone, and came out empty without
     a word. A decoder that prefers word 5 to EOS at every step gives [5] for it, in the Python loop and on the device
-    loop, and an empty source still its bound of 2."""
+    loop."""
     V = 8
 
     class PrefersFive:

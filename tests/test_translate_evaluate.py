@@ -891,10 +891,10 @@ def test_the_python_api_refuses_what_the_command_refuses(system):
     for kwargs, error, message in (
             (dict(sentences=["el sol", None]), TypeError, "must be strings, got NoneType at 1"),
             (dict(sentences=["el sol"], early_stop="no"), TypeError, "early_stop must be True or False, got 'no'"),
-            (dict(sentences=["el sol"], max_len_a=0, max_len_b=0), ValueError, "every translation would be empty"),
-            # (the bound counts EOS: 1 is EOS alone, every translation empty, without a word)
+            (dict(sentences=["el sol"], max_len_a=0, max_len_b=0), ValueError, "a bound below its least, 2"),
+            # (the bound counts EOS: 1 had been EOS alone, every translation empty, without a word)
             (dict(sentences=["el sol"], max_len_a=0, max_len_b=1), ValueError,
-             r"max_len_a = 0, max_len_b = 1: every translation would be empty \(the bound counts the end-of-sentence"),
+             r"max_len_a = 0, max_len_b = 1: a bound below its least, 2 \(a word and the end-of-sentence token"),
             # a lone surrogate: SentencePiece's "Unable to cast Python instance of type str" (the server refused it)
             (dict(sentences=["el sol", "el \ud800 perro"]), ValueError,
              r"sentence 1 \(0-based\) is not valid Unicode"),
@@ -1038,9 +1038,10 @@ def test_cli_translate_errors(system, tmp_path, capsys):
          "--batch-size 0: must be an integer in [1, 2,147,483,647]"),
         (["--checkpoint", ckpt, "--max-len-a", "nan", good], 2, "--max-len-a nan: must be a finite number >= 0"),
         (["--checkpoint", ckpt, "--max-len-a", "inf", good], 2, "--max-len-a inf: must be a finite number >= 0"),
-        (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "0", good], 2, "every translation would be empty"),
+        (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "0", good], 2, "a bound below its least, 2"),
         (["--checkpoint", ckpt, "--max-len-a", "0", "--max-len-b", "1", good], 2,
-         "--max-len-a 0 --max-len-b 1: every translation would be empty (the bound counts the end-of-sentence token)"),
+         "--max-len-a 0 --max-len-b 1: a bound below its least, 2 (a word and the end-of-sentence token, which the "
+         "bound counts); give --max-len-b >= 2"),
         (["--checkpoint", ckpt, "--alpha", "nan", good], 2, "--alpha nan: must be a finite number"),
         # (the library's bound: a traceback from translate(), exit 1, before the command checked it)
         (["--checkpoint", ckpt, "--alpha", "100", good], 2, "--alpha 100: must be a finite number >= -50 and <= 50"),

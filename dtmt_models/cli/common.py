@@ -207,9 +207,9 @@ def check_decoding_arguments(args: argparse.Namespace) -> None:
     check_counts(args, (("beam", 1, MAX_BEAM), ("max_tokens", 1, MAX_COUNT), ("max_src_len", 1, MAX_COUNT),
                         ("max_len_b", 0, MAX_COUNT), ("threads", 0, MAX_THREADS), ("batch_size", 1, MAX_COUNT)))
     check_finite("--max-len-a", args.max_len_a, 0)
-    if args.max_len_a == 0 and args.max_len_b <= 1:   # (1 is EOS alone: 40 empty lines, exit 0, before)
-        raise UsageError(f"--max-len-a 0 --max-len-b {args.max_len_b}: every translation would be empty (the bound "
-                         f"counts the end-of-sentence token); allow at least two tokens")
+    if args.max_len_a == 0 and args.max_len_b <= 1:   # (1 had been EOS alone: 40 empty lines, exit 0)
+        raise UsageError(f"--max-len-a 0 --max-len-b {args.max_len_b}: a bound below its least, 2 (a word and the "
+                         f"end-of-sentence token, which the bound counts); give --max-len-b >= 2")
     check_finite("--alpha", args.alpha, -MAX_ALPHA, MAX_ALPHA)
     if args.alpha is not None and args.length_penalty != "gnmt":
         raise UsageError(f"--alpha {args.alpha:g}: the gnmt length penalty's exponent; --length-penalty "

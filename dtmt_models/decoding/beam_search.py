@@ -85,9 +85,9 @@ def check_search_arguments(beam, nbest, alpha, max_len_a, max_len_b, penalty="gn
                          f"{max_len_b}")
     if not isinstance(early_stop, bool):   # (a string was truthy in the loop, and the fused op's schema refused it)
         raise TypeError(f"early_stop must be True or False, got {early_stop!r}")
-    if max_len_a == 0 and max_len_b <= 1:   # (the command line refused it; the API gave every sentence "")
-        raise ValueError(f"max_len_a = 0, max_len_b = {max_len_b}: every translation would be empty (the bound counts "
-                         f"the end-of-sentence token); allow at least two tokens")
+    if max_len_a == 0 and max_len_b <= 1:   # (the API gave every sentence "" before the bound's least of 2)
+        raise ValueError(f"max_len_a = 0, max_len_b = {max_len_b}: a bound below its least, 2 (a word and the "
+                         f"end-of-sentence token, which the bound counts); give max_len_b >= 2")
     return beam, nbest
 
 

@@ -288,7 +288,8 @@ def read_manifest(directory: str) -> dict:
 
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):   # (a folder that is not there is named as such: a typo, more often than not)
-        missing = "" if os.path.isdir(directory) else f" (there is no folder {directory})"
+        missing = ("" if os.path.isdir(directory) else f" ({directory} is a file, not a folder)"
+                   if os.path.lexists(directory) else f" (there is no folder {directory})")
         raise CorpusError(f"{directory}: no {MANIFEST}; make the corpus with `dtmt prepare bible --out {directory}` "
                           f"or `dtmt prepare files --src F --tgt G --out {directory}`{missing}")
     try:

@@ -83,8 +83,9 @@ def test_bad_inputs_are_reported_with_file_and_line(tmp_path):
 
 
 def test_a_missing_corpus_folder_is_named_as_missing(tmp_path):
-    """A --data folder that is not there (a typo) is said to be missing, after the advice to make a corpus there; a
-    folder that is there without corpus.json (a run's folder) gets the advice alone."""
+    """A --data folder that is not there (a typo) is said to be missing, after the advice to make a corpus there, a
+    file given for it is said to be a file; a folder that is there without corpus.json (a run's folder) gets the
+    advice alone."""
     typo = str(tmp_path / "bilbe")
     with pytest.raises(data.CorpusError, match=re.escape(f"{typo}: no corpus.json; make the corpus with `dtmt prepare "
                                                          f"bible --out {typo}`")) as exc:
@@ -93,6 +94,9 @@ def test_a_missing_corpus_folder_is_named_as_missing(tmp_path):
     with pytest.raises(data.CorpusError) as exc:
         data.read_manifest(str(tmp_path))
     assert str(exc.value).endswith(f"--out {tmp_path}`")
+    (tmp_path / "afile").write_text("x\n")   # (a file given for the folder)
+    with pytest.raises(data.CorpusError, match=re.escape(f"({tmp_path / 'afile'} is a file, not a folder)")):
+        data.read_manifest(str(tmp_path / "afile"))
 
 
 def test_a_manifest_naming_files_outside_its_folder_is_refused(tmp_path, capsys):

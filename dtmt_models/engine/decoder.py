@@ -147,7 +147,8 @@ def built_from(decoder) -> Optional[torch.nn.Module]:
 
 def as_decoder(model, int8: bool = False, amp: Optional[str] = None) -> Decoder:
     """What a search decodes `model` with: its `inference_decoder(int8)` where it has one (a system, an ensemble;
-    a decoder returns itself), else the model itself, adapted where it lacks members of the protocol; with `amp`
+    a decoder returns itself; a torch.compile wrapper, the model it wraps, with a warning that it runs uncompiled),
+    else the model itself, adapted where it lacks members of the protocol; with `amp`
     ("bf16" or "fp16", AMP_DTYPES) an AutocastDecoder of a 16-bit copy of the model. TypeError for an object without
     encode / step / reorder; ValueError for `int8` where the model has no int8 decoder, for int8 with amp, and for
     another amp; TypeError for an int8 that is not a bool."""

@@ -617,11 +617,23 @@ def test_cli_translate_stdin_and_nbest(system, reference, tmp_path, monkeypatch,
     lines = [line.split(" ||| ") for line in captured.out.splitlines()]
     assert all(len(parts) == 4 and parts[2] == f"F0= {parts[3]}" for parts in lines)   # (Moses' four fields)
     expected = []
-    for offset, chunk in ((0, reference[:3]), (3, reference[3:])):     # index counted per input from 0
+    # the index counts the output's lines: on from the first input to the second, as one stream (it had restarted
+    # at 0 at each input: a merged n-best file named every index twice)
+    for offset, chunk in ((0, reference[:3]), (3, reference[3:])):
         for i, hyps in enumerate(chunk):
             wanted = hyps if INPUTS[offset + i].strip() else [("", 0.0)]
-            expected += [(str(i), text) for text, _ in wanted]
+            expected += [(str(offset + i), text) for text, _ in wanted]
     assert [(p[0], p[1]) for p in lines] == expected
+    b = write(tmp_path / "b.es", "\n".join(INPUTS[3:]) + "\n")   # with --output-dir, each file's from 0
+    assert cli.main(["translate", "-c", ckpt, "--beam", "3", "--nbest", "2", "--quiet", "--output-dir",
+                     str(tmp_path / "each"), a, b]) == 0
+    capsys.readouterr()
+    for name, count in (("a.es", 3), ("b.es", len(INPUTS) - 3)):
+        found = sorted(os.listdir(tmp_path / "each"))
+        written = [f for f in found if f.startswith(name.split(".")[0])]
+        assert len(written) == 1, found
+        indices = [line.split(" ||| ")[0] for line in read(tmp_path / "each" / written[0]).splitlines()]
+        assert sorted(set(indices), key=int) == [str(i) for i in range(count)], (name, indices)
     flat = [h for i, hyps in enumerate(reference) for h in (hyps if INPUTS[i].strip() else [("", 0.0)])]
     assert [float(p[3]) for p in lines] == pytest.approx([s for _, s in flat], abs=1e-4)
     assert "translated 8 sentences" in captured.err                     # summary unless --quiet

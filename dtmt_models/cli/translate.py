@@ -209,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=PROG, description="Translate text files (or stdin) with a dtmt checkpoint, one sentence a line.",
         epilog="Empty input lines give empty output lines. Several inputs are written, in order, to one output "
-               "unless --output-dir is given; --nbest indices count the lines of each input from 0. Reading stdin "
+               "unless --output-dir is given; --nbest indices count the lines of an output from 0 (several inputs "
+               "into one output: on from one input to the next, as one stream; --output-dir: each file from 0). "
+               "Reading stdin "
                "and writing stdout, it streams: the lines that have arrived are translated and written (in order) "
                "while the next ones are read, so an interactive line is answered at once.")
     p.add_argument("inputs", nargs="*", metavar="FILE", help="UTF-8 input files; none or '-' reads stdin")
@@ -290,9 +292,12 @@ def _run(args: argparse.Namespace) -> int:
     results, _ = decode_with_report(PROG, args.quiet, model, src_vocab, tgt_vocab, sentences, nbest=nbest or 1,
                                     decoder=build_decoder(model, args.int8, args.amp),
                                     where=lambda i: "{}:{}".format(*places[i]), **decoding_kwargs(args, device))
+    # --nbest's indices count an output's lines: several inputs into one output, one stream (they had restarted at 0
+    # at each input, so a merged n-best file had every index several times: a reranker could not tell them apart)
     pieces, start = [], 0
     for lines in texts:
-        pieces.append(format_output(results[start:start + len(lines)], nbest is not None))
+        pieces.append(format_output(results[start:start + len(lines)], nbest is not None,
+                                    start=0 if args.output_dir else start))
         start += len(lines)
     if not (args.output_dir or args.output):
         write_stdout("".join(pieces))

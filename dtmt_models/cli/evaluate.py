@@ -189,8 +189,9 @@ def _run(args: argparse.Namespace) -> int:
     check_output_dir(out_dir, "--out-dir" if args.out_dir else "the results folder (default; set it with --out-dir)")
     # no result file may be one of the inputs (--src D/hyp.txt --out-dir D replaced the source with its translation)
     inputs = [src_path, ref_path, *(args.checkpoint or []), *([args.hyp] if args.hyp else [])]
+    folder = "--out-dir" if args.out_dir else "the results folder"   # (how the messages name it)
     for name in (() if args.hyp else ("hyp.txt",)) + ("scores.json", "bleu_by_length.csv", "bleu_by_length.png"):
-        check_output_file(os.path.join(out_dir, name), "--out-dir" if args.out_dir else "the results folder", inputs)
+        check_output_file(os.path.join(out_dir, name), folder, inputs)
     # --hyp writes no hyp.txt: a model's run's hyp.txt in the folder would stand beside scores of other translations,
     # and removing it lost that run's translations (a review's: hyp.txt post-processed into another file and scored
     # into the same folder had its original deleted without a word). Refused instead; a hyp.txt no model's run wrote
@@ -198,7 +199,7 @@ def _run(args: argparse.Namespace) -> int:
     stale = os.path.join(out_dir, "hyp.txt")
     if (args.hyp and os.path.lexists(stale) and not any(_same_file(stale, p) for p in inputs)
             and _written_by_a_run(out_dir)):
-        raise UsageError(f"{'--out-dir' if args.out_dir else 'the results folder'} {out_dir} holds hyp.txt, the "
+        raise UsageError(f"{folder} {out_dir} holds hyp.txt, the "
                          f"translations a model's run scored there; the scores of --hyp {args.hyp} would replace "
                          f"theirs beside it: give another --out-dir (or move {stale} away first)")
     one = args.checkpoint is not None and len(args.checkpoint) == 1

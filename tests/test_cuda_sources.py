@@ -1226,11 +1226,10 @@ def test_persistent_stage_read_once_a_cluster_emulated(emulated_cuda_ext, strict
     assert ext.bulk_copies() > before
 
 
-@pytest.mark.slow
-def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
-    """block_dots and join_blocks shuffle across whole warps: a persistent launch of 16 or 48 threads a block is
-    refused, forward and backward, with a one-line error that names the count (the driver launches 256); so are
-    clusters sharing the stage that do not divide the grid or pass a cluster's 16 blocks."""
+def _lgru_launch_arguments(ext):
+    """The arguments of a persistent forward and backward (but the launch's grid, threads, resident and cluster) of a
+    float64 L-GRU of depth 1, H = 37, layer norm on, T = 2, B = 3, the backward's saved tensors from the per-step
+    forward: for the tests of launches refused before they run."""
     sys.path.insert(0, os.path.dirname(__file__))
     from conftest import make_layer
     from dtmt_kernels.ops.transition import KINDS, flat_params
@@ -1239,9 +1238,18 @@ def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
     x, h0 = torch.randn(2, 3, 3, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
     params = [x.new_empty(0) if p is None else p.detach().contiguous() for p in flat_params(layer.direction_weights(0))]
     args = (x, h0, x.new_empty(0), x.new_empty(0), KINDS["lgru"], params, False, 1e-5)
-    saved = list(emulated_cuda_ext.forward(*args)[2:])
+    saved = list(ext.forward(*args)[2:])
     back = (torch.randn(2, 3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64), x, args[2], args[3],
             KINDS["lgru"], params, saved, False, 1e-5)
+    return args, back
+
+
+@pytest.mark.slow
+def test_persistent_launches_refuse_partial_warps_emulated(emulated_cuda_ext):
+    """block_dots and join_blocks shuffle across whole warps: a persistent launch of 16 or 48 threads a block is
+    refused, forward and backward, with a one-line error that names the count (the driver launches 256); so are
+    clusters sharing the stage that do not divide the grid or pass a cluster's 16 blocks."""
+    args, back = _lgru_launch_arguments(emulated_cuda_ext)
     for threads in (16, 48):
         with pytest.raises(RuntimeError, match=f"persistent forward needs a whole number of warps a block, got "
                                                f"{threads} threads"):
@@ -1266,17 +1274,7 @@ def test_persistent_launch_past_the_device_refused_emulated(emulated_cuda_ext):
     "too many blocks in cooperative launch"; all of an L-GRU's matrices in shared memory at H = 37 where a block may
     opt into 2 KB is "invalid argument". (The emulation had run both: a launch planned past the device passed here
     and would fail on a GPU.) 37 blocks of 64 threads (32 an SM) run (test_persistent_products_spread_over_lanes)."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from conftest import make_layer
-    from dtmt_kernels.ops.transition import KINDS, flat_params
-
-    layer = make_layer("lgru", 3, 37, depth=1, layer_norm=True, dtype=torch.float64)
-    x, h0 = torch.randn(2, 3, 3, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
-    params = [x.new_empty(0) if p is None else p.detach().contiguous() for p in flat_params(layer.direction_weights(0))]
-    args = (x, h0, x.new_empty(0), x.new_empty(0), KINDS["lgru"], params, False, 1e-5)
-    saved = list(emulated_cuda_ext.forward(*args)[2:])
-    back = (torch.randn(2, 3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64), x, args[2], args[3],
-            KINDS["lgru"], params, saved, False, 1e-5)
+    args, back = _lgru_launch_arguments(emulated_cuda_ext)
     for grid, threads, optin, error in ((37, 256, 232448, "too many blocks in cooperative launch"),
                                         (4, 32, 2048, "invalid argument")):
         emulated_cuda_ext.set_smem_optin(optin)
@@ -1836,15 +1834,13 @@ with warnings.catch_warnings(record=True) as caught:
               for p in flat_params(layer.direction_weights(0))]
     print("plan:", ext.driver_plan(torch.zeros(3, 3, 3, dtype=torch.float64), KINDS["lgru"], params))
     deep = make_layer("gru", 3, 2, depth=65, dtype=torch.float64)   # (deeper than the plan takes)
-    params = [torch.empty(0, dtype=torch.float64) if p is None else p.detach().contiguous()
-              for p in flat_params(deep.direction_weights(0))]
-    print("deep plan:", ext.driver_plan(torch.zeros(3, 3, 3, dtype=torch.float64), KINDS["gru"], params))
+    deep_params = [torch.empty(0, dtype=torch.float64) if p is None else p.detach().contiguous()
+                   for p in flat_params(deep.direction_weights(0))]
+    print("deep plan:", ext.driver_plan(torch.zeros(3, 3, 3, dtype=torch.float64), KINDS["gru"], deep_params))
     for cell, depth in (("lgru", 1), ("atr", 0)):
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=3, T=3, H=9)
     print("launches:", ext.persistent_launches())
     ext.set_smem_optin(256)   # (a device whose blocks hold 256 bytes: no layer fits, its matrices read from L2 too)
-    params = [torch.empty(0, dtype=torch.float64) if p is None else p.detach().contiguous()
-              for p in flat_params(layer.direction_weights(0))]
     print("empty batch:", ext.driver_plan(torch.zeros(3, 0, 3, dtype=torch.float64), KINDS["lgru"], params))
     for cell, depth, B, H in (("lgru", 1, 3, 9), ("lgru", 1, 2, 9), ("gru", 0, 3, 12)):
         t._compare_emulated(t._emulated_sequence(ext), cell, depth, True, True, torch.float64, B=B, T=3, H=H)

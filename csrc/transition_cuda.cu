@@ -592,6 +592,19 @@ std::string form_name(bool cluster, int multicast) {
                          : std::string();
 }
 
+// The warning that the device refused a persistent `direction` ("forward" or "backward") in its form (`err` its
+// error), once a layer shape and form (first_said): the grid form or the per-step path runs instead.
+void say_refused(const char* direction, bool cluster, int multicast, const TransitionWeights& w, const Tensor& x,
+                 int64_t H, int64_t D, int64_t B, cudaError_t err, bool mma) {
+  const std::string form = form_name(cluster, multicast);
+  if (first_said(direction + std::string(" refused") + form, static_cast<int64_t>(w.kind), H, D, x.scalar_type(),
+                 mma))
+    TORCH_WARN(message("dtmt: the device refused the persistent ", direction, form.c_str(), " at H=", H, ", depth ",
+                       D, ", B=", B, " (", cudaGetErrorString(err), "): ",
+                       cluster || multicast > 1 ? "the grid form or " : "", "the per-step ", direction,
+                       " runs instead"));
+}
+
 // The cluster form's clusters of batch rows (docs/design/persistent_recurrence.md, "Clusters of batch rows"): `groups`
 // clusters (1 up to B; 1 outside the cluster form) of ceil(B / groups) rows each, as many as leave none empty; and the
 // layer-norm partials' elements of every group's blocks (`blocks` each), whatever fewer, larger groups the launch
@@ -687,11 +700,7 @@ std::vector<Tensor> forward_persistent_impl(const Tensor& x, const Tensor& h0, c
     if (err != cudaSuccess && fallible && launch_refused(err)) {   // the device cannot place it: nothing ran
       (void)cudaGetLastError();   // (the launch's error, cleared)
       ++launches_refused;
-      const std::string form = form_name(cluster, a.multicast);
-      if (first_said("forward refused" + form, static_cast<int64_t>(w.kind), H, D, x.scalar_type(), a.mma))
-        TORCH_WARN(message("dtmt: the device refused the persistent forward", form.c_str(), " at H=", H, ", depth ",
-                           D, ", B=", B, " (", cudaGetErrorString(err), "): ",
-                           cluster || a.multicast > 1 ? "the grid form or " : "", "the per-step forward runs instead"));
+      say_refused("forward", cluster, a.multicast, w, x, H, D, B, err, a.mma);
       return {};
     }
     C10_CUDA_CHECK(err);
@@ -1189,11 +1198,7 @@ std::vector<Tensor> backward_persistent_impl(const BackwardInputs& in, const Tra
   // before it would have run for nothing): the per-step backward starts afresh. The counts are of backward calls.
   if (refused != cudaSuccess) {
     ++launches_refused;
-    const std::string form = form_name(cluster, a.multicast);
-    if (first_said("backward refused" + form, static_cast<int64_t>(w.kind), H, D, x.scalar_type(), a.mma))
-      TORCH_WARN(message("dtmt: the device refused the persistent backward", form.c_str(), " at H=", H, ", depth ", D,
-                         ", B=", B, " (", cudaGetErrorString(refused), "): ",
-                         cluster || a.multicast > 1 ? "the grid form or " : "", "the per-step backward runs instead"));
+    say_refused("backward", cluster, a.multicast, w, x, H, D, B, refused, a.mma);
     return {};
   }
   ++(cluster ? launches_cluster : a.multicast > 1 ? launches_multicast : launches_grid);

@@ -583,9 +583,9 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
           for (int v = 0; v < warps; ++v) {
             const int w0 = 32 * (descending ? warps - 1 - v : v), lanes = std::min(32, threads - w0);
             long openings = 0;
-            // this warp's lanes, then again each time its shuffle opens (every live lane waits at it): the warp runs
+            // this warp's lanes, then again each time its shuffle opens (every lane waits at it): the warp runs
             // ahead of the block's other warps as far as its block barriers let it, as it may on a GPU
-            for (bool again = true; again;) {
+            for (;;) {
               for (int k = 0; k < lanes; ++k) {
                 const int t = w0 + (descending ? lanes - 1 - k : k);
                 const int f = b * threads + t;
@@ -603,16 +603,13 @@ inline void launch_all_blocks(Kernel* kernel, int grid, int threads, size_t smem
                 live += !s.done[b * threads + t];
                 at_warp += !s.done[b * threads + t] && s.wait[b * threads + t] == Scheduler::kAtWarp;
               }
-              again = at_warp > 0 && at_warp == live;
-              if (again && live < lanes)   // (a full-mask shuffle needs every lane: undefined on a GPU)
+              if (at_warp == 0 || at_warp < live) break;   // (no shuffle, or not every lane at it yet)
+              if (live < lanes)   // (a full-mask shuffle needs every lane: undefined on a GPU)
                 throw std::runtime_error("emulated launch: a shuffle of a warp whose other lanes have ended");
-              if (again && ++openings > kMaxShufflesARound)
+              if (++openings > kMaxShufflesARound)
                 throw std::runtime_error("emulated launch: a warp shuffles without end (no barrier between)");
-              if (again) {
-                for (int t = w0; t < w0 + lanes; ++t)
-                  if (!s.done[b * threads + t]) s.wait[b * threads + t] = Scheduler::kRunning;
-                ++s.events;
-              }
+              for (int t = w0; t < w0 + lanes; ++t) s.wait[b * threads + t] = Scheduler::kRunning;
+              ++s.events;
             }
           }
         }
